@@ -1,0 +1,100 @@
+"""run(cfg): profile the hardware -> plan -> build model and data -> run the task -> write metrics.json.
+
+Every run directory ends up with config.yaml (the composed, resolved config), plan.yaml and
+metrics.json, also when the run fails: then metrics.json says `status: failed` and why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from onn.errors import UserError
+
+log = logging.getLogger("onn")
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    started = time.perf_counter()
+    metrics: dict[str, Any] = {"status": "running", "error": None, "task": cfg.task.name, "model": cfg.model.name, "data": cfg.data.name,
+                               "strategy": cfg.strategy.name, "hardware": cfg.hardware.name}  # fmt: skip
+    try:
+        config = OmegaConf.to_container(cfg, resolve=True)
+        metrics.update(execute(config, run_dir))
+        metrics["status"] = "ok"
+    except UserError as e:
+        metrics.update(status="failed", error=str(e))
+        log.error("%s", e)
+        if not multirun:  # in a sweep the other jobs go on; the grid shows this one as failed
+            _write_metrics(run_dir, metrics, started)
+            sys.exit(1)
+    except Exception as e:
+        metrics.update(status="failed", error=f"{type(e).__name__}: {e}")
+        _write_metrics(run_dir, metrics, started)
+        raise
+    _write_metrics(run_dir, metrics, started)
+    return metrics
+
+
+def _write_metrics(run_dir: Path, metrics: dict[str, Any], started: float) -> None:
+    metrics["wall_s"] = round(time.perf_counter() - started, 2)
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.json").write_text(json.dumps(clean, indent=2) + "\n")
+
+
+def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """The run itself, on a plain resolved config dict."""
+    from onn.hardware.plan import make_plan, model_spec, render
+    from onn.hardware.profile import resolve as resolve_hardware
+
+    task = config["task"]["name"]
+    ckpt = None
+    if config.get("ckpt"):
+        from onn.training.checkpoint_io import read_meta, resolve
+
+        ckpt = resolve(config["ckpt"], config["paths"]["outputs"])
+        saved = read_meta(ckpt).get("onn", {}).get("config", {})
+        for group in ("model", "strategy", "data"):
+            if group in saved:
+                config[group] = saved[group]  # the checkpoint was trained with these; rebuild exactly that
+        log.info("checkpoint %s: model=%s strategy=%s data=%s", ckpt, config["model"]["name"], config["strategy"]["name"], config["data"]["name"])
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+    hardware = resolve_hardware(config["hardware"], Path(config["paths"]["cache"]), Path(config["paths"]["outputs"]))
+    lora_rank = int((config["strategy"].get("lora") or {}).get("r", 8))
+    spec = model_spec(config["model"], lora_rank)
+    plan = make_plan(config, hardware, spec)
+    (run_dir / "plan.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
+    print(render(plan), flush=True)
+    out = {"strategy": plan["strategy"], "hardware": hardware.get("name"), "predicted_peak_memory_mb": plan["predicted_peak_memory_mb"],
+           "params_total": spec.params}  # fmt: skip
+    if task == "plan":
+        return out
+    if task == "train":
+        from onn.training.fit import train
+
+        return {**out, **train(config, plan, run_dir, ckpt)}
+    if task == "eval":
+        from onn.training.fit import evaluate
+
+        return {**out, **evaluate(config, plan, run_dir, ckpt)}
+    if task == "infer":
+        from onn.training.fit import infer
+
+        return {**out, **infer(config, plan, run_dir, ckpt)}
+    raise UserError(f"task={task} is not one of train, eval, infer, plan.")

@@ -1,0 +1,1 @@
+"""Measure the machine, plan settings for it, and tune them."""

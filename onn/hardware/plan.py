@@ -1,0 +1,388 @@
+"""Choose strategy, micro-batch and precision for a model on a machine, and predict peak memory.
+
+Sizes come from the model built on the meta device and its LayerMap, never from constants
+keyed by model name. Every candidate (full, lora, qlora, sparse_lora) gets a breakdown:
+
+  weights      frozen or master weights resident on the device
+  trainable    trainable weights' gradients (and fp32 copies of LoRA adapters)
+  optimizer    AdamW's two moments, fp32
+  activations  what autograd keeps for backward: per layer and token ~ (6h + 2kv + 4i) elements
+               (norm inputs, q/k/v, attention output, MLP gate/up/act/down inputs) plus the logits
+               (3 fp32 copies: logits, log-softmax, gradient)
+  workspace    5% of the above for allocator fragmentation and matmul temporaries, plus the bf16
+               copies autocast makes of fp32 weights
+  context      not allocated by the run but held: 1.5 GB for the CUDA context on GPUs; on CPUs
+               the process's own resident memory (torch and Python), measured now
+
+sparse_lora is sized as ONN's layer-streaming engine: prefix/suffix resident, two chunks of
+blocks in flight (one computing, one loading), boundary activations of every micro-batch, one
+chunk's activations during recompute, LoRA state for the sparse layer set only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from onn.models.layers import resolve_indices
+
+MB = 1024**2
+CUDA_CONTEXT_MB = 1536
+HEADROOM = 0.95  # use at most 95% of what is left after the context
+CANDIDATES = ("full", "lora", "qlora", "sparse_lora")
+AUTO_ORDER = ("lora", "qlora", "sparse_lora")  # pretrained weights: the first that fits wins
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1.0625, "nf4": 0.5625}
+
+
+@dataclass
+class ModelSpec:
+    """What the planner needs to know about a model, read off its meta-device build."""
+
+    name: str
+    params: int
+    block_params: list[int]
+    prefix_params: int
+    suffix_params: int
+    lora_params_per_block: list[int]  # at the configured rank, all-linear targets
+    linear_params_per_block: list[int]
+    hidden: int
+    intermediate: int
+    kv_dim: int
+    vocab: int
+    layer_map: str
+    pretrained: bool
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.block_params)
+
+
+@dataclass
+class Estimate:
+    strategy: str
+    fits: bool
+    micro_batch: int
+    weights_mb: float
+    trainable_mb: float
+    optimizer_mb: float
+    activations_mb: float
+    workspace_mb: float
+    context_mb: float
+    note: str = ""
+    streaming: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def peak_mb(self) -> float:
+        """Predicted peak the run allocates itself (what torch.cuda.max_memory_allocated reports)."""
+        return self.weights_mb + self.trainable_mb + self.optimizer_mb + self.activations_mb + self.workspace_mb
+
+
+def model_spec(model_cfg: dict[str, Any], lora_rank: int) -> ModelSpec:
+    """Build the model on the meta device and read its sizes."""
+    from torch import nn
+
+    from onn.models.layers import discover
+    from onn.models.load import is_pretrained, meta_model
+
+    model = meta_model(model_cfg)
+    lmap = discover(model, (model_cfg.get("layer_map") or {}).get("blocks"))
+    config = getattr(model, "config", None)
+
+    def linear_sizes(block):
+        return [(m.in_features, m.out_features) for m in block.modules() if isinstance(m, nn.Linear)]
+
+    hidden = _cfg_int(config, "hidden_size", "n_embd", "d_model", default=0)
+    heads = _cfg_int(config, "num_attention_heads", "n_head", default=1)
+    kv_heads = _cfg_int(config, "num_key_value_heads", default=heads)
+    head_dim = _cfg_int(config, "head_dim", default=hidden // max(heads, 1))
+    intermediate = _cfg_int(config, "intermediate_size", "n_inner", default=4 * hidden) or 4 * hidden
+    seen, params = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            params += p.numel()
+    return ModelSpec(
+        name=str(model_cfg.get("name")),
+        params=params,
+        block_params=lmap.block_params(),
+        prefix_params=lmap.prefix_params(),
+        suffix_params=lmap.suffix_params(),
+        lora_params_per_block=[lora_rank * sum(i + o for i, o in linear_sizes(b)) for b in lmap.blocks],
+        linear_params_per_block=[sum(i * o for i, o in linear_sizes(b)) for b in lmap.blocks],
+        hidden=hidden,
+        intermediate=intermediate,
+        kv_dim=kv_heads * head_dim,
+        vocab=_cfg_int(config, "vocab_size", default=0),
+        layer_map=lmap.describe(),
+        pretrained=is_pretrained(model_cfg),
+    )
+
+
+def _cfg_int(config, *names: str, default: int) -> int:
+    for n in names:
+        v = getattr(config, n, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return default
+
+
+def choose_precision(hw: dict[str, Any]) -> str:
+    if hw["accelerator"] == "cuda":
+        return "bf16-mixed" if hw.get("bf16") else "16-mixed"
+    if hw["accelerator"] == "mps":
+        return "16-mixed"
+    return "bf16-mixed" if hw.get("bf16") else "32-true"
+
+
+def context_mb(hw: dict[str, Any]) -> float:
+    if hw["accelerator"] == "cuda":
+        return CUDA_CONTEXT_MB
+    if hw.get("source") == "preset":
+        return 600.0  # a preset machine cannot be measured: torch + Python's typical resident size
+    from onn.hardware.memory import anon_rss_mb
+
+    return anon_rss_mb()
+
+
+def budget_mb(hw: dict[str, Any]) -> float:
+    """Memory the run may allocate on its compute device, after the context, with headroom."""
+    if hw["accelerator"] == "cuda":
+        total = hw.get("device_memory_free_mb") or hw["device_memory_mb"]
+    else:  # CPU and unified memory: the host's available memory is the device
+        total = hw.get("host_memory_available_mb") or hw.get("device_memory_mb") or hw["host_memory_mb"]
+    return (total - context_mb(hw)) * HEADROOM
+
+
+def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro_batch: int, precision: str,
+             sparse_layers: list[int], batch_size: int, store_dtype: str | None = None) -> Estimate:  # fmt: skip
+    """Predicted memory of one candidate at one micro-batch."""
+    mixed = precision.endswith("mixed")
+    half = 2 if (mixed or precision.startswith(("bf16", "16"))) else 4
+    act_bytes = half
+    frozen_bytes = half if hw["accelerator"] != "cpu" else (2 if precision.startswith("bf16") else 4)
+    per_token_layer = 6 * spec.hidden + 2 * spec.kv_dim + 4 * spec.intermediate
+    tokens = micro_batch * seq
+    logits = tokens * spec.vocab * 4 * 3
+    lora_all = sum(spec.lora_params_per_block)
+    ctx = context_mb(hw)
+    note, streaming = "", {}
+
+    if strategy == "full":
+        weights = spec.params * 4
+        trainable = spec.params * 4
+        optimizer = spec.params * 8
+        activations = per_token_layer * tokens * spec.n_blocks * act_bytes + logits
+        extra = spec.params * 2 if mixed else 0
+    elif strategy in ("lora", "qlora"):
+        if strategy == "qlora":
+            if hw["accelerator"] != "cuda":
+                return Estimate(strategy, False, micro_batch, 0, 0, 0, 0, 0, ctx, note="4-bit bitsandbytes needs a CUDA GPU")
+            linear = sum(spec.linear_params_per_block)
+            weights = linear * DTYPE_BYTES["nf4"] + (spec.params - linear) * 2
+        else:
+            weights = spec.params * frozen_bytes
+        trainable = lora_all * 8  # fp32 adapters + their gradients
+        optimizer = lora_all * 8
+        activations = per_token_layer * tokens * spec.n_blocks * act_bytes + logits
+        extra = 0
+    elif strategy == "sparse_lora":
+        return _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, batch_size, per_token_layer, logits, ctx, store_dtype)
+    else:
+        raise ValueError(strategy)
+    workspace = 0.05 * (weights + trainable + optimizer + activations) + extra
+    est = Estimate(strategy, False, micro_batch, weights / MB, trainable / MB, optimizer / MB, activations / MB, workspace / MB, ctx, note, streaming)
+    est.fits = est.peak_mb <= budget_mb(hw)
+    return est
+
+
+def store_dtypes(hw: dict[str, Any], precision: str) -> list[str]:
+    """Frozen-weight storage for streaming, most precise first: the planner takes the first that fits."""
+    if hw["accelerator"] == "cuda":
+        return ["bfloat16" if hw.get("bf16") else "float16", "int8", "nf4"]
+    return ["float32" if precision == "32-true" else "bfloat16"]
+
+
+def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, batch_size, per_token_layer, logits, ctx, store_dtype) -> Estimate:
+    """Layer streaming: pick store dtype and chunk size, then size what is resident at the peak."""
+    on_gpu = hw["accelerator"] == "cuda"
+    compute_bytes = 2 if precision != "32-true" else 4
+    act_bytes = compute_bytes
+    dtypes = [store_dtype] if store_dtype else store_dtypes(hw, precision)
+    n = spec.n_blocks
+    accumulate = max(1, batch_size // micro_batch)
+    lora = sum(spec.lora_params_per_block[i] for i in sparse_layers)
+    lowest = min(sparse_layers) if sparse_layers else n
+    budget = budget_mb(hw) * MB
+    best = None
+    for store_dtype in dtypes:
+        sbytes = DTYPE_BYTES[store_dtype]
+        edge = (spec.prefix_params + spec.suffix_params) * compute_bytes
+        for chunk in _chunk_sizes(n):
+            unit = max(spec.block_params) * chunk * sbytes
+            # Prefix/suffix stay resident when they are small next to the budget, else they stream too.
+            resident_edges = edge <= 0.25 * budget
+            in_flight = 2 * max(unit, 0 if resident_edges else spec.suffix_params * sbytes)
+            weights = (edge if resident_edges else 0) + in_flight
+            trainable, optimizer = lora * 8, lora * 8
+            boundaries = -(-n // chunk) + 1
+            activations = (boundaries * accumulate * micro_batch * seq * spec.hidden * act_bytes  # kept boundary inputs
+                           + per_token_layer * micro_batch * seq * chunk * act_bytes  # one chunk recomputed with grad
+                           + logits)  # fmt: skip
+            workspace = 0.05 * (weights + trainable + optimizer + activations)
+            total = weights + trainable + optimizer + activations + workspace
+            if total <= budget and (best is None or chunk > best[1]):
+                best = (store_dtype, chunk, resident_edges, weights, trainable, optimizer, activations, workspace)
+        if best is not None:
+            break
+    if best is None:  # nothing fits: report the smallest configuration, marked as not fitting
+        store_dtype, chunk = dtypes[-1], 1
+        unit = max(spec.block_params) * DTYPE_BYTES[store_dtype]
+        weights, trainable, optimizer = 2 * unit, lora * 8, lora * 8
+        activations = (n + 1) * accumulate * micro_batch * seq * spec.hidden * act_bytes + per_token_layer * micro_batch * seq * act_bytes + logits
+        workspace = 0.05 * (weights + trainable + optimizer + activations)
+        best = (store_dtype, chunk, False, weights, trainable, optimizer, activations, workspace)
+    store_dtype, chunk, resident_edges, weights, trainable, optimizer, activations, workspace = best
+    streamed_bytes = sum(spec.block_params) * DTYPE_BYTES[store_dtype]
+    reloaded = sum(spec.block_params[lowest:]) * DTYPE_BYTES[store_dtype]
+    bandwidth = (hw.get("h2d_mb_s") if on_gpu else hw.get("disk_read_mb_s")) or 1000.0
+    flops = (hw.get("matmul_tflops") or 0.1) * 1e12
+    tokens = batch_size * seq
+    compute_s = (2 * spec.params + 4 * sum(spec.block_params[lowest:])) * tokens / flops
+    streaming = {
+        "chunk_size": chunk,
+        "store": "cpu" if on_gpu else "disk",
+        "store_dtype": store_dtype,
+        "activations": "device",
+        "micro_batches_per_chunk": accumulate,
+        "edges_resident": resident_edges,
+        "predicted_io_s": round((streamed_bytes + reloaded) / MB / bandwidth, 3),
+        "predicted_compute_s": round(compute_s, 3),
+    }
+    est = Estimate("sparse_lora", False, micro_batch, weights / MB, trainable / MB, optimizer / MB, activations / MB, workspace / MB, ctx,
+                   note=f"streams {chunk} block(s) at a time, frozen weights stored as {store_dtype}", streaming=streaming)  # fmt: skip
+    est.fits = est.peak_mb <= budget_mb(hw)
+    return est
+
+
+def _chunk_sizes(n: int) -> list[int]:
+    sizes, c = [], 1
+    while c <= max(1, n // 2):
+        sizes.append(c)
+        c *= 2
+    return sizes
+
+
+def _micro_batches(batch_size: int) -> list[int]:
+    sizes, c = [], 1
+    while c <= batch_size:
+        sizes.append(c)
+        c *= 2
+    return sorted(sizes, reverse=True)
+
+
+def make_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
+    """The plan: chosen strategy with reasons, micro-batch, precision, and every candidate's memory."""
+    strategy_cfg, data_cfg = cfg["strategy"], cfg["data"]
+    requested = strategy_cfg["name"]
+    seq = int(data_cfg.get("max_length", 256))
+    batch_size = int(data_cfg.get("batch_size", 8))
+    precision = strategy_cfg.get("precision", "auto")
+    precision = choose_precision(hw) if precision in (None, "auto") else precision
+    layers = strategy_cfg.get("layers")
+    n = spec.n_blocks
+    sparse_layers = resolve_indices(layers if strategy_cfg["name"] == "sparse_lora" else [0, 1, 2, 3, -4, -3, -2, -1], n)
+    fixed_mb = strategy_cfg.get("micro_batch", "auto")
+
+    def best_estimate(name: str) -> Estimate:
+        """Largest micro-batch that fits; for streaming, the most precise store dtype first."""
+        sizes = [int(fixed_mb)] if fixed_mb not in (None, "auto") else _micro_batches(batch_size)
+        layers = sparse_layers if name == "sparse_lora" else list(range(n))
+        last = None
+        for store in store_dtypes(hw, precision) if name == "sparse_lora" else [None]:
+            for mb in sizes:
+                last = estimate(name, spec, hw, seq, mb, precision, layers, batch_size, store)
+                if last.fits:
+                    return last
+        return last
+
+    estimates = {name: best_estimate(name) for name in CANDIDATES}
+    reasons = []
+    if requested != "auto":
+        chosen = requested if requested in estimates else "full"
+        reasons.append(f"strategy={requested} was asked for")
+        if requested not in estimates:  # ddp / fsdp / deepspeed: full training placed by Lightning
+            reasons.append(f"sized as full training; Lightning strategy '{strategy_cfg.get('lightning')}' places it")
+    elif not spec.pretrained:
+        chosen = "full"
+        reasons.append("random init: train every weight (LoRA on random weights would adapt noise)")
+    else:
+        chosen = next((s for s in AUTO_ORDER if estimates[s].fits), "sparse_lora")
+        for s in AUTO_ORDER:
+            e = estimates[s]
+            reasons.append(f"{s}: {'fits' if e.fits else 'does not fit'} ({e.peak_mb:,.0f} MB{'; ' + e.note if e.note else ''})")
+            if s == chosen:
+                break
+    est = estimates[chosen]
+    if not est.fits:
+        reasons.append(f"WARNING: predicted {est.peak_mb:,.0f} MB exceeds the {budget_mb(hw):,.0f} MB budget; expect out-of-memory")
+    micro_batch = est.micro_batch
+    if batch_size % micro_batch:
+        micro_batch = 1
+    plan = {
+        "strategy": chosen,
+        "requested": requested,
+        "reasons": reasons,
+        "micro_batch": micro_batch,
+        "accumulate": batch_size // micro_batch,
+        "precision": precision,
+        "weights_dtype": _weights_dtype(chosen, precision, hw),
+        "sequence_length": seq,
+        "predicted_peak_memory_mb": round(est.peak_mb, 1),
+        "context_mb": round(est.context_mb, 1),
+        "budget_mb": round(budget_mb(hw), 1),
+        "sparse_layers": sparse_layers if chosen == "sparse_lora" else None,
+        "streaming": est.streaming or None,
+        "hardware": {k: hw.get(k) for k in ("name", "accelerator", "device_name", "device_memory_mb", "host_memory_mb", "matmul_tflops",
+                                              "disk_read_mb_s", "h2d_mb_s", "source")},  # fmt: skip
+        "model": {"name": spec.name, "params": spec.params, "blocks": n, "layer_map": spec.layer_map, "pretrained": spec.pretrained},
+        "candidates": {name: {**{k: round(v, 1) if isinstance(v, float) else v for k, v in asdict(e).items()}, "peak_mb": round(e.peak_mb, 1)}
+                       for name, e in estimates.items()},  # fmt: skip
+    }
+    return plan
+
+
+def _weights_dtype(strategy: str, precision: str, hw: dict[str, Any]) -> str:
+    if strategy == "full" or precision == "32-true":
+        return "float32"
+    if precision.startswith("bf16"):
+        return "bfloat16"
+    return "float16"
+
+
+def render(plan: dict[str, Any]) -> str:
+    """The plan as a table for the terminal."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"ONN plan: {plan['model']['name']} on {plan['hardware']['name']} ({plan['hardware']['device_name']})")
+    for col in ("candidate", "fits", "micro-batch", "weights", "trainable", "optimizer", "activations", "workspace", "peak (MB)"):
+        table.add_column(col, justify="right" if col not in ("candidate", "fits") else "left")
+    for name, c in plan["candidates"].items():
+        mark = "*" if name == plan["strategy"] else ""
+        table.add_row(f"{mark}{name}", "yes" if c["fits"] else "no", str(c["micro_batch"]),
+                      *(f"{c[k]:,.0f}" for k in ("weights_mb", "trainable_mb", "optimizer_mb", "activations_mb", "workspace_mb", "peak_mb")))  # fmt: skip
+    console = Console(width=120, record=True, force_terminal=False)
+    with console.capture() as capture:
+        console.print(table)
+    lines = [capture.get().rstrip()]
+    lines.append(f"strategy: {plan['strategy']}  micro-batch: {plan['micro_batch']} x {plan['accumulate']} accumulated  precision: {plan['precision']}")
+    peak, ctx = plan["predicted_peak_memory_mb"], plan["context_mb"]
+    ctx_name = "CUDA context" if plan["hardware"]["accelerator"] == "cuda" else "process baseline"
+    lines.append(f"predicted peak memory: {peak:,.0f} MB allocated (+{ctx:,.0f} MB {ctx_name} = {peak + ctx:,.0f} MB); budget {plan['budget_mb']:,.0f} MB")
+    if plan.get("streaming"):
+        s = plan["streaming"]
+        lines.append(f"streaming: chunk_size {s['chunk_size']}, store {s['store']} as {s['store_dtype']}, "
+                     f"predicted step {s['predicted_io_s']}s I/O vs {s['predicted_compute_s']}s compute (predictions)")  # fmt: skip
+    lines += [f"  - {r}" for r in plan["reasons"]]
+    lines.append(f"layer map: {plan['model']['layer_map']}")
+    return "\n".join(lines)

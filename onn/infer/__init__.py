@@ -1,0 +1,1 @@
+"""Text generation: streamed tokens for a prompt, JSONL for many."""

@@ -1,0 +1,1 @@
+"""Load models from any source and discover their layer structure (the LayerMap)."""

@@ -1,0 +1,160 @@
+"""The LayerMap: any model as prefix modules -> repeated blocks -> suffix modules.
+
+One discovery serves three users: the planner sizes memory by it, the streaming strategy chunks
+the blocks by it, and the .omny exporter cuts the graph at its block boundaries. Discovery knows
+no model names: the blocks are a run of same-typed sibling modules (a decoder's layer list, a
+ResNet's stages, the middle of a user's nn.Sequential): composite modules before leaf layers, then
+the run holding the most parameters, then the longest. A model config can name the blocks explicitly instead
+(`model.layer_map.blocks: model.layers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from onn.errors import UserError
+
+
+@dataclass
+class LayerMap:
+    """Where a model's repeated blocks live, and what runs before and after them."""
+
+    blocks_path: str  # dotted path of the module whose children hold the blocks ("" for the root)
+    block_names: list[str]  # child names of the blocks, in execution order
+    blocks: list[nn.Module]
+    prefix: list[tuple[str, nn.Module]] = field(default_factory=list)  # (dotted name, module) before the blocks
+    suffix: list[tuple[str, nn.Module]] = field(default_factory=list)  # after the blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def block_paths(self) -> list[str]:
+        return [f"{self.blocks_path}.{n}" if self.blocks_path else n for n in self.block_names]
+
+    @property
+    def layers_pattern(self) -> str:
+        """The attribute name peft's `layers_pattern` expects (e.g. "layers", "h")."""
+        return self.blocks_path.rsplit(".", 1)[-1]
+
+    def block_params(self) -> list[int]:
+        return [_count(b) for b in self.blocks]
+
+    def prefix_params(self) -> int:
+        return _count_unique([m for _, m in self.prefix])
+
+    def suffix_params(self, exclude_shared_with_prefix: bool = True) -> int:
+        seen = _param_ids([m for _, m in self.prefix]) if exclude_shared_with_prefix else set()
+        return sum(p.numel() for _, m in self.suffix for p in m.parameters() if id(p) not in seen)
+
+    def resolve_indices(self, layers) -> list[int]:
+        return resolve_indices(layers, len(self.blocks))
+
+    def describe(self) -> str:
+        pre = ", ".join(n for n, _ in self.prefix) or "-"
+        suf = ", ".join(n for n, _ in self.suffix) or "-"
+        kind = type(self.blocks[0]).__name__
+        return f"prefix [{pre}] -> {len(self.blocks)} x {kind} at '{self.blocks_path or '<root>'}' -> suffix [{suf}]"
+
+
+def resolve_indices(layers, n: int, key: str = "strategy.layers") -> list[int]:
+    """`all`, or a list of block indices (negative counts from the end) -> sorted unique indices."""
+    if layers in (None, "all"):
+        return list(range(n))
+    out = set()
+    for i in layers:
+        if not isinstance(i, int) or not -n <= i < n:
+            raise UserError(f"{key}: block index {i!r} is out of range; this model has {n} blocks (0..{n - 1}, or -{n}..-1).")
+        out.add(i % n)
+    return sorted(out)
+
+
+def discover(model: nn.Module, blocks_path: str | None = None) -> LayerMap:
+    """Find the LayerMap of `model`; `blocks_path` overrides discovery (the model config's layer_map.blocks)."""
+    if blocks_path is not None:
+        try:
+            container = model.get_submodule(blocks_path) if blocks_path else model
+        except AttributeError as e:
+            raise UserError(f"model.layer_map.blocks: '{blocks_path}' is not a submodule of {type(model).__name__}.") from e
+        names = [n for n, _ in container.named_children()]
+        return _assemble(model, blocks_path, names)
+
+    best = None  # (key, path, names)
+    for path, module in model.named_modules():
+        for names in _same_type_runs(module):
+            # Blocks are composite modules (a decoder layer, a ResNet stage); a pair of leaf
+            # layers (GPT-2's wte/wpe embeddings) only counts when nothing composite repeats.
+            composite = any(True for _ in module.get_submodule(names[0]).children())
+            coverage = sum(_count(module.get_submodule(n)) for n in names)
+            key = (composite, coverage, len(names))
+            if best is None or key > best[0]:
+                best = (key, path, names)
+    if best is None:
+        raise UserError(
+            f"{type(model).__name__} has no repeated blocks (no run of two or more same-typed sibling modules); "
+            "set model.layer_map.blocks to the module that holds them, or use strategy=lora."
+        )
+    _, path, names = best
+    return _assemble(model, path, names)
+
+
+def _same_type_runs(module: nn.Module) -> list[list[str]]:
+    """Runs of >= 2 consecutive children of one type (a ModuleList of decoder layers, ResNet's layer1..4)."""
+    runs, current = [], []
+    for name, child in module.named_children():
+        if current and type(child) is type(module.get_submodule(current[-1])) and _count(child) > 0:
+            current.append(name)
+        else:
+            if len(current) >= 2:
+                runs.append(current)
+            current = [name] if _count(child) > 0 else []
+    if len(current) >= 2:
+        runs.append(current)
+    return runs
+
+
+def _assemble(model: nn.Module, blocks_path: str, names: list[str]) -> LayerMap:
+    """Split the rest of the module tree into what is registered before the blocks and after them."""
+    container = model.get_submodule(blocks_path) if blocks_path else model
+    blocks = [container.get_submodule(n) for n in names]
+    prefix, suffix = [], []
+    # Walk from the container up to the root: at each level, siblings registered before the
+    # branch that leads to the blocks run before them, and those after run after them.
+    path = blocks_path.split(".") if blocks_path else []
+    level_names = names
+    for depth in range(len(path), -1, -1):
+        parent = model.get_submodule(".".join(path[:depth])) if depth else model
+        base = ".".join(path[:depth])
+        inside = set(level_names)
+        before, after, seen = [], [], False
+        for name, child in parent.named_children():
+            if name in inside:
+                seen = True
+                continue
+            full = f"{base}.{name}" if base else name
+            (after if seen else before).append((full, child))
+        prefix = before + prefix
+        suffix = suffix + after
+        if depth:
+            level_names = [path[depth - 1]]
+    return LayerMap(blocks_path, list(names), blocks, prefix, suffix)
+
+
+def _count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _param_ids(modules) -> set[int]:
+    return {id(p) for m in modules for p in m.parameters()}
+
+
+def _count_unique(modules) -> int:
+    seen, total = set(), 0
+    for m in modules:
+        for p in m.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+    return total

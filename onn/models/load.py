@@ -1,0 +1,247 @@
+"""Any model source -> an nn.Module and its tokenizer, offline, without pickle.
+
+Sources (model.source):
+  random                        build the architecture in the model config with random weights
+  org/name                      a Hugging Face hub id, read from the local cache only
+  path/to/folder                a Hugging Face folder (config.json + *.safetensors)
+  path/to/model.gguf            a GGUF file (transformers de-quantizes it; needs `gguf`)
+  path/to/model.safetensors     weights for the architecture in the model config
+  path/to/file.py:function      a Python builder returning an nn.Module (or (module, tokenizer))
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+from onn.errors import UserError
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".joblib")
+CONVERT_HINT = (
+    "ONN loads safetensors only (pickle files can run code when loaded). Convert it once on a machine you trust: "
+    "python -c \"import torch, safetensors.torch as st; st.save_file(torch.load('{p}', weights_only=True), '{stem}.safetensors')\""
+)
+
+
+def source_kind(source: str | None) -> str:
+    """Classify model.source: random | python | gguf | safetensors | folder | hub."""
+    if source in (None, "", "random"):
+        return "random"
+    src = str(source)
+    if ".py:" in src:
+        return "python"
+    path = Path(src).expanduser()
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise UserError(f"model.source {src} is a pickle checkpoint. " + CONVERT_HINT.format(p=src, stem=path.with_suffix("")))
+    if path.suffix.lower() in (".gguf", ".safetensors"):
+        if not path.is_file():
+            raise UserError(f"model.source {src} does not exist; check the path (for SmolLM2 run ../shared/scripts/fetch-smollm2.sh).")
+        return path.suffix.lower().lstrip(".")
+    if path.is_dir():
+        return "folder"
+    if src.startswith((".", "/", "~")) or src.count("/") != 1:
+        raise UserError(f"model.source {src} does not exist; give a Hugging Face folder, a .gguf/.safetensors file, file.py:function, a hub id, or `random`.")
+    return "hub"
+
+
+def is_pretrained(model_cfg: dict[str, Any]) -> bool:
+    """Weights that carry knowledge (anything but random init): the planner prefers LoRA for them."""
+    return model_cfg.get("source") not in (None, "", "random")
+
+
+def architecture(model_cfg: dict[str, Any]):
+    """The transformers config of the model, from the model YAML (no weights needed)."""
+    from transformers import AutoConfig
+
+    arch = dict(model_cfg.get("architecture") or {})
+    if not arch:
+        kind = source_kind(model_cfg.get("source"))
+        if kind == "folder":
+            return AutoConfig.from_pretrained(_expand(model_cfg["source"]), trust_remote_code=bool(model_cfg.get("trust_remote_code")))
+        if kind == "hub":
+            return AutoConfig.from_pretrained(_hub_folder(model_cfg["source"]), trust_remote_code=bool(model_cfg.get("trust_remote_code")))
+        return None
+    model_type = arch.pop("model_type", None)
+    if model_type is None:
+        raise UserError(f"model.architecture of '{model_cfg.get('name')}' needs a model_type (e.g. llama, phi3, gpt2).")
+    return AutoConfig.for_model(model_type, **arch)
+
+
+def meta_model(model_cfg: dict[str, Any]):
+    """The model built on PyTorch's meta device: exact shapes and parameter counts, no memory, no weights."""
+    import torch
+
+    with torch.device("meta"):
+        if source_kind(model_cfg.get("source")) == "python":
+            return _split_builder_result(_call_builder(model_cfg["source"], model_cfg.get("kwargs") or {}))[0]
+        config = architecture(model_cfg)
+        if config is None:
+            raise UserError(f"model '{model_cfg.get('name')}' has no architecture in its config; add model.architecture to plan it without weights.")
+        return _auto_class(config).from_config(config, trust_remote_code=bool(model_cfg.get("trust_remote_code")))
+
+
+def load(model_cfg: dict[str, Any], dtype=None):
+    """Build or load the model and its tokenizer. `dtype` is the weights dtype the plan chose."""
+    import torch
+
+    kind = source_kind(model_cfg.get("source"))
+    source = model_cfg.get("source")
+    remote = bool(model_cfg.get("trust_remote_code"))
+    tokenizer = None
+    if kind == "random":
+        config = architecture(model_cfg)
+        torch.manual_seed(int(model_cfg.get("init_seed", 0)))
+        model = _auto_class(config).from_config(config, trust_remote_code=remote)
+    elif kind == "python":
+        model, tokenizer = _split_builder_result(_call_builder(source, model_cfg.get("kwargs") or {}))
+    elif kind == "gguf":
+        model, tokenizer = _load_gguf(_expand(source), dtype)
+    elif kind == "safetensors":
+        model = _load_safetensors_file(model_cfg, _expand(source))
+    else:
+        folder = _expand(source) if kind == "folder" else _hub_folder(source)
+        _refuse_pickle_folder(folder)
+        config = _read_config(folder, remote)
+        model = _auto_class(config).from_pretrained(
+            folder, local_files_only=True, use_safetensors=True, trust_remote_code=remote, dtype=dtype or "auto"
+        )
+        tokenizer = _tokenizer_from(folder, remote)
+    if dtype is not None:
+        model = model.to(dtype)
+    tok_cfg = model_cfg.get("tokenizer")
+    if tok_cfg == "byte":
+        from onn.models.tokenizer import byte_tokenizer
+
+        tokenizer = byte_tokenizer()
+    elif tok_cfg:
+        tokenizer = _tokenizer_from(_expand(tok_cfg), remote)
+    if tokenizer is None:
+        raise UserError(f"model '{model_cfg.get('name')}' has no tokenizer; set model.tokenizer to a folder with one, or `byte`.")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def _auto_class(config):
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    archs = getattr(config, "architectures", None) or []
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) or not archs:
+        return AutoModelForCausalLM
+    return AutoModel
+
+
+def _expand(path: str) -> str:
+    return os.path.expanduser(str(path))
+
+
+def _hub_folder(repo_id: str) -> str:
+    """The local snapshot of a hub model; never downloads."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except (LocalEntryNotFoundError, OSError, ValueError) as e:
+        raise UserError(
+            f"model.source '{repo_id}' is not in the local Hugging Face cache and ONN never downloads at run time; "
+            f"on a connected machine run `huggingface-cli download {repo_id}` (then copy ~/.cache/huggingface), "
+            "or set model.source to a local folder, .safetensors or .gguf file."
+        ) from e
+
+
+def _read_config(folder: str, remote: bool):
+    from transformers import AutoConfig
+
+    if not (Path(folder) / "config.json").is_file():
+        raise UserError(f"model.source {folder} has no config.json; a Hugging Face model folder needs one.")
+    return AutoConfig.from_pretrained(folder, trust_remote_code=remote)
+
+
+def _refuse_pickle_folder(folder: str) -> None:
+    files = [p.name for p in Path(folder).iterdir()]
+    if not any(f.endswith(".safetensors") for f in files):
+        pickles = [f for f in files if f.endswith(PICKLE_SUFFIXES)]
+        if pickles:
+            p = str(Path(folder) / pickles[0])
+            raise UserError(f"model.source {folder} holds only pickle weights ({pickles[0]}). " + CONVERT_HINT.format(p=p, stem=p.rsplit(".", 1)[0]))
+        raise UserError(f"model.source {folder} has no .safetensors weights.")
+
+
+def _tokenizer_from(folder: str, remote: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=remote)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _load_gguf(path: str, dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _check_gguf(path)
+    folder, name = os.path.dirname(path) or ".", os.path.basename(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True, dtype=dtype or "auto")
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    except (ValueError, OSError, KeyError, IndexError) as e:
+        raise UserError(f"model.source {path} could not be read as GGUF: {e}") from e
+    return model, tokenizer
+
+
+def _check_gguf(path: str) -> None:
+    """Read the GGUF header and tensor table, and check every tensor's data lies inside the file."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError, MemoryError) as e:
+        raise UserError(f"model.source {path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise UserError(f"model.source {path} is truncated: tensor '{t.name}' ends at byte {t.data_offset + t.n_bytes} of a {size}-byte file.")
+
+
+def _load_safetensors_file(model_cfg: dict[str, Any], path: str):
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config = architecture(model_cfg)
+    if config is None:
+        raise UserError(f"model.source {path} is a bare .safetensors file; add model.architecture so ONN knows what to build.")
+    try:
+        state = load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"model.source {path} is not a readable safetensors file (truncated or corrupt?): {e}") from e
+    model = _auto_class(config).from_config(config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if "lm_head" in k and getattr(config, "tie_word_embeddings", False)}
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise UserError(
+            f"model.source {path} does not match model.architecture: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+            f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}."
+        )
+    model.tie_weights()
+    return model
+
+
+def _call_builder(spec: str, kwargs: dict[str, Any]):
+    file, _, func = str(spec).rpartition(":")
+    path = Path(_expand(file))
+    if not path.is_file():
+        raise UserError(f"model.source {spec}: {file} does not exist.")
+    module_spec = importlib.util.spec_from_file_location(f"onn_user_model_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, func):
+        raise UserError(f"model.source {spec}: {file} defines no function '{func}'.")
+    return getattr(module, func)(**kwargs)
+
+
+def _split_builder_result(result):
+    return result if isinstance(result, tuple) else (result, None)

@@ -1,0 +1,1 @@
+"""How weights are trained and placed: full, LoRA, QLoRA, sparse LoRA."""

@@ -1,0 +1,1 @@
+"""LightningModules, callbacks and the safetensors checkpoint format."""

@@ -1,0 +1,182 @@
+"""Plan -> objects -> Trainer: the train, eval and infer tasks."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from onn.errors import UserError
+
+log = logging.getLogger("onn")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build(config: dict[str, Any], plan: dict[str, Any]):
+    """The LightningModule and tokenizer the plan describes (weights loaded, strategy applied)."""
+    from onn.models.layers import discover
+    from onn.models.load import load
+    from onn.strategies.lora import apply
+    from onn.training.lm import CausalLM
+
+    torch.manual_seed(int(config.get("seed", 0)))
+    model_cfg = config["model"]
+    dtype = model_cfg.get("dtype", "auto")
+    dtype = DTYPES[plan["weights_dtype"] if dtype in (None, "auto") else dtype]
+    model, tokenizer = load(model_cfg, dtype=dtype)
+    layer_map = discover(model, (model_cfg.get("layer_map") or {}).get("blocks"))
+    model = apply(model, plan["strategy"], config["strategy"], layer_map, plan.get("sparse_layers"))
+    if config["strategy"].get("gradient_checkpointing") and hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable()
+    # Save what rebuilds this exact model into every checkpoint: the planned strategy, not "auto".
+    strategy = {**config["strategy"], "name": plan["strategy"], "micro_batch": plan["micro_batch"]}
+    if plan.get("sparse_layers") is not None:
+        strategy["layers"] = plan["sparse_layers"]
+    onn_config = {"model": model_cfg, "strategy": strategy, "data": config["data"]}
+    module = CausalLM(model, config["optim"], int(config["trainer"]["max_steps"]), onn_config)
+    return module, tokenizer
+
+
+def _datamodule(config: dict[str, Any], plan: dict[str, Any], tokenizer):
+    from onn.data.module import TextDataModule
+
+    dm = TextDataModule(config["data"], tokenizer, plan["micro_batch"], seed=int(config.get("seed", 0)))
+    dm.setup()
+    return dm
+
+
+def _trainer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, callbacks: list, with_loggers: bool = True):
+    import lightning as L
+    from hydra.utils import instantiate
+
+    from onn.training.checkpoint_io import SafetensorsCheckpointIO
+
+    kwargs = dict(config["trainer"])
+    accumulate = plan["accumulate"]
+    kwargs["precision"] = plan["precision"] if kwargs.get("precision") in (None, "auto") else kwargs["precision"]
+    kwargs["accumulate_grad_batches"] = accumulate if kwargs.get("accumulate_grad_batches") in (None, "auto") else kwargs["accumulate_grad_batches"]
+    # The training stream is endless, so validation is scheduled in micro-batches; config counts optimizer steps.
+    if isinstance(kwargs.get("val_check_interval"), int):
+        kwargs["val_check_interval"] = min(kwargs["val_check_interval"], kwargs["max_steps"]) * kwargs["accumulate_grad_batches"]
+    loggers = [instantiate(c, save_dir=str(run_dir)) for c in (config.get("tracking") or {}).get("loggers", [])] if with_loggers else []
+    strategy = config["strategy"].get("lightning", "auto") or "auto"
+    return L.Trainer(default_root_dir=str(run_dir), logger=loggers or False, callbacks=callbacks, plugins=[SafetensorsCheckpointIO()],
+                     strategy=strategy, enable_checkpointing=any(_is_ckpt_cb(c) for c in callbacks), **kwargs)  # fmt: skip
+
+
+def _is_ckpt_cb(cb) -> bool:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return isinstance(cb, ModelCheckpoint)
+
+
+def _load_weights(module, ckpt: Path) -> None:
+    from onn.training.checkpoint_io import load
+
+    state = load(ckpt)["state_dict"]
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    if unexpected or (set(missing) & trainable):
+        raise UserError(f"ckpt {ckpt} does not match the model it names: missing {sorted(set(missing) & trainable)[:3]}, unexpected {unexpected[:3]}.")
+
+
+def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Path | None) -> dict[str, Any]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from onn.hardware.memory import PeakMemory
+    from onn.infer.generate import exact_match
+    from onn.training.callbacks import Throughput
+    from onn.training.lm import summarize_losses
+
+    module, tokenizer = build(config, plan)
+    dm = _datamodule(config, plan, tokenizer)
+    ckpt_cfg = config.get("checkpoint") or {}
+    checkpointer = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), every_n_train_steps=int(ckpt_cfg.get("every_n_steps", 50)),
+                                   save_top_k=0, save_last=True)  # fmt: skip
+    throughput = Throughput(int(config["data"]["batch_size"]))
+    trainer = _trainer(config, plan, run_dir, [checkpointer, throughput])
+    accelerator = plan["hardware"]["accelerator"]
+    with PeakMemory("cuda" if accelerator == "cuda" else "cpu") as peak:
+        if ckpt is None and config["task"].get("validate_before", True):
+            trainer.validate(module, datamodule=dm, verbose=False)
+        trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
+        last = run_dir / "checkpoints" / "last.ckpt"
+        trainer.save_checkpoint(str(last))  # the final state, whatever the save interval
+        trainer.validate(module, datamodule=dm, verbose=False)
+    if getattr(module.model, "peft_config", None) and ckpt_cfg.get("save_peft_adapter", True):
+        module.model.save_pretrained(str(run_dir / "adapter"))  # PEFT's own format: adapter_config.json + safetensors
+        tokenizer.save_pretrained(str(run_dir / "adapter"))
+    loss_initial, loss_final = summarize_losses(module.train_losses)
+    metrics = {
+        "steps": trainer.global_step,
+        "train/loss_initial": loss_initial,
+        "train/loss_final": loss_final,
+        "train/loss_curve": [round(x, 5) for x in module.train_losses],
+        "val/loss_initial": module.val_losses[0] if module.val_losses else None,
+        "val/loss_final": module.val_losses[-1] if module.val_losses else None,
+        "val/perplexity": math.exp(min(module.val_losses[-1], 50)) if module.val_losses else None,
+        "samples_per_s": throughput.samples_per_s,
+        "peak_memory_mb": round(peak.peak_mb, 1),
+        "params_trainable": sum(p.numel() for p in module.parameters() if p.requires_grad),
+        "checkpoint": str(last),
+        "resumed_from": str(ckpt) if ckpt else None,
+    }
+    samples = int(config["task"].get("exact_match_samples", 0) or 0)
+    if samples and any(p for p, _ in dm.val_examples):
+        metrics["val/exact_match"] = exact_match(module.model, tokenizer, dm.val_examples, config["data"].get("answer_pattern"), samples,
+                                                 max_new_tokens=dm.max_answer_tokens + 2)  # fmt: skip
+    return metrics
+
+
+def evaluate(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Path | None) -> dict[str, Any]:
+    from onn.infer.generate import exact_match
+
+    module, tokenizer = build(config, plan)
+    if ckpt is not None:
+        _load_weights(module, ckpt)
+    else:
+        log.warning("task=eval without ckpt: evaluating the model as loaded from model.source")
+    dm = _datamodule(config, plan, tokenizer)
+    trainer = _trainer(config, plan, run_dir, [], with_loggers=False)
+    trainer.validate(module, datamodule=dm, verbose=False)
+    loss = module.val_losses[-1]
+    task = config["task"]
+    metrics = {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50)), "checkpoint": str(ckpt) if ckpt else None,
+               "params_trainable": sum(p.numel() for p in module.parameters() if p.requires_grad)}  # fmt: skip
+    if any(p for p, _ in dm.val_examples):
+        metrics["val/exact_match"] = exact_match(module.model, tokenizer, dm.val_examples, config["data"].get("answer_pattern"),
+                                                 int(task.get("max_samples", 100)), int(task.get("max_new_tokens", 24)))  # fmt: skip
+    print(f"val loss {loss:.4f}  perplexity {metrics['val/perplexity']:.3f}  exact match {metrics.get('val/exact_match', float('nan')):.3f}")
+    return metrics
+
+
+def infer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Path | None) -> dict[str, Any]:
+    from onn.infer.generate import complete, read_prompts, stream, write_jsonl
+
+    task = config["task"]
+    module, tokenizer = build(config, plan)
+    if ckpt is not None:
+        _load_weights(module, ckpt)
+    model = module.model
+    template = config["data"].get("template") or "{input}"
+
+    def wrap(text: str) -> str:
+        return template.replace("{input}", text) if task.get("template", True) else text
+
+    gen = {"max_new_tokens": int(task.get("max_new_tokens", 64)), "temperature": float(task.get("temperature", 0.0)),
+           "top_p": float(task.get("top_p", 1.0))}  # fmt: skip
+    if task.get("input"):
+        rows = read_prompts(task["input"])
+        prompts = [str(r.get("prompt", r.get("input", r.get("question")))) for r in rows]
+        completions = complete(model, tokenizer, [wrap(p) for p in prompts], **gen)
+        output = Path(task.get("output") or run_dir / "predictions.jsonl")
+        write_jsonl([{**r, "completion": c} for r, c in zip(rows, completions)], output)
+        print(f"wrote {len(rows)} completions to {output}")
+        return {"infer/prompts": len(rows), "infer/output": str(output)}
+    if not config.get("prompt"):
+        raise UserError('task=infer needs prompt="..." or task.input=prompts.jsonl.')
+    completion = stream(model, tokenizer, wrap(str(config["prompt"])), **gen)
+    return {"infer/prompt": config["prompt"], "infer/completion": completion}

@@ -1,0 +1,15 @@
+"""ONN's entry point: compose the config with Hydra and hand it to onn.app.run."""
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    from onn.app import run  # imported here so `--help` stays fast
+
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
