@@ -81,8 +81,9 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     plan = make_plan(config, hardware, spec)
     (run_dir / "plan.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
     print(render(plan), flush=True)
-    out = {"strategy": plan["strategy"], "hardware": hardware.get("name"), "predicted_peak_memory_mb": plan["predicted_peak_memory_mb"],
-           "params_total": spec.params}  # fmt: skip
+    # On CPUs the measured peak is the process's resident memory, which includes its baseline.
+    predicted = plan["predicted_peak_memory_mb"] + (plan["context_mb"] if hardware["accelerator"] != "cuda" else 0)
+    out = {"strategy": plan["strategy"], "hardware": hardware.get("name"), "predicted_peak_memory_mb": round(predicted, 1), "params_total": spec.params}
     if task == "plan":
         return out
     if task == "train":

@@ -24,6 +24,8 @@ def apply(model: nn.Module, strategy: str, strategy_cfg: dict[str, Any], layer_m
     lora = dict(strategy_cfg.get("lora") or {})
     layers = sparse_layers if strategy == "sparse_lora" else None
     target = lora.get("target_modules", "all-linear")
+    if target == "all-linear":  # peft needs explicit names to combine with layers_to_transform
+        target = sorted({name.rsplit(".", 1)[-1] for name, m in layer_map.blocks[0].named_modules() if isinstance(m, nn.Linear)})
     config = LoraConfig(
         r=int(lora.get("r", 8)),
         lora_alpha=int(lora.get("alpha", 16)),
@@ -58,9 +60,3 @@ def quantize_blocks_nf4(layer_map: LayerMap) -> None:
                     if linear.bias is not None:
                         q.bias = nn.Parameter(linear.bias.data, requires_grad=False)
                     setattr(child, attr, q.cuda())
-
-
-def adapter_config_dict(model: nn.Module) -> dict[str, Any] | None:
-    """The peft config of a LoRA model (JSON-able), or None for full training."""
-    cfg = getattr(model, "peft_config", None)
-    return cfg["default"].to_dict() if cfg else None

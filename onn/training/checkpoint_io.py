@@ -139,4 +139,9 @@ def resolve(ckpt: str, outputs: str | os.PathLike) -> Path:
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     """The JSON part of a checkpoint (config, loop state) without reading its tensors."""
-    return unflatten(json.loads((Path(path) / META).read_text()), {})
+    return unflatten(json.loads((Path(path) / META).read_text()), _NoTensors())
+
+
+class _NoTensors(dict):
+    def __missing__(self, key: str) -> None:
+        return None

@@ -104,7 +104,7 @@ def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
             trainer.validate(module, datamodule=dm, verbose=False)
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
         last = run_dir / "checkpoints" / "last.ckpt"
-        trainer.save_checkpoint(str(last))  # the final state, whatever the save interval
+        trainer.save_checkpoint(str(last), weights_only=False)  # the final state, whatever the save interval
         trainer.validate(module, datamodule=dm, verbose=False)
     if getattr(module.model, "peft_config", None) and ckpt_cfg.get("save_peft_adapter", True):
         module.model.save_pretrained(str(run_dir / "adapter"))  # PEFT's own format: adapter_config.json + safetensors

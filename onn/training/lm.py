@@ -11,7 +11,6 @@ from typing import Any
 
 import lightning as L
 import torch
-from torchmetrics.aggregation import MeanMetric
 
 from onn.data.module import IGNORE
 
@@ -23,7 +22,7 @@ class CausalLM(L.LightningModule):
         self.optim = optim
         self.max_steps = max_steps
         self.onn_config = onn_config  # stored in every checkpoint so eval/infer can rebuild the model
-        self.val_loss = MeanMetric()
+        self._val_sum, self._val_tokens = 0.0, 0
         self.train_losses: list[float] = []  # one mean loss per optimizer step, kept across resume
         self.val_losses: list[float] = []
         self._micro_losses: list[float] = []
@@ -46,16 +45,17 @@ class CausalLM(L.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss = self.model(**batch).loss
-        tokens = (batch["labels"][:, 1:] != IGNORE).sum()
-        self.val_loss.update(loss.detach().float(), weight=tokens)
+        tokens = int((batch["labels"][:, 1:] != IGNORE).sum())
+        self._val_sum += float(loss) * tokens
+        self._val_tokens += tokens
 
     def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()
-        self.val_loss.reset()
+        loss = self._val_sum / max(self._val_tokens, 1)
+        self._val_sum, self._val_tokens = 0.0, 0
         self.log("val/loss", loss, prog_bar=True)
-        self.log("val/perplexity", torch.exp(loss.clamp(max=50)))
+        self.log("val/perplexity", math.exp(min(loss, 50)))
         if not self.trainer.sanity_checking:
-            self.val_losses.append(float(loss))
+            self.val_losses.append(loss)
 
     def configure_optimizers(self):
         from transformers import get_scheduler
