@@ -46,12 +46,12 @@ def detect_format(path: Path) -> str:
     if stripped.startswith("["):
         return "json"
     if stripped.startswith("{"):
-        first = stripped.split("\n", 1)[0].strip()
+        first, _, rest = stripped.partition("\n")
         try:
             json.loads(first)
-            return "jsonl"  # one whole object on the first line
         except json.JSONDecodeError:
             return "json"  # a multi-line JSON document
+        return "jsonl" if rest.strip() else "json"  # several one-line objects, or one document on one line
     lines = [ln for ln in text.splitlines()[:20] if ln.strip()]
     if len(lines) >= 2:
         try:
@@ -92,6 +92,8 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
         elif lists and len({len(v) for v in lists.values()}) == 1:
             n = len(next(iter(lists.values())))
             doc = [{k: v[i] for k, v in lists.items()} for i in range(n)]  # columns {"input": [...], "output": [...]}
+        elif not lists:
+            doc = [doc]  # a single record
         else:
             raise UserError(f"{path} is a JSON object but neither {{'rows': [...]}} nor columns of equal length.")
     if not isinstance(doc, list):

@@ -1,0 +1,39 @@
+"""Shared helpers: compose ONN configs in-process, and run the real CLI in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+def compose(*overrides: str, root: Path | None = None) -> dict:
+    """The resolved config `python run.py OVERRIDES` would get (paths.root set, since no Hydra run exists)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = hydra_compose("config", overrides=[f"paths.root={root or ROOT}", *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd or ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+@pytest.fixture
+def outputs(tmp_path: Path) -> Path:
+    return tmp_path / "outputs"

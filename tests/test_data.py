@@ -1,0 +1,86 @@
+"""Text data: formats detected from content, field mapping, answer-only loss, clear errors."""
+
+import json
+
+import pytest
+
+from onn.data import math as math_data
+from onn.data.module import IGNORE, encode, extract_answer, to_examples
+from onn.data.registry import load_splits
+from onn.data.text import detect_format, read_records
+from onn.errors import UserError
+from onn.models.tokenizer import byte_tokenizer
+
+ROWS = [{"q": f"What is {i} + 1?", "a": str(i + 1)} for i in range(20)]
+
+
+def write_all_formats(tmp_path):
+    """The same rows in every format, under misleading names (detection reads content)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = {}
+    files["jsonl"] = tmp_path / "rows.txt"
+    files["jsonl"].write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    files["json"] = tmp_path / "list.data"
+    files["json"].write_text(json.dumps(ROWS, indent=2))
+    files["csv"] = tmp_path / "table.dat"
+    files["csv"].write_text("q,a\n" + "\n".join(f'"{r["q"]}",{r["a"]}' for r in ROWS) + "\n")
+    files["parquet"] = tmp_path / "table.bin"
+    pq.write_table(pa.Table.from_pylist(ROWS), files["parquet"])
+    return files
+
+
+def test_every_format_reads_the_same_rows(tmp_path):
+    for fmt, path in write_all_formats(tmp_path).items():
+        assert detect_format(path) == fmt, path
+        rows = read_records(path)
+        assert [(r["q"], str(r["a"])) for r in rows] == [(r["q"], r["a"]) for r in ROWS], fmt
+    cols = tmp_path / "cols.json"
+    cols.write_text(json.dumps({"q": [r["q"] for r in ROWS], "a": [r["a"] for r in ROWS]}))
+    assert read_records(cols)[3] == ROWS[3]
+    txt = tmp_path / "corpus.jsonl"  # plain text despite the name
+    txt.write_text("the cat sat\non the mat\n")
+    assert detect_format(txt) == "txt" and read_records(txt) == [{"text": "the cat sat"}, {"text": "on the mat"}]
+
+
+def test_bad_inputs_name_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"q": "a", "a": "1"}\n{"q": "b", "a": \n')
+    with pytest.raises(UserError, match=r"bad.jsonl line 2 is not valid JSON"):
+        read_records(bad)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(UserError, match="is empty"):
+        read_records(empty)
+    with pytest.raises(UserError, match="does not exist"):
+        read_records(tmp_path / "nope.jsonl")
+    with pytest.raises(UserError, match=r"row 2 has no field 'answer' \(data.fields.output\)"):
+        to_examples([{"question": "x", "answer": "1"}, {"question": "y"}], {"fields": {"input": "question", "output": "answer"}}, "f.jsonl")
+
+
+def test_loss_only_on_answer_tokens_and_truncation_keeps_answer():
+    tok = byte_tokenizer()
+    ids, labels = encode(tok, "Question: 2+2\nAnswer: ", "4", max_length=64)
+    answer = [t for t in labels if t != IGNORE]
+    assert tok.decode(answer, skip_special_tokens=True) == "4" and answer[-1] == tok.eos_token_id
+    ids, labels = encode(tok, "x" * 100 + "Answer: ", "42", max_length=16)
+    assert len(ids) == 16 and tok.decode([t for t in labels if t != IGNORE], skip_special_tokens=True) == "42"
+
+
+def test_builtin_math_is_exact_and_deterministic():
+    a, b = math_data.generate(200, seed=3), math_data.generate(200, seed=3)
+    assert a == b and a != math_data.generate(200, seed=4)
+    for r in a:
+        q = r["input"]
+        if q.startswith("What is"):
+            x, op, y = q.removeprefix("What is ").rstrip("?").split()
+            assert int(r["output"]) == {"+": int(x) + int(y), "-": int(x) - int(y), "*": int(x) * int(y)}[op]
+    train, val = load_splits({"source": "builtin:math", "builtin": {"train_size": 50, "val_size": 10}}, seed=0)
+    assert len(train) == 50 and len(val) == 10
+
+
+def test_extract_answer():
+    assert extract_answer("She pays 3 * 4 = 12.\n#### 1,200", r"####\s*(-?[0-9][0-9,\.]*)") == "1200"
+    assert extract_answer("42<eos>junk".replace("<eos>", "\n"), None) == "42"
+    assert extract_answer("7.0", None) == "7"

@@ -1,0 +1,87 @@
+"""LayerMap discovery on real architectures, with no model names in the code."""
+
+import pytest
+import torch
+from torch import nn
+
+from onn.errors import UserError
+from onn.models.layers import discover, resolve_indices
+
+
+def _hf(model_type, **kw):
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, **kw)
+    cls = AutoModel if model_type == "bert" else AutoModelForCausalLM
+    with torch.device("meta"):
+        return cls.from_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "model_type,kw,blocks_path,n,prefix,suffix",
+    [
+        ("phi3", dict(vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2),
+         "model.layers", 5, ["model.embed_tokens"], ["model.norm", "lm_head"]),
+        ("llama", dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4),
+         "model.layers", 3, ["model.embed_tokens"], ["model.norm", "lm_head"]),
+        # GPT-2's wte/wpe are a same-typed pair too, with more parameters than these tiny blocks:
+        # composite blocks must still win.
+        ("gpt2", dict(vocab_size=5000, n_embd=16, n_layer=2, n_head=2), "transformer.h", 2, ["transformer.wte", "transformer.wpe"],
+         ["transformer.ln_f", "lm_head"]),
+        ("bert", dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4),
+         "encoder.layer", 4, ["embeddings"], ["pooler"]),
+    ],
+)  # fmt: skip
+def test_transformers(model_type, kw, blocks_path, n, prefix, suffix):
+    lmap = discover(_hf(model_type, **kw))
+    assert lmap.blocks_path == blocks_path and len(lmap) == n
+    assert [name for name, _ in lmap.prefix if any(True for _ in _.parameters())] == prefix
+    assert [name for name, _ in lmap.suffix if any(True for _ in _.parameters())] == suffix
+
+
+def test_resnet_stages():
+    from torchvision.models import resnet18
+
+    lmap = discover(resnet18(num_classes=10))
+    assert lmap.blocks_path == "" and lmap.block_names == ["layer1", "layer2", "layer3", "layer4"]
+    assert [n for n, _ in lmap.prefix] == ["conv1", "bn1", "relu", "maxpool"]
+    assert [n for n, _ in lmap.suffix] == ["avgpool", "fc"]
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ff = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, d))
+
+    def forward(self, x):
+        return x + self.ff(x)
+
+
+def test_user_sequential_and_exact_params():
+    model = nn.Sequential(nn.Embedding(10, 8), Block(8), Block(8), Block(8), nn.LayerNorm(8), nn.Linear(8, 10))
+    lmap = discover(model)
+    assert lmap.block_names == ["1", "2", "3"] and [n for n, _ in lmap.prefix] == ["0"] and [n for n, _ in lmap.suffix] == ["4", "5"]
+    total = sum(p.numel() for p in model.parameters())
+    assert lmap.prefix_params() + sum(lmap.block_params()) + lmap.suffix_params() == total
+    x = torch.tensor([[1, 2, 3]])
+    h = x
+    for _, m in lmap.prefix:
+        h = m(h)
+    for b in lmap.blocks:
+        h = b(h)
+    for _, m in lmap.suffix:
+        h = m(h)
+    assert torch.equal(h, model(x))  # the map is the model's execution order
+
+
+def test_override_and_errors():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(UserError, match="no repeated blocks"):
+        discover(model)
+    lmap = discover(nn.ModuleDict({"stack": nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])}), blocks_path="stack")
+    assert len(lmap) == 2
+    with pytest.raises(UserError, match="not a submodule"):
+        discover(model, blocks_path="nope")
+    assert resolve_indices([0, 1, -1, -2], 10) == [0, 1, 8, 9]
+    with pytest.raises(UserError, match="out of range"):
+        resolve_indices([12], 10)

@@ -1,0 +1,98 @@
+"""Model sources: offline only, safetensors only, and one clear error for each bad input."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from onn.errors import UserError
+from onn.models.load import load, meta_model, source_kind
+from onn.models.tokenizer import byte_tokenizer
+
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+         "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}  # fmt: skip
+
+
+def test_byte_tokenizer_round_trips_any_text():
+    tok = byte_tokenizer()
+    text = "Grüße, 世界! 17 + 25 = 42\n\ttabs"
+    assert tok.decode(tok(text)["input_ids"]) == text and len(tok) == 259
+
+
+def test_random_and_safetensors_sources(tmp_path):
+    from safetensors.torch import save_file
+
+    cfg = {"name": "t", "source": "random", "tokenizer": "byte", "architecture": LLAMA}
+    model, tok = load(cfg)
+    path = tmp_path / "w.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    again, _ = load({**cfg, "source": str(path)})
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.allclose(model(ids).logits, again(ids).logits)
+    truncated = tmp_path / "cut.safetensors"
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(UserError, match="truncated or corrupt"):
+        load({**cfg, "source": str(truncated)})
+
+
+def test_python_builder_source(tmp_path):
+    (tmp_path / "mine.py").write_text(
+        "import torch.nn as nn\n"
+        "def build(width=8):\n"
+        "    return nn.Sequential(nn.Embedding(10, width), *[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(3)], nn.Linear(width, 10))\n"
+    )
+    model = meta_model({"name": "mine", "source": f"{tmp_path}/mine.py:build", "kwargs": {"width": 4}})
+    assert next(model.parameters()).is_meta and model[0].embedding_dim == 4
+
+
+def test_refusals(tmp_path, monkeypatch):
+    pt = tmp_path / "model.pt"
+    pt.write_bytes(b"\x80\x04")
+    with pytest.raises(UserError, match="pickle checkpoint.*safetensors"):
+        source_kind(str(pt))
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "pytorch_model.bin").write_bytes(b"\x80\x04")
+    with pytest.raises(UserError, match="only pickle weights"):
+        load({"name": "x", "source": str(folder)})
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="not in the local Hugging Face cache.*huggingface-cli download"):
+        load({"name": "x", "source": "someorg/not-downloaded"})
+    with pytest.raises(UserError, match="does not exist"):
+        source_kind(str(tmp_path / "missing.gguf"))
+
+
+def test_truncated_gguf_is_refused(tmp_path):
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = tmp_path / "tiny.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.ones((64, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size - 1000])
+    with pytest.raises(UserError, match="truncated|not a readable GGUF"):
+        load({"name": "x", "source": str(cut)})
+
+
+SMOLLM = Path.home() / ".cache/onn/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SMOLLM.exists(), reason="SmolLM2 GGUF not fetched (../shared/scripts/fetch-smollm2.sh)")
+def test_real_gguf_smollm2():
+    from onn.models.layers import discover
+
+    model, tok = load({"name": "smollm2_135m", "source": str(SMOLLM)})
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert len(discover(model)) == 30
+    ids = tok("What is 2 + 2?", return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=3, do_sample=False)
+    assert out.shape[1] == ids["input_ids"].shape[1] + 3

@@ -1,0 +1,54 @@
+"""The planner: sizes from the meta-device model, choices by the rules of the [core] issue."""
+
+import pytest
+from conftest import compose
+
+from onn.hardware.plan import make_plan, model_spec
+from onn.hardware.profile import resolve
+
+
+def plan_for(*overrides, tmp_path):
+    cfg = compose(*overrides, root=tmp_path)
+    hw = resolve(cfg["hardware"], tmp_path / "cache", tmp_path)
+    spec = model_spec(cfg["model"], cfg["strategy"]["lora"]["r"])
+    return make_plan(cfg, hw, spec), spec
+
+
+def test_phi4_on_a_4gb_gpu_streams_under_4gb(tmp_path):
+    plan, spec = plan_for("model=phi4", "hardware=gtx1650_4gb", "strategy=auto", tmp_path=tmp_path)
+    assert 14.5e9 < spec.params < 15e9 and spec.n_blocks == 40  # Phi-4's real size, from the meta device
+    assert plan["strategy"] == "sparse_lora"
+    assert plan["predicted_peak_memory_mb"] + plan["context_mb"] < 4096
+    assert plan["precision"] == "16-mixed"  # Turing: no bf16
+    assert not plan["candidates"]["lora"]["fits"] and not plan["candidates"]["qlora"]["fits"]
+    assert plan["streaming"]["chunk_size"] >= 1
+
+
+@pytest.mark.parametrize("hardware", ["a100_80gb", "h100_80gb"])
+def test_phi4_on_80gb_picks_lora(tmp_path, hardware):
+    plan, _ = plan_for("model=phi4", f"hardware={hardware}", tmp_path=tmp_path)
+    assert plan["strategy"] in ("lora", "full") and plan["precision"] == "bf16-mixed"
+
+
+def test_random_init_trains_everything_and_explicit_choice_wins(tmp_path):
+    plan, _ = plan_for("model=phi4_tiny", "hardware=cpu_16gb", tmp_path=tmp_path)
+    assert plan["strategy"] == "full" and "random init" in plan["reasons"][0]
+    plan, _ = plan_for("model=phi4_tiny", "hardware=cpu_16gb", "strategy=sparse_lora", tmp_path=tmp_path)
+    assert plan["strategy"] == "sparse_lora" and plan["sparse_layers"] == [0, 1, 2, 3, 36, 37, 38, 39]
+
+
+def test_memory_grows_with_micro_batch_and_breakdown_adds_up(tmp_path):
+    small, _ = plan_for("model=phi4", "hardware=a100_80gb", "strategy=lora", "strategy.micro_batch=1", tmp_path=tmp_path)
+    big, _ = plan_for("model=phi4", "hardware=a100_80gb", "strategy=lora", "strategy.micro_batch=8", tmp_path=tmp_path)
+    assert big["candidates"]["lora"]["activations_mb"] > 4 * small["candidates"]["lora"]["activations_mb"]
+    c = big["candidates"]["lora"]
+    parts = sum(c[k] for k in ("weights_mb", "trainable_mb", "optimizer_mb", "activations_mb", "workspace_mb"))
+    assert parts == pytest.approx(c["peak_mb"], abs=1)
+
+
+def test_measured_profile_is_cached(tmp_path):
+    first = resolve({"name": "auto", "measure": True}, tmp_path / "cache", tmp_path)
+    assert first["source"] == "measured" and first["matmul_tflops"] > 0 and first["disk_read_mb_s"] > 0
+    assert first["accelerator"] in ("cpu", "cuda", "mps") and first["cpu_cores"] >= 1 and first["measure_s"] < 5
+    second = resolve({"name": "auto", "measure": True}, tmp_path / "cache", tmp_path)
+    assert second["source"].startswith("cache") and second["matmul_tflops"] == first["matmul_tflops"]

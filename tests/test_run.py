@@ -1,0 +1,143 @@
+"""The real CLI, end to end: train -> checkpoint -> eval -> infer, resume, sweeps, recipes, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, read_metrics, run_cli
+
+TINY = ["model=llama_tiny", "data.builtin.train_size=400", "data.builtin.val_size=40", "tracking=none", "task.exact_match_samples=8"]
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_train_eval_infer(outputs, tmp_path):
+    run_dir = outputs / "train_run"
+    ok(run_cli(*TINY, "trainer.max_steps=40", "checkpoint.every_n_steps=20", f"paths.outputs={outputs}", f"hydra.run.dir={run_dir}"))
+    m = read_metrics(run_dir)
+    for key in ("status", "error", "task", "model", "data", "strategy", "hardware", "steps", "train/loss_initial", "train/loss_final",
+                "val/loss_initial", "val/loss_final", "samples_per_s", "peak_memory_mb", "predicted_peak_memory_mb", "params_total",
+                "params_trainable", "wall_s", "val/exact_match"):  # fmt: skip
+        assert key in m, key
+    assert m["status"] == "ok" and m["steps"] == 40 and m["strategy"] == "full"  # random init -> full
+    assert m["train/loss_final"] < 0.7 * m["train/loss_initial"] and m["val/loss_final"] < m["val/loss_initial"]
+    assert (run_dir / "plan.yaml").is_file() and (run_dir / "config.yaml").is_file() and (run_dir / ".hydra" / "config.yaml").is_file()
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["meta.json", "model.safetensors"]
+
+    ev_dir = outputs / "eval_run"
+    proc = ok(run_cli("task=eval", f"ckpt={run_dir}", "task.max_samples=8", f"paths.outputs={outputs}", f"hydra.run.dir={ev_dir}"))
+    ev = read_metrics(ev_dir)
+    assert ev["model"] == "llama_tiny" or "llama_tiny" in proc.stderr + proc.stdout  # rebuilt from the checkpoint's config
+    assert ev["val/loss"] == pytest.approx(m["val/loss_final"], rel=1e-4)
+    assert ev["val/perplexity"] == pytest.approx(2.718281828 ** ev["val/loss"], rel=1e-4) and 0 <= ev["val/exact_match"] <= 1
+
+    proc = ok(run_cli("task=infer", "ckpt=last", "prompt=What is 2 + 2?", "task.max_new_tokens=5", f"paths.outputs={outputs}",
+                      f"hydra.run.dir={outputs / 'infer_one'}"))  # fmt: skip
+    completion = read_metrics(outputs / "infer_one")["infer/completion"]
+    assert completion.strip() and completion.strip() in proc.stdout  # streamed to the terminal
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "What is 1 + 1?", "id": 1}\n{"prompt": "What is 3 * 3?", "id": 2}\n')
+    ok(run_cli("task=infer", "ckpt=last", f"task.input={prompts}", "task.max_new_tokens=4", f"paths.outputs={outputs}",
+               f"hydra.run.dir={outputs / 'infer_many'}"))  # fmt: skip
+    rows = [json.loads(line) for line in (outputs / "infer_many" / "predictions.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == [1, 2] and all("completion" in r for r in rows)
+
+
+def test_sparse_lora_trains_only_its_layers_and_peft_loads_the_adapter(outputs):
+    run_dir = outputs / "sparse"
+    ok(run_cli(*TINY, "strategy=sparse_lora", "strategy.layers=[0,-1]", "optim.lr=1e-2", "trainer.max_steps=20", "task.exact_match_samples=0",
+               f"paths.outputs={outputs}", f"hydra.run.dir={run_dir}"))  # fmt: skip
+    m = read_metrics(run_dir)
+    assert m["strategy"] == "sparse_lora" and m["train/loss_final"] < m["train/loss_initial"]
+    config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
+    assert config["layers_to_transform"] == [0, 7] and config["peft_type"] == "LORA"
+    # peft itself loads the adapter onto a freshly built base and gives the trained model's outputs
+    import torch
+    import yaml
+    from peft import PeftModel
+
+    from onn.models.load import load
+    from onn.training.checkpoint_io import load as load_ckpt
+
+    base, _ = load(yaml.safe_load((ROOT / "conf/model/llama_tiny.yaml").read_text()))
+    peft_model = PeftModel.from_pretrained(base, str(run_dir / "adapter")).eval()
+    state = load_ckpt(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
+    assert state and all("lora_" in k for k in state)  # LoRA checkpoints hold the adapters only
+    ids = torch.tensor([[10, 20, 30, 40]])
+    lora_b = peft_model.base_model.model.model.layers[7].self_attn.q_proj.lora_B["default"].weight
+    assert lora_b.abs().sum() > 0  # adapters moved away from their zero init
+    key = next(k for k in state if "layers.7.self_attn.q_proj.lora_B" in k)
+    assert torch.equal(lora_b, state[key])
+    assert peft_model(ids).logits.isfinite().all()
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_same_result(outputs):
+    args = [*TINY, "trainer.max_steps=60", "checkpoint.every_n_steps=10", "task.exact_match_samples=0", f"paths.outputs={outputs}"]
+    ok(run_cli(*args, f"hydra.run.dir={outputs / 'whole'}"))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    killed = outputs / "killed"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={killed}"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    meta = killed / "checkpoints" / "last.ckpt" / "meta.json"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if meta.exists() and '"global_step", 2' in meta.read_text():
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "metrics.json").exists()
+    ok(run_cli(*args, "ckpt=last", f"hydra.run.dir={outputs / 'resumed'}"))
+    whole, resumed = read_metrics(outputs / "whole"), read_metrics(outputs / "resumed")
+    assert resumed["resumed_from"].startswith(str(killed)) and resumed["steps"] == whole["steps"] == 60
+    assert resumed["train/loss_final"] == pytest.approx(whole["train/loss_final"], rel=0.01)
+    assert resumed["val/loss_final"] == pytest.approx(whole["val/loss_final"], rel=0.01)
+    assert resumed["train/loss_curve"][:20] == whole["train/loss_curve"][:20]  # history travels in the checkpoint
+
+
+@pytest.mark.slow
+def test_multirun_sweep_over_strategies(outputs):
+    ok(run_cli("-m", *TINY, "strategy=full,lora,sparse_lora", "trainer.max_steps=3", "task.validate_before=false", "task.exact_match_samples=0",
+               f"paths.outputs={outputs}", f"hydra.sweep.dir={outputs / 'sweep'}"))  # fmt: skip
+    jobs = sorted((outputs / "sweep").glob("*/metrics.json"))
+    assert len(jobs) == 3
+    assert sorted(json.loads(j.read_text())["strategy"] for j in jobs) == ["full", "lora", "sparse_lora"]
+    assert all(json.loads(j.read_text())["status"] == "ok" for j in jobs)
+
+
+def test_recipe_and_plan_from_any_directory(tmp_path):
+    proc = ok(run_cli("recipe=phi4_math_sparse_lora", "model=phi4", "hardware=gtx1650_4gb", "task=plan", cwd=tmp_path))
+    assert "strategy: sparse_lora" in proc.stdout
+    plans = list((tmp_path / "outputs" / "plan").glob("*/plan.yaml"))
+    assert len(plans) == 1 and json.loads((plans[0].parent / "metrics.json").read_text())["status"] == "ok"
+
+
+def test_bad_input_is_one_clear_line_and_keeps_earlier_runs(tmp_path, outputs):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input": "1+1", "output": "2"}\nnot json\n')
+    earlier = outputs / "earlier"
+    earlier.mkdir(parents=True)
+    (earlier / "metrics.json").write_text('{"status": "ok"}')
+    for args, message in [
+        (["data=text", f"data.source={bad}"], f"{bad} line 2 is not valid JSON"),
+        (["model.source=nobody/not-cached", "task=train"], "not in the local Hugging Face cache"),
+        (["task=eval", f"ckpt={bad}"], "pickle checkpoints are never loaded"),
+    ]:
+        proc = run_cli(*args, "tracking=none", f"paths.outputs={outputs}")
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        assert message in proc.stderr + proc.stdout
+        assert "Traceback" not in proc.stderr + proc.stdout
+    assert (earlier / "metrics.json").read_text() == '{"status": "ok"}'
+    failed = [json.loads(p.read_text()) for p in outputs.glob("*/*/metrics.json")]
+    assert len(failed) == 3 and all(m["status"] == "failed" and m["error"] for m in failed)
