@@ -72,18 +72,33 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         for group in ("model", "strategy", "data"):
             if group in saved:
                 config[group] = saved[group]  # the checkpoint was trained with these; rebuild exactly that
-        log.info("checkpoint %s: model=%s strategy=%s data=%s", ckpt, config["model"]["name"], config["strategy"]["name"], config["data"]["name"])
+        log.info(
+            "checkpoint %s: model=%s strategy=%s data=%s",
+            ckpt,
+            config["model"]["name"],
+            config["strategy"]["name"],
+            config["data"]["name"],
+        )
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
-    hardware = resolve_hardware(config["hardware"], Path(config["paths"]["cache"]), Path(config["paths"]["outputs"]))
+    hardware = resolve_hardware(
+        config["hardware"], Path(config["paths"]["cache"]), Path(config["paths"]["outputs"])
+    )
     lora_rank = int((config["strategy"].get("lora") or {}).get("r", 8))
     spec = model_spec(config["model"], lora_rank)
     plan = make_plan(config, hardware, spec)
     (run_dir / "plan.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
     print(render(plan), flush=True)
     # On CPUs the measured peak is the process's resident memory, which includes its baseline.
-    predicted = plan["predicted_peak_memory_mb"] + (plan["context_mb"] if hardware["accelerator"] != "cuda" else 0)
-    out = {"strategy": plan["strategy"], "hardware": hardware.get("name"), "predicted_peak_memory_mb": round(predicted, 1), "params_total": spec.params}
+    predicted = plan["predicted_peak_memory_mb"] + (
+        plan["context_mb"] if hardware["accelerator"] != "cuda" else 0
+    )
+    out = {
+        "strategy": plan["strategy"],
+        "hardware": hardware.get("name"),
+        "predicted_peak_memory_mb": round(predicted, 1),
+        "params_total": spec.params,
+    }
     if task == "plan":
         return out
     if task == "train":

@@ -27,7 +27,14 @@ def compose(*overrides: str, root: Path | None = None) -> dict:
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd or ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *args],
+        cwd=cwd or ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def read_metrics(run_dir: Path) -> dict:

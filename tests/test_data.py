@@ -41,7 +41,10 @@ def test_every_format_reads_the_same_rows(tmp_path):
     assert read_records(cols)[3] == ROWS[3]
     txt = tmp_path / "corpus.jsonl"  # plain text despite the name
     txt.write_text("the cat sat\non the mat\n")
-    assert detect_format(txt) == "txt" and read_records(txt) == [{"text": "the cat sat"}, {"text": "on the mat"}]
+    assert detect_format(txt) == "txt" and read_records(txt) == [
+        {"text": "the cat sat"},
+        {"text": "on the mat"},
+    ]
 
 
 def test_bad_inputs_name_file_and_line(tmp_path):
@@ -56,7 +59,11 @@ def test_bad_inputs_name_file_and_line(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         read_records(tmp_path / "nope.jsonl")
     with pytest.raises(UserError, match=r"row 2 has no field 'answer' \(data.fields.output\)"):
-        to_examples([{"question": "x", "answer": "1"}, {"question": "y"}], {"fields": {"input": "question", "output": "answer"}}, "f.jsonl")
+        to_examples(
+            [{"question": "x", "answer": "1"}, {"question": "y"}],
+            {"fields": {"input": "question", "output": "answer"}},
+            "f.jsonl",
+        )
 
 
 def test_loss_only_on_answer_tokens_and_truncation_keeps_answer():
@@ -76,7 +83,9 @@ def test_builtin_math_is_exact_and_deterministic():
         if q.startswith("What is"):
             x, op, y = q.removeprefix("What is ").rstrip("?").split()
             assert int(r["output"]) == {"+": int(x) + int(y), "-": int(x) - int(y), "*": int(x) * int(y)}[op]
-    train, val = load_splits({"source": "builtin:math", "builtin": {"train_size": 50, "val_size": 10}}, seed=0)
+    train, val = load_splits(
+        {"source": "builtin:math", "builtin": {"train_size": 50, "val_size": 10}}, seed=0
+    )
     assert len(train) == 50 and len(val) == 10
 
 

@@ -58,9 +58,15 @@ class Block(nn.Module):
 
 
 def test_user_sequential_and_exact_params():
-    model = nn.Sequential(nn.Embedding(10, 8), Block(8), Block(8), Block(8), nn.LayerNorm(8), nn.Linear(8, 10))
+    model = nn.Sequential(
+        nn.Embedding(10, 8), Block(8), Block(8), Block(8), nn.LayerNorm(8), nn.Linear(8, 10)
+    )
     lmap = discover(model)
-    assert lmap.block_names == ["1", "2", "3"] and [n for n, _ in lmap.prefix] == ["0"] and [n for n, _ in lmap.suffix] == ["4", "5"]
+    assert (
+        lmap.block_names == ["1", "2", "3"]
+        and [n for n, _ in lmap.prefix] == ["0"]
+        and [n for n, _ in lmap.suffix] == ["4", "5"]
+    )
     total = sum(p.numel() for p in model.parameters())
     assert lmap.prefix_params() + sum(lmap.block_params()) + lmap.suffix_params() == total
     x = torch.tensor([[1, 2, 3]])
@@ -78,7 +84,9 @@ def test_override_and_errors():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     with pytest.raises(UserError, match="no repeated blocks"):
         discover(model)
-    lmap = discover(nn.ModuleDict({"stack": nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])}), blocks_path="stack")
+    lmap = discover(
+        nn.ModuleDict({"stack": nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])}), blocks_path="stack"
+    )
     assert len(lmap) == 2
     with pytest.raises(UserError, match="not a submodule"):
         discover(model, blocks_path="nope")

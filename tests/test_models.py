@@ -86,7 +86,9 @@ SMOLLM = Path.home() / ".cache/onn/models/smollm2-135m-instruct/SmolLM2-135M-Ins
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SMOLLM.exists(), reason="SmolLM2 GGUF not fetched (../shared/scripts/fetch-smollm2.sh)")
+@pytest.mark.skipif(
+    not SMOLLM.exists(), reason="SmolLM2 GGUF not fetched (../shared/scripts/fetch-smollm2.sh)"
+)
 def test_real_gguf_smollm2():
     from onn.models.layers import discover
 

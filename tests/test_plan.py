@@ -38,17 +38,25 @@ def test_random_init_trains_everything_and_explicit_choice_wins(tmp_path):
 
 
 def test_memory_grows_with_micro_batch_and_breakdown_adds_up(tmp_path):
-    small, _ = plan_for("model=phi4", "hardware=a100_80gb", "strategy=lora", "strategy.micro_batch=1", tmp_path=tmp_path)
-    big, _ = plan_for("model=phi4", "hardware=a100_80gb", "strategy=lora", "strategy.micro_batch=8", tmp_path=tmp_path)
+    small, _ = plan_for(
+        "model=phi4", "hardware=a100_80gb", "strategy=lora", "strategy.micro_batch=1", tmp_path=tmp_path
+    )
+    big, _ = plan_for(
+        "model=phi4", "hardware=a100_80gb", "strategy=lora", "strategy.micro_batch=8", tmp_path=tmp_path
+    )
     assert big["candidates"]["lora"]["activations_mb"] > 4 * small["candidates"]["lora"]["activations_mb"]
     c = big["candidates"]["lora"]
-    parts = sum(c[k] for k in ("weights_mb", "trainable_mb", "optimizer_mb", "activations_mb", "workspace_mb"))
+    parts = sum(
+        c[k] for k in ("weights_mb", "trainable_mb", "optimizer_mb", "activations_mb", "workspace_mb")
+    )
     assert parts == pytest.approx(c["peak_mb"], abs=1)
 
 
 def test_measured_profile_is_cached(tmp_path):
     first = resolve({"name": "auto", "measure": True}, tmp_path / "cache", tmp_path)
     assert first["source"] == "measured" and first["matmul_tflops"] > 0 and first["disk_read_mb_s"] > 0
-    assert first["accelerator"] in ("cpu", "cuda", "mps") and first["cpu_cores"] >= 1 and first["measure_s"] < 5
+    assert (
+        first["accelerator"] in ("cpu", "cuda", "mps") and first["cpu_cores"] >= 1 and first["measure_s"] < 5
+    )
     second = resolve({"name": "auto", "measure": True}, tmp_path / "cache", tmp_path)
     assert second["source"].startswith("cache") and second["matmul_tflops"] == first["matmul_tflops"]

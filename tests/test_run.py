@@ -6,12 +6,17 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from conftest import ROOT, read_metrics, run_cli
 
-TINY = ["model=llama_tiny", "data.builtin.train_size=400", "data.builtin.val_size=40", "tracking=none", "task.exact_match_samples=8"]
+TINY = [
+    "model=llama_tiny",
+    "data.builtin.train_size=400",
+    "data.builtin.val_size=40",
+    "tracking=none",
+    "task.exact_match_samples=8",
+]
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -21,24 +26,51 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 def test_train_eval_infer(outputs, tmp_path):
     run_dir = outputs / "train_run"
-    ok(run_cli(*TINY, "trainer.max_steps=40", "checkpoint.every_n_steps=20", f"paths.outputs={outputs}", f"hydra.run.dir={run_dir}"))
+    ok(
+        run_cli(
+            *TINY,
+            "trainer.max_steps=40",
+            "checkpoint.every_n_steps=20",
+            f"paths.outputs={outputs}",
+            f"hydra.run.dir={run_dir}",
+        )
+    )
     m = read_metrics(run_dir)
     for key in ("status", "error", "task", "model", "data", "strategy", "hardware", "steps", "train/loss_initial", "train/loss_final",
                 "val/loss_initial", "val/loss_final", "samples_per_s", "peak_memory_mb", "predicted_peak_memory_mb", "params_total",
                 "params_trainable", "wall_s", "val/exact_match"):  # fmt: skip
         assert key in m, key
     assert m["status"] == "ok" and m["steps"] == 40 and m["strategy"] == "full"  # random init -> full
-    assert m["train/loss_final"] < 0.7 * m["train/loss_initial"] and m["val/loss_final"] < m["val/loss_initial"]
-    assert (run_dir / "plan.yaml").is_file() and (run_dir / "config.yaml").is_file() and (run_dir / ".hydra" / "config.yaml").is_file()
+    assert (
+        m["train/loss_final"] < 0.7 * m["train/loss_initial"] and m["val/loss_final"] < m["val/loss_initial"]
+    )
+    assert (
+        (run_dir / "plan.yaml").is_file()
+        and (run_dir / "config.yaml").is_file()
+        and (run_dir / ".hydra" / "config.yaml").is_file()
+    )
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     assert sorted(p.name for p in ckpt.iterdir()) == ["meta.json", "model.safetensors"]
 
     ev_dir = outputs / "eval_run"
-    proc = ok(run_cli("task=eval", f"ckpt={run_dir}", "task.max_samples=8", f"paths.outputs={outputs}", f"hydra.run.dir={ev_dir}"))
+    proc = ok(
+        run_cli(
+            "task=eval",
+            f"ckpt={run_dir}",
+            "task.max_samples=8",
+            f"paths.outputs={outputs}",
+            f"hydra.run.dir={ev_dir}",
+        )
+    )
     ev = read_metrics(ev_dir)
-    assert ev["model"] == "llama_tiny" or "llama_tiny" in proc.stderr + proc.stdout  # rebuilt from the checkpoint's config
+    assert (
+        ev["model"] == "llama_tiny" or "llama_tiny" in proc.stderr + proc.stdout
+    )  # rebuilt from the checkpoint's config
     assert ev["val/loss"] == pytest.approx(m["val/loss_final"], rel=1e-4)
-    assert ev["val/perplexity"] == pytest.approx(2.718281828 ** ev["val/loss"], rel=1e-4) and 0 <= ev["val/exact_match"] <= 1
+    assert (
+        ev["val/perplexity"] == pytest.approx(2.718281828 ** ev["val/loss"], rel=1e-4)
+        and 0 <= ev["val/exact_match"] <= 1
+    )
 
     proc = ok(run_cli("task=infer", "ckpt=last", "prompt=What is 2 + 2?", "task.max_new_tokens=5", f"paths.outputs={outputs}",
                       f"hydra.run.dir={outputs / 'infer_one'}"))  # fmt: skip
@@ -48,7 +80,9 @@ def test_train_eval_infer(outputs, tmp_path):
     prompts.write_text('{"prompt": "What is 1 + 1?", "id": 1}\n{"prompt": "What is 3 * 3?", "id": 2}\n')
     ok(run_cli("task=infer", "ckpt=last", f"task.input={prompts}", "task.max_new_tokens=4", f"paths.outputs={outputs}",
                f"hydra.run.dir={outputs / 'infer_many'}"))  # fmt: skip
-    rows = [json.loads(line) for line in (outputs / "infer_many" / "predictions.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (outputs / "infer_many" / "predictions.jsonl").read_text().splitlines()
+    ]
     assert [r["id"] for r in rows] == [1, 2] and all("completion" in r for r in rows)
 
 
@@ -82,7 +116,13 @@ def test_sparse_lora_trains_only_its_layers_and_peft_loads_the_adapter(outputs):
 
 @pytest.mark.slow
 def test_killed_run_resumes_to_the_same_result(outputs):
-    args = [*TINY, "trainer.max_steps=60", "checkpoint.every_n_steps=10", "task.exact_match_samples=0", f"paths.outputs={outputs}"]
+    args = [
+        *TINY,
+        "trainer.max_steps=60",
+        "checkpoint.every_n_steps=10",
+        "task.exact_match_samples=0",
+        f"paths.outputs={outputs}",
+    ]
     ok(run_cli(*args, f"hydra.run.dir={outputs / 'whole'}"))
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     killed = outputs / "killed"
@@ -103,7 +143,9 @@ def test_killed_run_resumes_to_the_same_result(outputs):
     assert resumed["resumed_from"].startswith(str(killed)) and resumed["steps"] == whole["steps"] == 60
     assert resumed["train/loss_final"] == pytest.approx(whole["train/loss_final"], rel=0.01)
     assert resumed["val/loss_final"] == pytest.approx(whole["val/loss_final"], rel=0.01)
-    assert resumed["train/loss_curve"][:20] == whole["train/loss_curve"][:20]  # history travels in the checkpoint
+    assert (
+        resumed["train/loss_curve"][:20] == whole["train/loss_curve"][:20]
+    )  # history travels in the checkpoint
 
 
 @pytest.mark.slow
@@ -117,7 +159,11 @@ def test_multirun_sweep_over_strategies(outputs):
 
 
 def test_recipe_and_plan_from_any_directory(tmp_path):
-    proc = ok(run_cli("recipe=phi4_math_sparse_lora", "model=phi4", "hardware=gtx1650_4gb", "task=plan", cwd=tmp_path))
+    proc = ok(
+        run_cli(
+            "recipe=phi4_math_sparse_lora", "model=phi4", "hardware=gtx1650_4gb", "task=plan", cwd=tmp_path
+        )
+    )
     assert "strategy: sparse_lora" in proc.stdout
     plans = list((tmp_path / "outputs" / "plan").glob("*/plan.yaml"))
     assert len(plans) == 1 and json.loads((plans[0].parent / "metrics.json").read_text())["status"] == "ok"

@@ -9,7 +9,24 @@ from __future__ import annotations
 import random
 from typing import Any
 
-NAMES = ["Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena", "Mateo", "Nia", "Omar", "Priya"]
+NAMES = [
+    "Ava",
+    "Ben",
+    "Chen",
+    "Dara",
+    "Eli",
+    "Fatima",
+    "Gus",
+    "Hana",
+    "Ivan",
+    "Jade",
+    "Kofi",
+    "Lena",
+    "Mateo",
+    "Nia",
+    "Omar",
+    "Priya",
+]
 ITEMS = ["apples", "marbles", "books", "stickers", "coins", "pencils", "cards", "shells", "stamps", "cookies"]
 
 TEMPLATES = {
@@ -28,13 +45,20 @@ TEMPLATES = {
 }
 
 
-def generate(size: int, seed: int, max_operand: int = 50, operations: list[str] | tuple[str, ...] = ("add", "sub", "mul")) -> list[dict[str, Any]]:
+def generate(
+    size: int,
+    seed: int,
+    max_operand: int = 50,
+    operations: list[str] | tuple[str, ...] = ("add", "sub", "mul"),
+) -> list[dict[str, Any]]:
     """`size` problems as {"input": question, "output": answer} records."""
     unknown = set(operations) - set(TEMPLATES)
     if unknown:
         from onn.errors import UserError
 
-        raise UserError(f"data.builtin.operations: {sorted(unknown)} unknown; choose from {sorted(TEMPLATES)}.")
+        raise UserError(
+            f"data.builtin.operations: {sorted(unknown)} unknown; choose from {sorted(TEMPLATES)}."
+        )
     rng = random.Random(seed)
     records = []
     for _ in range(size):

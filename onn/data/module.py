@@ -100,7 +100,9 @@ class ResumableShuffle(Sampler[int]):
         position = self.start()
         epoch, offset = divmod(position, self.n)
         while True:
-            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+            order = torch.randperm(
+                self.n, generator=torch.Generator().manual_seed(self.seed + epoch)
+            ).tolist()
             yield from order[offset:]
             epoch, offset = epoch + 1, 0
 
@@ -134,7 +136,12 @@ class TextDataModule(L.LightningDataModule):
         )  # fmt: skip
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.micro_batch, shuffle=False, collate_fn=Collator(self.tokenizer.pad_token_id))
+        return DataLoader(
+            self.val_set,
+            batch_size=self.micro_batch,
+            shuffle=False,
+            collate_fn=Collator(self.tokenizer.pad_token_id),
+        )
 
     @property
     def max_answer_tokens(self) -> int:

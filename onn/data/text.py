@@ -23,7 +23,9 @@ def read_records(path: str | Path, fmt: str = "auto", key: str = "data.source") 
     if not path.exists():
         raise UserError(f"{key} {path} does not exist; check the path.")
     if path.is_dir():
-        raise UserError(f"{key} {path} is a folder; point it at a .jsonl, .json, .csv, .parquet or .txt file.")
+        raise UserError(
+            f"{key} {path} is a folder; point it at a .jsonl, .json, .csv, .parquet or .txt file."
+        )
     if path.stat().st_size == 0:
         raise UserError(f"{key} {path} is empty.")
     fmt = detect_format(path) if fmt == "auto" else fmt
@@ -73,9 +75,13 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise UserError(f"{path} line {lineno} is not valid JSON ({e.msg} at column {e.colno}).") from e
+                raise UserError(
+                    f"{path} line {lineno} is not valid JSON ({e.msg} at column {e.colno})."
+                ) from e
             if not isinstance(row, dict):
-                raise UserError(f"{path} line {lineno} is a JSON {type(row).__name__}, not an object with fields.")
+                raise UserError(
+                    f"{path} line {lineno} is a JSON {type(row).__name__}, not an object with fields."
+                )
             records.append(row)
     return records
 
@@ -91,11 +97,15 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
             doc = next(iter(lists.values()))  # {"data": [ {...}, ... ]}
         elif lists and len({len(v) for v in lists.values()}) == 1:
             n = len(next(iter(lists.values())))
-            doc = [{k: v[i] for k, v in lists.items()} for i in range(n)]  # columns {"input": [...], "output": [...]}
+            doc = [
+                {k: v[i] for k, v in lists.items()} for i in range(n)
+            ]  # columns {"input": [...], "output": [...]}
         elif not lists:
             doc = [doc]  # a single record
         else:
-            raise UserError(f"{path} is a JSON object but neither {{'rows': [...]}} nor columns of equal length.")
+            raise UserError(
+                f"{path} is a JSON object but neither {{'rows': [...]}} nor columns of equal length."
+            )
     if not isinstance(doc, list):
         raise UserError(f"{path} must hold a JSON list of objects (or an object of columns).")
     for i, row in enumerate(doc):
@@ -115,7 +125,9 @@ def _read_csv(path: Path) -> list[dict[str, Any]]:
     records = []
     for row in reader:
         if None in row or None in row.values():
-            raise UserError(f"{path} row {reader.line_num} has {len(row) - (None in row)} cells but the header has {len(reader.fieldnames)}.")
+            raise UserError(
+                f"{path} row {reader.line_num} has {len(row) - (None in row)} cells but the header has {len(reader.fieldnames)}."
+            )
         records.append(row)
     return records
 
@@ -133,4 +145,10 @@ def _read_txt(path: Path) -> list[dict[str, Any]]:
     return [{"text": line.rstrip("\n")} for line in open(path, encoding="utf-8") if line.strip()]
 
 
-_READERS = {"jsonl": _read_jsonl, "json": _read_json, "csv": _read_csv, "parquet": _read_parquet, "txt": _read_txt}
+_READERS = {
+    "jsonl": _read_jsonl,
+    "json": _read_json,
+    "csv": _read_csv,
+    "parquet": _read_parquet,
+    "txt": _read_txt,
+}

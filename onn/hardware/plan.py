@@ -74,7 +74,9 @@ class Estimate:
     @property
     def peak_mb(self) -> float:
         """Predicted peak the run allocates itself (what torch.cuda.max_memory_allocated reports)."""
-        return self.weights_mb + self.trainable_mb + self.optimizer_mb + self.activations_mb + self.workspace_mb
+        return (
+            self.weights_mb + self.trainable_mb + self.optimizer_mb + self.activations_mb + self.workspace_mb
+        )
 
 
 def model_spec(model_cfg: dict[str, Any], lora_rank: int) -> ModelSpec:
@@ -178,7 +180,18 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
     elif strategy in ("lora", "qlora"):
         if strategy == "qlora":
             if hw["accelerator"] != "cuda":
-                return Estimate(strategy, False, micro_batch, 0, 0, 0, 0, 0, ctx, note="4-bit bitsandbytes needs a CUDA GPU")
+                return Estimate(
+                    strategy,
+                    False,
+                    micro_batch,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    ctx,
+                    note="4-bit bitsandbytes needs a CUDA GPU",
+                )
             linear = sum(spec.linear_params_per_block)
             weights = linear * DTYPE_BYTES["nf4"] + (spec.params - linear) * 2
         else:
@@ -188,11 +201,35 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
         activations = per_token_layer * tokens * spec.n_blocks * act_bytes + logits
         extra = 0
     elif strategy == "sparse_lora":
-        return _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, batch_size, per_token_layer, logits, ctx, store_dtype)
+        return _estimate_streaming(
+            spec,
+            hw,
+            seq,
+            micro_batch,
+            precision,
+            sparse_layers,
+            batch_size,
+            per_token_layer,
+            logits,
+            ctx,
+            store_dtype,
+        )
     else:
         raise ValueError(strategy)
     workspace = 0.05 * (weights + trainable + optimizer + activations) + extra
-    est = Estimate(strategy, False, micro_batch, weights / MB, trainable / MB, optimizer / MB, activations / MB, workspace / MB, ctx, note, streaming)
+    est = Estimate(
+        strategy,
+        False,
+        micro_batch,
+        weights / MB,
+        trainable / MB,
+        optimizer / MB,
+        activations / MB,
+        workspace / MB,
+        ctx,
+        note,
+        streaming,
+    )
     est.fits = est.peak_mb <= budget_mb(hw)
     return est
 
@@ -204,7 +241,19 @@ def store_dtypes(hw: dict[str, Any], precision: str) -> list[str]:
     return ["float32" if precision == "32-true" else "bfloat16"]
 
 
-def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, batch_size, per_token_layer, logits, ctx, store_dtype) -> Estimate:
+def _estimate_streaming(
+    spec,
+    hw,
+    seq,
+    micro_batch,
+    precision,
+    sparse_layers,
+    batch_size,
+    per_token_layer,
+    logits,
+    ctx,
+    store_dtype,
+) -> Estimate:
     """Layer streaming: pick store dtype and chunk size, then size what is resident at the peak."""
     on_gpu = hw["accelerator"] == "cuda"
     compute_bytes = 2 if precision != "32-true" else 4
@@ -233,14 +282,27 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
             workspace = 0.05 * (weights + trainable + optimizer + activations)
             total = weights + trainable + optimizer + activations + workspace
             if total <= budget and (best is None or chunk > best[1]):
-                best = (store_dtype, chunk, resident_edges, weights, trainable, optimizer, activations, workspace)
+                best = (
+                    store_dtype,
+                    chunk,
+                    resident_edges,
+                    weights,
+                    trainable,
+                    optimizer,
+                    activations,
+                    workspace,
+                )
         if best is not None:
             break
     if best is None:  # nothing fits: report the smallest configuration, marked as not fitting
         store_dtype, chunk = dtypes[-1], 1
         unit = max(spec.block_params) * DTYPE_BYTES[store_dtype]
         weights, trainable, optimizer = 2 * unit, lora * 8, lora * 8
-        activations = (n + 1) * accumulate * micro_batch * seq * spec.hidden * act_bytes + per_token_layer * micro_batch * seq * act_bytes + logits
+        activations = (
+            (n + 1) * accumulate * micro_batch * seq * spec.hidden * act_bytes
+            + per_token_layer * micro_batch * seq * act_bytes
+            + logits
+        )
         workspace = 0.05 * (weights + trainable + optimizer + activations)
         best = (store_dtype, chunk, False, weights, trainable, optimizer, activations, workspace)
     store_dtype, chunk, resident_edges, weights, trainable, optimizer, activations, workspace = best
@@ -292,7 +354,9 @@ def make_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> dict[
     precision = choose_precision(hw) if precision in (None, "auto") else precision
     layers = strategy_cfg.get("layers")
     n = spec.n_blocks
-    sparse_layers = resolve_indices(layers if strategy_cfg["name"] == "sparse_lora" else [0, 1, 2, 3, -4, -3, -2, -1], n)
+    sparse_layers = resolve_indices(
+        layers if strategy_cfg["name"] == "sparse_lora" else [0, 1, 2, 3, -4, -3, -2, -1], n
+    )
     fixed_mb = strategy_cfg.get("micro_batch", "auto")
 
     def best_estimate(name: str) -> Estimate:
@@ -313,7 +377,9 @@ def make_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> dict[
         chosen = requested if requested in estimates else "full"
         reasons.append(f"strategy={requested} was asked for")
         if requested not in estimates:  # ddp / fsdp / deepspeed: full training placed by Lightning
-            reasons.append(f"sized as full training; Lightning strategy '{strategy_cfg.get('lightning')}' places it")
+            reasons.append(
+                f"sized as full training; Lightning strategy '{strategy_cfg.get('lightning')}' places it"
+            )
     elif not spec.pretrained:
         chosen = "full"
         reasons.append("random init: train every weight (LoRA on random weights would adapt noise)")
@@ -321,12 +387,16 @@ def make_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> dict[
         chosen = next((s for s in AUTO_ORDER if estimates[s].fits), "sparse_lora")
         for s in AUTO_ORDER:
             e = estimates[s]
-            reasons.append(f"{s}: {'fits' if e.fits else 'does not fit'} ({e.peak_mb:,.0f} MB{'; ' + e.note if e.note else ''})")
+            reasons.append(
+                f"{s}: {'fits' if e.fits else 'does not fit'} ({e.peak_mb:,.0f} MB{'; ' + e.note if e.note else ''})"
+            )
             if s == chosen:
                 break
     est = estimates[chosen]
     if not est.fits:
-        reasons.append(f"WARNING: predicted {est.peak_mb:,.0f} MB exceeds the {budget_mb(hw):,.0f} MB budget; expect out-of-memory")
+        reasons.append(
+            f"WARNING: predicted {est.peak_mb:,.0f} MB exceeds the {budget_mb(hw):,.0f} MB budget; expect out-of-memory"
+        )
     micro_batch = est.micro_batch
     if batch_size % micro_batch:
         micro_batch = 1
@@ -344,11 +414,34 @@ def make_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> dict[
         "budget_mb": round(budget_mb(hw), 1),
         "sparse_layers": sparse_layers if chosen == "sparse_lora" else None,
         "streaming": est.streaming or None,
-        "hardware": {k: hw.get(k) for k in ("name", "accelerator", "device_name", "device_memory_mb", "host_memory_mb", "matmul_tflops",
-                                              "disk_read_mb_s", "h2d_mb_s", "source")},  # fmt: skip
-        "model": {"name": spec.name, "params": spec.params, "blocks": n, "layer_map": spec.layer_map, "pretrained": spec.pretrained},
-        "candidates": {name: {**{k: round(v, 1) if isinstance(v, float) else v for k, v in asdict(e).items()}, "peak_mb": round(e.peak_mb, 1)}
-                       for name, e in estimates.items()},  # fmt: skip
+        "hardware": {
+            k: hw.get(k)
+            for k in (
+                "name",
+                "accelerator",
+                "device_name",
+                "device_memory_mb",
+                "host_memory_mb",
+                "matmul_tflops",
+                "disk_read_mb_s",
+                "h2d_mb_s",
+                "source",
+            )
+        },  # fmt: skip
+        "model": {
+            "name": spec.name,
+            "params": spec.params,
+            "blocks": n,
+            "layer_map": spec.layer_map,
+            "pretrained": spec.pretrained,
+        },
+        "candidates": {
+            name: {
+                **{k: round(v, 1) if isinstance(v, float) else v for k, v in asdict(e).items()},
+                "peak_mb": round(e.peak_mb, 1),
+            }
+            for name, e in estimates.items()
+        },  # fmt: skip
     }
     return plan
 
@@ -366,8 +459,20 @@ def render(plan: dict[str, Any]) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"ONN plan: {plan['model']['name']} on {plan['hardware']['name']} ({plan['hardware']['device_name']})")
-    for col in ("candidate", "fits", "micro-batch", "weights", "trainable", "optimizer", "activations", "workspace", "peak (MB)"):
+    table = Table(
+        title=f"ONN plan: {plan['model']['name']} on {plan['hardware']['name']} ({plan['hardware']['device_name']})"
+    )
+    for col in (
+        "candidate",
+        "fits",
+        "micro-batch",
+        "weights",
+        "trainable",
+        "optimizer",
+        "activations",
+        "workspace",
+        "peak (MB)",
+    ):
         table.add_column(col, justify="right" if col not in ("candidate", "fits") else "left")
     for name, c in plan["candidates"].items():
         mark = "*" if name == plan["strategy"] else ""
@@ -377,10 +482,14 @@ def render(plan: dict[str, Any]) -> str:
     with console.capture() as capture:
         console.print(table)
     lines = [capture.get().rstrip()]
-    lines.append(f"strategy: {plan['strategy']}  micro-batch: {plan['micro_batch']} x {plan['accumulate']} accumulated  precision: {plan['precision']}")
+    lines.append(
+        f"strategy: {plan['strategy']}  micro-batch: {plan['micro_batch']} x {plan['accumulate']} accumulated  precision: {plan['precision']}"
+    )
     peak, ctx = plan["predicted_peak_memory_mb"], plan["context_mb"]
     ctx_name = "CUDA context" if plan["hardware"]["accelerator"] == "cuda" else "process baseline"
-    lines.append(f"predicted peak memory: {peak:,.0f} MB allocated (+{ctx:,.0f} MB {ctx_name} = {peak + ctx:,.0f} MB); budget {plan['budget_mb']:,.0f} MB")
+    lines.append(
+        f"predicted peak memory: {peak:,.0f} MB allocated (+{ctx:,.0f} MB {ctx_name} = {peak + ctx:,.0f} MB); budget {plan['budget_mb']:,.0f} MB"
+    )
     if plan.get("streaming"):
         s = plan["streaming"]
         lines.append(f"streaming: chunk_size {s['chunk_size']}, store {s['store']} as {s['store_dtype']}, "

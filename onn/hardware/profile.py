@@ -25,7 +25,9 @@ PROFILE_KEYS = (
 )  # fmt: skip
 
 
-def resolve(hw_cfg: dict[str, Any], cache_dir: str | os.PathLike, probe_dir: str | os.PathLike) -> dict[str, Any]:
+def resolve(
+    hw_cfg: dict[str, Any], cache_dir: str | os.PathLike, probe_dir: str | os.PathLike
+) -> dict[str, Any]:
     """The hardware profile for this run: a preset as written, or this machine measured (cached)."""
     if not hw_cfg.get("measure", False):
         profile = {k: hw_cfg.get(k) for k in PROFILE_KEYS}
@@ -56,7 +58,13 @@ def machine_fingerprint() -> str:
     """Changes when the hardware or the torch build changes, not from run to run."""
     import torch
 
-    parts = [platform.node(), platform.machine(), _cpu_model(), str(os.cpu_count()), str(psutil.virtual_memory().total // (256 * MB))]
+    parts = [
+        platform.node(),
+        platform.machine(),
+        _cpu_model(),
+        str(os.cpu_count()),
+        str(psutil.virtual_memory().total // (256 * MB)),
+    ]
     parts.append(torch.__version__)
     if torch.cuda.is_available():
         parts += [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

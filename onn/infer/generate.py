@@ -13,7 +13,11 @@ from onn.errors import UserError
 
 
 def _sampling(max_new_tokens: int, temperature: float, top_p: float, tokenizer) -> dict[str, Any]:
-    kwargs = {"max_new_tokens": max_new_tokens, "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    kwargs = {
+        "max_new_tokens": max_new_tokens,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
     if temperature and temperature > 0:
         kwargs.update(do_sample=True, temperature=temperature, top_p=top_p)
     else:
@@ -22,14 +26,18 @@ def _sampling(max_new_tokens: int, temperature: float, top_p: float, tokenizer) 
 
 
 @torch.no_grad()
-def stream(model, tokenizer, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0) -> str:
+def stream(
+    model, tokenizer, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0
+) -> str:
     """Print the completion token by token as it is generated; return it."""
     from transformers import TextStreamer
 
     model.eval()
     inputs = tokenizer(prompt, return_tensors="pt").to(_device(model))
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    out = model.generate(**inputs, streamer=streamer, **_sampling(max_new_tokens, temperature, top_p, tokenizer))
+    out = model.generate(
+        **inputs, streamer=streamer, **_sampling(max_new_tokens, temperature, top_p, tokenizer)
+    )
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
@@ -43,21 +51,34 @@ def complete(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, tem
     results = []
     try:
         for i in range(0, len(prompts), batch_size):
-            inputs = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True).to(_device(model))
+            inputs = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True).to(
+                _device(model)
+            )
             out = model.generate(**inputs, **_sampling(max_new_tokens, temperature, top_p, tokenizer))
-            results += tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+            results += tokenizer.batch_decode(
+                out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True
+            )
     finally:
         tokenizer.padding_side = side
     return results
 
 
-def exact_match(model, tokenizer, examples: list[tuple[str, str]], pattern: str | None, max_samples: int, max_new_tokens: int) -> float:
+def exact_match(
+    model,
+    tokenizer,
+    examples: list[tuple[str, str]],
+    pattern: str | None,
+    max_samples: int,
+    max_new_tokens: int,
+) -> float:
     """Fraction of greedy answers equal to the reference answer (after extract_answer on both)."""
     examples = examples[:max_samples]
     if not examples:
         return float("nan")
     outputs = complete(model, tokenizer, [p for p, _ in examples], max_new_tokens=max_new_tokens)
-    hits = sum(extract_answer(o, pattern) == extract_answer(a, pattern) for o, (_, a) in zip(outputs, examples))
+    hits = sum(
+        extract_answer(o, pattern) == extract_answer(a, pattern) for o, (_, a) in zip(outputs, examples)
+    )
     return hits / len(examples)
 
 

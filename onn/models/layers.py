@@ -24,7 +24,9 @@ class LayerMap:
     blocks_path: str  # dotted path of the module whose children hold the blocks ("" for the root)
     block_names: list[str]  # child names of the blocks, in execution order
     blocks: list[nn.Module]
-    prefix: list[tuple[str, nn.Module]] = field(default_factory=list)  # (dotted name, module) before the blocks
+    prefix: list[tuple[str, nn.Module]] = field(
+        default_factory=list
+    )  # (dotted name, module) before the blocks
     suffix: list[tuple[str, nn.Module]] = field(default_factory=list)  # after the blocks
 
     def __len__(self) -> int:
@@ -66,7 +68,9 @@ def resolve_indices(layers, n: int, key: str = "strategy.layers") -> list[int]:
     out = set()
     for i in layers:
         if not isinstance(i, int) or not -n <= i < n:
-            raise UserError(f"{key}: block index {i!r} is out of range; this model has {n} blocks (0..{n - 1}, or -{n}..-1).")
+            raise UserError(
+                f"{key}: block index {i!r} is out of range; this model has {n} blocks (0..{n - 1}, or -{n}..-1)."
+            )
         out.add(i % n)
     return sorted(out)
 
@@ -77,7 +81,9 @@ def discover(model: nn.Module, blocks_path: str | None = None) -> LayerMap:
         try:
             container = model.get_submodule(blocks_path) if blocks_path else model
         except AttributeError as e:
-            raise UserError(f"model.layer_map.blocks: '{blocks_path}' is not a submodule of {type(model).__name__}.") from e
+            raise UserError(
+                f"model.layer_map.blocks: '{blocks_path}' is not a submodule of {type(model).__name__}."
+            ) from e
         names = [n for n, _ in container.named_children()]
         return _assemble(model, blocks_path, names)
 

@@ -34,15 +34,22 @@ def source_kind(source: str | None) -> str:
         return "python"
     path = Path(src).expanduser()
     if path.suffix.lower() in PICKLE_SUFFIXES:
-        raise UserError(f"model.source {src} is a pickle checkpoint. " + CONVERT_HINT.format(p=src, stem=path.with_suffix("")))
+        raise UserError(
+            f"model.source {src} is a pickle checkpoint. "
+            + CONVERT_HINT.format(p=src, stem=path.with_suffix(""))
+        )
     if path.suffix.lower() in (".gguf", ".safetensors"):
         if not path.is_file():
-            raise UserError(f"model.source {src} does not exist; check the path (for SmolLM2 run ../shared/scripts/fetch-smollm2.sh).")
+            raise UserError(
+                f"model.source {src} does not exist; check the path (for SmolLM2 run ../shared/scripts/fetch-smollm2.sh)."
+            )
         return path.suffix.lower().lstrip(".")
     if path.is_dir():
         return "folder"
     if src.startswith((".", "/", "~")) or src.count("/") != 1:
-        raise UserError(f"model.source {src} does not exist; give a Hugging Face folder, a .gguf/.safetensors file, file.py:function, a hub id, or `random`.")
+        raise UserError(
+            f"model.source {src} does not exist; give a Hugging Face folder, a .gguf/.safetensors file, file.py:function, a hub id, or `random`."
+        )
     return "hub"
 
 
@@ -59,13 +66,19 @@ def architecture(model_cfg: dict[str, Any]):
     if not arch:
         kind = source_kind(model_cfg.get("source"))
         if kind == "folder":
-            return AutoConfig.from_pretrained(_expand(model_cfg["source"]), trust_remote_code=bool(model_cfg.get("trust_remote_code")))
+            return AutoConfig.from_pretrained(
+                _expand(model_cfg["source"]), trust_remote_code=bool(model_cfg.get("trust_remote_code"))
+            )
         if kind == "hub":
-            return AutoConfig.from_pretrained(_hub_folder(model_cfg["source"]), trust_remote_code=bool(model_cfg.get("trust_remote_code")))
+            return AutoConfig.from_pretrained(
+                _hub_folder(model_cfg["source"]), trust_remote_code=bool(model_cfg.get("trust_remote_code"))
+            )
         return None
     model_type = arch.pop("model_type", None)
     if model_type is None:
-        raise UserError(f"model.architecture of '{model_cfg.get('name')}' needs a model_type (e.g. llama, phi3, gpt2).")
+        raise UserError(
+            f"model.architecture of '{model_cfg.get('name')}' needs a model_type (e.g. llama, phi3, gpt2)."
+        )
     return AutoConfig.for_model(model_type, **arch)
 
 
@@ -78,12 +91,17 @@ def meta_model(model_cfg: dict[str, Any]):
             return _split_builder_result(_call_builder(model_cfg["source"], model_cfg.get("kwargs") or {}))[0]
         config = architecture(model_cfg)
         if config is None:
-            raise UserError(f"model '{model_cfg.get('name')}' has no architecture in its config; add model.architecture to plan it without weights.")
-        return _auto_class(config).from_config(config, trust_remote_code=bool(model_cfg.get("trust_remote_code")))
+            raise UserError(
+                f"model '{model_cfg.get('name')}' has no architecture in its config; add model.architecture to plan it without weights."
+            )
+        return _auto_class(config).from_config(
+            config, trust_remote_code=bool(model_cfg.get("trust_remote_code"))
+        )
 
 
-def load(model_cfg: dict[str, Any], dtype=None):
-    """Build or load the model and its tokenizer. `dtype` is the weights dtype the plan chose."""
+def load(model_cfg: dict[str, Any], dtype=None, cache_dir: str | os.PathLike | None = None):
+    """Build or load the model and its tokenizer. `dtype` is the weights dtype the plan chose;
+    `cache_dir` keeps converted GGUF models so the slow conversion happens once per file."""
     import torch
 
     kind = source_kind(model_cfg.get("source"))
@@ -97,7 +115,7 @@ def load(model_cfg: dict[str, Any], dtype=None):
     elif kind == "python":
         model, tokenizer = _split_builder_result(_call_builder(source, model_cfg.get("kwargs") or {}))
     elif kind == "gguf":
-        model, tokenizer = _load_gguf(_expand(source), dtype)
+        model, tokenizer = _load_gguf(_expand(source), dtype, cache_dir)
     elif kind == "safetensors":
         model = _load_safetensors_file(model_cfg, _expand(source))
     else:
@@ -105,7 +123,11 @@ def load(model_cfg: dict[str, Any], dtype=None):
         _refuse_pickle_folder(folder)
         config = _read_config(folder, remote)
         model = _auto_class(config).from_pretrained(
-            folder, local_files_only=True, use_safetensors=True, trust_remote_code=remote, dtype=dtype or "auto"
+            folder,
+            local_files_only=True,
+            use_safetensors=True,
+            trust_remote_code=remote,
+            dtype=dtype or "auto",
         )
         tokenizer = _tokenizer_from(folder, remote)
     if dtype is not None:
@@ -118,7 +140,9 @@ def load(model_cfg: dict[str, Any], dtype=None):
     elif tok_cfg:
         tokenizer = _tokenizer_from(_expand(tok_cfg), remote)
     if tokenizer is None:
-        raise UserError(f"model '{model_cfg.get('name')}' has no tokenizer; set model.tokenizer to a folder with one, or `byte`.")
+        raise UserError(
+            f"model '{model_cfg.get('name')}' has no tokenizer; set model.tokenizer to a folder with one, or `byte`."
+        )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
@@ -166,7 +190,10 @@ def _refuse_pickle_folder(folder: str) -> None:
         pickles = [f for f in files if f.endswith(PICKLE_SUFFIXES)]
         if pickles:
             p = str(Path(folder) / pickles[0])
-            raise UserError(f"model.source {folder} holds only pickle weights ({pickles[0]}). " + CONVERT_HINT.format(p=p, stem=p.rsplit(".", 1)[0]))
+            raise UserError(
+                f"model.source {folder} holds only pickle weights ({pickles[0]}). "
+                + CONVERT_HINT.format(p=p, stem=p.rsplit(".", 1)[0])
+            )
         raise UserError(f"model.source {folder} has no .safetensors weights.")
 
 
@@ -179,16 +206,38 @@ def _tokenizer_from(folder: str, remote: bool):
         return None
 
 
-def _load_gguf(path: str, dtype):
+def _load_gguf(path: str, dtype, cache_dir=None):
+    """De-quantize a GGUF file with transformers; keep the result as a safetensors folder in the cache."""
+    import hashlib
+    import shutil
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[
+        :16
+    ]
+    converted = Path(cache_dir) / "gguf" / key if cache_dir else None
+    if converted is not None and (converted / ".complete").exists():
+        model = AutoModelForCausalLM.from_pretrained(converted, local_files_only=True, dtype=dtype or "auto")
+        return model, AutoTokenizer.from_pretrained(converted, local_files_only=True)
     _check_gguf(path)
     folder, name = os.path.dirname(path) or ".", os.path.basename(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True, dtype=dtype or "auto")
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, local_files_only=True, dtype=dtype or "auto"
+        )
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     except (ValueError, OSError, KeyError, IndexError) as e:
         raise UserError(f"model.source {path} could not be read as GGUF: {e}") from e
+    if converted is not None:
+        tmp = converted.with_name(key + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / ".complete").write_text(path)
+        shutil.rmtree(converted, ignore_errors=True)
+        tmp.rename(converted)
     return model, tokenizer
 
 
@@ -199,11 +248,15 @@ def _check_gguf(path: str) -> None:
     try:
         reader = GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError, MemoryError) as e:
-        raise UserError(f"model.source {path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
+        raise UserError(
+            f"model.source {path} is not a readable GGUF file (truncated or corrupt?): {e}"
+        ) from e
     size = os.path.getsize(path)
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
-            raise UserError(f"model.source {path} is truncated: tensor '{t.name}' ends at byte {t.data_offset + t.n_bytes} of a {size}-byte file.")
+            raise UserError(
+                f"model.source {path} is truncated: tensor '{t.name}' ends at byte {t.data_offset + t.n_bytes} of a {size}-byte file."
+            )
 
 
 def _load_safetensors_file(model_cfg: dict[str, Any], path: str):
@@ -212,11 +265,15 @@ def _load_safetensors_file(model_cfg: dict[str, Any], path: str):
 
     config = architecture(model_cfg)
     if config is None:
-        raise UserError(f"model.source {path} is a bare .safetensors file; add model.architecture so ONN knows what to build.")
+        raise UserError(
+            f"model.source {path} is a bare .safetensors file; add model.architecture so ONN knows what to build."
+        )
     try:
         state = load_file(path)
     except (SafetensorError, OSError) as e:
-        raise UserError(f"model.source {path} is not a readable safetensors file (truncated or corrupt?): {e}") from e
+        raise UserError(
+            f"model.source {path} is not a readable safetensors file (truncated or corrupt?): {e}"
+        ) from e
     model = _auto_class(config).from_config(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if "lm_head" in k and getattr(config, "tie_word_embeddings", False)}

@@ -30,7 +30,11 @@ def byte_tokenizer():
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable-character table, the one ByteLevel uses."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):

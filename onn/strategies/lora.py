@@ -11,7 +11,13 @@ from onn.errors import UserError
 from onn.models.layers import LayerMap
 
 
-def apply(model: nn.Module, strategy: str, strategy_cfg: dict[str, Any], layer_map: LayerMap, sparse_layers: list[int] | None) -> nn.Module:
+def apply(
+    model: nn.Module,
+    strategy: str,
+    strategy_cfg: dict[str, Any],
+    layer_map: LayerMap,
+    sparse_layers: list[int] | None,
+) -> nn.Module:
     """Return the model ready to train under `strategy` (the plan's choice)."""
     if strategy in ("full", "ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3_offload"):
         for p in model.parameters():
@@ -25,7 +31,13 @@ def apply(model: nn.Module, strategy: str, strategy_cfg: dict[str, Any], layer_m
     layers = sparse_layers if strategy == "sparse_lora" else None
     target = lora.get("target_modules", "all-linear")
     if target == "all-linear":  # peft needs explicit names to combine with layers_to_transform
-        target = sorted({name.rsplit(".", 1)[-1] for name, m in layer_map.blocks[0].named_modules() if isinstance(m, nn.Linear)})
+        target = sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for name, m in layer_map.blocks[0].named_modules()
+                if isinstance(m, nn.Linear)
+            }
+        )
     config = LoraConfig(
         r=int(lora.get("r", 8)),
         lora_alpha=int(lora.get("alpha", 16)),
@@ -46,17 +58,21 @@ def quantize_blocks_nf4(layer_map: LayerMap) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        raise UserError("strategy=qlora needs a CUDA GPU (bitsandbytes 4-bit); on this machine use strategy=lora or sparse_lora.")
+        raise UserError(
+            "strategy=qlora needs a CUDA GPU (bitsandbytes 4-bit); on this machine use strategy=lora or sparse_lora."
+        )
     import bitsandbytes as bnb
 
     compute_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     for block in layer_map.blocks:
-        for name, child in list(block.named_modules()):
+        for child in list(block.modules()):
             for attr, linear in list(child.named_children()):
                 if type(linear) is nn.Linear:
                     q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                                           compute_dtype=compute_dtype, quant_type="nf4")  # fmt: skip
-                    q.weight = bnb.nn.Params4bit(linear.weight.data.to(compute_dtype), requires_grad=False, quant_type="nf4")
+                    q.weight = bnb.nn.Params4bit(
+                        linear.weight.data.to(compute_dtype), requires_grad=False, quant_type="nf4"
+                    )
                     if linear.bias is not None:
                         q.bias = nn.Parameter(linear.bias.data, requires_grad=False)
                     setattr(child, attr, q.cuda())

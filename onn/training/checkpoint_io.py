@@ -47,7 +47,9 @@ def flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
         return str(obj)
     if hasattr(obj, "item") and getattr(obj, "shape", None) == ():  # numpy scalars
         return obj.item()
-    raise TypeError(f"checkpoint value at {path or '<root>'} has type {type(obj).__name__}, which ONN does not store")
+    raise TypeError(
+        f"checkpoint value at {path or '<root>'} has type {type(obj).__name__}, which ONN does not store"
+    )
 
 
 def unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -85,7 +87,9 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
 def load(path: str | os.PathLike, map_location: Any = None) -> dict[str, Any]:
     path = Path(path)
     if path.is_file():
-        raise UserError(f"{path} is a file, not an ONN checkpoint folder; pickle checkpoints (.ckpt/.pt/.bin) are never loaded.")
+        raise UserError(
+            f"{path} is a file, not an ONN checkpoint folder; pickle checkpoints (.ckpt/.pt/.bin) are never loaded."
+        )
     if not (path / META).is_file() or not (path / TENSORS).is_file():
         raise UserError(f"{path} is not a complete ONN checkpoint (needs {META} and {TENSORS}).")
     device = str(map_location) if isinstance(map_location, (str, torch.device)) else "cpu"
@@ -99,7 +103,12 @@ def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for key, t in tensors.items():
         t = t.detach().cpu()
         ptr = t.untyped_storage().data_ptr() if t.numel() else None
-        if ptr is not None and ptr in seen or not t.is_contiguous() or (t.numel() and t.untyped_storage().nbytes() != t.numel() * t.element_size()):
+        if (
+            ptr is not None
+            and ptr in seen
+            or not t.is_contiguous()
+            or (t.numel() and t.untyped_storage().nbytes() != t.numel() * t.element_size())
+        ):
             t = t.clone().contiguous()
         if ptr is not None:
             seen.add(ptr)
@@ -113,7 +122,9 @@ class SafetensorsCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         save(checkpoint, path)
 
-    def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         return load(path, map_location)
 
     def remove_checkpoint(self, path) -> None:
@@ -123,18 +134,30 @@ class SafetensorsCheckpointIO(CheckpointIO):
 def resolve(ckpt: str, outputs: str | os.PathLike) -> Path:
     """`last` (newest last.ckpt under outputs), a run dir, a checkpoints dir, or a checkpoint path."""
     if str(ckpt) == "last":
-        found = sorted(Path(outputs).glob("**/checkpoints/last.ckpt"), key=lambda p: (p / META).stat().st_mtime if (p / META).exists() else 0)
+        found = sorted(
+            Path(outputs).glob("**/checkpoints/last.ckpt"),
+            key=lambda p: (p / META).stat().st_mtime if (p / META).exists() else 0,
+        )
         found = [p for p in found if (p / META).is_file()]
         if not found:
             raise UserError(f"ckpt=last: no checkpoint under {outputs}; train first, or give ckpt=PATH.")
         return found[-1]
     path = Path(str(ckpt)).expanduser()
-    for candidate in (path, path / "checkpoints" / "last.ckpt", path / "last.ckpt", path.with_name(path.name + ".ckpt")):
+    for candidate in (
+        path,
+        path / "checkpoints" / "last.ckpt",
+        path / "last.ckpt",
+        path.with_name(path.name + ".ckpt"),
+    ):
         if (candidate / META).is_file():
             return candidate
     if path.suffix in (".pt", ".bin", ".pth", ".pkl") or path.is_file():
-        raise UserError(f"ckpt={ckpt} is a file, not an ONN checkpoint folder; pickle checkpoints are never loaded (ONN writes NAME.ckpt/ folders).")
-    raise UserError(f"ckpt={ckpt}: no ONN checkpoint there (looked for {META} in it, its checkpoints/last.ckpt and last.ckpt).")
+        raise UserError(
+            f"ckpt={ckpt} is a file, not an ONN checkpoint folder; pickle checkpoints are never loaded (ONN writes NAME.ckpt/ folders)."
+        )
+    raise UserError(
+        f"ckpt={ckpt}: no ONN checkpoint there (looked for {META} in it, its checkpoints/last.ckpt and last.ckpt)."
+    )
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:

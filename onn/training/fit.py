@@ -26,7 +26,7 @@ def build(config: dict[str, Any], plan: dict[str, Any]):
     model_cfg = config["model"]
     dtype = model_cfg.get("dtype", "auto")
     dtype = DTYPES[plan["weights_dtype"] if dtype in (None, "auto") else dtype]
-    model, tokenizer = load(model_cfg, dtype=dtype)
+    model, tokenizer = load(model_cfg, dtype=dtype, cache_dir=config["paths"]["cache"])
     layer_map = discover(model, (model_cfg.get("layer_map") or {}).get("blocks"))
     model = apply(model, plan["strategy"], config["strategy"], layer_map, plan.get("sparse_layers"))
     if config["strategy"].get("gradient_checkpointing") and hasattr(model, "gradient_checkpointing_enable"):
@@ -48,7 +48,9 @@ def _datamodule(config: dict[str, Any], plan: dict[str, Any], tokenizer):
     return dm
 
 
-def _trainer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, callbacks: list, with_loggers: bool = True):
+def _trainer(
+    config: dict[str, Any], plan: dict[str, Any], run_dir: Path, callbacks: list, with_loggers: bool = True
+):
     import lightning as L
     from hydra.utils import instantiate
 
@@ -56,12 +58,24 @@ def _trainer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, callba
 
     kwargs = dict(config["trainer"])
     accumulate = plan["accumulate"]
-    kwargs["precision"] = plan["precision"] if kwargs.get("precision") in (None, "auto") else kwargs["precision"]
-    kwargs["accumulate_grad_batches"] = accumulate if kwargs.get("accumulate_grad_batches") in (None, "auto") else kwargs["accumulate_grad_batches"]
+    kwargs["precision"] = (
+        plan["precision"] if kwargs.get("precision") in (None, "auto") else kwargs["precision"]
+    )
+    kwargs["accumulate_grad_batches"] = (
+        accumulate
+        if kwargs.get("accumulate_grad_batches") in (None, "auto")
+        else kwargs["accumulate_grad_batches"]
+    )
     # The training stream is endless, so validation is scheduled in micro-batches; config counts optimizer steps.
     if isinstance(kwargs.get("val_check_interval"), int):
-        kwargs["val_check_interval"] = min(kwargs["val_check_interval"], kwargs["max_steps"]) * kwargs["accumulate_grad_batches"]
-    loggers = [instantiate(c, save_dir=str(run_dir)) for c in (config.get("tracking") or {}).get("loggers", [])] if with_loggers else []
+        kwargs["val_check_interval"] = (
+            min(kwargs["val_check_interval"], kwargs["max_steps"]) * kwargs["accumulate_grad_batches"]
+        )
+    loggers = (
+        [instantiate(c, save_dir=str(run_dir)) for c in (config.get("tracking") or {}).get("loggers", [])]
+        if with_loggers
+        else []
+    )
     strategy = config["strategy"].get("lightning", "auto") or "auto"
     return L.Trainer(default_root_dir=str(run_dir), logger=loggers or False, callbacks=callbacks, plugins=[SafetensorsCheckpointIO()],
                      strategy=strategy, enable_checkpointing=any(_is_ckpt_cb(c) for c in callbacks), **kwargs)  # fmt: skip
@@ -80,7 +94,9 @@ def _load_weights(module, ckpt: Path) -> None:
     missing, unexpected = module.load_state_dict(state, strict=False)
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     if unexpected or (set(missing) & trainable):
-        raise UserError(f"ckpt {ckpt} does not match the model it names: missing {sorted(set(missing) & trainable)[:3]}, unexpected {unexpected[:3]}.")
+        raise UserError(
+            f"ckpt {ckpt} does not match the model it names: missing {sorted(set(missing) & trainable)[:3]}, unexpected {unexpected[:3]}."
+        )
 
 
 def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Path | None) -> dict[str, Any]:
@@ -105,9 +121,12 @@ def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
         last = run_dir / "checkpoints" / "last.ckpt"
         trainer.save_checkpoint(str(last), weights_only=False)  # the final state, whatever the save interval
-        trainer.validate(module, datamodule=dm, verbose=False)
+        if module.val_at_step != trainer.global_step:
+            trainer.validate(module, datamodule=dm, verbose=False)
     if getattr(module.model, "peft_config", None) and ckpt_cfg.get("save_peft_adapter", True):
-        module.model.save_pretrained(str(run_dir / "adapter"))  # PEFT's own format: adapter_config.json + safetensors
+        module.model.save_pretrained(
+            str(run_dir / "adapter")
+        )  # PEFT's own format: adapter_config.json + safetensors
         tokenizer.save_pretrained(str(run_dir / "adapter"))
     loss_initial, loss_final = summarize_losses(module.train_losses)
     metrics = {
@@ -131,7 +150,9 @@ def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
     return metrics
 
 
-def evaluate(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Path | None) -> dict[str, Any]:
+def evaluate(
+    config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Path | None
+) -> dict[str, Any]:
     from onn.infer.generate import exact_match
 
     module, tokenizer = build(config, plan)
@@ -149,7 +170,9 @@ def evaluate(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: 
     if any(p for p, _ in dm.val_examples):
         metrics["val/exact_match"] = exact_match(module.model, tokenizer, dm.val_examples, config["data"].get("answer_pattern"),
                                                  int(task.get("max_samples", 100)), int(task.get("max_new_tokens", 24)))  # fmt: skip
-    print(f"val loss {loss:.4f}  perplexity {metrics['val/perplexity']:.3f}  exact match {metrics.get('val/exact_match', float('nan')):.3f}")
+    print(
+        f"val loss {loss:.4f}  perplexity {metrics['val/perplexity']:.3f}  exact match {metrics.get('val/exact_match', float('nan')):.3f}"
+    )
     return metrics
 
 

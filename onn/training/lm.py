@@ -16,7 +16,9 @@ from onn.data.module import IGNORE
 
 
 class CausalLM(L.LightningModule):
-    def __init__(self, model: torch.nn.Module, optim: dict[str, Any], max_steps: int, onn_config: dict[str, Any]):
+    def __init__(
+        self, model: torch.nn.Module, optim: dict[str, Any], max_steps: int, onn_config: dict[str, Any]
+    ):
         super().__init__()
         self.model = model
         self.optim = optim
@@ -25,6 +27,7 @@ class CausalLM(L.LightningModule):
         self._val_sum, self._val_tokens = 0.0, 0
         self.train_losses: list[float] = []  # one mean loss per optimizer step, kept across resume
         self.val_losses: list[float] = []
+        self.val_at_step: int | None = None  # global step of the latest validation
         self._micro_losses: list[float] = []
         # LoRA checkpoints hold only what trains; the frozen base comes from model.source again.
         self.strict_loading = all(p.requires_grad for p in model.parameters())
@@ -35,7 +38,14 @@ class CausalLM(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.model(**batch).loss
         self._micro_losses.append(loss.detach().float().item())
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=batch["input_ids"].shape[0])
+        self.log(
+            "train/loss",
+            loss,
+            prog_bar=True,
+            on_step=True,
+            on_epoch=False,
+            batch_size=batch["input_ids"].shape[0],
+        )
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
@@ -56,6 +66,7 @@ class CausalLM(L.LightningModule):
         self.log("val/perplexity", math.exp(min(loss, 50)))
         if not self.trainer.sanity_checking:
             self.val_losses.append(loss)
+            self.val_at_step = self.trainer.global_step
 
     def configure_optimizers(self):
         from transformers import get_scheduler
@@ -66,20 +77,33 @@ class CausalLM(L.LightningModule):
             optimizer = torch.optim.AdamW(params, lr=self.optim["lr"], weight_decay=self.optim.get("weight_decay", 0.0),
                                           betas=tuple(self.optim.get("betas", (0.9, 0.999))))  # fmt: skip
         elif name == "sgd":
-            optimizer = torch.optim.SGD(params, lr=self.optim["lr"], momentum=0.9, weight_decay=self.optim.get("weight_decay", 0.0))
+            optimizer = torch.optim.SGD(
+                params, lr=self.optim["lr"], momentum=0.9, weight_decay=self.optim.get("weight_decay", 0.0)
+            )
         else:
             from onn.errors import UserError
 
             raise UserError(f"optim.name '{name}' is not one of adamw, sgd.")
-        schedule = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[self.optim.get("schedule", "cosine")]
-        scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=int(self.optim.get("warmup_steps", 0)), num_training_steps=self.max_steps)
+        schedule = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[
+            self.optim.get("schedule", "cosine")
+        ]
+        scheduler = get_scheduler(
+            schedule,
+            optimizer,
+            num_warmup_steps=int(self.optim.get("warmup_steps", 0)),
+            num_training_steps=self.max_steps,
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if not self.strict_loading:
             trainable = {n for n, p in self.named_parameters() if p.requires_grad}
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
-        checkpoint["onn"] = {"config": self.onn_config, "train_losses": self.train_losses, "val_losses": self.val_losses}
+        checkpoint["onn"] = {
+            "config": self.onn_config,
+            "train_losses": self.train_losses,
+            "val_losses": self.val_losses,
+        }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         onn = checkpoint.get("onn", {})
