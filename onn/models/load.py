@@ -12,6 +12,7 @@ Sources (model.source):
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -233,7 +234,15 @@ def _load_gguf(path: str, dtype, cache_dir=None):
     if converted is not None:
         tmp = converted.with_name(key + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
+        tmp.mkdir(parents=True)
+        # transformers refuses save_pretrained on GGUF-flagged models; the weights are plain
+        # tensors after de-quantization, so write them and a config without the GGUF flag.
+        from safetensors.torch import save_model
+
+        save_model(model, str(tmp / "model.safetensors"))
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tokenizer.save_pretrained(tmp)
         (tmp / ".complete").write_text(path)
         shutil.rmtree(converted, ignore_errors=True)

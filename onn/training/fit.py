@@ -12,6 +12,7 @@ import torch
 from onn.errors import UserError
 
 log = logging.getLogger("onn")
+SHORT_ANSWER_TOKENS = 32  # exact match after training only where generating answers is cheap
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -118,6 +119,7 @@ def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
     with PeakMemory("cuda" if accelerator == "cuda" else "cpu") as peak:
         if ckpt is None and config["task"].get("validate_before", True):
             trainer.validate(module, datamodule=dm, verbose=False)
+        module.train()  # from_pretrained returns eval mode, and Lightning keeps the mode it is given
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
         last = run_dir / "checkpoints" / "last.ckpt"
         trainer.save_checkpoint(str(last), weights_only=False)  # the final state, whatever the save interval
@@ -144,7 +146,9 @@ def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
         "resumed_from": str(ckpt) if ckpt else None,
     }
     samples = int(config["task"].get("exact_match_samples", 0) or 0)
-    if samples and any(p for p, _ in dm.val_examples):
+    if samples and any(p for p, _ in dm.val_examples) and dm.max_answer_tokens > SHORT_ANSWER_TOKENS:
+        log.info("answers run to %d tokens: skipping exact match after training; run task=eval for it", dm.max_answer_tokens)
+    elif samples and any(p for p, _ in dm.val_examples):
         metrics["val/exact_match"] = exact_match(module.model, tokenizer, dm.val_examples, config["data"].get("answer_pattern"), samples,
                                                  max_new_tokens=dm.max_answer_tokens + 2)  # fmt: skip
     return metrics
