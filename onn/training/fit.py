@@ -147,7 +147,10 @@ def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
     }
     samples = int(config["task"].get("exact_match_samples", 0) or 0)
     if samples and any(p for p, _ in dm.val_examples) and dm.max_answer_tokens > SHORT_ANSWER_TOKENS:
-        log.info("answers run to %d tokens: skipping exact match after training; run task=eval for it", dm.max_answer_tokens)
+        log.info(
+            "answers run to %d tokens: skipping exact match after training; run task=eval for it",
+            dm.max_answer_tokens,
+        )
     elif samples and any(p for p, _ in dm.val_examples):
         metrics["val/exact_match"] = exact_match(module.model, tokenizer, dm.val_examples, config["data"].get("answer_pattern"), samples,
                                                  max_new_tokens=dm.max_answer_tokens + 2)  # fmt: skip

@@ -1,0 +1,97 @@
+"""The layer store: frozen block weights kept off the compute device, one block at a time.
+
+`disk`: one safetensors file per block in a folder keyed by the model's fingerprint, each with a
+`.done` marker that records the file's size; a block whose file or marker is missing or whose
+size disagrees is rebuilt, never used. `cpu`: the same tensors held in host memory (pinned when
+a GPU will read them). Weights may be stored in a smaller dtype than they compute in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from onn.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LayerStore:
+    """Frozen weights of each block, by block index and parameter name (relative to the block)."""
+
+    def __init__(self, kind: str, dtype: str, folder: Path | None = None, pin: bool = False):
+        if kind not in ("disk", "cpu"):
+            raise UserError(f"strategy.streaming.store must be disk or cpu, not {kind!r}.")
+        if dtype not in DTYPES:
+            raise UserError(f"strategy.streaming.store_dtype {dtype!r} is not one of {', '.join(DTYPES)}.")
+        self.kind, self.dtype, self.folder, self.pin = kind, DTYPES[dtype], folder, pin
+        self._memory: dict[int, dict[str, torch.Tensor]] = {}
+        self.rebuilt: list[int] = []  # blocks written by the last `fill`
+
+    def block_file(self, index: int) -> Path:
+        return self.folder / f"block_{index:05d}.safetensors"
+
+    def _marker(self, index: int) -> Path:
+        return self.folder / f"block_{index:05d}.done"
+
+    def is_complete(self, index: int) -> bool:
+        """A block is usable only with its marker, a file of the recorded size, and a readable header."""
+        path, marker = self.block_file(index), self._marker(index)
+        if not (path.is_file() and marker.is_file()):
+            return False
+        try:
+            if json.loads(marker.read_text()).get("bytes") != path.stat().st_size:
+                return False
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except (OSError, ValueError, json.JSONDecodeError):
+            return False
+        return True
+
+    def fill(self, blocks: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Store each block's frozen tensors (disk: only blocks without a complete file are written)."""
+        self.rebuilt = []
+        if self.kind == "cpu":
+            for i, tensors in blocks.items():
+                stored = {n: t.detach().to("cpu", self.dtype).contiguous() for n, t in tensors.items()}
+                self._memory[i] = {n: t.pin_memory() for n, t in stored.items()} if self.pin else stored
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        missing = [i for i in blocks if not self.is_complete(i)]
+        needed = sum(t.numel() * self.dtype.itemsize for i in missing for t in blocks[i].values())
+        free = shutil.disk_usage(self.folder).free
+        if needed > free:
+            raise UserError(
+                f"the layer store at {self.folder} needs {needed / 2**20:,.0f} MB but the disk has {free / 2**20:,.0f} MB free; "
+                "set paths.cache (or ONN_CACHE) to a disk with room, or strategy.streaming.store=cpu."
+            )
+        for i in missing:
+            self._marker(i).unlink(missing_ok=True)
+            path = self.block_file(i)
+            tmp = path.with_suffix(".tmp")
+            save_file(
+                {n: t.detach().to("cpu", self.dtype).contiguous() for n, t in blocks[i].items()}, str(tmp)
+            )
+            os.replace(tmp, path)
+            self._marker(i).write_text(json.dumps({"bytes": path.stat().st_size}))
+            self.rebuilt.append(i)
+
+    def read(self, index: int) -> dict[str, torch.Tensor]:
+        """The block's stored tensors, in host memory."""
+        if self.kind == "cpu":
+            return self._memory[index]
+        if not self.is_complete(index):
+            raise RuntimeError(f"layer store block {index} at {self.folder} is incomplete")
+        with safe_open(str(self.block_file(index)), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+
+    def nbytes(self, index: int) -> int:
+        if self.kind == "cpu":
+            return sum(t.numel() * t.element_size() for t in self._memory[index].values())
+        return self.block_file(index).stat().st_size
