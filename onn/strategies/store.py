@@ -89,7 +89,7 @@ class LayerStore:
         if not self.is_complete(index):
             raise RuntimeError(f"layer store block {index} at {self.folder} is incomplete")
         with safe_open(str(self.block_file(index)), framework="pt") as f:
-            return {name: f.get_tensor(name) for name in f.keys()}
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
 
     def nbytes(self, index: int) -> int:
         if self.kind == "cpu":

@@ -75,7 +75,8 @@ class StreamingEngine:
     """Runs a LayerMap'd model with its blocks' frozen weights coming from a LayerStore."""
 
     def __init__(self, model: nn.Module, layer_map: LayerMap, store: LayerStore, chunk_size: int, device: torch.device | str = "cpu",
-                 prefetch: bool = True, activations: str = "device", compute_dtype: torch.dtype | None = None):  # fmt: skip
+                 prefetch: bool = True, activations: str = "device", compute_dtype: torch.dtype | None = None,
+                 micro_batch: int | None = None):  # fmt: skip
         n = len(layer_map)
         if not 1 <= chunk_size <= n:
             from onn.errors import UserError
@@ -85,7 +86,7 @@ class StreamingEngine:
             )
         self.model, self.map, self.store = model, layer_map, store
         self.device = torch.device(device)
-        self.prefetch, self.activations = prefetch, activations
+        self.prefetch, self.activations, self.micro_batch = prefetch, activations, micro_batch
         self.chunks = [list(range(s, min(s + chunk_size, n))) for s in range(0, n, chunk_size)]
         self.frozen = [
             [name for name, p in block.named_parameters() if not p.requires_grad]
@@ -108,6 +109,7 @@ class StreamingEngine:
         )
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self._as_tuple = False
+        self._pending_backward = None
 
     # -- weights -------------------------------------------------------------------------------
     def offload(self) -> None:
@@ -245,9 +247,26 @@ class StreamingEngine:
         return inputs, kept, hidden
 
     # -- what callers use ----------------------------------------------------------------------
+    def split(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """A macro-batch as micro-batches of `micro_batch` samples, moved to the device."""
+        size = self.micro_batch or next(iter(batch.values())).shape[0]
+        pieces = {k: v.split(size) for k, v in batch.items()}
+        return [
+            {k: v[i].to(self.device) for k, v in pieces.items()}
+            for i in range(len(next(iter(pieces.values()))))
+        ]
+
     def train_step(self, micro_batches: list[dict[str, Any]]) -> torch.Tensor:
         """Forward and backward over M micro-batches; gradients of trainable parameters accumulate
         as they would for sum(loss_m / M).backward(). Returns the mean loss (detached)."""
+        loss = self.forward_train(micro_batches)
+        self.backward_chunks()
+        return loss
+
+    def forward_train(self, micro_batches: list[dict[str, Any]], loss_scale: float = 1.0) -> torch.Tensor:
+        """The forward half of a step: chunk-outer forward keeping chunk inputs, then each micro-batch's
+        loss backpropagated to its last hidden state (the engine's own tensors, so an optimizer's
+        zero_grad in between changes nothing). `loss_scale` is fp16's loss scale."""
         m_count = len(micro_batches)
         last = len(self.chunks) - 1
         inputs, kept, hidden = self._forward(micro_batches, keep_from=self.lowest_chunk)
@@ -257,14 +276,22 @@ class StreamingEngine:
         for h, mb in zip(hidden, micro_batches):
             h = h.detach().requires_grad_(True)
             loss = self.suffix(h, mb).loss
-            (loss / m_count).backward()
+            (loss * (loss_scale / m_count)).backward()
             grads.append(h.grad)
             losses.append(loss.detach())
         self.times.compute_s += time.perf_counter() - start
+        self._pending_backward = (inputs, kept, grads)
+        return torch.stack(losses).mean()
+
+    def backward_chunks(self) -> None:
+        """The backward half: chunks in reverse down to the lowest trainable one, recomputing each."""
+        inputs, kept, grads = self._pending_backward
+        self._pending_backward = None
+        last = len(self.chunks) - 1
         for c in range(last, self.lowest_chunk - 1, -1):
             self._install(c, c - 1 if c - 1 >= self.lowest_chunk else None)
             start = time.perf_counter()
-            for m in range(m_count):
+            for m in range(len(grads)):
                 x = (
                     kept[c][m]
                     .to(self.device, non_blocking=True)
@@ -278,7 +305,6 @@ class StreamingEngine:
             kept[c] = None
             self.times.compute_s += time.perf_counter() - start
         self.release()
-        return torch.stack(losses).mean()
 
     def loss(self, micro_batches: list[dict[str, Any]]) -> list[torch.Tensor]:
         """Streamed forward only: each micro-batch's loss (for validation)."""
@@ -348,6 +374,7 @@ class StreamingEngine:
         self._drain()
         if self._pool is not None:
             self._pool.shutdown()
+            self._pool = None
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

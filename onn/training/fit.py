@@ -41,10 +41,30 @@ def build(config: dict[str, Any], plan: dict[str, Any]):
     return module, tokenizer
 
 
+def streaming_settings(config: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any] | None:
+    """The streaming engine's settings: the config's, with `auto` filled in from the plan; None when not streaming."""
+    if config["strategy"].get("lightning") != "streaming" or plan["strategy"] != "sparse_lora":
+        return None
+    planned = plan.get("streaming") or {}
+    settings = dict(config["strategy"].get("streaming") or {})
+    for key in ("chunk_size", "store", "store_dtype", "activations"):
+        if settings.get(key) in (None, "auto"):
+            settings[key] = planned[key]
+    return settings
+
+
+def _device(plan: dict[str, Any]) -> str:
+    return "cuda" if plan["hardware"]["accelerator"] == "cuda" else "cpu"
+
+
 def _datamodule(config: dict[str, Any], plan: dict[str, Any], tokenizer):
     from onn.data.module import TextDataModule
 
-    dm = TextDataModule(config["data"], tokenizer, plan["micro_batch"], seed=int(config.get("seed", 0)))
+    # Streaming takes whole macro-batches and splits them itself.
+    loader_batch = (
+        int(config["data"]["batch_size"]) if streaming_settings(config, plan) else plan["micro_batch"]
+    )
+    dm = TextDataModule(config["data"], tokenizer, loader_batch, seed=int(config.get("seed", 0)))
     dm.setup()
     return dm
 
@@ -58,7 +78,8 @@ def _trainer(
     from onn.training.checkpoint_io import SafetensorsCheckpointIO
 
     kwargs = dict(config["trainer"])
-    accumulate = plan["accumulate"]
+    streaming = streaming_settings(config, plan)
+    accumulate = 1 if streaming else plan["accumulate"]
     kwargs["precision"] = (
         plan["precision"] if kwargs.get("precision") in (None, "auto") else kwargs["precision"]
     )
@@ -78,6 +99,15 @@ def _trainer(
         else []
     )
     strategy = config["strategy"].get("lightning", "auto") or "auto"
+    if streaming:
+        from onn.strategies.lightning_strategy import LayerStreamingStrategy, model_fingerprint
+
+        store_root = Path(config["paths"]["cache"]) / "stores" / model_fingerprint(config["model"])
+        strategy = LayerStreamingStrategy(streaming, store_root, plan["micro_batch"], device=_device(plan))
+        kwargs["accelerator"] = _device(plan)
+        kwargs["devices"] = 1
+    elif strategy == "streaming":
+        strategy = "auto"  # sparse_lora that the plan did not choose to stream
     return L.Trainer(default_root_dir=str(run_dir), logger=loggers or False, callbacks=callbacks, plugins=[SafetensorsCheckpointIO()],
                      strategy=strategy, enable_checkpointing=any(_is_ckpt_cb(c) for c in callbacks), **kwargs)  # fmt: skip
 

@@ -29,6 +29,7 @@ class CausalLM(L.LightningModule):
         self.val_losses: list[float] = []
         self.val_at_step: int | None = None  # global step of the latest validation
         self._micro_losses: list[float] = []
+        self.engine = None  # set by LayerStreamingStrategy: batches are then macro-batches it streams
         # LoRA checkpoints hold only what trains; the frozen base comes from model.source again.
         self.strict_loading = all(p.requires_grad for p in model.parameters())
 
@@ -36,7 +37,12 @@ class CausalLM(L.LightningModule):
         return self.model(**batch)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(**batch).loss
+        if self.engine is not None:  # forward and backward of every micro-batch, chunk by chunk
+            loss = self.engine.forward_train(
+                self.engine.split(batch), loss_scale=self.trainer.strategy.loss_scale()
+            )
+        else:
+            loss = self.model(**batch).loss
         self._micro_losses.append(loss.detach().float().item())
         self.log(
             "train/loss",
@@ -54,10 +60,15 @@ class CausalLM(L.LightningModule):
             self._micro_losses.clear()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss = self.model(**batch).loss
-        tokens = int((batch["labels"][:, 1:] != IGNORE).sum())
-        self._val_sum += float(loss) * tokens
-        self._val_tokens += tokens
+        if self.engine is not None:
+            pieces = self.engine.split(batch)
+            losses = self.engine.loss(pieces)
+        else:
+            pieces, losses = [batch], [self.model(**batch).loss]
+        for piece, loss in zip(pieces, losses):
+            tokens = int((piece["labels"][:, 1:] != IGNORE).sum())
+            self._val_sum += float(loss) * tokens
+            self._val_tokens += tokens
 
     def on_validation_epoch_end(self) -> None:
         loss = self._val_sum / max(self._val_tokens, 1)

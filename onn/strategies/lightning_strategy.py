@@ -1,0 +1,88 @@
+"""LayerStreamingStrategy: Lightning's single-device strategy with ONN's layer streaming.
+
+Placement: the blocks' frozen weights go to the layer store before the model moves, so only
+adapters, prefix and suffix ever reach the device wholesale. A batch is a whole macro-batch;
+the engine splits it into micro-batches, runs the chunk-outer forward and each loss's backward
+to the last hidden state in `training_step`, and walks the chunks backward in `backward`, so
+Lightning accumulates nothing.
+Loggers, progress bar, validation, checkpoints (adapters + optimizer + loops, through the
+safetensors CheckpointIO) and resume are Lightning's own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+from onn.models.layers import discover
+from onn.strategies.store import LayerStore
+from onn.strategies.streaming import StreamingEngine
+
+
+def model_fingerprint(model_cfg: dict[str, Any]) -> str:
+    """Identifies the frozen weights: source (with its size and mtime), architecture, init seed, dtype."""
+    parts = {k: model_cfg.get(k) for k in ("source", "architecture", "init_seed", "dtype")}
+    source = os.path.expanduser(str(model_cfg.get("source") or ""))
+    if os.path.exists(source):
+        stat = os.stat(source)
+        parts["stat"] = [stat.st_size, stat.st_mtime_ns]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def build_engine(
+    model: torch.nn.Module,
+    settings: dict[str, Any],
+    store_root: Path,
+    device: torch.device | str,
+    micro_batch: int,
+) -> StreamingEngine:
+    """Discover the blocks, move their frozen weights into the store, and return the engine."""
+    device = torch.device(device)
+    layer_map = discover(model)
+    store = LayerStore(settings["store"], settings["store_dtype"], folder=Path(store_root) / settings["store_dtype"],
+                       pin=device.type == "cuda" and settings["store"] == "cpu")  # fmt: skip
+    engine = StreamingEngine(model, layer_map, store, int(settings["chunk_size"]), device=device, prefetch=bool(settings.get("prefetch", True)),
+                             activations=settings.get("activations", "device"), micro_batch=micro_batch)  # fmt: skip
+    engine.offload()
+    return engine
+
+
+class LayerStreamingStrategy(SingleDeviceStrategy):
+    strategy_name = "onn_layer_streaming"
+
+    def __init__(
+        self, settings: dict[str, Any], store_root: Path, micro_batch: int, device: str = "cpu", **kwargs
+    ):
+        super().__init__(device=torch.device(device), **kwargs)
+        self.settings, self.store_root, self.micro_batch = settings, Path(store_root), micro_batch
+        self.engine: StreamingEngine | None = None
+
+    def setup(self, trainer) -> None:
+        module = self.lightning_module
+        if self.engine is None:
+            self.engine = build_engine(
+                module.model, self.settings, self.store_root, self.root_device, self.micro_batch
+            )
+            module.engine = self.engine
+        super().setup(trainer)
+
+    def loss_scale(self) -> float:
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return float(scaler.get_scale()) if scaler is not None else 1.0
+
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args, **kwargs) -> torch.Tensor:
+        # training_step ran the forward and the loss's backward to the last hidden state; the
+        # chunks' backward happens here, after Lightning's zero_grad, into the adapters' .grad.
+        self.engine.backward_chunks()
+        return closure_loss
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        super().teardown()
