@@ -96,5 +96,5 @@ def test_real_gguf_smollm2():
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     assert len(discover(model)) == 30
     ids = tok("What is 2 + 2?", return_tensors="pt")
-    out = model.generate(**ids, max_new_tokens=3, do_sample=False)
+    out = model.generate(**ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
     assert out.shape[1] == ids["input_ids"].shape[1] + 3

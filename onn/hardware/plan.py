@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from onn.errors import UserError
 from onn.models.layers import resolve_indices
 
 MB = 1024**2
@@ -149,11 +150,14 @@ def context_mb(hw: dict[str, Any]) -> float:
 
 
 def budget_mb(hw: dict[str, Any]) -> float:
-    """Memory the run may allocate on its compute device, after the context, with headroom."""
+    """Memory the run may allocate on its compute device, after the context, with headroom;
+    `hardware.budget_mb` caps it (the context included) to plan for less than the machine has."""
     if hw["accelerator"] == "cuda":
         total = hw.get("device_memory_free_mb") or hw["device_memory_mb"]
     else:  # CPU and unified memory: the host's available memory is the device
         total = hw.get("host_memory_available_mb") or hw.get("device_memory_mb") or hw["host_memory_mb"]
+    if hw.get("budget_mb"):
+        total = min(total, float(hw["budget_mb"]))
     return (total - context_mb(hw)) * HEADROOM
 
 
@@ -312,9 +316,12 @@ def _estimate_streaming(
     flops = (hw.get("matmul_tflops") or 0.1) * 1e12
     tokens = batch_size * seq
     compute_s = (2 * spec.params + 4 * sum(spec.block_params[lowest:])) * tokens / flops
+    # On a GPU the store is host memory (pinned); on a CPU host memory is the device, so the store
+    # goes to disk unless every block fits comfortably beside the rest.
+    store = "cpu" if on_gpu or streamed_bytes <= 0.5 * budget else "disk"
     streaming = {
         "chunk_size": chunk,
-        "store": "cpu" if on_gpu else "disk",
+        "store": store,
         "store_dtype": store_dtype,
         "activations": "device",
         "micro_batches_per_chunk": accumulate,
@@ -393,6 +400,13 @@ def make_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> dict[
             if s == chosen:
                 break
     est = estimates[chosen]
+    if chosen == "sparse_lora" and not est.fits:
+        need = est.peak_mb + est.context_mb
+        raise UserError(
+            f"hardware {hw.get('name')}: a budget of {budget_mb(hw) + est.context_mb:,.0f} MB cannot hold one streamed block plus "
+            f"activations for {spec.name} at data.max_length={seq}; the smallest budget that works is about {need / HEADROOM:,.0f} MB "
+            "(or shorten data.max_length)."
+        )
     if not est.fits:
         reasons.append(
             f"WARNING: predicted {est.peak_mb:,.0f} MB exceeds the {budget_mb(hw):,.0f} MB budget; expect out-of-memory"

@@ -34,6 +34,7 @@ def resolve(
         profile["device_memory_free_mb"] = profile["device_memory_free_mb"] or profile["device_memory_mb"]
         profile["host_memory_available_mb"] = profile["host_memory_available_mb"] or profile["host_memory_mb"]
         profile["source"] = "preset"
+        profile["budget_mb"] = hw_cfg.get("budget_mb")
         return profile
 
     fingerprint = machine_fingerprint()
@@ -42,6 +43,7 @@ def resolve(
         profile = json.loads(cache.read_text())
         profile.update(_free_memory(profile["accelerator"]))  # free memory changes; measure it now
         profile["source"] = f"cache ({cache})"
+        profile["budget_mb"] = hw_cfg.get("budget_mb")
         return profile
 
     profile = measure(probe_dir)
@@ -51,6 +53,7 @@ def resolve(
     tmp.write_text(json.dumps(profile, indent=2))
     tmp.replace(cache)
     profile["source"] = "measured"
+    profile["budget_mb"] = hw_cfg.get("budget_mb")
     return profile
 
 

@@ -25,26 +25,47 @@ def _sampling(max_new_tokens: int, temperature: float, top_p: float, tokenizer) 
     return kwargs
 
 
+def _generate(
+    model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p, streamer=None
+) -> torch.Tensor:
+    """New tokens for a left-padded batch: layer-streamed when an engine is given, else model.generate."""
+    if engine is not None:
+        on_token = (lambda token: streamer.put(token.cpu())) if streamer is not None else None
+        out = engine.generate(inputs["input_ids"], inputs["attention_mask"], max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                              temperature=temperature, top_p=top_p, on_token=on_token)  # fmt: skip
+        if streamer is not None:
+            streamer.end()
+        return out
+    out = model.generate(
+        **inputs, streamer=streamer, **_sampling(max_new_tokens, temperature, top_p, tokenizer)
+    )
+    return out[:, inputs["input_ids"].shape[1] :]
+
+
 @torch.no_grad()
 def stream(
-    model, tokenizer, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0
+    model,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    engine=None,
 ) -> str:
     """Print the completion token by token as it is generated; return it."""
     from transformers import TextStreamer
 
     model.eval()
-    inputs = tokenizer(prompt, return_tensors="pt").to(_device(model))
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    out = model.generate(
-        **inputs, streamer=streamer, **_sampling(max_new_tokens, temperature, top_p, tokenizer)
-    )
-    return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    inputs = tokenizer(prompt, return_tensors="pt").to(_device(model, engine))
+    streamer = TextStreamer(tokenizer, skip_prompt=engine is None, skip_special_tokens=True)
+    new = _generate(model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p, streamer)
+    return tokenizer.decode(new[0], skip_special_tokens=True)
 
 
 @torch.no_grad()
 def complete(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-             batch_size: int = 16) -> list[str]:  # fmt: skip
-    """Completions for many prompts, generated in left-padded batches."""
+             batch_size: int = 16, engine=None) -> list[str]:  # fmt: skip
+    """Completions for many prompts in left-padded batches (with an engine, every chunk load serves the whole batch)."""
     model.eval()
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -52,12 +73,10 @@ def complete(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, tem
     try:
         for i in range(0, len(prompts), batch_size):
             inputs = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True).to(
-                _device(model)
+                _device(model, engine)
             )
-            out = model.generate(**inputs, **_sampling(max_new_tokens, temperature, top_p, tokenizer))
-            results += tokenizer.batch_decode(
-                out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True
-            )
+            new = _generate(model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p)
+            results += tokenizer.batch_decode(new, skip_special_tokens=True)
     finally:
         tokenizer.padding_side = side
     return results
@@ -70,12 +89,15 @@ def exact_match(
     pattern: str | None,
     max_samples: int,
     max_new_tokens: int,
+    engine=None,
 ) -> float:
     """Fraction of greedy answers equal to the reference answer (after extract_answer on both)."""
     examples = examples[:max_samples]
     if not examples:
         return float("nan")
-    outputs = complete(model, tokenizer, [p for p, _ in examples], max_new_tokens=max_new_tokens)
+    outputs = complete(
+        model, tokenizer, [p for p, _ in examples], max_new_tokens=max_new_tokens, engine=engine
+    )
     hits = sum(
         extract_answer(o, pattern) == extract_answer(a, pattern) for o, (_, a) in zip(outputs, examples)
     )
@@ -100,5 +122,5 @@ def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def _device(model) -> torch.device:
-    return next(model.parameters()).device
+def _device(model, engine=None) -> torch.device:
+    return engine.device if engine is not None else next(model.parameters()).device

@@ -53,6 +53,12 @@ def streaming_settings(config: dict[str, Any], plan: dict[str, Any]) -> dict[str
     return settings
 
 
+def _store_root(config: dict[str, Any]) -> Path:
+    from onn.strategies.lightning_strategy import model_fingerprint
+
+    return Path(config["paths"]["cache"]) / "stores" / model_fingerprint(config["model"])
+
+
 def _device(plan: dict[str, Any]) -> str:
     return "cuda" if plan["hardware"]["accelerator"] == "cuda" else "cpu"
 
@@ -100,10 +106,11 @@ def _trainer(
     )
     strategy = config["strategy"].get("lightning", "auto") or "auto"
     if streaming:
-        from onn.strategies.lightning_strategy import LayerStreamingStrategy, model_fingerprint
+        from onn.strategies.lightning_strategy import LayerStreamingStrategy
 
-        store_root = Path(config["paths"]["cache"]) / "stores" / model_fingerprint(config["model"])
-        strategy = LayerStreamingStrategy(streaming, store_root, plan["micro_batch"], device=_device(plan))
+        strategy = LayerStreamingStrategy(
+            streaming, _store_root(config), plan["micro_batch"], device=_device(plan)
+        )
         kwargs["accelerator"] = _device(plan)
         kwargs["devices"] = 1
     elif strategy == "streaming":
@@ -183,7 +190,7 @@ def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
         )
     elif samples and any(p for p, _ in dm.val_examples):
         metrics["val/exact_match"] = exact_match(module.model, tokenizer, dm.val_examples, config["data"].get("answer_pattern"), samples,
-                                                 max_new_tokens=dm.max_answer_tokens + 2)  # fmt: skip
+                                                 max_new_tokens=dm.max_answer_tokens + 2, engine=module.engine)  # fmt: skip
     return metrics
 
 
@@ -206,7 +213,7 @@ def evaluate(
                "params_trainable": sum(p.numel() for p in module.parameters() if p.requires_grad)}  # fmt: skip
     if any(p for p, _ in dm.val_examples):
         metrics["val/exact_match"] = exact_match(module.model, tokenizer, dm.val_examples, config["data"].get("answer_pattern"),
-                                                 int(task.get("max_samples", 100)), int(task.get("max_new_tokens", 24)))  # fmt: skip
+                                                 int(task.get("max_samples", 100)), int(task.get("max_new_tokens", 24)), engine=module.engine)  # fmt: skip
     print(
         f"val loss {loss:.4f}  perplexity {metrics['val/perplexity']:.3f}  exact match {metrics.get('val/exact_match', float('nan')):.3f}"
     )
@@ -221,6 +228,13 @@ def infer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
     if ckpt is not None:
         _load_weights(module, ckpt)
     model = module.model
+    engine = None
+    settings = streaming_settings(config, plan)
+    if settings:  # generate for models that don't fit: each chunk load serves every sequence, per token
+        from onn.strategies.lightning_strategy import build_engine
+
+        engine = build_engine(model, settings, _store_root(config), _device(plan), micro_batch=None)
+        model.to(_device(plan))  # what is left after the blocks' frozen weights went to the store
     template = config["data"].get("template") or "{input}"
 
     def wrap(text: str) -> str:
@@ -231,12 +245,12 @@ def infer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
     if task.get("input"):
         rows = read_prompts(task["input"])
         prompts = [str(r.get("prompt", r.get("input", r.get("question")))) for r in rows]
-        completions = complete(model, tokenizer, [wrap(p) for p in prompts], **gen)
+        completions = complete(model, tokenizer, [wrap(p) for p in prompts], engine=engine, **gen)
         output = Path(task.get("output") or run_dir / "predictions.jsonl")
         write_jsonl([{**r, "completion": c} for r, c in zip(rows, completions)], output)
         print(f"wrote {len(rows)} completions to {output}")
         return {"infer/prompts": len(rows), "infer/output": str(output)}
     if not config.get("prompt"):
         raise UserError('task=infer needs prompt="..." or task.input=prompts.jsonl.')
-    completion = stream(model, tokenizer, wrap(str(config["prompt"])), **gen)
+    completion = stream(model, tokenizer, wrap(str(config["prompt"])), engine=engine, **gen)
     return {"infer/prompt": config["prompt"], "infer/completion": completion}

@@ -54,10 +54,11 @@ class CausalLM(L.LightningModule):
         )
         return loss
 
-    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        if len(self._micro_losses) >= self.trainer.accumulate_grad_batches:
-            self.train_losses.append(sum(self._micro_losses) / len(self._micro_losses))
-            self._micro_losses.clear()
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # Recorded here, not in on_train_batch_end: ModelCheckpoint saves before that hook runs,
+        # and the step's loss must be in the checkpoint's history.
+        self.train_losses.append(sum(self._micro_losses) / len(self._micro_losses))
+        self._micro_losses.clear()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         if self.engine is not None:
