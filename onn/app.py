@@ -85,7 +85,7 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         config["hardware"], Path(config["paths"]["cache"]), Path(config["paths"]["outputs"])
     )
     lora_rank = int((config["strategy"].get("lora") or {}).get("r", 8))
-    spec = model_spec(config["model"], lora_rank)
+    spec = model_spec(config["model"], lora_rank, cache_dir=config["paths"]["cache"])
     plan = make_plan(config, hardware, spec)
     (run_dir / "plan.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
     print(render(plan), flush=True)

@@ -167,3 +167,44 @@ def test_store_detects_and_rebuilds_damaged_blocks(tmp_path):
     assert not store.is_complete(1) and not store.is_complete(2)
     store.fill(blocks)
     assert store.rebuilt == [1, 2] and torch.equal(store.read(1)["w"], blocks[1]["w"])
+
+
+def test_bad_streaming_inputs(tmp_path, monkeypatch):
+    from torch import nn
+
+    from onn.errors import UserError
+    from onn.models.layers import resolve_indices
+
+    model = lora_model("llama", LAYER_SETS["last4"])
+    for chunk in (0, 9):
+        with pytest.raises(UserError, match="chunk_size must be between 1 and the model's 8 blocks"):
+            StreamingEngine(model, discover(model), LayerStore("cpu", "float32"), chunk)
+    with pytest.raises(UserError, match="block index 8 is out of range; this model has 8 blocks"):
+        resolve_indices([0, 8], 8)
+    with pytest.raises(UserError, match="no repeated blocks.*strategy=lora"):
+        discover(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
+    import shutil
+    from collections import namedtuple
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: namedtuple("u", "total used free")(10, 10, 1024))
+    with pytest.raises(UserError, match="needs .* MB but the disk has 0 MB free"):
+        LayerStore("disk", "float32", folder=tmp_path).fill({0: {"w": torch.zeros(1024, 1024)}})
+    assert not list(tmp_path.glob("*.safetensors"))  # checked before anything was written
+
+
+def test_plan_refuses_a_budget_below_one_block(tmp_path):
+    from conftest import compose
+
+    from onn.errors import UserError
+    from onn.hardware.plan import make_plan, model_spec
+    from onn.hardware.profile import resolve
+
+    cfg = compose(
+        "model=phi4", "hardware=gtx1650_4gb", "hardware.budget_mb=1700", "strategy=sparse_lora", root=tmp_path
+    )
+    hw = resolve(cfg["hardware"], tmp_path, tmp_path)
+    with pytest.raises(
+        UserError,
+        match=r"cannot hold one streamed block .* the smallest budget that works is about [\d,]+ MB",
+    ):
+        make_plan(cfg, hw, model_spec(cfg["model"], 8))

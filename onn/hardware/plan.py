@@ -21,7 +21,10 @@ chunk's activations during recompute, LoRA state for the sparse layer set only.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from onn.errors import UserError
@@ -80,8 +83,40 @@ class Estimate:
         )
 
 
-def model_spec(model_cfg: dict[str, Any], lora_rank: int) -> ModelSpec:
-    """Build the model on the meta device and read its sizes."""
+def model_spec(model_cfg: dict[str, Any], lora_rank: int, cache_dir: str | None = None) -> ModelSpec:
+    """The model's sizes, read off its meta-device build. The result is cached under cache_dir
+    for models described by an architecture dict, so a repeated `task=plan` imports no torch."""
+    cache = _spec_cache_path(model_cfg, lora_rank, cache_dir)
+    if cache is not None and cache.is_file():
+        return ModelSpec(**json.loads(cache.read_text()))
+    spec = _measure_spec(model_cfg, lora_rank)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(spec)))
+        tmp.replace(cache)
+    return spec
+
+
+def _spec_cache_path(model_cfg: dict[str, Any], lora_rank: int, cache_dir: str | None) -> Path | None:
+    if cache_dir is None or not model_cfg.get("architecture"):
+        return None
+    from importlib.metadata import version
+
+    from onn.models.load import is_pretrained
+
+    key = {k: model_cfg.get(k) for k in ("architecture", "layer_map")}
+    key.update(
+        lora_rank=lora_rank,
+        pretrained=is_pretrained(model_cfg),
+        name=model_cfg.get("name"),
+        transformers=version("transformers"),
+    )
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return Path(cache_dir) / "specs" / f"{digest}.json"
+
+
+def _measure_spec(model_cfg: dict[str, Any], lora_rank: int) -> ModelSpec:
     from torch import nn
 
     from onn.models.layers import discover

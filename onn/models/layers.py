@@ -11,10 +11,12 @@ the run holding the most parameters, then the longest. A model config can name t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from onn.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported by whoever built the model; planning from a cache needs none
+    from torch import nn
 
 
 @dataclass
