@@ -113,4 +113,8 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         from onn.training.fit import infer
 
         return {**out, **infer(config, plan, run_dir, ckpt)}
-    raise UserError(f"task={task} is not one of train, eval, infer, plan.")
+    if task == "bench_streaming":
+        from onn.bench.streaming import run as bench_streaming
+
+        return {**out, **bench_streaming(config, plan, run_dir)}
+    raise UserError(f"task={task} is not one of train, eval, infer, plan, bench_streaming.")

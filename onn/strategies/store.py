@@ -25,12 +25,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class LayerStore:
     """Frozen weights of each block, by block index and parameter name (relative to the block)."""
 
-    def __init__(self, kind: str, dtype: str, folder: Path | None = None, pin: bool = False):
+    def __init__(
+        self, kind: str, dtype: str, folder: Path | None = None, pin: bool = False, drop_cache: bool = False
+    ):
         if kind not in ("disk", "cpu"):
             raise UserError(f"strategy.streaming.store must be disk or cpu, not {kind!r}.")
         if dtype not in DTYPES:
             raise UserError(f"strategy.streaming.store_dtype {dtype!r} is not one of {', '.join(DTYPES)}.")
         self.kind, self.dtype, self.folder, self.pin = kind, DTYPES[dtype], folder, pin
+        # drop_cache: evict each block file from the OS page cache after reading it, so every
+        # load comes from the disk, as it does for a model larger than RAM (and RAM stays free).
+        self.drop_cache = drop_cache
         self._memory: dict[int, dict[str, torch.Tensor]] = {}
         self.rebuilt: list[int] = []  # blocks written by the last `fill`
 
@@ -88,10 +93,25 @@ class LayerStore:
             return self._memory[index]
         if not self.is_complete(index):
             raise RuntimeError(f"layer store block {index} at {self.folder} is incomplete")
-        with safe_open(str(self.block_file(index)), framework="pt") as f:
-            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+        path = self.block_file(index)
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+        if self.drop_cache:
+            evict(path)
+        return tensors
 
     def nbytes(self, index: int) -> int:
         if self.kind == "cpu":
             return sum(t.numel() * t.element_size() for t in self._memory[index].values())
         return self.block_file(index).stat().st_size
+
+
+def evict(path: Path) -> None:
+    """Drop a file's pages from the OS page cache (Linux); a no-op where that is not possible."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

@@ -1,0 +1,1 @@
+"""Benchmarks: measured speed and memory, with the planner's predictions beside them."""

@@ -1,0 +1,223 @@
+"""`task=bench_streaming`: the layer-streaming engine's figures, measured on this machine.
+
+Every figure is a ratio inside one run, so a noisy shared machine moves numerator and
+denominator together. The disk store drops each block from the OS page cache after reading it,
+and accelerate's offload folder is dropped the same way before every forward, so both read from
+the disk as they would for a model larger than RAM.
+
+  stream/reuse_speedup_m64     samples/s at M=64 micro-batches per chunk load over M=1 (disk store)
+  stream/overlap_efficiency    max(load time, compute time) / step time, prefetch on (disk store, M=16)
+  stream/resident_step_ratio   streamed step / resident peft step, M=16, store in host memory
+  stream/vs_accelerate_speedup ONN samples/s over accelerate's disk_offload hooks, same model and batch (M=16)
+  stream/peak_over_predicted   measured peak of one step over the planner's prediction, with a budget
+  stream/model_over_budget     the model's fp32 weights over that budget (at least 8)
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("onn")
+
+
+def micro_batches(
+    count: int, micro_batch: int, seq: int, vocab: int, seed: int = 0
+) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(3, vocab, (micro_batch, seq), generator=g)
+        labels = ids.clone()
+        labels[:, : seq // 2] = -100
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+    return out
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()  # warm-up: allocator, thread pool, first-touch
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    from onn.hardware.memory import PeakMemory
+    from onn.models.layers import discover
+    from onn.models.load import load
+    from onn.strategies.lora import apply
+    from onn.strategies.store import LayerStore, evict
+    from onn.strategies.streaming import StreamingEngine
+
+    bench = config["task"]
+    seq, mb, repeats = int(bench["seq_len"]), int(bench["micro_batch"]), int(bench["repeats"])
+    chunk = int(bench["chunk_size"])
+    model, _ = load(config["model"], dtype=torch.float32)
+    layer_map = discover(model)
+    n = len(layer_map)
+    base = apply(model, "sparse_lora", config["strategy"], layer_map, plan["sparse_layers"])
+    vocab = base.config.vocab_size
+    store_dir = Path(config["paths"]["cache"]) / "bench_store"
+
+    def engine(kind: str, prefetch: bool = True, chunk_size: int = chunk) -> StreamingEngine:
+        m = copy.deepcopy(base)
+        store = LayerStore(kind, "float32", folder=store_dir, drop_cache=kind == "disk")
+        e = StreamingEngine(m, discover(m), store, chunk_size, prefetch=prefetch)
+        e.offload()
+        os.sync()  # written pages must be clean before they can be dropped from the page cache
+        return e
+
+    out: dict[str, Any] = {
+        "stream/blocks": n,
+        "stream/chunk_size": chunk,
+        "stream/seq_len": seq,
+        "stream/micro_batch": mb,
+    }
+    rows = []
+
+    # 1 + 2: load once, process many; and how much of the I/O the prefetch hides.
+    disk = engine("disk")
+    speeds = {}
+    for m_count in bench["reuse_m"]:
+        batch = micro_batches(m_count, mb, seq, vocab)
+        disk.times.__init__()
+        step = _timed(lambda batch=batch: (disk.train_step(batch), base.zero_grad(set_to_none=True)), repeats)
+        runs = repeats + 1
+        speeds[m_count] = m_count * mb / step
+        load_s, compute_s = disk.times.load_s / runs, disk.times.compute_s / runs
+        rows.append((f"disk store, M={m_count}", step, speeds[m_count], load_s, compute_s))
+        if m_count == 16:
+            out["stream/overlap_efficiency"] = round(max(load_s, compute_s) / step, 3)
+            out["stream/io_s"], out["stream/compute_s"], out["stream/step_s_m16"] = (
+                round(load_s, 4),
+                round(compute_s, 4),
+                round(step, 4),
+            )
+    lo, hi = min(speeds), max(speeds)
+    out[f"stream/reuse_speedup_m{hi}"] = round(speeds[hi] / speeds[lo], 2)
+    out["stream/samples_per_s"] = {str(k): round(v, 3) for k, v in speeds.items()}
+    disk.close()
+    del disk
+    gc.collect()
+
+    # 3: against resident LoRA with gradient accumulation, when the model fits (store in host memory).
+    batch = micro_batches(16, mb, seq, vocab, seed=1)
+    resident = copy.deepcopy(base)
+
+    def resident_step():
+        for piece in batch:
+            (resident(**piece).loss / len(batch)).backward()
+        resident.zero_grad(set_to_none=True)
+
+    resident_s = _timed(resident_step, repeats)
+    cpu = engine("cpu")
+    cpu_s = _timed(lambda: (cpu.train_step(batch), cpu.model.zero_grad(set_to_none=True)), repeats)
+    out["stream/resident_step_ratio"] = round(cpu_s / resident_s, 3)
+    rows += [
+        ("resident peft, M=16", resident_s, 16 * mb / resident_s, 0.0, resident_s),
+        ("cpu store, M=16", cpu_s, 16 * mb / cpu_s, 0.0, cpu_s),
+    ]
+    cpu.close()
+    del cpu, resident
+    gc.collect()
+
+    # 4: what users pick today: accelerate's disk offload hooks move weights at every forward call.
+    from accelerate import disk_offload
+
+    offloaded = copy.deepcopy(base)
+    offload_dir = Path(config["paths"]["cache"]) / "bench_accelerate"
+    disk_offload(offloaded, offload_dir=str(offload_dir), execution_device=torch.device("cpu"))
+    os.sync()
+
+    def accelerate_step():
+        for piece in batch:
+            for f in offload_dir.glob("*"):
+                evict(f)
+            (offloaded(**piece).loss / len(batch)).backward()
+        offloaded.zero_grad(set_to_none=True)
+
+    acc_s = _timed(accelerate_step, max(1, repeats // 2))
+    disk = engine("disk")
+    onn_s = _timed(lambda: (disk.train_step(batch), disk.model.zero_grad(set_to_none=True)), repeats)
+    out["stream/vs_accelerate_speedup"] = round(acc_s / onn_s, 2)
+    rows += [
+        ("accelerate disk_offload, M=16", acc_s, 16 * mb / acc_s, 0.0, 0.0),
+        ("ONN disk store, M=16", onn_s, 16 * mb / onn_s, 0.0, 0.0),
+    ]
+    disk.close()
+    del disk, offloaded
+    gc.collect()
+
+    # 5: a budget the model's fp32 weights exceed many times: one step stays within the prediction.
+    weights_mb = sum(p.numel() for p in base.parameters()) * 4 / 2**20
+    budget = weights_mb / float(bench["weights_over_budget"])
+    predicted, planned_chunk = _predicted_step_mb(config, budget, mb, seq)
+    small = engine("disk", chunk_size=planned_chunk)
+    batch = micro_batches(4, mb, seq, vocab, seed=2)
+    gc.collect()
+    with PeakMemory("cpu") as before:
+        pass
+    with PeakMemory("cpu") as peak:
+        small.train_step(batch)
+    measured = max(peak.peak_mb - before.peak_mb, 0.0)
+    small.close()
+    out.update({
+        "stream/budget_mb": round(budget, 1),
+        "stream/budget_chunk_size": planned_chunk,
+        "stream/model_over_budget": round(weights_mb / budget, 2),
+        "stream/peak_step_mb": round(measured, 1),
+        "stream/predicted_step_mb": round(predicted, 1),
+        "stream/peak_over_predicted": round(measured / predicted, 3),
+        "stream/within_budget": measured <= budget,
+    })  # fmt: skip
+
+    table = ["| setting | step s | samples/s | load s | compute s |", "| --- | ---: | ---: | ---: | ---: |"]
+    table += [f"| {name} | {s:.3f} | {sps:.2f} | {ld:.3f} | {cp:.3f} |" for name, s, sps, ld, cp in rows]
+    figures = [f"| {k} | {v} |" for k, v in out.items() if not isinstance(v, dict)]
+    (run_dir / "bench_streaming.md").write_text(
+        "# Layer streaming benchmark\n\n"
+        + "\n".join(table)
+        + "\n\n| figure | value |\n| --- | --- |\n"
+        + "\n".join(figures)
+        + "\n"
+    )
+    print("\n".join(table))
+    return out
+
+
+def _predicted_step_mb(config: dict[str, Any], budget_mb: float, mb: int, seq: int) -> tuple[float, int]:
+    """The planner's streaming prediction for this model at this budget (allocations, no context),
+    and the chunk size it chose to fit."""
+    from onn.hardware.plan import estimate, model_spec
+
+    spec = model_spec(config["model"], int(config["strategy"]["lora"]["r"]))
+    hw = {
+        "accelerator": "cpu",
+        "source": "preset",
+        "host_memory_available_mb": budget_mb + 600.0,
+        "budget_mb": budget_mb + 600.0,
+    }
+    layers = [i % spec.n_blocks for i in config["strategy"]["layers"]]
+    est = estimate(
+        "sparse_lora",
+        spec,
+        hw,
+        seq,
+        mb,
+        "32-true",
+        sorted(set(layers)),
+        batch_size=4 * mb,
+        store_dtype="float32",
+    )
+    return est.peak_mb, est.streaming["chunk_size"]
