@@ -108,7 +108,7 @@ def run(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str
     out[f"stream/reuse_speedup_m{hi}"] = round(speeds[hi] / speeds[lo], 2)
     out["stream/samples_per_s"] = {str(k): round(v, 3) for k, v in speeds.items()}
     disk.close()
-    del disk
+    disk = None  # free the copy before the next one is made
     gc.collect()
 
     # 3: against resident LoRA with gradient accumulation, when the model fits (store in host memory).
@@ -129,7 +129,7 @@ def run(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str
         ("cpu store, M=16", cpu_s, 16 * mb / cpu_s, 0.0, cpu_s),
     ]
     cpu.close()
-    del cpu, resident
+    cpu = resident = None
     gc.collect()
 
     # 4: what users pick today: accelerate's disk offload hooks move weights at every forward call.
@@ -156,7 +156,7 @@ def run(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str
         ("ONN disk store, M=16", onn_s, 16 * mb / onn_s, 0.0, 0.0),
     ]
     disk.close()
-    del disk, offloaded
+    disk = offloaded = None
     gc.collect()
 
     # 5: a budget the model's fp32 weights exceed many times: one step stays within the prediction.
