@@ -167,6 +167,9 @@ def test_store_detects_and_rebuilds_damaged_blocks(tmp_path):
     assert not store.is_complete(1) and not store.is_complete(2)
     store.fill(blocks)
     assert store.rebuilt == [1, 2] and torch.equal(store.read(1)["w"], blocks[1]["w"])
+    other = {i: {"w": torch.zeros(2, 4)} for i in range(3)}  # another model's blocks in the same folder
+    store.fill(other)
+    assert store.rebuilt == [0, 1, 2] and store.read(0)["w"].shape == (2, 4)
 
 
 def test_bad_streaming_inputs(tmp_path, monkeypatch):

@@ -68,7 +68,9 @@ def run(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str
     n = len(layer_map)
     base = apply(model, "sparse_lora", config["strategy"], layer_map, plan["sparse_layers"])
     vocab = base.config.vocab_size
-    store_dir = Path(config["paths"]["cache"]) / "bench_store"
+    from onn.strategies.lightning_strategy import model_fingerprint
+
+    store_dir = Path(config["paths"]["cache"]) / "stores" / model_fingerprint(config["model"]) / "bench"
 
     def engine(kind: str, prefetch: bool = True, chunk_size: int = chunk) -> StreamingEngine:
         m = copy.deepcopy(base)

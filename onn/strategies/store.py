@@ -45,13 +45,17 @@ class LayerStore:
     def _marker(self, index: int) -> Path:
         return self.folder / f"block_{index:05d}.done"
 
-    def is_complete(self, index: int) -> bool:
-        """A block is usable only with its marker, a file of the recorded size, and a readable header."""
+    def is_complete(self, index: int, shapes: dict[str, list[int]] | None = None) -> bool:
+        """A block is usable only with its marker, a file of the recorded size, a readable header,
+        and (when given) the tensor names and shapes expected of it."""
         path, marker = self.block_file(index), self._marker(index)
         if not (path.is_file() and marker.is_file()):
             return False
         try:
-            if json.loads(marker.read_text()).get("bytes") != path.stat().st_size:
+            recorded = json.loads(marker.read_text())
+            if recorded.get("bytes") != path.stat().st_size:
+                return False
+            if shapes is not None and (recorded.get("shapes") != shapes or recorded.get("dtype") != str(self.dtype)):
                 return False
             with safe_open(str(path), framework="pt") as f:
                 f.keys()
@@ -68,7 +72,8 @@ class LayerStore:
                 self._memory[i] = {n: t.pin_memory() for n, t in stored.items()} if self.pin else stored
             return
         self.folder.mkdir(parents=True, exist_ok=True)
-        missing = [i for i in blocks if not self.is_complete(i)]
+        shapes = {i: {n: list(t.shape) for n, t in tensors.items()} for i, tensors in blocks.items()}
+        missing = [i for i in blocks if not self.is_complete(i, shapes[i])]
         needed = sum(t.numel() * self.dtype.itemsize for i in missing for t in blocks[i].values())
         free = shutil.disk_usage(self.folder).free
         if needed > free:
@@ -84,7 +89,7 @@ class LayerStore:
                 {n: t.detach().to("cpu", self.dtype).contiguous() for n, t in blocks[i].items()}, str(tmp)
             )
             os.replace(tmp, path)
-            self._marker(i).write_text(json.dumps({"bytes": path.stat().st_size}))
+            self._marker(i).write_text(json.dumps({"bytes": path.stat().st_size, "shapes": shapes[i], "dtype": str(self.dtype)}))
             self.rebuilt.append(i)
 
     def read(self, index: int) -> dict[str, torch.Tensor]:
