@@ -19,6 +19,7 @@ import copy
 import gc
 import logging
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -138,7 +139,8 @@ def run(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str
     from accelerate import disk_offload
 
     offloaded = copy.deepcopy(base)
-    offload_dir = Path(config["paths"]["cache"]) / "bench_accelerate"
+    offload_dir = store_dir.parent / "bench_accelerate"
+    shutil.rmtree(offload_dir, ignore_errors=True)  # accelerate reuses whatever it finds there
     disk_offload(offloaded, offload_dir=str(offload_dir), execution_device=torch.device("cpu"))
     os.sync()
 
