@@ -55,7 +55,9 @@ class LayerStore:
             recorded = json.loads(marker.read_text())
             if recorded.get("bytes") != path.stat().st_size:
                 return False
-            if shapes is not None and (recorded.get("shapes") != shapes or recorded.get("dtype") != str(self.dtype)):
+            if shapes is not None and (
+                recorded.get("shapes") != shapes or recorded.get("dtype") != str(self.dtype)
+            ):
                 return False
             with safe_open(str(path), framework="pt") as f:
                 f.keys()
@@ -89,7 +91,9 @@ class LayerStore:
                 {n: t.detach().to("cpu", self.dtype).contiguous() for n, t in blocks[i].items()}, str(tmp)
             )
             os.replace(tmp, path)
-            self._marker(i).write_text(json.dumps({"bytes": path.stat().st_size, "shapes": shapes[i], "dtype": str(self.dtype)}))
+            self._marker(i).write_text(
+                json.dumps({"bytes": path.stat().st_size, "shapes": shapes[i], "dtype": str(self.dtype)})
+            )
             self.rebuilt.append(i)
 
     def read(self, index: int) -> dict[str, torch.Tensor]:
@@ -100,7 +104,9 @@ class LayerStore:
             raise RuntimeError(f"layer store block {index} at {self.folder} is incomplete")
         path = self.block_file(index)
         with safe_open(str(path), framework="pt") as f:
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+            # clone: get_tensor can hand back memory-mapped data, and then the disk reads would
+            # happen later, as page faults in compute, instead of here in the prefetch thread.
+            tensors = {name: f.get_tensor(name).clone() for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
         if self.drop_cache:
             evict(path)
         return tensors
