@@ -276,7 +276,9 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
 def store_dtypes(hw: dict[str, Any], precision: str) -> list[str]:
     """Frozen-weight storage for streaming, most precise first: the planner takes the first that fits."""
     if hw["accelerator"] == "cuda":
-        return ["bfloat16" if hw.get("bf16") else "float16"]  # int8 / nf4 stores (bitsandbytes) are not built yet
+        return [
+            "bfloat16" if hw.get("bf16") else "float16"
+        ]  # int8 / nf4 stores (bitsandbytes) are not built yet
     return ["float32" if precision == "32-true" else "bfloat16"]
 
 

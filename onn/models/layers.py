@@ -53,9 +53,6 @@ class LayerMap:
         seen = _param_ids([m for _, m in self.prefix]) if exclude_shared_with_prefix else set()
         return sum(p.numel() for _, m in self.suffix for p in m.parameters() if id(p) not in seen)
 
-    def resolve_indices(self, layers) -> list[int]:
-        return resolve_indices(layers, len(self.blocks))
-
     def describe(self) -> str:
         pre = ", ".join(n for n, _ in self.prefix) or "-"
         suf = ", ".join(n for n, _ in self.suffix) or "-"

@@ -111,11 +111,6 @@ class LayerStore:
             evict(path)
         return tensors
 
-    def nbytes(self, index: int) -> int:
-        if self.kind == "cpu":
-            return sum(t.numel() * t.element_size() for t in self._memory[index].values())
-        return self.block_file(index).stat().st_size
-
 
 def evict(path: Path) -> None:
     """Drop a file's pages from the OS page cache (Linux); a no-op where that is not possible."""
