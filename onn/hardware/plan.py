@@ -305,6 +305,9 @@ def _estimate_streaming(
     lora = sum(spec.lora_params_per_block[i] for i in sparse_layers)
     lowest = min(sparse_layers) if sparse_layers else n
     budget = budget_mb(hw) * MB
+    # On a GPU the store is host memory (pinned); on a CPU host memory is the device, so the store
+    # goes to disk unless every block fits comfortably beside the rest.
+    store_from_disk = not on_gpu and sum(spec.block_params) * DTYPE_BYTES[dtypes[0]] > 0.5 * budget
     best = None
     for store_dtype in dtypes:
         sbytes = DTYPE_BYTES[store_dtype]
@@ -313,7 +316,10 @@ def _estimate_streaming(
             unit = max(spec.block_params) * chunk * sbytes
             # Prefix/suffix stay resident when they are small next to the budget, else they stream too.
             resident_edges = edge <= 0.25 * budget
-            in_flight = 2 * max(unit, 0 if resident_edges else spec.suffix_params * sbytes)
+            # Two chunks in flight (computing + prefetched); reading from disk adds the loader's
+            # read buffer for the one being converted.
+            units = 3 if store_from_disk else 2
+            in_flight = units * max(unit, 0 if resident_edges else spec.suffix_params * sbytes)
             weights = (edge if resident_edges else 0) + in_flight
             trainable, optimizer = lora * 8, lora * 8
             boundaries = -(-n // chunk) + 1
@@ -353,9 +359,7 @@ def _estimate_streaming(
     flops = (hw.get("matmul_tflops") or 0.1) * 1e12
     tokens = batch_size * seq
     compute_s = (2 * spec.params + 4 * sum(spec.block_params[lowest:])) * tokens / flops
-    # On a GPU the store is host memory (pinned); on a CPU host memory is the device, so the store
-    # goes to disk unless every block fits comfortably beside the rest.
-    store = "cpu" if on_gpu or streamed_bytes <= 0.5 * budget else "disk"
+    store = "disk" if store_from_disk else "cpu"
     streaming = {
         "chunk_size": chunk,
         "store": store,
