@@ -56,9 +56,13 @@ def micro_batches(m=3, b=2, t=10, seed=1):
     return out
 
 
-def engine_for(model, chunk_size, kind="cpu", prefetch=True, folder=None):
-    store = LayerStore(kind, "float32", folder=folder)
-    engine = StreamingEngine(model, discover(model), store, chunk_size, prefetch=prefetch)
+def engine_for(
+    model, chunk_size, kind="cpu", prefetch=True, folder=None, stream_edges=False, dtype="float32"
+):
+    store = LayerStore(kind, dtype, folder=folder)
+    engine = StreamingEngine(
+        model, discover(model), store, chunk_size, prefetch=prefetch, stream_edges=stream_edges
+    )
     engine.offload()
     return engine
 
@@ -152,6 +156,78 @@ def test_greedy_generation_matches_resident_generate(model_type):
     assert engine.times.loads == 8 * len(
         engine.chunks
     )  # each chunk loaded once per token, for the whole batch
+
+
+def test_streamed_edges_match_resident_and_never_sit_beside_a_chunk():
+    """With stream_edges the embeddings, final norm and head come from the store too."""
+    resident = lora_model("llama", LAYER_SETS["first4+last4"])
+    streamed = copy.deepcopy(resident)
+    mbs = micro_batches()
+    losses = [resident(**mb).loss for mb in mbs]
+    (sum(losses) / len(mbs)).backward()
+    engine = engine_for(streamed, 3, stream_edges=True)
+    head = streamed.get_output_embeddings().weight
+    sizes = []
+    original = engine._run_chunk
+    engine._run_chunk = lambda *a: (sizes.append(head.numel()), original(*a))[1]
+    loss = engine.train_step(mbs)
+    torch.testing.assert_close(loss, torch.stack(losses).mean().detach(), rtol=1e-4, atol=1e-6)
+    want, got = lora_grads(resident), lora_grads(streamed)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert set(sizes) == {0} and head.numel() == 0  # the head was never resident with a chunk
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    mask = (ids != 0).long()
+    want_ids = resident.eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                        pad_token_id=0, eos_token_id=None, min_new_tokens=5)[:, 6:]  # fmt: skip
+    assert torch.equal(engine.generate(ids, mask, max_new_tokens=5), want_ids)
+
+
+def test_micro_batches_of_different_lengths_match_resident():
+    """The forward fuses runs of same-shaped micro-batches; mixed lengths must not change a number."""
+    resident = lora_model("phi3", LAYER_SETS["all"])
+    streamed = copy.deepcopy(resident)
+    mbs = micro_batches(m=2, t=10) + micro_batches(m=1, t=7, seed=3) + micro_batches(m=2, t=10, seed=4)
+    for mb in mbs:
+        (resident(**mb).loss / len(mbs)).backward()
+    engine = engine_for(streamed, 4)
+    assert [len(g) for g in engine._groups(mbs)] == [2, 1, 2]
+    engine.train_step(mbs)
+    want, got = lora_grads(resident), lora_grads(streamed)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("dtype,max_error,min_shrink", [("int8", 0.02, 3.5), ("nf4", 0.12, 6.0)])
+def test_quantized_store_trains_the_dequantized_model(tmp_path, dtype, max_error, min_shrink):
+    """int8 / nf4 stores (bitsandbytes): small files, small error, and a streamed step that equals
+    the resident model whose frozen weights are the de-quantized ones."""
+    weight = torch.randn(96, 64)
+    store = LayerStore("disk", dtype, folder=tmp_path / "unit")
+    store.fill({0: {"w": weight, "norm": torch.ones(64)}})
+    back = store.decode(store.read(0), torch.device("cpu"), torch.float32)
+    assert ((back["w"] - weight).norm() / weight.norm()).item() < max_error
+    assert torch.equal(back["norm"], torch.ones(64))  # vectors stay exact
+    assert weight.numel() * 4 / store.block_file(0).stat().st_size > min_shrink * 0.8
+
+    resident = lora_model("llama", LAYER_SETS["last4"])
+    streamed = copy.deepcopy(resident)
+    engine = engine_for(streamed, 2, kind="disk", folder=tmp_path / "model", dtype=dtype)
+    for i, block in enumerate(discover(resident).blocks):  # give the resident model the stored weights
+        params = dict(block.named_parameters())
+        for name, t in store_decoded(engine, i).items():
+            params[name].data = t
+    mbs = micro_batches()
+    for mb in mbs:
+        (resident(**mb).loss / len(mbs)).backward()
+    engine.train_step(mbs)
+    want, got = lora_grads(resident), lora_grads(streamed)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def store_decoded(engine, i):
+    return engine.store.decode(engine.store.read(i), torch.device("cpu"), torch.float32)
 
 
 def test_store_detects_and_rebuilds_damaged_blocks(tmp_path):

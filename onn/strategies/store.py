@@ -3,7 +3,10 @@
 `disk`: one safetensors file per block in a folder keyed by the model's fingerprint, each with a
 `.done` marker that records the file's size; a block whose file or marker is missing or whose
 size disagrees is rebuilt, never used. `cpu`: the same tensors held in host memory (pinned when
-a GPU will read them). Weights may be stored in a smaller dtype than they compute in.
+a GPU will read them). Weights may be stored in a smaller dtype than they compute in: bf16/fp16,
+or int8 (blockwise, 256 per block) and nf4 (4-bit, 64 per block) through bitsandbytes, which
+de-quantizes on the compute device after the copy, so only the small form crosses the bus.
+Vectors and small tensors (norms, biases) stay float32 in the quantized stores.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from safetensors.torch import save_file
 from onn.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZED = {"int8": 256, "nf4": 64}  # bitsandbytes blockwise formats and their block sizes
+BYTES_PER_VALUE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1 + 4 / 256, "nf4": 0.5 + 4 / 64}
 
 
 class LayerStore:
@@ -30,22 +35,26 @@ class LayerStore:
     ):
         if kind not in ("disk", "cpu"):
             raise UserError(f"strategy.streaming.store must be disk or cpu, not {kind!r}.")
-        if dtype not in DTYPES:
-            raise UserError(f"strategy.streaming.store_dtype {dtype!r} is not one of {', '.join(DTYPES)}.")
-        self.kind, self.dtype, self.folder, self.pin = kind, DTYPES[dtype], folder, pin
+        if dtype not in BYTES_PER_VALUE:
+            raise UserError(
+                f"strategy.streaming.store_dtype {dtype!r} is not one of {', '.join(BYTES_PER_VALUE)}."
+            )
+        if dtype in QUANTIZED:
+            _bitsandbytes()  # fail now, with a clear message, not in the prefetch thread
+        self.kind, self.dtype, self.folder, self.pin = kind, dtype, folder, pin
         # drop_cache: evict each block file from the OS page cache after reading it, so every
         # load comes from the disk, as it does for a model larger than RAM (and RAM stays free).
         self.drop_cache = drop_cache
         self._memory: dict[int, dict[str, torch.Tensor]] = {}
         self.rebuilt: list[int] = []  # blocks written by the last `fill`
 
-    def block_file(self, index: int) -> Path:
-        return self.folder / f"block_{index:05d}.safetensors"
+    def block_file(self, index: int | str) -> Path:
+        return self.folder / f"{_stem(index)}.safetensors"
 
-    def _marker(self, index: int) -> Path:
-        return self.folder / f"block_{index:05d}.done"
+    def _marker(self, index: int | str) -> Path:
+        return self.folder / f"{_stem(index)}.done"
 
-    def is_complete(self, index: int, shapes: dict[str, list[int]] | None = None) -> bool:
+    def is_complete(self, index: int | str, shapes: dict[str, list[int]] | None = None) -> bool:
         """A block is usable only with its marker, a file of the recorded size, a readable header,
         and (when given) the tensor names and shapes expected of it."""
         path, marker = self.block_file(index), self._marker(index)
@@ -56,7 +65,7 @@ class LayerStore:
             if recorded.get("bytes") != path.stat().st_size:
                 return False
             if shapes is not None and (
-                recorded.get("shapes") != shapes or recorded.get("dtype") != str(self.dtype)
+                recorded.get("shapes") != shapes or recorded.get("dtype") != self.dtype
             ):
                 return False
             with safe_open(str(path), framework="pt") as f:
@@ -65,18 +74,18 @@ class LayerStore:
             return False
         return True
 
-    def fill(self, blocks: dict[int, dict[str, torch.Tensor]]) -> None:
+    def fill(self, blocks: dict[int | str, dict[str, torch.Tensor]]) -> None:
         """Store each block's frozen tensors (disk: only blocks without a complete file are written)."""
         self.rebuilt = []
         if self.kind == "cpu":
             for i, tensors in blocks.items():
-                stored = {n: t.detach().to("cpu", self.dtype).contiguous() for n, t in tensors.items()}
+                stored = self.encode(tensors)
                 self._memory[i] = {n: t.pin_memory() for n, t in stored.items()} if self.pin else stored
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         shapes = {i: {n: list(t.shape) for n, t in tensors.items()} for i, tensors in blocks.items()}
         missing = [i for i in blocks if not self.is_complete(i, shapes[i])]
-        needed = sum(t.numel() * self.dtype.itemsize for i in missing for t in blocks[i].values())
+        needed = sum(t.numel() * BYTES_PER_VALUE[self.dtype] for i in missing for t in blocks[i].values())
         free = shutil.disk_usage(self.folder).free
         if needed > free:
             raise UserError(
@@ -87,16 +96,63 @@ class LayerStore:
             self._marker(i).unlink(missing_ok=True)
             path = self.block_file(i)
             tmp = path.with_suffix(".tmp")
-            save_file(
-                {n: t.detach().to("cpu", self.dtype).contiguous() for n, t in blocks[i].items()}, str(tmp)
-            )
+            save_file(self.encode(blocks[i]), str(tmp))
             os.replace(tmp, path)
             self._marker(i).write_text(
-                json.dumps({"bytes": path.stat().st_size, "shapes": shapes[i], "dtype": str(self.dtype)})
+                json.dumps({"bytes": path.stat().st_size, "shapes": shapes[i], "dtype": self.dtype})
             )
             self.rebuilt.append(i)
 
-    def read(self, index: int) -> dict[str, torch.Tensor]:
+    def encode(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A block's tensors as stored: cast, or quantized (`name` holds the codes, `name.absmax`
+        the scales, `name.shape` the original shape)."""
+        out = {}
+        for name, t in tensors.items():
+            t = t.detach().to("cpu")
+            if self.dtype not in QUANTIZED:
+                out[name] = t.to(DTYPES[self.dtype]).contiguous()
+            elif t.dim() < 2 or t.numel() < 4096:
+                out[name] = t.float().contiguous()
+            else:
+                import bitsandbytes.functional as bnb
+
+                t = t.float().contiguous()
+                if self.dtype == "nf4":
+                    codes, state = bnb.quantize_4bit(
+                        t, blocksize=64, quant_type="nf4", compress_statistics=False
+                    )
+                else:
+                    codes, state = bnb.quantize_blockwise(t, blocksize=QUANTIZED["int8"])
+                out[name], out[f"{name}.absmax"] = codes.contiguous(), state.absmax.float().contiguous()
+                out[f"{name}.shape"] = torch.tensor(t.shape, dtype=torch.int64)
+        return out
+
+    def decode(self, stored: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+               non_blocking: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+        """Stored tensors -> compute tensors on `device`; quantized ones are de-quantized there."""
+        out = {}
+        for name, t in stored.items():
+            if name.endswith((".absmax", ".shape")):
+                continue
+            t = t.to(device, non_blocking=non_blocking)
+            if f"{name}.absmax" in stored:
+                t = self._dequantize(
+                    t, stored[f"{name}.absmax"].to(device, non_blocking=non_blocking), stored[f"{name}.shape"]
+                )
+            out[name] = t.to(dtype)
+        return out
+
+    def _dequantize(self, codes: torch.Tensor, absmax: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
+        import bitsandbytes.functional as bnb
+
+        if self.dtype == "nf4":
+            state = bnb.QuantState(absmax=absmax, shape=torch.Size(shape.tolist()), dtype=torch.float32, blocksize=64,
+                                   quant_type="nf4", code=bnb.get_4bit_type("nf4", device=codes.device))  # fmt: skip
+            return bnb.dequantize_4bit(codes, quant_state=state)
+        code = bnb.create_dynamic_map(signed=True).to(codes.device)
+        return bnb.dequantize_blockwise(codes, absmax=absmax, code=code, blocksize=QUANTIZED["int8"])
+
+    def read(self, index: int | str) -> dict[str, torch.Tensor]:
         """The block's stored tensors, in host memory. `fill` verified (or rebuilt) every block, so
         this hot path does no checks of its own."""
         if self.kind == "cpu":
@@ -109,6 +165,20 @@ class LayerStore:
         if self.drop_cache:
             evict(path)
         return tensors
+
+
+def _stem(index: int | str) -> str:
+    return f"block_{index:05d}" if isinstance(index, int) else str(index)
+
+
+def _bitsandbytes() -> None:
+    try:
+        import bitsandbytes.functional  # noqa: F401
+    except ImportError as e:  # pragma: no cover - a dependency of ONN
+        raise UserError(
+            f"strategy.streaming.store_dtype int8/nf4 needs bitsandbytes, which failed to import ({e}); "
+            "use store_dtype=bfloat16 or float16."
+        ) from e
 
 
 def evict(path: Path) -> None:

@@ -76,7 +76,7 @@ class StreamingEngine:
 
     def __init__(self, model: nn.Module, layer_map: LayerMap, store: LayerStore, chunk_size: int, device: torch.device | str = "cpu",
                  prefetch: bool = True, activations: str = "device", compute_dtype: torch.dtype | None = None,
-                 micro_batch: int | None = None):  # fmt: skip
+                 micro_batch: int | None = None, forward_group: int | None = None, stream_edges: bool = False):  # fmt: skip
         n = len(layer_map)
         if not 1 <= chunk_size <= n:
             from onn.errors import UserError
@@ -87,6 +87,9 @@ class StreamingEngine:
         self.model, self.map, self.store = model, layer_map, store
         self.device = torch.device(device)
         self.prefetch, self.activations, self.micro_batch = prefetch, activations, micro_batch
+        # A no-grad pass of g micro-batches through one block holds about what the recompute of one
+        # micro-batch through a chunk holds, so fusing up to chunk_size of them costs no extra peak.
+        self.forward_group = forward_group or chunk_size
         self.chunks = [list(range(s, min(s + chunk_size, n))) for s in range(0, n, chunk_size)]
         self.frozen = [
             [name for name, p in block.named_parameters() if not p.requires_grad]
@@ -100,6 +103,15 @@ class StreamingEngine:
         ]
         self.lowest_chunk = min(
             (c for c, ids in enumerate(self.chunks) if set(ids) & set(trainable)), default=len(self.chunks)
+        )
+        # stream_edges: the frozen weights outside the blocks (embeddings, final norm, head) live in
+        # the store too and come to the device only for the prefix and the suffix, never beside a chunk.
+        self.stream_edges = stream_edges
+        in_blocks = {id(p) for block in layer_map.blocks for p in block.parameters()}
+        self.edges = (
+            [n for n, p in model.named_parameters() if id(p) not in in_blocks and not p.requires_grad]
+            if stream_edges
+            else []
         )
         self.times = StepTimes()
         self._resident: int | None = None
@@ -119,9 +131,37 @@ class StreamingEngine:
             i: {n: dict(b.named_parameters())[n].data for n in self.frozen[i]}
             for i, b in enumerate(self.map.blocks)
         }
+        if self.edges:
+            params = dict(self.model.named_parameters())
+            blocks["edges"] = {n: params[n].data for n in self.edges}
         self.store.fill(blocks)
         for i in range(len(self.map)):
             self._release_block(i)
+        self._set_edges(None)
+
+    def _set_edges(self, tensors: dict[str, torch.Tensor] | None) -> None:
+        params = dict(self.model.named_parameters())
+        for name in self.edges:
+            params[name].data = (
+                tensors[name] if tensors else torch.empty(0, dtype=self.compute_dtype, device=self.device)
+            )
+
+    @contextlib.contextmanager
+    def _edges_loaded(self):
+        """With stream_edges, load the prefix/suffix weights for the body (after giving the resident
+        chunk back, so they never share the device with one); otherwise they are always there."""
+        if not self.edges:
+            yield
+            return
+        self.release()
+        start = time.perf_counter()
+        self._set_edges(self.store.decode(self.store.read("edges"), self.device, self.compute_dtype))
+        self.times.load_s += time.perf_counter() - start
+        self.times.io_s += time.perf_counter() - start
+        try:
+            yield
+        finally:
+            self._set_edges(None)
 
     def _release_block(self, i: int) -> None:
         params = dict(self.map.blocks[i].named_parameters())
@@ -136,15 +176,12 @@ class StreamingEngine:
             tensors = self.store.read(i)
             if self._copy_stream is not None:
                 with torch.cuda.stream(self._copy_stream):
-                    out[i] = {
-                        n: t.to(self.device, self.compute_dtype, non_blocking=True)
-                        for n, t in tensors.items()
-                    }
+                    out[i] = self.store.decode(tensors, self.device, self.compute_dtype, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
                 out[i]["__event__"] = event
             else:
-                out[i] = {n: t.to(self.device, self.compute_dtype) for n, t in tensors.items()}
+                out[i] = self.store.decode(tensors, self.device, self.compute_dtype)
         self.times.load_s += time.perf_counter() - start
         return out
 
@@ -230,22 +267,48 @@ class StreamingEngine:
     def _keep(self, t: torch.Tensor) -> torch.Tensor:
         return t.to("cpu", non_blocking=True) if self.activations == "host" and t.device.type != "cpu" else t
 
+    def _groups(self, micro_batches: list[dict[str, Any]]) -> list[list[int]]:
+        """Runs of consecutive micro-batches with identical shapes, at most `forward_group` long:
+        the no-grad forward pushes each run through a block as one batch, so the block's weights
+        are read from memory once per run instead of once per micro-batch."""
+        groups: list[list[int]] = []
+        for m, mb in enumerate(micro_batches):
+            if (
+                groups
+                and len(groups[-1]) < self.forward_group
+                and _shapes(mb) == _shapes(micro_batches[groups[-1][0]])
+            ):
+                groups[-1].append(m)
+            else:
+                groups.append([m])
+        return groups
+
     def _forward(
         self, micro_batches: list[dict[str, Any]], keep_from: int | None
-    ) -> tuple[list[BlockInputs], list, list]:
-        """Chunk-outer forward without grad. Returns block inputs, kept chunk inputs, final hidden states."""
+    ) -> tuple[list[BlockInputs] | None, list, list]:
+        """Chunk-outer forward without grad, micro-batches fused into groups. Returns each micro-batch's
+        block inputs (for the backward's recompute; None when nothing is kept), the kept chunk inputs
+        per micro-batch, and the final hidden state per micro-batch."""
+        groups = self._groups(micro_batches)
         with torch.no_grad():
-            inputs = [self.prefix(mb) for mb in micro_batches]
-            hidden = [x.hidden for x in inputs]
+            with self._edges_loaded():
+                fused = [self.prefix(_concat([micro_batches[m] for m in g])) for g in groups]
+                inputs = [self.prefix(mb) for mb in micro_batches] if keep_from is not None else None
+            hidden = [x.hidden for x in fused]
             kept: list[list[torch.Tensor] | None] = [None] * len(self.chunks)
             for c in range(len(self.chunks)):
                 self._install(c, c + 1 if c + 1 < len(self.chunks) else None)
                 start = time.perf_counter()
                 if keep_from is not None and c >= keep_from:
-                    kept[c] = [self._keep(h) for h in hidden]
-                hidden = [self._run_chunk(c, h, x) for h, x in zip(hidden, inputs)]
+                    kept[c] = [
+                        piece
+                        for h, g in zip(hidden, groups)
+                        for piece in self._keep(h).split(_sizes(micro_batches, g))
+                    ]
+                hidden = [self._run_chunk(c, h, x) for h, x in zip(hidden, fused)]
                 self.times.compute_s += time.perf_counter() - start
-        return inputs, kept, hidden
+        final = [piece for h, g in zip(hidden, groups) for piece in h.split(_sizes(micro_batches, g))]
+        return inputs, kept, final
 
     # -- what callers use ----------------------------------------------------------------------
     def split(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -271,16 +334,22 @@ class StreamingEngine:
         m_count = len(micro_batches)
         last = len(self.chunks) - 1
         inputs, kept, hidden = self._forward(micro_batches, keep_from=self.lowest_chunk)
-        self._schedule(last - 1 if last - 1 >= self.lowest_chunk else None)  # the backward's next chunk
-        start = time.perf_counter()
+        # The backward's first chunk to load: the last one is still resident unless edges stream.
+        first_back = last if self.edges else last - 1
+        if not self.edges:
+            self._schedule(first_back if first_back >= self.lowest_chunk else None)
         grads, losses = [], []
-        for h, mb in zip(hidden, micro_batches):
-            h = h.detach().requires_grad_(True)
-            loss = self.suffix(h, mb).loss
-            (loss * (loss_scale / m_count)).backward()
-            grads.append(h.grad)
-            losses.append(loss.detach())
-        self.times.compute_s += time.perf_counter() - start
+        with self._edges_loaded():
+            start = time.perf_counter()
+            for h, mb in zip(hidden, micro_batches):
+                h = h.detach().requires_grad_(True)
+                loss = self.suffix(h, mb).loss
+                (loss * (loss_scale / m_count)).backward()
+                grads.append(h.grad)
+                losses.append(loss.detach())
+            self.times.compute_s += time.perf_counter() - start
+        if self.edges:
+            self._schedule(first_back if first_back >= self.lowest_chunk else None)
         self._pending_backward = (inputs, kept, grads)
         return torch.stack(losses).mean()
 
@@ -310,7 +379,7 @@ class StreamingEngine:
     def loss(self, micro_batches: list[dict[str, Any]]) -> list[torch.Tensor]:
         """Streamed forward only: each micro-batch's loss (for validation)."""
         inputs, _, hidden = self._forward(micro_batches, keep_from=None)
-        with torch.no_grad():
+        with torch.no_grad(), self._edges_loaded():
             losses = [self.suffix(h, mb).loss for h, mb in zip(hidden, micro_batches)]
         self.release()
         return losses
@@ -337,19 +406,21 @@ class StreamingEngine:
                 "past_key_values": cache,
                 "use_cache": True,
             }
-            block_inputs = self.prefix(batch)
+            with self._edges_loaded():
+                block_inputs = self.prefix(batch)
             hidden = block_inputs.hidden
-            for c in range(len(self.chunks)):
-                self._install(
-                    c, (c + 1) % len(self.chunks)
-                )  # after the last chunk, the first is next (next token)
+            n = len(self.chunks)
+            for c in range(n):
+                # after the last chunk the first is next (next token), unless the edges come between
+                self._install(c, c + 1 if c + 1 < n else (None if self.edges else 0))
                 hidden = self._run_chunk(c, hidden, block_inputs)
-            out = self.suffix(
-                hidden,
-                {"input_ids": step_ids, "attention_mask": mask, "position_ids": position_ids},
-                logits_to_keep=1,
-                use_cache=False,
-            )
+            with self._edges_loaded():
+                out = self.suffix(
+                    hidden,
+                    {"input_ids": step_ids, "attention_mask": mask, "position_ids": position_ids},
+                    logits_to_keep=1,
+                    use_cache=False,
+                )
             logits = out.logits[:, -1, :].float()
             token = _pick(logits, temperature, top_p)
             if eos_token_id is not None:
@@ -378,6 +449,23 @@ class StreamingEngine:
             self._pool = None
 
 
+def _shapes(mb: dict[str, Any]) -> dict[str, tuple]:
+    return {k: tuple(v.shape) for k, v in mb.items() if torch.is_tensor(v)}
+
+
+def _concat(micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
+    if len(micro_batches) == 1:
+        return micro_batches[0]
+    return {
+        k: torch.cat([mb[k] for mb in micro_batches]) if torch.is_tensor(v) else v
+        for k, v in micro_batches[0].items()
+    }
+
+
+def _sizes(micro_batches: list[dict[str, Any]], group: list[int]) -> list[int]:
+    return [len(next(iter(micro_batches[m].values()))) for m in group]
+
+
 def _pick(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     if not temperature:
         return logits.argmax(-1)
@@ -402,4 +490,4 @@ def _return_large_frees_to_os() -> None:
 
     if sys.platform == "linux":
         with contextlib.suppress(OSError, AttributeError):  # not glibc
-            ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
+            ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 1 MiB
