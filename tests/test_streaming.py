@@ -8,7 +8,7 @@ import torch
 
 from onn.models.layers import discover
 from onn.strategies.store import LayerStore
-from onn.strategies.streaming import StreamingEngine
+from onn.strategies.streaming import StreamingEngine, stored_name
 
 ARCH = {
     "llama": dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
@@ -214,7 +214,7 @@ def test_quantized_store_trains_the_dequantized_model(tmp_path, dtype, max_error
     streamed = copy.deepcopy(resident)
     engine = engine_for(streamed, 2, kind="disk", folder=tmp_path / "model", dtype=dtype)
     for i, block in enumerate(discover(resident).blocks):  # give the resident model the stored weights
-        params = dict(block.named_parameters())
+        params = {stored_name(n): p for n, p in block.named_parameters()}
         for name, t in store_decoded(engine, i).items():
             params[name].data = t
     mbs = micro_batches()
@@ -287,3 +287,33 @@ def test_plan_refuses_a_budget_below_one_block(tmp_path):
         match=r"cannot hold one streamed block .* the smallest budget that works is about [\d,]+ MB",
     ):
         make_plan(cfg, hw, model_spec(cfg["model"], 8))
+
+
+def test_a_model_loads_block_by_block_into_the_store(tmp_path):
+    """Larger-than-memory path: blocks go from the checkpoint files to the store one at a time, the
+    model keeps empty placeholders, and streaming it computes what the fully loaded model computes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from onn.models.load import load_into_store
+
+    torch.manual_seed(0)
+    full = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **ARCH["llama"]))
+    full.save_pretrained(tmp_path / "hf")
+    store = LayerStore("disk", "float32", folder=tmp_path / "store")
+    model, _ = load_into_store(
+        {"name": "t", "source": str(tmp_path / "hf"), "tokenizer": "byte"}, torch.float32, None, store
+    )
+    assert store.rebuilt == list(range(8))
+    assert all(p.numel() == 0 for p in discover(model).blocks[3].parameters())  # nothing of a block in memory
+    engine = StreamingEngine(model, discover(model), store, 3)
+    engine.offload()  # the blocks are in the store already: nothing is rewritten
+    assert store.rebuilt == []
+    mbs = micro_batches()
+    with torch.no_grad():
+        want = [full(**mb).loss for mb in mbs]
+    torch.testing.assert_close(torch.stack(engine.loss(mbs)), torch.stack(want), rtol=1e-5, atol=1e-6)
+    again = LayerStore("disk", "float32", folder=tmp_path / "store")
+    load_into_store(
+        {"name": "t", "source": str(tmp_path / "hf"), "tokenizer": "byte"}, torch.float32, None, again
+    )
+    assert again.rebuilt == []  # a complete store is reused without reading the checkpoint's blocks

@@ -9,7 +9,8 @@ the disk as they would for a model larger than RAM.
   stream/overlap_efficiency    max(load time, compute time) / step time, prefetch on (disk store, M=16)
   stream/resident_step_ratio   streamed step / resident peft step, M=16, store in host memory
   stream/vs_accelerate_speedup ONN samples/s over accelerate's disk_offload hooks, same model and batch (M=16)
-  stream/peak_over_predicted   measured peak of one step over the planner's prediction, with a budget
+  stream/peak_over_predicted   measured peak growth of a step (after a warm-up step) over the planner's
+                               prediction at a budget; the larger of two steps
   stream/model_over_budget     the model's fp32 weights over that budget (at least 8)
 """
 
@@ -54,7 +55,6 @@ def _timed(fn, repeats: int) -> float:
 
 
 def run(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    from onn.hardware.memory import PeakMemory, anon_rss_mb
     from onn.models.layers import discover
     from onn.models.load import load
     from onn.strategies.lora import apply
@@ -73,10 +73,10 @@ def run(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str
 
     store_dir = Path(config["paths"]["cache"]) / "stores" / model_fingerprint(config["model"]) / "bench"
 
-    def engine(kind: str, prefetch: bool = True, chunk_size: int = chunk) -> StreamingEngine:
+    def engine(kind: str, chunk_size: int = chunk, stream_edges: bool = False) -> StreamingEngine:
         m = copy.deepcopy(base)
         store = LayerStore(kind, "float32", folder=store_dir, drop_cache=kind == "disk")
-        e = StreamingEngine(m, discover(m), store, chunk_size, prefetch=prefetch)
+        e = StreamingEngine(m, discover(m), store, chunk_size, stream_edges=stream_edges)
         e.offload()
         os.sync()  # written pages must be clean before they can be dropped from the page cache
         return e
@@ -89,23 +89,19 @@ def run(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str
     }
     rows = []
 
-    # 5 (first, while the heap is clean): a budget the model's fp32 weights exceed many times;
+    # 5: a budget the model's fp32 weights exceed many times;
     # one step's growth of anonymous memory stays within it and near the planner's prediction.
     weights_mb = sum(p.numel() for p in base.parameters()) * 4 / 2**20
     budget = weights_mb / float(bench["weights_over_budget"])
-    predicted, planned_chunk = _predicted_step_mb(config, budget, mb, seq)
-    small = engine("disk", chunk_size=planned_chunk)
-    batch = micro_batches(4, mb, seq, vocab, seed=2)
-    _release_free_memory()  # the copy's block weights went to the store: give their pages back
-    before = anon_rss_mb()
-    with PeakMemory("cpu") as peak:
-        small.train_step(batch)
-    measured = max(peak.peak_mb - before, 0.0)
-    small.close()
-    small = None
+    predicted, planned = _predicted_step_mb(config, budget, mb, seq)
+    measured = _step_memory_in_fresh_process(
+        {"model": config["model"], "strategy": config["strategy"], "layers": plan["sparse_layers"], "store": str(store_dir),
+         "chunk_size": planned["chunk_size"], "stream_edges": planned["edges"] == "stream", "micro_batch": mb, "seq_len": seq}
+    )  # fmt: skip
     out.update({
         "stream/budget_mb": round(budget, 1),
-        "stream/budget_chunk_size": planned_chunk,
+        "stream/budget_chunk_size": planned["chunk_size"],
+        "stream/budget_edges": planned["edges"],
         "stream/model_over_budget": round(weights_mb / budget, 2),
         "stream/peak_step_mb": round(measured, 1),
         "stream/predicted_step_mb": round(predicted, 1),
@@ -203,9 +199,58 @@ def run(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str
     return out
 
 
-def _predicted_step_mb(config: dict[str, Any], budget_mb: float, mb: int, seq: int) -> tuple[float, int]:
+def _step_memory_in_fresh_process(spec: dict[str, Any]) -> float:
+    """Run `step_memory` in a new interpreter that imports only the engine: what a host process
+    imported before changes its per-step RSS (importing torchmetrics added ~40 MB per step here),
+    and that belongs to the process, not to the engine's step."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "onn.bench.streaming"], input=json.dumps(spec), capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"the step-memory measurement failed:\n{done.stderr[-2000:]}")
+    return float(json.loads(done.stdout.strip().splitlines()[-1])["peak_step_mb"])
+
+
+def step_memory(spec: dict[str, Any]) -> float:
+    """Growth of anonymous RSS over a streamed training step (the larger of two, after a warm-up
+    step), with the store on disk and each block dropped from the page cache after reading."""
+    from onn.hardware.memory import PeakMemory, anon_rss_mb
+    from onn.models.layers import discover
+    from onn.models.load import load
+    from onn.strategies.lora import apply
+    from onn.strategies.store import LayerStore
+    from onn.strategies.streaming import StreamingEngine
+
+    model, _ = load(spec["model"], dtype=torch.float32)
+    model = apply(model, "sparse_lora", spec["strategy"], discover(model), spec["layers"])
+    store = LayerStore("disk", "float32", folder=Path(spec["store"]), drop_cache=True)
+    engine = StreamingEngine(
+        model, discover(model), store, int(spec["chunk_size"]), stream_edges=bool(spec["stream_edges"])
+    )
+    engine.offload()
+    os.sync()  # written pages must be clean before they can be dropped from the page cache
+    batch = micro_batches(4, int(spec["micro_batch"]), int(spec["seq_len"]), model.config.vocab_size, seed=2)
+    # One warm-up step first: the process's one-time costs (thread pools, allocator arenas, kernel
+    # workspaces) belong to its baseline, which the planner counts as context, not to a step.
+    engine.train_step(batch)
+    measured = 0.0
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)  # the adapters' gradients are part of the step
+        _release_free_memory()
+        before = anon_rss_mb()
+        with PeakMemory("cpu", interval_s=0.002) as peak:
+            engine.train_step(batch)
+        measured = max(measured, peak.peak_mb - before)
+    engine.close()
+    return measured
+
+
+def _predicted_step_mb(config: dict[str, Any], budget_mb: float, mb: int, seq: int) -> tuple[float, dict]:
     """The planner's streaming prediction for this model at this budget (allocations, no context),
-    and the chunk size it chose to fit."""
+    and the settings it chose to fit, for the benchmark's float32 disk store."""
     from onn.hardware.plan import estimate, model_spec
 
     spec = model_spec(config["model"], int(config["strategy"]["lora"]["r"]))
@@ -226,8 +271,9 @@ def _predicted_step_mb(config: dict[str, Any], budget_mb: float, mb: int, seq: i
         sorted(set(layers)),
         batch_size=4 * mb,
         store_dtype="float32",
+        streaming={"store": "disk"},
     )
-    return est.peak_mb, est.streaming["chunk_size"]
+    return est.peak_mb, est.streaming
 
 
 def _release_free_memory() -> None:
@@ -238,3 +284,10 @@ def _release_free_memory() -> None:
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+if __name__ == "__main__":  # the fresh process of _step_memory_in_fresh_process
+    import json
+    import sys
+
+    print(json.dumps({"peak_step_mb": step_memory(json.loads(sys.stdin.read()))}))

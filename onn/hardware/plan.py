@@ -14,14 +14,16 @@ keyed by model name. Every candidate (full, lora, qlora, sparse_lora) gets a bre
   context      not allocated by the run but held: 1.5 GB for the CUDA context on GPUs; on CPUs
                the process's own resident memory (torch and Python), measured now
 
-sparse_lora is sized as ONN's layer-streaming engine: prefix/suffix resident, two chunks of
-blocks in flight (one computing, one loading), boundary activations of every micro-batch, one
-chunk's activations during recompute, LoRA state for the sparse layer set only.
+sparse_lora is sized as ONN's layer-streaming engine: two chunks of blocks in flight (one
+computing, one loading) plus the disk reader's buffer, prefix/suffix resident or streamed, the
+kept chunk inputs of every micro-batch (on the device or the host), one chunk's activations
+during recompute, LoRA state for the sparse layer set only.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,7 +37,13 @@ CUDA_CONTEXT_MB = 1536
 HEADROOM = 0.95  # use at most 95% of what is left after the context
 CANDIDATES = ("full", "lora", "qlora", "sparse_lora")
 AUTO_ORDER = ("lora", "qlora", "sparse_lora")  # pretrained weights: the first that fits wins
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1.0625, "nf4": 0.5625}
+DTYPE_BYTES = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "int8": 1 + 4 / 256,
+    "nf4": 0.5 + 4 / 64,
+}  # + scales
 
 
 @dataclass
@@ -197,7 +205,8 @@ def budget_mb(hw: dict[str, Any]) -> float:
 
 
 def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro_batch: int, precision: str,
-             sparse_layers: list[int], batch_size: int, store_dtype: str | None = None) -> Estimate:  # fmt: skip
+             sparse_layers: list[int], batch_size: int, store_dtype: str | None = None,
+             streaming: dict[str, Any] | None = None) -> Estimate:  # fmt: skip
     """Predicted memory of one candidate at one micro-batch."""
     mixed = precision.endswith("mixed")
     half = 2 if (mixed or precision.startswith(("bf16", "16"))) else 4
@@ -252,6 +261,7 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
             logits,
             ctx,
             store_dtype,
+            streaming,
         )
     else:
         raise ValueError(strategy)
@@ -274,104 +284,112 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
 
 
 def store_dtypes(hw: dict[str, Any], precision: str) -> list[str]:
-    """Frozen-weight storage for streaming, most precise first: the planner takes the first that fits."""
+    """Frozen-weight storage for streaming, most precise first: the planner takes the first that fits.
+    The quantized ones (bitsandbytes) come last: they cut the bytes moved, at some precision."""
     if hw["accelerator"] == "cuda":
-        return [
-            "bfloat16" if hw.get("bf16") else "float16"
-        ]  # int8 / nf4 stores (bitsandbytes) are not built yet
-    return ["float32" if precision == "32-true" else "bfloat16"]
+        return ["bfloat16" if hw.get("bf16") else "float16", "int8", "nf4"]
+    return ["float32" if precision == "32-true" else "bfloat16", "int8", "nf4"]
 
 
-def _estimate_streaming(
-    spec,
-    hw,
-    seq,
-    micro_batch,
-    precision,
-    sparse_layers,
-    batch_size,
-    per_token_layer,
-    logits,
-    ctx,
-    store_dtype,
-) -> Estimate:
-    """Layer streaming: pick store dtype and chunk size, then size what is resident at the peak."""
+STREAMING_KEYS = ("chunk_size", "store", "store_dtype", "edges", "activations")
+
+
+def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, batch_size, per_token_layer, logits, ctx,
+                        store_dtype, fixed=None) -> Estimate:  # fmt: skip
+    """Layer streaming: the most comfortable settings that fit, then what is resident at the peak.
+
+    Preference, in order: the most precise store dtype; the store in host memory over disk;
+    prefix/suffix resident over streamed; kept activations on the device over the host; the largest
+    chunk. Settings the config fixes (not `auto`) are taken as given."""
+    fixed = {k: v for k, v in (fixed or {}).items() if k in STREAMING_KEYS and v not in (None, "auto")}
     on_gpu = hw["accelerator"] == "cuda"
     compute_bytes = 2 if precision != "32-true" else 4
-    act_bytes = compute_bytes
-    dtypes = [store_dtype] if store_dtype else store_dtypes(hw, precision)
     n = spec.n_blocks
     accumulate = max(1, batch_size // micro_batch)
     lora = sum(spec.lora_params_per_block[i] for i in sparse_layers)
     lowest = min(sparse_layers) if sparse_layers else n
     budget = budget_mb(hw) * MB
-    # On a GPU the store is host memory (pinned); on a CPU host memory is the device, so the store
-    # goes to disk unless every block fits comfortably beside the rest.
-    store_from_disk = not on_gpu and sum(spec.block_params) * DTYPE_BYTES[dtypes[0]] > 0.5 * budget
-    best = None
-    for store_dtype in dtypes:
+    block = max(spec.block_params)
+    edge = (spec.prefix_params + spec.suffix_params) * compute_bytes
+    dtypes = [store_dtype] if store_dtype else store_dtypes(hw, precision)
+
+    def options(key: str, default: list) -> list:
+        return [int(fixed[key]) if key == "chunk_size" else fixed[key]] if key in fixed else default
+
+    def memory(store_dtype, store, edges, activations, chunk) -> dict[str, float]:
         sbytes = DTYPE_BYTES[store_dtype]
-        edge = (spec.prefix_params + spec.suffix_params) * compute_bytes
-        for chunk in _chunk_sizes(n):
-            unit = max(spec.block_params) * chunk * sbytes
-            # Prefix/suffix stay resident when they are small next to the budget, else they stream too.
-            resident_edges = edge <= 0.25 * budget
-            # Two chunks in flight (computing + prefetched); reading from disk adds the loader's
-            # read buffer for the one being converted.
-            units = 3 if store_from_disk else 2
-            in_flight = units * max(unit, 0 if resident_edges else spec.suffix_params * sbytes)
-            weights = (edge if resident_edges else 0) + in_flight
-            trainable, optimizer = lora * 8, lora * 8
-            boundaries = -(-n // chunk) + 1
-            activations = (boundaries * accumulate * micro_batch * seq * spec.hidden * act_bytes  # kept boundary inputs
-                           + per_token_layer * micro_batch * seq * chunk * act_bytes  # one chunk recomputed with grad
-                           + logits)  # fmt: skip
-            workspace = 0.05 * (weights + trainable + optimizer + activations)
-            total = weights + trainable + optimizer + activations + workspace
-            if total <= budget and (best is None or chunk > best[1]):
-                best = (
-                    store_dtype,
-                    chunk,
-                    resident_edges,
-                    weights,
-                    trainable,
-                    optimizer,
-                    activations,
-                    workspace,
-                )
-        if best is not None:
+        # On a CPU host memory is the device: a store held there counts in full.
+        store_bytes = sum(spec.block_params) * sbytes if store == "cpu" and not on_gpu else 0
+        unit = block * chunk * compute_bytes  # a chunk as it computes (de-quantized, compute dtype)
+        read_buffer = block * sbytes if store == "disk" else 0
+        # Two chunks in flight (computing + prefetched); streamed edges load while no chunk is resident.
+        weights = store_bytes + read_buffer + max(2 * unit, edge if edges == "stream" else 0)
+        weights += edge if edges == "resident" else 0
+        n_chunks = -(-n // chunk)
+        # Kept per micro-batch: the input of every chunk from the lowest trainable one, the final
+        # hidden state and the embeddings' output; with activations=host only the one in use.
+        kept = (n_chunks - min(lowest // chunk, n_chunks) + 2) * accumulate if activations == "device" else 2
+        tokens = micro_batch * seq
+        acts = (kept * tokens * spec.hidden + per_token_layer * tokens * chunk) * compute_bytes + logits
+        trainable = optimizer = lora * 8
+        workspace = 0.05 * (weights + trainable + optimizer + acts)
+        return {
+            "weights": weights,
+            "trainable": trainable,
+            "optimizer": optimizer,
+            "activations": acts,
+            "workspace": workspace,
+        }
+
+    best = None
+    for sd in options("store_dtype", dtypes):
+        all_blocks = sum(spec.block_params) * DTYPE_BYTES[sd]
+        # A CPU keeps the store in host memory only when every block fits there comfortably.
+        stores = ["cpu"] if on_gpu or all_blocks <= 0.5 * budget else ["disk"]
+        for store, edges, activations in itertools.product(options("store", stores), options("edges", ["resident", "stream"]),
+                                                           options("activations", ["device", "host"] if on_gpu else ["device"])):  # fmt: skip
+            for chunk in sorted(options("chunk_size", _chunk_sizes(n)), reverse=True):
+                m = memory(sd, store, edges, activations, chunk)
+                if sum(m.values()) <= budget:
+                    best = (sd, store, edges, activations, chunk, m)
+                    break
+            if best:
+                break
+        if best:
             break
     if best is None:  # nothing fits: report the smallest configuration, marked as not fitting
-        store_dtype, chunk = dtypes[-1], 1
-        unit = max(spec.block_params) * DTYPE_BYTES[store_dtype]
-        weights, trainable, optimizer = 2 * unit, lora * 8, lora * 8
-        activations = (
-            (n + 1) * accumulate * micro_batch * seq * spec.hidden * act_bytes
-            + per_token_layer * micro_batch * seq * act_bytes
-            + logits
+        sd = options("store_dtype", dtypes)[-1]
+        store = fixed.get("store", "cpu" if on_gpu else "disk")
+        activations = fixed.get("activations", "host" if on_gpu else "device")
+        chunk = min(options("chunk_size", [1]))
+        best = (
+            sd,
+            store,
+            fixed.get("edges", "stream"),
+            activations,
+            chunk,
+            memory(sd, store, fixed.get("edges", "stream"), activations, chunk),
         )
-        workspace = 0.05 * (weights + trainable + optimizer + activations)
-        best = (store_dtype, chunk, False, weights, trainable, optimizer, activations, workspace)
-    store_dtype, chunk, resident_edges, weights, trainable, optimizer, activations, workspace = best
+    store_dtype, store, edges, activations, chunk, m = best
     streamed_bytes = sum(spec.block_params) * DTYPE_BYTES[store_dtype]
     reloaded = sum(spec.block_params[lowest:]) * DTYPE_BYTES[store_dtype]
     bandwidth = (hw.get("h2d_mb_s") if on_gpu else hw.get("disk_read_mb_s")) or 1000.0
     flops = (hw.get("matmul_tflops") or 0.1) * 1e12
     tokens = batch_size * seq
     compute_s = (2 * spec.params + 4 * sum(spec.block_params[lowest:])) * tokens / flops
-    store = "disk" if store_from_disk else "cpu"
     streaming = {
         "chunk_size": chunk,
         "store": store,
         "store_dtype": store_dtype,
-        "activations": "device",
+        "edges": edges,
+        "activations": activations,
         "micro_batches_per_chunk": accumulate,
-        "edges_resident": resident_edges,
         "predicted_io_s": round((streamed_bytes + reloaded) / MB / bandwidth, 3),
         "predicted_compute_s": round(compute_s, 3),
     }
-    est = Estimate("sparse_lora", False, micro_batch, weights / MB, trainable / MB, optimizer / MB, activations / MB, workspace / MB, ctx,
-                   note=f"streams {chunk} block(s) at a time, frozen weights stored as {store_dtype}", streaming=streaming)  # fmt: skip
+    est = Estimate("sparse_lora", False, micro_batch, m["weights"] / MB, m["trainable"] / MB, m["optimizer"] / MB, m["activations"] / MB,
+                   m["workspace"] / MB, ctx, note=f"streams {chunk} block(s) at a time, frozen weights stored as {store_dtype}",
+                   streaming=streaming)  # fmt: skip
     est.fits = est.peak_mb <= budget_mb(hw)
     return est
 
@@ -412,9 +430,15 @@ def make_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> dict[
         sizes = [int(fixed_mb)] if fixed_mb not in (None, "auto") else _micro_batches(batch_size)
         layers = sparse_layers if name == "sparse_lora" else list(range(n))
         last = None
-        for store in store_dtypes(hw, precision) if name == "sparse_lora" else [None]:
+        fixed = strategy_cfg.get("streaming") or {}
+        dtypes = (
+            [fixed["store_dtype"]]
+            if fixed.get("store_dtype") not in (None, "auto")
+            else store_dtypes(hw, precision)
+        )
+        for store in dtypes if name == "sparse_lora" else [None]:
             for mb in sizes:
-                last = estimate(name, spec, hw, seq, mb, precision, layers, batch_size, store)
+                last = estimate(name, spec, hw, seq, mb, precision, layers, batch_size, store, fixed)
                 if last.fits:
                     return last
         return last
@@ -547,7 +571,8 @@ def render(plan: dict[str, Any]) -> str:
     )
     if plan.get("streaming"):
         s = plan["streaming"]
-        lines.append(f"streaming: chunk_size {s['chunk_size']}, store {s['store']} as {s['store_dtype']}, "
+        lines.append(f"streaming: chunk_size {s['chunk_size']}, store {s['store']} as {s['store_dtype']}, edges {s['edges']}, "
+                     f"kept activations on the {s['activations']}, "
                      f"predicted step {s['predicted_io_s']}s I/O vs {s['predicted_compute_s']}s compute (predictions)")  # fmt: skip
     lines += [f"  - {r}" for r in plan["reasons"]]
     lines.append(f"layer map: {plan['model']['layer_map']}")

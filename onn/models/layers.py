@@ -109,12 +109,14 @@ def _same_type_runs(module: nn.Module) -> list[list[str]]:
     """Runs of >= 2 consecutive children of one type (a ModuleList of decoder layers, ResNet's layer1..4)."""
     runs, current = [], []
     for name, child in module.named_children():
-        if current and type(child) is type(module.get_submodule(current[-1])) and _count(child) > 0:
+        # (any parameters, even the empty placeholders of blocks whose weights live in a layer store)
+        has_params = any(True for _ in child.parameters())
+        if current and type(child) is type(module.get_submodule(current[-1])) and has_params:
             current.append(name)
         else:
             if len(current) >= 2:
                 runs.append(current)
-            current = [name] if _count(child) > 0 else []
+            current = [name] if has_params else []
     if len(current) >= 2:
         runs.append(current)
     return runs

@@ -133,6 +133,11 @@ def load(model_cfg: dict[str, Any], dtype=None, cache_dir: str | os.PathLike | N
         tokenizer = _tokenizer_from(folder, remote)
     if dtype is not None:
         model = model.to(dtype)
+    return model, _finish_tokenizer(model_cfg, tokenizer, remote)
+
+
+def _finish_tokenizer(model_cfg: dict[str, Any], tokenizer, remote: bool):
+    """The tokenizer the model config asks for (or the source's), with a pad token."""
     tok_cfg = model_cfg.get("tokenizer")
     if tok_cfg == "byte":
         from onn.models.tokenizer import byte_tokenizer
@@ -146,7 +151,113 @@ def load(model_cfg: dict[str, Any], dtype=None, cache_dir: str | os.PathLike | N
         )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return tokenizer
+
+
+def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple[Any, Any] | None:
+    """Load a model for layer streaming one block at a time, so it never has to fit in memory.
+
+    The model is built with empty weights; each block the store lacks is read from the source's
+    safetensors files (or randomly initialised, seeded per block) and written to the store; only
+    the prefix/suffix weights are materialised. The blocks keep empty placeholders, which the
+    streaming engine fills from the store. Returns None where a source cannot be read this way
+    (a Python builder, a GGUF file not converted yet, checkpoint names that differ from the
+    model's): the caller then loads the whole model."""
+    import zlib
+
+    import torch
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+
+    from onn.models.layers import discover
+    from onn.strategies.streaming import stored_name
+
+    kind, source = source_kind(model_cfg.get("source")), model_cfg.get("source")
+    remote = bool(model_cfg.get("trust_remote_code"))
+    files: list[str] = []
+    tokenizer = None
+    if kind == "random":
+        config = architecture(model_cfg)
+    elif kind == "safetensors":
+        config, files = architecture(model_cfg), [_expand(source)]
+    elif kind in ("folder", "hub", "gguf"):
+        folder = (
+            _expand(source)
+            if kind == "folder"
+            else _hub_folder(source)
+            if kind == "hub"
+            else _converted_gguf(source, cache_dir)
+        )
+        if folder is None:
+            return None
+        _refuse_pickle_folder(folder)
+        config = _read_config(folder, remote)
+        files = sorted(str(f) for f in Path(folder).glob("*.safetensors"))
+        tokenizer = _tokenizer_from(folder, remote)
+    else:
+        return None
+    with init_empty_weights(include_buffers=False):
+        model = _auto_class(config).from_config(config, trust_remote_code=remote)
+    where = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            where.update({key: file for key in f.keys()})  # noqa: SIM118 (safe_open is not iterable)
+    names = [n for n, _ in model.named_parameters()]
+    if files and any(n not in where for n in names):
+        return None  # checkpoint names differ from the model's (renamed or fused weights)
+
+    def materialise(module: torch.nn.Module, prefix: str, seed: int, recurse: bool = True) -> None:
+        module.to_empty(device="cpu", recurse=recurse)
+        if files:
+            for name, param in module.named_parameters(recurse=recurse):
+                with safe_open(where[prefix + name], framework="pt") as f:
+                    param.data = f.get_tensor(prefix + name)
+        else:
+            torch.manual_seed(seed)
+            for sub in module.modules() if recurse else [module]:
+                model._init_weights(sub)
+        if dtype is not None:
+            for param in module.parameters(recurse=recurse):
+                param.data = param.data.to(dtype)
+
+    layer_map = discover(model, (model_cfg.get("layer_map") or {}).get("blocks"))
+    full = layer_map.block_paths
+    shapes = {
+        i: {stored_name(n): list(p.shape) for n, p in b.named_parameters()}
+        for i, b in enumerate(layer_map.blocks)
+    }
+    seed = int(model_cfg.get("init_seed", 0))
+    for i in store.missing(shapes):
+        block = layer_map.blocks[i]
+        materialise(block, full[i] + ".", seed * 100_003 + i + 1)
+        store.write(i, {stored_name(n): p.data for n, p in block.named_parameters()})
+    placeholder_dtype = dtype or torch.float32
+    for block in layer_map.blocks:
+        for module in block.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    module._parameters[name] = torch.nn.Parameter(
+                        torch.empty(0, dtype=placeholder_dtype), requires_grad=False
+                    )
+    for name, module in model.named_modules():  # the prefix and suffix: every module outside the blocks
+        inside = any(name == b or name.startswith(b + ".") for b in full)
+        if not inside and any(p.is_meta for p in module.parameters(recurse=False)):
+            materialise(module, f"{name}." if name else "", seed + zlib.crc32(name.encode()), recurse=False)
+    model.tie_weights()
+    return model, _finish_tokenizer(model_cfg, tokenizer, remote)
+
+
+def _converted_gguf(source: str, cache_dir) -> str | None:
+    """The safetensors folder a GGUF file was converted to by an earlier load, if there is one."""
+    import hashlib
+
+    path = _expand(source)
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[
+        :16
+    ]
+    converted = Path(cache_dir) / "gguf" / key if cache_dir else None
+    return str(converted) if converted is not None and (converted / ".complete").exists() else None
 
 
 def _auto_class(config):
@@ -219,7 +330,7 @@ def _load_gguf(path: str, dtype, cache_dir=None):
         :16
     ]
     converted = Path(cache_dir) / "gguf" / key if cache_dir else None
-    if converted is not None and (converted / ".complete").exists():
+    if _converted_gguf(path, cache_dir):
         model = AutoModelForCausalLM.from_pretrained(converted, local_files_only=True, dtype=dtype or "auto")
         return model, AutoTokenizer.from_pretrained(converted, local_files_only=True)
     _check_gguf(path)

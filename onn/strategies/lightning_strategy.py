@@ -48,7 +48,8 @@ def build_engine(
     store = LayerStore(settings["store"], settings["store_dtype"], folder=Path(store_root) / settings["store_dtype"],
                        pin=device.type == "cuda" and settings["store"] == "cpu")  # fmt: skip
     engine = StreamingEngine(model, layer_map, store, int(settings["chunk_size"]), device=device, prefetch=bool(settings.get("prefetch", True)),
-                             activations=settings.get("activations", "device"), micro_batch=micro_batch)  # fmt: skip
+                             activations=settings.get("activations", "device"), micro_batch=micro_batch,
+                             stream_edges=settings.get("edges") == "stream")  # fmt: skip
     engine.offload()
     return engine
 

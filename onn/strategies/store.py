@@ -12,6 +12,7 @@ Vectors and small tensors (norms, biases) stay float32 in the quantized stores.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -57,6 +58,8 @@ class LayerStore:
     def is_complete(self, index: int | str, shapes: dict[str, list[int]] | None = None) -> bool:
         """A block is usable only with its marker, a file of the recorded size, a readable header,
         and (when given) the tensor names and shapes expected of it."""
+        if self.kind == "cpu":
+            return index in self._memory
         path, marker = self.block_file(index), self._marker(index)
         if not (path.is_file() and marker.is_file()):
             return False
@@ -76,32 +79,45 @@ class LayerStore:
 
     def fill(self, blocks: dict[int | str, dict[str, torch.Tensor]]) -> None:
         """Store each block's frozen tensors (disk: only blocks without a complete file are written)."""
-        self.rebuilt = []
-        if self.kind == "cpu":
-            for i, tensors in blocks.items():
-                stored = self.encode(tensors)
-                self._memory[i] = {n: t.pin_memory() for n, t in stored.items()} if self.pin else stored
-            return
-        self.folder.mkdir(parents=True, exist_ok=True)
         shapes = {i: {n: list(t.shape) for n, t in tensors.items()} for i, tensors in blocks.items()}
-        missing = [i for i in blocks if not self.is_complete(i, shapes[i])]
-        needed = sum(t.numel() * BYTES_PER_VALUE[self.dtype] for i in missing for t in blocks[i].values())
+        self.rebuilt = []
+        for i in self.missing(shapes):
+            self.write(i, blocks[i])
+
+    def missing(self, shapes: dict[int | str, dict[str, list[int]]]) -> list[int | str]:
+        """The blocks that must be written (all of them in memory; on disk those without a complete
+        file of these shapes), after checking the disk has room for them."""
+        if self.kind == "cpu":
+            return list(shapes)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        missing = [i for i in shapes if not self.is_complete(i, shapes[i])]
+        needed = sum(
+            math.prod(shape) * BYTES_PER_VALUE[self.dtype] for i in missing for shape in shapes[i].values()
+        )
         free = shutil.disk_usage(self.folder).free
         if needed > free:
             raise UserError(
                 f"the layer store at {self.folder} needs {needed / 2**20:,.0f} MB but the disk has {free / 2**20:,.0f} MB free; "
                 "set paths.cache (or ONN_CACHE) to a disk with room, or strategy.streaming.store=cpu."
             )
-        for i in missing:
-            self._marker(i).unlink(missing_ok=True)
-            path = self.block_file(i)
-            tmp = path.with_suffix(".tmp")
-            save_file(self.encode(blocks[i]), str(tmp))
-            os.replace(tmp, path)
-            self._marker(i).write_text(
-                json.dumps({"bytes": path.stat().st_size, "shapes": shapes[i], "dtype": self.dtype})
-            )
-            self.rebuilt.append(i)
+        return missing
+
+    def write(self, index: int | str, tensors: dict[str, torch.Tensor]) -> None:
+        """Store one block (atomically on disk: the marker is written last)."""
+        self.rebuilt.append(index)
+        if self.kind == "cpu":
+            stored = self.encode(tensors)
+            self._memory[index] = {n: t.pin_memory() for n, t in stored.items()} if self.pin else stored
+            return
+        self._marker(index).unlink(missing_ok=True)
+        path = self.block_file(index)
+        tmp = path.with_suffix(".tmp")
+        save_file(self.encode(tensors), str(tmp))
+        os.replace(tmp, path)
+        shapes = {n: list(t.shape) for n, t in tensors.items()}
+        self._marker(index).write_text(
+            json.dumps({"bytes": path.stat().st_size, "shapes": shapes, "dtype": self.dtype})
+        )
 
     def encode(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A block's tensors as stored: cast, or quantized (`name` holds the codes, `name.absmax`

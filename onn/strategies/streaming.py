@@ -126,11 +126,16 @@ class StreamingEngine:
 
     # -- weights -------------------------------------------------------------------------------
     def offload(self) -> None:
-        """Move every block's frozen weights into the store and leave empty placeholders behind."""
-        blocks = {
-            i: {n: dict(b.named_parameters())[n].data for n in self.frozen[i]}
-            for i, b in enumerate(self.map.blocks)
-        }
+        """Move every block's frozen weights into the store and leave empty placeholders behind.
+        Blocks that are placeholders already were written to the store while loading."""
+        blocks = {}
+        for i, block in enumerate(self.map.blocks):
+            params = dict(block.named_parameters())
+            if all(params[n].numel() == 0 for n in self.frozen[i]):
+                if not self.store.is_complete(i):
+                    raise RuntimeError(f"block {i} was loaded into the store, which no longer holds it")
+                continue
+            blocks[i] = {stored_name(n): params[n].data for n in self.frozen[i]}
         if self.edges:
             params = dict(self.model.named_parameters())
             blocks["edges"] = {n: params[n].data for n in self.edges}
@@ -209,7 +214,7 @@ class StreamingEngine:
                 event = tensors.pop("__event__", None)
                 if event is not None:
                     torch.cuda.current_stream().wait_event(event)
-                params = dict(self.map.blocks[i].named_parameters())
+                params = {stored_name(n): p for n, p in self.map.blocks[i].named_parameters()}
                 for name, t in tensors.items():
                     params[name].data = t
             self._resident = c
@@ -447,6 +452,12 @@ class StreamingEngine:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+
+def stored_name(param_name: str) -> str:
+    """A frozen weight's name in the store: without peft's `base_layer`, so a store written from
+    the plain model (while loading) and one written from the LoRA model are the same."""
+    return param_name.replace(".base_layer.", ".")
 
 
 def _shapes(mb: dict[str, Any]) -> dict[str, tuple]:
