@@ -289,7 +289,7 @@ def test_plan_refuses_a_budget_below_one_block(tmp_path):
         make_plan(cfg, hw, model_spec(cfg["model"], 8))
 
 
-def test_a_model_loads_block_by_block_into_the_store(tmp_path):
+def test_a_model_loads_block_by_block_into_the_store(tmp_path, monkeypatch):
     """Larger-than-memory path: blocks go from the checkpoint files to the store one at a time, the
     model keeps empty placeholders, and streaming it computes what the fully loaded model computes."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -300,10 +300,22 @@ def test_a_model_loads_block_by_block_into_the_store(tmp_path):
     full = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **ARCH["llama"]))
     full.save_pretrained(tmp_path / "hf")
     store = LayerStore("disk", "float32", folder=tmp_path / "store")
-    model, _ = load_into_store(
-        {"name": "t", "source": str(tmp_path / "hf"), "tokenizer": "byte"}, torch.float32, None, store
+    built, in_memory = [], []  # blocks holding real weights whenever one is written: one at a time
+    from_config = AutoModelForCausalLM.from_config
+    monkeypatch.setattr(
+        AutoModelForCausalLM, "from_config", lambda *a, **k: built.append(from_config(*a, **k)) or built[-1]
     )
-    assert store.rebuilt == list(range(8))
+    write = store.write
+
+    def counting_write(i, tensors):
+        real = [any(not p.is_meta and p.numel() for p in b.parameters()) for b in discover(built[0]).blocks]
+        in_memory.append(sum(real))
+        write(i, tensors)
+
+    monkeypatch.setattr(store, "write", counting_write)
+    source = {"name": "t", "source": str(tmp_path / "hf"), "tokenizer": "byte"}
+    model, _ = load_into_store(source, torch.float32, None, store)
+    assert store.rebuilt == list(range(8)) and in_memory == [1] * 8
     assert all(p.numel() == 0 for p in discover(model).blocks[3].parameters())  # nothing of a block in memory
     engine = StreamingEngine(model, discover(model), store, 3)
     engine.offload()  # the blocks are in the store already: nothing is rewritten
@@ -313,7 +325,5 @@ def test_a_model_loads_block_by_block_into_the_store(tmp_path):
         want = [full(**mb).loss for mb in mbs]
     torch.testing.assert_close(torch.stack(engine.loss(mbs)), torch.stack(want), rtol=1e-5, atol=1e-6)
     again = LayerStore("disk", "float32", folder=tmp_path / "store")
-    load_into_store(
-        {"name": "t", "source": str(tmp_path / "hf"), "tokenizer": "byte"}, torch.float32, None, again
-    )
+    load_into_store(source, torch.float32, None, again)
     assert again.rebuilt == []  # a complete store is reused without reading the checkpoint's blocks

@@ -227,18 +227,23 @@ def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple
         for i, b in enumerate(layer_map.blocks)
     }
     seed = int(model_cfg.get("init_seed", 0))
-    for i in store.missing(shapes):
-        block = layer_map.blocks[i]
-        materialise(block, full[i] + ".", seed * 100_003 + i + 1)
-        store.write(i, {stored_name(n): p.data for n, p in block.named_parameters()})
     placeholder_dtype = dtype or torch.float32
-    for block in layer_map.blocks:
+
+    def empty(block: torch.nn.Module) -> None:
         for module in block.modules():
             for name, p in list(module._parameters.items()):
                 if p is not None:
                     module._parameters[name] = torch.nn.Parameter(
                         torch.empty(0, dtype=placeholder_dtype), requires_grad=False
                     )
+
+    for i in store.missing(shapes):  # one block in memory at a time
+        block = layer_map.blocks[i]
+        materialise(block, full[i] + ".", seed * 100_003 + i + 1)
+        store.write(i, {stored_name(n): p.data for n, p in block.named_parameters()})
+        empty(block)
+    for block in layer_map.blocks:
+        empty(block)
     for name, module in model.named_modules():  # the prefix and suffix: every module outside the blocks
         inside = any(name == b or name.startswith(b + ".") for b in full)
         if not inside and any(p.is_meta for p in module.parameters(recurse=False)):

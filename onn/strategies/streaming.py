@@ -490,7 +490,7 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tenso
 
 
 def _return_large_frees_to_os() -> None:
-    """Make glibc give every freed buffer of 1 MB or more straight back to the OS.
+    """Make glibc give every freed buffer of 64 KB or more (a block's weight matrices) straight back to the OS.
 
     By default glibc raises its mmap threshold after a large buffer is freed, so later block-sized
     buffers come from heaps that never shrink: streaming 32 blocks through memory then grew a
@@ -501,4 +501,4 @@ def _return_large_frees_to_os() -> None:
 
     if sys.platform == "linux":
         with contextlib.suppress(OSError, AttributeError):  # not glibc
-            ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 1 MiB
+            ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 64 KiB
