@@ -57,3 +57,19 @@ class PeakMemory:
             self._stop.set()
             self._thread.join()
             self.peak_mb = max(self.peak_mb, anon_rss_mb())
+
+
+def return_large_frees_to_os() -> None:
+    """Make glibc give every freed buffer of 64 KB or more (a block's weight matrices) straight back to the OS.
+
+    By default glibc raises its mmap threshold after a large buffer is freed, so later block-sized
+    buffers come from heaps that never shrink: streaming 32 blocks through memory then grew a
+    step's resident memory by ~450 MB instead of ~100 MB. Fixing the threshold keeps streamed
+    weights from piling up. Process-wide; a no-op where libc is not glibc."""
+    import contextlib
+    import ctypes
+    import sys
+
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError, AttributeError):  # not glibc
+            ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 64 KiB

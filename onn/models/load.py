@@ -169,8 +169,11 @@ def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple
     from accelerate import init_empty_weights
     from safetensors import safe_open
 
+    from onn.hardware.memory import return_large_frees_to_os
     from onn.models.layers import discover
     from onn.strategies.streaming import stored_name
+
+    return_large_frees_to_os()  # block-sized buffers come and go here: don't let them pile up in the heap
 
     kind, source = source_kind(model_cfg.get("source")), model_cfg.get("source")
     remote = bool(model_cfg.get("trust_remote_code"))

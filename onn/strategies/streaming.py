@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from onn.hardware.memory import return_large_frees_to_os
 from onn.models.layers import LayerMap
 from onn.strategies.store import LayerStore
 
@@ -122,7 +123,7 @@ class StreamingEngine:
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self._as_tuple = False
         self._pending_backward = None
-        _return_large_frees_to_os()
+        return_large_frees_to_os()
 
     # -- weights -------------------------------------------------------------------------------
     def offload(self) -> None:
@@ -487,18 +488,3 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tenso
         sorted_p[drop] = 0
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1)[:, 0]
-
-
-def _return_large_frees_to_os() -> None:
-    """Make glibc give every freed buffer of 64 KB or more (a block's weight matrices) straight back to the OS.
-
-    By default glibc raises its mmap threshold after a large buffer is freed, so later block-sized
-    buffers come from heaps that never shrink: streaming 32 blocks through memory then grew a
-    step's resident memory by ~450 MB instead of ~100 MB. Fixing the threshold keeps streamed
-    weights from piling up. Process-wide; a no-op where libc is not glibc."""
-    import ctypes
-    import sys
-
-    if sys.platform == "linux":
-        with contextlib.suppress(OSError, AttributeError):  # not glibc
-            ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 64 KiB
