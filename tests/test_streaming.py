@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from onn.models.layers import discover
-from onn.strategies.store import LayerStore
-from onn.strategies.streaming import StreamingEngine, stored_name
+from onn.strategies.store import LayerStore, stored_name
+from onn.strategies.streaming import StreamingEngine
 
 ARCH = {
     "llama": dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,

@@ -12,10 +12,9 @@ the disk as they would for a model larger than RAM.
   stream/peak_over_predicted   measured peak growth of a step (after a warm-up step) over the planner's
                                prediction at a budget; the larger of two steps
   stream/model_over_budget     the model's fp32 weights over that budget (at least 8)
-  stream/process_peak_mb       that process's whole high-water mark (torch included), next to
-                               stream/model_mb: it loaded the model block by block into the store
 
-The memory figures come from a fresh interpreter that imports only the engine.
+The memory figures come from a fresh interpreter that imports only the engine and loads the model
+block by block into the store, as a run with a disk store does.
 """
 
 from __future__ import annotations
@@ -98,17 +97,14 @@ def run(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str
     weights_mb = sum(p.numel() for p in base.parameters()) * 4 / 2**20
     budget = weights_mb / float(bench["weights_over_budget"])
     predicted, planned = _predicted_step_mb(config, budget, mb, seq)
-    shutil.rmtree(
-        f"{store_dir}_blockwise", ignore_errors=True
-    )  # so the fresh process loads it block by block
-    fresh = _step_memory_in_fresh_process(
+    # An empty store, so the fresh process really loads the model block by block.
+    shutil.rmtree(f"{store_dir}_blockwise", ignore_errors=True)
+    measured = _step_memory_in_fresh_process(
         {"model": config["model"], "strategy": config["strategy"], "layers": plan["sparse_layers"], "store": f"{store_dir}_blockwise",
          "chunk_size": planned["chunk_size"], "stream_edges": planned["edges"] == "stream", "micro_batch": mb, "seq_len": seq}
     )  # fmt: skip
-    measured = fresh["peak_step_mb"]
     out.update({
         "stream/model_mb": round(weights_mb, 1),
-        "stream/process_peak_mb": round(fresh["process_peak_mb"], 1),  # whole process, torch included
         "stream/budget_mb": round(budget, 1),
         "stream/budget_chunk_size": planned["chunk_size"],
         "stream/budget_edges": planned["edges"],
@@ -209,7 +205,7 @@ def run(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str
     return out
 
 
-def _step_memory_in_fresh_process(spec: dict[str, Any]) -> dict[str, float]:
+def _step_memory_in_fresh_process(spec: dict[str, Any]) -> float:
     """Run `step_memory` in a new interpreter that imports only the engine: what a host process
     imported before changes its per-step RSS (importing torchmetrics added ~40 MB per step here),
     and that belongs to the process, not to the engine's step."""
@@ -221,16 +217,10 @@ def _step_memory_in_fresh_process(spec: dict[str, Any]) -> dict[str, float]:
                           text=True, check=False)  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"the step-memory measurement failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return float(json.loads(done.stdout.strip().splitlines()[-1])["peak_step_mb"])
 
 
-def _high_water_mb() -> float:
-    """This process's peak resident memory so far (Linux VmHWM)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
-
-
-def step_memory(spec: dict[str, Any]) -> dict[str, float]:
+def step_memory(spec: dict[str, Any]) -> float:
     """Growth of anonymous RSS over a streamed training step (the larger of two, after a warm-up
     step), with the store on disk and each block dropped from the page cache after reading."""
     from onn.hardware.memory import PeakMemory, anon_rss_mb
@@ -262,7 +252,7 @@ def step_memory(spec: dict[str, Any]) -> dict[str, float]:
             engine.train_step(batch)
         measured = max(measured, peak.peak_mb - before)
     engine.close()
-    return {"peak_step_mb": measured, "process_peak_mb": _high_water_mb()}
+    return measured
 
 
 def _predicted_step_mb(config: dict[str, Any], budget_mb: float, mb: int, seq: int) -> tuple[float, dict]:
@@ -307,4 +297,4 @@ if __name__ == "__main__":  # the fresh process of _step_memory_in_fresh_process
     import json
     import sys
 
-    print(json.dumps(step_memory(json.loads(sys.stdin.read()))))
+    print(json.dumps({"peak_step_mb": step_memory(json.loads(sys.stdin.read()))}))

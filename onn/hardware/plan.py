@@ -37,13 +37,8 @@ CUDA_CONTEXT_MB = 1536
 HEADROOM = 0.95  # use at most 95% of what is left after the context
 CANDIDATES = ("full", "lora", "qlora", "sparse_lora")
 AUTO_ORDER = ("lora", "qlora", "sparse_lora")  # pretrained weights: the first that fits wins
-DTYPE_BYTES = {
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "int8": 1 + 4 / 256,
-    "nf4": 0.5 + 4 / 64,
-}  # + scales
+# Bytes per stored value; int8 and nf4 carry one fp32 scale per 256 / 64 values (onn/strategies/store.py).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1 + 4 / 256, "nf4": 0.5 + 4 / 64}
 
 
 @dataclass

@@ -210,12 +210,15 @@ def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple
         return None  # checkpoint names differ from the model's (renamed or fused weights)
 
     def materialise(module: torch.nn.Module, prefix: str, seed: int, recurse: bool = True) -> None:
-        module.to_empty(device="cpu", recurse=recurse)
-        if files:
-            for name, param in module.named_parameters(recurse=recurse):
-                with safe_open(where[prefix + name], framework="pt") as f:
-                    param.data = f.get_tensor(prefix + name)
+        if files:  # each file opened once per module; assign=True replaces the meta parameters
+            names = [n for n, _ in module.named_parameters(recurse=recurse)]
+            state = {}
+            for file in {where[prefix + n] for n in names}:
+                with safe_open(file, framework="pt") as f:
+                    state.update({n: f.get_tensor(prefix + n) for n in names if where[prefix + n] == file})
+            module.load_state_dict(state, strict=False, assign=True)
         else:
+            module.to_empty(device="cpu", recurse=recurse)
             torch.manual_seed(seed)
             for sub in module.modules() if recurse else [module]:
                 model._init_weights(sub)
@@ -255,16 +258,20 @@ def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple
     return model, _finish_tokenizer(model_cfg, tokenizer, remote)
 
 
-def _converted_gguf(source: str, cache_dir) -> str | None:
-    """The safetensors folder a GGUF file was converted to by an earlier load, if there is one."""
+def _gguf_cache_folder(path: str, cache_dir) -> Path | None:
+    """Where a GGUF file's conversion to safetensors is kept, keyed by its path, size and mtime."""
     import hashlib
 
-    path = _expand(source)
+    if not cache_dir:
+        return None
     stat = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[
-        :16
-    ]
-    converted = Path(cache_dir) / "gguf" / key if cache_dir else None
+    key = hashlib.sha256(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    return Path(cache_dir) / "gguf" / key[:16]
+
+
+def _converted_gguf(source: str, cache_dir) -> str | None:
+    """The safetensors folder a GGUF file was converted to by an earlier load, if there is one."""
+    converted = _gguf_cache_folder(_expand(source), cache_dir)
     return str(converted) if converted is not None and (converted / ".complete").exists() else None
 
 
@@ -328,16 +335,11 @@ def _tokenizer_from(folder: str, remote: bool):
 
 def _load_gguf(path: str, dtype, cache_dir=None):
     """De-quantize a GGUF file with transformers; keep the result as a safetensors folder in the cache."""
-    import hashlib
     import shutil
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    stat = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[
-        :16
-    ]
-    converted = Path(cache_dir) / "gguf" / key if cache_dir else None
+    converted = _gguf_cache_folder(path, cache_dir)
     if _converted_gguf(path, cache_dir):
         model = AutoModelForCausalLM.from_pretrained(converted, local_files_only=True, dtype=dtype or "auto")
         return model, AutoTokenizer.from_pretrained(converted, local_files_only=True)
@@ -351,7 +353,7 @@ def _load_gguf(path: str, dtype, cache_dir=None):
     except (ValueError, OSError, KeyError, IndexError) as e:
         raise UserError(f"model.source {path} could not be read as GGUF: {e}") from e
     if converted is not None:
-        tmp = converted.with_name(key + ".tmp")
+        tmp = converted.with_name(converted.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         # transformers refuses save_pretrained on GGUF-flagged models; the weights are plain

@@ -35,6 +35,12 @@ def model_fingerprint(model_cfg: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def layer_store(settings: dict[str, Any], store_root: Path, device: torch.device | str = "cpu") -> LayerStore:
+    """The store the streaming settings describe: one folder per store dtype under the model's root."""
+    return LayerStore(settings["store"], settings["store_dtype"], folder=Path(store_root) / settings["store_dtype"],
+                      pin=torch.device(device).type == "cuda" and settings["store"] == "cpu")  # fmt: skip
+
+
 def build_engine(
     model: torch.nn.Module,
     settings: dict[str, Any],
@@ -45,8 +51,7 @@ def build_engine(
     """Discover the blocks, move their frozen weights into the store, and return the engine."""
     device = torch.device(device)
     layer_map = discover(model)
-    store = LayerStore(settings["store"], settings["store_dtype"], folder=Path(store_root) / settings["store_dtype"],
-                       pin=device.type == "cuda" and settings["store"] == "cpu")  # fmt: skip
+    store = layer_store(settings, store_root, device)
     engine = StreamingEngine(model, layer_map, store, int(settings["chunk_size"]), device=device, prefetch=bool(settings.get("prefetch", True)),
                              activations=settings.get("activations", "device"), micro_batch=micro_batch,
                              stream_edges=settings.get("edges") == "stream")  # fmt: skip

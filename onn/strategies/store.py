@@ -22,10 +22,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from onn.errors import UserError
+from onn.hardware.plan import DTYPE_BYTES as BYTES_PER_VALUE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZED = {"int8": 256, "nf4": 64}  # bitsandbytes blockwise formats and their block sizes
-BYTES_PER_VALUE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1 + 4 / 256, "nf4": 0.5 + 4 / 64}
 
 
 class LayerStore:
@@ -135,7 +135,7 @@ class LayerStore:
                 t = t.float().contiguous()
                 if self.dtype == "nf4":
                     codes, state = bnb.quantize_4bit(
-                        t, blocksize=64, quant_type="nf4", compress_statistics=False
+                        t, blocksize=QUANTIZED["nf4"], quant_type="nf4", compress_statistics=False
                     )
                 else:
                     codes, state = bnb.quantize_blockwise(t, blocksize=QUANTIZED["int8"])
@@ -162,7 +162,7 @@ class LayerStore:
         import bitsandbytes.functional as bnb
 
         if self.dtype == "nf4":
-            state = bnb.QuantState(absmax=absmax, shape=torch.Size(shape.tolist()), dtype=torch.float32, blocksize=64,
+            state = bnb.QuantState(absmax=absmax, shape=torch.Size(shape.tolist()), dtype=torch.float32, blocksize=QUANTIZED["nf4"],
                                    quant_type="nf4", code=bnb.get_4bit_type("nf4", device=codes.device))  # fmt: skip
             return bnb.dequantize_4bit(codes, quant_state=state)
         code = bnb.create_dynamic_map(signed=True).to(codes.device)
@@ -181,6 +181,12 @@ class LayerStore:
         if self.drop_cache:
             evict(path)
         return tensors
+
+
+def stored_name(param_name: str) -> str:
+    """A frozen weight's name in the store: without peft's `base_layer`, so a store written from
+    the plain model (while loading) and one written from the LoRA model are the same."""
+    return param_name.replace(".base_layer.", ".")
 
 
 def _stem(index: int | str) -> str:

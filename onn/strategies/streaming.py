@@ -29,7 +29,7 @@ from torch import nn
 
 from onn.hardware.memory import return_large_frees_to_os
 from onn.models.layers import LayerMap
-from onn.strategies.store import LayerStore
+from onn.strategies.store import LayerStore, stored_name
 
 
 class _BlocksReached(Exception):
@@ -107,7 +107,6 @@ class StreamingEngine:
         )
         # stream_edges: the frozen weights outside the blocks (embeddings, final norm, head) live in
         # the store too and come to the device only for the prefix and the suffix, never beside a chunk.
-        self.stream_edges = stream_edges
         in_blocks = {id(p) for block in layer_map.blocks for p in block.parameters()}
         self.edges = (
             [n for n, p in model.named_parameters() if id(p) not in in_blocks and not p.requires_grad]
@@ -453,12 +452,6 @@ class StreamingEngine:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-
-
-def stored_name(param_name: str) -> str:
-    """A frozen weight's name in the store: without peft's `base_layer`, so a store written from
-    the plain model (while loading) and one written from the LoRA model are the same."""
-    return param_name.replace(".base_layer.", ".")
 
 
 def _shapes(mb: dict[str, Any]) -> dict[str, tuple]:

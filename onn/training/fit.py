@@ -31,12 +31,11 @@ def build(config: dict[str, Any], plan: dict[str, Any]):
     loaded = None
     if settings and settings["store"] == "disk":  # a model larger than memory: block by block into the store
         from onn.models.load import load_into_store
-        from onn.strategies.store import LayerStore
+        from onn.strategies.lightning_strategy import layer_store
 
-        store = LayerStore(
-            "disk", settings["store_dtype"], folder=_store_root(config) / settings["store_dtype"]
+        loaded = load_into_store(
+            model_cfg, dtype, config["paths"]["cache"], layer_store(settings, _store_root(config))
         )
-        loaded = load_into_store(model_cfg, dtype, config["paths"]["cache"], store)
     model, tokenizer = loaded or load(model_cfg, dtype=dtype, cache_dir=config["paths"]["cache"])
     layer_map = discover(model, (model_cfg.get("layer_map") or {}).get("blocks"))
     model = apply(model, plan["strategy"], config["strategy"], layer_map, plan.get("sparse_layers"))
@@ -57,7 +56,9 @@ def streaming_settings(config: dict[str, Any], plan: dict[str, Any]) -> dict[str
         return None
     planned = plan.get("streaming") or {}
     settings = dict(config["strategy"].get("streaming") or {})
-    for key in ("chunk_size", "store", "store_dtype", "edges", "activations"):
+    from onn.hardware.plan import STREAMING_KEYS
+
+    for key in STREAMING_KEYS:
         if settings.get(key) in (None, "auto"):
             settings[key] = planned[key]
     return settings
