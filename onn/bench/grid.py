@@ -1,0 +1,411 @@
+"""A multirun sweep's jobs side by side: grid.csv, grid.md and grid.png in the sweep folder.
+
+Each job folder Hydra makes holds `.hydra/overrides.yaml` from its start and `metrics.json` from
+its end (see onn/app.py), so a job without metrics.json was killed or never finished. Rows are
+labelled by the overrides that vary across the sweep, which is what tells the jobs apart.
+
+`GridCallback` writes the grid when a multirun ends:
+    hydra.callbacks.grid._target_: onn.bench.grid.GridCallback
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+log = logging.getLogger("onn")
+
+BENCH_KEYS = [
+    "bench/step_s",
+    "bench/samples_per_s",
+    "bench/tokens_per_s",
+    "bench/io_s",
+    "bench/compute_s",
+    "bench/peak_memory_mb",
+    "bench/predicted_memory_mb",
+    "bench/memory_error",
+    "bench/predicted_step_s",
+    "bench/step_time_error",
+    "bench/learned",
+    "bench/learned_p",
+    "bench/quality",
+    "bench/loss_curve",
+]
+SCORE_KEYS = ["score/efficiency", "score/speed", "score/memory", "score/overall"]
+COLUMNS = [
+    "job",
+    "label",
+    "status",
+    "error",
+    "task",
+    "model",
+    "data",
+    "strategy",
+    "hardware",
+    "params_total",
+    "predicted_peak_memory_mb",
+    *BENCH_KEYS,
+    *SCORE_KEYS,
+    "wall_s",
+    "overrides",
+]
+SCORE_NAMES = {"score/efficiency": "efficiency", "score/speed": "speed", "score/memory": "memory", "score/overall": "overall"}  # fmt: skip
+ERROR_CHARS = 80
+
+EXPLANATION = (
+    "One row per job of the sweep, best `overall` score first; failed and missing (interrupted, no "
+    "metrics.json) jobs last. `job` lists the overrides that differ between the sweep's jobs, `dir` is "
+    "the job's folder. *samples/s* is the measured training throughput. *step s* and *peak MB* are "
+    "measured next to the planner's predictions (pred.), which the plan made before the job ran; "
+    "*err %* is measured / predicted - 1, so +10% means the job took 10% more than predicted. "
+    "*learned* says whether the loss fell significantly (p-value in brackets), *quality* is the bench's "
+    "quality figure. Scores, higher is better: efficiency = quality / parameters x 1e10, "
+    "speed = samples_per_s / batch_size x 100, memory = available / peak x 100, "
+    "overall = weighted mean of the three."
+)
+
+
+def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
+    """One row per job folder (a direct subfolder with .hydra/overrides.yaml), in job order."""
+    sweep_dir = Path(sweep_dir)
+    jobs = sorted((d for d in sweep_dir.iterdir() if _is_job(d)), key=_job_order)
+    overrides = {d.name: _read_overrides(d) for d in jobs}
+    labels = _labels(overrides)
+    rows = []
+    for d in jobs:
+        metrics, status, error = _read_metrics(d)
+        given = overrides[d.name]
+        row: dict[str, Any] = dict.fromkeys(COLUMNS)
+        row.update(metrics)
+        row.update(
+            job=d.name, label=labels[d.name], status=status, error=error, overrides=" ".join(given.values())
+        )
+        for group in ("task", "model", "data", "strategy", "hardware"):
+            if row.get(group) is None and group in given:  # a missing job still says what it was
+                row[group] = given[group].split("=", 1)[1]
+        rows.append(row)
+    return rows
+
+
+def write_grid(sweep_dir: Path | str) -> list[Path]:
+    """grid.csv, grid.md and grid.png in sweep_dir; a broken plot still leaves the csv and md."""
+    paths, _ = _write_grid(Path(sweep_dir))
+    return paths
+
+
+class GridCallback(Callback):
+    """Writes the grid when a multirun ends; a broken job folder never fails the sweep."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            sweep_dir = Path(config.hydra.sweep.dir)
+            if not sweep_dir.is_dir():
+                log.warning("grid: sweep folder %s does not exist; no grid written", sweep_dir)
+                return
+            paths, rows = _write_grid(sweep_dir)
+            log.info("grid: %s", ", ".join(str(p) for p in paths))
+            print(markdown_table(rows), flush=True)
+        except Exception as e:  # the sweep's results are on disk either way; the grid is a convenience
+            log.warning("grid: could not write the sweep's grid: %s: %s", type(e).__name__, e)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The jobs as a markdown table, best overall score first, failed/missing last."""
+    header = ["job", "status", "samples/s", "step s", "step s pred.", "step err %", "peak MB", "peak MB pred.",
+              "memory err %", "learned", "quality", "efficiency", "speed", "memory", "overall", "dir", "error"]  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if h in ("job", "status", "dir", "error") else "--:" for h in header) + "|"]  # fmt: skip
+    for r in ranked(rows):
+        cells = [
+            r["label"],
+            r["status"],
+            _num(r.get("bench/samples_per_s")),
+            _num(r.get("bench/step_s")),
+            _num(r.get("bench/predicted_step_s")),
+            _pct(r.get("bench/step_time_error")),
+            _num(r.get("bench/peak_memory_mb")),
+            _num(r.get("bench/predicted_memory_mb")),
+            _pct(r.get("bench/memory_error")),
+            _learned(r.get("bench/learned"), r.get("bench/learned_p")),
+            _num(r.get("bench/quality")),
+            *(_num(r.get(k)) for k in SCORE_KEYS),
+            r["job"],
+            _short(r.get("error")),
+        ]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def ranked(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """ok jobs by overall score (descending, unscored after scored), then failed, then missing."""
+
+    def key(item: tuple[int, dict[str, Any]]) -> tuple:
+        i, r = item
+        overall = _finite(r.get("score/overall"))
+        status_rank = {"ok": 0, "failed": 1, "missing": 2}.get(r.get("status"), 1)
+        return (status_rank, overall is None, -(overall or 0.0), i)
+
+    return [r for _, r in sorted(enumerate(rows), key=key)]
+
+
+def _write_grid(sweep_dir: Path) -> tuple[list[Path], list[dict[str, Any]]]:
+    rows = collect(sweep_dir)
+    paths = [_write_csv(sweep_dir / "grid.csv", rows), _write_md(sweep_dir / "grid.md", sweep_dir, rows)]
+    try:
+        paths.append(_write_png(sweep_dir / "grid.png", sweep_dir, rows))
+    except Exception as e:
+        log.warning("grid: could not draw grid.png: %s: %s", type(e).__name__, e)
+    return paths, rows
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
+    columns = list(COLUMNS)
+    for r in rows:  # whatever else the jobs reported goes after the known columns
+        columns += [k for k in r if k not in columns]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: _csv_value(r.get(k)) for k in columns})
+    return path
+
+
+def _write_md(path: Path, sweep_dir: Path, rows: list[dict[str, Any]]) -> Path:
+    summary = _counts_text(rows) + "."
+    text = f"# Benchmark grid: {sweep_dir.name}\n\n{summary}\n\n{EXPLANATION}\n\n{markdown_table(rows)}\n"
+    path.write_text(text)
+    return path
+
+
+def _write_png(path: Path, sweep_dir: Path, rows: list[dict[str, Any]]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; set before pyplot is imported
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    fig = plt.figure(figsize=(14, 6))
+    try:
+        if ok:
+            left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.3]})
+            _scatter(left, ok)
+            _score_bars(right, ranked(rows))
+            fig.suptitle(f"Benchmark grid: {sweep_dir.name}  ({_counts_text(rows)})")
+            fig.tight_layout()
+        else:
+            fig.text(0.5, 0.55, "no successful jobs", ha="center", va="center", fontsize=24)
+            fig.text(0.5, 0.42, _counts_text(rows), ha="center", va="center", fontsize=13, color="dimgray")
+            fig.suptitle(f"Benchmark grid: {sweep_dir.name}")
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _scatter(ax: Any, ok: list[dict[str, Any]]) -> None:
+    points = [
+        (x, y, r)
+        for r in ok
+        if (x := _finite(r.get("bench/peak_memory_mb"))) is not None
+        and (y := _finite(r.get("bench/samples_per_s"))) is not None
+    ]
+    ax.set_xlabel("peak memory, measured (MB)")
+    ax.set_ylabel("throughput (samples/s)")
+    ax.set_title("Throughput against peak memory (up and left is better)")
+    ax.grid(True, alpha=0.3)
+    if not points:
+        ax.text(0.5, 0.5, "no job measured both\nthroughput and peak memory", ha="center", va="center", transform=ax.transAxes)  # fmt: skip
+        return
+    strategies = sorted({str(r.get("strategy") or "unknown") for _, _, r in points})
+    palette = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666"]  # fmt: skip
+    colours = {s: palette[i % len(palette)] for i, s in enumerate(strategies)}  # Dark2, unlike the score bars
+    for s in strategies:
+        mine = [(x, y) for x, y, r in points if str(r.get("strategy") or "unknown") == s]
+        ax.scatter([x for x, _ in mine], [y for _, y in mine], s=60, color=colours[s], label=s, zorder=3, edgecolor="black", linewidth=0.5)  # fmt: skip
+    ax.margins(x=0.15, y=0.2)
+    if ax.get_xlim()[0] < 0:  # neither memory nor throughput goes below zero
+        ax.set_xlim(left=0)
+    if ax.get_ylim()[0] < 0:
+        ax.set_ylim(bottom=0)
+    _annotate(ax, [(x, y, _point_label(r)) for x, y, r in points])
+    ax.legend(title="strategy", fontsize=9, loc="best")
+
+
+def _point_label(row: dict[str, Any]) -> str:
+    """The row's label without the strategy, which the point's colour already shows."""
+    shown = [o for o in row["label"].split() if not o.startswith("strategy=")]
+    return " ".join(shown) or row["label"]
+
+
+def _annotate(ax: Any, points: list[tuple[float, float, str]]) -> None:
+    """Labels beside their points, each at the first of a few places that overlaps no label placed before it."""
+    renderer = ax.figure.canvas.get_renderer()
+    middle = sum(ax.get_xlim()) / 2
+    placed: list[Any] = []
+    for x, y, text in sorted(points, key=lambda p: -p[1]):
+        side = -1 if x > middle else 1  # point inwards, so labels stay inside the axes
+        for dx, dy in ((7, 5), (7, -12), (7, 16), (7, -23), (7, 27)):
+            note = ax.annotate(text, (x, y), xytext=(side * dx, dy), textcoords="offset points", ha="left" if side > 0 else "right", fontsize=8, alpha=0.85)  # fmt: skip
+            box = note.get_window_extent(renderer)
+            if not any(box.overlaps(other) for other in placed):
+                break
+            note.remove()
+        else:
+            note = ax.annotate(text, (x, y), xytext=(side * 7, 5), textcoords="offset points", ha="left" if side > 0 else "right", fontsize=8, alpha=0.85)  # fmt: skip
+        placed.append(note.get_window_extent(renderer))
+
+
+def _score_bars(ax: Any, rows: list[dict[str, Any]]) -> None:
+    n = len(rows)
+    width = 0.8 / len(SCORE_KEYS)
+    values = [v for r in rows for k in SCORE_KEYS if (v := _finite(r.get(k))) is not None]
+    positive = [v for v in values if v > 0]
+    log_scale = bool(positive) and len(positive) == len(values) and max(positive) / min(positive) > 100
+    for j, key in enumerate(SCORE_KEYS):
+        xs, hs = [], []
+        for i, r in enumerate(rows):
+            if r["status"] == "ok" and (v := _finite(r.get(key))) is not None:
+                xs.append(i + (j - (len(SCORE_KEYS) - 1) / 2) * width)
+                hs.append(v)
+        if not hs:
+            continue
+        bars = ax.bar(xs, hs, width=width, label=SCORE_NAMES[key], color=f"C{j}", zorder=3)
+        if n <= 8:
+            ax.bar_label(bars, labels=[_num(h) for h in hs], fontsize=7, rotation=90, padding=2)
+    if log_scale:
+        ax.set_yscale("log")
+    if not values:
+        ax.text(0.5, 0.85, "no job reported scores", ha="center", va="center", transform=ax.transAxes, color="dimgray")  # fmt: skip
+    ax.set_ylim(top=ax.get_ylim()[1] * (3 if log_scale else 1.15))  # room for the bar labels
+    for i, r in enumerate(rows):
+        note = r["status"] if r["status"] != "ok" else ("no scores" if values and all(_finite(r.get(k)) is None for k in SCORE_KEYS) else None)  # fmt: skip
+        if note:
+            ax.axvspan(i - 0.4, i + 0.4, color="lightgray", alpha=0.35, zorder=1)
+            ax.text(i, 0.5, note, ha="center", va="center", rotation=90, fontsize=11, color="firebrick" if r["status"] != "ok" else "dimgray", transform=ax.get_xaxis_transform())  # fmt: skip
+    ax.set_xticks(range(n))
+    ax.set_xticklabels([r["label"].replace(" ", "\n") for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set_xlim(-0.6, n - 0.4)
+    ax.set_ylabel("score (higher is better)" + (", log scale" if log_scale else ""))
+    ax.set_title("Scores per job, best overall first")
+    ax.grid(True, axis="y", alpha=0.3, zorder=0)
+    if values:
+        ax.legend(fontsize=9, ncols=4, loc="upper right")
+
+
+def _read_overrides(job: Path) -> dict[str, str]:
+    """Override key -> the override as written (`model=phi4_tiny`); empty when unreadable."""
+    try:
+        items = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()) or []
+        if not isinstance(items, list):
+            raise ValueError(f"expected a list, found {type(items).__name__}")
+    except Exception as e:
+        log.warning("grid: unreadable %s: %s", job / ".hydra" / "overrides.yaml", e)
+        return {}
+    return {str(o).split("=", 1)[0]: str(o) for o in items}
+
+
+def _read_metrics(job: Path) -> tuple[dict[str, Any], str, str | None]:
+    path = job / "metrics.json"
+    if not path.is_file():
+        return {}, "missing", "no metrics.json: the job was interrupted or never finished"
+    try:
+        metrics = json.loads(path.read_text())
+        if not isinstance(metrics, dict):
+            raise ValueError(f"expected an object, found {type(metrics).__name__}")
+    except Exception as e:
+        log.warning("grid: unreadable %s: %s", path, e)
+        return {}, "missing", f"unreadable metrics.json: {e}"
+    status = metrics.pop("status", None) or ("failed" if metrics.get("error") else "ok")
+    return metrics, str(status), metrics.pop("error", None)
+
+
+def _labels(overrides: dict[str, dict[str, str]]) -> dict[str, str]:
+    """Each job's overrides that differ across the sweep; all of them when none differ."""
+    keys = {k for given in overrides.values() for k in given}
+    varying = {k for k in keys if len({given.get(k) for given in overrides.values()}) > 1}
+    labels = {}
+    for job, given in overrides.items():
+        shown = [o for k, o in given.items() if k in varying] if varying else list(given.values())
+        labels[job] = " ".join(shown) or job
+    return labels
+
+
+def _is_job(d: Path) -> bool:
+    try:
+        return d.is_dir() and (d / ".hydra" / "overrides.yaml").is_file()
+    except OSError as e:  # e.g. a folder we may not read: leave it out, keep the others
+        log.warning("grid: unreadable %s: %s", d, e)
+        return False
+
+
+def _job_order(d: Path) -> tuple:
+    return (0, int(d.name), "") if d.name.isdigit() else (1, 0, d.name)
+
+
+def _finite(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+def _num(v: Any) -> str:
+    """Three significant figures or so, thousands separated: 0.514, 15.6, 612, 1,548."""
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if not isinstance(v, float):
+        return str(v)
+    if not math.isfinite(v):
+        return str(v)
+    a = abs(v)
+    if a >= 100:
+        return f"{v:,.0f}"
+    if a >= 10:
+        return f"{v:.1f}"
+    if a >= 1:
+        return f"{v:.2f}"
+    return f"{v:.3g}"
+
+
+def _pct(v: Any) -> str:
+    f = _finite(v)
+    return "" if f is None else f"{f * 100:+.1f}%"
+
+
+def _learned(learned: Any, p: Any) -> str:
+    if learned is None:
+        return ""
+    text = _num(learned) if isinstance(learned, bool) else str(learned)
+    return text if _finite(p) is None else f"{text} (p={_finite(p):.2g})"
+
+
+def _short(text: Any) -> str:
+    if text is None:
+        return ""
+    text = " ".join(str(text).split())
+    return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 1] + "…"
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _csv_value(v: Any) -> Any:
+    if isinstance(v, list | dict):
+        return json.dumps(v)
+    return "" if v is None else v
+
+
+def _counts_text(rows: list[dict[str, Any]]) -> str:
+    parts = [f"{sum(r['status'] == s for r in rows)} {s}" for s in ("ok", "failed", "missing")]
+    return f"{len(rows)} job{'' if len(rows) == 1 else 's'}: " + ", ".join(parts)

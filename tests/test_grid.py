@@ -1,0 +1,169 @@
+"""The sweep grid: rows, ranking and labels from a fake sweep folder, and a real Hydra multirun through the callback."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import yaml
+from conftest import ROOT
+
+from onn.bench.grid import collect, write_grid
+
+COMMON = ["task=bench", "recipe=equitable_grid", "data=math"]
+
+
+def bench_metrics(model: str, strategy: str, overall: float, samples_per_s: float, peak_mb: float) -> dict:
+    return {"status": "ok", "error": None, "task": "bench", "model": model, "data": "math", "strategy": strategy, "hardware": "auto",
+            "params_total": 2_300_000, "predicted_peak_memory_mb": 612.3,
+            "bench/step_s": 0.51, "bench/samples_per_s": samples_per_s, "bench/tokens_per_s": samples_per_s * 77, "bench/io_s": 0.1,
+            "bench/compute_s": 0.4, "bench/peak_memory_mb": peak_mb, "bench/predicted_memory_mb": 612.3,
+            "bench/memory_error": peak_mb / 612.3 - 1, "bench/predicted_step_s": 0.6, "bench/step_time_error": -0.15,
+            "bench/learned": True, "bench/learned_p": 0.014, "bench/quality": 0.31, "bench/loss_curve": [5.9, 5.1, 4.2],
+            "score/efficiency": 1347.8, "score/speed": 195.0, "score/memory": 3100.0, "score/overall": overall, "wall_s": 35.2}  # fmt: skip
+
+
+def make_job(sweep: Path, name: str, overrides: list[str], metrics: dict | None) -> None:
+    job = sweep / name
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    if metrics is not None:
+        (job / "metrics.json").write_text(json.dumps(metrics))
+
+
+def fake_sweep(sweep: Path) -> Path:
+    """Four jobs: two ok (the better one second), one failed, one killed before metrics.json."""
+    failed = {"status": "failed", "error": "CUDA out of memory. Tried to allocate 2.00 GiB " + "x" * 200, "task": "bench",
+              "model": "phi4_tiny", "data": "math", "strategy": "full", "hardware": "auto", "wall_s": 3.1}  # fmt: skip
+    make_job(sweep, "0", ["model=phi4_tiny", "strategy=sparse_lora", *COMMON], bench_metrics("phi4_tiny", "sparse_lora", 900.0, 15.6, 640.2))  # fmt: skip
+    make_job(sweep, "1", ["model=llama_tiny", "strategy=lora", *COMMON], bench_metrics("llama_tiny", "lora", 1547.6, 31.0, 420.0))  # fmt: skip
+    make_job(sweep, "2", ["model=phi4_tiny", "strategy=full", *COMMON], failed)
+    make_job(sweep, "3", ["model=llama_tiny", "strategy=full", *COMMON], None)
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    (sweep / "not_a_job").mkdir()
+    return sweep
+
+
+def table_rows(md: str) -> list[list[str]]:
+    lines = [line for line in md.splitlines() if line.startswith("|")]
+    return [[c.strip() for c in line.strip("|").split(" | ")] for line in lines[2:]]
+
+
+def test_write_grid(tmp_path):
+    sweep = fake_sweep(tmp_path / "sweep")
+    paths = write_grid(sweep)
+    assert [p.name for p in paths] == ["grid.csv", "grid.md", "grid.png"]
+
+    with (sweep / "grid.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["job"] for r in rows] == ["0", "1", "2", "3"]
+    assert [r["status"] for r in rows] == ["ok", "ok", "failed", "missing"]
+    assert rows[3]["model"] == "llama_tiny" and rows[3]["strategy"] == "full"  # from its overrides
+    assert json.loads(rows[0]["bench/loss_curve"]) == [5.9, 5.1, 4.2]
+
+    md = (sweep / "grid.md").read_text()
+    table = table_rows(md)
+    assert [r[0] for r in table] == [
+        "model=llama_tiny strategy=lora",
+        "model=phi4_tiny strategy=sparse_lora",
+        "model=phi4_tiny strategy=full",
+        "model=llama_tiny strategy=full",
+    ]
+    assert [r[1] for r in table] == ["ok", "ok", "failed", "missing"]
+    assert table[0][5] == "-15.0%" and table[0][14] == "1,548"
+    assert (
+        table[2][-1].startswith("CUDA out of memory. Tried to allocate 2.00 GiB") and len(table[2][-1]) <= 80
+    )
+    assert "interrupted" in table[3][-1]
+    assert "efficiency = quality / parameters x 1e10" in md
+
+    png = (sweep / "grid.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_labels_show_only_what_varies(tmp_path):
+    sweep = fake_sweep(tmp_path / "sweep")
+    labels = {r["job"]: r["label"] for r in collect(sweep)}
+    assert labels["0"] == "model=phi4_tiny strategy=sparse_lora"
+    assert all("task=" not in label and "recipe=" not in label for label in labels.values())
+
+    same = tmp_path / "same"
+    make_job(same, "0", COMMON, None)
+    assert collect(same)[0]["label"] == " ".join(COMMON)  # nothing varies: all overrides
+
+
+def test_no_successful_jobs_and_broken_files(tmp_path):
+    sweep = tmp_path / "sweep"
+    make_job(sweep, "0", ["model=phi4_tiny"], {"status": "failed", "error": "boom", "model": "phi4_tiny"})
+    make_job(sweep, "1", ["model=llama_tiny"], None)
+    (sweep / "1" / "metrics.json").write_text('{"status": "o')  # cut off mid-write
+    make_job(sweep, "2", ["model=x"], None)
+    (sweep / "2" / ".hydra" / "overrides.yaml").write_text("[unclosed")
+    paths = write_grid(sweep)
+    assert len(paths) == 3 and all(p.is_file() for p in paths)
+    statuses = {r["job"]: r["status"] for r in collect(sweep)}
+    assert statuses == {"0": "failed", "1": "missing", "2": "missing"}
+
+    single = tmp_path / "single"
+    make_job(
+        single,
+        "only",
+        ["model=phi4_tiny"],
+        {"status": "ok", "model": "phi4_tiny", "bench/samples_per_s": 3.0},
+    )
+    assert (single / "grid.png") in write_grid(single)  # all-None scores, one job
+
+
+APP = """
+import json
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg):
+    out = Path(HydraConfig.get().runtime.output_dir)
+    x = int(cfg.x)
+    (out / "metrics.json").write_text(json.dumps({"status": "ok", "error": None, "model": "m", "strategy": f"s{x}",
+        "bench/samples_per_s": 10.0 * x, "bench/peak_memory_mb": 100.0 + x, "score/overall": float(x)}))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+CONFIG = """
+x: 0
+hydra:
+  callbacks:
+    grid:
+      _target_: onn.bench.grid.GridCallback
+"""
+
+
+def test_callback_after_real_multirun(tmp_path):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "config.yaml").write_text(textwrap.dedent(CONFIG))
+    (tmp_path / "app.py").write_text(textwrap.dedent(APP))
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, "app.py", "-m", "x=1,2", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    md = (sweep / "grid.md").read_text()
+    assert [r[0] for r in table_rows(md)] == ["x=2", "x=1"]
+    assert "| x=2 | ok |" in proc.stdout  # the table, printed
+    assert (sweep / "grid.png").is_file() and (sweep / "grid.csv").is_file()
