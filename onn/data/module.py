@@ -1,7 +1,7 @@
 """Prompt/answer records -> token batches for Lightning, with loss on the answer tokens only.
 
 Training order is an endless shuffled stream that is a pure function of (seed, position), and
-the loader starts at position `global_step x accumulation x micro-batch`: a run resumed from a
+the loader starts at position `global_step x batch_size`: a run resumed from a
 checkpoint sees exactly the batches the uninterrupted run would have seen.
 """
 
@@ -108,9 +108,9 @@ class ResumableShuffle(Sampler[int]):
 
 
 class TextDataModule(L.LightningDataModule):
-    def __init__(self, data_cfg: dict[str, Any], tokenizer, micro_batch: int, seed: int = 0):
+    def __init__(self, data_cfg: dict[str, Any], tokenizer, batch_size: int, seed: int = 0):
         super().__init__()
-        self.cfg, self.tokenizer, self.micro_batch, self.seed = data_cfg, tokenizer, micro_batch, seed
+        self.cfg, self.tokenizer, self.batch_size, self.seed = data_cfg, tokenizer, batch_size, seed
         self.train_examples: list[tuple[str, str]] = []
         self.val_examples: list[tuple[str, str]] = []
 
@@ -126,19 +126,19 @@ class TextDataModule(L.LightningDataModule):
 
     def _start_sample(self) -> int:
         trainer = self.trainer
-        return trainer.global_step * trainer.accumulate_grad_batches * self.micro_batch if trainer else 0
+        return trainer.global_step * self.batch_size if trainer else 0
 
     def train_dataloader(self) -> DataLoader:
         sampler = ResumableShuffle(len(self.train_set), self.seed, self._start_sample)
         return DataLoader(
-            self.train_set, batch_size=self.micro_batch, sampler=sampler, collate_fn=Collator(self.tokenizer.pad_token_id),
+            self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=Collator(self.tokenizer.pad_token_id),
             num_workers=int(self.cfg.get("num_workers", 0)),
         )  # fmt: skip
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(
             self.val_set,
-            batch_size=self.micro_batch,
+            batch_size=self.batch_size,
             shuffle=False,
             collate_fn=Collator(self.tokenizer.pad_token_id),
         )

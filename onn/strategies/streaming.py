@@ -442,6 +442,12 @@ class StreamingEngine:
         self.release()
         return torch.stack(new_tokens, dim=1)
 
+    def reset(self) -> None:
+        """Drop a failed step's state (loads in flight, the resident chunk, kept activations) so it can be retried."""
+        self._drain()
+        self.release()
+        self._pending_backward = None
+
     def _drain(self) -> None:
         for future in self._pending.values():
             future.result()

@@ -46,7 +46,8 @@ def build(config: dict[str, Any], plan: dict[str, Any]):
     if plan.get("sparse_layers") is not None:
         strategy["layers"] = plan["sparse_layers"]
     onn_config = {"model": model_cfg, "strategy": strategy, "data": config["data"]}
-    module = CausalLM(model, config["optim"], int(config["trainer"]["max_steps"]), onn_config)
+    module = CausalLM(model, config["optim"], int(config["trainer"]["max_steps"]), onn_config, plan["micro_batch"],
+                      int(config["strategy"].get("min_micro_batch") or 1))  # fmt: skip
     return module, tokenizer
 
 
@@ -77,11 +78,10 @@ def _device(plan: dict[str, Any]) -> str:
 def _datamodule(config: dict[str, Any], plan: dict[str, Any], tokenizer):
     from onn.data.module import TextDataModule
 
-    # Streaming takes whole macro-batches and splits them itself.
-    loader_batch = (
-        int(config["data"]["batch_size"]) if streaming_settings(config, plan) else plan["micro_batch"]
+    # Whole macro-batches: the module splits them into micro-batches itself.
+    dm = TextDataModule(
+        config["data"], tokenizer, int(config["data"]["batch_size"]), seed=int(config.get("seed", 0))
     )
-    dm = TextDataModule(config["data"], tokenizer, loader_batch, seed=int(config.get("seed", 0)))
     dm.setup()
     return dm
 
@@ -96,20 +96,12 @@ def _trainer(
 
     kwargs = dict(config["trainer"])
     streaming = streaming_settings(config, plan)
-    accumulate = 1 if streaming else plan["accumulate"]
     kwargs["precision"] = (
         plan["precision"] if kwargs.get("precision") in (None, "auto") else kwargs["precision"]
     )
-    kwargs["accumulate_grad_batches"] = (
-        accumulate
-        if kwargs.get("accumulate_grad_batches") in (None, "auto")
-        else kwargs["accumulate_grad_batches"]
-    )
-    # The training stream is endless, so validation is scheduled in micro-batches; config counts optimizer steps.
+    # The training stream is endless and a batch is a whole optimizer step, so validation is scheduled in steps.
     if isinstance(kwargs.get("val_check_interval"), int):
-        kwargs["val_check_interval"] = (
-            min(kwargs["val_check_interval"], kwargs["max_steps"]) * kwargs["accumulate_grad_batches"]
-        )
+        kwargs["val_check_interval"] = min(kwargs["val_check_interval"], kwargs["max_steps"])
     loggers = (
         [instantiate(c, save_dir=str(run_dir)) for c in (config.get("tracking") or {}).get("loggers", [])]
         if with_loggers

@@ -2,10 +2,15 @@
 
 Loss is the model's own shifted cross-entropy over answer tokens (labels of prompt tokens are
 -100). Validation loss is averaged over tokens, not batches, so it does not depend on batching.
+
+Batches are whole macro-batches (data.batch_size); the step splits them into micro-batches and
+accumulates their gradients itself (Lightning's manual optimization), so that an out-of-memory
+error can halve the micro-batch and retry the same step with the same macro-batch.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -13,22 +18,48 @@ import lightning as L
 import torch
 
 from onn.data.module import IGNORE
+from onn.errors import UserError
+
+log = logging.getLogger("onn")
+
+
+class OutOfMemoryFloor(UserError):
+    """Out of memory even at the smallest micro-batch allowed."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or the CPU allocator's failure (a RuntimeError)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+def split(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
+    """A right-padded macro-batch as micro-batches of `size` rows, each cut to its own longest row."""
+    pieces = []
+    for start in range(0, batch["input_ids"].shape[0], size):
+        piece = {k: v[start : start + size] for k, v in batch.items()}
+        width = int(piece["attention_mask"].sum(1).max()) if "attention_mask" in piece else None
+        pieces.append({k: v[:, :width] for k, v in piece.items()} if width else piece)
+    return pieces
 
 
 class CausalLM(L.LightningModule):
-    def __init__(
-        self, model: torch.nn.Module, optim: dict[str, Any], max_steps: int, onn_config: dict[str, Any]
-    ):
+    def __init__(self, model: torch.nn.Module, optim: dict[str, Any], max_steps: int, onn_config: dict[str, Any],
+                 micro_batch: int, min_micro_batch: int = 1):  # fmt: skip
         super().__init__()
+        self.automatic_optimization = False  # the step accumulates micro-batches itself (see module doc)
         self.model = model
         self.optim = optim
         self.max_steps = max_steps
         self.onn_config = onn_config  # stored in every checkpoint so eval/infer can rebuild the model
+        self.micro_batch, self.min_micro_batch = micro_batch, min_micro_batch
+        self.oom_backoffs: list[dict[str, int]] = []  # {"step", "from", "to"} per halving
         self._val_sum, self._val_tokens = 0.0, 0
         self.train_losses: list[float] = []  # one mean loss per optimizer step, kept across resume
         self.val_losses: list[float] = []
         self.val_at_step: int | None = None  # global step of the latest validation
-        self._micro_losses: list[float] = []
         self.engine = None  # set by LayerStreamingStrategy: batches are then macro-batches it streams
         # LoRA checkpoints hold only what trains; the frozen base comes from model.source again.
         self.strict_loading = all(p.requires_grad for p in model.parameters())
@@ -37,13 +68,20 @@ class CausalLM(L.LightningModule):
         return self.model(**batch)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        if self.engine is not None:  # forward and backward of every micro-batch, chunk by chunk
-            loss = self.engine.forward_train(
-                self.engine.split(batch), loss_scale=self.trainer.strategy.loss_scale()
-            )
-        else:
-            loss = self.model(**batch).loss
-        self._micro_losses.append(loss.detach().float().item())
+        optimizer = self.optimizers()
+        while True:
+            try:
+                loss = self._forward_backward(batch)
+                break
+            except Exception as e:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
+                if not is_out_of_memory(e):
+                    raise
+                optimizer.zero_grad(set_to_none=True)
+                self._back_off(e)
+        optimizer.step()  # clips in on_before_optimizer_step, after fp16's unscale
+        optimizer.zero_grad(set_to_none=True)
+        self.lr_schedulers().step()
+        self.train_losses.append(float(loss))
         self.log(
             "train/loss",
             loss,
@@ -54,18 +92,59 @@ class CausalLM(L.LightningModule):
         )
         return loss
 
+    def _forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Every micro-batch's forward and backward; gradients accumulate as the mean over micro-batches."""
+        if (
+            self.engine is not None
+        ):  # chunk-outer forward of every micro-batch; chunks' backward in manual_backward
+            self.engine.micro_batch = self.micro_batch
+            loss = self.engine.forward_train(
+                self.engine.split(batch), loss_scale=self.trainer.strategy.loss_scale()
+            )
+            self.manual_backward(loss)
+            return loss.detach()
+        pieces = split(batch, self.micro_batch)
+        losses = []
+        for piece in pieces:
+            loss = self.model(**piece).loss
+            self.manual_backward(loss / len(pieces))
+            losses.append(loss.detach())
+        return torch.stack(losses).mean()
+
+    def _back_off(self, error: BaseException) -> None:
+        """Halve the micro-batch (the macro-batch stays: more micro-batches accumulate) or give up at the floor."""
+        if self.engine is not None:
+            self.engine.reset()
+        if self.micro_batch // 2 < self.min_micro_batch:
+            raise OutOfMemoryFloor(
+                f"out of memory at micro-batch {self.micro_batch}, the floor (strategy.min_micro_batch="
+                f"{self.min_micro_batch}): lower data.max_length or pick a strategy that needs less memory "
+                f"(python run.py task=plan shows the options). The error was: {str(error).splitlines()[0]}"
+            ) from error
+        old, self.micro_batch = self.micro_batch, self.micro_batch // 2
+        self.oom_backoffs.append({"step": self.trainer.global_step, "from": old, "to": self.micro_batch})
+        log.warning(
+            "out of memory at micro-batch %d: retrying step %d with micro-batch %d",
+            old,
+            self.trainer.global_step,
+            self.micro_batch,
+        )
+        self.log("train/micro_batch", float(self.micro_batch), on_step=True, on_epoch=False)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def on_before_optimizer_step(self, optimizer) -> None:
-        # Recorded here, not in on_train_batch_end: ModelCheckpoint saves before that hook runs,
-        # and the step's loss must be in the checkpoint's history.
-        self.train_losses.append(sum(self._micro_losses) / len(self._micro_losses))
-        self._micro_losses.clear()
+        clip = float(self.optim.get("clip_grad_norm") or 0.0)
+        if clip > 0:
+            self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         if self.engine is not None:
             pieces = self.engine.split(batch)
             losses = self.engine.loss(pieces)
         else:
-            pieces, losses = [batch], [self.model(**batch).loss]
+            pieces = split(batch, self.micro_batch)
+            losses = [self.model(**piece).loss for piece in pieces]
         for piece, loss in zip(pieces, losses):
             tokens = int((piece["labels"][:, 1:] != IGNORE).sum())
             self._val_sum += float(loss) * tokens
@@ -93,8 +172,6 @@ class CausalLM(L.LightningModule):
                 params, lr=self.optim["lr"], momentum=0.9, weight_decay=self.optim.get("weight_decay", 0.0)
             )
         else:
-            from onn.errors import UserError
-
             raise UserError(f"optim.name '{name}' is not one of adamw, sgd.")
         schedule = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[
             self.optim.get("schedule", "cosine")

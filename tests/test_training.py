@@ -1,0 +1,100 @@
+"""The training step itself: micro-batch accumulation and out-of-memory back-off (injected errors)."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from onn.training.lm import CausalLM, OutOfMemoryFloor
+
+OPTIM = {"name": "sgd", "lr": 0.1, "schedule": "constant", "warmup_steps": 0, "clip_grad_norm": 1.0}
+
+
+def tiny_module(micro_batch: int, min_micro_batch: int = 1) -> CausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    return CausalLM(LlamaForCausalLM(config), OPTIM, max_steps=3, onn_config={}, micro_batch=micro_batch,
+                    min_micro_batch=min_micro_batch)  # fmt: skip
+
+
+def batches(steps: int = 3, rows: int = 8, width: int = 12) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, 64, (rows, width), generator=g)
+        mask = torch.ones_like(ids)
+        mask[::3, width - 4 :] = 0  # some right padding, cut per micro-batch
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+def inject_oom(module: CausalLM, above: int) -> list[int]:
+    """Make the model fail like an exhausted allocator on micro-batches larger than `above` rows."""
+    seen, forward = [], module.model.forward
+
+    def failing(*args, **kwargs):
+        rows = kwargs["input_ids"].shape[0]
+        seen.append(rows)
+        if rows > above:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return forward(*args, **kwargs)
+
+    module.model.forward = failing
+    return seen
+
+
+def fit(module: CausalLM, data: list[dict[str, torch.Tensor]]) -> None:
+    trainer = L.Trainer(max_steps=len(data), accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+
+
+def test_out_of_memory_halves_the_micro_batch_and_retries_the_same_step():
+    reference = tiny_module(micro_batch=2)
+    fit(reference, batches())
+    module = tiny_module(micro_batch=8)
+    seen = inject_oom(module, above=2)
+    fit(module, batches())
+    assert module.micro_batch == 2
+    assert module.oom_backoffs == [{"step": 0, "from": 8, "to": 4}, {"step": 0, "from": 4, "to": 2}]
+    assert seen[:3] == [8, 4, 2] and set(seen[3:]) == {2}  # the first step retried, later steps start small
+    # The macro-batch is unchanged (more micro-batches accumulate): the result equals a run that began at 2.
+    assert module.train_losses == pytest.approx(reference.train_losses, rel=1e-5)
+    for (name, p), q in zip(module.model.named_parameters(), reference.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_out_of_memory_below_the_floor_is_one_clear_error():
+    module = tiny_module(micro_batch=8, min_micro_batch=2)
+    inject_oom(module, above=1)
+    with pytest.raises(OutOfMemoryFloor, match=r"micro-batch 2, the floor \(strategy.min_micro_batch=2\)"):
+        fit(module, batches())
+
+
+def test_other_errors_are_not_mistaken_for_out_of_memory():
+    module = tiny_module(micro_batch=4)
+    before = copy.deepcopy(module.micro_batch)
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug")
+
+    module.model.forward = broken
+    with pytest.raises(ValueError, match="a bug"):
+        fit(module, batches(steps=1))
+    assert module.micro_batch == before and not module.oom_backoffs
+
+
+def test_accumulated_micro_batches_equal_one_whole_batch():
+    whole, pieces = tiny_module(micro_batch=8), tiny_module(micro_batch=1)
+    data = batches(steps=2, rows=8)
+    for row in data:
+        row["attention_mask"][:] = 1  # equal lengths: the mean of micro-batch means is the batch mean
+        row["labels"] = row["input_ids"].clone()
+    fit(whole, data)
+    fit(pieces, data)
+    assert pieces.train_losses == pytest.approx(whole.train_losses, rel=1e-5)
