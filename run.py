@@ -5,10 +5,10 @@ from omegaconf import DictConfig
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
     from onn.app import run  # imported here so `--help` stays fast
 
-    run(cfg)
+    return run(cfg)  # a sweeper (Optuna) optimises this: metrics[sweep_objective]
 
 
 if __name__ == "__main__":

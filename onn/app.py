@@ -2,10 +2,14 @@
 
 Every run directory ends up with config.yaml (the composed, resolved config), plan.yaml and
 metrics.json, also when the run fails: then metrics.json says `status: failed` and why.
+
+In a multirun, a job whose folder already holds a finished metrics.json for the same config is
+not run again, so an interrupted sweep picks up where it stopped.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -22,7 +26,8 @@ from onn.errors import UserError
 log = logging.getLogger("onn")
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
+def run(cfg: DictConfig) -> float | None:
+    """Run the task; return metrics[sweep_objective] for a sweeper when that key is set (None if the run failed)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -34,6 +39,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                                "strategy": cfg.strategy.name, "hardware": cfg.hardware.name}  # fmt: skip
     try:
         config = OmegaConf.to_container(cfg, resolve=True)
+        metrics["config_digest"] = config_digest(config)
+        done = finished(run_dir, metrics["config_digest"]) if multirun else None
+        if done is not None:
+            log.info(
+                "%s: already finished (status %s) for this config; not run again", run_dir, done["status"]
+            )
+            return _objective(cfg, done)
         metrics.update(execute(config, run_dir))
         metrics["status"] = "ok"
     except UserError as e:
@@ -45,9 +57,37 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     except Exception as e:
         metrics.update(status="failed", error=f"{type(e).__name__}: {e}")
         _write_metrics(run_dir, metrics, started)
-        raise
+        if not multirun:
+            raise
+        log.exception("job %s crashed; the sweep goes on", run_dir)  # the traceback, for the bug report
+        return _objective(cfg, metrics)
     _write_metrics(run_dir, metrics, started)
-    return metrics
+    return _objective(cfg, metrics)
+
+
+def config_digest(config: dict[str, Any]) -> str:
+    """Identifies what a job computes: its resolved config, less the paths that only say where it runs."""
+    relevant = {k: v for k, v in config.items() if k != "paths"}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def finished(run_dir: Path, digest: str) -> dict[str, Any] | None:
+    """The run folder's metrics.json when it is complete (ok, or failed with its error) for this config."""
+    try:
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if metrics.get("config_digest") == digest and metrics.get("status") in ("ok", "failed"):
+        return metrics
+    return None
+
+
+def _objective(cfg: DictConfig, metrics: dict[str, Any]) -> float | None:
+    key = cfg.get("sweep_objective")
+    if not key:
+        return None
+    value = metrics.get(key) if metrics.get("status") == "ok" else None
+    return float(value) if isinstance(value, (int, float)) else None  # Optuna records None as a failed trial
 
 
 def _write_metrics(run_dir: Path, metrics: dict[str, Any], started: float) -> None:
@@ -113,8 +153,12 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         from onn.training.fit import infer
 
         return {**out, **infer(config, plan, run_dir, ckpt)}
+    if task == "bench":
+        from onn.bench.suite import run as bench
+
+        return {**out, **bench(config, plan, run_dir, hardware, spec)}
     if task == "bench_streaming":
         from onn.bench.streaming import run as bench_streaming
 
         return {**out, **bench_streaming(config, plan, run_dir)}
-    raise UserError(f"task={task} is not one of train, eval, infer, plan, bench_streaming.")
+    raise UserError(f"task={task} is not one of train, eval, infer, plan, bench, bench_streaming, tune.")

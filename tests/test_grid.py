@@ -141,6 +141,8 @@ if __name__ == "__main__":
 
 CONFIG = """
 x: 0
+task:
+  name: bench
 hydra:
   callbacks:
     grid:

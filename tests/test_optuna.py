@@ -31,10 +31,12 @@ def test_optuna_lr_recipe_is_an_optuna_lr_search():
     assert sweeper["n_trials"] == 4
     params = sweeper["params"]
     assert params["optim.lr"] == "tag(log, interval(1e-4, 3e-2))"
-    assert params["++sweep_objective"] == "val/loss_final"
     job = compose("recipe=optuna_lr")  # what each trial starts from, before the sweeper's overrides
     assert job["trainer"]["max_steps"] == job["trainer"]["val_check_interval"] == 30
     assert job["task"]["exact_match_samples"] == 0
+    assert (
+        job["sweep_objective"] == "val/loss_final" and job["optim"]["warmup_steps"] == 5
+    )  # the recipe wins over root keys
     assert (job["model"]["name"], job["data"]["name"], job["task"]["name"]) == ("phi4_tiny", "math", "train")
 
 
@@ -47,5 +49,4 @@ def test_optuna_sweeper_parses_the_lr_search_space():
     lr = space["optim.lr"]
     assert (lr.low, lr.high) == (1e-4, 3e-2)
     assert type(lr).__name__ == "LogUniformDistribution"
-    assert fixed["++sweep_objective"] == "val/loss_final"
     assert set(space) == {"optim.lr"}

@@ -46,8 +46,9 @@ def test_memory_grows_with_micro_batch_and_breakdown_adds_up(tmp_path):
     )
     assert big["candidates"]["lora"]["activations_mb"] > 4 * small["candidates"]["lora"]["activations_mb"]
     c = big["candidates"]["lora"]
-    parts = sum(
-        c[k] for k in ("weights_mb", "trainable_mb", "optimizer_mb", "activations_mb", "workspace_mb")
+    # gradients are allocated as activations are freed: the peak holds the larger of the two
+    parts = sum(c[k] for k in ("weights_mb", "optimizer_mb", "workspace_mb")) + max(
+        c["trainable_mb"], c["activations_mb"]
     )
     assert parts == pytest.approx(c["peak_mb"], abs=1)
 

@@ -106,6 +106,8 @@ class GridCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         try:
+            if config.get("task", {}).get("name") != "bench":
+                return  # training and other sweeps have no bench figures to put side by side
             sweep_dir = Path(config.hydra.sweep.dir)
             if not sweep_dir.is_dir():
                 log.warning("grid: sweep folder %s does not exist; no grid written", sweep_dir)

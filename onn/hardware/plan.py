@@ -3,16 +3,23 @@
 Sizes come from the model built on the meta device and its LayerMap, never from constants
 keyed by model name. Every candidate (full, lora, qlora, sparse_lora) gets a breakdown:
 
-  weights      frozen or master weights resident on the device
-  trainable    trainable weights' gradients (and fp32 copies of LoRA adapters)
+  weights      frozen or master weights resident on the device (and LoRA adapters, fp32)
+  trainable    the trainable weights' gradients
   optimizer    AdamW's two moments, fp32
-  activations  what autograd keeps for backward: per layer and token ~ (6h + 2kv + 4i) elements
-               (norm inputs, q/k/v, attention output, MLP gate/up/act/down inputs) plus the logits
-               (3 fp32 copies: logits, log-softmax, gradient)
+  activations  what autograd keeps for backward: per layer and token ~ (10h + 4kv + 4i) elements
+               (both norms' inputs and outputs, q and k before and after rotary embedding, v,
+               attention output and its projection's input, MLP gate/up/act/down inputs: counted
+               with saved-tensor hooks on HF Llama and Phi-3 layers) plus the logits (3 fp32
+               copies: logits, log-softmax, gradient)
   workspace    5% of the above for allocator fragmentation and matmul temporaries, plus the bf16
-               copies autocast makes of fp32 weights
+               copies autocast makes of fp32 weights; on CPUs also the heap's overhead on
+               activations (CPU_HEAP_OVERHEAD)
   context      not allocated by the run but held: 1.5 GB for the CUDA context on GPUs; on CPUs
                the process's own resident memory (torch and Python), measured now
+
+Gradients are allocated during backward while the saved activations are freed, layer by layer,
+so the peak holds the larger of the two, not both: peak = weights + optimizer + workspace +
+max(trainable, activations).
 
 sparse_lora is sized as ONN's layer-streaming engine: two chunks of blocks in flight (one
 computing, one loading) plus the disk reader's buffer, prefix/suffix resident or streamed, the
@@ -35,6 +42,11 @@ from onn.models.layers import resolve_indices
 MB = 1024**2
 CUDA_CONTEXT_MB = 1536
 HEADROOM = 0.95  # use at most 95% of what is left after the context
+# On CPUs the peak is resident memory, and glibc's heap holds on to the buffers autograd frees
+# during backward while new ones of other sizes are taken: measured with task=bench (phi4_tiny,
+# llama_small; full and LoRA; sequences of 64-96 tokens) as 0.5-1.0x the activations above the
+# live tensors. Streaming frees per chunk and showed none of it.
+CPU_HEAP_OVERHEAD = 0.7
 CANDIDATES = ("full", "lora", "qlora", "sparse_lora")
 AUTO_ORDER = ("lora", "qlora", "sparse_lora")  # pretrained weights: the first that fits wins
 # Bytes per stored value; int8 and nf4 carry one fp32 scale per 256 / 64 values (onn/strategies/store.py).
@@ -82,7 +94,10 @@ class Estimate:
     def peak_mb(self) -> float:
         """Predicted peak the run allocates itself (what torch.cuda.max_memory_allocated reports)."""
         return (
-            self.weights_mb + self.trainable_mb + self.optimizer_mb + self.activations_mb + self.workspace_mb
+            self.weights_mb
+            + self.optimizer_mb
+            + self.workspace_mb
+            + max(self.trainable_mb, self.activations_mb)
         )
 
 
@@ -207,7 +222,7 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
     half = 2 if (mixed or precision.startswith(("bf16", "16"))) else 4
     act_bytes = half
     frozen_bytes = half if hw["accelerator"] != "cpu" else (2 if precision.startswith("bf16") else 4)
-    per_token_layer = 6 * spec.hidden + 2 * spec.kv_dim + 4 * spec.intermediate
+    per_token_layer = 10 * spec.hidden + 4 * spec.kv_dim + 4 * spec.intermediate
     tokens = micro_batch * seq
     logits = tokens * spec.vocab * 4 * 3
     lora_all = sum(spec.lora_params_per_block)
@@ -239,7 +254,8 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
             weights = linear * DTYPE_BYTES["nf4"] + (spec.params - linear) * 2
         else:
             weights = spec.params * frozen_bytes
-        trainable = lora_all * 8  # fp32 adapters + their gradients
+        weights += lora_all * 4  # fp32 adapters
+        trainable = lora_all * 4
         optimizer = lora_all * 8
         activations = per_token_layer * tokens * spec.n_blocks * act_bytes + logits
         extra = 0
@@ -260,7 +276,9 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
         )
     else:
         raise ValueError(strategy)
-    workspace = 0.05 * (weights + trainable + optimizer + activations) + extra
+    workspace = 0.05 * (weights + max(trainable, activations) + optimizer) + extra
+    if hw["accelerator"] == "cpu":
+        workspace += CPU_HEAP_OVERHEAD * activations
     est = Estimate(
         strategy,
         False,
@@ -315,7 +333,10 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
         sbytes = DTYPE_BYTES[store_dtype]
         # On a CPU host memory is the device: a store held there counts in full.
         store_bytes = sum(spec.block_params) * sbytes if store == "cpu" and not on_gpu else 0
-        unit = block * chunk * compute_bytes  # a chunk as it computes (de-quantized, compute dtype)
+        # A chunk as it computes (de-quantized, compute dtype); a host store already in the compute
+        # dtype on a CPU lends its tensors as they are, so a resident chunk costs nothing extra.
+        zero_copy = store == "cpu" and not on_gpu and sbytes == compute_bytes
+        unit = 0 if zero_copy else block * chunk * compute_bytes
         read_buffer = block * sbytes if store == "disk" else 0
         # Two chunks in flight (computing + prefetched); streamed edges load while no chunk is resident.
         weights = store_bytes + read_buffer + max(2 * unit, edge if edges == "stream" else 0)
@@ -326,8 +347,9 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
         kept = (n_chunks - min(lowest // chunk, n_chunks) + 2) * accumulate if activations == "device" else 2
         tokens = micro_batch * seq
         acts = (kept * tokens * spec.hidden + per_token_layer * tokens * chunk) * compute_bytes + logits
-        trainable = optimizer = lora * 8
-        workspace = 0.05 * (weights + trainable + optimizer + acts)
+        weights += lora * 4  # fp32 adapters
+        trainable, optimizer = lora * 4, lora * 8
+        workspace = 0.05 * (weights + max(trainable, acts) + optimizer)
         return {
             "weights": weights,
             "trainable": trainable,
@@ -345,7 +367,10 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
                                                            options("activations", ["device", "host"] if on_gpu else ["device"])):  # fmt: skip
             for chunk in sorted(options("chunk_size", _chunk_sizes(n)), reverse=True):
                 m = memory(sd, store, edges, activations, chunk)
-                if sum(m.values()) <= budget:
+                if (
+                    m["weights"] + m["optimizer"] + m["workspace"] + max(m["trainable"], m["activations"])
+                    <= budget
+                ):
                     best = (sd, store, edges, activations, chunk, m)
                     break
             if best:
@@ -369,9 +394,8 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
     streamed_bytes = sum(spec.block_params) * DTYPE_BYTES[store_dtype]
     reloaded = sum(spec.block_params[lowest:]) * DTYPE_BYTES[store_dtype]
     bandwidth = (hw.get("h2d_mb_s") if on_gpu else hw.get("disk_read_mb_s")) or 1000.0
-    flops = (hw.get("matmul_tflops") or 0.1) * 1e12
-    tokens = batch_size * seq
-    compute_s = (2 * spec.params + 4 * sum(spec.block_params[lowest:])) * tokens / flops
+    # Host memory is read at memory speed; only a disk store (or a GPU's host link) costs transfer time.
+    io_s = 0.0 if store == "cpu" and not on_gpu else (streamed_bytes + reloaded) / MB / bandwidth
     streaming = {
         "chunk_size": chunk,
         "store": store,
@@ -379,14 +403,48 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
         "edges": edges,
         "activations": activations,
         "micro_batches_per_chunk": accumulate,
-        "predicted_io_s": round((streamed_bytes + reloaded) / MB / bandwidth, 3),
-        "predicted_compute_s": round(compute_s, 3),
+        "predicted_io_s": round(io_s, 3),
+        "predicted_compute_s": round(
+            compute_s(spec, hw, "sparse_lora", seq, batch_size, micro_batch, sparse_layers), 3
+        ),
     }
     est = Estimate("sparse_lora", False, micro_batch, m["weights"] / MB, m["trainable"] / MB, m["optimizer"] / MB, m["activations"] / MB,
                    m["workspace"] / MB, ctx, note=f"streams {chunk} block(s) at a time, frozen weights stored as {store_dtype}",
                    streaming=streaming)  # fmt: skip
     est.fits = est.peak_mb <= budget_mb(hw)
     return est
+
+
+# Framework time per block per micro-batch (Python, dispatch, kernel launches) for forward plus
+# backward: what a step of a narrow model costs beyond its FLOPs. Measured on a 2-core Xeon with
+# llama_tiny/phi4_tiny; an assumption elsewhere, which `task=bench` checks (bench/step_time_error).
+BLOCK_OVERHEAD_S = {"cpu": 1.5e-3, "cuda": 0.4e-3, "mps": 1.0e-3}
+
+
+def compute_s(spec: ModelSpec, hw: dict[str, Any], strategy: str, seq: int, batch_size: int, micro_batch: int,
+              trainable_layers: list[int]) -> float:  # fmt: skip
+    """Predicted compute time of one optimizer step: matmul FLOPs at the measured matmul rate, plus overhead.
+
+    Forward: 2 FLOPs per weight per token, plus attention's 4 x seq x hidden per token and layer.
+    Backward: full training computes input and weight gradients (2x forward); LoRA needs input
+    gradients from the lowest trainable block up (1x those blocks' forward); streaming recomputes
+    those blocks' forward as well."""
+    rate = (hw.get("matmul_tflops") or 0.1) * 1e12
+    tokens = batch_size * seq
+    per_block = [2 * p + 4 * seq * spec.hidden for p in spec.block_params]
+    head = 2 * spec.suffix_params
+    lowest = min(trainable_layers) if trainable_layers else 0
+    upper = sum(per_block[lowest:]) + head
+    forward = sum(per_block) + head
+    if strategy == "full":
+        flops = 3 * forward
+    elif strategy == "sparse_lora":
+        flops = forward + 2 * upper
+    else:
+        flops = forward + upper
+    micro_batches = max(1, batch_size // max(micro_batch, 1))
+    overhead = BLOCK_OVERHEAD_S.get(hw["accelerator"], 1e-3) * spec.n_blocks * micro_batches
+    return flops * tokens / rate + overhead
 
 
 def _chunk_sizes(n: int) -> list[int]:
@@ -474,6 +532,19 @@ def make_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> dict[
     micro_batch = est.micro_batch
     if batch_size % micro_batch:
         micro_batch = 1
+    if chosen == "sparse_lora":
+        s = est.streaming
+        overlap = (strategy_cfg.get("streaming") or {}).get("prefetch", True)
+        step_s = (
+            max(s["predicted_io_s"], s["predicted_compute_s"])
+            if overlap
+            else s["predicted_io_s"] + s["predicted_compute_s"]
+        )
+    else:
+        trainable = list(range(n)) if chosen != "full" else [0]
+        step_s = compute_s(
+            spec, hw, chosen if chosen in CANDIDATES else "full", seq, batch_size, micro_batch, trainable
+        )
     plan = {
         "strategy": chosen,
         "requested": requested,
@@ -484,6 +555,7 @@ def make_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> dict[
         "weights_dtype": _weights_dtype(chosen, precision, hw),
         "sequence_length": seq,
         "predicted_peak_memory_mb": round(est.peak_mb, 1),
+        "predicted_step_s": round(step_s, 4),
         "context_mb": round(est.context_mb, 1),
         "budget_mb": round(budget_mb(hw), 1),
         "sparse_layers": sparse_layers if chosen == "sparse_lora" else None,
@@ -563,6 +635,9 @@ def render(plan: dict[str, Any]) -> str:
     ctx_name = "CUDA context" if plan["hardware"]["accelerator"] == "cuda" else "process baseline"
     lines.append(
         f"predicted peak memory: {peak:,.0f} MB allocated (+{ctx:,.0f} MB {ctx_name} = {peak + ctx:,.0f} MB); budget {plan['budget_mb']:,.0f} MB"
+    )
+    lines.append(
+        f"predicted step time: {plan['predicted_step_s']:.3f} s at data.max_length={plan['sequence_length']} (a prediction; task=bench measures it)"
     )
     if plan.get("streaming"):
         s = plan["streaming"]

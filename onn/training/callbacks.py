@@ -1,7 +1,8 @@
-"""Callbacks ONN adds to every training run."""
+"""Callbacks ONN adds to training runs: throughput, per-step timing, resource monitoring."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import lightning as L
@@ -39,3 +40,72 @@ class Throughput(L.Callback):
     @property
     def samples_per_s(self) -> float | None:
         return self.steps * self.batch_size / self.train_s if self.train_s > 0 and self.steps else None
+
+
+class StepClock(L.Callback):
+    """Wall time, tokens and (when streaming) weight-wait and compute time of every training step.
+
+    A batch is one optimizer step (the module accumulates micro-batches itself), so batch start to
+    batch end is the whole step: forward, backward and optimizer."""
+
+    def __init__(self):
+        self.step_s: list[float] = []
+        self.tokens: list[int] = []
+        self.widths: list[int] = []
+        self.io_s: list[float] = []
+        self.compute_s: list[float] = []
+        self._t0 = 0.0
+        self._engine_t0 = (0.0, 0.0)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        engine = getattr(pl_module, "engine", None)
+        if engine is not None:
+            self._engine_t0 = (engine.times.io_s, engine.times.compute_s)
+        self.tokens.append(int(batch["attention_mask"].sum()))
+        self.widths.append(int(batch["input_ids"].shape[1]))
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.step_s.append(time.perf_counter() - self._t0)
+        engine = getattr(pl_module, "engine", None)
+        if engine is not None:
+            self.io_s.append(engine.times.io_s - self._engine_t0[0])
+            self.compute_s.append(engine.times.compute_s - self._engine_t0[1])
+
+
+class ResourceMonitor(L.Callback):
+    """Logs host memory, this process's memory and CPU use, and on GPUs device memory and utilisation.
+
+    Lightning's DeviceStatsMonitor logs every allocator counter on every batch and refuses to run
+    without a logger; this logs the handful of figures people read, every `log_every_n_steps`."""
+
+    def __init__(self, every_n_steps: int = 10):
+        self.every_n_steps = max(1, every_n_steps)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step % self.every_n_steps or not trainer.loggers:
+            return
+        pl_module.log_dict(self.read(pl_module.device), on_step=True, on_epoch=False)
+
+    @staticmethod
+    def read(device) -> dict[str, float]:
+        import psutil
+
+        from onn.hardware.memory import anon_rss_mb
+
+        host = psutil.virtual_memory()
+        stats = {
+            "resource/host_available_mb": host.available / 2**20,
+            "resource/host_used_percent": float(host.percent),
+            "resource/process_rss_mb": anon_rss_mb(),
+            "resource/cpu_percent": psutil.cpu_percent(),  # since the previous call: this logging interval
+        }
+        if getattr(device, "type", "cpu") == "cuda":
+            import torch
+
+            stats["resource/device_allocated_mb"] = torch.cuda.memory_allocated(device) / 2**20
+            stats["resource/device_reserved_mb"] = torch.cuda.memory_reserved(device) / 2**20
+            stats["resource/device_peak_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+            with contextlib.suppress(Exception):  # needs NVML (pynvml); the memory figures stand without it
+                stats["resource/gpu_util_percent"] = float(torch.cuda.utilization(device))
+        return stats

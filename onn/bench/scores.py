@@ -1,0 +1,76 @@
+"""What a benchmark's raw figures mean: did it learn, how good is it, and the equitable scores.
+
+learned   A one-sided permutation test on the per-step training losses: under "nothing was
+          learned", the steps of the first and the last fifth of the run are exchangeable, so
+          the fall of the mean loss between them is compared with its distribution over every
+          relabelling of those steps (all of them when there are at most 20,000, else 20,000
+          seeded draws). `bench/learned` is true when p < 0.05 (task.learned_p) and the
+          loss fell; `bench/learned_p` is the p-value.
+quality   In [0, 1]. Language modelling: the relative fall of held-out loss over the run,
+          (before - after) / before, floored at 0 (task.quality=loss_fall), or the exact-match
+          rate of greedy answers on held-out data that has answers (task.quality=exact_match).
+scores    ONN's equitable scores: efficiency = quality / parameters x 1e10,
+          speed = samples_per_s / batch_size x 100, memory = available / peak x 100,
+          overall = the weighted mean of those three (task.score_weights).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from typing import Any
+
+MAX_RELABELLINGS = 20_000
+
+
+def learned(losses: list[float], alpha: float = 0.05) -> tuple[bool, float | None]:
+    """(learned, p) for a run's per-step losses; (False, None) with fewer than 10 steps."""
+    fifth = len(losses) // 5
+    if fifth < 2:
+        return False, None
+    first, last = losses[:fifth], losses[-fifth:]
+    observed = _mean(first) - _mean(last)
+    pooled = first + last
+    total = sum(pooled)
+
+    def fall(first_idx: tuple[int, ...]) -> float:
+        head = sum(pooled[i] for i in first_idx)
+        return head / fifth - (total - head) / fifth
+
+    n = len(pooled)
+    if math.comb(n, fifth) <= MAX_RELABELLINGS:
+        draws = list(itertools.combinations(range(n), fifth))
+    else:
+        rng = random.Random(0)
+        draws = [tuple(rng.sample(range(n), fifth)) for _ in range(MAX_RELABELLINGS)]
+    # the observed labelling is one of the relabellings, so p is never 0
+    at_least = sum(1 for d in draws if fall(d) >= observed - 1e-12)
+    p = max(at_least, 1) / len(draws)
+    return observed > 0 and p < alpha, p
+
+
+def loss_fall(before: float | None, after: float | None) -> float | None:
+    if before is None or after is None or not before > 0:
+        return None
+    return min(1.0, max(0.0, (before - after) / before))
+
+
+def equitable(quality: float | None, params: int, samples_per_s: float | None, batch_size: int,
+              available_mb: float | None, peak_mb: float | None, weights: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+    """The four `score/*` keys (None where a figure is missing)."""
+    scores = {
+        "score/efficiency": quality / params * 1e10 if quality is not None and params else None,
+        "score/speed": samples_per_s / batch_size * 100 if samples_per_s else None,
+        "score/memory": available_mb / peak_mb * 100 if available_mb and peak_mb else None,
+    }
+    parts = [(float(weights.get(k.split("/")[1], 0.0)), v) for k, v in scores.items()]
+    if any(v is None for w, v in parts if w) or not sum(w for w, _ in parts):
+        scores["score/overall"] = None
+    else:
+        scores["score/overall"] = sum(w * v for w, v in parts if w) / sum(w for w, _ in parts)
+    return {k: (round(v, 3) if v is not None else None) for k, v in scores.items()}
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)

@@ -1,0 +1,243 @@
+"""`task=bench`: a short, fixed training protocol on this machine, measured against the plan's predictions.
+
+Protocol: held-out loss on `task.val_batches` batches; `task.warmup_steps + task.steps` real
+training steps through the same Lightning path as `task=train` (strategy, streaming, precision);
+held-out loss again. Warm-up steps train but are not timed.
+
+The steps run in a fresh interpreter so every job of a grid is measured on equal terms: no
+memory left over from an earlier job, and a job the OS kills for memory fails alone. The
+process's baseline (Python, torch, Lightning, transformers imported; nothing built) is measured
+there first; the prediction is the planner's allocation for the shapes the batches had plus that
+baseline (on GPUs: the allocation alone, against torch.cuda.max_memory_allocated).
+
+Figures (beside the [core] keys): bench/step_s, samples_per_s, tokens_per_s, io_s and compute_s
+(streaming), peak_memory_mb, predicted_memory_mb, memory_error = measured / predicted - 1,
+memory_growth_error (the same for the growth above the baseline: the stricter figure),
+predicted_step_s, step_time_error, learned, learned_p, loss_curve, quality and the score/* keys;
+see onn/bench/scores.py for how learning, quality and the scores are decided.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from onn.errors import UserError
+
+log = logging.getLogger("onn")
+
+
+def run(
+    config: dict[str, Any], plan: dict[str, Any], run_dir: Path, hardware: dict[str, Any], spec
+) -> dict[str, Any]:
+    raw = measure_isolated(config, plan, run_dir)
+    return summarize(config, plan, hardware, spec, raw)
+
+
+def measure_isolated(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """`measure` in a fresh interpreter; its output goes to run_dir/bench.log."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        request = json.dumps({"config": config, "plan": plan, "run_dir": str(run_dir), "result": str(result)})
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        proc = subprocess.run([sys.executable, "-m", "onn.bench.suite"], input=request, text=True, capture_output=True, env=env)  # fmt: skip
+        (run_dir / "bench.log").write_text(proc.stdout + proc.stderr)
+        if result.is_file():
+            raw = json.loads(result.read_text())
+            if raw.get("error"):
+                raise UserError(raw["error"])
+            return raw
+    if proc.returncode < 0:
+        raise UserError(
+            f"the benchmark process was killed by signal {-proc.returncode} (out of memory?); see {run_dir / 'bench.log'}."
+        )
+    tail = [line for line in (proc.stderr or proc.stdout).strip().splitlines() if line.strip()]
+    raise RuntimeError(
+        f"the benchmark process failed: {tail[-1] if tail else proc.returncode}; see {run_dir / 'bench.log'}"
+    )
+
+
+def measure(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """Run the protocol in this process and return the raw figures (per-step times, losses, peak memory)."""
+    import gc
+
+    from onn.hardware.memory import PeakMemory, anon_rss_mb
+    from onn.training.callbacks import ResourceMonitor, StepClock
+    from onn.training.fit import _datamodule, _trainer, build
+
+    task = config["task"]
+    warmup, steps = int(task["warmup_steps"]), int(task["steps"])
+    config = copy.deepcopy(config)
+    config["trainer"].update(max_steps=warmup + steps, val_check_interval=warmup + steps, limit_val_batches=int(task["val_batches"]),
+                             enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    clock = StepClock()
+    trainer = _trainer(
+        config, plan, run_dir, [clock, ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))]
+    )
+    gc.collect()
+    cuda = plan["hardware"]["accelerator"] == "cuda"
+    baseline = 0.0 if cuda else anon_rss_mb()
+    with PeakMemory("cuda" if cuda else "cpu") as peak:
+        module, tokenizer = build(config, plan)
+        dm = _datamodule(config, plan, tokenizer)
+        trainer.validate(module, datamodule=dm, verbose=False)
+        module.train()
+        trainer.fit(module, datamodule=dm)
+    exact = None
+    if task.get("quality") == "exact_match":
+        from onn.infer.generate import exact_match
+
+        if not any(p for p, _ in dm.val_examples):
+            raise UserError(
+                f"task.quality=exact_match needs data with answers; data '{config['data']['name']}' has none."
+            )
+        exact = exact_match(module.model, tokenizer, dm.val_examples, config["data"].get("answer_pattern"), int(task["exact_match_samples"]),
+                            max_new_tokens=dm.max_answer_tokens + 2, engine=module.engine)  # fmt: skip
+    return {
+        "step_s": clock.step_s,
+        "tokens": clock.tokens,
+        "widths": clock.widths,
+        "io_s": clock.io_s,
+        "compute_s": clock.compute_s,
+        "losses": module.train_losses,
+        "val_losses": module.val_losses,
+        "peak_mb": peak.peak_mb,
+        "baseline_mb": baseline,
+        "micro_batch": module.micro_batch,
+        "oom_backoffs": module.oom_backoffs,
+        "exact_match": exact,
+    }
+
+
+def summarize(
+    config: dict[str, Any], plan: dict[str, Any], hardware: dict[str, Any], spec, raw: dict[str, Any]
+) -> dict[str, Any]:
+    """The bench/* and score/* keys from the raw figures and the planner's predictions for the same shapes."""
+    from onn.bench.scores import equitable, learned, loss_fall
+
+    task = config["task"]
+    warmup = int(task["warmup_steps"])
+    batch_size = int(config["data"]["batch_size"])
+    timed = raw["step_s"][warmup:]
+    if not timed:
+        raise UserError(f"task.steps={task['steps']}: the benchmark needs at least one timed step.")
+    step_s = sum(timed) / len(timed)
+    io = raw["io_s"][warmup:]
+    cuda = hardware["accelerator"] == "cuda"
+    widths = raw["widths"][warmup:]
+    predicted_alloc = _replan(config, plan, hardware, spec, max(raw["widths"]))["predicted_peak_memory_mb"]
+    predicted_step = _replan(config, plan, hardware, spec, round(statistics.mean(widths)))["predicted_step_s"]
+    predicted_mem = predicted_alloc + raw["baseline_mb"]
+    peak = raw["peak_mb"]
+    is_learned, p = learned(raw["losses"], float(task.get("learned_p", 0.05)))
+    val = raw["val_losses"]
+    quality = (
+        raw["exact_match"]
+        if task.get("quality") == "exact_match"
+        else loss_fall(val[0] if val else None, val[-1] if val else None)
+    )
+    available = (
+        hardware.get("device_memory_mb") if cuda else hardware.get("host_memory_available_mb")
+    ) or hardware.get("host_memory_mb")
+    samples_per_s = batch_size / step_s
+    out = {
+        "bench/steps_timed": len(timed),
+        "bench/step_s": round(step_s, 4),
+        "bench/step_s_median": round(statistics.median(timed), 4),
+        "bench/samples_per_s": round(samples_per_s, 3),
+        "bench/tokens_per_s": round(sum(raw["tokens"][warmup:]) / sum(timed), 1),
+        "bench/io_s": round(sum(io) / len(io), 4) if io else None,
+        "bench/compute_s": round(sum(raw["compute_s"][warmup:]) / len(io), 4) if io else None,
+        "bench/peak_memory_mb": round(peak, 1),
+        "bench/baseline_memory_mb": round(raw["baseline_mb"], 1),
+        "bench/predicted_memory_mb": round(predicted_mem, 1),
+        "bench/memory_error": round(peak / predicted_mem - 1, 4),
+        "bench/memory_growth_error": round((peak - raw["baseline_mb"]) / predicted_alloc - 1, 4)
+        if predicted_alloc
+        else None,
+        "bench/predicted_step_s": round(predicted_step, 4),
+        "bench/step_time_error": round(step_s / predicted_step - 1, 4) if predicted_step else None,
+        "bench/sequence_length": max(raw["widths"]),
+        "bench/micro_batch": raw["micro_batch"],
+        "bench/oom_backoffs": raw["oom_backoffs"],
+        "bench/learned": is_learned,
+        "bench/learned_p": round(p, 5) if p is not None else None,
+        "bench/loss_curve": [round(x, 5) for x in raw["losses"]],
+        "bench/val_loss_before": val[0] if val else None,
+        "bench/val_loss_after": val[-1] if len(val) > 1 else None,
+        "bench/quality": round(quality, 4) if quality is not None else None,
+        "bench/quality_metric": task.get("quality", "loss_fall"),
+    }
+    out.update(
+        equitable(
+            quality, spec.params, samples_per_s, batch_size, available, peak, task.get("score_weights") or {}
+        )
+    )
+    _print(out)
+    return out
+
+
+def _replan(
+    config: dict[str, Any], plan: dict[str, Any], hardware: dict[str, Any], spec, seq: int
+) -> dict[str, Any]:
+    """The planner's prediction for the settings this run used, at the sequence length its batches had."""
+    from onn.hardware.plan import STREAMING_KEYS, make_plan
+
+    cfg = copy.deepcopy(config)
+    cfg["data"]["max_length"] = seq
+    cfg["strategy"].update(
+        name=plan["strategy"], micro_batch=plan["micro_batch"], precision=plan["precision"]
+    )
+    if plan.get("streaming"):
+        cfg["strategy"]["streaming"] = {
+            **(cfg["strategy"].get("streaming") or {}),
+            **{k: plan["streaming"][k] for k in STREAMING_KEYS},
+        }
+    if plan.get("sparse_layers") is not None:
+        cfg["strategy"]["layers"] = plan["sparse_layers"]
+    return make_plan(cfg, hardware, spec)
+
+
+def _print(out: dict[str, Any]) -> None:
+    def pct(x):
+        return f"{x:+.1%}" if x is not None else "n/a"
+
+    lines = [
+        f"bench: {out['bench/samples_per_s']:.2f} samples/s, {out['bench/step_s']:.3f} s/step measured vs {out['bench/predicted_step_s']:.3f} predicted ({pct(out['bench/step_time_error'])})",
+        f"       peak {out['bench/peak_memory_mb']:,.0f} MB measured vs {out['bench/predicted_memory_mb']:,.0f} MB predicted ({pct(out['bench/memory_error'])}); "
+        f"baseline {out['bench/baseline_memory_mb']:,.0f} MB",
+        f"       learned: {out['bench/learned']} (p={out['bench/learned_p']}), quality {out['bench/quality']} ({out['bench/quality_metric']}), "
+        f"scores: " + ", ".join(f"{k.split('/')[1]} {v:,.1f}" for k, v in out.items() if k.startswith("score/") and v is not None),
+    ]  # fmt: skip
+    print("\n".join(lines), flush=True)
+
+
+def _main() -> None:
+    """Child side of measure_isolated: a JSON request on stdin, the raw figures to request['result']."""
+    request = json.loads(sys.stdin.read())
+    # Everything a run imports, imported before the baseline is read: it belongs to the process, not the model.
+    import lightning  # noqa: F401
+    import peft  # noqa: F401
+    import transformers  # noqa: F401
+
+    import onn.training.fit  # noqa: F401
+    import onn.training.lm  # noqa: F401
+
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    try:
+        raw = measure(request["config"], request["plan"], Path(request["run_dir"]))
+    except UserError as e:
+        raw = {"error": str(e)}
+    Path(request["result"]).write_text(json.dumps(raw))
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,89 @@
+"""task=bench and its grid: the learning test, the scores, and a real sweep that fails one job and resumes."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import yaml
+from conftest import run_cli
+
+from onn.bench.scores import equitable, learned, loss_fall
+
+TINY = ["model=llama_tiny", "data.builtin.train_size=300", "data.builtin.val_size=32", "data.max_length=48",
+        "tracking=none", "task=bench", "task.warmup_steps=1", "task.steps=15", "task.val_batches=2"]  # fmt: skip
+
+
+def test_learned_needs_a_fall_that_noise_cannot_explain():
+    rng = random.Random(0)
+    falling = [5.0 - 0.1 * i + rng.gauss(0, 0.05) for i in range(20)]
+    flat = [5.0 + rng.gauss(0, 0.3) for _ in range(20)]
+    rising = list(reversed(falling))
+    assert learned(falling) == (True, pytest.approx(1 / 70))  # every relabelling of 4 + 4 steps counted
+    assert learned(flat)[0] is False and learned(flat)[1] > 0.05
+    assert learned(rising)[0] is False
+    assert learned(falling[:9]) == (False, None)  # too few steps to tell
+    many = [5.0 - 0.01 * i + rng.gauss(0, 0.05) for i in range(200)]  # 40 + 40 steps: sampled relabellings
+    ok, p = learned(many)
+    assert ok and p < 0.001
+
+
+def test_quality_and_equitable_scores():
+    assert loss_fall(4.0, 3.0) == 0.25 and loss_fall(4.0, 5.0) == 0.0 and loss_fall(None, 1.0) is None
+    s = equitable(0.5, 10**6, 20.0, 8, 16000.0, 800.0, {"efficiency": 1, "speed": 1, "memory": 2})
+    assert s["score/efficiency"] == pytest.approx(0.5 / 1e6 * 1e10)
+    assert s["score/speed"] == pytest.approx(250.0) and s["score/memory"] == pytest.approx(2000.0)
+    assert s["score/overall"] == pytest.approx((5000 + 250 + 2 * 2000) / 4)
+    assert (
+        equitable(None, 10**6, 20.0, 8, 16000.0, 800.0, {"efficiency": 1, "speed": 1})["score/overall"]
+        is None
+    )
+
+
+@pytest.mark.slow
+def test_bench_grid_records_a_failed_job_and_resumes_only_missing_jobs(outputs):
+    sweep = outputs / "grid"
+    args = [
+        "-m",
+        *TINY,
+        "strategy=full,qlora,sparse_lora",
+        f"paths.outputs={outputs}",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    jobs = {}
+    for d in (d for d in sweep.iterdir() if d.is_dir()):
+        (strategy,) = [
+            o
+            for o in yaml.safe_load((d / ".hydra" / "overrides.yaml").read_text())
+            if o.startswith("strategy=")
+        ]
+        jobs[strategy] = d
+    full, qlora, sparse = (
+        json.loads((jobs[f"strategy={s}"] / "metrics.json").read_text())
+        for s in ("full", "qlora", "sparse_lora")
+    )
+    for m in (full, sparse):
+        assert m["status"] == "ok", m["error"]
+        for key in ("bench/step_s", "bench/samples_per_s", "bench/tokens_per_s", "bench/peak_memory_mb", "bench/predicted_memory_mb",
+                    "bench/memory_error", "bench/step_time_error", "bench/learned", "bench/quality", "score/efficiency",
+                    "score/speed", "score/memory", "score/overall"):  # fmt: skip
+            assert m[key] is not None, key
+        assert 0 <= m["bench/quality"] <= 1 and len(m["bench/loss_curve"]) == 16
+        assert m["bench/samples_per_s"] == pytest.approx(8 / m["bench/step_s"], rel=1e-3)
+    assert sparse["bench/io_s"] is not None and sparse["bench/compute_s"] > 0  # streaming splits its step
+    assert qlora["status"] == "failed" and "CUDA" in qlora["error"]
+    md = (sweep / "grid.md").read_text()
+    assert "failed" in md and "strategy=qlora" in md and (sweep / "grid.png").stat().st_size > 10_000
+    assert len((sweep / "grid.csv").read_text().strip().splitlines()) == 4  # header + 3 jobs
+
+    # Interrupted: one job lost its metrics.json. The same command runs that job alone.
+    (jobs["strategy=sparse_lora"] / "metrics.json").unlink()
+    before = {s: (jobs[s] / "metrics.json").stat().st_mtime_ns for s in ("strategy=full", "strategy=qlora")}
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {s: (jobs[s] / "metrics.json").stat().st_mtime_ns for s in before} == before
+    assert json.loads((jobs["strategy=sparse_lora"] / "metrics.json").read_text())["status"] == "ok"
+    assert proc.stdout.count("bench: ") == 1  # one benchmark ran
