@@ -138,6 +138,7 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         "hardware": hardware.get("name"),
         "predicted_peak_memory_mb": round(predicted, 1),
         "params_total": spec.params,
+        "settings_source": plan["settings_source"],  # plan, or tune (a cached task=tune result)
     }
     if task == "plan":
         return out
@@ -157,6 +158,10 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         from onn.bench.suite import run as bench
 
         return {**out, **bench(config, plan, run_dir, hardware, spec)}
+    if task == "tune":
+        from onn.hardware.tune import run as tune
+
+        return {**out, **tune(config, plan, run_dir, hardware, spec)}
     if task == "bench_streaming":
         from onn.bench.streaming import run as bench_streaming
 

@@ -72,7 +72,7 @@ def run(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str
     n = len(layer_map)
     base = apply(model, "sparse_lora", config["strategy"], layer_map, plan["sparse_layers"])
     vocab = base.config.vocab_size
-    from onn.strategies.lightning_strategy import model_fingerprint
+    from onn.models.load import model_fingerprint
 
     store_dir = Path(config["paths"]["cache"]) / "stores" / model_fingerprint(config["model"]) / "bench"
 

@@ -203,7 +203,7 @@ def _replan(
         }
     if plan.get("sparse_layers") is not None:
         cfg["strategy"]["layers"] = plan["sparse_layers"]
-    return make_plan(cfg, hardware, spec)
+    return make_plan(cfg, hardware, spec, use_tuned=False)
 
 
 def _print(out: dict[str, Any]) -> None:

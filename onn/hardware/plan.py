@@ -216,24 +216,28 @@ def budget_mb(hw: dict[str, Any]) -> float:
 
 def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro_batch: int, precision: str,
              sparse_layers: list[int], batch_size: int, store_dtype: str | None = None,
-             streaming: dict[str, Any] | None = None) -> Estimate:  # fmt: skip
-    """Predicted memory of one candidate at one micro-batch."""
+             streaming: dict[str, Any] | None = None, checkpointing: bool = False) -> Estimate:  # fmt: skip
+    """Predicted memory of one candidate at one micro-batch. With gradient checkpointing, autograd
+    keeps only each block's input, and one block's activations exist at a time, during its recompute."""
     mixed = precision.endswith("mixed")
     half = 2 if (mixed or precision.startswith(("bf16", "16"))) else 4
     act_bytes = half
     frozen_bytes = half if hw["accelerator"] != "cpu" else (2 if precision.startswith("bf16") else 4)
     per_token_layer = 10 * spec.hidden + 4 * spec.kv_dim + 4 * spec.intermediate
+    kept_layers = (
+        spec.hidden * spec.n_blocks + per_token_layer if checkpointing else per_token_layer * spec.n_blocks
+    )
     tokens = micro_batch * seq
     logits = tokens * spec.vocab * 4 * 3
     lora_all = sum(spec.lora_params_per_block)
     ctx = context_mb(hw)
-    note, streaming = "", {}
+    note = ""
 
     if strategy == "full":
         weights = spec.params * 4
         trainable = spec.params * 4
         optimizer = spec.params * 8
-        activations = per_token_layer * tokens * spec.n_blocks * act_bytes + logits
+        activations = kept_layers * tokens * act_bytes + logits
         extra = spec.params * 2 if mixed else 0
     elif strategy in ("lora", "qlora"):
         if strategy == "qlora":
@@ -257,7 +261,7 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
         weights += lora_all * 4  # fp32 adapters
         trainable = lora_all * 4
         optimizer = lora_all * 8
-        activations = per_token_layer * tokens * spec.n_blocks * act_bytes + logits
+        activations = kept_layers * tokens * act_bytes + logits
         extra = 0
     elif strategy == "sparse_lora":
         return _estimate_streaming(
@@ -290,7 +294,6 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
         workspace / MB,
         ctx,
         note,
-        streaming,
     )
     est.fits = est.peak_mb <= budget_mb(hw)
     return est
@@ -416,9 +419,13 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
 
 
 # Framework time per block per micro-batch (Python, dispatch, kernel launches) for forward plus
-# backward: what a step of a narrow model costs beyond its FLOPs. Measured on a 2-core Xeon with
-# llama_tiny/phi4_tiny; an assumption elsewhere, which `task=bench` checks (bench/step_time_error).
-BLOCK_OVERHEAD_S = {"cpu": 1.5e-3, "cuda": 0.4e-3, "mps": 1.0e-3}
+# backward in full training, and what LoRA's adapter wrappers and streaming's forward-then-
+# recompute multiply it by; and the share of the measured matmul rate a training step reaches.
+# Calibrated with task=bench on a 2-core Xeon (phi4_tiny, llama_tiny, llama_small); assumptions
+# elsewhere, which every task=bench checks (bench/step_time_error).
+BLOCK_OVERHEAD_S = {"cpu": 5e-3, "cuda": 0.5e-3, "mps": 2e-3}
+STRATEGY_OVERHEAD = {"full": 1.0, "lora": 1.8, "qlora": 2.0, "sparse_lora": 3.0}
+MATMUL_EFFICIENCY = 0.7
 
 
 def compute_s(spec: ModelSpec, hw: dict[str, Any], strategy: str, seq: int, batch_size: int, micro_batch: int,
@@ -429,7 +436,7 @@ def compute_s(spec: ModelSpec, hw: dict[str, Any], strategy: str, seq: int, batc
     Backward: full training computes input and weight gradients (2x forward); LoRA needs input
     gradients from the lowest trainable block up (1x those blocks' forward); streaming recomputes
     those blocks' forward as well."""
-    rate = (hw.get("matmul_tflops") or 0.1) * 1e12
+    rate = (hw.get("matmul_tflops") or 0.1) * 1e12 * MATMUL_EFFICIENCY
     tokens = batch_size * seq
     per_block = [2 * p + 4 * seq * spec.hidden for p in spec.block_params]
     head = 2 * spec.suffix_params
@@ -443,7 +450,12 @@ def compute_s(spec: ModelSpec, hw: dict[str, Any], strategy: str, seq: int, batc
     else:
         flops = forward + upper
     micro_batches = max(1, batch_size // max(micro_batch, 1))
-    overhead = BLOCK_OVERHEAD_S.get(hw["accelerator"], 1e-3) * spec.n_blocks * micro_batches
+    overhead = (
+        BLOCK_OVERHEAD_S.get(hw["accelerator"], 1e-3)
+        * STRATEGY_OVERHEAD.get(strategy, 1.0)
+        * spec.n_blocks
+        * micro_batches
+    )
     return flops * tokens / rate + overhead
 
 
@@ -463,7 +475,9 @@ def _micro_batches(batch_size: int) -> list[int]:
     return sorted(sizes, reverse=True)
 
 
-def make_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
+def make_plan(
+    cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec, use_tuned: bool = True
+) -> dict[str, Any]:
     """The plan: chosen strategy with reasons, micro-batch, precision, and every candidate's memory."""
     strategy_cfg, data_cfg = cfg["strategy"], cfg["data"]
     requested = strategy_cfg["name"]
@@ -477,6 +491,9 @@ def make_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> dict[
         layers if strategy_cfg["name"] == "sparse_lora" else [0, 1, 2, 3, -4, -3, -2, -1], n
     )
     fixed_mb = strategy_cfg.get("micro_batch", "auto")
+    checkpointing = (
+        strategy_cfg.get("gradient_checkpointing") is True
+    )  # auto: off unless task=tune found it faster
 
     def best_estimate(name: str) -> Estimate:
         """Largest micro-batch that fits; for streaming, the most precise store dtype first."""
@@ -491,7 +508,9 @@ def make_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> dict[
         )
         for store in dtypes if name == "sparse_lora" else [None]:
             for mb in sizes:
-                last = estimate(name, spec, hw, seq, mb, precision, layers, batch_size, store, fixed)
+                last = estimate(
+                    name, spec, hw, seq, mb, precision, layers, batch_size, store, fixed, checkpointing
+                )
                 if last.fits:
                     return last
         return last
@@ -559,6 +578,8 @@ def make_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> dict[
         "context_mb": round(est.context_mb, 1),
         "budget_mb": round(budget_mb(hw), 1),
         "sparse_layers": sparse_layers if chosen == "sparse_lora" else None,
+        "gradient_checkpointing": checkpointing,
+        "settings_source": "plan",
         "streaming": est.streaming or None,
         "hardware": {
             k: hw.get(k)
@@ -589,7 +610,47 @@ def make_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> dict[
             for name, e in estimates.items()
         },  # fmt: skip
     }
-    return plan
+    return _with_tuned(plan, cfg, hw, spec) if use_tuned else plan
+
+
+def _with_tuned(
+    plan: dict[str, Any], cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec
+) -> dict[str, Any]:
+    """The plan again with the `auto` settings that task=tune measured on this machine, when it has."""
+    from onn.hardware.tune import lookup
+
+    tuned = lookup(cfg, hw, plan["strategy"], plan["sequence_length"])
+    if tuned is None:
+        return plan
+    strategy = dict(cfg["strategy"])
+    streaming = dict(strategy.get("streaming") or {})
+    taken = {}
+    for key, value in tuned["settings"].items():
+        holder = streaming if key in STREAMING_KEYS else strategy
+        if holder.get(key, "auto") in (None, "auto"):
+            holder[key] = taken[key] = value
+    if not taken:
+        return plan
+    tuned_plan = make_plan(
+        {**cfg, "strategy": {**strategy, "streaming": streaming}}, hw, spec, use_tuned=False
+    )
+    if tuned_plan["strategy"] != plan["strategy"] or not tuned_plan["candidates"][plan["strategy"]]["fits"]:
+        plan["reasons"].append(
+            f"task=tune's settings {taken} ({tuned['path']}) no longer fit: using the planner's own"
+        )
+        return plan
+    tuned_plan["requested"] = plan["requested"]
+    tuned_plan["settings_source"] = "tune"
+    tuned_plan["tuned"] = {
+        k: tuned.get(k)
+        for k in ("path", "tuned_at", "samples_per_s", "plan_samples_per_s", "speedup_over_plan")
+    }
+    tuned_plan["reasons"] = [
+        f"settings {taken} from task=tune ({tuned['path']}, {tuned.get('tuned_at')}): measured {tuned.get('samples_per_s')} "
+        f"samples/s against {tuned.get('plan_samples_per_s')} for the planner's guess",
+        *[r for r in plan["reasons"]],
+    ]
+    return tuned_plan
 
 
 def _weights_dtype(strategy: str, precision: str, hw: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ Sources (model.source):
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -432,3 +433,13 @@ def _call_builder(spec: str, kwargs: dict[str, Any]):
 
 def _split_builder_result(result):
     return result if isinstance(result, tuple) else (result, None)
+
+
+def model_fingerprint(model_cfg: dict[str, Any]) -> str:
+    """Identifies the frozen weights: source (with its size and mtime), architecture, init seed, dtype."""
+    parts = {k: model_cfg.get(k) for k in ("source", "architecture", "init_seed", "dtype")}
+    source = os.path.expanduser(str(model_cfg.get("source") or ""))
+    if os.path.exists(source):
+        stat = os.stat(source)
+        parts["stat"] = [stat.st_size, stat.st_mtime_ns]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]

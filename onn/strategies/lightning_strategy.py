@@ -11,9 +11,6 @@ safetensors CheckpointIO) and resume are Lightning's own.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +20,6 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from onn.models.layers import discover
 from onn.strategies.store import LayerStore
 from onn.strategies.streaming import StreamingEngine
-
-
-def model_fingerprint(model_cfg: dict[str, Any]) -> str:
-    """Identifies the frozen weights: source (with its size and mtime), architecture, init seed, dtype."""
-    parts = {k: model_cfg.get(k) for k in ("source", "architecture", "init_seed", "dtype")}
-    source = os.path.expanduser(str(model_cfg.get("source") or ""))
-    if os.path.exists(source):
-        stat = os.stat(source)
-        parts["stat"] = [stat.st_size, stat.st_mtime_ns]
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def layer_store(settings: dict[str, Any], store_root: Path, device: torch.device | str = "cpu") -> LayerStore:

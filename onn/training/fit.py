@@ -39,8 +39,8 @@ def build(config: dict[str, Any], plan: dict[str, Any]):
     model, tokenizer = loaded or load(model_cfg, dtype=dtype, cache_dir=config["paths"]["cache"])
     layer_map = discover(model, (model_cfg.get("layer_map") or {}).get("blocks"))
     model = apply(model, plan["strategy"], config["strategy"], layer_map, plan.get("sparse_layers"))
-    if config["strategy"].get("gradient_checkpointing") and hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable()
+    if plan.get("gradient_checkpointing") and hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # Save what rebuilds this exact model into every checkpoint: the planned strategy, not "auto".
     strategy = {**config["strategy"], "name": plan["strategy"], "micro_batch": plan["micro_batch"]}
     if plan.get("sparse_layers") is not None:
@@ -66,7 +66,7 @@ def streaming_settings(config: dict[str, Any], plan: dict[str, Any]) -> dict[str
 
 
 def _store_root(config: dict[str, Any]) -> Path:
-    from onn.strategies.lightning_strategy import model_fingerprint
+    from onn.models.load import model_fingerprint
 
     return Path(config["paths"]["cache"]) / "stores" / model_fingerprint(config["model"])
 
