@@ -98,3 +98,24 @@ def test_accumulated_micro_batches_equal_one_whole_batch():
     fit(whole, data)
     fit(pieces, data)
     assert pieces.train_losses == pytest.approx(whole.train_losses, rel=1e-5)
+
+
+def test_resource_monitor_logs_memory_and_cpu_to_the_loggers(tmp_path):
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from onn.training.callbacks import ResourceMonitor
+
+    module = tiny_module(micro_batch=4)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path, name="csv", version=""),
+                        callbacks=[ResourceMonitor(every_n_steps=1)], enable_checkpointing=False, enable_progress_bar=False,
+                        log_every_n_steps=1)  # fmt: skip
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(), batch_size=None))
+    rows = list(csv.DictReader((tmp_path / "csv" / "metrics.csv").open()))
+    rss = [float(r["resource/process_rss_mb"]) for r in rows if r.get("resource/process_rss_mb")]
+    assert len(rss) >= 2 and all(x > 50 for x in rss)
+    assert all(
+        float(r["resource/host_available_mb"]) > 0 for r in rows if r.get("resource/host_available_mb")
+    )
+    assert any(r.get("resource/cpu_percent") for r in rows)

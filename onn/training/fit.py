@@ -145,7 +145,7 @@ def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
 
     from onn.hardware.memory import PeakMemory
     from onn.infer.generate import exact_match
-    from onn.training.callbacks import Throughput
+    from onn.training.callbacks import ResourceMonitor, Throughput
     from onn.training.lm import summarize_losses
 
     module, tokenizer = build(config, plan)
@@ -154,7 +154,8 @@ def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
     checkpointer = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), every_n_train_steps=int(ckpt_cfg.get("every_n_steps", 50)),
                                    save_top_k=0, save_last=True)  # fmt: skip
     throughput = Throughput(int(config["data"]["batch_size"]))
-    trainer = _trainer(config, plan, run_dir, [checkpointer, throughput])
+    monitor = ResourceMonitor(int(config["trainer"].get("log_every_n_steps", 10)))
+    trainer = _trainer(config, plan, run_dir, [checkpointer, throughput, monitor])
     accelerator = plan["hardware"]["accelerator"]
     with PeakMemory("cuda" if accelerator == "cuda" else "cpu") as peak:
         if ckpt is None and config["task"].get("validate_before", True):
