@@ -3,8 +3,8 @@
 Every run directory ends up with config.yaml (the composed, resolved config), plan.yaml and
 metrics.json, also when the run fails: then metrics.json says `status: failed` and why.
 
-In a multirun, a job whose folder already holds a finished metrics.json for the same config is
-not run again, so an interrupted sweep picks up where it stopped.
+In a multirun, a job whose folder already holds a successful metrics.json for the same config is
+not run again, so an interrupted sweep picks up where it stopped; failed jobs run again.
 """
 
 from __future__ import annotations
@@ -72,12 +72,12 @@ def config_digest(config: dict[str, Any]) -> str:
 
 
 def finished(run_dir: Path, digest: str) -> dict[str, Any] | None:
-    """The run folder's metrics.json when it is complete (ok, or failed with its error) for this config."""
+    """The run folder's metrics.json when it holds a successful run of this config."""
     try:
         metrics = json.loads((run_dir / "metrics.json").read_text())
     except (OSError, ValueError):
         return None
-    if metrics.get("config_digest") == digest and metrics.get("status") in ("ok", "failed"):
+    if metrics.get("config_digest") == digest and metrics.get("status") == "ok":
         return metrics
     return None
 
