@@ -89,3 +89,17 @@ def test_bench_grid_records_a_failed_job_and_resumes_only_missing_jobs(outputs):
     assert json.loads((jobs["strategy=sparse_lora"] / "metrics.json").read_text())["status"] == "ok"
     assert proc.stdout.count("bench: ") == 1  # one benchmark ran: qlora fails before it measures
     assert "already finished" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("task.steps=0", "task.steps=0"),
+        ("task.quality=bleu", "task.quality=bleu is not one of loss_fall, exact_match"),
+    ],
+)
+def test_bad_bench_settings_fail_in_one_line_before_measuring(outputs, override, message):
+    proc = run_cli(*TINY, override, f"paths.outputs={outputs}", f"hydra.run.dir={outputs / 'bad'}")
+    assert proc.returncode == 1 and message in proc.stderr + proc.stdout
+    m = json.loads((outputs / "bad" / "metrics.json").read_text())
+    assert m["status"] == "failed" and message in m["error"] and not (outputs / "bad" / "bench.log").exists()

@@ -35,9 +35,20 @@ from onn.errors import UserError
 log = logging.getLogger("onn")
 
 
+QUALITY = ("loss_fall", "exact_match")
+
+
 def run(
     config: dict[str, Any], plan: dict[str, Any], run_dir: Path, hardware: dict[str, Any], spec
 ) -> dict[str, Any]:
+    task = config["task"]
+    if task.get("quality", "loss_fall") not in QUALITY:
+        raise UserError(f"task.quality={task.get('quality')} is not one of {', '.join(QUALITY)}.")
+    for key in ("steps", "val_batches"):
+        if not isinstance(task.get(key), int) or task[key] < 1:
+            raise UserError(f"task.{key}={task.get(key)}: the benchmark needs a whole number of at least 1.")
+    if not isinstance(task.get("warmup_steps"), int) or task["warmup_steps"] < 0:
+        raise UserError(f"task.warmup_steps={task.get('warmup_steps')}: give a whole number, 0 or more.")
     raw = measure_isolated(config, plan, run_dir)
     return summarize(config, plan, hardware, spec, raw)
 
@@ -127,8 +138,6 @@ def summarize(
     warmup = int(task["warmup_steps"])
     batch_size = int(config["data"]["batch_size"])
     timed = raw["step_s"][warmup:]
-    if not timed:
-        raise UserError(f"task.steps={task['steps']}: the benchmark needs at least one timed step.")
     step_s = sum(timed) / len(timed)
     io = raw["io_s"][warmup:]
     cuda = hardware["accelerator"] == "cuda"
