@@ -120,6 +120,12 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
             config["data"]["name"],
         )
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    if task in ("train", "eval", "infer", "tune"):
+        # These tasks import them anyway; importing before planning lets the plan's CPU baseline
+        # (the process's resident memory, measured) include them, as the measured peak will.
+        import lightning  # noqa: F401
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
 
     hardware = resolve_hardware(
         config["hardware"], Path(config["paths"]["cache"]), Path(config["paths"]["outputs"])
