@@ -87,7 +87,9 @@ def _objective(cfg: DictConfig, metrics: dict[str, Any]) -> float | None:
     if not key:
         return None
     value = metrics.get(key) if metrics.get("status") == "ok" else None
-    return float(value) if isinstance(value, (int, float)) else None  # Optuna records None as a failed trial
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None  # Optuna records None as a failed trial and goes on; NaN would stop the search
+    return float(value)
 
 
 def _write_metrics(run_dir: Path, metrics: dict[str, Any], started: float) -> None:
@@ -132,7 +134,9 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     )
     lora_rank = int((config["strategy"].get("lora") or {}).get("r", 8))
     spec = model_spec(config["model"], lora_rank, cache_dir=config["paths"]["cache"])
-    plan = make_plan(config, hardware, spec)
+    plan = make_plan(
+        config, hardware, spec, use_tuned=task != "tune"
+    )  # tune starts from the planner's own guess
     (run_dir / "plan.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
     print(render(plan), flush=True)
     # On CPUs the measured peak is the process's resident memory, which includes its baseline.

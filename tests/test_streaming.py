@@ -2,13 +2,14 @@
 gradients, same weights after several steps, same greedy tokens."""
 
 import copy
+import math
 
 import pytest
 import torch
 
 from onn.models.layers import discover
 from onn.strategies.store import LayerStore, stored_name
-from onn.strategies.streaming import StreamingEngine
+from onn.strategies.streaming import StreamingEngine, token_weights
 
 ARCH = {
     "llama": dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
@@ -132,6 +133,47 @@ def test_store_disk_and_prefetch_give_identical_numbers(tmp_path):
         assert all(torch.equal(grads[n], results[0][1][n]) for n in grads)
 
 
+def test_prefetch_survives_close_as_lightning_tears_down_after_validate():
+    engine = engine_for(lora_model("llama", LAYER_SETS["all"]), 2)
+    engine.train_step(micro_batches())
+    assert engine._pool is not None
+    engine.close()  # what LayerStreamingStrategy.teardown does after trainer.validate
+    assert engine._pool is None
+    engine.train_step(micro_batches())
+    assert engine._pool is not None  # the next step loads ahead again
+    engine.close()
+
+
+def test_fp16_loss_scaling_through_lightning():
+    """Lightning's fp16 plugin unscales before every optimizer step: the streamed loss must start its scaler."""
+    import lightning as L
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from onn.strategies.lightning_strategy import LayerStreamingStrategy
+    from onn.training.lm import CausalLM
+
+    model = lora_model("llama", LAYER_SETS["all"])
+    optim = {"name": "adamw", "lr": 1e-3, "schedule": "constant", "warmup_steps": 0, "clip_grad_norm": 1.0}
+    module = CausalLM(model, optim, max_steps=2, onn_config={}, micro_batch=2)
+    settings = {
+        "chunk_size": 2,
+        "store": "cpu",
+        "store_dtype": "float32",
+        "edges": "resident",
+        "activations": "device",
+        "prefetch": True,
+    }
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        strategy=LayerStreamingStrategy(settings, "/nonexistent", 2), enable_model_summary=False,
+                        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])  # fmt: skip
+    trainer.fit(
+        module, train_dataloaders=torch.utils.data.DataLoader(micro_batches(m=2, b=4), batch_size=None)
+    )
+    assert trainer.global_step == 2 and all(math.isfinite(x) for x in module.train_losses)
+    assert scaler._scale is not None
+
+
 def test_validation_loss_matches_resident():
     resident = lora_model("llama", LAYER_SETS["last4"])
     streamed = copy.deepcopy(resident)
@@ -188,8 +230,10 @@ def test_micro_batches_of_different_lengths_match_resident():
     resident = lora_model("phi3", LAYER_SETS["all"])
     streamed = copy.deepcopy(resident)
     mbs = micro_batches(m=2, t=10) + micro_batches(m=1, t=7, seed=3) + micro_batches(m=2, t=10, seed=4)
-    for mb in mbs:
-        (resident(**mb).loss / len(mbs)).backward()
+    weights = token_weights(mbs)
+    assert len(set(weights)) == 2  # the short micro-batch has fewer target tokens: it weighs less
+    for mb, w in zip(mbs, weights):
+        (resident(**mb).loss * w).backward()
     engine = engine_for(streamed, 4)
     assert [len(g) for g in engine._groups(mbs)] == [2, 1, 2]
     engine.train_step(mbs)

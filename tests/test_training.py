@@ -55,7 +55,7 @@ def fit(module: CausalLM, data: list[dict[str, torch.Tensor]]) -> None:
 
 
 def test_out_of_memory_halves_the_micro_batch_and_retries_the_same_step():
-    reference = tiny_module(micro_batch=2)
+    reference = tiny_module(micro_batch=8)  # the run as planned, had memory sufficed
     fit(reference, batches())
     module = tiny_module(micro_batch=8)
     seen = inject_oom(module, above=2)
@@ -63,7 +63,8 @@ def test_out_of_memory_halves_the_micro_batch_and_retries_the_same_step():
     assert module.micro_batch == 2
     assert module.oom_backoffs == [{"step": 0, "from": 8, "to": 4}, {"step": 0, "from": 4, "to": 2}]
     assert seen[:3] == [8, 4, 2] and set(seen[3:]) == {2}  # the first step retried, later steps start small
-    # The macro-batch is unchanged (more micro-batches accumulate): the result equals a run that began at 2.
+    # The macro-batch is unchanged (more micro-batches accumulate, weighted by their target tokens):
+    # the result equals the run that never ran out of memory.
     assert module.train_losses == pytest.approx(reference.train_losses, rel=1e-5)
     for (name, p), q in zip(module.model.named_parameters(), reference.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
@@ -90,14 +91,19 @@ def test_other_errors_are_not_mistaken_for_out_of_memory():
 
 
 def test_accumulated_micro_batches_equal_one_whole_batch():
-    whole, pieces = tiny_module(micro_batch=8), tiny_module(micro_batch=1)
+    """Padded rows of different lengths and micro-batches that do not divide the batch: the same update."""
     data = batches(steps=2, rows=8)
-    for row in data:
-        row["attention_mask"][:] = 1  # equal lengths: the mean of micro-batch means is the batch mean
-        row["labels"] = row["input_ids"].clone()
-    fit(whole, data)
-    fit(pieces, data)
-    assert pieces.train_losses == pytest.approx(whole.train_losses, rel=1e-5)
+    data[0]["labels"][:3] = -100  # a micro-batch with no target tokens at all
+    results = []
+    for micro_batch in (8, 3, 1):
+        module = tiny_module(micro_batch=micro_batch)
+        fit(module, data)
+        results.append(module)
+    whole = results[0]
+    for other in results[1:]:
+        assert other.train_losses == pytest.approx(whole.train_losses, rel=1e-5)
+        for p, q in zip(other.model.parameters(), whole.model.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 def test_resource_monitor_logs_memory_and_cpu_to_the_loggers(tmp_path):

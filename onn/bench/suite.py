@@ -142,8 +142,13 @@ def summarize(
     io = raw["io_s"][warmup:]
     cuda = hardware["accelerator"] == "cuda"
     widths = raw["widths"][warmup:]
-    predicted_alloc = _replan(config, plan, hardware, spec, max(raw["widths"]))["predicted_peak_memory_mb"]
-    predicted_step = _replan(config, plan, hardware, spec, round(statistics.mean(widths)))["predicted_step_s"]
+    mb = raw["micro_batch"]
+    predicted_alloc = _replan(config, plan, hardware, spec, max(raw["widths"]), mb)[
+        "predicted_peak_memory_mb"
+    ]
+    predicted_step = _replan(config, plan, hardware, spec, round(statistics.mean(widths)), mb)[
+        "predicted_step_s"
+    ]
     predicted_mem = predicted_alloc + raw["baseline_mb"]
     peak = raw["peak_mb"]
     is_learned, p = learned(raw["losses"], float(task.get("learned_p", 0.05)))
@@ -195,16 +200,16 @@ def summarize(
 
 
 def _replan(
-    config: dict[str, Any], plan: dict[str, Any], hardware: dict[str, Any], spec, seq: int
+    config: dict[str, Any], plan: dict[str, Any], hardware: dict[str, Any], spec, seq: int, micro_batch: int
 ) -> dict[str, Any]:
-    """The planner's prediction for the settings this run used, at the sequence length its batches had."""
+    """The planner's prediction for the settings this run used (the micro-batch it ended at, after any
+    out-of-memory halving), at the sequence length its batches had."""
     from onn.hardware.plan import STREAMING_KEYS, make_plan
 
     cfg = copy.deepcopy(config)
     cfg["data"]["max_length"] = seq
-    cfg["strategy"].update(
-        name=plan["strategy"], micro_batch=plan["micro_batch"], precision=plan["precision"]
-    )
+    cfg["strategy"].update(name=plan["strategy"], micro_batch=micro_batch, precision=plan["precision"],
+                           gradient_checkpointing=bool(plan.get("gradient_checkpointing")))  # fmt: skip
     if plan.get("streaming"):
         cfg["strategy"]["streaming"] = {
             **(cfg["strategy"].get("streaming") or {}),

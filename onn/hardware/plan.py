@@ -18,8 +18,9 @@ keyed by model name. Every candidate (full, lora, qlora, sparse_lora) gets a bre
                the process's own resident memory (torch and Python), measured now
 
 Gradients are allocated during backward while the saved activations are freed, layer by layer,
-so the peak holds the larger of the two, not both: peak = weights + optimizer + workspace +
-max(trainable, activations).
+so with one micro-batch per step the peak holds the larger of the two, not both: peak = weights
++ optimizer + workspace + max(trainable, activations). When micro-batches accumulate, the first
+one's gradients live through the next one's forward: the peak holds both.
 
 sparse_lora is sized as ONN's layer-streaming engine: two chunks of blocks in flight (one
 computing, one loading) plus the disk reader's buffer, prefix/suffix resident or streamed, the
@@ -89,16 +90,16 @@ class Estimate:
     context_mb: float
     note: str = ""
     streaming: dict[str, Any] = field(default_factory=dict)
+    accumulates: bool = False  # several micro-batches per step: their gradients outlive each backward
 
     @property
     def peak_mb(self) -> float:
         """Predicted peak the run allocates itself (what torch.cuda.max_memory_allocated reports)."""
-        return (
-            self.weights_mb
-            + self.optimizer_mb
-            + self.workspace_mb
-            + max(self.trainable_mb, self.activations_mb)
-        )
+        if self.accumulates:
+            held = self.trainable_mb + self.activations_mb
+        else:
+            held = max(self.trainable_mb, self.activations_mb)
+        return self.weights_mb + self.optimizer_mb + self.workspace_mb + held
 
 
 def model_spec(model_cfg: dict[str, Any], lora_rank: int, cache_dir: str | None = None) -> ModelSpec:
@@ -294,6 +295,7 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
         workspace / MB,
         ctx,
         note,
+        accumulates=batch_size > micro_batch,
     )
     est.fits = est.peak_mb <= budget_mb(hw)
     return est
@@ -321,7 +323,7 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
     on_gpu = hw["accelerator"] == "cuda"
     compute_bytes = 2 if precision != "32-true" else 4
     n = spec.n_blocks
-    accumulate = max(1, batch_size // micro_batch)
+    accumulate = max(1, -(-batch_size // micro_batch))
     lora = sum(spec.lora_params_per_block[i] for i in sparse_layers)
     lowest = min(sparse_layers) if sparse_layers else n
     budget = budget_mb(hw) * MB
@@ -413,7 +415,7 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
     }
     est = Estimate("sparse_lora", False, micro_batch, m["weights"] / MB, m["trainable"] / MB, m["optimizer"] / MB, m["activations"] / MB,
                    m["workspace"] / MB, ctx, note=f"streams {chunk} block(s) at a time, frozen weights stored as {store_dtype}",
-                   streaming=streaming)  # fmt: skip
+                   streaming=streaming, accumulates=batch_size > micro_batch)  # fmt: skip
     est.fits = est.peak_mb <= budget_mb(hw)
     return est
 
@@ -449,7 +451,7 @@ def compute_s(spec: ModelSpec, hw: dict[str, Any], strategy: str, seq: int, batc
         flops = forward + 2 * upper
     else:
         flops = forward + upper
-    micro_batches = max(1, batch_size // max(micro_batch, 1))
+    micro_batches = -(-batch_size // max(micro_batch, 1))
     overhead = (
         BLOCK_OVERHEAD_S.get(hw["accelerator"], 1e-3)
         * STRATEGY_OVERHEAD.get(strategy, 1.0)
@@ -491,6 +493,12 @@ def make_plan(
         layers if strategy_cfg["name"] == "sparse_lora" else [0, 1, 2, 3, -4, -3, -2, -1], n
     )
     fixed_mb = strategy_cfg.get("micro_batch", "auto")
+    if fixed_mb not in (None, "auto") and (not isinstance(fixed_mb, int) or fixed_mb < 1):
+        raise UserError(
+            f"strategy.micro_batch={fixed_mb}: give a whole number of samples, 1 or more, or auto."
+        )
+    if batch_size < 1:
+        raise UserError(f"data.batch_size={batch_size}: give a whole number of samples, 1 or more.")
     checkpointing = (
         strategy_cfg.get("gradient_checkpointing") is True
     )  # auto: off unless task=tune found it faster
@@ -548,9 +556,7 @@ def make_plan(
         reasons.append(
             f"WARNING: predicted {est.peak_mb:,.0f} MB exceeds the {budget_mb(hw):,.0f} MB budget; expect out-of-memory"
         )
-    micro_batch = est.micro_batch
-    if batch_size % micro_batch:
-        micro_batch = 1
+    micro_batch = est.micro_batch  # need not divide batch_size: the last micro-batch is smaller
     if chosen == "sparse_lora":
         s = est.streaming
         overlap = (strategy_cfg.get("streaming") or {}).get("prefetch", True)
@@ -569,7 +575,7 @@ def make_plan(
         "requested": requested,
         "reasons": reasons,
         "micro_batch": micro_batch,
-        "accumulate": batch_size // micro_batch,
+        "accumulate": -(-batch_size // micro_batch),
         "precision": precision,
         "weights_dtype": _weights_dtype(chosen, precision, hw),
         "sequence_length": seq,

@@ -51,7 +51,13 @@ def run(
     from onn.hardware.plan import _chunk_sizes, _micro_batches, make_plan, store_dtypes
 
     tune = config.get("tune") or {}
-    budget_s = float(tune.get("time_budget_s", 120))
+    for key, least in (("steps", 1), ("warmup_steps", 0), ("time_budget_s", 0)):
+        value = tune.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < least:
+            from onn.errors import UserError
+
+            raise UserError(f"tune.{key}={value}: give a number, {least} or more.")
+    budget_s = float(tune["time_budget_s"])
     strategy = plan["strategy"]
     seq = plan["sequence_length"]
     streaming = bool(plan.get("streaming"))
@@ -98,6 +104,9 @@ def run(
     if not usable(best):
         from onn.errors import UserError
 
+        table = _table({"strategy": strategy, "sequence_length": seq, "settings": {}, "samples_per_s": None,
+                        "plan_settings": guess, "plan_samples_per_s": None, "speedup_over_plan": None, "trials": trials})  # fmt: skip
+        (run_dir / "tune.md").write_text(table + "\n")
         raise UserError(
             f"task=tune: no setting of {strategy} ran within the {plan['budget_mb']:,.0f} MB budget; see {run_dir / 'tune.md'}."
         )
@@ -110,13 +119,18 @@ def run(
             for row, times in ((plan_row, plan_times), (best, best_times)):
                 cfg = _with_settings(config, row["settings"], streaming)
                 times.append(
-                    _time(cfg, make_plan(cfg, hw, spec, use_tuned=False), run_dir / "confirm", tune)[
+                    _time(cfg, make_plan(cfg, hw, spec, use_tuned=False), run_dir / "confirm", tune).get(
                         "samples_per_s"
-                    ]
+                    )
                 )
-        plan_sps, best_sps = sum(plan_times) / len(plan_times), sum(best_times) / len(best_times)
-        if plan_sps >= best_sps:  # the measured gain did not hold up: keep the planner's guess
+        if (
+            None in plan_times + best_times
+        ):  # a round failed (out of memory, ...): trust only the planner's guess
             best, best_sps = plan_row, plan_sps
+        else:
+            plan_sps, best_sps = sum(plan_times) / len(plan_times), sum(best_times) / len(best_times)
+            if plan_sps >= best_sps:  # the measured gain did not hold up: keep the planner's guess
+                best, best_sps = plan_row, plan_sps
     speedup = best_sps / plan_sps if plan_sps else None
     result = {
         "strategy": strategy,
@@ -178,6 +192,7 @@ def _time(
     """One trial: the bench protocol with a few steps, in this process."""
     from onn.bench.suite import measure
     from onn.errors import UserError
+    from onn.training.lm import is_out_of_memory
 
     warmup, steps = int(tune.get("warmup_steps", 1)), int(tune.get("steps", 3))
     config = {
@@ -200,6 +215,10 @@ def _time(
         raw = measure(config, plan, run_dir)
     except UserError as e:
         return {"status": f"failed: {e}"}
+    except Exception as e:  # noqa: BLE001 - out of memory outside a training step (validation, build)
+        if not is_out_of_memory(e):
+            raise
+        return {"status": "out of memory"}
     finally:
         quiet.setLevel(level)
     if raw["oom_backoffs"]:
@@ -220,6 +239,9 @@ def _table(result: dict[str, Any]) -> str:
         cells = [str(t["settings"][k]) for k in keys]
         lines.append(f"| {i}{mark} | " + " | ".join(cells) + f" | {t.get('samples_per_s', '')} | {t.get('peak_growth_mb', '')} | "
                      f"{t['predicted_mb']} | {t['status']} |")  # fmt: skip
+    if not result["settings"]:
+        lines += ["", "no setting ran within the memory budget"]
+        return "\n".join(lines)
     same = result["settings"] == result["plan_settings"]
     how = "no trial beat it" if same else "measured again head to head"
     lines += ["", f"best: {result['settings']} at {result['samples_per_s']} samples/s; the planner's guess {result['plan_settings']} "

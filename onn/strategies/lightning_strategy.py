@@ -3,8 +3,8 @@
 Placement: the blocks' frozen weights go to the layer store before the model moves, so only
 adapters, prefix and suffix ever reach the device wholesale. A batch is a whole macro-batch;
 the engine splits it into micro-batches, runs the chunk-outer forward and each loss's backward
-to the last hidden state in `training_step`, and walks the chunks backward in `backward`, so
-Lightning accumulates nothing.
+to the last hidden state in the module's `training_step`, and walks the chunks backward when
+the step calls `manual_backward` (this strategy's `backward`).
 Loggers, progress bar, validation, checkpoints (adapters + optimizer + loops, through the
 safetensors CheckpointIO) and resume are Lightning's own.
 """
@@ -66,12 +66,18 @@ class LayerStreamingStrategy(SingleDeviceStrategy):
         super().setup(trainer)
 
     def loss_scale(self) -> float:
+        """fp16's current loss scale (1 without a scaler). The engine scales its own losses, so the
+        scaler never sees one: start it here, or its first unscale_ finds no scale."""
         scaler = getattr(self.precision_plugin, "scaler", None)
-        return float(scaler.get_scale()) if scaler is not None else 1.0
+        if scaler is None:
+            return 1.0
+        if scaler._scale is None:
+            scaler.scale(torch.ones((), device=self.root_device))
+        return float(scaler.get_scale())
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args, **kwargs) -> torch.Tensor:
         # training_step ran the forward and the loss's backward to the last hidden state; the
-        # chunks' backward happens here, after Lightning's zero_grad, into the adapters' .grad.
+        # chunks' backward happens here, into the adapters' .grad (accumulated until the step's optimizer.step).
         self.engine.backward_chunks()
         return closure_loss
 

@@ -116,9 +116,7 @@ class StreamingEngine:
         self.times = StepTimes()
         self._resident: int | None = None
         self._pending: dict[int, Future] = {}
-        self._pool = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="onn-prefetch") if prefetch else None
-        )
+        self._pool: ThreadPoolExecutor | None = None  # started on first use, again after close()
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self._as_tuple = False
         self._pending_backward = None
@@ -193,12 +191,14 @@ class StreamingEngine:
     def _schedule(self, c: int | None) -> None:
         if (
             c is None
-            or self._pool is None
+            or not self.prefetch
             or c in self._pending
             or c == self._resident
             or not 0 <= c < len(self.chunks)
         ):
             return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onn-prefetch")
         self._pending[c] = self._pool.submit(self._read_chunk, c)
 
     def _install(self, c: int, next_c: int | None = None) -> None:
@@ -336,7 +336,6 @@ class StreamingEngine:
         """The forward half of a step: chunk-outer forward keeping chunk inputs, then each micro-batch's
         loss backpropagated to its last hidden state (the engine's own tensors, so an optimizer's
         zero_grad in between changes nothing). `loss_scale` is fp16's loss scale."""
-        m_count = len(micro_batches)
         last = len(self.chunks) - 1
         inputs, kept, hidden = self._forward(micro_batches, keep_from=self.lowest_chunk)
         # The backward's first chunk to load: the last one is still resident unless edges stream.
@@ -344,19 +343,25 @@ class StreamingEngine:
         if not self.edges:
             self._schedule(first_back if first_back >= self.lowest_chunk else None)
         grads, losses = [], []
+        # Each micro-batch's mean loss weighs by its share of the macro-batch's target tokens, so the
+        # gradient is the whole macro-batch's, whatever the micro-batch size.
+        weights = token_weights(micro_batches)
         with self._edges_loaded():
             start = time.perf_counter()
-            for h, mb in zip(hidden, micro_batches):
+            for h, mb, w in zip(hidden, micro_batches, weights):
                 h = h.detach().requires_grad_(True)
+                if w == 0:  # no target tokens: nothing to learn from, and its mean loss is 0/0
+                    grads.append(torch.zeros_like(h))
+                    continue
                 loss = self.suffix(h, mb).loss
-                (loss * (loss_scale / m_count)).backward()
+                (loss * (loss_scale * w)).backward()
                 grads.append(h.grad)
-                losses.append(loss.detach())
+                losses.append(loss.detach() * w)
             self.times.compute_s += time.perf_counter() - start
         if self.edges:
             self._schedule(first_back if first_back >= self.lowest_chunk else None)
         self._pending_backward = (inputs, kept, grads)
-        return torch.stack(losses).mean()
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
 
     def backward_chunks(self) -> None:
         """The backward half: chunks in reverse down to the lowest trainable one, recomputing each."""
@@ -444,20 +449,33 @@ class StreamingEngine:
 
     def reset(self) -> None:
         """Drop a failed step's state (loads in flight, the resident chunk, kept activations) so it can be retried."""
-        self._drain()
+        self._drain(raise_errors=False)  # a load that ran out of memory alongside the step is dropped too
         self.release()
         self._pending_backward = None
 
-    def _drain(self) -> None:
-        for future in self._pending.values():
-            future.result()
-        self._pending.clear()
+    def _drain(self, raise_errors: bool = True) -> None:
+        try:
+            for future in self._pending.values():
+                if raise_errors:
+                    future.result()
+                else:
+                    future.exception()
+        finally:
+            self._pending.clear()
 
     def close(self) -> None:
+        """Wait for loads in flight and stop the loader thread; the next load starts it again."""
         self._drain()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+
+def token_weights(micro_batches: list[dict[str, Any]]) -> list[float]:
+    """Each micro-batch's share of the target tokens (shifted labels that are not -100) of them all."""
+    counts = [int((mb["labels"][:, 1:] != -100).sum()) for mb in micro_batches]
+    total = sum(counts)
+    return [c / total if total else 0.0 for c in counts]
 
 
 def _shapes(mb: dict[str, Any]) -> dict[str, tuple]:

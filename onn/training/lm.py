@@ -19,8 +19,13 @@ import torch
 
 from onn.data.module import IGNORE
 from onn.errors import UserError
+from onn.strategies.streaming import token_weights
 
 log = logging.getLogger("onn")
+
+
+# What a checkpoint's loop state means: steps of manual optimization with micro-batch accumulation.
+LOOP = "manual-accumulation"
 
 
 class OutOfMemoryFloor(UserError):
@@ -93,7 +98,8 @@ class CausalLM(L.LightningModule):
         return loss
 
     def _forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Every micro-batch's forward and backward; gradients accumulate as the mean over micro-batches."""
+        """Every micro-batch's forward and backward. Each micro-batch's mean loss is weighted by its share
+        of the batch's target tokens, so the update is the whole batch's at any micro-batch size."""
         if (
             self.engine is not None
         ):  # chunk-outer forward of every micro-batch; chunks' backward in manual_backward
@@ -105,16 +111,26 @@ class CausalLM(L.LightningModule):
             return loss.detach()
         pieces = split(batch, self.micro_batch)
         losses = []
-        for piece in pieces:
+        for piece, weight in zip(pieces, token_weights(pieces)):
+            if weight == 0:  # no target tokens: nothing to learn from, and its mean loss is 0/0
+                continue
             loss = self.model(**piece).loss
-            self.manual_backward(loss / len(pieces))
-            losses.append(loss.detach())
-        return torch.stack(losses).mean()
+            self.manual_backward(loss * weight)
+            losses.append(loss.detach() * weight)
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
 
     def _back_off(self, error: BaseException) -> None:
         """Halve the micro-batch (the macro-batch stays: more micro-batches accumulate) or give up at the floor."""
         if self.engine is not None:
             self.engine.reset()
+        if (
+            self.trainer.world_size > 1
+        ):  # one process halving alone would desynchronise the gradient all-reduce
+            raise OutOfMemoryFloor(
+                f"out of memory at micro-batch {self.micro_batch} in one of {self.trainer.world_size} processes, which "
+                "cannot back off alone: set strategy.micro_batch lower. The error was: "
+                + str(error).splitlines()[0]
+            ) from error
         if self.micro_batch // 2 < self.min_micro_batch:
             raise OutOfMemoryFloor(
                 f"out of memory at micro-batch {self.micro_batch}, the floor (strategy.min_micro_batch="
@@ -189,6 +205,7 @@ class CausalLM(L.LightningModule):
             trainable = {n for n, p in self.named_parameters() if p.requires_grad}
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["onn"] = {
+            "loop": LOOP,
             "config": self.onn_config,
             "train_losses": self.train_losses,
             "val_losses": self.val_losses,
@@ -196,6 +213,11 @@ class CausalLM(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         onn = checkpoint.get("onn", {})
+        if onn.get("loop") != LOOP:  # Lightning's step counter lives elsewhere in the older loop
+            raise UserError(
+                "this checkpoint was written by an older ONN whose training loop cannot be resumed: "
+                "evaluate it with task=eval ckpt=..., or start training again."
+            )
         self.train_losses = list(onn.get("train_losses", []))
         self.val_losses = list(onn.get("val_losses", []))
 
