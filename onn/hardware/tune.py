@@ -9,7 +9,8 @@ The fastest trial whose measured peak fits the budget wins; if it is not the pla
 two are measured again head to head, alternating, and `tune/speedup_over_plan` is their ratio.
 
 The result is cached under paths.cache/tune, keyed by (hardware fingerprint, model fingerprint,
-strategy, sequence length); afterwards the plan takes `auto` settings from it and says so.
+strategy, sequence length, batch size, and the strategy's precision, layers, LoRA and Lightning
+strategy); afterwards the plan takes `auto` settings from it and says so.
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ def cache_path(config: dict[str, Any], hw: dict[str, Any], strategy: str, seq: i
     from onn.models.load import model_fingerprint
 
     machine = hw.get("fingerprint") or f"preset:{hw.get('name')}"
+    chosen = config["strategy"]
     key = {"hardware": machine, "model": model_fingerprint(config["model"]), "strategy": strategy, "sequence_length": seq,
-           "batch_size": int(config["data"].get("batch_size", 8))}  # fmt: skip
+           "batch_size": int(config["data"].get("batch_size", 8)),
+           # what else changes the speed of a setting: the compute dtype, which blocks train and how, who places them
+           "precision": chosen.get("precision"), "layers": chosen.get("layers"), "lora": chosen.get("lora"),
+           "lightning": chosen.get("lightning")}  # fmt: skip
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(config["paths"]["cache"]) / "tune" / f"{digest}.json"
 
@@ -113,22 +118,26 @@ def run(
 
     plan_row = trials[0]
     plan_sps, best_sps = plan_row.get("samples_per_s"), best["samples_per_s"]
+    head_to_head = None
     if best is not plan_row and usable(plan_row):  # head to head, alternating, so drift hits both alike
-        plan_times, best_times = [], []
+        rounds: dict[str, list] = {"plan": [], "candidate": []}
         for _ in range(int(tune.get("confirm_rounds", 2))):
-            for row, times in ((plan_row, plan_times), (best, best_times)):
+            for row, name in ((plan_row, "plan"), (best, "candidate")):
                 cfg = _with_settings(config, row["settings"], streaming)
-                times.append(
-                    _time(cfg, make_plan(cfg, hw, spec, use_tuned=False), run_dir / "confirm", tune).get(
-                        "samples_per_s"
-                    )
-                )
+                trial_plan = make_plan(cfg, hw, spec, use_tuned=False)
+                rounds[name].append(_time(cfg, trial_plan, run_dir / "confirm", tune).get("samples_per_s"))
+        head_to_head = {
+            "settings": best["settings"],
+            "plan_samples_per_s": rounds["plan"],
+            "samples_per_s": rounds["candidate"],
+        }
         if (
-            None in plan_times + best_times
-        ):  # a round failed (out of memory, ...): trust only the planner's guess
+            None in rounds["plan"] + rounds["candidate"]
+        ):  # a round failed (out of memory, ...): keep the guess
             best, best_sps = plan_row, plan_sps
         else:
-            plan_sps, best_sps = sum(plan_times) / len(plan_times), sum(best_times) / len(best_times)
+            plan_sps = sum(rounds["plan"]) / len(rounds["plan"])
+            best_sps = sum(rounds["candidate"]) / len(rounds["candidate"])
             if plan_sps >= best_sps:  # the measured gain did not hold up: keep the planner's guess
                 best, best_sps = plan_row, plan_sps
     speedup = best_sps / plan_sps if plan_sps else None
@@ -141,6 +150,7 @@ def run(
         "plan_samples_per_s": round(plan_sps, 3) if plan_sps else None,
         "speedup_over_plan": round(speedup, 3) if speedup else None,
         "trials": trials,
+        "head_to_head": head_to_head,
         "tuned_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "time_s": round(time.perf_counter() - started, 1),
     }
@@ -242,8 +252,13 @@ def _table(result: dict[str, Any]) -> str:
     if not result["settings"]:
         lines += ["", "no setting ran within the memory budget"]
         return "\n".join(lines)
-    same = result["settings"] == result["plan_settings"]
-    how = "no trial beat it" if same else "measured again head to head"
+    duel = result.get("head_to_head")
+    if duel is None:
+        how = "no trial beat it"
+    else:
+        kept = "kept" if result["settings"] == result["plan_settings"] else "beaten"
+        how = (f"re-measured head to head, alternating, against {duel['settings']}: {duel['plan_samples_per_s']} vs "
+               f"{duel['samples_per_s']} samples/s, so the guess was {kept}")  # fmt: skip
     lines += ["", f"best: {result['settings']} at {result['samples_per_s']} samples/s; the planner's guess {result['plan_settings']} "
               f"at {result['plan_samples_per_s']} samples/s ({how}): speedup over plan {result['speedup_over_plan']}",
               "RSS growth is measured in this one process, trial after trial: the first trial also pays for first use "
