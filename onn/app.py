@@ -42,9 +42,7 @@ def run(cfg: DictConfig) -> float | None:
         metrics["config_digest"] = config_digest(config)
         done = finished(run_dir, metrics["config_digest"]) if multirun else None
         if done is not None:
-            log.info(
-                "%s: already finished (status %s) for this config; not run again", run_dir, done["status"]
-            )
+            log.info("%s: already finished for this config; not run again", run_dir)
             return _objective(cfg, done)
         metrics.update(execute(config, run_dir))
         metrics["status"] = "ok"
@@ -134,9 +132,8 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     )
     lora_rank = int((config["strategy"].get("lora") or {}).get("r", 8))
     spec = model_spec(config["model"], lora_rank, cache_dir=config["paths"]["cache"])
-    plan = make_plan(
-        config, hardware, spec, use_tuned=task != "tune"
-    )  # tune starts from the planner's own guess
+    # task=tune starts from the planner's own guess; every other task takes a cached tune result
+    plan = make_plan(config, hardware, spec, use_tuned=task != "tune")
     (run_dir / "plan.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
     print(render(plan), flush=True)
     # On CPUs the measured peak is the process's resident memory, which includes its baseline.

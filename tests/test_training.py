@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import lightning as L
 import pytest
@@ -125,3 +126,19 @@ def test_resource_monitor_logs_memory_and_cpu_to_the_loggers(tmp_path):
         float(r["resource/host_available_mb"]) > 0 for r in rows if r.get("resource/host_available_mb")
     )
     assert any(r.get("resource/cpu_percent") for r in rows)
+
+
+def test_validation_ignores_micro_batches_without_targets():
+    data = batches(steps=1, rows=8)[0]
+    data["labels"][:4] = -100  # the first micro-batch of 4 has nothing to score
+    losses = []
+    for micro_batch in (8, 4):
+        module = tiny_module(micro_batch=micro_batch)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+        )
+        trainer.validate(
+            module, dataloaders=torch.utils.data.DataLoader([data], batch_size=None), verbose=False
+        )
+        losses.append(module.val_losses[-1])
+    assert math.isfinite(losses[1]) and losses[1] == pytest.approx(losses[0], rel=1e-5)

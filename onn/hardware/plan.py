@@ -499,9 +499,8 @@ def make_plan(
         )
     if batch_size < 1:
         raise UserError(f"data.batch_size={batch_size}: give a whole number of samples, 1 or more.")
-    checkpointing = (
-        strategy_cfg.get("gradient_checkpointing") is True
-    )  # auto: off unless task=tune found it faster
+    # auto: off unless task=tune found it faster
+    checkpointing = strategy_cfg.get("gradient_checkpointing") is True
 
     def best_estimate(name: str) -> Estimate:
         """Largest micro-batch that fits; for streaming, the most precise store dtype first."""

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from onn.errors import UserError
+
 log = logging.getLogger("onn")
 
 
@@ -59,8 +61,6 @@ def run(
     for key, least in (("steps", 1), ("warmup_steps", 0), ("time_budget_s", 0)):
         value = tune.get(key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < least:
-            from onn.errors import UserError
-
             raise UserError(f"tune.{key}={value}: give a number, {least} or more.")
     budget_s = float(tune["time_budget_s"])
     strategy = plan["strategy"]
@@ -76,17 +76,19 @@ def run(
     started = time.perf_counter()
     trials: list[dict[str, Any]] = []
 
-    def trial(settings: dict[str, Any]) -> dict[str, Any]:
-        for t in trials:
-            if t["settings"] == settings:
-                return t
+    def timed(settings: dict[str, Any], folder: Path) -> dict[str, Any]:
         cfg = _with_settings(config, settings, streaming)
         trial_plan = make_plan(cfg, hw, spec, use_tuned=False)
         row: dict[str, Any] = {"settings": settings, "predicted_mb": trial_plan["predicted_peak_memory_mb"]}
         if not trial_plan["candidates"][strategy]["fits"]:
-            row.update(status="predicted not to fit")
-        else:
-            row.update(_time(cfg, trial_plan, run_dir / "trials" / str(len(trials)), tune))
+            return {**row, "status": "predicted not to fit"}
+        return {**row, **_time(cfg, trial_plan, folder, tune)}
+
+    def trial(settings: dict[str, Any]) -> dict[str, Any]:
+        for t in trials:
+            if t["settings"] == settings:
+                return t
+        row = timed(settings, run_dir / "trials" / str(len(trials)))
         trials.append(row)
         log.info(
             "tune: trial %d %s -> %s", len(trials) - 1, settings, row.get("samples_per_s") or row["status"]
@@ -107,8 +109,6 @@ def run(
             if usable(row) and (not usable(best) or row["samples_per_s"] > best["samples_per_s"]):
                 best = row
     if not usable(best):
-        from onn.errors import UserError
-
         table = _table({"strategy": strategy, "sequence_length": seq, "settings": {}, "samples_per_s": None,
                         "plan_settings": guess, "plan_samples_per_s": None, "speedup_over_plan": None, "trials": trials})  # fmt: skip
         (run_dir / "tune.md").write_text(table + "\n")
@@ -123,18 +123,14 @@ def run(
         rounds: dict[str, list] = {"plan": [], "candidate": []}
         for _ in range(int(tune.get("confirm_rounds", 2))):
             for row, name in ((plan_row, "plan"), (best, "candidate")):
-                cfg = _with_settings(config, row["settings"], streaming)
-                trial_plan = make_plan(cfg, hw, spec, use_tuned=False)
-                rounds[name].append(_time(cfg, trial_plan, run_dir / "confirm", tune).get("samples_per_s"))
+                rounds[name].append(timed(row["settings"], run_dir / "confirm").get("samples_per_s"))
         head_to_head = {
             "settings": best["settings"],
             "plan_samples_per_s": rounds["plan"],
             "samples_per_s": rounds["candidate"],
         }
-        if (
-            None in rounds["plan"] + rounds["candidate"]
-        ):  # a round failed (out of memory, ...): keep the guess
-            best, best_sps = plan_row, plan_sps
+        if None in rounds["plan"] + rounds["candidate"]:
+            best, best_sps = plan_row, plan_sps  # a round failed (out of memory, ...): keep the guess
         else:
             plan_sps = sum(rounds["plan"]) / len(rounds["plan"])
             best_sps = sum(rounds["candidate"]) / len(rounds["candidate"])
@@ -201,7 +197,6 @@ def _time(
 ) -> dict[str, Any]:
     """One trial: the bench protocol with a few steps, in this process."""
     from onn.bench.suite import measure
-    from onn.errors import UserError
     from onn.training.lm import is_out_of_memory
 
     warmup, steps = int(tune.get("warmup_steps", 1)), int(tune.get("steps", 3))
@@ -216,9 +211,8 @@ def _time(
         },
     }
     run_dir.mkdir(parents=True, exist_ok=True)
-    quiet = logging.getLogger(
-        "lightning.pytorch"
-    )  # Lightning's per-fit banner, once per trial, drowns the table
+    # Lightning's per-fit banner, once per trial, drowns the table
+    quiet = logging.getLogger("lightning.pytorch")
     level = quiet.level
     quiet.setLevel(logging.WARNING)
     try:

@@ -471,9 +471,14 @@ class StreamingEngine:
             self._pool = None
 
 
+def target_tokens(mb: dict[str, Any]) -> int:
+    """Tokens a micro-batch's mean loss averages over: shifted labels that are not -100."""
+    return int((mb["labels"][:, 1:] != -100).sum())
+
+
 def token_weights(micro_batches: list[dict[str, Any]]) -> list[float]:
-    """Each micro-batch's share of the target tokens (shifted labels that are not -100) of them all."""
-    counts = [int((mb["labels"][:, 1:] != -100).sum()) for mb in micro_batches]
+    """Each micro-batch's share of the target tokens of them all."""
+    counts = [target_tokens(mb) for mb in micro_batches]
     total = sum(counts)
     return [c / total if total else 0.0 for c in counts]
 

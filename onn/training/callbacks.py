@@ -1,4 +1,4 @@
-"""Callbacks ONN adds to training runs: throughput, per-step timing, resource monitoring."""
+"""Callbacks ONN adds to training runs: per-step timing and resource monitoring."""
 
 from __future__ import annotations
 
@@ -6,40 +6,6 @@ import contextlib
 import time
 
 import lightning as L
-
-
-class Throughput(L.Callback):
-    """Training samples per second, counting only time spent in training batches and optimizer steps."""
-
-    def __init__(self, batch_size: int):
-        self.batch_size = batch_size
-        self.train_s = 0.0
-        self.steps = 0
-        self._t0: float | None = None
-        self._start_step = 0
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        self._start_step = trainer.global_step
-        self._t0 = time.perf_counter()
-
-    def on_validation_start(self, trainer, pl_module) -> None:
-        if self._t0 is not None:
-            self.train_s += time.perf_counter() - self._t0
-            self._t0 = None
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        if self._t0 is None and trainer.state.fn == "fit":
-            self._t0 = time.perf_counter()
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        if self._t0 is not None:
-            self.train_s += time.perf_counter() - self._t0
-            self._t0 = None
-        self.steps = trainer.global_step - self._start_step
-
-    @property
-    def samples_per_s(self) -> float | None:
-        return self.steps * self.batch_size / self.train_s if self.train_s > 0 and self.steps else None
 
 
 class StepClock(L.Callback):
@@ -71,6 +37,12 @@ class StepClock(L.Callback):
         if engine is not None:
             self.io_s.append(engine.times.io_s - self._engine_t0[0])
             self.compute_s.append(engine.times.compute_s - self._engine_t0[1])
+
+    def samples_per_s(self, batch_size: int, skip: int = 0) -> float | None:
+        """Training samples per second over the steps after the first `skip`: batches and optimizer steps
+        only, not validation, checkpoints or data loading."""
+        timed = self.step_s[skip:]
+        return batch_size * len(timed) / sum(timed) if timed and sum(timed) > 0 else None
 
 
 class ResourceMonitor(L.Callback):

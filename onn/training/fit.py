@@ -145,7 +145,7 @@ def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
 
     from onn.hardware.memory import PeakMemory
     from onn.infer.generate import exact_match
-    from onn.training.callbacks import ResourceMonitor, Throughput
+    from onn.training.callbacks import ResourceMonitor, StepClock
     from onn.training.lm import summarize_losses
 
     module, tokenizer = build(config, plan)
@@ -153,9 +153,9 @@ def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
     ckpt_cfg = config.get("checkpoint") or {}
     checkpointer = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), every_n_train_steps=int(ckpt_cfg.get("every_n_steps", 50)),
                                    save_top_k=0, save_last=True)  # fmt: skip
-    throughput = Throughput(int(config["data"]["batch_size"]))
+    clock = StepClock()
     monitor = ResourceMonitor(int(config["trainer"].get("log_every_n_steps", 10)))
-    trainer = _trainer(config, plan, run_dir, [checkpointer, throughput, monitor])
+    trainer = _trainer(config, plan, run_dir, [checkpointer, clock, monitor])
     accelerator = plan["hardware"]["accelerator"]
     with PeakMemory("cuda" if accelerator == "cuda" else "cpu") as peak:
         if ckpt is None and config["task"].get("validate_before", True):
@@ -167,9 +167,8 @@ def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
         if module.val_at_step != trainer.global_step:
             trainer.validate(module, datamodule=dm, verbose=False)
     if getattr(module.model, "peft_config", None) and ckpt_cfg.get("save_peft_adapter", True):
-        module.model.save_pretrained(
-            str(run_dir / "adapter")
-        )  # PEFT's own format: adapter_config.json + safetensors
+        # PEFT's own format: adapter_config.json + safetensors
+        module.model.save_pretrained(str(run_dir / "adapter"))
         tokenizer.save_pretrained(str(run_dir / "adapter"))
     loss_initial, loss_final = summarize_losses(module.train_losses)
     metrics = {
@@ -180,7 +179,7 @@ def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
         "val/loss_initial": module.val_losses[0] if module.val_losses else None,
         "val/loss_final": module.val_losses[-1] if module.val_losses else None,
         "val/perplexity": math.exp(min(module.val_losses[-1], 50)) if module.val_losses else None,
-        "samples_per_s": throughput.samples_per_s,
+        "samples_per_s": clock.samples_per_s(int(config["data"]["batch_size"])),
         "peak_memory_mb": round(peak.peak_mb, 1),
         "params_trainable": sum(p.numel() for p in module.parameters() if p.requires_grad),
         "checkpoint": str(last),

@@ -17,9 +17,8 @@ from typing import Any
 import lightning as L
 import torch
 
-from onn.data.module import IGNORE
 from onn.errors import UserError
-from onn.strategies.streaming import token_weights
+from onn.strategies.streaming import target_tokens, token_weights
 
 log = logging.getLogger("onn")
 
@@ -100,9 +99,8 @@ class CausalLM(L.LightningModule):
     def _forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Every micro-batch's forward and backward. Each micro-batch's mean loss is weighted by its share
         of the batch's target tokens, so the update is the whole batch's at any micro-batch size."""
-        if (
-            self.engine is not None
-        ):  # chunk-outer forward of every micro-batch; chunks' backward in manual_backward
+        if self.engine is not None:
+            # chunk-outer forward of every micro-batch; the chunks' backward runs in manual_backward
             self.engine.micro_batch = self.micro_batch
             loss = self.engine.forward_train(
                 self.engine.split(batch), loss_scale=self.trainer.strategy.loss_scale()
@@ -123,9 +121,8 @@ class CausalLM(L.LightningModule):
         """Halve the micro-batch (the macro-batch stays: more micro-batches accumulate) or give up at the floor."""
         if self.engine is not None:
             self.engine.reset()
-        if (
-            self.trainer.world_size > 1
-        ):  # one process halving alone would desynchronise the gradient all-reduce
+        if self.trainer.world_size > 1:
+            # one process halving alone would desynchronise the gradient all-reduce
             raise OutOfMemoryFloor(
                 f"out of memory at micro-batch {self.micro_batch} in one of {self.trainer.world_size} processes, which "
                 "cannot back off alone: set strategy.micro_batch lower. The error was: "
@@ -162,9 +159,10 @@ class CausalLM(L.LightningModule):
             pieces = split(batch, self.micro_batch)
             losses = [self.model(**piece).loss for piece in pieces]
         for piece, loss in zip(pieces, losses):
-            tokens = int((piece["labels"][:, 1:] != IGNORE).sum())
-            self._val_sum += float(loss) * tokens
-            self._val_tokens += tokens
+            tokens = target_tokens(piece)
+            if tokens:  # a micro-batch without targets has a 0/0 mean loss
+                self._val_sum += float(loss) * tokens
+                self._val_tokens += tokens
 
     def on_validation_epoch_end(self) -> None:
         loss = self._val_sum / max(self._val_tokens, 1)
