@@ -1,0 +1,498 @@
+"""ONNX export: torch.onnx.export (the dynamo exporter) with named inputs/outputs and dynamic batch/sequence
+axes, then onnx.checker and an onnxruntime run compared with PyTorch, so a written file is known to work.
+
+Inputs are named after the model's forward arguments (input_ids, attention_mask, pixel_values); a plain
+nn.Module (timm/torchvision CNN) takes one image tensor named pixel_values. Outputs are the model's tensor
+outputs by name (logits, image_embeds, ...), or `output` for a module that returns a tensor. Every input
+shares one `batch` axis; text inputs also share one `sequence` axis (the graph's sizes come from
+Shape(attention_mask), which is why decoders keep attention_mask as an explicit input).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from onn.errors import UserError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import onnx
+    import torch
+
+TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+IMAGE_INPUTS = ("pixel_values",)
+# ModelOutput fields that are not results: caches and per-layer extras (the prefill graph returns none of them).
+SKIPPED_OUTPUTS = frozenset(
+    {
+        "loss",
+        "past_key_values",
+        "hidden_states",
+        "attentions",
+        "cross_attentions",
+        "encoder_hidden_states",
+        "encoder_attentions",
+        "decoder_hidden_states",
+        "decoder_attentions",
+    }
+)
+
+
+# ---------------------------------------------------------------- sample inputs
+
+
+def sample_inputs(
+    model,
+    batch_size: int = 2,
+    sequence_length: int = 16,
+    image_size: int | None = None,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """A deterministic input that exercises the whole model: random token ids (no special or pad tokens, no
+    padding, so PyTorch and onnxruntime agree everywhere) and/or a random image of the size the model expects."""
+    import torch
+
+    model = _unwrap_peft(model, merge=False)
+    generator = torch.Generator().manual_seed(seed)
+    kind = _kind(model)
+    inputs: dict[str, torch.Tensor] = {}
+    if kind in ("text", "clip"):
+        text = _text_config(model)
+        limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+        length = min(sequence_length, limit) if limit else sequence_length
+        allowed = torch.tensor(sorted(set(range(text.vocab_size)) - _special_ids(model.config)))
+        picks = torch.randint(len(allowed), (batch_size, length), generator=generator)
+        inputs["input_ids"] = allowed[picks]
+        inputs["attention_mask"] = torch.ones(batch_size, length, dtype=torch.long)
+    if kind in ("clip", "image"):
+        channels, size = _image_shape(model)
+        if image_size is not None:
+            size = (image_size, image_size)
+        inputs["pixel_values"] = torch.randn(
+            batch_size, channels, *size, generator=generator, dtype=_float_dtype(model)
+        )
+    return inputs
+
+
+def _kind(model) -> str:
+    """clip (vision + text towers), text (has a vocabulary) or image (everything else, plain modules included)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return "image"
+    if (
+        getattr(config, "vision_config", None) is not None
+        and getattr(config, "text_config", None) is not None
+    ):
+        return "clip"
+    return "text" if getattr(_text_config(model), "vocab_size", None) else "image"
+
+
+def _text_config(model):
+    config = model.config
+    return getattr(config, "text_config", None) or config
+
+
+def _special_ids(config) -> set[int]:
+    ids: set[int] = set()
+    for cfg in (config, getattr(config, "text_config", None)):
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "cls_token_id"):
+            value = getattr(cfg, key, None) if cfg is not None else None
+            ids.update(value if isinstance(value, list | tuple) else [] if value is None else [value])
+    return ids
+
+
+def _image_shape(model) -> tuple[int, tuple[int, int]]:
+    """(channels, (height, width)): from the HF config (vision_config for CLIP) or timm's pretrained_cfg, else 224."""
+    config = getattr(model, "config", None)
+    vision = getattr(config, "vision_config", None) or config
+    if vision is not None and getattr(vision, "image_size", None):
+        size = vision.image_size
+        size = tuple(size) if isinstance(size, list | tuple) else (size, size)
+        return int(getattr(vision, "num_channels", 3)), size
+    cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
+    if cfg.get("input_size"):
+        channels, height, width = cfg["input_size"]
+        return channels, (height, width)
+    return 3, (224, 224)
+
+
+def _float_dtype(model):
+    import torch
+
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+# ---------------------------------------------------------------- checking and running ONNX files
+
+
+def check_onnx(path: str | os.PathLike, load_external_data: bool = True) -> onnx.ModelProto:
+    """Load an ONNX file that passed onnx.checker; a broken file is a UserError, not a traceback."""
+    import onnx
+
+    _check_file(Path(path))
+    return onnx.load(str(path), load_external_data=load_external_data)
+
+
+def _check_file(path: Path) -> None:
+    """onnx.checker on the path (not a loaded proto), so files with external data above 2 GB are checked too."""
+    import onnx
+
+    if not path.is_file():
+        raise UserError(f"ONNX file {path} does not exist; check the path or export the model first.")
+    try:
+        onnx.checker.check_model(str(path))
+    except Exception as e:
+        raise UserError(f"ONNX file {path} fails onnx.checker: {_one_line(e)}") from e
+
+
+def run_onnx(path_or_model, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Run a model (path or ModelProto) with onnxruntime on CPU; outputs by name. Torch tensors are accepted."""
+    import numpy as np
+    import onnxruntime as ort
+
+    where = str(path_or_model) if isinstance(path_or_model, str | os.PathLike) else "the ONNX model"
+    source = where if isinstance(path_or_model, str | os.PathLike) else path_or_model.SerializeToString()
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # errors only: ORT's warnings about unused initializers are noise here
+    try:
+        session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise UserError(f"onnxruntime cannot load {where}: {_one_line(e)}") from e
+    wanted = [i.name for i in session.get_inputs()]
+    missing, unknown = set(wanted) - set(feeds), set(feeds) - set(wanted)
+    if missing or unknown:
+        raise UserError(
+            f"{where} takes inputs {wanted}; the feeds lack {sorted(missing)} and have extra {sorted(unknown)}."
+        )
+    arrays = {
+        name: (value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value))
+        for name, value in feeds.items()
+    }
+    names = [o.name for o in session.get_outputs()]
+    try:
+        results = session.run(names, arrays)
+    except Exception as e:
+        shapes = {name: list(a.shape) for name, a in arrays.items()}
+        raise UserError(f"onnxruntime failed to run {where} on inputs {shapes}: {_one_line(e)}") from e
+    return dict(zip(names, results))
+
+
+# ---------------------------------------------------------------- the export
+
+
+def output_names(model) -> list[str]:
+    """The output names export_onnx gives `model`: it runs the model once on a one-row sample to see them."""
+    import torch
+
+    model = _unwrap_peft(model, merge=False)
+    sample = sample_inputs(model, batch_size=1, sequence_length=4)
+    with _eval(model), torch.no_grad():
+        return [name for name, _ in _named_tensors(_call(model, sample))]
+
+
+def export_onnx(
+    model,
+    output: Path,
+    sample_input: dict[str, torch.Tensor],
+    opset: int = 18,
+    dynamic: bool = True,
+    atol: float = 1e-4,
+) -> dict:
+    """Export to ONNX, check it, run it in onnxruntime and compare every output with PyTorch's. The files are
+    written in a temp folder beside `output` and moved into place only after all of that passed, so a failed
+    export never damages an earlier file."""
+    import torch
+
+    started = time.perf_counter()
+    output = Path(output)
+    if output.suffix != ".onnx":
+        raise UserError(f"ONNX export path {output} must end in .onnx.")
+    if not output.parent.is_dir():
+        raise UserError(f"the folder of the ONNX export path {output} does not exist; create it first.")
+    model = _unwrap_peft(model, merge=True)
+    _check_sample(model, sample_input, dynamic)
+    input_names = list(sample_input)
+    tensors = tuple(sample_input.values())
+
+    with _eval(model):
+        with torch.no_grad():
+            try:
+                reference = _named_tensors(_call(model, sample_input))
+            except Exception as e:
+                raise UserError(
+                    f"{type(model).__name__} fails on the sample input {_shapes(sample_input)}: {_one_line(e)}"
+                ) from e
+        if not reference:
+            raise UserError(
+                f"{type(model).__name__} returned no tensors on the sample input; nothing to export."
+            )
+        names = [name for name, _ in reference]
+        program = _torch_export(model, input_names, names, tensors, opset, dynamic)
+
+    folder = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
+    try:
+        written = folder / output.name
+        program.save(written)  # weights go to an external .data file above torch's 1.5 GB threshold
+        graph = program.model.graph
+        result = {
+            "export/onnx": str(output),
+            "export/opset": program.model.opset_imports.get("", opset),
+            "export/inputs": [v.name for v in graph.inputs],
+            "export/outputs": [v.name for v in graph.outputs],
+        }
+        del program
+        _check_file(written)
+        ort = run_onnx(written, sample_input)
+        diffs = {
+            name: _max_abs_diff(ref, ort[name], sample_input.get("attention_mask")) for name, ref in reference
+        }
+        for name, ref in reference:
+            if ref.dtype == torch.float32 and not diffs[name] <= atol:
+                raise UserError(
+                    f"ONNX output '{name}' of {type(model).__name__} differs from PyTorch by {diffs[name]:.3g} "
+                    f"(more than atol={atol:g}), so {output} was not written."
+                )
+        _move_into_place(folder, output)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {
+        **result,
+        "export/max_abs_diff": max(diffs.values()),
+        "export/max_abs_diff_per_output": diffs,
+        "export/seconds": round(time.perf_counter() - started, 3),
+    }
+
+
+def _torch_export(model, input_names: list[str], names: list[str], tensors: tuple, opset: int, dynamic: bool):
+    """torch.onnx.export with the dynamo exporter: every input shares `batch`, text inputs share `sequence`."""
+    import torch
+    from torch.export import Dim
+
+    shapes = None
+    if dynamic:
+        batch, sequence = Dim("batch"), Dim("sequence", max=_max_sequence(model))
+        specs = tuple({0: batch, 1: sequence} if n in TEXT_INPUTS else {0: batch} for n in input_names)
+        shapes = {"tensors": specs}  # keyed by the wrapper's *tensors parameter
+
+    try:
+        return torch.onnx.export(
+            _named_outputs(model, input_names),
+            tensors,
+            None,
+            input_names=input_names,
+            output_names=names,
+            opset_version=opset,
+            dynamic_shapes=shapes,
+            dynamo=True,
+            verbose=False,
+        )
+    except Exception as e:
+        cause = e.__cause__ or e
+        raise UserError(
+            f"torch.onnx.export could not export {type(model).__name__} (opset {opset}, dynamic={dynamic}): "
+            f"{_one_line(cause)}"
+        ) from e
+
+
+def _max_sequence(model) -> int | None:
+    """Learned position tables (GPT-2, CLIP) bound the sequence axis; torch.export wants that bound stated."""
+    if not _is_hf(model) or _kind(model) == "image":
+        return None
+    text = _text_config(model)
+    return getattr(text, "n_positions", None) or getattr(text, "max_position_embeddings", None)
+
+
+def _named_outputs(model, input_names: list[str]):
+    """The module torch.onnx.export sees: forward(*tensors) -> the model's tensor outputs as a tuple."""
+    import torch
+
+    class NamedOutputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *tensors):
+            return tuple(t for _, t in _named_tensors(_call(self.model, dict(zip(input_names, tensors)))))
+
+    return NamedOutputs().eval()
+
+
+def _call(model, inputs: dict):
+    """HF models by keyword with use_cache=False (the prefill graph: no KV cache outputs); plain modules by position."""
+    if _is_hf(model):
+        takes_cache = "use_cache" in inspect.signature(model.forward).parameters
+        return model(**inputs, **({"use_cache": False} if takes_cache else {}))
+    return model(*inputs.values())
+
+
+def _named_tensors(result) -> list[tuple[str, torch.Tensor]]:
+    import torch
+
+    if isinstance(result, torch.Tensor):
+        return [("output", result)]
+    if hasattr(result, "items"):  # a transformers ModelOutput (only the fields that are set) or a dict
+        return [(k, v) for k, v in result.items() if isinstance(v, torch.Tensor) and k not in SKIPPED_OUTPUTS]
+    if isinstance(result, list | tuple):
+        return [(f"output_{i}", v) for i, v in enumerate(result) if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _is_hf(model) -> bool:
+    return hasattr(getattr(model, "config", None), "to_dict") and hasattr(model, "can_generate")
+
+
+def _unwrap_peft(model, merge: bool):
+    """A peft model is exported merged; the merge runs on a deep copy, so the caller's model keeps its adapters."""
+    if type(model).__module__.startswith("peft") and hasattr(model, "merge_and_unload"):
+        return copy.deepcopy(model).merge_and_unload() if merge else model.get_base_model()
+    return model
+
+
+@contextlib.contextmanager
+def _eval(model):
+    """Export and compare in eval mode, then give the caller's model back in the mode it came in."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _check_sample(model, sample: dict, dynamic: bool) -> None:
+    """Catch a sample input that cannot be right before the (slow) export, naming the input and what was expected."""
+    import torch
+
+    cls = type(model).__name__
+    if not isinstance(sample, dict) or not sample:
+        raise UserError(f"the sample input for {cls} must be a non-empty dict of input name -> tensor.")
+    for name, value in sample.items():
+        if not isinstance(value, torch.Tensor):
+            raise UserError(f"sample input '{name}' is a {type(value).__name__}; expected a torch.Tensor.")
+    params = inspect.signature(model.forward).parameters
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    if _is_hf(model):
+        accepted = [n for n, p in params.items() if p.kind not in variadic]
+        for name, value in sample.items():
+            if name not in accepted:
+                raise UserError(
+                    f"sample input '{name}' (shape {list(value.shape)}) is not an input of {cls}.forward; "
+                    f"expected some of {accepted}."
+                )
+    else:
+        positional = [
+            n for n, p in params.items() if p.kind not in (*variadic, inspect.Parameter.KEYWORD_ONLY)
+        ]
+        takes_more = any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params.values())
+        if len(sample) > len(positional) and not takes_more:
+            raise UserError(
+                f"{cls}.forward takes {len(positional)} tensor(s) {positional}; the sample input has "
+                f"{len(sample)}: {_shapes(sample)}."
+            )
+
+    for name, value in sample.items():
+        shape = list(value.shape)
+        if name in TEXT_INPUTS:
+            if value.is_floating_point() or value.is_complex():
+                raise UserError(
+                    f"sample input '{name}' (shape {shape}) is {value.dtype}; expected integer ids."
+                )
+            if value.dim() != 2:
+                raise UserError(
+                    f"sample input '{name}' has shape {shape}; expected 2 dims [batch, sequence]."
+                )
+        if name in IMAGE_INPUTS:
+            if not value.is_floating_point():
+                raise UserError(
+                    f"sample input '{name}' (shape {shape}) is {value.dtype}; expected a float image."
+                )
+            if value.dim() != 4:
+                raise UserError(
+                    f"sample input '{name}' has shape {shape}; expected 4 dims [batch, channels, height, width]."
+                )
+            if _is_hf(model):
+                channels, (height, width) = _image_shape(model)
+                if shape[1:] != [channels, height, width]:
+                    raise UserError(
+                        f"sample input '{name}' has shape {shape}; {cls}'s config expects "
+                        f"[batch, {channels}, {height}, {width}]."
+                    )
+
+    ids = sample.get("input_ids")
+    if ids is not None and _kind(model) in ("text", "clip") and ids.numel():
+        vocab = _text_config(model).vocab_size
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise UserError(
+                f"sample input 'input_ids' (shape {list(ids.shape)}) holds ids from {int(ids.min())} to "
+                f"{int(ids.max())}; {cls}'s vocabulary is 0..{vocab - 1}."
+            )
+    text = [n for n in sample if n in TEXT_INPUTS]
+    for name in text[1:]:
+        if sample[name].shape != sample[text[0]].shape:
+            raise UserError(
+                f"sample input '{name}' has shape {list(sample[name].shape)}; expected the shape of "
+                f"'{text[0]}', {list(sample[text[0]].shape)}."
+            )
+    first = next(iter(sample))
+    for name, value in sample.items():
+        if value.dim() == 0 or value.shape[0] != sample[first].shape[0]:
+            raise UserError(
+                f"sample input '{name}' has shape {list(value.shape)}; every input needs the batch size of "
+                f"'{first}' ({list(sample[first].shape)[:1]}) as its first dim."
+            )
+    if dynamic:
+        for name, value in sample.items():
+            small = value.shape[0] < 2 or (name in TEXT_INPUTS and value.shape[1] < 2)
+            if small:
+                raise UserError(
+                    f"sample input '{name}' has shape {list(value.shape)}; a dynamic export needs batch and "
+                    "sequence sizes of at least 2 (torch.export fixes sizes 0 and 1), or dynamic=False."
+                )
+
+
+def _max_abs_diff(reference, got, attention_mask=None) -> float:
+    """Max |PyTorch - ORT|; for sequence outputs ([batch, sequence, ...]) only at positions the attention mask
+    keeps (padded positions are fully masked and legitimately differ). A shape mismatch or a one-sided NaN
+    counts as infinite."""
+    import numpy as np
+    import torch
+
+    ref = reference.detach().to(torch.float64).cpu().numpy()
+    got = np.asarray(got, dtype=np.float64)
+    if ref.shape != got.shape:
+        return float("inf")
+    if attention_mask is not None and ref.ndim >= 3 and tuple(ref.shape[:2]) == tuple(attention_mask.shape):
+        keep = attention_mask.detach().cpu().numpy().astype(bool)
+        ref, got = ref[keep], got[keep]
+    if ref.size == 0:
+        return 0.0
+    diff = np.abs(ref - got)
+    diff[np.isnan(ref) & np.isnan(got)] = 0.0
+    return float(np.nan_to_num(diff, nan=np.inf).max())
+
+
+def _move_into_place(folder: Path, output: Path) -> None:
+    """Weights file first, .onnx last; a stale weights file of an earlier, larger export is removed."""
+    files = sorted(folder.iterdir(), key=lambda f: f.name == output.name)
+    for f in files:
+        os.replace(f, output.parent / f.name)
+    stale = output.parent / f"{output.name}.data"
+    if not any(f.name == stale.name for f in files) and stale.is_file():
+        stale.unlink()
+
+
+def _shapes(sample: dict) -> dict[str, list[int]]:
+    return {name: list(getattr(v, "shape", [])) for name, v in sample.items()}
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    """An error message as one line (checker messages wrap the node they name over several lines)."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,309 @@
+"""ONNX export: each tiny model is exported once per module (dynamic batch/sequence axes), then checked with
+onnx.checker, run in onnxruntime at the export sample and at other sizes, and compared with PyTorch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from onn.errors import UserError
+from onn.export.onnx_export import (
+    check_onnx,
+    export_onnx,
+    output_names,
+    run_onnx,
+    sample_inputs,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = ["input_ids", "attention_mask"]
+# model -> (input names, output names) as documented in onn/export/onnx_export.py
+NAMES = {
+    "llama": (TEXT, ["logits"]),
+    "phi4_tiny": (TEXT, ["logits"]),
+    "gpt2": (TEXT, ["logits"]),
+    "clip": ([*TEXT, "pixel_values"], ["logits_per_image", "logits_per_text", "text_embeds", "image_embeds"]),
+    "resnet": (["pixel_values"], ["output"]),
+}
+IMAGE_SIZE = {"resnet": 64}
+
+
+def build(name: str):
+    """Tiny random-init models (2 layers) from transformers configs, and a timm CNN."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if name == "llama":
+        config = tf.LlamaConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+        return tf.LlamaForCausalLM(config).eval()
+    if name == "phi4_tiny":
+        from onn.models.load import architecture
+
+        cfg = yaml.safe_load((ROOT / "conf" / "model" / "phi4_tiny.yaml").read_text())
+        cfg["architecture"]["num_hidden_layers"] = 2
+        return tf.Phi3ForCausalLM(architecture(cfg)).eval()
+    if name == "gpt2":
+        config = tf.GPT2Config(
+            vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=127, eos_token_id=127
+        )
+        return tf.GPT2LMHeadModel(config).eval()
+    if name == "clip":
+        text = dict(
+            vocab_size=99,
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=32,
+            bos_token_id=96,
+            eos_token_id=97,
+            pad_token_id=1,
+        )
+        vision = dict(
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+        )
+        return tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).eval()
+    if name == "resnet":
+        import timm
+
+        return timm.create_model("resnet10t", pretrained=False, num_classes=10).eval()
+    raise AssertionError(name)
+
+
+def torch_outputs(name: str, model, inputs: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """PyTorch's outputs by name, computed here independently of the exporter's wrapper."""
+    with torch.no_grad():
+        if name == "resnet":
+            return {"output": model(inputs["pixel_values"]).numpy()}
+        extra = {} if name == "clip" else {"use_cache": False}
+        result = model(**inputs, **extra)
+    return {out: getattr(result, out).numpy() for out in NAMES[name][1]}
+
+
+@pytest.fixture(scope="module", params=list(NAMES))
+def exported(request, tmp_path_factory):
+    name = request.param
+    model = build(name)
+    sample = sample_inputs(model, image_size=IMAGE_SIZE.get(name))
+    path = tmp_path_factory.mktemp(name) / f"{name}.onnx"
+    result = export_onnx(model, path, sample)
+    return name, model, sample, path, result
+
+
+def test_export_checks_names_and_matches_pytorch(exported):
+    name, model, sample, path, result = exported
+    inputs, outputs = NAMES[name]
+    assert list(sample) == inputs
+    assert result["export/onnx"] == str(path) and path.is_file()
+    assert result["export/opset"] == 18
+    assert result["export/inputs"] == inputs and result["export/outputs"] == outputs
+    assert set(result["export/max_abs_diff_per_output"]) == set(outputs)
+    assert 0 <= result["export/max_abs_diff"] <= 1e-4
+    assert result["export/seconds"] > 0
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # weights inside, no temp files left
+
+    proto = check_onnx(path)
+    assert [i.name for i in proto.graph.input] == inputs
+    assert [o.name for o in proto.graph.output] == outputs
+    dims = {
+        i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in proto.graph.input
+    }
+    for text in set(inputs) & set(TEXT):
+        assert dims[text] == ["batch", "sequence"]
+    if "pixel_values" in dims:
+        size = IMAGE_SIZE.get(name, 32)
+        assert dims["pixel_values"] == ["batch", 3, size, size]
+
+    # ORT on the export sample, compared here with PyTorch (not only the exporter's own report)
+    got, want = run_onnx(path, sample), torch_outputs(name, model, sample)
+    assert list(got) == outputs
+    for out in outputs:
+        assert np.abs(got[out] - want[out]).max() <= 1e-4
+    assert output_names(model) == outputs
+
+
+def test_dynamic_axes_run_at_other_sizes(exported):
+    name, model, sample, path, _ = exported
+    other = sample_inputs(model, batch_size=3, sequence_length=5, image_size=IMAGE_SIZE.get(name), seed=1)
+    assert all(other[k].shape != sample[k].shape for k in sample)
+    got, want = run_onnx(path, other), torch_outputs(name, model, other)
+    for out in NAMES[name][1]:
+        assert got[out].shape == want[out].shape
+        assert got[out].shape[0] == 3
+        assert np.abs(got[out] - want[out]).max() <= 1e-4, out
+    if name in ("llama", "phi4_tiny", "gpt2"):
+        assert got["logits"].shape[:2] == (3, 5)
+    if name == "llama":  # a left-padded row matches wherever the mask attends (padded positions may differ)
+        other["attention_mask"][0, :2] = 0
+        got, want = run_onnx(path, other)["logits"], torch_outputs(name, model, other)["logits"]
+        keep = other["attention_mask"].numpy().astype(bool)
+        assert np.abs(got[keep] - want[keep]).max() <= 1e-4
+
+
+# ---------------------------------------------------------------- sample inputs
+
+
+def test_sample_inputs_are_deterministic_and_avoid_special_tokens():
+    model = build("llama")
+    a, b = (
+        sample_inputs(model, batch_size=8, sequence_length=64),
+        sample_inputs(model, batch_size=8, sequence_length=64),
+    )
+    assert torch.equal(a["input_ids"], b["input_ids"]) and a["input_ids"].dtype == torch.long
+    assert not torch.equal(
+        a["input_ids"], sample_inputs(model, batch_size=8, sequence_length=64, seed=1)["input_ids"]
+    )
+    assert a["input_ids"].shape == (8, 64) and int(a["input_ids"].max()) < 128
+    assert not torch.isin(a["input_ids"], torch.tensor([0, 1, 2])).any()
+    assert torch.equal(a["attention_mask"], torch.ones(8, 64, dtype=torch.long))
+
+
+def test_sample_inputs_images():
+    clip = sample_inputs(build("clip"), batch_size=2, sequence_length=100)
+    assert list(clip) == ["input_ids", "attention_mask", "pixel_values"]
+    assert clip["pixel_values"].shape == (2, 3, 32, 32) and clip["pixel_values"].dtype == torch.float32
+    assert clip["input_ids"].shape == (2, 32)  # clamped to the text tower's 32 positions
+    resnet = build("resnet")
+    assert sample_inputs(resnet)["pixel_values"].shape == (2, 3, 176, 176)  # timm pretrained_cfg input_size
+    assert sample_inputs(resnet, batch_size=1, image_size=64)["pixel_values"].shape == (1, 3, 64, 64)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_checker_failure_names_the_file(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Add", ["x", "ghost"], ["y"])], "g", [x], [y])
+    bad = tmp_path / "bad.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), bad)
+    with pytest.raises(UserError, match="bad.onnx fails onnx.checker.*'ghost'") as err:
+        check_onnx(bad)
+    assert "\n" not in str(err.value)
+
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"not a protobuf")
+    with pytest.raises(UserError, match="garbage.onnx fails onnx.checker"):
+        check_onnx(garbage)
+    with pytest.raises(UserError, match="missing.onnx does not exist"):
+        check_onnx(tmp_path / "missing.onnx")
+
+
+def _ids(*shape, dtype=torch.long):
+    return torch.randint(3, 100, shape).to(dtype)
+
+
+@pytest.mark.parametrize(
+    "model_name, sample, match",
+    [
+        ("llama", {"input_ids": _ids(2, 8), "pixel_values": torch.randn(2, 3, 8, 8)}, r"'pixel_values' \(shape \[2, 3, 8, 8\]\) is not an input of LlamaForCausalLM"),
+        ("llama", {"input_ids": _ids(2, 8, dtype=torch.float32)}, r"'input_ids' \(shape \[2, 8\]\) is torch.float32; expected integer"),
+        ("llama", {"input_ids": _ids(2, 8, 1)}, r"'input_ids' has shape \[2, 8, 1\]; expected 2 dims"),
+        ("llama", {"input_ids": _ids(2, 8), "attention_mask": torch.ones(2, 7, dtype=torch.long)}, r"'attention_mask' has shape \[2, 7\]; expected the shape of 'input_ids', \[2, 8\]"),
+        ("llama", {"input_ids": torch.full((2, 8), 500)}, r"'input_ids' .* ids from 500 to 500; .* vocabulary is 0..127"),
+        ("llama", {"input_ids": _ids(1, 8)}, r"'input_ids' has shape \[1, 8\]; a dynamic export needs batch and sequence sizes of at least 2"),
+        ("clip", {"input_ids": _ids(2, 8), "attention_mask": torch.ones(2, 8, dtype=torch.long), "pixel_values": torch.randn(2, 3, 64, 64)}, r"'pixel_values' has shape \[2, 3, 64, 64\]; CLIPModel's config expects \[batch, 3, 32, 32\]"),
+        ("resnet", {"pixel_values": torch.randn(2, 3, 64, 64), "extra": torch.randn(2, 3)}, r"ResNet.forward takes 1 tensor\(s\) \['x'\]; the sample input has 2"),
+    ],
+)  # fmt: skip
+def test_mismatched_sample_input_is_refused_before_export(tmp_path, model_name, sample, match):
+    with pytest.raises(UserError, match=match) as err:
+        export_onnx(build(model_name), tmp_path / "m.onnx", sample)
+    assert "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(x).relu()
+
+
+def test_missing_output_folder(tmp_path):
+    target = tmp_path / "not" / "there" / "m.onnx"
+    with pytest.raises(UserError, match=r"folder of the ONNX export path .*m.onnx does not exist"):
+        export_onnx(Tiny(), target, {"x": torch.randn(2, 8)})
+    assert not (tmp_path / "not").exists()
+
+
+def test_failed_export_keeps_the_earlier_file_and_restores_training_mode(tmp_path):
+    model = Tiny().train()
+    path = tmp_path / "tiny.onnx"
+    path.write_bytes(before := b"an earlier run's export")
+    with pytest.raises(
+        UserError,
+        match=r"ONNX output 'output' of Tiny differs from PyTorch by .* so .*tiny.onnx was not written",
+    ):
+        export_onnx(model, path, {"x": torch.randn(2, 8)}, atol=-1.0)  # every diff fails a negative tolerance
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny.onnx"]  # no temp folder left behind
+    assert model.training
+
+
+def test_static_shapes_and_other_opset(tmp_path):
+    path = tmp_path / "tiny.onnx"
+    result = export_onnx(Tiny(), path, {"x": torch.randn(2, 8)}, opset=17, dynamic=False)
+    assert result["export/opset"] == 17
+    proto = check_onnx(path)
+    assert [d.dim_value for d in proto.graph.input[0].type.tensor_type.shape.dim] == [2, 8]
+    assert {o.domain: o.version for o in proto.opset_import}[""] == 17
+    with pytest.raises(
+        UserError, match=r"takes inputs \['x'\]; the feeds lack \['x'\] and have extra \['y'\]"
+    ):
+        run_onnx(path, {"y": np.zeros((2, 8), np.float32)})
+
+
+def test_peft_model_is_exported_merged_and_left_unmerged(tmp_path):
+    import peft
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(Tiny(), peft.LoraConfig(target_modules=["fc"], r=2, init_lora_weights=False))
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want = model(x).numpy()
+        base = model.get_base_model().fc.base_layer(x).relu().numpy()
+    assert np.abs(want - base).max() > 1e-3  # the adapter changes the output
+    export_onnx(model, tmp_path / "lora.onnx", {"x": torch.randn(2, 8)})
+    assert np.abs(run_onnx(tmp_path / "lora.onnx", {"x": x})["output"] - want).max() <= 1e-5
+    assert isinstance(model, peft.PeftModel) and hasattr(model.get_base_model().fc, "lora_A")
+
+
+def test_max_abs_diff_skips_padded_positions_and_flags_mismatches():
+    from onn.export.onnx_export import _max_abs_diff
+
+    ref = torch.zeros(2, 3, 4)
+    got = ref.numpy().copy()
+    got[0, 0] = 5.0  # a padded position: ORT and PyTorch may differ there
+    got[1, 2] = 1e-3
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    assert _max_abs_diff(ref, got, mask) == pytest.approx(1e-3)
+    assert _max_abs_diff(ref, got) == 5.0
+    assert _max_abs_diff(ref, got[:, :2]) == float("inf")
+    got[1, 1, 1] = np.nan
+    assert _max_abs_diff(ref, got, mask) == float("inf")
