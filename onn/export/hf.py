@@ -1,0 +1,402 @@
+"""export=safetensors: the trained model as a Hugging Face folder, LoRA merged; the adapter alone.
+
+The merged weights are produced one group at a time (the weights before the blocks, each block,
+the weights after them), so a layer-streamed model is exported from its layer store a block at a
+time and never has to fit in memory: the block is read, decoded to the compute dtype, its LoRA
+deltas (peft's own `get_delta_weight`) are added to copies of its frozen weights, it goes into
+the shard being filled, and it is dropped before the next block is read. The live model is only
+read, never changed, so it may go on training or generating after an export.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from itertools import groupby
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from onn.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+log = logging.getLogger("onn")
+BASE_LAYER = "base_layer."
+
+
+def save_folder(
+    model: nn.Module, tokenizer: Any, output: Path, *, engine: Any = None, max_shard_size: str | int = "2GB"
+) -> dict[str, Any]:
+    """Write `output` as a folder transformers' from_pretrained loads (config, sharded safetensors,
+    tokenizer) with LoRA merged. `model` is the trained model (a PeftModel, a transformers model, or
+    ONN's CausalLM module); `engine` is the streaming engine when its blocks live in a layer store."""
+    import torch
+
+    start = time.perf_counter()
+    model, base, engine = _unwrap(model, engine)
+    try:
+        max_bytes = _size(max_shard_size)
+    except ValueError as e:
+        raise UserError(
+            f"export.max_shard_size={max_shard_size!r}: give bytes or a size like 2GB or 500MB."
+        ) from e
+    from transformers import PreTrainedModel
+
+    if not isinstance(base, PreTrainedModel):
+        raise UserError(
+            f"export=safetensors writes a Hugging Face folder, which needs a transformers model; "
+            f"{type(base).__name__} is not one (use export=onnx)."
+        )
+    if engine is not None and engine.store.dtype != str(engine.compute_dtype).removeprefix("torch."):
+        log.info(
+            "export: the layer store holds %s weights; the folder gets them de-quantized/cast to %s, as streaming computed with them",
+            engine.store.dtype,
+            str(engine.compute_dtype).removeprefix("torch."),
+        )
+    from transformers.core_model_loading import revert_weight_conversion
+
+    def write(folder: Path) -> int:
+        shards = _Shards(folder, max_bytes)
+        with torch.no_grad():
+            for group in _merged_groups(model, base, engine):
+                # back to the checkpoint's names where transformers renamed or fused weights on load
+                shards.add(revert_weight_conversion(base, group))
+                group.clear()
+        count = shards.finish()
+        config = copy.deepcopy(base.config)
+        config.dtype = str(engine.compute_dtype if engine is not None else base.dtype).removeprefix("torch.")
+        config.architectures = [type(base).__name__]
+        config.save_pretrained(folder)
+        if base.can_generate() and getattr(base, "generation_config", None) is not None:
+            copy.deepcopy(base.generation_config).save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(folder))
+        return count
+
+    shards = _write_atomically(Path(output), "config.json", write)
+    output = Path(output)
+    files = [p for p in output.iterdir() if p.is_file()]
+    total = sum(p.stat().st_size for p in files)
+    seconds = time.perf_counter() - start
+    log.info("export: wrote %s (%d shards, %.1f MB) in %.1f s", output, shards, total / 2**20, seconds)
+    return {"export/folder": str(output), "export/files": len(files), "export/shards": shards,
+            "export/bytes": total, "export/seconds": round(seconds, 3)}  # fmt: skip
+
+
+def save_adapter(model: nn.Module, tokenizer: Any, output: Path) -> dict[str, Any]:
+    """Write the LoRA adapter alone in peft's format (adapter_config.json + adapter_model.safetensors),
+    loadable with PeftModel.from_pretrained(base, output)."""
+    from peft import PeftModel
+
+    start = time.perf_counter()
+    model, _, _ = _unwrap(model, None)
+    if not isinstance(model, PeftModel):
+        raise UserError(
+            f"{type(model).__name__} has no LoRA adapter to save; strategy=lora, qlora or sparse_lora trains one."
+        )
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(str(folder))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(folder))
+
+    _write_atomically(Path(output), "adapter_config.json", write)
+    output = Path(output)
+    files = [p for p in output.iterdir() if p.is_file()]
+    return {"export/adapter": str(output), "export/adapter_files": len(files),
+            "export/adapter_bytes": sum(p.stat().st_size for p in files),
+            "export/adapter_seconds": round(time.perf_counter() - start, 3)}  # fmt: skip
+
+
+def merged_model(model: nn.Module, engine: Any = None) -> nn.Module:
+    """A new plain model (no peft layers) holding the merged weights on the CPU, for exporters that
+    need the whole graph (ONNX). A streamed model's blocks all come from the store. Weights without
+    an adapter share memory with the live model instead of being copied."""
+    import torch
+
+    model, base, engine = _unwrap(model, engine)
+    state: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for group in _merged_groups(model, base, engine):
+            state.update(group)
+    # Copy the module tree with empty parameters (deepcopy's memo stands in for every parameter),
+    # drop the LoRA layers, then put the merged tensors in place.
+    memo = {
+        id(p): torch.nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=False)
+        for p in model.parameters()
+    }
+    clone = copy.deepcopy(model, memo)
+    plain = clone.unload() if hasattr(clone, "unload") else clone
+    plain = plain.to("cpu")
+    unexpected = []
+    # Set, not load_state_dict: a streamed block's placeholders have no shape to check against.
+    for name, tensor in state.items():
+        owner, _, attr = name.rpartition(".")
+        module = plain.get_submodule(owner)
+        if attr in module._parameters:
+            module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+        elif attr in module._buffers:
+            module._buffers[attr] = tensor
+        else:
+            unexpected.append(name)
+    if hasattr(plain, "tie_weights"):
+        plain.tie_weights()
+    empty = [n for n, p in plain.named_parameters() if p.numel() == 0]
+    if unexpected or empty:
+        raise RuntimeError(
+            f"merged weights do not fit {type(plain).__name__}: unexpected {unexpected[:3]}, empty {empty[:3]}"
+        )
+    return plain.eval()
+
+
+# -- the merged weights, a group at a time -------------------------------------------------------
+def _merged_groups(model, base, engine) -> Iterator[dict[str, torch.Tensor]]:
+    """The merged weights in the base model's own names (no peft prefixes, `base_layer` or lora_
+    tensors), on the CPU: the weights before the blocks, then each block, then those after."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    from onn.strategies.store import stored_name
+
+    state = base.state_dict(keep_vars=True)
+    for key in getattr(base, "_keys_to_ignore_on_save", None) or []:
+        state.pop(key, None)
+    _drop_tied(base, state)
+    lora = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    names = {id(m): name for name, m in base.named_modules()}
+    layer_map = engine.map if engine is not None else _layer_map(base)
+    prefixes = [names[id(b)] for b in layer_map.blocks] if layer_map is not None else []
+    blocks = {prefix: i for i, prefix in enumerate(prefixes)}
+    cpu = torch.device("cpu")
+
+    def group_of(key: str) -> int | str:
+        parts = key.split(".")
+        for j in range(1, len(parts)):
+            i = blocks.get(".".join(parts[:j]))
+            if i is not None:
+                return i
+        return "edges"
+
+    def frozen(group: int | str, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The group's frozen weights from the layer store (streamed), by output name."""
+        if engine is None:
+            return {}
+        if group != "edges":
+            tensors = engine.store.decode(engine.store.read(group), cpu, engine.compute_dtype)
+            return {f"{prefixes[group]}.{n}": t for n, t in tensors.items()}
+        if not engine.edges:
+            return {}
+        tensors = engine.store.decode(engine.store.read("edges"), cpu, engine.compute_dtype)
+        in_engine = {id(p): n for n, p in engine.model.named_parameters()}
+        return {
+            stored_name(k): tensors[in_engine[id(state[k])]]
+            for k in keys
+            if in_engine.get(id(state[k])) in tensors
+        }
+
+    for group, keys in groupby(list(state), key=group_of):
+        keys = list(keys)
+        stored = frozen(group, keys)
+        out = {}
+        for key in keys:
+            owner = _owner(key, lora)
+            rest = key[len(owner) + 1 :] if owner else ""
+            if owner and not rest.startswith(BASE_LAYER):
+                continue  # the adapter's own tensors
+            name = f"{owner}.{rest[len(BASE_LAYER) :]}" if owner else key
+            tensor = stored.pop(name, None)
+            if tensor is None:
+                tensor = state[key].detach().to(cpu)
+                if tensor.numel() == 0:  # a streamed block's placeholder
+                    where = (
+                        "nor in the layer store" if engine else "(pass the streaming engine that holds it)"
+                    )
+                    raise RuntimeError(f"{key} is not in memory {where}")
+            if owner:
+                tensor = _merge(lora[owner], rest[len(BASE_LAYER) :], tensor)
+            out[name] = tensor
+        stored = None  # what was not used: gone before the next group is read
+        yield out
+
+
+def _merge(layer, param: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a LoRA layer's base weight (or bias) with the active adapters added, as peft's merge
+    adds them (`weight += get_delta_weight(adapter)`, `bias += lora_B.bias * scaling`)."""
+    adapters = [
+        a
+        for a in layer.active_adapters
+        if a not in layer.merged_adapters
+        and (a in layer.lora_A or a in getattr(layer, "lora_embedding_A", {}))
+    ]
+    for a in adapters:
+        if a in getattr(layer, "lora_variant", {}):
+            raise UserError(
+                f"adapter '{a}' is a LoRA variant (e.g. DoRA) that export=safetensors does not merge; export the adapter alone."
+            )
+    if param == "weight":
+        merged = tensor.clone()
+        for a in adapters:
+            merged += layer.get_delta_weight(a).to(merged.device)
+        return merged
+    if param == "bias" and any(getattr(layer, "lora_bias", {}).get(a) for a in adapters):
+        merged = tensor.clone()
+        for a in adapters:
+            if layer.lora_bias.get(a):
+                merged += (layer.lora_B[a].bias * layer.scaling[a]).to(merged.device)
+        return merged
+    return tensor
+
+
+def _owner(key: str, lora: dict[str, Any]) -> str | None:
+    """The LoRA layer a state-dict key belongs to, if any."""
+    parts = key.split(".")
+    for j in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:j])
+        if prefix in lora:
+            return prefix
+    return None
+
+
+def _drop_tied(base, state: dict[str, Any]) -> None:
+    """Leave out what save_pretrained leaves out: the tied copies (lm_head.weight when the
+    embeddings are tied), which from_pretrained ties again."""
+    tied = getattr(base, "all_tied_weights_keys", None) or {}
+    for target, source in tied.items():
+        if target in state and source in state and state[target] is state[source]:
+            del state[target]
+    seen: set[int] = set()
+    for key in list(state):  # anything else shared: keep the first name
+        if id(state[key]) in seen:
+            del state[key]
+        else:
+            seen.add(id(state[key]))
+
+
+def _layer_map(base):
+    from onn.models.layers import discover
+
+    try:
+        return discover(base)
+    except UserError:  # no repeated blocks: one group holds everything
+        return None
+
+
+def _unwrap(model, engine):
+    """(the model, the transformers model under any peft wrapper, the engine), from what the caller has."""
+    from peft import PeftModel
+    from torch import nn
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, (PeftModel, PreTrainedModel)) and isinstance(
+        getattr(model, "model", None), nn.Module
+    ):
+        engine = engine if engine is not None else getattr(model, "engine", None)  # ONN's CausalLM module
+        model = model.model
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    return model, base, engine
+
+
+def _size(max_shard_size: str | int) -> int:
+    from transformers.utils.hub import convert_file_size_to_int
+
+    size = convert_file_size_to_int(max_shard_size)
+    if size <= 0:
+        raise ValueError(max_shard_size)
+    return size
+
+
+class _Shards:
+    """Safetensors shards filled in order and flushed when the next tensor would overflow one;
+    named as save_pretrained names them once their number is known."""
+
+    def __init__(self, folder: Path, max_bytes: int):
+        self.folder, self.max_bytes = folder, max_bytes
+        self.buffer: dict[str, torch.Tensor] = {}
+        self.buffer_bytes = 0
+        self.names: list[list[str]] = []  # tensor names per written shard
+        self.total_bytes = self.total_params = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            size = tensor.numel() * tensor.element_size()
+            if self.buffer and self.buffer_bytes + size > self.max_bytes:
+                self.flush()
+            self.buffer[name] = tensor.contiguous()
+            self.buffer_bytes += size
+            self.total_bytes += size
+            self.total_params += tensor.numel()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if self.buffer:
+            save_file(self.buffer, str(self._part(len(self.names))), metadata={"format": "pt"})
+            self.names.append(list(self.buffer))
+            self.buffer, self.buffer_bytes = {}, 0
+
+    def _part(self, k: int) -> Path:
+        return self.folder / f"part-{k:05d}.tmp"
+
+    def finish(self) -> int:
+        self.flush()
+        n = len(self.names)
+        files = (
+            ["model.safetensors"]
+            if n == 1
+            else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        )
+        for k, file in enumerate(files):
+            os.replace(self._part(k), self.folder / file)
+        if n > 1:
+            index = {
+                "metadata": {"total_size": self.total_bytes, "total_parameters": self.total_params},
+                "weight_map": {name: file for file, names in zip(files, self.names) for name in names},
+            }
+            text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+            (self.folder / "model.safetensors.index.json").write_text(text)
+        return n
+
+
+def _write_atomically(output: Path, marker: str, write: Callable[[Path], Any]) -> Any:
+    """Run `write` into a temporary sibling folder and rename it to `output` only when it succeeded,
+    so a failed export leaves no half folder and an earlier export at `output` intact until then."""
+    output = output.expanduser()
+    if not output.parent.is_dir():
+        raise UserError(
+            f"export output {output}: its folder {output.parent} does not exist; create it or choose another path."
+        )
+    if output.exists() and not (
+        output.is_dir() and (not any(output.iterdir()) or (output / marker).is_file())
+    ):
+        raise UserError(
+            f"export output {output} exists and is not an earlier export (no {marker}); choose another path or remove it."
+        )
+    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        result = write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = output.parent / f".{output.name}.old-{os.getpid()}" if output.exists() else None
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+        output.rename(old)
+    try:
+        tmp.rename(output)
+    except BaseException:
+        if old is not None:
+            old.rename(output)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return result
