@@ -165,3 +165,29 @@ def _count_unique(modules) -> int:
                 seen.add(id(p))
                 total += p.numel()
     return total
+
+
+def block_runs(model: nn.Module, blocks_path: str | None = None) -> list[list[str]]:
+    """Dotted paths of the blocks of every tower: the LayerMap's own run first, then the other runs
+    of repeated composite blocks that do not overlap it (a two-tower model's second encoder).
+    The .omny exporter cuts the graph at all of their boundaries."""
+    main = discover(model, blocks_path)
+    runs = [main.block_paths]
+    taken = set(runs[0])
+    candidates = []
+    for path, module in model.named_modules():
+        for names in _same_type_runs(module):
+            if not any(True for _ in module.get_submodule(names[0]).children()):
+                continue  # leaf layers, not blocks
+            paths = [f"{path}.{n}" if path else n for n in names]
+            coverage = sum(_count(module.get_submodule(n)) for n in names)
+            candidates.append((coverage, paths))
+    for _, paths in sorted(candidates, key=lambda c: -c[0]):
+        if not any(_nested(p, t) for p in paths for t in taken):
+            runs.append(paths)
+            taken.update(paths)
+    return runs
+
+
+def _nested(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")

@@ -1,0 +1,416 @@
+"""Where an ONNX graph can be cut, and what each piece between two cuts needs.
+
+A cut point is a tensor that crosses from one side of the graph to the other alone: everything
+computed to produce it is used only to produce it. Removing it splits the graph in two, so the
+model can run as two programs that pass that one tensor between them.
+
+Tensors computed from the model's inputs and small constants alone (attention masks, position
+ids, rotary tables) are *free*: every piece recomputes what it needs from the inputs, so they
+never have to cross. Whatever holds a weight (an initializer of rank >= 2 in a floating or
+quantized type) is never free.
+
+Pieces between consecutive cuts are the document's blocks. With module scopes (what
+torch.onnx.export records for each node), the exporter keeps only the cuts at LayerMap block
+boundaries; for a graph made elsewhere, every cut is kept that leaves a weight on each side.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import math
+from dataclasses import dataclass, field
+
+import onnx
+from onnx import TensorProto
+
+log = logging.getLogger("onn")
+
+WEIGHT_TYPES = {
+    TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE, TensorProto.INT8,
+    TensorProto.UINT8, TensorProto.INT4, TensorProto.UINT4, TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E5M2,
+}  # fmt: skip
+SCOPES_KEY = "pkg.torch.onnx.name_scopes"  # torch.onnx.export's module path of each node
+
+
+def dtype_name(elem_type: int) -> str:
+    return onnx.helper.tensor_dtype_to_np_dtype(elem_type).name if elem_type else "undefined"
+
+
+def itemsize(elem_type: int) -> float:
+    if elem_type in (TensorProto.INT4, TensorProto.UINT4):
+        return 0.5
+    return onnx.helper.tensor_dtype_to_np_dtype(elem_type).itemsize
+
+
+def tensor_bytes(t: TensorProto) -> int:
+    return math.ceil(math.prod(t.dims) * itemsize(t.data_type))
+
+
+def is_weight(t: TensorProto) -> bool:
+    return len(t.dims) >= 2 and t.data_type in WEIGHT_TYPES and math.prod(t.dims) > 1
+
+
+@dataclass
+class Piece:
+    """The nodes between two consecutive cuts (or before the first / after the last)."""
+
+    nodes: list[int]  # non-free node indices, in graph order
+    weights: set[str]  # weight initializers its nodes read
+    cut_after: str | None  # the cut point that ends it (None for the last piece)
+    name: str = ""
+    role: str = "block"  # prefix | block | suffix | segment
+
+
+@dataclass
+class Graph:
+    """Indexes over one ONNX graph: who produces and who consumes each tensor, and what is free."""
+
+    model: onnx.ModelProto
+    nodes: list = field(init=False)
+    producer: dict[str, int] = field(init=False)
+    consumers: dict[str, list[int]] = field(init=False)
+    initializers: dict[str, TensorProto] = field(init=False)
+    inputs: list[str] = field(init=False)
+    outputs: list[str] = field(init=False)
+    free_tensors: set[str] = field(init=False)
+    free_nodes: set[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        g = self.model.graph
+        self.nodes = list(g.node)
+        self.initializers = {t.name: t for t in g.initializer}
+        for node in self.nodes:  # constants made by Constant nodes count as initializers
+            if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+                self.initializers.setdefault(node.output[0], node.attribute[0].t)
+        self.inputs = [i.name for i in g.input if i.name not in self.initializers]
+        self.outputs = [o.name for o in g.output]
+        self.producer, self.consumers = {}, {}
+        for i, node in enumerate(self.nodes):
+            for name in node_inputs(node):
+                self.consumers.setdefault(name, []).append(i)
+            for name in node.output:
+                if name:
+                    self.producer[name] = i
+        self.free_tensors = set(self.inputs) | {
+            "",
+            *(n for n, t in self.initializers.items() if not is_weight(t)),
+        }
+        self.free_nodes = set()
+        for i, node in enumerate(self.nodes):
+            if node.op_type == "Constant" and node.output[0] not in self.free_tensors:
+                continue  # a weight stored as a Constant node
+            if all(name in self.free_tensors for name in node_inputs(node)):
+                self.free_nodes.add(i)
+                self.free_tensors.update(o for o in node.output if o)
+
+    def stored(self, nodes) -> set[str]:
+        """Every initializer (and Constant value) these nodes read: what a shard holding them stores."""
+        return {n for i in nodes for n in node_inputs(self.nodes[i]) if n in self.initializers}
+
+    def stored_bytes(self, nodes) -> int:
+        return sum(tensor_bytes(self.initializers[n]) for n in self.stored(nodes))
+
+    def weights_of(self, i: int) -> set[str]:
+        return {
+            n
+            for n in node_inputs(self.nodes[i])
+            if n in self.initializers and is_weight(self.initializers[n])
+        }
+
+    def scopes(self, i: int) -> list[str]:
+        for p in self.nodes[i].metadata_props:
+            if p.key == SCOPES_KEY:
+                try:
+                    return [str(s) for s in ast.literal_eval(p.value)]
+                except (ValueError, SyntaxError):
+                    return []
+        return []
+
+    def free_inputs_needed(self, nodes: list[int]) -> tuple[set[int], set[str]]:
+        """The free nodes and graph inputs that `nodes` need: a piece recomputes these itself."""
+        free, graph_inputs, stack = set(), set(), [n for i in nodes for n in node_inputs(self.nodes[i])]
+        inputs = set(self.inputs)
+        while stack:
+            name = stack.pop()
+            if name in inputs:
+                graph_inputs.add(name)
+                continue
+            p = self.producer.get(name)
+            if p is not None and p in self.free_nodes and p not in free:
+                free.add(p)
+                stack.extend(node_inputs(self.nodes[p]))
+        return free, graph_inputs
+
+
+def node_inputs(node) -> list[str]:
+    """A node's inputs, with the outer tensors its subgraphs (If, Loop, Scan) read."""
+    names = [n for n in node.input if n]
+    for attr in node.attribute:
+        for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+            names.extend(_outer_names(sub))
+    return names
+
+
+def _outer_names(graph) -> list[str]:
+    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    defined |= {o for n in graph.node for o in n.output}
+    used = [name for n in graph.node for name in node_inputs(n)]
+    return [n for n in used if n not in defined]
+
+
+def cut_points(g: Graph) -> tuple[list[str], dict[int, int], dict[int, int]]:
+    """Every tensor that crosses alone, in graph order, with the ancestor bitsets that prove it.
+
+    Bitsets over the non-free nodes: anc[n] is n and everything it depends on; esc[n] is every
+    node that reads a tensor made in anc[n]. The output T of node p crosses alone when the
+    tensors made by p's ancestors are read only inside anc[p], none of them is a graph output,
+    and T is p's only used output. Returns (cuts, anc, pos): pos numbers the non-free nodes.
+    """
+    order = [i for i in range(len(g.nodes)) if i not in g.free_nodes]
+    pos = {n: k for k, n in enumerate(order)}
+    outputs = set(g.outputs)
+    anc, esc, leaks, cuts = {}, {}, {}, []
+    for n in order:
+        parents = {g.producer[t] for t in node_inputs(g.nodes[n]) if t in g.producer} - g.free_nodes
+        a, e, leak = 1 << pos[n], 0, False
+        for q in parents:
+            a |= anc[q]
+            e |= esc[q]
+            leak = leak or leaks[q]
+        readers = 0
+        for t in g.nodes[n].output:
+            for c in g.consumers.get(t, []):
+                readers |= 1 << pos[c]
+        used = [t for t in g.nodes[n].output if t and (g.consumers.get(t) or t in outputs)]
+        holds_weight = g.nodes[n].op_type == "Constant"
+        if len(used) == 1 and used[0] not in outputs and not leak and not (e & ~a) and not holds_weight:
+            cuts.append(used[0])
+        anc[n], esc[n] = a, e | readers
+        leaks[n] = leak or any(t in outputs for t in g.nodes[n].output)
+    return cuts, anc, pos
+
+
+def pieces(g: Graph, cuts: list[str], anc: dict[int, int], pos: dict[int, int]) -> list[Piece]:
+    """Split the non-free nodes at `cuts` (in graph order): piece i holds what cut i needs that no
+    earlier cut did; the last piece holds the rest (the suffix and any parallel branch's tail)."""
+    order = sorted(pos, key=pos.get)
+    done, out = 0, []
+    for cut in cuts:
+        closure = done | anc[g.producer[cut]]
+        out.append(_piece(g, order, closure & ~done, cut))
+        done = closure
+    everything = (1 << len(order)) - 1
+    out.append(_piece(g, order, everything & ~done, None))
+    return out
+
+
+def _piece(g: Graph, order: list[int], bits: int, cut: str | None) -> Piece:
+    nodes = [order[k] for k in range(len(order)) if bits >> k & 1]
+    weights = set().union(*(g.weights_of(i) for i in nodes)) if nodes else set()
+    return Piece(nodes, weights, cut)
+
+
+def crossing(g: Graph, done_nodes: set[int]) -> list[str]:
+    """Tensors made inside `done_nodes` that something outside reads (or that the graph outputs)."""
+    outputs = set(g.outputs)
+    out = []
+    for i in sorted(done_nodes):
+        for t in g.nodes[i].output:
+            if t and (t in outputs or any(c not in done_nodes for c in g.consumers.get(t, []))):
+                out.append(t)
+    return out
+
+
+def select_block_cuts(g: Graph, cuts: list[str], runs: list[list[str]]) -> list[tuple[str, str]]:
+    """The cuts at LayerMap block boundaries, as (tensor, block path it ends or None for a prefix).
+
+    `runs` lists the module paths of each run of repeated blocks (a decoder's layers; each tower
+    of a two-tower model). A node belongs to the block whose path is one of its scopes (the
+    exporter's wrapper adds a leading module name, hence the suffix match).
+    """
+    member: dict[int, str] = {}
+    paths = {p for run in runs for p in run}
+    for i in range(len(g.nodes)):
+        for scope in g.scopes(i):
+            hit = next((p for p in paths if scope == p or scope.endswith("." + p)), None)
+            if hit:
+                member[i] = hit
+                break
+    cut_set = set(cuts)
+    chosen: dict[str, str] = {}
+    for run in runs:
+        for k, path in enumerate(run):
+            made = [t for i, b in member.items() if b == path for t in g.nodes[i].output if t]
+            leaving = [t for t in made if any(member.get(c) != path for c in g.consumers.get(t, []))]
+            leaving = [t for t in leaving if t not in g.free_tensors]
+            if len(leaving) == 1 and leaving[0] in cut_set:
+                chosen.setdefault(leaving[0], path)
+            else:
+                log.info("block %s: its output does not cross alone (%s); no cut after it", path, leaving[:3])
+            if k == 0:  # the tensor entering the run: the prefix's output
+                entering = {t for i, b in member.items() if b == path for t in node_inputs(g.nodes[i])}
+                entering = [t for t in entering if t in g.producer and member.get(g.producer[t]) != path]
+                entering = [t for t in entering if t not in g.free_tensors]
+                if len(entering) == 1 and entering[0] in cut_set:
+                    chosen.setdefault(entering[0], "")
+    order = {t: g.producer[t] for t in chosen}
+    return sorted(((t, chosen[t]) for t in chosen), key=lambda x: order[x[0]])
+
+
+def merge_weightless(g: Graph, cuts: list[str], anc: dict[int, int], pos: dict[int, int]) -> list[str]:
+    """For a graph made elsewhere, where every op between two layers (the residual Add, a Relu, a
+    reshape) is also a cut: of several cuts with no weight between them keep the last, so every
+    block holds a weight and the cuts fall where one layer hands over to the next."""
+    order = sorted(pos, key=pos.get)
+
+    def has_weight(bits: int) -> bool:
+        return any(g.weights_of(order[k]) for k in range(len(order)) if bits >> k & 1)
+
+    kept, done, pending = [], 0, None
+    for cut in cuts:
+        if pending is not None:
+            between = (done | anc[g.producer[cut]]) & ~(done | anc[g.producer[pending]])
+            if has_weight(between):
+                kept.append(pending)
+                done |= anc[g.producer[pending]]
+        pending = cut
+    everything = (1 << len(order)) - 1
+    if pending is not None and has_weight(everything & ~(done | anc[g.producer[pending]])):
+        kept.append(pending)
+    return kept
+
+
+def concrete_shapes(
+    model: onnx.ModelProto,
+    input_shapes: dict[str, list[int]],
+    value_ranges: dict[str, tuple[int, int]] | None = None,
+) -> dict[str, int]:
+    """Bytes of every tensor when the inputs have these shapes. The graph's own value_info, with
+    the inputs' symbolic dims filled in, where it sizes a tensor (torch.onnx's mostly does); then
+    onnxruntime's symbolic shape inference, which follows shape arithmetic through Range, Reshape
+    and friends; what is still unsized is measured by running the graph once at these shapes
+    (integer inputs drawn from `value_ranges`)."""
+    symbols = {}
+    for i in model.graph.input:
+        for d, v in zip(i.type.tensor_type.shape.dim, input_shapes.get(i.name, [])):
+            if d.dim_param:
+                symbols[d.dim_param] = int(v)
+    sizes = _sizes(model.graph, symbols)
+    made = {o for n in model.graph.node for o in n.output if o}
+    if made <= sizes.keys():
+        return sizes
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(model)
+    del fixed.graph.value_info[:]
+    for i in fixed.graph.input:
+        for d, v in zip(i.type.tensor_type.shape.dim, input_shapes.get(i.name, [])):
+            d.Clear()
+            d.dim_value = int(v)
+    try:
+        sizes.update(_sizes(SymbolicShapeInference.infer_shapes(fixed, auto_merge=True).graph, {}))
+    except Exception as e:  # its asserts cover op types it does not know
+        log.warning(
+            "shape inference stopped (%s: %s); activation figures leave out unsized tensors",
+            type(e).__name__,
+            e,
+        )
+    if missing := made - sizes.keys():
+        sizes.update(_measured_sizes(model, input_shapes, value_ranges or {}, missing))
+    return sizes
+
+
+def _measured_sizes(
+    model: onnx.ModelProto,
+    input_shapes: dict[str, list[int]],
+    value_ranges: dict[str, tuple[int, int]],
+    names: set[str],
+) -> dict[str, int]:
+    """Run the graph once with `names` as extra outputs and read their sizes off the results."""
+    import numpy as np
+    import onnxruntime as ort
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    del probe.graph.value_info[:]
+    have = {o.name for o in probe.graph.output}
+    probe.graph.output.extend(onnx.ValueInfoProto(name=n) for n in sorted(names - have))
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for i in model.graph.input:
+        if i.name not in input_shapes:
+            continue
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
+        shape = input_shapes[i.name]
+        if np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.bool_):
+            low, high = value_ranges.get(i.name, (0, 2))
+            feeds[i.name] = rng.integers(low, high, size=shape).astype(dtype)
+        else:
+            feeds[i.name] = rng.standard_normal(shape).astype(dtype)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every tensor
+    session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    wanted = [o.name for o in session.get_outputs() if o.name in names]
+    return {n: int(v.nbytes) for n, v in zip(wanted, session.run(wanted, feeds))}
+
+
+def _sizes(graph, symbols: dict[str, int]) -> dict[str, int]:
+    out = {}
+    for v in [*graph.value_info, *graph.output, *graph.input]:
+        if not v.type.HasField("tensor_type"):
+            continue
+        t = v.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else symbols.get(d.dim_param) for d in t.shape.dim]
+        if t.HasField("shape") and None not in dims:
+            out[v.name] = math.ceil(math.prod(dims) * itemsize(t.elem_type))
+    return out
+
+
+def symbolic_shapes(model: onnx.ModelProto) -> dict[str, tuple[str, list[int | str | None]]]:
+    """(dtype, shape with symbolic dims kept) of every tensor the graph describes; onnx's own
+    inference fills in a graph that came without value_info."""
+    g = model.graph
+    described = [*g.value_info, *g.output, *g.input]
+    if len(g.value_info) < len(g.node) // 2:
+        described = [*onnx.shape_inference.infer_shapes(model).graph.value_info, *described]
+    out = {}
+    for v in described:
+        t = v.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim]
+        out[v.name] = (dtype_name(t.elem_type), dims)
+    return out
+
+
+def activation_peak(
+    g: Graph, nodes: list[int], entering: set[str], leaving: set[str], sizes: dict[str, int]
+) -> int:
+    """Largest sum of tensors alive at once while `nodes` run in graph order: each lives from its
+    producer (or the start, for what enters) to its last reader in the piece (or the end, for
+    what leaves). Weights are not activations."""
+    order = sorted(nodes)
+    step = {n: k for k, n in enumerate(order)}
+    last: dict[str, int] = {}
+    first: dict[str, int] = {t: 0 for t in entering}
+    for n in order:
+        for t in node_inputs(g.nodes[n]):
+            if t not in g.initializers:
+                last[t] = max(last.get(t, 0), step[n])
+                first.setdefault(t, 0)
+        for t in g.nodes[n].output:
+            if t:
+                first.setdefault(t, step[n])
+                last.setdefault(t, step[n])
+    for t in leaving:
+        last[t] = len(order)
+    delta = [0] * (len(order) + 2)
+    for t, start in first.items():
+        b = sizes.get(t, 0)
+        delta[start] += b
+        delta[last.get(t, start) + 1] -= b
+    live = peak = 0
+    for d in delta:
+        live += d
+        peak = max(peak, live)
+    return peak

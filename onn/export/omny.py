@@ -1,0 +1,585 @@
+""".omny: an ONNX model whose metadata carries where it can be cut, what each block needs and how
+to shard it over small GPUs. Any ONNX tool still opens it; FORMAT_SPEC.md defines the document.
+
+    python -m onn.export.omny inspect FILE     # cut points, per-block memory, shard plans
+    python -m onn.export.omny validate FILE    # split at every plan's cuts, run the shards, compare
+
+`validate` is what makes "a .omny file always splits where it says" a checked fact: it cuts the
+model with onnx's own extractor at every planned boundary, runs the shards one after another in
+onnxruntime and compares their result with the whole model's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from onn.errors import UserError
+from onn.export import graph as G
+
+FORMAT_VERSION = "1.0"
+METADATA_KEY = "onn.omny"
+SCHEMA_FILE = Path(__file__).with_name("omny.schema.json")
+MB = 2**20
+DEFAULTS = {
+    "max_shard_size_mb": 1200.0,  # the fleet this was designed for: 1.5 GB smallest GPU
+    "min_vram_mb": 1500.0,
+    "headroom_mb": 256.0,
+    "nodes": None,
+    "shard_counts": None,
+    "max_configs": 8,
+    "reference_sequence_length": 128,
+}
+
+
+@cache
+def schema() -> dict[str, Any]:
+    return json.loads(SCHEMA_FILE.read_text())
+
+
+def check_document(doc: dict[str, Any], where: str) -> None:
+    """Both the writer and the reader hold the document to the schema in FORMAT_SPEC.md."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(doc, schema())
+    except jsonschema.ValidationError as e:
+        at = "/".join(str(p) for p in e.absolute_path) or "<root>"
+        raise UserError(f"{where}: the .omny document is invalid at {at}: {e.message}.") from None
+
+
+# --- building the document ------------------------------------------------------------------------
+
+
+def describe(
+    model: onnx.ModelProto,
+    sample_input: dict[str, Any],
+    settings: dict[str, Any] | None = None,
+    runs: list[list[str]] | None = None,
+    kv_cache_bytes: dict[str, int] | None = None,
+    source: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The .omny document of an ONNX graph. `runs` (module paths of repeated blocks, from the
+    LayerMap) keeps only the cuts at block boundaries; without it every cut that leaves weights
+    on both sides is kept. `kv_cache_bytes` gives a decoder block's KV cache per token."""
+    settings = {**DEFAULTS, **(settings or {})}
+    g = G.Graph(model)
+    sample = _check_sample(g, sample_input)
+    cuts, anc, pos = G.cut_points(g)
+    if runs:
+        chosen = G.select_block_cuts(g, cuts, runs)
+        block_of = dict(chosen)
+        cuts = [t for t, _ in chosen]
+    else:
+        cuts, block_of = G.merge_weightless(g, cuts, anc, pos), {}
+    parts = G.pieces(g, cuts, anc, pos)
+    reference = _reference_shapes(g, sample, int(settings["reference_sequence_length"]))
+    ranges = {k: (v["low"], v["high"]) for k, v in sample.items() if "low" in v}
+    sizes = G.concrete_shapes(model, reference, ranges)
+    symbolic = G.symbolic_shapes(model)
+    seq_symbols = _sequence_symbols(model)
+    blocks, cut_points, done = [], [], set()
+    for index, piece in enumerate(parts):
+        free, graph_inputs = g.free_inputs_needed(piece.nodes)
+        entering = set(G.crossing(g, done)) if done else set()
+        done |= set(piece.nodes)
+        leaving = {piece.cut_after} if piece.cut_after else set(g.outputs)
+        name = block_of.get(piece.cut_after) if piece.cut_after else None
+        name = name or _name(g, piece, index, len(parts), block_of)
+        blocks.append({
+            "index": index,
+            "name": name,
+            "role": _role(index, len(parts), name, block_of),
+            "nodes": len(piece.nodes),
+            "weight_bytes": g.stored_bytes(piece.nodes + sorted(free)),
+            "activation_bytes_per_sample": G.activation_peak(g, piece.nodes + sorted(free), entering | graph_inputs, leaving, sizes),
+            "kv_cache_bytes_per_token": (kv_cache_bytes or {}).get(name),
+            "cut_after": piece.cut_after,
+        })  # fmt: skip
+        if piece.cut_after:
+            dtype, shape = symbolic.get(piece.cut_after, ("undefined", []))
+            per_sample = sizes.get(piece.cut_after, 0)
+            per_token = (
+                per_sample / reference_len
+                if (reference_len := _seq_len(shape, seq_symbols, reference))
+                else None
+            )
+            cut_points.append({
+                "name": piece.cut_after, "after_block": index, "dtype": dtype, "shape": shape,
+                "bytes_per_sample": per_sample, "bytes_per_token": round(per_token, 3) if per_token else None,
+            })  # fmt: skip
+    doc = {
+        "format": "omny",
+        "format_version": FORMAT_VERSION,
+        "exporter": _exporter(),
+        "source_model": source or {"name": model.graph.name or "model", "framework": "onnx", "producer": model.producer_name},
+        "opset": next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0),
+        "inputs": [_signature(i, symbolic) | {"sample": sample[i]} for i in g.inputs],
+        "outputs": [_signature(o, symbolic) for o in g.outputs],
+        "reference": {"batch_size": 1, "input_shapes": reference},
+        "blocks": blocks,
+        "cut_points": cut_points,
+    }  # fmt: skip
+    doc["shard_plans"] = _shard_plans(g, parts, blocks, settings)
+    doc["node_plan"] = _node_plan(g, parts, blocks, settings) if settings.get("nodes") else None
+    return doc
+
+
+def _shard_plans(g: G.Graph, parts: list[G.Piece], blocks: list[dict], settings: dict) -> dict[str, Any]:
+    from onn.export.shards import plan_shards
+
+    planned = plan_shards(
+        _planner_blocks(blocks),
+        max_shard_size_mb=float(settings["max_shard_size_mb"]),
+        min_vram_mb=float(settings["min_vram_mb"]),
+        headroom_mb=float(settings["headroom_mb"]),
+        counts=list(settings["shard_counts"]) if settings.get("shard_counts") else None,
+        max_configs=int(settings["max_configs"]),
+    )
+    return {
+        "max_shard_size_mb": float(settings["max_shard_size_mb"]),
+        "min_vram_mb": float(settings["min_vram_mb"]),
+        "headroom_mb": float(settings["headroom_mb"]),
+        "allowed_counts": [p["shards"] for p in planned],
+        "configurations": [
+            {
+                "shards": p["shards"],
+                "ranges": p["ranges"],
+                "detail": _detail(g, parts, p["ranges"], p["total_mb"]),
+            }
+            for p in planned
+        ],
+    }
+
+
+def _node_plan(g: G.Graph, parts: list[G.Piece], blocks: list[dict], settings: dict) -> dict[str, Any]:
+    from onn.export.shards import plan_nodes
+
+    nodes = [float(m) for m in settings["nodes"]]
+    planned = plan_nodes(_planner_blocks(blocks), nodes, headroom_mb=float(settings["headroom_mb"]))
+    return {
+        "nodes_mb": nodes,
+        "method": planned["method"],
+        "ranges": planned["ranges"],
+        "utilisation": planned["utilisation"],
+        "detail": _detail(g, parts, planned["ranges"], planned["total_mb"]),
+    }
+
+
+def _planner_blocks(blocks: list[dict]):
+    from onn.export.shards import Block
+
+    return [Block(b["name"], b["weight_bytes"], b["activation_bytes_per_sample"]) for b in blocks]
+
+
+def _detail(g: G.Graph, parts: list[G.Piece], ranges: list[list[int]], totals: list[float]) -> list[dict]:
+    """What each shard of a partition reads, writes, passes on, and the exact weights it holds."""
+    out, done = [], set()
+    for (start, end), total in zip(ranges, totals):
+        before = G.crossing(g, done) if done else []
+        nodes = [n for p in parts[start:end] for n in p.nodes]
+        done |= set(nodes)
+        free, graph_inputs = g.free_inputs_needed(nodes)
+        read = {t for n in nodes for t in G.node_inputs(g.nodes[n])}
+        after = G.crossing(g, done) if end < len(parts) else list(g.outputs)
+        out.append({
+            "blocks": [start, end],
+            "inputs": [i for i in g.inputs if i in graph_inputs] + [t for t in before if t in read],
+            "outputs": [t for t in after if t not in before],
+            "carry": [t for t in before if t in after and t not in read],
+            "weight_bytes": g.stored_bytes(nodes + sorted(free)),
+            "total_mb": total,
+        })  # fmt: skip
+    return out
+
+
+def _check_sample(g: G.Graph, sample_input: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The sample's shape and value range per graph input, after checking it fits the graph."""
+    import numpy as np
+
+    declared = {i.name: i for i in g.model.graph.input}
+    missing = [n for n in g.inputs if n not in sample_input]
+    extra = [n for n in sample_input if n not in declared]
+    if missing or extra:
+        raise UserError(
+            f"sample input names {sorted(sample_input)} do not match the graph's inputs {g.inputs}"
+            f"{' (missing ' + ', '.join(missing) + ')' if missing else ''}{' (unknown ' + ', '.join(extra) + ')' if extra else ''}."
+        )
+    out = {}
+    for name in g.inputs:
+        value = np.asarray(_numpy(sample_input[name]))
+        dims = declared[name].type.tensor_type.shape.dim
+        want = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
+        if len(want) != value.ndim or any(isinstance(w, int) and w != v for w, v in zip(want, value.shape)):
+            raise UserError(
+                f"sample input '{name}' has shape {list(value.shape)}, but the graph expects {want}."
+            )
+        entry: dict[str, Any] = {"shape": list(value.shape)}
+        if np.issubdtype(value.dtype, np.integer) or value.dtype == bool:
+            entry.update(low=int(value.min()), high=int(value.max()) + 1)
+        out[name] = entry
+    return out
+
+
+def _numpy(value: Any):
+    return value.detach().cpu().numpy() if hasattr(value, "detach") else value
+
+
+def _sequence_symbols(model: onnx.ModelProto) -> set[str]:
+    """Dim 1 of integer (token) inputs: the sequence axes."""
+    out = set()
+    for i in model.graph.input:
+        t = i.type.tensor_type
+        token_ids = t.elem_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
+        if token_ids and len(t.shape.dim) >= 2 and t.shape.dim[1].dim_param:
+            out.add(t.shape.dim[1].dim_param)
+    return out
+
+
+def _reference_shapes(g: G.Graph, sample: dict[str, dict], sequence_length: int) -> dict[str, list[int]]:
+    """The sample's shapes at batch 1, with every sequence axis at the reference length."""
+    seq = _sequence_symbols(g.model)
+    out = {}
+    for i in g.model.graph.input:
+        if i.name not in sample:
+            continue
+        shape = list(sample[i.name]["shape"])
+        for k, d in enumerate(i.type.tensor_type.shape.dim):
+            if k == 0 and not d.HasField("dim_value"):
+                shape[k] = 1
+            elif d.dim_param in seq:
+                shape[k] = sequence_length
+        out[i.name] = shape
+    return out
+
+
+def _seq_len(shape: list, seq_symbols: set[str], reference: dict[str, list[int]]) -> int | None:
+    """The reference sequence length when this (symbolic) shape has a sequence axis."""
+    if not any(isinstance(d, str) and d in seq_symbols for d in shape):
+        return None
+    lengths = [s[1] for s in reference.values() if len(s) >= 2]
+    return max(lengths) if lengths else None
+
+
+def _signature(name: str, symbolic: dict) -> dict[str, Any]:
+    dtype, shape = symbolic.get(name, ("undefined", []))
+    return {"name": name, "dtype": dtype, "shape": shape}
+
+
+def _name(g: G.Graph, piece: G.Piece, index: int, count: int, block_of: dict) -> str:
+    """A block's name: its module (from the exporter's scopes) or its weights' common prefix."""
+    modules = []
+    for n in piece.nodes:
+        if g.weights_of(n):
+            scopes = [s for s in g.scopes(n)[:-1] if s]
+            if scopes:
+                modules.append(_strip_wrapper(scopes[-1]))
+    if not modules:
+        modules = sorted(w.rsplit(".", 1)[0] for w in piece.weights if "." in w)
+    tops = list(dict.fromkeys(modules))
+    if not tops:
+        return f"segment {index}"
+    common = tops[0]
+    for m in tops[1:]:
+        while common and not (m == common or m.startswith(common + ".")):
+            common = common.rsplit(".", 1)[0] if "." in common else ""
+    return common if common else ", ".join(tops[:3]) + (" ..." if len(tops) > 3 else "")
+
+
+def _strip_wrapper(scope: str) -> str:
+    """torch.onnx's scopes start with the export wrapper's attribute (onnx_export's NamedOutputs.model); drop it."""
+    prefix = "model."
+    return scope[len(prefix) :] if scope.startswith(prefix) else scope
+
+
+def _role(index: int, count: int, name: str, block_of: dict) -> str:
+    if name in set(block_of.values()) - {""}:
+        return "block"
+    if not block_of:
+        return "segment"
+    return "prefix" if index == 0 else "suffix" if index == count - 1 else "between"
+
+
+def _exporter() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {"name": "onn", "version": version("onn"), "onnx": onnx.__version__, "torch": version("torch")}
+
+
+# --- writing and reading --------------------------------------------------------------------------
+
+
+def write(model: onnx.ModelProto, doc: dict[str, Any], output: str | Path) -> Path:
+    """The model with its document in metadata_props, written beside `output` then renamed into place."""
+    output = Path(output)
+    if not output.parent.is_dir():
+        raise UserError(
+            f"export output {output}: the folder {output.parent} does not exist; create it or choose another path."
+        )
+    check_document(doc, str(output))
+    del model.metadata_props[:]  # (a copy's: callers pass the model they own)
+    onnx.helper.set_model_props(model, {METADATA_KEY: json.dumps(doc, separators=(",", ":"))})
+    tmp = output.with_name(output.name + ".tmp")
+    large = model.ByteSize() > 2**31 - 2**24
+    onnx.save_model(
+        model, str(tmp), save_as_external_data=large, location=output.name + ".data" if large else None
+    )
+    tmp.replace(output)
+    return output
+
+
+def read_document(source: str | Path | onnx.ModelProto) -> dict[str, Any]:
+    """The document of a .omny file: present, parseable, of a version this reader knows, and valid."""
+    where = str(source) if not isinstance(source, onnx.ModelProto) else "model"
+    model = source if isinstance(source, onnx.ModelProto) else _load(source, weights=False)
+    raw = next((p.value for p in model.metadata_props if p.key == METADATA_KEY), None)
+    if raw is None:
+        raise UserError(
+            f"{where} has no .omny metadata (no '{METADATA_KEY}' in metadata_props); make one with enrich_onnx or task=export export=omny."
+        )
+    try:
+        doc = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise UserError(
+            f"{where}: the .omny metadata is not valid JSON ({e.msg} at character {e.pos}); re-export the file."
+        ) from None
+    version = str(doc.get("format_version", "")) if isinstance(doc, dict) else ""
+    major = version.split(".")[0]
+    if not major.isdigit():
+        raise UserError(f"{where}: the .omny metadata has no format_version; re-export the file.")
+    if int(major) > int(FORMAT_VERSION.split(".")[0]):
+        raise UserError(
+            f"{where} is .omny format {version}, newer than this ONN reads ({FORMAT_VERSION}); upgrade onn."
+        )
+    check_document(doc, where)
+    return doc
+
+
+def _load(path: str | Path, weights: bool = True) -> onnx.ModelProto:
+    from onn.export.onnx_export import check_onnx
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path} does not exist.")
+    return check_onnx(path, load_external_data=weights)
+
+
+# --- inspect ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class OmnyInfo:
+    path: str
+    document: dict[str, Any]
+
+    @property
+    def blocks(self) -> list[dict]:
+        return self.document["blocks"]
+
+    @property
+    def cut_points(self) -> list[dict]:
+        return self.document["cut_points"]
+
+    @property
+    def shard_plans(self) -> dict:
+        return self.document["shard_plans"]
+
+    def summary(self) -> str:
+        d = self.document
+        src = d["source_model"]
+        lines = [
+            f"{self.path}: .omny {d['format_version']} by {d['exporter']['name']} {d['exporter']['version']}, "
+            f"opset {d['opset']}, from {src.get('class') or src.get('name')} ({src.get('framework', '?')})",
+            "inputs:  " + "; ".join(f"{s['name']} {s['dtype']} {_dims(s['shape'])}" for s in d["inputs"]),
+            "outputs: " + "; ".join(f"{s['name']} {s['dtype']} {_dims(s['shape'])}" for s in d["outputs"]),
+            "reference shape (per-sample figures): "
+            + ", ".join(f"{k} {v}" for k, v in d["reference"]["input_shapes"].items()),
+            "",
+            f"blocks ({len(d['blocks'])}) and the cut point after each",
+            f"  {'#':>3}  {'block':<34} {'weights':>10} {'activations':>12} {'KV/token':>9}  cut point",
+        ]
+        cuts = {c["after_block"]: c for c in d["cut_points"]}
+        for b in d["blocks"]:
+            c = cuts.get(b["index"])
+            cut = (f"{c['name']} {c['dtype']} {_dims(c['shape'])}, {_bytes(c['bytes_per_sample'])}/sample"
+                   + (f", {_bytes(c['bytes_per_token'])}/token" if c["bytes_per_token"] else "")) if c else "-"  # fmt: skip
+            kv = _bytes(b["kv_cache_bytes_per_token"]) if b["kv_cache_bytes_per_token"] else "-"
+            lines.append(f"  {b['index']:>3}  {b['name'][:34]:<34} {_bytes(b['weight_bytes']):>10} "
+                         f"{_bytes(b['activation_bytes_per_sample']):>12} {kv:>9}  {cut}")  # fmt: skip
+        p = d["shard_plans"]
+        lines += ["", f"shard plans: weights <= {p['max_shard_size_mb']:g} MB per shard, weights + activations + "
+                      f"{p['headroom_mb']:g} MB headroom <= {p['min_vram_mb']:g} MB; allowed counts {p['allowed_counts']}"]  # fmt: skip
+        for conf in p["configurations"]:
+            lines.append(
+                f"  {conf['shards']} shard{'s' if conf['shards'] > 1 else ''}: " + _ranges(conf["detail"])
+            )
+        if d.get("node_plan"):
+            n = d["node_plan"]
+            lines += ["", f"node plan ({n['method']}) over {len(n['nodes_mb'])} nodes:"]
+            for mb, util, det in zip(n["nodes_mb"], n["utilisation"], n["detail"]):
+                a, b = det["blocks"]
+                lines.append(f"  {mb:>7g} MB  blocks [{a}, {b})  weights {_bytes(det['weight_bytes'])}, "
+                             f"total {det['total_mb']:g} MB ({util:.0%})")  # fmt: skip
+        return "\n".join(lines)
+
+
+def inspect_omny(path: str | Path) -> OmnyInfo:
+    return OmnyInfo(str(path), read_document(path))
+
+
+def _ranges(detail: list[dict]) -> str:
+    return "  ".join(
+        f"[{a}, {b}) {_bytes(d['weight_bytes'])}/{d['total_mb']:g} MB"
+        for d in detail
+        for a, b in [d["blocks"]]
+    )
+
+
+def _dims(shape: list) -> str:
+    return "[" + ", ".join(str(d) if d is not None else "?" for d in shape) + "]"
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:g} B"
+
+
+# --- validate ---------------------------------------------------------------------------------------
+
+
+def sample_feeds(doc: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """A sample input like the exporter's: its shapes, integers within its value range."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for s in doc["inputs"]:
+        dtype = np.dtype(s["dtype"])
+        shape = s["sample"]["shape"]
+        if "low" in s["sample"]:
+            feeds[s["name"]] = rng.integers(s["sample"]["low"], s["sample"]["high"], size=shape).astype(dtype)
+        else:
+            feeds[s["name"]] = rng.standard_normal(shape).astype(dtype)
+    return feeds
+
+
+def validate(
+    path: str | Path, sample_input: dict[str, Any] | None = None, atol: float = 1e-4, echo=print
+) -> bool:
+    """Cut the model at every plan's boundaries, run the shards in sequence, compare with the whole
+    model; check each shard's weights against the document. True when all of it holds."""
+    import numpy as np
+    from onnx.utils import Extractor
+
+    from onn.export.onnx_export import run_onnx
+
+    model = _load(path)
+    doc = read_document(model)
+    feeds = {k: _numpy(v) for k, v in (sample_input or sample_feeds(doc)).items()}
+    whole = run_onnx(model, feeds)
+    extractor = Extractor(model)
+    plans = [(f"{c['shards']} shard{'s' if c['shards'] > 1 else ''}", c["detail"], doc["shard_plans"]["max_shard_size_mb"])
+             for c in doc["shard_plans"]["configurations"]]  # fmt: skip
+    if doc.get("node_plan"):
+        plans.append((f"node plan over {doc['node_plan']['nodes_mb']} MB", doc["node_plan"]["detail"], None))
+    ok = True
+    for title, detail, limit in plans:
+        echo(f"{path}: {title}")
+        echo(
+            f"  {'shard':>5}  {'blocks':<10} {'weights (doc)':>14} {'weights (file)':>15}  inputs -> outputs"
+        )
+        env = dict(feeds)
+        for k, shard in enumerate(detail):
+            part = extractor.extract_model(shard["inputs"], shard["outputs"])
+            actual = _stored_bytes(part)
+            size_ok = actual == shard["weight_bytes"] and (limit is None or actual <= limit * MB)
+            result = run_onnx(part, {n: env[n] for n in shard["inputs"]})
+            env.update(result)
+            a, b = shard["blocks"]
+            mark = (
+                ""
+                if size_ok
+                else "  <- weights differ from the document"
+                if actual != shard["weight_bytes"]
+                else "  <- over max_shard_size_mb"
+            )
+            echo(f"  {k:>5}  [{a}, {b}){'':<{max(0, 6 - len(str(a)) - len(str(b)))}} {_bytes(shard['weight_bytes']):>14} {_bytes(actual):>15}  "
+                 f"{', '.join(shard['inputs'])} -> {', '.join(shard['outputs'])}{mark}")  # fmt: skip
+            ok &= size_ok
+        diffs = {o: float(np.max(np.abs(env[o].astype(np.float64) - whole[o].astype(np.float64)))) if env[o].size else 0.0
+                 for o in whole}  # fmt: skip
+        worst = max(diffs.values()) if diffs else 0.0
+        good = worst <= atol
+        ok &= good
+        echo(f"  max abs diff against the whole model: {worst:.3g} ({'ok' if good else f'over {atol:g}'})")
+    echo(f"{path}: {'valid' if ok else 'INVALID'}")
+    return ok
+
+
+def _stored_bytes(model: onnx.ModelProto) -> int:
+    """What an extracted shard stores: its initializers and the values of its Constant nodes."""
+    constants = [
+        n.attribute[0].t
+        for n in model.graph.node
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
+    ]
+    return sum(G.tensor_bytes(t) for t in [*model.graph.initializer, *constants])
+
+
+# --- entry points -----------------------------------------------------------------------------------
+
+
+def enrich_onnx(
+    onnx_path: str | Path,
+    output: str | Path,
+    sample_input: dict[str, Any],
+    config: dict[str, Any] | None = None,
+) -> Path:
+    """Make a .omny of an ONNX file made elsewhere: cut points come from the graph itself."""
+    model = _load(onnx_path)
+    model = _with_shapes(model)
+    doc = describe(model, sample_input, config)
+    return write(model, doc, output)
+
+
+def _with_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Shards need the type of every tensor they pass; fill value_info in when the file lacks it."""
+    described = {v.name for v in [*model.graph.value_info, *model.graph.output, *model.graph.input]}
+    made = {o for n in model.graph.node for o in n.output if o}
+    if made <= described:
+        return model
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m onn.export.omny", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("inspect", help="print cut points, per-block memory and shard plans").add_argument("file")
+    check = sub.add_parser("validate", help="split at every plan's cut points, run the shards, compare")
+    check.add_argument("file")
+    check.add_argument("--atol", type=float, default=1e-4)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            print(inspect_omny(args.file).summary())
+            return 0
+        return 0 if validate(args.file, atol=args.atol) else 1
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

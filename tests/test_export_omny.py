@@ -1,0 +1,266 @@
+""".omny: cut points at block boundaries (and in both towers of CLIP), per-block memory, shard plans,
+and `validate`, which cuts the model at every plan's boundaries and runs the shards in onnxruntime."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from conftest import ROOT
+from onnx import TensorProto, helper
+
+from onn.errors import UserError
+from onn.export import omny
+
+SMALL = {
+    "max_shard_size_mb": 0.3,
+    "min_vram_mb": 2.0,
+    "headroom_mb": 0.5,
+}  # so tiny models need several shards
+
+
+def _export(model, tmp: Path, name: str, **settings):
+    from onn.export import export_model
+    from onn.export.onnx_export import sample_inputs
+
+    sample = sample_inputs(model, batch_size=2, sequence_length=8)
+    out = tmp / f"{name}.omny"
+    metrics = export_model(model, out, sample, {"name": "omny", **SMALL, **settings})
+    return out, metrics
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    return _export(model, tmp_path_factory.mktemp("llama"), "llama", nodes=[2.0, 1.5, 3.0])
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    from transformers import CLIPConfig, CLIPModel
+
+    tower = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+    config = CLIPConfig(text_config={**tower, "vocab_size": 320, "max_position_embeddings": 32},
+                        vision_config={**tower, "image_size": 32, "patch_size": 8}, projection_dim=16)  # fmt: skip
+    return _export(CLIPModel(config).eval(), tmp_path_factory.mktemp("clip"), "clip")
+
+
+def test_decoder_cut_points_sit_at_block_boundaries_and_every_plan_validates(llama):
+    path, metrics = llama
+    assert metrics["export/max_abs_diff"] <= 1e-4
+    doc = omny.read_document(path)
+    names = [b["name"] for b in doc["blocks"]]
+    assert names[1:4] == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    assert [b["role"] for b in doc["blocks"]] == ["prefix", "block", "block", "block", "suffix"]
+    # every cut point is a [batch, sequence, hidden] hidden state: 64 floats per token
+    assert all(
+        c["shape"] == ["batch", "sequence", 64] and c["bytes_per_token"] == 256 for c in doc["cut_points"]
+    )
+    # KV cache per token of a decoder block: keys + values of 2 KV heads of 16 floats
+    assert [b["kv_cache_bytes_per_token"] for b in doc["blocks"][1:4]] == [2 * 2 * 16 * 4] * 3
+    blocks = doc["blocks"]
+    # q, o (64x64), k, v (64x32), gate, up, down (64x176), plus the constants the block stores
+    matrices = 4 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 176)
+    assert matrices <= blocks[1]["weight_bytes"] <= matrices + 4096
+    assert blocks[1]["activation_bytes_per_sample"] > 4 * 128 * 128  # at least one attention score map
+    plans = doc["shard_plans"]
+    assert plans["allowed_counts"] and plans["allowed_counts"][0] > 1  # SMALL limits force a split
+    for conf in plans["configurations"]:
+        ranges = conf["ranges"]
+        assert ranges[0][0] == 0 and ranges[-1][1] == len(blocks)
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert all(d["weight_bytes"] <= 0.3 * 2**20 and d["total_mb"] <= 2.0 for d in conf["detail"])
+    assert doc["node_plan"]["method"] in ("largest_remainder", "capacity")
+    assert len(doc["node_plan"]["ranges"]) == 3
+    lines = []
+    assert omny.validate(path, echo=lines.append)
+    assert f"{path}: valid" in lines[-1]
+    assert (
+        sum("max abs diff against the whole model" in line for line in lines)
+        == len(plans["configurations"]) + 1
+    )
+
+
+def test_clip_has_cut_points_in_both_towers_and_validates(clip):
+    path, _ = clip
+    info = omny.inspect_omny(path)
+    names = [b["name"] for b in info.blocks if b["role"] == "block"]
+    assert [n for n in names if n.startswith("vision_model.encoder.layers.")] == [
+        f"vision_model.encoder.layers.{i}" for i in range(2)
+    ]
+    assert [n for n in names if n.startswith("text_model.encoder.layers.")] == [
+        f"text_model.encoder.layers.{i}" for i in range(2)
+    ]
+    text_cut = next(c for c in info.cut_points if c["shape"][1] == "sequence")
+    assert text_cut["bytes_per_token"] == 32 * 4
+    vision_cut = next(c for c in info.cut_points if c["shape"][1] == 17)  # 16 patches + class token
+    assert vision_cut["bytes_per_token"] is None and vision_cut["bytes_per_sample"] == 17 * 32 * 4
+    # a shard in the text tower carries the finished vision tower's output past itself
+    assert any(d["carry"] for c in info.shard_plans["configurations"] for d in c["detail"])
+    assert omny.validate(path, echo=lambda *_: None)
+    text = info.summary()
+    for needle in (
+        "cut point",
+        "vision_model.encoder.layers.1",
+        "text_model.encoder.layers.0",
+        "shard plans",
+        "2 shards",
+    ):
+        assert needle in text
+
+
+def test_validate_catches_a_document_that_lies(llama, tmp_path):
+    path, _ = llama
+    model = onnx.load(str(path))
+    doc = omny.read_document(model)
+    doc["shard_plans"]["configurations"][0]["detail"][0]["weight_bytes"] += 4096
+    bad = tmp_path / "lying.omny"
+    omny.write(model, doc, bad)
+    lines = []
+    assert not omny.validate(bad, echo=lines.append)
+    assert any("weights differ from the document" in line for line in lines)
+    assert lines[-1].endswith("INVALID")
+
+
+def test_cli_inspect_and_validate(llama):
+    import subprocess
+    import sys
+
+    path, _ = llama
+    shown = subprocess.run(
+        [sys.executable, "-m", "onn.export.omny", "inspect", str(path)], capture_output=True, text=True
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "model.layers.2" in shown.stdout and "KV/token" in shown.stdout and "node plan" in shown.stdout
+    checked = subprocess.run(
+        [sys.executable, "-m", "onn.export.omny", "validate", str(path)], capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    missing = subprocess.run(
+        [sys.executable, "-m", "onn.export.omny", "validate", str(path) + ".nope"],
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+# --- an ONNX file not made by ONN ---------------------------------------------------------------------
+
+
+def _foreign_mlp(path: Path, layers: int = 4, width: int = 32) -> Path:
+    """x -> [MatMul, Add, Relu] x layers, with a residual connection inside each layer, built by hand."""
+    rng = np.random.default_rng(0)
+    nodes, inits, h = [], [], "x"
+    for i in range(layers):
+        w = helper.make_tensor(
+            f"w{i}",
+            TensorProto.FLOAT,
+            [width, width],
+            rng.standard_normal((width, width)).astype(np.float32).ravel() / 8,
+        )
+        b = helper.make_tensor(
+            f"b{i}", TensorProto.FLOAT, [width], rng.standard_normal(width).astype(np.float32)
+        )
+        inits += [w, b]
+        nodes += [
+            helper.make_node("MatMul", [h, f"w{i}"], [f"mm{i}"]),
+            helper.make_node("Add", [f"mm{i}", f"b{i}"], [f"lin{i}"]),
+            helper.make_node("Relu", [f"lin{i}"], [f"act{i}"]),
+            helper.make_node("Add", [h, f"act{i}"], [f"h{i}"]),  # residual: only h{i} crosses alone
+        ]
+        h = f"h{i}"
+    graph = helper.make_graph(
+        nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info(h, TensorProto.FLOAT, ["batch", width])], inits,
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10  # onnxruntime 1.31 reads IR versions up to 11; onnx 1.23 writes 14 by default
+    onnx.save(model, str(path))
+    return path
+
+
+def test_enrich_onnx_finds_cut_points_in_a_foreign_graph(tmp_path):
+    from onn.export.graph import Graph, cut_points
+
+    src = _foreign_mlp(tmp_path / "mlp.onnx")
+    cuts, _, _ = cut_points(Graph(onnx.load(str(src))))
+    # inside layers 1-3 the residual input is still alive, so nothing there crosses alone; layer 0's
+    # residual is the model input, which every shard has, so its inner tensors are cuts too
+    assert [c for c in cuts if c.startswith("h")] == ["h0", "h1", "h2"]
+    assert [c for c in cuts if not c.startswith("h")] == ["mm0", "lin0", "act0"]
+    sample = {"x": np.random.default_rng(1).standard_normal((3, 32)).astype(np.float32)}
+    out = omny.enrich_onnx(
+        src, tmp_path / "mlp.omny", sample, {"max_shard_size_mb": 0.005, "min_vram_mb": 1, "headroom_mb": 0}
+    )
+    doc = omny.read_document(out)
+    assert doc["source_model"]["framework"] == "onnx"
+    assert [c["name"] for c in doc["cut_points"]] == ["h0", "h1", "h2"]
+    assert [b["weight_bytes"] for b in doc["blocks"]] == [32 * 32 * 4 + 32 * 4] * 4
+    assert doc["inputs"][0]["sample"]["shape"] == [3, 32]
+    assert omny.validate(out, echo=lambda *_: None)
+
+
+# --- bad input --------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_fail_in_one_clear_sentence(tmp_path):
+    src = _foreign_mlp(tmp_path / "mlp.onnx", layers=2)
+    sample = {"x": np.zeros((2, 32), np.float32)}
+    with pytest.raises(
+        UserError, match=r"sample input 'x' has shape \[2, 16\], but the graph expects \['batch', 32\]"
+    ):
+        omny.enrich_onnx(src, tmp_path / "a.omny", {"x": np.zeros((2, 16), np.float32)})
+    with pytest.raises(UserError, match="do not match the graph's inputs"):
+        omny.enrich_onnx(src, tmp_path / "a.omny", {"y": np.zeros((2, 32), np.float32)})
+    with pytest.raises(UserError, match="does not exist"):
+        omny.enrich_onnx(src, tmp_path / "no" / "such" / "a.omny", sample)
+    with pytest.raises(UserError, match=r"block 0 .* too big"):
+        omny.enrich_onnx(src, tmp_path / "a.omny", sample, {"max_shard_size_mb": 0.001})
+    assert not (tmp_path / "a.omny").exists()
+
+    broken = onnx.load(str(src))
+    broken.graph.node[0].input[0] = "undefined_tensor"
+    onnx.save(broken, str(tmp_path / "broken.onnx"))
+    with pytest.raises(UserError, match="broken.onnx"):
+        omny.enrich_onnx(tmp_path / "broken.onnx", tmp_path / "b.omny", sample)
+
+    with pytest.raises(UserError, match="no .omny metadata"):
+        omny.read_document(src)
+    good = omny.enrich_onnx(src, tmp_path / "good.omny", sample)
+    for label, text, message in [
+        ("corrupt", "{not json", "not valid JSON"),
+        (
+            "newer",
+            json.dumps({**omny.read_document(good), "format_version": "2.0"}),
+            "newer than this ONN reads",
+        ),
+        (
+            "incomplete",
+            json.dumps({k: v for k, v in omny.read_document(good).items() if k != "blocks"}),
+            "'blocks' is a required property",
+        ),
+    ]:
+        model = onnx.load(str(good))
+        helper.set_model_props(model, {omny.METADATA_KEY: text})
+        onnx.save(model, str(tmp_path / f"{label}.omny"))
+        with pytest.raises(UserError, match=message):
+            omny.read_document(tmp_path / f"{label}.omny")
+    assert omny.validate(good, echo=lambda *_: None)  # the earlier, good file is untouched
+
+
+def test_format_spec_holds_the_schema_the_code_validates_against():
+    spec = (ROOT / "FORMAT_SPEC.md").read_text()
+    block = re.search(r"## JSON Schema\s+```json\n(.*?)```", spec, re.S)
+    assert block, "FORMAT_SPEC.md has no JSON Schema block"
+    assert json.loads(block.group(1)) == omny.schema()
+    fields = set(omny.schema()["properties"]) | set(omny.schema()["$defs"]["block"]["properties"])
+    for field in fields:
+        assert f"`{field}`" in spec, f"FORMAT_SPEC.md does not describe {field}"
