@@ -120,7 +120,7 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
             config["data"]["name"],
         )
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    if task in ("train", "eval", "infer", "tune"):
+    if task in ("train", "eval", "infer", "tune", "export"):
         # These tasks import them anyway; importing before planning lets the plan's CPU baseline
         # (the process's resident memory, measured) include them, as the measured peak will.
         import lightning  # noqa: F401
@@ -161,6 +161,14 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         from onn.training.fit import infer
 
         return {**out, **infer(config, plan, run_dir, ckpt)}
+    if task == "export":
+        from onn.training.fit import export
+
+        return {**out, **export(config, plan, run_dir, ckpt)}
+    if task == "bench_shard_plan":
+        from onn.export.shards import bench as bench_shard_plan
+
+        return {**out, **bench_shard_plan(config)}
     if task == "bench":
         from onn.bench.suite import run as bench
 
@@ -173,4 +181,6 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         from onn.bench.streaming import run as bench_streaming
 
         return {**out, **bench_streaming(config, plan, run_dir)}
-    raise UserError(f"task={task} is not one of train, eval, infer, plan, bench, bench_streaming, tune.")
+    raise UserError(
+        f"task={task} is not one of train, eval, infer, export, plan, bench, bench_streaming, bench_shard_plan, tune."
+    )

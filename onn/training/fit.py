@@ -194,6 +194,8 @@ def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
     elif samples and any(p for p, _ in dm.val_examples):
         metrics["val/exact_match"] = exact_match(module.model, tokenizer, dm.val_examples, config["data"].get("answer_pattern"), samples,
                                                  max_new_tokens=dm.max_answer_tokens + 2, engine=module.engine)  # fmt: skip
+    if (config.get("export") or {}).get("name") not in (None, "none"):
+        metrics.update(export_trained(config, module.model, tokenizer, run_dir, module.engine))
     return metrics
 
 
@@ -257,3 +259,52 @@ def infer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
         raise UserError('task=infer needs prompt="..." or task.input=prompts.jsonl.')
     completion = stream(model, tokenizer, wrap(str(config["prompt"])), engine=engine, **gen)
     return {"infer/prompt": config["prompt"], "infer/completion": completion}
+
+
+def export(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Path | None) -> dict[str, Any]:
+    """task=export: the trained model from `ckpt` (built as it was trained, adapters and layer store
+    included), or without one the model as model.source gives it."""
+    if (config.get("export") or {}).get("name") in (None, "none"):
+        raise UserError("task=export needs a format: export=safetensors, export=onnx or export=omny.")
+    if ckpt is None:
+        from onn.models.load import load
+
+        dtype = config["model"].get("dtype", "auto")
+        dtype = DTYPES[plan["weights_dtype"] if dtype in (None, "auto") else dtype]
+        model, tokenizer = load(config["model"], dtype=dtype, cache_dir=config["paths"]["cache"])
+        return export_trained(config, model, tokenizer, run_dir)
+    module, tokenizer = build(config, plan)
+    _load_weights(module, ckpt)
+    engine = None
+    if settings := streaming_settings(config, plan):
+        from onn.strategies.lightning_strategy import build_engine
+
+        engine = build_engine(module.model, settings, _store_root(config), "cpu", micro_batch=None)
+    return export_trained(config, module.model, tokenizer, run_dir, engine)
+
+
+def export_trained(config: dict[str, Any], model, tokenizer, run_dir: Path, engine=None) -> dict[str, Any]:
+    """Write the model in the `export` group's format (after training, or for task=export)."""
+    from onn.export import export_model
+    from onn.export.onnx_export import sample_inputs
+
+    settings = dict(config["export"])
+    settings["model_name"] = config["model"]["name"]
+    kind = settings["name"]
+    default = {"safetensors": "hf", "onnx": "model.onnx", "omny": "model.omny"}[kind]
+    output = Path(settings.get("output") or run_dir / "export" / default)
+    if not settings.get("output"):
+        output.parent.mkdir(parents=True, exist_ok=True)
+    sample = None
+    if kind != "safetensors":
+        shape = settings.get("sample") or {}
+        sample = sample_inputs(_plain(model), int(shape.get("batch_size", 2)), int(shape.get("sequence_length", 16)),
+                               shape.get("image_size"), seed=int(config.get("seed", 0)))  # fmt: skip
+    metrics = export_model(model, output, sample, settings, tokenizer=tokenizer, engine=engine)
+    log.info("export: %s", {k: v for k, v in metrics.items() if not isinstance(v, (dict, list))})
+    return metrics
+
+
+def _plain(model):
+    """The transformers model under peft's wrapper, which is what the sample input is made for."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -1,0 +1,151 @@
+"""Export a model: `safetensors` (a Hugging Face folder, LoRA merged, and the adapter alone), `onnx`
+(checked, compared with PyTorch in onnxruntime) or `omny` (ONNX with cut points, per-block memory
+and shard plans; see FORMAT_SPEC.md).
+
+    export_model(model, output, sample_input, config)      # Python
+    python run.py task=export export=omny [ckpt=...]        # or after training: task=train export=...
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from onn.errors import UserError
+
+log = logging.getLogger("onn")
+FORMATS = ("safetensors", "onnx", "omny")
+
+
+def export_model(
+    model,
+    output: str | Path,
+    sample_input: dict[str, Any] | None,
+    config: dict[str, Any],
+    *,
+    tokenizer=None,
+    engine=None,
+) -> dict[str, Any]:
+    """Write `model` to `output` in the format config["name"] names; return the export/* metrics.
+
+    `sample_input` (named tensors) is what ONNX traces and checks against; `engine` is the
+    streaming engine of a layer-streamed model, whose frozen blocks live in its layer store."""
+    for noisy in ("onnx_ir", "onnxscript"):  # the exporter's passes log every rewrite at INFO
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    kind = config.get("name")
+    if kind not in FORMATS:
+        raise UserError(f"export={kind!r} is not one of {', '.join(FORMATS)}.")
+    output = Path(output)
+    if not output.parent.is_dir():
+        raise UserError(
+            f"export.output {output}: the folder {output.parent} does not exist; create it or choose another path."
+        )
+    if kind == "safetensors":
+        from onn.export import hf
+
+        metrics = hf.save_folder(
+            model, tokenizer, output, engine=engine, max_shard_size=config.get("max_shard_size", "2GB")
+        )
+        if config.get("adapter", True) and _has_adapter(model):
+            metrics.update(hf.save_adapter(model, tokenizer, output.with_name(output.name + "-adapter")))
+        return metrics
+    if sample_input is None:
+        raise UserError(
+            f"export={kind} traces the model on a sample input; pass sample_input (named tensors)."
+        )
+    if engine is not None or _has_adapter(model):
+        from onn.export.hf import merged_model
+
+        model = merged_model(model, engine)  # ONNX holds the whole graph: one resident, merged model
+    from onn.export.onnx_export import export_onnx
+
+    opset, atol = int(config.get("opset", 18)), float(config.get("atol", 1e-4))
+    if kind == "onnx":
+        return export_onnx(model, output, sample_input, opset=opset, atol=atol)
+    import onnx
+
+    from onn.export import omny
+
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=".omny-") as tmp:
+        traced = Path(tmp) / "model.onnx"
+        metrics = export_onnx(model, traced, sample_input, opset=opset, atol=atol)
+        graph = onnx.load(str(traced))
+        runs, kv = _block_runs(model), _kv_cache_bytes(model)
+        doc = omny.describe(
+            graph,
+            sample_input,
+            _omny_settings(config, model),
+            runs=runs,
+            kv_cache_bytes=kv,
+            source=_source(model, config),
+        )
+        omny.write(graph, doc, output)
+    metrics["export/onnx"] = str(output)
+    metrics.update(_omny_metrics(doc, output))
+    return metrics
+
+
+def _omny_settings(config: dict[str, Any], model) -> dict[str, Any]:
+    from onn.export.omny import DEFAULTS
+    from onn.export.onnx_export import _max_sequence
+
+    settings = {k: config[k] for k in DEFAULTS if config.get(k) is not None}
+    longest = _max_sequence(model)  # learned position tables (GPT-2, CLIP) end there
+    reference = int(settings.get("reference_sequence_length", DEFAULTS["reference_sequence_length"]))
+    settings["reference_sequence_length"] = min(reference, longest) if longest else reference
+    return settings
+
+
+def _omny_metrics(doc: dict[str, Any], output: Path) -> dict[str, Any]:
+    return {
+        "export/omny": str(output),
+        "export/blocks": len(doc["blocks"]),
+        "export/cut_points": len(doc["cut_points"]),
+        "export/shard_counts": doc["shard_plans"]["allowed_counts"],
+        "export/node_plan": doc["node_plan"]["ranges"] if doc["node_plan"] else None,
+    }
+
+
+def _has_adapter(model) -> bool:
+    inner = getattr(model, "model", model)
+    return bool(getattr(model, "peft_config", None) or getattr(inner, "peft_config", None))
+
+
+def _block_runs(model) -> list[list[str]] | None:
+    """The LayerMap's blocks (and any other tower's), where the .omny cut points go; None when the
+    model has no repeated blocks: then every cut the graph allows is kept."""
+    from onn.models.layers import block_runs
+
+    try:
+        return block_runs(model)
+    except UserError:
+        return None
+
+
+def _kv_cache_bytes(model) -> dict[str, int]:
+    """KV-cache bytes per token of each decoder block: keys and values of every KV head."""
+    config = getattr(model, "config", None)
+    archs = getattr(config, "architectures", None) or [type(model).__name__]
+    if config is None or not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return {}
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    if not heads or not hidden:
+        return {}
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    itemsize = next(model.parameters()).element_size()
+    runs = _block_runs(model) or []
+    return {path: 2 * kv_heads * head_dim * itemsize for path in (runs[0] if runs else [])}
+
+
+def _source(model, config: dict[str, Any]) -> dict[str, Any]:
+    seen, params = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            params += p.numel()
+    return {"name": str(config.get("model_name") or type(model).__name__), "framework": "pytorch",
+            "class": type(model).__name__, "parameters": params}  # fmt: skip
