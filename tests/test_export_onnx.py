@@ -307,3 +307,37 @@ def test_max_abs_diff_skips_padded_positions_and_flags_mismatches():
     assert _max_abs_diff(ref, got[:, :2]) == float("inf")
     got[1, 1, 1] = np.nan
     assert _max_abs_diff(ref, got, mask) == float("inf")
+
+
+def test_omny_of_each_model_cuts_at_its_blocks_and_validates(exported, tmp_path):
+    """The .omny path on every exported model: cut points at each tower's LayerMap block
+    boundaries, and every shard plan splits and runs to the whole model's numbers."""
+    import onnx
+
+    from onn.export import omny
+    from onn.models.layers import block_runs
+
+    name, model, sample, path, _ = exported
+    runs = block_runs(model)
+    graph = onnx.load(str(path))
+    limits = {
+        "max_shard_size_mb": 16 if name == "resnet" else 0.25,  # resnet10t's layer4 alone is ~14 MB
+        "min_vram_mb": 64,
+        "headroom_mb": 1,
+        "reference_sequence_length": 32,  # CLIP's text positions end there
+    }  # several shards for tiny models
+    doc = omny.describe(graph, sample, limits, runs=runs)
+    out = omny.write(graph, doc, tmp_path / f"{name}.omny")
+    blocks = [b["name"] for b in doc["blocks"] if b["role"] == "block"]
+    assert blocks == [p for run in runs for p in run] or sorted(blocks) == sorted(
+        p for run in runs for p in run
+    )
+    if name == "clip":  # a cut point in each tower, and the finished tower carried past the other's shards
+        assert {p.split(".")[0] for p in blocks} == {"vision_model", "text_model"}
+        assert any(d["carry"] for c in doc["shard_plans"]["configurations"] for d in c["detail"])
+        vision_cut = next(c for c in doc["cut_points"] if c["shape"][1] == 17)  # 16 patches + class token
+        assert vision_cut["bytes_per_token"] is None and vision_cut["bytes_per_sample"] == 17 * 32 * 4
+        text_cut = next(c for c in doc["cut_points"] if c["shape"][1] == "sequence")
+        assert text_cut["bytes_per_token"] == 32 * 4
+    assert max(doc["shard_plans"]["allowed_counts"]) > 1
+    assert omny.validate(out, echo=lambda *_: None)

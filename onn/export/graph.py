@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import TensorProto
 
+from onn.errors import UserError
+
 log = logging.getLogger("onn")
 
 WEIGHT_TYPES = {
@@ -232,11 +234,19 @@ def select_block_cuts(g: Graph, cuts: list[str], runs: list[list[str]]) -> list[
     member: dict[int, str] = {}
     paths = {p for run in runs for p in run}
     for i in range(len(g.nodes)):
-        for scope in g.scopes(i):
+        scopes = g.scopes(i)
+        for scope in scopes:
             hit = next((p for p in paths if scope == p or scope.endswith("." + p)), None)
             if hit:
                 member[i] = hit
                 break
+        if not scopes and i not in g.free_nodes:
+            # a node the exporter's optimizer made (a fused Split, say) has no scope: it belongs to
+            # the block that makes all of its inputs
+            owners = {member.get(g.producer[t]) for t in node_inputs(g.nodes[i]) if t in g.producer}
+            owners.discard(None)
+            if len(owners) == 1:
+                member[i] = owners.pop()
     cut_set = set(cuts)
     chosen: dict[str, str] = {}
     for run in runs:
@@ -353,7 +363,14 @@ def _measured_sizes(
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every tensor
     session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
     wanted = [o.name for o in session.get_outputs() if o.name in names]
-    return {n: int(v.nbytes) for n, v in zip(wanted, session.run(wanted, feeds))}
+    try:
+        results = session.run(wanted, feeds)
+    except Exception as e:  # onnxruntime raises its own Fail/InvalidArgument types
+        raise UserError(
+            f"the graph does not run at the reference shapes {input_shapes} ({str(e).splitlines()[0][:160]}); "
+            "set export.reference_sequence_length within the model's longest sequence."
+        ) from None
+    return {n: int(v.nbytes) for n, v in zip(wanted, results)}
 
 
 def _sizes(graph, symbols: dict[str, int]) -> dict[str, int]:
