@@ -103,6 +103,8 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     from onn.hardware.profile import resolve as resolve_hardware
 
     task = config["task"]["name"]
+    if task == "export" and (config.get("export") or {}).get("name") in (None, "none"):
+        raise UserError("task=export needs a format: export=safetensors, export=onnx or export=omny.")
     ckpt = None
     if config.get("ckpt"):
         from onn.training.checkpoint_io import read_meta, resolve
@@ -120,7 +122,7 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
             config["data"]["name"],
         )
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    if task in ("train", "eval", "infer", "tune", "export"):
+    if task in ("train", "eval", "infer", "tune"):
         # These tasks import them anyway; importing before planning lets the plan's CPU baseline
         # (the process's resident memory, measured) include them, as the measured peak will.
         import lightning  # noqa: F401

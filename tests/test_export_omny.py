@@ -17,30 +17,25 @@ from onn.errors import UserError
 from onn.export import omny
 
 SMALL = {
-    "max_shard_size_mb": 0.3,
+    "max_shard_size_mb": 0.05,
     "min_vram_mb": 2.0,
     "headroom_mb": 0.5,
 }  # so tiny models need several shards
 
 
-def _export(model, tmp: Path, name: str, **settings):
-    from onn.export import export_model
-    from onn.export.onnx_export import sample_inputs
-
-    sample = sample_inputs(model, batch_size=2, sequence_length=8)
-    out = tmp / f"{name}.omny"
-    metrics = export_model(model, out, sample, {"name": "omny", **SMALL, **settings})
-    return out, metrics
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """test_export_onnx's 2-layer Llama (traced once per session), as a .omny with a node plan."""
+    from test_export_onnx import export_once
 
-    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
-    model = LlamaForCausalLM(config).eval()
-    return _export(model, tmp_path_factory.mktemp("llama"), "llama", nodes=[2.0, 1.5, 3.0])
+    from onn.export import kv_cache_bytes
+    from onn.models.layers import block_runs
+
+    _, model, sample, path, metrics = export_once("llama", tmp_path_factory)
+    graph = onnx.load(str(path))
+    settings = {**SMALL, "nodes": [2.0, 1.5, 3.0]}
+    doc = omny.describe(graph, sample, settings, runs=block_runs(model), kv_cache_bytes=kv_cache_bytes(model))
+    return omny.write(graph, doc, tmp_path_factory.mktemp("omny") / "llama.omny"), metrics
 
 
 def test_decoder_cut_points_sit_at_block_boundaries_and_every_plan_validates(llama):
@@ -48,17 +43,17 @@ def test_decoder_cut_points_sit_at_block_boundaries_and_every_plan_validates(lla
     assert metrics["export/max_abs_diff"] <= 1e-4
     doc = omny.read_document(path)
     names = [b["name"] for b in doc["blocks"]]
-    assert names[1:4] == ["model.layers.0", "model.layers.1", "model.layers.2"]
-    assert [b["role"] for b in doc["blocks"]] == ["prefix", "block", "block", "block", "suffix"]
-    # every cut point is a [batch, sequence, hidden] hidden state: 64 floats per token
+    assert names[1:3] == ["model.layers.0", "model.layers.1"]
+    assert [b["role"] for b in doc["blocks"]] == ["prefix", "block", "block", "suffix"]
+    # every cut point is a [batch, sequence, hidden] hidden state: 32 floats per token
     assert all(
-        c["shape"] == ["batch", "sequence", 64] and c["bytes_per_token"] == 256 for c in doc["cut_points"]
+        c["shape"] == ["batch", "sequence", 32] and c["bytes_per_token"] == 128 for c in doc["cut_points"]
     )
-    # KV cache per token of a decoder block: keys + values of 2 KV heads of 16 floats
-    assert [b["kv_cache_bytes_per_token"] for b in doc["blocks"][1:4]] == [2 * 2 * 16 * 4] * 3
+    # KV cache per token of a decoder block: keys + values of 2 KV heads of 8 floats
+    assert [b["kv_cache_bytes_per_token"] for b in doc["blocks"][1:3]] == [2 * 2 * 8 * 4] * 2
     blocks = doc["blocks"]
-    # q, o (64x64), k, v (64x32), gate, up, down (64x176), plus the constants the block stores
-    matrices = 4 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 176)
+    # q, o (32x32), k, v (32x16), gate, up, down (32x64), plus the constants the block stores
+    matrices = 4 * (32 * 32 * 2 + 32 * 16 * 2 + 3 * 32 * 64)
     assert matrices <= blocks[1]["weight_bytes"] <= matrices + 4096
     assert blocks[1]["activation_bytes_per_sample"] > 4 * 128 * 128  # at least one attention score map
     plans = doc["shard_plans"]
@@ -67,7 +62,7 @@ def test_decoder_cut_points_sit_at_block_boundaries_and_every_plan_validates(lla
         ranges = conf["ranges"]
         assert ranges[0][0] == 0 and ranges[-1][1] == len(blocks)
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-        assert all(d["weight_bytes"] <= 0.3 * 2**20 and d["total_mb"] <= 2.0 for d in conf["detail"])
+        assert all(d["weight_bytes"] <= 0.05 * 2**20 and d["total_mb"] <= 2.0 for d in conf["detail"])
     assert doc["node_plan"]["method"] in ("largest_remainder", "capacity")
     assert len(doc["node_plan"]["ranges"]) == 3
     text = omny.inspect_omny(path).summary()
@@ -104,7 +99,7 @@ def test_cli_inspect_and_validate(llama):
         [sys.executable, "-m", "onn.export.omny", "inspect", str(path)], capture_output=True, text=True
     )
     assert shown.returncode == 0, shown.stderr
-    assert "model.layers.2" in shown.stdout and "KV/token" in shown.stdout and "node plan" in shown.stdout
+    assert "model.layers.1" in shown.stdout and "KV/token" in shown.stdout and "node plan" in shown.stdout
     checked = subprocess.run(
         [sys.executable, "-m", "onn.export.omny", "validate", str(path)], capture_output=True, text=True
     )
@@ -229,3 +224,25 @@ def test_format_spec_holds_the_schema_the_code_validates_against():
     fields = set(omny.schema()["properties"]) | set(omny.schema()["$defs"]["block"]["properties"])
     for field in fields:
         assert f"`{field}`" in spec, f"FORMAT_SPEC.md does not describe {field}"
+
+
+def test_task_export_from_the_command_line(outputs):
+    """`python run.py task=export export=omny`: the app builds the model, exports, writes metrics."""
+    from conftest import read_metrics, run_cli
+
+    run_dir = outputs / "export_run"
+    args = ["task=export", "model=llama_tiny", "model.architecture.num_hidden_layers=2", "tracking=none",
+            f"paths.outputs={outputs}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    proc = run_cli(*args, "export=omny", "export.sample.sequence_length=8", "export.max_shard_size_mb=0.3")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    metrics = read_metrics(run_dir)
+    assert metrics["status"] == "ok" and metrics["export/max_abs_diff"] <= 1e-4
+    assert metrics["export/blocks"] == 4 and metrics["export/cut_points"] == 3  # embeddings | 2 layers | head
+    assert omny.validate(run_dir / "export" / "model.omny", echo=lambda *_: None)
+
+    proc = run_cli(*args, "export=none")
+    assert proc.returncode == 1
+    assert (
+        "task=export needs a format: export=safetensors, export=onnx or export=omny."
+        in proc.stdout + proc.stderr
+    )

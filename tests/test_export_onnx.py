@@ -100,14 +100,22 @@ def torch_outputs(name: str, model, inputs: dict[str, torch.Tensor]) -> dict[str
     return {out: getattr(result, out).numpy() for out in NAMES[name][1]}
 
 
+_EXPORTS: dict[str, tuple] = {}
+
+
+def export_once(name: str, tmp_path_factory) -> tuple:
+    """Each tiny model traced once per session (tracing takes ~10 s); test_export_omny reuses them."""
+    if name not in _EXPORTS:
+        model = build(name)
+        sample = sample_inputs(model, image_size=IMAGE_SIZE.get(name))
+        path = tmp_path_factory.mktemp(name) / f"{name}.onnx"
+        _EXPORTS[name] = (name, model, sample, path, export_onnx(model, path, sample))
+    return _EXPORTS[name]
+
+
 @pytest.fixture(scope="module", params=list(NAMES))
 def exported(request, tmp_path_factory):
-    name = request.param
-    model = build(name)
-    sample = sample_inputs(model, image_size=IMAGE_SIZE.get(name))
-    path = tmp_path_factory.mktemp(name) / f"{name}.onnx"
-    result = export_onnx(model, path, sample)
-    return name, model, sample, path, result
+    return export_once(request.param, tmp_path_factory)
 
 
 def test_export_checks_names_and_matches_pytorch(exported):

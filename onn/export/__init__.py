@@ -72,7 +72,7 @@ def export_model(
         traced = Path(tmp) / "model.onnx"
         metrics = export_onnx(model, traced, sample_input, opset=opset, atol=atol)
         graph = onnx.load(str(traced))
-        runs, kv = _block_runs(model), _kv_cache_bytes(model)
+        runs, kv = _block_runs(model), kv_cache_bytes(model)
         doc = omny.describe(
             graph,
             sample_input,
@@ -124,7 +124,7 @@ def _block_runs(model) -> list[list[str]] | None:
         return None
 
 
-def _kv_cache_bytes(model) -> dict[str, int]:
+def kv_cache_bytes(model) -> dict[str, int]:
     """KV-cache bytes per token of each decoder block: keys and values of every KV head."""
     config = getattr(model, "config", None)
     archs = getattr(config, "architectures", None) or [type(model).__name__]

@@ -489,9 +489,9 @@ def make_plan(
     precision = choose_precision(hw) if precision in (None, "auto") else precision
     layers = strategy_cfg.get("layers")
     n = spec.n_blocks
-    sparse_layers = resolve_indices(
-        layers if strategy_cfg["name"] == "sparse_lora" else [0, 1, 2, 3, -4, -3, -2, -1], n
-    )
+    # the sparse_lora candidate of another strategy: first and last four blocks, as many as exist
+    default = [i for i in (0, 1, 2, 3, -4, -3, -2, -1) if -n <= i < n]
+    sparse_layers = resolve_indices(layers if strategy_cfg["name"] == "sparse_lora" else default, n)
     fixed_mb = strategy_cfg.get("micro_batch", "auto")
     if fixed_mb not in (None, "auto") and (not isinstance(fixed_mb, int) or fixed_mb < 1):
         raise UserError(

@@ -264,8 +264,6 @@ def infer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
 def export(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Path | None) -> dict[str, Any]:
     """task=export: the trained model from `ckpt` (built as it was trained, adapters and layer store
     included), or without one the model as model.source gives it."""
-    if (config.get("export") or {}).get("name") in (None, "none"):
-        raise UserError("task=export needs a format: export=safetensors, export=onnx or export=omny.")
     if ckpt is None:
         from onn.models.load import load
 
