@@ -105,6 +105,10 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     task = config["task"]["name"]
     if task == "export" and (config.get("export") or {}).get("name") in (None, "none"):
         raise UserError("task=export needs a format: export=safetensors, export=onnx or export=omny.")
+    if task == "bench":
+        from onn.bench.suite import check_settings
+
+        check_settings(config["task"])
     ckpt = None
     if config.get("ckpt"):
         from onn.training.checkpoint_io import read_meta, resolve

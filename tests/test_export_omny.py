@@ -226,23 +226,29 @@ def test_format_spec_holds_the_schema_the_code_validates_against():
         assert f"`{field}`" in spec, f"FORMAT_SPEC.md does not describe {field}"
 
 
-def test_task_export_from_the_command_line(outputs):
-    """`python run.py task=export export=omny`: the app builds the model, exports, writes metrics."""
-    from conftest import read_metrics, run_cli
+def test_task_export_through_the_app(outputs):
+    """`python run.py task=export export=omny ...`, in-process: the app plans, builds the model,
+    exports and returns the export/* metrics; without a format it stops in one sentence."""
+    from conftest import compose
 
+    from onn.app import execute
+
+    args = [
+        "task=export",
+        "model=llama_tiny",
+        "model.architecture.num_hidden_layers=2",
+        f"paths.outputs={outputs}",
+    ]
+    config = compose(*args, "export=omny", "export.sample.sequence_length=8", "export.max_shard_size_mb=0.3")
     run_dir = outputs / "export_run"
-    args = ["task=export", "model=llama_tiny", "model.architecture.num_hidden_layers=2", "tracking=none",
-            f"paths.outputs={outputs}", f"hydra.run.dir={run_dir}"]  # fmt: skip
-    proc = run_cli(*args, "export=omny", "export.sample.sequence_length=8", "export.max_shard_size_mb=0.3")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    metrics = read_metrics(run_dir)
-    assert metrics["status"] == "ok" and metrics["export/max_abs_diff"] <= 1e-4
+    run_dir.mkdir(parents=True)
+    metrics = execute(config, run_dir)
+    assert metrics["export/max_abs_diff"] <= 1e-4
     assert metrics["export/blocks"] == 4 and metrics["export/cut_points"] == 3  # embeddings | 2 layers | head
+    assert max(metrics["export/shard_counts"]) > 1
     assert omny.validate(run_dir / "export" / "model.omny", echo=lambda *_: None)
 
-    proc = run_cli(*args, "export=none")
-    assert proc.returncode == 1
-    assert (
-        "task=export needs a format: export=safetensors, export=onnx or export=omny."
-        in proc.stdout + proc.stderr
-    )
+    with pytest.raises(
+        UserError, match=r"task=export needs a format: export=safetensors, export=onnx or export=omny\."
+    ):
+        execute(compose(*args, "export=none"), run_dir)

@@ -38,10 +38,8 @@ log = logging.getLogger("onn")
 QUALITY = ("loss_fall", "exact_match")
 
 
-def run(
-    config: dict[str, Any], plan: dict[str, Any], run_dir: Path, hardware: dict[str, Any], spec
-) -> dict[str, Any]:
-    task = config["task"]
+def check_settings(task: dict[str, Any]) -> None:
+    """The task's own keys, checked before anything is profiled, planned or loaded."""
     if task.get("quality", "loss_fall") not in QUALITY:
         raise UserError(f"task.quality={task.get('quality')} is not one of {', '.join(QUALITY)}.")
     for key in ("steps", "val_batches"):
@@ -49,6 +47,12 @@ def run(
             raise UserError(f"task.{key}={task.get(key)}: the benchmark needs a whole number of at least 1.")
     if not isinstance(task.get("warmup_steps"), int) or task["warmup_steps"] < 0:
         raise UserError(f"task.warmup_steps={task.get('warmup_steps')}: give a whole number, 0 or more.")
+
+
+def run(
+    config: dict[str, Any], plan: dict[str, Any], run_dir: Path, hardware: dict[str, Any], spec
+) -> dict[str, Any]:
+    check_settings(config["task"])
     raw = measure_isolated(config, plan, run_dir)
     return summarize(config, plan, hardware, spec, raw)
 
