@@ -2,7 +2,7 @@
 (checked, compared with PyTorch in onnxruntime) or `omny` (ONNX with cut points, per-block memory
 and shard plans; see FORMAT_SPEC.md).
 
-    export_model(model, output, sample_input, config)      # Python
+    export_model(model, output, sample_input, config)      # Python; also enrich_onnx, inspect_omny, validate
     python run.py task=export export=omny [ckpt=...]        # or after training: task=train export=...
 """
 
@@ -14,6 +14,19 @@ from pathlib import Path
 from typing import Any
 
 from onn.errors import UserError
+
+__all__ = ["export_model", "enrich_onnx", "inspect_omny", "validate", "kv_cache_bytes"]
+
+
+def __getattr__(name: str):
+    """enrich_onnx, inspect_omny and validate live in onn.export.omny; imported on first use, so
+    `python -m onn.export.omny` does not import that module twice."""
+    if name in ("enrich_onnx", "inspect_omny", "validate"):
+        from onn.export import omny
+
+        return getattr(omny, name)
+    raise AttributeError(f"module 'onn.export' has no attribute {name!r}")
+
 
 log = logging.getLogger("onn")
 FORMATS = ("safetensors", "onnx", "omny")
