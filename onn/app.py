@@ -105,6 +105,10 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     task = config["task"]["name"]
     if task == "export" and (config.get("export") or {}).get("name") in (None, "none"):
         raise UserError("task=export needs a format: export=safetensors, export=onnx or export=omny.")
+    if (config.get("export") or {}).get("name") not in (None, "none"):
+        from onn.export import check_settings as check_export
+
+        check_export(config["export"])  # before hours of training end in a bad key
     if task == "bench":
         from onn.bench.suite import check_settings
 

@@ -252,3 +252,79 @@ def test_task_export_through_the_app(outputs):
         UserError, match=r"task=export needs a format: export=safetensors, export=onnx or export=omny\."
     ):
         execute(compose(*args, "export=none"), run_dir)
+
+
+def _graph(path: Path, nodes, inits, outputs, inputs=(("x", ["batch", 8]),)) -> Path:
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+                          [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs], inits),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )  # fmt: skip
+    model.ir_version = 10
+    onnx.save(onnx.shape_inference.infer_shapes(model), str(path))
+    return path
+
+
+def test_awkward_graphs_still_split_where_the_document_says(tmp_path):
+    """A scalar Constant is free (not a weight), a free graph output is recomputed by the last
+    shard, a dead weight-reading node is stored nowhere, and interleaved branches leave no block
+    without a weight."""
+    rng = np.random.default_rng(0)
+
+    def w(name, shape=(8, 8)):
+        return helper.make_tensor(
+            name, TensorProto.FLOAT, shape, rng.standard_normal(shape).astype(np.float32).ravel()
+        )
+
+    nodes = [
+        helper.make_node("Constant", [], ["two"], value_float=2.0),
+        helper.make_node("Mul", ["x", "two"], ["scaled"]),  # free: read by both layers below
+        helper.make_node("MatMul", ["x", "w0"], ["h0"]),
+        helper.make_node("Add", ["h0", "scaled"], ["a0"]),
+        helper.make_node("MatMul", ["a0", "w1"], ["h1"]),
+        helper.make_node("Add", ["h1", "scaled"], ["a1"]),
+        helper.make_node("MatMul", ["a1", "w2"], ["y"]),
+        helper.make_node("MatMul", ["x", "unused_w"], ["dead"]),  # nothing reads it
+        helper.make_node("Neg", ["x"], ["negated"]),  # a free graph output
+    ]
+    src = _graph(tmp_path / "g.onnx", nodes, [w("w0"), w("w1"), w("w2"), w("unused_w")], ["y", "negated"])
+    sample = {"x": rng.standard_normal((2, 8)).astype(np.float32)}
+    out = omny.enrich_onnx(
+        src, tmp_path / "g.omny", sample, {"max_shard_size_mb": 0.0006, "min_vram_mb": 1, "headroom_mb": 0}
+    )
+    doc = omny.read_document(out)
+    assert [c["name"] for c in doc["cut_points"]] == ["a0", "a1"]
+    assert all(b["weight_bytes"] >= 8 * 8 * 4 for b in doc["blocks"])
+    assert sum(b["weight_bytes"] for b in doc["blocks"]) < 4 * 8 * 8 * 4  # the dead node's weight is nowhere
+    assert omny.validate(out, echo=lambda *_: None)
+
+    # two branches interleaved in graph order: every block still holds a weight
+    branches = [
+        helper.make_node("MatMul", ["x", "wa"], ["p1"]), helper.make_node("MatMul", ["x", "wb"], ["q1"]),
+        helper.make_node("Relu", ["p1"], ["p2"]), helper.make_node("Relu", ["q1"], ["q2"]),
+        helper.make_node("Neg", ["p2"], ["p3"]), helper.make_node("MatMul", ["q2", "wd"], ["q3"]),
+        helper.make_node("MatMul", ["p3", "wc"], ["p4"]), helper.make_node("Add", ["p4", "q3"], ["y"]),
+    ]  # fmt: skip
+    src = _graph(tmp_path / "b.onnx", branches, [w("wa"), w("wb"), w("wc"), w("wd")], ["y"])
+    out = omny.enrich_onnx(
+        src, tmp_path / "b.omny", sample, {"max_shard_size_mb": 0.0006, "min_vram_mb": 1, "headroom_mb": 0}
+    )
+    doc = omny.read_document(out)
+    assert doc["cut_points"] and all(b["weight_bytes"] > 0 for b in doc["blocks"])
+    assert omny.validate(out, echo=lambda *_: None)
+
+
+def test_bad_export_settings_fail_before_anything_loads():
+    from onn.export import check_settings
+
+    base = {"name": "omny", "opset": 18, "atol": 1e-4, "max_shard_size_mb": 1200, "min_vram_mb": 1500, "headroom_mb": 256,
+            "nodes": None, "shard_counts": None, "max_configs": 8, "reference_sequence_length": 128}  # fmt: skip
+    check_settings(base)
+    for key, value, message in [
+        ("nodes", 2048, r"export.nodes=2048: give a list of positive numbers"),
+        ("shard_counts", [3, 0], r"export.shard_counts=\[3, 0\]: give a list of positive whole numbers"),
+        ("min_vram_mb", "big", r"export.min_vram_mb='big': give a number above 0"),
+        ("max_configs", 2.7, r"export.max_configs=2.7: give a whole number 1 or more"),
+    ]:
+        with pytest.raises(UserError, match=message):
+            check_settings({**base, key: value})

@@ -50,6 +50,7 @@ def export_model(
     kind = config.get("name")
     if kind not in FORMATS:
         raise UserError(f"export={kind!r} is not one of {', '.join(FORMATS)}.")
+    check_settings(config)
     output = Path(output)
     if not output.parent.is_dir():
         raise UserError(
@@ -98,6 +99,53 @@ def export_model(
     metrics["export/onnx"] = str(output)
     metrics.update(_omny_metrics(doc, output))
     return metrics
+
+
+def check_settings(config: dict[str, Any]) -> None:
+    """The export group's keys, checked before a model is loaded or trained: one sentence per mistake."""
+    kind = config.get("name")
+    if kind in (None, "none"):
+        return
+    if kind not in FORMATS:
+        raise UserError(f"export={kind!r} is not one of {', '.join(FORMATS)}.")
+
+    def number(key: str, minimum: float, strict: bool = True, whole: bool = False) -> None:
+        value = config.get(key)
+        kind_ok = isinstance(value, int) if whole else isinstance(value, int | float)
+        if isinstance(value, bool) or not kind_ok or value < minimum or (strict and value == minimum):
+            what = "a whole number" if whole else "a number"
+            bound = f"above {minimum:g}" if strict else f"{minimum:g} or more"
+            raise UserError(f"export.{key}={value!r}: give {what} {bound}.")
+
+    if kind in ("onnx", "omny"):
+        number("opset", 7, strict=False, whole=True)
+        number("atol", 0, strict=False)
+    if kind != "omny":
+        return
+    for key in ("max_shard_size_mb", "min_vram_mb"):
+        number(key, 0)
+    number("headroom_mb", 0, strict=False)
+    number("max_configs", 1, strict=False, whole=True)
+    number("reference_sequence_length", 1, strict=False, whole=True)
+    for key, whole in (("nodes", False), ("shard_counts", True)):
+        value = config.get(key)
+        if value is None:
+            continue
+        ok = (
+            isinstance(value, list | tuple)
+            and value
+            and all(
+                not isinstance(v, bool)
+                and (isinstance(v, int) if whole else isinstance(v, int | float))
+                and v > 0
+                for v in value
+            )
+        )
+        if not ok:
+            example = "[4, 8]" if whole else "[2048, 1536, 4096]"
+            raise UserError(
+                f"export.{key}={value!r}: give a list of positive {'whole ' if whole else ''}numbers, e.g. {example}, or null."
+            )
 
 
 def _omny_settings(config: dict[str, Any], model) -> dict[str, Any]:

@@ -87,20 +87,30 @@ class Graph:
                 self.initializers.setdefault(node.output[0], node.attribute[0].t)
         self.inputs = [i.name for i in g.input if i.name not in self.initializers]
         self.outputs = [o.name for o in g.output]
-        self.producer, self.consumers = {}, {}
-        for i, node in enumerate(self.nodes):
-            for name in node_inputs(node):
+        self.producer = {name: i for i, node in enumerate(self.nodes) for name in node.output if name}
+        # Nodes no output depends on run in no shard (onnx's extractor drops them): leave them out.
+        live, stack = set(), [self.producer[o] for o in self.outputs if o in self.producer]
+        while stack:
+            i = stack.pop()
+            if i not in live:
+                live.add(i)
+                stack.extend(self.producer[t] for t in node_inputs(self.nodes[i]) if t in self.producer)
+        self.consumers = {}
+        for i in sorted(live):
+            for name in node_inputs(self.nodes[i]):
                 self.consumers.setdefault(name, []).append(i)
-            for name in node.output:
-                if name:
-                    self.producer[name] = i
         self.free_tensors = set(self.inputs) | {
             "",
             *(n for n, t in self.initializers.items() if not is_weight(t)),
         }
-        self.free_nodes = set()
+        self.free_nodes = {
+            i for i in range(len(self.nodes)) if i not in live
+        }  # (dead: never cut, never stored)
         for i, node in enumerate(self.nodes):
-            if node.op_type == "Constant" and node.output[0] not in self.free_tensors:
+            if i not in live:
+                continue
+            held = self.initializers.get(node.output[0]) if node.op_type == "Constant" else None
+            if held is not None and is_weight(held):
                 continue  # a weight stored as a Constant node
             if all(name in self.free_tensors for name in node_inputs(node)):
                 self.free_nodes.add(i)
@@ -129,9 +139,10 @@ class Graph:
                     return []
         return []
 
-    def free_inputs_needed(self, nodes: list[int]) -> tuple[set[int], set[str]]:
-        """The free nodes and graph inputs that `nodes` need: a piece recomputes these itself."""
-        free, graph_inputs, stack = set(), set(), [n for i in nodes for n in node_inputs(self.nodes[i])]
+    def free_inputs_needed(self, nodes: list[int], tensors: list[str] = ()) -> tuple[set[int], set[str]]:
+        """The free nodes and graph inputs that `nodes` (and `tensors`) need: a piece recomputes these itself."""
+        free, graph_inputs = set(), set()
+        stack = [n for i in nodes for n in node_inputs(self.nodes[i])] + list(tensors)
         inputs = set(self.inputs)
         while stack:
             name = stack.pop()
@@ -288,7 +299,14 @@ def merge_weightless(g: Graph, cuts: list[str], anc: dict[int, int], pos: dict[i
     everything = (1 << len(order)) - 1
     if pending is not None and has_weight(everything & ~(done | anc[g.producer[pending]])):
         kept.append(pending)
-    return kept
+    # Interleaved branches can still leave a piece of ops alone (its neighbours in graph order
+    # belong to the other branch): drop such cuts until every piece holds a weight.
+    while True:
+        parts = pieces(g, kept, anc, pos)
+        empty = [p.cut_after for p in parts[:-1] if not any(g.weights_of(n) for n in p.nodes)]
+        if not empty:
+            return kept
+        kept = [c for c in kept if c != empty[0]]
 
 
 def concrete_shapes(

@@ -12,7 +12,9 @@ onnxruntime and compares their result with the whole model's.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -72,6 +74,9 @@ def describe(
     g = G.Graph(model)
     sample = _check_sample(g, sample_input)
     cuts, anc, pos = G.cut_points(g)
+    symbolic = G.symbolic_shapes(model)
+    # a shard boundary needs the tensor's type; ops shape inference does not know leave it untyped
+    cuts = [c for c in cuts if symbolic.get(c, ("undefined",))[0] != "undefined"]
     if runs:
         chosen = G.select_block_cuts(g, cuts, runs)
         block_of = dict(chosen)
@@ -82,11 +87,10 @@ def describe(
     reference = _reference_shapes(g, sample, int(settings["reference_sequence_length"]))
     ranges = {k: (v["low"], v["high"]) for k, v in sample.items() if "low" in v}
     sizes = G.concrete_shapes(model, reference, ranges)
-    symbolic = G.symbolic_shapes(model)
     seq_symbols = _sequence_symbols(model)
     blocks, cut_points, done = [], [], set()
     for index, piece in enumerate(parts):
-        free, graph_inputs = g.free_inputs_needed(piece.nodes)
+        free, graph_inputs = g.free_inputs_needed(piece.nodes, () if piece.cut_after else g.outputs)
         entering = set(G.crossing(g, done)) if done else set()
         done |= set(piece.nodes)
         leaving = {piece.cut_after} if piece.cut_after else set(g.outputs)
@@ -107,7 +111,7 @@ def describe(
             per_sample = sizes.get(piece.cut_after, 0)
             per_token = (
                 per_sample / reference_len
-                if (reference_len := _seq_len(shape, seq_symbols, reference))
+                if (reference_len := _seq_len(shape, seq_symbols, int(settings["reference_sequence_length"])))
                 else None
             )
             cut_points.append({
@@ -185,7 +189,7 @@ def _detail(g: G.Graph, parts: list[G.Piece], ranges: list[list[int]], totals: l
         before = G.crossing(g, done) if done else []
         nodes = [n for p in parts[start:end] for n in p.nodes]
         done |= set(nodes)
-        free, graph_inputs = g.free_inputs_needed(nodes)
+        free, graph_inputs = g.free_inputs_needed(nodes, g.outputs if end == len(parts) else ())
         read = {t for n in nodes for t in G.node_inputs(g.nodes[n])}
         after = G.crossing(g, done) if end < len(parts) else list(g.outputs)
         out.append({
@@ -259,12 +263,9 @@ def _reference_shapes(g: G.Graph, sample: dict[str, dict], sequence_length: int)
     return out
 
 
-def _seq_len(shape: list, seq_symbols: set[str], reference: dict[str, list[int]]) -> int | None:
+def _seq_len(shape: list, seq_symbols: set[str], sequence_length: int) -> int | None:
     """The reference sequence length when this (symbolic) shape has a sequence axis."""
-    if not any(isinstance(d, str) and d in seq_symbols for d in shape):
-        return None
-    lengths = [s[1] for s in reference.values() if len(s) >= 2]
-    return max(lengths) if lengths else None
+    return sequence_length if any(isinstance(d, str) and d in seq_symbols for d in shape) else None
 
 
 def _signature(name: str, symbolic: dict) -> dict[str, Any]:
@@ -326,12 +327,15 @@ def write(model: onnx.ModelProto, doc: dict[str, Any], output: str | Path) -> Pa
     props = {p.key: p.value for p in model.metadata_props}  # other tools' metadata stays
     props[METADATA_KEY] = json.dumps(doc, separators=(",", ":"))
     onnx.helper.set_model_props(model, props)
-    tmp = output.with_name(output.name + ".tmp")
-    large = model.ByteSize() > 2**31 - 2**24
-    onnx.save_model(
-        model, str(tmp), save_as_external_data=large, location=output.name + ".data" if large else None
-    )
-    tmp.replace(output)
+    stored = sum(G.tensor_bytes(t) for t in model.graph.initializer)
+    large = stored > 2**31 - 2**28  # protobuf cannot hold 2 GiB: the weights go beside the file
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.") as tmp:
+        written = Path(tmp) / output.name
+        onnx.save_model(model, str(written), save_as_external_data=large, location=output.name + ".data")
+        data = written.with_name(output.name + ".data")
+        if data.exists():
+            os.replace(data, output.with_name(output.name + ".data"))
+        os.replace(written, output)
     return output
 
 
@@ -488,7 +492,7 @@ def validate(
     model = _load(path)
     doc = read_document(model)
     feeds = {k: _numpy(v) for k, v in (sample_input or sample_feeds(doc)).items()}
-    whole = run_onnx(model, feeds)
+    whole = run_onnx(str(path), feeds)  # from the file: a model over 2 GB cannot be serialised again
     extractor = Extractor(model)
     plans = [(f"{c['shards']} shard{'s' if c['shards'] > 1 else ''}", c["detail"], doc["shard_plans"]["max_shard_size_mb"])
              for c in doc["shard_plans"]["configurations"]]  # fmt: skip
@@ -506,7 +510,7 @@ def validate(
                 part = extractor.extract_model(shard["inputs"], shard["outputs"])
                 actual = _stored_bytes(part)
                 env.update(run_onnx(part, {n: env[n] for n in shard["inputs"]}))
-            except (KeyError, ValueError, UserError) as e:
+            except (KeyError, ValueError, TypeError, UserError) as e:
                 echo(f"  {k:>5}  cannot be cut or run as the document says: {type(e).__name__}: {e}")
                 ok = False
                 break
@@ -524,6 +528,10 @@ def validate(
                  f"{', '.join(shard['inputs'])} -> {', '.join(shard['outputs'])}{carried}{mark}")  # fmt: skip
             ok &= size_ok
         else:  # every shard ran: compare the end result with the whole model's
+            if missing := [o for o in whole if o not in env]:
+                echo(f"  the shards never produce {', '.join(missing)}")
+                ok = False
+                continue
             diffs = [float(np.max(np.abs(env[o].astype(np.float64) - whole[o].astype(np.float64)))) if env[o].size else 0.0
                      for o in whole]  # fmt: skip
             worst = max(diffs, default=0.0)
@@ -587,6 +595,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if validate(args.file, atol=args.atol) else 1
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (KeyError, ValueError, TypeError) as e:  # a document that passes the schema yet makes no sense
+        print(
+            f"error: {args.file}: the .omny document cannot be used ({type(e).__name__}: {e}).",
+            file=sys.stderr,
+        )
         return 2
 
 
