@@ -150,10 +150,10 @@ def check_settings(config: dict[str, Any]) -> None:
 
 def _omny_settings(config: dict[str, Any], model) -> dict[str, Any]:
     from onn.export.omny import DEFAULTS
-    from onn.export.onnx_export import _max_sequence
+    from onn.export.onnx_export import max_sequence_length
 
     settings = {k: config[k] for k in DEFAULTS if config.get(k) is not None}
-    longest = _max_sequence(model)  # learned position tables (GPT-2, CLIP) end there
+    longest = max_sequence_length(model)  # learned position tables (GPT-2, CLIP) end there
     reference = int(settings.get("reference_sequence_length", DEFAULTS["reference_sequence_length"]))
     settings["reference_sequence_length"] = min(reference, longest) if longest else reference
     return settings

@@ -95,7 +95,7 @@ def describe(
         done |= set(piece.nodes)
         leaving = {piece.cut_after} if piece.cut_after else set(g.outputs)
         name = block_of.get(piece.cut_after) if piece.cut_after else None
-        name = name or _name(g, piece, index, len(parts), block_of)
+        name = name or _name(g, piece, index)
         blocks.append({
             "index": index,
             "name": name,
@@ -273,7 +273,7 @@ def _signature(name: str, symbolic: dict) -> dict[str, Any]:
     return {"name": name, "dtype": dtype, "shape": shape}
 
 
-def _name(g: G.Graph, piece: G.Piece, index: int, count: int, block_of: dict) -> str:
+def _name(g: G.Graph, piece: G.Piece, index: int) -> str:
     """A block's name: its module (from the exporter's scopes) or its weights' common prefix."""
     modules = []
     for n in piece.nodes:

@@ -277,7 +277,7 @@ def _torch_export(model, input_names: list[str], names: list[str], tensors: tupl
 
     shapes = None
     if dynamic:
-        batch, sequence = Dim("batch"), Dim("sequence", max=_max_sequence(model))
+        batch, sequence = Dim("batch"), Dim("sequence", max=max_sequence_length(model))
         specs = tuple({0: batch, 1: sequence} if n in TEXT_INPUTS else {0: batch} for n in input_names)
         shapes = {"tensors": specs}  # keyed by the wrapper's *tensors parameter
 
@@ -301,7 +301,7 @@ def _torch_export(model, input_names: list[str], names: list[str], tensors: tupl
         ) from e
 
 
-def _max_sequence(model) -> int | None:
+def max_sequence_length(model) -> int | None:
     """Learned position tables (GPT-2, CLIP) bound the sequence axis; torch.export wants that bound stated."""
     if not _is_hf(model) or _kind(model) == "image":
         return None

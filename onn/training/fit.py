@@ -25,8 +25,7 @@ def build(config: dict[str, Any], plan: dict[str, Any]):
 
     torch.manual_seed(int(config.get("seed", 0)))
     model_cfg = config["model"]
-    dtype = model_cfg.get("dtype", "auto")
-    dtype = DTYPES[plan["weights_dtype"] if dtype in (None, "auto") else dtype]
+    dtype = weights_dtype(config, plan)
     settings = streaming_settings(config, plan)
     loaded = None
     if settings and settings["store"] == "disk":  # a model larger than memory: block by block into the store
@@ -49,6 +48,12 @@ def build(config: dict[str, Any], plan: dict[str, Any]):
     module = CausalLM(model, config["optim"], int(config["trainer"]["max_steps"]), onn_config, plan["micro_batch"],
                       int(config["strategy"].get("min_micro_batch") or 1))  # fmt: skip
     return module, tokenizer
+
+
+def weights_dtype(config: dict[str, Any], plan: dict[str, Any]) -> torch.dtype:
+    """model.dtype, or the plan's choice when it is auto."""
+    dtype = config["model"].get("dtype", "auto")
+    return DTYPES[plan["weights_dtype"] if dtype in (None, "auto") else dtype]
 
 
 def streaming_settings(config: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any] | None:
@@ -267,9 +272,9 @@ def export(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pa
     if ckpt is None:
         from onn.models.load import load
 
-        dtype = config["model"].get("dtype", "auto")
-        dtype = DTYPES[plan["weights_dtype"] if dtype in (None, "auto") else dtype]
-        model, tokenizer = load(config["model"], dtype=dtype, cache_dir=config["paths"]["cache"])
+        model, tokenizer = load(
+            config["model"], dtype=weights_dtype(config, plan), cache_dir=config["paths"]["cache"]
+        )
         return export_trained(config, model, tokenizer, run_dir)
     module, tokenizer = build(config, plan)
     _load_weights(module, ckpt)
