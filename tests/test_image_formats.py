@@ -1,0 +1,632 @@
+"""Image-classification formats: every raw format round-trips exact pixels and labels, with clear errors."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import logging
+import os
+import pickle
+import struct
+import tarfile
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from onn.data.image_formats import FORMATS, detect_format, list_items, read_splits, source_digest
+from onn.errors import UserError
+
+RNG = np.random.default_rng(0)
+CLASSES = ["cat", "dog", "emu"]
+
+
+def rgb(h=8, w=8, channels=3):
+    return RNG.integers(0, 256, (h, w, channels) if channels > 1 else (h, w), dtype=np.uint8)
+
+
+def encode(arr, fmt="PNG", **kw) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def chw(arr) -> torch.Tensor:
+    return torch.from_numpy(np.array(arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)))
+
+
+def tree(prefix="", classes=CLASSES, per=4, **kw) -> dict[str, np.ndarray]:
+    """{relative path: pixels} for PREFIX/CLASS/NNNN.png."""
+    return {f"{prefix}{c}/{i:04d}.png": rgb(**kw) for c in classes for i in range(per)}
+
+
+def write_tree(root: Path, files: dict[str, np.ndarray | bytes]) -> Path:
+    for rel, data in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data if isinstance(data, bytes) else encode(data))
+    return root
+
+
+def write_archive(path: Path, files: dict[str, np.ndarray | bytes]) -> Path:
+    blobs = {k: v if isinstance(v, bytes) else encode(v) for k, v in files.items()}
+    if path.suffix == ".zip":
+        with zipfile.ZipFile(path, "w") as zf:
+            for k, v in blobs.items():
+                zf.writestr(k, v)
+    else:
+        with tarfile.open(path, "w:gz" if path.name.endswith((".tar.gz", ".tgz")) else "w") as tf:
+            for k, v in blobs.items():
+                info = tarfile.TarInfo(k)
+                info.size = len(v)
+                tf.addfile(info, io.BytesIO(v))
+    return path
+
+
+def assert_matches(s, files: dict[str, np.ndarray], strip: str = ""):
+    """Every image of ImageSet `s` has exactly the pixels written, and the label of its class folder."""
+    assert s.images.dtype == torch.uint8 and s.images.is_contiguous() and s.labels.dtype == torch.int64
+    assert len(s.names) == len(s.images) == len(s.labels) > 0
+    for name, img, label in zip(s.names, s.images, s.labels):
+        assert torch.equal(img, chw(files[name])), name
+        cls = name[len(strip) :].split("/")[-2]
+        assert s.classes[label] == cls, name
+
+
+# ---------------------------------------------------------------------------------------------------------
+# folder and archive
+
+
+def test_folder_of_class_folders_round_trips_pixels(tmp_path):
+    files = tree()
+    write_tree(tmp_path / "ds", files)
+    noise = {".hidden/x.png": rgb(), "cat/.x.png": rgb(), "cat/notes.txt": b"hi", "cat/a.json": b"{}"}
+    write_tree(tmp_path / "ds", noise)
+    assert detect_format(tmp_path / "ds") == "folder"
+    splits = read_splits(tmp_path / "ds")
+    assert list(splits) == ["all"]
+    s = splits["all"]
+    assert s.classes == CLASSES and len(s.names) == 12 and s.skipped == []
+    assert s.images.shape == (12, 3, 8, 8)
+    assert_matches(s, files)
+    assert s.labels.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+
+
+def test_split_folders_share_classes_and_val_alias(tmp_path):
+    files = {
+        **tree("train/", ["a", "b"]),
+        **tree("validation/", ["a", "b"], per=2),
+        **tree("test/", ["a", "c"], 2),
+    }
+    write_tree(tmp_path, files)
+    splits = read_splits(tmp_path)
+    assert sorted(splits) == ["test", "train", "val"]
+    for s in splits.values():
+        assert s.classes == ["a", "b", "c"]
+        assert_matches(s, files)
+    assert splits["test"].labels.tolist() == [0, 0, 2, 2]
+    assert len(splits["train"].names) == 8 and len(splits["val"].names) == 4
+
+
+@pytest.mark.parametrize(
+    "name,prefix", [("ds.zip", ""), ("ds.tar", "./"), ("ds.tar.gz", "cifar10/"), ("ds.tgz", "wrap/")]
+)
+def test_archives_are_read_in_place_with_an_optional_wrapping_folder(tmp_path, name, prefix):
+    files = {**tree(f"{prefix}train/"), **tree(f"{prefix}test/", per=2)}
+    files[f"{prefix}train/readme.md"] = b"not an image"
+    files[f"{prefix}__MACOSX/train/cat/._0000.png"] = b"resource fork"
+    path = write_archive(tmp_path / name, files)
+    assert detect_format(path) == "archive"
+    splits = read_splits(path)
+    assert sorted(splits) == ["test", "train"]
+    clean = {k.removeprefix("./"): v for k, v in files.items() if k.endswith(".png")}
+    assert_matches(splits["train"], clean, strip=prefix.removeprefix("./"))
+    assert len(splits["train"].names) == 12 and len(splits["test"].names) == 6
+    assert not list(tmp_path.glob("*/"))  # nothing unpacked next to the archive
+
+
+def test_no_class_folders_is_an_error_unless_unlabelled(tmp_path):
+    flat = {f"{i}.png": rgb() for i in range(3)}
+    path = write_archive(tmp_path / "flat.zip", flat)
+    with pytest.raises(UserError, match=r"no class folders in .*flat\.zip.*CLASS/IMAGE.*train/CLASS/IMAGE"):
+        read_splits(path)
+    s = read_splits(path, allow_unlabelled=True)["all"]
+    assert s.labels.tolist() == [-1, -1, -1] and s.classes == []
+    assert torch.equal(s.images[1], chw(flat["1.png"]))
+    write_tree(tmp_path / "flat", flat)
+    with pytest.raises(UserError, match="no class folders"):
+        read_splits(tmp_path / "flat")
+
+
+def test_split_folders_mixed_with_other_folders_are_refused(tmp_path):
+    write_tree(tmp_path, {**tree("train/"), "samples/x/a.png": rgb()})
+    with pytest.raises(UserError, match=r"mixes split folders \(train\) with other folders \(samples\)"):
+        read_splits(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# channels, sizes, damaged files
+
+
+def test_channels_auto_and_forced(tmp_path):
+    from PIL import Image
+
+    gray = tree(classes=["a", "b"], per=2, channels=1)
+    write_tree(tmp_path / "g", gray)
+    s = read_splits(tmp_path / "g")["all"]
+    assert s.images.shape == (4, 1, 8, 8)
+    assert_matches(s, gray)
+    s3 = read_splits(tmp_path / "g", channels=3)["all"]
+    assert s3.images.shape == (4, 3, 8, 8) and torch.equal(s3.images, s.images.repeat(1, 3, 1, 1))
+
+    colour = tree(classes=["a", "b"], per=2)
+    write_tree(tmp_path / "c", colour)
+    s1 = read_splits(tmp_path / "c", channels=1)["all"]
+    want = torch.stack([chw(np.asarray(Image.fromarray(colour[n]).convert("L"))) for n in s1.names])
+    assert s1.images.shape == (4, 1, 8, 8) and torch.equal(s1.images, want)
+
+    mixed = dict(gray)
+    mixed["b/0001.png"] = rgb()  # the last image is colour: what came before is widened
+    rgba = rgb(channels=4)
+    mixed["a/0002.png"] = rgba
+    wide = np.array(2**16 - 1 - RNG.integers(0, 2**16, (8, 8)), dtype=np.uint16)
+    write_tree(tmp_path / "m", mixed)
+    Image.fromarray(wide).save(tmp_path / "m/a/0003.png")  # 16-bit gray
+    s = read_splits(tmp_path / "m")["all"]
+    assert s.images.shape == (6, 3, 8, 8)
+    by = dict(zip(s.names, s.images))
+    assert torch.equal(by["a/0000.png"], chw(gray["a/0000.png"]).repeat(3, 1, 1))
+    assert torch.equal(by["b/0001.png"], chw(mixed["b/0001.png"]))
+    assert torch.equal(by["a/0002.png"], chw(rgba[..., :3]))
+    assert torch.equal(by["a/0003.png"][0], torch.from_numpy((wide >> 8).astype(np.uint8)))
+    with pytest.raises(UserError, match="data.channels"):
+        read_splits(tmp_path / "m", channels=2)
+
+
+def test_mixed_sizes_error_then_resize_or_center_crop(tmp_path):
+    from PIL import Image
+
+    files = {"a/0.png": rgb(8, 8), "a/1.png": rgb(8, 16), "b/0.png": rgb(8, 8)}
+    write_tree(tmp_path, files)
+    with pytest.raises(
+        UserError, match=r"a/0\.png is 8x8 but a/1\.png is 8x16.*data\.image_size=\[H,W\].*center_crop"
+    ):
+        read_splits(tmp_path)
+    s = read_splits(tmp_path, image_size=[8, 8], resize="center_crop")["all"]
+    by = dict(zip(s.names, s.images))
+    assert s.images.shape == (3, 3, 8, 8)
+    assert torch.equal(by["a/1.png"], chw(files["a/1.png"][:, 4:12]))  # short side fits: a centre crop
+    assert torch.equal(by["a/0.png"], chw(files["a/0.png"]))  # already that size: untouched
+    s = read_splits(tmp_path, image_size=[6, 5], resize="resize")["all"]
+    want = np.asarray(Image.fromarray(files["a/1.png"]).resize((5, 6), Image.Resampling.BILINEAR))
+    assert s.images.shape == (3, 3, 6, 5) and torch.equal(dict(zip(s.names, s.images))["a/1.png"], chw(want))
+    with pytest.raises(UserError, match=r"not data\.image_size=\[8,8\]; set data\.resize"):
+        read_splits(tmp_path, image_size=[8, 8])
+    same = tmp_path / "same"
+    write_tree(same, {"a/0.png": files["a/0.png"], "b/0.png": files["b/0.png"]})
+    assert torch.equal(read_splits(same, image_size=[8, 8])["all"].images[0], chw(files["a/0.png"]))
+
+
+def test_corrupt_and_truncated_images_are_skipped_counted_and_warned(tmp_path, caplog, monkeypatch):
+    from PIL import ImageFile
+
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)  # as some other library may leave it
+    files = tree()
+    jpeg = encode(rgb(64, 64), "JPEG", quality=95)
+    write_tree(
+        tmp_path, {**files, "cat/junk.png": b"\x89PNG not really", "dog/cut.jpg": jpeg[: len(jpeg) // 2]}
+    )
+    with caplog.at_level(logging.WARNING, logger="onn"):
+        s = read_splits(tmp_path, max_bad_fraction=0.2)["all"]
+    assert len(s.names) == 12 and "cat/junk.png" not in s.names and "dog/cut.jpg" not in s.names
+    assert sorted(x.split(":")[0] for x in s.skipped) == ["cat/junk.png", "dog/cut.jpg"]
+    assert "truncated" in next(x for x in s.skipped if x.startswith("dog/cut.jpg"))
+    assert_matches(s, files)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "2 of 14" in warnings[0].getMessage()
+    assert "cat/junk.png" in warnings[0].getMessage()
+    with pytest.raises(UserError, match=r"2 of 14 images could not be decoded.*data\.max_bad_fraction"):
+        read_splits(tmp_path)
+    assert ImageFile.LOAD_TRUNCATED_IMAGES is True  # put back as found
+
+
+def test_labels_outside_num_classes_name_the_item(tmp_path):
+    write_tree(tmp_path, tree())
+    with pytest.raises(UserError, match=r"emu/0000\.png has label 2.*data\.num_classes is 2"):
+        read_splits(tmp_path, num_classes=2)
+    assert read_splits(tmp_path, num_classes=3)["all"].classes == CLASSES
+
+
+# ---------------------------------------------------------------------------------------------------------
+# idx (MNIST family)
+
+
+def idx_bytes(arr: np.ndarray) -> bytes:
+    magic = 0x0800 | arr.ndim
+    return (
+        struct.pack(">I", magic) + struct.pack(f">{arr.ndim}I", *arr.shape) + arr.astype(np.uint8).tobytes()
+    )
+
+
+def write_idx(folder: Path, prefix="", n=(6, 3), gz=True):
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {}
+    for split, count in zip(("train", "t10k"), n):
+        x, y = RNG.integers(0, 256, (count, 5, 4), dtype=np.uint8), RNG.integers(0, 10, count, dtype=np.uint8)
+        suffix = ".gz" if gz else ""
+        for kind, arr in (("images-idx3", x), ("labels-idx1", y)):
+            raw = idx_bytes(arr)
+            (folder / f"{prefix}{split}-{kind}-ubyte{suffix}").write_bytes(gzip.compress(raw) if gz else raw)
+        data[split] = (x, y)
+    return data
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_idx_folder_and_single_file(tmp_path, gz):
+    data = write_idx(tmp_path / "mnist", gz=gz)
+    assert detect_format(tmp_path / "mnist") == "idx"
+    splits = read_splits(tmp_path / "mnist")
+    assert sorted(splits) == ["test", "train"]
+    for split, key in (("train", "train"), ("t10k", "test")):
+        x, y = data[split]
+        assert torch.equal(splits[key].images, torch.from_numpy(x[:, None]))
+        assert splits[key].labels.tolist() == y.tolist()
+    assert splits["train"].classes == [str(i) for i in range(int(max(y.max() for _, y in data.values())) + 1)]
+    if not gz:  # the decoded set is a copy in memory, not a view of the file
+        with open(tmp_path / "mnist/train-images-idx3-ubyte", "r+b") as f:
+            f.seek(16)
+            f.write(bytes(20))
+        assert torch.equal(splits["train"].images, torch.from_numpy(data["train"][0][:, None]))
+        splits["train"].images[0] += 1  # and writable
+    one = tmp_path / "mnist" / f"t10k-images-idx3-ubyte{'.gz' if gz else ''}"
+    assert detect_format(one) == "idx"
+    s = read_splits(one, channels=3)
+    assert list(s) == ["all"] and s["all"].images.shape == (3, 3, 5, 4)
+    assert s["all"].labels.tolist() == data["t10k"][1].tolist()
+    assert read_splits(one, image_size=[10, 8], resize="resize")["all"].images.shape == (3, 1, 10, 8)
+    with pytest.raises(UserError, match=r"is 5x4, not data\.image_size=\[10,8\]"):
+        read_splits(one, image_size=[10, 8])
+
+
+def test_emnist_is_transposed(tmp_path):
+    data = write_idx(tmp_path, prefix="emnist-letters-")
+    s = read_splits(tmp_path)["train"]
+    assert s.images.shape == (6, 1, 4, 5)
+    assert torch.equal(s.images[:, 0], torch.from_numpy(data["train"][0]).transpose(1, 2))
+
+
+def test_idx_header_and_count_mismatches(tmp_path):
+    write_idx(tmp_path, gz=False)
+    images = tmp_path / "train-images-idx3-ubyte"
+    images.write_bytes(images.read_bytes() + b"\0")
+    with pytest.raises(
+        UserError, match=r"train-images-idx3-ubyte: the IDX header says 6 x 5 x 4 \(136 bytes.*holds 137"
+    ):
+        read_splits(tmp_path)
+    images.write_bytes(images.read_bytes()[:-1])
+    labels = tmp_path / "train-labels-idx1-ubyte"
+    labels.write_bytes(idx_bytes(np.zeros(5, np.uint8)))
+    with pytest.raises(UserError, match=r"holds 6 images but .*train-labels-idx1-ubyte holds 5 labels"):
+        read_splits(tmp_path)
+    labels.write_bytes(idx_bytes(np.array([0, 1, 2, 3, 4, 12], np.uint8)))
+    with pytest.raises(UserError, match=r"train-images-idx3-ubyte#5 has label 12.*data\.num_classes is 10"):
+        read_splits(tmp_path, num_classes=10)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CIFAR binary, pickled CIFAR refused
+
+
+def cifar_records(n: int, label_bytes: int = 1, top: int = 10):
+    x = RNG.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8)
+    y = RNG.integers(0, top, (n, label_bytes), dtype=np.uint8)
+    return x, y, np.concatenate([y, x.reshape(n, -1)], axis=1).tobytes()
+
+
+def test_cifar10_binary_folder_and_tar_gz(tmp_path):
+    folder = tmp_path / "cifar-10-batches-bin"
+    folder.mkdir()
+    parts = {}
+    for name, n in (("data_batch_2.bin", 2), ("data_batch_1.bin", 3), ("test_batch.bin", 2)):
+        x, y, raw = cifar_records(n)
+        (folder / name).write_bytes(raw)
+        parts[name] = (x, y[:, 0])
+    names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    (folder / "batches.meta.txt").write_text("\n".join(names) + "\n\n")
+    (folder / "readme.html").write_text("<html/>")
+    with tarfile.open(tmp_path / "cifar-10-binary.tar.gz", "w:gz") as tf:
+        tf.add(folder, arcname="cifar-10-batches-bin")
+    for source in (tmp_path, folder, tmp_path / "cifar-10-binary.tar.gz"):
+        assert detect_format(source) == "cifar_binary", source
+        splits = read_splits(source)
+        train = splits["train"]
+        assert train.classes == names
+        assert torch.equal(
+            train.images,
+            torch.from_numpy(np.concatenate([parts["data_batch_1.bin"][0], parts["data_batch_2.bin"][0]])),
+        )
+        assert train.labels.tolist() == [*parts["data_batch_1.bin"][1], *parts["data_batch_2.bin"][1]]
+        assert train.names[3] == "data_batch_2.bin#0"
+        assert torch.equal(splits["test"].images, torch.from_numpy(parts["test_batch.bin"][0]))
+    from PIL import Image
+
+    gray = read_splits(folder, channels=1)["test"].images
+    want = Image.fromarray(parts["test_batch.bin"][0][1].transpose(1, 2, 0)).convert("L")
+    assert gray.shape == (2, 1, 32, 32) and torch.equal(gray[1, 0], torch.from_numpy(np.array(want)))
+    (folder / "test_batch.bin").write_bytes(cifar_records(2)[2][:-5])
+    with pytest.raises(
+        UserError, match=r"test_batch\.bin is 6141 bytes, not a multiple of the 3073-byte CIFAR-10"
+    ):
+        read_splits(folder)
+
+
+def test_cifar100_binary_uses_fine_labels(tmp_path):
+    x, y, raw = cifar_records(4, label_bytes=2, top=100)
+    (tmp_path / "train.bin").write_bytes(raw)
+    (tmp_path / "test.bin").write_bytes(cifar_records(1, label_bytes=2)[2])
+    (tmp_path / "fine_label_names.txt").write_text("\n".join(f"c{i}" for i in range(100)))
+    s = read_splits(tmp_path)
+    assert s["train"].labels.tolist() == y[:, 1].tolist() and s["train"].classes[7] == "c7"
+    assert torch.equal(s["train"].images, torch.from_numpy(x))
+    assert len(s["test"].names) == 1
+
+
+@pytest.mark.parametrize("files", [["data_batch_1", "batches.meta"], ["meta", "train", "test"]])
+def test_pickled_cifar_is_refused_unread(tmp_path, files):
+    for f in files:
+        (tmp_path / f).write_bytes(b"\x80\x04junk that must never be unpickled")
+    for source, fmt in ((tmp_path, "auto"), (tmp_path, "cifar_binary"), (tmp_path / files[0], "auto")):
+        with pytest.raises(
+            UserError, match=r"pickled Python version.*cifar-10-binary\.tar\.gz.*kriz/cifar\.html"
+        ):
+            read_splits(source, fmt)
+    archive = tmp_path / "cifar-10-python.tar.gz"
+    write_archive(archive, {"cifar-10-batches-py/data_batch_1": b"junk"})
+    with pytest.raises(UserError, match="pickled Python version"):
+        detect_format(archive)
+    renamed = write_archive(tmp_path / "download.tgz", {"cifar-10-batches-py/data_batch_1": b"junk"})
+    with pytest.raises(UserError, match="pickled Python version"):
+        read_splits(renamed)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# SVHN, STL-10
+
+
+def test_svhn_mat_maps_10_to_0(tmp_path):
+    from scipy.io import savemat
+
+    x = RNG.integers(0, 256, (32, 32, 3, 5), dtype=np.uint8)
+    y = np.array([[10], [1], [2], [10], [9]], dtype=np.uint8)
+    savemat(tmp_path / "train_32x32.mat", {"X": x, "y": y})
+    savemat(tmp_path / "test_32x32.mat", {"X": x[..., :2], "y": y[:2]})
+    savemat(tmp_path / "extra_32x32.mat", {"X": x[..., :1], "y": y[:1]})
+    assert detect_format(tmp_path) == "svhn_mat"
+    s = read_splits(tmp_path)
+    assert sorted(s) == ["test", "train"]
+    assert s["train"].labels.tolist() == [0, 1, 2, 0, 9] and s["train"].classes == [str(i) for i in range(10)]
+    assert torch.equal(s["train"].images, torch.from_numpy(x.transpose(3, 2, 0, 1).copy()))
+    extra = read_splits(tmp_path / "extra_32x32.mat")
+    assert list(extra) == ["all"] and extra["all"].labels.tolist() == [0]
+
+
+def test_stl10_binary_is_column_major(tmp_path):
+    folder = tmp_path / "stl10_binary"
+    folder.mkdir()
+    x = RNG.integers(0, 256, (3, 3, 96, 96), dtype=np.uint8)
+    (folder / "train_X.bin").write_bytes(x.transpose(0, 1, 3, 2).tobytes())
+    (folder / "train_y.bin").write_bytes(bytes([1, 10, 4]))
+    (folder / "test_X.bin").write_bytes(x[:1].transpose(0, 1, 3, 2).tobytes())
+    (folder / "test_y.bin").write_bytes(bytes([2]))
+    (folder / "unlabeled_X.bin").write_bytes(b"\0" * 100)
+    (folder / "class_names.txt").write_text("\n".join(f"n{i}" for i in range(10)))
+    for source in (tmp_path, folder):
+        assert detect_format(source) == "stl10_binary"
+        s = read_splits(source)
+        assert torch.equal(s["train"].images, torch.from_numpy(x))
+        assert s["train"].labels.tolist() == [0, 9, 3] and s["test"].classes[9] == "n9"
+    (folder / "test_y.bin").write_bytes(bytes([2, 3]))
+    with pytest.raises(UserError, match=r"test_X\.bin holds 1 images but .*test_y\.bin holds 2 labels"):
+        read_splits(folder)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# parquet, csv, single image
+
+
+def write_parquet(
+    path: Path, images: list[np.ndarray], labels: list[int], names=None, struct_col=True, col="label"
+):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    blobs = [encode(a) for a in images]
+    image = (
+        pa.array([{"bytes": b, "path": f"{i}.png"} for i, b in enumerate(blobs)])
+        if struct_col
+        else pa.array(blobs)
+    )
+    table = pa.table({"image": image, col: pa.array(labels, pa.int64())})
+    if names:
+        meta = {
+            "info": {"features": {"image": {"_type": "Image"}, col: {"names": names, "_type": "ClassLabel"}}}
+        }
+        table = table.replace_schema_metadata({"huggingface": json.dumps(meta)})
+    pq.write_table(table, path)
+
+
+def test_parquet_hf_export_with_splits_and_class_names(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    imgs = [rgb() for _ in range(5)]
+    write_parquet(data / "train-00000-of-00002.parquet", imgs[:2], [0, 2], names=["a", "b", "c"])
+    write_parquet(data / "train-00001-of-00002.parquet", imgs[2:4], [1, 1], names=["a", "b", "c"])
+    write_parquet(data / "test-00000-of-00001.parquet", imgs[4:], [2], names=["a", "b", "c"])
+    assert detect_format(tmp_path) == "parquet"
+    s = read_splits(tmp_path)
+    assert sorted(s) == ["test", "train"] and s["train"].classes == ["a", "b", "c"]
+    assert torch.equal(s["train"].images, torch.stack([chw(a) for a in imgs[:4]]))
+    assert (
+        s["train"].labels.tolist() == [0, 2, 1, 1] and s["train"].names[2] == "train-00001-of-00002.parquet#0"
+    )
+    plain = tmp_path / "plain.parquet"
+    write_parquet(plain, imgs[:3], [4, 0, 1], struct_col=False, col="labels")
+    s = read_splits(plain)["all"]
+    assert s.classes == ["0", "1", "2", "3", "4"] and torch.equal(s.images[0], chw(imgs[0]))
+    write_parquet(plain, imgs[:3], [0, -3, 1])
+    with pytest.raises(UserError, match=r"plain\.parquet row 1 has label -3"):
+        read_splits(plain)
+
+
+def test_csv_with_names_or_numbers_and_optional_header(tmp_path):
+    files = tree()
+    write_tree(tmp_path / "img", files)
+    rows = [(f"img/{k}", k.split("/")[0]) for k in files]
+    (tmp_path / "named.csv").write_text("path,label\n" + "\n".join(f"{p},{c}" for p, c in rows) + "\n")
+    assert detect_format(tmp_path / "named.csv") == "csv"
+    s = read_splits(tmp_path / "named.csv")["all"]
+    assert s.classes == CLASSES and s.names[0] == "img/cat/0000.png"
+    assert_matches(s, {f"img/{k}": v for k, v in files.items()})
+    (tmp_path / "numbered.csv").write_text("".join(f"{p},{CLASSES.index(c)}\n" for p, c in rows))
+    s = read_splits(tmp_path / "numbered.csv")["all"]
+    assert s.classes == ["0", "1", "2"] and s.labels.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    assert torch.equal(s.images[5], chw(files["dog/0001.png"]))
+    (tmp_path / "bad.csv").write_text("img/cat/0000.png,0\nimg/cat/0001.png,-1\n")
+    with pytest.raises(UserError, match=r"bad\.csv row 2 has label -1"):
+        read_splits(tmp_path / "bad.csv")
+    with pytest.raises(
+        UserError, match=r"numbered\.csv row 9 \(img/emu/0000\.png\) has label 2.*num_classes is 2"
+    ):
+        read_splits(tmp_path / "numbered.csv", num_classes=2)
+
+
+def test_single_image_for_inference(tmp_path):
+    arr = rgb(5, 7)
+    (tmp_path / "x.webp").write_bytes(encode(arr, "WEBP", lossless=True))
+    assert detect_format(tmp_path / "x.webp") == "image"
+    s = read_splits(tmp_path / "x.webp")
+    assert list(s) == ["all"] and s["all"].labels.tolist() == [-1] and s["all"].classes == []
+    assert torch.equal(s["all"].images[0], chw(arr))
+
+
+def test_unknown_and_missing_sources_list_the_formats(tmp_path):
+    with pytest.raises(UserError, match=r"does not exist.*supported formats: folder.*idx.*parquet"):
+        read_splits(tmp_path / "nope")
+    (tmp_path / "blob.xyz").write_bytes(os.urandom(2000))
+    with pytest.raises(UserError, match=r"cannot tell its format; supported formats"):
+        detect_format(tmp_path / "blob.xyz")
+    with pytest.raises(UserError, match="data.format 'jpeg' is not one of auto, folder"):
+        read_splits(tmp_path / "blob.xyz", "jpeg")
+    assert "cifar_binary" in FORMATS and len(FORMATS) == 9
+
+
+def test_source_digest_follows_content(tmp_path):
+    files = tree(per=1)
+    write_tree(tmp_path / "ds", files)
+    d0 = source_digest(tmp_path / "ds")
+    assert d0 == source_digest(tmp_path / "ds") and len(d0) == 64
+    target = tmp_path / "ds/cat/0000.png"
+    st = target.stat()
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    d1 = source_digest(tmp_path / "ds")
+    assert d1 != d0
+    (tmp_path / "ds/cat/0001.png").write_bytes(encode(rgb()))
+    assert source_digest(tmp_path / "ds") != d1
+    zipped = write_archive(tmp_path / "ds.zip", files)
+    z0 = source_digest(zipped)
+    write_archive(zipped, {**files, "dog/0009.png": rgb()})
+    assert source_digest(zipped) != z0
+    (tmp_path / "ds/list.csv").write_text("cat/0000.png,0\n")
+    c0 = source_digest(tmp_path / "ds/list.csv")
+    target.write_bytes(encode(rgb()))  # the csv's bytes are unchanged, the image it names is not
+    assert source_digest(tmp_path / "ds/list.csv") != c0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# list_items: streaming decode matches read_splits
+
+
+def test_list_items_matches_read_splits_for_every_random_access_source(tmp_path):
+    files = {**tree("train/"), **tree("test/", per=2)}
+    sources = {
+        "folder": write_tree(tmp_path / "ds", files),
+        "zip": write_archive(tmp_path / "ds.zip", files),
+        "tar": write_archive(tmp_path / "ds.tar", files),
+    }
+    (tmp_path / "ds/train.csv").write_text(
+        "".join(f"{k},{k.split('/')[1]}\n" for k in files if k.startswith("train"))
+    )
+    sources["csv"] = tmp_path / "ds/train.csv"
+    write_idx(tmp_path / "mnist")
+    sources["idx"] = tmp_path / "mnist"
+    (tmp_path / "cifar").mkdir()
+    (tmp_path / "cifar/data_batch_1.bin").write_bytes(cifar_records(3)[2])
+    sources["cifar"] = tmp_path / "cifar"
+    write_parquet(tmp_path / "p.parquet", [rgb() for _ in range(3)], [1, 0, 1])
+    sources["parquet"] = tmp_path / "p.parquet"
+    from scipy.io import savemat
+
+    savemat(
+        tmp_path / "test_32x32.mat",
+        {"X": RNG.integers(0, 256, (32, 32, 3, 2), dtype=np.uint8), "y": [[3], [10]]},
+    )
+    sources["svhn"] = tmp_path / "test_32x32.mat"
+    for kind, source in sources.items():
+        items, full = list_items(source), read_splits(source)
+        assert sorted(items) == sorted(full), kind
+        for split, lst in items.items():
+            s = full[split]
+            assert len(lst) == len(s.names) and lst.names == s.names and lst.classes == s.classes, kind
+            assert torch.equal(lst.labels, s.labels), kind
+            loaded = torch.stack([lst.load(i) for i in range(len(lst))])
+            assert torch.equal(loaded, s.images), (kind, split)
+    for kind in ("zip", "tar", "parquet", "cifar"):  # as a spawned DataLoader worker gets it, handles open
+        lst = list_items(sources[kind])
+        split = next(iter(lst))
+        lst[split].load(1)
+        lst = pickle.loads(pickle.dumps(lst[split]))
+        assert torch.equal(lst.load(2), read_splits(sources[kind])[split].images[2]), kind
+
+
+def test_list_items_configure_corrupt_and_compressed_tar(tmp_path):
+    files = tree(classes=["a", "b"], per=2, channels=1)
+    write_tree(tmp_path / "ds", {**files, "b/9.png": b"junk"})
+    lst = list_items(tmp_path / "ds")["all"]
+    assert lst.names[-1] == "b/9.png" and lst.load(len(lst) - 1) is None
+    assert lst.load(0).shape == (1, 8, 8)
+    lst.configure(channels=3, image_size=[4, 4], resize="resize")
+    assert lst.load(0).shape == (3, 4, 4)
+    write_idx(tmp_path / "mnist")
+    arr = list_items(tmp_path / "mnist")["train"].configure(channels=3)
+    assert torch.equal(arr.load(2), read_splits(tmp_path / "mnist", channels=3)["train"].images[2])
+    gz = write_archive(tmp_path / "ds.tar.gz", files)
+    with pytest.raises(UserError, match=r"streaming .* needs an uncompressed \.tar, a \.zip or a folder"):
+        list_items(gz)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the real thing
+
+
+@pytest.mark.slow
+def test_real_cifar10_jpeg_archive():
+    path = (Path(__file__).parents[1] / "../shared/data/cifar10/cifar10-jpeg.tar.gz").resolve()
+    if not path.exists():
+        pytest.skip(f"{path} is not here")
+    start = time.perf_counter()
+    splits = read_splits(path)
+    took = time.perf_counter() - start
+    names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    assert sorted(splits) == ["test", "train"]
+    for split, n in (("train", 50000), ("test", 10000)):
+        s = splits[split]
+        assert s.images.shape == (n, 3, 32, 32) and s.classes == names and s.skipped == []
+        assert torch.bincount(s.labels).tolist() == [n // 10] * 10
+    assert splits["test"].images.float().std() > 30  # real pictures, not zeros
+    assert took < 60, f"reading CIFAR-10 took {took:.1f}s"
