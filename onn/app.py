@@ -130,6 +130,14 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
             config["data"]["name"],
         )
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    image_model = str(config["model"].get("source") or "").startswith(("zoo:", "timm:"))
+    image_data = (config.get("data") or {}).get("modality") == "image"
+    if image_model != image_data and task != "bench_shard_plan":
+        raise UserError(
+            f"model={config['model']['name']} is {'an image classifier' if image_model else 'a language model'} but "
+            f"data={config['data']['name']} is {'image' if image_data else 'text'} data: pick a matching pair "
+            "(e.g. model=v28_cnn data=cifar10, or model=phi4_tiny data=math)."
+        )
     if task in ("train", "eval", "infer", "tune"):
         # These tasks import them anyway; importing before planning lets the plan's CPU baseline
         # (the process's resident memory, measured) include them, as the measured peak will.
@@ -141,7 +149,7 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         config["hardware"], Path(config["paths"]["cache"]), Path(config["paths"]["outputs"])
     )
     lora_rank = int((config["strategy"].get("lora") or {}).get("r", 8))
-    spec = model_spec(config["model"], lora_rank, cache_dir=config["paths"]["cache"])
+    spec = model_spec(config["model"], lora_rank, cache_dir=config["paths"]["cache"], data_cfg=config["data"])
     # task=tune starts from the planner's own guess; every other task takes a cached tune result
     plan = make_plan(config, hardware, spec, use_tuned=task != "tune")
     (run_dir / "plan.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
@@ -159,6 +167,16 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     }
     if task == "plan":
         return out
+    from onn.training.vision import is_image_run
+
+    if is_image_run(config) and task in ("train", "eval", "infer", "export"):
+        from onn.training import vision
+
+        return {**out, **getattr(vision, {"eval": "evaluate"}.get(task, task))(config, plan, run_dir, ckpt)}
+    if task == "bench_vision":
+        from onn.bench.vision import run as bench_vision
+
+        return {**out, **bench_vision(config, plan, run_dir)}
     if task == "train":
         from onn.training.fit import train
 
@@ -192,5 +210,5 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
 
         return {**out, **bench_streaming(config, plan, run_dir)}
     raise UserError(
-        f"task={task} is not one of train, eval, infer, export, plan, bench, bench_streaming, bench_shard_plan, tune."
+        f"task={task} is not one of train, eval, infer, export, plan, bench, bench_streaming, bench_shard_plan, bench_vision, tune."
     )

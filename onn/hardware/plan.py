@@ -49,6 +49,8 @@ HEADROOM = 0.95  # use at most 95% of what is left after the context
 # live tensors. Streaming frees per chunk and showed none of it.
 CPU_HEAP_OVERHEAD = 0.7
 CANDIDATES = ("full", "lora", "qlora", "sparse_lora")
+IMAGE_SOURCES = ("zoo:", "timm:")
+IMAGE_CANDIDATES = ("full", "linear_probe")
 AUTO_ORDER = ("lora", "qlora", "sparse_lora")  # pretrained weights: the first that fits wins
 # Bytes per stored value; int8 and nf4 carry one fp32 scale per 256 / 64 values (onn/strategies/store.py).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1 + 4 / 256, "nf4": 0.5 + 4 / 64}
@@ -71,6 +73,10 @@ class ModelSpec:
     vocab: int
     layer_map: str
     pretrained: bool
+    kind: str = "lm"  # lm | image
+    sample_activation_bytes: int = 0  # image models: what autograd keeps per sample (fp32), counted on meta
+    sample_flops: int = 0  # image models: forward FLOPs per sample
+    head_params: int = 0  # image models: the classifier head, what a linear probe trains
 
     @property
     def n_blocks(self) -> int:
@@ -102,9 +108,13 @@ class Estimate:
         return self.weights_mb + self.optimizer_mb + self.workspace_mb + held
 
 
-def model_spec(model_cfg: dict[str, Any], lora_rank: int, cache_dir: str | None = None) -> ModelSpec:
+def model_spec(model_cfg: dict[str, Any], lora_rank: int, cache_dir: str | None = None,
+               data_cfg: dict[str, Any] | None = None) -> ModelSpec:  # fmt: skip
     """The model's sizes, read off its meta-device build. The result is cached under cache_dir
-    for models described by an architecture dict, so a repeated `task=plan` imports no torch."""
+    for models described by an architecture dict, so a repeated `task=plan` imports no torch.
+    Image classifiers (zoo:/timm: sources) are sized for the data config's channels, classes and image size."""
+    if str(model_cfg.get("source", "")).startswith(IMAGE_SOURCES):
+        return image_spec(model_cfg, data_cfg or {})
     cache = _spec_cache_path(model_cfg, lora_rank, cache_dir)
     if cache is not None and cache.is_file():
         return ModelSpec(**json.loads(cache.read_text()))
@@ -173,6 +183,119 @@ def _measure_spec(model_cfg: dict[str, Any], lora_rank: int) -> ModelSpec:
         layer_map=lmap.describe(),
         pretrained=is_pretrained(model_cfg),
     )
+
+
+def image_spec(model_cfg: dict[str, Any], data_cfg: dict[str, Any]) -> ModelSpec:
+    """An image classifier's sizes: parameters, and per sample the forward FLOPs and the bytes autograd
+    saves for backward, both counted during one forward pass on the meta device (nothing is allocated)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from onn.models.layers import discover
+    from onn.models.vision import build_classifier, feature_extractor
+
+    channels = data_cfg.get("channels")
+    size = data_cfg.get("image_size") or 32
+    size = [int(size), int(size)] if isinstance(size, int) else [int(v) for v in size]
+    classes = data_cfg.get("num_classes")
+    channels = channels if isinstance(channels, int) else 3
+    classes = classes if isinstance(classes, int) else 10
+    with torch.device("meta"):
+        model = build_classifier(model_cfg, channels, classes, size)
+    saved = 0
+
+    def pack(t: torch.Tensor):
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    x = torch.empty(1, channels, *size, device="meta")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as flops:
+        model.train()(x.requires_grad_(False))
+    lmap = discover(model, (model_cfg.get("layer_map") or {}).get("blocks"))
+    _, width = feature_extractor(model)
+    params = sum(p.numel() for p in model.parameters())
+    return ModelSpec(name=str(model_cfg.get("name")), params=params, block_params=lmap.block_params(),
+                     prefix_params=lmap.prefix_params(), suffix_params=lmap.suffix_params(),
+                     lora_params_per_block=[0] * len(lmap.blocks), linear_params_per_block=[0] * len(lmap.blocks),
+                     hidden=0, intermediate=0, kv_dim=0, vocab=0, layer_map=lmap.describe(),
+                     pretrained=bool(model_cfg.get("weights")), kind="image", sample_activation_bytes=saved,
+                     sample_flops=int(flops.get_total_flops()), head_params=width * classes + classes)  # fmt: skip
+
+
+def make_image_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
+    """The plan for an image classifier: full training or a linear probe, the whole batch in one pass."""
+    strategy_cfg, data_cfg = cfg["strategy"], cfg["data"]
+    requested = strategy_cfg["name"]
+    if requested not in ("auto", *IMAGE_CANDIDATES):
+        raise UserError(
+            f"strategy={requested}: image classifiers train with strategy=full or strategy=linear_probe."
+        )
+    batch = int(data_cfg.get("batch_size", 128))
+    precision = strategy_cfg.get("precision", "auto")
+    reasons = []
+    if (
+        precision in (None, "auto")
+        and hw["accelerator"] == "cpu"
+        and hw.get("source") != "preset"
+        and _cpu_bf16()
+    ):
+        precision = "bf16-mixed"  # oneDNN runs bf16 convolutions on AMX / AVX512-BF16: v28 trained 2x faster
+        reasons.append("precision bf16-mixed: this CPU has bf16 matrix units (AMX / AVX512-BF16)")
+    precision = choose_precision(hw) if precision in (None, "auto") else precision
+    half = precision.startswith(("bf16", "16"))
+    optimizer_bytes = 8 if cfg.get("optim", {}).get("name", "adamw") == "adamw" else 4
+    ctx = context_mb(hw)
+    estimates = {}
+    for name in IMAGE_CANDIDATES:
+        trainable = spec.params if name == "full" else spec.head_params
+        # a probe's backbone runs once, without autograd, to cache features: one batch of activations
+        activations = spec.sample_activation_bytes * batch * (0.5 if half else 1) if name == "full" else 0
+        weights, grads, optim = spec.params * 4, trainable * 4, trainable * optimizer_bytes
+        workspace = 0.05 * (weights + activations) + (
+            CPU_HEAP_OVERHEAD * activations if hw["accelerator"] == "cpu" else 0
+        )
+        est = Estimate(name, False, batch, weights / MB, grads / MB, optim / MB, activations / MB, workspace / MB, ctx,
+                       note="plus the resident dataset, measured when it is read")  # fmt: skip
+        est.fits = est.peak_mb <= budget_mb(hw)
+        estimates[name] = est
+    if requested == "auto":
+        chosen = "full"
+        reasons.insert(
+            0, "image classifier: train every weight (strategy=linear_probe trains a head on frozen features)"
+        )
+    else:
+        chosen = requested
+        reasons.insert(0, f"strategy={requested} was asked for")
+    est = estimates[chosen]
+    if not est.fits:
+        reasons.append(
+            f"WARNING: predicted {est.peak_mb:,.0f} MB exceeds the {budget_mb(hw):,.0f} MB budget; lower data.batch_size"
+        )
+    tflops = float(hw.get("matmul_tflops") or 1.0)
+    step_flops = spec.sample_flops * batch * (3 if chosen == "full" else 0)
+    return {
+        "strategy": chosen, "requested": requested, "reasons": reasons, "micro_batch": batch, "accumulate": 1,
+        "precision": precision, "weights_dtype": "float32", "sequence_length": None,
+        "predicted_peak_memory_mb": round(est.peak_mb, 1), "predicted_step_s": round(step_flops / (tflops * 1e12), 4),
+        "context_mb": round(ctx, 1), "budget_mb": round(budget_mb(hw), 1), "sparse_layers": None,
+        "gradient_checkpointing": False, "settings_source": "plan", "streaming": None,
+        "hardware": {k: hw.get(k) for k in ("name", "accelerator", "device_name", "device_memory_mb", "host_memory_mb",
+                                              "matmul_tflops", "disk_read_mb_s", "h2d_mb_s", "source")},
+        "model": {"name": spec.name, "params": spec.params, "blocks": spec.n_blocks, "layer_map": spec.layer_map,
+                  "pretrained": spec.pretrained, "flops_per_sample": spec.sample_flops,
+                  "activation_bytes_per_sample": spec.sample_activation_bytes},
+        "candidates": {name: {**{k: round(v, 1) if isinstance(v, float) else v for k, v in asdict(e).items()},
+                              "peak_mb": round(e.peak_mb, 1)} for name, e in estimates.items()},
+    }  # fmt: skip
+
+
+def _cpu_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def _cfg_int(config, *names: str, default: int) -> int:
@@ -481,6 +604,8 @@ def make_plan(
     cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec, use_tuned: bool = True
 ) -> dict[str, Any]:
     """The plan: chosen strategy with reasons, micro-batch, precision, and every candidate's memory."""
+    if spec.kind == "image":
+        return make_image_plan(cfg, hw, spec)
     strategy_cfg, data_cfg = cfg["strategy"], cfg["data"]
     requested = strategy_cfg["name"]
     seq = int(data_cfg.get("max_length", 256))
@@ -702,8 +827,13 @@ def render(plan: dict[str, Any]) -> str:
     lines.append(
         f"predicted peak memory: {peak:,.0f} MB allocated (+{ctx:,.0f} MB {ctx_name} = {peak + ctx:,.0f} MB); budget {plan['budget_mb']:,.0f} MB"
     )
+    where = (
+        f"at data.max_length={plan['sequence_length']}"
+        if plan["sequence_length"]
+        else f"for a batch of {plan['micro_batch']}"
+    )
     lines.append(
-        f"predicted step time: {plan['predicted_step_s']:.3f} s at data.max_length={plan['sequence_length']} (a prediction; task=bench measures it)"
+        f"predicted step time: {plan['predicted_step_s']:.3f} s {where} (a prediction; the run measures it)"
     )
     if plan.get("streaming"):
         s = plan["streaming"]

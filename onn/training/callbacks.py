@@ -27,8 +27,9 @@ class StepClock(L.Callback):
         engine = getattr(pl_module, "engine", None)
         if engine is not None:
             self._engine_t0 = (engine.times.io_s, engine.times.compute_s)
-        self.tokens.append(int(batch["attention_mask"].sum()))
-        self.widths.append(int(batch["input_ids"].shape[1]))
+        if isinstance(batch, dict):  # token batches; image batches are (images, labels)
+            self.tokens.append(int(batch["attention_mask"].sum()))
+            self.widths.append(int(batch["input_ids"].shape[1]))
         self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -1,0 +1,306 @@
+"""task=bench_vision: what ONN's image runner costs, and what its device-resident pipeline saves.
+
+runner overhead   the same model, optimiser, augmentation, precision and batches from the same
+                  device-resident tensors, trained by a plain hand-written PyTorch loop and by ONN
+                  (Lightning Trainer + ImageClassifier, as a run uses them): plain / ONN - 1.
+resident speedup  the two ways of feeding v28 its training batches (the recipe's batch size, augmentation
+                  and normalisation, on the compute device), timed alone: ONN's resident uint8
+                  tensors sliced by a shuffled index and augmented on the device, against the standard
+                  per-sample pipeline (a Dataset that PIL-decodes each image and applies torchvision
+                  transforms, a DataLoader with workers collating batches): resident / standard
+                  batches-ready samples/s.
+train speedup     the same two pipelines each training v28 end to end: resident / standard samples/s.
+                  Where the model's compute dominates (v28 on a few CPU cores) this is far below the
+                  pipeline ratio; on a GPU, where v28's step takes a millisecond, it approaches it.
+
+Throughput is wall time over whole iterations (data, step, loop overhead), after warm-up steps,
+best of `task.repeats` alternating rounds so that a noisy neighbour hurts both sides alike.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import tarfile
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from onn.errors import UserError
+
+log = logging.getLogger("onn")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+
+
+def run(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    import lightning as L
+
+    from onn.training import vision
+
+    task = config["task"]
+    steps, warmup, repeats = (
+        int(task.get("steps", 30)),
+        int(task.get("warmup", 10)),
+        int(task.get("repeats", 3)),
+    )
+    if steps < 2 or warmup < 1 or repeats < 1:
+        raise UserError("task.steps must be 2 or more, task.warmup and task.repeats 1 or more.")
+    dm = vision.datamodule(config, plan)
+    inputs = vision._inputs(config, dm)
+    batch = dm.batch_size
+    results: dict[str, list[float]] = {"plain": [], "onn": [], "standard": [], "resident": []}
+    for _ in range(repeats):
+        L.seed_everything(0, verbose=False)
+        results["plain"].append(_plain_loop(config, plan, inputs, dm, steps, warmup))
+        results["onn"].append(_onn_run(config, plan, inputs, dm, run_dir, steps, warmup))
+    standard = StandardPipeline(config, dm, inputs)
+    pipe = {"standard": [], "resident": []}
+    for _ in range(repeats):
+        results["standard"].append(
+            _plain_loop(config, plan, inputs, dm, steps, warmup, loader=standard.loader())
+        )
+        results["resident"].append(_plain_loop(config, plan, inputs, dm, steps, warmup))
+        pipe["standard"].append(_pipeline_only(standard.loader(), steps, warmup, batch, augment=None))
+        pipe["resident"].append(
+            _pipeline_only(dm.train_dataloader(), steps, warmup, batch, augment=_augment(config, inputs))
+        )
+    best = {k: max(v) for k, v in results.items()}
+    best_pipe = {k: max(v) for k, v in pipe.items()}
+    metrics = {
+        "vision/runner_overhead": round(best["plain"] / best["onn"] - 1, 4),
+        "vision/plain_samples_per_s": round(best["plain"], 1),
+        "vision/onn_samples_per_s": round(best["onn"], 1),
+        "vision/resident_speedup": round(best_pipe["resident"] / best_pipe["standard"], 2),
+        "vision/pipeline_resident_samples_per_s": round(best_pipe["resident"], 1),
+        "vision/pipeline_standard_samples_per_s": round(best_pipe["standard"], 1),
+        "vision/train_speedup": round(best["resident"] / best["standard"], 3),
+        "vision/train_resident_samples_per_s": round(best["resident"], 1),
+        "vision/train_standard_samples_per_s": round(best["standard"], 1),
+        "vision/rounds": {
+            **{k: [round(x, 1) for x in v] for k, v in results.items()},
+            **{f"pipeline_{k}": [round(x, 1) for x in v] for k, v in pipe.items()},
+        },  # fmt: skip
+        "vision/batch_size": batch,
+        "vision/timed_steps": steps,
+        "vision/standard_workers": standard.workers,
+    }
+    for line in (
+        f"runner overhead: plain loop {best['plain']:.0f} samples/s, ONN {best['onn']:.0f} samples/s -> {metrics['vision/runner_overhead']:+.3f}",
+        f"pipelines: resident {best_pipe['resident']:.0f} samples/s, standard Dataset+DataLoader "
+        f"{best_pipe['standard']:.0f} samples/s -> resident_speedup x{metrics['vision/resident_speedup']:.1f}",
+        f"training v28 on each: resident {best['resident']:.0f} samples/s, standard {best['standard']:.0f} samples/s "
+        f"-> train_speedup x{metrics['vision/train_speedup']:.2f}",
+    ):
+        print(line)
+    return metrics
+
+
+def _augment(config: dict[str, Any], inputs: dict[str, Any]):
+    from onn.data.augment import BatchAugment
+
+    return BatchAugment(config["data"].get("augment"), inputs["mean"], inputs["std"])
+
+
+def _plain_model(config: dict[str, Any], inputs: dict[str, Any], device: torch.device):
+    from onn.models.vision import build_classifier
+
+    torch.manual_seed(int(config.get("seed", 0)))
+    channels, height, width = inputs["image_shape"]
+    model = build_classifier(config["model"], channels, len(inputs["classes"]), [height, width]).to(device)
+    if config["model"].get("channels_last"):
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def _optimizer(config: dict[str, Any], model):
+    o = config["optim"]
+    if o.get("name", "sgd") == "adamw":
+        return torch.optim.AdamW(
+            model.parameters(), lr=float(o["lr"]), weight_decay=float(o.get("weight_decay", 0.0))
+        )
+    return torch.optim.SGD(model.parameters(), lr=float(o["lr"]), momentum=float(o.get("momentum", 0.9)),
+                           weight_decay=float(o.get("weight_decay", 0.0)), nesterov=bool(o.get("nesterov", False)))  # fmt: skip
+
+
+def _plain_loop(config, plan, inputs, dm, steps: int, warmup: int, loader=None) -> float:
+    """The hand-written loop: samples/s over `steps` iterations after `warmup` ones."""
+    device = dm.device
+    model = _plain_model(config, inputs, device).train()
+    optimizer = _optimizer(config, model)
+    augment = _augment(config, inputs)
+    channels_last = bool(config["model"].get("channels_last"))
+    smoothing = float(config["task"].get("label_smoothing", 0.0) or 0.0)
+    bf16 = plan["precision"].startswith("bf16")
+    from_resident = loader is None
+    stamps = []
+    while len(stamps) <= warmup + steps:
+        for images, labels in loader if loader is not None else dm.train_dataloader():
+            stamps.append(time.perf_counter())
+            if len(stamps) > warmup + steps:
+                break
+            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            x = (
+                augment(images, train=True) if from_resident else images
+            )  # the standard pipeline augmented per sample
+            if channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss = F.cross_entropy(model(x), labels, label_smoothing=smoothing)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    return dm.batch_size * steps / (stamps[warmup + steps] - stamps[warmup])
+
+
+class _Stamps:
+    """A Lightning callback that stamps the start of every training batch."""
+
+    def __init__(self):
+        import lightning as L
+
+        class Callback(L.Callback):
+            def on_train_batch_start(cb, trainer, pl_module, batch, batch_idx):  # noqa: N805
+                self.stamps.append(time.perf_counter())
+
+            def on_train_end(cb, trainer, pl_module):  # noqa: N805
+                self.stamps.append(time.perf_counter())
+
+        self.stamps: list[float] = []
+        self.callback = Callback()
+
+
+def _onn_run(config, plan, inputs, dm, run_dir: Path, steps: int, warmup: int) -> float:
+    """ONN as a run trains: the ImageClassifier under a Lightning Trainer with ONN's callbacks."""
+    from onn.training import vision
+
+    module = vision.build(config, plan, inputs)
+    stamps = _Stamps()
+    callbacks = [c for c in vision._callbacks(config, run_dir / "bench") if not hasattr(c, "best_model_path")]
+    cfg = {**config, "trainer": {**config["trainer"], "max_steps": warmup + steps, "max_epochs": -1,
+                                 "limit_val_batches": 0, "num_sanity_val_steps": 0, "enable_checkpointing": False}}  # fmt: skip
+    trainer = vision._trainer(cfg, plan, run_dir / "bench", [*callbacks, stamps.callback], len(dm.train_dataloader()),
+                              with_loggers=False)  # fmt: skip
+    trainer.fit(module, train_dataloaders=dm.train_dataloader())
+    # stamps: the start of each step, then the end of training (after the last step)
+    return dm.batch_size * steps / (stamps.stamps[warmup + steps] - stamps.stamps[warmup])
+
+
+def _pipeline_only(loader, steps: int, warmup: int, batch: int, augment) -> float:
+    """Batches ready for the model (decoded, augmented, normalised, on the device), no model."""
+    stamps = []
+    while len(stamps) <= warmup + steps:
+        for images, _ in loader:
+            stamps.append(time.perf_counter())
+            if len(stamps) > warmup + steps:
+                break
+            if augment is not None:
+                augment(images, train=True)
+    return batch * steps / (stamps[warmup + steps] - stamps[warmup])
+
+
+class _EncodedImages(torch.utils.data.Dataset):
+    """The standard pipeline's Dataset: one encoded image per item, PIL-decoded and transformed on access."""
+
+    def __init__(self, items: list[tuple[bytes, int]], transform):
+        self.items, self.transform = items, transform
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        from PIL import Image
+
+        data, label = self.items[i]
+        image = Image.open(io.BytesIO(data)).convert("RGB" if self.transform.channels == 3 else "L")
+        return self.transform(image), label
+
+
+class _Transform:
+    def __init__(self, shape: list[int], augment: dict[str, Any] | None, mean, std):
+        from torchvision import transforms as T
+
+        self.channels = shape[0]
+        steps = []
+        augment = augment or {}
+        if augment.get("crop_padding"):
+            mode = augment.get("padding_mode", "reflect").replace("zeros", "constant")
+            steps.append(
+                T.RandomCrop(tuple(shape[1:]), padding=int(augment["crop_padding"]), padding_mode=mode)
+            )
+        if augment.get("hflip"):
+            steps.append(T.RandomHorizontalFlip(float(augment["hflip"])))
+        self.compose = T.Compose([*steps, T.ToTensor(), T.Normalize(mean, std)])
+
+    def __call__(self, image):
+        return self.compose(image)
+
+
+class StandardPipeline:
+    """torchvision's usual recipe: encoded images -> Dataset (PIL decode, transforms per sample) -> DataLoader."""
+
+    def __init__(self, config: dict[str, Any], dm, inputs: dict[str, Any]):
+        self.config, self.dm = config, dm
+        self.workers = int(config["task"].get("standard_workers", 2))
+        channels = inputs["image_shape"][0]
+        self.transform = _Transform(
+            inputs["image_shape"], config["data"].get("augment"), inputs["mean"], inputs["std"]
+        )
+        self.items = _encoded_train_images(str(config["data"]["source"]), dm, channels)
+        log.info(
+            "standard pipeline: %d encoded training images, %d DataLoader workers",
+            len(self.items),
+            self.workers,
+        )
+
+    def loader(self):
+        return torch.utils.data.DataLoader(
+            _EncodedImages(self.items, self.transform), batch_size=self.dm.batch_size, shuffle=True, drop_last=True,
+            num_workers=self.workers, persistent_workers=False, pin_memory=self.dm.device.type == "cuda",
+        )  # fmt: skip
+
+
+def _encoded_train_images(source: str, dm, channels: int) -> list[tuple[bytes, int]]:
+    """The training images as their files' bytes (image folders and archives), or PNG-encoded from the
+    decoded arrays for formats that store raw pixels (IDX, CIFAR binary, .mat)."""
+    path = Path(source).expanduser()
+    classes = {c: i for i, c in enumerate(dm.classes)}
+    items: list[tuple[bytes, int]] = []
+
+    def take(name: str, read) -> None:
+        parts = Path(name).parts
+        if (
+            name.lower().endswith(IMAGE_SUFFIXES)
+            and len(parts) >= 2
+            and parts[-2] in classes
+            and "test" not in parts[:-2]
+        ):
+            items.append((read(), classes[parts[-2]]))
+
+    if path.is_dir():
+        for f in sorted(path.rglob("*")):
+            if f.is_file():
+                take(str(f.relative_to(path)), f.read_bytes)
+    elif tarfile.is_tarfile(path):
+        with tarfile.open(path) as tar:
+            for member in tar:
+                if member.isfile():
+                    take(member.name, lambda m=member: tar.extractfile(m).read())
+    elif zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            for name in z.namelist():
+                take(name, lambda n=name: z.read(n))
+    if items:
+        return items
+    from PIL import Image
+
+    split = dm.splits["train"]
+    for image, label in zip(split.images.cpu(), split.labels.cpu().tolist()):
+        buffer = io.BytesIO()
+        array = image.permute(1, 2, 0).numpy()
+        Image.fromarray(array[..., 0] if channels == 1 else array).save(buffer, format="PNG")
+        items.append((buffer.getvalue(), label))
+    return items

@@ -1,0 +1,198 @@
+"""The image track end to end on generated images: train, best checkpoint, resume, early stopping,
+schedules, linear probe with cached features, streamed fallback, inference picture, bench_vision."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import compose
+
+from onn.errors import UserError
+
+COLOURS = [(220, 40, 40), (40, 200, 60), (50, 60, 230)]
+
+
+def make_images(root: Path, train: int = 24, test: int = 8, size: int = 16) -> Path:
+    """Three classes told apart by colour and stripe direction, with noise: learnable in a few epochs."""
+    from PIL import Image
+
+    gen = torch.Generator().manual_seed(0)
+    for split, count in (("train", train), ("test", test)):
+        for c, colour in enumerate(COLOURS):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                base = torch.tensor(colour, dtype=torch.float32).view(3, 1, 1).expand(3, size, size).clone()
+                if c == 1:
+                    base[:, ::4, :] = 255
+                elif c == 2:
+                    base[:, :, ::4] = 255
+                noisy = (base + 40 * torch.randn(3, size, size, generator=gen)).clamp(0, 255).to(torch.uint8)
+                Image.fromarray(noisy.permute(1, 2, 0).numpy()).save(folder / f"{i:03d}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    return make_images(tmp_path_factory.mktemp("images"))
+
+
+def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
+    from onn.app import execute
+
+    cfg = compose("model=v28_cnn", "data=image", "tracking=none", "trainer.enable_progress_bar=false",
+                  f"paths.outputs={tmp / 'outputs'}", f"paths.cache={tmp / 'cache'}", "data.batch_size=16",
+                  "trainer.max_steps=-1", "trainer.max_epochs=3", "trainer.val_check_interval=1.0",
+                  "optim.name=sgd", "optim.lr=0.05", "optim.warmup_steps=0", "optim.clip_grad_norm=0",
+                  "data.val_split=0.25", *overrides)  # fmt: skip
+    run_dir = tmp / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.get("ckpt"):
+        from onn.training.checkpoint_io import resolve
+
+        cfg["ckpt"] = str(resolve(cfg["ckpt"], cfg["paths"]["outputs"]))
+    return execute(cfg, run_dir), run_dir
+
+
+def test_train_learns_keeps_best_and_tests_it(images, tmp_path):
+    metrics, run_dir = run(tmp_path, f"data.source={images}", "tracking=tensorboard")
+    assert metrics["strategy"] == "full" and metrics["resident"] is True
+    assert metrics["epochs"] == 3 and len(metrics["val/history"]) == 3
+    assert metrics["train/loss_final"] < metrics["train/loss_initial"]
+    assert metrics["test/acc"] > 0.6  # chance is 1/3
+    assert 0 <= metrics["test/acc"] <= metrics["test/acc_top5"] == 1.0  # 3 classes: top-5 holds them all
+    best, last = Path(metrics["checkpoint_best"]), run_dir / "checkpoints" / "last.ckpt"
+    assert (
+        best.name == "best.ckpt" and (best / "model.safetensors").is_file() or any(best.glob("*.safetensors"))
+    )
+    assert any(last.glob("*.safetensors"))
+    assert metrics["val/acc_best"] == max(h["val/acc"] for h in metrics["val/history"])
+    assert Path(metrics["confusion_matrix"]).stat().st_size > 1000
+    events = list((run_dir / "tensorboard").rglob("events.out.tfevents*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = EventAccumulator(str(events[0].parent)).Reload().Tags()
+    assert "val/confusion_matrix" in tags["images"] and "val/acc" in tags["scalars"]
+
+
+def test_resume_infer_and_eval(images, tmp_path):
+    first, run_dir = run(tmp_path, f"data.source={images}", "trainer.max_epochs=2")
+    resumed, _ = run(
+        tmp_path, f"data.source={images}", "trainer.max_epochs=3", f"ckpt={run_dir}", name="resumed"
+    )
+    assert resumed["resumed_from"] and resumed["epochs"] == 3
+    assert [h["epoch"] for h in resumed["val/history"]] == [0, 1, 2]  # the history came with the checkpoint
+    assert resumed["val/history"][:2] == first["val/history"]
+
+    out, infer_dir = run(
+        tmp_path, "task=infer", f"ckpt={run_dir}", f"task.input={images / 'test'}", name="infer"
+    )
+    rows = [json.loads(line) for line in Path(out["infer/output"]).read_text().splitlines()]
+    assert len(rows) == 24 and {r["true"] for r in rows} == {"class0", "class1", "class2"}
+    assert all(r["predicted"] in ("class0", "class1", "class2") and len(r["top5"]) == 3 for r in rows)
+    assert out["infer/acc"] == pytest.approx(sum(r["true"] == r["predicted"] for r in rows) / 24, abs=1e-5)
+    from PIL import Image
+
+    assert Image.open(out["infer/grid"]).size[0] > 16 * 8
+    single, _ = run(
+        tmp_path, "task=infer", f"ckpt={run_dir}", f"task.input={images / 'test/class1/000.png'}", name="one"
+    )
+    assert single["infer/images"] == 1
+
+    evaluated, _ = run(tmp_path, "task=eval", f"ckpt={run_dir / 'checkpoints' / 'best.ckpt'}", name="eval")
+    assert evaluated["test/acc"] == pytest.approx(
+        first["test/acc"], abs=1e-6
+    )  # training tested best.ckpt too
+
+
+def test_early_stopping_and_schedules(images, tmp_path):
+    metrics, _ = run(tmp_path, f"data.source={images}", "optim.lr=0", "trainer.max_epochs=10",
+                     "task.early_stopping={patience: 1}", "optim.schedule=constant")  # fmt: skip
+    assert metrics["epochs"] < 10  # nothing improves at lr 0: stopped after patience + 1 validations
+    for schedule in ("step", "plateau", "onecycle", "linear"):
+        metrics, _ = run(tmp_path, f"data.source={images}", f"optim.schedule={schedule}", "trainer.max_epochs=2",
+                         "optim.step_size=1", name=schedule)  # fmt: skip
+        assert metrics["epochs"] == 2 and metrics["train/loss_final"] < metrics["train/loss_initial"], (
+            schedule
+        )
+    with pytest.raises(UserError, match="optim.schedule"):
+        run(tmp_path, f"data.source={images}", "optim.schedule=wobbly", name="bad")
+
+
+def test_linear_probe_trains_the_head_on_cached_features(images, tmp_path):
+    metrics, _ = run(tmp_path, f"data.source={images}", "strategy=linear_probe", "optim.lr=0.1")
+    assert metrics["strategy"] == "linear_probe"
+    assert metrics["params_trainable"] == 256 * 3 + 3  # v28's 256 features -> 3 classes
+    cached = list((tmp_path / "cache" / "features").glob("*.safetensors"))
+    assert len(cached) == 1
+    stamp = cached[0].stat().st_mtime_ns
+    again, _ = run(tmp_path, f"data.source={images}", "strategy=linear_probe", "optim.lr=0.1", name="again")
+    assert cached[0].stat().st_mtime_ns == stamp  # read from the cache, not computed again
+    assert again["val/history"] == metrics["val/history"]
+
+
+def test_streamed_fallback_trains_like_resident(images, tmp_path):
+    metrics, _ = run(tmp_path, f"data.source={images}", "data.resident=false", "data.num_workers=0",
+                     "trainer.max_epochs=2", "data.mean=[0.5,0.5,0.5]", "data.std=[0.25,0.25,0.25]")  # fmt: skip
+    assert metrics["resident"] is False and metrics["epochs"] == 2
+    assert metrics["train/loss_final"] < metrics["train/loss_initial"]
+
+
+def test_resident_batches_are_seeded_shuffles_of_every_sample():
+    from onn.data.images import ResidentBatches, Split
+
+    split = Split(
+        torch.arange(50).view(50, 1, 1, 1).to(torch.uint8), torch.arange(50), [str(i) for i in range(50)]
+    )
+    loader = ResidentBatches(split, 8, shuffle=True, seed=3, drop_last=True)
+    first = torch.cat([x.flatten() for x, _ in loader])
+    second = torch.cat([x.flatten() for x, _ in loader])
+    assert len(loader) == 6 and len(first) == 48 and len(set(first.tolist())) == 48
+    assert not torch.equal(first, second)  # each epoch its own order
+    again = ResidentBatches(split, 8, shuffle=True, seed=3, drop_last=True)
+    assert torch.equal(torch.cat([x.flatten() for x, _ in again]), first)  # reproducible from the seed
+    plain = ResidentBatches(split, 16, shuffle=False)
+    assert [len(y) for _, y in plain] == [16, 16, 16, 2]
+
+
+def test_user_mistakes_are_one_clear_error(images, tmp_path):
+    with pytest.raises(UserError, match="data.source is not set"):
+        run(tmp_path, name="nosource")
+    with pytest.raises(UserError, match="image classifier"):
+        run(tmp_path, f"data.source={images}", "strategy=lora", name="lora")
+    with pytest.raises(UserError, match="pick a matching pair"):
+        run(tmp_path, "data=math", name="mismatch")
+    with pytest.raises(UserError, match="task.input"):
+        run(tmp_path, "task=infer", f"data.source={images}", name="noinput")
+
+
+@pytest.mark.slow
+def test_bench_vision_reports_both_ratios(images, tmp_path):
+    metrics, _ = run(tmp_path, "task=bench_vision", f"data.source={images}", "task.steps=3", "task.warmup=1",
+                     "task.repeats=1", "task.standard_workers=0", "data.augment={crop_padding: 2, hflip: 0.5}")  # fmt: skip
+    for key in ("vision/runner_overhead", "vision/resident_speedup", "vision/pipeline_speedup"):
+        assert isinstance(metrics[key], float), key
+    assert metrics["vision/plain_samples_per_s"] > 0 and metrics["vision/standard_samples_per_s"] > 0
+    assert (
+        metrics["vision/pipeline_speedup"] > 1
+    )  # per-sample PIL decoding is slower than slicing a resident tensor
+
+
+@pytest.mark.parametrize(
+    "recipe, strategy, channels",
+    [("cifar10_v28", "full", 3), ("cifar10_v28_aug", "full", 3), ("cifar10_resnet18", "full", 3),
+     ("fashion_mnist_v28", "full", 1), ("oxford_flowers_probe", "linear_probe", 3), ("bench_vision", "full", 3)],
+)  # fmt: skip
+def test_recipes_compose_and_plan(recipe, strategy, channels):
+    from onn.hardware.plan import make_plan, model_spec
+
+    cfg = compose(f"recipe={recipe}", "data.source=/nowhere", "hardware=cpu_16gb")
+    assert cfg["data"]["modality"] == "image" and cfg["data"]["channels"] == channels
+    spec = model_spec(cfg["model"], 8, data_cfg=cfg["data"])
+    plan = make_plan(cfg, cfg["hardware"], spec)
+    assert plan["strategy"] == strategy and spec.kind == "image"
+    assert spec.sample_flops > 0 and spec.sample_activation_bytes > 0 and spec.n_blocks >= 3
+    assert plan["candidates"][strategy]["fits"]
