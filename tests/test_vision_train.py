@@ -43,11 +43,11 @@ def images(tmp_path_factory) -> Path:
 def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
     from onn.app import execute
 
-    cfg = compose("model=v28_cnn", "data=image", "tracking=none", "trainer.enable_progress_bar=false",
-                  f"paths.outputs={tmp / 'outputs'}", f"paths.cache={tmp / 'cache'}", "data.batch_size=16",
-                  "trainer.max_steps=-1", "trainer.max_epochs=3", "trainer.val_check_interval=1.0",
-                  "optim.name=sgd", "optim.lr=0.05", "optim.warmup_steps=0", "optim.clip_grad_norm=0",
-                  "data.val_split=0.25", *overrides)  # fmt: skip
+    groups = [] if any(o.startswith("recipe=") for o in overrides) else ["model=v28_cnn", "data=image"]
+    cfg = compose(*groups, "tracking=none", "trainer.enable_progress_bar=false", f"paths.outputs={tmp / 'outputs'}",
+                  f"paths.cache={tmp / 'cache'}", "data.batch_size=16", "trainer.max_steps=-1", "trainer.max_epochs=3",
+                  "trainer.val_check_interval=1.0", "optim.name=sgd", "optim.lr=0.05", "optim.warmup_steps=0",
+                  "optim.clip_grad_norm=0", "data.val_split=0.25", *overrides)  # fmt: skip
     run_dir = tmp / name
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.get("ckpt"):
@@ -196,3 +196,48 @@ def test_recipes_compose_and_plan(recipe, strategy, channels):
     assert plan["strategy"] == strategy and spec.kind == "image"
     assert spec.sample_flops > 0 and spec.sample_activation_bytes > 0 and spec.n_blocks >= 3
     assert plan["candidates"][strategy]["fits"]
+
+
+def test_corrupt_images_are_skipped_and_counted_in_a_run(tmp_path, caplog):
+    data = make_images(tmp_path / "bad", train=12, test=4)
+    (data / "train" / "class0" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    good = (data / "train" / "class1" / "000.png").read_bytes()
+    (data / "train" / "class1" / "truncated.png").write_bytes(good[: len(good) // 2])
+    with pytest.raises(UserError, match="max_bad_fraction"):
+        run(tmp_path, f"data.source={data}", "trainer.max_epochs=1", name="strict")
+    metrics, _ = run(
+        tmp_path, f"data.source={data}", "trainer.max_epochs=1", "data.max_bad_fraction=0.1", name="lenient"
+    )
+    assert metrics["images_skipped"] == 2
+    assert "broken.png" in caplog.text
+
+
+def test_idx_files_train_a_one_channel_model_and_export(tmp_path):
+    """Fashion-MNIST's layout (gzipped IDX, 28x28 greyscale) through the recipe, then ONNX and safetensors."""
+    import gzip
+    import struct
+
+    gen = torch.Generator().manual_seed(0)
+    folder = tmp_path / "fashion"
+    folder.mkdir()
+    for prefix, n in (("train", 60), ("t10k", 20)):
+        labels = torch.arange(n) % 3
+        images = (labels.view(n, 1, 1) * 80 + 20 * torch.rand(n, 28, 28, generator=gen)).to(torch.uint8)
+        (folder / f"{prefix}-images-idx3-ubyte.gz").write_bytes(
+            gzip.compress(struct.pack(">IIII", 0x803, n, 28, 28) + images.numpy().tobytes())
+        )
+        (folder / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(
+            gzip.compress(struct.pack(">II", 0x801, n) + labels.to(torch.uint8).numpy().tobytes())
+        )
+    metrics, run_dir = run(tmp_path, "recipe=fashion_mnist_v28", f"data.source={folder}", "trainer.max_epochs=4", "optim.warmup_steps=0",
+                           "data.batch_size=16", "export=onnx")  # fmt: skip
+    assert metrics["test/acc"] > 0.5 and metrics["export/max_abs_diff"] < 1e-3
+    import onnx
+
+    graph = onnx.load(metrics["export/onnx"]).graph
+    assert [d.dim_value for d in graph.input[0].type.tensor_type.shape.dim][1:] == [1, 28, 28]
+    saved, _ = run(tmp_path, "task=export", "export=safetensors", f"ckpt={run_dir}", name="export")
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(saved["export/path"]) / "model.safetensors"))
+    assert state["features.0.0.weight"].shape[1] == 1 and state["classifier.head.weight"].shape[0] == 10
