@@ -104,7 +104,7 @@ def features(module, dm, config: dict[str, Any]):
     weights = hashlib.sha256()
     for k in sorted(state):
         weights.update(k.encode())
-        weights.update(state[k].detach().float().cpu().numpy().tobytes()[:4096])
+        weights.update(state[k].detach().float().cpu().numpy().tobytes())
     key = json.dumps({"weights": weights.hexdigest(), "inputs": module.onn_config["inputs"],
                       "sizes": {k: len(v) for k, v in dm.splits.items()},
                       "labels": {k: int(v.labels.sum()) for k, v in dm.splits.items()}}, sort_keys=True)  # fmt: skip
