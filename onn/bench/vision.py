@@ -131,6 +131,8 @@ def _plain_loop(config, plan, inputs, dm, steps: int, warmup: int, loader=None) 
     device = dm.device
     model = _plain_model(config, inputs, device).train()
     optimizer = _optimizer(config, model)
+    scheduler = _scheduler(config, optimizer, warmup + steps)
+    clip = float(config["optim"].get("clip_grad_norm") or 0.0)
     augment = _augment(config, inputs)
     channels_last = bool(config["model"].get("channels_last"))
     smoothing = float(config["task"].get("label_smoothing", 0.0) or 0.0)
@@ -152,8 +154,24 @@ def _plain_loop(config, plan, inputs, dm, steps: int, warmup: int, loader=None) 
                 loss = F.cross_entropy(model(x), labels, label_smoothing=smoothing)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if clip > 0:  # the same work as ONN's step, which clips by optim.clip_grad_norm
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
     return dm.batch_size * steps / (stamps[warmup + steps] - stamps[warmup])
+
+
+def _scheduler(config: dict[str, Any], optimizer, total: int):
+    """The per-step schedule ONN's module would step (per-epoch ones never step inside a short bench)."""
+    schedule = config["optim"].get("schedule", "cosine")
+    if schedule not in ("cosine", "linear", "constant"):
+        return None
+    from transformers import get_scheduler
+
+    kind = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[schedule]
+    warmup = min(int(config["optim"].get("warmup_steps", 0) or 0), total)
+    return get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)
 
 
 class _Stamps:
