@@ -150,7 +150,12 @@ def _callbacks(config: dict[str, Any], run_dir: Path) -> list:
                            mode="min" if monitor.endswith("loss") else "max", save_top_k=1,
                            auto_insert_metric_name=False, enable_version_counter=False)  # fmt: skip
     last = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), save_top_k=0, save_last=True)
-    callbacks = [best, last, StepClock(), ResourceMonitor(int(config["trainer"].get("log_every_n_steps", 10)))]
+    callbacks = [
+        best,
+        last,
+        StepClock(),
+        ResourceMonitor(int(config["trainer"].get("log_every_n_steps", 10))),
+    ]
     stop = task.get("early_stopping")
     if stop:
         callbacks.append(EarlyStopping(monitor=monitor, mode="min" if monitor.endswith("loss") else "max",
