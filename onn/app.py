@@ -169,6 +169,10 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         return out
     from onn.training.vision import is_image_run
 
+    if is_image_run(config) and task in ("bench", "tune", "bench_streaming"):
+        raise UserError(
+            f"task={task} measures language models; for image classifiers use recipe=bench_vision."
+        )
     if is_image_run(config) and task in ("train", "eval", "infer", "export"):
         from onn.training import vision
 

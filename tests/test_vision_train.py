@@ -86,6 +86,14 @@ def test_resume_infer_and_eval(images, tmp_path):
     assert resumed["resumed_from"] and resumed["epochs"] == 3
     assert [h["epoch"] for h in resumed["val/history"]] == [0, 1, 2]  # the history came with the checkpoint
     assert resumed["val/history"][:2] == first["val/history"]
+    assert resumed["val/acc_best"] == max(h["val/acc"] for h in resumed["val/history"])  # over both runs
+    unchanged, _ = run(
+        tmp_path, f"data.source={images}", "trainer.max_epochs=2", f"ckpt={run_dir}", name="same"
+    )
+    assert unchanged["val/acc_best"] == max(
+        h["val/acc"] for h in first["val/history"]
+    )  # nothing new: the earlier best
+    assert unchanged["test/acc"] == pytest.approx(first["test/acc"], abs=1e-6)
 
     out, infer_dir = run(
         tmp_path, "task=infer", f"ckpt={run_dir}", f"task.input={images / 'test'}", name="infer"
@@ -139,6 +147,21 @@ def test_streamed_fallback_trains_like_resident(images, tmp_path):
                      "trainer.max_epochs=2", "data.mean=[0.5,0.5,0.5]", "data.std=[0.25,0.25,0.25]")  # fmt: skip
     assert metrics["resident"] is False and metrics["epochs"] == 2
     assert metrics["train/loss_final"] < metrics["train/loss_initial"]
+
+
+def test_separate_val_source_is_labelled_by_class_name(images, tmp_path):
+    import shutil
+
+    from onn.data.images import ImageDataModule
+
+    val = tmp_path / "val"
+    for name in ("class0", "class2"):  # one class missing: its folder index would shift the labels
+        shutil.copytree(images / "test" / name, val / name)
+    dm = ImageDataModule({"source": str(images), "val_source": str(val)}, tmp_path / "cache")
+    dm.setup()
+    split = dm.splits["val"]
+    assert sorted(set(split.labels.tolist())) == [0, 2]
+    assert all(dm.classes[label] in name for label, name in zip(split.labels.tolist(), split.names))
 
 
 def test_resident_batches_are_seeded_shuffles_of_every_sample():

@@ -64,9 +64,9 @@ def run(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str
             _plain_loop(config, plan, inputs, dm, steps, warmup, loader=standard.loader())
         )
         results["resident"].append(_plain_loop(config, plan, inputs, dm, steps, warmup))
-        pipe["standard"].append(_pipeline_only(standard.loader(), steps, warmup, batch, augment=None))
+        pipe["standard"].append(_pipeline_only(standard.loader(), steps, warmup, batch, None, dm.device))
         pipe["resident"].append(
-            _pipeline_only(dm.train_dataloader(), steps, warmup, batch, augment=_augment(config, inputs))
+            _pipeline_only(dm.train_dataloader(), steps, warmup, batch, _augment(config, inputs), dm.device)
         )
     best = {k: max(v) for k, v in results.items()}
     best_pipe = {k: max(v) for k, v in pipe.items()}
@@ -136,11 +136,23 @@ def _plain_loop(config, plan, inputs, dm, steps: int, warmup: int, loader=None) 
     augment = _augment(config, inputs)
     channels_last = bool(config["model"].get("channels_last"))
     smoothing = float(config["task"].get("label_smoothing", 0.0) or 0.0)
-    bf16 = plan["precision"].startswith("bf16")
+    precision = str(config["trainer"].get("precision") or "auto")
+    precision = plan["precision"] if precision == "auto" else precision  # what ONN's Trainer runs with
+    half = (
+        torch.bfloat16
+        if precision.startswith("bf16")
+        else torch.float16
+        if precision.startswith("16")
+        else None
+    )
+    scaler = torch.amp.GradScaler(
+        device.type, enabled=half is torch.float16
+    )  # Lightning's 16-mixed scales too
     from_resident = loader is None
     stamps = []
     while len(stamps) <= warmup + steps:
         for images, labels in loader if loader is not None else dm.train_dataloader():
+            _sync(device)
             stamps.append(time.perf_counter())
             if len(stamps) > warmup + steps:
                 break
@@ -150,16 +162,24 @@ def _plain_loop(config, plan, inputs, dm, steps: int, warmup: int, loader=None) 
             )  # the standard pipeline augmented per sample
             if channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None):
                 loss = F.cross_entropy(model(x), labels, label_smoothing=smoothing)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            scaler.scale(loss).backward()
             if clip > 0:  # the same work as ONN's step, which clips by optim.clip_grad_norm
+                scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
             if scheduler is not None:
                 scheduler.step()
     return dm.batch_size * steps / (stamps[warmup + steps] - stamps[warmup])
+
+
+def _sync(device: torch.device) -> None:
+    """CUDA runs asynchronously: a time stamp must wait for the work queued before it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _scheduler(config: dict[str, Any], optimizer, total: int):
@@ -182,9 +202,11 @@ class _Stamps:
 
         class Callback(L.Callback):
             def on_train_batch_start(cb, trainer, pl_module, batch, batch_idx):  # noqa: N805
+                _sync(pl_module.device)
                 self.stamps.append(time.perf_counter())
 
             def on_train_end(cb, trainer, pl_module):  # noqa: N805
+                _sync(pl_module.device)
                 self.stamps.append(time.perf_counter())
 
         self.stamps: list[float] = []
@@ -207,14 +229,16 @@ def _onn_run(config, plan, inputs, dm, run_dir: Path, steps: int, warmup: int) -
     return dm.batch_size * steps / (stamps.stamps[warmup + steps] - stamps.stamps[warmup])
 
 
-def _pipeline_only(loader, steps: int, warmup: int, batch: int, augment) -> float:
+def _pipeline_only(loader, steps: int, warmup: int, batch: int, augment, device: torch.device) -> float:
     """Batches ready for the model (decoded, augmented, normalised, on the device), no model."""
     stamps = []
     while len(stamps) <= warmup + steps:
         for images, _ in loader:
+            _sync(device)
             stamps.append(time.perf_counter())
             if len(stamps) > warmup + steps:
                 break
+            images = images.to(device, non_blocking=True)
             if augment is not None:
                 augment(images, train=True)
     return batch * steps / (stamps[warmup + steps] - stamps[warmup])
@@ -238,20 +262,32 @@ class _EncodedImages(torch.utils.data.Dataset):
 
 
 class _Transform:
-    def __init__(self, shape: list[int], augment: dict[str, Any] | None, mean, std):
+    def __init__(self, shape: list[int], data_cfg: dict[str, Any], mean, std):
         from torchvision import transforms as T
 
         self.channels = shape[0]
+        size = tuple(shape[1:])
         steps = []
-        augment = augment or {}
+        if (
+            data_cfg.get("image_size") and data_cfg.get("resize") == "center_crop"
+        ):  # as the decoder sizes images
+            steps += [T.Resize(min(size)), T.CenterCrop(size)]
+        elif data_cfg.get("image_size"):
+            steps.append(T.Resize(size))
+        augment = data_cfg.get("augment") or {}
         if augment.get("crop_padding"):
             mode = augment.get("padding_mode", "reflect").replace("zeros", "constant")
-            steps.append(
-                T.RandomCrop(tuple(shape[1:]), padding=int(augment["crop_padding"]), padding_mode=mode)
-            )
+            steps.append(T.RandomCrop(size, padding=int(augment["crop_padding"]), padding_mode=mode))
         if augment.get("hflip"):
             steps.append(T.RandomHorizontalFlip(float(augment["hflip"])))
-        self.compose = T.Compose([*steps, T.ToTensor(), T.Normalize(mean, std)])
+        if augment.get("color_jitter"):
+            steps.append(T.ColorJitter(**{k: v for k, v in augment["color_jitter"].items() if k != "hue"}))
+        steps += [T.ToTensor(), T.Normalize(mean, std)]
+        if augment.get("random_erasing"):
+            erasing = augment["random_erasing"]
+            steps.append(T.RandomErasing(p=float(erasing.get("p", 0.5)), scale=tuple(erasing.get("scale", (0.02, 0.33))),
+                                         ratio=tuple(erasing.get("ratio", (0.3, 3.3))), value=erasing.get("value", 0)))  # fmt: skip
+        self.compose = T.Compose(steps)
 
     def __call__(self, image):
         return self.compose(image)

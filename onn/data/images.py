@@ -89,11 +89,14 @@ class _StreamedItems(torch.utils.data.Dataset):
         return len(self.index)
 
     def __getitem__(self, i: int):
-        j = self.index[i]
-        image = self.items.load(j)
-        if image is None:  # corrupt: stand in the next item so batches keep their size
-            return self[(i + 1) % len(self)]
-        return image, self.items.labels[j]
+        for step in range(
+            len(self)
+        ):  # a corrupt item: the next good one stands in, so batches keep their size
+            j = self.index[(i + step) % len(self)]
+            image = self.items.load(j)
+            if image is not None:
+                return image, self.items.labels[j]
+        raise UserError("data.source: no image in this split could be decoded.")
 
 
 def decode_settings(data_cfg: dict[str, Any]) -> dict[str, Any]:
@@ -235,16 +238,19 @@ class ImageDataModule(L.LightningDataModule):
 
     def _setup_resident(self, source: str) -> None:
         sets = read_cached(source, self.cfg, self.cache_dir)
-        if self.cfg.get("val_source"):
-            sets["val"] = read_cached(
-                str(self.cfg["val_source"]), self.cfg, self.cache_dir, key="data.val_source"
-            )["all"]
-        if self.cfg.get("test_source"):
-            sets["test"] = read_cached(str(self.cfg["test_source"]), self.cfg, self.cache_dir, key="data.test_source")["all"]  # fmt: skip
+        for split in ("val", "test"):
+            if self.cfg.get(f"{split}_source"):
+                found = read_cached(
+                    str(self.cfg[f"{split}_source"]), self.cfg, self.cache_dir, key=f"data.{split}_source"
+                )
+                sets[split] = found.get("all") or found.get(split) or next(iter(found.values()))
         train = sets.get("train") or sets.get("all")
         if train is None:
             raise UserError(f"data.source={source} has no training images (found splits: {', '.join(sets)}).")
         self.classes = self._class_names(train.classes)
+        for split in ("val", "test"):
+            if self.cfg.get(f"{split}_source"):
+                sets[split] = _relabel(sets[split], self.classes, f"data.{split}_source")
         self._check_labels(sets)
         self.skipped = [s for v in sets.values() for s in v.skipped]
         splits = {
@@ -271,6 +277,10 @@ class ImageDataModule(L.LightningDataModule):
 
     def _setup_streamed(self, source: str) -> None:
         from onn.data.image_formats import list_items
+
+        if self.cfg.get("val_source") or self.cfg.get("test_source"):
+            raise UserError("a streamed dataset takes its splits from data.source: unset data.val_source/test_source, "
+                            "or set data.resident=true.")  # fmt: skip
 
         items = list_items(source, self.cfg.get("format", "auto") or "auto")
         settings = {
@@ -365,6 +375,18 @@ class ImageDataModule(L.LightningDataModule):
             shuffle=shuffle, drop_last=shuffle, num_workers=workers, persistent_workers=workers > 0,
             pin_memory=self.device.type == "cuda", generator=torch.Generator().manual_seed(self.seed),
         )  # fmt: skip
+
+
+def _relabel(images, classes: list[str], key: str):
+    """Labels of a separate val/test source, by class name, in the training set's class order."""
+    missing = [c for c in images.classes if c not in classes]
+    if missing:
+        raise UserError(
+            f"{key} has classes the training data does not: {missing[:5]}; use the same class names."
+        )
+    table = torch.tensor([classes.index(c) for c in images.classes] or [0], dtype=torch.long)
+    labels = torch.where(images.labels >= 0, table[images.labels.clamp_min(0)], images.labels)
+    return type(images)(images.images, labels, list(classes), images.names, images.skipped)
 
 
 def _memory_budget_mb(device: torch.device) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +50,17 @@ def input_stats(config: dict[str, Any], dm) -> tuple[list[float], list[float]]:
         channels = dm.image_shape[0]
         return [0.5] * channels, [0.5] * channels
     images = dm.splits["train"].images
-    picks = images[
-        torch.randperm(len(images), generator=torch.Generator().manual_seed(0))[:10_000].to(images.device)
-    ]
-    x = picks.float().transpose(0, 1).flatten(1) / 255
-    return [round(float(v), 4) for v in x.mean(1)], [round(float(v), 4) for v in x.std(1).clamp_min(1e-3)]
+    picks = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))[:10_000].to(images.device)
+    total = torch.zeros(images.shape[1], dtype=torch.float64, device=images.device)
+    squares, count = torch.zeros_like(total), 0
+    for chunk in picks.split(500):  # float64 sums over chunks: no float copy of the whole sample
+        x = images[chunk].to(torch.float64).transpose(0, 1).flatten(1) / 255
+        total += x.sum(1)
+        squares += (x * x).sum(1)
+        count += x.shape[1]
+    mean = total / count
+    std = (squares / count - mean * mean).clamp_min(1e-6).sqrt()
+    return [round(float(v), 4) for v in mean], [round(float(v), 4) for v in std]
 
 
 def build(config: dict[str, Any], plan: dict[str, Any], inputs: dict[str, Any]):
@@ -88,14 +95,16 @@ def build(config: dict[str, Any], plan: dict[str, Any], inputs: dict[str, Any]):
 
 def _inputs(config: dict[str, Any], dm) -> dict[str, Any]:
     mean, std = input_stats(config, dm)
-    return {"classes": dm.classes, "image_shape": list(dm.image_shape), "mean": mean, "std": std}
+    # the seed picks the validation split held out of train: eval and infer of a checkpoint reuse it
+    return {"classes": dm.classes, "image_shape": list(dm.image_shape), "mean": mean, "std": std,
+            "seed": int(config.get("seed", 0))}  # fmt: skip
 
 
 def features(module, dm, config: dict[str, Any]):
     """A datamodule of backbone features for every split, computed once and cached (safetensors)."""
     from safetensors.torch import load_file, save_file
 
-    from onn.data.images import ImageDataModule, ResidentBatches, Split
+    from onn.data.images import ImageDataModule, ResidentBatches, Split, decode_settings
 
     if dm.streamed:
         raise UserError("strategy=linear_probe needs the dataset resident in memory; set data.resident=true.")
@@ -106,8 +115,9 @@ def features(module, dm, config: dict[str, Any]):
         weights.update(k.encode())
         weights.update(state[k].detach().float().cpu().numpy().tobytes())
     key = json.dumps({"weights": weights.hexdigest(), "inputs": module.onn_config["inputs"],
-                      "sizes": {k: len(v) for k, v in dm.splits.items()},
-                      "labels": {k: int(v.labels.sum()) for k, v in dm.splits.items()}}, sort_keys=True)  # fmt: skip
+                      "data": {k: hashlib.sha256("\n".join(v.names).encode()).hexdigest() for k, v in dm.splits.items()},
+                      "decode": decode_settings(config["data"]), "source": str(config["data"].get("source"))},
+                     sort_keys=True)  # fmt: skip
     cache = (
         Path(config["paths"]["cache"])
         / "features"
@@ -127,7 +137,7 @@ def features(module, dm, config: dict[str, Any]):
                     chunks.append(backbone(x).float().flatten(1))
                 saved[name] = torch.cat(chunks)
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(".tmp")
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
         save_file({k: v.cpu().contiguous() for k, v in saved.items()}, str(tmp))
         tmp.replace(cache)
         log.info("linear probe: %d-wide features of %d images cached to %s", next(iter(saved.values())).shape[1],
@@ -195,6 +205,8 @@ def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
     from onn.training.callbacks import StepClock
     from onn.training.classifier import save_confusion
 
+    if ckpt is not None:  # a resumed run keeps the validation split it started with
+        config = {**config, "seed": _saved_inputs(ckpt).get("seed", config.get("seed", 0))}
     dm = datamodule(config, plan)
     inputs = _inputs(config, dm) if ckpt is None else _saved_inputs(ckpt)
     module = build(config, plan, inputs)
@@ -206,7 +218,9 @@ def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
     with PeakMemory(_device(plan)) as peak:
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
         trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"))  # the final state, also mid-epoch
-    best = trainer.checkpoint_callback.best_model_path
+    best, best_score = _best(
+        trainer.checkpoint_callback, ckpt, run_dir, config["task"].get("monitor", "val/acc")
+    )
     metrics: dict[str, Any] = {
         "epochs": trainer.current_epoch,
         "steps": trainer.global_step,
@@ -215,7 +229,7 @@ def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
         if module.train_losses
         else None,
         "val/history": module.history,
-        "val/acc_best": round(float(trainer.checkpoint_callback.best_model_score), 5) if best else None,
+        "val/acc_best": round(best_score, 5) if best_score is not None else None,
         "val/acc_final": module.history[-1]["val/acc"] if module.history else None,
         "samples_per_s": clock.samples_per_s(dm.batch_size, skip=min(2, len(clock.step_s) - 1)),
         "peak_memory_mb": round(peak.peak_mb, 1),
@@ -242,6 +256,31 @@ def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
     if (config.get("export") or {}).get("name") not in (None, "none"):
         metrics.update(_export(config, module, run_dir))
     return metrics
+
+
+def _best(callback, ckpt: Path | None, run_dir: Path, monitor: str) -> tuple[str | None, float | None]:
+    """The whole run's best checkpoint and score. Lightning forgets the best score when a resumed run
+    writes to a new folder, so an earlier run's best.ckpt that beats this run's is copied in here."""
+    import shutil
+
+    from onn.training.checkpoint_io import read_meta
+
+    here = run_dir / "checkpoints"
+    path = callback.best_model_path or None
+    score = None
+    if path and Path(path).parent == here and callback.best_model_score is not None:
+        score = float(callback.best_model_score)
+    if ckpt is not None:
+        earlier = [h[monitor] for h in read_meta(ckpt).get("onn", {}).get("history") or [] if monitor in h]
+        old = Path(ckpt).parent / "best.ckpt"
+        better = min if monitor.endswith("loss") else max
+        if earlier and old.is_dir() and (score is None or better(better(earlier), score) != score):
+            target = here / "best.ckpt"
+            if target.exists():
+                shutil.rmtree(target)
+            shutil.copytree(old, target)
+            path, score = str(target), float(better(earlier))
+    return path, score
 
 
 def _saved_inputs(ckpt: Path) -> dict[str, Any]:
