@@ -99,7 +99,7 @@ def _write_metrics(run_dir: Path, metrics: dict[str, Any], started: float) -> No
 
 def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """The run itself, on a plain resolved config dict."""
-    from onn.hardware.plan import make_plan, model_spec, render
+    from onn.hardware.plan import IMAGE_SOURCES, make_plan, model_spec, render
     from onn.hardware.profile import resolve as resolve_hardware
 
     task = config["task"]["name"]
@@ -130,7 +130,7 @@ def execute(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
             config["data"]["name"],
         )
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    image_model = str(config["model"].get("source") or "").startswith(("zoo:", "timm:"))
+    image_model = str(config["model"].get("source") or "").startswith(IMAGE_SOURCES)
     image_data = (config.get("data") or {}).get("modality") == "image"
     if image_model != image_data and task != "bench_shard_plan":
         raise UserError(

@@ -212,7 +212,9 @@ def test_bench_vision_reports_both_ratios(images, tmp_path):
 def test_recipes_compose_and_plan(recipe, strategy, channels):
     from onn.hardware.plan import make_plan, model_spec
 
-    cfg = compose(f"recipe={recipe}", "data.source=/nowhere", "hardware=cpu_16gb")
+    cfg = compose(
+        f"recipe={recipe}", "data.source=/nowhere", "hardware=rtx3060_12gb"
+    )  # cifar10_resnet18 is a GPU recipe
     assert cfg["data"]["modality"] == "image" and cfg["data"]["channels"] == channels
     spec = model_spec(cfg["model"], 8, data_cfg=cfg["data"])
     plan = make_plan(cfg, cfg["hardware"], spec)

@@ -123,22 +123,17 @@ def _plain_model(config: dict[str, Any], inputs: dict[str, Any], device: torch.d
     return model
 
 
-def _optimizer(config: dict[str, Any], model):
-    o = config["optim"]
-    if o.get("name", "sgd") == "adamw":
-        return torch.optim.AdamW(
-            model.parameters(), lr=float(o["lr"]), weight_decay=float(o.get("weight_decay", 0.0))
-        )
-    return torch.optim.SGD(model.parameters(), lr=float(o["lr"]), momentum=float(o.get("momentum", 0.9)),
-                           weight_decay=float(o.get("weight_decay", 0.0)), nesterov=bool(o.get("nesterov", False)))  # fmt: skip
-
-
 def _plain_loop(config, plan, inputs, dm, steps: int, warmup: int, loader=None) -> float:
     """The hand-written loop: samples/s over `steps` iterations after `warmup` ones."""
     device = dm.device
     model = _plain_model(config, inputs, device).train()
-    optimizer = _optimizer(config, model)
-    scheduler = _scheduler(config, optimizer, warmup + steps)
+    from onn.training.classifier import make_optimizer, make_schedule
+
+    optimizer = make_optimizer(model.parameters(), config["optim"])
+    schedule = make_schedule(optimizer, config["optim"], warmup + steps)
+    scheduler = (
+        schedule["scheduler"] if schedule["interval"] == "step" else None
+    )  # per-epoch ones never step here
     clip = float(config["optim"].get("clip_grad_norm") or 0.0)
     augment = _augment(config, inputs)
     channels_last = bool(config["model"].get("channels_last"))
@@ -187,18 +182,6 @@ def _sync(device: torch.device) -> None:
     """CUDA runs asynchronously: a time stamp must wait for the work queued before it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _scheduler(config: dict[str, Any], optimizer, total: int):
-    """The per-step schedule ONN's module would step (per-epoch ones never step inside a short bench)."""
-    schedule = config["optim"].get("schedule", "cosine")
-    if schedule not in ("cosine", "linear", "constant"):
-        return None
-    from transformers import get_scheduler
-
-    kind = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[schedule]
-    warmup = min(int(config["optim"].get("warmup_steps", 0) or 0), total)
-    return get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)
 
 
 class _Stamps:

@@ -119,10 +119,6 @@ def read_cached(
 
     from onn.data.image_formats import ImageSet, read_splits, source_digest
 
-    if source in (None, "", "None"):
-        raise UserError(
-            f"{key} is not set: point it at your copy of the dataset (the data config's comment shows the layouts)."
-        )
     path = Path(os.path.expanduser(source))
     if not path.exists():
         raise UserError(
@@ -139,6 +135,10 @@ def read_cached(
             meta = json.loads(f.metadata()["onn"])
         tensors = load_file(str(cache))
         log.info("images: %s from the decoded cache %s", source, cache)
+        skipped = [item for s in meta["splits"].values() for item in s["skipped"]]
+        if skipped:  # the decoder named them when it read the source; say so again for this run
+            log.warning("images: %d of %s could not be decoded and are left out, e.g. %s", len(skipped), source,
+                        "; ".join(skipped[:3]))  # fmt: skip
         return {
             name: ImageSet(tensors[f"{name}.images"], tensors[f"{name}.labels"], meta["classes"], s["names"], s["skipped"])
             for name, s in meta["splits"].items()

@@ -234,12 +234,7 @@ def make_image_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) ->
     batch = int(data_cfg.get("batch_size", 128))
     precision = strategy_cfg.get("precision", "auto")
     reasons = []
-    if (
-        precision in (None, "auto")
-        and hw["accelerator"] == "cpu"
-        and hw.get("source") != "preset"
-        and _cpu_bf16()
-    ):
+    if precision in (None, "auto") and hw["accelerator"] == "cpu" and hw.get("bf16"):
         precision = "bf16-mixed"  # oneDNN runs bf16 convolutions on AMX / AVX512-BF16: v28 trained 2x faster
         reasons.append("precision bf16-mixed: this CPU has bf16 matrix units (AMX / AVX512-BF16)")
     precision = choose_precision(hw) if precision in (None, "auto") else precision
@@ -280,22 +275,13 @@ def make_image_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) ->
         "predicted_peak_memory_mb": round(est.peak_mb, 1), "predicted_step_s": round(step_flops / (tflops * 1e12), 4),
         "context_mb": round(ctx, 1), "budget_mb": round(budget_mb(hw), 1), "sparse_layers": None,
         "gradient_checkpointing": False, "settings_source": "plan", "streaming": None,
-        "hardware": {k: hw.get(k) for k in ("name", "accelerator", "device_name", "device_memory_mb", "host_memory_mb",
-                                              "matmul_tflops", "disk_read_mb_s", "h2d_mb_s", "source")},
+        "hardware": hardware_summary(hw),
         "model": {"name": spec.name, "params": spec.params, "blocks": spec.n_blocks, "layer_map": spec.layer_map,
                   "pretrained": spec.pretrained, "flops_per_sample": spec.sample_flops,
                   "activation_bytes_per_sample": spec.sample_activation_bytes},
         "candidates": {name: {**{k: round(v, 1) if isinstance(v, float) else v for k, v in asdict(e).items()},
                               "peak_mb": round(e.peak_mb, 1)} for name, e in estimates.items()},
     }  # fmt: skip
-
-
-def _cpu_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def _cfg_int(config, *names: str, default: int) -> int:
@@ -711,20 +697,7 @@ def make_plan(
         "gradient_checkpointing": checkpointing,
         "settings_source": "plan",
         "streaming": est.streaming or None,
-        "hardware": {
-            k: hw.get(k)
-            for k in (
-                "name",
-                "accelerator",
-                "device_name",
-                "device_memory_mb",
-                "host_memory_mb",
-                "matmul_tflops",
-                "disk_read_mb_s",
-                "h2d_mb_s",
-                "source",
-            )
-        },  # fmt: skip
+        "hardware": hardware_summary(hw),
         "model": {
             "name": spec.name,
             "params": spec.params,
@@ -741,6 +714,13 @@ def make_plan(
         },  # fmt: skip
     }
     return _with_tuned(plan, cfg, hw, spec) if use_tuned else plan
+
+
+def hardware_summary(hw: dict[str, Any]) -> dict[str, Any]:
+    """The machine as a plan records it."""
+    keys = ("name", "accelerator", "device_name", "device_memory_mb", "host_memory_mb", "matmul_tflops",
+            "disk_read_mb_s", "h2d_mb_s", "source")  # fmt: skip
+    return {k: hw.get(k) for k in keys}
 
 
 def _with_tuned(

@@ -152,43 +152,9 @@ class ImageClassifier(L.LightningModule):
 
     # -- optimiser and schedule -----------------------------------------------------------------------
     def configure_optimizers(self):
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        o = self.optim
-        name, lr, decay = o.get("name", "sgd"), float(o["lr"]), float(o.get("weight_decay", 0.0))
-        if name == "adamw":
-            optimizer = torch.optim.AdamW(
-                params, lr=lr, weight_decay=decay, betas=tuple(o.get("betas", (0.9, 0.999)))
-            )
-        elif name == "sgd":
-            optimizer = torch.optim.SGD(params, lr=lr, momentum=float(o.get("momentum", 0.9)), weight_decay=decay,
-                                        nesterov=bool(o.get("nesterov", False)))  # fmt: skip
-        else:
-            raise UserError(f"optim.name '{name}' is not one of adamw, sgd.")
-        schedule = o.get("schedule", "cosine")
-        total = int(self.trainer.estimated_stepping_batches)
-        warmup = int(o.get("warmup_steps", 0) or 0)
-        if schedule in ("cosine", "linear", "constant"):
-            from transformers import get_scheduler
-
-            kind = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[schedule]
-            scheduler = get_scheduler(
-                kind, optimizer, num_warmup_steps=min(warmup, total), num_training_steps=total
-            )
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-        if schedule == "onecycle":
-            scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=max(total, 1),
-                                                            pct_start=float(o.get("pct_start", 0.25)))  # fmt: skip
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-        if schedule == "step":
-            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=int(o.get("step_size", 5)),
-                                                        gamma=float(o.get("gamma", 0.1)))  # fmt: skip
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
-        if schedule == "plateau":
-            scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=float(o.get("gamma", 0.1)),
-                                                                   patience=int(o.get("patience", 2)))  # fmt: skip
-            return {"optimizer": optimizer,
-                    "lr_scheduler": {"scheduler": scheduler, "interval": "epoch", "monitor": "val/acc", "strict": False}}  # fmt: skip
-        raise UserError(f"optim.schedule '{schedule}' is not one of {', '.join(SCHEDULES)}.")
+        optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], self.optim)
+        schedule = make_schedule(optimizer, self.optim, int(self.trainer.estimated_stepping_batches))
+        return {"optimizer": optimizer, "lr_scheduler": schedule}
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -198,9 +164,8 @@ class ImageClassifier(L.LightningModule):
             }
         checkpoint["onn"] = {"loop": LOOP, "config": self.onn_config, "history": self.history,
                              "train_losses": [float(x) for x in self.train_losses]}  # fmt: skip
-        self.train_losses = [
-            torch.tensor(float(x)) for x in self.train_losses
-        ]  # synced once; keep them cheap
+        # synced once by the line above; keep them as cheap CPU scalars from here on
+        self.train_losses = [torch.tensor(float(x)) for x in self.train_losses]
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         onn = checkpoint.get("onn", {})
@@ -215,6 +180,42 @@ class ImageClassifier(L.LightningModule):
         if self.inputs == "features":
             strict = False  # checkpoints hold the head only
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def make_optimizer(params, o: dict[str, Any]) -> torch.optim.Optimizer:
+    """torch.optim's SGD or AdamW from the optim config (the benchmark's plain loop uses it too)."""
+    name, lr, decay = o.get("name", "sgd"), float(o["lr"]), float(o.get("weight_decay", 0.0))
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=decay, betas=tuple(o.get("betas", (0.9, 0.999))))
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=float(o.get("momentum", 0.9)), weight_decay=decay,
+                               nesterov=bool(o.get("nesterov", False)))  # fmt: skip
+    raise UserError(f"optim.name '{name}' is not one of adamw, sgd.")
+
+
+def make_schedule(optimizer, o: dict[str, Any], total: int) -> dict[str, Any]:
+    """Lightning's lr_scheduler config for optim.schedule over `total` optimizer steps."""
+    schedule, lr = o.get("schedule", "cosine"), float(o["lr"])
+    if schedule in ("cosine", "linear", "constant"):
+        from transformers import get_scheduler
+
+        kind = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[schedule]
+        warmup = min(int(o.get("warmup_steps", 0) or 0), total)
+        return {"scheduler": get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total),
+                "interval": "step"}  # fmt: skip
+    if schedule == "onecycle":
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=max(total, 1),
+                                                        pct_start=float(o.get("pct_start", 0.25)))  # fmt: skip
+        return {"scheduler": scheduler, "interval": "step"}
+    if schedule == "step":
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=int(o.get("step_size", 5)),
+                                                    gamma=float(o.get("gamma", 0.1)))  # fmt: skip
+        return {"scheduler": scheduler, "interval": "epoch"}
+    if schedule == "plateau":
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=float(o.get("gamma", 0.1)),
+                                                               patience=int(o.get("patience", 2)))  # fmt: skip
+        return {"scheduler": scheduler, "interval": "epoch", "monitor": "val/acc", "strict": False}
+    raise UserError(f"optim.schedule '{schedule}' is not one of {', '.join(SCHEDULES)}.")
 
 
 def confusion_figure(matrix: torch.Tensor, classes: list[str]):

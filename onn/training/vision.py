@@ -17,16 +17,13 @@ from typing import Any
 import torch
 
 from onn.errors import UserError
+from onn.training.fit import _device
 
 log = logging.getLogger("onn")
 
 
 def is_image_run(config: dict[str, Any]) -> bool:
     return (config.get("data") or {}).get("modality") == "image"
-
-
-def _device(plan: dict[str, Any]) -> str:
-    return "cuda" if plan["hardware"]["accelerator"] == "cuda" else "cpu"
 
 
 def datamodule(config: dict[str, Any], plan: dict[str, Any]):
@@ -36,8 +33,6 @@ def datamodule(config: dict[str, Any], plan: dict[str, Any]):
         config["data"], config["paths"]["cache"], _device(plan), seed=int(config.get("seed", 0))
     )
     dm.setup()
-    if dm.skipped:
-        log.warning("images: %d could not be decoded and were left out", len(dm.skipped))
     return dm
 
 
@@ -73,13 +68,9 @@ def build(config: dict[str, Any], plan: dict[str, Any], inputs: dict[str, Any]):
     model_cfg, strategy = config["model"], plan["strategy"]
     channels, height, width = inputs["image_shape"]
     model = build_classifier(model_cfg, channels, len(inputs["classes"]), [height, width])
-    if strategy == "linear_probe":
+    if strategy == "linear_probe":  # the plan admits full and linear_probe only
         backbone, features = feature_extractor(model)
         model = LinearProbe(backbone, features, len(inputs["classes"]))
-    elif strategy != "full":
-        raise UserError(
-            f"strategy={strategy}: image classifiers train with strategy=full or strategy=linear_probe."
-        )
     augment = BatchAugment(config["data"].get("augment"), inputs["mean"], inputs["std"])
     onn_config = {"model": model_cfg, "strategy": {**config["strategy"], "name": strategy}, "data": config["data"],
                   "inputs": inputs}  # fmt: skip
@@ -109,7 +100,7 @@ def features(module, dm, config: dict[str, Any]):
     if dm.streamed:
         raise UserError("strategy=linear_probe needs the dataset resident in memory; set data.resident=true.")
     probe = module.model
-    state = {k: v for k, v in probe.backbone.state_dict().items()}
+    state = probe.backbone.state_dict()
     weights = hashlib.sha256()
     for k in sorted(state):
         weights.update(k.encode())
@@ -143,9 +134,13 @@ def features(module, dm, config: dict[str, Any]):
         log.info("linear probe: %d-wide features of %d images cached to %s", next(iter(saved.values())).shape[1],
                  sum(len(v) for v in saved.values()), cache)  # fmt: skip
     out = ImageDataModule(config["data"], config["paths"]["cache"], dm.device, seed=dm.seed)
-    out.classes = dm.classes
+    out.classes, out.skipped = dm.classes, dm.skipped
     out.splits = {k: Split(saved[k], v.labels, v.names) for k, v in dm.splits.items()}
     return out
+
+
+def _mode(monitor: str) -> str:
+    return "min" if monitor.endswith("loss") else "max"
 
 
 def _callbacks(config: dict[str, Any], run_dir: Path) -> list:
@@ -157,7 +152,7 @@ def _callbacks(config: dict[str, Any], run_dir: Path) -> list:
     monitor = task.get("monitor", "val/acc")
     # the best by `monitor` (the first ModelCheckpoint: trainer.checkpoint_callback), and the latest every epoch
     best = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), filename="best", monitor=monitor,
-                           mode="min" if monitor.endswith("loss") else "max", save_top_k=1,
+                           mode=_mode(monitor), save_top_k=1,
                            auto_insert_metric_name=False, enable_version_counter=False)  # fmt: skip
     last = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), save_top_k=0, save_last=True)
     callbacks = [
@@ -168,7 +163,7 @@ def _callbacks(config: dict[str, Any], run_dir: Path) -> list:
     ]
     stop = task.get("early_stopping")
     if stop:
-        callbacks.append(EarlyStopping(monitor=monitor, mode="min" if monitor.endswith("loss") else "max",
+        callbacks.append(EarlyStopping(monitor=monitor, mode=_mode(monitor),
                                        patience=int(stop.get("patience", 5)), min_delta=float(stop.get("min_delta", 0.0))))  # fmt: skip
     return callbacks
 
@@ -205,10 +200,11 @@ def train(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, ckpt: Pat
     from onn.training.callbacks import StepClock
     from onn.training.classifier import save_confusion
 
-    if ckpt is not None:  # a resumed run keeps the validation split it started with
-        config = {**config, "seed": _saved_inputs(ckpt).get("seed", config.get("seed", 0))}
+    saved = _saved_inputs(ckpt) if ckpt is not None else None
+    if saved:  # a resumed run keeps the validation split it started with
+        config = {**config, "seed": saved.get("seed", config.get("seed", 0))}
     dm = datamodule(config, plan)
-    inputs = _inputs(config, dm) if ckpt is None else _saved_inputs(ckpt)
+    inputs = saved or _inputs(config, dm)
     module = build(config, plan, inputs)
     if module.inputs == "features":
         dm = features(module, dm, config)
@@ -273,7 +269,7 @@ def _best(callback, ckpt: Path | None, run_dir: Path, monitor: str) -> tuple[str
     if ckpt is not None:
         earlier = [h[monitor] for h in read_meta(ckpt).get("onn", {}).get("history") or [] if monitor in h]
         old = Path(ckpt).parent / "best.ckpt"
-        better = min if monitor.endswith("loss") else max
+        better = min if _mode(monitor) == "min" else max
         if earlier and old.is_dir() and (score is None or better(better(earlier), score) != score):
             target = here / "best.ckpt"
             if target.exists():
