@@ -3,6 +3,11 @@
 import hydra
 from omegaconf import DictConfig
 
+from onn.config import register
+
+register()  # the config's types (dataclasses only: nothing heavy is imported here)
+
+
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:

@@ -20,6 +20,10 @@ def compose(*overrides: str, root: Path | None = None) -> dict:
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
+    from onn.config import register
+
+    register()
+
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = hydra_compose("config", overrides=[f"paths.root={root or ROOT}", *overrides])
     return OmegaConf.to_container(cfg, resolve=True)

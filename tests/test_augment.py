@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
-from onn.data.augment import BatchAugment
 from onn.errors import UserError
+from onn.modalities.image.augment import BatchAugment
 
 MEAN, STD = [0.49, 0.48, 0.45], [0.25, 0.24, 0.26]
 FULL = {

@@ -72,7 +72,7 @@ def test_bench_grid_records_a_failed_job_and_resumes_only_missing_jobs(outputs):
                     "score/speed", "score/memory", "score/overall"):  # fmt: skip
             assert m[key] is not None, key
         assert 0 <= m["bench/quality"] <= 1 and len(m["bench/loss_curve"]) == 16
-        assert m["bench/samples_per_s"] == pytest.approx(8 / m["bench/step_s"], rel=1e-3)
+        assert m["bench/samples_per_s"] == pytest.approx(8 / m["bench/step_s"], rel=5e-3)  # step_s is rounded to 0.1 ms
     assert sparse["bench/io_s"] is not None and sparse["bench/compute_s"] > 0  # streaming splits its step
     assert qlora["status"] == "failed" and "CUDA" in qlora["error"]
     md = (sweep / "grid.md").read_text()

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from onn.data import math as math_data
-from onn.data.module import IGNORE, encode, extract_answer, to_examples
-from onn.data.registry import load_splits
-from onn.data.text import detect_format, read_records
 from onn.errors import UserError
+from onn.modalities.text import builtin as math_data
+from onn.modalities.text.datamodule import IGNORE, encode, extract_answer, to_examples
+from onn.modalities.text.formats import detect_format, read_records
+from onn.modalities.text.sources import load_splits
 from onn.models.tokenizer import byte_tokenizer
 
 ROWS = [{"q": f"What is {i} + 1?", "a": str(i + 1)} for i in range(20)]

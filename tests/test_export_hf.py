@@ -25,9 +25,10 @@ SHARD = 100_000  # bytes: less than one llama_tiny block (~184 kB), so blocks sp
 def build_model(tmp: Path, *overrides: str):
     """The CausalLM module and tokenizer that train/infer build, with LoRA B set to random values
     (a fresh adapter is zero, which would make every merge a no-op)."""
-    from onn.hardware.plan import make_plan, model_spec
     from onn.hardware.profile import resolve
-    from onn.training.fit import build
+    from onn.modalities.text.tasks import build
+    from onn.planning.plan import make_plan
+    from onn.planning.spec import model_spec
 
     cfg = compose("model=llama_tiny", "hardware=cpu_16gb", "tracking=none", *overrides, root=tmp)
     plan = make_plan(cfg, resolve(cfg["hardware"], tmp / "cache", tmp), model_spec(cfg["model"], 8))
@@ -42,13 +43,13 @@ def build_model(tmp: Path, *overrides: str):
 def streamed_model(tmp: Path, *overrides: str):
     """As task=infer builds a streamed sparse_lora model: blocks loaded straight into a disk store,
     embeddings and head streamed too (edges=stream)."""
-    from onn.strategies.lightning_strategy import build_engine
-    from onn.training.fit import _store_root, streaming_settings
+    from onn.modalities.text.tasks import store_root, streaming_settings
+    from onn.streaming.strategy import build_engine
 
     cfg, plan, module, tokenizer = build_model(tmp, "strategy=sparse_lora", "strategy.layers=[0,1,-1]", "strategy.streaming.store=disk",
                                                "strategy.streaming.chunk_size=3", "strategy.streaming.edges=stream", *overrides)  # fmt: skip
     engine = build_engine(
-        module.model, streaming_settings(cfg, plan), _store_root(cfg), "cpu", micro_batch=None
+        module.model, streaming_settings(cfg, plan), store_root(cfg), "cpu", micro_batch=None
     )
     return module, tokenizer, engine
 
@@ -89,7 +90,7 @@ def test_streamed_export_loads_in_transformers_and_generates_what_onn_infer_does
     from peft.tuners.lora import LoraLayer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from onn.infer.generate import complete
+    from onn.modalities.text.generate import complete
 
     module, tokenizer, engine = streamed
     live = {n: p.detach().clone() for n, p in module.model.named_parameters()}

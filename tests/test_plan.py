@@ -3,8 +3,9 @@
 import pytest
 from conftest import compose
 
-from onn.hardware.plan import make_plan, model_spec
 from onn.hardware.profile import resolve
+from onn.planning.plan import make_plan
+from onn.planning.spec import model_spec
 
 
 def plan_for(*overrides, tmp_path):

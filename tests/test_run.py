@@ -114,7 +114,7 @@ def test_sparse_lora_trains_only_its_layers_and_peft_loads_the_adapter(outputs):
     from peft import PeftModel
 
     from onn.models.load import load
-    from onn.training.checkpoint_io import load as load_ckpt
+    from onn.training.checkpoints import load as load_ckpt
 
     base, _ = load(yaml.safe_load((ROOT / "conf/model/llama_tiny.yaml").read_text()))
     peft_model = PeftModel.from_pretrained(base, str(run_dir / "adapter")).eval()

@@ -6,10 +6,11 @@ import math
 
 import pytest
 import torch
+from conftest import compose
 
 from onn.models.layers import discover
-from onn.strategies.store import LayerStore, stored_name
-from onn.strategies.streaming import StreamingEngine, token_weights
+from onn.streaming.engine import StreamingEngine, token_weights
+from onn.streaming.store import LayerStore, stored_name
 
 ARCH = {
     "llama": dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
@@ -149,11 +150,11 @@ def test_fp16_loss_scaling_through_lightning():
     import lightning as L
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from onn.strategies.lightning_strategy import LayerStreamingStrategy
-    from onn.training.lm import CausalLM
+    from onn.modalities.text.module import CausalLM
+    from onn.streaming.strategy import LayerStreamingStrategy
 
     model = lora_model("llama", LAYER_SETS["all"])
-    optim = {"name": "adamw", "lr": 1e-3, "schedule": "constant", "warmup_steps": 0, "clip_grad_norm": 1.0}
+    optim = compose("optim.lr=1e-3", "optim.schedule=constant", "optim.warmup_steps=0")["optim"]
     module = CausalLM(model, optim, max_steps=2, onn_config={}, micro_batch=2)
     settings = {
         "chunk_size": 2,
@@ -316,11 +317,11 @@ def test_bad_streaming_inputs(tmp_path, monkeypatch):
 
 
 def test_plan_refuses_a_budget_below_one_block(tmp_path):
-    from conftest import compose
 
     from onn.errors import UserError
-    from onn.hardware.plan import make_plan, model_spec
     from onn.hardware.profile import resolve
+    from onn.planning.plan import make_plan
+    from onn.planning.spec import model_spec
 
     cfg = compose(
         "model=phi4", "hardware=gtx1650_4gb", "hardware.budget_mb=1700", "strategy=sparse_lora", root=tmp_path
@@ -338,7 +339,7 @@ def test_a_model_loads_block_by_block_into_the_store(tmp_path, monkeypatch):
     model keeps empty placeholders, and streaming it computes what the fully loaded model computes."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from onn.models.load import load_into_store
+    from onn.streaming.loader import load_into_store
 
     torch.manual_seed(0)
     full = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **ARCH["llama"]))

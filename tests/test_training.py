@@ -8,11 +8,13 @@ import math
 import lightning as L
 import pytest
 import torch
+from conftest import compose
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from onn.training.lm import CausalLM, OutOfMemoryFloor
+from onn.modalities.text.module import CausalLM
+from onn.training.micro_batches import OutOfMemoryFloor
 
-OPTIM = {"name": "sgd", "lr": 0.1, "schedule": "constant", "warmup_steps": 0, "clip_grad_norm": 1.0}
+OPTIM = compose("optim.name=sgd", "optim.lr=0.1", "optim.schedule=constant", "optim.warmup_steps=0")["optim"]
 
 
 def tiny_module(micro_batch: int, min_micro_batch: int = 1) -> CausalLM:

@@ -10,7 +10,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from onn.errors import UserError
-from onn.infer import images as grid
+from onn.modalities.image import pictures as grid
 from onn.models.layers import discover
 from onn.models.vision import build_classifier, feature_extractor
 from onn.models.zoo import build_zoo

@@ -51,7 +51,7 @@ def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
     run_dir = tmp / name
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.get("ckpt"):
-        from onn.training.checkpoint_io import resolve
+        from onn.training.checkpoints import resolve
 
         cfg["ckpt"] = str(resolve(cfg["ckpt"], cfg["paths"]["outputs"]))
     return execute(cfg, run_dir), run_dir
@@ -104,11 +104,11 @@ def test_resume_infer_and_eval(images, tmp_path):
     assert out["infer/acc"] == pytest.approx(sum(r["true"] == r["predicted"] for r in rows) / 24, abs=1e-5)
     from PIL import Image
 
-    assert Image.open(out["infer/grid"]).size[0] > 16 * 8
+    assert Image.open(out["infer/picture"]).size[0] > 16 * 8
     single, _ = run(
         tmp_path, "task=infer", f"ckpt={run_dir}", f"task.input={images / 'test/class1/000.png'}", name="one"
     )
-    assert single["infer/images"] == 1
+    assert single["infer/items"] == 1
 
     evaluated, _ = run(tmp_path, "task=eval", f"ckpt={run_dir / 'checkpoints' / 'best.ckpt'}", name="eval")
     assert evaluated["test/acc"] == pytest.approx(
@@ -152,12 +152,13 @@ def test_streamed_fallback_trains_like_resident(images, tmp_path):
 def test_separate_val_source_is_labelled_by_class_name(images, tmp_path):
     import shutil
 
-    from onn.data.images import ImageDataModule
+    from onn.modalities.image.dataset import ImageDataModule
 
     val = tmp_path / "val"
     for name in ("class0", "class2"):  # one class missing: its folder index would shift the labels
         shutil.copytree(images / "test" / name, val / name)
-    dm = ImageDataModule({"source": str(images), "val_source": str(val)}, tmp_path / "cache")
+    data = compose("data=image", f"data.source={images}", f"data.val_source={val}")["data"]
+    dm = ImageDataModule(data, tmp_path / "cache")
     dm.setup()
     split = dm.splits["val"]
     assert sorted(set(split.labels.tolist())) == [0, 2]
@@ -165,7 +166,7 @@ def test_separate_val_source_is_labelled_by_class_name(images, tmp_path):
 
 
 def test_resident_batches_are_seeded_shuffles_of_every_sample():
-    from onn.data.images import ResidentBatches, Split
+    from onn.data.resident import ResidentBatches, Split
 
     split = Split(
         torch.arange(50).view(50, 1, 1, 1).to(torch.uint8), torch.arange(50), [str(i) for i in range(50)]
@@ -184,9 +185,9 @@ def test_resident_batches_are_seeded_shuffles_of_every_sample():
 def test_user_mistakes_are_one_clear_error(images, tmp_path):
     with pytest.raises(UserError, match="data.source is not set"):
         run(tmp_path, name="nosource")
-    with pytest.raises(UserError, match="image classifier"):
+    with pytest.raises(UserError, match="classifiers train with strategy=full"):
         run(tmp_path, f"data.source={images}", "strategy=lora", name="lora")
-    with pytest.raises(UserError, match="pick a matching pair"):
+    with pytest.raises(UserError, match="is a classifier network but data=math is text"):
         run(tmp_path, "data=math", name="mismatch")
     with pytest.raises(UserError, match="task.input"):
         run(tmp_path, "task=infer", f"data.source={images}", name="noinput")
@@ -210,15 +211,14 @@ def test_bench_vision_reports_both_ratios(images, tmp_path):
      ("fashion_mnist_v28", "full", 1), ("oxford_flowers_probe", "linear_probe", 3), ("bench_vision", "full", 3)],
 )  # fmt: skip
 def test_recipes_compose_and_plan(recipe, strategy, channels):
-    from onn.hardware.plan import make_plan, model_spec
+    from onn.modalities import get
 
     cfg = compose(
         f"recipe={recipe}", "data.source=/nowhere", "hardware=rtx3060_12gb"
     )  # cifar10_resnet18 is a GPU recipe
     assert cfg["data"]["modality"] == "image" and cfg["data"]["channels"] == channels
-    spec = model_spec(cfg["model"], 8, data_cfg=cfg["data"])
-    plan = make_plan(cfg, cfg["hardware"], spec)
-    assert plan["strategy"] == strategy and spec.kind == "image"
+    plan, spec = get("image").plan(cfg, {**cfg["hardware"], "source": "preset"})
+    assert plan["strategy"] == strategy and spec.kind == "network"
     assert spec.sample_flops > 0 and spec.sample_activation_bytes > 0 and spec.n_blocks >= 3
     assert plan["candidates"][strategy]["fits"]
 
@@ -233,7 +233,7 @@ def test_corrupt_images_are_skipped_and_counted_in_a_run(tmp_path, caplog):
     metrics, _ = run(
         tmp_path, f"data.source={data}", "trainer.max_epochs=1", "data.max_bad_fraction=0.1", name="lenient"
     )
-    assert metrics["images_skipped"] == 2
+    assert metrics["items_skipped"] == 2
     assert "broken.png" in caplog.text
 
 

@@ -1,1 +1,55 @@
-"""Benchmarks: measured speed and memory, with the planner's predictions beside them."""
+"""Benchmarks: measured speed and memory, with the planner's predictions beside them, as tasks app runs.
+
+    task=bench             onn/bench/suite.py      a short training protocol against the plan (language models)
+    task=tune              onn/bench/tune.py       timed trials of the settings the planner guesses; cached
+    task=bench_streaming   onn/bench/streaming.py  layer streaming: chunk reuse, I/O against compute
+    task=bench_vision      onn/bench/vision.py     the image runner against a plain loop and a standard pipeline
+    task=bench_shard_plan  onn/export/shards.py    the .omny shard planner on a synthetic model
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from onn.bench import suite
+from onn.modalities import Job
+from onn.tasks import Task
+
+TEXT = frozenset({"text"})
+
+
+def _bench(job: Job) -> dict[str, Any]:
+    return suite.run(job)
+
+
+def _tune(job: Job) -> dict[str, Any]:
+    from onn.bench import tune
+
+    return tune.run(job)
+
+
+def _bench_streaming(job: Job) -> dict[str, Any]:
+    from onn.bench import streaming
+
+    return streaming.run(job)
+
+
+def _bench_vision(job: Job) -> dict[str, Any]:
+    from onn.bench import vision
+
+    return vision.run(job)
+
+
+def _bench_shard_plan(job: Job) -> dict[str, Any]:
+    from onn.export.shards import bench
+
+    return bench(job.config)
+
+
+TASKS: dict[str, Task] = {
+    "bench": Task(_bench, check=lambda config: suite.check_settings(config["task"]), modalities=TEXT),
+    "tune": Task(_tune, modalities=TEXT),
+    "bench_streaming": Task(_bench_streaming, modalities=TEXT),
+    "bench_vision": Task(_bench_vision, modalities=frozenset({"image"})),
+    "bench_shard_plan": Task(_bench_shard_plan, model=False, heavy=False),
+}

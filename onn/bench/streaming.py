@@ -57,12 +57,13 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def run(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+def run(job) -> dict[str, Any]:
+    config, plan, run_dir = job.config, job.plan, job.run_dir
     from onn.models.layers import discover
     from onn.models.load import load
-    from onn.strategies.lora import apply
-    from onn.strategies.store import LayerStore, evict
-    from onn.strategies.streaming import StreamingEngine
+    from onn.streaming.engine import StreamingEngine
+    from onn.streaming.store import LayerStore, evict
+    from onn.training.lora import apply
 
     bench = config["task"]
     seq, mb, repeats = int(bench["seq_len"]), int(bench["micro_batch"]), int(bench["repeats"])
@@ -225,10 +226,10 @@ def step_memory(spec: dict[str, Any]) -> float:
     step), with the store on disk and each block dropped from the page cache after reading."""
     from onn.hardware.memory import PeakMemory, anon_rss_mb
     from onn.models.layers import discover
-    from onn.models.load import load_into_store
-    from onn.strategies.lora import apply
-    from onn.strategies.store import LayerStore
-    from onn.strategies.streaming import StreamingEngine
+    from onn.streaming.engine import StreamingEngine
+    from onn.streaming.loader import load_into_store
+    from onn.streaming.store import LayerStore
+    from onn.training.lora import apply
 
     # Block by block into the store, as a run with a disk store loads: the model is never whole here.
     store = LayerStore("disk", "float32", folder=Path(spec["store"]), drop_cache=True)
@@ -258,7 +259,7 @@ def step_memory(spec: dict[str, Any]) -> float:
 def _predicted_step_mb(config: dict[str, Any], budget_mb: float, mb: int, seq: int) -> tuple[float, dict]:
     """The planner's streaming prediction for this model at this budget (allocations, no context),
     and the settings it chose to fit, for the benchmark's float32 disk store."""
-    from onn.hardware.plan import estimate, model_spec
+    from onn.planning.plan import estimate, model_spec
 
     spec = model_spec(config["model"], int(config["strategy"]["lora"]["r"]))
     hw = {

@@ -49,12 +49,10 @@ def check_settings(task: dict[str, Any]) -> None:
         raise UserError(f"task.warmup_steps={task.get('warmup_steps')}: give a whole number, 0 or more.")
 
 
-def run(
-    config: dict[str, Any], plan: dict[str, Any], run_dir: Path, hardware: dict[str, Any], spec
-) -> dict[str, Any]:
-    check_settings(config["task"])
-    raw = measure_isolated(config, plan, run_dir)
-    return summarize(config, plan, hardware, spec, raw)
+def run(job) -> dict[str, Any]:
+    check_settings(job.config["task"])
+    raw = measure_isolated(job.config, job.plan, job.run_dir)
+    return summarize(job.config, job.plan, job.hardware, job.spec, raw)
 
 
 def measure_isolated(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
@@ -85,8 +83,8 @@ def measure(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict
     import gc
 
     from onn.hardware.memory import PeakMemory, anon_rss_mb
+    from onn.modalities.text.tasks import build, datamodule, trainer
     from onn.training.callbacks import ResourceMonitor, StepClock
-    from onn.training.fit import _datamodule, _trainer, build
 
     task = config["task"]
     warmup, steps = int(task["warmup_steps"]), int(task["steps"])
@@ -94,21 +92,19 @@ def measure(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict
     config["trainer"].update(max_steps=warmup + steps, val_check_interval=warmup + steps, limit_val_batches=int(task["val_batches"]),
                              enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     clock = StepClock()
-    trainer = _trainer(
-        config, plan, run_dir, [clock, ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))]
-    )
+    fit = trainer(config, plan, run_dir, [clock, ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))])
     gc.collect()
     cuda = plan["hardware"]["accelerator"] == "cuda"
     baseline = 0.0 if cuda else anon_rss_mb()
     with PeakMemory("cuda" if cuda else "cpu") as peak:
         module, tokenizer = build(config, plan)
-        dm = _datamodule(config, plan, tokenizer)
-        trainer.validate(module, datamodule=dm, verbose=False)
+        dm = datamodule(config, tokenizer)
+        fit.validate(module, datamodule=dm, verbose=False)
         module.train()
-        trainer.fit(module, datamodule=dm)
+        fit.fit(module, datamodule=dm)
     exact = None
     if task.get("quality") == "exact_match":
-        from onn.infer.generate import exact_match
+        from onn.modalities.text.generate import exact_match
 
         if not any(p for p, _ in dm.val_examples):
             raise UserError(
@@ -208,7 +204,7 @@ def _replan(
 ) -> dict[str, Any]:
     """The planner's prediction for the settings this run used (the micro-batch it ended at, after any
     out-of-memory halving), at the sequence length its batches had."""
-    from onn.hardware.plan import STREAMING_KEYS, make_plan
+    from onn.planning.plan import STREAMING_KEYS, make_plan
 
     cfg = copy.deepcopy(config)
     cfg["data"]["max_length"] = seq
@@ -246,8 +242,7 @@ def _main() -> None:
     import peft  # noqa: F401
     import transformers  # noqa: F401
 
-    import onn.training.fit  # noqa: F401
-    import onn.training.lm  # noqa: F401
+    import onn.modalities.text.tasks  # noqa: F401
 
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     try:

@@ -38,11 +38,13 @@ log = logging.getLogger("onn")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 
 
-def run(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+def run(job) -> dict[str, Any]:
+    config, plan, run_dir = job.config, job.plan, job.run_dir
     import lightning as L
 
-    from onn.training import vision
+    from onn.modalities import classification, get
 
+    image = get("image")
     task = config["task"]
     steps, warmup, repeats = (
         int(task.get("steps", 30)),
@@ -51,8 +53,8 @@ def run(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str
     )
     if steps < 2 or warmup < 1 or repeats < 1:
         raise UserError("task.steps must be 2 or more, task.warmup and task.repeats 1 or more.")
-    dm = vision.datamodule(config, plan)
-    inputs = vision._inputs(config, dm)
+    dm = classification.setup_data(image, config, job.device)
+    inputs = classification.data_inputs(image, config, dm)
     batch = dm.batch_size
     results: dict[str, list[float]] = {"plain": [], "onn": [], "standard": [], "resident": []}
     for round_ in range(repeats):  # each round times both, in alternating order: a slow spell hits both
@@ -107,7 +109,7 @@ def run(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str
 
 
 def _augment(config: dict[str, Any], inputs: dict[str, Any]):
-    from onn.data.augment import BatchAugment
+    from onn.modalities.image.augment import BatchAugment
 
     return BatchAugment(config["data"].get("augment"), inputs["mean"], inputs["std"])
 
@@ -116,7 +118,7 @@ def _plain_model(config: dict[str, Any], inputs: dict[str, Any], device: torch.d
     from onn.models.vision import build_classifier
 
     torch.manual_seed(int(config.get("seed", 0)))
-    channels, height, width = inputs["image_shape"]
+    channels, height, width = inputs["input_shape"]
     model = build_classifier(config["model"], channels, len(inputs["classes"]), [height, width]).to(device)
     if config["model"].get("channels_last"):
         model = model.to(memory_format=torch.channels_last)
@@ -127,10 +129,10 @@ def _plain_loop(config, plan, inputs, dm, steps: int, warmup: int, loader=None) 
     """The hand-written loop: samples/s over `steps` iterations after `warmup` ones."""
     device = dm.device
     model = _plain_model(config, inputs, device).train()
-    from onn.training.classifier import make_optimizer, make_schedule
+    from onn.training.optim import make_optimizer, make_schedule
 
     optimizer = make_optimizer(model.parameters(), config["optim"])
-    schedule = make_schedule(optimizer, config["optim"], warmup + steps)
+    schedule = make_schedule(optimizer, config["optim"], warmup + steps, config["task"]["monitor"])
     scheduler = (
         schedule["scheduler"] if schedule["interval"] == "step" else None
     )  # per-epoch ones never step here
@@ -205,15 +207,17 @@ class _Stamps:
 
 def _onn_run(config, plan, inputs, dm, run_dir: Path, steps: int, warmup: int) -> float:
     """ONN as a run trains: the ImageClassifier under a Lightning Trainer with ONN's callbacks."""
-    from onn.training import vision
+    from onn.modalities import classification, get
+    from onn.training.callbacks import ResourceMonitor, StepClock
+    from onn.training.trainer import build_trainer
 
-    module = vision.build(config, plan, inputs)
+    module = classification.build(get("image"), config, plan, inputs)
     stamps = _Stamps()
-    callbacks = [c for c in vision._callbacks(config, run_dir / "bench") if not hasattr(c, "best_model_path")]
+    callbacks = [StepClock(), ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))]
     cfg = {**config, "trainer": {**config["trainer"], "max_steps": warmup + steps, "max_epochs": -1,
                                  "limit_val_batches": 0, "num_sanity_val_steps": 0, "enable_checkpointing": False}}  # fmt: skip
-    trainer = vision._trainer(cfg, plan, run_dir / "bench", [*callbacks, stamps.callback], len(dm.train_dataloader()),
-                              with_loggers=False)  # fmt: skip
+    trainer = build_trainer(cfg, plan, run_dir / "bench", [*callbacks, stamps.callback], loggers=False,
+                            steps_per_epoch=len(dm.train_dataloader()))  # fmt: skip
     trainer.fit(module, train_dataloaders=dm.train_dataloader())
     # stamps: the start of each step, then the end of training (after the last step)
     return dm.batch_size * steps / (stamps.stamps[warmup + steps] - stamps.stamps[warmup])
@@ -289,9 +293,9 @@ class StandardPipeline:
     def __init__(self, config: dict[str, Any], dm, inputs: dict[str, Any]):
         self.config, self.dm = config, dm
         self.workers = int(config["task"].get("standard_workers", 2))
-        channels = inputs["image_shape"][0]
+        channels = inputs["input_shape"][0]
         self.transform = _Transform(
-            inputs["image_shape"], config["data"].get("augment"), inputs["mean"], inputs["std"]
+            inputs["input_shape"], config["data"].get("augment"), inputs["mean"], inputs["std"]
         )
         self.items = _encoded_train_images(str(config["data"]["source"]), dm, channels)
         log.info(
@@ -342,7 +346,7 @@ def _encoded_train_images(source: str, dm, channels: int) -> list[tuple[bytes, i
     from PIL import Image
 
     split = dm.splits["train"]
-    for image, label in zip(split.images.cpu(), split.labels.cpu().tolist()):
+    for image, label in zip(split.inputs.cpu(), split.labels.cpu().tolist()):
         buffer = io.BytesIO()
         array = image.permute(1, 2, 0).numpy()
         Image.fromarray(array[..., 0] if channels == 1 else array).save(buffer, format="PNG")

@@ -1,1 +1,1 @@
-"""Read datasets from files or built-in generators and serve them to Lightning."""
+"""What every modality's data shares: walking folders and archives safely, sniffing files, caching decoded tensors."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from onn.errors import UserError
 
-__all__ = ["export_model", "enrich_onnx", "inspect_omny", "validate", "kv_cache_bytes"]
+__all__ = ["export_model", "export_for_run", "enrich_onnx", "inspect_omny", "validate", "kv_cache_bytes"]
 
 
 def __getattr__(name: str):
@@ -98,6 +98,30 @@ def export_model(
         omny.write(graph, doc, output)
     metrics["export/onnx"] = str(output)
     metrics.update(_omny_metrics(doc, output))
+    return metrics
+
+
+def export_for_run(config: dict[str, Any], model, run_dir: Path, sample: dict[str, Any] | None = None, *,
+                   tokenizer=None, engine=None) -> dict[str, Any]:  # fmt: skip
+    """Write a run's model in the `export` group's format, to export.output or the run folder's export/.
+
+    `sample` (named tensors) is what ONNX traces; language models, CLIP and image CNNs get one made
+    for them when it is None (export.sample sets its batch size and sequence length)."""
+    from onn.export.onnx_export import sample_inputs
+
+    settings = {**config["export"], "model_name": config["model"]["name"]}
+    kind = settings["name"]
+    default = {"safetensors": "hf", "onnx": "model.onnx", "omny": "model.omny"}[kind]
+    output = Path(settings.get("output") or Path(run_dir) / "export" / default)
+    if not settings.get("output"):
+        output.parent.mkdir(parents=True, exist_ok=True)
+    if sample is None and kind != "safetensors":
+        shape = settings.get("sample") or {}
+        plain = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's wrapper
+        sample = sample_inputs(plain, int(shape.get("batch_size", 2)), int(shape.get("sequence_length", 16)),
+                               shape.get("image_size"), seed=int(config["seed"]))  # fmt: skip
+    metrics = export_model(model, output, sample, settings, tokenizer=tokenizer, engine=engine)
+    log.info("export: %s", {k: v for k, v in metrics.items() if not isinstance(v, dict | list)})
     return metrics
 
 

@@ -163,7 +163,7 @@ def _merged_groups(model, base, engine) -> Iterator[dict[str, torch.Tensor]]:
     import torch
     from peft.tuners.lora import LoraLayer
 
-    from onn.strategies.store import stored_name
+    from onn.streaming.store import stored_name
 
     state = base.state_dict(keep_vars=True)
     for key in getattr(base, "_keys_to_ignore_on_save", None) or []:

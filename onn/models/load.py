@@ -69,11 +69,11 @@ def architecture(model_cfg: dict[str, Any]):
         kind = source_kind(model_cfg.get("source"))
         if kind == "folder":
             return AutoConfig.from_pretrained(
-                _expand(model_cfg["source"]), trust_remote_code=bool(model_cfg.get("trust_remote_code"))
+                expand(model_cfg["source"]), trust_remote_code=bool(model_cfg.get("trust_remote_code"))
             )
         if kind == "hub":
             return AutoConfig.from_pretrained(
-                _hub_folder(model_cfg["source"]), trust_remote_code=bool(model_cfg.get("trust_remote_code"))
+                hub_folder(model_cfg["source"]), trust_remote_code=bool(model_cfg.get("trust_remote_code"))
             )
         return None
     model_type = arch.pop("model_type", None)
@@ -96,7 +96,7 @@ def meta_model(model_cfg: dict[str, Any]):
             raise UserError(
                 f"model '{model_cfg.get('name')}' has no architecture in its config; add model.architecture to plan it without weights."
             )
-        return _auto_class(config).from_config(
+        return auto_class(config).from_config(
             config, trust_remote_code=bool(model_cfg.get("trust_remote_code"))
         )
 
@@ -113,31 +113,31 @@ def load(model_cfg: dict[str, Any], dtype=None, cache_dir: str | os.PathLike | N
     if kind == "random":
         config = architecture(model_cfg)
         torch.manual_seed(int(model_cfg.get("init_seed", 0)))
-        model = _auto_class(config).from_config(config, trust_remote_code=remote)
+        model = auto_class(config).from_config(config, trust_remote_code=remote)
     elif kind == "python":
         model, tokenizer = _split_builder_result(_call_builder(source, model_cfg.get("kwargs") or {}))
     elif kind == "gguf":
-        model, tokenizer = _load_gguf(_expand(source), dtype, cache_dir)
+        model, tokenizer = _load_gguf(expand(source), dtype, cache_dir)
     elif kind == "safetensors":
-        model = _load_safetensors_file(model_cfg, _expand(source))
+        model = _load_safetensors_file(model_cfg, expand(source))
     else:
-        folder = _expand(source) if kind == "folder" else _hub_folder(source)
-        _refuse_pickle_folder(folder)
-        config = _read_config(folder, remote)
-        model = _auto_class(config).from_pretrained(
+        folder = expand(source) if kind == "folder" else hub_folder(source)
+        refuse_pickle_folder(folder)
+        config = read_config(folder, remote)
+        model = auto_class(config).from_pretrained(
             folder,
             local_files_only=True,
             use_safetensors=True,
             trust_remote_code=remote,
             dtype=dtype or "auto",
         )
-        tokenizer = _tokenizer_from(folder, remote)
+        tokenizer = tokenizer_from(folder, remote)
     if dtype is not None:
         model = model.to(dtype)
-    return model, _finish_tokenizer(model_cfg, tokenizer, remote)
+    return model, finish_tokenizer(model_cfg, tokenizer, remote)
 
 
-def _finish_tokenizer(model_cfg: dict[str, Any], tokenizer, remote: bool):
+def finish_tokenizer(model_cfg: dict[str, Any], tokenizer, remote: bool):
     """The tokenizer the model config asks for (or the source's), with a pad token."""
     tok_cfg = model_cfg.get("tokenizer")
     if tok_cfg == "byte":
@@ -145,7 +145,7 @@ def _finish_tokenizer(model_cfg: dict[str, Any], tokenizer, remote: bool):
 
         tokenizer = byte_tokenizer()
     elif tok_cfg:
-        tokenizer = _tokenizer_from(_expand(tok_cfg), remote)
+        tokenizer = tokenizer_from(expand(tok_cfg), remote)
     if tokenizer is None:
         raise UserError(
             f"model '{model_cfg.get('name')}' has no tokenizer; set model.tokenizer to a folder with one, or `byte`."
@@ -153,110 +153,6 @@ def _finish_tokenizer(model_cfg: dict[str, Any], tokenizer, remote: bool):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple[Any, Any] | None:
-    """Load a model for layer streaming one block at a time, so it never has to fit in memory.
-
-    The model is built with empty weights; each block the store lacks is read from the source's
-    safetensors files (or randomly initialised, seeded per block) and written to the store; only
-    the prefix/suffix weights are materialised. The blocks keep empty placeholders, which the
-    streaming engine fills from the store. Returns None where a source cannot be read this way
-    (a Python builder, a GGUF file not converted yet, checkpoint names that differ from the
-    model's): the caller then loads the whole model."""
-    import zlib
-
-    import torch
-    from accelerate import init_empty_weights
-    from safetensors import safe_open
-
-    from onn.hardware.memory import return_large_frees_to_os
-    from onn.models.layers import discover
-    from onn.strategies.streaming import stored_name
-
-    return_large_frees_to_os()  # block-sized buffers come and go here: don't let them pile up in the heap
-
-    kind, source = source_kind(model_cfg.get("source")), model_cfg.get("source")
-    remote = bool(model_cfg.get("trust_remote_code"))
-    files: list[str] = []
-    tokenizer = None
-    if kind == "random":
-        config = architecture(model_cfg)
-    elif kind == "safetensors":
-        config, files = architecture(model_cfg), [_expand(source)]
-    elif kind in ("folder", "hub", "gguf"):
-        folder = (
-            _expand(source)
-            if kind == "folder"
-            else _hub_folder(source)
-            if kind == "hub"
-            else _converted_gguf(source, cache_dir)
-        )
-        if folder is None:
-            return None
-        _refuse_pickle_folder(folder)
-        config = _read_config(folder, remote)
-        files = sorted(str(f) for f in Path(folder).glob("*.safetensors"))
-        tokenizer = _tokenizer_from(folder, remote)
-    else:
-        return None
-    with init_empty_weights(include_buffers=False):
-        model = _auto_class(config).from_config(config, trust_remote_code=remote)
-    where = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            where.update({key: file for key in f.keys()})  # noqa: SIM118 (safe_open is not iterable)
-    names = [n for n, _ in model.named_parameters()]
-    if files and any(n not in where for n in names):
-        return None  # checkpoint names differ from the model's (renamed or fused weights)
-
-    def materialise(module: torch.nn.Module, prefix: str, seed: int, recurse: bool = True) -> None:
-        if files:  # each file opened once per module; assign=True replaces the meta parameters
-            names = [n for n, _ in module.named_parameters(recurse=recurse)]
-            state = {}
-            for file in {where[prefix + n] for n in names}:
-                with safe_open(file, framework="pt") as f:
-                    state.update({n: f.get_tensor(prefix + n) for n in names if where[prefix + n] == file})
-            module.load_state_dict(state, strict=False, assign=True)
-        else:
-            module.to_empty(device="cpu", recurse=recurse)
-            torch.manual_seed(seed)
-            for sub in module.modules() if recurse else [module]:
-                model._init_weights(sub)
-        if dtype is not None:
-            for param in module.parameters(recurse=recurse):
-                param.data = param.data.to(dtype)
-
-    layer_map = discover(model, (model_cfg.get("layer_map") or {}).get("blocks"))
-    full = layer_map.block_paths
-    shapes = {
-        i: {stored_name(n): list(p.shape) for n, p in b.named_parameters()}
-        for i, b in enumerate(layer_map.blocks)
-    }
-    seed = int(model_cfg.get("init_seed", 0))
-    placeholder_dtype = dtype or torch.float32
-
-    def empty(block: torch.nn.Module) -> None:
-        for module in block.modules():
-            for name, p in list(module._parameters.items()):
-                if p is not None:
-                    module._parameters[name] = torch.nn.Parameter(
-                        torch.empty(0, dtype=placeholder_dtype), requires_grad=False
-                    )
-
-    for i in store.missing(shapes):  # one block in memory at a time
-        block = layer_map.blocks[i]
-        materialise(block, full[i] + ".", seed * 100_003 + i + 1)
-        store.write(i, {stored_name(n): p.data for n, p in block.named_parameters()})
-        empty(block)
-    for block in layer_map.blocks:
-        empty(block)
-    for name, module in model.named_modules():  # the prefix and suffix: every module outside the blocks
-        inside = any(name == b or name.startswith(b + ".") for b in full)
-        if not inside and any(p.is_meta for p in module.parameters(recurse=False)):
-            materialise(module, f"{name}." if name else "", seed + zlib.crc32(name.encode()), recurse=False)
-    model.tie_weights()
-    return model, _finish_tokenizer(model_cfg, tokenizer, remote)
 
 
 def _gguf_cache_folder(path: str, cache_dir) -> Path | None:
@@ -270,13 +166,13 @@ def _gguf_cache_folder(path: str, cache_dir) -> Path | None:
     return Path(cache_dir) / "gguf" / key[:16]
 
 
-def _converted_gguf(source: str, cache_dir) -> str | None:
+def converted_gguf(source: str, cache_dir) -> str | None:
     """The safetensors folder a GGUF file was converted to by an earlier load, if there is one."""
-    converted = _gguf_cache_folder(_expand(source), cache_dir)
+    converted = _gguf_cache_folder(expand(source), cache_dir)
     return str(converted) if converted is not None and (converted / ".complete").exists() else None
 
 
-def _auto_class(config):
+def auto_class(config):
     from transformers import AutoModel, AutoModelForCausalLM
 
     archs = getattr(config, "architectures", None) or []
@@ -285,11 +181,11 @@ def _auto_class(config):
     return AutoModel
 
 
-def _expand(path: str) -> str:
+def expand(path: str) -> str:
     return os.path.expanduser(str(path))
 
 
-def _hub_folder(repo_id: str) -> str:
+def hub_folder(repo_id: str) -> str:
     """The local snapshot of a hub model; never downloads."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -304,7 +200,7 @@ def _hub_folder(repo_id: str) -> str:
         ) from e
 
 
-def _read_config(folder: str, remote: bool):
+def read_config(folder: str, remote: bool):
     from transformers import AutoConfig
 
     if not (Path(folder) / "config.json").is_file():
@@ -312,7 +208,7 @@ def _read_config(folder: str, remote: bool):
     return AutoConfig.from_pretrained(folder, trust_remote_code=remote)
 
 
-def _refuse_pickle_folder(folder: str) -> None:
+def refuse_pickle_folder(folder: str) -> None:
     files = [p.name for p in Path(folder).iterdir()]
     if not any(f.endswith(".safetensors") for f in files):
         pickles = [f for f in files if f.endswith(PICKLE_SUFFIXES)]
@@ -325,7 +221,7 @@ def _refuse_pickle_folder(folder: str) -> None:
         raise UserError(f"model.source {folder} has no .safetensors weights.")
 
 
-def _tokenizer_from(folder: str, remote: bool):
+def tokenizer_from(folder: str, remote: bool):
     from transformers import AutoTokenizer
 
     try:
@@ -341,7 +237,7 @@ def _load_gguf(path: str, dtype, cache_dir=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     converted = _gguf_cache_folder(path, cache_dir)
-    if _converted_gguf(path, cache_dir):
+    if converted_gguf(path, cache_dir):
         model = AutoModelForCausalLM.from_pretrained(converted, local_files_only=True, dtype=dtype or "auto")
         return model, AutoTokenizer.from_pretrained(converted, local_files_only=True)
     _check_gguf(path)
@@ -405,7 +301,7 @@ def _load_safetensors_file(model_cfg: dict[str, Any], path: str):
         raise UserError(
             f"model.source {path} is not a readable safetensors file (truncated or corrupt?): {e}"
         ) from e
-    model = _auto_class(config).from_config(config)
+    model = auto_class(config).from_config(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if "lm_head" in k and getattr(config, "tie_word_embeddings", False)}
     missing = [k for k in missing if k not in tied]
@@ -420,7 +316,7 @@ def _load_safetensors_file(model_cfg: dict[str, Any], path: str):
 
 def _call_builder(spec: str, kwargs: dict[str, Any]):
     file, _, func = str(spec).rpartition(":")
-    path = Path(_expand(file))
+    path = Path(expand(file))
     if not path.is_file():
         raise UserError(f"model.source {spec}: {file} does not exist.")
     module_spec = importlib.util.spec_from_file_location(f"onn_user_model_{path.stem}", path)

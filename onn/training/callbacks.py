@@ -1,11 +1,40 @@
-"""Callbacks ONN adds to training runs: per-step timing and resource monitoring."""
+"""Callbacks ONN adds to training runs: step checkpoints, per-step timing and resource monitoring."""
 
 from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.callbacks import Checkpoint
+
+
+class StepCheckpoint(Checkpoint):
+    """`last.ckpt` every `every_n_steps` optimizer steps and at the end of training.
+
+    Lightning's ModelCheckpoint expects automatic optimization: with the manual accumulation ONN's
+    language models use, it warns on every run (with a code sample) although it saves correctly. This
+    does the one thing those runs need, through the Trainer's own save (loops, optimizer, CheckpointIO)."""
+
+    def __init__(self, dirpath: str | Path, every_n_steps: int):
+        self.path = Path(dirpath) / "last.ckpt"
+        self.every_n_steps = max(1, int(every_n_steps))
+        self.last_model_path = ""
+        self._saved_at: int | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step % self.every_n_steps == 0:
+            self.save(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.save(trainer)
+
+    def save(self, trainer) -> None:
+        if self._saved_at == trainer.global_step:
+            return
+        trainer.save_checkpoint(str(self.path), weights_only=False)
+        self.last_model_path, self._saved_at = str(self.path), trainer.global_step
 
 
 class StepClock(L.Callback):

@@ -1,119 +1,13 @@
-"""Lightning checkpoints without pickle: tensors in model.safetensors, everything else in meta.json.
-
-A checkpoint "file" is a folder `NAME.ckpt/` holding the two files. The JSON keeps the nested
-structure of Lightning's checkpoint dict with every tensor replaced by {"__tensor__": key} and
-tuples by {"__tuple__": [...]}, so loading rebuilds exactly what was saved and executes nothing.
-The folder is written under a temporary name and renamed into place, so a run killed while
-saving never leaves a half-written checkpoint where a good one was.
-"""
+"""Lightning's CheckpointIO over ONN's safetensors checkpoints (onn/training/checkpoints.py): no pickle, ever."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch.plugins.io import CheckpointIO
-from safetensors.torch import load_file, save_file
 
-from onn.errors import UserError
-
-TENSORS, META = "model.safetensors", "meta.json"
-
-
-def flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
-    """Replace tensors by references into `tensors`; return a JSON-able structure."""
-    if isinstance(obj, torch.Tensor):
-        key = path or "tensor"
-        tensors[key] = obj
-        return {"__tensor__": key}
-    if isinstance(obj, dict):
-        for k in obj:
-            if not isinstance(k, (str, int, float, bool)) and k is not None:
-                raise TypeError(f"checkpoint key {k!r} at {path or '<root>'} is not JSON-able")
-        return {"__dict__": [[k, flatten(v, tensors, f"{path}/{k}")] for k, v in obj.items()]}
-    if isinstance(obj, tuple):
-        return {"__tuple__": [flatten(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [flatten(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]
-    if isinstance(obj, (str, int, float, bool)) or obj is None:
-        return obj
-    if isinstance(obj, torch.dtype):
-        return {"__dtype__": str(obj).removeprefix("torch.")}
-    if isinstance(obj, Path):
-        return str(obj)
-    if hasattr(obj, "item") and getattr(obj, "shape", None) == ():  # numpy scalars
-        return obj.item()
-    raise TypeError(
-        f"checkpoint value at {path or '<root>'} has type {type(obj).__name__}, which ONN does not store"
-    )
-
-
-def unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(obj, list):
-        return [unflatten(v, tensors) for v in obj]
-    if isinstance(obj, dict):
-        if "__tensor__" in obj:
-            return tensors[obj["__tensor__"]]
-        if "__tuple__" in obj:
-            return tuple(unflatten(v, tensors) for v in obj["__tuple__"])
-        if "__dtype__" in obj:
-            return getattr(torch, obj["__dtype__"])
-        if "__dict__" in obj:
-            return {k: unflatten(v, tensors) for k, v in obj["__dict__"]}
-    return obj
-
-
-def save(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
-    """Write `checkpoint` as path/ {model.safetensors, meta.json}, atomically replacing an older one."""
-    path = Path(path)
-    tensors: dict[str, torch.Tensor] = {}
-    meta = flatten(checkpoint, tensors)
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(_unshare(tensors), str(tmp / TENSORS))
-    (tmp / META).write_text(json.dumps(meta))
-    old = path.with_name(path.name + ".old")
-    if path.exists():
-        path.rename(old)
-    tmp.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def load(path: str | os.PathLike, map_location: Any = None) -> dict[str, Any]:
-    path = Path(path)
-    if path.is_file():
-        raise UserError(
-            f"{path} is a file, not an ONN checkpoint folder; pickle checkpoints (.ckpt/.pt/.bin) are never loaded."
-        )
-    if not (path / META).is_file() or not (path / TENSORS).is_file():
-        raise UserError(f"{path} is not a complete ONN checkpoint (needs {META} and {TENSORS}).")
-    device = str(map_location) if isinstance(map_location, (str, torch.device)) else "cpu"
-    tensors = load_file(str(path / TENSORS), device=device)
-    return unflatten(json.loads((path / META).read_text()), tensors)
-
-
-def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share memory (tied weights, views): give each its own storage."""
-    out, seen = {}, set()
-    for key, t in tensors.items():
-        t = t.detach().cpu()
-        ptr = t.untyped_storage().data_ptr() if t.numel() else None
-        if (
-            ptr is not None
-            and ptr in seen
-            or not t.is_contiguous()
-            or (t.numel() and t.untyped_storage().nbytes() != t.numel() * t.element_size())
-        ):
-            t = t.clone().contiguous()
-        if ptr is not None:
-            seen.add(ptr)
-        out[key] = t
-    return out
+from onn.training.checkpoints import load, save
 
 
 class SafetensorsCheckpointIO(CheckpointIO):
@@ -129,42 +23,3 @@ class SafetensorsCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path) -> None:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def resolve(ckpt: str, outputs: str | os.PathLike) -> Path:
-    """`last` (newest last.ckpt under outputs), a run dir, a checkpoints dir, or a checkpoint path."""
-    if str(ckpt) == "last":
-        found = sorted(
-            Path(outputs).glob("**/checkpoints/last.ckpt"),
-            key=lambda p: (p / META).stat().st_mtime if (p / META).exists() else 0,
-        )
-        found = [p for p in found if (p / META).is_file()]
-        if not found:
-            raise UserError(f"ckpt=last: no checkpoint under {outputs}; train first, or give ckpt=PATH.")
-        return found[-1]
-    path = Path(str(ckpt)).expanduser()
-    for candidate in (
-        path,
-        path / "checkpoints" / "last.ckpt",
-        path / "last.ckpt",
-        path.with_name(path.name + ".ckpt"),
-    ):
-        if (candidate / META).is_file():
-            return candidate
-    if path.suffix in (".pt", ".bin", ".pth", ".pkl") or path.is_file():
-        raise UserError(
-            f"ckpt={ckpt} is a file, not an ONN checkpoint folder; pickle checkpoints are never loaded (ONN writes NAME.ckpt/ folders)."
-        )
-    raise UserError(
-        f"ckpt={ckpt}: no ONN checkpoint there (looked for {META} in it, its checkpoints/last.ckpt and last.ckpt)."
-    )
-
-
-def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """The JSON part of a checkpoint (config, loop state) without reading its tensors."""
-    return unflatten(json.loads((Path(path) / META).read_text()), _NoTensors())
-
-
-class _NoTensors(dict):
-    def __missing__(self, key: str) -> None:
-        return None

@@ -1,0 +1,235 @@
+"""`task=tune`: short timed trials of the settings the planner would otherwise guess, cached.
+
+Searched: chunk_size x micro-batch x store_dtype for layer streaming; micro-batch x gradient
+checkpointing for the other strategies. The first trial is the planner's own guess; then one
+setting at a time is varied around the best so far (micro-batch, then chunk size, then store
+dtype), skipping what the planner predicts will not fit, until the axes are done or
+`tune.time_budget_s` is spent. A trial is the `task=bench` protocol, shortened (onn/bench/suite.py).
+The fastest trial whose measured peak fits the budget wins; if it is not the planner's guess, the
+two are measured again head to head, alternating, and `tune/speedup_over_plan` is their ratio.
+
+The result is cached under paths.cache/tune, keyed by (hardware fingerprint, model fingerprint,
+strategy, sequence length, batch size, and the strategy's precision, layers, LoRA and Lightning
+strategy); afterwards the plan takes `auto` settings from it and says so.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from onn.bench.suite import measure
+from onn.errors import UserError
+from onn.planning.plan import chunk_sizes, make_plan, micro_batch_sizes, store_dtypes
+from onn.planning.tuned import cache_path
+from onn.training.micro_batches import is_out_of_memory
+
+log = logging.getLogger("onn")
+
+
+def run(job) -> dict[str, Any]:
+    config, plan, run_dir, hw, spec = job.config, job.plan, job.run_dir, job.hardware, job.spec
+
+    tune = config.get("tune") or {}
+    for key, least in (("steps", 1), ("warmup_steps", 0), ("time_budget_s", 0)):
+        value = tune.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < least:
+            raise UserError(f"tune.{key}={value}: give a number, {least} or more.")
+    budget_s = float(tune["time_budget_s"])
+    strategy = plan["strategy"]
+    seq = plan["sequence_length"]
+    streaming = bool(plan.get("streaming"))
+    guess = _settings_of(plan)
+    axes = {"micro_batch": micro_batch_sizes(int(config["data"]["batch_size"]))}
+    if streaming:
+        axes["chunk_size"] = chunk_sizes(spec.n_blocks)
+        axes["store_dtype"] = store_dtypes(hw, plan["precision"])
+    else:
+        axes["gradient_checkpointing"] = [False, True]
+    started = time.perf_counter()
+    trials: list[dict[str, Any]] = []
+
+    def timed(settings: dict[str, Any], folder: Path) -> dict[str, Any]:
+        cfg = _with_settings(config, settings, streaming)
+        trial_plan = make_plan(cfg, hw, spec, use_tuned=False)
+        row: dict[str, Any] = {"settings": settings, "predicted_mb": trial_plan["predicted_peak_memory_mb"]}
+        if not trial_plan["candidates"][strategy]["fits"]:
+            return {**row, "status": "predicted not to fit"}
+        return {**row, **_time(cfg, trial_plan, folder, tune)}
+
+    def trial(settings: dict[str, Any]) -> dict[str, Any]:
+        for t in trials:
+            if t["settings"] == settings:
+                return t
+        row = timed(settings, run_dir / "trials" / str(len(trials)))
+        trials.append(row)
+        log.info(
+            "tune: trial %d %s -> %s", len(trials) - 1, settings, row.get("samples_per_s") or row["status"]
+        )
+        return row
+
+    def usable(row: dict[str, Any]) -> bool:
+        return row["status"] == "ok" and row["peak_growth_mb"] <= plan["budget_mb"]
+
+    best = trial(guess)
+    if not usable(best):
+        log.warning("tune: the planner's own settings did not run within budget (%s)", best["status"])
+    for axis, values in axes.items():
+        for value in values:
+            if time.perf_counter() - started > budget_s:
+                break
+            row = trial({**best["settings"], axis: value})
+            if usable(row) and (not usable(best) or row["samples_per_s"] > best["samples_per_s"]):
+                best = row
+    if not usable(best):
+        table = _table({"strategy": strategy, "sequence_length": seq, "settings": {}, "samples_per_s": None,
+                        "plan_settings": guess, "plan_samples_per_s": None, "speedup_over_plan": None, "trials": trials})  # fmt: skip
+        (run_dir / "tune.md").write_text(table + "\n")
+        raise UserError(
+            f"task=tune: no setting of {strategy} ran within the {plan['budget_mb']:,.0f} MB budget; see {run_dir / 'tune.md'}."
+        )
+
+    plan_row = trials[0]
+    plan_sps, best_sps = plan_row.get("samples_per_s"), best["samples_per_s"]
+    head_to_head = None
+    if best is not plan_row and usable(plan_row):  # head to head, alternating, so drift hits both alike
+        rounds: dict[str, list] = {"plan": [], "candidate": []}
+        for _ in range(int(tune.get("confirm_rounds", 2))):
+            for row, name in ((plan_row, "plan"), (best, "candidate")):
+                rounds[name].append(timed(row["settings"], run_dir / "confirm").get("samples_per_s"))
+        head_to_head = {
+            "settings": best["settings"],
+            "plan_samples_per_s": rounds["plan"],
+            "samples_per_s": rounds["candidate"],
+        }
+        if None in rounds["plan"] + rounds["candidate"]:
+            best, best_sps = plan_row, plan_sps  # a round failed (out of memory, ...): keep the guess
+        else:
+            plan_sps = sum(rounds["plan"]) / len(rounds["plan"])
+            best_sps = sum(rounds["candidate"]) / len(rounds["candidate"])
+            if plan_sps >= best_sps:  # the measured gain did not hold up: keep the planner's guess
+                best, best_sps = plan_row, plan_sps
+    speedup = best_sps / plan_sps if plan_sps else None
+    result = {
+        "strategy": strategy,
+        "sequence_length": seq,
+        "settings": best["settings"],
+        "samples_per_s": round(best_sps, 3),
+        "plan_settings": guess,
+        "plan_samples_per_s": round(plan_sps, 3) if plan_sps else None,
+        "speedup_over_plan": round(speedup, 3) if speedup else None,
+        "trials": trials,
+        "head_to_head": head_to_head,
+        "tuned_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "time_s": round(time.perf_counter() - started, 1),
+    }
+    path = cache_path(config, hw, strategy, seq)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(path)
+    table = _table(result)
+    (run_dir / "tune.md").write_text(table + "\n")
+    print(table, flush=True)
+    return {
+        "tune/settings": best["settings"],
+        "tune/plan_settings": guess,
+        "tune/samples_per_s": result["samples_per_s"],
+        "tune/plan_samples_per_s": result["plan_samples_per_s"],
+        "tune/speedup_over_plan": result["speedup_over_plan"],
+        "tune/trials": len(trials),
+        "tune/time_s": result["time_s"],
+        "tune/cache": str(path),
+    }
+
+
+def _settings_of(plan: dict[str, Any]) -> dict[str, Any]:
+    settings = {"micro_batch": plan["micro_batch"]}
+    if plan.get("streaming"):
+        settings.update(
+            chunk_size=plan["streaming"]["chunk_size"], store_dtype=plan["streaming"]["store_dtype"]
+        )
+    else:
+        settings["gradient_checkpointing"] = bool(plan.get("gradient_checkpointing"))
+    return settings
+
+
+def _with_settings(config: dict[str, Any], settings: dict[str, Any], streaming: bool) -> dict[str, Any]:
+    cfg = copy.deepcopy(config)
+    cfg["strategy"]["micro_batch"] = settings["micro_batch"]
+    if streaming:
+        cfg["strategy"]["streaming"] = {**(cfg["strategy"].get("streaming") or {}), "chunk_size": settings["chunk_size"],
+                                        "store_dtype": settings["store_dtype"]}  # fmt: skip
+    else:
+        cfg["strategy"]["gradient_checkpointing"] = settings["gradient_checkpointing"]
+    return cfg
+
+
+def _time(
+    config: dict[str, Any], plan: dict[str, Any], run_dir: Path, tune: dict[str, Any]
+) -> dict[str, Any]:
+    """One trial: the bench protocol with a few steps, in this process."""
+
+    warmup, steps = int(tune.get("warmup_steps", 1)), int(tune.get("steps", 3))
+    config = {
+        **config,
+        "task": {
+            "name": "tune",
+            "warmup_steps": warmup,
+            "steps": steps,
+            "val_batches": 1,
+            "quality": "loss_fall",
+        },
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # Lightning's per-fit banner, once per trial, drowns the table
+    quiet = logging.getLogger("lightning.pytorch")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        raw = measure(config, plan, run_dir)
+    except UserError as e:
+        return {"status": f"failed: {e}"}
+    except Exception as e:  # noqa: BLE001 - out of memory outside a training step (validation, build)
+        if not is_out_of_memory(e):
+            raise
+        return {"status": "out of memory"}
+    finally:
+        quiet.setLevel(level)
+    if raw["oom_backoffs"]:
+        return {"status": "out of memory"}
+    timed = raw["step_s"][warmup:]
+    return {"status": "ok", "samples_per_s": round(int(config["data"]["batch_size"]) * len(timed) / sum(timed), 3),
+            "peak_growth_mb": round(raw["peak_mb"] - raw["baseline_mb"], 1)}  # fmt: skip
+
+
+def _table(result: dict[str, Any]) -> str:
+    keys = list(result["plan_settings"])
+    lines = [f"# task=tune: {result['strategy']}, sequence length {result['sequence_length']}", "",
+             "| # | " + " | ".join(keys) + " | samples/s | RSS growth MB (measured) | predicted MB | status |",
+             "|---|" + "---|" * len(keys) + "--:|--:|--:|---|"]  # fmt: skip
+    for i, t in enumerate(result["trials"]):
+        mark = " (plan)" if i == 0 else ""
+        mark += " **best**" if t["settings"] == result["settings"] else ""
+        cells = [str(t["settings"][k]) for k in keys]
+        lines.append(f"| {i}{mark} | " + " | ".join(cells) + f" | {t.get('samples_per_s', '')} | {t.get('peak_growth_mb', '')} | "
+                     f"{t['predicted_mb']} | {t['status']} |")  # fmt: skip
+    if not result["settings"]:
+        lines += ["", "no setting ran within the memory budget"]
+        return "\n".join(lines)
+    duel = result.get("head_to_head")
+    if duel is None:
+        how = "no trial beat it"
+    else:
+        kept = "kept" if result["settings"] == result["plan_settings"] else "beaten"
+        how = (f"re-measured head to head, alternating, against {duel['settings']}: {duel['plan_samples_per_s']} vs "
+               f"{duel['samples_per_s']} samples/s, so the guess was {kept}")  # fmt: skip
+    lines += ["", f"best: {result['settings']} at {result['samples_per_s']} samples/s; the planner's guess {result['plan_settings']} "
+              f"at {result['plan_samples_per_s']} samples/s ({how}): speedup over plan {result['speedup_over_plan']}",
+              "RSS growth is measured in this one process, trial after trial: the first trial also pays for first use "
+              "(lazy imports, thread pools), later ones reuse memory freed before them. It only screens out settings far over budget."]  # fmt: skip
+    return "\n".join(lines)

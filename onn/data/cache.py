@@ -1,0 +1,52 @@
+"""Decoded datasets cached as safetensors, keyed by the source's content and the decoding settings.
+
+Decoding a folder of JPEGs, WAVs or meshes takes seconds to minutes; the tensors it gives take one
+safetensors read. A cache file is written under a temporary name and renamed into place, so a
+killed run never leaves half of one; a changed source (or setting) gets a new key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from onn.data.resident import Decoded
+
+log = logging.getLogger("onn")
+
+
+def cached_decode(kind: str, key: dict[str, Any], cache_dir: str | os.PathLike, decode: Callable[[], dict[str, Decoded]],
+                  source: str = "") -> dict[str, Decoded]:  # fmt: skip
+    """{split: Decoded} from the cache under cache_dir/kind for `key`, or from `decode()` (then cached)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    cache = Path(cache_dir) / kind / f"{digest}.safetensors"
+    if cache.is_file():
+        with safe_open(str(cache), "pt") as f:
+            meta = json.loads(f.metadata()["onn"])
+        tensors = load_file(str(cache))
+        log.info("%s: %s from the decoded cache %s", kind, source, cache)
+        skipped = [item for s in meta["splits"].values() for item in s["skipped"]]
+        if skipped:  # the decoder named them when it read the source; say so again for this run
+            log.warning("%s: %d items of %s could not be decoded and are left out, e.g. %s", kind, len(skipped), source,
+                        "; ".join(skipped[:3]))  # fmt: skip
+        return {name: Decoded(tensors[f"{name}.inputs"], tensors[f"{name}.labels"], meta["classes"], s["names"], s["skipped"])
+                for name, s in meta["splits"].items()}  # fmt: skip
+    splits = decode()
+    tensors, meta = {}, {"classes": None, "splits": {}}
+    for name, s in splits.items():
+        tensors[f"{name}.inputs"], tensors[f"{name}.labels"] = s.inputs.contiguous(), s.labels.contiguous()
+        meta["classes"] = s.classes
+        meta["splits"][name] = {"names": s.names, "skipped": s.skipped}
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".tmp{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={"onn": json.dumps(meta), "source": source})
+    tmp.replace(cache)  # whole or not at all
+    return splits

@@ -1,0 +1,280 @@
+"""Files and folders as users hand them over, read safely: any modality's dataset reader starts here.
+
+Users point data.source at whatever they have: a folder full of symbolic links, a download that is a zip or a
+tar.gz, a pipe or a device by mistake. These functions walk, list and sniff such sources without hanging
+(only regular files are ever opened, and sniffing reads a bounded head), without following a link loop,
+and without trusting archive member names (an absolute or '..' path is reported, never used as a name).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import lzma
+import os
+import stat
+import tarfile
+import zipfile
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from onn.errors import UserError
+
+SKIP_DIRS = frozenset({"__MACOSX"})  # macOS zip resource forks: never data
+ARCHIVE_KINDS = ("zip", "tar", "targz")
+# What a damaged archive raises while it is listed or read (gzip.BadGzipFile is an OSError); zipfile raises
+# RuntimeError for an encrypted member and NotImplementedError for a compression method it lacks.
+ARCHIVE_ERRORS = (
+    *(tarfile.TarError, zipfile.BadZipFile, OSError, EOFError, zlib.error, lzma.LZMAError),
+    *(RuntimeError, NotImplementedError),
+)
+
+
+class NotRegularFileError(OSError):
+    """Raised instead of reading a FIFO, a device or a socket, which can block or never end."""
+
+
+class UnsafeMemberNameError(ValueError):
+    """An archive member name that is absolute or climbs out with '..' (see clean_member_name)."""
+
+
+def describe_mode(mode: int) -> str:
+    """What a stat mode is, in words for a message ("a FIFO (named pipe)", "a character device", ...)."""
+    for test, words in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return words
+    return "not a regular file"
+
+
+def existing_source(source: str | os.PathLike[str], key: str, hint: str = "") -> Path:
+    """The path of a data source that is a regular file or a folder, else one UserError sentence naming it.
+
+    Checked before anything reads it: a FIFO blocks on open and /dev/zero never ends, and a link loop or a
+    broken link would otherwise surface as a traceback or as a misleading "does not exist".
+    """
+    path = Path(source).expanduser()
+    tail = f"; point it at a dataset file or folder{f' ({hint})' if hint else ''}."
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"{key} {path} is a symbolic link loop{tail}") from e
+        if os.path.islink(path):
+            raise UserError(f"{key} {path} is a broken symbolic link to {os.readlink(path)}{tail}") from e
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise UserError(f"{key} {path} does not exist{tail}") from e
+        raise UserError(f"{key} {path} cannot be read: {e.strerror or e}{tail}") from e
+    if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        raise UserError(f"{key} {path} is {describe_mode(st.st_mode)}, not a regular file or folder{tail}")
+    return path
+
+
+def open_regular(path: str | os.PathLike[str]) -> IO[bytes]:
+    """Open a file for binary reading if it is a regular file; NotRegularFileError otherwise.
+
+    The check is made on the opened descriptor (no race with a swapped path), and the open itself does not
+    block on a FIFO that has no writer.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(errno.EINVAL, f"{describe_mode(mode)}, not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_file(path: str | os.PathLike[str]) -> bytes:
+    """All the bytes of a regular file (see open_regular)."""
+    with open_regular(path) as f:
+        return f.read()
+
+
+def read_head(path: str | os.PathLike[str], n: int = 512) -> bytes:
+    """At most the first n bytes of a regular file: enough to sniff magic bytes, never the whole file."""
+    with open_regular(path) as f:
+        return f.read(n)
+
+
+def is_hidden(name: str) -> bool:
+    """Whether a relative posix name has a hidden part (.git, .DS_Store, ._x) or sits under __MACOSX."""
+    return any(p.startswith(".") or p in SKIP_DIRS for p in name.split("/"))
+
+
+def walk_files(root: str | os.PathLike[str], max_depth: int | None = None) -> Iterator[tuple[str, Path]]:
+    """(relative posix name, path) of every regular file under root that is not hidden (see is_hidden).
+
+    Links are followed, each directory at most once, so a link loop (a/loop -> a, b/x -> ..) ends: real
+    folders are walked first, then the folders that links lead to and that were not walked yet, keyed by
+    (st_dev, st_ino). Links to files are followed. FIFOs, devices, sockets and broken links are left out.
+    max_depth=1 lists root's own files, 2 also those of its subfolders, and so on. Names come sorted within
+    each folder; callers that need one order sort.
+    """
+    root = Path(root)
+    st = os.stat(root)
+    seen = {(st.st_dev, st.st_ino)}
+    pending: list[tuple[str, str]] = []  # (relative name, path) of linked folders, walked after the real ones
+
+    def visit(folder: str, rel: str, depth: int) -> Iterator[tuple[str, Path]]:
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:
+            return  # unreadable folder (permissions): as os.walk, skip it
+        subdirs = []
+        for e in entries:
+            if e.name.startswith(".") or e.name in SKIP_DIRS:
+                continue
+            try:
+                if e.is_file():
+                    yield rel + e.name, Path(e.path)
+                elif e.is_dir() and (max_depth is None or depth + 1 < max_depth):
+                    subdirs.append(e)
+            except OSError:  # a link loop among files (x -> y -> x): not a file
+                continue
+        for e in subdirs:
+            if e.is_symlink():
+                pending.append((f"{rel}{e.name}/", e.path))
+                continue
+            try:
+                s = e.stat()
+            except OSError:
+                continue
+            if (s.st_dev, s.st_ino) not in seen:  # a bind mount of an ancestor would loop too
+                seen.add((s.st_dev, s.st_ino))
+                yield from visit(e.path, f"{rel}{e.name}/", depth + 1)
+
+    yield from visit(str(root), "", 0)
+    while pending:
+        rel, path = pending.pop(0)
+        try:
+            s = os.stat(path)
+        except OSError:
+            continue
+        if (s.st_dev, s.st_ino) in seen:
+            continue  # a loop, or a folder reached already
+        seen.add((s.st_dev, s.st_ino))
+        yield from visit(path, rel, rel.count("/"))
+
+
+def archive_kind(path: str | os.PathLike[str]) -> str | None:
+    """What kind of archive a file is, from its magic bytes: zip, tar (uncompressed: members can be read at
+    their offsets), targz (a gzip, bzip2 or xz compressed tar: read front to back) or None. Only regular
+    files are sniffed, so a FIFO or /dev/zero gives None at once."""
+    try:
+        head = read_head(path, 512)
+    except OSError:
+        return None
+    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
+        return "zip"
+    if head[257:262] == b"ustar":
+        return "tar"
+    compressed = head[:2] == b"\x1f\x8b" or head[:3] == b"BZh" or head[:6] == b"\xfd7zXZ\x00"
+    try:
+        if tarfile.is_tarfile(path):  # a pre-POSIX tar, or one compressed: reads one header block
+            return "targz" if compressed else "tar"
+    except ARCHIVE_ERRORS:
+        return None
+    return None
+
+
+def clean_member_name(name: str) -> str:
+    """An archive member's name as a relative posix path ("./train/cat/1.png" -> "train/cat/1.png").
+
+    UnsafeMemberNameError when the name cannot be used as one: absolute ("/x/1.png", "C:/x") or with a '..'
+    part, which would point outside the archive; its message says which, for the caller's report.
+    """
+    name = name.replace("\\", "/")
+    if name.startswith("/") or (len(name) > 1 and name[1] == ":" and name[0].isalpha()):
+        raise UnsafeMemberNameError("an absolute path, not read")
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise UnsafeMemberNameError("a '..' in its path, not read")
+    return "/".join(parts)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One regular file inside an archive."""
+
+    name: str | None  # clean_member_name of raw; None when that refused it, and problem says why
+    problem: str | None  # e.g. "an absolute path, not read"
+    raw: str  # the name as stored (what zipfile reads it by, and what messages show)
+    size: int
+    offset: int | None  # where its bytes start in an uncompressed tar (random access), else None
+    open: Callable[[], IO[bytes]] = field(repr=False, compare=False)  # valid until the next member is taken
+
+
+def iter_members(path: str | os.PathLike[str], kind: str | None = None) -> Iterator[Member]:
+    """The regular-file members of a zip or tar (of ARCHIVE_KINDS), in stored order, in one pass.
+
+    A compressed tar is streamed, so a member's open() works only until the iterator moves on; read what
+    is needed right away. Listing a damaged archive raises one of ARCHIVE_ERRORS.
+    """
+    kind = kind or archive_kind(path)
+    if kind not in ARCHIVE_KINDS:
+        raise ValueError(f"{path} is not a zip or tar archive")
+    if kind == "zip":
+        with open_regular(path) as f, zipfile.ZipFile(f) as zf:
+            for info in zf.infolist():
+                if not info.is_dir():
+                    yield Member(
+                        *_checked(info.filename),
+                        info.filename,
+                        info.file_size,
+                        None,
+                        lambda info=info: zf.open(info),
+                    )
+        return
+    with open_regular(path) as f, tarfile.open(fileobj=f, mode="r:" if kind == "tar" else "r|*") as tf:
+        for m in tf:
+            if m.isfile():
+                yield Member(
+                    *_checked(m.name),
+                    m.name,
+                    m.size,
+                    m.offset_data if kind == "tar" else None,
+                    lambda m=m: tf.extractfile(m),
+                )
+
+
+def _checked(raw: str) -> tuple[str | None, str | None]:
+    try:
+        return clean_member_name(raw), None
+    except UnsafeMemberNameError as e:
+        return None, str(e)
+
+
+def update_hash(h: Any, path: str | os.PathLike[str]) -> None:
+    """Feed a regular file's bytes to a hashlib object, 1 MB at a time."""
+    with open_regular(path) as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+
+
+def content_digest(path: str | os.PathLike[str]) -> str:
+    """A sha256 hex digest that changes when the content does, to key caches of decoded data.
+
+    A file: over its bytes. A folder: over (relative name, size, mtime_ns) of every file walk_files lists,
+    sorted, since reading every byte of 60,000 small files takes too long.
+    """
+    h = hashlib.sha256()
+    if os.path.isdir(path):
+        for rel, full in sorted(walk_files(path)):
+            st = full.stat()
+            h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    else:
+        update_hash(h, path)
+    return h.hexdigest()

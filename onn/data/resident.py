@@ -1,0 +1,350 @@
+"""Classification datasets held decoded on the compute device, or streamed when they are too big.
+
+Small datasets (the usual case: CIFAR, MNIST, spoken digits, short clips, point clouds) are decoded
+once into tensors [N, ...] and moved to the device whole; a batch is one `index_select` by a seeded
+shuffled index: no per-sample Dataset, collate or worker. A dataset whose decoded size is over
+`data.resident_max_mb` is streamed instead: a DataLoader decodes items in workers.
+
+A modality gives `ClassificationData` its readers (`read` a whole source decoded, `list_items` for
+streaming); the splits, the class names and their order, the held-out validation split and the
+loaders are the same for every modality.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import lightning as L
+import torch
+
+from onn.errors import UserError
+
+log = logging.getLogger("onn")
+MB = 1024**2
+
+
+@dataclass
+class Decoded:
+    """One split of a source as its reader decoded it."""
+
+    inputs: torch.Tensor  # [N, ...], the modality's stored form (uint8 pixels, float16 samples, ...)
+    labels: torch.Tensor  # int64 [N]; -1 where the label is unknown (unlabelled inputs for inference)
+    classes: list[str]  # class names, index = label
+    names: list[str]  # where each item came from, e.g. "train/cat/0001.jpg"
+    skipped: list[str] = field(default_factory=list)  # items that could not be decoded, each "name: reason"
+
+
+@dataclass
+class Split:
+    """One split held in memory: inputs [N, ...] and int64 labels, on one device."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    names: list[str]
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def subset(self, index: torch.Tensor) -> Split:
+        return Split(self.inputs[index], self.labels[index], [self.names[i] for i in index.tolist()])
+
+
+class Items(Protocol):
+    """A source listed item by item, decoded on demand (the streamed fallback)."""
+
+    labels: Any
+    classes: list[str]
+
+    def __len__(self) -> int: ...
+
+    def load(self, i: int) -> torch.Tensor | None: ...
+
+
+class ResidentBatches:
+    """Batches sliced from device-resident tensors by a seeded shuffled index, one epoch per iteration.
+
+    The permutation of epoch e is drawn from seed + e, so a resumed run sees the same order."""
+
+    def __init__(self, split: Split, batch_size: int, shuffle: bool, seed: int = 0, drop_last: bool = False):
+        self.split, self.batch_size, self.shuffle, self.seed = split, batch_size, shuffle, seed
+        self.drop_last = drop_last and len(split) >= batch_size
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        n = len(self.split)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        inputs, labels = self.split.inputs, self.split.labels
+        if not self.shuffle:
+            for i in range(len(self)):
+                window = slice(i * self.batch_size, (i + 1) * self.batch_size)
+                yield inputs[window], labels[window]
+            return
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.split), generator=generator).to(inputs.device)
+        self.epoch += 1
+        for i in range(len(self)):
+            index = order[i * self.batch_size : (i + 1) * self.batch_size]
+            yield inputs.index_select(0, index), labels.index_select(0, index)
+
+
+class StreamedItems(torch.utils.data.Dataset):
+    """Per-item decoding for datasets too big to hold decoded (the fallback, not the fast path)."""
+
+    def __init__(self, items: Items, index: list[int]):
+        self.items, self.index = items, index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int):
+        for step in range(len(self)):  # a corrupt item: the next good one stands in, so batches keep their size
+            j = self.index[(i + step) % len(self)]
+            item = self.items.load(j)
+            if item is not None:
+                return item, int(self.items.labels[j])
+        raise UserError("data.source: no item in this split could be decoded.")
+
+
+def class_order(found: list[str], data_cfg: dict[str, Any]) -> list[str]:
+    """The class names in label order: data.classes when given (the data's names must all be in it,
+    in any order), else the data's own, padded to data.num_classes when that is larger."""
+    names, n = data_cfg.get("classes"), data_cfg.get("num_classes")
+    if names:
+        names = [str(c) for c in names]
+        if numbered(found):  # the data has label numbers: data.classes names them, in that order
+            if len(found) > len(names):
+                raise UserError(f"data.classes names {len(names)} classes but data.source has {len(found)}; name them all.")
+            return names
+        unknown = [c for c in found if c not in names]
+        if unknown:
+            raise UserError(
+                f"data.classes {names} does not name the classes {unknown[:5]} found in data.source; "
+                "list every class (in the label order you want), or leave data.classes unset."
+            )
+        return names
+    if isinstance(n, int) and len(found) < n:
+        return found + [str(i) for i in range(len(found), n)]  # classes absent from this copy of the data
+    return list(found)
+
+
+def numbered(classes: list[str]) -> bool:
+    """Whether a source's classes are bare label numbers 0..n-1 (IDX, CIFAR binary, integer CSV labels)."""
+    return classes == [str(i) for i in range(len(classes))]
+
+
+def relabel(decoded: Decoded, classes: list[str], key: str) -> Decoded:
+    """Labels by class name, in `classes` order (a separate val/test source, or data.classes given in
+    another order than the data's own); numbered classes keep their numbers."""
+    if decoded.classes == classes or numbered(decoded.classes):
+        return Decoded(decoded.inputs, decoded.labels, list(classes), decoded.names, decoded.skipped)
+    missing = [c for c in decoded.classes if c not in classes]
+    if missing:
+        raise UserError(f"{key} has classes the training data does not: {missing[:5]}; use the same class names.")
+    table = torch.tensor([classes.index(c) for c in decoded.classes] or [0], dtype=torch.long)
+    labels = torch.where(decoded.labels >= 0, table[decoded.labels.clamp_min(0)], decoded.labels)
+    return Decoded(decoded.inputs, labels, list(classes), decoded.names, decoded.skipped)
+
+
+def memory_budget_mb(device: torch.device) -> float:
+    """Half of the free device memory, or a third of the available host memory."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free / MB / 2
+    import psutil
+
+    return psutil.virtual_memory().available / MB / 3
+
+
+class ClassificationData(L.LightningDataModule):
+    """train / val / test splits of a classification dataset, resident on `device` or streamed.
+
+    Subclasses read their modality's sources: `read(source, key)` -> {split: Decoded} (splits named
+    train / val / test / all), and for streaming `list_items(source)` -> {split: Items} and
+    `item_mb(items)`, the decoded size of one item."""
+
+    def __init__(self, data_cfg: dict[str, Any], cache_dir: str, device: str | torch.device = "cpu", seed: int = 0):
+        super().__init__()
+        self.cfg, self.cache_dir, self.seed = data_cfg, cache_dir, seed
+        self.device = torch.device(device)
+        self.batch_size = int(data_cfg["batch_size"])
+        self.eval_batch_size = int(data_cfg.get("eval_batch_size") or 2 * self.batch_size)
+        self.splits: dict[str, Split] = {}
+        self.classes: list[str] = []
+        self.streamed: dict[str, tuple[Items, list[int]]] | None = None
+        self.skipped: list[str] = []
+
+    # -- what a modality supplies ---------------------------------------------------------------
+    def read(self, source: str, key: str) -> dict[str, Decoded]:
+        raise NotImplementedError
+
+    def list_items(self, source: str) -> dict[str, Items]:
+        raise UserError(f"data.source {source}: this data cannot be streamed; set data.resident=true.")
+
+    def item_mb(self, items: Items) -> float:
+        sample = items.load(0)
+        return sample.numel() * sample.element_size() / MB if sample is not None else 0.0
+
+    # -- what the model needs to know -------------------------------------------------------------
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        if self.streamed:
+            items, index = self.streamed["train"]
+            return tuple(items.load(index[0]).shape)
+        return tuple(self.splits["train"].inputs.shape[1:])
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits or self.streamed:
+            return
+        source = self.cfg.get("source")
+        if not source:
+            raise UserError(
+                "data.source is not set: point it at your copy of the dataset (the data config's comment shows the layouts)."
+            )
+        source = str(source)
+        if self._too_big(source):
+            self._setup_streamed(source)
+        else:
+            self._setup_resident(source)
+        if self.num_classes < 2:
+            raise UserError(
+                f"data.source {source} has {self.num_classes} class ({', '.join(self.classes) or 'none'}): "
+                "a classifier needs two or more; add the other classes' folders (or files)."
+            )
+
+    def _too_big(self, source: str) -> bool:
+        """Whether the decoded dataset would exceed data.resident_max_mb (resident: auto)."""
+        resident = self.cfg.get("resident", "auto")
+        if resident in (True, "true"):
+            return False
+        if resident in (False, "false"):
+            return True
+        budget = self.cfg.get("resident_max_mb", "auto")
+        if budget in (None, "auto"):
+            budget = memory_budget_mb(self.device)
+        try:
+            items = self.list_items(source)
+        except UserError:
+            return False  # no random access (e.g. .tar.gz): decoded whole
+        count = sum(len(v) for v in items.values())
+        if not count:
+            return False
+        decoded_mb = count * self.item_mb(next(v for v in items.values() if len(v)))
+        if decoded_mb > float(budget):
+            log.info("data: %.0f MB decoded is over the %.0f MB budget: streaming from %s", decoded_mb, float(budget), source)
+            return True
+        return False
+
+    def _setup_resident(self, source: str) -> None:
+        sets = self.read(source, "data.source")
+        for split in ("val", "test"):
+            if self.cfg.get(f"{split}_source"):
+                found = self.read(str(self.cfg[f"{split}_source"]), f"data.{split}_source")
+                sets[split] = found.get("all") or found.get(split) or next(iter(found.values()))
+        train = sets.get("train") or sets.get("all")
+        if train is None:
+            raise UserError(f"data.source={source} has no training data (found splits: {', '.join(sets)}).")
+        self.classes = class_order(train.classes, self.cfg)
+        sets = {k: relabel(v, self.classes, "data.source" if k in ("train", "all") else f"data.{k}_source")
+                for k, v in sets.items()}  # fmt: skip
+        self._check_labels(sets)
+        self.skipped = [s for v in sets.values() for s in v.skipped]
+        splits = {k: Split(v.inputs, v.labels, v.names) for k, v in sets.items() if k in ("train", "val", "test", "all")}
+        if "train" not in splits:
+            splits["train"] = splits.pop("all")
+        if "val" not in splits:
+            splits["train"], splits["val"] = self._hold_out(splits["train"])
+        shapes = {k: tuple(v.inputs.shape[1:]) for k, v in splits.items()}
+        if len(set(shapes.values())) > 1:
+            raise UserError(f"data.source={source}: splits have different shapes {shapes}; {self.same_shape_hint}.")
+        self.splits = {k: Split(v.inputs.to(self.device), v.labels.to(self.device), v.names) for k, v in splits.items()}
+        sizes = ", ".join(f"{k} {len(v)}" for k, v in self.splits.items())
+        mb = sum(v.inputs.numel() * v.inputs.element_size() for v in self.splits.values()) / MB
+        log.info("data: %s, %s, %d classes, %.0f MB on %s", sizes, "x".join(map(str, shapes["train"])), self.num_classes, mb,
+                 self.device)  # fmt: skip
+
+    same_shape_hint = "bring every item to one shape (see the data config)"
+
+    def _setup_streamed(self, source: str) -> None:
+        if self.cfg.get("val_source") or self.cfg.get("test_source"):
+            raise UserError("a streamed dataset takes its splits from data.source: unset data.val_source/test_source, "
+                            "or set data.resident=true.")  # fmt: skip
+        items = self.list_items(source)
+        train = items.get("train") or items.get("all")
+        self.classes = class_order(train.classes, self.cfg)
+        index = list(range(len(train)))
+        self.streamed = {}
+        if "val" in items:
+            self.streamed["val"] = (items["val"], list(range(len(items["val"]))))
+        else:
+            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(self.seed)).tolist()
+            n_val = self._val_count(len(train))
+            self.streamed["val"], index = (train, order[:n_val]), order[n_val:]
+        self.streamed["train"] = (train, index)
+        if "test" in items:
+            self.streamed["test"] = (items["test"], list(range(len(items["test"]))))
+
+    def _check_labels(self, sets: dict[str, Decoded]) -> None:
+        n = len(self.classes)
+        for name, s in sets.items():
+            bad = ((s.labels < 0) | (s.labels >= n)).nonzero()
+            if len(bad):
+                i = int(bad[0])
+                raise UserError(
+                    f"{s.names[i]} in data.source ({name} split) has label {int(s.labels[i])}, outside the {n} classes; "
+                    "fix the label or set data.num_classes."
+                )
+
+    def _val_count(self, n: int) -> int:
+        fraction = float(self.cfg["val_split"])
+        if not 0 < fraction < 1:
+            raise UserError(f"data.val_split must be between 0 and 1 (got {fraction}) when the data has no val split.")
+        n_val = max(1, round(n * fraction))
+        if n_val >= n:
+            raise UserError(f"data.source has {n} training items: too few to hold out a validation split.")
+        return n_val
+
+    def _hold_out(self, train: Split) -> tuple[Split, Split]:
+        """A seeded validation split taken from train (the same items for every run with this seed)."""
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(self.seed))
+        n_val = self._val_count(len(train))
+        return train.subset(order[n_val:]), train.subset(order[:n_val])
+
+    # -- loaders ----------------------------------------------------------------------------------
+    def train_dataloader(self):
+        if self.streamed:
+            return self._loader("train", shuffle=True)
+        loader = ResidentBatches(self.splits["train"], self.batch_size, shuffle=True, seed=self.seed, drop_last=True)
+        if self.trainer is not None:
+            loader.epoch = self.trainer.current_epoch  # resumed runs continue the epoch sequence
+        return loader
+
+    def val_dataloader(self):
+        if self.streamed:
+            return self._loader("val", shuffle=False)
+        return ResidentBatches(self.splits["val"], self.eval_batch_size, shuffle=False)
+
+    def test_dataloader(self):
+        if self.streamed:
+            return self._loader("test", shuffle=False) if "test" in self.streamed else []
+        return ResidentBatches(self.splits["test"], self.eval_batch_size, shuffle=False) if "test" in self.splits else []
+
+    def has_test(self) -> bool:
+        return "test" in (self.streamed or self.splits)
+
+    def _loader(self, split: str, shuffle: bool):
+        items, index = self.streamed[split]
+        workers = int(self.cfg.get("num_workers", 2))
+        return torch.utils.data.DataLoader(
+            StreamedItems(items, index), batch_size=self.batch_size if shuffle else self.eval_batch_size,
+            shuffle=shuffle, drop_last=shuffle, num_workers=workers, persistent_workers=workers > 0,
+            pin_memory=self.device.type == "cuda", generator=torch.Generator().manual_seed(self.seed),
+        )  # fmt: skip

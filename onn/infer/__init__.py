@@ -1,1 +1,0 @@
-"""Text generation: streamed tokens for a prompt, JSONL for many."""

@@ -1,0 +1,56 @@
+"""The modalities ONN knows: one package each in this folder, found by walking it.
+
+Each package registers a `Modality` (onn/modalities/base.py) when imported. Adding a modality
+adds a folder; nothing else changes: app and the tasks look modalities up here, by the data
+config's `modality` key or, for `data=auto`, by what the files hold.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import stat
+from pathlib import Path
+
+from onn.errors import UserError
+from onn.modalities.base import REGISTRY, ClassifierModality, Job, Modality, register
+
+__all__ = ["ClassifierModality", "Job", "Modality", "all_modalities", "detect", "get", "register"]
+
+for _info in pkgutil.iter_modules(__path__):
+    if _info.ispkg:
+        importlib.import_module(f"{__name__}.{_info.name}")
+
+
+def all_modalities() -> list[Modality]:
+    return list(REGISTRY.values())
+
+
+def get(name: str) -> Modality:
+    """The modality called `name`; a UserError naming the known ones otherwise."""
+    if name not in REGISTRY:
+        raise UserError(f"data.modality={name!r} is not one of {', '.join(sorted(REGISTRY))}.")
+    return REGISTRY[name]
+
+
+def detect(source: str | os.PathLike) -> tuple[Modality, str]:
+    """The modality whose sniffer recognises `source` (`data=auto`), and why. Only regular files and
+    folders are read, a bounded number of bytes each; the more specific modalities ask first."""
+    text = str(source)
+    path = Path(os.path.expanduser(text))
+    if not text.startswith("builtin:"):
+        try:
+            mode = path.stat().st_mode
+        except FileNotFoundError:
+            raise UserError(f"data.source={text} does not exist; check the path.") from None
+        except OSError as e:  # a symlink loop, a path through a file, no permission
+            raise UserError(f"data.source={text} cannot be read ({e.strerror}).") from None
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise UserError(f"data.source={text} is not a regular file or folder (a device, a pipe or a socket); give a dataset file or folder.")
+    for modality in sorted(REGISTRY.values(), key=lambda m: -m.sniff_priority):
+        reason = modality.sniff(path)
+        if reason:
+            return modality, reason
+    known = ", ".join(m.description for m in REGISTRY.values())
+    raise UserError(f"data.source={text}: no modality recognises what it holds ({known}); choose the data config with data=NAME.")

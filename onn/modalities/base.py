@@ -1,0 +1,160 @@
+"""What a modality is: the one interface app and the tasks talk to, whatever the data.
+
+A modality (text, image, ...) is a package under onn/modalities/ whose `__init__.py` subclasses
+`Modality` and calls `register`. It brings:
+
+  sniff      does a file or folder hold its kind of data (for `data=auto`)? a reason, or None
+  check      its config keys, checked before anything heavy starts
+  plan       the model sized on the meta device and the settings for this hardware
+  train, evaluate, infer, export
+             the tasks, run on a `Job`
+
+`default_data` and `default_model` name the conf/data and conf/model options `data=auto` picks.
+The hooks import their implementation (and with it torch, Lightning, transformers) when called,
+so that composing a config, `--help` and `task=plan` stay fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from onn.errors import UserError
+
+if TYPE_CHECKING:
+    from onn.planning.spec import ModelSpec
+
+
+@dataclass
+class Job:
+    """Everything a task works on: the resolved config, where it writes, and what was planned."""
+
+    config: dict[str, Any]
+    run_dir: Path
+    modality: Modality
+    hardware: dict[str, Any] | None = None
+    plan: dict[str, Any] | None = None
+    spec: ModelSpec | None = None
+    ckpt: Path | None = None  # the checkpoint to resume or to evaluate, infer with and export
+
+    @property
+    def device(self) -> str:
+        """The compute device the plan runs on."""
+        return "cuda" if (self.plan or {}).get("hardware", {}).get("accelerator") == "cuda" else "cpu"
+
+
+class Modality:
+    """A kind of data and the models that learn from it. Subclass, fill in the hooks, `register`."""
+
+    name: str = ""
+    default_data: str = ""  # the conf/data option `data=auto` switches to
+    default_model: str = ""  # the conf/model option used when the command line names none
+    description: str = ""  # one line for messages ("prompt/answer text", "image classification")
+    sniff_priority: int = 0  # data=auto asks higher first: specific modalities before text, which reads any UTF-8
+
+    def sniff(self, path: Path) -> str | None:
+        """Why `path` holds this modality's data (a short reason), or None. Reads little, and only regular files."""
+        return None
+
+    def check(self, config: dict[str, Any]) -> None:
+        """Raise UserError for a setting that cannot work, before anything is loaded or written."""
+
+    def plan(self, config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = True):
+        """(plan, ModelSpec) for this config on this hardware."""
+        raise NotImplementedError
+
+    def train(self, job: Job) -> dict[str, Any]:
+        return self._unsupported("train")
+
+    def evaluate(self, job: Job) -> dict[str, Any]:
+        return self._unsupported("eval")
+
+    def infer(self, job: Job) -> dict[str, Any]:
+        return self._unsupported("infer")
+
+    def export(self, job: Job) -> dict[str, Any]:
+        return self._unsupported("export")
+
+    def _unsupported(self, task: str) -> dict[str, Any]:
+        raise UserError(f"task={task} is not available for {self.name} data.")
+
+    def __repr__(self) -> str:
+        return f"<modality {self.name}>"
+
+
+REGISTRY: dict[str, Modality] = {}
+
+
+def register(modality: Modality) -> Modality:
+    """Make a modality known by its name; its package's __init__ calls this."""
+    if not modality.name:
+        raise ValueError(f"{type(modality).__name__} has no name")
+    REGISTRY[modality.name] = modality
+    return modality
+
+
+class ClassifierModality(Modality):
+    """A modality whose models put one input in one of N classes (images, sounds, clips, shapes).
+
+    Subclasses fill in the hooks; planning, training, evaluation, inference and export are shared
+    (onn/modalities/classification.py, imported when a classifier first runs: it brings Lightning)."""
+
+    stored_dtype: str = "float32"  # the dtype its datasets hold inputs in (uint8 pixels, float16 samples, ...)
+
+    def datamodule(self, config: dict[str, Any], device: str):
+        """The data config's dataset, a ClassificationData (not set up yet)."""
+        raise NotImplementedError
+
+    def network(self, model_cfg: dict[str, Any], inputs: dict[str, Any]):
+        """The model config's nn.Module for `inputs` (input_shape, classes)."""
+        raise NotImplementedError
+
+    def transform(self, config: dict[str, Any], inputs: dict[str, Any]):
+        """Stored batch -> network input, called as transform(x, train=...); None: x.float()."""
+        return None
+
+    def input_stats(self, config: dict[str, Any], dm) -> dict[str, Any]:
+        """What the transform needs from the training data (e.g. mean/std); saved in `inputs`."""
+        return {}
+
+    def neutral_stats(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Stand-ins for input_stats where no data has been read (task=plan, export without a checkpoint)."""
+        return {}
+
+    def planned_inputs(self, config: dict[str, Any]) -> dict[str, Any]:
+        """`inputs` from the config alone: input_shape and classes."""
+        raise NotImplementedError
+
+    def read_inputs(self, source: Path, inputs: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+        """task.input (a file, a folder, an archive) as {split: Decoded}, decoded as the training data was."""
+        raise NotImplementedError
+
+    def picture(self, samples, predicted: list[str], true: list[str | None], path: Path, inputs: dict[str, Any]) -> None:
+        """A PNG of inputs (stored form) captioned with their predicted (and true) classes."""
+
+    # -- shared: onn/modalities/classification.py -------------------------------------------------
+    def plan(self, config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = True):
+        from onn.modalities import classification
+
+        return classification.plan(self, config, hardware, use_tuned)
+
+    def train(self, job: Job) -> dict[str, Any]:
+        from onn.modalities import classification
+
+        return classification.train(self, job)
+
+    def evaluate(self, job: Job) -> dict[str, Any]:
+        from onn.modalities import classification
+
+        return classification.evaluate(self, job)
+
+    def infer(self, job: Job) -> dict[str, Any]:
+        from onn.modalities import classification
+
+        return classification.infer(self, job)
+
+    def export(self, job: Job) -> dict[str, Any]:
+        from onn.modalities import classification
+
+        return classification.export(self, job)

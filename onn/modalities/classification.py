@@ -1,0 +1,362 @@
+"""What every classifying modality shares (images, sounds, clips, shapes): plan, train, eval, infer, export.
+
+A `ClassifierModality` (onn/modalities/base.py) supplies its data (a `ClassificationData`), its
+networks, the transform that turns a stored batch into the network's input (augmenting it in
+training), how to read inputs for inference and how to picture predictions. Everything else is
+here, once, as functions of the modality `m`:
+
+  train   epochs over the device-resident dataset, validation every epoch (or every
+          trainer.val_check_interval steps), best.ckpt by task.monitor beside last.ckpt, early
+          stopping, resume with the history; then the best checkpoint is tested on the test split
+  eval    val (and test) metrics of a checkpoint
+  infer   predictions.jsonl (top-5, true label when known) and a PNG of what was predicted
+  export  safetensors (state dict + config.json that rebuilds it), ONNX or .omny of the network
+
+`inputs`, saved in every checkpoint, is what rebuilds the network and its transform without the
+data: classes, input_shape, the validation split's seed and the modality's own (mean/std, ...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from onn.data.resident import ClassificationData, ResidentBatches, Split
+from onn.errors import UserError
+from onn.export import export_for_run
+from onn.hardware.memory import PeakMemory
+from onn.modalities.base import ClassifierModality, Job
+from onn.planning.plan import make_plan
+from onn.planning.spec import network_spec
+from onn.training.callbacks import ResourceMonitor, StepClock
+from onn.training.checkpoints import load as load_checkpoint
+from onn.training.checkpoints import read_meta
+from onn.training.classifier import Classifier, LinearProbe, save_confusion
+from onn.training.optim import monitor_mode
+from onn.training.trainer import build_trainer
+
+log = logging.getLogger("onn")
+TOP_K = 5
+PICTURED = 64  # inputs drawn in infer's picture
+
+
+def plan(m: ClassifierModality, config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = True):
+    inputs = m.planned_inputs(config)
+    model_cfg = config["model"]
+    with torch.device("meta"):
+        network = m.network(model_cfg, inputs)
+        sample = torch.empty(1, *inputs["input_shape"])
+    transform = m.transform(config, {**inputs, **m.neutral_stats(inputs)})
+    if transform is not None:  # the network's input is the transform's output (e.g. a spectrogram)
+        stored = torch.zeros(1, *inputs["input_shape"], dtype=getattr(torch, m.stored_dtype))
+        sample = transform(stored, train=False).to("meta")
+    spec = network_spec(network, sample, str(model_cfg["name"]), pretrained=bool(model_cfg.get("weights")),
+                        head_params=head_params(network, len(inputs["classes"])),
+                        blocks_path=(model_cfg.get("layer_map") or {}).get("blocks"))  # fmt: skip
+    return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
+
+def build(m: ClassifierModality, config: dict[str, Any], plan: dict[str, Any], inputs: dict[str, Any]) -> Classifier:
+    """The Classifier for `inputs`: from the data, or from a checkpoint."""
+    torch.manual_seed(int(config["seed"]))
+    model_cfg, strategy = config["model"], plan["strategy"]
+    network = m.network(model_cfg, inputs)
+    if strategy == "linear_probe":  # the plan admits full and linear_probe only
+        from onn.models.vision import feature_extractor
+
+        backbone, width = feature_extractor(network)
+        network = LinearProbe(backbone, width, len(inputs["classes"]))
+    onn_config = {"model": model_cfg, "strategy": {**config["strategy"], "name": strategy}, "data": config["data"],
+                  "inputs": inputs, "modality": m.name}  # fmt: skip
+    task = config["task"]
+    module = Classifier(network, inputs["classes"], config["optim"], onn_config, transform=m.transform(config, inputs),
+                        label_smoothing=float(task.get("label_smoothing") or 0.0),
+                        channels_last=bool(model_cfg.get("channels_last", False)),
+                        inputs="features" if strategy == "linear_probe" else "data", monitor=task.get("monitor", "val/acc"))  # fmt: skip
+    if model_cfg.get("compile"):
+        module.model = torch.compile(module.model)  # the Lightning module keeps the same parameters
+    return module
+
+def data_inputs(m: ClassifierModality, config: dict[str, Any], dm: ClassificationData) -> dict[str, Any]:
+    # the seed picks the validation split held out of train: eval and infer of a checkpoint reuse it
+    return {"classes": dm.classes, "input_shape": list(dm.input_shape), "seed": int(config["seed"]),
+            **m.input_stats(config, dm)}  # fmt: skip
+
+def setup_data(m: ClassifierModality, config: dict[str, Any], device: str) -> ClassificationData:
+    dm = m.datamodule(config, device)
+    dm.setup()
+    return dm
+
+def train(m: ClassifierModality, job: Job) -> dict[str, Any]:
+    config, plan, run_dir, ckpt = job.config, job.plan, job.run_dir, job.ckpt
+    saved = saved_inputs(ckpt) if ckpt is not None else None
+    if saved:  # a resumed run keeps the validation split it started with
+        config = {**config, "seed": saved.get("seed", config["seed"])}
+    dm = setup_data(m, config, job.device)
+    module = build(m, config, plan, saved or data_inputs(m, config, dm))
+    if module.inputs == "features":
+        dm = features(module, dm, config)
+    callbacks = _callbacks(config, run_dir)
+    clock = next(c for c in callbacks if isinstance(c, StepClock))
+    trainer = build_trainer(config, plan, run_dir, callbacks, steps_per_epoch=len(dm.train_dataloader()))
+    with PeakMemory(job.device) as peak:
+        trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
+        trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"))  # the final state, also mid-epoch
+    monitor = config["task"]["monitor"]
+    best, best_score = _best(trainer.checkpoint_callback, ckpt, run_dir, monitor)
+    metrics: dict[str, Any] = {
+        "epochs": trainer.current_epoch,
+        "steps": trainer.global_step,
+        "train/loss_initial": float(module.train_losses[0]) if module.train_losses else None,
+        "train/loss_final": float(torch.stack(module.train_losses[-20:]).mean()) if module.train_losses else None,
+        f"{monitor}_best": round(best_score, 5) if best_score is not None else None,
+        "val/history": module.history,
+        "val/acc_final": module.history[-1]["val/acc"] if module.history else None,
+        "samples_per_s": clock.samples_per_s(dm.batch_size, skip=min(2, len(clock.step_s) - 1)),
+        "peak_memory_mb": round(peak.peak_mb, 1),
+        "params_total": sum(p.numel() for p in module.model.parameters()),
+        "params_trainable": sum(p.numel() for p in module.model.parameters() if p.requires_grad),
+        "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
+        "checkpoint_best": best or None,
+        "resumed_from": str(ckpt) if ckpt else None,
+        "items_skipped": len(dm.skipped),
+        "resident": not dm.streamed,
+    }
+    stage = "test" if dm.has_test() else "val"
+    if stage == "test":
+        trainer.test(module, datamodule=dm, ckpt_path=best or None, verbose=False)
+    else:
+        trainer.validate(module, datamodule=dm, ckpt_path=best or None, verbose=False)
+    metrics.update({k: round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith(f"{stage}/")})
+    picture = run_dir / f"confusion_{stage}.png"
+    save_confusion(module.confusion[stage], module.classes, picture)
+    metrics["confusion_matrix"] = str(picture)
+    log.info("%s accuracy %.4f (best checkpoint %s)", stage, metrics.get(f"{stage}/acc", float("nan")), best)
+    if config["export"]["name"] != "none":
+        metrics.update(export_module(m, config, module, run_dir))
+    return metrics
+
+def load_trained(m: ClassifierModality, config: dict[str, Any], plan: dict[str, Any], ckpt: Path) -> Classifier:
+    """The classifier with the checkpoint's weights."""
+    module = build(m, config, plan, saved_inputs(ckpt))
+    missing, unexpected = module.load_state_dict(load_checkpoint(ckpt)["state_dict"], strict=False)
+    missing = [k for k in missing if ".backbone." not in k]
+    if unexpected or missing:
+        raise UserError(f"ckpt {ckpt} does not match the model it names: missing {missing[:3]}, unexpected {unexpected[:3]}.")
+    return module
+
+def evaluate(m: ClassifierModality, job: Job) -> dict[str, Any]:
+    config, plan, ckpt = job.config, job.plan, job.ckpt
+    dm = setup_data(m, config, job.device)
+    if ckpt is None:
+        log.warning("task=eval without ckpt: evaluating the network as model.source gives it (untrained unless it has weights)")
+        module = build(m, config, plan, data_inputs(m, config, dm))
+    else:
+        module = load_trained(m, config, plan, ckpt)
+    if module.inputs == "features":
+        dm = features(module, dm, config)
+    trainer = build_trainer(config, plan, job.run_dir, [], loggers=False, steps_per_epoch=1)
+    metrics: dict[str, Any] = {"checkpoint": str(ckpt) if ckpt else None}
+    trainer.validate(module, datamodule=dm, verbose=False)
+    metrics.update({k: round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith("val/")})
+    if dm.has_test():
+        trainer.test(module, datamodule=dm, verbose=False)
+        metrics.update({k: round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
+    print("  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
+    return metrics
+
+def infer(m: ClassifierModality, job: Job) -> dict[str, Any]:
+    """Predict the classes of task.input (one file, a folder or an archive): predictions.jsonl and a PNG."""
+    config, task = job.config, job.config["task"]
+    source = task["input"]
+    if not source:
+        raise UserError(f"task=infer on {m.name} data needs task.input=PATH (a file, a folder or an archive).")
+    if job.ckpt is None:
+        raise UserError(f"task=infer on {m.name} data needs ckpt=RUN_DIR (a trained classifier) to know its classes.")
+    path = Path(str(source)).expanduser()
+    if not path.exists():
+        raise UserError(f"task.input={source} does not exist.")
+    module = load_trained(m, config, job.plan, job.ckpt)
+    inputs = module.onn_config["inputs"]
+    sets = m.read_inputs(path, inputs, config)
+    device = torch.device(job.device)
+    model = module.to(device).eval()
+    rows, shown, predicted_names, true_names, correct, known = [], [], [], [], 0, 0
+    classes = inputs["classes"]
+    batch = int(config["data"].get("eval_batch_size") or 256)
+    for split, decoded in sets.items():
+        for start in range(0, len(decoded.labels), batch):
+            x = decoded.inputs[start : start + batch].to(device)
+            with torch.no_grad():
+                probs = torch.softmax(model(model.prepare(x, train=False)).float(), dim=1).cpu()
+            top = probs.topk(min(TOP_K, len(classes)), dim=1)
+            for i in range(x.shape[0]):
+                j = start + i
+                label = int(decoded.labels[j])
+                true = decoded.classes[label] if 0 <= label < len(decoded.classes) else None
+                guess = classes[int(top.indices[i, 0])]
+                row = {"name": decoded.names[j], "predicted": guess, "probability": round(float(top.values[i, 0]), 5),
+                       "top5": [[classes[int(c)], round(float(p), 5)] for c, p in zip(top.indices[i], top.values[i])],
+                       "true": true}  # fmt: skip
+                if split != "all":
+                    row["split"] = split
+                rows.append(row)
+                if true is not None:
+                    known += 1
+                    correct += true == guess
+                if len(shown) < PICTURED:
+                    shown.append(decoded.inputs[j])
+                    predicted_names.append(guess)
+                    true_names.append(true)
+    from onn.modalities.text.generate import write_jsonl
+
+    output = Path(task["output"] or job.run_dir / "predictions.jsonl")
+    write_jsonl(rows, output)
+    picture = output.with_suffix(".png")
+    m.picture(torch.stack(shown), predicted_names, true_names, picture, inputs)
+    print(f"wrote {len(rows)} predictions to {output} and a picture of the first {len(shown)} to {picture}")
+    metrics = {"infer/items": len(rows), "infer/output": str(output), "infer/picture": str(picture)}
+    if known:
+        metrics["infer/acc"] = round(correct / known, 5)
+    return metrics
+
+def export(m: ClassifierModality, job: Job) -> dict[str, Any]:
+    """The trained network from `ckpt` (the whole network for a linear probe), or without one the
+    network as model.source gives it, sized by the data config."""
+    if job.ckpt is not None:
+        module = load_trained(m, job.config, job.plan, job.ckpt)
+    else:
+        module = build(m, job.config, job.plan, {**(inputs := m.planned_inputs(job.config)), **m.neutral_stats(inputs)})
+    return export_module(m, job.config, module, job.run_dir)
+
+def export_module(m: ClassifierModality, config: dict[str, Any], module: Classifier, run_dir: Path) -> dict[str, Any]:
+    """safetensors: the network's state dict plus what rebuilds it (config.json; model.weights loads it);
+    onnx / omny: the network as a graph with a [batch, *input] input."""
+    settings = config["export"]
+    network = module.model.eval()
+    inputs = module.onn_config["inputs"]
+    if settings["name"] == "safetensors":
+        from safetensors.torch import save_model
+
+        folder = Path(settings.get("output") or run_dir / "export" / "safetensors")
+        folder.mkdir(parents=True, exist_ok=True)
+        save_model(network, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps({"model": config["model"], "inputs": inputs, "modality": m.name}, indent=2))
+        log.info("export: %s", folder)
+        return {"export/format": "safetensors", "export/path": str(folder)}
+    batch = int((settings.get("sample") or {}).get("batch_size", 2))
+    stored = torch.zeros(batch, *input_shape(inputs), dtype=getattr(torch, m.stored_dtype))
+    x = module.prepare(stored, train=False) if module.transform is not None else stored
+    generator = torch.Generator().manual_seed(int(config["seed"]))
+    sample = {"input": torch.randn(x.shape, generator=generator, dtype=x.dtype)}
+    return export_for_run(config, network, run_dir, sample)
+
+
+
+
+def input_shape(inputs: dict[str, Any]) -> list[int]:
+    """The stored shape of one input (checkpoints written before the modality interface say image_shape)."""
+    return list(inputs.get("input_shape") or inputs["image_shape"])
+
+
+def head_params(network: nn.Module, classes: int) -> int:
+    """What a linear probe trains: the head over the backbone's features."""
+    from onn.models.vision import feature_extractor
+
+    try:
+        _, width = feature_extractor(network)
+    except UserError:
+        return 0
+    return width * classes + classes
+
+
+def saved_inputs(ckpt: Path) -> dict[str, Any]:
+    inputs = read_meta(ckpt).get("onn", {}).get("config", {}).get("inputs")
+    if not inputs:
+        raise UserError(f"ckpt {ckpt} was not written by a classifier run; it cannot be used with this data.")
+    if "input_shape" not in inputs:
+        inputs = {**inputs, "input_shape": input_shape(inputs)}
+    return inputs
+
+
+def features(module: Classifier, dm: ClassificationData, config: dict[str, Any]) -> ClassificationData:
+    """The same datamodule serving backbone features for every split, computed once and cached (safetensors)."""
+    from safetensors.torch import load_file, save_file
+
+    if dm.streamed:
+        raise UserError("strategy=linear_probe needs the dataset resident in memory; set data.resident=true.")
+    probe = module.model
+    state = probe.backbone.state_dict()
+    weights = hashlib.sha256()
+    for k in sorted(state):
+        weights.update(k.encode())
+        weights.update(state[k].detach().float().cpu().numpy().tobytes())
+    key = json.dumps({"weights": weights.hexdigest(), "inputs": module.onn_config["inputs"],
+                      "data": {k: hashlib.sha256("\n".join(v.names).encode()).hexdigest() for k, v in dm.splits.items()},
+                      "config": {k: v for k, v in config["data"].items() if k not in ("batch_size", "eval_batch_size", "num_workers")}},
+                     sort_keys=True, default=str)  # fmt: skip
+    cache = Path(config["paths"]["cache"]) / "features" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
+    if cache.is_file():
+        saved = load_file(str(cache), device=str(dm.device))
+        log.info("linear probe: features from the cache %s", cache)
+    else:
+        saved = {}
+        backbone = probe.backbone.to(dm.device).eval()
+        with torch.no_grad():
+            for name, split in dm.splits.items():
+                chunks = [backbone(module.prepare(x, train=False)).float().flatten(1)
+                          for x, _ in ResidentBatches(split, dm.eval_batch_size, shuffle=False)]  # fmt: skip
+                saved[name] = torch.cat(chunks)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        save_file({k: v.cpu().contiguous() for k, v in saved.items()}, str(tmp))
+        tmp.replace(cache)
+        log.info("linear probe: %d-wide features of %d items cached to %s", next(iter(saved.values())).shape[1],
+                 sum(len(v) for v in saved.values()), cache)  # fmt: skip
+    dm.splits = {k: Split(saved[k], v.labels, v.names) for k, v in dm.splits.items()}
+    return dm
+
+
+def _callbacks(config: dict[str, Any], run_dir: Path) -> list:
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    task = config["task"]
+    monitor = task["monitor"]
+    # the best by `monitor` (the first ModelCheckpoint: trainer.checkpoint_callback), and the latest every epoch
+    best = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), filename="best", monitor=monitor, mode=monitor_mode(monitor),
+                           save_top_k=1, auto_insert_metric_name=False, enable_version_counter=False)  # fmt: skip
+    last = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), save_top_k=0, save_last=True)
+    callbacks = [best, last, StepClock(), ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))]
+    stop = task.get("early_stopping")
+    if stop:
+        callbacks.append(EarlyStopping(monitor=monitor, mode=monitor_mode(monitor), patience=int(stop.get("patience", 5)),
+                                       min_delta=float(stop.get("min_delta", 0.0))))  # fmt: skip
+    return callbacks
+
+
+def _best(callback, ckpt: Path | None, run_dir: Path, monitor: str) -> tuple[str | None, float | None]:
+    """The whole run's best checkpoint and score. Lightning forgets the best score when a resumed run
+    writes to a new folder, so an earlier run's best.ckpt that beats this run's is copied in here."""
+    here = run_dir / "checkpoints"
+    path = callback.best_model_path or None
+    score = None
+    if path and Path(path).parent == here and callback.best_model_score is not None:
+        score = float(callback.best_model_score)
+    if ckpt is not None:
+        earlier = [h[monitor] for h in read_meta(ckpt).get("onn", {}).get("history") or [] if monitor in h]
+        old = Path(ckpt).parent / "best.ckpt"
+        better = min if monitor_mode(monitor) == "min" else max
+        if earlier and old.is_dir() and (score is None or better(better(earlier), score) != score):
+            target = here / "best.ckpt"
+            if target.exists():
+                shutil.rmtree(target)
+            shutil.copytree(old, target)
+            path, score = str(target), float(better(earlier))
+    return path, score

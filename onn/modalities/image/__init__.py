@@ -1,0 +1,105 @@
+"""Images: classification datasets in the formats they ship in, decoded once, trained on the device.
+
+Registers the image modality: folders of CLASS/IMAGE (or an archive of them), IDX, CIFAR and STL-10
+binaries, SVHN .mat, parquet and path,label CSVs (onn/modalities/image/formats), ONN's v28 CNN or
+any timm model (onn/models/vision.py), augmentation on the device, and a grid of predicted images.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from onn.modalities.base import ClassifierModality, register
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+
+
+class ImageModality(ClassifierModality):
+    name = "image"
+    default_data = "image"
+    default_model = "v28_cnn"
+    description = "image classification"
+    stored_dtype = "uint8"
+
+    def sniff(self, path: Path) -> str | None:
+        from onn.data.files import read_head
+        from onn.errors import UserError
+        from onn.modalities.image.formats import detect_format
+
+        if path.is_file() and path.suffix.lower() in (".csv", ".tsv", ".parquet", ".jsonl", ".json", ".txt"):
+            # tables: image data only when their first row names an image file (text tables are text data)
+            head = read_head(path, 4096).decode("utf-8", "replace").splitlines()
+            row = head[1] if len(head) > 1 else ""
+            return "a table of image paths and labels" if any(s in row.lower() for s in IMAGE_SUFFIXES) else None
+        try:
+            fmt = detect_format(path)
+        except UserError:
+            return None
+        return f"image data ({fmt})"
+
+    def check(self, config: dict[str, Any]) -> None:
+        from onn.modalities.image.augment import BatchAugment
+
+        BatchAugment(config["data"].get("augment"), [0.5], [0.5])  # the augmentation keys, checked now
+        size = config["data"].get("image_size")
+        if size is not None:
+            sizes = [size, size] if isinstance(size, int) else list(size)
+            if len(sizes) != 2 or not all(isinstance(v, int) and v > 0 for v in sizes):
+                from onn.errors import UserError
+
+                raise UserError(f"data.image_size={size}: give [height, width] in pixels, each 1 or more (or null).")
+
+    def datamodule(self, config: dict[str, Any], device: str):
+        from onn.modalities.image.dataset import ImageDataModule
+
+        return ImageDataModule(config["data"], config["paths"]["cache"], device, seed=int(config["seed"]))
+
+    def network(self, model_cfg: dict[str, Any], inputs: dict[str, Any]):
+        from onn.models.vision import build_classifier
+
+        channels, height, width = inputs["input_shape"]
+        return build_classifier(model_cfg, channels, len(inputs["classes"]), [height, width])
+
+    def transform(self, config: dict[str, Any], inputs: dict[str, Any]):
+        from onn.modalities.image.augment import BatchAugment
+
+        return BatchAugment(config["data"].get("augment"), inputs["mean"], inputs["std"])
+
+    def input_stats(self, config: dict[str, Any], dm) -> dict[str, Any]:
+        from onn.modalities.image.dataset import input_stats
+
+        mean, std = input_stats(config, dm)
+        return {"mean": mean, "std": std}
+
+    def neutral_stats(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        channels = inputs["input_shape"][0]
+        return {"mean": [0.5] * channels, "std": [0.5] * channels}
+
+    def planned_inputs(self, config: dict[str, Any]) -> dict[str, Any]:
+        data = config["data"]
+        size = data.get("image_size") or 32
+        size = [int(size), int(size)] if isinstance(size, int) else [int(v) for v in size]
+        channels = data["channels"] if isinstance(data.get("channels"), int) else 3
+        classes = data["num_classes"] if isinstance(data.get("num_classes"), int) else 10
+        return {"classes": [str(i) for i in range(classes)], "input_shape": [channels, *size]}
+
+    def read_inputs(self, source: Path, inputs: dict[str, Any], config: dict[str, Any]):
+        from onn.data.resident import Decoded
+        from onn.modalities.image.formats import read_splits
+
+        channels, height, width = inputs["input_shape"]
+        resize = config["data"].get("resize")
+        sets = read_splits(source, "auto", channels=channels, image_size=[height, width],
+                           resize=resize if resize not in (None, "error") else "resize",
+                           max_bad_fraction=float(config["data"]["max_bad_fraction"]), allow_unlabelled=True,
+                           key="task.input")  # fmt: skip
+        return {k: Decoded(s.images, s.labels, s.classes, s.names, s.skipped) for k, s in sets.items()}
+
+    def picture(self, samples, predicted, true, path: Path, inputs: dict[str, Any]) -> None:
+        from onn.modalities.image.pictures import write_grid
+
+        write_grid(samples, predicted, true, path)
+
+
+register(ImageModality())

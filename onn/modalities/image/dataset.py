@@ -1,0 +1,92 @@
+"""Image datasets for Lightning: decoded once into a uint8 cache, held on the compute device.
+
+A source in any of the formats onn.modalities.image.formats reads is decoded once into uint8
+tensors [N, C, H, W], cached as safetensors (onn.data.cache) and moved to the compute device
+whole (onn.data.resident). Augmentation and normalisation run on the batch, on the device
+(onn.modalities.image.augment, applied by the LightningModule). A dataset whose decoded size is
+over data.resident_max_mb is streamed instead.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from onn.data.cache import cached_decode
+from onn.data.resident import ClassificationData, Decoded
+from onn.errors import UserError
+from onn.modalities.image.formats import list_items, read_splits, source_digest
+
+STREAM_SETTINGS = ("channels", "image_size", "resize")
+
+
+def decode_settings(data_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of formats.read_splits that the data config sets."""
+    size = data_cfg.get("image_size")
+    return {
+        "channels": data_cfg["channels"] or "auto",
+        "image_size": [int(size), int(size)] if isinstance(size, int) else (list(size) if size else None),
+        "resize": data_cfg["resize"],
+        "max_bad_fraction": float(data_cfg["max_bad_fraction"]),
+        "num_classes": data_cfg["num_classes"] if isinstance(data_cfg["num_classes"], int) else None,
+    }
+
+
+def read_cached(source: str, data_cfg: dict[str, Any], cache_dir: str | os.PathLike, key: str = "data.source") -> dict[str, Decoded]:
+    """{split: Decoded} for a source, decoded once and then read from the safetensors cache."""
+    path = Path(os.path.expanduser(source))
+    if not path.exists():
+        raise UserError(f"{key}={source} does not exist; point it at your copy of the dataset (see the data config's comment).")
+    settings = decode_settings(data_cfg)
+    fmt = data_cfg["format"] or "auto"
+
+    def decode() -> dict[str, Decoded]:
+        return {name: Decoded(s.images, s.labels, s.classes, s.names, s.skipped)
+                for name, s in read_splits(path, fmt, key=key, **settings).items()}  # fmt: skip
+
+    return cached_decode("images", {"digest": source_digest(path), "format": fmt, **settings}, cache_dir, decode, str(path))
+
+
+class ImageDataModule(ClassificationData):
+    """train / val / test splits of an image dataset, resident on the device or streamed."""
+
+    same_shape_hint = "set data.image_size=[H,W]"
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return self.input_shape
+
+    def read(self, source: str, key: str) -> dict[str, Decoded]:
+        return read_cached(source, self.cfg, self.cache_dir, key)
+
+    def list_items(self, source: str):
+        items = list_items(source, self.cfg["format"] or "auto")
+        settings = {k: v for k, v in decode_settings(self.cfg).items() if k in STREAM_SETTINGS}
+        for v in items.values():
+            v.configure(**settings)
+        return items
+
+
+def input_stats(config: dict[str, Any], dm: ImageDataModule) -> tuple[list[float], list[float]]:
+    """data.mean / data.std, or measured on the training images when `auto` (0.5 for streamed data)."""
+    import torch
+
+    mean, std = config["data"]["mean"], config["data"]["std"]
+    if mean not in (None, "auto") and std not in (None, "auto"):
+        return [float(m) for m in mean], [float(s) for s in std]
+    if dm.streamed:
+        channels = dm.input_shape[0]
+        return [0.5] * channels, [0.5] * channels
+    images = dm.splits["train"].inputs
+    picks = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))[:10_000].to(images.device)
+    total = torch.zeros(images.shape[1], dtype=torch.float64, device=images.device)
+    squares, count = torch.zeros_like(total), 0
+    for chunk in picks.split(500):  # float64 sums over chunks: no float copy of the whole sample
+        x = images[chunk].to(torch.float64).transpose(0, 1).flatten(1) / 255
+        total += x.sum(1)
+        squares += (x * x).sum(1)
+        count += x.shape[1]
+    mean = total / count
+    std = (squares / count - mean * mean).clamp_min(1e-6).sqrt()
+    return [round(float(v), 4) for v in mean], [round(float(v), 4) for v in std]

@@ -1,0 +1,146 @@
+"""The entry points: read a whole source decoded (read_splits), list it for decoding item by item
+(list_items), and key its decoded cache (source_digest)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from onn.data.files import content_digest, update_hash
+from onn.errors import UserError
+from onn.modalities.image.formats import cifar_binary, idx, stl10_binary, svhn_mat
+from onn.modalities.image.formats.arrays import gather
+from onn.modalities.image.formats.common import (
+    FORMATS,
+    ArrayFetch,
+    ImageSet,
+    Listing,
+    existing,
+    finish_classes,
+    log,
+    options,
+    report_skipped,
+)
+from onn.modalities.image.formats.csvfile import csv_path, csv_rows, list_csv
+from onn.modalities.image.formats.decode import ItemList, array_split, decode_split, strict_pil
+from onn.modalities.image.formats.detect import detect
+from onn.modalities.image.formats.folder import list_tree
+from onn.modalities.image.formats.parquet import list_parquet
+from onn.modalities.image.formats.single import list_single
+
+
+def source_digest(source: str | Path) -> str:
+    """A hex digest of the source's content, to key the decoded cache. Files (archives, idx, .bin, .mat,
+    parquet, csv and the images a csv names): sha256 of the bytes. Folders: sha256 over (relative path,
+    size, mtime_ns) of every file, sorted — reading 60k small files' bytes is too slow."""
+    path = existing(source, "data.source")
+    if path.is_dir() or path.suffix.lower() not in (".csv", ".tsv"):
+        return content_digest(path)
+    h = hashlib.sha256()
+    update_hash(h, path)
+    try:
+        rows = csv_rows(path, "data.source", labelled=False)
+    except UserError:
+        rows = []  # a malformed csv still gets a digest; reading it will say what is wrong
+    for _, name, _ in rows:
+        image = csv_path(path, name)
+        h.update(f"\n{name}\0".encode())
+        if image.is_file():
+            update_hash(h, image)
+        else:
+            h.update(b"<missing>")
+    return h.hexdigest()
+
+
+def read_splits(
+    source: str | Path,
+    fmt: str = "auto",
+    *,
+    channels: int | str = "auto",
+    image_size: list[int] | None = None,
+    resize: str = "error",
+    max_bad_fraction: float = 0.01,
+    num_classes: int | None = None,
+    allow_unlabelled: bool = False,
+    key: str = "data.source",
+) -> dict[str, ImageSet]:
+    """Every split of a source, decoded: {"train", "test", "val"} as the source has them, else {"all"}."""
+    path = existing(source, key)
+    opts = options(channels, image_size, resize)
+    listing = _listing(path, _resolve(path, fmt, key), key, allow_unlabelled, stream=False)
+    classes = finish_classes(listing, num_classes, key)
+    splits = listing.splits
+    ref: dict[str, Any] = {}
+    decoded: dict[str, tuple[np.ndarray, list[int], list[str]]] = {}
+    with strict_pil():
+        for name, split in splits.items():
+            if isinstance(split.fetch, ArrayFetch):
+                decoded[name] = (array_split(split, opts, ref, key), list(range(len(split.names))), [])
+            else:
+                decoded[name] = decode_split(split, opts, ref, key)
+    skipped = listing.rejected + [s for _, _, bad in decoded.values() for s in bad]
+    total = len(listing.rejected) + sum(len(s.names) for s in splits.values())
+    report_skipped(skipped, total, max_bad_fraction, path, key)
+    width = max(x.shape[1] for x, _, _ in decoded.values())
+    out = {}
+    for k, (name, (x, keep, bad)) in enumerate(decoded.items()):
+        if x.shape[1] != width:  # auto channels: a gray split next to a colour one
+            x = np.repeat(x, width, axis=1)
+        split = splits[name]
+        out[name] = ImageSet(
+            images=torch.from_numpy(np.ascontiguousarray(x)),
+            labels=torch.from_numpy(np.ascontiguousarray(split.labels[keep], dtype=np.int64)),
+            classes=list(classes),
+            names=[split.names[i] for i in keep],
+            skipped=(listing.rejected if k == 0 else []) + bad,  # members refused by path: with the first
+        )
+    return out
+
+
+def list_items(source: str | Path, fmt: str = "auto", *, key: str = "data.source") -> dict[str, ItemList]:
+    """Every split of a source, listed but not decoded: ItemList.load(i) decodes one item on demand."""
+    path = existing(source, key)
+    listing = _listing(path, _resolve(path, fmt, key), key, allow_unlabelled=False, stream=True)
+    classes = finish_classes(listing, None, key)
+    if listing.rejected:
+        log.warning(
+            "Skipped %d items of %s: %s", len(listing.rejected), path, "; ".join(listing.rejected[:3])
+        )
+    return {
+        name: ItemList(s.fetch, torch.from_numpy(s.labels.astype(np.int64)), classes, s.names)
+        for name, s in listing.splits.items()
+    }
+
+
+def _resolve(path: Path, fmt: str, key: str) -> str:
+    if fmt == "auto":
+        return detect(path, key)
+    if fmt not in FORMATS:
+        raise UserError(f"data.format '{fmt}' is not one of auto, {', '.join(FORMATS)}.")
+    return fmt
+
+
+def _listing(path: Path, fmt: str, key: str, allow_unlabelled: bool, stream: bool) -> Listing:
+    if fmt in ("folder", "archive"):
+        return list_tree(path, key, allow_unlabelled, stream)
+    if fmt == "csv":
+        return list_csv(path, key, allow_unlabelled)
+    if fmt == "parquet":
+        return list_parquet(path, key, allow_unlabelled)
+    if fmt == "image":
+        return list_single(path, key)
+    module = {"idx": idx, "cifar_binary": cifar_binary, "svhn_mat": svhn_mat, "stl10_binary": stl10_binary}[
+        fmt
+    ]
+    files, only, where = gather(path, module.wanted, key)
+    if fmt == "idx":
+        return idx.list_idx(files, only, where, key, allow_unlabelled)
+    if fmt == "cifar_binary":
+        return cifar_binary.list_cifar(files, only, where, key)
+    if fmt == "svhn_mat":
+        return svhn_mat.list_svhn(files, only, where, key)
+    return stl10_binary.list_stl10(files, only, where, key)

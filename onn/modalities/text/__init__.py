@@ -1,0 +1,82 @@
+"""Text: prompt/answer records and plain text for causal language models.
+
+Registers the text modality: JSONL, JSON, CSV, parquet and plain-text files (format read from the
+content) and `builtin:` generators (onn/modalities/text/formats.py, sources.py), causal LMs from any
+source (onn/models/load.py) trained resident or layer-streamed, generation, and exact match.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from onn.errors import UserError
+from onn.modalities.base import Job, Modality, register
+
+
+class TextModality(Modality):
+    name = "text"
+    default_data = "text"
+    default_model = "phi4_tiny"
+    description = "prompt/answer text for causal language models"
+    sniff_priority = -1  # any UTF-8 file reads as text: the other modalities ask first
+
+    def sniff(self, path: Path) -> str | None:
+        from onn.modalities.text.formats import sniff_text
+
+        return sniff_text(path)
+
+    def check(self, config: dict[str, Any]) -> None:
+        from onn.models.load import source_kind
+
+        model, data = config["model"], config["data"]
+        source = str(model.get("source") or "")
+        if source.startswith(("zoo:", "timm:")):
+            raise UserError(
+                f"model={model['name']} is a classifier network but data={data['name']} is text: pick a language model "
+                "(e.g. model=phi4_tiny) for text, or classification data for this model (e.g. data=cifar10)."
+            )
+        if not model.get("tokenizer") and source_kind(source) in ("random", "safetensors"):
+            raise UserError(
+                f"model '{model['name']}' has no tokenizer: a model.source of {source or 'random'} carries none; "
+                "set model.tokenizer to a folder with one, or model.tokenizer=byte."
+            )
+        for key in ("max_length", "batch_size"):
+            value = data.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (2 if key == "max_length" else 1):
+                least = "2 (a prompt token and an answer token)" if key == "max_length" else "1"
+                raise UserError(f"data.{key}={value!r}: give a whole number, {least} or more.")
+        steps = config["trainer"]["max_steps"]
+        if config["task"]["name"] in ("train", "bench", "tune") and steps < 1:
+            raise UserError(f"trainer.max_steps={steps}: a language model trains for a number of optimizer steps; give 1 or more.")
+
+    def plan(self, config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = True):
+        from onn.planning.plan import make_plan
+        from onn.planning.spec import model_spec
+
+        lora_rank = int((config["strategy"].get("lora") or {}).get("r", 8))
+        spec = model_spec(config["model"], lora_rank, cache_dir=config["paths"]["cache"])
+        return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
+
+    def train(self, job: Job) -> dict[str, Any]:
+        from onn.modalities.text import tasks
+
+        return tasks.train(job)
+
+    def evaluate(self, job: Job) -> dict[str, Any]:
+        from onn.modalities.text import tasks
+
+        return tasks.evaluate(job)
+
+    def infer(self, job: Job) -> dict[str, Any]:
+        from onn.modalities.text import tasks
+
+        return tasks.infer(job)
+
+    def export(self, job: Job) -> dict[str, Any]:
+        from onn.modalities.text import tasks
+
+        return tasks.export(job)
+
+
+register(TextModality())

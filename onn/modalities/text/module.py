@@ -1,0 +1,190 @@
+"""The causal-LM LightningModule: the whole training step on one screen.
+
+Loss is the model's own shifted cross-entropy over answer tokens (labels of prompt tokens are
+-100). Validation loss is averaged over tokens, not batches, so it does not depend on batching.
+
+Batches are whole macro-batches (data.batch_size); the step splits them into micro-batches and
+accumulates their gradients itself (Lightning's manual optimization), so that an out-of-memory
+error can halve the micro-batch and retry the same step with the same macro-batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import lightning as L
+import torch
+
+from onn.errors import UserError
+from onn.streaming.engine import target_tokens, token_weights
+from onn.training.micro_batches import OutOfMemoryFloor, is_out_of_memory, split
+from onn.training.optim import make_optimizer, make_schedule
+
+log = logging.getLogger("onn")
+
+
+# What a checkpoint's loop state means: steps of manual optimization with micro-batch accumulation.
+LOOP = "manual-accumulation"
+
+
+class CausalLM(L.LightningModule):
+    def __init__(self, model: torch.nn.Module, optim: dict[str, Any], max_steps: int, onn_config: dict[str, Any],
+                 micro_batch: int, min_micro_batch: int = 1):  # fmt: skip
+        super().__init__()
+        self.automatic_optimization = False  # the step accumulates micro-batches itself (see module doc)
+        self.model = model
+        self.optim = optim
+        self.max_steps = max_steps
+        self.onn_config = onn_config  # stored in every checkpoint so eval/infer can rebuild the model
+        self.micro_batch, self.min_micro_batch = micro_batch, min_micro_batch
+        self.oom_backoffs: list[dict[str, int]] = []  # {"step", "from", "to"} per halving
+        from torchmetrics import MeanMetric
+
+        # mean loss per target token over the whole validation set (and over every process)
+        self.val_loss = MeanMetric()
+        self.train_losses: list[float] = []  # one mean loss per optimizer step, kept across resume
+        self.val_losses: list[float] = []
+        self.val_at_step: int | None = None  # global step of the latest validation
+        self.engine = None  # set by LayerStreamingStrategy: batches are then macro-batches it streams
+        # LoRA checkpoints hold only what trains; the frozen base comes from model.source again.
+        self.strict_loading = all(p.requires_grad for p in model.parameters())
+
+    def forward(self, **batch: torch.Tensor):
+        return self.model(**batch)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        while True:
+            try:
+                loss = self._forward_backward(batch)
+                break
+            except Exception as e:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
+                if not is_out_of_memory(e):
+                    raise
+                optimizer.zero_grad(set_to_none=True)
+                self._back_off(e)
+        optimizer.step()  # clips in on_before_optimizer_step, after fp16's unscale
+        optimizer.zero_grad(set_to_none=True)
+        self.lr_schedulers().step()
+        self.train_losses.append(float(loss))
+        self.log(
+            "train/loss",
+            loss,
+            prog_bar=True,
+            on_step=True,
+            on_epoch=False,
+            batch_size=batch["input_ids"].shape[0],
+        )
+        return loss
+
+    def _forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Every micro-batch's forward and backward. Each micro-batch's mean loss is weighted by its share
+        of the batch's target tokens, so the update is the whole batch's at any micro-batch size."""
+        if self.engine is not None:
+            # chunk-outer forward of every micro-batch; the chunks' backward runs in manual_backward
+            self.engine.micro_batch = self.micro_batch
+            loss = self.engine.forward_train(
+                self.engine.split(batch), loss_scale=self.trainer.strategy.loss_scale()
+            )
+            self.manual_backward(loss)
+            return loss.detach()
+        pieces = split(batch, self.micro_batch)
+        losses = []
+        for piece, weight in zip(pieces, token_weights(pieces)):
+            if weight == 0:  # no target tokens: nothing to learn from, and its mean loss is 0/0
+                continue
+            loss = self.model(**piece).loss
+            self.manual_backward(loss * weight)
+            losses.append(loss.detach() * weight)
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
+
+    def _back_off(self, error: BaseException) -> None:
+        """Halve the micro-batch (the macro-batch stays: more micro-batches accumulate) or give up at the floor."""
+        if self.engine is not None:
+            self.engine.reset()
+        if self.trainer.world_size > 1:
+            # one process halving alone would desynchronise the gradient all-reduce
+            raise OutOfMemoryFloor(
+                f"out of memory at micro-batch {self.micro_batch} in one of {self.trainer.world_size} processes, which "
+                "cannot back off alone: set strategy.micro_batch lower. The error was: "
+                + str(error).splitlines()[0]
+            ) from error
+        if self.micro_batch // 2 < self.min_micro_batch:
+            raise OutOfMemoryFloor(
+                f"out of memory at micro-batch {self.micro_batch}, the floor (strategy.min_micro_batch="
+                f"{self.min_micro_batch}): lower data.max_length or pick a strategy that needs less memory "
+                f"(python run.py task=plan shows the options). The error was: {str(error).splitlines()[0]}"
+            ) from error
+        old, self.micro_batch = self.micro_batch, self.micro_batch // 2
+        self.oom_backoffs.append({"step": self.trainer.global_step, "from": old, "to": self.micro_batch})
+        log.warning(
+            "out of memory at micro-batch %d: retrying step %d with micro-batch %d",
+            old,
+            self.trainer.global_step,
+            self.micro_batch,
+        )
+        self.log("train/micro_batch", float(self.micro_batch), on_step=True, on_epoch=False)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        clip = float(self.optim.get("clip_grad_norm") or 0.0)
+        if clip > 0:
+            self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        if self.engine is not None:
+            pieces = self.engine.split(batch)
+            losses = self.engine.loss(pieces)
+        else:
+            pieces = split(batch, self.micro_batch)
+            losses = [self.model(**piece).loss for piece in pieces]
+        for piece, loss in zip(pieces, losses):
+            tokens = target_tokens(piece)
+            if tokens:  # a micro-batch without targets has a 0/0 mean loss
+                self.val_loss.update(loss.detach().float(), weight=tokens)
+
+    def on_validation_epoch_end(self) -> None:
+        loss = float(self.val_loss.compute()) if self.val_loss.update_count else 0.0
+        self.val_loss.reset()
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/perplexity", math.exp(min(loss, 50)))
+        if not self.trainer.sanity_checking:
+            self.val_losses.append(loss)
+            self.val_at_step = self.trainer.global_step
+
+    def configure_optimizers(self):
+        optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], self.optim)
+        # one endless stream of batches: the run's length is trainer.max_steps, and there are no epochs
+        return {"optimizer": optimizer, "lr_scheduler": make_schedule(optimizer, self.optim, self.max_steps, "val/loss", epochs=False)}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if not self.strict_loading:
+            trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        checkpoint["onn"] = {
+            "loop": LOOP,
+            "config": self.onn_config,
+            "train_losses": self.train_losses,
+            "val_losses": self.val_losses,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        onn = checkpoint.get("onn", {})
+        if onn.get("loop") != LOOP:  # Lightning's step counter lives elsewhere in the older loop
+            raise UserError(
+                "this checkpoint was written by an older ONN whose training loop cannot be resumed: "
+                "evaluate it with task=eval ckpt=..., or start training again."
+            )
+        self.train_losses = list(onn.get("train_losses", []))
+        self.val_losses = list(onn.get("val_losses", []))
+
+
+def summarize_losses(losses: list[float]) -> tuple[float | None, float | None]:
+    """(initial, final): the first step's loss, and the mean of the last 5% of steps (at least one)."""
+    if not losses:
+        return None, None
+    tail = max(1, math.ceil(len(losses) * 0.05))
+    return losses[0], sum(losses[-tail:]) / tail

@@ -1,0 +1,217 @@
+"""Plan -> objects -> Trainer for causal language models: train, eval, infer and export."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from onn.dtypes import torch_dtype
+from onn.errors import UserError
+from onn.export import export_for_run
+from onn.hardware.memory import PeakMemory
+from onn.modalities.base import Job
+from onn.modalities.text.datamodule import TextDataModule
+from onn.modalities.text.generate import complete, exact_match, read_prompts, stream, write_jsonl
+from onn.modalities.text.module import CausalLM, summarize_losses
+from onn.models.layers import discover
+from onn.models.load import load, model_fingerprint
+from onn.planning.plan import STREAMING_KEYS
+from onn.streaming.loader import load_into_store
+from onn.streaming.strategy import LayerStreamingStrategy, build_engine, layer_store
+from onn.training.callbacks import ResourceMonitor, StepCheckpoint, StepClock
+from onn.training.checkpoints import load as load_checkpoint
+from onn.training.lora import apply
+from onn.training.trainer import build_trainer
+
+log = logging.getLogger("onn")
+SHORT_ANSWER_TOKENS = 32  # exact match after training only where generating answers is cheap
+
+
+def build(config: dict[str, Any], plan: dict[str, Any]) -> tuple[CausalLM, Any]:
+    """The LightningModule and tokenizer the plan describes (weights loaded, strategy applied)."""
+    torch.manual_seed(int(config["seed"]))
+    model_cfg = config["model"]
+    dtype = weights_dtype(config, plan)
+    settings = streaming_settings(config, plan)
+    loaded = None
+    if settings and settings["store"] == "disk":  # a model larger than memory: block by block into the store
+        loaded = load_into_store(model_cfg, dtype, config["paths"]["cache"], layer_store(settings, store_root(config)))
+    model, tokenizer = loaded or load(model_cfg, dtype=dtype, cache_dir=config["paths"]["cache"])
+    layer_map = discover(model, (model_cfg.get("layer_map") or {}).get("blocks"))
+    model = apply(model, plan["strategy"], config["strategy"], layer_map, plan.get("sparse_layers"))
+    if plan.get("gradient_checkpointing") and hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # Save what rebuilds this exact model into every checkpoint: the planned strategy, not "auto".
+    strategy = {**config["strategy"], "name": plan["strategy"], "micro_batch": plan["micro_batch"]}
+    if plan.get("sparse_layers") is not None:
+        strategy["layers"] = plan["sparse_layers"]
+    onn_config = {"model": model_cfg, "strategy": strategy, "data": config["data"], "modality": "text"}
+    module = CausalLM(model, config["optim"], int(config["trainer"]["max_steps"]), onn_config, plan["micro_batch"],
+                      int(config["strategy"]["min_micro_batch"]))  # fmt: skip
+    return module, tokenizer
+
+
+def weights_dtype(config: dict[str, Any], plan: dict[str, Any]) -> torch.dtype:
+    """model.dtype, or the plan's choice when it is auto."""
+    dtype = config["model"]["dtype"]
+    return torch_dtype(plan["weights_dtype"] if dtype in (None, "auto") else dtype)
+
+
+def streaming_settings(config: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any] | None:
+    """The streaming engine's settings: the config's, with `auto` filled in from the plan; None when not streaming."""
+    if config["strategy"].get("lightning") != "streaming" or plan["strategy"] != "sparse_lora":
+        return None
+    settings = dict(config["strategy"]["streaming"])
+    for key in STREAMING_KEYS:
+        if settings.get(key) in (None, "auto"):
+            settings[key] = plan["streaming"][key]
+    return settings
+
+
+def store_root(config: dict[str, Any]) -> Path:
+    """Where this model's layer stores live: one folder per frozen-weights fingerprint."""
+    return Path(config["paths"]["cache"]) / "stores" / model_fingerprint(config["model"])
+
+
+def datamodule(config: dict[str, Any], tokenizer) -> TextDataModule:
+    # Whole macro-batches: the module splits them into micro-batches itself.
+    dm = TextDataModule(config["data"], tokenizer, int(config["data"]["batch_size"]), seed=int(config["seed"]))
+    dm.setup()
+    return dm
+
+
+def trainer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, callbacks: list, loggers: bool = True):
+    """The Trainer for a language model: the layer-streaming strategy when the plan streams."""
+    strategy = None
+    if settings := streaming_settings(config, plan):
+        device = "cuda" if plan["hardware"]["accelerator"] == "cuda" else "cpu"
+        strategy = LayerStreamingStrategy(settings, store_root(config), plan["micro_batch"], device=device)
+    elif config["strategy"].get("lightning") == "streaming":
+        strategy = "auto"  # sparse_lora that the plan did not choose to stream
+    return build_trainer(config, plan, run_dir, callbacks, strategy=strategy, loggers=loggers)
+
+
+def load_weights(module: CausalLM, ckpt: Path) -> None:
+    """A checkpoint's trained weights into a freshly built module (its frozen base came from model.source)."""
+    state = load_checkpoint(ckpt)["state_dict"]
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    if unexpected or (set(missing) & trainable):
+        raise UserError(
+            f"ckpt {ckpt} does not match the model it names: missing {sorted(set(missing) & trainable)[:3]}, unexpected {unexpected[:3]}."
+        )
+
+
+def train(job: Job) -> dict[str, Any]:
+    config, plan, run_dir, ckpt = job.config, job.plan, job.run_dir, job.ckpt
+    module, tokenizer = build(config, plan)
+    dm = datamodule(config, tokenizer)
+    clock = StepClock()
+    callbacks = [StepCheckpoint(run_dir / "checkpoints", config["checkpoint"]["every_n_steps"]), clock,
+                 ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))]  # fmt: skip
+    fit = trainer(config, plan, run_dir, callbacks)
+    with PeakMemory(job.device) as peak:
+        if ckpt is None and config["task"]["validate_before"]:
+            fit.validate(module, datamodule=dm, verbose=False)
+        module.train()  # from_pretrained returns eval mode, and Lightning keeps the mode it is given
+        fit.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
+        if module.val_at_step != fit.global_step:
+            fit.validate(module, datamodule=dm, verbose=False)
+    if getattr(module.model, "peft_config", None) and config["checkpoint"]["save_peft_adapter"]:
+        # PEFT's own format: adapter_config.json + safetensors
+        module.model.save_pretrained(str(run_dir / "adapter"))
+        tokenizer.save_pretrained(str(run_dir / "adapter"))
+    loss_initial, loss_final = summarize_losses(module.train_losses)
+    metrics = {
+        "steps": fit.global_step,
+        "train/loss_initial": loss_initial,
+        "train/loss_final": loss_final,
+        "train/loss_curve": [round(x, 5) for x in module.train_losses],
+        "val/loss_initial": module.val_losses[0] if module.val_losses else None,
+        "val/loss_final": module.val_losses[-1] if module.val_losses else None,
+        "val/perplexity": math.exp(min(module.val_losses[-1], 50)) if module.val_losses else None,
+        "samples_per_s": clock.samples_per_s(int(config["data"]["batch_size"])),
+        "peak_memory_mb": round(peak.peak_mb, 1),
+        "params_trainable": sum(p.numel() for p in module.parameters() if p.requires_grad),
+        "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
+        "resumed_from": str(ckpt) if ckpt else None,
+    }
+    samples = int(config["task"]["exact_match_samples"] or 0)
+    if samples and any(p for p, _ in dm.val_examples) and dm.max_answer_tokens > SHORT_ANSWER_TOKENS:
+        log.info("answers run to %d tokens: skipping exact match after training; run task=eval for it", dm.max_answer_tokens)
+    elif samples and any(p for p, _ in dm.val_examples):
+        metrics["val/exact_match"] = exact_match(module.model, tokenizer, dm.val_examples, config["data"]["answer_pattern"], samples,
+                                                 max_new_tokens=dm.max_answer_tokens + 2, engine=module.engine)  # fmt: skip
+    if config["export"]["name"] != "none":
+        metrics.update(export_for_run(config, module.model, run_dir, tokenizer=tokenizer, engine=module.engine))
+    return metrics
+
+
+def evaluate(job: Job) -> dict[str, Any]:
+    config, plan, ckpt = job.config, job.plan, job.ckpt
+    module, tokenizer = build(config, plan)
+    if ckpt is not None:
+        load_weights(module, ckpt)
+    else:
+        log.warning("task=eval without ckpt: evaluating the model as loaded from model.source")
+    dm = datamodule(config, tokenizer)
+    trainer(config, plan, job.run_dir, [], loggers=False).validate(module, datamodule=dm, verbose=False)
+    loss = module.val_losses[-1]
+    task = config["task"]
+    metrics = {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50)), "checkpoint": str(ckpt) if ckpt else None,
+               "params_trainable": sum(p.numel() for p in module.parameters() if p.requires_grad)}  # fmt: skip
+    if any(p for p, _ in dm.val_examples):
+        metrics["val/exact_match"] = exact_match(module.model, tokenizer, dm.val_examples, config["data"]["answer_pattern"],
+                                                 int(task["max_samples"]), int(task["max_new_tokens"]), engine=module.engine)  # fmt: skip
+    print(
+        f"val loss {loss:.4f}  perplexity {metrics['val/perplexity']:.3f}  exact match {metrics.get('val/exact_match', float('nan')):.3f}"
+    )
+    return metrics
+
+
+def infer(job: Job) -> dict[str, Any]:
+    config, plan, task = job.config, job.plan, job.config["task"]
+    if not task["input"] and not config["prompt"]:
+        raise UserError('task=infer needs prompt="..." or task.input=prompts.jsonl.')
+    module, tokenizer = build(config, plan)
+    if job.ckpt is not None:
+        load_weights(module, job.ckpt)
+    model, engine = module.model, None
+    if settings := streaming_settings(config, plan):  # each chunk load serves every sequence, per token
+        engine = build_engine(model, settings, store_root(config), job.device, micro_batch=None)
+        model.to(job.device)  # what is left after the blocks' frozen weights went to the store
+    template = config["data"]["template"] or "{input}"
+
+    def wrap(text: str) -> str:
+        return template.replace("{input}", text) if task["template"] else text
+
+    gen = {"max_new_tokens": int(task["max_new_tokens"]), "temperature": float(task["temperature"]), "top_p": float(task["top_p"])}
+    if task["input"]:
+        rows = read_prompts(task["input"])
+        prompts = [str(r.get("prompt", r.get("input", r.get("question")))) for r in rows]
+        completions = complete(model, tokenizer, [wrap(p) for p in prompts], engine=engine, **gen)
+        output = Path(task["output"] or job.run_dir / "predictions.jsonl")
+        write_jsonl([{**r, "completion": c} for r, c in zip(rows, completions)], output)
+        print(f"wrote {len(rows)} completions to {output}")
+        return {"infer/prompts": len(rows), "infer/output": str(output)}
+    completion = stream(model, tokenizer, wrap(str(config["prompt"])), engine=engine, **gen)
+    return {"infer/prompt": config["prompt"], "infer/completion": completion}
+
+
+def export(job: Job) -> dict[str, Any]:
+    """task=export: the trained model from `ckpt` (built as it was trained, adapters and layer store
+    included), or without one the model as model.source gives it."""
+    config, plan = job.config, job.plan
+    if job.ckpt is None:
+        model, tokenizer = load(config["model"], dtype=weights_dtype(config, plan), cache_dir=config["paths"]["cache"])
+        return export_for_run(config, model, job.run_dir, tokenizer=tokenizer)
+    module, tokenizer = build(config, plan)
+    load_weights(module, job.ckpt)
+    engine = None
+    if settings := streaming_settings(config, plan):
+        engine = build_engine(module.model, settings, store_root(config), "cpu", micro_batch=None)
+    return export_for_run(config, module.model, job.run_dir, tokenizer=tokenizer, engine=engine)

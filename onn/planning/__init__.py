@@ -1,0 +1,1 @@
+"""Plan a run before it starts: the model sized on the meta device, memory and time predicted, settings chosen."""

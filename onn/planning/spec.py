@@ -1,0 +1,157 @@
+"""What the planner knows about a model: sizes read off its build on PyTorch's meta device.
+
+A language model is sized by its LayerMap (blocks, prefix, suffix), its linear layers (what LoRA
+adapts) and its attention shapes; a classifier network by what one sample costs: forward FLOPs and
+the bytes autograd keeps, counted during a forward pass on the meta device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from onn.errors import UserError
+
+
+@dataclass
+class ModelSpec:
+    """What the planner needs to know about a model, read off its meta-device build."""
+
+    name: str
+    params: int
+    block_params: list[int]
+    prefix_params: int
+    suffix_params: int
+    lora_params_per_block: list[int]  # at the configured rank, all-linear targets
+    linear_params_per_block: list[int]
+    hidden: int
+    intermediate: int
+    kv_dim: int
+    vocab: int
+    layer_map: str
+    pretrained: bool
+    kind: str = "lm"  # lm | network (a classifier sized per sample)
+    sample_activation_bytes: int = 0  # networks: what autograd keeps per sample (fp32), counted on meta
+    sample_flops: int = 0  # networks: forward FLOPs per sample
+    head_params: int = 0  # networks: the classifier head, what a linear probe trains
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.block_params)
+
+
+def model_spec(model_cfg: dict[str, Any], lora_rank: int, cache_dir: str | None = None) -> ModelSpec:
+    """A language model's sizes, read off its meta-device build. The result is cached under cache_dir
+    for models described by an architecture dict, so a repeated `task=plan` imports no torch."""
+    cache = _spec_cache_path(model_cfg, lora_rank, cache_dir)
+    if cache is not None and cache.is_file():
+        return ModelSpec(**json.loads(cache.read_text()))
+    spec = _measure_spec(model_cfg, lora_rank)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(spec)))
+        tmp.replace(cache)
+    return spec
+
+
+def _spec_cache_path(model_cfg: dict[str, Any], lora_rank: int, cache_dir: str | None) -> Path | None:
+    if cache_dir is None or not model_cfg.get("architecture"):
+        return None
+    from importlib.metadata import version
+
+    from onn.models.load import is_pretrained
+
+    key = {k: model_cfg.get(k) for k in ("architecture", "layer_map")}
+    key.update(
+        lora_rank=lora_rank,
+        pretrained=is_pretrained(model_cfg),
+        name=model_cfg.get("name"),
+        transformers=version("transformers"),
+    )
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return Path(cache_dir) / "specs" / f"{digest}.json"
+
+
+def _measure_spec(model_cfg: dict[str, Any], lora_rank: int) -> ModelSpec:
+    from torch import nn
+
+    from onn.models.layers import discover
+    from onn.models.load import is_pretrained, meta_model
+
+    model = meta_model(model_cfg)
+    lmap = discover(model, (model_cfg.get("layer_map") or {}).get("blocks"))
+    config = getattr(model, "config", None)
+
+    def linear_sizes(block):
+        return [(m.in_features, m.out_features) for m in block.modules() if isinstance(m, nn.Linear)]
+
+    hidden = _cfg_int(config, "hidden_size", "n_embd", "d_model", default=0)
+    heads = _cfg_int(config, "num_attention_heads", "n_head", default=1)
+    kv_heads = _cfg_int(config, "num_key_value_heads", default=heads)
+    head_dim = _cfg_int(config, "head_dim", default=hidden // max(heads, 1))
+    intermediate = _cfg_int(config, "intermediate_size", "n_inner", default=4 * hidden) or 4 * hidden
+    seen, params = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            params += p.numel()
+    return ModelSpec(
+        name=str(model_cfg.get("name")),
+        params=params,
+        block_params=lmap.block_params(),
+        prefix_params=lmap.prefix_params(),
+        suffix_params=lmap.suffix_params(),
+        lora_params_per_block=[lora_rank * sum(i + o for i, o in linear_sizes(b)) for b in lmap.blocks],
+        linear_params_per_block=[sum(i * o for i, o in linear_sizes(b)) for b in lmap.blocks],
+        hidden=hidden,
+        intermediate=intermediate,
+        kv_dim=kv_heads * head_dim,
+        vocab=_cfg_int(config, "vocab_size", default=0),
+        layer_map=lmap.describe(),
+        pretrained=is_pretrained(model_cfg),
+    )
+
+
+def network_spec(model, sample, name: str, pretrained: bool, head_params: int = 0,
+                 blocks_path: str | None = None) -> ModelSpec:  # fmt: skip
+    """A network's sizes for one sample: parameters, and the forward FLOPs and the bytes autograd saves
+    for backward, both counted during one forward pass on the meta device (nothing is allocated).
+    `model` is built on the meta device and `sample` is a meta tensor of one sample's batch of 1;
+    `head_params` is what a linear probe would train."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from onn.models.layers import discover
+
+    saved = 0
+
+    def pack(t: torch.Tensor):
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as flops:
+        model.train()(sample.requires_grad_(False))
+    try:
+        lmap = discover(model, blocks_path)
+        blocks, prefix, suffix, described = lmap.block_params(), lmap.prefix_params(), lmap.suffix_params(), lmap.describe()
+    except UserError:  # a network without repeated blocks plans as well; only cut points need them
+        blocks, prefix, suffix, described = [], 0, 0, "no repeated blocks"
+    params = sum(p.numel() for p in model.parameters())
+    return ModelSpec(name=name, params=params, block_params=blocks, prefix_params=prefix, suffix_params=suffix,
+                     lora_params_per_block=[0] * len(blocks), linear_params_per_block=[0] * len(blocks),
+                     hidden=0, intermediate=0, kv_dim=0, vocab=0, layer_map=described, pretrained=pretrained,
+                     kind="network", sample_activation_bytes=saved, sample_flops=int(flops.get_total_flops()),
+                     head_params=head_params)  # fmt: skip
+
+
+def _cfg_int(config, *names: str, default: int) -> int:
+    for n in names:
+        v = getattr(config, n, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return default

@@ -1,0 +1,37 @@
+"""Where task=tune's results live, and how the planner reads them: a JSON file per setting, nothing more.
+
+The tuner (onn/bench/tune.py) writes `cache_path(...)`; the planner only reads it, so planning never
+imports the benchmark that produced it. The key holds what changes the speed of a setting: the
+machine, the frozen weights, the strategy and its precision, layers, LoRA and Lightning strategy,
+the sequence length and the batch size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+
+def cache_path(config: dict[str, Any], hw: dict[str, Any], strategy: str, seq: int) -> Path:
+    from onn.models.load import model_fingerprint
+
+    machine = hw.get("fingerprint") or f"preset:{hw.get('name')}"
+    chosen = config["strategy"]
+    key = {"hardware": machine, "model": model_fingerprint(config["model"]), "strategy": strategy, "sequence_length": seq,
+           "batch_size": int(config["data"]["batch_size"]),
+           "precision": chosen.get("precision"), "layers": chosen.get("layers"), "lora": chosen.get("lora"),
+           "lightning": chosen.get("lightning")}  # fmt: skip
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(config["paths"]["cache"]) / "tune" / f"{digest}.json"
+
+
+def lookup(config: dict[str, Any], hw: dict[str, Any], strategy: str, seq: int) -> dict[str, Any] | None:
+    """The cached tuning result for this machine, model, strategy and sequence length, if any."""
+    path = cache_path(config, hw, strategy, seq)
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return {**result, "path": str(path)}

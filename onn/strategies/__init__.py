@@ -1,1 +1,0 @@
-"""How weights are trained and placed: full, LoRA, QLoRA, sparse LoRA."""

@@ -1,0 +1,128 @@
+"""Load a model block by block straight into the layer store, so it never has to fit in memory.
+
+The model is built with empty weights; each block the store lacks is read from the source's
+safetensors files (or randomly initialised, seeded per block) and written to the store, one block in
+memory at a time. Only the prefix/suffix weights are materialised; the blocks keep empty
+placeholders, which the streaming engine fills from the store.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from onn.hardware.memory import return_large_frees_to_os
+from onn.models.layers import discover
+from onn.models.load import (
+    architecture,
+    auto_class,
+    converted_gguf,
+    expand,
+    finish_tokenizer,
+    hub_folder,
+    read_config,
+    refuse_pickle_folder,
+    source_kind,
+    tokenizer_from,
+)
+from onn.streaming.store import stored_name
+
+
+def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple[Any, Any] | None:
+    """Load a model for layer streaming one block at a time, so it never has to fit in memory.
+
+    The model is built with empty weights; each block the store lacks is read from the source's
+    safetensors files (or randomly initialised, seeded per block) and written to the store; only
+    the prefix/suffix weights are materialised. The blocks keep empty placeholders, which the
+    streaming engine fills from the store. Returns None where a source cannot be read this way
+    (a Python builder, a GGUF file not converted yet, checkpoint names that differ from the
+    model's): the caller then loads the whole model."""
+    import zlib
+
+    import torch
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+
+    return_large_frees_to_os()  # block-sized buffers come and go here: don't let them pile up in the heap
+
+    kind, source = source_kind(model_cfg.get("source")), model_cfg.get("source")
+    remote = bool(model_cfg.get("trust_remote_code"))
+    files: list[str] = []
+    tokenizer = None
+    if kind == "random":
+        config = architecture(model_cfg)
+    elif kind == "safetensors":
+        config, files = architecture(model_cfg), [expand(source)]
+    elif kind in ("folder", "hub", "gguf"):
+        folder = (
+            expand(source)
+            if kind == "folder"
+            else hub_folder(source)
+            if kind == "hub"
+            else converted_gguf(source, cache_dir)
+        )
+        if folder is None:
+            return None
+        refuse_pickle_folder(folder)
+        config = read_config(folder, remote)
+        files = sorted(str(f) for f in Path(folder).glob("*.safetensors"))
+        tokenizer = tokenizer_from(folder, remote)
+    else:
+        return None
+    with init_empty_weights(include_buffers=False):
+        model = auto_class(config).from_config(config, trust_remote_code=remote)
+    where = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            where.update({key: file for key in f.keys()})  # noqa: SIM118 (safe_open is not iterable)
+    names = [n for n, _ in model.named_parameters()]
+    if files and any(n not in where for n in names):
+        return None  # checkpoint names differ from the model's (renamed or fused weights)
+
+    def materialise(module: torch.nn.Module, prefix: str, seed: int, recurse: bool = True) -> None:
+        if files:  # each file opened once per module; assign=True replaces the meta parameters
+            names = [n for n, _ in module.named_parameters(recurse=recurse)]
+            state = {}
+            for file in {where[prefix + n] for n in names}:
+                with safe_open(file, framework="pt") as f:
+                    state.update({n: f.get_tensor(prefix + n) for n in names if where[prefix + n] == file})
+            module.load_state_dict(state, strict=False, assign=True)
+        else:
+            module.to_empty(device="cpu", recurse=recurse)
+            torch.manual_seed(seed)
+            for sub in module.modules() if recurse else [module]:
+                model._init_weights(sub)
+        if dtype is not None:
+            for param in module.parameters(recurse=recurse):
+                param.data = param.data.to(dtype)
+
+    layer_map = discover(model, (model_cfg.get("layer_map") or {}).get("blocks"))
+    full = layer_map.block_paths
+    shapes = {
+        i: {stored_name(n): list(p.shape) for n, p in b.named_parameters()}
+        for i, b in enumerate(layer_map.blocks)
+    }
+    seed = int(model_cfg.get("init_seed", 0))
+    placeholder_dtype = dtype or torch.float32
+
+    def empty(block: torch.nn.Module) -> None:
+        for module in block.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    module._parameters[name] = torch.nn.Parameter(
+                        torch.empty(0, dtype=placeholder_dtype), requires_grad=False
+                    )
+
+    for i in store.missing(shapes):  # one block in memory at a time
+        block = layer_map.blocks[i]
+        materialise(block, full[i] + ".", seed * 100_003 + i + 1)
+        store.write(i, {stored_name(n): p.data for n, p in block.named_parameters()})
+        empty(block)
+    for block in layer_map.blocks:
+        empty(block)
+    for name, module in model.named_modules():  # the prefix and suffix: every module outside the blocks
+        inside = any(name == b or name.startswith(b + ".") for b in full)
+        if not inside and any(p.is_meta for p in module.parameters(recurse=False)):
+            materialise(module, f"{name}." if name else "", seed + zlib.crc32(name.encode()), recurse=False)
+    model.tie_weights()
+    return model, finish_tokenizer(model_cfg, tokenizer, remote)

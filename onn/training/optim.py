@@ -1,0 +1,83 @@
+"""The one optimizer and learning-rate schedule builder, for every LightningModule ONN trains.
+
+`optim` is the config's optim group: name (adamw | sgd), lr, weight_decay, betas (adamw), momentum
+and nesterov (sgd), schedule and its settings, warmup_steps, clip_grad_norm.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from onn.errors import UserError
+
+OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("cosine", "linear", "constant", "step", "plateau", "onecycle")
+EPOCH_SCHEDULES = ("step", "plateau")  # stepped once per epoch
+
+
+def check(optim: dict[str, Any]) -> None:
+    """The optim group's values, checked before anything is built: one sentence per mistake."""
+    if optim["name"] not in OPTIMIZERS:
+        raise UserError(f"optim.name={optim['name']!r} is not one of {', '.join(OPTIMIZERS)}.")
+    if optim["schedule"] not in SCHEDULES:
+        raise UserError(f"optim.schedule={optim['schedule']!r} is not one of {', '.join(SCHEDULES)}.")
+    for key, strict in (("lr", False), ("weight_decay", False), ("clip_grad_norm", False)):
+        value = optim[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0 or (strict and value == 0):
+            raise UserError(f"optim.{key}={value!r}: give a number {'above 0' if strict else '0 or more'}.")
+    for key in ("warmup_steps", "step_size", "patience"):
+        value = optim[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "step_size" else 0):
+            raise UserError(f"optim.{key}={value!r}: give a whole number, {'1' if key == 'step_size' else '0'} or more.")
+
+
+def make_optimizer(params, optim: dict[str, Any]):
+    """torch.optim's AdamW or SGD with every setting the config gives it."""
+    import torch
+
+    check(optim)
+    lr, decay = float(optim["lr"]), float(optim["weight_decay"])
+    if optim["name"] == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=decay, betas=tuple(optim["betas"]))
+    return torch.optim.SGD(params, lr=lr, momentum=float(optim["momentum"]), weight_decay=decay,
+                           nesterov=bool(optim["nesterov"]))  # fmt: skip
+
+
+def make_schedule(optimizer, optim: dict[str, Any], total_steps: int, monitor: str, epochs: bool = True) -> dict[str, Any]:
+    """Lightning's lr_scheduler config for optim.schedule over a run of `total_steps` optimizer steps.
+
+    Warm-up is clamped to the run's length. `monitor` is the metric the plateau schedule watches
+    (task.monitor); `epochs` is False for runs that stream without epochs, where the per-epoch
+    schedules never step."""
+    import torch
+
+    check(optim)
+    schedule, total = optim["schedule"], max(int(total_steps), 1)
+    if schedule in EPOCH_SCHEDULES and not epochs:
+        raise UserError(
+            f"optim.schedule={schedule} steps once per epoch, and this run streams its data without epochs; "
+            "use cosine, linear, constant or onecycle."
+        )
+    if schedule in ("cosine", "linear", "constant"):
+        from transformers import get_scheduler
+
+        kind = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[schedule]
+        warmup = min(int(optim["warmup_steps"]), total)
+        scheduler = get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+        return {"scheduler": scheduler, "interval": "step"}
+    if schedule == "onecycle":
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=float(optim["lr"]), total_steps=total,
+                                                        pct_start=float(optim["pct_start"]))  # fmt: skip
+        return {"scheduler": scheduler, "interval": "step"}
+    if schedule == "step":
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=int(optim["step_size"]), gamma=float(optim["gamma"]))
+        return {"scheduler": scheduler, "interval": "epoch"}
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode=monitor_mode(monitor), factor=float(optim["gamma"]),
+                                                           patience=int(optim["patience"]))  # fmt: skip
+    return {"scheduler": scheduler, "interval": "epoch", "monitor": monitor, "strict": False}
+
+
+def monitor_mode(monitor: str) -> str:
+    """Whether a metric improves downwards (losses, errors) or upwards (accuracy, recall)."""
+    return "min" if monitor.endswith(("loss", "error", "perplexity")) else "max"

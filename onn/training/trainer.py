@@ -1,0 +1,68 @@
+"""The one Lightning Trainer builder: every task that trains, validates or tests makes its Trainer here.
+
+`trainer` config keys pass to lightning.Trainer one-to-one; `auto` values come from the plan
+(precision, the device), loggers from the tracking group (`_target_` instantiation), and checkpoints
+always go through the safetensors CheckpointIO.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from onn.training.checkpoint_io import SafetensorsCheckpointIO
+
+MULTI_DEVICE = ("ddp", "ddp_spawn", "fsdp", "deepspeed")
+
+
+def build_trainer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, callbacks: list, *, strategy: Any = None,
+                  loggers: bool = True, steps_per_epoch: int | None = None):  # fmt: skip
+    """A Trainer for this run. `strategy`: a Strategy object or Lightning name (default: the strategy
+    config's `lightning`); `steps_per_epoch`: the training loader's length, when it has epochs."""
+    import lightning as L
+    from hydra.utils import instantiate
+    from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor
+
+    share_console_with_hydra()
+    kwargs = dict(config["trainer"])
+    if kwargs.get("precision") in (None, "auto"):
+        kwargs["precision"] = plan["precision"]
+    interval = kwargs.get("val_check_interval")
+    if isinstance(interval, int) and not isinstance(interval, bool):
+        limits = [n for n in (kwargs.get("max_steps"), steps_per_epoch) if isinstance(n, int) and n > 0]
+        kwargs["val_check_interval"] = min([interval, *limits])
+    elif kwargs.get("check_val_every_n_epoch") is None:  # a fraction of an epoch: validate every epoch
+        kwargs["check_val_every_n_epoch"] = 1
+    strategy = strategy if strategy is not None else (config["strategy"].get("lightning") or "auto")
+    if kwargs.get("accelerator") in (None, "auto"):
+        kwargs["accelerator"] = "cuda" if plan["hardware"]["accelerator"] == "cuda" else "cpu"
+    if kwargs.get("devices") in (None, "auto") and not (isinstance(strategy, str) and strategy.startswith(MULTI_DEVICE)):
+        kwargs["devices"] = 1
+    made = [instantiate(c, save_dir=str(run_dir)) for c in (config.get("tracking") or {}).get("loggers", [])] if loggers else []
+    if made:
+        callbacks = [*callbacks, LearningRateMonitor("step")]
+    # no_grad, not inference_mode, for evaluation: torchmetrics states reset inside a standalone
+    # validate() would otherwise become inference tensors that fit's validation cannot update
+    kwargs.setdefault("inference_mode", False)
+    if kwargs.get("enable_checkpointing") is None:
+        kwargs["enable_checkpointing"] = any(isinstance(c, Checkpoint) for c in callbacks)
+    return L.Trainer(default_root_dir=str(run_dir), logger=made or False, callbacks=callbacks,
+                     plugins=[SafetensorsCheckpointIO()], strategy=strategy, **kwargs)  # fmt: skip
+
+
+def share_console_with_hydra() -> None:
+    """Print Lightning's lines once, through Hydra's handlers.
+
+    Importing `lightning` adds a console handler to its logger and leaves propagation on, so under
+    Hydra (whose root logger has a console handler too) every line printed twice. When the root
+    logger has handlers, Lightning's own console handlers go and its lines propagate to the root:
+    printed once, in Hydra's format, and kept in the job's log file too."""
+    if not logging.getLogger().handlers:
+        return
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if type(handler) is logging.StreamHandler:
+                logger.removeHandler(handler)
+        logger.propagate = True
