@@ -59,10 +59,9 @@ def test_memory_grows_with_micro_batch_and_breakdown_adds_up(tmp_path):
 
 
 def test_measured_profile_is_cached(tmp_path):
-    first = resolve({"name": "auto", "measure": True}, tmp_path / "cache", tmp_path)
+    auto = compose("hardware=auto")["hardware"]
+    first = resolve(auto, tmp_path / "cache", tmp_path)
     assert first["source"] == "measured" and first["matmul_tflops"] > 0 and first["disk_read_mb_s"] > 0
-    assert (
-        first["accelerator"] in ("cpu", "cuda", "mps") and first["cpu_cores"] >= 1 and first["measure_s"] < 5
-    )
-    second = resolve({"name": "auto", "measure": True}, tmp_path / "cache", tmp_path)
+    assert first["accelerator"] in ("cpu", "cuda", "mps") and first["cpu_cores"] >= 1
+    second = resolve(auto, tmp_path / "cache", tmp_path)
     assert second["source"].startswith("cache") and second["matmul_tflops"] == first["matmul_tflops"]

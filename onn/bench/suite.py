@@ -40,7 +40,7 @@ QUALITY = ("loss_fall", "exact_match")
 
 def check_settings(task: dict[str, Any]) -> None:
     """The task's own keys, checked before anything is profiled, planned or loaded."""
-    if task.get("quality", "loss_fall") not in QUALITY:
+    if task["quality"] not in QUALITY:
         raise UserError(f"task.quality={task.get('quality')} is not one of {', '.join(QUALITY)}.")
     for key in ("steps", "val_batches"):
         if not isinstance(task.get(key), int) or task[key] < 1:
@@ -151,7 +151,7 @@ def summarize(
     ]
     predicted_mem = predicted_alloc + raw["baseline_mb"]
     peak = raw["peak_mb"]
-    is_learned, p = learned(raw["losses"], float(task.get("learned_p", 0.05)))
+    is_learned, p = learned(raw["losses"], float(task["learned_p"]))
     val = raw["val_losses"]
     quality = (
         raw["exact_match"]
@@ -188,7 +188,7 @@ def summarize(
         "bench/val_loss_before": val[0] if val else None,
         "bench/val_loss_after": val[-1] if len(val) > 1 else None,
         "bench/quality": round(quality, 4) if quality is not None else None,
-        "bench/quality_metric": task.get("quality", "loss_fall"),
+        "bench/quality_metric": task["quality"],
     }
     out.update(
         equitable(

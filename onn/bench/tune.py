@@ -98,7 +98,7 @@ def run(job) -> dict[str, Any]:
     head_to_head = None
     if best is not plan_row and usable(plan_row):  # head to head, alternating, so drift hits both alike
         rounds: dict[str, list] = {"plan": [], "candidate": []}
-        for _ in range(int(tune.get("confirm_rounds", 2))):
+        for _ in range(int(tune["confirm_rounds"])):
             for row, name in ((plan_row, "plan"), (best, "candidate")):
                 rounds[name].append(timed(row["settings"], run_dir / "confirm").get("samples_per_s"))
         head_to_head = {
@@ -174,7 +174,7 @@ def _time(
 ) -> dict[str, Any]:
     """One trial: the bench protocol with a few steps, in this process."""
 
-    warmup, steps = int(tune.get("warmup_steps", 1)), int(tune.get("steps", 3))
+    warmup, steps = int(tune["warmup_steps"]), int(tune["steps"])
     config = {
         **config,
         "task": {

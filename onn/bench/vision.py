@@ -47,9 +47,9 @@ def run(job) -> dict[str, Any]:
     image = get("image")
     task = config["task"]
     steps, warmup, repeats = (
-        int(task.get("steps", 30)),
-        int(task.get("warmup", 10)),
-        int(task.get("repeats", 3)),
+        int(task["steps"]),
+        int(task["warmup"]),
+        int(task["repeats"]),
     )
     if steps < 2 or warmup < 1 or repeats < 1:
         raise UserError("task.steps must be 2 or more, task.warmup and task.repeats 1 or more.")
@@ -117,7 +117,7 @@ def _augment(config: dict[str, Any], inputs: dict[str, Any]):
 def _plain_model(config: dict[str, Any], inputs: dict[str, Any], device: torch.device):
     from onn.models.vision import build_classifier
 
-    torch.manual_seed(int(config.get("seed", 0)))
+    torch.manual_seed(int(config["seed"]))
     channels, height, width = inputs["input_shape"]
     model = build_classifier(config["model"], channels, len(inputs["classes"]), [height, width]).to(device)
     if config["model"].get("channels_last"):
@@ -139,7 +139,7 @@ def _plain_loop(config, plan, inputs, dm, steps: int, warmup: int, loader=None) 
     clip = float(config["optim"].get("clip_grad_norm") or 0.0)
     augment = _augment(config, inputs)
     channels_last = bool(config["model"].get("channels_last"))
-    smoothing = float(config["task"].get("label_smoothing", 0.0) or 0.0)
+    smoothing = float(config["task"]["label_smoothing"] or 0.0)
     precision = str(config["trainer"].get("precision") or "auto")
     precision = plan["precision"] if precision == "auto" else precision  # what ONN's Trainer runs with
     half = (
@@ -292,7 +292,7 @@ class StandardPipeline:
 
     def __init__(self, config: dict[str, Any], dm, inputs: dict[str, Any]):
         self.config, self.dm = config, dm
-        self.workers = int(config["task"].get("standard_workers", 2))
+        self.workers = int(config["task"]["standard_workers"])
         channels = inputs["input_shape"][0]
         self.transform = _Transform(
             inputs["input_shape"], config["data"].get("augment"), inputs["mean"], inputs["std"]

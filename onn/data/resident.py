@@ -222,12 +222,12 @@ class ClassificationData(L.LightningDataModule):
 
     def _too_big(self, source: str) -> bool:
         """Whether the decoded dataset would exceed data.resident_max_mb (resident: auto)."""
-        resident = self.cfg.get("resident", "auto")
+        resident = self.cfg["resident"]
         if resident in (True, "true"):
             return False
         if resident in (False, "false"):
             return True
-        budget = self.cfg.get("resident_max_mb", "auto")
+        budget = self.cfg["resident_max_mb"]
         if budget in (None, "auto"):
             budget = memory_budget_mb(self.device)
         try:
@@ -342,7 +342,7 @@ class ClassificationData(L.LightningDataModule):
 
     def _loader(self, split: str, shuffle: bool):
         items, index = self.streamed[split]
-        workers = int(self.cfg.get("num_workers", 2))
+        workers = int(self.cfg["num_workers"])
         return torch.utils.data.DataLoader(
             StreamedItems(items, index), batch_size=self.batch_size if shuffle else self.eval_batch_size,
             shuffle=shuffle, drop_last=shuffle, num_workers=workers, persistent_workers=workers > 0,

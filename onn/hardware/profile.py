@@ -29,7 +29,7 @@ def resolve(
     hw_cfg: dict[str, Any], cache_dir: str | os.PathLike, probe_dir: str | os.PathLike
 ) -> dict[str, Any]:
     """The hardware profile for this run: a preset as written, or this machine measured (cached)."""
-    if not hw_cfg.get("measure", False):
+    if not hw_cfg["measure"]:
         profile = {k: hw_cfg.get(k) for k in PROFILE_KEYS}
         profile["device_memory_free_mb"] = profile["device_memory_free_mb"] or profile["device_memory_mb"]
         profile["host_memory_available_mb"] = profile["host_memory_available_mb"] or profile["host_memory_mb"]
@@ -39,7 +39,7 @@ def resolve(
 
     fingerprint = machine_fingerprint()
     cache = Path(cache_dir) / "hardware" / f"{fingerprint}.json"
-    if cache.exists() and not hw_cfg.get("refresh", False):
+    if cache.exists() and not hw_cfg["refresh"]:
         profile = json.loads(cache.read_text())
         profile.update(_free_memory(profile["accelerator"]))  # free memory changes; measure it now
         profile["source"] = f"cache ({cache})"

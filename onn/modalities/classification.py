@@ -75,7 +75,7 @@ def build(m: ClassifierModality, config: dict[str, Any], plan: dict[str, Any], i
         network = LinearProbe(backbone, width, len(inputs["classes"]))
     onn_config = {"model": model_cfg, "strategy": {**config["strategy"], "name": strategy}, "data": config["data"],
                   "inputs": inputs, "modality": m.name}  # fmt: skip
-    task = config["task"]
+    task = config["task"]  # eval, infer and export have no training keys: no smoothing, the default monitor
     module = Classifier(network, inputs["classes"], config["optim"], onn_config, transform=m.transform(config, inputs),
                         label_smoothing=float(task.get("label_smoothing") or 0.0),
                         channels_last=bool(model_cfg.get("channels_last", False)),
@@ -336,8 +336,8 @@ def _callbacks(config: dict[str, Any], run_dir: Path) -> list:
     callbacks = [best, last, StepClock(), ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))]
     stop = task.get("early_stopping")
     if stop:
-        callbacks.append(EarlyStopping(monitor=monitor, mode=monitor_mode(monitor), patience=int(stop.get("patience", 5)),
-                                       min_delta=float(stop.get("min_delta", 0.0))))  # fmt: skip
+        callbacks.append(EarlyStopping(monitor=monitor, mode=monitor_mode(monitor), patience=int(stop["patience"]),
+                                       min_delta=float(stop.get("min_delta") or 0.0)))  # fmt: skip
     return callbacks
 
 

@@ -89,15 +89,15 @@ def make_network_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) 
             f"strategy={requested}: classifiers train with strategy=full or strategy=linear_probe "
             "(the LoRA and streaming strategies are for language models)."
         )
-    batch = int(data_cfg.get("batch_size", 128))
-    precision = strategy_cfg.get("precision", "auto")
+    batch = int(data_cfg["batch_size"])
+    precision = strategy_cfg["precision"]
     reasons = []
     if precision in (None, "auto") and hw["accelerator"] == "cpu" and hw.get("bf16"):
         precision = "bf16-mixed"  # oneDNN runs bf16 convolutions on AMX / AVX512-BF16: v28 trained 2x faster
         reasons.append("precision bf16-mixed: this CPU has bf16 matrix units (AMX / AVX512-BF16)")
     precision = choose_precision(hw) if precision in (None, "auto") else precision
     half = precision.startswith(("bf16", "16"))
-    optimizer_bytes = 8 if cfg.get("optim", {}).get("name", "adamw") == "adamw" else 4
+    optimizer_bytes = 8 if cfg["optim"]["name"] == "adamw" else 4  # AdamW keeps two moments, SGD one
     ctx = context_mb(hw)
     estimates = {}
     for name in NETWORK_CANDIDATES:
@@ -442,16 +442,16 @@ def make_plan(
         return make_network_plan(cfg, hw, spec)
     strategy_cfg, data_cfg = cfg["strategy"], cfg["data"]
     requested = strategy_cfg["name"]
-    seq = int(data_cfg.get("max_length", 256))
-    batch_size = int(data_cfg.get("batch_size", 8))
-    precision = strategy_cfg.get("precision", "auto")
+    seq = int(data_cfg["max_length"])
+    batch_size = int(data_cfg["batch_size"])
+    precision = strategy_cfg["precision"]
     precision = choose_precision(hw) if precision in (None, "auto") else precision
     layers = strategy_cfg.get("layers")
     n = spec.n_blocks
     # the sparse_lora candidate of another strategy: first and last four blocks, as many as exist
     default = [i for i in (0, 1, 2, 3, -4, -3, -2, -1) if -n <= i < n]
     sparse_layers = resolve_indices(layers if strategy_cfg["name"] == "sparse_lora" else default, n)
-    fixed_mb = strategy_cfg.get("micro_batch", "auto")
+    fixed_mb = strategy_cfg["micro_batch"]
     if fixed_mb not in (None, "auto") and (not isinstance(fixed_mb, int) or fixed_mb < 1):
         raise UserError(
             f"strategy.micro_batch={fixed_mb}: give a whole number of samples, 1 or more, or auto."
@@ -517,7 +517,7 @@ def make_plan(
     micro_batch = est.micro_batch  # need not divide batch_size: the last micro-batch is smaller
     if chosen == "sparse_lora":
         s = est.streaming
-        overlap = (strategy_cfg.get("streaming") or {}).get("prefetch", True)
+        overlap = bool((strategy_cfg["streaming"] or {"prefetch": True})["prefetch"])
         step_s = (
             max(s["predicted_io_s"], s["predicted_compute_s"])
             if overlap

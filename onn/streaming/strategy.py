@@ -39,8 +39,8 @@ def build_engine(
     device = torch.device(device)
     layer_map = discover(model)
     store = layer_store(settings, store_root, device)
-    engine = StreamingEngine(model, layer_map, store, int(settings["chunk_size"]), device=device, prefetch=bool(settings.get("prefetch", True)),
-                             activations=settings.get("activations", "device"), micro_batch=micro_batch,
+    engine = StreamingEngine(model, layer_map, store, int(settings["chunk_size"]), device=device, prefetch=bool(settings["prefetch"]),
+                             activations=settings["activations"], micro_batch=micro_batch,
                              stream_edges=settings.get("edges") == "stream")  # fmt: skip
     engine.offload()
     return engine

@@ -29,7 +29,7 @@ def apply(
 
     lora = dict(strategy_cfg.get("lora") or {})
     layers = sparse_layers if strategy == "sparse_lora" else None
-    target = lora.get("target_modules", "all-linear")
+    target = lora["target_modules"]
     if target == "all-linear":  # peft needs explicit names to combine with layers_to_transform
         target = sorted(
             {
@@ -39,9 +39,9 @@ def apply(
             }
         )
     config = LoraConfig(
-        r=int(lora.get("r", 8)),
-        lora_alpha=int(lora.get("alpha", 16)),
-        lora_dropout=float(lora.get("dropout", 0.0)),
+        r=int(lora["r"]),
+        lora_alpha=int(lora["alpha"]),
+        lora_dropout=float(lora["dropout"]),
         target_modules=list(target) if not isinstance(target, str) else target,
         layers_to_transform=layers,
         layers_pattern=layer_map.layers_pattern if layers is not None else None,

@@ -54,7 +54,7 @@ class TextModality(Modality):
         from onn.planning.plan import make_plan
         from onn.planning.spec import model_spec
 
-        lora_rank = int((config["strategy"].get("lora") or {}).get("r", 8))
+        lora_rank = int((config["strategy"]["lora"] or {"r": 8})["r"])  # full training sizes LoRA at the default rank
         spec = model_spec(config["model"], lora_rank, cache_dir=config["paths"]["cache"])
         return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
 

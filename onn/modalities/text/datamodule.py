@@ -120,7 +120,7 @@ class TextDataModule(L.LightningDataModule):
         train, val = load_splits(self.cfg, self.seed)
         self.train_examples = to_examples(train, self.cfg, str(self.cfg["source"]))
         self.val_examples = to_examples(val, self.cfg, str(self.cfg.get("val_source") or self.cfg["source"]))
-        max_length = int(self.cfg.get("max_length", 256))
+        max_length = int(self.cfg["max_length"])
         self.train_set = [encode(self.tokenizer, p, a, max_length) for p, a in self.train_examples]
         self.val_set = [encode(self.tokenizer, p, a, max_length) for p, a in self.val_examples]
 
@@ -132,7 +132,7 @@ class TextDataModule(L.LightningDataModule):
         sampler = ResumableShuffle(len(self.train_set), self.seed, self._start_sample)
         return DataLoader(
             self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=Collator(self.tokenizer.pad_token_id),
-            num_workers=int(self.cfg.get("num_workers", 0)),
+            num_workers=int(self.cfg["num_workers"]),
         )  # fmt: skip
 
     def val_dataloader(self) -> DataLoader:

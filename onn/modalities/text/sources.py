@@ -27,11 +27,11 @@ def load_splits(data_cfg: dict[str, Any], seed: int) -> tuple[list[dict[str, Any
             val_size, seed=seed + 1_000_003, **opts
         )
 
-    fmt = data_cfg.get("format", "auto")
+    fmt = data_cfg["format"]
     records = read_records(source, fmt)
     if data_cfg.get("val_source"):
         return records, read_records(data_cfg["val_source"], fmt, key="data.val_source")
-    fraction = float(data_cfg.get("val_split", 0.05))
+    fraction = float(data_cfg["val_split"])
     if not 0 < fraction < 1:
         raise UserError(
             f"data.val_split must be between 0 and 1 (got {fraction}) when data.val_source is not set."
