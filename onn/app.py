@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from onn.bench import TASKS as BENCH_TASKS
 from onn.errors import UserError
+from onn.export import check_settings as check_export
 from onn.hardware.profile import resolve as resolve_hardware
 from onn.modalities import Job, detect, get
 from onn.planning.plan import render
@@ -89,11 +91,12 @@ def quiet_console() -> None:
     would fetch from the Hub, Lightning's hardware inventory and tips). They stay in the job's log file."""
     import warnings
 
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' per-file bars when it loads or writes weights
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*(LeafSpec|litlogger|does not have many workers).*")
     for name, level in (("bitsandbytes.backends.cpu.ops", logging.ERROR), ("lightning.pytorch.utilities.rank_zero", logging.WARNING),
-                        ("lightning.fabric.utilities.rank_zero", logging.WARNING)):  # fmt: skip
+                        ("lightning.fabric.utilities.rank_zero", logging.WARNING), ("DeepSpeed", logging.ERROR)):  # fmt: skip
         logging.getLogger(name).setLevel(level)
 
 
@@ -195,8 +198,6 @@ def execute(config: dict[str, Any], run_dir: Path, given: set[str] | None = None
     task = TASKS[name]
     task.check(config)
     if config["export"]["name"] != "none":
-        from onn.export import check_settings as check_export
-
         check_export(config["export"])  # before hours of training end in a bad key
     ckpt = None
     if config.get("ckpt"):

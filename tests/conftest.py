@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from onn.config import register
+
+register()  # the config schema, as run.py registers it before Hydra composes
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
@@ -20,17 +23,13 @@ def compose(*overrides: str, root: Path | None = None) -> dict:
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
-    from onn.config import register
-
-    register()
-
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = hydra_compose("config", overrides=[f"paths.root={root or ROOT}", *overrides])
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, python_warnings: str = "ignore") -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": python_warnings}
     return subprocess.run(
         [sys.executable, str(ROOT / "run.py"), *args],
         cwd=cwd or ROOT,

@@ -44,27 +44,17 @@ def test_quality_and_equitable_scores():
 @pytest.mark.slow
 def test_bench_grid_records_a_failed_job_and_resumes_only_missing_jobs(outputs):
     sweep = outputs / "grid"
-    args = [
-        "-m",
-        *TINY,
-        "strategy=full,qlora,sparse_lora",
-        f"paths.outputs={outputs}",
-        f"hydra.sweep.dir={sweep}",
-    ]
+    # two strategies x two quality settings; `bleu` is no quality ONN knows: those two jobs fail, on any machine
+    args = ["-m", *TINY, "strategy=full,sparse_lora", "task.quality=loss_fall,bleu", f"paths.outputs={outputs}",
+            f"hydra.sweep.dir={sweep}"]  # fmt: skip
     proc = run_cli(*args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     jobs = {}
     for d in (d for d in sweep.iterdir() if d.is_dir()):
-        (strategy,) = [
-            o
-            for o in yaml.safe_load((d / ".hydra" / "overrides.yaml").read_text())
-            if o.startswith("strategy=")
-        ]
-        jobs[strategy] = d
-    full, qlora, sparse = (
-        json.loads((jobs[f"strategy={s}"] / "metrics.json").read_text())
-        for s in ("full", "qlora", "sparse_lora")
-    )
+        given = yaml.safe_load((d / ".hydra" / "overrides.yaml").read_text())
+        jobs[" ".join(o for o in given if o.startswith(("strategy=", "task.quality=")))] = d
+    metrics = {name: json.loads((d / "metrics.json").read_text()) for name, d in jobs.items()}
+    full, sparse = metrics["strategy=full task.quality=loss_fall"], metrics["strategy=sparse_lora task.quality=loss_fall"]
     for m in (full, sparse):
         assert m["status"] == "ok", m["error"]
         for key in ("bench/step_s", "bench/samples_per_s", "bench/tokens_per_s", "bench/peak_memory_mb", "bench/predicted_memory_mb",
@@ -74,20 +64,23 @@ def test_bench_grid_records_a_failed_job_and_resumes_only_missing_jobs(outputs):
         assert 0 <= m["bench/quality"] <= 1 and len(m["bench/loss_curve"]) == 16
         assert m["bench/samples_per_s"] == pytest.approx(8 / m["bench/step_s"], rel=5e-3)  # step_s is rounded to 0.1 ms
     assert sparse["bench/io_s"] is not None and sparse["bench/compute_s"] > 0  # streaming splits its step
-    assert qlora["status"] == "failed" and "CUDA" in qlora["error"]
+    for strategy in ("full", "sparse_lora"):
+        failed = metrics[f"strategy={strategy} task.quality=bleu"]
+        assert failed["status"] == "failed" and "task.quality=bleu is not one of" in failed["error"]
     md = (sweep / "grid.md").read_text()
-    assert "failed" in md and "strategy=qlora" in md and (sweep / "grid.png").stat().st_size > 10_000
-    assert len((sweep / "grid.csv").read_text().strip().splitlines()) == 4  # header + 3 jobs
+    assert "failed" in md and "task.quality=bleu" in md and (sweep / "grid.png").stat().st_size > 10_000
+    assert len((sweep / "grid.csv").read_text().strip().splitlines()) == 5  # header + 4 jobs
 
     # Interrupted: one job lost its metrics.json. The same command runs it again, and the failed
-    # job (which may have failed for a reason since fixed); the finished one is left alone.
-    (jobs["strategy=sparse_lora"] / "metrics.json").unlink()
-    before = (jobs["strategy=full"] / "metrics.json").stat().st_mtime_ns
+    # jobs (which may have failed for a reason since fixed); the finished one is left alone.
+    (jobs["strategy=sparse_lora task.quality=loss_fall"] / "metrics.json").unlink()
+    before = (jobs["strategy=full task.quality=loss_fall"] / "metrics.json").stat().st_mtime_ns
     proc = run_cli(*args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (jobs["strategy=full"] / "metrics.json").stat().st_mtime_ns == before
-    assert json.loads((jobs["strategy=sparse_lora"] / "metrics.json").read_text())["status"] == "ok"
-    assert proc.stdout.count("bench: ") == 1  # one benchmark ran: qlora fails before it measures
+    assert (jobs["strategy=full task.quality=loss_fall"] / "metrics.json").stat().st_mtime_ns == before
+    again = json.loads((jobs["strategy=sparse_lora task.quality=loss_fall"] / "metrics.json").read_text())
+    assert again["status"] == "ok"
+    assert proc.stdout.count("bench: ") == 1  # one benchmark ran: the bleu jobs fail before they measure
     assert "already finished" in proc.stdout + proc.stderr
 
 

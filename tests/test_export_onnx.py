@@ -127,7 +127,6 @@ def test_export_checks_names_and_matches_pytorch(exported):
     assert result["export/inputs"] == inputs and result["export/outputs"] == outputs
     assert set(result["export/max_abs_diff_per_output"]) == set(outputs)
     assert 0 <= result["export/max_abs_diff"] <= 1e-4
-    assert result["export/seconds"] > 0
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # weights inside, no temp files left
 
     proto = check_onnx(path)

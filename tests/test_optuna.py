@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from conftest import ROOT, compose
+import json
+
+import pytest
+import yaml
+from conftest import ROOT, compose, run_cli
 
 
 def _compose_with_hydra(*overrides: str) -> dict:
@@ -50,3 +54,20 @@ def test_optuna_sweeper_parses_the_lr_search_space():
     assert (lr.low, lr.high) == (1e-4, 3e-2)
     assert type(lr).__name__ == "LogUniformDistribution"
     assert set(space) == {"optim.lr"}
+
+
+@pytest.mark.slow
+def test_optuna_runs_two_real_trials_and_reports_the_best_lr(outputs):
+    sweep = outputs / "optuna"
+    proc = run_cli("recipe=optuna_lr", "hydra.sweeper.n_trials=2", "model=llama_tiny", "trainer.max_steps=6",
+                   "trainer.val_check_interval=6", "data.builtin.train_size=64", "data.builtin.val_size=16", "tracking=none",
+                   f"paths.outputs={outputs}", f"hydra.sweep.dir={sweep}")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trials = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/metrics.json"))]
+    lrs = [yaml.safe_load((p.parent / "config.yaml").read_text())["optim"]["lr"] for p in sorted(sweep.glob("*/metrics.json"))]
+    assert len(trials) == 2 and all(t["status"] == "ok" and t["val/loss_final"] > 0 for t in trials)
+    assert len(set(lrs)) == 2 and all(1e-4 <= lr <= 3e-2 for lr in lrs)  # Optuna picked two rates in the range
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    best = min(range(2), key=lambda i: trials[i]["val/loss_final"])
+    assert results["best_params"]["optim.lr"] == pytest.approx(lrs[best])
+    assert results["best_value"] == pytest.approx(trials[best]["val/loss_final"])

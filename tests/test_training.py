@@ -144,3 +144,30 @@ def test_validation_ignores_micro_batches_without_targets():
         )
         losses.append(module.val_losses[-1])
     assert math.isfinite(losses[1]) and losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_qlora_trains_lora_on_a_4bit_base_also_after_a_validation(tmp_path):
+    """strategy=qlora loads the base through transformers' BitsAndBytesConfig (NF4) on this device, and
+    its adapters keep learning after an eval-mode forward (bitsandbytes would repack the 4-bit weights
+    for inference on CPUs with AVX512-BF16, and gradients through them would then be zero)."""
+    import bitsandbytes as bnb
+
+    from onn.hardware.profile import resolve
+    from onn.modalities import get
+    from onn.modalities.text.tasks import build
+
+    cfg = compose("model=llama_tiny", "strategy=qlora", f"paths.cache={tmp_path / 'cache'}", "optim.lr=1e-2")
+    hardware = resolve(cfg["hardware"], tmp_path / "cache", tmp_path)
+    plan, _ = get("text").plan(cfg, hardware)
+    assert plan["strategy"] == "qlora" and plan["candidates"]["qlora"]["fits"]
+    module, _ = build(cfg, plan)
+    assert sum(isinstance(m, bnb.nn.Linear4bit) for m in module.model.modules()) == 8 * 7  # every block linear
+    batch = batches(steps=1)[0]
+    module.eval()
+    with torch.no_grad():
+        module.model(**batch)  # a validation pass
+    module.train()
+    module.model(**batch).loss.backward()
+    grads = [p.grad for n, p in module.model.named_parameters() if "lora_B" in n]  # lora_A gets none while B is 0
+    assert grads and all(g is not None for g in grads) and sum(float(g.abs().sum()) for g in grads) > 0

@@ -20,10 +20,16 @@ def test_tune_caches_the_fastest_setting_and_the_plan_uses_it(outputs):
                    f"hydra.run.dir={outputs / 'tune'}")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     m = read_metrics(outputs / "tune")
-    assert m["tune/trials"] >= 2 and m["tune/speedup_over_plan"] >= 1.0
+    assert m["tune/trials"] >= 2
     assert "| 0 (plan)" in (outputs / "tune" / "tune.md").read_text()
     (entry,) = (cache / "tune").glob("*.json")
     tuned = json.loads(entry.read_text())
+    # the winner is a trial that ran and stayed within the budget, and no other such trial was faster
+    budget = yaml.safe_load((outputs / "tune" / "plan.yaml").read_text())["budget_mb"]
+    usable = [t for t in tuned["trials"] if t["status"] == "ok" and t["peak_growth_mb"] <= budget]
+    best = next(t for t in usable if t["settings"] == tuned["settings"])
+    if tuned["head_to_head"] is None:  # a head-to-head re-measure may overrule the single trials
+        assert best["samples_per_s"] == max(t["samples_per_s"] for t in usable)
     assert tuned["settings"] == m["tune/settings"] and set(tuned["settings"]) == {
         "micro_batch",
         "chunk_size",

@@ -199,10 +199,7 @@ def test_bench_vision_reports_both_ratios(images, tmp_path):
                      "task.repeats=1", "task.standard_workers=0", "data.augment={crop_padding: 2, hflip: 0.5}")  # fmt: skip
     for key in ("vision/runner_overhead", "vision/resident_speedup", "vision/train_speedup"):
         assert isinstance(metrics[key], float), key
-    assert metrics["vision/plain_samples_per_s"] > 0 and metrics["vision/train_standard_samples_per_s"] > 0
-    assert (
-        metrics["vision/resident_speedup"] > 1
-    )  # per-sample PIL decoding is slower than slicing a resident tensor
+    assert set(metrics["vision/rounds"]) >= {"plain", "onn", "standard", "resident", "pipeline_standard", "pipeline_resident"}
 
 
 @pytest.mark.parametrize(

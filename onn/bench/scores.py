@@ -1,10 +1,10 @@
 """What a benchmark's raw figures mean: did it learn, how good is it, and the equitable scores.
 
-learned   A one-sided permutation test on the per-step training losses: under "nothing was
-          learned", the steps of the first and the last fifth of the run are exchangeable, so
-          the fall of the mean loss between them is compared with its distribution over every
-          relabelling of those steps (all of them when there are at most 20,000, else 20,000
-          seeded draws). `bench/learned` is true when p < 0.05 (task.learned_p) and the
+learned   A one-sided permutation test (scipy.stats.permutation_test) on the per-step training
+          losses: under "nothing was learned", the steps of the first and the last fifth of the run
+          are exchangeable, so the fall of the mean loss between them is compared with its
+          distribution over every relabelling of those steps (all of them when there are at most
+          20,000, else 20,000 seeded draws). `bench/learned` is true when p < 0.05 (task.learned_p) and the
           loss fell; `bench/learned_p` is the p-value.
 quality   In [0, 1]. Language modelling: the relative fall of held-out loss over the run,
           (before - after) / before, floored at 0 (task.quality=loss_fall), or the exact-match
@@ -16,38 +16,28 @@ scores    ONN's equitable scores: efficiency = quality / parameters x 1e10,
 
 from __future__ import annotations
 
-import itertools
-import math
-import random
 from typing import Any
 
 MAX_RELABELLINGS = 20_000
 
 
 def learned(losses: list[float], alpha: float = 0.05) -> tuple[bool, float | None]:
-    """(learned, p) for a run's per-step losses; (False, None) with fewer than 10 steps."""
+    """(learned, p) for a run's per-step losses; (False, None) with fewer than 10 steps.
+
+    scipy's permutation test of the first fifth's mean against the last fifth's, one-sided: every
+    relabelling when there are at most MAX_RELABELLINGS, else that many seeded draws."""
+    import numpy as np
+    from scipy.stats import permutation_test
+
     fifth = len(losses) // 5
     if fifth < 2:
         return False, None
-    first, last = losses[:fifth], losses[-fifth:]
-    observed = _mean(first) - _mean(last)
-    pooled = first + last
-    total = sum(pooled)
-
-    def fall(first_idx: tuple[int, ...]) -> float:
-        head = sum(pooled[i] for i in first_idx)
-        return head / fifth - (total - head) / fifth
-
-    n = len(pooled)
-    if math.comb(n, fifth) <= MAX_RELABELLINGS:
-        draws = list(itertools.combinations(range(n), fifth))
-    else:
-        rng = random.Random(0)
-        draws = [tuple(rng.sample(range(n), fifth)) for _ in range(MAX_RELABELLINGS)]
-    # the observed labelling is one of the relabellings, so p is never 0
-    at_least = sum(1 for d in draws if fall(d) >= observed - 1e-12)
-    p = max(at_least, 1) / len(draws)
-    return observed > 0 and p < alpha, p
+    first, last = np.asarray(losses[:fifth]), np.asarray(losses[-fifth:])
+    result = permutation_test((first, last), lambda a, b, axis: a.mean(axis=axis) - b.mean(axis=axis),
+                              permutation_type="independent", alternative="greater", vectorized=True,
+                              n_resamples=MAX_RELABELLINGS, rng=np.random.default_rng(0))  # fmt: skip
+    p = float(result.pvalue)
+    return bool(result.statistic > 0 and p < alpha), p
 
 
 def loss_fall(before: float | None, after: float | None) -> float | None:
@@ -70,7 +60,3 @@ def equitable(quality: float | None, params: int, samples_per_s: float | None, b
     else:
         scores["score/overall"] = sum(w * v for w, v in parts if w) / sum(w for w, _ in parts)
     return {k: (round(v, 3) if v is not None else None) for k, v in scores.items()}
-
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)

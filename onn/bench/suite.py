@@ -30,7 +30,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from onn.bench.scores import equitable, learned, loss_fall
 from onn.errors import UserError
+from onn.planning.plan import STREAMING_KEYS, make_plan
 
 log = logging.getLogger("onn")
 
@@ -132,8 +134,6 @@ def summarize(
     config: dict[str, Any], plan: dict[str, Any], hardware: dict[str, Any], spec, raw: dict[str, Any]
 ) -> dict[str, Any]:
     """The bench/* and score/* keys from the raw figures and the planner's predictions for the same shapes."""
-    from onn.bench.scores import equitable, learned, loss_fall
-
     task = config["task"]
     warmup = int(task["warmup_steps"])
     batch_size = int(config["data"]["batch_size"])
@@ -204,8 +204,6 @@ def _replan(
 ) -> dict[str, Any]:
     """The planner's prediction for the settings this run used (the micro-batch it ended at, after any
     out-of-memory halving), at the sequence length its batches had."""
-    from onn.planning.plan import STREAMING_KEYS, make_plan
-
     cfg = copy.deepcopy(config)
     cfg["data"]["max_length"] = seq
     cfg["strategy"].update(name=plan["strategy"], micro_batch=micro_batch, precision=plan["precision"],

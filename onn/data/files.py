@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import lzma
 import os
 import stat
@@ -278,3 +279,11 @@ def content_digest(path: str | os.PathLike[str]) -> str:
     else:
         update_hash(h, path)
     return h.hexdigest()
+
+
+def write_jsonl(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
+    """One JSON object per line (predictions, completions), UTF-8, the folder made if needed."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from onn.errors import UserError
+from onn.models.layers import discover
+from onn.streaming.store import stored_name
 
 if TYPE_CHECKING:
     import torch
@@ -163,8 +165,6 @@ def _merged_groups(model, base, engine) -> Iterator[dict[str, torch.Tensor]]:
     import torch
     from peft.tuners.lora import LoraLayer
 
-    from onn.streaming.store import stored_name
-
     state = base.state_dict(keep_vars=True)
     for key in getattr(base, "_keys_to_ignore_on_save", None) or []:
         state.pop(key, None)
@@ -280,8 +280,6 @@ def _drop_tied(base, state: dict[str, Any]) -> None:
 
 
 def _layer_map(base):
-    from onn.models.layers import discover
-
     try:
         return discover(base)
     except UserError:  # no repeated blocks: one group holds everything

@@ -24,15 +24,16 @@ import onnx
 
 from onn.errors import UserError
 from onn.export import graph as G
+from onn.export import shards
 
 FORMAT_VERSION = "1.0"
 METADATA_KEY = "onn.omny"
 SCHEMA_FILE = Path(__file__).with_name("omny.schema.json")
 MB = 2**20
 DEFAULTS = {
-    "max_shard_size_mb": 1200.0,  # the fleet this was designed for: 1.5 GB smallest GPU
-    "min_vram_mb": 1500.0,
-    "headroom_mb": 256.0,
+    "max_shard_size_mb": shards.MAX_SHARD_SIZE_MB,  # the shard limits live in onn/export/shards.py, once
+    "min_vram_mb": shards.MIN_VRAM_MB,
+    "headroom_mb": shards.HEADROOM_MB,
     "nodes": None,
     "shard_counts": None,
     "max_configs": 8,
@@ -136,9 +137,9 @@ def describe(
 
 
 def _shard_plans(g: G.Graph, parts: list[G.Piece], blocks: list[dict], settings: dict) -> dict[str, Any]:
-    from onn.export.shards import plan_shards
 
-    planned = plan_shards(
+
+    planned = shards.plan_shards(
         _planner_blocks(blocks),
         max_shard_size_mb=float(settings["max_shard_size_mb"]),
         min_vram_mb=float(settings["min_vram_mb"]),
@@ -163,10 +164,10 @@ def _shard_plans(g: G.Graph, parts: list[G.Piece], blocks: list[dict], settings:
 
 
 def _node_plan(g: G.Graph, parts: list[G.Piece], blocks: list[dict], settings: dict) -> dict[str, Any]:
-    from onn.export.shards import plan_nodes
+
 
     nodes = [float(m) for m in settings["nodes"]]
-    planned = plan_nodes(_planner_blocks(blocks), nodes, headroom_mb=float(settings["headroom_mb"]))
+    planned = shards.plan_nodes(_planner_blocks(blocks), nodes, headroom_mb=float(settings["headroom_mb"]))
     return {
         "nodes_mb": nodes,
         "method": planned["method"],
@@ -177,9 +178,9 @@ def _node_plan(g: G.Graph, parts: list[G.Piece], blocks: list[dict], settings: d
 
 
 def _planner_blocks(blocks: list[dict]):
-    from onn.export.shards import Block
 
-    return [Block(b["name"], b["weight_bytes"], b["activation_bytes_per_sample"]) for b in blocks]
+
+    return [shards.Block(b["name"], b["weight_bytes"], b["activation_bytes_per_sample"]) for b in blocks]
 
 
 def _detail(g: G.Graph, parts: list[G.Piece], ranges: list[list[int]], totals: list[float]) -> list[dict]:

@@ -29,11 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from onn.data.files import write_jsonl
 from onn.data.resident import ClassificationData, ResidentBatches, Split
 from onn.errors import UserError
 from onn.export import export_for_run
 from onn.hardware.memory import PeakMemory
 from onn.modalities.base import ClassifierModality, Job
+from onn.models.vision import feature_extractor
 from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
 from onn.training.callbacks import ResourceMonitor, StepClock
@@ -69,8 +71,6 @@ def build(m: ClassifierModality, config: dict[str, Any], plan: dict[str, Any], i
     model_cfg, strategy = config["model"], plan["strategy"]
     network = m.network(model_cfg, inputs)
     if strategy == "linear_probe":  # the plan admits full and linear_probe only
-        from onn.models.vision import feature_extractor
-
         backbone, width = feature_extractor(network)
         network = LinearProbe(backbone, width, len(inputs["classes"]))
     onn_config = {"model": model_cfg, "strategy": {**config["strategy"], "name": strategy}, "data": config["data"],
@@ -215,8 +215,6 @@ def infer(m: ClassifierModality, job: Job) -> dict[str, Any]:
                     shown.append(decoded.inputs[j])
                     predicted_names.append(guess)
                     true_names.append(true)
-    from onn.modalities.text.generate import write_jsonl
-
     output = Path(task["output"] or job.run_dir / "predictions.jsonl")
     write_jsonl(rows, output)
     picture = output.with_suffix(".png")
@@ -268,8 +266,6 @@ def input_shape(inputs: dict[str, Any]) -> list[int]:
 
 def head_params(network: nn.Module, classes: int) -> int:
     """What a linear probe trains: the head over the backbone's features."""
-    from onn.models.vision import feature_extractor
-
     try:
         _, width = feature_extractor(network)
     except UserError:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from onn.errors import UserError
+from onn.models.tokenizer import byte_tokenizer
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".joblib")
 CONVERT_HINT = (
@@ -137,12 +138,46 @@ def load(model_cfg: dict[str, Any], dtype=None, cache_dir: str | os.PathLike | N
     return model, finish_tokenizer(model_cfg, tokenizer, remote)
 
 
+def load_4bit(model_cfg: dict[str, Any], compute_dtype, cache_dir: str | os.PathLike, device: str = "cpu"):
+    """The model with its linear layers in 4-bit NF4 (QLoRA's base), through transformers' own
+    BitsAndBytesConfig. A Hugging Face folder loads quantized directly; any other source is built,
+    written once as a safetensors folder under cache_dir/nf4 and loaded from there, quantized."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    kind, remote = source_kind(model_cfg.get("source")), bool(model_cfg.get("trust_remote_code"))
+    tokenizer = None
+    if kind in ("folder", "hub"):
+        folder = expand(model_cfg["source"]) if kind == "folder" else hub_folder(model_cfg["source"])
+        refuse_pickle_folder(folder)
+        tokenizer = tokenizer_from(folder, remote)
+    else:
+        folder = Path(cache_dir) / "nf4" / model_fingerprint(model_cfg)
+        if not (folder / ".complete").is_file():
+            model, tokenizer = load(model_cfg, dtype=torch.float32, cache_dir=cache_dir)
+            model.save_pretrained(folder, safe_serialization=True)
+            (folder / ".complete").write_text("")
+            del model
+        folder = str(folder)
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
+    model = auto_class(read_config(folder, remote)).from_pretrained(folder, local_files_only=True, use_safetensors=True,
+                                                                   trust_remote_code=remote, quantization_config=quantization,
+                                                                   device_map={"": device})  # fmt: skip
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            # On CPUs with AVX512-BF16, bitsandbytes repacks 4-bit weights for inference on the first
+            # no-grad forward in eval mode (a validation), for good: its packed kernel has no autograd,
+            # so every later LoRA gradient through the layer would be zero. Keep the trainable path.
+            module.support_avx512bf16_for_cpu = False
+    return model, finish_tokenizer(model_cfg, tokenizer, remote)
+
+
 def finish_tokenizer(model_cfg: dict[str, Any], tokenizer, remote: bool):
     """The tokenizer the model config asks for (or the source's), with a pad token."""
     tok_cfg = model_cfg.get("tokenizer")
     if tok_cfg == "byte":
-        from onn.models.tokenizer import byte_tokenizer
-
         tokenizer = byte_tokenizer()
     elif tok_cfg:
         tokenizer = tokenizer_from(expand(tok_cfg), remote)

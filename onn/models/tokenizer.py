@@ -13,10 +13,11 @@ def byte_tokenizer():
     """A Hugging Face fast tokenizer over raw bytes (ids 0-255), then <bos>=256, <eos>=257, <pad>=258."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
     # Order the vocabulary by byte value so that id == byte, which keeps ids readable.
-    table = _bytes_to_unicode()
+    table = bytes_to_unicode()  # GPT-2's reversible byte -> printable-character table, the one ByteLevel uses
     vocab = {table[b]: b for b in range(256)}
     assert set(vocab) == set(byte_chars)
     for i, special in enumerate((BOS, EOS, PAD)):
@@ -26,20 +27,3 @@ def byte_tokenizer():
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([BOS, EOS, PAD])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable-character table, the one ByteLevel uses."""
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))

@@ -20,6 +20,7 @@ from torch import nn
 
 from onn.errors import UserError
 from onn.models.load import CONVERT_HINT, PICKLE_SUFFIXES
+from onn.models.zoo import build_zoo
 
 log = logging.getLogger("onn")
 
@@ -39,8 +40,6 @@ def build_classifier(model_cfg: dict, in_channels: int, num_classes: int, image_
             )
     image_size = [int(s) for s in image_size]
     if kind == "zoo":
-        from onn.models.zoo import build_zoo
-
         model = _construct(
             build_zoo,
             name,

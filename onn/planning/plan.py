@@ -199,21 +199,12 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
         extra = spec.params * 2 if mixed else 0
     elif strategy in ("lora", "qlora"):
         if strategy == "qlora":
-            if hw["accelerator"] != "cuda":
-                return Estimate(
-                    strategy,
-                    False,
-                    micro_batch,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    ctx,
-                    note="4-bit bitsandbytes needs a CUDA GPU",
-                )
+            if hw["accelerator"] == "mps":
+                return Estimate(strategy, False, micro_batch, 0, 0, 0, 0, 0, ctx,
+                                note="bitsandbytes' 4-bit layers run on CUDA GPUs and CPUs, not on Apple's MPS")  # fmt: skip
+            # the blocks' linear layers in NF4; the rest (embeddings, norms, head) as the frozen weights are
             linear = sum(spec.linear_params_per_block)
-            weights = linear * DTYPE_BYTES["nf4"] + (spec.params - linear) * 2
+            weights = linear * DTYPE_BYTES["nf4"] + (spec.params - linear) * frozen_bytes
         else:
             weights = spec.params * frozen_bytes
         weights += lora_all * 4  # fp32 adapters

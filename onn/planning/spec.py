@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from onn.errors import UserError
+from onn.models.layers import discover
+from onn.models.load import is_pretrained, meta_model
 
 
 @dataclass
@@ -63,8 +65,6 @@ def _spec_cache_path(model_cfg: dict[str, Any], lora_rank: int, cache_dir: str |
         return None
     from importlib.metadata import version
 
-    from onn.models.load import is_pretrained
-
     key = {k: model_cfg.get(k) for k in ("architecture", "layer_map")}
     key.update(
         lora_rank=lora_rank,
@@ -78,9 +78,6 @@ def _spec_cache_path(model_cfg: dict[str, Any], lora_rank: int, cache_dir: str |
 
 def _measure_spec(model_cfg: dict[str, Any], lora_rank: int) -> ModelSpec:
     from torch import nn
-
-    from onn.models.layers import discover
-    from onn.models.load import is_pretrained, meta_model
 
     model = meta_model(model_cfg)
     lmap = discover(model, (model_cfg.get("layer_map") or {}).get("blocks"))
@@ -124,8 +121,6 @@ def network_spec(model, sample, name: str, pretrained: bool, head_params: int = 
     `head_params` is what a linear probe would train."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
-
-    from onn.models.layers import discover
 
     saved = 0
 

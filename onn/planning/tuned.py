@@ -13,10 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from onn.models.load import model_fingerprint
+
 
 def cache_path(config: dict[str, Any], hw: dict[str, Any], strategy: str, seq: int) -> Path:
-    from onn.models.load import model_fingerprint
-
     machine = hw.get("fingerprint") or f"preset:{hw.get('name')}"
     chosen = config["strategy"]
     key = {"hardware": machine, "model": model_fingerprint(config["model"]), "strategy": strategy, "sequence_length": seq,

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from onn.errors import UserError
 from onn.hardware.memory import return_large_frees_to_os
 from onn.models.layers import LayerMap
 from onn.streaming.store import LayerStore, stored_name
@@ -80,8 +81,6 @@ class StreamingEngine:
                  micro_batch: int | None = None, forward_group: int | None = None, stream_edges: bool = False):  # fmt: skip
         n = len(layer_map)
         if not 1 <= chunk_size <= n:
-            from onn.errors import UserError
-
             raise UserError(
                 f"strategy.streaming.chunk_size must be between 1 and the model's {n} blocks (got {chunk_size})."
             )
@@ -500,13 +499,13 @@ def _sizes(micro_batches: list[dict[str, Any]], group: list[int]) -> list[int]:
     return [len(next(iter(micro_batches[m].values()))) for m in group]
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The next token of each row: greedy at temperature 0, else sampled through transformers' own
+    temperature and top-p warpers, the ones model.generate uses."""
     if not temperature:
         return logits.argmax(-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p > top_p
-        sorted_p[drop] = 0
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1)[:, 0]
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature), *([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])])
+    scores = warpers(None, logits)
+    return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[:, 0]

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from onn.errors import UserError
 from onn.modalities import Job
 
 
@@ -49,8 +50,6 @@ def _plan(job: Job) -> dict[str, Any]:
 
 
 def _check_export(config: dict[str, Any]) -> None:
-    from onn.errors import UserError
-
     if config["export"]["name"] == "none":
         raise UserError("task=export needs a format: export=safetensors, export=onnx or export=omny.")
 

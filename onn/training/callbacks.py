@@ -9,6 +9,8 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
 
+from onn.hardware.memory import anon_rss_mb
+
 
 class StepCheckpoint(Checkpoint):
     """`last.ckpt` every `every_n_steps` optimizer steps and at the end of training.
@@ -92,8 +94,6 @@ class ResourceMonitor(L.Callback):
     @staticmethod
     def read(device) -> dict[str, float]:
         import psutil
-
-        from onn.hardware.memory import anon_rss_mb
 
         host = psutil.virtual_memory()
         stats = {

@@ -25,13 +25,28 @@ class ImageModality(ClassifierModality):
     def sniff(self, path: Path) -> str | None:
         from onn.data.files import read_head
         from onn.errors import UserError
-        from onn.modalities.image.formats import detect_format
+        from onn.modalities.image.formats import detect_format, image_kind
 
-        if path.is_file() and path.suffix.lower() in (".csv", ".tsv", ".parquet", ".jsonl", ".json", ".txt"):
-            # tables: image data only when their first row names an image file (text tables are text data)
-            head = read_head(path, 4096).decode("utf-8", "replace").splitlines()
-            row = head[1] if len(head) > 1 else ""
-            return "a table of image paths and labels" if any(s in row.lower() for s in IMAGE_SUFFIXES) else None
+        if path.is_file():
+            head = read_head(path, 4096)
+            if kind := image_kind(head):
+                return f"a {kind} image"
+            if head[:4] == b"PAR1":  # parquet: image data when a column holds bytes (an image column)
+                import pyarrow as pa
+                import pyarrow.parquet as pq
+
+                try:
+                    schema = pq.read_schema(path)
+                except Exception:  # noqa: BLE001 - pyarrow raises several types for damaged files
+                    return None
+                binary = [f.name for f in schema if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)
+                          or (pa.types.is_struct(f.type) and any(pa.types.is_binary(c.type) for c in f.type))]  # fmt: skip
+                return f"a parquet table with image bytes ({', '.join(binary[:2])})" if binary else None
+            if path.suffix.lower() in (".csv", ".tsv", ".jsonl", ".json", ".txt"):
+                # tables: image data only when their first row names an image file (text tables are text data)
+                lines = head.decode("utf-8", "replace").splitlines()
+                row = lines[1] if len(lines) > 1 else ""
+                return "a table of image paths and labels" if any(s in row.lower() for s in IMAGE_SUFFIXES) else None
         try:
             fmt = detect_format(path)
         except UserError:

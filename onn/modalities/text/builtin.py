@@ -9,6 +9,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from onn.errors import UserError
+
 NAMES = [
     "Ava",
     "Ben",
@@ -54,8 +56,6 @@ def generate(
     """`size` problems as {"input": question, "output": answer} records."""
     unknown = set(operations) - set(TEMPLATES)
     if unknown:
-        from onn.errors import UserError
-
         raise UserError(
             f"data.builtin.operations: {sorted(unknown)} unknown; choose from {sorted(TEMPLATES)}."
         )

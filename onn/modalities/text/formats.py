@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from onn.data.files import read_head
 from onn.errors import UserError
 
 FORMATS = ("jsonl", "json", "csv", "parquet", "txt")
@@ -157,8 +158,6 @@ _READERS = {
 def sniff_text(path: Path) -> str | None:
     """Why `path` is text data (a built-in generator, or a regular file of JSON, CSV, parquet with text
     columns, or UTF-8/UTF-16 text), or None. Reads at most 64 KB."""
-    from onn.data.files import read_head
-
     if str(path).startswith("builtin:"):
         return f"a built-in generator ({path})"
     if not path.is_file():

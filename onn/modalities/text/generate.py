@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from onn.errors import UserError
 from onn.modalities.text.datamodule import extract_answer
+from onn.modalities.text.formats import read_records
 
 
 def _sampling(max_new_tokens: int, temperature: float, top_p: float, tokenizer) -> dict[str, Any]:
@@ -106,20 +105,11 @@ def exact_match(
 
 def read_prompts(path: str) -> list[dict[str, Any]]:
     """Rows of a prompts JSONL file: each needs a "prompt" (or "input"/"question") field."""
-    from onn.modalities.text.formats import read_records
-
     rows = read_records(path, "jsonl", key="task.input")
     for i, row in enumerate(rows, 1):
         if not any(k in row for k in ("prompt", "input", "question")):
             raise UserError(f"task.input {path} row {i} has no 'prompt' field; its fields are {sorted(row)}.")
     return rows
-
-
-def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def _device(model, engine=None) -> torch.device:

@@ -9,16 +9,17 @@ from typing import Any
 
 import torch
 
+from onn.data.files import write_jsonl
 from onn.dtypes import torch_dtype
 from onn.errors import UserError
 from onn.export import export_for_run
 from onn.hardware.memory import PeakMemory
 from onn.modalities.base import Job
 from onn.modalities.text.datamodule import TextDataModule
-from onn.modalities.text.generate import complete, exact_match, read_prompts, stream, write_jsonl
+from onn.modalities.text.generate import complete, exact_match, read_prompts, stream
 from onn.modalities.text.module import CausalLM, summarize_losses
 from onn.models.layers import discover
-from onn.models.load import load, model_fingerprint
+from onn.models.load import load, load_4bit, model_fingerprint
 from onn.planning.plan import STREAMING_KEYS
 from onn.streaming.loader import load_into_store
 from onn.streaming.strategy import LayerStreamingStrategy, build_engine, layer_store
@@ -40,6 +41,9 @@ def build(config: dict[str, Any], plan: dict[str, Any]) -> tuple[CausalLM, Any]:
     loaded = None
     if settings and settings["store"] == "disk":  # a model larger than memory: block by block into the store
         loaded = load_into_store(model_cfg, dtype, config["paths"]["cache"], layer_store(settings, store_root(config)))
+    if plan["strategy"] == "qlora":
+        device = "cuda" if plan["hardware"]["accelerator"] == "cuda" else "cpu"
+        loaded = load_4bit(model_cfg, dtype, config["paths"]["cache"], device)
     model, tokenizer = loaded or load(model_cfg, dtype=dtype, cache_dir=config["paths"]["cache"])
     layer_map = discover(model, (model_cfg.get("layer_map") or {}).get("blocks"))
     model = apply(model, plan["strategy"], config["strategy"], layer_map, plan.get("sparse_layers"))

@@ -10,12 +10,12 @@ svhn_mat, stl10_binary, single), what they share in common (names, listings, fet
 detect for data.format=auto, and read for the entry points.
 """
 
-from onn.modalities.image.formats.common import FORMATS, IMAGE_EXTS, ImageSet
+from onn.modalities.image.formats.common import FORMATS, IMAGE_EXTS, ImageSet, image_kind
 from onn.modalities.image.formats.decode import ItemList
 from onn.modalities.image.formats.detect import detect_format
 from onn.modalities.image.formats.read import list_items, read_splits, source_digest
 
-__all__ = [
+__all__ = ["image_kind",
     "FORMATS",
     "IMAGE_EXTS",
     "ImageSet",

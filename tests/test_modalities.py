@@ -1,0 +1,98 @@
+"""The modality registry: what each modality brings, data=auto, and a new modality that needs no other change."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, compose, read_metrics, run_cli
+from PIL import Image
+
+from onn.errors import UserError
+from onn.modalities import REGISTRY, Job, Modality, detect, get, register
+
+
+def test_every_modality_names_configs_that_exist():
+    assert {"text", "image"} <= set(REGISTRY)
+    for modality in REGISTRY.values():
+        assert (ROOT / "conf" / "data" / f"{modality.default_data}.yaml").is_file(), modality
+        assert (ROOT / "conf" / "model" / f"{modality.default_model}.yaml").is_file(), modality
+        assert compose(f"data={modality.default_data}")["data"]["modality"] == modality.name
+
+
+def image_folder(root: Path) -> Path:
+    for c in ("cats", "dogs"):
+        (root / c).mkdir(parents=True)
+        for i in range(6):
+            Image.fromarray((torch.rand(8, 8, 3) * 255).to(torch.uint8).numpy()).save(root / c / f"{i}.png")
+    return root
+
+
+def test_detect_reads_the_content_not_the_name(tmp_path):
+    images = image_folder(tmp_path / "photos")
+    records = tmp_path / "data.dat"  # no telling extension: JSON lines inside
+    records.write_text('{"input": "1+1", "output": "2"}\n{"input": "2+2", "output": "4"}\n')
+    disguised = tmp_path / "notes.txt"  # a PNG named .txt
+    disguised.write_bytes((images / "cats" / "0.png").read_bytes())
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(bytes(range(256)) * 64)
+    assert detect(images)[0].name == "image"
+    assert detect(records)[0].name == "text" and "jsonl" in detect(records)[1]
+    assert detect(disguised)[0].name == "image"
+    assert detect("builtin:math")[0].name == "text"
+    with pytest.raises(UserError, match="no modality recognises"):
+        detect(binary)
+    with pytest.raises(UserError, match="not a regular file or folder"):
+        detect("/dev/zero")
+    with pytest.raises(UserError, match="does not exist"):
+        detect(tmp_path / "missing")
+
+
+@pytest.mark.slow
+def test_data_auto_picks_the_modality_its_data_config_and_default_model(tmp_path, outputs):
+    images = image_folder(tmp_path / "photos")
+    records = tmp_path / "qa.jsonl"
+    records.write_text("".join(json.dumps({"input": f"{i}+1", "output": str(i + 1)}) + "\n" for i in range(40)))
+    for source, modality, model, given in ((images, "image", "v28_cnn", []), (records, "text", "phi4_tiny", []),
+                                           (records, "text", "llama_tiny", ["model=llama_tiny"])):  # fmt: skip
+        run_dir = outputs / f"{modality}-{model}"
+        proc = run_cli("data=auto", f"data.source={source}", "task=plan", *given, f"paths.outputs={outputs}", f"hydra.run.dir={run_dir}")
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert f"data=auto: {source} holds" in proc.stdout
+        metrics = read_metrics(run_dir)
+        assert (metrics["modality"], metrics["model"], metrics["data_source"]) == (modality, model, str(source))
+
+
+class Echo(Modality):
+    """A modality defined outside ONN's package: registering it is all app needs."""
+
+    name, default_data, default_model, description = "echo", "text", "phi4_tiny", "a test modality"
+
+    def plan(self, config, hardware, use_tuned=True):
+        from onn.planning.plan import make_network_plan
+        from onn.planning.spec import network_spec
+
+        with torch.device("meta"):
+            spec = network_spec(torch.nn.Linear(4, 2), torch.empty(1, 4), "echo", pretrained=False)
+        return make_network_plan({**config, "strategy": {**config["strategy"], "name": "full"}}, hardware, spec), spec
+
+    def train(self, job: Job) -> dict:
+        return {"echo/task": job.config["task"]["name"], "echo/run_dir": str(job.run_dir)}
+
+
+def test_a_new_modality_needs_only_registering(tmp_path):
+    from onn.app import execute
+
+    register(Echo())
+    try:
+        config = compose("data.modality=echo", "tracking=none", f"paths.outputs={tmp_path}", f"paths.cache={tmp_path / 'cache'}")
+        metrics = execute(config, tmp_path / "run")
+        assert metrics["modality"] == "echo" and metrics["echo/task"] == "train"
+        with pytest.raises(UserError, match="task=infer is not available for echo data"):
+            execute({**config, "task": compose("task=infer")["task"]}, tmp_path / "infer")
+    finally:
+        REGISTRY.pop("echo")
+    with pytest.raises(UserError, match="data.modality='echo' is not one of"):
+        get("echo")
