@@ -95,6 +95,7 @@ def quiet_console() -> None:
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*(LeafSpec|litlogger|does not have many workers).*")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.onnx\..*")  # the exporter's notes on axes
     for name, level in (("bitsandbytes.backends.cpu.ops", logging.ERROR), ("lightning.pytorch.utilities.rank_zero", logging.WARNING),
                         ("lightning.fabric.utilities.rank_zero", logging.WARNING), ("DeepSpeed", logging.ERROR)):  # fmt: skip
         logging.getLogger(name).setLevel(level)
