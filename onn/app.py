@@ -206,7 +206,7 @@ def from_checkpoint(config: dict[str, Any], given: set[str]) -> tuple[Path, dict
         modality = config["data"].get("modality")
         if modality != saved_modality:
             raise UserError(
-                f"ckpt {ckpt} is a {saved_modality} model but data={config['data']['name']} is {modality} data: "
+                f"ckpt {ckpt} holds a model of {saved_modality} data, but data={config['data']['name']} is {modality} data: "
                 f"give {saved_modality} data, or leave data out to use the checkpoint's own."
             )
         came["data"] = "command line"

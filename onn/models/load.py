@@ -124,13 +124,19 @@ def load(model_cfg: dict[str, Any], dtype=None, cache_dir: str | os.PathLike | N
         folder = expand(source) if kind == "folder" else hub_folder(source)
         refuse_pickle_folder(folder)
         config = read_config(folder, remote)
-        model = auto_class(config).from_pretrained(
-            folder,
-            local_files_only=True,
-            use_safetensors=True,
-            trust_remote_code=remote,
-            dtype=dtype or "auto",
-        )
+        try:
+            model = auto_class(config).from_pretrained(
+                folder,
+                local_files_only=True,
+                use_safetensors=True,
+                trust_remote_code=remote,
+                dtype=dtype or "auto",
+            )
+        except RuntimeError as e:  # transformers prints a table of mismatched tensors, then raises
+            if "mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
+                raise
+            raise UserError(f"model.source {folder}: its weights do not have the shapes its config.json describes "
+                            "(see the table above); the folder mixes two models' files.") from None  # fmt: skip
         tokenizer = tokenizer_from(folder, remote)
     if dtype is not None:
         model = model.to(dtype)

@@ -155,8 +155,8 @@ def csv_delimiter(text: str) -> str | None:
     """The delimiter of a CSV with a header of column names, or None when the text is not one.
 
     Records are parsed as csv does (quoted fields may hold delimiters, newlines and doubled quotes);
-    a table is a header of two or more distinct column names that most of the first 50 rows match, so
-    a few ragged rows still read as CSV, and the reader names them."""
+    a table is a header of two or more distinct column names that at least half of the first 50 rows
+    match, so ragged rows still read as CSV, and the reader names the first."""
     for delimiter in DELIMITERS:
         try:
             rows = [
@@ -174,7 +174,7 @@ def csv_delimiter(text: str) -> str | None:
             or not all(COLUMN_NAME.fullmatch(c) for c in header)
         ):
             continue
-        if sum(len(r) == len(header) for r in rows[1:]) >= 0.8 * (len(rows) - 1):
+        if sum(len(r) == len(header) for r in rows[1:]) >= 0.5 * (len(rows) - 1):
             return delimiter
     return None
 

@@ -133,7 +133,7 @@ def answer_tokens(tokenizer, examples: list[tuple[str, str]]) -> int:
     return max((len(tokenizer(a, add_special_tokens=False)["input_ids"]) for _, a in examples), default=0)
 
 
-PROMPT_FIELDS = ("prompt", "input", "question", "instruction")
+PROMPT_FIELDS = ("prompt", "question", "instruction", "input")
 
 
 def read_prompts(path: str):
