@@ -7,19 +7,23 @@ The task comes from the task registry (onn/tasks, onn/bench), the modality from 
 registry (onn/modalities): by the data config's `modality`, or for `data=auto` by what the files
 hold. Adding either adds an entry, not a branch here.
 
+metrics.json says `status: running` from the start, with a heartbeat, and a signal (SIGTERM, SIGINT)
+ends the run as `failed` with the signal and the last step (onn/tasks/record.py).
+
 In a multirun, a job whose folder already holds a successful metrics.json for the same config is
-not run again, so an interrupted sweep picks up where it stopped; failed jobs run again.
+not run again, so an interrupted sweep picks up where it stopped; failed and crashed jobs (a `running`
+record whose process is gone) run again.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +38,21 @@ from onn.modalities import Job, detect, get
 from onn.planning.plan import render
 from onn.tasks import TASKS as RUN_TASKS
 from onn.tasks import Task
-from onn.training.checkpoints import read_meta
+from onn.tasks.record import Interrupted, RunRecord, writable_folder
 from onn.training.checkpoints import resolve as resolve_checkpoint
+from onn.training.checkpoints import saved_config
 from onn.training.optim import check as check_optim
+from onn.training.trainer import check as check_trainer
 
 log = logging.getLogger("onn")
 TASKS: dict[str, Task] = {**RUN_TASKS, **BENCH_TASKS}
-GROUPS = ("model", "data", "strategy")
 
 
 def run(cfg: DictConfig) -> float | None:
-    """Run the task; return metrics[sweep_objective] for a sweeper when that key is set (None if the run failed)."""
+    """Run the task; return metrics[sweep_objective] for a sweeper when that key is set (None if the run failed).
+
+    metrics.json says `running` from the start (onn/tasks/record.py), and `ok` or `failed` at the end: also
+    when a signal stops the run, which then exits with 128 + the signal's number."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -53,9 +61,9 @@ def run(cfg: DictConfig) -> float | None:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     overrides = list(hydra_cfg.overrides.task)
-    started = time.perf_counter()
     metrics: dict[str, Any] = {"status": "running", "error": None, "task": cfg.task.name, "model": cfg.model.name, "data": cfg.data.name,
                                "strategy": cfg.strategy.name, "hardware": cfg.hardware.name}  # fmt: skip
+    record = RunRecord(run_dir, metrics)
     try:
         if cfg.data.name == "auto":
             cfg = compose_detected(cfg, overrides)
@@ -65,24 +73,36 @@ def run(cfg: DictConfig) -> float | None:
         if done is not None:
             log.info("%s: already finished for this config; not run again", run_dir)
             return _objective(cfg, done)
-        metrics.update(execute(config, run_dir, given_groups(overrides)))
-        metrics["status"] = "ok"
+        record.start()
+        results = execute(config, run_dir, given_keys(overrides))
+        record.finish(**results, status="ok")
         print(summary(metrics, run_dir), flush=True)
     except UserError as e:
-        metrics.update(status="failed", error=str(e))
         log.error("%s", e)
+        _finish_failed(record, str(e))
         if not multirun:  # in a sweep the other jobs go on; the grid shows this one as failed
-            _write_metrics(run_dir, metrics, started)
             sys.exit(1)
+    except Interrupted as e:
+        log.error("stopped by %s; %s says so", e, record.path)
+        record.interrupted(e.signum)
+        sys.exit(e.exit_code)  # a signal stops a sweep too: the jobs not run yet run when it is resumed
     except Exception as e:
-        metrics.update(status="failed", error=f"{type(e).__name__}: {e}")
-        _write_metrics(run_dir, metrics, started)
+        _finish_failed(record, f"{type(e).__name__}: {e}")
         if not multirun:
             raise
         log.exception("job %s crashed; the sweep goes on", run_dir)  # the traceback, for the bug report
-        return _objective(cfg, metrics)
-    _write_metrics(run_dir, metrics, started)
+    except BaseException as e:  # SystemExit or KeyboardInterrupt from inside a library: still leave a record
+        _finish_failed(record, f"stopped: {type(e).__name__} {e}".strip())
+        raise
     return _objective(cfg, metrics)
+
+
+def _finish_failed(record: RunRecord, error: str) -> None:
+    """The failed record; a run folder that cannot be written (an existing file) is said once, not twice."""
+    try:
+        record.finish(status="failed", error=error)
+    except UserError as e:
+        log.error("%s", e)
 
 
 def quiet_console() -> None:
@@ -106,12 +126,20 @@ def summary(metrics: dict[str, Any], run_dir: Path) -> str:
     keys = ("train/loss_initial", "train/loss_final", "val/loss_final", "val/acc_best", "test/acc", "val/loss", "val/acc",
             "val/exact_match", "samples_per_s", "peak_memory_mb")  # fmt: skip
     shown = [f"{k} {metrics[k]:.4g}" for k in keys if isinstance(metrics.get(k), int | float)]
+    if metrics.get("infer/empty_completions"):  # the run worked, but did not answer: not "ok"
+        return (f"{metrics['task']} finished with {metrics['infer/empty_completions']} EMPTY completion(s): the model ended "
+                f"the text at once (its prompt format? see the warning above); metrics.json in {run_dir}")  # fmt: skip
     return f"{metrics['task']} ok: {', '.join(shown) or 'done'}; metrics.json in {run_dir}"
+
+
+def given_keys(overrides: list[str]) -> set[str]:
+    """The keys the command line set: a group it chose (`data`) or a key it changed (`data.source`, `+model.z`)."""
+    return {o.lstrip("+~").split("=", 1)[0] for o in overrides}
 
 
 def given_groups(overrides: list[str]) -> set[str]:
     """The config groups the command line chose or changed (`data=x`, `data.source=y`, `+model.z=1`)."""
-    return {o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] for o in overrides}
+    return {key.split(".", 1)[0] for key in given_keys(overrides)}
 
 
 def compose_detected(cfg: DictConfig, overrides: list[str]) -> DictConfig:
@@ -156,39 +184,65 @@ def _objective(cfg: DictConfig, metrics: dict[str, Any]) -> float | None:
     return float(value)
 
 
-def _write_metrics(run_dir: Path, metrics: dict[str, Any], started: float) -> None:
-    metrics["wall_s"] = round(time.perf_counter() - started, 2)
-    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.json").write_text(json.dumps(clean, indent=2) + "\n")
-
-
-def from_checkpoint(config: dict[str, Any], given: set[str]) -> tuple[Path, list[str]]:
-    """`ckpt=...`: the architecture (model, strategy) comes from the checkpoint; the data from the command
-    line when it names any, else from the checkpoint too. Returns the checkpoint and one line per group
-    saying where it came from."""
+def from_checkpoint(config: dict[str, Any], given: set[str]) -> tuple[Path, dict[str, str]]:
+    """`ckpt=...`: what comes from the checkpoint and what from the command line, as Lightning's and Hugging
+    Face's users expect. The architecture (model, strategy) is the checkpoint's. The data is the command
+    line's when it names any: `data=NAME` brings that data config (of the checkpoint's modality, or one
+    sentence refusing it); `data.KEY=...` changes those keys of the checkpoint's data config, and a new
+    data.source replaces the checkpoint's files (its val/test sources too). task=eval scores the whole of
+    a data.source the command line gives (data.val_source to score another file). Returns the checkpoint
+    and where each group came from."""
     ckpt = resolve_checkpoint(config["ckpt"], config["paths"]["outputs"])
-    saved = read_meta(ckpt).get("onn", {}).get("config", {})
-    if "model" not in saved:
+    saved = saved_config(ckpt)
+    if not isinstance(saved.get("model"), dict):
         raise UserError(f"ckpt {ckpt} holds no ONN run config (written by another tool?); it cannot be rebuilt.")
-    saved_modality = saved.get("modality") or saved.get("data", {}).get("modality") or "text"
-    said = []
-    for group in GROUPS:
-        if group == "data" and "data" in given:
-            modality = config["data"].get("modality")
-            if modality != saved_modality:
-                raise UserError(
-                    f"ckpt {ckpt} is a {saved_modality} model but data={config['data']['name']} is {modality} data: "
-                    f"give {saved_modality} data, or leave data out to use the checkpoint's own."
-                )
-            said.append(f"data={config['data']['name']} (source {config['data'].get('source')}) from the command line")
-            continue
-        if group in given and group != "data":
-            log.warning("ckpt %s: %s comes from the checkpoint; the command line's %s=%s is not used", ckpt, group, group,
-                        config[group].get("name"))  # fmt: skip
+    saved_modality = saved.get("modality") or (saved.get("data") or {}).get("modality") or "text"
+    came = {}
+    for group in ("model", "strategy"):
+        ignored = sorted(k for k in given if k == group or k.startswith(group + "."))
+        if ignored:
+            log.warning("ckpt %s: the model and strategy are the checkpoint's; %s on the command line is not used", ckpt,
+                        ", ".join(ignored))  # fmt: skip
         config[group] = saved[group]
-        said.append(f"{group}={config[group]['name']} from the checkpoint")
-    return ckpt, said
+        came[group] = "checkpoint"
+    data_keys = sorted(k for k in given if k.startswith("data."))
+    if "data" in given:
+        modality = config["data"].get("modality")
+        if modality != saved_modality:
+            raise UserError(
+                f"ckpt {ckpt} holds a model of {saved_modality} data, but data={config['data']['name']} is {modality} data: "
+                f"give {saved_modality} data, or leave data out to use the checkpoint's own."
+            )
+        came["data"] = "command line"
+    elif data_keys:
+        data = copy.deepcopy(saved["data"])
+        if "data.source" in given:
+            for key in ("val_source", "test_source"):
+                if key in data:
+                    data[key] = None  # the checkpoint's other files belong to its own data.source
+        for key in data_keys:
+            _set(data, key.split(".")[1:], _get(config["data"], key.split(".")[1:]))
+        config["data"] = data
+        came["data"] = f"checkpoint, with {', '.join(data_keys)} from the command line"
+    else:
+        config["data"] = saved["data"]
+        came["data"] = "checkpoint"
+    named = "data" in given or "data.source" in given
+    if config["task"]["name"] == "eval" and named and "data.val_source" not in given:
+        config["data"]["val_source"] = config["data"]["source"]  # eval scores the file it is given, all of it
+    return ckpt, came
+
+
+def _get(tree: dict[str, Any], path: list[str]) -> Any:
+    for part in path:
+        tree = tree[part]
+    return tree
+
+
+def _set(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    for part in path[:-1]:
+        tree = tree.setdefault(part, {})
+    tree[path[-1]] = value
 
 
 def execute(config: dict[str, Any], run_dir: Path, given: set[str] | None = None) -> dict[str, Any]:
@@ -198,15 +252,21 @@ def execute(config: dict[str, Any], run_dir: Path, given: set[str] | None = None
         raise UserError(f"task={name} is not one of {', '.join(sorted(TASKS))}.")
     task = TASKS[name]
     task.check(config)
+    for key in (
+        "outputs",
+        "cache",
+    ):  # a path under a file: one sentence now, not a traceback when first written
+        writable_folder(config["paths"][key], f"paths.{key}")
     if config["export"]["name"] != "none":
         check_export(config["export"])  # before hours of training end in a bad key
-    ckpt = None
+    ckpt, came = None, {}
     if config.get("ckpt"):
-        ckpt, said = from_checkpoint(config, given or set())
-        log.info("checkpoint %s: %s", ckpt, "; ".join(said))
+        ckpt, came = from_checkpoint(config, given or set())
+        log.info("checkpoint %s: %s", ckpt, "; ".join(f"{group} from the {where}" for group, where in came.items()))
     run_dir.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {"model": config["model"]["name"], "data": config["data"]["name"],
-                           "data_source": config["data"].get("source"), "checkpoint_used": str(ckpt) if ckpt else None}  # fmt: skip
+                           "data_source": config["data"].get("source"), "checkpoint_used": str(ckpt) if ckpt else None,
+                           "from_checkpoint": came or None}  # fmt: skip
     if not task.model:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         return {**out, **task.run(Job(config, run_dir, get("text")))}
@@ -218,6 +278,7 @@ def execute(config: dict[str, Any], run_dir: Path, given: set[str] | None = None
         )
     if task.heavy:
         check_optim(config["optim"])
+        check_trainer(config["trainer"])
     modality.check(config)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     if task.heavy:

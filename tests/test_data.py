@@ -6,8 +6,9 @@ import pytest
 
 from onn.errors import UserError
 from onn.modalities.text import builtin as math_data
-from onn.modalities.text.datamodule import IGNORE, encode, extract_answer, to_examples
-from onn.modalities.text.formats import detect_format, read_records
+from onn.modalities.text.datamodule import IGNORE, encode, extract_answer
+from onn.modalities.text.formats import Records, detect_format, read_records
+from onn.modalities.text.prompts import Prompter
 from onn.modalities.text.sources import load_splits
 from onn.models.tokenizer import byte_tokenizer
 
@@ -58,12 +59,10 @@ def test_bad_inputs_name_file_and_line(tmp_path):
         read_records(empty)
     with pytest.raises(UserError, match="does not exist"):
         read_records(tmp_path / "nope.jsonl")
-    with pytest.raises(UserError, match=r"row 2 has no field 'answer' \(data.fields.output\)"):
-        to_examples(
-            [{"question": "x", "answer": "1"}, {"question": "y"}],
-            {"fields": {"input": "question", "output": "answer"}},
-            "f.jsonl",
-        )
+    mapping = {"fields": {"input": "question", "output": "answer"}, "template": "{prompt}", "chat_template": "auto"}
+    records = Records([{"question": "x", "answer": "1"}, {"question": "y"}], ["f.jsonl line 1", "f.jsonl line 2"])
+    with pytest.raises(UserError, match=r"f.jsonl line 2 has no field 'answer' \(data.fields.output\)"):
+        Prompter(mapping, byte_tokenizer()).examples(records)
 
 
 def test_loss_only_on_answer_tokens_and_truncation_keeps_answer():

@@ -1,8 +1,10 @@
 """A multirun sweep's jobs side by side: grid.csv, grid.md and grid.png in the sweep folder.
 
-Each job folder Hydra makes holds `.hydra/overrides.yaml` from its start and `metrics.json` from
-its end (see onn/app.py), so a job without metrics.json was killed or never finished. Rows are
-labelled by the overrides that vary across the sweep, which is what tells the jobs apart.
+Each job folder Hydra makes holds `.hydra/overrides.yaml` and `metrics.json` from its start (see
+onn/app.py and onn/tasks/record.py): `running` with a heartbeat, then `ok` or `failed`. A `running`
+record whose process is gone (SIGKILL, the OOM killer) is shown as crashed, and a job without
+metrics.json never started. Rows are labelled by the overrides that vary across the sweep, which is
+what tells the jobs apart.
 
 `GridCallback` writes the grid when a multirun ends:
     hydra.callbacks.grid._target_: onn.bench.grid.GridCallback
@@ -20,6 +22,8 @@ from typing import Any
 import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+from onn.tasks.record import state
 
 log = logging.getLogger("onn")
 
@@ -61,8 +65,8 @@ SCORE_NAMES = {"score/efficiency": "efficiency", "score/speed": "speed", "score/
 ERROR_CHARS = 80
 
 EXPLANATION = (
-    "One row per job of the sweep, best `overall` score first; failed and missing (interrupted, no "
-    "metrics.json) jobs last. `job` lists the overrides that differ between the sweep's jobs, `dir` is "
+    "One row per job of the sweep, best `overall` score first; still running, failed, crashed (killed without a "
+    "record: SIGKILL, out of memory) and missing (never started) jobs last. `job` lists the overrides that differ between the sweep's jobs, `dir` is "
     "the job's folder. *samples/s* is the measured training throughput. *step s* and *peak MB* are "
     "measured next to the planner's predictions (pred.), which the plan made before the job ran; "
     "*err %* is measured / predicted - 1, so +10% means the job took 10% more than predicted. "
@@ -151,7 +155,7 @@ def ranked(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     def key(item: tuple[int, dict[str, Any]]) -> tuple:
         i, r = item
         overall = _finite(r.get("score/overall"))
-        status_rank = {"ok": 0, "failed": 1, "missing": 2}.get(r.get("status"), 1)
+        status_rank = {"ok": 0, "running": 1, "failed": 2, "crashed": 2, "missing": 3}.get(r.get("status"), 2)
         return (status_rank, overall is None, -(overall or 0.0), i)
 
     return [r for _, r in sorted(enumerate(rows), key=key)]
@@ -316,7 +320,7 @@ def _read_overrides(job: Path) -> dict[str, str]:
 def _read_metrics(job: Path) -> tuple[dict[str, Any], str, str | None]:
     path = job / "metrics.json"
     if not path.is_file():
-        return {}, "missing", "no metrics.json: the job was interrupted or never finished"
+        return {}, "missing", "no metrics.json: the job never started"
     try:
         metrics = json.loads(path.read_text())
         if not isinstance(metrics, dict):
@@ -324,8 +328,15 @@ def _read_metrics(job: Path) -> tuple[dict[str, Any], str, str | None]:
     except Exception as e:
         log.warning("grid: unreadable %s: %s", path, e)
         return {}, "missing", f"unreadable metrics.json: {e}"
-    status = metrics.pop("status", None) or ("failed" if metrics.get("error") else "ok")
-    return metrics, str(status), metrics.pop("error", None)
+    status = state(metrics)
+    metrics.pop("status", None)
+    error = metrics.pop("error", None)
+    if (
+        status == "crashed"
+    ):  # a `running` record whose process is gone: SIGKILL, out of memory, a machine down
+        step = metrics.get("steps")
+        error = f"crashed: the job stopped without a record{f' after step {step}' if step else ''} (killed?); a resumed sweep runs it again"
+    return metrics, status, error
 
 
 def _labels(overrides: dict[str, dict[str, str]]) -> dict[str, str]:
@@ -409,5 +420,8 @@ def _csv_value(v: Any) -> Any:
 
 
 def _counts_text(rows: list[dict[str, Any]]) -> str:
-    parts = [f"{sum(r['status'] == s for r in rows)} {s}" for s in ("ok", "failed", "missing")]
+    counts = {
+        s: sum(r["status"] == s for r in rows) for s in ("ok", "running", "failed", "crashed", "missing")
+    }
+    parts = [f"{n} {s}" for s, n in counts.items() if n or s in ("ok", "failed", "missing")]
     return f"{len(rows)} job{'' if len(rows) == 1 else 's'}: " + ", ".join(parts)

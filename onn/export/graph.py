@@ -17,8 +17,10 @@ boundaries; for a graph made elsewhere, every cut is kept that leaves a weight o
 from __future__ import annotations
 
 import ast
+import contextlib
 import logging
 import math
+import tempfile
 from dataclasses import dataclass, field
 
 import onnx
@@ -309,6 +311,68 @@ def merge_weightless(g: Graph, cuts: list[str], anc: dict[int, int], pos: dict[i
         kept = [c for c in kept if c != empty[0]]
 
 
+NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli",
+              "If", "Loop", "Scan", "Constant"}  # fmt: skip
+
+
+def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """The model with every node that computes from constants alone replaced by the initializers it computes
+    (onnx's reference evaluator runs them), and how many nodes went. onnx's own light_* test models build
+    their weights with ConstantOfShape: folded, those weights are initializers that blocks can hold.
+    Nothing else changes: the graph keeps its nodes, names and order."""
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    graph = model.graph
+    # IR 3 lists every initializer among the inputs too (light_* models do): ONN never feeds those
+    known = {t.name for t in graph.initializer} | {
+        o for n in graph.node if n.op_type == "Constant" for o in n.output
+    }
+    folded = []
+    for node in graph.node:
+        given = [i for i in node.input if i]
+        if (
+            node.domain in ("", "ai.onnx")
+            and node.op_type not in NOT_FOLDED
+            and given
+            and set(given) <= known
+        ):
+            folded.append(node)
+            known.update(o for o in node.output if o)
+    if not folded:
+        return model, 0
+    gone = {id(n) for n in folded}
+    kept_nodes = [n for n in graph.node if id(n) not in gone]
+    used = {i for n in kept_nodes for i in n.input} | {o.name for o in graph.output}
+    made = [o for n in folded for o in n.output if o and o in used]
+    constants = [n for n in graph.node if n.op_type == "Constant"]
+    needed = {i for n in folded for i in n.input}
+    program = onnx.helper.make_model(
+        onnx.helper.make_graph([*constants, *folded], "fold", [], [onnx.helper.make_empty_tensor_value_info(o) for o in made],
+                               [t for t in graph.initializer if t.name in needed]),
+        opset_imports=model.opset_import, ir_version=model.ir_version,
+    )  # fmt: skip
+    values = ReferenceEvaluator(program).run(None, {})
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    out.graph.node.extend(kept_nodes)
+    still = {i for n in kept_nodes for i in n.input} | {o.name for o in graph.output}
+    initializers = [t for t in graph.initializer if t.name in still]
+    computed = [numpy_helper.from_array(v, o) for o, v in zip(made, values)]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend([*initializers, *computed])
+    gone = {t.name for t in graph.initializer} - still  # constants only the folded nodes read
+    kept_inputs = [i for i in graph.input if i.name not in gone]
+    if model.ir_version < 4:  # IR 3 lists every initializer among the graph's inputs
+        kept_inputs += [
+            onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in computed
+        ]
+    del out.graph.input[:]
+    out.graph.input.extend(kept_inputs)
+    return out, len(folded)
+
+
 def concrete_shapes(
     model: onnx.ModelProto,
     input_shapes: dict[str, list[int]],
@@ -338,7 +402,10 @@ def concrete_shapes(
             d.Clear()
             d.dim_value = int(v)
     try:
-        sizes.update(_sizes(SymbolicShapeInference.infer_shapes(fixed, auto_merge=True).graph, {}))
+        # where it stops short, it saves sym_shape_infer_temp.onnx in the working directory: keep that out of the user's
+        with tempfile.TemporaryDirectory(prefix="onn-shapes-") as tmp, contextlib.chdir(tmp):
+            inferred = SymbolicShapeInference.infer_shapes(fixed, auto_merge=True)
+        sizes.update(_sizes(inferred.graph, {}))
     except Exception as e:  # its asserts cover op types it does not know
         log.warning(
             "shape inference stopped (%s: %s); activation figures leave out unsized tensors",

@@ -3,6 +3,7 @@ to shard it over small GPUs. Any ONNX tool still opens it; FORMAT_SPEC.md define
 
     python -m onn.export.omny inspect FILE     # cut points, per-block memory, shard plans
     python -m onn.export.omny validate FILE    # split at every plan's cuts, run the shards, compare
+    python -m onn.export.omny enrich IN.onnx OUT.omny   # a .omny of an ONNX file made elsewhere
 
 `validate` is what makes "a .omny file always splits where it says" a checked fact: it cuts the
 model with onnx's own extractor at every planned boundary, runs the shards one after another in
@@ -39,6 +40,7 @@ DEFAULTS = {
     "max_configs": 8,
     "reference_sequence_length": 128,
 }
+SAMPLE_DIM = 8  # enrich: a named input dimension other than the first, when the command line gives no size
 
 
 @cache
@@ -340,9 +342,10 @@ def write(model: onnx.ModelProto, doc: dict[str, Any], output: str | Path) -> Pa
     return output
 
 
-def read_document(source: str | Path | onnx.ModelProto) -> dict[str, Any]:
-    """The document of a .omny file: present, parseable, of a version this reader knows, and valid."""
-    where = str(source) if not isinstance(source, onnx.ModelProto) else "model"
+def read_document(source: str | Path | onnx.ModelProto, where: str | None = None) -> dict[str, Any]:
+    """The document of a .omny file: present, parseable, of a version this reader knows, and valid.
+    `where` names it in messages (the file's path; a model given in memory has none of its own)."""
+    where = where or (str(source) if not isinstance(source, onnx.ModelProto) else "the model")
     model = source if isinstance(source, onnx.ModelProto) else _load(source, weights=False)
     raw = next((p.value for p in model.metadata_props if p.key == METADATA_KEY), None)
     if raw is None:
@@ -491,7 +494,11 @@ def validate(
     from onn.export.onnx_export import run_onnx
 
     model = _load(path)
-    doc = read_document(model)
+    doc = read_document(model, where=str(path))
+    if missing := unknown_tensors(model, doc):
+        echo(f"{path}: the document names tensors the graph does not have: {', '.join(missing[:4])}")
+        echo(f"{path}: INVALID")
+        return False
     feeds = {k: _numpy(v) for k, v in (sample_input or sample_feeds(doc)).items()}
     whole = run_onnx(str(path), feeds)  # from the file: a model over 2 GB cannot be serialised again
     extractor = Extractor(model)
@@ -544,6 +551,21 @@ def validate(
     return ok
 
 
+def unknown_tensors(model: onnx.ModelProto, doc: dict[str, Any]) -> list[str]:
+    """Tensors the document names (cut points, blocks' cut_after, the graph's inputs and outputs) that the graph lacks."""
+    graph = model.graph
+    tensors = (
+        {i.name for i in graph.input}
+        | {t.name for t in graph.initializer}
+        | {o for n in graph.node for o in n.output}
+    )
+    named = [c["name"] for c in doc["cut_points"]] + [
+        b["cut_after"] for b in doc["blocks"] if b.get("cut_after")
+    ]
+    named += [s["name"] for s in doc["inputs"]] + [s["name"] for s in doc["outputs"]]
+    return [n for n in dict.fromkeys(named) if n not in tensors]
+
+
 def _stored_bytes(model: onnx.ModelProto) -> int:
     """What an extracted shard stores: its initializers and the values of its Constant nodes."""
     constants = [
@@ -560,14 +582,54 @@ def _stored_bytes(model: onnx.ModelProto) -> int:
 def enrich_onnx(
     onnx_path: str | Path,
     output: str | Path,
-    sample_input: dict[str, Any],
+    sample_input: dict[str, Any] | None = None,
     config: dict[str, Any] | None = None,
+    dims: dict[str, int] | None = None,
 ) -> Path:
-    """Make a .omny of an ONNX file made elsewhere: cut points come from the graph itself."""
-    model = _load(onnx_path)
+    """Make a .omny of an ONNX file made elsewhere: cut points come from the graph itself.
+
+    Nodes that compute from constants alone are folded into initializers first (weights a graph builds with
+    ConstantOfShape count as weights, and blocks can hold them). Without `sample_input`, one is made from
+    the graph's declared input shapes (see declared_sample; `dims` sizes its named dimensions)."""
+    model, folded = G.fold_constants(_load(onnx_path))
+    if folded:
+        print(
+            f"{onnx_path}: folded {folded} node(s) that compute from constants alone into initializers",
+            flush=True,
+        )
     model = _with_shapes(model)
-    doc = describe(model, sample_input, config)
+    doc = describe(model, sample_input if sample_input is not None else declared_sample(model, dims), config)
     return write(model, doc, output)
+
+
+def declared_sample(model: onnx.ModelProto, dims: dict[str, int] | None = None) -> dict[str, Any]:
+    """A sample input from the graph's declared input shapes: a named or unknown dimension is `dims[name]`,
+    else 1 for the first (the batch) and SAMPLE_DIM for the others. Floats are standard normal; integers and
+    booleans are ones (a valid token id, a full attention mask)."""
+    import numpy as np
+
+    dims = dims or {}
+    rng = np.random.default_rng(0)
+    initializers = {t.name for t in model.graph.initializer}
+    sample = {}
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue  # an initializer listed as an input (older exporters): not fed
+        tensor = value.type.tensor_type
+        shape = []
+        for k, d in enumerate(tensor.shape.dim):
+            if d.HasField("dim_value") and d.dim_value > 0:
+                shape.append(d.dim_value)
+            elif d.dim_param in dims:
+                shape.append(int(dims[d.dim_param]))
+            else:
+                shape.append(1 if k == 0 else SAMPLE_DIM)
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
+        if np.issubdtype(dtype, np.floating):
+            sample[value.name] = rng.standard_normal(shape).astype(dtype)
+        else:
+            sample[value.name] = np.ones(shape, dtype)
+    return sample
 
 
 def _with_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -588,10 +650,24 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("validate", help="split at every plan's cut points, run the shards, compare")
     check.add_argument("file")
     check.add_argument("--atol", type=float, default=1e-4)
+    enrich = sub.add_parser(
+        "enrich", help="make a .omny of an ONNX file made elsewhere (cut points from the graph)"
+    )
+    enrich.add_argument("file", help="the .onnx file")
+    enrich.add_argument("output", help="the .omny file to write")
+    enrich.add_argument("--sample", help="a .npz of the sample input (one array per graph input); default: "
+                        "made from the graph's declared shapes")  # fmt: skip
+    enrich.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
+                        help=f"the size of a named input dimension in the made sample (default: 1 for the first, {SAMPLE_DIM} for others)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
             print(inspect_omny(args.file).summary())
+            return 0
+        if args.command == "enrich":
+            written = enrich_onnx(args.file, args.output, _read_sample(args.sample) if args.sample else None,
+                                  dims=_read_dims(args.dim))  # fmt: skip
+            print(inspect_omny(written).summary())
             return 0
         return 0 if validate(args.file, atol=args.atol) else 1
     except UserError as e:
@@ -603,6 +679,28 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+
+
+def _read_dims(items: list[str]) -> dict[str, int]:
+    dims = {}
+    for item in items:
+        name, _, size = item.partition("=")
+        if not name or not size.isdigit() or int(size) < 1:
+            raise UserError(
+                f"--dim {item}: write NAME=SIZE with a whole number of 1 or more (e.g. --dim sequence=128)."
+            )
+        dims[name] = int(size)
+    return dims
+
+
+def _read_sample(path: str) -> dict[str, Any]:
+    import numpy as np
+
+    try:
+        with np.load(path, allow_pickle=False) as arrays:  # never unpickles
+            return {k: arrays[k] for k in arrays.files}
+    except (OSError, ValueError) as e:
+        raise UserError(f"--sample {path} is not a readable .npz of arrays: {e}.") from None
 
 
 if __name__ == "__main__":

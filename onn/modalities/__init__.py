@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
-import stat
 from pathlib import Path
 
+from onn.data.files import existing_source
 from onn.errors import UserError
 from onn.modalities.base import REGISTRY, ClassifierModality, Job, Modality, register
 
@@ -40,14 +40,7 @@ def detect(source: str | os.PathLike) -> tuple[Modality, str]:
     text = str(source)
     path = Path(os.path.expanduser(text))
     if not text.startswith("builtin:"):
-        try:
-            mode = path.stat().st_mode
-        except FileNotFoundError:
-            raise UserError(f"data.source={text} does not exist; check the path.") from None
-        except OSError as e:  # a symlink loop, a path through a file, no permission
-            raise UserError(f"data.source={text} cannot be read ({e.strerror}).") from None
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            raise UserError(f"data.source={text} is not a regular file or folder (a device, a pipe or a socket); give a dataset file or folder.")
+        existing_source(path, "data.source")  # a link loop, a device, a pipe: one sentence, nothing read
     for modality in sorted(REGISTRY.values(), key=lambda m: -m.sniff_priority):
         reason = modality.sniff(path)
         if reason:

@@ -39,8 +39,8 @@ from onn.models.vision import feature_extractor
 from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
 from onn.training.callbacks import ResourceMonitor, StepClock
+from onn.training.checkpoints import check_state, read_meta, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
-from onn.training.checkpoints import read_meta
 from onn.training.classifier import Classifier, LinearProbe, save_confusion
 from onn.training.optim import monitor_mode
 from onn.training.trainer import build_trainer
@@ -101,6 +101,8 @@ def train(m: ClassifierModality, job: Job) -> dict[str, Any]:
         config = {**config, "seed": saved.get("seed", config["seed"])}
     dm = setup_data(m, config, job.device)
     module = build(m, config, plan, saved or data_inputs(m, config, dm))
+    if ckpt is not None:  # before Lightning restores it: a checkpoint of another network is one sentence
+        check_state(module, state_shapes(ckpt), ckpt, loads_frozen=False)
     if module.inputs == "features":
         dm = features(module, dm, config)
     callbacks = _callbacks(config, run_dir)
@@ -146,6 +148,7 @@ def train(m: ClassifierModality, job: Job) -> dict[str, Any]:
 def load_trained(m: ClassifierModality, config: dict[str, Any], plan: dict[str, Any], ckpt: Path) -> Classifier:
     """The classifier with the checkpoint's weights."""
     module = build(m, config, plan, saved_inputs(ckpt))
+    check_state(module, state_shapes(ckpt), ckpt, loads_frozen=False)  # names and shapes, before torch's traceback would
     missing, unexpected = module.load_state_dict(load_checkpoint(ckpt)["state_dict"], strict=False)
     missing = [k for k in missing if ".backbone." not in k]
     if unexpected or missing:
@@ -274,7 +277,7 @@ def head_params(network: nn.Module, classes: int) -> int:
 
 
 def saved_inputs(ckpt: Path) -> dict[str, Any]:
-    inputs = read_meta(ckpt).get("onn", {}).get("config", {}).get("inputs")
+    inputs = saved_config(ckpt).get("inputs")
     if not inputs:
         raise UserError(f"ckpt {ckpt} was not written by a classifier run; it cannot be used with this data.")
     if "input_shape" not in inputs:

@@ -125,13 +125,19 @@ def load(model_cfg: dict[str, Any], dtype=None, cache_dir: str | os.PathLike | N
         folder = expand(source) if kind == "folder" else hub_folder(source)
         refuse_pickle_folder(folder)
         config = read_config(folder, remote)
-        model = auto_class(config).from_pretrained(
-            folder,
-            local_files_only=True,
-            use_safetensors=True,
-            trust_remote_code=remote,
-            dtype=dtype or "auto",
-        )
+        try:
+            model = auto_class(config).from_pretrained(
+                folder,
+                local_files_only=True,
+                use_safetensors=True,
+                trust_remote_code=remote,
+                dtype=dtype or "auto",
+            )
+        except RuntimeError as e:  # transformers prints a table of mismatched tensors, then raises
+            if "mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
+                raise
+            raise UserError(f"model.source {folder}: its weights do not have the shapes its config.json describes "
+                            "(see the table above); the folder mixes two models' files.") from None  # fmt: skip
         tokenizer = tokenizer_from(folder, remote)
     if dtype is not None:
         model = model.to(dtype)
@@ -337,6 +343,12 @@ def _load_safetensors_file(model_cfg: dict[str, Any], path: str):
             f"model.source {path} is not a readable safetensors file (truncated or corrupt?): {e}"
         ) from e
     model = auto_class(config).from_config(config)
+    own = model.state_dict()
+    wrong = [f"{k} {list(v.shape)} (the architecture's: {list(own[k].shape)})" for k, v in state.items()
+             if k in own and v.shape != own[k].shape]  # fmt: skip
+    if wrong:  # load_state_dict raises on a wrong shape even when not strict
+        raise UserError(f"model.source {path} does not match model.architecture: wrong shapes {', '.join(wrong[:2])}"
+                        f"{' ...' if len(wrong) > 2 else ''}; give the architecture these weights were trained with.")  # fmt: skip
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if "lm_head" in k and getattr(config, "tie_word_embeddings", False)}
     missing = [k for k in missing if k not in tied]

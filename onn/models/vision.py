@@ -158,6 +158,7 @@ def adapt_small_input(model: nn.Module, image_size: list[int]) -> set[str]:
 def load_weights(model: nn.Module, path: str | Path, changed: set[str] = frozenset()) -> None:
     """Load a .safetensors state dict into model; the head may differ (another number of classes), the
     first conv is adapted to the channel count, and any other mismatch is a UserError."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
     from timm.models import adapt_input_conv
 
@@ -171,7 +172,12 @@ def load_weights(model: nn.Module, path: str | Path, changed: set[str] = frozens
         raise UserError(f"model.weights {path} is not an existing .safetensors file; check the path.")
     if any(p.is_meta for p in model.parameters()):
         return  # a model on the meta device (the planner sizing it) has no values to load
-    state = load_file(str(path))
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise UserError(
+            f"model.weights {path} is not a readable safetensors file (truncated or corrupt?): {e}."
+        ) from None
     cfg = getattr(model, "pretrained_cfg", None) or {}
     heads = cfg.get("classifier") or ()
     heads = (heads,) if isinstance(heads, str) else tuple(heads)

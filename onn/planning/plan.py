@@ -258,6 +258,31 @@ def store_dtypes(hw: dict[str, Any], precision: str) -> list[str]:
 
 
 STREAMING_KEYS = ("chunk_size", "store", "store_dtype", "edges", "activations")
+STREAMING_CHOICES = {"store": ("disk", "cpu"), "store_dtype": tuple(DTYPE_BYTES), "edges": ("resident", "stream"),
+                     "activations": ("device", "host")}  # fmt: skip
+
+
+def check_settings(cfg: dict[str, Any], hw: dict[str, Any]) -> None:
+    """What a plan cannot be made from, in one sentence before any is made: strategy.streaming values, and
+    a memory budget below what the process already holds (planned, it would be a negative budget)."""
+    streaming = cfg["strategy"].get("streaming") or {}
+    chunk = streaming.get("chunk_size", "auto")
+    if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise UserError(
+            f"strategy.streaming.chunk_size={chunk!r}: give a whole number of blocks, 1 or more, or auto."
+        )
+    for key, choices in STREAMING_CHOICES.items():
+        if streaming.get(key, "auto") not in ("auto", None, *choices):
+            raise UserError(
+                f"strategy.streaming.{key}={streaming[key]!r} is not one of auto, {', '.join(choices)}."
+            )
+    if budget_mb(hw) <= 0:
+        held = context_mb(hw)
+        cause = (f"hardware.budget_mb={hw['budget_mb']:g} MB" if hw.get("budget_mb")
+                 else f"this machine's available memory ({hw.get('host_memory_available_mb') or hw.get('device_memory_mb')} MB)")  # fmt: skip
+        raise UserError(f"{cause} is below what the run holds before any model is built ({held:,.0f} MB: "
+                        f"{'the CUDA context' if hw['accelerator'] == 'cuda' else 'Python, torch and the libraries'}); "
+                        f"give a budget above {held / HEADROOM:,.0f} MB.")  # fmt: skip
 
 
 def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, batch_size, per_token_layer, logits, ctx,
@@ -429,6 +454,7 @@ def make_plan(
     cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec, use_tuned: bool = True
 ) -> dict[str, Any]:
     """The plan: chosen strategy with reasons, micro-batch, precision, and every candidate's memory."""
+    check_settings(cfg, hw)
     if spec.kind == "network":
         return make_network_plan(cfg, hw, spec)
     strategy_cfg, data_cfg = cfg["strategy"], cfg["data"]

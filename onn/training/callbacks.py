@@ -1,4 +1,4 @@
-"""Callbacks ONN adds to training runs: step checkpoints, per-step timing and resource monitoring."""
+"""Callbacks ONN adds to training runs: step checkpoints, progress, per-step timing and resource monitoring."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
 
 from onn.hardware.memory import anon_rss_mb
+from onn.training import progress
 
 
 class StepCheckpoint(Checkpoint):
@@ -37,6 +38,16 @@ class StepCheckpoint(Checkpoint):
             return
         trainer.save_checkpoint(str(self.path), weights_only=False)
         self.last_model_path, self._saved_at = str(self.path), trainer.global_step
+
+
+class Progress(L.Callback):
+    """Tells onn/training/progress.py each optimizer step reached, for the run's record and heartbeat."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        progress.reached(trainer.global_step)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        progress.reached(trainer.global_step)  # a resumed run starts at its checkpoint's step
 
 
 class StepClock(L.Callback):

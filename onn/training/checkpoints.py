@@ -9,13 +9,16 @@ saving never leaves a half-written checkpoint where a good one was.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from onn.errors import UserError
@@ -77,10 +80,22 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     save_file(_unshare(tensors), str(tmp / TENSORS))
     (tmp / META).write_text(json.dumps(meta))
     old = path.with_name(path.name + ".old")
-    if path.exists():
-        path.rename(old)
-    tmp.rename(path)
+    with _signals_held():  # SIGTERM / SIGINT between the two renames would leave no checkpoint at `path`
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGTERM and SIGINT wait until the block ends (then the run's handler stops it as usual)."""
+    held = {signal.SIGTERM, signal.SIGINT}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def load(path: str | os.PathLike, map_location: Any = None) -> dict[str, Any]:
@@ -92,8 +107,17 @@ def load(path: str | os.PathLike, map_location: Any = None) -> dict[str, Any]:
     if not (path / META).is_file() or not (path / TENSORS).is_file():
         raise UserError(f"{path} is not a complete ONN checkpoint (needs {META} and {TENSORS}).")
     device = str(map_location) if isinstance(map_location, (str, torch.device)) else "cpu"
-    tensors = load_file(str(path / TENSORS), device=device)
-    return unflatten(json.loads((path / META).read_text()), tensors)
+    meta = _read_json(path)
+    try:
+        tensors = load_file(str(path / TENSORS), device=device)
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"checkpoint {path}: {TENSORS} is damaged (truncated or not safetensors: {e}); "
+                        "use another checkpoint of the run, or train again.") from None  # fmt: skip
+    try:
+        return _rebuilt(meta, tensors, path)
+    except KeyError as e:
+        raise UserError(f"checkpoint {path}: {META} names the tensor {e.args[0]!r}, which {TENSORS} lacks "
+                        "(its tensors come from another checkpoint?); use the run's own files.") from None  # fmt: skip
 
 
 def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -146,9 +170,85 @@ def resolve(ckpt: str, outputs: str | os.PathLike) -> Path:
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     """The JSON part of a checkpoint (config, loop state) without reading its tensors."""
-    return unflatten(json.loads((Path(path) / META).read_text()), _NoTensors())
+    return _rebuilt(_read_json(Path(path)), _NoTensors(), Path(path))
+
+
+def saved_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The ONN run config a checkpoint carries (model, strategy, data, modality, ...): {} when it has none."""
+    onn = read_meta(path).get("onn")
+    config = onn.get("config") if isinstance(onn, dict) else None
+    if onn is not None and not isinstance(config, dict):
+        raise UserError(
+            f"checkpoint {path}: {META} holds a damaged ONN run config; use a checkpoint folder ONN wrote."
+        )
+    return config or {}
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads((path / META).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"checkpoint {path}: {META} is not valid JSON ({e}); the checkpoint is damaged: "
+                        "use another checkpoint of the run, or train again.") from None  # fmt: skip
+
+
+def _rebuilt(meta: Any, tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
+    """unflatten(meta), checked to be a checkpoint: a dict of Lightning's keys."""
+    try:
+        checkpoint = unflatten(meta, tensors)
+    except (TypeError, ValueError, AttributeError) as e:
+        checkpoint = e
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict", {}), dict):
+        raise UserError(f"checkpoint {path}: {META} does not hold an ONN checkpoint's structure (written by another "
+                        "tool, or damaged); use a checkpoint folder ONN wrote.")  # fmt: skip
+    return checkpoint
+
+
+def state_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of a checkpoint's state_dict, read from the files' headers (no tensor is loaded)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    refs = _rebuilt(_read_json(path), _Refs(), path)["state_dict"]
+    try:
+        with safe_open(str(path / TENSORS), "pt") as f:
+            stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"checkpoint {path}: {TENSORS} is damaged (truncated or not safetensors: {e}); "
+                        "use another checkpoint of the run, or train again.") from None  # fmt: skip
+    lacking = [ref for ref in refs.values() if ref not in stored]
+    if lacking:
+        raise UserError(f"checkpoint {path}: {META} names the tensor {lacking[0]!r}, which {TENSORS} lacks "
+                        "(its tensors come from another checkpoint?); use the run's own files.")  # fmt: skip
+    return {name: stored[ref] for name, ref in refs.items()}
+
+
+def check_state(
+    module: torch.nn.Module, shapes: dict[str, tuple[int, ...]], ckpt: Path, loads_frozen: bool = True
+) -> None:
+    """A checkpoint's tensor shapes against the module they go into: every name known, every shape equal, and
+    every weight there (`loads_frozen` False: a LoRA checkpoint holds only what trains)."""
+    own = module.state_dict()
+    unknown = [k for k in shapes if k not in own]
+    wrong = [f"{k} {list(shapes[k])} (the model's: {list(own[k].shape)})" for k in shapes
+             if k in own and tuple(shapes[k]) != tuple(own[k].shape)]  # fmt: skip
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    missing = [k for k in own if k not in shapes and (loads_frozen or k in trainable)]
+    if unknown or wrong or missing:
+        said = "; ".join(f"{what} {', '.join(keys[:2])}{' ...' if len(keys) > 2 else ''}"
+                         for what, keys in (("unknown tensors", unknown), ("wrong shapes", wrong), ("missing", missing)) if keys)  # fmt: skip
+        raise UserError(
+            f"ckpt {ckpt} does not fit the model its config builds ({said}); it belongs to another model or run."
+        )
 
 
 class _NoTensors(dict):
     def __missing__(self, key: str) -> None:
         return None
+
+
+class _Refs(dict):
+    """Tensor references read as their keys into the safetensors file."""
+
+    def __missing__(self, key: str) -> str:
+        return key

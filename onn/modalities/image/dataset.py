@@ -10,12 +10,11 @@ over data.resident_max_mb is streamed instead.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from onn.data.cache import cached_decode
+from onn.data.files import existing_source
 from onn.data.resident import ClassificationData, Decoded
-from onn.errors import UserError
 from onn.modalities.image.formats import list_items, read_splits, source_digest
 
 STREAM_SETTINGS = ("channels", "image_size", "resize")
@@ -35,9 +34,7 @@ def decode_settings(data_cfg: dict[str, Any]) -> dict[str, Any]:
 
 def read_cached(source: str, data_cfg: dict[str, Any], cache_dir: str | os.PathLike, key: str = "data.source") -> dict[str, Decoded]:
     """{split: Decoded} for a source, decoded once and then read from the safetensors cache."""
-    path = Path(os.path.expanduser(source))
-    if not path.exists():
-        raise UserError(f"{key}={source} does not exist; point it at your copy of the dataset (see the data config's comment).")
+    path = existing_source(source, key, "see the data config's comment")  # a link loop, a device: named as such
     settings = decode_settings(data_cfg)
     fmt = data_cfg["format"] or "auto"
 

@@ -15,39 +15,21 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from onn.errors import UserError
+from onn.modalities.text.prompts import Prompter
 from onn.modalities.text.sources import load_splits
 
 IGNORE = -100
 
 
-def to_examples(records: list[dict[str, Any]], data_cfg: dict[str, Any], where: str) -> list[tuple[str, str]]:
-    """(prompt, answer) pairs from records, by the field mapping and template of the data config."""
-    fields = data_cfg.get("fields") or {"input": "input", "output": "output"}
-    template = data_cfg.get("template") or "{input}"
-    in_key, out_key = fields["input"], fields["output"]
-    examples = []
-    for i, record in enumerate(records, 1):
-        if in_key not in record and set(record) == {"text"}:
-            examples.append(("", str(record["text"])))  # plain text: learn every token
-            continue
-        for key, role in ((in_key, "input"), (out_key, "output")):
-            if key not in record:
-                raise UserError(
-                    f"{where} row {i} has no field '{key}' (data.fields.{role}); its fields are {sorted(record)}. "
-                    f"Map yours with data.fields.{role}=NAME."
-                )
-        try:
-            prompt = template.format_map({**record, "input": record[in_key]})
-        except KeyError as e:
-            raise UserError(f"data.template names the field {e} that {where} row {i} does not have.") from e
-        examples.append((prompt, str(record[out_key])))
-    return examples
-
-
-def encode(tokenizer, prompt: str, answer: str, max_length: int) -> tuple[list[int], list[int]]:
-    """Token ids and labels (prompt positions ignored), truncated from the prompt's left so the answer survives."""
-    prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else _bos(tokenizer)
+def encode(
+    tokenizer, prompt: str, answer: str, max_length: int, special_tokens: bool = True
+) -> tuple[list[int], list[int]]:
+    """Token ids and labels (prompt positions ignored), truncated from the prompt's left so the answer survives.
+    `special_tokens`: add the tokenizer's own (BOS); off for a chat-templated prompt, which carries its own."""
+    if prompt:
+        prompt_ids = tokenizer(prompt, add_special_tokens=special_tokens)["input_ids"]
+    else:
+        prompt_ids = _bos(tokenizer)
     answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     answer_ids = answer_ids[: max_length - 1]
     prompt_ids = prompt_ids[max(0, len(prompt_ids) + len(answer_ids) - max_length) :]
@@ -58,18 +40,34 @@ def _bos(tokenizer) -> list[int]:
     return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
 
-def extract_answer(text: str, pattern: str | None) -> str:
-    """The part of an answer that exact match compares: the pattern's group 1, numbers normalised."""
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_answer(text: str, pattern: str | None, last_number: bool = False) -> str:
+    """The part of an answer that exact match compares (see `extract`)."""
+    return extract(text, pattern, last_number)[0]
+
+
+def extract(text: str, pattern: str | None, last_number: bool = False) -> tuple[str, str]:
+    """(answer, how it was found). With a pattern, its group 1 ("pattern"); where the pattern is not found and
+    `last_number`, the last number in the text ("last number", lm-evaluation-harness' flexible extract);
+    without a pattern, the first line ("first line"). Numbers are normalised: 1,200 -> 1200, 7.0 -> 7."""
+    how = "first line"
     if pattern:
         match = re.search(pattern, text)
-        text = match.group(1) if match else ""
+        if match:
+            text, how = match.group(1), "pattern"
+        elif last_number and (numbers := NUMBER.findall(text)):
+            text, how = numbers[-1], "last number"
+        else:
+            text, how = "", "not found"
     text = text.strip().split("\n")[0].strip().rstrip(".")
     number = text.replace(",", "")
     try:
         value = float(number)
-        return str(int(value)) if value == int(value) else str(value)
-    except ValueError:
-        return text
+        return (str(int(value)) if value == int(value) else str(value)), how
+    except (ValueError, OverflowError):
+        return text, how
 
 
 class Collator:
@@ -111,6 +109,7 @@ class TextDataModule(L.LightningDataModule):
     def __init__(self, data_cfg: dict[str, Any], tokenizer, batch_size: int, seed: int = 0):
         super().__init__()
         self.cfg, self.tokenizer, self.batch_size, self.seed = data_cfg, tokenizer, batch_size, seed
+        self.prompter = Prompter(data_cfg, tokenizer)
         self.train_examples: list[tuple[str, str]] = []
         self.val_examples: list[tuple[str, str]] = []
 
@@ -118,11 +117,13 @@ class TextDataModule(L.LightningDataModule):
         if self.train_examples:
             return
         train, val = load_splits(self.cfg, self.seed)
-        self.train_examples = to_examples(train, self.cfg, str(self.cfg["source"]))
-        self.val_examples = to_examples(val, self.cfg, str(self.cfg.get("val_source") or self.cfg["source"]))
-        max_length = int(self.cfg["max_length"])
-        self.train_set = [encode(self.tokenizer, p, a, max_length) for p, a in self.train_examples]
-        self.val_set = [encode(self.tokenizer, p, a, max_length) for p, a in self.val_examples]
+        self.train_examples = self.prompter.examples(train, "data.source")
+        self.val_examples = self.prompter.examples(
+            val, "data.val_source" if self.cfg.get("val_source") else "data.source"
+        )
+        max_length, special = int(self.cfg["max_length"]), self.prompter.add_special_tokens
+        self.train_set = [encode(self.tokenizer, p, a, max_length, special) for p, a in self.train_examples]
+        self.val_set = [encode(self.tokenizer, p, a, max_length, special) for p, a in self.val_examples]
 
     def _start_sample(self) -> int:
         trainer = self.trainer

@@ -1,50 +1,132 @@
 """Text records from .jsonl, .json, .csv, .parquet and .txt files, the format read from the content.
 
-Every reader returns a list of dicts; every problem with a file is a UserError that names the
-file and the line or row.
+Every reader returns `Records`: a list of dicts that also knows where each record came from ("f.jsonl
+line 7", "f.csv row 5 (line 9)"), so that a problem found later, after shuffling, still names the line a
+user can open. Every problem with a file is a UserError that names the file and the line or row.
+
+Files are decoded as UTF-8, or UTF-16/UTF-32 when they start with a byte-order mark; Latin-1 text and
+binary files are named as such. Only regular files are read (data.source=/dev/zero or a FIFO is refused).
 """
 
 from __future__ import annotations
 
+import bisect
+import codecs
 import csv
 import io
 import json
+import math
+import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from onn.data.files import read_head
+from onn.data.files import existing_source, read_file, read_head
 from onn.errors import UserError
 
 FORMATS = ("jsonl", "json", "csv", "parquet", "txt")
+HEAD_BYTES = 65536  # what format detection reads
+DELIMITERS = ",\t;|"
+# A CSV header cell: a column name (letters, digits, spaces, _ . - ( ) /), not a sentence
+COLUMN_NAME = re.compile(r"[^\W\d][\w .\-()/]{0,63}")
+BOMS = (  # UTF-32's little-endian mark starts like UTF-16's: check it first
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF8, "utf-8-sig"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)
 
 
-def read_records(path: str | Path, fmt: str = "auto", key: str = "data.source") -> list[dict[str, Any]]:
+class Records(list):
+    """Records (dicts) and, for each, where it came from: what messages about it name."""
+
+    def __init__(self, rows: Iterable[dict[str, Any]] = (), where: Iterable[str] = ()):
+        super().__init__(rows)
+        self.where = list(where)
+        if len(self.where) != len(self):
+            raise ValueError("one place per record")
+
+    def pick(self, index: Iterable[int]) -> Records:
+        index = list(index)
+        return Records([self[i] for i in index], [self.where[i] for i in index])
+
+
+def read_records(path: str | Path, fmt: str = "auto", key: str = "data.source") -> Records:
     """All records of a text dataset file; `fmt` is one of FORMATS or auto."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise UserError(f"{key} {path} does not exist; check the path.")
+    path = existing_source(path, key, "a .jsonl, .json, .csv, .parquet or .txt file")
     if path.is_dir():
         raise UserError(
             f"{key} {path} is a folder; point it at a .jsonl, .json, .csv, .parquet or .txt file."
         )
-    if path.stat().st_size == 0:
+    if fmt not in ("auto", *FORMATS):
+        raise UserError(f"data.format={fmt!r} is not one of auto, {', '.join(FORMATS)}.")
+    data = read_file(path)
+    if not data.strip():
         raise UserError(f"{key} {path} is empty.")
-    fmt = detect_format(path) if fmt == "auto" else fmt
-    if fmt not in FORMATS:
-        raise UserError(f"data.format '{fmt}' is not one of auto, {', '.join(FORMATS)}.")
-    records = _READERS[fmt](path)
+    if fmt == "parquet" or (fmt == "auto" and data[:4] == b"PAR1"):
+        records = _read_parquet(path)
+    else:
+        text = decode(data, path, key)
+        fmt = detect(text, complete=True) if fmt == "auto" else fmt
+        records = _READERS[fmt](text, path)
     if not records:
         raise UserError(f"{key} {path} holds no records.")
     return records
 
 
-def detect_format(path: Path) -> str:
-    """Decide from the bytes, not the name: parquet magic, JSON document vs JSON lines, CSV header, else text."""
-    with open(path, "rb") as f:
-        head = f.read(65536)
+def decode(data: bytes, path: Path, key: str) -> str:
+    """The file's text: UTF-8, or the encoding its byte-order mark names; else one sentence on what it is."""
+    for bom, codec in BOMS:
+        if data.startswith(bom):
+            try:
+                return data.decode(codec).lstrip("\ufeff")
+            except UnicodeDecodeError as e:
+                raise UserError(f"{key} {path} starts with a {codec.upper()} byte-order mark but is not {codec.upper()} "
+                                f"text (bad bytes at offset {e.start}); save it again as UTF-8.") from None  # fmt: skip
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if not _binary(data[:8192]):
+            line = data.count(b"\n", 0, e.start) + 1
+            raise UserError(
+                f"{key} {path} is not UTF-8 text: byte 0x{data[e.start]:02x} on line {line} (Latin-1 or Windows-1252?); "
+                f"convert it, e.g. iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8{path.suffix}"
+            ) from None
+        text = ""
+    if not text or _binary(data[:8192]):
+        utf16 = data[1:4096:2].count(0) > 0.4 * len(data[1:4096:2]) or data[:4096:2].count(0) > 0.4 * len(
+            data[:4096:2]
+        )
+        hint = " (it looks like UTF-16 without a byte-order mark: save it as UTF-8)" if utf16 else ""
+        raise UserError(
+            f"{key} {path} is a binary file, not text{hint}; point it at a .jsonl, .json, .csv, .parquet or .txt file."
+        )
+    return text
+
+
+def _binary(head: bytes) -> bool:
+    """NUL bytes, or more than 5% control bytes other than tab, newline, carriage return and form feed."""
+    if b"\x00" in head:
+        return True
+    controls = sum(b < 32 and b not in (9, 10, 12, 13) for b in head)
+    return controls > 0.05 * max(1, len(head))
+
+
+def detect_format(path: str | Path) -> str:
+    """Decide from the bytes, not the name: parquet magic, a JSON document or JSON lines, a CSV header, else text."""
+    head = read_head(path, HEAD_BYTES)
     if head[:4] == b"PAR1":
         return "parquet"
-    text = head.decode("utf-8", errors="replace").lstrip("\ufeff")
+    text = _decode_head(head)
+    if text is None:
+        raise UserError(f"{path} is a binary file, not text.")
+    return detect(text, complete=len(head) < HEAD_BYTES)
+
+
+def detect(text: str, complete: bool) -> str:
+    """The format of a text (the whole file when `complete`, else its head)."""
+    text = text.lstrip("\ufeff")
     stripped = text.lstrip()
     if stripped.startswith("["):
         return "json"
@@ -55,104 +137,183 @@ def detect_format(path: Path) -> str:
         except json.JSONDecodeError:
             return "json"  # a multi-line JSON document
         return "jsonl" if rest.strip() else "json"  # several one-line objects, or one document on one line
-    lines = [ln for ln in text.splitlines()[:20] if ln.strip()]
-    if len(lines) >= 2:
-        try:
-            dialect = csv.Sniffer().sniff("\n".join(lines), delimiters=",\t;|")
-            counts = {len(row) for row in csv.reader(lines[:-1], dialect)}
-            if len(counts) == 1 and counts.pop() >= 2:
-                return "csv"
-        except csv.Error:
-            pass
+    if complete and _json_scalar(stripped):
+        return "json"  # a bare number or string: the JSON reader says it holds no records
+    if csv_delimiter(text if complete else text[: text.rfind("\n") + 1]):
+        return "csv"
     return "txt"
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(
-                    f"{path} line {lineno} is not valid JSON ({e.msg} at column {e.colno})."
-                ) from e
-            if not isinstance(row, dict):
-                raise UserError(
-                    f"{path} line {lineno} is a JSON {type(row).__name__}, not an object with fields."
-                )
-            records.append(row)
-    return records
-
-
-def _read_json(path: Path) -> list[dict[str, Any]]:
+def _json_scalar(text: str) -> bool:
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} line {e.lineno} is not valid JSON ({e.msg} at column {e.colno}).") from e
-    if isinstance(doc, dict):
-        lists = {k: v for k, v in doc.items() if isinstance(v, list)}
-        if len(lists) == 1 and all(isinstance(r, dict) for r in next(iter(lists.values()))):
-            doc = next(iter(lists.values()))  # {"data": [ {...}, ... ]}
-        elif lists and len({len(v) for v in lists.values()}) == 1:
-            n = len(next(iter(lists.values())))
-            doc = [
-                {k: v[i] for k, v in lists.items()} for i in range(n)
-            ]  # columns {"input": [...], "output": [...]}
-        elif not lists:
-            doc = [doc]  # a single record
-        else:
+        return not isinstance(json.loads(text), dict | list)
+    except (json.JSONDecodeError, RecursionError):
+        return False
+
+
+def csv_delimiter(text: str) -> str | None:
+    """The delimiter of a CSV with a header of column names, or None when the text is not one.
+
+    Records are parsed as csv does (quoted fields may hold delimiters, newlines and doubled quotes);
+    a table is a header of two or more distinct column names that at least half of the first 50 rows
+    match, so ragged rows still read as CSV, and the reader names the first."""
+    for delimiter in DELIMITERS:
+        try:
+            rows = [
+                r for r in csv.reader(io.StringIO(text), delimiter=delimiter) if any(c.strip() for c in r)
+            ]
+        except csv.Error:
+            continue
+        rows = rows[:51]
+        if len(rows) < 2:
+            continue
+        header = [c.strip() for c in rows[0]]
+        if (
+            len(header) < 2
+            or len(set(header)) < len(header)
+            or not all(COLUMN_NAME.fullmatch(c) for c in header)
+        ):
+            continue
+        if sum(len(r) == len(header) for r in rows[1:]) >= 0.5 * (len(rows) - 1):
+            return delimiter
+    return None
+
+
+def _read_jsonl(text: str, path: Path) -> Records:
+    rows, where = [], []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
             raise UserError(
-                f"{path} is a JSON object but neither {{'rows': [...]}} nor columns of equal length."
-            )
-    if not isinstance(doc, list):
-        raise UserError(f"{path} must hold a JSON list of objects (or an object of columns).")
-    for i, row in enumerate(doc):
+                f"{path} line {lineno} is not valid JSON ({e.msg} at column {e.colno})."
+            ) from None
         if not isinstance(row, dict):
-            raise UserError(f"{path} item {i} is a JSON {type(row).__name__}, not an object with fields.")
-    return doc
+            raise UserError(f"{path} line {lineno} is a JSON {_json_type(row)}, not an object with fields.")
+        rows.append(row)
+        where.append(f"{path} line {lineno}")
+    return Records(rows, where)
 
 
-def _read_csv(path: Path) -> list[dict[str, Any]]:
-    text = path.read_text(encoding="utf-8-sig")
-    sample = "\n".join(text.splitlines()[:20])
+def _read_json(text: str, path: Path) -> Records:
     try:
-        dialect = csv.Sniffer().sniff(sample, delimiters=",\t;|")
-    except csv.Error:
-        dialect = csv.excel
-    reader = csv.DictReader(io.StringIO(text), dialect=dialect)
-    records = []
-    for row in reader:
-        if None in row or None in row.values():
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} line {e.lineno} is not valid JSON ({e.msg} at column {e.colno}).") from None
+    if isinstance(doc, list):
+        return _located_items(doc, text, path)
+    if not isinstance(doc, dict):
+        raise UserError(
+            f"{path} holds a bare JSON {_json_type(doc)} ({text.strip()[:40]}), not records: give JSON lines of "
+            '{"input": ..., "output": ...} objects, or a JSON list of them.'
+        )
+    lists = {k: v for k, v in doc.items() if isinstance(v, list)}
+    if len(lists) == 1 and all(isinstance(r, dict) for r in next(iter(lists.values()))):
+        name, rows = next(iter(lists.items()))  # {"data": [ {...}, ... ]}
+        return _checked(rows, [f"{path} {name}[{i}]" for i in range(len(rows))], path)
+    if lists and len({len(v) for v in lists.values()}) == 1 and len(lists) == len(doc):
+        n = len(next(iter(lists.values())))  # columns {"input": [...], "output": [...]}
+        return Records(
+            [{k: v[i] for k, v in lists.items()} for i in range(n)],
+            [f"{path} record {i + 1}" for i in range(n)],
+        )
+    if not lists:
+        return Records([doc], [f"{path}"])  # a single record
+    raise UserError(f"{path} is a JSON object but neither {{'rows': [...]}} nor columns of equal length.")
+
+
+def _located_items(doc: list, text: str, path: Path) -> Records:
+    """The items of a top-level JSON list, each with the line it starts on."""
+    newlines = [m.start() for m in re.finditer("\n", text)]
+    decoder, where = json.JSONDecoder(), []
+    at = _skip_space(text, text.index("[") + 1)
+    for _ in doc:
+        where.append(f"{path} line {bisect.bisect_left(newlines, at) + 1}")
+        _, end = decoder.raw_decode(text, at)
+        at = _skip_space(text, _skip_space(text, end) + 1)  # past the comma
+    return _checked(doc, where, path)
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at] in " \t\r\n":
+        at += 1
+    return at
+
+
+def _checked(rows: list, where: list[str], path: Path) -> Records:
+    for row, place in zip(rows, where):
+        if not isinstance(row, dict):
+            raise UserError(f"{place} is a JSON {_json_type(row)}, not an object with fields.")
+    return Records(rows, where)
+
+
+def _json_type(value: Any) -> str:
+    return {
+        bool: "boolean",
+        int: "number",
+        float: "number",
+        str: "string",
+        list: "list",
+        type(None): "null",
+    }.get(type(value), "value")
+
+
+def _read_csv(text: str, path: Path) -> Records:
+    delimiter = csv_delimiter(text) or _sniffed_delimiter(text)
+    reader = csv.reader(io.StringIO(text), delimiter=delimiter)
+    header, rows, where, line, row_no = None, [], [], 1, 0
+    for cells in reader:
+        start, line = line, reader.line_num + 1
+        if not any(c.strip() for c in cells):
+            continue
+        if header is None:
+            header = [c.strip() for c in cells]
+            continue
+        row_no += 1
+        if len(cells) != len(header):
             raise UserError(
-                f"{path} row {reader.line_num} has {len(row) - (None in row)} cells but the header has {len(reader.fieldnames)}."
+                f"{path} row {row_no} (line {start}) has {len(cells)} cells but the header has {len(header)}: "
+                f'quote fields that hold the delimiter {delimiter!r} ("like{delimiter} this"), or fix the row.'
             )
-        records.append(row)
-    return records
+        rows.append(dict(zip(header, cells)))
+        where.append(f"{path} row {row_no} (line {start})")
+    return Records(rows, where)
 
 
-def _read_parquet(path: Path) -> list[dict[str, Any]]:
+def _sniffed_delimiter(text: str) -> str:
+    try:
+        return csv.Sniffer().sniff(text[:HEAD_BYTES], delimiters=DELIMITERS).delimiter
+    except csv.Error:
+        return ","
+
+
+def _read_parquet(path: Path) -> Records:
     import pyarrow.parquet as pq
 
     try:
-        return pq.read_table(path).to_pylist()
-    except Exception as e:  # pyarrow raises several types for damaged files
+        rows = pq.read_table(path).to_pylist()
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for damaged files
         raise UserError(f"{path} is not a readable parquet file: {e}") from e
+    return Records(rows, [f"{path} row {i + 1}" for i in range(len(rows))])
 
 
-def _read_txt(path: Path) -> list[dict[str, Any]]:
-    return [{"text": line.rstrip("\n")} for line in open(path, encoding="utf-8") if line.strip()]
+def _read_txt(text: str, path: Path) -> Records:
+    rows, where = [], []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            rows.append({"text": line})
+            where.append(f"{path} line {lineno}")
+    return Records(rows, where)
 
 
-_READERS = {
-    "jsonl": _read_jsonl,
-    "json": _read_json,
-    "csv": _read_csv,
-    "parquet": _read_parquet,
-    "txt": _read_txt,
-}
+_READERS = {"jsonl": _read_jsonl, "json": _read_json, "csv": _read_csv, "txt": _read_txt}
+
+
+def is_missing(value: Any) -> bool:
+    """A field value that holds nothing: JSON null, or a NaN (parquet and pandas exports)."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def sniff_text(path: Path) -> str | None:
@@ -162,7 +323,10 @@ def sniff_text(path: Path) -> str | None:
         return f"a built-in generator ({path})"
     if not path.is_file():
         return None
-    head = read_head(path, 65536)
+    try:
+        head = read_head(path, HEAD_BYTES)
+    except OSError:
+        return None
     if head[:4] == b"PAR1":
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -179,13 +343,16 @@ def sniff_text(path: Path) -> str | None:
     printable = sum(c.isprintable() or c in "\n\r\t" for c in text) / len(text)
     if printable < 0.95:
         return None
-    return f"{detect_format(path)} text"
+    return f"{detect(text, complete=len(head) < HEAD_BYTES)} text"
 
 
 def _decode_head(head: bytes) -> str | None:
-    """The first bytes of a file as text (UTF-8, or UTF-16 with its BOM), or None for binary data."""
-    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
-        return head.decode("utf-16", "ignore")
+    """The first bytes of a file as text (UTF-8, or UTF-16/32 with its BOM), or None for binary data."""
+    for bom, codec in BOMS:
+        if head.startswith(bom):
+            return head.decode(codec, "ignore").lstrip("\ufeff")
+    if _binary(head[:8192]):
+        return None
     try:
         return head.decode("utf-8")
     except UnicodeDecodeError as e:

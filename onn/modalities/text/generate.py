@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from onn.errors import UserError
-from onn.modalities.text.datamodule import extract_answer
+from onn.modalities.text.datamodule import extract, extract_answer
 from onn.modalities.text.formats import read_records
 
 
@@ -81,35 +81,72 @@ def complete(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, tem
     return results
 
 
-def exact_match(
-    model,
-    tokenizer,
-    examples: list[tuple[str, str]],
-    pattern: str | None,
-    max_samples: int,
-    max_new_tokens: int,
-    engine=None,
-) -> float:
-    """Fraction of greedy answers equal to the reference answer (after extract_answer on both)."""
+def answer_scores(model, tokenizer, examples: list[tuple[str, str]], pattern: str | None, max_samples: int, max_new_tokens: int,
+                  engine=None) -> dict[str, Any]:  # fmt: skip
+    """Exact match of greedy answers against the references, and how the answers were extracted.
+
+    With data.answer_pattern (GSM8K's `#### N`), the reference's answer is the pattern's group 1. A
+    generated answer is the pattern's group 1 where the model wrote it, else the last number in its text:
+    `exact_match` counts both, `exact_match_strict` only the first, `answer_pattern_found` is the share
+    of generations that wrote the pattern. Without a pattern, both answers are their first line."""
     examples = examples[:max_samples]
     if not examples:
-        return float("nan")
+        return {"exact_match": float("nan")}
     outputs = complete(
         model, tokenizer, [p for p, _ in examples], max_new_tokens=max_new_tokens, engine=engine
     )
-    hits = sum(
-        extract_answer(o, pattern) == extract_answer(a, pattern) for o, (_, a) in zip(outputs, examples)
-    )
-    return hits / len(examples)
+    hits = strict = found = 0
+    for output, (_, answer) in zip(outputs, examples):
+        want = extract_answer(answer, pattern)
+        got, how = extract(output, pattern, last_number=True)
+        hits += got == want
+        strict += got == want and how != "last number"
+        found += how == "pattern"
+    n = len(examples)
+    scores: dict[str, Any] = {
+        "exact_match": hits / n,
+        "exact_match_samples": n,
+        "max_new_tokens": max_new_tokens,
+    }
+    if pattern:
+        scores.update({
+            "exact_match_strict": strict / n,
+            "answer_pattern_found": found / n,
+            "answer_extraction": f"group 1 of data.answer_pattern {pattern}; where a generation lacks it, its last number",
+        })  # fmt: skip
+    else:
+        scores["answer_extraction"] = "the first line of the answer, numbers normalised"
+    return scores
 
 
-def read_prompts(path: str) -> list[dict[str, Any]]:
-    """Rows of a prompts JSONL file: each needs a "prompt" (or "input"/"question") field."""
+def exact_match(model, tokenizer, examples: list[tuple[str, str]], pattern: str | None, max_samples: int, max_new_tokens: int,
+                engine=None) -> float:  # fmt: skip
+    """The share of greedy answers equal to the reference (see answer_scores)."""
+    return answer_scores(model, tokenizer, examples, pattern, max_samples, max_new_tokens, engine)[
+        "exact_match"
+    ]
+
+
+def answer_tokens(tokenizer, examples: list[tuple[str, str]]) -> int:
+    """The longest reference answer in tokens (the room a generated answer needs)."""
+    return max((len(tokenizer(a, add_special_tokens=False)["input_ids"]) for _, a in examples), default=0)
+
+
+PROMPT_FIELDS = ("prompt", "question", "instruction", "input")
+
+
+def read_prompts(path: str):
+    """Rows of a prompts JSONL file (Records: each knows its line); each needs a field of PROMPT_FIELDS."""
     rows = read_records(path, "jsonl", key="task.input")
-    for i, row in enumerate(rows, 1):
-        if not any(k in row for k in ("prompt", "input", "question")):
-            raise UserError(f"task.input {path} row {i} has no 'prompt' field; its fields are {sorted(row)}.")
+    for row, where in zip(rows, rows.where):
+        if not any(k in row for k in PROMPT_FIELDS):
+            raise UserError(f"task.input {where} has no 'prompt' field; its fields are {sorted(row)}.")
     return rows
+
+
+def prompt_of(row: dict[str, Any]) -> str:
+    """A prompts file row's prompt: its first field of PROMPT_FIELDS."""
+    return str(next(row[k] for k in PROMPT_FIELDS if k in row))
 
 
 def _device(model, engine=None) -> torch.device:

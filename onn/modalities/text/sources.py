@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from onn.errors import UserError
 from onn.modalities.text import builtin as math_data
-from onn.modalities.text.formats import read_records
+from onn.modalities.text.formats import Records, read_records
 
 BUILTINS = {"math": math_data.generate}
 
 
-def load_splits(data_cfg: dict[str, Any], seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(train records, validation records) for the data config."""
+def load_splits(data_cfg: dict[str, Any], seed: int) -> tuple[Records, Records]:
+    """(train records, validation records) for the data config; each record knows its file and line."""
     source = str(data_cfg["source"])
     if source.startswith("builtin:"):
         name = source.split(":", 1)[1]
@@ -23,9 +24,10 @@ def load_splits(data_cfg: dict[str, Any], seed: int) -> tuple[list[dict[str, Any
         opts = dict(data_cfg.get("builtin") or {})
         train_size, val_size = int(opts.pop("train_size", 4000)), int(opts.pop("val_size", 200))
         # Different seeds for the two splits keep validation problems out of training.
-        return BUILTINS[name](train_size, seed=seed, **opts), BUILTINS[name](
-            val_size, seed=seed + 1_000_003, **opts
-        )
+        train = BUILTINS[name](train_size, seed=seed, **opts)
+        val = BUILTINS[name](val_size, seed=seed + 1_000_003, **opts)
+        return (Records(train, [f"{source} train item {i}" for i in range(len(train))]),
+                Records(val, [f"{source} val item {i}" for i in range(len(val))]))  # fmt: skip
 
     fmt = data_cfg["format"]
     records = read_records(source, fmt)
@@ -36,8 +38,6 @@ def load_splits(data_cfg: dict[str, Any], seed: int) -> tuple[list[dict[str, Any
         raise UserError(
             f"data.val_split must be between 0 and 1 (got {fraction}) when data.val_source is not set."
         )
-    import random
-
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
     n_val = max(1, round(len(records) * fraction))
@@ -45,6 +45,4 @@ def load_splits(data_cfg: dict[str, Any], seed: int) -> tuple[list[dict[str, Any
         raise UserError(
             f"data.source {source} has {len(records)} records: too few to hold out a validation split."
         )
-    val = [records[i] for i in order[:n_val]]
-    train = [records[i] for i in order[n_val:]]
-    return train, val
+    return records.pick(order[n_val:]), records.pick(order[:n_val])

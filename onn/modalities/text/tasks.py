@@ -16,20 +16,32 @@ from onn.export import export_for_run
 from onn.hardware.memory import PeakMemory
 from onn.modalities.base import Job
 from onn.modalities.text.datamodule import TextDataModule
-from onn.modalities.text.generate import complete, exact_match, read_prompts, stream
+from onn.modalities.text.generate import (
+    answer_scores,
+    answer_tokens,
+    complete,
+    prompt_of,
+    read_prompts,
+    stream,
+)
 from onn.modalities.text.module import CausalLM, summarize_losses
+from onn.modalities.text.prompts import Prompter
 from onn.models.layers import discover
 from onn.models.load import load, load_4bit, model_fingerprint
 from onn.planning.plan import STREAMING_KEYS
 from onn.streaming.loader import load_into_store
 from onn.streaming.strategy import LayerStreamingStrategy, build_engine, layer_store
 from onn.training.callbacks import ResourceMonitor, StepCheckpoint, StepClock
+from onn.training.checkpoints import check_state, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.lora import apply
 from onn.training.trainer import build_trainer
 
 log = logging.getLogger("onn")
 SHORT_ANSWER_TOKENS = 32  # exact match after training only where generating answers is cheap
+AUTO_NEW_TOKENS_MARGIN = 16  # task.max_new_tokens=auto: the longest reference answer plus this
+MAX_AUTO_NEW_TOKENS = 1024
+EMPTY_HINT = "its first token was end-of-text; a chat model answers in its chat format: check data.chat_template and task.template"
 
 
 def build(config: dict[str, Any], plan: dict[str, Any]) -> tuple[CausalLM, Any]:
@@ -101,18 +113,15 @@ def trainer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, callbac
 
 def load_weights(module: CausalLM, ckpt: Path) -> None:
     """A checkpoint's trained weights into a freshly built module (its frozen base came from model.source)."""
-    state = load_checkpoint(ckpt)["state_dict"]
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
-    if unexpected or (set(missing) & trainable):
-        raise UserError(
-            f"ckpt {ckpt} does not match the model it names: missing {sorted(set(missing) & trainable)[:3]}, unexpected {unexpected[:3]}."
-        )
+    check_state(module, state_shapes(ckpt), ckpt, loads_frozen=module.strict_loading)
+    module.load_state_dict(load_checkpoint(ckpt)["state_dict"], strict=False)
 
 
 def train(job: Job) -> dict[str, Any]:
     config, plan, run_dir, ckpt = job.config, job.plan, job.run_dir, job.ckpt
     module, tokenizer = build(config, plan)
+    if ckpt is not None:  # before Lightning restores it: a checkpoint of another model is one sentence
+        check_state(module, state_shapes(ckpt), ckpt, loads_frozen=module.strict_loading)
     dm = datamodule(config, tokenizer)
     clock = StepClock()
     callbacks = [StepCheckpoint(run_dir / "checkpoints", config["checkpoint"]["every_n_steps"]), clock,
@@ -144,12 +153,14 @@ def train(job: Job) -> dict[str, Any]:
         "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
         "resumed_from": str(ckpt) if ckpt else None,
     }
+    metrics.update(data_metrics(dm))
     samples = int(config["task"]["exact_match_samples"] or 0)
     if samples and any(p for p, _ in dm.val_examples) and dm.max_answer_tokens > SHORT_ANSWER_TOKENS:
         log.info("answers run to %d tokens: skipping exact match after training; run task=eval for it", dm.max_answer_tokens)
     elif samples and any(p for p, _ in dm.val_examples):
-        metrics["val/exact_match"] = exact_match(module.model, tokenizer, dm.val_examples, config["data"]["answer_pattern"], samples,
-                                                 max_new_tokens=dm.max_answer_tokens + 2, engine=module.engine)  # fmt: skip
+        scores = answer_scores(module.model, tokenizer, dm.val_examples, config["data"]["answer_pattern"], samples,
+                               max_new_tokens=dm.max_answer_tokens + 2, engine=module.engine)  # fmt: skip
+        metrics.update({f"val/{k}": v for k, v in scores.items()})
     if config["export"]["name"] != "none":
         metrics.update(export_for_run(config, module.model, run_dir, tokenizer=tokenizer, engine=module.engine))
     return metrics
@@ -168,13 +179,34 @@ def evaluate(job: Job) -> dict[str, Any]:
     task = config["task"]
     metrics = {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50)), "checkpoint": str(ckpt) if ckpt else None,
                "params_trainable": sum(p.numel() for p in module.parameters() if p.requires_grad)}  # fmt: skip
+    metrics.update(data_metrics(dm))
     if any(p for p, _ in dm.val_examples):
-        metrics["val/exact_match"] = exact_match(module.model, tokenizer, dm.val_examples, config["data"]["answer_pattern"],
-                                                 int(task["max_samples"]), int(task["max_new_tokens"]), engine=module.engine)  # fmt: skip
-    print(
-        f"val loss {loss:.4f}  perplexity {metrics['val/perplexity']:.3f}  exact match {metrics.get('val/exact_match', float('nan')):.3f}"
-    )
+        samples = int(task["max_samples"])
+        scores = answer_scores(module.model, tokenizer, dm.val_examples, config["data"]["answer_pattern"], samples,
+                               new_tokens(task, tokenizer, dm.val_examples[:samples]), engine=module.engine)  # fmt: skip
+        metrics.update({f"val/{k}": v for k, v in scores.items()})
+    print(f"val loss {loss:.4f}  perplexity {metrics['val/perplexity']:.3f}  "
+          f"exact match {metrics.get('val/exact_match', float('nan')):.3f} ({metrics.get('val/answer_extraction', 'no answers')})")  # fmt: skip
     return metrics
+
+
+def new_tokens(task: dict[str, Any], tokenizer, examples: list[tuple[str, str]]) -> int:
+    """task.max_new_tokens, or for `auto` room for the longest reference answer (GSM8K's worked answers run
+    to ~200 tokens, and their `#### N` line comes last); with no references (infer), the most auto gives."""
+    setting = task["max_new_tokens"]
+    if setting == "auto":
+        return min(MAX_AUTO_NEW_TOKENS, answer_tokens(tokenizer, examples) + AUTO_NEW_TOKENS_MARGIN) if examples else MAX_AUTO_NEW_TOKENS
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise UserError(f"task.max_new_tokens={setting!r}: give a whole number, 1 or more, or auto.")
+    return setting
+
+
+def data_metrics(dm: TextDataModule) -> dict[str, Any]:
+    """What the data turned into: how many records, the layout chosen and what wraps the prompts."""
+    layout = dm.prompter.layout
+    return {"data/train_records": len(dm.train_examples), "data/val_records": len(dm.val_examples),
+            "data/layout": layout.name if layout else None, "data/mapping": layout.describe() if layout else None,
+            "data/prompt_format": dm.prompter.prompt_format}  # fmt: skip
 
 
 def infer(job: Job) -> dict[str, Any]:
@@ -188,22 +220,29 @@ def infer(job: Job) -> dict[str, Any]:
     if settings := streaming_settings(config, plan):  # each chunk load serves every sequence, per token
         engine = build_engine(model, settings, store_root(config), job.device, micro_batch=None)
         model.to(job.device)  # what is left after the blocks' frozen weights went to the store
-    template = config["data"]["template"] or "{input}"
+    prompter = Prompter(config["data"], tokenizer)  # the prompt format the model was trained with (or its chat template)
 
-    def wrap(text: str) -> str:
-        return template.replace("{input}", text) if task["template"] else text
+    def wrap(text: str, row: dict[str, Any] | None = None, where: str = "prompt") -> str:
+        return prompter.render(text, row, where) if task["template"] else text
 
-    gen = {"max_new_tokens": int(task["max_new_tokens"]), "temperature": float(task["temperature"]), "top_p": float(task["top_p"])}
+    gen = {"max_new_tokens": new_tokens(task, tokenizer, []), "temperature": float(task["temperature"]), "top_p": float(task["top_p"])}
+    said = {"infer/prompt_format": prompter.prompt_format if task["template"] else "none (task.template=false)"}
     if task["input"]:
         rows = read_prompts(task["input"])
-        prompts = [str(r.get("prompt", r.get("input", r.get("question")))) for r in rows]
-        completions = complete(model, tokenizer, [wrap(p) for p in prompts], engine=engine, **gen)
+        completions = complete(model, tokenizer, [wrap(prompt_of(r), r, w) for r, w in zip(rows, rows.where)], engine=engine, **gen)
         output = Path(task["output"] or job.run_dir / "predictions.jsonl")
         write_jsonl([{**r, "completion": c} for r, c in zip(rows, completions)], output)
         print(f"wrote {len(rows)} completions to {output}")
-        return {"infer/prompts": len(rows), "infer/output": str(output)}
-    completion = stream(model, tokenizer, wrap(str(config["prompt"])), engine=engine, **gen)
-    return {"infer/prompt": config["prompt"], "infer/completion": completion}
+        empty = sum(not c.strip() for c in completions)
+        if empty:
+            log.warning("%d of %d completions are empty: the model ended the text at once (%s)", empty, len(rows), EMPTY_HINT)
+        return {**said, "infer/prompts": len(rows), "infer/output": str(output), "infer/empty_completions": empty}
+    text = wrap(str(config["prompt"]))
+    completion = stream(model, tokenizer, text, engine=engine, **gen)
+    if not completion.strip():
+        log.warning("the completion is empty: the model ended the text at once (%s)", EMPTY_HINT)
+    return {**said, "infer/prompt": config["prompt"], "infer/model_input": text, "infer/completion": completion,
+            "infer/empty_completions": int(not completion.strip())}  # fmt: skip
 
 
 def export(job: Job) -> dict[str, Any]:

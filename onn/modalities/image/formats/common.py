@@ -232,9 +232,9 @@ def finish_classes(listing: Listing, num_classes: int | None, key: str) -> list[
                     if num_classes is not None
                     else f"the source names only {len(classes)} classes"
                 )
-                raise UserError(
-                    f"{key}: {where} has label {int(split.labels[i])}, outside [0, {limit}): {said}."
-                )
+                label = int(split.labels[i])
+                shown = f"label {classes[label]!r} (class {label} of {len(classes)} names: {', '.join(classes[:6])}{' ...' if len(classes) > 6 else ''})" if classes else f"label {label}"  # fmt: skip
+                raise UserError(f"{key}: {where} has {shown}, outside [0, {limit}): {said}.")
     if classes is None:
         classes = [str(i) for i in range(max(top + 1, num_classes or 0))]
     return classes

@@ -1,0 +1,276 @@
+"""Records -> (prompt, answer) text: the field mapping, the instruction layouts users bring, the template
+and the tokenizer's chat template. Train, eval, infer (and serve) all build prompts here, so a model
+sees the same format in every task.
+
+Fields. `data.fields.input` names the prompt field (dotted for nested records: `seed.instruction`), or
+is a format string over fields (`"{instruction}\\n\\n{input}"`); `data.fields.output` names the answer.
+`auto` recognises the common layouts and says which it chose:
+
+    messages      {"messages": [{"role", "content"}, ...]} (OpenAI) or {"conversations": [{"from", "value"}]}
+                  (ShareGPT): the conversation up to the last assistant turn is the prompt, that turn the answer
+    alpaca        instruction (+ input when not empty) -> output
+    dolly         instruction (+ context) -> response
+    pairs         prompt/completion, prompt/response, question/answer, query/response, input/output, ...
+    text          {"text": ...} only: plain text, loss on every token
+
+Template. `data.template` is a format string over every field of the record by its own name, plus
+`{prompt}` (the mapped prompt); `{input}` is the record's own `input` field, or the prompt when the record
+has none. A `\\n` or `\\t` typed on a command line (where it stays a backslash and a letter) is a newline
+or a tab.
+
+Chat template. When the tokenizer has one (instruction and chat models ship one; `data.chat_template:
+auto`), the templated prompt is the user's message and the chat template wraps it; with `false` the
+model gets the templated prompt alone. Plain text never goes through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import string
+from dataclasses import dataclass
+from typing import Any
+
+from onn.errors import UserError
+from onn.modalities.text.formats import Records, is_missing
+
+log = logging.getLogger("onn")
+
+# (prompt, answer) field pairs, most specific first: the first pair a dataset has is its layout
+PAIRS = (("prompt", "completion"), ("prompt", "response"), ("prompt", "answer"), ("prompt", "output"),
+         ("question", "answer"), ("query", "response"), ("query", "answer"), ("instruction", "response"),
+         ("instruction", "output"), ("input", "output"), ("input", "target"), ("source", "target"))  # fmt: skip
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
+         "model": "assistant", "system": "system", "tool": "tool"}  # fmt: skip
+EMPTY_REFUSED = 0.5  # a mapped prompt empty in more than this share of records is a wrong mapping
+EMPTY_WARNED = 0.05
+
+
+@dataclass
+class Layout:
+    """How a dataset's records become prompt and answer: what auto chose, or what data.fields says."""
+
+    name: str  # alpaca | dolly | messages | pairs | text | fields (the user's mapping)
+    prompt: str | None  # a field name (dotted) or a format string over fields; None for messages and text
+    answer: str | None  # a field name; None for messages and text
+    conversation: str | None = None  # messages | conversations
+
+    def describe(self) -> str:
+        if self.name == "text":
+            return "plain text (the text field): loss on every token"
+        if self.name == "messages":
+            return f"chat messages ({self.conversation}): the conversation up to the last assistant turn -> that turn"
+        return f"{self.prompt} -> {self.answer}"
+
+
+def choose_layout(records: Records, fields: dict[str, Any], key: str = "data.source") -> Layout:
+    """data.fields as given, or for `auto` the layout the records' fields match."""
+    prompt, answer = fields["input"], fields["output"]
+    names = set().union(*(r.keys() for r in records[:200]))
+    if prompt != "auto" and answer != "auto":
+        return Layout("fields", prompt, answer)
+    if prompt == "auto" and answer == "auto":
+        for conversation in ("messages", "conversations"):
+            if conversation in names and all(isinstance(r.get(conversation), list) for r in records[:200]):
+                return Layout("messages", None, None, conversation)
+        if names == {"text"}:
+            return Layout("text", None, None)
+        if {"instruction", "output"} <= names:
+            return Layout(
+                "alpaca", "{instruction}\n\n{input}" if "input" in names else "instruction", "output"
+            )
+        if {"instruction", "response"} <= names:
+            return Layout(
+                "dolly", "{instruction}\n\n{context}" if "context" in names else "instruction", "response"
+            )
+        found = next(((p, a) for p, a in PAIRS if {p, a} <= names), None)
+    elif prompt == "auto":
+        found = next(((p, answer) for p, a in PAIRS if p in names and p != answer), None)
+    else:
+        used = {f for _, f, _, _ in string.Formatter().parse(prompt) if f} if "{" in prompt else {prompt}
+        found = next(((prompt, a) for p, a in PAIRS if a in names and a not in used), None)
+    if found is None:
+        raise UserError(
+            f"{key}: its records have the fields {sorted(names)[:12]}, which are no prompt/answer layout ONN knows; "
+            "say which field is which with data.fields.input=NAME data.fields.output=NAME."
+        )
+    return Layout("pairs" if prompt == answer == "auto" else "fields", *found)
+
+
+class _Fields(string.Formatter):
+    """str.format over a record whose dotted names reach into nested records (`{seed.instruction}`)."""
+
+    def get_field(self, field_name: str, args, kwargs):
+        return resolve(kwargs, field_name), field_name
+
+
+FORMATTER = _Fields()
+
+
+def resolve(record: dict[str, Any], name: str) -> Any:
+    """record[name], where `a.b` is record["a"]["b"] (and `a.0` an item of a list); KeyError when absent."""
+    if name in record:
+        return record[name]
+    value: Any = record
+    for part in name.split("."):
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            raise KeyError(name)
+    return value
+
+
+def unescape(template: str) -> str:
+    """`\\n` and `\\t` as typed on a command line (Hydra keeps them as two characters) -> newline, tab."""
+    return template.replace("\\n", "\n").replace("\\t", "\t")
+
+
+def chat_in_use(data_cfg: dict[str, Any], tokenizer) -> bool:
+    """Whether prompts go through the tokenizer's chat template (data.chat_template: auto | true | false)."""
+    # A data config saved in a checkpoint before chat templates were used has no key: it trained without.
+    setting = data_cfg.get("chat_template", False)
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if setting is True and not has:
+        raise UserError("data.chat_template=true, but the model's tokenizer has no chat template; "
+                        "use data.chat_template=auto (or false) or a tokenizer that has one.")  # fmt: skip
+    if setting not in ("auto", True, False):
+        raise UserError(f"data.chat_template={setting!r} is not one of auto, true, false.")
+    return has and setting in ("auto", True)
+
+
+class Prompter:
+    """Turns records (or a typed prompt) into the text the model sees, the same way in every task."""
+
+    def __init__(self, data_cfg: dict[str, Any], tokenizer):
+        self.cfg, self.tokenizer = data_cfg, tokenizer
+        self.template = unescape(str(data_cfg.get("template") or "{prompt}"))
+        self.chat = chat_in_use(data_cfg, tokenizer)
+        self.layout: Layout | None = None
+
+    @property
+    def prompt_format(self) -> str:
+        """What wraps prompts, for metrics.json and the log."""
+        return "chat template" if self.chat else "data.template"
+
+    @property
+    def add_special_tokens(self) -> bool:
+        """A chat template writes the special tokens the model needs itself (BOS included, where it has one)."""
+        return not self.chat
+
+    def examples(self, records: Records, key: str = "data.source") -> list[tuple[str, str]]:
+        """(prompt, answer) per record; plain text records give ("", text): loss on every token."""
+        if self.layout is None:
+            self.layout = choose_layout(records, self.cfg["fields"], key)
+            how = (
+                "chosen by data.fields"
+                if self.layout.name == "fields"
+                else f"the {self.layout.name} layout, recognised"
+            )
+            log.info("data: prompt and answer are %s (%s); prompts go through the %s", self.layout.describe(), how,
+                     self.prompt_format)  # fmt: skip
+        out, empty = [], 0
+        for record, where in zip(records, records.where):
+            if self.layout.name == "text" or (self.layout.name != "messages" and set(record) == {"text"}):
+                out.append(("", self._text(record, "text", where, "data.fields.input")))
+                continue
+            if self.layout.name == "messages":
+                messages = self._messages(record, where)
+                prompt, answer = self.render_messages(messages[:-1]), messages[-1]["content"]
+                out.append((prompt, answer))
+                continue
+            prompt = self._prompt(record, where)
+            empty += not prompt.strip()
+            out.append(
+                (
+                    self.render(prompt, record, where),
+                    self._text(record, self.layout.answer, where, "data.fields.output"),
+                )
+            )
+        self._check_empty(records, empty, key)
+        return out
+
+    def render(self, prompt: str, record: dict[str, Any] | None = None, where: str = "the prompt") -> str:
+        """The text the model sees for a prompt: data.template around it, then the chat template (when in use)."""
+        fields = {k: ("" if is_missing(v) else v) for k, v in (record or {}).items()}
+        fields["prompt"] = prompt
+        fields.setdefault("input", prompt)
+        try:
+            text = FORMATTER.vformat(self.template, (), fields)
+        except KeyError as e:
+            raise UserError(f"data.template names the field {{{e.args[0]}}}, which {where} does not have; "
+                            f"its fields are {sorted(fields)[:12]} ({{prompt}} is the mapped prompt).") from None  # fmt: skip
+        except (ValueError, IndexError) as e:
+            raise UserError(
+                f"data.template {self.template!r} is not a format string: {e} (write {{{{ and }}}} for braces)."
+            ) from None
+        if self.chat:
+            return self.render_messages([{"role": "user", "content": text}])
+        return text
+
+    def render_messages(self, messages: list[dict[str, str]]) -> str:
+        """A conversation, ready for the assistant's turn: by the chat template, or one `role: content` line each."""
+        if self.chat:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+    def _prompt(self, record: dict[str, Any], where: str) -> str:
+        spec = self.layout.prompt
+        if "{" not in spec:
+            return self._text(record, spec, where, "data.fields.input")
+        values = {
+            k: ("" if is_missing(v) else v) for k, v in record.items()
+        }  # an absent optional part (Alpaca's input)
+        try:
+            return FORMATTER.vformat(unescape(spec), (), values).strip()
+        except KeyError as e:
+            raise UserError(
+                f"{where} has no field '{e.args[0]}' (named in the prompt {spec!r}); its fields are {sorted(record)[:12]}."
+            ) from None
+
+    def _text(self, record: dict[str, Any], name: str, where: str, key: str) -> str:
+        try:
+            value = resolve(record, name)
+        except KeyError:
+            raise UserError(f"{where} has no field '{name}' ({key}); its fields are {sorted(record)[:12]}. "
+                            f"Map yours with {key}=NAME (nested: {key}=outer.inner).") from None  # fmt: skip
+        if is_missing(value):
+            raise UserError(f"{where}: '{name}' ({key}) is null; fill it in or remove the record.")
+        if isinstance(value, dict | list):
+            raise UserError(f"{where}: '{name}' ({key}) is a JSON {'object' if isinstance(value, dict) else 'list'}, not text; "
+                            f"map a text field (nested: {key}={name}.FIELD).")  # fmt: skip
+        return str(value)
+
+    def _messages(self, record: dict[str, Any], where: str) -> list[dict[str, str]]:
+        raw = record.get(self.layout.conversation)
+        if not isinstance(raw, list) or not raw:
+            raise UserError(f"{where}: '{self.layout.conversation}' is not a list of messages.")
+        messages = []
+        for i, m in enumerate(raw):
+            role = m.get("role", m.get("from")) if isinstance(m, dict) else None
+            content = m.get("content", m.get("value")) if isinstance(m, dict) else None
+            if role not in ROLES or not isinstance(content, str):
+                raise UserError(f"{where}: message {i} of '{self.layout.conversation}' needs a role (user, assistant, system) "
+                                "and text content (OpenAI's role/content or ShareGPT's from/value).")  # fmt: skip
+            messages.append({"role": ROLES[role], "content": content})
+        if messages[-1]["role"] != "assistant" or len(messages) < 2:
+            raise UserError(
+                f"{where}: the conversation must end with an assistant message (the answer to learn)."
+            )
+        return messages
+
+    def _check_empty(self, records: Records, empty: int, key: str) -> None:
+        """A mapping whose prompts are mostly empty maps the wrong field (Alpaca's `input` is empty in 61% of rows)."""
+        share = empty / max(1, len(records))
+        if share <= EMPTY_WARNED:
+            return
+        field = self.layout.prompt
+        names = set().union(*(r.keys() for r in records[:200]))
+        others = sorted(n for n in names if n not in (field, self.layout.answer)
+                        and any(isinstance(r.get(n), str) and r.get(n).strip() for r in records[:200]))  # fmt: skip
+        said = (f"the prompt ({field}) is empty in {share:.0%} of {key}'s records ({empty} of {len(records)}); "
+                f"its other text fields are {others or 'none'}")  # fmt: skip
+        if share > EMPTY_REFUSED:
+            raise UserError(f"{said}: map the prompt with data.fields.input=NAME (or a template such as "
+                            f"data.fields.input='{{{others[0] if others else 'instruction'}}}\\n\\n{{{field}}}').")  # fmt: skip
+        log.warning("data: %s.", said)

@@ -1,0 +1,189 @@
+"""A run's metrics.json from its first second to its end, so that a run that dies still leaves a record.
+
+    status: running   from the start: pid, host and a heartbeat that a background thread refreshes every
+                      HEARTBEAT_S seconds with the last optimizer step reached
+    status: ok        the run finished
+    status: failed    an error, or a terminating signal: SIGTERM (`timeout`, a cluster's pre-emption) or
+                      SIGINT (Ctrl-C) end the run at once with `signal` and `steps` (the last step reached);
+                      checkpoints are written atomically, so the last one stays whole
+
+A SIGKILLed run (or a machine that went down) cannot write anything: its record still says `running` and
+its heartbeat stops. `state` tells such a run from a live one: on this host by its pid, elsewhere by a
+heartbeat older than STALE_S. The benchmark grid shows it as crashed and a resumed sweep runs it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from onn.errors import UserError
+from onn.training import progress
+
+HEARTBEAT_S = 15.0  # how often a running record is refreshed: one small file write
+STALE_S = 6 * HEARTBEAT_S  # a heartbeat older than this is a dead run's (when its pid cannot be asked)
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Interrupted(BaseException):
+    """A terminating signal: a BaseException, so that no `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # what a shell reports for a process a signal ended
+
+
+class RunRecord:
+    """metrics.json of one run: `start` (running, heartbeat, signal handlers), `finish` (the final record)."""
+
+    def __init__(self, run_dir: Path, metrics: dict[str, Any]):
+        self.path = Path(run_dir) / "metrics.json"
+        self.metrics = metrics
+        self.started = time.perf_counter()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._previous: dict[int, Any] = {}
+        self._pid = os.getpid()
+
+    def start(self) -> None:
+        """Write `status: running` and keep it fresh; SIGTERM and SIGINT raise Interrupted from now on."""
+        self.metrics.update(
+            status="running", pid=os.getpid(), host=socket.gethostname(), steps=progress.last_step()
+        )
+        self.write()
+        if threading.current_thread() is threading.main_thread():
+            for signum in SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+        self._thread = threading.Thread(target=self._beat, name="onn-heartbeat", daemon=True)
+        self._thread.start()
+
+    def finish(self, **final: Any) -> None:
+        """The run's last record (status ok or failed); the heartbeat stops and the signals are as before."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+        self.metrics.update(final)
+        for key in ("pid", "host", "heartbeat"):  # only a running record needs them
+            self.metrics.pop(key, None)
+        self.write()
+
+    def interrupted(self, signum: int) -> None:
+        """The record of a run a signal ended: failed, with the signal and the last step reached."""
+        name = signal.Signals(signum).name
+        step = progress.last_step()
+        reached = f"after step {step}" if step else "before its first step"
+        self.finish(status="failed", signal=name, steps=step, error=f"stopped by {name} {reached}")
+
+    def write(self) -> None:
+        """metrics.json, replaced whole (a reader never sees half a file)."""
+        with self._lock:
+            self.metrics["wall_s"] = round(time.perf_counter() - self.started, 2)
+            if self.metrics.get("status") == "running":
+                self.metrics["heartbeat"] = time.time()
+            clean = {
+                k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                for k, v in self.metrics.items()
+            }
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(clean, indent=2, default=str) + "\n")
+                os.replace(tmp, self.path)
+            except OSError as e:
+                raise UserError(
+                    f"cannot write {self.path}: {e.strerror or e}; choose another run folder (hydra.run.dir)."
+                ) from None
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            step = progress.last_step()
+            if step is not None:
+                self.metrics["steps"] = step
+            with contextlib.suppress(UserError):  # the run itself reports a folder it cannot write
+                self.write()
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if os.getpid() != self._pid:  # a forked DataLoader worker: it ends the way torch expects
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        raise Interrupted(signum)
+
+
+def state(metrics: dict[str, Any], now: float | None = None) -> str:
+    """A record's status, with a `running` record whose process is gone read as `crashed`."""
+    status = str(metrics.get("status") or ("failed" if metrics.get("error") else "ok"))
+    if status != "running":
+        return status
+    pid, host, beat = metrics.get("pid"), metrics.get("host"), metrics.get("heartbeat")
+    if isinstance(pid, int) and host == socket.gethostname() and not _alive(pid):
+        return "crashed"
+    fresh = isinstance(beat, int | float) and (now or time.time()) - beat <= STALE_S
+    return "running" if fresh else "crashed"  # a reused pid does not keep a dead run's heartbeat going
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process holds the pid: cannot tell, say alive
+    try:  # a zombie (exited, not reaped yet) is not running
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def writable_folder(path: str | os.PathLike, key: str) -> Path:
+    """`path` as a folder this run can write into (made when missing); one sentence when a file is in the way."""
+    path = Path(path).expanduser()
+    blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        what = "is a file" if blocking == path else f"is under {blocking}, which is a file"
+        raise UserError(f"{key}={path} {what}, so it cannot be a folder; choose another path.")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{key}={path} cannot be made: {e.strerror or e}; choose another path.") from None
+    return path
+
+
+class RunFolder(Callback):
+    """Hydra callback: the run (or sweep) folder is checked before Hydra makes it, so that a path that is a
+    file ends in one sentence instead of Hydra's traceback. Set in conf/config.yaml."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config.hydra.run.dir, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config.hydra.sweep.dir, "hydra.sweep.dir")
+
+    @staticmethod
+    def _check(folder: str, key: str) -> None:
+        try:
+            writable_folder(folder, key)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None

@@ -1,0 +1,19 @@
+"""How far this process's run got: the last optimizer step, for the run's record (onn/tasks/record.py).
+
+Kept apart from the callbacks (which import Lightning) so that the record can read it in any run.
+"""
+
+from __future__ import annotations
+
+_last_step: int | None = None
+
+
+def reached(step: int) -> None:
+    """A training step finished (the Progress callback calls this)."""
+    global _last_step
+    _last_step = int(step)
+
+
+def last_step() -> int | None:
+    """The last optimizer step a training loop of this process finished, or None before the first."""
+    return _last_step

@@ -1,0 +1,165 @@
+"""Runs that die: a record from the start, SIGTERM ends as failed with the step, a SIGKILLed job is crashed
+in the grid and runs again when the sweep is resumed; a run folder that is a file is one sentence."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, read_metrics, run_cli
+
+from onn.bench.grid import collect
+from onn.tasks.record import STALE_S, state
+
+TRAIN = ["model=llama_tiny", "data.builtin.train_size=400", "data.builtin.val_size=20", "tracking=none",
+         "task.validate_before=false", "task.exact_match_samples=0", "trainer.enable_progress_bar=false"]  # fmt: skip
+
+
+def start(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def wait_for(check, proc: subprocess.Popen, timeout: float = 240):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(
+        f"gave up waiting (exit {proc.poll()}): {proc.stderr.read()[-2000:] if proc.poll() is not None else ''}"
+    )
+
+
+def checkpoint_step(run_dir: Path) -> int:
+    try:
+        found = re.search(
+            r'"global_step", (\d+)', (run_dir / "checkpoints" / "last.ckpt" / "meta.json").read_text()
+        )
+    except OSError:  # not written yet, or being replaced
+        return 0
+    return int(found.group(1)) if found else 0
+
+
+def test_a_dead_running_record_reads_as_crashed():
+    now = time.time()
+    me = {"status": "running", "pid": os.getpid(), "host": socket.gethostname(), "heartbeat": now}
+    assert state(me, now) == "running"
+    assert (
+        state({**me, "heartbeat": now - STALE_S - 1}, now) == "crashed"
+    )  # alive pid, but no heartbeat: a reused pid
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    assert state({**me, "pid": int(gone.stdout)}, now) == "crashed"
+    elsewhere = {**me, "host": "another-machine", "pid": 1}
+    assert (
+        state(elsewhere, now) == "running"
+        and state({**elsewhere, "heartbeat": now - STALE_S - 1}, now) == "crashed"
+    )
+    assert state({"status": "ok"}) == "ok" and state({"error": "boom"}) == "failed"
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_training_run_as_failed_with_its_step_and_a_whole_checkpoint(outputs):
+    from onn.training.checkpoints import load
+
+    run_dir = outputs / "term"
+    proc = start(
+        *TRAIN,
+        "trainer.max_steps=100000",
+        "checkpoint.every_n_steps=2",
+        f"paths.outputs={outputs}",
+        f"hydra.run.dir={run_dir}",
+    )
+    first = wait_for(lambda: (run_dir / "metrics.json").is_file() and read_metrics(run_dir), proc)
+    assert first["status"] == "running" and first["pid"] == proc.pid  # a record from the start
+    wait_for(lambda: checkpoint_step(run_dir) >= 4, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 128 + signal.SIGTERM
+    m = read_metrics(run_dir)
+    assert (
+        m["status"] == "failed"
+        and m["signal"] == "SIGTERM"
+        and m["error"].startswith("stopped by SIGTERM after step")
+    )
+    saved = load(run_dir / "checkpoints" / "last.ckpt")  # whole: it loads
+    assert 4 <= saved["global_step"] <= m["steps"] and "pid" not in m
+
+
+@pytest.mark.slow
+def test_a_sigkilled_job_is_crashed_in_the_grid_and_runs_again_when_the_sweep_resumes(outputs):
+    sweep = outputs / "sweep"
+    plan = [
+        "-m",
+        "task=plan",
+        "model=llama_tiny",
+        "hardware=cpu_16gb,gtx1650_4gb",
+        f"paths.outputs={outputs}",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    proc = run_cli(*plan)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    kept = (sweep / "0" / "metrics.json").read_text()
+    # job 1's folder now holds a training run that the OOM killer (here: SIGKILL) ends without a word
+    killed = start(
+        *TRAIN, "trainer.max_steps=100000", f"paths.outputs={outputs}", f"hydra.run.dir={sweep / '1'}"
+    )
+    wait_for(
+        lambda: (sweep / "1" / "metrics.json").is_file() and read_metrics(sweep / "1").get("task") == "train",
+        killed,
+    )
+    killed.kill()
+    killed.wait(30)
+    assert read_metrics(sweep / "1")["status"] == "running"  # what a SIGKILL leaves
+    rows = {r["job"]: r for r in collect(sweep)}
+    assert (
+        rows["0"]["status"] == "ok"
+        and rows["1"]["status"] == "crashed"
+        and "runs it again" in rows["1"]["error"]
+    )
+    proc = run_cli(*plan)  # the same command, into the same folder: resume
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (sweep / "0" / "metrics.json").read_text() == kept  # finished: not run again
+    again = read_metrics(sweep / "1")
+    assert again["status"] == "ok" and again["task"] == "plan" and again["hardware"] == "gtx1650_4gb"
+
+
+def test_a_run_folder_that_is_a_file_is_one_sentence(tmp_path):
+    blocker = tmp_path / "taken"
+    blocker.write_text("a file, not a folder\n")
+    proc = run_cli("task=plan", f"hydra.run.dir={blocker}", f"paths.outputs={tmp_path / 'out'}")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr + proc.stdout
+    assert f"hydra.run.dir={blocker} is a file, so it cannot be a folder" in proc.stderr
+    assert blocker.read_text() == "a file, not a folder\n"  # nothing it held is touched
+    proc = run_cli(
+        "-m", "task=plan", f"hydra.sweep.dir={blocker / 'sweep'}", f"paths.outputs={tmp_path / 'out'}"
+    )
+    assert proc.returncode == 1 and f"is under {blocker}, which is a file" in proc.stderr
+
+
+def test_a_cache_folder_under_a_file_is_one_sentence(tmp_path):
+    from conftest import compose
+
+    from onn.app import execute
+    from onn.errors import UserError
+
+    blocker = tmp_path / "cachefile"
+    blocker.write_text("x")
+    cfg = compose(
+        "task=plan", "model=llama_tiny", f"paths.cache={blocker}/cache", f"paths.outputs={tmp_path / 'out'}"
+    )
+    with pytest.raises(
+        UserError, match=r"paths.cache=.*cachefile/cache is under .*cachefile, which is a file"
+    ):
+        execute(cfg, tmp_path / "run")
+    assert blocker.read_text() == "x"
