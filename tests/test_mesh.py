@@ -128,9 +128,8 @@ def test_layouts_splits_and_loose_files(shapes, tmp_path):
     assert set(found) == {"train", "test"} and len(found["test"].names) == 36
     shutil.copytree(shapes / "torus", tmp_path / "modelnet" / "ModelNet" / "torus" / "train")
     shutil.copytree(shapes / "cone", tmp_path / "modelnet" / "ModelNet" / "cone" / "test")
-    found = read_source(
-        tmp_path / "modelnet", SETTINGS, max_bad_fraction=0.0
-    )  # a wrapping folder, CLASS/SPLIT/FILE
+    # a wrapping folder, CLASS/SPLIT/FILE
+    found = read_source(tmp_path / "modelnet", SETTINGS, max_bad_fraction=0.0)
     assert found["train"].classes == ["cone", "torus"] and {
         found["test"].classes[i] for i in found["test"].labels
     } == {"cone"}
@@ -145,9 +144,8 @@ def test_point_augment_turns_about_the_up_axis_only_in_training():
     points = torch.randn(4, 100, 6)
     augment = PointAugment({"rotate": "up", "up_axis": "z", "scale": None, "jitter": 0.0})
     out = augment(points, train=True, generator=torch.Generator().manual_seed(0))
-    assert torch.allclose(out[..., 2], points[..., 2]) and torch.allclose(
-        out[..., 5], points[..., 5]
-    )  # z stays
+    # z stays
+    assert torch.allclose(out[..., 2], points[..., 2]) and torch.allclose(out[..., 5], points[..., 5])
     assert torch.allclose(out[..., :2].norm(dim=-1), points[..., :2].norm(dim=-1), atol=1e-5)  # a turn
     assert not torch.allclose(out[..., :2], points[..., :2])
     assert torch.equal(augment(points, train=False), points)

@@ -82,9 +82,8 @@ def test_pairs_from_metadata_jsonl_and_csv(shapes, tmp_path):
     lines = ["file_name,label,text"] + [f'images/{i:04d}.png,{i},"{rows[i]["caption"]}"' for i in range(12)]
     (folder / "metadata.csv").write_text("\n".join(lines) + "\n")
     listing = find_pairs(folder)
-    assert (
-        listing.complete == 11 and listing.how == "metadata.csv (file_name + text)"
-    )  # label is a number, not a caption
+    # label is a number, not a caption
+    assert listing.complete == 11 and listing.how == "metadata.csv (file_name + text)"
     (folder / "metadata.csv").write_text(
         "file_name,label\n" + "\n".join(f"images/{i:04d}.png,{i}" for i in range(12))
     )
@@ -97,9 +96,8 @@ def test_data_auto_says_what_pairs_it_found(shapes, tmp_path):
 
     modality, reason = detect(shapes)
     assert modality.name == "pairs" and reason == "12 complete image-text pairs by shared file stems"
-    classes = (
-        tmp_path / "classes"
-    )  # class folders of pictures, one sidecar caption: an image dataset, not pairs
+    # class folders of pictures, one sidecar caption: an image dataset, not pairs
+    classes = tmp_path / "classes"
     for i in range(12):
         (classes / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
         shutil.copy(shapes / f"{i:04d}.png", classes / f"c{i % 2}" / f"{i:04d}.png")
@@ -131,9 +129,8 @@ def test_image_text_pairs_half_orphaned_train_to_5x_chance_then_infer_eval_expor
     for i in range(150, 300):  # half of the files have no partner: 150 pictures and 150 captions lose theirs
         (folder / f"{i:04d}.txt").unlink()
         (folder / f"{i + 150:04d}.png").unlink()
-    (folder / "0007.png").write_bytes(
-        b"\x89PNG\r\n\x1a\n broken"
-    )  # one complete pair with an unreadable half
+    # one complete pair with an unreadable half
+    (folder / "0007.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
 
     register()
     overrides = ["data=auto", f"data.source={folder}", f"paths.root={ROOT}", "tracking=none", "trainer.enable_progress_bar=false",
@@ -201,9 +198,8 @@ def test_image_text_pairs_half_orphaned_train_to_5x_chance_then_infer_eval_expor
     assert row["modality"] == "text" and all(m["name"].endswith(".png") for m in row["matches"])
 
     evaluated, _ = run(tmp_path, "task=eval", f"ckpt={run_dir / 'checkpoints' / 'best.ckpt'}", name="eval")
-    assert evaluated["val/recall@1"] == pytest.approx(
-        metrics["val/recall@1"], abs=1e-6
-    )  # the same held-out pairs
+    # the same held-out pairs
+    assert evaluated["val/recall@1"] == pytest.approx(metrics["val/recall@1"], abs=1e-6)
 
 
 @pytest.mark.slow

@@ -281,9 +281,8 @@ def read_source(source: str | os.PathLike, settings: Sampling, *, max_bad_fracti
         found[split] = Decoded(torch.from_numpy(stacked[index]), torch.tensor(labels, dtype=torch.long), classes,
                                [names[i] for i in index], [])  # fmt: skip
     if skipped:
-        first = next(
-            iter(found.values())
-        )  # the skips are the source's; one split carries them for the report
+        # the skips are the source's; one split carries them for the report
+        first = next(iter(found.values()))
         first.skipped = skipped
     return found
 

@@ -149,9 +149,8 @@ class PairData(L.LightningDataModule):
         )
 
     def train_dataloader(self):
-        drop_last = (
-            len(self.splits["train"]) > self.batch_size
-        )  # a contrastive batch of one pair teaches nothing
+        # a contrastive batch of one pair teaches nothing
+        drop_last = len(self.splits["train"]) > self.batch_size
         loader = ResidentBatches(
             self.splits["train"], self.batch_size, shuffle=True, seed=self.seed, drop_last=drop_last
         )

@@ -6,8 +6,8 @@ train   epochs over the resident pairs; retrieval recall on the held-out pairs e
 eval    the held-out recall of a checkpoint (on its own data, or on data.source given now)
 infer   a query (task.input: a file or folder, or prompt="..." for text) against task.gallery, a
         folder of the other side: the ranked matches as JSONL
-export  safetensors (the whole dual encoder + config.json), or each tower to ONNX / .omny
-        (stored batch -> unit embedding), checked in onnxruntime
+export  safetensors (the whole dual encoder + config.json), or each tower to ONNX (stored batch ->
+        unit embedding), checked in onnxruntime
 """
 
 from __future__ import annotations
@@ -77,9 +77,8 @@ def plan(config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = Tru
     for name, side in sides.items():
         with torch.device("meta"):
             tower = side.encoder(width)
-        x = tower.prepare(side.sample(1), train=False).to(
-            "meta"
-        )  # the network's input (a transform may change it)
+        # the network's input is the transform's output (a spectrogram, normalised pixels)
+        x = tower.prepare(side.sample(1), train=False).to("meta")
         specs.append(network_spec(tower.network, x, name, pretrained=False))
     a, b = specs
     dim = int(config["model"]["embed_dim"])
@@ -171,9 +170,8 @@ def train(job: Job) -> dict[str, Any]:
         "checkpoint_best": best,
         "resumed_from": str(ckpt) if ckpt else None,
     }
-    trainer.validate(
-        module, datamodule=dm, ckpt_path=best, verbose=False
-    )  # the figures of the best checkpoint
+    # the figures of the best checkpoint
+    trainer.validate(module, datamodule=dm, ckpt_path=best, verbose=False)
     metrics.update({k: round(v, 5) for k, v in module.last_metrics.items()})
     metrics["val/recall@1_over_chance"] = round(metrics["val/recall@1"] / metrics["val/recall@1_chance"], 2)
     log.info("held-out retrieval: recall@1 %.4f (chance %.4f), recall@5 %.4f", metrics["val/recall@1"],
@@ -190,11 +188,8 @@ def evaluate(job: Job) -> dict[str, Any]:
     module = load_trained(config, job.ckpt)
     saved = saved_config(job.ckpt)
     data = config["data"] if config["data"].get("source") else saved["data"]
-    run = {
-        **config,
-        "seed": saved["seed"],
-        "data": {**data, "modalities": list(module.names)},
-    }  # the same held-out pairs
+    # the seed the run held its pairs out with: the same held-out pairs
+    run = {**config, "seed": saved["seed"], "data": {**data, "modalities": list(module.names)}}
     dm = PairData(run, sides_of(config, saved["sides"]), job.device)
     dm.setup()
     trainer = build_trainer(config, job.plan, job.run_dir, [], loggers=False, steps_per_epoch=1)
