@@ -10,6 +10,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, compose
 
 from onn.errors import UserError
@@ -53,6 +54,39 @@ def test_pairs_inside_tar_shards_and_a_damaged_shard(shapes, tmp_path):
     (shards / "shard-000001.tar").write_bytes(whole[: len(whole) // 2])  # cut in the middle of a member
     listing = find_pairs(shards)
     assert 6 <= listing.complete < 12 and "shard shard-000001.tar is damaged" in listing.summary()
+
+
+def test_pairs_in_a_shard_decode_aligned_and_an_unreadable_half_is_named(shapes, tmp_path):
+    from onn.modalities.pairs.data import decode_pairs
+    from onn.modalities.pairs.sides import build_side, side_config
+
+    with tarfile.open(tmp_path / "shard.tar", "w") as tf:
+        for path in sorted(shapes.iterdir()):
+            tf.add(path, arcname=f"sample/{path.name}")
+        broken = tmp_path / "0012.png"
+        broken.write_bytes(b"\x89PNG\r\n\x1a\n broken")
+        tf.add(broken, arcname="sample/0012.png")
+        tf.add(shapes / "0000.txt", arcname="sample/0012.txt")
+    listing = find_pairs(tmp_path / "shard.tar")
+    assert listing.complete == 13
+    cfg = compose(
+        "data=pairs",
+        "model=dual_encoder",
+        "data.sides.image.image_size=[16,16]",
+        "data.sides.text.max_length=48",
+    )
+    sides = {name: build_side(name, side_config(name, cfg)) for name in listing.modalities}
+    with pytest.raises(UserError, match=r"1 of 13 pairs cannot be read \(first: shard.tar/sample/0012.png: "):
+        decode_pairs(listing, sides, 0.05, "shard.tar")
+    decoded = decode_pairs(listing, sides, 0.1, "shard.tar")
+    images, texts = decoded["image"], decoded["text"]
+    assert images.inputs.shape == (12, 3, 16, 16) and images.inputs.dtype == torch.uint8
+    assert texts.inputs.shape == (12, 48) and texts.names == images.names == [
+        f"shard.tar/sample/{i:04d}" for i in range(12)
+    ]
+    caption = bytes(int(t) for t in texts.inputs[5] if t < 256).decode()
+    assert caption == (shapes / "0005.txt").read_text().strip()  # row 5 of both sides is pair 0005
+    assert len(images.skipped) == 1 and images.skipped[0].startswith("shard.tar/sample/0012.png: ")
 
 
 def test_pairs_from_metadata_jsonl_and_csv(shapes, tmp_path):

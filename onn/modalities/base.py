@@ -101,9 +101,9 @@ class PairSide(Protocol):
     name: str  # the modality's name
     config: dict[str, Any]  # the side's run config (data, model, seed): saved with a checkpoint, it rebuilds the side
 
-    def read(self, items: list[Path | str]) -> tuple[torch.Tensor, list[int], list[str]]:
+    def read(self, items: list[Path | str]) -> tuple[torch.Tensor, list[int], list[tuple[int, str]]]:
         """Files (or, for text, the strings themselves) as one stored tensor [n, ...] of the items that could
-        be read, their positions in `items`, and "name: reason" for each one that could not."""
+        be read, their positions in `items`, and (position, reason) for each one that could not."""
         ...
 
     def encoder(self, width: int) -> nn.Module:

@@ -288,7 +288,7 @@ class ClassifierSide:
         planned = m.planned_inputs(config)
         self.inputs = {**planned, **m.neutral_stats(planned)}
 
-    def read(self, items: list[Path]) -> tuple[torch.Tensor, list[int], list[str]]:
+    def read(self, items: list[Path]) -> tuple[torch.Tensor, list[int], list[tuple[int, str]]]:
         """The files decoded by the modality's read_inputs, from a folder of links named by position."""
         import tempfile
 
@@ -302,7 +302,7 @@ class ClassifierSide:
             index += [int(Path(n).name.split(".", 1)[0]) for n in decoded.names]
             for item in decoded.skipped:
                 name, _, reason = item.partition(": ")
-                skipped.append(f"{Path(items[int(Path(name).name.split('.', 1)[0])]).name}: {reason}")
+                skipped.append((int(Path(name).name.split(".", 1)[0]), reason))
         stored = torch.cat(tensors) if tensors else self.sample(0)
         order = sorted(range(len(index)), key=index.__getitem__)
         return stored[order], [index[i] for i in order], skipped

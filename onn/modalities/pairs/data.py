@@ -58,11 +58,12 @@ def decode_pairs(
     stored, skipped = {}, []
     with tempfile.TemporaryDirectory(prefix="onn-pairs-") as stage:
         for name, side in sides.items():
-            items = materialize(listing.entries[name], Path(stage))
+            (Path(stage) / name).mkdir()
+            items = materialize(listing.entries[name], Path(stage) / name)
             tensor, index, bad = side.read(items)
             stored[name] = (tensor, index)
             kept &= set(index)
-            skipped += bad
+            skipped += [f"{listing.entries[name][i].name}: {reason}" for i, reason in bad]
     if n - len(kept) > max_bad_fraction * n or not kept:
         raise UserError(f"data.source {source}: {n - len(kept)} of {n} pairs cannot be read (first: {'; '.join(skipped[:3])}); "
                         f"fix or remove them, or set data.max_bad_fraction (now {max_bad_fraction}) to accept more.")  # fmt: skip

@@ -24,10 +24,8 @@ from onn.modalities.base import REGISTRY, Modality, PairSide
 TEXT = "text"
 TEXT_SUFFIXES = (".txt",)
 CONF = Path(__file__).resolve().parents[3] / "conf"
-NOT_SIDES = (
-    "pairs",
-    TEXT,
-)  # never asked whether a file is theirs: pairs itself, and text (any UTF-8 file reads as text)
+# never asked whether a file is theirs: pairs itself, and text (any UTF-8 file reads as text; captions are .txt)
+NOT_SIDES = ("pairs", TEXT)
 
 
 def registered(name: str) -> Modality:
@@ -127,7 +125,7 @@ class TextSide:
                 f"data.sides.text.max_length={self.max_length!r}: give the bytes kept of each text, 1 or more."
             )
 
-    def read(self, items: list[Path | str]) -> tuple[Any, list[int], list[str]]:
+    def read(self, items: list[Path | str]) -> tuple[Any, list[int], list[tuple[int, str]]]:
         import torch
 
         from onn.data.files import read_file
@@ -138,16 +136,16 @@ class TextSide:
                 try:
                     text = read_file(item).decode("utf-8-sig")
                 except UnicodeDecodeError:
-                    skipped.append(f"{item.name}: not UTF-8 text")
+                    skipped.append((i, "not UTF-8 text"))
                     continue
                 except OSError as e:
-                    skipped.append(f"{item.name}: cannot be read ({e.strerror or e})")
+                    skipped.append((i, f"cannot be read ({e.strerror or e})"))
                     continue
             else:
                 text = str(item)
             text = " ".join(text.split())
             if not text:
-                skipped.append(f"{item.name if isinstance(item, Path) else repr(item)}: empty text")
+                skipped.append((i, "empty text"))
                 continue
             texts.append(text)
             index.append(i)

@@ -224,7 +224,8 @@ def files_of(path: Path, key: str) -> dict[str, list[Path]]:
 
 def embed_all(module: DualEncoder, name: str, side: PairSide, items: list, device: torch.device, batch: int):
     """Unit embeddings of the items that decode, their positions, and the skips."""
-    stored, index, skipped = side.read(items)
+    stored, index, bad = side.read(items)
+    skipped = [f"{_label(items[i])}: {reason}" for i, reason in bad]
     with torch.no_grad():
         chunks = [module.embed(name, stored[i : i + batch].to(device)) for i in range(0, len(stored), batch)]
     dim = module.projections[name].out_features
