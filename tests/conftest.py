@@ -14,7 +14,8 @@ from onn.config import register
 
 register()  # the config schema, as run.py registers it before Hydra composes
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = ROOT.parent / "shared" / "data"
+# ../shared/data beside the checkout; ONN_SHARED_DATA points elsewhere (a git worktree one level deeper)
+SHARED_DATA = Path(os.environ.get("ONN_SHARED_DATA") or ROOT.parent / "shared" / "data")
 
 
 def compose(*overrides: str, root: Path | None = None) -> dict:

@@ -8,6 +8,7 @@ A modality (text, image, ...) is a package under onn/modalities/ whose `__init__
   plan       the model sized on the meta device and the settings for this hardware
   train, evaluate, infer, export
              the tasks, run on a `Job`
+  pair_side  the modality as one side of a dual encoder (onn/modalities/pairs), when it can be one
 
 `default_data` and `default_model` name the conf/data and conf/model options `data=auto` picks.
 The hooks import their implementation (and with it torch, Lightning, transformers) when called,
@@ -18,11 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from onn.errors import UserError
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from onn.planning.spec import ModelSpec
 
 
@@ -76,11 +80,40 @@ class Modality:
     def export(self, job: Job) -> dict[str, Any]:
         return self._unsupported("export")
 
+    def pair_side(self, config: dict[str, Any]) -> PairSide:
+        """This modality as one side of a dual encoder (onn/modalities/pairs). `config` is a run config of
+        this modality (its data and model groups, seed, paths) holding the side's settings."""
+        raise UserError(f"{self.name} data ({self.description}) cannot be one side of a pair.")
+
     def _unsupported(self, task: str) -> dict[str, Any]:
         raise UserError(f"task={task} is not available for {self.name} data.")
 
     def __repr__(self) -> str:
         return f"<modality {self.name}>"
+
+
+class PairSide(Protocol):
+    """One modality as one side of a dual encoder: what the pairs modality asks of it (Modality.pair_side).
+
+    Items are stored as the modality stores them (uint8 pixels, float points, token ids); the encoder
+    turns a batch of them into features, augmenting while it is in training mode."""
+
+    name: str  # the modality's name
+    config: dict[str, Any]  # the side's run config (data, model, seed): saved with a checkpoint, it rebuilds the side
+
+    def read(self, items: list[Path | str]) -> tuple[torch.Tensor, list[int], list[tuple[int, str]]]:
+        """Files (or, for text, the strings themselves) as one stored tensor [n, ...] of the items that could
+        be read, their positions in `items`, and (position, reason) for each one that could not."""
+        ...
+
+    def encoder(self, width: int) -> nn.Module:
+        """A module from a stored batch to features [batch, width] (its `network` is what is sized and exported,
+        `prepare(x, train)` the batch transform in front of it)."""
+        ...
+
+    def sample(self, batch: int) -> torch.Tensor:
+        """A stored batch of zeros of the side's shape and dtype, to size and trace the encoder."""
+        ...
 
 
 REGISTRY: dict[str, Modality] = {}
@@ -134,6 +167,12 @@ class ClassifierModality(Modality):
         """A PNG of inputs (stored form) captioned with their predicted (and true) classes."""
 
     # -- shared: onn/modalities/classification.py -------------------------------------------------
+    def pair_side(self, config: dict[str, Any]) -> PairSide:
+        """Its network (with `width` outputs) as the encoder, its transform, and read_inputs for the files."""
+        from onn.modalities import classification
+
+        return classification.ClassifierSide(self, config)
+
     def plan(self, config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = True):
         from onn.modalities import classification
 

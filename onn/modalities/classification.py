@@ -223,7 +223,8 @@ def infer(m: ClassifierModality, job: Job) -> dict[str, Any]:
     picture = output.with_suffix(".png")
     m.picture(torch.stack(shown), predicted_names, true_names, picture, inputs)
     print(f"wrote {len(rows)} predictions to {output} and a picture of the first {len(shown)} to {picture}")
-    metrics = {"infer/items": len(rows), "infer/output": str(output), "infer/picture": str(picture)}
+    metrics = {"infer/items": len(rows), "infer/output": str(output), "infer/picture": str(picture),
+               "infer/items_skipped": sum(len(d.skipped) for d in sets.values())}  # fmt: skip
     if known:
         metrics["infer/acc"] = round(correct / known, 5)
     return metrics
@@ -260,6 +261,59 @@ def export_module(m: ClassifierModality, config: dict[str, Any], module: Classif
     return export_for_run(config, network, run_dir, sample)
 
 
+
+
+class SideEncoder(nn.Module):
+    """A modality's batch transform (augmenting in training mode) in front of its network: one side of a
+    dual encoder. The network alone is what planning sizes and export traces."""
+
+    def __init__(self, transform, network: nn.Module):
+        super().__init__()
+        self.transform, self.network = transform, network
+
+    def prepare(self, x: torch.Tensor, train: bool) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):  # the transform runs in fp32, as the Classifier's does
+            return self.transform(x, train=train) if self.transform is not None else x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.network(self.prepare(x, train=self.training))
+
+
+class ClassifierSide:
+    """A classifying modality as one side of a dual encoder (base.PairSide): its network with `width`
+    outputs is the encoder, its transform (with neutral statistics) goes in front, and its read_inputs
+    decodes the side's files as it decodes task.input, so any classifier modality pairs without more code."""
+
+    def __init__(self, m: ClassifierModality, config: dict[str, Any]):
+        self.m, self.name, self.config = m, m.name, config
+        planned = m.planned_inputs(config)
+        self.inputs = {**planned, **m.neutral_stats(planned)}
+
+    def read(self, items: list[Path]) -> tuple[torch.Tensor, list[int], list[tuple[int, str]]]:
+        """The files decoded by the modality's read_inputs, from a folder of links named by position."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="onn-pairs-") as stage:
+            for i, path in enumerate(items):
+                os.symlink(Path(path).resolve(), Path(stage) / f"{i:07d}{Path(path).suffix.lower()}")
+            sets = self.m.read_inputs(Path(stage), self.inputs, self.config)
+        tensors, index, skipped = [], [], []
+        for decoded in sets.values():
+            tensors.append(decoded.inputs)
+            index += [int(Path(n).name.split(".", 1)[0]) for n in decoded.names]
+            for item in decoded.skipped:
+                name, _, reason = item.partition(": ")
+                skipped.append((int(Path(name).name.split(".", 1)[0]), reason))
+        stored = torch.cat(tensors) if tensors else self.sample(0)
+        order = sorted(range(len(index)), key=index.__getitem__)
+        return stored[order], [index[i] for i in order], skipped
+
+    def encoder(self, width: int) -> SideEncoder:
+        network = self.m.network(self.config["model"], {**self.inputs, "classes": [str(i) for i in range(width)]})
+        return SideEncoder(self.m.transform(self.config, self.inputs), network)
+
+    def sample(self, batch: int) -> torch.Tensor:
+        return torch.zeros(batch, *input_shape(self.inputs), dtype=getattr(torch, self.m.stored_dtype))
 
 
 def input_shape(inputs: dict[str, Any]) -> list[int]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 from torch import nn
 
 from onn.errors import UserError
+from onn.models.zoo.pointnet import PointNet
+from onn.models.zoo.text_encoder import TextEncoder
 from onn.models.zoo.v28 import V28CNN
 
-ZOO = {"v28_cnn": V28CNN}
+ZOO = {"v28_cnn": V28CNN, "pointnet": PointNet, "text_encoder": TextEncoder}
 
 
 def build_zoo(name: str, **kwargs) -> nn.Module:

@@ -1,0 +1,44 @@
+"""Mesh datasets for Lightning: sampled once into point sets, cached as safetensors, held on the device.
+
+A source (class folders of mesh files, an archive of them, or `builtin:primitives`) is decoded once
+by onn.modalities.mesh.read into float32 [N, points, 3|6] tensors, cached under paths.cache/meshes
+(onn.data.cache: keyed by the source's content and the sampling settings) and moved to the compute
+device whole (onn.data.resident). Rotation, scaling and jitter run on the batch, on the device
+(onn.modalities.mesh.augment).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from onn.data.cache import cached_decode
+from onn.data.files import content_digest, existing_source
+from onn.data.resident import ClassificationData, Decoded
+from onn.modalities.mesh.primitives import BUILTIN, builtin_splits
+from onn.modalities.mesh.read import HELP, read_source, sampling
+
+
+def read_cached(source: str, data_cfg: dict[str, Any], cache_dir: str | os.PathLike, seed: int, key: str = "data.source",
+                allow_unlabelled: bool = False) -> dict[str, Decoded]:  # fmt: skip
+    """{split: Decoded} for a source, sampled once and then read from the safetensors cache."""
+    settings = sampling(data_cfg, seed)
+    bad = float(data_cfg["max_bad_fraction"])
+    if source == BUILTIN:
+        builtin = dict(data_cfg["builtin"])
+        return cached_decode("meshes", {"builtin": builtin, "settings": settings.__dict__}, cache_dir,
+                             lambda: builtin_splits(builtin, settings, seed), source)  # fmt: skip
+    path = existing_source(Path(source).expanduser(), key, HELP)
+    digest = {"digest": content_digest(path), "settings": settings.__dict__, "unlabelled": allow_unlabelled}
+    return cached_decode("meshes", digest, cache_dir, lambda: read_source(path, settings, max_bad_fraction=bad,
+                         allow_unlabelled=allow_unlabelled, key=key), str(path))  # fmt: skip
+
+
+class MeshDataModule(ClassificationData):
+    """train / val / test splits of a mesh dataset, resident on the device."""
+
+    same_shape_hint = "give every split the same data.points and data.normals"
+
+    def read(self, source: str, key: str) -> dict[str, Decoded]:
+        return read_cached(source, self.cfg, self.cache_dir, self.seed, key)

@@ -1,0 +1,307 @@
+"""Meshes and point clouds as fixed-size point sets: read through trimesh, sampled by area, normalised.
+
+Every file becomes `points` surface points (sampled by face area, seeded by the item's name, so a
+source decodes to the same points every time), optionally with their face normals, centred,
+optionally turned onto their principal axes (data.align=pca: for shapes that have no common
+orientation), and scaled into the unit sphere: float32 [points, 3] or [points, 6].
+
+Geometry only: `trimesh.load(..., force=None, process=False)`, and a scene's parts are put where its
+graph places them and concatenated with numpy. trimesh's own concatenation merges the parts' visuals
+too (textures: slow, and it needs PIL or scipy for some files). A file holding only points (a PLY
+point cloud) is taken as points and sampled with replacement; its normals are zeros.
+
+A file that cannot be used is skipped with its reason, as undecodable images are: unreadable
+(trimesh raises), empty (trimesh reads some broken files as an empty scene without a word), faces
+that point past the vertex list, non-finite vertices, zero surface area. The run fails only when more
+than data.max_bad_fraction of the files are bad.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from onn.data.files import ARCHIVE_ERRORS, archive_kind, existing_source, iter_members, walk_files
+from onn.data.resident import Decoded
+from onn.errors import UserError
+
+log = logging.getLogger("onn")
+
+# What trimesh reads without extra packages: meshes (OBJ, PLY, STL ascii and binary, OFF, glTF) and
+# point clouds (PLY without faces, XYZ).
+ALIGNMENTS = ("none", "pca")
+MESH_SUFFIXES = (".obj", ".ply", ".stl", ".off", ".glb", ".gltf", ".xyz")
+SPLITS = {"train": "train", "test": "test", "val": "val", "valid": "val", "validation": "val"}
+LAYOUT = "CLASS/FILE (e.g. chair/0001.obj), train/CLASS/FILE + test/CLASS/FILE, or CLASS/train/FILE + CLASS/test/FILE"
+HELP = f"expected mesh files ({', '.join(MESH_SUFFIXES)}) in class folders: {LAYOUT}, or a .zip/.tar of that layout"
+
+
+class MeshError(ValueError):
+    """Why a file cannot be used (the message is the reason a skip names)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How every mesh becomes the same input: data.points, data.normals, data.align, the sampling's seed."""
+
+    points: int
+    normals: bool
+    seed: int = 0
+    align: str = "none"
+
+    @property
+    def channels(self) -> int:
+        return 6 if self.normals else 3
+
+
+def sampling(data_cfg: dict[str, Any], seed: int = 0) -> Sampling:
+    """The checked data.points / data.normals, or one UserError naming the key."""
+    points, normals = data_cfg["points"], data_cfg["normals"]
+    if isinstance(points, bool) or not isinstance(points, int) or points < 1:
+        raise UserError(
+            f"data.points={points!r}: give the number of surface points per mesh, a whole number, 1 or more."
+        )
+    if not isinstance(normals, bool):
+        raise UserError(
+            f"data.normals={normals!r}: give true (points and their normals, 6 values) or false (3 values)."
+        )
+    if data_cfg["align"] not in ALIGNMENTS:
+        raise UserError(f"data.align={data_cfg['align']!r}: give none (keep the files' orientation) or pca (turn each shape "
+                        "onto its principal axes).")  # fmt: skip
+    return Sampling(points, normals, seed, data_cfg["align"])
+
+
+def is_mesh_name(name: str) -> bool:
+    return os.path.splitext(name)[1].lower() in MESH_SUFFIXES
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One file
+
+
+def load_geometry(source: Path | bytes, suffix: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """(vertices [V, 3] float64, faces [F, 3] int64 or None for a point cloud) of a file's whole content,
+    or MeshError saying why it cannot be used. `source` is a path, or the bytes of an archive member."""
+    import trimesh
+
+    logging.getLogger("trimesh").setLevel(logging.ERROR)  # texture warnings: geometry is all that is read
+    file_type = suffix.lower().lstrip(".")
+    if (len(source) if isinstance(source, bytes) else os.stat(source).st_size) == 0:
+        raise MeshError("is an empty file (0 bytes)")
+    try:
+        if isinstance(source, bytes):
+            loaded = trimesh.load(io.BytesIO(source), file_type=file_type, force=None, process=False)
+        else:
+            loaded = trimesh.load(str(source), file_type=file_type, force=None, process=False)
+    except Exception as e:  # trimesh's parsers raise every kind of error on a malformed file
+        text = " ".join(str(e).split())[:160]
+        raise MeshError(
+            f"unreadable as {file_type.upper()} ({type(e).__name__}{': ' + text if text else ''})"
+        ) from e
+    parts: list[tuple[np.ndarray, np.ndarray | None]] = []
+    if isinstance(loaded, trimesh.Scene):
+        for node in loaded.graph.nodes_geometry:  # every placed instance, with its world transform
+            transform, name = loaded.graph[node]
+            parts.append(_part(loaded.geometry[name], transform))
+    else:
+        parts.append(_part(loaded, None))
+    meshes = [(v, f) for v, f in parts if f is not None and len(f)]
+    if meshes:
+        vertices, faces, offset = [], [], 0
+        for v, f in meshes:
+            vertices.append(v)
+            faces.append(f + offset)
+            offset += len(v)
+        v, f = np.concatenate(vertices), np.concatenate(faces)
+        if f.min() < 0 or f.max() >= len(v):
+            raise MeshError(f"faces point past its {len(v)} vertices (a damaged file)")
+        used = np.unique(f)
+        bad = ~np.isfinite(v[used]).all(axis=1)
+        if bad.any():
+            raise MeshError(f"{int(bad.sum())} of its {len(used)} vertices are not finite (NaN or inf)")
+        return v, f
+    points = [v for v, _ in parts if len(v)]
+    if not points:
+        raise MeshError("holds no geometry (an empty file or scene)")
+    p = np.concatenate(points)
+    bad = ~np.isfinite(p).all(axis=1)
+    if bad.any():
+        raise MeshError(f"{int(bad.sum())} of its {len(p)} points are not finite (NaN or inf)")
+    return p, None
+
+
+def _part(geometry, transform) -> tuple[np.ndarray, np.ndarray | None]:
+    import trimesh
+
+    vertices = np.asarray(getattr(geometry, "vertices", np.zeros((0, 3))), dtype=np.float64).reshape(-1, 3)
+    if transform is not None and len(vertices):
+        vertices = trimesh.transform_points(vertices, transform)
+    faces = getattr(geometry, "faces", None) if isinstance(geometry, trimesh.Trimesh) else None
+    return vertices, None if faces is None else np.asarray(faces, dtype=np.int64).reshape(-1, 3)
+
+
+def sample_points(
+    vertices: np.ndarray, faces: np.ndarray | None, settings: Sampling, name: str
+) -> np.ndarray:
+    """float32 [points, 3 or 6]: surface points sampled by area (a point cloud's points with replacement),
+    seeded by (seed, name), centred and scaled into the unit sphere; normals after the xyz when asked."""
+    import trimesh
+
+    rng = np.random.default_rng([settings.seed, zlib.crc32(name.encode())])
+    n = settings.points
+    if faces is not None:
+        mesh = trimesh.Trimesh(vertices=vertices, faces=faces, process=False, validate=False)
+        area = float(mesh.area)
+        if not np.isfinite(area) or area <= 0:
+            raise MeshError("has zero surface area (every face is degenerate)")
+        xyz, face_index = trimesh.sample.sample_surface(mesh, n, seed=rng)
+        normals = mesh.face_normals[face_index]
+    else:
+        xyz = vertices[rng.choice(len(vertices), n, replace=len(vertices) < n)]
+        normals = np.zeros_like(xyz)
+    xyz = xyz - xyz.mean(axis=0)
+    if settings.align == "pca":
+        turn = principal_axes(xyz)
+        xyz, normals = xyz @ turn, normals @ turn
+    radius = float(np.linalg.norm(xyz, axis=1).max())
+    if radius > 0:
+        xyz = xyz / radius
+    out = np.concatenate([xyz, normals], axis=1) if settings.normals else xyz
+    if not np.isfinite(out).all():  # extreme coordinates (1e308) overflow in the centring
+        raise MeshError("its coordinates are too large to normalise")
+    return out.astype(np.float32)
+
+
+def principal_axes(xyz: np.ndarray) -> np.ndarray:
+    """The rotation [3, 3] (for row vectors) onto the centred points' principal axes, the widest first; each
+    axis points where the points are skewed (a cone's tip always the same way), and the frame is right-handed."""
+    values, vectors = np.linalg.eigh(np.cov(xyz.T))
+    vectors = vectors[:, np.argsort(values)[::-1]]
+    skew = ((xyz @ vectors) ** 3).mean(axis=0)
+    vectors = vectors * np.where(skew < 0, -1.0, 1.0)
+    if np.linalg.det(vectors) < 0:  # a reflection, not a turn: flip the least skewed axis
+        vectors[:, int(np.argmin(np.abs(skew)))] *= -1
+    return vectors
+
+
+def decode(source: Path | bytes, name: str, settings: Sampling) -> np.ndarray:
+    """One file (a path, or an archive member's bytes) as its normalised point set; MeshError if unusable."""
+    vertices, faces = load_geometry(source, os.path.splitext(name)[1])
+    return sample_points(vertices, faces, settings, name)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A source: a file, a folder or an archive of class folders
+
+
+def entries(path: Path, key: str) -> Iterator[tuple[str, Path | bytes]]:
+    """(relative name, path or bytes) of every mesh file in a file, folder or zip/tar archive."""
+    if path.is_dir():
+        for rel, full in walk_files(path):
+            if is_mesh_name(rel):
+                yield rel, full
+        return
+    kind = archive_kind(path)
+    if kind is None:
+        if not is_mesh_name(path.name):
+            raise UserError(f"{key} {path} is not a mesh file, a folder or a .zip/.tar archive; {HELP}.")
+        yield path.name, path
+        return
+    try:
+        for member in iter_members(path, kind):
+            if member.name is not None and is_mesh_name(member.name):
+                with member.open() as f:
+                    yield member.name, f.read()
+    except ARCHIVE_ERRORS as e:
+        raise UserError(
+            f"{key} {path} is not a readable archive ({e}); repack it, or unpack it into a folder."
+        ) from e
+
+
+def place(name: str) -> tuple[str, str | None]:
+    """(split, class or None) of a relative name: the first split folder on its path (train, test, val)
+    decides the split ("all" without one), the first other folder the class."""
+    folders = name.split("/")[:-1]
+    split = next((SPLITS[p.lower()] for p in folders if p.lower() in SPLITS), "all")
+    classes = [p for p in folders if p.lower() not in SPLITS]
+    return split, classes[0] if classes else None
+
+
+def unwrap(names: list[str]) -> list[str]:
+    """Names without a folder that wraps them all (ModelNet10/chair/train/x.off -> chair/train/x.off)."""
+    while names and all(n.count("/") >= 2 for n in names):
+        tops = {n.split("/", 1)[0] for n in names}
+        if len(tops) != 1 or next(iter(tops)).lower() in SPLITS:
+            break
+        names = [n.split("/", 1)[1] for n in names]
+    return names
+
+
+def read_source(source: str | os.PathLike, settings: Sampling, *, max_bad_fraction: float, allow_unlabelled: bool = False,
+                key: str = "data.source") -> dict[str, Decoded]:  # fmt: skip
+    """Every split of a mesh source, decoded: {train, val, test} as its folders say, else {all}."""
+    path = existing_source(source, key, HELP)
+    names: list[str] = []
+    arrays: list[np.ndarray] = []
+    skipped: list[str] = []
+    total = 0
+    for name, payload in entries(path, key):
+        total += 1
+        try:
+            arrays.append(decode(payload, name, settings))
+            names.append(name)
+        except MeshError as e:
+            skipped.append(f"{name}: {e}")
+    if not total:
+        raise UserError(f"{key} {path}: found no mesh files; {HELP}.")
+    report_skipped(skipped, total, max_bad_fraction, path, key)
+    short = unwrap(names) if path.is_dir() or archive_kind(path) else names
+    placed = [place(n) for n in short]
+    labelled = [c is not None for _, c in placed]
+    if not allow_unlabelled and not all(labelled):
+        loose = next(n for n, ok in zip(names, labelled) if not ok)
+        raise UserError(f"{key} {path}: {loose} is not in a class folder; {HELP}.")
+    classes = sorted({c for _, c in placed if c is not None})
+    order: dict[str, list[int]] = {}
+    for i, (split, _) in enumerate(placed):
+        order.setdefault(split, []).append(i)
+    found: dict[str, Decoded] = {}
+    stacked = np.stack(arrays) if arrays else np.zeros((0, settings.points, settings.channels), np.float32)
+    for split, index in order.items():
+        labels = [classes.index(placed[i][1]) if placed[i][1] is not None else -1 for i in index]
+        found[split] = Decoded(torch.from_numpy(stacked[index]), torch.tensor(labels, dtype=torch.long), classes,
+                               [names[i] for i in index], [])  # fmt: skip
+    if skipped:
+        # the skips are the source's; one split carries them for the report
+        first = next(iter(found.values()))
+        first.skipped = skipped
+    return found
+
+
+def report_skipped(skipped: list[str], total: int, max_bad_fraction: float, path: Path, key: str) -> None:
+    """Name the files that were skipped, or refuse when more than data.max_bad_fraction of them were."""
+    if not skipped:
+        return
+    first = "; ".join(skipped[:3])
+    if len(skipped) == total or len(skipped) / total > max_bad_fraction:
+        raise UserError(
+            f"{key} {path}: {len(skipped)} of {total} mesh files cannot be used (first: {first}); fix or remove "
+            f"them, or set data.max_bad_fraction (now {max_bad_fraction}) to accept more."
+        )
+    log.warning(
+        "Skipped %d of %d mesh files in %s: %s%s",
+        len(skipped),
+        total,
+        path,
+        first,
+        " ..." if len(skipped) > 3 else "",
+    )

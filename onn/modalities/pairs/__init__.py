@@ -1,0 +1,111 @@
+"""Paired data: two modalities whose files belong together, learned as a dual encoder (CLIP-style).
+
+Registers the pairs modality. It finds pairs by itself (onn/modalities/pairs/detect.py): files that
+share a stem (`0001.jpg` + `0001.txt`, `clip7.wav` + `clip7.obj`; webdataset's convention, also
+inside tar shards) or a metadata.jsonl/.csv with file_name and a caption (Hugging Face's
+imagefolder convention). Each side is the encoder its modality brings (Modality.pair_side: the
+image CNNs, the point-cloud network, any classifier modality registered later such as audio) or,
+for captions, the zoo's byte-level text encoder (sides.py). Training is a symmetric contrastive
+loss with a learnable temperature (module.py); the metric is retrieval recall@1/@5 in both
+directions on held-out pairs; inference ranks a folder of one side against queries of the other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from onn.errors import UserError
+from onn.modalities.base import Job, Modality, register
+
+
+class PairsModality(Modality):
+    name = "pairs"
+    default_data = "pairs"
+    default_model = "dual_encoder"
+    description = "paired data (a dual encoder of two modalities)"
+    sniff_priority = (
+        10  # a folder of pairs also holds images (or meshes, or text): pairs are the more specific reading
+    )
+
+    def sniff(self, path: Path) -> str | None:
+        from onn.modalities.pairs.detect import SNIFF_FILES, find_pairs
+
+        if str(path).startswith("builtin:") or not (
+            path.is_dir() or path.suffix.lower() in (".tar", ".gz", ".tgz", ".jsonl", ".csv")
+        ):
+            return None
+        try:
+            listing = find_pairs(path, limit=SNIFF_FILES)
+        except (UserError, OSError):
+            return None
+        items = listing.complete * 2 + listing.orphan_count + len(listing.left_out)
+        if (
+            listing.complete < 2 or listing.complete * 2 < 0.1 * items
+        ):  # a few sidecar files in an image folder are not pairs
+            return None
+        return listing.summary()
+
+    def check(self, config: dict[str, Any]) -> None:
+        from onn.modalities.pairs.detect import wanted_modalities
+        from onn.modalities.pairs.sides import TEXT, registered
+
+        data, model, task = config["data"], config["model"], config["task"]
+        for name in wanted_modalities(data["modalities"]) or ():
+            if name != TEXT:
+                registered(name)
+        if model.get("feature_dim") is None or model.get("embed_dim") is None:
+            raise UserError(
+                f"model={model['name']} is not a dual encoder: use model=dual_encoder with paired data."
+            )
+        for key in ("feature_dim", "embed_dim"):
+            if isinstance(model[key], bool) or not isinstance(model[key], int) or model[key] < 1:
+                raise UserError(f"model.{key}={model[key]!r}: give a whole number of dimensions, 1 or more.")
+        for key in ("temperature", "max_logit_scale"):
+            if isinstance(model[key], bool) or not isinstance(model[key], int | float) or not model[key] > 0:
+                raise UserError(f"model.{key}={model[key]!r}: give a number above 0.")
+        batch = data["batch_size"]
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 2:
+            raise UserError(f"data.batch_size={batch!r}: a contrastive batch needs 2 pairs or more.")
+        if config["strategy"]["name"] not in ("auto", "full"):
+            raise UserError(
+                f"strategy={config['strategy']['name']}: a dual encoder trains with strategy=full (or auto)."
+            )
+        if config["export"]["name"] == "omny":
+            raise UserError(
+                "export=omny is not available for a dual encoder; export=onnx writes one ONNX file per side."
+            )
+        if task["name"] == "infer":
+            top_k = task["top_k"]
+            if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+                raise UserError(
+                    f"task.top_k={top_k!r}: give the number of matches to keep per query, 1 or more."
+                )
+
+    def plan(self, config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = True):
+        from onn.modalities.pairs import tasks
+
+        return tasks.plan(config, hardware, use_tuned)
+
+    def train(self, job: Job) -> dict[str, Any]:
+        from onn.modalities.pairs import tasks
+
+        return tasks.train(job)
+
+    def evaluate(self, job: Job) -> dict[str, Any]:
+        from onn.modalities.pairs import tasks
+
+        return tasks.evaluate(job)
+
+    def infer(self, job: Job) -> dict[str, Any]:
+        from onn.modalities.pairs import tasks
+
+        return tasks.infer(job)
+
+    def export(self, job: Job) -> dict[str, Any]:
+        from onn.modalities.pairs import tasks
+
+        return tasks.export(job)
+
+
+register(PairsModality())

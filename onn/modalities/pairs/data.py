@@ -1,0 +1,163 @@
+"""Paired datasets for Lightning: both sides decoded once, cached, held on the device, split seeded.
+
+The pairs found in data.source (detect.find_pairs) are decoded by their sides (sides.build_side):
+files through their modality's own reader, captions through the text side. A pair whose either half
+cannot be decoded is dropped and named; the run fails when more than data.max_bad_fraction of the
+complete pairs are. The decoded tensors are cached as safetensors (onn.data.cache: one "split" per
+side, the pair's index as its label), and a seeded data.val_split of the pairs is held out: the
+retrieval metrics are measured on those.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from onn.data.cache import cached_decode
+from onn.data.files import content_digest, iter_members
+from onn.data.resident import Decoded, ResidentBatches, Split
+from onn.errors import UserError
+from onn.modalities.base import PairSide
+from onn.modalities.pairs.detect import Entry, Listing, find_pairs
+
+log = logging.getLogger("onn")
+MIN_PAIRS = 4  # two to train on, two to hold out
+
+
+def materialize(entries: list[Entry], stage: Path) -> list[Path | str]:
+    """What a side reads: files as they are, captions as their text, tar members written under stage."""
+    out: list[Path | str] = []
+    wanted: dict[Path, dict[str, int]] = {}
+    for i, entry in enumerate(entries):
+        out.append(entry.path if entry.path is not None else entry.text if entry.text is not None else Path())
+        if entry.shard is not None:
+            wanted.setdefault(entry.shard, {})[entry.member] = i
+    for shard, members in wanted.items():
+        for member in iter_members(shard):  # one pass per shard, in stored order
+            i = members.get(member.raw)
+            if i is None:
+                continue
+            target = stage / f"{i:07d}{Path(member.raw).suffix.lower()}"
+            with member.open() as f:
+                target.write_bytes(f.read())
+            out[i] = target
+    return out
+
+
+def decode_pairs(
+    listing: Listing, sides: dict[str, PairSide], max_bad_fraction: float, source: str
+) -> dict[str, Decoded]:
+    """{side: Decoded} of the complete pairs both sides could read, aligned; labels are the pairs' indices."""
+    n = listing.complete
+    kept = set(range(n))
+    stored, skipped = {}, []
+    with tempfile.TemporaryDirectory(prefix="onn-pairs-") as stage:
+        for name, side in sides.items():
+            (Path(stage) / name).mkdir()
+            items = materialize(listing.entries[name], Path(stage) / name)
+            tensor, index, bad = side.read(items)
+            stored[name] = (tensor, index)
+            kept &= set(index)
+            skipped += [f"{listing.entries[name][i].name}: {reason}" for i, reason in bad]
+    if n - len(kept) > max_bad_fraction * n or not kept:
+        raise UserError(f"data.source {source}: {n - len(kept)} of {n} pairs cannot be read (first: {'; '.join(skipped[:3])}); "
+                        f"fix or remove them, or set data.max_bad_fraction (now {max_bad_fraction}) to accept more.")  # fmt: skip
+    if skipped:
+        log.warning("pairs: %d of %d pairs left out, a half could not be read: %s%s", n - len(kept), n, "; ".join(skipped[:3]),
+                    " ..." if len(skipped) > 3 else "")  # fmt: skip
+    order = sorted(kept)
+    out = {}
+    for name, (tensor, index) in stored.items():
+        row = {pair: r for r, pair in enumerate(index)}
+        out[name] = Decoded(tensor[[row[i] for i in order]], torch.tensor(order, dtype=torch.long), list(sides),
+                            [listing.keys[i] for i in order], skipped if not out else [])  # fmt: skip
+    return out
+
+
+class PairData(L.LightningDataModule):
+    """The held-out split and the training pairs of a paired source, resident on `device`.
+
+    A batch is (side A's items, side B's items), row i of one the partner of row i of the other; the
+    partner side rides in ResidentBatches' second tensor, which is index-selected like the first."""
+
+    def __init__(
+        self, config: dict[str, Any], sides: dict[str, PairSide], device: str | torch.device = "cpu"
+    ):
+        super().__init__()
+        self.cfg, self.sides = config["data"], sides
+        self.cache_dir, self.seed = config["paths"]["cache"], int(config["seed"])
+        self.device = torch.device(device)
+        self.batch_size = int(self.cfg["batch_size"])
+        self.eval_batch_size = int(self.cfg["eval_batch_size"] or 2 * self.batch_size)
+        self.listing: Listing | None = None
+        self.splits: dict[str, Split] = {}
+        self.skipped: list[str] = []
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.sides)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:
+            return
+        source = self.cfg["source"]
+        if not source:
+            raise UserError(
+                "data.source is not set: point it at a folder of paired files (see conf/data/pairs.yaml)."
+            )
+        listing = find_pairs(source, self.names, self.cfg["text_column"])
+        self.listing = listing
+        (log.warning if listing.orphan_count else log.info)("pairs: %s", listing.summary())
+        if listing.complete < MIN_PAIRS:
+            raise UserError(
+                f"data.source {source}: {listing.summary()}; at least {MIN_PAIRS} complete pairs are needed."
+            )
+        key = {"digest": content_digest(Path(str(source)).expanduser()), "keys": listing.keys,
+               "sides": {n: s.config["data"] for n, s in self.sides.items()}}  # fmt: skip
+        bad = float(self.cfg["max_bad_fraction"])
+        decoded = cached_decode(
+            "pairs",
+            key,
+            self.cache_dir,
+            lambda: decode_pairs(listing, self.sides, bad, str(source)),
+            str(source),
+        )
+        self.skipped = [s for d in decoded.values() for s in d.skipped]
+        a, b = (decoded[n] for n in self.names)
+        pairs = Split(a.inputs, b.inputs, a.names)
+        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(self.seed))
+        fraction = float(self.cfg["val_split"])
+        if not 0 < fraction < 1:
+            raise UserError(
+                f"data.val_split must be between 0 and 1 (got {fraction}): the held-out pairs measure retrieval."
+            )
+        n_val = min(max(2, round(len(pairs) * fraction)), len(pairs) - 2)
+        splits = {"train": pairs.subset(order[n_val:]), "val": pairs.subset(order[:n_val])}
+        self.splits = {
+            k: Split(v.inputs.to(self.device), v.labels.to(self.device), v.names) for k, v in splits.items()
+        }
+        log.info(
+            "pairs: %d training and %d held-out %s pairs on %s",
+            len(self.splits["train"]),
+            n_val,
+            "-".join(self.names),
+            self.device,
+        )
+
+    def train_dataloader(self):
+        # a contrastive batch of one pair teaches nothing
+        drop_last = len(self.splits["train"]) > self.batch_size
+        loader = ResidentBatches(
+            self.splits["train"], self.batch_size, shuffle=True, seed=self.seed, drop_last=drop_last
+        )
+        if self.trainer is not None:
+            loader.epoch = self.trainer.current_epoch  # resumed runs continue the epoch sequence
+        return loader
+
+    def val_dataloader(self):
+        return ResidentBatches(self.splits["val"], self.eval_batch_size, shuffle=False)

@@ -1,0 +1,164 @@
+"""The dual-encoder LightningModule: two modality encoders, a symmetric contrastive loss, retrieval recall.
+
+CLIP's recipe (Radford et al. 2021): each side's encoder (its modality's network, base.PairSide)
+gives features, a linear projection maps them into one shared space, both are L2-normalised, and the
+cosine similarities times a learnable logit scale (1 / temperature, clamped at model.max_logit_scale)
+are scored with cross-entropy in both directions: row i of side A must pick row i of side B among
+the batch, and the other way round.
+
+Validation embeds every held-out pair and measures recall@1 and recall@5 in both directions over the
+whole held-out set: the share of queries whose partner ranks within the first k. Ties go to the
+earlier item, so a collapsed model that embeds everything alike scores chance (1 / pairs), not 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from onn.errors import UserError
+from onn.training.optim import make_optimizer, make_schedule
+
+log = logging.getLogger("onn")
+LOOP = "pairs"
+KS = (1, 5)
+MONITOR = "val/recall@1"  # the mean of both directions' recall@1: picks checkpoints/best.ckpt
+
+
+def ranks(similarity: torch.Tensor) -> torch.Tensor:
+    """Where each row's partner (column i of row i) ranks among the row's columns, 0 = first; ties go to
+    the lower column index."""
+    n = similarity.shape[0]
+    right = similarity.diagonal().unsqueeze(1)
+    index = torch.arange(n, device=similarity.device)
+    ahead = (similarity > right) | ((similarity == right) & (index.unsqueeze(0) < index.unsqueeze(1)))
+    return ahead.sum(1)
+
+
+def retrieval_metrics(
+    a: torch.Tensor, b: torch.Tensor, names: tuple[str, str], prefix: str
+) -> dict[str, float]:
+    """recall@k of both directions and their mean, for aligned normalised embeddings a [n, d] and b [n, d]."""
+    similarity = a.float() @ b.float().T
+    out: dict[str, float] = {}
+    for direction, sim in (
+        (f"{names[0]}_to_{names[1]}", similarity),
+        (f"{names[1]}_to_{names[0]}", similarity.T),
+    ):
+        rank = ranks(sim)
+        for k in KS:
+            out[f"{prefix}/recall@{k}/{direction}"] = float((rank < k).float().mean())
+    for k in KS:
+        out[f"{prefix}/recall@{k}"] = (
+            sum(v for key, v in out.items() if key.startswith(f"{prefix}/recall@{k}/")) / 2
+        )
+    out[f"{prefix}/recall@1_chance"] = 1 / similarity.shape[0]
+    return out
+
+
+class DualEncoder(L.LightningModule):
+    def __init__(self, towers: dict[str, nn.Module], width: int, model_cfg: dict[str, Any], optim: dict[str, Any],
+                 onn_config: dict[str, Any]):  # fmt: skip
+        super().__init__()
+        if len(towers) != 2:
+            raise ValueError("a dual encoder has two towers")
+        self.names = tuple(towers)
+        self.towers = nn.ModuleDict(towers)
+        dim = int(model_cfg["embed_dim"])
+        self.projections = nn.ModuleDict({n: nn.Linear(width, dim, bias=False) for n in self.names})
+        temperature = float(model_cfg["temperature"])
+        self.logit_scale = nn.Parameter(
+            torch.tensor(math.log(1 / temperature)), requires_grad=bool(model_cfg["learn_temperature"])
+        )
+        self.max_log_scale = math.log(float(model_cfg["max_logit_scale"]))
+        self.optim = optim
+        self.onn_config = (
+            onn_config  # stored in every checkpoint: eval/infer/export rebuild the sides from it
+        )
+        self.train_losses: list[torch.Tensor] = []
+        self.history: list[dict[str, float]] = []
+        self._held_out: dict[str, list[torch.Tensor]] = {n: [] for n in self.names}
+        self.last_metrics: dict[str, float] = {}
+
+    # -- embedding ------------------------------------------------------------------------------------
+    def embed(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """A stored batch of side `name` -> unit vectors in the shared space [B, embed_dim]."""
+        return F.normalize(self.projections[name](self.towers[name](x)).float(), dim=-1)
+
+    def scale(self) -> torch.Tensor:
+        return self.logit_scale.clamp(max=self.max_log_scale).exp()
+
+    def loss(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        logits = self.scale() * a @ b.T
+        target = torch.arange(a.shape[0], device=a.device)
+        return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+
+    # -- the steps --------------------------------------------------------------------------------------
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x_a, x_b = batch
+        loss = self.loss(self.embed(self.names[0], x_a), self.embed(self.names[1], x_b))
+        self.train_losses.append(loss.detach())
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=x_a.shape[0])
+        self.log(
+            "train/temperature",
+            1 / self.scale().detach(),
+            on_step=True,
+            on_epoch=False,
+            batch_size=x_a.shape[0],
+        )
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        for name, x in zip(self.names, batch):
+            self._held_out[name].append(self.embed(name, x))
+
+    def on_validation_epoch_end(self) -> None:
+        a, b = (torch.cat(self._held_out[n]) for n in self.names)
+        self._held_out = {n: [] for n in self.names}
+        figures = retrieval_metrics(a, b, self.names, "val")
+        with torch.no_grad():
+            figures["val/loss"] = float(self.loss(a, b))
+        self.last_metrics = figures
+        self.log_dict({k: v for k, v in figures.items() if k != MONITOR and not k.endswith("chance")})
+        self.log(MONITOR, figures[MONITOR], prog_bar=True)
+        if not self.trainer.sanity_checking:
+            self.history.append(
+                {
+                    "epoch": self.current_epoch,
+                    "step": self.global_step,
+                    **{k: round(v, 5) for k, v in figures.items()},
+                }
+            )
+            log.info("epoch %d step %d: %s", self.current_epoch, self.global_step,
+                     "  ".join(f"{k} {v:.4f}" for k, v in figures.items() if not k.endswith("chance")))  # fmt: skip
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        clip = float(self.optim["clip_grad_norm"] or 0.0)
+        if clip > 0:
+            self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+
+    def configure_optimizers(self):
+        optimizer = make_optimizer([p for p in self.parameters() if p.requires_grad], self.optim)
+        schedule = make_schedule(optimizer, self.optim, int(self.trainer.estimated_stepping_batches), MONITOR)
+        return {"optimizer": optimizer, "lr_scheduler": schedule}
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["onn"] = {"loop": LOOP, "config": self.onn_config, "history": self.history,
+                             "train_losses": [float(x) for x in self.train_losses]}  # fmt: skip
+        self.train_losses = [torch.tensor(float(x)) for x in self.train_losses]
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        onn = checkpoint.get("onn", {})
+        if onn.get("loop") != LOOP:
+            raise UserError(
+                "this checkpoint was not written by ONN's dual encoder: it cannot resume a pairs run."
+            )
+        self.history = list(onn.get("history") or [])
+        self.train_losses = [torch.tensor(x) for x in onn.get("train_losses") or []]

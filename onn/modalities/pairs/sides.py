@@ -1,0 +1,182 @@
+"""The two sides of a dual encoder, looked up in the modality registry: which modality a file is, and
+each side's settings, reader and encoder.
+
+A side is `REGISTRY[name].pair_side(config)` (base.PairSide): any classifier modality (image, mesh, audio,
+video) brings its network, transform and reader that way with no code here. Its settings are the
+modality's own data and model configs (conf/data/<its default_data>.yaml, conf/model/<its
+default_model>.yaml) with the overrides under data.sides.<name> and model.sides.<name> on top.
+
+Text is the exception: ONN's text modality trains causal language models on prompt/answer records,
+while a pair's text is a short caption read here (a .txt file, or a metadata column) and encoded by
+the zoo's small byte-level text encoder (onn/models/zoo/text_encoder.py).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from onn.errors import UserError
+from onn.modalities.base import REGISTRY, Modality, PairSide
+
+TEXT = "text"
+TEXT_SUFFIXES = (".txt",)
+CONF = Path(__file__).resolve().parents[3] / "conf"
+# never asked whether a file is theirs: pairs itself, and text (any UTF-8 file reads as text; captions are .txt)
+NOT_SIDES = ("pairs", TEXT)
+
+
+def registered(name: str) -> Modality:
+    """The registered modality `name` that can be a side, or a UserError naming those that can."""
+    if name in NOT_SIDES or name not in REGISTRY:
+        known = ", ".join(sorted({TEXT, *REGISTRY} - {"pairs"}))
+        raise UserError(f"data.modalities: {name} is not a modality a pair can have ({known}).")
+    return REGISTRY[name]
+
+
+def group_option(group: str, option: str, key: str) -> dict[str, Any]:
+    """conf/<group>/<option>.yaml as a plain dict (its values; these configs have no defaults lists)."""
+    from omegaconf import OmegaConf
+
+    path = CONF / group / f"{option}.yaml"
+    if not path.is_file():
+        raise UserError(f"{key}: there is no conf/{group}/{option}.yaml to take the side's settings from; "
+                        f"give them under {key} (a dict of that group's keys).")  # fmt: skip
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+
+
+def side_config(name: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The run config the side `name` works with: its modality's data and model configs, overridden by
+    data.sides.<name> (a dict of keys) and model.sides.<name> (a conf/model option, or a dict of keys)."""
+    data_over = (config["data"].get("sides") or {}).get(name) or {}
+    model_over = (config["model"].get("sides") or {}).get(name) or {}
+    if name == TEXT:
+        data_base, model_option = {"modality": TEXT}, "text_encoder"
+    else:
+        modality = registered(name)
+        data_base, model_option = (
+            group_option("data", modality.default_data, f"data.sides.{name}"),
+            modality.default_model,
+        )
+    if isinstance(model_over, str):
+        model_option, model_over = model_over, {}
+    if not isinstance(data_over, dict) or not isinstance(model_over, dict):
+        raise UserError(
+            f"data.sides.{name} / model.sides.{name}: give a dict of that group's keys (model: or an option name)."
+        )
+    model = {**group_option("model", model_option, f"model.sides.{name}"), **model_over}
+    return {
+        "data": {**data_base, **data_over},
+        "model": model,
+        "seed": config["seed"],
+        "paths": config["paths"],
+    }
+
+
+def build_side(name: str, side_cfg: dict[str, Any]) -> PairSide:
+    """The side for modality `name` from its run config (side_config, or as a checkpoint saved it)."""
+    if name == TEXT:
+        return TextSide(side_cfg)
+    return registered(name).pair_side(side_cfg)
+
+
+def modality_of(suffix: str, example: Path) -> str | None:
+    """Which modality a file with this suffix holds, asked of the registered modalities' sniffers with one
+    example file (the most specific first); .txt is a caption."""
+    if suffix in TEXT_SUFFIXES:
+        return TEXT
+    for modality in sorted(REGISTRY.values(), key=lambda m: -m.sniff_priority):
+        if modality.name in NOT_SIDES:
+            continue
+        try:
+            if modality.sniff(example):
+                return modality.name
+        except (UserError, OSError, ValueError):
+            continue
+    return None
+
+
+def modality_of_bytes(suffix: str, head: bytes) -> str | None:
+    """modality_of for an archive member: its bytes are written to a temporary file of the same suffix."""
+    if suffix in TEXT_SUFFIXES:
+        return TEXT
+    fd, name = tempfile.mkstemp(suffix=suffix, prefix="onn-sniff-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(head)
+        return modality_of(suffix, Path(name))
+    finally:
+        os.unlink(name)
+
+
+class TextSide:
+    """Captions as one side of a pair: UTF-8 text (whitespace runs made one space), ONN's byte tokenizer
+    (cut and padded to data.sides.text.max_length), the zoo's text encoder."""
+
+    name = TEXT
+
+    def __init__(self, config: dict[str, Any]):
+        self.config = config
+        self.max_length = config["data"]["max_length"]
+        if isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 1:
+            raise UserError(
+                f"data.sides.text.max_length={self.max_length!r}: give the bytes kept of each text, 1 or more."
+            )
+
+    def read(self, items: list[Path | str]) -> tuple[Any, list[int], list[tuple[int, str]]]:
+        import torch
+
+        from onn.data.files import read_file
+
+        texts, index, skipped = [], [], []
+        for i, item in enumerate(items):
+            if isinstance(item, Path):
+                try:
+                    text = read_file(item).decode("utf-8-sig")
+                except UnicodeDecodeError:
+                    skipped.append((i, "not UTF-8 text"))
+                    continue
+                except OSError as e:
+                    skipped.append((i, f"cannot be read ({e.strerror or e})"))
+                    continue
+            else:
+                text = str(item)
+            text = " ".join(text.split())
+            if not text:
+                skipped.append((i, "empty text"))
+                continue
+            texts.append(text)
+            index.append(i)
+        tokenizer = self.tokenizer()
+        ids = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=self.max_length,
+                        padding="max_length")["input_ids"] if texts else []  # fmt: skip
+        return torch.tensor(ids, dtype=torch.long).reshape(len(texts), self.max_length), index, skipped
+
+    @staticmethod
+    def tokenizer():
+        from onn.models.tokenizer import byte_tokenizer
+
+        return byte_tokenizer()
+
+    def encoder(self, width: int):
+        from onn.modalities.classification import SideEncoder
+        from onn.models.zoo import build_zoo
+
+        model = self.config["model"]
+        name = str(model["source"]).partition(":")[2]
+        try:
+            tokenizer = self.tokenizer()
+            network = build_zoo(name, out_features=width, max_length=self.max_length, vocab_size=len(tokenizer),
+                                pad_id=tokenizer.pad_token_id, **(model.get("kwargs") or {}))  # fmt: skip
+        except TypeError as e:
+            raise UserError(
+                f"model.sides.text.kwargs does not fit {model['source']}: {e}; fix or remove that key."
+            ) from e
+        return SideEncoder(None, network)
+
+    def sample(self, batch: int):
+        import torch
+
+        return torch.zeros(batch, self.max_length, dtype=torch.long)

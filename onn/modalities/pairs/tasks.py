@@ -1,0 +1,367 @@
+"""plan, train, eval, infer and export of a dual encoder on paired data.
+
+plan    both towers sized on the meta device, one network plan for the pair (onn.planning)
+train   epochs over the resident pairs; retrieval recall on the held-out pairs every validation;
+        best.ckpt by val/recall@1 beside last.ckpt; resume with the history
+eval    the held-out recall of a checkpoint (on its own data, or on data.source given now)
+infer   a query (task.input: a file or folder, or prompt="..." for text) against task.gallery, a
+        folder of the other side: the ranked matches as JSONL
+export  safetensors (the whole dual encoder + config.json), or each tower to ONNX (stored batch ->
+        unit embedding), checked in onnxruntime
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from onn.data.files import existing_source, walk_files
+from onn.errors import UserError
+from onn.hardware.memory import PeakMemory
+from onn.modalities.base import Job, PairSide
+from onn.modalities.pairs.data import PairData
+from onn.modalities.pairs.detect import SNIFF_FILES, find_pairs
+from onn.modalities.pairs.module import MONITOR, DualEncoder
+from onn.modalities.pairs.sides import TEXT, build_side, modality_of, side_config
+from onn.planning.plan import make_plan
+from onn.planning.spec import network_spec
+from onn.training.callbacks import ResourceMonitor, StepClock
+from onn.training.checkpoints import load as load_checkpoint
+from onn.training.checkpoints import read_meta
+from onn.training.trainer import build_trainer
+
+log = logging.getLogger("onn")
+
+
+def modalities(config: dict[str, Any]) -> tuple[str, str]:
+    """data.modalities, or (auto) the two that data.source pairs most."""
+    data = config["data"]
+    if data["modalities"] not in (None, "auto"):
+        a, b = data["modalities"]
+        return str(a), str(b)
+    if not data["source"]:
+        raise UserError("data.modalities=auto finds the sides in data.source, which is not set; set data.source "
+                        "(or data.modalities=[image, text] to plan without data).")  # fmt: skip
+    return find_pairs(data["source"], "auto", data["text_column"], limit=SNIFF_FILES).modalities
+
+
+def sides_of(config: dict[str, Any], saved: dict[str, Any] | None = None) -> dict[str, PairSide]:
+    """The two sides, from a checkpoint's saved side configs or from this config."""
+    if saved:
+        return {name: build_side(name, side) for name, side in saved.items()}
+    return {name: build_side(name, side_config(name, config)) for name in modalities(config)}
+
+
+def build(config: dict[str, Any], sides: dict[str, PairSide], strategy: str = "full") -> DualEncoder:
+    torch.manual_seed(int(config["seed"]))
+    model = config["model"]
+    width = int(model["feature_dim"])
+    names = list(sides)
+    onn_config = {"model": model, "strategy": {**config["strategy"], "name": strategy}, "modality": "pairs", "seed": config["seed"],
+                  "data": {**config["data"], "modalities": names}, "sides": {n: s.config for n, s in sides.items()}}  # fmt: skip
+    return DualEncoder(
+        {n: s.encoder(width) for n, s in sides.items()}, width, model, config["optim"], onn_config
+    )
+
+
+def plan(config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = True):
+    """One network plan for both towers: their parameters, FLOPs and saved activations per pair, added."""
+    sides = sides_of(config)
+    width = int(config["model"]["feature_dim"])
+    specs = []
+    for name, side in sides.items():
+        with torch.device("meta"):
+            tower = side.encoder(width)
+        # the network's input is the transform's output (a spectrogram, normalised pixels)
+        x = tower.prepare(side.sample(1), train=False).to("meta")
+        specs.append(network_spec(tower.network, x, name, pretrained=False))
+    a, b = specs
+    dim = int(config["model"]["embed_dim"])
+    spec = replace(a, name=f"{config['model']['name']} ({' + '.join(sides)})", params=a.params + b.params + 2 * width * dim,
+                   block_params=a.block_params + b.block_params, prefix_params=a.prefix_params + b.prefix_params,
+                   suffix_params=a.suffix_params + b.suffix_params, lora_params_per_block=[0] * (a.n_blocks + b.n_blocks),
+                   linear_params_per_block=[0] * (a.n_blocks + b.n_blocks), layer_map=f"{a.name}: {a.layer_map}; {b.name}: {b.layer_map}",
+                   sample_activation_bytes=a.sample_activation_bytes + b.sample_activation_bytes,
+                   sample_flops=a.sample_flops + b.sample_flops, head_params=0)  # fmt: skip
+    return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
+
+
+def saved_config(ckpt: Path) -> dict[str, Any]:
+    saved = read_meta(ckpt).get("onn", {}).get("config", {})
+    if saved.get("modality") != "pairs" or "sides" not in saved:
+        raise UserError(f"ckpt {ckpt} was not written by a pairs run; it cannot be used with paired data.")
+    return saved
+
+
+def load_trained(config: dict[str, Any], ckpt: Path) -> DualEncoder:
+    saved = saved_config(ckpt)
+    module = build({**config, "model": saved["model"]}, sides_of(config, saved["sides"]))
+    missing, unexpected = module.load_state_dict(load_checkpoint(ckpt)["state_dict"], strict=False)
+    if missing or unexpected:
+        raise UserError(
+            f"ckpt {ckpt} does not match the dual encoder it names: missing {missing[:3]}, unexpected {unexpected[:3]}."
+        )
+    return module
+
+
+def _callbacks(config: dict[str, Any], run_dir: Path) -> list:
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    best = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), filename="best", monitor=MONITOR, mode="max", save_top_k=1,
+                           auto_insert_metric_name=False, enable_version_counter=False)  # fmt: skip
+    last = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), save_top_k=0, save_last=True)
+    callbacks = [best, last, StepClock(), ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))]
+    stop = config["task"].get("early_stopping")
+    if stop:
+        callbacks.append(EarlyStopping(monitor=MONITOR, mode="max", patience=int(stop["patience"]),
+                                       min_delta=float(stop.get("min_delta") or 0.0)))  # fmt: skip
+    return callbacks
+
+
+def data_metrics(dm: PairData) -> dict[str, Any]:
+    listing = dm.listing
+    return {
+        "pairs/modalities": list(dm.sides),
+        "pairs/found": listing.summary(),
+        "pairs/complete": listing.complete,
+        "pairs/orphans": listing.orphan_count,
+        "pairs/orphans_by_modality": {m: len(v) for m, v in listing.orphans.items()},
+        "pairs/left_out": len(listing.left_out),
+        "pairs/unreadable": listing.complete - len(dm.splits["train"]) - len(dm.splits["val"]),
+        "pairs/train": len(dm.splits["train"]),
+        "pairs/held_out": len(dm.splits["val"]),
+    }
+
+
+def train(job: Job) -> dict[str, Any]:
+    config, plan_, run_dir, ckpt = job.config, job.plan, job.run_dir, job.ckpt
+    saved = saved_config(ckpt) if ckpt is not None else None
+    if saved:  # a resumed run keeps its sides and its held-out split
+        config = {**config, "seed": saved["seed"]}
+    sides = sides_of(config, saved and saved["sides"])
+    dm = PairData(config, sides, job.device)
+    dm.setup()
+    module = build(config, sides, plan_["strategy"])
+    callbacks = _callbacks(config, run_dir)
+    clock = next(c for c in callbacks if isinstance(c, StepClock))
+    trainer = build_trainer(config, plan_, run_dir, callbacks, steps_per_epoch=len(dm.train_dataloader()))
+    with PeakMemory(job.device) as peak:
+        trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
+        trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"))
+    best = trainer.checkpoint_callback.best_model_path or None
+    metrics: dict[str, Any] = {
+        **data_metrics(dm),
+        "epochs": trainer.current_epoch,
+        "steps": trainer.global_step,
+        "train/loss_initial": float(module.train_losses[0]) if module.train_losses else None,
+        "train/loss_final": float(torch.stack(module.train_losses[-20:]).mean())
+        if module.train_losses
+        else None,
+        "val/history": module.history,
+        "samples_per_s": clock.samples_per_s(dm.batch_size, skip=min(2, len(clock.step_s) - 1)),
+        "peak_memory_mb": round(peak.peak_mb, 1),
+        "params_total": sum(p.numel() for p in module.parameters()),
+        "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
+        "checkpoint_best": best,
+        "resumed_from": str(ckpt) if ckpt else None,
+    }
+    # the figures of the best checkpoint
+    trainer.validate(module, datamodule=dm, ckpt_path=best, verbose=False)
+    metrics.update({k: round(v, 5) for k, v in module.last_metrics.items()})
+    metrics["val/recall@1_over_chance"] = round(metrics["val/recall@1"] / metrics["val/recall@1_chance"], 2)
+    log.info("held-out retrieval: recall@1 %.4f (chance %.4f), recall@5 %.4f", metrics["val/recall@1"],
+             metrics["val/recall@1_chance"], metrics["val/recall@5"])  # fmt: skip
+    if config["export"]["name"] != "none":
+        metrics.update(export_module(config, module, run_dir))
+    return metrics
+
+
+def evaluate(job: Job) -> dict[str, Any]:
+    config = job.config
+    if job.ckpt is None:
+        raise UserError("task=eval on paired data needs ckpt=RUN_DIR (a trained dual encoder).")
+    module = load_trained(config, job.ckpt)
+    saved = saved_config(job.ckpt)
+    data = config["data"] if config["data"].get("source") else saved["data"]
+    # the seed the run held its pairs out with: the same held-out pairs
+    run = {**config, "seed": saved["seed"], "data": {**data, "modalities": list(module.names)}}
+    dm = PairData(run, sides_of(config, saved["sides"]), job.device)
+    dm.setup()
+    trainer = build_trainer(config, job.plan, job.run_dir, [], loggers=False, steps_per_epoch=1)
+    trainer.validate(module, datamodule=dm, verbose=False)
+    metrics = {
+        "checkpoint": str(job.ckpt),
+        **data_metrics(dm),
+        **{k: round(v, 5) for k, v in module.last_metrics.items()},
+    }
+    print("  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------------------
+# infer: a query against a gallery
+
+
+def files_of(path: Path, key: str) -> dict[str, list[Path]]:
+    """The files of a file or folder by modality (as the registered sniffers see their suffixes)."""
+    path = existing_source(path, key)
+    found = [(rel, full) for rel, full in walk_files(path)] if path.is_dir() else [(path.name, path)]
+    kinds: dict[str, str | None] = {}
+    out: dict[str, list[Path]] = {}
+    for _, full in sorted(found):
+        suffix = full.suffix.lower()
+        if suffix not in kinds:
+            kinds[suffix] = modality_of(suffix, full)
+        if kinds[suffix] is not None:
+            out.setdefault(kinds[suffix], []).append(full)
+    return out
+
+
+def embed_all(module: DualEncoder, name: str, side: PairSide, items: list, device: torch.device, batch: int):
+    """Unit embeddings of the items that decode, their positions, and the skips."""
+    stored, index, bad = side.read(items)
+    skipped = [f"{_label(items[i])}: {reason}" for i, reason in bad]
+    with torch.no_grad():
+        chunks = [module.embed(name, stored[i : i + batch].to(device)) for i in range(0, len(stored), batch)]
+    dim = module.projections[name].out_features
+    return (torch.cat(chunks) if chunks else torch.zeros(0, dim, device=device)), index, skipped
+
+
+def infer(job: Job) -> dict[str, Any]:
+    config, task = job.config, job.config["task"]
+    if job.ckpt is None:
+        raise UserError("task=infer on paired data needs ckpt=RUN_DIR (a trained dual encoder).")
+    if not task["gallery"]:
+        raise UserError("task=infer on paired data needs task.gallery=FOLDER (the files to rank) and a query: task.input=FILE|FOLDER, "
+                        "or prompt=\"...\" for a text query.")  # fmt: skip
+    module = load_trained(config, job.ckpt)
+    names = list(module.names)
+    sides = {n: build_side(n, c) for n, c in saved_config(job.ckpt)["sides"].items()}
+    if task["input"]:
+        queries = {
+            m: f
+            for m, f in files_of(Path(str(task["input"])).expanduser(), "task.input").items()
+            if m in names
+        }
+        if not queries:
+            raise UserError(
+                f"task.input={task['input']} holds no {' or '.join(names)} files this dual encoder reads."
+            )
+        query = max(queries, key=lambda m: len(queries[m]))
+        query_items: list = queries[query]
+    elif config.get("prompt") and TEXT in names:
+        query, query_items = TEXT, [str(config["prompt"])]
+    else:
+        raise UserError(f"task=infer needs a query: task.input=FILE|FOLDER of {' or '.join(names)} files"
+                        f"{', or prompt=... (this model has a text side)' if TEXT in names else ''}.")  # fmt: skip
+    other = next(n for n in names if n != query)
+    gallery_items = files_of(Path(str(task["gallery"])).expanduser(), "task.gallery").get(other, [])
+    if not gallery_items:
+        raise UserError(
+            f"task.gallery={task['gallery']} holds no {other} files to rank against the {query} queries."
+        )
+    device = torch.device(job.device)
+    module = module.to(device).eval()
+    batch = int(config["data"]["eval_batch_size"] or 2 * int(config["data"]["batch_size"]))
+    q, q_index, q_skipped = embed_all(module, query, sides[query], query_items, device, batch)
+    g, g_index, g_skipped = embed_all(module, other, sides[other], gallery_items, device, batch)
+    for skipped in (q_skipped, g_skipped):
+        if skipped:
+            log.warning(
+                "infer: %d items could not be read and are left out: %s", len(skipped), "; ".join(skipped[:3])
+            )
+    if not len(q) or not len(g):
+        raise UserError("task=infer: no query or no gallery item could be read (see the warnings above).")
+    top_k = int(task["top_k"])
+    scores = (q @ g.T).cpu()
+    best = scores.topk(min(top_k, len(g)), dim=1)
+    label = [_label(item) for item in query_items]
+    gallery_names = [Path(gallery_items[i]).name for i in g_index]
+    stems = {Path(n).stem: j for j, n in enumerate(gallery_names)}
+    rows, hits = [], {1: 0, 5: 0}
+    known = 0
+    for r, i in enumerate(q_index):
+        row = {"query": label[i], "modality": query, "matches": [{"name": gallery_names[int(j)], "score": round(float(s), 5)}
+                                                                  for s, j in zip(best.values[r], best.indices[r])]}  # fmt: skip
+        partner = stems.get(Path(label[i]).stem) if isinstance(query_items[i], Path) else None
+        if partner is not None:  # the gallery holds the query's partner (same stem): where does it rank?
+            rank = int((scores[r] > scores[r, partner]).sum())
+            row["partner"], row["partner_rank"] = gallery_names[partner], rank + 1
+            known += 1
+            for k in hits:
+                hits[k] += rank < k
+        rows.append(row)
+    from onn.modalities.text.generate import write_jsonl
+
+    output = Path(task["output"] or job.run_dir / "matches.jsonl")
+    write_jsonl(rows, output)
+    print(
+        f"wrote the top {min(top_k, len(g))} of {len(g)} {other} items for {len(rows)} {query} queries to {output}"
+    )
+    metrics: dict[str, Any] = {
+        "infer/queries": len(rows),
+        "infer/gallery": len(g),
+        "infer/output": str(output),
+    }
+    if known:
+        metrics.update({f"infer/recall@{k}": round(v / known, 5) for k, v in hits.items()})
+    return metrics
+
+
+def _label(item: Path | str) -> str:
+    return item.name if isinstance(item, Path) else str(item)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# export
+
+
+class Tower(torch.nn.Module):
+    """One side of a trained dual encoder as a standalone model: stored batch -> unit embedding."""
+
+    def __init__(self, module: DualEncoder, name: str):
+        super().__init__()
+        self.tower, self.projection = module.towers[name], module.projections[name]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.normalize(self.projection(self.tower(x)), dim=-1)
+
+
+def export(job: Job) -> dict[str, Any]:
+    if job.ckpt is None:
+        raise UserError("task=export on paired data needs ckpt=RUN_DIR (a trained dual encoder).")
+    return export_module(job.config, load_trained(job.config, job.ckpt), job.run_dir)
+
+
+def export_module(config: dict[str, Any], module: DualEncoder, run_dir: Path) -> dict[str, Any]:
+    """safetensors: the dual encoder's state dict and config.json; onnx/omny: one file per tower."""
+    from onn.export import export_model
+
+    settings = {**config["export"], "model_name": config["model"]["name"]}
+    folder = Path(settings.get("output") or run_dir / "export")
+    folder.mkdir(parents=True, exist_ok=True)
+    module = module.cpu().eval()
+    if settings["name"] == "safetensors":
+        from safetensors.torch import save_model
+
+        save_model(module, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps(module.onn_config, indent=2, default=str))
+        return {"export/format": "safetensors", "export/path": str(folder)}
+    metrics: dict[str, Any] = {}
+    batch = int((settings.get("sample") or {}).get("batch_size", 2))
+    suffix = {"onnx": ".onnx", "omny": ".omny"}[settings["name"]]
+    for name, side in ((n, build_side(n, c)) for n, c in module.onn_config["sides"].items()):
+        stored = side.sample(batch)  # zeros: black pixels, points at the centre, NUL bytes
+        generator = torch.Generator().manual_seed(int(config["seed"]))
+        if stored.is_floating_point():  # random values check the graph better than zeros
+            stored = torch.randn(stored.shape, generator=generator)
+        elif stored.dtype == torch.uint8:
+            stored = torch.randint(0, 256, stored.shape, dtype=torch.uint8, generator=generator)
+        result = export_model(Tower(module, name), folder / f"{name}{suffix}", {"input": stored}, settings)
+        metrics.update({f"{k}/{name}" if k.startswith("export/") else k: v for k, v in result.items()})
+    return metrics

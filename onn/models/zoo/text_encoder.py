@@ -1,0 +1,53 @@
+"""The ONN zoo's small text encoder: byte tokens -> a tiny transformer -> one feature vector per text.
+
+Made for the text side of a dual encoder (captions, descriptions, file names' words): ONN's byte
+tokenizer (onn/models/tokenizer.py: ids 0-255 are bytes, then <bos> <eos> <pad>) needs no download,
+and a few pre-norm transformer layers over the bytes, mean-pooled over the real (non-pad) tokens,
+learn words from their letters. The blocks are an nn.ModuleList of identical layers, so LayerMap
+discovery finds them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+BYTE_VOCAB = 259  # 256 bytes + <bos> <eos> <pad>
+PAD_ID = 258
+
+
+class TextEncoder(nn.Module):
+    """token ids [B, L] (PAD_ID after the text) -> features [B, out_features]."""
+
+    def __init__(self, out_features: int = 128, max_length: int = 64, width: int = 64, layers: int = 2, heads: int = 4,
+                 dropout: float = 0.1, vocab_size: int = BYTE_VOCAB, pad_id: int = PAD_ID):  # fmt: skip
+        super().__init__()
+        self.pad_id = pad_id
+        self.embed = nn.Embedding(vocab_size, width, padding_idx=pad_id)
+        self.position = nn.Parameter(torch.randn(max_length, width) * 0.02)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, heads, 4 * width, dropout, batch_first=True, norm_first=True)
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, out_features)
+        self.num_features = width
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        keep = ids != self.pad_id  # [B, L]; a text has at least one token (empty texts are skipped when read)
+        x = self.embed(ids) + self.position[: ids.shape[1]]
+        # padding as an additive float mask (not a bool key_padding_mask): the fast path and its nested
+        # tensors stay off, so training, evaluation and the exported graph compute the same thing
+        mask = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill(~keep, float("-inf"))[
+            :, None, :
+        ]
+        mask = (
+            mask.expand(-1, ids.shape[1], -1).repeat_interleave(self.blocks[0].self_attn.num_heads, dim=0)
+            if self.blocks
+            else mask
+        )
+        for block in self.blocks:
+            x = block(x, src_mask=mask)
+        weights = keep.unsqueeze(-1).to(x.dtype)
+        pooled = (self.norm(x) * weights).sum(1) / weights.sum(1).clamp_min(1)
+        return self.head(pooled)

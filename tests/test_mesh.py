@@ -1,0 +1,251 @@
+"""3D meshes: every file type read through trimesh into normalised point sets, broken files skipped and
+named, on-device augmentation, PointNet, the whole track on generated primitives (train -> infer ->
+ONNX), and the 100 real files of ../shared/data/meshes/trimesh."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import SHARED_DATA, compose
+
+from onn.errors import UserError
+from onn.modalities.mesh.primitives import CLASSES, write_primitives
+from onn.modalities.mesh.read import Sampling, decode, read_source
+
+MESHES = SHARED_DATA / "meshes" / "trimesh"
+SETTINGS = Sampling(points=64, normals=False, seed=0)
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory) -> Path:
+    """Six classes of primitives, 6 each, written as OBJ, PLY, STL, OFF and GLB in turn."""
+    return write_primitives(tmp_path_factory.mktemp("shapes"), per_class=6, seed=0)
+
+
+def test_every_format_reads_to_normalised_points(shapes):
+    found = read_source(shapes, Sampling(points=64, normals=True, seed=0), max_bad_fraction=0.0)
+    (split,) = found.values()
+    assert split.inputs.shape == (36, 64, 6) and split.classes == list(CLASSES)
+    assert {Path(n).suffix for n in split.names} == {".obj", ".ply", ".stl", ".off", ".glb"}
+    xyz, normals = split.inputs[..., :3], split.inputs[..., 3:]
+    radius = xyz.norm(dim=-1).amax(dim=1)
+    assert torch.allclose(radius, torch.ones(36), atol=1e-5)  # scaled into the unit sphere
+    assert xyz.mean(dim=1).abs().max() < 1e-5  # centred
+    assert torch.allclose(normals.norm(dim=-1), torch.ones(36, 64), atol=1e-4)
+    assert [split.classes[i] for i in split.labels] == [n.split("/")[0] for n in split.names]
+    again = read_source(shapes, Sampling(points=64, normals=True, seed=0), max_bad_fraction=0.0)
+    assert torch.equal(next(iter(again.values())).inputs, split.inputs)  # seeded by the file's name
+    other = read_source(shapes, Sampling(points=64, normals=True, seed=1), max_bad_fraction=0.0)
+    assert not torch.equal(next(iter(other.values())).inputs, split.inputs)
+
+
+def test_pca_alignment_undoes_a_rotation():
+    import trimesh
+
+    from onn.modalities.mesh.primitives import rotation
+    from onn.modalities.mesh.read import sample_points
+
+    box = trimesh.creation.box(extents=[1.6, 0.9, 0.4])
+    turned = box.copy().apply_transform(rotation(np.random.default_rng(3)))
+    aligned = Sampling(256, True, 0, "pca")
+    a, b = (sample_points(m.vertices, m.faces, aligned, "box") for m in (box, turned))
+    assert np.allclose(a, b, atol=1e-4)  # the same points, the same frame, whatever the file's orientation
+    spread = np.cov(a[:, :3].T)
+    assert (
+        np.allclose(spread, np.diag(np.diag(spread)), atol=1e-6)
+        and spread[0, 0] > spread[1, 1] > spread[2, 2]
+    )
+
+
+def test_a_scene_of_two_meshes_is_one_shape(tmp_path):
+    import trimesh
+
+    scene = trimesh.Scene()
+    scene.add_geometry(
+        trimesh.creation.box(extents=[1, 1, 1]),
+        transform=trimesh.transformations.translation_matrix([-3, 0, 0]),
+    )
+    scene.add_geometry(
+        trimesh.creation.box(extents=[1, 1, 1]),
+        transform=trimesh.transformations.translation_matrix([3, 0, 0]),
+    )
+    (tmp_path / "two.glb").write_bytes(scene.export(file_type="glb"))
+    points = decode(tmp_path / "two.glb", "two.glb", Sampling(256, False))
+    assert (points[:, 0] < -0.5).sum() > 64 and (
+        points[:, 0] > 0.5
+    ).sum() > 64  # both boxes, where the scene put them
+
+
+def test_broken_files_are_skipped_with_their_reason(shapes, tmp_path, caplog):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(shapes, data)
+    (data / "box" / "nan.obj").write_text("v 0 0 0\nv 1 0 0\nv nan 1 0\nv 0 0 1\nf 1 2 3\nf 1 2 4\n")
+    (data / "box" / "empty.ply").write_bytes(b"")
+    # trimesh reads this one as an empty scene, without an error
+    (data / "cone" / "garbage.stl").write_bytes(b"\x00\x01not a mesh" * 20)
+    (data / "cone" / "flat.obj").write_text("v 0 0 0\nv 1 0 0\nv 2 0 0\nf 1 2 3\n")  # every face degenerate
+    (data / "torus" / "bad.glb").write_bytes(b"glTF" + bytes(40))  # a header and nothing after it
+    (data / "sphere" / "cloud.ply").write_bytes(_point_cloud_ply(50))  # points only: read as points
+    with pytest.raises(
+        UserError, match=r"5 of 42 mesh files cannot be used .*nan\.obj: 1 of its 4 vertices are not finite"
+    ):
+        read_source(data, SETTINGS, max_bad_fraction=0.05)
+    found = read_source(data, SETTINGS, max_bad_fraction=0.2)
+    (split,) = found.values()
+    assert len(split.names) == 37 and "sphere/cloud.ply" in split.names
+    reasons = dict(s.split(": ", 1) for s in split.skipped)
+    assert set(reasons) == {
+        "box/nan.obj",
+        "box/empty.ply",
+        "cone/garbage.stl",
+        "cone/flat.obj",
+        "torus/bad.glb",
+    }
+    assert "not finite" in reasons["box/nan.obj"] and "zero surface area" in reasons["cone/flat.obj"]
+    assert "empty file (0 bytes)" in reasons["box/empty.ply"] and "no geometry" in reasons["cone/garbage.stl"]
+    assert reasons["torus/bad.glb"].startswith("unreadable as GLB")
+    assert "Skipped 5 of 42 mesh files" in caplog.text
+
+
+def _point_cloud_ply(n: int) -> bytes:
+    rows = "\n".join(f"{math.cos(i)} {math.sin(i)} {i / n}" for i in range(n))
+    return f"ply\nformat ascii 1.0\nelement vertex {n}\nproperty float x\nproperty float y\nproperty float z\nend_header\n{rows}\n".encode()
+
+
+def test_layouts_splits_and_loose_files(shapes, tmp_path):
+    import shutil
+
+    for split in ("train", "test"):
+        shutil.copytree(shapes, tmp_path / "split" / split)
+    found = read_source(tmp_path / "split", SETTINGS, max_bad_fraction=0.0)
+    assert set(found) == {"train", "test"} and len(found["test"].names) == 36
+    shutil.copytree(shapes / "torus", tmp_path / "modelnet" / "ModelNet" / "torus" / "train")
+    shutil.copytree(shapes / "cone", tmp_path / "modelnet" / "ModelNet" / "cone" / "test")
+    # a wrapping folder, CLASS/SPLIT/FILE
+    found = read_source(tmp_path / "modelnet", SETTINGS, max_bad_fraction=0.0)
+    assert found["train"].classes == ["cone", "torus"] and {
+        found["test"].classes[i] for i in found["test"].labels
+    } == {"cone"}
+    shutil.copy(shapes / "box" / "0000.obj", tmp_path / "split" / "loose.obj")
+    with pytest.raises(UserError, match="loose.obj is not in a class folder"):
+        read_source(tmp_path / "split", SETTINGS, max_bad_fraction=0.0)
+
+
+def test_point_augment_turns_about_the_up_axis_only_in_training():
+    from onn.modalities.mesh.augment import PointAugment
+
+    points = torch.randn(4, 100, 6)
+    augment = PointAugment({"rotate": "up", "up_axis": "z", "scale": None, "jitter": 0.0})
+    out = augment(points, train=True, generator=torch.Generator().manual_seed(0))
+    # z stays
+    assert torch.allclose(out[..., 2], points[..., 2]) and torch.allclose(out[..., 5], points[..., 5])
+    assert torch.allclose(out[..., :2].norm(dim=-1), points[..., :2].norm(dim=-1), atol=1e-5)  # a turn
+    assert not torch.allclose(out[..., :2], points[..., :2])
+    assert torch.equal(augment(points, train=False), points)
+    scaled = PointAugment({"scale": [2.0, 2.0]})(points, train=True)
+    assert torch.allclose(scaled[..., :3], 2 * points[..., :3]) and torch.equal(
+        scaled[..., 3:], points[..., 3:]
+    )
+    turned = PointAugment({"rotate": "any"})(points, train=True)
+    assert torch.allclose(turned[..., :3].norm(dim=-1), points[..., :3].norm(dim=-1), atol=1e-5)
+    gram = turned[0, :, :3].T @ turned[0, :, :3]  # a rotation keeps the points' Gram matrix's spectrum
+    assert torch.allclose(
+        torch.linalg.eigvalsh(gram), torch.linalg.eigvalsh(points[0, :, :3].T @ points[0, :, :3]), rtol=1e-4
+    )
+    with pytest.raises(UserError, match="up_axis"):
+        PointAugment({"up_axis": "w"})
+    with pytest.raises(UserError, match="not a point-cloud augmentation setting"):
+        PointAugment({"hflip": 0.5})
+
+
+def test_pointnet_ignores_the_order_of_points():
+    from onn.models.zoo.pointnet import PointNet
+
+    torch.manual_seed(0)
+    model = PointNet(in_channels=3, num_classes=5, widths=(16, 32), hidden=(16,)).eval()
+    points = torch.randn(2, 50, 3)
+    shuffled = points[:, torch.randperm(50)]
+    assert torch.allclose(model(points), model(shuffled), atol=1e-6)
+
+
+def test_data_auto_recognises_meshes_and_the_recipe_plans(shapes):
+    from onn.modalities import detect, get
+
+    modality, reason = detect(shapes)
+    assert modality.name == "mesh" and "36 mesh files" in reason
+    assert detect("builtin:primitives")[0].name == "mesh"
+    cfg = compose("recipe=mesh_primitives", "hardware=cpu_16gb")
+    assert cfg["data"]["modality"] == "mesh" and cfg["data"]["source"] == "builtin:primitives"
+    plan, spec = get("mesh").plan(cfg, {**cfg["hardware"], "source": "preset"})
+    assert plan["strategy"] == "full" and spec.n_blocks == 3 and spec.sample_flops > 0
+
+
+def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
+    from onn.app import execute
+
+    cfg = compose(
+        *("model=pointnet", "data=mesh", "tracking=none", "trainer.enable_progress_bar=false"),
+        *(f"paths.outputs={tmp / 'outputs'}", f"paths.cache={tmp / 'cache'}", "strategy.precision=32-true"),
+        *("trainer.max_steps=-1", "trainer.val_check_interval=1.0", "optim.warmup_steps=0", "optim.lr=5e-3"),
+        *("data.points=128", "data.align=pca", "data.batch_size=8"),
+        "model.kwargs={widths: [64, 128], hidden: [64], dropout: 0.0, pooling: [max, mean]}",
+        "data.augment={rotate: none, scale: [0.9, 1.1], jitter: 0.01}",
+        *overrides,
+    )
+    run_dir = tmp / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return execute(cfg, run_dir), run_dir
+
+
+@pytest.mark.slow
+def test_train_infer_and_onnx_on_generated_primitives(tmp_path):
+    data = write_primitives(tmp_path / "shapes", per_class=12, seed=0)
+    test = write_primitives(tmp_path / "held_out", per_class=3, seed=1)
+    metrics, run_dir = run(tmp_path, f"data.source={data}", f"data.test_source={test}", "trainer.max_epochs=10",
+                           "task.monitor=val/loss", "export=onnx", "data.max_bad_fraction=0.1")  # fmt: skip
+    assert metrics["modality"] == "mesh" and metrics["resident"] is True and metrics["items_skipped"] == 0
+    assert metrics["train/loss_final"] < metrics["train/loss_initial"]
+    assert metrics["test/acc"] > 2 / 6  # chance is 1/6
+    assert metrics["export/max_abs_diff"] < 1e-4 and Path(metrics["export/onnx"]).is_file()
+
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(metrics["export/onnx"], providers=["CPUExecutionProvider"])
+    points = torch.randn(3, 128, 3)
+    (logits,) = session.run(None, {session.get_inputs()[0].name: points.numpy()})
+    assert logits.shape == (3, 6)
+
+    (test / "box" / "broken.ply").write_bytes(b"ply\nformat ascii 1.0\nelement vertex 0\nend_header\n")
+    # the checkpoint's data settings come with it (data.max_bad_fraction=0.1): one broken file of 19 is a counted skip
+    out, _ = run(tmp_path, "task=infer", f"ckpt={run_dir}", f"task.input={test}", name="infer")
+    rows = [json.loads(line) for line in Path(out["infer/output"]).read_text().splitlines()]
+    assert len(rows) == 18 and out["infer/items_skipped"] == 1 and {r["true"] for r in rows} == set(CLASSES)
+    assert all(r["predicted"] in CLASSES and len(r["top5"]) == 5 for r in rows)
+    from PIL import Image
+
+    picture = np.asarray(Image.open(out["infer/picture"]))
+    assert picture.shape[1] >= 96 * 8 and picture.std() > 10  # drawn point clouds, not a blank canvas
+
+
+@pytest.mark.skipif(not MESHES.is_dir(), reason="../shared/data/meshes/trimesh is not here")
+def test_the_hundred_real_files_load_or_are_skipped_with_a_reason():
+    files = sorted(p for p in MESHES.iterdir() if p.suffix.lower() != ".md")
+    assert len(files) == 100
+    found = read_source(MESHES, SETTINGS, max_bad_fraction=0.1, allow_unlabelled=True)
+    (split,) = found.values()
+    assert len(split.names) + len(split.skipped) == 100
+    assert sorted(s.split(":")[0] for s in split.skipped) == [
+        "empty.obj",
+        "empty.ply",
+        "empty.stl",
+        "empty_nodes.glb",
+    ]
+    assert all("no geometry" in s for s in split.skipped)
+    assert torch.isfinite(split.inputs).all() and split.inputs.shape == (96, 64, 3)
