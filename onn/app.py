@@ -150,6 +150,8 @@ def compose_detected(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     modality, reason = detect(cfg.data.source)
     given = given_groups(overrides)
     kept = [o for o in overrides if not o.startswith(("data=", "+data=")) and o.lstrip("+~").split("=", 1)[0] != "data.modality"]
+    # data=auto has only `source`: other data keys come as +data.KEY=VALUE, and are plain keys of the data config found
+    kept = [o[1:] if o.startswith("+data.") else o for o in kept]
     chosen = [f"data={modality.default_data}"]
     if "model" not in given:
         chosen.append(f"model={modality.default_model}")
