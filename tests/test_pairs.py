@@ -143,7 +143,7 @@ def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
     from onn.app import execute
 
     cfg = compose("data=pairs", "model=dual_encoder", "tracking=none", "trainer.enable_progress_bar=false",
-                  f"paths.outputs={tmp / 'outputs'}", f"paths.cache={tmp / 'cache'}", "trainer.max_steps=-1",
+                  f"paths.outputs={tmp / 'outputs'}", f"paths.cache={tmp / 'cache'}", "trainer.max_steps=-1", "trainer.max_epochs=2",
                   "trainer.val_check_interval=1.0", "optim.warmup_steps=5", "strategy.precision=32-true", *overrides)  # fmt: skip
     run_dir = tmp / name
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -38,9 +38,15 @@ def detect(source: str | os.PathLike) -> tuple[Modality, str]:
     """The modality whose sniffer recognises `source` (`data=auto`), and why. Only regular files and
     folders are read, a bounded number of bytes each; the more specific modalities ask first."""
     text = str(source)
+    if text.startswith("builtin:"):
+        name = text.partition(":")[2]
+        for modality in REGISTRY.values():
+            if name in modality.builtins:
+                return modality, f"ONN's built-in generator {text}"
+        known = ", ".join(f"builtin:{b}" for m in REGISTRY.values() for b in m.builtins)
+        raise UserError(f"data.source={text} is no built-in dataset; the built-ins are {known}.")
     path = Path(os.path.expanduser(text))
-    if not text.startswith("builtin:"):
-        existing_source(path, "data.source")  # a link loop, a device, a pipe: one sentence, nothing read
+    existing_source(path, "data.source")  # a link loop, a device, a pipe: one sentence, nothing read
     for modality in sorted(REGISTRY.values(), key=lambda m: -m.sniff_priority):
         reason = modality.sniff(path)
         if reason:

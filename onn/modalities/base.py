@@ -56,6 +56,7 @@ class Modality:
     default_model: str = ""  # the conf/model option used when the command line names none
     description: str = ""  # one line for messages ("prompt/answer text", "image classification")
     sniff_priority: int = 0  # data=auto asks higher first: specific modalities before text, which reads any UTF-8
+    builtins: tuple[str, ...] = ()  # its generated datasets, data.source=builtin:NAME (data=auto picks the modality by name)
 
     def sniff(self, path: Path) -> str | None:
         """Why `path` holds this modality's data (a short reason), or None. Reads little, and only regular files."""

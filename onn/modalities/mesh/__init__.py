@@ -24,6 +24,7 @@ class MeshModality(ClassifierModality):
     default_data = "mesh"
     default_model = "pointnet"
     description = "3D shape classification (meshes and point clouds)"
+    builtins = ("primitives",)
     stored_dtype = "float32"
 
     def sniff(self, path: Path) -> str | None:

@@ -19,6 +19,7 @@ class TextModality(Modality):
     default_data = "text"
     default_model = "phi4_tiny"
     description = "prompt/answer text for causal language models"
+    builtins = ("math",)
     sniff_priority = -1  # any UTF-8 file reads as text: the other modalities ask first
 
     def sniff(self, path: Path) -> str | None:
