@@ -111,11 +111,15 @@ def quiet_console() -> None:
     would fetch from the Hub, Lightning's hardware inventory and tips). They stay in the job's log file."""
     import warnings
 
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' per-file bars when it loads or writes weights
+    os.environ.setdefault(
+        "HF_HUB_DISABLE_PROGRESS_BARS", "1"
+    )  # transformers' per-file bars when it loads or writes weights
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*(LeafSpec|litlogger|does not have many workers).*")
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.onnx\..*")  # the exporter's notes on axes
+    warnings.filterwarnings(
+        "ignore", category=UserWarning, module=r"torch\.onnx\..*"
+    )  # the exporter's notes on axes
     for name, level in (("bitsandbytes.backends.cpu.ops", logging.ERROR), ("lightning.pytorch.utilities.rank_zero", logging.WARNING),
                         ("lightning.fabric.utilities.rank_zero", logging.WARNING), ("DeepSpeed", logging.ERROR)):  # fmt: skip
         logging.getLogger(name).setLevel(level)
@@ -149,13 +153,20 @@ def compose_detected(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 
     modality, reason = detect(cfg.data.source)
     given = given_groups(overrides)
-    kept = [o for o in overrides if not o.startswith(("data=", "+data=")) and o.lstrip("+~").split("=", 1)[0] != "data.modality"]
+    kept = [
+        o
+        for o in overrides
+        if not o.startswith(("data=", "+data=")) and o.lstrip("+~").split("=", 1)[0] != "data.modality"
+    ]
     # data=auto has only `source`: other data keys come as +data.KEY=VALUE, and are plain keys of the data config found
     kept = [o[1:] if o.startswith("+data.") else o for o in kept]
     chosen = [f"data={modality.default_data}"]
     if "model" not in given:
         chosen.append(f"model={modality.default_model}")
-    print(f"data=auto: {cfg.data.source} holds {reason}: {modality.description}, so {' '.join(chosen)}", flush=True)
+    print(
+        f"data=auto: {cfg.data.source} holds {reason}: {modality.description}, so {' '.join(chosen)}",
+        flush=True,
+    )
     return compose(config_name="config", overrides=[*chosen, *kept])
 
 
@@ -197,7 +208,9 @@ def from_checkpoint(config: dict[str, Any], given: set[str]) -> tuple[Path, dict
     ckpt = resolve_checkpoint(config["ckpt"], config["paths"]["outputs"])
     saved = saved_config(ckpt)
     if not isinstance(saved.get("model"), dict):
-        raise UserError(f"ckpt {ckpt} holds no ONN run config (written by another tool?); it cannot be rebuilt.")
+        raise UserError(
+            f"ckpt {ckpt} holds no ONN run config (written by another tool?); it cannot be rebuilt."
+        )
     saved_modality = saved.get("modality") or (saved.get("data") or {}).get("modality") or "text"
     came = {}
     for group in ("model", "strategy"):
@@ -264,7 +277,9 @@ def execute(config: dict[str, Any], run_dir: Path, given: set[str] | None = None
     ckpt, came = None, {}
     if config.get("ckpt"):
         ckpt, came = from_checkpoint(config, given or set())
-        log.info("checkpoint %s: %s", ckpt, "; ".join(f"{group} from the {where}" for group, where in came.items()))
+        log.info(
+            "checkpoint %s: %s", ckpt, "; ".join(f"{group} from the {where}" for group, where in came.items())
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {"model": config["model"]["name"], "data": config["data"]["name"],
                            "data_source": config["data"].get("source"), "checkpoint_used": str(ckpt) if ckpt else None,
@@ -280,7 +295,7 @@ def execute(config: dict[str, Any], run_dir: Path, given: set[str] | None = None
         )
     if task.heavy:
         check_optim(config["optim"])
-        check_trainer(config["trainer"])
+        check_trainer(config["trainer"], trains=task.trains)
     modality.check(config)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     if task.heavy:
@@ -290,13 +305,17 @@ def execute(config: dict[str, Any], run_dir: Path, given: set[str] | None = None
         import peft  # noqa: F401
         import transformers  # noqa: F401
 
-    hardware = resolve_hardware(config["hardware"], Path(config["paths"]["cache"]), Path(config["paths"]["outputs"]))
+    hardware = resolve_hardware(
+        config["hardware"], Path(config["paths"]["cache"]), Path(config["paths"]["outputs"])
+    )
     # task=tune starts from the planner's own guess; every other task takes a cached tune result
     plan, spec = modality.plan(config, hardware, use_tuned=name != "tune")
     (run_dir / "plan.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
     print(render(plan), flush=True)
     # On CPUs the measured peak is the process's resident memory, which includes its baseline.
-    predicted = plan["predicted_peak_memory_mb"] + (plan["context_mb"] if hardware["accelerator"] != "cuda" else 0)
+    predicted = plan["predicted_peak_memory_mb"] + (
+        plan["context_mb"] if hardware["accelerator"] != "cuda" else 0
+    )
     out.update({
         "modality": modality.name,
         "strategy": plan["strategy"],

@@ -29,7 +29,9 @@ def compose(*overrides: str, root: Path | None = None) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, python_warnings: str = "ignore") -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: int = 600, python_warnings: str = "ignore"
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": python_warnings}
     return subprocess.run(
         [sys.executable, str(ROOT / "run.py"), *args],

@@ -54,7 +54,10 @@ def test_bench_grid_records_a_failed_job_and_resumes_only_missing_jobs(outputs):
         given = yaml.safe_load((d / ".hydra" / "overrides.yaml").read_text())
         jobs[" ".join(o for o in given if o.startswith(("strategy=", "task.quality=")))] = d
     metrics = {name: json.loads((d / "metrics.json").read_text()) for name, d in jobs.items()}
-    full, sparse = metrics["strategy=full task.quality=loss_fall"], metrics["strategy=sparse_lora task.quality=loss_fall"]
+    full, sparse = (
+        metrics["strategy=full task.quality=loss_fall"],
+        metrics["strategy=sparse_lora task.quality=loss_fall"],
+    )
     for m in (full, sparse):
         assert m["status"] == "ok", m["error"]
         for key in ("bench/step_s", "bench/samples_per_s", "bench/tokens_per_s", "bench/peak_memory_mb", "bench/predicted_memory_mb",
@@ -62,7 +65,9 @@ def test_bench_grid_records_a_failed_job_and_resumes_only_missing_jobs(outputs):
                     "score/speed", "score/memory", "score/overall"):  # fmt: skip
             assert m[key] is not None, key
         assert 0 <= m["bench/quality"] <= 1 and len(m["bench/loss_curve"]) == 16
-        assert m["bench/samples_per_s"] == pytest.approx(8 / m["bench/step_s"], rel=5e-3)  # step_s is rounded to 0.1 ms
+        assert m["bench/samples_per_s"] == pytest.approx(
+            8 / m["bench/step_s"], rel=5e-3
+        )  # step_s is rounded to 0.1 ms
     assert sparse["bench/io_s"] is not None and sparse["bench/compute_s"] > 0  # streaming splits its step
     for strategy in ("full", "sparse_lora"):
         failed = metrics[f"strategy={strategy} task.quality=bleu"]

@@ -59,8 +59,14 @@ def test_bad_inputs_name_file_and_line(tmp_path):
         read_records(empty)
     with pytest.raises(UserError, match="does not exist"):
         read_records(tmp_path / "nope.jsonl")
-    mapping = {"fields": {"input": "question", "output": "answer"}, "template": "{prompt}", "chat_template": "auto"}
-    records = Records([{"question": "x", "answer": "1"}, {"question": "y"}], ["f.jsonl line 1", "f.jsonl line 2"])
+    mapping = {
+        "fields": {"input": "question", "output": "answer"},
+        "template": "{prompt}",
+        "chat_template": "auto",
+    }
+    records = Records(
+        [{"question": "x", "answer": "1"}, {"question": "y"}], ["f.jsonl line 1", "f.jsonl line 2"]
+    )
     with pytest.raises(UserError, match=r"f.jsonl line 2 has no field 'answer' \(data.fields.output\)"):
         Prompter(mapping, byte_tokenizer()).examples(records)
 

@@ -237,7 +237,9 @@ def test_corrupt_and_truncated_images_are_skipped_counted_and_warned(tmp_path, c
 
 def test_labels_outside_num_classes_name_the_item(tmp_path):
     write_tree(tmp_path, tree())
-    with pytest.raises(UserError, match=r"emu/0000\.png has label 'emu' \(class 2 of 3 names.*data\.num_classes is 2"):
+    with pytest.raises(
+        UserError, match=r"emu/0000\.png has label 'emu' \(class 2 of 3 names.*data\.num_classes is 2"
+    ):
         read_splits(tmp_path, num_classes=2)
     assert read_splits(tmp_path, num_classes=3)["all"].classes == CLASSES
 

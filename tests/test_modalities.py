@@ -54,15 +54,28 @@ def test_detect_reads_the_content_not_the_name(tmp_path):
 def test_data_auto_picks_the_modality_its_data_config_and_default_model(tmp_path, outputs):
     images = image_folder(tmp_path / "photos")
     records = tmp_path / "qa.jsonl"
-    records.write_text("".join(json.dumps({"input": f"{i}+1", "output": str(i + 1)}) + "\n" for i in range(40)))
+    records.write_text(
+        "".join(json.dumps({"input": f"{i}+1", "output": str(i + 1)}) + "\n" for i in range(40))
+    )
     for source, modality, model, given in ((images, "image", "v28_cnn", []), (records, "text", "phi4_tiny", []),
                                            (records, "text", "llama_tiny", ["model=llama_tiny"])):  # fmt: skip
         run_dir = outputs / f"{modality}-{model}"
-        proc = run_cli("data=auto", f"data.source={source}", "task=plan", *given, f"paths.outputs={outputs}", f"hydra.run.dir={run_dir}")
+        proc = run_cli(
+            "data=auto",
+            f"data.source={source}",
+            "task=plan",
+            *given,
+            f"paths.outputs={outputs}",
+            f"hydra.run.dir={run_dir}",
+        )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert f"data=auto: {source} holds" in proc.stdout
         metrics = read_metrics(run_dir)
-        assert (metrics["modality"], metrics["model"], metrics["data_source"]) == (modality, model, str(source))
+        assert (metrics["modality"], metrics["model"], metrics["data_source"]) == (
+            modality,
+            model,
+            str(source),
+        )
 
 
 class Echo(Modality):
@@ -76,7 +89,9 @@ class Echo(Modality):
 
         with torch.device("meta"):
             spec = network_spec(torch.nn.Linear(4, 2), torch.empty(1, 4), "echo", pretrained=False)
-        return make_network_plan({**config, "strategy": {**config["strategy"], "name": "full"}}, hardware, spec), spec
+        return make_network_plan(
+            {**config, "strategy": {**config["strategy"], "name": "full"}}, hardware, spec
+        ), spec
 
     def train(self, job: Job) -> dict:
         return {"echo/task": job.config["task"]["name"], "echo/run_dir": str(job.run_dir)}
@@ -87,7 +102,12 @@ def test_a_new_modality_needs_only_registering(tmp_path):
 
     register(Echo())
     try:
-        config = compose("data.modality=echo", "tracking=none", f"paths.outputs={tmp_path}", f"paths.cache={tmp_path / 'cache'}")
+        config = compose(
+            "data.modality=echo",
+            "tracking=none",
+            f"paths.outputs={tmp_path}",
+            f"paths.cache={tmp_path / 'cache'}",
+        )
         metrics = execute(config, tmp_path / "run")
         assert metrics["modality"] == "echo" and metrics["echo/task"] == "train"
         with pytest.raises(UserError, match="task=infer is not available for echo data"):

@@ -14,7 +14,9 @@ from onn.training.optim import check, make_optimizer, make_schedule
 
 
 def language_model(optim: dict, max_steps: int = 10) -> CausalLM:
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
     return CausalLM(LlamaForCausalLM(config), optim, max_steps=max_steps, onn_config={}, micro_batch=2)
 
 
@@ -34,7 +36,9 @@ def test_sgd_momentum_and_nesterov_reach_every_module():
     cnn = module.configure_optimizers()["optimizer"]
     for optimizer in (lm, cnn):
         group = optimizer.param_groups[0]
-        assert isinstance(optimizer, torch.optim.SGD) and group["momentum"] == 0.5 and group["nesterov"] is True
+        assert (
+            isinstance(optimizer, torch.optim.SGD) and group["momentum"] == 0.5 and group["nesterov"] is True
+        )
 
 
 @pytest.mark.parametrize("monitor, mode", [("val/loss", "min"), ("val/acc", "max")])
@@ -54,7 +58,9 @@ def test_warmup_longer_than_the_run_is_clamped_to_it():
         rates.append(scheduler.get_last_lr()[0])
         scheduler.optimizer.step()
         scheduler.step()
-    assert rates == sorted(rates) and rates[-1] == pytest.approx(0.09)  # warming up over the whole run, to the peak
+    assert rates == sorted(rates) and rates[-1] == pytest.approx(
+        0.09
+    )  # warming up over the whole run, to the peak
 
 
 @pytest.mark.parametrize(

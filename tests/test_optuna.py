@@ -64,9 +64,14 @@ def test_optuna_runs_two_real_trials_and_reports_the_best_lr(outputs):
                    f"paths.outputs={outputs}", f"hydra.sweep.dir={sweep}")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     trials = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/metrics.json"))]
-    lrs = [yaml.safe_load((p.parent / "config.yaml").read_text())["optim"]["lr"] for p in sorted(sweep.glob("*/metrics.json"))]
+    lrs = [
+        yaml.safe_load((p.parent / "config.yaml").read_text())["optim"]["lr"]
+        for p in sorted(sweep.glob("*/metrics.json"))
+    ]
     assert len(trials) == 2 and all(t["status"] == "ok" and t["val/loss_final"] > 0 for t in trials)
-    assert len(set(lrs)) == 2 and all(1e-4 <= lr <= 3e-2 for lr in lrs)  # Optuna picked two rates in the range
+    assert len(set(lrs)) == 2 and all(
+        1e-4 <= lr <= 3e-2 for lr in lrs
+    )  # Optuna picked two rates in the range
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     best = min(range(2), key=lambda i: trials[i]["val/loss_final"])
     assert results["best_params"]["optim.lr"] == pytest.approx(lrs[best])

@@ -28,7 +28,9 @@ def test_phi4_on_a_4gb_gpu_streams_under_4gb(tmp_path):
 @pytest.mark.parametrize("hardware", ["a100_80gb", "h100_80gb"])
 def test_phi4_on_80gb_picks_lora(tmp_path, hardware):
     plan, _ = plan_for("model=phi4", f"hardware={hardware}", tmp_path=tmp_path)
-    assert plan["strategy"] == "lora" and plan["precision"] == "bf16-mixed"  # pretrained weights fit: LoRA, never full
+    assert (
+        plan["strategy"] == "lora" and plan["precision"] == "bf16-mixed"
+    )  # pretrained weights fit: LoRA, never full
 
 
 def test_random_init_trains_everything_and_explicit_choice_wins(tmp_path):

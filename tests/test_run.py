@@ -65,7 +65,11 @@ def test_train_eval_infer(outputs, tmp_path):
     )
     ev = read_metrics(ev_dir)
     # rebuilt from the checkpoint's config, and metrics.json names what was used (not the default phi4_tiny)
-    assert ev["model"] == "llama_tiny" and ev["data"] == "math" and ev["checkpoint_used"] == str(run_dir / "checkpoints" / "last.ckpt")
+    assert (
+        ev["model"] == "llama_tiny"
+        and ev["data"] == "math"
+        and ev["checkpoint_used"] == str(run_dir / "checkpoints" / "last.ckpt")
+    )
     assert ev["val/loss"] == pytest.approx(m["val/loss_final"], rel=1e-4)
     assert (
         ev["val/perplexity"] == pytest.approx(2.718281828 ** ev["val/loss"], rel=1e-4)
@@ -155,7 +159,9 @@ def test_killed_run_resumes_to_the_same_result(outputs):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert 0 < step < 120, f"no mid-run checkpoint to resume from (step {step})"
-    assert json.loads((killed / "metrics.json").read_text())["status"] == "running"  # what SIGKILL leaves (the grid: crashed)
+    assert (
+        json.loads((killed / "metrics.json").read_text())["status"] == "running"
+    )  # what SIGKILL leaves (the grid: crashed)
     ok(run_cli(*args, "ckpt=last", f"hydra.run.dir={outputs / 'resumed'}"))
     whole, resumed = read_metrics(outputs / "whole"), read_metrics(outputs / "resumed")
     assert resumed["resumed_from"].startswith(str(killed)) and resumed["steps"] == whole["steps"] == 120
@@ -214,7 +220,13 @@ def test_the_default_run_prints_the_plan_a_progress_bar_and_the_result_and_no_wa
                       f"paths.outputs={outputs}", f"hydra.run.dir={outputs / 'default'}", python_warnings="default"))  # fmt: skip
     console = proc.stdout + proc.stderr
     assert "ONN plan: phi4_tiny" in console and "train ok:" in console
-    noisy = [line for line in console.splitlines() if any(w in line.lower() for w in ("warn", "deprecat", "tip:"))]
+    noisy = [
+        line for line in console.splitlines() if any(w in line.lower() for w in ("warn", "deprecat", "tip:"))
+    ]
     assert not noisy, noisy
-    lines = [line.strip() for line in console.splitlines() if line.strip() and "━" not in line and not line.startswith(("│", "┃", "└", "┏", "┡"))]
+    lines = [
+        line.strip()
+        for line in console.splitlines()
+        if line.strip() and "━" not in line and not line.startswith(("│", "┃", "└", "┏", "┡"))
+    ]
     assert len(lines) == len(set(lines)), [line for line in lines if lines.count(line) > 1]

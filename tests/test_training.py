@@ -162,12 +162,16 @@ def test_qlora_trains_lora_on_a_4bit_base_also_after_a_validation(tmp_path):
     plan, _ = get("text").plan(cfg, hardware)
     assert plan["strategy"] == "qlora" and plan["candidates"]["qlora"]["fits"]
     module, _ = build(cfg, plan)
-    assert sum(isinstance(m, bnb.nn.Linear4bit) for m in module.model.modules()) == 8 * 7  # every block linear
+    assert (
+        sum(isinstance(m, bnb.nn.Linear4bit) for m in module.model.modules()) == 8 * 7
+    )  # every block linear
     batch = batches(steps=1)[0]
     module.eval()
     with torch.no_grad():
         module.model(**batch)  # a validation pass
     module.train()
     module.model(**batch).loss.backward()
-    grads = [p.grad for n, p in module.model.named_parameters() if "lora_B" in n]  # lora_A gets none while B is 0
+    grads = [
+        p.grad for n, p in module.model.named_parameters() if "lora_B" in n
+    ]  # lora_A gets none while B is 0
     assert grads and all(g is not None for g in grads) and sum(float(g.abs().sum()) for g in grads) > 0

@@ -199,7 +199,14 @@ def test_bench_vision_reports_both_ratios(images, tmp_path):
                      "task.repeats=1", "task.standard_workers=0", "data.augment={crop_padding: 2, hflip: 0.5}")  # fmt: skip
     for key in ("vision/runner_overhead", "vision/resident_speedup", "vision/train_speedup"):
         assert isinstance(metrics[key], float), key
-    assert set(metrics["vision/rounds"]) >= {"plain", "onn", "standard", "resident", "pipeline_standard", "pipeline_resident"}
+    assert set(metrics["vision/rounds"]) >= {
+        "plain",
+        "onn",
+        "standard",
+        "resident",
+        "pipeline_standard",
+        "pipeline_resident",
+    }
 
 
 @pytest.mark.parametrize(

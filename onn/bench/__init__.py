@@ -1,10 +1,10 @@
 """Benchmarks: measured speed and memory, with the planner's predictions beside them, as tasks app runs.
 
-    task=bench             onn/bench/suite.py      a short training protocol against the plan (language models)
-    task=tune              onn/bench/tune.py       timed trials of the settings the planner guesses; cached
-    task=bench_streaming   onn/bench/streaming.py  layer streaming: chunk reuse, I/O against compute
-    task=bench_vision      onn/bench/vision.py     the image runner against a plain loop and a standard pipeline
-    task=bench_shard_plan  onn/export/shards.py    the .omny shard planner on a synthetic model
+task=bench             onn/bench/suite.py      a short training protocol against the plan (language models)
+task=tune              onn/bench/tune.py       timed trials of the settings the planner guesses; cached
+task=bench_streaming   onn/bench/streaming.py  layer streaming: chunk reuse, I/O against compute
+task=bench_vision      onn/bench/vision.py     the image runner against a plain loop and a standard pipeline
+task=bench_shard_plan  onn/export/shards.py    the .omny shard planner on a synthetic model
 """
 
 from __future__ import annotations

@@ -94,7 +94,9 @@ def measure(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict
     config["trainer"].update(max_steps=warmup + steps, val_check_interval=warmup + steps, limit_val_batches=int(task["val_batches"]),
                              enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     clock = StepClock()
-    fit = trainer(config, plan, run_dir, [clock, ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))])
+    fit = trainer(
+        config, plan, run_dir, [clock, ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))]
+    )
     gc.collect()
     cuda = plan["hardware"]["accelerator"] == "cuda"
     baseline = 0.0 if cuda else anon_rss_mb()

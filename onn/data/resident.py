@@ -102,7 +102,9 @@ class StreamedItems(torch.utils.data.Dataset):
         return len(self.index)
 
     def __getitem__(self, i: int):
-        for step in range(len(self)):  # a corrupt item: the next good one stands in, so batches keep their size
+        for step in range(
+            len(self)
+        ):  # a corrupt item: the next good one stands in, so batches keep their size
             j = self.index[(i + step) % len(self)]
             item = self.items.load(j)
             if item is not None:
@@ -118,7 +120,9 @@ def class_order(found: list[str], data_cfg: dict[str, Any]) -> list[str]:
         names = [str(c) for c in names]
         if numbered(found):  # the data has label numbers: data.classes names them, in that order
             if len(found) > len(names):
-                raise UserError(f"data.classes names {len(names)} classes but data.source has {len(found)}; name them all.")
+                raise UserError(
+                    f"data.classes names {len(names)} classes but data.source has {len(found)}; name them all."
+                )
             return names
         unknown = [c for c in found if c not in names]
         if unknown:
@@ -144,7 +148,9 @@ def relabel(decoded: Decoded, classes: list[str], key: str) -> Decoded:
         return Decoded(decoded.inputs, decoded.labels, list(classes), decoded.names, decoded.skipped)
     missing = [c for c in decoded.classes if c not in classes]
     if missing:
-        raise UserError(f"{key} has classes the training data does not: {missing[:5]}; use the same class names.")
+        raise UserError(
+            f"{key} has classes the training data does not: {missing[:5]}; use the same class names."
+        )
     table = torch.tensor([classes.index(c) for c in decoded.classes] or [0], dtype=torch.long)
     labels = torch.where(decoded.labels >= 0, table[decoded.labels.clamp_min(0)], decoded.labels)
     return Decoded(decoded.inputs, labels, list(classes), decoded.names, decoded.skipped)
@@ -167,7 +173,9 @@ class ClassificationData(L.LightningDataModule):
     train / val / test / all), and for streaming `list_items(source)` -> {split: Items} and
     `item_mb(items)`, the decoded size of one item."""
 
-    def __init__(self, data_cfg: dict[str, Any], cache_dir: str, device: str | torch.device = "cpu", seed: int = 0):
+    def __init__(
+        self, data_cfg: dict[str, Any], cache_dir: str, device: str | torch.device = "cpu", seed: int = 0
+    ):
         super().__init__()
         self.cfg, self.cache_dir, self.seed = data_cfg, cache_dir, seed
         self.device = torch.device(device)
@@ -239,7 +247,12 @@ class ClassificationData(L.LightningDataModule):
             return False
         decoded_mb = count * self.item_mb(next(v for v in items.values() if len(v)))
         if decoded_mb > float(budget):
-            log.info("data: %.0f MB decoded is over the %.0f MB budget: streaming from %s", decoded_mb, float(budget), source)
+            log.info(
+                "data: %.0f MB decoded is over the %.0f MB budget: streaming from %s",
+                decoded_mb,
+                float(budget),
+                source,
+            )
             return True
         return False
 
@@ -257,15 +270,23 @@ class ClassificationData(L.LightningDataModule):
                 for k, v in sets.items()}  # fmt: skip
         self._check_labels(sets)
         self.skipped = [s for v in sets.values() for s in v.skipped]
-        splits = {k: Split(v.inputs, v.labels, v.names) for k, v in sets.items() if k in ("train", "val", "test", "all")}
+        splits = {
+            k: Split(v.inputs, v.labels, v.names)
+            for k, v in sets.items()
+            if k in ("train", "val", "test", "all")
+        }
         if "train" not in splits:
             splits["train"] = splits.pop("all")
         if "val" not in splits:
             splits["train"], splits["val"] = self._hold_out(splits["train"])
         shapes = {k: tuple(v.inputs.shape[1:]) for k, v in splits.items()}
         if len(set(shapes.values())) > 1:
-            raise UserError(f"data.source={source}: splits have different shapes {shapes}; {self.same_shape_hint}.")
-        self.splits = {k: Split(v.inputs.to(self.device), v.labels.to(self.device), v.names) for k, v in splits.items()}
+            raise UserError(
+                f"data.source={source}: splits have different shapes {shapes}; {self.same_shape_hint}."
+            )
+        self.splits = {
+            k: Split(v.inputs.to(self.device), v.labels.to(self.device), v.names) for k, v in splits.items()
+        }
         sizes = ", ".join(f"{k} {len(v)}" for k, v in self.splits.items())
         mb = sum(v.inputs.numel() * v.inputs.element_size() for v in self.splits.values()) / MB
         log.info("data: %s, %s, %d classes, %.0f MB on %s", sizes, "x".join(map(str, shapes["train"])), self.num_classes, mb,
@@ -306,7 +327,9 @@ class ClassificationData(L.LightningDataModule):
     def _val_count(self, n: int) -> int:
         fraction = float(self.cfg["val_split"])
         if not 0 < fraction < 1:
-            raise UserError(f"data.val_split must be between 0 and 1 (got {fraction}) when the data has no val split.")
+            raise UserError(
+                f"data.val_split must be between 0 and 1 (got {fraction}) when the data has no val split."
+            )
         n_val = max(1, round(n * fraction))
         if n_val >= n:
             raise UserError(f"data.source has {n} training items: too few to hold out a validation split.")
@@ -322,7 +345,9 @@ class ClassificationData(L.LightningDataModule):
     def train_dataloader(self):
         if self.streamed:
             return self._loader("train", shuffle=True)
-        loader = ResidentBatches(self.splits["train"], self.batch_size, shuffle=True, seed=self.seed, drop_last=True)
+        loader = ResidentBatches(
+            self.splits["train"], self.batch_size, shuffle=True, seed=self.seed, drop_last=True
+        )
         if self.trainer is not None:
             loader.epoch = self.trainer.current_epoch  # resumed runs continue the epoch sequence
         return loader
@@ -335,7 +360,11 @@ class ClassificationData(L.LightningDataModule):
     def test_dataloader(self):
         if self.streamed:
             return self._loader("test", shuffle=False) if "test" in self.streamed else []
-        return ResidentBatches(self.splits["test"], self.eval_batch_size, shuffle=False) if "test" in self.splits else []
+        return (
+            ResidentBatches(self.splits["test"], self.eval_batch_size, shuffle=False)
+            if "test" in self.splits
+            else []
+        )
 
     def has_test(self) -> bool:
         return "test" in (self.streamed or self.splits)

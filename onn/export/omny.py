@@ -140,7 +140,6 @@ def describe(
 
 def _shard_plans(g: G.Graph, parts: list[G.Piece], blocks: list[dict], settings: dict) -> dict[str, Any]:
 
-
     planned = shards.plan_shards(
         _planner_blocks(blocks),
         max_shard_size_mb=float(settings["max_shard_size_mb"]),
@@ -167,7 +166,6 @@ def _shard_plans(g: G.Graph, parts: list[G.Piece], blocks: list[dict], settings:
 
 def _node_plan(g: G.Graph, parts: list[G.Piece], blocks: list[dict], settings: dict) -> dict[str, Any]:
 
-
     nodes = [float(m) for m in settings["nodes"]]
     planned = shards.plan_nodes(_planner_blocks(blocks), nodes, headroom_mb=float(settings["headroom_mb"]))
     return {
@@ -180,7 +178,6 @@ def _node_plan(g: G.Graph, parts: list[G.Piece], blocks: list[dict], settings: d
 
 
 def _planner_blocks(blocks: list[dict]):
-
 
     return [shards.Block(b["name"], b["weight_bytes"], b["activation_bytes_per_sample"]) for b in blocks]
 

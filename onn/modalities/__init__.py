@@ -52,4 +52,6 @@ def detect(source: str | os.PathLike) -> tuple[Modality, str]:
         if reason:
             return modality, reason
     known = ", ".join(m.description for m in REGISTRY.values())
-    raise UserError(f"data.source={text}: no modality recognises what it holds ({known}); choose the data config with data=NAME.")
+    raise UserError(
+        f"data.source={text}: no modality recognises what it holds ({known}); choose the data config with data=NAME."
+    )

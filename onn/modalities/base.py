@@ -55,8 +55,12 @@ class Modality:
     default_data: str = ""  # the conf/data option `data=auto` switches to
     default_model: str = ""  # the conf/model option used when the command line names none
     description: str = ""  # one line for messages ("prompt/answer text", "image classification")
-    sniff_priority: int = 0  # data=auto asks higher first: specific modalities before text, which reads any UTF-8
-    builtins: tuple[str, ...] = ()  # its generated datasets, data.source=builtin:NAME (data=auto picks the modality by name)
+    sniff_priority: int = (
+        0  # data=auto asks higher first: specific modalities before text, which reads any UTF-8
+    )
+    builtins: tuple[
+        str, ...
+    ] = ()  # its generated datasets, data.source=builtin:NAME (data=auto picks the modality by name)
 
     def sniff(self, path: Path) -> str | None:
         """Why `path` holds this modality's data (a short reason), or None. Reads little, and only regular files."""
@@ -100,7 +104,9 @@ class PairSide(Protocol):
     turns a batch of them into features, augmenting while it is in training mode."""
 
     name: str  # the modality's name
-    config: dict[str, Any]  # the side's run config (data, model, seed): saved with a checkpoint, it rebuilds the side
+    config: dict[
+        str, Any
+    ]  # the side's run config (data, model, seed): saved with a checkpoint, it rebuilds the side
 
     def read(self, items: list[Path | str]) -> tuple[torch.Tensor, list[int], list[tuple[int, str]]]:
         """Files (or, for text, the strings themselves) as one stored tensor [n, ...] of the items that could
@@ -134,7 +140,9 @@ class ClassifierModality(Modality):
     Subclasses fill in the hooks; planning, training, evaluation, inference and export are shared
     (onn/modalities/classification.py, imported when a classifier first runs: it brings Lightning)."""
 
-    stored_dtype: str = "float32"  # the dtype its datasets hold inputs in (uint8 pixels, float16 samples, ...)
+    stored_dtype: str = (
+        "float32"  # the dtype its datasets hold inputs in (uint8 pixels, float16 samples, ...)
+    )
 
     def datamodule(self, config: dict[str, Any], device: str):
         """The data config's dataset, a ClassificationData (not set up yet)."""
@@ -164,7 +172,9 @@ class ClassifierModality(Modality):
         """task.input (a file, a folder, an archive) as {split: Decoded}, decoded as the training data was."""
         raise NotImplementedError
 
-    def picture(self, samples, predicted: list[str], true: list[str | None], path: Path, inputs: dict[str, Any]) -> None:
+    def picture(
+        self, samples, predicted: list[str], true: list[str | None], path: Path, inputs: dict[str, Any]
+    ) -> None:
         """A PNG of inputs (stored form) captioned with their predicted (and true) classes."""
 
     # -- shared: onn/modalities/classification.py -------------------------------------------------

@@ -65,7 +65,10 @@ def plan(m: ClassifierModality, config: dict[str, Any], hardware: dict[str, Any]
                         blocks_path=(model_cfg.get("layer_map") or {}).get("blocks"))  # fmt: skip
     return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
 
-def build(m: ClassifierModality, config: dict[str, Any], plan: dict[str, Any], inputs: dict[str, Any]) -> Classifier:
+
+def build(
+    m: ClassifierModality, config: dict[str, Any], plan: dict[str, Any], inputs: dict[str, Any]
+) -> Classifier:
     """The Classifier for `inputs`: from the data, or from a checkpoint."""
     torch.manual_seed(int(config["seed"]))
     model_cfg, strategy = config["model"], plan["strategy"]
@@ -84,15 +87,18 @@ def build(m: ClassifierModality, config: dict[str, Any], plan: dict[str, Any], i
         module.model = torch.compile(module.model)  # the Lightning module keeps the same parameters
     return module
 
+
 def data_inputs(m: ClassifierModality, config: dict[str, Any], dm: ClassificationData) -> dict[str, Any]:
     # the seed picks the validation split held out of train: eval and infer of a checkpoint reuse it
     return {"classes": dm.classes, "input_shape": list(dm.input_shape), "seed": int(config["seed"]),
             **m.input_stats(config, dm)}  # fmt: skip
 
+
 def setup_data(m: ClassifierModality, config: dict[str, Any], device: str) -> ClassificationData:
     dm = m.datamodule(config, device)
     dm.setup()
     return dm
+
 
 def train(m: ClassifierModality, job: Job) -> dict[str, Any]:
     config, plan, run_dir, ckpt = job.config, job.plan, job.run_dir, job.ckpt
@@ -117,7 +123,9 @@ def train(m: ClassifierModality, job: Job) -> dict[str, Any]:
         "epochs": trainer.current_epoch,
         "steps": trainer.global_step,
         "train/loss_initial": float(module.train_losses[0]) if module.train_losses else None,
-        "train/loss_final": float(torch.stack(module.train_losses[-20:]).mean()) if module.train_losses else None,
+        "train/loss_final": float(torch.stack(module.train_losses[-20:]).mean())
+        if module.train_losses
+        else None,
         f"{monitor}_best": round(best_score, 5) if best_score is not None else None,
         "val/history": module.history,
         "val/acc_final": module.history[-1]["val/acc"] if module.history else None,
@@ -136,7 +144,9 @@ def train(m: ClassifierModality, job: Job) -> dict[str, Any]:
         trainer.test(module, datamodule=dm, ckpt_path=best or None, verbose=False)
     else:
         trainer.validate(module, datamodule=dm, ckpt_path=best or None, verbose=False)
-    metrics.update({k: round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith(f"{stage}/")})
+    metrics.update(
+        {k: round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith(f"{stage}/")}
+    )
     picture = run_dir / f"confusion_{stage}.png"
     save_confusion(module.confusion[stage], module.classes, picture)
     metrics["confusion_matrix"] = str(picture)
@@ -145,21 +155,31 @@ def train(m: ClassifierModality, job: Job) -> dict[str, Any]:
         metrics.update(export_module(m, config, module, run_dir))
     return metrics
 
-def load_trained(m: ClassifierModality, config: dict[str, Any], plan: dict[str, Any], ckpt: Path) -> Classifier:
+
+def load_trained(
+    m: ClassifierModality, config: dict[str, Any], plan: dict[str, Any], ckpt: Path
+) -> Classifier:
     """The classifier with the checkpoint's weights."""
     module = build(m, config, plan, saved_inputs(ckpt))
-    check_state(module, state_shapes(ckpt), ckpt, loads_frozen=False)  # names and shapes, before torch's traceback would
+    check_state(
+        module, state_shapes(ckpt), ckpt, loads_frozen=False
+    )  # names and shapes, before torch's traceback would
     missing, unexpected = module.load_state_dict(load_checkpoint(ckpt)["state_dict"], strict=False)
     missing = [k for k in missing if ".backbone." not in k]
     if unexpected or missing:
-        raise UserError(f"ckpt {ckpt} does not match the model it names: missing {missing[:3]}, unexpected {unexpected[:3]}.")
+        raise UserError(
+            f"ckpt {ckpt} does not match the model it names: missing {missing[:3]}, unexpected {unexpected[:3]}."
+        )
     return module
+
 
 def evaluate(m: ClassifierModality, job: Job) -> dict[str, Any]:
     config, plan, ckpt = job.config, job.plan, job.ckpt
     dm = setup_data(m, config, job.device)
     if ckpt is None:
-        log.warning("task=eval without ckpt: evaluating the network as model.source gives it (untrained unless it has weights)")
+        log.warning(
+            "task=eval without ckpt: evaluating the network as model.source gives it (untrained unless it has weights)"
+        )
         module = build(m, config, plan, data_inputs(m, config, dm))
     else:
         module = load_trained(m, config, plan, ckpt)
@@ -168,21 +188,30 @@ def evaluate(m: ClassifierModality, job: Job) -> dict[str, Any]:
     trainer = build_trainer(config, plan, job.run_dir, [], loggers=False, steps_per_epoch=1)
     metrics: dict[str, Any] = {"checkpoint": str(ckpt) if ckpt else None}
     trainer.validate(module, datamodule=dm, verbose=False)
-    metrics.update({k: round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith("val/")})
+    metrics.update(
+        {k: round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    )
     if dm.has_test():
         trainer.test(module, datamodule=dm, verbose=False)
-        metrics.update({k: round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
+        metrics.update(
+            {k: round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
+        )
     print("  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
     return metrics
+
 
 def infer(m: ClassifierModality, job: Job) -> dict[str, Any]:
     """Predict the classes of task.input (one file, a folder or an archive): predictions.jsonl and a PNG."""
     config, task = job.config, job.config["task"]
     source = task["input"]
     if not source:
-        raise UserError(f"task=infer on {m.name} data needs task.input=PATH (a file, a folder or an archive).")
+        raise UserError(
+            f"task=infer on {m.name} data needs task.input=PATH (a file, a folder or an archive)."
+        )
     if job.ckpt is None:
-        raise UserError(f"task=infer on {m.name} data needs ckpt=RUN_DIR (a trained classifier) to know its classes.")
+        raise UserError(
+            f"task=infer on {m.name} data needs ckpt=RUN_DIR (a trained classifier) to know its classes."
+        )
     path = Path(str(source)).expanduser()
     if not path.exists():
         raise UserError(f"task.input={source} does not exist.")
@@ -229,16 +258,22 @@ def infer(m: ClassifierModality, job: Job) -> dict[str, Any]:
         metrics["infer/acc"] = round(correct / known, 5)
     return metrics
 
+
 def export(m: ClassifierModality, job: Job) -> dict[str, Any]:
     """The trained network from `ckpt` (the whole network for a linear probe), or without one the
     network as model.source gives it, sized by the data config."""
     if job.ckpt is not None:
         module = load_trained(m, job.config, job.plan, job.ckpt)
     else:
-        module = build(m, job.config, job.plan, {**(inputs := m.planned_inputs(job.config)), **m.neutral_stats(inputs)})
+        module = build(
+            m, job.config, job.plan, {**(inputs := m.planned_inputs(job.config)), **m.neutral_stats(inputs)}
+        )
     return export_module(m, job.config, module, job.run_dir)
 
-def export_module(m: ClassifierModality, config: dict[str, Any], module: Classifier, run_dir: Path) -> dict[str, Any]:
+
+def export_module(
+    m: ClassifierModality, config: dict[str, Any], module: Classifier, run_dir: Path
+) -> dict[str, Any]:
     """safetensors: the network's state dict plus what rebuilds it (config.json; model.weights loads it);
     onnx / omny: the network as a graph with a [batch, *input] input."""
     settings = config["export"]
@@ -250,7 +285,9 @@ def export_module(m: ClassifierModality, config: dict[str, Any], module: Classif
         folder = Path(settings.get("output") or run_dir / "export" / "safetensors")
         folder.mkdir(parents=True, exist_ok=True)
         save_model(network, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        (folder / "config.json").write_text(json.dumps({"model": config["model"], "inputs": inputs, "modality": m.name}, indent=2))
+        (folder / "config.json").write_text(
+            json.dumps({"model": config["model"], "inputs": inputs, "modality": m.name}, indent=2)
+        )
         log.info("export: %s", folder)
         return {"export/format": "safetensors", "export/path": str(folder)}
     batch = int((settings.get("sample") or {}).get("batch_size", 2))
@@ -259,8 +296,6 @@ def export_module(m: ClassifierModality, config: dict[str, Any], module: Classif
     generator = torch.Generator().manual_seed(int(config["seed"]))
     sample = {"input": torch.randn(x.shape, generator=generator, dtype=x.dtype)}
     return export_for_run(config, network, run_dir, sample)
-
-
 
 
 class SideEncoder(nn.Module):
@@ -272,7 +307,9 @@ class SideEncoder(nn.Module):
         self.transform, self.network = transform, network
 
     def prepare(self, x: torch.Tensor, train: bool) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):  # the transform runs in fp32, as the Classifier's does
+        with torch.autocast(
+            x.device.type, enabled=False
+        ):  # the transform runs in fp32, as the Classifier's does
             return self.transform(x, train=train) if self.transform is not None else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -309,7 +346,9 @@ class ClassifierSide:
         return stored[order], [index[i] for i in order], skipped
 
     def encoder(self, width: int) -> SideEncoder:
-        network = self.m.network(self.config["model"], {**self.inputs, "classes": [str(i) for i in range(width)]})
+        network = self.m.network(
+            self.config["model"], {**self.inputs, "classes": [str(i) for i in range(width)]}
+        )
         return SideEncoder(self.m.transform(self.config, self.inputs), network)
 
     def sample(self, batch: int) -> torch.Tensor:
@@ -355,7 +394,11 @@ def features(module: Classifier, dm: ClassificationData, config: dict[str, Any])
                       "data": {k: hashlib.sha256("\n".join(v.names).encode()).hexdigest() for k, v in dm.splits.items()},
                       "config": {k: v for k, v in config["data"].items() if k not in ("batch_size", "eval_batch_size", "num_workers")}},
                      sort_keys=True, default=str)  # fmt: skip
-    cache = Path(config["paths"]["cache"]) / "features" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
+    cache = (
+        Path(config["paths"]["cache"])
+        / "features"
+        / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
+    )
     if cache.is_file():
         saved = load_file(str(cache), device=str(dm.device))
         log.info("linear probe: features from the cache %s", cache)

@@ -165,7 +165,9 @@ def load_4bit(model_cfg: dict[str, Any], compute_dtype, cache_dir: str | os.Path
             (folder / ".complete").write_text("")
             del model
         folder = str(folder)
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype
+    )
     model = auto_class(read_config(folder, remote)).from_pretrained(folder, local_files_only=True, use_safetensors=True,
                                                                    trust_remote_code=remote, quantization_config=quantization,
                                                                    device_map={"": device})  # fmt: skip

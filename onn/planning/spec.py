@@ -133,7 +133,12 @@ def network_spec(model, sample, name: str, pretrained: bool, head_params: int = 
         model.train()(sample.requires_grad_(False))
     try:
         lmap = discover(model, blocks_path)
-        blocks, prefix, suffix, described = lmap.block_params(), lmap.prefix_params(), lmap.suffix_params(), lmap.describe()
+        blocks, prefix, suffix, described = (
+            lmap.block_params(),
+            lmap.prefix_params(),
+            lmap.suffix_params(),
+            lmap.describe(),
+        )
     except UserError:  # a network without repeated blocks plans as well; only cut points need them
         blocks, prefix, suffix, described = [], 0, 0, "no repeated blocks"
     params = sum(p.numel() for p in model.parameters())

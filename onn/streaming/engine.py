@@ -499,13 +499,17 @@ def _sizes(micro_batches: list[dict[str, Any]], group: list[int]) -> list[int]:
     return [len(next(iter(micro_batches[m].values()))) for m in group]
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None) -> torch.Tensor:
+def _pick(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """The next token of each row: greedy at temperature 0, else sampled through transformers' own
     temperature and top-p warpers, the ones model.generate uses."""
     if not temperature:
         return logits.argmax(-1)
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature), *([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])])
+    warpers = LogitsProcessorList(
+        [TemperatureLogitsWarper(temperature), *([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])]
+    )
     scores = warpers(None, logits)
     return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[:, 0]

@@ -26,7 +26,10 @@ class Task:
     check: Callable[[dict[str, Any]], None] = _no_check
     modalities: frozenset[str] | None = None  # None: every modality
     model: bool = True  # False: the task neither plans nor builds a model (a benchmark of the planner alone)
-    heavy: bool = True  # the task trains or runs a model: Lightning and transformers are imported before planning
+    heavy: bool = (
+        True  # the task trains or runs a model: Lightning and transformers are imported before planning
+    )
+    trains: bool = False  # the task fits weights: its trainer.max_steps/max_epochs must end
 
 
 def _train(job: Job) -> dict[str, Any]:
@@ -55,7 +58,7 @@ def _check_export(config: dict[str, Any]) -> None:
 
 
 TASKS: dict[str, Task] = {
-    "train": Task(_train),
+    "train": Task(_train, trains=True),
     "eval": Task(_evaluate),
     "infer": Task(_infer),
     "export": Task(_export, check=_check_export),

@@ -69,7 +69,9 @@ class Classifier(L.LightningModule):
                                  ("acc_top5", MulticlassAccuracy(n, top_k=min(5, n), average="micro")),
                                  ("confusion", MulticlassConfusionMatrix(n)), ("loss", MeanMetric()))
         })  # fmt: skip
-        self.train_losses: list[torch.Tensor] = []  # detached per step; read once at the end (no per-step sync)
+        self.train_losses: list[
+            torch.Tensor
+        ] = []  # detached per step; read once at the end (no per-step sync)
         self.history: list[dict[str, float]] = []  # per validation: epoch, step, val/acc, val/loss
         self.confusion: dict[str, torch.Tensor] = {}
 
@@ -77,7 +79,9 @@ class Classifier(L.LightningModule):
     def prepare(self, batch_x: torch.Tensor, train: bool) -> torch.Tensor:
         if self.inputs == "features":
             return batch_x.float()
-        with torch.autocast(batch_x.device.type, enabled=False):  # the transform runs in fp32; the model in autocast
+        with torch.autocast(
+            batch_x.device.type, enabled=False
+        ):  # the transform runs in fp32; the model in autocast
             x = self.transform(batch_x, train=train) if self.transform is not None else batch_x.float()
         return x.contiguous(memory_format=torch.channels_last) if self.channels_last and x.dim() == 4 else x
 
@@ -149,7 +153,9 @@ class Classifier(L.LightningModule):
     # -- optimiser and schedule -----------------------------------------------------------------------
     def configure_optimizers(self):
         optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], self.optim)
-        schedule = make_schedule(optimizer, self.optim, int(self.trainer.estimated_stepping_batches), self.monitor)
+        schedule = make_schedule(
+            optimizer, self.optim, int(self.trainer.estimated_stepping_batches), self.monitor
+        )
         return {"optimizer": optimizer, "lr_scheduler": schedule}
 
     # -- checkpoints ------------------------------------------------------------------------------------
@@ -186,7 +192,9 @@ def confusion_figure(matrix: torch.Tensor, classes: list[str]):
     from torchmetrics.classification import MulticlassConfusionMatrix
 
     n = len(classes)
-    figure, _ = MulticlassConfusionMatrix(n).plot(val=matrix, add_text=n <= 20, labels=classes if n <= 40 else None)
+    figure, _ = MulticlassConfusionMatrix(n).plot(
+        val=matrix, add_text=n <= 20, labels=classes if n <= 40 else None
+    )
     size = min(4 + 0.35 * n, 24)
     figure.set_size_inches(size, size)
     figure.tight_layout()

@@ -26,7 +26,9 @@ def apply(
         return model
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    if strategy == "qlora":  # a 4-bit base from onn.models.load.load_4bit: norms in fp32, inputs that carry grad
+    if (
+        strategy == "qlora"
+    ):  # a 4-bit base from onn.models.load.load_4bit: norms in fp32, inputs that carry grad
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
     lora = dict(strategy_cfg.get("lora") or {})

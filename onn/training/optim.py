@@ -24,12 +24,20 @@ def check(optim: dict[str, Any]) -> None:
         raise UserError(f"optim.schedule={optim['schedule']!r} is not one of {', '.join(SCHEDULES)}.")
     for key, strict in (("lr", False), ("weight_decay", False), ("clip_grad_norm", False)):
         value = optim[key]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0 or (strict and value == 0):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value < 0
+            or (strict and value == 0)
+        ):
             raise UserError(f"optim.{key}={value!r}: give a number {'above 0' if strict else '0 or more'}.")
     for key in ("warmup_steps", "step_size", "patience"):
         value = optim[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "step_size" else 0):
-            raise UserError(f"optim.{key}={value!r}: give a whole number, {'1' if key == 'step_size' else '0'} or more.")
+            raise UserError(
+                f"optim.{key}={value!r}: give a whole number, {'1' if key == 'step_size' else '0'} or more."
+            )
 
 
 def make_optimizer(params, optim: dict[str, Any]):
@@ -44,7 +52,9 @@ def make_optimizer(params, optim: dict[str, Any]):
                            nesterov=bool(optim["nesterov"]))  # fmt: skip
 
 
-def make_schedule(optimizer, optim: dict[str, Any], total_steps: int, monitor: str, epochs: bool = True) -> dict[str, Any]:
+def make_schedule(
+    optimizer, optim: dict[str, Any], total_steps: int, monitor: str, epochs: bool = True
+) -> dict[str, Any]:
     """Lightning's lr_scheduler config for optim.schedule over a run of `total_steps` optimizer steps.
 
     Warm-up is clamped to the run's length. `monitor` is the metric the plateau schedule watches
@@ -71,7 +81,9 @@ def make_schedule(optimizer, optim: dict[str, Any], total_steps: int, monitor: s
                                                         pct_start=float(optim["pct_start"]))  # fmt: skip
         return {"scheduler": scheduler, "interval": "step"}
     if schedule == "step":
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=int(optim["step_size"]), gamma=float(optim["gamma"]))
+        scheduler = torch.optim.lr_scheduler.StepLR(
+            optimizer, step_size=int(optim["step_size"]), gamma=float(optim["gamma"])
+        )
         return {"scheduler": scheduler, "interval": "epoch"}
     scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode=monitor_mode(monitor), factor=float(optim["gamma"]),
                                                            patience=int(optim["patience"]))  # fmt: skip

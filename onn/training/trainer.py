@@ -16,20 +16,25 @@ from onn.errors import UserError
 MULTI_DEVICE = ("ddp", "ddp_spawn", "fsdp", "deepspeed")
 
 
-def check(trainer: dict[str, Any]) -> None:
-    """The trainer group's values, checked before anything is built: one sentence per mistake."""
+def check(trainer: dict[str, Any], *, trains: bool = True) -> None:
+    """The trainer group's values, checked before anything is built: one sentence per mistake.
+    `trains`: the task fits weights, so its step and epoch limits must end."""
     for key in ("max_steps", "max_epochs"):
         value = trainer[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < -1:
             raise UserError(f"trainer.{key}={value!r}: give a whole number, 1 or more, or -1 (no limit).")
-    if trainer["max_steps"] == -1 and trainer["max_epochs"] == -1:
-        raise UserError("trainer.max_steps and trainer.max_epochs are both -1, so training would never end: set one of them.")
+    if trains and trainer["max_steps"] == -1 and trainer["max_epochs"] == -1:
+        raise UserError(
+            "trainer.max_steps and trainer.max_epochs are both -1, so training would never end: set one of them."
+        )
     every = trainer["log_every_n_steps"]
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise UserError(f"trainer.log_every_n_steps={every!r}: give a whole number, 1 or more.")
     interval = trainer["val_check_interval"]
     if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
-        raise UserError(f"trainer.val_check_interval={interval!r}: give a number of steps, or a fraction of an epoch above 0.")
+        raise UserError(
+            f"trainer.val_check_interval={interval!r}: give a number of steps, or a fraction of an epoch above 0."
+        )
 
 
 def build_trainer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, callbacks: list, *, strategy: Any = None,
@@ -55,12 +60,18 @@ def build_trainer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, c
     strategy = strategy if strategy is not None else (config["strategy"].get("lightning") or "auto")
     if kwargs.get("accelerator") in (None, "auto"):
         kwargs["accelerator"] = "cuda" if plan["hardware"]["accelerator"] == "cuda" else "cpu"
-    if kwargs.get("devices") in (None, "auto") and not (isinstance(strategy, str) and strategy.startswith(MULTI_DEVICE)):
+    if kwargs.get("devices") in (None, "auto") and not (
+        isinstance(strategy, str) and strategy.startswith(MULTI_DEVICE)
+    ):
         kwargs["devices"] = 1
     from onn.training.callbacks import Progress
 
     callbacks = [*callbacks, Progress()]  # the run's record reads the last step reached (onn/tasks/record.py)
-    made = [instantiate(c, save_dir=str(run_dir)) for c in (config.get("tracking") or {}).get("loggers", [])] if loggers else []
+    made = (
+        [instantiate(c, save_dir=str(run_dir)) for c in (config.get("tracking") or {}).get("loggers", [])]
+        if loggers
+        else []
+    )
     if made:
         callbacks = [*callbacks, LearningRateMonitor("step")]
     # no_grad, not inference_mode, for evaluation: torchmetrics states reset inside a standalone

@@ -46,7 +46,11 @@ class ImageModality(ClassifierModality):
                 # tables: image data only when their first row names an image file (text tables are text data)
                 lines = head.decode("utf-8", "replace").splitlines()
                 row = lines[1] if len(lines) > 1 else ""
-                return "a table of image paths and labels" if any(s in row.lower() for s in IMAGE_SUFFIXES) else None
+                return (
+                    "a table of image paths and labels"
+                    if any(s in row.lower() for s in IMAGE_SUFFIXES)
+                    else None
+                )
         try:
             fmt = detect_format(path)
         except UserError:
@@ -63,7 +67,9 @@ class ImageModality(ClassifierModality):
             if len(sizes) != 2 or not all(isinstance(v, int) and v > 0 for v in sizes):
                 from onn.errors import UserError
 
-                raise UserError(f"data.image_size={size}: give [height, width] in pixels, each 1 or more (or null).")
+                raise UserError(
+                    f"data.image_size={size}: give [height, width] in pixels, each 1 or more (or null)."
+                )
 
     def datamodule(self, config: dict[str, Any], device: str):
         from onn.modalities.image.dataset import ImageDataModule

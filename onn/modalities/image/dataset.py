@@ -32,9 +32,13 @@ def decode_settings(data_cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def read_cached(source: str, data_cfg: dict[str, Any], cache_dir: str | os.PathLike, key: str = "data.source") -> dict[str, Decoded]:
+def read_cached(
+    source: str, data_cfg: dict[str, Any], cache_dir: str | os.PathLike, key: str = "data.source"
+) -> dict[str, Decoded]:
     """{split: Decoded} for a source, decoded once and then read from the safetensors cache."""
-    path = existing_source(source, key, "see the data config's comment")  # a link loop, a device: named as such
+    path = existing_source(
+        source, key, "see the data config's comment"
+    )  # a link loop, a device: named as such
     settings = decode_settings(data_cfg)
     fmt = data_cfg["format"] or "auto"
 
@@ -42,7 +46,9 @@ def read_cached(source: str, data_cfg: dict[str, Any], cache_dir: str | os.PathL
         return {name: Decoded(s.images, s.labels, s.classes, s.names, s.skipped)
                 for name, s in read_splits(path, fmt, key=key, **settings).items()}  # fmt: skip
 
-    return cached_decode("images", {"digest": source_digest(path), "format": fmt, **settings}, cache_dir, decode, str(path))
+    return cached_decode(
+        "images", {"digest": source_digest(path), "format": fmt, **settings}, cache_dir, decode, str(path)
+    )
 
 
 class ImageDataModule(ClassificationData):

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from onn.data.files import existing_source, walk_files
+from onn.data.files import existing_source, walk_files, write_jsonl
 from onn.errors import UserError
 from onn.hardware.memory import PeakMemory
 from onn.modalities.base import Job, PairSide
@@ -296,8 +296,6 @@ def infer(job: Job) -> dict[str, Any]:
             for k in hits:
                 hits[k] += rank < k
         rows.append(row)
-    from onn.modalities.text.generate import write_jsonl
-
     output = Path(task["output"] or job.run_dir / "matches.jsonl")
     write_jsonl(rows, output)
     print(

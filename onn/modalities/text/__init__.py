@@ -44,18 +44,26 @@ class TextModality(Modality):
             )
         for key in ("max_length", "batch_size"):
             value = data.get(key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (2 if key == "max_length" else 1):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or value < (2 if key == "max_length" else 1)
+            ):
                 least = "2 (a prompt token and an answer token)" if key == "max_length" else "1"
                 raise UserError(f"data.{key}={value!r}: give a whole number, {least} or more.")
         steps = config["trainer"]["max_steps"]
         if config["task"]["name"] in ("train", "bench", "tune") and steps < 1:
-            raise UserError(f"trainer.max_steps={steps}: a language model trains for a number of optimizer steps; give 1 or more.")
+            raise UserError(
+                f"trainer.max_steps={steps}: a language model trains for a number of optimizer steps; give 1 or more."
+            )
 
     def plan(self, config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = True):
         from onn.planning.plan import make_plan
         from onn.planning.spec import model_spec
 
-        lora_rank = int((config["strategy"]["lora"] or {"r": 8})["r"])  # full training sizes LoRA at the default rank
+        lora_rank = int(
+            (config["strategy"]["lora"] or {"r": 8})["r"]
+        )  # full training sizes LoRA at the default rank
         spec = model_spec(config["model"], lora_rank, cache_dir=config["paths"]["cache"])
         return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
 

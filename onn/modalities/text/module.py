@@ -158,7 +158,10 @@ class CausalLM(L.LightningModule):
     def configure_optimizers(self):
         optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], self.optim)
         # one endless stream of batches: the run's length is trainer.max_steps, and there are no epochs
-        return {"optimizer": optimizer, "lr_scheduler": make_schedule(optimizer, self.optim, self.max_steps, "val/loss", epochs=False)}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": make_schedule(optimizer, self.optim, self.max_steps, "val/loss", epochs=False),
+        }
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if not self.strict_loading:

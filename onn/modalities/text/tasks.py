@@ -52,7 +52,9 @@ def build(config: dict[str, Any], plan: dict[str, Any]) -> tuple[CausalLM, Any]:
     settings = streaming_settings(config, plan)
     loaded = None
     if settings and settings["store"] == "disk":  # a model larger than memory: block by block into the store
-        loaded = load_into_store(model_cfg, dtype, config["paths"]["cache"], layer_store(settings, store_root(config)))
+        loaded = load_into_store(
+            model_cfg, dtype, config["paths"]["cache"], layer_store(settings, store_root(config))
+        )
     if plan["strategy"] == "qlora":
         device = "cuda" if plan["hardware"]["accelerator"] == "cuda" else "cpu"
         loaded = load_4bit(model_cfg, dtype, config["paths"]["cache"], device)
@@ -95,12 +97,16 @@ def store_root(config: dict[str, Any]) -> Path:
 
 def datamodule(config: dict[str, Any], tokenizer) -> TextDataModule:
     # Whole macro-batches: the module splits them into micro-batches itself.
-    dm = TextDataModule(config["data"], tokenizer, int(config["data"]["batch_size"]), seed=int(config["seed"]))
+    dm = TextDataModule(
+        config["data"], tokenizer, int(config["data"]["batch_size"]), seed=int(config["seed"])
+    )
     dm.setup()
     return dm
 
 
-def trainer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, callbacks: list, loggers: bool = True):
+def trainer(
+    config: dict[str, Any], plan: dict[str, Any], run_dir: Path, callbacks: list, loggers: bool = True
+):
     """The Trainer for a language model: the layer-streaming strategy when the plan streams."""
     strategy = None
     if settings := streaming_settings(config, plan):
@@ -156,13 +162,18 @@ def train(job: Job) -> dict[str, Any]:
     metrics.update(data_metrics(dm))
     samples = int(config["task"]["exact_match_samples"] or 0)
     if samples and any(p for p, _ in dm.val_examples) and dm.max_answer_tokens > SHORT_ANSWER_TOKENS:
-        log.info("answers run to %d tokens: skipping exact match after training; run task=eval for it", dm.max_answer_tokens)
+        log.info(
+            "answers run to %d tokens: skipping exact match after training; run task=eval for it",
+            dm.max_answer_tokens,
+        )
     elif samples and any(p for p, _ in dm.val_examples):
         scores = answer_scores(module.model, tokenizer, dm.val_examples, config["data"]["answer_pattern"], samples,
                                max_new_tokens=dm.max_answer_tokens + 2, engine=module.engine)  # fmt: skip
         metrics.update({f"val/{k}": v for k, v in scores.items()})
     if config["export"]["name"] != "none":
-        metrics.update(export_for_run(config, module.model, run_dir, tokenizer=tokenizer, engine=module.engine))
+        metrics.update(
+            export_for_run(config, module.model, run_dir, tokenizer=tokenizer, engine=module.engine)
+        )
     return metrics
 
 
@@ -195,7 +206,11 @@ def new_tokens(task: dict[str, Any], tokenizer, examples: list[tuple[str, str]])
     to ~200 tokens, and their `#### N` line comes last); with no references (infer), the most auto gives."""
     setting = task["max_new_tokens"]
     if setting == "auto":
-        return min(MAX_AUTO_NEW_TOKENS, answer_tokens(tokenizer, examples) + AUTO_NEW_TOKENS_MARGIN) if examples else MAX_AUTO_NEW_TOKENS
+        return (
+            min(MAX_AUTO_NEW_TOKENS, answer_tokens(tokenizer, examples) + AUTO_NEW_TOKENS_MARGIN)
+            if examples
+            else MAX_AUTO_NEW_TOKENS
+        )
     if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
         raise UserError(f"task.max_new_tokens={setting!r}: give a whole number, 1 or more, or auto.")
     return setting
@@ -220,23 +235,47 @@ def infer(job: Job) -> dict[str, Any]:
     if settings := streaming_settings(config, plan):  # each chunk load serves every sequence, per token
         engine = build_engine(model, settings, store_root(config), job.device, micro_batch=None)
         model.to(job.device)  # what is left after the blocks' frozen weights went to the store
-    prompter = Prompter(config["data"], tokenizer)  # the prompt format the model was trained with (or its chat template)
+    prompter = Prompter(
+        config["data"], tokenizer
+    )  # the prompt format the model was trained with (or its chat template)
 
     def wrap(text: str, row: dict[str, Any] | None = None, where: str = "prompt") -> str:
         return prompter.render(text, row, where) if task["template"] else text
 
-    gen = {"max_new_tokens": new_tokens(task, tokenizer, []), "temperature": float(task["temperature"]), "top_p": float(task["top_p"])}
-    said = {"infer/prompt_format": prompter.prompt_format if task["template"] else "none (task.template=false)"}
+    gen = {
+        "max_new_tokens": new_tokens(task, tokenizer, []),
+        "temperature": float(task["temperature"]),
+        "top_p": float(task["top_p"]),
+    }
+    said = {
+        "infer/prompt_format": prompter.prompt_format if task["template"] else "none (task.template=false)"
+    }
     if task["input"]:
         rows = read_prompts(task["input"])
-        completions = complete(model, tokenizer, [wrap(prompt_of(r), r, w) for r, w in zip(rows, rows.where)], engine=engine, **gen)
+        completions = complete(
+            model,
+            tokenizer,
+            [wrap(prompt_of(r), r, w) for r, w in zip(rows, rows.where)],
+            engine=engine,
+            **gen,
+        )
         output = Path(task["output"] or job.run_dir / "predictions.jsonl")
         write_jsonl([{**r, "completion": c} for r, c in zip(rows, completions)], output)
         print(f"wrote {len(rows)} completions to {output}")
         empty = sum(not c.strip() for c in completions)
         if empty:
-            log.warning("%d of %d completions are empty: the model ended the text at once (%s)", empty, len(rows), EMPTY_HINT)
-        return {**said, "infer/prompts": len(rows), "infer/output": str(output), "infer/empty_completions": empty}
+            log.warning(
+                "%d of %d completions are empty: the model ended the text at once (%s)",
+                empty,
+                len(rows),
+                EMPTY_HINT,
+            )
+        return {
+            **said,
+            "infer/prompts": len(rows),
+            "infer/output": str(output),
+            "infer/empty_completions": empty,
+        }
     text = wrap(str(config["prompt"]))
     completion = stream(model, tokenizer, text, engine=engine, **gen)
     if not completion.strip():
@@ -250,7 +289,9 @@ def export(job: Job) -> dict[str, Any]:
     included), or without one the model as model.source gives it."""
     config, plan = job.config, job.plan
     if job.ckpt is None:
-        model, tokenizer = load(config["model"], dtype=weights_dtype(config, plan), cache_dir=config["paths"]["cache"])
+        model, tokenizer = load(
+            config["model"], dtype=weights_dtype(config, plan), cache_dir=config["paths"]["cache"]
+        )
         return export_for_run(config, model, job.run_dir, tokenizer=tokenizer)
     module, tokenizer = build(config, plan)
     load_weights(module, job.ckpt)

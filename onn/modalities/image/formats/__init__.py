@@ -15,7 +15,8 @@ from onn.modalities.image.formats.decode import ItemList
 from onn.modalities.image.formats.detect import detect_format
 from onn.modalities.image.formats.read import list_items, read_splits, source_digest
 
-__all__ = ["image_kind",
+__all__ = [
+    "image_kind",
     "FORMATS",
     "IMAGE_EXTS",
     "ImageSet",
