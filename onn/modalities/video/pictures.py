@@ -1,0 +1,25 @@
+"""A picture of video predictions: a strip of each clip's sampled frames, captioned with its predicted (and true) class."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from onn.modalities.image.pictures import write_grid
+
+MAX_FRAMES = 8  # frames drawn per strip
+
+
+def strips(clips: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, C, T, H, W] -> uint8 [N, C, H, k*W]: up to MAX_FRAMES evenly spaced frames side by side."""
+    n, c, t, h, w = clips.shape
+    index = torch.linspace(0, t - 1, min(t, MAX_FRAMES)).round().long()
+    chosen = clips[:, :, index]  # [N, C, k, H, W]
+    return chosen.permute(0, 1, 3, 2, 4).reshape(n, c, h, len(index) * w).contiguous()
+
+
+def write(clips: torch.Tensor, predicted: list[str], true: list[str | None], path: Path) -> None:
+    images = strips(clips.cpu())
+    height = images.shape[-2]
+    write_grid(images, predicted, true, path, columns=2, scale=max(1, min(3, 96 // max(height, 1))))
