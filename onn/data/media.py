@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,6 +18,21 @@ from onn.data.resident import Decoded
 log = logging.getLogger("onn")
 
 Loader = Callable[[object], tuple[torch.Tensor, float]]
+
+
+@dataclass(frozen=True)
+class MediaReader:
+    """A media modality's decoding entry points (what task=bench_media times, and inference reads with)."""
+
+    read: Callable  # (source, data_cfg, fit, key=, allow_unlabelled=, workers=) -> ({split: Decoded}, seconds decoded)
+    read_cached: (
+        Callable  # (source, data_cfg, cache_dir, key=) -> {split: Decoded}, through the decoded cache
+    )
+    listing: Callable  # (source, data_cfg, key) -> onn.data.labelled.Listing
+    load: Callable  # (file source, fit) -> (stored tensor, seconds): one file
+    fit: Callable  # inputs -> the decoding settings a checkpoint's inputs hold
+    bad: type[Exception]  # what `load` raises for a file it cannot use
+    dtype: torch.dtype  # the stored dtype
 
 
 def decode_listing(listing: Listing, load: Loader, bad: type[Exception], *, dtype: torch.dtype, max_bad_fraction: float,

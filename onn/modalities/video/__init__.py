@@ -40,6 +40,7 @@ class VideoModality(ClassifierModality):
         from onn.errors import UserError
         from onn.modalities.video.decode import fit_settings
         from onn.modalities.video.transform import ClipTransform
+        from onn.models.zoo import VIDEO
 
         data, model = config["data"], config["model"]
         fit = fit_settings(data)
@@ -48,9 +49,13 @@ class VideoModality(ClassifierModality):
         )
         source = str(model.get("source") or "")
         kind, _, name = source.partition(":")
-        if kind not in ("torchvision", "zoo", "timm") or (kind == "zoo" and name != "c3d_tiny"):
+        if kind not in ("torchvision", "zoo", "timm") or (kind == "zoo" and name not in VIDEO):
             raise UserError(f"model={model['name']} ({source or 'no source'}) does not take clips; video data trains "
                             "model=video_c3d_tiny, video_r3d_18, video_r2plus1d, video_mc3_18 or video_frames_resnet18.")  # fmt: skip
+        if model.get("channels_last"):
+            raise UserError(
+                "model.channels_last=true does not apply to clips [B, C, T, H, W]; set model.channels_last=false."
+            )
 
     def datamodule(self, config: dict[str, Any], device: str):
         from onn.modalities.video.dataset import VideoDataModule
@@ -105,12 +110,18 @@ class VideoModality(ClassifierModality):
         }
 
     def read_inputs(self, source: Path, inputs: dict[str, Any], config: dict[str, Any]):
-        from onn.modalities.video.dataset import read
-        from onn.modalities.video.decode import Fit
+        from onn.modalities.video.dataset import fit_of, read
 
-        fit = Fit(**{**inputs["fit"], "size": tuple(inputs["fit"]["size"])})
-        decoded, _ = read(str(source), config["data"], fit, key="task.input", allow_unlabelled=True)
+        decoded, _ = read(
+            str(source), config["data"], fit_of(inputs), key="task.input", allow_unlabelled=True
+        )
         return decoded
+
+    def reader(self):
+        """The decoding entry points (onn.data.media.MediaReader) task=bench_media times."""
+        from onn.modalities.video.dataset import READER
+
+        return READER
 
     def picture(self, samples, predicted, true, path: Path, inputs: dict[str, Any]) -> None:
         from onn.modalities.video import pictures

@@ -18,7 +18,7 @@ import torch
 from onn.data.cache import cached_decode
 from onn.data.files import content_digest, existing_source
 from onn.data.labelled import list_labelled
-from onn.data.media import ListedItems, decode_listing
+from onn.data.media import ListedItems, MediaReader, decode_listing
 from onn.data.resident import ClassificationData, Decoded
 from onn.modalities.video import SUFFIXES
 from onn.modalities.video.decode import BadFile, Fit, fit_settings, load
@@ -63,6 +63,11 @@ def read_cached(
                          lambda: read(path, data_cfg, fit, key, workers=int(data_cfg["num_workers"]) or 1)[0], path)  # fmt: skip
 
 
+def fit_of(inputs: dict[str, Any]) -> Fit:
+    """The decoding settings a checkpoint's `inputs` hold."""
+    return Fit(**{**inputs["fit"], "size": tuple(inputs["fit"]["size"])})
+
+
 class VideoDataModule(ClassificationData):
     """train / val / test splits of a video dataset, resident on the device or streamed."""
 
@@ -78,3 +83,6 @@ class VideoDataModule(ClassificationData):
             split: ListedItems(files, found.classes, loader, BadFile, DTYPE)
             for split, files in found.splits.items()
         }
+
+
+READER = MediaReader(read, read_cached, listing, load, fit_of, BadFile, DTYPE)

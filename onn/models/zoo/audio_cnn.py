@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from onn.errors import UserError
 from onn.models.zoo.v28 import ConvBlock
+
+NORMS = ("batch", "instance", "group")
 
 
 class AudioCNN(nn.Module):
@@ -19,13 +22,26 @@ class AudioCNN(nn.Module):
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int | list[int] = 64,
                  widths: tuple[int, ...] = (16, 32, 64, 128), convs_per_block: int = 2, dropout: float = 0.3,
-                 negative_slope: float = 0.01):  # fmt: skip
+                 negative_slope: float = 0.01, norm: str = "batch"):  # fmt: skip
         super().__init__()
         blocks, channels = [], in_channels
         for width in widths:
             blocks.append(ConvBlock(channels, width, convs_per_block, negative_slope))
             channels = width
         self.features = nn.Sequential(*blocks)
+        if norm not in NORMS:
+            raise UserError(f"zoo:audio_cnn: model.kwargs.norm={norm!r} is not one of {', '.join(NORMS)}.")
+        if (
+            norm != "batch"
+        ):  # per-clip statistics: nothing learnt from the training voices' loudness and colour
+            for block in self.features:
+                for i, layer in enumerate(block):
+                    if isinstance(layer, nn.BatchNorm2d):
+                        block[i] = (
+                            nn.InstanceNorm2d(layer.num_features, affine=True)
+                            if norm == "instance"
+                            else nn.GroupNorm(4, layer.num_features)
+                        )
         given = [image_size, image_size] if isinstance(image_size, int) else [int(v) for v in image_size]
         size = list(given)
         for block in self.features:  # 2x2 pooling while both axes allow it, then along the longer one only
