@@ -3,7 +3,7 @@
 The stored batch is float16 [B, channels, samples] (data.store_seconds long). For training each sample
 gets its own random clip_seconds window (a seeded random crop; evaluation takes the centre), a random
 shift padded with silence, a random speed (pitch, formants and tempo together, as another voice), white
-noise at a random signal-to-noise ratio (noisier rooms and microphones) and a random gain; then its
+noise over the recording at a random signal-to-noise ratio (noisier rooms and microphones) and a random gain; then its
 log-mel spectrogram (torchaudio.transforms), a random warp of the frequency and time axes, and
 SpecAugment's frequency and time masks. Log-mels are in dB, each sample's floor `top_db` below its own
 peak (so a batch's loudest sample does not set the floor of the others), then normalised: `instance`
@@ -168,12 +168,13 @@ class LogMel:
         return out
 
     def _noise(self, x: torch.Tensor) -> torch.Tensor:
-        """White noise over the whole clip at a random signal-to-noise ratio from noise_snr_db to 30 dB above it
-        (the signal's power measured where it is not silent): rooms and microphones noisier than the training ones."""
-        sound = x.abs() > 0
-        power = (x * x).sum(dim=(1, 2), keepdim=True) / sound.sum(dim=(1, 2), keepdim=True).clamp_min(1)
+        """White noise over each recording (from its first to its last non-silent sample, not over the padding)
+        at a random signal-to-noise ratio from noise_snr_db to 30 dB above it: noisier rooms and microphones."""
+        sound = (x.abs() > 0).any(dim=1, keepdim=True)  # [B, 1, n]
+        inside = (sound.cumsum(-1) > 0) & (sound.flip(-1).cumsum(-1).flip(-1) > 0)
+        power = (x * x).sum(dim=(1, 2), keepdim=True) / (inside.sum(dim=(1, 2), keepdim=True) * x.shape[1]).clamp_min(1)
         snr = torch.empty(x.shape[0], 1, 1, device=x.device).uniform_(0, 30) + self.augment["noise_snr_db"]
-        return x + torch.randn_like(x) * (power / torch.pow(10.0, snr / 10)).sqrt()
+        return x + torch.randn_like(x) * (power / torch.pow(10.0, snr / 10)).sqrt() * inside
 
     def _normalize(self, db: torch.Tensor) -> torch.Tensor:
         mode = self.s["normalize"]

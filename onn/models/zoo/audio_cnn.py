@@ -11,10 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from onn.errors import UserError
 from onn.models.zoo.v28 import ConvBlock
-
-NORMS = ("batch", "instance", "group")
 
 
 class AudioCNN(nn.Module):
@@ -22,29 +19,16 @@ class AudioCNN(nn.Module):
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int | list[int] = 64,
                  widths: tuple[int, ...] = (16, 32, 64, 128), convs_per_block: int = 2, dropout: float = 0.3,
-                 negative_slope: float = 0.01, norm: str = "batch"):  # fmt: skip
+                 negative_slope: float = 0.01):  # fmt: skip
         super().__init__()
         blocks, channels = [], in_channels
         for width in widths:
             blocks.append(ConvBlock(channels, width, convs_per_block, negative_slope))
             channels = width
         self.features = nn.Sequential(*blocks)
-        if norm not in NORMS:
-            raise UserError(f"zoo:audio_cnn: model.kwargs.norm={norm!r} is not one of {', '.join(NORMS)}.")
-        if (
-            norm != "batch"
-        ):  # per-clip statistics: nothing learnt from the training voices' loudness and colour
-            for block in self.features:
-                for i, layer in enumerate(block):
-                    if isinstance(layer, nn.BatchNorm2d):
-                        block[i] = (
-                            nn.InstanceNorm2d(layer.num_features, affine=True)
-                            if norm == "instance"
-                            else nn.GroupNorm(4, layer.num_features)
-                        )
         given = [image_size, image_size] if isinstance(image_size, int) else [int(v) for v in image_size]
         size = list(given)
-        for block in self.features:  # 2x2 pooling while both axes allow it, then along the longer one only
+        for block in self.features:  # 2x2 pooling, on each axis only while it is 2 or longer
             pool = block[-1]
             kernel = (2 if size[0] >= 2 else 1, 2 if size[1] >= 2 else 1)
             pool.kernel_size = pool.stride = kernel
@@ -67,3 +51,4 @@ class AudioCNN(nn.Module):
         """timm's contract: a new head for num_classes, or none (the model returns features) for 0."""
         self.num_classes = num_classes
         self.classifier.head = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
+
