@@ -8,7 +8,6 @@ from onn.config import register
 register()  # the config's types (dataclasses only: nothing heavy is imported here)
 
 
-
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     from onn.app import run  # imported here so `--help` stays fast

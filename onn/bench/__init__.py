@@ -4,6 +4,7 @@ task=bench             onn/bench/suite.py      a short training protocol against
 task=tune              onn/bench/tune.py       timed trials of the settings the planner guesses; cached
 task=bench_streaming   onn/bench/streaming.py  layer streaming: chunk reuse, I/O against compute
 task=bench_vision      onn/bench/vision.py     the image runner against a plain loop and a standard pipeline
+task=bench_media       onn/bench/media.py      audio/video decoding throughput; the cached store against per-file loading
 task=bench_shard_plan  onn/export/shards.py    the .omny shard planner on a synthetic model
 """
 
@@ -40,6 +41,12 @@ def _bench_vision(job: Job) -> dict[str, Any]:
     return vision.run(job)
 
 
+def _bench_media(job: Job) -> dict[str, Any]:
+    from onn.bench import media
+
+    return media.run(job)
+
+
 def _bench_shard_plan(job: Job) -> dict[str, Any]:
     from onn.export.shards import bench
 
@@ -51,5 +58,6 @@ TASKS: dict[str, Task] = {
     "tune": Task(_tune, modalities=TEXT),
     "bench_streaming": Task(_bench_streaming, modalities=TEXT),
     "bench_vision": Task(_bench_vision, modalities=frozenset({"image"})),
+    "bench_media": Task(_bench_media, modalities=frozenset({"audio", "video"})),
     "bench_shard_plan": Task(_bench_shard_plan, model=False, heavy=False),
 }

@@ -13,6 +13,7 @@ loaders are the same for every modality.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -156,6 +157,34 @@ def relabel(decoded: Decoded, classes: list[str], key: str) -> Decoded:
     return Decoded(decoded.inputs, labels, list(classes), decoded.names, decoded.skipped)
 
 
+def held_out_by_name(sets: dict[str, Decoded], split: str, pattern: str) -> dict[str, Decoded]:
+    """The items of the training data whose names match `pattern` (data.val_pattern / data.test_pattern, a
+    regex searched in each name) moved to their own split: e.g. every recording of one speaker held out as
+    the test set, so the model is tested on a voice it never heard."""
+    key = f"data.{split}_pattern"
+    try:
+        regex = re.compile(pattern)
+    except re.error as e:
+        raise UserError(f"{key}={pattern!r} is not a valid regular expression: {e}.") from e
+    if split in sets:
+        raise UserError(
+            f"{key} is set but the data already has a {split} split (data.source or data.{split}_source); use one of them."
+        )
+    name = "train" if "train" in sets else "all"
+    source = sets[name]
+    mask = torch.tensor([bool(regex.search(n)) for n in source.names], dtype=torch.bool)
+    if not mask.any() or mask.all():
+        raise UserError(f"{key}={pattern!r} matches {'no' if not mask.any() else 'every'} item of the training data "
+                        f"(names look like {source.names[0]}); give a pattern that picks some of them.")  # fmt: skip
+
+    def take(keep: torch.Tensor, skipped: list[str]) -> Decoded:
+        index = keep.nonzero().flatten()
+        return Decoded(source.inputs[index], source.labels[index], source.classes,
+                       [source.names[i] for i in index.tolist()], skipped)  # fmt: skip
+
+    return {**sets, name: take(~mask, source.skipped), split: take(mask, [])}
+
+
 def memory_budget_mb(device: torch.device) -> float:
     """Half of the free device memory, or a third of the available host memory."""
     if device.type == "cuda":
@@ -262,6 +291,9 @@ class ClassificationData(L.LightningDataModule):
             if self.cfg.get(f"{split}_source"):
                 found = self.read(str(self.cfg[f"{split}_source"]), f"data.{split}_source")
                 sets[split] = found.get("all") or found.get(split) or next(iter(found.values()))
+        for split in ("val", "test"):
+            if self.cfg.get(f"{split}_pattern"):
+                sets = held_out_by_name(sets, split, str(self.cfg[f"{split}_pattern"]))
         train = sets.get("train") or sets.get("all")
         if train is None:
             raise UserError(f"data.source={source} has no training data (found splits: {', '.join(sets)}).")
@@ -295,9 +327,9 @@ class ClassificationData(L.LightningDataModule):
     same_shape_hint = "bring every item to one shape (see the data config)"
 
     def _setup_streamed(self, source: str) -> None:
-        if self.cfg.get("val_source") or self.cfg.get("test_source"):
-            raise UserError("a streamed dataset takes its splits from data.source: unset data.val_source/test_source, "
-                            "or set data.resident=true.")  # fmt: skip
+        if any(self.cfg.get(k) for k in ("val_source", "test_source", "val_pattern", "test_pattern")):
+            raise UserError("a streamed dataset takes its splits from data.source: unset data.val_source/test_source "
+                            "and data.val_pattern/test_pattern, or set data.resident=true.")  # fmt: skip
         items = self.list_items(source)
         train = items.get("train") or items.get("all")
         self.classes = class_order(train.classes, self.cfg)

@@ -1,0 +1,363 @@
+"""Labelled media files (sounds, clips, ...): which files a source holds, their classes and splits.
+
+A source is a folder, a .zip/.tar/.tar.gz archive of one, or a single file. Labels come from:
+
+  folder     one folder per class, CLASS/FILE, or SPLIT/CLASS/FILE with train/ val/ test/ split folders
+  a regex    matched against each file's name (data.label_from: "^(\\d+)_" reads FSDD's 3_george_7.wav as 3);
+             its first group, or the whole match when it has none, is the class
+  manifest   a metadata.csv or metadata.jsonl beside the files (Hugging Face's audiofolder / videofolder
+             convention): a `file_name` column and a label column (data.label_column), in the source's root or
+             in each split folder
+
+`auto` takes the manifest when there is one, else the folders. A file whose extension the modality does
+not read is named in the listing's `unknown` (never passed over in silence); text sidecars (README.md,
+notes.txt, the manifest itself) are not data and pass quietly. Archives are read in place, and member names
+that are absolute or climb out with '..' are refused and named.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+import re
+import zipfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from onn.data.files import ARCHIVE_ERRORS, archive_kind, existing_source, is_hidden, iter_members, walk_files
+from onn.errors import UserError
+
+log = logging.getLogger("onn")
+
+SPLITS = {"train": "train", "test": "test", "val": "val", "valid": "val", "validation": "val"}
+SIDECARS = frozenset(
+    {".txt", ".md", ".csv", ".tsv", ".json", ".jsonl", ".yaml", ".yml", ".log", ".rst", ".html", ".pdf"}
+)
+MANIFESTS = ("metadata.csv", "metadata.jsonl")
+FILE_COLUMNS = ("file_name", "filename", "file", "path")
+
+
+class PathSource:
+    """A file on disk, opened by path (decoders read it directly)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def open(self) -> str:
+        return str(self.path)
+
+
+class BytesSource:
+    """A file's bytes held in memory (a compressed tar has no random access: read in its one pass)."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def open(self) -> IO[bytes]:
+        return io.BytesIO(self.data)
+
+
+class ZipSource:
+    """A zip member, read when needed; one handle per archive and process (DataLoader workers reopen theirs)."""
+
+    _handles: dict[tuple[int, str], zipfile.ZipFile] = {}
+
+    def __init__(self, archive: Path, member: str):
+        self.archive, self.member = archive, member
+
+    def open(self) -> IO[bytes]:
+        key = (os.getpid(), str(self.archive))
+        if key not in self._handles:
+            self._handles[key] = zipfile.ZipFile(self.archive)
+        return io.BytesIO(self._handles[key].read(self.member))
+
+
+class TarSource:
+    """A member of an uncompressed tar: its bytes sit at a fixed offset."""
+
+    def __init__(self, archive: Path, offset: int, size: int):
+        self.archive, self.offset, self.size = archive, offset, size
+
+    def open(self) -> IO[bytes]:
+        with open(self.archive, "rb") as f:
+            f.seek(self.offset)
+            return io.BytesIO(f.read(self.size))
+
+
+@dataclass
+class MediaFile:
+    name: str  # relative posix name inside the source, e.g. "train/cat/1.wav"
+    label: str | None  # class name; None when the source does not say (unlabelled inputs for inference)
+    split: str  # train | val | test | all
+    source: PathSource | BytesSource | ZipSource | TarSource
+
+
+@dataclass
+class Listing:
+    """A whole source, listed: its files by split, the class names, and what was left out."""
+
+    splits: dict[str, list[MediaFile]]
+    classes: list[str]
+    unknown: list[str] = field(default_factory=list)  # files whose extension the modality does not read
+    refused: list[str] = field(default_factory=list)  # "name: why", counted with the undecodable files
+
+
+def extension(name: str) -> str:
+    return os.path.splitext(name)[1].lower()
+
+
+def sort_classes(names: Iterable[str]) -> list[str]:
+    """Class names in label order: numerically when they are all whole numbers (2 before 10), else by name."""
+    names = set(names)
+    if names and all(re.fullmatch(r"\d+", n) for n in names):
+        return sorted(names, key=int)
+    return sorted(names)
+
+
+def list_labelled(source: str | os.PathLike, suffixes: frozenset[str], *, label_from: str = "auto",
+                  label_column: str = "label", kind: str = "media", key: str = "data.source",
+                  allow_unlabelled: bool = False) -> Listing:  # fmt: skip
+    """Every file of `source` whose extension is in `suffixes`, with its label and split (see the module doc).
+
+    `kind` names the files in messages ("audio", "video"); allow_unlabelled: files without a label are
+    kept with label None (inference) instead of being an error."""
+    path = existing_source(source, key, f"a folder of {kind} files, an archive of one, or one file")
+    files, unknown, refused = _files(path, suffixes, key)
+    if not files:
+        unread = f" (left out: {', '.join((unknown + refused)[:3])})" if unknown or refused else ""
+        raise UserError(f"{key} {path} holds no {kind} files ({', '.join(sorted(suffixes))}){unread}.")
+    manifests = {name: src for name, src in files.items() if name.rsplit("/", 1)[-1].lower() in MANIFESTS}
+    media = {name: src for name, src in files.items() if extension(name) in suffixes}
+    for name in files:
+        if name not in media and name not in manifests and extension(name) not in SIDECARS:
+            unknown.append(name)
+    if not media:
+        raise UserError(
+            f"{key} {path} holds no {kind} files ({', '.join(sorted(suffixes))}); found {', '.join(list(files)[:3])}."
+        )
+    mode = label_from or "auto"
+    if mode == "auto":
+        mode = "manifest" if manifests else "folder"
+    if mode == "manifest":
+        labelled = _manifest_labels(media, manifests, label_column, key, path, refused)
+    elif mode == "folder":
+        labelled = _folder_labels(media, key, path, allow_unlabelled)
+    else:
+        labelled = _regex_labels(media, mode, key)
+    if not allow_unlabelled:
+        missing = [m.name for m in labelled if m.label is None]
+        if missing:
+            raise UserError(
+                f"{key} {path}: {len(missing)} {kind} files have no label, e.g. {missing[0]} "
+                f"(labels come from {'data.label_from=' + mode if mode not in ('folder', 'manifest') else mode + 's'}); "
+                "fix the names or data.label_from, or move them out."
+            )
+    splits: dict[str, list[MediaFile]] = {}
+    for m in sorted(labelled, key=lambda m: m.name):
+        splits.setdefault(m.split, []).append(m)
+    classes = sort_classes(m.label for m in labelled if m.label is not None)
+    return Listing(splits, classes, sorted(unknown), refused)
+
+
+def _files(path: Path, suffixes: frozenset[str], key: str):
+    """{relative name: source} of every regular file (of an archive's members), and the refused members."""
+    unknown: list[str] = []
+    refused: list[str] = []
+    if path.is_dir():
+        return {name: PathSource(p) for name, p in walk_files(path)}, unknown, refused
+    kind = archive_kind(path)
+    if kind is None or extension(path.name) in suffixes:  # one file (a .wav is never an archive)
+        return {path.name: PathSource(path)}, unknown, refused
+    files: dict[str, PathSource | BytesSource | ZipSource | TarSource] = {}
+    try:
+        for member in iter_members(path, kind):
+            if member.name is None:
+                refused.append(f"{member.raw}: {member.problem}")
+                continue
+            if is_hidden(member.name):
+                continue
+            wanted = extension(member.name) in suffixes or member.name.rsplit("/", 1)[-1].lower() in MANIFESTS
+            if kind == "zip":
+                files[member.name] = ZipSource(path, member.raw)
+            elif kind == "tar":
+                files[member.name] = TarSource(path, member.offset, member.size)
+            else:
+                with member.open() as f:  # a compressed tar streams: keep the bytes now
+                    files[member.name] = BytesSource(f.read() if wanted else b"")
+    except ARCHIVE_ERRORS as e:
+        raise UserError(f"{key} {path} is not a readable archive: {e}") from e
+    return files, unknown, refused
+
+
+def _strip_wrapper(names: list[str]) -> int:
+    """How many leading folders every name shares that are neither split nor class folders (an archive's
+    top folder): 1 when all names start with the same folder and sit at least two folders deeper."""
+    parts = [n.split("/") for n in names]
+    tops = {p[0] for p in parts}
+    if (
+        len(tops) == 1
+        and len(parts[0]) > 1
+        and parts[0][0].lower() not in SPLITS
+        and min(len(p) for p in parts) >= 3
+    ):
+        return 1
+    return 0
+
+
+def _folder_labels(media: dict, key: str, path: Path, allow_unlabelled: bool) -> list[MediaFile]:
+    names = list(media)
+    skip = _strip_wrapper(names)
+    out = []
+    split_folders = {n.split("/")[skip].lower() for n in names if len(n.split("/")) > skip + 1}
+    use_splits = bool(split_folders) and split_folders <= set(SPLITS)
+    for name in names:
+        parts = name.split("/")[skip:]
+        split = "all"
+        if use_splits and len(parts) > 1:
+            split, parts = SPLITS[parts[0].lower()], parts[1:]
+        label = parts[0] if len(parts) >= 2 else None
+        out.append(MediaFile(name, label, split, media[name]))
+    if not allow_unlabelled and all(m.label is None for m in out):
+        raise UserError(
+            f"{key} {path} has its files in no class folders; put them in one folder per class (CLASS/FILE), "
+            'name the class in the file names with data.label_from="REGEX", or add a metadata.csv manifest.'
+        )
+    return out
+
+
+def _regex_labels(media: dict, pattern: str, key: str) -> list[MediaFile]:
+    try:
+        regex = re.compile(pattern)
+    except re.error as e:
+        raise UserError(f"data.label_from={pattern!r} is not a valid regular expression: {e}.") from e
+    out = []
+    for name, src in media.items():
+        parts = name.split("/")
+        split = SPLITS.get(parts[0].lower(), "all") if len(parts) > 1 else "all"
+        found = regex.search(parts[-1])
+        label = (found.group(1) if regex.groups else found.group(0)) if found else None
+        out.append(MediaFile(name, label, split, src))
+    return out
+
+
+def _manifest_rows(name: str, text: str, key: str) -> list[tuple[int, dict]]:
+    if name.lower().endswith(".jsonl"):
+        rows = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{key}: {name} line {n} is not JSON: {e.msg}.") from e
+                if not isinstance(row, dict):
+                    raise UserError(
+                        f"{key}: {name} line {n} is not a JSON object with file_name and a label."
+                    )
+                rows.append((n, row))
+        return rows
+    return list(enumerate(csv.DictReader(io.StringIO(text)), 2))
+
+
+def _manifest_labels(
+    media: dict, manifests: dict, column: str, key: str, path: Path, refused: list[str]
+) -> list[MediaFile]:
+    """Labels from metadata.csv / metadata.jsonl files: their file_name is relative to their own folder."""
+    labels: dict[str, str | None] = {}
+    for name, src in sorted(manifests.items()):
+        opened = src.open()
+        raw = Path(opened).read_bytes() if isinstance(opened, str) else opened.read()
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{key}: {name} is not UTF-8 text: {e}.") from e
+        folder = name.rsplit("/", 1)[0] + "/" if "/" in name else ""
+        for n, row in _manifest_rows(name, text, key):
+            file = next((row[c] for c in FILE_COLUMNS if row.get(c)), None)
+            if file is None:
+                raise UserError(
+                    f"{key}: {name} row {n} has no file_name; the manifest needs file_name and {column} columns."
+                )
+            if column not in row:
+                raise UserError(
+                    f"{key}: {name} row {n} has no {column!r} column (it has {', '.join(row)}); set data.label_column."
+                )
+            target = folder + str(file).replace("\\", "/").lstrip("./")
+            value = row[column]
+            labels[target] = None if value in (None, "") else str(value)
+    out = []
+    for name, src in media.items():
+        if name not in labels:
+            continue
+        parts = name.split("/")
+        split = SPLITS.get(parts[0].lower(), "all") if len(parts) > 1 else "all"
+        out.append(MediaFile(name, labels[name], split, src))
+    listed = set(media)
+    refused += [f"{t}: named in the manifest but not in {path}" for t in labels if t not in listed]
+    left = [n for n in media if n not in labels]
+    if left:
+        log.warning(
+            "%s %s: %d files are not in the manifest and are left out, e.g. %s",
+            key,
+            path,
+            len(left),
+            ", ".join(left[:3]),
+        )
+    if not out:
+        raise UserError(
+            f"{key} {path}: the manifest names none of the files beside it; check its file_name column."
+        )
+    return out
+
+
+def report_left_out(listing: Listing, path: str, key: str, kind: str) -> None:
+    """Name the files of unknown types (left out, not counted as bad) in one warning."""
+    if listing.unknown:
+        log.warning("%s %s: %s not %s this modality reads, left out: %s", key, path, _count(len(listing.unknown), "file is", "files are"),
+                    kind, _names(listing.unknown))  # fmt: skip
+
+
+def check_bad(
+    skipped: list[str], total: int, max_bad_fraction: float, path: str, key: str, kind: str
+) -> None:
+    """Name the files that could not be decoded in one warning, or refuse when more than data.max_bad_fraction are."""
+    if not skipped:
+        return
+    if len(skipped) >= total or len(skipped) / total > max_bad_fraction:
+        raise UserError(
+            f"{key} {path}: {len(skipped)} of {total} {kind} files could not be decoded (first: {'; '.join(skipped[:3])}); fix or "
+            f"remove them, or set data.max_bad_fraction (now {max_bad_fraction}) to accept more."
+        )
+    log.warning(
+        "Skipped %d of %d %s files in %s that could not be decoded: %s",
+        len(skipped),
+        total,
+        kind,
+        path,
+        _names(skipped),
+    )
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def _names(items: list[str], shown: int = 10) -> str:
+    return "; ".join(items[:shown]) + (f"; and {len(items) - shown} more" if len(items) > shown else "")
+
+
+def sniff_files(path: Path, suffixes: frozenset[str], limit: int = 200) -> tuple[int, int]:
+    """(files with one of `suffixes`, data files) among the first `limit` files of a folder (or the one file);
+    sidecars and hidden files do not count. Reads names only, never contents (for data=auto)."""
+    if path.is_file():
+        return int(extension(path.name) in suffixes), 1
+    if not path.is_dir():
+        return 0, 0
+    from itertools import islice
+
+    names = [name for name, _ in islice(walk_files(path), limit) if extension(name) not in SIDECARS]
+    return sum(extension(n) in suffixes for n in names), len(names)

@@ -1,0 +1,124 @@
+"""Audio: sound classification from folders of recordings, decoded once, log-mels computed on the device.
+
+Registers the audio modality: WAV/FLAC/OGG/Opus/MP3 through soundfile and M4A/AAC/... through PyAV
+(onn/modalities/audio/decode.py), labels from class folders, a regex on the file names or a manifest
+(onn/data/labelled.py), a float16 waveform store on the device (dataset.py), log-mel features with
+SpecAugment-style augmentation on the batch (features.py), ONN's audio CNN or any timm model on the
+1-channel spectrogram, and a grid of predicted spectrograms.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from onn.modalities.base import ClassifierModality, register
+
+SUFFIXES = frozenset({".wav", ".wave", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aiff", ".aif", ".aifc", ".au", ".snd",
+                      ".caf", ".w64", ".rf64", ".m4a", ".aac", ".mka", ".wma", ".amr", ".ac3", ".mp2", ".alac", ".weba"})  # fmt: skip
+
+
+class AudioModality(ClassifierModality):
+    name = "audio"
+    default_data = "audio"
+    default_model = "audio_cnn"
+    description = "audio classification"
+    stored_dtype = "float16"
+    sniff_priority = 1  # file extensions say it: asked before the image sniffer reads magic bytes
+
+    def sniff(self, path: Path) -> str | None:
+        from onn.data.labelled import sniff_files
+
+        found, total = sniff_files(path, SUFFIXES)
+        if found and found * 2 >= total:
+            return f"audio files ({found} of the first {total} files)" if total > 1 else "an audio file"
+        return None
+
+    def check(self, config: dict[str, Any]) -> None:
+        from onn.errors import UserError
+        from onn.modalities.audio.decode import fit_settings
+        from onn.modalities.audio.features import augment_settings, feature_settings
+        from onn.models.zoo import VIDEO
+
+        data, model = config["data"], config["model"]
+        fit_settings(data)
+        feature_settings(data)
+        augment_settings(data.get("augment"))
+        source = str(model.get("source") or "")
+        kind, _, name = source.partition(":")
+        if kind not in ("zoo", "timm") or name in VIDEO:
+            raise UserError(f"model={model['name']} ({source or 'no source'}) does not take spectrograms; audio data trains "
+                            "zoo:audio_cnn (model=audio_cnn) or an image network from timm (e.g. model=resnet18).")  # fmt: skip
+
+    def datamodule(self, config: dict[str, Any], device: str):
+        from onn.modalities.audio.dataset import AudioDataModule
+
+        return AudioDataModule(config["data"], config["paths"]["cache"], device, seed=int(config["seed"]))
+
+    def network(self, model_cfg: dict[str, Any], inputs: dict[str, Any]):
+        from onn.models.vision import build_classifier
+
+        features = inputs["features"]
+        frames = features["clip_samples"] // features["hop_length"] + 1
+        return build_classifier(
+            model_cfg, inputs["input_shape"][0], len(inputs["classes"]), [features["n_mels"], frames]
+        )
+
+    def transform(self, config: dict[str, Any], inputs: dict[str, Any]):
+        from onn.modalities.audio.features import LogMel
+
+        return LogMel(inputs["features"], config["data"].get("augment"), inputs["mean"], inputs["std"])
+
+    def input_stats(self, config: dict[str, Any], dm) -> dict[str, Any]:
+        from onn.modalities.audio.features import LogMel, measure_stats
+
+        settings = self._settings(config)
+        mean, std = 0.0, 1.0
+        if settings["features"]["normalize"] == "dataset" and not dm.streamed:
+            mean, std = measure_stats(LogMel(settings["features"], None), dm.splits["train"].inputs)
+        return {**settings, "mean": mean, "std": std}
+
+    def neutral_stats(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        return {"mean": 0.0, "std": 1.0}
+
+    def planned_inputs(self, config: dict[str, Any]) -> dict[str, Any]:
+        settings = self._settings(config)
+        data = config["data"]
+        classes = data.get("classes") or [
+            str(i) for i in range(data["num_classes"] if isinstance(data.get("num_classes"), int) else 10)
+        ]
+        return {"classes": [str(c) for c in classes], "input_shape": [settings["fit"]["channels"], settings["fit"]["samples"]],
+                **settings}  # fmt: skip
+
+    def read_inputs(self, source: Path, inputs: dict[str, Any], config: dict[str, Any]):
+        from onn.modalities.audio.dataset import fit_of, read
+
+        decoded, _ = read(
+            str(source), config["data"], fit_of(inputs), key="task.input", allow_unlabelled=True
+        )
+        return decoded
+
+    def reader(self):
+        """The decoding entry points (onn.data.media.MediaReader) task=bench_media times."""
+        from onn.modalities.audio.dataset import READER
+
+        return READER
+
+    def picture(self, samples, predicted, true, path: Path, inputs: dict[str, Any]) -> None:
+        from onn.modalities.audio import pictures
+        from onn.modalities.audio.features import LogMel
+
+        pictures.write(samples, predicted, true, path, LogMel(inputs["features"], None), inputs)
+
+    @staticmethod
+    def _settings(config: dict[str, Any]) -> dict[str, Any]:
+        """What decodes and featurises this data: saved in every checkpoint's `inputs`."""
+        from dataclasses import asdict
+
+        from onn.modalities.audio.decode import fit_settings
+        from onn.modalities.audio.features import feature_settings
+
+        return {"fit": asdict(fit_settings(config["data"])), "features": feature_settings(config["data"])}
+
+
+register(AudioModality())

@@ -1,0 +1,238 @@
+"""Log-mel spectrograms of a waveform batch, on the compute device, with augmentation for training.
+
+The stored batch is float16 [B, channels, samples] (data.store_seconds long). For training each sample
+gets its own random clip_seconds window (a seeded random crop; evaluation takes the centre), a random
+shift padded with silence, a random speed (pitch, formants and tempo together, as another voice), white
+noise over the recording at a random signal-to-noise ratio (noisier rooms and microphones) and a random gain; then its
+log-mel spectrogram (torchaudio.transforms), a random warp of the frequency and time axes, and
+SpecAugment's frequency and time masks. Log-mels are in dB, each sample's floor `top_db` below its own
+peak (so a batch's loudest sample does not set the floor of the others), then normalised: `instance`
+takes out each mel band's mean over the clip and scales by the clip's deviation (speaker and microphone
+colour go), `dataset` uses the training data's mean and deviation, `none` leaves dB. Output: float32
+[B, channels, n_mels, frames], the network's input (what ONNX export traces).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from onn.errors import UserError
+
+FEATURE_KEYS = ("n_mels", "n_fft", "hop_length", "f_min", "f_max", "top_db", "normalize")
+AUGMENT_KEYS = (
+    "gain_db",
+    "shift_seconds",
+    "speed",
+    "noise_snr_db",
+    "freq_warp",
+    "time_warp",
+    "freq_mask",
+    "time_mask",
+    "masks",
+)
+NORMALIZE = ("instance", "dataset", "none")
+
+
+def feature_settings(data_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The data config's log-mel settings, checked; what `inputs` keeps so a checkpoint computes the same features."""
+    features = dict(data_cfg["features"])
+    unknown = [k for k in features if k not in FEATURE_KEYS]
+    if unknown:
+        raise UserError(
+            f"data.features.{unknown[0]} is not a feature setting; known keys: {', '.join(FEATURE_KEYS)}."
+        )
+    rate = int(data_cfg["sample_rate"])
+    for key in ("n_mels", "n_fft", "hop_length"):
+        value = features[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"data.features.{key}={value!r}: give a whole number of 1 or more.")
+    if features["hop_length"] > features["n_fft"]:
+        raise UserError(
+            f"data.features.hop_length={features['hop_length']} is longer than n_fft={features['n_fft']}: frames would skip samples."
+        )
+    f_max = features["f_max"] if features["f_max"] is not None else rate / 2
+    if not 0 <= float(features["f_min"]) < float(f_max) <= rate / 2:
+        raise UserError(f"data.features.f_min={features['f_min']} / f_max={features['f_max']}: give 0 <= f_min < f_max <= "
+                        f"data.sample_rate / 2 = {rate / 2:g} Hz.")  # fmt: skip
+    if features["normalize"] not in NORMALIZE:
+        raise UserError(
+            f"data.features.normalize={features['normalize']!r}: use one of {', '.join(NORMALIZE)}."
+        )
+    clip = round(float(data_cfg["clip_seconds"]) * rate)
+    if clip < features["n_fft"] // 2 + 1:
+        raise UserError(f"data.clip_seconds={data_cfg['clip_seconds']} is {clip} samples at {rate} Hz, shorter than half of "
+                        f"data.features.n_fft={features['n_fft']}; give a longer clip or a smaller n_fft.")  # fmt: skip
+    return {**features, "f_max": float(f_max), "f_min": float(features["f_min"]), "top_db": float(features["top_db"]),
+            "sample_rate": rate, "clip_samples": clip}  # fmt: skip
+
+
+def augment_settings(cfg: dict[str, Any] | None) -> dict[str, float]:
+    cfg = dict(cfg or {})
+    unknown = [k for k in cfg if k not in AUGMENT_KEYS]
+    if unknown:
+        raise UserError(
+            f"data.augment.{unknown[0]} is not an audio augmentation; known keys: {', '.join(AUGMENT_KEYS)}."
+        )
+    out = {}
+    for key in AUGMENT_KEYS:
+        value = cfg.get(key) or 0
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise UserError(f"data.augment.{key}={value!r}: give a number of 0 or more (0 turns it off).")
+        out[key] = float(value)
+    for key in ("speed", "freq_warp", "time_warp"):
+        if out[key] >= 1:
+            raise UserError(
+                f"data.augment.{key}={out[key]}: a warp is a fraction below 1 (0.1 stretches by up to ±10%)."
+            )
+    if out["masks"] != int(out["masks"]):
+        raise UserError(f"data.augment.masks={out['masks']}: give a whole number of masks per axis.")
+    return out
+
+
+class LogMel:
+    """Stored waveforms -> (augmented) normalised log-mels; one callable for training, evaluation and plan."""
+
+    def __init__(
+        self, settings: dict[str, Any], augment: dict[str, Any] | None, mean: float = 0.0, std: float = 1.0
+    ):
+        self.s = settings
+        self.augment = augment_settings(augment)
+        self.mean, self.std = float(mean), float(std)
+        self._mels: dict[torch.device, torch.nn.Module] = {}
+
+    def frames(self) -> int:
+        return self.s["clip_samples"] // self.s["hop_length"] + 1
+
+    def _mel(self, device: torch.device) -> torch.nn.Module:
+        if device not in self._mels:  # the filter bank and window, made once per device
+            import torchaudio.transforms as T
+
+            s = self.s
+            self._mels[device] = T.MelSpectrogram(s["sample_rate"], n_fft=s["n_fft"], hop_length=s["hop_length"],
+                                                  n_mels=s["n_mels"], f_min=s["f_min"], f_max=s["f_max"], power=2.0).to(device)  # fmt: skip
+        return self._mels[device]
+
+    def __call__(self, waves: torch.Tensor, train: bool, normalize: bool = True) -> torch.Tensor:
+        if waves.dim() != 3:
+            raise ValueError(f"LogMel expects a [B, channels, samples] batch, got {tuple(waves.shape)}")
+        x = waves.float()
+        x = self._window(x, train)
+        a = self.augment
+        if train and a["noise_snr_db"]:
+            x = self._noise(x)
+        if train and a["gain_db"]:
+            gain = torch.empty(x.shape[0], 1, 1, device=x.device).uniform_(-a["gain_db"], a["gain_db"])
+            x = x * torch.pow(10.0, gain / 20)
+        power = self._mel(x.device)(x)  # [B, C, n_mels, frames]
+        db = 10 * torch.log10(power.clamp_min(1e-10))
+        peak = db.amax(dim=(-3, -2, -1), keepdim=True)
+        db = torch.maximum(db, peak - self.s["top_db"])
+        if normalize:
+            db = self._normalize(db)
+        if train:
+            db = self._warp(db)
+            db = self._mask(db)
+        return db
+
+    def _window(self, x: torch.Tensor, train: bool) -> torch.Tensor:
+        """The clip_samples window: the centre one in evaluation; in training a random one per sample (a
+        random start, a random shift with silence filling the gap), played at a random speed (pitch, formants
+        and tempo together, as another voice would), read by linear interpolation."""
+        b, _, n = x.shape
+        clip, a = self.s["clip_samples"], self.augment
+        if not train:
+            start = (n - clip) // 2
+            return x if n == clip else x[:, :, start : start + clip]
+        shift = round(a["shift_seconds"] * self.s["sample_rate"])
+        if n == clip and not shift and not a["speed"]:
+            return x
+        dev = x.device
+        start = torch.randint(0, n - clip + 1, (b, 1), device=dev).float()
+        if shift:
+            start = start + torch.randint(-shift, shift + 1, (b, 1), device=dev)
+        offsets = torch.arange(clip, device=dev).float() - clip / 2
+        if a["speed"]:
+            offsets = offsets * torch.empty(b, 1, device=dev).uniform_(1 - a["speed"], 1 + a["speed"])
+        position = start + clip / 2 + offsets  # [B, clip], fractional sample positions
+        left = position.floor()
+        weight = (position - left).unsqueeze(1)
+        out = 0
+        for index, w in ((left, 1 - weight), (left + 1, weight)):
+            valid = ((index >= 0) & (index < n)).unsqueeze(1)
+            picked = x.gather(2, index.clamp(0, n - 1).long().unsqueeze(1).expand(-1, x.shape[1], -1))
+            out = out + picked * w * valid
+        return out
+
+    def _noise(self, x: torch.Tensor) -> torch.Tensor:
+        """White noise over each recording (from its first to its last non-silent sample, not over the padding)
+        at a random signal-to-noise ratio from noise_snr_db to 30 dB above it: noisier rooms and microphones."""
+        sound = (x.abs() > 0).any(dim=1, keepdim=True)  # [B, 1, n]
+        inside = (sound.cumsum(-1) > 0) & (sound.flip(-1).cumsum(-1).flip(-1) > 0)
+        power = (x * x).sum(dim=(1, 2), keepdim=True) / (
+            inside.sum(dim=(1, 2), keepdim=True) * x.shape[1]
+        ).clamp_min(1)
+        snr = torch.empty(x.shape[0], 1, 1, device=x.device).uniform_(0, 30) + self.augment["noise_snr_db"]
+        return x + torch.randn_like(x) * (power / torch.pow(10.0, snr / 10)).sqrt() * inside
+
+    def _normalize(self, db: torch.Tensor) -> torch.Tensor:
+        mode = self.s["normalize"]
+        if mode == "instance":
+            db = db - db.mean(
+                dim=-1, keepdim=True
+            )  # each band's mean over the clip: the speaker's and microphone's colour
+            return db / db.std(dim=(-3, -2, -1), keepdim=True).clamp_min(1e-3)
+        if mode == "dataset":
+            return (db - self.mean) / self.std
+        return db
+
+    def _warp(self, x: torch.Tensor) -> torch.Tensor:
+        """Stretch each sample's frequency axis (from its low edge) and time axis (about the centre) by its
+        own random factor; bilinear, the edge row repeated where the stretch reads past the top."""
+        fw, tw = self.augment["freq_warp"], self.augment["time_warp"]
+        if not (fw or tw):
+            return x
+        b, c, h, w = x.shape
+        freq = torch.empty(b, device=x.device).uniform_(1 - fw, 1 + fw)
+        time = torch.empty(b, device=x.device).uniform_(1 - tw, 1 + tw)
+        theta = torch.zeros(b, 2, 3, device=x.device)
+        theta[:, 0, 0], theta[:, 1, 1], theta[:, 1, 2] = time, freq, freq - 1  # y' = -1 + (y + 1) * freq
+        grid = F.affine_grid(theta, [b, c, h, w], align_corners=False)
+        return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+    def _mask(self, x: torch.Tensor) -> torch.Tensor:
+        """SpecAugment: `masks` frequency bands of up to freq_mask mels and time spans of up to time_mask
+        frames, each sample its own, set to the sample's mean."""
+        a = self.augment
+        count = int(a["masks"])
+        if not count or not (a["freq_mask"] or a["time_mask"]):
+            return x
+        b, _, h, w = x.shape
+        fill = x.mean(dim=(-3, -2, -1), keepdim=True)
+        keep = torch.ones(b, 1, h, w, dtype=torch.bool, device=x.device)
+        for axis, size, limit in ((2, a["freq_mask"], h), (3, a["time_mask"], w)):
+            if not size:
+                continue
+            for _ in range(count):
+                width = (torch.rand(b, device=x.device) * (min(size, limit) + 1)).floor()
+                start = (torch.rand(b, device=x.device) * (limit - width + 1)).floor()
+                span = torch.arange(limit, device=x.device).view(1, -1)
+                hit = (span >= start.view(-1, 1)) & (span < (start + width).view(-1, 1))  # [B, limit]
+                keep &= ~(hit.view(b, 1, limit, 1) if axis == 2 else hit.view(b, 1, 1, limit))
+        return torch.where(keep, x, fill)
+
+
+def measure_stats(transform: LogMel, waves: torch.Tensor) -> tuple[float, float]:
+    """Mean and deviation of the training data's log-mels (dB), over up to 2,000 samples in chunks."""
+    picks = torch.randperm(len(waves), generator=torch.Generator().manual_seed(0))[:2000].to(waves.device)
+    total, squares, count = 0.0, 0.0, 0
+    for chunk in picks.split(256):
+        db = transform(waves[chunk], train=False, normalize=False).double()
+        total += float(db.sum())
+        squares += float((db * db).sum())
+        count += db.numel()
+    mean = total / count
+    return round(mean, 4), round(math.sqrt(max(squares / count - mean * mean, 1e-6)), 4)

@@ -1,0 +1,143 @@
+"""Video: clip classification from folders of videos, decoded once, sampled and augmented on the device.
+
+Registers the video modality: mp4/mov/avi/mkv/webm/... through PyAV (onn/modalities/video/decode.py:
+frames sampled evenly in time, rotation applied, any frame size and bit depth), labels from class
+folders, a regex on the file names or a manifest (onn/data/labelled.py), a uint8 clip store on the device
+(dataset.py), temporal sampling and augmentation the same for every frame of a clip (transform.py),
+torchvision's video ResNets, ONN's tiny 3-D CNN or a timm image model per frame with temporal pooling
+(onn/models/video.py), a generated motion dataset (`builtin:motion`, builtin.py), and strips of the
+predicted clips' frames.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from onn.modalities.base import ClassifierModality, register
+
+SUFFIXES = frozenset({".mp4", ".m4v", ".mov", ".avi", ".mkv", ".webm", ".mpg", ".mpeg", ".ts", ".mts", ".m2ts", ".wmv",
+                      ".flv", ".3gp", ".ogv", ".mxf", ".y4m"})  # fmt: skip
+
+
+class VideoModality(ClassifierModality):
+    name = "video"
+    default_data = "video"
+    default_model = "video_c3d_tiny"
+    description = "video classification"
+    builtins = ("motion",)
+    stored_dtype = "uint8"
+    sniff_priority = 1  # file extensions say it: asked before the image sniffer reads magic bytes
+
+    def sniff(self, path: Path) -> str | None:
+        from onn.data.labelled import sniff_files
+
+        found, total = sniff_files(path, SUFFIXES)
+        if found and found * 2 >= total:
+            return f"video files ({found} of the first {total} files)" if total > 1 else "a video file"
+        return None
+
+    def check(self, config: dict[str, Any]) -> None:
+        from onn.errors import UserError
+        from onn.modalities.video.decode import fit_settings
+        from onn.modalities.video.transform import ClipTransform
+        from onn.models.zoo import VIDEO
+
+        data, model = config["data"], config["model"]
+        fit = fit_settings(data)
+        ClipTransform(
+            data.get("augment"), [0.5] * fit.channels, [0.5] * fit.channels, data["frames"], data["sampling"]
+        )
+        source = str(model.get("source") or "")
+        kind, _, name = source.partition(":")
+        if kind not in ("torchvision", "zoo", "timm") or (kind == "zoo" and name not in VIDEO):
+            raise UserError(f"model={model['name']} ({source or 'no source'}) does not take clips; video data trains "
+                            "model=video_c3d_tiny, video_r3d_18, video_r2plus1d, video_mc3_18 or video_frames_resnet18.")  # fmt: skip
+        if model.get("channels_last"):
+            raise UserError(
+                "model.channels_last=true does not apply to clips [B, C, T, H, W]; set model.channels_last=false."
+            )
+
+    def datamodule(self, config: dict[str, Any], device: str):
+        from onn.modalities.video.dataset import VideoDataModule
+
+        return VideoDataModule(config["data"], config["paths"]["cache"], device, seed=int(config["seed"]))
+
+    def network(self, model_cfg: dict[str, Any], inputs: dict[str, Any]):
+        from onn.models.video import build_video_classifier
+
+        channels, _, height, width = inputs["input_shape"]
+        return build_video_classifier(
+            model_cfg, channels, len(inputs["classes"]), inputs["frames"], [height, width]
+        )
+
+    def transform(self, config: dict[str, Any], inputs: dict[str, Any]):
+        from onn.modalities.video.transform import ClipTransform
+
+        data = config["data"]
+        return ClipTransform(
+            data.get("augment"), inputs["mean"], inputs["std"], inputs["frames"], data["sampling"]
+        )
+
+    def input_stats(self, config: dict[str, Any], dm) -> dict[str, Any]:
+        from onn.modalities.video.transform import measure_stats
+
+        data = config["data"]
+        settings = self._settings(config)
+        mean, std = data["mean"], data["std"]
+        if mean in (None, "auto") or std in (None, "auto"):
+            channels = settings["fit"]["channels"]
+            mean, std = (
+                ([0.5] * channels, [0.25] * channels)
+                if dm.streamed
+                else measure_stats(dm.splits["train"].inputs)
+            )
+        return {**settings, "mean": [float(v) for v in mean], "std": [float(v) for v in std]}
+
+    def neutral_stats(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        channels = inputs["input_shape"][0]
+        return {"mean": [0.5] * channels, "std": [0.25] * channels}
+
+    def planned_inputs(self, config: dict[str, Any]) -> dict[str, Any]:
+        settings = self._settings(config)
+        data, fit = config["data"], settings["fit"]
+        classes = data.get("classes") or [
+            str(i) for i in range(data["num_classes"] if isinstance(data.get("num_classes"), int) else 10)
+        ]
+        return {
+            "classes": [str(c) for c in classes],
+            "input_shape": [fit["channels"], fit["frames"], *fit["size"]],
+            **settings,
+        }
+
+    def read_inputs(self, source: Path, inputs: dict[str, Any], config: dict[str, Any]):
+        from onn.modalities.video.dataset import fit_of, read
+
+        decoded, _ = read(
+            str(source), config["data"], fit_of(inputs), key="task.input", allow_unlabelled=True
+        )
+        return decoded
+
+    def reader(self):
+        """The decoding entry points (onn.data.media.MediaReader) task=bench_media times."""
+        from onn.modalities.video.dataset import READER
+
+        return READER
+
+    def picture(self, samples, predicted, true, path: Path, inputs: dict[str, Any]) -> None:
+        from onn.modalities.video import pictures
+
+        pictures.write(samples, predicted, true, path)
+
+    @staticmethod
+    def _settings(config: dict[str, Any]) -> dict[str, Any]:
+        """What decodes this data and what the network sees: saved in every checkpoint's `inputs`."""
+        from dataclasses import asdict
+
+        from onn.modalities.video.decode import fit_settings
+
+        fit = asdict(fit_settings(config["data"]))
+        return {"fit": {**fit, "size": list(fit["size"])}, "frames": int(config["data"]["frames"])}
+
+
+register(VideoModality())

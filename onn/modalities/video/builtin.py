@@ -1,0 +1,113 @@
+"""`data.source=builtin:motion`: a generated clip dataset, written as real video files and read back like any folder.
+
+Each clip is a coloured square moving across a noisy background; the class is its direction (left, right,
+up, down). Start, size, speed and colours are random, so only the motion tells the classes apart (a single
+frame cannot). The clips are encoded with PyAV (data.motion.codec, libx264 by default) into
+train/CLASS/NNN.mp4 and test/CLASS/NNN.mp4 under paths.cache, once per setting, and then decoded through
+the same path as a user's folder of clips; the test clips come from another seed than the training ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from onn.errors import UserError
+
+DIRECTIONS = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}
+KEYS = ("train_per_class", "test_per_class", "frames", "size", "fps", "codec", "seed")
+
+
+def generated(source: str, data_cfg: dict[str, Any], cache_dir: str | os.PathLike) -> Path:
+    """The folder of generated clips for `source` (builtin:motion), made on first use."""
+    name = source.split(":", 1)[1]
+    if name != "motion":
+        raise UserError(f"data.source={source}: the built-in video dataset is builtin:motion.")
+    settings = dict(data_cfg.get("motion") or {})
+    unknown = [k for k in settings if k not in KEYS]
+    if unknown:
+        raise UserError(
+            f"data.motion.{unknown[0]} is not a setting of builtin:motion; known keys: {', '.join(KEYS)}."
+        )
+    for key in ("train_per_class", "test_per_class", "frames", "size", "fps"):
+        if isinstance(settings.get(key), bool) or not isinstance(settings.get(key), int) or settings[key] < 2:
+            raise UserError(f"data.motion.{key}={settings.get(key)!r}: give a whole number of 2 or more.")
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    folder = Path(cache_dir) / "builtin" / f"motion-{digest}"
+    if (folder / ".done").is_file():
+        return folder
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for split, count, seed in (("train", settings["train_per_class"], settings["seed"]),
+                               ("test", settings["test_per_class"], settings["seed"] + 1_000_003)):  # fmt: skip
+        rng = np.random.default_rng(seed)
+        for label in DIRECTIONS:
+            (tmp / split / label).mkdir(parents=True)
+            for i in range(count):
+                clip = moving_square(rng, label, settings["frames"], settings["size"])
+                write_clip(tmp / split / label / f"{i:03d}.mp4", clip, settings["fps"], settings["codec"])
+    (tmp / ".done").write_text("")
+    if folder.exists():  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.rename(folder)
+    return folder
+
+
+def moving_square(rng: np.random.Generator, direction: str, frames: int, size: int) -> np.ndarray:
+    """uint8 [frames, size, size, 3]: a square moving `direction` at a random speed over noise."""
+    dy, dx = DIRECTIONS[direction]
+    side = int(rng.integers(size // 6, size // 3 + 1))
+    speed = float(rng.uniform(0.5, 1.0)) * (size - side) / (frames - 1)  # crosses half to all of the frame
+    travel = speed * (frames - 1)
+    lo, hi = 0, size - side
+    start = [
+        float(rng.uniform(lo, hi)),
+        float(rng.uniform(lo, hi)),
+    ]  # the moving axis starts where it can travel
+    for axis, step in ((0, dy), (1, dx)):
+        if step > 0:
+            start[axis] = float(rng.uniform(lo, hi - travel))
+        elif step < 0:
+            start[axis] = float(rng.uniform(lo + travel, hi))
+    background = rng.integers(0, 90, (3,))
+    colour = rng.integers(150, 256, (3,))
+    out = np.empty((frames, size, size, 3), np.uint8)
+    for t in range(frames):
+        frame = background + rng.normal(0, 12, (size, size, 3))
+        y, x = round(start[0] + dy * speed * t), round(start[1] + dx * speed * t)
+        frame[y : y + side, x : x + side] = colour
+        out[t] = frame.clip(0, 255)
+    return out
+
+
+def write_clip(
+    path: Path,
+    frames: np.ndarray,
+    fps: int,
+    codec: str = "libx264",
+    pix_fmt: str = "yuv420p",
+    **stream_options,
+) -> None:
+    """Encode uint8 [T, H, W, 3] frames into a video file with PyAV (tests make their fixtures with it too)."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.height, stream.width = frames.shape[1], frames.shape[2]
+        stream.pix_fmt = pix_fmt
+        for key, value in stream_options.items():
+            setattr(stream, key, value)
+        for array in frames:
+            for packet in stream.encode(
+                av.VideoFrame.from_ndarray(np.ascontiguousarray(array), format="rgb24")
+            ):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)

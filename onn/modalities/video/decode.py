@@ -1,0 +1,211 @@
+"""Video files -> uint8 clips [C, T, H, W]: T frames sampled uniformly in time, resized to one size.
+
+PyAV (its wheel bundles FFmpeg: h264, h265, vp8/vp9, av1 through dav1d, mpeg4, mjpeg, prores, ffv1; mp4,
+mov, avi, mkv, webm, ...) decodes; torchvision 0.26 no longer has a video reader. Frames are picked by
+their presentation time, not their index, so variable frame rates sample the clip evenly: a first pass
+reads the packets' timestamps (no decoding), the frame shown at each of T evenly spaced times is chosen,
+and a second pass decodes up to the last one, converting only the chosen frames. Rotation metadata
+(phones' portrait clips) is applied, 10-bit streams are converted to 8-bit RGB, and odd frame sizes are
+scaled by FFmpeg's swscale. A file FFmpeg cannot open, with no video stream, or with no frame that
+decodes is a `BadFile` naming why; the caller skips it and counts it against data.max_bad_fraction.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from typing import IO
+
+import numpy as np
+import torch
+
+from onn.errors import UserError
+
+RESIZE_MODES = ("resize", "center_crop")
+
+
+class BadFile(Exception):
+    """A file that cannot be used; the message says why, in a few words."""
+
+
+@dataclass(frozen=True)
+class Fit:
+    """How every clip is brought to one shape."""
+
+    frames: int  # frames stored per clip (data.decode_frames, or data.frames)
+    channels: int  # 3: RGB, 1: grey
+    size: tuple[int, int]  # (H, W)
+    resize: str  # resize (stretch) | center_crop (short side, then the centre)
+
+
+def fit_settings(data_cfg: dict) -> Fit:
+    """The data config's decoding settings, checked: a value that makes no sense is one error naming its key."""
+    frames, stored = data_cfg["frames"], data_cfg.get("decode_frames")
+    stored = frames if stored is None else stored
+    for key, value in (("frames", frames), ("decode_frames", stored)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
+            raise UserError(
+                f"data.{key}={value!r}: give the number of frames to sample from each clip, a whole number from 1 to 1024."
+            )
+    if stored < frames:
+        raise UserError(
+            f"data.decode_frames={stored} is fewer than data.frames={frames}; store at least the frames the model sees (or null)."
+        )
+    channels = data_cfg["channels"]
+    if channels not in (1, 3) or isinstance(channels, bool):
+        raise UserError(f"data.channels={channels!r}: use 3 (RGB) or 1 (grey).")
+    size = data_cfg["image_size"]
+    sizes = [size, size] if isinstance(size, int) else list(size or [])
+    if len(sizes) != 2 or not all(
+        isinstance(v, int) and not isinstance(v, bool) and 8 <= v <= 4096 for v in sizes
+    ):
+        raise UserError(
+            f"data.image_size={size!r}: give [height, width] in pixels, each 8 to 4096 (every frame is resized to it)."
+        )
+    if data_cfg["resize"] not in RESIZE_MODES:
+        raise UserError(f"data.resize={data_cfg['resize']!r}: use resize (stretch) or center_crop.")
+    return Fit(stored, channels, (sizes[0], sizes[1]), data_cfg["resize"])
+
+
+def _open(source: str | bytes):
+    import av
+
+    return av.open(source if isinstance(source, str) else io.BytesIO(source))
+
+
+def decode_video(source: str | IO[bytes], fit: Fit) -> tuple[torch.Tensor, float]:
+    """(uint8 [C, T, H, W], the clip's duration in seconds) of a file path or a binary file object."""
+    if isinstance(source, str):
+        if os.path.getsize(source) == 0:
+            raise BadFile("an empty file (0 bytes)")
+    else:
+        source = source.read()
+        if not source:
+            raise BadFile("an empty file (0 bytes)")
+    try:
+        times = _timestamps(source)
+        if times is not None:
+            frames, duration = _decode_chosen(source, times, fit)
+        else:
+            frames, duration = _decode_all(source, fit)
+    except BadFile:
+        raise
+    except (
+        Exception
+    ) as e:  # PyAV raises FFmpegError subclasses (InvalidDataError, ...), and OSError/ValueError
+        raise BadFile(f"not a decodable video ({_short(e)})") from e
+    clip = np.stack(frames)  # [T, H, W, C]
+    return torch.from_numpy(np.ascontiguousarray(clip.transpose(3, 0, 1, 2))), duration
+
+
+def _short(e: BaseException) -> str:
+    """A decoder's complaint in a few words (FFmpeg's strerror, not the path it adds)."""
+    text = (
+        getattr(e, "error_string", None) or getattr(e, "strerror", None) or str(e).strip() or type(e).__name__
+    )
+    return str(text).splitlines()[0].rstrip(".")[:100]
+
+
+def _stream(container):
+    if not container.streams.video:
+        raise BadFile("no video stream" + (" (an audio-only file)" if container.streams.audio else ""))
+    stream = container.streams.video[0]
+    stream.thread_type = "AUTO"
+    return stream
+
+
+def _timestamps(source: str | bytes) -> list[float] | None:
+    """Every frame's presentation time (seconds, sorted) from the packets, without decoding; None when the
+    container does not give every packet one (then frames are timed as they decode)."""
+    with _open(source) as container:
+        stream = _stream(container)
+        base = stream.time_base
+        times = []
+        for packet in container.demux(stream):
+            if packet.size == 0:
+                continue  # the flush packet at the end
+            if packet.pts is None or base is None:
+                return None
+            times.append(float(packet.pts * base))
+    if not times:
+        raise BadFile("a video stream with no frames")
+    return sorted(set(times))
+
+
+def pick(times: list[float], count: int) -> list[int]:
+    """The index of the frame shown at each of `count` evenly spaced times from the first frame to the last."""
+    t = np.asarray(times)
+    targets = np.linspace(t[0], t[-1], count)
+    return np.clip(np.searchsorted(t, targets + 1e-9, side="right") - 1, 0, len(t) - 1).tolist()
+
+
+def _decode_chosen(source: str | bytes, times: list[float], fit: Fit) -> tuple[list[np.ndarray], float]:
+    chosen = pick(times, fit.frames)
+    wanted = {round(times[i], 6) for i in chosen}
+    last = max(times[i] for i in chosen)
+    got: dict[float, np.ndarray] = {}
+    with _open(source) as container:
+        stream = _stream(container)
+        for frame in container.decode(stream):
+            if frame.pts is None:
+                return _decode_all(source, fit)
+            t = round(float(frame.time), 6)
+            if t in wanted and t not in got:
+                got[t] = convert(frame, fit)
+            if t >= last and len(got) == len(wanted):
+                break
+    if len(got) < len(wanted):  # a damaged stream: frames its packets promised did not decode
+        if not got:
+            raise BadFile("a video stream with no frame that decodes")
+        return _decode_all(source, fit)
+    step = (times[-1] - times[0]) / max(len(times) - 1, 1)
+    return [got[round(times[i], 6)] for i in chosen], times[-1] - times[0] + step
+
+
+def _decode_all(source: str | bytes, fit: Fit) -> tuple[list[np.ndarray], float]:
+    """Every frame decoded and converted, timed by its own timestamp (or its index at the stream's rate)."""
+    frames, times = [], []
+    with _open(source) as container:
+        stream = _stream(container)
+        rate = float(stream.average_rate or stream.guessed_rate or 25)
+        try:
+            for i, frame in enumerate(container.decode(stream)):
+                frames.append(convert(frame, fit))
+                times.append(float(frame.time) if frame.time is not None else i / rate)
+        except Exception:  # a truncated stream: keep the frames before the damage
+            if not frames:
+                raise
+    if not frames:
+        raise BadFile("a video stream with no frame that decodes")
+    order = np.argsort(times, kind="stable")
+    times = [times[i] for i in order]
+    frames = [frames[i] for i in order]
+    return [frames[i] for i in pick(times, fit.frames)], times[-1] - times[0] + 1 / rate
+
+
+def convert(frame, fit: Fit) -> np.ndarray:
+    """One decoded frame as uint8 [H, W, C] upright (rotation metadata applied) at fit.size."""
+    quarter = round((frame.rotation or 0) / 90) % 4  # counter-clockwise quarter turns that make it upright
+    height, width = fit.size
+    shown_w, shown_h = (frame.height, frame.width) if quarter % 2 else (frame.width, frame.height)
+    if fit.resize == "center_crop":
+        scale = max(height / shown_h, width / shown_w)
+        out_w, out_h = max(width, round(shown_w * scale)), max(height, round(shown_h * scale))
+    else:
+        out_w, out_h = width, height
+    if quarter % 2:  # scale in the stored orientation, then turn
+        out_w, out_h = out_h, out_w
+    array = frame.to_ndarray(format="rgb24" if fit.channels == 3 else "gray", width=out_w, height=out_h)
+    if array.ndim == 2:
+        array = array[:, :, None]
+    if quarter:
+        array = np.rot90(array, k=quarter)
+    h, w = array.shape[:2]
+    top, left = (h - height) // 2, (w - width) // 2
+    return np.ascontiguousarray(array[top : top + height, left : left + width])
+
+
+def load(source: str | IO[bytes], fit: Fit) -> tuple[torch.Tensor, float]:
+    """One file decoded to its stored clip, and its duration in seconds (for throughput figures)."""
+    return decode_video(source, fit)

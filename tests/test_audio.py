@@ -1,0 +1,318 @@
+"""The audio track on generated tones: every format decoded to one rate, length and channel count, labels
+from folders, names and manifests, bad files skipped and named, log-mel features and their augmentation,
+and a whole run (train with a held-out name pattern, eval, infer with a picture, ONNX export); FSDD's real
+recordings split by speaker when the shared data is there."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import SHARED_DATA, compose
+
+from onn.errors import UserError
+
+FSDD = SHARED_DATA / "fsdd" / "recordings"
+TONES = {"low": 300.0, "mid": 700.0, "high": 1500.0}
+
+
+def tone(freq: float, seconds: float = 0.3, rate: int = 8000, channels: int = 1, seed: int = 0) -> np.ndarray:
+    """A sine with a little noise, [samples, channels] float32 (soundfile's layout)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(round(seconds * rate)) / rate
+    wave = 0.4 * np.sin(2 * np.pi * freq * t + rng.uniform(0, 6)) + 0.02 * rng.standard_normal(len(t))
+    return np.repeat(wave[:, None], channels, axis=1).astype(np.float32)
+
+
+def make_tones(root: Path, per_class: int = 8, speakers: tuple[str, ...] = ("ann", "bob")) -> Path:
+    """FSDD-like names, {class}_{speaker}_{i}.wav in one folder; each speaker a little off-pitch."""
+    import soundfile as sf
+
+    root.mkdir(parents=True, exist_ok=True)
+    for s, speaker in enumerate(speakers):
+        for name, freq in TONES.items():
+            for i in range(per_class):
+                seconds = 0.2 + 0.05 * (i % 3)
+                sf.write(
+                    root / f"{name}_{speaker}_{i}.wav",
+                    tone(freq * (1 + 0.03 * s), seconds, seed=i + 100 * s),
+                    8000,
+                )
+    return root
+
+
+def peak_hz(x: torch.Tensor, rate: int) -> float:
+    spectrum = np.abs(np.fft.rfft(x[0].numpy()))
+    return float(spectrum.argmax() * rate / x.shape[-1])
+
+
+def test_every_format_decodes_to_one_rate_length_and_channel_count(tmp_path):
+    """WAV/FLAC/OGG/MP3/AIFF/Opus through soundfile, M4A (AAC) through PyAV; stereo 44.1 kHz -> mono 16 kHz."""
+    import av
+    import soundfile as sf
+
+    from onn.modalities.audio.decode import Fit, load
+
+    stereo = np.concatenate([tone(440, 0.3, 44100), 0.5 * tone(440, 0.3, 44100)], axis=1)
+    files = {}
+    for ext, kwargs in (("wav", {}), ("flac", {}), ("ogg", {"subtype": "VORBIS"}), ("mp3", {}), ("aiff", {})):
+        files[ext] = tmp_path / f"a.{ext}"
+        sf.write(files[ext], stereo, 44100, **kwargs)
+    files["opus"] = tmp_path / "a.opus"
+    sf.write(
+        files["opus"],
+        np.concatenate([tone(440, 0.3, 48000)] * 2, axis=1),
+        48000,
+        format="OGG",
+        subtype="OPUS",
+    )
+    files["m4a"] = tmp_path / "a.m4a"
+    with av.open(str(files["m4a"]), "w") as container:
+        stream = container.add_stream("aac", rate=44100, layout="stereo")
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(stereo.T), format="fltp", layout="stereo")
+        frame.sample_rate, frame.pts = 44100, 0
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+    fit = Fit(sample_rate=16000, channels=1, samples=8000)
+    for ext, path in files.items():
+        x, seconds = load(str(path), fit)
+        assert x.shape == (1, 8000) and x.dtype == torch.float32, ext
+        assert seconds == pytest.approx(0.3, abs=0.03), ext
+        assert peak_hz(x, 16000) == pytest.approx(440, abs=6), ext  # resampled, not re-pitched
+    kept, _ = load(str(files["flac"]), Fit(8000, 2, 4000))  # keep two channels: the second is half as loud
+    assert kept.shape == (2, 4000) and float(kept[1].abs().max()) == pytest.approx(
+        float(kept[0].abs().max()) / 2, rel=0.05
+    )
+    short, _ = load(files["wav"].open("rb"), Fit(16000, 1, 16000))  # 0.3 s padded to 1 s, centred
+    assert short[0, :3000].abs().max() == 0 and short[0, -3000:].abs().max() == 0 and short[0, 8000].abs() > 0
+
+
+def test_labels_from_folders_names_and_manifests(tmp_path):
+    import soundfile as sf
+
+    from onn.data.labelled import list_labelled
+    from onn.modalities.audio import SUFFIXES
+
+    folders = tmp_path / "folders"
+    for split in ("train", "test"):
+        for label in ("dog", "cat"):
+            (folders / split / label).mkdir(parents=True)
+            sf.write(folders / split / label / "1.wav", tone(300), 8000)
+    listing = list_labelled(folders, SUFFIXES)
+    assert listing.classes == ["cat", "dog"] and set(listing.splits) == {"train", "test"}
+    assert [f.label for f in listing.splits["train"]] == ["cat", "dog"]
+
+    names = make_tones(tmp_path / "names", per_class=1)
+    listing = list_labelled(names, SUFFIXES, label_from=r"^([a-z]+)_")
+    assert listing.classes == ["high", "low", "mid"] and len(listing.splits["all"]) == 6
+
+    manifest = tmp_path / "manifest"
+    manifest.mkdir()
+    rows = []
+    for i, label in enumerate(["10", "2", "2"]):
+        sf.write(manifest / f"clip{i}.flac", tone(300), 8000)
+        rows.append({"file_name": f"clip{i}.flac", "label": label})
+    (manifest / "metadata.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (manifest / "README.md").write_text("sidecars are not data")
+    listing = list_labelled(manifest, SUFFIXES)
+    assert listing.classes == ["2", "10"]  # whole numbers in numeric order
+    assert {f.name: f.label for f in listing.splits["all"]} == {
+        "clip0.flac": "10",
+        "clip1.flac": "2",
+        "clip2.flac": "2",
+    }
+    assert listing.unknown == []
+    (manifest / "metadata.jsonl").write_text(json.dumps({"file_name": "clip0.flac", "speaker": "x"}))
+    with pytest.raises(UserError, match="no 'label' column"):
+        list_labelled(manifest, SUFFIXES)
+
+
+def test_bad_audio_files_are_skipped_counted_and_named(tmp_path, caplog):
+    """Corrupt, truncated, zero-length and sound-less files, one at a time; an unknown extension is named."""
+    from onn.modalities.audio.dataset import read
+    from onn.modalities.audio.decode import BadFile, Fit, load
+    from onn.modalities.video.builtin import write_clip
+
+    data = make_tones(tmp_path / "tones", per_class=10, speakers=("ann",))
+    good = (data / "low_ann_0.wav").read_bytes()
+    bad = {
+        "low_ann_90.wav": b"RIFF" + bytes(range(256)) * 4,
+        "mid_ann_91.wav": good[:44],
+        "high_ann_92.flac": b"",
+    }
+    for name, content in bad.items():
+        (data / name).write_bytes(content)
+    write_clip(data / "mid_ann_93.m4a", np.zeros((4, 64, 64, 3), np.uint8), 4)  # a video without sound
+    (data / "low_ann_94.xyz").write_bytes(good)
+    fit = Fit(8000, 1, 4000)
+    expected = {"low_ann_90.wav": "not decodable audio", "mid_ann_91.wav": "no audio samples",
+                "high_ann_92.flac": "empty file", "mid_ann_93.m4a": "no audio stream"}  # fmt: skip
+    for name, why in expected.items():
+        with pytest.raises(BadFile, match=why):
+            load(str(data / name), fit)
+    cfg = compose("data=audio", "data.label_from='^([a-z]+)_'")["data"]
+    with pytest.raises(
+        UserError, match=r"4 of 34 audio files could not be decoded \(first: high_ann_92.flac: an empty file"
+    ):
+        read(str(data), cfg, fit)
+    with caplog.at_level(logging.WARNING, logger="onn"):
+        decoded, seconds = read(str(data), {**cfg, "max_bad_fraction": 0.2}, fit)
+    assert len(decoded["all"].labels) == 30 and len(decoded["all"].skipped) == 4
+    assert (
+        "mid_ann_93.m4a: no audio stream" in caplog.text and "low_ann_94.xyz" in caplog.text
+    )  # named, not silently ignored
+
+
+def test_settings_that_make_no_sense_name_their_key():
+    from onn.modalities import get
+
+    audio = get("audio")
+    for override, key in (("data.sample_rate=0", "data.sample_rate"), ("data.clip_seconds=-1", "data.clip_seconds"),
+                          ("data.features.n_fft=0", "data.features.n_fft"), ("data.features.f_max=99999", "f_max"),
+                          ("data.augment.freq_warp=2", "data.augment.freq_warp"), ("+data.augment.pitch=1", "data.augment.pitch"),
+                          ("model=video_r3d_18", "does not take spectrograms")):  # fmt: skip
+        with pytest.raises(UserError, match=key):
+            audio.check(compose("data=audio", "model=audio_cnn", override))
+
+
+def test_log_mels_on_the_device_augment_training_batches_only():
+    from onn.modalities.audio.features import LogMel, feature_settings
+
+    cfg = compose("data=fsdd")["data"]
+    settings = feature_settings(cfg)
+    augment = {
+        "gain_db": 6,
+        "shift_seconds": 0.1,
+        "freq_warp": 0.1,
+        "time_warp": 0.1,
+        "freq_mask": 4,
+        "time_mask": 10,
+        "masks": 2,
+    }
+    transform = LogMel(settings, augment)
+    waves = torch.from_numpy(np.stack([tone(f, 1.0).T for f in (300, 700, 1500, 2500)])).to(torch.float16)
+    waves[3] *= 0.01  # a quiet one: its floor is its own, not the batch's loudest
+    evaluated = transform(waves, train=False)
+    assert evaluated.shape == (4, 1, 24, 101) and evaluated.dtype == torch.float32
+    assert torch.equal(evaluated, transform(waves, train=False))  # evaluation is deterministic
+    alone = transform(waves[3:], train=False)
+    assert torch.allclose(alone, evaluated[3:], atol=1e-4)  # per-sample, whatever the batch holds
+    torch.manual_seed(0)
+    trained = transform(waves, train=True)
+    assert trained.shape == evaluated.shape and not torch.allclose(trained, evaluated)
+    top = evaluated[:, 0].mean(dim=-1).argmax(dim=-1)  # the tone's mel band rises with its frequency
+    assert top[0] < top[1] < top[2]
+
+
+@pytest.mark.slow
+def test_train_held_out_pattern_eval_infer_and_export(tmp_path):
+    """Tones by two 'speakers': bob's are the test set (data.test_pattern); then eval, infer with a picture, ONNX."""
+    from onn.app import execute
+
+    data = make_tones(tmp_path / "tones", per_class=10)
+    common = ["tracking=none", "trainer.enable_progress_bar=false", f"paths.outputs={tmp_path / 'outputs'}",
+              f"paths.cache={tmp_path / 'cache'}"]  # fmt: skip
+    cfg = compose("recipe=fsdd_audio_cnn", *common, f"data.source={data}", "data.label_from='^([a-z]+)_'", "data.classes=null",
+                  "data.test_pattern=_bob_", "data.clip_seconds=0.4", "data.batch_size=4", "trainer.max_epochs=6", "optim.schedule=constant",
+                  "optim.lr=0.01",
+                  "+model.kwargs.widths=[8,16]", "data.val_split=0.2", "export=onnx")  # fmt: skip
+    metrics = execute(cfg, tmp_path / "train")
+    assert metrics["modality"] == "audio" and metrics["resident"] is True
+    assert metrics["train/loss_final"] < metrics["train/loss_initial"]
+    assert metrics["test/acc"] > 0.5  # three tones, chance 1/3; bob's never heard
+    assert metrics["export/max_abs_diff"] < 1e-3
+    import onnx
+
+    dims = [d.dim_value for d in onnx.load(metrics["export/onnx"]).graph.input[0].type.tensor_type.shape.dim]
+    assert dims[1:] == [1, 24, 41]  # the log-mel the network sees: 24 bands x 0.4 s at 10 ms
+    ckpt = str(tmp_path / "train" / "checkpoints" / "best.ckpt")
+    evaluated = execute({**compose(*common, "task=eval", f"ckpt={ckpt}"), "ckpt": ckpt}, tmp_path / "eval")
+    assert evaluated["test/acc"] == pytest.approx(metrics["test/acc"], abs=1e-6)
+    new = tmp_path / "new"
+    new.mkdir()
+    for name in ("low_bob_1.wav", "high_bob_2.wav"):
+        (new / name).write_bytes((data / name).read_bytes())
+    out = execute(
+        {**compose(*common, "task=infer", f"ckpt={ckpt}", f"task.input={new}"), "ckpt": ckpt},
+        tmp_path / "infer",
+    )
+    rows = [json.loads(line) for line in Path(out["infer/output"]).read_text().splitlines()]
+    assert [r["name"] for r in rows] == ["high_bob_2.wav", "low_bob_1.wav"] and {r["true"] for r in rows} == {
+        "high",
+        "low",
+    }
+    from PIL import Image
+
+    assert Image.open(out["infer/picture"]).size[1] >= 24 * 4  # spectrograms drawn 4x
+
+
+@pytest.mark.slow
+def test_fsdd_holds_a_speaker_out(tmp_path):
+    """The real recordings: data.test_pattern puts every one of a speaker's 500 recordings in the test split."""
+    if not FSDD.is_dir():
+        pytest.skip(f"{FSDD} is not here (the shared data lives beside the repository)")
+    from onn.modalities import classification, get
+
+    cfg = compose(
+        "recipe=fsdd_audio_cnn", f"data.source={FSDD}", "data.test_pattern=_lucas_", f"paths.cache={tmp_path}"
+    )
+    dm = classification.setup_data(get("audio"), cfg, "cpu")
+    assert len(dm.splits["test"]) == 500 and all("_lucas_" in n for n in dm.splits["test"].names)
+    assert not any("_lucas_" in n for split in ("train", "val") for n in dm.splits[split].names)
+    assert len(dm.splits["train"]) + len(dm.splits["val"]) == 1500 and dm.classes == [
+        str(d) for d in range(10)
+    ]
+    assert (
+        dm.splits["train"].inputs.shape[1:] == (1, 8000) and dm.splits["train"].inputs.dtype == torch.float16
+    )
+
+
+@pytest.mark.parametrize("recipe, modality, shape", [("fsdd_audio_cnn", "audio", [1, 8000]), ("video_motion", "video", [3, 12, 32, 32]),
+                                                     ("bench_media", "audio", [1, 8000])])  # fmt: skip
+def test_recipes_compose_check_and_plan(recipe, modality, shape):
+    from onn.modalities import get
+
+    cfg = compose(f"recipe={recipe}", "hardware=cpu_16gb")
+    m = get(cfg["data"]["modality"])
+    m.check(cfg)
+    plan, spec = m.plan(cfg, {**cfg["hardware"], "source": "preset"})
+    assert m.name == modality and m.planned_inputs(cfg)["input_shape"] == shape
+    assert (
+        plan["strategy"] == "full" and spec.kind == "network" and spec.sample_flops > 0 and spec.n_blocks >= 3
+    )
+
+
+def test_streamed_fallback_decodes_per_item(tmp_path):
+    """A dataset over data.resident_max_mb is decoded item by item in DataLoader workers."""
+    from onn.modalities import classification, get
+
+    data = make_tones(tmp_path / "tones", per_class=4, speakers=("ann",))
+    (data / "low_ann_9.wav").write_bytes(b"")  # a bad file stands in for the next good one
+    cfg = compose("data=audio", "model=audio_cnn", f"data.source={data}", "data.label_from='^([a-z]+)_'", "data.resident=false",
+                  "data.num_workers=0", "data.batch_size=4", "data.clip_seconds=0.3", "data.sample_rate=8000",
+                  f"paths.cache={tmp_path / 'cache'}")  # fmt: skip
+    dm = classification.setup_data(get("audio"), cfg, "cpu")
+    assert dm.streamed and dm.input_shape == (1, 2400)
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (4, 1, 2400) and x.dtype == torch.float16 and y.shape == (4,)
+
+
+@pytest.mark.slow
+def test_bench_media_reports_decoding_and_both_pipelines(tmp_path):
+    from onn.app import execute
+
+    data = make_tones(tmp_path / "tones", per_class=6, speakers=("ann",))
+    cfg = compose("recipe=bench_media", f"data.source={data}", "data.label_from='^([a-z]+)_'", "data.classes=null",
+                  "data.batch_size=4", "task.steps=2", "task.warmup=1", "task.repeats=1", "task.standard_workers=0",
+                  "+model.kwargs.widths=[8,16]", f"paths.cache={tmp_path / 'cache'}", f"paths.outputs={tmp_path / 'out'}")  # fmt: skip
+    metrics = execute(cfg, tmp_path / "bench")
+    assert metrics["media/clips"] == 18 and metrics["media/decoded_seconds"] == pytest.approx(
+        18 * 0.25, abs=0.05
+    )
+    for key in ("media/decode_clips_per_s", "media/decode_audio_s_per_s", "media/cache_speedup", "media/resident_speedup",
+                "media/train_speedup", "media/pipeline_standard_samples_per_s"):  # fmt: skip
+        assert metrics[key] > 0, key

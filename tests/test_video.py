@@ -1,0 +1,269 @@
+"""The video track on clips made here with PyAV's encoders: containers and codecs, variable frame rates,
+rotation, odd sizes and 10-bit streams decoded right; bad files skipped and named; augmentation the same
+for every frame of a clip; the video networks; a whole run on the generated motion task (train, infer with
+frame strips, ONNX export)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import compose
+
+from onn.errors import UserError
+
+
+def ramp(frames: int = 16, height: int = 64, width: int = 64) -> np.ndarray:
+    """Frame i has a white band across 1/frames of the width at position i: a decoded frame says which it is."""
+    out = np.zeros((frames, height, width, 3), np.uint8)
+    band = width // frames
+    for i in range(frames):
+        out[i, :, i * band : (i + 1) * band] = 255
+    return out
+
+
+def which(clip: torch.Tensor, frames: int = 16) -> list[int]:
+    """The ramp index of each decoded frame of a [C, T, H, W] clip (any width)."""
+    columns = clip.float().mean(dim=(0, 2))  # [T, W]
+    return [int(c.argmax()) * frames // clip.shape[-1] for c in columns]
+
+
+@pytest.mark.parametrize(
+    "codec, suffix, pix_fmt",
+    [("libx264", "mp4", "yuv420p"), ("mpeg4", "avi", "yuv420p"), ("libx264", "mov", "yuv420p"), ("libvpx-vp9", "webm", "yuv420p"),
+     ("libx265", "mkv", "yuv420p10le"), ("libsvtav1", "mkv", "yuv420p"), ("libx264", "mp4", "yuv420p10le")],
+)  # fmt: skip
+def test_containers_codecs_and_10_bit_decode_to_evenly_sampled_frames(tmp_path, codec, suffix, pix_fmt):
+    """h264/h265/vp9/av1/mpeg4 in mp4/mov/avi/mkv/webm, 8 and 10 bit: 8 of 16 frames, evenly spaced, resized."""
+    from onn.modalities.video.builtin import write_clip
+    from onn.modalities.video.decode import Fit, load
+
+    path = tmp_path / f"clip.{suffix}"
+    options = {"options": {"x265-params": "log-level=error"}} if codec == "libx265" else {}
+    write_clip(path, ramp(), 8, codec, pix_fmt, **options)  # x265 and SVT-AV1 need frames of 64 px or more
+    clip, seconds = load(str(path), Fit(frames=8, channels=3, size=(32, 48), resize="resize"))
+    assert clip.shape == (3, 8, 32, 48) and clip.dtype == torch.uint8
+    assert seconds == pytest.approx(2.0, abs=0.01)
+    assert which(clip) == [
+        0,
+        2,
+        4,
+        6,
+        8,
+        10,
+        12,
+        15,
+    ]  # the frame shown at each of 8 evenly spaced times, first and last included
+
+
+def test_variable_frame_rate_rotation_and_odd_sizes(tmp_path):
+    import av
+
+    from onn.modalities.video.builtin import write_clip
+    from onn.modalities.video.decode import Fit, load
+
+    path = tmp_path / "vfr.mkv"  # 16 frames at irregular times (ms): sampling goes by time, not by index
+    times = [0, 40, 80, 200, 210, 220, 500, 533, 566, 600, 1000, 1010, 1300, 1310, 1320, 1500]
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=25)
+        stream.width = stream.height = 64
+        stream.pix_fmt, stream.time_base = "yuv420p", Fraction(1, 1000)
+        stream.codec_context.time_base = Fraction(1, 1000)  # else the encoder rounds times to its 1/25 s
+        for array, t in zip(ramp(), times):
+            frame = av.VideoFrame.from_ndarray(array, format="rgb24")
+            frame.pts, frame.time_base = t, Fraction(1, 1000)
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    clip, _ = load(str(path), Fit(8, 3, (32, 32), "resize"))
+    targets = np.linspace(0, 1500, 8)  # the frame shown at each of 8 evenly spaced times
+    assert (
+        which(clip)
+        == [int(np.searchsorted(times, t, side="right") - 1) for t in targets]
+        == [0, 4, 5, 9, 9, 11, 11, 15]
+    )
+
+    path = (
+        tmp_path / "portrait.mp4"
+    )  # stored 96x64 (W x H) with a 90-degree display rotation, as phones write
+    image = np.zeros((64, 96, 3), np.uint8)
+    image[:16, :16] = 255  # a white corner, top left as stored
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
+        stream.set_display_rotation(90)
+        for _ in range(4):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    clip, _ = load(str(path), Fit(2, 1, (48, 32), "resize"))  # shown upright: 64 wide, 96 tall, here halved
+    upright = np.rot90(image[::2, ::2, 0], 1)
+    assert clip.shape == (1, 2, 48, 32)
+    assert (clip[0, 0].numpy() > 128).nonzero()[0].mean() == pytest.approx(
+        (upright > 128).nonzero()[0].mean(), abs=1
+    )
+
+    path = tmp_path / "odd.avi"  # 33x17 pixels, centre-cropped to a square
+    write_clip(path, np.random.default_rng(0).integers(0, 255, (5, 17, 33, 3), dtype=np.uint8), 5, "mpeg4")
+    clip, _ = load(str(path), Fit(4, 3, (16, 16), "center_crop"))
+    assert clip.shape == (3, 4, 16, 16)
+
+
+def test_bad_videos_are_skipped_counted_and_named(tmp_path, caplog):
+    """Corrupt, truncated, zero-length and stream-less files fail one at a time; unknown extensions are named."""
+    import soundfile as sf
+
+    from onn.modalities.video.builtin import moving_square, write_clip
+    from onn.modalities.video.dataset import read
+    from onn.modalities.video.decode import BadFile, Fit, load
+
+    rng = np.random.default_rng(0)
+    for label in ("left", "right"):
+        (tmp_path / "clips" / label).mkdir(parents=True)
+        for i in range(6):
+            write_clip(tmp_path / "clips" / label / f"{i}.mp4", moving_square(rng, label, 6, 24), 6)
+    folder = tmp_path / "clips" / "left"
+    good = (folder / "0.mp4").read_bytes()
+    (folder / "corrupt.mp4").write_bytes(b"\x00\x00\x00\x18ftypisom" + bytes(range(256)) * 8)
+    (folder / "truncated.mp4").write_bytes(good[:400])
+    (folder / "empty.mkv").write_bytes(b"")
+    sf.write(
+        folder / "sound.mkv", np.zeros(800, np.float32), 8000, format="WAV"
+    )  # audio only, named as a video
+    (folder / "notes.xyz").write_bytes(good)
+    fit = Fit(4, 3, (16, 16), "resize")
+    for name, why in (("corrupt.mp4", "not a decodable video"), ("truncated.mp4", "not a decodable video"),
+                      ("empty.mkv", "empty file"), ("sound.mkv", "no video stream")):  # fmt: skip
+        with pytest.raises(BadFile, match=why):
+            load(str(folder / name), fit)
+    cfg = compose("data=video")["data"]
+    with pytest.raises(
+        UserError, match=r"4 of 16 video files could not be decoded \(first: left/corrupt.mp4"
+    ):
+        read(str(tmp_path / "clips"), cfg, fit)
+    with caplog.at_level(logging.WARNING, logger="onn"):
+        decoded, _ = read(str(tmp_path / "clips"), {**cfg, "max_bad_fraction": 0.3}, fit)
+    assert len(decoded["all"].labels) == 12 and len(decoded["all"].skipped) == 4
+    assert "left/sound.mkv: no video stream" in caplog.text and "left/notes.xyz" in caplog.text
+
+
+def test_settings_that_make_no_sense_name_their_key():
+    from onn.modalities import get
+
+    video = get("video")
+    for override, key in (("data.frames=0", "data.frames"), ("data.decode_frames=2", "data.decode_frames"),
+                          ("data.image_size=[4,4]", "data.image_size"), ("data.sampling=sometimes", "data.sampling"),
+                          ("data.resize=squash", "data.resize"), ("model=audio_cnn", "does not take clips")):  # fmt: skip
+        with pytest.raises(UserError, match=key):
+            video.check(compose("data=video", "model=video_c3d_tiny", override))
+
+
+def test_augmentation_is_the_same_for_every_frame_of_a_clip():
+    from onn.modalities.video.transform import ClipTransform
+
+    augment = {"crop_padding": 4, "hflip": 0.5, "color_jitter": {"brightness": 0.3, "contrast": 0.3, "saturation": 0.3},
+               "random_erasing": {"p": 1.0}}  # fmt: skip
+    transform = ClipTransform(augment, [0.5] * 3, [0.25] * 3, frames=4, sampling="random")
+    frame = torch.randint(0, 256, (8, 3, 1, 16, 16), dtype=torch.uint8)
+    clips = frame.expand(8, 3, 12, 16, 16).contiguous()  # every frame of a clip the same picture
+    torch.manual_seed(0)
+    out = transform(clips, train=True)
+    assert out.shape == (8, 3, 4, 16, 16)
+    assert torch.equal(
+        out, out[:, :, :1].expand_as(out)
+    )  # same crop, flip, jitter and erased box on every frame
+    assert not torch.allclose(out[0], out[1])  # but each clip its own
+    plain = transform(clips, train=False)
+    assert not torch.allclose(out, plain) and torch.equal(plain, transform(clips, train=False))
+    counted = torch.arange(12, dtype=torch.uint8).view(1, 1, 12, 1, 1).expand(2, 1, 12, 2, 2).contiguous()
+    picks = ClipTransform(None, [0.0], [1 / 255], frames=4, sampling="random")
+    assert picks(counted, train=False)[0, 0, :, 0, 0].round().tolist() == [0, 4, 7, 11]  # evenly spaced
+    torch.manual_seed(1)
+    drawn = picks(counted, train=True)[:, 0, :, 0, 0].round()
+    assert all(
+        0 <= v[0] <= 2 < v[1] <= 5 < v[2] <= 8 < v[3] <= 11 for v in drawn.tolist()
+    )  # one from each segment
+
+
+@pytest.mark.parametrize(
+    "model", ["video_r3d_18", "video_r2plus1d", "video_mc3_18", "video_frames_resnet18", "video_c3d_tiny"]
+)
+def test_video_networks_plan_on_the_meta_device(model):
+    from onn.modalities import get
+
+    cfg = compose(
+        f"model={model}", "data=video", "data.source=/nowhere", "hardware=rtx3060_12gb", "data.num_classes=5"
+    )
+    plan, spec = get("video").plan(cfg, {**cfg["hardware"], "source": "preset"})
+    assert plan["strategy"] == "full" and spec.kind == "network" and spec.sample_flops > 0 and spec.params > 0
+    assert plan["candidates"]["full"]["fits"]
+
+
+@pytest.mark.slow
+def test_video_networks_train_a_step_on_clips():
+    from onn.models.video import build_video_classifier
+
+    clips = torch.randn(2, 1, 4, 32, 32)
+    for source, extra in (
+        ("torchvision:mc3_18", {}),
+        ("timm:resnet18", {"temporal_pool": "tconv"}),
+        ("zoo:c3d_tiny", {}),
+    ):
+        model = build_video_classifier({"source": source, **extra}, 1, 3, 4, [32, 32])
+        loss = torch.nn.functional.cross_entropy(model(clips), torch.tensor([0, 2]))
+        loss.backward()
+        assert model(clips).shape == (2, 3) and all(
+            p.grad is not None for p in model.parameters() if p.requires_grad
+        ), source
+
+
+@pytest.mark.slow
+def test_motion_run_trains_infers_and_exports(tmp_path):
+    """builtin:motion, made small: clips encoded and decoded, the 3-D CNN trained, strips of frames, ONNX."""
+    from onn.app import execute
+
+    common = ["tracking=none", "trainer.enable_progress_bar=false", f"paths.outputs={tmp_path / 'outputs'}",
+              f"paths.cache={tmp_path / 'cache'}"]  # fmt: skip
+    cfg = compose("recipe=video_motion", *common, "data.motion.train_per_class=10", "data.motion.test_per_class=4",
+                  "data.motion.size=24", "data.image_size=[16,16]", "data.batch_size=8", "trainer.max_epochs=4",
+                  "+model.kwargs.widths=[8,16]", "export=onnx")  # fmt: skip
+    metrics = execute(cfg, tmp_path / "train")
+    assert metrics["modality"] == "video" and metrics["resident"] is True
+    assert (
+        metrics["train/loss_final"] < metrics["train/loss_initial"] and metrics["export/max_abs_diff"] < 1e-3
+    )
+    import onnx
+
+    dims = [d.dim_value for d in onnx.load(metrics["export/onnx"]).graph.input[0].type.tensor_type.shape.dim]
+    assert dims[1:] == [3, 8, 16, 16]
+    clips = sorted((tmp_path / "cache" / "builtin").glob("motion-*/test"))[0]
+    ckpt = tmp_path / "train" / "checkpoints" / "last.ckpt"
+    out = execute(compose(*common, "task=infer", f"ckpt={ckpt}", f"task.input={clips}"), tmp_path / "infer")
+    rows = [json.loads(line) for line in Path(out["infer/output"]).read_text().splitlines()]
+    assert len(rows) == 16 and {r["true"] for r in rows} == {"down", "left", "right", "up"}
+    from PIL import Image
+
+    assert Image.open(out["infer/picture"]).size[0] >= 8 * 16  # 8 frames side by side per clip
+
+
+def test_data_auto_finds_audio_and_video_folders(tmp_path):
+    import soundfile as sf
+
+    from onn.modalities import detect
+    from onn.modalities.video.builtin import write_clip
+
+    (tmp_path / "sounds" / "a").mkdir(parents=True)
+    sf.write(tmp_path / "sounds" / "a" / "1.flac", np.zeros(800, np.float32), 8000)
+    (tmp_path / "sounds" / "README.md").write_text("notes")
+    (tmp_path / "clips" / "a").mkdir(parents=True)
+    write_clip(tmp_path / "clips" / "a" / "1.webm", ramp(2, 16, 16), 2, "libvpx-vp9")
+    assert detect(tmp_path / "sounds")[0].name == "audio"
+    assert detect(tmp_path / "clips")[0].name == "video"
+    assert detect(tmp_path / "clips" / "a" / "1.webm")[0].name == "video"
