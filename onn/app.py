@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from onn.bench import TASKS as BENCH_TASKS
 from onn.errors import UserError
 from onn.hardware.profile import resolve as resolve_hardware
+from onn.hardware.profile import use_threads
 from onn.modalities import Job, detect, get
 from onn.planning.plan import render
 from onn.tasks import TASKS as RUN_TASKS
@@ -47,6 +48,7 @@ def run(cfg: DictConfig) -> float | None:
     from hydra.types import RunMode
 
     quiet_console()
+    on_sigterm()
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
@@ -72,10 +74,10 @@ def run(cfg: DictConfig) -> float | None:
         if not multirun:  # in a sweep the other jobs go on; the grid shows this one as failed
             _write_metrics(run_dir, metrics, started)
             sys.exit(1)
-    except Exception as e:
+    except (Exception, KeyboardInterrupt, SystemExit) as e:  # SIGTERM arrives as SystemExit (see on_sigterm)
         metrics.update(status="failed", error=f"{type(e).__name__}: {e}")
         _write_metrics(run_dir, metrics, started)
-        if not multirun:
+        if not multirun or not isinstance(e, Exception):
             raise
         log.exception("job %s crashed; the sweep goes on", run_dir)  # the traceback, for the bug report
         return _objective(cfg, metrics)
@@ -95,6 +97,16 @@ def quiet_console() -> None:
     for name, level in (("bitsandbytes.backends.cpu.ops", logging.ERROR), ("lightning.pytorch.utilities.rank_zero", logging.WARNING),
                         ("lightning.fabric.utilities.rank_zero", logging.WARNING)):  # fmt: skip
         logging.getLogger(name).setLevel(level)
+
+
+def on_sigterm() -> None:
+    """SIGTERM ends the run as an exception would, so metrics.json still says how it ended."""
+    import signal
+
+    def stop(signum, frame):
+        raise SystemExit(f"terminated by signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def summary(metrics: dict[str, Any], run_dir: Path) -> str:
@@ -230,6 +242,8 @@ def execute(config: dict[str, Any], run_dir: Path, given: set[str] | None = None
     plan, spec = modality.plan(config, hardware, use_tuned=name != "tune")
     (run_dir / "plan.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
     print(render(plan), flush=True)
+    if task.heavy:
+        use_threads(plan)  # torch's threads on the cores other processes leave free
     # On CPUs the measured peak is the process's resident memory, which includes its baseline.
     predicted = plan["predicted_peak_memory_mb"] + (plan["context_mb"] if hardware["accelerator"] != "cuda" else 0)
     out.update({

@@ -1,14 +1,15 @@
 """The one table of weight dtypes: their names in configs, their bytes per value, their torch types.
 
-Stored weights may be quantized by bitsandbytes: int8 (one fp32 scale per 256 values) and nf4
-(4 bits, one fp32 scale per 64 values). The byte counts include the scales, so the planner's
-sizes and the layer store's files agree.
+Stored weights may be quantized: int8 is ONN's own (symmetric, one fp32 scale per 128 values of a
+row, de-quantized by two plain torch ops, fast on any device) and nf4 is bitsandbytes' (4 bits, one
+fp32 scale per 64 values). The byte counts include the scales, so the planner's sizes and the layer
+store's files agree.
 """
 
 from __future__ import annotations
 
-# bitsandbytes' blockwise formats and their block sizes (values per fp32 scale)
-QUANTIZED_BLOCK = {"int8": 256, "nf4": 64}
+# values per fp32 scale: int8 groups along a row (ONN), nf4 blocks (bitsandbytes)
+QUANTIZED_BLOCK = {"int8": 128, "nf4": 64}
 BYTES_PER_VALUE = {
     "float32": 4,
     "bfloat16": 2,

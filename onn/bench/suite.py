@@ -83,9 +83,11 @@ def measure(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict
     import gc
 
     from onn.hardware.memory import PeakMemory, anon_rss_mb
+    from onn.hardware.profile import use_threads
     from onn.modalities.text.tasks import build, datamodule, trainer
     from onn.training.callbacks import ResourceMonitor, StepClock
 
+    use_threads(plan)  # the fresh process runs on the threads the plan sized to the free cores
     task = config["task"]
     warmup, steps = int(task["warmup_steps"]), int(task["steps"])
     config = copy.deepcopy(config)

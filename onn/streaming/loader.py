@@ -8,6 +8,7 @@ placeholders, which the streaming engine fills from the store.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from onn.models.load import (
     source_kind,
     tokenizer_from,
 )
-from onn.streaming.store import stored_name
+from onn.streaming.store import human_bytes, stored_bytes, stored_name
 
 
 def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple[Any, Any] | None:
@@ -79,7 +80,12 @@ def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple
     if files and any(n not in where for n in names):
         return None  # checkpoint names differ from the model's (renamed or fused weights)
 
-    def materialise(module: torch.nn.Module, prefix: str, seed: int, recurse: bool = True) -> None:
+    def materialise(
+        module: torch.nn.Module, prefix: str, seed: int, recurse: bool = True, in_dtype: bool = False
+    ) -> None:
+        """Real weights for a module: read from the source's files, or initialised from `seed` (in float32
+        and cast, which is fast; `in_dtype`: straight in the weights dtype, which holds no float32 copy of
+        a large embedding)."""
         if files:  # each file opened once per module; assign=True replaces the meta parameters
             names = [n for n, _ in module.named_parameters(recurse=recurse)]
             state = {}
@@ -89,6 +95,9 @@ def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple
             module.load_state_dict(state, strict=False, assign=True)
         else:
             module.to_empty(device="cpu", recurse=recurse)
+            if in_dtype and dtype is not None:
+                for param in module.parameters(recurse=recurse):
+                    param.data = torch.empty_like(param.data, dtype=dtype)
             torch.manual_seed(seed)
             for sub in module.modules() if recurse else [module]:
                 model._init_weights(sub)
@@ -113,16 +122,51 @@ def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple
                         torch.empty(0, dtype=placeholder_dtype), requires_grad=False
                     )
 
-    for i in store.missing(shapes):  # one block in memory at a time
-        block = layer_map.blocks[i]
-        materialise(block, full[i] + ".", seed * 100_003 + i + 1)
-        store.write(i, {stored_name(n): p.data for n, p in block.named_parameters()})
-        empty(block)
+    missing = store.missing(shapes)  # the disk's room is checked here, before anything is written
+    with build_progress(store, missing, shapes):
+        for i in missing:  # one block in memory at a time
+            block = layer_map.blocks[i]
+            materialise(block, full[i] + ".", seed * 100_003 + i + 1)
+            store.write(i, {stored_name(n): p.data for n, p in block.named_parameters()})
+            empty(block)
     for block in layer_map.blocks:
         empty(block)
     for name, module in model.named_modules():  # the prefix and suffix: every module outside the blocks
         inside = any(name == b or name.startswith(b + ".") for b in full)
         if not inside and any(p.is_meta for p in module.parameters(recurse=False)):
-            materialise(module, f"{name}." if name else "", seed + zlib.crc32(name.encode()), recurse=False)
+            materialise(
+                module,
+                f"{name}." if name else "",
+                seed + zlib.crc32(name.encode()),
+                recurse=False,
+                in_dtype=True,
+            )
     model.tie_weights()
     return model, finish_tokenizer(model_cfg, tokenizer, remote)
+
+
+@contextlib.contextmanager
+def build_progress(store, missing: list, shapes: dict):
+    """A progress bar while the store is written: blocks, GB written and the time left."""
+    if not missing or store.kind != "disk":
+        yield
+        return
+    from tqdm import tqdm
+
+    total = sum(stored_bytes(shapes[i], store.dtype) for i in missing)
+    written = 0
+    bar = tqdm(total=len(missing), unit="block", desc=f"layer store ({store.dtype}, {human_bytes(total)})",
+               bar_format="{desc}: {n_fmt}/{total_fmt} blocks, {postfix} [{elapsed}<{remaining}]", postfix="0.0 GB")  # fmt: skip
+
+    def advance(index, size: int) -> None:
+        nonlocal written
+        written += size
+        bar.set_postfix_str(f"{written / 2**30:,.1f} of {total / 2**30:,.1f} GB", refresh=False)
+        bar.update(1)
+
+    store.progress = advance
+    try:
+        yield
+    finally:
+        store.progress = None
+        bar.close()

@@ -41,7 +41,8 @@ def build_engine(
     store = layer_store(settings, store_root, device)
     engine = StreamingEngine(model, layer_map, store, int(settings["chunk_size"]), device=device, prefetch=bool(settings["prefetch"]),
                              activations=settings["activations"], micro_batch=micro_batch,
-                             stream_edges=settings.get("edges") == "stream")  # fmt: skip
+                             stream_edges=settings["edges"] == "stream", cache_blocks=int(settings["cache_blocks"]),
+                             eval_tokens=int(settings["eval_tokens"]))  # fmt: skip
     engine.offload()
     return engine
 

@@ -90,13 +90,15 @@ def exact_match(
     max_samples: int,
     max_new_tokens: int,
     engine=None,
+    batch_size: int = 16,
 ) -> float:
-    """Fraction of greedy answers equal to the reference answer (after extract_answer on both)."""
+    """Fraction of greedy answers equal to the reference answer (after extract_answer on both).
+    `batch_size` prompts generate together (with an engine: every chunk load serves all of them)."""
     examples = examples[:max_samples]
     if not examples:
         return float("nan")
     outputs = complete(
-        model, tokenizer, [p for p, _ in examples], max_new_tokens=max_new_tokens, engine=engine
+        model, tokenizer, [p for p, _ in examples], max_new_tokens=max_new_tokens, engine=engine, batch_size=batch_size
     )
     hits = sum(
         extract_answer(o, pattern) == extract_answer(a, pattern) for o, (_, a) in zip(outputs, examples)

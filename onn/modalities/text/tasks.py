@@ -18,7 +18,16 @@ from onn.modalities.text.datamodule import TextDataModule
 from onn.modalities.text.generate import complete, exact_match, read_prompts, stream, write_jsonl
 from onn.modalities.text.module import CausalLM, summarize_losses
 from onn.models.layers import discover
-from onn.models.load import load, model_fingerprint
+from onn.models.load import (
+    converted_gguf,
+    expand,
+    finish_tokenizer,
+    hub_folder,
+    load,
+    model_fingerprint,
+    source_kind,
+    tokenizer_from,
+)
 from onn.planning.plan import STREAMING_KEYS
 from onn.streaming.loader import load_into_store
 from onn.streaming.strategy import LayerStreamingStrategy, build_engine, layer_store
@@ -72,6 +81,12 @@ def streaming_settings(config: dict[str, Any], plan: dict[str, Any]) -> dict[str
     return settings
 
 
+def generate_batch(plan: dict[str, Any], samples: int) -> int:
+    """Prompts generated together: streamed, as many as memory allows (each chunk load serves them all)."""
+    streaming = plan.get("streaming") or {}
+    return max(1, min(samples, int(streaming.get("generate_batch") or 16))) if streaming else 16
+
+
 def store_root(config: dict[str, Any]) -> Path:
     """Where this model's layer stores live: one folder per frozen-weights fingerprint."""
     return Path(config["paths"]["cache"]) / "stores" / model_fingerprint(config["model"])
@@ -106,10 +121,25 @@ def load_weights(module: CausalLM, ckpt: Path) -> None:
         )
 
 
+def early_tokenizer(model_cfg: dict[str, Any], cache_dir) -> Any | None:
+    """The tokenizer, when it can be had without the model (byte, a tokenizer folder, an HF folder or a
+    converted GGUF): the data is then read and checked before a long model or store build starts."""
+    kind = source_kind(model_cfg.get("source"))
+    remote = bool(model_cfg.get("trust_remote_code"))
+    if model_cfg.get("tokenizer"):
+        return finish_tokenizer(model_cfg, None, remote)
+    folder = {"folder": lambda: expand(model_cfg["source"]), "hub": lambda: hub_folder(model_cfg["source"]),
+              "gguf": lambda: converted_gguf(model_cfg["source"], cache_dir)}.get(kind, lambda: None)()  # fmt: skip
+    tokenizer = tokenizer_from(folder, remote) if folder else None
+    return finish_tokenizer(model_cfg, tokenizer, remote) if tokenizer is not None else None
+
+
 def train(job: Job) -> dict[str, Any]:
     config, plan, run_dir, ckpt = job.config, job.plan, job.run_dir, job.ckpt
+    early = early_tokenizer(config["model"], config["paths"]["cache"])
+    dm = datamodule(config, early) if early is not None else None  # a data mistake costs a second, not a store build
     module, tokenizer = build(config, plan)
-    dm = datamodule(config, tokenizer)
+    dm = dm or datamodule(config, tokenizer)
     clock = StepClock()
     callbacks = [StepCheckpoint(run_dir / "checkpoints", config["checkpoint"]["every_n_steps"]), clock,
                  ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))]  # fmt: skip
@@ -145,7 +175,8 @@ def train(job: Job) -> dict[str, Any]:
         log.info("answers run to %d tokens: skipping exact match after training; run task=eval for it", dm.max_answer_tokens)
     elif samples and any(p for p, _ in dm.val_examples):
         metrics["val/exact_match"] = exact_match(module.model, tokenizer, dm.val_examples, config["data"]["answer_pattern"], samples,
-                                                 max_new_tokens=dm.max_answer_tokens + 2, engine=module.engine)  # fmt: skip
+                                                 max_new_tokens=dm.max_answer_tokens + 2, engine=module.engine,
+                                                 batch_size=generate_batch(plan, samples))  # fmt: skip
     if config["export"]["name"] != "none":
         metrics.update(export_for_run(config, module.model, run_dir, tokenizer=tokenizer, engine=module.engine))
     return metrics
@@ -166,7 +197,8 @@ def evaluate(job: Job) -> dict[str, Any]:
                "params_trainable": sum(p.numel() for p in module.parameters() if p.requires_grad)}  # fmt: skip
     if any(p for p, _ in dm.val_examples):
         metrics["val/exact_match"] = exact_match(module.model, tokenizer, dm.val_examples, config["data"]["answer_pattern"],
-                                                 int(task["max_samples"]), int(task["max_new_tokens"]), engine=module.engine)  # fmt: skip
+                                                 int(task["max_samples"]), int(task["max_new_tokens"]), engine=module.engine,
+                                                 batch_size=generate_batch(plan, int(task["max_samples"])))  # fmt: skip
     print(
         f"val loss {loss:.4f}  perplexity {metrics['val/perplexity']:.3f}  exact match {metrics.get('val/exact_match', float('nan')):.3f}"
     )
