@@ -107,6 +107,14 @@ def run(job) -> dict[str, Any]:
         "giant/store_gb": round(sum(f.stat().st_size for f in store_dir.glob("*.safetensors")) / 2**30, 2),
     })  # fmt: skip
 
+    # the disk again, on the store's own files: a plain sequential pass (no compute) over the blocks a
+    # step streams; the larger of the two measurements is the bandwidth the step is held to
+    passed = _child("read_store", {**request, "limit_gb": task["disk_probe_mb"] * 4 / 1024}, run_dir)[
+        "result"
+    ]
+    out["giant/disk_read_mb_s_store"] = round(passed["mb_s"], 1)
+    disk_mb_s = max(out["giant/disk_read_mb_s"], passed["mb_s"])
+
     # -- train: validation, steps, kill -9, resume -------------------------------------------------
     train_dir = run_dir / "train"
     first = _child("train", {**request, "run_dir": str(train_dir), "validate": True, "max_steps": task["steps"]},
@@ -137,7 +145,7 @@ def run(job) -> dict[str, Any]:
     flops = streaming_step_flops(
         spec, int(config["data"]["max_length"]), int(config["data"]["batch_size"]), plan["sparse_layers"]
     )
-    disk_bw = out["giant/disk_read_mb_s"] * MB
+    disk_bw = disk_mb_s * MB
     limit_s = max(read_bytes / disk_bw, flops / (out["giant/matmul_gflops"] * 1e9))
     predicted_peak = plan["predicted_peak_memory_mb"] + second["result"]["baseline_mb"]
     peak = max(first["peak_rss_mb"], second["peak_rss_mb"])
@@ -183,6 +191,8 @@ def run(job) -> dict[str, Any]:
         "giant/gen_b8_over_b1": round(g["bn"]["token_s"] / g["b1"]["token_s"], 3),
         "giant/gen_tokens_per_s": round(g["bn"]["tokens_per_s"], 4),
         "giant/gen_peak_rss_mb": round(gen["peak_rss_mb"], 1),
+        "giant/gen_chunk_size": g["chunk_size"],
+        "giant/gen_cache_blocks": g["cache_blocks"],
     })  # fmt: skip
     if task["accelerate"]:
         acc = _child("accelerate", {**request, "batch": task["gen_batch"], "tokens": task["gen_tokens"],
@@ -192,6 +202,7 @@ def run(job) -> dict[str, Any]:
             "giant/accelerate_tokens_per_s": round(a["tokens_per_s"], 4),
             "giant/accelerate_s_per_token": round(a["token_s"], 2),
             "giant/vs_accelerate": round(g["bn"]["tokens_per_s"] / a["tokens_per_s"], 2),
+            "giant/vs_accelerate_per_token": round(a["token_s"] / g["bn"]["token_s"], 2),
             "giant/accelerate_same_tokens": a["tokens"] == g["bn"]["tokens"],
             "giant/accelerate_peak_rss_mb": round(acc["peak_rss_mb"], 1),
         })  # fmt: skip
@@ -240,14 +251,19 @@ def _child(phase: str, request: dict[str, Any], run_dir: Path, kill_when=None) -
     with open(run_dir / f"{phase}.log", "a") as log:
         proc = subprocess.Popen([sys.executable, "-m", "onn.bench.giant", phase, str(result)], stdin=subprocess.PIPE,
                                 stdout=log, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
-        proc.stdin.write(json.dumps(request, default=str))
-        proc.stdin.close()
-        while proc.poll() is None:
-            peak = max(peak, _rss_anon_mb(proc.pid))
-            if kill_when is not None and not killed and kill_when():
-                proc.send_signal(signal.SIGKILL)
-                killed = True
-            time.sleep(0.1)
+        try:
+            proc.stdin.write(json.dumps(request, default=str))
+            proc.stdin.close()
+            while proc.poll() is None:
+                peak = max(peak, _rss_anon_mb(proc.pid))
+                if kill_when is not None and not killed and kill_when():
+                    proc.send_signal(signal.SIGKILL)
+                    killed = True
+                time.sleep(0.1)
+        finally:  # the bench stopped (SIGTERM, an error): its phase stops with it
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     wall = time.perf_counter() - start
     if killed:
         return {"result": None, "peak_rss_mb": peak, "wall_s": wall, "killed": True}
@@ -305,6 +321,28 @@ def _matmul(request: dict[str, Any]) -> dict[str, Any]:
         min_s=0.2,
     )
     return {"gflops": round(rate / 1e9, 1), "rows": rows, "shape": [out_features, in_features]}
+
+
+def _read_store(request: dict[str, Any]) -> dict[str, Any]:
+    """Read the store's uncached blocks (up to limit_gb) one after the other into one buffer, O_DIRECT,
+    nothing else running: the disk's sequential bandwidth on the files the steps stream."""
+    from onn.hardware.disk import buffer
+    from onn.modalities.text.tasks import store_root, streaming_settings
+    from onn.streaming.strategy import layer_store
+
+    config, plan = request["config"], request["plan"]
+    settings = streaming_settings(config, plan)
+    store = layer_store(settings, store_root(config))
+    blocks = sorted(int(p.stem.split("_")[1]) for p in store.folder.glob("block_*.done"))
+    blocks = [i for i in blocks if i >= int(settings["cache_blocks"])] or blocks
+    into = buffer(max(store.file_bytes(i) for i in blocks))
+    start, total = time.perf_counter(), 0
+    for i in blocks:
+        store.read(i, into=into)
+        total += store.file_bytes(i)
+        if total >= float(request["limit_gb"]) * 2**30:
+            break
+    return {"mb_s": total / MB / (time.perf_counter() - start), "gb": total / 2**30, "direct": store.direct}
 
 
 def _build(request: dict[str, Any]) -> dict[str, Any]:
@@ -386,12 +424,23 @@ def _train(request: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _prompts(config: dict[str, Any], tokenizer, count: int) -> list[str]:
+def _prompts(config: dict[str, Any], tokenizer, count: int) -> list[list[int]]:
+    """The held-out questions as token ids, cut from the left to data.max_length as training cuts them."""
     from onn.modalities.text.datamodule import to_examples
     from onn.modalities.text.sources import load_splits
 
     _, val = load_splits(config["data"], int(config["seed"]))
-    return [p for p, _ in to_examples(val, config["data"], "val")[:count]]
+    length = int(config["data"]["max_length"])
+    return [tokenizer(p)["input_ids"][-length:] for p, _ in to_examples(val, config["data"], "val")[:count]]
+
+
+def _left_padded(prompts: list[list[int]], pad_id: int):
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
 
 
 def _generate(request: dict[str, Any]) -> dict[str, Any]:
@@ -402,17 +451,15 @@ def _generate(request: dict[str, Any]) -> dict[str, Any]:
     config, plan = request["config"], request["plan"]
     use_threads(plan)
     module, tokenizer = build(config, plan)
-    engine = build_engine(
-        module.model, streaming_settings(config, plan), store_root(config), "cpu", micro_batch=None
-    )
+    settings = streaming_settings(config, plan, generate=True)
+    engine = build_engine(module.model, settings, store_root(config), "cpu", micro_batch=None)
     module.model.eval()
     prompts = _prompts(config, tokenizer, int(request["batch"]))
-    tokenizer.padding_side = "left"
-    out = {"prompts": prompts}
+    out = {"prompts": prompts, "chunk_size": settings["chunk_size"], "cache_blocks": settings["cache_blocks"]}
     for key, batch in (("b1", prompts[:1]), ("bn", prompts)):
-        inputs = tokenizer(batch, return_tensors="pt", padding=True)
+        ids, mask = _left_padded(batch, tokenizer.pad_token_id)
         stamps = [time.perf_counter()]
-        new = engine.generate(inputs["input_ids"], inputs["attention_mask"], int(request["tokens"]),
+        new = engine.generate(ids, mask, int(request["tokens"]),
                               on_token=lambda t, stamps=stamps: stamps.append(time.perf_counter()))  # fmt: skip
         steps = [b - a for a, b in itertools.pairwise(stamps)]
         total = stamps[-1] - stamps[0]
@@ -455,18 +502,24 @@ def _accelerate(request: dict[str, Any]) -> dict[str, Any]:
             architecture(config["model"]), dtype=dtype
         )
     layer_map = discover(model)
-    store = store_root(config) / plan["streaming"]["store_dtype"]
+    store_dtype = plan["streaming"]["store_dtype"]
+    store = store_root(config) / store_dtype
+    blocks = store
+    if store_dtype not in ("bfloat16", "float16", "float32"):
+        # accelerate reads float tensors only: the store's blocks, de-quantized to the weights dtype (the
+        # numbers ONN computes with), written once beside; this needs the disk room of a bf16 store
+        blocks = _float_copy(config, plan, folder, dtype)
     index = {}
     for name, _ in model.named_parameters():
         block = next((i for i, p in enumerate(layer_map.block_paths) if name.startswith(p + ".")), None)
         if block is None:
             index[name] = {"safetensors_file": str(folder / "edges.safetensors"), "weight_name": name}
         else:
-            index[name] = {"safetensors_file": str(store / f"block_{block:05d}.safetensors"),
+            index[name] = {"safetensors_file": str(blocks / f"block_{block:05d}.safetensors"),
                            "weight_name": name[len(layer_map.block_paths[block]) + 1 :]}  # fmt: skip
     (folder / "index.json").write_text(json.dumps(index))
     disk_offload(model, offload_dir=str(folder), execution_device=torch.device("cpu"))
-    files = [*store.glob("*.safetensors"), folder / "edges.safetensors"]
+    files = [*blocks.glob("*.safetensors"), folder / "edges.safetensors"]
 
     # every forward reads from the disk, as it must for a model larger than RAM (and the page cache
     # is left to the machine's other users)
@@ -475,8 +528,8 @@ def _accelerate(request: dict[str, Any]) -> dict[str, Any]:
             evict(f)
 
     model.register_forward_pre_hook(from_disk)
-    tokenizer.padding_side = "left"
-    inputs = tokenizer(request["prompts"], return_tensors="pt", padding=True)
+    ids, mask = _left_padded(request["prompts"], tokenizer.pad_token_id)
+    inputs = {"input_ids": ids, "attention_mask": mask}
     stamps = []
     model.register_forward_hook(lambda m, a, o: stamps.append(time.perf_counter()))
     start = time.perf_counter()
@@ -491,8 +544,32 @@ def _accelerate(request: dict[str, Any]) -> dict[str, Any]:
             "total_s": total, "tokens": new.tolist()}  # fmt: skip
 
 
+def _float_copy(config: dict[str, Any], plan: dict[str, Any], folder: Path, dtype) -> Path:
+    """The store's blocks de-quantized into `folder`/blocks as plain safetensors files, one at a time."""
+    import torch
+
+    from onn.modalities.text.tasks import store_root, streaming_settings
+    from onn.streaming.store import DISK_RESERVE_BYTES, human_bytes, write_safetensors
+    from onn.streaming.strategy import layer_store
+
+    store = layer_store(streaming_settings(config, plan), store_root(config))
+    blocks = sorted(int(p.stem.split("_")[1]) for p in store.folder.glob("block_*.done"))
+    out = folder / "blocks"
+    out.mkdir(parents=True, exist_ok=True)
+    for i in blocks:
+        tensors = store.decode(store.read(i), torch.device("cpu"), dtype)
+        need = sum(t.numel() * t.element_size() for t in tensors.values()) * (len(blocks) - i)
+        if shutil.disk_usage(out).free < need + DISK_RESERVE_BYTES:
+            raise UserError(
+                f"accelerate's copy of the model needs {human_bytes(need)} more under {out}: free some disk, or task.accelerate=false."
+            )
+        write_safetensors(out / f"block_{i:05d}.safetensors", tensors)  # synced and out of the page cache
+    return out
+
+
 PHASES = {
     "matmul": _matmul,
+    "read_store": _read_store,
     "build": _build,
     "train": _train,
     "generate": _generate,
@@ -523,6 +600,10 @@ def _main() -> None:
     import logging
 
     phase, result = sys.argv[1], Path(sys.argv[2])
+    if sys.platform == "linux":  # die with the bench, even when it is killed with SIGKILL
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     request = json.loads(sys.stdin.read())
     from onn.hardware.memory import PeakMemory

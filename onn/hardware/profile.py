@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ PROFILE_KEYS = (
 )  # fmt: skip
 MATMUL_ROWS = (1, 16, 128, 1024)
 MATMUL_SIZES = (256, 4096)
-VERSION = 3  # what `measure` records; a cached profile of another version is measured again
+VERSION = 5  # what `measure` records; a cached profile of another version is measured again
 
 
 def resolve(
@@ -56,7 +57,9 @@ def resolve(
         profile["source"] = "preset"
         profile["budget_mb"] = hw_cfg.get("budget_mb")
         # a machine one does not have: its cores are taken to be free, its disk to be large enough
-        profile.update(cpu_busy_cores=0.0, cpu_runnable_threads=0.0, disk_free_mb=None, thread_limit=None)
+        profile.update(
+            cpu_busy_cores=0.0, cpu_runnable_threads=0.0, cpu_share=1.0, disk_free_mb=None, thread_limit=None
+        )
         return profile
 
     fingerprint = machine_fingerprint()
@@ -89,7 +92,10 @@ def now(accelerator: str, folder: str | os.PathLike) -> dict[str, Any]:
     Path(folder).mkdir(parents=True, exist_ok=True)
     limit = os.environ.get("OMP_NUM_THREADS")
     busy, runnable = cpu_load()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, min(cores, int(cores - busy + 0.5)))
     return {
+        "cpu_share": round(cpu_share(threads, 1.0), 3) if busy >= 0.25 else 1.0,
         **_free_memory(accelerator),
         "disk_free_mb": int(shutil.disk_usage(folder).free // MB),
         "cpu_busy_cores": round(busy, 2),
@@ -134,6 +140,36 @@ def cpu_load(seconds: float = 0.5) -> tuple[float, float]:
     # scaled to the cores this process may use (the machine may have more than its affinity allows)
     busy = max(0.0, busy * cores / max(total_cores, 1e-9))
     return busy, max(busy, runnable / max(samples, 1))
+
+
+def cpu_share(threads: int, seconds: float = 0.3) -> float:
+    """The share of a core each of `threads` busy threads of ours gets right now: as many forked
+    processes spin for `seconds` and report their CPU time over the wall time. It measures what the
+    scheduler does (fair shares per thread, or per session with autogroup; cgroup quotas; steal), which
+    counting other processes' threads cannot. Linux (fork); elsewhere 1."""
+    if not hasattr(os, "fork") or sys.platform != "linux":
+        return 1.0
+    readers, pids = [], []
+    for _ in range(threads):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: spin, report, leave without running any cleanup of the parent's
+            os.close(r)
+            start, cpu0 = time.perf_counter(), time.process_time()
+            while time.perf_counter() - start < seconds:
+                pass
+            os.write(w, f"{(time.process_time() - cpu0) / (time.perf_counter() - start)}".encode())
+            os._exit(0)
+        os.close(w)
+        readers.append(r)
+        pids.append(pid)
+    shares = []
+    for r, pid in zip(readers, pids):
+        with os.fdopen(r) as f:
+            text = f.read()
+        os.waitpid(pid, 0)
+        shares.append(float(text) if text else 1.0)
+    return max(0.05, min(1.0, sum(shares) / len(shares)))
 
 
 def use_threads(plan: dict[str, Any]) -> None:
@@ -244,17 +280,19 @@ def _matmul_tflops(accelerator: str, seconds: float = 0.4) -> float:
     return 2 * n**3 * iters / elapsed / 1e12
 
 
-def _best_rate(work: float, fn, trials: int = 5, min_s: float = 0.02) -> float:
+def _best_rate(work: float, fn, trials: int = 5, min_s: float = 0.02, clock=time.perf_counter) -> float:
     """work per second of `fn`, the best of short trials (each repeats fn for at least min_s): a
-    neighbour's burst slows some trials, not all, so the best is the machine's own rate."""
+    neighbour's burst slows some trials, not all, so the best is the machine's own rate. Work done on
+    one thread is timed by that thread's CPU clock (`clock=time.thread_time`), which does not run
+    while other processes hold the core: the rate of a core, whatever the load."""
     fn()  # warm-up
     best = 0.0
     for _ in range(trials):
-        calls, start = 0, time.perf_counter()
+        calls, start = 0, clock()
         while True:
             fn()
             calls += 1
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
             if elapsed >= min_s:
                 break
         best = max(best, work * calls / elapsed)
@@ -281,7 +319,10 @@ def matmul_table(cores: int) -> dict[str, dict[str, dict[str, dict[str, float]]]
                     for rows in MATMUL_ROWS:
                         x = torch.randn(rows, size).to(weight.dtype)
                         flops = 2 * rows * size * size
-                        rate = _best_rate(flops, lambda x=x, w=weight: torch.nn.functional.linear(x, w))
+                        clock = time.thread_time if threads == 1 else time.perf_counter
+                        rate = _best_rate(
+                            flops, lambda x=x, w=weight: torch.nn.functional.linear(x, w), clock=clock
+                        )
                         rates[str(rows)] = round(rate / 1e9, 2)
                     table[str(size)][dtype][str(threads)] = rates
     finally:
@@ -318,15 +359,19 @@ def block_call_s(device: str = "cpu", repeats: int = 9) -> dict[str, float]:
     ids = torch.randint(0, 64, (1, 8), device=device)
     batch = {"input_ids": ids, "labels": ids}
 
+    clock = (
+        time.thread_time if device == "cpu" else time.perf_counter
+    )  # one thread: its CPU time ignores the load
+
     def fastest(fn) -> float:
         fn()
         times = []
         for _ in range(repeats):
             _sync(device)
-            start = time.perf_counter()
+            start = clock()
             fn()
             _sync(device)
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
         return min(times)
 
     def costs(layers: int) -> dict[str, float]:
@@ -374,20 +419,22 @@ def memory_rates() -> tuple[float, dict[str, float]]:
     try:
         n = 32 * MB
         src, dst = torch.empty(n, dtype=torch.uint8).fill_(1), torch.empty(n, dtype=torch.uint8)
-        copy = _best_rate(2 * n, lambda: dst.copy_(src)) / 1e9
+        copy = _best_rate(2 * n, lambda: dst.copy_(src), clock=time.thread_time) / 1e9
         decode = {}
         values = 16 * MB
-        codes = torch.randint(-127, 127, (values // 128, 128), dtype=torch.int8)
-        for target in ("bfloat16", "float32"):
+        codes = torch.randint(-127, 127, (values,), dtype=torch.int8)
+        for target in (
+            "bfloat16",
+            "float32",
+        ):  # int8 is cast only: its row scales apply to the layer's output
             out = torch.empty(codes.shape, dtype=getattr(torch, target))
-            scale = torch.rand(codes.shape[0], 1, dtype=out.dtype)
-            decode[f"int8->{target}"] = round(
-                _best_rate(values, lambda out=out, scale=scale: out.copy_(codes).mul_(scale)) / 1e9, 3
-            )
+            rate = _best_rate(values, lambda out=out: out.copy_(codes), clock=time.thread_time)
+            decode[f"int8->{target}"] = round(rate / 1e9, 3)
         for source, target in (("bfloat16", "float32"), ("float32", "bfloat16"), ("float16", "float32")):
             a = torch.empty(values, dtype=getattr(torch, source)).fill_(1)
             b = torch.empty(values, dtype=getattr(torch, target))
-            decode[f"{source}->{target}"] = round(_best_rate(values, lambda a=a, b=b: b.copy_(a)) / 1e9, 3)
+            rate = _best_rate(values, lambda a=a, b=b: b.copy_(a), clock=time.thread_time)
+            decode[f"{source}->{target}"] = round(rate / 1e9, 3)
     finally:
         torch.set_num_threads(before)
     return round(copy, 2), decode

@@ -291,15 +291,15 @@ def compute_dtype_name(hw: dict[str, Any], precision: str) -> str:
 
 def threads_for(hw: dict[str, Any]) -> tuple[int, float]:
     """(threads, share): torch's thread count for the cores other processes leave free (at least one,
-    at most OMP_NUM_THREADS when set), and the share of a core each thread gets when the machine is
-    oversubscribed anyway: a fair scheduler splits the cores among all the threads that want one."""
+    at most OMP_NUM_THREADS when set), and the share of a core each thread gets: measured by the
+    profile right now (`cpu_share`: busy threads of ours, timed), since the scheduler's split (fair per
+    thread, or per session with autogroup) cannot be read off a count of the others' threads."""
     cores = int(hw.get("cpu_cores") or 1)
     busy = float(hw.get("cpu_busy_cores") or 0.0)
-    runnable = max(busy, float(hw.get("cpu_runnable_threads") or 0.0))
     threads = max(1, min(cores, math.floor(cores - busy + 0.5)))
     if hw.get("thread_limit"):
         threads = min(threads, int(hw["thread_limit"]))
-    share = min(1.0, cores / (runnable + threads))
+    share = float(hw.get("cpu_share") or 1.0) if busy >= 0.25 else 1.0
     return threads, share
 
 
@@ -328,7 +328,14 @@ def matmul_rate(hw: dict[str, Any], dtype: str, rows: float, threads: int, size:
         b = log_interp(rows, [(int(r), float(v)) for r, v in table[str(hi)].items()])
         return a if lo == hi else a + (threads - lo) / (hi - lo) * (b - a)
 
-    return log_interp(size, [(float(s), at(t[dtype])) for s, t in tables.items()]) * 1e9
+    def at_least_one_thread(table: dict[str, dict[str, float]]) -> float:
+        # more threads never compute slower than one: a table measured on busy cores can say otherwise
+        return max(
+            at(table),
+            log_interp(rows, [(int(r), float(v)) for r, v in table["1"].items()]) if "1" in table else 0.0,
+        )
+
+    return log_interp(size, [(float(s), at_least_one_thread(t[dtype])) for s, t in tables.items()]) * 1e9
 
 
 def token_flops(spec: ModelSpec, seq: int) -> tuple[list[int], int]:
@@ -348,7 +355,7 @@ def streaming_step_flops(spec: ModelSpec, seq: int, batch_size: int, trainable_l
 
 
 def compute_s(spec: ModelSpec, hw: dict[str, Any], strategy: str, seq: int, batch_size: int, micro_batch: int,
-              trainable_layers: list[int], dtype: str = "float32", forward_group: int = 1) -> float:  # fmt: skip
+              trainable_layers: list[int], dtype: str = "float32", forward_group: int = 1, parts: bool = False):  # fmt: skip
     """Predicted compute time of one optimizer step on this machine, from what its profile measured.
 
     Matmuls: forward 2 FLOPs per weight per token plus attention's 4 x seq x hidden per token and
@@ -359,7 +366,7 @@ def compute_s(spec: ModelSpec, hw: dict[str, Any], strategy: str, seq: int, batc
     get. Framework time: the measured time per block call, per micro-batch (`block_call_s`), and what a
     step costs besides. Memory traffic: the optimizer's (28 bytes per trainable weight: read p, g and
     two moments, write three) and the activations' (written in the forward, read in the backward) at
-    the measured memory bandwidth."""
+    the measured memory bandwidth. `parts`: (matmul time, the rest) instead of their sum."""
     threads, share = threads_for(hw)
     n = spec.n_blocks
     micro_batches = -(-batch_size // max(micro_batch, 1))
@@ -372,6 +379,7 @@ def compute_s(spec: ModelSpec, hw: dict[str, Any], strategy: str, seq: int, batc
 
     def matmul(flops: float, m: float) -> float:
         return flops / (matmul_rate(hw, dtype, m, threads, size) * share)
+
 
     calls = hw.get("block_call_s") or {}
     half = dtype != "float32"
@@ -395,6 +403,8 @@ def compute_s(spec: ModelSpec, hw: dict[str, Any], strategy: str, seq: int, batc
     framework += calls.get("step", 0.0) * micro_batches
     bandwidth = float(hw.get("memory_gb_s") or 0) * 1e9
     traffic = (28 * trainable + 2 * act_bytes * with_grad) / bandwidth if bandwidth else 0.0
+    if parts:
+        return time_s, (framework + traffic) / share
     return time_s + (framework + traffic) / share
 
 
@@ -575,6 +585,14 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
     per_sequence = (n * 2 * spec.kv_dim + 2 * spec.hidden) * compute_bytes * (seq + 64) + spec.vocab * 4
     left = budget - peak(m) + max(m["trainable"], m["activations"])
     generate_batch = int(max(1, min(256, left // per_sequence)))
+    # Generation (task=infer, exact match) reads the whole store once per token and computes little: one
+    # block at a time, and every byte the training's activations, adapters and larger chunks held goes
+    # to cached blocks instead, keeping room for `generate_batch` sequences.
+    g = memory(store_dtype, store, edges, activations, 1, 0)
+    room = budget - (g["weights"] - lora * 4) - 0.05 * g["weights"] - generate_batch * per_sequence
+    generate_cache = (
+        int(min(n, max(0.0, room) // g["cached_block"])) if store == "disk" and not on_gpu else cache
+    )
     streaming = {
         "chunk_size": chunk,
         "store": store,
@@ -584,6 +602,7 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
         "cache_blocks": cache,
         "eval_tokens": int(eval_tokens),
         "generate_batch": generate_batch,
+        "generate_cache_blocks": generate_cache,
         "compute_dtype": cdtype,
         "micro_batches_per_chunk": accumulate,
         "threads": threads,
@@ -769,21 +788,24 @@ def make_plan(
 def _precision(asked: str, name: str, spec: ModelSpec, hw: dict[str, Any], seq: int, batch_size: int,
                sparse_layers: list[int]) -> str:  # fmt: skip
     """The precision a candidate runs in: as asked, or by the machine. A CPU whose profile measured
-    bf16 matmuls runs the frozen-base strategies (lora, sparse_lora) in bf16-mixed when that makes
-    the predicted step at least 20% faster (the frozen weights are then bf16, the adapters fp32);
-    full training keeps fp32 master weights, which autocast would cast at every step."""
+    bf16 matmuls streams in bf16-mixed when matmuls are most of the step and bf16 makes it at least
+    1.5x faster: the
+    store then holds bf16 (half the bytes of fp32) and the matmuls run on the CPU's bf16 units, the
+    adapters in fp32. Resident strategies keep fp32, whose memory the planner's model was measured on."""
     if asked not in (None, "auto"):
         return asked
-    if (
-        hw["accelerator"] != "cpu"
-        or name not in ("lora", "sparse_lora")
-        or "bfloat16" not in (hw.get("matmul_gflops") or {})
-    ):
+    measured = all("bfloat16" in table for table in (hw.get("matmul_gflops") or {"": {}}).values())
+    if hw["accelerator"] != "cpu" or name != "sparse_lora" or not measured:
         return choose_precision(hw)
-    layers = sparse_layers if name == "sparse_lora" else list(range(spec.n_blocks))
-    fp32 = compute_s(spec, hw, name, seq, batch_size, batch_size, layers, "float32")
-    bf16 = compute_s(spec, hw, name, seq, batch_size, batch_size, layers, "bfloat16")
-    return "bf16-mixed" if bf16 < 0.8 * fp32 else "32-true"
+    matmul32, other32 = compute_s(
+        spec, hw, name, seq, batch_size, batch_size, sparse_layers, "float32", parts=True
+    )
+    matmul16, other16 = compute_s(
+        spec, hw, name, seq, batch_size, batch_size, sparse_layers, "bfloat16", parts=True
+    )
+    # only where the matmuls are most of the step: a small model's step is framework time, which autocast adds to
+    dominated = matmul32 >= 0.7 * (matmul32 + other32)
+    return "bf16-mixed" if dominated and matmul16 + other16 < 0.67 * (matmul32 + other32) else "32-true"
 
 
 def _streaming_reason(s: dict[str, Any]) -> str:

@@ -136,6 +136,18 @@ class StreamingEngine:
         )
         # The first blocks of a disk store, held in host memory once read (as many as the plan's budget allows).
         self.cache_blocks = set(range(min(int(cache_blocks), n))) if store.kind == "disk" else set()
+        # int8 stores: each frozen linear computes with the cast codes and scales its output by the row
+        # scales of the weight installed in it (see _scaled_output), so decoding is a single cast
+        self._linears = [
+            {stored_name(f"{name}.weight"): m for name, m in block.named_modules()
+             if isinstance(m, nn.Linear) and not m.weight.requires_grad}
+            for block in layer_map.blocks
+        ]  # fmt: skip
+        if store.dtype == "int8":
+            for linears in self._linears:
+                for module in linears.values():
+                    module._onn_scale = None
+                    module.register_forward_hook(_scaled_output)
         self.times = StepTimes()
         self._cached: dict[int, dict[str, torch.Tensor]] = {}
         self._slots = [_Slot() for _ in range(SLOTS)]
@@ -201,6 +213,8 @@ class StreamingEngine:
         params = dict(self.map.blocks[i].named_parameters())
         for name in self.frozen[i]:
             params[name].data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+        for module in self._linears[i].values():
+            module._onn_scale = None
 
     @property
     def _zero_copy(self) -> bool:
@@ -222,9 +236,9 @@ class StreamingEngine:
         return self.store.kind == "cpu" or all(i in self._cached for i in self.chunks[c])
 
     def _read(self, index: int | str, into: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        before, start = self.store.bytes_read, time.perf_counter()
+        start = time.perf_counter()
         stored = self.store.read(index, into=into)
-        self.times.read_bytes += self.store.bytes_read - before
+        self.times.read_bytes += self.store.file_bytes(index) if self.store.kind == "disk" else 0
         self.times.read_s += time.perf_counter() - start
         return stored
 
@@ -243,23 +257,32 @@ class StreamingEngine:
             slot.raw[pos] = buffer(size, pin=self.store.pin)
         return self._read(i, slot.raw[pos])
 
-    def _load_chunk(self, c: int, slot_index: int | None) -> dict[int, dict[str, torch.Tensor]]:
-        """Read (and decode) chunk c's weights for the device; runs in the loader thread."""
+    def _load_chunk(
+        self, c: int, slot_index: int | None
+    ) -> dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+        """Read (and decode) chunk c's weights for the device: per block, its tensors and the row scales of
+        its int8 weights. Runs in a loader thread."""
         start = time.perf_counter()
         slot = self._slots[slot_index] if slot_index is not None else None
         out = {}
         for pos, i in enumerate(self.chunks[c]):
             stored = self._stored(i, slot, pos)
+            scales = {} if self.store.dtype == "int8" else None
             if self._copy_stream is not None:
                 with torch.cuda.stream(self._copy_stream):
-                    out[i] = self.store.decode(stored, self.device, self.compute_dtype, non_blocking=True)
+                    tensors = self.store.decode(
+                        stored, self.device, self.compute_dtype, non_blocking=True, scales=scales
+                    )
                 # the slot's host buffer is read again only after this chunk is released: the copy must be done by then
                 self._copy_stream.synchronize()
-                continue
-            targets = slot.decoded.get(pos) if slot is not None else None
-            out[i] = self.store.decode(stored, self.device, self.compute_dtype, out=targets)
-            if slot is not None and not self._zero_copy:
-                slot.decoded[pos] = out[i]
+            else:
+                targets = slot.decoded.get(pos) if slot is not None else None
+                tensors = self.store.decode(
+                    stored, self.device, self.compute_dtype, out=targets, scales=scales
+                )
+                if slot is not None and not self._zero_copy:
+                    slot.decoded[pos] = tensors
+            out[i] = (tensors, scales or {})
         self.times.load_s += time.perf_counter() - start
         return out
 
@@ -271,7 +294,8 @@ class StreamingEngine:
     def _schedule(self, c: int) -> None:
         slot = self._take_slot() if self._needs_slot(c) else None
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onn-prefetch")
+            # one loader per slot: one chunk's decode overlaps the next one's read
+            self._pool = ThreadPoolExecutor(max_workers=SLOTS, thread_name_prefix="onn-prefetch")
         self._pending[c] = (self._pool.submit(self._load_chunk, c, slot), slot)
 
     def _prefetch(self, upcoming) -> None:
@@ -300,12 +324,14 @@ class StreamingEngine:
                 slot = self._take_slot() if self._needs_slot(c) else None
                 chunk = self._load_chunk(c, slot)
             self.times.io_s += time.perf_counter() - start
-            for i, tensors in chunk.items():
+            for i, (tensors, scales) in chunk.items():
                 params = {stored_name(n): p for n, p in self.map.blocks[i].named_parameters()}
                 for name, t in tensors.items():
                     if self._copy_stream is not None:  # made on the copy stream, used on this one
                         t.record_stream(torch.cuda.current_stream())
                     params[name].data = t
+                for name, scale in scales.items():
+                    self._linears[i][name]._onn_scale = scale
             self._resident, self._resident_slot = c, slot
             self.times.loads += 1
             self.times.history.append(c)
@@ -508,7 +534,9 @@ class StreamingEngine:
         suffix_rows = suffix_rows or self.micro_batch or 1
         # one matmul per block per group: what the training forward fuses, never less than a micro-batch
         group_tokens = group_tokens or self.forward_group * suffix_rows * longest
-        pass_tokens = max(pass_tokens or self.eval_tokens or sum(r["input_ids"].shape[0] for r in rows), group_tokens)
+        pass_tokens = max(
+            pass_tokens or self.eval_tokens or sum(r["input_ids"].shape[0] for r in rows), group_tokens
+        )
         total, count = 0.0, 0
         for rows_in_pass in _packed(rows, pass_tokens):
             groups = [_pad(g) for g in _packed(rows_in_pass, group_tokens)]
@@ -561,8 +589,11 @@ class StreamingEngine:
                 hidden = self._run_chunk(c, hidden, block_inputs)
                 self.times.compute_s += time.perf_counter() - start
             with self._edges_loaded():
+                # only the last position's logits are needed; a contiguous [batch, 1, hidden] keeps the
+                # head a plain matmul (a strided slice sends torch's linear through bmm, which copies
+                # the head's weight once per sequence: 8 GB and a minute for Phi-4's at batch 8)
                 out = self.suffix(
-                    hidden,
+                    hidden[:, -1:, :].contiguous(),
                     {"input_ids": step_ids, "attention_mask": mask, "position_ids": position_ids},
                     logits_to_keep=1,
                     use_cache=False,
@@ -631,6 +662,17 @@ def _concat(micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
         k: torch.cat([mb[k] for mb in micro_batches]) if torch.is_tensor(v) else v
         for k, v in micro_batches[0].items()
     }
+
+
+def _scaled_output(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor | None:
+    """A frozen linear whose weight holds int8 codes cast to the compute dtype: x Qᵀ times the row scales
+    is x Wᵀ (the bias, if any, is added after the scaling)."""
+    scale = module._onn_scale
+    if scale is None:
+        return None
+    if module.bias is not None:
+        return (output - module.bias) * scale + module.bias
+    return output * scale
 
 
 def _rows(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

@@ -13,7 +13,7 @@ file system allows it: the disk's DMA fills the buffer, the page cache is neithe
 of the buffer. Where O_DIRECT is refused the file is read normally and dropped from the page cache.
 
 Weights may be stored in a smaller dtype than they compute in: bf16/fp16, int8 (ONN's: symmetric,
-one fp32 scale per 128 values of a row: `name` holds the codes, `name.scale` the scales) or nf4
+one fp32 scale per row: `name` holds the codes, `name.scale` the scales) or nf4
 (bitsandbytes: `name`, `name.absmax`, `name.shape`), de-quantized on the compute device after the
 copy, so only the small form crosses the bus. Vectors and small tensors (norms, biases) stay float32
 in the quantized stores.
@@ -175,12 +175,14 @@ class LayerStore:
         return out
 
     def decode(self, stored: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, non_blocking: bool = False,
-               out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+               out: dict[str, torch.Tensor] | None = None, scales: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
         """Stored tensors -> compute tensors on `device`; quantized ones are de-quantized there.
 
         On the CPU a stored tensor already in the compute dtype is returned as it is (a view of the
         read buffer: no copy), and `out` (tensors from an earlier decode of a block of the same shapes)
-        is written into instead of allocating: the buffers are reused from chunk to chunk."""
+        is written into instead of allocating: the buffers are reused from chunk to chunk. With `scales`,
+        int8 weights are only cast (one pass) and their per-row scales go into `scales` by name, for the
+        caller to apply to the layer's output: (x Qᵀ) s = x (s Q)ᵀ, at a cost of one multiply per output."""
         decoded = {}
         for name, t in stored.items():
             if name.endswith((".absmax", ".shape", ".scale")):
@@ -192,21 +194,17 @@ class LayerStore:
             t = t.to(device, non_blocking=non_blocking)
             if f"{name}.scale" in stored:
                 scale = stored[f"{name}.scale"].to(device, non_blocking=non_blocking)
-                decoded[name] = dequantize_int8(t, scale, dtype, target)
+                if scales is not None:
+                    decoded[name] = _into(target, t, dtype)
+                    scales[name] = scale.to(dtype).view(-1)
+                else:
+                    decoded[name] = dequantize_int8(t, scale, dtype, target)
                 continue
             if f"{name}.absmax" in stored:
                 t = self._dequantize_nf4(
                     t, stored[f"{name}.absmax"].to(device, non_blocking=non_blocking), stored[f"{name}.shape"]
                 )
-            if (
-                target is not None
-                and target.shape == t.shape
-                and target.dtype == dtype
-                and target.device == t.device
-            ):
-                decoded[name] = target.copy_(t)
-            else:
-                decoded[name] = t.to(dtype)
+            decoded[name] = _into(target, t, dtype)
         return decoded
 
     def _dequantize_nf4(self, codes: torch.Tensor, absmax: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
@@ -302,27 +300,29 @@ def stored_bytes(shapes: dict[str, list[int]], dtype: str) -> int:
 
 
 def quantize_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per group of `QUANTIZED_BLOCK['int8']` values along each row (the whole row when
-    it does not divide): codes shaped as the tensor, fp32 scales shaped [rows, groups]."""
+    """Symmetric int8 with one fp32 scale per row (per output channel of a weight): codes shaped as the
+    tensor, scales shaped [rows, 1]. Per-row scales let the engine compute with the cast codes and scale
+    the layer's output instead, so decoding is one cast."""
     t = t.float().reshape(t.shape[0], -1)
-    rows, cols = t.shape
-    group = QUANTIZED_BLOCK["int8"] if cols % QUANTIZED_BLOCK["int8"] == 0 else cols
-    grouped = t.view(rows, cols // group, group)
-    scale = grouped.abs().amax(-1).clamp(min=1e-12) / 127
-    codes = (grouped / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8)
-    return codes.view(rows, cols).contiguous(), scale.contiguous()
+    scale = t.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+    codes = (t / scale).round_().clamp_(-127, 127).to(torch.int8)
+    return codes.contiguous(), scale.contiguous()
 
 
 def dequantize_int8(
     codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """codes x scale in `dtype`, written into `out` when it fits: a cast and a multiply, each one pass."""
-    if out is None or out.shape != codes.shape or out.dtype != dtype or out.device != codes.device:
-        out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
-    rows, groups = scale.shape
-    out.copy_(codes)
-    out.view(rows, groups, -1).mul_(scale.to(dtype)[..., None])
+    out = _into(out, codes, dtype)
+    out.mul_(scale.to(dtype))
     return out
+
+
+def _into(target: torch.Tensor | None, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` cast to `dtype`: into `target` when it has the right shape, dtype and device, else a new tensor."""
+    if target is not None and target.shape == t.shape and target.dtype == dtype and target.device == t.device:
+        return target.copy_(t)
+    return t.to(dtype)
 
 
 def stored_name(param_name: str) -> str:

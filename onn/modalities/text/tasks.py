@@ -70,14 +70,21 @@ def weights_dtype(config: dict[str, Any], plan: dict[str, Any]) -> torch.dtype:
     return torch_dtype(plan["weights_dtype"] if dtype in (None, "auto") else dtype)
 
 
-def streaming_settings(config: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any] | None:
-    """The streaming engine's settings: the config's, with `auto` filled in from the plan; None when not streaming."""
+def streaming_settings(config: dict[str, Any], plan: dict[str, Any], generate: bool = False) -> dict[str, Any] | None:
+    """The streaming engine's settings: the config's, with `auto` filled in from the plan; None when not
+    streaming. `generate`: for generation only (task=infer), which streams one block at a time and
+    gives the memory training needs to cached blocks."""
     if config["strategy"].get("lightning") != "streaming" or plan["strategy"] != "sparse_lora":
         return None
     settings = dict(config["strategy"]["streaming"])
     for key in STREAMING_KEYS:
         if settings.get(key) in (None, "auto"):
             settings[key] = plan["streaming"][key]
+    if generate:
+        fixed = config["strategy"]["streaming"]
+        settings["chunk_size"] = settings["chunk_size"] if fixed.get("chunk_size") not in (None, "auto") else 1
+        if fixed.get("cache_blocks") in (None, "auto"):
+            settings["cache_blocks"] = plan["streaming"]["generate_cache_blocks"]
     return settings
 
 
@@ -213,7 +220,7 @@ def infer(job: Job) -> dict[str, Any]:
     if job.ckpt is not None:
         load_weights(module, job.ckpt)
     model, engine = module.model, None
-    if settings := streaming_settings(config, plan):  # each chunk load serves every sequence, per token
+    if settings := streaming_settings(config, plan, generate=True):  # each chunk load serves every sequence, per token
         engine = build_engine(model, settings, store_root(config), job.device, micro_batch=None)
         model.to(job.device)  # what is left after the blocks' frozen weights went to the store
     template = config["data"]["template"] or "{input}"
