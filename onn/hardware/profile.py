@@ -43,7 +43,7 @@ PROFILE_KEYS = (
 )  # fmt: skip
 MATMUL_ROWS = (1, 16, 128, 1024)
 MATMUL_SIZES = (256, 4096)
-VERSION = 5  # what `measure` records; a cached profile of another version is measured again
+VERSION = 6  # what `measure` records; a cached profile of another version is measured again
 
 
 def resolve(
@@ -172,6 +172,46 @@ def cpu_share(threads: int, seconds: float = 0.3) -> float:
     return max(0.05, min(1.0, sum(shares) / len(shares)))
 
 
+class CoreWatch:
+    """Sizes torch's threads to the cores other processes leave free, again and again while a run goes
+    on: other processes start and stop, and threads that oversubscribe a busy core wait on each other
+    (a Phi-4 block took twice as long on 2 threads as on 1 with the other core busy). `look` compares
+    /proc/stat's counters and this process's CPU time with the previous look; at most every `every_s`."""
+
+    def __init__(self, threads: int, every_s: float = 2.0):
+        self.most, self.every_s = max(1, int(threads)), every_s
+        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.last = self._read()
+        self.threads = self.most
+
+    @staticmethod
+    def _read() -> tuple[float, float, float, float] | None:
+        try:
+            fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
+        return sum(fields[:8]) - idle, sum(fields[:8]), time.process_time(), time.perf_counter()
+
+    def look(self) -> int:
+        """The thread count for now (set in torch when it changes)."""
+        now = self._read()
+        if now is None or self.last is None or now[3] - self.last[3] < self.every_s:
+            return self.threads
+        busy_ticks, all_ticks, own, wall = (a - b for a, b in zip(now, self.last))
+        self.last = now
+        machine = all_ticks / self.ticks / wall  # cores of the whole machine
+        busy = max(0.0, (busy_ticks / self.ticks - own) / wall) * self.cores / max(machine, 1e-9)
+        threads = max(1, min(self.most, int(self.cores - busy + 0.5)))
+        if threads != self.threads:
+            import torch
+
+            torch.set_num_threads(threads)
+            self.threads = threads
+        return threads
+
+
 def use_threads(plan: dict[str, Any]) -> None:
     """Run torch on the thread count the plan sized to the free cores (CPU plans)."""
     threads = plan.get("threads")
@@ -283,7 +323,7 @@ def _matmul_tflops(accelerator: str, seconds: float = 0.4) -> float:
 def _best_rate(work: float, fn, trials: int = 5, min_s: float = 0.02, clock=time.perf_counter) -> float:
     """work per second of `fn`, the best of short trials (each repeats fn for at least min_s): a
     neighbour's burst slows some trials, not all, so the best is the machine's own rate. Work done on
-    one thread is timed by that thread's CPU clock (`clock=time.thread_time`), which does not run
+    one thread is timed by the process's CPU clock (`clock=time.process_time`), which does not run
     while other processes hold the core: the rate of a core, whatever the load."""
     fn()  # warm-up
     best = 0.0
@@ -319,7 +359,7 @@ def matmul_table(cores: int) -> dict[str, dict[str, dict[str, dict[str, float]]]
                     for rows in MATMUL_ROWS:
                         x = torch.randn(rows, size).to(weight.dtype)
                         flops = 2 * rows * size * size
-                        clock = time.thread_time if threads == 1 else time.perf_counter
+                        clock = time.process_time if threads == 1 else time.perf_counter
                         rate = _best_rate(
                             flops, lambda x=x, w=weight: torch.nn.functional.linear(x, w), clock=clock
                         )
@@ -360,7 +400,7 @@ def block_call_s(device: str = "cpu", repeats: int = 9) -> dict[str, float]:
     batch = {"input_ids": ids, "labels": ids}
 
     clock = (
-        time.thread_time if device == "cpu" else time.perf_counter
+        time.process_time if device == "cpu" else time.perf_counter
     )  # one thread: its CPU time ignores the load
 
     def fastest(fn) -> float:
@@ -419,7 +459,7 @@ def memory_rates() -> tuple[float, dict[str, float]]:
     try:
         n = 32 * MB
         src, dst = torch.empty(n, dtype=torch.uint8).fill_(1), torch.empty(n, dtype=torch.uint8)
-        copy = _best_rate(2 * n, lambda: dst.copy_(src), clock=time.thread_time) / 1e9
+        copy = _best_rate(2 * n, lambda: dst.copy_(src), clock=time.process_time) / 1e9
         decode = {}
         values = 16 * MB
         codes = torch.randint(-127, 127, (values,), dtype=torch.int8)
@@ -428,12 +468,12 @@ def memory_rates() -> tuple[float, dict[str, float]]:
             "float32",
         ):  # int8 is cast only: its row scales apply to the layer's output
             out = torch.empty(codes.shape, dtype=getattr(torch, target))
-            rate = _best_rate(values, lambda out=out: out.copy_(codes), clock=time.thread_time)
+            rate = _best_rate(values, lambda out=out: out.copy_(codes), clock=time.process_time)
             decode[f"int8->{target}"] = round(rate / 1e9, 3)
         for source, target in (("bfloat16", "float32"), ("float32", "bfloat16"), ("float16", "float32")):
             a = torch.empty(values, dtype=getattr(torch, source)).fill_(1)
             b = torch.empty(values, dtype=getattr(torch, target))
-            rate = _best_rate(values, lambda a=a, b=b: b.copy_(a), clock=time.thread_time)
+            rate = _best_rate(values, lambda a=a, b=b: b.copy_(a), clock=time.process_time)
             decode[f"{source}->{target}"] = round(rate / 1e9, 3)
     finally:
         torch.set_num_threads(before)

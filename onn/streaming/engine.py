@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from onn.hardware.memory import return_large_frees_to_os
+from onn.hardware.profile import CoreWatch
 from onn.models.layers import LayerMap
 from onn.streaming.store import LayerStore, buffer, stored_name
 
@@ -158,6 +159,9 @@ class StreamingEngine:
         self._pool: ThreadPoolExecutor | None = None  # started on first use, again after close()
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self._edge_buffer: torch.Tensor | None = None
+        self.cores: CoreWatch | None = (
+            None  # set for CPU runs: torch's threads follow the free cores, chunk by chunk
+        )
         self._as_tuple = False
         self._pending_backward = None
         return_large_frees_to_os()
@@ -314,6 +318,8 @@ class StreamingEngine:
 
     def _install(self, c: int, upcoming=()) -> None:
         """Make chunk c resident (reusing it if it already is) and start loading what comes after it."""
+        if self.cores is not None:
+            self.cores.look()
         if self._resident != c:
             self.release()
             start = time.perf_counter()

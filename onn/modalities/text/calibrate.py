@@ -27,10 +27,14 @@ def refine(plan: dict[str, Any], config: dict[str, Any], hw: dict[str, Any], spe
     """The plan with predicted_step_s from timing the model's own blocks, where that applies."""
     if hw["accelerator"] != "cpu" or hw.get("source") == "preset" or not config["model"].get("architecture"):
         return plan
-    copy_params = spec.params - sum(spec.block_params) + 6 * max(spec.block_params)
-    if copy_params > MAX_PARAMS or plan["strategy"] not in ("full", "lora", "sparse_lora"):
+    if plan["strategy"] not in ("full", "lora", "sparse_lora"):
         return plan
-    from onn.planning.plan import threads_for
+    large = spec.params - sum(spec.block_params) + 6 * max(spec.block_params) > MAX_PARAMS
+    if large and (
+        plan["strategy"] != "sparse_lora" or 2 * max(spec.block_params) * 2 > 0.5 * _budget_bytes(hw)
+    ):
+        return plan  # a large model trains streamed; its block copies must fit beside the run comfortably
+    from onn.planning.plan import matmul_rate, threads_for
 
     threads, share = threads_for(hw)
     seq, batch, micro = (
@@ -38,7 +42,7 @@ def refine(plan: dict[str, Any], config: dict[str, Any], hw: dict[str, Any], spe
         int(config["data"]["batch_size"]),
         int(plan["micro_batch"]),
     )
-    costs = block_times(config, plan, hw, seq, micro, threads)
+    costs = block_times(config, plan, hw, seq, micro, threads, large)
     n = spec.n_blocks
     if plan["strategy"] == "sparse_lora":
         layers = set(plan["sparse_layers"])
@@ -50,28 +54,45 @@ def refine(plan: dict[str, Any], config: dict[str, Any], hw: dict[str, Any], spe
     else:
         blocks = n * costs["block"]
     micro_batches = -(-batch // micro)
-    step = (costs["rest"] + blocks) * micro_batches / share
+    rest = costs["rest"]
+    if (
+        large
+    ):  # the copies had a tiny vocabulary: the head's matmuls (forward, input gradient) by the measured rate
+        dtype = (plan.get("streaming") or {}).get("compute_dtype", "float32")
+        rest += 4 * spec.vocab * spec.hidden * micro * seq / matmul_rate(hw, dtype, micro * seq, threads)
+    compute = (rest + blocks) * micro_batches / share
     plan = copy.deepcopy(plan)
+    step = compute
+    if plan["strategy"] == "sparse_lora":  # the loaders' reads overlap the compute; their decoding does not
+        s = plan["streaming"]
+        step = max(s["predicted_io_s"], compute + s["predicted_decode_s"])
+        s["predicted_compute_s"], s["predicted_step_s"] = round(compute, 3), round(step, 3)
     plan["predicted_step_s"] = round(step, 4)
     plan["step_time_source"] = "timed"
     plan["reasons"].append(
-        f"step time: {spec.name}'s own blocks timed on this machine ({blocks / n * 1e3:.2f} ms per block and micro-batch on "
-        f"average, {costs['rest'] * 1e3:.1f} ms for the rest) for {n} blocks and {micro_batches} micro-batch(es)"
+        f"step time: {spec.name}'s own blocks timed on this machine ({blocks / n * 1e3:,.1f} ms per block and micro-batch on "
+        f"average, {rest * 1e3:,.1f} ms for the rest) for {n} blocks and {micro_batches} micro-batch(es)"
         + (f", at {share:.0%} of a core" if share < 1 else "")
     )
     return plan
 
 
-def block_times(
-    config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any], seq: int, micro: int, threads: int
-) -> dict[str, float]:
+def _budget_bytes(hw: dict[str, Any]) -> float:
+    from onn.planning.plan import budget_mb
+
+    return budget_mb(hw) * 2**20
+
+
+def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any], seq: int, micro: int, threads: int,
+                large: bool = False) -> dict[str, float]:  # fmt: skip
     """Per micro-batch: one block's share of a step and the rest (`block`, `rest`); streamed, a block with
     adapters (`lora`), one without them above the lowest adapted block (`frozen`, recomputed for its input
-    gradient) and one below it (`below`, forward only). Cached per machine and shapes."""
+    gradient) and one below it (`below`, forward only). Cached per machine and shapes. `large`: copies of 1
+    and 2 blocks with a vocabulary of 256 (a block does not depend on it; the head is counted apart)."""
     key = json.dumps({"model": config["model"].get("architecture"), "strategy": plan["strategy"], "precision": plan["precision"],
                       "lora": config["strategy"].get("lora"), "seq": seq, "micro": micro, "threads": threads,
                       "streaming": {k: (plan.get("streaming") or {}).get(k) for k in ("store", "store_dtype")},
-                      "machine": hw.get("fingerprint"), "version": 2}, sort_keys=True, default=str)  # fmt: skip
+                      "machine": hw.get("fingerprint"), "large": large, "version": 4}, sort_keys=True, default=str)  # fmt: skip
     cache = (
         Path(config["paths"]["cache"])
         / "calibration"
@@ -81,10 +102,14 @@ def block_times(
         return json.loads(cache.read_text())["costs"]
 
     def timed(blocks: int, adapted: list[int] | None = None) -> float:
-        return _step_s(config, plan, seq, micro, threads, blocks, adapted)
+        return _step_s(config, plan, seq, micro, threads, blocks, adapted, vocab=256 if large else None)
 
+    if large:  # a block's compute dwarfs any boundary effect: 1 and 2 blocks do
+        one = timed(1, [0])
+        costs = {"lora": timed(2, [0, 1]) - one, "frozen": timed(2, [0]) - one, "below": timed(2, [1]) - one}
+        costs["rest"] = one - costs["lora"]
     # copies of 2 and 6 blocks: four blocks' difference, so a boundary effect of one copy is not multiplied by n
-    if plan["strategy"] == "sparse_lora":
+    elif plan["strategy"] == "sparse_lora":
         two = timed(2, [0, 1])
         costs = {"lora": (timed(6, [0, 1, 2, 3, 4, 5]) - two) / 4, "frozen": (timed(6, [0, 1]) - two) / 4,
                  "below": (timed(6, [4, 5]) - two) / 4}  # fmt: skip
@@ -100,7 +125,7 @@ def block_times(
 
 
 def _step_s(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, threads: int, blocks: int,
-            adapted: list[int] | None) -> float:  # fmt: skip
+            adapted: list[int] | None, vocab: int | None = None) -> float:  # fmt: skip
     """The fastest of a few training steps of a `blocks`-block copy of the model, as ONN runs them
     (streamed: adapters on the `adapted` blocks)."""
     import torch
@@ -120,6 +145,11 @@ def _step_s(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, 
     for key in ("num_hidden_layers", "n_layer", "num_layers"):
         if hasattr(arch, key):
             setattr(arch, key, blocks)
+    if vocab is not None:
+        arch.vocab_size = vocab
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if isinstance(getattr(arch, key, None), int) and getattr(arch, key) >= vocab:
+                setattr(arch, key, vocab - 1)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -153,10 +183,10 @@ def _step_s(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, 
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        clock = time.thread_time if threads == 1 else time.perf_counter
+        clock = time.process_time if threads == 1 else time.perf_counter
         step()
         times = []
-        for _ in range(9):
+        for _ in range(3 if vocab is not None else 9):
             start = clock()
             step()
             times.append(clock() - start)
