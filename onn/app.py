@@ -34,6 +34,7 @@ from onn.bench import TASKS as BENCH_TASKS
 from onn.errors import UserError
 from onn.export import check_settings as check_export
 from onn.hardware.profile import resolve as resolve_hardware
+from onn.hardware.profile import use_threads
 from onn.modalities import Job, detect, get
 from onn.planning.plan import render
 from onn.tasks import TASKS as RUN_TASKS
@@ -312,6 +313,8 @@ def execute(config: dict[str, Any], run_dir: Path, given: set[str] | None = None
     plan, spec = modality.plan(config, hardware, use_tuned=name != "tune")
     (run_dir / "plan.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
     print(render(plan), flush=True)
+    if task.heavy:
+        use_threads(plan)  # torch's threads on the cores other processes leave free
     # On CPUs the measured peak is the process's resident memory, which includes its baseline.
     predicted = plan["predicted_peak_memory_mb"] + (
         plan["context_mb"] if hardware["accelerator"] != "cuda" else 0

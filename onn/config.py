@@ -69,6 +69,8 @@ class StreamingConfig:
     store_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 | int8 | nf4
     edges: str = "auto"  # auto | resident | stream
     activations: str = "auto"  # auto | device | host
+    cache_blocks: Any = "auto"  # auto | blocks of a disk store held in host memory after their first read
+    eval_tokens: Any = "auto"  # auto | tokens per streamed pass of a validation / evaluation
     prefetch: bool = True
 
 
@@ -93,6 +95,7 @@ class HardwareConfig:
     measure: bool = MISSING
     refresh: bool = False
     budget_mb: float | None = None
+    disk_probe_mb: int = 1024
     accelerator: str | None = None
     device_name: str | None = None
     device_count: int | None = None
@@ -105,6 +108,10 @@ class HardwareConfig:
     disk_read_mb_s: float | None = None
     h2d_mb_s: float | None = None
     bf16: bool | None = None
+    matmul_gflops: dict[str, Any] | None = None
+    block_call_s: dict[str, float] | None = None
+    memory_gb_s: float | None = None
+    decode_gvalues_s: dict[str, float] | None = None
 
 
 @dataclass

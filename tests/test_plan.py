@@ -61,9 +61,18 @@ def test_memory_grows_with_micro_batch_and_breakdown_adds_up(tmp_path):
 
 
 def test_measured_profile_is_cached(tmp_path):
-    auto = compose("hardware=auto")["hardware"]
+    auto = compose("hardware=auto", "hardware.disk_probe_mb=16")["hardware"]
     first = resolve(auto, tmp_path / "cache", tmp_path)
     assert first["source"] == "measured" and first["matmul_tflops"] > 0 and first["disk_read_mb_s"] > 0
     assert first["accelerator"] in ("cpu", "cuda", "mps") and first["cpu_cores"] >= 1
+    assert set(first["block_call_s"]) >= {"forward", "full", "lora"} and first["disk_free_mb"] > 0
+    assert 0 < first["cpu_share"] <= 1 and first["cpu_busy_cores"] >= 0  # measured every run, not cached
+    if first["accelerator"] == "cpu":
+        assert {"256", "4096"} == set(first["matmul_gflops"]) and first["decode_gvalues_s"][
+            "int8->bfloat16"
+        ] > 0
     second = resolve(auto, tmp_path / "cache", tmp_path)
-    assert second["source"].startswith("cache") and second["matmul_tflops"] == first["matmul_tflops"]
+    if (
+        first["busy_while_measuring"] < 0.5
+    ):  # a profile measured on busy cores is measured again when they are free
+        assert second["source"].startswith("cache") and second["matmul_tflops"] == first["matmul_tflops"]

@@ -134,8 +134,8 @@ def test_store_disk_and_prefetch_give_identical_numbers(tmp_path):
         assert all(torch.equal(grads[n], results[0][1][n]) for n in grads)
 
 
-def test_prefetch_survives_close_as_lightning_tears_down_after_validate():
-    engine = engine_for(lora_model("llama", LAYER_SETS["all"]), 2)
+def test_prefetch_survives_close_as_lightning_tears_down_after_validate(tmp_path):
+    engine = engine_for(lora_model("llama", LAYER_SETS["all"]), 2, kind="disk", folder=tmp_path)
     engine.train_step(micro_batches())
     assert engine._pool is not None
     engine.close()  # what LayerStreamingStrategy.teardown does after trainer.validate
@@ -163,6 +163,8 @@ def test_fp16_loss_scaling_through_lightning():
         "edges": "resident",
         "activations": "device",
         "prefetch": True,
+        "cache_blocks": 0,
+        "eval_tokens": 10_000,
     }
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -311,7 +313,10 @@ def test_bad_streaming_inputs(tmp_path, monkeypatch):
     from collections import namedtuple
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: namedtuple("u", "total used free")(10, 10, 1024))
-    with pytest.raises(UserError, match="needs .* MB but the disk has 0 MB free"):
+    with pytest.raises(
+        UserError,
+        match=r"needs 4 MB more \(1 blocks as float32\) plus 2.0 GB left free for others, but the disk has 0 MB free",
+    ):
         LayerStore("disk", "float32", folder=tmp_path).fill({0: {"w": torch.zeros(1024, 1024)}})
     assert not list(tmp_path.glob("*.safetensors"))  # checked before anything was written
 

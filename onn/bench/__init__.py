@@ -6,6 +6,7 @@ task=bench_streaming   onn/bench/streaming.py  layer streaming: chunk reuse, I/O
 task=bench_vision      onn/bench/vision.py     the image runner against a plain loop and a standard pipeline
 task=bench_media       onn/bench/media.py      audio/video decoding throughput; the cached store against per-file loading
 task=bench_shard_plan  onn/export/shards.py    the .omny shard planner on a synthetic model
+task=bench_giant       onn/bench/giant.py      a model larger than RAM: store build, training, generation
 """
 
 from __future__ import annotations
@@ -35,6 +36,18 @@ def _bench_streaming(job: Job) -> dict[str, Any]:
     return streaming.run(job)
 
 
+def _bench_giant(job: Job) -> dict[str, Any]:
+    from onn.bench import giant
+
+    return giant.run(job)
+
+
+def _check_giant(config: dict[str, Any]) -> None:
+    from onn.bench import giant
+
+    giant.check_settings(config)
+
+
 def _bench_vision(job: Job) -> dict[str, Any]:
     from onn.bench import vision
 
@@ -59,5 +72,6 @@ TASKS: dict[str, Task] = {
     "bench_streaming": Task(_bench_streaming, modalities=TEXT),
     "bench_vision": Task(_bench_vision, modalities=frozenset({"image"})),
     "bench_media": Task(_bench_media, modalities=frozenset({"audio", "video"})),
+    "bench_giant": Task(_bench_giant, check=_check_giant, modalities=TEXT),
     "bench_shard_plan": Task(_bench_shard_plan, model=False, heavy=False),
 }

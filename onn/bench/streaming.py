@@ -59,10 +59,11 @@ def _timed(fn, repeats: int) -> float:
 
 def run(job) -> dict[str, Any]:
     config, plan, run_dir = job.config, job.plan, job.run_dir
+    from onn.hardware.disk import evict
     from onn.models.layers import discover
     from onn.models.load import load
     from onn.streaming.engine import StreamingEngine
-    from onn.streaming.store import LayerStore, evict
+    from onn.streaming.store import LayerStore
     from onn.training.lora import apply
 
     bench = config["task"]
@@ -79,7 +80,7 @@ def run(job) -> dict[str, Any]:
 
     def engine(kind: str, chunk_size: int = chunk, stream_edges: bool = False) -> StreamingEngine:
         m = copy.deepcopy(base)
-        store = LayerStore(kind, "float32", folder=store_dir, drop_cache=kind == "disk")
+        store = LayerStore(kind, "float32", folder=store_dir)
         e = StreamingEngine(m, discover(m), store, chunk_size, stream_edges=stream_edges)
         e.offload()
         os.sync()  # written pages must be clean before they can be dropped from the page cache
@@ -232,7 +233,7 @@ def step_memory(spec: dict[str, Any]) -> float:
     from onn.training.lora import apply
 
     # Block by block into the store, as a run with a disk store loads: the model is never whole here.
-    store = LayerStore("disk", "float32", folder=Path(spec["store"]), drop_cache=True)
+    store = LayerStore("disk", "float32", folder=Path(spec["store"]))
     model, _ = load_into_store(spec["model"], torch.float32, None, store)
     model = apply(model, "sparse_lora", spec["strategy"], discover(model), spec["layers"])
     engine = StreamingEngine(

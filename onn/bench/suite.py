@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +86,11 @@ def measure(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict
     import gc
 
     from onn.hardware.memory import PeakMemory, anon_rss_mb
+    from onn.hardware.profile import use_threads
     from onn.modalities.text.tasks import build, datamodule, trainer
     from onn.training.callbacks import ResourceMonitor, StepClock
 
+    use_threads(plan)  # the fresh process runs on the threads the plan sized to the free cores
     task = config["task"]
     warmup, steps = int(task["warmup_steps"]), int(task["steps"])
     config = copy.deepcopy(config)
@@ -105,7 +108,9 @@ def measure(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict
         dm = datamodule(config, tokenizer)
         fit.validate(module, datamodule=dm, verbose=False)
         module.train()
+        cpu0, wall0 = time.process_time(), time.perf_counter()
         fit.fit(module, datamodule=dm)
+        cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
     exact = None
     if task.get("quality") == "exact_match":
         from onn.modalities.text.generate import exact_match
@@ -129,6 +134,8 @@ def measure(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict
         "micro_batch": module.micro_batch,
         "oom_backoffs": module.oom_backoffs,
         "exact_match": exact,
+        # the cores the training actually got: CPU time over wall time and threads
+        "cpu_share": cpu_s / wall_s / max(1, int(plan.get("threads") or 1)) if not cuda else None,
     }
 
 
@@ -191,6 +198,9 @@ def summarize(
         "bench/val_loss_after": val[-1] if len(val) > 1 else None,
         "bench/quality": round(quality, 4) if quality is not None else None,
         "bench/quality_metric": task["quality"],
+        "bench/threads": plan.get("threads"),
+        "bench/cpu_share_planned": hardware.get("cpu_share"),
+        "bench/cpu_share_measured": round(raw["cpu_share"], 3) if raw.get("cpu_share") is not None else None,
     }
     out.update(
         equitable(
@@ -217,7 +227,12 @@ def _replan(
         }
     if plan.get("sparse_layers") is not None:
         cfg["strategy"]["layers"] = plan["sparse_layers"]
-    return make_plan(cfg, hardware, spec, use_tuned=False)
+    replanned = make_plan(cfg, hardware, spec, use_tuned=False)
+    if plan.get("step_time_source") == "timed":  # the model's own blocks, timed at these shapes
+        from onn.modalities.text.calibrate import refine
+
+        replanned = refine(replanned, cfg, hardware, spec)
+    return replanned
 
 
 def _print(out: dict[str, Any]) -> None:

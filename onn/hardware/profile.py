@@ -1,8 +1,23 @@
 """Measure this machine (hardware=auto) or read a preset describing another one.
 
 A profile is a flat dict with the same keys either way, so the planner never asks where it
-came from. Measuring takes about two seconds; the result is cached under the cache folder,
+came from. Measuring takes ten seconds or so; the result is cached under the cache folder,
 keyed by a fingerprint of the machine (CPU model, core count, RAM, accelerators, torch version).
+What changes from run to run is measured every time: free memory, free disk, and how busy the
+cores are (other processes' CPU use over half a second), from which the planner sizes torch's
+thread count.
+
+What the planner predicts from (CPUs):
+  matmul_gflops     {size: {dtype: {threads: {rows: GFLOP/s}}}}: a size x size weight (256 and 4096)
+                    times `rows` rows, float32 and bfloat16, on one thread and on every core; best of
+                    short trials, so a neighbour's burst does not count
+  block_call_s      framework time of one decoder block per call (no FLOPs to speak of): forward
+                    without grad, a full-training step and a LoRA step, from tiny Llamas of 2 and 10
+                    blocks (the difference, so embeddings, loss and the rest cancel), and `step` the rest
+  memory_gb_s       one thread copying a large buffer (bytes read + written per second)
+  decode_gvalues_s  one thread turning stored values into compute values: {"int8->bfloat16": ...}
+  disk_read_mb_s    cold sequential reads with O_DIRECT of a fresh file of `disk_probe_mb`, as the
+                    layer store reads (onn/hardware/disk.py)
 """
 
 from __future__ import annotations
@@ -11,18 +26,24 @@ import hashlib
 import json
 import os
 import platform
-import tempfile
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from onn.hardware.disk import read_mb_s
+
 MB = 1024**2
 PROFILE_KEYS = (
     "name", "accelerator", "device_name", "device_count", "device_memory_mb", "device_memory_free_mb",
     "host_memory_mb", "host_memory_available_mb", "cpu_cores", "matmul_tflops", "disk_read_mb_s", "h2d_mb_s", "bf16",
+    "matmul_gflops", "block_call_s", "memory_gb_s", "decode_gvalues_s",
 )  # fmt: skip
+MATMUL_ROWS = (1, 16, 128, 1024)
+MATMUL_SIZES = (256, 4096)
+VERSION = 6  # what `measure` records; a cached profile of another version is measured again
 
 
 def resolve(
@@ -35,26 +56,169 @@ def resolve(
         profile["host_memory_available_mb"] = profile["host_memory_available_mb"] or profile["host_memory_mb"]
         profile["source"] = "preset"
         profile["budget_mb"] = hw_cfg.get("budget_mb")
+        # a machine one does not have: its cores are taken to be free, its disk to be large enough
+        profile.update(
+            cpu_busy_cores=0.0, cpu_runnable_threads=0.0, cpu_share=1.0, disk_free_mb=None, thread_limit=None
+        )
         return profile
 
     fingerprint = machine_fingerprint()
     cache = Path(cache_dir) / "hardware" / f"{fingerprint}.json"
-    if cache.exists() and not hw_cfg["refresh"]:
-        profile = json.loads(cache.read_text())
-        profile.update(_free_memory(profile["accelerator"]))  # free memory changes; measure it now
+    profile = json.loads(cache.read_text()) if cache.exists() and not hw_cfg["refresh"] else None
+    if profile is not None and profile.get("version") != VERSION:
+        profile = None
+    if profile is not None and profile.get("busy_while_measuring", 0) >= 0.5 and cpu_busy_cores(0.3) < 0.25:
+        profile = None  # measured on a busy machine, which is quiet now: measure it properly
+    if profile is not None:
         profile["source"] = f"cache ({cache})"
-        profile["budget_mb"] = hw_cfg.get("budget_mb")
-        return profile
-
-    profile = measure(probe_dir)
-    profile["fingerprint"] = fingerprint
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    tmp.write_text(json.dumps(profile, indent=2))
-    tmp.replace(cache)
-    profile["source"] = "measured"
+    else:
+        profile = measure(probe_dir, int(hw_cfg["disk_probe_mb"]))
+        profile["fingerprint"] = fingerprint
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps(profile, indent=2))
+        tmp.replace(cache)
+        profile["source"] = "measured"
+    profile.update(now(profile["accelerator"], cache_dir))  # what changes from run to run
     profile["budget_mb"] = hw_cfg.get("budget_mb")
     return profile
+
+
+def now(accelerator: str, folder: str | os.PathLike) -> dict[str, Any]:
+    """Free memory, free disk under `folder`, the cores other processes keep busy, and a thread limit
+    the user set (OMP_NUM_THREADS): what changes between runs on one machine."""
+    import shutil
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    limit = os.environ.get("OMP_NUM_THREADS")
+    busy, runnable = cpu_load()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, min(cores, int(cores - busy + 0.5)))
+    return {
+        "cpu_share": round(cpu_share(threads, 1.0), 3) if busy >= 0.25 else 1.0,
+        **_free_memory(accelerator),
+        "disk_free_mb": int(shutil.disk_usage(folder).free // MB),
+        "cpu_busy_cores": round(busy, 2),
+        "cpu_runnable_threads": round(runnable, 2),
+        "thread_limit": int(limit) if limit and limit.isdigit() and int(limit) > 0 else None,
+    }
+
+
+def cpu_busy_cores(seconds: float = 0.5) -> float:
+    """CPU time other processes (and the hypervisor, as steal) took over `seconds`, in cores."""
+    return cpu_load(seconds)[0]
+
+
+def cpu_load(seconds: float = 0.5) -> tuple[float, float]:
+    """(busy cores, runnable threads) of other processes over `seconds`: the CPU time they took (and
+    the hypervisor, as steal), in cores; and how many of their threads wanted a core, on average, which
+    says how a fair scheduler will share the cores once they are all busy. Linux only (/proc/stat);
+    elsewhere (0, 0)."""
+
+    def read() -> tuple[float, float, int]:
+        text = Path("/proc/stat").read_text()
+        fields = [float(x) for x in text.split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+        running = next(int(line.split()[1]) for line in text.splitlines() if line.startswith("procs_running"))
+        return sum(fields[:8]) - idle, sum(fields[:8]), running
+
+    try:
+        own0, (busy0, all0, _) = time.process_time(), read()
+        runnable, samples, start = 0, 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            time.sleep(seconds / 10)
+            runnable += read()[2] - 1  # less this thread, which is reading
+            samples += 1
+        own1, (busy1, all1, _) = time.process_time(), read()
+    except (OSError, ValueError, IndexError, StopIteration):
+        return 0.0, 0.0
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    elapsed = time.perf_counter() - start
+    total_cores = (all1 - all0) / ticks / elapsed  # every core of the machine, busy or idle
+    busy = (busy1 - busy0) / ticks / elapsed - (own1 - own0) / elapsed
+    # scaled to the cores this process may use (the machine may have more than its affinity allows)
+    busy = max(0.0, busy * cores / max(total_cores, 1e-9))
+    return busy, max(busy, runnable / max(samples, 1))
+
+
+def cpu_share(threads: int, seconds: float = 0.3) -> float:
+    """The share of a core each of `threads` busy threads of ours gets right now: as many forked
+    processes spin for `seconds` and report their CPU time over the wall time. It measures what the
+    scheduler does (fair shares per thread, or per session with autogroup; cgroup quotas; steal), which
+    counting other processes' threads cannot. Linux (fork); elsewhere 1."""
+    if not hasattr(os, "fork") or sys.platform != "linux":
+        return 1.0
+    readers, pids = [], []
+    for _ in range(threads):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: spin, report, leave without running any cleanup of the parent's
+            os.close(r)
+            start, cpu0 = time.perf_counter(), time.process_time()
+            while time.perf_counter() - start < seconds:
+                pass
+            os.write(w, f"{(time.process_time() - cpu0) / (time.perf_counter() - start)}".encode())
+            os._exit(0)
+        os.close(w)
+        readers.append(r)
+        pids.append(pid)
+    shares = []
+    for r, pid in zip(readers, pids):
+        with os.fdopen(r) as f:
+            text = f.read()
+        os.waitpid(pid, 0)
+        shares.append(float(text) if text else 1.0)
+    return max(0.05, min(1.0, sum(shares) / len(shares)))
+
+
+class CoreWatch:
+    """Sizes torch's threads to the cores other processes leave free, again and again while a run goes
+    on: other processes start and stop, and threads that oversubscribe a busy core wait on each other
+    (a Phi-4 block took twice as long on 2 threads as on 1 with the other core busy). `look` compares
+    /proc/stat's counters and this process's CPU time with the previous look; at most every `every_s`."""
+
+    def __init__(self, threads: int, every_s: float = 2.0):
+        self.most, self.every_s = max(1, int(threads)), every_s
+        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.last = self._read()
+        self.threads = self.most
+
+    @staticmethod
+    def _read() -> tuple[float, float, float, float] | None:
+        try:
+            fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
+        return sum(fields[:8]) - idle, sum(fields[:8]), time.process_time(), time.perf_counter()
+
+    def look(self) -> int:
+        """The thread count for now (set in torch when it changes)."""
+        now = self._read()
+        if now is None or self.last is None or now[3] - self.last[3] < self.every_s:
+            return self.threads
+        busy_ticks, all_ticks, own, wall = (a - b for a, b in zip(now, self.last))
+        self.last = now
+        machine = all_ticks / self.ticks / wall  # cores of the whole machine
+        busy = max(0.0, (busy_ticks / self.ticks - own) / wall) * self.cores / max(machine, 1e-9)
+        threads = max(1, min(self.most, int(self.cores - busy + 0.5)))
+        if threads != self.threads:
+            import torch
+
+            torch.set_num_threads(threads)
+            self.threads = threads
+        return threads
+
+
+def use_threads(plan: dict[str, Any]) -> None:
+    """Run torch on the thread count the plan sized to the free cores (CPU plans)."""
+    threads = plan.get("threads")
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
 
 
 def machine_fingerprint() -> str:
@@ -74,7 +238,7 @@ def machine_fingerprint() -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def measure(probe_dir: str | os.PathLike) -> dict[str, Any]:
+def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> dict[str, Any]:
     """Measure accelerator, memory, cores, matmul throughput and disk / host-to-device bandwidth."""
     import torch
 
@@ -93,6 +257,7 @@ def measure(probe_dir: str | os.PathLike) -> dict[str, Any]:
     vm = psutil.virtual_memory()
     profile = {
         "name": "auto",
+        "version": VERSION,
         "accelerator": accelerator,
         "device_name": name,
         "device_count": count,
@@ -101,10 +266,20 @@ def measure(probe_dir: str | os.PathLike) -> dict[str, Any]:
         "host_memory_available_mb": int(vm.available // MB),
         "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "matmul_tflops": round(_matmul_tflops(accelerator), 4),
-        "disk_read_mb_s": round(_disk_read_mb_s(probe_dir), 1),
+        "disk_read_mb_s": round(read_mb_s(probe_dir, disk_probe_mb), 1),
         "h2d_mb_s": round(_h2d_mb_s(), 1) if accelerator == "cuda" else None,
         "bf16": bool(bf16),
     }
+    busy = cpu_busy_cores(0.3)
+    if accelerator == "cpu":
+        profile["matmul_gflops"] = matmul_table(profile["cpu_cores"])
+        best = max(max(rates.values()) for rates in profile["matmul_gflops"]["4096"]["float32"].values())
+        profile["matmul_tflops"] = round(best / 1000, 4)
+        profile["memory_gb_s"], profile["decode_gvalues_s"] = memory_rates()
+    profile["block_call_s"] = block_call_s("cuda" if accelerator == "cuda" else "cpu")
+    # measured while other processes kept cores busy: the rates on every core are too low, so the
+    # profile is measured again the next time the machine is quiet (see resolve)
+    profile["busy_while_measuring"] = round(max(busy, cpu_busy_cores(0.3)), 2)
     profile.update(_free_memory(accelerator))
     profile["measure_s"] = round(time.perf_counter() - t0, 2)
     return profile
@@ -145,27 +320,164 @@ def _matmul_tflops(accelerator: str, seconds: float = 0.4) -> float:
     return 2 * n**3 * iters / elapsed / 1e12
 
 
-def _disk_read_mb_s(probe_dir: str | os.PathLike, size_mb: int = 64) -> float:
-    """Cold read bandwidth of the folder runs write to: write a file, evict it from the page cache, read it."""
-    Path(probe_dir).mkdir(parents=True, exist_ok=True)
-    block = os.urandom(MB)
-    fd, path = tempfile.mkstemp(dir=probe_dir, prefix=".onn-disk-probe-")
+def _best_rate(work: float, fn, trials: int = 5, min_s: float = 0.02, clock=time.perf_counter) -> float:
+    """work per second of `fn`, the best of short trials (each repeats fn for at least min_s): a
+    neighbour's burst slows some trials, not all, so the best is the machine's own rate. Work done on
+    one thread is timed by the process's CPU clock (`clock=time.process_time`), which does not run
+    while other processes hold the core: the rate of a core, whatever the load."""
+    fn()  # warm-up
+    best = 0.0
+    for _ in range(trials):
+        calls, start = 0, clock()
+        while True:
+            fn()
+            calls += 1
+            elapsed = clock() - start
+            if elapsed >= min_s:
+                break
+        best = max(best, work * calls / elapsed)
+    return best
+
+
+def matmul_table(cores: int) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
+    """GFLOP/s of rows x size by a size x size weight, for a small weight (256, cache-resident, where
+    call overhead weighs) and a large one (4096, the regime of large models, whose weights stream from
+    memory), float32 and bfloat16, on one thread and on every core: {size: {dtype: {threads: {rows: rate}}}}."""
+    import torch
+
+    table: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    before = torch.get_num_threads()
     try:
-        with os.fdopen(fd, "wb") as f:
-            for _ in range(size_mb):
-                f.write(block)
-            f.flush()
-            os.fsync(f.fileno())
-        with open(path, "rb") as f:
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-            start = time.perf_counter()
-            while f.read(8 * MB):
-                pass
-            elapsed = time.perf_counter() - start
+        for size in MATMUL_SIZES:
+            table[str(size)] = {}
+            for dtype in ("float32", "bfloat16"):
+                weight = torch.randn(size, size).to(getattr(torch, dtype))
+                table[str(size)][dtype] = {}
+                for threads in sorted({1, cores}):
+                    torch.set_num_threads(threads)
+                    rates = {}
+                    for rows in MATMUL_ROWS:
+                        x = torch.randn(rows, size).to(weight.dtype)
+                        flops = 2 * rows * size * size
+                        clock = time.process_time if threads == 1 else time.perf_counter
+                        rate = _best_rate(
+                            flops, lambda x=x, w=weight: torch.nn.functional.linear(x, w), clock=clock
+                        )
+                        rates[str(rows)] = round(rate / 1e9, 2)
+                    table[str(size)][dtype][str(threads)] = rates
     finally:
-        os.unlink(path)
-    return size_mb / max(elapsed, 1e-9)
+        torch.set_num_threads(before)
+    return table
+
+
+def block_call_s(device: str = "cpu", repeats: int = 9) -> dict[str, float]:
+    """Framework time per decoder block and call, where FLOPs are negligible: tiny Llamas (width 32,
+    8 tokens) of 2 and 10 blocks, timed without grad (`forward`), for a full-training step (AdamW
+    included, `full`) and a LoRA step (`lora`); on CPUs also under bf16 autocast (`forward_bf16`,
+    `lora_bf16`). The difference over 8 blocks is one block's share; `step` is what a step costs
+    besides its blocks (embeddings, loss, optimizer, zero_grad). One thread: this is serial work. Each
+    figure is the fastest of several runs, which a neighbour's burst cannot make faster."""
+    import contextlib
+    import logging
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+    def model(layers: int, lora: bool):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
+        m = LlamaForCausalLM(config).to(device)
+        if lora:
+            targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+            m = get_peft_model(m, LoraConfig(r=4, target_modules=targets))
+        return m
+
+    ids = torch.randint(0, 64, (1, 8), device=device)
+    batch = {"input_ids": ids, "labels": ids}
+
+    clock = (
+        time.process_time if device == "cpu" else time.perf_counter
+    )  # one thread: its CPU time ignores the load
+
+    def fastest(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            _sync(device)
+            start = clock()
+            fn()
+            _sync(device)
+            times.append(clock() - start)
+        return min(times)
+
+    def costs(layers: int) -> dict[str, float]:
+        plain, adapted = model(layers, False), model(layers, True)
+        opt_full = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+        opt_lora = torch.optim.AdamW([p for p in adapted.parameters() if p.requires_grad], lr=1e-3)
+
+        def train(m, opt, bf16: bool = False):
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+            with autocast:
+                loss = m(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        out = {}
+        with torch.no_grad():
+            out["forward"] = fastest(lambda: plain(**batch))
+        out["full"] = fastest(lambda: train(plain, opt_full))
+        out["lora"] = fastest(lambda: train(adapted, opt_lora))
+        if device == "cpu":
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                out["forward_bf16"] = fastest(lambda: adapted(**batch))
+            out["lora_bf16"] = fastest(lambda: train(adapted, opt_lora, bf16=True))
+        return out
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        small, large = costs(2), costs(10)
+    finally:
+        torch.set_num_threads(before)
+    out = {k: round(max(large[k] - small[k], 0.0) / 8, 6) for k in small}
+    out["step"] = round(max(small["full"] - 2 * out["full"], 0.0), 6)
+    return out
+
+
+def memory_rates() -> tuple[float, dict[str, float]]:
+    """One thread's memory copy bandwidth (GB/s, bytes read + written) and its rate of turning stored
+    values into compute values (G values/s) as the layer store decodes them into reused buffers."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = 32 * MB
+        src, dst = torch.empty(n, dtype=torch.uint8).fill_(1), torch.empty(n, dtype=torch.uint8)
+        copy = _best_rate(2 * n, lambda: dst.copy_(src), clock=time.process_time) / 1e9
+        decode = {}
+        values = 16 * MB
+        codes = torch.randint(-127, 127, (values,), dtype=torch.int8)
+        for target in (
+            "bfloat16",
+            "float32",
+        ):  # int8 is cast only: its row scales apply to the layer's output
+            out = torch.empty(codes.shape, dtype=getattr(torch, target))
+            rate = _best_rate(values, lambda out=out: out.copy_(codes), clock=time.process_time)
+            decode[f"int8->{target}"] = round(rate / 1e9, 3)
+        for source, target in (("bfloat16", "float32"), ("float32", "bfloat16"), ("float16", "float32")):
+            a = torch.empty(values, dtype=getattr(torch, source)).fill_(1)
+            b = torch.empty(values, dtype=getattr(torch, target))
+            rate = _best_rate(values, lambda a=a, b=b: b.copy_(a), clock=time.process_time)
+            decode[f"{source}->{target}"] = round(rate / 1e9, 3)
+    finally:
+        torch.set_num_threads(before)
+    return round(copy, 2), decode
 
 
 def _h2d_mb_s(size_mb: int = 256) -> float:

@@ -283,7 +283,7 @@ def _load_gguf(path: str, dtype, cache_dir=None):
     if converted_gguf(path, cache_dir):
         model = AutoModelForCausalLM.from_pretrained(converted, local_files_only=True, dtype=dtype or "auto")
         return model, AutoTokenizer.from_pretrained(converted, local_files_only=True)
-    _check_gguf(path)
+    check_gguf(path)
     folder, name = os.path.dirname(path) or ".", os.path.basename(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -311,7 +311,7 @@ def _load_gguf(path: str, dtype, cache_dir=None):
     return model, tokenizer
 
 
-def _check_gguf(path: str) -> None:
+def check_gguf(path: str) -> None:
     """Read the GGUF header and tensor table, and check every tensor's data lies inside the file."""
     from gguf import GGUFReader
 

@@ -22,15 +22,29 @@ so with one micro-batch per step the peak holds the larger of the two, not both:
 + optimizer + workspace + max(trainable, activations). When micro-batches accumulate, the first
 one's gradients live through the next one's forward: the peak holds both.
 
-sparse_lora is sized as ONN's layer-streaming engine: two chunks of blocks in flight (one
-computing, one loading) plus the disk reader's buffer, prefix/suffix resident or streamed, the
-kept chunk inputs of every micro-batch (on the device or the host), one chunk's activations
-during recompute, LoRA state for the sparse layer set only.
+sparse_lora is sized as ONN's layer-streaming engine: two slots of reused memory for the chunks
+in flight (one computing, one loading: the disk read buffer, and the compute-dtype copy when the
+store's dtype is not the compute dtype), the blocks of a disk store cached in host memory, prefix/
+suffix resident or streamed, the kept chunk inputs of every micro-batch (on the device or the host),
+one chunk's activations during recompute, LoRA state for the sparse layer set only. Every setting
+that fits (store dtype and place, cached blocks, chunk, edges) gets a predicted step time, and the
+fastest wins: see `_estimate_streaming`.
+
+A candidate fits when its peak plus the context stays within the budget: the memory available
+(with 5% headroom) or hardware.budget_mb as given.
+
+Time (`compute_s`) comes from what the hardware profile measured on this machine, never from
+constants: matmul FLOPs at the measured rate for their dtype and row count, on the threads the
+plan runs (torch's threads are sized to the cores other processes leave free, and a core shared
+with them counts at its share), plus the measured framework time per block call, plus the
+optimizer's and activations' memory traffic at the measured memory bandwidth. A preset machine,
+which cannot be measured, has its matmul_tflops figure only.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -110,7 +124,7 @@ def make_network_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) 
         )
         est = Estimate(name, False, batch, weights / MB, grads / MB, optim / MB, activations / MB, workspace / MB, ctx,
                        note="plus the resident dataset, measured when it is read")  # fmt: skip
-        est.fits = est.peak_mb <= budget_mb(hw)
+        est.fits = fits(est, hw)
         estimates[name] = est
     if requested == "auto":
         chosen = "full"
@@ -123,7 +137,7 @@ def make_network_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) 
     est = estimates[chosen]
     if not est.fits:
         reasons.append(
-            f"WARNING: predicted {est.peak_mb:,.0f} MB exceeds the {budget_mb(hw):,.0f} MB budget; lower data.batch_size"
+            f"WARNING: predicted {est.peak_mb + est.context_mb:,.0f} MB exceeds the {budget_mb(hw):,.0f} MB budget; lower data.batch_size"
         )
     tflops = float(hw.get("matmul_tflops") or 1.0)
     step_flops = spec.sample_flops * batch * (3 if chosen == "full" else 0)
@@ -161,20 +175,27 @@ def context_mb(hw: dict[str, Any]) -> float:
 
 
 def budget_mb(hw: dict[str, Any]) -> float:
-    """Memory the run may allocate on its compute device, after the context, with headroom;
-    `hardware.budget_mb` caps it (the context included) to plan for less than the machine has."""
+    """Memory the run may hold on its compute device, its context (CUDA context, or the process's own
+    baseline) included: what is available with 5% headroom, or `hardware.budget_mb` as given."""
     if hw["accelerator"] == "cuda":
         total = hw.get("device_memory_free_mb") or hw["device_memory_mb"]
     else:  # CPU and unified memory: the host's available memory is the device
         total = hw.get("host_memory_available_mb") or hw.get("device_memory_mb") or hw["host_memory_mb"]
+    total *= HEADROOM
     if hw.get("budget_mb"):
         total = min(total, float(hw["budget_mb"]))
-    return (total - context_mb(hw)) * HEADROOM
+    return total
+
+
+def fits(est: Estimate, hw: dict[str, Any]) -> bool:
+    """The prediction, context included, within the budget."""
+    return est.peak_mb + est.context_mb <= budget_mb(hw)
 
 
 def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro_batch: int, precision: str,
              sparse_layers: list[int], batch_size: int, store_dtype: str | None = None,
-             streaming: dict[str, Any] | None = None, checkpointing: bool = False) -> Estimate:  # fmt: skip
+             streaming: dict[str, Any] | None = None, checkpointing: bool = False,
+             present: dict[str, int] | None = None, where: str = "paths.cache") -> Estimate:  # fmt: skip
     """Predicted memory of one candidate at one micro-batch. With gradient checkpointing, autograd
     keeps only each block's input, and one block's activations exist at a time, during its recompute."""
     mixed = precision.endswith("mixed")
@@ -213,20 +234,9 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
         activations = kept_layers * tokens * act_bytes + logits
         extra = 0
     elif strategy == "sparse_lora":
-        return _estimate_streaming(
-            spec,
-            hw,
-            seq,
-            micro_batch,
-            precision,
-            sparse_layers,
-            batch_size,
-            per_token_layer,
-            logits,
-            ctx,
-            store_dtype,
-            streaming,
-        )
+        return _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, batch_size, per_token_layer, logits,
+                                   ctx, store_dtype, streaming, present=present, where=where,
+                                   prefetch=bool((streaming or {}).get("prefetch", True)))  # fmt: skip
     else:
         raise ValueError(strategy)
     workspace = 0.05 * (weights + max(trainable, activations) + optimizer) + extra
@@ -245,19 +255,25 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
         note,
         accumulates=batch_size > micro_batch,
     )
-    est.fits = est.peak_mb <= budget_mb(hw)
+    est.fits = fits(est, hw)
     return est
 
 
+PRECISE_FIRST = ("float32", "bfloat16", "float16", "int8", "nf4")  # the tie-break between equally fast stores
+STREAMING_KEYS = ("chunk_size", "store", "store_dtype", "edges", "activations", "cache_blocks", "eval_tokens")
+
+
 def store_dtypes(hw: dict[str, Any], precision: str) -> list[str]:
-    """Frozen-weight storage for streaming, most precise first: the planner takes the first that fits.
-    The quantized ones (bitsandbytes) come last: they cut the bytes moved, at some precision."""
+    """Frozen-weight storage for streaming, most precise first: the compute dtype itself (a CPU then
+    computes straight from the read buffer), a 2-byte float under a float32 compute (half the bytes,
+    lossless for weights that were bf16), ONN's int8. nf4 is for when nothing else fits."""
     if hw["accelerator"] == "cuda":
         return ["bfloat16" if hw.get("bf16") else "float16", "int8", "nf4"]
-    return ["float32" if precision == "32-true" else "bfloat16", "int8", "nf4"]
+    if precision == "32-true":
+        return ["float32", "bfloat16", "int8", "nf4"]
+    return ["bfloat16", "int8", "nf4"]
 
 
-STREAMING_KEYS = ("chunk_size", "store", "store_dtype", "edges", "activations")
 STREAMING_CHOICES = {"store": ("disk", "cpu"), "store_dtype": tuple(DTYPE_BYTES), "edges": ("resident", "stream"),
                      "activations": ("device", "host")}  # fmt: skip
 
@@ -276,49 +292,211 @@ def check_settings(cfg: dict[str, Any], hw: dict[str, Any]) -> None:
             raise UserError(
                 f"strategy.streaming.{key}={streaming[key]!r} is not one of auto, {', '.join(choices)}."
             )
-    if budget_mb(hw) <= 0:
-        held = context_mb(hw)
+    held = context_mb(hw)
+    if budget_mb(hw) <= held:
         cause = (f"hardware.budget_mb={hw['budget_mb']:g} MB" if hw.get("budget_mb")
                  else f"this machine's available memory ({hw.get('host_memory_available_mb') or hw.get('device_memory_mb')} MB)")  # fmt: skip
         raise UserError(f"{cause} is below what the run holds before any model is built ({held:,.0f} MB: "
                         f"{'the CUDA context' if hw['accelerator'] == 'cuda' else 'Python, torch and the libraries'}); "
-                        f"give a budget above {held / HEADROOM:,.0f} MB.")  # fmt: skip
+                        f"give a budget above {held:,.0f} MB.")  # fmt: skip
+
+
+def compute_dtype_name(hw: dict[str, Any], precision: str) -> str:
+    if precision == "32-true":
+        return "float32"
+    return "bfloat16" if precision.startswith("bf16") else "float16"
+
+
+def threads_for(hw: dict[str, Any]) -> tuple[int, float]:
+    """(threads, share): torch's thread count for the cores other processes leave free (at least one,
+    at most OMP_NUM_THREADS when set), and the share of a core each thread gets: measured by the
+    profile right now (`cpu_share`: busy threads of ours, timed), since the scheduler's split (fair per
+    thread, or per session with autogroup) cannot be read off a count of the others' threads."""
+    cores = int(hw.get("cpu_cores") or 1)
+    busy = float(hw.get("cpu_busy_cores") or 0.0)
+    threads = max(1, min(cores, math.floor(cores - busy + 0.5)))
+    if hw.get("thread_limit"):
+        threads = min(threads, int(hw["thread_limit"]))
+    share = float(hw.get("cpu_share") or 1.0) if busy >= 0.25 else 1.0
+    return threads, share
+
+
+def matmul_rate(hw: dict[str, Any], dtype: str, rows: float, threads: int, size: float = 4096.0) -> float:
+    """FLOP/s of a matmul with `rows` rows by a weight of about size x size, in `dtype`, on `threads`
+    threads: the profile's measured tables (log-interpolated in rows and in weight size, linearly in
+    threads), or a preset's matmul_tflops."""
+    tables = hw.get("matmul_gflops") or {}
+    if hw["accelerator"] != "cpu" or not all(dtype in t for t in tables.values()) or not tables:
+        return float(hw.get("matmul_tflops") or 0.1) * 1e12
+
+    def log_interp(x: float, points: list[tuple[float, float]]) -> float:
+        points = sorted(points)
+        if x <= points[0][0]:
+            return points[0][1]
+        for (x0, v0), (x1, v1) in itertools.pairwise(points):
+            if x <= x1:
+                return v0 + (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0)) * (v1 - v0)
+        return points[-1][1]
+
+    def at(table: dict[str, dict[str, float]]) -> float:
+        measured = sorted(int(t) for t in table)
+        lo = max((t for t in measured if t <= threads), default=measured[0])
+        hi = min((t for t in measured if t >= threads), default=measured[-1])
+        a = log_interp(rows, [(int(r), float(v)) for r, v in table[str(lo)].items()])
+        b = log_interp(rows, [(int(r), float(v)) for r, v in table[str(hi)].items()])
+        return a if lo == hi else a + (threads - lo) / (hi - lo) * (b - a)
+
+    def at_least_one_thread(table: dict[str, dict[str, float]]) -> float:
+        # more threads never compute slower than one: a table measured on busy cores can say otherwise
+        return max(
+            at(table),
+            log_interp(rows, [(int(r), float(v)) for r, v in table["1"].items()]) if "1" in table else 0.0,
+        )
+
+    return log_interp(size, [(float(s), at_least_one_thread(t[dtype])) for s, t in tables.items()]) * 1e9
+
+
+def token_flops(spec: ModelSpec, seq: int) -> tuple[list[int], int]:
+    """Forward matmul FLOPs per token: each block's (2 per weight, plus attention's 4 x seq x hidden),
+    and the head's."""
+    linear = spec.linear_params_per_block or spec.block_params
+    per_block = [2 * p + 4 * seq * spec.hidden for p in linear]
+    return per_block, 2 * spec.vocab * spec.hidden if spec.vocab else 2 * spec.suffix_params
+
+
+def streaming_step_flops(spec: ModelSpec, seq: int, batch_size: int, trainable_layers: list[int]) -> float:
+    """Matmul FLOPs of one streamed sparse-LoRA step: the forward of every block, the recompute and the
+    input gradients from the lowest trainable block up, and the head's forward and input gradient."""
+    per_block, head = token_flops(spec, seq)
+    lowest = min(trainable_layers) if trainable_layers else len(per_block)
+    return (sum(per_block) + 2 * sum(per_block[lowest:]) + 2 * head) * batch_size * seq
+
+
+def compute_s(spec: ModelSpec, hw: dict[str, Any], strategy: str, seq: int, batch_size: int, micro_batch: int,
+              trainable_layers: list[int], dtype: str = "float32", forward_group: int = 1, parts: bool = False):  # fmt: skip
+    """Predicted compute time of one optimizer step on this machine, from what its profile measured.
+
+    Matmuls: forward 2 FLOPs per weight per token plus attention's 4 x seq x hidden per token and
+    block; full training adds input and weight gradients (2x forward); LoRA needs input gradients
+    from the lowest trainable block up (1x those blocks' forward); streaming recomputes those blocks'
+    forward as well, and runs its no-grad forward `forward_group` micro-batches at a time. Each at the
+    measured rate for its dtype and row count on the plan's threads, times the share of the cores they
+    get. Framework time: the measured time per block call, per micro-batch (`block_call_s`), and what a
+    step costs besides. Memory traffic: the optimizer's (28 bytes per trainable weight: read p, g and
+    two moments, write three) and the activations' (written in the forward, read in the backward) at
+    the measured memory bandwidth. `parts`: (matmul time, the rest) instead of their sum."""
+    threads, share = threads_for(hw)
+    n = spec.n_blocks
+    micro_batches = -(-batch_size // max(micro_batch, 1))
+    rows, tokens = micro_batch * seq, batch_size * seq
+    per_block, head = token_flops(spec, seq)
+    lowest = min(trainable_layers) if trainable_layers else 0
+    forward, upper = sum(per_block) * tokens, sum(per_block[lowest:]) * tokens
+    linear = spec.linear_params_per_block or spec.block_params
+    size = math.sqrt(max(linear) / 4)  # a block holds about four weights of its size
+
+    def matmul(flops: float, m: float) -> float:
+        return flops / (matmul_rate(hw, dtype, m, threads, size) * share)
+
+    calls = hw.get("block_call_s") or {}
+    half = dtype != "float32"
+    act_bytes = (10 * spec.hidden + 4 * spec.kv_dim + 4 * spec.intermediate) * tokens * (2 if half else 4)
+    if strategy == "full":
+        time_s = matmul(3 * forward + 3 * head * tokens, rows)
+        framework = calls.get("full", 0.0) * n * micro_batches
+        trainable, with_grad = spec.params, n
+    elif strategy == "sparse_lora":
+        time_s = matmul(forward, forward_group * rows) + matmul(2 * upper + 2 * head * tokens, rows)
+        lora_call = calls.get("lora_bf16" if half else "lora", 0.0)
+        forward_call = calls.get("forward_bf16" if half else "forward", 0.0)
+        framework = (
+            forward_call * n * -(-micro_batches // forward_group) + lora_call * (n - lowest) * micro_batches
+        )
+        trainable, with_grad = sum(spec.lora_params_per_block[i] for i in trainable_layers), n - lowest
+    else:
+        time_s = matmul(forward + upper + 2 * head * tokens, rows)
+        framework = calls.get("lora_bf16" if half else "lora", 0.0) * n * micro_batches
+        trainable, with_grad = sum(spec.lora_params_per_block), n
+    framework += calls.get("step", 0.0) * micro_batches
+    bandwidth = float(hw.get("memory_gb_s") or 0) * 1e9
+    traffic = (28 * trainable + 2 * act_bytes * with_grad) / bandwidth if bandwidth else 0.0
+    if parts:
+        return time_s, (framework + traffic) / share
+    return time_s + (framework + traffic) / share
+
+
+def _block_bytes(spec: ModelSpec, store_dtype: str) -> list[int]:
+    """Each block's file size in a store of `store_dtype` (small tensors stay float32 when quantized)."""
+    small = spec.block_params[0] - spec.linear_params_per_block[0] if spec.linear_params_per_block else 0
+    per_value = DTYPE_BYTES[store_dtype]
+    return [
+        int((p - small) * per_value + small * (4 if store_dtype in ("int8", "nf4") else per_value))
+        for p in spec.block_params
+    ]
+
+
+def _store_present_bytes(cfg: dict[str, Any], store_dtype: str) -> int:
+    """Bytes of complete blocks already in this model's disk store of `store_dtype` (a build resumes there)."""
+    folder = _store_folder(cfg) / store_dtype
+    if not folder.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors") if f.with_suffix(".done").is_file())
+
+
+def _alternatives(found: list, best) -> list[dict[str, Any]]:
+    """The fastest setting of every other store dtype and place, fastest first."""
+    seen: dict[tuple, dict[str, Any]] = {}
+    for f in sorted(found, key=lambda f: f[0]["step"]):
+        key = (f[1], f[2])
+        if f is not best and key != (best[1], best[2]) and key not in seen:
+            seen[key] = {"store_dtype": f[1], "store": f[2], "edges": f[3], "chunk_size": f[5], "cache_blocks": f[6],
+                         "predicted_step_s": round(f[0]["step"], 2)}  # fmt: skip
+    return list(seen.values())
 
 
 def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, batch_size, per_token_layer, logits, ctx,
-                        store_dtype, fixed=None) -> Estimate:  # fmt: skip
-    """Layer streaming: the most comfortable settings that fit, then what is resident at the peak.
+                        store_dtype, fixed=None, present=None, prefetch=True, where="paths.cache") -> Estimate:  # fmt: skip
+    """Layer streaming: every combination of settings that fits the budget (and the disk), each with a
+    predicted step time; the fastest wins, the more precise store between two within 3% of each other.
 
-    Preference, in order: the most precise store dtype; the store in host memory over disk;
-    prefix/suffix resident over streamed; kept activations on the device over the host; the largest
-    chunk. Settings the config fixes (not `auto`) are taken as given."""
+    Settings: the store's dtype; its place (host memory, or disk with as many blocks cached in host
+    memory as the budget leaves room for); prefix/suffix resident or streamed; kept activations on
+    the device or the host (GPUs); the chunk size. Settings the config fixes (not `auto`) are taken
+    as given. `present`: bytes already written per store dtype (a disk store only needs the rest)."""
     fixed = {k: v for k, v in (fixed or {}).items() if k in STREAMING_KEYS and v not in (None, "auto")}
     on_gpu = hw["accelerator"] == "cuda"
-    compute_bytes = 2 if precision != "32-true" else 4
+    cdtype = compute_dtype_name(hw, precision)
+    compute_bytes = DTYPE_BYTES[cdtype]
     n = spec.n_blocks
     accumulate = max(1, -(-batch_size // micro_batch))
     lora = sum(spec.lora_params_per_block[i] for i in sparse_layers)
     lowest = min(sparse_layers) if sparse_layers else n
-    budget = budget_mb(hw) * MB
+    budget = budget_mb(hw) * MB - ctx * MB
     block = max(spec.block_params)
     edge = (spec.prefix_params + spec.suffix_params) * compute_bytes
     dtypes = [store_dtype] if store_dtype else store_dtypes(hw, precision)
+    disk_free = hw.get("disk_free_mb")
+    threads, share = threads_for(hw)
 
     def options(key: str, default: list) -> list:
-        return [int(fixed[key]) if key == "chunk_size" else fixed[key]] if key in fixed else default
+        return (
+            [int(fixed[key]) if key in ("chunk_size", "cache_blocks") else fixed[key]]
+            if key in fixed
+            else default
+        )
 
-    def memory(store_dtype, store, edges, activations, chunk) -> dict[str, float]:
-        sbytes = DTYPE_BYTES[store_dtype]
-        # On a CPU host memory is the device: a store held there counts in full.
-        store_bytes = sum(spec.block_params) * sbytes if store == "cpu" and not on_gpu else 0
-        # A chunk as it computes (de-quantized, compute dtype); a host store already in the compute
-        # dtype on a CPU lends its tensors as they are, so a resident chunk costs nothing extra.
-        zero_copy = store == "cpu" and not on_gpu and sbytes == compute_bytes
-        unit = 0 if zero_copy else block * chunk * compute_bytes
-        read_buffer = block * sbytes if store == "disk" else 0
-        # Two chunks in flight (computing + prefetched); streamed edges load while no chunk is resident.
-        weights = store_bytes + read_buffer + max(2 * unit, edge if edges == "stream" else 0)
-        weights += edge if edges == "resident" else 0
+    def memory(sd, store, edges, activations, chunk, cache) -> dict[str, float]:
+        files = _block_bytes(spec, sd)
+        zero_copy = not on_gpu and sd == cdtype
+        # On a CPU host memory is the device: a store held there counts in full, and so do cached blocks.
+        held = (sum(files) if store == "cpu" else cache * max(files)) if not on_gpu else 0
+        # Two slots of reused memory: the read buffer (disk, host memory) and the compute copy (unless
+        # a CPU computes from the read buffer itself). On a GPU the read buffers are pinned host memory.
+        raw = max(files) if store == "disk" and cache < n and not on_gpu else 0
+        slots = 2 * chunk * (raw + (0 if zero_copy else block * compute_bytes))
+        weights = held + slots + (edge if edges == "resident" or not on_gpu else 0)
+        if edges == "stream" and on_gpu:
+            weights = max(weights, edge)  # streamed edges load while no chunk is resident
         n_chunks = -(-n // chunk)
         # Kept per micro-batch: the input of every chunk from the lowest trainable one, the final
         # hidden state and the embeddings' output; with activations=host only the one in use.
@@ -327,111 +505,138 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
         acts = (kept * tokens * spec.hidden + per_token_layer * tokens * chunk) * compute_bytes + logits
         weights += lora * 4  # fp32 adapters
         trainable, optimizer = lora * 4, lora * 8
-        workspace = 0.05 * (weights + max(trainable, acts) + optimizer)
-        return {
-            "weights": weights,
-            "trainable": trainable,
-            "optimizer": optimizer,
-            "activations": acts,
-            "workspace": workspace,
-        }
+        workspace = 0.05 * (weights - held + max(trainable, acts) + optimizer)
+        return {"weights": weights, "trainable": trainable, "optimizer": optimizer, "activations": acts,
+                "workspace": workspace, "cached_block": max(files)}  # fmt: skip
 
-    best = None
+    def peak(m: dict[str, float]) -> float:
+        return m["weights"] + m["optimizer"] + m["workspace"] + max(m["trainable"], m["activations"])
+
+    def timing(sd, store, edges, chunk, cache) -> dict[str, float]:
+        files = _block_bytes(spec, sd)
+        chunks = [list(range(s, min(s + chunk, n))) for s in range(0, n, chunk)]
+        low = min(lowest // chunk, len(chunks))
+        # Loads per step, steady state: the forward's chunks (less the lowest trainable one, still
+        # resident from the previous backward) and the backward's (less the last, still resident).
+        forward = [c for c in range(len(chunks)) if edges == "stream" or c != low]
+        backward = list(range(low, len(chunks) if edges == "stream" else len(chunks) - 1))
+        loads = (
+            [i for c in forward + backward for i in chunks[c]]
+            if low < len(chunks)
+            else [i for c in forward for i in chunks[c]]
+        )
+        disk = sum(files[i] for i in loads if store == "disk" and i >= cache)
+        if edges == "stream":
+            disk += 2 * edge * DTYPE_BYTES[sd] / compute_bytes if store == "disk" else 0
+        io = disk / MB / float(hw.get("disk_read_mb_s") or 1000.0)
+        if on_gpu:  # every load crosses the host link as stored
+            io += sum(files[i] for i in loads) / MB / float(hw.get("h2d_mb_s") or 10000.0)
+        decode = 0.0
+        if not on_gpu and sd != cdtype:
+            rate = (hw.get("decode_gvalues_s") or {}).get(f"{sd}->{cdtype}") or 1.0
+            decode = sum(spec.block_params[i] for i in loads) / (rate * 1e9) / share
+        compute = compute_s(spec, hw, "sparse_lora", seq, batch_size, micro_batch, sparse_layers, dtype=cdtype,
+                            forward_group=chunk)  # fmt: skip
+        # The loader's decoding takes CPU time from the compute's cores; its reads (DMA) do not.
+        cpu = compute + decode
+        step = max(io, cpu) if prefetch else io + cpu
+        return {"step": step, "io": io, "compute": compute, "decode": decode, "disk_bytes": disk}
+
+    found, refused = [], []
     for sd in options("store_dtype", dtypes):
-        all_blocks = sum(spec.block_params) * DTYPE_BYTES[sd]
-        # A CPU keeps the store in host memory only when every block fits there comfortably.
-        stores = ["cpu"] if on_gpu or all_blocks <= 0.5 * budget else ["disk"]
+        files = _block_bytes(spec, sd)
+        missing = sum(files) - (present or {}).get(sd, 0)
+        disk_ok = disk_free is None or missing + 2 * 1024**3 <= disk_free * MB
+        # On a GPU the store sits in (pinned) host memory when the host has room for it.
+        host_room = (hw.get("host_memory_available_mb") or hw.get("host_memory_mb") or 0) * MB * 0.8
+        stores = (["cpu"] if sum(files) <= host_room else ["disk"]) if on_gpu else ["cpu", "disk"]
         for store, edges, activations in itertools.product(options("store", stores), options("edges", ["resident", "stream"]),
                                                            options("activations", ["device", "host"] if on_gpu else ["device"])):  # fmt: skip
+            if store == "disk" and not disk_ok:
+                refused.append((sd, missing))
+                continue
             for chunk in sorted(options("chunk_size", chunk_sizes(n)), reverse=True):
-                m = memory(sd, store, edges, activations, chunk)
-                if (
-                    m["weights"] + m["optimizer"] + m["workspace"] + max(m["trainable"], m["activations"])
-                    <= budget
-                ):
-                    best = (sd, store, edges, activations, chunk, m)
-                    break
-            if best:
-                break
-        if best:
-            break
+                m = memory(sd, store, edges, activations, chunk, 0)
+                if store == "disk" and not on_gpu:
+                    room = max(0.0, budget - peak(m)) // m["cached_block"]
+                    cache = int(min(n, room)) if "cache_blocks" not in fixed else int(fixed["cache_blocks"])
+                    m = memory(sd, store, edges, activations, chunk, cache)
+                else:
+                    cache = 0
+                if peak(m) > budget:
+                    continue
+                found.append(
+                    (timing(sd, store, edges, chunk, cache), sd, store, edges, activations, chunk, cache, m)
+                )
+    usable = [f for f in found if f[1] != "nf4"] or found  # nf4 costs precision: only when nothing else fits
+    best = None
+    if usable:
+        fastest = min(f[0]["step"] for f in usable)
+        near = [f for f in usable if f[0]["step"] <= fastest * 1.03]
+        best = min(near, key=lambda f: (PRECISE_FIRST.index(f[1]), f[0]["step"]))
+    refusal = None
+    if best is None and refused:
+        sd, missing = min(refused, key=lambda r: r[1])
+        refusal = (
+            f"not enough disk for the layer store: {spec.name} as {sd} needs {missing / 2**30:,.1f} GB more under "
+            f"{where} and 2 GB must stay free, but the disk has {disk_free / 1024:,.1f} GB free; "
+            "set paths.cache (or ONN_CACHE) to a disk with room, or a smaller strategy.streaming.store_dtype."
+        )
     if best is None:  # nothing fits: report the smallest configuration, marked as not fitting
         sd = options("store_dtype", dtypes)[-1]
         store = fixed.get("store", "cpu" if on_gpu else "disk")
+        edges = fixed.get("edges", "stream")
         activations = fixed.get("activations", "host" if on_gpu else "device")
         chunk = min(options("chunk_size", [1]))
-        best = (
-            sd,
-            store,
-            fixed.get("edges", "stream"),
-            activations,
-            chunk,
-            memory(sd, store, fixed.get("edges", "stream"), activations, chunk),
+        m = memory(sd, store, edges, activations, chunk, 0)
+        best = (timing(sd, store, edges, chunk, 0), sd, store, edges, activations, chunk, 0, m)
+    t, store_dtype, store, edges, activations, chunk, cache, m = best
+    eval_tokens = fixed.get("eval_tokens")
+    if eval_tokens is None:
+        # validation holds every sample's hidden state (its input and output of a block) for one pass
+        left = budget - peak(m) + max(m["trainable"], m["activations"])
+        eval_tokens = int(
+            max(micro_batch * seq, min(1_000_000, left // (2 * spec.hidden * compute_bytes + 1)))
         )
-    store_dtype, store, edges, activations, chunk, m = best
-    streamed_bytes = sum(spec.block_params) * DTYPE_BYTES[store_dtype]
-    reloaded = sum(spec.block_params[lowest:]) * DTYPE_BYTES[store_dtype]
-    bandwidth = (hw.get("h2d_mb_s") if on_gpu else hw.get("disk_read_mb_s")) or 1000.0
-    # Host memory is read at memory speed; only a disk store (or a GPU's host link) costs transfer time.
-    io_s = 0.0 if store == "cpu" and not on_gpu else (streamed_bytes + reloaded) / MB / bandwidth
+    # generation holds each sequence's KV cache (prompt and 64 new tokens) and its hidden state
+    per_sequence = (n * 2 * spec.kv_dim + 2 * spec.hidden) * compute_bytes * (seq + 64) + spec.vocab * 4
+    left = budget - peak(m) + max(m["trainable"], m["activations"])
+    generate_batch = int(max(1, min(256, left // per_sequence)))
+    # Generation (task=infer, exact match) reads the whole store once per token and computes little: one
+    # block at a time, and every byte the training's activations, adapters and larger chunks held goes
+    # to cached blocks instead, keeping room for `generate_batch` sequences.
+    g = memory(store_dtype, store, edges, activations, 1, 0)
+    room = budget - (g["weights"] - lora * 4) - 0.05 * g["weights"] - generate_batch * per_sequence
+    generate_cache = (
+        int(min(n, max(0.0, room) // g["cached_block"])) if store == "disk" and not on_gpu else cache
+    )
     streaming = {
         "chunk_size": chunk,
         "store": store,
         "store_dtype": store_dtype,
         "edges": edges,
         "activations": activations,
+        "cache_blocks": cache,
+        "eval_tokens": int(eval_tokens),
+        "generate_batch": generate_batch,
+        "generate_cache_blocks": generate_cache,
+        "compute_dtype": cdtype,
         "micro_batches_per_chunk": accumulate,
-        "predicted_io_s": round(io_s, 3),
-        "predicted_compute_s": round(
-            compute_s(spec, hw, "sparse_lora", seq, batch_size, micro_batch, sparse_layers), 3
-        ),
-    }
+        "threads": threads,
+        "predicted_io_s": round(t["io"], 3),
+        "predicted_compute_s": round(t["compute"], 3),
+        "predicted_decode_s": round(t["decode"], 3),
+        "predicted_disk_read_gb": round(t["disk_bytes"] / 2**30, 2),
+        "store_gb": round(sum(_block_bytes(spec, store_dtype)) / 2**30, 2),
+        "predicted_step_s": round(t["step"], 3),
+        "refused": refusal,
+        "alternatives": _alternatives(found, best),
+    }  # fmt: skip
     est = Estimate("sparse_lora", False, micro_batch, m["weights"] / MB, m["trainable"] / MB, m["optimizer"] / MB, m["activations"] / MB,
                    m["workspace"] / MB, ctx, note=f"streams {chunk} block(s) at a time, frozen weights stored as {store_dtype}",
                    streaming=streaming, accumulates=batch_size > micro_batch)  # fmt: skip
-    est.fits = est.peak_mb <= budget_mb(hw)
+    est.fits = fits(est, hw)
     return est
-
-
-# Framework time per block per micro-batch (Python, dispatch, kernel launches) for forward plus
-# backward in full training, and what LoRA's adapter wrappers and streaming's forward-then-
-# recompute multiply it by; and the share of the measured matmul rate a training step reaches.
-# Calibrated with task=bench on a 2-core Xeon (phi4_tiny, llama_tiny, llama_small); assumptions
-# elsewhere, which every task=bench checks (bench/step_time_error).
-BLOCK_OVERHEAD_S = {"cpu": 5e-3, "cuda": 0.5e-3, "mps": 2e-3}
-STRATEGY_OVERHEAD = {"full": 1.0, "lora": 1.8, "qlora": 2.0, "sparse_lora": 3.0}
-MATMUL_EFFICIENCY = 0.7
-
-
-def compute_s(spec: ModelSpec, hw: dict[str, Any], strategy: str, seq: int, batch_size: int, micro_batch: int,
-              trainable_layers: list[int]) -> float:  # fmt: skip
-    """Predicted compute time of one optimizer step: matmul FLOPs at the measured matmul rate, plus overhead.
-
-    Forward: 2 FLOPs per weight per token, plus attention's 4 x seq x hidden per token and layer.
-    Backward: full training computes input and weight gradients (2x forward); LoRA needs input
-    gradients from the lowest trainable block up (1x those blocks' forward); streaming recomputes
-    those blocks' forward as well."""
-    rate = (hw.get("matmul_tflops") or 0.1) * 1e12 * MATMUL_EFFICIENCY
-    tokens = batch_size * seq
-    per_block = [2 * p + 4 * seq * spec.hidden for p in spec.block_params]
-    head = 2 * spec.suffix_params
-    lowest = min(trainable_layers) if trainable_layers else 0
-    upper = sum(per_block[lowest:]) + head
-    forward = sum(per_block) + head
-    if strategy == "full":
-        flops = 3 * forward
-    elif strategy == "sparse_lora":
-        flops = forward + 2 * upper
-    else:
-        flops = forward + upper
-    micro_batches = -(-batch_size // max(micro_batch, 1))
-    overhead = (
-        BLOCK_OVERHEAD_S.get(hw["accelerator"], 1e-3)
-        * STRATEGY_OVERHEAD.get(strategy, 1.0)
-        * spec.n_blocks
-        * micro_batches
-    )
-    return flops * tokens / rate + overhead
 
 
 def chunk_sizes(n: int) -> list[int]:
@@ -461,8 +666,6 @@ def make_plan(
     requested = strategy_cfg["name"]
     seq = int(data_cfg["max_length"])
     batch_size = int(data_cfg["batch_size"])
-    precision = strategy_cfg["precision"]
-    precision = choose_precision(hw) if precision in (None, "auto") else precision
     layers = strategy_cfg.get("layers")
     n = spec.n_blocks
     # the sparse_lora candidate of another strategy: first and last four blocks, as many as exist
@@ -477,25 +680,30 @@ def make_plan(
         raise UserError(f"data.batch_size={batch_size}: give a whole number of samples, 1 or more.")
     # auto: off unless task=tune found it faster
     checkpointing = strategy_cfg.get("gradient_checkpointing") is True
+    threads, share = threads_for(hw)
+    fixed = strategy_cfg.get("streaming") or {}
+    folder = _store_folder(cfg)
+    present = (
+        {sd: _store_present_bytes(cfg, sd) for sd in PRECISE_FIRST}
+        if hw.get("disk_free_mb") is not None
+        else {}
+    )
+    precisions = {
+        name: _precision(strategy_cfg["precision"], name, spec, hw, seq, batch_size, sparse_layers)
+        for name in CANDIDATES
+    }
 
     def best_estimate(name: str) -> Estimate:
-        """Largest micro-batch that fits; for streaming, the most precise store dtype first."""
+        """Largest micro-batch that fits (streaming then picks its own fastest settings)."""
         sizes = [int(fixed_mb)] if fixed_mb not in (None, "auto") else micro_batch_sizes(batch_size)
         layers = sparse_layers if name == "sparse_lora" else list(range(n))
+        store = fixed["store_dtype"] if fixed.get("store_dtype") not in (None, "auto") else None
         last = None
-        fixed = strategy_cfg.get("streaming") or {}
-        dtypes = (
-            [fixed["store_dtype"]]
-            if fixed.get("store_dtype") not in (None, "auto")
-            else store_dtypes(hw, precision)
-        )
-        for store in dtypes if name == "sparse_lora" else [None]:
-            for mb in sizes:
-                last = estimate(
-                    name, spec, hw, seq, mb, precision, layers, batch_size, store, fixed, checkpointing
-                )
-                if last.fits:
-                    return last
+        for mb in sizes:
+            last = estimate(name, spec, hw, seq, mb, precisions[name], layers, batch_size, store, fixed, checkpointing,
+                            present=present, where=str(folder))  # fmt: skip
+            if last.fits:
+                return last
         return last
 
     estimates = {name: best_estimate(name) for name in CANDIDATES}
@@ -515,36 +723,49 @@ def make_plan(
         for s in AUTO_ORDER:
             e = estimates[s]
             reasons.append(
-                f"{s}: {'fits' if e.fits else 'does not fit'} ({e.peak_mb:,.0f} MB{'; ' + e.note if e.note else ''})"
+                f"{s}: {'fits' if e.fits else 'does not fit'} ({e.peak_mb + e.context_mb:,.0f} MB{'; ' + e.note if e.note else ''})"
             )
             if s == chosen:
                 break
     est = estimates[chosen]
+    precision = precisions.get(chosen, precisions["full"])
+    if chosen == "sparse_lora" and est.streaming.get("refused"):
+        raise UserError(est.streaming["refused"])
     if chosen == "sparse_lora" and not est.fits:
         need = est.peak_mb + est.context_mb
+        smallest = need if hw.get("budget_mb") else need / HEADROOM
         raise UserError(
-            f"hardware {hw.get('name')}: a budget of {budget_mb(hw) + est.context_mb:,.0f} MB cannot hold one streamed block plus "
-            f"activations for {spec.name} at data.max_length={seq}; the smallest budget that works is about {need / HEADROOM:,.0f} MB "
+            f"hardware {hw.get('name')}: a budget of {budget_mb(hw):,.0f} MB cannot hold one streamed block plus activations "
+            f"for {spec.name} at data.max_length={seq}; the smallest budget that works is about {smallest:,.0f} MB "
             "(or shorten data.max_length)."
         )
     if not est.fits:
         reasons.append(
-            f"WARNING: predicted {est.peak_mb:,.0f} MB exceeds the {budget_mb(hw):,.0f} MB budget; expect out-of-memory"
+            f"WARNING: predicted {est.peak_mb + est.context_mb:,.0f} MB exceeds the {budget_mb(hw):,.0f} MB budget; expect out-of-memory"
         )
+    if precision != choose_precision(hw) and strategy_cfg["precision"] in (None, "auto"):
+        rows = est.micro_batch * seq
+        reasons.append(
+            f"precision {precision}: this CPU's bf16 matmuls make the step faster ({matmul_rate(hw, 'bfloat16', rows, threads) / 1e9:,.0f} "
+            f"GFLOP/s at {rows} rows, measured, against float32's {matmul_rate(hw, 'float32', rows, threads) / 1e9:,.0f}): "
+            "frozen weights in bf16, adapters in fp32"
+        )
+    if hw["accelerator"] == "cpu" and (hw.get("cpu_busy_cores") or 0) >= 0.25:
+        reasons.append(
+            f"cores busy: other processes use {hw['cpu_busy_cores']:.1f} of {hw.get('cpu_cores')} cores; torch runs "
+            f"{threads} thread(s){'' if share >= 1 else f', each getting about {share:.0%} of a core'}, and the step time counts that"
+        )
+    elif hw.get("thread_limit") and threads < (hw.get("cpu_cores") or 1):
+        reasons.append(f"torch runs {threads} thread(s): OMP_NUM_THREADS={hw['thread_limit']}")
     micro_batch = est.micro_batch  # need not divide batch_size: the last micro-batch is smaller
     if chosen == "sparse_lora":
         s = est.streaming
-        overlap = bool((strategy_cfg["streaming"] or {"prefetch": True})["prefetch"])
-        step_s = (
-            max(s["predicted_io_s"], s["predicted_compute_s"])
-            if overlap
-            else s["predicted_io_s"] + s["predicted_compute_s"]
-        )
+        step_s = s["predicted_step_s"]
+        reasons.append(_streaming_reason(s))
     else:
         trainable = list(range(n)) if chosen != "full" else [0]
-        step_s = compute_s(
-            spec, hw, chosen if chosen in CANDIDATES else "full", seq, batch_size, micro_batch, trainable
-        )
+        step_s = compute_s(spec, hw, chosen if chosen in CANDIDATES else "full", seq, batch_size, micro_batch, trainable,
+                           dtype=compute_dtype_name(hw, precision))  # fmt: skip
     plan = {
         "strategy": chosen,
         "requested": requested,
@@ -562,6 +783,7 @@ def make_plan(
         "gradient_checkpointing": checkpointing,
         "settings_source": "plan",
         "streaming": est.streaming or None,
+        "threads": threads if hw["accelerator"] == "cpu" else None,
         "hardware": hardware_summary(hw),
         "model": {
             "name": spec.name,
@@ -581,10 +803,61 @@ def make_plan(
     return _with_tuned(plan, cfg, hw, spec) if use_tuned else plan
 
 
+def _precision(asked: str, name: str, spec: ModelSpec, hw: dict[str, Any], seq: int, batch_size: int,
+               sparse_layers: list[int]) -> str:  # fmt: skip
+    """The precision a candidate runs in: as asked, or by the machine. A CPU whose profile measured
+    bf16 matmuls streams in bf16-mixed when matmuls are most of the step and bf16 makes it at least
+    1.5x faster: the
+    store then holds bf16 (half the bytes of fp32) and the matmuls run on the CPU's bf16 units, the
+    adapters in fp32. Resident strategies keep fp32, whose memory the planner's model was measured on."""
+    if asked not in (None, "auto"):
+        return asked
+    measured = all("bfloat16" in table for table in (hw.get("matmul_gflops") or {"": {}}).values())
+    if hw["accelerator"] != "cpu" or name != "sparse_lora" or not measured:
+        return choose_precision(hw)
+    matmul32, other32 = compute_s(
+        spec, hw, name, seq, batch_size, batch_size, sparse_layers, "float32", parts=True
+    )
+    matmul16, other16 = compute_s(
+        spec, hw, name, seq, batch_size, batch_size, sparse_layers, "bfloat16", parts=True
+    )
+    # only where the matmuls are most of the step: a small model's step is framework time, which autocast adds to
+    dominated = matmul32 >= 0.7 * (matmul32 + other32)
+    return "bf16-mixed" if dominated and matmul16 + other16 < 0.67 * (matmul32 + other32) else "32-true"
+
+
+def _streaming_reason(s: dict[str, Any]) -> str:
+    """Why these streaming settings: their predicted step against the next fastest."""
+    place = (
+        "in host memory"
+        if s["store"] == "cpu"
+        else f"on disk, {s['cache_blocks']} block(s) cached in host memory"
+    )
+    line = (f"streaming: {s['store_dtype']} store {place}, chunk {s['chunk_size']}, edges {s['edges']}: predicted "
+            f"{s['predicted_step_s']:.2f} s/step (I/O {s['predicted_io_s']:.2f} s for {s['predicted_disk_read_gb']:.1f} GB read, "
+            f"compute {s['predicted_compute_s']:.2f} s in {s['compute_dtype']}"
+            + (f", decode {s['predicted_decode_s']:.2f} s" if s["predicted_decode_s"] else "") + "), the fastest that fits")  # fmt: skip
+    others = [
+        a for a in s["alternatives"] if (a["store_dtype"], a["store"]) != (s["store_dtype"], s["store"])
+    ]
+    if others:
+        a = others[0]
+        line += f"; next: {a['store_dtype']} {a['store']} store at {a['predicted_step_s']:.2f} s/step"
+    return line
+
+
+def _store_folder(cfg: dict[str, Any]):
+    from pathlib import Path
+
+    from onn.models.load import model_fingerprint
+
+    return Path(cfg["paths"]["cache"]) / "stores" / model_fingerprint(cfg["model"])
+
+
 def hardware_summary(hw: dict[str, Any]) -> dict[str, Any]:
     """The machine as a plan records it."""
-    keys = ("name", "accelerator", "device_name", "device_memory_mb", "host_memory_mb", "matmul_tflops",
-            "disk_read_mb_s", "h2d_mb_s", "source")  # fmt: skip
+    keys = ("name", "accelerator", "device_name", "device_memory_mb", "host_memory_mb", "cpu_cores", "cpu_busy_cores",
+            "matmul_tflops", "disk_read_mb_s", "disk_free_mb", "memory_gb_s", "h2d_mb_s", "source")  # fmt: skip
     return {k: hw.get(k) for k in keys}
 
 
@@ -680,9 +953,16 @@ def render(plan: dict[str, Any]) -> str:
     )
     if plan.get("streaming"):
         s = plan["streaming"]
-        lines.append(f"streaming: chunk_size {s['chunk_size']}, store {s['store']} as {s['store_dtype']}, edges {s['edges']}, "
-                     f"kept activations on the {s['activations']}, "
-                     f"predicted step {s['predicted_io_s']}s I/O vs {s['predicted_compute_s']}s compute (predictions)")  # fmt: skip
+        place = (
+            "host memory"
+            if s["store"] == "cpu"
+            else f"disk, {s['cache_blocks']} of {plan['model']['blocks']} blocks cached in RAM"
+        )
+        lines.append(f"streaming: chunk_size {s['chunk_size']}, store {s['store_dtype']} in {place} ({s['store_gb']:,.1f} GB), "
+                     f"edges {s['edges']}, compute in {s['compute_dtype']}; per step {s['predicted_disk_read_gb']:,.1f} GB read "
+                     f"({s['predicted_io_s']}s I/O) vs {s['predicted_compute_s']}s compute (predictions)")  # fmt: skip
+    if plan.get("threads"):
+        lines.append(f"threads: {plan['threads']} of {plan['hardware'].get('cpu_cores')} cores")
     lines += [f"  - {r}" for r in plan["reasons"]]
     lines.append(f"layer map: {plan['model']['layer_map']}")
     return "\n".join(lines)

@@ -29,8 +29,9 @@ from torch import nn
 
 from onn.errors import UserError
 from onn.hardware.memory import return_large_frees_to_os
+from onn.hardware.profile import CoreWatch
 from onn.models.layers import LayerMap
-from onn.streaming.store import LayerStore, stored_name
+from onn.streaming.store import LayerStore, buffer, stored_name
 
 
 class _BlocksReached(Exception):
@@ -67,18 +68,38 @@ class BlockInputs:
 @dataclass
 class StepTimes:
     io_s: float = 0.0  # time the compute waited for weights (not hidden by prefetch)
-    load_s: float = 0.0  # time spent loading weights, wherever it ran
+    load_s: float = 0.0  # time spent loading weights (reading and decoding), wherever it ran
+    read_s: float = 0.0  # of which reading the disk
+    read_bytes: int = 0  # bytes read from the disk
     compute_s: float = 0.0
     loads: int = 0
     history: list[int] = field(default_factory=list)  # chunk indices in load order
 
 
+class _Slot:
+    """Reused memory for one chunk in flight: per block position, the buffer its file is read into and
+    the tensors it decodes into (when the stored dtype is not the compute dtype)."""
+
+    def __init__(self):
+        self.raw: dict[int, torch.Tensor] = {}
+        self.decoded: dict[int, dict[str, torch.Tensor]] = {}
+
+
+SLOTS = 2  # chunks in flight: the one computing and the one loading behind it
+
+
 class StreamingEngine:
-    """Runs a LayerMap'd model with its blocks' frozen weights coming from a LayerStore."""
+    """Runs a LayerMap'd model with its blocks' frozen weights coming from a LayerStore.
+
+    Weights move through two slots of reused memory: the loader thread reads the next chunk that
+    needs the disk into the free slot while the compute thread works on the other (a store in the
+    compute dtype on a CPU computes straight from the read buffer: no copy). `cache_blocks` blocks of a
+    disk store stay in host memory after their first read and are never read again."""
 
     def __init__(self, model: nn.Module, layer_map: LayerMap, store: LayerStore, chunk_size: int, device: torch.device | str = "cpu",
                  prefetch: bool = True, activations: str = "device", compute_dtype: torch.dtype | None = None,
-                 micro_batch: int | None = None, forward_group: int | None = None, stream_edges: bool = False):  # fmt: skip
+                 micro_batch: int | None = None, forward_group: int | None = None, stream_edges: bool = False,
+                 cache_blocks: int = 0, eval_tokens: int | None = None):  # fmt: skip
         n = len(layer_map)
         if not 1 <= chunk_size <= n:
             raise UserError(
@@ -87,6 +108,7 @@ class StreamingEngine:
         self.model, self.map, self.store = model, layer_map, store
         self.device = torch.device(device)
         self.prefetch, self.activations, self.micro_batch = prefetch, activations, micro_batch
+        self.eval_tokens = eval_tokens  # tokens a validation pass may hold (None: the whole set)
         # A no-grad pass of g micro-batches through one block holds about what the recompute of one
         # micro-batch through a chunk holds, so fusing up to chunk_size of them costs no extra peak.
         self.forward_group = forward_group or chunk_size
@@ -112,11 +134,33 @@ class StreamingEngine:
             if stream_edges
             else []
         )
+        # The first blocks of a disk store, held in host memory once read (as many as the plan's budget allows).
+        self.cache_blocks = set(range(min(int(cache_blocks), n))) if store.kind == "disk" else set()
+        # int8 stores: each frozen linear computes with the cast codes and scales its output by the row
+        # scales of the weight installed in it (see _scaled_output), so decoding is a single cast
+        self._linears = [
+            {stored_name(f"{name}.weight"): m for name, m in block.named_modules()
+             if isinstance(m, nn.Linear) and not m.weight.requires_grad}
+            for block in layer_map.blocks
+        ]  # fmt: skip
+        if store.dtype == "int8":
+            for linears in self._linears:
+                for module in linears.values():
+                    module._onn_scale = None
+                    module.register_forward_hook(_scaled_output)
         self.times = StepTimes()
+        self._cached: dict[int, dict[str, torch.Tensor]] = {}
+        self._slots = [_Slot() for _ in range(SLOTS)]
+        self._free = list(range(SLOTS))
         self._resident: int | None = None
-        self._pending: dict[int, Future] = {}
+        self._resident_slot: int | None = None
+        self._pending: dict[int, tuple[Future, int | None]] = {}
         self._pool: ThreadPoolExecutor | None = None  # started on first use, again after close()
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+        self._edge_buffer: torch.Tensor | None = None
+        self.cores: CoreWatch | None = (
+            None  # set for CPU runs: torch's threads follow the free cores, chunk by chunk
+        )
         self._as_tuple = False
         self._pending_backward = None
         return_large_frees_to_os()
@@ -157,7 +201,10 @@ class StreamingEngine:
             return
         self.release()
         start = time.perf_counter()
-        self._set_edges(self.store.decode(self.store.read("edges"), self.device, self.compute_dtype))
+        if self.store.kind == "disk" and self._edge_buffer is None:
+            self._edge_buffer = buffer(self.store.file_bytes("edges"), pin=self.store.pin)
+        stored = self._read("edges", self._edge_buffer)
+        self._set_edges(self.store.decode(stored, self.device, self.compute_dtype))
         self.times.load_s += time.perf_counter() - start
         self.times.io_s += time.perf_counter() - start
         try:
@@ -169,63 +216,140 @@ class StreamingEngine:
         params = dict(self.map.blocks[i].named_parameters())
         for name in self.frozen[i]:
             params[name].data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+        for module in self._linears[i].values():
+            module._onn_scale = None
 
-    def _read_chunk(self, c: int) -> dict[int, dict[str, torch.Tensor]]:
-        """Read a chunk from the store onto the device (runs in the prefetch thread)."""
+    @property
+    def _zero_copy(self) -> bool:
+        """Stored tensors are the compute tensors: a CPU computing in the store's (float) dtype."""
+        return self.device.type == "cpu" and self.store.dtype == str(self.compute_dtype).removeprefix(
+            "torch."
+        )
+
+    def _needs_slot(self, c: int) -> bool:
+        """Whether loading chunk c takes a slot's memory: to read into, or to decode into."""
+        if self.device.type == "cpu" and not self._zero_copy:
+            return True
+        return self.store.kind == "disk" and any(i not in self.cache_blocks for i in self.chunks[c])
+
+    def _ready(self, c: int) -> bool:
+        """Chunk c can be installed without reading or decoding anything."""
+        if not self._zero_copy:
+            return False
+        return self.store.kind == "cpu" or all(i in self._cached for i in self.chunks[c])
+
+    def _read(self, index: int | str, into: torch.Tensor | None) -> dict[str, torch.Tensor]:
         start = time.perf_counter()
+        stored = self.store.read(index, into=into)
+        self.times.read_bytes += self.store.file_bytes(index) if self.store.kind == "disk" else 0
+        self.times.read_s += time.perf_counter() - start
+        return stored
+
+    def _stored(self, i: int, slot: _Slot | None, pos: int) -> dict[str, torch.Tensor]:
+        """Block i's stored tensors: from host memory (a cpu store, or a cached block), else read from
+        the disk into the slot's buffer for this position."""
+        if self.store.kind == "cpu":
+            return self.store.read(i)
+        if i in self._cached:
+            return self._cached[i]
+        if i in self.cache_blocks:
+            self._cached[i] = self._read(i, buffer(self.store.file_bytes(i), pin=self.store.pin))
+            return self._cached[i]
+        size = max(self.store.file_bytes(j) for j in range(len(self.map)))
+        if pos not in slot.raw:
+            slot.raw[pos] = buffer(size, pin=self.store.pin)
+        return self._read(i, slot.raw[pos])
+
+    def _load_chunk(
+        self, c: int, slot_index: int | None
+    ) -> dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+        """Read (and decode) chunk c's weights for the device: per block, its tensors and the row scales of
+        its int8 weights. Runs in a loader thread."""
+        start = time.perf_counter()
+        slot = self._slots[slot_index] if slot_index is not None else None
         out = {}
-        for i in self.chunks[c]:
-            tensors = self.store.read(i)
+        for pos, i in enumerate(self.chunks[c]):
+            stored = self._stored(i, slot, pos)
+            scales = {} if self.store.dtype == "int8" else None
             if self._copy_stream is not None:
                 with torch.cuda.stream(self._copy_stream):
-                    out[i] = self.store.decode(tensors, self.device, self.compute_dtype, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._copy_stream)
-                out[i]["__event__"] = event
+                    tensors = self.store.decode(
+                        stored, self.device, self.compute_dtype, non_blocking=True, scales=scales
+                    )
+                # the slot's host buffer is read again only after this chunk is released: the copy must be done by then
+                self._copy_stream.synchronize()
             else:
-                out[i] = self.store.decode(tensors, self.device, self.compute_dtype)
+                targets = slot.decoded.get(pos) if slot is not None else None
+                tensors = self.store.decode(
+                    stored, self.device, self.compute_dtype, out=targets, scales=scales
+                )
+                if slot is not None and not self._zero_copy:
+                    slot.decoded[pos] = tensors
+            out[i] = (tensors, scales or {})
         self.times.load_s += time.perf_counter() - start
         return out
 
-    def _schedule(self, c: int | None) -> None:
-        if (
-            c is None
-            or not self.prefetch
-            or c in self._pending
-            or c == self._resident
-            or not 0 <= c < len(self.chunks)
-        ):
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onn-prefetch")
-        self._pending[c] = self._pool.submit(self._read_chunk, c)
+    def _take_slot(self) -> int:
+        if not self._free:  # loads ahead of a pass that ended early hold every slot: let them finish
+            self._drain(raise_errors=False)
+        return self._free.pop(0)
 
-    def _install(self, c: int, next_c: int | None = None) -> None:
-        """Make chunk c resident (reusing it if it already is) and start loading next_c behind it."""
+    def _schedule(self, c: int) -> None:
+        slot = self._take_slot() if self._needs_slot(c) else None
+        if self._pool is None:
+            # one loader per slot: one chunk's decode overlaps the next one's read
+            self._pool = ThreadPoolExecutor(max_workers=SLOTS, thread_name_prefix="onn-prefetch")
+        self._pending[c] = (self._pool.submit(self._load_chunk, c, slot), slot)
+
+    def _prefetch(self, upcoming) -> None:
+        """Start loading the next chunks of `upcoming` (in the order they will be needed) that need the
+        disk or a decode, as many as there are free slots; chunks ready in memory are passed over."""
+        if not self.prefetch:
+            return
+        for c in upcoming:
+            if len(self._pending) >= SLOTS:
+                return
+            if c == self._resident or c in self._pending or self._ready(c):
+                continue
+            if self._needs_slot(c) and not self._free:
+                return  # in order: never read a later chunk before an earlier one
+            self._schedule(c)
+
+    def _install(self, c: int, upcoming=()) -> None:
+        """Make chunk c resident (reusing it if it already is) and start loading what comes after it."""
+        if self.cores is not None:
+            self.cores.look()
         if self._resident != c:
-            if self._resident is not None:
-                self.release()
+            self.release()
             start = time.perf_counter()
-            future = self._pending.pop(c, None)
-            chunk = future.result() if future is not None else self._read_chunk(c)
+            entry = self._pending.pop(c, None)
+            if entry is not None:
+                chunk, slot = entry[0].result(), entry[1]
+            else:
+                slot = self._take_slot() if self._needs_slot(c) else None
+                chunk = self._load_chunk(c, slot)
             self.times.io_s += time.perf_counter() - start
-            for i, tensors in chunk.items():
-                event = tensors.pop("__event__", None)
-                if event is not None:
-                    torch.cuda.current_stream().wait_event(event)
+            for i, (tensors, scales) in chunk.items():
                 params = {stored_name(n): p for n, p in self.map.blocks[i].named_parameters()}
                 for name, t in tensors.items():
+                    if self._copy_stream is not None:  # made on the copy stream, used on this one
+                        t.record_stream(torch.cuda.current_stream())
                     params[name].data = t
-            self._resident = c
+                for name, scale in scales.items():
+                    self._linears[i][name]._onn_scale = scale
+            self._resident, self._resident_slot = c, slot
             self.times.loads += 1
             self.times.history.append(c)
-        self._schedule(next_c)
+        self._prefetch(upcoming)
 
     def release(self) -> None:
+        """Give the resident chunk's weights (and its slot) back."""
         if self._resident is not None:
             for i in self.chunks[self._resident]:
                 self._release_block(i)
-            self._resident = None
+            if self._resident_slot is not None:
+                self._free.append(self._resident_slot)
+            self._resident, self._resident_slot = None, None
 
     # -- around the blocks ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -287,21 +411,22 @@ class StreamingEngine:
                 groups.append([m])
         return groups
 
-    def _forward(
-        self, micro_batches: list[dict[str, Any]], keep_from: int | None
-    ) -> tuple[list[BlockInputs] | None, list, list]:
-        """Chunk-outer forward without grad, micro-batches fused into groups. Returns each micro-batch's
-        block inputs (for the backward's recompute; None when nothing is kept), the kept chunk inputs
-        per micro-batch, and the final hidden state per micro-batch."""
-        groups = self._groups(micro_batches)
+    def _forward(self, micro_batches: list[dict[str, Any]], keep_from: int | None, then=(),
+                 fuse: bool = True) -> tuple[list[BlockInputs] | None, list, list]:  # fmt: skip
+        """Chunk-outer forward without grad, micro-batches fused into groups (`fuse`). Returns each
+        micro-batch's block inputs (for the backward's recompute; None when nothing is kept), the kept
+        chunk inputs per micro-batch, and the final hidden state per micro-batch. `then`: the chunks
+        needed after this pass, in order, which the loader may start on during the last chunk."""
+        groups = self._groups(micro_batches) if fuse else [[m] for m in range(len(micro_batches))]
+        n = len(self.chunks)
         with torch.no_grad():
             with self._edges_loaded():
                 fused = [self.prefix(_concat([micro_batches[m] for m in g])) for g in groups]
                 inputs = [self.prefix(mb) for mb in micro_batches] if keep_from is not None else None
             hidden = [x.hidden for x in fused]
-            kept: list[list[torch.Tensor] | None] = [None] * len(self.chunks)
-            for c in range(len(self.chunks)):
-                self._install(c, c + 1 if c + 1 < len(self.chunks) else None)
+            kept: list[list[torch.Tensor] | None] = [None] * n
+            for c in range(n):
+                self._install(c, [*range(c + 1, n), *then])
                 start = time.perf_counter()
                 if keep_from is not None and c >= keep_from:
                     kept[c] = [
@@ -331,16 +456,19 @@ class StreamingEngine:
         self.backward_chunks()
         return loss
 
+    def _backward_order(self) -> list[int]:
+        """The chunks the backward loads, in order: the last one is still resident unless edges stream."""
+        last = len(self.chunks) - 1
+        return list(range(last if self.edges else last - 1, self.lowest_chunk - 1, -1))
+
     def forward_train(self, micro_batches: list[dict[str, Any]], loss_scale: float = 1.0) -> torch.Tensor:
         """The forward half of a step: chunk-outer forward keeping chunk inputs, then each micro-batch's
         loss backpropagated to its last hidden state (the engine's own tensors, so an optimizer's
         zero_grad in between changes nothing). `loss_scale` is fp16's loss scale."""
-        last = len(self.chunks) - 1
-        inputs, kept, hidden = self._forward(micro_batches, keep_from=self.lowest_chunk)
-        # The backward's first chunk to load: the last one is still resident unless edges stream.
-        first_back = last if self.edges else last - 1
-        if not self.edges:
-            self._schedule(first_back if first_back >= self.lowest_chunk else None)
+        # the loader reads the backward's first chunks while the forward's last one computes
+        inputs, kept, hidden = self._forward(
+            micro_batches, keep_from=self.lowest_chunk, then=[] if self.edges else self._backward_order()
+        )
         grads, losses = [], []
         # Each micro-batch's mean loss weighs by its share of the macro-batch's target tokens, so the
         # gradient is the whole macro-batch's, whatever the micro-batch size.
@@ -358,17 +486,22 @@ class StreamingEngine:
                 losses.append(loss.detach() * w)
             self.times.compute_s += time.perf_counter() - start
         if self.edges:
-            self._schedule(first_back if first_back >= self.lowest_chunk else None)
+            self._prefetch(self._backward_order())
         self._pending_backward = (inputs, kept, grads)
         return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
 
     def backward_chunks(self) -> None:
-        """The backward half: chunks in reverse down to the lowest trainable one, recomputing each."""
+        """The backward half: chunks in reverse down to the lowest trainable one, recomputing each.
+        The lowest stays resident and the loader starts on the next forward's first chunks: the next
+        step, a validation or a generation all begin there."""
         inputs, kept, grads = self._pending_backward
         self._pending_backward = None
         last = len(self.chunks) - 1
         for c in range(last, self.lowest_chunk - 1, -1):
-            self._install(c, c - 1 if c - 1 >= self.lowest_chunk else None)
+            upcoming = (
+                range(c - 1, self.lowest_chunk - 1, -1) if c > self.lowest_chunk else range(len(self.chunks))
+            )
+            self._install(c, upcoming)
             start = time.perf_counter()
             for m in range(len(grads)):
                 x = (
@@ -383,15 +516,48 @@ class StreamingEngine:
                 grads[m] = x.grad
             kept[c] = None
             self.times.compute_s += time.perf_counter() - start
-        self.release()
 
     def loss(self, micro_batches: list[dict[str, Any]]) -> list[torch.Tensor]:
-        """Streamed forward only: each micro-batch's loss (for validation)."""
-        inputs, _, hidden = self._forward(micro_batches, keep_from=None)
+        """Streamed forward only: each micro-batch's loss."""
+        inputs, _, hidden = self._forward(micro_batches, keep_from=None, then=range(len(self.chunks)))
         with torch.no_grad(), self._edges_loaded():
             losses = [self.suffix(h, mb).loss for h, mb in zip(hidden, micro_batches)]
-        self.release()
         return losses
+
+    def evaluate(self, batches: list[dict[str, torch.Tensor]], pass_tokens: int | None = None, group_tokens: int | None = None,
+                 suffix_rows: int | None = None) -> tuple[float, int]:  # fmt: skip
+        """Loss over a whole held-out set, chunk-outer: every chunk is loaded once per pass, and a pass
+        holds as many samples as `pass_tokens` allows (all of them, for a validation set that fits).
+
+        Samples are taken out of their batches, sorted by length and re-batched into groups of at most
+        `group_tokens` tokens (one matmul each, per block); the loss runs `suffix_rows` rows at a time
+        (the logits are the large tensor there). Returns (sum of loss x target tokens, target tokens):
+        the token-weighted mean is the same as the resident model's over the same batches."""
+        rows = [row for batch in batches for row in _rows(batch)]
+        rows.sort(key=lambda r: -r["input_ids"].shape[0])
+        longest = rows[0]["input_ids"].shape[0] if rows else 1
+        suffix_rows = suffix_rows or self.micro_batch or 1
+        # one matmul per block per group: what the training forward fuses, never less than a micro-batch
+        group_tokens = group_tokens or self.forward_group * suffix_rows * longest
+        pass_tokens = max(
+            pass_tokens or self.eval_tokens or sum(r["input_ids"].shape[0] for r in rows), group_tokens
+        )
+        total, count = 0.0, 0
+        for rows_in_pass in _packed(rows, pass_tokens):
+            groups = [_pad(g) for g in _packed(rows_in_pass, group_tokens)]
+            groups = [{k: v.to(self.device) for k, v in g.items()} for g in groups]
+            _, _, hidden = self._forward(groups, keep_from=None, then=range(len(self.chunks)), fuse=False)
+            with torch.no_grad(), self._edges_loaded():
+                start = time.perf_counter()
+                for h, group in zip(hidden, groups):
+                    for s in range(0, h.shape[0], suffix_rows):
+                        piece = {k: v[s : s + suffix_rows] for k, v in group.items()}
+                        tokens = target_tokens(piece)
+                        if tokens:
+                            total += float(self.suffix(h[s : s + suffix_rows], piece).loss) * tokens
+                            count += tokens
+                self.times.compute_s += time.perf_counter() - start
+        return total, count
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
@@ -406,7 +572,8 @@ class StreamingEngine:
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.device)
         new_tokens = []
         step_ids = ids
-        for _ in range(max_new_tokens):
+        n = len(self.chunks)
+        for step in range(max_new_tokens):
             position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
             batch = {
                 "input_ids": step_ids,
@@ -418,14 +585,20 @@ class StreamingEngine:
             with self._edges_loaded():
                 block_inputs = self.prefix(batch)
             hidden = block_inputs.hidden
-            n = len(self.chunks)
+            last_step = step == max_new_tokens - 1
             for c in range(n):
                 # after the last chunk the first is next (next token), unless the edges come between
-                self._install(c, c + 1 if c + 1 < n else (None if self.edges else 0))
+                after = [] if (self.edges or last_step) else range(c)
+                self._install(c, [*range(c + 1, n), *after])
+                start = time.perf_counter()
                 hidden = self._run_chunk(c, hidden, block_inputs)
+                self.times.compute_s += time.perf_counter() - start
             with self._edges_loaded():
+                # only the last position's logits are needed; a contiguous [batch, 1, hidden] keeps the
+                # head a plain matmul (a strided slice sends torch's linear through bmm, which copies
+                # the head's weight once per sequence: 8 GB and a minute for Phi-4's at batch 8)
                 out = self.suffix(
-                    hidden,
+                    hidden[:, -1:, :].contiguous(),
                     {"input_ids": step_ids, "attention_mask": mask, "position_ids": position_ids},
                     logits_to_keep=1,
                     use_cache=False,
@@ -442,8 +615,6 @@ class StreamingEngine:
             mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
             if eos_token_id is not None and bool(done.all()):
                 break
-        self._drain()
-        self.release()
         return torch.stack(new_tokens, dim=1)
 
     def reset(self) -> None:
@@ -454,17 +625,20 @@ class StreamingEngine:
 
     def _drain(self, raise_errors: bool = True) -> None:
         try:
-            for future in self._pending.values():
+            for future, _ in self._pending.values():
                 if raise_errors:
                     future.result()
                 else:
                     future.exception()
         finally:
+            self._free += [slot for _, slot in self._pending.values() if slot is not None]
             self._pending.clear()
 
     def close(self) -> None:
-        """Wait for loads in flight and stop the loader thread; the next load starts it again."""
+        """Wait for loads in flight, give the resident chunk back and stop the loader thread; the next
+        load starts it again."""
         self._drain()
+        self.release()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
@@ -492,6 +666,54 @@ def _concat(micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         k: torch.cat([mb[k] for mb in micro_batches]) if torch.is_tensor(v) else v
         for k, v in micro_batches[0].items()
+    }
+
+
+def _scaled_output(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor | None:
+    """A frozen linear whose weight holds int8 codes cast to the compute dtype: x Qᵀ times the row scales
+    is x Wᵀ (the bias, if any, is added after the scaling)."""
+    scale = module._onn_scale
+    if scale is None:
+        return None
+    if module.bias is not None:
+        return (output - module.bias) * scale + module.bias
+    return output * scale
+
+
+def _rows(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """A batch's samples one by one, each cut to its attended length when it is right-padded."""
+    out = []
+    for r in range(batch["input_ids"].shape[0]):
+        row = {k: v[r] for k, v in batch.items()}
+        mask = row.get("attention_mask")
+        if mask is not None:
+            length = int(mask.sum())
+            if bool(mask[:length].all()):  # right padding: the rest is padding
+                row = {k: v[:length] for k, v in row.items()}
+        out.append(row)
+    return out
+
+
+def _packed(rows: list[dict[str, torch.Tensor]], max_tokens: int) -> list[list[dict[str, torch.Tensor]]]:
+    """Consecutive rows (longest first) in groups whose padded size, rows x longest, stays within max_tokens."""
+    groups: list[list[dict[str, torch.Tensor]]] = []
+    for row in rows:
+        if groups and (len(groups[-1]) + 1) * groups[-1][0]["input_ids"].shape[0] <= max_tokens:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
+def _pad(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Rows as one right-padded batch: padding is never attended to and never a target."""
+    width = max(r["input_ids"].shape[0] for r in rows)
+    fill = {"labels": -100, "attention_mask": 0}
+    return {
+        k: torch.stack(
+            [torch.nn.functional.pad(r[k], (0, width - r[k].shape[0]), value=fill.get(k, 0)) for r in rows]
+        )
+        for k in rows[0]
     }
 
 

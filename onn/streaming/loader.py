@@ -8,6 +8,7 @@ placeholders, which the streaming engine fills from the store.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from onn.models.load import (
     source_kind,
     tokenizer_from,
 )
-from onn.streaming.store import stored_name
+from onn.streaming.store import human_bytes, stored_bytes, stored_name
 
 
 def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple[Any, Any] | None:
@@ -48,11 +49,14 @@ def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple
     kind, source = source_kind(model_cfg.get("source")), model_cfg.get("source")
     remote = bool(model_cfg.get("trust_remote_code"))
     files: list[str] = []
-    tokenizer = None
+    tokenizer, gguf = None, None
     if kind == "random":
         config = architecture(model_cfg)
     elif kind == "safetensors":
         config, files = architecture(model_cfg), [expand(source)]
+    elif kind == "gguf" and converted_gguf(source, cache_dir) is None:
+        gguf = GGUFBlocks(expand(source))  # read tensor by tensor: a GGUF larger than RAM loads too
+        config, tokenizer = gguf.config, gguf.tokenizer()
     elif kind in ("folder", "hub", "gguf"):
         folder = (
             expand(source)
@@ -61,8 +65,6 @@ def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple
             if kind == "hub"
             else converted_gguf(source, cache_dir)
         )
-        if folder is None:
-            return None
         refuse_pickle_folder(folder)
         config = read_config(folder, remote)
         files = sorted(str(f) for f in Path(folder).glob("*.safetensors"))
@@ -78,8 +80,15 @@ def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple
     names = [n for n, _ in model.named_parameters()]
     if files and any(n not in where for n in names):
         return None  # checkpoint names differ from the model's (renamed or fused weights)
+    if gguf is not None:
+        gguf.map_names(model)
 
-    def materialise(module: torch.nn.Module, prefix: str, seed: int, recurse: bool = True) -> None:
+    def materialise(
+        module: torch.nn.Module, prefix: str, seed: int, recurse: bool = True, in_dtype: bool = False
+    ) -> None:
+        """Real weights for a module: read from the source's files, or initialised from `seed` (in float32
+        and cast, which is fast; `in_dtype`: straight in the weights dtype, which holds no float32 copy of
+        a large embedding)."""
         if files:  # each file opened once per module; assign=True replaces the meta parameters
             names = [n for n, _ in module.named_parameters(recurse=recurse)]
             state = {}
@@ -87,8 +96,14 @@ def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple
                 with safe_open(file, framework="pt") as f:
                     state.update({n: f.get_tensor(prefix + n) for n in names if where[prefix + n] == file})
             module.load_state_dict(state, strict=False, assign=True)
+        elif gguf is not None:
+            names = [n for n, _ in module.named_parameters(recurse=recurse) if gguf.has(prefix + n)]
+            module.load_state_dict({n: gguf.tensor(prefix + n) for n in names}, strict=False, assign=True)
         else:
             module.to_empty(device="cpu", recurse=recurse)
+            if in_dtype and dtype is not None:
+                for param in module.parameters(recurse=recurse):
+                    param.data = torch.empty_like(param.data, dtype=dtype)
             torch.manual_seed(seed)
             for sub in module.modules() if recurse else [module]:
                 model._init_weights(sub)
@@ -113,16 +128,118 @@ def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple
                         torch.empty(0, dtype=placeholder_dtype), requires_grad=False
                     )
 
-    for i in store.missing(shapes):  # one block in memory at a time
-        block = layer_map.blocks[i]
-        materialise(block, full[i] + ".", seed * 100_003 + i + 1)
-        store.write(i, {stored_name(n): p.data for n, p in block.named_parameters()})
-        empty(block)
+    missing = store.missing(shapes)  # the disk's room is checked here, before anything is written
+    with build_progress(store, missing, shapes):
+        for i in missing:  # one block in memory at a time
+            block = layer_map.blocks[i]
+            materialise(block, full[i] + ".", seed * 100_003 + i + 1)
+            store.write(i, {stored_name(n): p.data for n, p in block.named_parameters()})
+            empty(block)
     for block in layer_map.blocks:
         empty(block)
     for name, module in model.named_modules():  # the prefix and suffix: every module outside the blocks
         inside = any(name == b or name.startswith(b + ".") for b in full)
         if not inside and any(p.is_meta for p in module.parameters(recurse=False)):
-            materialise(module, f"{name}." if name else "", seed + zlib.crc32(name.encode()), recurse=False)
+            materialise(
+                module,
+                f"{name}." if name else "",
+                seed + zlib.crc32(name.encode()),
+                recurse=False,
+                in_dtype=True,
+            )
     model.tie_weights()
     return model, finish_tokenizer(model_cfg, tokenizer, remote)
+
+
+class GGUFBlocks:
+    """A GGUF file read one tensor at a time (memory-mapped, de-quantized to float32 on demand), with
+    transformers' own name mapping and tensor fix-ups (Llama's q/k permutation), so that a model
+    larger than RAM goes from a GGUF file into the layer store block by block."""
+
+    def __init__(self, path: str):
+        import os
+
+        from gguf import GGUFReader
+        from transformers import AutoConfig
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            load_gguf_checkpoint,
+            read_field,
+        )
+
+        from onn.errors import UserError
+        from onn.models.load import check_gguf
+
+        check_gguf(path)
+        self.path, folder = path, os.path.dirname(path) or "."
+        try:
+            self.config = AutoConfig.from_pretrained(
+                folder, gguf_file=os.path.basename(path), local_files_only=True
+            )
+            meta = load_gguf_checkpoint(path, return_tensors=False)[
+                "config"
+            ]  # the metadata: no tensor is read
+        except (ValueError, OSError, KeyError) as e:
+            raise UserError(f"model.source {path} could not be read as GGUF: {e}") from e
+        self.reader = GGUFReader(path)
+        arch = read_field(self.reader, "general.architecture")[0]
+        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=meta)
+        self.by_name = {t.name: t for t in self.reader.tensors}
+        self.to_hf: dict[str, str] = {}
+        self.from_hf: dict[str, str] = {}
+
+    def tokenizer(self):
+        import os
+
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(os.path.dirname(self.path) or ".", gguf_file=os.path.basename(self.path),
+                                             local_files_only=True)  # fmt: skip
+
+    def map_names(self, model) -> None:
+        from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+        self.to_hf = get_gguf_hf_weights_map(model, self.processor)
+        self.from_hf = {hf: gguf for gguf, hf in self.to_hf.items() if gguf in self.by_name}
+
+    def has(self, hf_name: str) -> bool:
+        return hf_name in self.from_hf
+
+    def tensor(self, hf_name: str):
+        """One weight as float32, as transformers' GGUF loader would have made it."""
+        import numpy as np
+        import torch
+        from gguf import dequantize
+
+        t = self.by_name[self.from_hf[hf_name]]
+        result = self.processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name, tensor_key_mapping=self.to_hf,
+                                        parsed_parameters={"tensors": {}, "config": {}})  # fmt: skip
+        return torch.from_numpy(np.copy(result.weights))
+
+
+@contextlib.contextmanager
+def build_progress(store, missing: list, shapes: dict):
+    """A progress bar while the store is written: blocks, GB written and the time left."""
+    if not missing or store.kind != "disk":
+        yield
+        return
+    from tqdm import tqdm
+
+    total = sum(stored_bytes(shapes[i], store.dtype) for i in missing)
+    written = 0
+    bar = tqdm(total=len(missing), unit="block", desc=f"layer store ({store.dtype}, {human_bytes(total)})",
+               bar_format="{desc}: {n_fmt}/{total_fmt} blocks{postfix} [{elapsed}<{remaining}]", postfix="0.0 GB")  # fmt: skip
+
+    def advance(index, size: int) -> None:
+        nonlocal written
+        written += size
+        bar.set_postfix_str(f"{written / 2**30:,.1f} of {total / 2**30:,.1f} GB", refresh=False)
+        bar.update(1)
+
+    store.progress = advance
+    try:
+        yield
+    finally:
+        store.progress = None
+        bar.close()

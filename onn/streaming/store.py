@@ -2,11 +2,21 @@
 
 `disk`: one safetensors file per block in a folder keyed by the model's fingerprint, each with a
 `.done` marker that records the file's size; a block whose file or marker is missing or whose
-size disagrees is rebuilt, never used. `cpu`: the same tensors held in host memory (pinned when
-a GPU will read them). Weights may be stored in a smaller dtype than they compute in: bf16/fp16,
-or int8 (blockwise, 256 per block) and nf4 (4-bit, 64 per block) through bitsandbytes, which
-de-quantizes on the compute device after the copy, so only the small form crosses the bus.
-Vectors and small tensors (norms, biases) stay float32 in the quantized stores.
+size disagrees is rebuilt, never used. A block file is written to a temporary name, synced,
+renamed, and only then marked, so a build killed at any moment leaves whole blocks (reused) and
+at most one unmarked file (rebuilt). `cpu`: the same tensors held in host memory (pinned when a
+GPU will read them).
+
+Reads from disk are whole files, straight into a buffer the caller reuses, with O_DIRECT where the
+file system allows it: the disk's DMA fills the buffer, the page cache is neither used nor filled
+(a store larger than RAM would only evict other processes' pages), and the stored tensors are views
+of the buffer. Where O_DIRECT is refused the file is read normally and dropped from the page cache.
+
+Weights may be stored in a smaller dtype than they compute in: bf16/fp16, int8 (ONN's: symmetric,
+one fp32 scale per row: `name` holds the codes, `name.scale` the scales) or nf4
+(bitsandbytes: `name`, `name.absmax`, `name.shape`), de-quantized on the compute device after the
+copy, so only the small form crosses the bus. Vectors and small tensors (norms, biases) stay float32
+in the quantized stores.
 """
 
 from __future__ import annotations
@@ -15,21 +25,39 @@ import json
 import math
 import os
 import shutil
+import struct
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from onn.dtypes import BYTES_PER_VALUE, QUANTIZED_BLOCK, torch_dtype
 from onn.errors import UserError
+from onn.hardware.disk import aligned, buffer, evict, read_file
+
+# what a build must leave free on the disk: other processes share it
+DISK_RESERVE_BYTES = 2 * 1024**3
+ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8,
+             "U8": torch.uint8, "I64": torch.int64, "I32": torch.int32}  # fmt: skip
+ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+
+
+@dataclass
+class Layout:
+    """Where each tensor of a block file lies, read from its safetensors header."""
+
+    file_bytes: int
+    tensors: dict[
+        str, tuple[torch.dtype, list[int], int, int]
+    ]  # name -> dtype, shape, start, end (file offsets)
 
 
 class LayerStore:
     """Frozen weights of each block, by block index and parameter name (relative to the block)."""
 
     def __init__(
-        self, kind: str, dtype: str, folder: Path | None = None, pin: bool = False, drop_cache: bool = False
+        self, kind: str, dtype: str, folder: Path | None = None, pin: bool = False, direct: bool = True
     ):
         if kind not in ("disk", "cpu"):
             raise UserError(f"strategy.streaming.store must be disk or cpu, not {kind!r}.")
@@ -37,14 +65,18 @@ class LayerStore:
             raise UserError(
                 f"strategy.streaming.store_dtype {dtype!r} is not one of {', '.join(BYTES_PER_VALUE)}."
             )
-        if dtype in QUANTIZED_BLOCK:
+        if dtype == "nf4":
             _bitsandbytes()  # fail now, with a clear message, not in the prefetch thread
         self.kind, self.dtype, self.folder, self.pin = kind, dtype, folder, pin
-        # drop_cache: evict each block file from the OS page cache after reading it, so every
-        # load comes from the disk, as it does for a model larger than RAM (and RAM stays free).
-        self.drop_cache = drop_cache
-        self._memory: dict[int, dict[str, torch.Tensor]] = {}
-        self.rebuilt: list[int] = []  # blocks written by the last `fill`
+        self.direct = direct and hasattr(os, "O_DIRECT")  # False: read through the page cache, then drop it
+        self._memory: dict[int | str, dict[str, torch.Tensor]] = {}
+        self._layouts: dict[int | str, Layout] = {}
+        self.rebuilt: list[int | str] = []  # blocks written by the last `fill`
+        self.bytes_read = 0  # from the disk, since the store was made
+        self.read_s = 0.0
+        self.progress = (
+            None  # a callable(index, bytes) told after every block written (the build's progress bar)
+        )
 
     def block_file(self, index: int | str) -> Path:
         return self.folder / f"{_stem(index)}.safetensors"
@@ -68,9 +100,8 @@ class LayerStore:
                 recorded.get("shapes") != shapes or recorded.get("dtype") != self.dtype
             ):
                 return False
-            with safe_open(str(path), framework="pt") as f:
-                f.keys()
-        except (OSError, ValueError, json.JSONDecodeError):
+            self._layouts[index] = read_layout(path)
+        except (OSError, ValueError, KeyError, json.JSONDecodeError):
             return False
         return True
 
@@ -83,42 +114,46 @@ class LayerStore:
 
     def missing(self, shapes: dict[int | str, dict[str, list[int]]]) -> list[int | str]:
         """The blocks that must be written (all of them in memory; on disk those without a complete
-        file of these shapes), after checking the disk has room for them."""
+        file of these shapes), after checking the disk has room for them and a reserve beside."""
         if self.kind == "cpu":
             return list(shapes)
         self.folder.mkdir(parents=True, exist_ok=True)
+        for stale in self.folder.glob("*.tmp"):  # a build killed while writing
+            stale.unlink(missing_ok=True)
         missing = [i for i in shapes if not self.is_complete(i, shapes[i])]
-        needed = sum(
-            math.prod(shape) * BYTES_PER_VALUE[self.dtype] for i in missing for shape in shapes[i].values()
-        )
-        free = shutil.disk_usage(self.folder).free
-        if needed > free:
+        needed = sum(stored_bytes(shapes[i], self.dtype) for i in missing)
+        reusable = sum(self.block_file(i).stat().st_size for i in missing if self.block_file(i).is_file())
+        free = shutil.disk_usage(self.folder).free + reusable
+        if needed + DISK_RESERVE_BYTES > free:
             raise UserError(
-                f"the layer store at {self.folder} needs {needed / 2**20:,.0f} MB but the disk has {free / 2**20:,.0f} MB free; "
-                "set paths.cache (or ONN_CACHE) to a disk with room, or strategy.streaming.store=cpu."
+                f"the layer store at {self.folder} needs {human_bytes(needed)} more ({len(missing)} blocks as {self.dtype}) "
+                f"plus {human_bytes(DISK_RESERVE_BYTES)} left free for others, but the disk has {human_bytes(free)} free; "
+                "set paths.cache (or ONN_CACHE) to a disk with room, or a smaller strategy.streaming.store_dtype (bfloat16, int8)."
             )
         return missing
 
     def write(self, index: int | str, tensors: dict[str, torch.Tensor]) -> None:
-        """Store one block (atomically on disk: the marker is written last)."""
+        """Store one block (atomically on disk: synced, renamed, and the marker written last)."""
         self.rebuilt.append(index)
+        encoded = self.encode(tensors)
         if self.kind == "cpu":
-            stored = self.encode(tensors)
-            self._memory[index] = {n: t.pin_memory() for n, t in stored.items()} if self.pin else stored
+            self._memory[index] = {n: t.pin_memory() for n, t in encoded.items()} if self.pin else encoded
             return
         self._marker(index).unlink(missing_ok=True)
         path = self.block_file(index)
         tmp = path.with_suffix(".tmp")
-        save_file(self.encode(tensors), str(tmp))
+        write_safetensors(tmp, encoded)
         os.replace(tmp, path)
         shapes = {n: list(t.shape) for n, t in tensors.items()}
-        self._marker(index).write_text(
-            json.dumps({"bytes": path.stat().st_size, "shapes": shapes, "dtype": self.dtype})
-        )
+        size = path.stat().st_size
+        self._marker(index).write_text(json.dumps({"bytes": size, "shapes": shapes, "dtype": self.dtype}))
+        self._layouts[index] = read_layout(path)
+        if self.progress is not None:
+            self.progress(index, size)
 
     def encode(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A block's tensors as stored: cast, or quantized (`name` holds the codes, `name.absmax`
-        the scales, `name.shape` the original shape)."""
+        """A block's tensors as stored: cast, or quantized (int8: `name` codes and `name.scale`;
+        nf4: `name` codes, `name.absmax` scales and `name.shape` the original shape)."""
         out = {}
         for name, t in tensors.items():
             t = t.detach().to("cpu")
@@ -126,58 +161,168 @@ class LayerStore:
                 out[name] = t.to(torch_dtype(self.dtype)).contiguous()
             elif t.dim() < 2 or t.numel() < 4096:
                 out[name] = t.float().contiguous()
+            elif self.dtype == "int8":
+                out[name], out[f"{name}.scale"] = quantize_int8(t)
             else:
                 import bitsandbytes.functional as bnb
 
                 t = t.float().contiguous()
-                if self.dtype == "nf4":
-                    codes, state = bnb.quantize_4bit(
-                        t, blocksize=QUANTIZED_BLOCK["nf4"], quant_type="nf4", compress_statistics=False
-                    )
-                else:
-                    codes, state = bnb.quantize_blockwise(t, blocksize=QUANTIZED_BLOCK["int8"])
+                codes, state = bnb.quantize_4bit(
+                    t, blocksize=QUANTIZED_BLOCK["nf4"], quant_type="nf4", compress_statistics=False
+                )
                 out[name], out[f"{name}.absmax"] = codes.contiguous(), state.absmax.float().contiguous()
                 out[f"{name}.shape"] = torch.tensor(t.shape, dtype=torch.int64)
         return out
 
-    def decode(self, stored: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-               non_blocking: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
-        """Stored tensors -> compute tensors on `device`; quantized ones are de-quantized there."""
-        out = {}
+    def decode(self, stored: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, non_blocking: bool = False,
+               out: dict[str, torch.Tensor] | None = None, scales: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+        """Stored tensors -> compute tensors on `device`; quantized ones are de-quantized there.
+
+        On the CPU a stored tensor already in the compute dtype is returned as it is (a view of the
+        read buffer: no copy), and `out` (tensors from an earlier decode of a block of the same shapes)
+        is written into instead of allocating: the buffers are reused from chunk to chunk. With `scales`,
+        int8 weights are only cast (one pass) and their per-row scales go into `scales` by name, for the
+        caller to apply to the layer's output: (x Qᵀ) s = x (s Q)ᵀ, at a cost of one multiply per output."""
+        decoded = {}
         for name, t in stored.items():
-            if name.endswith((".absmax", ".shape")):
+            if name.endswith((".absmax", ".shape", ".scale")):
+                continue
+            target = out.get(name) if out is not None else None
+            if device.type == "cpu" and t.dtype == dtype:
+                decoded[name] = t
                 continue
             t = t.to(device, non_blocking=non_blocking)
+            if f"{name}.scale" in stored:
+                scale = stored[f"{name}.scale"].to(device, non_blocking=non_blocking)
+                if scales is not None:
+                    decoded[name] = _into(target, t, dtype)
+                    scales[name] = scale.to(dtype).view(-1)
+                else:
+                    decoded[name] = dequantize_int8(t, scale, dtype, target)
+                continue
             if f"{name}.absmax" in stored:
-                t = self._dequantize(
+                t = self._dequantize_nf4(
                     t, stored[f"{name}.absmax"].to(device, non_blocking=non_blocking), stored[f"{name}.shape"]
                 )
-            out[name] = t.to(dtype)
-        return out
+            decoded[name] = _into(target, t, dtype)
+        return decoded
 
-    def _dequantize(self, codes: torch.Tensor, absmax: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
+    def _dequantize_nf4(self, codes: torch.Tensor, absmax: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
         import bitsandbytes.functional as bnb
 
-        if self.dtype == "nf4":
-            state = bnb.QuantState(absmax=absmax, shape=torch.Size(shape.tolist()), dtype=torch.float32, blocksize=QUANTIZED_BLOCK["nf4"],
-                                   quant_type="nf4", code=bnb.get_4bit_type("nf4", device=codes.device))  # fmt: skip
-            return bnb.dequantize_4bit(codes, quant_state=state)
-        code = bnb.create_dynamic_map(signed=True).to(codes.device)
-        return bnb.dequantize_blockwise(codes, absmax=absmax, code=code, blocksize=QUANTIZED_BLOCK["int8"])
+        state = bnb.QuantState(absmax=absmax, shape=torch.Size(shape.tolist()), dtype=torch.float32, blocksize=QUANTIZED_BLOCK["nf4"],
+                               quant_type="nf4", code=bnb.get_4bit_type("nf4", device=codes.device))  # fmt: skip
+        return bnb.dequantize_4bit(codes, quant_state=state)
 
-    def read(self, index: int | str) -> dict[str, torch.Tensor]:
-        """The block's stored tensors, in host memory. `fill` verified (or rebuilt) every block, so
-        this hot path does no checks of its own."""
+    def file_bytes(self, index: int | str) -> int:
+        """The size of a block's file (what one read moves), from its verified layout."""
+        if index not in self._layouts:
+            self._layouts[index] = read_layout(self.block_file(index))
+        return self._layouts[index].file_bytes
+
+    def read(self, index: int | str, into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The block's stored tensors, in host memory. From disk the whole file is read into `into`
+        (a uint8 buffer from `buffer`, reused by the caller; a new one when None) and the tensors are
+        views of it. `fill` verified (or rebuilt) every block, so this hot path does no checks of its own."""
         if self.kind == "cpu":
             return self._memory[index]
-        path = self.block_file(index)
-        with safe_open(str(path), framework="pt") as f:
-            # clone: get_tensor can hand back memory-mapped data, and then the disk reads would
-            # happen later, as page faults in compute, instead of here in the prefetch thread.
-            tensors = {name: f.get_tensor(name).clone() for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
-        if self.drop_cache:
-            evict(path)
-        return tensors
+        size = self.file_bytes(index)
+        if into is None or into.numel() < aligned(size):
+            into = buffer(size, pin=self.pin)
+        start = time.perf_counter()
+        self.direct = read_file(self.block_file(index), into, size, self.direct)
+        self.read_s += time.perf_counter() - start
+        self.bytes_read += size
+        return views(into, self._layouts[index])
+
+
+def human_bytes(n: float) -> str:
+    return f"{n / 2**30:,.1f} GB" if n >= 2**30 else f"{n / 2**20:,.0f} MB"
+
+
+def read_layout(path: Path) -> Layout:
+    """A safetensors file's tensor table, from its header (8-byte length, then JSON)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    start = 8 + length
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        tensors[name] = (ST_DTYPES[info["dtype"]], list(info["shape"]), start + begin, start + end)
+    return Layout(os.path.getsize(path), tensors)
+
+
+def views(data: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
+    """The tensors of a block file read into `data`, as views of it (no copy)."""
+    return {
+        name: data[begin:end].view(dtype).view(shape)
+        for name, (dtype, shape, begin, end) in layout.tensors.items()
+    }
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A safetensors file written tensor by tensor (no second copy of the block in memory), synced to
+    the disk and dropped from the page cache. Tensors go largest element first, as safetensors orders
+    them, so each lies at an offset aligned for its dtype."""
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header, offset = {}, 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": ST_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for name in order:
+            f.write(memoryview(tensors[name].contiguous().view(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+    evict(path)
+
+
+def stored_bytes(shapes: dict[str, list[int]], dtype: str) -> int:
+    """A block's file size in a store of `dtype` (header aside): small tensors stay float32 when quantized."""
+    total = 0
+    for shape in shapes.values():
+        n = math.prod(shape)
+        small = len(shape) < 2 or n < 4096
+        total += n * (4 if small and dtype in QUANTIZED_BLOCK else BYTES_PER_VALUE[dtype])
+    return int(total)
+
+
+def quantize_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one fp32 scale per row (per output channel of a weight): codes shaped as the
+    tensor, scales shaped [rows, 1]. Per-row scales let the engine compute with the cast codes and scale
+    the layer's output instead, so decoding is one cast."""
+    t = t.float().reshape(t.shape[0], -1)
+    scale = t.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+    codes = (t / scale).round_().clamp_(-127, 127).to(torch.int8)
+    return codes.contiguous(), scale.contiguous()
+
+
+def dequantize_int8(
+    codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """codes x scale in `dtype`, written into `out` when it fits: a cast and a multiply, each one pass."""
+    out = _into(out, codes, dtype)
+    out.mul_(scale.to(dtype))
+    return out
+
+
+def _into(target: torch.Tensor | None, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` cast to `dtype`: into `target` when it has the right shape, dtype and device, else a new tensor."""
+    if target is not None and target.shape == t.shape and target.dtype == dtype and target.device == t.device:
+        return target.copy_(t)
+    return t.to(dtype)
 
 
 def stored_name(param_name: str) -> str:
@@ -195,17 +340,6 @@ def _bitsandbytes() -> None:
         import bitsandbytes.functional  # noqa: F401
     except ImportError as e:  # pragma: no cover - a dependency of ONN
         raise UserError(
-            f"strategy.streaming.store_dtype int8/nf4 needs bitsandbytes, which failed to import ({e}); "
-            "use store_dtype=bfloat16 or float16."
+            f"strategy.streaming.store_dtype nf4 needs bitsandbytes, which failed to import ({e}); "
+            "use store_dtype=int8 or bfloat16."
         ) from e
-
-
-def evict(path: Path) -> None:
-    """Drop a file's pages from the OS page cache (Linux); a no-op where that is not possible."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)

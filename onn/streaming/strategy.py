@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
+from onn.hardware.profile import CoreWatch
 from onn.models.layers import discover
 from onn.streaming.engine import StreamingEngine
 from onn.streaming.store import LayerStore
@@ -41,8 +42,11 @@ def build_engine(
     store = layer_store(settings, store_root, device)
     engine = StreamingEngine(model, layer_map, store, int(settings["chunk_size"]), device=device, prefetch=bool(settings["prefetch"]),
                              activations=settings["activations"], micro_batch=micro_batch,
-                             stream_edges=settings.get("edges") == "stream")  # fmt: skip
+                             stream_edges=settings["edges"] == "stream", cache_blocks=int(settings["cache_blocks"]),
+                             eval_tokens=int(settings["eval_tokens"]))  # fmt: skip
     engine.offload()
+    if device.type == "cpu":
+        engine.cores = CoreWatch(torch.get_num_threads())  # at most the threads the plan gave it
     return engine
 
 

@@ -175,15 +175,21 @@ class RunFolder(Callback):
     file ends in one sentence instead of Hydra's traceback. Set in conf/config.yaml."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._check(config.hydra.run.dir, "hydra.run.dir")
+        self._check(config, "run")
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._check(config.hydra.sweep.dir, "hydra.sweep.dir")
+        self._check(config, "sweep")
 
     @staticmethod
-    def _check(folder: str, key: str) -> None:
+    def _check(config: DictConfig, mode: str) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        HydraConfig.instance().set_config(
+            config
+        )  # Hydra sets it only later; ${hydra:runtime.cwd} needs it now
+        key = f"hydra.{mode}.dir"
         try:
-            writable_folder(folder, key)
+            writable_folder(config.hydra[mode].dir, key)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None

@@ -58,6 +58,7 @@ class TextModality(Modality):
             )
 
     def plan(self, config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = True):
+        from onn.modalities.text.calibrate import refine
         from onn.planning.plan import make_plan
         from onn.planning.spec import model_spec
 
@@ -65,7 +66,10 @@ class TextModality(Modality):
             (config["strategy"]["lora"] or {"r": 8})["r"]
         )  # full training sizes LoRA at the default rank
         spec = model_spec(config["model"], lora_rank, cache_dir=config["paths"]["cache"])
-        return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
+        plan = make_plan(config, hardware, spec, use_tuned=use_tuned)
+        if config["task"]["name"] != "plan":  # timing the model's blocks imports torch: not for a quick plan
+            plan = refine(plan, config, hardware, spec)
+        return plan, spec
 
     def train(self, job: Job) -> dict[str, Any]:
         from onn.modalities.text import tasks

@@ -82,18 +82,24 @@ def complete(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, tem
 
 
 def answer_scores(model, tokenizer, examples: list[tuple[str, str]], pattern: str | None, max_samples: int, max_new_tokens: int,
-                  engine=None) -> dict[str, Any]:  # fmt: skip
+                  engine=None, batch_size: int = 16) -> dict[str, Any]:  # fmt: skip
     """Exact match of greedy answers against the references, and how the answers were extracted.
 
     With data.answer_pattern (GSM8K's `#### N`), the reference's answer is the pattern's group 1. A
     generated answer is the pattern's group 1 where the model wrote it, else the last number in its text:
     `exact_match` counts both, `exact_match_strict` only the first, `answer_pattern_found` is the share
-    of generations that wrote the pattern. Without a pattern, both answers are their first line."""
+    of generations that wrote the pattern. Without a pattern, both answers are their first line.
+    `batch_size` prompts generate together (with an engine: every chunk load serves all of them)."""
     examples = examples[:max_samples]
     if not examples:
         return {"exact_match": float("nan")}
     outputs = complete(
-        model, tokenizer, [p for p, _ in examples], max_new_tokens=max_new_tokens, engine=engine
+        model,
+        tokenizer,
+        [p for p, _ in examples],
+        max_new_tokens=max_new_tokens,
+        engine=engine,
+        batch_size=batch_size,
     )
     hits = strict = found = 0
     for output, (_, answer) in zip(outputs, examples):

@@ -48,6 +48,9 @@ class CausalLM(L.LightningModule):
         self.val_losses: list[float] = []
         self.val_at_step: int | None = None  # global step of the latest validation
         self.engine = None  # set by LayerStreamingStrategy: batches are then macro-batches it streams
+        self._held_out: list[
+            dict[str, torch.Tensor]
+        ] = []  # a streamed validation's batches, until its epoch ends
         # LoRA checkpoints hold only what trains; the frozen base comes from model.source again.
         self.strict_loading = all(p.requires_grad for p in model.parameters())
 
@@ -136,17 +139,23 @@ class CausalLM(L.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         if self.engine is not None:
-            pieces = self.engine.split(batch)
-            losses = self.engine.loss(pieces)
-        else:
-            pieces = split(batch, self.micro_batch)
-            losses = [self.model(**piece).loss for piece in pieces]
+            # streamed: the whole held-out set goes through the blocks at the end of the epoch, so each
+            # chunk is loaded once per validation (per pass that memory allows), not once per batch
+            self._held_out.append({k: v.detach().cpu() for k, v in batch.items()})
+            return
+        pieces = split(batch, self.micro_batch)
+        losses = [self.model(**piece).loss for piece in pieces]
         for piece, loss in zip(pieces, losses):
             tokens = target_tokens(piece)
             if tokens:  # a micro-batch without targets has a 0/0 mean loss
                 self.val_loss.update(loss.detach().float(), weight=tokens)
 
     def on_validation_epoch_end(self) -> None:
+        if self._held_out:
+            total, tokens = self.engine.evaluate(self._held_out)
+            self._held_out = []
+            if tokens:
+                self.val_loss.update(torch.tensor(total / tokens, device=self.device), weight=tokens)
         loss = float(self.val_loss.compute()) if self.val_loss.update_count else 0.0
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True)

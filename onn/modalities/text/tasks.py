@@ -27,7 +27,17 @@ from onn.modalities.text.generate import (
 from onn.modalities.text.module import CausalLM, summarize_losses
 from onn.modalities.text.prompts import Prompter
 from onn.models.layers import discover
-from onn.models.load import load, load_4bit, model_fingerprint
+from onn.models.load import (
+    converted_gguf,
+    expand,
+    finish_tokenizer,
+    hub_folder,
+    load,
+    load_4bit,
+    model_fingerprint,
+    source_kind,
+    tokenizer_from,
+)
 from onn.planning.plan import STREAMING_KEYS
 from onn.streaming.loader import load_into_store
 from onn.streaming.strategy import LayerStreamingStrategy, build_engine, layer_store
@@ -79,15 +89,32 @@ def weights_dtype(config: dict[str, Any], plan: dict[str, Any]) -> torch.dtype:
     return torch_dtype(plan["weights_dtype"] if dtype in (None, "auto") else dtype)
 
 
-def streaming_settings(config: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any] | None:
-    """The streaming engine's settings: the config's, with `auto` filled in from the plan; None when not streaming."""
+def streaming_settings(
+    config: dict[str, Any], plan: dict[str, Any], generate: bool = False
+) -> dict[str, Any] | None:
+    """The streaming engine's settings: the config's, with `auto` filled in from the plan; None when not
+    streaming. `generate`: for generation only (task=infer), which streams one block at a time and
+    gives the memory training needs to cached blocks."""
     if config["strategy"].get("lightning") != "streaming" or plan["strategy"] != "sparse_lora":
         return None
     settings = dict(config["strategy"]["streaming"])
     for key in STREAMING_KEYS:
         if settings.get(key) in (None, "auto"):
             settings[key] = plan["streaming"][key]
+    if generate:
+        fixed = config["strategy"]["streaming"]
+        settings["chunk_size"] = (
+            settings["chunk_size"] if fixed.get("chunk_size") not in (None, "auto") else 1
+        )
+        if fixed.get("cache_blocks") in (None, "auto"):
+            settings["cache_blocks"] = plan["streaming"]["generate_cache_blocks"]
     return settings
+
+
+def generate_batch(plan: dict[str, Any], samples: int) -> int:
+    """Prompts generated together: streamed, as many as memory allows (each chunk load serves them all)."""
+    streaming = plan.get("streaming") or {}
+    return max(1, min(samples, int(streaming.get("generate_batch") or 16))) if streaming else 16
 
 
 def store_root(config: dict[str, Any]) -> Path:
@@ -123,12 +150,29 @@ def load_weights(module: CausalLM, ckpt: Path) -> None:
     module.load_state_dict(load_checkpoint(ckpt)["state_dict"], strict=False)
 
 
+def early_tokenizer(model_cfg: dict[str, Any], cache_dir) -> Any | None:
+    """The tokenizer, when it can be had without the model (byte, a tokenizer folder, an HF folder or a
+    converted GGUF): the data is then read and checked before a long model or store build starts."""
+    kind = source_kind(model_cfg.get("source"))
+    remote = bool(model_cfg.get("trust_remote_code"))
+    if model_cfg.get("tokenizer"):
+        return finish_tokenizer(model_cfg, None, remote)
+    folder = {"folder": lambda: expand(model_cfg["source"]), "hub": lambda: hub_folder(model_cfg["source"]),
+              "gguf": lambda: converted_gguf(model_cfg["source"], cache_dir)}.get(kind, lambda: None)()  # fmt: skip
+    tokenizer = tokenizer_from(folder, remote) if folder else None
+    return finish_tokenizer(model_cfg, tokenizer, remote) if tokenizer is not None else None
+
+
 def train(job: Job) -> dict[str, Any]:
     config, plan, run_dir, ckpt = job.config, job.plan, job.run_dir, job.ckpt
+    early = early_tokenizer(config["model"], config["paths"]["cache"])
+    dm = (
+        datamodule(config, early) if early is not None else None
+    )  # a data mistake costs a second, not a store build
     module, tokenizer = build(config, plan)
     if ckpt is not None:  # before Lightning restores it: a checkpoint of another model is one sentence
         check_state(module, state_shapes(ckpt), ckpt, loads_frozen=module.strict_loading)
-    dm = datamodule(config, tokenizer)
+    dm = dm or datamodule(config, tokenizer)
     clock = StepClock()
     callbacks = [StepCheckpoint(run_dir / "checkpoints", config["checkpoint"]["every_n_steps"]), clock,
                  ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))]  # fmt: skip
@@ -168,7 +212,8 @@ def train(job: Job) -> dict[str, Any]:
         )
     elif samples and any(p for p, _ in dm.val_examples):
         scores = answer_scores(module.model, tokenizer, dm.val_examples, config["data"]["answer_pattern"], samples,
-                               max_new_tokens=dm.max_answer_tokens + 2, engine=module.engine)  # fmt: skip
+                               max_new_tokens=dm.max_answer_tokens + 2, engine=module.engine,
+                               batch_size=generate_batch(plan, samples))  # fmt: skip
         metrics.update({f"val/{k}": v for k, v in scores.items()})
     if config["export"]["name"] != "none":
         metrics.update(
@@ -194,7 +239,8 @@ def evaluate(job: Job) -> dict[str, Any]:
     if any(p for p, _ in dm.val_examples):
         samples = int(task["max_samples"])
         scores = answer_scores(module.model, tokenizer, dm.val_examples, config["data"]["answer_pattern"], samples,
-                               new_tokens(task, tokenizer, dm.val_examples[:samples]), engine=module.engine)  # fmt: skip
+                               new_tokens(task, tokenizer, dm.val_examples[:samples]), engine=module.engine,
+                               batch_size=generate_batch(plan, samples))  # fmt: skip
         metrics.update({f"val/{k}": v for k, v in scores.items()})
     print(f"val loss {loss:.4f}  perplexity {metrics['val/perplexity']:.3f}  "
           f"exact match {metrics.get('val/exact_match', float('nan')):.3f} ({metrics.get('val/answer_extraction', 'no answers')})")  # fmt: skip
@@ -232,7 +278,9 @@ def infer(job: Job) -> dict[str, Any]:
     if job.ckpt is not None:
         load_weights(module, job.ckpt)
     model, engine = module.model, None
-    if settings := streaming_settings(config, plan):  # each chunk load serves every sequence, per token
+    if settings := streaming_settings(
+        config, plan, generate=True
+    ):  # each chunk load serves every sequence, per token
         engine = build_engine(model, settings, store_root(config), job.device, micro_batch=None)
         model.to(job.device)  # what is left after the blocks' frozen weights went to the store
     prompter = Prompter(

@@ -1,0 +1,195 @@
+"""A small model's step time, measured on this machine rather than modelled.
+
+A small model's step is mostly framework time (Python, dispatch, autograd, small elementwise ops), which
+no FLOP count predicts. So the plan times the model's own code: copies of it with 1 and 2 blocks, at the
+planned micro-batch and sequence length, in the planned precision and strategy (full, LoRA, or the
+streaming engine), on the plan's thread count. Six blocks less two, over four, is one block's share;
+two blocks less two shares is the rest (embeddings, head, loss, optimizer). The step of n blocks is then rest + n x block,
+divided by the share of a core the plan's threads get now. Each timing is the fastest of a few, in CPU
+time on one thread (which other processes' load does not stretch), so a busy machine measures what a
+quiet one would. Results are cached per machine and shapes. Large models (whose step is matmuls, which
+the plan's FLOP model predicts from the measured matmul rate) and GPUs keep the FLOP model.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+MAX_PARAMS = 50_000_000  # a 6-block copy about this size trains in a second or so
+
+
+def refine(plan: dict[str, Any], config: dict[str, Any], hw: dict[str, Any], spec) -> dict[str, Any]:
+    """The plan with predicted_step_s from timing the model's own blocks, where that applies."""
+    if hw["accelerator"] != "cpu" or hw.get("source") == "preset" or not config["model"].get("architecture"):
+        return plan
+    if plan["strategy"] not in ("full", "lora", "sparse_lora"):
+        return plan
+    large = spec.params - sum(spec.block_params) + 6 * max(spec.block_params) > MAX_PARAMS
+    if large and (
+        plan["strategy"] != "sparse_lora" or 2 * max(spec.block_params) * 2 > 0.5 * _budget_bytes(hw)
+    ):
+        return plan  # a large model trains streamed; its block copies must fit beside the run comfortably
+    from onn.planning.plan import matmul_rate, threads_for
+
+    threads, share = threads_for(hw)
+    seq, batch, micro = (
+        int(plan["sequence_length"]),
+        int(config["data"]["batch_size"]),
+        int(plan["micro_batch"]),
+    )
+    costs = block_times(config, plan, hw, seq, micro, threads, large)
+    n = spec.n_blocks
+    if plan["strategy"] == "sparse_lora":
+        layers = set(plan["sparse_layers"])
+        lowest = min(layers) if layers else n
+        blocks = sum(
+            costs["below"] if i < lowest else costs["lora"] if i in layers else costs["frozen"]
+            for i in range(n)
+        )
+    else:
+        blocks = n * costs["block"]
+    micro_batches = -(-batch // micro)
+    rest = costs["rest"]
+    if (
+        large
+    ):  # the copies had a tiny vocabulary: the head's matmuls (forward, input gradient) by the measured rate
+        dtype = (plan.get("streaming") or {}).get("compute_dtype", "float32")
+        rest += 4 * spec.vocab * spec.hidden * micro * seq / matmul_rate(hw, dtype, micro * seq, threads)
+    compute = (rest + blocks) * micro_batches / share
+    plan = copy.deepcopy(plan)
+    step = compute
+    if plan["strategy"] == "sparse_lora":  # the loaders' reads overlap the compute; their decoding does not
+        s = plan["streaming"]
+        step = max(s["predicted_io_s"], compute + s["predicted_decode_s"])
+        s["predicted_compute_s"], s["predicted_step_s"] = round(compute, 3), round(step, 3)
+    plan["predicted_step_s"] = round(step, 4)
+    plan["step_time_source"] = "timed"
+    plan["reasons"].append(
+        f"step time: {spec.name}'s own blocks timed on this machine ({blocks / n * 1e3:,.1f} ms per block and micro-batch on "
+        f"average, {rest * 1e3:,.1f} ms for the rest) for {n} blocks and {micro_batches} micro-batch(es)"
+        + (f", at {share:.0%} of a core" if share < 1 else "")
+    )
+    return plan
+
+
+def _budget_bytes(hw: dict[str, Any]) -> float:
+    from onn.planning.plan import budget_mb
+
+    return budget_mb(hw) * 2**20
+
+
+def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any], seq: int, micro: int, threads: int,
+                large: bool = False) -> dict[str, float]:  # fmt: skip
+    """Per micro-batch: one block's share of a step and the rest (`block`, `rest`); streamed, a block with
+    adapters (`lora`), one without them above the lowest adapted block (`frozen`, recomputed for its input
+    gradient) and one below it (`below`, forward only). Cached per machine and shapes. `large`: copies of 1
+    and 2 blocks with a vocabulary of 256 (a block does not depend on it; the head is counted apart)."""
+    key = json.dumps({"model": config["model"].get("architecture"), "strategy": plan["strategy"], "precision": plan["precision"],
+                      "lora": config["strategy"].get("lora"), "seq": seq, "micro": micro, "threads": threads,
+                      "streaming": {k: (plan.get("streaming") or {}).get(k) for k in ("store", "store_dtype")},
+                      "machine": hw.get("fingerprint"), "large": large, "version": 4}, sort_keys=True, default=str)  # fmt: skip
+    cache = (
+        Path(config["paths"]["cache"])
+        / "calibration"
+        / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    )
+    if cache.is_file():
+        return json.loads(cache.read_text())["costs"]
+
+    def timed(blocks: int, adapted: list[int] | None = None) -> float:
+        return _step_s(config, plan, seq, micro, threads, blocks, adapted, vocab=256 if large else None)
+
+    if large:  # a block's compute dwarfs any boundary effect: 1 and 2 blocks do
+        one = timed(1, [0])
+        costs = {"lora": timed(2, [0, 1]) - one, "frozen": timed(2, [0]) - one, "below": timed(2, [1]) - one}
+        costs["rest"] = one - costs["lora"]
+    # copies of 2 and 6 blocks: four blocks' difference, so a boundary effect of one copy is not multiplied by n
+    elif plan["strategy"] == "sparse_lora":
+        two = timed(2, [0, 1])
+        costs = {"lora": (timed(6, [0, 1, 2, 3, 4, 5]) - two) / 4, "frozen": (timed(6, [0, 1]) - two) / 4,
+                 "below": (timed(6, [4, 5]) - two) / 4}  # fmt: skip
+        costs["rest"] = two - 2 * costs["lora"]
+    else:
+        two = timed(2)
+        costs = {"block": (timed(6) - two) / 4}
+        costs["rest"] = two - 2 * costs["block"]
+    costs = {k: max(v, 0.0) for k, v in costs.items()}
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"costs": costs, "key": json.loads(key)}))
+    return costs
+
+
+def _step_s(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, threads: int, blocks: int,
+            adapted: list[int] | None, vocab: int | None = None) -> float:  # fmt: skip
+    """The fastest of a few training steps of a `blocks`-block copy of the model, as ONN runs them
+    (streamed: adapters on the `adapted` blocks)."""
+    import torch
+
+    from onn.dtypes import torch_dtype
+    from onn.models.layers import discover
+    from onn.models.load import architecture, auto_class, meta_model
+    from onn.streaming.engine import StreamingEngine
+    from onn.streaming.store import LayerStore
+    from onn.training.lora import apply
+
+    # the blocks' path from the whole model (one block alone is no run of repeated blocks to discover)
+    blocks_path = discover(
+        meta_model(config["model"]), (config["model"].get("layer_map") or {}).get("blocks")
+    ).blocks_path
+    arch = architecture(config["model"])
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if hasattr(arch, key):
+            setattr(arch, key, blocks)
+    if vocab is not None:
+        arch.vocab_size = vocab
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if isinstance(getattr(arch, key, None), int) and getattr(arch, key) >= vocab:
+                setattr(arch, key, vocab - 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        model = auto_class(arch).from_config(arch)
+        dtype = torch_dtype(plan["weights_dtype"])
+        model = model.to(dtype)
+        model = apply(model, plan["strategy"], config["strategy"], discover(model, blocks_path), adapted)
+        if plan["strategy"] != "full":  # adapters in fp32, as a run has them
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()
+        ids = torch.randint(0, int(getattr(arch, "vocab_size", 256)) - 1, (micro, seq))
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        autocast = plan["precision"].startswith("bf16")
+        engine = None
+        if plan["strategy"] == "sparse_lora":
+            s = plan["streaming"]
+            engine = StreamingEngine(
+                model, discover(model), LayerStore("cpu", s["store_dtype"]), 1, micro_batch=micro
+            )
+            engine.offload()
+
+        def step() -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                if engine is not None:
+                    engine.train_step([batch])
+                else:
+                    model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        clock = time.process_time if threads == 1 else time.perf_counter
+        step()
+        times = []
+        for _ in range(3 if vocab is not None else 9):
+            start = clock()
+            step()
+            times.append(clock() - start)
+        return min(times)
+    finally:
+        torch.set_num_threads(before)

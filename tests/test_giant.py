@@ -1,0 +1,316 @@
+"""A model larger than RAM, on tiny models: streamed validation equals resident validation and reads the
+store once, the block cache and O_DIRECT reads change no number, a killed build resumes and never uses
+a half-written block, and the plan is honest about budgets, disk space and busy cores."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import lightning as L
+import pytest
+import torch
+from conftest import compose, read_metrics, run_cli
+from test_streaming import ARCH, LAYER_SETS, lora_grads, lora_model, micro_batches
+
+from onn.errors import UserError
+from onn.models.layers import discover
+from onn.streaming.engine import StreamingEngine
+from onn.streaming.store import LayerStore
+
+OPTIM = compose("optim.lr=1e-3", "optim.schedule=constant", "optim.warmup_steps=0")["optim"]
+
+
+def held_out(batches: int = 4, rows: int = 3, seed: int = 5) -> list[dict[str, torch.Tensor]]:
+    """Right-padded batches of different widths, as the data module makes them."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for b in range(batches):
+        width = 6 + 2 * b
+        ids = torch.randint(3, 97, (rows, width), generator=g)
+        mask = torch.ones_like(ids)
+        mask[0, width - 3 :] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, : width // 2] = -100
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+def validate(model, batches, strategy=None):
+    from onn.modalities.text.module import CausalLM
+
+    module = CausalLM(model, OPTIM, max_steps=1, onn_config={}, micro_batch=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, strategy=strategy or "auto")  # fmt: skip
+    trainer.validate(module, dataloaders=torch.utils.data.DataLoader(batches, batch_size=None), verbose=False)
+    return module
+
+
+@pytest.mark.parametrize("eval_tokens", [10_000, 20])
+def test_streamed_validation_matches_resident_and_loads_each_chunk_once_per_pass(tmp_path, eval_tokens):
+    from onn.streaming.strategy import LayerStreamingStrategy
+
+    resident = lora_model("phi3", LAYER_SETS["last4"])
+    streamed = copy.deepcopy(resident)
+    batches = held_out()
+    want = validate(resident, batches).val_losses[-1]
+    settings = {"chunk_size": 3, "store": "disk", "store_dtype": "float32", "edges": "resident", "activations": "device",
+                "prefetch": True, "cache_blocks": 0, "eval_tokens": eval_tokens}  # fmt: skip
+    module = validate(streamed, batches, LayerStreamingStrategy(settings, tmp_path, 2))
+    assert module.val_losses[-1] == pytest.approx(want, rel=1e-5)
+    engine = module.engine
+    store_bytes = sum(engine.store.file_bytes(i) for i in range(8))
+    ahead = sum(
+        engine.store.file_bytes(i) for i in engine.chunks[0]
+    )  # the next pass's first chunk, read behind the last
+    if eval_tokens > 1000:  # the whole held-out set in one pass: each chunk loaded once, the store read once
+        assert engine.times.loads == len(engine.chunks) == 3
+        assert engine.times.read_bytes == store_bytes + ahead
+    else:  # passes of at most 20 tokens: the store streams once per pass, and the loss is the same
+        passes = engine.times.loads / len(engine.chunks)
+        assert (
+            passes > 1 and passes == int(passes) and engine.times.read_bytes == passes * store_bytes + ahead
+        )
+
+
+def test_block_cache_and_direct_reads_change_no_number(tmp_path):
+    base = lora_model("llama", LAYER_SETS["first4+last4"])
+    results, reads = [], []
+    for cache in (0, 3):
+        model = copy.deepcopy(base)
+        store = LayerStore("disk", "float32", folder=tmp_path / f"cache{cache}")
+        engine = StreamingEngine(model, discover(model), store, 2, cache_blocks=cache)
+        engine.offload()
+        for step in range(2):
+            model.zero_grad(set_to_none=True)
+            before = engine.times.read_bytes
+            loss = engine.train_step(micro_batches(seed=step))
+        reads.append(engine.times.read_bytes - before)
+        results.append((loss, lora_grads(model)))
+        assert sorted(engine._cached) == list(range(cache))  # read once, then served from memory
+        engine.close()
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(results[0][1][n], results[1][1][n]) for n in results[0][1])
+    block = store.file_bytes(0)
+    saved = reads[0] - reads[1]  # blocks 0-2 are read in neither direction any more
+    assert saved >= 3 * block and saved % block == 0
+
+    from onn.hardware.disk import buffer
+
+    into = buffer(store.file_bytes(5))
+    tensors = store.read(5, into=into)
+    start, end = into.data_ptr(), into.data_ptr() + into.numel()
+    assert all(start <= t.data_ptr() < end for t in tensors.values())  # views of the caller's buffer: no copy
+
+
+def test_killed_build_resumes_and_never_uses_a_half_written_block(tmp_path, monkeypatch):
+    from onn.streaming.loader import load_into_store
+
+    source = {
+        "name": "t",
+        "source": "random",
+        "tokenizer": "byte",
+        "architecture": {"model_type": "phi3", **ARCH["phi3"]},
+    }
+    clean = LayerStore("disk", "float32", folder=tmp_path / "clean")
+    model, _ = load_into_store(source, torch.float32, None, clean)
+    want = StreamingEngine(model, discover(model), clean, 3)
+    want.offload()
+    want_losses = want.loss(micro_batches())
+
+    store = LayerStore("disk", "float32", folder=tmp_path / "killed")
+    write = store.write
+
+    def killed_at_block_3(i, tensors):
+        if i == 3:  # the process dies half-way through writing block 3
+            path = store.block_file(3).with_suffix(".tmp")
+            path.write_bytes(b"\0" * 1000)
+            raise KeyboardInterrupt
+        write(i, tensors)
+
+    monkeypatch.setattr(store, "write", killed_at_block_3)
+    with pytest.raises(KeyboardInterrupt):
+        load_into_store(source, torch.float32, None, store)
+    monkeypatch.undo()
+    # another kill: block 5's file renamed into place but its marker never written
+    store.block_file(5).write_bytes(b"\0" * 64)
+    again = LayerStore("disk", "float32", folder=tmp_path / "killed")
+    model, _ = load_into_store(source, torch.float32, None, again)
+    assert again.rebuilt == [3, 4, 5, 6, 7] and not list((tmp_path / "killed").glob("*.tmp"))
+    engine = StreamingEngine(model, discover(model), again, 3)
+    engine.offload()
+    torch.testing.assert_close(
+        torch.stack(engine.loss(micro_batches())), torch.stack(want_losses), rtol=0, atol=0
+    )
+
+
+def plan(*overrides, tmp_path, **hw_changes):
+    from onn.hardware.profile import resolve
+    from onn.planning.plan import make_plan
+    from onn.planning.spec import model_spec
+
+    cfg = compose(*overrides, root=tmp_path)
+    hw = {**resolve(cfg["hardware"], tmp_path, tmp_path), **hw_changes}
+    return make_plan(cfg, hw, model_spec(cfg["model"], 8), use_tuned=False)
+
+
+def test_plan_never_fits_over_budget_and_names_the_smallest_budget(tmp_path):
+    from onn.planning.plan import budget_mb
+
+    refused, planned = {}, {}
+    for budget in (3_000, 6_000, 9_000, 14_000, 40_000):
+        try:
+            p = plan("model=phi4", "hardware=cpu_16gb", "strategy=sparse_lora", f"hardware.budget_mb={budget}",
+                     "hardware.host_memory_mb=65536", tmp_path=tmp_path)  # fmt: skip
+        except UserError as e:
+            assert "\n" not in str(e) and str(e).startswith(f"hardware cpu_16gb: a budget of {budget:,} MB")
+            refused[budget] = float(
+                str(e).split("the smallest budget that works is about ")[1].split(" MB")[0].replace(",", "")
+            )
+            continue
+        assert (
+            p["budget_mb"]
+            == budget_mb({"accelerator": "cpu", "host_memory_mb": 65536, "budget_mb": budget})
+            == budget
+        )
+        for name, c in p["candidates"].items():
+            if c["fits"]:
+                assert c["peak_mb"] + c["context_mb"] <= budget, name
+        assert p["predicted_peak_memory_mb"] + p["context_mb"] <= budget
+        planned[budget] = p
+    assert 3_000 in refused and 40_000 in planned
+    smallest = max(refused.values())
+    assert all(b < smallest for b in refused) and all(b >= smallest for b in planned)
+    p = plan("model=phi4", "hardware=cpu_16gb", "strategy=sparse_lora", f"hardware.budget_mb={math.ceil(smallest)}",
+             tmp_path=tmp_path)  # fmt: skip
+    assert p["candidates"]["sparse_lora"]["fits"]  # the budget the message named works
+
+
+def test_plan_refuses_a_store_the_disk_cannot_hold(tmp_path):
+    with pytest.raises(
+        UserError,
+        match=r"not enough disk for the layer store: phi4 as \w+ needs [\d.,]+ GB more under .* has 3.9 GB free",
+    ):
+        plan("model=phi4", "hardware=cpu_16gb", "strategy=sparse_lora", tmp_path=tmp_path, disk_free_mb=4000)
+    # the disk holds int8 but not bf16: the plan takes what fits, before anything is written
+    p = plan(
+        "model=phi4", "hardware=cpu_16gb", "strategy=sparse_lora", tmp_path=tmp_path, disk_free_mb=20_000
+    )
+    assert (
+        p["streaming"]["store_dtype"] == "int8" and not (tmp_path / "outputs" / ".cache" / "stores").exists()
+    )
+
+
+def test_threads_follow_the_free_cores_and_the_plan_says_so(tmp_path):
+    from onn.planning.plan import threads_for
+
+    assert threads_for({"cpu_cores": 2, "cpu_busy_cores": 0.1, "cpu_share": 0.9}) == (2, 1.0)  # quiet: noise
+    assert threads_for({"cpu_cores": 2, "cpu_busy_cores": 1.0, "cpu_share": 1.0}) == (1, 1.0)
+    assert threads_for({"cpu_cores": 2, "cpu_busy_cores": 2.0, "cpu_share": 0.5}) == (1, 0.5)
+    assert threads_for({"cpu_cores": 8, "cpu_busy_cores": 0.0, "thread_limit": 1}) == (1, 1.0)
+    quiet = plan("model=llama_tiny", "hardware=cpu_16gb", "strategy=lora", tmp_path=tmp_path)
+    busy = plan("model=llama_tiny", "hardware=cpu_16gb", "strategy=lora", tmp_path=tmp_path, cpu_busy_cores=8.0,
+                cpu_share=0.5)  # fmt: skip
+    assert quiet["threads"] == 8 and busy["threads"] == 1
+    assert any("cores busy: other processes use 8.0 of 8 cores" in r for r in busy["reasons"])
+    assert busy["predicted_step_s"] > quiet["predicted_step_s"]
+
+
+def test_settings_and_data_are_checked_before_the_store_is_built(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input": "1+1", "output": "2"}\nnot json\n')
+    outputs = tmp_path / "outputs"
+    for args, message in [
+        (["data=text", f"data.source={bad}"], f"{bad} line 2 is not valid JSON"),
+        (["model.tokenizer=null"], "has no tokenizer"),
+    ]:
+        proc = run_cli("model=phi4_tiny", "strategy=sparse_lora", "strategy.streaming.store=disk", "tracking=none",
+                       f"paths.outputs={outputs}", *args)  # fmt: skip
+        assert proc.returncode == 1 and message in proc.stdout + proc.stderr, proc.stderr[-2000:]
+        assert not (outputs / ".cache" / "stores").exists()  # nothing was written
+
+
+@pytest.mark.slow
+def test_bench_giant_on_a_tiny_model(tmp_path):
+    outputs = tmp_path / "outputs"
+    proc = run_cli("recipe=bench_giant", "model=llama_tiny", "hardware.budget_mb=4000", "strategy.streaming.cache_blocks=2",
+                   "strategy.streaming.chunk_size=2", "task.disk_probe_mb=16", "task.kill_build_after=3", "task.steps=4",
+                   "task.kill_after=2", "task.gen_tokens=3", "data.builtin.val_size=20", f"paths.outputs={outputs}",
+                   f"hydra.run.dir={outputs / 'giant'}", timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = read_metrics(outputs / "giant")
+    assert (
+        m["giant/build_killed_after_blocks"] >= 3
+        and m["giant/build_resumed_blocks"] == 8 - m["giant/build_killed_after_blocks"]
+    )
+    assert m["giant/train_killed"] and m["giant/resumed_at_step"] == m["giant/killed_after_step"] >= 2
+    assert m["giant/steps"] == 4 and m["giant/loss_last"] < m["giant/loss_first"]
+    assert m["giant/val_samples"] == 20 and m["giant/val_read_gb"] <= 2 * m["giant/step_read_gb"]
+    assert m[
+        "giant/accelerate_same_tokens"
+    ]  # the same model, read from the same files: the same greedy tokens
+    for key in ("giant/limit_s", "giant/limit_efficiency", "giant/gen_s_per_token_b1", "giant/gen_s_per_token_b8",
+                "giant/vs_accelerate", "giant/predicted_peak_mb", "giant/predicted_step_s", "giant/build_peak_rss_mb"):  # fmt: skip
+        assert isinstance(m[key], float | int) and m[key] > 0, key
+    assert "| limit_efficiency |" in (outputs / "giant" / "bench_giant.md").read_text()
+
+
+@pytest.mark.slow
+def test_sigterm_still_writes_metrics(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "model=llama_tiny", "tracking=none", "trainer.max_steps=100000",
+                             f"paths.outputs={tmp_path}", f"hydra.run.dir={run_dir}"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 300
+    while time.time() < deadline and not (run_dir / "plan.yaml").exists():
+        time.sleep(0.2)
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["status"] == "failed" and "terminated by signal 15" in metrics["error"]
+
+
+SMOLLM = (
+    __import__("pathlib").Path.home()
+    / ".cache/onn/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not SMOLLM.exists(), reason="SmolLM2 GGUF not fetched (../shared/scripts/fetch-smollm2.sh)"
+)
+def test_a_gguf_file_loads_block_by_block_into_the_store(tmp_path):
+    """A GGUF larger than RAM must not be de-quantized whole: its tensors go to the store one block at a
+    time, through transformers' name mapping and fix-ups (Llama's q/k permutation), and compute what
+    transformers' own GGUF loading computes."""
+    from onn.models.load import load
+    from onn.streaming.loader import load_into_store
+
+    source = {"name": "smollm2", "source": str(SMOLLM)}
+    store = LayerStore("disk", "float32", folder=tmp_path / "store")
+    model, tokenizer = load_into_store(source, torch.float32, tmp_path, store)
+    assert store.rebuilt == list(range(30)) and not (tmp_path / "gguf").exists()  # nothing converted whole
+    engine = StreamingEngine(model, discover(model), store, 10)
+    engine.offload()
+    full, _ = load(source, dtype=torch.float32, cache_dir=None)
+    ids = tokenizer("What is 2 + 2?", return_tensors="pt")
+    batch = {
+        "input_ids": ids["input_ids"],
+        "attention_mask": ids["attention_mask"],
+        "labels": ids["input_ids"],
+    }
+    with torch.no_grad():
+        want = full(**batch).loss
+    torch.testing.assert_close(engine.loss([batch])[0], want, rtol=1e-5, atol=1e-6)
