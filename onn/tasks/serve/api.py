@@ -103,8 +103,8 @@ class Guard:
     """Key and body size, before any route: 401 without the key (every path but OPEN_PATHS), 413 for a body
     over the limit (read to its end at most that far; the route then gets it from memory)."""
 
-    def __init__(self, app, api_key: str | None, max_body: int, max_upload: int):
-        self.app, self.api_key, self.max_body, self.max_upload = app, api_key, max_body, max_upload
+    def __init__(self, app, api_key: str | None, max_body: int, max_upload: int, stats: Stats):
+        self.app, self.api_key, self.max_body, self.max_upload, self.stats = app, api_key, max_body, max_upload, stats
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -114,6 +114,7 @@ class Guard:
             given = headers.get("authorization", "")
             scheme, _, token = given.partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
+                self.stats.add(refused=1)
                 response = error_response(401, "missing or wrong API key: send `Authorization: Bearer KEY`",
                                           "authentication_error", code="invalid_api_key")  # fmt: skip
                 return await response(scope, receive, send)
@@ -121,6 +122,7 @@ class Guard:
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
             status, what = (413, f"the request body is over {limit} bytes") if length.isdigit() else (400, "a bad Content-Length")
+            self.stats.add(refused=1)
             return await error_response(status, what, code="request_too_large" if status == 413 else None)(scope, receive, send)
         if scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
@@ -132,6 +134,7 @@ class Guard:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > limit:
+                self.stats.add(refused=1)
                 return await error_response(413, f"the request body is over {limit} bytes",
                                             code="request_too_large")(scope, receive, send)  # fmt: skip
         replayed = False
@@ -171,7 +174,7 @@ def create_app(served: Any, settings: dict[str, Any], model_name: str, api_key: 
     app.state.close = scheduler.close if scheduler else (lambda: None)
     app.state.kind = "classifier" if classifier else "language model"
     app.add_middleware(Guard, api_key=api_key, max_body=int(settings["max_body_bytes"]),
-                       max_upload=int(settings["max_upload_bytes"]))  # fmt: skip
+                       max_upload=int(settings["max_upload_bytes"]), stats=stats)  # fmt: skip
     page = resources.files("onn.tasks.serve").joinpath("page.html").read_text(encoding="utf-8")
 
     @app.exception_handler(ApiError)
