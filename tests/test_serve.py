@@ -17,12 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, compose, read_metrics
 
 KEY = "test-key"
 MODEL = "llama_tiny"
 CHROMIUM = Path("/usr/bin/chromium")
-SCREENSHOT_COPY = Path("/work/wt/serve-screenshot.png")  # where the lead looks at it; written when that folder exists
+SCREENSHOT_COPY = Path(
+    "/work/wt/serve-screenshot.png"
+)  # where the lead looks at it; written when that folder exists
 
 
 def serve_job(tmp: Path, *overrides: str, ckpt: Path | None = None):
@@ -61,7 +64,9 @@ def lm(tmp_path_factory):
 def client(running, key: str | None = KEY):
     import httpx2
 
-    return httpx2.Client(base_url=running.url, timeout=120, headers={"Authorization": f"Bearer {key}"} if key else {})
+    return httpx2.Client(
+        base_url=running.url, timeout=120, headers={"Authorization": f"Bearer {key}"} if key else {}
+    )
 
 
 def chat(http, content: str, max_tokens: int = 12, **extra) -> dict:
@@ -123,11 +128,17 @@ def test_max_tokens_stop_seed_and_limits(lm):
             cut = chat(http, "count", max_tokens=12, stop=[stop])
             assert cut["choices"][0]["message"]["content"] == full[: full.find(stop)]
             assert cut["choices"][0]["finish_reason"] == "stop"
-        sampled = [chat(http, "pick", max_tokens=8, temperature=1.0, seed=7)["choices"][0]["message"]["content"] for _ in range(2)]
+        sampled = [
+            chat(http, "pick", max_tokens=8, temperature=1.0, seed=7)["choices"][0]["message"]["content"]
+            for _ in range(2)
+        ]
         assert sampled[0] == sampled[1]  # the same seed, the same sample
         for body, status in (({"max_tokens": 65}, 400), ({"messages": [{"role": "user", "content": "x" * 300}]}, 400),
                              ({"model": "gpt-4"}, 404), ({"temperature": 3}, 400), ({"stop": ["a"] * 5}, 400)):  # fmt: skip
-            response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body})
+            response = http.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body},
+            )
             assert response.status_code == status, (body, response.text)
         too_big = http.post("/v1/chat/completions", content=b"{" + b" " * (2**20 + 10) + b"}",
                             headers={"Content-Type": "application/json"})  # fmt: skip
@@ -162,15 +173,21 @@ def malformed_requests(count: int) -> list[tuple[str, str, dict | None, bytes | 
     for i in range(count):
         kind = i % 4
         if kind == 0:
-            out.append(("POST", rng.choice(["/v1/chat/completions", "/v1/completions"]), None, rng.choice(RAW)))
+            out.append(
+                ("POST", rng.choice(["/v1/chat/completions", "/v1/completions"]), None, rng.choice(RAW))
+            )
         elif kind == 1:
             field = rng.choice(sorted(INVALID))
             out.append(("POST", "/v1/chat/completions", {**good, field: rng.choice(INVALID[field])}, None))
         elif kind == 2:
-            path = rng.choice(["/v1/nothing", "/v2/chat/completions", "/v1/models/gpt-4", "/etc/passwd", "/v1/chat"])
+            path = rng.choice(
+                ["/v1/nothing", "/v2/chat/completions", "/v1/models/gpt-4", "/etc/passwd", "/v1/chat"]
+            )
             out.append((rng.choice(["GET", "POST", "DELETE"]), path, None, b"{}"))
         else:
-            out.append(("POST", "/v1/classify", None, rng.choice([b"", b"--x\r\n", b"not multipart", b"\x00" * 100])))
+            out.append(
+                ("POST", "/v1/classify", None, rng.choice([b"", b"--x\r\n", b"not multipart", b"\x00" * 100]))
+            )
     return out
 
 
@@ -179,11 +196,21 @@ def test_a_fuzz_of_malformed_requests_gets_4xx_and_the_server_stays_up(lm):
     statuses = []
     with client(lm) as http:
         for method, path, body, raw in requests:
-            headers = {"Content-Type": "multipart/form-data; boundary=x" if path == "/v1/classify" else "application/json"}
+            headers = {
+                "Content-Type": "multipart/form-data; boundary=x"
+                if path == "/v1/classify"
+                else "application/json"
+            }
             response = http.request(method, path, json=body, headers=headers) if raw is None else \
                 http.request(method, path, content=raw, headers=headers)  # fmt: skip
             statuses.append(response.status_code)
-            assert 400 <= response.status_code < 500, (method, path, body, raw and raw[:80], response.text[:300])
+            assert 400 <= response.status_code < 500, (
+                method,
+                path,
+                body,
+                raw and raw[:80],
+                response.text[:300],
+            )
             error = response.json()["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["message"]
         assert chat(http, "still there?", max_tokens=4)["choices"][0]["message"]["role"] == "assistant"
@@ -210,7 +237,6 @@ def test_concurrent_greedy_requests_give_what_each_gives_alone(lm):
     concurrent_equals_alone(lm, prompts, [10, 6, 14, 8, 12, 9])
 
 
-@pytest.mark.slow
 def test_a_layer_streamed_model_batches_through_the_engine(tmp_path):
     job = serve_job(tmp_path, f"model={MODEL}", "strategy=sparse_lora", "strategy.streaming.store=disk",
                     "strategy.streaming.chunk_size=2", f"serve.api_key={KEY}")  # fmt: skip
@@ -240,9 +266,20 @@ def classifier(tmp_path_factory):
     from test_vision_train import make_images, run
 
     tmp = tmp_path_factory.mktemp("classifier")
+    threads = torch.get_num_threads()
     images = make_images(tmp / "images", train=12, test=2)
-    _, run_dir = run(tmp, f"data.source={images}", "trainer.max_epochs=2")
-    with start(serve_job(tmp, "model=v28_cnn", "data=image", f"data.source={images}", ckpt=run_dir)) as running:
+    _, run_dir = run(
+        tmp,
+        f"data.source={images}",
+        "trainer.max_epochs=6",
+        "optim.lr=0.2",
+        "data.batch_size=8",
+        "hardware=cpu_16gb",
+    )  # learns the stripes: test accuracy 1.0
+    torch.set_num_threads(threads)  # a preset machine's plan may set its own
+    with start(
+        serve_job(tmp, "model=v28_cnn", "data=image", f"data.source={images}", ckpt=run_dir)
+    ) as running:
         running.images = images
         yield running
 
@@ -254,7 +291,11 @@ def test_classify_an_upload(classifier):
                              data={"top_k": "2", "picture": "true"})  # fmt: skip
         assert response.status_code == 200, response.text
         result = response.json()
-        assert len(result["labels"]) == 2 and {r["label"] for r in result["labels"]} <= {"class0", "class1", "class2"}
+        assert len(result["labels"]) == 2 and {r["label"] for r in result["labels"]} <= {
+            "class0",
+            "class1",
+            "class2",
+        }
         assert result["labels"][0]["probability"] >= result["labels"][1]["probability"]
         assert result["picture"].startswith("data:image/png;base64,")
         bad = http.post("/v1/classify", files={"file": ("x.png", b"\x89PNG not really", "image/png")})
@@ -288,10 +329,14 @@ def test_the_cli_serves_until_ctrl_c_and_records_the_run(tmp_path):
                     break
             except httpx2.TransportError:
                 pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "slow"
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stdout.read() if proc.poll() is not None else "slow"
+            )
             time.sleep(0.3)
         headers = {"Authorization": f"Bearer {KEY}"}
-        assert httpx2.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 401  # ONN_API_KEY is the key
+        assert (
+            httpx2.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 401
+        )  # ONN_API_KEY is the key
         response = httpx2.post(f"http://127.0.0.1:{port}/v1/completions", headers=headers, timeout=60,
                                json={"model": MODEL, "prompt": "hi", "max_tokens": 3})  # fmt: skip
         assert response.status_code == 200
@@ -315,7 +360,6 @@ def test_serve_settings_are_checked_first():
             check({**config, "serve": {**config["serve"], key: value}})
 
 
-@pytest.mark.slow
 def test_the_web_page_chats_and_classifies_in_a_real_browser(lm, classifier, tmp_path):
     if not CHROMIUM.exists():
         pytest.skip("no chromium: apt-get install -y chromium")
@@ -332,7 +376,9 @@ def test_the_web_page_chats_and_classifies_in_a_real_browser(lm, classifier, tmp
             page.fill("#max-tokens", "24")
             page.fill("#prompt", "Hello, ONN!")
             page.click("#send")
-            page.wait_for_function("document.querySelector('.assistant') && document.querySelector('.assistant').textContent.length > 0")
+            page.wait_for_function(
+                "document.querySelector('.assistant') && document.querySelector('.assistant').textContent.length > 0"
+            )
             page.wait_for_selector("#send:not([disabled])")
             assert page.text_content(".user") == "Hello, ONN!"
             chat_shot = tmp_path / "chat.png"
@@ -343,7 +389,7 @@ def test_the_web_page_chats_and_classifies_in_a_real_browser(lm, classifier, tmp
             page.set_input_files("#file", str(classifier.images / "test" / "class2" / "000.png"))
             page.wait_for_selector("#result:not(.hidden)")
             label = page.text_content("#top-label")
-            assert label in ("class0", "class1", "class2")
+            assert label == "class2"
             assert page.eval_on_selector("#preview", "img => img.complete && img.naturalWidth > 0")
             shot = tmp_path / "classify.png"
             page.screenshot(path=str(shot))
@@ -363,3 +409,25 @@ def _side_by_side(left: Path, right: Path, out: Path) -> None:
     both.paste(b, (a.width, 0))
     both.save(out)
     shutil.copy(left, out.with_name(out.stem + "-chat.png"))
+
+
+def test_bench_serve_reports_the_speedup_latencies_and_no_errors(tmp_path):
+    from onn.app import execute
+
+    config = compose("task=bench_serve", f"model={MODEL}", "strategy=sparse_lora", "strategy.streaming.store=disk",
+                     "tracking=none", f"paths.outputs={tmp_path / 'outputs'}", f"paths.cache={tmp_path / 'cache'}",
+                     "task.requests=4", "task.max_tokens=6", "task.clients=8", "task.requests_per_client=2",
+                     "task.load_max_tokens=4", "hardware=cpu_16gb")  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        metrics = execute(config, tmp_path / "run")
+    finally:
+        torch.set_num_threads(threads)  # a preset machine's plan may set its own
+    assert metrics["serve/streamed"] and metrics["serve/store"] == "disk"
+    assert metrics["serve/errors"] == 0 and metrics["serve/load_requests"] == 16
+    assert metrics["serve/identical_to_alone"] == 4 and metrics["serve/widest_batch"] > 1
+    # each step of the requests together loaded every chunk once for all of them
+    assert metrics["serve/concurrent_chunk_loads"] < metrics["serve/sequential_chunk_loads"]
+    for key in ("ttft", "token", ""):
+        name = f"serve/{key}_p" if key else "serve/p"
+        assert 0 < metrics[f"{name}50_ms"] <= metrics[f"{name}99_ms"]

@@ -263,7 +263,9 @@ class Predictor:
     """A trained classifier answering one file at a time (task=serve): decoded by the modality's own
     read_inputs, as task=infer and the training data are."""
 
-    def __init__(self, m: ClassifierModality, config: dict[str, Any], module: Classifier, device: torch.device):
+    def __init__(
+        self, m: ClassifierModality, config: dict[str, Any], module: Classifier, device: torch.device
+    ):
         self.modality, self.config, self.device = m, config, device
         self.module = module.to(device).eval()
         self.inputs = module.onn_config["inputs"]
@@ -277,7 +279,9 @@ class Predictor:
         decoded = next((d for d in sets.values() if len(d.labels)), None)
         if decoded is None:
             reasons = [r for d in sets.values() for r in d.skipped]
-            raise UserError(f"the upload is no {self.modality.name} file ONN can decode: {'; '.join(reasons) or 'nothing in it'}")
+            raise UserError(
+                f"the upload is no {self.modality.name} file ONN can decode: {'; '.join(reasons) or 'nothing in it'}"
+            )
         x = decoded.inputs[:1].to(self.device)
         probs = torch.softmax(self.module(self.module.prepare(x, train=False)).float(), dim=1)[0].cpu()
         top = probs.topk(min(top_k, len(self.classes)))
@@ -290,7 +294,9 @@ class Predictor:
 
 def predictor(m: ClassifierModality, job: Job) -> Predictor:
     if job.ckpt is None:
-        raise UserError(f"task=serve on {m.name} data needs ckpt=RUN_DIR (a trained classifier) to know its classes.")
+        raise UserError(
+            f"task=serve on {m.name} data needs ckpt=RUN_DIR (a trained classifier) to know its classes."
+        )
     return Predictor(m, job.config, load_trained(m, job.config, job.plan, job.ckpt), torch.device(job.device))
 
 

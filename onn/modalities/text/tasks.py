@@ -288,7 +288,7 @@ def language_model(job: Job) -> LanguageModel:
 
 
 def infer(job: Job) -> dict[str, Any]:
-    config, plan, task = job.config, job.plan, job.config["task"]
+    config, task = job.config, job.config["task"]
     if not task["input"] and not config["prompt"]:
         raise UserError('task=infer needs prompt="..." or task.input=prompts.jsonl.')
     lm = language_model(job)

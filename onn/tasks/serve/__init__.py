@@ -27,15 +27,26 @@ def check(config: dict[str, Any]) -> None:
     """serve.* before the model is built: one sentence per mistake."""
     settings = config.get("serve")
     if not isinstance(settings, dict):
-        raise UserError("task=serve needs its serve.* settings: choose it with task=serve (conf/task/serve.yaml).")
+        raise UserError(
+            "task=serve needs its serve.* settings: choose it with task=serve (conf/task/serve.yaml)."
+        )
     for key in WHOLE:
         value = settings[key]
         least = 0 if key == "port" else 1
-        if isinstance(value, bool) or not isinstance(value, int) or value < least or (key == "port" and value > 65535):
-            raise UserError(f"serve.{key}={value!r}: give a whole number, {least} or more{' (at most 65535)' if key == 'port' else ''}.")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or value < least
+            or (key == "port" and value > 65535)
+        ):
+            raise UserError(
+                f"serve.{key}={value!r}: give a whole number, {least} or more{' (at most 65535)' if key == 'port' else ''}."
+            )
     if not isinstance(settings["host"], str) or not settings["host"]:
         raise UserError(f"serve.host={settings['host']!r}: give an address to listen on, e.g. 127.0.0.1.")
-    if settings["api_key"] is not None and not (isinstance(settings["api_key"], str) and settings["api_key"].strip()):
+    if settings["api_key"] is not None and not (
+        isinstance(settings["api_key"], str) and settings["api_key"].strip()
+    ):
         raise UserError("serve.api_key: give a non-empty string, or null for none.")
 
 
@@ -63,7 +74,10 @@ def run(job: Job) -> dict[str, Any]:
     settings = job.config["serve"]
     host, key = settings["host"], api_key(settings)
     if host not in ("127.0.0.1", "localhost", "::1") and not key:
-        log.warning("serve.host=%s opens the server to the network without a key: set serve.api_key (or ONN_API_KEY)", host)
+        log.warning(
+            "serve.host=%s opens the server to the network without a key: set serve.api_key (or ONN_API_KEY)",
+            host,
+        )
     app = build_app(job)
     server = make_server(app, host, int(settings["port"]))
     name = model_name(job.config)
@@ -87,10 +101,17 @@ def run(job: Job) -> dict[str, Any]:
     finally:
         app.state.close()
     if not server.started:
-        raise UserError(f"serve.port={settings['port']} on {host} could not be opened (in use? see the log above).")
+        raise UserError(
+            f"serve.port={settings['port']} on {host} could not be opened (in use? see the log above)."
+        )
     stats = app.state.stats
     out = {"serve/requests": stats.requests, "serve/refused": stats.refused,
            "serve/completion_tokens": stats.completion_tokens, "serve/kind": kind}  # fmt: skip
     if app.state.scheduler is not None:
-        out.update({"serve/decode_steps": app.state.scheduler.steps, "serve/widest_batch": app.state.scheduler.widest})
+        out.update(
+            {
+                "serve/decode_steps": app.state.scheduler.steps,
+                "serve/widest_batch": app.state.scheduler.widest,
+            }
+        )
     return out

@@ -47,7 +47,9 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -77,7 +79,9 @@ class Message(BaseModel):
 class Generation(BaseModel):
     """What chat completions and completions share."""
 
-    model_config = ConfigDict(strict=True, extra="allow")  # other OpenAI fields (user, logit_bias...) are ignored
+    model_config = ConfigDict(
+        strict=True, extra="allow"
+    )  # other OpenAI fields (user, logit_bias...) are ignored
     model: str = Field(max_length=256)
     stream: bool = False
     max_tokens: int | None = Field(default=None, ge=1)
@@ -104,7 +108,13 @@ class Guard:
     over the limit (read to its end at most that far; the route then gets it from memory)."""
 
     def __init__(self, app, api_key: str | None, max_body: int, max_upload: int, stats: Stats):
-        self.app, self.api_key, self.max_body, self.max_upload, self.stats = app, api_key, max_body, max_upload, stats
+        self.app, self.api_key, self.max_body, self.max_upload, self.stats = (
+            app,
+            api_key,
+            max_body,
+            max_upload,
+            stats,
+        )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -113,7 +123,9 @@ class Guard:
         if self.api_key and scope["path"] not in OPEN_PATHS:
             given = headers.get("authorization", "")
             scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
+            if scheme.lower() != "bearer" or not secrets.compare_digest(
+                token.strip().encode(), self.api_key.encode()
+            ):
                 self.stats.add(refused=1)
                 response = error_response(401, "missing or wrong API key: send `Authorization: Bearer KEY`",
                                           "authentication_error", code="invalid_api_key")  # fmt: skip
@@ -121,9 +133,15 @@ class Guard:
         limit = self.max_upload + UPLOAD_OVERHEAD if scope["path"] == "/v1/classify" else self.max_body
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
-            status, what = (413, f"the request body is over {limit} bytes") if length.isdigit() else (400, "a bad Content-Length")
+            status, what = (
+                (413, f"the request body is over {limit} bytes")
+                if length.isdigit()
+                else (400, "a bad Content-Length")
+            )
             self.stats.add(refused=1)
-            return await error_response(status, what, code="request_too_large" if status == 413 else None)(scope, receive, send)
+            return await error_response(status, what, code="request_too_large" if status == 413 else None)(
+                scope, receive, send
+            )
         if scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         body, more = bytearray(), True
@@ -186,13 +204,17 @@ def create_app(served: Any, settings: dict[str, Any], model_name: str, api_key: 
     async def _http_error(request: Request, e: StarletteHTTPException):
         stats.add(refused=1)
         codes = {404: "unknown_url", 405: "method_not_allowed"}
-        return error_response(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=codes.get(e.status_code))
+        return error_response(
+            e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=codes.get(e.status_code)
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
         stats.add(refused=1)
         first = e.errors()[0] if e.errors() else {}
-        return error_response(400, first.get("msg", "invalid request"), param=".".join(map(str, first.get("loc", ()))))
+        return error_response(
+            400, first.get("msg", "invalid request"), param=".".join(map(str, first.get("loc", ())))
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):  # a bug: said, logged, and the server goes on
@@ -222,10 +244,14 @@ def create_app(served: Any, settings: dict[str, Any], model_name: str, api_key: 
     async def chat(request: Request):
         req = _parse(await request.body(), ChatRequest)
         lm = _language_model(served, req, model_name)
-        messages = [{"role": "user" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        messages = [
+            {"role": "user" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
+        ]
         prompter = lm.prompter
         if settings["template"] and len(messages) == 1 and messages[0]["role"] == "user":
-            text = prompter.render(messages[0]["content"])  # as the model was trained: data.template, chat template
+            text = prompter.render(
+                messages[0]["content"]
+            )  # as the model was trained: data.template, chat template
         elif settings["template"] or prompter.chat:
             text = prompter.render_messages(messages)
         else:
@@ -281,7 +307,9 @@ def create_app(served: Any, settings: dict[str, Any], model_name: str, api_key: 
             seq.cancel()
             raise
         if finish["finish"] == "error":
-            raise ApiError(503, f"generation failed: {finish['error']}", "server_error", code="generation_failed")
+            raise ApiError(
+                503, f"generation failed: {finish['error']}", "server_error", code="generation_failed"
+            )
         stats.add(completion_tokens=finish["completion_tokens"])
         content = "".join(text)
         choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish["finish"],
@@ -290,7 +318,9 @@ def create_app(served: Any, settings: dict[str, Any], model_name: str, api_key: 
         return {"id": rid, "object": kind, "created": now, "model": model_name, "choices": [choice],
                 "usage": _usage(finish)}  # fmt: skip
 
-    async def _stream(seq: Sequence, events: asyncio.Queue, rid: str, kind: str, now: int, name: str, usage: bool):
+    async def _stream(
+        seq: Sequence, events: asyncio.Queue, rid: str, kind: str, now: int, name: str, usage: bool
+    ):
         chat = kind == "chat.completion"
 
         def chunk(delta: dict | None, text: str | None, finish: str | None) -> str:
@@ -309,7 +339,11 @@ def create_app(served: Any, settings: dict[str, Any], model_name: str, api_key: 
                     yield chunk({"content": event["text"]}, event["text"], None)
                     continue
                 if event["finish"] == "error":
-                    yield _sse(error_body(f"generation failed: {event['error']}", "server_error", code="generation_failed"))
+                    yield _sse(
+                        error_body(
+                            f"generation failed: {event['error']}", "server_error", code="generation_failed"
+                        )
+                    )
                     break
                 stats.add(completion_tokens=event["completion_tokens"])
                 yield chunk({}, "", event["finish"])
@@ -327,9 +361,13 @@ def create_app(served: Any, settings: dict[str, Any], model_name: str, api_key: 
             raise ApiError(400, f"{model_name} is a language model: use /v1/chat/completions or /v1/completions",
                            code="not_a_classifier")  # fmt: skip
         try:
-            form = await request.form(max_files=1, max_fields=8, max_part_size=int(settings["max_upload_bytes"]))
+            form = await request.form(
+                max_files=1, max_fields=8, max_part_size=int(settings["max_upload_bytes"])
+            )
         except Exception as e:  # not multipart, a broken body, too many parts
-            raise ApiError(400, f"send the file as multipart/form-data in the field `file` ({_short(e)})", param="file") from None
+            raise ApiError(
+                400, f"send the file as multipart/form-data in the field `file` ({_short(e)})", param="file"
+            ) from None
         try:
             return await _classify(form)
         finally:
@@ -347,11 +385,18 @@ def create_app(served: Any, settings: dict[str, Any], model_name: str, api_key: 
         picture = fields.get("picture", "false").lower() in ("1", "true", "yes")
         data = await upload.read(int(settings["max_upload_bytes"]) + 1)
         if len(data) > int(settings["max_upload_bytes"]):
-            raise ApiError(413, f"the file is over {settings['max_upload_bytes']} bytes", param="file", code="request_too_large")
+            raise ApiError(
+                413,
+                f"the file is over {settings['max_upload_bytes']} bytes",
+                param="file",
+                code="request_too_large",
+            )
         if not data:
             raise ApiError(400, "the file is empty", param="file")
         stats.add(requests=1)
-        labels, image = await run_in_threadpool(_run_classifier, served, data, upload.filename or "", top_k, picture)
+        labels, image = await run_in_threadpool(
+            _run_classifier, served, data, upload.filename or "", top_k, picture
+        )
         out = {"object": "classification", "model": model_name, "filename": upload.filename,
                "labels": [{"label": label, "probability": round(p, 6)} for label, p in labels]}  # fmt: skip
         if image is not None:
@@ -364,7 +409,9 @@ def create_app(served: Any, settings: dict[str, Any], model_name: str, api_key: 
 _classify_lock = threading.Lock()
 
 
-def _run_classifier(served, data: bytes, filename: str, top_k: int, picture: bool) -> tuple[list, bytes | None]:
+def _run_classifier(
+    served, data: bytes, filename: str, top_k: int, picture: bool
+) -> tuple[list, bytes | None]:
     """Decode the upload as the modality reads a file (a temporary file of the upload's extension)."""
     suffix = "".join(Path(filename).suffixes[-2:])[:16].lower()
     suffix = suffix if re.fullmatch(r"(\.[a-z0-9]{1,8}){1,2}", suffix) else ""
@@ -409,7 +456,9 @@ def _no_constant(name: str):
 
 def _language_model(served, req: Generation, model_name: str):
     if hasattr(served, "classify"):
-        raise ApiError(400, f"{model_name} is a classifier: POST a file to /v1/classify", code="not_a_language_model")
+        raise ApiError(
+            400, f"{model_name} is a classifier: POST a file to /v1/classify", code="not_a_language_model"
+        )
     if req.model != model_name:
         raise ApiError(404, f"the model {req.model!r} does not exist; this server has {model_name!r}", param="model",
                        code="model_not_found")  # fmt: skip
@@ -419,7 +468,9 @@ def _language_model(served, req: Generation, model_name: str):
 def _prompt_ids(lm, text: str, special: bool, settings: dict[str, Any], param: str) -> list[int]:
     limit = int(settings["max_prompt_tokens"])
     if len(text) > limit * 64:  # no tokenizer packs more than this into a token: refuse before tokenizing
-        raise ApiError(400, f"the prompt is longer than {limit} tokens", param=param, code="context_length_exceeded")
+        raise ApiError(
+            400, f"the prompt is longer than {limit} tokens", param=param, code="context_length_exceeded"
+        )
     ids = list(lm.tokenizer(text, add_special_tokens=special)["input_ids"])
     if not ids:
         raise ApiError(400, "the prompt is empty", param=param)
@@ -433,10 +484,16 @@ def _sampling(req: Generation, settings: dict[str, Any]) -> Sampling:
     most = int(settings["max_tokens"])
     wanted = req.max_completion_tokens or req.max_tokens or min(int(settings["default_max_tokens"]), most)
     if wanted > most:
-        raise ApiError(400, f"max_tokens={wanted}: this server generates at most {most} (serve.max_tokens)", param="max_tokens")
+        raise ApiError(
+            400,
+            f"max_tokens={wanted}: this server generates at most {most} (serve.max_tokens)",
+            param="max_tokens",
+        )
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > int(settings["max_stop"]) or any(not s or len(s) > 256 for s in stop):
-        raise ApiError(400, f"stop: at most {settings['max_stop']} strings of 1 to 256 characters", param="stop")
+        raise ApiError(
+            400, f"stop: at most {settings['max_stop']} strings of 1 to 256 characters", param="stop"
+        )
     temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
     return Sampling(wanted, temperature, 1.0 if req.top_p is None else req.top_p, req.seed, stop)
 

@@ -63,7 +63,11 @@ class Scheduler:
         self.lm, self.slots = lm, slots
         self.tokenizer = lm.tokenizer
         self.eos = lm.eos_ids
-        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos, default=0)
+        self.pad = (
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else min(self.eos, default=0)
+        )
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.active: list[Sequence] = []
         self.cache = None
@@ -183,7 +187,10 @@ class Scheduler:
         if len(seq.text) > seq.sent:
             _send(seq, {"text": seq.text[seq.sent :]})
             seq.sent = len(seq.text)
-        _send(seq, {"finish": reason, "prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.tokens)})
+        _send(
+            seq,
+            {"finish": reason, "prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.tokens)},
+        )
         return True
 
     def _keep(self, rows: list[int]) -> None:
@@ -196,7 +203,9 @@ class Scheduler:
         mask = self.mask.index_select(0, index)
         columns = mask.any(dim=0).nonzero()[:, 0]
         self.mask = mask.index_select(1, columns)
-        _edit_cache(self.cache, lambda t: t.index_select(0, index.to(t.device)).index_select(2, columns.to(t.device)))
+        _edit_cache(
+            self.cache, lambda t: t.index_select(0, index.to(t.device)).index_select(2, columns.to(t.device))
+        )
 
 
 def _send(seq: Sequence, event: dict[str, Any]) -> None:
