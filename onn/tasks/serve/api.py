@@ -248,14 +248,21 @@ def create_app(served: Any, settings: dict[str, Any], model_name: str, api_key: 
             {"role": "user" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
         ]
         prompter = lm.prompter
-        if settings["template"] and len(messages) == 1 and messages[0]["role"] == "user":
-            text = prompter.render(
-                messages[0]["content"]
-            )  # as the model was trained: data.template, chat template
-        elif settings["template"] or prompter.chat:
-            text = prompter.render_messages(messages)
-        else:
-            text = "".join(m["content"] for m in messages)
+        try:
+            if settings["template"] and len(messages) == 1 and messages[0]["role"] == "user":
+                text = prompter.render(
+                    messages[0]["content"]
+                )  # as trained: data.template, then the chat template
+            elif settings["template"] or prompter.chat:
+                text = prompter.render_messages(messages)
+            else:
+                text = "".join(m["content"] for m in messages)
+        except (
+            Exception
+        ) as e:  # a chat template's own rule (roles that must alternate...), a template's field
+            raise ApiError(
+                400, f"the messages do not fit the model's prompt format: {_short(e)}", param="messages"
+            ) from None
         ids = _prompt_ids(lm, text, prompter.add_special_tokens, settings, "messages")
         return await _generate(request, req, ids, "chat.completion")
 
