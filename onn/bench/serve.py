@@ -5,7 +5,7 @@ serve/batching_speedup      `requests` greedy requests sent at once against the 
                             load serves every sequence of a step, so this nears `requests`
 serve/concurrent_over_single  the time for all of them at once against one request alone
 serve/ttft_p50_ms, _p99_ms  `clients` clients x `requests_per_client` streamed requests: time to the first token
-serve/token_p50_ms, _p99_ms the time per token after the first (a request's TPOT)
+serve/token_p50_ms, _p99_ms the time between tokens (one chunk per token)
 serve/p50_ms, serve/p99_ms  the whole request
 serve/errors                requests that did not end in a complete stream (status, [DONE])
 """
@@ -128,9 +128,9 @@ def _load(http, name: str, clients: int, per_client: int, max_tokens: int) -> di
 
     def one(client: int, i: int) -> None:
         body = {"model": name, "messages": [{"role": "user", "content": f"{PROMPTS[(client + i) % len(PROMPTS)]} #{client}"}],
-                "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-        start = time.perf_counter()
-        first, tokens, done = None, 0, False
+                "max_tokens": max_tokens, "temperature": 0, "stream": True}  # fmt: skip
+        start = last = time.perf_counter()
+        first, between, done = None, [], False
         try:
             with http.stream("POST", "/v1/chat/completions", json=body) as response:
                 if response.status_code != 200:
@@ -144,26 +144,26 @@ def _load(http, name: str, clients: int, per_client: int, max_tokens: int) -> di
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
                         raise RuntimeError(chunk["error"]["message"])
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
                     delta = chunk["choices"][0]["delta"] if chunk["choices"] else {}
-                    # the first token: text, or the end (a byte-level model's text may wait for a whole character)
-                    if first is None and (
-                        delta.get("content") or chunk["choices"] and chunk["choices"][0]["finish_reason"]
-                    ):
-                        first = time.perf_counter() - start
+                    if (
+                        "content" in delta and "role" not in delta
+                    ):  # one chunk per token (its text may be empty)
+                        now = time.perf_counter()
+                        if first is None:
+                            first = now - start
+                        else:
+                            between.append(now - last)
+                        last = now
             if not done or first is None:
                 raise RuntimeError("the stream ended without a token and [DONE]")
         except Exception as e:
             with lock:
                 errors.append(f"{type(e).__name__}: {e}")
             return
-        total = time.perf_counter() - start
         with lock:
-            totals.append(total)
+            totals.append(time.perf_counter() - start)
             ttft.append(first)
-            if tokens > 1:  # time per output token after the first (vLLM's TPOT)
-                gaps.append((total - first) / (tokens - 1))
+            gaps.extend(between)
 
     def client_loop(client: int) -> None:
         for i in range(per_client):

@@ -98,6 +98,8 @@ def run(job: Job) -> dict[str, Any]:
     server.startup = startup
     try:
         server.run()
+    except SystemExit:  # uvicorn's answer to an address it cannot bind: said below, in one sentence
+        pass
     finally:
         app.state.close()
     if not server.started:

@@ -38,8 +38,9 @@ class Sampling:
 
 @dataclass
 class Sequence:
-    """One request's completion. `emit` gets {"text": delta} events, then one {"finish": reason, ...}; it is
-    called on the scheduler's thread and must not block."""
+    """One request's completion. `emit` gets one {"text": delta} event per token (the delta may be empty while
+    an incomplete character or a possible stop string waits), then one {"finish": reason, ...}; it is called on
+    the scheduler's thread and must not block."""
 
     prompt_ids: list[int]
     sampling: Sampling
@@ -74,6 +75,7 @@ class Scheduler:
         self.mask: torch.Tensor | None = None  # [rows, columns of the cache]: 1 where a row attends
         self.lock = threading.Condition()
         self.stopping = False
+        self.plain = True  # the cache holds one column per position in every layer (see _step)
         self.steps = 0
         self.widest = 0  # most rows one step has served
         self.thread = threading.Thread(target=self._loop, name="onn-serve-decode", daemon=True)
@@ -100,7 +102,10 @@ class Scheduler:
                 if self.stopping:
                     break
                 joining = []
-                while self.waiting and len(self.active) + len(joining) < self.slots:
+                # a cache that is not one plain column per position (sliding windows) is never re-laid: new
+                # sequences wait for the batch to finish (admission in waves)
+                room = self.slots if self.plain or not self.active else 0
+                while self.waiting and len(self.active) + len(joining) < room:
                     seq = self.waiting.popleft()
                     if not seq.cancelled.is_set():
                         joining.append(seq)
@@ -140,6 +145,9 @@ class Scheduler:
         step_mask = torch.tensor(rows_mask, dtype=torch.long, device=device)
         if self.cache is None:
             self.cache, past = self.lm.new_cache(), torch.zeros(0, 0, dtype=torch.long, device=device)
+            self.plain = all(
+                type(layer).__name__ == "DynamicLayer" for layer in getattr(self.cache, "layers", [])
+            )
         else:
             past = self.mask
         if joining and past.shape[1]:
@@ -178,9 +186,9 @@ class Scheduler:
                 if text[:ready].endswith(stop[:k]):
                     ready -= k
                     break
-        if ready > seq.sent:
-            _send(seq, {"text": text[seq.sent : ready]})
-            seq.sent = ready
+        # every token is an event, also one whose text waits (the client sees the pace; OpenAI's "content": "")
+        _send(seq, {"text": text[seq.sent : ready] if ready > seq.sent else ""})
+        seq.sent = max(seq.sent, ready)
         return False
 
     def _finish(self, seq: Sequence, reason: str) -> bool:
