@@ -351,13 +351,18 @@ def test_the_cli_serves_until_ctrl_c_and_records_the_run(tmp_path):
 
 def test_serve_settings_are_checked_first():
     from onn.errors import UserError
-    from onn.tasks.serve import check
+    from onn.tasks.serve import check, free_address
 
     config = compose("task=serve")
     check(config)
     for key, value in (("port", 70000), ("slots", 0), ("max_tokens", "many"), ("api_key", "")):
         with pytest.raises(UserError, match=f"serve.{key}"):
             check({**config, "serve": {**config["serve"], key: value}})
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(UserError, match="cannot be listened on"):
+            free_address("127.0.0.1", taken.getsockname()[1])  # said before the model is built
 
 
 def test_the_web_page_chats_and_classifies_in_a_real_browser(lm, classifier, tmp_path):

@@ -59,6 +59,22 @@ def model_name(config: dict[str, Any]) -> str:
     return str(config["serve"]["model_name"] or config["model"]["name"])
 
 
+def free_address(host: str, port: int) -> None:
+    """UserError when host:port cannot be listened on (taken, or not this machine's address)."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(infos[0][4])
+    except OSError as e:
+        raise UserError(f"serve.host={host} serve.port={port} cannot be listened on ({e.strerror or e}): "
+                        "choose another serve.port (0: any free one).") from None  # fmt: skip
+
+
 def build_app(job: Job):
     """The app for the job's model (built by its modality, as task=infer builds it)."""
     from onn.tasks.serve.api import create_app
@@ -78,6 +94,7 @@ def run(job: Job) -> dict[str, Any]:
             "serve.host=%s opens the server to the network without a key: set serve.api_key (or ONN_API_KEY)",
             host,
         )
+    free_address(host, int(settings["port"]))  # before the model is built: a taken port costs a second
     app = build_app(job)
     server = make_server(app, host, int(settings["port"]))
     name = model_name(job.config)
