@@ -314,3 +314,17 @@ def test_a_gguf_file_loads_block_by_block_into_the_store(tmp_path):
     with torch.no_grad():
         want = full(**batch).loss
     torch.testing.assert_close(engine.loss([batch])[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_large_models_time_copies_of_one_and_two_of_their_own_blocks(tmp_path):
+    """A copy of one block is no run of blocks to discover: its layer map must come from the whole model
+    (once, a one-block copy streamed an MLP's linears as if they were blocks and crashed)."""
+    from onn.hardware.profile import resolve
+    from onn.modalities import get
+    from onn.modalities.text.calibrate import block_times
+
+    cfg = compose("model=llama_tiny", "strategy=sparse_lora", f"paths.cache={tmp_path}", root=tmp_path)
+    hw = resolve(cfg["hardware"], tmp_path, tmp_path)
+    planned, _ = get("text").plan(cfg, hw)
+    costs = block_times(cfg, planned, hw, 16, 2, 1, large=True)
+    assert set(costs) == {"lora", "frozen", "below", "rest"} and costs["lora"] > 0

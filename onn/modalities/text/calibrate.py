@@ -157,7 +157,10 @@ def _step_s(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, 
         model = auto_class(arch).from_config(arch)
         dtype = torch_dtype(plan["weights_dtype"])
         model = model.to(dtype)
+        container = model.get_submodule(blocks_path)
         model = apply(model, plan["strategy"], config["strategy"], discover(model, blocks_path), adapted)
+        # the blocks' path inside the wrapped model, given: a copy of one block is no run to discover
+        layer_map = discover(model, next(name for name, m in model.named_modules() if m is container))
         if plan["strategy"] != "full":  # adapters in fp32, as a run has them
             for p in model.parameters():
                 if p.requires_grad:
@@ -170,7 +173,7 @@ def _step_s(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, 
         if plan["strategy"] == "sparse_lora":
             s = plan["streaming"]
             engine = StreamingEngine(
-                model, discover(model), LayerStore("cpu", s["store_dtype"]), 1, micro_batch=micro
+                model, layer_map, LayerStore("cpu", s["store_dtype"]), 1, micro_batch=micro
             )
             engine.offload()
 
