@@ -38,6 +38,15 @@ def module(cfg):
     return dm
 
 
+def texts_of(batch) -> list[str]:
+    """Each sample's text, decoded as data.trace writes it."""
+    from onn.models.tokenizer import byte_tokenizer
+
+    tok = byte_tokenizer()
+    return [tok.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+            for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]  # fmt: skip
+
+
 def ids_of(loader) -> list[int]:
     from onn.models.tokenizer import byte_tokenizer
 
@@ -122,23 +131,26 @@ def _trace(path) -> list[tuple[int, list[str]]]:
 @pytest.mark.slow
 def test_kill_9_mid_epoch_resumes_on_the_exact_sample(tmp_path, outputs):
     """run.py killed with SIGKILL after a mid-epoch checkpoint, resumed with ckpt=: the samples trained on,
-    step by step, are those of an uninterrupted run (across the epoch boundary too). A resume that restarted
-    the epoch, reshuffled or skipped a batch would differ."""
+    step by step (data.trace), are those of an uninterrupted pass of the same loader, across epoch boundaries
+    too. A resume that restarted the epoch, reshuffled or skipped a batch would differ."""
     source = tmp_path / "d.jsonl"
-    write_jsonl(source, 160)
-    steps = 60  # 152 training records / batch 8 = 19 steps an epoch: the run spans 3 epochs
+    write_jsonl(source, 90)
+    steps, epoch = 30, 11  # 86 training records (4 held out) in batches of 8: the run spans 3 epochs
     args = [*STREAM, f"data.source={source}", "data.shuffle_buffer=16", "data.batch_size=8", f"trainer.max_steps={steps}",
             "checkpoint.every_n_steps=1", "trainer.val_check_interval=1000", f"paths.outputs={outputs}"]  # fmt: skip
-    whole = tmp_path / "whole.jsonl"
-    proc = run_cli(*args, f"data.trace={whole}", f"hydra.run.dir={outputs / 'whole'}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the uninterrupted run's samples, step by step: the same loader, in-process, epoch after epoch
+    cfg, whole = data_cfg(source, shuffle_buffer=16, batch_size=8, max_length=64), []
+    loader = module(cfg).train_dataloader()
+    while len(whole) < steps:
+        whole += [texts_of(batch) for batch in loader]
+    whole = list(enumerate(whole[:steps]))
     killed, trace = outputs / "killed", tmp_path / "killed.jsonl"
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args, f"data.trace={trace}", f"hydra.run.dir={killed}"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     meta = killed / "checkpoints" / "last.ckpt" / "meta.json"
     deadline, step = time.time() + 300, 0
-    while time.time() < deadline and proc.poll() is None and step < 25:  # mid-way through the second epoch
+    while time.time() < deadline and proc.poll() is None and step < epoch + 3:  # into the second epoch
         try:
             found = re.search(r'"global_step", (\d+)', meta.read_text())
             step = int(found.group(1)) if found else 0
@@ -148,14 +160,14 @@ def test_kill_9_mid_epoch_resumes_on_the_exact_sample(tmp_path, outputs):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     saved = int(re.search(r'"global_step", (\d+)', meta.read_text()).group(1))
-    assert 19 < saved < steps and saved % 19, f"no mid-epoch checkpoint to resume from (step {saved})"
+    assert epoch < saved < steps and saved % epoch, f"no mid-epoch checkpoint to resume from (step {saved})"
     resumed = tmp_path / "resumed.jsonl"
     proc = run_cli(*args, f"ckpt={killed}", f"data.trace={resumed}", f"hydra.run.dir={outputs / 'resumed'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     before = [s for s in _trace(trace) if s[0] < saved]
     after = _trace(resumed)
     assert after[0][0] == saved and [s for s, _ in before] == list(range(saved))
-    assert before + after == _trace(whole)
+    assert before + after == whole
     assert read_metrics(outputs / "resumed")["steps"] == steps
 
 
