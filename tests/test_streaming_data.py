@@ -243,3 +243,36 @@ def test_a_file_cut_mid_record_is_one_sentence(tmp_path):
     proc = run_cli(*STREAM, f"data.source={source}", "trainer.max_steps=2", f"paths.outputs={tmp_path / 'o'}")
     assert proc.returncode != 0 and "line 50 is cut off mid-record" in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_streamed_images_resume_mid_epoch_from_the_checkpointed_loader_state(tmp_path):
+    """Media data streamed (data.resident=false): the training loader's state, through ONN's checkpoint
+    encoding (JSON + tensors), resumes the epoch and the next one in the uninterrupted order (2 workers)."""
+    from test_vision_train import make_images
+
+    from onn.modalities.image.dataset import ImageDataModule
+    from onn.training.checkpoints import flatten, unflatten
+
+    root = make_images(tmp_path / "images", train=24, test=4)
+
+    def loader():
+        data = compose("data=image", f"data.source={root}", "data.resident=false", "data.num_workers=2", "data.batch_size=4",
+                       "data.mean=[0.5,0.5,0.5]", "data.std=[0.25,0.25,0.25]")["data"]  # fmt: skip
+        dm = ImageDataModule(data, str(tmp_path / "cache"))
+        dm.setup()
+        return dm.train_dataloader()
+
+    def sums(batches) -> list[float]:
+        return [round(float(x.float().sum()), 2) for x, _ in batches]
+
+    whole_loader = loader()
+    whole = sums(whole_loader) + sums(whole_loader)
+    assert whole[: len(whole) // 2] != whole[len(whole) // 2 :]  # each epoch is shuffled anew
+    first_loader = loader()
+    it = iter(first_loader)
+    first = sums(next(it) for _ in range(3))
+    tensors: dict = {}
+    meta = json.loads(json.dumps(flatten(first_loader.state_dict(), tensors)))
+    resumed = loader()
+    resumed.load_state_dict(unflatten(meta, tensors))
+    assert first + sums(resumed) + sums(resumed) == whole
