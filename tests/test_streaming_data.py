@@ -171,9 +171,24 @@ def test_kill_9_mid_epoch_resumes_on_the_exact_sample(tmp_path, outputs):
     assert read_metrics(outputs / "resumed")["steps"] == steps
 
 
-def test_auto_streams_over_the_budget_and_the_plan_says_so(tmp_path):
+def test_auto_streams_over_the_budget(tmp_path):
     source = tmp_path / "d.jsonl"
     write_jsonl(source, 3000, filler="lorem ipsum " * 10)  # ~0.5 MB on disk
+    from onn.modalities.text.streaming import streaming_choice
+
+    over, reason = streaming_choice(data_cfg(source, streaming="auto", resident_max_mb=1))
+    assert over is True and re.fullmatch(r"data: streamed from d\.jsonl: about \d+ MB decoded \(3,000 records\) is over "
+                                         r"data\.resident_max_mb=1 \(data\.streaming=auto\)", reason)  # fmt: skip
+    held, reason = streaming_choice(data_cfg(source, streaming="auto", resident_max_mb=500))
+    assert held is False and reason.startswith("data: held in memory: about")
+    assert module(data_cfg(source, streaming="auto", resident_max_mb=1)).stream is not None
+    assert module(data_cfg(source, streaming="auto", resident_max_mb=500)).stream is None
+
+
+@pytest.mark.slow
+def test_the_plan_says_when_auto_streams(tmp_path):
+    source = tmp_path / "d.jsonl"
+    write_jsonl(source, 3000, filler="lorem ipsum " * 10)
     over = run_cli("task=plan", "model=llama_tiny", "data=text", f"data.source={source}", "data.resident_max_mb=1",
                    "tracking=none", f"paths.outputs={tmp_path / 'out'}")  # fmt: skip
     assert over.returncode == 0, over.stderr[-3000:]
@@ -181,13 +196,6 @@ def test_auto_streams_over_the_budget_and_the_plan_says_so(tmp_path):
         r"data: streamed from d\.jsonl: about \d+ MB decoded \(3,000 records\) is over data\.resident_max_mb=1",
         over.stdout,
     )
-    from onn.modalities.text.streaming import streaming_choice
-
-    assert streaming_choice(data_cfg(source, streaming="auto", resident_max_mb=1))[0] is True
-    held, reason = streaming_choice(data_cfg(source, streaming="auto", resident_max_mb=500))
-    assert held is False and reason.startswith("data: held in memory: about")
-    assert module(data_cfg(source, streaming="auto", resident_max_mb=1)).stream is not None
-    assert module(data_cfg(source, streaming="auto", resident_max_mb=500)).stream is None
 
 
 def test_formats_stream_as_their_resident_records(tmp_path):
@@ -240,6 +248,13 @@ def test_a_file_cut_mid_record_is_one_sentence(tmp_path):
     csv_path.write_text('question,answer\n"q1",a\n"q2, cut')
     with pytest.raises(UserError, match=r"cut\.csv line 3 opens a quoted field"):
         module(data_cfg(csv_path))
+
+
+@pytest.mark.slow
+def test_a_cut_file_ends_a_run_in_one_sentence(tmp_path):
+    source = tmp_path / "cut.jsonl"
+    write_jsonl(source, 50)
+    source.write_bytes(source.read_bytes()[:-9])
     proc = run_cli(*STREAM, f"data.source={source}", "trainer.max_steps=2", f"paths.outputs={tmp_path / 'o'}")
     assert proc.returncode != 0 and "line 50 is cut off mid-record" in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
