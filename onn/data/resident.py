@@ -402,9 +402,14 @@ class ClassificationData(L.LightningDataModule):
         return "test" in (self.streamed or self.splits)
 
     def _loader(self, split: str, shuffle: bool):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
         items, index = self.streamed[split]
         workers = int(self.cfg["num_workers"])
-        return torch.utils.data.DataLoader(
+        # training: stateful, so Lightning keeps the shuffle's position in the checkpoint and a resumed epoch goes
+        # on where it stopped (exact with workers; with num_workers=0 the later epochs shuffle differently)
+        loader = StatefulDataLoader if shuffle else torch.utils.data.DataLoader
+        return loader(
             StreamedItems(items, index), batch_size=self.batch_size if shuffle else self.eval_batch_size,
             shuffle=shuffle, drop_last=shuffle, num_workers=workers, persistent_workers=workers > 0,
             pin_memory=self.device.type == "cuda", generator=torch.Generator().manual_seed(self.seed),

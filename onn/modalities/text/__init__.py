@@ -59,6 +59,7 @@ class TextModality(Modality):
 
     def plan(self, config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = True):
         from onn.modalities.text.calibrate import refine
+        from onn.modalities.text.streaming import streaming_choice
         from onn.planning.plan import make_plan
         from onn.planning.spec import model_spec
 
@@ -69,6 +70,8 @@ class TextModality(Modality):
         plan = make_plan(config, hardware, spec, use_tuned=use_tuned)
         if config["task"]["name"] != "plan":  # timing the model's blocks imports torch: not for a quick plan
             plan = refine(plan, config, hardware, spec)
+        plan["data_streamed"], reason = streaming_choice(config["data"])
+        plan["reasons"].append(reason)
         return plan, spec
 
     def train(self, job: Job) -> dict[str, Any]:

@@ -1,12 +1,16 @@
 """Prompt/answer records -> token batches for Lightning, with loss on the answer tokens only.
 
-Training order is an endless shuffled stream that is a pure function of (seed, position), and
-the loader starts at position `global_step x batch_size`: a run resumed from a
-checkpoint sees exactly the batches the uninterrupted run would have seen.
+Resident data: training order is an endless shuffled stream that is a pure function of (seed, position),
+and the loader starts at position `global_step x batch_size`: a run resumed from a checkpoint sees exactly
+the batches the uninterrupted run would have seen. Streamed data (data.streaming, a file larger than
+memory; onn/modalities/text/streaming.py): epochs of a buffer-shuffled stream whose position travels in
+the checkpoint, with the same guarantee.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,10 +19,16 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from onn.errors import UserError
+from onn.modalities.text.formats import Records, read_records
 from onn.modalities.text.prompts import Prompter
 from onn.modalities.text.sources import load_splits
+from onn.modalities.text.stream_loader import ShuffledStream, batches_per_epoch, stream_loader
+from onn.modalities.text.streaming import VAL_MAX, open_reader, streaming_choice
 
+log = logging.getLogger("onn")
 IGNORE = -100
+LAYOUT_SAMPLE = 200  # streamed data: the layout (data.fields: auto) is recognised on this many first records
 
 
 def encode(
@@ -110,29 +120,100 @@ class TextDataModule(L.LightningDataModule):
         super().__init__()
         self.cfg, self.tokenizer, self.batch_size, self.seed = data_cfg, tokenizer, batch_size, seed
         self.prompter = Prompter(data_cfg, tokenizer)
-        self.train_examples: list[tuple[str, str]] = []
+        self.train_examples: list[tuple[str, str]] = []  # resident data only
         self.val_examples: list[tuple[str, str]] = []
+        self.train_records = 0
+        self.stream: ShuffledStream | None = None  # streamed data (data.streaming)
 
     def setup(self, stage: str | None = None) -> None:
-        if self.train_examples:
+        if self.train_examples or self.stream is not None:
+            return
+        streamed, reason = streaming_choice(self.cfg)
+        log.info("%s", reason)
+        if streamed:
+            self._setup_streamed()
             return
         train, val = load_splits(self.cfg, self.seed)
         self.train_examples = self.prompter.examples(train, "data.source")
         self.val_examples = self.prompter.examples(
             val, "data.val_source" if self.cfg.get("val_source") else "data.source"
         )
+        self.train_records = len(self.train_examples)
         max_length, special = int(self.cfg["max_length"]), self.prompter.add_special_tokens
         self.train_set = [encode(self.tokenizer, p, a, max_length, special) for p, a in self.train_examples]
         self.val_set = [encode(self.tokenizer, p, a, max_length, special) for p, a in self.val_examples]
+
+    def _setup_streamed(self) -> None:
+        """The file read in order: the first records are the validation split (at most VAL_MAX, held in
+        memory) unless data.val_source is given; training streams the rest."""
+        reader = open_reader(self.cfg["source"], self.cfg["format"])
+        total = reader.count(reader.start)
+        if not total:
+            raise UserError(f"data.source {self.cfg['source']} holds no records.")
+        records = reader.records(reader.start)
+        if self.cfg.get("val_source"):
+            val, start, rows = (
+                read_records(self.cfg["val_source"], self.cfg["format"], key="data.val_source"),
+                reader.start,
+                total,
+            )
+        else:
+            fraction = float(self.cfg["val_split"])
+            if not 0 < fraction < 1:
+                raise UserError(
+                    f"data.val_split must be between 0 and 1 (got {fraction}) when data.val_source is not set."
+                )
+            n_val = min(VAL_MAX, max(1, round(total * fraction)))
+            if n_val >= total:
+                raise UserError(
+                    f"data.source {self.cfg['source']} has {total} records: too few to hold out a validation split."
+                )
+            held = [next(records) for _ in range(n_val)]
+            val, start, rows = (
+                Records([r for _, _, r, _ in held], [w for _, _, _, w in held]),
+                held[-1][1],
+                total - n_val,
+            )
+        sample = [item for item, _ in zip(reader.records(start), range(LAYOUT_SAMPLE))]
+        self.prompter.examples(
+            Records([r for _, _, r, _ in sample], [w for _, _, _, w in sample]), "data.source"
+        )
+        self.val_examples = self.prompter.examples(
+            val, "data.val_source" if self.cfg.get("val_source") else "data.source"
+        )
+        max_length, special = int(self.cfg["max_length"]), self.prompter.add_special_tokens
+        self.val_set = [encode(self.tokenizer, p, a, max_length, special) for p, a in self.val_examples]
+        self.train_records = rows
+        self.stream = ShuffledStream(
+            reader, start, rows, int(self.cfg["shuffle_buffer"]), self.seed, self._encode
+        )
+        log.info("data: streaming %d training records from %s (%d held out), shuffle buffer %d", rows,
+                 self.cfg["source"], len(self.val_set), self.stream.buffer)  # fmt: skip
+
+    def _encode(self, record: dict[str, Any], where: str) -> tuple[list[int], list[int]]:
+        prompt, answer = self.prompter.example(record, where)
+        return encode(
+            self.tokenizer, prompt, answer, int(self.cfg["max_length"]), self.prompter.add_special_tokens
+        )
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """Batches in one pass over streamed data; None for resident data (one endless shuffled stream)."""
+        if self.stream is None:
+            return None
+        return batches_per_epoch(self.stream.rows, self.batch_size, int(self.cfg["num_workers"]))
 
     def _start_sample(self) -> int:
         trainer = self.trainer
         return trainer.global_step * self.batch_size if trainer else 0
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self):
+        collate = Collator(self.tokenizer.pad_token_id)
+        if self.stream is not None:
+            return stream_loader(self.stream, self.batch_size, collate, int(self.cfg["num_workers"]))
         sampler = ResumableShuffle(len(self.train_set), self.seed, self._start_sample)
         return DataLoader(
-            self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=Collator(self.tokenizer.pad_token_id),
+            self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=collate,
             num_workers=int(self.cfg["num_workers"]),
         )  # fmt: skip
 
@@ -147,3 +228,17 @@ class TextDataModule(L.LightningDataModule):
     @property
     def max_answer_tokens(self) -> int:
         return max(sum(1 for t in labels if t != IGNORE) for _, labels in self.val_set)
+
+
+class SampleTrace(L.Callback):
+    """data.trace: every training step appends {"step", "samples": [each sample's text]} to a JSON-lines file,
+    decoded from the batch the model trains on: what shows that a resumed run trains on the same samples."""
+
+    def __init__(self, path: str, tokenizer):
+        self.path, self.tokenizer = path, tokenizer
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        texts = [self.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+                 for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]  # fmt: skip
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": trainer.global_step, "samples": texts}) + "\n")

@@ -171,24 +171,26 @@ class Prompter:
                      self.prompt_format)  # fmt: skip
         out, empty = [], 0
         for record, where in zip(records, records.where):
-            if self.layout.name == "text" or (self.layout.name != "messages" and set(record) == {"text"}):
-                out.append(("", self._text(record, "text", where, "data.fields.input")))
-                continue
-            if self.layout.name == "messages":
-                messages = self._messages(record, where)
-                prompt, answer = self.render_messages(messages[:-1]), messages[-1]["content"]
-                out.append((prompt, answer))
-                continue
-            prompt = self._prompt(record, where)
-            empty += not prompt.strip()
-            out.append(
-                (
-                    self.render(prompt, record, where),
-                    self._text(record, self.layout.answer, where, "data.fields.output"),
-                )
-            )
+            pair, blank = self._example(record, where)
+            out.append(pair)
+            empty += blank
         self._check_empty(records, empty, key)
         return out
+
+    def example(self, record: dict[str, Any], where: str) -> tuple[str, str]:
+        """One record's (prompt, answer), once `examples` has chosen the layout (streamed data: record by record)."""
+        return self._example(record, where)[0]
+
+    def _example(self, record: dict[str, Any], where: str) -> tuple[tuple[str, str], bool]:
+        """((prompt, answer), whether the mapped prompt is empty)."""
+        if self.layout.name == "text" or (self.layout.name != "messages" and set(record) == {"text"}):
+            return ("", self._text(record, "text", where, "data.fields.input")), False
+        if self.layout.name == "messages":
+            messages = self._messages(record, where)
+            return (self.render_messages(messages[:-1]), messages[-1]["content"]), False
+        prompt = self._prompt(record, where)
+        answer = self._text(record, self.layout.answer, where, "data.fields.output")
+        return (self.render(prompt, record, where), answer), not prompt.strip()
 
     def render(self, prompt: str, record: dict[str, Any] | None = None, where: str = "the prompt") -> str:
         """The text the model sees for a prompt: data.template around it, then the chat template (when in use)."""

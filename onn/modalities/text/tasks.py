@@ -15,7 +15,7 @@ from onn.errors import UserError
 from onn.export import export_for_run
 from onn.hardware.memory import PeakMemory
 from onn.modalities.base import Job
-from onn.modalities.text.datamodule import TextDataModule
+from onn.modalities.text.datamodule import SampleTrace, TextDataModule
 from onn.modalities.text.generate import (
     LanguageModel,
     answer_scores,
@@ -132,9 +132,8 @@ def datamodule(config: dict[str, Any], tokenizer) -> TextDataModule:
     return dm
 
 
-def trainer(
-    config: dict[str, Any], plan: dict[str, Any], run_dir: Path, callbacks: list, loggers: bool = True
-):
+def trainer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, callbacks: list, loggers: bool = True,
+            steps_per_epoch: int | None = None):  # fmt: skip
     """The Trainer for a language model: the layer-streaming strategy when the plan streams."""
     strategy = None
     if settings := streaming_settings(config, plan):
@@ -142,7 +141,8 @@ def trainer(
         strategy = LayerStreamingStrategy(settings, store_root(config), plan["micro_batch"], device=device)
     elif config["strategy"].get("lightning") == "streaming":
         strategy = "auto"  # sparse_lora that the plan did not choose to stream
-    return build_trainer(config, plan, run_dir, callbacks, strategy=strategy, loggers=loggers)
+    return build_trainer(config, plan, run_dir, callbacks, strategy=strategy, loggers=loggers,
+                         steps_per_epoch=steps_per_epoch)  # fmt: skip
 
 
 def load_weights(module: CausalLM, ckpt: Path) -> None:
@@ -177,7 +177,9 @@ def train(job: Job) -> dict[str, Any]:
     clock = StepClock()
     callbacks = [StepCheckpoint(run_dir / "checkpoints", config["checkpoint"]["every_n_steps"]), clock,
                  ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))]  # fmt: skip
-    fit = trainer(config, plan, run_dir, callbacks)
+    if config["data"]["trace"]:
+        callbacks.append(SampleTrace(config["data"]["trace"], tokenizer))
+    fit = trainer(config, plan, run_dir, callbacks, steps_per_epoch=dm.steps_per_epoch)
     with PeakMemory(job.device) as peak:
         if ckpt is None and config["task"]["validate_before"]:
             fit.validate(module, datamodule=dm, verbose=False)
@@ -266,7 +268,8 @@ def new_tokens(task: dict[str, Any], tokenizer, examples: list[tuple[str, str]])
 def data_metrics(dm: TextDataModule) -> dict[str, Any]:
     """What the data turned into: how many records, the layout chosen and what wraps the prompts."""
     layout = dm.prompter.layout
-    return {"data/train_records": len(dm.train_examples), "data/val_records": len(dm.val_examples),
+    return {"data/train_records": dm.train_records, "data/val_records": len(dm.val_examples),
+            "data/streamed": dm.stream is not None,
             "data/layout": layout.name if layout else None, "data/mapping": layout.describe() if layout else None,
             "data/prompt_format": dm.prompter.prompt_format}  # fmt: skip
 

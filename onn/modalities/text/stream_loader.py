@@ -1,0 +1,121 @@
+"""The streamed text dataset and its loader (see streaming.py): a seeded buffer shuffle over a reader, and
+torchdata's StatefulDataLoader, whose state Lightning keeps in every checkpoint."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+from torch.utils.data import IterableDataset, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from onn.errors import UserError
+from onn.modalities.text.streaming import Ref
+
+
+class ShuffledStream(IterableDataset):
+    """torch IterableDataset over a reader from `start`: `rows` records, a seeded buffer shuffle, each
+    record encoded when drawn. Workers take every n-th record. `epoch` is set by StreamLoader."""
+
+    def __init__(
+        self, reader, start: Ref, rows: int, buffer: int, seed: int, encode: Callable[[dict, str], Any]
+    ):
+        self.reader, self.start, self.rows, self.buffer = reader, list(start), rows, max(1, int(buffer))
+        self.seed, self.encode, self.epoch = seed, encode, 0
+
+    def __iter__(self) -> _Stream:
+        info = get_worker_info()
+        return _Stream(self, self.epoch, *((info.id, info.num_workers) if info else (0, 1)))
+
+
+class _Stream:
+    def __init__(self, ds: ShuffledStream, epoch: int, worker: int, workers: int):
+        self.ds, self.epoch, self.worker, self.workers = ds, epoch, worker, workers
+        self.rng = np.random.Generator(np.random.PCG64([ds.seed, epoch, worker]))
+        self.at, self.index = list(ds.start), 0  # the next record's position, records read so far
+        self.buffer: list[tuple[Ref, dict[str, Any], str]] = []
+        self.draining = False
+        self._records: Iterator | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "worker": self.worker, "workers": self.workers, "at": self.at,
+                "index": self.index, "buffer": [ref for ref, _, _ in self.buffer], "draining": self.draining,
+                "rng": self.rng.bit_generator.state}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state["worker"], state["workers"]) != (self.worker, self.workers):
+            raise UserError(f"the checkpoint's data stream ran with data.num_workers={state['workers']}; resume with the "
+                            "same data.num_workers.")  # fmt: skip
+        self.epoch, self.at, self.index = state["epoch"], list(state["at"]), state["index"]
+        self.draining = state["draining"]
+        self.rng.bit_generator.state = state["rng"]
+        refs = [list(r) for r in state["buffer"]]
+        self.buffer = [(ref, record, where) for ref, (record, where) in zip(refs, self.ds.reader.fetch(refs))]
+        self._records = None
+
+    def _next_record(self) -> tuple[Ref, dict[str, Any], str] | None:
+        if self._records is None:
+            self._records = self.ds.reader.records(self.at)
+        for ref, after, record, where in self._records:
+            mine = self.index % self.workers == self.worker
+            self.at, self.index = after, self.index + 1
+            if mine:
+                return ref, record, where
+        return None
+
+    def __iter__(self) -> _Stream:
+        return self
+
+    def __next__(self):
+        if not self.draining:
+            while (item := self._next_record()) is not None:
+                if len(self.buffer) < self.ds.buffer:
+                    self.buffer.append(item)
+                    continue
+                slot = int(self.rng.integers(self.ds.buffer))
+                out, self.buffer[slot] = self.buffer[slot], item
+                return self.ds.encode(out[1], out[2])
+            self.draining = True
+            self.rng.shuffle(self.buffer)
+        if self.buffer:
+            _, record, where = self.buffer.pop()
+            return self.ds.encode(record, where)
+        raise StopIteration
+
+
+def batches_per_epoch(rows: int, batch_size: int, num_workers: int) -> int:
+    """Each worker batches its own records (every n-th), so the last batch of each may be short."""
+    workers = max(1, num_workers)
+    return sum(math.ceil(len(range(w, rows, workers)) / batch_size) for w in range(workers))
+
+
+def stream_loader(dataset: ShuffledStream, batch_size: int, collate_fn, num_workers: int):
+    """A StatefulDataLoader with an exact length (so Lightning does not fetch a batch ahead, which would
+    put the saved position one batch past the last trained one) and an epoch counter in its state."""
+
+    class StreamLoader(StatefulDataLoader):
+        def __init__(self):
+            super().__init__(dataset, batch_size=batch_size, collate_fn=collate_fn, num_workers=num_workers)
+            self.next_epoch = 0
+
+        def __len__(self) -> int:
+            return batches_per_epoch(dataset.rows, batch_size, num_workers)
+
+        def __iter__(self):
+            dataset.epoch, self.next_epoch = self.next_epoch, self.next_epoch + 1
+            return super().__iter__()
+
+        def state_dict(self) -> dict[str, Any]:
+            return {**super().state_dict(), "onn_epoch": dataset.epoch, "onn_workers": num_workers}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            state = dict(state)
+            workers, self.next_epoch = state.pop("onn_workers"), state.pop("onn_epoch")
+            if workers != num_workers:
+                raise UserError(f"the checkpoint's data stream ran with data.num_workers={workers}; resume with the "
+                                f"same data.num_workers (not {num_workers}).")  # fmt: skip
+            super().load_state_dict(state)
+
+    return StreamLoader()
