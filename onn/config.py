@@ -86,6 +86,7 @@ class StrategyConfig:
     precision: str = "auto"
     gradient_checkpointing: Any = "auto"  # auto | true | false
     lightning: str = "auto"  # the Lightning strategy that places the model
+    timeout_s: float = MISSING  # multi-process runs: how long a process waits for its peers
     streaming: StreamingConfig | None = None
 
 
