@@ -67,10 +67,11 @@ def explain_distributed_failure(error: BaseException, config: dict[str, Any]) ->
     torch raises these after strategy.timeout_s, naming neither what went wrong nor what to do."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
     name = type(error).__name__
+    # gloo: "Connection closed by peer", "Read error ...: Connection reset by peer", "Timed out waiting ... for recv"
     lost_peer = (
         isinstance(error, RuntimeError)
         and "gloo" in text
-        and ("closed by peer" in text or "Timed out" in text)
+        and ("by peer" in text or "Timed out" in text)
     )
     if name not in ("DistNetworkError", "DistStoreError") and not lost_peer or not config:
         return None
