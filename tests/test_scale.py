@@ -268,3 +268,66 @@ def test_submitit_local_runs_two_jobs_at_a_time_and_the_grid_is_complete(tmp_pat
     assert jobs[1]["end"] < jobs[0]["end"] and jobs[3]["end"] < jobs[2]["end"]  # out of order
     rows = (sweep / "grid.csv").read_text().strip().splitlines()
     assert len(rows) == 1 + 4 and (sweep / "grid.md").is_file()
+
+
+def scale_for(*overrides: str, tmp_path: Path) -> dict:
+    from onn.hardware.profile import resolve
+    from onn.planning.scale import scale_plan
+    from onn.planning.spec import model_spec
+
+    cfg = compose("task=plan", *overrides, root=tmp_path)
+    hw = resolve(cfg["hardware"], tmp_path / "cache", tmp_path)
+    return scale_plan(cfg, hw, model_spec(cfg["model"], 8, cache_dir=str(tmp_path / "cache")))
+
+
+@pytest.mark.slow
+def test_plan_for_phi4_on_1_8_and_16_a100(tmp_path: Path):
+    one, eight, sixteen = (scale_for("model=phi4", "hardware=a100_80gb", f"hardware.count={c}", f"trainer.num_nodes={n}",
+                                     tmp_path=tmp_path) for c, n in ((1, 1), (8, 1), (8, 2)))  # fmt: skip
+    for plan in (one, eight, sixteen):
+        assert set(plan["options"]) == {"ddp", "deepspeed_zero2", "fsdp", "deepspeed_zero3_offload"}
+        assert not plan["options"]["ddp"][
+            "fits"
+        ]  # 14.7B weights, gradients and Adam: about 16 bytes a weight
+    per_device = {
+        n: [p["options"][n]["per_device_mb"] for p in (one, eight, sixteen)] for n in one["options"]
+    }
+    # sharded state falls with the devices holding it; DDP's does not
+    assert per_device["fsdp"][0] > per_device["fsdp"][1] > per_device["fsdp"][2]
+    assert (
+        per_device["deepspeed_zero2"][0] > per_device["deepspeed_zero2"][1] > per_device["deepspeed_zero2"][2]
+    )
+    assert per_device["ddp"][0] == per_device["ddp"][1] == per_device["ddp"][2]
+    # one GPU: only offloading the weights and optimizer to host memory fits
+    assert one["chosen"] == "deepspeed_zero3_offload" and one["reason"].startswith(
+        "14.7B full fine-tune: ZeRO-3+offload over 1 x"
+    )
+    assert (
+        eight["chosen"] in ("deepspeed_zero2", "fsdp")
+        and "over 8 x NVIDIA A100-SXM4-80GB, 1 node" in eight["reason"]
+    )
+    # between nodes the gradients cross a slower link: the same bytes take longer
+    assert sixteen["links"]["all_reduce_s"] > eight["links"]["all_reduce_s"] > 0
+    assert sixteen["global_batch"] == 16 and eight["global_batch"] == 8
+
+
+def test_a_model_that_fits_ddp_gets_ddp_and_the_cpu_refuses_sharding(tmp_path: Path):
+    gpus = scale_for("model=llama_tiny", "hardware=a100_80gb", "hardware.count=2", tmp_path=tmp_path)
+    assert gpus["chosen"] == "ddp" and gpus["options"]["ddp"]["fits"]
+    cpu = scale_for(
+        "model=llama_tiny", "hardware=cpu_16gb", "strategy=ddp", "trainer.num_nodes=2", tmp_path=tmp_path
+    )
+    assert cpu["chosen"] == "ddp"
+    assert all(cpu["options"][n]["refused"] for n in ("deepspeed_zero2", "fsdp", "deepspeed_zero3_offload"))
+    assert cpu["links"]["missing"] == [
+        "hardware.network_gb_s"
+    ]  # the preset names no network: said, not guessed
+
+
+@pytest.mark.slow
+def test_plan_table_is_printed(tmp_path: Path):
+    proc = run_cli("task=plan", "model=phi4", "hardware=a100_80gb", "hardware.count=8", "trainer.num_nodes=2",
+                   f"paths.outputs={tmp_path}", f"hydra.run.dir={tmp_path / 'plan'}")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "full fine-tune over 8 device(s) x 2 node(s)" in proc.stdout and "ZeRO-3+offload" in proc.stdout
+    assert "14.7B full fine-tune:" in proc.stdout and "over 8 x NVIDIA A100-SXM4-80GB, 2 nodes" in proc.stdout

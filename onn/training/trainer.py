@@ -69,9 +69,7 @@ def explain_distributed_failure(error: BaseException, config: dict[str, Any]) ->
     name = type(error).__name__
     # gloo: "Connection closed by peer", "Read error ...: Connection reset by peer", "Timed out waiting ... for recv"
     lost_peer = (
-        isinstance(error, RuntimeError)
-        and "gloo" in text
-        and ("by peer" in text or "Timed out" in text)
+        isinstance(error, RuntimeError) and "gloo" in text and ("by peer" in text or "Timed out" in text)
     )
     if name not in ("DistNetworkError", "DistStoreError") and not lost_peer or not config:
         return None

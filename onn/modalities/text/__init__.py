@@ -60,6 +60,7 @@ class TextModality(Modality):
     def plan(self, config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = True):
         from onn.modalities.text.calibrate import refine
         from onn.planning.plan import make_plan
+        from onn.planning.scale import scale_plan
         from onn.planning.spec import model_spec
 
         lora_rank = int(
@@ -67,6 +68,7 @@ class TextModality(Modality):
         )  # full training sizes LoRA at the default rank
         spec = model_spec(config["model"], lora_rank, cache_dir=config["paths"]["cache"])
         plan = make_plan(config, hardware, spec, use_tuned=use_tuned)
+        plan["scale"] = scale_plan(config, hardware, spec)  # several devices or nodes: DDP, ZeRO, FSDP
         if config["task"]["name"] != "plan":  # timing the model's blocks imports torch: not for a quick plan
             plan = refine(plan, config, hardware, spec)
         return plan, spec
