@@ -18,7 +18,7 @@ import pytest
 from conftest import ROOT, compose, read_metrics, run_cli
 
 from onn.errors import UserError
-from onn.training.checkpoints import load
+from onn.training.checkpoints import load, read_meta
 
 # 3 optimizer steps of 8 samples, 4 micro-batches of 2; no warmup, so every step moves the weights
 STEPS = ["model=llama_tiny", "data.builtin.train_size=64", "data.builtin.val_size=16", "tracking=none",
@@ -80,16 +80,42 @@ def test_ddp_two_processes_equal_one(single: Path, tmp_path: Path, cache: Path):
     # one run folder, written by rank 0; rank 1 only logs there
     assert sorted(p.name for p in (tmp_path / "outputs").iterdir() if not p.name.startswith(".")) == ["ddp"]
     assert (run_dir / "train_ddp_process_1.log").exists() and (run_dir / "plan.yaml").exists()
-    # the checkpoint resumes under two processes: steps 4 and 5 continue the curve
-    resumed = tmp_path / "outputs" / "resumed"
-    ok(run("strategy=ddp", "trainer.devices=2", f"ckpt={run_dir}", "trainer.max_steps=5", outputs=tmp_path / "outputs",
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_run_and_its_checkpoint_resumes(tmp_path: Path, cache: Path):
+    """SIGKILL rank 1 after a checkpoint: rank 0 fails at once with one sentence (not after Lightning's 30
+    minutes), its record says so, and the checkpoint resumes under two processes."""
+    import signal
+
+    import psutil
+
+    outputs, run_dir = tmp_path / "outputs", tmp_path / "outputs" / "killed"
+    args = [*STEPS, "strategy=ddp", "trainer.devices=2", "trainer.max_steps=500", "checkpoint.every_n_steps=2",
+            "strategy.timeout_s=30", f"paths.outputs={outputs}", f"paths.cache={cache}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    log = tmp_path / "killed.log"
+    parent = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env, stdout=log.open("w"),
+                              stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.time() + 240
+    while not (run_dir / "checkpoints" / "last.ckpt" / "meta.json").exists() and time.time() < deadline:
+        assert parent.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.5)
+    ranks = [
+        p for p in psutil.Process(parent.pid).children() if "train_ddp_process_1" in " ".join(p.cmdline())
+    ]
+    assert ranks, log.read_text()[-3000:]
+    ranks[0].send_signal(signal.SIGKILL)
+    killed = time.time()
+    code = parent.wait(timeout=120)
+    assert code != 0 and time.time() - killed < 30  # within strategy.timeout_s
+    record = read_metrics(run_dir)
+    assert record["status"] == "failed" and "lost a peer process" in record["error"], record
+    step = read_meta(run_dir / "checkpoints" / "last.ckpt")["global_step"]
+    resumed = outputs / "resumed"
+    ok(run("strategy=ddp", "trainer.devices=2", f"ckpt={run_dir}", f"trainer.max_steps={step + 1}", outputs=outputs,
            run_dir=resumed, cache=cache))  # fmt: skip
-    r = read_metrics(resumed)
-    assert (
-        r["steps"] == 5
-        and r["train/loss_curve"][:3] == m["train/loss_curve"]
-        and len(r["train/loss_curve"]) == 5
-    )
+    assert read_metrics(resumed)["steps"] == step + 1
 
 
 def free_port() -> int:
