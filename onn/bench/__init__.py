@@ -7,6 +7,7 @@ task=bench_vision      onn/bench/vision.py     the image runner against a plain 
 task=bench_media       onn/bench/media.py      audio/video decoding throughput; the cached store against per-file loading
 task=bench_shard_plan  onn/export/shards.py    the .omny shard planner on a synthetic model
 task=bench_giant       onn/bench/giant.py      a model larger than RAM: store build, training, generation
+task=bench_serve       onn/bench/serve.py      task=serve under load: batching speedup, latencies, errors
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from onn.bench import suite
 from onn.modalities import Job
 from onn.tasks import Task
+from onn.tasks.serve import check as serve_check
 
 TEXT = frozenset({"text"})
 
@@ -60,6 +62,12 @@ def _bench_media(job: Job) -> dict[str, Any]:
     return media.run(job)
 
 
+def _bench_serve(job: Job) -> dict[str, Any]:
+    from onn.bench import serve
+
+    return serve.run(job)
+
+
 def _bench_shard_plan(job: Job) -> dict[str, Any]:
     from onn.export.shards import bench
 
@@ -73,5 +81,6 @@ TASKS: dict[str, Task] = {
     "bench_vision": Task(_bench_vision, modalities=frozenset({"image"})),
     "bench_media": Task(_bench_media, modalities=frozenset({"audio", "video"})),
     "bench_giant": Task(_bench_giant, check=_check_giant, modalities=TEXT),
+    "bench_serve": Task(_bench_serve, check=serve_check, modalities=TEXT),
     "bench_shard_plan": Task(_bench_shard_plan, model=False, heavy=False),
 }

@@ -85,6 +85,11 @@ class Modality:
     def export(self, job: Job) -> dict[str, Any]:
         return self._unsupported("export")
 
+    def serving(self, job: Job) -> Any:
+        """What task=serve answers requests with (onn/tasks/serve): a text modality's LanguageModel
+        (onn/modalities/text/generate.py), a classifier's Predictor (onn/modalities/classification.py)."""
+        return self._unsupported("serve")
+
     def pair_side(self, config: dict[str, Any]) -> PairSide:
         """This modality as one side of a dual encoder (onn/modalities/pairs). `config` is a run config of
         this modality (its data and model groups, seed, paths) holding the side's settings."""
@@ -208,3 +213,8 @@ class ClassifierModality(Modality):
         from onn.modalities import classification
 
         return classification.export(self, job)
+
+    def serving(self, job: Job) -> Any:
+        from onn.modalities import classification
+
+        return classification.predictor(self, job)

@@ -259,6 +259,47 @@ def infer(m: ClassifierModality, job: Job) -> dict[str, Any]:
     return metrics
 
 
+class Predictor:
+    """A trained classifier answering one file at a time (task=serve): decoded by the modality's own
+    read_inputs, as task=infer and the training data are."""
+
+    def __init__(
+        self, m: ClassifierModality, config: dict[str, Any], module: Classifier, device: torch.device
+    ):
+        self.modality, self.config, self.device = m, config, device
+        self.module = module.to(device).eval()
+        self.inputs = module.onn_config["inputs"]
+        self.classes: list[str] = list(self.inputs["classes"])
+
+    @torch.no_grad()
+    def classify(self, path: Path, top_k: int) -> tuple[list[tuple[str, float]], torch.Tensor]:
+        """The top_k (class, probability) of one file, best first, and its decoded input (the stored form).
+        A file the modality cannot decode is a UserError saying why."""
+        sets = self.modality.read_inputs(path, self.inputs, self.config)
+        decoded = next((d for d in sets.values() if len(d.labels)), None)
+        if decoded is None:
+            reasons = [r for d in sets.values() for r in d.skipped]
+            raise UserError(
+                f"the upload is no {self.modality.name} file ONN can decode: {'; '.join(reasons) or 'nothing in it'}"
+            )
+        x = decoded.inputs[:1].to(self.device)
+        probs = torch.softmax(self.module(self.module.prepare(x, train=False)).float(), dim=1)[0].cpu()
+        top = probs.topk(min(top_k, len(self.classes)))
+        return [(self.classes[int(c)], float(p)) for c, p in zip(top.indices, top.values)], decoded.inputs[0]
+
+    def picture(self, sample: torch.Tensor, predicted: str, path: Path) -> None:
+        """A PNG of the decoded input captioned with its class (the image, a spectrogram, rendered points)."""
+        self.modality.picture(sample[None], [predicted], [None], path, self.inputs)
+
+
+def predictor(m: ClassifierModality, job: Job) -> Predictor:
+    if job.ckpt is None:
+        raise UserError(
+            f"task=serve on {m.name} data needs ckpt=RUN_DIR (a trained classifier) to know its classes."
+        )
+    return Predictor(m, job.config, load_trained(m, job.config, job.plan, job.ckpt), torch.device(job.device))
+
+
 def export(m: ClassifierModality, job: Job) -> dict[str, Any]:
     """The trained network from `ckpt` (the whole network for a linear probe), or without one the
     network as model.source gives it, sized by the data config."""

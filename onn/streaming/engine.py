@@ -562,6 +562,43 @@ class StreamingEngine:
         return total, count
 
     @torch.no_grad()
+    def decode_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache,
+                    last: bool = False) -> torch.Tensor:  # fmt: skip
+        """One forward with a KV cache (the prompts' prefill, or one new token per sequence): every chunk is
+        loaded once for all the rows. Returns the last position's logits (batch x vocab, float32). `last`: no
+        step follows, so the loader does not start on the first chunk again (task=serve runs this step by
+        step, adding and dropping rows between steps)."""
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "past_key_values": cache,
+            "use_cache": True,
+        }
+        with self._edges_loaded():
+            block_inputs = self.prefix(batch)
+        hidden = block_inputs.hidden
+        n = len(self.chunks)
+        for c in range(n):
+            # after the last chunk the first is next (next token), unless the edges come between
+            after = [] if (self.edges or last) else range(c)
+            self._install(c, [*range(c + 1, n), *after])
+            start = time.perf_counter()
+            hidden = self._run_chunk(c, hidden, block_inputs)
+            self.times.compute_s += time.perf_counter() - start
+        with self._edges_loaded():
+            # only the last position's logits are needed; a contiguous [batch, 1, hidden] keeps the
+            # head a plain matmul (a strided slice sends torch's linear through bmm, which copies
+            # the head's weight once per sequence: 8 GB and a minute for Phi-4's at batch 8)
+            out = self.suffix(
+                hidden[:, -1:, :].contiguous(),
+                {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
+                logits_to_keep=1,
+                use_cache=False,
+            )
+        return out.logits[:, -1, :].float()
+
+    @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, on_token=None) -> torch.Tensor:  # fmt: skip
         """Batched generation with a KV cache: every chunk load serves every sequence, per token.
@@ -574,38 +611,9 @@ class StreamingEngine:
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.device)
         new_tokens = []
         step_ids = ids
-        n = len(self.chunks)
         for step in range(max_new_tokens):
             position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
-            batch = {
-                "input_ids": step_ids,
-                "attention_mask": mask,
-                "position_ids": position_ids,
-                "past_key_values": cache,
-                "use_cache": True,
-            }
-            with self._edges_loaded():
-                block_inputs = self.prefix(batch)
-            hidden = block_inputs.hidden
-            last_step = step == max_new_tokens - 1
-            for c in range(n):
-                # after the last chunk the first is next (next token), unless the edges come between
-                after = [] if (self.edges or last_step) else range(c)
-                self._install(c, [*range(c + 1, n), *after])
-                start = time.perf_counter()
-                hidden = self._run_chunk(c, hidden, block_inputs)
-                self.times.compute_s += time.perf_counter() - start
-            with self._edges_loaded():
-                # only the last position's logits are needed; a contiguous [batch, 1, hidden] keeps the
-                # head a plain matmul (a strided slice sends torch's linear through bmm, which copies
-                # the head's weight once per sequence: 8 GB and a minute for Phi-4's at batch 8)
-                out = self.suffix(
-                    hidden[:, -1:, :].contiguous(),
-                    {"input_ids": step_ids, "attention_mask": mask, "position_ids": position_ids},
-                    logits_to_keep=1,
-                    use_cache=False,
-                )
-            logits = out.logits[:, -1, :].float()
+            logits = self.decode_step(step_ids, mask, position_ids, cache, last=step == max_new_tokens - 1)
             token = _pick(logits, temperature, top_p)
             if eos_token_id is not None:
                 token = torch.where(done, torch.full_like(token, eos_token_id), token)

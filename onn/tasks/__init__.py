@@ -14,6 +14,7 @@ from typing import Any
 
 from onn.errors import UserError
 from onn.modalities import Job
+from onn.tasks import serve
 
 
 def _no_check(config: dict[str, Any]) -> None:
@@ -48,6 +49,10 @@ def _export(job: Job) -> dict[str, Any]:
     return job.modality.export(job)
 
 
+def _serve(job: Job) -> dict[str, Any]:
+    return serve.run(job)
+
+
 def _plan(job: Job) -> dict[str, Any]:
     return {}  # app prints and saves the plan; nothing else runs
 
@@ -63,4 +68,5 @@ TASKS: dict[str, Task] = {
     "infer": Task(_infer),
     "export": Task(_export, check=_check_export),
     "plan": Task(_plan, heavy=False),
+    "serve": Task(_serve, check=serve.check),
 }

@@ -197,7 +197,8 @@ def confusion_figure(matrix: torch.Tensor, classes: list[str]):
     )
     size = min(4 + 0.35 * n, 24)
     figure.set_size_inches(size, size)
-    figure.tight_layout()
+    if figure.get_layout_engine() is None:  # torchmetrics may have set one: tight_layout() would warn
+        figure.tight_layout()
     return figure
 
 

@@ -93,5 +93,10 @@ class TextModality(Modality):
 
         return tasks.export(job)
 
+    def serving(self, job: Job) -> Any:
+        from onn.modalities.text import tasks
+
+        return tasks.language_model(job)
+
 
 register(TextModality())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -9,6 +10,46 @@ import torch
 from onn.errors import UserError
 from onn.modalities.text.datamodule import extract, extract_answer
 from onn.modalities.text.formats import read_records
+from onn.modalities.text.prompts import Prompter
+
+
+@dataclass
+class LanguageModel:
+    """A causal LM ready to generate (task=infer, task=serve): resident, or layer-streamed by `engine`."""
+
+    model: Any
+    tokenizer: Any
+    prompter: Prompter
+    engine: Any = None  # a StreamingEngine when the blocks' frozen weights live in a layer store
+
+    @property
+    def device(self) -> torch.device:
+        return _device(self.model, self.engine)
+
+    @property
+    def eos_ids(self) -> set[int]:
+        """Tokens that end a completion: the tokenizer's end of text and the model's (a chat model's end of turn)."""
+        ids = {self.tokenizer.eos_token_id}
+        config_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids.update(config_eos if isinstance(config_eos, list) else [config_eos])
+        return {int(i) for i in ids if i is not None}
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        config = getattr(self.model, "config", None)
+        return DynamicCache(config=config) if config is not None else DynamicCache()
+
+    @torch.no_grad()
+    def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache,
+             last: bool = False) -> torch.Tensor:  # fmt: skip
+        """One forward of a batch with a KV cache: the last position's logits (batch x vocab, float32).
+        Streamed, every chunk load serves every row."""
+        if self.engine is not None:
+            return self.engine.decode_step(input_ids, attention_mask, position_ids, cache, last=last)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+        return out.logits[:, -1, :].float()
 
 
 def _sampling(max_new_tokens: int, temperature: float, top_p: float, tokenizer) -> dict[str, Any]:

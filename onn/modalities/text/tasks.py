@@ -18,6 +18,7 @@ from onn.hardware.memory import PeakMemory
 from onn.modalities.base import Job
 from onn.modalities.text.datamodule import TextDataModule
 from onn.modalities.text.generate import (
+    LanguageModel,
     answer_scores,
     answer_tokens,
     complete,
@@ -288,22 +289,28 @@ def data_metrics(dm: TextDataModule) -> dict[str, Any]:
             "data/prompt_format": dm.prompter.prompt_format}  # fmt: skip
 
 
-def infer(job: Job) -> dict[str, Any]:
-    config, plan, task = job.config, job.plan, job.config["task"]
-    if not task["input"] and not config["prompt"]:
-        raise UserError('task=infer needs prompt="..." or task.input=prompts.jsonl.')
+def language_model(job: Job) -> LanguageModel:
+    """The model ready to generate, as task=infer and task=serve use it: the checkpoint's weights, layer-streamed
+    when the plan streams (each chunk load then serves every sequence, per token), and the prompt format the
+    model was trained with (or its chat template)."""
+    config, plan = job.config, job.plan
     module, tokenizer = build(config, plan)
     if job.ckpt is not None:
         load_weights(module, job.ckpt)
     model, engine = module.model, None
-    if settings := streaming_settings(
-        config, plan, generate=True
-    ):  # each chunk load serves every sequence, per token
+    if settings := streaming_settings(config, plan, generate=True):
         engine = build_engine(model, settings, store_root(config), job.device, micro_batch=None)
         model.to(job.device)  # what is left after the blocks' frozen weights went to the store
-    prompter = Prompter(
-        config["data"], tokenizer
-    )  # the prompt format the model was trained with (or its chat template)
+    model.eval()
+    return LanguageModel(model, tokenizer, Prompter(config["data"], tokenizer), engine)
+
+
+def infer(job: Job) -> dict[str, Any]:
+    config, task = job.config, job.config["task"]
+    if not task["input"] and not config["prompt"]:
+        raise UserError('task=infer needs prompt="..." or task.input=prompts.jsonl.')
+    lm = language_model(job)
+    model, tokenizer, engine, prompter = lm.model, lm.tokenizer, lm.engine, lm.prompter
 
     def wrap(text: str, row: dict[str, Any] | None = None, where: str = "prompt") -> str:
         return prompter.render(text, row, where) if task["template"] else text

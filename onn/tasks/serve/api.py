@@ -1,0 +1,536 @@
+"""The HTTP API: OpenAI's routes for a language model, /v1/classify for a classifier, a web page at `/`.
+
+Every error is OpenAI's error object, `{"error": {"message", "type", "param", "code"}}`, with a 4xx status
+for whatever a client can get wrong (malformed JSON, wrong types, unknown model or route, too large); a
+request that is refused never reaches the model. `Guard` (plain ASGI, in front of everything) checks the
+key and bounds the body before any route reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import re
+import secrets
+import tempfile
+import threading
+import time
+import uuid
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from onn.errors import UserError
+from onn.tasks.serve.batching import Sampling, Scheduler, Sequence
+
+log = logging.getLogger("onn")
+OPEN_PATHS = ("/health", "/")  # no key needed: the page holds no model data, and asks for the key itself
+UPLOAD_OVERHEAD = 64 * 1024  # multipart boundaries and headers around an upload
+MAX_SEED = 2**63 - 1
+
+
+class ApiError(Exception):
+    """A request the server refuses, as OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+
+def error_body(
+    message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> JSONResponse:  # fmt: skip
+    return JSONResponse(error_body(message, kind, param, code), status_code=status)
+
+
+# -- request bodies (strict: a string is no number, a number no boolean) ---------------------------------
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class Generation(BaseModel):
+    """What chat completions and completions share."""
+
+    model_config = ConfigDict(
+        strict=True, extra="allow"
+    )  # other OpenAI fields (user, logit_bias...) are ignored
+    model: str = Field(max_length=256)
+    stream: bool = False
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    n: int | None = Field(default=None, ge=1, le=1)
+    stream_options: dict[str, Any] | None = None
+
+
+class ChatRequest(Generation):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(Generation):
+    prompt: str | list[str]
+
+
+# -- the guard -----------------------------------------------------------------------------------------
+class Guard:
+    """Key and body size, before any route: 401 without the key (every path but OPEN_PATHS), 413 for a body
+    over the limit (read to its end at most that far; the route then gets it from memory)."""
+
+    def __init__(self, app, api_key: str | None, max_body: int, max_upload: int, stats: Stats):
+        self.app, self.api_key, self.max_body, self.max_upload, self.stats = (
+            app,
+            api_key,
+            max_body,
+            max_upload,
+            stats,
+        )
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key and scope["path"] not in OPEN_PATHS:
+            given = headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(
+                token.strip().encode(), self.api_key.encode()
+            ):
+                self.stats.add(refused=1)
+                response = error_response(401, "missing or wrong API key: send `Authorization: Bearer KEY`",
+                                          "authentication_error", code="invalid_api_key")  # fmt: skip
+                return await response(scope, receive, send)
+        limit = self.max_upload + UPLOAD_OVERHEAD if scope["path"] == "/v1/classify" else self.max_body
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            status, what = (
+                (413, f"the request body is over {limit} bytes")
+                if length.isdigit()
+                else (400, "a bad Content-Length")
+            )
+            self.stats.add(refused=1)
+            return await error_response(status, what, code="request_too_large" if status == 413 else None)(
+                scope, receive, send
+            )
+        if scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > limit:
+                self.stats.add(refused=1)
+                return await error_response(413, f"the request body is over {limit} bytes",
+                                            code="request_too_large")(scope, receive, send)  # fmt: skip
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # then the client's disconnect, when it goes away
+
+        return await self.app(scope, replay, send)
+
+
+# -- the app -------------------------------------------------------------------------------------------
+class Stats:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests = self.refused = self.completion_tokens = 0
+
+    def add(self, **counts: int) -> None:
+        with self.lock:
+            for key, value in counts.items():
+                setattr(self, key, getattr(self, key) + value)
+
+
+def create_app(served: Any, settings: dict[str, Any], model_name: str, api_key: str | None = None) -> FastAPI:
+    """The app for a LanguageModel (`served.step`) or a classifier Predictor (`served.classify`). A language
+    model's Scheduler starts with it; `app.state.close()` stops it."""
+    app = FastAPI(title="ONN", docs_url=None, redoc_url=None, openapi_url=None)  # docs would fetch from a CDN
+    stats = Stats()
+    app.state.stats = stats
+    created = int(time.time())
+    classifier = hasattr(served, "classify")
+    scheduler = None if classifier else Scheduler(served, int(settings["slots"]))
+    app.state.scheduler = scheduler
+    app.state.close = scheduler.close if scheduler else (lambda: None)
+    app.state.kind = "classifier" if classifier else "language model"
+    app.add_middleware(Guard, api_key=api_key, max_body=int(settings["max_body_bytes"]),
+                       max_upload=int(settings["max_upload_bytes"]), stats=stats)  # fmt: skip
+    page = resources.files("onn.tasks.serve").joinpath("page.html").read_text(encoding="utf-8")
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        stats.add(refused=1)
+        return error_response(e.status, e.message, e.kind, e.param, e.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        stats.add(refused=1)
+        codes = {404: "unknown_url", 405: "method_not_allowed"}
+        return error_response(
+            e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=codes.get(e.status_code)
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        stats.add(refused=1)
+        first = e.errors()[0] if e.errors() else {}
+        return error_response(
+            400, first.get("msg", "invalid request"), param=".".join(map(str, first.get("loc", ())))
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):  # a bug: said, logged, and the server goes on
+        log.exception("serve: %s %s failed", request.method, request.url.path)
+        return error_response(500, f"internal error: {_short(e)}", "server_error")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "kind": "classifier" if classifier else "language model"}
+
+    @app.get("/")
+    async def index():
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(model_name, created, classifier)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name != model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server has {model_name!r}", param="model",
+                           code="model_not_found")  # fmt: skip
+        return _model_card(model_name, created, classifier)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = _parse(await request.body(), ChatRequest)
+        lm = _language_model(served, req, model_name)
+        messages = [
+            {"role": "user" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
+        ]
+        prompter = lm.prompter
+        try:
+            if settings["template"] and len(messages) == 1 and messages[0]["role"] == "user":
+                text = prompter.render(
+                    messages[0]["content"]
+                )  # as trained: data.template, then the chat template
+            elif settings["template"] or prompter.chat:
+                text = prompter.render_messages(messages)
+            else:
+                text = "".join(m["content"] for m in messages)
+        except (
+            Exception
+        ) as e:  # a chat template's own rule (roles that must alternate...), a template's field
+            raise ApiError(
+                400, f"the messages do not fit the model's prompt format: {_short(e)}", param="messages"
+            ) from None
+        ids = _prompt_ids(lm, text, prompter.add_special_tokens, settings, "messages")
+        return await _generate(request, req, ids, "chat.completion")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = _parse(await request.body(), CompletionRequest)
+        lm = _language_model(served, req, model_name)
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if len(prompts) != 1:
+            raise ApiError(400, "give one prompt (a string, or a list of one)", param="prompt")
+        ids = _prompt_ids(lm, prompts[0], True, settings, "prompt")
+        return await _generate(request, req, ids, "text_completion")
+
+    async def _generate(request: Request, req: Generation, ids: list[int], kind: str):
+        sampling = _sampling(req, settings)
+        room = _context(served)
+        if room is not None and len(ids) + sampling.max_tokens > room:
+            raise ApiError(400, f"the prompt's {len(ids)} tokens and max_tokens {sampling.max_tokens} pass the model's "
+                                f"context of {room} tokens", param="max_tokens", code="context_length_exceeded")  # fmt: skip
+        if len(scheduler.waiting) >= int(settings["max_waiting"]):
+            raise ApiError(429, "too many requests are waiting; try again shortly", "rate_limit_error",
+                           code="rate_limit_exceeded")  # fmt: skip
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        seq = Sequence(ids, sampling, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        scheduler.submit(seq)
+        stats.add(requests=1)
+        rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
+        now = int(time.time())
+        if req.stream:
+            usage = bool((req.stream_options or {}).get("include_usage"))
+            return StreamingResponse(_stream(seq, events, rid, kind, now, model_name, usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+        text, finish = [], None
+        try:
+            while finish is None:
+                try:
+                    event = await asyncio.wait_for(events.get(), timeout=1.0)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        seq.cancel()
+                        return Response(status_code=499)
+                    continue
+                if "text" in event:
+                    text.append(event["text"])
+                else:
+                    finish = event
+        except asyncio.CancelledError:
+            seq.cancel()
+            raise
+        if finish["finish"] == "error":
+            raise ApiError(
+                503, f"generation failed: {finish['error']}", "server_error", code="generation_failed"
+            )
+        stats.add(completion_tokens=finish["completion_tokens"])
+        content = "".join(text)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish["finish"],
+                   "logprobs": None} if kind == "chat.completion" else
+                  {"index": 0, "text": content, "finish_reason": finish["finish"], "logprobs": None})  # fmt: skip
+        return {"id": rid, "object": kind, "created": now, "model": model_name, "choices": [choice],
+                "usage": _usage(finish)}  # fmt: skip
+
+    async def _stream(
+        seq: Sequence, events: asyncio.Queue, rid: str, kind: str, now: int, name: str, usage: bool
+    ):
+        chat = kind == "chat.completion"
+
+        def chunk(delta: dict | None, text: str | None, finish: str | None) -> str:
+            choice = ({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None} if chat else
+                      {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})  # fmt: skip
+            body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": now,
+                    "model": name, "choices": [choice]}  # fmt: skip
+            return _sse(body)
+
+        try:
+            if chat:
+                yield chunk({"role": "assistant", "content": ""}, None, None)
+            while True:
+                event = await events.get()
+                if "text" in event:
+                    yield chunk({"content": event["text"]}, event["text"], None)
+                    continue
+                if event["finish"] == "error":
+                    yield _sse(
+                        error_body(
+                            f"generation failed: {event['error']}", "server_error", code="generation_failed"
+                        )
+                    )
+                    break
+                stats.add(completion_tokens=event["completion_tokens"])
+                yield chunk({}, "", event["finish"])
+                if usage:
+                    yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": now,
+                                "model": name, "choices": [], "usage": _usage(event)})  # fmt: skip
+                break
+            yield "data: [DONE]\n\n"
+        finally:
+            seq.cancel()  # the client went away (or the stream ended): the row leaves the batch
+
+    @app.post("/v1/classify")
+    async def classify(request: Request):
+        if not classifier:
+            raise ApiError(400, f"{model_name} is a language model: use /v1/chat/completions or /v1/completions",
+                           code="not_a_classifier")  # fmt: skip
+        try:
+            form = await request.form(
+                max_files=1, max_fields=8, max_part_size=int(settings["max_upload_bytes"])
+            )
+        except Exception as e:  # not multipart, a broken body, too many parts
+            raise ApiError(
+                400, f"send the file as multipart/form-data in the field `file` ({_short(e)})", param="file"
+            ) from None
+        try:
+            return await _classify(form)
+        finally:
+            await form.close()
+
+    async def _classify(form) -> dict[str, Any]:
+        upload = form.get("file")
+        if upload is None or isinstance(upload, str):
+            raise ApiError(400, "send the file as multipart/form-data in the field `file`", param="file")
+        fields = {k: v for k, v in form.items() if isinstance(v, str)}
+        if "model" in fields and fields["model"] != model_name:
+            raise ApiError(404, f"the model {fields['model']!r} does not exist; this server has {model_name!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+        top_k = _form_int(fields.get("top_k"), int(settings["top_k"]), "top_k")
+        picture = fields.get("picture", "false").lower() in ("1", "true", "yes")
+        data = await upload.read(int(settings["max_upload_bytes"]) + 1)
+        if len(data) > int(settings["max_upload_bytes"]):
+            raise ApiError(
+                413,
+                f"the file is over {settings['max_upload_bytes']} bytes",
+                param="file",
+                code="request_too_large",
+            )
+        if not data:
+            raise ApiError(400, "the file is empty", param="file")
+        stats.add(requests=1)
+        labels, image = await run_in_threadpool(
+            _run_classifier, served, data, upload.filename or "", top_k, picture
+        )
+        out = {"object": "classification", "model": model_name, "filename": upload.filename,
+               "labels": [{"label": label, "probability": round(p, 6)} for label, p in labels]}  # fmt: skip
+        if image is not None:
+            out["picture"] = "data:image/png;base64," + base64.b64encode(image).decode()
+        return out
+
+    return app
+
+
+_classify_lock = threading.Lock()
+
+
+def _run_classifier(
+    served, data: bytes, filename: str, top_k: int, picture: bool
+) -> tuple[list, bytes | None]:
+    """Decode the upload as the modality reads a file (a temporary file of the upload's extension)."""
+    suffix = "".join(Path(filename).suffixes[-2:])[:16].lower()
+    suffix = suffix if re.fullmatch(r"(\.[a-z0-9]{1,8}){1,2}", suffix) else ""
+    with tempfile.TemporaryDirectory(prefix="onn-serve-") as folder:
+        path = Path(folder) / f"upload{suffix}"
+        path.write_bytes(data)
+        with _classify_lock:
+            try:
+                labels, sample = served.classify(path, top_k)
+            except UserError as e:
+                raise ApiError(400, str(e).replace(str(path), filename or "the upload"), param="file",
+                               code="unreadable_file") from None  # fmt: skip
+            except Exception as e:  # a decoder's own complaint about a corrupt file
+                raise ApiError(400, f"the file could not be decoded: {_short(e)}", param="file",
+                               code="unreadable_file") from None  # fmt: skip
+            image = None
+            if picture:
+                png = Path(folder) / "picture.png"
+                served.picture(sample, labels[0][0], png)
+                image = png.read_bytes()
+    return labels, image
+
+
+def _parse(body: bytes, model: type[BaseModel]) -> Any:
+    try:
+        data = json.loads(body, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {_short(e)}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(map(str, first["loc"])) or None
+        raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _language_model(served, req: Generation, model_name: str):
+    if hasattr(served, "classify"):
+        raise ApiError(
+            400, f"{model_name} is a classifier: POST a file to /v1/classify", code="not_a_language_model"
+        )
+    if req.model != model_name:
+        raise ApiError(404, f"the model {req.model!r} does not exist; this server has {model_name!r}", param="model",
+                       code="model_not_found")  # fmt: skip
+    return served
+
+
+def _prompt_ids(lm, text: str, special: bool, settings: dict[str, Any], param: str) -> list[int]:
+    limit = int(settings["max_prompt_tokens"])
+    if len(text) > limit * 64:  # no tokenizer packs more than this into a token: refuse before tokenizing
+        raise ApiError(
+            400, f"the prompt is longer than {limit} tokens", param=param, code="context_length_exceeded"
+        )
+    ids = list(lm.tokenizer(text, add_special_tokens=special)["input_ids"])
+    if not ids:
+        raise ApiError(400, "the prompt is empty", param=param)
+    if len(ids) > limit:
+        raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {limit} (serve.max_prompt_tokens)",
+                       param=param, code="context_length_exceeded")  # fmt: skip
+    return ids
+
+
+def _sampling(req: Generation, settings: dict[str, Any]) -> Sampling:
+    most = int(settings["max_tokens"])
+    wanted = req.max_completion_tokens or req.max_tokens or min(int(settings["default_max_tokens"]), most)
+    if wanted > most:
+        raise ApiError(
+            400,
+            f"max_tokens={wanted}: this server generates at most {most} (serve.max_tokens)",
+            param="max_tokens",
+        )
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > int(settings["max_stop"]) or any(not s or len(s) > 256 for s in stop):
+        raise ApiError(
+            400, f"stop: at most {settings['max_stop']} strings of 1 to 256 characters", param="stop"
+        )
+    temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
+    return Sampling(wanted, temperature, 1.0 if req.top_p is None else req.top_p, req.seed, stop)
+
+
+def _context(lm) -> int | None:
+    config = getattr(lm.model, "config", None)
+    return getattr(config, "max_position_embeddings", None)
+
+
+def _usage(finish: dict[str, Any]) -> dict[str, int]:
+    p, c = finish["prompt_tokens"], finish["completion_tokens"]
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _model_card(name: str, created: int, classifier: bool) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "onn",
+            "onn_kind": "classifier" if classifier else "language model"}  # fmt: skip
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def _form_int(value: str | None, default: int, name: str) -> int:
+    if value is None:
+        return default
+    if not value.isdigit() or not 1 <= int(value) <= default:
+        raise ApiError(400, f"{name} must be a whole number from 1 to {default}", param=name)
+    return int(value)
+
+
+def _short(e: Exception) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__

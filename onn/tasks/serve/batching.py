@@ -1,0 +1,253 @@
+"""Continuous batching: one thread owns the model and runs one forward per step for every active sequence.
+
+A request that arrives while others decode joins at the next step: its prompt's prefill runs in the same
+forward as the others' next token (the step is as wide as the longest new prompt; the running rows are
+left-padded, with their padding masked). A layer-streamed model therefore loads each chunk once per step
+for all of them. Rows leave when they finish or their client goes away (their slot is free at the next
+step), and columns of the KV cache that no row attends to any more are dropped.
+
+Positions come from the attention mask (cumsum), so a row's position ids and rotary embeddings are those
+it would have alone; with temperature 0 a request gets the tokens it would get alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+log = logging.getLogger("onn")
+
+
+@dataclass
+class Sampling:
+    """What one request asks of its completion."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Sequence:
+    """One request's completion. `emit` gets one {"text": delta} event per token (the delta may be empty while
+    an incomplete character or a possible stop string waits), then one {"finish": reason, ...}; it is called on
+    the scheduler's thread and must not block."""
+
+    prompt_ids: list[int]
+    sampling: Sampling
+    emit: Callable[[dict[str, Any]], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""  # the completion so far (stop strings cut off)
+    sent: int = 0  # characters of `text` emitted
+    submitted: float = field(default_factory=time.perf_counter)
+    generator: torch.Generator | None = None
+
+    def cancel(self) -> None:
+        """The client went away: the row leaves the batch at the next step."""
+        self.cancelled.set()
+
+
+class Scheduler:
+    """Owns the model: a thread that admits waiting sequences between steps, up to `slots` at once."""
+
+    def __init__(self, lm, slots: int):
+        self.lm, self.slots = lm, slots
+        self.tokenizer = lm.tokenizer
+        self.eos = lm.eos_ids
+        self.pad = (
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else min(self.eos, default=0)
+        )
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.active: list[Sequence] = []
+        self.cache = None
+        self.mask: torch.Tensor | None = None  # [rows, columns of the cache]: 1 where a row attends
+        self.lock = threading.Condition()
+        self.stopping = False
+        self.plain = True  # the cache holds one column per position in every layer (see _step)
+        self.steps = 0
+        self.widest = 0  # most rows one step has served
+        self.thread = threading.Thread(target=self._loop, name="onn-serve-decode", daemon=True)
+        self.thread.start()
+
+    # -- what the API calls ------------------------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        with self.lock:
+            self.waiting.append(seq)
+            self.lock.notify()
+
+    def close(self) -> None:
+        with self.lock:
+            self.stopping = True
+            self.lock.notify()
+        self.thread.join(timeout=60)
+
+    # -- the thread ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                while not self.stopping and not self.waiting and not self.active:
+                    self.lock.wait()
+                if self.stopping:
+                    break
+                joining = []
+                # a cache that is not one plain column per position (sliding windows) is never re-laid: new
+                # sequences wait for the batch to finish (admission in waves)
+                room = self.slots if self.plain or not self.active else 0
+                while self.waiting and len(self.active) + len(joining) < room:
+                    seq = self.waiting.popleft()
+                    if not seq.cancelled.is_set():
+                        joining.append(seq)
+            try:
+                self._step(joining)
+            except Exception as e:  # a failed step ends its requests with an error; the server goes on
+                log.exception("serve: a decode step failed")
+                for seq in [*self.active, *joining]:
+                    _send(seq, {"finish": "error", "error": f"{type(e).__name__}: {e}"})
+                self.active, self.cache, self.mask = [], None, None
+                if self.lm.engine is not None:
+                    self.lm.engine.reset()
+        for seq in [*self.active, *self.waiting]:
+            _send(seq, {"finish": "error", "error": "the server is shutting down"})
+        if self.lm.engine is not None:
+            self.lm.engine.close()
+
+    def _step(self, joining: list[Sequence]) -> None:
+        gone = [i for i, s in enumerate(self.active) if s.cancelled.is_set()]
+        if gone:
+            self._keep([i for i in range(len(self.active)) if i not in set(gone)])
+        if not self.active and not joining:
+            return
+        device = self.lm.device
+        width = max((len(s.prompt_ids) for s in joining), default=1)
+        rows_ids, rows_mask = [], []
+        for seq in self.active:  # the running rows: their last token at the right, padding before it
+            rows_ids.append([self.pad] * (width - 1) + [seq.tokens[-1]])
+            rows_mask.append([0] * (width - 1) + [1])
+        for seq in joining:  # the new rows: their prompt, left-padded; no past
+            pad = width - len(seq.prompt_ids)
+            rows_ids.append([self.pad] * pad + seq.prompt_ids)
+            rows_mask.append([0] * pad + [1] * len(seq.prompt_ids))
+            if seq.sampling.seed is not None:
+                seq.generator = torch.Generator(device=device).manual_seed(int(seq.sampling.seed))
+        ids = torch.tensor(rows_ids, dtype=torch.long, device=device)
+        step_mask = torch.tensor(rows_mask, dtype=torch.long, device=device)
+        if self.cache is None:
+            self.cache, past = self.lm.new_cache(), torch.zeros(0, 0, dtype=torch.long, device=device)
+            self.plain = all(
+                type(layer).__name__ == "DynamicLayer" for layer in getattr(self.cache, "layers", [])
+            )
+        else:
+            past = self.mask
+        if joining and past.shape[1]:
+            _grow_rows(self.cache, len(joining))
+        past = torch.cat([past, past.new_zeros(len(joining), past.shape[1])])
+        mask = torch.cat([past, step_mask], dim=1)
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
+        self.active += joining
+        logits = self.lm.step(ids, mask, position_ids, self.cache)
+        self.mask = mask
+        self.steps += 1
+        self.widest = max(self.widest, len(self.active))
+        finished = [i for i, seq in enumerate(self.active) if self._advance(seq, logits[i])]
+        if finished:
+            self._keep([i for i in range(len(self.active)) if i not in set(finished)])
+
+    def _advance(self, seq: Sequence, logits: torch.Tensor) -> bool:
+        """The row's next token: emit its text; True when the sequence is done."""
+        token = _pick(logits, seq.sampling, seq.generator)
+        if token in self.eos:
+            return self._finish(seq, "stop")
+        seq.tokens.append(token)
+        text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        for stop in seq.sampling.stop:
+            at = text.find(stop)
+            if at >= 0:
+                seq.text = text[:at]
+                return self._finish(seq, "stop")
+        seq.text = text
+        if len(seq.tokens) >= seq.sampling.max_tokens:
+            return self._finish(seq, "length")
+        # hold back an incomplete character and what could be the start of a stop string
+        ready = len(text.rstrip("\ufffd"))
+        for stop in seq.sampling.stop:
+            for k in range(min(len(stop) - 1, ready), 0, -1):
+                if text[:ready].endswith(stop[:k]):
+                    ready -= k
+                    break
+        # every token is an event, also one whose text waits (the client sees the pace; OpenAI's "content": "")
+        _send(seq, {"text": text[seq.sent : ready] if ready > seq.sent else ""})
+        seq.sent = max(seq.sent, ready)
+        return False
+
+    def _finish(self, seq: Sequence, reason: str) -> bool:
+        if len(seq.text) > seq.sent:
+            _send(seq, {"text": seq.text[seq.sent :]})
+            seq.sent = len(seq.text)
+        _send(
+            seq,
+            {"finish": reason, "prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.tokens)},
+        )
+        return True
+
+    def _keep(self, rows: list[int]) -> None:
+        """Only these rows stay in the batch; cache columns no row attends to any more go too."""
+        self.active = [self.active[i] for i in rows]
+        if not self.active:
+            self.cache, self.mask = None, None
+            return
+        index = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
+        mask = self.mask.index_select(0, index)
+        columns = mask.any(dim=0).nonzero()[:, 0]
+        self.mask = mask.index_select(1, columns)
+        _edit_cache(
+            self.cache, lambda t: t.index_select(0, index.to(t.device)).index_select(2, columns.to(t.device))
+        )
+
+
+def _send(seq: Sequence, event: dict[str, Any]) -> None:
+    try:
+        seq.emit(event)
+    except Exception:  # the client's event loop is gone
+        seq.cancel()
+
+
+def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """Greedy at temperature 0, else sampled through transformers' temperature and top-p warpers (as
+    model.generate), with the request's own generator when it gave a seed."""
+    if not sampling.temperature:
+        return int(logits.argmax())
+    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+    scores = TemperatureLogitsWarper(sampling.temperature)(None, logits[None])
+    if sampling.top_p < 1.0:
+        scores = TopPLogitsWarper(sampling.top_p)(None, scores)
+    return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[0, 0])
+
+
+def _layers(cache) -> list:
+    """The cache's per-layer key/value holders that hold something."""
+    return [layer for layer in getattr(cache, "layers", []) if getattr(layer, "keys", None) is not None
+            and layer.keys.numel()]  # fmt: skip
+
+
+def _edit_cache(cache, edit: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Apply `edit` to every layer's keys and values ([batch, heads, columns, head_dim])."""
+    for layer in _layers(cache):
+        layer.keys, layer.values = edit(layer.keys), edit(layer.values)
+
+
+def _grow_rows(cache, rows: int) -> None:
+    """Room for `rows` new sequences: zero keys and values, which their mask never attends to."""
+    _edit_cache(cache, lambda t: torch.cat([t, t.new_zeros(rows, *t.shape[1:])]))

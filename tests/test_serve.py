@@ -1,0 +1,438 @@
+"""task=serve: the OpenAI client against the API, the key, a fuzz of malformed requests, continuous batching
+(concurrent greedy requests give what each gives alone, resident and layer-streamed), a client that goes away,
+a classifier's upload, the real CLI, and the web page in a real browser (Debian's chromium via Playwright)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, compose, read_metrics
+
+KEY = "test-key"
+MODEL = "llama_tiny"
+CHROMIUM = Path("/usr/bin/chromium")
+SCREENSHOT_COPY = Path(
+    "/work/wt/serve-screenshot.png"
+)  # where the lead looks at it; written when that folder exists
+
+
+def serve_job(tmp: Path, *overrides: str, ckpt: Path | None = None):
+    """The Job app.execute would hand task=serve (a preset machine, so nothing is measured)."""
+    from onn.app import from_checkpoint
+    from onn.hardware.profile import resolve
+    from onn.modalities import Job, get
+
+    config = compose("task=serve", "hardware=cpu_16gb", "tracking=none", f"paths.outputs={tmp / 'outputs'}",
+                     f"paths.cache={tmp / 'cache'}", *overrides)  # fmt: skip
+    if ckpt is not None:
+        config["ckpt"] = str(ckpt)
+        ckpt, _ = from_checkpoint(config, set())
+    modality = get(config["data"].get("modality") or "text")
+    hardware = resolve(config["hardware"], config["paths"]["cache"], config["paths"]["outputs"])
+    plan, spec = modality.plan(config, hardware)
+    return Job(config, tmp / "run", modality, hardware, plan, spec, ckpt)
+
+
+def start(job):
+    from onn.tasks.serve import build_app
+    from onn.tasks.serve.server import Running
+
+    return Running(build_app(job))
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    """A random-init tiny Llama (byte tokenizer), resident, with a key."""
+    tmp = tmp_path_factory.mktemp("serve")
+    with start(serve_job(tmp, f"model={MODEL}", "strategy=full", f"serve.api_key={KEY}", "serve.slots=4",
+                         "serve.max_tokens=64", "serve.max_prompt_tokens=256")) as running:  # fmt: skip
+        yield running
+
+
+def client(running, key: str | None = KEY):
+    import httpx2
+
+    return httpx2.Client(
+        base_url=running.url, timeout=120, headers={"Authorization": f"Bearer {key}"} if key else {}
+    )
+
+
+def chat(http, content: str, max_tokens: int = 12, **extra) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, **extra}  # fmt: skip
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_the_openai_client_gets_plain_and_streamed_chat_completions(lm):
+    from openai import OpenAI
+
+    api = OpenAI(base_url=f"{lm.url}/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in api.models.list()] == [MODEL]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
+    plain = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    choice = plain.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    assert plain.usage.completion_tokens <= 10 and plain.usage.prompt_tokens > 0
+    assert plain.usage.total_tokens == plain.usage.prompt_tokens + plain.usage.completion_tokens
+    chunks = list(api.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True,
+                                              stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == choice.message.content  # greedy: the same text, whether streamed or not
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    text = api.completions.create(model=MODEL, prompt="12+3=", max_tokens=6, temperature=0)
+    assert text.choices[0].finish_reason in ("stop", "length") and text.usage.prompt_tokens >= len("12+3=")
+
+
+def test_the_raw_stream_is_server_sent_events_ending_in_done(lm):
+    with client(lm) as http, http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 5,
+                                                                          "temperature": 0, "stream": True}) as response:  # fmt: skip
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][6:])
+    assert last["object"] == "text_completion" and last["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_a_key_is_required_except_for_health(lm):
+    with client(lm, key=None) as anonymous, client(lm, key="wrong") as wrong:
+        assert anonymous.get("/health").status_code == 200
+        for http in (anonymous, wrong):
+            for response in (http.get("/v1/models"), http.post("/v1/chat/completions", json={})):
+                assert response.status_code == 401
+                assert response.json()["error"]["type"] == "authentication_error"
+
+
+def test_max_tokens_stop_seed_and_limits(lm):
+    with client(lm) as http:
+        short = chat(http, "count", max_tokens=3)
+        assert short["usage"]["completion_tokens"] <= 3
+        full = chat(http, "count", max_tokens=12)["choices"][0]["message"]["content"]
+        if len(full) >= 4:  # a stop string cuts the text before it, and the finish reason is stop
+            stop = full[2:4]
+            cut = chat(http, "count", max_tokens=12, stop=[stop])
+            assert cut["choices"][0]["message"]["content"] == full[: full.find(stop)]
+            assert cut["choices"][0]["finish_reason"] == "stop"
+        sampled = [
+            chat(http, "pick", max_tokens=8, temperature=1.0, seed=7)["choices"][0]["message"]["content"]
+            for _ in range(2)
+        ]
+        assert sampled[0] == sampled[1]  # the same seed, the same sample
+        for body, status in (({"max_tokens": 65}, 400), ({"messages": [{"role": "user", "content": "x" * 300}]}, 400),
+                             ({"model": "gpt-4"}, 404), ({"temperature": 3}, 400), ({"stop": ["a"] * 5}, 400)):  # fmt: skip
+            response = http.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body},
+            )
+            assert response.status_code == status, (body, response.text)
+        too_big = http.post("/v1/chat/completions", content=b"{" + b" " * (2**20 + 10) + b"}",
+                            headers={"Content-Type": "application/json"})  # fmt: skip
+        assert too_big.status_code == 413
+
+
+INVALID = {  # per field of a chat request, values OpenAI's API refuses (strict types: "5" is no number, true no int)
+    "model": [None, 5, [], {}, True, "gpt-4o", "", "llama_tiny ", "../../etc/passwd", "x" * 5000],
+    "messages": [None, [], "hi", 5, {}, [None], [[]], [{"content": "hi"}], [{"role": "wizard", "content": "hi"}],
+                 [{"role": "user", "content": 5}], [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]],
+    "max_tokens": [0, -1, 2**70, 1e308, "5", True, 3.5, 65, [], {}],
+    "max_completion_tokens": [0, -3, "7", 1e9, 10**6],
+    "temperature": [-1, 2.5, 1e308, "0", True, [], -1e308],
+    "top_p": [0, -0.1, 1.5, "1", False, {}],
+    "stop": [5, [5], [None], [""], ["a"] * 9, {}, True, "x" * 300],
+    "seed": [-1, 2**70, "1", 1.5, True, []],
+    "n": [0, 2, -1, "1", 1.5],
+    "stream": ["yes", 1, 0, [], None],
+    "stream_options": ["x", 5, [], True],
+}  # fmt: skip
+RAW = [b"", b"{", b"}", b"null", b"[]", b"42", b'"text"', b"\xff\xfe\x00", b'{"model": NaN}', b'{"model": Infinity}',
+       b"[" * 5000 + b"]" * 5000, b'{"a":' * 3000 + b"1" + b"}" * 3000, b'{"model": "llama_tiny", "messages": "hi"}',
+       b'{"model": "llama_tiny", "prompt": 5}', b'{"model": "llama_tiny", "prompt": ["a", "b"]}']  # fmt: skip
+
+
+def malformed_requests(count: int) -> list[tuple[str, str, dict | None, bytes | None]]:
+    """(method, path, json, raw body) of requests no server should take: bad JSON, wrong types, huge or
+    negative values, unknown models and routes, and uploads where none belongs."""
+    rng = random.Random(0)
+    good = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    out = []
+    for i in range(count):
+        kind = i % 4
+        if kind == 0:
+            out.append(
+                ("POST", rng.choice(["/v1/chat/completions", "/v1/completions"]), None, rng.choice(RAW))
+            )
+        elif kind == 1:
+            field = rng.choice(sorted(INVALID))
+            out.append(("POST", "/v1/chat/completions", {**good, field: rng.choice(INVALID[field])}, None))
+        elif kind == 2:
+            path = rng.choice(
+                ["/v1/nothing", "/v2/chat/completions", "/v1/models/gpt-4", "/etc/passwd", "/v1/chat"]
+            )
+            out.append((rng.choice(["GET", "POST", "DELETE"]), path, None, b"{}"))
+        else:
+            out.append(
+                ("POST", "/v1/classify", None, rng.choice([b"", b"--x\r\n", b"not multipart", b"\x00" * 100]))
+            )
+    return out
+
+
+def test_a_fuzz_of_malformed_requests_gets_4xx_and_the_server_stays_up(lm):
+    requests = malformed_requests(360)
+    statuses = []
+    with client(lm) as http:
+        for method, path, body, raw in requests:
+            headers = {
+                "Content-Type": "multipart/form-data; boundary=x"
+                if path == "/v1/classify"
+                else "application/json"
+            }
+            response = http.request(method, path, json=body, headers=headers) if raw is None else \
+                http.request(method, path, content=raw, headers=headers)  # fmt: skip
+            statuses.append(response.status_code)
+            assert 400 <= response.status_code < 500, (
+                method,
+                path,
+                body,
+                raw and raw[:80],
+                response.text[:300],
+            )
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        assert chat(http, "still there?", max_tokens=4)["choices"][0]["message"]["role"] == "assistant"
+    assert len(statuses) >= 300 and {400, 404, 405} <= set(statuses)
+
+
+def concurrent_equals_alone(running, prompts: list[str], max_tokens: list[int]) -> None:
+    """Greedy requests sent together (they share decode steps, joining as they arrive) give what each gives alone."""
+    with client(running) as http:
+        alone = [chat(http, p, n)["choices"][0]["message"]["content"] for p, n in zip(prompts, max_tokens)]
+
+        def one(i: int) -> str:
+            time.sleep(0.01 * i)  # staggered: later ones join a decode already running
+            return chat(http, prompts[i], max_tokens[i])["choices"][0]["message"]["content"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(one, range(len(prompts))))
+    assert together == alone
+    assert running.app.state.scheduler.widest > 1  # they did share steps
+
+
+def test_concurrent_greedy_requests_give_what_each_gives_alone(lm):
+    prompts = ["a", "the cat sat on", "1+1=", "hello there, how are you today?", "zz", "x y"]
+    concurrent_equals_alone(lm, prompts, [10, 6, 14, 8, 12, 9])
+
+
+def test_a_layer_streamed_model_batches_through_the_engine(tmp_path):
+    job = serve_job(tmp_path, f"model={MODEL}", "strategy=sparse_lora", "strategy.streaming.store=disk",
+                    "strategy.streaming.chunk_size=2", f"serve.api_key={KEY}")  # fmt: skip
+    with start(job) as running:
+        engine = running.app.state.scheduler.lm.engine
+        assert engine is not None and engine.store.kind == "disk"
+        concurrent_equals_alone(running, ["a", "the cat", "1+1=", "hello"], [8, 5, 10, 7])
+        assert engine.times.loads > 0
+
+
+def test_a_client_that_goes_away_frees_its_slot(lm):
+    scheduler = lm.app.state.scheduler
+    with client(lm) as http:
+        with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "long", "max_tokens": 64,
+                                                          "temperature": 0, "stream": True}) as response:  # fmt: skip
+            next(response.iter_lines())  # the first event arrived: the sequence decodes
+        deadline = time.monotonic() + 30
+        while scheduler.active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not scheduler.active
+        assert chat(http, "next", max_tokens=3)["usage"]["completion_tokens"] <= 3
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    """A tiny image classifier trained for a few epochs on generated images, served."""
+    from test_vision_train import make_images, run
+
+    tmp = tmp_path_factory.mktemp("classifier")
+    threads = torch.get_num_threads()
+    images = make_images(tmp / "images", train=12, test=2)
+    _, run_dir = run(
+        tmp,
+        f"data.source={images}",
+        "trainer.max_epochs=6",
+        "optim.lr=0.2",
+        "data.batch_size=8",
+        "hardware=cpu_16gb",
+    )  # learns the stripes: test accuracy 1.0
+    torch.set_num_threads(threads)  # a preset machine's plan may set its own
+    with start(
+        serve_job(tmp, "model=v28_cnn", "data=image", f"data.source={images}", ckpt=run_dir)
+    ) as running:
+        running.images = images
+        yield running
+
+
+def test_classify_an_upload(classifier):
+    picture = classifier.images / "test" / "class1" / "000.png"
+    with client(classifier, key=None) as http:
+        response = http.post("/v1/classify", files={"file": ("x.png", picture.read_bytes(), "image/png")},
+                             data={"top_k": "2", "picture": "true"})  # fmt: skip
+        assert response.status_code == 200, response.text
+        result = response.json()
+        assert len(result["labels"]) == 2 and {r["label"] for r in result["labels"]} <= {
+            "class0",
+            "class1",
+            "class2",
+        }
+        assert result["labels"][0]["probability"] >= result["labels"][1]["probability"]
+        assert result["picture"].startswith("data:image/png;base64,")
+        bad = http.post("/v1/classify", files={"file": ("x.png", b"\x89PNG not really", "image/png")})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "unreadable_file"
+        assert http.post("/v1/classify", data={"top_k": "2"}).status_code == 400
+        assert http.post("/v1/chat/completions", json={"model": "v28_cnn", "messages": []}).status_code == 400
+        assert http.get("/health").json()["kind"] == "classifier"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_the_cli_serves_until_ctrl_c_and_records_the_run(tmp_path):
+    import httpx2
+
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "ONN_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "task=serve", f"model={MODEL}", "strategy=full",
+                             f"serve.port={port}", f"paths.outputs={tmp_path}", "hardware=cpu_16gb",
+                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx2.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx2.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stdout.read() if proc.poll() is not None else "slow"
+            )
+            time.sleep(0.3)
+        headers = {"Authorization": f"Bearer {KEY}"}
+        assert (
+            httpx2.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 401
+        )  # ONN_API_KEY is the key
+        response = httpx2.post(f"http://127.0.0.1:{port}/v1/completions", headers=headers, timeout=60,
+                               json={"model": MODEL, "prompt": "hi", "max_tokens": 3})  # fmt: skip
+        assert response.status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert f"127.0.0.1:{port}" in out
+    metrics = read_metrics(tmp_path / "run")
+    assert metrics["status"] == "ok" and metrics["serve/requests"] == 1 and metrics["serve/refused"] == 1
+
+
+def test_serve_settings_are_checked_first():
+    from onn.errors import UserError
+    from onn.tasks.serve import check, free_address
+
+    config = compose("task=serve")
+    check(config)
+    for key, value in (("port", 70000), ("slots", 0), ("max_tokens", "many"), ("api_key", "")):
+        with pytest.raises(UserError, match=f"serve.{key}"):
+            check({**config, "serve": {**config["serve"], key: value}})
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(UserError, match="cannot be listened on"):
+            free_address("127.0.0.1", taken.getsockname()[1])  # said before the model is built
+
+
+def test_the_web_page_chats_and_classifies_in_a_real_browser(lm, classifier, tmp_path):
+    if not CHROMIUM.exists():
+        pytest.skip("no chromium: apt-get install -y chromium")
+    playwright = pytest.importorskip("playwright.sync_api")
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])  # fmt: skip
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 700})
+            page.goto(lm.url)
+            page.fill("#key", KEY)
+            page.dispatch_event("#key", "change")
+            page.wait_for_selector("#chat-view:not(.hidden)")
+            page.fill("#max-tokens", "24")
+            page.fill("#prompt", "Hello, ONN!")
+            page.click("#send")
+            page.wait_for_function(
+                "document.querySelector('.assistant') && document.querySelector('.assistant').textContent.length > 0"
+            )
+            page.wait_for_selector("#send:not([disabled])")
+            assert page.text_content(".user") == "Hello, ONN!"
+            chat_shot = tmp_path / "chat.png"
+            page.screenshot(path=str(chat_shot))
+
+            page.goto(classifier.url)
+            page.wait_for_selector("#classify-view:not(.hidden)")
+            page.set_input_files("#file", str(classifier.images / "test" / "class2" / "000.png"))
+            page.wait_for_selector("#result:not(.hidden)")
+            label = page.text_content("#top-label")
+            assert label == "class2"
+            assert page.eval_on_selector("#preview", "img => img.complete && img.naturalWidth > 0")
+            shot = tmp_path / "classify.png"
+            page.screenshot(path=str(shot))
+        finally:
+            browser.close()
+    assert shot.stat().st_size > 1000 and chat_shot.stat().st_size > 1000
+    if SCREENSHOT_COPY.parent.exists():
+        _side_by_side(chat_shot, shot, SCREENSHOT_COPY)
+
+
+def _side_by_side(left: Path, right: Path, out: Path) -> None:
+    from PIL import Image
+
+    a, b = Image.open(left), Image.open(right)
+    both = Image.new("RGB", (a.width + b.width, max(a.height, b.height)), "white")
+    both.paste(a, (0, 0))
+    both.paste(b, (a.width, 0))
+    both.save(out)
+    shutil.copy(left, out.with_name(out.stem + "-chat.png"))
+
+
+def test_bench_serve_reports_the_speedup_latencies_and_no_errors(tmp_path):
+    from onn.app import execute
+
+    config = compose("task=bench_serve", f"model={MODEL}", "strategy=sparse_lora", "strategy.streaming.store=disk",
+                     "tracking=none", f"paths.outputs={tmp_path / 'outputs'}", f"paths.cache={tmp_path / 'cache'}",
+                     "task.requests=4", "task.max_tokens=6", "task.clients=8", "task.requests_per_client=2",
+                     "task.load_max_tokens=4", "hardware=cpu_16gb")  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        metrics = execute(config, tmp_path / "run")
+    finally:
+        torch.set_num_threads(threads)  # a preset machine's plan may set its own
+    assert metrics["serve/streamed"] and metrics["serve/store"] == "disk"
+    assert metrics["serve/errors"] == 0 and metrics["serve/load_requests"] == 16
+    assert metrics["serve/identical_to_alone"] == 4 and metrics["serve/widest_batch"] > 1
+    # each step of the requests together loaded every chunk once for all of them
+    assert metrics["serve/concurrent_chunk_loads"] < metrics["serve/sequential_chunk_loads"]
+    for key in ("ttft", "token", ""):
+        name = f"serve/{key}_p" if key else "serve/p"
+        assert 0 < metrics[f"{name}50_ms"] <= metrics[f"{name}99_ms"]
