@@ -1,11 +1,29 @@
 """ONN's entry point: compose the config with Hydra and hand it to onn.app.run."""
 
+import os
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
 from onn.config import register
 
 register()  # the config's types (dataclasses only: nothing heavy is imported here)
+
+
+def other_rank_overrides(argv: list[str]) -> list[str]:
+    """torchrun and srun start this same command once per process. A process of rank N > 0 logs to
+    rank_N.log and writes no .hydra/ of its own (Lightning's own launcher does the same for its children);
+    give every node the same hydra.run.dir so that they share one run folder."""
+    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
+    if rank == "0" or any(
+        a.startswith(("hydra.output_subdir=", "hydra.job.name=", "-m", "--multirun")) for a in argv
+    ):
+        return []
+    return ["hydra.output_subdir=null", f"hydra.job.name=rank_{rank}"]
+
+
+sys.argv += other_rank_overrides(sys.argv[1:])
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

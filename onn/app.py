@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from onn.bench import TASKS as BENCH_TASKS
 from onn.errors import UserError
 from onn.export import check_settings as check_export
+from onn.hardware.cluster import is_rank_zero
 from onn.hardware.profile import resolve as resolve_hardware
 from onn.hardware.profile import use_threads
 from onn.modalities import Job, detect, get
@@ -44,6 +45,7 @@ from onn.training.checkpoints import resolve as resolve_checkpoint
 from onn.training.checkpoints import saved_config
 from onn.training.optim import check as check_optim
 from onn.training.trainer import check as check_trainer
+from onn.training.trainer import check_launch, explain_distributed_failure
 
 log = logging.getLogger("onn")
 TASKS: dict[str, Task] = {**RUN_TASKS, **BENCH_TASKS}
@@ -65,6 +67,7 @@ def run(cfg: DictConfig) -> float | None:
     metrics: dict[str, Any] = {"status": "running", "error": None, "task": cfg.task.name, "model": cfg.model.name, "data": cfg.data.name,
                                "strategy": cfg.strategy.name, "hardware": cfg.hardware.name}  # fmt: skip
     record = RunRecord(run_dir, metrics)
+    config: dict[str, Any] = {}
     try:
         if cfg.data.name == "auto":
             cfg = compose_detected(cfg, overrides)
@@ -74,10 +77,12 @@ def run(cfg: DictConfig) -> float | None:
         if done is not None:
             log.info("%s: already finished for this config; not run again", run_dir)
             return _objective(cfg, done)
+        check_launch(config, multirun)
         record.start()
         results = execute(config, run_dir, given_keys(overrides))
         record.finish(**results, status="ok")
-        print(summary(metrics, run_dir), flush=True)
+        if is_rank_zero():
+            print(summary(metrics, run_dir), flush=True)
     except UserError as e:
         log.error("%s", e)
         _finish_failed(record, str(e))
@@ -88,6 +93,12 @@ def run(cfg: DictConfig) -> float | None:
         record.interrupted(e.signum)
         sys.exit(e.exit_code)  # a signal stops a sweep too: the jobs not run yet run when it is resumed
     except Exception as e:
+        if (sentence := explain_distributed_failure(e, config)) is not None:  # a peer that never came
+            log.error("%s", sentence)
+            _finish_failed(record, sentence)
+            if not multirun:
+                sys.exit(1)
+            return None
         _finish_failed(record, f"{type(e).__name__}: {e}")
         if not multirun:
             raise
@@ -285,8 +296,10 @@ def execute(config: dict[str, Any], run_dir: Path, given: set[str] | None = None
     out: dict[str, Any] = {"model": config["model"]["name"], "data": config["data"]["name"],
                            "data_source": config["data"].get("source"), "checkpoint_used": str(ckpt) if ckpt else None,
                            "from_checkpoint": came or None}  # fmt: skip
+    writes = is_rank_zero()  # in a multi-process run, rank 0 alone writes the run's files
     if not task.model:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        if writes:
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         return {**out, **task.run(Job(config, run_dir, get("text")))}
     modality = get(config["data"].get("modality") or "text")
     if task.modalities is not None and modality.name not in task.modalities:
@@ -298,7 +311,8 @@ def execute(config: dict[str, Any], run_dir: Path, given: set[str] | None = None
         check_optim(config["optim"])
         check_trainer(config["trainer"], trains=task.trains)
     modality.check(config)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    if writes:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     if task.heavy:
         # These tasks import them anyway; importing before planning lets the plan's CPU baseline
         # (the process's resident memory, measured) include them, as the measured peak will.
@@ -311,8 +325,9 @@ def execute(config: dict[str, Any], run_dir: Path, given: set[str] | None = None
     )
     # task=tune starts from the planner's own guess; every other task takes a cached tune result
     plan, spec = modality.plan(config, hardware, use_tuned=name != "tune")
-    (run_dir / "plan.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
-    print(render(plan), flush=True)
+    if writes:
+        (run_dir / "plan.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
+        print(render(plan), flush=True)
     if task.heavy:
         use_threads(plan)  # torch's threads on the cores other processes leave free
     # On CPUs the measured peak is the process's resident memory, which includes its baseline.

@@ -86,6 +86,7 @@ class StrategyConfig:
     precision: str = "auto"
     gradient_checkpointing: Any = "auto"  # auto | true | false
     lightning: str = "auto"  # the Lightning strategy that places the model
+    timeout_s: float = MISSING  # multi-process runs: how long a process waits for its peers
     streaming: StreamingConfig | None = None
 
 
@@ -99,6 +100,9 @@ class HardwareConfig:
     accelerator: str | None = None
     device_name: str | None = None
     device_count: int | None = None
+    count: int | None = None  # devices per node to plan and run for (null: 1)
+    interconnect_gb_s: float | None = None  # link between a node's devices (NVLink, PCIe), GB/s
+    network_gb_s: float | None = None  # link between nodes (InfiniBand, Ethernet), GB/s
     device_memory_mb: float | None = None
     device_memory_free_mb: float | None = None
     host_memory_mb: float | None = None
@@ -138,7 +142,35 @@ class ONNConfig:
 
 
 def register() -> None:
-    """Give Hydra the schema conf/config.yaml extends (its defaults list names `onn_schema`)."""
+    """Give Hydra the schema conf/config.yaml extends (its defaults list names `onn_schema`), and ONN's
+    `hydra/launcher=submitit_local` (see register_local_launcher)."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="onn_schema", node=ONNConfig)
+    register_local_launcher()
+
+
+def register_local_launcher() -> None:
+    """`hydra/launcher=submitit_local` with a cap on the jobs running at once (hydra_plugins/onn_launcher).
+
+    The plugin registers its own `submitit_local` when Hydra scans its plugins, and a YAML file of that name
+    would be merged into the plugin's schema, which has no `array_parallelism`. So the scan runs here, once
+    (Hydra would run it a moment later anyway), and this entry replaces the plugin's."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()
+    try:
+        from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf
+    except ImportError:  # hydra-submitit-launcher not installed: sweeps run one job after another
+        return
+
+    @dataclass
+    class ThrottledLocalConf(LocalQueueConf):
+        _target_: str = "hydra_plugins.onn_launcher.ThrottledLocalLauncher"
+        array_parallelism: int = 2  # jobs running at once, in groups (the next group starts when one ends)
+        timeout_min: int = 1440  # a job still running after this is killed (submitit's default is 60)
+
+    ConfigStore.instance().store(
+        group="hydra/launcher", name="submitit_local", node=ThrottledLocalConf, provider="onn"
+    )

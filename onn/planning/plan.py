@@ -965,4 +965,33 @@ def render(plan: dict[str, Any]) -> str:
         lines.append(f"threads: {plan['threads']} of {plan['hardware'].get('cpu_cores')} cores")
     lines += [f"  - {r}" for r in plan["reasons"]]
     lines.append(f"layer map: {plan['model']['layer_map']}")
+    if plan.get("scale"):  # onn/planning/scale.py
+        lines.append(render_scale(plan["scale"]))
+    return "\n".join(lines)
+
+
+def render_scale(scale: dict[str, Any]) -> str:
+    """The multi-device setups side by side (predictions), the chosen one marked."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"full fine-tune over {scale['devices_per_node']} device(s) x {scale['nodes']} node(s): "
+                        f"global batch {scale['global_batch']} ({scale['per_device_batch']} per device)")  # fmt: skip
+    for col in ("setup", "fits", "micro-batch", "MB per device", "host MB per node", "compute s", "all-reduce s",
+                "offload s", "step s"):  # fmt: skip
+        table.add_column(col, justify="left" if col in ("setup", "fits") else "right", no_wrap=col == "setup")
+    for name, o in scale["options"].items():
+        fits = "refused" if o["refused"] else ("yes" if o["fits"] else "no")
+        table.add_row(f"{'*' if name == scale['chosen'] else ''}{o['label']}", fits, str(o["micro_batch"]),
+                      f"{o['per_device_mb']:,.0f}", f"{o['host_per_node_mb']:,.0f}", f"{o['compute_s']:.3g}",
+                      f"{o['collective_s']:.3g}", f"{o['offload_s']:.3g}", f"{o['predicted_step_s']:.3g}")  # fmt: skip
+    console = Console(width=120, record=True, force_terminal=False)
+    with console.capture() as capture:
+        console.print(table)
+    lines = [capture.get().rstrip(), f"  - {scale['reason']}"]
+    if scale["links"]["missing"]:
+        lines.append(f"  - all-reduce time not predicted: set {' and '.join(scale['links']['missing'])}")
+    refused = next((o["refused"] for o in scale["options"].values() if o["refused"]), None)
+    if refused:
+        lines.append(f"  - {refused}: on this machine use strategy=ddp")
     return "\n".join(lines)

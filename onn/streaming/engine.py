@@ -461,10 +461,12 @@ class StreamingEngine:
         last = len(self.chunks) - 1
         return list(range(last if self.edges else last - 1, self.lowest_chunk - 1, -1))
 
-    def forward_train(self, micro_batches: list[dict[str, Any]], loss_scale: float = 1.0) -> torch.Tensor:
+    def forward_train(self, micro_batches: list[dict[str, Any]], loss_scale: float = 1.0,
+                      total_tokens: int | None = None) -> torch.Tensor:  # fmt: skip
         """The forward half of a step: chunk-outer forward keeping chunk inputs, then each micro-batch's
         loss backpropagated to its last hidden state (the engine's own tensors, so an optimizer's
-        zero_grad in between changes nothing). `loss_scale` is fp16's loss scale."""
+        zero_grad in between changes nothing). `loss_scale` is fp16's loss scale; `total_tokens` the
+        target tokens of the whole global batch when several processes share it (default: these)."""
         # the loader reads the backward's first chunks while the forward's last one computes
         inputs, kept, hidden = self._forward(
             micro_batches, keep_from=self.lowest_chunk, then=[] if self.edges else self._backward_order()
@@ -472,7 +474,7 @@ class StreamingEngine:
         grads, losses = [], []
         # Each micro-batch's mean loss weighs by its share of the macro-batch's target tokens, so the
         # gradient is the whole macro-batch's, whatever the micro-batch size.
-        weights = token_weights(micro_batches)
+        weights = token_weights(micro_batches, total_tokens)
         with self._edges_loaded():
             start = time.perf_counter()
             for h, mb, w in zip(hidden, micro_batches, weights):
@@ -657,10 +659,10 @@ def target_tokens(mb: dict[str, Any]) -> int:
     return int((mb["labels"][:, 1:] != -100).sum())
 
 
-def token_weights(micro_batches: list[dict[str, Any]]) -> list[float]:
-    """Each micro-batch's share of the target tokens of them all."""
+def token_weights(micro_batches: list[dict[str, Any]], total: int | None = None) -> list[float]:
+    """Each micro-batch's share of the target tokens of them all (or of `total`: a global batch's)."""
     counts = [target_tokens(mb) for mb in micro_batches]
-    total = sum(counts)
+    total = sum(counts) if total is None else total
     return [c / total if total else 0.0 for c in counts]
 
 

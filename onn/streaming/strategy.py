@@ -7,6 +7,12 @@ to the last hidden state in the module's `training_step`, and walks the chunks b
 the step calls `manual_backward` (this strategy's `backward`).
 Loggers, progress bar, validation, checkpoints (adapters + optimizer + loops, through the
 safetensors CheckpointIO) and resume are Lightning's own.
+
+LayerStreamingDDPStrategy does the same in each of several processes (Lightning's DDP launcher,
+torchrun or srun start them): every rank streams its own copy of the same frozen blocks, trains the
+adapters on its share of the global batch, and the adapters' gradients are summed over the ranks
+before the optimizer step (and before clipping). There is no DistributedDataParallel wrapper: the
+forward is the engine's, so DDP's autograd hooks would never fire.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from onn.hardware.profile import CoreWatch
 from onn.models.layers import discover
@@ -50,13 +56,10 @@ def build_engine(
     return engine
 
 
-class LayerStreamingStrategy(SingleDeviceStrategy):
-    strategy_name = "onn_layer_streaming"
+class Streams:
+    """What both streaming strategies add to Lightning's: the engine, its backward and fp16's loss scale."""
 
-    def __init__(
-        self, settings: dict[str, Any], store_root: Path, micro_batch: int, device: str = "cpu", **kwargs
-    ):
-        super().__init__(device=torch.device(device), **kwargs)
+    def _streaming(self, settings: dict[str, Any], store_root: Path, micro_batch: int) -> None:
         self.settings, self.store_root, self.micro_batch = settings, Path(store_root), micro_batch
         self.engine: StreamingEngine | None = None
 
@@ -89,3 +92,48 @@ class LayerStreamingStrategy(SingleDeviceStrategy):
         if self.engine is not None:
             self.engine.close()
         super().teardown()
+
+
+class LayerStreamingStrategy(Streams, SingleDeviceStrategy):
+    strategy_name = "onn_layer_streaming"
+
+    def __init__(
+        self, settings: dict[str, Any], store_root: Path, micro_batch: int, device: str = "cpu", **kwargs
+    ):
+        super().__init__(device=torch.device(device), **kwargs)
+        self._streaming(settings, store_root, micro_batch)
+
+
+class LayerStreamingDDPStrategy(Streams, DDPStrategy):
+    """Layer streaming in each of several processes, the adapters' gradients summed over them. The loss
+    weights are each micro-batch's share of the global batch's target tokens, so the sum is the gradient
+    one process would compute on the whole global batch. `kwargs`: DDPStrategy's (timeout)."""
+
+    strategy_name = "onn_layer_streaming_ddp"
+
+    def __init__(self, settings: dict[str, Any], store_root: Path, micro_batch: int, **kwargs):
+        super().__init__(**kwargs)
+        self._streaming(settings, store_root, micro_batch)
+
+    def configure_ddp(self) -> None:
+        """No DistributedDataParallel wrapper (see the module doc); what its constructor does that matters
+        here: every rank starts from rank 0's trainable weights. The frozen ones come from the same store."""
+        for p in self.lightning_module.parameters():
+            if p.requires_grad:
+                torch.distributed.broadcast(p.data, src=0)
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        """The adapters' gradients summed over the ranks, in one all-reduce, before clipping and the step."""
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        if params:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            used = torch.tensor([float(p.grad is not None) for p in params], device=grads[0].device)
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+            torch.distributed.all_reduce(used, op=torch.distributed.ReduceOp.MAX)
+            offset = 0
+            for p, g, was_used in zip(params, grads, used.tolist()):
+                # a weight no rank touched keeps no gradient, as in one process (AdamW then skips it)
+                p.grad = flat[offset : offset + g.numel()].view_as(g).clone() if was_used else None
+                offset += g.numel()
+        return super().optimizer_step(optimizer, closure, model, **kwargs)

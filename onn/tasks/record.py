@@ -30,6 +30,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from onn.errors import UserError
+from onn.hardware.cluster import is_rank_zero
 from onn.training import progress
 
 HEARTBEAT_S = 15.0  # how often a running record is refreshed: one small file write
@@ -95,7 +96,9 @@ class RunRecord:
         self.finish(status="failed", signal=name, steps=step, error=f"stopped by {name} {reached}")
 
     def write(self) -> None:
-        """metrics.json, replaced whole (a reader never sees half a file)."""
+        """metrics.json, replaced whole (a reader never sees half a file); by rank 0 alone in a multi-process run."""
+        if not is_rank_zero():
+            return
         with self._lock:
             self.metrics["wall_s"] = round(time.perf_counter() - self.started, 2)
             if self.metrics.get("status") == "running":

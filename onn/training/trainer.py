@@ -8,12 +8,16 @@ always go through the safetensors CheckpointIO.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 from onn.errors import UserError
+from onn.hardware.cluster import launched, rank
 
+log = logging.getLogger("onn")
 MULTI_DEVICE = ("ddp", "ddp_spawn", "fsdp", "deepspeed")
+GPU_ONLY = ("fsdp", "deepspeed")  # Lightning refuses these on the CPU
 
 
 def check(trainer: dict[str, Any], *, trains: bool = True) -> None:
@@ -37,10 +41,89 @@ def check(trainer: dict[str, Any], *, trains: bool = True) -> None:
         )
 
 
+def processes_per_node(trainer: dict[str, Any]) -> int:
+    """The processes trainer.devices asks for on each node (auto: one, on a CPU)."""
+    devices = trainer["devices"]
+    if isinstance(devices, list | tuple):
+        return len(devices)
+    if isinstance(devices, str) and devices.isdigit():
+        return int(devices)
+    return devices if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0 else 1
+
+
+def check_launch(config: dict[str, Any], multirun: bool) -> None:
+    """Lightning's DDP launcher starts the other processes by running the command line again, which in a
+    Hydra multirun (-m) runs the whole sweep again in each of them: refused in one sentence."""
+    if multirun and processes_per_node(config["trainer"]) > 1 and not launched():
+        raise UserError(
+            f"trainer.devices={config['trainer']['devices']} in a multirun (-m): Lightning starts the extra processes by "
+            "running the command again, which would run the whole sweep again in each; run that job on its own, or "
+            "give each job one device (a cluster launcher such as hydra/launcher=submitit_slurm gives each its own machine)."
+        )
+
+
+def explain_distributed_failure(error: BaseException, config: dict[str, Any]) -> str | None:
+    """One sentence for a process group that could not form or lost a peer (None for any other error):
+    torch raises these after strategy.timeout_s, naming neither what went wrong nor what to do."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    name = type(error).__name__
+    # gloo: "Connection closed by peer", "Read error ...: Connection reset by peer", "Timed out waiting ... for recv"
+    lost_peer = (
+        isinstance(error, RuntimeError) and "gloo" in text and ("by peer" in text or "Timed out" in text)
+    )
+    if name not in ("DistNetworkError", "DistStoreError") and not lost_peer or not config:
+        return None
+    where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '?')}"
+    timeout = config["strategy"]["timeout_s"]
+    if name == "DistNetworkError":
+        return (f"rank {rank()} could not reach the rendezvous at {where} within strategy.timeout_s={timeout}: check that "
+                "rank 0 is running there and that the address and port (MASTER_ADDR/MASTER_PORT, torchrun "
+                f"--rdzv-endpoint) are right and open. ({text})")  # fmt: skip
+    if name == "DistStoreError":
+        return (f"the other processes did not join the rendezvous at {where} within strategy.timeout_s={timeout}: "
+                f"start every node with the same address and trainer.num_nodes. ({text})")  # fmt: skip
+    return (f"rank {rank()} lost a peer process (it stopped, or its link went silent for strategy.timeout_s={timeout}); "
+            f"resume every node with ckpt=last. ({text})")  # fmt: skip
+
+
+def data_parallel(name: str, config: dict[str, Any], accelerator: str):
+    """Lightning's multi-process strategy `name` with the configured process-group timeout (Lightning's default
+    is 30 minutes, so a dead peer would hang a run that long); None when `name` is not one."""
+    if not name.startswith(MULTI_DEVICE):
+        return None
+    if accelerator == "cpu" and name.startswith(GPU_ONLY):
+        raise UserError(
+            f"strategy={config['strategy']['name']} (Lightning's {name}) runs on CUDA GPUs only: Lightning refuses "
+            "the CPU; on a CPU use strategy=ddp (data parallel over processes, gloo) or a single-process strategy."
+        )
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if name not in StrategyRegistry:
+        return None
+    entry = StrategyRegistry[name]
+    timeout = timedelta(seconds=float(config["strategy"]["timeout_s"]))
+    return entry["strategy"](**entry["init_params"], timeout=timeout)
+
+
+def warn_oversubscribed(kwargs: dict[str, Any]) -> None:
+    """More CPU processes than cores: they run, but share the cores and each step waits for the slowest."""
+    wanted = processes_per_node(kwargs)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if kwargs["accelerator"] == "cpu" and wanted > cores:
+        log.warning(
+            "trainer.devices=%d starts %d processes on this machine's %d CPU core(s): they share the cores, so each "
+            "step is slower than with trainer.devices=%d; use at most %d",
+            wanted, wanted, cores, cores, cores,
+        )  # fmt: skip
+
+
 def build_trainer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, callbacks: list, *, strategy: Any = None,
-                  loggers: bool = True, steps_per_epoch: int | None = None):  # fmt: skip
+                  loggers: bool = True, steps_per_epoch: int | None = None, distributed_sampler: bool = True):  # fmt: skip
     """A Trainer for this run. `strategy`: a Strategy object or Lightning name (default: the strategy
-    config's `lightning`); `steps_per_epoch`: the training loader's length, when it has epochs."""
+    config's `lightning`); `steps_per_epoch`: the training loader's length, when it has epochs;
+    `distributed_sampler`: False when the data module gives each process its own share of every batch."""
     import lightning as L
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor
@@ -64,6 +147,9 @@ def build_trainer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, c
         isinstance(strategy, str) and strategy.startswith(MULTI_DEVICE)
     ):
         kwargs["devices"] = 1
+    if isinstance(strategy, str):
+        strategy = data_parallel(strategy, config, kwargs["accelerator"]) or strategy
+    warn_oversubscribed(kwargs)
     from onn.training.callbacks import Progress
 
     callbacks = [*callbacks, Progress()]  # the run's record reads the last step reached (onn/tasks/record.py)
@@ -80,7 +166,8 @@ def build_trainer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, c
     if kwargs.get("enable_checkpointing") is None:
         kwargs["enable_checkpointing"] = any(isinstance(c, Checkpoint) for c in callbacks)
     return L.Trainer(default_root_dir=str(run_dir), logger=made or False, callbacks=callbacks,
-                     plugins=[SafetensorsCheckpointIO()], strategy=strategy, **kwargs)  # fmt: skip
+                     plugins=[SafetensorsCheckpointIO()], strategy=strategy, use_distributed_sampler=distributed_sampler,
+                     **kwargs)  # fmt: skip
 
 
 def share_console_with_hydra() -> None:

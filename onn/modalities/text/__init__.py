@@ -61,6 +61,7 @@ class TextModality(Modality):
         from onn.modalities.text.calibrate import refine
         from onn.modalities.text.streaming import streaming_choice
         from onn.planning.plan import make_plan
+        from onn.planning.scale import scale_plan
         from onn.planning.spec import model_spec
 
         lora_rank = int(
@@ -68,6 +69,7 @@ class TextModality(Modality):
         )  # full training sizes LoRA at the default rank
         spec = model_spec(config["model"], lora_rank, cache_dir=config["paths"]["cache"])
         plan = make_plan(config, hardware, spec, use_tuned=use_tuned)
+        plan["scale"] = scale_plan(config, hardware, spec)  # several devices or nodes: DDP, ZeRO, FSDP
         if config["task"]["name"] != "plan":  # timing the model's blocks imports torch: not for a quick plan
             plan = refine(plan, config, hardware, spec)
         plan["data_streamed"], reason = streaming_choice(config["data"])

@@ -5,6 +5,10 @@ and the loader starts at position `global_step x batch_size`: a run resumed from
 the batches the uninterrupted run would have seen. Streamed data (data.streaming, a file larger than
 memory; onn/modalities/text/streaming.py): epochs of a buffer-shuffled stream whose position travels in
 the checkpoint, with the same guarantee.
+
+With several processes (DDP), data.batch_size stays the global batch: each process takes its own
+contiguous slice of every global batch from the same stream (RankSlice), so the processes together
+see exactly what one process would, and the held-out set is split between them.
 """
 
 from __future__ import annotations
@@ -115,6 +119,21 @@ class ResumableShuffle(Sampler[int]):
             epoch, offset = epoch + 1, 0
 
 
+class RankSlice(Sampler[int]):
+    """This process's contiguous share of every global batch of `order` (the trainer's
+    use_distributed_sampler is off: Lightning's DistributedSampler would reshuffle the order)."""
+
+    def __init__(self, order: Sampler[int], global_batch: int, rank: int, world: int):
+        self.order, self.global_batch, self.rank, self.world = order, global_batch, rank, world
+
+    def __iter__(self) -> Iterator[int]:
+        share = self.global_batch // self.world
+        stream = iter(self.order)
+        while True:
+            batch = [next(stream) for _ in range(self.global_batch)]
+            yield from batch[self.rank * share : (self.rank + 1) * share]
+
+
 class TextDataModule(L.LightningDataModule):
     def __init__(self, data_cfg: dict[str, Any], tokenizer, batch_size: int, seed: int = 0):
         super().__init__()
@@ -207,19 +226,36 @@ class TextDataModule(L.LightningDataModule):
         trainer = self.trainer
         return trainer.global_step * self.batch_size if trainer else 0
 
+    def _ranks(self) -> tuple[int, int]:
+        """(this process's rank, processes): (0, 1) outside a multi-process run."""
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+
     def train_dataloader(self):
+        rank, world = self._ranks()
+        if self.batch_size % world:
+            raise UserError(
+                f"data.batch_size={self.batch_size} does not split evenly over {world} processes: give a multiple of {world}."
+            )
         collate = Collator(self.tokenizer.pad_token_id)
         if self.stream is not None:
+            if world > 1:
+                raise UserError(
+                    "data.streaming runs in one process for now: set data.streaming=false, or trainer.devices=1."
+                )
             return stream_loader(self.stream, self.batch_size, collate, int(self.cfg["num_workers"]))
         sampler = ResumableShuffle(len(self.train_set), self.seed, self._start_sample)
+        if world > 1:
+            sampler = RankSlice(sampler, self.batch_size, rank, world)
         return DataLoader(
-            self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=collate,
+            self.train_set, batch_size=self.batch_size // world, sampler=sampler, collate_fn=collate,
             num_workers=int(self.cfg["num_workers"]),
         )  # fmt: skip
 
     def val_dataloader(self) -> DataLoader:
+        rank, world = self._ranks()
         return DataLoader(
-            self.val_set,
+            self.val_set[rank::world],  # each process scores its share; the loss is reduced over them
             batch_size=self.batch_size,
             shuffle=False,
             collate_fn=Collator(self.tokenizer.pad_token_id),

@@ -10,6 +10,7 @@ error can halve the micro-batch and retry the same step with the same macro-batc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import Any
@@ -18,7 +19,7 @@ import lightning as L
 import torch
 
 from onn.errors import UserError
-from onn.streaming.engine import target_tokens, token_weights
+from onn.streaming.engine import target_tokens
 from onn.training.micro_batches import OutOfMemoryFloor, is_out_of_memory, split
 from onn.training.optim import make_optimizer, make_schedule
 
@@ -84,24 +85,51 @@ class CausalLM(L.LightningModule):
 
     def _forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Every micro-batch's forward and backward. Each micro-batch's mean loss is weighted by its share
-        of the batch's target tokens, so the update is the whole batch's at any micro-batch size."""
+        of the global batch's target tokens (every process's), so the update is the whole batch's at any
+        micro-batch size and any number of processes. Returns the global batch's loss."""
+        world = self.trainer.world_size
         if self.engine is not None:
             # chunk-outer forward of every micro-batch; the chunks' backward runs in manual_backward
             self.engine.micro_batch = self.micro_batch
+            pieces = self.engine.split(batch)
+            total = self._global_tokens(sum(target_tokens(p) for p in pieces))
             loss = self.engine.forward_train(
-                self.engine.split(batch), loss_scale=self.trainer.strategy.loss_scale()
+                pieces, loss_scale=self.trainer.strategy.loss_scale(), total_tokens=total
             )
             self.manual_backward(loss)
-            return loss.detach()
+            return self._global_sum(loss.detach())
         pieces = split(batch, self.micro_batch)
+        counts = [target_tokens(p) for p in pieces]
+        total = self._global_tokens(sum(counts))
         losses = []
-        for piece, weight in zip(pieces, token_weights(pieces)):
-            if weight == 0:  # no target tokens: nothing to learn from, and its mean loss is 0/0
+        for i, (piece, count) in enumerate(zip(pieces, counts)):
+            if count == 0 and world == 1:  # no target tokens: nothing to learn from, and its mean loss is 0/0
                 continue
-            loss = self.model(**piece).loss
-            self.manual_backward(loss * weight)
-            losses.append(loss.detach() * weight)
-        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
+            # DDP all-reduces once per step, on the last backward; every process makes the same calls
+            sync = i == len(pieces) - 1 or world == 1
+            with contextlib.nullcontext() if sync else self.trainer.strategy.block_backward_sync():
+                out = self.model(**piece)
+                if count == 0:  # a backward through every weight all the same, adding nothing
+                    self.manual_backward(out.logits.float().sum() * 0.0)
+                    continue
+                # DDP averages the processes' gradients: x world makes it their sum
+                self.manual_backward(out.loss * (count / total * world))
+            losses.append(out.loss.detach() * (count / total))
+        local = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
+        return self._global_sum(local)
+
+    def _global_tokens(self, tokens: int) -> int:
+        """Target tokens of the whole global batch: the sum over every process."""
+        if self.trainer.world_size == 1:
+            return tokens
+        return int(
+            self.trainer.strategy.reduce(torch.tensor(float(tokens), device=self.device), reduce_op="sum")
+        )
+
+    def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self.trainer.world_size == 1:
+            return value
+        return self.trainer.strategy.reduce(value.float(), reduce_op="sum")
 
     def _back_off(self, error: BaseException) -> None:
         """Halve the micro-batch (the macro-batch stays: more micro-batches accumulate) or give up at the floor."""
@@ -156,10 +184,13 @@ class CausalLM(L.LightningModule):
             self._held_out = []
             if tokens:
                 self.val_loss.update(torch.tensor(total / tokens, device=self.device), weight=tokens)
-        loss = float(self.val_loss.compute()) if self.val_loss.update_count else 0.0
+        # compute() reduces over every process: each must call it, also one whose share was empty
+        distributed = self.trainer.world_size > 1
+        loss = float(self.val_loss.compute()) if self.val_loss.update_count or distributed else 0.0
         self.val_loss.reset()
-        self.log("val/loss", loss, prog_bar=True)
-        self.log("val/perplexity", math.exp(min(loss, 50)))
+        # already the mean over every process (compute() above): sync_dist only says so to Lightning
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/perplexity", math.exp(min(loss, 50)), sync_dist=True)
         if not self.trainer.sanity_checking:
             self.val_losses.append(loss)
             self.val_at_step = self.trainer.global_step

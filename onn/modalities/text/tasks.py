@@ -13,6 +13,7 @@ from onn.data.files import write_jsonl
 from onn.dtypes import torch_dtype
 from onn.errors import UserError
 from onn.export import export_for_run
+from onn.hardware.cluster import is_rank_zero
 from onn.hardware.memory import PeakMemory
 from onn.modalities.base import Job
 from onn.modalities.text.datamodule import SampleTrace, TextDataModule
@@ -41,12 +42,17 @@ from onn.models.load import (
 )
 from onn.planning.plan import STREAMING_KEYS
 from onn.streaming.loader import load_into_store
-from onn.streaming.strategy import LayerStreamingStrategy, build_engine, layer_store
+from onn.streaming.strategy import (
+    LayerStreamingDDPStrategy,
+    LayerStreamingStrategy,
+    build_engine,
+    layer_store,
+)
 from onn.training.callbacks import ResourceMonitor, StepCheckpoint, StepClock
 from onn.training.checkpoints import check_state, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.lora import apply
-from onn.training.trainer import build_trainer
+from onn.training.trainer import build_trainer, processes_per_node
 
 log = logging.getLogger("onn")
 SHORT_ANSWER_TOKENS = 32  # exact match after training only where generating answers is cheap
@@ -134,15 +140,24 @@ def datamodule(config: dict[str, Any], tokenizer) -> TextDataModule:
 
 def trainer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, callbacks: list, loggers: bool = True,
             steps_per_epoch: int | None = None):  # fmt: skip
-    """The Trainer for a language model: the layer-streaming strategy when the plan streams."""
+    """The Trainer for a language model: the layer-streaming strategy when the plan streams (its data-parallel
+    form with several processes). Each process takes its own slice of every global batch (TextDataModule)."""
     strategy = None
-    if settings := streaming_settings(config, plan):
+    processes = processes_per_node(config["trainer"]) * int(config["trainer"]["num_nodes"])
+    if (settings := streaming_settings(config, plan)) and processes > 1:
+        from datetime import timedelta
+
+        timeout = timedelta(seconds=float(config["strategy"]["timeout_s"]))
+        strategy = LayerStreamingDDPStrategy(
+            settings, store_root(config), plan["micro_batch"], timeout=timeout
+        )
+    elif settings:
         device = "cuda" if plan["hardware"]["accelerator"] == "cuda" else "cpu"
         strategy = LayerStreamingStrategy(settings, store_root(config), plan["micro_batch"], device=device)
     elif config["strategy"].get("lightning") == "streaming":
         strategy = "auto"  # sparse_lora that the plan did not choose to stream
     return build_trainer(config, plan, run_dir, callbacks, strategy=strategy, loggers=loggers,
-                         steps_per_epoch=steps_per_epoch)  # fmt: skip
+                         steps_per_epoch=steps_per_epoch, distributed_sampler=False)  # fmt: skip
 
 
 def load_weights(module: CausalLM, ckpt: Path) -> None:
@@ -187,7 +202,8 @@ def train(job: Job) -> dict[str, Any]:
         fit.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
         if module.val_at_step != fit.global_step:
             fit.validate(module, datamodule=dm, verbose=False)
-    if getattr(module.model, "peft_config", None) and config["checkpoint"]["save_peft_adapter"]:
+    writes = is_rank_zero()  # the other processes of a multi-process run trained the same weights
+    if writes and getattr(module.model, "peft_config", None) and config["checkpoint"]["save_peft_adapter"]:
         # PEFT's own format: adapter_config.json + safetensors
         module.model.save_pretrained(str(run_dir / "adapter"))
         tokenizer.save_pretrained(str(run_dir / "adapter"))
@@ -207,7 +223,7 @@ def train(job: Job) -> dict[str, Any]:
         "resumed_from": str(ckpt) if ckpt else None,
     }
     metrics.update(data_metrics(dm))
-    samples = int(config["task"]["exact_match_samples"] or 0)
+    samples = int(config["task"]["exact_match_samples"] or 0) if writes else 0
     if samples and any(p for p, _ in dm.val_examples) and dm.max_answer_tokens > SHORT_ANSWER_TOKENS:
         log.info(
             "answers run to %d tokens: skipping exact match after training; run task=eval for it",
@@ -218,7 +234,7 @@ def train(job: Job) -> dict[str, Any]:
                                max_new_tokens=dm.max_answer_tokens + 2, engine=module.engine,
                                batch_size=generate_batch(plan, samples))  # fmt: skip
         metrics.update({f"val/{k}": v for k, v in scores.items()})
-    if config["export"]["name"] != "none":
+    if writes and config["export"]["name"] != "none":
         metrics.update(
             export_for_run(config, module.model, run_dir, tokenizer=tokenizer, engine=module.engine)
         )

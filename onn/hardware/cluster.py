@@ -1,0 +1,35 @@
+"""Which process of a multi-process run this one is, read from what its launcher set: Lightning's own
+launcher (LOCAL_RANK, NODE_RANK), torchrun (RANK, GROUP_RANK) or SLURM's srun (SLURM_PROCID).
+
+Read from the environment, not from torch.distributed, because ONN writes its run record, config and
+plan before any process group exists (and `task=plan` never imports torch). Lightning's DDP launcher
+runs the whole command again in each extra process, so these decide which process writes the run's files.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Every variable a launcher sets to a process's rank; rank zero has all of those that are set at 0.
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID")
+# Set only in processes an outside launcher (torchrun, srun) or Lightning's own launcher started.
+LAUNCHED_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID")
+
+
+def rank() -> int:
+    """This process's global rank as its launcher gave it (0 when it runs alone or is the first)."""
+    for name in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    local, node = int(os.environ.get("LOCAL_RANK") or 0), int(os.environ.get("NODE_RANK") or 0)
+    return local if node == 0 else max(1, node * 1000 + local)  # node > 0: not rank 0, number unknown here
+
+
+def is_rank_zero() -> bool:
+    """True in the one process that writes the run's record, config, plan, adapters and exports."""
+    return all((os.environ.get(name) or "0") == "0" for name in RANK_VARIABLES)
+
+
+def launched() -> bool:
+    """True in a process a launcher started as one rank of several (its peers are already on their way)."""
+    return any(name in os.environ for name in LAUNCHED_VARIABLES)

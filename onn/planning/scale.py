@@ -1,0 +1,175 @@
+"""The plan for several devices and nodes: full fine-tuning under DDP, DeepSpeed ZeRO-2, FSDP and
+DeepSpeed ZeRO-3 with CPU offload, over hardware.count devices on each of trainer.num_nodes nodes.
+
+Per device, in bytes per weight P (Adam; the ZeRO paper's accounting, with Lightning's mixed precision
+keeping fp32 weights and gradients, and DeepSpeed keeping half-precision ones beside its fp32 master copy):
+
+    DDP              every device holds everything        16P (+2P of autocast copies)
+    ZeRO-2           weights whole, the rest sharded       2P + 14P/N   (fp32: 4P + 12P/N)
+    FSDP (= ZeRO-3)  everything sharded                    16P/N + two blocks gathered at a time
+    ZeRO-3+offload   weights and optimizer in host memory  two blocks gathered at a time; host 16P per node's share
+
+plus the activations of one micro-batch, as the single-device plan counts them. The step's predicted
+time is the per-device compute (each device takes global batch / N samples) plus the gradients'
+collectives, not overlapped: a ring all-reduce moves 2 (n-1)/n of the gradient bytes over each link;
+inside a node at hardware.interconnect_gb_s, between nodes at hardware.network_gb_s (hierarchical:
+devices reduce inside their node first). ZeRO-2 moves the same bytes (reduce-scatter + all-gather);
+FSDP and ZeRO-3 gather the weights again for the backward (1.5x). Offload adds the weights' and
+gradients' trips over PCIe (h2d_mb_s) and the optimizer step on the CPU.
+
+The recommendation: the fastest setup that fits; on a tie the first of DDP, ZeRO-2, FSDP, ZeRO-3+offload
+(less to configure and to go wrong). Every figure is a prediction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from onn.planning.plan import (
+    HEADROOM,
+    MB,
+    budget_mb,
+    choose_precision,
+    compute_dtype_name,
+    compute_s,
+    estimate,
+    micro_batch_sizes,
+)
+from onn.planning.spec import ModelSpec
+
+SETUPS = ("ddp", "deepspeed_zero2", "fsdp", "deepspeed_zero3_offload")  # also the tie-break order
+LABELS = {
+    "ddp": "DDP",
+    "deepspeed_zero2": "ZeRO-2",
+    "fsdp": "FSDP",
+    "deepspeed_zero3_offload": "ZeRO-3+offload",
+}
+# DeepSpeed's CPU Adam updates about a billion weights a second per process on a server CPU (its
+# ZeRO-Offload paper's order of magnitude); an assumption, said so in the plan.
+CPU_ADAM_WEIGHTS_S = 1.0e9
+GATHERED_BLOCKS = 2  # FSDP and ZeRO-3 gather the next block while this one computes
+
+
+def scale_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> dict[str, Any] | None:
+    """Per-device memory and step time of each multi-device setup, and the one to use. None for a run on
+    one device with a single-device strategy (task=plan always shows it, for one device too)."""
+    count = int(cfg["hardware"]["count"] or 1)
+    nodes = int(cfg["trainer"]["num_nodes"])
+    devices = count * nodes
+    lightning = str(cfg["strategy"]["lightning"])
+    asked = devices > 1 or lightning.startswith(("ddp", "fsdp", "deepspeed")) or cfg["task"]["name"] == "plan"
+    if spec.kind != "lm" or not asked:
+        return None
+    seq, batch = int(cfg["data"]["max_length"]), int(cfg["data"]["batch_size"])
+    per_device = -(-batch // devices)
+    precision = choose_precision(hw)
+    mixed = precision.endswith("mixed")
+    dtype = compute_dtype_name(hw, precision)
+    params = spec.params
+    gathered = (
+        GATHERED_BLOCKS
+        * max(spec.block_params + [spec.prefix_params, spec.suffix_params])
+        * (2 if mixed else 4)
+    )
+    state = {
+        "ddp": (16 + (2 if mixed else 0)) * params,
+        "deepspeed_zero2": (2 * params + 14 * params / devices)
+        if mixed
+        else (4 * params + 12 * params / devices),
+        "fsdp": 16 * params / devices + gathered,
+        "deepspeed_zero3_offload": gathered,
+    }
+    host_per_node = {name: 0.0 for name in SETUPS}
+    host_per_node["deepspeed_zero3_offload"] = 16 * params / nodes
+    budget = budget_mb(hw)
+    host_budget = float(hw["host_memory_mb"] or 0) * HEADROOM
+    grad_bytes = params * (2 if mixed else 4)
+    comm = collective_s(grad_bytes, count, nodes, cfg["hardware"])
+    gpu_only = hw["accelerator"] != "cuda"
+    options = {}
+    for name in SETUPS:
+        refused = gpu_only and name != "ddp"
+        best = None
+        for mb in micro_batch_sizes(per_device):
+            act = estimate("full", spec, hw, seq, mb, precision, [], per_device)
+            device_mb = (
+                state[name] / MB + act.activations_mb
+            ) * 1.05  # + 5% workspace, as the single-device plan
+            best = (mb, device_mb, act.context_mb)
+            if device_mb + act.context_mb <= budget:
+                break
+        mb, device_mb, ctx = best
+        fits = (not refused) and device_mb + ctx <= budget and host_per_node[name] / MB <= host_budget
+        step = compute_s(spec, hw, "full", seq, per_device, mb, [0], dtype=dtype)
+        collective = comm["all_reduce_s"] * (1.5 if name in ("fsdp", "deepspeed_zero3_offload") else 1.0)
+        offload = 0.0
+        if name == "deepspeed_zero3_offload":
+            pcie = float(hw.get("h2d_mb_s") or 0) * MB
+            offload = (3 * grad_bytes / devices) / pcie if pcie else 0.0
+            offload += params / devices / CPU_ADAM_WEIGHTS_S
+        options[name] = {
+            "label": LABELS[name],
+            "fits": fits,
+            "refused": "Lightning runs FSDP and DeepSpeed on CUDA GPUs only" if refused else None,
+            "micro_batch": mb,
+            "per_device_mb": round(device_mb + ctx, 1),
+            "host_per_node_mb": round(host_per_node[name] / MB, 1),
+            "compute_s": round(step, 6),
+            "collective_s": round(collective, 6),
+            "offload_s": round(offload, 6),
+            "predicted_step_s": round(step + collective + offload, 6),
+        }
+    fitting = [n for n in SETUPS if options[n]["fits"]]
+    chosen = (
+        min(fitting, key=lambda n: (options[n]["predicted_step_s"], SETUPS.index(n))) if fitting else None
+    )
+    return {
+        "devices": devices,
+        "devices_per_node": count,
+        "nodes": nodes,
+        "global_batch": per_device * devices,
+        "per_device_batch": per_device,
+        "precision": precision,
+        "links": comm,
+        "options": options,
+        "chosen": chosen,
+        "reason": reason(spec, hw, options, chosen, count, nodes),
+    }
+
+
+def collective_s(grad_bytes: float, count: int, nodes: int, hw_cfg: dict[str, Any]) -> dict[str, Any]:
+    """A ring all-reduce of `grad_bytes`: inside each node, then between nodes (hierarchical)."""
+    inside, between = hw_cfg["interconnect_gb_s"], hw_cfg["network_gb_s"]
+    seconds, missing = 0.0, []
+    if count > 1:
+        if inside:
+            seconds += 2 * (count - 1) / count * grad_bytes / (float(inside) * 1e9)
+        else:
+            missing.append("hardware.interconnect_gb_s")
+    if nodes > 1:
+        if between:
+            seconds += 2 * (nodes - 1) / nodes * grad_bytes / (float(between) * 1e9)
+        else:
+            missing.append("hardware.network_gb_s")
+    return {"interconnect_gb_s": inside, "network_gb_s": between, "all_reduce_s": round(seconds, 6),
+            "missing": missing}  # fmt: skip
+
+
+def reason(spec: ModelSpec, hw: dict[str, Any], options: dict[str, Any], chosen: str | None, count: int,
+           nodes: int) -> str:  # fmt: skip
+    """The recommendation in one sentence, e.g. "14.7B full fine-tune: FSDP over 8 x A100-80GB, 1 node"."""
+    size = f"{spec.params / 1e9:.1f}B" if spec.params >= 1e8 else f"{spec.params / 1e6:.1f}M"
+    device = hw.get("device_name") or hw.get("name") or "device"
+    where = f"{count} x {device}, {nodes} node{'s' if nodes > 1 else ''}"
+    if chosen is None:
+        need = min(o["per_device_mb"] for o in options.values())
+        refused = next((o["refused"] for o in options.values() if o["refused"]), None)
+        return (f"{size} full fine-tune: no setup fits {where} (the smallest needs {need:,.0f} MB per device"
+                f"{'; ' + refused if refused else ''}): add devices or nodes, or use LoRA.")  # fmt: skip
+    c = options[chosen]
+    rejected = [f"{o['label']} {'is refused' if o['refused'] else 'needs'}"
+                + ("" if o["refused"] else f" {o['per_device_mb'] / 1024:,.0f} GB") for n, o in options.items()
+                if not o["fits"] and SETUPS.index(n) < SETUPS.index(chosen)]  # fmt: skip
+    why = f"; {', '.join(rejected)} per device" if rejected else ""
+    return (f"{size} full fine-tune: {c['label']} over {where} ({c['per_device_mb'] / 1024:,.1f} GB per device of "
+            f"{budget_mb(hw) / 1024:,.0f} GB, predicted {c['predicted_step_s']:.3g} s per step{why}).")  # fmt: skip

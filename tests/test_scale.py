@@ -1,0 +1,359 @@
+"""Several processes: DDP on the CPU (gloo) through Lightning's launcher and through torchrun, streamed
+LoRA under data parallelism, and the one-sentence failures of a multi-process run.
+
+Each multi-process run is compared with one process on the same global batch: the same loss curve and
+the same weights after 3 optimizer steps (relative to each tensor's scale, 1e-4)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, compose, read_metrics, run_cli
+
+from onn.errors import UserError
+from onn.training.checkpoints import load, read_meta
+
+# 3 optimizer steps of 8 samples, 4 micro-batches of 2; no warmup, so every step moves the weights
+STEPS = ["model=llama_tiny", "data.builtin.train_size=64", "data.builtin.val_size=16", "tracking=none",
+         "task.exact_match_samples=0", "trainer.max_steps=3", "optim.warmup_steps=0", "strategy.micro_batch=2",
+         "data.batch_size=8", "trainer.enable_progress_bar=false"]  # fmt: skip
+# SGD: AdamW's first update of a LoRA A matrix divides gradients near its eps (1e-8) by their own size,
+# which turns float-rounding differences of the summation order into 1e-3 relative differences
+STREAMED = ["strategy=sparse_lora", "strategy.layers=[0,-1]", "strategy.streaming.store=cpu",
+            "strategy.streaming.chunk_size=3", "optim.name=sgd", "optim.lr=0.5"]  # fmt: skip
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """One cache for this file's runs: this machine's hardware profile is measured once."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def run(*args: str, outputs: Path, run_dir: Path, cache: Path) -> subprocess.CompletedProcess:
+    return run_cli(*STEPS, *args, f"paths.outputs={outputs}", f"paths.cache={cache}", f"hydra.run.dir={run_dir}",
+                   timeout=300)  # fmt: skip
+
+
+def assert_same_run(one: Path, many: Path) -> None:
+    """Same loss per step, and every trained tensor equal within 1e-4 of its own scale."""
+    curve_one, curve_many = read_metrics(one)["train/loss_curve"], read_metrics(many)["train/loss_curve"]
+    assert len(curve_one) == 3 and curve_one[-1] < curve_one[0]  # it trained
+    assert curve_many == pytest.approx(curve_one, rel=1e-4)
+    a = load(one / "checkpoints" / "last.ckpt")["state_dict"]
+    b = load(many / "checkpoints" / "last.ckpt")["state_dict"]
+    assert a.keys() == b.keys() and a
+    for key in a:
+        scale = float(a[key].abs().max()) or 1.0
+        assert float((a[key] - b[key]).abs().max()) <= 1e-4 * scale, key
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, cache: Path) -> Path:
+    """The reference: one process, the whole global batch of 8."""
+    outputs = tmp_path_factory.mktemp("single")
+    ok(run("strategy=full", outputs=outputs, run_dir=outputs / "one", cache=cache))
+    return outputs / "one"
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_equal_one(single: Path, tmp_path: Path, cache: Path):
+    """strategy=ddp trainer.devices=2 (Lightning's launcher runs the command again for rank 1)."""
+    run_dir = tmp_path / "outputs" / "ddp"
+    ok(run("strategy=ddp", "trainer.devices=2", outputs=tmp_path / "outputs", run_dir=run_dir, cache=cache))
+    assert_same_run(single, run_dir)
+    m = read_metrics(run_dir)
+    assert m["status"] == "ok" and m["val/loss_final"] == pytest.approx(
+        read_metrics(single)["val/loss_final"], rel=1e-4
+    )
+    # one run folder, written by rank 0; rank 1 only logs there
+    assert sorted(p.name for p in (tmp_path / "outputs").iterdir() if not p.name.startswith(".")) == ["ddp"]
+    assert (run_dir / "train_ddp_process_1.log").exists() and (run_dir / "plan.yaml").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_run_and_its_checkpoint_resumes(tmp_path: Path, cache: Path):
+    """SIGKILL rank 1 after a checkpoint: rank 0 fails at once with one sentence (not after Lightning's 30
+    minutes), its record says so, and the checkpoint resumes under two processes."""
+    import signal
+
+    import psutil
+
+    outputs, run_dir = tmp_path / "outputs", tmp_path / "outputs" / "killed"
+    args = [*STEPS, "strategy=ddp", "trainer.devices=2", "trainer.max_steps=500", "checkpoint.every_n_steps=2",
+            "strategy.timeout_s=30", f"paths.outputs={outputs}", f"paths.cache={cache}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    log = tmp_path / "killed.log"
+    parent = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env, stdout=log.open("w"),
+                              stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.time() + 240
+    while not (run_dir / "checkpoints" / "last.ckpt" / "meta.json").exists() and time.time() < deadline:
+        assert parent.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.5)
+    ranks = [
+        p for p in psutil.Process(parent.pid).children() if "train_ddp_process_1" in " ".join(p.cmdline())
+    ]
+    assert ranks, log.read_text()[-3000:]
+    ranks[0].send_signal(signal.SIGKILL)
+    killed = time.time()
+    code = parent.wait(timeout=120)
+    assert code != 0 and time.time() - killed < 30  # within strategy.timeout_s
+    record = read_metrics(run_dir)
+    assert record["status"] == "failed" and "lost a peer process" in record["error"], record
+    step = read_meta(run_dir / "checkpoints" / "last.ckpt")["global_step"]
+    resumed = outputs / "resumed"
+    ok(run("strategy=ddp", "trainer.devices=2", f"ckpt={run_dir}", f"trainer.max_steps={step + 1}", outputs=outputs,
+           run_dir=resumed, cache=cache))  # fmt: skip
+    assert read_metrics(resumed)["steps"] == step + 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes_equal_one(single: Path, tmp_path: Path, cache: Path):
+    """Two torchrun "nodes" on localhost (c10d rendezvous), one process each, through run.py."""
+    outputs, run_dir, port = tmp_path / "outputs", tmp_path / "outputs" / "tr", free_port()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=onn-test"]  # fmt: skip
+    args = [str(ROOT / "run.py"), *STEPS, "strategy=ddp", "trainer.num_nodes=2", f"paths.outputs={outputs}",
+            f"paths.cache={cache}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    logs = [tmp_path / f"node{r}.log" for r in (0, 1)]
+    nodes = [subprocess.Popen([*torchrun, f"--node-rank={r}", *args], cwd=ROOT, env=env, stdout=log.open("w"),
+                              stderr=subprocess.STDOUT) for r, log in enumerate(logs)]  # fmt: skip
+    codes = [n.wait(timeout=300) for n in nodes]
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    assert_same_run(single, run_dir)
+    assert (run_dir / "rank_1.log").exists()  # rank 1 shares the folder and writes no .hydra/ of its own
+
+
+@pytest.mark.slow
+def test_streamed_lora_two_ranks_equal_one(tmp_path: Path, cache: Path):
+    """Layer streaming in each of 2 processes, the adapters' gradients all-reduced: the adapters after 3
+    steps are those of one process on the whole batch."""
+    outputs = tmp_path / "outputs"
+    ok(run(*STREAMED, outputs=outputs, run_dir=outputs / "one", cache=cache))
+    ok(run(*STREAMED, "trainer.devices=2", outputs=outputs, run_dir=outputs / "two", cache=cache))
+    assert_same_run(outputs / "one", outputs / "two")
+    adapters = load(outputs / "two" / "checkpoints" / "last.ckpt")["state_dict"]
+    assert any(
+        "lora_B" in k and float(v.abs().max()) > 0 for k, v in adapters.items()
+    )  # B starts at 0: it learned
+    assert (outputs / "two" / "adapter" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_unreachable_rendezvous_fails_in_one_sentence(tmp_path: Path, monkeypatch, cache: Path):
+    """Rank 1 of 2 whose rank 0 never comes: one sentence naming the address and port, after the timeout."""
+    port = free_port()
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": "1", "NODE_RANK": "0",
+                       "WORLD_SIZE": "2"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)  # what Lightning's launcher gives the process of rank 1
+    start = time.perf_counter()
+    proc = run_cli(*STEPS, "strategy=ddp", "trainer.devices=2", "strategy.timeout_s=3", f"paths.outputs={tmp_path}", f"paths.cache={cache}",
+                   f"hydra.run.dir={tmp_path / 'r1'}", "hydra.output_subdir=null", timeout=120)  # fmt: skip
+    took = time.perf_counter() - start
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    said = proc.stdout + proc.stderr
+    assert f"could not reach the rendezvous at 127.0.0.1:{port} within strategy.timeout_s=3" in said
+    assert "Traceback" not in said
+    assert took < 90  # not Lightning's default 30 minutes
+    assert not (tmp_path / "r1" / "metrics.json").exists()  # rank 1 writes no record
+
+
+def test_gpu_only_strategies_refuse_the_cpu_in_one_sentence():
+    from onn.training.trainer import data_parallel
+
+    for name in ("fsdp", "deepspeed_zero2", "deepspeed_zero3_offload"):
+        config = compose(f"strategy={name}")
+        with pytest.raises(UserError, match="runs on CUDA GPUs only"):
+            data_parallel(config["strategy"]["lightning"], config, "cpu")
+    strategy = data_parallel("ddp", compose("strategy=ddp", "strategy.timeout_s=7"), "cpu")
+    assert strategy._timeout.total_seconds() == 7
+
+
+def test_multirun_with_several_devices_is_refused():
+    from onn.training.trainer import check_launch
+
+    config = compose("strategy=ddp", "trainer.devices=2")
+    with pytest.raises(UserError, match="multirun"):
+        check_launch(config, multirun=True)
+    check_launch(config, multirun=False)
+    check_launch(compose("strategy=ddp", "trainer.devices=1"), multirun=True)
+
+
+def test_more_devices_than_cores_warns(caplog):
+    from onn.training.trainer import warn_oversubscribed
+
+    cores = len(os.sched_getaffinity(0))
+    with caplog.at_level("WARNING", logger="onn"):
+        warn_oversubscribed({"accelerator": "cpu", "devices": cores + 1})
+    assert f"trainer.devices={cores + 1} starts {cores + 1} processes" in caplog.text
+    caplog.clear()
+    warn_oversubscribed({"accelerator": "cpu", "devices": 1})
+    assert not caplog.text
+
+
+def test_rank_slices_cover_the_global_batch():
+    """Two ranks' slices of each global batch are together the one-process batch, in its order."""
+    from onn.modalities.text.datamodule import RankSlice, ResumableShuffle
+
+    order = ResumableShuffle(50, seed=3, start=lambda: 16)
+    one = iter(order)
+    slices = [iter(RankSlice(order, 8, r, 2)) for r in (0, 1)]
+    for _ in range(5):
+        assert [next(slices[0]) for _ in range(4)] + [next(slices[1]) for _ in range(4)] == [
+            next(one) for _ in range(8)
+        ]
+
+
+def test_record_and_files_are_rank_zero_only(tmp_path: Path, monkeypatch):
+    from onn.tasks.record import RunRecord
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    RunRecord(tmp_path, {"status": "running"}).write()
+    assert not (tmp_path / "metrics.json").exists()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    RunRecord(tmp_path, {"status": "running"}).write()
+    assert json.loads((tmp_path / "metrics.json").read_text())["status"] == "running"
+
+
+SWEEP_APP = """
+import json, time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+
+from onn.config import register
+
+register()  # ONN's hydra/launcher=submitit_local, as run.py registers it
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg):
+    out = Path(HydraConfig.get().runtime.output_dir)
+    x = int(cfg.x)
+    start = time.time()
+    time.sleep(0.2 if x % 2 == 0 else 2.5)  # the second job of each pair ends first
+    (out / "metrics.json").write_text(json.dumps({"status": "ok", "error": None, "model": "m", "strategy": f"s{x}",
+        "bench/samples_per_s": 10.0 * x, "bench/peak_memory_mb": 100.0 + x, "score/overall": float(x),
+        "start": start, "end": time.time()}))
+    return x
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+SWEEP_CONFIG = """
+x: 0
+task:
+  name: bench
+hydra:
+  callbacks:
+    grid:
+      _target_: onn.bench.grid.GridCallback
+"""
+
+
+@pytest.mark.slow
+def test_submitit_local_runs_two_jobs_at_a_time_and_the_grid_is_complete(tmp_path: Path):
+    """4 jobs, each in its own process, 2 at a time; they finish out of order and the grid has them all."""
+    import textwrap
+
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "config.yaml").write_text(textwrap.dedent(SWEEP_CONFIG))
+    (tmp_path / "app.py").write_text(textwrap.dedent(SWEEP_APP))
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "app.py", "-m", "hydra/launcher=submitit_local", "x=1,2,3,4",
+                           f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    jobs = [json.loads((sweep / str(i) / "metrics.json").read_text()) for i in range(4)]
+    assert len({p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit()}) == 4  # 4 processes
+    events = sorted([(j["start"], 1) for j in jobs] + [(j["end"], -1) for j in jobs])
+    running = [sum(step for _, step in events[: i + 1]) for i in range(len(events))]
+    assert max(running) == 2  # two at a time, never more
+    assert jobs[1]["end"] < jobs[0]["end"] and jobs[3]["end"] < jobs[2]["end"]  # out of order
+    rows = (sweep / "grid.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + 4 and (sweep / "grid.md").is_file()
+
+
+def scale_for(*overrides: str, tmp_path: Path) -> dict:
+    from onn.hardware.profile import resolve
+    from onn.planning.scale import scale_plan
+    from onn.planning.spec import model_spec
+
+    cfg = compose("task=plan", *overrides, root=tmp_path)
+    hw = resolve(cfg["hardware"], tmp_path / "cache", tmp_path)
+    return scale_plan(cfg, hw, model_spec(cfg["model"], 8, cache_dir=str(tmp_path / "cache")))
+
+
+@pytest.mark.slow
+def test_plan_for_phi4_on_1_8_and_16_a100(tmp_path: Path):
+    one, eight, sixteen = (scale_for("model=phi4", "hardware=a100_80gb", f"hardware.count={c}", f"trainer.num_nodes={n}",
+                                     tmp_path=tmp_path) for c, n in ((1, 1), (8, 1), (8, 2)))  # fmt: skip
+    for plan in (one, eight, sixteen):
+        assert set(plan["options"]) == {"ddp", "deepspeed_zero2", "fsdp", "deepspeed_zero3_offload"}
+        assert not plan["options"]["ddp"][
+            "fits"
+        ]  # 14.7B weights, gradients and Adam: about 16 bytes a weight
+    per_device = {
+        n: [p["options"][n]["per_device_mb"] for p in (one, eight, sixteen)] for n in one["options"]
+    }
+    # sharded state falls with the devices holding it; DDP's does not
+    assert per_device["fsdp"][0] > per_device["fsdp"][1] > per_device["fsdp"][2]
+    assert (
+        per_device["deepspeed_zero2"][0] > per_device["deepspeed_zero2"][1] > per_device["deepspeed_zero2"][2]
+    )
+    assert per_device["ddp"][0] == per_device["ddp"][1] == per_device["ddp"][2]
+    # one GPU: only offloading the weights and optimizer to host memory fits
+    assert one["chosen"] == "deepspeed_zero3_offload" and one["reason"].startswith(
+        "14.7B full fine-tune: ZeRO-3+offload over 1 x"
+    )
+    assert (
+        eight["chosen"] in ("deepspeed_zero2", "fsdp")
+        and "over 8 x NVIDIA A100-SXM4-80GB, 1 node" in eight["reason"]
+    )
+    # between nodes the gradients cross a slower link: the same bytes take longer
+    assert sixteen["links"]["all_reduce_s"] > eight["links"]["all_reduce_s"] > 0
+    assert sixteen["global_batch"] == 16 and eight["global_batch"] == 8
+
+
+def test_a_model_that_fits_ddp_gets_ddp_and_the_cpu_refuses_sharding(tmp_path: Path):
+    gpus = scale_for("model=llama_tiny", "hardware=a100_80gb", "hardware.count=2", tmp_path=tmp_path)
+    assert gpus["chosen"] == "ddp" and gpus["options"]["ddp"]["fits"]
+    cpu = scale_for(
+        "model=llama_tiny", "hardware=cpu_16gb", "strategy=ddp", "trainer.num_nodes=2", tmp_path=tmp_path
+    )
+    assert cpu["chosen"] == "ddp"
+    assert all(cpu["options"][n]["refused"] for n in ("deepspeed_zero2", "fsdp", "deepspeed_zero3_offload"))
+    assert cpu["links"]["missing"] == [
+        "hardware.network_gb_s"
+    ]  # the preset names no network: said, not guessed
+
+
+@pytest.mark.slow
+def test_plan_table_is_printed(tmp_path: Path):
+    proc = run_cli("task=plan", "model=phi4", "hardware=a100_80gb", "hardware.count=8", "trainer.num_nodes=2",
+                   f"paths.outputs={tmp_path}", f"hydra.run.dir={tmp_path / 'plan'}")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "full fine-tune over 8 device(s) x 2 node(s)" in proc.stdout and "ZeRO-3+offload" in proc.stdout
+    assert "14.7B full fine-tune:" in proc.stdout and "over 8 x NVIDIA A100-SXM4-80GB, 2 nodes" in proc.stdout
