@@ -426,12 +426,14 @@ def _train(request: dict[str, Any]) -> dict[str, Any]:
 
 def _prompts(config: dict[str, Any], tokenizer, count: int) -> list[list[int]]:
     """The held-out questions as token ids, cut from the left to data.max_length as training cuts them."""
-    from onn.modalities.text.datamodule import to_examples
+    from onn.modalities.text.prompts import Prompter
     from onn.modalities.text.sources import load_splits
 
     _, val = load_splits(config["data"], int(config["seed"]))
     length = int(config["data"]["max_length"])
-    return [tokenizer(p)["input_ids"][-length:] for p, _ in to_examples(val, config["data"], "val")[:count]]
+    prompter = Prompter(config["data"], tokenizer)  # the prompt format training uses
+    return [tokenizer(p, add_special_tokens=prompter.add_special_tokens)["input_ids"][-length:]
+            for p, _ in prompter.examples(val, "data.source")[:count]]  # fmt: skip
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int):
