@@ -260,7 +260,8 @@ def step_memory(spec: dict[str, Any]) -> float:
 def _predicted_step_mb(config: dict[str, Any], budget_mb: float, mb: int, seq: int) -> tuple[float, dict]:
     """The planner's streaming prediction for this model at this budget (allocations, no context),
     and the settings it chose to fit, for the benchmark's float32 disk store."""
-    from onn.planning.plan import estimate, model_spec
+    from onn.planning.plan import estimate
+    from onn.planning.spec import model_spec
 
     spec = model_spec(config["model"], int(config["strategy"]["lora"]["r"]))
     hw = {
