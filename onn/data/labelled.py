@@ -350,14 +350,20 @@ def _names(items: list[str], shown: int = 10) -> str:
     return "; ".join(items[:shown]) + (f"; and {len(items) - shown} more" if len(items) > shown else "")
 
 
-def sniff_files(path: Path, suffixes: frozenset[str], limit: int = 200) -> tuple[int, int]:
-    """(files with one of `suffixes`, data files) among the first `limit` files of a folder (or the one file);
-    sidecars and hidden files do not count. Reads names only, never contents (for data=auto)."""
+def sniff_files(path: Path, suffixes: frozenset[str], kind: str, one: str, limit: int = 200) -> str | None:
+    """Why `path` holds `kind` files (e.g. "audio files (30 of the first 30 files)", or `one` for a single
+    file) when at least half of its first `limit` data files have one of `suffixes`; else None. Sidecars
+    and hidden files do not count; names only are read, never contents (for data=auto)."""
     if path.is_file():
-        return int(extension(path.name) in suffixes), 1
+        return one if extension(path.name) in suffixes else None
     if not path.is_dir():
-        return 0, 0
+        return None
     from itertools import islice
 
     names = [name for name, _ in islice(walk_files(path), limit) if extension(name) not in SIDECARS]
-    return sum(extension(n) in suffixes for n in names), len(names)
+    found = sum(extension(n) in suffixes for n in names)
+    return (
+        f"{kind} files ({found} of the first {len(names)} files)"
+        if found and found * 2 >= len(names)
+        else None
+    )

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from onn.data.labelled import sniff_files
+from onn.errors import UserError
 from onn.modalities.base import ClassifierModality, register
 
 SUFFIXES = frozenset({".wav", ".wave", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aiff", ".aif", ".aifc", ".au", ".snd",
@@ -27,15 +29,9 @@ class AudioModality(ClassifierModality):
     sniff_priority = 1  # file extensions say it: asked before the image sniffer reads magic bytes
 
     def sniff(self, path: Path) -> str | None:
-        from onn.data.labelled import sniff_files
-
-        found, total = sniff_files(path, SUFFIXES)
-        if found and found * 2 >= total:
-            return f"audio files ({found} of the first {total} files)" if total > 1 else "an audio file"
-        return None
+        return sniff_files(path, SUFFIXES, "audio", "an audio file")
 
     def check(self, config: dict[str, Any]) -> None:
-        from onn.errors import UserError
         from onn.modalities.audio.decode import fit_settings
         from onn.modalities.audio.features import augment_settings, feature_settings
         from onn.models.zoo import VIDEO

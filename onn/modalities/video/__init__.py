@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from onn.data.labelled import sniff_files
+from onn.errors import UserError
 from onn.modalities.base import ClassifierModality, register
 
 SUFFIXES = frozenset({".mp4", ".m4v", ".mov", ".avi", ".mkv", ".webm", ".mpg", ".mpeg", ".ts", ".mts", ".m2ts", ".wmv",
@@ -30,15 +32,9 @@ class VideoModality(ClassifierModality):
     sniff_priority = 1  # file extensions say it: asked before the image sniffer reads magic bytes
 
     def sniff(self, path: Path) -> str | None:
-        from onn.data.labelled import sniff_files
-
-        found, total = sniff_files(path, SUFFIXES)
-        if found and found * 2 >= total:
-            return f"video files ({found} of the first {total} files)" if total > 1 else "a video file"
-        return None
+        return sniff_files(path, SUFFIXES, "video", "a video file")
 
     def check(self, config: dict[str, Any]) -> None:
-        from onn.errors import UserError
         from onn.modalities.video.decode import fit_settings
         from onn.modalities.video.transform import ClipTransform
         from onn.models.zoo import VIDEO
