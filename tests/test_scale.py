@@ -173,6 +173,24 @@ def test_unreachable_rendezvous_fails_in_one_sentence(tmp_path: Path, monkeypatc
     assert not (tmp_path / "r1" / "metrics.json").exists()  # rank 1 writes no record
 
 
+def test_a_rank_waits_for_the_rendezvous_port_and_names_it_when_it_never_opens(monkeypatch):
+    """Torch's store client retries past its timeout; ONN's own wait names the address once the timeout is over."""
+    from onn.training.trainer import wait_for_rendezvous
+
+    port = free_port()
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(
+        UserError,
+        match=f"rank 1 could not reach the rendezvous at 127.0.0.1:{port} within strategy.timeout_s=0.5",
+    ):
+        wait_for_rendezvous(0.5)
+    with socket.create_server(("127.0.0.1", port)):  # rank 0's store is listening: no wait, no error
+        wait_for_rendezvous(0.5)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    wait_for_rendezvous(0.5)  # rank 0 opens the rendezvous itself: it never waits for it
+
+
 def test_gpu_only_strategies_refuse_the_cpu_in_one_sentence():
     from onn.training.trainer import data_parallel
 

@@ -76,14 +76,38 @@ def explain_distributed_failure(error: BaseException, config: dict[str, Any]) ->
     where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '?')}"
     timeout = config["strategy"]["timeout_s"]
     if name == "DistNetworkError":
-        return (f"rank {rank()} could not reach the rendezvous at {where} within strategy.timeout_s={timeout}: check that "
-                "rank 0 is running there and that the address and port (MASTER_ADDR/MASTER_PORT, torchrun "
-                f"--rdzv-endpoint) are right and open. ({text})")  # fmt: skip
+        return unreachable(where, timeout) + f" ({text})"
     if name == "DistStoreError":
         return (f"the other processes did not join the rendezvous at {where} within strategy.timeout_s={timeout}: "
                 f"start every node with the same address and trainer.num_nodes. ({text})")  # fmt: skip
     return (f"rank {rank()} lost a peer process (it stopped, or its link went silent for strategy.timeout_s={timeout}); "
             f"resume every node with ckpt=last. ({text})")  # fmt: skip
+
+
+def unreachable(where: str, timeout: float) -> str:
+    return (f"rank {rank()} could not reach the rendezvous at {where} within strategy.timeout_s={timeout}: check that "
+            "rank 0 is running there and that the address and port (MASTER_ADDR/MASTER_PORT, torchrun "
+            "--rdzv-endpoint) are right and open.")  # fmt: skip
+
+
+def wait_for_rendezvous(timeout: float) -> None:
+    """A rank other than 0 waits here, at most `timeout` seconds, until the rendezvous port answers: torch's
+    own store client retries past its timeout (about twice it), so an unreachable address is named in time."""
+    import socket
+    import time
+
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if rank() == 0 or not host or not port.isdigit():
+        return  # rank 0 opens the rendezvous; without an address torch reports what is missing
+    deadline = time.monotonic() + float(timeout)
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.1, deadline - time.monotonic())):
+                return
+        except OSError:
+            if time.monotonic() + 0.2 >= deadline:
+                raise UserError(unreachable(f"{host}:{port}", timeout)) from None
+            time.sleep(0.2)
 
 
 def data_parallel(name: str, config: dict[str, Any], accelerator: str):
@@ -103,6 +127,8 @@ def data_parallel(name: str, config: dict[str, Any], accelerator: str):
     if name not in StrategyRegistry:
         return None
     entry = StrategyRegistry[name]
+    if launched():
+        wait_for_rendezvous(config["strategy"]["timeout_s"])
     timeout = timedelta(seconds=float(config["strategy"]["timeout_s"]))
     return entry["strategy"](**entry["init_params"], timeout=timeout)
 
