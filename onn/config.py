@@ -95,6 +95,7 @@ class HardwareConfig:
     name: str = MISSING
     measure: bool = MISSING
     refresh: bool = False
+    cache: str | None = None  # the folder of measured profiles (null: ${paths.cache}/hardware)
     budget_mb: float | None = None
     disk_probe_mb: int = 1024
     accelerator: str | None = None

@@ -47,6 +47,15 @@ def read_metrics(run_dir: Path) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 
 
+@pytest.fixture(scope="session", autouse=True)
+def hardware_profile_once(tmp_path_factory) -> None:
+    """One hardware profile for the whole session, shared by its xdist workers: measuring one takes tens of
+    seconds of both cores, and every run with a fresh outputs folder would measure it again."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "hardware"
+    os.environ.setdefault("ONN_HARDWARE_CACHE", str(folder))  # run_cli's subprocesses inherit it
+
+
 @pytest.fixture
 def outputs(tmp_path: Path) -> Path:
     return tmp_path / "outputs"

@@ -61,7 +61,10 @@ def test_memory_grows_with_micro_batch_and_breakdown_adds_up(tmp_path):
 
 
 def test_measured_profile_is_cached(tmp_path):
-    auto = compose("hardware=auto", "hardware.disk_probe_mb=16")["hardware"]
+    # its own cache folder, not the session's (conftest): this profile is measured here
+    auto = compose("hardware=auto", "hardware.disk_probe_mb=16", f"hardware.cache={tmp_path / 'hardware'}")[
+        "hardware"
+    ]
     first = resolve(auto, tmp_path / "cache", tmp_path)
     assert first["source"] == "measured" and first["matmul_tflops"] > 0 and first["disk_read_mb_s"] > 0
     assert first["accelerator"] in ("cpu", "cuda", "mps") and first["cpu_cores"] >= 1

@@ -63,7 +63,7 @@ def resolve(
         return profile
 
     fingerprint = machine_fingerprint()
-    cache = Path(cache_dir) / "hardware" / f"{fingerprint}.json"
+    cache = Path(hw_cfg.get("cache") or Path(cache_dir) / "hardware") / f"{fingerprint}.json"
     profile = json.loads(cache.read_text()) if cache.exists() and not hw_cfg["refresh"] else None
     if profile is not None and profile.get("version") != VERSION:
         profile = None
@@ -75,7 +75,7 @@ def resolve(
         profile = measure(probe_dir, int(hw_cfg["disk_probe_mb"]))
         profile["fingerprint"] = fingerprint
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(".tmp")
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")  # runs measuring at once each write their own
         tmp.write_text(json.dumps(profile, indent=2))
         tmp.replace(cache)
         profile["source"] = "measured"
