@@ -171,6 +171,10 @@ def register_local_launcher() -> None:
         _target_: str = "hydra_plugins.onn_launcher.ThrottledLocalLauncher"
         array_parallelism: int = 2  # jobs running at once, in groups (the next group starts when one ends)
         timeout_min: int = 1440  # a job still running after this is killed (submitit's default is 60)
+        # One folder for every job's logs and results (named by job id), not a folder per job (`%j`): submitit's
+        # local controller opens its log in the job's folder before the submitting process has made it, and on
+        # a busy machine it loses that race (FileNotFoundError, the job never runs).
+        submitit_folder: str = "${hydra.sweep.dir}/.submitit"
 
     ConfigStore.instance().store(
         group="hydra/launcher", name="submitit_local", node=ThrottledLocalConf, provider="onn"

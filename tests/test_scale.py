@@ -302,7 +302,8 @@ def test_submitit_local_runs_two_jobs_at_a_time_and_the_grid_is_complete(tmp_pat
                           timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     jobs = [json.loads((sweep / str(i) / "metrics.json").read_text()) for i in range(4)]
-    assert len({p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit()}) == 4  # 4 processes
+    logs = [p.name for p in (sweep / ".submitit").glob("*_0_log.out")]  # JOBID_0_log.out, one per job
+    assert len({name.split("_")[0] for name in logs}) == 4  # 4 processes
     events = sorted([(j["start"], 1) for j in jobs] + [(j["end"], -1) for j in jobs])
     running = [sum(step for _, step in events[: i + 1]) for i in range(len(events))]
     assert max(running) == 2  # two at a time, never more
