@@ -16,6 +16,15 @@ register()  # the config schema, as run.py registers it before Hydra composes
 ROOT = Path(__file__).resolve().parents[1]
 # ../shared/data beside the checkout; ONN_SHARED_DATA points elsewhere (a git worktree one level deeper)
 SHARED_DATA = Path(os.environ.get("ONN_SHARED_DATA") or ROOT.parent / "shared" / "data")
+# A sweep whose jobs write a bench record and whose Hydra callback writes the grid (tests' stand-in apps)
+GRID_SWEEP_CONFIG = """x: 0
+task:
+  name: bench
+hydra:
+  callbacks:
+    grid:
+      _target_: onn.bench.grid.GridCallback
+"""
 
 
 def compose(*overrides: str, root: Path | None = None) -> dict:

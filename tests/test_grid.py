@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import yaml
-from conftest import ROOT
+from conftest import GRID_SWEEP_CONFIG, ROOT
 
 from onn.bench.grid import collect, write_grid
 
@@ -139,20 +139,10 @@ if __name__ == "__main__":
     main()
 """
 
-CONFIG = """
-x: 0
-task:
-  name: bench
-hydra:
-  callbacks:
-    grid:
-      _target_: onn.bench.grid.GridCallback
-"""
-
 
 def test_callback_after_real_multirun(tmp_path):
     (tmp_path / "conf").mkdir()
-    (tmp_path / "conf" / "config.yaml").write_text(textwrap.dedent(CONFIG))
+    (tmp_path / "conf" / "config.yaml").write_text(GRID_SWEEP_CONFIG)
     (tmp_path / "app.py").write_text(textwrap.dedent(APP))
     sweep = tmp_path / "sweep"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}

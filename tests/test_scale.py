@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, compose, read_metrics, run_cli
+from conftest import GRID_SWEEP_CONFIG, ROOT, compose, read_metrics, run_cli
 
 from onn.errors import UserError
 from onn.training.checkpoints import load, read_meta
@@ -276,16 +276,6 @@ if __name__ == "__main__":
     main()
 """
 
-SWEEP_CONFIG = """
-x: 0
-task:
-  name: bench
-hydra:
-  callbacks:
-    grid:
-      _target_: onn.bench.grid.GridCallback
-"""
-
 
 @pytest.mark.slow
 def test_submitit_local_runs_two_jobs_at_a_time_and_the_grid_is_complete(tmp_path: Path):
@@ -293,7 +283,7 @@ def test_submitit_local_runs_two_jobs_at_a_time_and_the_grid_is_complete(tmp_pat
     import textwrap
 
     (tmp_path / "conf").mkdir()
-    (tmp_path / "conf" / "config.yaml").write_text(textwrap.dedent(SWEEP_CONFIG))
+    (tmp_path / "conf" / "config.yaml").write_text(GRID_SWEEP_CONFIG)
     (tmp_path / "app.py").write_text(textwrap.dedent(SWEEP_APP))
     sweep = tmp_path / "sweep"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,9 +95,6 @@ def unreachable(where: str, timeout: float) -> str:
 def wait_for_rendezvous(timeout: float) -> None:
     """A rank other than 0 waits here, at most `timeout` seconds, until the rendezvous port answers: torch's
     own store client retries past its timeout (about twice it), so an unreachable address is named in time."""
-    import socket
-    import time
-
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
     if rank() == 0 or not host or not port.isdigit():
         return  # rank 0 opens the rendezvous; without an address torch reports what is missing
