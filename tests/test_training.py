@@ -175,3 +175,37 @@ def test_qlora_trains_lora_on_a_4bit_base_also_after_a_validation(tmp_path):
         p.grad for n, p in module.model.named_parameters() if "lora_B" in n
     ]  # lora_A gets none while B is 0
     assert grads and all(g is not None for g in grads) and sum(float(g.abs().sum()) for g in grads) > 0
+
+
+def test_adapt_norm_measures_the_test_domains_statistics_and_keeps_the_trained_ones():
+    """AdaBN (task.adapt_norm): a classifier trained where the class is the sign of x, tested where every x
+    moved by +6 (a new microphone's level): with the trained statistics it calls everything one class;
+    with the test set's own it is right again. The trained statistics are back after the test."""
+    from onn.training.classifier import Classifier
+
+    torch.manual_seed(0)
+    x = torch.randn(512, 1)
+    y = (x[:, 0] > 0).long()
+    network = torch.nn.Sequential(torch.nn.BatchNorm1d(1, affine=False), torch.nn.Linear(1, 2))
+    optimizer = torch.optim.Adam(network.parameters(), lr=0.05)
+    for _ in range(200):
+        loss = torch.nn.functional.cross_entropy(network(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    trained = {k: v.clone() for k, v in network[0].state_dict().items()}
+    shifted = torch.utils.data.DataLoader(
+        [(x[i : i + 64] + 6.0, y[i : i + 64]) for i in range(0, 512, 64)], batch_size=None
+    )
+
+    def tested(adapt: bool) -> float:
+        module = Classifier(network, ["neg", "pos"], OPTIM, {}, adapt_norm=adapt)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+        )
+        return trainer.test(module, dataloaders=shifted, verbose=False)[0]["test/acc"]
+
+    assert tested(adapt=False) == pytest.approx(float((y == 1).float().mean()), abs=0.01)  # all called "pos"
+    assert tested(adapt=True) > 0.95
+    for key, value in network[0].state_dict().items():
+        assert torch.equal(value, trained[key]), key

@@ -182,6 +182,29 @@ def test_resident_batches_are_seeded_shuffles_of_every_sample():
     assert [len(y) for _, y in plain] == [16, 16, 16, 2]
 
 
+def test_batch_groups_put_one_group_in_each_training_batch():
+    """data.batch_groups: a regex on the file names; every training batch holds one speaker's samples,
+    the groups' batches come interleaved and seeded, and each group's leftover short of a batch waits."""
+    from onn.data.resident import ResidentBatches, Split, batch_groups
+
+    names = [f"{i % 10}_{('ann', 'bob', 'cy')[i % 3]}_{i}.wav" for i in range(60)]
+    split = Split(torch.arange(60).view(60, 1), torch.arange(60) % 10, names)
+    groups = batch_groups(names, "_([a-z]+)_")
+    loader = ResidentBatches(split, 6, shuffle=True, seed=1, drop_last=True, groups=groups)
+    batches = [x.flatten().tolist() for x, _ in loader]
+    assert len(loader) == len(batches) == 9  # 20 samples per speaker: 3 batches of 6 each
+    assert all(len({groups[i] for i in batch}) == 1 for batch in batches)
+    assert len({i for batch in batches for i in batch}) == 54
+    owners = [groups[batch[0]] for batch in batches]
+    assert owners != sorted(owners)  # interleaved, not one speaker after another
+    again = ResidentBatches(split, 6, shuffle=True, seed=1, drop_last=True, groups=groups)
+    assert [x.flatten().tolist() for x, _ in again] == batches
+    with pytest.raises(UserError, match="finds no group in the training file name '0_ann_0.wav'"):
+        batch_groups(names, "_([0-9]+)_")
+    with pytest.raises(UserError, match="is not a regular expression"):
+        batch_groups(names, "_([a-z]+_")
+
+
 def test_user_mistakes_are_one_clear_error(images, tmp_path):
     with pytest.raises(UserError, match="data.source is not set"):
         run(tmp_path, name="nosource")

@@ -67,16 +67,34 @@ class Items(Protocol):
 class ResidentBatches:
     """Batches sliced from device-resident tensors by a seeded shuffled index, one epoch per iteration.
 
-    The permutation of epoch e is drawn from seed + e, so a resumed run sees the same order."""
+    The permutation of epoch e is drawn from seed + e, so a resumed run sees the same order. `groups`: the
+    group of each sample (e.g. its speaker); each training batch then holds samples of one group only."""
 
-    def __init__(self, split: Split, batch_size: int, shuffle: bool, seed: int = 0, drop_last: bool = False):
+    def __init__(self, split: Split, batch_size: int, shuffle: bool, seed: int = 0, drop_last: bool = False,
+                 groups: list[str] | None = None):  # fmt: skip
         self.split, self.batch_size, self.shuffle, self.seed = split, batch_size, shuffle, seed
         self.drop_last = drop_last and len(split) >= batch_size
+        self.groups = groups
         self.epoch = 0
 
     def __len__(self) -> int:
+        if self.groups is not None:
+            return len(self._batches(torch.arange(len(self.split))))
         n = len(self.split)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def _batches(self, order: torch.Tensor) -> list[torch.Tensor]:
+        """`order` cut into batches: in turn, or within each group (in order of first appearance)."""
+        if self.groups is None:
+            return list(order[: len(self) * self.batch_size].split(self.batch_size))
+        members: dict[str, list[int]] = {}
+        for i in order.tolist():
+            members.setdefault(self.groups[i], []).append(i)
+        out = []
+        for index in members.values():
+            full = len(index) // self.batch_size if self.drop_last else -(-len(index) // self.batch_size)
+            out += [torch.tensor(index[b * self.batch_size : (b + 1) * self.batch_size]) for b in range(full)]
+        return out
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         inputs, labels = self.split.inputs, self.split.labels
@@ -86,11 +104,31 @@ class ResidentBatches:
                 yield inputs[window], labels[window]
             return
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.split), generator=generator).to(inputs.device)
+        batches = self._batches(torch.randperm(len(self.split), generator=generator))
+        if self.groups is not None:  # the groups' batches interleaved at random
+            batches = [batches[b] for b in torch.randperm(len(batches), generator=generator).tolist()]
         self.epoch += 1
-        for i in range(len(self)):
-            index = order[i * self.batch_size : (i + 1) * self.batch_size]
+        for index in batches:
+            index = index.to(inputs.device)
             yield inputs.index_select(0, index), labels.index_select(0, index)
+
+
+def batch_groups(names: list[str], pattern: str | None) -> list[str] | None:
+    """Each name's group by data.batch_groups (a regex whose first group names it), or None when unset."""
+    if not pattern:
+        return None
+    try:
+        regex = re.compile(pattern)
+    except re.error as e:
+        raise UserError(f"data.batch_groups={pattern!r} is not a regular expression: {e}.") from None
+    groups = []
+    for name in names:
+        found = regex.search(name)
+        if found is None or not found.groups():
+            raise UserError(f"data.batch_groups={pattern!r} finds no group in the training file name {name!r}: give a regex "
+                            "with one (group) that every training file name has, e.g. '_([a-z]+)_' for FSDD's speaker.")  # fmt: skip
+        groups.append(found.group(1))
+    return groups
 
 
 class StreamedItems(torch.utils.data.Dataset):
@@ -376,10 +414,15 @@ class ClassificationData(L.LightningDataModule):
     # -- loaders ----------------------------------------------------------------------------------
     def train_dataloader(self):
         if self.streamed:
+            if self.cfg.get("batch_groups"):
+                raise UserError(
+                    "data.batch_groups draws batches from data held in memory, and this data is streamed (too big to hold): "
+                    "set data.batch_groups=null, or raise data.resident_max_mb."
+                )
             return self._loader("train", shuffle=True)
-        loader = ResidentBatches(
-            self.splits["train"], self.batch_size, shuffle=True, seed=self.seed, drop_last=True
-        )
+        train = self.splits["train"]
+        loader = ResidentBatches(train, self.batch_size, shuffle=True, seed=self.seed, drop_last=True,
+                                 groups=batch_groups(train.names, self.cfg.get("batch_groups")))  # fmt: skip
         if self.trainer is not None:
             loader.epoch = self.trainer.current_epoch  # resumed runs continue the epoch sequence
         return loader

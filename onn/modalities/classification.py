@@ -82,7 +82,8 @@ def build(
     module = Classifier(network, inputs["classes"], config["optim"], onn_config, transform=m.transform(config, inputs),
                         label_smoothing=float(task.get("label_smoothing") or 0.0),
                         channels_last=bool(model_cfg.get("channels_last", False)),
-                        inputs="features" if strategy == "linear_probe" else "data", monitor=task.get("monitor", "val/acc"))  # fmt: skip
+                        inputs="features" if strategy == "linear_probe" else "data", monitor=task.get("monitor", "val/acc"),
+                        adapt_norm=bool(task.get("adapt_norm")))  # fmt: skip
     if model_cfg.get("compile"):
         module.model = torch.compile(module.model)  # the Lightning module keeps the same parameters
     return module

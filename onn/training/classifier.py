@@ -45,7 +45,7 @@ class LinearProbe(nn.Module):
 class Classifier(L.LightningModule):
     def __init__(self, model: nn.Module, classes: list[str], optim: dict[str, Any], onn_config: dict[str, Any],
                  transform: nn.Module | None = None, label_smoothing: float = 0.0, channels_last: bool = False,
-                 inputs: str = "data", monitor: str = "val/acc"):  # fmt: skip
+                 inputs: str = "data", monitor: str = "val/acc", adapt_norm: bool = False):  # fmt: skip
         super().__init__()
         from torchmetrics import MeanMetric
         from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
@@ -59,6 +59,8 @@ class Classifier(L.LightningModule):
         self.channels_last = channels_last
         self.inputs = inputs  # "data", or "features" for a linear probe on cached features
         self.monitor = monitor  # what the plateau schedule watches (task.monitor)
+        self.adapt_norm = adapt_norm  # AdaBN on the test set (task.adapt_norm): see adapt_batch_norm
+        self._trained_norms: dict[str, torch.Tensor] | None = None
         if channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         n = len(self.classes)
@@ -109,11 +111,43 @@ class Classifier(L.LightningModule):
         for name in ("acc", "acc_top5", "confusion"):
             self.metrics[f"{stage}_{name}"].update(logits, labels)
 
+    def on_test_epoch_start(self) -> None:
+        if self.adapt_norm:  # the trained statistics come back after the test (on_test_epoch_end)
+            self._trained_norms = {k: v.clone() for k, v in self.model.state_dict().items()
+                                   if k.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")}  # fmt: skip
+            self.adapt_batch_norm(self.trainer.test_dataloaders)
+
+    @torch.no_grad()
+    def adapt_batch_norm(self, batches) -> int:
+        """AdaBN (Li et al., 2016): measure every BatchNorm's statistics again on `batches` (their inputs
+        only, never their labels), as the mean over all of them. A new speaker, microphone or camera shifts
+        the features' statistics away from the training data's; normalising by the new data's own undoes
+        that shift. Returns the samples seen."""
+        norms = [m for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if not norms:
+            return 0
+        saved = [(m.momentum, m.training) for m in norms]
+        for m in norms:
+            m.reset_running_stats()
+            m.momentum = None  # a cumulative average over the batches, not an exponential one
+            m.train()
+        seen = 0
+        for x, _ in batches:
+            self(self.prepare(x.to(self.device), train=False))
+            seen += x.shape[0]
+        for m, (momentum, training) in zip(norms, saved):
+            m.momentum = momentum
+            m.train(training)
+        return seen
+
     def on_validation_epoch_end(self) -> None:
         self._epoch_end("val")
 
     def on_test_epoch_end(self) -> None:
         self._epoch_end("test")
+        if self._trained_norms is not None:
+            self.model.load_state_dict(self._trained_norms, strict=False)
+            self._trained_norms = None
 
     def _epoch_end(self, stage: str) -> None:
         figures = {
