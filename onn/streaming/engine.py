@@ -143,6 +143,10 @@ class StreamingEngine:
              if isinstance(m, nn.Linear) and not m.weight.requires_grad}
             for block in layer_map.blocks
         ]  # fmt: skip
+        # freed buffers the size of a streamed weight go back to the OS; smaller ones (activations) stay in the heap
+        weights = [m.in_features * m.out_features * self.compute_dtype.itemsize for linears in self._linears
+                   for m in linears.values()]  # fmt: skip
+        return_large_frees_to_os(min(weights, default=0))
         if store.dtype == "int8":
             for linears in self._linears:
                 for module in linears.values():
@@ -163,7 +167,6 @@ class StreamingEngine:
         )
         self._as_tuple = False
         self._pending_backward = None
-        return_large_frees_to_os()
 
     # -- weights -------------------------------------------------------------------------------
     def offload(self) -> None:

@@ -92,7 +92,7 @@ def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any]
     key = json.dumps({"model": config["model"].get("architecture"), "strategy": plan["strategy"], "precision": plan["precision"],
                       "lora": config["strategy"].get("lora"), "seq": seq, "micro": micro, "threads": threads,
                       "streaming": {k: (plan.get("streaming") or {}).get(k) for k in ("store", "store_dtype")},
-                      "machine": hw.get("fingerprint"), "large": large, "version": 4}, sort_keys=True, default=str)  # fmt: skip
+                      "machine": hw.get("fingerprint"), "large": large, "version": 5}, sort_keys=True, default=str)  # fmt: skip
     cache = (
         Path(config["paths"]["cache"])
         / "calibration"
@@ -131,6 +131,7 @@ def _step_s(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, 
     import torch
 
     from onn.dtypes import torch_dtype
+    from onn.hardware.memory import MMAP_MAX, return_large_frees_to_os
     from onn.models.layers import discover
     from onn.models.load import architecture, auto_class, meta_model
     from onn.streaming.engine import StreamingEngine
@@ -152,6 +153,7 @@ def _step_s(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, 
                 setattr(arch, key, vocab - 1)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    engine = None
     try:
         torch.manual_seed(0)
         model = auto_class(arch).from_config(arch)
@@ -196,3 +198,7 @@ def _step_s(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, 
         return min(times)
     finally:
         torch.set_num_threads(before)
+        if (
+            engine is not None
+        ):  # its malloc setting is process-wide: the next timing starts from glibc's largest
+            return_large_frees_to_os(MMAP_MAX)
