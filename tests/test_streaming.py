@@ -187,6 +187,27 @@ def test_validation_loss_matches_resident():
     torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-6)
 
 
+def test_mixed_precision_streams_bf16_weights_into_a_float32_model():
+    """bf16-mixed on a float32 model: the engine computes from a bf16 store (no decode to float32) under
+    autocast, also outside Lightning's (validation's epoch end), as the resident model does under autocast."""
+    resident = lora_model("llama", LAYER_SETS["last4"])
+    streamed = copy.deepcopy(resident)
+    mbs = micro_batches()
+    engine = StreamingEngine(
+        streamed, discover(streamed), LayerStore("cpu", "bfloat16"), 3, compute_dtype=torch.bfloat16
+    )
+    engine.offload()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.stack([resident(**mb).loss for mb in mbs])
+        (want.sum() / len(mbs)).backward()
+    got = torch.stack(engine.loss(mbs))  # no autocast around it
+    torch.testing.assert_close(got.float(), want.detach().float(), rtol=2e-2, atol=2e-2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        engine.train_step(mbs)
+    for (name, a), b in zip(lora_grads(resident).items(), lora_grads(streamed).values()):
+        assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99, name
+
+
 @pytest.mark.parametrize("model_type", ["llama", "phi3"])
 def test_greedy_generation_matches_resident_generate(model_type):
     resident = lora_model(model_type, LAYER_SETS["all"]).eval()

@@ -64,7 +64,8 @@ MMAP_MIN, MMAP_MAX = 1 << 20, 32 << 20  # the threshold's floor, and glibc's own
 
 def return_large_frees_to_os(smallest: int = MMAP_MIN) -> None:
     """Make glibc give every freed buffer of `smallest` bytes or more (within 1 .. 32 MiB) straight back to
-    the OS: the streaming engine passes its smallest streamed weight matrix.
+    the OS: the streaming engine passes its smallest streamed weight matrix when it decodes weights (a
+    zero-copy stream keeps glibc's own threshold, see StreamingEngine).
 
     By default glibc raises its mmap threshold after a large buffer is freed, so later block-sized
     buffers come from heaps that never shrink: streaming 32 blocks through memory then grew a

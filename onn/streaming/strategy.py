@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
+from onn.dtypes import torch_dtype
 from onn.hardware.profile import CoreWatch
 from onn.models.layers import discover
 from onn.streaming.engine import StreamingEngine
@@ -49,7 +50,8 @@ def build_engine(
     engine = StreamingEngine(model, layer_map, store, int(settings["chunk_size"]), device=device, prefetch=bool(settings["prefetch"]),
                              activations=settings["activations"], micro_batch=micro_batch,
                              stream_edges=settings["edges"] == "stream", cache_blocks=int(settings["cache_blocks"]),
-                             eval_tokens=int(settings["eval_tokens"]))  # fmt: skip
+                             eval_tokens=int(settings["eval_tokens"]),
+                             compute_dtype=torch_dtype(settings["compute_dtype"]) if settings.get("compute_dtype") else None)  # fmt: skip
     engine.offload()
     if device.type == "cpu":
         engine.cores = CoreWatch(torch.get_num_threads())  # at most the threads the plan gave it

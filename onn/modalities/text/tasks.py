@@ -108,6 +108,11 @@ def streaming_settings(
     for key in STREAMING_KEYS:
         if settings.get(key) in (None, "auto"):
             settings[key] = plan["streaming"][key]
+    # Mixed precision computes the matmuls in the plan's compute dtype anyway: frozen weights streamed in
+    # it skip a decode to the model's float32 and autocast's cast back (a bf16 store on a CPU: zero-copy).
+    settings["compute_dtype"] = (
+        plan["streaming"]["compute_dtype"] if plan["precision"].endswith("-mixed") else None
+    )
     if generate:
         fixed = config["strategy"]["streaming"]
         settings["chunk_size"] = (
