@@ -42,6 +42,18 @@ def test_overwrite_is_atomic_and_bad_paths_are_refused(tmp_path):
         resolve("last", tmp_path / "empty")
 
 
+def test_a_save_killed_while_tidying_up_does_not_block_the_next(tmp_path):
+    """SIGKILL during the removal of the replaced checkpoint leaves part of last.ckpt.old behind: the
+    resumed run's next save replaces it (it failed with 'Directory not empty' on the bench's kill -9)."""
+    save({"x": torch.zeros(1)}, tmp_path / "last.ckpt")
+    leftover = tmp_path / "last.ckpt.old"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"half-deleted")
+    save({"x": torch.ones(1)}, tmp_path / "last.ckpt")
+    assert load(tmp_path / "last.ckpt")["x"].item() == 1.0
+    assert not leftover.exists()
+
+
 def test_resolve_last_picks_newest(tmp_path):
     import os
     import time

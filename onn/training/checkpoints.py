@@ -80,6 +80,8 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     save_file(_unshare(tensors), str(tmp / TENSORS))
     (tmp / META).write_text(json.dumps(meta))
     old = path.with_name(path.name + ".old")
+    if path.exists():  # an .old beside a complete checkpoint is a save that was killed while tidying up
+        shutil.rmtree(old, ignore_errors=True)
     with _signals_held():  # SIGTERM / SIGINT between the two renames would leave no checkpoint at `path`
         if path.exists():
             path.rename(old)
