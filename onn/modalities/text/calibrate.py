@@ -5,9 +5,11 @@ no FLOP count predicts. So the plan times the model's own code: copies of it wit
 planned micro-batch and sequence length, in the planned precision and strategy (full, LoRA, or the
 streaming engine), on the plan's thread count. Six blocks less two, over four, is one block's share;
 two blocks less two shares is the rest (embeddings, head, loss, optimizer). The step of n blocks is then rest + n x block,
-divided by the share of a core the plan's threads get now. Each timing is the median of a few steps (a
-run's typical step: the fastest of nine ran 20-35% under what a run measured), in CPU time on one thread
-(which other processes' load does not stretch), so a busy machine measures what a quiet one would. Results are cached per machine and shapes. Large models (whose step is matmuls, which
+divided by the share of a core the plan's threads get now. A small model's timing is the median of nine
+steps (a run's typical step: the fastest of nine ran 20-35% under what runs measured); a large block's is
+the fastest of three (its matmuls, undisturbed: one disturbed step in three put Phi-4's at 950 ms per block,
+where runs took 560). Timings are in CPU time on one thread (which other processes' load does not
+stretch), so a busy machine measures what a quiet one would. Results are cached per machine and shapes. Large models (whose step is matmuls, which
 the plan's FLOP model predicts from the measured matmul rate) and GPUs keep the FLOP model.
 """
 
@@ -93,7 +95,7 @@ def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any]
     key = json.dumps({"model": config["model"].get("architecture"), "strategy": plan["strategy"], "precision": plan["precision"],
                       "lora": config["strategy"].get("lora"), "seq": seq, "micro": micro, "threads": threads,
                       "streaming": {k: (plan.get("streaming") or {}).get(k) for k in ("store", "store_dtype")},
-                      "machine": hw.get("fingerprint"), "large": large, "version": 6}, sort_keys=True, default=str)  # fmt: skip
+                      "machine": hw.get("fingerprint"), "large": large, "version": 7}, sort_keys=True, default=str)  # fmt: skip
     cache = (
         Path(config["paths"]["cache"])
         / "calibration"
@@ -127,7 +129,7 @@ def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any]
 
 def _step_s(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, threads: int, blocks: int,
             adapted: list[int] | None, vocab: int | None = None) -> float:  # fmt: skip
-    """The median of a few training steps of a `blocks`-block copy of the model, as ONN runs them
+    """The median of nine training steps (the fastest of three for a large model's copies) of a `blocks`-block copy of the model, as ONN runs them
     (streamed: adapters on the `adapted` blocks)."""
     import torch
 
@@ -196,7 +198,7 @@ def _step_s(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, 
             start = clock()
             step()
             times.append(clock() - start)
-        return statistics.median(times)
+        return min(times) if vocab is not None else statistics.median(times)
     finally:
         torch.set_num_threads(before)
         if (
