@@ -129,8 +129,8 @@ def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any]
 
 def _step_s(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, threads: int, blocks: int,
             adapted: list[int] | None, vocab: int | None = None) -> float:  # fmt: skip
-    """The median of nine training steps (the fastest of three for a large model's copies) of a `blocks`-block copy of the model, as ONN runs them
-    (streamed: adapters on the `adapted` blocks)."""
+    """The median of nine training steps of a `blocks`-block copy of the model (the fastest of three for a
+    large model's), as ONN runs them (streamed: adapters on the `adapted` blocks)."""
     import torch
 
     from onn.dtypes import torch_dtype
