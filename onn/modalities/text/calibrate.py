@@ -9,8 +9,9 @@ divided by the share of a core the plan's threads get now. A small model's timin
 steps (a run's typical step: the fastest of nine ran 20-35% under what runs measured); a large block's is
 the fastest of three (its matmuls, undisturbed: one disturbed step in three put Phi-4's at 950 ms per block,
 where runs took 560). Timings are in CPU time on one thread (which other processes' load does not
-stretch), so a busy machine measures what a quiet one would. Results are cached per machine and shapes. Large models (whose step is matmuls, which
-the plan's FLOP model predicts from the measured matmul rate) and GPUs keep the FLOP model.
+stretch), so a busy machine measures what a quiet one would. Results are cached per machine and
+shapes. Large models (whose step is matmuls, which the plan's FLOP model predicts from the measured
+matmul rate) and GPUs keep the FLOP model.
 """
 
 from __future__ import annotations
