@@ -41,15 +41,53 @@ def compose(*overrides: str, root: Path | None = None) -> dict:
 def run_cli(
     *args: str, cwd: Path | None = None, timeout: int = 600, python_warnings: str = "ignore"
 ) -> subprocess.CompletedProcess:
+    """`python run.py ARGS` in a process of its own. Forked from a warm interpreter (tests/zygote.py) when
+    warnings are ignored; a fresh interpreter when a test reads the warnings a first import prints."""
+    argv = [sys.executable, str(ROOT / "run.py"), *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": python_warnings}
-    return subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), *args],
-        cwd=cwd or ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    if python_warnings != "ignore":
+        return subprocess.run(argv, cwd=cwd or ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return _zygote().run(argv, env, cwd or ROOT, timeout)
+
+
+class Zygote:
+    """This worker's warm interpreter (tests/zygote.py), started on first use; one run at a time."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        self.folder = Path(tempfile.mkdtemp(prefix="onn-zygote-"))
+        with open(self.folder / "zygote.log", "w") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py")], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
+                                         env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"})  # fmt: skip
+        assert json.loads(self.proc.stdout.readline()).get("ready"), (self.folder / "zygote.log").read_text()
+
+    def run(self, argv: list[str], env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+        import select
+
+        out, err = self.folder / "stdout.txt", self.folder / "stderr.txt"
+        request = {"argv": argv, "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        pid = json.loads(self.proc.stdout.readline())["pid"]
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            os.kill(pid, 9)
+            self.proc.stdout.readline()
+            raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text())
+        code = json.loads(self.proc.stdout.readline())["returncode"]
+        return subprocess.CompletedProcess(
+            argv, code, out.read_text(errors="replace"), err.read_text(errors="replace")
+        )
+
+
+_zygotes: list[Zygote] = []
+
+
+def _zygote() -> Zygote:
+    if not _zygotes or _zygotes[0].proc.poll() is not None:
+        _zygotes[:] = [Zygote()]
+    return _zygotes[0]
 
 
 def read_metrics(run_dir: Path) -> dict:

@@ -97,11 +97,9 @@ def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any]
                       "lora": config["strategy"].get("lora"), "seq": seq, "micro": micro, "threads": threads,
                       "streaming": {k: (plan.get("streaming") or {}).get(k) for k in ("store", "store_dtype")},
                       "machine": hw.get("fingerprint"), "large": large, "version": 7}, sort_keys=True, default=str)  # fmt: skip
-    cache = (
-        Path(config["paths"]["cache"])
-        / "calibration"
-        / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    )
+    # beside the hardware profile: a timing of this machine, shared by every outputs folder that shares it
+    folder = config["hardware"].get("cache") or Path(config["paths"]["cache"]) / "hardware"
+    cache = Path(folder) / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if cache.is_file():
         return json.loads(cache.read_text())["costs"]
 
