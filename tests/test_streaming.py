@@ -21,12 +21,14 @@ ARCH = {
 LAYER_SETS = {"first4+last4": [0, 1, 2, 3, -4, -3, -2, -1], "last4": [-4, -3, -2, -1], "all": None}
 
 
-def lora_model(model_type: str, layers):
+def lora_model(model_type: str, layers, **sizes):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **ARCH[model_type]))
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(model_type, **{**ARCH[model_type], **sizes})
+    )
     idx = None if layers is None else sorted({i % 8 for i in layers})
     targets = (
         ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
@@ -398,3 +400,42 @@ def test_a_model_loads_block_by_block_into_the_store(tmp_path, monkeypatch):
     again = LayerStore("disk", "float32", folder=tmp_path / "store")
     load_into_store(source, torch.float32, None, again)
     assert again.rebuilt == []  # a complete store is reused without reading the checkpoint's blocks
+
+
+def test_int8_codes_decode_tokens_as_the_dequantized_model_does(tmp_path, monkeypatch):
+    """Decoding one token per sequence from an int8 store in bf16, each frozen linear runs torch's
+    weight-only int8 matmul on the stored codes (no cast); the logits are the de-quantized model's, and a
+    training step after it casts again (its gradients need the weights)."""
+    resident = lora_model(
+        "llama", LAYER_SETS["last4"], hidden_size=64, intermediate_size=128
+    ).eval()  # weights of
+    streamed = copy.deepcopy(resident)  # 4,096 values and more are quantized; smaller ones stay float
+    store = LayerStore("disk", "int8", folder=tmp_path / "store")
+    engine = StreamingEngine(streamed, discover(streamed), store, 2, compute_dtype=torch.bfloat16)
+    engine.offload()
+    for i, block in enumerate(discover(resident).blocks):
+        params = {stored_name(n): p for n, p in block.named_parameters()}
+        for name, t in store_decoded(engine, i).items():
+            params[name].data = t
+    calls = []
+    kernel = torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: (calls.append(a[1].dtype), kernel(*a))[1])
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    mask = (ids != 0).long()
+    got = engine.generate(ids, mask, max_new_tokens=3)
+    assert calls and set(calls) == {torch.int8}
+    full_ids, full_mask = torch.cat([ids, got], 1), torch.cat([mask, torch.ones_like(got)], 1)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = resident(input_ids=full_ids, attention_mask=full_mask).logits[:, -1].float()
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=streamed.config)
+    positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    engine.decode_step(full_ids[:, :-1], full_mask[:, :-1], positions[:, :-1], cache)  # the prefill: cast
+    before = len(calls)
+    last = engine.decode_step(full_ids[:, -1:], full_mask, positions[:, -1:], cache)  # one token: the codes
+    assert len(calls) > before
+    assert (last - want).abs().max() < 0.05 * want.abs().max()
+    after = len(calls)
+    loss = engine.train_step(micro_batches(m=1))  # training casts the codes again
+    assert torch.isfinite(loss) and len(calls) == after

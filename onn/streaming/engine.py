@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+import types
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from onn.errors import UserError
@@ -155,6 +157,12 @@ class StreamingEngine:
                 for module in linears.values():
                     module._onn_scale = None
                     module.register_forward_hook(_scaled_output)
+                    module.forward = types.MethodType(_linear_forward, module)
+        # Decoding one token per sequence, an int8 store's codes are used as they are stored: torch's
+        # weight-only int8 matmul reads each weight byte once, where a cast first writes the weight in
+        # the compute dtype and the matmul reads it again. Its cost grows with the rows, so passes of
+        # many rows (a prompt's prefill, training and validation forwards) keep the cast.
+        self._codes_direct = False
         self.times = StepTimes()
         self._cached: dict[int, dict[str, torch.Tensor]] = {}
         self._slots = [_Slot() for _ in range(SLOTS)]
@@ -284,6 +292,10 @@ class StreamingEngine:
                     )
                 # the slot's host buffer is read again only after this chunk is released: the copy must be done by then
                 self._copy_stream.synchronize()
+            elif self._codes_direct:  # views of the read buffer (or the cached block): nothing to keep
+                tensors = self.store.decode(
+                    stored, self.device, self.compute_dtype, scales=scales, codes=True
+                )
             else:
                 targets = slot.decoded.get(pos) if slot is not None else None
                 tensors = self.store.decode(
@@ -347,6 +359,16 @@ class StreamingEngine:
             self.times.loads += 1
             self.times.history.append(c)
         self._prefetch(upcoming)
+
+    def _use_codes(self, direct: bool) -> None:
+        """Switch between int8 codes used as stored and codes cast to the compute dtype: loads in
+        flight and the resident chunk were made for the other kind, so they are dropped."""
+        direct = (direct and self.store.dtype == "int8" and self.device.type == "cpu"
+                  and self.compute_dtype in (torch.bfloat16, torch.float16))  # the kernel's vectorised types  # fmt: skip
+        if direct != self._codes_direct:
+            self._drain()
+            self.release()
+            self._codes_direct = direct
 
     def release(self) -> None:
         """Give the resident chunk's weights (and its slot) back."""
@@ -428,6 +450,7 @@ class StreamingEngine:
         needed after this pass, in order, which the loader may start on during the last chunk."""
         groups = self._groups(micro_batches) if fuse else [[m] for m in range(len(micro_batches))]
         n = len(self.chunks)
+        self._use_codes(False)
         with torch.no_grad():
             with self._edges_loaded():
                 fused = [self.prefix(_concat([micro_batches[m] for m in g])) for g in groups]
@@ -584,6 +607,7 @@ class StreamingEngine:
             "past_key_values": cache,
             "use_cache": True,
         }
+        self._use_codes(input_ids.shape[1] == 1)  # one new token per sequence; a prefill casts
         with self._edges_loaded():
             block_inputs = self.prefix(batch)
         hidden = block_inputs.hidden
@@ -688,11 +712,22 @@ def _concat(micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's forward, or, when the weight holds the stored int8 codes, torch's weight-only int8
+    matmul with the row scales (x Qᵀ s = x Wᵀ)."""
+    if module.weight.dtype != torch.int8:
+        return F.linear(x, module.weight, module.bias)
+    scale = module._onn_scale
+    rows = x.reshape(-1, x.shape[-1]).to(scale.dtype).contiguous()
+    out = torch._weight_int8pack_mm(rows, module.weight, scale).view(*x.shape[:-1], -1)
+    return out if module.bias is None else out + module.bias.to(out.dtype)
+
+
 def _scaled_output(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor | None:
     """A frozen linear whose weight holds int8 codes cast to the compute dtype: x Qᵀ times the row scales
     is x Wᵀ (the bias, if any, is added after the scaling)."""
     scale = module._onn_scale
-    if scale is None:
+    if scale is None or module.weight.dtype == torch.int8:  # the int8 matmul scaled it already
         return None
     if module.bias is not None:
         return (output - module.bias) * scale + module.bias

@@ -175,14 +175,16 @@ class LayerStore:
         return out
 
     def decode(self, stored: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, non_blocking: bool = False,
-               out: dict[str, torch.Tensor] | None = None, scales: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+               out: dict[str, torch.Tensor] | None = None, scales: dict[str, torch.Tensor] | None = None,
+               codes: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
         """Stored tensors -> compute tensors on `device`; quantized ones are de-quantized there.
 
         On the CPU a stored tensor already in the compute dtype is returned as it is (a view of the
         read buffer: no copy), and `out` (tensors from an earlier decode of a block of the same shapes)
         is written into instead of allocating: the buffers are reused from chunk to chunk. With `scales`,
         int8 weights are only cast (one pass) and their per-row scales go into `scales` by name, for the
-        caller to apply to the layer's output: (x Qᵀ) s = x (s Q)ᵀ, at a cost of one multiply per output."""
+        caller to apply to the layer's output: (x Qᵀ) s = x (s Q)ᵀ, at a cost of one multiply per output;
+        with `codes` too, int8 weights stay the stored codes (for an int8 matmul)."""
         decoded = {}
         for name, t in stored.items():
             if name.endswith((".absmax", ".shape", ".scale")):
@@ -195,7 +197,7 @@ class LayerStore:
             if f"{name}.scale" in stored:
                 scale = stored[f"{name}.scale"].to(device, non_blocking=non_blocking)
                 if scales is not None:
-                    decoded[name] = _into(target, t, dtype)
+                    decoded[name] = t if codes else _into(target, t, dtype)
                     scales[name] = scale.to(dtype).view(-1)
                 else:
                     decoded[name] = dequantize_int8(t, scale, dtype, target)
