@@ -54,9 +54,12 @@ class Zygote:
     """This worker's warm interpreter (tests/zygote.py), started on first use; one run at a time."""
 
     def __init__(self) -> None:
+        import atexit
+        import shutil
         import tempfile
 
         self.folder = Path(tempfile.mkdtemp(prefix="onn-zygote-"))
+        atexit.register(shutil.rmtree, self.folder, True)  # its log and the runs' captured output
         with open(self.folder / "zygote.log", "w") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py")], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
