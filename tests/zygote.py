@@ -57,8 +57,8 @@ def become(request: dict) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # what Python starts with
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     sys.warnoptions[:] = [request["env"].get("PYTHONWARNINGS", "default")]
     warnings.resetwarnings()
     warnings.simplefilter(sys.warnoptions[0])  # the tests' runs ask for "ignore"

@@ -139,7 +139,7 @@ class StreamingEngine:
         # The first blocks of a disk store, held in host memory once read (as many as the plan's budget allows).
         self.cache_blocks = set(range(min(int(cache_blocks), n))) if store.kind == "disk" else set()
         # int8 stores: each frozen linear computes with the cast codes and scales its output by the row
-        # scales of the weight installed in it (see _scaled_output), so decoding is a single cast
+        # scales of the weight installed in it (see _linear_forward), so decoding is a single cast
         self._linears = [
             {stored_name(f"{name}.weight"): m for name, m in block.named_modules()
              if isinstance(m, nn.Linear) and not m.weight.requires_grad}
@@ -156,7 +156,6 @@ class StreamingEngine:
             for linears in self._linears:
                 for module in linears.values():
                     module._onn_scale = None
-                    module.register_forward_hook(_scaled_output)
                     module.forward = types.MethodType(_linear_forward, module)
         # Decoding one token per sequence, an int8 store's codes are used as they are stored: torch's
         # weight-only int8 matmul reads each weight byte once, where a cast first writes the weight in
@@ -713,25 +712,18 @@ def _concat(micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """nn.Linear's forward, or, when the weight holds the stored int8 codes, torch's weight-only int8
-    matmul with the row scales (x Qᵀ s = x Wᵀ)."""
-    if module.weight.dtype != torch.int8:
+    """A frozen linear of an int8 store: x Qᵀ times the row scales s is x Wᵀ. The codes Q are either cast
+    to the compute dtype (a plain matmul, scaled after) or the stored int8 ones (torch's weight-only int8
+    matmul, which scales itself); the bias, if any, is added after the scaling."""
+    scale = module._onn_scale
+    if scale is None:  # weights installed whole (de-quantized, or no store yet)
         return F.linear(x, module.weight, module.bias)
-    scale = module._onn_scale
-    rows = x.reshape(-1, x.shape[-1]).to(scale.dtype).contiguous()
-    out = torch._weight_int8pack_mm(rows, module.weight, scale).view(*x.shape[:-1], -1)
+    if module.weight.dtype == torch.int8:
+        rows = x.reshape(-1, x.shape[-1]).to(scale.dtype).contiguous()
+        out = torch._weight_int8pack_mm(rows, module.weight, scale).view(*x.shape[:-1], -1)
+    else:
+        out = F.linear(x, module.weight) * scale
     return out if module.bias is None else out + module.bias.to(out.dtype)
-
-
-def _scaled_output(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor | None:
-    """A frozen linear whose weight holds int8 codes cast to the compute dtype: x Qᵀ times the row scales
-    is x Wᵀ (the bias, if any, is added after the scaling)."""
-    scale = module._onn_scale
-    if scale is None or module.weight.dtype == torch.int8:  # the int8 matmul scaled it already
-        return None
-    if module.bias is not None:
-        return (output - module.bias) * scale + module.bias
-    return output * scale
 
 
 def _rows(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
