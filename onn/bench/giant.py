@@ -328,13 +328,15 @@ def _read_store(request: dict[str, Any]) -> dict[str, Any]:
     nothing else running: the disk's sequential bandwidth on the files the steps stream."""
     from onn.hardware.disk import buffer
     from onn.modalities.text.tasks import store_root, streaming_settings
+    from onn.streaming.schedule import cached_blocks
     from onn.streaming.strategy import layer_store
 
     config, plan = request["config"], request["plan"]
     settings = streaming_settings(config, plan)
     store = layer_store(settings, store_root(config))
     blocks = sorted(int(p.stem.split("_")[1]) for p in store.folder.glob("block_*.done"))
-    blocks = [i for i in blocks if i >= int(settings["cache_blocks"])] or blocks
+    cached = set(cached_blocks(len(blocks), int(settings["cache_blocks"])))
+    blocks = [i for i in blocks if i not in cached] or blocks
     into = buffer(max(store.file_bytes(i) for i in blocks))
     start, total = time.perf_counter(), 0
     for i in blocks:

@@ -54,6 +54,7 @@ from onn.hardware.memory import anon_rss_mb
 from onn.models.layers import resolve_indices
 from onn.planning.spec import ModelSpec
 from onn.planning.tuned import lookup
+from onn.streaming.schedule import cached_blocks, generates_from_codes
 
 MB = 1024**2
 CUDA_CONTEXT_MB = 1536
@@ -485,9 +486,9 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
             else default
         )
 
-    def memory(sd, store, edges, activations, chunk, cache) -> dict[str, float]:
+    def memory(sd, store, edges, activations, chunk, cache, decoded=True) -> dict[str, float]:
         files = _block_bytes(spec, sd)
-        zero_copy = not on_gpu and sd == cdtype
+        zero_copy = not on_gpu and sd == cdtype or not decoded
         # On a CPU host memory is the device: a store held there counts in full, and so do cached blocks.
         held = (sum(files) if store == "cpu" else cache * max(files)) if not on_gpu else 0
         # Two slots of reused memory: the read buffer (disk, host memory) and the compute copy (unless
@@ -525,7 +526,8 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
             if low < len(chunks)
             else [i for c in forward for i in chunks[c]]
         )
-        disk = sum(files[i] for i in loads if store == "disk" and i >= cache)
+        cached = set(cached_blocks(n, cache, low * chunk if low < len(chunks) else n))
+        disk = sum(files[i] for i in loads if store == "disk" and i not in cached)
         if edges == "stream":
             disk += 2 * edge * DTYPE_BYTES[sd] / compute_bytes if store == "disk" else 0
         io = disk / MB / float(hw.get("disk_read_mb_s") or 1000.0)
@@ -605,8 +607,11 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
     # Generation (task=infer, exact match) reads the whole store once per token and computes little: one
     # block at a time, and every byte the training's activations, adapters and larger chunks held goes
     # to cached blocks instead, keeping room for `generate_batch` sequences.
-    g = memory(store_dtype, store, edges, activations, 1, 0)
-    room = budget - (g["weights"] - lora * 4) - 0.05 * g["weights"] - generate_batch * per_sequence
+    # From an int8 store's codes it holds no decoded block, only one weight cast at a time for a prefill.
+    codes = not on_gpu and generates_from_codes(store_dtype, "cpu", cdtype)
+    g = memory(store_dtype, store, edges, activations, 1, 0, decoded=not codes)
+    scratch = min(block, 2 * spec.intermediate * spec.hidden) * compute_bytes if codes else 0
+    room = budget - (g["weights"] - lora * 4) - 0.05 * g["weights"] - scratch - generate_batch * per_sequence
     generate_cache = (
         int(min(n, max(0.0, room) // g["cached_block"])) if store == "disk" and not on_gpu else cache
     )

@@ -33,6 +33,7 @@ from onn.errors import UserError
 from onn.hardware.memory import return_large_frees_to_os
 from onn.hardware.profile import CoreWatch
 from onn.models.layers import LayerMap
+from onn.streaming.schedule import CODES_MAX_ROWS, cached_blocks, generates_from_codes
 from onn.streaming.store import LayerStore, buffer, stored_name
 
 
@@ -136,8 +137,11 @@ class StreamingEngine:
             if stream_edges
             else []
         )
-        # The first blocks of a disk store, held in host memory once read (as many as the plan's budget allows).
-        self.cache_blocks = set(range(min(int(cache_blocks), n))) if store.kind == "disk" else set()
+        # Blocks of a disk store held in host memory once read (as many as the plan's budget allows).
+        first_twice = self.chunks[self.lowest_chunk][0] if self.lowest_chunk < len(self.chunks) else n
+        self.cache_blocks = (
+            set(cached_blocks(n, int(cache_blocks), first_twice)) if store.kind == "disk" else set()
+        )
         # int8 stores: each frozen linear computes with the cast codes and scales its output by the row
         # scales of the weight installed in it (see _linear_forward), so decoding is a single cast
         self._linears = [
@@ -153,14 +157,17 @@ class StreamingEngine:
                        for m in linears.values()]  # fmt: skip
             return_large_frees_to_os(min(weights, default=0))
         if store.dtype == "int8":
+            scratch = _Scratch()
             for linears in self._linears:
                 for module in linears.values():
-                    module._onn_scale = None
+                    module._onn_scale, module._onn_scratch = None, scratch
                     module.forward = types.MethodType(_linear_forward, module)
-        # Decoding one token per sequence, an int8 store's codes are used as they are stored: torch's
-        # weight-only int8 matmul reads each weight byte once, where a cast first writes the weight in
-        # the compute dtype and the matmul reads it again. Its cost grows with the rows, so passes of
-        # many rows (a prompt's prefill, training and validation forwards) keep the cast.
+        # Generating, an int8 store's codes are installed as they are stored: one new token per sequence
+        # goes through torch's weight-only int8 matmul, which reads each weight byte once where a cast
+        # first writes the weight in the compute dtype and the matmul reads it again; a prompt's prefill
+        # casts one weight at a time into a scratch buffer (see _linear_forward). So generation holds no
+        # decoded blocks. Training and validation decode whole chunks in the loader thread instead: their
+        # passes are many rows, for which the cast-then-matmul is the faster kernel.
         self._codes_direct = False
         self.times = StepTimes()
         self._cached: dict[int, dict[str, torch.Tensor]] = {}
@@ -362,12 +369,16 @@ class StreamingEngine:
     def _use_codes(self, direct: bool) -> None:
         """Switch between int8 codes used as stored and codes cast to the compute dtype: loads in
         flight and the resident chunk were made for the other kind, so they are dropped."""
-        direct = (direct and self.store.dtype == "int8" and self.device.type == "cpu"
-                  and self.compute_dtype in (torch.bfloat16, torch.float16))  # the kernel's vectorised types  # fmt: skip
+        direct = direct and generates_from_codes(
+            self.store.dtype, self.device.type, str(self.compute_dtype).removeprefix("torch.")
+        )
         if direct != self._codes_direct:
             self._drain()
             self.release()
             self._codes_direct = direct
+            if direct:  # the decoded blocks' memory goes back
+                for slot in self._slots:
+                    slot.decoded.clear()
 
     def release(self) -> None:
         """Give the resident chunk's weights (and its slot) back."""
@@ -606,7 +617,7 @@ class StreamingEngine:
             "past_key_values": cache,
             "use_cache": True,
         }
-        self._use_codes(input_ids.shape[1] == 1)  # one new token per sequence; a prefill casts
+        self._use_codes(True)
         with self._edges_loaded():
             block_inputs = self.prefix(batch)
         hidden = block_inputs.hidden
@@ -711,18 +722,35 @@ def _concat(micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+class _Scratch:
+    """One buffer, reused, for the cast of one int8 weight at a time (a prompt's prefill from the codes)."""
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+
+    def cast(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        b = self.buffer
+        if b is None or b.numel() < codes.numel() or b.dtype != dtype or b.device != codes.device:
+            b = self.buffer = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
+        return b[: codes.numel()].view(codes.shape).copy_(codes)
+
+
 def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A frozen linear of an int8 store: x Qᵀ times the row scales s is x Wᵀ. The codes Q are either cast
-    to the compute dtype (a plain matmul, scaled after) or the stored int8 ones (torch's weight-only int8
-    matmul, which scales itself); the bias, if any, is added after the scaling."""
+    to the compute dtype (a plain matmul, scaled after) or the stored int8 ones: a few rows go through
+    torch's weight-only int8 matmul (which scales itself), more rows through a cast into the scratch
+    buffer. The bias, if any, is added after the scaling."""
     scale = module._onn_scale
     if scale is None:  # weights installed whole (de-quantized, or no store yet)
         return F.linear(x, module.weight, module.bias)
-    if module.weight.dtype == torch.int8:
-        rows = x.reshape(-1, x.shape[-1]).to(scale.dtype).contiguous()
-        out = torch._weight_int8pack_mm(rows, module.weight, scale).view(*x.shape[:-1], -1)
-    else:
-        out = F.linear(x, module.weight) * scale
+    weight = module.weight
+    if weight.dtype == torch.int8:
+        rows = x.reshape(-1, x.shape[-1]).to(scale.dtype)
+        if rows.shape[0] <= CODES_MAX_ROWS:
+            out = torch._weight_int8pack_mm(rows.contiguous(), weight, scale).view(*x.shape[:-1], -1)
+            return out if module.bias is None else out + module.bias.to(out.dtype)
+        x, weight = rows.view(*x.shape[:-1], -1), module._onn_scratch.cast(weight, scale.dtype)
+    out = F.linear(x, weight) * scale
     return out if module.bias is None else out + module.bias.to(out.dtype)
 
 

@@ -1,0 +1,27 @@
+"""What the engine and the planner must agree on about a streamed step, without importing torch."""
+
+from __future__ import annotations
+
+# Rows up to which torch's weight-only int8 matmul beats a cast of the weight and a 16-bit matmul: its cost
+# grows with the rows (5120x17920 on a Xeon, 2 threads: 4 ms at 1 row, 13 at 8, 45 at 32, 179 at 128),
+# the cast's does not (64 ms, matmul included, up to a few hundred rows).
+CODES_MAX_ROWS = 32
+
+
+def cached_blocks(n: int, count: int, first_twice: int = 0) -> list[int]:
+    """The `count` blocks of n that a disk store keeps in host memory: spread evenly, so the loader reads
+    the others while the cores compute on the cached ones, and first among the blocks a training step
+    reads twice (from `first_twice`, the lowest trainable chunk's first block, to the last)."""
+    twice, once = list(range(first_twice, n)), list(range(first_twice))
+    picked = _spread(twice, min(count, len(twice)))
+    return sorted(picked + _spread(once, min(count - len(picked), len(once))))
+
+
+def _spread(items: list[int], k: int) -> list[int]:
+    return [items[(2 * j + 1) * len(items) // (2 * k)] for j in range(k)] if k > 0 else []
+
+
+def generates_from_codes(store_dtype: str, device_type: str, compute_dtype: str) -> bool:
+    """Whether generation computes from an int8 store's codes as stored (torch's weight-only int8 matmul
+    has vectorised CPU kernels for 16-bit activations only): then it holds no decoded block."""
+    return store_dtype == "int8" and device_type == "cpu" and compute_dtype in ("bfloat16", "float16")
