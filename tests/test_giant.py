@@ -261,7 +261,8 @@ def test_bench_giant_on_a_tiny_model(tmp_path):
         "giant/accelerate_same_tokens"
     ]  # the same model, read from the same files: the same greedy tokens
     for key in ("giant/limit_s", "giant/limit_efficiency", "giant/gen_s_per_token_b1", "giant/gen_s_per_token_b8",
-                "giant/vs_accelerate", "giant/predicted_peak_mb", "giant/predicted_step_s", "giant/build_peak_rss_mb"):  # fmt: skip
+                "giant/vs_accelerate", "giant/predicted_peak_mb", "giant/predicted_step_s", "giant/build_peak_rss_mb",
+                "giant/matmul_gflops_steps"):  # fmt: skip
         assert isinstance(m[key], float | int) and m[key] > 0, key
     assert "| limit_efficiency |" in (outputs / "giant" / "bench_giant.md").read_text()
 

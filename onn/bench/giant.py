@@ -11,13 +11,16 @@ purpose still has its peak), in this order:
   train      a validation of the held-out set (data.builtin.val_size samples, one streamed pass), then
              steps on one fixed batch (data.builtin.train_size = data.batch_size); the process is killed
              with SIGKILL after task.kill_after steps (their checkpoint written) and training resumes
-             from last.ckpt in a new process up to task.steps
+             from last.ckpt in a new process up to task.steps; after each step (outside its time) the
+             matmul rate again, on the resident chunk's widest weight at the step's rows
   generate   greedy tokens for 1 prompt and for task.gen_batch prompts, from the same store
   accelerate the same model, prompts and token count through accelerate's disk_offload, reading the same
              safetensors files (no copy): what users reach for today
 
 Figures (metrics.json, and bench_giant.md beside it):
-  giant/limit_s            max(bytes read per step / disk bandwidth, matmul FLOPs per step / matmul rate)
+  giant/limit_s            max(bytes read per step / disk bandwidth, matmul FLOPs per step / matmul rate),
+                           the rate measured after each step (giant/matmul_gflops_steps, their mean): a
+                           shared host's rate moves from minute to minute (giant/matmul_gflops: at the start)
   giant/limit_efficiency   limit_s / step_s: how close a step comes to what the disk and the cores allow
   giant/read_efficiency    the rate a step's reads ran at (bytes / time in reads) over the disk's bandwidth
   giant/memory_error, giant/step_time_error   measured / predicted - 1
@@ -146,7 +149,11 @@ def run(job) -> dict[str, Any]:
         spec, int(config["data"]["max_length"]), int(config["data"]["batch_size"]), plan["sparse_layers"]
     )
     disk_bw = disk_mb_s * MB
-    limit_s = max(read_bytes / disk_bw, flops / (out["giant/matmul_gflops"] * 1e9))
+    # the cores' rate around the steps (measured after each); the rate at the start when none was
+    rates = [s["matmul_gflops"] for s in timed if s.get("matmul_gflops")]
+    gflops = statistics.mean(rates) if rates else out["giant/matmul_gflops"]
+    out["giant/matmul_gflops_steps"] = round(gflops, 1) if rates else None
+    limit_s = max(read_bytes / disk_bw, flops / (gflops * 1e9))
     predicted_peak = plan["predicted_peak_memory_mb"] + second["result"]["baseline_mb"]
     peak = max(first["peak_rss_mb"], second["peak_rss_mb"])
     losses = [s["loss"] for s in steps]
@@ -163,7 +170,7 @@ def run(job) -> dict[str, Any]:
         "giant/read_efficiency": round(read_bytes / read_s / disk_bw, 3) if read_s else None,
         "giant/step_gflop": round(flops / 1e9, 1),
         "giant/limit_s": round(limit_s, 4),
-        "giant/limit_bound": "disk" if read_bytes / disk_bw >= flops / (out["giant/matmul_gflops"] * 1e9) else "compute",
+        "giant/limit_bound": "disk" if read_bytes / disk_bw >= flops / (gflops * 1e9) else "compute",
         "giant/limit_efficiency": round(limit_s / step_s, 3),
         "giant/peak_rss_mb": round(peak, 1),
         "giant/baseline_mb": round(second["result"]["baseline_mb"], 1),
@@ -360,10 +367,11 @@ def _build(request: dict[str, Any]) -> dict[str, Any]:
     return {"written": len(store.rebuilt), "build_s": time.perf_counter() - start}
 
 
-def _progress_callback(path: Path):
+def _progress_callback(path: Path, rows: int):
     """A Lightning callback writing one JSON line per optimizer step to `path`, after the step's
-    checkpoint: time, weight wait, compute, bytes read and loss; the first step of a process is marked
-    (it fills the block cache, so its reads are not a steady step's)."""
+    checkpoint: time, weight wait, compute, bytes read, loss and the matmul rate right after it (at
+    `rows`, the step's); the first step of a process is marked (it fills the block cache, so its reads
+    are not a steady step's)."""
     import lightning as L
 
     class Progress(L.Callback):
@@ -381,10 +389,31 @@ def _progress_callback(path: Path):
                    "compute_s": t.compute_s - self.before[1], "read_bytes": t.read_bytes - self.before[2],
                    "read_s": t.read_s - self.before[3], "loss": module.train_losses[-1], "first_in_process": self.steps == 0}  # fmt: skip
             self.steps += 1
+            row["matmul_gflops"] = _matmul_after_step(module.engine, rows)
             with open(path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
     return Progress()
+
+
+def _matmul_after_step(engine, rows: int) -> float | None:
+    """The cores' matmul rate right after a step (outside its time), on the largest weight of the chunk
+    still resident (the step's own weight, shape and dtype) at the step's rows, best of three short
+    trials. A shared host's rate moves from minute to minute (1,043 and 634 GFLOP/s for the same matmul
+    ten minutes apart here), so each step is held to the rate the cores gave around it."""
+    import torch
+
+    from onn.hardware.profile import _best_rate
+
+    weights = engine.resident_weights()
+    if not weights:
+        return None
+    weight = max(weights, key=lambda w: w.numel())
+    x = torch.randn(rows, weight.shape[1]).to(weight.dtype)
+    rate = _best_rate(
+        2 * rows * weight.numel(), lambda: torch.nn.functional.linear(x, weight), trials=3, min_s=0.2
+    )
+    return round(rate / 1e9, 1)
 
 
 def _train(request: dict[str, Any]) -> dict[str, Any]:
@@ -403,7 +432,7 @@ def _train(request: dict[str, Any]) -> dict[str, Any]:
                              val_check_interval=int(request["max_steps"]))  # fmt: skip
     gc.collect()
     baseline = anon_rss_mb()
-    progress = _progress_callback(run_dir / "progress.jsonl")
+    progress = _progress_callback(run_dir / "progress.jsonl", plan["micro_batch"] * plan["sequence_length"])
     fit = trainer(
         config, plan, run_dir, [StepCheckpoint(run_dir / "checkpoints", 1), progress], loggers=False
     )
@@ -455,7 +484,7 @@ def _generate(request: dict[str, Any]) -> dict[str, Any]:
     config, plan = request["config"], request["plan"]
     use_threads(plan)
     module, tokenizer = build(config, plan)
-    settings = streaming_settings(config, plan, generate=True)
+    settings = streaming_settings(config, plan, generate=True, sequences=int(request["batch"]))
     engine = build_engine(module.model, settings, store_root(config), "cpu", micro_batch=None)
     module.model.eval()
     prompts = _prompts(config, tokenizer, int(request["batch"]))

@@ -625,6 +625,8 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
         "eval_tokens": int(eval_tokens),
         "generate_batch": generate_batch,
         "generate_cache_blocks": generate_cache,
+        "generate_sequence_mb": round(per_sequence / MB, 3),  # what each of generate_batch sequences is given
+        "block_mb": round(g["cached_block"] / MB, 3),
         "compute_dtype": cdtype,
         "micro_batches_per_chunk": accumulate,
         "threads": threads,

@@ -380,6 +380,13 @@ class StreamingEngine:
                 for slot in self._slots:
                     slot.decoded.clear()
 
+    def resident_weights(self) -> list[torch.Tensor]:
+        """The frozen 2-D weights of the chunk on the device now, as the matmuls use them (empty if none)."""
+        if self._resident is None:
+            return []
+        return [p for i in self.chunks[self._resident] for p in self.map.blocks[i].parameters()
+                if not p.requires_grad and p.dim() == 2]  # fmt: skip
+
     def release(self) -> None:
         """Give the resident chunk's weights (and its slot) back."""
         if self._resident is not None:

@@ -97,11 +97,12 @@ def weights_dtype(config: dict[str, Any], plan: dict[str, Any]) -> torch.dtype:
 
 
 def streaming_settings(
-    config: dict[str, Any], plan: dict[str, Any], generate: bool = False
+    config: dict[str, Any], plan: dict[str, Any], generate: bool = False, sequences: int | None = None
 ) -> dict[str, Any] | None:
     """The streaming engine's settings: the config's, with `auto` filled in from the plan; None when not
     streaming. `generate`: for generation only (task=infer), which streams one block at a time and
-    gives the memory training needs to cached blocks."""
+    gives the memory training needs to cached blocks; `sequences`: generated together, when fewer than
+    the plan's generate_batch (the room of the others goes to cached blocks too)."""
     if config["strategy"].get("lightning") != "streaming" or plan["strategy"] != "sparse_lora":
         return None
     settings = dict(config["strategy"]["streaming"])
@@ -119,7 +120,12 @@ def streaming_settings(
             settings["chunk_size"] if fixed.get("chunk_size") not in (None, "auto") else 1
         )
         if fixed.get("cache_blocks") in (None, "auto"):
-            settings["cache_blocks"] = plan["streaming"]["generate_cache_blocks"]
+            s = plan["streaming"]
+            cache = s["generate_cache_blocks"]
+            on_host = settings["store"] == "disk" and plan["hardware"]["accelerator"] != "cuda"
+            if on_host and sequences is not None and sequences < s["generate_batch"] and s.get("block_mb"):
+                cache += int((s["generate_batch"] - sequences) * s["generate_sequence_mb"] // s["block_mb"])
+            settings["cache_blocks"] = min(cache, plan["model"]["blocks"])
     return settings
 
 
