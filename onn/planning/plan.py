@@ -13,7 +13,7 @@ keyed by model name. Every candidate (full, lora, qlora, sparse_lora) gets a bre
                copies: logits, log-softmax, gradient)
   workspace    5% of the above for allocator fragmentation and matmul temporaries, plus the bf16
                copies autocast makes of fp32 weights; on CPUs also the heap's overhead on
-               activations (CPU_HEAP_OVERHEAD)
+               activations (CPU_HEAP_OVERHEAD; STREAM_HEAP_OVERHEAD for a zero-copy stream)
   context      not allocated by the run but held: 1.5 GB for the CUDA context on GPUs; on CPUs
                the process's own resident memory (torch and Python), measured now
 
@@ -62,8 +62,14 @@ HEADROOM = 0.95  # use at most 95% of what is left after the context
 # On CPUs the peak is resident memory, and glibc's heap holds on to the buffers autograd frees
 # during backward while new ones of other sizes are taken: measured with task=bench (phi4_tiny,
 # llama_small; full and LoRA; sequences of 64-96 tokens) as 0.5-1.0x the activations above the
-# live tensors. Streaming frees per chunk and showed none of it.
+# live tensors. A stream that decodes weights sets glibc's mmap threshold (StreamingEngine) and showed
+# none of it; a zero-copy stream (the store in the compute dtype) keeps glibc's own threshold, and
+# there the step's peak rose above the stored weights by 1.7x (phi4_tiny, float32, chunk 16) to 4.1x
+# (llama_small, bf16-mixed, chunk 4) the counted activations (task=bench on recipe=equitable_grid; with
+# MALLOC_MMAP_THRESHOLD_=4096, which frees at once, 0.85x to 1.9x): the heap kept as much again as the
+# live tensors, and the backward's gradients sat beside the chunk's saved activations.
 CPU_HEAP_OVERHEAD = 0.7
+STREAM_HEAP_OVERHEAD = 2.0
 CANDIDATES = ("full", "lora", "qlora", "sparse_lora")
 NETWORK_CANDIDATES = ("full", "linear_probe")
 AUTO_ORDER = ("lora", "qlora", "sparse_lora")  # pretrained weights: the first that fits wins
@@ -507,6 +513,8 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
         weights += lora * 4  # fp32 adapters
         trainable, optimizer = lora * 4, lora * 8
         workspace = 0.05 * (weights - held + max(trainable, acts) + optimizer)
+        if not on_gpu and sd == cdtype and decoded:  # a zero-copy stream: glibc's heap keeps what it frees
+            workspace += STREAM_HEAP_OVERHEAD * acts
         return {"weights": weights, "trainable": trainable, "optimizer": optimizer, "activations": acts,
                 "workspace": workspace, "cached_block": max(files)}  # fmt: skip
 
