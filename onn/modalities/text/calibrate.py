@@ -10,7 +10,9 @@ steps (a run's typical step: the fastest of nine ran 20-35% under what runs meas
 the fastest of three (its matmuls, undisturbed: one disturbed step in three put Phi-4's at 950 ms per block,
 where runs took 560). Timings are in CPU time on one thread (which other processes' load does not
 stretch), so a busy machine measures what a quiet one would. Results are cached per machine and
-shapes. Large models (whose step is matmuls, which the plan's FLOP model predicts from the measured
+shapes for MAX_AGE_S: this shared host's speed drifts over the hours (llama_small's grid step was timed
+at 0.47 s and ran at 0.68 s in a sweep later, on idle cores; timed again, 0.56 s and ran at 0.58 to 0.60 s),
+so a timing older than that is taken again. Large models (whose step is matmuls, which the plan's FLOP model predicts from the measured
 matmul rate) and GPUs keep the FLOP model.
 """
 
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 MAX_PARAMS = 50_000_000  # a 6-block copy about this size trains in a second or so
+MAX_AGE_S = 900  # a cached timing older than this is measured again (seconds of work for a small model)
 
 
 def refine(plan: dict[str, Any], config: dict[str, Any], hw: dict[str, Any], spec) -> dict[str, Any]:
@@ -100,7 +103,7 @@ def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any]
     # beside the hardware profile: a timing of this machine, shared by every outputs folder that shares it
     folder = config["hardware"].get("cache") or Path(config["paths"]["cache"]) / "hardware"
     cache = Path(folder) / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    if cache.is_file():
+    if cache.is_file() and time.time() - cache.stat().st_mtime < MAX_AGE_S:
         return json.loads(cache.read_text())["costs"]
 
     def timed(blocks: int, adapted: list[int] | None = None) -> float:
