@@ -402,6 +402,30 @@ def test_a_model_loads_block_by_block_into_the_store(tmp_path, monkeypatch):
     assert again.rebuilt == []  # a complete store is reused without reading the checkpoint's blocks
 
 
+def test_generating_from_codes_reads_past_cached_blocks(tmp_path):
+    """From an int8 store's codes a cached block needs no slot: installing an uncached chunk starts the read
+    of the next uncached one at once, passing over the cached ones between (when the cached blocks took the
+    second slot, the disk waited for every uncached block's compute)."""
+    model = lora_model("llama", LAYER_SETS["last4"], hidden_size=64, intermediate_size=128).eval()
+    store = LayerStore("disk", "int8", folder=tmp_path / "store")
+    engine = StreamingEngine(model, discover(model), store, 1, compute_dtype=torch.bfloat16, cache_blocks=2)
+    engine.offload()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    engine.generate(ids, torch.ones_like(ids), max_new_tokens=2)  # the cached blocks are now in memory
+    n = len(engine.chunks)
+    uncached = [c for c in range(n) if not all(i in engine.cache_blocks for i in engine.chunks[c])]
+    first, following = next(
+        (a, b) for a, b in zip(uncached, uncached[1:]) if b > a + 1
+    )  # an uncached chunk, cached ones, then an uncached one
+    engine._use_codes(True)
+    engine._drain()
+    engine.release()
+    engine._install(first, range(first + 1, n))
+    assert following in engine._pending
+    assert not any(c in engine._pending for c in range(first + 1, following))
+    engine.close()
+
+
 def test_int8_codes_decode_tokens_as_the_dequantized_model_does(tmp_path, monkeypatch):
     """Generating from an int8 store in bf16, each frozen linear computes from the stored codes: a few rows
     through torch's weight-only int8 matmul, a long prefill through a cast of one weight at a time, and no

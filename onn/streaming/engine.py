@@ -246,15 +246,23 @@ class StreamingEngine:
             "torch."
         )
 
+    def _as_stored(self) -> bool:
+        """The blocks compute from the stored tensors themselves (a zero-copy stream, or an int8 store's
+        codes while generating): a block in host memory takes no slot and is ready at once. So the loader
+        passes over the cached blocks and reads the next uncached one while they compute; when cached
+        blocks took the slots too, the disk sat idle through every uncached block's compute (Phi-4's
+        generation: 5.1 s per token at batch 8 for 3.7 s of reads)."""
+        return self._zero_copy or self._codes_direct
+
     def _needs_slot(self, c: int) -> bool:
         """Whether loading chunk c takes a slot's memory: to read into, or to decode into."""
-        if self.device.type == "cpu" and not self._zero_copy:
+        if self.device.type == "cpu" and not self._as_stored():
             return True
         return self.store.kind == "disk" and any(i not in self.cache_blocks for i in self.chunks[c])
 
     def _ready(self, c: int) -> bool:
         """Chunk c can be installed without reading or decoding anything."""
-        if not self._zero_copy:
+        if not self._as_stored():
             return False
         return self.store.kind == "cpu" or all(i in self._cached for i in self.chunks[c])
 
