@@ -634,6 +634,8 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
         "generate_batch": generate_batch,
         "generate_cache_blocks": generate_cache,
         "generate_sequence_mb": round(per_sequence / MB, 3),  # what each of generate_batch sequences is given
+        # what is left of generation's room below one more cached block
+        "generate_spare_mb": round(max(0.0, room - generate_cache * g["cached_block"]) / MB, 3),
         "block_mb": round(g["cached_block"] / MB, 3),
         "compute_dtype": cdtype,
         "micro_batches_per_chunk": accumulate,

@@ -124,7 +124,10 @@ def streaming_settings(
             cache = s["generate_cache_blocks"]
             on_host = settings["store"] == "disk" and plan["hardware"]["accelerator"] != "cuda"
             if on_host and sequences is not None and sequences < s["generate_batch"] and s.get("block_mb"):
-                cache += int((s["generate_batch"] - sequences) * s["generate_sequence_mb"] // s["block_mb"])
+                unused = (s["generate_batch"] - sequences) * s["generate_sequence_mb"] + s.get(
+                    "generate_spare_mb", 0.0
+                )
+                cache += int(unused // s["block_mb"])
             settings["cache_blocks"] = min(cache, plan["model"]["blocks"])
     return settings
 
