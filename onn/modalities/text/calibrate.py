@@ -99,29 +99,30 @@ def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any]
     key = json.dumps({"model": config["model"].get("architecture"), "strategy": plan["strategy"], "precision": plan["precision"],
                       "lora": config["strategy"].get("lora"), "seq": seq, "micro": micro, "threads": threads,
                       "streaming": {k: (plan.get("streaming") or {}).get(k) for k in ("store", "store_dtype")},
-                      "machine": hw.get("fingerprint"), "large": large, "version": 7}, sort_keys=True, default=str)  # fmt: skip
+                      "machine": hw.get("fingerprint"), "large": large, "version": 8}, sort_keys=True, default=str)  # fmt: skip
     # beside the hardware profile: a timing of this machine, shared by every outputs folder that shares it
     folder = config["hardware"].get("cache") or Path(config["paths"]["cache"]) / "hardware"
     cache = Path(folder) / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if cache.is_file() and time.time() - cache.stat().st_mtime < MAX_AGE_S:
         return json.loads(cache.read_text())["costs"]
 
-    def timed(blocks: int, adapted: list[int] | None = None) -> float:
-        return _step_s(config, plan, seq, micro, threads, blocks, adapted, vocab=256 if large else None)
+    def timed(*copies: tuple[int, list[int] | None]) -> list[float]:
+        if large:  # a large block's copies, one at a time: two of them at once may not fit beside the run
+            return [_step_times(config, plan, seq, micro, threads, [c], vocab=256)[0] for c in copies]
+        return _step_times(config, plan, seq, micro, threads, list(copies))
 
     if large:  # a block's compute dwarfs any boundary effect: 1 and 2 blocks do
-        one = timed(1, [0])
-        costs = {"lora": timed(2, [0, 1]) - one, "frozen": timed(2, [0]) - one, "below": timed(2, [1]) - one}
+        one, lora, frozen, below = timed((1, [0]), (2, [0, 1]), (2, [0]), (2, [1]))
+        costs = {"lora": lora - one, "frozen": frozen - one, "below": below - one}
         costs["rest"] = one - costs["lora"]
     # copies of 2 and 6 blocks: four blocks' difference, so a boundary effect of one copy is not multiplied by n
     elif plan["strategy"] == "sparse_lora":
-        two = timed(2, [0, 1])
-        costs = {"lora": (timed(6, [0, 1, 2, 3, 4, 5]) - two) / 4, "frozen": (timed(6, [0, 1]) - two) / 4,
-                 "below": (timed(6, [4, 5]) - two) / 4}  # fmt: skip
+        two, lora, frozen, below = timed((2, [0, 1]), (6, [0, 1, 2, 3, 4, 5]), (6, [0, 1]), (6, [4, 5]))
+        costs = {"lora": (lora - two) / 4, "frozen": (frozen - two) / 4, "below": (below - two) / 4}
         costs["rest"] = two - 2 * costs["lora"]
     else:
-        two = timed(2)
-        costs = {"block": (timed(6) - two) / 4}
+        two, six = timed((2, None), (6, None))
+        costs = {"block": (six - two) / 4}
         costs["rest"] = two - 2 * costs["block"]
     costs = {k: max(v, 0.0) for k, v in costs.items()}
     cache.parent.mkdir(parents=True, exist_ok=True)
@@ -129,14 +130,47 @@ def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any]
     return costs
 
 
-def _step_s(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, threads: int, blocks: int,
-            adapted: list[int] | None, vocab: int | None = None) -> float:  # fmt: skip
-    """The median of nine training steps of a `blocks`-block copy of the model (the fastest of three for a
-    large model's), as ONN runs them (streamed: adapters on the `adapted` blocks)."""
+def _step_times(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, threads: int,
+                copies: list[tuple[int, list[int] | None]], vocab: int | None = None) -> list[float]:  # fmt: skip
+    """Per copy of the model (`blocks`, `adapted` blocks), its typical training step as ONN runs it: the
+    median of nine (the fastest of three for a large model's). The copies take their steps in turns, so a
+    change in the machine's speed meanwhile reaches them all alike and leaves their differences (a
+    block's cost) alone: timed one copy after the other, a 2-block copy and a 6-block one a few seconds
+    apart put llama_small's LoRA step 38-42% under what its runs took."""
+    import torch
+
+    from onn.hardware.memory import MMAP_MAX, return_large_frees_to_os
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    engines: list = []
+    try:
+        steps = [
+            _copy_step(config, plan, seq, micro, blocks, adapted, vocab, engines)
+            for blocks, adapted in copies
+        ]
+        clock = time.process_time if threads == 1 else time.perf_counter
+        for step in steps:
+            step()
+        times: list[list[float]] = [[] for _ in steps]
+        for _ in range(3 if vocab is not None else 9):
+            for step, taken in zip(steps, times):
+                start = clock()
+                step()
+                taken.append(clock() - start)
+        return [min(t) if vocab is not None else statistics.median(t) for t in times]
+    finally:
+        torch.set_num_threads(before)
+        if engines:  # their malloc setting is process-wide: the next timing starts from glibc's largest
+            return_large_frees_to_os(MMAP_MAX)
+
+
+def _copy_step(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, blocks: int,
+               adapted: list[int] | None, vocab: int | None, engines: list):  # fmt: skip
+    """A `blocks`-block copy of the model, set up as the plan trains it; returns its training step."""
     import torch
 
     from onn.dtypes import torch_dtype
-    from onn.hardware.memory import MMAP_MAX, return_large_frees_to_os
     from onn.models.layers import discover
     from onn.models.load import architecture, auto_class, meta_model
     from onn.streaming.engine import StreamingEngine
@@ -156,54 +190,35 @@ def _step_s(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, 
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if isinstance(getattr(arch, key, None), int) and getattr(arch, key) >= vocab:
                 setattr(arch, key, vocab - 1)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = auto_class(arch).from_config(arch)
+    model = model.to(torch_dtype(plan["weights_dtype"]))
+    container = model.get_submodule(blocks_path)
+    model = apply(model, plan["strategy"], config["strategy"], discover(model, blocks_path), adapted)
+    # the blocks' path inside the wrapped model, given: a copy of one block is no run to discover
+    layer_map = discover(model, next(name for name, m in model.named_modules() if m is container))
+    if plan["strategy"] != "full":  # adapters in fp32, as a run has them
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    ids = torch.randint(0, int(getattr(arch, "vocab_size", 256)) - 1, (micro, seq))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    autocast = plan["precision"].startswith("bf16")
     engine = None
-    try:
-        torch.manual_seed(0)
-        model = auto_class(arch).from_config(arch)
-        dtype = torch_dtype(plan["weights_dtype"])
-        model = model.to(dtype)
-        container = model.get_submodule(blocks_path)
-        model = apply(model, plan["strategy"], config["strategy"], discover(model, blocks_path), adapted)
-        # the blocks' path inside the wrapped model, given: a copy of one block is no run to discover
-        layer_map = discover(model, next(name for name, m in model.named_modules() if m is container))
-        if plan["strategy"] != "full":  # adapters in fp32, as a run has them
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.data = p.data.float()
-        ids = torch.randint(0, int(getattr(arch, "vocab_size", 256)) - 1, (micro, seq))
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        autocast = plan["precision"].startswith("bf16")
-        engine = None
-        if plan["strategy"] == "sparse_lora":
-            s = plan["streaming"]
-            engine = StreamingEngine(
-                model, layer_map, LayerStore("cpu", s["store_dtype"]), 1, micro_batch=micro
-            )
-            engine.offload()
+    if plan["strategy"] == "sparse_lora":
+        s = plan["streaming"]
+        engine = StreamingEngine(model, layer_map, LayerStore("cpu", s["store_dtype"]), 1, micro_batch=micro)
+        engine.offload()
+        engines.append(engine)
 
-        def step() -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                if engine is not None:
-                    engine.train_step([batch])
-                else:
-                    model(**batch).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if engine is not None:
+                engine.train_step([batch])
+            else:
+                model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
-        clock = time.process_time if threads == 1 else time.perf_counter
-        step()
-        times = []
-        for _ in range(3 if vocab is not None else 9):
-            start = clock()
-            step()
-            times.append(clock() - start)
-        return min(times) if vocab is not None else statistics.median(times)
-    finally:
-        torch.set_num_threads(before)
-        if (
-            engine is not None
-        ):  # its malloc setting is process-wide: the next timing starts from glibc's largest
-            return_large_frees_to_os(MMAP_MAX)
+    return step
