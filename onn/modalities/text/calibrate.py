@@ -3,10 +3,8 @@
 A small model's step is mostly framework time (Python, dispatch, autograd, small elementwise ops), which
 no FLOP count predicts. So the plan times the model's own code: copies of it with 1 and 2 blocks, at the
 planned micro-batch and sequence length, in the planned precision and strategy (full, LoRA, or the
-streaming engine), on the plan's thread count. A copy of `big` blocks (the whole model when it is small
-enough, else as many blocks as MAX_PARAMS holds, at least six) less one of two, over big - 2, is one
-block's share (extrapolated from 6 blocks to phi4_tiny's 40, the noise of one difference was multiplied
-by ten: grid predictions 25-53% off); two blocks less two shares is the rest (embeddings, head, loss, optimizer). The step of n blocks is then rest + n x block,
+streaming engine), on the plan's thread count. Six blocks less two, over four, is one block's share;
+two blocks less two shares is the rest (embeddings, head, loss, optimizer). The step of n blocks is then rest + n x block,
 divided by the share of a core the plan's threads get now. A small model's timing is the median of nine
 steps (a run's typical step: the fastest of nine ran 20-35% under what runs measured); a large block's is
 the fastest of three (its matmuls, undisturbed: one disturbed step in three put Phi-4's at 950 ms per block,
@@ -51,10 +49,8 @@ def refine(plan: dict[str, Any], config: dict[str, Any], hw: dict[str, Any], spe
         int(config["data"]["batch_size"]),
         int(plan["micro_batch"]),
     )
+    costs = block_times(config, plan, hw, seq, micro, threads, large)
     n = spec.n_blocks
-    edges = spec.params - sum(spec.block_params)
-    big = max(6, min(n, (MAX_PARAMS - edges) // max(1, max(spec.block_params))))
-    costs = block_times(config, plan, hw, seq, micro, threads, large, big)
     if plan["strategy"] == "sparse_lora":
         layers = set(plan["sparse_layers"])
         lowest = min(layers) if layers else n
@@ -95,7 +91,7 @@ def _budget_bytes(hw: dict[str, Any]) -> float:
 
 
 def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any], seq: int, micro: int, threads: int,
-                large: bool = False, big: int = 6) -> dict[str, float]:  # fmt: skip
+                large: bool = False) -> dict[str, float]:  # fmt: skip
     """Per micro-batch: one block's share of a step and the rest (`block`, `rest`); streamed, a block with
     adapters (`lora`), one without them above the lowest adapted block (`frozen`, recomputed for its input
     gradient) and one below it (`below`, forward only). Cached per machine and shapes. `large`: copies of 1
@@ -103,7 +99,7 @@ def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any]
     key = json.dumps({"model": config["model"].get("architecture"), "strategy": plan["strategy"], "precision": plan["precision"],
                       "lora": config["strategy"].get("lora"), "seq": seq, "micro": micro, "threads": threads,
                       "streaming": {k: (plan.get("streaming") or {}).get(k) for k in ("store", "store_dtype")},
-                      "machine": hw.get("fingerprint"), "large": large, "big": big, "version": 9}, sort_keys=True, default=str)  # fmt: skip
+                      "machine": hw.get("fingerprint"), "large": large, "version": 8}, sort_keys=True, default=str)  # fmt: skip
     # beside the hardware profile: a timing of this machine, shared by every outputs folder that shares it
     folder = config["hardware"].get("cache") or Path(config["paths"]["cache"]) / "hardware"
     cache = Path(folder) / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
@@ -119,20 +115,14 @@ def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any]
         one, lora, frozen, below = timed((1, [0]), (2, [0, 1]), (2, [0]), (2, [1]))
         costs = {"lora": lora - one, "frozen": frozen - one, "below": below - one}
         costs["rest"] = one - costs["lora"]
-    # copies of 2 and `big` blocks: their difference over big - 2, so a boundary effect of one copy is not multiplied by n
+    # copies of 2 and 6 blocks: four blocks' difference, so a boundary effect of one copy is not multiplied by n
     elif plan["strategy"] == "sparse_lora":
-        two, lora, frozen, below = timed(
-            (2, [0, 1]), (big, list(range(big))), (big, [0, 1]), (big, [big - 2, big - 1])
-        )
-        costs = {
-            "lora": (lora - two) / (big - 2),
-            "frozen": (frozen - two) / (big - 2),
-            "below": (below - two) / (big - 2),
-        }
+        two, lora, frozen, below = timed((2, [0, 1]), (6, [0, 1, 2, 3, 4, 5]), (6, [0, 1]), (6, [4, 5]))
+        costs = {"lora": (lora - two) / 4, "frozen": (frozen - two) / 4, "below": (below - two) / 4}
         costs["rest"] = two - 2 * costs["lora"]
     else:
-        two, many = timed((2, None), (big, None))
-        costs = {"block": (many - two) / (big - 2)}
+        two, six = timed((2, None), (6, None))
+        costs = {"block": (six - two) / 4}
         costs["rest"] = two - 2 * costs["block"]
     costs = {k: max(v, 0.0) for k, v in costs.items()}
     cache.parent.mkdir(parents=True, exist_ok=True)
