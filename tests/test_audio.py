@@ -318,3 +318,23 @@ def test_bench_media_reports_decoding_and_both_pipelines(tmp_path):
     for key in ("media/decode_clips_per_s", "media/decode_audio_s_per_s", "media/cache_speedup", "media/resident_speedup",
                 "media/train_speedup", "media/pipeline_standard_samples_per_s"):  # fmt: skip
         assert metrics[key] > 0, key
+
+
+def test_truncation_ends_each_recording_early_and_keeps_its_start():
+    """data.augment.truncate: each training recording loses up to that fraction of its end to silence."""
+    from onn.modalities.audio.features import LogMel, feature_settings
+
+    settings = feature_settings(compose("data=fsdd")["data"])
+    transform = LogMel(settings, {"truncate": 0.5})
+    waves = torch.zeros(64, 1, 8000)
+    waves[:, :, 1000:5000] = torch.from_numpy(tone(440.0, 0.5).T)  # 4,000 samples of sound, silence around
+    torch.manual_seed(0)
+    cut = transform._truncate(waves)
+    sound = (cut != 0).any(dim=1)
+    position = torch.arange(8000)
+    ends = torch.where(sound, position, -1).amax(dim=-1) + 1
+    assert torch.equal(cut[:, :, :1000], waves[:, :, :1000]) and sound[:, 1000].all()  # the start stays
+    assert (ends >= 3000).all() and (ends <= 5000).all()  # at most half of the 4,000 samples go
+    assert ends.unique().numel() > 32  # each recording its own cut
+    kept = position < ends.unsqueeze(-1)
+    assert torch.equal(cut[:, 0][kept], waves[:, 0][kept])  # what is kept is untouched

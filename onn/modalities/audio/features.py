@@ -1,10 +1,11 @@
 """Log-mel spectrograms of a waveform batch, on the compute device, with augmentation for training.
 
 The stored batch is float16 [B, channels, samples] (data.store_seconds long). For training each sample
-gets its own random clip_seconds window (a seeded random crop; evaluation takes the centre), a random
-shift padded with silence, a random speed (pitch, formants and tempo together, as another voice), white
-noise over the recording at a random signal-to-noise ratio (noisier rooms and microphones) and a random gain; then its
-log-mel spectrogram (torchaudio.transforms), a random warp of the frequency and time axes, and
+gets its own random clip_seconds window (a seeded random crop; evaluation takes the centre), its
+recording ended early by a random fraction (a word cut short), a random shift padded with silence, a
+random speed (pitch, formants and tempo together, as another voice), white noise over the recording at
+a random signal-to-noise ratio (noisier rooms and microphones) and a random gain; then its log-mel
+spectrogram (torchaudio.transforms), a random warp of the frequency and time axes, and
 SpecAugment's frequency and time masks. Log-mels are in dB, each sample's floor `top_db` below its own
 peak (so a batch's loudest sample does not set the floor of the others), then normalised: `instance`
 takes out each mel band's mean over the clip and scales by the clip's deviation (speaker and microphone
@@ -26,6 +27,7 @@ FEATURE_KEYS = ("n_mels", "n_fft", "hop_length", "f_min", "f_max", "top_db", "no
 AUGMENT_KEYS = (
     "gain_db",
     "shift_seconds",
+    "truncate",
     "speed",
     "noise_snr_db",
     "freq_warp",
@@ -83,10 +85,10 @@ def augment_settings(cfg: dict[str, Any] | None) -> dict[str, float]:
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             raise UserError(f"data.augment.{key}={value!r}: give a number of 0 or more (0 turns it off).")
         out[key] = float(value)
-    for key in ("speed", "freq_warp", "time_warp"):
+    for key in ("truncate", "speed", "freq_warp", "time_warp"):
         if out[key] >= 1:
             raise UserError(
-                f"data.augment.{key}={out[key]}: a warp is a fraction below 1 (0.1 stretches by up to ±10%)."
+                f"data.augment.{key}={out[key]}: give a fraction below 1 (0.1 changes by up to 10%)."
             )
     if out["masks"] != int(out["masks"]):
         raise UserError(f"data.augment.masks={out['masks']}: give a whole number of masks per axis.")
@@ -120,8 +122,10 @@ class LogMel:
         if waves.dim() != 3:
             raise ValueError(f"LogMel expects a [B, channels, samples] batch, got {tuple(waves.shape)}")
         x = waves.float()
-        x = self._window(x, train)
         a = self.augment
+        if train and a["truncate"]:
+            x = self._truncate(x)
+        x = self._window(x, train)
         if train and a["noise_snr_db"]:
             x = self._noise(x)
         if train and a["gain_db"]:
@@ -166,6 +170,19 @@ class LogMel:
             picked = x.gather(2, index.clamp(0, n - 1).long().unsqueeze(1).expand(-1, x.shape[1], -1))
             out = out + picked * w * valid
         return out
+
+    def _truncate(self, x: torch.Tensor) -> torch.Tensor:
+        """End each recording early by a random fraction of its length, up to `truncate`, silence after it:
+        a word cut short by a hurried speaker or a recorder. Held out, FSDD's nicolas (the last sound of
+        most of his words cut off: "six" without its final "ks") read "six" as "eight" or "three"."""
+        n = x.shape[-1]
+        position = torch.arange(n, device=x.device)
+        sound = (x != 0).any(dim=1)  # [B, n]: the store pads with exact silence
+        first = torch.where(sound, position, n).amin(dim=-1)
+        last = torch.where(sound, position, -1).amax(dim=-1)
+        length = (last - first + 1).clamp_min(0).float()
+        end = last + 1 - length * torch.rand(x.shape[0], device=x.device) * self.augment["truncate"]
+        return x * (position < end.unsqueeze(-1)).unsqueeze(1)
 
     def _noise(self, x: torch.Tensor) -> torch.Tensor:
         """White noise over each recording (from its first to its last non-silent sample, not over the padding)
