@@ -61,7 +61,7 @@ def test_bench_grid_records_a_failed_job_and_resumes_only_missing_jobs(outputs):
     for m in (full, sparse):
         assert m["status"] == "ok", m["error"]
         for key in ("bench/step_s", "bench/samples_per_s", "bench/tokens_per_s", "bench/peak_memory_mb", "bench/predicted_memory_mb",
-                    "bench/memory_error", "bench/step_time_error", "bench/learned", "bench/quality", "score/efficiency",
+                    "bench/memory_error", "bench/step_time_error", "bench/plan_predicted_step_s", "bench/learned", "bench/quality", "score/efficiency",
                     "score/speed", "score/memory", "score/overall"):  # fmt: skip
             assert m[key] is not None, key
         assert 0 <= m["bench/quality"] <= 1 and len(m["bench/loss_curve"]) == 12

@@ -5,9 +5,12 @@ no FLOP count predicts. So the plan times the model's own code: copies of it wit
 planned micro-batch and sequence length, in the planned precision and strategy (full, LoRA, or the
 streaming engine), on the plan's thread count. Six blocks less two, over four, is one block's share;
 two blocks less two shares is the rest (embeddings, head, loss, optimizer). The step of n blocks is then rest + n x block,
-divided by the share of a core the plan's threads get now. A small model's timing is the median of nine
-steps (a run's typical step: the fastest of nine ran 20-35% under what runs measured); a large block's is
-the fastest of three (its matmuls, undisturbed: one disturbed step in three put Phi-4's at 950 ms per block,
+divided by the share of a core the plan's threads get now. A small model's timing is the mean of its
+steps over about as long as a short run's steps take (WINDOW_ROUNDS rounds of the copies' steps, at most
+WINDOW_S, at least nine): this shared host runs for seconds at a time a third slower and then fast again
+(phi4_tiny's run: 0.19 s steps for three seconds, 0.30 s for three, 0.19 again), so nine steps, under a
+second, caught one speed where a run's twenty steps meet both (the fastest of nine ran 20-35% under what
+runs measured); a large block's is the fastest of three (its matmuls, undisturbed: one disturbed step in three put Phi-4's at 950 ms per block,
 where runs took 560). Timings are in CPU time on one thread (which other processes' load does not
 stretch), so a busy machine measures what a quiet one would. Results are cached per machine and
 shapes for MAX_AGE_S: this shared host's speed drifts over the hours (llama_small's grid step was timed
@@ -28,10 +31,14 @@ from typing import Any
 
 MAX_PARAMS = 50_000_000  # a 6-block copy about this size trains in a second or so
 MAX_AGE_S = 900  # a cached timing older than this is measured again (seconds of work for a small model)
+WINDOW_ROUNDS = 20  # a small model's copies take their steps for about this many rounds' time ...
+WINDOW_S = 3.0  # ... but no longer than this (a short run's twenty steps of a 0.15 s step)
 
 
-def refine(plan: dict[str, Any], config: dict[str, Any], hw: dict[str, Any], spec) -> dict[str, Any]:
-    """The plan with predicted_step_s from timing the model's own blocks, where that applies."""
+def refine(plan: dict[str, Any], config: dict[str, Any], hw: dict[str, Any], spec,
+           max_age_s: float = MAX_AGE_S) -> dict[str, Any]:  # fmt: skip
+    """The plan with predicted_step_s from timing the model's own blocks, where that applies (timings
+    younger than max_age_s come from the cache)."""
     if hw["accelerator"] != "cpu" or hw.get("source") == "preset" or not config["model"].get("architecture"):
         return plan
     if plan["strategy"] not in ("full", "lora", "sparse_lora"):
@@ -49,7 +56,7 @@ def refine(plan: dict[str, Any], config: dict[str, Any], hw: dict[str, Any], spe
         int(config["data"]["batch_size"]),
         int(plan["micro_batch"]),
     )
-    costs = block_times(config, plan, hw, seq, micro, threads, large)
+    costs = block_times(config, plan, hw, seq, micro, threads, large, max_age_s)
     n = spec.n_blocks
     if plan["strategy"] == "sparse_lora":
         layers = set(plan["sparse_layers"])
@@ -91,7 +98,7 @@ def _budget_bytes(hw: dict[str, Any]) -> float:
 
 
 def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any], seq: int, micro: int, threads: int,
-                large: bool = False) -> dict[str, float]:  # fmt: skip
+                large: bool = False, max_age_s: float = MAX_AGE_S) -> dict[str, float]:  # fmt: skip
     """Per micro-batch: one block's share of a step and the rest (`block`, `rest`); streamed, a block with
     adapters (`lora`), one without them above the lowest adapted block (`frozen`, recomputed for its input
     gradient) and one below it (`below`, forward only). Cached per machine and shapes. `large`: copies of 1
@@ -99,11 +106,11 @@ def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any]
     key = json.dumps({"model": config["model"].get("architecture"), "strategy": plan["strategy"], "precision": plan["precision"],
                       "lora": config["strategy"].get("lora"), "seq": seq, "micro": micro, "threads": threads,
                       "streaming": {k: (plan.get("streaming") or {}).get(k) for k in ("store", "store_dtype")},
-                      "machine": hw.get("fingerprint"), "large": large, "version": 8}, sort_keys=True, default=str)  # fmt: skip
+                      "machine": hw.get("fingerprint"), "large": large, "version": 9}, sort_keys=True, default=str)  # fmt: skip
     # beside the hardware profile: a timing of this machine, shared by every outputs folder that shares it
     folder = config["hardware"].get("cache") or Path(config["paths"]["cache"]) / "hardware"
     cache = Path(folder) / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    if cache.is_file() and time.time() - cache.stat().st_mtime < MAX_AGE_S:
+    if cache.is_file() and time.time() - cache.stat().st_mtime < max_age_s:
         return json.loads(cache.read_text())["costs"]
 
     def timed(*copies: tuple[int, list[int] | None]) -> list[float]:
@@ -132,8 +139,8 @@ def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any]
 
 def _step_times(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, threads: int,
                 copies: list[tuple[int, list[int] | None]], vocab: int | None = None) -> list[float]:  # fmt: skip
-    """Per copy of the model (`blocks`, `adapted` blocks), its typical training step as ONN runs it: the
-    median of nine (the fastest of three for a large model's). The copies take their steps in turns, so a
+    """Per copy of the model (`blocks`, `adapted` blocks), its training step as ONN runs it: the mean over
+    a window (see the module's docstring; the fastest of three for a large model's). The copies take their steps in turns, so a
     change in the machine's speed meanwhile reaches them all alike and leaves their differences (a
     block's cost) alone: timed one copy after the other, a 2-block copy and a 6-block one a few seconds
     apart put llama_small's LoRA step 38-42% under what its runs took."""
@@ -150,15 +157,18 @@ def _step_times(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: i
             for blocks, adapted in copies
         ]
         clock = time.process_time if threads == 1 else time.perf_counter
+        start = time.perf_counter()
         for step in steps:
             step()
+        window = 0.0 if vocab is not None else min(WINDOW_S, WINDOW_ROUNDS * (time.perf_counter() - start))
         times: list[list[float]] = [[] for _ in steps]
-        for _ in range(3 if vocab is not None else 9):
+        start = time.perf_counter()
+        while len(times[0]) < (3 if vocab is not None else 9) or time.perf_counter() - start < window:
             for step, taken in zip(steps, times):
-                start = clock()
+                begin = clock()
                 step()
-                taken.append(clock() - start)
-        return [min(t) if vocab is not None else statistics.median(t) for t in times]
+                taken.append(clock() - begin)
+        return [min(t) if vocab is not None else statistics.mean(t) for t in times]
     finally:
         torch.set_num_threads(before)
         if engines:  # their malloc setting is process-wide: the next timing starts from glibc's largest
