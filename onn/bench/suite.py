@@ -60,7 +60,10 @@ def run(job) -> dict[str, Any]:
         # after it 0.21-0.23 s). summarize's prediction reads this timing; the plan's own is kept beside it.
         from onn.modalities.text.calibrate import refine
 
-        refine(job.plan, job.config, job.hardware, job.spec, fresh=True)
+        steps = int(job.config["task"]["steps"])  # timed for about as long as the steps will take
+        refine(
+            job.plan, job.config, job.hardware, job.spec, window_s=steps * float(job.plan["predicted_step_s"])
+        )
     raw = measure_isolated(job.config, job.plan, job.run_dir)
     return summarize(job.config, job.plan, job.hardware, job.spec, raw)
 

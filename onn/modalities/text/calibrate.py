@@ -6,9 +6,9 @@ planned micro-batch and sequence length, in the planned precision and strategy (
 streaming engine), on the plan's thread count. Six blocks less two, over four, is one block's share;
 two blocks less two shares is the rest (embeddings, head, loss, optimizer). The step of n blocks is then rest + n x block,
 divided by the share of a core the plan's threads get now. A small model's timing is the mean of nine
-steps (the fastest of nine ran 20-35% under what runs measured); `fresh=True` (task=bench, just before
-its steps) skips the cache and times for about as long as a short run's steps take (WINDOW_ROUNDS
-rounds of the copies' steps, at most WINDOW_S): this shared host runs for seconds at a time a third
+steps (the fastest of nine ran 20-35% under what runs measured); `window_s` (task=bench, just before
+its steps, gives as long as its timed steps will take, at most WINDOW_S) skips the cache and times the
+copies' steps for that long: this shared host runs for seconds at a time a third
 slower and then fast again (phi4_tiny's run: 0.19 s steps for three seconds, 0.30 s for three, 0.19
 again), so nine steps, under a second, catch one speed where a run's twenty meet both. A large block's
 is the fastest of three (its matmuls, undisturbed: one disturbed step in three put Phi-4's at 950 ms per block,
@@ -32,13 +32,13 @@ from typing import Any
 
 MAX_PARAMS = 50_000_000  # a 6-block copy about this size trains in a second or so
 MAX_AGE_S = 900  # a cached timing older than this is measured again (seconds of work for a small model)
-WINDOW_ROUNDS = 20  # a small model's copies take their steps for about this many rounds' time ...
-WINDOW_S = 3.0  # ... but no longer than this (a short run's twenty steps of a 0.15 s step)
+WINDOW_S = 3.0  # the longest a timing window takes (a short run's twenty steps of a 0.15 s step)
 
 
-def refine(plan: dict[str, Any], config: dict[str, Any], hw: dict[str, Any], spec, fresh: bool = False) -> dict[str, Any]:  # fmt: skip
-    """The plan with predicted_step_s from timing the model's own blocks, where that applies. `fresh`:
-    timed now, over a window, whatever the cache holds (see the module's docstring)."""
+def refine(plan: dict[str, Any], config: dict[str, Any], hw: dict[str, Any], spec,
+           window_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """The plan with predicted_step_s from timing the model's own blocks, where that applies. `window_s`:
+    timed now, for that long, whatever the cache holds (see the module's docstring)."""
     if hw["accelerator"] != "cpu" or hw.get("source") == "preset" or not config["model"].get("architecture"):
         return plan
     if plan["strategy"] not in ("full", "lora", "sparse_lora"):
@@ -56,7 +56,7 @@ def refine(plan: dict[str, Any], config: dict[str, Any], hw: dict[str, Any], spe
         int(config["data"]["batch_size"]),
         int(plan["micro_batch"]),
     )
-    costs = block_times(config, plan, hw, seq, micro, threads, large, fresh)
+    costs = block_times(config, plan, hw, seq, micro, threads, large, window_s)
     n = spec.n_blocks
     if plan["strategy"] == "sparse_lora":
         layers = set(plan["sparse_layers"])
@@ -98,7 +98,7 @@ def _budget_bytes(hw: dict[str, Any]) -> float:
 
 
 def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any], seq: int, micro: int, threads: int,
-                large: bool = False, fresh: bool = False) -> dict[str, float]:  # fmt: skip
+                large: bool = False, window_s: float | None = None) -> dict[str, float]:  # fmt: skip
     """Per micro-batch: one block's share of a step and the rest (`block`, `rest`); streamed, a block with
     adapters (`lora`), one without them above the lowest adapted block (`frozen`, recomputed for its input
     gradient) and one below it (`below`, forward only). Cached per machine and shapes. `large`: copies of 1
@@ -110,13 +110,13 @@ def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any]
     # beside the hardware profile: a timing of this machine, shared by every outputs folder that shares it
     folder = config["hardware"].get("cache") or Path(config["paths"]["cache"]) / "hardware"
     cache = Path(folder) / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    if not fresh and cache.is_file() and time.time() - cache.stat().st_mtime < MAX_AGE_S:
+    if window_s is None and cache.is_file() and time.time() - cache.stat().st_mtime < MAX_AGE_S:
         return json.loads(cache.read_text())["costs"]
 
     def timed(*copies: tuple[int, list[int] | None]) -> list[float]:
         if large:  # a large block's copies, one at a time: two of them at once may not fit beside the run
             return [_step_times(config, plan, seq, micro, threads, [c], vocab=256)[0] for c in copies]
-        return _step_times(config, plan, seq, micro, threads, list(copies), window=fresh)
+        return _step_times(config, plan, seq, micro, threads, list(copies), window_s=window_s or 0.0)
 
     if large:  # a block's compute dwarfs any boundary effect: 1 and 2 blocks do
         one, lora, frozen, below = timed((1, [0]), (2, [0, 1]), (2, [0]), (2, [1]))
@@ -138,9 +138,9 @@ def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any]
 
 
 def _step_times(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, threads: int,
-                copies: list[tuple[int, list[int] | None]], vocab: int | None = None, window: bool = False) -> list[float]:  # fmt: skip
+                copies: list[tuple[int, list[int] | None]], vocab: int | None = None, window_s: float = 0.0) -> list[float]:  # fmt: skip
     """Per copy of the model (`blocks`, `adapted` blocks), its training step as ONN runs it: the mean of
-    nine, or of as many as `window` takes (see the module's docstring); the fastest of three for a large
+    nine, or of as many as window_s (at most WINDOW_S) takes; the fastest of three for a large
     model's. The copies take their steps in turns, so a
     change in the machine's speed meanwhile reaches them all alike and leaves their differences (a
     block's cost) alone: timed one copy after the other, a 2-block copy and a 6-block one a few seconds
@@ -158,12 +158,9 @@ def _step_times(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: i
             for blocks, adapted in copies
         ]
         clock = time.process_time if threads == 1 else time.perf_counter
-        start = time.perf_counter()
         for step in steps:
             step()
-        seconds = (
-            min(WINDOW_S, WINDOW_ROUNDS * (time.perf_counter() - start)) if window and vocab is None else 0.0
-        )
+        seconds = min(WINDOW_S, window_s) if vocab is None else 0.0
         times: list[list[float]] = [[] for _ in steps]
         start = time.perf_counter()
         while len(times[0]) < (3 if vocab is not None else 9) or time.perf_counter() - start < seconds:
