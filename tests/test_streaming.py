@@ -9,7 +9,7 @@ import torch
 from conftest import compose
 
 from onn.models.layers import discover
-from onn.streaming.engine import StreamingEngine, token_weights
+from onn.streaming.engine import StreamingEngine, target_tokens, token_weights
 from onn.streaming.store import LayerStore, stored_name
 
 ARCH = {
@@ -352,7 +352,7 @@ def test_plan_refuses_a_budget_below_one_block(tmp_path):
     from onn.planning.spec import model_spec
 
     cfg = compose(
-        "model=phi4", "hardware=gtx1650_4gb", "hardware.budget_mb=1700", "strategy=sparse_lora", root=tmp_path
+        "model=phi4", "hardware=gtx1650_4gb", "hardware.budget_mb=1000", "strategy=sparse_lora", root=tmp_path
     )
     hw = resolve(cfg["hardware"], tmp_path, tmp_path)
     with pytest.raises(
@@ -471,3 +471,49 @@ def test_int8_codes_decode_tokens_as_the_dequantized_model_does(tmp_path, monkey
     after = len(calls)
     loss = engine.train_step(micro_batches(m=1))  # training casts the codes again
     assert torch.isfinite(loss) and len(calls) == after
+
+
+def test_every_pass_from_int8_codes_matches_the_dequantized_model(monkeypatch):
+    """On a GPU the blocks and the streamed head compute from an int8 store's codes in every pass (CastMatmul
+    casts a tile of rows at a time, in the forward and again in the backward) and the embedding is looked up
+    in host memory: a step's loss and LoRA gradients, the validation loss and the greedy tokens are the
+    de-quantized model's, and no decoded weight is ever installed. Run on the CPU with the GPU's choice forced
+    and tiles smaller than a weight, so the tiling is exercised."""
+    from onn.streaming import engine as engine_module
+    from onn.streaming import quantized
+
+    monkeypatch.setattr(engine_module, "computes_from_codes", lambda store_dtype, *_: store_dtype == "int8")
+    monkeypatch.setattr(quantized, "CAST_TILE_VALUES", 40 * 64)
+    resident = lora_model("llama", LAYER_SETS["first4+last4"], hidden_size=64, intermediate_size=128)
+    streamed = copy.deepcopy(resident)
+    engine = StreamingEngine(streamed, discover(streamed), LayerStore("cpu", "int8"), 2, stream_edges=True,
+                             suffix_rows=1)  # the loss one row at a time, as a large vocabulary needs  # fmt: skip
+    engine.offload()
+    decoded = {**{f"{discover(resident).block_paths[i]}.{n}": t for i in range(len(engine.map))
+                  for n, t in store_decoded(engine, i).items()},
+               **store_decoded(engine, "edges")}  # fmt: skip
+    for name, param in resident.named_parameters():
+        if stored_name(name) in decoded:
+            param.data = decoded[stored_name(name)]
+    kinds = []
+    original = engine._run_chunk
+    engine._run_chunk = lambda c, *a: (kinds.append({p.dtype for p in engine.resident_weights() if p.numel() >= 4096}),
+                                       original(c, *a))[1]  # fmt: skip
+    mbs = micro_batches()
+    losses = [resident(**mb).loss for mb in mbs]
+    (sum(losses) / len(mbs)).backward()
+    loss = engine.train_step(mbs)
+    torch.testing.assert_close(loss, torch.stack(losses).mean().detach(), rtol=1e-4, atol=1e-6)
+    want, got = lora_grads(resident), lora_grads(streamed)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert kinds and all(k == {torch.int8} for k in kinds)  # quantized weights stay codes on the device
+    total, tokens = engine.evaluate(mbs)
+    with torch.no_grad():
+        want_total = sum(float(resident(**mb).loss) * target_tokens(mb) for mb in mbs)
+    assert math.isclose(total, want_total, rel_tol=1e-4)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    mask = (ids != 0).long()
+    want_ids = resident.eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                        pad_token_id=0, eos_token_id=None, min_new_tokens=5)[:, 6:]  # fmt: skip
+    assert torch.equal(engine.generate(ids, mask, max_new_tokens=5), want_ids)

@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from onn.errors import UserError
 from onn.hardware.memory import return_large_frees_to_os
 from onn.hardware.profile import CoreWatch
 from onn.models.layers import LayerMap
-from onn.streaming.schedule import CODES_MAX_ROWS, cached_blocks, generates_from_codes
+from onn.streaming.quantized import EmptyEmbedding, Scratch, StoredEmbedding, linear_forward
+from onn.streaming.schedule import cached_blocks, computes_from_codes
 from onn.streaming.store import LayerStore, buffer, stored_name
 
 
@@ -74,6 +74,7 @@ class StepTimes:
     load_s: float = 0.0  # time spent loading weights (reading and decoding), wherever it ran
     read_s: float = 0.0  # of which reading the disk
     read_bytes: int = 0  # bytes read from the disk
+    copied_bytes: int = 0  # bytes copied from host memory to the GPU (weights)
     compute_s: float = 0.0
     loads: int = 0
     history: list[int] = field(default_factory=list)  # chunk indices in load order
@@ -102,7 +103,7 @@ class StreamingEngine:
     def __init__(self, model: nn.Module, layer_map: LayerMap, store: LayerStore, chunk_size: int, device: torch.device | str = "cpu",
                  prefetch: bool = True, activations: str = "device", compute_dtype: torch.dtype | None = None,
                  micro_batch: int | None = None, forward_group: int | None = None, stream_edges: bool = False,
-                 cache_blocks: int = 0, eval_tokens: int | None = None):  # fmt: skip
+                 cache_blocks: int = 0, eval_tokens: int | None = None, suffix_rows: int | None = None):  # fmt: skip
         n = len(layer_map)
         if not 1 <= chunk_size <= n:
             raise UserError(
@@ -112,6 +113,9 @@ class StreamingEngine:
         self.device = torch.device(device)
         self.prefetch, self.activations, self.micro_batch = prefetch, activations, micro_batch
         self.eval_tokens = eval_tokens  # tokens a validation pass may hold (None: the whole set)
+        # rows of a micro-batch whose loss runs at once (None: all): the logits of a large vocabulary
+        # (Phi-4's 100,352) would otherwise take more memory than a streamed chunk
+        self.suffix_rows = suffix_rows
         # A no-grad pass of g micro-batches through one block holds about what the recompute of one
         # micro-batch through a chunk holds, so fusing up to chunk_size of them costs no extra peak.
         self.forward_group = forward_group or chunk_size
@@ -130,13 +134,20 @@ class StreamingEngine:
             (c for c, ids in enumerate(self.chunks) if set(ids) & set(trainable)), default=len(self.chunks)
         )
         # stream_edges: the frozen weights outside the blocks (embeddings, final norm, head) live in
-        # the store too and come to the device only for the prefix and the suffix, never beside a chunk.
+        # the store too and come to the device only for the prefix or the suffix that uses them, never
+        # beside a chunk. A streamed embedding is looked up in host memory (StoredEmbedding): only the
+        # rows a batch names cross to the device.
         in_blocks = {id(p) for block in layer_map.blocks for p in block.parameters()}
         self.edges = (
             [n for n, p in model.named_parameters() if id(p) not in in_blocks and not p.requires_grad]
             if stream_edges
             else []
         )
+        self._edge_phases = _edge_phases(model, layer_map, self.edges)
+        self._embeddings = {
+            path: module for path, module in model.named_modules()
+            if isinstance(module, nn.Embedding) and f"{path}.weight" in self._edge_phases["prefix"]
+        }  # fmt: skip
         # Blocks of a disk store held in host memory once read (as many as the plan's budget allows).
         first_twice = self.chunks[self.lowest_chunk][0] if self.lowest_chunk < len(self.chunks) else n
         self.cache_blocks = (
@@ -156,12 +167,17 @@ class StreamingEngine:
             weights = [m.in_features * m.out_features * self.compute_dtype.itemsize for linears in self._linears
                        for m in linears.values()]  # fmt: skip
             return_large_frees_to_os(min(weights, default=0))
+        # streamed edge linears (the head) compute from an int8 store's codes as the blocks' do
+        self._edge_linears = {f"{name}.weight": m for name, m in model.named_modules()
+                              if isinstance(m, nn.Linear) and f"{name}.weight" in self.edges}  # fmt: skip
         if store.dtype == "int8":
-            scratch = _Scratch()
-            for linears in self._linears:
-                for module in linears.values():
-                    module._onn_scale, module._onn_scratch = None, scratch
-                    module.forward = types.MethodType(_linear_forward, module)
+            scratch = Scratch()
+            for module in [
+                *(m for linears in self._linears for m in linears.values()),
+                *self._edge_linears.values(),
+            ]:
+                module._onn_scale, module._onn_scratch = None, scratch
+                module.forward = types.MethodType(linear_forward, module)
         # Generating, an int8 store's codes are installed as they are stored: one new token per sequence
         # goes through torch's weight-only int8 matmul, which reads each weight byte once where a cast
         # first writes the weight in the compute dtype and the matmul reads it again; a prompt's prefill
@@ -173,6 +189,9 @@ class StreamingEngine:
         self._cached: dict[int, dict[str, torch.Tensor]] = {}
         self._slots = [_Slot() for _ in range(SLOTS)]
         self._free = list(range(SLOTS))
+        # Chunks loading at once. On a GPU one: it copies over the one host link while the current chunk
+        # computes, and the device holds two chunks, as planned (a third would only share the link).
+        self._in_flight = 1 if self.device.type == "cuda" else SLOTS
         self._resident: int | None = None
         self._resident_slot: int | None = None
         self._pending: dict[int, tuple[Future, int | None]] = {}
@@ -197,38 +216,66 @@ class StreamingEngine:
                     raise RuntimeError(f"block {i} was loaded into the store, which no longer holds it")
                 continue
             blocks[i] = {stored_name(n): params[n].data for n in self.frozen[i]}
-        if self.edges:
-            params = dict(self.model.named_parameters())
+        params = dict(self.model.named_parameters())
+        if self.edges and not all(params[n].numel() == 0 for n in self.edges):
             blocks["edges"] = {n: params[n].data for n in self.edges}
+        elif self.edges and not self.store.is_complete("edges"):  # placeholders: streamed by an engine before
+            raise RuntimeError("the edges were streamed from the store, which no longer holds them")
         self.store.fill(blocks)
         for i in range(len(self.map)):
             self._release_block(i)
         self._set_edges(None)
 
-    def _set_edges(self, tensors: dict[str, torch.Tensor] | None) -> None:
+    def _set_edges(
+        self, tensors: dict[str, torch.Tensor] | None, scales: dict[str, torch.Tensor] | None = None
+    ) -> None:
         params = dict(self.model.named_parameters())
         for name in self.edges:
             params[name].data = (
-                tensors[name] if tensors else torch.empty(0, dtype=self.compute_dtype, device=self.device)
+                tensors[name]
+                if tensors and name in tensors
+                else torch.empty(0, dtype=self.compute_dtype, device=self.device)
             )
+        for name, module in self._edge_linears.items():
+            module._onn_scale = (scales or {}).get(name)
 
     @contextlib.contextmanager
-    def _edges_loaded(self):
-        """With stream_edges, load the prefix/suffix weights for the body (after giving the resident
-        chunk back, so they never share the device with one); otherwise they are always there."""
+    def _edges_loaded(self, phase: str):
+        """With stream_edges, the weights outside the blocks that `phase` (prefix or suffix) uses; otherwise
+        they are always there. The prefix's embeddings are looked up in host memory (StoredEmbedding); the
+        suffix runs them as EmptyEmbedding (it recomputes them only for their shape). Weights that do go to
+        the device go after the resident chunk is given back, so they never share the device with one."""
         if not self.edges:
             yield
             return
-        self.release()
         start = time.perf_counter()
         if self.store.kind == "disk" and self._edge_buffer is None:
             self._edge_buffer = buffer(self.store.file_bytes("edges"), pin=self.store.pin)
         stored = self._read("edges", self._edge_buffer)
-        self._set_edges(self.store.decode(stored, self.device, self.compute_dtype))
+        looked_up = {f"{path}.weight" for path in self._embeddings} if phase == "prefix" else set()
+        wanted = self._edge_phases[phase] - looked_up
+        stand_ins = {
+            path: StoredEmbedding(module, stored, f"{path}.weight", self.device, self.compute_dtype)
+            if phase == "prefix"
+            else EmptyEmbedding(module, self.device, self.compute_dtype)
+            for path, module in self._embeddings.items()
+            if f"{path}.weight" not in wanted
+        }
+        if wanted:
+            self.release()
+            codes = self.device.type == "cuda" and self.store.dtype == "int8"
+            scales = {} if codes else None
+            subset = {k: v for k, v in stored.items() if _base_name(k) in wanted}
+            if self.device.type == "cuda":
+                self.times.copied_bytes += sum(t.numel() * t.element_size() for t in subset.values())
+            self._set_edges(
+                self.store.decode(subset, self.device, self.compute_dtype, scales=scales, codes=codes), scales
+            )
         self.times.load_s += time.perf_counter() - start
         self.times.io_s += time.perf_counter() - start
         try:
-            yield
+            with _swapped_paths(self.model, stand_ins):
+                yield
         finally:
             self._set_edges(None)
 
@@ -247,12 +294,12 @@ class StreamingEngine:
         )
 
     def _as_stored(self) -> bool:
-        """The blocks compute from the stored tensors themselves (a zero-copy stream, or an int8 store's
-        codes while generating): a block in host memory takes no slot and is ready at once. So the loader
+        """A CPU computes from the stored tensors themselves (a zero-copy stream, or an int8 store's codes
+        while generating): a block in host memory takes no slot and is ready at once. So the loader
         passes over the cached blocks and reads the next uncached one while they compute; when cached
         blocks took the slots too, the disk sat idle through every uncached block's compute (Phi-4's
-        generation: 5.1 s per token at batch 8 for 3.7 s of reads)."""
-        return self._zero_copy or self._codes_direct
+        generation: 5.1 s per token at batch 8 for 3.7 s of reads). A GPU always needs its copy."""
+        return self.device.type == "cpu" and (self._zero_copy or self._codes_direct)
 
     def _needs_slot(self, c: int) -> bool:
         """Whether loading chunk c takes a slot's memory: to read into, or to decode into."""
@@ -300,10 +347,10 @@ class StreamingEngine:
             stored = self._stored(i, slot, pos)
             scales = {} if self.store.dtype == "int8" else None
             if self._copy_stream is not None:
+                self.times.copied_bytes += sum(t.numel() * t.element_size() for t in stored.values())
                 with torch.cuda.stream(self._copy_stream):
-                    tensors = self.store.decode(
-                        stored, self.device, self.compute_dtype, non_blocking=True, scales=scales
-                    )
+                    tensors = self.store.decode(stored, self.device, self.compute_dtype, non_blocking=True,
+                                                scales=scales, codes=self._codes_direct)  # fmt: skip
                 # the slot's host buffer is read again only after this chunk is released: the copy must be done by then
                 self._copy_stream.synchronize()
             elif self._codes_direct:  # views of the read buffer (or the cached block): nothing to keep
@@ -339,7 +386,7 @@ class StreamingEngine:
         if not self.prefetch:
             return
         for c in upcoming:
-            if len(self._pending) >= SLOTS:
+            if len(self._pending) >= self._in_flight:
                 return
             if c == self._resident or c in self._pending or self._ready(c):
                 continue
@@ -374,11 +421,12 @@ class StreamingEngine:
             self.times.history.append(c)
         self._prefetch(upcoming)
 
-    def _use_codes(self, direct: bool) -> None:
-        """Switch between int8 codes used as stored and codes cast to the compute dtype: loads in
-        flight and the resident chunk were made for the other kind, so they are dropped."""
-        direct = direct and generates_from_codes(
-            self.store.dtype, self.device.type, str(self.compute_dtype).removeprefix("torch.")
+    def _use_codes(self, generating: bool) -> None:
+        """Switch between int8 codes used as stored and codes cast to the compute dtype (on a CPU, by
+        whether the pass generates; on a GPU always codes): loads in flight and the resident chunk were made
+        for the other kind, so they are dropped."""
+        direct = computes_from_codes(
+            self.store.dtype, self.device.type, str(self.compute_dtype).removeprefix("torch."), generating
         )
         if direct != self._codes_direct:
             self._drain()
@@ -449,7 +497,11 @@ class StreamingEngine:
         return hidden
 
     def _keep(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to("cpu", non_blocking=True) if self.activations == "host" and t.device.type != "cpu" else t
+        """A chunk input kept for the backward: on the device, or (activations=host) in pinned host memory,
+        copied in the compute stream's order so the GPU never waits for the host."""
+        if self.activations != "host" or t.device.type == "cpu":
+            return t
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
     def _groups(self, micro_batches: list[dict[str, Any]]) -> list[list[int]]:
         """Runs of consecutive micro-batches with identical shapes, at most `forward_group` long:
@@ -477,7 +529,7 @@ class StreamingEngine:
         n = len(self.chunks)
         self._use_codes(False)
         with torch.no_grad():
-            with self._edges_loaded():
+            with self._edges_loaded("prefix"):
                 fused = [self.prefix(_concat([micro_batches[m] for m in g])) for g in groups]
                 inputs = [self.prefix(mb) for mb in micro_batches] if keep_from is not None else None
             hidden = [x.hidden for x in fused]
@@ -532,17 +584,22 @@ class StreamingEngine:
         # Each micro-batch's mean loss weighs by its share of the macro-batch's target tokens, so the
         # gradient is the whole macro-batch's, whatever the micro-batch size.
         weights = token_weights(micro_batches, total_tokens)
-        with self._edges_loaded():
+        with self._edges_loaded("suffix"):
             start = time.perf_counter()
             for h, mb, w in zip(hidden, micro_batches, weights):
                 h = h.detach().requires_grad_(True)
                 if w == 0:  # no target tokens: nothing to learn from, and its mean loss is 0/0
                     grads.append(torch.zeros_like(h))
                     continue
-                loss = self.suffix(h, mb).loss
-                (loss * (loss_scale * w)).backward()
+                step = self.suffix_rows or h.shape[0]
+                pieces = [{k: v[a : a + step] for k, v in mb.items()} for a in range(0, h.shape[0], step)]
+                share = token_weights(pieces)  # each piece's part of the micro-batch's mean loss
+                for a, piece, part in zip(range(0, h.shape[0], step), pieces, share):
+                    if part:
+                        loss = self.suffix(h[a : a + step], piece).loss
+                        (loss * (loss_scale * w * part)).backward()
+                        losses.append(loss.detach() * (w * part))
                 grads.append(h.grad)
-                losses.append(loss.detach() * w)
             self.times.compute_s += time.perf_counter() - start
         if self.edges:
             self._prefetch(self._backward_order())
@@ -579,7 +636,7 @@ class StreamingEngine:
     def loss(self, micro_batches: list[dict[str, Any]]) -> list[torch.Tensor]:
         """Streamed forward only: each micro-batch's loss."""
         inputs, _, hidden = self._forward(micro_batches, keep_from=None, then=range(len(self.chunks)))
-        with torch.no_grad(), self._edges_loaded():
+        with torch.no_grad(), self._edges_loaded("suffix"):
             losses = [self.suffix(h, mb).loss for h, mb in zip(hidden, micro_batches)]
         return losses
 
@@ -595,9 +652,9 @@ class StreamingEngine:
         rows = [row for batch in batches for row in _rows(batch)]
         rows.sort(key=lambda r: -r["input_ids"].shape[0])
         longest = rows[0]["input_ids"].shape[0] if rows else 1
-        suffix_rows = suffix_rows or self.micro_batch or 1
+        suffix_rows = suffix_rows or self.suffix_rows or self.micro_batch or 1
         # one matmul per block per group: what the training forward fuses, never less than a micro-batch
-        group_tokens = group_tokens or self.forward_group * suffix_rows * longest
+        group_tokens = group_tokens or self.forward_group * (self.micro_batch or suffix_rows) * longest
         pass_tokens = max(
             pass_tokens or self.eval_tokens or sum(r["input_ids"].shape[0] for r in rows), group_tokens
         )
@@ -606,7 +663,7 @@ class StreamingEngine:
             groups = [_pad(g) for g in _packed(rows_in_pass, group_tokens)]
             groups = [{k: v.to(self.device) for k, v in g.items()} for g in groups]
             _, _, hidden = self._forward(groups, keep_from=None, then=range(len(self.chunks)), fuse=False)
-            with torch.no_grad(), self._edges_loaded():
+            with torch.no_grad(), self._edges_loaded("suffix"):
                 start = time.perf_counter()
                 for h, group in zip(hidden, groups):
                     for s in range(0, h.shape[0], suffix_rows):
@@ -633,7 +690,7 @@ class StreamingEngine:
             "use_cache": True,
         }
         self._use_codes(True)
-        with self._edges_loaded():
+        with self._edges_loaded("prefix"):
             block_inputs = self.prefix(batch)
         hidden = block_inputs.hidden
         n = len(self.chunks)
@@ -644,7 +701,7 @@ class StreamingEngine:
             start = time.perf_counter()
             hidden = self._run_chunk(c, hidden, block_inputs)
             self.times.compute_s += time.perf_counter() - start
-        with self._edges_loaded():
+        with self._edges_loaded("suffix"):
             # only the last position's logits are needed; a contiguous [batch, 1, hidden] keeps the
             # head a plain matmul (a strided slice sends torch's linear through bmm, which copies
             # the head's weight once per sequence: 8 GB and a minute for Phi-4's at batch 8)
@@ -737,38 +794,6 @@ def _concat(micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-class _Scratch:
-    """One buffer, reused, for the cast of one int8 weight at a time (a prompt's prefill from the codes)."""
-
-    def __init__(self):
-        self.buffer: torch.Tensor | None = None
-
-    def cast(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        b = self.buffer
-        if b is None or b.numel() < codes.numel() or b.dtype != dtype or b.device != codes.device:
-            b = self.buffer = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
-        return b[: codes.numel()].view(codes.shape).copy_(codes)
-
-
-def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """A frozen linear of an int8 store: x Qᵀ times the row scales s is x Wᵀ. The codes Q are either cast
-    to the compute dtype (a plain matmul, scaled after) or the stored int8 ones: a few rows go through
-    torch's weight-only int8 matmul (which scales itself), more rows through a cast into the scratch
-    buffer. The bias, if any, is added after the scaling."""
-    scale = module._onn_scale
-    if scale is None:  # weights installed whole (de-quantized, or no store yet)
-        return F.linear(x, module.weight, module.bias)
-    weight = module.weight
-    if weight.dtype == torch.int8:
-        rows = x.reshape(-1, x.shape[-1]).to(scale.dtype)
-        if rows.shape[0] <= CODES_MAX_ROWS:
-            out = torch._weight_int8pack_mm(rows.contiguous(), weight, scale).view(*x.shape[:-1], -1)
-            return out if module.bias is None else out + module.bias.to(out.dtype)
-        x, weight = rows.view(*x.shape[:-1], -1), module._onn_scratch.cast(weight, scale.dtype)
-    out = F.linear(x, weight) * scale
-    return out if module.bias is None else out + module.bias.to(out.dtype)
-
-
 def _rows(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """A batch's samples one by one, each cut to its attended length when it is right-padded."""
     out = []
@@ -824,3 +849,39 @@ def _pick(
     )
     scores = warpers(None, logits)
     return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[:, 0]
+
+
+def _base_name(stored: str) -> str:
+    """A stored tensor's weight name: int8's `.scale` and nf4's `.absmax`/`.shape` belong to their weight."""
+    for suffix in (".scale", ".absmax", ".shape"):
+        if stored.endswith(suffix):
+            return stored.removesuffix(suffix)
+    return stored
+
+
+def _edge_phases(model: nn.Module, layer_map: LayerMap, edges: list[str]) -> dict[str, set[str]]:
+    """Which streamed weights outside the blocks the prefix and the suffix use (a tied weight: both; one
+    registered on no prefix or suffix module, to be safe: both)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    phases = {
+        phase: {names[id(p)] for _, m in modules for p in m.parameters() if names.get(id(p)) in edges}
+        for phase, modules in (("prefix", layer_map.prefix), ("suffix", layer_map.suffix))
+    }
+    unplaced = set(edges) - phases["prefix"] - phases["suffix"]
+    return {phase: names_ | unplaced for phase, names_ in phases.items()}
+
+
+@contextlib.contextmanager
+def _swapped_paths(model: nn.Module, replacements: dict[str, nn.Module]):
+    """Submodules replaced by dotted path for the body, put back after."""
+    saved = {}
+    try:
+        for path, module in replacements.items():
+            parent, _, child = path.rpartition(".")
+            holder = model.get_submodule(parent) if parent else model
+            saved[path] = (holder, child, holder._modules[child])
+            holder._modules[child] = module
+        yield
+    finally:
+        for holder, child, module in saved.values():
+            holder._modules[child] = module

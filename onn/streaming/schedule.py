@@ -6,6 +6,9 @@ from __future__ import annotations
 # grows with the rows (5120x17920 on a Xeon, 2 threads: 4 ms at 1 row, 13 at 8, 45 at 32, 179 at 128),
 # the cast's does not (64 ms, matmul included, up to a few hundred rows).
 CODES_MAX_ROWS = 32
+# Values of an int8 weight a GPU casts to the compute dtype at once (onn/streaming/quantized.py): a 64 MB
+# bf16 tile, the only decoded weight memory a streamed block needs beside its codes.
+CAST_TILE_VALUES = 32 * 2**20
 
 
 def cached_blocks(n: int, count: int, first_twice: int = 0) -> list[int]:
@@ -19,6 +22,17 @@ def cached_blocks(n: int, count: int, first_twice: int = 0) -> list[int]:
 
 def _spread(items: list[int], k: int) -> list[int]:
     return [items[(2 * j + 1) * len(items) // (2 * k)] for j in range(k)] if k > 0 else []
+
+
+def computes_from_codes(store_dtype: str, device_type: str, compute_dtype: str, generating: bool) -> bool:
+    """Whether the blocks compute from an int8 store's codes as stored rather than from a decoded copy: on a
+    GPU always (a decoded block would take twice the device memory, and the cast of a tile costs one pass at
+    the device's memory bandwidth); on a CPU while generating, where torch's weight-only int8 matmul pays."""
+    if store_dtype != "int8":
+        return False
+    return (
+        device_type == "cuda" or generating and generates_from_codes(store_dtype, device_type, compute_dtype)
+    )
 
 
 def generates_from_codes(store_dtype: str, device_type: str, compute_dtype: str) -> bool:

@@ -1,0 +1,115 @@
+"""Computing with a layer store's weights as they are stored, where decoding a whole block would not fit.
+
+An int8 store keeps each weight as codes Q and one scale per output row s, so x Wᵀ = (x Qᵀ) s. On a GPU the
+codes cross the host link and stay codes on the device: a frozen linear casts them to the compute dtype a
+tile of rows at a time, multiplies, and drops the tile (`CastMatmul`, whose backward casts again instead of
+keeping the cast weight). So a streamed block takes its stored size on the device (Phi-4's: 341 MB as codes,
+681 MB decoded) plus one tile, and the cast is one pass over the codes at the device's memory bandwidth.
+
+On a CPU a few rows (a generated token) go through torch's weight-only int8 matmul, which reads each weight
+byte once, and more rows through a cast into one reused scratch buffer (no autograd there: generation).
+
+Streamed embeddings are looked up where they are stored (`StoredEmbedding`): a batch needs a few rows of a
+vocabulary-sized table, so only those rows cross to the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from onn.streaming.schedule import CAST_TILE_VALUES, CODES_MAX_ROWS
+
+
+class CastMatmul(torch.autograd.Function):
+    """x (Q s)ᵀ for int8 codes Q [out, in] and row scales s [out], differentiable in x only: the codes are
+    cast to x's compute dtype a tile of output rows at a time, in the forward and again in the backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(codes, scale)
+        ctx.x_dtype = x.dtype
+        rows = x.reshape(-1, x.shape[-1]).to(scale.dtype)
+        out = rows.new_empty(rows.shape[0], codes.shape[0])
+        step = max(1, CAST_TILE_VALUES // codes.shape[1])
+        for a in range(0, codes.shape[0], step):
+            torch.mm(rows, codes[a : a + step].to(scale.dtype).t(), out=out[:, a : a + step])
+        return out.mul_(scale).view(*x.shape[:-1], codes.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        codes, scale = ctx.saved_tensors
+        g = (grad.reshape(-1, codes.shape[0]).to(scale.dtype) * scale).contiguous()
+        gx = g.new_zeros(g.shape[0], codes.shape[1])
+        step = max(1, CAST_TILE_VALUES // codes.shape[1])
+        for a in range(0, codes.shape[0], step):
+            gx.addmm_(g[:, a : a + step], codes[a : a + step].to(scale.dtype))
+        return gx.view(*grad.shape[:-1], codes.shape[1]).to(ctx.x_dtype), None, None
+
+
+class Scratch:
+    """One buffer, reused, for the cast of one int8 weight at a time (a CPU prompt's prefill from the codes)."""
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+
+    def cast(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        b = self.buffer
+        if b is None or b.numel() < codes.numel() or b.dtype != dtype or b.device != codes.device:
+            b = self.buffer = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
+        return b[: codes.numel()].view(codes.shape).copy_(codes)
+
+
+def linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A frozen linear of an int8 store: x Qᵀ times the row scales s is x Wᵀ. The weight installed is either
+    the codes cast to the compute dtype by the loader (a plain matmul, scaled after) or the stored int8
+    codes: on a GPU (or wherever a gradient is needed) through CastMatmul; on a CPU a few rows through torch's weight-only int8 matmul (which
+    scales itself), more rows through a cast into the scratch buffer. The bias, if any, is added after."""
+    scale = module._onn_scale
+    if scale is None:  # weights installed whole (de-quantized, or no store yet)
+        return F.linear(x, module.weight, module.bias)
+    weight = module.weight
+    if weight.dtype == torch.int8 and (weight.device.type != "cpu" or torch.is_grad_enabled()):
+        out = CastMatmul.apply(x, weight, scale)
+        return out if module.bias is None else out + module.bias.to(out.dtype)
+    if weight.dtype == torch.int8:
+        rows = x.reshape(-1, x.shape[-1]).to(scale.dtype)
+        if rows.shape[0] <= CODES_MAX_ROWS:
+            out = torch._weight_int8pack_mm(rows.contiguous(), weight, scale).view(*x.shape[:-1], -1)
+            return out if module.bias is None else out + module.bias.to(out.dtype)
+        x, weight = rows.view(*x.shape[:-1], -1), module._onn_scratch.cast(weight, scale.dtype)
+    out = F.linear(x, weight) * scale
+    return out if module.bias is None else out + module.bias.to(out.dtype)
+
+
+class StoredEmbedding(nn.Module):
+    """Stands in for a streamed nn.Embedding while the prefix runs: the rows the ids name are gathered from
+    the stored table in host memory (int8 codes and their row scales, or a float table) and only they cross
+    to the device, in the compute dtype. The lookup is the de-quantized table's, value for value."""
+
+    def __init__(self, module: nn.Embedding, stored: dict[str, torch.Tensor], name: str, device: torch.device,
+                 dtype: torch.dtype):  # fmt: skip
+        super().__init__()
+        self.table, self.scale = stored[name], stored.get(f"{name}.scale")
+        self.device, self.dtype = device, dtype
+        self.padding_idx = module.padding_idx
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        host = ids.to("cpu")
+        rows = F.embedding(host, self.table).to(self.device, non_blocking=True).to(self.dtype)
+        if self.scale is not None:
+            rows = rows * F.embedding(host, self.scale).to(self.device, non_blocking=True).to(self.dtype)
+        return rows
+
+
+class EmptyEmbedding(nn.Module):
+    """Stands in for a streamed nn.Embedding while the suffix runs: the model's forward computes its output
+    again, but the streamed hidden state replaces what follows, so only the shape counts."""
+
+    def __init__(self, module: nn.Embedding, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.width, self.device, self.dtype = module.embedding_dim, device, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.width, device=self.device, dtype=self.dtype)
