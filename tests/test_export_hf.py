@@ -43,14 +43,12 @@ def build_model(tmp: Path, *overrides: str):
 def streamed_model(tmp: Path, *overrides: str):
     """As task=infer builds a streamed sparse_lora model: blocks loaded straight into a disk store,
     embeddings and head streamed too (edges=stream)."""
-    from onn.modalities.text.tasks import store_root, streaming_settings
+    from onn.modalities.text.tasks import streaming_settings
     from onn.streaming.strategy import build_engine
 
     cfg, plan, module, tokenizer = build_model(tmp, "strategy=sparse_lora", "strategy.layers=[0,1,-1]", "strategy.streaming.store=disk",
                                                "strategy.streaming.chunk_size=3", "strategy.streaming.edges=stream", *overrides)  # fmt: skip
-    engine = build_engine(
-        module.model, streaming_settings(cfg, plan), store_root(cfg), "cpu", micro_batch=None
-    )
+    engine = build_engine(module.model, streaming_settings(cfg, plan), module.store, "cpu", micro_batch=None)
     return module, tokenizer, engine
 
 
@@ -73,7 +71,7 @@ def batch(tokenizer):
 def streamed_logits(engine, inputs):
     """The logits of ONN's streamed forward (the engine's chunk-outer pass, then the model's suffix)."""
     _, _, hidden = engine._forward([inputs], keep_from=None)
-    with torch.no_grad(), engine._edges_loaded():
+    with torch.no_grad(), engine._edges_loaded("suffix"):
         logits = engine.suffix(hidden[0], inputs).logits
     engine.release()
     return logits

@@ -478,14 +478,14 @@ def _left_padded(prompts: list[list[int]], pad_id: int):
 
 def _generate(request: dict[str, Any]) -> dict[str, Any]:
     from onn.hardware.profile import use_threads
-    from onn.modalities.text.tasks import build, store_root, streaming_settings
+    from onn.modalities.text.tasks import build, streaming_settings
     from onn.streaming.strategy import build_engine
 
     config, plan = request["config"], request["plan"]
     use_threads(plan)
     module, tokenizer = build(config, plan)
     settings = streaming_settings(config, plan, generate=True, sequences=int(request["batch"]))
-    engine = build_engine(module.model, settings, store_root(config), "cpu", micro_batch=None)
+    engine = build_engine(module.model, settings, module.store, "cpu", micro_batch=None)
     module.model.eval()
     prompts = _prompts(config, tokenizer, int(request["batch"]))
     out = {"prompts": prompts, "chunk_size": settings["chunk_size"], "cache_blocks": settings["cache_blocks"]}

@@ -30,6 +30,20 @@ def is_rank_zero() -> bool:
     return all((os.environ.get(name) or "0") == "0" for name in RANK_VARIABLES)
 
 
+def local_rank() -> int:
+    """This process's rank on its node (0 when it runs alone): which of the node's GPUs is its own."""
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def compute_device(accelerator: str) -> str:
+    """The device this process computes on, with its index on a GPU (`cuda:LOCAL_RANK`): Lightning's
+    single-device strategies and `torch.cuda.set_device` need one, and each rank of a node takes its own GPU."""
+    return f"cuda:{local_rank()}" if accelerator == "cuda" else "cpu"
+
+
 def launched() -> bool:
     """True in a process a launcher started as one rank of several (its peers are already on their way)."""
     return any(name in os.environ for name in LAUNCHED_VARIABLES)

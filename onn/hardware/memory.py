@@ -30,11 +30,12 @@ class PeakMemory:
 
     def __init__(self, device: str = "cpu", interval_s: float = 0.02):
         self.device, self.interval_s = device, interval_s
+        self.cuda = str(device).startswith("cuda")  # "cuda", or "cuda:N": this process's GPU
         self.peak_mb = 0.0
         self._stop = threading.Event()
 
     def __enter__(self) -> PeakMemory:
-        if self.device == "cuda":
+        if self.cuda:
             import torch
 
             torch.cuda.reset_peak_memory_stats()
@@ -49,7 +50,7 @@ class PeakMemory:
             self.peak_mb = max(self.peak_mb, anon_rss_mb())
 
     def __exit__(self, *exc) -> None:
-        if self.device == "cuda":
+        if self.cuda:
             import torch
 
             self.peak_mb = torch.cuda.max_memory_allocated() / MB
@@ -57,6 +58,16 @@ class PeakMemory:
             self._stop.set()
             self._thread.join()
             self.peak_mb = max(self.peak_mb, anon_rss_mb())
+
+
+def cap_gpu_memory(mb: float) -> None:
+    """Hold PyTorch's CUDA allocator to `mb` (hardware.budget_mb less the context): a run planned for a
+    smaller card than this one allocates as that card would let it, and an allocation beyond it is an
+    out-of-memory error (which the training step's back-off handles) rather than a quiet overshoot."""
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, mb * MB / total)))
 
 
 MMAP_MIN, MMAP_MAX = 1 << 20, 32 << 20  # the threshold's floor, and glibc's own largest dynamic one

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from onn.errors import UserError
+from onn.hardware.cluster import compute_device
 
 if TYPE_CHECKING:
     import torch
@@ -44,8 +45,8 @@ class Job:
 
     @property
     def device(self) -> str:
-        """The compute device the plan runs on."""
-        return "cuda" if (self.plan or {}).get("hardware", {}).get("accelerator") == "cuda" else "cpu"
+        """The compute device the plan runs on (`cuda:N` on a GPU: this process's own)."""
+        return compute_device((self.plan or {}).get("hardware", {}).get("accelerator", "cpu"))
 
 
 class Modality:

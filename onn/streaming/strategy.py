@@ -31,26 +31,28 @@ from onn.streaming.store import LayerStore
 
 
 def layer_store(settings: dict[str, Any], store_root: Path, device: torch.device | str = "cpu") -> LayerStore:
-    """The store the streaming settings describe: one folder per store dtype under the model's root."""
+    """The store the streaming settings describe: one folder per store dtype under the model's root. For a
+    GPU its host memory is pinned (a host-memory store, a disk store's read buffers): the copy engine reads
+    pinned pages directly, at the link's speed, while the GPU computes."""
     return LayerStore(settings["store"], settings["store_dtype"], folder=Path(store_root) / settings["store_dtype"],
-                      pin=torch.device(device).type == "cuda" and settings["store"] == "cpu")  # fmt: skip
+                      pin=torch.device(device).type == "cuda")  # fmt: skip
 
 
 def build_engine(
     model: torch.nn.Module,
     settings: dict[str, Any],
-    store_root: Path,
+    store: LayerStore,
     device: torch.device | str,
     micro_batch: int,
 ) -> StreamingEngine:
-    """Discover the blocks, move their frozen weights into the store, and return the engine."""
+    """Discover the blocks, move their frozen weights into the store (what the loader has not put there
+    already), and return the engine."""
     device = torch.device(device)
     layer_map = discover(model)
-    store = layer_store(settings, store_root, device)
     engine = StreamingEngine(model, layer_map, store, int(settings["chunk_size"]), device=device, prefetch=bool(settings["prefetch"]),
                              activations=settings["activations"], micro_batch=micro_batch,
                              stream_edges=settings["edges"] == "stream", cache_blocks=int(settings["cache_blocks"]),
-                             eval_tokens=int(settings["eval_tokens"]),
+                             eval_tokens=int(settings["eval_tokens"]), suffix_rows=settings.get("suffix_rows"),
                              compute_dtype=torch_dtype(settings["compute_dtype"]) if settings.get("compute_dtype") else None)  # fmt: skip
     engine.offload()
     if device.type == "cpu":
@@ -68,9 +70,9 @@ class Streams:
     def setup(self, trainer) -> None:
         module = self.lightning_module
         if self.engine is None:
-            self.engine = build_engine(
-                module.model, self.settings, self.store_root, self.root_device, self.micro_batch
-            )
+            # the store the model was loaded into (a host-memory store holds its blocks already)
+            store = module.store or layer_store(self.settings, self.store_root, self.root_device)
+            self.engine = build_engine(module.model, self.settings, store, self.root_device, self.micro_batch)
             module.engine = self.engine
         super().setup(trainer)
 

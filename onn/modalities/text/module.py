@@ -20,6 +20,7 @@ import torch
 
 from onn.errors import UserError
 from onn.streaming.engine import target_tokens
+from onn.training.distributed import clip_gradients, forward_module, wrap_for_fsdp
 from onn.training.micro_batches import OutOfMemoryFloor, is_out_of_memory, split
 from onn.training.optim import make_optimizer, make_schedule
 
@@ -49,6 +50,7 @@ class CausalLM(L.LightningModule):
         self.val_losses: list[float] = []
         self.val_at_step: int | None = None  # global step of the latest validation
         self.engine = None  # set by LayerStreamingStrategy: batches are then macro-batches it streams
+        self.store = None  # the layer store the model's frozen blocks were loaded into, when it streams
         self._held_out: list[
             dict[str, torch.Tensor]
         ] = []  # a streamed validation's batches, until its epoch ends
@@ -101,6 +103,7 @@ class CausalLM(L.LightningModule):
         pieces = split(batch, self.micro_batch)
         counts = [target_tokens(p) for p in pieces]
         total = self._global_tokens(sum(counts))
+        model = forward_module(self)
         losses = []
         for i, (piece, count) in enumerate(zip(pieces, counts)):
             if count == 0 and world == 1:  # no target tokens: nothing to learn from, and its mean loss is 0/0
@@ -108,7 +111,7 @@ class CausalLM(L.LightningModule):
             # DDP all-reduces once per step, on the last backward; every process makes the same calls
             sync = i == len(pieces) - 1 or world == 1
             with contextlib.nullcontext() if sync else self.trainer.strategy.block_backward_sync():
-                out = self.model(**piece)
+                out = model(**piece)
                 if count == 0:  # a backward through every weight all the same, adding nothing
                     self.manual_backward(out.logits.float().sum() * 0.0)
                     continue
@@ -161,9 +164,12 @@ class CausalLM(L.LightningModule):
             torch.cuda.empty_cache()
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        clip = float(self.optim.get("clip_grad_norm") or 0.0)
-        if clip > 0:
-            self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+        clip_gradients(self, optimizer, float(self.optim["clip_grad_norm"] or 0.0))
+
+    def configure_model(self) -> None:
+        # FSDP (inside Lightning's wrap context): the model becomes FSDP's root and this module stays unwrapped,
+        # so the step's own backward passes (the micro-batches) run outside FSDP's forward
+        self.model = wrap_for_fsdp(self.model)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         if self.engine is not None:

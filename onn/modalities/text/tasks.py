@@ -13,7 +13,7 @@ from onn.data.files import write_jsonl
 from onn.dtypes import torch_dtype
 from onn.errors import UserError
 from onn.export import export_for_run
-from onn.hardware.cluster import is_rank_zero
+from onn.hardware.cluster import compute_device, is_rank_zero
 from onn.hardware.memory import PeakMemory
 from onn.modalities.base import Job
 from onn.modalities.text.datamodule import SampleTrace, TextDataModule
@@ -51,6 +51,7 @@ from onn.streaming.strategy import (
 from onn.training.callbacks import ResourceMonitor, StepCheckpoint, StepClock
 from onn.training.checkpoints import check_state, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
+from onn.training.distributed import gathered, parameter_count
 from onn.training.lora import apply
 from onn.training.trainer import build_trainer, processes_per_node
 
@@ -67,14 +68,14 @@ def build(config: dict[str, Any], plan: dict[str, Any]) -> tuple[CausalLM, Any]:
     model_cfg = config["model"]
     dtype = weights_dtype(config, plan)
     settings = streaming_settings(config, plan)
-    loaded = None
-    if settings and settings["store"] == "disk":  # a model larger than memory: block by block into the store
-        loaded = load_into_store(
-            model_cfg, dtype, config["paths"]["cache"], layer_store(settings, store_root(config))
-        )
+    loaded, store = None, None
+    if settings:  # block by block into the store: the whole model never has to fit in memory
+        store = layer_store(settings, store_root(config), compute_device(plan["hardware"]["accelerator"]))
+        loaded = load_into_store(model_cfg, dtype, config["paths"]["cache"], store)
     if plan["strategy"] == "qlora":
-        device = "cuda" if plan["hardware"]["accelerator"] == "cuda" else "cpu"
-        loaded = load_4bit(model_cfg, dtype, config["paths"]["cache"], device)
+        loaded = load_4bit(
+            model_cfg, dtype, config["paths"]["cache"], compute_device(plan["hardware"]["accelerator"])
+        )
     model, tokenizer = loaded or load(model_cfg, dtype=dtype, cache_dir=config["paths"]["cache"])
     layer_map = discover(model, (model_cfg.get("layer_map") or {}).get("blocks"))
     model = apply(model, plan["strategy"], config["strategy"], layer_map, plan.get("sparse_layers"))
@@ -87,6 +88,7 @@ def build(config: dict[str, Any], plan: dict[str, Any]) -> tuple[CausalLM, Any]:
     onn_config = {"model": model_cfg, "strategy": strategy, "data": config["data"], "modality": "text"}
     module = CausalLM(model, config["optim"], int(config["trainer"]["max_steps"]), onn_config, plan["micro_batch"],
                       int(config["strategy"]["min_micro_batch"]))  # fmt: skip
+    module.store = store
     return module, tokenizer
 
 
@@ -114,6 +116,7 @@ def streaming_settings(
     settings["compute_dtype"] = (
         plan["streaming"]["compute_dtype"] if plan["precision"].endswith("-mixed") else None
     )
+    settings["suffix_rows"] = plan["streaming"].get("suffix_rows")
     if generate:
         fixed = config["strategy"]["streaming"]
         settings["chunk_size"] = (
@@ -166,7 +169,7 @@ def trainer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, callbac
             settings, store_root(config), plan["micro_batch"], timeout=timeout
         )
     elif settings:
-        device = "cuda" if plan["hardware"]["accelerator"] == "cuda" else "cpu"
+        device = compute_device(plan["hardware"]["accelerator"])
         strategy = LayerStreamingStrategy(settings, store_root(config), plan["micro_batch"], device=device)
     elif config["strategy"].get("lightning") == "streaming":
         strategy = "auto"  # sparse_lora that the plan did not choose to stream
@@ -232,7 +235,8 @@ def train(job: Job) -> dict[str, Any]:
         "val/perplexity": math.exp(min(module.val_losses[-1], 50)) if module.val_losses else None,
         "samples_per_s": clock.samples_per_s(int(config["data"]["batch_size"])),
         "peak_memory_mb": round(peak.peak_mb, 1),
-        "params_trainable": sum(p.numel() for p in module.parameters() if p.requires_grad),
+        "params_trainable": parameter_count(module),
+        "train/oom_backoffs": module.oom_backoffs,  # each halving of the micro-batch after out-of-memory
         "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
         "resumed_from": str(ckpt) if ckpt else None,
     }
@@ -244,9 +248,11 @@ def train(job: Job) -> dict[str, Any]:
             dm.max_answer_tokens,
         )
     elif samples and any(p for p, _ in dm.val_examples):
-        scores = answer_scores(module.model, tokenizer, dm.val_examples, config["data"]["answer_pattern"], samples,
-                               max_new_tokens=dm.max_answer_tokens + 2, engine=module.engine,
-                               batch_size=generate_batch(plan, samples))  # fmt: skip
+        module.model.to(job.device)  # Lightning's teardown left it on the CPU
+        with gathered(module):  # ZeRO-3's partitioned weights, whole for generation
+            scores = answer_scores(module.model, tokenizer, dm.val_examples, config["data"]["answer_pattern"], samples,
+                                   max_new_tokens=dm.max_answer_tokens + 2, engine=module.engine,
+                                   batch_size=generate_batch(plan, samples))  # fmt: skip
         metrics.update({f"val/{k}": v for k, v in scores.items()})
     if writes and config["export"]["name"] != "none":
         metrics.update(
@@ -271,6 +277,7 @@ def evaluate(job: Job) -> dict[str, Any]:
     metrics.update(data_metrics(dm))
     if any(p for p, _ in dm.val_examples):
         samples = int(task["max_samples"])
+        module.model.to(job.device)  # Lightning's teardown left it on the CPU
         scores = answer_scores(module.model, tokenizer, dm.val_examples, config["data"]["answer_pattern"], samples,
                                new_tokens(task, tokenizer, dm.val_examples[:samples]), engine=module.engine,
                                batch_size=generate_batch(plan, samples))  # fmt: skip
@@ -314,8 +321,8 @@ def language_model(job: Job) -> LanguageModel:
         load_weights(module, job.ckpt)
     model, engine = module.model, None
     if settings := streaming_settings(config, plan, generate=True):
-        engine = build_engine(model, settings, store_root(config), job.device, micro_batch=None)
-        model.to(job.device)  # what is left after the blocks' frozen weights went to the store
+        engine = build_engine(model, settings, module.store, job.device, micro_batch=None)
+    model.to(job.device)  # streamed: what is left after the blocks' frozen weights went to the store
     model.eval()
     return LanguageModel(model, tokenizer, Prompter(config["data"], tokenizer), engine)
 
@@ -385,5 +392,5 @@ def export(job: Job) -> dict[str, Any]:
     load_weights(module, job.ckpt)
     engine = None
     if settings := streaming_settings(config, plan):
-        engine = build_engine(module.model, settings, store_root(config), "cpu", micro_batch=None)
+        engine = build_engine(module.model, settings, module.store, "cpu", micro_batch=None)
     return export_for_run(config, module.model, job.run_dir, tokenizer=tokenizer, engine=engine)
