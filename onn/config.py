@@ -117,6 +117,8 @@ class HardwareConfig:
     block_call_s: dict[str, float] | None = None
     memory_gb_s: float | None = None
     decode_gvalues_s: dict[str, float] | None = None
+    cuda_context_mb: float | None = None  # the CUDA context's own memory (measured; a preset may give it)
+    cuda_workspace_mb: float | None = None  # cuBLAS's workspaces, allocated once per process (measured)
 
 
 @dataclass

@@ -39,11 +39,12 @@ MB = 1024**2
 PROFILE_KEYS = (
     "name", "accelerator", "device_name", "device_count", "device_memory_mb", "device_memory_free_mb",
     "host_memory_mb", "host_memory_available_mb", "cpu_cores", "matmul_tflops", "disk_read_mb_s", "h2d_mb_s", "bf16",
-    "matmul_gflops", "block_call_s", "memory_gb_s", "decode_gvalues_s",
+    "matmul_gflops", "block_call_s", "memory_gb_s", "decode_gvalues_s", "cuda_context_mb", "cuda_workspace_mb",
 )  # fmt: skip
 MATMUL_ROWS = (1, 16, 128, 1024)
 MATMUL_SIZES = (256, 4096)
-VERSION = 6  # what `measure` records; a cached profile of another version is measured again
+GPU_MATMUL_ROWS = (1, 16, 128, 1024, 8192)  # a token at a time up to a large micro-batch's tokens
+VERSION = 7  # what `measure` records; a cached profile of another version is measured again
 
 
 def resolve(
@@ -93,6 +94,7 @@ def now(accelerator: str, folder: str | os.PathLike) -> dict[str, Any]:
     limit = os.environ.get("OMP_NUM_THREADS")
     busy, runnable = cpu_load()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     threads = max(1, min(cores, int(cores - busy + 0.5)))
     return {
         "cpu_share": round(cpu_share(threads, 1.0), 3) if busy >= 0.25 else 1.0,
@@ -101,6 +103,8 @@ def now(accelerator: str, folder: str | os.PathLike) -> dict[str, Any]:
         "cpu_busy_cores": round(busy, 2),
         "cpu_runnable_threads": round(runnable, 2),
         "thread_limit": int(limit) if limit and limit.isdigit() and int(limit) > 0 else None,
+        # the user hid every GPU: the run plans for the CPU, and says why
+        "gpus_hidden": accelerator == "cpu" and visible is not None and visible.strip() in ("", "-1"),
     }
 
 
@@ -265,11 +269,14 @@ def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> dict[str
         "host_memory_mb": int(vm.total // MB),
         "host_memory_available_mb": int(vm.available // MB),
         "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "matmul_tflops": round(_matmul_tflops(accelerator), 4),
+        "matmul_tflops": round(_matmul_tflops(accelerator), 4) if accelerator != "cuda" else None,
         "disk_read_mb_s": round(read_mb_s(probe_dir, disk_probe_mb), 1),
-        "h2d_mb_s": round(_h2d_mb_s(), 1) if accelerator == "cuda" else None,
+        "h2d_mb_s": round(h2d_mb_s(), 1) if accelerator == "cuda" else None,
         "bf16": bool(bf16),
     }
+    if accelerator == "cuda":
+        profile.update(gpu_rates())
+        profile["cuda_workspace_mb"] = round(cuda_workspace_mb(), 1)
     busy = cpu_busy_cores(0.3)
     if accelerator == "cpu":
         profile["matmul_gflops"] = matmul_table(profile["cpu_cores"])
@@ -277,6 +284,8 @@ def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> dict[str
         profile["matmul_tflops"] = round(best / 1000, 4)
         profile["memory_gb_s"], profile["decode_gvalues_s"] = memory_rates()
     profile["block_call_s"] = block_call_s("cuda" if accelerator == "cuda" else "cpu")
+    if accelerator == "cuda":  # after every kind of work above: the context holds the kernels a run loads
+        profile["cuda_context_mb"] = round(cuda_context_mb(), 1)
     # measured while other processes kept cores busy: the rates on every core are too low, so the
     # profile is measured again the next time the machine is quiet (see resolve)
     profile["busy_while_measuring"] = round(max(busy, cpu_busy_cores(0.3)), 2)
@@ -480,18 +489,107 @@ def memory_rates() -> tuple[float, dict[str, float]]:
     return round(copy, 2), decode
 
 
-def _h2d_mb_s(size_mb: int = 256) -> float:
+def h2d_mb_s(size_mb: int = 512) -> float:
+    """Pinned host memory to the GPU, as the layer store's copies go: the best of five copies."""
     import torch
 
-    src = torch.empty(size_mb * MB, dtype=torch.uint8).pin_memory()
+    src = torch.empty(size_mb * MB, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty_like(src, device="cuda")
-    dst.copy_(src, non_blocking=True)
+    return size_mb / gpu_seconds(lambda: dst.copy_(src, non_blocking=True), trials=5)
+
+
+def gpu_seconds(fn, trials: int = 5, min_s: float = 0.01) -> float:
+    """Seconds per call of `fn` on the current CUDA stream: the best of `trials` timings (CUDA events
+    around enough calls to last `min_s`), after a warm-up."""
+    import torch
+
+    fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(3):
-        dst.copy_(src, non_blocking=True)
+    calls, best = 1, float("inf")
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1000
+        best = min(best, seconds / calls)
+        if seconds < min_s:
+            calls = max(calls + 1, int(calls * min_s / max(seconds, 1e-6)))
+    return best
+
+
+def gpu_rates() -> dict[str, Any]:
+    """What the planner predicts a GPU step from: matmul GFLOP/s by dtype and row count through a 4096 x
+    4096 weight (`matmul_gflops`, the CPU table's layout with one "thread"), the device memory's copy
+    bandwidth (`memory_gb_s`, bytes read + written) and its rate of casting int8 codes to the compute dtype
+    (`decode_gvalues_s`: an int8 store's weights are cast on the device, a tile at a time)."""
+    import torch
+
+    size, table = 4096, {}
+    for dtype in ("bfloat16", "float16", "float32"):
+        weight = torch.randn(size, size, device="cuda", dtype=getattr(torch, dtype))
+        rates = {}
+        for rows in GPU_MATMUL_ROWS:
+            x = torch.randn(rows, size, device="cuda", dtype=weight.dtype)
+            seconds = gpu_seconds(lambda x=x, w=weight: torch.nn.functional.linear(x, w))
+            rates[str(rows)] = round(2 * rows * size * size / seconds / 1e9, 1)
+        table[dtype] = {"1": rates}
+    n = 256 * MB
+    src, dst = (
+        torch.empty(n, dtype=torch.uint8, device="cuda"),
+        torch.empty(n, dtype=torch.uint8, device="cuda"),
+    )
+    copy = 2 * n / gpu_seconds(lambda: dst.copy_(src)) / 1e9
+    codes = torch.randint(-127, 127, (64 * MB,), dtype=torch.int8, device="cuda")
+    decode = {}
+    for target in ("bfloat16", "float16", "float32"):
+        out = torch.empty(codes.shape, dtype=getattr(torch, target), device="cuda")
+        decode[f"int8->{target}"] = round(codes.numel() / gpu_seconds(lambda o=out: o.copy_(codes)) / 1e9, 2)
+    best = max(max(r.values()) for r in table["bfloat16"].values())
+    return {"matmul_gflops": {str(size): table}, "memory_gb_s": round(copy, 1), "decode_gvalues_s": decode,
+            "matmul_tflops": round(best / 1000, 1)}  # fmt: skip
+
+
+def cuda_workspace_mb() -> float:
+    """What stays allocated once every tensor of ours is gone: cuBLAS's workspaces, which a run holds too."""
+    import torch
+
     torch.cuda.synchronize()
-    return 3 * size_mb / (time.perf_counter() - start)
+    return torch.cuda.memory_allocated() / MB
+
+
+def cuda_context_mb() -> float:
+    """The CUDA context this process holds beside what PyTorch allocates (driver state, the kernels loaded,
+    cuBLAS's handles): the process's GPU memory, from NVML where it can name this process, else the
+    device's used memory less what others held before this process started (assumed none), less what
+    PyTorch's allocator reserved. It counts against a budget before any model is built."""
+    import torch
+
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved() / MB
+    return max(0.0, process_gpu_mb() - reserved)
+
+
+def process_gpu_mb() -> float:
+    """This process's GPU memory, context included: NVML's figure for this process when it has one, else
+    the device's used memory (exact when no other process uses the GPU)."""
+    import torch
+
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()  # NVML numbers every GPU; CUDA only the visible ones: match them by UUID
+        uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
+        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == os.getpid() and proc.usedGpuMemory:
+                return proc.usedGpuMemory / MB
+    except Exception:  # noqa: BLE001 - NVML missing, not permitted, or not naming processes in a container
+        pass
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / MB
 
 
 def _sync(device: str) -> None:
