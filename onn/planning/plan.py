@@ -54,10 +54,12 @@ from onn.hardware.memory import anon_rss_mb
 from onn.models.layers import resolve_indices
 from onn.planning.spec import ModelSpec
 from onn.planning.tuned import lookup
-from onn.streaming.schedule import cached_blocks, generates_from_codes
+from onn.streaming.schedule import CAST_TILE_VALUES, cached_blocks, generates_from_codes
 
 MB = 1024**2
-CUDA_CONTEXT_MB = 1536
+# A preset GPU's CUDA context when the preset gives none (a measured profile has its own): CUDA 12-13 with
+# lazy kernel loading, cuBLAS and the kernels a training step loads.
+CUDA_CONTEXT_MB = 512
 HEADROOM = 0.95  # use at most 95% of what is left after the context
 # On CPUs the peak is resident memory, and glibc's heap holds on to the buffers autograd frees
 # during backward while new ones of other sizes are taken: measured with task=bench (phi4_tiny,
@@ -70,6 +72,15 @@ HEADROOM = 0.95  # use at most 95% of what is left after the context
 # live tensors, and the backward's gradients sat beside the chunk's saved activations.
 CPU_HEAP_OVERHEAD = 0.7
 STREAM_HEAP_OVERHEAD = 2.0
+# Bytes a counted activation element takes under bf16/fp16 autocast, relative to the compute dtype's: the
+# norms keep float32 inputs and outputs (Phi-3's and Llama's RMSNorm compute in float32). Measured with
+# saved-tensor hooks on HF Phi-3 and Llama layers under bf16 autocast: 2.4-2.6 bytes per counted element.
+MIXED_ACTIVATION_FACTOR = 1.25
+# On a GPU, streamed settings predicted within this share of the fastest step count as equally fast, and
+# the one holding the least device memory wins: the prediction's own error is about this large, and a step
+# bound by the host link gains nothing from memory it leaves unused (which other work, or a larger
+# batch, can have).
+GPU_TIE = 0.10
 CANDIDATES = ("full", "lora", "qlora", "sparse_lora")
 NETWORK_CANDIDATES = ("full", "linear_probe")
 AUTO_ORDER = ("lora", "qlora", "sparse_lora")  # pretrained weights: the first that fits wins
@@ -174,8 +185,10 @@ def choose_precision(hw: dict[str, Any]) -> str:
 
 
 def context_mb(hw: dict[str, Any]) -> float:
+    """What the process holds before any model is built: the CUDA context (measured by the profile; a
+    preset's own figure, or CUDA_CONTEXT_MB), or on CPUs the process's resident memory now."""
     if hw["accelerator"] == "cuda":
-        return CUDA_CONTEXT_MB
+        return float(hw.get("cuda_context_mb") or CUDA_CONTEXT_MB)
     if hw.get("source") == "preset":
         return 600.0  # a preset machine cannot be measured: torch + Python's typical resident size
     return anon_rss_mb()
@@ -333,7 +346,7 @@ def matmul_rate(hw: dict[str, Any], dtype: str, rows: float, threads: int, size:
     threads: the profile's measured tables (log-interpolated in rows and in weight size, linearly in
     threads), or a preset's matmul_tflops."""
     tables = hw.get("matmul_gflops") or {}
-    if hw["accelerator"] != "cpu" or not all(dtype in t for t in tables.values()) or not tables:
+    if not tables or not all(dtype in t for t in tables.values()):
         return float(hw.get("matmul_tflops") or 0.1) * 1e12
 
     def log_interp(x: float, points: list[tuple[float, float]]) -> float:
@@ -484,6 +497,7 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
     dtypes = [store_dtype] if store_dtype else store_dtypes(hw, precision)
     disk_free = hw.get("disk_free_mb")
     threads, share = threads_for(hw)
+    host_room = (hw.get("host_memory_available_mb") or hw.get("host_memory_mb") or 0) * MB * 0.8
 
     def options(key: str, default: list) -> list:
         return (
@@ -492,7 +506,12 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
             else default
         )
 
+    shape = StreamShape(spec, hw, cdtype, seq, micro_batch, batch_size, sparse_layers, per_token_layer, logits,
+                        prefetch)  # fmt: skip
+
     def memory(sd, store, edges, activations, chunk, cache, decoded=True) -> dict[str, float]:
+        if on_gpu:
+            return gpu_stream_memory(shape, sd, edges, activations, chunk)
         files = _block_bytes(spec, sd)
         zero_copy = not on_gpu and sd == cdtype or not decoded
         # On a CPU host memory is the device: a store held there counts in full, and so do cached blocks.
@@ -521,7 +540,16 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
     def peak(m: dict[str, float]) -> float:
         return m["weights"] + m["optimizer"] + m["workspace"] + max(m["trainable"], m["activations"])
 
-    def timing(sd, store, edges, chunk, cache) -> dict[str, float]:
+    def host_cache(sd: str, store: str) -> int:
+        """A GPU's disk store: the blocks host memory holds beside the run, pinned, read once."""
+        if store != "disk" or "cache_blocks" in fixed:
+            return int(fixed.get("cache_blocks", 0))
+        return int(min(n, host_room // max(_block_bytes(spec, sd))))
+
+    def timing(sd, store, edges, chunk, cache, activations="device") -> dict[str, float]:
+        if on_gpu:
+            rows = gpu_stream_memory(shape, sd, edges, activations, chunk)["suffix_rows"]
+            return gpu_stream_timing(shape, sd, store, edges, activations, chunk, cache, rows)
         files = _block_bytes(spec, sd)
         chunks = [list(range(s, min(s + chunk, n))) for s in range(0, n, chunk)]
         low = min(lowest // chunk, len(chunks))
@@ -557,8 +585,8 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
         files = _block_bytes(spec, sd)
         missing = sum(files) - (present or {}).get(sd, 0)
         disk_ok = disk_free is None or missing + 2 * 1024**3 <= disk_free * MB
-        # On a GPU the store sits in (pinned) host memory when the host has room for it.
-        host_room = (hw.get("host_memory_available_mb") or hw.get("host_memory_mb") or 0) * MB * 0.8
+        # On a GPU the store sits in pinned host memory when the host has room for it, else on the disk with
+        # as many blocks as fit cached in host memory; a fixed `store` is taken as given.
         stores = (["cpu"] if sum(files) <= host_room else ["disk"]) if on_gpu else ["cpu", "disk"]
         for store, edges, activations in itertools.product(options("store", stores), options("edges", ["resident", "stream"]),
                                                            options("activations", ["device", "host"] if on_gpu else ["device"])):  # fmt: skip
@@ -572,18 +600,29 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
                     cache = int(min(n, room)) if "cache_blocks" not in fixed else int(fixed["cache_blocks"])
                     m = memory(sd, store, edges, activations, chunk, cache)
                 else:
-                    cache = 0
+                    cache = host_cache(sd, store) if on_gpu else 0
                 if peak(m) > budget:
                     continue
                 found.append(
-                    (timing(sd, store, edges, chunk, cache), sd, store, edges, activations, chunk, cache, m)
+                    (
+                        timing(sd, store, edges, chunk, cache, activations),
+                        sd,
+                        store,
+                        edges,
+                        activations,
+                        chunk,
+                        cache,
+                        m,
+                    )
                 )
     usable = [f for f in found if f[1] != "nf4"] or found  # nf4 costs precision: only when nothing else fits
     best = None
     if usable:
         fastest = min(f[0]["step"] for f in usable)
-        near = [f for f in usable if f[0]["step"] <= fastest * 1.03]
-        best = min(near, key=lambda f: (PRECISE_FIRST.index(f[1]), f[0]["step"]))
+        near = [f for f in usable if f[0]["step"] <= fastest * (1 + (GPU_TIE if on_gpu else 0.03))]
+        # between settings equally fast, the more precise store; on a GPU then the one that holds least of
+        # its memory (a step bound by the host link gains nothing from more of it)
+        best = min(near, key=lambda f: (PRECISE_FIRST.index(f[1]), peak(f[7]) if on_gpu else f[0]["step"]))
     refusal = None
     if best is None and refused:
         sd, missing = min(refused, key=lambda r: r[1])
@@ -632,6 +671,7 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
         "cache_blocks": cache,
         "eval_tokens": int(eval_tokens),
         "generate_batch": generate_batch,
+        "suffix_rows": int(m.get("suffix_rows") or micro_batch),  # rows whose loss (logits) runs at once
         "generate_cache_blocks": generate_cache,
         "generate_sequence_mb": round(per_sequence / MB, 3),  # what each of generate_batch sequences is given
         # what is left of generation's room below one more cached block
@@ -644,6 +684,7 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
         "predicted_compute_s": round(t["compute"], 3),
         "predicted_decode_s": round(t["decode"], 3),
         "predicted_disk_read_gb": round(t["disk_bytes"] / 2**30, 2),
+        "predicted_h2d_gb": round(t.get("h2d_bytes", 0) / 2**30, 2),  # copied to the GPU per step
         "store_gb": round(sum(_block_bytes(spec, store_dtype)) / 2**30, 2),
         "predicted_step_s": round(t["step"], 3),
         "refused": refusal,
@@ -654,6 +695,143 @@ def _estimate_streaming(spec, hw, seq, micro_batch, precision, sparse_layers, ba
                    streaming=streaming, accumulates=batch_size > micro_batch)  # fmt: skip
     est.fits = fits(est, hw)
     return est
+
+
+@dataclass
+class StreamShape:
+    """What a streamed step's size depends on besides its settings: the model, machine, compute dtype and
+    batch (the planner's GPU model of a streamed step reads it)."""
+
+    spec: ModelSpec
+    hw: dict[str, Any]
+    cdtype: str
+    seq: int
+    micro_batch: int
+    batch_size: int
+    sparse_layers: list[int]
+    per_token_layer: int
+    logits: float  # bytes of one micro-batch's logits, their log-softmax and gradient
+    prefetch: bool = True
+
+    @property
+    def lowest(self) -> int:
+        return min(self.sparse_layers) if self.sparse_layers else self.spec.n_blocks
+
+    @property
+    def micro_batches(self) -> int:
+        return max(1, -(-self.batch_size // self.micro_batch))
+
+
+def gpu_stream_memory(s: StreamShape, sd: str, edges: str, activations: str, chunk: int) -> dict[str, float]:
+    """Device memory of a streamed step on a GPU, as its peak phase holds it: a chunk computing (two chunks
+    of blocks on the device, the one computing and the one copying in; an int8 store's as codes with one
+    cast tile), or the suffix (the head's weights, the logits of `suffix_rows` rows at a time: as many as
+    keep the suffix within what a chunk holds). With edges streamed no chunk is resident while the suffix
+    runs; the embeddings are looked up in host memory and never come to the device."""
+    spec, cb = s.spec, DTYPE_BYTES[s.cdtype]
+    files = _block_bytes(spec, sd)
+    codes = sd == "int8"
+    per_block = max(files) if codes or sd == s.cdtype else max(files) + max(spec.block_params) * cb
+    tile = CAST_TILE_VALUES * cb if codes else 0
+    slots = 2 * chunk * per_block + tile
+    head = max(spec.suffix_params, spec.vocab * spec.hidden) * (DTYPE_BYTES[sd] if codes else cb) + tile
+    tokens = s.micro_batch * s.seq
+    n_chunks = -(-spec.n_blocks // chunk)
+    kept = (
+        (n_chunks - min(s.lowest // chunk, n_chunks) + 2) * s.micro_batches if activations == "device" else 0
+    )
+    kept_bytes = kept * tokens * spec.hidden * cb
+    # a chunk's recompute with grad (or the no-grad forward of `chunk` fused micro-batches: as large)
+    recompute = s.per_token_layer * tokens * chunk * cb * MIXED_ACTIVATION_FACTOR
+    row_logits = s.logits / s.micro_batch
+    lora = sum(spec.lora_params_per_block[i] for i in s.sparse_layers)
+    if edges == "resident":
+        weights = slots + (spec.prefix_params + spec.suffix_params) * cb
+        rows = s.micro_batch
+        acts = kept_bytes + max(recompute, rows * row_logits)
+    else:
+        rows = int(max(1, min(s.micro_batch, max(slots + recompute - head, 64 * MB) // row_logits)))
+        weights, acts = max((slots, kept_bytes + recompute), (head, kept_bytes + rows * row_logits), key=sum)
+    weights += lora * 4
+    workspace = 0.05 * (weights + acts + lora * 8) + float(s.hw.get("cuda_workspace_mb") or 0) * MB
+    return {"weights": weights, "trainable": lora * 4, "optimizer": lora * 8, "activations": acts,
+            "workspace": workspace, "cached_block": max(files), "suffix_rows": rows}  # fmt: skip
+
+
+def gpu_stream_timing(s: StreamShape, sd: str, store: str, edges: str, activations: str, chunk: int,
+                      cache: int, suffix_rows: int) -> dict[str, float]:  # fmt: skip
+    """A streamed step's time on a GPU. The copy of the next chunk over the host link (from pinned host
+    memory; a disk store's uncached blocks read first) overlaps the current chunk's compute, so each half of
+    the step (the forward's chunks, the backward's) takes the longer of its copies and its compute; the
+    suffix, the edges' copy and the optimizer come on top. Compute: matmul FLOPs at the profile's measured
+    rate for the dtype and rows, an int8 store's casts at the measured cast rate (one per use of a block:
+    the forward of each fused group, the recompute and the backward of each micro-batch), and the measured
+    framework time per block call."""
+    spec, hw, n = s.spec, s.hw, s.spec.n_blocks
+    files = _block_bytes(spec, sd)
+    chunks = [list(range(a, min(a + chunk, n))) for a in range(0, n, chunk)]
+    low = min(s.lowest // chunk, len(chunks))
+    # the lowest trainable chunk stays resident from the last backward; the suffix gives the last one back
+    # when the edges stream (the embeddings' lookup needs no device memory, so the prefix keeps it)
+    forward = [c for c in range(len(chunks)) if not (c == low == 0)]
+    backward = (
+        list(range(low, len(chunks) if edges == "stream" else len(chunks) - 1)) if low < len(chunks) else []
+    )
+    h2d = float(hw.get("h2d_mb_s") or 10000.0) * MB
+    disk_rate = float(hw.get("disk_read_mb_s") or 1000.0) * MB
+    cached = set(cached_blocks(n, cache, low * chunk if low < len(chunks) else n))
+
+    def copy_s(cs: list[int]) -> float:
+        blocks = [i for c in cs for i in chunks[c]]
+        read = sum(files[i] for i in blocks if store == "disk" and i not in cached)
+        return sum(files[i] for i in blocks) / h2d + read / disk_rate
+
+    tokens = s.batch_size * s.seq
+    kept = (
+        tokens * spec.hidden * DTYPE_BYTES[s.cdtype] * len(backward) * chunk if activations == "host" else 0
+    )
+    compute = gpu_stream_compute(s, sd, chunk, suffix_rows)
+    io_f, io_b = copy_s(forward), copy_s(backward) + kept / h2d
+    embedding = spec.vocab * spec.hidden
+    edges_io = max(spec.suffix_params, embedding) * DTYPE_BYTES[sd] / h2d if edges == "stream" else 0.0
+    if s.prefetch:
+        step = max(io_f, compute["forward"]) + max(io_b, compute["backward"])
+    else:
+        step = io_f + io_b + compute["forward"] + compute["backward"]
+    step += compute["suffix"] + edges_io
+    disk = sum(files[i] for c in forward + backward for i in chunks[c] if store == "disk" and i not in cached)
+    copied = sum(files[i] for c in forward + backward for i in chunks[c]) + kept + edges_io * h2d
+    return {"step": step, "io": io_f + io_b + edges_io, "compute": sum(compute.values()), "decode": 0.0,
+            "disk_bytes": disk, "h2d_bytes": copied}  # fmt: skip
+
+
+def gpu_stream_compute(s: StreamShape, sd: str, chunk: int, suffix_rows: int) -> dict[str, float]:
+    """A streamed step's GPU compute in its three parts (see gpu_stream_timing); the suffix runs
+    `suffix_rows` rows of a micro-batch at a time."""
+    spec, hw, n = s.spec, s.hw, s.spec.n_blocks
+    per_block, head = token_flops(spec, s.seq)
+    linear = spec.linear_params_per_block or spec.block_params
+    size = math.sqrt(max(linear) / 4)
+    tokens, rows, lowest = s.batch_size * s.seq, s.micro_batch * s.seq, s.lowest
+    groups = -(-s.micro_batches // chunk)  # the forward fuses up to `chunk` micro-batches
+
+    def matmul(flops: float, m: float) -> float:
+        return flops / matmul_rate(hw, s.cdtype, m, 1, size)
+
+    cast_rate = float((hw.get("decode_gvalues_s") or {}).get(f"int8->{s.cdtype}") or 0) * 1e9
+    cast = (lambda values: values / cast_rate) if sd == "int8" and cast_rate else (lambda values: 0.0)
+    calls = hw.get("block_call_s") or {}
+    lora = sum(spec.lora_params_per_block[i] for i in s.sparse_layers)
+    bandwidth = float(hw.get("memory_gb_s") or 0) * 1e9
+    forward = (matmul(sum(per_block) * tokens, min(s.micro_batches, chunk) * rows) + cast(sum(linear) * groups)
+               + calls.get("forward", 0.0) * n * groups)  # fmt: skip
+    backward = (matmul(2 * sum(per_block[lowest:]) * tokens, rows) + cast(2 * sum(linear[lowest:]) * s.micro_batches)
+                + calls.get("lora", 0.0) * (n - lowest) * s.micro_batches)  # fmt: skip
+    head_values = max(spec.suffix_params, spec.vocab * spec.hidden)
+    pieces = s.micro_batches * -(-s.micro_batch // suffix_rows)
+    suffix = (matmul(2 * head * tokens, suffix_rows * s.seq) + cast(2 * head_values * pieces)
+              + calls.get("step", 0.0) * pieces + (28 * lora / bandwidth if bandwidth else 0.0))  # fmt: skip
+    return {"forward": forward, "backward": backward, "suffix": suffix}
 
 
 def chunk_sizes(n: int) -> list[int]:
@@ -711,16 +889,24 @@ def make_plan(
     }
 
     def best_estimate(name: str) -> Estimate:
-        """Largest micro-batch that fits (streaming then picks its own fastest settings)."""
+        """Largest micro-batch that fits (streaming then picks its own fastest settings). Streamed on a GPU,
+        the fastest micro-batch that fits, and between two equally fast (GPU_TIE) the one holding less memory:
+        a step bound by the host link is no faster for larger micro-batches, only larger."""
         sizes = [int(fixed_mb)] if fixed_mb not in (None, "auto") else micro_batch_sizes(batch_size)
         layers = sparse_layers if name == "sparse_lora" else list(range(n))
         store = fixed["store_dtype"] if fixed.get("store_dtype") not in (None, "auto") else None
-        last = None
+        fitting, last = [], None
         for mb in sizes:
             last = estimate(name, spec, hw, seq, mb, precisions[name], layers, batch_size, store, fixed, checkpointing,
                             present=present, where=str(folder))  # fmt: skip
-            if last.fits:
+            if last.fits and not (name == "sparse_lora" and hw["accelerator"] == "cuda"):
                 return last
+            if last.fits:
+                fitting.append(last)
+        if fitting:
+            fastest = min(e.streaming["predicted_step_s"] for e in fitting)
+            near = [e for e in fitting if e.streaming["predicted_step_s"] <= fastest * (1 + GPU_TIE)]
+            return min(near, key=lambda e: e.peak_mb)
         return last
 
     estimates = {name: best_estimate(name) for name in CANDIDATES}
@@ -851,7 +1037,7 @@ def _streaming_reason(s: dict[str, Any]) -> str:
         else f"on disk, {s['cache_blocks']} block(s) cached in host memory"
     )
     line = (f"streaming: {s['store_dtype']} store {place}, chunk {s['chunk_size']}, edges {s['edges']}: predicted "
-            f"{s['predicted_step_s']:.2f} s/step (I/O {s['predicted_io_s']:.2f} s for {s['predicted_disk_read_gb']:.1f} GB read, "
+            f"{s['predicted_step_s']:.2f} s/step (I/O {s['predicted_io_s']:.2f} s for {_moved(s)}, "
             f"compute {s['predicted_compute_s']:.2f} s in {s['compute_dtype']}"
             + (f", decode {s['predicted_decode_s']:.2f} s" if s["predicted_decode_s"] else "") + "), the fastest that fits")  # fmt: skip
     others = [
@@ -861,6 +1047,13 @@ def _streaming_reason(s: dict[str, Any]) -> str:
         a = others[0]
         line += f"; next: {a['store_dtype']} {a['store']} store at {a['predicted_step_s']:.2f} s/step"
     return line
+
+
+def _moved(s: dict[str, Any]) -> str:
+    """What a streamed step moves: GB read from the disk, and on a GPU GB copied over the host link."""
+    read = f"{s['predicted_disk_read_gb']:,.1f} GB read"
+    copied = s.get("predicted_h2d_gb") or 0
+    return f"{read} and {copied:,.1f} GB copied to the GPU" if copied else read
 
 
 def _store_folder(cfg: dict[str, Any]):
@@ -976,7 +1169,7 @@ def render(plan: dict[str, Any]) -> str:
             else f"disk, {s['cache_blocks']} of {plan['model']['blocks']} blocks cached in RAM"
         )
         lines.append(f"streaming: chunk_size {s['chunk_size']}, store {s['store_dtype']} in {place} ({s['store_gb']:,.1f} GB), "
-                     f"edges {s['edges']}, compute in {s['compute_dtype']}; per step {s['predicted_disk_read_gb']:,.1f} GB read "
+                     f"edges {s['edges']}, compute in {s['compute_dtype']}; per step {_moved(s)} "
                      f"({s['predicted_io_s']}s I/O) vs {s['predicted_compute_s']}s compute (predictions)")  # fmt: skip
     if plan.get("threads"):
         lines.append(f"threads: {plan['threads']} of {plan['hardware'].get('cpu_cores')} cores")
