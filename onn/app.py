@@ -34,6 +34,7 @@ from onn.bench import TASKS as BENCH_TASKS
 from onn.errors import UserError
 from onn.export import check_settings as check_export
 from onn.hardware.cluster import is_rank_zero
+from onn.hardware.memory import cap_gpu_memory
 from onn.hardware.profile import resolve as resolve_hardware
 from onn.hardware.profile import use_threads
 from onn.modalities import Job, detect, get
@@ -43,6 +44,8 @@ from onn.tasks import Task
 from onn.tasks.record import Interrupted, RunRecord, writable_folder
 from onn.training.checkpoints import resolve as resolve_checkpoint
 from onn.training.checkpoints import saved_config
+from onn.training.distributed import end_distributed
+from onn.training.micro_batches import is_out_of_memory
 from onn.training.optim import check as check_optim
 from onn.training.trainer import check as check_trainer
 from onn.training.trainer import check_launch, explain_distributed_failure
@@ -93,7 +96,8 @@ def run(cfg: DictConfig) -> float | None:
         record.interrupted(e.signum)
         sys.exit(e.exit_code)  # a signal stops a sweep too: the jobs not run yet run when it is resumed
     except Exception as e:
-        if (sentence := explain_distributed_failure(e, config)) is not None:  # a peer that never came
+        sentence = explain_distributed_failure(e, config) or explain_out_of_memory(e, config)
+        if sentence is not None:  # a peer that never came, or memory that ran out where no back-off applies
             log.error("%s", sentence)
             _finish_failed(record, sentence)
             if not multirun:
@@ -106,7 +110,26 @@ def run(cfg: DictConfig) -> float | None:
     except BaseException as e:  # SystemExit or KeyboardInterrupt from inside a library: still leave a record
         _finish_failed(record, f"stopped: {type(e).__name__} {e}".strip())
         raise
+    finally:
+        end_distributed()  # the run's last collective is behind it: NCCL would warn about a live group at exit
     return _objective(cfg, metrics)
+
+
+def explain_out_of_memory(error: BaseException, config: dict[str, Any]) -> str | None:
+    """One sentence for running out of memory where the step's back-off does not apply (validation,
+    generation, a store build, the optimizer's first step); None for any other error."""
+    if not is_out_of_memory(error) or not config:
+        return None
+    where = "the GPU" if isinstance(error, torch_out_of_memory()) else "memory"
+    return (f"out of {where} outside a training step's back-off ({str(error).strip().splitlines()[0][:160]}): lower "
+            f"data.batch_size or data.max_length, set strategy.micro_batch lower, or give hardware.budget_mb room; "
+            f"`python run.py task=plan` with the same settings shows what each needs.")  # fmt: skip
+
+
+def torch_out_of_memory() -> type:
+    import torch
+
+    return torch.OutOfMemoryError
 
 
 def _finish_failed(record: RunRecord, error: str) -> None:
@@ -126,12 +149,22 @@ def quiet_console() -> None:
     os.environ.setdefault(
         "HF_HUB_DISABLE_PROGRESS_BARS", "1"
     )  # transformers' per-file bars when it loads or writes weights
+    # PyTorch's CUDA allocator grows segments instead of caching blocks of every size it met: a streamed
+    # run's chunks, activations and casts come and go in many sizes, and the process stays near what it
+    # allocates (read when the first CUDA allocation is made, so it must be set before any)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*(LeafSpec|litlogger|does not have many workers).*")
     warnings.filterwarnings(
         "ignore", category=UserWarning, module=r"torch\.onnx\..*"
     )  # the exporter's notes on axes
+    # FSDP with one process shards nothing, by ONN's choice (onn/training/distributed.py): torch says so at every
+    # state_dict; DeepSpeed leaves a one-process group unbound to a device on purpose, and torch says so at its barriers
+    warnings.filterwarnings(
+        "ignore",
+        message=r".*(NO_SHARD|full_state_dict will be returned|using the device under current context).*",
+    )
     for name, level in (("bitsandbytes.backends.cpu.ops", logging.ERROR), ("lightning.pytorch.utilities.rank_zero", logging.WARNING),
                         ("lightning.fabric.utilities.rank_zero", logging.WARNING), ("DeepSpeed", logging.ERROR)):  # fmt: skip
         logging.getLogger(name).setLevel(level)
@@ -232,6 +265,11 @@ def from_checkpoint(config: dict[str, Any], given: set[str]) -> tuple[Path, dict
                         ", ".join(ignored))  # fmt: skip
         config[group] = saved[group]
         came[group] = "checkpoint"
+    lightning = str(config["strategy"].get("lightning") or "auto")
+    if lightning.startswith(("fsdp", "deepspeed")) and config["task"]["name"] != "train":
+        # where the weights were sharded while training is not part of the model: evaluating, inferring and
+        # exporting run them whole, on whatever this machine has (Lightning refuses these strategies on a CPU)
+        config["strategy"] = {**config["strategy"], "lightning": "auto"}
     data_keys = sorted(k for k in given if k.startswith("data."))
     if "data" in given:
         modality = config["data"].get("modality")
@@ -323,6 +361,9 @@ def execute(config: dict[str, Any], run_dir: Path, given: set[str] | None = None
     hardware = resolve_hardware(
         config["hardware"], Path(config["paths"]["cache"]), Path(config["paths"]["outputs"])
     )
+    if hardware.get("gpus_hidden"):
+        print(f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} hides every GPU: planning and running on the CPU.",
+              flush=True)  # fmt: skip
     # task=tune starts from the planner's own guess; every other task takes a cached tune result
     plan, spec = modality.plan(config, hardware, use_tuned=name != "tune")
     if writes:
@@ -330,6 +371,8 @@ def execute(config: dict[str, Any], run_dir: Path, given: set[str] | None = None
         print(render(plan), flush=True)
     if task.heavy:
         use_threads(plan)  # torch's threads on the cores other processes leave free
+        if hardware["accelerator"] == "cuda" and hardware.get("budget_mb"):
+            cap_gpu_memory(plan["budget_mb"] - plan["context_mb"])  # a smaller card, held to for real
     # On CPUs the measured peak is the process's resident memory, which includes its baseline.
     predicted = plan["predicted_peak_memory_mb"] + (
         plan["context_mb"] if hardware["accelerator"] != "cuda" else 0

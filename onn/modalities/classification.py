@@ -41,7 +41,7 @@ from onn.planning.spec import network_spec
 from onn.training.callbacks import ResourceMonitor, StepClock
 from onn.training.checkpoints import check_state, read_meta, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
-from onn.training.classifier import Classifier, LinearProbe, save_confusion
+from onn.training.classifier import Classifier, LinearProbe, mean_loss, save_confusion
 from onn.training.optim import monitor_mode
 from onn.training.trainer import build_trainer
 
@@ -124,9 +124,7 @@ def train(m: ClassifierModality, job: Job) -> dict[str, Any]:
         "epochs": trainer.current_epoch,
         "steps": trainer.global_step,
         "train/loss_initial": float(module.train_losses[0]) if module.train_losses else None,
-        "train/loss_final": float(torch.stack(module.train_losses[-20:]).mean())
-        if module.train_losses
-        else None,
+        "train/loss_final": mean_loss(module.train_losses[-20:]),
         f"{monitor}_best": round(best_score, 5) if best_score is not None else None,
         "val/history": module.history,
         "val/acc_final": module.history[-1]["val/acc"] if module.history else None,

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from onn.errors import UserError
+from onn.training.distributed import clip_gradients
 from onn.training.optim import make_optimizer, make_schedule
 
 log = logging.getLogger("onn")
@@ -180,9 +181,7 @@ class Classifier(L.LightningModule):
             plt.close(figure)
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        clip = float(self.optim["clip_grad_norm"] or 0.0)
-        if clip > 0:
-            self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+        clip_gradients(self, optimizer, float(self.optim["clip_grad_norm"] or 0.0))
 
     # -- optimiser and schedule -----------------------------------------------------------------------
     def configure_optimizers(self):
@@ -216,6 +215,12 @@ class Classifier(L.LightningModule):
         if self.inputs == "features":
             strict = False  # checkpoints hold the head only
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def mean_loss(losses: list[torch.Tensor]) -> float | None:
+    """The mean of per-step losses kept as tensors (on the device while training, on the CPU after a
+    checkpoint): read once, wherever each lies."""
+    return sum(float(x) for x in losses) / len(losses) if losses else None
 
 
 def confusion_figure(matrix: torch.Tensor, classes: list[str]):

@@ -129,7 +129,23 @@ def data_parallel(name: str, config: dict[str, Any], accelerator: str):
     if launched():
         wait_for_rendezvous(config["strategy"]["timeout_s"])
     timeout = timedelta(seconds=float(config["strategy"]["timeout_s"]))
+    if name.startswith(GPU_ONLY):
+        from onn.training.distributed import sharded_strategy
+
+        return sharded_strategy(name, entry, config, world_size(config), timeout)
     return entry["strategy"](**entry["init_params"], timeout=timeout)
+
+
+def world_size(config: dict[str, Any]) -> int:
+    """The processes a multi-device run has: trainer.devices per node (auto: every GPU visible) x nodes."""
+    devices = config["trainer"]["devices"]
+    if devices in (None, "auto", -1, "-1"):
+        import torch
+
+        per_node = max(1, torch.cuda.device_count())
+    else:
+        per_node = processes_per_node(config["trainer"])
+    return per_node * int(config["trainer"]["num_nodes"])
 
 
 def warn_oversubscribed(kwargs: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from onn.errors import UserError
+from onn.training.distributed import clip_gradients
 from onn.training.optim import make_optimizer, make_schedule
 
 log = logging.getLogger("onn")
@@ -139,9 +140,7 @@ class DualEncoder(L.LightningModule):
                      "  ".join(f"{k} {v:.4f}" for k, v in figures.items() if not k.endswith("chance")))  # fmt: skip
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        clip = float(self.optim["clip_grad_norm"] or 0.0)
-        if clip > 0:
-            self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+        clip_gradients(self, optimizer, float(self.optim["clip_grad_norm"] or 0.0))
 
     def configure_optimizers(self):
         optimizer = make_optimizer([p for p in self.parameters() if p.requires_grad], self.optim)

@@ -33,6 +33,7 @@ from onn.planning.spec import network_spec
 from onn.training.callbacks import ResourceMonitor, StepClock
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.checkpoints import read_meta
+from onn.training.classifier import mean_loss
 from onn.training.trainer import build_trainer
 
 log = logging.getLogger("onn")
@@ -159,9 +160,7 @@ def train(job: Job) -> dict[str, Any]:
         "epochs": trainer.current_epoch,
         "steps": trainer.global_step,
         "train/loss_initial": float(module.train_losses[0]) if module.train_losses else None,
-        "train/loss_final": float(torch.stack(module.train_losses[-20:]).mean())
-        if module.train_losses
-        else None,
+        "train/loss_final": mean_loss(module.train_losses[-20:]),
         "val/history": module.history,
         "samples_per_s": clock.samples_per_s(dm.batch_size, skip=min(2, len(clock.step_s) - 1)),
         "peak_memory_mb": round(peak.peak_mb, 1),

@@ -1,0 +1,142 @@
+"""Lightning's sharded strategies as ONN runs them: FSDP and DeepSpeed ZeRO on one GPU or many.
+
+What ONN adds to Lightning's own:
+  - gradient clipping at optim.clip_grad_norm under every strategy (`clip_gradients`): FSDP through its root
+    module's own `clip_grad_norm_` (Lightning's FSDP precision refuses norm clipping), DeepSpeed inside its
+    engine's step (its `gradient_clipping` setting; Lightning's clip_gradients is a no-op there);
+  - ONN's micro-batch accumulation (manual optimization): DeepSpeed's step is the accumulation boundary
+    (`managed_gradient_accumulation: false`), and under ZeRO-3 each micro-batch's forward goes through the
+    engine (`forward_module`), which counts them;
+  - ZeRO-3 with the optimizer offloaded to the host runs torch's AdamW there (`zero_force_ds_cpu_optimizer:
+    false`) rather than DeepSpeed's CPU Adam, which is compiled on first use (about a minute per machine);
+  - FSDP with one process shards nothing (NO_SHARD, what torch falls back to anyway, said without its warning);
+  - checkpoints through ONN's safetensors CheckpointIO: FSDP's full state dict as Lightning gathers it (its
+    check that refuses an existing folder would refuse ONN's checkpoint folder), DeepSpeed's weights gathered
+    whole (DeepSpeed's own format is pickles), its partitioned optimizer state left out;
+  - the process group destroyed when the run ends (`end_distributed`), so NCCL has nothing to warn about.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from datetime import timedelta
+from typing import Any
+
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
+
+
+class ShardedFSDP(FSDPStrategy):
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        if self._state_dict_type != "full":
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        # the state dict Lightning gathered for rank 0, written by ONN's CheckpointIO (atomically, over the last)
+        return Strategy.save_checkpoint(self, checkpoint, self.broadcast(filepath), storage_options)
+
+
+class ShardedDeepSpeed(DeepSpeedStrategy):
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        """The weights gathered whole and the loops' state, through ONN's CheckpointIO. The optimizer's state
+        stays out: DeepSpeed partitions it in objects safetensors cannot hold, so a resumed run starts its
+        moments afresh."""
+        filepath = self.broadcast(filepath)
+        with gathered(self.lightning_module):
+            state = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+        kept = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint({**kept, "state_dict": state}, filepath)
+
+
+def sharded_strategy(name: str, entry: dict[str, Any], config: dict[str, Any], processes: int,
+                     timeout: timedelta) -> Strategy:  # fmt: skip
+    """Lightning's registered strategy `name` (fsdp*, deepspeed*) set up as the module doc says."""
+    params = dict(entry["init_params"])
+    if name.startswith("fsdp"):
+        if processes == 1:
+            params["sharding_strategy"] = "NO_SHARD"
+        return ShardedFSDP(**params, timeout=timeout)
+    strategy = ShardedDeepSpeed(**params, timeout=timeout)
+    strategy.config["gradient_clipping"] = float(config["optim"]["clip_grad_norm"] or 0.0)
+    strategy.config["managed_gradient_accumulation"] = False
+    if "offload_optimizer" in strategy.config.get("zero_optimization", {}):
+        strategy.config["zero_force_ds_cpu_optimizer"] = False
+    return strategy
+
+
+def clip_gradients(module, optimizer, max_norm: float) -> None:
+    """Clip the gradients' global norm to `max_norm` under any strategy (after fp16's unscale: call it from
+    on_before_optimizer_step). DeepSpeed clips inside its engine's step, set by `sharded_strategy`."""
+    if max_norm <= 0:
+        return
+    strategy = module.trainer.strategy
+    if isinstance(strategy, DeepSpeedStrategy):
+        return
+    root = _fsdp_root(module) if isinstance(strategy, FSDPStrategy) else None
+    if root is not None:
+        root.clip_grad_norm_(max_norm)  # a collective: every rank calls it
+    else:
+        module.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+
+
+def _fsdp_root(module):
+    """The outermost FSDP module: Lightning's wrapper of the whole module, or the model wrapped in
+    configure_model (`wrap_for_fsdp`)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    outer = module.trainer.strategy.model
+    if isinstance(outer, FullyShardedDataParallel):
+        return outer
+    return next((m for m in module.modules() if isinstance(m, FullyShardedDataParallel)), None)
+
+
+def wrap_for_fsdp(model):
+    """The model as FSDP's root when Lightning's FSDP strategy is configuring it (inside its wrap context;
+    elsewhere unchanged): the LightningModule itself stays unwrapped, so a training step that runs its own
+    backward passes (ONN's micro-batches) runs outside FSDP's forward."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import wrap
+
+    return model if isinstance(model, FullyShardedDataParallel) else wrap(model)
+
+
+def forward_module(module):
+    """What a micro-batch's forward goes through: DeepSpeed's engine (ZeRO-3 counts micro-batches there
+    and gathers each layer's weights), else the module's own model."""
+    strategy = module.trainer.strategy
+    return strategy.model if isinstance(strategy, DeepSpeedStrategy) else module.model
+
+
+@contextlib.contextmanager
+def gathered(module):
+    """ZeRO-3 partitions every weight over the ranks: gather them whole for the body (a checkpoint, greedy
+    answers after training); elsewhere nothing to do."""
+    params = [p for p in module.parameters() if hasattr(p, "ds_numel")]
+    if not params:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield
+
+
+def parameter_count(module, trainable: bool = True) -> int:
+    """Parameters (that train), counted whole under ZeRO-3 too."""
+    return sum(
+        getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad or not trainable
+    )
+
+
+def end_distributed() -> None:
+    """Destroy this process's process group once the run has no more collectives: NCCL warns at exit about
+    one left alive. DeepSpeed's own destroy also drops the groups it cached, so a next job (a multirun)
+    starts clean."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    comm = sys.modules.get("deepspeed.comm")
+    if comm is not None and comm.is_initialized():
+        comm.destroy_process_group()
+    else:
+        dist.destroy_process_group()
