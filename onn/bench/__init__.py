@@ -8,6 +8,9 @@ task=bench_media       onn/bench/media.py      audio/video decoding throughput; 
 task=bench_shard_plan  onn/export/shards.py    the .omny shard planner on a synthetic model
 task=bench_giant       onn/bench/giant.py      a model larger than RAM: store build, training, generation
 task=bench_serve       onn/bench/serve.py      task=serve under load: batching speedup, latencies, errors
+task=bench_overhead    onn/bench/overhead.py   the language-model runner's step against a plain PyTorch loop
+task=bench_gpu         onn/bench/gpu.py        the headline on a GPU: Phi-4 under a 4 GB budget, generation,
+                                               accelerate, the runner's overhead
 """
 
 from __future__ import annotations
@@ -68,6 +71,30 @@ def _bench_serve(job: Job) -> dict[str, Any]:
     return serve.run(job)
 
 
+def _bench_overhead(job: Job) -> dict[str, Any]:
+    from onn.bench import overhead
+
+    return overhead.run(job)
+
+
+def _check_overhead(config: dict[str, Any]) -> None:
+    from onn.bench import overhead
+
+    overhead.check_settings(config)
+
+
+def _bench_gpu(job: Job) -> dict[str, Any]:
+    from onn.bench import gpu
+
+    return gpu.run(job)
+
+
+def _check_gpu(config: dict[str, Any]) -> None:
+    from onn.bench import gpu
+
+    gpu.check_settings(config)
+
+
 def _bench_shard_plan(job: Job) -> dict[str, Any]:
     from onn.export.shards import bench
 
@@ -83,4 +110,6 @@ TASKS: dict[str, Task] = {
     "bench_giant": Task(_bench_giant, check=_check_giant, modalities=TEXT),
     "bench_serve": Task(_bench_serve, check=serve_check, modalities=TEXT),
     "bench_shard_plan": Task(_bench_shard_plan, model=False, heavy=False),
+    "bench_overhead": Task(_bench_overhead, check=_check_overhead, modalities=TEXT),
+    "bench_gpu": Task(_bench_gpu, check=_check_gpu, modalities=TEXT),
 }

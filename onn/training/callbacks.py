@@ -62,13 +62,14 @@ class StepClock(L.Callback):
         self.widths: list[int] = []
         self.io_s: list[float] = []
         self.compute_s: list[float] = []
+        self.copied_bytes: list[int] = []  # streamed on a GPU: weights copied from host memory per step
         self._t0 = 0.0
-        self._engine_t0 = (0.0, 0.0)
+        self._engine_t0 = (0.0, 0.0, 0)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         engine = getattr(pl_module, "engine", None)
         if engine is not None:
-            self._engine_t0 = (engine.times.io_s, engine.times.compute_s)
+            self._engine_t0 = (engine.times.io_s, engine.times.compute_s, engine.times.copied_bytes)
         if isinstance(batch, dict):  # token batches; image batches are (images, labels)
             self.tokens.append(int(batch["attention_mask"].sum()))
             self.widths.append(int(batch["input_ids"].shape[1]))
@@ -80,6 +81,7 @@ class StepClock(L.Callback):
         if engine is not None:
             self.io_s.append(engine.times.io_s - self._engine_t0[0])
             self.compute_s.append(engine.times.compute_s - self._engine_t0[1])
+            self.copied_bytes.append(engine.times.copied_bytes - self._engine_t0[2])
 
     def samples_per_s(self, batch_size: int, skip: int = 0) -> float | None:
         """Training samples per second over the steps after the first `skip`: batches and optimizer steps

@@ -1,0 +1,329 @@
+"""`task=bench_gpu` (recipe=bench_gpu): ONN's headline on a GPU, against what the host link and the GPU allow.
+
+  train       Phi-4 at its real size (random init) under hardware.budget_mb, a 4 GB card with its CUDA context:
+              the store built into pinned host memory, `task.steps` optimizer steps of data.batch_size samples
+              (the first warms up and is not timed), the plan's predictions beside the measurements
+  generate    greedy tokens for 1 and for task.gen_batch prompts from the same store
+  accelerate  the same weights (the store's, de-quantized to bf16), prompts and token count through
+              accelerate's device_map="auto" with max_memory at the same budget: what users reach for today
+  overhead    the default job (`python run.py`'s model and data) against a plain PyTorch loop, and
+              recipe=bench_vision's image runner against its plain loop, each in a run of its own
+
+Figures go to metrics.json as gpu/* and to bench_gpu.md beside it. The step's limit is
+
+    limit_s = max(bytes copied host-to-device per step / pinned bandwidth now,
+                  matmul FLOPs per step / bf16 matmul rate now (the largest block weight at the step's rows))
+
+and limit_efficiency = limit_s / step_s. The seed's figure for Phi-4 on a GTX 1650 (490 ms per sample at
+batch 128) stands beside ms_per_sample.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from onn.errors import UserError
+
+MB = 1024**2
+SEED_MS_PER_SAMPLE = 490  # the seeds' Phi-4 on a 4 GB GTX 1650, batch 128
+
+
+def check_settings(config: dict[str, Any]) -> None:
+    task = config["task"]
+    for key, least in (("steps", 2), ("gen_batch", 1), ("gen_tokens", 2)):
+        if isinstance(task[key], bool) or not isinstance(task[key], int) or task[key] < least:
+            raise UserError(f"task.{key}={task[key]!r}: give a whole number, {least} or more.")
+    if config["strategy"]["name"] != "sparse_lora":
+        raise UserError(
+            f"task=bench_gpu measures layer streaming: use strategy=sparse_lora, not {config['strategy']['name']}."
+        )
+
+
+def run(job) -> dict[str, Any]:
+    if job.hardware["accelerator"] != "cuda":
+        raise UserError(
+            "task=bench_gpu measures a CUDA GPU, and this machine has none (or CUDA_VISIBLE_DEVICES hides it)."
+        )
+    task, started = job.config["task"], time.perf_counter()
+    out: dict[str, Any] = {"gpu/device": torch.cuda.get_device_name(), "gpu/params": job.spec.params,
+                           "gpu/seed_ms_per_sample": SEED_MS_PER_SAMPLE}  # fmt: skip
+    module, tokenizer, trained = _train(job)
+    out.update(trained)
+    _write(job, out)
+    prompts = _prompts(job, tokenizer)
+    out.update(_generate(job, module, tokenizer, prompts))
+    _write(job, out)
+    if task["accelerate"]:
+        state = _plain_state(job, module)
+        del module
+        _free()
+        out.update(_accelerate(job, state, tokenizer, prompts, out))
+        _write(job, out)
+    if task["overhead"]:
+        out.update(_overheads(job))
+    out["gpu/wall_s"] = round(time.perf_counter() - started, 1)
+    _write(job, out)
+    return out
+
+
+def _train(job) -> tuple[Any, Any, dict[str, Any]]:
+    """The store built, then task.steps steps; figures of the steps after the first."""
+    from onn.hardware.profile import h2d_mb_s, process_gpu_mb
+    from onn.modalities.text.tasks import build, datamodule, trainer
+    from onn.planning.plan import streaming_step_flops
+    from onn.training.callbacks import StepClock
+
+    config, plan, spec = job.config, job.plan, job.spec
+    start = time.perf_counter()
+    module, tokenizer = build(config, plan)  # the store is filled here, block by block
+    build_s = time.perf_counter() - start
+    dm = datamodule(config, tokenizer)
+    clock = StepClock()
+    steps = int(config["task"]["steps"])
+    run_config = {**config, "trainer": {**config["trainer"], "max_steps": steps, "limit_val_batches": 0,
+                                        "num_sanity_val_steps": 0, "enable_checkpointing": False}}  # fmt: skip
+    fit = trainer(run_config, plan, job.run_dir, [clock], loggers=False, steps_per_epoch=dm.steps_per_epoch)
+    torch.cuda.reset_peak_memory_stats()
+    module.train()
+    fit.fit(module, datamodule=dm)
+    peak = torch.cuda.max_memory_allocated() / MB
+    process = process_gpu_mb()
+    context = float(job.hardware.get("cuda_context_mb") or 0.0)
+    timed = slice(1, None)  # the first step loads kernels and the first chunks
+    step_s = statistics.mean(clock.step_s[timed])
+    copied = statistics.mean(clock.copied_bytes[timed])
+    batch, seq = int(config["data"]["batch_size"]), int(plan["sequence_length"])
+    flops = streaming_step_flops(spec, seq, batch, plan["sparse_layers"])
+    rate = _matmul_rate(job)
+    link = h2d_mb_s() * MB
+    limit = max(copied / link, flops / rate)
+    s = plan["streaming"]
+    predicted_peak, predicted_context = plan["predicted_peak_memory_mb"], plan["context_mb"]
+    tokens = statistics.mean(clock.tokens[timed])
+    out = {
+        "gpu/store_dtype": s["store_dtype"], "gpu/store_place": "pinned host memory" if s["store"] == "cpu" else "disk",
+        "gpu/chunk_size": s["chunk_size"], "gpu/micro_batch": plan["micro_batch"], "gpu/suffix_rows": s.get("suffix_rows"),
+        "gpu/activations": s["activations"], "gpu/edges": s["edges"], "gpu/build_s": round(build_s, 1),
+        "gpu/steps": len(clock.step_s), "gpu/batch_size": batch,
+        "gpu/peak_allocated_mb": round(peak, 1), "gpu/process_gpu_mb": round(process, 1),
+        "gpu/context_mb": round(context, 1), "gpu/budget_mb": plan["budget_mb"],
+        "gpu/predicted_peak_mb": predicted_peak, "gpu/predicted_process_mb": round(predicted_peak + predicted_context, 1),
+        "gpu/allocated_error": round(peak / predicted_peak - 1, 4),
+        "gpu/memory_error": round((peak + context) / (predicted_peak + predicted_context) - 1, 4),
+        "gpu/step_s": round(step_s, 4), "gpu/predicted_step_s": plan["predicted_step_s"],
+        "gpu/step_time_error": round(step_s / plan["predicted_step_s"] - 1, 4),
+        "gpu/step_s_all": [round(x, 4) for x in clock.step_s],
+        "gpu/io_s": round(statistics.mean(clock.io_s[timed]), 4), "gpu/compute_s": round(statistics.mean(clock.compute_s[timed]), 4),
+        "gpu/predicted_io_s": s["predicted_io_s"], "gpu/predicted_compute_s": s["predicted_compute_s"],
+        "gpu/copied_gb_per_step": round(copied / 2**30, 3), "gpu/h2d_gb_s": round(link / 2**30, 2),
+        "gpu/h2d_gb_s_profile": round(float(job.hardware.get("h2d_mb_s") or 0) / 1024, 2),
+        "gpu/flops_per_step": flops, "gpu/matmul_tflops": round(rate / 1e12, 1),
+        "gpu/limit_s": round(limit, 4), "gpu/limit_efficiency": round(limit / step_s, 4),
+        "gpu/limit_bound": "host link" if copied / link >= flops / rate else "matmuls",
+        "gpu/ms_per_sample": round(step_s / batch * 1000, 3), "gpu/tokens_per_s": round(tokens / step_s, 1),
+        "gpu/loss_first": round(module.train_losses[0], 4), "gpu/loss_last": round(module.train_losses[-1], 4),
+        "gpu/loss_curve": [round(x, 4) for x in module.train_losses],
+    }  # fmt: skip
+    return module, tokenizer, out
+
+
+def _matmul_rate(job) -> float:
+    """The bf16 matmul rate now for the model's largest block weight at a micro-batch's rows (FLOP/s)."""
+    from onn.hardware.profile import gpu_seconds
+    from onn.models.layers import discover
+    from onn.models.load import meta_model
+
+    block = discover(meta_model(job.config["model"])).blocks[0]
+    out_features, in_features = max(
+        (m.weight.shape for m in block.modules() if isinstance(m, torch.nn.Linear)), key=lambda s: s.numel()
+    )
+    dtype = getattr(torch, job.plan["streaming"]["compute_dtype"])
+    rows = int(job.plan["micro_batch"]) * int(job.plan["sequence_length"])
+    weight = torch.randn(out_features, in_features, device=job.device, dtype=dtype)
+    x = torch.randn(rows, in_features, device=job.device, dtype=dtype)
+    seconds = gpu_seconds(lambda: torch.nn.functional.linear(x, weight), trials=7, min_s=0.05)
+    return 2 * rows * out_features * in_features / seconds
+
+
+def _prompts(job, tokenizer) -> list[list[int]]:
+    from onn.bench.giant import _prompts as held_out_prompts
+
+    return held_out_prompts(job.config, tokenizer, int(job.config["task"]["gen_batch"]))
+
+
+def _timed_generation(generate, prompts: list[list[int]], pad_id: int) -> dict[str, Any]:
+    """`generate(ids, mask, on_token)` for 1 prompt and for all: the time of each new token after the first
+    (whose step also reads the prompt), and tokens per second over the whole generation."""
+    from onn.bench.giant import _left_padded
+
+    out = {}
+    for key, batch in (("b1", prompts[:1]), ("bn", prompts)):
+        ids, mask = _left_padded(batch, pad_id)
+        stamps = [time.perf_counter()]
+        generate(ids, mask, lambda *_, stamps=stamps: stamps.append(time.perf_counter()))
+        steps = [b - a for a, b in itertools.pairwise(stamps)]
+        out[key] = {"token_s": statistics.median(steps[1:]), "tokens_per_s": len(batch) * len(steps) / (stamps[-1] - stamps[0]),
+                    "first_s": steps[0]}  # fmt: skip
+    return out
+
+
+def _generate(job, module, tokenizer, prompts: list[list[int]]) -> dict[str, Any]:
+    """ONN's streamed generation from the store the steps trained on."""
+    from onn.modalities.text.tasks import streaming_settings
+    from onn.streaming.strategy import build_engine
+
+    config, plan, tokens = job.config, job.plan, int(job.config["task"]["gen_tokens"])
+    settings = streaming_settings(config, plan, generate=True, sequences=len(prompts))
+    module.model.to(job.device)  # Lightning's teardown left what is not streamed on the CPU
+    engine = build_engine(module.model, settings, module.store, job.device, micro_batch=None)
+    module.model.eval()
+    torch.cuda.reset_peak_memory_stats()
+    timed = _timed_generation(lambda ids, mask, on_token: engine.generate(ids, mask, tokens, on_token=on_token),
+                              prompts, tokenizer.pad_token_id)  # fmt: skip
+    engine.close()
+    return {
+        "gpu/gen_tokens": tokens, "gpu/gen_batch": len(prompts),
+        "gpu/gen_b1_token_s": round(timed["b1"]["token_s"], 4), "gpu/gen_bn_token_s": round(timed["bn"]["token_s"], 4),
+        "gpu/gen_b1_tokens_per_s": round(timed["b1"]["tokens_per_s"], 3),
+        "gpu/gen_bn_tokens_per_s": round(timed["bn"]["tokens_per_s"], 3),
+        "gpu/gen_bn_over_b1": round(timed["bn"]["token_s"] / timed["b1"]["token_s"], 3),
+        "gpu/gen_peak_allocated_mb": round(torch.cuda.max_memory_allocated() / MB, 1),
+    }  # fmt: skip
+
+
+def _plain_state(job, module) -> dict[str, torch.Tensor]:
+    """The model's frozen weights as a plain (un-adapted) model names them, de-quantized to the compute
+    dtype on the CPU: the blocks from the store, the edges from the store or the model."""
+    from onn.models.layers import discover
+    from onn.streaming.store import stored_name
+
+    store, dtype = module.store, getattr(torch, job.plan["streaming"]["compute_dtype"])
+    paths = discover(module.model).block_paths
+    plain = "base_model.model."
+    state = {}
+    for i, path in enumerate(paths):
+        for name, t in store.decode(store.read(i), torch.device("cpu"), dtype).items():
+            state[f"{path}.{name}".replace(plain, "", 1)] = t
+    if store.is_complete("edges"):
+        for name, t in store.decode(store.read("edges"), torch.device("cpu"), dtype).items():
+            state[name.replace(plain, "", 1)] = t
+    for name, p in module.model.named_parameters():
+        plain_name = stored_name(name).replace(plain, "", 1)
+        if p.numel() and not p.requires_grad and plain_name not in state:
+            state[plain_name] = p.data.to("cpu", dtype)
+    module.store = None
+    return state
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _accelerate(
+    job, state: dict[str, torch.Tensor], tokenizer, prompts: list[list[int]], ours: dict[str, Any]
+) -> dict[str, Any]:
+    """accelerate's device_map="auto" at the same budget: the layers that fit on the GPU, the rest offloaded
+    to host memory and copied in module by module as the forward reaches them."""
+    from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
+
+    from onn.models.load import architecture, auto_class
+
+    config, plan, tokens = job.config, job.plan, int(job.config["task"]["gen_tokens"])
+    dtype = getattr(torch, plan["streaming"]["compute_dtype"])
+    arch = architecture(config["model"])
+    with init_empty_weights(include_buffers=False):
+        model = auto_class(arch).from_config(arch, dtype=dtype)
+    missing = set(dict(model.named_parameters())) - set(state)
+    if missing:
+        raise RuntimeError(f"accelerate's copy lacks {sorted(missing)[:3]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    del state
+    gpu_mb = int(plan["budget_mb"] - plan["context_mb"])
+    host_mb = int(job.hardware["host_memory_available_mb"] * 0.9)
+    device_map = infer_auto_device_map(model, max_memory={0: f"{gpu_mb}MiB", "cpu": f"{host_mb}MiB"},
+                                       no_split_module_classes=model._no_split_modules, dtype=dtype)  # fmt: skip
+    model = dispatch_model(model, device_map=device_map).eval()
+    on_gpu = sum(1 for where in device_map.values() if where == 0)
+
+    class Stamps:  # a generation streamer: put() per new token (the first call is the prompt)
+        def __init__(self, on_token):
+            self.on_token, self.calls = on_token, 0
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls > 1:
+                self.on_token()
+
+        def end(self):
+            pass
+
+    def generate(ids, mask, on_token):
+        with torch.no_grad():
+            model.generate(input_ids=ids.to(0), attention_mask=mask.to(0), max_new_tokens=tokens, min_new_tokens=tokens,
+                           do_sample=False, pad_token_id=tokenizer.pad_token_id, streamer=Stamps(on_token))  # fmt: skip
+
+    torch.cuda.reset_peak_memory_stats()
+    timed = _timed_generation(generate, prompts, tokenizer.pad_token_id)
+    return {
+        "gpu/accelerate_modules_on_gpu": on_gpu,
+        "gpu/accelerate_modules": len(device_map),
+        "gpu/accelerate_b1_tokens_per_s": round(timed["b1"]["tokens_per_s"], 3),
+        "gpu/accelerate_bn_tokens_per_s": round(timed["bn"]["tokens_per_s"], 3),
+        "gpu/accelerate_peak_allocated_mb": round(torch.cuda.max_memory_allocated() / MB, 1),
+        "gpu/vs_accelerate": round(ours["gpu/gen_bn_tokens_per_s"] / timed["bn"]["tokens_per_s"], 2),
+        "gpu/vs_accelerate_b1": round(ours["gpu/gen_b1_tokens_per_s"] / timed["b1"]["tokens_per_s"], 2),
+    }
+
+
+def _overheads(job) -> dict[str, Any]:
+    """The default job against a plain loop, and bench_vision's runner overhead, each a run of its own."""
+    task = job.config["task"]
+    out = {}
+    ran = _child(job, "overhead", ["task=bench_overhead", "tracking=none"])
+    out["gpu/default_job_ratio"] = ran.get("overhead/ratio")
+    out["gpu/default_job_steps_per_s"] = ran.get("overhead/onn_steps_per_s")
+    out["gpu/plain_loop_steps_per_s"] = ran.get("overhead/plain_steps_per_s")
+    source = Path(str(task["vision_source"])).expanduser()
+    if source.exists():
+        ran = _child(job, "vision", ["recipe=bench_vision", f"data.source={source}"])
+        out["gpu/vision_runner_overhead"] = ran.get("vision/runner_overhead")
+        out["gpu/vision_onn_samples_per_s"] = ran.get("vision/onn_samples_per_s")
+        out["gpu/vision_plain_samples_per_s"] = ran.get("vision/plain_samples_per_s")
+    else:
+        out["gpu/vision_runner_overhead"] = f"not measured: task.vision_source {source} does not exist"
+    return out
+
+
+def _child(job, name: str, overrides: list[str]) -> dict[str, Any]:
+    """A run.py of its own (its own process, config and GPU memory); its metrics.json."""
+    folder = job.run_dir / name
+    root = Path(job.config["paths"]["root"])
+    command = [sys.executable, str(root / "run.py"), *overrides, f"hydra.run.dir={folder}",
+               f"paths.outputs={job.config['paths']['outputs']}", f"paths.cache={job.config['paths']['cache']}"]  # fmt: skip
+    proc = subprocess.run(command, cwd=root, env=os.environ.copy(), capture_output=True, text=True)
+    (job.run_dir / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    try:
+        return json.loads((folder / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return {"error": f"{name} left no metrics.json (exit {proc.returncode}); see {name}.log"}
+
+
+def _write(job, out: dict[str, Any]) -> None:
+    """bench_gpu.md: the figures so far (a bench stopped midway keeps what it measured)."""
+    rows = [f"| {k.removeprefix('gpu/')} | {v} |" for k, v in out.items() if not isinstance(v, dict | list)]
+    text = (f"# bench_gpu: {job.spec.name} on {out.get('gpu/device')}\n\n| figure | value |\n| --- | --- |\n"
+            + "\n".join(rows) + "\n")  # fmt: skip
+    (job.run_dir / "bench_gpu.md").write_text(text)
+    (job.run_dir / "bench_gpu.json").write_text(json.dumps(out, indent=1, default=str))
