@@ -165,7 +165,8 @@ def test_qlora_trains_lora_on_a_4bit_base_also_after_a_validation(tmp_path):
     assert (
         sum(isinstance(m, bnb.nn.Linear4bit) for m in module.model.modules()) == 8 * 7
     )  # every block linear
-    batch = batches(steps=1)[0]
+    device = module.model.get_input_embeddings().weight.device  # the GPU the plan loaded the base on, if any
+    batch = {k: v.to(device) for k, v in batches(steps=1)[0].items()}
     module.eval()
     with torch.no_grad():
         module.model(**batch)  # a validation pass

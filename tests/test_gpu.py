@@ -1,0 +1,185 @@
+"""ONN on a GPU. Tests marked `gpu` run on a CUDA device and skip without one (`pytest -m gpu` is the GPU
+check, with `python run.py recipe=bench_gpu`); the others catch, on any machine, defects that show only on
+a GPU."""
+
+import copy
+import os
+
+import pytest
+import torch
+import yaml
+from conftest import ROOT, compose, read_metrics, run_cli
+from test_streaming import LAYER_SETS, lora_grads, lora_model, micro_batches, store_decoded
+
+from onn.models.layers import discover
+from onn.streaming.engine import StreamingEngine, target_tokens
+from onn.streaming.store import LayerStore, stored_name
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+TINY = ["model=llama_tiny", "data.builtin.train_size=200", "data.builtin.val_size=20", "tracking=none",
+        "task.exact_match_samples=4"]  # fmt: skip
+
+
+def test_every_process_computes_on_an_indexed_device(monkeypatch):
+    """Lightning's single-device strategies need `cuda:N` (a bare `cuda` crashed the streamed Phi-4 run's
+    setup), and each rank of a node takes its own GPU."""
+    from onn.hardware.cluster import compute_device
+    from onn.modalities import Job, get
+    from onn.streaming.strategy import LayerStreamingStrategy
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert compute_device("cuda") == "cuda:0" and compute_device("cpu") == "cpu"
+    strategy = LayerStreamingStrategy({}, "/nonexistent", 2, device=compute_device("cuda"))
+    assert strategy.root_device == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert compute_device("cuda") == "cuda:3"
+    job = Job({}, ROOT, get("text"), plan={"hardware": {"accelerator": "cuda"}})
+    assert torch.device(job.device) == torch.device("cuda", 3)
+
+
+def test_a_gpu_plan_streams_phi4_from_pinned_host_memory_within_the_seeds_memory():
+    """Planned for a GPU that measured its link and matmul rates, Phi-4 at batch 128 on a 4 GB budget
+    streams from host memory (which holds the store), int8 codes cast on the device, within 1.5 GB
+    allocated; a host too small for the store puts it on the disk with what fits cached in host memory."""
+    from onn.hardware.profile import resolve
+    from onn.planning.plan import make_plan
+    from onn.planning.spec import model_spec
+
+    cfg = compose("recipe=bench_gpu")
+    hw = resolve({**cfg["hardware"], **H200}, "/tmp", "/tmp")
+    plan = make_plan(cfg, hw, model_spec(cfg["model"], 16), use_tuned=False)
+    s = plan["streaming"]
+    assert (s["store"], s["store_dtype"], s["edges"]) == ("cpu", "int8", "stream")
+    assert plan["predicted_peak_memory_mb"] <= 1536 and plan["context_mb"] == H200["cuda_context_mb"]
+    assert s["predicted_h2d_gb"] > 20 and s["predicted_io_s"] == pytest.approx(
+        s["predicted_h2d_gb"] * 1024 / 50_000, rel=0.1
+    )
+    small = resolve(
+        {**cfg["hardware"], **H200, "host_memory_mb": 16_000, "host_memory_available_mb": 12_000},
+        "/tmp",
+        "/tmp",
+    )
+    s = make_plan(cfg, small, model_spec(cfg["model"], 16), use_tuned=False)["streaming"]
+    assert s["store"] == "disk" and 0 < s["cache_blocks"] < 40
+
+
+H200 = dict(
+    name="auto", measure=False, accelerator="cuda", device_name="a GPU", device_count=1, device_memory_mb=143_000,
+    host_memory_mb=128_000, host_memory_available_mb=120_000, cpu_cores=16, h2d_mb_s=50_000, disk_read_mb_s=2000,
+    bf16=True, memory_gb_s=4000, decode_gvalues_s={"int8->bfloat16": 1200.0}, cuda_context_mb=600, cuda_workspace_mb=32,
+    matmul_tflops=750, block_call_s={"forward": 1e-4, "full": 6e-4, "lora": 5e-4, "step": 3e-3},
+    matmul_gflops={"4096": {"bfloat16": {"1": {"1": 600, "16": 6e4, "128": 4e5, "1024": 6.5e5, "8192": 7.5e5}}}},
+)  # fmt: skip
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_streamed_step_on_the_gpu_is_the_dequantized_models_step():
+    """On the GPU: an int8 store in pinned host memory, its codes copied on a side stream and cast a tile at a
+    time, edges streamed (the embedding looked up in host memory), kept activations in host memory, the loss
+    one row at a time: the step's loss and LoRA gradients, and the greedy tokens, are the de-quantized model's."""
+    resident = lora_model("llama", LAYER_SETS["first4+last4"], hidden_size=64, intermediate_size=128)
+    streamed = copy.deepcopy(resident)
+    store = LayerStore("cpu", "int8", pin=True)
+    engine = StreamingEngine(streamed, discover(streamed), store, 2, device="cuda:0", stream_edges=True,
+                             activations="host", suffix_rows=1)  # fmt: skip
+    engine.offload()
+    streamed.to("cuda:0")
+    decoded = {**{f"{discover(resident).block_paths[i]}.{n}": t for i in range(len(engine.map))
+                  for n, t in store_decoded(engine, i).items()}, **store_decoded(engine, "edges")}  # fmt: skip
+    for name, param in resident.named_parameters():
+        if stored_name(name) in decoded:
+            param.data = decoded[stored_name(name)]
+    resident.to("cuda:0")
+    mbs = [{k: v.to("cuda:0") for k, v in mb.items()} for mb in micro_batches()]
+    losses = [resident(**mb).loss for mb in mbs]
+    (sum(losses) / len(mbs)).backward()
+    loss = engine.train_step(mbs)
+    torch.testing.assert_close(loss, torch.stack(losses).mean().detach(), rtol=1e-4, atol=1e-5)
+    want, got = lora_grads(resident), lora_grads(streamed)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-5, msg=name)
+    assert engine.times.copied_bytes > 0 and all(
+        p.dtype == torch.int8 for p in engine.resident_weights() if p.numel() >= 4096
+    )
+    assert sum(target_tokens(mb) for mb in mbs) > 0
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]], device="cuda:0")
+    mask = (ids != 0).long()
+    want_ids = resident.eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                        pad_token_id=0, eos_token_id=None, min_new_tokens=5)[:, 6:]  # fmt: skip
+    assert torch.equal(engine.generate(ids, mask, max_new_tokens=5), want_ids)
+    engine.close()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["full", "lora", "qlora", "sparse_lora"])
+def test_each_single_process_strategy_trains_on_the_gpu(strategy, tmp_path):
+    run_dir = tmp_path / strategy
+    proc = run_cli(*TINY, f"strategy={strategy}", "trainer.max_steps=20", "trainer.val_check_interval=10",
+                   f"paths.outputs={tmp_path}", f"hydra.run.dir={run_dir}")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    m = read_metrics(run_dir)
+    plan = yaml.safe_load((run_dir / "plan.yaml").read_text())
+    assert m["status"] == "ok" and plan["hardware"]["accelerator"] == "cuda" and m["strategy"] == strategy
+    assert m["train/loss_final"] < m["train/loss_initial"]
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_checkpoint_trained_on_the_gpu_evaluates_on_a_cpu_and_says_so(tmp_path):
+    """Trained on the GPU; evaluated with CUDA_VISIBLE_DEVICES= (no GPU visible): the plan falls back to the
+    CPU and says why, and the checkpoint loads there."""
+    run_dir = tmp_path / "train"
+    proc = run_cli(*TINY, "trainer.max_steps=10", f"paths.outputs={tmp_path}", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    hidden = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = _run_with_env(
+        hidden,
+        "task=eval",
+        f"ckpt={run_dir}",
+        f"paths.outputs={tmp_path}",
+        f"hydra.run.dir={tmp_path / 'eval'}",
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "CUDA_VISIBLE_DEVICES" in proc.stdout + proc.stderr  # the fallback is said
+    plan = yaml.safe_load((tmp_path / "eval" / "plan.yaml").read_text())
+    assert plan["hardware"]["accelerator"] == "cpu" and read_metrics(tmp_path / "eval")["status"] == "ok"
+
+
+def _run_with_env(env: dict[str, str], *args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env={**env, "HF_HUB_OFFLINE": "1"},
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+@gpu
+@pytest.mark.gpu
+def test_running_out_of_gpu_memory_backs_off_or_says_so_in_one_sentence(tmp_path):
+    """A micro-batch forced far above what a 1.2 GB card holds: the step halves it until it fits (the
+    budget is held to for real), or says in one sentence what to change; never a CUDA traceback."""
+    run_dir = tmp_path / "oom"
+    proc = run_cli("model=llama_small", "tracking=none", "strategy=full", "data.batch_size=256", "data.max_length=512",
+                   "strategy.micro_batch=256", "hardware.budget_mb=1200", "trainer.max_steps=2", "task.validate_before=false",
+                   "task.exact_match_samples=0", f"paths.outputs={tmp_path}", f"hydra.run.dir={run_dir}")  # fmt: skip
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    m = read_metrics(run_dir)
+    if m["status"] == "ok":
+        assert m["train/oom_backoffs"], "the forced micro-batch fitted: the test no longer runs out of memory"
+    else:
+        assert "out of" in m["error"] and "\n" not in m["error"]
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_budget_below_one_block_names_the_smallest_that_works(tmp_path):
+    proc = run_cli("recipe=phi4_local", "hardware.budget_mb=1000", "task=plan", f"paths.outputs={tmp_path}",
+                   f"hydra.run.dir={tmp_path / 'plan'}")  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert (
+        "the smallest budget that works is about" in proc.stdout + proc.stderr
+        or "below what the run holds" in proc.stdout + proc.stderr
+    )
