@@ -45,7 +45,9 @@ def run_cli(
     warnings are ignored; a fresh interpreter when a test reads the warnings a first import prints."""
     argv = [sys.executable, str(ROOT / "run.py"), *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": python_warnings}
-    if python_warnings != "ignore":
+    # ONN_TEST_FRESH=1: every run in a fresh interpreter (a GPU machine, where a library that touched CUDA
+    # while the zygote imported it would make every forked child fail to use the GPU)
+    if python_warnings != "ignore" or os.environ.get("ONN_TEST_FRESH") == "1":
         return subprocess.run(argv, cwd=cwd or ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return _zygote().run(argv, env, cwd or ROOT, timeout)
 
