@@ -165,6 +165,8 @@ def quiet_console() -> None:
         "ignore",
         message=r".*(NO_SHARD|full_state_dict will be returned|using the device under current context).*",
     )
+    # bitsandbytes' note that a layer whose width is no multiple of its 4-bit kernel's block runs a slower kernel
+    warnings.filterwarnings("ignore", message=r".*is not aligned for fast kernel.*")
     for name, level in (("bitsandbytes.backends.cpu.ops", logging.ERROR), ("lightning.pytorch.utilities.rank_zero", logging.WARNING),
                         ("lightning.fabric.utilities.rank_zero", logging.WARNING), ("DeepSpeed", logging.ERROR)):  # fmt: skip
         logging.getLogger(name).setLevel(level)

@@ -79,7 +79,7 @@ def run(job) -> dict[str, Any]:
 
 def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     """The store built, then task.steps steps; figures of the steps after the first."""
-    from onn.hardware.profile import h2d_mb_s, process_gpu_mb
+    from onn.hardware.profile import h2d_mb_s
     from onn.modalities.text.tasks import build, datamodule, trainer
     from onn.planning.plan import streaming_step_flops
     from onn.training.callbacks import StepClock
@@ -89,16 +89,18 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     module, tokenizer = build(config, plan)  # the store is filled here, block by block
     build_s = time.perf_counter() - start
     dm = datamodule(config, tokenizer)
-    clock = StepClock()
+    clock, probe = StepClock(), _StepProbe(job.run_dir / "syncs_last_step.txt")
     steps = int(config["task"]["steps"])
     run_config = {**config, "trainer": {**config["trainer"], "max_steps": steps, "limit_val_batches": 0,
                                         "num_sanity_val_steps": 0, "enable_checkpointing": False}}  # fmt: skip
-    fit = trainer(run_config, plan, job.run_dir, [clock], loggers=False, steps_per_epoch=dm.steps_per_epoch)
+    fit = trainer(
+        run_config, plan, job.run_dir, [clock, probe], loggers=False, steps_per_epoch=dm.steps_per_epoch
+    )
     torch.cuda.reset_peak_memory_stats()
     module.train()
     fit.fit(module, datamodule=dm)
     peak = torch.cuda.max_memory_allocated() / MB
-    process = process_gpu_mb()
+    process = max(probe.process_mb)
     context = float(job.hardware.get("cuda_context_mb") or 0.0)
     timed = slice(1, None)  # the first step loads kernels and the first chunks
     step_s = statistics.mean(clock.step_s[timed])
@@ -134,8 +136,54 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
         "gpu/ms_per_sample": round(step_s / batch * 1000, 3), "gpu/tokens_per_s": round(tokens / step_s, 1),
         "gpu/loss_first": round(module.train_losses[0], 4), "gpu/loss_last": round(module.train_losses[-1], 4),
         "gpu/loss_curve": [round(x, 4) for x in module.train_losses],
+        "gpu/reserved_peak_mb": round(torch.cuda.max_memory_reserved() / MB, 1),
+        "gpu/syncs_last_step": probe.syncs,
     }  # fmt: skip
     return module, tokenizer, out
+
+
+class _StepProbe:
+    """A callback: the process's GPU memory (NVML, context included) after every step, and the host-device
+    synchronisations of the last step (torch's sync debug mode), written to `path` by where they happen."""
+
+    def __new__(cls, path: Path):
+        import lightning as L
+
+        class Probe(L.Callback):
+            def __init__(self):
+                self.process_mb: list[float] = []
+                self.syncs = 0
+                self._seen: list[str] = []
+                self._show = None
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+                if trainer.global_step == trainer.max_steps - 1:  # the last step: count its syncs
+                    import warnings
+
+                    self._show, self._filters = warnings.showwarning, warnings.filters[:]
+                    warnings.showwarning = lambda message, *a, **k: self._seen.append(
+                        str(message).splitlines()[0]
+                    )
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+                from onn.hardware.profile import process_gpu_mb
+
+                if self._show is not None:
+                    import collections
+                    import warnings
+
+                    torch.cuda.set_sync_debug_mode("default")
+                    warnings.showwarning, self._show = self._show, None
+                    warnings.filters[:] = self._filters
+                    counts = collections.Counter(self._seen)
+                    self.syncs = sum(counts.values())
+                    path.write_text("".join(f"{n} x {m}\n" for m, n in counts.most_common()))
+                torch.cuda.synchronize()
+                self.process_mb.append(process_gpu_mb())
+
+        return Probe()
 
 
 def _matmul_rate(job) -> float:

@@ -415,6 +415,10 @@ class StreamingEngine:
                         t.record_stream(torch.cuda.current_stream())
                     params[name].data = t
                 for name, scale in scales.items():
+                    if (
+                        self._copy_stream is not None
+                    ):  # made on the copy stream too: its memory must outlive the use
+                        scale.record_stream(torch.cuda.current_stream())
                     self._linears[i][name]._onn_scale = scale
             self._resident, self._resident_slot = c, slot
             self.times.loads += 1

@@ -29,7 +29,9 @@ from onn.models.load import (
 from onn.streaming.store import human_bytes, stored_bytes, stored_name
 
 
-def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple[Any, Any] | None:
+def load_into_store(
+    model_cfg: dict[str, Any], dtype, cache_dir, store, device: str = "cpu"
+) -> tuple[Any, Any] | None:
     """Load a model for layer streaming one block at a time, so it never has to fit in memory.
 
     The model is built with empty weights; each block the store lacks is read from the source's
@@ -83,12 +85,17 @@ def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple
     if gguf is not None:
         gguf.map_names(model)
 
+    # Random weights for a store in host memory (rebuilt every run, never resumed) are drawn on the compute
+    # device when it is a GPU: Phi-4's 14.7B values take seconds there and minutes on a CPU's one RNG thread.
+    # A disk store draws them on the CPU, so a build resumed on another machine continues the same stream.
+    init_device = device if kind == "random" and store.kind == "cpu" else "cpu"
+
     def materialise(
         module: torch.nn.Module, prefix: str, seed: int, recurse: bool = True, in_dtype: bool = False
     ) -> None:
         """Real weights for a module: read from the source's files, or initialised from `seed` (in float32
         and cast, which is fast; `in_dtype`: straight in the weights dtype, which holds no float32 copy of
-        a large embedding)."""
+        a large embedding), on `init_device`; the prefix and suffix end on the CPU, as a loaded model's do."""
         if files:  # each file opened once per module; assign=True replaces the meta parameters
             names = [n for n, _ in module.named_parameters(recurse=recurse)]
             state = {}
@@ -100,16 +107,17 @@ def load_into_store(model_cfg: dict[str, Any], dtype, cache_dir, store) -> tuple
             names = [n for n, _ in module.named_parameters(recurse=recurse) if gguf.has(prefix + n)]
             module.load_state_dict({n: gguf.tensor(prefix + n) for n in names}, strict=False, assign=True)
         else:
-            module.to_empty(device="cpu", recurse=recurse)
+            module.to_empty(device=init_device, recurse=recurse)
             if in_dtype and dtype is not None:
                 for param in module.parameters(recurse=recurse):
                     param.data = torch.empty_like(param.data, dtype=dtype)
             torch.manual_seed(seed)
             for sub in module.modules() if recurse else [module]:
                 model._init_weights(sub)
-        if dtype is not None:
-            for param in module.parameters(recurse=recurse):
-                param.data = param.data.to(dtype)
+        for param in module.parameters(recurse=recurse):
+            param.data = param.data.to(dtype or param.dtype)
+            if not recurse:  # a prefix/suffix module stays in the model: on the host, as loaded models are
+                param.data = param.data.to("cpu")
 
     layer_map = discover(model, (model_cfg.get("layer_map") or {}).get("blocks"))
     full = layer_map.block_paths

@@ -156,14 +156,18 @@ class LayerStore:
         nf4: `name` codes, `name.absmax` scales and `name.shape` the original shape)."""
         out = {}
         for name, t in tensors.items():
-            t = t.detach().to("cpu")
+            t = (
+                t.detach()
+            )  # cast or quantized where it lies (a block initialised on a GPU), stored on the host
             if self.dtype not in QUANTIZED_BLOCK:
-                out[name] = t.to(torch_dtype(self.dtype)).contiguous()
+                out[name] = t.to(torch_dtype(self.dtype)).to("cpu").contiguous()
             elif t.dim() < 2 or t.numel() < 4096:
-                out[name] = t.float().contiguous()
+                out[name] = t.float().to("cpu").contiguous()
             elif self.dtype == "int8":
-                out[name], out[f"{name}.scale"] = quantize_int8(t)
+                codes, scale = quantize_int8(t)
+                out[name], out[f"{name}.scale"] = codes.to("cpu"), scale.to("cpu")
             else:
+                t = t.to("cpu")
                 import bitsandbytes.functional as bnb
 
                 t = t.float().contiguous()
@@ -301,14 +305,20 @@ def stored_bytes(shapes: dict[str, list[int]], dtype: str) -> int:
     return int(total)
 
 
-def quantize_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(t: torch.Tensor, rows_at_once: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 with one fp32 scale per row (per output channel of a weight): codes shaped as the
     tensor, scales shaped [rows, 1]. Per-row scales let the engine compute with the cast codes and scale
-    the layer's output instead, so decoding is one cast."""
-    t = t.float().reshape(t.shape[0], -1)
-    scale = t.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
-    codes = (t / scale).round_().clamp_(-127, 127).to(torch.int8)
-    return codes.contiguous(), scale.contiguous()
+    the layer's output instead, so decoding is one cast. Rows are quantized `rows_at_once` at a time, on the
+    tensor's device, so the float32 temporaries stay small beside a large weight."""
+    t = t.reshape(t.shape[0], -1)
+    codes = torch.empty(t.shape, dtype=torch.int8, device=t.device)
+    scale = torch.empty(t.shape[0], 1, dtype=torch.float32, device=t.device)
+    for a in range(0, t.shape[0], rows_at_once):
+        part = t[a : a + rows_at_once].float()
+        s = part.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+        codes[a : a + rows_at_once] = (part / s).round_().clamp_(-127, 127)
+        scale[a : a + rows_at_once] = s
+    return codes, scale
 
 
 def dequantize_int8(

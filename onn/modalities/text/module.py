@@ -182,7 +182,8 @@ class CausalLM(L.LightningModule):
         for piece, loss in zip(pieces, losses):
             tokens = target_tokens(piece)
             if tokens:  # a micro-batch without targets has a 0/0 mean loss
-                self.val_loss.update(loss.detach().float(), weight=tokens)
+                # the metric where the loss is (DeepSpeed's ZeRO-3 offload leaves the module's metrics on the CPU)
+                self.val_loss.to(loss.device).update(loss.detach().float(), weight=tokens)
 
     def on_validation_epoch_end(self) -> None:
         if self._held_out:

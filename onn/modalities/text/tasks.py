@@ -70,8 +70,9 @@ def build(config: dict[str, Any], plan: dict[str, Any]) -> tuple[CausalLM, Any]:
     settings = streaming_settings(config, plan)
     loaded, store = None, None
     if settings:  # block by block into the store: the whole model never has to fit in memory
-        store = layer_store(settings, store_root(config), compute_device(plan["hardware"]["accelerator"]))
-        loaded = load_into_store(model_cfg, dtype, config["paths"]["cache"], store)
+        device = compute_device(plan["hardware"]["accelerator"])
+        store = layer_store(settings, store_root(config), device)
+        loaded = load_into_store(model_cfg, dtype, config["paths"]["cache"], store, device)
     if plan["strategy"] == "qlora":
         loaded = load_4bit(
             model_cfg, dtype, config["paths"]["cache"], compute_device(plan["hardware"]["accelerator"])
