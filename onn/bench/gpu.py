@@ -144,7 +144,8 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
 
 class _StepProbe:
     """A callback: the process's GPU memory (NVML, context included) after every step, and the host-device
-    synchronisations of the last step (torch's sync debug mode), written to `path` by where they happen."""
+    synchronisations of the last step (torch's sync debug mode), written to `path` by where they happen, with
+    torch.profiler's table of that step's kernels beside it (profile_last_step.txt)."""
 
     def __new__(cls, path: Path):
         import lightning as L
@@ -166,6 +167,10 @@ class _StepProbe:
                     )
                     warnings.simplefilter("always")
                     torch.cuda.set_sync_debug_mode("warn")
+                    self._profiler = torch.profiler.profile(
+                        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                    )
+                    self._profiler.__enter__()
 
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
                 from onn.hardware.profile import process_gpu_mb
@@ -174,6 +179,10 @@ class _StepProbe:
                     import collections
                     import warnings
 
+                    torch.cuda.synchronize()
+                    self._profiler.__exit__(None, None, None)
+                    table = self._profiler.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+                    path.with_name("profile_last_step.txt").write_text(table)
                     torch.cuda.set_sync_debug_mode("default")
                     warnings.showwarning, self._show = self._show, None
                     warnings.filters[:] = self._filters

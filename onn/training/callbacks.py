@@ -50,6 +50,13 @@ class Progress(L.Callback):
         progress.reached(trainer.global_step)  # a resumed run starts at its checkpoint's step
 
 
+def logs_now(module: L.LightningModule) -> bool:
+    """Whether this training step logs: the first, and every trainer.log_every_n_steps-th after it. Lightning
+    writes to the loggers at that rate anyway; logging a value every step also makes the progress bar read it
+    every step, and reading a GPU tensor waits for the GPU, so the host could never run ahead of it."""
+    return module.global_step % max(1, module.trainer.log_every_n_steps) == 0
+
+
 class StepClock(L.Callback):
     """Wall time, tokens and (when streaming) weight-wait and compute time of every training step.
 
@@ -58,7 +65,7 @@ class StepClock(L.Callback):
 
     def __init__(self):
         self.step_s: list[float] = []
-        self.tokens: list[int] = []
+        self._tokens: list = []  # per step, as the batch's device holds it: read once, after the steps
         self.widths: list[int] = []
         self.io_s: list[float] = []
         self.compute_s: list[float] = []
@@ -71,7 +78,7 @@ class StepClock(L.Callback):
         if engine is not None:
             self._engine_t0 = (engine.times.io_s, engine.times.compute_s, engine.times.copied_bytes)
         if isinstance(batch, dict):  # token batches; image batches are (images, labels)
-            self.tokens.append(int(batch["attention_mask"].sum()))
+            self._tokens.append(batch["attention_mask"].sum())
             self.widths.append(int(batch["input_ids"].shape[1]))
         self._t0 = time.perf_counter()
 
@@ -82,6 +89,11 @@ class StepClock(L.Callback):
             self.io_s.append(engine.times.io_s - self._engine_t0[0])
             self.compute_s.append(engine.times.compute_s - self._engine_t0[1])
             self.copied_bytes.append(engine.times.copied_bytes - self._engine_t0[2])
+
+    @property
+    def tokens(self) -> list[int]:
+        """Non-padding tokens of every step (read from the device here, not during the steps)."""
+        return [int(t) for t in self._tokens]
 
     def samples_per_s(self, batch_size: int, skip: int = 0) -> float | None:
         """Training samples per second over the steps after the first `skip`: batches and optimizer steps

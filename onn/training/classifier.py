@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from onn.errors import UserError
+from onn.training.callbacks import logs_now
 from onn.training.distributed import clip_gradients
 from onn.training.optim import make_optimizer, make_schedule
 
@@ -96,7 +97,10 @@ class Classifier(L.LightningModule):
         logits = self(self.prepare(x, train=True))
         loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
         self.train_losses.append(loss.detach())
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=labels.shape[0])
+        if logs_now(self):
+            self.log(
+                "train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=labels.shape[0]
+            )
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> None:

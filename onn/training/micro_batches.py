@@ -21,11 +21,20 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
-def split(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
-    """A right-padded macro-batch as micro-batches of `size` rows, each cut to its own longest row."""
-    pieces = []
+def split(batch: dict[str, torch.Tensor], size: int, host_rows: tuple[list[int], list[int]] | None = None
+          ) -> tuple[list[dict[str, torch.Tensor]], list[int]]:  # fmt: skip
+    """A right-padded macro-batch as micro-batches of `size` rows, each cut to its own longest row, and each
+    micro-batch's target tokens. `host_rows`: every row's length and target tokens as the host counted them
+    before the batch went to the device (else they are read from the batch, which waits for the device)."""
+    if host_rows is None or len(host_rows[0]) != batch["input_ids"].shape[0]:
+        lengths = batch["attention_mask"].sum(1).tolist() if "attention_mask" in batch else None
+        targets = (batch["labels"][:, 1:] != -100).sum(1).tolist()
+    else:
+        lengths, targets = host_rows
+    pieces, counts = [], []
     for start in range(0, batch["input_ids"].shape[0], size):
         piece = {k: v[start : start + size] for k, v in batch.items()}
-        width = int(piece["attention_mask"].sum(1).max()) if "attention_mask" in piece else None
+        width = int(max(lengths[start : start + size])) if lengths is not None else None
         pieces.append({k: v[:, :width] for k, v in piece.items()} if width else piece)
-    return pieces
+        counts.append(int(sum(targets[start : start + size])))
+    return pieces, counts

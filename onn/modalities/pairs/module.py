@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from onn.errors import UserError
+from onn.training.callbacks import logs_now
 from onn.training.distributed import clip_gradients
 from onn.training.optim import make_optimizer, make_schedule
 
@@ -105,14 +106,15 @@ class DualEncoder(L.LightningModule):
         x_a, x_b = batch
         loss = self.loss(self.embed(self.names[0], x_a), self.embed(self.names[1], x_b))
         self.train_losses.append(loss.detach())
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=x_a.shape[0])
-        self.log(
-            "train/temperature",
-            1 / self.scale().detach(),
-            on_step=True,
-            on_epoch=False,
-            batch_size=x_a.shape[0],
-        )
+        if logs_now(self):
+            self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=x_a.shape[0])
+            self.log(
+                "train/temperature",
+                1 / self.scale().detach(),
+                on_step=True,
+                on_epoch=False,
+                batch_size=x_a.shape[0],
+            )
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from onn.errors import UserError
 from onn.streaming.engine import target_tokens
+from onn.training.callbacks import logs_now
 from onn.training.distributed import clip_gradients, forward_module, wrap_for_fsdp
 from onn.training.micro_batches import OutOfMemoryFloor, is_out_of_memory, split
 from onn.training.optim import make_optimizer, make_schedule
@@ -46,7 +47,11 @@ class CausalLM(L.LightningModule):
 
         # mean loss per target token over the whole validation set (and over every process)
         self.val_loss = MeanMetric()
-        self.train_losses: list[float] = []  # one mean loss per optimizer step, kept across resume
+        self._losses: list[float] = []  # one mean loss per optimizer step, kept across resume (train_losses)
+        self._pending_losses: list[torch.Tensor] = []  # steps' losses not read from the device yet
+        self._host_rows: tuple[list[int], list[int]] | None = (
+            None  # the batch's row lengths and targets, on the host
+        )
         self.val_losses: list[float] = []
         self.val_at_step: int | None = None  # global step of the latest validation
         self.engine = None  # set by LayerStreamingStrategy: batches are then macro-batches it streams
@@ -60,11 +65,36 @@ class CausalLM(L.LightningModule):
     def forward(self, **batch: torch.Tensor):
         return self.model(**batch)
 
+    @property
+    def train_losses(self) -> list[float]:
+        """One mean loss per optimizer step. Read from the device when asked for (one wait for all the steps
+        since the last read), never by the step itself: a GPU step that read its loss could not be queued
+        while the previous one computes."""
+        if self._pending_losses:
+            self._losses += [float(x) for x in torch.stack(self._pending_losses).float().cpu()]
+            self._pending_losses = []
+        return self._losses
+
+    @train_losses.setter
+    def train_losses(self, values: list[float]) -> None:
+        self._losses, self._pending_losses = list(values), []
+
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        """Each row's length and target tokens, counted on the host before the batch goes to the device: the
+        micro-batches are cut by them without reading the device (onn/training/micro_batches.split)."""
+        if isinstance(batch, dict) and "attention_mask" in batch and "labels" in batch:
+            self._host_rows = (
+                batch["attention_mask"].sum(1).tolist(),
+                (batch["labels"][:, 1:] != -100).sum(1).tolist(),
+            )
+        return batch
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         optimizer = self.optimizers()
+        rows, self._host_rows = self._host_rows, None  # this batch's, counted before its transfer
         while True:
             try:
-                loss = self._forward_backward(batch)
+                loss = self._forward_backward(batch, rows)
                 break
             except Exception as e:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
                 if not is_out_of_memory(e):
@@ -74,18 +104,21 @@ class CausalLM(L.LightningModule):
         optimizer.step()  # clips in on_before_optimizer_step, after fp16's unscale
         optimizer.zero_grad(set_to_none=True)
         self.lr_schedulers().step()
-        self.train_losses.append(float(loss))
-        self.log(
-            "train/loss",
-            loss,
-            prog_bar=True,
-            on_step=True,
-            on_epoch=False,
-            batch_size=batch["input_ids"].shape[0],
-        )
+        self._pending_losses.append(loss.detach())
+        if logs_now(self):
+            self.log(
+                "train/loss",
+                loss,
+                prog_bar=True,
+                on_step=True,
+                on_epoch=False,
+                batch_size=batch["input_ids"].shape[0],
+            )
         return loss
 
-    def _forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _forward_backward(
+        self, batch: dict[str, torch.Tensor], rows: tuple[list[int], list[int]] | None = None
+    ) -> torch.Tensor:
         """Every micro-batch's forward and backward. Each micro-batch's mean loss is weighted by its share
         of the global batch's target tokens (every process's), so the update is the whole batch's at any
         micro-batch size and any number of processes. Returns the global batch's loss."""
@@ -100,8 +133,7 @@ class CausalLM(L.LightningModule):
             )
             self.manual_backward(loss)
             return self._global_sum(loss.detach())
-        pieces = split(batch, self.micro_batch)
-        counts = [target_tokens(p) for p in pieces]
+        pieces, counts = split(batch, self.micro_batch, rows)
         total = self._global_tokens(sum(counts))
         model = forward_module(self)
         losses = []
@@ -177,10 +209,10 @@ class CausalLM(L.LightningModule):
             # chunk is loaded once per validation (per pass that memory allows), not once per batch
             self._held_out.append({k: v.detach().cpu() for k, v in batch.items()})
             return
-        pieces = split(batch, self.micro_batch)
+        rows, self._host_rows = self._host_rows, None
+        pieces, counts = split(batch, self.micro_batch, rows)
         losses = [self.model(**piece).loss for piece in pieces]
-        for piece, loss in zip(pieces, losses):
-            tokens = target_tokens(piece)
+        for loss, tokens in zip(losses, counts):
             if tokens:  # a micro-batch without targets has a 0/0 mean loss
                 # the metric where the loss is (DeepSpeed's ZeRO-3 offload leaves the module's metrics on the CPU)
                 self.val_loss.to(loss.device).update(loss.detach().float(), weight=tokens)
