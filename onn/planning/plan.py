@@ -741,8 +741,9 @@ def gpu_stream_memory(s: StreamShape, sd: str, edges: str, activations: str, chu
         (n_chunks - min(s.lowest // chunk, n_chunks) + 2) * s.micro_batches if activations == "device" else 0
     )
     kept_bytes = kept * tokens * spec.hidden * cb
-    # a chunk's recompute with grad (or the no-grad forward of `chunk` fused micro-batches: as large)
-    recompute = s.per_token_layer * tokens * chunk * cb * MIXED_ACTIVATION_FACTOR
+    # a chunk's recompute with grad (or the no-grad forward of `chunk` fused micro-batches: as large), and
+    # beside it in the backward the gradients of the widest layer's output and input (the MLP's)
+    recompute = (s.per_token_layer * chunk * MIXED_ACTIVATION_FACTOR + 4 * spec.intermediate) * tokens * cb
     row_logits = s.logits / s.micro_batch
     lora = sum(spec.lora_params_per_block[i] for i in s.sparse_layers)
     if edges == "resident":

@@ -21,6 +21,22 @@ from torch import nn
 
 from onn.streaming.schedule import CAST_TILE_VALUES, CODES_MAX_ROWS
 
+_TILES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _tiles(codes: torch.Tensor, dtype: torch.dtype):
+    """(start, tile) for each run of output rows of `codes`, cast to `dtype` into one buffer per device and
+    dtype, reused for every cast: the device's stream orders each tile's use before the next cast into it,
+    and no allocation comes and goes per tile."""
+    key = (codes.device, dtype)
+    buffer = _TILES.get(key)
+    if buffer is None or buffer.numel() < CAST_TILE_VALUES:
+        buffer = _TILES[key] = torch.empty(CAST_TILE_VALUES, dtype=dtype, device=codes.device)
+    step = max(1, CAST_TILE_VALUES // codes.shape[1])
+    for a in range(0, codes.shape[0], step):
+        part = codes[a : a + step]
+        yield a, buffer[: part.numel()].view(part.shape).copy_(part)
+
 
 class CastMatmul(torch.autograd.Function):
     """x (Q s)ᵀ for int8 codes Q [out, in] and row scales s [out], differentiable in x only: the codes are
@@ -32,9 +48,8 @@ class CastMatmul(torch.autograd.Function):
         ctx.x_dtype = x.dtype
         rows = x.reshape(-1, x.shape[-1]).to(scale.dtype)
         out = rows.new_empty(rows.shape[0], codes.shape[0])
-        step = max(1, CAST_TILE_VALUES // codes.shape[1])
-        for a in range(0, codes.shape[0], step):
-            torch.mm(rows, codes[a : a + step].to(scale.dtype).t(), out=out[:, a : a + step])
+        for a, tile in _tiles(codes, scale.dtype):
+            torch.mm(rows, tile.t(), out=out[:, a : a + tile.shape[0]])
         return out.mul_(scale).view(*x.shape[:-1], codes.shape[0])
 
     @staticmethod
@@ -42,9 +57,8 @@ class CastMatmul(torch.autograd.Function):
         codes, scale = ctx.saved_tensors
         g = (grad.reshape(-1, codes.shape[0]).to(scale.dtype) * scale).contiguous()
         gx = g.new_zeros(g.shape[0], codes.shape[1])
-        step = max(1, CAST_TILE_VALUES // codes.shape[1])
-        for a in range(0, codes.shape[0], step):
-            gx.addmm_(g[:, a : a + step], codes[a : a + step].to(scale.dtype))
+        for a, tile in _tiles(codes, scale.dtype):
+            gx.addmm_(g[:, a : a + tile.shape[0]], tile)
         return gx.view(*grad.shape[:-1], codes.shape[1]).to(ctx.x_dtype), None, None
 
 
