@@ -483,7 +483,7 @@ def test_every_pass_from_int8_codes_matches_the_dequantized_model(monkeypatch):
     from onn.streaming import quantized
 
     monkeypatch.setattr(engine_module, "computes_from_codes", lambda store_dtype, *_: store_dtype == "int8")
-    monkeypatch.setattr(quantized, "CAST_TILE_VALUES", 40 * 64)
+    monkeypatch.setattr(quantized, "CAST_TILE_VALUES", 40 * 64)  # 64-row tiles: weights of 128 rows take two
     resident = lora_model("llama", LAYER_SETS["first4+last4"], hidden_size=64, intermediate_size=128)
     streamed = copy.deepcopy(resident)
     engine = StreamingEngine(streamed, discover(streamed), LayerStore("cpu", "int8"), 2, stream_edges=True,
