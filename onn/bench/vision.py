@@ -156,8 +156,7 @@ def _plain_loop(config, plan, inputs, dm, steps: int, warmup: int, loader=None) 
     stamps = []
     while len(stamps) <= warmup + steps:
         for images, labels in loader if loader is not None else dm.train_dataloader():
-            _sync(device)
-            stamps.append(time.perf_counter())
+            _stamp(stamps, device, warmup, steps)
             if len(stamps) > warmup + steps:
                 break
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
@@ -186,22 +185,31 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _stamp(stamps: list[float], device: torch.device, warmup: int, steps: int) -> None:
+    """The start of an iteration. Only the timed window's two ends wait for the device: a stamp that waited
+    at every step would stop either side from queueing the next step while the GPU runs this one, and add
+    each side's host time to its steps one for one (the window holds all of both anyway)."""
+    if len(stamps) in (warmup, warmup + steps):
+        _sync(device)
+    stamps.append(time.perf_counter())
+
+
 class _Stamps:
     """A Lightning callback that stamps the start of every training batch."""
 
-    def __init__(self):
+    def __init__(self, warmup: int, steps: int):
         import lightning as L
 
         class Callback(L.Callback):
             def on_train_batch_start(cb, trainer, pl_module, batch, batch_idx):  # noqa: N805
-                _sync(pl_module.device)
-                self.stamps.append(time.perf_counter())
+                _stamp(self.stamps, pl_module.device, self.warmup, self.steps)
 
             def on_train_end(cb, trainer, pl_module):  # noqa: N805
                 _sync(pl_module.device)
                 self.stamps.append(time.perf_counter())
 
         self.stamps: list[float] = []
+        self.warmup, self.steps = warmup, steps
         self.callback = Callback()
 
 
@@ -212,7 +220,7 @@ def _onn_run(config, plan, inputs, dm, run_dir: Path, steps: int, warmup: int) -
     from onn.training.trainer import build_trainer
 
     module = classification.build(get("image"), config, plan, inputs)
-    stamps = _Stamps()
+    stamps = _Stamps(warmup, steps)
     callbacks = [StepClock(), ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))]
     cfg = {**config, "trainer": {**config["trainer"], "max_steps": warmup + steps, "max_epochs": -1,
                                  "limit_val_batches": 0, "num_sanity_val_steps": 0, "enable_checkpointing": False}}  # fmt: skip
@@ -228,8 +236,7 @@ def _pipeline_only(loader, steps: int, warmup: int, batch: int, augment, device:
     stamps = []
     while len(stamps) <= warmup + steps:
         for images, _ in loader:
-            _sync(device)
-            stamps.append(time.perf_counter())
+            _stamp(stamps, device, warmup, steps)
             if len(stamps) > warmup + steps:
                 break
             images = images.to(device, non_blocking=True)

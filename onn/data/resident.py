@@ -108,8 +108,11 @@ class ResidentBatches:
         if self.groups is not None:  # the groups' batches interleaved at random
             batches = [batches[b] for b in torch.randperm(len(batches), generator=generator).tolist()]
         self.epoch += 1
-        for index in batches:
-            index = index.to(inputs.device)
+        # the epoch's order goes to the device in one copy: a copy per batch would make the host wait for the
+        # GPU at every batch (a blocking copy into device memory waits for the work queued before it)
+        sizes = [len(index) for index in batches]
+        on_device = torch.cat(batches).to(inputs.device) if batches else torch.empty(0, dtype=torch.long)
+        for index in on_device.split(sizes):
             yield inputs.index_select(0, index), labels.index_select(0, index)
 
 

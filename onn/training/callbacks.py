@@ -52,8 +52,9 @@ class Progress(L.Callback):
 
 def logs_now(module: L.LightningModule) -> bool:
     """Whether this training step logs: the first, and every trainer.log_every_n_steps-th after it. Lightning
-    writes to the loggers at that rate anyway; logging a value every step also makes the progress bar read it
-    every step, and reading a GPU tensor waits for the GPU, so the host could never run ahead of it."""
+    writes to the loggers at that rate anyway. A step that logs gives a host float (one wait for the GPU): a
+    logged GPU tensor would be read by the progress bar after every step, logging or not, and reading a GPU
+    tensor waits for the GPU, so the host could never run ahead of it."""
     return module.global_step % max(1, module.trainer.log_every_n_steps) == 0
 
 
@@ -61,10 +62,13 @@ class StepClock(L.Callback):
     """Wall time, tokens and (when streaming) weight-wait and compute time of every training step.
 
     A batch is one optimizer step (the module accumulates micro-batches itself), so batch start to
-    batch end is the whole step: forward, backward and optimizer."""
+    batch end is the whole step: forward, backward and optimizer. On a GPU the step's span is timed on the
+    GPU's own timeline (CUDA events at its start and end, read after the steps): a step that never waits
+    for the GPU ends on the host before its work does on the device."""
 
     def __init__(self):
-        self.step_s: list[float] = []
+        self._step_s: list[float] = []
+        self._events: list = []  # (start, end) CUDA events per step, on a GPU
         self._tokens: list = []  # per step, as the batch's device holds it: read once, after the steps
         self.widths: list[int] = []
         self.io_s: list[float] = []
@@ -80,15 +84,30 @@ class StepClock(L.Callback):
         if isinstance(batch, dict):  # token batches; image batches are (images, labels)
             self._tokens.append(batch["attention_mask"].sum())
             self.widths.append(int(batch["input_ids"].shape[1]))
+        if pl_module.device.type == "cuda":
+            import torch
+
+            self._events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self._events[-1][0].record()
         self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.step_s.append(time.perf_counter() - self._t0)
+        self._step_s.append(time.perf_counter() - self._t0)
+        if pl_module.device.type == "cuda":
+            self._events[-1][1].record()
         engine = getattr(pl_module, "engine", None)
         if engine is not None:
             self.io_s.append(engine.times.io_s - self._engine_t0[0])
             self.compute_s.append(engine.times.compute_s - self._engine_t0[1])
             self.copied_bytes.append(engine.times.copied_bytes - self._engine_t0[2])
+
+    @property
+    def step_s(self) -> list[float]:
+        """Each step's time: on a GPU from its start to its end as the GPU ran them, else on the host."""
+        if not self._events:
+            return self._step_s
+        self._events[-1][1].synchronize()
+        return [start.elapsed_time(end) / 1000 for start, end in self._events]
 
     @property
     def tokens(self) -> list[int]:

@@ -99,7 +99,12 @@ class Classifier(L.LightningModule):
         self.train_losses.append(loss.detach())
         if logs_now(self):
             self.log(
-                "train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=labels.shape[0]
+                "train/loss",
+                float(loss),
+                prog_bar=True,
+                on_step=True,
+                on_epoch=False,
+                batch_size=labels.shape[0],
             )
         return loss
 

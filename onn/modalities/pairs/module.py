@@ -107,10 +107,17 @@ class DualEncoder(L.LightningModule):
         loss = self.loss(self.embed(self.names[0], x_a), self.embed(self.names[1], x_b))
         self.train_losses.append(loss.detach())
         if logs_now(self):
-            self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=x_a.shape[0])
+            self.log(
+                "train/loss",
+                float(loss),
+                prog_bar=True,
+                on_step=True,
+                on_epoch=False,
+                batch_size=x_a.shape[0],
+            )
             self.log(
                 "train/temperature",
-                1 / self.scale().detach(),
+                float(1 / self.scale().detach()),
                 on_step=True,
                 on_epoch=False,
                 batch_size=x_a.shape[0],

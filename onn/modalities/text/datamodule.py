@@ -32,6 +32,7 @@ from onn.modalities.text.streaming import VAL_MAX, open_reader, streaming_choice
 
 log = logging.getLogger("onn")
 IGNORE = -100
+HOST_ROWS = "onn_host_rows"  # batch key: each row's length and target tokens, counted on the host
 LAYOUT_SAMPLE = 200  # streamed data: the layout (data.fields: auto) is recognised on this many first records
 
 
@@ -230,6 +231,15 @@ class TextDataModule(L.LightningDataModule):
         """(this process's rank, processes): (0, 1) outside a multi-process run."""
         trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        """Each row's length and target tokens, counted on the host before the batch goes to the device (under
+        HOST_ROWS, which the transfer leaves alone): the module cuts micro-batches by them without reading
+        the device, which would make the host wait for the GPU every step."""
+        if isinstance(batch, dict) and "attention_mask" in batch and "labels" in batch:
+            targets = (batch["labels"][:, 1:] != IGNORE).sum(1).tolist()
+            batch[HOST_ROWS] = (batch["attention_mask"].sum(1).tolist(), targets)
+        return batch
 
     def train_dataloader(self):
         rank, world = self._ranks()

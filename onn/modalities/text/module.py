@@ -19,6 +19,7 @@ import lightning as L
 import torch
 
 from onn.errors import UserError
+from onn.modalities.text.datamodule import HOST_ROWS
 from onn.streaming.engine import target_tokens
 from onn.training.callbacks import logs_now
 from onn.training.distributed import clip_gradients, forward_module, wrap_for_fsdp
@@ -49,9 +50,6 @@ class CausalLM(L.LightningModule):
         self.val_loss = MeanMetric()
         self._losses: list[float] = []  # one mean loss per optimizer step, kept across resume (train_losses)
         self._pending_losses: list[torch.Tensor] = []  # steps' losses not read from the device yet
-        self._host_rows: tuple[list[int], list[int]] | None = (
-            None  # the batch's row lengths and targets, on the host
-        )
         self.val_losses: list[float] = []
         self.val_at_step: int | None = None  # global step of the latest validation
         self.engine = None  # set by LayerStreamingStrategy: batches are then macro-batches it streams
@@ -79,19 +77,9 @@ class CausalLM(L.LightningModule):
     def train_losses(self, values: list[float]) -> None:
         self._losses, self._pending_losses = list(values), []
 
-    def on_before_batch_transfer(self, batch, dataloader_idx: int):
-        """Each row's length and target tokens, counted on the host before the batch goes to the device: the
-        micro-batches are cut by them without reading the device (onn/training/micro_batches.split)."""
-        if isinstance(batch, dict) and "attention_mask" in batch and "labels" in batch:
-            self._host_rows = (
-                batch["attention_mask"].sum(1).tolist(),
-                (batch["labels"][:, 1:] != -100).sum(1).tolist(),
-            )
-        return batch
-
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         optimizer = self.optimizers()
-        rows, self._host_rows = self._host_rows, None  # this batch's, counted before its transfer
+        rows = batch.pop(HOST_ROWS, None)  # counted on the host before the transfer (TextDataModule)
         while True:
             try:
                 loss = self._forward_backward(batch, rows)
@@ -108,7 +96,7 @@ class CausalLM(L.LightningModule):
         if logs_now(self):
             self.log(
                 "train/loss",
-                loss,
+                float(loss),
                 prog_bar=True,
                 on_step=True,
                 on_epoch=False,
@@ -204,12 +192,12 @@ class CausalLM(L.LightningModule):
         self.model = wrap_for_fsdp(self.model)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        rows = batch.pop(HOST_ROWS, None)
         if self.engine is not None:
             # streamed: the whole held-out set goes through the blocks at the end of the epoch, so each
             # chunk is loaded once per validation (per pass that memory allows), not once per batch
             self._held_out.append({k: v.detach().cpu() for k, v in batch.items()})
             return
-        rows, self._host_rows = self._host_rows, None
         pieces, counts = split(batch, self.micro_batch, rows)
         losses = [self.model(**piece).loss for piece in pieces]
         for loss, tokens in zip(losses, counts):
