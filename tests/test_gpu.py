@@ -64,12 +64,14 @@ def test_a_gpu_plan_streams_phi4_from_pinned_host_memory_within_the_seeds_memory
     assert s["store"] == "disk" and 0 < s["cache_blocks"] < 40
 
 
+# An H200's profile as ONN measured it (bench_gpu's machine, 2026-11-27): the planner's GPU inputs
 H200 = dict(
-    name="auto", measure=False, accelerator="cuda", device_name="a GPU", device_count=1, device_memory_mb=143_000,
-    host_memory_mb=128_000, host_memory_available_mb=120_000, cpu_cores=16, h2d_mb_s=50_000, disk_read_mb_s=2000,
-    bf16=True, memory_gb_s=4000, decode_gvalues_s={"int8->bfloat16": 1200.0}, cuda_context_mb=600, cuda_workspace_mb=32,
-    matmul_tflops=750, block_call_s={"forward": 1e-4, "full": 6e-4, "lora": 5e-4, "step": 3e-3},
-    matmul_gflops={"4096": {"bfloat16": {"1": {"1": 600, "16": 6e4, "128": 4e5, "1024": 6.5e5, "8192": 7.5e5}}}},
+    name="auto", measure=False, accelerator="cuda", device_name="NVIDIA H200", device_count=1, device_memory_mb=143_155,
+    host_memory_mb=128_887, host_memory_available_mb=126_346, cpu_cores=16, h2d_mb_s=50_732.0, disk_read_mb_s=1504.8,
+    bf16=True, memory_gb_s=4147.4, decode_gvalues_s={"int8->bfloat16": 377.57, "int8->float16": 385.78, "int8->float32": 365.27},
+    cuda_context_mb=742.0, cuda_workspace_mb=32.0, matmul_tflops=796.8,
+    block_call_s={"forward": 0.001244, "full": 0.003494, "lora": 0.005723, "step": 0.003711},
+    matmul_gflops={"4096": {"bfloat16": {"1": {"1": 1290.7, "16": 25875.0, "128": 226017.7, "1024": 758948.8, "8192": 796769.1}}}},
 )  # fmt: skip
 
 

@@ -307,7 +307,11 @@ def _accelerate(
         raise RuntimeError(f"accelerate's copy lacks {sorted(missing)[:3]}")
     model.load_state_dict(state, strict=False, assign=True)
     del state
-    gpu_mb = int(plan["budget_mb"] - plan["context_mb"])
+    # accelerate sizes the layers it places on the GPU by max_memory and leaves its own temporaries out (its
+    # docs ask for headroom): the allocator's cap is lifted for it, max_memory keeps the budget less the
+    # context and 1 GB for those, and its peak is reported beside
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    gpu_mb = int(plan["budget_mb"] - plan["context_mb"] - 1024)
     host_mb = int(job.hardware["host_memory_available_mb"] * 0.9)
     device_map = infer_auto_device_map(model, max_memory={0: f"{gpu_mb}MiB", "cpu": f"{host_mb}MiB"},
                                        no_split_module_classes=model._no_split_modules, dtype=dtype)  # fmt: skip
