@@ -166,7 +166,7 @@ def plan(*overrides, tmp_path, **hw_changes):
 
 
 def test_plan_never_fits_over_budget_and_names_the_smallest_budget(tmp_path):
-    from onn.planning.plan import budget_mb
+    from onn.planning.costs import budget_mb
 
     refused, planned = {}, {}
     for budget in (3_000, 6_000, 9_000, 14_000, 40_000):
@@ -213,7 +213,7 @@ def test_plan_refuses_a_store_the_disk_cannot_hold(tmp_path):
 
 
 def test_threads_follow_the_free_cores_and_the_plan_says_so(tmp_path):
-    from onn.planning.plan import threads_for
+    from onn.planning.costs import threads_for
 
     assert threads_for({"cpu_cores": 2, "cpu_busy_cores": 0.1, "cpu_share": 0.9}) == (2, 1.0)  # quiet: noise
     assert threads_for({"cpu_cores": 2, "cpu_busy_cores": 1.0, "cpu_share": 1.0}) == (1, 1.0)

@@ -52,8 +52,13 @@ def test_a_gpu_plan_streams_phi4_from_pinned_host_memory_within_the_budget():
     plan = make_plan(cfg, hw, model_spec(cfg["model"], 16), use_tuned=False)
     s = plan["streaming"]
     assert (s["store"], s["store_dtype"], s["edges"]) == ("cpu", "int8", "stream")
-    assert plan["predicted_peak_memory_mb"] + plan["context_mb"] <= 4096 and plan["context_mb"] == H200["cuda_context_mb"]
-    smaller = make_plan(compose("recipe=bench_gpu", "strategy.micro_batch=64"), hw, model_spec(cfg["model"], 16))
+    assert (
+        plan["predicted_peak_memory_mb"] + plan["context_mb"] <= 4096
+        and plan["context_mb"] == H200["cuda_context_mb"]
+    )
+    smaller = make_plan(
+        compose("recipe=bench_gpu", "strategy.micro_batch=64"), hw, model_spec(cfg["model"], 16)
+    )
     assert smaller["predicted_peak_memory_mb"] <= 1536 < plan["predicted_peak_memory_mb"]
     assert s["predicted_h2d_gb"] > 20 and s["predicted_io_s"] == pytest.approx(
         s["predicted_h2d_gb"] * 1024 / 50_000, rel=0.1

@@ -143,7 +143,7 @@ def run(job) -> dict[str, Any]:
     read_bytes = statistics.mean(s["read_bytes"] for s in timed)
     read_s = statistics.mean(s["read_s"] for s in timed)
     val = next(s for s in rows if s.get("val_s") is not None)
-    from onn.planning.plan import streaming_step_flops
+    from onn.planning.costs import streaming_step_flops
 
     flops = streaming_step_flops(
         spec, int(config["data"]["max_length"]), int(config["data"]["batch_size"]), plan["sparse_layers"]

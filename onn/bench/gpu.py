@@ -81,7 +81,7 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     """The store built, then task.steps steps; figures of the steps after the first."""
     from onn.hardware.profile import h2d_mb_s
     from onn.modalities.text.tasks import build, datamodule, trainer
-    from onn.planning.plan import streaming_step_flops
+    from onn.planning.costs import streaming_step_flops
     from onn.training.callbacks import StepClock
 
     config, plan, spec = job.config, job.plan, job.spec

@@ -33,7 +33,8 @@ from typing import Any
 
 from onn.bench.scores import equitable, learned, loss_fall
 from onn.errors import UserError
-from onn.planning.plan import STREAMING_KEYS, make_plan
+from onn.planning.plan import make_plan
+from onn.planning.streaming import STREAMING_KEYS
 
 log = logging.getLogger("onn")
 

@@ -24,7 +24,8 @@ from typing import Any
 
 from onn.bench.suite import measure
 from onn.errors import UserError
-from onn.planning.plan import chunk_sizes, make_plan, micro_batch_sizes, store_dtypes
+from onn.planning.plan import make_plan, micro_batch_sizes
+from onn.planning.streaming import chunk_sizes, store_dtypes
 from onn.planning.tuned import cache_path
 from onn.training.micro_batches import is_out_of_memory
 

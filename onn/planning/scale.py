@@ -25,16 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from onn.planning.plan import (
-    HEADROOM,
-    MB,
-    budget_mb,
-    choose_precision,
-    compute_dtype_name,
-    compute_s,
-    estimate,
-    micro_batch_sizes,
-)
+from onn.planning.costs import HEADROOM, MB, budget_mb, choose_precision, compute_dtype_name, compute_s
+from onn.planning.plan import estimate, micro_batch_sizes
 from onn.planning.spec import ModelSpec
 
 SETUPS = ("ddp", "deepspeed_zero2", "fsdp", "deepspeed_zero3_offload")  # also the tie-break order

@@ -48,7 +48,7 @@ def refine(plan: dict[str, Any], config: dict[str, Any], hw: dict[str, Any], spe
         plan["strategy"] != "sparse_lora" or 2 * max(spec.block_params) * 2 > 0.5 * _budget_bytes(hw)
     ):
         return plan  # a large model trains streamed; its block copies must fit beside the run comfortably
-    from onn.planning.plan import matmul_rate, threads_for
+    from onn.planning.costs import matmul_rate, threads_for
 
     threads, share = threads_for(hw)
     seq, batch, micro = (
@@ -92,7 +92,7 @@ def refine(plan: dict[str, Any], config: dict[str, Any], hw: dict[str, Any], spe
 
 
 def _budget_bytes(hw: dict[str, Any]) -> float:
-    from onn.planning.plan import budget_mb
+    from onn.planning.costs import budget_mb
 
     return budget_mb(hw) * 2**20
 

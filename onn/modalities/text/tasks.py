@@ -40,7 +40,7 @@ from onn.models.load import (
     source_kind,
     tokenizer_from,
 )
-from onn.planning.plan import STREAMING_KEYS
+from onn.planning.streaming import STREAMING_KEYS
 from onn.streaming.loader import load_into_store
 from onn.streaming.strategy import (
     LayerStreamingDDPStrategy,

@@ -1,0 +1,491 @@
+"""Layer streaming's plan: every combination of settings that fits the budget (and the disk), each with a
+predicted step time; the fastest wins, the more precise store between two within 3% of each other (on a GPU
+within GPU_TIE, then the one holding least device memory).
+
+Settings: the store's dtype; its place (host memory, or disk with as many blocks cached in host memory as the
+budget leaves room for); prefix/suffix resident or streamed; kept activations on the device or the host
+(GPUs); the chunk size. Settings the config fixes (not `auto`) are taken as given.
+
+A streamed step is sized as ONN's engine runs it. On a CPU: two slots of reused memory for the chunks in
+flight (one computing, one loading: the disk read buffer, and the compute-dtype copy when the store's dtype
+is not the compute dtype), the blocks of a disk store cached in host memory, prefix/suffix resident or
+streamed, the kept chunk inputs of every micro-batch, one chunk's activations during recompute, LoRA state
+for the sparse layer set only; its time is the longer of the disk's reads and the cores' compute plus the
+loaders' decoding. On a GPU: see gpu_stream_memory and gpu_stream_timing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from onn.dtypes import BYTES_PER_VALUE as DTYPE_BYTES
+from onn.planning.costs import (
+    MB,
+    MIXED_ACTIVATION_FACTOR,
+    STREAM_HEAP_OVERHEAD,
+    Estimate,
+    compute_s,
+    fits,
+    matmul_rate,
+    threads_for,
+    token_flops,
+)
+from onn.planning.spec import ModelSpec
+from onn.streaming.schedule import CAST_TILE_VALUES, cached_blocks, generates_from_codes
+
+# On a GPU, streamed settings predicted within this share of the fastest step count as equally fast, and
+# the one holding the least device memory wins: the prediction's own error is about this large, and a step
+# bound by the host link gains nothing from memory it leaves unused (which other work, or a larger
+# batch, can have).
+GPU_TIE = 0.10
+PRECISE_FIRST = ("float32", "bfloat16", "float16", "int8", "nf4")  # the tie-break between equally fast stores
+STREAMING_KEYS = ("chunk_size", "store", "store_dtype", "edges", "activations", "cache_blocks", "eval_tokens")
+STREAMING_CHOICES = {"store": ("disk", "cpu"), "store_dtype": tuple(DTYPE_BYTES), "edges": ("resident", "stream"),
+                     "activations": ("device", "host")}  # fmt: skip
+DISK_RESERVE = 2 * 1024**3  # what a store's build leaves free on the disk for others
+
+
+@dataclass
+class StreamShape:
+    """What a streamed step's size depends on besides its settings: the model, machine, compute dtype and
+    batch, the memory it may allocate, and what the config fixes and the disk already holds."""
+
+    spec: ModelSpec
+    hw: dict[str, Any]
+    cdtype: str
+    seq: int
+    micro_batch: int
+    batch_size: int
+    sparse_layers: list[int]
+    per_token_layer: int
+    logits: float  # bytes of one micro-batch's logits, their log-softmax and gradient
+    prefetch: bool = True
+    budget: float = 0.0  # bytes the step may allocate, its context left out
+    fixed: dict[str, Any] = field(default_factory=dict)  # streaming settings the config fixes (not auto)
+    present: dict[str, int] = field(
+        default_factory=dict
+    )  # bytes of complete blocks on the disk, per store dtype
+    where: str = "paths.cache"  # the store's folder, for a message
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.hw["accelerator"] == "cuda"
+
+    @property
+    def n(self) -> int:
+        return self.spec.n_blocks
+
+    @property
+    def lowest(self) -> int:
+        return min(self.sparse_layers) if self.sparse_layers else self.spec.n_blocks
+
+    @property
+    def micro_batches(self) -> int:
+        return max(1, -(-self.batch_size // self.micro_batch))
+
+    @property
+    def compute_bytes(self) -> int:
+        return DTYPE_BYTES[self.cdtype]
+
+    @property
+    def lora(self) -> int:
+        """LoRA parameters of the sparse layer set."""
+        return sum(self.spec.lora_params_per_block[i] for i in self.sparse_layers)
+
+    @property
+    def edge(self) -> float:
+        """The weights outside the blocks (embeddings, final norm, head) in the compute dtype, bytes."""
+        return (self.spec.prefix_params + self.spec.suffix_params) * self.compute_bytes
+
+    @property
+    def host_room(self) -> float:
+        """Host memory a GPU's store may take: 80% of what is available."""
+        return (self.hw.get("host_memory_available_mb") or self.hw.get("host_memory_mb") or 0) * MB * 0.8
+
+    def options(self, key: str, default: list) -> list:
+        """A setting's candidates: the config's value when it fixes one, else `default`."""
+        if key not in self.fixed:
+            return default
+        return [int(self.fixed[key]) if key in ("chunk_size", "cache_blocks") else self.fixed[key]]
+
+
+@dataclass
+class Setting:
+    """One streaming setting that fits, with its predicted time and memory."""
+
+    timing: dict[str, float]
+    store_dtype: str
+    store: str
+    edges: str
+    activations: str
+    chunk: int
+    cache: int
+    memory: dict[str, float]
+
+
+def peak(m: dict[str, float]) -> float:
+    return m["weights"] + m["optimizer"] + m["workspace"] + max(m["trainable"], m["activations"])
+
+
+def cpu_stream_memory(s: StreamShape, sd: str, store: str, edges: str, activations: str, chunk: int, cache: int,
+                      decoded: bool = True) -> dict[str, float]:  # fmt: skip
+    """Host memory of a streamed step on a CPU (host memory is the device): a store held there counts in full,
+    and so do cached blocks; two slots of reused memory (the disk read buffer, and the compute copy unless the
+    CPU computes from the read buffer itself: a store in the compute dtype, or int8 codes generating)."""
+    spec, n, cb = s.spec, s.n, s.compute_bytes
+    files = block_bytes(spec, sd)
+    zero_copy = sd == s.cdtype or not decoded
+    held = sum(files) if store == "cpu" else cache * max(files)
+    raw = max(files) if store == "disk" and cache < n else 0
+    slots = 2 * chunk * (raw + (0 if zero_copy else max(spec.block_params) * cb))
+    weights = held + slots + s.edge
+    n_chunks = -(-n // chunk)
+    # Kept per micro-batch: the input of every chunk from the lowest trainable one, the final hidden state
+    # and the embeddings' output.
+    kept = (
+        (n_chunks - min(s.lowest // chunk, n_chunks) + 2) * s.micro_batches if activations == "device" else 2
+    )
+    tokens = s.micro_batch * s.seq
+    acts = (kept * tokens * spec.hidden + s.per_token_layer * tokens * chunk) * cb + s.logits
+    weights += s.lora * 4  # fp32 adapters
+    trainable, optimizer = s.lora * 4, s.lora * 8
+    workspace = 0.05 * (weights - held + max(trainable, acts) + optimizer)
+    if sd == s.cdtype and decoded:  # a zero-copy stream: glibc's heap keeps what it frees
+        workspace += STREAM_HEAP_OVERHEAD * acts
+    return {"weights": weights, "trainable": trainable, "optimizer": optimizer, "activations": acts,
+            "workspace": workspace, "cached_block": max(files), "suffix_rows": s.micro_batch}  # fmt: skip
+
+
+def cpu_stream_timing(
+    s: StreamShape, sd: str, store: str, edges: str, chunk: int, cache: int
+) -> dict[str, float]:
+    """A streamed step's time on a CPU: the disk's reads (at its measured bandwidth) overlap the compute, and
+    the loaders' decoding takes CPU time from the compute's cores."""
+    spec, hw, n = s.spec, s.hw, s.n
+    files = block_bytes(spec, sd)
+    chunks = [list(range(a, min(a + chunk, n))) for a in range(0, n, chunk)]
+    low = min(s.lowest // chunk, len(chunks))
+    # Loads per step, steady state: the forward's chunks (less the lowest trainable one, still resident from
+    # the previous backward) and the backward's (less the last, still resident).
+    forward = [c for c in range(len(chunks)) if edges == "stream" or c != low]
+    backward = list(range(low, len(chunks) if edges == "stream" else len(chunks) - 1))
+    loads = [i for c in (forward + backward if low < len(chunks) else forward) for i in chunks[c]]
+    cached = set(cached_blocks(n, cache, low * chunk if low < len(chunks) else n))
+    disk = sum(files[i] for i in loads if store == "disk" and i not in cached)
+    if edges == "stream" and store == "disk":
+        disk += 2 * s.edge * DTYPE_BYTES[sd] / s.compute_bytes
+    io = disk / MB / float(hw.get("disk_read_mb_s") or 1000.0)
+    decode = 0.0
+    if sd != s.cdtype:
+        rate = (hw.get("decode_gvalues_s") or {}).get(f"{sd}->{s.cdtype}") or 1.0
+        decode = sum(spec.block_params[i] for i in loads) / (rate * 1e9) / threads_for(hw)[1]
+    compute = compute_s(spec, hw, "sparse_lora", s.seq, s.batch_size, s.micro_batch, s.sparse_layers, dtype=s.cdtype,
+                        forward_group=chunk)  # fmt: skip
+    cpu = compute + decode
+    step = max(io, cpu) if s.prefetch else io + cpu
+    return {"step": step, "io": io, "compute": compute, "decode": decode, "disk_bytes": disk}
+
+
+def stream_memory(s: StreamShape, sd: str, store: str, edges: str, activations: str, chunk: int, cache: int,
+                  decoded: bool = True) -> dict[str, float]:  # fmt: skip
+    if s.on_gpu:
+        return gpu_stream_memory(s, sd, edges, activations, chunk)
+    return cpu_stream_memory(s, sd, store, edges, activations, chunk, cache, decoded)
+
+
+def stream_timing(s: StreamShape, setting_memory: dict[str, float], sd: str, store: str, edges: str,
+                  activations: str, chunk: int, cache: int) -> dict[str, float]:  # fmt: skip
+    if s.on_gpu:
+        return gpu_stream_timing(
+            s, sd, store, edges, activations, chunk, cache, int(setting_memory["suffix_rows"])
+        )
+    return cpu_stream_timing(s, sd, store, edges, chunk, cache)
+
+
+def _cache(s: StreamShape, sd: str, store: str, m: dict[str, float]) -> int:
+    """Blocks of a disk store held in host memory: on a CPU as many as the budget leaves room for; on a GPU
+    as many as the host holds beside the run (pinned, read once); a fixed cache_blocks as given."""
+    if store != "disk" or "cache_blocks" in s.fixed:
+        return int(s.fixed.get("cache_blocks", 0)) if store == "disk" else 0
+    if s.on_gpu:
+        return int(min(s.n, s.host_room // max(block_bytes(s.spec, sd))))
+    return int(min(s.n, max(0.0, s.budget - peak(m)) // m["cached_block"]))
+
+
+def candidates(s: StreamShape, dtypes: list[str]) -> tuple[list[Setting], list[tuple[str, int]]]:
+    """Every setting that fits the budget, and (store dtype, bytes missing) for each disk store the disk
+    refused. On a GPU the store sits in pinned host memory when the host has room for it, else on the disk."""
+    found, refused = [], []
+    disk_free = s.hw.get("disk_free_mb")
+    for sd in s.options("store_dtype", dtypes):
+        files = block_bytes(s.spec, sd)
+        missing = sum(files) - s.present.get(sd, 0)
+        disk_ok = disk_free is None or missing + DISK_RESERVE <= disk_free * MB
+        stores = (["cpu"] if sum(files) <= s.host_room else ["disk"]) if s.on_gpu else ["cpu", "disk"]
+        activations = ["device", "host"] if s.on_gpu else ["device"]
+        for store, edges, act in itertools.product(s.options("store", stores), s.options("edges", ["resident", "stream"]),
+                                                   s.options("activations", activations)):  # fmt: skip
+            if store == "disk" and not disk_ok:
+                refused.append((sd, missing))
+                continue
+            for chunk in sorted(s.options("chunk_size", chunk_sizes(s.n)), reverse=True):
+                cache = _cache(s, sd, store, stream_memory(s, sd, store, edges, act, chunk, 0))
+                m = stream_memory(s, sd, store, edges, act, chunk, cache)
+                if peak(m) <= s.budget:
+                    found.append(Setting(stream_timing(s, m, sd, store, edges, act, chunk, cache), sd, store, edges, act,
+                                         chunk, cache, m))  # fmt: skip
+    return found, refused
+
+
+def choose(s: StreamShape, found: list[Setting]) -> Setting | None:
+    """The fastest setting (nf4, which costs precision, only when nothing else fits); between settings equally
+    fast, the more precise store, and on a GPU then the one holding least of its memory."""
+    usable = [f for f in found if f.store_dtype != "nf4"] or found
+    if not usable:
+        return None
+    fastest = min(f.timing["step"] for f in usable)
+    near = [f for f in usable if f.timing["step"] <= fastest * (1 + (GPU_TIE if s.on_gpu else 0.03))]
+    return min(
+        near,
+        key=lambda f: (PRECISE_FIRST.index(f.store_dtype), peak(f.memory) if s.on_gpu else f.timing["step"]),
+    )
+
+
+def smallest(s: StreamShape, dtypes: list[str]) -> Setting:
+    """When nothing fits: the smallest setting, to report as not fitting."""
+    sd = s.options("store_dtype", dtypes)[-1]
+    store = s.fixed.get("store", "cpu" if s.on_gpu else "disk")
+    edges = s.fixed.get("edges", "stream")
+    activations = s.fixed.get("activations", "host" if s.on_gpu else "device")
+    chunk = min(s.options("chunk_size", [1]))
+    m = stream_memory(s, sd, store, edges, activations, chunk, 0)
+    return Setting(
+        stream_timing(s, m, sd, store, edges, activations, chunk, 0),
+        sd,
+        store,
+        edges,
+        activations,
+        chunk,
+        0,
+        m,
+    )
+
+
+def disk_refusal(s: StreamShape, refused: list[tuple[str, int]]) -> str:
+    sd, missing = min(refused, key=lambda r: r[1])
+    return (f"not enough disk for the layer store: {s.spec.name} as {sd} needs {missing / 2**30:,.1f} GB more under "
+            f"{s.where} and 2 GB must stay free, but the disk has {s.hw.get('disk_free_mb') / 1024:,.1f} GB free; "
+            "set paths.cache (or ONN_CACHE) to a disk with room, or a smaller strategy.streaming.store_dtype.")  # fmt: skip
+
+
+def generation(s: StreamShape, best: Setting) -> dict[str, Any]:
+    """What validation and generation may hold beside the chosen setting. Validation holds every sample's
+    hidden state (a block's input and output) for one pass. Generation (task=infer, exact match) reads the
+    whole store once per token and computes little: one block at a time, and every byte the training's
+    activations, adapters and larger chunks held goes to cached blocks instead, keeping room for
+    `generate_batch` sequences (each a KV cache of its prompt and 64 new tokens, and a hidden state). From an
+    int8 store's codes a CPU holds no decoded block, only one weight cast at a time for a prefill."""
+    spec, m, cb = s.spec, best.memory, s.compute_bytes
+    left = s.budget - peak(m) + max(m["trainable"], m["activations"])
+    eval_tokens = s.fixed.get("eval_tokens")
+    if eval_tokens is None:
+        eval_tokens = max(s.micro_batch * s.seq, min(1_000_000, left // (2 * spec.hidden * cb + 1)))
+    per_sequence = (s.n * 2 * spec.kv_dim + 2 * spec.hidden) * cb * (s.seq + 64) + spec.vocab * 4
+    generate_batch = int(max(1, min(256, left // per_sequence)))
+    codes = not s.on_gpu and generates_from_codes(best.store_dtype, "cpu", s.cdtype)
+    g = stream_memory(s, best.store_dtype, best.store, best.edges, best.activations, 1, 0, decoded=not codes)
+    scratch = min(max(spec.block_params), 2 * spec.intermediate * spec.hidden) * cb if codes else 0
+    room = (
+        s.budget - (g["weights"] - s.lora * 4) - 0.05 * g["weights"] - scratch - generate_batch * per_sequence
+    )
+    on_host = best.store == "disk" and not s.on_gpu
+    cache = int(min(s.n, max(0.0, room) // g["cached_block"])) if on_host else best.cache
+    return {"eval_tokens": int(eval_tokens), "generate_batch": generate_batch, "generate_cache_blocks": cache,
+            "generate_sequence_mb": round(per_sequence / MB, 3),  # what each of generate_batch sequences is given
+            "generate_spare_mb": round(max(0.0, room - cache * g["cached_block"]) / MB, 3),  # below one more cached block
+            "block_mb": round(g["cached_block"] / MB, 3)}  # fmt: skip
+
+
+def estimate_streaming(s: StreamShape, dtypes: list[str], context_mb: float) -> Estimate:
+    """The sparse_lora candidate: the chosen streaming setting's memory, with the settings and predictions
+    the engine and the plan's reader need under `streaming`."""
+    found, refused = candidates(s, dtypes)
+    best = choose(s, found)
+    refusal = disk_refusal(s, refused) if best is None and refused else None
+    best = best or smallest(s, dtypes)
+    t, m = best.timing, best.memory
+    streaming = {
+        "chunk_size": best.chunk, "store": best.store, "store_dtype": best.store_dtype, "edges": best.edges,
+        "activations": best.activations, "cache_blocks": best.cache, **generation(s, best),
+        "suffix_rows": int(m["suffix_rows"]),  # rows whose loss (logits) runs at once
+        "compute_dtype": s.cdtype, "micro_batches_per_chunk": s.micro_batches, "threads": threads_for(s.hw)[0],
+        "predicted_io_s": round(t["io"], 3), "predicted_compute_s": round(t["compute"], 3),
+        "predicted_decode_s": round(t["decode"], 3), "predicted_disk_read_gb": round(t["disk_bytes"] / 2**30, 2),
+        "predicted_h2d_gb": round(t.get("h2d_bytes", 0) / 2**30, 2),  # copied to the GPU per step
+        "store_gb": round(sum(block_bytes(s.spec, best.store_dtype)) / 2**30, 2),
+        "predicted_step_s": round(t["step"], 3), "refused": refusal, "alternatives": alternatives(found, best),
+    }  # fmt: skip
+    est = Estimate("sparse_lora", False, s.micro_batch, m["weights"] / MB, m["trainable"] / MB, m["optimizer"] / MB,
+                   m["activations"] / MB, m["workspace"] / MB, context_mb, streaming=streaming,
+                   note=f"streams {best.chunk} block(s) at a time, frozen weights stored as {best.store_dtype}",
+                   accumulates=s.batch_size > s.micro_batch)  # fmt: skip
+    est.fits = fits(est, s.hw)
+    return est
+
+
+def alternatives(found: list[Setting], best: Setting) -> list[dict[str, Any]]:
+    """The fastest setting of every other store dtype and place, fastest first."""
+    seen: dict[tuple, dict[str, Any]] = {}
+    for f in sorted(found, key=lambda f: f.timing["step"]):
+        key = (f.store_dtype, f.store)
+        if f is not best and key != (best.store_dtype, best.store) and key not in seen:
+            seen[key] = {"store_dtype": f.store_dtype, "store": f.store, "edges": f.edges, "chunk_size": f.chunk,
+                         "cache_blocks": f.cache, "predicted_step_s": round(f.timing["step"], 2)}  # fmt: skip
+    return list(seen.values())
+
+
+def store_dtypes(hw: dict[str, Any], precision: str) -> list[str]:
+    """Frozen-weight storage for streaming, most precise first: the compute dtype itself (a CPU then
+    computes straight from the read buffer), a 2-byte float under a float32 compute (half the bytes,
+    lossless for weights that were bf16), ONN's int8. nf4 is for when nothing else fits."""
+    if hw["accelerator"] == "cuda":
+        return ["bfloat16" if hw.get("bf16") else "float16", "int8", "nf4"]
+    if precision == "32-true":
+        return ["float32", "bfloat16", "int8", "nf4"]
+    return ["bfloat16", "int8", "nf4"]
+
+
+def block_bytes(spec: ModelSpec, store_dtype: str) -> list[int]:
+    """Each block's file size in a store of `store_dtype` (small tensors stay float32 when quantized)."""
+    small = spec.block_params[0] - spec.linear_params_per_block[0] if spec.linear_params_per_block else 0
+    per_value = DTYPE_BYTES[store_dtype]
+    return [
+        int((p - small) * per_value + small * (4 if store_dtype in ("int8", "nf4") else per_value))
+        for p in spec.block_params
+    ]
+
+
+def chunk_sizes(n: int) -> list[int]:
+    sizes, c = [], 1
+    while c <= max(1, n // 2):
+        sizes.append(c)
+        c *= 2
+    return sizes
+
+
+def gpu_stream_memory(s: StreamShape, sd: str, edges: str, activations: str, chunk: int) -> dict[str, float]:
+    """Device memory of a streamed step on a GPU, as its peak phase holds it: a chunk computing (two chunks
+    of blocks on the device, the one computing and the one copying in; an int8 store's as codes with one
+    cast tile), or the suffix (the head's weights, the logits of `suffix_rows` rows at a time: as many as
+    keep the suffix within what a chunk holds). With edges streamed no chunk is resident while the suffix
+    runs; the embeddings are looked up in host memory and never come to the device."""
+    spec, cb = s.spec, DTYPE_BYTES[s.cdtype]
+    files = block_bytes(spec, sd)
+    codes = sd == "int8"
+    per_block = max(files) if codes or sd == s.cdtype else max(files) + max(spec.block_params) * cb
+    tile = CAST_TILE_VALUES * cb if codes else 0
+    slots = 2 * chunk * per_block + tile
+    head = max(spec.suffix_params, spec.vocab * spec.hidden) * (DTYPE_BYTES[sd] if codes else cb) + tile
+    tokens = s.micro_batch * s.seq
+    n_chunks = -(-spec.n_blocks // chunk)
+    kept = (
+        (n_chunks - min(s.lowest // chunk, n_chunks) + 2) * s.micro_batches if activations == "device" else 0
+    )
+    kept_bytes = kept * tokens * spec.hidden * cb
+    # a chunk's recompute with grad (or the no-grad forward of `chunk` fused micro-batches: as large), and
+    # beside it in the backward the gradients of the widest layer's output and input (the MLP's)
+    recompute = (s.per_token_layer * chunk * MIXED_ACTIVATION_FACTOR + 4 * spec.intermediate) * tokens * cb
+    row_logits = s.logits / s.micro_batch
+    lora = sum(spec.lora_params_per_block[i] for i in s.sparse_layers)
+    if edges == "resident":
+        weights = slots + (spec.prefix_params + spec.suffix_params) * cb
+        rows = s.micro_batch
+        acts = kept_bytes + max(recompute, rows * row_logits)
+    else:
+        rows = int(max(1, min(s.micro_batch, max(slots + recompute - head, 64 * MB) // row_logits)))
+        weights, acts = max((slots, kept_bytes + recompute), (head, kept_bytes + rows * row_logits), key=sum)
+    weights += lora * 4
+    workspace = 0.05 * (weights + acts + lora * 8) + float(s.hw.get("cuda_workspace_mb") or 0) * MB
+    return {"weights": weights, "trainable": lora * 4, "optimizer": lora * 8, "activations": acts,
+            "workspace": workspace, "cached_block": max(files), "suffix_rows": rows}  # fmt: skip
+
+
+def gpu_stream_timing(s: StreamShape, sd: str, store: str, edges: str, activations: str, chunk: int,
+                      cache: int, suffix_rows: int) -> dict[str, float]:  # fmt: skip
+    """A streamed step's time on a GPU. The copy of the next chunk over the host link (from pinned host
+    memory; a disk store's uncached blocks read first) overlaps the current chunk's compute, so each half of
+    the step (the forward's chunks, the backward's) takes the longer of its copies and its compute; the
+    suffix, the edges' copy and the optimizer come on top. Compute: matmul FLOPs at the profile's measured
+    rate for the dtype and rows, an int8 store's casts at the measured cast rate (one per use of a block:
+    the forward of each fused group, the recompute and the backward of each micro-batch), and the measured
+    framework time per block call."""
+    spec, hw, n = s.spec, s.hw, s.spec.n_blocks
+    files = block_bytes(spec, sd)
+    chunks = [list(range(a, min(a + chunk, n))) for a in range(0, n, chunk)]
+    low = min(s.lowest // chunk, len(chunks))
+    # the lowest trainable chunk stays resident from the last backward; the suffix gives the last one back
+    # when the edges stream (the embeddings' lookup needs no device memory, so the prefix keeps it)
+    forward = [c for c in range(len(chunks)) if not (c == low == 0)]
+    backward = (
+        list(range(low, len(chunks) if edges == "stream" else len(chunks) - 1)) if low < len(chunks) else []
+    )
+    h2d = float(hw.get("h2d_mb_s") or 10000.0) * MB
+    disk_rate = float(hw.get("disk_read_mb_s") or 1000.0) * MB
+    cached = set(cached_blocks(n, cache, low * chunk if low < len(chunks) else n))
+
+    def copy_s(cs: list[int]) -> float:
+        blocks = [i for c in cs for i in chunks[c]]
+        read = sum(files[i] for i in blocks if store == "disk" and i not in cached)
+        return sum(files[i] for i in blocks) / h2d + read / disk_rate
+
+    tokens = s.batch_size * s.seq
+    kept = (
+        tokens * spec.hidden * DTYPE_BYTES[s.cdtype] * len(backward) * chunk if activations == "host" else 0
+    )
+    compute = gpu_stream_compute(s, sd, chunk, suffix_rows)
+    io_f, io_b = copy_s(forward), copy_s(backward) + kept / h2d
+    embedding = spec.vocab * spec.hidden
+    edges_io = max(spec.suffix_params, embedding) * DTYPE_BYTES[sd] / h2d if edges == "stream" else 0.0
+    if s.prefetch:
+        step = max(io_f, compute["forward"]) + max(io_b, compute["backward"])
+    else:
+        step = io_f + io_b + compute["forward"] + compute["backward"]
+    step += compute["suffix"] + edges_io
+    disk = sum(files[i] for c in forward + backward for i in chunks[c] if store == "disk" and i not in cached)
+    copied = sum(files[i] for c in forward + backward for i in chunks[c]) + kept + edges_io * h2d
+    return {"step": step, "io": io_f + io_b + edges_io, "compute": sum(compute.values()), "decode": 0.0,
+            "disk_bytes": disk, "h2d_bytes": copied}  # fmt: skip
+
+
+def gpu_stream_compute(s: StreamShape, sd: str, chunk: int, suffix_rows: int) -> dict[str, float]:
+    """A streamed step's GPU compute in its three parts (see gpu_stream_timing); the suffix runs
+    `suffix_rows` rows of a micro-batch at a time."""
+    spec, hw, n = s.spec, s.hw, s.spec.n_blocks
+    per_block, head = token_flops(spec, s.seq)
+    linear = spec.linear_params_per_block or spec.block_params
+    size = math.sqrt(max(linear) / 4)
+    tokens, rows, lowest = s.batch_size * s.seq, s.micro_batch * s.seq, s.lowest
+    groups = -(-s.micro_batches // chunk)  # the forward fuses up to `chunk` micro-batches
+
+    def matmul(flops: float, m: float) -> float:
+        return flops / matmul_rate(hw, s.cdtype, m, 1, size)
+
+    cast_rate = float((hw.get("decode_gvalues_s") or {}).get(f"int8->{s.cdtype}") or 0) * 1e9
+    cast = (lambda values: values / cast_rate) if sd == "int8" and cast_rate else (lambda values: 0.0)
+    calls = hw.get("block_call_s") or {}
+    lora = sum(spec.lora_params_per_block[i] for i in s.sparse_layers)
+    bandwidth = float(hw.get("memory_gb_s") or 0) * 1e9
+    # the GPU's kernels and the host's launching of them (the measured framework time per block call) overlap:
+    # nothing in a chunk's compute waits for the GPU, so each part takes the longer of the two
+    forward = max(matmul(sum(per_block) * tokens, min(s.micro_batches, chunk) * rows) + cast(sum(linear) * groups),
+                  calls.get("forward", 0.0) * n * groups)  # fmt: skip
+    backward = max(matmul(2 * sum(per_block[lowest:]) * tokens, rows) + cast(2 * sum(linear[lowest:]) * s.micro_batches),
+                   calls.get("lora", 0.0) * (n - lowest) * s.micro_batches)  # fmt: skip
+    head_values = max(spec.suffix_params, spec.vocab * spec.hidden)
+    pieces = s.micro_batches * -(-s.micro_batch // suffix_rows)
+    suffix = max(matmul(2 * head * tokens, suffix_rows * s.seq) + cast(2 * head_values * pieces)
+                 + (28 * lora / bandwidth if bandwidth else 0.0), calls.get("step", 0.0) * pieces)  # fmt: skip
+    return {"forward": forward, "backward": backward, "suffix": suffix}
