@@ -120,57 +120,66 @@ class StreamingEngine:
         # micro-batch through a chunk holds, so fusing up to chunk_size of them costs no extra peak.
         self.forward_group = forward_group or chunk_size
         self.chunks = [list(range(s, min(s + chunk_size, n))) for s in range(0, n, chunk_size)]
-        self.frozen = [
-            [name for name, p in block.named_parameters() if not p.requires_grad]
-            for block in layer_map.blocks
-        ]
-        model_dtype = next(p.dtype for p in layer_map.blocks[0].parameters() if not p.requires_grad)
-        self.compute_dtype = compute_dtype or model_dtype
-        self._autocast = self.compute_dtype != model_dtype
-        trainable = [
-            i for i, block in enumerate(layer_map.blocks) if any(p.requires_grad for p in block.parameters())
-        ]
-        self.lowest_chunk = min(
-            (c for c, ids in enumerate(self.chunks) if set(ids) & set(trainable)), default=len(self.chunks)
-        )
-        # stream_edges: the frozen weights outside the blocks (embeddings, final norm, head) live in
-        # the store too and come to the device only for the prefix or the suffix that uses them, never
-        # beside a chunk. A streamed embedding is looked up in host memory (StoredEmbedding): only the
-        # rows a batch names cross to the device.
-        in_blocks = {id(p) for block in layer_map.blocks for p in block.parameters()}
-        self.edges = (
-            [n for n, p in model.named_parameters() if id(p) not in in_blocks and not p.requires_grad]
-            if stream_edges
-            else []
-        )
-        self._edge_phases = _edge_phases(model, layer_map, self.edges)
-        self._embeddings = {
-            path: module for path, module in model.named_modules()
-            if isinstance(module, nn.Embedding) and f"{path}.weight" in self._edge_phases["prefix"]
-        }  # fmt: skip
+        self._find_frozen(compute_dtype)
+        self._find_edges(stream_edges)
         # Blocks of a disk store held in host memory once read (as many as the plan's budget allows).
         first_twice = self.chunks[self.lowest_chunk][0] if self.lowest_chunk < len(self.chunks) else n
         self.cache_blocks = (
             set(cached_blocks(n, int(cache_blocks), first_twice)) if store.kind == "disk" else set()
         )
-        # int8 stores: each frozen linear computes with the cast codes and scales its output by the row
-        # scales of the weight installed in it (see _linear_forward), so decoding is a single cast
+        self._prepare_linears()
+        self._start_state()
+
+    def _find_frozen(self, compute_dtype: torch.dtype | None) -> None:
+        """The blocks' frozen weights, the dtype they compute in, and the lowest chunk with a trainable layer."""
+        blocks = self.map.blocks
+        self.frozen = [
+            [name for name, p in block.named_parameters() if not p.requires_grad] for block in blocks
+        ]
+        model_dtype = next(p.dtype for p in blocks[0].parameters() if not p.requires_grad)
+        self.compute_dtype = compute_dtype or model_dtype
+        self._autocast = self.compute_dtype != model_dtype
+        trainable = {i for i, block in enumerate(blocks) if any(p.requires_grad for p in block.parameters())}
+        self.lowest_chunk = min(
+            (c for c, ids in enumerate(self.chunks) if set(ids) & trainable), default=len(self.chunks)
+        )
+
+    def _find_edges(self, stream_edges: bool) -> None:
+        """stream_edges: the frozen weights outside the blocks (embeddings, final norm, head) live in the store
+        too and come to the device only for the prefix or the suffix that uses them, never beside a chunk. A
+        streamed embedding is looked up in host memory (StoredEmbedding): only the rows a batch names cross to
+        the device."""
+        model = self.model
+        in_blocks = {id(p) for block in self.map.blocks for p in block.parameters()}
+        self.edges = (
+            [n for n, p in model.named_parameters() if id(p) not in in_blocks and not p.requires_grad]
+            if stream_edges
+            else []
+        )
+        self._edge_phases = _edge_phases(model, self.map, self.edges)
+        self._embeddings = {
+            path: module for path, module in model.named_modules()
+            if isinstance(module, nn.Embedding) and f"{path}.weight" in self._edge_phases["prefix"]
+        }  # fmt: skip
+
+    def _prepare_linears(self) -> None:
+        """The frozen linears of the blocks (and the streamed head). With an int8 store each computes from the
+        codes installed in it and scales its output by their row scales (linear_forward), so decoding is at
+        most one cast. Decoded weights: freed buffers their size go back to the OS, smaller ones (activations)
+        stay in the heap; a zero-copy stream decodes nothing, and a fixed threshold would only send a small
+        model's activations (larger than its weights) through mmap: llama_small's step ran 35% slower."""
         self._linears = [
             {stored_name(f"{name}.weight"): m for name, m in block.named_modules()
              if isinstance(m, nn.Linear) and not m.weight.requires_grad}
-            for block in layer_map.blocks
+            for block in self.map.blocks
         ]  # fmt: skip
         if not self._zero_copy:
-            # decoded weights: freed buffers their size go back to the OS; smaller ones (activations) stay in
-            # the heap. A zero-copy stream decodes nothing, and a fixed threshold would only send a small
-            # model's activations (larger than its weights) through mmap: llama_small's step ran 35% slower.
             weights = [m.in_features * m.out_features * self.compute_dtype.itemsize for linears in self._linears
                        for m in linears.values()]  # fmt: skip
             return_large_frees_to_os(min(weights, default=0))
-        # streamed edge linears (the head) compute from an int8 store's codes as the blocks' do
-        self._edge_linears = {f"{name}.weight": m for name, m in model.named_modules()
+        self._edge_linears = {f"{name}.weight": m for name, m in self.model.named_modules()
                               if isinstance(m, nn.Linear) and f"{name}.weight" in self.edges}  # fmt: skip
-        if store.dtype == "int8":
+        if self.store.dtype == "int8":
             scratch = Scratch()
             for module in [
                 *(m for linears in self._linears for m in linears.values()),
@@ -178,19 +187,18 @@ class StreamingEngine:
             ]:
                 module._onn_scale, module._onn_scratch = None, scratch
                 module.forward = types.MethodType(linear_forward, module)
-        # Generating, an int8 store's codes are installed as they are stored: one new token per sequence
-        # goes through torch's weight-only int8 matmul, which reads each weight byte once where a cast
-        # first writes the weight in the compute dtype and the matmul reads it again; a prompt's prefill
-        # casts one weight at a time into a scratch buffer (see _linear_forward). So generation holds no
-        # decoded blocks. Training and validation decode whole chunks in the loader thread instead: their
-        # passes are many rows, for which the cast-then-matmul is the faster kernel.
+
+    def _start_state(self) -> None:
+        """What the loads keep between calls. Generating, a CPU computes from an int8 store's codes as stored
+        (one new token per sequence through torch's weight-only int8 matmul; a prefill casts one weight at a
+        time); training and validation decode whole chunks in the loader thread, whose passes are many rows.
+        On a GPU one chunk loads at a time: it copies over the one host link while the current chunk computes,
+        and the device holds two chunks, as planned (a third would only share the link)."""
         self._codes_direct = False
         self.times = StepTimes()
         self._cached: dict[int, dict[str, torch.Tensor]] = {}
         self._slots = [_Slot() for _ in range(SLOTS)]
         self._free = list(range(SLOTS))
-        # Chunks loading at once. On a GPU one: it copies over the one host link while the current chunk
-        # computes, and the device holds two chunks, as planned (a third would only share the link).
         self._in_flight = 1 if self.device.type == "cuda" else SLOTS
         self._resident: int | None = None
         self._resident_slot: int | None = None

@@ -9,6 +9,7 @@ placeholders, which the streaming engine fills from the store.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,96 @@ from onn.models.load import (
 from onn.streaming.store import human_bytes, stored_bytes, stored_name
 
 
+@dataclass
+class Source:
+    """Where a streamed model's weights come from: its config, its safetensors files (and which file holds
+    each tensor), or a GGUF file read tensor by tensor, or neither (random weights, seeded per block)."""
+
+    config: Any
+    files: list[str] = field(default_factory=list)
+    where: dict[str, str] = field(default_factory=dict)  # tensor name -> file
+    gguf: GGUFBlocks | None = None
+    tokenizer: Any = None
+
+    @classmethod
+    def open(cls, model_cfg: dict[str, Any], cache_dir) -> Source | None:
+        """The model config's source, or None where it cannot be read block by block (a Python builder)."""
+        kind, source = source_kind(model_cfg.get("source")), model_cfg.get("source")
+        remote = bool(model_cfg.get("trust_remote_code"))
+        if kind == "random":
+            return cls(architecture(model_cfg))
+        if kind == "safetensors":
+            return cls(architecture(model_cfg), [expand(source)])._indexed()
+        if kind == "gguf" and converted_gguf(source, cache_dir) is None:
+            gguf = GGUFBlocks(expand(source))  # read tensor by tensor: a GGUF larger than RAM loads too
+            return cls(gguf.config, gguf=gguf, tokenizer=gguf.tokenizer())
+        if kind not in ("folder", "hub", "gguf"):
+            return None
+        folder = {"folder": expand, "hub": hub_folder}.get(kind, lambda s: converted_gguf(s, cache_dir))(
+            source
+        )
+        refuse_pickle_folder(folder)
+        files = sorted(str(f) for f in Path(folder).glob("*.safetensors"))
+        return cls(read_config(folder, remote), files, tokenizer=tokenizer_from(folder, remote))._indexed()
+
+    def _indexed(self) -> Source:
+        from safetensors import safe_open
+
+        for file in self.files:
+            with safe_open(file, framework="pt") as f:
+                self.where.update({key: file for key in f.keys()})  # noqa: SIM118 (safe_open is not iterable)
+        return self
+
+    def reads(self, model) -> bool:
+        """Whether every weight of the model is in the files by its own name (renamed or fused weights are not)."""
+        return not self.files or all(n in self.where for n, _ in model.named_parameters())
+
+
+@dataclass
+class Materialiser:
+    """Real weights for a module of the empty model: read from the source's files or GGUF, or initialised
+    from a seed (in float32 and cast, which is fast; `in_dtype`: straight in the weights dtype, which holds no
+    float32 copy of a large embedding) on `init_device`; a prefix or suffix module ends on the host, as a
+    loaded model's does. Random weights for a store in host memory (rebuilt every run, never resumed) are
+    drawn on the compute device when it is a GPU: Phi-4's 14.7B values take seconds there and minutes on a
+    CPU's one RNG thread; a disk store draws them on the CPU, so a build resumed elsewhere continues the stream."""
+
+    source: Source
+    model: Any
+    dtype: Any
+    init_device: str
+
+    def __call__(self, module, prefix: str, seed: int, recurse: bool = True, in_dtype: bool = False) -> None:
+        import torch
+        from safetensors import safe_open
+
+        src = self.source
+        if src.files:  # each file opened once per module; assign=True replaces the meta parameters
+            names = [n for n, _ in module.named_parameters(recurse=recurse)]
+            state = {}
+            for file in {src.where[prefix + n] for n in names}:
+                with safe_open(file, framework="pt") as f:
+                    state.update(
+                        {n: f.get_tensor(prefix + n) for n in names if src.where[prefix + n] == file}
+                    )
+            module.load_state_dict(state, strict=False, assign=True)
+        elif src.gguf is not None:
+            names = [n for n, _ in module.named_parameters(recurse=recurse) if src.gguf.has(prefix + n)]
+            module.load_state_dict({n: src.gguf.tensor(prefix + n) for n in names}, strict=False, assign=True)
+        else:
+            module.to_empty(device=self.init_device, recurse=recurse)
+            if in_dtype and self.dtype is not None:
+                for param in module.parameters(recurse=recurse):
+                    param.data = torch.empty_like(param.data, dtype=self.dtype)
+            torch.manual_seed(seed)
+            for sub in module.modules() if recurse else [module]:
+                self.model._init_weights(sub)
+        for param in module.parameters(recurse=recurse):
+            param.data = param.data.to(self.dtype or param.dtype)
+            if not recurse and not param.is_meta:  # (a tied weight the GGUF lacks is tied after the load)
+                param.data = param.data.to("cpu")
+
+
 def load_into_store(
     model_cfg: dict[str, Any], dtype, cache_dir, store, device: str = "cpu"
 ) -> tuple[Any, Any] | None:
@@ -38,114 +129,65 @@ def load_into_store(
     safetensors files (or randomly initialised, seeded per block) and written to the store; only
     the prefix/suffix weights are materialised. The blocks keep empty placeholders, which the
     streaming engine fills from the store. Returns None where a source cannot be read this way
-    (a Python builder, a GGUF file not converted yet, checkpoint names that differ from the
-    model's): the caller then loads the whole model."""
-    import zlib
-
-    import torch
+    (a Python builder, checkpoint names that differ from the model's): the caller then loads the whole model."""
     from accelerate import init_empty_weights
-    from safetensors import safe_open
 
     return_large_frees_to_os()  # block-sized buffers come and go here: don't let them pile up in the heap
-
-    kind, source = source_kind(model_cfg.get("source")), model_cfg.get("source")
-    remote = bool(model_cfg.get("trust_remote_code"))
-    files: list[str] = []
-    tokenizer, gguf = None, None
-    if kind == "random":
-        config = architecture(model_cfg)
-    elif kind == "safetensors":
-        config, files = architecture(model_cfg), [expand(source)]
-    elif kind == "gguf" and converted_gguf(source, cache_dir) is None:
-        gguf = GGUFBlocks(expand(source))  # read tensor by tensor: a GGUF larger than RAM loads too
-        config, tokenizer = gguf.config, gguf.tokenizer()
-    elif kind in ("folder", "hub", "gguf"):
-        folder = (
-            expand(source)
-            if kind == "folder"
-            else hub_folder(source)
-            if kind == "hub"
-            else converted_gguf(source, cache_dir)
-        )
-        refuse_pickle_folder(folder)
-        config = read_config(folder, remote)
-        files = sorted(str(f) for f in Path(folder).glob("*.safetensors"))
-        tokenizer = tokenizer_from(folder, remote)
-    else:
+    source = Source.open(model_cfg, cache_dir)
+    if source is None:
         return None
+    remote = bool(model_cfg.get("trust_remote_code"))
     with init_empty_weights(include_buffers=False):
-        model = auto_class(config).from_config(config, trust_remote_code=remote)
-    where = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            where.update({key: file for key in f.keys()})  # noqa: SIM118 (safe_open is not iterable)
-    names = [n for n, _ in model.named_parameters()]
-    if files and any(n not in where for n in names):
-        return None  # checkpoint names differ from the model's (renamed or fused weights)
-    if gguf is not None:
-        gguf.map_names(model)
-
-    # Random weights for a store in host memory (rebuilt every run, never resumed) are drawn on the compute
-    # device when it is a GPU: Phi-4's 14.7B values take seconds there and minutes on a CPU's one RNG thread.
-    # A disk store draws them on the CPU, so a build resumed on another machine continues the same stream.
-    init_device = device if kind == "random" and store.kind == "cpu" else "cpu"
-
-    def materialise(
-        module: torch.nn.Module, prefix: str, seed: int, recurse: bool = True, in_dtype: bool = False
-    ) -> None:
-        """Real weights for a module: read from the source's files, or initialised from `seed` (in float32
-        and cast, which is fast; `in_dtype`: straight in the weights dtype, which holds no float32 copy of
-        a large embedding), on `init_device`; the prefix and suffix end on the CPU, as a loaded model's do."""
-        if files:  # each file opened once per module; assign=True replaces the meta parameters
-            names = [n for n, _ in module.named_parameters(recurse=recurse)]
-            state = {}
-            for file in {where[prefix + n] for n in names}:
-                with safe_open(file, framework="pt") as f:
-                    state.update({n: f.get_tensor(prefix + n) for n in names if where[prefix + n] == file})
-            module.load_state_dict(state, strict=False, assign=True)
-        elif gguf is not None:
-            names = [n for n, _ in module.named_parameters(recurse=recurse) if gguf.has(prefix + n)]
-            module.load_state_dict({n: gguf.tensor(prefix + n) for n in names}, strict=False, assign=True)
-        else:
-            module.to_empty(device=init_device, recurse=recurse)
-            if in_dtype and dtype is not None:
-                for param in module.parameters(recurse=recurse):
-                    param.data = torch.empty_like(param.data, dtype=dtype)
-            torch.manual_seed(seed)
-            for sub in module.modules() if recurse else [module]:
-                model._init_weights(sub)
-        for param in module.parameters(recurse=recurse):
-            param.data = param.data.to(dtype or param.dtype)
-            if not recurse:  # a prefix/suffix module stays in the model: on the host, as loaded models are
-                param.data = param.data.to("cpu")
-
+        model = auto_class(source.config).from_config(source.config, trust_remote_code=remote)
+    if not source.reads(model):
+        return None
+    if source.gguf is not None:
+        source.gguf.map_names(model)
+    random = source_kind(model_cfg.get("source")) == "random"
+    materialise = Materialiser(source, model, dtype, device if random and store.kind == "cpu" else "cpu")
     layer_map = discover(model, (model_cfg.get("layer_map") or {}).get("blocks"))
-    full = layer_map.block_paths
+    seed = int(model_cfg.get("init_seed", 0))
+    _write_blocks(layer_map, store, materialise, seed, dtype)
+    _materialise_edges(model, layer_map, materialise, seed)
+    model.tie_weights()
+    return model, finish_tokenizer(model_cfg, source.tokenizer, remote)
+
+
+def _write_blocks(layer_map, store, materialise: Materialiser, seed: int, dtype) -> None:
+    """Each block the store lacks, materialised, written and emptied: one block in memory at a time. Every
+    block ends an empty placeholder, which the streaming engine fills from the store."""
+    import torch
+
     shapes = {
         i: {stored_name(n): list(p.shape) for n, p in b.named_parameters()}
         for i, b in enumerate(layer_map.blocks)
     }
-    seed = int(model_cfg.get("init_seed", 0))
-    placeholder_dtype = dtype or torch.float32
 
-    def empty(block: torch.nn.Module) -> None:
+    def empty(block) -> None:
         for module in block.modules():
             for name, p in list(module._parameters.items()):
                 if p is not None:
                     module._parameters[name] = torch.nn.Parameter(
-                        torch.empty(0, dtype=placeholder_dtype), requires_grad=False
+                        torch.empty(0, dtype=dtype or torch.float32), requires_grad=False
                     )
 
     missing = store.missing(shapes)  # the disk's room is checked here, before anything is written
     with build_progress(store, missing, shapes):
-        for i in missing:  # one block in memory at a time
+        for i in missing:
             block = layer_map.blocks[i]
-            materialise(block, full[i] + ".", seed * 100_003 + i + 1)
+            materialise(block, layer_map.block_paths[i] + ".", seed * 100_003 + i + 1)
             store.write(i, {stored_name(n): p.data for n, p in block.named_parameters()})
             empty(block)
     for block in layer_map.blocks:
         empty(block)
-    for name, module in model.named_modules():  # the prefix and suffix: every module outside the blocks
+
+
+def _materialise_edges(model, layer_map, materialise: Materialiser, seed: int) -> None:
+    """The prefix and suffix: every module outside the blocks, seeded by its name."""
+    import zlib
+
+    full = layer_map.block_paths
+    for name, module in model.named_modules():
         inside = any(name == b or name.startswith(b + ".") for b in full)
         if not inside and any(p.is_meta for p in module.parameters(recurse=False)):
             materialise(
@@ -155,8 +197,6 @@ def load_into_store(
                 recurse=False,
                 in_dtype=True,
             )
-    model.tie_weights()
-    return model, finish_tokenizer(model_cfg, tokenizer, remote)
 
 
 class GGUFBlocks:
