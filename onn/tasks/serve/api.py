@@ -183,17 +183,24 @@ def create_app(served: Any, settings: dict[str, Any], model_name: str, api_key: 
     """The app for a LanguageModel (`served.step`) or a classifier Predictor (`served.classify`). A language
     model's Scheduler starts with it; `app.state.close()` stops it."""
     app = FastAPI(title="ONN", docs_url=None, redoc_url=None, openapi_url=None)  # docs would fetch from a CDN
-    stats = Stats()
-    app.state.stats = stats
-    created = int(time.time())
-    classifier = hasattr(served, "classify")
-    scheduler = None if classifier else Scheduler(served, int(settings["slots"]))
-    app.state.scheduler = scheduler
-    app.state.close = scheduler.close if scheduler else (lambda: None)
-    app.state.kind = "classifier" if classifier else "language model"
+    server = Server(served, settings, model_name)
+    app.state.stats, app.state.scheduler = server.stats, server.scheduler
+    app.state.close = server.scheduler.close if server.scheduler else (lambda: None)
+    app.state.kind = "classifier" if server.classifier else "language model"
     app.add_middleware(Guard, api_key=api_key, max_body=int(settings["max_body_bytes"]),
-                       max_upload=int(settings["max_upload_bytes"]), stats=stats)  # fmt: skip
-    page = resources.files("onn.tasks.serve").joinpath("page.html").read_text(encoding="utf-8")
+                       max_upload=int(settings["max_upload_bytes"]), stats=server.stats)  # fmt: skip
+    _answer_errors(app, server.stats)
+    for path, method, handler in (("/health", "GET", server.health), ("/", "GET", server.index),
+                                  ("/v1/models", "GET", server.models), ("/v1/models/{name:path}", "GET", server.model),
+                                  ("/v1/chat/completions", "POST", server.chat), ("/v1/completions", "POST", server.completions),
+                                  ("/v1/classify", "POST", server.classify)):  # fmt: skip
+        app.add_api_route(path, handler, methods=[method])
+    return app
+
+
+def _answer_errors(app: FastAPI, stats: Stats) -> None:
+    """Every error as the OpenAI API answers one: a JSON body naming the problem (and a 500 for a bug, said,
+    logged, and the server goes on)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
@@ -217,43 +224,51 @@ def create_app(served: Any, settings: dict[str, Any], model_name: str, api_key: 
         )
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception):  # a bug: said, logged, and the server goes on
+    async def _unexpected(request: Request, e: Exception):
         log.exception("serve: %s %s failed", request.method, request.url.path)
         return error_response(500, f"internal error: {_short(e)}", "server_error")
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "kind": "classifier" if classifier else "language model"}
 
-    @app.get("/")
-    async def index():
-        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+class Server:
+    """The routes of one served model: its health and page, the model list, chat and text completions
+    (streamed as server-sent events, or whole), and image classification."""
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [_model_card(model_name, created, classifier)]}
+    def __init__(self, served: Any, settings: dict[str, Any], model_name: str):
+        self.served, self.settings, self.model_name = served, settings, model_name
+        self.stats = Stats()
+        self.created = int(time.time())
+        self.classifier = hasattr(served, "classify")
+        self.scheduler = None if self.classifier else Scheduler(served, int(settings["slots"]))
+        self.page = resources.files("onn.tasks.serve").joinpath("page.html").read_text(encoding="utf-8")
 
-    @app.get("/v1/models/{name:path}")
-    async def model(name: str):
-        if name != model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; this server has {model_name!r}", param="model",
+    async def health(self):
+        return {"status": "ok", "kind": "classifier" if self.classifier else "language model"}
+
+    async def index(self):
+        return HTMLResponse(self.page, headers={"Cache-Control": "no-cache"})
+
+    async def models(self):
+        return {"object": "list", "data": [_model_card(self.model_name, self.created, self.classifier)]}
+
+    async def model(self, name: str):
+        if name != self.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server has {self.model_name!r}", param="model",
                            code="model_not_found")  # fmt: skip
-        return _model_card(model_name, created, classifier)
+        return _model_card(self.model_name, self.created, self.classifier)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
+    async def chat(self, request: Request):
         req = _parse(await request.body(), ChatRequest)
-        lm = _language_model(served, req, model_name)
+        lm = _language_model(self.served, req, self.model_name)
         messages = [
             {"role": "user" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
         ]
-        prompter = lm.prompter
+        prompter, template = lm.prompter, self.settings["template"]
         try:
-            if settings["template"] and len(messages) == 1 and messages[0]["role"] == "user":
+            if template and len(messages) == 1 and messages[0]["role"] == "user":
                 text = prompter.render(
                     messages[0]["content"]
                 )  # as trained: data.template, then the chat template
-            elif settings["template"] or prompter.chat:
+            elif template or prompter.chat:
                 text = prompter.render_messages(messages)
             else:
                 text = "".join(m["content"] for m in messages)
@@ -263,39 +278,44 @@ def create_app(served: Any, settings: dict[str, Any], model_name: str, api_key: 
             raise ApiError(
                 400, f"the messages do not fit the model's prompt format: {_short(e)}", param="messages"
             ) from None
-        ids = _prompt_ids(lm, text, prompter.add_special_tokens, settings, "messages")
-        return await _generate(request, req, ids, "chat.completion")
+        ids = _prompt_ids(lm, text, prompter.add_special_tokens, self.settings, "messages")
+        return await self._generate(request, req, ids, "chat.completion")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def completions(self, request: Request):
         req = _parse(await request.body(), CompletionRequest)
-        lm = _language_model(served, req, model_name)
+        lm = _language_model(self.served, req, self.model_name)
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if len(prompts) != 1:
             raise ApiError(400, "give one prompt (a string, or a list of one)", param="prompt")
-        ids = _prompt_ids(lm, prompts[0], True, settings, "prompt")
-        return await _generate(request, req, ids, "text_completion")
+        ids = _prompt_ids(lm, prompts[0], True, self.settings, "prompt")
+        return await self._generate(request, req, ids, "text_completion")
 
-    async def _generate(request: Request, req: Generation, ids: list[int], kind: str):
-        sampling = _sampling(req, settings)
-        room = _context(served)
+    async def _generate(self, request: Request, req: Generation, ids: list[int], kind: str):
+        sampling = _sampling(req, self.settings)
+        room = _context(self.served)
         if room is not None and len(ids) + sampling.max_tokens > room:
             raise ApiError(400, f"the prompt's {len(ids)} tokens and max_tokens {sampling.max_tokens} pass the model's "
                                 f"context of {room} tokens", param="max_tokens", code="context_length_exceeded")  # fmt: skip
-        if len(scheduler.waiting) >= int(settings["max_waiting"]):
+        if len(self.scheduler.waiting) >= int(self.settings["max_waiting"]):
             raise ApiError(429, "too many requests are waiting; try again shortly", "rate_limit_error",
                            code="rate_limit_exceeded")  # fmt: skip
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         seq = Sequence(ids, sampling, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
-        scheduler.submit(seq)
-        stats.add(requests=1)
+        self.scheduler.submit(seq)
+        self.stats.add(requests=1)
         rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
         now = int(time.time())
         if req.stream:
             usage = bool((req.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_stream(seq, events, rid, kind, now, model_name, usage), media_type="text/event-stream",
+            return StreamingResponse(self._stream(seq, events, rid, kind, now, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+        return await self._whole(request, seq, events, rid, kind, now)
+
+    async def _whole(
+        self, request: Request, seq: Sequence, events: asyncio.Queue, rid: str, kind: str, now: int
+    ):
+        """The whole completion, once it has finished (499 when the client left meanwhile)."""
         text, finish = [], None
         try:
             while finish is None:
@@ -317,18 +337,16 @@ def create_app(served: Any, settings: dict[str, Any], model_name: str, api_key: 
             raise ApiError(
                 503, f"generation failed: {finish['error']}", "server_error", code="generation_failed"
             )
-        stats.add(completion_tokens=finish["completion_tokens"])
+        self.stats.add(completion_tokens=finish["completion_tokens"])
         content = "".join(text)
         choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish["finish"],
                    "logprobs": None} if kind == "chat.completion" else
                   {"index": 0, "text": content, "finish_reason": finish["finish"], "logprobs": None})  # fmt: skip
-        return {"id": rid, "object": kind, "created": now, "model": model_name, "choices": [choice],
+        return {"id": rid, "object": kind, "created": now, "model": self.model_name, "choices": [choice],
                 "usage": _usage(finish)}  # fmt: skip
 
-    async def _stream(
-        seq: Sequence, events: asyncio.Queue, rid: str, kind: str, now: int, name: str, usage: bool
-    ):
-        chat = kind == "chat.completion"
+    async def _stream(self, seq: Sequence, events: asyncio.Queue, rid: str, kind: str, now: int, usage: bool):
+        chat, name = kind == "chat.completion", self.model_name
 
         def chunk(delta: dict | None, text: str | None, finish: str | None) -> str:
             choice = ({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None} if chat else
@@ -352,7 +370,7 @@ def create_app(served: Any, settings: dict[str, Any], model_name: str, api_key: 
                         )
                     )
                     break
-                stats.add(completion_tokens=event["completion_tokens"])
+                self.stats.add(completion_tokens=event["completion_tokens"])
                 yield chunk({}, "", event["finish"])
                 if usage:
                     yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": now,
@@ -362,55 +380,47 @@ def create_app(served: Any, settings: dict[str, Any], model_name: str, api_key: 
         finally:
             seq.cancel()  # the client went away (or the stream ended): the row leaves the batch
 
-    @app.post("/v1/classify")
-    async def classify(request: Request):
-        if not classifier:
-            raise ApiError(400, f"{model_name} is a language model: use /v1/chat/completions or /v1/completions",
+    async def classify(self, request: Request):
+        if not self.classifier:
+            raise ApiError(400, f"{self.model_name} is a language model: use /v1/chat/completions or /v1/completions",
                            code="not_a_classifier")  # fmt: skip
         try:
             form = await request.form(
-                max_files=1, max_fields=8, max_part_size=int(settings["max_upload_bytes"])
+                max_files=1, max_fields=8, max_part_size=int(self.settings["max_upload_bytes"])
             )
         except Exception as e:  # not multipart, a broken body, too many parts
             raise ApiError(
                 400, f"send the file as multipart/form-data in the field `file` ({_short(e)})", param="file"
             ) from None
         try:
-            return await _classify(form)
+            return await self._classify(form)
         finally:
             await form.close()
 
-    async def _classify(form) -> dict[str, Any]:
-        upload = form.get("file")
+    async def _classify(self, form) -> dict[str, Any]:
+        upload, limit = form.get("file"), int(self.settings["max_upload_bytes"])
         if upload is None or isinstance(upload, str):
             raise ApiError(400, "send the file as multipart/form-data in the field `file`", param="file")
         fields = {k: v for k, v in form.items() if isinstance(v, str)}
-        if "model" in fields and fields["model"] != model_name:
-            raise ApiError(404, f"the model {fields['model']!r} does not exist; this server has {model_name!r}",
+        if "model" in fields and fields["model"] != self.model_name:
+            raise ApiError(404, f"the model {fields['model']!r} does not exist; this server has {self.model_name!r}",
                            param="model", code="model_not_found")  # fmt: skip
-        top_k = _form_int(fields.get("top_k"), int(settings["top_k"]), "top_k")
+        top_k = _form_int(fields.get("top_k"), int(self.settings["top_k"]), "top_k")
         picture = fields.get("picture", "false").lower() in ("1", "true", "yes")
-        data = await upload.read(int(settings["max_upload_bytes"]) + 1)
-        if len(data) > int(settings["max_upload_bytes"]):
-            raise ApiError(
-                413,
-                f"the file is over {settings['max_upload_bytes']} bytes",
-                param="file",
-                code="request_too_large",
-            )
+        data = await upload.read(limit + 1)
+        if len(data) > limit:
+            raise ApiError(413, f"the file is over {limit} bytes", param="file", code="request_too_large")
         if not data:
             raise ApiError(400, "the file is empty", param="file")
-        stats.add(requests=1)
+        self.stats.add(requests=1)
         labels, image = await run_in_threadpool(
-            _run_classifier, served, data, upload.filename or "", top_k, picture
+            _run_classifier, self.served, data, upload.filename or "", top_k, picture
         )
-        out = {"object": "classification", "model": model_name, "filename": upload.filename,
+        out = {"object": "classification", "model": self.model_name, "filename": upload.filename,
                "labels": [{"label": label, "probability": round(p, 6)} for label, p in labels]}  # fmt: skip
         if image is not None:
             out["picture"] = "data:image/png;base64," + base64.b64encode(image).decode()
         return out
-
-    return app
 
 
 _classify_lock = threading.Lock()
