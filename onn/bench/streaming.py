@@ -26,6 +26,7 @@ import os
 import shutil
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,119 +58,139 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def run(job) -> dict[str, Any]:
-    config, plan, run_dir = job.config, job.plan, job.run_dir
-    from onn.hardware.disk import evict
-    from onn.models.layers import discover
-    from onn.models.load import load
-    from onn.streaming.engine import StreamingEngine
-    from onn.streaming.store import LayerStore
-    from onn.training.lora import apply
+@dataclass
+class _Bench:
+    """What every measurement of the bench shares: the LoRA model, its settings and where its store goes."""
 
-    bench = config["task"]
-    seq, mb, repeats = int(bench["seq_len"]), int(bench["micro_batch"]), int(bench["repeats"])
-    chunk = int(bench["chunk_size"])
-    model, _ = load(config["model"], dtype=torch.float32)
-    layer_map = discover(model)
-    n = len(layer_map)
-    base = apply(model, "sparse_lora", config["strategy"], layer_map, plan["sparse_layers"])
-    vocab = base.config.vocab_size
-    from onn.models.load import model_fingerprint
+    config: dict[str, Any]
+    plan: dict[str, Any]
+    base: Any  # the sparse-LoRA model every engine copies
+    store_dir: Path
+    seq: int
+    micro_batch: int
+    repeats: int
+    chunk: int
 
-    store_dir = Path(config["paths"]["cache"]) / "stores" / model_fingerprint(config["model"]) / "bench"
+    @property
+    def vocab(self) -> int:
+        return self.base.config.vocab_size
 
-    def engine(kind: str, chunk_size: int = chunk, stream_edges: bool = False) -> StreamingEngine:
-        m = copy.deepcopy(base)
-        store = LayerStore(kind, "float32", folder=store_dir)
-        e = StreamingEngine(m, discover(m), store, chunk_size, stream_edges=stream_edges)
+    def engine(self, kind: str, chunk_size: int | None = None, stream_edges: bool = False):
+        from onn.models.layers import discover
+        from onn.streaming.engine import StreamingEngine
+        from onn.streaming.store import LayerStore
+
+        m = copy.deepcopy(self.base)
+        store = LayerStore(kind, "float32", folder=self.store_dir)
+        e = StreamingEngine(m, discover(m), store, chunk_size or self.chunk, stream_edges=stream_edges)
         e.offload()
         os.sync()  # written pages must be clean before they can be dropped from the page cache
         return e
 
-    out: dict[str, Any] = {
-        "stream/blocks": n,
-        "stream/chunk_size": chunk,
-        "stream/seq_len": seq,
-        "stream/micro_batch": mb,
-    }
-    rows = []
 
-    # 5: a budget the model's fp32 weights exceed many times;
-    # one step's growth of anonymous memory stays within it and near the planner's prediction.
-    weights_mb = sum(p.numel() for p in base.parameters()) * 4 / 2**20
-    budget = weights_mb / float(bench["weights_over_budget"])
-    predicted, planned = _predicted_step_mb(config, budget, mb, seq)
-    # An empty store, so the fresh process really loads the model block by block.
-    shutil.rmtree(f"{store_dir}_blockwise", ignore_errors=True)
+def run(job) -> dict[str, Any]:
+    from onn.models.layers import discover
+    from onn.models.load import load, model_fingerprint
+    from onn.training.lora import apply
+
+    config, plan, bench = job.config, job.plan, job.config["task"]
+    model, _ = load(config["model"], dtype=torch.float32)
+    base = apply(model, "sparse_lora", config["strategy"], discover(model), plan["sparse_layers"])
+    store_dir = Path(config["paths"]["cache"]) / "stores" / model_fingerprint(config["model"]) / "bench"
+    b = _Bench(config, plan, base, store_dir, int(bench["seq_len"]), int(bench["micro_batch"]), int(bench["repeats"]),
+               int(bench["chunk_size"]))  # fmt: skip
+    out: dict[str, Any] = {"stream/blocks": len(discover(base)), "stream/chunk_size": b.chunk, "stream/seq_len": b.seq,
+                           "stream/micro_batch": b.micro_batch}  # fmt: skip
+    out.update(_memory_within_budget(b))
+    rows: list[tuple] = []
+    for measure in (_reuse, _against_resident, _against_accelerate):
+        figures, more = measure(b)
+        out.update(figures)
+        rows += more
+        gc.collect()  # free each measurement's copies before the next one is made
+    _write_table(job.run_dir, rows, out)
+    return out
+
+
+def _memory_within_budget(b: _Bench) -> dict[str, Any]:
+    """5: a budget the model's fp32 weights exceed many times; one step's growth of anonymous memory stays
+    within it and near the planner's prediction. An empty store, so the fresh process really loads the model
+    block by block."""
+    weights_mb = sum(p.numel() for p in b.base.parameters()) * 4 / 2**20
+    budget = weights_mb / float(b.config["task"]["weights_over_budget"])
+    predicted, planned = _predicted_step_mb(b.config, budget, b.micro_batch, b.seq)
+    shutil.rmtree(f"{b.store_dir}_blockwise", ignore_errors=True)
     measured = _step_memory_in_fresh_process(
-        {"model": config["model"], "strategy": config["strategy"], "layers": plan["sparse_layers"], "store": f"{store_dir}_blockwise",
-         "chunk_size": planned["chunk_size"], "stream_edges": planned["edges"] == "stream", "micro_batch": mb, "seq_len": seq}
+        {"model": b.config["model"], "strategy": b.config["strategy"], "layers": b.plan["sparse_layers"],
+         "store": f"{b.store_dir}_blockwise", "chunk_size": planned["chunk_size"], "stream_edges": planned["edges"] == "stream",
+         "micro_batch": b.micro_batch, "seq_len": b.seq}
     )  # fmt: skip
-    out.update({
-        "stream/model_mb": round(weights_mb, 1),
-        "stream/budget_mb": round(budget, 1),
-        "stream/budget_chunk_size": planned["chunk_size"],
-        "stream/budget_edges": planned["edges"],
-        "stream/model_over_budget": round(weights_mb / budget, 2),
-        "stream/peak_step_mb": round(measured, 1),
-        "stream/predicted_step_mb": round(predicted, 1),
-        "stream/peak_over_predicted": round(measured / predicted, 3),
+    return {
+        "stream/model_mb": round(weights_mb, 1), "stream/budget_mb": round(budget, 1),
+        "stream/budget_chunk_size": planned["chunk_size"], "stream/budget_edges": planned["edges"],
+        "stream/model_over_budget": round(weights_mb / budget, 2), "stream/peak_step_mb": round(measured, 1),
+        "stream/predicted_step_mb": round(predicted, 1), "stream/peak_over_predicted": round(measured / predicted, 3),
         "stream/within_budget": measured <= budget,
-    })  # fmt: skip
+    }  # fmt: skip
 
-    # 1 + 2: load once, process many; and how much of the I/O the prefetch hides.
-    disk = engine("disk")
-    speeds = {}
-    for m_count in bench["reuse_m"]:
-        batch = micro_batches(m_count, mb, seq, vocab)
+
+def _reuse(b: _Bench) -> tuple[dict[str, Any], list[tuple]]:
+    """1 + 2: load once, process many; and how much of the I/O the prefetch hides."""
+    disk = b.engine("disk")
+    speeds, out, rows = {}, {}, []
+    for m_count in b.config["task"]["reuse_m"]:
+        batch = micro_batches(m_count, b.micro_batch, b.seq, b.vocab)
         disk.times.__init__()
-        step = _timed(lambda batch=batch: (disk.train_step(batch), base.zero_grad(set_to_none=True)), repeats)
-        runs = repeats + 1
-        speeds[m_count] = m_count * mb / step
+        step = _timed(
+            lambda batch=batch: (disk.train_step(batch), b.base.zero_grad(set_to_none=True)), b.repeats
+        )
+        runs = b.repeats + 1
+        speeds[m_count] = m_count * b.micro_batch / step
         load_s, compute_s = disk.times.load_s / runs, disk.times.compute_s / runs
         rows.append((f"disk store, M={m_count}", step, speeds[m_count], load_s, compute_s))
         if m_count == 1:  # I/O-bound here: load time next to compute time says so
             out["stream/load_s_m1"], out["stream/compute_s_m1"] = round(load_s, 4), round(compute_s, 4)
         if m_count == 16:
             out["stream/overlap_efficiency"] = round(max(load_s, compute_s) / step, 3)
-            out["stream/io_s"], out["stream/compute_s"], out["stream/step_s_m16"] = (
-                round(load_s, 4),
-                round(compute_s, 4),
-                round(step, 4),
-            )
+            out["stream/io_s"], out["stream/compute_s"] = round(load_s, 4), round(compute_s, 4)
+            out["stream/step_s_m16"] = round(step, 4)
     lo, hi = min(speeds), max(speeds)
     out[f"stream/reuse_speedup_m{hi}"] = round(speeds[hi] / speeds[lo], 2)
     out["stream/samples_per_s"] = {str(k): round(v, 3) for k, v in speeds.items()}
     disk.close()
-    disk = None  # free the copy before the next one is made
-    gc.collect()
+    return out, rows
 
-    # 3: against resident LoRA with gradient accumulation, when the model fits (store in host memory).
-    batch = micro_batches(16, mb, seq, vocab, seed=1)
-    resident = copy.deepcopy(base)
+
+def _against_resident(b: _Bench) -> tuple[dict[str, Any], list[tuple]]:
+    """3: against resident LoRA with gradient accumulation, when the model fits (store in host memory)."""
+    batch = micro_batches(16, b.micro_batch, b.seq, b.vocab, seed=1)
+    resident = copy.deepcopy(b.base)
 
     def resident_step():
         for piece in batch:
             (resident(**piece).loss / len(batch)).backward()
         resident.zero_grad(set_to_none=True)
 
-    resident_s = _timed(resident_step, repeats)
-    cpu = engine("cpu")
-    cpu_s = _timed(lambda: (cpu.train_step(batch), cpu.model.zero_grad(set_to_none=True)), repeats)
-    out["stream/resident_step_ratio"] = round(cpu_s / resident_s, 3)
-    rows += [
+    resident_s = _timed(resident_step, b.repeats)
+    cpu = b.engine("cpu")
+    cpu_s = _timed(lambda: (cpu.train_step(batch), cpu.model.zero_grad(set_to_none=True)), b.repeats)
+    cpu.close()
+    mb = b.micro_batch
+    return {"stream/resident_step_ratio": round(cpu_s / resident_s, 3)}, [
         ("resident peft, M=16", resident_s, 16 * mb / resident_s, 0.0, resident_s),
         ("cpu store, M=16", cpu_s, 16 * mb / cpu_s, 0.0, cpu_s),
     ]
-    cpu.close()
-    cpu = resident = None
-    gc.collect()
 
-    # 4: what users pick today: accelerate's disk offload hooks move weights at every forward call.
+
+def _against_accelerate(b: _Bench) -> tuple[dict[str, Any], list[tuple]]:
+    """4: what users pick today: accelerate's disk offload hooks move weights at every forward call."""
     from accelerate import disk_offload
 
-    offloaded = copy.deepcopy(base)
-    offload_dir = store_dir.parent / "bench_accelerate"
+    from onn.hardware.disk import evict
+
+    batch = micro_batches(16, b.micro_batch, b.seq, b.vocab, seed=1)
+    offloaded = copy.deepcopy(b.base)
+    offload_dir = b.store_dir.parent / "bench_accelerate"
     shutil.rmtree(offload_dir, ignore_errors=True)  # accelerate reuses whatever it finds there
     disk_offload(offloaded, offload_dir=str(offload_dir), execution_device=torch.device("cpu"))
     os.sync()
@@ -181,30 +202,26 @@ def run(job) -> dict[str, Any]:
             (offloaded(**piece).loss / len(batch)).backward()
         offloaded.zero_grad(set_to_none=True)
 
-    acc_s = _timed(accelerate_step, max(1, repeats // 2))
-    disk = engine("disk")
-    onn_s = _timed(lambda: (disk.train_step(batch), disk.model.zero_grad(set_to_none=True)), repeats)
-    out["stream/vs_accelerate_speedup"] = round(acc_s / onn_s, 2)
-    rows += [
+    acc_s = _timed(accelerate_step, max(1, b.repeats // 2))
+    disk = b.engine("disk")
+    onn_s = _timed(lambda: (disk.train_step(batch), disk.model.zero_grad(set_to_none=True)), b.repeats)
+    disk.close()
+    mb = b.micro_batch
+    return {"stream/vs_accelerate_speedup": round(acc_s / onn_s, 2)}, [
         ("accelerate disk_offload, M=16", acc_s, 16 * mb / acc_s, 0.0, 0.0),
         ("ONN disk store, M=16", onn_s, 16 * mb / onn_s, 0.0, 0.0),
     ]
-    disk.close()
-    disk = offloaded = None
-    gc.collect()
 
+
+def _write_table(run_dir: Path, rows: list[tuple], out: dict[str, Any]) -> None:
     table = ["| setting | step s | samples/s | load s | compute s |", "| --- | ---: | ---: | ---: | ---: |"]
     table += [f"| {name} | {s:.3f} | {sps:.2f} | {ld:.3f} | {cp:.3f} |" for name, s, sps, ld, cp in rows]
     figures = [f"| {k} | {v} |" for k, v in out.items() if not isinstance(v, dict)]
     (run_dir / "bench_streaming.md").write_text(
-        "# Layer streaming benchmark\n\n"
-        + "\n".join(table)
-        + "\n\n| figure | value |\n| --- | --- |\n"
-        + "\n".join(figures)
-        + "\n"
-    )
+        "# Layer streaming benchmark\n\n" + "\n".join(table) + "\n\n| figure | value |\n| --- | --- |\n"
+        + "\n".join(figures) + "\n"
+    )  # fmt: skip
     print("\n".join(table))
-    return out
 
 
 def _step_memory_in_fresh_process(spec: dict[str, Any]) -> float:
