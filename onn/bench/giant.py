@@ -74,52 +74,66 @@ def run(job) -> dict[str, Any]:
             f"the plan keeps {spec.name}'s store in host memory (it fits): bench_giant measures a store on disk; "
             "set strategy.streaming.store=disk."
         )
+    from onn.hardware.disk import read_mb_s
     from onn.modalities.text.tasks import store_root
 
     task = config["task"]
-    cache = Path(config["paths"]["cache"])
     store_dir = store_root(config) / streaming["store_dtype"]
     out: dict[str, Any] = {"giant/params": spec.params, "giant/store_dtype": streaming["store_dtype"],
                            "giant/load_avg_start": [round(x, 2) for x in os.getloadavg()],
                            "giant/cpu_busy_cores_at_plan": hw.get("cpu_busy_cores")}  # fmt: skip
     started = time.perf_counter()
-
-    # -- the disk and the cores, now --------------------------------------------------------------
-    from onn.hardware.disk import read_mb_s
-
-    out["giant/disk_read_mb_s"] = round(read_mb_s(cache, int(task["disk_probe_mb"])), 1)
+    # the disk and the cores, now
+    out["giant/disk_read_mb_s"] = round(
+        read_mb_s(Path(config["paths"]["cache"]), int(task["disk_probe_mb"])), 1
+    )
     out["giant/disk_read_mb_s_profile"] = hw.get("disk_read_mb_s")
     rate = _child("matmul", {"config": config, "plan": plan}, run_dir)["result"]
     out["giant/matmul_gflops"] = rate["gflops"]
     out["giant/matmul_shape"] = [rate["rows"], *rate["shape"]]
+    out.update(_build_phase(job, store_dir))
+    out.update(_train_phase(job, max(out["giant/disk_read_mb_s"], out["giant/disk_read_mb_s_store"]),
+                            out["giant/matmul_gflops"]))  # fmt: skip
+    out.update(_generation_phase(job))
+    if not task["keep_store"]:
+        shutil.rmtree(store_dir, ignore_errors=True)
+    out["giant/bench_s"] = round(time.perf_counter() - started, 1)
+    out["giant/load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+    _write_table(run_dir, out, plan)
+    return out
 
-    # -- build, killed once -----------------------------------------------------------------------
+
+def _build_phase(job, store_dir: Path) -> dict[str, Any]:
+    """The store built from scratch (task.rebuild), killed with SIGKILL after task.kill_build_after blocks and
+    built again; then the disk again, on the store's own files: a plain sequential pass (no compute) over the
+    blocks a step streams (the larger of the two disk figures is the bandwidth the step is held to)."""
+    config, task, run_dir = job.config, job.config["task"], job.run_dir
     if task["rebuild"]:
         shutil.rmtree(store_dir, ignore_errors=True)
-    request = {"config": config, "plan": plan}
+    request = {"config": config, "plan": job.plan}
     killed = _child(
         "build", request, run_dir, kill_when=lambda: _done_blocks(store_dir) >= task["kill_build_after"]
     )
     first_blocks = _done_blocks(store_dir)
     build = _child("build", request, run_dir)
-    out.update({
+    passed = _child("read_store", {**request, "limit_gb": task["disk_probe_mb"] * 4 / 1024}, run_dir)[
+        "result"
+    ]
+    return {
         "giant/build_s": round(killed["wall_s"] + build["wall_s"], 1),
         "giant/build_peak_rss_mb": round(max(killed["peak_rss_mb"], build["peak_rss_mb"]), 1),
         "giant/build_killed_after_blocks": first_blocks,
         "giant/build_resumed_blocks": build["result"]["written"],
         "giant/store_gb": round(sum(f.stat().st_size for f in store_dir.glob("*.safetensors")) / 2**30, 2),
-    })  # fmt: skip
+        "giant/disk_read_mb_s_store": round(passed["mb_s"], 1),
+    }  # fmt: skip
 
-    # the disk again, on the store's own files: a plain sequential pass (no compute) over the blocks a
-    # step streams; the larger of the two measurements is the bandwidth the step is held to
-    passed = _child("read_store", {**request, "limit_gb": task["disk_probe_mb"] * 4 / 1024}, run_dir)[
-        "result"
-    ]
-    out["giant/disk_read_mb_s_store"] = round(passed["mb_s"], 1)
-    disk_mb_s = max(out["giant/disk_read_mb_s"], passed["mb_s"])
 
-    # -- train: validation, steps, kill -9, resume -------------------------------------------------
-    train_dir = run_dir / "train"
+def _train_phase(job, disk_mb_s: float, start_gflops: float) -> dict[str, Any]:
+    """A validation, then the steps: the first process killed with SIGKILL after task.kill_after steps, the
+    second resuming from last.ckpt; the steps measured against what the disk and the cores allow."""
+    config, task, run_dir = job.config, job.config["task"], job.run_dir
+    request, train_dir = {"config": config, "plan": job.plan}, run_dir / "train"
     first = _child("train", {**request, "run_dir": str(train_dir), "validate": True, "max_steps": task["steps"]},
                    run_dir, kill_when=lambda: _steps_done(train_dir) >= task["kill_after"])  # fmt: skip
     killed_at = _steps_done(train_dir)
@@ -132,92 +146,87 @@ def run(job) -> dict[str, Any]:
                               "ckpt": str(ckpt)}, run_dir)  # fmt: skip
     rows = _progress(train_dir)
     steps = [s for s in rows if s.get("step_s") is not None]
-    resumed_at = second["result"]["resumed_at_step"]
-    # a process's first step fills its block cache (the first process's validation did that already)
-    timed = [
-        s for s in steps if s.get("step_s") is not None and not (s["first_in_process"] and s["step"] > 1)
-    ]
-    step_s = statistics.mean(s["step_s"] for s in timed)
-    io_s = statistics.mean(s["io_s"] for s in timed)
-    compute_s = statistics.mean(s["compute_s"] for s in timed)
-    read_bytes = statistics.mean(s["read_bytes"] for s in timed)
-    read_s = statistics.mean(s["read_s"] for s in timed)
-    val = next(s for s in rows if s.get("val_s") is not None)
-    from onn.planning.costs import streaming_step_flops
-
-    flops = streaming_step_flops(
-        spec, int(config["data"]["max_length"]), int(config["data"]["batch_size"]), plan["sparse_layers"]
-    )
-    disk_bw = disk_mb_s * MB
-    # the cores' rate around the steps (measured after each); the rate at the start when none was
-    rates = [s["matmul_gflops"] for s in timed if s.get("matmul_gflops")]
-    gflops = statistics.mean(rates) if rates else out["giant/matmul_gflops"]
-    out["giant/matmul_gflops_steps"] = round(gflops, 1) if rates else None
-    limit_s = max(read_bytes / disk_bw, flops / (gflops * 1e9))
-    predicted_peak = plan["predicted_peak_memory_mb"] + second["result"]["baseline_mb"]
+    out, read_bytes, step_s = _step_figures(job, steps, disk_mb_s, start_gflops)
+    predicted_peak = job.plan["predicted_peak_memory_mb"] + second["result"]["baseline_mb"]
     peak = max(first["peak_rss_mb"], second["peak_rss_mb"])
+    val = next(s for s in rows if s.get("val_s") is not None)
     losses = [s["loss"] for s in steps]
     out.update({
-        "giant/steps": len(steps),
-        "giant/killed_after_step": killed_at,
-        "giant/train_killed": first["killed"],
-        "giant/resumed_at_step": resumed_at,
-        "giant/step_s": round(step_s, 4),
-        "giant/io_s": round(io_s, 4),
-        "giant/compute_s": round(compute_s, 4),
+        "giant/steps": len(steps), "giant/killed_after_step": killed_at, "giant/train_killed": first["killed"],
+        "giant/resumed_at_step": second["result"]["resumed_at_step"], "giant/peak_rss_mb": round(peak, 1),
+        "giant/baseline_mb": round(second["result"]["baseline_mb"], 1),
+        "giant/predicted_peak_mb": round(predicted_peak, 1), "giant/memory_error": round(peak / predicted_peak - 1, 3),
+        "giant/loss_first": round(losses[0], 4), "giant/loss_last": round(losses[-1], 4),
+        "giant/loss_curve": [round(x, 4) for x in losses], "giant/val_samples": val["val_samples"],
+        "giant/val_s": round(val["val_s"], 1), "giant/val_read_gb": round(val["val_read_bytes"] / 2**30, 2),
+        "giant/val_loss": round(val["val_loss"], 4),
+        "giant/val_read_over_step_read": round(val["val_read_bytes"] / read_bytes, 3) if read_bytes else None,
+        "giant/val_over_step": round(val["val_s"] / step_s, 2),
+    })  # fmt: skip
+    return out
+
+
+def _step_figures(job, steps: list[dict[str, Any]], disk_mb_s: float,
+                  start_gflops: float) -> tuple[dict[str, Any], float, float]:  # fmt: skip
+    """The timed steps (a process's first step fills its block cache, so after the first process's it is
+    not timed) against limit_s = max(bytes read / disk bandwidth, matmul FLOPs / the cores' rate around
+    the steps, measured after each; the rate at the start when none was). Also the bytes a step read and
+    its time, unrounded."""
+    from onn.planning.costs import streaming_step_flops
+
+    config, plan, spec = job.config, job.plan, job.spec
+    timed = [s for s in steps if not (s["first_in_process"] and s["step"] > 1)]
+    step_s = statistics.mean(s["step_s"] for s in timed)
+    read_bytes = statistics.mean(s["read_bytes"] for s in timed)
+    read_s = statistics.mean(s["read_s"] for s in timed)
+    flops = streaming_step_flops(spec, int(config["data"]["max_length"]), int(config["data"]["batch_size"]),
+                                 plan["sparse_layers"])  # fmt: skip
+    disk_bw = disk_mb_s * MB
+    rates = [s["matmul_gflops"] for s in timed if s.get("matmul_gflops")]
+    gflops = statistics.mean(rates) if rates else start_gflops
+    limit_s = max(read_bytes / disk_bw, flops / (gflops * 1e9))
+    return {
+        "giant/matmul_gflops_steps": round(gflops, 1) if rates else None, "giant/step_s": round(step_s, 4),
+        "giant/io_s": round(statistics.mean(s["io_s"] for s in timed), 4),
+        "giant/compute_s": round(statistics.mean(s["compute_s"] for s in timed), 4),
         "giant/step_read_gb": round(read_bytes / 2**30, 2),
         "giant/read_mb_s": round(read_bytes / MB / read_s, 1) if read_s else None,
         "giant/read_efficiency": round(read_bytes / read_s / disk_bw, 3) if read_s else None,
-        "giant/step_gflop": round(flops / 1e9, 1),
-        "giant/limit_s": round(limit_s, 4),
+        "giant/step_gflop": round(flops / 1e9, 1), "giant/limit_s": round(limit_s, 4),
         "giant/limit_bound": "disk" if read_bytes / disk_bw >= flops / (gflops * 1e9) else "compute",
-        "giant/limit_efficiency": round(limit_s / step_s, 3),
-        "giant/peak_rss_mb": round(peak, 1),
-        "giant/baseline_mb": round(second["result"]["baseline_mb"], 1),
-        "giant/predicted_peak_mb": round(predicted_peak, 1),
-        "giant/memory_error": round(peak / predicted_peak - 1, 3),
-        "giant/predicted_step_s": plan["predicted_step_s"],
+        "giant/limit_efficiency": round(limit_s / step_s, 3), "giant/predicted_step_s": plan["predicted_step_s"],
         "giant/step_time_error": round(step_s / plan["predicted_step_s"] - 1, 3),
-        "giant/loss_first": round(losses[0], 4),
-        "giant/loss_last": round(losses[-1], 4),
-        "giant/loss_curve": [round(x, 4) for x in losses],
-        "giant/val_samples": val["val_samples"],
-        "giant/val_s": round(val["val_s"], 1),
-        "giant/val_read_gb": round(val["val_read_bytes"] / 2**30, 2),
-        "giant/val_loss": round(val["val_loss"], 4),
-        "giant/val_read_over_step_read": round(val["val_read_bytes"] / read_bytes, 3),
-        "giant/val_over_step": round(val["val_s"] / step_s, 2),
-    })  # fmt: skip
+    }, read_bytes, step_s  # fmt: skip
 
-    # -- generation: ONN, then accelerate on the same files -----------------------------------------
-    gen = _child("generate", {**request, "batch": task["gen_batch"], "tokens": task["gen_tokens"]}, run_dir)
+
+def _generation_phase(job) -> dict[str, Any]:
+    """ONN's generation for 1 and for task.gen_batch prompts, then accelerate's on the same files."""
+    task, run_dir = job.config["task"], job.run_dir
+    request = {
+        "config": job.config,
+        "plan": job.plan,
+        "batch": task["gen_batch"],
+        "tokens": task["gen_tokens"],
+    }
+    gen = _child("generate", request, run_dir)
     g = gen["result"]
-    out.update({
+    out = {
         "giant/gen_s_per_token_b1": round(g["b1"]["token_s"], 4),
         f"giant/gen_s_per_token_b{task['gen_batch']}": round(g["bn"]["token_s"], 4),
         "giant/gen_b8_over_b1": round(g["bn"]["token_s"] / g["b1"]["token_s"], 3),
-        "giant/gen_tokens_per_s": round(g["bn"]["tokens_per_s"], 4),
-        "giant/gen_peak_rss_mb": round(gen["peak_rss_mb"], 1),
-        "giant/gen_chunk_size": g["chunk_size"],
-        "giant/gen_cache_blocks": g["cache_blocks"],
-    })  # fmt: skip
+        "giant/gen_tokens_per_s": round(g["bn"]["tokens_per_s"], 4), "giant/gen_peak_rss_mb": round(gen["peak_rss_mb"], 1),
+        "giant/gen_chunk_size": g["chunk_size"], "giant/gen_cache_blocks": g["cache_blocks"],
+    }  # fmt: skip
     if task["accelerate"]:
-        acc = _child("accelerate", {**request, "batch": task["gen_batch"], "tokens": task["gen_tokens"],
-                                    "prompts": g["prompts"]}, run_dir)  # fmt: skip
+        acc = _child("accelerate", {**request, "prompts": g["prompts"]}, run_dir)
         a = acc["result"]
         out.update({
-            "giant/accelerate_tokens_per_s": round(a["tokens_per_s"], 4),
-            "giant/accelerate_s_per_token": round(a["token_s"], 2),
+            "giant/accelerate_tokens_per_s": round(a["tokens_per_s"], 4), "giant/accelerate_s_per_token": round(a["token_s"], 2),
             "giant/vs_accelerate": round(g["bn"]["tokens_per_s"] / a["tokens_per_s"], 2),
             "giant/vs_accelerate_per_token": round(a["token_s"] / g["bn"]["token_s"], 2),
             "giant/accelerate_same_tokens": a["tokens"] == g["bn"]["tokens"],
             "giant/accelerate_peak_rss_mb": round(acc["peak_rss_mb"], 1),
         })  # fmt: skip
-    if not task["keep_store"]:
-        shutil.rmtree(store_dir, ignore_errors=True)
-    out["giant/bench_s"] = round(time.perf_counter() - started, 1)
-    out["giant/load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
-    _write_table(run_dir, out, plan)
     return out
 
 
