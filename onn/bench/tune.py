@@ -32,17 +32,44 @@ from onn.training.micro_batches import is_out_of_memory
 log = logging.getLogger("onn")
 
 
+class _Trials:
+    """The settings tried, each timed once: a trial asked for again is the one already run."""
+
+    def __init__(self, job, tune: dict[str, Any], streaming: bool):
+        self.job, self.tune, self.streaming = job, tune, streaming
+        self.rows: list[dict[str, Any]] = []
+
+    def timed(self, settings: dict[str, Any], folder: Path) -> dict[str, Any]:
+        job = self.job
+        cfg = _with_settings(job.config, settings, self.streaming)
+        trial_plan = make_plan(cfg, job.hardware, job.spec, use_tuned=False)
+        row: dict[str, Any] = {"settings": settings, "predicted_mb": trial_plan["predicted_peak_memory_mb"]}
+        if not trial_plan["candidates"][job.plan["strategy"]]["fits"]:
+            return {**row, "status": "predicted not to fit"}
+        return {**row, **_time(cfg, trial_plan, folder, self.tune)}
+
+    def __call__(self, settings: dict[str, Any]) -> dict[str, Any]:
+        for t in self.rows:
+            if t["settings"] == settings:
+                return t
+        row = self.timed(settings, self.job.run_dir / "trials" / str(len(self.rows)))
+        self.rows.append(row)
+        log.info(
+            "tune: trial %d %s -> %s", len(self.rows) - 1, settings, row.get("samples_per_s") or row["status"]
+        )
+        return row
+
+    def usable(self, row: dict[str, Any]) -> bool:
+        return row["status"] == "ok" and row["peak_growth_mb"] <= self.job.plan["budget_mb"]
+
+
 def run(job) -> dict[str, Any]:
     config, plan, run_dir, hw, spec = job.config, job.plan, job.run_dir, job.hardware, job.spec
-
     tune = config.get("tune") or {}
     for key, least in (("steps", 1), ("warmup_steps", 0), ("time_budget_s", 0)):
         value = tune.get(key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < least:
             raise UserError(f"tune.{key}={value}: give a number, {least} or more.")
-    budget_s = float(tune["time_budget_s"])
-    strategy = plan["strategy"]
-    seq = plan["sequence_length"]
     streaming = bool(plan.get("streaming"))
     guess = _settings_of(plan)
     axes = {"micro_batch": micro_batch_sizes(int(config["data"]["batch_size"]))}
@@ -52,100 +79,79 @@ def run(job) -> dict[str, Any]:
     else:
         axes["gradient_checkpointing"] = [False, True]
     started = time.perf_counter()
-    trials: list[dict[str, Any]] = []
-
-    def timed(settings: dict[str, Any], folder: Path) -> dict[str, Any]:
-        cfg = _with_settings(config, settings, streaming)
-        trial_plan = make_plan(cfg, hw, spec, use_tuned=False)
-        row: dict[str, Any] = {"settings": settings, "predicted_mb": trial_plan["predicted_peak_memory_mb"]}
-        if not trial_plan["candidates"][strategy]["fits"]:
-            return {**row, "status": "predicted not to fit"}
-        return {**row, **_time(cfg, trial_plan, folder, tune)}
-
-    def trial(settings: dict[str, Any]) -> dict[str, Any]:
-        for t in trials:
-            if t["settings"] == settings:
-                return t
-        row = timed(settings, run_dir / "trials" / str(len(trials)))
-        trials.append(row)
-        log.info(
-            "tune: trial %d %s -> %s", len(trials) - 1, settings, row.get("samples_per_s") or row["status"]
-        )
-        return row
-
-    def usable(row: dict[str, Any]) -> bool:
-        return row["status"] == "ok" and row["peak_growth_mb"] <= plan["budget_mb"]
-
-    best = trial(guess)
-    if not usable(best):
+    trials = _Trials(job, tune, streaming)
+    best = trials(guess)
+    if not trials.usable(best):
         log.warning("tune: the planner's own settings did not run within budget (%s)", best["status"])
-    for axis, values in axes.items():
+    for axis, values in axes.items():  # one axis at a time, from the best so far, within the time budget
         for value in values:
-            if time.perf_counter() - started > budget_s:
+            if time.perf_counter() - started > float(tune["time_budget_s"]):
                 break
-            row = trial({**best["settings"], axis: value})
-            if usable(row) and (not usable(best) or row["samples_per_s"] > best["samples_per_s"]):
+            row = trials({**best["settings"], axis: value})
+            if trials.usable(row) and (
+                not trials.usable(best) or row["samples_per_s"] > best["samples_per_s"]
+            ):
                 best = row
-    if not usable(best):
-        table = _table({"strategy": strategy, "sequence_length": seq, "settings": {}, "samples_per_s": None,
-                        "plan_settings": guess, "plan_samples_per_s": None, "speedup_over_plan": None, "trials": trials})  # fmt: skip
+    if not trials.usable(best):
+        table = _table({"strategy": plan["strategy"], "sequence_length": plan["sequence_length"], "settings": {},
+                        "samples_per_s": None, "plan_settings": guess, "plan_samples_per_s": None,
+                        "speedup_over_plan": None, "trials": trials.rows})  # fmt: skip
         (run_dir / "tune.md").write_text(table + "\n")
         raise UserError(
-            f"task=tune: no setting of {strategy} ran within the {plan['budget_mb']:,.0f} MB budget; see {run_dir / 'tune.md'}."
+            f"task=tune: no setting of {plan['strategy']} ran within the {plan['budget_mb']:,.0f} MB budget; see {run_dir / 'tune.md'}."
         )
+    result = _confirmed(trials, best, guess, tune)
+    result["time_s"] = round(time.perf_counter() - started, 1)
+    return _save(job, result, len(trials.rows))
 
-    plan_row = trials[0]
+
+def _confirmed(
+    trials: _Trials, best: dict[str, Any], guess: dict[str, Any], tune: dict[str, Any]
+) -> dict[str, Any]:
+    """The best trial against the planner's guess head to head, alternating (drift hits both alike); a
+    gain that does not hold up, or a round that fails (out of memory, ...), keeps the guess."""
+    plan_row = trials.rows[0]
     plan_sps, best_sps = plan_row.get("samples_per_s"), best["samples_per_s"]
     head_to_head = None
-    if best is not plan_row and usable(plan_row):  # head to head, alternating, so drift hits both alike
+    if best is not plan_row and trials.usable(plan_row):
         rounds: dict[str, list] = {"plan": [], "candidate": []}
         for _ in range(int(tune["confirm_rounds"])):
             for row, name in ((plan_row, "plan"), (best, "candidate")):
-                rounds[name].append(timed(row["settings"], run_dir / "confirm").get("samples_per_s"))
-        head_to_head = {
-            "settings": best["settings"],
-            "plan_samples_per_s": rounds["plan"],
-            "samples_per_s": rounds["candidate"],
-        }
+                rounds[name].append(
+                    trials.timed(row["settings"], trials.job.run_dir / "confirm").get("samples_per_s")
+                )
+        head_to_head = {"settings": best["settings"], "plan_samples_per_s": rounds["plan"],
+                        "samples_per_s": rounds["candidate"]}  # fmt: skip
         if None in rounds["plan"] + rounds["candidate"]:
-            best, best_sps = plan_row, plan_sps  # a round failed (out of memory, ...): keep the guess
+            best, best_sps = plan_row, plan_sps
         else:
             plan_sps = sum(rounds["plan"]) / len(rounds["plan"])
             best_sps = sum(rounds["candidate"]) / len(rounds["candidate"])
-            if plan_sps >= best_sps:  # the measured gain did not hold up: keep the planner's guess
+            if plan_sps >= best_sps:
                 best, best_sps = plan_row, plan_sps
     speedup = best_sps / plan_sps if plan_sps else None
-    result = {
-        "strategy": strategy,
-        "sequence_length": seq,
-        "settings": best["settings"],
-        "samples_per_s": round(best_sps, 3),
-        "plan_settings": guess,
-        "plan_samples_per_s": round(plan_sps, 3) if plan_sps else None,
-        "speedup_over_plan": round(speedup, 3) if speedup else None,
-        "trials": trials,
-        "head_to_head": head_to_head,
-        "tuned_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "time_s": round(time.perf_counter() - started, 1),
-    }
-    path = cache_path(config, hw, strategy, seq)
+    plan = trials.job.plan
+    return {"strategy": plan["strategy"], "sequence_length": plan["sequence_length"], "settings": best["settings"],
+            "samples_per_s": round(best_sps, 3), "plan_settings": guess,
+            "plan_samples_per_s": round(plan_sps, 3) if plan_sps else None,
+            "speedup_over_plan": round(speedup, 3) if speedup else None, "trials": trials.rows,
+            "head_to_head": head_to_head, "tuned_at": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+
+
+def _save(job, result: dict[str, Any], trial_count: int) -> dict[str, Any]:
+    """The result into the tuner's cache (later runs take it) and tune.md; the run's figures."""
+    path = cache_path(job.config, job.hardware, result["strategy"], result["sequence_length"])
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=2))
     tmp.replace(path)
     table = _table(result)
-    (run_dir / "tune.md").write_text(table + "\n")
+    (job.run_dir / "tune.md").write_text(table + "\n")
     print(table, flush=True)
-    return {
-        "tune/settings": best["settings"],
-        "tune/plan_settings": guess,
-        "tune/samples_per_s": result["samples_per_s"],
-        "tune/plan_samples_per_s": result["plan_samples_per_s"],
-        "tune/speedup_over_plan": result["speedup_over_plan"],
-        "tune/trials": len(trials),
-        "tune/time_s": result["time_s"],
-        "tune/cache": str(path),
-    }
+    return {"tune/settings": result["settings"], "tune/plan_settings": result["plan_settings"],
+            "tune/samples_per_s": result["samples_per_s"], "tune/plan_samples_per_s": result["plan_samples_per_s"],
+            "tune/speedup_over_plan": result["speedup_over_plan"], "tune/trials": trial_count,
+            "tune/time_s": result["time_s"], "tune/cache": str(path)}  # fmt: skip
 
 
 def _settings_of(plan: dict[str, Any]) -> dict[str, Any]:
