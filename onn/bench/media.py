@@ -41,31 +41,35 @@ def run(job) -> dict[str, Any]:
         raise UserError(
             "task.steps must be 2 or more, task.warmup and task.repeats 1 or more, task.standard_workers 0 or more."
         )
+    if not hasattr(m, "reader"):
+        raise UserError(
+            f"task=bench_media measures media that is decoded from files (audio, video), not {m.name} data."
+        )
     if str(config["data"].get("source") or "").startswith("builtin:"):
         from onn.modalities.video.dataset import resolve
 
-        config = {
-            **config,
-            "data": {
-                **config["data"],
-                "source": resolve(config["data"]["source"], config["data"], config["paths"]["cache"]),
-            },
-        }
+        source = resolve(config["data"]["source"], config["data"], config["paths"]["cache"])
+        config = {**config, "data": {**config["data"], "source": source}}
     dm = classification.setup_data(
         m, config, job.device
-    )  # decodes once (or reads the cache): the dataset the runs use
+    )  # decodes once (or reads the cache): what the runs use
     if dm.streamed:
         raise UserError(
             "task=bench_media compares the resident store with per-file loading; set data.resident=true."
         )
     inputs = classification.data_inputs(m, config, dm)
-    transform = m.transform(config, inputs)
-    source = str(config["data"]["source"])
-    if not hasattr(m, "reader"):
-        raise UserError(
-            f"task=bench_media measures media that is decoded from files (audio, video), not {m.name} data."
-        )
-    reader = m.reader()
+    decoding = _decoding(m, config, inputs, repeats)
+    pipe, train = _pipelines(job, config, dm, inputs, steps, warmup, repeats, workers)
+    metrics = _figures(m.name, decoding, pipe, train)
+    metrics.update(
+        {"media/batch_size": dm.batch_size, "media/timed_steps": steps, "media/standard_workers": workers}
+    )
+    return metrics
+
+
+def _decoding(m, config: dict[str, Any], inputs: dict[str, Any], repeats: int) -> dict[str, Any]:
+    """The whole source decoded (the best of `repeats`), and the decoded cache read back."""
+    reader, source = m.reader(), str(config["data"]["source"])
     decode_s, cache_s, clips, seconds = [], [], 0, 0.0
     for _ in range(repeats):
         start = time.perf_counter()
@@ -77,6 +81,15 @@ def run(job) -> dict[str, Any]:
         start = time.perf_counter()
         reader.read_cached(source, config["data"], config["paths"]["cache"])
         cache_s.append(time.perf_counter() - start)
+    return {"decode_s": decode_s, "cache_s": cache_s, "clips": clips, "seconds": seconds}
+
+
+def _pipelines(job, config, dm, inputs, steps: int, warmup: int, repeats: int, workers: int):
+    """Batches ready for the model, and training on them, from the resident store and from a per-file
+    Dataset + DataLoader: samples per second of each, per round."""
+    m = job.modality
+    transform = m.transform(config, inputs)
+    reader, source = m.reader(), str(config["data"]["source"])
     names = set(dm.splits["train"].names)
     listed = reader.listing(source, config["data"], "data.source")
     files = [f for split in listed.splits.values() for f in split if f.name in names]
@@ -98,19 +111,21 @@ def run(job) -> dict[str, Any]:
         )
         train["standard"].append(_train(m, config, inputs, standard.loader(batch, workers, dm.device), steps, warmup, None,
                                         precision, dm.device))  # fmt: skip
-    best_decode, best_cache = min(decode_s), min(cache_s)
+    return pipe, train
+
+
+def _figures(
+    kind: str, d: dict[str, Any], pipe: dict[str, list[float]], train: dict[str, list[float]]
+) -> dict[str, Any]:
+    clips, seconds = d["clips"], d["seconds"]
+    best_decode, best_cache = min(d["decode_s"]), min(d["cache_s"])
     best_pipe = {k: max(v) for k, v in pipe.items()}
     best_train = {k: max(v) for k, v in train.items()}
-    kind = m.name
     metrics = {
-        "media/clips": clips,
-        "media/decoded_seconds": round(seconds, 2),
-        "media/decode_s": round(best_decode, 3),
+        "media/clips": clips, "media/decoded_seconds": round(seconds, 2), "media/decode_s": round(best_decode, 3),
         "media/decode_clips_per_s": round(clips / best_decode, 1),
-        # seconds of audio (or video) decoded per second of decoding
-        f"media/decode_{kind}_s_per_s": round(seconds / best_decode, 1),
-        "media/cache_read_s": round(best_cache, 4),
-        "media/cache_clips_per_s": round(clips / best_cache, 1),
+        f"media/decode_{kind}_s_per_s": round(seconds / best_decode, 1),  # seconds of media decoded per second
+        "media/cache_read_s": round(best_cache, 4), "media/cache_clips_per_s": round(clips / best_cache, 1),
         "media/cache_speedup": round(best_decode / best_cache, 1),
         "media/pipeline_resident_samples_per_s": round(best_pipe["resident"], 1),
         "media/pipeline_standard_samples_per_s": round(best_pipe["standard"], 1),
@@ -118,16 +133,10 @@ def run(job) -> dict[str, Any]:
         "media/train_resident_samples_per_s": round(best_train["resident"], 1),
         "media/train_standard_samples_per_s": round(best_train["standard"], 1),
         "media/train_speedup": round(best_train["resident"] / best_train["standard"], 3),
-        "media/rounds": {
-            "decode_s": [round(x, 3) for x in decode_s],
-            "cache_s": [round(x, 4) for x in cache_s],
-            **{f"pipeline_{k}": [round(x, 1) for x in v] for k, v in pipe.items()},
-            **{f"train_{k}": [round(x, 1) for x in v] for k, v in train.items()},
-        },
-        "media/batch_size": batch,
-        "media/timed_steps": steps,
-        "media/standard_workers": workers,
-    }
+        "media/rounds": {"decode_s": [round(x, 3) for x in d["decode_s"]], "cache_s": [round(x, 4) for x in d["cache_s"]],
+                         **{f"pipeline_{k}": [round(x, 1) for x in v] for k, v in pipe.items()},
+                         **{f"train_{k}": [round(x, 1) for x in v] for k, v in train.items()}},
+    }  # fmt: skip
     for line in (
         f"decode: {clips} clips ({seconds:.0f} s of {kind}) in {best_decode:.2f} s = {metrics['media/decode_clips_per_s']:.0f} clips/s, "
         f"{metrics[f'media/decode_{kind}_s_per_s']:.0f} s of {kind} per second; from the cache in {best_cache:.3f} s "
