@@ -36,89 +36,96 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(1000 * ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))], 2)
 
 
+class _EngineClock:
+    """The streaming engine's weight wait, compute and chunk loads over each phase (none unstreamed)."""
+
+    def __init__(self, engine):
+        self.engine, self.figures = engine, {}
+        self.mark = self._now()
+
+    def _now(self) -> tuple[float, float, int]:
+        t = self.engine.times if self.engine is not None else None
+        return (t.io_s, t.compute_s, t.loads) if t is not None else (0.0, 0.0, 0)
+
+    def phase(self, name: str) -> None:
+        now = self._now()
+        if self.engine is not None:
+            self.figures.update({f"serve/{name}_io_wait_s": round(now[0] - self.mark[0], 3),
+                                 f"serve/{name}_compute_s": round(now[1] - self.mark[1], 3),
+                                 f"serve/{name}_chunk_loads": now[2] - self.mark[2]})  # fmt: skip
+        self.mark = now
+
+
 def run(job: Job) -> dict[str, Any]:
     import httpx2
 
     from onn.tasks.serve.server import Running
 
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # a line per request otherwise
-    task = job.config["task"]
-    name = model_name(job.config)
+    task, name = job.config["task"], model_name(job.config)
     app = build_app(job)
     engine = app.state.scheduler.lm.engine
-    times = {}
-
-    def engine_times(phase: str, since: tuple[float, float, int] | None = None) -> tuple[float, float, int]:
-        now = (
-            (engine.times.io_s, engine.times.compute_s, engine.times.loads)
-            if engine is not None
-            else (0.0, 0.0, 0)
-        )
-        if since is not None and engine is not None:
-            times.update({f"serve/{phase}_io_wait_s": round(now[0] - since[0], 3),
-                          f"serve/{phase}_compute_s": round(now[1] - since[1], 3),
-                          f"serve/{phase}_chunk_loads": now[2] - since[2]})  # fmt: skip
-        return now
-
     with Running(app, "127.0.0.1", 0) as running:
         http = httpx2.Client(base_url=running.url, timeout=600, limits=httpx2.Limits(max_connections=256))
-        n, tokens = int(task["requests"]), int(task["max_tokens"])
-        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
-
-        def complete(prompt: str, max_tokens: int) -> dict[str, Any]:
-            body = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-            response = http.post("/v1/completions", json=body)
-            response.raise_for_status()
-            return response.json()
-
-        complete(prompts[0], 2)  # warm-up: the first chunk loads, thread pools start
-        mark = engine_times("warmup")
-        start = time.perf_counter()
-        alone = []
-        for p in prompts:
-            t = time.perf_counter()
-            alone.append(complete(p, tokens))
-            alone_s = time.perf_counter() - t
-        sequential_s = time.perf_counter() - start
-        single_s = sequential_s / n
-        mark = engine_times("sequential", mark)
-        start = time.perf_counter()
-        with ThreadPoolExecutor(n) as pool:
-            together = list(pool.map(lambda p: complete(p, tokens), prompts))
-        concurrent_s = time.perf_counter() - start
-        engine_times("concurrent", mark)
-        same = sum(a["choices"][0]["text"] == b["choices"][0]["text"] for a, b in zip(alone, together))
-        generated = sum(r["usage"]["completion_tokens"] for r in together)
-        widest = running.app.state.scheduler.widest
-        print(f"{n} requests of {tokens} tokens: one by one {sequential_s:.2f} s, together {concurrent_s:.2f} s "
-              f"(x{sequential_s / concurrent_s:.2f}); {same}/{n} identical texts", flush=True)  # fmt: skip
-        load = _load(
-            http, name, int(task["clients"]), int(task["requests_per_client"]), int(task["load_max_tokens"])
+        out = _one_by_one_and_together(http, name, int(task["requests"]), int(task["max_tokens"]), engine)
+        out["serve/widest_batch"] = running.app.state.scheduler.widest
+        out.update(
+            _load(
+                http,
+                name,
+                int(task["clients"]),
+                int(task["requests_per_client"]),
+                int(task["load_max_tokens"]),
+            )
         )
         http.close()
-    out = {
-        "serve/batching_speedup": round(sequential_s / concurrent_s, 3),
-        "serve/concurrent_over_single": round(concurrent_s / single_s, 3),
-        "serve/sequential_s": round(sequential_s, 3),
-        "serve/concurrent_s": round(concurrent_s, 3),
-        "serve/last_alone_s": round(alone_s, 3),
-        "serve/requests_together": n,
-        "serve/tokens_per_request": tokens,
-        "serve/concurrent_tokens": generated,
-        "serve/identical_to_alone": same,
-        "serve/widest_batch": widest,
-        "serve/streamed": engine is not None,
-        "serve/store": engine.store.kind if engine is not None else None,
-        **times,
-        **load,
-    }
-    print(
-        " ".join(
-            f"{k}={v}" for k, v in out.items() if isinstance(v, int | float) and not isinstance(v, bool)
-        ),
-        flush=True,
+    out.update(
+        {
+            "serve/streamed": engine is not None,
+            "serve/store": engine.store.kind if engine is not None else None,
+        }
     )
+    print(" ".join(f"{k}={v}" for k, v in out.items() if isinstance(v, int | float) and not isinstance(v, bool)),
+          flush=True)  # fmt: skip
     return out
+
+
+def _one_by_one_and_together(http, name: str, n: int, tokens: int, engine) -> dict[str, Any]:
+    """`n` greedy completions one after another, then all at once: the batching's speedup, and whether each
+    text is the one it gives alone."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+
+    def complete(prompt: str, max_tokens: int) -> dict[str, Any]:
+        body = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        response = http.post("/v1/completions", json=body)
+        response.raise_for_status()
+        return response.json()
+
+    complete(prompts[0], 2)  # warm-up: the first chunk loads, thread pools start
+    clock = _EngineClock(engine)
+    start, alone = time.perf_counter(), []
+    for p in prompts:
+        t = time.perf_counter()
+        alone.append(complete(p, tokens))
+        alone_s = time.perf_counter() - t
+    sequential_s = time.perf_counter() - start
+    clock.phase("sequential")
+    start = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        together = list(pool.map(lambda p: complete(p, tokens), prompts))
+    concurrent_s = time.perf_counter() - start
+    clock.phase("concurrent")
+    same = sum(a["choices"][0]["text"] == b["choices"][0]["text"] for a, b in zip(alone, together))
+    print(f"{n} requests of {tokens} tokens: one by one {sequential_s:.2f} s, together {concurrent_s:.2f} s "
+          f"(x{sequential_s / concurrent_s:.2f}); {same}/{n} identical texts", flush=True)  # fmt: skip
+    return {
+        "serve/batching_speedup": round(sequential_s / concurrent_s, 3),
+        "serve/concurrent_over_single": round(concurrent_s / (sequential_s / n), 3),
+        "serve/sequential_s": round(sequential_s, 3), "serve/concurrent_s": round(concurrent_s, 3),
+        "serve/last_alone_s": round(alone_s, 3), "serve/requests_together": n, "serve/tokens_per_request": tokens,
+        "serve/concurrent_tokens": sum(r["usage"]["completion_tokens"] for r in together),
+        "serve/identical_to_alone": same, **clock.figures,
+    }  # fmt: skip
 
 
 def _load(http, name: str, clients: int, per_client: int, max_tokens: int) -> dict[str, Any]:
