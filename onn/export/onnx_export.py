@@ -376,6 +376,15 @@ def _check_sample(model, sample: dict, dynamic: bool) -> None:
     for name, value in sample.items():
         if not isinstance(value, torch.Tensor):
             raise UserError(f"sample input '{name}' is a {type(value).__name__}; expected a torch.Tensor.")
+    _check_names(model, sample)
+    for name, value in sample.items():
+        _check_kind(model, name, value)
+    _check_together(model, sample, dynamic)
+
+
+def _check_names(model, sample: dict) -> None:
+    """The inputs are the forward's: by name for a transformers model, by count for another."""
+    cls = type(model).__name__
     params = inspect.signature(model.forward).parameters
     variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     if _is_hf(model):
@@ -386,45 +395,46 @@ def _check_sample(model, sample: dict, dynamic: bool) -> None:
                     f"sample input '{name}' (shape {list(value.shape)}) is not an input of {cls}.forward; "
                     f"expected some of {accepted}."
                 )
-    else:
-        positional = [
-            n for n, p in params.items() if p.kind not in (*variadic, inspect.Parameter.KEYWORD_ONLY)
-        ]
-        takes_more = any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params.values())
-        if len(sample) > len(positional) and not takes_more:
+        return
+    positional = [n for n, p in params.items() if p.kind not in (*variadic, inspect.Parameter.KEYWORD_ONLY)]
+    takes_more = any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params.values())
+    if len(sample) > len(positional) and not takes_more:
+        raise UserError(
+            f"{cls}.forward takes {len(positional)} tensor(s) {positional}; the sample input has "
+            f"{len(sample)}: {_shapes(sample)}."
+        )
+
+
+def _check_kind(model, name: str, value) -> None:
+    """Token ids are integers [batch, sequence]; images are floats [batch, channels, height, width], of the
+    shape a transformers model's config says."""
+    shape = list(value.shape)
+    if name in TEXT_INPUTS:
+        if value.is_floating_point() or value.is_complex():
+            raise UserError(f"sample input '{name}' (shape {shape}) is {value.dtype}; expected integer ids.")
+        if value.dim() != 2:
+            raise UserError(f"sample input '{name}' has shape {shape}; expected 2 dims [batch, sequence].")
+    if name in IMAGE_INPUTS:
+        if not value.is_floating_point():
             raise UserError(
-                f"{cls}.forward takes {len(positional)} tensor(s) {positional}; the sample input has "
-                f"{len(sample)}: {_shapes(sample)}."
+                f"sample input '{name}' (shape {shape}) is {value.dtype}; expected a float image."
             )
+        if value.dim() != 4:
+            raise UserError(
+                f"sample input '{name}' has shape {shape}; expected 4 dims [batch, channels, height, width]."
+            )
+        if _is_hf(model):
+            channels, (height, width) = _image_shape(model)
+            if shape[1:] != [channels, height, width]:
+                raise UserError(
+                    f"sample input '{name}' has shape {shape}; {type(model).__name__}'s config expects "
+                    f"[batch, {channels}, {height}, {width}]."
+                )
 
-    for name, value in sample.items():
-        shape = list(value.shape)
-        if name in TEXT_INPUTS:
-            if value.is_floating_point() or value.is_complex():
-                raise UserError(
-                    f"sample input '{name}' (shape {shape}) is {value.dtype}; expected integer ids."
-                )
-            if value.dim() != 2:
-                raise UserError(
-                    f"sample input '{name}' has shape {shape}; expected 2 dims [batch, sequence]."
-                )
-        if name in IMAGE_INPUTS:
-            if not value.is_floating_point():
-                raise UserError(
-                    f"sample input '{name}' (shape {shape}) is {value.dtype}; expected a float image."
-                )
-            if value.dim() != 4:
-                raise UserError(
-                    f"sample input '{name}' has shape {shape}; expected 4 dims [batch, channels, height, width]."
-                )
-            if _is_hf(model):
-                channels, (height, width) = _image_shape(model)
-                if shape[1:] != [channels, height, width]:
-                    raise UserError(
-                        f"sample input '{name}' has shape {shape}; {cls}'s config expects "
-                        f"[batch, {channels}, {height}, {width}]."
-                    )
 
+def _check_together(model, sample: dict, dynamic: bool) -> None:
+    """Ids within the vocabulary, the text inputs of one shape, one batch size, and sizes a dynamic export keeps."""
+    cls = type(model).__name__
     ids = sample.get("input_ids")
     if ids is not None and _kind(model) in ("text", "clip") and ids.numel():
         vocab = _text_config(model).vocab_size
@@ -447,14 +457,11 @@ def _check_sample(model, sample: dict, dynamic: bool) -> None:
                 f"sample input '{name}' has shape {list(value.shape)}; every input needs the batch size of "
                 f"'{first}' ({list(sample[first].shape)[:1]}) as its first dim."
             )
-    if dynamic:
-        for name, value in sample.items():
-            small = value.shape[0] < 2 or (name in TEXT_INPUTS and value.shape[1] < 2)
-            if small:
-                raise UserError(
-                    f"sample input '{name}' has shape {list(value.shape)}; a dynamic export needs batch and "
-                    "sequence sizes of at least 2 (torch.export fixes sizes 0 and 1), or dynamic=False."
-                )
+        if dynamic and (value.shape[0] < 2 or (name in TEXT_INPUTS and value.shape[1] < 2)):
+            raise UserError(
+                f"sample input '{name}' has shape {list(value.shape)}; a dynamic export needs batch and "
+                "sequence sizes of at least 2 (torch.export fixes sizes 0 and 1), or dynamic=False."
+            )
 
 
 def _max_abs_diff(reference, got, attention_mask=None) -> float:
