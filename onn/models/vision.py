@@ -158,10 +158,6 @@ def adapt_small_input(model: nn.Module, image_size: list[int]) -> set[str]:
 def load_weights(model: nn.Module, path: str | Path, changed: set[str] = frozenset()) -> None:
     """Load a .safetensors state dict into model; the head may differ (another number of classes), the
     first conv is adapted to the channel count, and any other mismatch is a UserError."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    from timm.models import adapt_input_conv
-
     path = Path(str(path)).expanduser()
     if path.suffix.lower() in PICKLE_SUFFIXES:
         raise UserError(
@@ -172,65 +168,23 @@ def load_weights(model: nn.Module, path: str | Path, changed: set[str] = frozens
         raise UserError(f"model.weights {path} is not an existing .safetensors file; check the path.")
     if any(p.is_meta for p in model.parameters()):
         return  # a model on the meta device (the planner sizing it) has no values to load
-    try:
-        state = load_file(str(path))
-    except (SafetensorError, OSError) as e:
-        raise UserError(
-            f"model.weights {path} is not a readable safetensors file (truncated or corrupt?): {e}."
-        ) from None
+    state = _read_state(path)
     cfg = getattr(model, "pretrained_cfg", None) or {}
     heads = cfg.get("classifier") or ()
     heads = (heads,) if isinstance(heads, str) else tuple(heads)
-    first_conv = cfg.get("first_conv")
-    own = model.state_dict()
-
-    def under(key: str, names) -> bool:
-        return any(key == n or key.startswith(n + ".") for n in names)
-
-    wrong, fresh, shapes = [], [], {}
-    for key, value in list(state.items()):
-        target = own.get(key)
-        if target is None or target.shape == value.shape:
-            continue
-        if under(key, heads):
-            del state[key]  # another number of classes: the head keeps its fresh init
-        elif (
-            key == f"{first_conv}.weight"
-            and value.shape[0] == target.shape[0]
-            and value.shape[2:] == target.shape[2:]
-        ):
-            state[key] = adapt_input_conv(target.shape[1], value, base_chans=value.shape[1])
-        elif (
-            under(key, changed)
-            and value.dim() == 4
-            and target.shape[:2] == value.shape[:2]
-            and target.shape[2:] == (1, 1)
-        ):
-            state[key] = value.sum(dim=(2, 3), keepdim=True)  # the ConvMlp kernel collapsed for a 1 px map
-        elif under(key, changed):
-            del state[key]
-            fresh.append(key)
-        else:
-            del state[key]  # (load_state_dict raises on a wrong shape even when not strict)
-            wrong.append(key)
-            shapes[key] = f"{key} {tuple(value.shape)} vs {tuple(target.shape)}"
+    wrong, fresh, shapes = _fit_shapes(model, state, heads, cfg.get("first_conv"), changed)
     result = model.load_state_dict(state, strict=False)
     missing = [
-        k
-        for k in result.missing_keys
-        if not under(k, heads + tuple(changed) + tuple(wrong)) and not k.endswith("num_batches_tracked")
-    ]
+        k for k in result.missing_keys
+        if not _under(k, heads + tuple(changed) + tuple(wrong)) and not k.endswith("num_batches_tracked")
+    ]  # fmt: skip
     unexpected = list(result.unexpected_keys)
     if wrong or missing or unexpected:
         parts = [
             f"{label} ({len(keys)}): {', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}"
-            for label, keys in (
-                ("wrong shapes", [shapes[k] for k in wrong]),
-                ("missing", missing),
-                ("unexpected", unexpected),
-            )
+            for label, keys in (("wrong shapes", [shapes[k] for k in wrong]), ("missing", missing), ("unexpected", unexpected))
             if keys
-        ]
+        ]  # fmt: skip
         raise UserError(
             f"model.weights {path} does not fit this {type(model).__name__}: {'; '.join(parts)}. "
             "Give the state dict of the same architecture and model.small_input (only the classifier head may differ)."
@@ -241,6 +195,60 @@ def load_weights(model: nn.Module, path: str | Path, changed: set[str] = frozens
             "images (set model.small_input=false to keep the pretrained ones).",
             ", ".join(fresh),
         )
+
+
+def _read_state(path: Path) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise UserError(
+            f"model.weights {path} is not a readable safetensors file (truncated or corrupt?): {e}."
+        ) from None
+
+
+def _under(key: str, names) -> bool:
+    return any(key == n or key.startswith(n + ".") for n in names)
+
+
+def _fit_shapes(model: nn.Module, state: dict, heads: tuple, first_conv: str | None, changed: set[str]):
+    """The state's tensors whose shape differs from the model's, made to fit where that is meant: a head of
+    another number of classes keeps its fresh init, the first conv is adapted to the channel count, a layer
+    model.small_input changed collapses its kernel (ConvMlp for a 1 px map) or keeps a fresh init. Returns the
+    keys of the wrong shapes, those left fresh, and the wrong ones' shapes said."""
+    from timm.models import adapt_input_conv
+
+    own = model.state_dict()
+    wrong, fresh, shapes = [], [], {}
+    for key, value in list(state.items()):
+        target = own.get(key)
+        if target is None or target.shape == value.shape:
+            continue
+        if _under(key, heads):
+            del state[key]
+        elif (
+            key == f"{first_conv}.weight"
+            and value.shape[0] == target.shape[0]
+            and value.shape[2:] == target.shape[2:]
+        ):
+            state[key] = adapt_input_conv(target.shape[1], value, base_chans=value.shape[1])
+        elif (
+            _under(key, changed)
+            and value.dim() == 4
+            and target.shape[:2] == value.shape[:2]
+            and target.shape[2:] == (1, 1)
+        ):
+            state[key] = value.sum(dim=(2, 3), keepdim=True)
+        elif _under(key, changed):
+            del state[key]
+            fresh.append(key)
+        else:
+            del state[key]  # (load_state_dict raises on a wrong shape even when not strict)
+            wrong.append(key)
+            shapes[key] = f"{key} {tuple(value.shape)} vs {tuple(target.shape)}"
+    return wrong, fresh, shapes
 
 
 def _get(model: nn.Module, name: str) -> nn.Module | None:
