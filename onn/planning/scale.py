@@ -52,81 +52,79 @@ def scale_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> dict
     asked = devices > 1 or lightning.startswith(("ddp", "fsdp", "deepspeed")) or cfg["task"]["name"] == "plan"
     if spec.kind != "lm" or not asked:
         return None
-    seq, batch = int(cfg["data"]["max_length"]), int(cfg["data"]["batch_size"])
-    per_device = -(-batch // devices)
+    per_device = -(-int(cfg["data"]["batch_size"]) // devices)
     precision = choose_precision(hw)
-    mixed = precision.endswith("mixed")
-    dtype = compute_dtype_name(hw, precision)
-    params = spec.params
-    gathered = (
-        GATHERED_BLOCKS
-        * max(spec.block_params + [spec.prefix_params, spec.suffix_params])
-        * (2 if mixed else 4)
-    )
-    state = {
-        "ddp": (16 + (2 if mixed else 0)) * params,
-        "deepspeed_zero2": (2 * params + 14 * params / devices)
-        if mixed
-        else (4 * params + 12 * params / devices),
-        "fsdp": 16 * params / devices + gathered,
-        "deepspeed_zero3_offload": gathered,
-    }
-    host_per_node = {name: 0.0 for name in SETUPS}
-    host_per_node["deepspeed_zero3_offload"] = 16 * params / nodes
-    budget = budget_mb(hw)
-    host_budget = float(hw["host_memory_mb"] or 0) * HEADROOM
-    grad_bytes = params * (2 if mixed else 4)
+    grad_bytes = spec.params * (2 if precision.endswith("mixed") else 4)
     comm = collective_s(grad_bytes, count, nodes, cfg["hardware"])
-    gpu_only = hw["accelerator"] != "cuda"
-    options = {}
-    for name in SETUPS:
-        refused = gpu_only and name != "ddp"
-        best = None
-        for mb in micro_batch_sizes(per_device):
-            act = estimate("full", spec, hw, seq, mb, precision, [], per_device)
-            device_mb = (
-                state[name] / MB + act.activations_mb
-            ) * 1.05  # + 5% workspace, as the single-device plan
-            best = (mb, device_mb, act.context_mb)
-            if device_mb + act.context_mb <= budget:
-                break
-        mb, device_mb, ctx = best
-        fits = (not refused) and device_mb + ctx <= budget and host_per_node[name] / MB <= host_budget
-        step = compute_s(spec, hw, "full", seq, per_device, mb, [0], dtype=dtype)
-        collective = comm["all_reduce_s"] * (1.5 if name in ("fsdp", "deepspeed_zero3_offload") else 1.0)
-        offload = 0.0
-        if name == "deepspeed_zero3_offload":
-            pcie = float(hw.get("h2d_mb_s") or 0) * MB
-            offload = (3 * grad_bytes / devices) / pcie if pcie else 0.0
-            offload += params / devices / CPU_ADAM_WEIGHTS_S
-        options[name] = {
-            "label": LABELS[name],
-            "fits": fits,
-            "refused": "Lightning runs FSDP and DeepSpeed on CUDA GPUs only" if refused else None,
-            "micro_batch": mb,
-            "per_device_mb": round(device_mb + ctx, 1),
-            "host_per_node_mb": round(host_per_node[name] / MB, 1),
-            "compute_s": round(step, 6),
-            "collective_s": round(collective, 6),
-            "offload_s": round(offload, 6),
-            "predicted_step_s": round(step + collective + offload, 6),
-        }
+    setup = _Setup(
+        spec, hw, int(cfg["data"]["max_length"]), per_device, precision, devices, nodes, grad_bytes, comm
+    )
+    options = {name: setup.option(name) for name in SETUPS}
     fitting = [n for n in SETUPS if options[n]["fits"]]
     chosen = (
         min(fitting, key=lambda n: (options[n]["predicted_step_s"], SETUPS.index(n))) if fitting else None
     )
     return {
-        "devices": devices,
-        "devices_per_node": count,
-        "nodes": nodes,
-        "global_batch": per_device * devices,
-        "per_device_batch": per_device,
-        "precision": precision,
-        "links": comm,
-        "options": options,
-        "chosen": chosen,
-        "reason": reason(spec, hw, options, chosen, count, nodes),
-    }
+        "devices": devices, "devices_per_node": count, "nodes": nodes, "global_batch": per_device * devices,
+        "per_device_batch": per_device, "precision": precision, "links": comm, "options": options,
+        "chosen": chosen, "reason": reason(spec, hw, options, chosen, count, nodes),
+    }  # fmt: skip
+
+
+class _Setup:
+    """A full fine-tune over `devices` devices: what each setup holds per device and host, and its step."""
+
+    def __init__(self, spec: ModelSpec, hw: dict[str, Any], seq: int, per_device: int, precision: str, devices: int,
+                 nodes: int, grad_bytes: float, comm: dict[str, Any]):  # fmt: skip
+        self.spec, self.hw, self.seq, self.per_device, self.precision = spec, hw, seq, per_device, precision
+        self.devices, self.grad_bytes, self.comm = devices, grad_bytes, comm
+        mixed, params = precision.endswith("mixed"), spec.params
+        gathered = (
+            GATHERED_BLOCKS
+            * max(spec.block_params + [spec.prefix_params, spec.suffix_params])
+            * (2 if mixed else 4)
+        )
+        self.state = {
+            "ddp": (16 + (2 if mixed else 0)) * params,
+            "deepspeed_zero2": (2 * params + 14 * params / devices) if mixed else (4 * params + 12 * params / devices),
+            "fsdp": 16 * params / devices + gathered,
+            "deepspeed_zero3_offload": gathered,
+        }  # fmt: skip
+        self.host_per_node = {name: 0.0 for name in SETUPS}
+        self.host_per_node["deepspeed_zero3_offload"] = 16 * params / nodes
+
+    def option(self, name: str) -> dict[str, Any]:
+        """The largest micro-batch whose state and activations fit a device, and the step's parts."""
+        spec, hw = self.spec, self.hw
+        refused = hw["accelerator"] != "cuda" and name != "ddp"
+        budget = budget_mb(hw)
+        for mb in micro_batch_sizes(self.per_device):
+            act = estimate("full", spec, hw, self.seq, mb, self.precision, [], self.per_device)
+            device_mb = (
+                self.state[name] / MB + act.activations_mb
+            ) * 1.05  # + 5% workspace, as the single-device plan
+            if device_mb + act.context_mb <= budget:
+                break
+        ctx = act.context_mb
+        host_budget = float(hw["host_memory_mb"] or 0) * HEADROOM
+        fits = (not refused) and device_mb + ctx <= budget and self.host_per_node[name] / MB <= host_budget
+        step = compute_s(
+            spec, hw, "full", self.seq, self.per_device, mb, [0], dtype=compute_dtype_name(hw, self.precision)
+        )
+        collective = self.comm["all_reduce_s"] * (1.5 if name in ("fsdp", "deepspeed_zero3_offload") else 1.0)
+        offload = 0.0
+        if name == "deepspeed_zero3_offload":
+            pcie = float(hw.get("h2d_mb_s") or 0) * MB
+            offload = (3 * self.grad_bytes / self.devices) / pcie if pcie else 0.0
+            offload += spec.params / self.devices / CPU_ADAM_WEIGHTS_S
+        return {
+            "label": LABELS[name], "fits": fits,
+            "refused": "Lightning runs FSDP and DeepSpeed on CUDA GPUs only" if refused else None,
+            "micro_batch": mb, "per_device_mb": round(device_mb + ctx, 1),
+            "host_per_node_mb": round(self.host_per_node[name] / MB, 1), "compute_s": round(step, 6),
+            "collective_s": round(collective, 6), "offload_s": round(offload, 6),
+            "predicted_step_s": round(step + collective + offload, 6),
+        }  # fmt: skip
 
 
 def collective_s(grad_bytes: float, count: int, nodes: int, hw_cfg: dict[str, Any]) -> dict[str, Any]:
