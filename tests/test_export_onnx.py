@@ -336,9 +336,9 @@ def test_omny_of_each_model_cuts_at_its_blocks_and_validates(exported, tmp_path)
     doc = omny.describe(graph, sample, limits, runs=runs)
     out = omny.write(graph, doc, tmp_path / f"{name}.omny")
     blocks = [b["name"] for b in doc["blocks"] if b["role"] == "block"]
-    assert blocks == [p for run in runs for p in run] or sorted(blocks) == sorted(
+    assert sorted(blocks) == sorted(
         p for run in runs for p in run
-    )
+    )  # every block a cut point, once (towers in graph order)
     if name == "clip":  # a cut point in each tower, and the finished tower carried past the other's shards
         assert {p.split(".")[0] for p in blocks} == {"vision_model", "text_model"}
         assert any(d["carry"] for c in doc["shard_plans"]["configurations"] for d in c["detail"])

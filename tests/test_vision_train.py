@@ -65,9 +65,7 @@ def test_train_learns_keeps_best_and_tests_it(images, tmp_path):
     assert metrics["test/acc"] > 0.6  # chance is 1/3
     assert 0 <= metrics["test/acc"] <= metrics["test/acc_top5"] == 1.0  # 3 classes: top-5 holds them all
     best, last = Path(metrics["checkpoint_best"]), run_dir / "checkpoints" / "last.ckpt"
-    assert (
-        best.name == "best.ckpt" and (best / "model.safetensors").is_file() or any(best.glob("*.safetensors"))
-    )
+    assert best == run_dir / "checkpoints" / "best.ckpt" and (best / "model.safetensors").is_file()
     assert any(last.glob("*.safetensors"))
     assert metrics["val/acc_best"] == max(h["val/acc"] for h in metrics["val/history"])
     assert Path(metrics["confusion_matrix"]).stat().st_size > 1000
