@@ -70,26 +70,41 @@ class Modality:
     def check(self, config: dict[str, Any]) -> None:
         """Raise UserError for a setting that cannot work, before anything is loaded or written."""
 
+    # The plan and the tasks live in the module `implementation` names, imported when first used (it brings
+    # torch and Lightning, which composing a config, --help and task=plan never import for other modalities):
+    # plan(modality, config, hardware, use_tuned) -> (plan, ModelSpec), and train, evaluate, infer, export and
+    # serving (what task=serve answers with), each of a Job.
+    implementation: str = ""
+
+    def _implementation(self, name: str, task: str | None = None):
+        """The implementation's function `name` (task=`task` is not available without one)."""
+        import importlib
+
+        module = importlib.import_module(self.implementation) if self.implementation else None
+        if module is None or not hasattr(module, name):
+            self._unsupported(task or name)
+        return getattr(module, name)
+
     def plan(self, config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = True):
         """(plan, ModelSpec) for this config on this hardware."""
-        raise NotImplementedError
+        return self._implementation("plan")(self, config, hardware, use_tuned)
 
     def train(self, job: Job) -> dict[str, Any]:
-        return self._unsupported("train")
+        return self._implementation("train")(job)
 
     def evaluate(self, job: Job) -> dict[str, Any]:
-        return self._unsupported("eval")
+        return self._implementation("evaluate", "eval")(job)
 
     def infer(self, job: Job) -> dict[str, Any]:
-        return self._unsupported("infer")
+        return self._implementation("infer")(job)
 
     def export(self, job: Job) -> dict[str, Any]:
-        return self._unsupported("export")
+        return self._implementation("export")(job)
 
     def serving(self, job: Job) -> Any:
         """What task=serve answers requests with (onn/tasks/serve): a text modality's LanguageModel
         (onn/modalities/text/generate.py), a classifier's Predictor (onn/modalities/classification.py)."""
-        return self._unsupported("serve")
+        return self._implementation("serving", "serve")(job)
 
     def pair_side(self, config: dict[str, Any]) -> PairSide:
         """This modality as one side of a dual encoder (onn/modalities/pairs). `config` is a run config of
@@ -184,38 +199,8 @@ class ClassifierModality(Modality):
         """A PNG of inputs (stored form) captioned with their predicted (and true) classes."""
 
     # -- shared: onn/modalities/classification.py -------------------------------------------------
+    implementation = "onn.modalities.classification"
+
     def pair_side(self, config: dict[str, Any]) -> PairSide:
         """Its network (with `width` outputs) as the encoder, its transform, and read_inputs for the files."""
-        from onn.modalities import classification
-
-        return classification.ClassifierSide(self, config)
-
-    def plan(self, config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = True):
-        from onn.modalities import classification
-
-        return classification.plan(self, config, hardware, use_tuned)
-
-    def train(self, job: Job) -> dict[str, Any]:
-        from onn.modalities import classification
-
-        return classification.train(self, job)
-
-    def evaluate(self, job: Job) -> dict[str, Any]:
-        from onn.modalities import classification
-
-        return classification.evaluate(self, job)
-
-    def infer(self, job: Job) -> dict[str, Any]:
-        from onn.modalities import classification
-
-        return classification.infer(self, job)
-
-    def export(self, job: Job) -> dict[str, Any]:
-        from onn.modalities import classification
-
-        return classification.export(self, job)
-
-    def serving(self, job: Job) -> Any:
-        from onn.modalities import classification
-
-        return classification.predictor(self, job)
+        return self._implementation("ClassifierSide")(self, config)

@@ -101,7 +101,8 @@ def setup_data(m: ClassifierModality, config: dict[str, Any], device: str) -> Cl
     return dm
 
 
-def train(m: ClassifierModality, job: Job) -> dict[str, Any]:
+def train(job: Job) -> dict[str, Any]:
+    m = job.modality
     config, plan, run_dir, ckpt = job.config, job.plan, job.run_dir, job.ckpt
     saved = saved_inputs(ckpt) if ckpt is not None else None
     if saved:  # a resumed run keeps the validation split it started with
@@ -172,7 +173,8 @@ def load_trained(
     return module
 
 
-def evaluate(m: ClassifierModality, job: Job) -> dict[str, Any]:
+def evaluate(job: Job) -> dict[str, Any]:
+    m = job.modality
     config, plan, ckpt = job.config, job.plan, job.ckpt
     dm = setup_data(m, config, job.device)
     if ckpt is None:
@@ -199,8 +201,9 @@ def evaluate(m: ClassifierModality, job: Job) -> dict[str, Any]:
     return metrics
 
 
-def infer(m: ClassifierModality, job: Job) -> dict[str, Any]:
+def infer(job: Job) -> dict[str, Any]:
     """Predict the classes of task.input (one file, a folder or an archive): predictions.jsonl and a PNG."""
+    m = job.modality
     config, task = job.config, job.config["task"]
     source = task["input"]
     if not source:
@@ -291,7 +294,8 @@ class Predictor:
         self.modality.picture(sample[None], [predicted], [None], path, self.inputs)
 
 
-def predictor(m: ClassifierModality, job: Job) -> Predictor:
+def serving(job: Job) -> Predictor:
+    m = job.modality
     if job.ckpt is None:
         raise UserError(
             f"task=serve on {m.name} data needs ckpt=RUN_DIR (a trained classifier) to know its classes."
@@ -299,9 +303,10 @@ def predictor(m: ClassifierModality, job: Job) -> Predictor:
     return Predictor(m, job.config, load_trained(m, job.config, job.plan, job.ckpt), torch.device(job.device))
 
 
-def export(m: ClassifierModality, job: Job) -> dict[str, Any]:
+def export(job: Job) -> dict[str, Any]:
     """The trained network from `ckpt` (the whole network for a linear probe), or without one the
     network as model.source gives it, sized by the data config."""
+    m = job.modality
     if job.ckpt is not None:
         module = load_trained(m, job.config, job.plan, job.ckpt)
     else:

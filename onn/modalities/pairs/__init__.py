@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from onn.errors import UserError
-from onn.modalities.base import Job, Modality, register
+from onn.modalities.base import Modality, register
 
 
 class PairsModality(Modality):
     name = "pairs"
+    implementation = "onn.modalities.pairs.tasks"
     default_data = "pairs"
     default_model = "dual_encoder"
     description = "paired data (a dual encoder of two modalities)"
@@ -81,31 +82,6 @@ class PairsModality(Modality):
                 raise UserError(
                     f"task.top_k={top_k!r}: give the number of matches to keep per query, 1 or more."
                 )
-
-    def plan(self, config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = True):
-        from onn.modalities.pairs import tasks
-
-        return tasks.plan(config, hardware, use_tuned)
-
-    def train(self, job: Job) -> dict[str, Any]:
-        from onn.modalities.pairs import tasks
-
-        return tasks.train(job)
-
-    def evaluate(self, job: Job) -> dict[str, Any]:
-        from onn.modalities.pairs import tasks
-
-        return tasks.evaluate(job)
-
-    def infer(self, job: Job) -> dict[str, Any]:
-        from onn.modalities.pairs import tasks
-
-        return tasks.infer(job)
-
-    def export(self, job: Job) -> dict[str, Any]:
-        from onn.modalities.pairs import tasks
-
-        return tasks.export(job)
 
 
 register(PairsModality())

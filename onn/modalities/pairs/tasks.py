@@ -70,7 +70,7 @@ def build(config: dict[str, Any], sides: dict[str, PairSide], strategy: str = "f
     )
 
 
-def plan(config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = True):
+def plan(modality, config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = True):
     """One network plan for both towers: their parameters, FLOPs and saved activations per pair, added."""
     sides = sides_of(config)
     width = int(config["model"]["feature_dim"])

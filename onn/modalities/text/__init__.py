@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from onn.errors import UserError
-from onn.modalities.base import Job, Modality, register
+from onn.modalities.base import Modality, register
 
 
 class TextModality(Modality):
     name = "text"
+    implementation = "onn.modalities.text.tasks"
     default_data = "text"
     default_model = "phi4_tiny"
     description = "prompt/answer text for causal language models"
@@ -75,31 +76,6 @@ class TextModality(Modality):
         plan["data_streamed"], reason = streaming_choice(config["data"])
         plan["reasons"].append(reason)
         return plan, spec
-
-    def train(self, job: Job) -> dict[str, Any]:
-        from onn.modalities.text import tasks
-
-        return tasks.train(job)
-
-    def evaluate(self, job: Job) -> dict[str, Any]:
-        from onn.modalities.text import tasks
-
-        return tasks.evaluate(job)
-
-    def infer(self, job: Job) -> dict[str, Any]:
-        from onn.modalities.text import tasks
-
-        return tasks.infer(job)
-
-    def export(self, job: Job) -> dict[str, Any]:
-        from onn.modalities.text import tasks
-
-        return tasks.export(job)
-
-    def serving(self, job: Job) -> Any:
-        from onn.modalities.text import tasks
-
-        return tasks.language_model(job)
 
 
 register(TextModality())

@@ -328,6 +328,9 @@ def language_model(job: Job) -> LanguageModel:
     return LanguageModel(model, tokenizer, Prompter(config["data"], tokenizer), engine)
 
 
+serving = language_model  # task=serve answers with it
+
+
 def infer(job: Job) -> dict[str, Any]:
     config, task = job.config, job.config["task"]
     if not task["input"] and not config["prompt"]:
