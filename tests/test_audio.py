@@ -133,7 +133,7 @@ def test_labels_from_folders_names_and_manifests(tmp_path):
 
 def test_bad_audio_files_are_skipped_counted_and_named(tmp_path, caplog):
     """Corrupt, truncated, zero-length and sound-less files, one at a time; an unknown extension is named."""
-    from onn.modalities.audio.dataset import read
+    from onn.modalities.audio.dataset import READER
     from onn.modalities.audio.decode import BadFile, Fit, load
     from onn.modalities.video.builtin import write_clip
 
@@ -158,9 +158,9 @@ def test_bad_audio_files_are_skipped_counted_and_named(tmp_path, caplog):
     with pytest.raises(
         UserError, match=r"4 of 34 audio files could not be decoded \(first: high_ann_92.flac: an empty file"
     ):
-        read(str(data), cfg, fit)
+        READER.read(str(data), cfg, fit)
     with caplog.at_level(logging.WARNING, logger="onn"):
-        decoded, seconds = read(str(data), {**cfg, "max_bad_fraction": 0.2}, fit)
+        decoded, seconds = READER.read(str(data), {**cfg, "max_bad_fraction": 0.2}, fit)
     assert len(decoded["all"].labels) == 30 and len(decoded["all"].skipped) == 4
     assert (
         "mid_ann_93.m4a: no audio stream" in caplog.text and "low_ann_94.xyz" in caplog.text

@@ -121,7 +121,7 @@ def test_bad_videos_are_skipped_counted_and_named(tmp_path, caplog):
     import soundfile as sf
 
     from onn.modalities.video.builtin import moving_square, write_clip
-    from onn.modalities.video.dataset import read
+    from onn.modalities.video.dataset import READER
     from onn.modalities.video.decode import BadFile, Fit, load
 
     rng = np.random.default_rng(0)
@@ -147,9 +147,9 @@ def test_bad_videos_are_skipped_counted_and_named(tmp_path, caplog):
     with pytest.raises(
         UserError, match=r"4 of 16 video files could not be decoded \(first: left/corrupt.mp4"
     ):
-        read(str(tmp_path / "clips"), cfg, fit)
+        READER.read(str(tmp_path / "clips"), cfg, fit)
     with caplog.at_level(logging.WARNING, logger="onn"):
-        decoded, _ = read(str(tmp_path / "clips"), {**cfg, "max_bad_fraction": 0.3}, fit)
+        decoded, _ = READER.read(str(tmp_path / "clips"), {**cfg, "max_bad_fraction": 0.3}, fit)
     assert len(decoded["all"].labels) == 12 and len(decoded["all"].skipped) == 4
     assert "left/sound.mkv: no video stream" in caplog.text and "left/notes.xyz" in caplog.text
 

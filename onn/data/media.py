@@ -4,15 +4,20 @@ at a time for streaming. The modality brings the decoder: `load(source) -> (tens
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from onn.data.labelled import Listing, MediaFile, check_bad, report_left_out
+from onn.data.cache import cached_decode
+from onn.data.files import content_digest, existing_source
+from onn.data.labelled import Listing, MediaFile, check_bad, list_labelled, report_left_out
 from onn.data.resident import Decoded
 
 log = logging.getLogger("onn")
@@ -20,19 +25,62 @@ log = logging.getLogger("onn")
 Loader = Callable[[object], tuple[torch.Tensor, float]]
 
 
+def _as_given(source: str, data_cfg: dict[str, Any], cache_dir) -> str:
+    return os.path.expanduser(str(source))
+
+
 @dataclass(frozen=True)
 class MediaReader:
-    """A media modality's decoding entry points (what task=bench_media times, and inference reads with)."""
+    """A media modality's decoding, which its datasets, inference and task=bench_media use: listing a source's
+    files, decoding them all (no cache), or through the decoded-tensor cache, or one split item by item."""
 
-    read: Callable  # (source, data_cfg, fit, key=, allow_unlabelled=, workers=) -> ({split: Decoded}, seconds decoded)
-    read_cached: (
-        Callable  # (source, data_cfg, cache_dir, key=) -> {split: Decoded}, through the decoded cache
-    )
-    listing: Callable  # (source, data_cfg, key) -> onn.data.labelled.Listing
+    kind: str  # "audio", "video": the messages' word and the cache's name
+    suffixes: tuple[str, ...]  # the files it reads
     load: Callable  # (file source, fit) -> (stored tensor, seconds): one file
+    settings: Callable  # data config -> the decoding settings (Fit)
     fit: Callable  # inputs -> the decoding settings a checkpoint's inputs hold
     bad: type[Exception]  # what `load` raises for a file it cannot use
     dtype: torch.dtype  # the stored dtype
+    hint: str  # what data.source should be, for the message when it is missing
+    resolve: Callable = (
+        _as_given  # (source, data_cfg, cache_dir) -> its path (a generated dataset is made here)
+    )
+
+    def listing(
+        self, source: str, data_cfg: dict[str, Any], key: str, allow_unlabelled: bool = False
+    ) -> Listing:
+        return list_labelled(source, self.suffixes, label_from=data_cfg["label_from"], label_column=data_cfg["label_column"],
+                             kind=self.kind, key=key, allow_unlabelled=allow_unlabelled)  # fmt: skip
+
+    def read(self, source: str, data_cfg: dict[str, Any], fit, key: str = "data.source", allow_unlabelled: bool = False,
+             workers: int = 1) -> tuple[dict[str, Decoded], float]:  # fmt: skip
+        """{split: Decoded} of a source and the seconds of media decoded, from the files (no cache)."""
+        found = self.listing(source, data_cfg, key, allow_unlabelled)
+        return decode_listing(found, functools.partial(self.load, fit=fit), self.bad, dtype=self.dtype,
+                              max_bad_fraction=float(data_cfg["max_bad_fraction"]), path=source, key=key,
+                              kind=self.kind, workers=workers)  # fmt: skip
+
+    def read_cached(
+        self, source: str, data_cfg: dict[str, Any], cache_dir, key: str = "data.source"
+    ) -> dict[str, Decoded]:
+        """{split: Decoded} for a source, decoded once and then read from the safetensors cache."""
+        path = self.resolve(source, data_cfg, cache_dir)
+        existing_source(path, key, self.hint)
+        fit = self.settings(data_cfg)
+        settings = {"fit": asdict(fit), "label_from": data_cfg["label_from"], "label_column": data_cfg["label_column"],
+                    "max_bad_fraction": data_cfg["max_bad_fraction"]}  # fmt: skip
+        workers = int(data_cfg["num_workers"]) or 1
+        return cached_decode(self.kind, {"digest": content_digest(path), **settings}, cache_dir,
+                             lambda: self.read(path, data_cfg, fit, key, workers=workers)[0], path)  # fmt: skip
+
+    def items(self, source: str, data_cfg: dict[str, Any], cache_dir) -> dict[str, ListedItems]:
+        """Each split, decoded item by item (the streamed fallback)."""
+        found = self.listing(self.resolve(source, data_cfg, cache_dir), data_cfg, "data.source")
+        loader = functools.partial(self.load, fit=self.settings(data_cfg))
+        return {
+            split: ListedItems(files, found.classes, loader, self.bad, self.dtype)
+            for split, files in found.splits.items()
+        }
 
 
 def decode_listing(listing: Listing, load: Loader, bad: type[Exception], *, dtype: torch.dtype, max_bad_fraction: float,

@@ -204,3 +204,22 @@ class ClassifierModality(Modality):
     def pair_side(self, config: dict[str, Any]) -> PairSide:
         """Its network (with `width` outputs) as the encoder, its transform, and read_inputs for the files."""
         return self._implementation("ClassifierSide")(self, config)
+
+
+class MediaModality(ClassifierModality):
+    """A classifier of media decoded from files (audio, video): the READER (onn.data.media.MediaReader) of its
+    `dataset` module lists and decodes them, for its datasets, for inference and for task=bench_media."""
+
+    dataset: str = ""  # the module that holds READER
+
+    def reader(self):
+        import importlib
+
+        return importlib.import_module(self.dataset).READER
+
+    def read_inputs(self, source: Path, inputs: dict[str, Any], config: dict[str, Any]):
+        reader = self.reader()
+        decoded, _ = reader.read(
+            str(source), config["data"], reader.fit(inputs), key="task.input", allow_unlabelled=True
+        )
+        return decoded

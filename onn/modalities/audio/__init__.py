@@ -14,14 +14,15 @@ from typing import Any
 
 from onn.data.labelled import sniff_files
 from onn.errors import UserError
-from onn.modalities.base import ClassifierModality, register
+from onn.modalities.base import MediaModality, register
 
 SUFFIXES = frozenset({".wav", ".wave", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aiff", ".aif", ".aifc", ".au", ".snd",
                       ".caf", ".w64", ".rf64", ".m4a", ".aac", ".mka", ".wma", ".amr", ".ac3", ".mp2", ".alac", ".weba"})  # fmt: skip
 
 
-class AudioModality(ClassifierModality):
+class AudioModality(MediaModality):
     name = "audio"
+    dataset = "onn.modalities.audio.dataset"
     default_data = "audio"
     default_model = "audio_cnn"
     description = "audio classification"
@@ -85,20 +86,6 @@ class AudioModality(ClassifierModality):
         ]
         return {"classes": [str(c) for c in classes], "input_shape": [settings["fit"]["channels"], settings["fit"]["samples"]],
                 **settings}  # fmt: skip
-
-    def read_inputs(self, source: Path, inputs: dict[str, Any], config: dict[str, Any]):
-        from onn.modalities.audio.dataset import fit_of, read
-
-        decoded, _ = read(
-            str(source), config["data"], fit_of(inputs), key="task.input", allow_unlabelled=True
-        )
-        return decoded
-
-    def reader(self):
-        """The decoding entry points (onn.data.media.MediaReader) task=bench_media times."""
-        from onn.modalities.audio.dataset import READER
-
-        return READER
 
     def picture(self, samples, predicted, true, path: Path, inputs: dict[str, Any]) -> None:
         from onn.modalities.audio import pictures

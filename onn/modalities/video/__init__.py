@@ -16,14 +16,15 @@ from typing import Any
 
 from onn.data.labelled import sniff_files
 from onn.errors import UserError
-from onn.modalities.base import ClassifierModality, register
+from onn.modalities.base import MediaModality, register
 
 SUFFIXES = frozenset({".mp4", ".m4v", ".mov", ".avi", ".mkv", ".webm", ".mpg", ".mpeg", ".ts", ".mts", ".m2ts", ".wmv",
                       ".flv", ".3gp", ".ogv", ".mxf", ".y4m"})  # fmt: skip
 
 
-class VideoModality(ClassifierModality):
+class VideoModality(MediaModality):
     name = "video"
+    dataset = "onn.modalities.video.dataset"
     default_data = "video"
     default_model = "video_c3d_tiny"
     description = "video classification"
@@ -105,20 +106,6 @@ class VideoModality(ClassifierModality):
             "input_shape": [fit["channels"], fit["frames"], *fit["size"]],
             **settings,
         }
-
-    def read_inputs(self, source: Path, inputs: dict[str, Any], config: dict[str, Any]):
-        from onn.modalities.video.dataset import fit_of, read
-
-        decoded, _ = read(
-            str(source), config["data"], fit_of(inputs), key="task.input", allow_unlabelled=True
-        )
-        return decoded
-
-    def reader(self):
-        """The decoding entry points (onn.data.media.MediaReader) task=bench_media times."""
-        from onn.modalities.video.dataset import READER
-
-        return READER
 
     def picture(self, samples, predicted, true, path: Path, inputs: dict[str, Any]) -> None:
         from onn.modalities.video import pictures
