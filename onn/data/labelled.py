@@ -321,24 +321,19 @@ def report_left_out(listing: Listing, path: str, key: str, kind: str) -> None:
                     kind, _names(listing.unknown))  # fmt: skip
 
 
-def check_bad(
-    skipped: list[str], total: int, max_bad_fraction: float, path: str, key: str, kind: str
-) -> None:
-    """Name the files that could not be decoded in one warning, or refuse when more than data.max_bad_fraction are."""
+def check_bad(skipped: list[str], total: int, max_bad_fraction: float, path, key: str, items: str,
+              problem: str = "could not be decoded") -> None:  # fmt: skip
+    """Name the items that could not be used (`items`: "images", "audio files", ...) in one warning, or refuse
+    when more than data.max_bad_fraction of them are: every reader of files skips, counts and names them so."""
     if not skipped:
         return
     if len(skipped) >= total or len(skipped) / total > max_bad_fraction:
         raise UserError(
-            f"{key} {path}: {len(skipped)} of {total} {kind} files could not be decoded (first: {'; '.join(skipped[:3])}); fix or "
+            f"{key} {path}: {len(skipped)} of {total} {items} {problem} (first: {'; '.join(skipped[:3])}); fix or "
             f"remove them, or set data.max_bad_fraction (now {max_bad_fraction}) to accept more."
         )
     log.warning(
-        "Skipped %d of %d %s files in %s that could not be decoded: %s",
-        len(skipped),
-        total,
-        kind,
-        path,
-        _names(skipped),
+        "Skipped %d of %d %s in %s that %s: %s", len(skipped), total, items, path, problem, _names(skipped)
     )
 
 

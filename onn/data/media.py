@@ -103,7 +103,7 @@ def decode_listing(listing: Listing, load: Loader, bad: type[Exception], *, dtyp
     with ThreadPoolExecutor(max(1, workers)) as pool:
         results = dict(zip((id(f) for f in files), pool.map(one, files)))
     skipped = list(listing.refused) + [r[2] for r in results.values() if r[2]]
-    check_bad(skipped, len(files) + len(listing.refused), max_bad_fraction, path, key, kind)
+    check_bad(skipped, len(files) + len(listing.refused), max_bad_fraction, path, key, f"{kind} files")
     out, seconds = {}, 0.0
     for n, (split, members) in enumerate(listing.splits.items()):
         good = [(f, results[id(f)]) for f in members if results[id(f)][0] is not None]

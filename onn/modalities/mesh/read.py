@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from onn.data.files import ARCHIVE_ERRORS, archive_kind, existing_source, iter_members, walk_files
+from onn.data.labelled import check_bad
 from onn.data.resident import Decoded
 from onn.errors import UserError
 
@@ -263,7 +264,7 @@ def read_source(source: str | os.PathLike, settings: Sampling, *, max_bad_fracti
             skipped.append(f"{name}: {e}")
     if not total:
         raise UserError(f"{key} {path}: found no mesh files; {HELP}.")
-    report_skipped(skipped, total, max_bad_fraction, path, key)
+    check_bad(skipped, total, max_bad_fraction, path, key, "mesh files", "cannot be used")
     short = unwrap(names) if path.is_dir() or archive_kind(path) else names
     placed = [place(n) for n in short]
     labelled = [c is not None for _, c in placed]
@@ -285,23 +286,3 @@ def read_source(source: str | os.PathLike, settings: Sampling, *, max_bad_fracti
         first = next(iter(found.values()))
         first.skipped = skipped
     return found
-
-
-def report_skipped(skipped: list[str], total: int, max_bad_fraction: float, path: Path, key: str) -> None:
-    """Name the files that were skipped, or refuse when more than data.max_bad_fraction of them were."""
-    if not skipped:
-        return
-    first = "; ".join(skipped[:3])
-    if len(skipped) == total or len(skipped) / total > max_bad_fraction:
-        raise UserError(
-            f"{key} {path}: {len(skipped)} of {total} mesh files cannot be used (first: {first}); fix or remove "
-            f"them, or set data.max_bad_fraction (now {max_bad_fraction}) to accept more."
-        )
-    log.warning(
-        "Skipped %d of %d mesh files in %s: %s%s",
-        len(skipped),
-        total,
-        path,
-        first,
-        " ..." if len(skipped) > 3 else "",
-    )

@@ -240,26 +240,6 @@ def finish_classes(listing: Listing, num_classes: int | None, key: str) -> list[
     return classes
 
 
-def report_skipped(skipped: list[str], total: int, max_bad_fraction: float, path: Path, key: str) -> None:
-    """Warn about the items that could not be read, or refuse when there are more than data.max_bad_fraction."""
-    if not skipped:
-        return
-    first = "; ".join(skipped[:3])
-    if len(skipped) == total or len(skipped) / total > max_bad_fraction:
-        raise UserError(
-            f"{key} {path}: {len(skipped)} of {total} images could not be decoded (first: {first}); fix or "
-            f"remove them, or set data.max_bad_fraction (now {max_bad_fraction}) to accept more."
-        )
-    log.warning(
-        "Skipped %d of %d images in %s that could not be decoded: %s%s",
-        len(skipped),
-        total,
-        path,
-        first,
-        " ..." if len(skipped) > 3 else "",
-    )
-
-
 def mixed_sizes(a: str, a_hw: tuple[int, int], b: str, b_hw: tuple[int, int]) -> str:
     return (
         f"images have different sizes: {a} is {a_hw[0]}x{a_hw[1]} but {b} is {b_hw[0]}x{b_hw[1]} (HxW); set "

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from onn.data.files import content_digest, update_hash
+from onn.data.labelled import check_bad
 from onn.errors import UserError
 from onn.modalities.image.formats import cifar_binary, idx, stl10_binary, svhn_mat
 from onn.modalities.image.formats.arrays import gather
@@ -23,7 +24,6 @@ from onn.modalities.image.formats.common import (
     finish_classes,
     log,
     options,
-    report_skipped,
 )
 from onn.modalities.image.formats.csvfile import csv_path, csv_rows, list_csv
 from onn.modalities.image.formats.decode import ItemList, array_split, decode_split, strict_pil
@@ -84,7 +84,7 @@ def read_splits(
                 decoded[name] = decode_split(split, opts, ref, key)
     skipped = listing.rejected + [s for _, _, bad in decoded.values() for s in bad]
     total = len(listing.rejected) + sum(len(s.names) for s in splits.values())
-    report_skipped(skipped, total, max_bad_fraction, path, key)
+    check_bad(skipped, total, max_bad_fraction, path, key, "images")
     width = max(x.shape[1] for x, _, _ in decoded.values())
     out = {}
     for k, (name, (x, keep, bad)) in enumerate(decoded.items()):
