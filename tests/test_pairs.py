@@ -256,5 +256,5 @@ def test_pairs_settings_are_checked_first(tmp_path):
 
 def test_a_metadata_line_that_is_not_json_is_named(tmp_path):
     (tmp_path / "metadata.jsonl").write_text('{"file_name": "a.png", "text": "x"}\n{broken\n')
-    with pytest.raises(UserError, match=r"metadata.jsonl line 2 is not a JSON object"):
+    with pytest.raises(UserError, match=r"metadata.jsonl line 2 is not valid JSON"):
         find_pairs(tmp_path)

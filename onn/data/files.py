@@ -281,6 +281,33 @@ def content_digest(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
+def json_type(value: Any) -> str:
+    """What a JSON value is, in the words a message uses."""
+    names = {bool: "boolean", int: "number", float: "number", str: "string", list: "list", type(None): "null"}
+    return names.get(type(value), "value")
+
+
+def jsonl_objects(
+    text: str, where: str, wanted: str = "an object with fields"
+) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) of each non-blank line of JSON lines; a line that is not JSON, or not a JSON
+    object, is one sentence naming `where` and the line (`wanted`: what an object there holds)."""
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(
+                f"{where} line {number} is not valid JSON ({e.msg} at column {e.colno}); fix that line."
+            ) from None
+        if not isinstance(row, dict):
+            raise UserError(f"{where} line {number} is a JSON {json_type(row)}, not {wanted}.")
+        rows.append((number, row))
+    return rows
+
+
 def write_jsonl(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
     """One JSON object per line (predictions, completions), UTF-8, the folder made if needed."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)

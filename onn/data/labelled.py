@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import logging
 import os
 import re
@@ -29,7 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from onn.data.files import ARCHIVE_ERRORS, archive_kind, existing_source, is_hidden, iter_members, walk_files
+from onn.data.files import (
+    ARCHIVE_ERRORS,
+    archive_kind,
+    existing_source,
+    is_hidden,
+    iter_members,
+    jsonl_objects,
+    walk_files,
+)
 from onn.errors import UserError
 
 log = logging.getLogger("onn")
@@ -247,19 +254,7 @@ def _regex_labels(media: dict, pattern: str, key: str) -> list[MediaFile]:
 
 def _manifest_rows(name: str, text: str, key: str) -> list[tuple[int, dict]]:
     if name.lower().endswith(".jsonl"):
-        rows = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{key}: {name} line {n} is not JSON: {e.msg}.") from e
-                if not isinstance(row, dict):
-                    raise UserError(
-                        f"{key}: {name} line {n} is not a JSON object with file_name and a label."
-                    )
-                rows.append((n, row))
-        return rows
+        return jsonl_objects(text, f"{key}: {name}", "an object with file_name and a label")
     return list(enumerate(csv.DictReader(io.StringIO(text)), 2))
 
 

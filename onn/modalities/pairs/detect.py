@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from onn.data.files import (
     clean_member_name,
     existing_source,
     iter_members,
+    jsonl_objects,
     read_file,
     read_head,
     walk_files,
@@ -267,20 +267,7 @@ def _rows(meta: Path, limit: int | None) -> list[tuple[int, dict[str, Any]]]:
     if meta.name.lower().endswith(".csv"):
         reader = csv.DictReader(io.StringIO(text))
         return [(reader.line_num, dict(row)) for row in reader]
-    rows = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{meta} line {number} is not a JSON object ({e.msg}); fix that line.") from None
-        if not isinstance(row, dict):
-            raise UserError(
-                f"{meta} line {number} is a JSON {type(row).__name__}, not an object with file_name."
-            )
-        rows.append((number, row))
-    return rows
+    return jsonl_objects(text, str(meta), "an object with file_name")
 
 
 def _from_metadata(metas: list[Path], root: Path, wanted: tuple[str, str] | None, text_column: str, limit: int | None,

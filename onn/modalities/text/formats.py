@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from onn.data.files import existing_source, read_file, read_head
+from onn.data.files import existing_source, json_type, jsonl_objects, read_file, read_head
 from onn.errors import UserError
 
 FORMATS = ("jsonl", "json", "csv", "parquet", "txt")
@@ -180,21 +180,8 @@ def csv_delimiter(text: str) -> str | None:
 
 
 def _read_jsonl(text: str, path: Path) -> Records:
-    rows, where = [], []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(
-                f"{path} line {lineno} is not valid JSON ({e.msg} at column {e.colno})."
-            ) from None
-        if not isinstance(row, dict):
-            raise UserError(f"{path} line {lineno} is a JSON {_json_type(row)}, not an object with fields.")
-        rows.append(row)
-        where.append(f"{path} line {lineno}")
-    return Records(rows, where)
+    rows = jsonl_objects(text, str(path))
+    return Records([row for _, row in rows], [f"{path} line {number}" for number, _ in rows])
 
 
 def _read_json(text: str, path: Path) -> Records:
@@ -206,7 +193,7 @@ def _read_json(text: str, path: Path) -> Records:
         return _located_items(doc, text, path)
     if not isinstance(doc, dict):
         raise UserError(
-            f"{path} holds a bare JSON {_json_type(doc)} ({text.strip()[:40]}), not records: give JSON lines of "
+            f"{path} holds a bare JSON {json_type(doc)} ({text.strip()[:40]}), not records: give JSON lines of "
             '{"input": ..., "output": ...} objects, or a JSON list of them.'
         )
     lists = {k: v for k, v in doc.items() if isinstance(v, list)}
@@ -245,19 +232,8 @@ def _skip_space(text: str, at: int) -> int:
 def _checked(rows: list, where: list[str], path: Path) -> Records:
     for row, place in zip(rows, where):
         if not isinstance(row, dict):
-            raise UserError(f"{place} is a JSON {_json_type(row)}, not an object with fields.")
+            raise UserError(f"{place} is a JSON {json_type(row)}, not an object with fields.")
     return Records(rows, where)
-
-
-def _json_type(value: Any) -> str:
-    return {
-        bool: "boolean",
-        int: "number",
-        float: "number",
-        str: "string",
-        list: "list",
-        type(None): "null",
-    }.get(type(value), "value")
 
 
 def _read_csv(text: str, path: Path) -> Records:
