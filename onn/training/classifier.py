@@ -18,10 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onn.errors import UserError
-from onn.training.callbacks import logs_now
 from onn.training.distributed import clip_gradients
 from onn.training.optim import make_optimizer, make_schedule
+from onn.training.record import EpochRecord, log_train_loss
 
 log = logging.getLogger("onn")
 LOOP = "epochs"
@@ -44,7 +43,10 @@ class LinearProbe(nn.Module):
         return self.head(self.backbone(images))
 
 
-class Classifier(L.LightningModule):
+class Classifier(EpochRecord, L.LightningModule):
+    loop = LOOP
+    describes = "ONN's image classifier"
+
     def __init__(self, model: nn.Module, classes: list[str], optim: dict[str, Any], onn_config: dict[str, Any],
                  transform: nn.Module | None = None, label_smoothing: float = 0.0, channels_last: bool = False,
                  inputs: str = "data", monitor: str = "val/acc", adapt_norm: bool = False):  # fmt: skip
@@ -97,15 +99,7 @@ class Classifier(L.LightningModule):
         logits = self(self.prepare(x, train=True))
         loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
         self.train_losses.append(loss.detach())
-        if logs_now(self):
-            self.log(
-                "train/loss",
-                float(loss),
-                prog_bar=True,
-                on_step=True,
-                on_epoch=False,
-                batch_size=labels.shape[0],
-            )
+        log_train_loss(self, loss, labels.shape[0])
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> None:
@@ -206,19 +200,7 @@ class Classifier(L.LightningModule):
             checkpoint["state_dict"] = {
                 k: v for k, v in checkpoint["state_dict"].items() if ".backbone." not in k
             }
-        checkpoint["onn"] = {"loop": LOOP, "config": self.onn_config, "history": self.history,
-                             "train_losses": [float(x) for x in self.train_losses]}  # fmt: skip
-        # synced once by the line above; keep them as cheap CPU scalars from here on
-        self.train_losses = [torch.tensor(float(x)) for x in self.train_losses]
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        onn = checkpoint.get("onn", {})
-        if onn.get("loop") != LOOP:
-            raise UserError(
-                "this checkpoint was not written by ONN's image classifier: it cannot resume this run."
-            )
-        self.history = list(onn.get("history") or [])
-        self.train_losses = [torch.tensor(x) for x in onn.get("train_losses") or []]
+        super().on_save_checkpoint(checkpoint)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if self.inputs == "features":

@@ -22,10 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onn.errors import UserError
-from onn.training.callbacks import logs_now
 from onn.training.distributed import clip_gradients
 from onn.training.optim import make_optimizer, make_schedule
+from onn.training.record import EpochRecord, log_train_loss
 
 log = logging.getLogger("onn")
 LOOP = "pairs"
@@ -64,7 +63,10 @@ def retrieval_metrics(
     return out
 
 
-class DualEncoder(L.LightningModule):
+class DualEncoder(EpochRecord, L.LightningModule):
+    loop = LOOP
+    describes = "ONN's dual encoder"
+
     def __init__(self, towers: dict[str, nn.Module], width: int, model_cfg: dict[str, Any], optim: dict[str, Any],
                  onn_config: dict[str, Any]):  # fmt: skip
         super().__init__()
@@ -106,22 +108,9 @@ class DualEncoder(L.LightningModule):
         x_a, x_b = batch
         loss = self.loss(self.embed(self.names[0], x_a), self.embed(self.names[1], x_b))
         self.train_losses.append(loss.detach())
-        if logs_now(self):
-            self.log(
-                "train/loss",
-                float(loss),
-                prog_bar=True,
-                on_step=True,
-                on_epoch=False,
-                batch_size=x_a.shape[0],
-            )
-            self.log(
-                "train/temperature",
-                float(1 / self.scale().detach()),
-                on_step=True,
-                on_epoch=False,
-                batch_size=x_a.shape[0],
-            )
+        if log_train_loss(self, loss, x_a.shape[0]):
+            temperature = float(1 / self.scale().detach())
+            self.log("train/temperature", temperature, on_step=True, on_epoch=False, batch_size=x_a.shape[0])
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> None:
@@ -155,18 +144,3 @@ class DualEncoder(L.LightningModule):
         optimizer = make_optimizer([p for p in self.parameters() if p.requires_grad], self.optim)
         schedule = make_schedule(optimizer, self.optim, int(self.trainer.estimated_stepping_batches), MONITOR)
         return {"optimizer": optimizer, "lr_scheduler": schedule}
-
-    # -- checkpoints ------------------------------------------------------------------------------------
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["onn"] = {"loop": LOOP, "config": self.onn_config, "history": self.history,
-                             "train_losses": [float(x) for x in self.train_losses]}  # fmt: skip
-        self.train_losses = [torch.tensor(float(x)) for x in self.train_losses]
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        onn = checkpoint.get("onn", {})
-        if onn.get("loop") != LOOP:
-            raise UserError(
-                "this checkpoint was not written by ONN's dual encoder: it cannot resume a pairs run."
-            )
-        self.history = list(onn.get("history") or [])
-        self.train_losses = [torch.tensor(x) for x in onn.get("train_losses") or []]

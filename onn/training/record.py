@@ -1,0 +1,48 @@
+"""What an epoch-based LightningModule keeps beside its weights: shared by the classifier and the dual encoder."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+
+from onn.errors import UserError
+from onn.training.callbacks import logs_now
+
+
+class EpochRecord:
+    """A checkpoint's record for resume and for the run's report: its loop (a checkpoint of another loop
+    is refused), config, validation history and per-step losses. The losses live on the device while
+    training; saving reads them once and keeps host scalars after, so later steps never sync for them.
+
+    The module sets `loop` and `describes` (what writes checkpoints of that loop, for the refusal) and
+    the attributes `onn_config`, `history` and `train_losses`."""
+
+    loop: str
+    describes: str
+    onn_config: dict[str, Any]
+    history: list[dict[str, float]]
+    train_losses: list[torch.Tensor]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["onn"] = {"loop": self.loop, "config": self.onn_config, "history": self.history,
+                             "train_losses": [float(x) for x in self.train_losses]}  # fmt: skip
+        self.train_losses = [torch.tensor(float(x)) for x in self.train_losses]
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        onn = checkpoint.get("onn", {})
+        if onn.get("loop") != self.loop:
+            raise UserError(
+                f"this checkpoint was not written by {self.describes}: it cannot resume this run."
+            )
+        self.history = list(onn.get("history") or [])
+        self.train_losses = [torch.tensor(x) for x in onn.get("train_losses") or []]
+
+
+def log_train_loss(module: L.LightningModule, loss: torch.Tensor, batch_size: int) -> bool:
+    """train/loss on a logging step only (logs_now: reading it syncs the device); whether it was one."""
+    if not logs_now(module):
+        return False
+    module.log("train/loss", float(loss), prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size)
+    return True
