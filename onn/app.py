@@ -29,15 +29,17 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from onn.bench import TASKS as BENCH_TASKS
+from onn.config import ONNConfig, StrategyConfig, as_dict, typed
 from onn.errors import UserError
 from onn.export import check_settings as check_export
 from onn.hardware.cluster import is_rank_zero
 from onn.hardware.memory import cap_gpu_memory
 from onn.hardware.profile import resolve as resolve_hardware
 from onn.hardware.profile import use_threads
-from onn.modalities import Job, detect, get
+from onn.modalities import Job, Modality, detect, get
 from onn.planning.plan import render
 from onn.tasks import TASKS as RUN_TASKS
 from onn.tasks import Task
@@ -70,16 +72,16 @@ def run(cfg: DictConfig) -> float | None:
     metrics: dict[str, Any] = {"status": "running", "error": None, "task": cfg.task.name, "model": cfg.model.name, "data": cfg.data.name,
                                "strategy": cfg.strategy.name, "hardware": cfg.hardware.name}  # fmt: skip
     record = RunRecord(run_dir, metrics)
-    config: dict[str, Any] = {}
+    config: ONNConfig | None = None
     try:
         if cfg.data.name == "auto":
             cfg = compose_detected(cfg, overrides)
-        config = OmegaConf.to_container(cfg, resolve=True)
+        config = to_config(cfg)
         metrics["config_digest"] = config_digest(config)
         done = finished(run_dir, metrics["config_digest"]) if multirun else None
         if done is not None:
             log.info("%s: already finished for this config; not run again", run_dir)
-            return _objective(cfg, done)
+            return _objective(config.sweep_objective, done)
         check_launch(config, multirun)
         record.start()
         results = execute(config, run_dir, given_keys(overrides))
@@ -112,13 +114,13 @@ def run(cfg: DictConfig) -> float | None:
         raise
     finally:
         end_distributed()  # the run's last collective is behind it: NCCL would warn about a live group at exit
-    return _objective(cfg, metrics)
+    return _objective(cfg.sweep_objective, metrics)
 
 
-def explain_out_of_memory(error: BaseException, config: dict[str, Any]) -> str | None:
+def explain_out_of_memory(error: BaseException, config: ONNConfig | None) -> str | None:
     """One sentence for running out of memory where the step's back-off does not apply (validation,
     generation, a store build, the optimizer's first step); None for any other error."""
-    if not is_out_of_memory(error) or not config:
+    if not is_out_of_memory(error) or config is None:
         return None
     where = "the GPU" if isinstance(error, torch_out_of_memory()) else "memory"
     return (f"out of {where} outside a training step's back-off ({str(error).strip().splitlines()[0][:160]}): lower "
@@ -217,9 +219,20 @@ def compose_detected(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     return compose(config_name="config", overrides=[*chosen, *kept])
 
 
-def config_digest(config: dict[str, Any]) -> str:
+def to_config(cfg: DictConfig) -> ONNConfig:
+    """The composed config as ONN's dataclasses (onn/config), every interpolation resolved. A key the
+    command line must give (`???`, such as data.source of data=text) is one sentence naming it."""
+    try:
+        return OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as e:
+        raise UserError(
+            f"{e.full_key} has no value: give it on the command line ({e.full_key}=...)."
+        ) from None
+
+
+def config_digest(config: ONNConfig) -> str:
     """Identifies what a job computes: its resolved config, less the paths that only say where it runs."""
-    relevant = {k: v for k, v in config.items() if k != "paths"}
+    relevant = {k: v for k, v in as_dict(config).items() if k != "paths"}
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -234,8 +247,8 @@ def finished(run_dir: Path, digest: str) -> dict[str, Any] | None:
     return None
 
 
-def _objective(cfg: DictConfig, metrics: dict[str, Any]) -> float | None:
-    key = cfg.get("sweep_objective")
+def _objective(key: str | None, metrics: dict[str, Any]) -> float | None:
+    """metrics[key] (the config's sweep_objective) for a sweeper; None without a key or a finished run."""
     if not key:
         return None
     value = metrics.get(key) if metrics.get("status") == "ok" else None
@@ -244,7 +257,7 @@ def _objective(cfg: DictConfig, metrics: dict[str, Any]) -> float | None:
     return float(value)
 
 
-def from_checkpoint(config: dict[str, Any], given: set[str]) -> tuple[Path, dict[str, str]]:
+def from_checkpoint(config: ONNConfig, given: set[str]) -> tuple[Path, dict[str, str]]:
     """`ckpt=...`: what comes from the checkpoint and what from the command line, as Lightning's and Hugging
     Face's users expect. The architecture (model, strategy) is the checkpoint's. The data is the command
     line's when it names any: `data=NAME` brings that data config (of the checkpoint's modality, or one
@@ -252,52 +265,52 @@ def from_checkpoint(config: dict[str, Any], given: set[str]) -> tuple[Path, dict
     data.source replaces the checkpoint's files (its val/test sources too). task=eval scores the whole of
     a data.source the command line gives (data.val_source to score another file). Returns the checkpoint
     and where each group came from."""
-    ckpt = resolve_checkpoint(config["ckpt"], config["paths"]["outputs"])
+    ckpt = resolve_checkpoint(config.ckpt, config.paths.outputs)
     saved = saved_config(ckpt)
     if not isinstance(saved.get("model"), dict):
         raise UserError(
             f"ckpt {ckpt} holds no ONN run config (written by another tool?); it cannot be rebuilt."
         )
-    saved_modality = saved.get("modality") or (saved.get("data") or {}).get("modality") or "text"
-    came = {}
-    for group in ("model", "strategy"):
-        ignored = sorted(k for k in given if k == group or k.startswith(group + "."))
-        if ignored:
-            log.warning("ckpt %s: the model and strategy are the checkpoint's; %s on the command line is not used", ckpt,
-                        ", ".join(ignored))  # fmt: skip
-        config[group] = saved[group]
-        came[group] = "checkpoint"
-    lightning = str(config["strategy"].get("lightning") or "auto")
-    if lightning.startswith(("fsdp", "deepspeed")) and config["task"]["name"] != "train":
+    modality = get(saved.get("modality") or (saved.get("data") or {}).get("modality") or "text")
+    ignored = sorted(k for k in given if k.split(".", 1)[0] in ("model", "strategy"))
+    if ignored:
+        log.warning("ckpt %s: the model and strategy are the checkpoint's; %s on the command line is not used", ckpt,
+                    ", ".join(ignored))  # fmt: skip
+    config.model = typed(modality.model_schema, saved["model"], f"ckpt {ckpt}: model")
+    config.strategy = typed(StrategyConfig, saved["strategy"], f"ckpt {ckpt}: strategy")
+    came = {"model": "checkpoint", "strategy": "checkpoint"}
+    if config.strategy.lightning.startswith(("fsdp", "deepspeed")) and config.task.name != "train":
         # where the weights were sharded while training is not part of the model: evaluating, inferring and
         # exporting run them whole, on whatever this machine has (Lightning refuses these strategies on a CPU)
-        config["strategy"] = {**config["strategy"], "lightning": "auto"}
-    data_keys = sorted(k for k in given if k.startswith("data."))
-    if "data" in given:
-        modality = config["data"].get("modality")
-        if modality != saved_modality:
-            raise UserError(
-                f"ckpt {ckpt} holds a model of {saved_modality} data, but data={config['data']['name']} is {modality} data: "
-                f"give {saved_modality} data, or leave data out to use the checkpoint's own."
-            )
-        came["data"] = "command line"
-    elif data_keys:
-        data = copy.deepcopy(saved["data"])
-        if "data.source" in given:
-            for key in ("val_source", "test_source"):
-                if key in data:
-                    data[key] = None  # the checkpoint's other files belong to its own data.source
-        for key in data_keys:
-            _set(data, key.split(".")[1:], _get(config["data"], key.split(".")[1:]))
-        config["data"] = data
-        came["data"] = f"checkpoint, with {', '.join(data_keys)} from the command line"
-    else:
-        config["data"] = saved["data"]
-        came["data"] = "checkpoint"
+        config.strategy.lightning = "auto"
+    came["data"] = _data_from_checkpoint(config, saved["data"], modality, ckpt, given)
     named = "data" in given or "data.source" in given
-    if config["task"]["name"] == "eval" and named and "data.val_source" not in given:
-        config["data"]["val_source"] = config["data"]["source"]  # eval scores the file it is given, all of it
+    if config.task.name == "eval" and named and "data.val_source" not in given:
+        config.data.val_source = config.data.source  # eval scores the file it is given, all of it
     return ckpt, came
+
+
+def _data_from_checkpoint(config: ONNConfig, saved: dict[str, Any], modality: Modality, ckpt: Path,
+                          given: set[str]) -> str:  # fmt: skip
+    """Set config.data from the checkpoint's data and the command line's; say where it came from."""
+    if "data" in given:
+        if config.data.modality != modality.name:
+            raise UserError(
+                f"ckpt {ckpt} holds a model of {modality.name} data, but data={config.data.name} is {config.data.modality} "
+                f"data: give {modality.name} data, or leave data out to use the checkpoint's own."
+            )
+        return "command line"
+    data_keys = sorted(k for k in given if k.startswith("data."))
+    data = copy.deepcopy(saved)
+    if "data.source" in given:
+        for key in ("val_source", "test_source"):
+            if key in data:
+                data[key] = None  # the checkpoint's other files belong to its own data.source
+    given_data = as_dict(config.data)
+    for key in data_keys:
+        _set(data, key.split(".")[1:], _get(given_data, key.split(".")[1:]))
+    config.data = typed(modality.data_schema, data, f"ckpt {ckpt}: data")
+    return f"checkpoint, with {', '.join(data_keys)} from the command line" if data_keys else "checkpoint"
 
 
 def _get(tree: dict[str, Any], path: list[str]) -> Any:
@@ -312,47 +325,44 @@ def _set(tree: dict[str, Any], path: list[str], value: Any) -> None:
     tree[path[-1]] = value
 
 
-def execute(config: dict[str, Any], run_dir: Path, given: set[str] | None = None) -> dict[str, Any]:
-    """The run itself, on a plain resolved config dict. `given`: the groups the command line set."""
-    name = config["task"]["name"]
+def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> dict[str, Any]:
+    """The run itself, on the typed, resolved config. `given`: the keys the command line set."""
+    name = config.task.name
     if name not in TASKS:
         raise UserError(f"task={name} is not one of {', '.join(sorted(TASKS))}.")
     task = TASKS[name]
     task.check(config)
-    for key in (
-        "outputs",
-        "cache",
-    ):  # a path under a file: one sentence now, not a traceback when first written
-        writable_folder(config["paths"][key], f"paths.{key}")
-    if config["export"]["name"] != "none":
-        check_export(config["export"])  # before hours of training end in a bad key
+    # a path under a file: one sentence now, not a traceback when first written
+    writable_folder(config.paths.outputs, "paths.outputs")
+    writable_folder(config.paths.cache, "paths.cache")
+    if config.export.name != "none":
+        check_export(config.export)  # before hours of training end in a bad key
     ckpt, came = None, {}
-    if config.get("ckpt"):
+    if config.ckpt:
         ckpt, came = from_checkpoint(config, given or set())
         log.info(
             "checkpoint %s: %s", ckpt, "; ".join(f"{group} from the {where}" for group, where in came.items())
         )
     run_dir.mkdir(parents=True, exist_ok=True)
-    out: dict[str, Any] = {"model": config["model"]["name"], "data": config["data"]["name"],
-                           "data_source": config["data"].get("source"), "checkpoint_used": str(ckpt) if ckpt else None,
-                           "from_checkpoint": came or None}  # fmt: skip
+    out: dict[str, Any] = {"model": config.model.name, "data": config.data.name, "data_source": config.data.source,
+                           "checkpoint_used": str(ckpt) if ckpt else None, "from_checkpoint": came or None}  # fmt: skip
     writes = is_rank_zero()  # in a multi-process run, rank 0 alone writes the run's files
     if not task.model:
         if writes:
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(as_dict(config), sort_keys=False))
         return {**out, **task.run(Job(config, run_dir, get("text")))}
-    modality = get(config["data"].get("modality") or "text")
+    modality = get(config.data.modality)
     if task.modalities is not None and modality.name not in task.modalities:
         raise UserError(
-            f"task={name} runs on {', '.join(sorted(task.modalities))} data, and data={config['data']['name']} is "
+            f"task={name} runs on {', '.join(sorted(task.modalities))} data, and data={config.data.name} is "
             f"{modality.name} data{'; for image classifiers use recipe=bench_vision' if name in ('bench', 'tune') else ''}."
         )
     if task.heavy:
-        check_optim(config["optim"])
-        check_trainer(config["trainer"], trains=task.trains)
+        check_optim(config.optim)
+        check_trainer(config.trainer, trains=task.trains)
     modality.check(config)
     if writes:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(as_dict(config), sort_keys=False))
     if task.heavy:
         # These tasks import them anyway; importing before planning lets the plan's CPU baseline
         # (the process's resident memory, measured) include them, as the measured peak will.
@@ -360,9 +370,7 @@ def execute(config: dict[str, Any], run_dir: Path, given: set[str] | None = None
         import peft  # noqa: F401
         import transformers  # noqa: F401
 
-    hardware = resolve_hardware(
-        config["hardware"], Path(config["paths"]["cache"]), Path(config["paths"]["outputs"])
-    )
+    hardware = resolve_hardware(config.hardware, Path(config.paths.cache), Path(config.paths.outputs))
     if hardware.get("gpus_hidden"):
         print(f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} hides every GPU: planning and running on the CPU.",
               flush=True)  # fmt: skip
@@ -373,7 +381,7 @@ def execute(config: dict[str, Any], run_dir: Path, given: set[str] | None = None
         print(render(plan), flush=True)
     if task.heavy:
         use_threads(plan)  # torch's threads on the cores other processes leave free
-        if hardware["accelerator"] == "cuda" and hardware.get("budget_mb"):
+        if hardware["accelerator"] == "cuda" and config.hardware.budget_mb:
             cap_gpu_memory(plan["budget_mb"] - plan["context_mb"])  # a smaller card, held to for real
     # On CPUs the measured peak is the process's resident memory, which includes its baseline.
     predicted = plan["predicted_peak_memory_mb"] + (

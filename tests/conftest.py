@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from onn.config import register
+from onn.config import ONNConfig, register
 
 register()  # the config schema, as run.py registers it before Hydra composes
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,15 +27,16 @@ hydra:
 """
 
 
-def compose(*overrides: str, root: Path | None = None) -> dict:
-    """The resolved config `python run.py OVERRIDES` would get (paths.root set, since no Hydra run exists)."""
+def compose(*overrides: str, root: Path | None = None) -> ONNConfig:
+    """The typed config `python run.py OVERRIDES` would get (paths.root set, since no Hydra run exists)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
+
+    from onn.app import to_config
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = hydra_compose("config", overrides=[f"paths.root={root or ROOT}", *overrides])
-    return OmegaConf.to_container(cfg, resolve=True)
+    return to_config(cfg)
 
 
 def run_cli(

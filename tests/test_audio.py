@@ -5,6 +5,7 @@ recordings split by speaker when the shared data is there."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -14,6 +15,8 @@ import pytest
 import torch
 from conftest import SHARED_DATA, compose
 
+from onn.config import as_dict
+from onn.config.data import AudioAugment
 from onn.errors import UserError
 
 FSDD = SHARED_DATA / "fsdd" / "recordings"
@@ -154,13 +157,13 @@ def test_bad_audio_files_are_skipped_counted_and_named(tmp_path, caplog):
     for name, why in expected.items():
         with pytest.raises(BadFile, match=why):
             load(str(data / name), fit)
-    cfg = compose("data=audio", "data.label_from='^([a-z]+)_'")["data"]
+    cfg = compose("data=audio", "data.label_from='^([a-z]+)_'").data
     with pytest.raises(
         UserError, match=r"4 of 34 audio files could not be decoded \(first: high_ann_92.flac: an empty file"
     ):
         READER.read(str(data), cfg, fit)
     with caplog.at_level(logging.WARNING, logger="onn"):
-        decoded, seconds = READER.read(str(data), {**cfg, "max_bad_fraction": 0.2}, fit)
+        decoded, seconds = READER.read(str(data), dataclasses.replace(cfg, max_bad_fraction=0.2), fit)
     assert len(decoded["all"].labels) == 30 and len(decoded["all"].skipped) == 4
     assert (
         "mid_ann_93.m4a: no audio stream" in caplog.text and "low_ann_94.xyz" in caplog.text
@@ -173,26 +176,22 @@ def test_settings_that_make_no_sense_name_their_key():
     audio = get("audio")
     for override, key in (("data.sample_rate=0", "data.sample_rate"), ("data.clip_seconds=-1", "data.clip_seconds"),
                           ("data.features.n_fft=0", "data.features.n_fft"), ("data.features.f_max=99999", "f_max"),
-                          ("data.augment.freq_warp=2", "data.augment.freq_warp"), ("+data.augment.pitch=1", "data.augment.pitch"),
+                          ("data.augment.freq_warp=2", "data.augment.freq_warp"),
                           ("model=video_r3d_18", "does not take spectrograms")):  # fmt: skip
         with pytest.raises(UserError, match=key):
             audio.check(compose("data=audio", "model=audio_cnn", override))
+    with pytest.raises(Exception, match="data.augment.pitch"):  # no such key: Hydra refuses it when composing
+        compose("data=audio", "model=audio_cnn", "data.augment.pitch=1")
 
 
 def test_log_mels_on_the_device_augment_training_batches_only():
     from onn.modalities.audio.features import LogMel, feature_settings
 
-    cfg = compose("data=fsdd")["data"]
+    cfg = compose("data=fsdd").data
     settings = feature_settings(cfg)
-    augment = {
-        "gain_db": 6,
-        "shift_seconds": 0.1,
-        "freq_warp": 0.1,
-        "time_warp": 0.1,
-        "freq_mask": 4,
-        "time_mask": 10,
-        "masks": 2,
-    }
+    augment = AudioAugment(
+        gain_db=6, shift_seconds=0.1, freq_warp=0.1, time_warp=0.1, freq_mask=4, time_mask=10, masks=2
+    )
     transform = LogMel(settings, augment)
     waves = torch.from_numpy(np.stack([tone(f, 1.0).T for f in (300, 700, 1500, 2500)])).to(torch.float16)
     waves[3] *= 0.01  # a quiet one: its floor is its own, not the batch's loudest
@@ -280,9 +279,9 @@ def test_recipes_compose_check_and_plan(recipe, modality, shape):
     from onn.modalities import get
 
     cfg = compose(f"recipe={recipe}", "hardware=cpu_16gb")
-    m = get(cfg["data"]["modality"])
+    m = get(cfg.data.modality)
     m.check(cfg)
-    plan, spec = m.plan(cfg, {**cfg["hardware"], "source": "preset"})
+    plan, spec = m.plan(cfg, {**as_dict(cfg.hardware), "source": "preset"})
     assert m.name == modality and m.planned_inputs(cfg)["input_shape"] == shape
     assert (
         plan["strategy"] == "full" and spec.kind == "network" and spec.sample_flops > 0 and spec.n_blocks >= 3
@@ -325,8 +324,8 @@ def test_truncation_ends_each_recording_early_and_keeps_its_start():
     """data.augment.truncate: each training recording loses up to that fraction of its end to silence."""
     from onn.modalities.audio.features import LogMel, feature_settings
 
-    settings = feature_settings(compose("data=fsdd")["data"])
-    transform = LogMel(settings, {"truncate": 0.5})
+    settings = feature_settings(compose("data=fsdd").data)
+    transform = LogMel(settings, AudioAugment(truncate=0.5))
     waves = torch.zeros(64, 1, 8000)
     waves[:, :, 1000:5000] = torch.from_numpy(tone(440.0, 0.5).T)  # 4,000 samples of sound, silence around
     torch.manual_seed(0)

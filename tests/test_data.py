@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from conftest import compose
 
 from onn.errors import UserError
 from onn.modalities.text import builtin as math_data
@@ -59,11 +60,9 @@ def test_bad_inputs_name_file_and_line(tmp_path):
         read_records(empty)
     with pytest.raises(UserError, match="does not exist"):
         read_records(tmp_path / "nope.jsonl")
-    mapping = {
-        "fields": {"input": "question", "output": "answer"},
-        "template": "{prompt}",
-        "chat_template": "auto",
-    }
+    mapping = compose(
+        "data=text", "data.source=f.jsonl", "data.fields.input=question", "data.fields.output=answer"
+    ).data
     records = Records(
         [{"question": "x", "answer": "1"}, {"question": "y"}], ["f.jsonl line 1", "f.jsonl line 2"]
     )
@@ -89,7 +88,7 @@ def test_builtin_math_is_exact_and_deterministic():
             x, op, y = q.removeprefix("What is ").rstrip("?").split()
             assert int(r["output"]) == {"+": int(x) + int(y), "-": int(x) - int(y), "*": int(x) * int(y)}[op]
     train, val = load_splits(
-        {"source": "builtin:math", "builtin": {"train_size": 50, "val_size": 10}}, seed=0
+        compose("data=math", "data.builtin.train_size=50", "data.builtin.val_size=10").data, seed=0
     )
     assert len(train) == 50 and len(val) == 10
 

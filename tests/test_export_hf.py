@@ -31,7 +31,7 @@ def build_model(tmp: Path, *overrides: str):
     from onn.planning.spec import model_spec
 
     cfg = compose("model=llama_tiny", "hardware=cpu_16gb", "tracking=none", *overrides, root=tmp)
-    plan = make_plan(cfg, resolve(cfg["hardware"], tmp / "cache", tmp), model_spec(cfg["model"], 8))
+    plan = make_plan(cfg, resolve(cfg.hardware, tmp / "cache", tmp), model_spec(cfg.model, 8))
     module, tokenizer = build(cfg, plan)
     g = torch.Generator().manual_seed(1)
     for name, p in module.model.named_parameters():
@@ -224,7 +224,7 @@ def test_adapter_round_trips_through_peft(resident, tmp_path):
     assert {"adapter_config.json", "adapter_model.safetensors"} <= files and out[
         "export/adapter_files"
     ] == len(files)
-    base, _ = load(cfg["model"])  # the same random base, rebuilt from the model config
+    base, _ = load(cfg.model)  # the same random base, rebuilt from the model config
     loaded = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
     inputs = batch(tokenizer)
     with torch.no_grad():

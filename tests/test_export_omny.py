@@ -358,10 +358,13 @@ def test_awkward_graphs_still_split_where_the_document_says(tmp_path):
 
 
 def test_bad_export_settings_fail_before_anything_loads():
+    from dataclasses import replace
+
+    from conftest import compose
+
     from onn.export import check_settings
 
-    base = {"name": "omny", "opset": 18, "atol": 1e-4, "max_shard_size_mb": 1200, "min_vram_mb": 1500, "headroom_mb": 256,
-            "nodes": None, "shard_counts": None, "max_configs": 8, "reference_sequence_length": 128}  # fmt: skip
+    base = compose("export=omny").export
     check_settings(base)
     for key, value, message in [
         ("nodes", 2048, r"export.nodes=2048: give a list of positive numbers"),
@@ -370,4 +373,4 @@ def test_bad_export_settings_fail_before_anything_loads():
         ("max_configs", 2.7, r"export.max_configs=2.7: give a whole number 1 or more"),
     ]:
         with pytest.raises(UserError, match=message):
-            check_settings({**base, key: value})
+            check_settings(replace(base, **{key: value}))  # past Hydra's type checks, as Python may

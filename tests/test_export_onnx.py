@@ -52,11 +52,14 @@ def build(name: str):
         )
         return tf.LlamaForCausalLM(config).eval()
     if name == "phi4_tiny":
+        from onn.config import typed
+        from onn.config.model import LanguageModelConfig
         from onn.models.load import architecture
 
-        cfg = yaml.safe_load((ROOT / "conf" / "model" / "phi4_tiny.yaml").read_text())
-        cfg["architecture"]["num_hidden_layers"] = 2
-        return tf.Phi3ForCausalLM(architecture(cfg)).eval()
+        values = yaml.safe_load((ROOT / "conf" / "model" / "phi4_tiny.yaml").read_text())
+        values.pop("defaults")  # the schema it names: LanguageModelConfig
+        values["architecture"]["num_hidden_layers"] = 2
+        return tf.Phi3ForCausalLM(architecture(typed(LanguageModelConfig, values, "phi4_tiny"))).eval()
     if name == "gpt2":
         config = tf.GPT2Config(
             vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=127, eos_token_id=127

@@ -5,6 +5,7 @@ a half-written block, and the plan is honest about budgets, disk space and busy 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import lightning as L
@@ -18,7 +19,7 @@ from onn.models.layers import discover
 from onn.streaming.engine import StreamingEngine
 from onn.streaming.store import LayerStore
 
-OPTIM = compose("optim.lr=1e-3", "optim.schedule=constant", "optim.warmup_steps=0")["optim"]
+OPTIM = compose("optim.lr=1e-3", "optim.schedule=constant", "optim.warmup_steps=0").optim
 
 
 def held_out(batches: int = 4, rows: int = 3, seed: int = 5) -> list[dict[str, torch.Tensor]]:
@@ -117,12 +118,9 @@ def test_cached_blocks_spread_first_over_the_blocks_read_twice():
 def test_killed_build_resumes_and_never_uses_a_half_written_block(tmp_path, monkeypatch):
     from onn.streaming.loader import load_into_store
 
-    source = {
-        "name": "t",
-        "source": "random",
-        "tokenizer": "byte",
-        "architecture": {"model_type": "phi3", **ARCH["phi3"]},
-    }
+    arch = {"model_type": "phi3", **ARCH["phi3"]}
+    source = compose("model=llama_tiny").model
+    source = dataclasses.replace(source, name="t", architecture=arch)
     clean = LayerStore("disk", "float32", folder=tmp_path / "clean")
     model, _ = load_into_store(source, torch.float32, None, clean)
     want = StreamingEngine(model, discover(model), clean, 3)
@@ -161,8 +159,8 @@ def plan(*overrides, tmp_path, **hw_changes):
     from onn.planning.spec import model_spec
 
     cfg = compose(*overrides, root=tmp_path)
-    hw = {**resolve(cfg["hardware"], tmp_path, tmp_path), **hw_changes}
-    return make_plan(cfg, hw, model_spec(cfg["model"], 8), use_tuned=False)
+    hw = {**resolve(cfg.hardware, tmp_path, tmp_path), **hw_changes}
+    return make_plan(cfg, hw, model_spec(cfg.model, 8), use_tuned=False)
 
 
 def test_plan_never_fits_over_budget_and_names_the_smallest_budget(tmp_path):
@@ -284,7 +282,7 @@ def test_a_gguf_file_loads_block_by_block_into_the_store(tmp_path):
     from onn.models.load import load
     from onn.streaming.loader import load_into_store
 
-    source = {"name": "smollm2", "source": str(SMOLLM)}
+    source = compose("model=smollm2_135m", f"model.source={SMOLLM}").model
     store = LayerStore("disk", "float32", folder=tmp_path / "store")
     model, tokenizer = load_into_store(source, torch.float32, tmp_path, store)
     assert store.rebuilt == list(range(30)) and not (tmp_path / "gguf").exists()  # nothing converted whole
@@ -310,7 +308,7 @@ def test_large_models_time_copies_of_one_and_two_of_their_own_blocks(tmp_path):
     from onn.modalities.text.calibrate import block_times
 
     cfg = compose("model=llama_tiny", "strategy=sparse_lora", f"paths.cache={tmp_path}", root=tmp_path)
-    hw = resolve(cfg["hardware"], tmp_path, tmp_path)
+    hw = resolve(cfg.hardware, tmp_path, tmp_path)
     planned, _ = get("text").plan(cfg, hw)
     costs = block_times(cfg, planned, hw, 16, 2, 1, large=True)
     assert set(costs) == {"lora", "frozen", "below", "rest"} and costs["lora"] > 0

@@ -3,6 +3,7 @@ check, with `python run.py recipe=bench_gpu`); the others catch, on any machine,
 a GPU."""
 
 import copy
+import dataclasses
 import os
 
 import pytest
@@ -48,27 +49,24 @@ def test_a_gpu_plan_streams_phi4_from_pinned_host_memory_within_the_budget():
     from onn.planning.spec import model_spec
 
     cfg = compose("recipe=bench_gpu")
-    hw = resolve({**cfg["hardware"], **H200}, "/tmp", "/tmp")
-    plan = make_plan(cfg, hw, model_spec(cfg["model"], 16), use_tuned=False)
+    hw = resolve(dataclasses.replace(cfg.hardware, **H200), "/tmp", "/tmp")
+    plan = make_plan(cfg, hw, model_spec(cfg.model, 16), use_tuned=False)
     s = plan["streaming"]
     assert (s["store"], s["store_dtype"], s["edges"]) == ("cpu", "int8", "stream")
     assert (
         plan["predicted_peak_memory_mb"] + plan["context_mb"] <= 4096
         and plan["context_mb"] == H200["cuda_context_mb"]
     )
-    smaller = make_plan(
-        compose("recipe=bench_gpu", "strategy.micro_batch=64"), hw, model_spec(cfg["model"], 16)
-    )
+    smaller = make_plan(compose("recipe=bench_gpu", "strategy.micro_batch=64"), hw, model_spec(cfg.model, 16))
     assert smaller["predicted_peak_memory_mb"] <= 1536 < plan["predicted_peak_memory_mb"]
     assert s["predicted_h2d_gb"] > 20 and s["predicted_io_s"] == pytest.approx(
         s["predicted_h2d_gb"] * 1024 / 50_000, rel=0.1
     )
-    small = resolve(
-        {**cfg["hardware"], **H200, "host_memory_mb": 16_000, "host_memory_available_mb": 12_000},
-        "/tmp",
-        "/tmp",
+    small_host = dataclasses.replace(
+        cfg.hardware, **{**H200, "host_memory_mb": 16_000, "host_memory_available_mb": 12_000}
     )
-    s = make_plan(cfg, small, model_spec(cfg["model"], 16), use_tuned=False)["streaming"]
+    small = resolve(small_host, "/tmp", "/tmp")
+    s = make_plan(cfg, small, model_spec(cfg.model, 16), use_tuned=False)["streaming"]
     assert s["store"] == "disk" and 0 < s["cache_blocks"] < 40
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import SHARED_DATA, compose
 
+from onn.config import as_dict
 from onn.errors import UserError
 from onn.modalities.mesh.primitives import CLASSES, write_primitives
 from onn.modalities.mesh.read import Sampling, decode, read_source
@@ -139,30 +140,32 @@ def test_layouts_splits_and_loose_files(shapes, tmp_path):
 
 
 def test_point_augment_turns_about_the_up_axis_only_in_training():
+    from onn.config.data import MeshAugment
     from onn.modalities.mesh.augment import PointAugment
 
     points = torch.randn(4, 100, 6)
-    augment = PointAugment({"rotate": "up", "up_axis": "z", "scale": None, "jitter": 0.0})
+    augment = PointAugment(MeshAugment(rotate="up", up_axis="z", scale=None, jitter=0.0))
     out = augment(points, train=True, generator=torch.Generator().manual_seed(0))
     # z stays
     assert torch.allclose(out[..., 2], points[..., 2]) and torch.allclose(out[..., 5], points[..., 5])
     assert torch.allclose(out[..., :2].norm(dim=-1), points[..., :2].norm(dim=-1), atol=1e-5)  # a turn
     assert not torch.allclose(out[..., :2], points[..., :2])
     assert torch.equal(augment(points, train=False), points)
-    scaled = PointAugment({"scale": [2.0, 2.0]})(points, train=True)
+    scaled = PointAugment(MeshAugment(scale=[2.0, 2.0]))(points, train=True)
     assert torch.allclose(scaled[..., :3], 2 * points[..., :3]) and torch.equal(
         scaled[..., 3:], points[..., 3:]
     )
-    turned = PointAugment({"rotate": "any"})(points, train=True)
+    turned = PointAugment(MeshAugment(rotate="any"))(points, train=True)
     assert torch.allclose(turned[..., :3].norm(dim=-1), points[..., :3].norm(dim=-1), atol=1e-5)
     gram = turned[0, :, :3].T @ turned[0, :, :3]  # a rotation keeps the points' Gram matrix's spectrum
     assert torch.allclose(
         torch.linalg.eigvalsh(gram), torch.linalg.eigvalsh(points[0, :, :3].T @ points[0, :, :3]), rtol=1e-4
     )
+    assert torch.equal(PointAugment(None)(points, train=True), points)  # data.augment=null: none
     with pytest.raises(UserError, match="up_axis"):
-        PointAugment({"up_axis": "w"})
-    with pytest.raises(UserError, match="not a point-cloud augmentation setting"):
-        PointAugment({"hflip": 0.5})
+        PointAugment(MeshAugment(up_axis="w"))
+    with pytest.raises(UserError, match="data.augment.scale"):
+        PointAugment(MeshAugment(scale=[2.0, 1.0]))
 
 
 def test_pointnet_ignores_the_order_of_points():
@@ -182,8 +185,8 @@ def test_data_auto_recognises_meshes_and_the_recipe_plans(shapes):
     assert modality.name == "mesh" and "36 mesh files" in reason
     assert detect("builtin:primitives")[0].name == "mesh"
     cfg = compose("recipe=mesh_primitives", "hardware=cpu_16gb")
-    assert cfg["data"]["modality"] == "mesh" and cfg["data"]["source"] == "builtin:primitives"
-    plan, spec = get("mesh").plan(cfg, {**cfg["hardware"], "source": "preset"})
+    assert cfg.data.modality == "mesh" and cfg.data.source == "builtin:primitives"
+    plan, spec = get("mesh").plan(cfg, {**as_dict(cfg.hardware), "source": "preset"})
     assert plan["strategy"] == "full" and spec.n_blocks == 3 and spec.sample_flops > 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -19,7 +20,8 @@ def test_every_modality_names_configs_that_exist():
     for modality in REGISTRY.values():
         assert (ROOT / "conf" / "data" / f"{modality.default_data}.yaml").is_file(), modality
         assert (ROOT / "conf" / "model" / f"{modality.default_model}.yaml").is_file(), modality
-        assert compose(f"data={modality.default_data}")["data"]["modality"] == modality.name
+        data = compose(f"data={modality.default_data}", "data.source=/nowhere").data
+        assert data.modality == modality.name and isinstance(data, modality.data_schema)
 
 
 def image_folder(root: Path) -> Path:
@@ -89,12 +91,11 @@ class Echo(Modality):
 
         with torch.device("meta"):
             spec = network_spec(torch.nn.Linear(4, 2), torch.empty(1, 4), "echo", pretrained=False)
-        return make_network_plan(
-            {**config, "strategy": {**config["strategy"], "name": "full"}}, hardware, spec
-        ), spec
+        full = dataclasses.replace(config, strategy=dataclasses.replace(config.strategy, name="full"))
+        return make_network_plan(full, hardware, spec), spec
 
     def train(self, job: Job) -> dict:
-        return {"echo/task": job.config["task"]["name"], "echo/run_dir": str(job.run_dir)}
+        return {"echo/task": job.config.task.name, "echo/run_dir": str(job.run_dir)}
 
 
 def test_a_new_modality_needs_only_registering(tmp_path):
@@ -111,7 +112,7 @@ def test_a_new_modality_needs_only_registering(tmp_path):
         metrics = execute(config, tmp_path / "run")
         assert metrics["modality"] == "echo" and metrics["echo/task"] == "train"
         with pytest.raises(UserError, match="task=infer is not available for echo data"):
-            execute({**config, "task": compose("task=infer")["task"]}, tmp_path / "infer")
+            execute(dataclasses.replace(config, task=compose("task=infer").task), tmp_path / "infer")
     finally:
         REGISTRY.pop("echo")
     with pytest.raises(UserError, match="data.modality='echo' is not one of"):

@@ -1,10 +1,12 @@
 """Model sources: offline only, safetensors only, and one clear error for each bad input."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
+from onn.config.model import LanguageModelConfig
 from onn.errors import UserError
 from onn.models.load import load, meta_model, source_kind
 from onn.models.tokenizer import byte_tokenizer
@@ -12,6 +14,18 @@ from onn.models.tokenizer import byte_tokenizer
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
          "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}  # fmt: skip
+
+
+def language_model(**keys) -> LanguageModelConfig:
+    """A model config with these keys, the rest as conf/model's language models leave them."""
+    unset = {
+        "tokenizer": None,
+        "dtype": "auto",
+        "trust_remote_code": False,
+        "layer_map": None,
+        "architecture": None,
+    }
+    return LanguageModelConfig(**{"name": "x", "source": "random", **unset, **keys})
 
 
 def test_byte_tokenizer_round_trips_any_text():
@@ -23,26 +37,26 @@ def test_byte_tokenizer_round_trips_any_text():
 def test_random_and_safetensors_sources(tmp_path):
     from safetensors.torch import save_file
 
-    cfg = {"name": "t", "source": "random", "tokenizer": "byte", "architecture": LLAMA}
+    cfg = language_model(name="t", source="random", tokenizer="byte", architecture=LLAMA)
     model, tok = load(cfg)
     path = tmp_path / "w.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
-    again, _ = load({**cfg, "source": str(path)})
+    again, _ = load(dataclasses.replace(cfg, source=str(path)))
     ids = torch.tensor([[1, 2, 3]])
     assert torch.allclose(model(ids).logits, again(ids).logits)
     truncated = tmp_path / "cut.safetensors"
     truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(UserError, match="truncated or corrupt"):
-        load({**cfg, "source": str(truncated)})
+        load(dataclasses.replace(cfg, source=str(truncated)))
 
 
 def test_python_builder_source(tmp_path):
     (tmp_path / "mine.py").write_text(
         "import torch.nn as nn\n"
-        "def build(width=8):\n"
+        "def build(width=4):\n"
         "    return nn.Sequential(nn.Embedding(10, width), *[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(3)], nn.Linear(width, 10))\n"
     )
-    model = meta_model({"name": "mine", "source": f"{tmp_path}/mine.py:build", "kwargs": {"width": 4}})
+    model = meta_model(language_model(name="mine", source=f"{tmp_path}/mine.py:build"))
     assert next(model.parameters()).is_meta and model[0].embedding_dim == 4
 
 
@@ -56,11 +70,11 @@ def test_refusals(tmp_path, monkeypatch):
     (folder / "config.json").write_text("{}")
     (folder / "pytorch_model.bin").write_bytes(b"\x80\x04")
     with pytest.raises(UserError, match="only pickle weights"):
-        load({"name": "x", "source": str(folder)})
+        load(language_model(source=str(folder)))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UserError, match="not in the local Hugging Face cache.*huggingface-cli download"):
-        load({"name": "x", "source": "someorg/not-downloaded"})
+        load(language_model(source="someorg/not-downloaded"))
     with pytest.raises(UserError, match="does not exist"):
         source_kind(str(tmp_path / "missing.gguf"))
 
@@ -79,7 +93,7 @@ def test_truncated_gguf_is_refused(tmp_path):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(path.read_bytes()[: path.stat().st_size - 1000])
     with pytest.raises(UserError, match="truncated|not a readable GGUF"):
-        load({"name": "x", "source": str(cut)})
+        load(language_model(source=str(cut)))
 
 
 SMOLLM = Path.home() / ".cache/onn/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -92,7 +106,7 @@ SMOLLM = Path.home() / ".cache/onn/models/smollm2-135m-instruct/SmolLM2-135M-Ins
 def test_real_gguf_smollm2():
     from onn.models.layers import discover
 
-    model, tok = load({"name": "smollm2_135m", "source": str(SMOLLM)})
+    model, tok = load(language_model(name="smollm2_135m", source=str(SMOLLM)))
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     assert len(discover(model)) == 30
     ids = tok("What is 2 + 2?", return_tensors="pt")

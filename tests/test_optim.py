@@ -29,7 +29,7 @@ class _Trainer:  # what configure_optimizers reads from Lightning's Trainer
 
 
 def test_sgd_momentum_and_nesterov_reach_every_module():
-    optim = compose("optim.name=sgd", "optim.momentum=0.5", "optim.nesterov=true")["optim"]
+    optim = compose("optim.name=sgd", "optim.momentum=0.5", "optim.nesterov=true").optim
     lm = language_model(optim).configure_optimizers()["optimizer"]
     module = classifier(optim, "val/acc")
     module.trainer = _Trainer()
@@ -43,7 +43,7 @@ def test_sgd_momentum_and_nesterov_reach_every_module():
 
 @pytest.mark.parametrize("monitor, mode", [("val/loss", "min"), ("val/acc", "max")])
 def test_plateau_schedule_watches_task_monitor(monitor, mode):
-    optim = compose("optim.schedule=plateau")["optim"]
+    optim = compose("optim.schedule=plateau").optim
     module = classifier(optim, monitor)
     module.trainer = _Trainer()
     schedule = module.configure_optimizers()["lr_scheduler"]
@@ -51,7 +51,7 @@ def test_plateau_schedule_watches_task_monitor(monitor, mode):
 
 
 def test_warmup_longer_than_the_run_is_clamped_to_it():
-    optim = compose("optim.schedule=linear", "optim.warmup_steps=100", "optim.lr=0.1")["optim"]
+    optim = compose("optim.schedule=linear", "optim.warmup_steps=100", "optim.lr=0.1").optim
     scheduler = language_model(optim, max_steps=10).configure_optimizers()["lr_scheduler"]["scheduler"]
     rates = []
     for _ in range(10):
@@ -70,11 +70,11 @@ def test_warmup_longer_than_the_run_is_clamped_to_it():
 )  # fmt: skip
 def test_bad_optim_settings_are_one_sentence(override, message):
     with pytest.raises(UserError, match=message.replace("[", r"\[")):
-        check(compose(override)["optim"])
+        check(compose(override).optim)
 
 
 def test_per_epoch_schedules_refuse_a_run_without_epochs():
-    optim = compose("optim.schedule=step")["optim"]
+    optim = compose("optim.schedule=step").optim
     optimizer = make_optimizer([torch.nn.Parameter(torch.zeros(1))], optim)
     with pytest.raises(UserError, match="without epochs"):
         make_schedule(optimizer, optim, 10, "val/loss", epochs=False)

@@ -36,12 +36,12 @@ def test_optuna_lr_recipe_is_an_optuna_lr_search():
     params = sweeper["params"]
     assert params["optim.lr"] == "tag(log, interval(1e-4, 3e-2))"
     job = compose("recipe=optuna_lr")  # what each trial starts from, before the sweeper's overrides
-    assert job["trainer"]["max_steps"] == job["trainer"]["val_check_interval"] == 30
-    assert job["task"]["exact_match_samples"] == 0
+    assert job.trainer.max_steps == job.trainer.val_check_interval == 30
+    assert job.task.exact_match_samples == 0
     assert (
-        job["sweep_objective"] == "val/loss_final" and job["optim"]["warmup_steps"] == 5
+        job.sweep_objective == "val/loss_final" and job.optim.warmup_steps == 5
     )  # the recipe wins over root keys
-    assert (job["model"]["name"], job["data"]["name"], job["task"]["name"]) == ("phi4_tiny", "math", "train")
+    assert (job.model.name, job.data.name, job.task.name) == ("phi4_tiny", "math", "train")
 
 
 def test_optuna_sweeper_parses_the_lr_search_space():

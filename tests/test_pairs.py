@@ -154,9 +154,8 @@ def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
 def test_image_text_pairs_half_orphaned_train_to_5x_chance_then_infer_eval_export(tmp_path, capsys, caplog):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
 
-    from onn.app import compose_detected, execute
+    from onn.app import compose_detected, execute, to_config
     from onn.config import register
 
     folder = write_shapes(tmp_path / "pairs", 450, seed=0, size=24)
@@ -182,7 +181,7 @@ def test_image_text_pairs_half_orphaned_train_to_5x_chance_then_infer_eval_expor
     )
     assert "data=pairs model=dual_encoder" in said
     run_dir = tmp_path / "train"
-    metrics = execute(OmegaConf.to_container(cfg, resolve=True), run_dir)
+    metrics = execute(to_config(cfg), run_dir)
 
     assert metrics["modality"] == "pairs" and metrics["pairs/modalities"] == ["image", "text"]
     assert (

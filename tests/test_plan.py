@@ -10,8 +10,8 @@ from onn.planning.spec import model_spec
 
 def plan_for(*overrides, tmp_path):
     cfg = compose(*overrides, root=tmp_path)
-    hw = resolve(cfg["hardware"], tmp_path / "cache", tmp_path)
-    spec = model_spec(cfg["model"], cfg["strategy"]["lora"]["r"])
+    hw = resolve(cfg.hardware, tmp_path / "cache", tmp_path)
+    spec = model_spec(cfg.model, cfg.strategy.lora.r)
     return make_plan(cfg, hw, spec), spec
 
 
@@ -62,9 +62,9 @@ def test_memory_grows_with_micro_batch_and_breakdown_adds_up(tmp_path):
 
 def test_measured_profile_is_cached(tmp_path):
     # its own cache folder, not the session's (conftest): this profile is measured here
-    auto = compose("hardware=auto", "hardware.disk_probe_mb=16", f"hardware.cache={tmp_path / 'hardware'}")[
-        "hardware"
-    ]
+    auto = compose(
+        "hardware=auto", "hardware.disk_probe_mb=16", f"hardware.cache={tmp_path / 'hardware'}"
+    ).hardware
     first = resolve(auto, tmp_path / "cache", tmp_path)
     assert first["source"] == "measured" and first["matmul_tflops"] > 0 and first["disk_read_mb_s"] > 0
     assert first["accelerator"] in ("cpu", "cuda", "mps") and first["cpu_cores"] >= 1

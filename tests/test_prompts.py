@@ -3,12 +3,14 @@ field of a record reachable from a template, empty completions reported, GSM8K a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 from conftest import compose
 
+from onn.config.data import TextData, TextFields
 from onn.errors import UserError
 from onn.modalities.text import generate
 from onn.modalities.text.formats import Records, read_records
@@ -20,7 +22,17 @@ CHAT = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-AUTO = {"fields": {"input": "auto", "output": "auto"}, "template": "{prompt}", "chat_template": "auto"}
+TEXT = compose(
+    "data=text", "data.source=unused.jsonl"
+).data  # fields auto, template {prompt}, chat_template auto
+
+
+def text_data(prompt: str = "auto", answer: str = "auto", **keys) -> TextData:
+    """data=text with these data.fields (and other keys)."""
+    return dataclasses.replace(TEXT, fields=TextFields(input=prompt, output=answer), **keys)
+
+
+AUTO = text_data()
 
 
 def chat_tokenizer():
@@ -106,7 +118,7 @@ def test_an_alpaca_file_is_mapped_by_itself_and_said(tmp_path, cache):
 
 def test_a_mapping_onto_mostly_empty_prompts_is_refused_naming_the_other_fields(tmp_path):
     records = read_records(alpaca(tmp_path / "a.json"))
-    wrong = {**AUTO, "fields": {"input": "input", "output": "output"}}  # what the old defaults did silently
+    wrong = text_data("input", "output")  # what the old defaults did silently
     with pytest.raises(
         UserError, match=r"the prompt \(input\) is empty in 67% .*other text fields are \['instruction'\]"
     ):
@@ -115,11 +127,7 @@ def test_a_mapping_onto_mostly_empty_prompts_is_refused_naming_the_other_fields(
 
 def test_a_template_reaches_every_field_and_a_typed_newline_is_a_newline(tmp_path):
     records = read_records(alpaca(tmp_path / "a.json"))
-    cfg = {
-        **AUTO,
-        "fields": {"input": "instruction", "output": "output"},
-        "template": r"{instruction}\nInput: {input}\n{prompt}",
-    }
+    cfg = text_data("instruction", "output", template=r"{instruction}\nInput: {input}\n{prompt}")
     prompt, _ = Prompter(cfg, byte_tokenizer()).examples(records)[0]
     assert (
         prompt == "Add 0 and 1.\nInput: Show the sum of 0 + 1.\nAdd 0 and 1."
@@ -127,16 +135,12 @@ def test_a_template_reaches_every_field_and_a_typed_newline_is_a_newline(tmp_pat
     nested = Records(
         [{"seed": {"instruction": "Name a colour.", "answer": {"text": "red"}}}], ["seeds.jsonl line 1"]
     )
-    cfg = {
-        **AUTO,
-        "fields": {"input": "seed.instruction", "output": "seed.answer.text"},
-        "template": "Q: {seed.instruction}",
-    }
+    cfg = text_data("seed.instruction", "seed.answer.text", template="Q: {seed.instruction}")
     assert Prompter(cfg, byte_tokenizer()).examples(nested) == [("Q: Name a colour.", "red")]
     with pytest.raises(
         UserError, match=r"data.template names the field \{context\}, which seeds.jsonl line 1 does not have"
     ):
-        Prompter({**cfg, "template": "{context}"}, byte_tokenizer()).examples(nested)
+        Prompter(dataclasses.replace(cfg, template="{context}"), byte_tokenizer()).examples(nested)
 
 
 def test_chat_layouts_are_recognised():

@@ -3,6 +3,7 @@ correctly or ends in one sentence. tests/hostile_corpus.py runs the same kinds t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -29,7 +30,9 @@ from onn.modalities.text.prompts import Prompter
 from onn.models.tokenizer import byte_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-FIELDS = {"fields": {"input": "auto", "output": "auto"}, "template": "{prompt}", "chat_template": "auto"}
+FIELDS = compose(
+    "data=text", "data.source=unused.jsonl"
+).data  # fields auto, template {prompt}, chat_template auto
 
 
 @pytest.fixture(scope="module")
@@ -211,24 +214,24 @@ def test_weights_of_the_wrong_shape_or_truncated(tmp_path, cache):
 
     from onn.models.load import load
 
-    cfg = compose("model=llama_tiny")["model"]
+    cfg = compose("model=llama_tiny").model
     state = load(cfg)[0].state_dict()
     save_file(
         {k: torch.zeros([max(1, v.shape[0] - 1), *v.shape[1:]]) for k, v in state.items()},
         str(tmp_path / "w.safetensors"),
     )
     with pytest.raises(UserError, match=r"w.safetensors does not match model.architecture: wrong shapes"):
-        load({**cfg, "source": str(tmp_path / "w.safetensors")})
+        load(dataclasses.replace(cfg, source=str(tmp_path / "w.safetensors")))
     model, tokenizer = load(cfg)
     model.save_pretrained(str(tmp_path / "hf"))
     tokenizer.save_pretrained(str(tmp_path / "hf"))
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "intermediate_size": 100}))
     with pytest.raises(UserError, match=r"hf: its weights do not have the shapes its config.json describes"):
-        load({**cfg, "source": str(tmp_path / "hf"), "architecture": None, "tokenizer": None})
+        load(dataclasses.replace(cfg, source=str(tmp_path / "hf"), architecture=None, tokenizer=None))
     from onn.models.vision import build_classifier
 
-    net = build_classifier(compose("model=v28_cnn")["model"], 3, 2, [12, 12])
+    net = build_classifier(compose("model=v28_cnn").model, 3, 2, [12, 12])
     save_file(net.state_dict(), str(tmp_path / "v28.safetensors"))
     data = (tmp_path / "v28.safetensors").read_bytes()
     (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
@@ -264,7 +267,14 @@ def test_damaged_checkpoints_are_one_sentence(tmp_path, cache):
          r"names the tensor .* which model.safetensors lacks"),
     ]:  # fmt: skip
         with pytest.raises(UserError, match=said):
-            execute(tmp_path, cache, "task=eval", f"ckpt={damaged(name, change)}")
+            # data=text needs a source to compose; the checkpoint's data config is used, with this (its own) file
+            execute(
+                tmp_path,
+                cache,
+                "task=eval",
+                f"ckpt={damaged(name, change)}",
+                f"data.source={tmp_path / 'd.jsonl'}",
+            )
     assert (good / "meta.json").is_file()  # the run's own checkpoint is untouched
 
 

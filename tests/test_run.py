@@ -9,7 +9,7 @@ import time
 
 import pytest
 import yaml
-from conftest import ROOT, read_metrics, run_cli
+from conftest import ROOT, compose, read_metrics, run_cli
 
 TINY = [
     "model=llama_tiny",
@@ -119,7 +119,7 @@ def test_sparse_lora_trains_only_its_layers_and_peft_loads_the_adapter(outputs):
     from onn.models.load import load
     from onn.training.checkpoints import load as load_ckpt
 
-    base, _ = load(yaml.safe_load((ROOT / "conf/model/llama_tiny.yaml").read_text()))
+    base, _ = load(compose("model=llama_tiny").model)
     peft_model = PeftModel.from_pretrained(base, str(run_dir / "adapter")).eval()
     state = load_ckpt(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
     assert state and all("lora_" in k for k in state)  # LoRA checkpoints hold the adapters only

@@ -197,7 +197,7 @@ def test_gpu_only_strategies_refuse_the_cpu_in_one_sentence():
     for name in ("fsdp", "deepspeed_zero2", "deepspeed_zero3_offload"):
         config = compose(f"strategy={name}")
         with pytest.raises(UserError, match="runs on CUDA GPUs only"):
-            data_parallel(config["strategy"]["lightning"], config, "cpu")
+            data_parallel(config.strategy.lightning, config, "cpu")
     strategy = data_parallel("ddp", compose("strategy=ddp", "strategy.timeout_s=7"), "cpu")
     assert strategy._timeout.total_seconds() == 7
 
@@ -308,8 +308,8 @@ def scale_for(*overrides: str, tmp_path: Path) -> dict:
     from onn.planning.spec import model_spec
 
     cfg = compose("task=plan", *overrides, root=tmp_path)
-    hw = resolve(cfg["hardware"], tmp_path / "cache", tmp_path)
-    return scale_plan(cfg, hw, model_spec(cfg["model"], 8, cache_dir=str(tmp_path / "cache")))
+    hw = resolve(cfg.hardware, tmp_path / "cache", tmp_path)
+    return scale_plan(cfg, hw, model_spec(cfg.model, 8, cache_dir=str(tmp_path / "cache")))
 
 
 @pytest.mark.slow

@@ -37,10 +37,10 @@ def serve_job(tmp: Path, *overrides: str, ckpt: Path | None = None):
     config = compose("task=serve", "hardware=cpu_16gb", "tracking=none", f"paths.outputs={tmp / 'outputs'}",
                      f"paths.cache={tmp / 'cache'}", *overrides)  # fmt: skip
     if ckpt is not None:
-        config["ckpt"] = str(ckpt)
+        config.ckpt = str(ckpt)
         ckpt, _ = from_checkpoint(config, set())
-    modality = get(config["data"].get("modality") or "text")
-    hardware = resolve(config["hardware"], config["paths"]["cache"], config["paths"]["outputs"])
+    modality = get(config.data.modality)
+    hardware = resolve(config.hardware, config.paths.cache, config.paths.outputs)
     plan, spec = modality.plan(config, hardware)
     return Job(config, tmp / "run", modality, hardware, plan, spec, ckpt)
 
@@ -350,6 +350,8 @@ def test_the_cli_serves_until_ctrl_c_and_records_the_run(tmp_path):
 
 
 def test_serve_settings_are_checked_first():
+    from dataclasses import replace
+
     from onn.errors import UserError
     from onn.tasks.serve import check, free_address
 
@@ -357,7 +359,11 @@ def test_serve_settings_are_checked_first():
     check(config)
     for key, value in (("port", 70000), ("slots", 0), ("max_tokens", "many"), ("api_key", "")):
         with pytest.raises(UserError, match=f"serve.{key}"):
-            check({**config, "serve": {**config["serve"], key: value}})
+            check(replace(config, serve=replace(config.serve, **{key: value})))  # past Hydra's type checks
+    with pytest.raises(
+        Exception, match="serve.max_tokens"
+    ):  # a wrong type on the command line: Hydra's message
+        compose("task=serve", "serve.max_tokens=many")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

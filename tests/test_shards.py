@@ -275,7 +275,7 @@ def test_infeasible_nodes_name_the_node_and_the_block() -> None:
 
 def test_bench_returns_the_metrics() -> None:
     config = compose("recipe=bench_shard_plan", "task.repeats=2", "task.blocks=40")
-    assert config["task"]["name"] == "bench_shard_plan"
+    assert config.task.name == "bench_shard_plan"
     metrics = bench(config)
     assert metrics["export/plan_blocks"] == 40 and metrics["export/plan_nodes"] == 10
     counts = metrics["export/shard_counts"]
@@ -290,7 +290,7 @@ def test_bench_returns_the_metrics() -> None:
         assert isinstance(metrics[f"export/{key}"], float)  # timings: read them in the bench, not here
     assert metrics["export/node_plan_method"] in ("largest_remainder", "capacity")
     assert 0 < metrics["export/node_max_utilisation"] <= 1
-    default = bench({"task": {"repeats": 1}})
+    default = bench(compose("recipe=bench_shard_plan", "task.repeats=1"))
     assert default["export/plan_blocks"] == 100 and len(default["export/shard_counts"]) == 8
 
 

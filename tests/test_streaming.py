@@ -156,7 +156,7 @@ def test_fp16_loss_scaling_through_lightning():
     from onn.streaming.strategy import LayerStreamingStrategy
 
     model = lora_model("llama", LAYER_SETS["all"])
-    optim = compose("optim.lr=1e-3", "optim.schedule=constant", "optim.warmup_steps=0")["optim"]
+    optim = compose("optim.lr=1e-3", "optim.schedule=constant", "optim.warmup_steps=0").optim
     module = CausalLM(model, optim, max_steps=2, onn_config={}, micro_batch=2)
     settings = {
         "chunk_size": 2,
@@ -354,12 +354,12 @@ def test_plan_refuses_a_budget_below_one_block(tmp_path):
     cfg = compose(
         "model=phi4", "hardware=gtx1650_4gb", "hardware.budget_mb=1000", "strategy=sparse_lora", root=tmp_path
     )
-    hw = resolve(cfg["hardware"], tmp_path, tmp_path)
+    hw = resolve(cfg.hardware, tmp_path, tmp_path)
     with pytest.raises(
         UserError,
         match=r"cannot hold one streamed block .* the smallest budget that works is about [\d,]+ MB",
     ):
-        make_plan(cfg, hw, model_spec(cfg["model"], 8))
+        make_plan(cfg, hw, model_spec(cfg.model, 8))
 
 
 def test_a_model_loads_block_by_block_into_the_store(tmp_path, monkeypatch):
@@ -386,7 +386,7 @@ def test_a_model_loads_block_by_block_into_the_store(tmp_path, monkeypatch):
         write(i, tensors)
 
     monkeypatch.setattr(store, "write", counting_write)
-    source = {"name": "t", "source": str(tmp_path / "hf"), "tokenizer": "byte"}
+    source = compose("model=llama_tiny", f"model.source={tmp_path / 'hf'}", "model.architecture=null").model
     model, _ = load_into_store(source, torch.float32, None, store)
     assert store.rebuilt == list(range(8)) and in_memory == [1] * 8
     assert all(p.numel() == 0 for p in discover(model).blocks[3].parameters())  # nothing of a block in memory

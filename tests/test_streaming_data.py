@@ -1,6 +1,7 @@
 """Text datasets larger than memory (data.streaming): bounded memory, exact resume after kill -9, the
 auto choice in the plan, and files cut off mid-record."""
 
+import dataclasses
 import json
 import os
 import re
@@ -12,6 +13,8 @@ import time
 import pytest
 from conftest import ROOT, compose, read_metrics, run_cli
 
+from onn.config import as_dict
+from onn.config.data import TextData
 from onn.errors import UserError
 
 STREAM = ["model=llama_tiny", "data=text", "data.streaming=true", "tracking=none", "task.exact_match_samples=0",
@@ -24,16 +27,16 @@ def write_jsonl(path, rows: int, filler: str = "") -> None:
             f.write(json.dumps({"question": f"record {i}: {filler}what is {i % 7}+{i % 5}?", "answer": str(i % 7 + i % 5)}) + "\n")  # fmt: skip
 
 
-def data_cfg(source, **over) -> dict:
-    cfg = compose("data=text", f"data.source={source}")["data"]
-    return {**cfg, "streaming": True, **over}
+def data_cfg(source, **over) -> TextData:
+    cfg = compose("data=text", f"data.source={source}").data
+    return dataclasses.replace(cfg, **{"streaming": True, **over})
 
 
 def module(cfg):
     from onn.modalities.text.datamodule import TextDataModule
     from onn.models.tokenizer import byte_tokenizer
 
-    dm = TextDataModule(cfg, byte_tokenizer(), int(cfg["batch_size"]), seed=0)
+    dm = TextDataModule(cfg, byte_tokenizer(), cfg.batch_size, seed=0)
     dm.setup()
     return dm
 
@@ -61,13 +64,15 @@ MEASURE = """
 import json, sys
 import onn.modalities.text.stream_loader  # imports (torch, torchdata) before the baseline
 from onn.hardware.memory import PeakMemory, anon_rss_mb
+from onn.config import typed
+from onn.config.data import TextData
 from onn.modalities.text.datamodule import TextDataModule
 from onn.models.tokenizer import byte_tokenizer
-cfg = json.loads(sys.argv[1])
+cfg = typed(TextData, json.loads(sys.argv[1]), "data")
 tokenizer, seen = byte_tokenizer(), 0
 base = anon_rss_mb()
 with PeakMemory("cpu", interval_s=0.005) as peak:
-    dm = TextDataModule(cfg, tokenizer, int(cfg["batch_size"]), seed=0)
+    dm = TextDataModule(cfg, tokenizer, cfg.batch_size, seed=0)
     dm.setup()  # counts the records, holds the validation split
     for batch in dm.train_dataloader():
         seen += batch["input_ids"].shape[0]
@@ -88,7 +93,7 @@ def test_a_file_4x_the_budget_streams_a_whole_epoch_within_it(tmp_path):
         source, streaming="auto", resident_max_mb=budget, shuffle_buffer=256, max_length=128, val_split=0.01
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(cfg)], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(as_dict(cfg))], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -272,7 +277,7 @@ def test_streamed_images_resume_mid_epoch_from_the_checkpointed_loader_state(tmp
 
     def loader():
         data = compose("data=image", f"data.source={root}", "data.resident=false", "data.num_workers=2", "data.batch_size=4",
-                       "data.mean=[0.5,0.5,0.5]", "data.std=[0.25,0.25,0.25]")["data"]  # fmt: skip
+                       "data.mean=[0.5,0.5,0.5]", "data.std=[0.25,0.25,0.25]").data  # fmt: skip
         dm = ImageDataModule(data, str(tmp_path / "cache"))
         dm.setup()
         return dm.train_dataloader()

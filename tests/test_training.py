@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from onn.modalities.text.module import CausalLM
 from onn.training.micro_batches import OutOfMemoryFloor
 
-OPTIM = compose("optim.name=sgd", "optim.lr=0.1", "optim.schedule=constant", "optim.warmup_steps=0")["optim"]
+OPTIM = compose("optim.name=sgd", "optim.lr=0.1", "optim.schedule=constant", "optim.warmup_steps=0").optim
 
 
 def tiny_module(micro_batch: int, min_micro_batch: int = 1) -> CausalLM:
@@ -158,7 +158,7 @@ def test_qlora_trains_lora_on_a_4bit_base_also_after_a_validation(tmp_path):
     from onn.modalities.text.tasks import build
 
     cfg = compose("model=llama_tiny", "strategy=qlora", f"paths.cache={tmp_path / 'cache'}", "optim.lr=1e-2")
-    hardware = resolve(cfg["hardware"], tmp_path / "cache", tmp_path)
+    hardware = resolve(cfg.hardware, tmp_path / "cache", tmp_path)
     plan, _ = get("text").plan(cfg, hardware)
     assert plan["strategy"] == "qlora" and plan["candidates"]["qlora"]["fits"]
     module, _ = build(cfg, plan)

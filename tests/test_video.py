@@ -5,6 +5,7 @@ frame strips, ONNX export)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from fractions import Fraction
@@ -15,6 +16,7 @@ import pytest
 import torch
 from conftest import compose
 
+from onn.config import as_dict
 from onn.errors import UserError
 
 
@@ -143,13 +145,13 @@ def test_bad_videos_are_skipped_counted_and_named(tmp_path, caplog):
                       ("empty.mkv", "empty file"), ("sound.mkv", "no video stream")):  # fmt: skip
         with pytest.raises(BadFile, match=why):
             load(str(folder / name), fit)
-    cfg = compose("data=video")["data"]
+    cfg = compose("data=video").data
     with pytest.raises(
         UserError, match=r"4 of 16 video files could not be decoded \(first: left/corrupt.mp4"
     ):
         READER.read(str(tmp_path / "clips"), cfg, fit)
     with caplog.at_level(logging.WARNING, logger="onn"):
-        decoded, _ = READER.read(str(tmp_path / "clips"), {**cfg, "max_bad_fraction": 0.3}, fit)
+        decoded, _ = READER.read(str(tmp_path / "clips"), dataclasses.replace(cfg, max_bad_fraction=0.3), fit)
     assert len(decoded["all"].labels) == 12 and len(decoded["all"].skipped) == 4
     assert "left/sound.mkv: no video stream" in caplog.text and "left/notes.xyz" in caplog.text
 
@@ -166,10 +168,11 @@ def test_settings_that_make_no_sense_name_their_key():
 
 
 def test_augmentation_is_the_same_for_every_frame_of_a_clip():
+    from onn.config.data import ColorJitter, ImageAugment, RandomErasing
     from onn.modalities.video.transform import ClipTransform
 
-    augment = {"crop_padding": 4, "hflip": 0.5, "color_jitter": {"brightness": 0.3, "contrast": 0.3, "saturation": 0.3},
-               "random_erasing": {"p": 1.0}}  # fmt: skip
+    augment = ImageAugment(crop_padding=4, hflip=0.5, color_jitter=ColorJitter(brightness=0.3, contrast=0.3, saturation=0.3),
+                           random_erasing=RandomErasing(p=1.0))  # fmt: skip
     transform = ClipTransform(augment, [0.5] * 3, [0.25] * 3, frames=4, sampling="random")
     frame = torch.randint(0, 256, (8, 3, 1, 16, 16), dtype=torch.uint8)
     clips = frame.expand(8, 3, 12, 16, 16).contiguous()  # every frame of a clip the same picture
@@ -201,13 +204,14 @@ def test_video_networks_plan_on_the_meta_device(model):
     cfg = compose(
         f"model={model}", "data=video", "data.source=/nowhere", "hardware=rtx3060_12gb", "data.num_classes=5"
     )
-    plan, spec = get("video").plan(cfg, {**cfg["hardware"], "source": "preset"})
+    plan, spec = get("video").plan(cfg, {**as_dict(cfg.hardware), "source": "preset"})
     assert plan["strategy"] == "full" and spec.kind == "network" and spec.sample_flops > 0 and spec.params > 0
     assert plan["candidates"]["full"]["fits"]
 
 
 @pytest.mark.slow
 def test_video_networks_train_a_step_on_clips():
+    from onn.config.model import NetworkConfig
     from onn.models.video import build_video_classifier
 
     clips = torch.randn(2, 1, 4, 32, 32)
@@ -216,7 +220,7 @@ def test_video_networks_train_a_step_on_clips():
         ("timm:resnet18", {"temporal_pool": "tconv"}),
         ("zoo:c3d_tiny", {}),
     ):
-        model = build_video_classifier({"source": source, **extra}, 1, 3, 4, [32, 32])
+        model = build_video_classifier(NetworkConfig(name=source, source=source, **extra), 1, 3, 4, [32, 32])
         loss = torch.nn.functional.cross_entropy(model(clips), torch.tensor([0, 2]))
         loss.backward()
         assert model(clips).shape == (2, 3) and all(

@@ -9,12 +9,20 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
+from onn.config.model import NetworkConfig
 from onn.errors import UserError
 from onn.modalities.image import pictures as grid
 from onn.models.layers import discover
-from onn.models.vision import build_classifier, feature_extractor
+from onn.models.vision import build_classifier as build_network
+from onn.models.vision import feature_extractor
 from onn.models.zoo import build_zoo
 from onn.models.zoo.v28 import ConvBlock
+
+
+def build_classifier(model: dict, in_channels: int, num_classes: int, image_size: list[int]):
+    """The network of a model config holding these keys (the schema's defaults for the rest)."""
+    return build_network(NetworkConfig(name="test", **model), in_channels, num_classes, image_size)
+
 
 TIMM = ["resnet18", "resnet34", "vgg16_bn", "mobilenetv2_100", "efficientnet_b0"]
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import compose
 
+from onn.config import as_dict
 from onn.errors import UserError
 
 COLOURS = [(220, 40, 40), (40, 200, 60), (50, 60, 230)]
@@ -50,10 +51,10 @@ def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
                   "optim.clip_grad_norm=0", "data.val_split=0.25", *overrides)  # fmt: skip
     run_dir = tmp / name
     run_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.get("ckpt"):
+    if cfg.ckpt:
         from onn.training.checkpoints import resolve
 
-        cfg["ckpt"] = str(resolve(cfg["ckpt"], cfg["paths"]["outputs"]))
+        cfg.ckpt = str(resolve(cfg.ckpt, cfg.paths.outputs))
     return execute(cfg, run_dir), run_dir
 
 
@@ -155,7 +156,7 @@ def test_separate_val_source_is_labelled_by_class_name(images, tmp_path):
     val = tmp_path / "val"
     for name in ("class0", "class2"):  # one class missing: its folder index would shift the labels
         shutil.copytree(images / "test" / name, val / name)
-    data = compose("data=image", f"data.source={images}", f"data.val_source={val}")["data"]
+    data = compose("data=image", f"data.source={images}", f"data.val_source={val}").data
     dm = ImageDataModule(data, tmp_path / "cache")
     dm.setup()
     split = dm.splits["val"]
@@ -241,8 +242,8 @@ def test_recipes_compose_and_plan(recipe, strategy, channels):
     cfg = compose(
         f"recipe={recipe}", "data.source=/nowhere", "hardware=rtx3060_12gb"
     )  # cifar10_resnet18 is a GPU recipe
-    assert cfg["data"]["modality"] == "image" and cfg["data"]["channels"] == channels
-    plan, spec = get("image").plan(cfg, {**cfg["hardware"], "source": "preset"})
+    assert cfg.data.modality == "image" and cfg.data.channels == channels
+    plan, spec = get("image").plan(cfg, {**as_dict(cfg.hardware), "source": "preset"})
     assert plan["strategy"] == strategy and spec.kind == "network"
     assert spec.sample_flops > 0 and spec.sample_activation_bytes > 0 and spec.n_blocks >= 3
     assert plan["candidates"][strategy]["fits"]

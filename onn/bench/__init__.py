@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from onn.bench import suite
+from onn.config import ONNConfig
 from onn.modalities import Job
 from onn.tasks import Task
 from onn.tasks.serve import check as serve_check
@@ -47,7 +48,7 @@ def _bench_giant(job: Job) -> dict[str, Any]:
     return giant.run(job)
 
 
-def _check_giant(config: dict[str, Any]) -> None:
+def _check_giant(config: ONNConfig) -> None:
     from onn.bench import giant
 
     giant.check_settings(config)
@@ -77,7 +78,7 @@ def _bench_overhead(job: Job) -> dict[str, Any]:
     return overhead.run(job)
 
 
-def _check_overhead(config: dict[str, Any]) -> None:
+def _check_overhead(config: ONNConfig) -> None:
     from onn.bench import overhead
 
     overhead.check_settings(config)
@@ -89,7 +90,7 @@ def _bench_gpu(job: Job) -> dict[str, Any]:
     return gpu.run(job)
 
 
-def _check_gpu(config: dict[str, Any]) -> None:
+def _check_gpu(config: ONNConfig) -> None:
     from onn.bench import gpu
 
     gpu.check_settings(config)
@@ -102,7 +103,7 @@ def _bench_shard_plan(job: Job) -> dict[str, Any]:
 
 
 TASKS: dict[str, Task] = {
-    "bench": Task(_bench, check=lambda config: suite.check_settings(config["task"]), modalities=TEXT),
+    "bench": Task(_bench, check=lambda config: suite.check_settings(config.task), modalities=TEXT),
     "tune": Task(_tune, modalities=TEXT),
     "bench_streaming": Task(_bench_streaming, modalities=TEXT),
     "bench_vision": Task(_bench_vision, modalities=frozenset({"image"})),

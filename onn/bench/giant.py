@@ -29,7 +29,7 @@ and the rest named in the issue (see `run`).
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import itertools
 import json
 import os
@@ -42,26 +42,28 @@ import time
 from pathlib import Path
 from typing import Any
 
+from onn.config import ONNConfig, as_dict
+from onn.config.task import BenchGiantTask
 from onn.errors import UserError
 
 MB = 1024**2
 
 
-def check_settings(config: dict[str, Any]) -> None:
-    """The task's keys and the model's settings, before anything is measured or written."""
-    task = config["task"]
+def check_settings(config: ONNConfig) -> None:
+    """The task's values and the model's settings, before anything is measured or written."""
+    task: BenchGiantTask = config.task
     for key in ("steps", "kill_after", "gen_batch", "gen_tokens", "disk_probe_mb", "kill_build_after"):
-        if not isinstance(task.get(key), int) or task[key] < 1:
-            raise UserError(f"task.{key}={task.get(key)!r}: give a whole number, 1 or more.")
-    if task["kill_after"] >= task["steps"]:
+        if getattr(task, key) < 1:
+            raise UserError(f"task.{key}={getattr(task, key)!r}: give a whole number, 1 or more.")
+    if task.kill_after >= task.steps:
         raise UserError(
-            f"task.kill_after={task['kill_after']} must be below task.steps={task['steps']}: the run resumes after it."
+            f"task.kill_after={task.kill_after} must be below task.steps={task.steps}: the run resumes after it."
         )
-    if task["gen_tokens"] < 2:
+    if task.gen_tokens < 2:
         raise UserError("task.gen_tokens must be 2 or more: the first token's step also reads the prompt.")
-    if config["strategy"]["name"] != "sparse_lora":
+    if config.strategy.name != "sparse_lora":
         raise UserError(
-            f"task=bench_giant measures layer streaming: use strategy=sparse_lora, not {config['strategy']['name']}."
+            f"task=bench_giant measures layer streaming: use strategy=sparse_lora, not {config.strategy.name}."
         )
 
 
@@ -77,25 +79,23 @@ def run(job) -> dict[str, Any]:
     from onn.hardware.disk import read_mb_s
     from onn.modalities.text.tasks import store_root
 
-    task = config["task"]
+    task: BenchGiantTask = config.task
     store_dir = store_root(config) / streaming["store_dtype"]
     out: dict[str, Any] = {"giant/params": spec.params, "giant/store_dtype": streaming["store_dtype"],
                            "giant/load_avg_start": [round(x, 2) for x in os.getloadavg()],
                            "giant/cpu_busy_cores_at_plan": hw.get("cpu_busy_cores")}  # fmt: skip
     started = time.perf_counter()
     # the disk and the cores, now
-    out["giant/disk_read_mb_s"] = round(
-        read_mb_s(Path(config["paths"]["cache"]), int(task["disk_probe_mb"])), 1
-    )
+    out["giant/disk_read_mb_s"] = round(read_mb_s(Path(config.paths.cache), task.disk_probe_mb), 1)
     out["giant/disk_read_mb_s_profile"] = hw.get("disk_read_mb_s")
-    rate = _child("matmul", {"config": config, "plan": plan}, run_dir)["result"]
+    rate = _child("matmul", _request(job), run_dir)["result"]
     out["giant/matmul_gflops"] = rate["gflops"]
     out["giant/matmul_shape"] = [rate["rows"], *rate["shape"]]
     out.update(_build_phase(job, store_dir))
     out.update(_train_phase(job, max(out["giant/disk_read_mb_s"], out["giant/disk_read_mb_s_store"]),
                             out["giant/matmul_gflops"]))  # fmt: skip
     out.update(_generation_phase(job))
-    if not task["keep_store"]:
+    if not task.keep_store:
         shutil.rmtree(store_dir, ignore_errors=True)
     out["giant/bench_s"] = round(time.perf_counter() - started, 1)
     out["giant/load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -107,18 +107,17 @@ def _build_phase(job, store_dir: Path) -> dict[str, Any]:
     """The store built from scratch (task.rebuild), killed with SIGKILL after task.kill_build_after blocks and
     built again; then the disk again, on the store's own files: a plain sequential pass (no compute) over the
     blocks a step streams (the larger of the two disk figures is the bandwidth the step is held to)."""
-    config, task, run_dir = job.config, job.config["task"], job.run_dir
-    if task["rebuild"]:
+    task: BenchGiantTask = job.config.task
+    run_dir = job.run_dir
+    if task.rebuild:
         shutil.rmtree(store_dir, ignore_errors=True)
-    request = {"config": config, "plan": job.plan}
+    request = _request(job)
     killed = _child(
-        "build", request, run_dir, kill_when=lambda: _done_blocks(store_dir) >= task["kill_build_after"]
+        "build", request, run_dir, kill_when=lambda: _done_blocks(store_dir) >= task.kill_build_after
     )
     first_blocks = _done_blocks(store_dir)
     build = _child("build", request, run_dir)
-    passed = _child("read_store", {**request, "limit_gb": task["disk_probe_mb"] * 4 / 1024}, run_dir)[
-        "result"
-    ]
+    passed = _child("read_store", {**request, "limit_gb": task.disk_probe_mb * 4 / 1024}, run_dir)["result"]
     return {
         "giant/build_s": round(killed["wall_s"] + build["wall_s"], 1),
         "giant/build_peak_rss_mb": round(max(killed["peak_rss_mb"], build["peak_rss_mb"]), 1),
@@ -132,17 +131,18 @@ def _build_phase(job, store_dir: Path) -> dict[str, Any]:
 def _train_phase(job, disk_mb_s: float, start_gflops: float) -> dict[str, Any]:
     """A validation, then the steps: the first process killed with SIGKILL after task.kill_after steps, the
     second resuming from last.ckpt; the steps measured against what the disk and the cores allow."""
-    config, task, run_dir = job.config, job.config["task"], job.run_dir
-    request, train_dir = {"config": config, "plan": job.plan}, run_dir / "train"
-    first = _child("train", {**request, "run_dir": str(train_dir), "validate": True, "max_steps": task["steps"]},
-                   run_dir, kill_when=lambda: _steps_done(train_dir) >= task["kill_after"])  # fmt: skip
+    task: BenchGiantTask = job.config.task
+    run_dir = job.run_dir
+    request, train_dir = _request(job), run_dir / "train"
+    first = _child("train", {**request, "run_dir": str(train_dir), "validate": True, "max_steps": task.steps},
+                   run_dir, kill_when=lambda: _steps_done(train_dir) >= task.kill_after)  # fmt: skip
     killed_at = _steps_done(train_dir)
     ckpt = train_dir / "checkpoints" / "last.ckpt"
     if not ckpt.exists():
         raise RuntimeError(
             f"the first training process left no checkpoint at {ckpt}; see {run_dir}/train.log"
         )
-    second = _child("train", {**request, "run_dir": str(train_dir), "validate": False, "max_steps": task["steps"],
+    second = _child("train", {**request, "run_dir": str(train_dir), "validate": False, "max_steps": task.steps,
                               "ckpt": str(ckpt)}, run_dir)  # fmt: skip
     rows = _progress(train_dir)
     steps = [s for s in rows if s.get("step_s") is not None]
@@ -179,8 +179,7 @@ def _step_figures(job, steps: list[dict[str, Any]], disk_mb_s: float,
     step_s = statistics.mean(s["step_s"] for s in timed)
     read_bytes = statistics.mean(s["read_bytes"] for s in timed)
     read_s = statistics.mean(s["read_s"] for s in timed)
-    flops = streaming_step_flops(spec, int(config["data"]["max_length"]), int(config["data"]["batch_size"]),
-                                 plan["sparse_layers"])  # fmt: skip
+    flops = streaming_step_flops(spec, config.data.max_length, config.data.batch_size, plan["sparse_layers"])
     disk_bw = disk_mb_s * MB
     rates = [s["matmul_gflops"] for s in timed if s.get("matmul_gflops")]
     gflops = statistics.mean(rates) if rates else start_gflops
@@ -201,23 +200,19 @@ def _step_figures(job, steps: list[dict[str, Any]], disk_mb_s: float,
 
 def _generation_phase(job) -> dict[str, Any]:
     """ONN's generation for 1 and for task.gen_batch prompts, then accelerate's on the same files."""
-    task, run_dir = job.config["task"], job.run_dir
-    request = {
-        "config": job.config,
-        "plan": job.plan,
-        "batch": task["gen_batch"],
-        "tokens": task["gen_tokens"],
-    }
+    task: BenchGiantTask = job.config.task
+    run_dir = job.run_dir
+    request = {**_request(job), "batch": task.gen_batch, "tokens": task.gen_tokens}
     gen = _child("generate", request, run_dir)
     g = gen["result"]
     out = {
         "giant/gen_s_per_token_b1": round(g["b1"]["token_s"], 4),
-        f"giant/gen_s_per_token_b{task['gen_batch']}": round(g["bn"]["token_s"], 4),
+        f"giant/gen_s_per_token_b{task.gen_batch}": round(g["bn"]["token_s"], 4),
         "giant/gen_b8_over_b1": round(g["bn"]["token_s"] / g["b1"]["token_s"], 3),
         "giant/gen_tokens_per_s": round(g["bn"]["tokens_per_s"], 4), "giant/gen_peak_rss_mb": round(gen["peak_rss_mb"], 1),
         "giant/gen_chunk_size": g["chunk_size"], "giant/gen_cache_blocks": g["cache_blocks"],
     }  # fmt: skip
-    if task["accelerate"]:
+    if task.accelerate:
         acc = _child("accelerate", {**request, "prompts": g["prompts"]}, run_dir)
         a = acc["result"]
         out.update({
@@ -228,6 +223,11 @@ def _generation_phase(job) -> dict[str, Any]:
             "giant/accelerate_peak_rss_mb": round(acc["peak_rss_mb"], 1),
         })  # fmt: skip
     return out
+
+
+def _request(job) -> dict[str, Any]:
+    """What every phase's process is sent: the config as plain values (rebuilt typed in `_main`), the plan."""
+    return {"config": as_dict(job.config), "plan": job.plan}
 
 
 def _done_blocks(folder: Path) -> int:
@@ -322,7 +322,7 @@ def _matmul(request: dict[str, Any]) -> dict[str, Any]:
 
     plan, config = request["plan"], request["config"]
     use_threads(plan)
-    block = discover(meta_model(config["model"])).blocks[0]
+    block = discover(meta_model(config.model)).blocks[0]
     out_features, in_features = max(
         (m.weight.shape for m in block.modules() if isinstance(m, torch.nn.Linear)), key=lambda s: s.numel()
     )
@@ -372,7 +372,7 @@ def _build(request: dict[str, Any]) -> dict[str, Any]:
     settings = streaming_settings(config, plan)
     store = layer_store(settings, store_root(config))
     start = time.perf_counter()
-    load_into_store(config["model"], weights_dtype(config, plan), config["paths"]["cache"], store)
+    load_into_store(config.model, weights_dtype(config, plan), config.paths.cache, store)
     return {"written": len(store.rebuilt), "build_s": time.perf_counter() - start}
 
 
@@ -433,12 +433,18 @@ def _train(request: dict[str, Any]) -> dict[str, Any]:
     from onn.modalities.text.tasks import build, datamodule, trainer
     from onn.training.callbacks import StepCheckpoint
 
-    config, plan = copy.deepcopy(request["config"]), request["plan"]
+    config, plan = request["config"], request["plan"]
     run_dir = Path(request["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     use_threads(plan)
-    config["trainer"].update(max_steps=int(request["max_steps"]), enable_progress_bar=False, enable_model_summary=False,
-                             val_check_interval=int(request["max_steps"]))  # fmt: skip
+    steps = int(request["max_steps"])
+    config.trainer = dataclasses.replace(
+        config.trainer,
+        max_steps=steps,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        val_check_interval=steps,
+    )
     gc.collect()
     baseline = anon_rss_mb()
     progress = _progress_callback(run_dir / "progress.jsonl", plan["micro_batch"] * plan["sequence_length"])
@@ -464,14 +470,14 @@ def _train(request: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _prompts(config: dict[str, Any], tokenizer, count: int) -> list[list[int]]:
+def _prompts(config: ONNConfig, tokenizer, count: int) -> list[list[int]]:
     """The held-out questions as token ids, cut from the left to data.max_length as training cuts them."""
     from onn.modalities.text.prompts import Prompter
     from onn.modalities.text.sources import load_splits
 
-    _, val = load_splits(config["data"], int(config["seed"]))
-    length = int(config["data"]["max_length"])
-    prompter = Prompter(config["data"], tokenizer)  # the prompt format training uses
+    _, val = load_splits(config.data, config.seed)
+    length = config.data.max_length
+    prompter = Prompter(config.data, tokenizer)  # the prompt format training uses
     return [tokenizer(p, add_special_tokens=prompter.add_special_tokens)["input_ids"][-length:]
             for p, _ in prompter.examples(val, "data.source")[:count]]  # fmt: skip
 
@@ -533,16 +539,14 @@ def _accelerate(request: dict[str, Any]) -> dict[str, Any]:
         for n, p in module.model.named_parameters()
         if p.numel() and not p.requires_grad and "lora_" not in n
     }
-    folder = Path(config["paths"]["cache"]) / "bench_accelerate"
+    folder = Path(config.paths.cache) / "bench_accelerate"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     base_names = {n.replace("base_model.model.", "", 1): t for n, t in edges.items()}
     save_file(base_names, str(folder / "edges.safetensors"))
     del module, edges, base_names
     with init_empty_weights(include_buffers=False):
-        model = auto_class(architecture(config["model"])).from_config(
-            architecture(config["model"]), dtype=dtype
-        )
+        model = auto_class(architecture(config.model)).from_config(architecture(config.model), dtype=dtype)
     layer_map = discover(model)
     store_dtype = plan["streaming"]["store_dtype"]
     store = store_root(config) / store_dtype
@@ -586,7 +590,7 @@ def _accelerate(request: dict[str, Any]) -> dict[str, Any]:
             "total_s": total, "tokens": new.tolist()}  # fmt: skip
 
 
-def _float_copy(config: dict[str, Any], plan: dict[str, Any], folder: Path, dtype) -> Path:
+def _float_copy(config: ONNConfig, plan: dict[str, Any], folder: Path, dtype) -> Path:
     """The store's blocks de-quantized into `folder`/blocks as plain safetensors files, one at a time."""
     import torch
 
@@ -648,9 +652,13 @@ def _main() -> None:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     request = json.loads(sys.stdin.read())
+    from onn.bench.child import config_from_dict
     from onn.hardware.memory import PeakMemory
 
     try:
+        request["config"] = config_from_dict(
+            request["config"], BenchGiantTask, f"bench_giant's {phase} process"
+        )
         with PeakMemory("cpu", interval_s=0.05) as peak:
             body = PHASES[phase](request)
         body["peak_rss_mb"] = peak.peak_mb

@@ -20,6 +20,7 @@ batch 128) stands beside ms_per_sample.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import json
@@ -33,20 +34,22 @@ from typing import Any
 
 import torch
 
+from onn.config import ONNConfig
+from onn.config.task import BenchGpuTask
 from onn.errors import UserError
 
 MB = 1024**2
 SEED_MS_PER_SAMPLE = 490  # the seeds' Phi-4 on a 4 GB GTX 1650, batch 128
 
 
-def check_settings(config: dict[str, Any]) -> None:
-    task = config["task"]
+def check_settings(config: ONNConfig) -> None:
+    task: BenchGpuTask = config.task
     for key, least in (("steps", 2), ("gen_batch", 1), ("gen_tokens", 2)):
-        if isinstance(task[key], bool) or not isinstance(task[key], int) or task[key] < least:
-            raise UserError(f"task.{key}={task[key]!r}: give a whole number, {least} or more.")
-    if config["strategy"]["name"] != "sparse_lora":
+        if getattr(task, key) < least:
+            raise UserError(f"task.{key}={getattr(task, key)!r}: give a whole number, {least} or more.")
+    if config.strategy.name != "sparse_lora":
         raise UserError(
-            f"task=bench_gpu measures layer streaming: use strategy=sparse_lora, not {config['strategy']['name']}."
+            f"task=bench_gpu measures layer streaming: use strategy=sparse_lora, not {config.strategy.name}."
         )
 
 
@@ -55,7 +58,8 @@ def run(job) -> dict[str, Any]:
         raise UserError(
             "task=bench_gpu measures a CUDA GPU, and this machine has none (or CUDA_VISIBLE_DEVICES hides it)."
         )
-    task, started = job.config["task"], time.perf_counter()
+    task: BenchGpuTask = job.config.task
+    started = time.perf_counter()
     out: dict[str, Any] = {"gpu/device": torch.cuda.get_device_name(), "gpu/params": job.spec.params,
                            "gpu/seed_ms_per_sample": SEED_MS_PER_SAMPLE}  # fmt: skip
     module, tokenizer, trained = _train(job)
@@ -64,13 +68,13 @@ def run(job) -> dict[str, Any]:
     prompts = _prompts(job, tokenizer)
     out.update(_generate(job, module, tokenizer, prompts))
     _write(job, out)
-    if task["accelerate"]:
+    if task.accelerate:
         state = _plain_state(job, module)
         del module
         _free()
         out.update(_accelerate(job, state, tokenizer, prompts, out))
         _write(job, out)
-    if task["overhead"]:
+    if task.overhead:
         out.update(_overheads(job))
     out["gpu/wall_s"] = round(time.perf_counter() - started, 1)
     _write(job, out)
@@ -90,9 +94,12 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     build_s = time.perf_counter() - start
     dm = datamodule(config, tokenizer)
     clock, probe = StepClock(), _StepProbe(job.run_dir / "syncs_last_step.txt")
-    steps = int(config["task"]["steps"])
-    run_config = {**config, "trainer": {**config["trainer"], "max_steps": steps, "limit_val_batches": 0,
-                                        "num_sanity_val_steps": 0, "enable_checkpointing": False}}  # fmt: skip
+    steps = config.task.steps
+    # no checkpoint callback: the Trainer writes no checkpoint (onn/training/trainer.py)
+    run_trainer = dataclasses.replace(
+        config.trainer, max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0
+    )
+    run_config = dataclasses.replace(config, trainer=run_trainer)
     fit = trainer(
         run_config, plan, job.run_dir, [clock, probe], loggers=False, steps_per_epoch=dm.steps_per_epoch
     )
@@ -105,7 +112,7 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     timed = slice(1, None)  # the first step loads kernels and the first chunks
     step_s = statistics.mean(clock.step_s[timed])
     copied = statistics.mean(clock.copied_bytes[timed])
-    batch, seq = int(config["data"]["batch_size"]), int(plan["sequence_length"])
+    batch, seq = config.data.batch_size, int(plan["sequence_length"])
     flops = streaming_step_flops(spec, seq, batch, plan["sparse_layers"])
     rate = _matmul_rate(job)
     link = h2d_mb_s() * MB
@@ -201,7 +208,7 @@ def _matmul_rate(job) -> float:
     from onn.models.layers import discover
     from onn.models.load import meta_model
 
-    block = discover(meta_model(job.config["model"])).blocks[0]
+    block = discover(meta_model(job.config.model)).blocks[0]
     out_features, in_features = max(
         (m.weight.shape for m in block.modules() if isinstance(m, torch.nn.Linear)), key=lambda s: s.numel()
     )
@@ -216,7 +223,7 @@ def _matmul_rate(job) -> float:
 def _prompts(job, tokenizer) -> list[list[int]]:
     from onn.bench.giant import _prompts as held_out_prompts
 
-    return held_out_prompts(job.config, tokenizer, int(job.config["task"]["gen_batch"]))
+    return held_out_prompts(job.config, tokenizer, job.config.task.gen_batch)
 
 
 def _timed_generation(generate, prompts: list[list[int]], pad_id: int) -> dict[str, Any]:
@@ -240,7 +247,7 @@ def _generate(job, module, tokenizer, prompts: list[list[int]]) -> dict[str, Any
     from onn.modalities.text.tasks import streaming_settings
     from onn.streaming.strategy import build_engine
 
-    config, plan, tokens = job.config, job.plan, int(job.config["task"]["gen_tokens"])
+    config, plan, tokens = job.config, job.plan, job.config.task.gen_tokens
     settings = streaming_settings(config, plan, generate=True, sequences=len(prompts))
     module.model.to(job.device)  # Lightning's teardown left what is not streamed on the CPU
     engine = build_engine(module.model, settings, module.store, job.device, micro_batch=None)
@@ -297,9 +304,9 @@ def _accelerate(
 
     from onn.models.load import architecture, auto_class
 
-    config, plan, tokens = job.config, job.plan, int(job.config["task"]["gen_tokens"])
+    config, plan, tokens = job.config, job.plan, job.config.task.gen_tokens
     dtype = getattr(torch, plan["streaming"]["compute_dtype"])
-    arch = architecture(config["model"])
+    arch = architecture(config.model)
     with init_empty_weights(include_buffers=False):
         model = auto_class(arch).from_config(arch, dtype=dtype)
     missing = set(dict(model.named_parameters())) - set(state)
@@ -350,13 +357,13 @@ def _accelerate(
 
 def _overheads(job) -> dict[str, Any]:
     """The default job against a plain loop, and bench_vision's runner overhead, each a run of its own."""
-    task = job.config["task"]
+    task: BenchGpuTask = job.config.task
     out = {}
     ran = _child(job, "overhead", ["task=bench_overhead", "tracking=none"])
     out["gpu/default_job_ratio"] = ran.get("overhead/ratio")
     out["gpu/default_job_steps_per_s"] = ran.get("overhead/onn_steps_per_s")
     out["gpu/plain_loop_steps_per_s"] = ran.get("overhead/plain_steps_per_s")
-    source = Path(str(task["vision_source"])).expanduser()
+    source = Path(str(task.vision_source)).expanduser()
     if source.exists():
         ran = _child(job, "vision", ["recipe=bench_vision", f"data.source={source}"])
         out["gpu/vision_runner_overhead"] = ran.get("vision/runner_overhead")
@@ -370,9 +377,10 @@ def _overheads(job) -> dict[str, Any]:
 def _child(job, name: str, overrides: list[str]) -> dict[str, Any]:
     """A run.py of its own (its own process, config and GPU memory); its metrics.json."""
     folder = job.run_dir / name
-    root = Path(job.config["paths"]["root"])
+    paths = job.config.paths
+    root = Path(paths.root)
     command = [sys.executable, str(root / "run.py"), *overrides, f"hydra.run.dir={folder}",
-               f"paths.outputs={job.config['paths']['outputs']}", f"paths.cache={job.config['paths']['cache']}"]  # fmt: skip
+               f"paths.outputs={paths.outputs}", f"paths.cache={paths.cache}"]  # fmt: skip
     proc = subprocess.run(command, cwd=root, env=os.environ.copy(), capture_output=True, text=True)
     (job.run_dir / f"{name}.log").write_text(proc.stdout + proc.stderr)
     try:

@@ -110,7 +110,7 @@ class GridCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         try:
-            if config.get("task", {}).get("name") != "bench":
+            if config.task.name != "bench":
                 return  # training and other sweeps have no bench figures to put side by side
             sweep_dir = Path(config.hydra.sweep.dir)
             if not sweep_dir.is_dir():

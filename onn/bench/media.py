@@ -16,6 +16,7 @@ neighbour only ever slows a round down). Figures go to metrics.json under media/
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from onn.config import ONNConfig
+from onn.config.task import BenchVisionTask
 from onn.errors import UserError
 
 log = logging.getLogger("onn")
@@ -33,10 +36,8 @@ def run(job) -> dict[str, Any]:
     from onn.modalities import classification
 
     config, m = job.config, job.modality
-    task = config["task"]
-    steps, warmup, repeats, workers = (
-        int(task[k]) for k in ("steps", "warmup", "repeats", "standard_workers")
-    )
+    task: BenchVisionTask = config.task
+    steps, warmup, repeats, workers = task.steps, task.warmup, task.repeats, task.standard_workers
     if steps < 2 or warmup < 1 or repeats < 1 or workers < 0:
         raise UserError(
             "task.steps must be 2 or more, task.warmup and task.repeats 1 or more, task.standard_workers 0 or more."
@@ -45,11 +46,11 @@ def run(job) -> dict[str, Any]:
         raise UserError(
             f"task=bench_media measures media that is decoded from files (audio, video), not {m.name} data."
         )
-    if str(config["data"].get("source") or "").startswith("builtin:"):
+    if str(config.data.source).startswith("builtin:"):
         from onn.modalities.video.dataset import resolve
 
-        source = resolve(config["data"]["source"], config["data"], config["paths"]["cache"])
-        config = {**config, "data": {**config["data"], "source": source}}
+        source = resolve(config.data.source, config.data, config.paths.cache)
+        config = dataclasses.replace(config, data=dataclasses.replace(config.data, source=source))
     dm = classification.setup_data(
         m, config, job.device
     )  # decodes once (or reads the cache): what the runs use
@@ -67,38 +68,38 @@ def run(job) -> dict[str, Any]:
     return metrics
 
 
-def _decoding(m, config: dict[str, Any], inputs: dict[str, Any], repeats: int) -> dict[str, Any]:
+def _decoding(m, config: ONNConfig, inputs: dict[str, Any], repeats: int) -> dict[str, Any]:
     """The whole source decoded (the best of `repeats`), and the decoded cache read back."""
-    reader, source = m.reader(), str(config["data"]["source"])
+    reader, source = m.reader(), str(config.data.source)
     decode_s, cache_s, clips, seconds = [], [], 0, 0.0
     for _ in range(repeats):
         start = time.perf_counter()
         decoded, seconds = reader.read(
-            source, config["data"], reader.fit(inputs), workers=int(config["data"]["num_workers"]) or 1
+            source, config.data, reader.fit(inputs), workers=config.data.num_workers or 1
         )
         decode_s.append(time.perf_counter() - start)
         clips = sum(len(d.labels) for d in decoded.values())
         start = time.perf_counter()
-        reader.read_cached(source, config["data"], config["paths"]["cache"])
+        reader.read_cached(source, config.data, config.paths.cache)
         cache_s.append(time.perf_counter() - start)
     return {"decode_s": decode_s, "cache_s": cache_s, "clips": clips, "seconds": seconds}
 
 
-def _pipelines(job, config, dm, inputs, steps: int, warmup: int, repeats: int, workers: int):
+def _pipelines(job, config: ONNConfig, dm, inputs, steps: int, warmup: int, repeats: int, workers: int):
     """Batches ready for the model, and training on them, from the resident store and from a per-file
     Dataset + DataLoader: samples per second of each, per round."""
     m = job.modality
     transform = m.transform(config, inputs)
-    reader, source = m.reader(), str(config["data"]["source"])
+    reader, source = m.reader(), str(config.data.source)
     names = set(dm.splits["train"].names)
-    listed = reader.listing(source, config["data"], "data.source")
+    listed = reader.listing(source, config.data, "data.source")
     files = [f for split in listed.splits.values() for f in split if f.name in names]
     index = {c: i for i, c in enumerate(dm.classes)}
     load = functools.partial(reader.load, fit=reader.fit(inputs))
     standard = PerFileItems(files, [index[f.label] for f in files], load, reader.bad, transform, reader.dtype)
     batch = dm.batch_size
-    precision = str(config["trainer"].get("precision") or "auto")
-    precision = job.plan["precision"] if precision == "auto" else precision  # what a run trains with
+    precision = config.trainer.precision  # what a run trains with: auto is the plan's
+    precision = job.plan["precision"] if precision in (None, "auto") else str(precision)
     pipe: dict[str, list[float]] = {"resident": [], "standard": []}
     train: dict[str, list[float]] = {"resident": [], "standard": []}
     for _ in range(repeats):
@@ -219,9 +220,9 @@ def _train(
     """A plain training loop on either pipeline: samples/s after warm-up (the same model, optimiser, precision)."""
     from onn.training.optim import make_optimizer
 
-    torch.manual_seed(int(config["seed"]))
-    model = m.network(config["model"], inputs).to(device).train()
-    optimizer = make_optimizer(model.parameters(), config["optim"])
+    torch.manual_seed(config.seed)
+    model = m.network(config.model, inputs).to(device).train()
+    optimizer = make_optimizer(model.parameters(), config.optim)
     half = (
         torch.bfloat16
         if precision.startswith("bf16")

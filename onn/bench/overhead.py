@@ -16,22 +16,25 @@ one step's start to the next (the device synchronised at each stamp), so data lo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Any
 
 import torch
 
+from onn.config import ONNConfig
+from onn.config.task import BenchOverheadTask
 from onn.errors import UserError
 
 
-def check_settings(config: dict[str, Any]) -> None:
-    task = config["task"]
+def check_settings(config: ONNConfig) -> None:
+    task: BenchOverheadTask = config.task
     for key, least in (("steps", 2), ("warmup", 1), ("repeats", 1)):
-        if isinstance(task[key], bool) or not isinstance(task[key], int) or task[key] < least:
-            raise UserError(f"task.{key}={task[key]!r}: give a whole number, {least} or more.")
-    if config["strategy"].get("lightning") not in (None, "auto"):
+        if getattr(task, key) < least:
+            raise UserError(f"task.{key}={getattr(task, key)!r}: give a whole number, {least} or more.")
+    if config.strategy.lightning != "auto":
         raise UserError(
-            f"task=bench_overhead times one process on one device: strategy={config['strategy']['name']} "
+            f"task=bench_overhead times one process on one device: strategy={config.strategy.name} "
             "runs through Lightning's own strategy; use full, lora or auto."
         )
 
@@ -39,14 +42,14 @@ def check_settings(config: dict[str, Any]) -> None:
 def run(job) -> dict[str, Any]:
     import lightning as L
 
-    config, task = job.config, job.config["task"]
+    config, task = job.config, job.config.task
     check_settings(config)
-    steps, warmup = int(task["steps"]), int(task["warmup"])
+    steps, warmup = task.steps, task.warmup
     rounds: dict[str, list[float]] = {"plain": [], "onn": []}
-    for round_ in range(int(task["repeats"])):
+    for round_ in range(task.repeats):
         sides = [("plain", lambda: _plain(job, steps, warmup)), ("onn", lambda: _onn(job, steps, warmup))]
         for name, measure in sides if round_ % 2 == 0 else sides[::-1]:
-            L.seed_everything(int(config["seed"]), verbose=False)
+            L.seed_everything(config.seed, verbose=False)
             rounds[name].append(measure())
     ratios = sorted(o / p for o, p in zip(rounds["onn"], rounds["plain"]))
     metrics = {
@@ -85,11 +88,9 @@ def _plain(job, steps: int, warmup: int) -> float:
     module, tokenizer = build(config, plan)
     model = module.model.to(device).train()
     loader = datamodule(config, tokenizer).train_dataloader()
-    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], config["optim"])
-    scheduler = make_schedule(optimizer, config["optim"], warmup + steps, "val/loss", epochs=False)[
-        "scheduler"
-    ]
-    clip = float(config["optim"]["clip_grad_norm"] or 0.0)
+    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], config.optim)
+    scheduler = make_schedule(optimizer, config.optim, warmup + steps, "val/loss", epochs=False)["scheduler"]
+    clip = config.optim.clip_grad_norm
     half = {"bf16": torch.bfloat16, "16": torch.float16}.get(plan["precision"].split("-")[0])
     stamps: list[float] = []
     for batch in loader:
@@ -135,9 +136,11 @@ def _onn(job, steps: int, warmup: int) -> float:
     folder = job.run_dir / "onn_side"
     # the stamps first: the end of training is stamped before the checkpoint is written
     callbacks = [Stamps(), StepCheckpoint(folder / "checkpoints", 10**9), StepClock(),
-                 ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))]  # fmt: skip
-    run_config = {**config, "trainer": {**config["trainer"], "max_steps": warmup + steps, "limit_val_batches": 0,
-                                        "num_sanity_val_steps": 0}}  # fmt: skip
+                 ResourceMonitor(config.trainer.log_every_n_steps)]  # fmt: skip
+    run_trainer = dataclasses.replace(
+        config.trainer, max_steps=warmup + steps, limit_val_batches=0, num_sanity_val_steps=0
+    )
+    run_config = dataclasses.replace(config, trainer=run_trainer)
     fit = trainer(run_config, plan, folder, callbacks, steps_per_epoch=dm.steps_per_epoch)
     module.train()
     fit.fit(module, datamodule=dm)

@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from onn.config.task import BenchServeTask
 from onn.modalities import Job
 from onn.tasks.serve import build_app, model_name
 
@@ -62,22 +63,15 @@ def run(job: Job) -> dict[str, Any]:
     from onn.tasks.serve.server import Running
 
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # a line per request otherwise
-    task, name = job.config["task"], model_name(job.config)
+    task: BenchServeTask = job.config.task
+    name = model_name(job.config)
     app = build_app(job)
     engine = app.state.scheduler.lm.engine
     with Running(app, "127.0.0.1", 0) as running:
         http = httpx2.Client(base_url=running.url, timeout=600, limits=httpx2.Limits(max_connections=256))
-        out = _one_by_one_and_together(http, name, int(task["requests"]), int(task["max_tokens"]), engine)
+        out = _one_by_one_and_together(http, name, task.requests, task.max_tokens, engine)
         out["serve/widest_batch"] = running.app.state.scheduler.widest
-        out.update(
-            _load(
-                http,
-                name,
-                int(task["clients"]),
-                int(task["requests_per_client"]),
-                int(task["load_max_tokens"]),
-            )
-        )
+        out.update(_load(http, name, task.clients, task.requests_per_client, task.load_max_tokens))
         http.close()
     out.update(
         {

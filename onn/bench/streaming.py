@@ -32,6 +32,9 @@ from typing import Any
 
 import torch
 
+from onn.config import ONNConfig, as_dict
+from onn.config.task import BenchStreamingTask
+
 log = logging.getLogger("onn")
 
 
@@ -62,7 +65,7 @@ def _timed(fn, repeats: int) -> float:
 class _Bench:
     """What every measurement of the bench shares: the LoRA model, its settings and where its store goes."""
 
-    config: dict[str, Any]
+    config: ONNConfig
     plan: dict[str, Any]
     base: Any  # the sparse-LoRA model every engine copies
     store_dir: Path
@@ -93,12 +96,14 @@ def run(job) -> dict[str, Any]:
     from onn.models.load import load, model_fingerprint
     from onn.training.lora import apply
 
-    config, plan, bench = job.config, job.plan, job.config["task"]
-    model, _ = load(config["model"], dtype=torch.float32)
-    base = apply(model, "sparse_lora", config["strategy"], discover(model), plan["sparse_layers"])
-    store_dir = Path(config["paths"]["cache"]) / "stores" / model_fingerprint(config["model"]) / "bench"
-    b = _Bench(config, plan, base, store_dir, int(bench["seq_len"]), int(bench["micro_batch"]), int(bench["repeats"]),
-               int(bench["chunk_size"]))  # fmt: skip
+    config, plan = job.config, job.plan
+    bench: BenchStreamingTask = config.task
+    model, _ = load(config.model, dtype=torch.float32)
+    base = apply(model, "sparse_lora", config.strategy, discover(model), plan["sparse_layers"])
+    store_dir = Path(config.paths.cache) / "stores" / model_fingerprint(config.model) / "bench"
+    b = _Bench(
+        config, plan, base, store_dir, bench.seq_len, bench.micro_batch, bench.repeats, bench.chunk_size
+    )
     out: dict[str, Any] = {"stream/blocks": len(discover(base)), "stream/chunk_size": b.chunk, "stream/seq_len": b.seq,
                            "stream/micro_batch": b.micro_batch}  # fmt: skip
     out.update(_memory_within_budget(b))
@@ -117,11 +122,11 @@ def _memory_within_budget(b: _Bench) -> dict[str, Any]:
     within it and near the planner's prediction. An empty store, so the fresh process really loads the model
     block by block."""
     weights_mb = sum(p.numel() for p in b.base.parameters()) * 4 / 2**20
-    budget = weights_mb / float(b.config["task"]["weights_over_budget"])
+    budget = weights_mb / b.config.task.weights_over_budget
     predicted, planned = _predicted_step_mb(b.config, budget, b.micro_batch, b.seq)
     shutil.rmtree(f"{b.store_dir}_blockwise", ignore_errors=True)
     measured = _step_memory_in_fresh_process(
-        {"model": b.config["model"], "strategy": b.config["strategy"], "layers": b.plan["sparse_layers"],
+        {"model": as_dict(b.config.model), "strategy": as_dict(b.config.strategy), "layers": b.plan["sparse_layers"],
          "store": f"{b.store_dir}_blockwise", "chunk_size": planned["chunk_size"], "stream_edges": planned["edges"] == "stream",
          "micro_batch": b.micro_batch, "seq_len": b.seq}
     )  # fmt: skip
@@ -138,7 +143,7 @@ def _reuse(b: _Bench) -> tuple[dict[str, Any], list[tuple]]:
     """1 + 2: load once, process many; and how much of the I/O the prefetch hides."""
     disk = b.engine("disk")
     speeds, out, rows = {}, {}, []
-    for m_count in b.config["task"]["reuse_m"]:
+    for m_count in b.config.task.reuse_m:
         batch = micro_batches(m_count, b.micro_batch, b.seq, b.vocab)
         disk.times.__init__()
         step = _timed(
@@ -241,7 +246,11 @@ def _step_memory_in_fresh_process(spec: dict[str, Any]) -> float:
 
 def step_memory(spec: dict[str, Any]) -> float:
     """Growth of anonymous RSS over a streamed training step (the larger of two, after a warm-up
-    step), with the store on disk and each block dropped from the page cache after reading."""
+    step), with the store on disk and each block dropped from the page cache after reading. `spec` is
+    JSON: its model and strategy are their configs' plain values."""
+    from onn.config import typed
+    from onn.config.model import LanguageModelConfig
+    from onn.config.strategy import StrategyConfig
     from onn.hardware.memory import PeakMemory, anon_rss_mb
     from onn.models.layers import discover
     from onn.streaming.engine import StreamingEngine
@@ -250,9 +259,11 @@ def step_memory(spec: dict[str, Any]) -> float:
     from onn.training.lora import apply
 
     # Block by block into the store, as a run with a disk store loads: the model is never whole here.
+    model_cfg = typed(LanguageModelConfig, spec["model"], "bench_streaming's step process: model")
+    strategy = typed(StrategyConfig, spec["strategy"], "bench_streaming's step process: strategy")
     store = LayerStore("disk", "float32", folder=Path(spec["store"]))
-    model, _ = load_into_store(spec["model"], torch.float32, None, store)
-    model = apply(model, "sparse_lora", spec["strategy"], discover(model), spec["layers"])
+    model, _ = load_into_store(model_cfg, torch.float32, None, store)
+    model = apply(model, "sparse_lora", strategy, discover(model), spec["layers"])
     engine = StreamingEngine(
         model, discover(model), store, int(spec["chunk_size"]), stream_edges=bool(spec["stream_edges"])
     )
@@ -274,20 +285,20 @@ def step_memory(spec: dict[str, Any]) -> float:
     return measured
 
 
-def _predicted_step_mb(config: dict[str, Any], budget_mb: float, mb: int, seq: int) -> tuple[float, dict]:
+def _predicted_step_mb(config: ONNConfig, budget_mb: float, mb: int, seq: int) -> tuple[float, dict]:
     """The planner's streaming prediction for this model at this budget (allocations, no context),
     and the settings it chose to fit, for the benchmark's float32 disk store."""
     from onn.planning.plan import estimate
     from onn.planning.spec import model_spec
 
-    spec = model_spec(config["model"], int(config["strategy"]["lora"]["r"]))
+    spec = model_spec(config.model, config.strategy.lora.r)
     hw = {
         "accelerator": "cpu",
         "source": "preset",
         "host_memory_available_mb": budget_mb + 600.0,
         "budget_mb": budget_mb + 600.0,
     }
-    layers = [i % spec.n_blocks for i in config["strategy"]["layers"]]
+    layers = [i % spec.n_blocks for i in config.strategy.layers]
     est = estimate(
         "sparse_lora",
         spec,

@@ -20,6 +20,7 @@ see onn/bench/scores.py for how learning, quality and the scores are decided.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -31,7 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from onn.bench.child import config_from_dict
 from onn.bench.scores import equitable, learned, loss_fall
+from onn.config import ONNConfig, as_dict
+from onn.config.strategy import StreamingConfig
+from onn.config.task import BenchTask
 from onn.errors import UserError
 from onn.planning.plan import make_plan
 from onn.planning.streaming import STREAMING_KEYS
@@ -42,26 +47,28 @@ log = logging.getLogger("onn")
 QUALITY = ("loss_fall", "exact_match")
 
 
-def check_settings(task: dict[str, Any]) -> None:
-    """The task's own keys, checked before anything is profiled, planned or loaded."""
-    if task["quality"] not in QUALITY:
-        raise UserError(f"task.quality={task.get('quality')} is not one of {', '.join(QUALITY)}.")
+def check_settings(task: BenchTask) -> None:
+    """The task's own values, checked before anything is profiled, planned or loaded."""
+    if task.quality not in QUALITY:
+        raise UserError(f"task.quality={task.quality} is not one of {', '.join(QUALITY)}.")
     for key in ("steps", "val_batches"):
-        if not isinstance(task.get(key), int) or task[key] < 1:
-            raise UserError(f"task.{key}={task.get(key)}: the benchmark needs a whole number of at least 1.")
-    if not isinstance(task.get("warmup_steps"), int) or task["warmup_steps"] < 0:
-        raise UserError(f"task.warmup_steps={task.get('warmup_steps')}: give a whole number, 0 or more.")
+        if getattr(task, key) < 1:
+            raise UserError(
+                f"task.{key}={getattr(task, key)}: the benchmark needs a whole number of at least 1."
+            )
+    if task.warmup_steps < 0:
+        raise UserError(f"task.warmup_steps={task.warmup_steps}: give a whole number, 0 or more.")
 
 
 def run(job) -> dict[str, Any]:
-    check_settings(job.config["task"])
+    check_settings(job.config.task)
     if job.plan.get("step_time_source") == "timed":
         # The blocks timed again just before the steps: this shared host's speed drifts over minutes
         # (phi4_tiny's blocks timed at plan time predicted 0.171 s, its run took 0.228 s, and timed again
         # after it 0.21-0.23 s). summarize's prediction reads this timing; the plan's own is kept beside it.
         from onn.modalities.text.calibrate import refine
 
-        steps = int(job.config["task"]["steps"])  # timed for about as long as the steps will take
+        steps = job.config.task.steps  # timed for about as long as the steps will take
         refine(
             job.plan, job.config, job.hardware, job.spec, window_s=steps * float(job.plan["predicted_step_s"])
         )
@@ -69,11 +76,13 @@ def run(job) -> dict[str, Any]:
     return summarize(job.config, job.plan, job.hardware, job.spec, raw)
 
 
-def measure_isolated(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+def measure_isolated(config: ONNConfig, plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """`measure` in a fresh interpreter; its output goes to run_dir/bench.log."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        request = json.dumps({"config": config, "plan": plan, "run_dir": str(run_dir), "result": str(result)})
+        request = json.dumps(
+            {"config": as_dict(config), "plan": plan, "run_dir": str(run_dir), "result": str(result)}
+        )
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
         proc = subprocess.run([sys.executable, "-m", "onn.bench.suite"], input=request, text=True, capture_output=True, env=env)  # fmt: skip
         (run_dir / "bench.log").write_text(proc.stdout + proc.stderr)
@@ -92,8 +101,9 @@ def measure_isolated(config: dict[str, Any], plan: dict[str, Any], run_dir: Path
     )
 
 
-def measure(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    """Run the protocol in this process and return the raw figures (per-step times, losses, peak memory)."""
+def measure(config: ONNConfig, plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """Run the protocol (config.task, a BenchTask) in this process and return the raw figures (per-step times,
+    losses, peak memory)."""
     import gc
 
     from onn.hardware.memory import PeakMemory, anon_rss_mb
@@ -102,15 +112,19 @@ def measure(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict
     from onn.training.callbacks import ResourceMonitor, StepClock
 
     use_threads(plan)  # the fresh process runs on the threads the plan sized to the free cores
-    task = config["task"]
-    warmup, steps = int(task["warmup_steps"]), int(task["steps"])
+    task: BenchTask = config.task
+    warmup, steps = task.warmup_steps, task.steps
     config = copy.deepcopy(config)
-    config["trainer"].update(max_steps=warmup + steps, val_check_interval=warmup + steps, limit_val_batches=int(task["val_batches"]),
-                             enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
-    clock = StepClock()
-    fit = trainer(
-        config, plan, run_dir, [clock, ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))]
+    config.trainer = dataclasses.replace(
+        config.trainer,
+        max_steps=warmup + steps,
+        val_check_interval=warmup + steps,
+        limit_val_batches=task.val_batches,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
+    clock = StepClock()
+    fit = trainer(config, plan, run_dir, [clock, ResourceMonitor(config.trainer.log_every_n_steps)])
     gc.collect()
     cuda = plan["hardware"]["accelerator"] == "cuda"
     baseline = 0.0 if cuda else anon_rss_mb()
@@ -123,14 +137,14 @@ def measure(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict
         fit.fit(module, datamodule=dm)
         cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
     exact = None
-    if task.get("quality") == "exact_match":
+    if task.quality == "exact_match":
         from onn.modalities.text.generate import exact_match
 
         if not any(p for p, _ in dm.val_examples):
             raise UserError(
-                f"task.quality=exact_match needs data with answers; data '{config['data']['name']}' has none."
+                f"task.quality=exact_match needs data with answers; data '{config.data.name}' has none."
             )
-        exact = exact_match(module.model, tokenizer, dm.val_examples, config["data"].get("answer_pattern"), int(task["exact_match_samples"]),
+        exact = exact_match(module.model, tokenizer, dm.val_examples, config.data.answer_pattern, task.exact_match_samples,
                             max_new_tokens=dm.max_answer_tokens + 2, engine=module.engine)  # fmt: skip
     return {
         "step_s": clock.step_s,
@@ -151,12 +165,12 @@ def measure(config: dict[str, Any], plan: dict[str, Any], run_dir: Path) -> dict
 
 
 def summarize(
-    config: dict[str, Any], plan: dict[str, Any], hardware: dict[str, Any], spec, raw: dict[str, Any]
+    config: ONNConfig, plan: dict[str, Any], hardware: dict[str, Any], spec, raw: dict[str, Any]
 ) -> dict[str, Any]:
     """The bench/* and score/* keys from the raw figures and the planner's predictions for the same shapes."""
-    task = config["task"]
-    warmup = int(task["warmup_steps"])
-    batch_size = int(config["data"]["batch_size"])
+    task: BenchTask = config.task
+    warmup = task.warmup_steps
+    batch_size = config.data.batch_size
     timed = raw["step_s"][warmup:]
     step_s = sum(timed) / len(timed)
     io = raw["io_s"][warmup:]
@@ -171,11 +185,11 @@ def summarize(
     ]
     predicted_mem = predicted_alloc + raw["baseline_mb"]
     peak = raw["peak_mb"]
-    is_learned, p = learned(raw["losses"], float(task["learned_p"]))
+    is_learned, p = learned(raw["losses"], task.learned_p)
     val = raw["val_losses"]
     quality = (
         raw["exact_match"]
-        if task.get("quality") == "exact_match"
+        if task.quality == "exact_match"
         else loss_fall(val[0] if val else None, val[-1] if val else None)
     )
     available = (
@@ -213,42 +227,48 @@ def summarize(
         "bench/val_loss_before": val[0] if val else None,
         "bench/val_loss_after": val[-1] if len(val) > 1 else None,
         "bench/quality": round(quality, 4) if quality is not None else None,
-        "bench/quality_metric": task["quality"],
+        "bench/quality_metric": task.quality,
         "bench/threads": plan.get("threads"),
         "bench/cpu_share_planned": hardware.get("cpu_share"),
         "bench/cpu_share_measured": round(raw["cpu_share"], 3) if raw.get("cpu_share") is not None else None,
     }
     out.update(
-        equitable(
-            quality, spec.params, samples_per_s, batch_size, available, peak, task.get("score_weights") or {}
-        )
+        equitable(quality, spec.params, samples_per_s, batch_size, available, peak, task.score_weights)
     )
     _print(out)
     return out
 
 
 def _replan(
-    config: dict[str, Any], plan: dict[str, Any], hardware: dict[str, Any], spec, seq: int, micro_batch: int
+    config: ONNConfig, plan: dict[str, Any], hardware: dict[str, Any], spec, seq: int, micro_batch: int
 ) -> dict[str, Any]:
     """The planner's prediction for the settings this run used (the micro-batch it ended at, after any
     out-of-memory halving), at the sequence length its batches had."""
     cfg = copy.deepcopy(config)
-    cfg["data"]["max_length"] = seq
-    cfg["strategy"].update(name=plan["strategy"], micro_batch=micro_batch, precision=plan["precision"],
-                           gradient_checkpointing=bool(plan.get("gradient_checkpointing")))  # fmt: skip
+    cfg.data.max_length = seq
+    strategy = cfg.strategy
+    strategy.name, strategy.micro_batch, strategy.precision = plan["strategy"], micro_batch, plan["precision"]
+    strategy.gradient_checkpointing = bool(plan.get("gradient_checkpointing"))
     if plan.get("streaming"):
-        cfg["strategy"]["streaming"] = {
-            **(cfg["strategy"].get("streaming") or {}),
-            **{k: plan["streaming"][k] for k in STREAMING_KEYS},
-        }
+        strategy.streaming = fixed_streaming(
+            strategy.streaming, {k: plan["streaming"][k] for k in STREAMING_KEYS}
+        )
     if plan.get("sparse_layers") is not None:
-        cfg["strategy"]["layers"] = plan["sparse_layers"]
+        strategy.layers = plan["sparse_layers"]
     replanned = make_plan(cfg, hardware, spec, use_tuned=False)
     if plan.get("step_time_source") == "timed":  # the model's own blocks, timed at these shapes
         from onn.modalities.text.calibrate import refine
 
         replanned = refine(replanned, cfg, hardware, spec)
     return replanned
+
+
+def fixed_streaming(streaming: StreamingConfig | None, values: dict[str, Any]) -> StreamingConfig:
+    """strategy.streaming with `values` fixed. Without a streaming block (strategy=auto, whose plan chose
+    sparse_lora) every other setting is the planner's: auto, and the prefetch it assumes then."""
+    if streaming is None:
+        streaming = StreamingConfig(**dict.fromkeys(STREAMING_KEYS, "auto"), prefetch=True)
+    return dataclasses.replace(streaming, **values)
 
 
 def _print(out: dict[str, Any]) -> None:
@@ -277,7 +297,8 @@ def _main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     try:
-        raw = measure(request["config"], request["plan"], Path(request["run_dir"]))
+        config = config_from_dict(request["config"], BenchTask, "task=bench's measuring process")
+        raw = measure(config, request["plan"], Path(request["run_dir"]))
     except UserError as e:
         raw = {"error": str(e)}
     Path(request["result"]).write_text(json.dumps(raw))

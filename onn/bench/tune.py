@@ -16,13 +16,16 @@ strategy); afterwards the plan takes `auto` settings from it and says so.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
-from onn.bench.suite import measure
+from onn.bench.suite import fixed_streaming, measure
+from onn.config import ONNConfig
+from onn.config.task import BenchTask, TuneConfig
 from onn.errors import UserError
 from onn.planning.plan import make_plan, micro_batch_sizes
 from onn.planning.streaming import chunk_sizes, store_dtypes
@@ -35,7 +38,7 @@ log = logging.getLogger("onn")
 class _Trials:
     """The settings tried, each timed once: a trial asked for again is the one already run."""
 
-    def __init__(self, job, tune: dict[str, Any], streaming: bool):
+    def __init__(self, job, tune: TuneConfig, streaming: bool):
         self.job, self.tune, self.streaming = job, tune, streaming
         self.rows: list[dict[str, Any]] = []
 
@@ -65,14 +68,13 @@ class _Trials:
 
 def run(job) -> dict[str, Any]:
     config, plan, run_dir, hw, spec = job.config, job.plan, job.run_dir, job.hardware, job.spec
-    tune = config.get("tune") or {}
+    tune = config.tune
     for key, least in (("steps", 1), ("warmup_steps", 0), ("time_budget_s", 0)):
-        value = tune.get(key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < least:
-            raise UserError(f"tune.{key}={value}: give a number, {least} or more.")
+        if getattr(tune, key) < least:
+            raise UserError(f"tune.{key}={getattr(tune, key)}: give a number, {least} or more.")
     streaming = bool(plan.get("streaming"))
     guess = _settings_of(plan)
-    axes = {"micro_batch": micro_batch_sizes(int(config["data"]["batch_size"]))}
+    axes = {"micro_batch": micro_batch_sizes(config.data.batch_size)}
     if streaming:
         axes["chunk_size"] = chunk_sizes(spec.n_blocks)
         axes["store_dtype"] = store_dtypes(hw, plan["precision"])
@@ -85,7 +87,7 @@ def run(job) -> dict[str, Any]:
         log.warning("tune: the planner's own settings did not run within budget (%s)", best["status"])
     for axis, values in axes.items():  # one axis at a time, from the best so far, within the time budget
         for value in values:
-            if time.perf_counter() - started > float(tune["time_budget_s"]):
+            if time.perf_counter() - started > tune.time_budget_s:
                 break
             row = trials({**best["settings"], axis: value})
             if trials.usable(row) and (
@@ -106,7 +108,7 @@ def run(job) -> dict[str, Any]:
 
 
 def _confirmed(
-    trials: _Trials, best: dict[str, Any], guess: dict[str, Any], tune: dict[str, Any]
+    trials: _Trials, best: dict[str, Any], guess: dict[str, Any], tune: TuneConfig
 ) -> dict[str, Any]:
     """The best trial against the planner's guess head to head, alternating (drift hits both alike); a
     gain that does not hold up, or a round that fails (out of memory, ...), keeps the guess."""
@@ -115,7 +117,7 @@ def _confirmed(
     head_to_head = None
     if best is not plan_row and trials.usable(plan_row):
         rounds: dict[str, list] = {"plan": [], "candidate": []}
-        for _ in range(int(tune["confirm_rounds"])):
+        for _ in range(tune.confirm_rounds):
             for row, name in ((plan_row, "plan"), (best, "candidate")):
                 rounds[name].append(
                     trials.timed(row["settings"], trials.job.run_dir / "confirm").get("samples_per_s")
@@ -165,33 +167,31 @@ def _settings_of(plan: dict[str, Any]) -> dict[str, Any]:
     return settings
 
 
-def _with_settings(config: dict[str, Any], settings: dict[str, Any], streaming: bool) -> dict[str, Any]:
+def _with_settings(config: ONNConfig, settings: dict[str, Any], streaming: bool) -> ONNConfig:
     cfg = copy.deepcopy(config)
-    cfg["strategy"]["micro_batch"] = settings["micro_batch"]
+    cfg.strategy.micro_batch = settings["micro_batch"]
     if streaming:
-        cfg["strategy"]["streaming"] = {**(cfg["strategy"].get("streaming") or {}), "chunk_size": settings["chunk_size"],
-                                        "store_dtype": settings["store_dtype"]}  # fmt: skip
+        fixed = {"chunk_size": settings["chunk_size"], "store_dtype": settings["store_dtype"]}
+        cfg.strategy.streaming = fixed_streaming(cfg.strategy.streaming, fixed)
     else:
-        cfg["strategy"]["gradient_checkpointing"] = settings["gradient_checkpointing"]
+        cfg.strategy.gradient_checkpointing = settings["gradient_checkpointing"]
     return cfg
 
 
-def _time(
-    config: dict[str, Any], plan: dict[str, Any], run_dir: Path, tune: dict[str, Any]
-) -> dict[str, Any]:
-    """One trial: the bench protocol with a few steps, in this process."""
-
-    warmup, steps = int(tune["warmup_steps"]), int(tune["steps"])
-    config = {
-        **config,
-        "task": {
-            "name": "tune",
-            "warmup_steps": warmup,
-            "steps": steps,
-            "val_batches": 1,
-            "quality": "loss_fall",
-        },
-    }
+def _time(config: ONNConfig, plan: dict[str, Any], run_dir: Path, tune: TuneConfig) -> dict[str, Any]:
+    """One trial: the bench protocol with a few steps, in this process (`measure` reads the task's protocol;
+    a trial scores no answers and runs no learning test)."""
+    warmup, steps = tune.warmup_steps, tune.steps
+    protocol = BenchTask(
+        name="tune",
+        warmup_steps=warmup,
+        steps=steps,
+        val_batches=1,
+        quality="loss_fall",
+        exact_match_samples=0,
+        learned_p=0.05,
+    )
+    config = dataclasses.replace(config, task=protocol)
     run_dir.mkdir(parents=True, exist_ok=True)
     # Lightning's per-fit banner, once per trial, drowns the table
     quiet = logging.getLogger("lightning.pytorch")
@@ -210,7 +210,7 @@ def _time(
     if raw["oom_backoffs"]:
         return {"status": "out of memory"}
     timed = raw["step_s"][warmup:]
-    return {"status": "ok", "samples_per_s": round(int(config["data"]["batch_size"]) * len(timed) / sum(timed), 3),
+    return {"status": "ok", "samples_per_s": round(config.data.batch_size * len(timed) / sum(timed), 3),
             "peak_growth_mb": round(raw["peak_mb"] - raw["baseline_mb"], 1)}  # fmt: skip
 
 

@@ -21,6 +21,7 @@ speedups compare each side's best round.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import tarfile
@@ -32,6 +33,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from onn.config import ONNConfig
+from onn.config.data import ImageData
+from onn.config.task import BenchVisionTask
 from onn.errors import UserError
 
 log = logging.getLogger("onn")
@@ -45,12 +49,8 @@ def run(job) -> dict[str, Any]:
     from onn.modalities import classification, get
 
     image = get("image")
-    task = config["task"]
-    steps, warmup, repeats = (
-        int(task["steps"]),
-        int(task["warmup"]),
-        int(task["repeats"]),
-    )
+    task: BenchVisionTask = config.task
+    steps, warmup, repeats = task.steps, task.warmup, task.repeats
     if steps < 2 or warmup < 1 or repeats < 1:
         raise UserError("task.steps must be 2 or more, task.warmup and task.repeats 1 or more.")
     dm = classification.setup_data(image, config, job.device)
@@ -108,40 +108,40 @@ def run(job) -> dict[str, Any]:
     return metrics
 
 
-def _augment(config: dict[str, Any], inputs: dict[str, Any]):
+def _augment(config: ONNConfig, inputs: dict[str, Any]):
     from onn.modalities.image.augment import BatchAugment
 
-    return BatchAugment(config["data"].get("augment"), inputs["mean"], inputs["std"])
+    return BatchAugment(config.data.augment, inputs["mean"], inputs["std"])
 
 
-def _plain_model(config: dict[str, Any], inputs: dict[str, Any], device: torch.device):
+def _plain_model(config: ONNConfig, inputs: dict[str, Any], device: torch.device):
     from onn.models.vision import build_classifier
 
-    torch.manual_seed(int(config["seed"]))
+    torch.manual_seed(config.seed)
     channels, height, width = inputs["input_shape"]
-    model = build_classifier(config["model"], channels, len(inputs["classes"]), [height, width]).to(device)
-    if config["model"].get("channels_last"):
+    model = build_classifier(config.model, channels, len(inputs["classes"]), [height, width]).to(device)
+    if config.model.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model
 
 
-def _plain_loop(config, plan, inputs, dm, steps: int, warmup: int, loader=None) -> float:
+def _plain_loop(config: ONNConfig, plan, inputs, dm, steps: int, warmup: int, loader=None) -> float:
     """The hand-written loop: samples/s over `steps` iterations after `warmup` ones."""
     device = dm.device
     model = _plain_model(config, inputs, device).train()
     from onn.training.optim import make_optimizer, make_schedule
 
-    optimizer = make_optimizer(model.parameters(), config["optim"])
-    schedule = make_schedule(optimizer, config["optim"], warmup + steps, config["task"]["monitor"])
+    optimizer = make_optimizer(model.parameters(), config.optim)
+    schedule = make_schedule(optimizer, config.optim, warmup + steps, config.task.monitor)
     scheduler = (
         schedule["scheduler"] if schedule["interval"] == "step" else None
     )  # per-epoch ones never step here
-    clip = float(config["optim"].get("clip_grad_norm") or 0.0)
+    clip = config.optim.clip_grad_norm
     augment = _augment(config, inputs)
-    channels_last = bool(config["model"].get("channels_last"))
-    smoothing = float(config["task"]["label_smoothing"] or 0.0)
-    precision = str(config["trainer"].get("precision") or "auto")
-    precision = plan["precision"] if precision == "auto" else precision  # what ONN's Trainer runs with
+    channels_last = config.model.channels_last
+    smoothing = config.task.label_smoothing
+    precision = config.trainer.precision  # what ONN's Trainer runs with: auto is the plan's
+    precision = plan["precision"] if precision in (None, "auto") else str(precision)
     half = (
         torch.bfloat16
         if precision.startswith("bf16")
@@ -213,7 +213,7 @@ class _Stamps:
         self.callback = Callback()
 
 
-def _onn_run(config, plan, inputs, dm, run_dir: Path, steps: int, warmup: int) -> float:
+def _onn_run(config: ONNConfig, plan, inputs, dm, run_dir: Path, steps: int, warmup: int) -> float:
     """ONN as a run trains: the ImageClassifier under a Lightning Trainer with ONN's callbacks."""
     from onn.modalities import classification, get
     from onn.training.callbacks import ResourceMonitor, StepClock
@@ -221,9 +221,12 @@ def _onn_run(config, plan, inputs, dm, run_dir: Path, steps: int, warmup: int) -
 
     module = classification.build(get("image"), config, plan, inputs)
     stamps = _Stamps(warmup, steps)
-    callbacks = [StepClock(), ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))]
-    cfg = {**config, "trainer": {**config["trainer"], "max_steps": warmup + steps, "max_epochs": -1,
-                                 "limit_val_batches": 0, "num_sanity_val_steps": 0, "enable_checkpointing": False}}  # fmt: skip
+    callbacks = [StepClock(), ResourceMonitor(config.trainer.log_every_n_steps)]
+    # no checkpoint callback: the Trainer writes no checkpoint (onn/training/trainer.py)
+    run_trainer = dataclasses.replace(
+        config.trainer, max_steps=warmup + steps, max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0
+    )
+    cfg = dataclasses.replace(config, trainer=run_trainer)
     trainer = build_trainer(cfg, plan, run_dir / "bench", [*callbacks, stamps.callback], loggers=False,
                             steps_per_epoch=len(dm.train_dataloader()))  # fmt: skip
     trainer.fit(module, train_dataloaders=dm.train_dataloader())
@@ -263,31 +266,40 @@ class _EncodedImages(torch.utils.data.Dataset):
 
 
 class _Transform:
-    def __init__(self, shape: list[int], data_cfg: dict[str, Any], mean, std):
+    """Per sample, as the resident side does per batch: sized as the decoder sizes images, data.augment's
+    steps (onn/modalities/image/augment.py), normalised."""
+
+    def __init__(self, shape: list[int], data: ImageData, mean, std):
         from torchvision import transforms as T
 
         self.channels = shape[0]
         size = tuple(shape[1:])
         steps = []
-        if (
-            data_cfg.get("image_size") and data_cfg.get("resize") == "center_crop"
-        ):  # as the decoder sizes images
+        if data.image_size and data.resize == "center_crop":  # as the decoder sizes images
             steps += [T.Resize(min(size)), T.CenterCrop(size)]
-        elif data_cfg.get("image_size"):
+        elif data.image_size:
             steps.append(T.Resize(size))
-        augment = data_cfg.get("augment") or {}
-        if augment.get("crop_padding"):
-            mode = augment.get("padding_mode", "reflect").replace("zeros", "constant")
-            steps.append(T.RandomCrop(size, padding=int(augment["crop_padding"]), padding_mode=mode))
-        if augment.get("hflip"):
-            steps.append(T.RandomHorizontalFlip(float(augment["hflip"])))
-        if augment.get("color_jitter"):
-            steps.append(T.ColorJitter(**{k: v for k, v in augment["color_jitter"].items() if k != "hue"}))
+        augment = data.augment
+        if augment is not None and augment.crop_padding:
+            mode = augment.padding_mode.replace("zeros", "constant")
+            steps.append(T.RandomCrop(size, padding=augment.crop_padding, padding_mode=mode))
+        if augment is not None and augment.hflip:
+            steps.append(T.RandomHorizontalFlip(augment.hflip))
+        if augment is not None and augment.color_jitter is not None:
+            jitter = augment.color_jitter  # hue is not supported (it must stay 0)
+            steps.append(
+                T.ColorJitter(
+                    brightness=jitter.brightness, contrast=jitter.contrast, saturation=jitter.saturation
+                )
+            )
         steps += [T.ToTensor(), T.Normalize(mean, std)]
-        if augment.get("random_erasing"):
-            erasing = augment["random_erasing"]
-            steps.append(T.RandomErasing(p=float(erasing.get("p", 0.5)), scale=tuple(erasing.get("scale", (0.02, 0.33))),
-                                         ratio=tuple(erasing.get("ratio", (0.3, 3.3))), value=erasing.get("value", 0)))  # fmt: skip
+        if augment is not None and augment.random_erasing is not None:
+            erasing = augment.random_erasing
+            steps.append(
+                T.RandomErasing(
+                    p=erasing.p, scale=tuple(erasing.scale), ratio=tuple(erasing.ratio), value=erasing.value
+                )
+            )
         self.compose = T.Compose(steps)
 
     def __call__(self, image):
@@ -297,14 +309,12 @@ class _Transform:
 class StandardPipeline:
     """torchvision's usual recipe: encoded images -> Dataset (PIL decode, transforms per sample) -> DataLoader."""
 
-    def __init__(self, config: dict[str, Any], dm, inputs: dict[str, Any]):
+    def __init__(self, config: ONNConfig, dm, inputs: dict[str, Any]):
         self.config, self.dm = config, dm
-        self.workers = int(config["task"]["standard_workers"])
+        self.workers = config.task.standard_workers
         channels = inputs["input_shape"][0]
-        self.transform = _Transform(
-            inputs["input_shape"], config["data"].get("augment"), inputs["mean"], inputs["std"]
-        )
-        self.items = _encoded_train_images(str(config["data"]["source"]), dm, channels)
+        self.transform = _Transform(inputs["input_shape"], config.data, inputs["mean"], inputs["std"])
+        self.items = _encoded_train_images(str(config.data.source), dm, channels)
         log.info(
             "standard pipeline: %d encoded training images, %d DataLoader workers",
             len(self.items),

@@ -10,11 +10,11 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
+from onn.config.data import LabelledFiles
 from onn.data.cache import cached_decode
 from onn.data.files import content_digest, existing_source
 from onn.data.labelled import Listing, MediaFile, check_bad, list_labelled, report_left_out
@@ -25,7 +25,7 @@ log = logging.getLogger("onn")
 Loader = Callable[[object], tuple[torch.Tensor, float]]
 
 
-def _as_given(source: str, data_cfg: dict[str, Any], cache_dir) -> str:
+def _as_given(source: str, data_cfg: LabelledFiles, cache_dir) -> str:
     return os.path.expanduser(str(source))
 
 
@@ -37,7 +37,7 @@ class MediaReader:
     kind: str  # "audio", "video": the messages' word and the cache's name
     suffixes: tuple[str, ...]  # the files it reads
     load: Callable  # (file source, fit) -> (stored tensor, seconds): one file
-    settings: Callable  # data config -> the decoding settings (Fit)
+    settings: Callable  # data config (AudioData, VideoData) -> the decoding settings (Fit)
     fit: Callable  # inputs -> the decoding settings a checkpoint's inputs hold
     bad: type[Exception]  # what `load` raises for a file it cannot use
     dtype: torch.dtype  # the stored dtype
@@ -47,33 +47,33 @@ class MediaReader:
     )
 
     def listing(
-        self, source: str, data_cfg: dict[str, Any], key: str, allow_unlabelled: bool = False
+        self, source: str, data_cfg: LabelledFiles, key: str, allow_unlabelled: bool = False
     ) -> Listing:
-        return list_labelled(source, self.suffixes, label_from=data_cfg["label_from"], label_column=data_cfg["label_column"],
+        return list_labelled(source, self.suffixes, label_from=data_cfg.label_from, label_column=data_cfg.label_column,
                              kind=self.kind, key=key, allow_unlabelled=allow_unlabelled)  # fmt: skip
 
-    def read(self, source: str, data_cfg: dict[str, Any], fit, key: str = "data.source", allow_unlabelled: bool = False,
+    def read(self, source: str, data_cfg: LabelledFiles, fit, key: str = "data.source", allow_unlabelled: bool = False,
              workers: int = 1) -> tuple[dict[str, Decoded], float]:  # fmt: skip
         """{split: Decoded} of a source and the seconds of media decoded, from the files (no cache)."""
         found = self.listing(source, data_cfg, key, allow_unlabelled)
         return decode_listing(found, functools.partial(self.load, fit=fit), self.bad, dtype=self.dtype,
-                              max_bad_fraction=float(data_cfg["max_bad_fraction"]), path=source, key=key,
+                              max_bad_fraction=float(data_cfg.max_bad_fraction), path=source, key=key,
                               kind=self.kind, workers=workers)  # fmt: skip
 
     def read_cached(
-        self, source: str, data_cfg: dict[str, Any], cache_dir, key: str = "data.source"
+        self, source: str, data_cfg: LabelledFiles, cache_dir, key: str = "data.source"
     ) -> dict[str, Decoded]:
         """{split: Decoded} for a source, decoded once and then read from the safetensors cache."""
         path = self.resolve(source, data_cfg, cache_dir)
         existing_source(path, key, self.hint)
         fit = self.settings(data_cfg)
-        settings = {"fit": asdict(fit), "label_from": data_cfg["label_from"], "label_column": data_cfg["label_column"],
-                    "max_bad_fraction": data_cfg["max_bad_fraction"]}  # fmt: skip
-        workers = int(data_cfg["num_workers"]) or 1
+        settings = {"fit": asdict(fit), "label_from": data_cfg.label_from, "label_column": data_cfg.label_column,
+                    "max_bad_fraction": data_cfg.max_bad_fraction}  # fmt: skip
+        workers = int(data_cfg.num_workers) or 1
         return cached_decode(self.kind, {"digest": content_digest(path), **settings}, cache_dir,
                              lambda: self.read(path, data_cfg, fit, key, workers=workers)[0], path)  # fmt: skip
 
-    def items(self, source: str, data_cfg: dict[str, Any], cache_dir) -> dict[str, ListedItems]:
+    def items(self, source: str, data_cfg: LabelledFiles, cache_dir) -> dict[str, ListedItems]:
         """Each split, decoded item by item (the streamed fallback)."""
         found = self.listing(self.resolve(source, data_cfg, cache_dir), data_cfg, "data.source")
         loader = functools.partial(self.load, fit=self.settings(data_cfg))

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import lightning as L
 import torch
 
+from onn.config.data import LabelledFiles, SplitData
 from onn.errors import UserError
 
 log = logging.getLogger("onn")
@@ -154,10 +155,10 @@ class StreamedItems(torch.utils.data.Dataset):
         raise UserError("data.source: no item in this split could be decoded.")
 
 
-def class_order(found: list[str], data_cfg: dict[str, Any]) -> list[str]:
+def class_order(found: list[str], data_cfg: SplitData) -> list[str]:
     """The class names in label order: data.classes when given (the data's names must all be in it,
     in any order), else the data's own, padded to data.num_classes when that is larger."""
-    names, n = data_cfg.get("classes"), data_cfg.get("num_classes")
+    names, n = data_cfg.classes, data_cfg.num_classes
     if names:
         names = [str(c) for c in names]
         if numbered(found):  # the data has label numbers: data.classes names them, in that order
@@ -244,13 +245,13 @@ class ClassificationData(L.LightningDataModule):
     `item_mb(items)`, the decoded size of one item."""
 
     def __init__(
-        self, data_cfg: dict[str, Any], cache_dir: str, device: str | torch.device = "cpu", seed: int = 0
+        self, data_cfg: SplitData, cache_dir: str, device: str | torch.device = "cpu", seed: int = 0
     ):
         super().__init__()
         self.cfg, self.cache_dir, self.seed = data_cfg, cache_dir, seed
         self.device = torch.device(device)
-        self.batch_size = int(data_cfg["batch_size"])
-        self.eval_batch_size = int(data_cfg.get("eval_batch_size") or 2 * self.batch_size)
+        self.batch_size = int(data_cfg.batch_size)
+        self.eval_batch_size = int(data_cfg.eval_batch_size or 2 * self.batch_size)
         self.splits: dict[str, Split] = {}
         self.classes: list[str] = []
         self.streamed: dict[str, tuple[Items, list[int]]] | None = None
@@ -282,7 +283,7 @@ class ClassificationData(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.splits or self.streamed:
             return
-        source = self.cfg.get("source")
+        source = self.cfg.source
         if not source:
             raise UserError(
                 "data.source is not set: point it at your copy of the dataset (the data config's comment shows the layouts)."
@@ -300,12 +301,12 @@ class ClassificationData(L.LightningDataModule):
 
     def _too_big(self, source: str) -> bool:
         """Whether the decoded dataset would exceed data.resident_max_mb (resident: auto)."""
-        resident = self.cfg["resident"]
+        resident = self.cfg.resident
         if resident in (True, "true"):
             return False
         if resident in (False, "false"):
             return True
-        budget = self.cfg["resident_max_mb"]
+        budget = self.cfg.resident_max_mb
         if budget in (None, "auto"):
             budget = memory_budget_mb(self.device)
         try:
@@ -328,13 +329,12 @@ class ClassificationData(L.LightningDataModule):
 
     def _setup_resident(self, source: str) -> None:
         sets = self.read(source, "data.source")
-        for split in ("val", "test"):
-            if self.cfg.get(f"{split}_source"):
-                found = self.read(str(self.cfg[f"{split}_source"]), f"data.{split}_source")
+        for split, other in (("val", self.cfg.val_source), ("test", self.cfg.test_source)):
+            if other:
+                found = self.read(str(other), f"data.{split}_source")
                 sets[split] = found.get("all") or found.get(split) or next(iter(found.values()))
-        for split in ("val", "test"):
-            if self.cfg.get(f"{split}_pattern"):
-                sets = held_out_by_name(sets, split, str(self.cfg[f"{split}_pattern"]))
+        for split, pattern in self._patterns().items():
+            sets = held_out_by_name(sets, split, pattern)
         train = sets.get("train") or sets.get("all")
         if train is None:
             raise UserError(f"data.source={source} has no training data (found splits: {', '.join(sets)}).")
@@ -367,8 +367,15 @@ class ClassificationData(L.LightningDataModule):
 
     same_shape_hint = "bring every item to one shape (see the data config)"
 
+    def _patterns(self) -> dict[str, str]:
+        """data.val_pattern / data.test_pattern where set (labelled files: audio, video)."""
+        if not isinstance(self.cfg, LabelledFiles):
+            return {}
+        given = {"val": self.cfg.val_pattern, "test": self.cfg.test_pattern}
+        return {split: str(pattern) for split, pattern in given.items() if pattern}
+
     def _setup_streamed(self, source: str) -> None:
-        if any(self.cfg.get(k) for k in ("val_source", "test_source", "val_pattern", "test_pattern")):
+        if self.cfg.val_source or self.cfg.test_source or self._patterns():
             raise UserError("a streamed dataset takes its splits from data.source: unset data.val_source/test_source "
                             "and data.val_pattern/test_pattern, or set data.resident=true.")  # fmt: skip
         items = self.list_items(source)
@@ -398,7 +405,7 @@ class ClassificationData(L.LightningDataModule):
                 )
 
     def _val_count(self, n: int) -> int:
-        fraction = float(self.cfg["val_split"])
+        fraction = float(self.cfg.val_split)
         if not 0 < fraction < 1:
             raise UserError(
                 f"data.val_split must be between 0 and 1 (got {fraction}) when the data has no val split."
@@ -417,7 +424,7 @@ class ClassificationData(L.LightningDataModule):
     # -- loaders ----------------------------------------------------------------------------------
     def train_dataloader(self):
         if self.streamed:
-            if self.cfg.get("batch_groups"):
+            if self.cfg.batch_groups:
                 raise UserError(
                     "data.batch_groups draws batches from data held in memory, and this data is streamed (too big to hold): "
                     "set data.batch_groups=null, or raise data.resident_max_mb."
@@ -425,7 +432,7 @@ class ClassificationData(L.LightningDataModule):
             return self._loader("train", shuffle=True)
         train = self.splits["train"]
         loader = ResidentBatches(train, self.batch_size, shuffle=True, seed=self.seed, drop_last=True,
-                                 groups=batch_groups(train.names, self.cfg.get("batch_groups")))  # fmt: skip
+                                 groups=batch_groups(train.names, self.cfg.batch_groups))  # fmt: skip
         if self.trainer is not None:
             loader.epoch = self.trainer.current_epoch  # resumed runs continue the epoch sequence
         return loader
@@ -451,7 +458,7 @@ class ClassificationData(L.LightningDataModule):
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         items, index = self.streamed[split]
-        workers = int(self.cfg["num_workers"])
+        workers = int(self.cfg.num_workers)
         # training: stateful, so Lightning keeps the shuffle's position in the checkpoint and a resumed epoch goes
         # on where it stopped (exact with workers; with num_workers=0 the later epochs shuffle differently)
         loader = StatefulDataLoader if shuffle else torch.utils.data.DataLoader

@@ -2,7 +2,8 @@
 (checked, compared with PyTorch in onnxruntime) or `omny` (ONNX with cut points, per-block memory
 and shard plans; see FORMAT_SPEC.md).
 
-    export_model(model, output, sample_input, config)      # Python; also enrich_onnx, inspect_omny, validate
+    export_model(model, output, sample_input, settings)    # Python (settings: onn.config.export's schemas);
+                                                            # also enrich_onnx, inspect_omny, validate
     python run.py task=export export=omny [ckpt=...]        # or after training: task=train export=...
 """
 
@@ -13,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from onn.config import ONNConfig
+from onn.config.export import ExportConfig, ExportSample, OmnyExport, OnnxExport, SafetensorsExport
 from onn.errors import UserError
 
 __all__ = ["export_model", "export_for_run", "enrich_onnx", "inspect_omny", "validate", "kv_cache_bytes"]
@@ -36,21 +39,24 @@ def export_model(
     model,
     output: str | Path,
     sample_input: dict[str, Any] | None,
-    config: dict[str, Any],
+    settings: SafetensorsExport | OnnxExport | OmnyExport,
     *,
+    model_name: str | None = None,
     tokenizer=None,
     engine=None,
 ) -> dict[str, Any]:
-    """Write `model` to `output` in the format config["name"] names; return the export/* metrics.
+    """Write `model` to `output` in the format settings.name names (the export group's schema, e.g.
+    `typed(OnnxExport, {...}, "export")`); return the export/* metrics.
 
     `sample_input` (named tensors) is what ONNX traces and checks against; `engine` is the
-    streaming engine of a layer-streamed model, whose frozen blocks live in its layer store."""
+    streaming engine of a layer-streamed model, whose frozen blocks live in its layer store;
+    `model_name` names the model in a .omny's source (default: its class)."""
     for noisy in ("onnx_ir", "onnxscript"):  # the exporter's passes log every rewrite at INFO
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    kind = config.get("name")
+    kind = settings.name
     if kind not in FORMATS:
         raise UserError(f"export={kind!r} is not one of {', '.join(FORMATS)}.")
-    check_settings(config)
+    check_settings(settings)
     output = Path(output)
     if not output.parent.is_dir():
         raise UserError(
@@ -60,9 +66,9 @@ def export_model(
         from onn.export import hf
 
         metrics = hf.save_folder(
-            model, tokenizer, output, engine=engine, max_shard_size=config.get("max_shard_size", "2GB")
+            model, tokenizer, output, engine=engine, max_shard_size=settings.max_shard_size
         )
-        if config.get("adapter", True) and _has_adapter(model):
+        if settings.adapter and _has_adapter(model):
             metrics.update(hf.save_adapter(model, tokenizer, output.with_name(output.name + "-adapter")))
         return metrics
     if sample_input is None:
@@ -75,7 +81,7 @@ def export_model(
         model = merged_model(model, engine)  # ONNX holds the whole graph: one resident, merged model
     from onn.export.onnx_export import export_onnx
 
-    opset, atol = int(config.get("opset", 18)), float(config.get("atol", 1e-4))
+    opset, atol = settings.opset, settings.atol
     if kind == "onnx":
         return export_onnx(model, output, sample_input, opset=opset, atol=atol)
     import onnx
@@ -90,10 +96,10 @@ def export_model(
         doc = omny.describe(
             graph,
             sample_input,
-            _omny_settings(config, model),
+            _omny_settings(settings, model),
             runs=runs,
             kv_cache_bytes=kv,
-            source=_source(model, config),
+            source=_source(model, model_name),
         )
         omny.write(graph, doc, output)
     metrics["export/onnx"] = str(output)
@@ -101,7 +107,7 @@ def export_model(
     return metrics
 
 
-def export_for_run(config: dict[str, Any], model, run_dir: Path, sample: dict[str, Any] | None = None, *,
+def export_for_run(config: ONNConfig, model, run_dir: Path, sample: dict[str, Any] | None = None, *,
                    tokenizer=None, engine=None) -> dict[str, Any]:  # fmt: skip
     """Write a run's model in the `export` group's format, to export.output or the run folder's export/.
 
@@ -109,32 +115,36 @@ def export_for_run(config: dict[str, Any], model, run_dir: Path, sample: dict[st
     for them when it is None (export.sample sets its batch size and sequence length)."""
     from onn.export.onnx_export import sample_inputs
 
-    settings = {**config["export"], "model_name": config["model"]["name"]}
-    kind = settings["name"]
+    settings: SafetensorsExport | OnnxExport | OmnyExport = config.export
+    kind = settings.name
     default = {"safetensors": "hf", "onnx": "model.onnx", "omny": "model.omny"}[kind]
-    output = Path(settings.get("output") or Path(run_dir) / "export" / default)
-    if not settings.get("output"):
+    output = Path(settings.output or Path(run_dir) / "export" / default)
+    if not settings.output:
         output.parent.mkdir(parents=True, exist_ok=True)
     if sample is None and kind != "safetensors":
-        shape = settings.get("sample") or {}
+        shape: ExportSample = settings.sample
         plain = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's wrapper
-        sample = sample_inputs(plain, int(shape.get("batch_size", 2)), int(shape.get("sequence_length", 16)),
-                               shape.get("image_size"), seed=int(config["seed"]))  # fmt: skip
-    metrics = export_model(model, output, sample, settings, tokenizer=tokenizer, engine=engine)
+        sample = sample_inputs(
+            plain, shape.batch_size, shape.sequence_length, shape.image_size, seed=config.seed
+        )
+    metrics = export_model(
+        model, output, sample, settings, model_name=config.model.name, tokenizer=tokenizer, engine=engine
+    )
     log.info("export: %s", {k: v for k, v in metrics.items() if not isinstance(v, dict | list)})
     return metrics
 
 
-def check_settings(config: dict[str, Any]) -> None:
-    """The export group's keys, checked before a model is loaded or trained: one sentence per mistake."""
-    kind = config.get("name")
-    if kind in (None, "none"):
+def check_settings(export: ExportConfig) -> None:
+    """The export group's values, checked before a model is loaded or trained: one sentence per mistake.
+    (Its keys and their types are checked by Hydra when the config is composed.)"""
+    kind = export.name
+    if kind == "none":
         return
     if kind not in FORMATS:
         raise UserError(f"export={kind!r} is not one of {', '.join(FORMATS)}.")
 
     def number(key: str, minimum: float, strict: bool = True, whole: bool = False) -> None:
-        value = config.get(key)
+        value = getattr(export, key)
         kind_ok = isinstance(value, int) if whole else isinstance(value, int | float)
         if isinstance(value, bool) or not kind_ok or value < minimum or (strict and value == minimum):
             what = "a whole number" if whole else "a number"
@@ -147,12 +157,12 @@ def check_settings(config: dict[str, Any]) -> None:
     if kind != "omny":
         return
     for key, strict in (("max_shard_size_mb", True), ("min_vram_mb", True), ("headroom_mb", False)):
-        if config.get(key) is not None:  # null: the format's own default (onn/export/shards.py)
+        if getattr(export, key) is not None:  # null: the format's own default (onn/export/shards.py)
             number(key, 0, strict=strict)
     number("max_configs", 1, strict=False, whole=True)
     number("reference_sequence_length", 1, strict=False, whole=True)
     for key, whole in (("nodes", False), ("shard_counts", True)):
-        value = config.get(key)
+        value = getattr(export, key)
         if value is None:
             continue
         ok = (
@@ -172,15 +182,17 @@ def check_settings(config: dict[str, Any]) -> None:
             )
 
 
-def _omny_settings(config: dict[str, Any], model) -> dict[str, Any]:
+def _omny_settings(export: OmnyExport, model) -> dict[str, Any]:
+    """export=omny's limits as omny.describe takes them (a plain dict: the format's API, also enrich_onnx's);
+    a null limit is left out, so the format's default (omny.DEFAULTS) holds."""
     from onn.export.omny import DEFAULTS
     from onn.export.onnx_export import max_sequence_length
 
-    settings = {k: config[k] for k in DEFAULTS if config.get(k) is not None}
+    limits = {k: getattr(export, k) for k in DEFAULTS if getattr(export, k) is not None}
     longest = max_sequence_length(model)  # learned position tables (GPT-2, CLIP) end there
-    reference = int(settings.get("reference_sequence_length", DEFAULTS["reference_sequence_length"]))
-    settings["reference_sequence_length"] = min(reference, longest) if longest else reference
-    return settings
+    reference = export.reference_sequence_length
+    limits["reference_sequence_length"] = min(reference, longest) if longest else reference
+    return limits
 
 
 def _omny_metrics(doc: dict[str, Any], output: Path) -> dict[str, Any]:
@@ -226,11 +238,11 @@ def kv_cache_bytes(model) -> dict[str, int]:
     return {path: 2 * kv_heads * head_dim * itemsize for path in (runs[0] if runs else [])}
 
 
-def _source(model, config: dict[str, Any]) -> dict[str, Any]:
+def _source(model, model_name: str | None) -> dict[str, Any]:
     seen, params = set(), 0
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))
             params += p.numel()
-    return {"name": str(config.get("model_name") or type(model).__name__), "framework": "pytorch",
+    return {"name": str(model_name or type(model).__name__), "framework": "pytorch",
             "class": type(model).__name__, "parameters": params}  # fmt: skip

@@ -134,7 +134,7 @@ def describe(
         "cut_points": cut_points,
     }  # fmt: skip
     doc["shard_plans"] = _shard_plans(g, parts, blocks, settings)
-    doc["node_plan"] = _node_plan(g, parts, blocks, settings) if settings.get("nodes") else None
+    doc["node_plan"] = _node_plan(g, parts, blocks, settings) if settings["nodes"] else None
     return doc
 
 
@@ -145,7 +145,7 @@ def _shard_plans(g: G.Graph, parts: list[G.Piece], blocks: list[dict], settings:
         max_shard_size_mb=float(settings["max_shard_size_mb"]),
         min_vram_mb=float(settings["min_vram_mb"]),
         headroom_mb=float(settings["headroom_mb"]),
-        counts=list(settings["shard_counts"]) if settings.get("shard_counts") else None,
+        counts=list(settings["shard_counts"]) if settings["shard_counts"] else None,
         max_configs=int(settings["max_configs"]),
     )
     return {

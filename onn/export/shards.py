@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from onn.config import ONNConfig
+from onn.config.task import BenchShardPlanTask
 from onn.errors import UserError
 
 MB = 2**20
@@ -244,30 +246,28 @@ def largest_remainder(n: int, weights: list[float]) -> list[int]:
     return counts
 
 
-def bench(config: dict) -> dict:
-    """Time the full planning of a synthetic model (task=bench_shard_plan); the sizes come from config["task"]."""
-    task = config.get("task") or {}
-    n = int(task.get("blocks", 100))
-    repeats = max(1, int(task.get("repeats", 5)))
+def bench(config: ONNConfig) -> dict:
+    """Time the full planning of a synthetic model (task=bench_shard_plan); the sizes come from config.task."""
+    task: BenchShardPlanTask = config.task
+    n = task.blocks
+    repeats = max(1, task.repeats)
     blocks = synthetic_blocks(
         n,
-        seed=int(task.get("seed", 0)),
-        block_mb=float(task.get("block_mb", 48)),
-        jitter=float(task.get("jitter", 0.1)),
-        embed_mb=float(task.get("embed_mb", 250)),
-        head_mb=float(task.get("head_mb", 250)),
-        activation_mb=float(task.get("activation_mb", 16)),
-        head_activation_mb=float(task.get("head_activation_mb", 64)),
+        seed=task.seed,
+        block_mb=task.block_mb,
+        jitter=task.jitter,
+        embed_mb=task.embed_mb,
+        head_mb=task.head_mb,
+        activation_mb=task.activation_mb,
+        head_activation_mb=task.head_activation_mb,
     )
-    base = [
-        float(x) for x in task.get("nodes_mb", [2048, 1536, 4096, 3072, 1536, 2048, 8192, 1536, 4096, 2048])
-    ]
+    base = [float(x) for x in task.nodes_mb]
     # Scale the fleet to `fleet_slack` times what the model needs, so the plan is tight (as on a real small fleet).
     peak = max(block.activation_bytes for block in blocks) / MB
     need = sum(block.weight_bytes for block in blocks) / MB + len(base) * (HEADROOM_MB + peak)
     biggest = max(block.weight_bytes + block.activation_bytes for block in blocks) / MB + HEADROOM_MB
     # ... and at least so big that the smallest node holds any one block (every node holds at least one).
-    scale = max(float(task.get("fleet_slack", 1.3)) * need / sum(base), biggest / min(base))
+    scale = max(task.fleet_slack * need / sum(base), biggest / min(base))
     nodes = [round(mem * scale, 1) for mem in base]
 
     shard_times, plans = _timed(lambda: plan_shards(blocks), repeats)

@@ -33,6 +33,7 @@ from typing import Any
 
 import psutil
 
+from onn.config import HardwareConfig, as_dict
 from onn.hardware.disk import read_mb_s
 
 MB = 1024**2
@@ -48,15 +49,17 @@ VERSION = 7  # what `measure` records; a cached profile of another version is me
 
 
 def resolve(
-    hw_cfg: dict[str, Any], cache_dir: str | os.PathLike, probe_dir: str | os.PathLike
+    hw_cfg: HardwareConfig, cache_dir: str | os.PathLike, probe_dir: str | os.PathLike
 ) -> dict[str, Any]:
-    """The hardware profile for this run: a preset as written, or this machine measured (cached)."""
-    if not hw_cfg["measure"]:
-        profile = {k: hw_cfg.get(k) for k in PROFILE_KEYS}
+    """The hardware profile for this run: a preset as written, or this machine measured (cached). The profile
+    is data (a dict of what was measured, PROFILE_KEYS and more), whichever it is."""
+    if not hw_cfg.measure:
+        preset = as_dict(hw_cfg)
+        profile = {k: preset[k] for k in PROFILE_KEYS}
         profile["device_memory_free_mb"] = profile["device_memory_free_mb"] or profile["device_memory_mb"]
         profile["host_memory_available_mb"] = profile["host_memory_available_mb"] or profile["host_memory_mb"]
         profile["source"] = "preset"
-        profile["budget_mb"] = hw_cfg.get("budget_mb")
+        profile["budget_mb"] = hw_cfg.budget_mb
         # a machine one does not have: its cores are taken to be free, its disk to be large enough
         profile.update(
             cpu_busy_cores=0.0, cpu_runnable_threads=0.0, cpu_share=1.0, disk_free_mb=None, thread_limit=None
@@ -64,8 +67,8 @@ def resolve(
         return profile
 
     fingerprint = machine_fingerprint()
-    cache = Path(hw_cfg.get("cache") or Path(cache_dir) / "hardware") / f"{fingerprint}.json"
-    profile = json.loads(cache.read_text()) if cache.exists() and not hw_cfg["refresh"] else None
+    cache = Path(hw_cfg.cache or Path(cache_dir) / "hardware") / f"{fingerprint}.json"
+    profile = json.loads(cache.read_text()) if cache.exists() and not hw_cfg.refresh else None
     if profile is not None and profile.get("version") != VERSION:
         profile = None
     if profile is not None and profile.get("busy_while_measuring", 0) >= 0.5 and cpu_busy_cores(0.3) < 0.25:
@@ -73,7 +76,7 @@ def resolve(
     if profile is not None:
         profile["source"] = f"cache ({cache})"
     else:
-        profile = measure(probe_dir, int(hw_cfg["disk_probe_mb"]))
+        profile = measure(probe_dir, int(hw_cfg.disk_probe_mb))
         profile["fingerprint"] = fingerprint
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(f".{os.getpid()}.tmp")  # runs measuring at once each write their own
@@ -81,7 +84,7 @@ def resolve(
         tmp.replace(cache)
         profile["source"] = "measured"
     profile.update(now(profile["accelerator"], cache_dir))  # what changes from run to run
-    profile["budget_mb"] = hw_cfg.get("budget_mb")
+    profile["budget_mb"] = hw_cfg.budget_mb
     return profile
 
 

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from onn.config import DataConfig, ModelConfig, ONNConfig
+from onn.config.model import NetworkConfig
+from onn.config.run import PairSideConfig
 from onn.errors import UserError
 from onn.hardware.cluster import compute_device
 
@@ -30,12 +33,15 @@ if TYPE_CHECKING:
 
     from onn.planning.spec import ModelSpec
 
+# What a classifier's hooks read: a run's config, or one side's of a dual encoder (its data, model, seed, paths)
+RunConfig = ONNConfig | PairSideConfig
+
 
 @dataclass
 class Job:
     """Everything a task works on: the resolved config, where it writes, and what was planned."""
 
-    config: dict[str, Any]
+    config: ONNConfig
     run_dir: Path
     modality: Modality
     hardware: dict[str, Any] | None = None
@@ -56,6 +62,8 @@ class Modality:
     default_data: str = ""  # the conf/data option `data=auto` switches to
     default_model: str = ""  # the conf/model option used when the command line names none
     description: str = ""  # one line for messages ("prompt/answer text", "image classification")
+    data_schema: type[DataConfig] = DataConfig  # its conf/data options' type (onn/config/data.py)
+    model_schema: type[ModelConfig] = ModelConfig  # the type of the models it trains (onn/config/model.py)
     sniff_priority: int = (
         0  # data=auto asks higher first: specific modalities before text, which reads any UTF-8
     )
@@ -67,7 +75,7 @@ class Modality:
         """Why `path` holds this modality's data (a short reason), or None. Reads little, and only regular files."""
         return None
 
-    def check(self, config: dict[str, Any]) -> None:
+    def check(self, config: ONNConfig) -> None:
         """Raise UserError for a setting that cannot work, before anything is loaded or written."""
 
     # The plan and the tasks live in the module `implementation` names, imported when first used (it brings
@@ -85,7 +93,7 @@ class Modality:
             self._unsupported(task or name)
         return getattr(module, name)
 
-    def plan(self, config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = True):
+    def plan(self, config: ONNConfig, hardware: dict[str, Any], use_tuned: bool = True):
         """(plan, ModelSpec) for this config on this hardware."""
         return self._implementation("plan")(self, config, hardware, use_tuned)
 
@@ -106,9 +114,9 @@ class Modality:
         (onn/modalities/text/generate.py), a classifier's Predictor (onn/modalities/classification.py)."""
         return self._implementation("serving", "serve")(job)
 
-    def pair_side(self, config: dict[str, Any]) -> PairSide:
-        """This modality as one side of a dual encoder (onn/modalities/pairs). `config` is a run config of
-        this modality (its data and model groups, seed, paths) holding the side's settings."""
+    def pair_side(self, config: PairSideConfig) -> PairSide:
+        """This modality as one side of a dual encoder (onn/modalities/pairs). `config` is the side's run config
+        (its modality's data and model configs holding the side's settings, the seed, paths)."""
         raise UserError(f"{self.name} data ({self.description}) cannot be one side of a pair.")
 
     def _unsupported(self, task: str) -> dict[str, Any]:
@@ -125,9 +133,7 @@ class PairSide(Protocol):
     turns a batch of them into features, augmenting while it is in training mode."""
 
     name: str  # the modality's name
-    config: dict[
-        str, Any
-    ]  # the side's run config (data, model, seed): saved with a checkpoint, it rebuilds the side
+    config: PairSideConfig  # the side's run config (data, model, seed, paths): saved (as_dict), it rebuilds the side
 
     def read(self, items: list[Path | str]) -> tuple[torch.Tensor, list[int], list[tuple[int, str]]]:
         """Files (or, for text, the strings themselves) as one stored tensor [n, ...] of the items that could
@@ -161,23 +167,24 @@ class ClassifierModality(Modality):
     Subclasses fill in the hooks; planning, training, evaluation, inference and export are shared
     (onn/modalities/classification.py, imported when a classifier first runs: it brings Lightning)."""
 
+    model_schema = NetworkConfig
     stored_dtype: str = (
         "float32"  # the dtype its datasets hold inputs in (uint8 pixels, float16 samples, ...)
     )
 
-    def datamodule(self, config: dict[str, Any], device: str):
+    def datamodule(self, config: ONNConfig, device: str):
         """The data config's dataset, a ClassificationData (not set up yet)."""
         raise NotImplementedError
 
-    def network(self, model_cfg: dict[str, Any], inputs: dict[str, Any]):
+    def network(self, model_cfg: NetworkConfig, inputs: dict[str, Any]):
         """The model config's nn.Module for `inputs` (input_shape, classes)."""
         raise NotImplementedError
 
-    def transform(self, config: dict[str, Any], inputs: dict[str, Any]):
+    def transform(self, config: RunConfig, inputs: dict[str, Any]):
         """Stored batch -> network input, called as transform(x, train=...); None: x.float()."""
         return None
 
-    def input_stats(self, config: dict[str, Any], dm) -> dict[str, Any]:
+    def input_stats(self, config: ONNConfig, dm) -> dict[str, Any]:
         """What the transform needs from the training data (e.g. mean/std); saved in `inputs`."""
         return {}
 
@@ -185,11 +192,11 @@ class ClassifierModality(Modality):
         """Stand-ins for input_stats where no data has been read (task=plan, export without a checkpoint)."""
         return {}
 
-    def planned_inputs(self, config: dict[str, Any]) -> dict[str, Any]:
+    def planned_inputs(self, config: RunConfig) -> dict[str, Any]:
         """`inputs` from the config alone: input_shape and classes."""
         raise NotImplementedError
 
-    def read_inputs(self, source: Path, inputs: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    def read_inputs(self, source: Path, inputs: dict[str, Any], config: RunConfig) -> dict[str, Any]:
         """task.input (a file, a folder, an archive) as {split: Decoded}, decoded as the training data was."""
         raise NotImplementedError
 
@@ -201,7 +208,7 @@ class ClassifierModality(Modality):
     # -- shared: onn/modalities/classification.py -------------------------------------------------
     implementation = "onn.modalities.classification"
 
-    def pair_side(self, config: dict[str, Any]) -> PairSide:
+    def pair_side(self, config: PairSideConfig) -> PairSide:
         """Its network (with `width` outputs) as the encoder, its transform, and read_inputs for the files."""
         return self._implementation("ClassifierSide")(self, config)
 
@@ -217,9 +224,9 @@ class MediaModality(ClassifierModality):
 
         return importlib.import_module(self.dataset).READER
 
-    def read_inputs(self, source: Path, inputs: dict[str, Any], config: dict[str, Any]):
+    def read_inputs(self, source: Path, inputs: dict[str, Any], config: RunConfig):
         reader = self.reader()
         decoded, _ = reader.read(
-            str(source), config["data"], reader.fit(inputs), key="task.input", allow_unlabelled=True
+            str(source), config.data, reader.fit(inputs), key="task.input", allow_unlabelled=True
         )
         return decoded

@@ -18,6 +18,7 @@ data: classes, input_shape, the validation split's seed and the modality's own (
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -29,6 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from onn.config import ONNConfig, as_dict
+from onn.config.export import OnnxExport, SafetensorsExport
+from onn.config.model import NetworkConfig
+from onn.config.run import PairSideConfig
+from onn.config.task import InferTask, TrainTask
 from onn.data.files import write_jsonl
 from onn.data.resident import ClassificationData, ResidentBatches, Split
 from onn.errors import UserError
@@ -50,9 +56,9 @@ TOP_K = 5
 PICTURED = 64  # inputs drawn in infer's picture
 
 
-def plan(m: ClassifierModality, config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = True):
+def plan(m: ClassifierModality, config: ONNConfig, hardware: dict[str, Any], use_tuned: bool = True):
     inputs = m.planned_inputs(config)
-    model_cfg = config["model"]
+    model_cfg: NetworkConfig = config.model
     with torch.device("meta"):
         network = m.network(model_cfg, inputs)
         sample = torch.empty(1, *inputs["input_shape"])
@@ -60,42 +66,44 @@ def plan(m: ClassifierModality, config: dict[str, Any], hardware: dict[str, Any]
     if transform is not None:  # the network's input is the transform's output (e.g. a spectrogram)
         stored = torch.zeros(1, *inputs["input_shape"], dtype=getattr(torch, m.stored_dtype))
         sample = transform(stored, train=False).to("meta")
-    spec = network_spec(network, sample, str(model_cfg["name"]), pretrained=bool(model_cfg.get("weights")),
+    spec = network_spec(network, sample, str(model_cfg.name), pretrained=bool(model_cfg.weights),
                         head_params=head_params(network, len(inputs["classes"])),
-                        blocks_path=(model_cfg.get("layer_map") or {}).get("blocks"))  # fmt: skip
+                        blocks_path=(model_cfg.layer_map or {}).get("blocks"))  # fmt: skip
     return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
 
 
 def build(
-    m: ClassifierModality, config: dict[str, Any], plan: dict[str, Any], inputs: dict[str, Any]
+    m: ClassifierModality, config: ONNConfig, plan: dict[str, Any], inputs: dict[str, Any]
 ) -> Classifier:
     """The Classifier for `inputs`: from the data, or from a checkpoint."""
-    torch.manual_seed(int(config["seed"]))
-    model_cfg, strategy = config["model"], plan["strategy"]
+    torch.manual_seed(int(config.seed))
+    model_cfg: NetworkConfig = config.model
+    strategy = plan["strategy"]
     network = m.network(model_cfg, inputs)
     if strategy == "linear_probe":  # the plan admits full and linear_probe only
         backbone, width = feature_extractor(network)
         network = LinearProbe(backbone, width, len(inputs["classes"]))
-    onn_config = {"model": model_cfg, "strategy": {**config["strategy"], "name": strategy}, "data": config["data"],
-                  "inputs": inputs, "modality": m.name}  # fmt: skip
-    task = config["task"]  # eval, infer and export have no training keys: no smoothing, the default monitor
-    module = Classifier(network, inputs["classes"], config["optim"], onn_config, transform=m.transform(config, inputs),
-                        label_smoothing=float(task.get("label_smoothing") or 0.0),
-                        channels_last=bool(model_cfg.get("channels_last", False)),
-                        inputs="features" if strategy == "linear_probe" else "data", monitor=task.get("monitor", "val/acc"),
-                        adapt_norm=bool(task.get("adapt_norm")))  # fmt: skip
-    if model_cfg.get("compile"):
+    # what the checkpoint keeps to rebuild this model (plain values; read back with onn.config.typed)
+    onn_config = {"model": as_dict(model_cfg), "strategy": as_dict(dataclasses.replace(config.strategy, name=strategy)),
+                  "data": as_dict(config.data), "inputs": inputs, "modality": m.name}  # fmt: skip
+    # every task a classifier runs (eval, infer, export, serve, the vision benches) extends train's keys
+    task: TrainTask = config.task
+    module = Classifier(network, inputs["classes"], config.optim, onn_config, transform=m.transform(config, inputs),
+                        label_smoothing=float(task.label_smoothing), channels_last=bool(model_cfg.channels_last),
+                        inputs="features" if strategy == "linear_probe" else "data", monitor=task.monitor,
+                        adapt_norm=bool(task.adapt_norm))  # fmt: skip
+    if model_cfg.compile:
         module.model = torch.compile(module.model)  # the Lightning module keeps the same parameters
     return module
 
 
-def data_inputs(m: ClassifierModality, config: dict[str, Any], dm: ClassificationData) -> dict[str, Any]:
+def data_inputs(m: ClassifierModality, config: ONNConfig, dm: ClassificationData) -> dict[str, Any]:
     # the seed picks the validation split held out of train: eval and infer of a checkpoint reuse it
-    return {"classes": dm.classes, "input_shape": list(dm.input_shape), "seed": int(config["seed"]),
+    return {"classes": dm.classes, "input_shape": list(dm.input_shape), "seed": int(config.seed),
             **m.input_stats(config, dm)}  # fmt: skip
 
 
-def setup_data(m: ClassifierModality, config: dict[str, Any], device: str) -> ClassificationData:
+def setup_data(m: ClassifierModality, config: ONNConfig, device: str) -> ClassificationData:
     dm = m.datamodule(config, device)
     dm.setup()
     return dm
@@ -105,8 +113,8 @@ def train(job: Job) -> dict[str, Any]:
     m = job.modality
     config, plan, run_dir, ckpt = job.config, job.plan, job.run_dir, job.ckpt
     saved = saved_inputs(ckpt) if ckpt is not None else None
-    if saved:  # a resumed run keeps the validation split it started with
-        config = {**config, "seed": saved.get("seed", config["seed"])}
+    if saved and "seed" in saved:  # a resumed run keeps the validation split it started with
+        config = dataclasses.replace(config, seed=int(saved["seed"]))
     dm = setup_data(m, config, job.device)
     module = build(m, config, plan, saved or data_inputs(m, config, dm))
     if ckpt is not None:  # before Lightning restores it: a checkpoint of another network is one sentence
@@ -119,7 +127,7 @@ def train(job: Job) -> dict[str, Any]:
     with PeakMemory(job.device) as peak:
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
         trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"))  # the final state, also mid-epoch
-    monitor = config["task"]["monitor"]
+    monitor = config.task.monitor
     best, best_score = _best(trainer.checkpoint_callback, ckpt, run_dir, monitor)
     metrics: dict[str, Any] = {
         "epochs": trainer.current_epoch,
@@ -151,14 +159,12 @@ def train(job: Job) -> dict[str, Any]:
     save_confusion(module.confusion[stage], module.classes, picture)
     metrics["confusion_matrix"] = str(picture)
     log.info("%s accuracy %.4f (best checkpoint %s)", stage, metrics.get(f"{stage}/acc", float("nan")), best)
-    if config["export"]["name"] != "none":
+    if config.export.name != "none":
         metrics.update(export_module(m, config, module, run_dir))
     return metrics
 
 
-def load_trained(
-    m: ClassifierModality, config: dict[str, Any], plan: dict[str, Any], ckpt: Path
-) -> Classifier:
+def load_trained(m: ClassifierModality, config: ONNConfig, plan: dict[str, Any], ckpt: Path) -> Classifier:
     """The classifier with the checkpoint's weights."""
     module = build(m, config, plan, saved_inputs(ckpt))
     check_state(
@@ -204,8 +210,9 @@ def evaluate(job: Job) -> dict[str, Any]:
 def infer(job: Job) -> dict[str, Any]:
     """Predict the classes of task.input (one file, a folder or an archive): predictions.jsonl and a PNG."""
     m = job.modality
-    config, task = job.config, job.config["task"]
-    source = task["input"]
+    config = job.config
+    task: InferTask = config.task
+    source = task.input
     if not source:
         raise UserError(
             f"task=infer on {m.name} data needs task.input=PATH (a file, a folder or an archive)."
@@ -224,7 +231,7 @@ def infer(job: Job) -> dict[str, Any]:
     model = module.to(device).eval()
     rows, shown, predicted_names, true_names, correct, known = [], [], [], [], 0, 0
     classes = inputs["classes"]
-    batch = int(config["data"].get("eval_batch_size") or 256)
+    batch = int(config.data.eval_batch_size or 2 * config.data.batch_size)  # null: 2 x batch_size
     for split, decoded in sets.items():
         for start in range(0, len(decoded.labels), batch):
             x = decoded.inputs[start : start + batch].to(device)
@@ -249,7 +256,7 @@ def infer(job: Job) -> dict[str, Any]:
                     shown.append(decoded.inputs[j])
                     predicted_names.append(guess)
                     true_names.append(true)
-    output = Path(task["output"] or job.run_dir / "predictions.jsonl")
+    output = Path(task.output or job.run_dir / "predictions.jsonl")
     write_jsonl(rows, output)
     picture = output.with_suffix(".png")
     m.picture(torch.stack(shown), predicted_names, true_names, picture, inputs)
@@ -265,9 +272,7 @@ class Predictor:
     """A trained classifier answering one file at a time (task=serve): decoded by the modality's own
     read_inputs, as task=infer and the training data are."""
 
-    def __init__(
-        self, m: ClassifierModality, config: dict[str, Any], module: Classifier, device: torch.device
-    ):
+    def __init__(self, m: ClassifierModality, config: ONNConfig, module: Classifier, device: torch.device):
         self.modality, self.config, self.device = m, config, device
         self.module = module.to(device).eval()
         self.inputs = module.onn_config["inputs"]
@@ -317,28 +322,30 @@ def export(job: Job) -> dict[str, Any]:
 
 
 def export_module(
-    m: ClassifierModality, config: dict[str, Any], module: Classifier, run_dir: Path
+    m: ClassifierModality, config: ONNConfig, module: Classifier, run_dir: Path
 ) -> dict[str, Any]:
     """safetensors: the network's state dict plus what rebuilds it (config.json; model.weights loads it);
     onnx / omny: the network as a graph with a [batch, *input] input."""
-    settings = config["export"]
+    settings = config.export
     network = module.model.eval()
     inputs = module.onn_config["inputs"]
-    if settings["name"] == "safetensors":
+    if isinstance(settings, SafetensorsExport):
         from safetensors.torch import save_model
 
-        folder = Path(settings.get("output") or run_dir / "export" / "safetensors")
+        folder = Path(settings.output or run_dir / "export" / "safetensors")
         folder.mkdir(parents=True, exist_ok=True)
         save_model(network, str(folder / "model.safetensors"), metadata={"format": "pt"})
         (folder / "config.json").write_text(
-            json.dumps({"model": config["model"], "inputs": inputs, "modality": m.name}, indent=2)
+            json.dumps({"model": as_dict(config.model), "inputs": inputs, "modality": m.name}, indent=2)
         )
         log.info("export: %s", folder)
         return {"export/format": "safetensors", "export/path": str(folder)}
-    batch = int((settings.get("sample") or {}).get("batch_size", 2))
+    if not isinstance(settings, OnnxExport):  # (export=none never comes here)
+        raise UserError(f"export={settings.name}: a classifier exports safetensors, onnx or omny.")
+    batch = int(settings.sample.batch_size)
     stored = torch.zeros(batch, *input_shape(inputs), dtype=getattr(torch, m.stored_dtype))
     x = module.prepare(stored, train=False) if module.transform is not None else stored
-    generator = torch.Generator().manual_seed(int(config["seed"]))
+    generator = torch.Generator().manual_seed(int(config.seed))
     sample = {"input": torch.randn(x.shape, generator=generator, dtype=x.dtype)}
     return export_for_run(config, network, run_dir, sample)
 
@@ -366,7 +373,7 @@ class ClassifierSide:
     outputs is the encoder, its transform (with neutral statistics) goes in front, and its read_inputs
     decodes the side's files as it decodes task.input, so any classifier modality pairs without more code."""
 
-    def __init__(self, m: ClassifierModality, config: dict[str, Any]):
+    def __init__(self, m: ClassifierModality, config: PairSideConfig):
         self.m, self.name, self.config = m, m.name, config
         planned = m.planned_inputs(config)
         self.inputs = {**planned, **m.neutral_stats(planned)}
@@ -392,7 +399,7 @@ class ClassifierSide:
 
     def encoder(self, width: int) -> SideEncoder:
         network = self.m.network(
-            self.config["model"], {**self.inputs, "classes": [str(i) for i in range(width)]}
+            self.config.model, {**self.inputs, "classes": [str(i) for i in range(width)]}
         )
         return SideEncoder(self.m.transform(self.config, self.inputs), network)
 
@@ -423,7 +430,7 @@ def saved_inputs(ckpt: Path) -> dict[str, Any]:
     return inputs
 
 
-def features(module: Classifier, dm: ClassificationData, config: dict[str, Any]) -> ClassificationData:
+def features(module: Classifier, dm: ClassificationData, config: ONNConfig) -> ClassificationData:
     """The same datamodule serving backbone features for every split, computed once and cached (safetensors)."""
     from safetensors.torch import load_file, save_file
 
@@ -435,14 +442,16 @@ def features(module: Classifier, dm: ClassificationData, config: dict[str, Any])
     for k in sorted(state):
         weights.update(k.encode())
         weights.update(state[k].detach().float().cpu().numpy().tobytes())
+    data = {
+        k: v
+        for k, v in as_dict(config.data).items()
+        if k not in ("batch_size", "eval_batch_size", "num_workers")
+    }
     key = json.dumps({"weights": weights.hexdigest(), "inputs": module.onn_config["inputs"],
                       "data": {k: hashlib.sha256("\n".join(v.names).encode()).hexdigest() for k, v in dm.splits.items()},
-                      "config": {k: v for k, v in config["data"].items() if k not in ("batch_size", "eval_batch_size", "num_workers")}},
-                     sort_keys=True, default=str)  # fmt: skip
+                      "config": data}, sort_keys=True, default=str)  # fmt: skip
     cache = (
-        Path(config["paths"]["cache"])
-        / "features"
-        / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
+        Path(config.paths.cache) / "features" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
     )
     if cache.is_file():
         saved = load_file(str(cache), device=str(dm.device))
@@ -465,20 +474,20 @@ def features(module: Classifier, dm: ClassificationData, config: dict[str, Any])
     return dm
 
 
-def _callbacks(config: dict[str, Any], run_dir: Path) -> list:
+def _callbacks(config: ONNConfig, run_dir: Path) -> list:
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
-    task = config["task"]
-    monitor = task["monitor"]
+    task: TrainTask = config.task
+    monitor = task.monitor
     # the best by `monitor` (the first ModelCheckpoint: trainer.checkpoint_callback), and the latest every epoch
     best = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), filename="best", monitor=monitor, mode=monitor_mode(monitor),
                            save_top_k=1, auto_insert_metric_name=False, enable_version_counter=False)  # fmt: skip
     last = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), save_top_k=0, save_last=True)
-    callbacks = [best, last, StepClock(), ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))]
-    stop = task.get("early_stopping")
-    if stop:
-        callbacks.append(EarlyStopping(monitor=monitor, mode=monitor_mode(monitor), patience=int(stop["patience"]),
-                                       min_delta=float(stop.get("min_delta") or 0.0)))  # fmt: skip
+    callbacks = [best, last, StepClock(), ResourceMonitor(int(config.trainer.log_every_n_steps))]
+    stop = task.early_stopping
+    if stop.patience > 0:
+        callbacks.append(EarlyStopping(monitor=monitor, mode=monitor_mode(monitor), patience=int(stop.patience),
+                                       min_delta=float(stop.min_delta)))  # fmt: skip
     return callbacks
 
 

@@ -16,11 +16,12 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import Any
 
+from onn.config.model import LanguageModelConfig
 from onn.errors import UserError
 from onn.models.tokenizer import byte_tokenizer
 
+INIT_SEED = 0  # random weights (model.source=random) are drawn from this seed: the same model every run
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".joblib")
 CONVERT_HINT = (
     "ONN loads safetensors only (pickle files can run code when loaded). Convert it once on a machine you trust: "
@@ -56,67 +57,64 @@ def source_kind(source: str | None) -> str:
     return "hub"
 
 
-def is_pretrained(model_cfg: dict[str, Any]) -> bool:
+def is_pretrained(model_cfg: LanguageModelConfig) -> bool:
     """Weights that carry knowledge (anything but random init): the planner prefers LoRA for them."""
-    return model_cfg.get("source") not in (None, "", "random")
+    return model_cfg.source not in (None, "", "random")
 
 
-def architecture(model_cfg: dict[str, Any]):
+def architecture(model_cfg: LanguageModelConfig):
     """The transformers config of the model, from the model YAML (no weights needed)."""
     from transformers import AutoConfig
 
-    arch = dict(model_cfg.get("architecture") or {})
+    arch = dict(model_cfg.architecture or {})  # a copy: model_type is taken out of it
     if not arch:
-        kind = source_kind(model_cfg.get("source"))
+        kind = source_kind(model_cfg.source)
         if kind == "folder":
             return AutoConfig.from_pretrained(
-                expand(model_cfg["source"]), trust_remote_code=bool(model_cfg.get("trust_remote_code"))
+                expand(model_cfg.source), trust_remote_code=model_cfg.trust_remote_code
             )
         if kind == "hub":
             return AutoConfig.from_pretrained(
-                hub_folder(model_cfg["source"]), trust_remote_code=bool(model_cfg.get("trust_remote_code"))
+                hub_folder(model_cfg.source), trust_remote_code=model_cfg.trust_remote_code
             )
         return None
     model_type = arch.pop("model_type", None)
     if model_type is None:
         raise UserError(
-            f"model.architecture of '{model_cfg.get('name')}' needs a model_type (e.g. llama, phi3, gpt2)."
+            f"model.architecture of '{model_cfg.name}' needs a model_type (e.g. llama, phi3, gpt2)."
         )
     return AutoConfig.for_model(model_type, **arch)
 
 
-def meta_model(model_cfg: dict[str, Any]):
+def meta_model(model_cfg: LanguageModelConfig):
     """The model built on PyTorch's meta device: exact shapes and parameter counts, no memory, no weights."""
     import torch
 
     with torch.device("meta"):
-        if source_kind(model_cfg.get("source")) == "python":
-            return _split_builder_result(_call_builder(model_cfg["source"], model_cfg.get("kwargs") or {}))[0]
+        if source_kind(model_cfg.source) == "python":
+            return _split_builder_result(_call_builder(model_cfg.source))[0]
         config = architecture(model_cfg)
         if config is None:
             raise UserError(
-                f"model '{model_cfg.get('name')}' has no architecture in its config; add model.architecture to plan it without weights."
+                f"model '{model_cfg.name}' has no architecture in its config; add model.architecture to plan it without weights."
             )
-        return auto_class(config).from_config(
-            config, trust_remote_code=bool(model_cfg.get("trust_remote_code"))
-        )
+        return auto_class(config).from_config(config, trust_remote_code=model_cfg.trust_remote_code)
 
 
-def load(model_cfg: dict[str, Any], dtype=None, cache_dir: str | os.PathLike | None = None):
+def load(model_cfg: LanguageModelConfig, dtype=None, cache_dir: str | os.PathLike | None = None):
     """Build or load the model and its tokenizer. `dtype` is the weights dtype the plan chose;
     `cache_dir` keeps converted GGUF models so the slow conversion happens once per file."""
     import torch
 
-    kind = source_kind(model_cfg.get("source"))
-    source = model_cfg.get("source")
-    remote = bool(model_cfg.get("trust_remote_code"))
+    source = model_cfg.source
+    kind, remote = source_kind(source), model_cfg.trust_remote_code
     tokenizer = None
     if kind == "random":
         config = architecture(model_cfg)
-        torch.manual_seed(int(model_cfg.get("init_seed", 0)))
+        torch.manual_seed(INIT_SEED)
         model = auto_class(config).from_config(config, trust_remote_code=remote)
     elif kind == "python":
-        model, tokenizer = _split_builder_result(_call_builder(source, model_cfg.get("kwargs") or {}))
+        model, tokenizer = _split_builder_result(_call_builder(source))
     elif kind == "gguf":
         model, tokenizer = _load_gguf(expand(source), dtype, cache_dir)
     elif kind == "safetensors":
@@ -144,17 +142,17 @@ def load(model_cfg: dict[str, Any], dtype=None, cache_dir: str | os.PathLike | N
     return model, finish_tokenizer(model_cfg, tokenizer, remote)
 
 
-def load_4bit(model_cfg: dict[str, Any], compute_dtype, cache_dir: str | os.PathLike, device: str = "cpu"):
+def load_4bit(model_cfg: LanguageModelConfig, compute_dtype, cache_dir: str | os.PathLike, device: str = "cpu"):
     """The model with its linear layers in 4-bit NF4 (QLoRA's base), through transformers' own
     BitsAndBytesConfig. A Hugging Face folder loads quantized directly; any other source is built,
     written once as a safetensors folder under cache_dir/nf4 and loaded from there, quantized."""
     import torch
     from transformers import BitsAndBytesConfig
 
-    kind, remote = source_kind(model_cfg.get("source")), bool(model_cfg.get("trust_remote_code"))
+    kind, remote = source_kind(model_cfg.source), model_cfg.trust_remote_code
     tokenizer = None
     if kind in ("folder", "hub"):
-        folder = expand(model_cfg["source"]) if kind == "folder" else hub_folder(model_cfg["source"])
+        folder = expand(model_cfg.source) if kind == "folder" else hub_folder(model_cfg.source)
         refuse_pickle_folder(folder)
         tokenizer = tokenizer_from(folder, remote)
     else:
@@ -182,16 +180,16 @@ def load_4bit(model_cfg: dict[str, Any], compute_dtype, cache_dir: str | os.Path
     return model, finish_tokenizer(model_cfg, tokenizer, remote)
 
 
-def finish_tokenizer(model_cfg: dict[str, Any], tokenizer, remote: bool):
+def finish_tokenizer(model_cfg: LanguageModelConfig, tokenizer, remote: bool):
     """The tokenizer the model config asks for (or the source's), with a pad token."""
-    tok_cfg = model_cfg.get("tokenizer")
+    tok_cfg = model_cfg.tokenizer
     if tok_cfg == "byte":
         tokenizer = byte_tokenizer()
     elif tok_cfg:
         tokenizer = tokenizer_from(expand(tok_cfg), remote)
     if tokenizer is None:
         raise UserError(
-            f"model '{model_cfg.get('name')}' has no tokenizer; set model.tokenizer to a folder with one, or `byte`."
+            f"model '{model_cfg.name}' has no tokenizer; set model.tokenizer to a folder with one, or `byte`."
         )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -329,7 +327,7 @@ def check_gguf(path: str) -> None:
             )
 
 
-def _load_safetensors_file(model_cfg: dict[str, Any], path: str):
+def _load_safetensors_file(model_cfg: LanguageModelConfig, path: str):
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -363,7 +361,7 @@ def _load_safetensors_file(model_cfg: dict[str, Any], path: str):
     return model
 
 
-def _call_builder(spec: str, kwargs: dict[str, Any]):
+def _call_builder(spec: str):
     file, _, func = str(spec).rpartition(":")
     path = Path(expand(file))
     if not path.is_file():
@@ -373,17 +371,23 @@ def _call_builder(spec: str, kwargs: dict[str, Any]):
     module_spec.loader.exec_module(module)
     if not hasattr(module, func):
         raise UserError(f"model.source {spec}: {file} defines no function '{func}'.")
-    return getattr(module, func)(**kwargs)
+    return getattr(module, func)()
 
 
 def _split_builder_result(result):
     return result if isinstance(result, tuple) else (result, None)
 
 
-def model_fingerprint(model_cfg: dict[str, Any]) -> str:
-    """Identifies the frozen weights: source (with its size and mtime), architecture, init seed, dtype."""
-    parts = {k: model_cfg.get(k) for k in ("source", "architecture", "init_seed", "dtype")}
-    source = os.path.expanduser(str(model_cfg.get("source") or ""))
+def model_fingerprint(model_cfg: LanguageModelConfig) -> str:
+    """Identifies the frozen weights: source (with its size and mtime), architecture, dtype. (`init_seed`
+    stays in the key, as null, so that the stores and tune results cached before keep their folders.)"""
+    parts = {
+        "source": model_cfg.source,
+        "architecture": model_cfg.architecture,
+        "init_seed": None,
+        "dtype": model_cfg.dtype,
+    }
+    source = os.path.expanduser(str(model_cfg.source or ""))
     if os.path.exists(source):
         stat = os.stat(source)
         parts["stat"] = [stat.st_size, stat.st_mtime_ns]

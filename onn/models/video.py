@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from onn.config.model import NetworkConfig
 from onn.errors import UserError
 from onn.models.vision import build_classifier, load_weights
 
@@ -28,15 +29,15 @@ TORCHVISION = ("r3d_18", "r2plus1d_18", "mc3_18")
 POOLS = ("mean", "tconv")
 
 
-def build_video_classifier(model_cfg: dict[str, Any], channels: int, num_classes: int, frames: int,
+def build_video_classifier(model_cfg: NetworkConfig, channels: int, num_classes: int, frames: int,
                            image_size: list[int]) -> nn.Module:  # fmt: skip
-    source = str(model_cfg.get("source") or "")
+    source = str(model_cfg.source or "")
     kind, _, name = source.partition(":")
-    kwargs = dict(model_cfg.get("kwargs") or {})
+    kwargs = dict(model_cfg.kwargs or {})
     if kind == "torchvision":
         model = _torchvision(name, source, channels, num_classes, kwargs)
-        if model_cfg.get("weights"):
-            load_weights(model, model_cfg["weights"])
+        if model_cfg.weights:
+            load_weights(model, model_cfg.weights)
     elif kind == "zoo":
         from onn.models.zoo import VIDEO, build_zoo
 
@@ -55,15 +56,14 @@ def build_video_classifier(model_cfg: dict[str, Any], channels: int, num_classes
             )
         except TypeError as e:
             raise UserError(f"model.kwargs does not fit {source}: {e}; fix or remove that key.") from e
-        if model_cfg.get("weights"):
-            load_weights(model, model_cfg["weights"])
+        if model_cfg.weights:
+            load_weights(model, model_cfg.weights)
     elif kind == "timm":
-        pool = model_cfg.get("temporal_pool") or "mean"
+        pool = model_cfg.temporal_pool
         if pool not in POOLS:
             raise UserError(f"model.temporal_pool={pool!r}: use mean or tconv.")
-        frame_cfg = {**model_cfg, "kwargs": kwargs}
         backbone = build_classifier(
-            frame_cfg, channels, num_classes, image_size
+            model_cfg, channels, num_classes, image_size
         )  # weights loaded, head fresh
         model = FrameClassifier(backbone, num_classes, pool)
     else:

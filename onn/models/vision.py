@@ -18,6 +18,7 @@ from typing import Any
 
 from torch import nn
 
+from onn.config.model import NetworkConfig
 from onn.errors import UserError
 from onn.models.load import CONVERT_HINT, PICKLE_SUFFIXES
 from onn.models.zoo import build_zoo
@@ -27,11 +28,13 @@ log = logging.getLogger("onn")
 DATA_KWARGS = ("in_channels", "in_chans", "num_classes", "image_size", "pretrained")
 
 
-def build_classifier(model_cfg: dict, in_channels: int, num_classes: int, image_size: list[int]) -> nn.Module:
+def build_classifier(
+    model_cfg: NetworkConfig, in_channels: int, num_classes: int, image_size: list[int]
+) -> nn.Module:
     """The model named by model_cfg.source, for images of in_channels x image_size and num_classes classes."""
-    source = str(model_cfg.get("source") or "")
+    source = str(model_cfg.source or "")
     kind, _, name = source.partition(":")
-    kwargs = dict(model_cfg.get("kwargs") or {})
+    kwargs = dict(model_cfg.kwargs or {})
     for key in DATA_KWARGS:
         if key in kwargs:
             raise UserError(
@@ -57,10 +60,10 @@ def build_classifier(model_cfg: dict, in_channels: int, num_classes: int, image_
             "or timm:NAME (any timm model, e.g. timm:resnet18)."
         )
     changed: set[str] = set()
-    if kind == "timm" and _small_input(model_cfg.get("small_input", "auto"), image_size):
+    if kind == "timm" and _small_input(model_cfg.small_input, image_size):
         changed = adapt_small_input(model, image_size)
-    if model_cfg.get("weights"):
-        load_weights(model, model_cfg["weights"], changed)
+    if model_cfg.weights:
+        load_weights(model, model_cfg.weights, changed)
     # where timm keeps the input size: the ONNX exporter traces at the data's shape, not ImageNet's
     model.pretrained_cfg = {
         **(getattr(model, "pretrained_cfg", None) or {}),

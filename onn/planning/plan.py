@@ -9,9 +9,12 @@ the first of lora -> qlora -> sparse_lora that fits; a model trained from random
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
+from onn.config import ONNConfig, StreamingConfig, as_dict
 from onn.dtypes import BYTES_PER_VALUE as DTYPE_BYTES
 from onn.errors import UserError
 from onn.models.layers import resolve_indices
@@ -46,25 +49,24 @@ NETWORK_CANDIDATES = ("full", "linear_probe")
 AUTO_ORDER = ("lora", "qlora", "sparse_lora")  # pretrained weights: the first that fits wins
 
 
-def make_network_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
+def make_network_plan(cfg: ONNConfig, hw: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
     """The plan for a classifier network (images, audio, video, points): full training or a linear
     probe, the whole batch in one pass."""
-    strategy_cfg, data_cfg = cfg["strategy"], cfg["data"]
-    requested = strategy_cfg["name"]
+    requested = cfg.strategy.name
     if requested not in ("auto", *NETWORK_CANDIDATES):
         raise UserError(
             f"strategy={requested}: classifiers train with strategy=full or strategy=linear_probe "
             "(the LoRA and streaming strategies are for language models)."
         )
-    batch = int(data_cfg["batch_size"])
-    precision = strategy_cfg["precision"]
+    batch = int(cfg.data.batch_size)
+    precision = cfg.strategy.precision
     reasons = []
     if precision in (None, "auto") and hw["accelerator"] == "cpu" and hw.get("bf16"):
         precision = "bf16-mixed"  # oneDNN runs bf16 convolutions on AMX / AVX512-BF16: v28 trained 2x faster
         reasons.append("precision bf16-mixed: this CPU has bf16 matrix units (AMX / AVX512-BF16)")
     precision = choose_precision(hw) if precision in (None, "auto") else precision
     half = precision.startswith(("bf16", "16"))
-    optimizer_bytes = 8 if cfg["optim"]["name"] == "adamw" else 4  # AdamW keeps two moments, SGD one
+    optimizer_bytes = 8 if cfg.optim.name == "adamw" else 4  # AdamW keeps two moments, SGD one
     ctx = context_mb(hw)
     estimates = {}
     for name in NETWORK_CANDIDATES:
@@ -111,10 +113,11 @@ def make_network_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) 
 
 def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro_batch: int, precision: str,
              sparse_layers: list[int], batch_size: int, store_dtype: str | None = None,
-             streaming: dict[str, Any] | None = None, checkpointing: bool = False,
+             fixed: dict[str, Any] | None = None, prefetch: bool = True, checkpointing: bool = False,
              present: dict[str, int] | None = None, where: str = "paths.cache") -> Estimate:  # fmt: skip
     """Predicted memory of one candidate at one micro-batch. With gradient checkpointing, autograd
-    keeps only each block's input, and one block's activations exist at a time, during its recompute."""
+    keeps only each block's input, and one block's activations exist at a time, during its recompute.
+    `fixed`: the streaming settings the config fixes (fixed_streaming); `prefetch`: strategy.streaming.prefetch."""
     mixed = precision.endswith("mixed")
     half = 2 if (mixed or precision.startswith(("bf16", "16"))) else 4
     act_bytes = half
@@ -151,12 +154,9 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
         activations = kept_layers * tokens * act_bytes + logits
         extra = 0
     elif strategy == "sparse_lora":
-        fixed = {
-            k: v for k, v in (streaming or {}).items() if k in STREAMING_KEYS and v not in (None, "auto")
-        }
         shape = StreamShape(spec, hw, compute_dtype_name(hw, precision), seq, micro_batch, batch_size, sparse_layers,
-                            per_token_layer, logits, prefetch=bool((streaming or {}).get("prefetch", True)),
-                            budget=(budget_mb(hw) - ctx) * MB, fixed=fixed, present=present or {}, where=where)  # fmt: skip
+                            per_token_layer, logits, prefetch=prefetch, budget=(budget_mb(hw) - ctx) * MB,
+                            fixed=dict(fixed or {}), present=present or {}, where=where)  # fmt: skip
         return estimate_streaming(shape, [store_dtype] if store_dtype else store_dtypes(hw, precision), ctx)
     else:
         raise ValueError(strategy)
@@ -180,30 +180,44 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
     return est
 
 
-def check_settings(cfg: dict[str, Any], hw: dict[str, Any]) -> None:
+def check_settings(cfg: ONNConfig, hw: dict[str, Any]) -> None:
     """What a plan cannot be made from, in one sentence before any is made: strategy.streaming values, and
     a memory budget below what the process already holds (planned, it would be a negative budget)."""
-    streaming = cfg["strategy"].get("streaming") or {}
-    chunk = streaming.get("chunk_size", "auto")
-    if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise UserError(
-            f"strategy.streaming.chunk_size={chunk!r}: give a whole number of blocks, 1 or more, or auto."
-        )
-    for key, choices in STREAMING_CHOICES.items():
-        if streaming.get(key, "auto") not in ("auto", None, *choices):
-            raise UserError(
-                f"strategy.streaming.{key}={streaming[key]!r} is not one of auto, {', '.join(choices)}."
-            )
+    streaming = cfg.strategy.streaming
+    if streaming is not None:
+        check_streaming(streaming)
     held = context_mb(hw)
     if budget_mb(hw) <= held:
-        cause = (f"hardware.budget_mb={hw['budget_mb']:g} MB" if hw.get("budget_mb")
+        given = cfg.hardware.budget_mb
+        cause = (f"hardware.budget_mb={given:g} MB" if given
                  else f"this machine's available memory ({hw.get('host_memory_available_mb') or hw.get('device_memory_mb')} MB)")  # fmt: skip
         raise UserError(f"{cause} is below what the run holds before any model is built ({held:,.0f} MB: "
                         f"{'the CUDA context' if hw['accelerator'] == 'cuda' else 'Python, torch and the libraries'}); "
                         f"give a budget above {held:,.0f} MB.")  # fmt: skip
 
 
-def _store_present_bytes(cfg: dict[str, Any], store_dtype: str) -> int:
+def check_streaming(streaming: StreamingConfig) -> None:
+    """strategy.streaming's values: a chunk size of whole blocks, and each choice one of its kind."""
+    chunk = streaming.chunk_size
+    if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise UserError(
+            f"strategy.streaming.chunk_size={chunk!r}: give a whole number of blocks, 1 or more, or auto."
+        )
+    for key, choices in STREAMING_CHOICES.items():
+        value = getattr(streaming, key)
+        if value not in ("auto", None, *choices):
+            raise UserError(f"strategy.streaming.{key}={value!r} is not one of auto, {', '.join(choices)}.")
+
+
+def fixed_streaming(streaming: StreamingConfig | None) -> dict[str, Any]:
+    """The streaming settings the config fixes (those not `auto`), by name: the planner takes them as given."""
+    if streaming is None:
+        return {}
+    values = as_dict(streaming)
+    return {k: values[k] for k in STREAMING_KEYS if values[k] not in (None, "auto")}
+
+
+def _store_present_bytes(cfg: ONNConfig, store_dtype: str) -> int:
     """Bytes of complete blocks already in this model's disk store of `store_dtype` (a build resumes there)."""
     folder = _store_folder(cfg) / store_dtype
     if not folder.is_dir():
@@ -223,7 +237,7 @@ def micro_batch_sizes(batch_size: int) -> list[int]:
 class PlanRequest:
     """What a language model's plan is asked for, read once from the config."""
 
-    cfg: dict[str, Any]
+    cfg: ONNConfig
     hw: dict[str, Any]
     spec: ModelSpec
     requested: str
@@ -232,19 +246,20 @@ class PlanRequest:
     sparse_layers: list[int]
     fixed_micro_batch: int | None
     checkpointing: bool
-    streaming: dict[str, Any]
+    fixed: dict[str, Any]  # the streaming settings the config fixes (fixed_streaming)
+    prefetch: bool
     present: dict[str, int]
     precisions: dict[str, str]
 
     @classmethod
-    def read(cls, cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> PlanRequest:
-        strategy_cfg, data_cfg = cfg["strategy"], cfg["data"]
-        seq, batch_size, n = int(data_cfg["max_length"]), int(data_cfg["batch_size"]), spec.n_blocks
+    def read(cls, cfg: ONNConfig, hw: dict[str, Any], spec: ModelSpec) -> PlanRequest:
+        strategy_cfg = cfg.strategy
+        seq, batch_size, n = int(cfg.data.max_length), int(cfg.data.batch_size), spec.n_blocks
         # the sparse_lora candidate of another strategy: first and last four blocks, as many as exist
         default = [i for i in (0, 1, 2, 3, -4, -3, -2, -1) if -n <= i < n]
-        layers = strategy_cfg.get("layers") if strategy_cfg["name"] == "sparse_lora" else default
+        layers = strategy_cfg.layers if strategy_cfg.name == "sparse_lora" else default
         sparse_layers = resolve_indices(layers, n)
-        fixed_mb = strategy_cfg["micro_batch"]
+        fixed_mb = strategy_cfg.micro_batch
         if fixed_mb not in (None, "auto") and (not isinstance(fixed_mb, int) or fixed_mb < 1):
             raise UserError(
                 f"strategy.micro_batch={fixed_mb}: give a whole number of samples, 1 or more, or auto."
@@ -256,17 +271,17 @@ class PlanRequest:
             if hw.get("disk_free_mb") is not None
             else {}
         )
-        precisions = {name: _precision(strategy_cfg["precision"], name, spec, hw, seq, batch_size, sparse_layers)
+        precisions = {name: _precision(strategy_cfg.precision, name, spec, hw, seq, batch_size, sparse_layers)
                       for name in CANDIDATES}  # fmt: skip
-        return cls(cfg, hw, spec, strategy_cfg["name"], seq, batch_size, sparse_layers,
+        streaming = strategy_cfg.streaming
+        return cls(cfg, hw, spec, strategy_cfg.name, seq, batch_size, sparse_layers,
                    None if fixed_mb in (None, "auto") else int(fixed_mb),
-                   strategy_cfg.get("gradient_checkpointing") is True,  # auto: off unless task=tune found it faster
-                   strategy_cfg.get("streaming") or {}, present, precisions)  # fmt: skip
+                   strategy_cfg.gradient_checkpointing is True,  # auto: off unless task=tune found it faster
+                   fixed_streaming(streaming), streaming.prefetch if streaming is not None else True,
+                   present, precisions)  # fmt: skip
 
 
-def make_plan(
-    cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec, use_tuned: bool = True
-) -> dict[str, Any]:
+def make_plan(cfg: ONNConfig, hw: dict[str, Any], spec: ModelSpec, use_tuned: bool = True) -> dict[str, Any]:
     """The plan: chosen strategy with reasons, micro-batch, precision, and every candidate's memory."""
     check_settings(cfg, hw)
     if spec.kind == "network":
@@ -285,12 +300,12 @@ def _best_estimate(r: PlanRequest, name: str) -> Estimate:
     bound by the host link is no faster for larger micro-batches, only larger."""
     sizes = [r.fixed_micro_batch] if r.fixed_micro_batch else micro_batch_sizes(r.batch_size)
     layers = r.sparse_layers if name == "sparse_lora" else list(range(r.spec.n_blocks))
-    store = r.streaming["store_dtype"] if r.streaming.get("store_dtype") not in (None, "auto") else None
+    store = r.fixed.get("store_dtype")
     streamed_on_gpu = name == "sparse_lora" and r.hw["accelerator"] == "cuda"
     fitting, last = [], None
     for mb in sizes:
-        last = estimate(name, r.spec, r.hw, r.seq, mb, r.precisions[name], layers, r.batch_size, store, r.streaming,
-                        r.checkpointing, present=r.present, where=str(_store_folder(r.cfg)))  # fmt: skip
+        last = estimate(name, r.spec, r.hw, r.seq, mb, r.precisions[name], layers, r.batch_size, store, r.fixed,
+                        r.prefetch, r.checkpointing, present=r.present, where=str(_store_folder(r.cfg)))  # fmt: skip
         if last.fits and not streamed_on_gpu:
             return last
         if last.fits:
@@ -308,7 +323,7 @@ def _choose(r: PlanRequest, estimates: dict[str, Estimate]) -> tuple[str, list[s
         reasons = [f"strategy={r.requested} was asked for"]
         if r.requested not in estimates:  # ddp / fsdp / deepspeed: full training placed by Lightning
             reasons.append(
-                f"sized as full training; Lightning strategy '{r.cfg['strategy'].get('lightning')}' places it"
+                f"sized as full training; Lightning strategy '{r.cfg.strategy.lightning}' places it"
             )
         return (r.requested if r.requested in estimates else "full"), reasons
     if not r.spec.pretrained:
@@ -331,7 +346,7 @@ def _refuse_unfit(r: PlanRequest, chosen: str, est: Estimate) -> None:
         raise UserError(est.streaming["refused"])
     if not est.fits:
         need = est.peak_mb + est.context_mb
-        smallest = need if r.hw.get("budget_mb") else need / HEADROOM
+        smallest = need if r.cfg.hardware.budget_mb else need / HEADROOM
         raise UserError(
             f"hardware {r.hw.get('name')}: a budget of {budget_mb(r.hw):,.0f} MB cannot hold one streamed block plus activations "
             f"for {r.spec.name} at data.max_length={r.seq}; the smallest budget that works is about {smallest:,.0f} MB "
@@ -347,7 +362,7 @@ def _notes(r: PlanRequest, chosen: str, est: Estimate) -> list[str]:
     if not est.fits:
         notes.append(f"WARNING: predicted {est.peak_mb + est.context_mb:,.0f} MB exceeds the {budget_mb(hw):,.0f} MB "
                      "budget; expect out-of-memory")  # fmt: skip
-    if precision != choose_precision(hw) and r.cfg["strategy"]["precision"] in (None, "auto"):
+    if precision != choose_precision(hw) and r.cfg.strategy.precision in (None, "auto"):
         rows = est.micro_batch * r.seq
         notes.append(
             f"precision {precision}: this CPU's bf16 matmuls make the step faster ({matmul_rate(hw, 'bfloat16', rows, threads) / 1e9:,.0f} "
@@ -445,12 +460,10 @@ def _moved(s: dict[str, Any]) -> str:
     return f"{read} and {copied:,.1f} GB copied to the GPU" if copied else read
 
 
-def _store_folder(cfg: dict[str, Any]):
-    from pathlib import Path
-
+def _store_folder(cfg: ONNConfig) -> Path:
     from onn.models.load import model_fingerprint
 
-    return Path(cfg["paths"]["cache"]) / "stores" / model_fingerprint(cfg["model"])
+    return Path(cfg.paths.cache) / "stores" / model_fingerprint(cfg.model)
 
 
 def hardware_summary(hw: dict[str, Any]) -> dict[str, Any]:
@@ -460,25 +473,26 @@ def hardware_summary(hw: dict[str, Any]) -> dict[str, Any]:
     return {k: hw.get(k) for k in keys}
 
 
-def _with_tuned(
-    plan: dict[str, Any], cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec
-) -> dict[str, Any]:
+def _with_tuned(plan: dict[str, Any], cfg: ONNConfig, hw: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
     """The plan again with the `auto` settings that task=tune measured on this machine, when it has."""
     tuned = lookup(cfg, hw, plan["strategy"], plan["sequence_length"])
     if tuned is None:
         return plan
-    strategy = dict(cfg["strategy"])
-    streaming = dict(strategy.get("streaming") or {})
+    config = copy.deepcopy(cfg)
+    strategy = config.strategy
     taken = {}
     for key, value in tuned["settings"].items():
-        holder = streaming if key in STREAMING_KEYS else strategy
-        if holder.get(key, "auto") in (None, "auto"):
-            holder[key] = taken[key] = value
+        if key in STREAMING_KEYS and strategy.streaming is None:
+            strategy.streaming = (
+                StreamingConfig()
+            )  # a strategy that names no streaming streams with every `auto`
+        holder = strategy.streaming if key in STREAMING_KEYS else strategy
+        if hasattr(holder, key) and getattr(holder, key) in (None, "auto"):  # what the config fixes stays
+            setattr(holder, key, value)
+            taken[key] = value
     if not taken:
         return plan
-    tuned_plan = make_plan(
-        {**cfg, "strategy": {**strategy, "streaming": streaming}}, hw, spec, use_tuned=False
-    )
+    tuned_plan = make_plan(config, hw, spec, use_tuned=False)
     if tuned_plan["strategy"] != plan["strategy"] or not tuned_plan["candidates"][plan["strategy"]]["fits"]:
         plan["reasons"].append(
             f"task=tune's settings {taken} ({tuned['path']}) no longer fit: using the planner's own"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from onn.config import HardwareConfig, ONNConfig
 from onn.planning.costs import HEADROOM, MB, budget_mb, choose_precision, compute_dtype_name, compute_s
 from onn.planning.plan import estimate, micro_batch_sizes
 from onn.planning.spec import ModelSpec
@@ -42,22 +43,22 @@ CPU_ADAM_WEIGHTS_S = 1.0e9
 GATHERED_BLOCKS = 2  # FSDP and ZeRO-3 gather the next block while this one computes
 
 
-def scale_plan(cfg: dict[str, Any], hw: dict[str, Any], spec: ModelSpec) -> dict[str, Any] | None:
+def scale_plan(cfg: ONNConfig, hw: dict[str, Any], spec: ModelSpec) -> dict[str, Any] | None:
     """Per-device memory and step time of each multi-device setup, and the one to use. None for a run on
     one device with a single-device strategy (task=plan always shows it, for one device too)."""
-    count = int(cfg["hardware"]["count"] or 1)
-    nodes = int(cfg["trainer"]["num_nodes"])
+    count = int(cfg.hardware.count or 1)
+    nodes = int(cfg.trainer.num_nodes)
     devices = count * nodes
-    lightning = str(cfg["strategy"]["lightning"])
-    asked = devices > 1 or lightning.startswith(("ddp", "fsdp", "deepspeed")) or cfg["task"]["name"] == "plan"
+    lightning = str(cfg.strategy.lightning)
+    asked = devices > 1 or lightning.startswith(("ddp", "fsdp", "deepspeed")) or cfg.task.name == "plan"
     if spec.kind != "lm" or not asked:
         return None
-    per_device = -(-int(cfg["data"]["batch_size"]) // devices)
+    per_device = -(-int(cfg.data.batch_size) // devices)
     precision = choose_precision(hw)
     grad_bytes = spec.params * (2 if precision.endswith("mixed") else 4)
-    comm = collective_s(grad_bytes, count, nodes, cfg["hardware"])
+    comm = collective_s(grad_bytes, count, nodes, cfg.hardware)
     setup = _Setup(
-        spec, hw, int(cfg["data"]["max_length"]), per_device, precision, devices, nodes, grad_bytes, comm
+        spec, hw, int(cfg.data.max_length), per_device, precision, devices, nodes, grad_bytes, comm
     )
     options = {name: setup.option(name) for name in SETUPS}
     fitting = [n for n in SETUPS if options[n]["fits"]]
@@ -127,9 +128,9 @@ class _Setup:
         }  # fmt: skip
 
 
-def collective_s(grad_bytes: float, count: int, nodes: int, hw_cfg: dict[str, Any]) -> dict[str, Any]:
+def collective_s(grad_bytes: float, count: int, nodes: int, hw_cfg: HardwareConfig) -> dict[str, Any]:
     """A ring all-reduce of `grad_bytes`: inside each node, then between nodes (hierarchical)."""
-    inside, between = hw_cfg["interconnect_gb_s"], hw_cfg["network_gb_s"]
+    inside, between = hw_cfg.interconnect_gb_s, hw_cfg.network_gb_s
     seconds, missing = 0.0, []
     if count > 1:
         if inside:

@@ -11,8 +11,8 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
+from onn.config.model import LanguageModelConfig
 from onn.errors import UserError
 from onn.models.layers import discover
 from onn.models.load import is_pretrained, meta_model
@@ -45,7 +45,7 @@ class ModelSpec:
         return len(self.block_params)
 
 
-def model_spec(model_cfg: dict[str, Any], lora_rank: int, cache_dir: str | None = None) -> ModelSpec:
+def model_spec(model_cfg: LanguageModelConfig, lora_rank: int, cache_dir: str | None = None) -> ModelSpec:
     """A language model's sizes, read off its meta-device build. The result is cached under cache_dir
     for models described by an architecture dict, so a repeated `task=plan` imports no torch."""
     cache = _spec_cache_path(model_cfg, lora_rank, cache_dir)
@@ -60,27 +60,28 @@ def model_spec(model_cfg: dict[str, Any], lora_rank: int, cache_dir: str | None 
     return spec
 
 
-def _spec_cache_path(model_cfg: dict[str, Any], lora_rank: int, cache_dir: str | None) -> Path | None:
-    if cache_dir is None or not model_cfg.get("architecture"):
+def _spec_cache_path(model_cfg: LanguageModelConfig, lora_rank: int, cache_dir: str | None) -> Path | None:
+    if cache_dir is None or not model_cfg.architecture:
         return None
     from importlib.metadata import version
 
-    key = {k: model_cfg.get(k) for k in ("architecture", "layer_map")}
-    key.update(
-        lora_rank=lora_rank,
-        pretrained=is_pretrained(model_cfg),
-        name=model_cfg.get("name"),
-        transformers=version("transformers"),
-    )
+    key = {
+        "architecture": model_cfg.architecture,
+        "layer_map": model_cfg.layer_map,
+        "lora_rank": lora_rank,
+        "pretrained": is_pretrained(model_cfg),
+        "name": model_cfg.name,
+        "transformers": version("transformers"),
+    }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return Path(cache_dir) / "specs" / f"{digest}.json"
 
 
-def _measure_spec(model_cfg: dict[str, Any], lora_rank: int) -> ModelSpec:
+def _measure_spec(model_cfg: LanguageModelConfig, lora_rank: int) -> ModelSpec:
     from torch import nn
 
     model = meta_model(model_cfg)
-    lmap = discover(model, (model_cfg.get("layer_map") or {}).get("blocks"))
+    lmap = discover(model, (model_cfg.layer_map or {}).get("blocks"))  # layer_map: a dict of LayerMap paths
     config = getattr(model, "config", None)
 
     def linear_sizes(block):
@@ -97,7 +98,7 @@ def _measure_spec(model_cfg: dict[str, Any], lora_rank: int) -> ModelSpec:
             seen.add(id(p))
             params += p.numel()
     return ModelSpec(
-        name=str(model_cfg.get("name")),
+        name=str(model_cfg.name),
         params=params,
         block_params=lmap.block_params(),
         prefix_params=lmap.prefix_params(),

@@ -13,21 +13,21 @@ import json
 from pathlib import Path
 from typing import Any
 
+from onn.config import ONNConfig, as_dict
 from onn.models.load import model_fingerprint
 
 
-def cache_path(config: dict[str, Any], hw: dict[str, Any], strategy: str, seq: int) -> Path:
+def cache_path(config: ONNConfig, hw: dict[str, Any], strategy: str, seq: int) -> Path:
     machine = hw.get("fingerprint") or f"preset:{hw.get('name')}"
-    chosen = config["strategy"]
-    key = {"hardware": machine, "model": model_fingerprint(config["model"]), "strategy": strategy, "sequence_length": seq,
-           "batch_size": int(config["data"]["batch_size"]),
-           "precision": chosen.get("precision"), "layers": chosen.get("layers"), "lora": chosen.get("lora"),
-           "lightning": chosen.get("lightning")}  # fmt: skip
+    chosen = config.strategy
+    key = {"hardware": machine, "model": model_fingerprint(config.model), "strategy": strategy, "sequence_length": seq,
+           "batch_size": int(config.data.batch_size), "precision": chosen.precision, "layers": chosen.layers,
+           "lora": as_dict(chosen.lora), "lightning": chosen.lightning}  # fmt: skip
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(config["paths"]["cache"]) / "tune" / f"{digest}.json"
+    return Path(config.paths.cache) / "tune" / f"{digest}.json"
 
 
-def lookup(config: dict[str, Any], hw: dict[str, Any], strategy: str, seq: int) -> dict[str, Any] | None:
+def lookup(config: ONNConfig, hw: dict[str, Any], strategy: str, seq: int) -> dict[str, Any] | None:
     """The cached tuning result for this machine, model, strategy and sequence length, if any."""
     path = cache_path(config, hw, strategy, seq)
     try:

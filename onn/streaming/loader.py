@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from onn.config.model import LanguageModelConfig
 from onn.hardware.memory import return_large_frees_to_os
-from onn.models.layers import discover
+from onn.models.layers import configured_blocks, discover
 from onn.models.load import (
+    INIT_SEED,
     architecture,
     auto_class,
     converted_gguf,
@@ -42,10 +44,10 @@ class Source:
     tokenizer: Any = None
 
     @classmethod
-    def open(cls, model_cfg: dict[str, Any], cache_dir) -> Source | None:
+    def open(cls, model_cfg: LanguageModelConfig, cache_dir) -> Source | None:
         """The model config's source, or None where it cannot be read block by block (a Python builder)."""
-        kind, source = source_kind(model_cfg.get("source")), model_cfg.get("source")
-        remote = bool(model_cfg.get("trust_remote_code"))
+        source, remote = model_cfg.source, model_cfg.trust_remote_code
+        kind = source_kind(source)
         if kind == "random":
             return cls(architecture(model_cfg))
         if kind == "safetensors":
@@ -121,7 +123,7 @@ class Materialiser:
 
 
 def load_into_store(
-    model_cfg: dict[str, Any], dtype, cache_dir, store, device: str = "cpu"
+    model_cfg: LanguageModelConfig, dtype, cache_dir, store, device: str = "cpu"
 ) -> tuple[Any, Any] | None:
     """Load a model for layer streaming one block at a time, so it never has to fit in memory.
 
@@ -136,19 +138,18 @@ def load_into_store(
     source = Source.open(model_cfg, cache_dir)
     if source is None:
         return None
-    remote = bool(model_cfg.get("trust_remote_code"))
+    remote = model_cfg.trust_remote_code
     with init_empty_weights(include_buffers=False):
         model = auto_class(source.config).from_config(source.config, trust_remote_code=remote)
     if not source.reads(model):
         return None
     if source.gguf is not None:
         source.gguf.map_names(model)
-    random = source_kind(model_cfg.get("source")) == "random"
+    random = source_kind(model_cfg.source) == "random"
     materialise = Materialiser(source, model, dtype, device if random and store.kind == "cpu" else "cpu")
-    layer_map = discover(model, (model_cfg.get("layer_map") or {}).get("blocks"))
-    seed = int(model_cfg.get("init_seed", 0))
-    _write_blocks(layer_map, store, materialise, seed, dtype)
-    _materialise_edges(model, layer_map, materialise, seed)
+    layer_map = discover(model, configured_blocks(model_cfg.layer_map))
+    _write_blocks(layer_map, store, materialise, INIT_SEED, dtype)
+    _materialise_edges(model, layer_map, materialise, INIT_SEED)
     model.tie_weights()
     return model, finish_tokenizer(model_cfg, source.tokenizer, remote)
 

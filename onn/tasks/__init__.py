@@ -12,19 +12,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from onn.config import ONNConfig
 from onn.errors import UserError
 from onn.modalities import Job
 from onn.tasks import serve
 
 
-def _no_check(config: dict[str, Any]) -> None:
+def _no_check(config: ONNConfig) -> None:
     pass
 
 
 @dataclass(frozen=True)
 class Task:
     run: Callable[[Job], dict[str, Any]]
-    check: Callable[[dict[str, Any]], None] = _no_check
+    check: Callable[[ONNConfig], None] = _no_check  # the task's own settings, before anything is planned
     modalities: frozenset[str] | None = None  # None: every modality
     model: bool = True  # False: the task neither plans nor builds a model (a benchmark of the planner alone)
     heavy: bool = (
@@ -57,8 +58,8 @@ def _plan(job: Job) -> dict[str, Any]:
     return {}  # app prints and saves the plan; nothing else runs
 
 
-def _check_export(config: dict[str, Any]) -> None:
-    if config["export"]["name"] == "none":
+def _check_export(config: ONNConfig) -> None:
+    if config.export.name == "none":
         raise UserError("task=export needs a format: export=safetensors, export=onnx or export=omny.")
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from onn.config import OptimConfig
 from onn.training.distributed import clip_gradients
 from onn.training.optim import make_optimizer, make_schedule
 from onn.training.record import EpochRecord, log_train_loss
@@ -47,7 +48,7 @@ class Classifier(EpochRecord, L.LightningModule):
     loop = LOOP
     describes = "ONN's image classifier"
 
-    def __init__(self, model: nn.Module, classes: list[str], optim: dict[str, Any], onn_config: dict[str, Any],
+    def __init__(self, model: nn.Module, classes: list[str], optim: OptimConfig, onn_config: dict[str, Any],
                  transform: nn.Module | None = None, label_smoothing: float = 0.0, channels_last: bool = False,
                  inputs: str = "data", monitor: str = "val/acc", adapt_norm: bool = False):  # fmt: skip
         super().__init__()
@@ -57,7 +58,9 @@ class Classifier(EpochRecord, L.LightningModule):
         self.model = model
         self.classes = list(classes)
         self.optim = optim
-        self.onn_config = onn_config  # stored in every checkpoint so eval/infer/export rebuild this model
+        self.onn_config = (
+            onn_config  # plain values, stored in every checkpoint so eval/infer/export rebuild this model
+        )
         self.transform = transform  # stored form -> the network's input (augmented in training)
         self.label_smoothing = float(label_smoothing)
         self.channels_last = channels_last
@@ -184,7 +187,7 @@ class Classifier(EpochRecord, L.LightningModule):
             plt.close(figure)
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        clip_gradients(self, optimizer, float(self.optim["clip_grad_norm"] or 0.0))
+        clip_gradients(self, optimizer, float(self.optim.clip_grad_norm))
 
     # -- optimiser and schedule -----------------------------------------------------------------------
     def configure_optimizers(self):

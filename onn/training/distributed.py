@@ -25,6 +25,8 @@ from typing import Any
 
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
 
+from onn.config import ONNConfig
+
 
 class ShardedFSDP(FSDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
@@ -47,7 +49,7 @@ class ShardedDeepSpeed(DeepSpeedStrategy):
             self.checkpoint_io.save_checkpoint({**kept, "state_dict": state}, filepath)
 
 
-def sharded_strategy(name: str, entry: dict[str, Any], config: dict[str, Any], processes: int,
+def sharded_strategy(name: str, entry: dict[str, Any], config: ONNConfig, processes: int,
                      timeout: timedelta) -> Strategy:  # fmt: skip
     """Lightning's registered strategy `name` (fsdp*, deepspeed*) set up as the module doc says."""
     params = dict(entry["init_params"])
@@ -56,7 +58,7 @@ def sharded_strategy(name: str, entry: dict[str, Any], config: dict[str, Any], p
             params["sharding_strategy"] = "NO_SHARD"
         return ShardedFSDP(**params, timeout=timeout)
     strategy = ShardedDeepSpeed(**params, timeout=timeout)
-    strategy.config["gradient_clipping"] = float(config["optim"]["clip_grad_norm"] or 0.0)
+    strategy.config["gradient_clipping"] = float(config.optim.clip_grad_norm or 0.0)
     strategy.config["managed_gradient_accumulation"] = False
     if "offload_optimizer" in strategy.config.get("zero_optimization", {}):
         strategy.config["zero_force_ds_cpu_optimizer"] = False

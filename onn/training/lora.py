@@ -4,10 +4,9 @@ set of blocks (sparse_lora)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
+from onn.config.strategy import StrategyConfig
 from onn.errors import UserError
 from onn.models.layers import LayerMap
 
@@ -15,7 +14,7 @@ from onn.models.layers import LayerMap
 def apply(
     model: nn.Module,
     strategy: str,
-    strategy_cfg: dict[str, Any],
+    strategy_cfg: StrategyConfig,
     layer_map: LayerMap,
     sparse_layers: list[int] | None,
 ) -> nn.Module:
@@ -31,9 +30,12 @@ def apply(
     ):  # a 4-bit base from onn.models.load.load_4bit: norms in fp32, inputs that carry grad
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
-    lora = dict(strategy_cfg.get("lora") or {})
+    lora = strategy_cfg.lora
+    if lora is None:
+        raise UserError(f"strategy={strategy} trains LoRA adapters, but strategy.lora is null: give its r, alpha, "
+                        "dropout and target_modules (conf/strategy/lora.yaml).")
     layers = sparse_layers if strategy == "sparse_lora" else None
-    target = lora["target_modules"]
+    target = lora.target_modules
     if target == "all-linear":  # peft needs explicit names to combine with layers_to_transform
         target = sorted(
             {
@@ -43,9 +45,9 @@ def apply(
             }
         )
     config = LoraConfig(
-        r=int(lora["r"]),
-        lora_alpha=int(lora["alpha"]),
-        lora_dropout=float(lora["dropout"]),
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
         target_modules=list(target) if not isinstance(target, str) else target,
         layers_to_transform=layers,
         layers_pattern=layer_map.layers_pattern if layers is not None else None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from onn.config import OptimConfig
 from onn.errors import UserError
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -16,44 +17,49 @@ SCHEDULES = ("cosine", "linear", "constant", "step", "plateau", "onecycle")
 EPOCH_SCHEDULES = ("step", "plateau")  # stepped once per epoch
 
 
-def check(optim: dict[str, Any]) -> None:
+def check(optim: OptimConfig) -> None:
     """The optim group's values, checked before anything is built: one sentence per mistake."""
-    if optim["name"] not in OPTIMIZERS:
-        raise UserError(f"optim.name={optim['name']!r} is not one of {', '.join(OPTIMIZERS)}.")
-    if optim["schedule"] not in SCHEDULES:
-        raise UserError(f"optim.schedule={optim['schedule']!r} is not one of {', '.join(SCHEDULES)}.")
-    for key, strict in (("lr", False), ("weight_decay", False), ("clip_grad_norm", False)):
-        value = optim[key]
+    if optim.name not in OPTIMIZERS:
+        raise UserError(f"optim.name={optim.name!r} is not one of {', '.join(OPTIMIZERS)}.")
+    if optim.schedule not in SCHEDULES:
+        raise UserError(f"optim.schedule={optim.schedule!r} is not one of {', '.join(SCHEDULES)}.")
+    for key, value in (
+        ("lr", optim.lr),
+        ("weight_decay", optim.weight_decay),
+        ("clip_grad_norm", optim.clip_grad_norm),
+    ):
         if (
             isinstance(value, bool)
             or not isinstance(value, int | float)
             or not math.isfinite(value)
             or value < 0
-            or (strict and value == 0)
         ):
-            raise UserError(f"optim.{key}={value!r}: give a number {'above 0' if strict else '0 or more'}.")
-    for key in ("warmup_steps", "step_size", "patience"):
-        value = optim[key]
+            raise UserError(f"optim.{key}={value!r}: give a number 0 or more.")
+    for key, value in (
+        ("warmup_steps", optim.warmup_steps),
+        ("step_size", optim.step_size),
+        ("patience", optim.patience),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "step_size" else 0):
             raise UserError(
                 f"optim.{key}={value!r}: give a whole number, {'1' if key == 'step_size' else '0'} or more."
             )
 
 
-def make_optimizer(params, optim: dict[str, Any]):
+def make_optimizer(params, optim: OptimConfig):
     """torch.optim's AdamW or SGD with every setting the config gives it."""
     import torch
 
     check(optim)
-    lr, decay = float(optim["lr"]), float(optim["weight_decay"])
-    if optim["name"] == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=decay, betas=tuple(optim["betas"]))
-    return torch.optim.SGD(params, lr=lr, momentum=float(optim["momentum"]), weight_decay=decay,
-                           nesterov=bool(optim["nesterov"]))  # fmt: skip
+    lr, decay = float(optim.lr), float(optim.weight_decay)
+    if optim.name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=decay, betas=tuple(optim.betas))
+    return torch.optim.SGD(params, lr=lr, momentum=float(optim.momentum), weight_decay=decay,
+                           nesterov=bool(optim.nesterov))  # fmt: skip
 
 
 def make_schedule(
-    optimizer, optim: dict[str, Any], total_steps: int, monitor: str, epochs: bool = True
+    optimizer, optim: OptimConfig, total_steps: int, monitor: str, epochs: bool = True
 ) -> dict[str, Any]:
     """Lightning's lr_scheduler config for optim.schedule over a run of `total_steps` optimizer steps.
 
@@ -63,7 +69,7 @@ def make_schedule(
     import torch
 
     check(optim)
-    schedule, total = optim["schedule"], max(int(total_steps), 1)
+    schedule, total = optim.schedule, max(int(total_steps), 1)
     if schedule in EPOCH_SCHEDULES and not epochs:
         raise UserError(
             f"optim.schedule={schedule} steps once per epoch, and this run streams its data without epochs; "
@@ -73,20 +79,20 @@ def make_schedule(
         from transformers import get_scheduler
 
         kind = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[schedule]
-        warmup = min(int(optim["warmup_steps"]), total)
+        warmup = min(int(optim.warmup_steps), total)
         scheduler = get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)
         return {"scheduler": scheduler, "interval": "step"}
     if schedule == "onecycle":
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=float(optim["lr"]), total_steps=total,
-                                                        pct_start=float(optim["pct_start"]))  # fmt: skip
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=float(optim.lr), total_steps=total,
+                                                        pct_start=float(optim.pct_start))  # fmt: skip
         return {"scheduler": scheduler, "interval": "step"}
     if schedule == "step":
         scheduler = torch.optim.lr_scheduler.StepLR(
-            optimizer, step_size=int(optim["step_size"]), gamma=float(optim["gamma"])
+            optimizer, step_size=int(optim.step_size), gamma=float(optim.gamma)
         )
         return {"scheduler": scheduler, "interval": "epoch"}
-    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode=monitor_mode(monitor), factor=float(optim["gamma"]),
-                                                           patience=int(optim["patience"]))  # fmt: skip
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode=monitor_mode(monitor), factor=float(optim.gamma),
+                                                           patience=int(optim.patience))  # fmt: skip
     return {"scheduler": scheduler, "interval": "epoch", "monitor": monitor, "strict": False}
 
 

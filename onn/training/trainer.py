@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from onn.config import ONNConfig, TrainerConfig, as_dict
 from onn.errors import UserError
 from onn.hardware.cluster import launched, rank
 
@@ -22,30 +23,33 @@ MULTI_DEVICE = ("ddp", "ddp_spawn", "fsdp", "deepspeed")
 GPU_ONLY = ("fsdp", "deepspeed")  # Lightning refuses these on the CPU
 
 
-def check(trainer: dict[str, Any], *, trains: bool = True) -> None:
+def check(trainer: TrainerConfig, *, trains: bool = True) -> None:
     """The trainer group's values, checked before anything is built: one sentence per mistake.
     `trains`: the task fits weights, so its step and epoch limits must end."""
-    for key in ("max_steps", "max_epochs"):
-        value = trainer[key]
+    for key, value in (("max_steps", trainer.max_steps), ("max_epochs", trainer.max_epochs)):
         if isinstance(value, bool) or not isinstance(value, int) or value < -1:
             raise UserError(f"trainer.{key}={value!r}: give a whole number, 1 or more, or -1 (no limit).")
-    if trains and trainer["max_steps"] == -1 and trainer["max_epochs"] == -1:
+    if trains and trainer.max_steps == -1 and trainer.max_epochs == -1:
         raise UserError(
             "trainer.max_steps and trainer.max_epochs are both -1, so training would never end: set one of them."
         )
-    every = trainer["log_every_n_steps"]
+    every = trainer.log_every_n_steps
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise UserError(f"trainer.log_every_n_steps={every!r}: give a whole number, 1 or more.")
-    interval = trainer["val_check_interval"]
+    interval = trainer.val_check_interval
     if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
         raise UserError(
             f"trainer.val_check_interval={interval!r}: give a number of steps, or a fraction of an epoch above 0."
         )
 
 
-def processes_per_node(trainer: dict[str, Any]) -> int:
+def processes_per_node(trainer: TrainerConfig) -> int:
     """The processes trainer.devices asks for on each node (auto: one, on a CPU)."""
-    devices = trainer["devices"]
+    return device_processes(trainer.devices)
+
+
+def device_processes(devices: Any) -> int:
+    """The processes a value of trainer.devices (Lightning's `devices`) starts on a node (auto: one, on a CPU)."""
     if isinstance(devices, list | tuple):
         return len(devices)
     if isinstance(devices, str) and devices.isdigit():
@@ -53,18 +57,18 @@ def processes_per_node(trainer: dict[str, Any]) -> int:
     return devices if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0 else 1
 
 
-def check_launch(config: dict[str, Any], multirun: bool) -> None:
+def check_launch(config: ONNConfig, multirun: bool) -> None:
     """Lightning's DDP launcher starts the other processes by running the command line again, which in a
     Hydra multirun (-m) runs the whole sweep again in each of them: refused in one sentence."""
-    if multirun and processes_per_node(config["trainer"]) > 1 and not launched():
+    if multirun and processes_per_node(config.trainer) > 1 and not launched():
         raise UserError(
-            f"trainer.devices={config['trainer']['devices']} in a multirun (-m): Lightning starts the extra processes by "
+            f"trainer.devices={config.trainer.devices} in a multirun (-m): Lightning starts the extra processes by "
             "running the command again, which would run the whole sweep again in each; run that job on its own, or "
             "give each job one device (a cluster launcher such as hydra/launcher=submitit_slurm gives each its own machine)."
         )
 
 
-def explain_distributed_failure(error: BaseException, config: dict[str, Any]) -> str | None:
+def explain_distributed_failure(error: BaseException, config: ONNConfig | None) -> str | None:
     """One sentence for a process group that could not form or lost a peer (None for any other error):
     torch raises these after strategy.timeout_s, naming neither what went wrong nor what to do."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
@@ -76,7 +80,7 @@ def explain_distributed_failure(error: BaseException, config: dict[str, Any]) ->
     if name not in ("DistNetworkError", "DistStoreError") and not lost_peer or not config:
         return None
     where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '?')}"
-    timeout = config["strategy"]["timeout_s"]
+    timeout = config.strategy.timeout_s
     if name == "DistNetworkError":
         return unreachable(where, timeout) + f" ({text})"
     if name == "DistStoreError":
@@ -109,14 +113,14 @@ def wait_for_rendezvous(timeout: float) -> None:
             time.sleep(0.2)
 
 
-def data_parallel(name: str, config: dict[str, Any], accelerator: str):
+def data_parallel(name: str, config: ONNConfig, accelerator: str):
     """Lightning's multi-process strategy `name` with the configured process-group timeout (Lightning's default
     is 30 minutes, so a dead peer would hang a run that long); None when `name` is not one."""
     if not name.startswith(MULTI_DEVICE):
         return None
     if accelerator == "cpu" and name.startswith(GPU_ONLY):
         raise UserError(
-            f"strategy={config['strategy']['name']} (Lightning's {name}) runs on CUDA GPUs only: Lightning refuses "
+            f"strategy={config.strategy.name} (Lightning's {name}) runs on CUDA GPUs only: Lightning refuses "
             "the CPU; on a CPU use strategy=ddp (data parallel over processes, gloo) or a single-process strategy."
         )
     from datetime import timedelta
@@ -127,8 +131,8 @@ def data_parallel(name: str, config: dict[str, Any], accelerator: str):
         return None
     entry = StrategyRegistry[name]
     if launched():
-        wait_for_rendezvous(config["strategy"]["timeout_s"])
-    timeout = timedelta(seconds=float(config["strategy"]["timeout_s"]))
+        wait_for_rendezvous(config.strategy.timeout_s)
+    timeout = timedelta(seconds=float(config.strategy.timeout_s))
     if name.startswith(GPU_ONLY):
         from onn.training.distributed import sharded_strategy
 
@@ -136,21 +140,21 @@ def data_parallel(name: str, config: dict[str, Any], accelerator: str):
     return entry["strategy"](**entry["init_params"], timeout=timeout)
 
 
-def world_size(config: dict[str, Any]) -> int:
+def world_size(config: ONNConfig) -> int:
     """The processes a multi-device run has: trainer.devices per node (auto: every GPU visible) x nodes."""
-    devices = config["trainer"]["devices"]
-    if devices in (None, "auto", -1, "-1"):
+    if config.trainer.devices in (None, "auto", -1, "-1"):
         import torch
 
         per_node = max(1, torch.cuda.device_count())
     else:
-        per_node = processes_per_node(config["trainer"])
-    return per_node * int(config["trainer"]["num_nodes"])
+        per_node = processes_per_node(config.trainer)
+    return per_node * int(config.trainer.num_nodes)
 
 
 def warn_oversubscribed(kwargs: dict[str, Any]) -> None:
-    """More CPU processes than cores: they run, but share the cores and each step waits for the slowest."""
-    wanted = processes_per_node(kwargs)
+    """More CPU processes than cores: they run, but share the cores and each step waits for the slowest.
+    `kwargs`: lightning.Trainer's arguments, as build_trainer gives them."""
+    wanted = device_processes(kwargs["devices"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if kwargs["accelerator"] == "cpu" and wanted > cores:
         log.warning(
@@ -160,7 +164,7 @@ def warn_oversubscribed(kwargs: dict[str, Any]) -> None:
         )  # fmt: skip
 
 
-def build_trainer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, callbacks: list, *, strategy: Any = None,
+def build_trainer(config: ONNConfig, plan: dict[str, Any], run_dir: Path, callbacks: list, *, strategy: Any = None,
                   loggers: bool = True, steps_per_epoch: int | None = None, distributed_sampler: bool = True):  # fmt: skip
     """A Trainer for this run. `strategy`: a Strategy object or Lightning name (default: the strategy
     config's `lightning`); `steps_per_epoch`: the training loader's length, when it has epochs;
@@ -172,19 +176,20 @@ def build_trainer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, c
     from onn.training.checkpoint_io import SafetensorsCheckpointIO
 
     share_console_with_hydra()
-    kwargs = dict(config["trainer"])
-    if kwargs.get("precision") in (None, "auto"):
+    trainer = config.trainer
+    kwargs = as_dict(trainer)  # lightning.Trainer's arguments, the trainer group's keys one-to-one
+    if trainer.precision in (None, "auto"):
         kwargs["precision"] = plan["precision"]
-    interval = kwargs.get("val_check_interval")
+    interval = trainer.val_check_interval
     if isinstance(interval, int) and not isinstance(interval, bool):
-        limits = [n for n in (kwargs.get("max_steps"), steps_per_epoch) if isinstance(n, int) and n > 0]
+        limits = [n for n in (trainer.max_steps, steps_per_epoch) if isinstance(n, int) and n > 0]
         kwargs["val_check_interval"] = min([interval, *limits])
-    elif kwargs.get("check_val_every_n_epoch") is None:  # a fraction of an epoch: validate every epoch
+    elif trainer.check_val_every_n_epoch is None:  # a fraction of an epoch: validate every epoch
         kwargs["check_val_every_n_epoch"] = 1
-    strategy = strategy if strategy is not None else (config["strategy"].get("lightning") or "auto")
-    if kwargs.get("accelerator") in (None, "auto"):
+    strategy = strategy if strategy is not None else config.strategy.lightning
+    if trainer.accelerator in (None, "auto"):
         kwargs["accelerator"] = "cuda" if plan["hardware"]["accelerator"] == "cuda" else "cpu"
-    if kwargs.get("devices") in (None, "auto") and not (
+    if trainer.devices in (None, "auto") and not (
         isinstance(strategy, str) and strategy.startswith(MULTI_DEVICE)
     ):
         kwargs["devices"] = 1
@@ -194,18 +199,13 @@ def build_trainer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, c
     from onn.training.callbacks import Progress
 
     callbacks = [*callbacks, Progress()]  # the run's record reads the last step reached (onn/tasks/record.py)
-    made = (
-        [instantiate(c, save_dir=str(run_dir)) for c in (config.get("tracking") or {}).get("loggers", [])]
-        if loggers
-        else []
-    )
+    made = [instantiate(c, save_dir=str(run_dir)) for c in config.tracking.loggers] if loggers else []
     if made:
         callbacks = [*callbacks, LearningRateMonitor("step")]
     # no_grad, not inference_mode, for evaluation: torchmetrics states reset inside a standalone
     # validate() would otherwise become inference tensors that fit's validation cannot update
-    kwargs.setdefault("inference_mode", False)
-    if kwargs.get("enable_checkpointing") is None:
-        kwargs["enable_checkpointing"] = any(isinstance(c, Checkpoint) for c in callbacks)
+    kwargs["inference_mode"] = False
+    kwargs["enable_checkpointing"] = any(isinstance(c, Checkpoint) for c in callbacks)
     return L.Trainer(default_root_dir=str(run_dir), logger=made or False, callbacks=callbacks,
                      plugins=[SafetensorsCheckpointIO()], strategy=strategy, use_distributed_sampler=distributed_sampler,
                      **kwargs)  # fmt: skip

@@ -12,9 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from onn.config import ONNConfig
+from onn.config.data import AudioData
+from onn.config.model import NetworkConfig
 from onn.data.labelled import sniff_files
 from onn.errors import UserError
-from onn.modalities.base import MediaModality, register
+from onn.modalities.base import MediaModality, RunConfig, register
 
 SUFFIXES = frozenset({".wav", ".wave", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aiff", ".aif", ".aifc", ".au", ".snd",
                       ".caf", ".w64", ".rf64", ".m4a", ".aac", ".mka", ".wma", ".amr", ".ac3", ".mp2", ".alac", ".weba"})  # fmt: skip
@@ -22,6 +25,7 @@ SUFFIXES = frozenset({".wav", ".wave", ".flac", ".ogg", ".oga", ".opus", ".mp3",
 
 class AudioModality(MediaModality):
     name = "audio"
+    data_schema = AudioData
     dataset = "onn.modalities.audio.dataset"
     default_data = "audio"
     default_model = "audio_cnn"
@@ -32,27 +36,28 @@ class AudioModality(MediaModality):
     def sniff(self, path: Path) -> str | None:
         return sniff_files(path, SUFFIXES, "audio", "an audio file")
 
-    def check(self, config: dict[str, Any]) -> None:
+    def check(self, config: ONNConfig) -> None:
         from onn.modalities.audio.decode import fit_settings
         from onn.modalities.audio.features import augment_settings, feature_settings
         from onn.models.zoo import VIDEO
 
-        data, model = config["data"], config["model"]
+        data: AudioData = config.data
+        model: NetworkConfig = config.model
         fit_settings(data)
         feature_settings(data)
-        augment_settings(data.get("augment"))
-        source = str(model.get("source") or "")
+        augment_settings(data.augment)
+        source = str(model.source or "")
         kind, _, name = source.partition(":")
         if kind not in ("zoo", "timm") or name in VIDEO:
-            raise UserError(f"model={model['name']} ({source or 'no source'}) does not take spectrograms; audio data trains "
+            raise UserError(f"model={model.name} ({source or 'no source'}) does not take spectrograms; audio data trains "
                             "zoo:audio_cnn (model=audio_cnn) or an image network from timm (e.g. model=resnet18).")  # fmt: skip
 
-    def datamodule(self, config: dict[str, Any], device: str):
+    def datamodule(self, config: ONNConfig, device: str):
         from onn.modalities.audio.dataset import AudioDataModule
 
-        return AudioDataModule(config["data"], config["paths"]["cache"], device, seed=int(config["seed"]))
+        return AudioDataModule(config.data, config.paths.cache, device, seed=int(config.seed))
 
-    def network(self, model_cfg: dict[str, Any], inputs: dict[str, Any]):
+    def network(self, model_cfg: NetworkConfig, inputs: dict[str, Any]):
         from onn.models.vision import build_classifier
 
         features = inputs["features"]
@@ -61,15 +66,15 @@ class AudioModality(MediaModality):
             model_cfg, inputs["input_shape"][0], len(inputs["classes"]), [features["n_mels"], frames]
         )
 
-    def transform(self, config: dict[str, Any], inputs: dict[str, Any]):
+    def transform(self, config: RunConfig, inputs: dict[str, Any]):
         from onn.modalities.audio.features import LogMel
 
-        return LogMel(inputs["features"], config["data"].get("augment"), inputs["mean"], inputs["std"])
+        return LogMel(inputs["features"], config.data.augment, inputs["mean"], inputs["std"])
 
-    def input_stats(self, config: dict[str, Any], dm) -> dict[str, Any]:
+    def input_stats(self, config: ONNConfig, dm) -> dict[str, Any]:
         from onn.modalities.audio.features import LogMel, measure_stats
 
-        settings = self._settings(config)
+        settings = self._settings(config.data)
         mean, std = 0.0, 1.0
         if settings["features"]["normalize"] == "dataset" and not dm.streamed:
             mean, std = measure_stats(LogMel(settings["features"], None), dm.splits["train"].inputs)
@@ -78,11 +83,11 @@ class AudioModality(MediaModality):
     def neutral_stats(self, inputs: dict[str, Any]) -> dict[str, Any]:
         return {"mean": 0.0, "std": 1.0}
 
-    def planned_inputs(self, config: dict[str, Any]) -> dict[str, Any]:
-        settings = self._settings(config)
-        data = config["data"]
-        classes = data.get("classes") or [
-            str(i) for i in range(data["num_classes"] if isinstance(data.get("num_classes"), int) else 10)
+    def planned_inputs(self, config: RunConfig) -> dict[str, Any]:
+        data: AudioData = config.data
+        settings = self._settings(data)
+        classes = data.classes or [
+            str(i) for i in range(data.num_classes if isinstance(data.num_classes, int) else 10)
         ]
         return {"classes": [str(c) for c in classes], "input_shape": [settings["fit"]["channels"], settings["fit"]["samples"]],
                 **settings}  # fmt: skip
@@ -94,14 +99,14 @@ class AudioModality(MediaModality):
         pictures.write(samples, predicted, true, path, LogMel(inputs["features"], None), inputs)
 
     @staticmethod
-    def _settings(config: dict[str, Any]) -> dict[str, Any]:
+    def _settings(data: AudioData) -> dict[str, Any]:
         """What decodes and featurises this data: saved in every checkpoint's `inputs`."""
         from dataclasses import asdict
 
         from onn.modalities.audio.decode import fit_settings
         from onn.modalities.audio.features import feature_settings
 
-        return {"fit": asdict(fit_settings(config["data"])), "features": feature_settings(config["data"])}
+        return {"fit": asdict(fit_settings(data)), "features": feature_settings(data)}
 
 
 register(AudioModality())

@@ -18,6 +18,7 @@ from typing import IO
 import numpy as np
 import torch
 
+from onn.config.data import AudioData
 from onn.errors import UserError
 
 
@@ -34,10 +35,10 @@ class Fit:
     samples: int  # the stored length: longer files are centre-cropped, shorter ones padded with silence around them
 
 
-def fit_settings(data_cfg: dict) -> Fit:
+def fit_settings(data_cfg: AudioData) -> Fit:
     """The data config's decoding settings, checked: a value that makes no sense is one error naming its key."""
-    rate, channels, clip = data_cfg["sample_rate"], data_cfg["channels"], data_cfg["clip_seconds"]
-    stored = data_cfg["store_seconds"] if data_cfg.get("store_seconds") is not None else clip
+    rate, channels, clip = data_cfg.sample_rate, data_cfg.channels, data_cfg.clip_seconds
+    stored = data_cfg.store_seconds if data_cfg.store_seconds is not None else clip
     if isinstance(rate, bool) or not isinstance(rate, int) or not 1000 <= rate <= 384_000:
         raise UserError(
             f"data.sample_rate={rate!r}: give the rate to resample to in Hz, a whole number from 1000 to 384000 (e.g. 16000)."

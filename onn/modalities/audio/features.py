@@ -21,67 +21,43 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from onn.config import as_dict
+from onn.config.data import AudioAugment, AudioData
 from onn.errors import UserError
 
-FEATURE_KEYS = ("n_mels", "n_fft", "hop_length", "f_min", "f_max", "top_db", "normalize")
-AUGMENT_KEYS = (
-    "gain_db",
-    "shift_seconds",
-    "truncate",
-    "speed",
-    "noise_snr_db",
-    "freq_warp",
-    "time_warp",
-    "freq_mask",
-    "time_mask",
-    "masks",
-)
 NORMALIZE = ("instance", "dataset", "none")
 
 
-def feature_settings(data_cfg: dict[str, Any]) -> dict[str, Any]:
-    """The data config's log-mel settings, checked; what `inputs` keeps so a checkpoint computes the same features."""
-    features = dict(data_cfg["features"])
-    unknown = [k for k in features if k not in FEATURE_KEYS]
-    if unknown:
-        raise UserError(
-            f"data.features.{unknown[0]} is not a feature setting; known keys: {', '.join(FEATURE_KEYS)}."
-        )
-    rate = int(data_cfg["sample_rate"])
-    for key in ("n_mels", "n_fft", "hop_length"):
-        value = features[key]
+def feature_settings(data_cfg: AudioData) -> dict[str, Any]:
+    """The data config's log-mel settings, checked; what `inputs` keeps (plain values) so a checkpoint computes
+    the same features."""
+    f = data_cfg.features
+    rate = int(data_cfg.sample_rate)
+    for key, value in (("n_mels", f.n_mels), ("n_fft", f.n_fft), ("hop_length", f.hop_length)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"data.features.{key}={value!r}: give a whole number of 1 or more.")
-    if features["hop_length"] > features["n_fft"]:
+    if f.hop_length > f.n_fft:
         raise UserError(
-            f"data.features.hop_length={features['hop_length']} is longer than n_fft={features['n_fft']}: frames would skip samples."
+            f"data.features.hop_length={f.hop_length} is longer than n_fft={f.n_fft}: frames would skip samples."
         )
-    f_max = features["f_max"] if features["f_max"] is not None else rate / 2
-    if not 0 <= float(features["f_min"]) < float(f_max) <= rate / 2:
-        raise UserError(f"data.features.f_min={features['f_min']} / f_max={features['f_max']}: give 0 <= f_min < f_max <= "
+    f_max = f.f_max if f.f_max is not None else rate / 2
+    if not 0 <= float(f.f_min) < float(f_max) <= rate / 2:
+        raise UserError(f"data.features.f_min={f.f_min} / f_max={f.f_max}: give 0 <= f_min < f_max <= "
                         f"data.sample_rate / 2 = {rate / 2:g} Hz.")  # fmt: skip
-    if features["normalize"] not in NORMALIZE:
-        raise UserError(
-            f"data.features.normalize={features['normalize']!r}: use one of {', '.join(NORMALIZE)}."
-        )
-    clip = round(float(data_cfg["clip_seconds"]) * rate)
-    if clip < features["n_fft"] // 2 + 1:
-        raise UserError(f"data.clip_seconds={data_cfg['clip_seconds']} is {clip} samples at {rate} Hz, shorter than half of "
-                        f"data.features.n_fft={features['n_fft']}; give a longer clip or a smaller n_fft.")  # fmt: skip
-    return {**features, "f_max": float(f_max), "f_min": float(features["f_min"]), "top_db": float(features["top_db"]),
+    if f.normalize not in NORMALIZE:
+        raise UserError(f"data.features.normalize={f.normalize!r}: use one of {', '.join(NORMALIZE)}.")
+    clip = round(float(data_cfg.clip_seconds) * rate)
+    if clip < f.n_fft // 2 + 1:
+        raise UserError(f"data.clip_seconds={data_cfg.clip_seconds} is {clip} samples at {rate} Hz, shorter than half of "
+                        f"data.features.n_fft={f.n_fft}; give a longer clip or a smaller n_fft.")  # fmt: skip
+    return {**as_dict(f), "f_max": float(f_max), "f_min": float(f.f_min), "top_db": float(f.top_db),
             "sample_rate": rate, "clip_samples": clip}  # fmt: skip
 
 
-def augment_settings(cfg: dict[str, Any] | None) -> dict[str, float]:
-    cfg = dict(cfg or {})
-    unknown = [k for k in cfg if k not in AUGMENT_KEYS]
-    if unknown:
-        raise UserError(
-            f"data.augment.{unknown[0]} is not an audio augmentation; known keys: {', '.join(AUGMENT_KEYS)}."
-        )
-    out = {}
-    for key in AUGMENT_KEYS:
-        value = cfg.get(key) or 0
+def augment_settings(cfg: AudioAugment | None) -> AudioAugment:
+    """data.augment checked, each value a float (null: every step off, as each 0 turns one off)."""
+    out = as_dict(cfg if cfg is not None else AudioAugment())
+    for key, value in out.items():
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             raise UserError(f"data.augment.{key}={value!r}: give a number of 0 or more (0 turns it off).")
         out[key] = float(value)
@@ -92,16 +68,16 @@ def augment_settings(cfg: dict[str, Any] | None) -> dict[str, float]:
             )
     if out["masks"] != int(out["masks"]):
         raise UserError(f"data.augment.masks={out['masks']}: give a whole number of masks per axis.")
-    return out
+    return AudioAugment(**out)
 
 
 class LogMel:
     """Stored waveforms -> (augmented) normalised log-mels; one callable for training, evaluation and plan."""
 
     def __init__(
-        self, settings: dict[str, Any], augment: dict[str, Any] | None, mean: float = 0.0, std: float = 1.0
+        self, settings: dict[str, Any], augment: AudioAugment | None, mean: float = 0.0, std: float = 1.0
     ):
-        self.s = settings
+        self.s = settings  # feature_settings: a checkpoint's inputs["features"]
         self.augment = augment_settings(augment)
         self.mean, self.std = float(mean), float(std)
         self._mels: dict[torch.device, torch.nn.Module] = {}
@@ -123,13 +99,13 @@ class LogMel:
             raise ValueError(f"LogMel expects a [B, channels, samples] batch, got {tuple(waves.shape)}")
         x = waves.float()
         a = self.augment
-        if train and a["truncate"]:
+        if train and a.truncate:
             x = self._truncate(x)
         x = self._window(x, train)
-        if train and a["noise_snr_db"]:
+        if train and a.noise_snr_db:
             x = self._noise(x)
-        if train and a["gain_db"]:
-            gain = torch.empty(x.shape[0], 1, 1, device=x.device).uniform_(-a["gain_db"], a["gain_db"])
+        if train and a.gain_db:
+            gain = torch.empty(x.shape[0], 1, 1, device=x.device).uniform_(-a.gain_db, a.gain_db)
             x = x * torch.pow(10.0, gain / 20)
         power = self._mel(x.device)(x)  # [B, C, n_mels, frames]
         db = 10 * torch.log10(power.clamp_min(1e-10))
@@ -151,16 +127,16 @@ class LogMel:
         if not train:
             start = (n - clip) // 2
             return x if n == clip else x[:, :, start : start + clip]
-        shift = round(a["shift_seconds"] * self.s["sample_rate"])
-        if n == clip and not shift and not a["speed"]:
+        shift = round(a.shift_seconds * self.s["sample_rate"])
+        if n == clip and not shift and not a.speed:
             return x
         dev = x.device
         start = torch.randint(0, n - clip + 1, (b, 1), device=dev).float()
         if shift:
             start = start + torch.randint(-shift, shift + 1, (b, 1), device=dev)
         offsets = torch.arange(clip, device=dev).float() - clip / 2
-        if a["speed"]:
-            offsets = offsets * torch.empty(b, 1, device=dev).uniform_(1 - a["speed"], 1 + a["speed"])
+        if a.speed:
+            offsets = offsets * torch.empty(b, 1, device=dev).uniform_(1 - a.speed, 1 + a.speed)
         position = start + clip / 2 + offsets  # [B, clip], fractional sample positions
         left = position.floor()
         weight = (position - left).unsqueeze(1)
@@ -181,7 +157,7 @@ class LogMel:
         first = torch.where(sound, position, n).amin(dim=-1)
         last = torch.where(sound, position, -1).amax(dim=-1)
         length = (last - first + 1).clamp_min(0).float()
-        end = last + 1 - length * torch.rand(x.shape[0], device=x.device) * self.augment["truncate"]
+        end = last + 1 - length * torch.rand(x.shape[0], device=x.device) * self.augment.truncate
         return x * (position < end.unsqueeze(-1)).unsqueeze(1)
 
     def _noise(self, x: torch.Tensor) -> torch.Tensor:
@@ -192,7 +168,7 @@ class LogMel:
         power = (x * x).sum(dim=(1, 2), keepdim=True) / (
             inside.sum(dim=(1, 2), keepdim=True) * x.shape[1]
         ).clamp_min(1)
-        snr = torch.empty(x.shape[0], 1, 1, device=x.device).uniform_(0, 30) + self.augment["noise_snr_db"]
+        snr = torch.empty(x.shape[0], 1, 1, device=x.device).uniform_(0, 30) + self.augment.noise_snr_db
         return x + torch.randn_like(x) * (power / torch.pow(10.0, snr / 10)).sqrt() * inside
 
     def _normalize(self, db: torch.Tensor) -> torch.Tensor:
@@ -209,7 +185,7 @@ class LogMel:
     def _warp(self, x: torch.Tensor) -> torch.Tensor:
         """Stretch each sample's frequency axis (from its low edge) and time axis (about the centre) by its
         own random factor; bilinear, the edge row repeated where the stretch reads past the top."""
-        fw, tw = self.augment["freq_warp"], self.augment["time_warp"]
+        fw, tw = self.augment.freq_warp, self.augment.time_warp
         if not (fw or tw):
             return x
         b, c, h, w = x.shape
@@ -224,13 +200,13 @@ class LogMel:
         """SpecAugment: `masks` frequency bands of up to freq_mask mels and time spans of up to time_mask
         frames, each sample its own, set to the sample's mean."""
         a = self.augment
-        count = int(a["masks"])
-        if not count or not (a["freq_mask"] or a["time_mask"]):
+        count = int(a.masks)
+        if not count or not (a.freq_mask or a.time_mask):
             return x
         b, _, h, w = x.shape
         fill = x.mean(dim=(-3, -2, -1), keepdim=True)
         keep = torch.ones(b, 1, h, w, dtype=torch.bool, device=x.device)
-        for axis, size, limit in ((2, a["freq_mask"], h), (3, a["time_mask"], w)):
+        for axis, size, limit in ((2, a.freq_mask, h), (3, a.time_mask, w)):
             if not size:
                 continue
             for _ in range(count):

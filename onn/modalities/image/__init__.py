@@ -10,13 +10,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from onn.modalities.base import ClassifierModality, register
+from onn.config import ONNConfig
+from onn.config.data import ImageData
+from onn.config.model import NetworkConfig
+from onn.modalities.base import ClassifierModality, RunConfig, register
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
 
 class ImageModality(ClassifierModality):
     name = "image"
+    data_schema = ImageData
     default_data = "image"
     default_model = "v28_cnn"
     description = "image classification"
@@ -57,37 +61,36 @@ class ImageModality(ClassifierModality):
             return None
         return f"image data ({fmt})"
 
-    def check(self, config: dict[str, Any]) -> None:
+    def check(self, config: ONNConfig) -> None:
         from onn.modalities.image.augment import BatchAugment
 
-        BatchAugment(config["data"].get("augment"), [0.5], [0.5])  # the augmentation keys, checked now
-        size = config["data"].get("image_size")
-        if size is not None:
-            sizes = [size, size] if isinstance(size, int) else list(size)
-            if len(sizes) != 2 or not all(isinstance(v, int) and v > 0 for v in sizes):
-                from onn.errors import UserError
+        data: ImageData = config.data
+        BatchAugment(data.augment, [0.5], [0.5])  # the augmentation's values, checked now
+        size = data.image_size
+        if size is not None and (len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size)):
+            from onn.errors import UserError
 
-                raise UserError(
-                    f"data.image_size={size}: give [height, width] in pixels, each 1 or more (or null)."
-                )
+            raise UserError(
+                f"data.image_size={size}: give [height, width] in pixels, each 1 or more (or null)."
+            )
 
-    def datamodule(self, config: dict[str, Any], device: str):
+    def datamodule(self, config: ONNConfig, device: str):
         from onn.modalities.image.dataset import ImageDataModule
 
-        return ImageDataModule(config["data"], config["paths"]["cache"], device, seed=int(config["seed"]))
+        return ImageDataModule(config.data, config.paths.cache, device, seed=int(config.seed))
 
-    def network(self, model_cfg: dict[str, Any], inputs: dict[str, Any]):
+    def network(self, model_cfg: NetworkConfig, inputs: dict[str, Any]):
         from onn.models.vision import build_classifier
 
         channels, height, width = inputs["input_shape"]
         return build_classifier(model_cfg, channels, len(inputs["classes"]), [height, width])
 
-    def transform(self, config: dict[str, Any], inputs: dict[str, Any]):
+    def transform(self, config: RunConfig, inputs: dict[str, Any]):
         from onn.modalities.image.augment import BatchAugment
 
-        return BatchAugment(config["data"].get("augment"), inputs["mean"], inputs["std"])
+        return BatchAugment(config.data.augment, inputs["mean"], inputs["std"])
 
-    def input_stats(self, config: dict[str, Any], dm) -> dict[str, Any]:
+    def input_stats(self, config: ONNConfig, dm) -> dict[str, Any]:
         from onn.modalities.image.dataset import input_stats
 
         mean, std = input_stats(config, dm)
@@ -97,23 +100,24 @@ class ImageModality(ClassifierModality):
         channels = inputs["input_shape"][0]
         return {"mean": [0.5] * channels, "std": [0.5] * channels}
 
-    def planned_inputs(self, config: dict[str, Any]) -> dict[str, Any]:
-        data = config["data"]
-        size = data.get("image_size") or 32
-        size = [int(size), int(size)] if isinstance(size, int) else [int(v) for v in size]
-        channels = data["channels"] if isinstance(data.get("channels"), int) else 3
-        classes = data["num_classes"] if isinstance(data.get("num_classes"), int) else 10
+    def planned_inputs(self, config: RunConfig) -> dict[str, Any]:
+        """From the config alone (task=plan, a pair's side): its image_size (32 px when null), channels (3
+        when auto) and num_classes (10 when auto)."""
+        data: ImageData = config.data
+        size = [int(v) for v in data.image_size] if data.image_size else [32, 32]
+        channels = data.channels if isinstance(data.channels, int) else 3
+        classes = data.num_classes if isinstance(data.num_classes, int) else 10
         return {"classes": [str(i) for i in range(classes)], "input_shape": [channels, *size]}
 
-    def read_inputs(self, source: Path, inputs: dict[str, Any], config: dict[str, Any]):
+    def read_inputs(self, source: Path, inputs: dict[str, Any], config: RunConfig):
         from onn.data.resident import Decoded
         from onn.modalities.image.formats import read_splits
 
         channels, height, width = inputs["input_shape"]
-        resize = config["data"].get("resize")
+        data: ImageData = config.data
         sets = read_splits(source, "auto", channels=channels, image_size=[height, width],
-                           resize=resize if resize not in (None, "error") else "resize",
-                           max_bad_fraction=float(config["data"]["max_bad_fraction"]), allow_unlabelled=True,
+                           resize=data.resize if data.resize != "error" else "resize",
+                           max_bad_fraction=float(data.max_bad_fraction), allow_unlabelled=True,
                            key="task.input")  # fmt: skip
         return {k: Decoded(s.images, s.labels, s.classes, s.names, s.skipped) for k, s in sets.items()}
 

@@ -17,18 +17,10 @@ from typing import Any
 
 import torch
 
+from onn.config.data import ColorJitter, ImageAugment
 from onn.errors import UserError
 
-KEYS = ("crop_padding", "padding_mode", "hflip", "color_jitter", "random_erasing")
-JITTER_KEYS = ("brightness", "contrast", "saturation", "hue")
-ERASING_KEYS = ("p", "scale", "ratio", "value")
 GRAY = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale weights
-
-
-def _check_keys(section: dict, known: tuple[str, ...], prefix: str) -> None:
-    for key in section:
-        if key not in known:
-            raise UserError(f"{prefix}.{key} is not an augmentation setting; known keys: {', '.join(known)}.")
 
 
 def _probability(value: Any, key: str) -> float:
@@ -39,11 +31,11 @@ def _probability(value: Any, key: str) -> float:
 
 
 class BatchAugment:
-    """Per-sample random crop (with padding), horizontal flip, color jitter and random erasing."""
+    """Per-sample random crop (with padding), horizontal flip, color jitter and random erasing.
+    data.augment=null (None) augments nothing; a block's unset keys are the schema's, which turn them off."""
 
-    def __init__(self, cfg: dict | None, mean: list[float], std: list[float]):
-        cfg = dict(cfg or {})
-        _check_keys(cfg, KEYS, "data.augment")
+    def __init__(self, cfg: ImageAugment | None, mean: list[float], std: list[float]):
+        cfg = cfg if cfg is not None else ImageAugment()
         self.mean = [float(m) for m in mean]
         self.std = [float(s) for s in std]
         if len(self.mean) != len(self.std) or not self.mean or any(s <= 0 for s in self.std):
@@ -51,34 +43,36 @@ class BatchAugment:
                 f"the normalisation mean {mean} and std {std} need one value per channel, with std > 0."
             )
 
-        self.pad = int(cfg.get("crop_padding") or 0)
+        self.pad = int(cfg.crop_padding)
         if self.pad < 0:
             raise UserError(f"data.augment.crop_padding must be 0 or more pixels (got {self.pad}).")
-        self.padding_mode = str(cfg.get("padding_mode") or "reflect")
+        self.padding_mode = str(cfg.padding_mode)
         if self.padding_mode not in ("zeros", "reflect"):
             raise UserError(f"data.augment.padding_mode must be zeros or reflect (got {self.padding_mode}).")
-        self.hflip = _probability(cfg.get("hflip") or 0.0, "data.augment.hflip")
+        self.hflip = _probability(cfg.hflip, "data.augment.hflip")
 
-        jitter = dict(cfg.get("color_jitter") or {})
-        _check_keys(jitter, JITTER_KEYS, "data.augment.color_jitter")
-        if float(jitter.get("hue") or 0) > 0:
+        jitter = cfg.color_jitter if cfg.color_jitter is not None else ColorJitter()
+        if float(jitter.hue) > 0:
             raise UserError("data.augment.color_jitter.hue is not supported; set it to 0.")
         self.jitter = {}
-        for key in ("brightness", "contrast", "saturation"):
-            x = float(jitter.get(key) or 0)
+        factors = {
+            "brightness": jitter.brightness,
+            "contrast": jitter.contrast,
+            "saturation": jitter.saturation,
+        }
+        for key, x in factors.items():
+            x = float(x)
             if x < 0:
                 raise UserError(f"data.augment.color_jitter.{key} must be 0 or more (got {x}).")
             if x > 0:  # torchvision: factor uniform in [max(0, 1 - x), 1 + x]
                 self.jitter[key] = (max(0.0, 1.0 - x), 1.0 + x)
 
-        erasing = cfg.get("random_erasing")
+        erasing = cfg.random_erasing
         self.erase_p = 0.0
-        if erasing:
-            erasing = dict(erasing)
-            _check_keys(erasing, ERASING_KEYS, "data.augment.random_erasing")
-            self.erase_p = _probability(erasing.get("p", 0.5), "data.augment.random_erasing.p")
-            self.erase_scale = tuple(float(s) for s in erasing.get("scale", (0.02, 0.33)))
-            self.erase_ratio = tuple(float(r) for r in erasing.get("ratio", (0.3, 3.3)))
+        if erasing is not None:
+            self.erase_p = _probability(erasing.p, "data.augment.random_erasing.p")
+            self.erase_scale = tuple(float(s) for s in erasing.scale)
+            self.erase_ratio = tuple(float(r) for r in erasing.ratio)
             if not (len(self.erase_scale) == 2 and 0 < self.erase_scale[0] <= self.erase_scale[1] <= 1):
                 raise UserError(
                     f"data.augment.random_erasing.scale must be [min, max] with 0 < min <= max <= 1 (got {self.erase_scale})."
@@ -87,13 +81,18 @@ class BatchAugment:
                 raise UserError(
                     f"data.augment.random_erasing.ratio must be [min, max] with 0 < min <= max (got {self.erase_ratio})."
                 )
-            value = erasing.get("value", 0)
+            value = erasing.value
             if value != "random" and not isinstance(value, int | float):
                 raise UserError(
                     f"data.augment.random_erasing.value must be a number or `random` (got {value!r})."
                 )
             self.erase_value = value
         self._stats: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def random(self) -> bool:
+        """Whether training batches are augmented at all (every setting off: only normalised)."""
+        return bool(self.pad or self.hflip or self.jitter or self.erase_p > 0)
 
     def __call__(
         self, images: torch.Tensor, train: bool, generator: torch.Generator | None = None

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from onn.config import ONNConfig
+from onn.config.data import ImageData
 from onn.data.cache import cached_decode
 from onn.data.files import existing_source
 from onn.data.resident import ClassificationData, Decoded
@@ -20,27 +22,26 @@ from onn.modalities.image.formats import list_items, read_splits, source_digest
 STREAM_SETTINGS = ("channels", "image_size", "resize")
 
 
-def decode_settings(data_cfg: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of formats.read_splits that the data config sets."""
-    size = data_cfg.get("image_size")
+def decode_settings(data: ImageData) -> dict[str, Any]:
+    """The keyword arguments of formats.read_splits that the data config sets (plain values: a cache key)."""
     return {
-        "channels": data_cfg["channels"] or "auto",
-        "image_size": [int(size), int(size)] if isinstance(size, int) else (list(size) if size else None),
-        "resize": data_cfg["resize"],
-        "max_bad_fraction": float(data_cfg["max_bad_fraction"]),
-        "num_classes": data_cfg["num_classes"] if isinstance(data_cfg["num_classes"], int) else None,
+        "channels": data.channels or "auto",
+        "image_size": [int(v) for v in data.image_size] if data.image_size else None,
+        "resize": data.resize,
+        "max_bad_fraction": float(data.max_bad_fraction),
+        "num_classes": data.num_classes if isinstance(data.num_classes, int) else None,
     }
 
 
 def read_cached(
-    source: str, data_cfg: dict[str, Any], cache_dir: str | os.PathLike, key: str = "data.source"
+    source: str, data_cfg: ImageData, cache_dir: str | os.PathLike, key: str = "data.source"
 ) -> dict[str, Decoded]:
     """{split: Decoded} for a source, decoded once and then read from the safetensors cache."""
     path = existing_source(
         source, key, "see the data config's comment"
     )  # a link loop, a device: named as such
     settings = decode_settings(data_cfg)
-    fmt = data_cfg["format"] or "auto"
+    fmt = data_cfg.format or "auto"
 
     def decode() -> dict[str, Decoded]:
         return {name: Decoded(s.images, s.labels, s.classes, s.names, s.skipped)
@@ -54,6 +55,7 @@ def read_cached(
 class ImageDataModule(ClassificationData):
     """train / val / test splits of an image dataset, resident on the device or streamed."""
 
+    cfg: ImageData
     same_shape_hint = "set data.image_size=[H,W]"
 
     @property
@@ -64,18 +66,18 @@ class ImageDataModule(ClassificationData):
         return read_cached(source, self.cfg, self.cache_dir, key)
 
     def list_items(self, source: str):
-        items = list_items(source, self.cfg["format"] or "auto")
+        items = list_items(source, self.cfg.format or "auto")
         settings = {k: v for k, v in decode_settings(self.cfg).items() if k in STREAM_SETTINGS}
         for v in items.values():
             v.configure(**settings)
         return items
 
 
-def input_stats(config: dict[str, Any], dm: ImageDataModule) -> tuple[list[float], list[float]]:
+def input_stats(config: ONNConfig, dm: ImageDataModule) -> tuple[list[float], list[float]]:
     """data.mean / data.std, or measured on the training images when `auto` (0.5 for streamed data)."""
     import torch
 
-    mean, std = config["data"]["mean"], config["data"]["std"]
+    mean, std = config.data.mean, config.data.std
     if mean not in (None, "auto") and std not in (None, "auto"):
         return [float(m) for m in mean], [float(s) for s in std]
     if dm.streamed:

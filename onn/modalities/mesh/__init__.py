@@ -11,8 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from onn.config import ONNConfig
+from onn.config.data import MeshData
+from onn.config.model import NetworkConfig
 from onn.errors import UserError
-from onn.modalities.base import ClassifierModality, register
+from onn.modalities.base import ClassifierModality, RunConfig, register
 
 SNIFF_FILES = 2000  # file names looked at when deciding whether a folder holds meshes
 DATA_KWARGS = ("in_channels", "num_classes", "num_points")
@@ -21,6 +24,7 @@ POINT_NETWORKS = ("zoo:pointnet",)  # the zoo's networks that take [batch, point
 
 class MeshModality(ClassifierModality):
     name = "mesh"
+    data_schema = MeshData
     default_data = "mesh"
     default_model = "pointnet"
     description = "3D shape classification (meshes and point clouds)"
@@ -56,74 +60,76 @@ class MeshModality(ClassifierModality):
         meshes = sum(is_mesh_name(n) for n in names)
         return f"an archive of {meshes} mesh files" if meshes >= 2 and meshes * 2 >= len(names) else None
 
-    def check(self, config: dict[str, Any]) -> None:
+    def check(self, config: ONNConfig) -> None:
         from onn.modalities.mesh.augment import PointAugment
         from onn.modalities.mesh.read import sampling
 
-        data, model = config["data"], config["model"]
+        data: MeshData = config.data
+        model: NetworkConfig = config.model
         sampling(data)
-        PointAugment(data["augment"])
-        bad = data["max_bad_fraction"]
+        PointAugment(data.augment)
+        bad = data.max_bad_fraction
         if isinstance(bad, bool) or not isinstance(bad, int | float) or not 0 <= bad <= 1:
             raise UserError(f"data.max_bad_fraction={bad!r}: give a fraction between 0 and 1.")
-        source = str(model.get("source") or "")
+        source = str(model.source or "")
         if source not in POINT_NETWORKS:
-            raise UserError(f"model={model['name']} (source {source or 'empty'}) is not a point-cloud network: use "
+            raise UserError(f"model={model.name} (source {source or 'empty'}) is not a point-cloud network: use "
                             "model=pointnet (or model.source=zoo:pointnet) with mesh data.")  # fmt: skip
-        given = [k for k in model.get("kwargs") or {} if k in DATA_KWARGS]
+        given = [k for k in model.kwargs or {} if k in DATA_KWARGS]
         if given:
             raise UserError(
                 f"model.kwargs.{given[0]} is set by ONN from the data (points, channels, classes); remove it."
             )
 
-    def datamodule(self, config: dict[str, Any], device: str):
+    def datamodule(self, config: ONNConfig, device: str):
         from onn.modalities.mesh.dataset import MeshDataModule
 
-        return MeshDataModule(config["data"], config["paths"]["cache"], device, seed=int(config["seed"]))
+        return MeshDataModule(config.data, config.paths.cache, device, seed=int(config.seed))
 
-    def network(self, model_cfg: dict[str, Any], inputs: dict[str, Any]):
+    def network(self, model_cfg: NetworkConfig, inputs: dict[str, Any]):
         from onn.models.zoo import build_zoo
 
         points, channels = inputs["input_shape"]
-        name = str(model_cfg["source"]).partition(":")[2]
+        name = str(model_cfg.source).partition(":")[2]
         try:
             network = build_zoo(name, in_channels=channels, num_classes=len(inputs["classes"]), num_points=points,
-                                **(model_cfg.get("kwargs") or {}))  # fmt: skip
+                                **(model_cfg.kwargs or {}))  # fmt: skip
         except TypeError as e:  # an unknown or misspelled model.kwargs entry
             raise UserError(
-                f"model.kwargs does not fit {model_cfg['source']}: {e}; fix or remove that key."
+                f"model.kwargs does not fit {model_cfg.source}: {e}; fix or remove that key."
             ) from e
-        if model_cfg.get("weights"):
+        if model_cfg.weights:
             from onn.models.vision import load_weights
 
-            load_weights(network, model_cfg["weights"])
+            load_weights(network, model_cfg.weights)
         return network
 
-    def transform(self, config: dict[str, Any], inputs: dict[str, Any]):
+    def transform(self, config: RunConfig, inputs: dict[str, Any]):
         from onn.modalities.mesh.augment import PointAugment
 
-        return PointAugment(config["data"]["augment"])
+        return PointAugment(config.data.augment)
 
-    def planned_inputs(self, config: dict[str, Any]) -> dict[str, Any]:
+    def planned_inputs(self, config: RunConfig) -> dict[str, Any]:
         from onn.modalities.mesh.primitives import BUILTIN, CLASSES
         from onn.modalities.mesh.read import sampling
 
-        data = config["data"]
+        data: MeshData = config.data
         settings = sampling(data)
-        if data.get("classes"):
-            classes = [str(c) for c in data["classes"]]
-        elif isinstance(data.get("num_classes"), int):
-            classes = [str(i) for i in range(data["num_classes"])]
+        if data.classes:
+            classes = [str(c) for c in data.classes]
+        elif isinstance(data.num_classes, int):
+            classes = [str(i) for i in range(data.num_classes)]
         else:
-            classes = list(CLASSES) if data.get("source") == BUILTIN else [str(i) for i in range(10)]
+            classes = list(CLASSES) if data.source == BUILTIN else [str(i) for i in range(10)]
         return {"classes": classes, "input_shape": [settings.points, settings.channels]}
 
-    def read_inputs(self, source: Path, inputs: dict[str, Any], config: dict[str, Any]):
+    def read_inputs(self, source: Path, inputs: dict[str, Any], config: RunConfig):
         from onn.modalities.mesh.read import Sampling, read_source
 
         points, channels = inputs["input_shape"]
-        settings = Sampling(int(points), channels == 6, int(config["seed"]), config["data"]["align"])
-        return read_source(source, settings, max_bad_fraction=float(config["data"]["max_bad_fraction"]), allow_unlabelled=True,
+        data: MeshData = config.data
+        settings = Sampling(int(points), channels == 6, int(config.seed), data.align)
+        return read_source(source, settings, max_bad_fraction=float(data.max_bad_fraction), allow_unlabelled=True,
                            key="task.input")  # fmt: skip
 
     def picture(self, samples, predicted, true, path: Path, inputs: dict[str, Any]) -> None:

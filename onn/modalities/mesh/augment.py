@@ -9,42 +9,36 @@ passes unchanged (as float32).
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
+from onn.config.data import MeshAugment
 from onn.errors import UserError
 
-KEYS = ("rotate", "up_axis", "scale", "jitter", "jitter_clip")
 ROTATIONS = ("up", "any", "none")
 AXES = {"x": 0, "y": 1, "z": 2}
 
 
 class PointAugment:
     """rotate (up: about data.augment.up_axis; any: uniformly in 3D), scale (uniform in [low, high]),
-    jitter (sigma, clipped)."""
+    jitter (sigma, clipped). data.augment=null (None) augments nothing; unset keys are the schema's (off)."""
 
-    def __init__(self, cfg: dict[str, Any] | None):
-        cfg = dict(cfg or {})
-        for key in cfg:
-            if key not in KEYS:
-                raise UserError(
-                    f"data.augment.{key} is not a point-cloud augmentation setting; known keys: {', '.join(KEYS)}."
-                )
-        self.rotate = cfg.get("rotate") or "none"
+    def __init__(self, cfg: MeshAugment | None):
+        cfg = cfg if cfg is not None else MeshAugment()
+        self.rotate = cfg.rotate
         if self.rotate not in ROTATIONS:
             raise UserError(f"data.augment.rotate={self.rotate!r}: give up (a random turn about the up axis), any (a random "
                             "3D rotation, for shapes with no up) or none.")  # fmt: skip
-        axis = str(cfg.get("up_axis") or "y").lower()
+        axis = str(cfg.up_axis).lower()
         if axis not in AXES:
             raise UserError(
                 f"data.augment.up_axis={axis!r}: give x, y or z (the axis that points up in your files)."
             )
         self.up = AXES[axis]
-        scale = cfg.get("scale")
+        scale = cfg.scale
         self.scale = None
         if scale is not None:
-            values = list(scale) if isinstance(scale, list | tuple) else [scale]
+            values = list(scale)
             if (
                 len(values) != 2
                 or not all(isinstance(v, int | float) for v in values)
@@ -54,8 +48,8 @@ class PointAugment:
                     f"data.augment.scale={scale!r}: give [low, high] with 0 < low <= high, or null."
                 )
             self.scale = (float(values[0]), float(values[1]))
-        self.jitter = float(cfg.get("jitter") or 0.0)
-        self.clip = float(cfg.get("jitter_clip") or 0.0)
+        self.jitter = float(cfg.jitter)
+        self.clip = float(cfg.jitter_clip)
         if self.jitter < 0 or self.clip < 0:
             raise UserError(
                 f"data.augment.jitter and jitter_clip must be 0 or more (got {self.jitter}, {self.clip})."

@@ -11,23 +11,27 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
+from onn.config import as_dict
+from onn.config.data import MeshData
 from onn.data.cache import cached_decode
 from onn.data.files import content_digest, existing_source
 from onn.data.resident import ClassificationData, Decoded
+from onn.errors import UserError
 from onn.modalities.mesh.primitives import BUILTIN, builtin_splits
 from onn.modalities.mesh.read import HELP, read_source, sampling
 
 
-def read_cached(source: str, data_cfg: dict[str, Any], cache_dir: str | os.PathLike, seed: int, key: str = "data.source",
+def read_cached(source: str, data_cfg: MeshData, cache_dir: str | os.PathLike, seed: int, key: str = "data.source",
                 allow_unlabelled: bool = False) -> dict[str, Decoded]:  # fmt: skip
     """{split: Decoded} for a source, sampled once and then read from the safetensors cache."""
     settings = sampling(data_cfg, seed)
-    bad = float(data_cfg["max_bad_fraction"])
+    bad = float(data_cfg.max_bad_fraction)
     if source == BUILTIN:
-        builtin = dict(data_cfg["builtin"])
-        return cached_decode("meshes", {"builtin": builtin, "settings": settings.__dict__}, cache_dir,
+        builtin = data_cfg.builtin
+        if builtin is None:
+            raise UserError(f"data.source={BUILTIN} needs data.builtin: {{per_class: N, test_per_class: N}}.")
+        return cached_decode("meshes", {"builtin": as_dict(builtin), "settings": settings.__dict__}, cache_dir,
                              lambda: builtin_splits(builtin, settings, seed), source)  # fmt: skip
     path = existing_source(Path(source).expanduser(), key, HELP)
     digest = {"digest": content_digest(path), "settings": settings.__dict__, "unlabelled": allow_unlabelled}
@@ -38,6 +42,7 @@ def read_cached(source: str, data_cfg: dict[str, Any], cache_dir: str | os.PathL
 class MeshDataModule(ClassificationData):
     """train / val / test splits of a mesh dataset, resident on the device."""
 
+    cfg: MeshData
     same_shape_hint = "give every split the same data.points and data.normals"
 
     def read(self, source: str, key: str) -> dict[str, Decoded]:

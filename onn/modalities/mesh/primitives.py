@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from onn.config.data import MeshBuiltin
 from onn.data.resident import Decoded
 from onn.errors import UserError
 from onn.modalities.mesh.read import Sampling, sample_points
@@ -68,12 +69,12 @@ def shapes(per_class: int, seed: int) -> list[tuple[str, Any]]:
     return [(f"{kind}/{i:04d}", primitive(kind, rng)) for i in range(per_class) for kind in CLASSES]
 
 
-def builtin_splits(builtin: dict[str, Any], settings: Sampling, seed: int) -> dict[str, Decoded]:
+def builtin_splits(builtin: MeshBuiltin, settings: Sampling, seed: int) -> dict[str, Decoded]:
     """{train, test}: data.builtin.per_class training shapes and test_per_class held-out ones, sampled."""
     splits = {}
     for split, count, stream in (
-        ("train", builtin["per_class"], seed),
-        ("test", builtin["test_per_class"], seed + TEST_SEED_OFFSET),
+        ("train", builtin.per_class, seed),
+        ("test", builtin.test_per_class, seed + TEST_SEED_OFFSET),
     ):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             key = "per_class" if split == "train" else "test_per_class"

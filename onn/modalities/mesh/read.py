@@ -25,11 +25,11 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
+from onn.config.data import MeshData
 from onn.data.files import ARCHIVE_ERRORS, archive_kind, existing_source, iter_members, walk_files
 from onn.data.labelled import check_bad
 from onn.data.resident import Decoded
@@ -64,9 +64,9 @@ class Sampling:
         return 6 if self.normals else 3
 
 
-def sampling(data_cfg: dict[str, Any], seed: int = 0) -> Sampling:
+def sampling(data_cfg: MeshData, seed: int = 0) -> Sampling:
     """The checked data.points / data.normals, or one UserError naming the key."""
-    points, normals = data_cfg["points"], data_cfg["normals"]
+    points, normals = data_cfg.points, data_cfg.normals
     if isinstance(points, bool) or not isinstance(points, int) or points < 1:
         raise UserError(
             f"data.points={points!r}: give the number of surface points per mesh, a whole number, 1 or more."
@@ -75,10 +75,10 @@ def sampling(data_cfg: dict[str, Any], seed: int = 0) -> Sampling:
         raise UserError(
             f"data.normals={normals!r}: give true (points and their normals, 6 values) or false (3 values)."
         )
-    if data_cfg["align"] not in ALIGNMENTS:
-        raise UserError(f"data.align={data_cfg['align']!r}: give none (keep the files' orientation) or pca (turn each shape "
+    if data_cfg.align not in ALIGNMENTS:
+        raise UserError(f"data.align={data_cfg.align!r}: give none (keep the files' orientation) or pca (turn each shape "
                         "onto its principal axes).")  # fmt: skip
-    return Sampling(points, normals, seed, data_cfg["align"])
+    return Sampling(points, normals, seed, data_cfg.align)
 
 
 def is_mesh_name(name: str) -> bool:

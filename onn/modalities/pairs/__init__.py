@@ -13,14 +13,18 @@ directions on held-out pairs; inference ranks a folder of one side against queri
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+from onn.config import ONNConfig
+from onn.config.data import PairsData
+from onn.config.model import DualEncoderConfig
 from onn.errors import UserError
 from onn.modalities.base import Modality, register
 
 
 class PairsModality(Modality):
     name = "pairs"
+    data_schema = PairsData
+    model_schema = DualEncoderConfig
     implementation = "onn.modalities.pairs.tasks"
     default_data = "pairs"
     default_model = "dual_encoder"
@@ -47,41 +51,43 @@ class PairsModality(Modality):
             return None
         return listing.summary()
 
-    def check(self, config: dict[str, Any]) -> None:
+    def check(self, config: ONNConfig) -> None:
         from onn.modalities.pairs.detect import wanted_modalities
         from onn.modalities.pairs.sides import TEXT, registered
 
-        data, model, task = config["data"], config["model"], config["task"]
-        for name in wanted_modalities(data["modalities"]) or ():
+        data: PairsData = config.data
+        for name in wanted_modalities(data.modalities) or ():
             if name != TEXT:
                 registered(name)
-        if model.get("feature_dim") is None or model.get("embed_dim") is None:
+        model = config.model
+        if not isinstance(model, DualEncoderConfig):
             raise UserError(
-                f"model={model['name']} is not a dual encoder: use model=dual_encoder with paired data."
+                f"model={model.name} is not a dual encoder: use model=dual_encoder with paired data."
             )
         for key in ("feature_dim", "embed_dim"):
-            if isinstance(model[key], bool) or not isinstance(model[key], int) or model[key] < 1:
-                raise UserError(f"model.{key}={model[key]!r}: give a whole number of dimensions, 1 or more.")
+            if getattr(model, key) < 1:
+                raise UserError(
+                    f"model.{key}={getattr(model, key)!r}: give a whole number of dimensions, 1 or more."
+                )
         for key in ("temperature", "max_logit_scale"):
-            if isinstance(model[key], bool) or not isinstance(model[key], int | float) or not model[key] > 0:
-                raise UserError(f"model.{key}={model[key]!r}: give a number above 0.")
-        batch = data["batch_size"]
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 2:
-            raise UserError(f"data.batch_size={batch!r}: a contrastive batch needs 2 pairs or more.")
-        if config["strategy"]["name"] not in ("auto", "full"):
+            if not getattr(model, key) > 0:
+                raise UserError(f"model.{key}={getattr(model, key)!r}: give a number above 0.")
+        if data.batch_size < 2:
             raise UserError(
-                f"strategy={config['strategy']['name']}: a dual encoder trains with strategy=full (or auto)."
+                f"data.batch_size={data.batch_size!r}: a contrastive batch needs 2 pairs or more."
             )
-        if config["export"]["name"] == "omny":
+        if config.strategy.name not in ("auto", "full"):
+            raise UserError(
+                f"strategy={config.strategy.name}: a dual encoder trains with strategy=full (or auto)."
+            )
+        if config.export.name == "omny":
             raise UserError(
                 "export=omny is not available for a dual encoder; export=onnx writes one ONNX file per side."
             )
-        if task["name"] == "infer":
-            top_k = task["top_k"]
-            if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-                raise UserError(
-                    f"task.top_k={top_k!r}: give the number of matches to keep per query, 1 or more."
-                )
+        if config.task.name == "infer" and config.task.top_k < 1:
+            raise UserError(
+                f"task.top_k={config.task.top_k!r}: give the number of matches to keep per query, 1 or more."
+            )
 
 
 register(PairsModality())

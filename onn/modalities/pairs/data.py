@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 import torch
 
+from onn.config import ONNConfig, as_dict
+from onn.config.data import PairsData
 from onn.data.cache import cached_decode
 from onn.data.files import content_digest, iter_members
 from onn.data.resident import Decoded, ResidentBatches, Split
@@ -85,15 +86,14 @@ class PairData(L.LightningDataModule):
     A batch is (side A's items, side B's items), row i of one the partner of row i of the other; the
     partner side rides in ResidentBatches' second tensor, which is index-selected like the first."""
 
-    def __init__(
-        self, config: dict[str, Any], sides: dict[str, PairSide], device: str | torch.device = "cpu"
-    ):
+    def __init__(self, config: ONNConfig, sides: dict[str, PairSide], device: str | torch.device = "cpu"):
         super().__init__()
-        self.cfg, self.sides = config["data"], sides
-        self.cache_dir, self.seed = config["paths"]["cache"], int(config["seed"])
+        self.cfg: PairsData = config.data
+        self.sides = sides
+        self.cache_dir, self.seed = config.paths.cache, config.seed
         self.device = torch.device(device)
-        self.batch_size = int(self.cfg["batch_size"])
-        self.eval_batch_size = int(self.cfg["eval_batch_size"] or 2 * self.batch_size)
+        self.batch_size = self.cfg.batch_size
+        self.eval_batch_size = self.cfg.eval_batch_size or 2 * self.batch_size
         self.listing: Listing | None = None
         self.splits: dict[str, Split] = {}
         self.skipped: list[str] = []
@@ -105,12 +105,12 @@ class PairData(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
-        source = self.cfg["source"]
+        source = self.cfg.source
         if not source:
             raise UserError(
                 "data.source is not set: point it at a folder of paired files (see conf/data/pairs.yaml)."
             )
-        listing = find_pairs(source, self.names, self.cfg["text_column"])
+        listing = find_pairs(source, self.names, self.cfg.text_column)
         self.listing = listing
         (log.warning if listing.orphan_count else log.info)("pairs: %s", listing.summary())
         if listing.complete < MIN_PAIRS:
@@ -118,8 +118,8 @@ class PairData(L.LightningDataModule):
                 f"data.source {source}: {listing.summary()}; at least {MIN_PAIRS} complete pairs are needed."
             )
         key = {"digest": content_digest(Path(str(source)).expanduser()), "keys": listing.keys,
-               "sides": {n: s.config["data"] for n, s in self.sides.items()}}  # fmt: skip
-        bad = float(self.cfg["max_bad_fraction"])
+               "sides": {n: as_dict(s.config.data) for n, s in self.sides.items()}}  # fmt: skip
+        bad = self.cfg.max_bad_fraction
         decoded = cached_decode(
             "pairs",
             key,
@@ -131,7 +131,7 @@ class PairData(L.LightningDataModule):
         a, b = (decoded[n] for n in self.names)
         pairs = Split(a.inputs, b.inputs, a.names)
         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(self.seed))
-        fraction = float(self.cfg["val_split"])
+        fraction = self.cfg.val_split
         if not 0 < fraction < 1:
             raise UserError(
                 f"data.val_split must be between 0 and 1 (got {fraction}): the held-out pairs measure retrieval."

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from onn.config.model import DualEncoderConfig
+from onn.config.run import OptimConfig
 from onn.training.distributed import clip_gradients
 from onn.training.optim import make_optimizer, make_schedule
 from onn.training.record import EpochRecord, log_train_loss
@@ -67,23 +69,22 @@ class DualEncoder(EpochRecord, L.LightningModule):
     loop = LOOP
     describes = "ONN's dual encoder"
 
-    def __init__(self, towers: dict[str, nn.Module], width: int, model_cfg: dict[str, Any], optim: dict[str, Any],
+    def __init__(self, towers: dict[str, nn.Module], width: int, model_cfg: DualEncoderConfig, optim: OptimConfig,
                  onn_config: dict[str, Any]):  # fmt: skip
         super().__init__()
         if len(towers) != 2:
             raise ValueError("a dual encoder has two towers")
         self.names = tuple(towers)
         self.towers = nn.ModuleDict(towers)
-        dim = int(model_cfg["embed_dim"])
+        dim = model_cfg.embed_dim
         self.projections = nn.ModuleDict({n: nn.Linear(width, dim, bias=False) for n in self.names})
-        temperature = float(model_cfg["temperature"])
         self.logit_scale = nn.Parameter(
-            torch.tensor(math.log(1 / temperature)), requires_grad=bool(model_cfg["learn_temperature"])
+            torch.tensor(math.log(1 / model_cfg.temperature)), requires_grad=model_cfg.learn_temperature
         )
-        self.max_log_scale = math.log(float(model_cfg["max_logit_scale"]))
+        self.max_log_scale = math.log(model_cfg.max_logit_scale)
         self.optim = optim
         self.onn_config = (
-            onn_config  # stored in every checkpoint: eval/infer/export rebuild the sides from it
+            onn_config  # plain values, stored in every checkpoint: eval/infer/export rebuild from it
         )
         self.train_losses: list[torch.Tensor] = []
         self.history: list[dict[str, float]] = []
@@ -138,7 +139,7 @@ class DualEncoder(EpochRecord, L.LightningModule):
                      "  ".join(f"{k} {v:.4f}" for k, v in figures.items() if not k.endswith("chance")))  # fmt: skip
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        clip_gradients(self, optimizer, float(self.optim["clip_grad_norm"] or 0.0))
+        clip_gradients(self, optimizer, self.optim.clip_grad_norm)
 
     def configure_optimizers(self):
         optimizer = make_optimizer([p for p in self.parameters() if p.requires_grad], self.optim)

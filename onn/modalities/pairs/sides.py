@@ -18,6 +18,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from onn.config import ONNConfig, typed
+from onn.config.data import CaptionData
+from onn.config.model import NetworkConfig
+from onn.config.run import PairSideConfig, PathsConfig
 from onn.errors import UserError
 from onn.modalities.base import REGISTRY, Modality, PairSide
 
@@ -36,47 +40,69 @@ def registered(name: str) -> Modality:
     return REGISTRY[name]
 
 
-def group_option(group: str, option: str, key: str) -> dict[str, Any]:
-    """conf/<group>/<option>.yaml as a plain dict (its values; these configs have no defaults lists)."""
+def option_values(group: str, option: str, key: str) -> dict[str, Any]:
+    """conf/<group>/<option>.yaml's values as a plain dict: the options of its group its defaults list names
+    (conf/data/cifar10.yaml: image), then its own keys. The schema it names is applied by `typed`."""
     from omegaconf import OmegaConf
 
     path = CONF / group / f"{option}.yaml"
     if not path.is_file():
         raise UserError(f"{key}: there is no conf/{group}/{option}.yaml to take the side's settings from; "
                         f"give them under {key} (a dict of that group's keys).")  # fmt: skip
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    own = OmegaConf.load(path)
+    parents = [
+        d for d in own.pop("defaults", None) or [] if isinstance(d, str) and d != "_self_" and "/" not in d
+    ]
+    values = OmegaConf.merge(*(option_values(group, d, key) for d in parents), own) if parents else own
+    return OmegaConf.to_container(values, resolve=True)
 
 
-def side_config(name: str, config: dict[str, Any]) -> dict[str, Any]:
+def side_config(name: str, config: ONNConfig) -> PairSideConfig:
     """The run config the side `name` works with: its modality's data and model configs, overridden by
     data.sides.<name> (a dict of keys) and model.sides.<name> (a conf/model option, or a dict of keys)."""
-    data_over = (config["data"].get("sides") or {}).get(name) or {}
-    model_over = (config["model"].get("sides") or {}).get(name) or {}
+    data_over = config.data.sides.get(name) or {}
+    model_over = config.model.sides.get(name) or {}
     if name == TEXT:
-        data_base, model_option = {"modality": TEXT}, "text_encoder"
+        data_schema, model_schema, data_base, model_option = CaptionData, NetworkConfig, {}, "text_encoder"
     else:
         modality = registered(name)
-        data_base, model_option = (
-            group_option("data", modality.default_data, f"data.sides.{name}"),
+        data_schema, model_schema, model_option = (
+            modality.data_schema,
+            modality.model_schema,
             modality.default_model,
         )
+        data_base = option_values("data", modality.default_data, f"data.sides.{name}")
     if isinstance(model_over, str):
         model_option, model_over = model_over, {}
     if not isinstance(data_over, dict) or not isinstance(model_over, dict):
         raise UserError(
             f"data.sides.{name} / model.sides.{name}: give a dict of that group's keys (model: or an option name)."
         )
-    model = {**group_option("model", model_option, f"model.sides.{name}"), **model_over}
-    return {
-        "data": {**data_base, **data_over},
-        "model": model,
-        "seed": config["seed"],
-        "paths": config["paths"],
-    }
+    model = {**option_values("model", model_option, f"model.sides.{name}"), **model_over}
+    return PairSideConfig(
+        data=typed(data_schema, {**data_base, **data_over}, f"data.sides.{name}"),
+        model=typed(model_schema, model, f"model.sides.{name}"),
+        seed=config.seed,
+        paths=config.paths,
+    )
 
 
-def build_side(name: str, side_cfg: dict[str, Any]) -> PairSide:
-    """The side for modality `name` from its run config (side_config, or as a checkpoint saved it)."""
+def saved_side(name: str, saved: dict[str, Any], where: str) -> PairSideConfig:
+    """A side's run config as a pairs checkpoint saved it (as_dict of side_config), typed again."""
+    if name == TEXT:
+        data_schema, model_schema = CaptionData, NetworkConfig
+    else:
+        data_schema, model_schema = registered(name).data_schema, registered(name).model_schema
+    return PairSideConfig(
+        data=typed(data_schema, saved["data"], f"{where}: sides.{name}.data"),
+        model=typed(model_schema, saved["model"], f"{where}: sides.{name}.model"),
+        seed=int(saved["seed"]),
+        paths=typed(PathsConfig, saved["paths"], f"{where}: sides.{name}.paths"),
+    )
+
+
+def build_side(name: str, side_cfg: PairSideConfig) -> PairSide:
+    """The side for modality `name` from its run config (side_config, or saved_side of a checkpoint's)."""
     if name == TEXT:
         return TextSide(side_cfg)
     return registered(name).pair_side(side_cfg)
@@ -117,9 +143,9 @@ class TextSide:
 
     name = TEXT
 
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: PairSideConfig):
         self.config = config
-        self.max_length = config["data"]["max_length"]
+        self.max_length = config.data.max_length
         if isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 1:
             raise UserError(
                 f"data.sides.text.max_length={self.max_length!r}: give the bytes kept of each text, 1 or more."
@@ -164,15 +190,15 @@ class TextSide:
         from onn.modalities.classification import SideEncoder
         from onn.models.zoo import build_zoo
 
-        model = self.config["model"]
-        name = str(model["source"]).partition(":")[2]
+        model: NetworkConfig = self.config.model
+        name = model.source.partition(":")[2]
         try:
             tokenizer = self.tokenizer()
             network = build_zoo(name, out_features=width, max_length=self.max_length, vocab_size=len(tokenizer),
-                                pad_id=tokenizer.pad_token_id, **(model.get("kwargs") or {}))  # fmt: skip
+                                pad_id=tokenizer.pad_token_id, **model.kwargs)  # fmt: skip
         except TypeError as e:
             raise UserError(
-                f"model.sides.text.kwargs does not fit {model['source']}: {e}; fix or remove that key."
+                f"model.sides.text.kwargs does not fit {model.source}: {e}; fix or remove that key."
             ) from e
         return SideEncoder(None, network)
 

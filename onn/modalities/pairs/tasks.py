@@ -20,6 +20,11 @@ from typing import Any
 
 import torch
 
+from onn.config import ONNConfig, as_dict, typed
+from onn.config.data import PairsData
+from onn.config.export import OnnxExport, SafetensorsExport
+from onn.config.model import DualEncoderConfig
+from onn.config.task import InferTask
 from onn.data.files import existing_source, walk_files, write_jsonl
 from onn.errors import UserError
 from onn.hardware.memory import PeakMemory
@@ -27,7 +32,7 @@ from onn.modalities.base import Job, PairSide
 from onn.modalities.pairs.data import PairData
 from onn.modalities.pairs.detect import SNIFF_FILES, find_pairs
 from onn.modalities.pairs.module import MONITOR, DualEncoder
-from onn.modalities.pairs.sides import TEXT, build_side, modality_of, side_config
+from onn.modalities.pairs.sides import TEXT, build_side, modality_of, saved_side, side_config
 from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
 from onn.training.callbacks import ResourceMonitor, StepClock
@@ -39,41 +44,51 @@ from onn.training.trainer import build_trainer
 log = logging.getLogger("onn")
 
 
-def modalities(config: dict[str, Any]) -> tuple[str, str]:
+def modalities(config: ONNConfig) -> tuple[str, str]:
     """data.modalities, or (auto) the two that data.source pairs most."""
-    data = config["data"]
-    if data["modalities"] not in (None, "auto"):
-        a, b = data["modalities"]
+    data: PairsData = config.data
+    if data.modalities not in (None, "auto"):
+        a, b = data.modalities
         return str(a), str(b)
-    if not data["source"]:
+    if not data.source:
         raise UserError("data.modalities=auto finds the sides in data.source, which is not set; set data.source "
                         "(or data.modalities=[image, text] to plan without data).")  # fmt: skip
-    return find_pairs(data["source"], "auto", data["text_column"], limit=SNIFF_FILES).modalities
+    return find_pairs(data.source, "auto", data.text_column, limit=SNIFF_FILES).modalities
 
 
-def sides_of(config: dict[str, Any], saved: dict[str, Any] | None = None) -> dict[str, PairSide]:
-    """The two sides, from a checkpoint's saved side configs or from this config."""
-    if saved:
-        return {name: build_side(name, side) for name, side in saved.items()}
+def sides_of(config: ONNConfig, ckpt: Path | None = None) -> dict[str, PairSide]:
+    """The two sides, from the side configs a checkpoint saved or from this config."""
+    if ckpt is not None:
+        where = f"ckpt {ckpt}"
+        return {
+            name: build_side(name, saved_side(name, side, where))
+            for name, side in saved_config(ckpt)["sides"].items()
+        }
     return {name: build_side(name, side_config(name, config)) for name in modalities(config)}
 
 
-def build(config: dict[str, Any], sides: dict[str, PairSide], strategy: str = "full") -> DualEncoder:
-    torch.manual_seed(int(config["seed"]))
-    model = config["model"]
-    width = int(model["feature_dim"])
+def build(config: ONNConfig, sides: dict[str, PairSide], strategy: str = "full") -> DualEncoder:
+    """The dual encoder of config.model over the sides' encoders; its onn_config (saved in every checkpoint,
+    plain values) rebuilds it."""
+    torch.manual_seed(config.seed)
+    model: DualEncoderConfig = config.model
     names = list(sides)
-    onn_config = {"model": model, "strategy": {**config["strategy"], "name": strategy}, "modality": "pairs", "seed": config["seed"],
-                  "data": {**config["data"], "modalities": names}, "sides": {n: s.config for n, s in sides.items()}}  # fmt: skip
+    onn_config = {"model": as_dict(model), "strategy": {**as_dict(config.strategy), "name": strategy}, "modality": "pairs",
+                  "seed": config.seed, "data": {**as_dict(config.data), "modalities": names},
+                  "sides": {n: as_dict(s.config) for n, s in sides.items()}}  # fmt: skip
     return DualEncoder(
-        {n: s.encoder(width) for n, s in sides.items()}, width, model, config["optim"], onn_config
+        {n: s.encoder(model.feature_dim) for n, s in sides.items()},
+        model.feature_dim,
+        model,
+        config.optim,
+        onn_config,
     )
 
 
-def plan(modality, config: dict[str, Any], hardware: dict[str, Any], use_tuned: bool = True):
+def plan(modality, config: ONNConfig, hardware: dict[str, Any], use_tuned: bool = True):
     """One network plan for both towers: their parameters, FLOPs and saved activations per pair, added."""
     sides = sides_of(config)
-    width = int(config["model"]["feature_dim"])
+    width = config.model.feature_dim
     specs = []
     for name, side in sides.items():
         with torch.device("meta"):
@@ -82,8 +97,8 @@ def plan(modality, config: dict[str, Any], hardware: dict[str, Any], use_tuned: 
         x = tower.prepare(side.sample(1), train=False).to("meta")
         specs.append(network_spec(tower.network, x, name, pretrained=False))
     a, b = specs
-    dim = int(config["model"]["embed_dim"])
-    spec = replace(a, name=f"{config['model']['name']} ({' + '.join(sides)})", params=a.params + b.params + 2 * width * dim,
+    dim = config.model.embed_dim
+    spec = replace(a, name=f"{config.model.name} ({' + '.join(sides)})", params=a.params + b.params + 2 * width * dim,
                    block_params=a.block_params + b.block_params, prefix_params=a.prefix_params + b.prefix_params,
                    suffix_params=a.suffix_params + b.suffix_params, lora_params_per_block=[0] * (a.n_blocks + b.n_blocks),
                    linear_params_per_block=[0] * (a.n_blocks + b.n_blocks), layer_map=f"{a.name}: {a.layer_map}; {b.name}: {b.layer_map}",
@@ -99,9 +114,10 @@ def saved_config(ckpt: Path) -> dict[str, Any]:
     return saved
 
 
-def load_trained(config: dict[str, Any], ckpt: Path) -> DualEncoder:
+def load_trained(config: ONNConfig, ckpt: Path) -> DualEncoder:
     saved = saved_config(ckpt)
-    module = build({**config, "model": saved["model"]}, sides_of(config, saved["sides"]))
+    model = typed(DualEncoderConfig, saved["model"], f"ckpt {ckpt}: model")
+    module = build(replace(config, model=model), sides_of(config, ckpt))
     missing, unexpected = module.load_state_dict(load_checkpoint(ckpt)["state_dict"], strict=False)
     if missing or unexpected:
         raise UserError(
@@ -110,17 +126,18 @@ def load_trained(config: dict[str, Any], ckpt: Path) -> DualEncoder:
     return module
 
 
-def _callbacks(config: dict[str, Any], run_dir: Path) -> list:
+def _callbacks(config: ONNConfig, run_dir: Path) -> list:
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
     best = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), filename="best", monitor=MONITOR, mode="max", save_top_k=1,
                            auto_insert_metric_name=False, enable_version_counter=False)  # fmt: skip
     last = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), save_top_k=0, save_last=True)
-    callbacks = [best, last, StepClock(), ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))]
-    stop = config["task"].get("early_stopping")
-    if stop:
-        callbacks.append(EarlyStopping(monitor=MONITOR, mode="max", patience=int(stop["patience"]),
-                                       min_delta=float(stop.get("min_delta") or 0.0)))  # fmt: skip
+    callbacks = [best, last, StepClock(), ResourceMonitor(config.trainer.log_every_n_steps)]
+    stop = config.task.early_stopping
+    if stop.patience > 0:
+        callbacks.append(
+            EarlyStopping(monitor=MONITOR, mode="max", patience=stop.patience, min_delta=stop.min_delta)
+        )
     return callbacks
 
 
@@ -141,10 +158,9 @@ def data_metrics(dm: PairData) -> dict[str, Any]:
 
 def train(job: Job) -> dict[str, Any]:
     config, plan_, run_dir, ckpt = job.config, job.plan, job.run_dir, job.ckpt
-    saved = saved_config(ckpt) if ckpt is not None else None
-    if saved:  # a resumed run keeps its sides and its held-out split
-        config = {**config, "seed": saved["seed"]}
-    sides = sides_of(config, saved and saved["sides"])
+    if ckpt is not None:  # a resumed run keeps its sides and its held-out split
+        config = replace(config, seed=int(saved_config(ckpt)["seed"]))
+    sides = sides_of(config, ckpt)
     dm = PairData(config, sides, job.device)
     dm.setup()
     module = build(config, sides, plan_["strategy"])
@@ -175,7 +191,7 @@ def train(job: Job) -> dict[str, Any]:
     metrics["val/recall@1_over_chance"] = round(metrics["val/recall@1"] / metrics["val/recall@1_chance"], 2)
     log.info("held-out retrieval: recall@1 %.4f (chance %.4f), recall@5 %.4f", metrics["val/recall@1"],
              metrics["val/recall@1_chance"], metrics["val/recall@5"])  # fmt: skip
-    if config["export"]["name"] != "none":
+    if config.export.name != "none":
         metrics.update(export_module(config, module, run_dir))
     return metrics
 
@@ -186,10 +202,10 @@ def evaluate(job: Job) -> dict[str, Any]:
         raise UserError("task=eval on paired data needs ckpt=RUN_DIR (a trained dual encoder).")
     module = load_trained(config, job.ckpt)
     saved = saved_config(job.ckpt)
-    data = config["data"] if config["data"].get("source") else saved["data"]
+    data = config.data if config.data.source else typed(PairsData, saved["data"], f"ckpt {job.ckpt}: data")
     # the seed the run held its pairs out with: the same held-out pairs
-    run = {**config, "seed": saved["seed"], "data": {**data, "modalities": list(module.names)}}
-    dm = PairData(run, sides_of(config, saved["sides"]), job.device)
+    run = replace(config, seed=int(saved["seed"]), data=replace(data, modalities=list(module.names)))
+    dm = PairData(run, sides_of(config, job.ckpt), job.device)
     dm.setup()
     trainer = build_trainer(config, job.plan, job.run_dir, [], loggers=False, steps_per_epoch=1)
     trainer.validate(module, datamodule=dm, verbose=False)
@@ -232,41 +248,40 @@ def embed_all(module: DualEncoder, name: str, side: PairSide, items: list, devic
 
 
 def infer(job: Job) -> dict[str, Any]:
-    config, task = job.config, job.config["task"]
+    config = job.config
+    task: InferTask = config.task
     if job.ckpt is None:
         raise UserError("task=infer on paired data needs ckpt=RUN_DIR (a trained dual encoder).")
-    if not task["gallery"]:
+    if not task.gallery:
         raise UserError("task=infer on paired data needs task.gallery=FOLDER (the files to rank) and a query: task.input=FILE|FOLDER, "
                         "or prompt=\"...\" for a text query.")  # fmt: skip
     module = load_trained(config, job.ckpt)
     names = list(module.names)
-    sides = {n: build_side(n, c) for n, c in saved_config(job.ckpt)["sides"].items()}
-    if task["input"]:
+    sides = sides_of(config, job.ckpt)
+    if task.input:
         queries = {
-            m: f
-            for m, f in files_of(Path(str(task["input"])).expanduser(), "task.input").items()
-            if m in names
+            m: f for m, f in files_of(Path(task.input).expanduser(), "task.input").items() if m in names
         }
         if not queries:
             raise UserError(
-                f"task.input={task['input']} holds no {' or '.join(names)} files this dual encoder reads."
+                f"task.input={task.input} holds no {' or '.join(names)} files this dual encoder reads."
             )
         query = max(queries, key=lambda m: len(queries[m]))
         query_items: list = queries[query]
-    elif config.get("prompt") and TEXT in names:
-        query, query_items = TEXT, [str(config["prompt"])]
+    elif config.prompt and TEXT in names:
+        query, query_items = TEXT, [str(config.prompt)]
     else:
         raise UserError(f"task=infer needs a query: task.input=FILE|FOLDER of {' or '.join(names)} files"
                         f"{', or prompt=... (this model has a text side)' if TEXT in names else ''}.")  # fmt: skip
     other = next(n for n in names if n != query)
-    gallery_items = files_of(Path(str(task["gallery"])).expanduser(), "task.gallery").get(other, [])
+    gallery_items = files_of(Path(task.gallery).expanduser(), "task.gallery").get(other, [])
     if not gallery_items:
         raise UserError(
-            f"task.gallery={task['gallery']} holds no {other} files to rank against the {query} queries."
+            f"task.gallery={task.gallery} holds no {other} files to rank against the {query} queries."
         )
     device = torch.device(job.device)
     module = module.to(device).eval()
-    batch = int(config["data"]["eval_batch_size"] or 2 * int(config["data"]["batch_size"]))
+    batch = config.data.eval_batch_size or 2 * config.data.batch_size
     q, q_index, q_skipped = embed_all(module, query, sides[query], query_items, device, batch)
     g, g_index, g_skipped = embed_all(module, other, sides[other], gallery_items, device, batch)
     for skipped in (q_skipped, g_skipped):
@@ -276,7 +291,7 @@ def infer(job: Job) -> dict[str, Any]:
             )
     if not len(q) or not len(g):
         raise UserError("task=infer: no query or no gallery item could be read (see the warnings above).")
-    top_k = int(task["top_k"])
+    top_k = task.top_k
     scores = (q @ g.T).cpu()
     best = scores.topk(min(top_k, len(g)), dim=1)
     label = [_label(item) for item in query_items]
@@ -295,7 +310,7 @@ def infer(job: Job) -> dict[str, Any]:
             for k in hits:
                 hits[k] += rank < k
         rows.append(row)
-    output = Path(task["output"] or job.run_dir / "matches.jsonl")
+    output = Path(task.output or job.run_dir / "matches.jsonl")
     write_jsonl(rows, output)
     print(
         f"wrote the top {min(top_k, len(g))} of {len(g)} {other} items for {len(rows)} {query} queries to {output}"
@@ -335,30 +350,39 @@ def export(job: Job) -> dict[str, Any]:
     return export_module(job.config, load_trained(job.config, job.ckpt), job.run_dir)
 
 
-def export_module(config: dict[str, Any], module: DualEncoder, run_dir: Path) -> dict[str, Any]:
+def export_module(config: ONNConfig, module: DualEncoder, run_dir: Path) -> dict[str, Any]:
     """safetensors: the dual encoder's state dict and config.json; onnx/omny: one file per tower."""
     from onn.export import export_model
 
-    settings = {**config["export"], "model_name": config["model"]["name"]}
-    folder = Path(settings.get("output") or run_dir / "export")
+    settings: SafetensorsExport | OnnxExport = config.export
+    folder = Path(settings.output or run_dir / "export")
     folder.mkdir(parents=True, exist_ok=True)
     module = module.cpu().eval()
-    if settings["name"] == "safetensors":
+    if settings.name == "safetensors":
         from safetensors.torch import save_model
 
         save_model(module, str(folder / "model.safetensors"), metadata={"format": "pt"})
         (folder / "config.json").write_text(json.dumps(module.onn_config, indent=2, default=str))
         return {"export/format": "safetensors", "export/path": str(folder)}
     metrics: dict[str, Any] = {}
-    batch = int((settings.get("sample") or {}).get("batch_size", 2))
-    suffix = {"onnx": ".onnx", "omny": ".omny"}[settings["name"]]
-    for name, side in ((n, build_side(n, c)) for n, c in module.onn_config["sides"].items()):
+    batch = settings.sample.batch_size
+    suffix = {"onnx": ".onnx", "omny": ".omny"}[settings.name]
+    sides = {
+        n: build_side(n, saved_side(n, c, "the dual encoder")) for n, c in module.onn_config["sides"].items()
+    }
+    for name, side in sides.items():
         stored = side.sample(batch)  # zeros: black pixels, points at the centre, NUL bytes
-        generator = torch.Generator().manual_seed(int(config["seed"]))
+        generator = torch.Generator().manual_seed(config.seed)
         if stored.is_floating_point():  # random values check the graph better than zeros
             stored = torch.randn(stored.shape, generator=generator)
         elif stored.dtype == torch.uint8:
             stored = torch.randint(0, 256, stored.shape, dtype=torch.uint8, generator=generator)
-        result = export_model(Tower(module, name), folder / f"{name}{suffix}", {"input": stored}, settings)
+        result = export_model(
+            Tower(module, name),
+            folder / f"{name}{suffix}",
+            {"input": stored},
+            settings,
+            model_name=config.model.name,
+        )
         metrics.update({f"{k}/{name}" if k.startswith("export/") else k: v for k, v in result.items()})
     return metrics

@@ -30,16 +30,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from onn.config import ONNConfig, as_dict
+
 MAX_PARAMS = 50_000_000  # a 6-block copy about this size trains in a second or so
 MAX_AGE_S = 900  # a cached timing older than this is measured again (seconds of work for a small model)
 WINDOW_S = 3.0  # the longest a timing window takes (a short run's twenty steps of a 0.15 s step)
 
 
-def refine(plan: dict[str, Any], config: dict[str, Any], hw: dict[str, Any], spec,
+def refine(plan: dict[str, Any], config: ONNConfig, hw: dict[str, Any], spec,
            window_s: float | None = None) -> dict[str, Any]:  # fmt: skip
     """The plan with predicted_step_s from timing the model's own blocks, where that applies. `window_s`:
     timed now, for that long, whatever the cache holds (see the module's docstring)."""
-    if hw["accelerator"] != "cpu" or hw.get("source") == "preset" or not config["model"].get("architecture"):
+    if hw["accelerator"] != "cpu" or hw.get("source") == "preset" or not config.model.architecture:
         return plan
     if plan["strategy"] not in ("full", "lora", "sparse_lora"):
         return plan
@@ -51,11 +53,7 @@ def refine(plan: dict[str, Any], config: dict[str, Any], hw: dict[str, Any], spe
     from onn.planning.costs import matmul_rate, threads_for
 
     threads, share = threads_for(hw)
-    seq, batch, micro = (
-        int(plan["sequence_length"]),
-        int(config["data"]["batch_size"]),
-        int(plan["micro_batch"]),
-    )
+    seq, batch, micro = int(plan["sequence_length"]), config.data.batch_size, int(plan["micro_batch"])
     costs = block_times(config, plan, hw, seq, micro, threads, large, window_s)
     n = spec.n_blocks
     if plan["strategy"] == "sparse_lora":
@@ -97,18 +95,18 @@ def _budget_bytes(hw: dict[str, Any]) -> float:
     return budget_mb(hw) * 2**20
 
 
-def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any], seq: int, micro: int, threads: int,
+def block_times(config: ONNConfig, plan: dict[str, Any], hw: dict[str, Any], seq: int, micro: int, threads: int,
                 large: bool = False, window_s: float | None = None) -> dict[str, float]:  # fmt: skip
     """Per micro-batch: one block's share of a step and the rest (`block`, `rest`); streamed, a block with
     adapters (`lora`), one without them above the lowest adapted block (`frozen`, recomputed for its input
     gradient) and one below it (`below`, forward only). Cached per machine and shapes. `large`: copies of 1
     and 2 blocks with a vocabulary of 256 (a block does not depend on it; the head is counted apart)."""
-    key = json.dumps({"model": config["model"].get("architecture"), "strategy": plan["strategy"], "precision": plan["precision"],
-                      "lora": config["strategy"].get("lora"), "seq": seq, "micro": micro, "threads": threads,
+    key = json.dumps({"model": config.model.architecture, "strategy": plan["strategy"], "precision": plan["precision"],
+                      "lora": as_dict(config.strategy.lora), "seq": seq, "micro": micro, "threads": threads,
                       "streaming": {k: (plan.get("streaming") or {}).get(k) for k in ("store", "store_dtype")},
                       "machine": hw.get("fingerprint"), "large": large, "version": 9}, sort_keys=True, default=str)  # fmt: skip
     # beside the hardware profile: a timing of this machine, shared by every outputs folder that shares it
-    folder = config["hardware"].get("cache") or Path(config["paths"]["cache"]) / "hardware"
+    folder = config.hardware.cache or Path(config.paths.cache) / "hardware"
     cache = Path(folder) / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if window_s is None and cache.is_file() and time.time() - cache.stat().st_mtime < MAX_AGE_S:
         return json.loads(cache.read_text())["costs"]
@@ -137,7 +135,7 @@ def block_times(config: dict[str, Any], plan: dict[str, Any], hw: dict[str, Any]
     return costs
 
 
-def _step_times(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, threads: int,
+def _step_times(config: ONNConfig, plan: dict[str, Any], seq: int, micro: int, threads: int,
                 copies: list[tuple[int, list[int] | None]], vocab: int | None = None, window_s: float = 0.0) -> list[float]:  # fmt: skip
     """Per copy of the model (`blocks`, `adapted` blocks), its training step as ONN runs it: the mean of
     nine, or of as many as window_s (at most WINDOW_S) takes; the fastest of three for a large
@@ -175,23 +173,21 @@ def _step_times(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: i
             return_large_frees_to_os(MMAP_MAX)
 
 
-def _copy_step(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: int, blocks: int,
+def _copy_step(config: ONNConfig, plan: dict[str, Any], seq: int, micro: int, blocks: int,
                adapted: list[int] | None, vocab: int | None, engines: list):  # fmt: skip
     """A `blocks`-block copy of the model, set up as the plan trains it; returns its training step."""
     import torch
 
     from onn.dtypes import torch_dtype
-    from onn.models.layers import discover
+    from onn.models.layers import configured_blocks, discover
     from onn.models.load import architecture, auto_class, meta_model
     from onn.streaming.engine import StreamingEngine
     from onn.streaming.store import LayerStore
     from onn.training.lora import apply
 
     # the blocks' path from the whole model (one block alone is no run of repeated blocks to discover)
-    blocks_path = discover(
-        meta_model(config["model"]), (config["model"].get("layer_map") or {}).get("blocks")
-    ).blocks_path
-    arch = architecture(config["model"])
+    blocks_path = discover(meta_model(config.model), configured_blocks(config.model.layer_map)).blocks_path
+    arch = architecture(config.model)
     for key in ("num_hidden_layers", "n_layer", "num_layers"):
         if hasattr(arch, key):
             setattr(arch, key, blocks)
@@ -204,7 +200,7 @@ def _copy_step(config: dict[str, Any], plan: dict[str, Any], seq: int, micro: in
     model = auto_class(arch).from_config(arch)
     model = model.to(torch_dtype(plan["weights_dtype"]))
     container = model.get_submodule(blocks_path)
-    model = apply(model, plan["strategy"], config["strategy"], discover(model, blocks_path), adapted)
+    model = apply(model, plan["strategy"], config.strategy, discover(model, blocks_path), adapted)
     # the blocks' path inside the wrapped model, given: a copy of one block is no run to discover
     layer_map = discover(model, next(name for name, m in model.named_modules() if m is container))
     if plan["strategy"] != "full":  # adapters in fp32, as a run has them

@@ -23,6 +23,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from onn.config.data import TextData
 from onn.errors import UserError
 from onn.modalities.text.formats import Records, read_records
 from onn.modalities.text.prompts import Prompter
@@ -136,7 +137,7 @@ class RankSlice(Sampler[int]):
 
 
 class TextDataModule(L.LightningDataModule):
-    def __init__(self, data_cfg: dict[str, Any], tokenizer, batch_size: int, seed: int = 0):
+    def __init__(self, data_cfg: TextData, tokenizer, batch_size: int, seed: int = 0):
         super().__init__()
         self.cfg, self.tokenizer, self.batch_size, self.seed = data_cfg, tokenizer, batch_size, seed
         self.prompter = Prompter(data_cfg, tokenizer)
@@ -156,29 +157,30 @@ class TextDataModule(L.LightningDataModule):
         train, val = load_splits(self.cfg, self.seed)
         self.train_examples = self.prompter.examples(train, "data.source")
         self.val_examples = self.prompter.examples(
-            val, "data.val_source" if self.cfg.get("val_source") else "data.source"
+            val, "data.val_source" if self.cfg.val_source else "data.source"
         )
         self.train_records = len(self.train_examples)
-        max_length, special = int(self.cfg["max_length"]), self.prompter.add_special_tokens
+        max_length, special = self.cfg.max_length, self.prompter.add_special_tokens
         self.train_set = [encode(self.tokenizer, p, a, max_length, special) for p, a in self.train_examples]
         self.val_set = [encode(self.tokenizer, p, a, max_length, special) for p, a in self.val_examples]
 
     def _setup_streamed(self) -> None:
         """The file read in order: the first records are the validation split (at most VAL_MAX, held in
         memory) unless data.val_source is given; training streams the rest."""
-        reader = open_reader(self.cfg["source"], self.cfg["format"])
+        cfg = self.cfg
+        reader = open_reader(cfg.source, cfg.format)
         total = reader.count(reader.start)
         if not total:
-            raise UserError(f"data.source {self.cfg['source']} holds no records.")
+            raise UserError(f"data.source {cfg.source} holds no records.")
         records = reader.records(reader.start)
-        if self.cfg.get("val_source"):
+        if cfg.val_source:
             val, start, rows = (
-                read_records(self.cfg["val_source"], self.cfg["format"], key="data.val_source"),
+                read_records(cfg.val_source, cfg.format, key="data.val_source"),
                 reader.start,
                 total,
             )
         else:
-            fraction = float(self.cfg["val_split"])
+            fraction = cfg.val_split
             if not 0 < fraction < 1:
                 raise UserError(
                     f"data.val_split must be between 0 and 1 (got {fraction}) when data.val_source is not set."
@@ -186,7 +188,7 @@ class TextDataModule(L.LightningDataModule):
             n_val = min(VAL_MAX, max(1, round(total * fraction)))
             if n_val >= total:
                 raise UserError(
-                    f"data.source {self.cfg['source']} has {total} records: too few to hold out a validation split."
+                    f"data.source {cfg.source} has {total} records: too few to hold out a validation split."
                 )
             held = [next(records) for _ in range(n_val)]
             val, start, rows = (
@@ -199,29 +201,25 @@ class TextDataModule(L.LightningDataModule):
             Records([r for _, _, r, _ in sample], [w for _, _, _, w in sample]), "data.source"
         )
         self.val_examples = self.prompter.examples(
-            val, "data.val_source" if self.cfg.get("val_source") else "data.source"
+            val, "data.val_source" if cfg.val_source else "data.source"
         )
-        max_length, special = int(self.cfg["max_length"]), self.prompter.add_special_tokens
+        max_length, special = cfg.max_length, self.prompter.add_special_tokens
         self.val_set = [encode(self.tokenizer, p, a, max_length, special) for p, a in self.val_examples]
         self.train_records = rows
-        self.stream = ShuffledStream(
-            reader, start, rows, int(self.cfg["shuffle_buffer"]), self.seed, self._encode
-        )
+        self.stream = ShuffledStream(reader, start, rows, cfg.shuffle_buffer, self.seed, self._encode)
         log.info("data: streaming %d training records from %s (%d held out), shuffle buffer %d", rows,
-                 self.cfg["source"], len(self.val_set), self.stream.buffer)  # fmt: skip
+                 cfg.source, len(self.val_set), self.stream.buffer)  # fmt: skip
 
     def _encode(self, record: dict[str, Any], where: str) -> tuple[list[int], list[int]]:
         prompt, answer = self.prompter.example(record, where)
-        return encode(
-            self.tokenizer, prompt, answer, int(self.cfg["max_length"]), self.prompter.add_special_tokens
-        )
+        return encode(self.tokenizer, prompt, answer, self.cfg.max_length, self.prompter.add_special_tokens)
 
     @property
     def steps_per_epoch(self) -> int | None:
         """Batches in one pass over streamed data; None for resident data (one endless shuffled stream)."""
         if self.stream is None:
             return None
-        return batches_per_epoch(self.stream.rows, self.batch_size, int(self.cfg["num_workers"]))
+        return batches_per_epoch(self.stream.rows, self.batch_size, self.cfg.num_workers)
 
     def _start_sample(self) -> int:
         trainer = self.trainer
@@ -253,13 +251,13 @@ class TextDataModule(L.LightningDataModule):
                 raise UserError(
                     "data.streaming runs in one process for now: set data.streaming=false, or trainer.devices=1."
                 )
-            return stream_loader(self.stream, self.batch_size, collate, int(self.cfg["num_workers"]))
+            return stream_loader(self.stream, self.batch_size, collate, self.cfg.num_workers)
         sampler = ResumableShuffle(len(self.train_set), self.seed, self._start_sample)
         if world > 1:
             sampler = RankSlice(sampler, self.batch_size, rank, world)
         return DataLoader(
             self.train_set, batch_size=self.batch_size // world, sampler=sampler, collate_fn=collate,
-            num_workers=int(self.cfg["num_workers"]),
+            num_workers=self.cfg.num_workers,
         )  # fmt: skip
 
     def val_dataloader(self) -> DataLoader:

@@ -18,6 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from onn.config.run import OptimConfig
 from onn.errors import UserError
 from onn.modalities.text.datamodule import HOST_ROWS
 from onn.streaming.engine import target_tokens
@@ -34,14 +35,15 @@ LOOP = "manual-accumulation"
 
 
 class CausalLM(L.LightningModule):
-    def __init__(self, model: torch.nn.Module, optim: dict[str, Any], max_steps: int, onn_config: dict[str, Any],
+    def __init__(self, model: torch.nn.Module, optim: OptimConfig, max_steps: int, onn_config: dict[str, Any],
                  micro_batch: int, min_micro_batch: int = 1):  # fmt: skip
         super().__init__()
         self.automatic_optimization = False  # the step accumulates micro-batches itself (see module doc)
         self.model = model
         self.optim = optim
         self.max_steps = max_steps
-        self.onn_config = onn_config  # stored in every checkpoint so eval/infer can rebuild the model
+        # plain dicts (as_dict), stored in every checkpoint so eval/infer can rebuild the model (app.from_checkpoint)
+        self.onn_config = onn_config
         self.micro_batch, self.min_micro_batch = micro_batch, min_micro_batch
         self.oom_backoffs: list[dict[str, int]] = []  # {"step", "from", "to"} per halving
         from torchmetrics import MeanMetric
@@ -184,7 +186,7 @@ class CausalLM(L.LightningModule):
             torch.cuda.empty_cache()
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        clip_gradients(self, optimizer, float(self.optim["clip_grad_norm"] or 0.0))
+        clip_gradients(self, optimizer, self.optim.clip_grad_norm)
 
     def configure_model(self) -> None:
         # FSDP (inside Lightning's wrap context): the model becomes FSDP's root and this module stays unwrapped,

@@ -30,6 +30,7 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
+from onn.config.data import TextData, TextFields
 from onn.errors import UserError
 from onn.modalities.text.formats import Records, is_missing
 
@@ -62,9 +63,9 @@ class Layout:
         return f"{self.prompt} -> {self.answer}"
 
 
-def choose_layout(records: Records, fields: dict[str, Any], key: str = "data.source") -> Layout:
+def choose_layout(records: Records, fields: TextFields, key: str = "data.source") -> Layout:
     """data.fields as given, or for `auto` the layout the records' fields match."""
-    prompt, answer = fields["input"], fields["output"]
+    prompt, answer = fields.input, fields.output
     names = set().union(*(r.keys() for r in records[:200]))
     if prompt != "auto" and answer != "auto":
         return Layout("fields", prompt, answer)
@@ -126,10 +127,9 @@ def unescape(template: str) -> str:
     return template.replace("\\n", "\n").replace("\\t", "\t")
 
 
-def chat_in_use(data_cfg: dict[str, Any], tokenizer) -> bool:
+def chat_in_use(data_cfg: TextData, tokenizer) -> bool:
     """Whether prompts go through the tokenizer's chat template (data.chat_template: auto | true | false)."""
-    # A data config saved in a checkpoint before chat templates were used has no key: it trained without.
-    setting = data_cfg.get("chat_template", False)
+    setting = data_cfg.chat_template
     has = bool(getattr(tokenizer, "chat_template", None))
     if setting is True and not has:
         raise UserError("data.chat_template=true, but the model's tokenizer has no chat template; "
@@ -142,9 +142,9 @@ def chat_in_use(data_cfg: dict[str, Any], tokenizer) -> bool:
 class Prompter:
     """Turns records (or a typed prompt) into the text the model sees, the same way in every task."""
 
-    def __init__(self, data_cfg: dict[str, Any], tokenizer):
+    def __init__(self, data_cfg: TextData, tokenizer):
         self.cfg, self.tokenizer = data_cfg, tokenizer
-        self.template = unescape(str(data_cfg.get("template") or "{prompt}"))
+        self.template = unescape(data_cfg.template or "{prompt}")  # an empty template: the prompt alone
         self.chat = chat_in_use(data_cfg, tokenizer)
         self.layout: Layout | None = None
 
@@ -161,7 +161,7 @@ class Prompter:
     def examples(self, records: Records, key: str = "data.source") -> list[tuple[str, str]]:
         """(prompt, answer) per record; plain text records give ("", text): loss on every token."""
         if self.layout is None:
-            self.layout = choose_layout(records, self.cfg["fields"], key)
+            self.layout = choose_layout(records, self.cfg.fields, key)
             how = (
                 "chosen by data.fields"
                 if self.layout.name == "fields"

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import random
-from typing import Any
 
+from onn.config.data import TextData
 from onn.errors import UserError
 from onn.modalities.text import builtin as math_data
 from onn.modalities.text.formats import Records, read_records
@@ -12,28 +12,31 @@ from onn.modalities.text.formats import Records, read_records
 BUILTINS = {"math": math_data.generate}
 
 
-def load_splits(data_cfg: dict[str, Any], seed: int) -> tuple[Records, Records]:
+def load_splits(data_cfg: TextData, seed: int) -> tuple[Records, Records]:
     """(train records, validation records) for the data config; each record knows its file and line."""
-    source = str(data_cfg["source"])
+    source = str(data_cfg.source)
     if source.startswith("builtin:"):
         name = source.split(":", 1)[1]
         if name not in BUILTINS:
             raise UserError(
                 f"data.source {source}: no built-in dataset '{name}'; built-ins: {', '.join(BUILTINS)}."
             )
-        opts = dict(data_cfg.get("builtin") or {})
-        train_size, val_size = int(opts.pop("train_size", 4000)), int(opts.pop("val_size", 200))
+        opts = data_cfg.builtin
+        if opts is None:
+            raise UserError(f"data.source {source}: data.builtin is null, and it holds the generator's sizes; "
+                            f"data={name} has them (python run.py data={name}).")
+        make = BUILTINS[name]
         # Different seeds for the two splits keep validation problems out of training.
-        train = BUILTINS[name](train_size, seed=seed, **opts)
-        val = BUILTINS[name](val_size, seed=seed + 1_000_003, **opts)
+        train = make(opts.train_size, seed=seed, max_operand=opts.max_operand, operations=opts.operations)
+        val = make(opts.val_size, seed=seed + 1_000_003, max_operand=opts.max_operand, operations=opts.operations)
         return (Records(train, [f"{source} train item {i}" for i in range(len(train))]),
                 Records(val, [f"{source} val item {i}" for i in range(len(val))]))  # fmt: skip
 
-    fmt = data_cfg["format"]
+    fmt = data_cfg.format
     records = read_records(source, fmt)
-    if data_cfg.get("val_source"):
-        return records, read_records(data_cfg["val_source"], fmt, key="data.val_source")
-    fraction = float(data_cfg["val_split"])
+    if data_cfg.val_source:
+        return records, read_records(data_cfg.val_source, fmt, key="data.val_source")
+    fraction = data_cfg.val_split
     if not 0 < fraction < 1:
         raise UserError(
             f"data.val_split must be between 0 and 1 (got {fraction}) when data.val_source is not set."

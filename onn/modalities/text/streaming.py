@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from onn.config.data import TextData
 from onn.data.files import existing_source, read_head
 from onn.errors import UserError
 from onn.modalities.text.formats import BOMS, HEAD_BYTES, csv_delimiter, detect_format
@@ -294,9 +295,9 @@ def _deep_size(value: Any) -> int:
     return sys.getsizeof(value)
 
 
-def budget_mb(data_cfg: dict[str, Any]) -> float:
+def budget_mb(data_cfg: TextData) -> float:
     """data.resident_max_mb, or for auto a third of the host memory available now."""
-    budget = data_cfg["resident_max_mb"]
+    budget = data_cfg.resident_max_mb
     if budget in (None, "auto"):
         import psutil
 
@@ -306,13 +307,12 @@ def budget_mb(data_cfg: dict[str, Any]) -> float:
     return float(budget)
 
 
-def streaming_choice(data_cfg: dict[str, Any]) -> tuple[bool, str]:
+def streaming_choice(data_cfg: TextData) -> tuple[bool, str]:
     """(stream?, the reason the plan and the log give) for data.streaming auto | true | false."""
-    # a data config saved in a checkpoint before streaming existed has no key: it was read whole
-    setting = data_cfg.get("streaming", False)
+    setting = data_cfg.streaming
     if setting not in ("auto", True, False):
         raise UserError(f"data.streaming={setting!r} is not one of auto, true, false.")
-    source = str(data_cfg.get("source") or "")
+    source = str(data_cfg.source or "")
     if source.startswith("builtin:"):
         return False, f"data: {source} is generated in memory (data.streaming does not apply)"
     if setting is False:
@@ -320,14 +320,14 @@ def streaming_choice(data_cfg: dict[str, Any]) -> tuple[bool, str]:
     if setting is True:
         return (
             True,
-            f"data: streamed from {source} (data.streaming=true): read in order, shuffled in a buffer of {data_cfg['shuffle_buffer']} records",
+            f"data: streamed from {source} (data.streaming=true): read in order, shuffled in a buffer of {data_cfg.shuffle_buffer} records",
         )
-    budget, fmt, path = budget_mb(data_cfg), data_cfg["format"], Path(source).expanduser()
+    budget, fmt, path = budget_mb(data_cfg), data_cfg.format, Path(source).expanduser()
     if not path.is_file():
         return False, f"data: read whole into memory (data.source {source} is not a file to stream)"
     if (fmt == "auto" and detect_format(path) not in STREAM_FORMATS) or fmt == "json":
         return False, "data: read whole into memory (a JSON document cannot be streamed)"
-    mb, rows = decoded_mb(path, fmt, int(data_cfg["max_length"]))
+    mb, rows = decoded_mb(path, fmt, data_cfg.max_length)
     if mb > budget:
         return True, (f"data: streamed from {path.name}: about {mb:.0f} MB decoded ({rows:,} records) is over "
                       f"data.resident_max_mb={budget:.0f} (data.streaming=auto)")  # fmt: skip

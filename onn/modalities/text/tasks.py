@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -9,6 +10,9 @@ from typing import Any
 
 import torch
 
+from onn.config import ONNConfig, as_dict
+from onn.config.model import LanguageModelConfig
+from onn.config.task import EvalTask, InferTask
 from onn.data.files import write_jsonl
 from onn.dtypes import torch_dtype
 from onn.errors import UserError
@@ -28,7 +32,7 @@ from onn.modalities.text.generate import (
 )
 from onn.modalities.text.module import CausalLM, summarize_losses
 from onn.modalities.text.prompts import Prompter
-from onn.models.layers import discover
+from onn.models.layers import configured_blocks, discover
 from onn.models.load import (
     converted_gguf,
     expand,
@@ -62,55 +66,62 @@ MAX_AUTO_NEW_TOKENS = 1024
 EMPTY_HINT = "its first token was end-of-text; a chat model answers in its chat format: check data.chat_template and task.template"
 
 
-def build(config: dict[str, Any], plan: dict[str, Any]) -> tuple[CausalLM, Any]:
+def build(config: ONNConfig, plan: dict[str, Any]) -> tuple[CausalLM, Any]:
     """The LightningModule and tokenizer the plan describes (weights loaded, strategy applied)."""
-    torch.manual_seed(int(config["seed"]))
-    model_cfg = config["model"]
+    torch.manual_seed(config.seed)
+    model_cfg, cache = config.model, config.paths.cache
     dtype = weights_dtype(config, plan)
     settings = streaming_settings(config, plan)
     loaded, store = None, None
     if settings:  # block by block into the store: the whole model never has to fit in memory
         device = compute_device(plan["hardware"]["accelerator"])
         store = layer_store(settings, store_root(config), device)
-        loaded = load_into_store(model_cfg, dtype, config["paths"]["cache"], store, device)
+        loaded = load_into_store(model_cfg, dtype, cache, store, device)
     if plan["strategy"] == "qlora":
-        loaded = load_4bit(
-            model_cfg, dtype, config["paths"]["cache"], compute_device(plan["hardware"]["accelerator"])
-        )
-    model, tokenizer = loaded or load(model_cfg, dtype=dtype, cache_dir=config["paths"]["cache"])
-    layer_map = discover(model, (model_cfg.get("layer_map") or {}).get("blocks"))
-    model = apply(model, plan["strategy"], config["strategy"], layer_map, plan.get("sparse_layers"))
+        loaded = load_4bit(model_cfg, dtype, cache, compute_device(plan["hardware"]["accelerator"]))
+    model, tokenizer = loaded or load(model_cfg, dtype=dtype, cache_dir=cache)
+    layer_map = discover(model, configured_blocks(model_cfg.layer_map))
+    model = apply(model, plan["strategy"], config.strategy, layer_map, plan.get("sparse_layers"))
     if plan.get("gradient_checkpointing") and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # Save what rebuilds this exact model into every checkpoint: the planned strategy, not "auto".
-    strategy = {**config["strategy"], "name": plan["strategy"], "micro_batch": plan["micro_batch"]}
+    strategy = dataclasses.replace(config.strategy, name=plan["strategy"], micro_batch=plan["micro_batch"])
     if plan.get("sparse_layers") is not None:
-        strategy["layers"] = plan["sparse_layers"]
-    onn_config = {"model": model_cfg, "strategy": strategy, "data": config["data"], "modality": "text"}
-    module = CausalLM(model, config["optim"], int(config["trainer"]["max_steps"]), onn_config, plan["micro_batch"],
-                      int(config["strategy"]["min_micro_batch"]))  # fmt: skip
+        strategy.layers = plan["sparse_layers"]
+    # plain dicts: a checkpoint holds data, and app.from_checkpoint types them again
+    saved = {"model": as_dict(model_cfg), "strategy": as_dict(strategy), "data": as_dict(config.data)}
+    module = CausalLM(
+        model,
+        config.optim,
+        config.trainer.max_steps,
+        {**saved, "modality": "text"},
+        plan["micro_batch"],
+        config.strategy.min_micro_batch,
+    )
     module.store = store
     return module, tokenizer
 
 
-def weights_dtype(config: dict[str, Any], plan: dict[str, Any]) -> torch.dtype:
+def weights_dtype(config: ONNConfig, plan: dict[str, Any]) -> torch.dtype:
     """model.dtype, or the plan's choice when it is auto."""
-    dtype = config["model"]["dtype"]
+    dtype = config.model.dtype
     return torch_dtype(plan["weights_dtype"] if dtype in (None, "auto") else dtype)
 
 
 def streaming_settings(
-    config: dict[str, Any], plan: dict[str, Any], generate: bool = False, sequences: int | None = None
+    config: ONNConfig, plan: dict[str, Any], generate: bool = False, sequences: int | None = None
 ) -> dict[str, Any] | None:
     """The streaming engine's settings: the config's, with `auto` filled in from the plan; None when not
     streaming. `generate`: for generation only (task=infer), which streams one block at a time and
     gives the memory training needs to cached blocks; `sequences`: generated together, when fewer than
-    the plan's generate_batch (the room of the others goes to cached blocks too)."""
-    if config["strategy"].get("lightning") != "streaming" or plan["strategy"] != "sparse_lora":
+    the plan's generate_batch (the room of the others goes to cached blocks too). A plain dict: the
+    plan's streaming values, which the plan (a dict) holds."""
+    if config.strategy.lightning != "streaming" or plan["strategy"] != "sparse_lora":
         return None
-    settings = dict(config["strategy"]["streaming"])
+    fixed = config.strategy.streaming
+    settings = as_dict(fixed)
     for key in STREAMING_KEYS:
-        if settings.get(key) in (None, "auto"):
+        if settings[key] in (None, "auto"):
             settings[key] = plan["streaming"][key]
     # Mixed precision computes the matmuls in the plan's compute dtype anyway: frozen weights streamed in
     # it skip a decode to the model's float32 and autocast's cast back (a bf16 store on a CPU: zero-copy).
@@ -119,11 +130,8 @@ def streaming_settings(
     )
     settings["suffix_rows"] = plan["streaming"].get("suffix_rows")
     if generate:
-        fixed = config["strategy"]["streaming"]
-        settings["chunk_size"] = (
-            settings["chunk_size"] if fixed.get("chunk_size") not in (None, "auto") else 1
-        )
-        if fixed.get("cache_blocks") in (None, "auto"):
+        settings["chunk_size"] = settings["chunk_size"] if fixed.chunk_size not in (None, "auto") else 1
+        if fixed.cache_blocks in (None, "auto"):
             s = plan["streaming"]
             cache = s["generate_cache_blocks"]
             on_host = settings["store"] == "disk" and plan["hardware"]["accelerator"] != "cuda"
@@ -142,37 +150,35 @@ def generate_batch(plan: dict[str, Any], samples: int) -> int:
     return max(1, min(samples, int(streaming.get("generate_batch") or 16))) if streaming else 16
 
 
-def store_root(config: dict[str, Any]) -> Path:
+def store_root(config: ONNConfig) -> Path:
     """Where this model's layer stores live: one folder per frozen-weights fingerprint."""
-    return Path(config["paths"]["cache"]) / "stores" / model_fingerprint(config["model"])
+    return Path(config.paths.cache) / "stores" / model_fingerprint(config.model)
 
 
-def datamodule(config: dict[str, Any], tokenizer) -> TextDataModule:
+def datamodule(config: ONNConfig, tokenizer) -> TextDataModule:
     # Whole macro-batches: the module splits them into micro-batches itself.
-    dm = TextDataModule(
-        config["data"], tokenizer, int(config["data"]["batch_size"]), seed=int(config["seed"])
-    )
+    dm = TextDataModule(config.data, tokenizer, config.data.batch_size, seed=config.seed)
     dm.setup()
     return dm
 
 
-def trainer(config: dict[str, Any], plan: dict[str, Any], run_dir: Path, callbacks: list, loggers: bool = True,
+def trainer(config: ONNConfig, plan: dict[str, Any], run_dir: Path, callbacks: list, loggers: bool = True,
             steps_per_epoch: int | None = None):  # fmt: skip
     """The Trainer for a language model: the layer-streaming strategy when the plan streams (its data-parallel
     form with several processes). Each process takes its own slice of every global batch (TextDataModule)."""
     strategy = None
-    processes = processes_per_node(config["trainer"]) * int(config["trainer"]["num_nodes"])
+    processes = processes_per_node(config.trainer) * config.trainer.num_nodes
     if (settings := streaming_settings(config, plan)) and processes > 1:
         from datetime import timedelta
 
-        timeout = timedelta(seconds=float(config["strategy"]["timeout_s"]))
+        timeout = timedelta(seconds=config.strategy.timeout_s)
         strategy = LayerStreamingDDPStrategy(
             settings, store_root(config), plan["micro_batch"], timeout=timeout
         )
     elif settings:
         device = compute_device(plan["hardware"]["accelerator"])
         strategy = LayerStreamingStrategy(settings, store_root(config), plan["micro_batch"], device=device)
-    elif config["strategy"].get("lightning") == "streaming":
+    elif config.strategy.lightning == "streaming":
         strategy = "auto"  # sparse_lora that the plan did not choose to stream
     return build_trainer(config, plan, run_dir, callbacks, strategy=strategy, loggers=loggers,
                          steps_per_epoch=steps_per_epoch, distributed_sampler=False)  # fmt: skip
@@ -184,22 +190,21 @@ def load_weights(module: CausalLM, ckpt: Path) -> None:
     module.load_state_dict(load_checkpoint(ckpt)["state_dict"], strict=False)
 
 
-def early_tokenizer(model_cfg: dict[str, Any], cache_dir) -> Any | None:
+def early_tokenizer(model_cfg: LanguageModelConfig, cache_dir) -> Any | None:
     """The tokenizer, when it can be had without the model (byte, a tokenizer folder, an HF folder or a
     converted GGUF): the data is then read and checked before a long model or store build starts."""
-    kind = source_kind(model_cfg.get("source"))
-    remote = bool(model_cfg.get("trust_remote_code"))
-    if model_cfg.get("tokenizer"):
+    source, remote = model_cfg.source, model_cfg.trust_remote_code
+    if model_cfg.tokenizer:
         return finish_tokenizer(model_cfg, None, remote)
-    folder = {"folder": lambda: expand(model_cfg["source"]), "hub": lambda: hub_folder(model_cfg["source"]),
-              "gguf": lambda: converted_gguf(model_cfg["source"], cache_dir)}.get(kind, lambda: None)()  # fmt: skip
+    folder = {"folder": lambda: expand(source), "hub": lambda: hub_folder(source),
+              "gguf": lambda: converted_gguf(source, cache_dir)}.get(source_kind(source), lambda: None)()  # fmt: skip
     tokenizer = tokenizer_from(folder, remote) if folder else None
     return finish_tokenizer(model_cfg, tokenizer, remote) if tokenizer is not None else None
 
 
 def train(job: Job) -> dict[str, Any]:
     config, plan, run_dir, ckpt = job.config, job.plan, job.run_dir, job.ckpt
-    early = early_tokenizer(config["model"], config["paths"]["cache"])
+    early = early_tokenizer(config.model, config.paths.cache)
     dm = (
         datamodule(config, early) if early is not None else None
     )  # a data mistake costs a second, not a store build
@@ -208,20 +213,20 @@ def train(job: Job) -> dict[str, Any]:
         check_state(module, state_shapes(ckpt), ckpt, loads_frozen=module.strict_loading)
     dm = dm or datamodule(config, tokenizer)
     clock = StepClock()
-    callbacks = [StepCheckpoint(run_dir / "checkpoints", config["checkpoint"]["every_n_steps"]), clock,
-                 ResourceMonitor(int(config["trainer"]["log_every_n_steps"]))]  # fmt: skip
-    if config["data"]["trace"]:
-        callbacks.append(SampleTrace(config["data"]["trace"], tokenizer))
+    callbacks = [StepCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps), clock,
+                 ResourceMonitor(config.trainer.log_every_n_steps)]  # fmt: skip
+    if config.data.trace:
+        callbacks.append(SampleTrace(config.data.trace, tokenizer))
     fit = trainer(config, plan, run_dir, callbacks, steps_per_epoch=dm.steps_per_epoch)
     with PeakMemory(job.device) as peak:
-        if ckpt is None and config["task"]["validate_before"]:
+        if ckpt is None and config.task.validate_before:
             fit.validate(module, datamodule=dm, verbose=False)
         module.train()  # from_pretrained returns eval mode, and Lightning keeps the mode it is given
         fit.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
         if module.val_at_step != fit.global_step:
             fit.validate(module, datamodule=dm, verbose=False)
     writes = is_rank_zero()  # the other processes of a multi-process run trained the same weights
-    if writes and getattr(module.model, "peft_config", None) and config["checkpoint"]["save_peft_adapter"]:
+    if writes and getattr(module.model, "peft_config", None) and config.checkpoint.save_peft_adapter:
         # PEFT's own format: adapter_config.json + safetensors
         module.model.save_pretrained(str(run_dir / "adapter"))
         tokenizer.save_pretrained(str(run_dir / "adapter"))
@@ -234,7 +239,7 @@ def train(job: Job) -> dict[str, Any]:
         "val/loss_initial": module.val_losses[0] if module.val_losses else None,
         "val/loss_final": module.val_losses[-1] if module.val_losses else None,
         "val/perplexity": math.exp(min(module.val_losses[-1], 50)) if module.val_losses else None,
-        "samples_per_s": clock.samples_per_s(int(config["data"]["batch_size"])),
+        "samples_per_s": clock.samples_per_s(config.data.batch_size),
         "peak_memory_mb": round(peak.peak_mb, 1),
         "params_trainable": parameter_count(module),
         "train/oom_backoffs": module.oom_backoffs,  # each halving of the micro-batch after out-of-memory
@@ -242,7 +247,7 @@ def train(job: Job) -> dict[str, Any]:
         "resumed_from": str(ckpt) if ckpt else None,
     }
     metrics.update(data_metrics(dm))
-    samples = int(config["task"]["exact_match_samples"] or 0) if writes else 0
+    samples = config.task.exact_match_samples if writes else 0
     if samples and any(p for p, _ in dm.val_examples) and dm.max_answer_tokens > SHORT_ANSWER_TOKENS:
         log.info(
             "answers run to %d tokens: skipping exact match after training; run task=eval for it",
@@ -251,11 +256,11 @@ def train(job: Job) -> dict[str, Any]:
     elif samples and any(p for p, _ in dm.val_examples):
         module.model.to(job.device)  # Lightning's teardown left it on the CPU
         with gathered(module):  # ZeRO-3's partitioned weights, whole for generation
-            scores = answer_scores(module.model, tokenizer, dm.val_examples, config["data"]["answer_pattern"], samples,
+            scores = answer_scores(module.model, tokenizer, dm.val_examples, config.data.answer_pattern, samples,
                                    max_new_tokens=dm.max_answer_tokens + 2, engine=module.engine,
                                    batch_size=generate_batch(plan, samples))  # fmt: skip
         metrics.update({f"val/{k}": v for k, v in scores.items()})
-    if writes and config["export"]["name"] != "none":
+    if writes and config.export.name != "none":
         metrics.update(
             export_for_run(config, module.model, run_dir, tokenizer=tokenizer, engine=module.engine)
         )
@@ -272,14 +277,14 @@ def evaluate(job: Job) -> dict[str, Any]:
     dm = datamodule(config, tokenizer)
     trainer(config, plan, job.run_dir, [], loggers=False).validate(module, datamodule=dm, verbose=False)
     loss = module.val_losses[-1]
-    task = config["task"]
+    task = config.task
     metrics = {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50)), "checkpoint": str(ckpt) if ckpt else None,
                "params_trainable": sum(p.numel() for p in module.parameters() if p.requires_grad)}  # fmt: skip
     metrics.update(data_metrics(dm))
     if any(p for p, _ in dm.val_examples):
-        samples = int(task["max_samples"])
+        samples = task.max_samples
         module.model.to(job.device)  # Lightning's teardown left it on the CPU
-        scores = answer_scores(module.model, tokenizer, dm.val_examples, config["data"]["answer_pattern"], samples,
+        scores = answer_scores(module.model, tokenizer, dm.val_examples, config.data.answer_pattern, samples,
                                new_tokens(task, tokenizer, dm.val_examples[:samples]), engine=module.engine,
                                batch_size=generate_batch(plan, samples))  # fmt: skip
         metrics.update({f"val/{k}": v for k, v in scores.items()})
@@ -288,10 +293,10 @@ def evaluate(job: Job) -> dict[str, Any]:
     return metrics
 
 
-def new_tokens(task: dict[str, Any], tokenizer, examples: list[tuple[str, str]]) -> int:
+def new_tokens(task: EvalTask | InferTask, tokenizer, examples: list[tuple[str, str]]) -> int:
     """task.max_new_tokens, or for `auto` room for the longest reference answer (GSM8K's worked answers run
     to ~200 tokens, and their `#### N` line comes last); with no references (infer), the most auto gives."""
-    setting = task["max_new_tokens"]
+    setting = task.max_new_tokens
     if setting == "auto":
         return (
             min(MAX_AUTO_NEW_TOKENS, answer_tokens(tokenizer, examples) + AUTO_NEW_TOKENS_MARGIN)
@@ -325,32 +330,30 @@ def language_model(job: Job) -> LanguageModel:
         engine = build_engine(model, settings, module.store, job.device, micro_batch=None)
     model.to(job.device)  # streamed: what is left after the blocks' frozen weights went to the store
     model.eval()
-    return LanguageModel(model, tokenizer, Prompter(config["data"], tokenizer), engine)
+    return LanguageModel(model, tokenizer, Prompter(config.data, tokenizer), engine)
 
 
 serving = language_model  # task=serve answers with it
 
 
 def infer(job: Job) -> dict[str, Any]:
-    config, task = job.config, job.config["task"]
-    if not task["input"] and not config["prompt"]:
+    config, task = job.config, job.config.task
+    if not task.input and not config.prompt:
         raise UserError('task=infer needs prompt="..." or task.input=prompts.jsonl.')
     lm = language_model(job)
     model, tokenizer, engine, prompter = lm.model, lm.tokenizer, lm.engine, lm.prompter
 
     def wrap(text: str, row: dict[str, Any] | None = None, where: str = "prompt") -> str:
-        return prompter.render(text, row, where) if task["template"] else text
+        return prompter.render(text, row, where) if task.template else text
 
     gen = {
         "max_new_tokens": new_tokens(task, tokenizer, []),
-        "temperature": float(task["temperature"]),
-        "top_p": float(task["top_p"]),
+        "temperature": task.temperature,
+        "top_p": task.top_p,
     }
-    said = {
-        "infer/prompt_format": prompter.prompt_format if task["template"] else "none (task.template=false)"
-    }
-    if task["input"]:
-        rows = read_prompts(task["input"])
+    said = {"infer/prompt_format": prompter.prompt_format if task.template else "none (task.template=false)"}
+    if task.input:
+        rows = read_prompts(task.input)
         completions = complete(
             model,
             tokenizer,
@@ -358,7 +361,7 @@ def infer(job: Job) -> dict[str, Any]:
             engine=engine,
             **gen,
         )
-        output = Path(task["output"] or job.run_dir / "predictions.jsonl")
+        output = Path(task.output or job.run_dir / "predictions.jsonl")
         write_jsonl([{**r, "completion": c} for r, c in zip(rows, completions)], output)
         print(f"wrote {len(rows)} completions to {output}")
         empty = sum(not c.strip() for c in completions)
@@ -375,11 +378,11 @@ def infer(job: Job) -> dict[str, Any]:
             "infer/output": str(output),
             "infer/empty_completions": empty,
         }
-    text = wrap(str(config["prompt"]))
+    text = wrap(str(config.prompt))
     completion = stream(model, tokenizer, text, engine=engine, **gen)
     if not completion.strip():
         log.warning("the completion is empty: the model ended the text at once (%s)", EMPTY_HINT)
-    return {**said, "infer/prompt": config["prompt"], "infer/model_input": text, "infer/completion": completion,
+    return {**said, "infer/prompt": config.prompt, "infer/model_input": text, "infer/completion": completion,
             "infer/empty_completions": int(not completion.strip())}  # fmt: skip
 
 
@@ -388,9 +391,7 @@ def export(job: Job) -> dict[str, Any]:
     included), or without one the model as model.source gives it."""
     config, plan = job.config, job.plan
     if job.ckpt is None:
-        model, tokenizer = load(
-            config["model"], dtype=weights_dtype(config, plan), cache_dir=config["paths"]["cache"]
-        )
+        model, tokenizer = load(config.model, dtype=weights_dtype(config, plan), cache_dir=config.paths.cache)
         return export_for_run(config, model, job.run_dir, tokenizer=tokenizer)
     module, tokenizer = build(config, plan)
     load_weights(module, job.ckpt)

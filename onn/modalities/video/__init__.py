@@ -14,9 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from onn.config import ONNConfig
+from onn.config.data import VideoData
+from onn.config.model import NetworkConfig
 from onn.data.labelled import sniff_files
 from onn.errors import UserError
-from onn.modalities.base import MediaModality, register
+from onn.modalities.base import MediaModality, RunConfig, register
 
 SUFFIXES = frozenset({".mp4", ".m4v", ".mov", ".avi", ".mkv", ".webm", ".mpg", ".mpeg", ".ts", ".mts", ".m2ts", ".wmv",
                       ".flv", ".3gp", ".ogv", ".mxf", ".y4m"})  # fmt: skip
@@ -24,6 +27,7 @@ SUFFIXES = frozenset({".mp4", ".m4v", ".mov", ".avi", ".mkv", ".webm", ".mpg", "
 
 class VideoModality(MediaModality):
     name = "video"
+    data_schema = VideoData
     dataset = "onn.modalities.video.dataset"
     default_data = "video"
     default_model = "video_c3d_tiny"
@@ -35,32 +39,31 @@ class VideoModality(MediaModality):
     def sniff(self, path: Path) -> str | None:
         return sniff_files(path, SUFFIXES, "video", "a video file")
 
-    def check(self, config: dict[str, Any]) -> None:
+    def check(self, config: ONNConfig) -> None:
         from onn.modalities.video.decode import fit_settings
         from onn.modalities.video.transform import ClipTransform
         from onn.models.zoo import VIDEO
 
-        data, model = config["data"], config["model"]
+        data: VideoData = config.data
+        model: NetworkConfig = config.model
         fit = fit_settings(data)
-        ClipTransform(
-            data.get("augment"), [0.5] * fit.channels, [0.5] * fit.channels, data["frames"], data["sampling"]
-        )
-        source = str(model.get("source") or "")
+        ClipTransform(data.augment, [0.5] * fit.channels, [0.5] * fit.channels, data.frames, data.sampling)
+        source = str(model.source or "")
         kind, _, name = source.partition(":")
         if kind not in ("torchvision", "zoo", "timm") or (kind == "zoo" and name not in VIDEO):
-            raise UserError(f"model={model['name']} ({source or 'no source'}) does not take clips; video data trains "
+            raise UserError(f"model={model.name} ({source or 'no source'}) does not take clips; video data trains "
                             "model=video_c3d_tiny, video_r3d_18, video_r2plus1d, video_mc3_18 or video_frames_resnet18.")  # fmt: skip
-        if model.get("channels_last"):
+        if model.channels_last:
             raise UserError(
                 "model.channels_last=true does not apply to clips [B, C, T, H, W]; set model.channels_last=false."
             )
 
-    def datamodule(self, config: dict[str, Any], device: str):
+    def datamodule(self, config: ONNConfig, device: str):
         from onn.modalities.video.dataset import VideoDataModule
 
-        return VideoDataModule(config["data"], config["paths"]["cache"], device, seed=int(config["seed"]))
+        return VideoDataModule(config.data, config.paths.cache, device, seed=int(config.seed))
 
-    def network(self, model_cfg: dict[str, Any], inputs: dict[str, Any]):
+    def network(self, model_cfg: NetworkConfig, inputs: dict[str, Any]):
         from onn.models.video import build_video_classifier
 
         channels, _, height, width = inputs["input_shape"]
@@ -68,20 +71,18 @@ class VideoModality(MediaModality):
             model_cfg, channels, len(inputs["classes"]), inputs["frames"], [height, width]
         )
 
-    def transform(self, config: dict[str, Any], inputs: dict[str, Any]):
+    def transform(self, config: RunConfig, inputs: dict[str, Any]):
         from onn.modalities.video.transform import ClipTransform
 
-        data = config["data"]
-        return ClipTransform(
-            data.get("augment"), inputs["mean"], inputs["std"], inputs["frames"], data["sampling"]
-        )
+        data: VideoData = config.data
+        return ClipTransform(data.augment, inputs["mean"], inputs["std"], inputs["frames"], data.sampling)
 
-    def input_stats(self, config: dict[str, Any], dm) -> dict[str, Any]:
+    def input_stats(self, config: ONNConfig, dm) -> dict[str, Any]:
         from onn.modalities.video.transform import measure_stats
 
-        data = config["data"]
-        settings = self._settings(config)
-        mean, std = data["mean"], data["std"]
+        data: VideoData = config.data
+        settings = self._settings(data)
+        mean, std = data.mean, data.std
         if mean in (None, "auto") or std in (None, "auto"):
             channels = settings["fit"]["channels"]
             mean, std = (
@@ -95,11 +96,12 @@ class VideoModality(MediaModality):
         channels = inputs["input_shape"][0]
         return {"mean": [0.5] * channels, "std": [0.25] * channels}
 
-    def planned_inputs(self, config: dict[str, Any]) -> dict[str, Any]:
-        settings = self._settings(config)
-        data, fit = config["data"], settings["fit"]
-        classes = data.get("classes") or [
-            str(i) for i in range(data["num_classes"] if isinstance(data.get("num_classes"), int) else 10)
+    def planned_inputs(self, config: RunConfig) -> dict[str, Any]:
+        data: VideoData = config.data
+        settings = self._settings(data)
+        fit = settings["fit"]
+        classes = data.classes or [
+            str(i) for i in range(data.num_classes if isinstance(data.num_classes, int) else 10)
         ]
         return {
             "classes": [str(c) for c in classes],
@@ -113,14 +115,14 @@ class VideoModality(MediaModality):
         pictures.write(samples, predicted, true, path)
 
     @staticmethod
-    def _settings(config: dict[str, Any]) -> dict[str, Any]:
+    def _settings(data: VideoData) -> dict[str, Any]:
         """What decodes this data and what the network sees: saved in every checkpoint's `inputs`."""
         from dataclasses import asdict
 
         from onn.modalities.video.decode import fit_settings
 
-        fit = asdict(fit_settings(config["data"]))
-        return {"fit": {**fit, "size": list(fit["size"])}, "frames": int(config["data"]["frames"])}
+        fit = asdict(fit_settings(data))
+        return {"fit": {**fit, "size": list(fit["size"])}, "frames": int(data.frames)}
 
 
 register(VideoModality())

@@ -14,44 +14,46 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from onn.config import as_dict
+from onn.config.data import VideoData
 from onn.errors import UserError
 
 DIRECTIONS = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}
-KEYS = ("train_per_class", "test_per_class", "frames", "size", "fps", "codec", "seed")
 
 
-def generated(source: str, data_cfg: dict[str, Any], cache_dir: str | os.PathLike) -> Path:
+def generated(source: str, data_cfg: VideoData, cache_dir: str | os.PathLike) -> Path:
     """The folder of generated clips for `source` (builtin:motion), made on first use."""
     name = source.split(":", 1)[1]
     if name != "motion":
         raise UserError(f"data.source={source}: the built-in video dataset is builtin:motion.")
-    settings = dict(data_cfg.get("motion") or {})
-    unknown = [k for k in settings if k not in KEYS]
-    if unknown:
-        raise UserError(
-            f"data.motion.{unknown[0]} is not a setting of builtin:motion; known keys: {', '.join(KEYS)}."
-        )
-    for key in ("train_per_class", "test_per_class", "frames", "size", "fps"):
-        if isinstance(settings.get(key), bool) or not isinstance(settings.get(key), int) or settings[key] < 2:
-            raise UserError(f"data.motion.{key}={settings.get(key)!r}: give a whole number of 2 or more.")
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    motion = data_cfg.motion
+    counts = {
+        "train_per_class": motion.train_per_class,
+        "test_per_class": motion.test_per_class,
+        "frames": motion.frames,
+        "size": motion.size,
+        "fps": motion.fps,
+    }
+    for key, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+            raise UserError(f"data.motion.{key}={value!r}: give a whole number of 2 or more.")
+    digest = hashlib.sha256(json.dumps(as_dict(motion), sort_keys=True).encode()).hexdigest()[:12]
     folder = Path(cache_dir) / "builtin" / f"motion-{digest}"
     if (folder / ".done").is_file():
         return folder
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    for split, count, seed in (("train", settings["train_per_class"], settings["seed"]),
-                               ("test", settings["test_per_class"], settings["seed"] + 1_000_003)):  # fmt: skip
+    for split, count, seed in (("train", motion.train_per_class, motion.seed),
+                               ("test", motion.test_per_class, motion.seed + 1_000_003)):  # fmt: skip
         rng = np.random.default_rng(seed)
         for label in DIRECTIONS:
             (tmp / split / label).mkdir(parents=True)
             for i in range(count):
-                clip = moving_square(rng, label, settings["frames"], settings["size"])
-                write_clip(tmp / split / label / f"{i:03d}.mp4", clip, settings["fps"], settings["codec"])
+                clip = moving_square(rng, label, motion.frames, motion.size)
+                write_clip(tmp / split / label / f"{i:03d}.mp4", clip, motion.fps, motion.codec)
     (tmp / ".done").write_text("")
     if folder.exists():  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)

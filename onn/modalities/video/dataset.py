@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from onn.config.data import VideoData
 from onn.data.media import MediaReader
 from onn.data.resident import ClassificationData, Decoded
 from onn.modalities.video import SUFFIXES
@@ -22,7 +23,7 @@ DTYPE = torch.uint8
 HINT = "a folder of video clips (one folder per class), an archive of one, or one file"
 
 
-def resolve(source: str, data_cfg: dict[str, Any], cache_dir: str | os.PathLike) -> str:
+def resolve(source: str, data_cfg: VideoData, cache_dir: str | os.PathLike) -> str:
     """The path of a source; `builtin:motion` is generated (once) under the cache folder."""
     if str(source).startswith("builtin:"):
         from onn.modalities.video.builtin import generated

@@ -20,6 +20,7 @@ from typing import IO
 import numpy as np
 import torch
 
+from onn.config.data import VideoData
 from onn.errors import UserError
 
 RESIZE_MODES = ("resize", "center_crop")
@@ -39,9 +40,9 @@ class Fit:
     resize: str  # resize (stretch) | center_crop (short side, then the centre)
 
 
-def fit_settings(data_cfg: dict) -> Fit:
+def fit_settings(data_cfg: VideoData) -> Fit:
     """The data config's decoding settings, checked: a value that makes no sense is one error naming its key."""
-    frames, stored = data_cfg["frames"], data_cfg.get("decode_frames")
+    frames, stored = data_cfg.frames, data_cfg.decode_frames
     stored = frames if stored is None else stored
     for key, value in (("frames", frames), ("decode_frames", stored)):
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
@@ -52,20 +53,20 @@ def fit_settings(data_cfg: dict) -> Fit:
         raise UserError(
             f"data.decode_frames={stored} is fewer than data.frames={frames}; store at least the frames the model sees (or null)."
         )
-    channels = data_cfg["channels"]
+    channels = data_cfg.channels
     if channels not in (1, 3) or isinstance(channels, bool):
         raise UserError(f"data.channels={channels!r}: use 3 (RGB) or 1 (grey).")
-    size = data_cfg["image_size"]
-    sizes = [size, size] if isinstance(size, int) else list(size or [])
+    size = data_cfg.image_size
+    sizes = list(size or [])
     if len(sizes) != 2 or not all(
         isinstance(v, int) and not isinstance(v, bool) and 8 <= v <= 4096 for v in sizes
     ):
         raise UserError(
             f"data.image_size={size!r}: give [height, width] in pixels, each 8 to 4096 (every frame is resized to it)."
         )
-    if data_cfg["resize"] not in RESIZE_MODES:
-        raise UserError(f"data.resize={data_cfg['resize']!r}: use resize (stretch) or center_crop.")
-    return Fit(stored, channels, (sizes[0], sizes[1]), data_cfg["resize"])
+    if data_cfg.resize not in RESIZE_MODES:
+        raise UserError(f"data.resize={data_cfg.resize!r}: use resize (stretch) or center_crop.")
+    return Fit(stored, channels, (sizes[0], sizes[1]), data_cfg.resize)
 
 
 def _open(source: str | bytes):

@@ -11,10 +11,9 @@ Output: float32 [B, C, frames, H, W], normalised by the per-channel mean and std
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from onn.config.data import ImageAugment
 from onn.errors import UserError
 from onn.modalities.image.augment import BatchAugment
 
@@ -23,14 +22,14 @@ SAMPLING = ("uniform", "random")
 
 class ClipTransform:
     def __init__(
-        self, augment: dict[str, Any] | None, mean: list[float], std: list[float], frames: int, sampling: str
+        self, augment: ImageAugment | None, mean: list[float], std: list[float], frames: int, sampling: str
     ):
         if sampling not in SAMPLING:
             raise UserError(
                 f"data.sampling={sampling!r}: use uniform or random (training picks random frames, one per segment)."
             )
         self.augment = BatchAugment(augment, mean, std)
-        self.random_augment = bool(augment) and any(v for v in dict(augment).values())
+        self.random_augment = self.augment.random
         self.frames, self.sampling = int(frames), sampling
 
     def __call__(self, clips: torch.Tensor, train: bool) -> torch.Tensor:

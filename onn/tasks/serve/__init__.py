@@ -15,6 +15,8 @@ import logging
 import os
 from typing import Any
 
+from onn.config import ONNConfig
+from onn.config.task import ServeConfig
 from onn.errors import UserError
 from onn.modalities import Job
 
@@ -23,15 +25,15 @@ WHOLE = ("port", "slots", "max_waiting", "max_body_bytes", "max_prompt_tokens", 
          "max_stop", "max_upload_bytes", "top_k")  # fmt: skip
 
 
-def check(config: dict[str, Any]) -> None:
+def check(config: ONNConfig) -> None:
     """serve.* before the model is built: one sentence per mistake."""
-    settings = config.get("serve")
-    if not isinstance(settings, dict):
+    settings = config.serve
+    if settings is None:
         raise UserError(
             "task=serve needs its serve.* settings: choose it with task=serve (conf/task/serve.yaml)."
         )
     for key in WHOLE:
-        value = settings[key]
+        value = getattr(settings, key)
         least = 0 if key == "port" else 1
         if (
             isinstance(value, bool)
@@ -42,21 +44,19 @@ def check(config: dict[str, Any]) -> None:
             raise UserError(
                 f"serve.{key}={value!r}: give a whole number, {least} or more{' (at most 65535)' if key == 'port' else ''}."
             )
-    if not isinstance(settings["host"], str) or not settings["host"]:
-        raise UserError(f"serve.host={settings['host']!r}: give an address to listen on, e.g. 127.0.0.1.")
-    if settings["api_key"] is not None and not (
-        isinstance(settings["api_key"], str) and settings["api_key"].strip()
-    ):
+    if not isinstance(settings.host, str) or not settings.host:
+        raise UserError(f"serve.host={settings.host!r}: give an address to listen on, e.g. 127.0.0.1.")
+    if settings.api_key is not None and not (isinstance(settings.api_key, str) and settings.api_key.strip()):
         raise UserError("serve.api_key: give a non-empty string, or null for none.")
 
 
-def api_key(settings: dict[str, Any]) -> str | None:
+def api_key(settings: ServeConfig) -> str | None:
     """serve.api_key, else the ONN_API_KEY environment variable, else none."""
-    return settings["api_key"] or os.environ.get("ONN_API_KEY") or None
+    return settings.api_key or os.environ.get("ONN_API_KEY") or None
 
 
-def model_name(config: dict[str, Any]) -> str:
-    return str(config["serve"]["model_name"] or config["model"]["name"])
+def model_name(config: ONNConfig) -> str:
+    return config.serve.model_name or config.model.name
 
 
 def free_address(host: str, port: int) -> None:
@@ -80,23 +80,23 @@ def build_app(job: Job):
     from onn.tasks.serve.api import create_app
 
     served = job.modality.serving(job)
-    return create_app(served, job.config["serve"], model_name(job.config), api_key(job.config["serve"]))
+    return create_app(served, job.config.serve, model_name(job.config), api_key(job.config.serve))
 
 
 def run(job: Job) -> dict[str, Any]:
     """Serve until Ctrl-C (or SIGTERM); the run's figures are the requests it answered."""
     from onn.tasks.serve.server import bound_port, make_server
 
-    settings = job.config["serve"]
-    host, key = settings["host"], api_key(settings)
+    settings = job.config.serve
+    host, key = settings.host, api_key(settings)
     if host not in ("127.0.0.1", "localhost", "::1") and not key:
         log.warning(
             "serve.host=%s opens the server to the network without a key: set serve.api_key (or ONN_API_KEY)",
             host,
         )
-    free_address(host, int(settings["port"]))  # before the model is built: a taken port costs a second
+    free_address(host, settings.port)  # before the model is built: a taken port costs a second
     app = build_app(job)
-    server = make_server(app, host, int(settings["port"]))
+    server = make_server(app, host, settings.port)
     name = model_name(job.config)
     kind = app.state.kind
 
@@ -121,7 +121,7 @@ def run(job: Job) -> dict[str, Any]:
         app.state.close()
     if not server.started:
         raise UserError(
-            f"serve.port={settings['port']} on {host} could not be opened (in use? see the log above)."
+            f"serve.port={settings.port} on {host} could not be opened (in use? see the log above)."
         )
     stats = app.state.stats
     out = {"serve/requests": stats.requests, "serve/refused": stats.refused,

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from onn.config.task import ServeConfig
 from onn.errors import UserError
 from onn.tasks.serve.batching import Sampling, Scheduler, Sequence
 
@@ -179,7 +180,7 @@ class Stats:
                 setattr(self, key, getattr(self, key) + value)
 
 
-def create_app(served: Any, settings: dict[str, Any], model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(served: Any, settings: ServeConfig, model_name: str, api_key: str | None = None) -> FastAPI:
     """The app for a LanguageModel (`served.step`) or a classifier Predictor (`served.classify`). A language
     model's Scheduler starts with it; `app.state.close()` stops it."""
     app = FastAPI(title="ONN", docs_url=None, redoc_url=None, openapi_url=None)  # docs would fetch from a CDN
@@ -187,8 +188,8 @@ def create_app(served: Any, settings: dict[str, Any], model_name: str, api_key: 
     app.state.stats, app.state.scheduler = server.stats, server.scheduler
     app.state.close = server.scheduler.close if server.scheduler else (lambda: None)
     app.state.kind = "classifier" if server.classifier else "language model"
-    app.add_middleware(Guard, api_key=api_key, max_body=int(settings["max_body_bytes"]),
-                       max_upload=int(settings["max_upload_bytes"]), stats=server.stats)  # fmt: skip
+    app.add_middleware(Guard, api_key=api_key, max_body=settings.max_body_bytes,
+                       max_upload=settings.max_upload_bytes, stats=server.stats)  # fmt: skip
     _answer_errors(app, server.stats)
     for path, method, handler in (("/health", "GET", server.health), ("/", "GET", server.index),
                                   ("/v1/models", "GET", server.models), ("/v1/models/{name:path}", "GET", server.model),
@@ -233,12 +234,12 @@ class Server:
     """The routes of one served model: its health and page, the model list, chat and text completions
     (streamed as server-sent events, or whole), and image classification."""
 
-    def __init__(self, served: Any, settings: dict[str, Any], model_name: str):
+    def __init__(self, served: Any, settings: ServeConfig, model_name: str):
         self.served, self.settings, self.model_name = served, settings, model_name
         self.stats = Stats()
         self.created = int(time.time())
         self.classifier = hasattr(served, "classify")
-        self.scheduler = None if self.classifier else Scheduler(served, int(settings["slots"]))
+        self.scheduler = None if self.classifier else Scheduler(served, settings.slots)
         self.page = resources.files("onn.tasks.serve").joinpath("page.html").read_text(encoding="utf-8")
 
     async def health(self):
@@ -262,7 +263,7 @@ class Server:
         messages = [
             {"role": "user" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
         ]
-        prompter, template = lm.prompter, self.settings["template"]
+        prompter, template = lm.prompter, self.settings.template
         try:
             if template and len(messages) == 1 and messages[0]["role"] == "user":
                 text = prompter.render(
@@ -296,7 +297,7 @@ class Server:
         if room is not None and len(ids) + sampling.max_tokens > room:
             raise ApiError(400, f"the prompt's {len(ids)} tokens and max_tokens {sampling.max_tokens} pass the model's "
                                 f"context of {room} tokens", param="max_tokens", code="context_length_exceeded")  # fmt: skip
-        if len(self.scheduler.waiting) >= int(self.settings["max_waiting"]):
+        if len(self.scheduler.waiting) >= self.settings.max_waiting:
             raise ApiError(429, "too many requests are waiting; try again shortly", "rate_limit_error",
                            code="rate_limit_exceeded")  # fmt: skip
         loop = asyncio.get_running_loop()
@@ -385,9 +386,7 @@ class Server:
             raise ApiError(400, f"{self.model_name} is a language model: use /v1/chat/completions or /v1/completions",
                            code="not_a_classifier")  # fmt: skip
         try:
-            form = await request.form(
-                max_files=1, max_fields=8, max_part_size=int(self.settings["max_upload_bytes"])
-            )
+            form = await request.form(max_files=1, max_fields=8, max_part_size=self.settings.max_upload_bytes)
         except Exception as e:  # not multipart, a broken body, too many parts
             raise ApiError(
                 400, f"send the file as multipart/form-data in the field `file` ({_short(e)})", param="file"
@@ -398,14 +397,14 @@ class Server:
             await form.close()
 
     async def _classify(self, form) -> dict[str, Any]:
-        upload, limit = form.get("file"), int(self.settings["max_upload_bytes"])
+        upload, limit = form.get("file"), self.settings.max_upload_bytes
         if upload is None or isinstance(upload, str):
             raise ApiError(400, "send the file as multipart/form-data in the field `file`", param="file")
         fields = {k: v for k, v in form.items() if isinstance(v, str)}
         if "model" in fields and fields["model"] != self.model_name:
             raise ApiError(404, f"the model {fields['model']!r} does not exist; this server has {self.model_name!r}",
                            param="model", code="model_not_found")  # fmt: skip
-        top_k = _form_int(fields.get("top_k"), int(self.settings["top_k"]), "top_k")
+        top_k = _form_int(fields.get("top_k"), self.settings.top_k, "top_k")
         picture = fields.get("picture", "false").lower() in ("1", "true", "yes")
         data = await upload.read(limit + 1)
         if len(data) > limit:
@@ -482,8 +481,8 @@ def _language_model(served, req: Generation, model_name: str):
     return served
 
 
-def _prompt_ids(lm, text: str, special: bool, settings: dict[str, Any], param: str) -> list[int]:
-    limit = int(settings["max_prompt_tokens"])
+def _prompt_ids(lm, text: str, special: bool, settings: ServeConfig, param: str) -> list[int]:
+    limit = settings.max_prompt_tokens
     if len(text) > limit * 64:  # no tokenizer packs more than this into a token: refuse before tokenizing
         raise ApiError(
             400, f"the prompt is longer than {limit} tokens", param=param, code="context_length_exceeded"
@@ -497,9 +496,9 @@ def _prompt_ids(lm, text: str, special: bool, settings: dict[str, Any], param: s
     return ids
 
 
-def _sampling(req: Generation, settings: dict[str, Any]) -> Sampling:
-    most = int(settings["max_tokens"])
-    wanted = req.max_completion_tokens or req.max_tokens or min(int(settings["default_max_tokens"]), most)
+def _sampling(req: Generation, settings: ServeConfig) -> Sampling:
+    most = settings.max_tokens
+    wanted = req.max_completion_tokens or req.max_tokens or min(settings.default_max_tokens, most)
     if wanted > most:
         raise ApiError(
             400,
@@ -507,10 +506,8 @@ def _sampling(req: Generation, settings: dict[str, Any]) -> Sampling:
             param="max_tokens",
         )
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > int(settings["max_stop"]) or any(not s or len(s) > 256 for s in stop):
-        raise ApiError(
-            400, f"stop: at most {settings['max_stop']} strings of 1 to 256 characters", param="stop"
-        )
+    if len(stop) > settings.max_stop or any(not s or len(s) > 256 for s in stop):
+        raise ApiError(400, f"stop: at most {settings.max_stop} strings of 1 to 256 characters", param="stop")
     temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
     return Sampling(wanted, temperature, 1.0 if req.top_p is None else req.top_p, req.seed, stop)
 

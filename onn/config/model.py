@@ -1,0 +1,54 @@
+"""model=...: three kinds of model, each its schema; a conf/model option names its kind in its defaults list."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+
+
+@dataclass
+class LanguageModelConfig(ModelConfig):
+    """A causal language model: Hugging Face weights (hub id, folder, .gguf, .safetensors) or a random init."""
+
+    source: str = MISSING  # hub id, HF folder, .gguf, .safetensors, file.py:function, or random
+    tokenizer: str | None = MISSING  # null: from source; `byte`: ONN's built-in byte tokenizer
+    dtype: str = MISSING  # auto | float32 | bfloat16 | float16
+    trust_remote_code: bool = MISSING
+    layer_map: dict[str, Any] | None = MISSING  # override discovery, e.g. {blocks: model.layers}
+    architecture: dict[str, Any] | None = MISSING  # a transformers config: the shapes, before weights load
+
+
+@dataclass
+class NetworkConfig(ModelConfig):
+    """A network for images, audio, video or point clouds: timm, torchvision or ONN's zoo."""
+
+    source: str = MISSING  # timm:NAME | torchvision:NAME | zoo:NAME | file.py:function
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the constructor's arguments
+    weights: str | None = None  # a .safetensors state dict to start from (the head may differ)
+    small_input: Any = "auto"  # timm models: auto | true | false (a stem for pictures of 64 px or less)
+    channels_last: bool = False
+    compile: bool = False  # torch.compile the network
+    temporal_pool: str = "mean"  # per-frame image networks on video: mean | tconv
+    layer_map: dict[str, Any] | None = None
+    dtype: str = "float32"
+
+
+@dataclass
+class DualEncoderConfig(ModelConfig):
+    """Two networks trained with CLIP's contrastive loss (conf/model/dual_encoder.yaml)."""
+
+    feature_dim: int = MISSING  # what each side's encoder outputs
+    embed_dim: int = MISSING  # the shared space both sides are projected into
+    temperature: float = MISSING  # the initial softmax temperature
+    learn_temperature: bool = MISSING
+    max_logit_scale: float = MISSING  # 1 / temperature is clamped at this
+    sides: dict[str, Any] = field(
+        default_factory=dict
+    )  # per side: a conf/model option, or a dict of its keys

@@ -1,0 +1,51 @@
+"""strategy=...: what trains (full, LoRA, a head), how the model is placed (Lightning's strategy, or ONN's
+layer streaming) and the settings the planner fills in when they are `auto`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import MISSING
+
+
+@dataclass
+class LoraConfig:
+    """peft.LoraConfig's settings (conf/strategy/lora.yaml)."""
+
+    r: int = MISSING
+    alpha: int = MISSING
+    dropout: float = MISSING
+    target_modules: Any = MISSING  # all-linear, or module names
+
+
+@dataclass
+class StreamingConfig:
+    """strategy=sparse_lora's layer streaming (conf/strategy/sparse_lora.yaml). Every setting has a default, the
+    same as that YAML's: a plan that streams for a strategy naming no streaming (strategy=auto choosing
+    sparse_lora, then given task=tune's settings) takes `StreamingConfig()`, every setting `auto`."""
+
+    chunk_size: Any = "auto"  # auto | blocks loaded at a time
+    store: str = "auto"  # auto | disk | cpu
+    store_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 | int8 | nf4
+    edges: str = "auto"  # auto | resident | stream
+    activations: str = "auto"  # auto | device | host
+    cache_blocks: Any = "auto"  # auto | blocks of a disk store held in host memory after their first read
+    eval_tokens: Any = "auto"  # auto | tokens per streamed pass of a validation / evaluation
+    prefetch: bool = True  # load the next chunk while this one computes
+
+
+@dataclass
+class StrategyConfig:
+    name: str = MISSING
+    trainable: str = MISSING  # full | lora | head
+    layers: Any = MISSING  # all, or block indices (negative count from the end)
+    lora: LoraConfig | None = MISSING
+    quantize: str | None = MISSING
+    micro_batch: Any = MISSING  # auto | samples per forward pass
+    min_micro_batch: int = MISSING
+    precision: str = MISSING
+    gradient_checkpointing: Any = MISSING  # auto | true | false
+    lightning: str = MISSING  # the Lightning strategy that places the model
+    timeout_s: float = MISSING  # multi-process runs: how long a process waits for its peers
+    streaming: StreamingConfig | None = None  # set by strategy=sparse_lora

@@ -1,0 +1,170 @@
+"""task=...: what a run does. Each task is its schema; conf/task/<name>.yaml names it and holds the values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+
+@dataclass
+class TaskConfig:
+    name: str = MISSING
+
+
+@dataclass
+class EarlyStopping:
+    """Stop when task.monitor has not improved by min_delta for `patience` validations (0: never stop early).
+    A block, not null when off: a command line's `task.early_stopping={patience: 5}` merges into it."""
+
+    patience: int = MISSING
+    min_delta: float = MISSING
+
+
+@dataclass
+class TrainTask(TaskConfig):
+    """task=train's keys. The tasks that take a recipe's model (plan, eval, infer, export, tune, serve and the
+    benches that train) extend them, so a recipe's task keys hold whichever of them runs it."""
+
+    validate_before: bool = MISSING  # validate once before the first step (the loss the run starts from)
+    exact_match_samples: int = MISSING  # text: held-out problems answered after training
+    monitor: str = MISSING  # classifiers: the metric that picks the best checkpoint
+    label_smoothing: float = MISSING
+    adapt_norm: bool = MISSING
+    early_stopping: EarlyStopping = MISSING
+
+
+@dataclass
+class EvalTask(TrainTask):
+    max_samples: int = MISSING
+    max_new_tokens: Any = MISSING  # auto | tokens
+
+
+@dataclass
+class InferTask(TrainTask):
+    input: str | None = MISSING
+    output: str | None = MISSING
+    template: bool = MISSING
+    max_new_tokens: int = MISSING
+    temperature: float = MISSING
+    top_p: float = MISSING
+    gallery: str | None = MISSING
+    top_k: int = MISSING
+
+
+@dataclass
+class BenchTask(TaskConfig):
+    """task=bench: the equitable grid's protocol (onn/bench/suite.py)."""
+
+    warmup_steps: int = MISSING
+    steps: int = MISSING
+    val_batches: int = MISSING
+    quality: str = MISSING  # loss_fall | exact_match
+    exact_match_samples: int = MISSING
+    learned_p: float = MISSING
+    score_weights: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class BenchGiantTask(TrainTask):
+    steps: int = MISSING
+    kill_after: int = MISSING
+    rebuild: bool = MISSING
+    kill_build_after: int = MISSING
+    keep_store: bool = MISSING
+    disk_probe_mb: int = MISSING
+    gen_batch: int = MISSING
+    gen_tokens: int = MISSING
+    accelerate: bool = MISSING
+
+
+@dataclass
+class BenchGpuTask(TrainTask):
+    steps: int = MISSING
+    gen_batch: int = MISSING
+    gen_tokens: int = MISSING
+    accelerate: bool = MISSING
+    overhead: bool = MISSING
+    vision_source: str | None = MISSING
+
+
+@dataclass
+class BenchOverheadTask(TaskConfig):
+    steps: int = MISSING
+    warmup: int = MISSING
+    repeats: int = MISSING
+
+
+@dataclass
+class BenchVisionTask(TrainTask):
+    """task=bench_vision and task=bench_media: a classifier's training steps, timed."""
+
+    steps: int = MISSING
+    warmup: int = MISSING
+    repeats: int = MISSING
+    standard_workers: int = MISSING
+
+
+@dataclass
+class BenchServeTask(TrainTask):
+    requests: int = MISSING
+    max_tokens: int = MISSING
+    clients: int = MISSING
+    requests_per_client: int = MISSING
+    load_max_tokens: int = MISSING
+
+
+@dataclass
+class BenchShardPlanTask(TaskConfig):
+    blocks: int = MISSING
+    block_mb: float = MISSING
+    jitter: float = MISSING
+    embed_mb: float = MISSING
+    head_mb: float = MISSING
+    activation_mb: float = MISSING
+    head_activation_mb: float = MISSING
+    nodes_mb: list[float] = MISSING
+    fleet_slack: float = MISSING
+    repeats: int = MISSING
+    seed: int = MISSING
+
+
+@dataclass
+class BenchStreamingTask(TaskConfig):
+    seq_len: int = MISSING
+    micro_batch: int = MISSING
+    chunk_size: int = MISSING
+    reuse_m: list[int] = MISSING
+    repeats: int = MISSING
+    weights_over_budget: float = MISSING
+
+
+@dataclass
+class TuneConfig:
+    """task=tune's search (conf/task/tune.yaml)."""
+
+    time_budget_s: float = MISSING
+    warmup_steps: int = MISSING
+    steps: int = MISSING
+    confirm_rounds: int = MISSING
+
+
+@dataclass
+class ServeConfig:
+    """task=serve's server (conf/task/serve.yaml)."""
+
+    host: str = MISSING
+    port: int = MISSING
+    api_key: str | None = MISSING
+    model_name: str | None = MISSING
+    template: bool = MISSING
+    slots: int = MISSING
+    max_waiting: int = MISSING
+    max_body_bytes: int = MISSING
+    max_prompt_tokens: int = MISSING
+    max_tokens: int = MISSING
+    default_max_tokens: int = MISSING
+    max_stop: int = MISSING
+    max_upload_bytes: int = MISSING
+    top_k: int = MISSING
