@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from typing import IO
 
 import numpy as np
 import torch
@@ -23,6 +24,31 @@ from onn.data.resident import Decoded
 log = logging.getLogger("onn")
 
 Loader = Callable[[object], tuple[torch.Tensor, float]]
+
+
+class BadFile(Exception):
+    """A media file that cannot be used; the message says why, in a few words. Readers skip and count it."""
+
+
+def nonempty(source: str | IO[bytes]) -> str | bytes:
+    """A path as given, or a file object's bytes: what a decoder opens. An empty file is a BadFile before any
+    decoder sees it (decoders say odd things about zero bytes)."""
+    if isinstance(source, str):
+        if os.path.getsize(source) == 0:
+            raise BadFile("an empty file (0 bytes)")
+        return source
+    data = source.read()
+    if not data:
+        raise BadFile("an empty file (0 bytes)")
+    return data
+
+
+def decoder_complaint(e: BaseException) -> str:
+    """A decoder's complaint in a few words (FFmpeg's strerror, not the path it adds)."""
+    text = (
+        getattr(e, "error_string", None) or getattr(e, "strerror", None) or str(e).strip() or type(e).__name__
+    )
+    return str(text).splitlines()[0].rstrip(".")[:100]
 
 
 def _as_given(source: str, data_cfg: LabelledFiles, cache_dir) -> str:

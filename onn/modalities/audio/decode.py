@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 from dataclasses import dataclass
 from typing import IO
 
@@ -19,11 +18,8 @@ import numpy as np
 import torch
 
 from onn.config.data import AudioData
+from onn.data.media import BadFile, decoder_complaint, nonempty
 from onn.errors import UserError
-
-
-class BadFile(Exception):
-    """A file that cannot be used; the message says why, in a few words."""
 
 
 @dataclass(frozen=True)
@@ -71,14 +67,9 @@ def decode_audio(source: str | IO[bytes]) -> tuple[np.ndarray, int]:
     """(float32 [channels, samples] in [-1, 1], sample rate) of a file path or a binary file object."""
     import soundfile as sf
 
-    if isinstance(source, str):
-        if os.path.getsize(source) == 0:
-            raise BadFile("an empty file (0 bytes)")
-    else:
-        data = source.read()
-        if not data:
-            raise BadFile("an empty file (0 bytes)")
-        source = io.BytesIO(data)
+    source = nonempty(source)
+    if isinstance(source, bytes):
+        source = io.BytesIO(source)
     try:
         wave, rate = sf.read(source, dtype="float32", always_2d=True)
         wave = wave.T
@@ -90,7 +81,9 @@ def decode_audio(source: str | IO[bytes]) -> tuple[np.ndarray, int]:
         except BadFile:
             raise
         except Exception as e:  # PyAV raises FFmpegError subclasses, and ValueError/OSError for odd inputs
-            raise BadFile(f"not decodable audio (libsndfile: {_short(first)}; FFmpeg: {_short(e)})") from e
+            raise BadFile(
+                f"not decodable audio (libsndfile: {decoder_complaint(first)}; FFmpeg: {decoder_complaint(e)})"
+            ) from e
     if wave.shape[1] == 0:
         raise BadFile("no audio samples (a header and nothing after it)")
     if not np.isfinite(wave).all():
@@ -116,14 +109,6 @@ def _decode_ffmpeg(source: str | IO[bytes]) -> tuple[np.ndarray, int]:
     if not chunks:
         raise BadFile("an audio stream with no samples")
     return np.concatenate(chunks, axis=1).astype(np.float32, copy=False), int(rate)
-
-
-def _short(e: BaseException) -> str:
-    """A decoder's complaint in a few words (FFmpeg's strerror, not the path it adds)."""
-    text = (
-        getattr(e, "error_string", None) or getattr(e, "strerror", None) or str(e).strip() or type(e).__name__
-    )
-    return str(text).splitlines()[0].rstrip(".")[:100]
 
 
 def fit_waveform(wave: np.ndarray, rate: int, fit: Fit) -> torch.Tensor:

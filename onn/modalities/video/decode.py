@@ -13,7 +13,6 @@ decodes is a `BadFile` naming why; the caller skips it and counts it against dat
 from __future__ import annotations
 
 import io
-import os
 from dataclasses import dataclass
 from typing import IO
 
@@ -21,13 +20,10 @@ import numpy as np
 import torch
 
 from onn.config.data import VideoData
+from onn.data.media import BadFile, decoder_complaint, nonempty
 from onn.errors import UserError
 
 RESIZE_MODES = ("resize", "center_crop")
-
-
-class BadFile(Exception):
-    """A file that cannot be used; the message says why, in a few words."""
 
 
 @dataclass(frozen=True)
@@ -77,13 +73,7 @@ def _open(source: str | bytes):
 
 def decode_video(source: str | IO[bytes], fit: Fit) -> tuple[torch.Tensor, float]:
     """(uint8 [C, T, H, W], the clip's duration in seconds) of a file path or a binary file object."""
-    if isinstance(source, str):
-        if os.path.getsize(source) == 0:
-            raise BadFile("an empty file (0 bytes)")
-    else:
-        source = source.read()
-        if not source:
-            raise BadFile("an empty file (0 bytes)")
+    source = nonempty(source)
     try:
         times = _timestamps(source)
         if times is not None:
@@ -95,17 +85,9 @@ def decode_video(source: str | IO[bytes], fit: Fit) -> tuple[torch.Tensor, float
     except (
         Exception
     ) as e:  # PyAV raises FFmpegError subclasses (InvalidDataError, ...), and OSError/ValueError
-        raise BadFile(f"not a decodable video ({_short(e)})") from e
+        raise BadFile(f"not a decodable video ({decoder_complaint(e)})") from e
     clip = np.stack(frames)  # [T, H, W, C]
     return torch.from_numpy(np.ascontiguousarray(clip.transpose(3, 0, 1, 2))), duration
-
-
-def _short(e: BaseException) -> str:
-    """A decoder's complaint in a few words (FFmpeg's strerror, not the path it adds)."""
-    text = (
-        getattr(e, "error_string", None) or getattr(e, "strerror", None) or str(e).strip() or type(e).__name__
-    )
-    return str(text).splitlines()[0].rstrip(".")[:100]
 
 
 def _stream(container):
