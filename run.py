@@ -6,7 +6,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from onn.config import register
+from onn.config.registry import register
 
 register()  # the config's types (dataclasses only: nothing heavy is imported here)
 

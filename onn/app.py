@@ -31,19 +31,20 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from onn.bench import TASKS as BENCH_TASKS
+from onn.bench.registry import TASKS as BENCH_TASKS
 from onn.config import ONNConfig, StrategyConfig, as_dict, typed
 from onn.errors import UserError
-from onn.export import check_settings as check_export
+from onn.export.settings import check_settings as check_export
 from onn.hardware.cluster import is_rank_zero
 from onn.hardware.memory import cap_gpu_memory
 from onn.hardware.profile import resolve as resolve_hardware
 from onn.hardware.profile import use_threads
-from onn.modalities import Job, Modality, detect, get
+from onn.modalities.base import Job, Modality
+from onn.modalities.registry import detect, get
 from onn.planning.plan import render
-from onn.tasks import TASKS as RUN_TASKS
-from onn.tasks import Task
 from onn.tasks.record import Interrupted, RunRecord, writable_folder
+from onn.tasks.registry import TASKS as RUN_TASKS
+from onn.tasks.registry import Task
 from onn.training.checkpoints import resolve as resolve_checkpoint
 from onn.training.checkpoints import saved_config
 from onn.training.distributed import end_distributed
@@ -240,18 +241,17 @@ def finished(run_dir: Path, digest: str) -> dict[str, Any] | None:
     """The run folder's metrics.json when it holds a successful run of this config."""
     try:
         metrics = json.loads((run_dir / "metrics.json").read_text())
-    except (OSError, ValueError):
+        done = metrics["status"] == "ok" and metrics["config_digest"] == digest  # both in every ok record
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    if metrics.get("config_digest") == digest and metrics.get("status") == "ok":
-        return metrics
-    return None
+    return metrics if done else None
 
 
 def _objective(key: str | None, metrics: dict[str, Any]) -> float | None:
     """metrics[key] (the config's sweep_objective) for a sweeper; None without a key or a finished run."""
     if not key:
         return None
-    value = metrics.get(key) if metrics.get("status") == "ok" else None
+    value = metrics.get(key) if metrics["status"] == "ok" else None
     if not isinstance(value, int | float) or not math.isfinite(value):
         return None  # Optuna records None as a failed trial and goes on; NaN would stop the search
     return float(value)
@@ -267,11 +267,11 @@ def from_checkpoint(config: ONNConfig, given: set[str]) -> tuple[Path, dict[str,
     and where each group came from."""
     ckpt = resolve_checkpoint(config.ckpt, config.paths.outputs)
     saved = saved_config(ckpt)
-    if not isinstance(saved.get("model"), dict):
+    if "model" not in saved:  # {} for a checkpoint another tool wrote
         raise UserError(
             f"ckpt {ckpt} holds no ONN run config (written by another tool?); it cannot be rebuilt."
         )
-    modality = get(saved.get("modality") or (saved.get("data") or {}).get("modality") or "text")
+    modality = get(saved["modality"])  # every ONN checkpoint names its modality
     ignored = sorted(k for k in given if k.split(".", 1)[0] in ("model", "strategy"))
     if ignored:
         log.warning("ckpt %s: the model and strategy are the checkpoint's; %s on the command line is not used", ckpt,
@@ -371,28 +371,28 @@ def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> 
         import transformers  # noqa: F401
 
     hardware = resolve_hardware(config.hardware, Path(config.paths.cache), Path(config.paths.outputs))
-    if hardware.get("gpus_hidden"):
+    if hardware.gpus_hidden:
         print(f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} hides every GPU: planning and running on the CPU.",
               flush=True)  # fmt: skip
     # task=tune starts from the planner's own guess; every other task takes a cached tune result
     plan, spec = modality.plan(config, hardware, use_tuned=name != "tune")
     if writes:
-        (run_dir / "plan.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
+        (run_dir / "plan.yaml").write_text(yaml.safe_dump(plan.as_dict(), sort_keys=False))
         print(render(plan), flush=True)
     if task.heavy:
-        use_threads(plan)  # torch's threads on the cores other processes leave free
-        if hardware["accelerator"] == "cuda" and config.hardware.budget_mb:
-            cap_gpu_memory(plan["budget_mb"] - plan["context_mb"])  # a smaller card, held to for real
+        use_threads(plan.threads)  # torch's threads on the cores other processes leave free
+        if hardware.accelerator == "cuda" and config.hardware.budget_mb:
+            cap_gpu_memory(plan.budget_mb - plan.context_mb)  # a smaller card, held to for real
     # On CPUs the measured peak is the process's resident memory, which includes its baseline.
-    predicted = plan["predicted_peak_memory_mb"] + (
-        plan["context_mb"] if hardware["accelerator"] != "cuda" else 0
+    predicted = plan.predicted_peak_memory_mb + (
+        plan.context_mb if hardware.accelerator != "cuda" else 0
     )
     out.update({
         "modality": modality.name,
-        "strategy": plan["strategy"],
-        "hardware": hardware.get("name"),
+        "strategy": plan.strategy,
+        "hardware": hardware.name,
         "predicted_peak_memory_mb": round(predicted, 1),
         "params_total": spec.params,
-        "settings_source": plan["settings_source"],  # plan, or tune (a cached task=tune result)
+        "settings_source": plan.settings_source,  # plan, or tune (a cached task=tune result)
     })  # fmt: skip
     return {**out, **task.run(Job(config, run_dir, modality, hardware, plan, spec, ckpt))}

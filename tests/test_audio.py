@@ -15,9 +15,9 @@ import pytest
 import torch
 from conftest import SHARED_DATA, compose
 
-from onn.config import as_dict
 from onn.config.data import AudioAugment
 from onn.errors import UserError
+from onn.hardware.profile import resolve
 
 FSDD = SHARED_DATA / "fsdd" / "recordings"
 TONES = {"low": 300.0, "mid": 700.0, "high": 1500.0}
@@ -98,7 +98,7 @@ def test_labels_from_folders_names_and_manifests(tmp_path):
     import soundfile as sf
 
     from onn.data.labelled import list_labelled
-    from onn.modalities.audio import SUFFIXES
+    from onn.modalities.audio.modality import SUFFIXES
 
     folders = tmp_path / "folders"
     for split in ("train", "test"):
@@ -232,7 +232,7 @@ def test_train_held_out_pattern_eval_infer_and_export(tmp_path):
     ckpt = str(tmp_path / "train" / "checkpoints" / "best.ckpt")
     # the recipe's AdaBN (task.adapt_norm) again, for the test only
     evaluated = compose(*common, "task=eval", f"ckpt={ckpt}", "task.adapt_norm=true")
-    evaluated = execute({**evaluated, "ckpt": ckpt}, tmp_path / "eval")
+    evaluated = execute(evaluated, tmp_path / "eval")
     assert evaluated["test/acc"] == pytest.approx(metrics["test/acc"], abs=1e-6)
     new = tmp_path / "new"
     new.mkdir()
@@ -281,10 +281,10 @@ def test_recipes_compose_check_and_plan(recipe, modality, shape):
     cfg = compose(f"recipe={recipe}", "hardware=cpu_16gb")
     m = get(cfg.data.modality)
     m.check(cfg)
-    plan, spec = m.plan(cfg, {**as_dict(cfg.hardware), "source": "preset"})
+    plan, spec = m.plan(cfg, resolve(cfg.hardware, "/tmp", "/tmp"))
     assert m.name == modality and m.planned_inputs(cfg)["input_shape"] == shape
     assert (
-        plan["strategy"] == "full" and spec.kind == "network" and spec.sample_flops > 0 and spec.n_blocks >= 3
+        plan.strategy == "full" and spec.kind == "network" and spec.sample_flops > 0 and spec.n_blocks >= 3
     )
 
 

@@ -28,7 +28,7 @@ def llama(tmp_path_factory):
     """test_export_onnx's 2-layer Llama (traced once per session), as a .omny with a node plan."""
     from test_export_onnx import export_once
 
-    from onn.export import kv_cache_bytes
+    from onn.export.model_facts import kv_cache_bytes
     from onn.models.layers import block_runs
 
     _, model, sample, path, metrics = export_once("llama", tmp_path_factory)
@@ -362,7 +362,7 @@ def test_bad_export_settings_fail_before_anything_loads():
 
     from conftest import compose
 
-    from onn.export import check_settings
+    from onn.export.settings import check_settings
 
     base = compose("export=omny").export
     check_settings(base)

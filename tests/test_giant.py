@@ -49,14 +49,14 @@ def validate(model, batches, strategy=None):
 
 @pytest.mark.parametrize("eval_tokens", [10_000, 20])
 def test_streamed_validation_matches_resident_and_loads_each_chunk_once_per_pass(tmp_path, eval_tokens):
-    from onn.streaming.strategy import LayerStreamingStrategy
+    from onn.streaming.strategy import EngineSettings, LayerStreamingStrategy
 
     resident = lora_model("phi3", LAYER_SETS["last4"])
     streamed = copy.deepcopy(resident)
     batches = held_out()
     want = validate(resident, batches).val_losses[-1]
-    settings = {"chunk_size": 3, "store": "disk", "store_dtype": "float32", "edges": "resident", "activations": "device",
-                "prefetch": True, "cache_blocks": 0, "eval_tokens": eval_tokens}  # fmt: skip
+    settings = EngineSettings(chunk_size=3, store="disk", store_dtype="float32", edges="resident", activations="device",
+                              prefetch=True, cache_blocks=0, eval_tokens=eval_tokens)  # fmt: skip
     module = validate(streamed, batches, LayerStreamingStrategy(settings, tmp_path, 2))
     assert module.val_losses[-1] == pytest.approx(want, rel=1e-5)
     engine = module.engine
@@ -159,11 +159,12 @@ def plan(*overrides, tmp_path, **hw_changes):
     from onn.planning.spec import model_spec
 
     cfg = compose(*overrides, root=tmp_path)
-    hw = {**resolve(cfg.hardware, tmp_path, tmp_path), **hw_changes}
+    hw = dataclasses.replace(resolve(cfg.hardware, tmp_path, tmp_path), **hw_changes)
     return make_plan(cfg, hw, model_spec(cfg.model, 8), use_tuned=False)
 
 
 def test_plan_never_fits_over_budget_and_names_the_smallest_budget(tmp_path):
+    from onn.hardware.profile import Profile
     from onn.planning.costs import budget_mb
 
     refused, planned = {}, {}
@@ -178,21 +179,21 @@ def test_plan_never_fits_over_budget_and_names_the_smallest_budget(tmp_path):
             )
             continue
         assert (
-            p["budget_mb"]
-            == budget_mb({"accelerator": "cpu", "host_memory_mb": 65536, "budget_mb": budget})
+            p.budget_mb
+            == budget_mb(Profile(name="cpu", accelerator="cpu", host_memory_mb=65536, budget_mb=budget))
             == budget
         )
-        for name, c in p["candidates"].items():
+        for name, c in p.candidates.items():
             if c["fits"]:
                 assert c["peak_mb"] + c["context_mb"] <= budget, name
-        assert p["predicted_peak_memory_mb"] + p["context_mb"] <= budget
+        assert p.predicted_peak_memory_mb + p.context_mb <= budget
         planned[budget] = p
     assert 3_000 in refused and 40_000 in planned
     smallest = max(refused.values())
     assert all(b < smallest for b in refused) and all(b >= smallest for b in planned)
     p = plan("model=phi4", "hardware=cpu_16gb", "strategy=sparse_lora", f"hardware.budget_mb={math.ceil(smallest)}",
              tmp_path=tmp_path)  # fmt: skip
-    assert p["candidates"]["sparse_lora"]["fits"]  # the budget the message named works
+    assert p.candidates["sparse_lora"]["fits"]  # the budget the message named works
 
 
 def test_plan_refuses_a_store_the_disk_cannot_hold(tmp_path):
@@ -205,24 +206,31 @@ def test_plan_refuses_a_store_the_disk_cannot_hold(tmp_path):
     p = plan(
         "model=phi4", "hardware=cpu_16gb", "strategy=sparse_lora", tmp_path=tmp_path, disk_free_mb=20_000
     )
-    assert (
-        p["streaming"]["store_dtype"] == "int8" and not (tmp_path / "outputs" / ".cache" / "stores").exists()
-    )
+    assert p.streaming.store_dtype == "int8" and not (tmp_path / "outputs" / ".cache" / "stores").exists()
 
 
 def test_threads_follow_the_free_cores_and_the_plan_says_so(tmp_path):
+    from onn.hardware.profile import Profile
     from onn.planning.costs import threads_for
 
-    assert threads_for({"cpu_cores": 2, "cpu_busy_cores": 0.1, "cpu_share": 0.9}) == (2, 1.0)  # quiet: noise
-    assert threads_for({"cpu_cores": 2, "cpu_busy_cores": 1.0, "cpu_share": 1.0}) == (1, 1.0)
-    assert threads_for({"cpu_cores": 2, "cpu_busy_cores": 2.0, "cpu_share": 0.5}) == (1, 0.5)
-    assert threads_for({"cpu_cores": 8, "cpu_busy_cores": 0.0, "thread_limit": 1}) == (1, 1.0)
+    assert threads_for(
+        Profile(name="cpu", accelerator="cpu", cpu_cores=2, cpu_busy_cores=0.1, cpu_share=0.9)
+    ) == (2, 1.0)  # quiet: noise
+    assert threads_for(
+        Profile(name="cpu", accelerator="cpu", cpu_cores=2, cpu_busy_cores=1.0, cpu_share=1.0)
+    ) == (1, 1.0)
+    assert threads_for(
+        Profile(name="cpu", accelerator="cpu", cpu_cores=2, cpu_busy_cores=2.0, cpu_share=0.5)
+    ) == (1, 0.5)
+    assert threads_for(
+        Profile(name="cpu", accelerator="cpu", cpu_cores=8, cpu_busy_cores=0.0, thread_limit=1)
+    ) == (1, 1.0)
     quiet = plan("model=llama_tiny", "hardware=cpu_16gb", "strategy=lora", tmp_path=tmp_path)
     busy = plan("model=llama_tiny", "hardware=cpu_16gb", "strategy=lora", tmp_path=tmp_path, cpu_busy_cores=8.0,
                 cpu_share=0.5)  # fmt: skip
-    assert quiet["threads"] == 8 and busy["threads"] == 1
-    assert any("cores busy: other processes use 8.0 of 8 cores" in r for r in busy["reasons"])
-    assert busy["predicted_step_s"] > quiet["predicted_step_s"]
+    assert quiet.threads == 8 and busy.threads == 1
+    assert any("cores busy: other processes use 8.0 of 8 cores" in r for r in busy.reasons)
+    assert busy.predicted_step_s > quiet.predicted_step_s
 
 
 def test_settings_and_data_are_checked_before_the_store_is_built(tmp_path):

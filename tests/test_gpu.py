@@ -5,6 +5,7 @@ a GPU."""
 import copy
 import dataclasses
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,11 +32,11 @@ def test_every_process_computes_on_an_indexed_device(monkeypatch):
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert compute_device("cuda") == "cuda:0" and compute_device("cpu") == "cpu"
-    strategy = LayerStreamingStrategy({}, "/nonexistent", 2, device=compute_device("cuda"))
+    strategy = LayerStreamingStrategy(None, "/nonexistent", 2, device=compute_device("cuda"))
     assert strategy.root_device == torch.device("cuda", 0)
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert compute_device("cuda") == "cuda:3"
-    job = Job({}, ROOT, get("text"), plan={"hardware": {"accelerator": "cuda"}})
+    job = Job({}, ROOT, get("text"), plan=SimpleNamespace(hardware={"accelerator": "cuda"}))
     assert torch.device(job.device) == torch.device("cuda", 3)
 
 
@@ -51,23 +52,22 @@ def test_a_gpu_plan_streams_phi4_from_pinned_host_memory_within_the_budget():
     cfg = compose("recipe=bench_gpu")
     hw = resolve(dataclasses.replace(cfg.hardware, **H200), "/tmp", "/tmp")
     plan = make_plan(cfg, hw, model_spec(cfg.model, 16), use_tuned=False)
-    s = plan["streaming"]
-    assert (s["store"], s["store_dtype"], s["edges"]) == ("cpu", "int8", "stream")
+    s = plan.streaming
+    assert (s.store, s.store_dtype, s.edges) == ("cpu", "int8", "stream")
     assert (
-        plan["predicted_peak_memory_mb"] + plan["context_mb"] <= 4096
-        and plan["context_mb"] == H200["cuda_context_mb"]
+        plan.predicted_peak_memory_mb + plan.context_mb <= 4096 and plan.context_mb == H200["cuda_context_mb"]
     )
     smaller = make_plan(compose("recipe=bench_gpu", "strategy.micro_batch=64"), hw, model_spec(cfg.model, 16))
-    assert smaller["predicted_peak_memory_mb"] <= 1536 < plan["predicted_peak_memory_mb"]
-    assert s["predicted_h2d_gb"] > 20 and s["predicted_io_s"] == pytest.approx(
-        s["predicted_h2d_gb"] * 1024 / 50_000, rel=0.1
+    assert smaller.predicted_peak_memory_mb <= 1536 < plan.predicted_peak_memory_mb
+    assert s.predicted_h2d_gb > 20 and s.predicted_io_s == pytest.approx(
+        s.predicted_h2d_gb * 1024 / 50_000, rel=0.1
     )
     small_host = dataclasses.replace(
         cfg.hardware, **{**H200, "host_memory_mb": 16_000, "host_memory_available_mb": 12_000}
     )
     small = resolve(small_host, "/tmp", "/tmp")
-    s = make_plan(cfg, small, model_spec(cfg.model, 16), use_tuned=False)["streaming"]
-    assert s["store"] == "disk" and 0 < s["cache_blocks"] < 40
+    s = make_plan(cfg, small, model_spec(cfg.model, 16), use_tuned=False).streaming
+    assert s.store == "disk" and 0 < s.cache_blocks < 40
 
 
 # An H200's profile as ONN measured it (bench_gpu's machine, 2026-11-27): the planner's GPU inputs

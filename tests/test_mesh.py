@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import SHARED_DATA, compose
 
-from onn.config import as_dict
 from onn.errors import UserError
+from onn.hardware.profile import resolve
 from onn.modalities.mesh.primitives import CLASSES, write_primitives
 from onn.modalities.mesh.read import Sampling, decode, read_source
 
@@ -186,8 +186,8 @@ def test_data_auto_recognises_meshes_and_the_recipe_plans(shapes):
     assert detect("builtin:primitives")[0].name == "mesh"
     cfg = compose("recipe=mesh_primitives", "hardware=cpu_16gb")
     assert cfg.data.modality == "mesh" and cfg.data.source == "builtin:primitives"
-    plan, spec = get("mesh").plan(cfg, {**as_dict(cfg.hardware), "source": "preset"})
-    assert plan["strategy"] == "full" and spec.n_blocks == 3 and spec.sample_flops > 0
+    plan, spec = get("mesh").plan(cfg, resolve(cfg.hardware, "/tmp", "/tmp"))
+    assert plan.strategy == "full" and spec.n_blocks == 3 and spec.sample_flops > 0
 
 
 def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:

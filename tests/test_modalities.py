@@ -12,7 +12,8 @@ from conftest import ROOT, compose, read_metrics, run_cli
 from PIL import Image
 
 from onn.errors import UserError
-from onn.modalities import REGISTRY, Job, Modality, detect, get, register
+from onn.modalities.base import Job, Modality
+from onn.modalities.registry import REGISTRY, detect, get, register
 
 
 def test_every_modality_names_configs_that_exist():

@@ -18,26 +18,26 @@ def plan_for(*overrides, tmp_path):
 def test_phi4_on_a_4gb_gpu_streams_under_4gb(tmp_path):
     plan, spec = plan_for("model=phi4", "hardware=gtx1650_4gb", "strategy=auto", tmp_path=tmp_path)
     assert 14.5e9 < spec.params < 15e9 and spec.n_blocks == 40  # Phi-4's real size, from the meta device
-    assert plan["strategy"] == "sparse_lora"
-    assert plan["predicted_peak_memory_mb"] + plan["context_mb"] < 4096
-    assert plan["precision"] == "16-mixed"  # Turing: no bf16
-    assert not plan["candidates"]["lora"]["fits"] and not plan["candidates"]["qlora"]["fits"]
-    assert plan["streaming"]["chunk_size"] >= 1
+    assert plan.strategy == "sparse_lora"
+    assert plan.predicted_peak_memory_mb + plan.context_mb < 4096
+    assert plan.precision == "16-mixed"  # Turing: no bf16
+    assert not plan.candidates["lora"]["fits"] and not plan.candidates["qlora"]["fits"]
+    assert plan.streaming.chunk_size >= 1
 
 
 @pytest.mark.parametrize("hardware", ["a100_80gb", "h100_80gb"])
 def test_phi4_on_80gb_picks_lora(tmp_path, hardware):
     plan, _ = plan_for("model=phi4", f"hardware={hardware}", tmp_path=tmp_path)
     assert (
-        plan["strategy"] == "lora" and plan["precision"] == "bf16-mixed"
+        plan.strategy == "lora" and plan.precision == "bf16-mixed"
     )  # pretrained weights fit: LoRA, never full
 
 
 def test_random_init_trains_everything_and_explicit_choice_wins(tmp_path):
     plan, _ = plan_for("model=phi4_tiny", "hardware=cpu_16gb", tmp_path=tmp_path)
-    assert plan["strategy"] == "full" and "random init" in plan["reasons"][0]
+    assert plan.strategy == "full" and "random init" in plan.reasons[0]
     plan, _ = plan_for("model=phi4_tiny", "hardware=cpu_16gb", "strategy=sparse_lora", tmp_path=tmp_path)
-    assert plan["strategy"] == "sparse_lora" and plan["sparse_layers"] == [0, 1, 2, 3, 36, 37, 38, 39]
+    assert plan.strategy == "sparse_lora" and plan.sparse_layers == [0, 1, 2, 3, 36, 37, 38, 39]
 
 
 def test_memory_grows_with_micro_batch_and_breakdown_adds_up(tmp_path):
@@ -47,17 +47,17 @@ def test_memory_grows_with_micro_batch_and_breakdown_adds_up(tmp_path):
     big, _ = plan_for(
         "model=phi4", "hardware=a100_80gb", "strategy=lora", "strategy.micro_batch=8", tmp_path=tmp_path
     )
-    assert big["candidates"]["lora"]["activations_mb"] > 4 * small["candidates"]["lora"]["activations_mb"]
-    c = big["candidates"]["lora"]
+    assert big.candidates["lora"]["activations_mb"] > 4 * small.candidates["lora"]["activations_mb"]
+    c = big.candidates["lora"]
     # one micro-batch per step: gradients are allocated as activations are freed, the peak holds the larger
     parts = sum(c[k] for k in ("weights_mb", "optimizer_mb", "workspace_mb"))
     assert parts + max(c["trainable_mb"], c["activations_mb"]) == pytest.approx(c["peak_mb"], abs=1)
     # micro-batches accumulating: the first one's gradients outlive its backward, the peak holds both
-    a = small["candidates"]["lora"]
+    a = small.candidates["lora"]
     parts = sum(
         a[k] for k in ("weights_mb", "optimizer_mb", "workspace_mb", "trainable_mb", "activations_mb")
     )
-    assert small["accumulate"] == 8 and parts == pytest.approx(a["peak_mb"], abs=1)
+    assert small.accumulate == 8 and parts == pytest.approx(a["peak_mb"], abs=1)
 
 
 def test_measured_profile_is_cached(tmp_path):
@@ -66,16 +66,14 @@ def test_measured_profile_is_cached(tmp_path):
         "hardware=auto", "hardware.disk_probe_mb=16", f"hardware.cache={tmp_path / 'hardware'}"
     ).hardware
     first = resolve(auto, tmp_path / "cache", tmp_path)
-    assert first["source"] == "measured" and first["matmul_tflops"] > 0 and first["disk_read_mb_s"] > 0
-    assert first["accelerator"] in ("cpu", "cuda", "mps") and first["cpu_cores"] >= 1
-    assert set(first["block_call_s"]) >= {"forward", "full", "lora"} and first["disk_free_mb"] > 0
-    assert 0 < first["cpu_share"] <= 1 and first["cpu_busy_cores"] >= 0  # measured every run, not cached
-    if first["accelerator"] == "cpu":
-        assert {"256", "4096"} == set(first["matmul_gflops"]) and first["decode_gvalues_s"][
-            "int8->bfloat16"
-        ] > 0
+    assert first.source == "measured" and first.matmul_tflops > 0 and first.disk_read_mb_s > 0
+    assert first.accelerator in ("cpu", "cuda", "mps") and first.cpu_cores >= 1
+    assert set(first.block_call_s) >= {"forward", "full", "lora"} and first.disk_free_mb > 0
+    assert 0 < first.cpu_share <= 1 and first.cpu_busy_cores >= 0  # measured every run, not cached
+    if first.accelerator == "cpu":
+        assert {"256", "4096"} == set(first.matmul_gflops) and first.decode_gvalues_s["int8->bfloat16"] > 0
     second = resolve(auto, tmp_path / "cache", tmp_path)
     if (
-        first["busy_while_measuring"] < 0.5
+        first.busy_while_measuring < 0.5
     ):  # a profile measured on busy cores is measured again when they are free
-        assert second["source"].startswith("cache") and second["matmul_tflops"] == first["matmul_tflops"]
+        assert second.source.startswith("cache") and second.matmul_tflops == first.matmul_tflops

@@ -46,8 +46,8 @@ def serve_job(tmp: Path, *overrides: str, ckpt: Path | None = None):
 
 
 def start(job):
-    from onn.tasks.serve import build_app
     from onn.tasks.serve.server import Running
+    from onn.tasks.serve.task import build_app
 
     return Running(build_app(job))
 
@@ -353,7 +353,7 @@ def test_serve_settings_are_checked_first():
     from dataclasses import replace
 
     from onn.errors import UserError
-    from onn.tasks.serve import check, free_address
+    from onn.tasks.serve.task import check, free_address
 
     config = compose("task=serve")
     check(config)

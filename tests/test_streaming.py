@@ -153,21 +153,13 @@ def test_fp16_loss_scaling_through_lightning():
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     from onn.modalities.text.module import CausalLM
-    from onn.streaming.strategy import LayerStreamingStrategy
+    from onn.streaming.strategy import EngineSettings, LayerStreamingStrategy
 
     model = lora_model("llama", LAYER_SETS["all"])
     optim = compose("optim.lr=1e-3", "optim.schedule=constant", "optim.warmup_steps=0").optim
     module = CausalLM(model, optim, max_steps=2, onn_config={}, micro_batch=2)
-    settings = {
-        "chunk_size": 2,
-        "store": "cpu",
-        "store_dtype": "float32",
-        "edges": "resident",
-        "activations": "device",
-        "prefetch": True,
-        "cache_blocks": 0,
-        "eval_tokens": 10_000,
-    }
+    settings = EngineSettings(chunk_size=2, store="cpu", store_dtype="float32", edges="resident", activations="device",
+                              prefetch=True, cache_blocks=0, eval_tokens=10_000)  # fmt: skip
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         strategy=LayerStreamingStrategy(settings, "/nonexistent", 2), enable_model_summary=False,

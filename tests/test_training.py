@@ -160,7 +160,7 @@ def test_qlora_trains_lora_on_a_4bit_base_also_after_a_validation(tmp_path):
     cfg = compose("model=llama_tiny", "strategy=qlora", f"paths.cache={tmp_path / 'cache'}", "optim.lr=1e-2")
     hardware = resolve(cfg.hardware, tmp_path / "cache", tmp_path)
     plan, _ = get("text").plan(cfg, hardware)
-    assert plan["strategy"] == "qlora" and plan["candidates"]["qlora"]["fits"]
+    assert plan.strategy == "qlora" and plan.candidates["qlora"]["fits"]
     module, _ = build(cfg, plan)
     assert (
         sum(isinstance(m, bnb.nn.Linear4bit) for m in module.model.modules()) == 8 * 7

@@ -16,8 +16,8 @@ import pytest
 import torch
 from conftest import compose
 
-from onn.config import as_dict
 from onn.errors import UserError
+from onn.hardware.profile import resolve
 
 
 def ramp(frames: int = 16, height: int = 64, width: int = 64) -> np.ndarray:
@@ -204,9 +204,9 @@ def test_video_networks_plan_on_the_meta_device(model):
     cfg = compose(
         f"model={model}", "data=video", "data.source=/nowhere", "hardware=rtx3060_12gb", "data.num_classes=5"
     )
-    plan, spec = get("video").plan(cfg, {**as_dict(cfg.hardware), "source": "preset"})
-    assert plan["strategy"] == "full" and spec.kind == "network" and spec.sample_flops > 0 and spec.params > 0
-    assert plan["candidates"]["full"]["fits"]
+    plan, spec = get("video").plan(cfg, resolve(cfg.hardware, "/tmp", "/tmp"))
+    assert plan.strategy == "full" and spec.kind == "network" and spec.sample_flops > 0 and spec.params > 0
+    assert plan.candidates["full"]["fits"]
 
 
 @pytest.mark.slow

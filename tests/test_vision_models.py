@@ -15,7 +15,7 @@ from onn.modalities.image import pictures as grid
 from onn.models.layers import discover
 from onn.models.vision import build_classifier as build_network
 from onn.models.vision import feature_extractor
-from onn.models.zoo import build_zoo
+from onn.models.zoo.registry import build_zoo
 from onn.models.zoo.v28 import ConvBlock
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import compose
 
-from onn.config import as_dict
 from onn.errors import UserError
+from onn.hardware.profile import resolve
 
 COLOURS = [(220, 40, 40), (40, 200, 60), (50, 60, 230)]
 
@@ -243,10 +243,10 @@ def test_recipes_compose_and_plan(recipe, strategy, channels):
         f"recipe={recipe}", "data.source=/nowhere", "hardware=rtx3060_12gb"
     )  # cifar10_resnet18 is a GPU recipe
     assert cfg.data.modality == "image" and cfg.data.channels == channels
-    plan, spec = get("image").plan(cfg, {**as_dict(cfg.hardware), "source": "preset"})
-    assert plan["strategy"] == strategy and spec.kind == "network"
+    plan, spec = get("image").plan(cfg, resolve(cfg.hardware, "/tmp", "/tmp"))
+    assert plan.strategy == strategy and spec.kind == "network"
     assert spec.sample_flops > 0 and spec.sample_activation_bytes > 0 and spec.n_blocks >= 3
-    assert plan["candidates"][strategy]["fits"]
+    assert plan.candidates[strategy]["fits"]
 
 
 def test_corrupt_images_are_skipped_and_counted_in_a_run(tmp_path, caplog):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from onn.config import SCHEMAS, ONNConfig, typed
+from onn.config import ONNConfig, typed
+from onn.config.registry import SCHEMAS
 
 # the groups whose type is the option's schema, not the root's field type (ModelConfig, TaskConfig, ...)
 _OPTION_GROUPS = ("model", "data", "task", "export")

@@ -70,8 +70,8 @@ def check_settings(config: ONNConfig) -> None:
 def run(job) -> dict[str, Any]:
     config, plan, hw, spec, run_dir = job.config, job.plan, job.hardware, job.spec, job.run_dir
     check_settings(config)
-    streaming = plan["streaming"]
-    if streaming["store"] != "disk":
+    streaming = plan.streaming
+    if streaming.store != "disk":
         raise UserError(
             f"the plan keeps {spec.name}'s store in host memory (it fits): bench_giant measures a store on disk; "
             "set strategy.streaming.store=disk."
@@ -80,14 +80,14 @@ def run(job) -> dict[str, Any]:
     from onn.modalities.text.tasks import store_root
 
     task: BenchGiantTask = config.task
-    store_dir = store_root(config) / streaming["store_dtype"]
-    out: dict[str, Any] = {"giant/params": spec.params, "giant/store_dtype": streaming["store_dtype"],
+    store_dir = store_root(config) / streaming.store_dtype
+    out: dict[str, Any] = {"giant/params": spec.params, "giant/store_dtype": streaming.store_dtype,
                            "giant/load_avg_start": [round(x, 2) for x in os.getloadavg()],
-                           "giant/cpu_busy_cores_at_plan": hw.get("cpu_busy_cores")}  # fmt: skip
+                           "giant/cpu_busy_cores_at_plan": hw.cpu_busy_cores}  # fmt: skip
     started = time.perf_counter()
     # the disk and the cores, now
     out["giant/disk_read_mb_s"] = round(read_mb_s(Path(config.paths.cache), task.disk_probe_mb), 1)
-    out["giant/disk_read_mb_s_profile"] = hw.get("disk_read_mb_s")
+    out["giant/disk_read_mb_s_profile"] = hw.disk_read_mb_s
     rate = _child("matmul", _request(job), run_dir)["result"]
     out["giant/matmul_gflops"] = rate["gflops"]
     out["giant/matmul_shape"] = [rate["rows"], *rate["shape"]]
@@ -134,7 +134,7 @@ def _train_phase(job, disk_mb_s: float, start_gflops: float) -> dict[str, Any]:
     task: BenchGiantTask = job.config.task
     run_dir = job.run_dir
     request, train_dir = _request(job), run_dir / "train"
-    first = _child("train", {**request, "run_dir": str(train_dir), "validate": True, "max_steps": task.steps},
+    first = _child("train", {**request, "run_dir": str(train_dir), "validate": True, "max_steps": task.steps, "ckpt": None},
                    run_dir, kill_when=lambda: _steps_done(train_dir) >= task.kill_after)  # fmt: skip
     killed_at = _steps_done(train_dir)
     ckpt = train_dir / "checkpoints" / "last.ckpt"
@@ -145,12 +145,12 @@ def _train_phase(job, disk_mb_s: float, start_gflops: float) -> dict[str, Any]:
     second = _child("train", {**request, "run_dir": str(train_dir), "validate": False, "max_steps": task.steps,
                               "ckpt": str(ckpt)}, run_dir)  # fmt: skip
     rows = _progress(train_dir)
-    steps = [s for s in rows if s.get("step_s") is not None]
+    steps = [s for s in rows if "step_s" in s]  # a training step's row (step 0 holds the validation)
     out, read_bytes, step_s = _step_figures(job, steps, disk_mb_s, start_gflops)
-    predicted_peak = job.plan["predicted_peak_memory_mb"] + second["result"]["baseline_mb"]
+    predicted_peak = job.plan.predicted_peak_memory_mb + second["result"]["baseline_mb"]
     peak = max(first["peak_rss_mb"], second["peak_rss_mb"])
-    val = next(s for s in rows if s.get("val_s") is not None)
-    losses = [s["loss"] for s in steps]
+    val = next(s for s in rows if "val_s" in s)
+    losses = [s.loss for s in steps]
     out.update({
         "giant/steps": len(steps), "giant/killed_after_step": killed_at, "giant/train_killed": first["killed"],
         "giant/resumed_at_step": second["result"]["resumed_at_step"], "giant/peak_rss_mb": round(peak, 1),
@@ -175,26 +175,26 @@ def _step_figures(job, steps: list[dict[str, Any]], disk_mb_s: float,
     from onn.planning.costs import streaming_step_flops
 
     config, plan, spec = job.config, job.plan, job.spec
-    timed = [s for s in steps if not (s["first_in_process"] and s["step"] > 1)]
-    step_s = statistics.mean(s["step_s"] for s in timed)
-    read_bytes = statistics.mean(s["read_bytes"] for s in timed)
-    read_s = statistics.mean(s["read_s"] for s in timed)
-    flops = streaming_step_flops(spec, config.data.max_length, config.data.batch_size, plan["sparse_layers"])
+    timed = [s for s in steps if not (s.first_in_process and s.step > 1)]
+    step_s = statistics.mean(s.step_s for s in timed)
+    read_bytes = statistics.mean(s.read_bytes for s in timed)
+    read_s = statistics.mean(s.read_s for s in timed)
+    flops = streaming_step_flops(spec, config.data.max_length, config.data.batch_size, plan.sparse_layers)
     disk_bw = disk_mb_s * MB
-    rates = [s["matmul_gflops"] for s in timed if s.get("matmul_gflops")]
+    rates = [s.matmul_gflops for s in timed if s.matmul_gflops]
     gflops = statistics.mean(rates) if rates else start_gflops
     limit_s = max(read_bytes / disk_bw, flops / (gflops * 1e9))
     return {
         "giant/matmul_gflops_steps": round(gflops, 1) if rates else None, "giant/step_s": round(step_s, 4),
-        "giant/io_s": round(statistics.mean(s["io_s"] for s in timed), 4),
-        "giant/compute_s": round(statistics.mean(s["compute_s"] for s in timed), 4),
+        "giant/io_s": round(statistics.mean(s.io_s for s in timed), 4),
+        "giant/compute_s": round(statistics.mean(s.compute_s for s in timed), 4),
         "giant/step_read_gb": round(read_bytes / 2**30, 2),
         "giant/read_mb_s": round(read_bytes / MB / read_s, 1) if read_s else None,
         "giant/read_efficiency": round(read_bytes / read_s / disk_bw, 3) if read_s else None,
         "giant/step_gflop": round(flops / 1e9, 1), "giant/limit_s": round(limit_s, 4),
         "giant/limit_bound": "disk" if read_bytes / disk_bw >= flops / (gflops * 1e9) else "compute",
-        "giant/limit_efficiency": round(limit_s / step_s, 3), "giant/predicted_step_s": plan["predicted_step_s"],
-        "giant/step_time_error": round(step_s / plan["predicted_step_s"] - 1, 3),
+        "giant/limit_efficiency": round(limit_s / step_s, 3), "giant/predicted_step_s": plan.predicted_step_s,
+        "giant/step_time_error": round(step_s / plan.predicted_step_s - 1, 3),
     }, read_bytes, step_s  # fmt: skip
 
 
@@ -227,7 +227,7 @@ def _generation_phase(job) -> dict[str, Any]:
 
 def _request(job) -> dict[str, Any]:
     """What every phase's process is sent: the config as plain values (rebuilt typed in `_main`), the plan."""
-    return {"config": as_dict(job.config), "plan": job.plan}
+    return {"config": as_dict(job.config), "plan": job.plan.as_dict()}
 
 
 def _done_blocks(folder: Path) -> int:
@@ -250,7 +250,7 @@ def _steps_done(run_dir: Path) -> int:
     from onn.training.checkpoints import read_meta
 
     try:
-        return int(read_meta(run_dir / "checkpoints" / "last.ckpt").get("global_step") or 0)
+        return int(read_meta(run_dir / "checkpoints" / "last.ckpt")["global_step"])
     except (OSError, ValueError):
         return 0
 
@@ -289,11 +289,11 @@ def _child(phase: str, request: dict[str, Any], run_dir: Path, kill_when=None) -
             f"bench_giant phase '{phase}' failed (exit {proc.returncode}); {run_dir / (phase + '.log')}:\n{tail}"
         )
     body = json.loads(result.read_text())
-    if body.get("error"):
+    if "error" in body:  # the phase's UserError, said in its own words
         raise UserError(body["error"])
     return {
         "result": body,
-        "peak_rss_mb": max(peak, body.get("peak_rss_mb", 0.0)),
+        "peak_rss_mb": max(peak, body["peak_rss_mb"]),
         "wall_s": wall,
         "killed": False,
     }
@@ -321,13 +321,13 @@ def _matmul(request: dict[str, Any]) -> dict[str, Any]:
     from onn.models.load import meta_model
 
     plan, config = request["plan"], request["config"]
-    use_threads(plan)
+    use_threads(plan.threads)
     block = discover(meta_model(config.model)).blocks[0]
     out_features, in_features = max(
         (m.weight.shape for m in block.modules() if isinstance(m, torch.nn.Linear)), key=lambda s: s.numel()
     )
-    dtype = getattr(torch, plan["streaming"]["compute_dtype"])
-    rows = plan["micro_batch"] * plan["sequence_length"]
+    dtype = getattr(torch, plan.streaming.compute_dtype)
+    rows = plan.micro_batch * plan.sequence_length
     weight = torch.randn(out_features, in_features).to(dtype)
     x = torch.randn(rows, in_features).to(dtype)
     rate = _best_rate(
@@ -351,7 +351,7 @@ def _read_store(request: dict[str, Any]) -> dict[str, Any]:
     settings = streaming_settings(config, plan)
     store = layer_store(settings, store_root(config))
     blocks = sorted(int(p.stem.split("_")[1]) for p in store.folder.glob("block_*.done"))
-    cached = set(cached_blocks(len(blocks), int(settings["cache_blocks"])))
+    cached = set(cached_blocks(len(blocks), int(settings.cache_blocks)))
     blocks = [i for i in blocks if i not in cached] or blocks
     into = buffer(max(store.file_bytes(i) for i in blocks))
     start, total = time.perf_counter(), 0
@@ -436,7 +436,7 @@ def _train(request: dict[str, Any]) -> dict[str, Any]:
     config, plan = request["config"], request["plan"]
     run_dir = Path(request["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
-    use_threads(plan)
+    use_threads(plan.threads)
     steps = int(request["max_steps"])
     config.trainer = dataclasses.replace(
         config.trainer,
@@ -447,7 +447,7 @@ def _train(request: dict[str, Any]) -> dict[str, Any]:
     )
     gc.collect()
     baseline = anon_rss_mb()
-    progress = _progress_callback(run_dir / "progress.jsonl", plan["micro_batch"] * plan["sequence_length"])
+    progress = _progress_callback(run_dir / "progress.jsonl", plan.micro_batch * plan.sequence_length)
     fit = trainer(
         config, plan, run_dir, [StepCheckpoint(run_dir / "checkpoints", 1), progress], loggers=False
     )
@@ -462,7 +462,7 @@ def _train(request: dict[str, Any]) -> dict[str, Any]:
             f.write(json.dumps(row) + "\n")
     fit.limit_val_batches = 0  # the validation above is the one measured
     module.train()
-    fit.fit(module, datamodule=dm, ckpt_path=request.get("ckpt"))
+    fit.fit(module, datamodule=dm, ckpt_path=request["ckpt"])
     return {
         "baseline_mb": baseline,
         "global_step": fit.global_step,
@@ -497,13 +497,13 @@ def _generate(request: dict[str, Any]) -> dict[str, Any]:
     from onn.streaming.strategy import build_engine
 
     config, plan = request["config"], request["plan"]
-    use_threads(plan)
+    use_threads(plan.threads)
     module, tokenizer = build(config, plan)
     settings = streaming_settings(config, plan, generate=True, sequences=int(request["batch"]))
     engine = build_engine(module.model, settings, module.store, "cpu", micro_batch=None)
     module.model.eval()
     prompts = _prompts(config, tokenizer, int(request["batch"]))
-    out = {"prompts": prompts, "chunk_size": settings["chunk_size"], "cache_blocks": settings["cache_blocks"]}
+    out = {"prompts": prompts, "chunk_size": settings.chunk_size, "cache_blocks": settings.cache_blocks}
     for key, batch in (("b1", prompts[:1]), ("bn", prompts)):
         ids, mask = _left_padded(batch, tokenizer.pad_token_id)
         stamps = [time.perf_counter()]
@@ -531,7 +531,7 @@ def _accelerate(request: dict[str, Any]) -> dict[str, Any]:
     from onn.models.load import architecture, auto_class
 
     config, plan = request["config"], request["plan"]
-    use_threads(plan)
+    use_threads(plan.threads)
     dtype = weights_dtype(config, plan)
     module, tokenizer = build(config, plan)  # the prefix/suffix weights, as the run made them
     edges = {
@@ -548,7 +548,7 @@ def _accelerate(request: dict[str, Any]) -> dict[str, Any]:
     with init_empty_weights(include_buffers=False):
         model = auto_class(architecture(config.model)).from_config(architecture(config.model), dtype=dtype)
     layer_map = discover(model)
-    store_dtype = plan["streaming"]["store_dtype"]
+    store_dtype = plan.streaming.store_dtype
     store = store_root(config) / store_dtype
     blocks = store
     if store_dtype not in ("bfloat16", "float16", "float32"):
@@ -629,11 +629,11 @@ def _write_table(run_dir: Path, out: dict[str, Any], plan: dict[str, Any]) -> No
         for k, v in out.items()
         if not isinstance(v, dict | list) or k.endswith("load_avg_start")
     ]
-    s = plan["streaming"]
+    s = plan.streaming
     text = (
-        f"# Giant: {plan['model']['name']} ({out['giant/params'] / 1e9:.1f}B parameters) on this machine\n\n"
-        f"Store: {s['store_dtype']} on disk ({out.get('giant/store_gb')} GB), {s['cache_blocks']} blocks cached in RAM, chunk "
-        f"{s['chunk_size']}, compute in {s['compute_dtype']} on {plan.get('threads')} thread(s). "
+        f"# Giant: {plan.model['name']} ({out['giant/params'] / 1e9:.1f}B parameters) on this machine\n\n"
+        f"Store: {s.store_dtype} on disk ({out.get('giant/store_gb')} GB), {s.cache_blocks} blocks cached in RAM, chunk "
+        f"{s.chunk_size}, compute in {s.compute_dtype} on {plan.threads} thread(s). "
         f"limit_s = max(bytes read per step / disk bandwidth, matmul FLOPs per step / matmul rate).\n\n"
         "| figure | value |\n| --- | --- |\n" + "\n".join(rows) + "\n"
     )
@@ -654,8 +654,10 @@ def _main() -> None:
     request = json.loads(sys.stdin.read())
     from onn.bench.child import config_from_dict
     from onn.hardware.memory import PeakMemory
+    from onn.planning.plan import Plan
 
     try:
+        request["plan"] = Plan.from_dict(request["plan"])
         request["config"] = config_from_dict(
             request["config"], BenchGiantTask, f"bench_giant's {phase} process"
         )

@@ -24,6 +24,7 @@ import dataclasses
 import gc
 import itertools
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -37,6 +38,8 @@ import torch
 from onn.config import ONNConfig
 from onn.config.task import BenchGpuTask
 from onn.errors import UserError
+
+log = logging.getLogger("onn")
 
 MB = 1024**2
 SEED_MS_PER_SAMPLE = 490  # the seeds' Phi-4 on a 4 GB GTX 1650, batch 128
@@ -54,7 +57,7 @@ def check_settings(config: ONNConfig) -> None:
 
 
 def run(job) -> dict[str, Any]:
-    if job.hardware["accelerator"] != "cuda":
+    if job.hardware.accelerator != "cuda":
         raise UserError(
             "task=bench_gpu measures a CUDA GPU, and this machine has none (or CUDA_VISIBLE_DEVICES hides it)."
         )
@@ -108,35 +111,35 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     fit.fit(module, datamodule=dm)
     peak = torch.cuda.max_memory_allocated() / MB
     process = max(probe.process_mb)
-    context = float(job.hardware.get("cuda_context_mb") or 0.0)
+    context = float(job.hardware.cuda_context_mb or 0.0)
     timed = slice(1, None)  # the first step loads kernels and the first chunks
     step_s = statistics.mean(clock.step_s[timed])
     copied = statistics.mean(clock.copied_bytes[timed])
-    batch, seq = config.data.batch_size, int(plan["sequence_length"])
-    flops = streaming_step_flops(spec, seq, batch, plan["sparse_layers"])
+    batch, seq = config.data.batch_size, int(plan.sequence_length)
+    flops = streaming_step_flops(spec, seq, batch, plan.sparse_layers)
     rate = _matmul_rate(job)
     link = h2d_mb_s() * MB
     limit = max(copied / link, flops / rate)
-    s = plan["streaming"]
-    predicted_peak, predicted_context = plan["predicted_peak_memory_mb"], plan["context_mb"]
+    s = plan.streaming
+    predicted_peak, predicted_context = plan.predicted_peak_memory_mb, plan.context_mb
     tokens = statistics.mean(clock.tokens[timed])
     out = {
-        "gpu/store_dtype": s["store_dtype"], "gpu/store_place": "pinned host memory" if s["store"] == "cpu" else "disk",
-        "gpu/chunk_size": s["chunk_size"], "gpu/micro_batch": plan["micro_batch"], "gpu/suffix_rows": s.get("suffix_rows"),
-        "gpu/activations": s["activations"], "gpu/edges": s["edges"], "gpu/build_s": round(build_s, 1),
+        "gpu/store_dtype": s.store_dtype, "gpu/store_place": "pinned host memory" if s.store == "cpu" else "disk",
+        "gpu/chunk_size": s.chunk_size, "gpu/micro_batch": plan.micro_batch, "gpu/suffix_rows": s.suffix_rows,
+        "gpu/activations": s.activations, "gpu/edges": s.edges, "gpu/build_s": round(build_s, 1),
         "gpu/steps": len(clock.step_s), "gpu/batch_size": batch,
         "gpu/peak_allocated_mb": round(peak, 1), "gpu/process_gpu_mb": round(process, 1),
-        "gpu/context_mb": round(context, 1), "gpu/budget_mb": plan["budget_mb"],
+        "gpu/context_mb": round(context, 1), "gpu/budget_mb": plan.budget_mb,
         "gpu/predicted_peak_mb": predicted_peak, "gpu/predicted_process_mb": round(predicted_peak + predicted_context, 1),
         "gpu/allocated_error": round(peak / predicted_peak - 1, 4),
         "gpu/memory_error": round((peak + context) / (predicted_peak + predicted_context) - 1, 4),
-        "gpu/step_s": round(step_s, 4), "gpu/predicted_step_s": plan["predicted_step_s"],
-        "gpu/step_time_error": round(step_s / plan["predicted_step_s"] - 1, 4),
+        "gpu/step_s": round(step_s, 4), "gpu/predicted_step_s": plan.predicted_step_s,
+        "gpu/step_time_error": round(step_s / plan.predicted_step_s - 1, 4),
         "gpu/step_s_all": [round(x, 4) for x in clock.step_s],
         "gpu/io_s": round(statistics.mean(clock.io_s[timed]), 4), "gpu/compute_s": round(statistics.mean(clock.compute_s[timed]), 4),
-        "gpu/predicted_io_s": s["predicted_io_s"], "gpu/predicted_compute_s": s["predicted_compute_s"],
+        "gpu/predicted_io_s": s.predicted_io_s, "gpu/predicted_compute_s": s.predicted_compute_s,
         "gpu/copied_gb_per_step": round(copied / 2**30, 3), "gpu/h2d_gb_s": round(link / 2**30, 2),
-        "gpu/h2d_gb_s_profile": round(float(job.hardware.get("h2d_mb_s") or 0) / 1024, 2),
+        "gpu/h2d_gb_s_profile": round(float(job.hardware.h2d_mb_s or 0) / 1024, 2),
         "gpu/flops_per_step": flops, "gpu/matmul_tflops": round(rate / 1e12, 1),
         "gpu/limit_s": round(limit, 4), "gpu/limit_efficiency": round(limit / step_s, 4),
         "gpu/limit_bound": "host link" if copied / link >= flops / rate else "matmuls",
@@ -212,8 +215,8 @@ def _matmul_rate(job) -> float:
     out_features, in_features = max(
         (m.weight.shape for m in block.modules() if isinstance(m, torch.nn.Linear)), key=lambda s: s.numel()
     )
-    dtype = getattr(torch, job.plan["streaming"]["compute_dtype"])
-    rows = int(job.plan["micro_batch"]) * int(job.plan["sequence_length"])
+    dtype = getattr(torch, job.plan.streaming.compute_dtype)
+    rows = int(job.plan.micro_batch) * int(job.plan.sequence_length)
     weight = torch.randn(out_features, in_features, device=job.device, dtype=dtype)
     x = torch.randn(rows, in_features, device=job.device, dtype=dtype)
     seconds = gpu_seconds(lambda: torch.nn.functional.linear(x, weight), trials=7, min_s=0.05)
@@ -272,7 +275,7 @@ def _plain_state(job, module) -> dict[str, torch.Tensor]:
     from onn.models.layers import discover
     from onn.streaming.store import stored_name
 
-    store, dtype = module.store, getattr(torch, job.plan["streaming"]["compute_dtype"])
+    store, dtype = module.store, getattr(torch, job.plan.streaming.compute_dtype)
     paths = discover(module.model).block_paths
     plain = "base_model.model."
     state = {}
@@ -305,7 +308,7 @@ def _accelerate(
     from onn.models.load import architecture, auto_class
 
     config, plan, tokens = job.config, job.plan, job.config.task.gen_tokens
-    dtype = getattr(torch, plan["streaming"]["compute_dtype"])
+    dtype = getattr(torch, plan.streaming.compute_dtype)
     arch = architecture(config.model)
     with init_empty_weights(include_buffers=False):
         model = auto_class(arch).from_config(arch, dtype=dtype)
@@ -318,8 +321,8 @@ def _accelerate(
     # docs ask for headroom): the allocator's cap is lifted for it, max_memory keeps the budget less the
     # context and 1 GB for those, and its peak is reported beside
     torch.cuda.set_per_process_memory_fraction(1.0)
-    gpu_mb = int(plan["budget_mb"] - plan["context_mb"] - 1024)
-    host_mb = int(job.hardware["host_memory_available_mb"] * 0.9)
+    gpu_mb = int(plan.budget_mb - plan.context_mb - 1024)
+    host_mb = int(job.hardware.host_memory_available_mb * 0.9)
     device_map = infer_auto_device_map(model, max_memory={0: f"{gpu_mb}MiB", "cpu": f"{host_mb}MiB"},
                                        no_split_module_classes=model._no_split_modules, dtype=dtype)  # fmt: skip
     model = dispatch_model(model, device_map=device_map).eval()
@@ -360,18 +363,24 @@ def _overheads(job) -> dict[str, Any]:
     task: BenchGpuTask = job.config.task
     out = {}
     ran = _child(job, "overhead", ["task=bench_overhead", "tracking=none"])
-    out["gpu/default_job_ratio"] = ran.get("overhead/ratio")
-    out["gpu/default_job_steps_per_s"] = ran.get("overhead/onn_steps_per_s")
-    out["gpu/plain_loop_steps_per_s"] = ran.get("overhead/plain_steps_per_s")
+    out.update(_figures(ran, {"gpu/default_job_ratio": "overhead/ratio", "gpu/default_job_steps_per_s": "overhead/onn_steps_per_s",
+                              "gpu/plain_loop_steps_per_s": "overhead/plain_steps_per_s"}))  # fmt: skip
     source = Path(str(task.vision_source)).expanduser()
     if source.exists():
         ran = _child(job, "vision", ["recipe=bench_vision", f"data.source={source}"])
-        out["gpu/vision_runner_overhead"] = ran.get("vision/runner_overhead")
-        out["gpu/vision_onn_samples_per_s"] = ran.get("vision/onn_samples_per_s")
-        out["gpu/vision_plain_samples_per_s"] = ran.get("vision/plain_samples_per_s")
+        out.update(_figures(ran, {"gpu/vision_runner_overhead": "vision/runner_overhead", "gpu/vision_onn_samples_per_s":
+                                  "vision/onn_samples_per_s", "gpu/vision_plain_samples_per_s": "vision/plain_samples_per_s"}))  # fmt: skip
     else:
         out["gpu/vision_runner_overhead"] = f"not measured: task.vision_source {source} does not exist"
     return out
+
+
+def _figures(ran: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """A child run's figures under bench_gpu's names (ours: theirs); None for each when the child did not finish."""
+    if ran["status"] != "ok":
+        log.warning("bench_gpu: a child run did not finish (%s): %s", ran["status"], ran["error"])
+        return dict.fromkeys(names)
+    return {ours: ran[theirs] for ours, theirs in names.items()}
 
 
 def _child(job, name: str, overrides: list[str]) -> dict[str, Any]:
@@ -386,7 +395,10 @@ def _child(job, name: str, overrides: list[str]) -> dict[str, Any]:
     try:
         return json.loads((folder / "metrics.json").read_text())
     except (OSError, ValueError):
-        return {"error": f"{name} left no metrics.json (exit {proc.returncode}); see {name}.log"}
+        return {
+            "status": "failed",
+            "error": f"{name} left no metrics.json (exit {proc.returncode}); see {name}.log",
+        }
 
 
 def _write(job, out: dict[str, Any]) -> None:

@@ -93,7 +93,7 @@ def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
             job=d.name, label=labels[d.name], status=status, error=error, overrides=" ".join(given.values())
         )
         for group in ("task", "model", "data", "strategy", "hardware"):
-            if row.get(group) is None and group in given:  # a missing job still says what it was
+            if row[group] is None and group in given:  # a missing job still says what it was
                 row[group] = given[group].split("=", 1)[1]
         rows.append(row)
     return rows
@@ -132,18 +132,18 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         cells = [
             r["label"],
             r["status"],
-            _num(r.get("bench/samples_per_s")),
-            _num(r.get("bench/step_s")),
-            _num(r.get("bench/predicted_step_s")),
-            _pct(r.get("bench/step_time_error")),
-            _num(r.get("bench/peak_memory_mb")),
-            _num(r.get("bench/predicted_memory_mb")),
-            _pct(r.get("bench/memory_error")),
-            _learned(r.get("bench/learned"), r.get("bench/learned_p")),
-            _num(r.get("bench/quality")),
-            *(_num(r.get(k)) for k in SCORE_KEYS),
+            _num(r["bench/samples_per_s"]),
+            _num(r["bench/step_s"]),
+            _num(r["bench/predicted_step_s"]),
+            _pct(r["bench/step_time_error"]),
+            _num(r["bench/peak_memory_mb"]),
+            _num(r["bench/predicted_memory_mb"]),
+            _pct(r["bench/memory_error"]),
+            _learned(r["bench/learned"], r["bench/learned_p"]),
+            _num(r["bench/quality"]),
+            *(_num(r[k]) for k in SCORE_KEYS),
             r["job"],
-            _short(r.get("error")),
+            _short(r["error"]),
         ]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines)
@@ -154,8 +154,8 @@ def ranked(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     def key(item: tuple[int, dict[str, Any]]) -> tuple:
         i, r = item
-        overall = _finite(r.get("score/overall"))
-        status_rank = {"ok": 0, "running": 1, "failed": 2, "crashed": 2, "missing": 3}.get(r.get("status"), 2)
+        overall = _finite(r["score/overall"])
+        status_rank = {"ok": 0, "running": 1, "failed": 2, "crashed": 2, "missing": 3}.get(r["status"], 2)
         return (status_rank, overall is None, -(overall or 0.0), i)
 
     return [r for _, r in sorted(enumerate(rows), key=key)]
@@ -219,8 +219,8 @@ def _scatter(ax: Any, ok: list[dict[str, Any]]) -> None:
     points = [
         (x, y, r)
         for r in ok
-        if (x := _finite(r.get("bench/peak_memory_mb"))) is not None
-        and (y := _finite(r.get("bench/samples_per_s"))) is not None
+        if (x := _finite(r["bench/peak_memory_mb"])) is not None
+        and (y := _finite(r["bench/samples_per_s"])) is not None
     ]
     ax.set_xlabel("peak memory, measured (MB)")
     ax.set_ylabel("throughput (samples/s)")
@@ -229,11 +229,11 @@ def _scatter(ax: Any, ok: list[dict[str, Any]]) -> None:
     if not points:
         ax.text(0.5, 0.5, "no job measured both\nthroughput and peak memory", ha="center", va="center", transform=ax.transAxes)  # fmt: skip
         return
-    strategies = sorted({str(r.get("strategy") or "unknown") for _, _, r in points})
+    strategies = sorted({str(r["strategy"] or "unknown") for _, _, r in points})
     palette = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666"]  # fmt: skip
     colours = {s: palette[i % len(palette)] for i, s in enumerate(strategies)}  # Dark2, unlike the score bars
     for s in strategies:
-        mine = [(x, y) for x, y, r in points if str(r.get("strategy") or "unknown") == s]
+        mine = [(x, y) for x, y, r in points if str(r["strategy"] or "unknown") == s]
         ax.scatter([x for x, _ in mine], [y for _, y in mine], s=60, color=colours[s], label=s, zorder=3, edgecolor="black", linewidth=0.5)  # fmt: skip
     ax.margins(x=0.15, y=0.2)
     if ax.get_xlim()[0] < 0:  # neither memory nor throughput goes below zero
@@ -271,13 +271,13 @@ def _annotate(ax: Any, points: list[tuple[float, float, str]]) -> None:
 def _score_bars(ax: Any, rows: list[dict[str, Any]]) -> None:
     n = len(rows)
     width = 0.8 / len(SCORE_KEYS)
-    values = [v for r in rows for k in SCORE_KEYS if (v := _finite(r.get(k))) is not None]
+    values = [v for r in rows for k in SCORE_KEYS if (v := _finite(r[k])) is not None]
     positive = [v for v in values if v > 0]
     log_scale = bool(positive) and len(positive) == len(values) and max(positive) / min(positive) > 100
     for j, key in enumerate(SCORE_KEYS):
         xs, hs = [], []
         for i, r in enumerate(rows):
-            if r["status"] == "ok" and (v := _finite(r.get(key))) is not None:
+            if r["status"] == "ok" and (v := _finite(r[key])) is not None:
                 xs.append(i + (j - (len(SCORE_KEYS) - 1) / 2) * width)
                 hs.append(v)
         if not hs:
@@ -291,7 +291,7 @@ def _score_bars(ax: Any, rows: list[dict[str, Any]]) -> None:
         ax.text(0.5, 0.85, "no job reported scores", ha="center", va="center", transform=ax.transAxes, color="dimgray")  # fmt: skip
     ax.set_ylim(top=ax.get_ylim()[1] * (3 if log_scale else 1.15))  # room for the bar labels
     for i, r in enumerate(rows):
-        note = r["status"] if r["status"] != "ok" else ("no scores" if values and all(_finite(r.get(k)) is None for k in SCORE_KEYS) else None)  # fmt: skip
+        note = r["status"] if r["status"] != "ok" else ("no scores" if values and all(_finite(r[k]) is None for k in SCORE_KEYS) else None)  # fmt: skip
         if note:
             ax.axvspan(i - 0.4, i + 0.4, color="lightgray", alpha=0.35, zorder=1)
             ax.text(i, 0.5, note, ha="center", va="center", rotation=90, fontsize=11, color="firebrick" if r["status"] != "ok" else "dimgray", transform=ax.get_xaxis_transform())  # fmt: skip
@@ -334,7 +334,7 @@ def _read_metrics(job: Path) -> tuple[dict[str, Any], str, str | None]:
     if (
         status == "crashed"
     ):  # a `running` record whose process is gone: SIGKILL, out of memory, a machine down
-        step = metrics.get("steps")
+        step = metrics["steps"]
         error = f"crashed: the job stopped without a record{f' after step {step}' if step else ''} (killed?); a resumed sweep runs it again"
     return metrics, status, error
 

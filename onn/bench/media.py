@@ -99,7 +99,7 @@ def _pipelines(job, config: ONNConfig, dm, inputs, steps: int, warmup: int, repe
     standard = PerFileItems(files, [index[f.label] for f in files], load, reader.bad, transform, reader.dtype)
     batch = dm.batch_size
     precision = config.trainer.precision  # what a run trains with: auto is the plan's
-    precision = job.plan["precision"] if precision in (None, "auto") else str(precision)
+    precision = job.plan.precision if precision in (None, "auto") else str(precision)
     pipe: dict[str, list[float]] = {"resident": [], "standard": []}
     train: dict[str, list[float]] = {"resident": [], "standard": []}
     for _ in range(repeats):

@@ -91,7 +91,7 @@ def _plain(job, steps: int, warmup: int) -> float:
     optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], config.optim)
     scheduler = make_schedule(optimizer, config.optim, warmup + steps, "val/loss", epochs=False)["scheduler"]
     clip = config.optim.clip_grad_norm
-    half = {"bf16": torch.bfloat16, "16": torch.float16}.get(plan["precision"].split("-")[0])
+    half = {"bf16": torch.bfloat16, "16": torch.float16}.get(plan.precision.split("-")[0])
     stamps: list[float] = []
     for batch in loader:
         _sync(device)

@@ -22,7 +22,7 @@ from typing import Any
 
 from onn.config.task import BenchServeTask
 from onn.modalities import Job
-from onn.tasks.serve import build_app, model_name
+from onn.tasks.serve.task import build_app, model_name
 
 log = logging.getLogger("onn")
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time", "def fibonacci(n):", "Roses are red,",

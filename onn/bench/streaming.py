@@ -28,12 +28,15 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from onn.config import ONNConfig, as_dict
 from onn.config.task import BenchStreamingTask
+
+if TYPE_CHECKING:
+    from onn.planning.streaming import StreamingPlan
 
 log = logging.getLogger("onn")
 
@@ -99,7 +102,7 @@ def run(job) -> dict[str, Any]:
     config, plan = job.config, job.plan
     bench: BenchStreamingTask = config.task
     model, _ = load(config.model, dtype=torch.float32)
-    base = apply(model, "sparse_lora", config.strategy, discover(model), plan["sparse_layers"])
+    base = apply(model, "sparse_lora", config.strategy, discover(model), plan.sparse_layers)
     store_dir = Path(config.paths.cache) / "stores" / model_fingerprint(config.model) / "bench"
     b = _Bench(
         config, plan, base, store_dir, bench.seq_len, bench.micro_batch, bench.repeats, bench.chunk_size
@@ -126,13 +129,13 @@ def _memory_within_budget(b: _Bench) -> dict[str, Any]:
     predicted, planned = _predicted_step_mb(b.config, budget, b.micro_batch, b.seq)
     shutil.rmtree(f"{b.store_dir}_blockwise", ignore_errors=True)
     measured = _step_memory_in_fresh_process(
-        {"model": as_dict(b.config.model), "strategy": as_dict(b.config.strategy), "layers": b.plan["sparse_layers"],
-         "store": f"{b.store_dir}_blockwise", "chunk_size": planned["chunk_size"], "stream_edges": planned["edges"] == "stream",
+        {"model": as_dict(b.config.model), "strategy": as_dict(b.config.strategy), "layers": b.plan.sparse_layers,
+         "store": f"{b.store_dir}_blockwise", "chunk_size": planned.chunk_size, "stream_edges": planned.edges == "stream",
          "micro_batch": b.micro_batch, "seq_len": b.seq}
     )  # fmt: skip
     return {
         "stream/model_mb": round(weights_mb, 1), "stream/budget_mb": round(budget, 1),
-        "stream/budget_chunk_size": planned["chunk_size"], "stream/budget_edges": planned["edges"],
+        "stream/budget_chunk_size": planned.chunk_size, "stream/budget_edges": planned.edges,
         "stream/model_over_budget": round(weights_mb / budget, 2), "stream/peak_step_mb": round(measured, 1),
         "stream/predicted_step_mb": round(predicted, 1), "stream/peak_over_predicted": round(measured / predicted, 3),
         "stream/within_budget": measured <= budget,
@@ -285,19 +288,17 @@ def step_memory(spec: dict[str, Any]) -> float:
     return measured
 
 
-def _predicted_step_mb(config: ONNConfig, budget_mb: float, mb: int, seq: int) -> tuple[float, dict]:
+def _predicted_step_mb(config: ONNConfig, budget_mb: float, mb: int, seq: int) -> tuple[float, StreamingPlan]:
     """The planner's streaming prediction for this model at this budget (allocations, no context),
     and the settings it chose to fit, for the benchmark's float32 disk store."""
+    from onn.hardware.profile import Profile
     from onn.planning.plan import estimate
     from onn.planning.spec import model_spec
+    from onn.planning.streaming import FixedStreaming
 
     spec = model_spec(config.model, config.strategy.lora.r)
-    hw = {
-        "accelerator": "cpu",
-        "source": "preset",
-        "host_memory_available_mb": budget_mb + 600.0,
-        "budget_mb": budget_mb + 600.0,
-    }
+    hw = Profile(name="budget", accelerator="cpu", source="preset", host_memory_available_mb=budget_mb + 600.0,
+                 budget_mb=budget_mb + 600.0)  # fmt: skip
     layers = [i % spec.n_blocks for i in config.strategy.layers]
     est = estimate(
         "sparse_lora",
@@ -309,7 +310,7 @@ def _predicted_step_mb(config: ONNConfig, budget_mb: float, mb: int, seq: int) -
         sorted(set(layers)),
         batch_size=4 * mb,
         store_dtype="float32",
-        streaming={"store": "disk"},
+        fixed=FixedStreaming(store="disk"),
     )
     return est.peak_mb, est.streaming
 

@@ -38,7 +38,8 @@ from onn.config import ONNConfig, as_dict
 from onn.config.strategy import StreamingConfig
 from onn.config.task import BenchTask
 from onn.errors import UserError
-from onn.planning.plan import make_plan
+from onn.hardware.profile import Profile
+from onn.planning.plan import Plan, make_plan
 from onn.planning.streaming import STREAMING_KEYS
 
 log = logging.getLogger("onn")
@@ -62,7 +63,7 @@ def check_settings(task: BenchTask) -> None:
 
 def run(job) -> dict[str, Any]:
     check_settings(job.config.task)
-    if job.plan.get("step_time_source") == "timed":
+    if job.plan.step_time_source == "timed":
         # The blocks timed again just before the steps: this shared host's speed drifts over minutes
         # (phi4_tiny's blocks timed at plan time predicted 0.171 s, its run took 0.228 s, and timed again
         # after it 0.21-0.23 s). summarize's prediction reads this timing; the plan's own is kept beside it.
@@ -70,7 +71,7 @@ def run(job) -> dict[str, Any]:
 
         steps = job.config.task.steps  # timed for about as long as the steps will take
         refine(
-            job.plan, job.config, job.hardware, job.spec, window_s=steps * float(job.plan["predicted_step_s"])
+            job.plan, job.config, job.hardware, job.spec, window_s=steps * float(job.plan.predicted_step_s)
         )
     raw = measure_isolated(job.config, job.plan, job.run_dir)
     return summarize(job.config, job.plan, job.hardware, job.spec, raw)
@@ -81,14 +82,19 @@ def measure_isolated(config: ONNConfig, plan: dict[str, Any], run_dir: Path) -> 
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         request = json.dumps(
-            {"config": as_dict(config), "plan": plan, "run_dir": str(run_dir), "result": str(result)}
+            {
+                "config": as_dict(config),
+                "plan": plan.as_dict(),
+                "run_dir": str(run_dir),
+                "result": str(result),
+            }
         )
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
         proc = subprocess.run([sys.executable, "-m", "onn.bench.suite"], input=request, text=True, capture_output=True, env=env)  # fmt: skip
         (run_dir / "bench.log").write_text(proc.stdout + proc.stderr)
         if result.is_file():
             raw = json.loads(result.read_text())
-            if raw.get("error"):
+            if "error" in raw:  # the child's UserError, in its own words
                 raise UserError(raw["error"])
             return raw
     if proc.returncode < 0:
@@ -111,7 +117,7 @@ def measure(config: ONNConfig, plan: dict[str, Any], run_dir: Path) -> dict[str,
     from onn.modalities.text.tasks import build, datamodule, trainer
     from onn.training.callbacks import ResourceMonitor, StepClock
 
-    use_threads(plan)  # the fresh process runs on the threads the plan sized to the free cores
+    use_threads(plan.threads)  # the fresh process runs on the threads the plan sized to the free cores
     task: BenchTask = config.task
     warmup, steps = task.warmup_steps, task.steps
     config = copy.deepcopy(config)
@@ -126,7 +132,7 @@ def measure(config: ONNConfig, plan: dict[str, Any], run_dir: Path) -> dict[str,
     clock = StepClock()
     fit = trainer(config, plan, run_dir, [clock, ResourceMonitor(config.trainer.log_every_n_steps)])
     gc.collect()
-    cuda = plan["hardware"]["accelerator"] == "cuda"
+    cuda = plan.hardware["accelerator"] == "cuda"
     baseline = 0.0 if cuda else anon_rss_mb()
     with PeakMemory("cuda" if cuda else "cpu") as peak:
         module, tokenizer = build(config, plan)
@@ -160,7 +166,7 @@ def measure(config: ONNConfig, plan: dict[str, Any], run_dir: Path) -> dict[str,
         "oom_backoffs": module.oom_backoffs,
         "exact_match": exact,
         # the cores the training actually got: CPU time over wall time and threads
-        "cpu_share": cpu_s / wall_s / max(1, int(plan.get("threads") or 1)) if not cuda else None,
+        "cpu_share": cpu_s / wall_s / max(1, int(plan.threads or 1)) if not cuda else None,
     }
 
 
@@ -174,15 +180,13 @@ def summarize(
     timed = raw["step_s"][warmup:]
     step_s = sum(timed) / len(timed)
     io = raw["io_s"][warmup:]
-    cuda = hardware["accelerator"] == "cuda"
+    cuda = hardware.accelerator == "cuda"
     widths = raw["widths"][warmup:]
     mb = raw["micro_batch"]
-    predicted_alloc = _replan(config, plan, hardware, spec, max(raw["widths"]), mb)[
-        "predicted_peak_memory_mb"
-    ]
-    predicted_step = _replan(config, plan, hardware, spec, round(statistics.mean(widths)), mb)[
-        "predicted_step_s"
-    ]
+    predicted_alloc = _replan(config, plan, hardware, spec, max(raw["widths"]), mb).predicted_peak_memory_mb
+    predicted_step = _replan(
+        config, plan, hardware, spec, round(statistics.mean(widths)), mb
+    ).predicted_step_s
     predicted_mem = predicted_alloc + raw["baseline_mb"]
     peak = raw["peak_mb"]
     is_learned, p = learned(raw["losses"], task.learned_p)
@@ -193,8 +197,8 @@ def summarize(
         else loss_fall(val[0] if val else None, val[-1] if val else None)
     )
     available = (
-        hardware.get("device_memory_mb") if cuda else hardware.get("host_memory_available_mb")
-    ) or hardware.get("host_memory_mb")
+        hardware.device_memory_mb if cuda else hardware.host_memory_available_mb
+    ) or hardware.host_memory_mb
     samples_per_s = batch_size / step_s
     out = {
         "bench/steps_timed": len(timed),
@@ -214,9 +218,9 @@ def summarize(
         "bench/predicted_step_s": round(predicted_step, 4),
         "bench/step_time_error": round(step_s / predicted_step - 1, 4) if predicted_step else None,
         # the plan's prediction, made before the benchmark's own timing of the blocks
-        "bench/plan_predicted_step_s": plan.get("predicted_step_s"),
-        "bench/plan_step_time_error": round(step_s / plan["predicted_step_s"] - 1, 4)
-        if plan.get("predicted_step_s")
+        "bench/plan_predicted_step_s": plan.predicted_step_s,
+        "bench/plan_step_time_error": round(step_s / plan.predicted_step_s - 1, 4)
+        if plan.predicted_step_s
         else None,
         "bench/sequence_length": max(raw["widths"]),
         "bench/micro_batch": raw["micro_batch"],
@@ -228,9 +232,9 @@ def summarize(
         "bench/val_loss_after": val[-1] if len(val) > 1 else None,
         "bench/quality": round(quality, 4) if quality is not None else None,
         "bench/quality_metric": task.quality,
-        "bench/threads": plan.get("threads"),
-        "bench/cpu_share_planned": hardware.get("cpu_share"),
-        "bench/cpu_share_measured": round(raw["cpu_share"], 3) if raw.get("cpu_share") is not None else None,
+        "bench/threads": plan.threads,
+        "bench/cpu_share_planned": hardware.cpu_share,
+        "bench/cpu_share_measured": round(raw["cpu_share"], 3) if raw["cpu_share"] is not None else None,
     }
     out.update(
         equitable(quality, spec.params, samples_per_s, batch_size, available, peak, task.score_weights)
@@ -239,24 +243,22 @@ def summarize(
     return out
 
 
-def _replan(
-    config: ONNConfig, plan: dict[str, Any], hardware: dict[str, Any], spec, seq: int, micro_batch: int
-) -> dict[str, Any]:
+def _replan(config: ONNConfig, plan: Plan, hardware: Profile, spec, seq: int, micro_batch: int) -> Plan:
     """The planner's prediction for the settings this run used (the micro-batch it ended at, after any
     out-of-memory halving), at the sequence length its batches had."""
     cfg = copy.deepcopy(config)
     cfg.data.max_length = seq
     strategy = cfg.strategy
-    strategy.name, strategy.micro_batch, strategy.precision = plan["strategy"], micro_batch, plan["precision"]
-    strategy.gradient_checkpointing = bool(plan.get("gradient_checkpointing"))
-    if plan.get("streaming"):
+    strategy.name, strategy.micro_batch, strategy.precision = plan.strategy, micro_batch, plan.precision
+    strategy.gradient_checkpointing = bool(plan.gradient_checkpointing)
+    if plan.streaming:
         strategy.streaming = fixed_streaming(
-            strategy.streaming, {k: plan["streaming"][k] for k in STREAMING_KEYS}
+            strategy.streaming, {k: getattr(plan.streaming, k) for k in STREAMING_KEYS}
         )
-    if plan.get("sparse_layers") is not None:
-        strategy.layers = plan["sparse_layers"]
+    if plan.sparse_layers is not None:
+        strategy.layers = plan.sparse_layers
     replanned = make_plan(cfg, hardware, spec, use_tuned=False)
-    if plan.get("step_time_source") == "timed":  # the model's own blocks, timed at these shapes
+    if plan.step_time_source == "timed":  # the model's own blocks, timed at these shapes
         from onn.modalities.text.calibrate import refine
 
         replanned = refine(replanned, cfg, hardware, spec)
@@ -298,7 +300,7 @@ def _main() -> None:
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     try:
         config = config_from_dict(request["config"], BenchTask, "task=bench's measuring process")
-        raw = measure(config, request["plan"], Path(request["run_dir"]))
+        raw = measure(config, Plan.from_dict(request["plan"]), Path(request["run_dir"]))
     except UserError as e:
         raw = {"error": str(e)}
     Path(request["result"]).write_text(json.dumps(raw))

@@ -46,8 +46,8 @@ class _Trials:
         job = self.job
         cfg = _with_settings(job.config, settings, self.streaming)
         trial_plan = make_plan(cfg, job.hardware, job.spec, use_tuned=False)
-        row: dict[str, Any] = {"settings": settings, "predicted_mb": trial_plan["predicted_peak_memory_mb"]}
-        if not trial_plan["candidates"][job.plan["strategy"]]["fits"]:
+        row: dict[str, Any] = {"settings": settings, "predicted_mb": trial_plan.predicted_peak_memory_mb}
+        if not trial_plan.candidates[job.plan.strategy]["fits"]:
             return {**row, "status": "predicted not to fit"}
         return {**row, **_time(cfg, trial_plan, folder, self.tune)}
 
@@ -58,12 +58,12 @@ class _Trials:
         row = self.timed(settings, self.job.run_dir / "trials" / str(len(self.rows)))
         self.rows.append(row)
         log.info(
-            "tune: trial %d %s -> %s", len(self.rows) - 1, settings, row.get("samples_per_s") or row["status"]
+            "tune: trial %d %s -> %s", len(self.rows) - 1, settings, _samples_per_s(row) or row["status"]
         )
         return row
 
     def usable(self, row: dict[str, Any]) -> bool:
-        return row["status"] == "ok" and row["peak_growth_mb"] <= self.job.plan["budget_mb"]
+        return row["status"] == "ok" and row["peak_growth_mb"] <= self.job.plan.budget_mb
 
 
 def run(job) -> dict[str, Any]:
@@ -72,12 +72,12 @@ def run(job) -> dict[str, Any]:
     for key, least in (("steps", 1), ("warmup_steps", 0), ("time_budget_s", 0)):
         if getattr(tune, key) < least:
             raise UserError(f"tune.{key}={getattr(tune, key)}: give a number, {least} or more.")
-    streaming = bool(plan.get("streaming"))
+    streaming = bool(plan.streaming)
     guess = _settings_of(plan)
     axes = {"micro_batch": micro_batch_sizes(config.data.batch_size)}
     if streaming:
         axes["chunk_size"] = chunk_sizes(spec.n_blocks)
-        axes["store_dtype"] = store_dtypes(hw, plan["precision"])
+        axes["store_dtype"] = store_dtypes(hw, plan.precision)
     else:
         axes["gradient_checkpointing"] = [False, True]
     started = time.perf_counter()
@@ -95,12 +95,12 @@ def run(job) -> dict[str, Any]:
             ):
                 best = row
     if not trials.usable(best):
-        table = _table({"strategy": plan["strategy"], "sequence_length": plan["sequence_length"], "settings": {},
+        table = _table({"strategy": plan.strategy, "sequence_length": plan.sequence_length, "settings": {},
                         "samples_per_s": None, "plan_settings": guess, "plan_samples_per_s": None,
                         "speedup_over_plan": None, "trials": trials.rows})  # fmt: skip
         (run_dir / "tune.md").write_text(table + "\n")
         raise UserError(
-            f"task=tune: no setting of {plan['strategy']} ran within the {plan['budget_mb']:,.0f} MB budget; see {run_dir / 'tune.md'}."
+            f"task=tune: no setting of {plan.strategy} ran within the {plan.budget_mb:,.0f} MB budget; see {run_dir / 'tune.md'}."
         )
     result = _confirmed(trials, best, guess, tune)
     result["time_s"] = round(time.perf_counter() - started, 1)
@@ -113,14 +113,14 @@ def _confirmed(
     """The best trial against the planner's guess head to head, alternating (drift hits both alike); a
     gain that does not hold up, or a round that fails (out of memory, ...), keeps the guess."""
     plan_row = trials.rows[0]
-    plan_sps, best_sps = plan_row.get("samples_per_s"), best["samples_per_s"]
+    plan_sps, best_sps = _samples_per_s(plan_row), best["samples_per_s"]
     head_to_head = None
     if best is not plan_row and trials.usable(plan_row):
         rounds: dict[str, list] = {"plan": [], "candidate": []}
         for _ in range(tune.confirm_rounds):
             for row, name in ((plan_row, "plan"), (best, "candidate")):
                 rounds[name].append(
-                    trials.timed(row["settings"], trials.job.run_dir / "confirm").get("samples_per_s")
+                    _samples_per_s(trials.timed(row["settings"], trials.job.run_dir / "confirm"))
                 )
         head_to_head = {"settings": best["settings"], "plan_samples_per_s": rounds["plan"],
                         "samples_per_s": rounds["candidate"]}  # fmt: skip
@@ -133,11 +133,16 @@ def _confirmed(
                 best, best_sps = plan_row, plan_sps
     speedup = best_sps / plan_sps if plan_sps else None
     plan = trials.job.plan
-    return {"strategy": plan["strategy"], "sequence_length": plan["sequence_length"], "settings": best["settings"],
+    return {"strategy": plan.strategy, "sequence_length": plan.sequence_length, "settings": best["settings"],
             "samples_per_s": round(best_sps, 3), "plan_settings": guess,
             "plan_samples_per_s": round(plan_sps, 3) if plan_sps else None,
             "speedup_over_plan": round(speedup, 3) if speedup else None, "trials": trials.rows,
             "head_to_head": head_to_head, "tuned_at": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+
+
+def _samples_per_s(row: dict[str, Any]) -> float | None:
+    """A trial's throughput; None for one that did not run (no fit, out of memory, an error)."""
+    return row["samples_per_s"] if row["status"] == "ok" else None
 
 
 def _save(job, result: dict[str, Any], trial_count: int) -> dict[str, Any]:
@@ -157,13 +162,11 @@ def _save(job, result: dict[str, Any], trial_count: int) -> dict[str, Any]:
 
 
 def _settings_of(plan: dict[str, Any]) -> dict[str, Any]:
-    settings = {"micro_batch": plan["micro_batch"]}
-    if plan.get("streaming"):
-        settings.update(
-            chunk_size=plan["streaming"]["chunk_size"], store_dtype=plan["streaming"]["store_dtype"]
-        )
+    settings = {"micro_batch": plan.micro_batch}
+    if plan.streaming:
+        settings.update(chunk_size=plan.streaming.chunk_size, store_dtype=plan.streaming.store_dtype)
     else:
-        settings["gradient_checkpointing"] = bool(plan.get("gradient_checkpointing"))
+        settings["gradient_checkpointing"] = bool(plan.gradient_checkpointing)
     return settings
 
 
@@ -228,7 +231,7 @@ def _table(result: dict[str, Any]) -> str:
     if not result["settings"]:
         lines += ["", "no setting ran within the memory budget"]
         return "\n".join(lines)
-    duel = result.get("head_to_head")
+    duel = result["head_to_head"]
     if duel is None:
         how = "no trial beat it"
     else:

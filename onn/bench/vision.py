@@ -141,7 +141,7 @@ def _plain_loop(config: ONNConfig, plan, inputs, dm, steps: int, warmup: int, lo
     channels_last = config.model.channels_last
     smoothing = config.task.label_smoothing
     precision = config.trainer.precision  # what ONN's Trainer runs with: auto is the plan's
-    precision = plan["precision"] if precision in (None, "auto") else str(precision)
+    precision = plan.precision if precision in (None, "auto") else str(precision)
     half = (
         torch.bfloat16
         if precision.startswith("bf16")

@@ -1,89 +1,30 @@
-"""The types of ONN's config, as Hydra structured configs: one dataclass per group option, read as attributes
-from the command line to the work.
+"""The types of ONN's config, one module per group (run.py: the root), registered with Hydra (registry.py)."""
 
-Where things live: the types in onn/config/<group>.py (run.py: the root and the blocks every run has), the
-values in the YAML files under conf/. A conf option names its schema in its defaults list
-(`/schema/data/image@_here_`), so an unknown or misspelt key and a wrong type fail at compose time with
-Hydra's own message (`trainer.max_steps=abc`: "Value 'abc' of type 'str' could not be converted to Integer").
-app.run turns the composed config into these dataclasses (OmegaConf.to_object) and every layer reads them.
-
-A new key: add the field to its dataclass (type, `MISSING`, a comment saying what it holds), give its value
-in the option's YAML, and read it as an attribute. `register()` runs in run.py before Hydra composes; it
-imports nothing heavy.
-"""
-
-from __future__ import annotations
-
-from dataclasses import dataclass
-
-from onn.config import data, export, model, task
 from onn.config.convert import as_dict, typed
 from onn.config.data import DataConfig
 from onn.config.export import ExportConfig
 from onn.config.hardware import HardwareConfig
 from onn.config.model import ModelConfig
+from onn.config.registry import SCHEMAS, register
 from onn.config.run import ONNConfig, OptimConfig, PathsConfig, TrainerConfig
 from onn.config.strategy import LoraConfig, StrategyConfig, StreamingConfig
 from onn.config.task import TaskConfig
 
-__all__ = ["DataConfig", "ExportConfig", "HardwareConfig", "LoraConfig", "ModelConfig", "ONNConfig", "OptimConfig",
-           "PathsConfig", "StrategyConfig", "StreamingConfig", "TaskConfig", "TrainerConfig", "as_dict",
-           "register", "typed"]  # fmt: skip
-
-# The schemas each conf option names in its defaults list: /schema/<group>/<name>
-SCHEMAS: dict[str, dict[str, type]] = {
-    "data": {"image": data.ImageData, "audio": data.AudioData, "video": data.VideoData,
-             "mesh": data.MeshData, "text": data.TextData, "pairs": data.PairsData},
-    "model": {"language": model.LanguageModelConfig, "network": model.NetworkConfig,
-              "dual_encoder": model.DualEncoderConfig},
-    "task": {"train": task.TrainTask, "eval": task.EvalTask, "infer": task.InferTask,
-             "bench": task.BenchTask, "bench_giant": task.BenchGiantTask, "bench_gpu": task.BenchGpuTask,
-             "bench_overhead": task.BenchOverheadTask, "bench_vision": task.BenchVisionTask,
-             "bench_serve": task.BenchServeTask, "bench_shard_plan": task.BenchShardPlanTask,
-             "bench_streaming": task.BenchStreamingTask},
-    "export": {"none": export.ExportConfig, "safetensors": export.SafetensorsExport, "onnx": export.OnnxExport,
-               "omny": export.OmnyExport},
-}  # fmt: skip
-
-
-def register() -> None:
-    """Give Hydra the root schema (conf/config.yaml's defaults list names `onn_schema`), each option's schema
-    under /schema/<group>/<name>, and ONN's `hydra/launcher=submitit_local` (see register_local_launcher)."""
-    from hydra.core.config_store import ConfigStore
-
-    store = ConfigStore.instance()
-    store.store(name="onn_schema", node=ONNConfig)
-    for group, schemas in SCHEMAS.items():
-        for name, schema in schemas.items():
-            store.store(group=f"schema/{group}", name=name, node=schema)
-    register_local_launcher()
-
-
-def register_local_launcher() -> None:
-    """`hydra/launcher=submitit_local` with a cap on the jobs running at once (hydra_plugins/onn_launcher).
-
-    The plugin registers its own `submitit_local` when Hydra scans its plugins, and a YAML file of that name
-    would be merged into the plugin's schema, which has no `array_parallelism`. So the scan runs here, once
-    (Hydra would run it a moment later anyway), and this entry replaces the plugin's."""
-    from hydra.core.config_store import ConfigStore
-    from hydra.core.plugins import Plugins
-
-    Plugins.instance()
-    try:
-        from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf
-    except ImportError:  # hydra-submitit-launcher not installed: sweeps run one job after another
-        return
-
-    @dataclass
-    class ThrottledLocalConf(LocalQueueConf):
-        _target_: str = "hydra_plugins.onn_launcher.ThrottledLocalLauncher"
-        array_parallelism: int = 2  # jobs running at once, in groups (the next group starts when one ends)
-        timeout_min: int = 1440  # a job still running after this is killed (submitit's default is 60)
-        # One folder for every job's logs and results (named by job id), not a folder per job (`%j`): submitit's
-        # local controller opens its log in the job's folder before the submitting process has made it, and on
-        # a busy machine it loses that race (FileNotFoundError, the job never runs).
-        submitit_folder: str = "${hydra.sweep.dir}/.submitit"
-
-    ConfigStore.instance().store(
-        group="hydra/launcher", name="submitit_local", node=ThrottledLocalConf, provider="onn"
-    )
+__all__ = [
+    "SCHEMAS",
+    "DataConfig",
+    "ExportConfig",
+    "HardwareConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "ONNConfig",
+    "OptimConfig",
+    "PathsConfig",
+    "StrategyConfig",
+    "StreamingConfig",
+    "TaskConfig",
+    "TrainerConfig",
+    "as_dict",
+    "register",
+    "typed",
+]

@@ -426,7 +426,7 @@ class OmnyInfo:
             lines.append(
                 f"  {conf['shards']} shard{'s' if conf['shards'] > 1 else ''}: " + _ranges(conf["detail"])
             )
-        if d.get("node_plan"):
+        if d["node_plan"]:
             n = d["node_plan"]
             lines += ["", f"node plan ({n['method']}) over {len(n['nodes_mb'])} nodes:"]
             for mb, util, det in zip(n["nodes_mb"], n["utilisation"], n["detail"]):
@@ -501,7 +501,7 @@ def validate(
     extractor = Extractor(model)
     plans = [(f"{c['shards']} shard{'s' if c['shards'] > 1 else ''}", c["detail"], doc["shard_plans"]["max_shard_size_mb"])
              for c in doc["shard_plans"]["configurations"]]  # fmt: skip
-    if doc.get("node_plan"):
+    if doc["node_plan"]:
         plans.append((f"node plan over {doc['node_plan']['nodes_mb']} MB", doc["node_plan"]["detail"], None))
     ok = True
     for title, detail, limit in plans:
@@ -556,9 +556,7 @@ def unknown_tensors(model: onnx.ModelProto, doc: dict[str, Any]) -> list[str]:
         | {t.name for t in graph.initializer}
         | {o for n in graph.node for o in n.output}
     )
-    named = [c["name"] for c in doc["cut_points"]] + [
-        b["cut_after"] for b in doc["blocks"] if b.get("cut_after")
-    ]
+    named = [c["name"] for c in doc["cut_points"]] + [b["cut_after"] for b in doc["blocks"] if b["cut_after"]]
     named += [s["name"] for s in doc["inputs"]] + [s["name"] for s in doc["outputs"]]
     return [n for n in dict.fromkeys(named) if n not in tensors]
 

@@ -1,6 +1,6 @@
 """Measure this machine (hardware=auto) or read a preset describing another one.
 
-A profile is a flat dict with the same keys either way, so the planner never asks where it
+A profile (Profile) has the same fields either way, so the planner never asks where it
 came from. Measuring takes ten seconds or so; the result is cached under the cache folder,
 keyed by a fingerprint of the machine (CPU model, core count, RAM, accelerators, torch version).
 What changes from run to run is measured every time: free memory, free disk, and how busy the
@@ -28,6 +28,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,43 +49,90 @@ GPU_MATMUL_ROWS = (1, 16, 128, 1024, 8192)  # a token at a time up to a large mi
 VERSION = 7  # what `measure` records; a cached profile of another version is measured again
 
 
-def resolve(
-    hw_cfg: HardwareConfig, cache_dir: str | os.PathLike, probe_dir: str | os.PathLike
-) -> dict[str, Any]:
-    """The hardware profile for this run: a preset as written, or this machine measured (cached). The profile
-    is data (a dict of what was measured, PROFILE_KEYS and more), whichever it is."""
+@dataclass
+class Profile:
+    """What the planner knows of a machine, measured or given by a preset: the same fields either way, so the
+    planner never asks where they came from. A measurement a preset (or this machine) lacks is None."""
+
+    name: str  # the preset's name, or "auto" for this machine measured
+    accelerator: str  # cuda, mps or cpu
+    device_name: str | None = None  # the GPU's name, or the CPU model
+    device_count: int | None = None  # devices of that kind on this node
+    device_memory_mb: float | None = None  # the device's total memory (the host's on CPUs and MPS)
+    device_memory_free_mb: float | None = None  # free on the device now
+    host_memory_mb: float | None = None  # the host's total memory
+    host_memory_available_mb: float | None = None  # available on the host now
+    cpu_cores: int | None = None  # the cores this process may use
+    matmul_tflops: float | None = None  # the best dense matmul rate, TFLOP/s
+    disk_read_mb_s: float | None = None  # cold sequential reads, as the layer store reads (disk.py)
+    h2d_mb_s: float | None = None  # pinned host memory to the GPU
+    bf16: bool | None = None  # bf16 math the device runs fast
+    matmul_gflops: dict[str, Any] | None = None  # {size: {dtype: {threads: {rows: GFLOP/s}}}}
+    block_call_s: dict[str, float] | None = None  # framework time per decoder block and call
+    memory_gb_s: float | None = None  # one thread's (or the GPU's) copy bandwidth
+    decode_gvalues_s: dict[str, float] | None = None  # {"int8->bfloat16": G values/s, ...}
+    cuda_context_mb: float | None = None  # the CUDA context's own memory
+    cuda_workspace_mb: float | None = None  # cuBLAS's workspaces, allocated once per process
+    source: str | None = None  # preset, measured, or cache (<path>)
+    budget_mb: float | None = None  # hardware.budget_mb: the memory the run may hold, as given
+    version: int | None = None  # what `measure` recorded (VERSION); None for a preset
+    fingerprint: str | None = None  # machine_fingerprint() of the machine measured
+    busy_while_measuring: float | None = None  # cores other processes kept busy while measuring
+    measure_s: float | None = None  # how long measuring took
+    cpu_share: float | None = None  # the share of a core each of our threads gets now
+    disk_free_mb: float | None = None  # free under the cache folder now (None: a preset's, taken as enough)
+    cpu_busy_cores: float | None = None  # cores other processes keep busy now
+    cpu_runnable_threads: float | None = None  # their threads that want a core, on average
+    thread_limit: int | None = None  # OMP_NUM_THREADS, when the user set it
+    gpus_hidden: bool = False  # CUDA_VISIBLE_DEVICES hides every GPU: the run plans for the CPU
+
+    def as_dict(self) -> dict[str, Any]:
+        """The profile as the cache file holds it (plain values)."""
+        return asdict(self)
+
+    @classmethod
+    def from_cache(cls, values: dict[str, Any]) -> Profile | None:
+        """A cached profile read back, or None when its fields are not this version's (measure it again)."""
+        names = {f.name for f in fields(cls)}
+        if values.get("version") != VERSION or set(values) - names:
+            return None
+        try:
+            return cls(**values)
+        except TypeError:  # a field without a default is missing
+            return None
+
+
+def resolve(hw_cfg: HardwareConfig, cache_dir: str | os.PathLike, probe_dir: str | os.PathLike) -> Profile:
+    """The hardware profile for this run: a preset as written, or this machine measured (cached)."""
     if not hw_cfg.measure:
         preset = as_dict(hw_cfg)
-        profile = {k: preset[k] for k in PROFILE_KEYS}
-        profile["device_memory_free_mb"] = profile["device_memory_free_mb"] or profile["device_memory_mb"]
-        profile["host_memory_available_mb"] = profile["host_memory_available_mb"] or profile["host_memory_mb"]
-        profile["source"] = "preset"
-        profile["budget_mb"] = hw_cfg.budget_mb
+        profile = Profile(**{k: preset[k] for k in PROFILE_KEYS})
+        profile.device_memory_free_mb = profile.device_memory_free_mb or profile.device_memory_mb
+        profile.host_memory_available_mb = profile.host_memory_available_mb or profile.host_memory_mb
+        profile.source, profile.budget_mb = "preset", hw_cfg.budget_mb
         # a machine one does not have: its cores are taken to be free, its disk to be large enough
-        profile.update(
-            cpu_busy_cores=0.0, cpu_runnable_threads=0.0, cpu_share=1.0, disk_free_mb=None, thread_limit=None
-        )
+        profile.cpu_busy_cores, profile.cpu_runnable_threads, profile.cpu_share = 0.0, 0.0, 1.0
         return profile
 
     fingerprint = machine_fingerprint()
     cache = Path(hw_cfg.cache or Path(cache_dir) / "hardware") / f"{fingerprint}.json"
-    profile = json.loads(cache.read_text()) if cache.exists() and not hw_cfg.refresh else None
-    if profile is not None and profile.get("version") != VERSION:
-        profile = None
-    if profile is not None and profile.get("busy_while_measuring", 0) >= 0.5 and cpu_busy_cores(0.3) < 0.25:
+    profile = (
+        Profile.from_cache(json.loads(cache.read_text())) if cache.exists() and not hw_cfg.refresh else None
+    )
+    if profile is not None and (profile.busy_while_measuring or 0) >= 0.5 and cpu_busy_cores(0.3) < 0.25:
         profile = None  # measured on a busy machine, which is quiet now: measure it properly
     if profile is not None:
-        profile["source"] = f"cache ({cache})"
+        profile.source = f"cache ({cache})"
     else:
         profile = measure(probe_dir, int(hw_cfg.disk_probe_mb))
-        profile["fingerprint"] = fingerprint
+        profile.fingerprint = fingerprint
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(f".{os.getpid()}.tmp")  # runs measuring at once each write their own
-        tmp.write_text(json.dumps(profile, indent=2))
+        tmp.write_text(json.dumps(profile.as_dict(), indent=2))
         tmp.replace(cache)
-        profile["source"] = "measured"
-    profile.update(now(profile["accelerator"], cache_dir))  # what changes from run to run
-    profile["budget_mb"] = hw_cfg.budget_mb
+        profile.source = "measured"
+    profile = replace(profile, **now(profile.accelerator, cache_dir))  # what changes from run to run
+    profile.budget_mb = hw_cfg.budget_mb
     return profile
 
 
@@ -219,9 +267,8 @@ class CoreWatch:
         return threads
 
 
-def use_threads(plan: dict[str, Any]) -> None:
-    """Run torch on the thread count the plan sized to the free cores (CPU plans)."""
-    threads = plan.get("threads")
+def use_threads(threads: int | None) -> None:
+    """Run torch on the thread count the plan sized to the free cores (CPU plans; None elsewhere)."""
     if threads:
         import torch
 
@@ -245,7 +292,7 @@ def machine_fingerprint() -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> dict[str, Any]:
+def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> Profile:
     """Measure accelerator, memory, cores, matmul throughput and disk / host-to-device bandwidth."""
     import torch
 
@@ -262,7 +309,7 @@ def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> dict[str
         accelerator, count, name = "cpu", 1, _cpu_model()
         total_mb, bf16 = psutil.virtual_memory().total // MB, _cpu_has_fast_bf16()
     vm = psutil.virtual_memory()
-    profile = {
+    profile: dict[str, Any] = {
         "name": "auto",
         "version": VERSION,
         "accelerator": accelerator,
@@ -294,7 +341,7 @@ def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> dict[str
     profile["busy_while_measuring"] = round(max(busy, cpu_busy_cores(0.3)), 2)
     profile.update(_free_memory(accelerator))
     profile["measure_s"] = round(time.perf_counter() - t0, 2)
-    return profile
+    return Profile(**profile)
 
 
 def _free_memory(accelerator: str) -> dict[str, int]:

@@ -1,57 +1,16 @@
-"""The modalities ONN knows: one package each in this folder, found by walking it.
-
-Each package registers a `Modality` (onn/modalities/base.py) when imported. Adding a modality
-adds a folder; nothing else changes: app and the tasks look modalities up here, by the data
-config's `modality` key or, for `data=auto`, by what the files hold.
-"""
+"""The modalities ONN knows (registry.py): one package each in this folder, each registering itself."""
 
 from __future__ import annotations
 
 import importlib
-import os
 import pkgutil
-from pathlib import Path
 
-from onn.data.files import existing_source
-from onn.errors import UserError
-from onn.modalities.base import REGISTRY, ClassifierModality, Job, Modality, register
+from onn.modalities.base import ClassifierModality, Job, Modality
+from onn.modalities.registry import REGISTRY, all_modalities, detect, get, register
 
-__all__ = ["ClassifierModality", "Job", "Modality", "all_modalities", "detect", "get", "register"]
+__all__ = ["REGISTRY", "ClassifierModality", "Job", "Modality", "all_modalities", "detect", "get", "register"]
 
+# Adding a modality adds a folder: each package's __init__ registers its Modality (onn/modalities/base.py).
 for _info in pkgutil.iter_modules(__path__):
     if _info.ispkg:
         importlib.import_module(f"{__name__}.{_info.name}")
-
-
-def all_modalities() -> list[Modality]:
-    return list(REGISTRY.values())
-
-
-def get(name: str) -> Modality:
-    """The modality called `name`; a UserError naming the known ones otherwise."""
-    if name not in REGISTRY:
-        raise UserError(f"data.modality={name!r} is not one of {', '.join(sorted(REGISTRY))}.")
-    return REGISTRY[name]
-
-
-def detect(source: str | os.PathLike) -> tuple[Modality, str]:
-    """The modality whose sniffer recognises `source` (`data=auto`), and why. Only regular files and
-    folders are read, a bounded number of bytes each; the more specific modalities ask first."""
-    text = str(source)
-    if text.startswith("builtin:"):
-        name = text.partition(":")[2]
-        for modality in REGISTRY.values():
-            if name in modality.builtins:
-                return modality, f"ONN's built-in generator {text}"
-        known = ", ".join(f"builtin:{b}" for m in REGISTRY.values() for b in m.builtins)
-        raise UserError(f"data.source={text} is no built-in dataset; the built-ins are {known}.")
-    path = Path(os.path.expanduser(text))
-    existing_source(path, "data.source")  # a link loop, a device, a pipe: one sentence, nothing read
-    for modality in sorted(REGISTRY.values(), key=lambda m: -m.sniff_priority):
-        reason = modality.sniff(path)
-        if reason:
-            return modality, reason
-    known = ", ".join(m.description for m in REGISTRY.values())
-    raise UserError(
-        f"data.source={text}: no modality recognises what it holds ({known}); choose the data config with data=NAME."
-    )

@@ -1,7 +1,7 @@
 """What a modality is: the one interface app and the tasks talk to, whatever the data.
 
-A modality (text, image, ...) is a package under onn/modalities/ whose `__init__.py` subclasses
-`Modality` and calls `register`. It brings:
+A modality (text, image, ...) is a package under onn/modalities/: its `modality.py` subclasses `Modality`
+and its `__init__.py` registers an instance (onn/modalities/registry.py). It brings:
 
   sniff      does a file or folder hold its kind of data (for `data=auto`)? a reason, or None
   check      its config keys, checked before anything heavy starts
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from onn.hardware.profile import Profile
+    from onn.planning.plan import Plan
     from onn.planning.spec import ModelSpec
 
 # What a classifier's hooks read: a run's config, or one side's of a dual encoder (its data, model, seed, paths)
@@ -44,15 +46,15 @@ class Job:
     config: ONNConfig
     run_dir: Path
     modality: Modality
-    hardware: dict[str, Any] | None = None
-    plan: dict[str, Any] | None = None
+    hardware: Profile | None = None
+    plan: Plan | None = None
     spec: ModelSpec | None = None
     ckpt: Path | None = None  # the checkpoint to resume or to evaluate, infer with and export
 
     @property
     def device(self) -> str:
         """The compute device the plan runs on (`cuda:N` on a GPU: this process's own)."""
-        return compute_device((self.plan or {}).get("hardware", {}).get("accelerator", "cpu"))
+        return compute_device(self.plan.hardware["accelerator"] if self.plan else "cpu")
 
 
 class Modality:
@@ -148,17 +150,6 @@ class PairSide(Protocol):
     def sample(self, batch: int) -> torch.Tensor:
         """A stored batch of zeros of the side's shape and dtype, to size and trace the encoder."""
         ...
-
-
-REGISTRY: dict[str, Modality] = {}
-
-
-def register(modality: Modality) -> Modality:
-    """Make a modality known by its name; its package's __init__ calls this."""
-    if not modality.name:
-        raise ValueError(f"{type(modality).__name__} has no name")
-    REGISTRY[modality.name] = modality
-    return modality
 
 
 class ClassifierModality(Modality):

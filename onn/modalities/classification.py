@@ -38,9 +38,10 @@ from onn.config.task import InferTask, TrainTask
 from onn.data.files import write_jsonl
 from onn.data.resident import ClassificationData, ResidentBatches, Split
 from onn.errors import UserError
-from onn.export import export_for_run
+from onn.export.write import export_for_run
 from onn.hardware.memory import PeakMemory
 from onn.modalities.base import ClassifierModality, Job
+from onn.models.layers import configured_blocks
 from onn.models.vision import feature_extractor
 from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
@@ -68,7 +69,7 @@ def plan(m: ClassifierModality, config: ONNConfig, hardware: dict[str, Any], use
         sample = transform(stored, train=False).to("meta")
     spec = network_spec(network, sample, str(model_cfg.name), pretrained=bool(model_cfg.weights),
                         head_params=head_params(network, len(inputs["classes"])),
-                        blocks_path=(model_cfg.layer_map or {}).get("blocks"))  # fmt: skip
+                        blocks_path=configured_blocks(model_cfg.layer_map))  # fmt: skip
     return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
 
 
@@ -78,7 +79,7 @@ def build(
     """The Classifier for `inputs`: from the data, or from a checkpoint."""
     torch.manual_seed(int(config.seed))
     model_cfg: NetworkConfig = config.model
-    strategy = plan["strategy"]
+    strategy = plan.strategy
     network = m.network(model_cfg, inputs)
     if strategy == "linear_probe":  # the plan admits full and linear_probe only
         backbone, width = feature_extractor(network)
@@ -422,9 +423,10 @@ def head_params(network: nn.Module, classes: int) -> int:
 
 
 def saved_inputs(ckpt: Path) -> dict[str, Any]:
-    inputs = saved_config(ckpt).get("inputs")
-    if not inputs:
+    saved = saved_config(ckpt)
+    if "inputs" not in saved:  # a text or pairs run's checkpoint, or another tool's
         raise UserError(f"ckpt {ckpt} was not written by a classifier run; it cannot be used with this data.")
+    inputs = saved["inputs"]
     if "input_shape" not in inputs:
         inputs = {**inputs, "input_shape": input_shape(inputs)}
     return inputs
@@ -500,7 +502,8 @@ def _best(callback, ckpt: Path | None, run_dir: Path, monitor: str) -> tuple[str
     if path and Path(path).parent == here and callback.best_model_score is not None:
         score = float(callback.best_model_score)
     if ckpt is not None:
-        earlier = [h[monitor] for h in read_meta(ckpt).get("onn", {}).get("history") or [] if monitor in h]
+        history = read_meta(ckpt)["onn"]["history"]  # the run this one resumed from
+        earlier = [h[monitor] for h in history if monitor in h]
         old = Path(ckpt).parent / "best.ckpt"
         better = min if monitor_mode(monitor) == "min" else max
         if earlier and old.is_dir() and (score is None or better(better(earlier), score) != score):

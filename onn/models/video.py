@@ -39,7 +39,7 @@ def build_video_classifier(model_cfg: NetworkConfig, channels: int, num_classes:
         if model_cfg.weights:
             load_weights(model, model_cfg.weights)
     elif kind == "zoo":
-        from onn.models.zoo import VIDEO, build_zoo
+        from onn.models.zoo.registry import VIDEO, build_zoo
 
         if name not in VIDEO:
             raise UserError(

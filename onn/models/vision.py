@@ -21,7 +21,7 @@ from torch import nn
 from onn.config.model import NetworkConfig
 from onn.errors import UserError
 from onn.models.load import CONVERT_HINT, PICKLE_SUFFIXES
-from onn.models.zoo import build_zoo
+from onn.models.zoo.registry import build_zoo
 
 log = logging.getLogger("onn")
 

@@ -36,11 +36,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from onn.hardware.memory import anon_rss_mb
+from onn.hardware.profile import Profile
 from onn.planning.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from onn.planning.streaming import StreamingPlan  # streaming.py imports this module
 
 MB = 1024**2
 
@@ -76,6 +80,8 @@ MIXED_ACTIVATION_FACTOR = 1.25
 
 @dataclass
 class Estimate:
+    """One candidate's predicted memory at one micro-batch (MB), and whether it fits the budget."""
+
     strategy: str
     fits: bool
     micro_batch: int
@@ -86,7 +92,7 @@ class Estimate:
     workspace_mb: float
     context_mb: float
     note: str = ""
-    streaming: dict[str, Any] = field(default_factory=dict)
+    streaming: StreamingPlan | None = None  # the sparse_lora candidate's streaming setting
     accumulates: bool = False  # several micro-batches per step: their gradients outlive each backward
 
     @property
@@ -99,71 +105,71 @@ class Estimate:
         return self.weights_mb + self.optimizer_mb + self.workspace_mb + held
 
 
-def choose_precision(hw: dict[str, Any]) -> str:
-    if hw["accelerator"] == "cuda":
-        return "bf16-mixed" if hw.get("bf16") else "16-mixed"
-    if hw["accelerator"] == "mps":
+def choose_precision(hw: Profile) -> str:
+    if hw.accelerator == "cuda":
+        return "bf16-mixed" if hw.bf16 else "16-mixed"
+    if hw.accelerator == "mps":
         return "16-mixed"
     # CPU autocast to bf16 measured 2x slower than fp32 here (Xeon with AVX512-BF16): casts cost
     # more than they save. Ask for it with strategy.precision=bf16-mixed.
     return "32-true"
 
 
-def context_mb(hw: dict[str, Any]) -> float:
+def context_mb(hw: Profile) -> float:
     """What the process holds before any model is built: the CUDA context (measured by the profile; a
     preset's own figure, or CUDA_CONTEXT_MB), or on CPUs the process's resident memory now."""
-    if hw["accelerator"] == "cuda":
-        return float(hw.get("cuda_context_mb") or CUDA_CONTEXT_MB)
-    if hw.get("source") == "preset":
+    if hw.accelerator == "cuda":
+        return float(hw.cuda_context_mb or CUDA_CONTEXT_MB)
+    if hw.source == "preset":
         return 600.0  # a preset machine cannot be measured: torch + Python's typical resident size
     return anon_rss_mb()
 
 
-def budget_mb(hw: dict[str, Any]) -> float:
+def budget_mb(hw: Profile) -> float:
     """Memory the run may hold on its compute device, its context (CUDA context, or the process's own
     baseline) included: what is available with 5% headroom, or `hardware.budget_mb` as given."""
-    if hw["accelerator"] == "cuda":
-        total = hw.get("device_memory_free_mb") or hw["device_memory_mb"]
+    if hw.accelerator == "cuda":
+        total = hw.device_memory_free_mb or hw.device_memory_mb
     else:  # CPU and unified memory: the host's available memory is the device
-        total = hw.get("host_memory_available_mb") or hw.get("device_memory_mb") or hw["host_memory_mb"]
+        total = hw.host_memory_available_mb or hw.device_memory_mb or hw.host_memory_mb
     total *= HEADROOM
-    if hw.get("budget_mb"):
-        total = min(total, float(hw["budget_mb"]))
+    if hw.budget_mb:
+        total = min(total, float(hw.budget_mb))
     return total
 
 
-def fits(est: Estimate, hw: dict[str, Any]) -> bool:
+def fits(est: Estimate, hw: Profile) -> bool:
     """The prediction, context included, within the budget."""
     return est.peak_mb + est.context_mb <= budget_mb(hw)
 
 
-def compute_dtype_name(hw: dict[str, Any], precision: str) -> str:
+def compute_dtype_name(hw: Profile, precision: str) -> str:
     if precision == "32-true":
         return "float32"
     return "bfloat16" if precision.startswith("bf16") else "float16"
 
 
-def threads_for(hw: dict[str, Any]) -> tuple[int, float]:
+def threads_for(hw: Profile) -> tuple[int, float]:
     """(threads, share): torch's thread count for the cores other processes leave free (at least one,
     at most OMP_NUM_THREADS when set), and the share of a core each thread gets: measured by the
     profile right now (`cpu_share`: busy threads of ours, timed), since the scheduler's split (fair per
     thread, or per session with autogroup) cannot be read off a count of the others' threads."""
-    cores = int(hw.get("cpu_cores") or 1)
-    busy = float(hw.get("cpu_busy_cores") or 0.0)
+    cores = int(hw.cpu_cores or 1)
+    busy = float(hw.cpu_busy_cores or 0.0)
     threads = max(1, min(cores, math.floor(cores - busy + 0.5)))
-    if hw.get("thread_limit"):
-        threads = min(threads, int(hw["thread_limit"]))
-    share = float(hw.get("cpu_share") or 1.0) if busy >= 0.25 else 1.0
+    if hw.thread_limit:
+        threads = min(threads, int(hw.thread_limit))
+    share = float(hw.cpu_share or 1.0) if busy >= 0.25 else 1.0
     return threads, share
 
 
-def matmul_rate(hw: dict[str, Any], dtype: str, rows: float, threads: int, size: float = 4096.0) -> float:
+def matmul_rate(hw: Profile, dtype: str, rows: float, threads: int, size: float = 4096.0) -> float:
     """FLOP/s of a matmul with `rows` rows by a weight of about size x size, in `dtype`, on `threads`
     threads: the profile's measured tables (log-interpolated in rows and in weight size, linearly in
     threads), or a preset's matmul_tflops."""
-    tables = hw.get("matmul_gflops") or {}
+    tables = hw.matmul_gflops or {}
     if not tables or not all(dtype in t for t in tables.values()):
-        return float(hw.get("matmul_tflops") or 0.1) * 1e12
+        return float(hw.matmul_tflops or 0.1) * 1e12
 
     def log_interp(x: float, points: list[tuple[float, float]]) -> float:
         points = sorted(points)
@@ -208,7 +214,7 @@ def streaming_step_flops(spec: ModelSpec, seq: int, batch_size: int, trainable_l
     return (sum(per_block) + 2 * sum(per_block[lowest:]) + 2 * head) * batch_size * seq
 
 
-def compute_s(spec: ModelSpec, hw: dict[str, Any], strategy: str, seq: int, batch_size: int, micro_batch: int,
+def compute_s(spec: ModelSpec, hw: Profile, strategy: str, seq: int, batch_size: int, micro_batch: int,
               trainable_layers: list[int], dtype: str = "float32", forward_group: int = 1, parts: bool = False):  # fmt: skip
     """Predicted compute time of one optimizer step on this machine, from what its profile measured.
 
@@ -234,7 +240,7 @@ def compute_s(spec: ModelSpec, hw: dict[str, Any], strategy: str, seq: int, batc
     def matmul(flops: float, m: float) -> float:
         return flops / (matmul_rate(hw, dtype, m, threads, size) * share)
 
-    calls = hw.get("block_call_s") or {}
+    calls = hw.block_call_s or {}
     half = dtype != "float32"
     act_bytes = (10 * spec.hidden + 4 * spec.kv_dim + 4 * spec.intermediate) * tokens * (2 if half else 4)
     if strategy == "full":
@@ -254,7 +260,7 @@ def compute_s(spec: ModelSpec, hw: dict[str, Any], strategy: str, seq: int, batc
         framework = calls.get("lora_bf16" if half else "lora", 0.0) * n * micro_batches
         trainable, with_grad = sum(spec.lora_params_per_block), n
     framework += calls.get("step", 0.0) * micro_batches
-    bandwidth = float(hw.get("memory_gb_s") or 0) * 1e9
+    bandwidth = float(hw.memory_gb_s or 0) * 1e9
     traffic = (28 * trainable + 2 * act_bytes * with_grad) / bandwidth if bandwidth else 0.0
     if parts:
         return time_s, (framework + traffic) / share

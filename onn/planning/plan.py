@@ -17,6 +17,7 @@ from typing import Any
 from onn.config import ONNConfig, StreamingConfig, as_dict
 from onn.dtypes import BYTES_PER_VALUE as DTYPE_BYTES
 from onn.errors import UserError
+from onn.hardware.profile import Profile
 from onn.models.layers import resolve_indices
 from onn.planning.costs import (
     CPU_HEAP_OVERHEAD,
@@ -38,6 +39,8 @@ from onn.planning.streaming import (
     PRECISE_FIRST,
     STREAMING_CHOICES,
     STREAMING_KEYS,
+    FixedStreaming,
+    StreamingPlan,
     StreamShape,
     estimate_streaming,
     store_dtypes,
@@ -47,9 +50,52 @@ from onn.planning.tuned import lookup
 CANDIDATES = ("full", "lora", "qlora", "sparse_lora")
 NETWORK_CANDIDATES = ("full", "linear_probe")
 AUTO_ORDER = ("lora", "qlora", "sparse_lora")  # pretrained weights: the first that fits wins
+EXTRAS = ("scale", "data_streamed", "tuned", "step_time_source")  # plan.yaml holds these only when set
 
 
-def make_network_plan(cfg: ONNConfig, hw: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
+@dataclass
+class Plan:
+    """What a run does on this machine and why: plan.yaml, as `as_dict` writes it."""
+
+    strategy: str  # the chosen candidate: full, lora, qlora, sparse_lora, linear_probe
+    requested: str  # strategy.name as asked (auto, or a candidate)
+    reasons: list[str]  # why, one line each
+    micro_batch: int
+    accumulate: int  # micro-batches per optimizer step
+    precision: str  # Lightning's precision
+    weights_dtype: str  # the frozen weights' dtype
+    sequence_length: int | None  # data.max_length (language models)
+    predicted_peak_memory_mb: float  # allocated by the run, its context left out
+    predicted_step_s: float
+    context_mb: float  # the CUDA context, or the process's baseline on CPUs
+    budget_mb: float
+    sparse_layers: list[int] | None  # sparse_lora's trained blocks
+    gradient_checkpointing: bool
+    settings_source: str  # plan, or tune (a cached task=tune result)
+    streaming: StreamingPlan | None  # sparse_lora's streaming setting
+    threads: int | None  # torch's threads (CPU plans)
+    hardware: dict[str, Any]  # the machine, as hardware_summary records it
+    model: dict[str, Any]  # name, params, blocks, layer map, pretrained
+    candidates: dict[str, dict[str, Any]]  # every candidate's memory, by name
+    scale: dict[str, Any] | None = None  # several devices or nodes (scale.py)
+    data_streamed: bool | None = None  # the data read as a stream rather than held
+    tuned: dict[str, Any] | None = None  # where task=tune's settings came from
+    step_time_source: str | None = None  # timed: the step time from the model's own blocks (calibrate.py)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan as plan.yaml (and a benchmark's child process) reads it: plain values."""
+        values = asdict(self)
+        return {k: v for k, v in values.items() if k not in EXTRAS or v is not None}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Plan:
+        """A plan read back from `as_dict`'s values."""
+        streaming = values["streaming"]
+        values = {**values, "streaming": StreamingPlan(**streaming) if streaming else None}
+        return cls(**values)
+
+
+def make_network_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
     """The plan for a classifier network (images, audio, video, points): full training or a linear
     probe, the whole batch in one pass."""
     requested = cfg.strategy.name
@@ -61,7 +107,7 @@ def make_network_plan(cfg: ONNConfig, hw: dict[str, Any], spec: ModelSpec) -> di
     batch = int(cfg.data.batch_size)
     precision = cfg.strategy.precision
     reasons = []
-    if precision in (None, "auto") and hw["accelerator"] == "cpu" and hw.get("bf16"):
+    if precision in (None, "auto") and hw.accelerator == "cpu" and hw.bf16:
         precision = "bf16-mixed"  # oneDNN runs bf16 convolutions on AMX / AVX512-BF16: v28 trained 2x faster
         reasons.append("precision bf16-mixed: this CPU has bf16 matrix units (AMX / AVX512-BF16)")
     precision = choose_precision(hw) if precision in (None, "auto") else precision
@@ -75,7 +121,7 @@ def make_network_plan(cfg: ONNConfig, hw: dict[str, Any], spec: ModelSpec) -> di
         activations = spec.sample_activation_bytes * batch * (0.5 if half else 1) if name == "full" else 0
         weights, grads, optim = spec.params * 4, trainable * 4, trainable * optimizer_bytes
         workspace = 0.05 * (weights + activations) + (
-            CPU_HEAP_OVERHEAD * activations if hw["accelerator"] == "cpu" else 0
+            CPU_HEAP_OVERHEAD * activations if hw.accelerator == "cpu" else 0
         )
         est = Estimate(name, False, batch, weights / MB, grads / MB, optim / MB, activations / MB, workspace / MB, ctx,
                        note="plus the resident dataset, measured when it is read")  # fmt: skip
@@ -94,26 +140,33 @@ def make_network_plan(cfg: ONNConfig, hw: dict[str, Any], spec: ModelSpec) -> di
         reasons.append(
             f"WARNING: predicted {est.peak_mb + est.context_mb:,.0f} MB exceeds the {budget_mb(hw):,.0f} MB budget; lower data.batch_size"
         )
-    tflops = float(hw.get("matmul_tflops") or 1.0)
+    tflops = float(hw.matmul_tflops or 1.0)
     step_flops = spec.sample_flops * batch * (3 if chosen == "full" else 0)
-    return {
-        "strategy": chosen, "requested": requested, "reasons": reasons, "micro_batch": batch, "accumulate": 1,
-        "precision": precision, "weights_dtype": "float32", "sequence_length": None,
-        "predicted_peak_memory_mb": round(est.peak_mb, 1), "predicted_step_s": round(step_flops / (tflops * 1e12), 4),
-        "context_mb": round(ctx, 1), "budget_mb": round(budget_mb(hw), 1), "sparse_layers": None,
-        "gradient_checkpointing": False, "settings_source": "plan", "streaming": None,
-        "hardware": hardware_summary(hw),
-        "model": {"name": spec.name, "params": spec.params, "blocks": spec.n_blocks, "layer_map": spec.layer_map,
-                  "pretrained": spec.pretrained, "flops_per_sample": spec.sample_flops,
-                  "activation_bytes_per_sample": spec.sample_activation_bytes},
-        "candidates": {name: {**{k: round(v, 1) if isinstance(v, float) else v for k, v in asdict(e).items()},
-                              "peak_mb": round(e.peak_mb, 1)} for name, e in estimates.items()},
-    }  # fmt: skip
+    return Plan(
+        strategy=chosen, requested=requested, reasons=reasons, micro_batch=batch, accumulate=1, precision=precision,
+        weights_dtype="float32", sequence_length=None, predicted_peak_memory_mb=round(est.peak_mb, 1),
+        predicted_step_s=round(step_flops / (tflops * 1e12), 4), context_mb=round(ctx, 1),
+        budget_mb=round(budget_mb(hw), 1), sparse_layers=None, gradient_checkpointing=False, settings_source="plan",
+        streaming=None, threads=None, hardware=hardware_summary(hw),
+        model={"name": spec.name, "params": spec.params, "blocks": spec.n_blocks, "layer_map": spec.layer_map,
+               "pretrained": spec.pretrained, "flops_per_sample": spec.sample_flops,
+               "activation_bytes_per_sample": spec.sample_activation_bytes},
+        candidates=candidate_table(estimates),
+    )  # fmt: skip
 
 
-def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro_batch: int, precision: str,
+def candidate_table(estimates: dict[str, Estimate]) -> dict[str, dict[str, Any]]:
+    """Every candidate's memory as plan.yaml lists it, MB to one decimal (a candidate that streams: its setting)."""
+    table = {}
+    for name, e in estimates.items():
+        row = {k: round(v, 1) if isinstance(v, float) else v for k, v in asdict(e).items()}
+        table[name] = {**row, "streaming": row["streaming"] or {}, "peak_mb": round(e.peak_mb, 1)}
+    return table
+
+
+def estimate(strategy: str, spec: ModelSpec, hw: Profile, seq: int, micro_batch: int, precision: str,
              sparse_layers: list[int], batch_size: int, store_dtype: str | None = None,
-             fixed: dict[str, Any] | None = None, prefetch: bool = True, checkpointing: bool = False,
+             fixed: FixedStreaming | None = None, prefetch: bool = True, checkpointing: bool = False,
              present: dict[str, int] | None = None, where: str = "paths.cache") -> Estimate:  # fmt: skip
     """Predicted memory of one candidate at one micro-batch. With gradient checkpointing, autograd
     keeps only each block's input, and one block's activations exist at a time, during its recompute.
@@ -121,7 +174,7 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
     mixed = precision.endswith("mixed")
     half = 2 if (mixed or precision.startswith(("bf16", "16"))) else 4
     act_bytes = half
-    frozen_bytes = half if hw["accelerator"] != "cpu" else (2 if precision.startswith("bf16") else 4)
+    frozen_bytes = half if hw.accelerator != "cpu" else (2 if precision.startswith("bf16") else 4)
     per_token_layer = 10 * spec.hidden + 4 * spec.kv_dim + 4 * spec.intermediate
     kept_layers = (
         spec.hidden * spec.n_blocks + per_token_layer if checkpointing else per_token_layer * spec.n_blocks
@@ -140,7 +193,7 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
         extra = spec.params * 2 if mixed else 0
     elif strategy in ("lora", "qlora"):
         if strategy == "qlora":
-            if hw["accelerator"] == "mps":
+            if hw.accelerator == "mps":
                 return Estimate(strategy, False, micro_batch, 0, 0, 0, 0, 0, ctx,
                                 note="bitsandbytes' 4-bit layers run on CUDA GPUs and CPUs, not on Apple's MPS")  # fmt: skip
             # the blocks' linear layers in NF4; the rest (embeddings, norms, head) as the frozen weights are
@@ -156,12 +209,12 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
     elif strategy == "sparse_lora":
         shape = StreamShape(spec, hw, compute_dtype_name(hw, precision), seq, micro_batch, batch_size, sparse_layers,
                             per_token_layer, logits, prefetch=prefetch, budget=(budget_mb(hw) - ctx) * MB,
-                            fixed=dict(fixed or {}), present=present or {}, where=where)  # fmt: skip
+                            fixed=fixed or FixedStreaming(), present=present or {}, where=where)  # fmt: skip
         return estimate_streaming(shape, [store_dtype] if store_dtype else store_dtypes(hw, precision), ctx)
     else:
         raise ValueError(strategy)
     workspace = 0.05 * (weights + max(trainable, activations) + optimizer) + extra
-    if hw["accelerator"] == "cpu":
+    if hw.accelerator == "cpu":
         workspace += CPU_HEAP_OVERHEAD * activations
     est = Estimate(
         strategy,
@@ -180,7 +233,7 @@ def estimate(strategy: str, spec: ModelSpec, hw: dict[str, Any], seq: int, micro
     return est
 
 
-def check_settings(cfg: ONNConfig, hw: dict[str, Any]) -> None:
+def check_settings(cfg: ONNConfig, hw: Profile) -> None:
     """What a plan cannot be made from, in one sentence before any is made: strategy.streaming values, and
     a memory budget below what the process already holds (planned, it would be a negative budget)."""
     streaming = cfg.strategy.streaming
@@ -190,9 +243,9 @@ def check_settings(cfg: ONNConfig, hw: dict[str, Any]) -> None:
     if budget_mb(hw) <= held:
         given = cfg.hardware.budget_mb
         cause = (f"hardware.budget_mb={given:g} MB" if given
-                 else f"this machine's available memory ({hw.get('host_memory_available_mb') or hw.get('device_memory_mb')} MB)")  # fmt: skip
+                 else f"this machine's available memory ({hw.host_memory_available_mb or hw.device_memory_mb} MB)")  # fmt: skip
         raise UserError(f"{cause} is below what the run holds before any model is built ({held:,.0f} MB: "
-                        f"{'the CUDA context' if hw['accelerator'] == 'cuda' else 'Python, torch and the libraries'}); "
+                        f"{'the CUDA context' if hw.accelerator == 'cuda' else 'Python, torch and the libraries'}); "
                         f"give a budget above {held:,.0f} MB.")  # fmt: skip
 
 
@@ -209,12 +262,12 @@ def check_streaming(streaming: StreamingConfig) -> None:
             raise UserError(f"strategy.streaming.{key}={value!r} is not one of auto, {', '.join(choices)}.")
 
 
-def fixed_streaming(streaming: StreamingConfig | None) -> dict[str, Any]:
-    """The streaming settings the config fixes (those not `auto`), by name: the planner takes them as given."""
+def fixed_streaming(streaming: StreamingConfig | None) -> FixedStreaming:
+    """The streaming settings the config fixes (those not `auto`): the planner takes them as given."""
     if streaming is None:
-        return {}
+        return FixedStreaming()
     values = as_dict(streaming)
-    return {k: values[k] for k in STREAMING_KEYS if values[k] not in (None, "auto")}
+    return FixedStreaming(**{k: None if values[k] == "auto" else values[k] for k in STREAMING_KEYS})
 
 
 def _store_present_bytes(cfg: ONNConfig, store_dtype: str) -> int:
@@ -238,7 +291,7 @@ class PlanRequest:
     """What a language model's plan is asked for, read once from the config."""
 
     cfg: ONNConfig
-    hw: dict[str, Any]
+    hw: Profile
     spec: ModelSpec
     requested: str
     seq: int
@@ -246,13 +299,13 @@ class PlanRequest:
     sparse_layers: list[int]
     fixed_micro_batch: int | None
     checkpointing: bool
-    fixed: dict[str, Any]  # the streaming settings the config fixes (fixed_streaming)
+    fixed: FixedStreaming  # the streaming settings the config fixes
     prefetch: bool
     present: dict[str, int]
     precisions: dict[str, str]
 
     @classmethod
-    def read(cls, cfg: ONNConfig, hw: dict[str, Any], spec: ModelSpec) -> PlanRequest:
+    def read(cls, cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> PlanRequest:
         strategy_cfg = cfg.strategy
         seq, batch_size, n = int(cfg.data.max_length), int(cfg.data.batch_size), spec.n_blocks
         # the sparse_lora candidate of another strategy: first and last four blocks, as many as exist
@@ -267,9 +320,7 @@ class PlanRequest:
         if batch_size < 1:
             raise UserError(f"data.batch_size={batch_size}: give a whole number of samples, 1 or more.")
         present = (
-            {sd: _store_present_bytes(cfg, sd) for sd in PRECISE_FIRST}
-            if hw.get("disk_free_mb") is not None
-            else {}
+            {sd: _store_present_bytes(cfg, sd) for sd in PRECISE_FIRST} if hw.disk_free_mb is not None else {}
         )
         precisions = {name: _precision(strategy_cfg.precision, name, spec, hw, seq, batch_size, sparse_layers)
                       for name in CANDIDATES}  # fmt: skip
@@ -281,7 +332,7 @@ class PlanRequest:
                    present, precisions)  # fmt: skip
 
 
-def make_plan(cfg: ONNConfig, hw: dict[str, Any], spec: ModelSpec, use_tuned: bool = True) -> dict[str, Any]:
+def make_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec, use_tuned: bool = True) -> Plan:
     """The plan: chosen strategy with reasons, micro-batch, precision, and every candidate's memory."""
     check_settings(cfg, hw)
     if spec.kind == "network":
@@ -300,8 +351,8 @@ def _best_estimate(r: PlanRequest, name: str) -> Estimate:
     bound by the host link is no faster for larger micro-batches, only larger."""
     sizes = [r.fixed_micro_batch] if r.fixed_micro_batch else micro_batch_sizes(r.batch_size)
     layers = r.sparse_layers if name == "sparse_lora" else list(range(r.spec.n_blocks))
-    store = r.fixed.get("store_dtype")
-    streamed_on_gpu = name == "sparse_lora" and r.hw["accelerator"] == "cuda"
+    store = r.fixed.store_dtype
+    streamed_on_gpu = name == "sparse_lora" and r.hw.accelerator == "cuda"
     fitting, last = [], None
     for mb in sizes:
         last = estimate(name, r.spec, r.hw, r.seq, mb, r.precisions[name], layers, r.batch_size, store, r.fixed,
@@ -311,8 +362,8 @@ def _best_estimate(r: PlanRequest, name: str) -> Estimate:
         if last.fits:
             fitting.append(last)
     if fitting:
-        fastest = min(e.streaming["predicted_step_s"] for e in fitting)
-        near = [e for e in fitting if e.streaming["predicted_step_s"] <= fastest * (1 + GPU_TIE)]
+        fastest = min(e.streaming.predicted_step_s for e in fitting)
+        near = [e for e in fitting if e.streaming.predicted_step_s <= fastest * (1 + GPU_TIE)]
         return min(near, key=lambda e: e.peak_mb)
     return last
 
@@ -342,13 +393,13 @@ def _refuse_unfit(r: PlanRequest, chosen: str, est: Estimate) -> None:
     smallest budget that would work."""
     if chosen != "sparse_lora":
         return
-    if est.streaming.get("refused"):
-        raise UserError(est.streaming["refused"])
+    if est.streaming.refused:
+        raise UserError(est.streaming.refused)
     if not est.fits:
         need = est.peak_mb + est.context_mb
         smallest = need if r.cfg.hardware.budget_mb else need / HEADROOM
         raise UserError(
-            f"hardware {r.hw.get('name')}: a budget of {budget_mb(r.hw):,.0f} MB cannot hold one streamed block plus activations "
+            f"hardware {r.hw.name}: a budget of {budget_mb(r.hw):,.0f} MB cannot hold one streamed block plus activations "
             f"for {r.spec.name} at data.max_length={r.seq}; the smallest budget that works is about {smallest:,.0f} MB "
             "(or shorten data.max_length)."
         )
@@ -369,48 +420,45 @@ def _notes(r: PlanRequest, chosen: str, est: Estimate) -> list[str]:
             f"GFLOP/s at {rows} rows, measured, against float32's {matmul_rate(hw, 'float32', rows, threads) / 1e9:,.0f}): "
             "frozen weights in bf16, adapters in fp32"
         )
-    if hw["accelerator"] == "cpu" and (hw.get("cpu_busy_cores") or 0) >= 0.25:
+    if hw.accelerator == "cpu" and (hw.cpu_busy_cores or 0) >= 0.25:
         notes.append(
-            f"cores busy: other processes use {hw['cpu_busy_cores']:.1f} of {hw.get('cpu_cores')} cores; torch runs "
+            f"cores busy: other processes use {hw.cpu_busy_cores:.1f} of {hw.cpu_cores} cores; torch runs "
             f"{threads} thread(s){'' if share >= 1 else f', each getting about {share:.0%} of a core'}, and the step time counts that"
         )
-    elif hw.get("thread_limit") and threads < (hw.get("cpu_cores") or 1):
-        notes.append(f"torch runs {threads} thread(s): OMP_NUM_THREADS={hw['thread_limit']}")
+    elif hw.thread_limit and threads < (hw.cpu_cores or 1):
+        notes.append(f"torch runs {threads} thread(s): OMP_NUM_THREADS={hw.thread_limit}")
     if chosen == "sparse_lora":
         notes.append(_streaming_reason(est.streaming))
     return notes
 
 
-def _record(
-    r: PlanRequest, chosen: str, estimates: dict[str, Estimate], reasons: list[str]
-) -> dict[str, Any]:
+def _record(r: PlanRequest, chosen: str, estimates: dict[str, Estimate], reasons: list[str]) -> Plan:
     """The plan as plan.yaml holds it."""
     spec, hw, est = r.spec, r.hw, estimates[chosen]
     precision = r.precisions.get(chosen, r.precisions["full"])
     micro_batch = est.micro_batch  # need not divide batch_size: the last micro-batch is smaller
     if chosen == "sparse_lora":
-        step_s = est.streaming["predicted_step_s"]
+        step_s = est.streaming.predicted_step_s
     else:
         trainable = list(range(spec.n_blocks)) if chosen != "full" else [0]
         step_s = compute_s(spec, hw, chosen if chosen in CANDIDATES else "full", r.seq, r.batch_size, micro_batch, trainable,
                            dtype=compute_dtype_name(hw, precision))  # fmt: skip
-    return {
-        "strategy": chosen, "requested": r.requested, "reasons": reasons, "micro_batch": micro_batch,
-        "accumulate": -(-r.batch_size // micro_batch), "precision": precision,
-        "weights_dtype": _weights_dtype(chosen, precision, hw), "sequence_length": r.seq,
-        "predicted_peak_memory_mb": round(est.peak_mb, 1), "predicted_step_s": round(step_s, 4),
-        "context_mb": round(est.context_mb, 1), "budget_mb": round(budget_mb(hw), 1),
-        "sparse_layers": r.sparse_layers if chosen == "sparse_lora" else None,
-        "gradient_checkpointing": r.checkpointing, "settings_source": "plan", "streaming": est.streaming or None,
-        "threads": threads_for(hw)[0] if hw["accelerator"] == "cpu" else None, "hardware": hardware_summary(hw),
-        "model": {"name": spec.name, "params": spec.params, "blocks": spec.n_blocks, "layer_map": spec.layer_map,
-                  "pretrained": spec.pretrained},
-        "candidates": {name: {**{k: round(v, 1) if isinstance(v, float) else v for k, v in asdict(e).items()},
-                              "peak_mb": round(e.peak_mb, 1)} for name, e in estimates.items()},
-    }  # fmt: skip
+    return Plan(
+        strategy=chosen, requested=r.requested, reasons=reasons, micro_batch=micro_batch,
+        accumulate=-(-r.batch_size // micro_batch), precision=precision,
+        weights_dtype=_weights_dtype(chosen, precision, hw), sequence_length=r.seq,
+        predicted_peak_memory_mb=round(est.peak_mb, 1), predicted_step_s=round(step_s, 4),
+        context_mb=round(est.context_mb, 1), budget_mb=round(budget_mb(hw), 1),
+        sparse_layers=r.sparse_layers if chosen == "sparse_lora" else None,
+        gradient_checkpointing=r.checkpointing, settings_source="plan", streaming=est.streaming,
+        threads=threads_for(hw)[0] if hw.accelerator == "cpu" else None, hardware=hardware_summary(hw),
+        model={"name": spec.name, "params": spec.params, "blocks": spec.n_blocks, "layer_map": spec.layer_map,
+               "pretrained": spec.pretrained},
+        candidates=candidate_table(estimates),
+    )  # fmt: skip
 
 
-def _precision(asked: str, name: str, spec: ModelSpec, hw: dict[str, Any], seq: int, batch_size: int,
+def _precision(asked: str, name: str, spec: ModelSpec, hw: Profile, seq: int, batch_size: int,
                sparse_layers: list[int]) -> str:  # fmt: skip
     """The precision a candidate runs in: as asked, or by the machine. A CPU whose profile measured
     bf16 matmuls streams in bf16-mixed when matmuls are most of the step and bf16 makes it at least
@@ -419,8 +467,8 @@ def _precision(asked: str, name: str, spec: ModelSpec, hw: dict[str, Any], seq: 
     adapters in fp32. Resident strategies keep fp32, whose memory the planner's model was measured on."""
     if asked not in (None, "auto"):
         return asked
-    measured = all("bfloat16" in table for table in (hw.get("matmul_gflops") or {"": {}}).values())
-    if hw["accelerator"] != "cpu" or name != "sparse_lora" or not measured:
+    measured = all("bfloat16" in table for table in (hw.matmul_gflops or {"": {}}).values())
+    if hw.accelerator != "cpu" or name != "sparse_lora" or not measured:
         return choose_precision(hw)
     matmul32, other32 = compute_s(
         spec, hw, name, seq, batch_size, batch_size, sparse_layers, "float32", parts=True
@@ -433,30 +481,26 @@ def _precision(asked: str, name: str, spec: ModelSpec, hw: dict[str, Any], seq: 
     return "bf16-mixed" if dominated and matmul16 + other16 < 0.67 * (matmul32 + other32) else "32-true"
 
 
-def _streaming_reason(s: dict[str, Any]) -> str:
+def _streaming_reason(s: StreamingPlan) -> str:
     """Why these streaming settings: their predicted step against the next fastest."""
     place = (
-        "in host memory"
-        if s["store"] == "cpu"
-        else f"on disk, {s['cache_blocks']} block(s) cached in host memory"
+        "in host memory" if s.store == "cpu" else f"on disk, {s.cache_blocks} block(s) cached in host memory"
     )
-    line = (f"streaming: {s['store_dtype']} store {place}, chunk {s['chunk_size']}, edges {s['edges']}: predicted "
-            f"{s['predicted_step_s']:.2f} s/step (I/O {s['predicted_io_s']:.2f} s for {_moved(s)}, "
-            f"compute {s['predicted_compute_s']:.2f} s in {s['compute_dtype']}"
-            + (f", decode {s['predicted_decode_s']:.2f} s" if s["predicted_decode_s"] else "") + "), the fastest that fits")  # fmt: skip
-    others = [
-        a for a in s["alternatives"] if (a["store_dtype"], a["store"]) != (s["store_dtype"], s["store"])
-    ]
+    line = (f"streaming: {s.store_dtype} store {place}, chunk {s.chunk_size}, edges {s.edges}: predicted "
+            f"{s.predicted_step_s:.2f} s/step (I/O {s.predicted_io_s:.2f} s for {_moved(s)}, "
+            f"compute {s.predicted_compute_s:.2f} s in {s.compute_dtype}"
+            + (f", decode {s.predicted_decode_s:.2f} s" if s.predicted_decode_s else "") + "), the fastest that fits")  # fmt: skip
+    others = [a for a in s.alternatives if (a["store_dtype"], a["store"]) != (s.store_dtype, s.store)]
     if others:
         a = others[0]
         line += f"; next: {a['store_dtype']} {a['store']} store at {a['predicted_step_s']:.2f} s/step"
     return line
 
 
-def _moved(s: dict[str, Any]) -> str:
+def _moved(s: StreamingPlan) -> str:
     """What a streamed step moves: GB read from the disk, and on a GPU GB copied over the host link."""
-    read = f"{s['predicted_disk_read_gb']:,.1f} GB read"
-    copied = s.get("predicted_h2d_gb") or 0
+    read = f"{s.predicted_disk_read_gb:,.1f} GB read"
+    copied = s.predicted_h2d_gb
     return f"{read} and {copied:,.1f} GB copied to the GPU" if copied else read
 
 
@@ -466,16 +510,16 @@ def _store_folder(cfg: ONNConfig) -> Path:
     return Path(cfg.paths.cache) / "stores" / model_fingerprint(cfg.model)
 
 
-def hardware_summary(hw: dict[str, Any]) -> dict[str, Any]:
+def hardware_summary(hw: Profile) -> dict[str, Any]:
     """The machine as a plan records it."""
     keys = ("name", "accelerator", "device_name", "device_memory_mb", "host_memory_mb", "cpu_cores", "cpu_busy_cores",
             "matmul_tflops", "disk_read_mb_s", "disk_free_mb", "memory_gb_s", "h2d_mb_s", "source")  # fmt: skip
-    return {k: hw.get(k) for k in keys}
+    return {k: getattr(hw, k) for k in keys}
 
 
-def _with_tuned(plan: dict[str, Any], cfg: ONNConfig, hw: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
+def _with_tuned(plan: Plan, cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
     """The plan again with the `auto` settings that task=tune measured on this machine, when it has."""
-    tuned = lookup(cfg, hw, plan["strategy"], plan["sequence_length"])
+    tuned = lookup(cfg, hw, plan.strategy, plan.sequence_length)
     if tuned is None:
         return plan
     config = copy.deepcopy(cfg)
@@ -493,26 +537,26 @@ def _with_tuned(plan: dict[str, Any], cfg: ONNConfig, hw: dict[str, Any], spec: 
     if not taken:
         return plan
     tuned_plan = make_plan(config, hw, spec, use_tuned=False)
-    if tuned_plan["strategy"] != plan["strategy"] or not tuned_plan["candidates"][plan["strategy"]]["fits"]:
-        plan["reasons"].append(
+    if tuned_plan.strategy != plan.strategy or not tuned_plan.candidates[plan.strategy]["fits"]:
+        plan.reasons.append(
             f"task=tune's settings {taken} ({tuned['path']}) no longer fit: using the planner's own"
         )
         return plan
-    tuned_plan["requested"] = plan["requested"]
-    tuned_plan["settings_source"] = "tune"
-    tuned_plan["tuned"] = {
+    tuned_plan.requested = plan.requested
+    tuned_plan.settings_source = "tune"
+    tuned_plan.tuned = {
         k: tuned.get(k)
         for k in ("path", "tuned_at", "samples_per_s", "plan_samples_per_s", "speedup_over_plan")
     }
-    tuned_plan["reasons"] = [
+    tuned_plan.reasons = [
         f"settings {taken} from task=tune ({tuned['path']}, {tuned.get('tuned_at')}): measured {tuned.get('samples_per_s')} "
         f"samples/s against {tuned.get('plan_samples_per_s')} for the planner's guess",
-        *[r for r in plan["reasons"]],
+        *[r for r in plan.reasons],
     ]
     return tuned_plan
 
 
-def _weights_dtype(strategy: str, precision: str, hw: dict[str, Any]) -> str:
+def _weights_dtype(strategy: str, precision: str, hw: Profile) -> str:
     if strategy == "full" or precision == "32-true":
         return "float32"
     if precision.startswith("bf16"):
@@ -520,13 +564,13 @@ def _weights_dtype(strategy: str, precision: str, hw: dict[str, Any]) -> str:
     return "float16"
 
 
-def render(plan: dict[str, Any]) -> str:
+def render(plan: Plan) -> str:
     """The plan as a table for the terminal."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(
-        title=f"ONN plan: {plan['model']['name']} on {plan['hardware']['name']} ({plan['hardware']['device_name']})"
+        title=f"ONN plan: {plan.model['name']} on {plan.hardware['name']} ({plan.hardware['device_name']})"
     )
     for col in (
         "candidate",
@@ -540,8 +584,8 @@ def render(plan: dict[str, Any]) -> str:
         "peak (MB)",
     ):
         table.add_column(col, justify="right" if col not in ("candidate", "fits") else "left")
-    for name, c in plan["candidates"].items():
-        mark = "*" if name == plan["strategy"] else ""
+    for name, c in plan.candidates.items():
+        mark = "*" if name == plan.strategy else ""
         table.add_row(f"{mark}{name}", "yes" if c["fits"] else "no", str(c["micro_batch"]),
                       *(f"{c[k]:,.0f}" for k in ("weights_mb", "trainable_mb", "optimizer_mb", "activations_mb", "workspace_mb", "peak_mb")))  # fmt: skip
     console = Console(width=120, record=True, force_terminal=False)
@@ -549,37 +593,37 @@ def render(plan: dict[str, Any]) -> str:
         console.print(table)
     lines = [capture.get().rstrip()]
     lines.append(
-        f"strategy: {plan['strategy']}  micro-batch: {plan['micro_batch']} x {plan['accumulate']} accumulated  precision: {plan['precision']}"
+        f"strategy: {plan.strategy}  micro-batch: {plan.micro_batch} x {plan.accumulate} accumulated  precision: {plan.precision}"
     )
-    peak, ctx = plan["predicted_peak_memory_mb"], plan["context_mb"]
-    ctx_name = "CUDA context" if plan["hardware"]["accelerator"] == "cuda" else "process baseline"
+    peak, ctx = plan.predicted_peak_memory_mb, plan.context_mb
+    ctx_name = "CUDA context" if plan.hardware["accelerator"] == "cuda" else "process baseline"
     lines.append(
-        f"predicted peak memory: {peak:,.0f} MB allocated (+{ctx:,.0f} MB {ctx_name} = {peak + ctx:,.0f} MB); budget {plan['budget_mb']:,.0f} MB"
+        f"predicted peak memory: {peak:,.0f} MB allocated (+{ctx:,.0f} MB {ctx_name} = {peak + ctx:,.0f} MB); budget {plan.budget_mb:,.0f} MB"
     )
     where = (
-        f"at data.max_length={plan['sequence_length']}"
-        if plan["sequence_length"]
-        else f"for a batch of {plan['micro_batch']}"
+        f"at data.max_length={plan.sequence_length}"
+        if plan.sequence_length
+        else f"for a batch of {plan.micro_batch}"
     )
     lines.append(
-        f"predicted step time: {plan['predicted_step_s']:.3f} s {where} (a prediction; the run measures it)"
+        f"predicted step time: {plan.predicted_step_s:.3f} s {where} (a prediction; the run measures it)"
     )
-    if plan.get("streaming"):
-        s = plan["streaming"]
+    if plan.streaming:
+        s = plan.streaming
         place = (
             "host memory"
-            if s["store"] == "cpu"
-            else f"disk, {s['cache_blocks']} of {plan['model']['blocks']} blocks cached in RAM"
+            if s.store == "cpu"
+            else f"disk, {s.cache_blocks} of {plan.model['blocks']} blocks cached in RAM"
         )
-        lines.append(f"streaming: chunk_size {s['chunk_size']}, store {s['store_dtype']} in {place} ({s['store_gb']:,.1f} GB), "
-                     f"edges {s['edges']}, compute in {s['compute_dtype']}; per step {_moved(s)} "
-                     f"({s['predicted_io_s']}s I/O) vs {s['predicted_compute_s']}s compute (predictions)")  # fmt: skip
-    if plan.get("threads"):
-        lines.append(f"threads: {plan['threads']} of {plan['hardware'].get('cpu_cores')} cores")
-    lines += [f"  - {r}" for r in plan["reasons"]]
-    lines.append(f"layer map: {plan['model']['layer_map']}")
-    if plan.get("scale"):  # onn/planning/scale.py
-        lines.append(render_scale(plan["scale"]))
+        lines.append(f"streaming: chunk_size {s.chunk_size}, store {s.store_dtype} in {place} ({s.store_gb:,.1f} GB), "
+                     f"edges {s.edges}, compute in {s.compute_dtype}; per step {_moved(s)} "
+                     f"({s.predicted_io_s}s I/O) vs {s.predicted_compute_s}s compute (predictions)")  # fmt: skip
+    if plan.threads:
+        lines.append(f"threads: {plan.threads} of {plan.hardware['cpu_cores']} cores")
+    lines += [f"  - {r}" for r in plan.reasons]
+    lines.append(f"layer map: {plan.model['layer_map']}")
+    if plan.scale:  # onn/planning/scale.py
+        lines.append(render_scale(plan.scale))
     return "\n".join(lines)
 
 

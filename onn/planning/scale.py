@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from onn.config import HardwareConfig, ONNConfig
+from onn.hardware.profile import Profile
 from onn.planning.costs import HEADROOM, MB, budget_mb, choose_precision, compute_dtype_name, compute_s
 from onn.planning.plan import estimate, micro_batch_sizes
 from onn.planning.spec import ModelSpec
@@ -43,7 +44,7 @@ CPU_ADAM_WEIGHTS_S = 1.0e9
 GATHERED_BLOCKS = 2  # FSDP and ZeRO-3 gather the next block while this one computes
 
 
-def scale_plan(cfg: ONNConfig, hw: dict[str, Any], spec: ModelSpec) -> dict[str, Any] | None:
+def scale_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> dict[str, Any] | None:
     """Per-device memory and step time of each multi-device setup, and the one to use. None for a run on
     one device with a single-device strategy (task=plan always shows it, for one device too)."""
     count = int(cfg.hardware.count or 1)
@@ -75,7 +76,7 @@ def scale_plan(cfg: ONNConfig, hw: dict[str, Any], spec: ModelSpec) -> dict[str,
 class _Setup:
     """A full fine-tune over `devices` devices: what each setup holds per device and host, and its step."""
 
-    def __init__(self, spec: ModelSpec, hw: dict[str, Any], seq: int, per_device: int, precision: str, devices: int,
+    def __init__(self, spec: ModelSpec, hw: Profile, seq: int, per_device: int, precision: str, devices: int,
                  nodes: int, grad_bytes: float, comm: dict[str, Any]):  # fmt: skip
         self.spec, self.hw, self.seq, self.per_device, self.precision = spec, hw, seq, per_device, precision
         self.devices, self.grad_bytes, self.comm = devices, grad_bytes, comm
@@ -97,7 +98,7 @@ class _Setup:
     def option(self, name: str) -> dict[str, Any]:
         """The largest micro-batch whose state and activations fit a device, and the step's parts."""
         spec, hw = self.spec, self.hw
-        refused = hw["accelerator"] != "cuda" and name != "ddp"
+        refused = hw.accelerator != "cuda" and name != "ddp"
         budget = budget_mb(hw)
         for mb in micro_batch_sizes(self.per_device):
             act = estimate("full", spec, hw, self.seq, mb, self.precision, [], self.per_device)
@@ -107,7 +108,7 @@ class _Setup:
             if device_mb + act.context_mb <= budget:
                 break
         ctx = act.context_mb
-        host_budget = float(hw["host_memory_mb"] or 0) * HEADROOM
+        host_budget = float(hw.host_memory_mb or 0) * HEADROOM
         fits = (not refused) and device_mb + ctx <= budget and self.host_per_node[name] / MB <= host_budget
         step = compute_s(
             spec, hw, "full", self.seq, self.per_device, mb, [0], dtype=compute_dtype_name(hw, self.precision)
@@ -115,7 +116,7 @@ class _Setup:
         collective = self.comm["all_reduce_s"] * (1.5 if name in ("fsdp", "deepspeed_zero3_offload") else 1.0)
         offload = 0.0
         if name == "deepspeed_zero3_offload":
-            pcie = float(hw.get("h2d_mb_s") or 0) * MB
+            pcie = float(hw.h2d_mb_s or 0) * MB
             offload = (3 * self.grad_bytes / self.devices) / pcie if pcie else 0.0
             offload += spec.params / self.devices / CPU_ADAM_WEIGHTS_S
         return {
@@ -146,11 +147,11 @@ def collective_s(grad_bytes: float, count: int, nodes: int, hw_cfg: HardwareConf
             "missing": missing}  # fmt: skip
 
 
-def reason(spec: ModelSpec, hw: dict[str, Any], options: dict[str, Any], chosen: str | None, count: int,
+def reason(spec: ModelSpec, hw: Profile, options: dict[str, Any], chosen: str | None, count: int,
            nodes: int) -> str:  # fmt: skip
     """The recommendation in one sentence, e.g. "14.7B full fine-tune: FSDP over 8 x A100-80GB, 1 node"."""
     size = f"{spec.params / 1e9:.1f}B" if spec.params >= 1e8 else f"{spec.params / 1e6:.1f}M"
-    device = hw.get("device_name") or hw.get("name") or "device"
+    device = hw.device_name or hw.name or "device"
     where = f"{count} x {device}, {nodes} node{'s' if nodes > 1 else ''}"
     if chosen is None:
         need = min(o["per_device_mb"] for o in options.values())

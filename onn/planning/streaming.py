@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from onn.dtypes import BYTES_PER_VALUE as DTYPE_BYTES
+from onn.hardware.profile import Profile
 from onn.planning.costs import (
     MB,
     MIXED_ACTIVATION_FACTOR,
@@ -49,12 +50,56 @@ DISK_RESERVE = 2 * 1024**3  # what a store's build leaves free on the disk for o
 
 
 @dataclass
+class FixedStreaming:
+    """The streaming settings the config fixes (not `auto`): the planner takes them as given; None: its choice."""
+
+    chunk_size: int | None = None
+    store: str | None = None
+    store_dtype: str | None = None
+    edges: str | None = None
+    activations: str | None = None
+    cache_blocks: int | None = None
+    eval_tokens: int | None = None
+
+
+@dataclass
+class StreamingPlan:
+    """The chosen streaming setting with what the engine and the plan's reader need: plan.yaml's `streaming`."""
+
+    chunk_size: int  # blocks loaded and computed together
+    store: str  # cpu (host memory) or disk
+    store_dtype: str  # the frozen weights' dtype in the store
+    edges: str  # prefix/suffix resident or stream
+    activations: str  # kept chunk inputs on the device or the host (GPUs)
+    cache_blocks: int  # blocks of a disk store cached in host memory
+    eval_tokens: int  # tokens validation holds hidden states for at once
+    generate_batch: int  # sequences generated together
+    generate_cache_blocks: int  # cached blocks while generating
+    generate_sequence_mb: float  # memory each of generate_batch sequences is given
+    generate_spare_mb: float  # left below one more cached block while generating
+    block_mb: float  # one cached block
+    suffix_rows: int  # rows whose loss (logits) runs at once
+    compute_dtype: str  # the dtype the blocks compute in
+    micro_batches_per_chunk: int
+    threads: int  # torch's threads (CPUs)
+    predicted_io_s: float
+    predicted_compute_s: float
+    predicted_decode_s: float
+    predicted_disk_read_gb: float  # read from the disk per step
+    predicted_h2d_gb: float  # copied to the GPU per step
+    store_gb: float
+    predicted_step_s: float
+    refused: str | None = None  # why no disk store fits, in a sentence
+    alternatives: list[dict[str, Any]] = field(default_factory=list)  # the fastest of every other store
+
+
+@dataclass
 class StreamShape:
     """What a streamed step's size depends on besides its settings: the model, machine, compute dtype and
     batch, the memory it may allocate, and what the config fixes and the disk already holds."""
 
     spec: ModelSpec
-    hw: dict[str, Any]
+    hw: Profile
     cdtype: str
     seq: int
     micro_batch: int
@@ -64,7 +109,7 @@ class StreamShape:
     logits: float  # bytes of one micro-batch's logits, their log-softmax and gradient
     prefetch: bool = True
     budget: float = 0.0  # bytes the step may allocate, its context left out
-    fixed: dict[str, Any] = field(default_factory=dict)  # streaming settings the config fixes (not auto)
+    fixed: FixedStreaming = field(default_factory=FixedStreaming)  # streaming settings the config fixes
     present: dict[str, int] = field(
         default_factory=dict
     )  # bytes of complete blocks on the disk, per store dtype
@@ -72,7 +117,7 @@ class StreamShape:
 
     @property
     def on_gpu(self) -> bool:
-        return self.hw["accelerator"] == "cuda"
+        return self.hw.accelerator == "cuda"
 
     @property
     def n(self) -> int:
@@ -103,13 +148,12 @@ class StreamShape:
     @property
     def host_room(self) -> float:
         """Host memory a GPU's store may take: 80% of what is available."""
-        return (self.hw.get("host_memory_available_mb") or self.hw.get("host_memory_mb") or 0) * MB * 0.8
+        return (self.hw.host_memory_available_mb or self.hw.host_memory_mb or 0) * MB * 0.8
 
     def options(self, key: str, default: list) -> list:
         """A setting's candidates: the config's value when it fixes one, else `default`."""
-        if key not in self.fixed:
-            return default
-        return [int(self.fixed[key]) if key in ("chunk_size", "cache_blocks") else self.fixed[key]]
+        value = getattr(self.fixed, key)
+        return default if value is None else [value]
 
 
 @dataclass
@@ -177,16 +221,23 @@ def cpu_stream_timing(
     disk = sum(files[i] for i in loads if store == "disk" and i not in cached)
     if edges == "stream" and store == "disk":
         disk += 2 * s.edge * DTYPE_BYTES[sd] / s.compute_bytes
-    io = disk / MB / float(hw.get("disk_read_mb_s") or 1000.0)
+    io = disk / MB / float(hw.disk_read_mb_s or 1000.0)
     decode = 0.0
     if sd != s.cdtype:
-        rate = (hw.get("decode_gvalues_s") or {}).get(f"{sd}->{s.cdtype}") or 1.0
+        rate = (hw.decode_gvalues_s or {}).get(f"{sd}->{s.cdtype}") or 1.0
         decode = sum(spec.block_params[i] for i in loads) / (rate * 1e9) / threads_for(hw)[1]
     compute = compute_s(spec, hw, "sparse_lora", s.seq, s.batch_size, s.micro_batch, s.sparse_layers, dtype=s.cdtype,
                         forward_group=chunk)  # fmt: skip
     cpu = compute + decode
     step = max(io, cpu) if s.prefetch else io + cpu
-    return {"step": step, "io": io, "compute": compute, "decode": decode, "disk_bytes": disk}
+    return {
+        "step": step,
+        "io": io,
+        "compute": compute,
+        "decode": decode,
+        "disk_bytes": disk,
+        "h2d_bytes": 0.0,
+    }
 
 
 def stream_memory(s: StreamShape, sd: str, store: str, edges: str, activations: str, chunk: int, cache: int,
@@ -208,8 +259,8 @@ def stream_timing(s: StreamShape, setting_memory: dict[str, float], sd: str, sto
 def _cache(s: StreamShape, sd: str, store: str, m: dict[str, float]) -> int:
     """Blocks of a disk store held in host memory: on a CPU as many as the budget leaves room for; on a GPU
     as many as the host holds beside the run (pinned, read once); a fixed cache_blocks as given."""
-    if store != "disk" or "cache_blocks" in s.fixed:
-        return int(s.fixed.get("cache_blocks", 0)) if store == "disk" else 0
+    if store != "disk" or s.fixed.cache_blocks is not None:
+        return int(s.fixed.cache_blocks or 0) if store == "disk" else 0
     if s.on_gpu:
         return int(min(s.n, s.host_room // max(block_bytes(s.spec, sd))))
     return int(min(s.n, max(0.0, s.budget - peak(m)) // m["cached_block"]))
@@ -219,7 +270,7 @@ def candidates(s: StreamShape, dtypes: list[str]) -> tuple[list[Setting], list[t
     """Every setting that fits the budget, and (store dtype, bytes missing) for each disk store the disk
     refused. On a GPU the store sits in pinned host memory when the host has room for it, else on the disk."""
     found, refused = [], []
-    disk_free = s.hw.get("disk_free_mb")
+    disk_free = s.hw.disk_free_mb
     for sd in s.options("store_dtype", dtypes):
         files = block_bytes(s.spec, sd)
         missing = sum(files) - s.present.get(sd, 0)
@@ -257,9 +308,9 @@ def choose(s: StreamShape, found: list[Setting]) -> Setting | None:
 def smallest(s: StreamShape, dtypes: list[str]) -> Setting:
     """When nothing fits: the smallest setting, to report as not fitting."""
     sd = s.options("store_dtype", dtypes)[-1]
-    store = s.fixed.get("store", "cpu" if s.on_gpu else "disk")
-    edges = s.fixed.get("edges", "stream")
-    activations = s.fixed.get("activations", "host" if s.on_gpu else "device")
+    store = s.fixed.store or ("cpu" if s.on_gpu else "disk")
+    edges = s.fixed.edges or "stream"
+    activations = s.fixed.activations or ("host" if s.on_gpu else "device")
     chunk = min(s.options("chunk_size", [1]))
     m = stream_memory(s, sd, store, edges, activations, chunk, 0)
     return Setting(
@@ -277,7 +328,7 @@ def smallest(s: StreamShape, dtypes: list[str]) -> Setting:
 def disk_refusal(s: StreamShape, refused: list[tuple[str, int]]) -> str:
     sd, missing = min(refused, key=lambda r: r[1])
     return (f"not enough disk for the layer store: {s.spec.name} as {sd} needs {missing / 2**30:,.1f} GB more under "
-            f"{s.where} and 2 GB must stay free, but the disk has {s.hw.get('disk_free_mb') / 1024:,.1f} GB free; "
+            f"{s.where} and 2 GB must stay free, but the disk has {s.hw.disk_free_mb / 1024:,.1f} GB free; "
             "set paths.cache (or ONN_CACHE) to a disk with room, or a smaller strategy.streaming.store_dtype.")  # fmt: skip
 
 
@@ -290,7 +341,7 @@ def generation(s: StreamShape, best: Setting) -> dict[str, Any]:
     int8 store's codes a CPU holds no decoded block, only one weight cast at a time for a prefill."""
     spec, m, cb = s.spec, best.memory, s.compute_bytes
     left = s.budget - peak(m) + max(m["trainable"], m["activations"])
-    eval_tokens = s.fixed.get("eval_tokens")
+    eval_tokens = s.fixed.eval_tokens
     if eval_tokens is None:
         eval_tokens = max(s.micro_batch * s.seq, min(1_000_000, left // (2 * spec.hidden * cb + 1)))
     per_sequence = (s.n * 2 * spec.kv_dim + 2 * spec.hidden) * cb * (s.seq + 64) + spec.vocab * 4
@@ -317,17 +368,16 @@ def estimate_streaming(s: StreamShape, dtypes: list[str], context_mb: float) -> 
     refusal = disk_refusal(s, refused) if best is None and refused else None
     best = best or smallest(s, dtypes)
     t, m = best.timing, best.memory
-    streaming = {
-        "chunk_size": best.chunk, "store": best.store, "store_dtype": best.store_dtype, "edges": best.edges,
-        "activations": best.activations, "cache_blocks": best.cache, **generation(s, best),
-        "suffix_rows": int(m["suffix_rows"]),  # rows whose loss (logits) runs at once
-        "compute_dtype": s.cdtype, "micro_batches_per_chunk": s.micro_batches, "threads": threads_for(s.hw)[0],
-        "predicted_io_s": round(t["io"], 3), "predicted_compute_s": round(t["compute"], 3),
-        "predicted_decode_s": round(t["decode"], 3), "predicted_disk_read_gb": round(t["disk_bytes"] / 2**30, 2),
-        "predicted_h2d_gb": round(t.get("h2d_bytes", 0) / 2**30, 2),  # copied to the GPU per step
-        "store_gb": round(sum(block_bytes(s.spec, best.store_dtype)) / 2**30, 2),
-        "predicted_step_s": round(t["step"], 3), "refused": refusal, "alternatives": alternatives(found, best),
-    }  # fmt: skip
+    streaming = StreamingPlan(
+        chunk_size=best.chunk, store=best.store, store_dtype=best.store_dtype, edges=best.edges,
+        activations=best.activations, cache_blocks=best.cache, **generation(s, best),
+        suffix_rows=int(m["suffix_rows"]), compute_dtype=s.cdtype, micro_batches_per_chunk=s.micro_batches,
+        threads=threads_for(s.hw)[0], predicted_io_s=round(t["io"], 3), predicted_compute_s=round(t["compute"], 3),
+        predicted_decode_s=round(t["decode"], 3), predicted_disk_read_gb=round(t["disk_bytes"] / 2**30, 2),
+        predicted_h2d_gb=round(t["h2d_bytes"] / 2**30, 2),
+        store_gb=round(sum(block_bytes(s.spec, best.store_dtype)) / 2**30, 2),
+        predicted_step_s=round(t["step"], 3), refused=refusal, alternatives=alternatives(found, best),
+    )  # fmt: skip
     est = Estimate("sparse_lora", False, s.micro_batch, m["weights"] / MB, m["trainable"] / MB, m["optimizer"] / MB,
                    m["activations"] / MB, m["workspace"] / MB, context_mb, streaming=streaming,
                    note=f"streams {best.chunk} block(s) at a time, frozen weights stored as {best.store_dtype}",
@@ -347,12 +397,12 @@ def alternatives(found: list[Setting], best: Setting) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
-def store_dtypes(hw: dict[str, Any], precision: str) -> list[str]:
+def store_dtypes(hw: Profile, precision: str) -> list[str]:
     """Frozen-weight storage for streaming, most precise first: the compute dtype itself (a CPU then
     computes straight from the read buffer), a 2-byte float under a float32 compute (half the bytes,
     lossless for weights that were bf16), ONN's int8. nf4 is for when nothing else fits."""
-    if hw["accelerator"] == "cuda":
-        return ["bfloat16" if hw.get("bf16") else "float16", "int8", "nf4"]
+    if hw.accelerator == "cuda":
+        return ["bfloat16" if hw.bf16 else "float16", "int8", "nf4"]
     if precision == "32-true":
         return ["float32", "bfloat16", "int8", "nf4"]
     return ["bfloat16", "int8", "nf4"]
@@ -408,7 +458,7 @@ def gpu_stream_memory(s: StreamShape, sd: str, edges: str, activations: str, chu
         rows = int(max(1, min(s.micro_batch, max(slots + recompute - head, 64 * MB) // row_logits)))
         weights, acts = max((slots, kept_bytes + recompute), (head, kept_bytes + rows * row_logits), key=sum)
     weights += lora * 4
-    workspace = 0.05 * (weights + acts + lora * 8) + float(s.hw.get("cuda_workspace_mb") or 0) * MB
+    workspace = 0.05 * (weights + acts + lora * 8) + float(s.hw.cuda_workspace_mb or 0) * MB
     return {"weights": weights, "trainable": lora * 4, "optimizer": lora * 8, "activations": acts,
             "workspace": workspace, "cached_block": max(files), "suffix_rows": rows}  # fmt: skip
 
@@ -432,8 +482,8 @@ def gpu_stream_timing(s: StreamShape, sd: str, store: str, edges: str, activatio
     backward = (
         list(range(low, len(chunks) if edges == "stream" else len(chunks) - 1)) if low < len(chunks) else []
     )
-    h2d = float(hw.get("h2d_mb_s") or 10000.0) * MB
-    disk_rate = float(hw.get("disk_read_mb_s") or 1000.0) * MB
+    h2d = float(hw.h2d_mb_s or 10000.0) * MB
+    disk_rate = float(hw.disk_read_mb_s or 1000.0) * MB
     cached = set(cached_blocks(n, cache, low * chunk if low < len(chunks) else n))
 
     def copy_s(cs: list[int]) -> float:
@@ -473,11 +523,11 @@ def gpu_stream_compute(s: StreamShape, sd: str, chunk: int, suffix_rows: int) ->
     def matmul(flops: float, m: float) -> float:
         return flops / matmul_rate(hw, s.cdtype, m, 1, size)
 
-    cast_rate = float((hw.get("decode_gvalues_s") or {}).get(f"int8->{s.cdtype}") or 0) * 1e9
+    cast_rate = float((hw.decode_gvalues_s or {}).get(f"int8->{s.cdtype}") or 0) * 1e9
     cast = (lambda values: values / cast_rate) if sd == "int8" and cast_rate else (lambda values: 0.0)
-    calls = hw.get("block_call_s") or {}
+    calls = hw.block_call_s or {}
     lora = sum(spec.lora_params_per_block[i] for i in s.sparse_layers)
-    bandwidth = float(hw.get("memory_gb_s") or 0) * 1e9
+    bandwidth = float(hw.memory_gb_s or 0) * 1e9
     # the GPU's kernels and the host's launching of them (the measured framework time per block call) overlap:
     # nothing in a chunk's compute waits for the GPU, so each part takes the longer of the two
     forward = max(matmul(sum(per_block) * tokens, min(s.micro_batches, chunk) * rows) + cast(sum(linear) * groups),

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from onn.config import ONNConfig, as_dict
+from onn.hardware.profile import Profile
 from onn.models.load import model_fingerprint
 
 
-def cache_path(config: ONNConfig, hw: dict[str, Any], strategy: str, seq: int) -> Path:
-    machine = hw.get("fingerprint") or f"preset:{hw.get('name')}"
+def cache_path(config: ONNConfig, hw: Profile, strategy: str, seq: int) -> Path:
+    machine = hw.fingerprint or f"preset:{hw.name}"
     chosen = config.strategy
     key = {"hardware": machine, "model": model_fingerprint(config.model), "strategy": strategy, "sequence_length": seq,
            "batch_size": int(config.data.batch_size), "precision": chosen.precision, "layers": chosen.layers,
@@ -27,7 +28,7 @@ def cache_path(config: ONNConfig, hw: dict[str, Any], strategy: str, seq: int) -
     return Path(config.paths.cache) / "tune" / f"{digest}.json"
 
 
-def lookup(config: ONNConfig, hw: dict[str, Any], strategy: str, seq: int) -> dict[str, Any] | None:
+def lookup(config: ONNConfig, hw: Profile, strategy: str, seq: int) -> dict[str, Any] | None:
     """The cached tuning result for this machine, model, strategy and sequence length, if any."""
     path = cache_path(config, hw, strategy, seq)
     try:

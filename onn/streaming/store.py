@@ -94,11 +94,9 @@ class LayerStore:
             return False
         try:
             recorded = json.loads(marker.read_text())
-            if recorded.get("bytes") != path.stat().st_size:
+            if recorded["bytes"] != path.stat().st_size:
                 return False
-            if shapes is not None and (
-                recorded.get("shapes") != shapes or recorded.get("dtype") != self.dtype
-            ):
+            if shapes is not None and (recorded["shapes"] != shapes or recorded["dtype"] != self.dtype):
                 return False
             self._layouts[index] = read_layout(path)
         except (OSError, ValueError, KeyError, json.JSONDecodeError):

@@ -17,8 +17,8 @@ forward is the engine's, so DDP's autograd hooks would never fire.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
@@ -30,17 +30,33 @@ from onn.streaming.engine import StreamingEngine
 from onn.streaming.store import LayerStore
 
 
-def layer_store(settings: dict[str, Any], store_root: Path, device: torch.device | str = "cpu") -> LayerStore:
+@dataclass
+class EngineSettings:
+    """What the streaming engine runs with: the config's streaming settings, `auto` filled in from the plan."""
+
+    chunk_size: int  # blocks loaded and computed together
+    store: str  # cpu (host memory) or disk
+    store_dtype: str  # the frozen weights' dtype in the store
+    edges: str  # prefix/suffix resident or stream
+    activations: str  # kept chunk inputs on the device or the host
+    cache_blocks: int  # blocks of a disk store cached in host memory
+    eval_tokens: int  # tokens validation holds hidden states for at once
+    prefetch: bool = True  # load the next chunk while this one computes
+    suffix_rows: int | None = None  # rows whose loss (logits) runs at once
+    compute_dtype: str | None = None  # the blocks' compute dtype under mixed precision; None: the model's
+
+
+def layer_store(settings: EngineSettings, store_root: Path, device: torch.device | str = "cpu") -> LayerStore:
     """The store the streaming settings describe: one folder per store dtype under the model's root. For a
     GPU its host memory is pinned (a host-memory store, a disk store's read buffers): the copy engine reads
     pinned pages directly, at the link's speed, while the GPU computes."""
-    return LayerStore(settings["store"], settings["store_dtype"], folder=Path(store_root) / settings["store_dtype"],
+    return LayerStore(settings.store, settings.store_dtype, folder=Path(store_root) / settings.store_dtype,
                       pin=torch.device(device).type == "cuda")  # fmt: skip
 
 
 def build_engine(
     model: torch.nn.Module,
-    settings: dict[str, Any],
+    settings: EngineSettings,
     store: LayerStore,
     device: torch.device | str,
     micro_batch: int,
@@ -49,11 +65,11 @@ def build_engine(
     already), and return the engine."""
     device = torch.device(device)
     layer_map = discover(model)
-    engine = StreamingEngine(model, layer_map, store, int(settings["chunk_size"]), device=device, prefetch=bool(settings["prefetch"]),
-                             activations=settings["activations"], micro_batch=micro_batch,
-                             stream_edges=settings["edges"] == "stream", cache_blocks=int(settings["cache_blocks"]),
-                             eval_tokens=int(settings["eval_tokens"]), suffix_rows=settings.get("suffix_rows"),
-                             compute_dtype=torch_dtype(settings["compute_dtype"]) if settings.get("compute_dtype") else None)  # fmt: skip
+    s = settings
+    engine = StreamingEngine(model, layer_map, store, int(s.chunk_size), device=device, prefetch=bool(s.prefetch),
+                             activations=s.activations, micro_batch=micro_batch, stream_edges=s.edges == "stream",
+                             cache_blocks=int(s.cache_blocks), eval_tokens=int(s.eval_tokens), suffix_rows=s.suffix_rows,
+                             compute_dtype=torch_dtype(s.compute_dtype) if s.compute_dtype else None)  # fmt: skip
     engine.offload()
     if device.type == "cpu":
         engine.cores = CoreWatch(torch.get_num_threads())  # at most the threads the plan gave it
@@ -63,7 +79,7 @@ def build_engine(
 class Streams:
     """What both streaming strategies add to Lightning's: the engine, its backward and fp16's loss scale."""
 
-    def _streaming(self, settings: dict[str, Any], store_root: Path, micro_batch: int) -> None:
+    def _streaming(self, settings: EngineSettings, store_root: Path, micro_batch: int) -> None:
         self.settings, self.store_root, self.micro_batch = settings, Path(store_root), micro_batch
         self.engine: StreamingEngine | None = None
 
@@ -102,7 +118,7 @@ class LayerStreamingStrategy(Streams, SingleDeviceStrategy):
     strategy_name = "onn_layer_streaming"
 
     def __init__(
-        self, settings: dict[str, Any], store_root: Path, micro_batch: int, device: str = "cpu", **kwargs
+        self, settings: EngineSettings, store_root: Path, micro_batch: int, device: str = "cpu", **kwargs
     ):
         super().__init__(device=torch.device(device), **kwargs)
         self._streaming(settings, store_root, micro_batch)
@@ -115,7 +131,7 @@ class LayerStreamingDDPStrategy(Streams, DDPStrategy):
 
     strategy_name = "onn_layer_streaming_ddp"
 
-    def __init__(self, settings: dict[str, Any], store_root: Path, micro_batch: int, **kwargs):
+    def __init__(self, settings: EngineSettings, store_root: Path, micro_batch: int, **kwargs):
         super().__init__(**kwargs)
         self._streaming(settings, store_root, micro_batch)
 

@@ -101,7 +101,7 @@ class RunRecord:
             return
         with self._lock:
             self.metrics["wall_s"] = round(time.perf_counter() - self.started, 2)
-            if self.metrics.get("status") == "running":
+            if self.metrics["status"] == "running":
                 self.metrics["heartbeat"] = time.time()
             clean = {
                 k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -139,7 +139,7 @@ def state(metrics: dict[str, Any], now: float | None = None) -> str:
     status = str(metrics.get("status") or ("failed" if metrics.get("error") else "ok"))
     if status != "running":
         return status
-    pid, host, beat = metrics.get("pid"), metrics.get("host"), metrics.get("heartbeat")
+    pid, host, beat = metrics["pid"], metrics["host"], metrics["heartbeat"]  # what `start` writes
     if isinstance(pid, int) and host == socket.gethostname() and not _alive(pid):
         return "crashed"
     fresh = isinstance(beat, int | float) and (now or time.time()) - beat <= STALE_S

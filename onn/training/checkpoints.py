@@ -177,13 +177,15 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
 
 def saved_config(path: str | os.PathLike) -> dict[str, Any]:
     """The ONN run config a checkpoint carries (model, strategy, data, modality, ...): {} when it has none."""
-    onn = read_meta(path).get("onn")
-    config = onn.get("config") if isinstance(onn, dict) else None
-    if onn is not None and not isinstance(config, dict):
-        raise UserError(
-            f"checkpoint {path}: {META} holds a damaged ONN run config; use a checkpoint folder ONN wrote."
-        )
-    return config or {}
+    match read_meta(path):
+        case {"onn": {"config": dict() as config}}:
+            return config
+        case {"onn": _}:
+            raise UserError(
+                f"checkpoint {path}: {META} holds a damaged ONN run config; use a checkpoint folder ONN wrote."
+            )
+        case _:
+            return {}  # a checkpoint another tool wrote
 
 
 def _read_json(path: Path) -> Any:

@@ -31,13 +31,15 @@ class EpochRecord:
         self.train_losses = [torch.tensor(float(x)) for x in self.train_losses]
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        onn = checkpoint.get("onn", {})
-        if onn.get("loop") != self.loop:
+        if (
+            checkpoint.get("onn", {}).get("loop") != self.loop
+        ):  # another tool's checkpoint has no `onn` record
             raise UserError(
                 f"this checkpoint was not written by {self.describes}: it cannot resume this run."
             )
-        self.history = list(onn.get("history") or [])
-        self.train_losses = [torch.tensor(x) for x in onn.get("train_losses") or []]
+        onn = checkpoint["onn"]
+        self.history = list(onn["history"])
+        self.train_losses = [torch.tensor(x) for x in onn["train_losses"]]
 
 
 def log_train_loss(module: L.LightningModule, loss: torch.Tensor, batch_size: int) -> bool:

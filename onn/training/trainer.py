@@ -99,7 +99,7 @@ def unreachable(where: str, timeout: float) -> str:
 def wait_for_rendezvous(timeout: float) -> None:
     """A rank other than 0 waits here, at most `timeout` seconds, until the rendezvous port answers: torch's
     own store client retries past its timeout (about twice it), so an unreachable address is named in time."""
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    host, port = os.getenv("MASTER_ADDR"), os.getenv("MASTER_PORT", "")
     if rank() == 0 or not host or not port.isdigit():
         return  # rank 0 opens the rendezvous; without an address torch reports what is missing
     deadline = time.monotonic() + float(timeout)
@@ -179,7 +179,7 @@ def build_trainer(config: ONNConfig, plan: dict[str, Any], run_dir: Path, callba
     trainer = config.trainer
     kwargs = as_dict(trainer)  # lightning.Trainer's arguments, the trainer group's keys one-to-one
     if trainer.precision in (None, "auto"):
-        kwargs["precision"] = plan["precision"]
+        kwargs["precision"] = plan.precision
     interval = trainer.val_check_interval
     if isinstance(interval, int) and not isinstance(interval, bool):
         limits = [n for n in (trainer.max_steps, steps_per_epoch) if isinstance(n, int) and n > 0]
@@ -188,7 +188,7 @@ def build_trainer(config: ONNConfig, plan: dict[str, Any], run_dir: Path, callba
         kwargs["check_val_every_n_epoch"] = 1
     strategy = strategy if strategy is not None else config.strategy.lightning
     if trainer.accelerator in (None, "auto"):
-        kwargs["accelerator"] = "cuda" if plan["hardware"]["accelerator"] == "cuda" else "cpu"
+        kwargs["accelerator"] = "cuda" if plan.hardware["accelerator"] == "cuda" else "cpu"
     if trainer.devices in (None, "auto") and not (
         isinstance(strategy, str) and strategy.startswith(MULTI_DEVICE)
     ):

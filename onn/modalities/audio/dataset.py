@@ -15,8 +15,8 @@ import torch
 
 from onn.data.media import MediaReader
 from onn.data.resident import ClassificationData, Decoded
-from onn.modalities.audio import SUFFIXES
 from onn.modalities.audio.decode import BadFile, Fit, fit_settings, load
+from onn.modalities.audio.modality import SUFFIXES
 
 DTYPE = torch.float16  # 16-bit samples: half the memory of float32, and more precision than 16-bit PCM needs at the scale of a log-mel
 

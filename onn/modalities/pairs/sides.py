@@ -23,7 +23,8 @@ from onn.config.data import CaptionData
 from onn.config.model import NetworkConfig
 from onn.config.run import PairSideConfig, PathsConfig
 from onn.errors import UserError
-from onn.modalities.base import REGISTRY, Modality, PairSide
+from onn.modalities.base import Modality, PairSide
+from onn.modalities.registry import REGISTRY
 
 TEXT = "text"
 TEXT_SUFFIXES = (".txt",)
@@ -188,7 +189,7 @@ class TextSide:
 
     def encoder(self, width: int):
         from onn.modalities.classification import SideEncoder
-        from onn.models.zoo import build_zoo
+        from onn.models.zoo.registry import build_zoo
 
         model: NetworkConfig = self.config.model
         name = model.source.partition(":")[2]

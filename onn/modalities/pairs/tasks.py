@@ -37,7 +37,7 @@ from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
 from onn.training.callbacks import ResourceMonitor, StepClock
 from onn.training.checkpoints import load as load_checkpoint
-from onn.training.checkpoints import read_meta
+from onn.training.checkpoints import saved_config as run_config
 from onn.training.classifier import mean_loss
 from onn.training.trainer import build_trainer
 
@@ -108,8 +108,8 @@ def plan(modality, config: ONNConfig, hardware: dict[str, Any], use_tuned: bool 
 
 
 def saved_config(ckpt: Path) -> dict[str, Any]:
-    saved = read_meta(ckpt).get("onn", {}).get("config", {})
-    if saved.get("modality") != "pairs" or "sides" not in saved:
+    saved = run_config(ckpt)  # {} for a checkpoint another tool wrote
+    if not saved or saved["modality"] != "pairs":
         raise UserError(f"ckpt {ckpt} was not written by a pairs run; it cannot be used with paired data.")
     return saved
 
@@ -352,7 +352,7 @@ def export(job: Job) -> dict[str, Any]:
 
 def export_module(config: ONNConfig, module: DualEncoder, run_dir: Path) -> dict[str, Any]:
     """safetensors: the dual encoder's state dict and config.json; onnx/omny: one file per tower."""
-    from onn.export import export_model
+    from onn.export.write import export_model
 
     settings: SafetensorsExport | OnnxExport = config.export
     folder = Path(settings.output or run_dir / "export")

@@ -1,80 +1,8 @@
-"""Text: prompt/answer records and plain text for causal language models.
+"""Text: prompt/answer records and plain text for causal language models (the modality in modality.py)."""
 
-Registers the text modality: JSONL, JSON, CSV, parquet and plain-text files (format read from the
-content) and `builtin:` generators (onn/modalities/text/formats.py, sources.py), causal LMs from any
-source (onn/models/load.py) trained resident or layer-streamed, generation, and exact match.
-"""
+from onn.modalities.registry import register
+from onn.modalities.text.modality import TextModality
 
-from __future__ import annotations
-
-from pathlib import Path
-from typing import Any
-
-from onn.config.data import TextData
-from onn.config.model import LanguageModelConfig, NetworkConfig
-from onn.config.run import ONNConfig
-from onn.errors import UserError
-from onn.modalities.base import Modality, register
-
-
-class TextModality(Modality):
-    name = "text"
-    data_schema = TextData
-    model_schema = LanguageModelConfig
-    implementation = "onn.modalities.text.tasks"
-    default_data = "text"
-    default_model = "phi4_tiny"
-    description = "prompt/answer text for causal language models"
-    builtins = ("math",)
-    sniff_priority = -1  # any UTF-8 file reads as text: the other modalities ask first
-
-    def sniff(self, path: Path) -> str | None:
-        from onn.modalities.text.formats import sniff_text
-
-        return sniff_text(path)
-
-    def check(self, config: ONNConfig) -> None:
-        from onn.models.load import source_kind
-
-        model, data = config.model, config.data
-        if not isinstance(model, LanguageModelConfig):
-            raise UserError(
-                f"model={model.name} is {'a classifier network' if isinstance(model, NetworkConfig) else 'no language model'} "
-                f"but data={data.name} is text: pick a language model "
-                "(e.g. model=phi4_tiny) for text, or classification data for this model (e.g. data=cifar10)."
-            )
-        if not model.tokenizer and source_kind(model.source) in ("random", "safetensors"):
-            raise UserError(
-                f"model '{model.name}' has no tokenizer: a model.source of {model.source or 'random'} carries none; "
-                "set model.tokenizer to a folder with one, or model.tokenizer=byte."
-            )
-        for key, value, least in (("max_length", data.max_length, 2), ("batch_size", data.batch_size, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                said = "2 (a prompt token and an answer token)" if least == 2 else "1"
-                raise UserError(f"data.{key}={value!r}: give a whole number, {said} or more.")
-        steps = config.trainer.max_steps
-        if config.task.name in ("train", "bench", "tune") and steps < 1:
-            raise UserError(
-                f"trainer.max_steps={steps}: a language model trains for a number of optimizer steps; give 1 or more."
-            )
-
-    def plan(self, config: ONNConfig, hardware: dict[str, Any], use_tuned: bool = True):
-        from onn.modalities.text.calibrate import refine
-        from onn.modalities.text.streaming import streaming_choice
-        from onn.planning.plan import make_plan
-        from onn.planning.scale import scale_plan
-        from onn.planning.spec import model_spec
-
-        lora = config.strategy.lora
-        lora_rank = lora.r if lora is not None else 8  # full training sizes LoRA at the default rank
-        spec = model_spec(config.model, lora_rank, cache_dir=config.paths.cache)
-        plan = make_plan(config, hardware, spec, use_tuned=use_tuned)
-        plan["scale"] = scale_plan(config, hardware, spec)  # several devices or nodes: DDP, ZeRO, FSDP
-        if config.task.name != "plan":  # timing the model's blocks imports torch: not for a quick plan
-            plan = refine(plan, config, hardware, spec)
-        plan["data_streamed"], reason = streaming_choice(config.data)
-        plan["reasons"].append(reason)
-        return plan, spec
-
+__all__ = ["TextModality"]
 
 register(TextModality())

@@ -41,23 +41,23 @@ def refine(plan: dict[str, Any], config: ONNConfig, hw: dict[str, Any], spec,
            window_s: float | None = None) -> dict[str, Any]:  # fmt: skip
     """The plan with predicted_step_s from timing the model's own blocks, where that applies. `window_s`:
     timed now, for that long, whatever the cache holds (see the module's docstring)."""
-    if hw["accelerator"] != "cpu" or hw.get("source") == "preset" or not config.model.architecture:
+    if hw.accelerator != "cpu" or hw.source == "preset" or not config.model.architecture:
         return plan
-    if plan["strategy"] not in ("full", "lora", "sparse_lora"):
+    if plan.strategy not in ("full", "lora", "sparse_lora"):
         return plan
     large = spec.params - sum(spec.block_params) + 6 * max(spec.block_params) > MAX_PARAMS
     if large and (
-        plan["strategy"] != "sparse_lora" or 2 * max(spec.block_params) * 2 > 0.5 * _budget_bytes(hw)
+        plan.strategy != "sparse_lora" or 2 * max(spec.block_params) * 2 > 0.5 * _budget_bytes(hw)
     ):
         return plan  # a large model trains streamed; its block copies must fit beside the run comfortably
     from onn.planning.costs import matmul_rate, threads_for
 
     threads, share = threads_for(hw)
-    seq, batch, micro = int(plan["sequence_length"]), config.data.batch_size, int(plan["micro_batch"])
+    seq, batch, micro = int(plan.sequence_length), config.data.batch_size, int(plan.micro_batch)
     costs = block_times(config, plan, hw, seq, micro, threads, large, window_s)
     n = spec.n_blocks
-    if plan["strategy"] == "sparse_lora":
-        layers = set(plan["sparse_layers"])
+    if plan.strategy == "sparse_lora":
+        layers = set(plan.sparse_layers)
         lowest = min(layers) if layers else n
         blocks = sum(
             costs["below"] if i < lowest else costs["lora"] if i in layers else costs["frozen"]
@@ -70,18 +70,18 @@ def refine(plan: dict[str, Any], config: ONNConfig, hw: dict[str, Any], spec,
     if (
         large
     ):  # the copies had a tiny vocabulary: the head's matmuls (forward, input gradient) by the measured rate
-        dtype = (plan.get("streaming") or {}).get("compute_dtype", "float32")
+        dtype = plan.streaming.compute_dtype if plan.streaming else "float32"
         rest += 4 * spec.vocab * spec.hidden * micro * seq / matmul_rate(hw, dtype, micro * seq, threads)
     compute = (rest + blocks) * micro_batches / share
     plan = copy.deepcopy(plan)
     step = compute
-    if plan["strategy"] == "sparse_lora":  # the loaders' reads overlap the compute; their decoding does not
-        s = plan["streaming"]
-        step = max(s["predicted_io_s"], compute + s["predicted_decode_s"])
-        s["predicted_compute_s"], s["predicted_step_s"] = round(compute, 3), round(step, 3)
-    plan["predicted_step_s"] = round(step, 4)
-    plan["step_time_source"] = "timed"
-    plan["reasons"].append(
+    if plan.strategy == "sparse_lora":  # the loaders' reads overlap the compute; their decoding does not
+        s = plan.streaming
+        step = max(s.predicted_io_s, compute + s.predicted_decode_s)
+        s.predicted_compute_s, s.predicted_step_s = round(compute, 3), round(step, 3)
+    plan.predicted_step_s = round(step, 4)
+    plan.step_time_source = "timed"
+    plan.reasons.append(
         f"step time: {spec.name}'s own blocks timed on this machine ({blocks / n * 1e3:,.1f} ms per block and micro-batch on "
         f"average, {rest * 1e3:,.1f} ms for the rest) for {n} blocks and {micro_batches} micro-batch(es)"
         + (f", at {share:.0%} of a core" if share < 1 else "")
@@ -101,10 +101,10 @@ def block_times(config: ONNConfig, plan: dict[str, Any], hw: dict[str, Any], seq
     adapters (`lora`), one without them above the lowest adapted block (`frozen`, recomputed for its input
     gradient) and one below it (`below`, forward only). Cached per machine and shapes. `large`: copies of 1
     and 2 blocks with a vocabulary of 256 (a block does not depend on it; the head is counted apart)."""
-    key = json.dumps({"model": config.model.architecture, "strategy": plan["strategy"], "precision": plan["precision"],
+    key = json.dumps({"model": config.model.architecture, "strategy": plan.strategy, "precision": plan.precision,
                       "lora": as_dict(config.strategy.lora), "seq": seq, "micro": micro, "threads": threads,
-                      "streaming": {k: (plan.get("streaming") or {}).get(k) for k in ("store", "store_dtype")},
-                      "machine": hw.get("fingerprint"), "large": large, "version": 9}, sort_keys=True, default=str)  # fmt: skip
+                      "streaming": {k: getattr(plan.streaming, k, None) for k in ("store", "store_dtype")},
+                      "machine": hw.fingerprint, "large": large, "version": 9}, sort_keys=True, default=str)  # fmt: skip
     # beside the hardware profile: a timing of this machine, shared by every outputs folder that shares it
     folder = config.hardware.cache or Path(config.paths.cache) / "hardware"
     cache = Path(folder) / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
@@ -121,7 +121,7 @@ def block_times(config: ONNConfig, plan: dict[str, Any], hw: dict[str, Any], seq
         costs = {"lora": lora - one, "frozen": frozen - one, "below": below - one}
         costs["rest"] = one - costs["lora"]
     # copies of 2 and 6 blocks: four blocks' difference, so a boundary effect of one copy is not multiplied by n
-    elif plan["strategy"] == "sparse_lora":
+    elif plan.strategy == "sparse_lora":
         two, lora, frozen, below = timed((2, [0, 1]), (6, [0, 1, 2, 3, 4, 5]), (6, [0, 1]), (6, [4, 5]))
         costs = {"lora": (lora - two) / 4, "frozen": (frozen - two) / 4, "below": (below - two) / 4}
         costs["rest"] = two - 2 * costs["lora"]
@@ -198,23 +198,23 @@ def _copy_step(config: ONNConfig, plan: dict[str, Any], seq: int, micro: int, bl
                 setattr(arch, key, vocab - 1)
     torch.manual_seed(0)
     model = auto_class(arch).from_config(arch)
-    model = model.to(torch_dtype(plan["weights_dtype"]))
+    model = model.to(torch_dtype(plan.weights_dtype))
     container = model.get_submodule(blocks_path)
-    model = apply(model, plan["strategy"], config.strategy, discover(model, blocks_path), adapted)
+    model = apply(model, plan.strategy, config.strategy, discover(model, blocks_path), adapted)
     # the blocks' path inside the wrapped model, given: a copy of one block is no run to discover
     layer_map = discover(model, next(name for name, m in model.named_modules() if m is container))
-    if plan["strategy"] != "full":  # adapters in fp32, as a run has them
+    if plan.strategy != "full":  # adapters in fp32, as a run has them
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
     ids = torch.randint(0, int(getattr(arch, "vocab_size", 256)) - 1, (micro, seq))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    autocast = plan["precision"].startswith("bf16")
+    autocast = plan.precision.startswith("bf16")
     engine = None
-    if plan["strategy"] == "sparse_lora":
-        s = plan["streaming"]
-        engine = StreamingEngine(model, layer_map, LayerStore("cpu", s["store_dtype"]), 1, micro_batch=micro)
+    if plan.strategy == "sparse_lora":
+        s = plan.streaming
+        engine = StreamingEngine(model, layer_map, LayerStore("cpu", s.store_dtype), 1, micro_batch=micro)
         engine.offload()
         engines.append(engine)
 

@@ -244,14 +244,15 @@ class CausalLM(L.LightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        onn = checkpoint.get("onn", {})
-        if onn.get("loop") != LOOP:  # Lightning's step counter lives elsewhere in the older loop
+        # Lightning's step counter lives elsewhere in the older loop
+        if checkpoint.get("onn", {}).get("loop") != LOOP:
             raise UserError(
                 "this checkpoint was written by an older ONN whose training loop cannot be resumed: "
                 "evaluate it with task=eval ckpt=..., or start training again."
             )
-        self.train_losses = list(onn.get("train_losses", []))
-        self.val_losses = list(onn.get("val_losses", []))
+        onn = checkpoint["onn"]
+        self.train_losses = list(onn["train_losses"])
+        self.val_losses = list(onn["val_losses"])
 
 
 def summarize_losses(losses: list[float]) -> tuple[float | None, float | None]:

@@ -16,7 +16,7 @@ from onn.config.task import EvalTask, InferTask
 from onn.data.files import write_jsonl
 from onn.dtypes import torch_dtype
 from onn.errors import UserError
-from onn.export import export_for_run
+from onn.export.write import export_for_run
 from onn.hardware.cluster import compute_device, is_rank_zero
 from onn.hardware.memory import PeakMemory
 from onn.modalities.base import Job
@@ -44,9 +44,11 @@ from onn.models.load import (
     source_kind,
     tokenizer_from,
 )
+from onn.planning.plan import Plan
 from onn.planning.streaming import STREAMING_KEYS
 from onn.streaming.loader import load_into_store
 from onn.streaming.strategy import (
+    EngineSettings,
     LayerStreamingDDPStrategy,
     LayerStreamingStrategy,
     build_engine,
@@ -66,7 +68,7 @@ MAX_AUTO_NEW_TOKENS = 1024
 EMPTY_HINT = "its first token was end-of-text; a chat model answers in its chat format: check data.chat_template and task.template"
 
 
-def build(config: ONNConfig, plan: dict[str, Any]) -> tuple[CausalLM, Any]:
+def build(config: ONNConfig, plan: Plan) -> tuple[CausalLM, Any]:
     """The LightningModule and tokenizer the plan describes (weights loaded, strategy applied)."""
     torch.manual_seed(config.seed)
     model_cfg, cache = config.model, config.paths.cache
@@ -74,20 +76,20 @@ def build(config: ONNConfig, plan: dict[str, Any]) -> tuple[CausalLM, Any]:
     settings = streaming_settings(config, plan)
     loaded, store = None, None
     if settings:  # block by block into the store: the whole model never has to fit in memory
-        device = compute_device(plan["hardware"]["accelerator"])
+        device = compute_device(plan.hardware["accelerator"])
         store = layer_store(settings, store_root(config), device)
         loaded = load_into_store(model_cfg, dtype, cache, store, device)
-    if plan["strategy"] == "qlora":
-        loaded = load_4bit(model_cfg, dtype, cache, compute_device(plan["hardware"]["accelerator"]))
+    if plan.strategy == "qlora":
+        loaded = load_4bit(model_cfg, dtype, cache, compute_device(plan.hardware["accelerator"]))
     model, tokenizer = loaded or load(model_cfg, dtype=dtype, cache_dir=cache)
     layer_map = discover(model, configured_blocks(model_cfg.layer_map))
-    model = apply(model, plan["strategy"], config.strategy, layer_map, plan.get("sparse_layers"))
-    if plan.get("gradient_checkpointing") and hasattr(model, "gradient_checkpointing_enable"):
+    model = apply(model, plan.strategy, config.strategy, layer_map, plan.sparse_layers)
+    if plan.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # Save what rebuilds this exact model into every checkpoint: the planned strategy, not "auto".
-    strategy = dataclasses.replace(config.strategy, name=plan["strategy"], micro_batch=plan["micro_batch"])
-    if plan.get("sparse_layers") is not None:
-        strategy.layers = plan["sparse_layers"]
+    strategy = dataclasses.replace(config.strategy, name=plan.strategy, micro_batch=plan.micro_batch)
+    if plan.sparse_layers is not None:
+        strategy.layers = plan.sparse_layers
     # plain dicts: a checkpoint holds data, and app.from_checkpoint types them again
     saved = {"model": as_dict(model_cfg), "strategy": as_dict(strategy), "data": as_dict(config.data)}
     module = CausalLM(
@@ -95,59 +97,51 @@ def build(config: ONNConfig, plan: dict[str, Any]) -> tuple[CausalLM, Any]:
         config.optim,
         config.trainer.max_steps,
         {**saved, "modality": "text"},
-        plan["micro_batch"],
+        plan.micro_batch,
         config.strategy.min_micro_batch,
     )
     module.store = store
     return module, tokenizer
 
 
-def weights_dtype(config: ONNConfig, plan: dict[str, Any]) -> torch.dtype:
+def weights_dtype(config: ONNConfig, plan: Plan) -> torch.dtype:
     """model.dtype, or the plan's choice when it is auto."""
     dtype = config.model.dtype
-    return torch_dtype(plan["weights_dtype"] if dtype in (None, "auto") else dtype)
+    return torch_dtype(plan.weights_dtype if dtype in (None, "auto") else dtype)
 
 
 def streaming_settings(
-    config: ONNConfig, plan: dict[str, Any], generate: bool = False, sequences: int | None = None
-) -> dict[str, Any] | None:
+    config: ONNConfig, plan: Plan, generate: bool = False, sequences: int | None = None
+) -> EngineSettings | None:
     """The streaming engine's settings: the config's, with `auto` filled in from the plan; None when not
     streaming. `generate`: for generation only (task=infer), which streams one block at a time and
     gives the memory training needs to cached blocks; `sequences`: generated together, when fewer than
-    the plan's generate_batch (the room of the others goes to cached blocks too). A plain dict: the
-    plan's streaming values, which the plan (a dict) holds."""
-    if config.strategy.lightning != "streaming" or plan["strategy"] != "sparse_lora":
+    the plan's generate_batch (the room of the others goes to cached blocks too)."""
+    if config.strategy.lightning != "streaming" or plan.strategy != "sparse_lora":
         return None
-    fixed = config.strategy.streaming
-    settings = as_dict(fixed)
-    for key in STREAMING_KEYS:
-        if settings[key] in (None, "auto"):
-            settings[key] = plan["streaming"][key]
+    fixed, s = config.strategy.streaming, plan.streaming
+    given = as_dict(fixed)
+    chosen = {key: getattr(s, key) if given[key] in (None, "auto") else given[key] for key in STREAMING_KEYS}
     # Mixed precision computes the matmuls in the plan's compute dtype anyway: frozen weights streamed in
     # it skip a decode to the model's float32 and autocast's cast back (a bf16 store on a CPU: zero-copy).
-    settings["compute_dtype"] = (
-        plan["streaming"]["compute_dtype"] if plan["precision"].endswith("-mixed") else None
-    )
-    settings["suffix_rows"] = plan["streaming"].get("suffix_rows")
+    settings = EngineSettings(**chosen, prefetch=fixed.prefetch, suffix_rows=s.suffix_rows,
+                              compute_dtype=s.compute_dtype if plan.precision.endswith("-mixed") else None)  # fmt: skip
     if generate:
-        settings["chunk_size"] = settings["chunk_size"] if fixed.chunk_size not in (None, "auto") else 1
+        settings.chunk_size = settings.chunk_size if fixed.chunk_size not in (None, "auto") else 1
         if fixed.cache_blocks in (None, "auto"):
-            s = plan["streaming"]
-            cache = s["generate_cache_blocks"]
-            on_host = settings["store"] == "disk" and plan["hardware"]["accelerator"] != "cuda"
-            if on_host and sequences is not None and sequences < s["generate_batch"] and s.get("block_mb"):
-                unused = (s["generate_batch"] - sequences) * s["generate_sequence_mb"] + s.get(
-                    "generate_spare_mb", 0.0
-                )
-                cache += int(unused // s["block_mb"])
-            settings["cache_blocks"] = min(cache, plan["model"]["blocks"])
+            cache = s.generate_cache_blocks
+            on_host = settings.store == "disk" and plan.hardware["accelerator"] != "cuda"
+            if on_host and sequences is not None and sequences < s.generate_batch and s.block_mb:
+                unused = (s.generate_batch - sequences) * s.generate_sequence_mb + s.generate_spare_mb
+                cache += int(unused // s.block_mb)
+            settings.cache_blocks = min(cache, plan.model["blocks"])
     return settings
 
 
-def generate_batch(plan: dict[str, Any], samples: int) -> int:
+def generate_batch(plan: Plan, samples: int) -> int:
     """Prompts generated together: streamed, as many as memory allows (each chunk load serves them all)."""
-    streaming = plan.get("streaming") or {}
-    return max(1, min(samples, int(streaming.get("generate_batch") or 16))) if streaming else 16
+    streaming = plan.streaming
+    return max(1, min(samples, int(streaming.generate_batch or 16))) if streaming else 16
 
 
 def store_root(config: ONNConfig) -> Path:
@@ -162,7 +156,7 @@ def datamodule(config: ONNConfig, tokenizer) -> TextDataModule:
     return dm
 
 
-def trainer(config: ONNConfig, plan: dict[str, Any], run_dir: Path, callbacks: list, loggers: bool = True,
+def trainer(config: ONNConfig, plan: Plan, run_dir: Path, callbacks: list, loggers: bool = True,
             steps_per_epoch: int | None = None):  # fmt: skip
     """The Trainer for a language model: the layer-streaming strategy when the plan streams (its data-parallel
     form with several processes). Each process takes its own slice of every global batch (TextDataModule)."""
@@ -173,11 +167,11 @@ def trainer(config: ONNConfig, plan: dict[str, Any], run_dir: Path, callbacks: l
 
         timeout = timedelta(seconds=config.strategy.timeout_s)
         strategy = LayerStreamingDDPStrategy(
-            settings, store_root(config), plan["micro_batch"], timeout=timeout
+            settings, store_root(config), plan.micro_batch, timeout=timeout
         )
     elif settings:
-        device = compute_device(plan["hardware"]["accelerator"])
-        strategy = LayerStreamingStrategy(settings, store_root(config), plan["micro_batch"], device=device)
+        device = compute_device(plan.hardware["accelerator"])
+        strategy = LayerStreamingStrategy(settings, store_root(config), plan.micro_batch, device=device)
     elif config.strategy.lightning == "streaming":
         strategy = "auto"  # sparse_lora that the plan did not choose to stream
     return build_trainer(config, plan, run_dir, callbacks, strategy=strategy, loggers=loggers,

@@ -1,28 +1,5 @@
-"""ONN's own small models, by name (model.source `zoo:NAME`)."""
+"""ONN's own small models, one module each, by name (registry.py: model.source `zoo:NAME`)."""
 
-from __future__ import annotations
+from onn.models.zoo.registry import VIDEO, ZOO, build_zoo
 
-from torch import nn
-
-from onn.errors import UserError
-from onn.models.zoo.audio_cnn import AudioCNN
-from onn.models.zoo.pointnet import PointNet
-from onn.models.zoo.text_encoder import TextEncoder
-from onn.models.zoo.v28 import V28CNN
-from onn.models.zoo.video3d import C3DTiny
-
-ZOO = {
-    "v28_cnn": V28CNN,
-    "audio_cnn": AudioCNN,
-    "c3d_tiny": C3DTiny,
-    "pointnet": PointNet,
-    "text_encoder": TextEncoder,
-}
-VIDEO = frozenset({"c3d_tiny"})  # zoo models that take clips [B, C, T, H, W]
-
-
-def build_zoo(name: str, **kwargs) -> nn.Module:
-    """The zoo model `name` built with kwargs (the model config's `kwargs` plus the data's shape)."""
-    if name not in ZOO:
-        raise UserError(f"model.source zoo:{name}: no such zoo model; the zoo has: {', '.join(sorted(ZOO))}.")
-    return ZOO[name](**kwargs)
+__all__ = ["VIDEO", "ZOO", "build_zoo"]

@@ -22,11 +22,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from onn.config.task import ServeConfig
@@ -77,6 +78,11 @@ class Message(BaseModel):
         return self.content or ""
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    include_usage: bool = False  # a last chunk with the token counts
+
+
 class Generation(BaseModel):
     """What chat completions and completions share."""
 
@@ -92,7 +98,7 @@ class Generation(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     n: int | None = Field(default=None, ge=1, le=1)
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
 
 
 class ChatRequest(Generation):
@@ -101,6 +107,16 @@ class ChatRequest(Generation):
 
 class CompletionRequest(Generation):
     prompt: str | list[str]
+
+
+class ClassifyForm(BaseModel):
+    """/v1/classify's multipart form. Form values are strings, so the types are lax ("2", "true")."""
+
+    model_config = ConfigDict(extra="ignore")
+    file: UploadFile = Field(description="the file, as multipart/form-data")
+    model: str | None = None
+    top_k: int | None = None
+    picture: bool = False
 
 
 # -- the guard -----------------------------------------------------------------------------------------
@@ -219,10 +235,8 @@ def _answer_errors(app: FastAPI, stats: Stats) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
         stats.add(refused=1)
-        first = e.errors()[0] if e.errors() else {}
-        return error_response(
-            400, first.get("msg", "invalid request"), param=".".join(map(str, first.get("loc", ())))
-        )
+        first = next(iter(e.errors()), {"msg": "invalid request", "loc": ()})
+        return error_response(400, first["msg"], param=".".join(map(str, first["loc"])))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
@@ -308,7 +322,7 @@ class Server:
         rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
         now = int(time.time())
         if req.stream:
-            usage = bool((req.stream_options or {}).get("include_usage"))
+            usage = req.stream_options is not None and req.stream_options.include_usage
             return StreamingResponse(self._stream(seq, events, rid, kind, now, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
         return await self._whole(request, seq, events, rid, kind, now)
@@ -396,16 +410,16 @@ class Server:
         finally:
             await form.close()
 
-    async def _classify(self, form) -> dict[str, Any]:
-        upload, limit = form.get("file"), self.settings.max_upload_bytes
-        if upload is None or isinstance(upload, str):
-            raise ApiError(400, "send the file as multipart/form-data in the field `file`", param="file")
-        fields = {k: v for k, v in form.items() if isinstance(v, str)}
-        if "model" in fields and fields["model"] != self.model_name:
-            raise ApiError(404, f"the model {fields['model']!r} does not exist; this server has {self.model_name!r}",
+    async def _classify(self, form: FormData) -> dict[str, Any]:
+        given: ClassifyForm = _validated(dict(form), ClassifyForm)
+        if given.model is not None and given.model != self.model_name:
+            raise ApiError(404, f"the model {given.model!r} does not exist; this server has {self.model_name!r}",
                            param="model", code="model_not_found")  # fmt: skip
-        top_k = _form_int(fields.get("top_k"), self.settings.top_k, "top_k")
-        picture = fields.get("picture", "false").lower() in ("1", "true", "yes")
+        most, limit = self.settings.top_k, self.settings.max_upload_bytes
+        top_k = most if given.top_k is None else given.top_k
+        if not 1 <= top_k <= most:
+            raise ApiError(400, f"top_k must be a whole number from 1 to {most}", param="top_k")
+        upload = given.file
         data = await upload.read(limit + 1)
         if len(data) > limit:
             raise ApiError(413, f"the file is over {limit} bytes", param="file", code="request_too_large")
@@ -413,7 +427,7 @@ class Server:
             raise ApiError(400, "the file is empty", param="file")
         self.stats.add(requests=1)
         labels, image = await run_in_threadpool(
-            _run_classifier, self.served, data, upload.filename or "", top_k, picture
+            _run_classifier, self.served, data, upload.filename or "", top_k, given.picture
         )
         out = {"object": "classification", "model": self.model_name, "filename": upload.filename,
                "labels": [{"label": label, "probability": round(p, 6)} for label, p in labels]}  # fmt: skip
@@ -458,6 +472,11 @@ def _parse(body: bytes, model: type[BaseModel]) -> Any:
         raise ApiError(400, f"the body is not valid JSON: {_short(e)}") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
+    return _validated(data, model)
+
+
+def _validated(data: dict[str, Any], model: type[BaseModel]) -> Any:
+    """`data` as `model`, or a 400 naming the first field that does not fit."""
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -529,14 +548,6 @@ def _model_card(name: str, created: int, classifier: bool) -> dict[str, Any]:
 
 def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
-def _form_int(value: str | None, default: int, name: str) -> int:
-    if value is None:
-        return default
-    if not value.isdigit() or not 1 <= int(value) <= default:
-        raise ApiError(400, f"{name} must be a whole number from 1 to {default}", param=name)
-    return int(value)
 
 
 def _short(e: Exception) -> str:

@@ -1,5 +1,15 @@
 """The entry points: read a whole source decoded (read_splits), list it for decoding item by item
-(list_items), and key its decoded cache (source_digest)."""
+(list_items), and key its decoded cache (source_digest).
+
+read_splits decodes a whole source into one preallocated array per split; list_items lists a source and
+decodes item by item, for datasets too big to hold decoded. Archives are read in place (never unpacked),
+pickled files are refused (unpickling runs code), and every problem with the input is a UserError that
+names the file and says what to do.
+
+One module per format (folder: folders and archives of class folders; csvfile, parquet, idx, cifar_binary,
+svhn_mat, stl10_binary, single), what they share in common (names, listings, fetchers) and decode (pixels),
+detect for data.format=auto, and this module for the entry points.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,116 @@
+"""The benchmark tasks app runs, by name (TASKS): speed and memory, with the planner's predictions.
+
+task=bench             onn/bench/suite.py      a short training protocol against the plan (language models)
+task=tune              onn/bench/tune.py       timed trials of the settings the planner guesses; cached
+task=bench_streaming   onn/bench/streaming.py  layer streaming: chunk reuse, I/O against compute
+task=bench_vision      onn/bench/vision.py     the image runner against a plain loop and a standard pipeline
+task=bench_media       onn/bench/media.py      audio/video decoding throughput; the cached store against per-file loading
+task=bench_shard_plan  onn/export/shards.py    the .omny shard planner on a synthetic model
+task=bench_giant       onn/bench/giant.py      a model larger than RAM: store build, training, generation
+task=bench_serve       onn/bench/serve.py      task=serve under load: batching speedup, latencies, errors
+task=bench_overhead    onn/bench/overhead.py   the language-model runner's step against a plain PyTorch loop
+task=bench_gpu         onn/bench/gpu.py        the headline on a GPU: Phi-4 under a 4 GB budget, generation,
+                                               accelerate, the runner's overhead
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from onn.bench import suite
+from onn.config import ONNConfig
+from onn.modalities.base import Job
+from onn.tasks.registry import Task
+from onn.tasks.serve.task import check as serve_check
+
+TEXT = frozenset({"text"})
+
+
+def _bench(job: Job) -> dict[str, Any]:
+    return suite.run(job)
+
+
+def _tune(job: Job) -> dict[str, Any]:
+    from onn.bench import tune
+
+    return tune.run(job)
+
+
+def _bench_streaming(job: Job) -> dict[str, Any]:
+    from onn.bench import streaming
+
+    return streaming.run(job)
+
+
+def _bench_giant(job: Job) -> dict[str, Any]:
+    from onn.bench import giant
+
+    return giant.run(job)
+
+
+def _check_giant(config: ONNConfig) -> None:
+    from onn.bench import giant
+
+    giant.check_settings(config)
+
+
+def _bench_vision(job: Job) -> dict[str, Any]:
+    from onn.bench import vision
+
+    return vision.run(job)
+
+
+def _bench_media(job: Job) -> dict[str, Any]:
+    from onn.bench import media
+
+    return media.run(job)
+
+
+def _bench_serve(job: Job) -> dict[str, Any]:
+    from onn.bench import serve
+
+    return serve.run(job)
+
+
+def _bench_overhead(job: Job) -> dict[str, Any]:
+    from onn.bench import overhead
+
+    return overhead.run(job)
+
+
+def _check_overhead(config: ONNConfig) -> None:
+    from onn.bench import overhead
+
+    overhead.check_settings(config)
+
+
+def _bench_gpu(job: Job) -> dict[str, Any]:
+    from onn.bench import gpu
+
+    return gpu.run(job)
+
+
+def _check_gpu(config: ONNConfig) -> None:
+    from onn.bench import gpu
+
+    gpu.check_settings(config)
+
+
+def _bench_shard_plan(job: Job) -> dict[str, Any]:
+    from onn.export.shards import bench
+
+    return bench(job.config)
+
+
+TASKS: dict[str, Task] = {
+    "bench": Task(_bench, check=lambda config: suite.check_settings(config.task), modalities=TEXT),
+    "tune": Task(_tune, modalities=TEXT),
+    "bench_streaming": Task(_bench_streaming, modalities=TEXT),
+    "bench_vision": Task(_bench_vision, modalities=frozenset({"image"})),
+    "bench_media": Task(_bench_media, modalities=frozenset({"audio", "video"})),
+    "bench_giant": Task(_bench_giant, check=_check_giant, modalities=TEXT),
+    "bench_serve": Task(_bench_serve, check=serve_check, modalities=TEXT),
+    "bench_shard_plan": Task(_bench_shard_plan, model=False, heavy=False),
+    "bench_overhead": Task(_bench_overhead, check=_check_overhead, modalities=TEXT),
+    "bench_gpu": Task(_bench_gpu, check=_check_gpu, modalities=TEXT),
+}

@@ -1,0 +1,56 @@
+"""The export group's values, checked before a model is loaded or trained (app runs this first)."""
+
+from __future__ import annotations
+
+from onn.config.export import ExportConfig
+from onn.errors import UserError
+
+FORMATS = ("safetensors", "onnx", "omny")
+
+
+def check_settings(export: ExportConfig) -> None:
+    """The export group's values, checked before a model is loaded or trained: one sentence per mistake.
+    (Its keys and their types are checked by Hydra when the config is composed.)"""
+    kind = export.name
+    if kind == "none":
+        return
+    if kind not in FORMATS:
+        raise UserError(f"export={kind!r} is not one of {', '.join(FORMATS)}.")
+
+    def number(key: str, minimum: float, strict: bool = True, whole: bool = False) -> None:
+        value = getattr(export, key)
+        kind_ok = isinstance(value, int) if whole else isinstance(value, int | float)
+        if isinstance(value, bool) or not kind_ok or value < minimum or (strict and value == minimum):
+            what = "a whole number" if whole else "a number"
+            bound = f"above {minimum:g}" if strict else f"{minimum:g} or more"
+            raise UserError(f"export.{key}={value!r}: give {what} {bound}.")
+
+    if kind in ("onnx", "omny"):
+        number("opset", 7, strict=False, whole=True)
+        number("atol", 0, strict=False)
+    if kind != "omny":
+        return
+    for key, strict in (("max_shard_size_mb", True), ("min_vram_mb", True), ("headroom_mb", False)):
+        if getattr(export, key) is not None:  # null: the format's own default (onn/export/shards.py)
+            number(key, 0, strict=strict)
+    number("max_configs", 1, strict=False, whole=True)
+    number("reference_sequence_length", 1, strict=False, whole=True)
+    for key, whole in (("nodes", False), ("shard_counts", True)):
+        value = getattr(export, key)
+        if value is None:
+            continue
+        ok = (
+            isinstance(value, list | tuple)
+            and value
+            and all(
+                not isinstance(v, bool)
+                and (isinstance(v, int) if whole else isinstance(v, int | float))
+                and v > 0
+                for v in value
+            )
+        )
+        if not ok:
+            example = "[4, 8]" if whole else "[2048, 1536, 4096]"
+            raise UserError(
+                f"export.{key}={value!r}: give a list of positive {'whole ' if whole else ''}numbers, e.g. {example}, or null."
+            )

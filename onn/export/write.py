@@ -1,0 +1,151 @@
+"""Write a model in the export group's format: `safetensors` (hf.py: a Hugging Face folder, LoRA merged, and
+the adapter alone), `onnx` (onnx_export.py: checked, compared with PyTorch in onnxruntime) or `omny` (omny.py:
+ONNX with cut points, per-block memory and shard plans; see FORMAT_SPEC.md).
+
+    export_model(model, output, sample_input, settings)    # Python (settings: onn.config.export's schemas);
+                                                            # also omny.enrich_onnx, inspect_omny, validate
+    export_for_run(config, model, run_dir)                  # a run's model, in the export group's format
+    python run.py task=export export=omny [ckpt=...]        # or after training: task=train export=...
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from onn.config import ONNConfig
+from onn.config.export import ExportSample, OmnyExport, OnnxExport, SafetensorsExport
+from onn.errors import UserError
+from onn.export.model_facts import kv_cache_bytes, model_source, omny_runs
+from onn.export.settings import FORMATS, check_settings
+
+log = logging.getLogger("onn")
+
+
+def export_model(
+    model,
+    output: str | Path,
+    sample_input: dict[str, Any] | None,
+    settings: SafetensorsExport | OnnxExport | OmnyExport,
+    *,
+    model_name: str | None = None,
+    tokenizer=None,
+    engine=None,
+) -> dict[str, Any]:
+    """Write `model` to `output` in the format settings.name names (the export group's schema, e.g.
+    `typed(OnnxExport, {...}, "export")`); return the export/* metrics.
+
+    `sample_input` (named tensors) is what ONNX traces and checks against; `engine` is the
+    streaming engine of a layer-streamed model, whose frozen blocks live in its layer store;
+    `model_name` names the model in a .omny's source (default: its class)."""
+    for noisy in ("onnx_ir", "onnxscript"):  # the exporter's passes log every rewrite at INFO
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    kind = settings.name
+    if kind not in FORMATS:
+        raise UserError(f"export={kind!r} is not one of {', '.join(FORMATS)}.")
+    check_settings(settings)
+    output = Path(output)
+    if not output.parent.is_dir():
+        raise UserError(
+            f"export.output {output}: the folder {output.parent} does not exist; create it or choose another path."
+        )
+    if kind == "safetensors":
+        from onn.export import hf
+
+        metrics = hf.save_folder(
+            model, tokenizer, output, engine=engine, max_shard_size=settings.max_shard_size
+        )
+        if settings.adapter and _has_adapter(model):
+            metrics.update(hf.save_adapter(model, tokenizer, output.with_name(output.name + "-adapter")))
+        return metrics
+    if sample_input is None:
+        raise UserError(
+            f"export={kind} traces the model on a sample input; pass sample_input (named tensors)."
+        )
+    if engine is not None or _has_adapter(model):
+        from onn.export.hf import merged_model
+
+        model = merged_model(model, engine)  # ONNX holds the whole graph: one resident, merged model
+    from onn.export.onnx_export import export_onnx
+
+    opset, atol = settings.opset, settings.atol
+    if kind == "onnx":
+        return export_onnx(model, output, sample_input, opset=opset, atol=atol)
+    import onnx
+
+    from onn.export import omny
+
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=".omny-") as tmp:
+        traced = Path(tmp) / "model.onnx"
+        metrics = export_onnx(model, traced, sample_input, opset=opset, atol=atol)
+        graph = onnx.load(str(traced))
+        runs, kv = omny_runs(model), kv_cache_bytes(model)
+        doc = omny.describe(
+            graph,
+            sample_input,
+            _omny_settings(settings, model),
+            runs=runs,
+            kv_cache_bytes=kv,
+            source=model_source(model, model_name),
+        )
+        omny.write(graph, doc, output)
+    metrics["export/onnx"] = str(output)
+    metrics.update(_omny_metrics(doc, output))
+    return metrics
+
+
+def export_for_run(config: ONNConfig, model, run_dir: Path, sample: dict[str, Any] | None = None, *,
+                   tokenizer=None, engine=None) -> dict[str, Any]:  # fmt: skip
+    """Write a run's model in the `export` group's format, to export.output or the run folder's export/.
+
+    `sample` (named tensors) is what ONNX traces; language models, CLIP and image CNNs get one made
+    for them when it is None (export.sample sets its batch size and sequence length)."""
+    from onn.export.onnx_export import sample_inputs
+
+    settings: SafetensorsExport | OnnxExport | OmnyExport = config.export
+    kind = settings.name
+    default = {"safetensors": "hf", "onnx": "model.onnx", "omny": "model.omny"}[kind]
+    output = Path(settings.output or Path(run_dir) / "export" / default)
+    if not settings.output:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    if sample is None and kind != "safetensors":
+        shape: ExportSample = settings.sample
+        plain = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's wrapper
+        sample = sample_inputs(
+            plain, shape.batch_size, shape.sequence_length, shape.image_size, seed=config.seed
+        )
+    metrics = export_model(
+        model, output, sample, settings, model_name=config.model.name, tokenizer=tokenizer, engine=engine
+    )
+    log.info("export: %s", {k: v for k, v in metrics.items() if not isinstance(v, dict | list)})
+    return metrics
+
+
+def _omny_settings(export: OmnyExport, model) -> dict[str, Any]:
+    """export=omny's limits as omny.describe takes them (a plain dict: the format's API, also enrich_onnx's);
+    a null limit is left out, so the format's default (omny.DEFAULTS) holds."""
+    from onn.export.omny import DEFAULTS
+    from onn.export.onnx_export import max_sequence_length
+
+    limits = {k: getattr(export, k) for k in DEFAULTS if getattr(export, k) is not None}
+    longest = max_sequence_length(model)  # learned position tables (GPT-2, CLIP) end there
+    reference = export.reference_sequence_length
+    limits["reference_sequence_length"] = min(reference, longest) if longest else reference
+    return limits
+
+
+def _omny_metrics(doc: dict[str, Any], output: Path) -> dict[str, Any]:
+    return {
+        "export/omny": str(output),
+        "export/blocks": len(doc["blocks"]),
+        "export/cut_points": len(doc["cut_points"]),
+        "export/shard_counts": doc["shard_plans"]["allowed_counts"],
+        "export/node_plan": doc["node_plan"]["ranges"] if doc["node_plan"] else None,
+    }
+
+
+def _has_adapter(model) -> bool:
+    inner = getattr(model, "model", model)
+    return bool(getattr(model, "peft_config", None) or getattr(inner, "peft_config", None))

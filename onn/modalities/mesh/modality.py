@@ -1,0 +1,150 @@
+"""3D meshes: classification of shapes from OBJ, PLY, STL, OFF, glTF files (and point clouds) via trimesh.
+
+The mesh modality: class folders (or an archive of them) of mesh files, or generated
+primitives (`builtin:primitives`), sampled once into normalised point sets (onn/modalities/mesh/read.py)
+and held on the device; rotation, scaling and jitter on the device (augment.py); ONN's PointNet
+(onn/models/zoo/pointnet.py); predictions drawn as rendered point clouds (render.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from onn.config import ONNConfig
+from onn.config.data import MeshData
+from onn.config.model import NetworkConfig
+from onn.errors import UserError
+from onn.modalities.base import ClassifierModality, RunConfig
+
+SNIFF_FILES = 2000  # file names looked at when deciding whether a folder holds meshes
+DATA_KWARGS = ("in_channels", "num_classes", "num_points")
+POINT_NETWORKS = ("zoo:pointnet",)  # the zoo's networks that take [batch, points, channels]
+
+
+class MeshModality(ClassifierModality):
+    name = "mesh"
+    data_schema = MeshData
+    default_data = "mesh"
+    default_model = "pointnet"
+    description = "3D shape classification (meshes and point clouds)"
+    builtins = ("primitives",)
+    stored_dtype = "float32"
+
+    def sniff(self, path: Path) -> str | None:
+        from onn.modalities.mesh.primitives import BUILTIN
+        from onn.modalities.mesh.read import MESH_SUFFIXES, is_mesh_name
+
+        if str(path) == BUILTIN:
+            return "generated 3D primitives"
+        if path.is_file():
+            return f"a 3D file ({path.suffix.lower()})" if is_mesh_name(path.name) else self._archive(path)
+        names = _names(path)
+        meshes = [n for n in names if is_mesh_name(n)]
+        if len(meshes) >= 2 and len(meshes) * 2 >= len(names):
+            kinds = sorted({Path(n).suffix.lower() for n in meshes}, key=MESH_SUFFIXES.index)
+            return f"{len(meshes)}{'+' if len(names) >= SNIFF_FILES else ''} mesh files ({', '.join(kinds)})"
+        return None
+
+    def _archive(self, path: Path) -> str | None:
+        from onn.data.files import ARCHIVE_ERRORS, archive_kind, iter_members
+        from onn.modalities.mesh.read import is_mesh_name
+
+        kind = archive_kind(path)
+        if kind not in ("zip", "tar"):  # a compressed tar is read front to back: too slow to sniff
+            return None
+        try:
+            names = [m.name or m.raw for _, m in zip(range(SNIFF_FILES), iter_members(path, kind))]
+        except ARCHIVE_ERRORS:
+            return None
+        meshes = sum(is_mesh_name(n) for n in names)
+        return f"an archive of {meshes} mesh files" if meshes >= 2 and meshes * 2 >= len(names) else None
+
+    def check(self, config: ONNConfig) -> None:
+        from onn.modalities.mesh.augment import PointAugment
+        from onn.modalities.mesh.read import sampling
+
+        data: MeshData = config.data
+        model: NetworkConfig = config.model
+        sampling(data)
+        PointAugment(data.augment)
+        bad = data.max_bad_fraction
+        if isinstance(bad, bool) or not isinstance(bad, int | float) or not 0 <= bad <= 1:
+            raise UserError(f"data.max_bad_fraction={bad!r}: give a fraction between 0 and 1.")
+        source = str(model.source or "")
+        if source not in POINT_NETWORKS:
+            raise UserError(f"model={model.name} (source {source or 'empty'}) is not a point-cloud network: use "
+                            "model=pointnet (or model.source=zoo:pointnet) with mesh data.")  # fmt: skip
+        given = [k for k in model.kwargs or {} if k in DATA_KWARGS]
+        if given:
+            raise UserError(
+                f"model.kwargs.{given[0]} is set by ONN from the data (points, channels, classes); remove it."
+            )
+
+    def datamodule(self, config: ONNConfig, device: str):
+        from onn.modalities.mesh.dataset import MeshDataModule
+
+        return MeshDataModule(config.data, config.paths.cache, device, seed=int(config.seed))
+
+    def network(self, model_cfg: NetworkConfig, inputs: dict[str, Any]):
+        from onn.models.zoo.registry import build_zoo
+
+        points, channels = inputs["input_shape"]
+        name = str(model_cfg.source).partition(":")[2]
+        try:
+            network = build_zoo(name, in_channels=channels, num_classes=len(inputs["classes"]), num_points=points,
+                                **(model_cfg.kwargs or {}))  # fmt: skip
+        except TypeError as e:  # an unknown or misspelled model.kwargs entry
+            raise UserError(
+                f"model.kwargs does not fit {model_cfg.source}: {e}; fix or remove that key."
+            ) from e
+        if model_cfg.weights:
+            from onn.models.vision import load_weights
+
+            load_weights(network, model_cfg.weights)
+        return network
+
+    def transform(self, config: RunConfig, inputs: dict[str, Any]):
+        from onn.modalities.mesh.augment import PointAugment
+
+        return PointAugment(config.data.augment)
+
+    def planned_inputs(self, config: RunConfig) -> dict[str, Any]:
+        from onn.modalities.mesh.primitives import BUILTIN, CLASSES
+        from onn.modalities.mesh.read import sampling
+
+        data: MeshData = config.data
+        settings = sampling(data)
+        if data.classes:
+            classes = [str(c) for c in data.classes]
+        elif isinstance(data.num_classes, int):
+            classes = [str(i) for i in range(data.num_classes)]
+        else:
+            classes = list(CLASSES) if data.source == BUILTIN else [str(i) for i in range(10)]
+        return {"classes": classes, "input_shape": [settings.points, settings.channels]}
+
+    def read_inputs(self, source: Path, inputs: dict[str, Any], config: RunConfig):
+        from onn.modalities.mesh.read import Sampling, read_source
+
+        points, channels = inputs["input_shape"]
+        data: MeshData = config.data
+        settings = Sampling(int(points), channels == 6, int(config.seed), data.align)
+        return read_source(source, settings, max_bad_fraction=float(data.max_bad_fraction), allow_unlabelled=True,
+                           key="task.input")  # fmt: skip
+
+    def picture(self, samples, predicted, true, path: Path, inputs: dict[str, Any]) -> None:
+        from onn.modalities.mesh.render import write_picture
+
+        write_picture(samples, predicted, true, path)
+
+
+def _names(folder: Path) -> list[str]:
+    """The relative names of at most SNIFF_FILES files under a folder (names only: nothing is read)."""
+    from onn.data.files import walk_files
+
+    names = []
+    for rel, _ in walk_files(folder):
+        names.append(rel)
+        if len(names) >= SNIFF_FILES:
+            break
+    return names

@@ -1,0 +1,59 @@
+"""The modalities ONN knows, by name: each modality's package registers one here when imported.
+
+register(VideoModality())       # in onn/modalities/video/__init__.py
+get("video"), all_modalities()  # app and the tasks, by the data config's `modality` key
+detect(path)                    # data=auto: the modality whose sniffer recognises what a path holds
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from onn.data.files import existing_source
+from onn.errors import UserError
+from onn.modalities.base import Modality
+
+REGISTRY: dict[str, Modality] = {}
+
+
+def register(modality: Modality) -> Modality:
+    """Make a modality known by its name; its package's __init__ calls this."""
+    if not modality.name:
+        raise ValueError(f"{type(modality).__name__} has no name")
+    REGISTRY[modality.name] = modality
+    return modality
+
+
+def all_modalities() -> list[Modality]:
+    return list(REGISTRY.values())
+
+
+def get(name: str) -> Modality:
+    """The modality called `name`; a UserError naming the known ones otherwise."""
+    if name not in REGISTRY:
+        raise UserError(f"data.modality={name!r} is not one of {', '.join(sorted(REGISTRY))}.")
+    return REGISTRY[name]
+
+
+def detect(source: str | os.PathLike) -> tuple[Modality, str]:
+    """The modality whose sniffer recognises `source` (`data=auto`), and why. Only regular files and
+    folders are read, a bounded number of bytes each; the more specific modalities ask first."""
+    text = str(source)
+    if text.startswith("builtin:"):
+        name = text.partition(":")[2]
+        for modality in REGISTRY.values():
+            if name in modality.builtins:
+                return modality, f"ONN's built-in generator {text}"
+        known = ", ".join(f"builtin:{b}" for m in REGISTRY.values() for b in m.builtins)
+        raise UserError(f"data.source={text} is no built-in dataset; the built-ins are {known}.")
+    path = Path(os.path.expanduser(text))
+    existing_source(path, "data.source")  # a link loop, a device, a pipe: one sentence, nothing read
+    for modality in sorted(REGISTRY.values(), key=lambda m: -m.sniff_priority):
+        reason = modality.sniff(path)
+        if reason:
+            return modality, reason
+    known = ", ".join(m.description for m in REGISTRY.values())
+    raise UserError(
+        f"data.source={text}: no modality recognises what it holds ({known}); choose the data config with data=NAME."
+    )

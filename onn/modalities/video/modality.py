@@ -1,0 +1,125 @@
+"""Video: clip classification from folders of videos, decoded once, sampled and augmented on the device.
+
+The video modality: mp4/mov/avi/mkv/webm/... through PyAV (onn/modalities/video/decode.py:
+frames sampled evenly in time, rotation applied, any frame size and bit depth), labels from class
+folders, a regex on the file names or a manifest (onn/data/labelled.py), a uint8 clip store on the device
+(dataset.py), temporal sampling and augmentation the same for every frame of a clip (transform.py),
+torchvision's video ResNets, ONN's tiny 3-D CNN or a timm image model per frame with temporal pooling
+(onn/models/video.py), a generated motion dataset (`builtin:motion`, builtin.py), and strips of the
+predicted clips' frames.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from onn.config import ONNConfig
+from onn.config.data import VideoData
+from onn.config.model import NetworkConfig
+from onn.data.labelled import sniff_files
+from onn.errors import UserError
+from onn.modalities.base import MediaModality, RunConfig
+
+SUFFIXES = frozenset({".mp4", ".m4v", ".mov", ".avi", ".mkv", ".webm", ".mpg", ".mpeg", ".ts", ".mts", ".m2ts", ".wmv",
+                      ".flv", ".3gp", ".ogv", ".mxf", ".y4m"})  # fmt: skip
+
+
+class VideoModality(MediaModality):
+    name = "video"
+    data_schema = VideoData
+    dataset = "onn.modalities.video.dataset"
+    default_data = "video"
+    default_model = "video_c3d_tiny"
+    description = "video classification"
+    builtins = ("motion",)
+    stored_dtype = "uint8"
+    sniff_priority = 1  # file extensions say it: asked before the image sniffer reads magic bytes
+
+    def sniff(self, path: Path) -> str | None:
+        return sniff_files(path, SUFFIXES, "video", "a video file")
+
+    def check(self, config: ONNConfig) -> None:
+        from onn.modalities.video.decode import fit_settings
+        from onn.modalities.video.transform import ClipTransform
+        from onn.models.zoo.registry import VIDEO
+
+        data: VideoData = config.data
+        model: NetworkConfig = config.model
+        fit = fit_settings(data)
+        ClipTransform(data.augment, [0.5] * fit.channels, [0.5] * fit.channels, data.frames, data.sampling)
+        source = str(model.source or "")
+        kind, _, name = source.partition(":")
+        if kind not in ("torchvision", "zoo", "timm") or (kind == "zoo" and name not in VIDEO):
+            raise UserError(f"model={model.name} ({source or 'no source'}) does not take clips; video data trains "
+                            "model=video_c3d_tiny, video_r3d_18, video_r2plus1d, video_mc3_18 or video_frames_resnet18.")  # fmt: skip
+        if model.channels_last:
+            raise UserError(
+                "model.channels_last=true does not apply to clips [B, C, T, H, W]; set model.channels_last=false."
+            )
+
+    def datamodule(self, config: ONNConfig, device: str):
+        from onn.modalities.video.dataset import VideoDataModule
+
+        return VideoDataModule(config.data, config.paths.cache, device, seed=int(config.seed))
+
+    def network(self, model_cfg: NetworkConfig, inputs: dict[str, Any]):
+        from onn.models.video import build_video_classifier
+
+        channels, _, height, width = inputs["input_shape"]
+        return build_video_classifier(
+            model_cfg, channels, len(inputs["classes"]), inputs["frames"], [height, width]
+        )
+
+    def transform(self, config: RunConfig, inputs: dict[str, Any]):
+        from onn.modalities.video.transform import ClipTransform
+
+        data: VideoData = config.data
+        return ClipTransform(data.augment, inputs["mean"], inputs["std"], inputs["frames"], data.sampling)
+
+    def input_stats(self, config: ONNConfig, dm) -> dict[str, Any]:
+        from onn.modalities.video.transform import measure_stats
+
+        data: VideoData = config.data
+        settings = self._settings(data)
+        mean, std = data.mean, data.std
+        if mean in (None, "auto") or std in (None, "auto"):
+            channels = settings["fit"]["channels"]
+            mean, std = (
+                ([0.5] * channels, [0.25] * channels)
+                if dm.streamed
+                else measure_stats(dm.splits["train"].inputs)
+            )
+        return {**settings, "mean": [float(v) for v in mean], "std": [float(v) for v in std]}
+
+    def neutral_stats(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        channels = inputs["input_shape"][0]
+        return {"mean": [0.5] * channels, "std": [0.25] * channels}
+
+    def planned_inputs(self, config: RunConfig) -> dict[str, Any]:
+        data: VideoData = config.data
+        settings = self._settings(data)
+        fit = settings["fit"]
+        classes = data.classes or [
+            str(i) for i in range(data.num_classes if isinstance(data.num_classes, int) else 10)
+        ]
+        return {
+            "classes": [str(c) for c in classes],
+            "input_shape": [fit["channels"], fit["frames"], *fit["size"]],
+            **settings,
+        }
+
+    def picture(self, samples, predicted, true, path: Path, inputs: dict[str, Any]) -> None:
+        from onn.modalities.video import pictures
+
+        pictures.write(samples, predicted, true, path)
+
+    @staticmethod
+    def _settings(data: VideoData) -> dict[str, Any]:
+        """What decodes this data and what the network sees: saved in every checkpoint's `inputs`."""
+        from dataclasses import asdict
+
+        from onn.modalities.video.decode import fit_settings
+
+        fit = asdict(fit_settings(data))
+        return {"fit": {**fit, "size": list(fit["size"])}, "frames": int(data.frames)}
