@@ -16,9 +16,7 @@ def other_rank_overrides(argv: list[str]) -> list[str]:
     rank_N.log and writes no .hydra/ of its own (Lightning's own launcher does the same for its children);
     give every node the same hydra.run.dir so that they share one run folder."""
     rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
-    if rank == "0" or any(
-        a.startswith(("hydra.output_subdir=", "hydra.job.name=", "-m", "--multirun")) for a in argv
-    ):
+    if rank == "0" or any(a.startswith(("hydra.output_subdir=", "hydra.job.name=", "-m", "--multirun")) for a in argv):
         return []
     return ["hydra.output_subdir=null", f"hydra.job.name=rank_{rank}"]
 

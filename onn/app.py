@@ -70,8 +70,15 @@ def run(cfg: DictConfig) -> float | None:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     overrides = list(hydra_cfg.overrides.task)
-    metrics: dict[str, Any] = {"status": "running", "error": None, "task": cfg.task.name, "model": cfg.model.name, "data": cfg.data.name,
-                               "strategy": cfg.strategy.name, "hardware": cfg.hardware.name}  # fmt: skip
+    metrics: dict[str, Any] = {
+        "status": "running",
+        "error": None,
+        "task": cfg.task.name,
+        "model": cfg.model.name,
+        "data": cfg.data.name,
+        "strategy": cfg.strategy.name,
+        "hardware": cfg.hardware.name,
+    }
     record = RunRecord(run_dir, metrics)
     config: ONNConfig | None = None
     try:
@@ -124,9 +131,11 @@ def explain_out_of_memory(error: BaseException, config: ONNConfig | None) -> str
     if not is_out_of_memory(error) or config is None:
         return None
     where = "the GPU" if isinstance(error, torch_out_of_memory()) else "memory"
-    return (f"out of {where} outside a training step's back-off ({str(error).strip().splitlines()[0][:160]}): lower "
-            f"data.batch_size or data.max_length, set strategy.micro_batch lower, or give hardware.budget_mb room; "
-            f"`python run.py task=plan` with the same settings shows what each needs.")  # fmt: skip
+    return (
+        f"out of {where} outside a training step's back-off ({str(error).strip().splitlines()[0][:160]}): lower "
+        f"data.batch_size or data.max_length, set strategy.micro_batch lower, or give hardware.budget_mb room; "
+        f"`python run.py task=plan` with the same settings shows what each needs."
+    )
 
 
 def torch_out_of_memory() -> type:
@@ -159,9 +168,7 @@ def quiet_console() -> None:
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*(LeafSpec|litlogger|does not have many workers).*")
-    warnings.filterwarnings(
-        "ignore", category=UserWarning, module=r"torch\.onnx\..*"
-    )  # the exporter's notes on axes
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.onnx\..*")  # the exporter's notes on axes
     # FSDP with one process shards nothing, by ONN's choice (onn/training/distributed.py): torch says so at every
     # state_dict; DeepSpeed leaves a one-process group unbound to a device on purpose, and torch says so at its barriers
     warnings.filterwarnings(
@@ -170,19 +177,25 @@ def quiet_console() -> None:
     )
     # bitsandbytes' note that a layer whose width is no multiple of its 4-bit kernel's block runs a slower kernel
     warnings.filterwarnings("ignore", message=r".*is not aligned for fast kernel.*")
-    for name, level in (("bitsandbytes.backends.cpu.ops", logging.ERROR), ("lightning.pytorch.utilities.rank_zero", logging.WARNING),
-                        ("lightning.fabric.utilities.rank_zero", logging.WARNING), ("DeepSpeed", logging.ERROR)):  # fmt: skip
+    for name, level in (
+        ("bitsandbytes.backends.cpu.ops", logging.ERROR),
+        ("lightning.pytorch.utilities.rank_zero", logging.WARNING),
+        ("lightning.fabric.utilities.rank_zero", logging.WARNING),
+        ("DeepSpeed", logging.ERROR),
+    ):
         logging.getLogger(name).setLevel(level)
 
 
 def summary(metrics: dict[str, Any], run_dir: Path) -> str:
     """The run's result in one line: its headline figures and where the rest is."""
-    keys = ("train/loss_initial", "train/loss_final", "val/loss_final", "val/acc_best", "test/acc", "val/loss", "val/acc",
-            "val/exact_match", "samples_per_s", "peak_memory_mb")  # fmt: skip
+    keys = ("train/loss_initial", "train/loss_final", "val/loss_final", "val/acc_best", "test/acc",
+            "val/loss", "val/acc", "val/exact_match", "samples_per_s", "peak_memory_mb")  # fmt: skip
     shown = [f"{k} {metrics[k]:.4g}" for k in keys if isinstance(metrics.get(k), int | float)]
     if metrics.get("infer/empty_completions"):  # the run worked, but did not answer: not "ok"
-        return (f"{metrics['task']} finished with {metrics['infer/empty_completions']} EMPTY completion(s): the model ended "
-                f"the text at once (its prompt format? see the warning above); metrics.json in {run_dir}")  # fmt: skip
+        return (
+            f"{metrics['task']} finished with {metrics['infer/empty_completions']} EMPTY completion(s): "
+            f"the model ended the text at once (its prompt format? see the warning above); metrics.json in {run_dir}"
+        )
     return f"{metrics['task']} ok: {', '.join(shown) or 'done'}; metrics.json in {run_dir}"
 
 
@@ -226,9 +239,7 @@ def to_config(cfg: DictConfig) -> ONNConfig:
     try:
         return OmegaConf.to_object(cfg)
     except MissingMandatoryValue as e:
-        raise UserError(
-            f"{e.full_key} has no value: give it on the command line ({e.full_key}=...)."
-        ) from None
+        raise UserError(f"{e.full_key} has no value: give it on the command line ({e.full_key}=...).") from None
 
 
 def config_digest(config: ONNConfig) -> str:
@@ -268,14 +279,15 @@ def from_checkpoint(config: ONNConfig, given: set[str]) -> tuple[Path, dict[str,
     ckpt = resolve_checkpoint(config.ckpt, config.paths.outputs)
     saved = saved_config(ckpt)
     if "model" not in saved:  # {} for a checkpoint another tool wrote
-        raise UserError(
-            f"ckpt {ckpt} holds no ONN run config (written by another tool?); it cannot be rebuilt."
-        )
+        raise UserError(f"ckpt {ckpt} holds no ONN run config (written by another tool?); it cannot be rebuilt.")
     modality = get(saved["modality"])  # every ONN checkpoint names its modality
     ignored = sorted(k for k in given if k.split(".", 1)[0] in ("model", "strategy"))
     if ignored:
-        log.warning("ckpt %s: the model and strategy are the checkpoint's; %s on the command line is not used", ckpt,
-                    ", ".join(ignored))  # fmt: skip
+        log.warning(
+            "ckpt %s: the model and strategy are the checkpoint's; %s on the command line is not used",
+            ckpt,
+            ", ".join(ignored),
+        )
     config.model = typed(modality.model_schema, saved["model"], f"ckpt {ckpt}: model")
     config.strategy = typed(StrategyConfig, saved["strategy"], f"ckpt {ckpt}: strategy")
     came = {"model": "checkpoint", "strategy": "checkpoint"}
@@ -290,13 +302,15 @@ def from_checkpoint(config: ONNConfig, given: set[str]) -> tuple[Path, dict[str,
     return ckpt, came
 
 
-def _data_from_checkpoint(config: ONNConfig, saved: dict[str, Any], modality: Modality, ckpt: Path,
-                          given: set[str]) -> str:  # fmt: skip
+def _data_from_checkpoint(
+    config: ONNConfig, saved: dict[str, Any], modality: Modality, ckpt: Path, given: set[str]
+) -> str:
     """Set config.data from the checkpoint's data and the command line's; say where it came from."""
     if "data" in given:
         if config.data.modality != modality.name:
             raise UserError(
-                f"ckpt {ckpt} holds a model of {modality.name} data, but data={config.data.name} is {config.data.modality} "
+                f"ckpt {ckpt} holds a model of {modality.name} data, "
+                f"but data={config.data.name} is {config.data.modality} "
                 f"data: give {modality.name} data, or leave data out to use the checkpoint's own."
             )
         return "command line"
@@ -340,12 +354,15 @@ def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> 
     ckpt, came = None, {}
     if config.ckpt:
         ckpt, came = from_checkpoint(config, given or set())
-        log.info(
-            "checkpoint %s: %s", ckpt, "; ".join(f"{group} from the {where}" for group, where in came.items())
-        )
+        log.info("checkpoint %s: %s", ckpt, "; ".join(f"{group} from the {where}" for group, where in came.items()))
     run_dir.mkdir(parents=True, exist_ok=True)
-    out: dict[str, Any] = {"model": config.model.name, "data": config.data.name, "data_source": config.data.source,
-                           "checkpoint_used": str(ckpt) if ckpt else None, "from_checkpoint": came or None}  # fmt: skip
+    out: dict[str, Any] = {
+        "model": config.model.name,
+        "data": config.data.name,
+        "data_source": config.data.source,
+        "checkpoint_used": str(ckpt) if ckpt else None,
+        "from_checkpoint": came or None,
+    }
     writes = is_rank_zero()  # in a multi-process run, rank 0 alone writes the run's files
     if not task.model:
         if writes:
@@ -354,8 +371,9 @@ def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> 
     modality = get(config.data.modality)
     if task.modalities is not None and modality.name not in task.modalities:
         raise UserError(
-            f"task={name} runs on {', '.join(sorted(task.modalities))} data, and data={config.data.name} is "
-            f"{modality.name} data{'; for image classifiers use recipe=bench_vision' if name in ('bench', 'tune') else ''}."
+            f"task={name} runs on {', '.join(sorted(task.modalities))} data, "
+            f"and data={config.data.name} is {modality.name} "
+            f"data{'; for image classifiers use recipe=bench_vision' if name in ('bench', 'tune') else ''}."
         )
     if task.heavy:
         check_optim(config.optim)
@@ -372,8 +390,11 @@ def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> 
 
     hardware = resolve_hardware(config.hardware, Path(config.paths.cache), Path(config.paths.outputs))
     if hardware.gpus_hidden:
-        print(f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} hides every GPU: planning and running on the CPU.",
-              flush=True)  # fmt: skip
+        print(
+            f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} hides every GPU: "
+            "planning and running on the CPU.",
+            flush=True,
+        )
     # task=tune starts from the planner's own guess; every other task takes a cached tune result
     plan, spec = modality.plan(config, hardware, use_tuned=name != "tune")
     if writes:
@@ -384,15 +405,15 @@ def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> 
         if hardware.accelerator == "cuda" and config.hardware.budget_mb:
             cap_gpu_memory(plan.budget_mb - plan.context_mb)  # a smaller card, held to for real
     # On CPUs the measured peak is the process's resident memory, which includes its baseline.
-    predicted = plan.predicted_peak_memory_mb + (
-        plan.context_mb if hardware.accelerator != "cuda" else 0
+    predicted = plan.predicted_peak_memory_mb + (plan.context_mb if hardware.accelerator != "cuda" else 0)
+    out.update(
+        {
+            "modality": modality.name,
+            "strategy": plan.strategy,
+            "hardware": hardware.name,
+            "predicted_peak_memory_mb": round(predicted, 1),
+            "params_total": spec.params,
+            "settings_source": plan.settings_source,  # plan, or tune (a cached task=tune result)
+        }
     )
-    out.update({
-        "modality": modality.name,
-        "strategy": plan.strategy,
-        "hardware": hardware.name,
-        "predicted_peak_memory_mb": round(predicted, 1),
-        "params_total": spec.params,
-        "settings_source": plan.settings_source,  # plan, or tune (a cached task=tune result)
-    })  # fmt: skip
     return {**out, **task.run(Job(config, run_dir, modality, hardware, plan, spec, ckpt))}

@@ -64,9 +64,15 @@ class Zygote:
         self.folder = Path(tempfile.mkdtemp(prefix="onn-zygote-"))
         atexit.register(shutil.rmtree, self.folder, True)  # its log and the runs' captured output
         with open(self.folder / "zygote.log", "w") as log:  # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py")], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
-                                         env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"})  # fmt: skip
+            self.proc = subprocess.Popen(
+                [sys.executable, str(ROOT / "tests" / "zygote.py")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                cwd=ROOT,
+                env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"},
+            )
         assert json.loads(self.proc.stdout.readline()).get("ready"), (self.folder / "zygote.log").read_text()
 
     def run(self, argv: list[str], env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
@@ -82,9 +88,7 @@ class Zygote:
             self.proc.stdout.readline()
             raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text())
         code = json.loads(self.proc.stdout.readline())["returncode"]
-        return subprocess.CompletedProcess(
-            argv, code, out.read_text(errors="replace"), err.read_text(errors="replace")
-        )
+        return subprocess.CompletedProcess(argv, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
 
 
 _zygotes: list[Zygote] = []

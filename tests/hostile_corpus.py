@@ -33,11 +33,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
-RUN = ["model=llama_tiny", "tracking=none", "trainer.max_steps=2", "task.validate_before=false",
-       "task.exact_match_samples=0", "trainer.enable_progress_bar=false"]  # fmt: skip
+RUN = [
+    "model=llama_tiny",
+    "tracking=none",
+    "trainer.max_steps=2",
+    "task.validate_before=false",
+    "task.exact_match_samples=0",
+    "trainer.enable_progress_bar=false",
+]
 TEXT = [*RUN, "data.val_split=0.2"]
-IMAGE = ["model=v28_cnn", "data=image", "tracking=none", "trainer.max_epochs=1", "trainer.max_steps=-1",
-         "data.batch_size=4", "data.val_split=0.25", "trainer.enable_progress_bar=false", "optim.warmup_steps=0"]  # fmt: skip
+IMAGE = [
+    "model=v28_cnn",
+    "data=image",
+    "tracking=none",
+    "trainer.max_epochs=1",
+    "trainer.max_steps=-1",
+    "data.batch_size=4",
+    "data.val_split=0.25",
+    "trainer.enable_progress_bar=false",
+    "optim.warmup_steps=0",
+]
 
 
 # Hydra's own messages for a bad override: a few lines naming the key, before ONN runs
@@ -151,11 +166,14 @@ def tiny_onnx(path: Path, weights: str = "initializer") -> Path:
         nodes.append(helper.make_node("Relu", [f"m{k}"], [f"r{k}"]))
         prev = f"r{k}"
     nodes.append(helper.make_node("Identity", [prev], ["y"]))
-    graph = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])], inits)  # fmt: skip
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="corpus", ir_version=10
+    graph = helper.make_graph(
+        nodes,
+        "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])],
+        inits,
     )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="corpus", ir_version=10)
     onnx.save(model, str(path))
     return path
 
@@ -163,8 +181,10 @@ def tiny_onnx(path: Path, weights: str = "initializer") -> Path:
 def enriched(path: Path, root: Path) -> Path:
     """An .omny of tiny_onnx made by the checkout under test (enrich_onnx's Python API exists in every version)."""
     src = tiny_onnx(path.with_suffix(".onnx"))
-    code = ("import numpy as np; from onn.export.omny import enrich_onnx; "
-            f"enrich_onnx({str(src)!r}, {str(path)!r}, {{'x': np.ones((1, 16), np.float32)}})")  # fmt: skip
+    code = (
+        "import numpy as np; from onn.export.omny import enrich_onnx; "
+        f"enrich_onnx({str(src)!r}, {str(path)!r}, {{'x': np.ones((1, 16), np.float32)}})"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, capture_output=True)
     return path
 
@@ -209,11 +229,7 @@ def metrics_of(tmp: Path) -> dict:
 
 def py(root: Path, code: str) -> str:
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
-    return (
-        proc.stdout.strip()
-        if proc.returncode == 0
-        else "error: " + (proc.stderr.strip().splitlines() or ["?"])[-1]
-    )
+    return proc.stdout.strip() if proc.returncode == 0 else "error: " + (proc.stderr.strip().splitlines() or ["?"])[-1]
 
 
 def text_case(source_of: Callable[[Path], Path], *extra: str):
@@ -232,8 +248,11 @@ def image_case(source_of: Callable[[Path], Path], *extra: str):
 
 def quoted_check(root: Path):
     def check(tmp: Path, out: str) -> str | None:
-        got = py(root, "from onn.modalities.text.formats import read_records as r; rows = r({!r}); "
-                       "print(len(rows), repr(rows[3]['input']), repr(rows[3]['output']))".format(str(tmp / "q.csv")))  # fmt: skip
+        got = py(
+            root,
+            "from onn.modalities.text.formats import read_records as r; rows = r({!r}); "
+            "print(len(rows), repr(rows[3]['input']), repr(rows[3]['output']))".format(str(tmp / "q.csv")),
+        )
         first = "Write a poem about 3"
         second = 'Roses are red,\nviolets are "blue" 3'
         want = f"20 {first!r} {second!r}"
@@ -250,9 +269,11 @@ def image_labels_check(root: Path, source: str, *overrides: str, want_classes: l
 import sys; sys.path.insert(0, {str(root / "tests")!r})
 from conftest import compose
 from onn.modalities import get
-cfg = compose('model=v28_cnn', 'data=image', 'data.source={tmp / source}', 'paths.outputs={tmp / "py"}', {", ".join(repr(o) for o in overrides)})
+cfg = compose('model=v28_cnn', 'data=image', 'data.source={tmp / source}', 'paths.outputs={tmp / "py"}',
+              {", ".join(repr(o) for o in overrides)})
 dm = get('image').datamodule(cfg, 'cpu'); dm.setup()
-bad = [(n, dm.classes[int(l)]) for s in dm.splits.values() for n, l in zip(s.names, s.labels.tolist()) if n.split('/')[-2] != dm.classes[int(l)]]
+bad = [(n, dm.classes[int(l)]) for s in dm.splits.values() for n, l in zip(s.names, s.labels.tolist())
+       if n.split('/')[-2] != dm.classes[int(l)]]
 print(dm.classes, len(bad), bad[:2])
 """
         got = py(root, code)
@@ -286,78 +307,301 @@ def build_cases(root: Path) -> list[Case]:
     del missing_rows[6]["output"]  # line 7
     cases = [
         # 7. silent wrong data
-        Case("CSV with quoted newlines and doubled quotes", "7", text_case(lambda t: quoted_csv(t / "q.csv")), "ok", quoted_check(root)),
+        Case(
+            "CSV with quoted newlines and doubled quotes",
+            "7",
+            text_case(lambda t: quoted_csv(t / "q.csv")),
+            "ok",
+            quoted_check(root),
+        ),
         Case("ragged CSV", "7", text_case(lambda t: ragged_csv(t / "r.csv")), "error"),
         Case("null answers", "7", text_case(jsonl("n.jsonl", null_rows)), "error"),
         Case("data.max_length=0", "7", text_case(jsonl("m.jsonl", qa_rows()), "data.max_length=0"), "error"),
-        Case("data.classes in another order than the folders", "7",
-             image_case(lambda t: images(t / "img", {"a": 30, "b": 220}), "data.classes=[b,a]"), "ok",
-             image_labels_check(root, "img", "data.classes=[b,a]", want_classes=["b", "a"])),
-        Case("string label among integer labels in a CSV", "7",
-             image_case(lambda t: label_csv(t / "csvimg", ["0", "1"] * 5 + ["cat"] + ["1", "0"] * 2)), "error"),
-        Case("absolute-path tar member", "7", image_case(lambda t: tar_with_absolute_member(t / "abs.tar")), "either",
-             image_labels_check(root, "abs.tar", want_classes=["a", "b"])),
+        Case(
+            "data.classes in another order than the folders",
+            "7",
+            image_case(lambda t: images(t / "img", {"a": 30, "b": 220}), "data.classes=[b,a]"),
+            "ok",
+            image_labels_check(root, "img", "data.classes=[b,a]", want_classes=["b", "a"]),
+        ),
+        Case(
+            "string label among integer labels in a CSV",
+            "7",
+            image_case(lambda t: label_csv(t / "csvimg", ["0", "1"] * 5 + ["cat"] + ["1", "0"] * 2)),
+            "error",
+        ),
+        Case(
+            "absolute-path tar member",
+            "7",
+            image_case(lambda t: tar_with_absolute_member(t / "abs.tar")),
+            "either",
+            image_labels_check(root, "abs.tar", want_classes=["a", "b"]),
+        ),
         Case("negative warm-up (text)", "7", text_case(jsonl("w.jsonl", qa_rows()), "optim.warmup_steps=-5"), "error"),
-        Case("negative warm-up (image)", "7", image_case(lambda t: images(t / "img", {"a": 30, "b": 220}), "optim.warmup_steps=-5"), "error"),
-        Case("memory budget below the baseline", "7", text_case(jsonl("b.jsonl", qa_rows()), "hardware.budget_mb=100"), "error"),
+        Case(
+            "negative warm-up (image)",
+            "7",
+            image_case(lambda t: images(t / "img", {"a": 30, "b": 220}), "optim.warmup_steps=-5"),
+            "error",
+        ),
+        Case(
+            "memory budget below the baseline",
+            "7",
+            text_case(jsonl("b.jsonl", qa_rows()), "hardware.budget_mb=100"),
+            "error",
+        ),
         # 8. checkpoint identity
-        Case("eval ckpt=X data.source=NEW evaluates NEW", "8",
-             lambda t, s: ["task=eval", f"ckpt={s['text_ckpt']}", f"data.source={write_jsonl(t / 'new.jsonl', qa_rows(30))}",
-                           "tracking=none", "task.max_samples=2", "task.max_new_tokens=2"],  # fmt: skip
-             "ok", lambda t, out: None if (metrics_of(t).get("data_source"), metrics_of(t).get("data")) == (str(t / "new.jsonl"), "text") else
-             f"metrics say data={metrics_of(t).get('data')!r} (trained on text), data_source={metrics_of(t).get('data_source')!r}",
-             needs=["text_ckpt"]),
-        Case("text eval of an image checkpoint", "8",
-             lambda t, s: ["task=eval", f"ckpt={s['image_ckpt']}", "data=text", f"data.source={write_jsonl(t / 'x.jsonl', qa_rows())}",
-                           "tracking=none"], "error", needs=["image_ckpt"]),  # fmt: skip
+        Case(
+            "eval ckpt=X data.source=NEW evaluates NEW",
+            "8",
+            lambda t, s: [
+                "task=eval",
+                f"ckpt={s['text_ckpt']}",
+                f"data.source={write_jsonl(t / 'new.jsonl', qa_rows(30))}",
+                "tracking=none",
+                "task.max_samples=2",
+                "task.max_new_tokens=2",
+            ],
+            "ok",
+            lambda t, out: (
+                None
+                if (metrics_of(t).get("data_source"), metrics_of(t).get("data")) == (str(t / "new.jsonl"), "text")
+                else f"metrics say data={metrics_of(t).get('data')!r} (trained on text), "
+                f"data_source={metrics_of(t).get('data_source')!r}"
+            ),
+            needs=["text_ckpt"],
+        ),
+        Case(
+            "text eval of an image checkpoint",
+            "8",
+            lambda t, s: [
+                "task=eval",
+                f"ckpt={s['image_ckpt']}",
+                "data=text",
+                f"data.source={write_jsonl(t / 'x.jsonl', qa_rows())}",
+                "tracking=none",
+            ],
+            "error",
+            needs=["image_ckpt"],
+        ),
         # 9. hangs
-        Case("image folder with two symlink loops", "9", image_case(lambda t: link_loops(t / "loops")), "ok", timeout=180),
-        Case("data.source=/dev/zero (data=auto)", "9", lambda t, s: [*RUN, "data=auto", "data.source=/dev/zero"], "error", said_device, timeout=120),
-        Case("data.source=/dev/zero (data=text)", "9", lambda t, s: [*TEXT, "data=text", "data.source=/dev/zero"], "error", said_device, timeout=120),
-        Case("data.source=/dev/zero (data=image)", "9", lambda t, s: [*IMAGE, "data.source=/dev/zero"], "error", said_device, timeout=120),
+        Case(
+            "image folder with two symlink loops", "9", image_case(lambda t: link_loops(t / "loops")), "ok", timeout=180
+        ),
+        Case(
+            "data.source=/dev/zero (data=auto)",
+            "9",
+            lambda t, s: [*RUN, "data=auto", "data.source=/dev/zero"],
+            "error",
+            said_device,
+            timeout=120,
+        ),
+        Case(
+            "data.source=/dev/zero (data=text)",
+            "9",
+            lambda t, s: [*TEXT, "data=text", "data.source=/dev/zero"],
+            "error",
+            said_device,
+            timeout=120,
+        ),
+        Case(
+            "data.source=/dev/zero (data=image)",
+            "9",
+            lambda t, s: [*IMAGE, "data.source=/dev/zero"],
+            "error",
+            said_device,
+            timeout=120,
+        ),
         # 10. tracebacks
-        Case("UTF-16 text with a BOM (should be read)", "10", text_case(text_file("u16.jsonl", "".join(json.dumps(r) + "\n" for r in qa_rows()).encode("utf-16"))), "ok"),
-        Case("Latin-1 text", "10", text_case(text_file("l1.txt", "".join(f"caf\xe9 num\xe9ro {i}\n" for i in range(20)).encode("latin-1"))), "error"),
+        Case(
+            "UTF-16 text with a BOM (should be read)",
+            "10",
+            text_case(text_file("u16.jsonl", "".join(json.dumps(r) + "\n" for r in qa_rows()).encode("utf-16"))),
+            "ok",
+        ),
+        Case(
+            "Latin-1 text",
+            "10",
+            text_case(text_file("l1.txt", "".join(f"caf\xe9 num\xe9ro {i}\n" for i in range(20)).encode("latin-1"))),
+            "error",
+        ),
         Case("binary file as text data", "10", text_case(text_file("bin.jsonl", bytes(range(256)) * 64)), "error"),
-        Case("safetensors with the wrong shapes", "10",
-             lambda t, s: [*TEXT, "data=text", f"data.source={write_jsonl(t / 'd.jsonl', qa_rows())}", f"model.source={s['wrong_shapes']}"],
-             "error", needs=["wrong_shapes"]),  # fmt: skip
-        Case("checkpoint with corrupt meta.json", "10", lambda t, s: ["task=eval", f"ckpt={s['bad_meta']}", "tracking=none"], "error", needs=["bad_meta"]),
-        Case("checkpoint with wrong-shaped meta.json", "10", lambda t, s: ["task=eval", f"ckpt={s['list_meta']}", "tracking=none"], "error", needs=["list_meta"]),
-        Case("checkpoint with truncated tensors", "10", lambda t, s: ["task=eval", f"ckpt={s['cut_tensors']}", "tracking=none"], "error", needs=["cut_tensors"]),
-        Case("checkpoint with another model's tensors", "10", lambda t, s: ["task=eval", f"ckpt={s['other_tensors']}", "tracking=none"], "error", needs=["other_tensors"]),
-        Case("model.weights truncated", "10",
-             lambda t, s: [*IMAGE, f"data.source={images(t / 'img', {'a': 30, 'b': 220})}", f"model.weights={s['cut_weights']}"],
-             "error", needs=["cut_weights"]),  # fmt: skip
+        Case(
+            "safetensors with the wrong shapes",
+            "10",
+            lambda t, s: [
+                *TEXT,
+                "data=text",
+                f"data.source={write_jsonl(t / 'd.jsonl', qa_rows())}",
+                f"model.source={s['wrong_shapes']}",
+            ],
+            "error",
+            needs=["wrong_shapes"],
+        ),
+        Case(
+            "checkpoint with corrupt meta.json",
+            "10",
+            lambda t, s: ["task=eval", f"ckpt={s['bad_meta']}", "tracking=none"],
+            "error",
+            needs=["bad_meta"],
+        ),
+        Case(
+            "checkpoint with wrong-shaped meta.json",
+            "10",
+            lambda t, s: ["task=eval", f"ckpt={s['list_meta']}", "tracking=none"],
+            "error",
+            needs=["list_meta"],
+        ),
+        Case(
+            "checkpoint with truncated tensors",
+            "10",
+            lambda t, s: ["task=eval", f"ckpt={s['cut_tensors']}", "tracking=none"],
+            "error",
+            needs=["cut_tensors"],
+        ),
+        Case(
+            "checkpoint with another model's tensors",
+            "10",
+            lambda t, s: ["task=eval", f"ckpt={s['other_tensors']}", "tracking=none"],
+            "error",
+            needs=["other_tensors"],
+        ),
+        Case(
+            "model.weights truncated",
+            "10",
+            lambda t, s: [
+                *IMAGE,
+                f"data.source={images(t / 'img', {'a': 30, 'b': 220})}",
+                f"model.weights={s['cut_weights']}",
+            ],
+            "error",
+            needs=["cut_weights"],
+        ),
         Case("a folder with one class", "10", image_case(lambda t: images(t / "one", {"only": 90})), "error"),
-        Case("data.source is a symlink loop (image)", "10", lambda t, s: [*IMAGE, f"data.source={loop_link(t)}"], "error", said_loop),
-        Case("data.source is a symlink loop (text)", "10", lambda t, s: [*TEXT, "data=text", f"data.source={loop_link(t)}"], "error", said_loop),
+        Case(
+            "data.source is a symlink loop (image)",
+            "10",
+            lambda t, s: [*IMAGE, f"data.source={loop_link(t)}"],
+            "error",
+            said_loop,
+        ),
+        Case(
+            "data.source is a symlink loop (text)",
+            "10",
+            lambda t, s: [*TEXT, "data=text", f"data.source={loop_link(t)}"],
+            "error",
+            said_loop,
+        ),
         Case("optim.lr=-1", "10", text_case(jsonl("d.jsonl", qa_rows()), "optim.lr=-1"), "error"),
-        Case("optim.lr=-1 (image)", "10", image_case(lambda t: images(t / "img", {"a": 30, "b": 220}), "optim.lr=-1"), "error"),
+        Case(
+            "optim.lr=-1 (image)",
+            "10",
+            image_case(lambda t: images(t / "img", {"a": 30, "b": 220}), "optim.lr=-1"),
+            "error",
+        ),
         Case("trainer.max_steps=-5", "10", text_case(jsonl("d.jsonl", qa_rows()), "trainer.max_steps=-5"), "error"),
-        Case("trainer.max_steps=-5 (image)", "10", image_case(lambda t: images(t / "img", {"a": 30, "b": 220}), "trainer.max_steps=-5"), "error"),
+        Case(
+            "trainer.max_steps=-5 (image)",
+            "10",
+            image_case(lambda t: images(t / "img", {"a": 30, "b": 220}), "trainer.max_steps=-5"),
+            "error",
+        ),
         Case("trainer.max_steps=abc", "10", text_case(jsonl("d.jsonl", qa_rows()), "trainer.max_steps=abc"), "error"),
-        Case("strategy.streaming.chunk_size=0", "10", text_case(jsonl("d.jsonl", qa_rows()), "strategy=sparse_lora", "strategy.streaming.chunk_size=0"), "error"),
-        Case("unknown optim.schedule", "10", text_case(jsonl("d.jsonl", qa_rows()), "optim.schedule=warmup_cosine"), "error"),
-        Case("unknown optim.schedule (image)", "10", image_case(lambda t: images(t / "img", {"a": 30, "b": 220}), "optim.schedule=warmup_cosine"), "error"),
-        Case("run directory that is an existing file", "10",
-             lambda t, s: [*TEXT, "data=text", f"data.source={write_jsonl(t / 'd.jsonl', qa_rows())}", f"hydra.run.dir={file_at(t / 'rundir')}"], "error"),  # fmt: skip
-        Case("cache directory under a file", "10",
-             lambda t, s: [*TEXT, "data=text", f"data.source={write_jsonl(t / 'd.jsonl', qa_rows())}", f"paths.cache={file_at(t / 'cachefile')}/cache"], "error"),  # fmt: skip
+        Case(
+            "strategy.streaming.chunk_size=0",
+            "10",
+            text_case(jsonl("d.jsonl", qa_rows()), "strategy=sparse_lora", "strategy.streaming.chunk_size=0"),
+            "error",
+        ),
+        Case(
+            "unknown optim.schedule",
+            "10",
+            text_case(jsonl("d.jsonl", qa_rows()), "optim.schedule=warmup_cosine"),
+            "error",
+        ),
+        Case(
+            "unknown optim.schedule (image)",
+            "10",
+            image_case(lambda t: images(t / "img", {"a": 30, "b": 220}), "optim.schedule=warmup_cosine"),
+            "error",
+        ),
+        Case(
+            "run directory that is an existing file",
+            "10",
+            lambda t, s: [
+                *TEXT,
+                "data=text",
+                f"data.source={write_jsonl(t / 'd.jsonl', qa_rows())}",
+                f"hydra.run.dir={file_at(t / 'rundir')}",
+            ],
+            "error",
+        ),
+        Case(
+            "cache directory under a file",
+            "10",
+            lambda t, s: [
+                *TEXT,
+                "data=text",
+                f"data.source={write_jsonl(t / 'd.jsonl', qa_rows())}",
+                f"paths.cache={file_at(t / 'cachefile')}/cache",
+            ],
+            "error",
+        ),
         # 11. messages that mislead
-        Case("missing field on line 7", "11", text_case(jsonl("f.jsonl", missing_rows)), "error", lambda t, out: None if "line 7" in out else "does not say line 7"),
-        Case("bare JSON number", "11", text_case(text_file("n.json", b"42\n")), "error", lambda t, out: None if "number" in out.lower() else "does not say it is a JSON number"),
-        Case("string label named by its number", "11", image_case(lambda t: label_csv(t / "names", ["cat", "dog", "bird"] * 4), "data.num_classes=2"),
-             "error", lambda t, out: None if "label 'dog'" in out else "does not name the label 'dog'"),
-        Case("data.image_size=[0,0]", "11", image_case(lambda t: images(t / "img", {"a": 30, "b": 220}), "data.image_size=[0,0]", "data.resize=resize"),
-             "error", lambda t, out: None if "data.image_size" in out else "does not name data.image_size"),
-        Case(".omny validate names the file", "11",
-             lambda t, s: ["validate", str(rewrite_document(enriched(t / "m.omny", root), lambda d: d["blocks"][0].pop("weight_bytes")))],
-             "error", lambda t, out: None if str(t / "m.omny") in out else "does not name the file", command="omny"),
-        Case(".omny cut points naming tensors the graph lacks", "11",
-             lambda t, s: ["validate", str(rewrite_document(enriched(t / "c.omny", root), lambda d: d["cut_points"][0].update(name="no_such_tensor")))],
-             "error", command="omny"),
-    ]  # fmt: skip
+        Case(
+            "missing field on line 7",
+            "11",
+            text_case(jsonl("f.jsonl", missing_rows)),
+            "error",
+            lambda t, out: None if "line 7" in out else "does not say line 7",
+        ),
+        Case(
+            "bare JSON number",
+            "11",
+            text_case(text_file("n.json", b"42\n")),
+            "error",
+            lambda t, out: None if "number" in out.lower() else "does not say it is a JSON number",
+        ),
+        Case(
+            "string label named by its number",
+            "11",
+            image_case(lambda t: label_csv(t / "names", ["cat", "dog", "bird"] * 4), "data.num_classes=2"),
+            "error",
+            lambda t, out: None if "label 'dog'" in out else "does not name the label 'dog'",
+        ),
+        Case(
+            "data.image_size=[0,0]",
+            "11",
+            image_case(lambda t: images(t / "img", {"a": 30, "b": 220}), "data.image_size=[0,0]", "data.resize=resize"),
+            "error",
+            lambda t, out: None if "data.image_size" in out else "does not name data.image_size",
+        ),
+        Case(
+            ".omny validate names the file",
+            "11",
+            lambda t, s: [
+                "validate",
+                str(rewrite_document(enriched(t / "m.omny", root), lambda d: d["blocks"][0].pop("weight_bytes"))),
+            ],
+            "error",
+            lambda t, out: None if str(t / "m.omny") in out else "does not name the file",
+            command="omny",
+        ),
+        Case(
+            ".omny cut points naming tensors the graph lacks",
+            "11",
+            lambda t, s: [
+                "validate",
+                str(
+                    rewrite_document(
+                        enriched(t / "c.omny", root), lambda d: d["cut_points"][0].update(name="no_such_tensor")
+                    )
+                ),
+            ],
+            "error",
+            command="omny",
+        ),
+    ]
     return cases
 
 
@@ -381,8 +625,14 @@ def build_shared(root: Path, scratch: Path, names: set[str], env: dict) -> dict:
     out.mkdir(parents=True, exist_ok=True)
 
     def cli(*args: str) -> None:
-        proc = subprocess.run([sys.executable, str(root / "run.py"), *args, f"paths.outputs={out / 'outputs'}"],
-                              cwd=root, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, str(root / "run.py"), *args, f"paths.outputs={out / 'outputs'}"],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if proc.returncode:
             raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-2000:])
 
@@ -436,9 +686,11 @@ def build_shared(root: Path, scratch: Path, names: set[str], env: dict) -> dict:
         from safetensors.torch import save_file
 
         # llama_tiny's tensor names with every matrix one row short
-        code = ("import yaml, json; from onn.models.load import load; "
-                f"m, _ = load(yaml.safe_load(open({str(root / 'conf/model/llama_tiny.yaml')!r}))); "
-                "print(json.dumps({k: list(v.shape) for k, v in m.state_dict().items()}))")  # fmt: skip
+        code = (
+            "import yaml, json; from onn.models.load import load; "
+            f"m, _ = load(yaml.safe_load(open({str(root / 'conf/model/llama_tiny.yaml')!r}))); "
+            "print(json.dumps({k: list(v.shape) for k, v in m.state_dict().items()}))"
+        )
         shapes = json.loads(py(root, code))
         save_file(
             {k: torch.zeros([max(1, s[0] - 1), *s[1:]]) for k, s in shapes.items()},
@@ -451,9 +703,7 @@ def build_shared(root: Path, scratch: Path, names: set[str], env: dict) -> dict:
 # --- running -------------------------------------------------------------------------------------------
 
 
-def classify(
-    case: Case, proc: subprocess.CompletedProcess | None, tmp: Path, seconds: float
-) -> tuple[str, str]:
+def classify(case: Case, proc: subprocess.CompletedProcess | None, tmp: Path, seconds: float) -> tuple[str, str]:
     if proc is None:
         return "HANG", f"still running after {case.timeout} s"
     out = proc.stdout + proc.stderr
@@ -488,8 +738,15 @@ def run_case(case: Case, root: Path, scratch: Path, shared: dict, env: dict) -> 
             cmd.append(f"hydra.run.dir={tmp / 'outputs' / 'run'}")
     started = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=tmp, env={**env, "PYTHONPATH": str(root)}, capture_output=True, text=True,
-                              timeout=case.timeout, start_new_session=True)  # fmt: skip
+        proc = subprocess.run(
+            cmd,
+            cwd=tmp,
+            env={**env, "PYTHONPATH": str(root)},
+            capture_output=True,
+            text=True,
+            timeout=case.timeout,
+            start_new_session=True,
+        )
     except subprocess.TimeoutExpired:
         proc = None
     return classify(case, proc, tmp, time.perf_counter() - started)

@@ -152,8 +152,12 @@ def test_bad_audio_files_are_skipped_counted_and_named(tmp_path, caplog):
     write_clip(data / "mid_ann_93.m4a", np.zeros((4, 64, 64, 3), np.uint8), 4)  # a video without sound
     (data / "low_ann_94.xyz").write_bytes(good)
     fit = Fit(8000, 1, 4000)
-    expected = {"low_ann_90.wav": "not decodable audio", "mid_ann_91.wav": "no audio samples",
-                "high_ann_92.flac": "empty file", "mid_ann_93.m4a": "no audio stream"}  # fmt: skip
+    expected = {
+        "low_ann_90.wav": "not decodable audio",
+        "mid_ann_91.wav": "no audio samples",
+        "high_ann_92.flac": "empty file",
+        "mid_ann_93.m4a": "no audio stream",
+    }
     for name, why in expected.items():
         with pytest.raises(BadFile, match=why):
             load(str(data / name), fit)
@@ -174,10 +178,14 @@ def test_settings_that_make_no_sense_name_their_key():
     from onn.modalities import get
 
     audio = get("audio")
-    for override, key in (("data.sample_rate=0", "data.sample_rate"), ("data.clip_seconds=-1", "data.clip_seconds"),
-                          ("data.features.n_fft=0", "data.features.n_fft"), ("data.features.f_max=99999", "f_max"),
-                          ("data.augment.freq_warp=2", "data.augment.freq_warp"),
-                          ("model=video_r3d_18", "does not take spectrograms")):  # fmt: skip
+    for override, key in (
+        ("data.sample_rate=0", "data.sample_rate"),
+        ("data.clip_seconds=-1", "data.clip_seconds"),
+        ("data.features.n_fft=0", "data.features.n_fft"),
+        ("data.features.f_max=99999", "f_max"),
+        ("data.augment.freq_warp=2", "data.augment.freq_warp"),
+        ("model=video_r3d_18", "does not take spectrograms"),
+    ):
         with pytest.raises(UserError, match=key):
             audio.check(compose("data=audio", "model=audio_cnn", override))
     with pytest.raises(Exception, match="data.augment.pitch"):  # no such key: Hydra refuses it when composing
@@ -213,13 +221,31 @@ def test_train_held_out_pattern_eval_infer_and_export(tmp_path):
     from onn.app import execute
 
     data = make_tones(tmp_path / "tones", per_class=10)
-    common = ["tracking=none", "trainer.enable_progress_bar=false", f"paths.outputs={tmp_path / 'outputs'}",
-              f"paths.cache={tmp_path / 'cache'}"]  # fmt: skip
-    cfg = compose("recipe=fsdd_audio_cnn", *common, f"data.source={data}", "data.label_from='^([a-z]+)_'", "data.classes=null",
-                  "data.test_pattern=_bob_", "data.clip_seconds=0.4", "data.batch_size=4", "trainer.max_epochs=6", "optim.schedule=constant",
-                  "optim.lr=0.01", "data.features.top_db=50",  # tones over a noise floor: FSDD's 80 dB would show the noise
-                  "data.augment.truncate=0", "data.augment.noise_snr_db=0",  # ten tones a class, six epochs: no harder task
-                  "+model.kwargs.widths=[8,16]", "data.val_split=0.2", "export=onnx")  # fmt: skip
+    common = [
+        "tracking=none",
+        "trainer.enable_progress_bar=false",
+        f"paths.outputs={tmp_path / 'outputs'}",
+        f"paths.cache={tmp_path / 'cache'}",
+    ]
+    cfg = compose(
+        "recipe=fsdd_audio_cnn",
+        *common,
+        f"data.source={data}",
+        "data.label_from='^([a-z]+)_'",
+        "data.classes=null",
+        "data.test_pattern=_bob_",
+        "data.clip_seconds=0.4",
+        "data.batch_size=4",
+        "trainer.max_epochs=6",
+        "optim.schedule=constant",
+        "optim.lr=0.01",
+        "data.features.top_db=50",  # tones over a noise floor: FSDD's 80 dB would show the noise
+        "data.augment.truncate=0",
+        "data.augment.noise_snr_db=0",  # ten tones a class, six epochs: no harder task
+        "+model.kwargs.widths=[8,16]",
+        "data.val_split=0.2",
+        "export=onnx",
+    )
     metrics = execute(cfg, tmp_path / "train")
     assert metrics["modality"] == "audio" and metrics["resident"] is True
     assert metrics["train/loss_final"] < metrics["train/loss_initial"]
@@ -265,16 +291,18 @@ def test_fsdd_holds_a_speaker_out(tmp_path):
     dm = classification.setup_data(get("audio"), cfg, "cpu")
     assert len(dm.splits["test"]) == 500 and all("_lucas_" in n for n in dm.splits["test"].names)
     assert not any("_lucas_" in n for split in ("train", "val") for n in dm.splits[split].names)
-    assert len(dm.splits["train"]) + len(dm.splits["val"]) == 1500 and dm.classes == [
-        str(d) for d in range(10)
-    ]
-    assert (
-        dm.splits["train"].inputs.shape[1:] == (1, 8000) and dm.splits["train"].inputs.dtype == torch.float16
-    )
+    assert len(dm.splits["train"]) + len(dm.splits["val"]) == 1500 and dm.classes == [str(d) for d in range(10)]
+    assert dm.splits["train"].inputs.shape[1:] == (1, 8000) and dm.splits["train"].inputs.dtype == torch.float16
 
 
-@pytest.mark.parametrize("recipe, modality, shape", [("fsdd_audio_cnn", "audio", [1, 8000]), ("video_motion", "video", [3, 12, 32, 32]),
-                                                     ("bench_media", "audio", [1, 8000])])  # fmt: skip
+@pytest.mark.parametrize(
+    "recipe, modality, shape",
+    [
+        ("fsdd_audio_cnn", "audio", [1, 8000]),
+        ("video_motion", "video", [3, 12, 32, 32]),
+        ("bench_media", "audio", [1, 8000]),
+    ],
+)
 def test_recipes_compose_check_and_plan(recipe, modality, shape):
     from onn.modalities import get
 
@@ -283,9 +311,7 @@ def test_recipes_compose_check_and_plan(recipe, modality, shape):
     m.check(cfg)
     plan, spec = m.plan(cfg, resolve(cfg.hardware, "/tmp", "/tmp"))
     assert m.name == modality and m.planned_inputs(cfg)["input_shape"] == shape
-    assert (
-        plan.strategy == "full" and spec.kind == "network" and spec.sample_flops > 0 and spec.n_blocks >= 3
-    )
+    assert plan.strategy == "full" and spec.kind == "network" and spec.sample_flops > 0 and spec.n_blocks >= 3
 
 
 def test_streamed_fallback_decodes_per_item(tmp_path):
@@ -294,9 +320,18 @@ def test_streamed_fallback_decodes_per_item(tmp_path):
 
     data = make_tones(tmp_path / "tones", per_class=4, speakers=("ann",))
     (data / "low_ann_9.wav").write_bytes(b"")  # a bad file stands in for the next good one
-    cfg = compose("data=audio", "model=audio_cnn", f"data.source={data}", "data.label_from='^([a-z]+)_'", "data.resident=false",
-                  "data.num_workers=0", "data.batch_size=4", "data.clip_seconds=0.3", "data.sample_rate=8000",
-                  f"paths.cache={tmp_path / 'cache'}")  # fmt: skip
+    cfg = compose(
+        "data=audio",
+        "model=audio_cnn",
+        f"data.source={data}",
+        "data.label_from='^([a-z]+)_'",
+        "data.resident=false",
+        "data.num_workers=0",
+        "data.batch_size=4",
+        "data.clip_seconds=0.3",
+        "data.sample_rate=8000",
+        f"paths.cache={tmp_path / 'cache'}",
+    )
     dm = classification.setup_data(get("audio"), cfg, "cpu")
     assert dm.streamed and dm.input_shape == (1, 2400)
     x, y = next(iter(dm.train_dataloader()))
@@ -308,15 +343,30 @@ def test_bench_media_reports_decoding_and_both_pipelines(tmp_path):
     from onn.app import execute
 
     data = make_tones(tmp_path / "tones", per_class=6, speakers=("ann",))
-    cfg = compose("recipe=bench_media", f"data.source={data}", "data.label_from='^([a-z]+)_'", "data.classes=null",
-                  "data.batch_size=4", "task.steps=2", "task.warmup=1", "task.repeats=1", "task.standard_workers=0",
-                  "+model.kwargs.widths=[8,16]", f"paths.cache={tmp_path / 'cache'}", f"paths.outputs={tmp_path / 'out'}")  # fmt: skip
-    metrics = execute(cfg, tmp_path / "bench")
-    assert metrics["media/clips"] == 18 and metrics["media/decoded_seconds"] == pytest.approx(
-        18 * 0.25, abs=0.05
+    cfg = compose(
+        "recipe=bench_media",
+        f"data.source={data}",
+        "data.label_from='^([a-z]+)_'",
+        "data.classes=null",
+        "data.batch_size=4",
+        "task.steps=2",
+        "task.warmup=1",
+        "task.repeats=1",
+        "task.standard_workers=0",
+        "+model.kwargs.widths=[8,16]",
+        f"paths.cache={tmp_path / 'cache'}",
+        f"paths.outputs={tmp_path / 'out'}",
     )
-    for key in ("media/decode_clips_per_s", "media/decode_audio_s_per_s", "media/cache_speedup", "media/resident_speedup",
-                "media/train_speedup", "media/pipeline_standard_samples_per_s"):  # fmt: skip
+    metrics = execute(cfg, tmp_path / "bench")
+    assert metrics["media/clips"] == 18 and metrics["media/decoded_seconds"] == pytest.approx(18 * 0.25, abs=0.05)
+    for key in (
+        "media/decode_clips_per_s",
+        "media/decode_audio_s_per_s",
+        "media/cache_speedup",
+        "media/resident_speedup",
+        "media/train_speedup",
+        "media/pipeline_standard_samples_per_s",
+    ):
         assert metrics[key] > 0, key
 
 

@@ -27,9 +27,7 @@ def _aug(values: dict | None) -> ImageAugment | None:
 
 
 def _images(b=8, c=3, h=32, w=32, seed=0):
-    return torch.randint(
-        0, 256, (b, c, h, w), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
-    )
+    return torch.randint(0, 256, (b, c, h, w), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
 def _positions(b, h=16, w=16):
@@ -46,12 +44,8 @@ def _raw(aug_cfg, images, seed=0):
 @pytest.mark.parametrize("cfg", [None, {}, FULL])
 def test_normalisation_is_exact_without_augmentation(cfg):
     images = _images()
-    expected = (images.float() / 255 - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(
-        1, 3, 1, 1
-    )
-    out = BatchAugment(_aug(cfg), MEAN, STD)(
-        images, train=cfg is not FULL
-    )  # FULL with train=False: no augmentation
+    expected = (images.float() / 255 - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
+    out = BatchAugment(_aug(cfg), MEAN, STD)(images, train=cfg is not FULL)  # FULL with train=False: no augmentation
     assert out.dtype == torch.float32 and out.shape == images.shape
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
 
@@ -97,9 +91,7 @@ def test_color_jitter_factors_stay_in_torchvision_ranges():
     out = _raw({"color_jitter": {"brightness": 0.5}}, torch.full((b, 3, 4, 4), 100, dtype=torch.uint8))
     f = out[:, 0, 0, 0] / 100
     assert f.min() >= 0.5 - 1e-4 and f.max() <= 1.5 + 1e-4 and f.min() < 0.6 and f.max() > 1.4
-    assert torch.allclose(
-        out, f.view(b, 1, 1, 1) * 100 * torch.ones_like(out), atol=1e-3
-    )  # one factor per image
+    assert torch.allclose(out, f.view(b, 1, 1, 1) * 100 * torch.ones_like(out), atol=1e-3)  # one factor per image
     # contrast: a 1-channel image of 50s and 150s blends towards its mean (100) by the factor
     images = torch.tensor([50, 150], dtype=torch.uint8).repeat(8).view(1, 1, 4, 4).repeat(b, 1, 1, 1)
     out = _raw({"color_jitter": {"contrast": 0.5}}, images)

@@ -11,8 +11,17 @@ from conftest import run_cli
 
 from onn.bench.scores import equitable, learned, loss_fall
 
-TINY = ["model=llama_tiny", "data.builtin.train_size=300", "data.builtin.val_size=32", "data.max_length=48",
-        "tracking=none", "task=bench", "task.warmup_steps=1", "task.steps=11", "task.val_batches=2"]  # fmt: skip
+TINY = [
+    "model=llama_tiny",
+    "data.builtin.train_size=300",
+    "data.builtin.val_size=32",
+    "data.max_length=48",
+    "tracking=none",
+    "task=bench",
+    "task.warmup_steps=1",
+    "task.steps=11",
+    "task.val_batches=2",
+]
 
 
 def test_learned_needs_a_fall_that_noise_cannot_explain():
@@ -35,18 +44,21 @@ def test_quality_and_equitable_scores():
     assert s["score/efficiency"] == pytest.approx(0.5 / 1e6 * 1e10)
     assert s["score/speed"] == pytest.approx(250.0) and s["score/memory"] == pytest.approx(2000.0)
     assert s["score/overall"] == pytest.approx((5000 + 250 + 2 * 2000) / 4)
-    assert (
-        equitable(None, 10**6, 20.0, 8, 16000.0, 800.0, {"efficiency": 1, "speed": 1})["score/overall"]
-        is None
-    )
+    assert equitable(None, 10**6, 20.0, 8, 16000.0, 800.0, {"efficiency": 1, "speed": 1})["score/overall"] is None
 
 
 @pytest.mark.slow
 def test_bench_grid_records_a_failed_job_and_resumes_only_missing_jobs(outputs):
     sweep = outputs / "grid"
     # two strategies x two quality settings; `bleu` is no quality ONN knows: those two jobs fail, on any machine
-    args = ["-m", *TINY, "strategy=full,sparse_lora", "task.quality=loss_fall,bleu", f"paths.outputs={outputs}",
-            f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    args = [
+        "-m",
+        *TINY,
+        "strategy=full,sparse_lora",
+        "task.quality=loss_fall,bleu",
+        f"paths.outputs={outputs}",
+        f"hydra.sweep.dir={sweep}",
+    ]
     proc = run_cli(*args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     jobs = {}
@@ -60,14 +72,25 @@ def test_bench_grid_records_a_failed_job_and_resumes_only_missing_jobs(outputs):
     )
     for m in (full, sparse):
         assert m["status"] == "ok", m["error"]
-        for key in ("bench/step_s", "bench/samples_per_s", "bench/tokens_per_s", "bench/peak_memory_mb", "bench/predicted_memory_mb",
-                    "bench/memory_error", "bench/step_time_error", "bench/plan_predicted_step_s", "bench/learned", "bench/quality", "score/efficiency",
-                    "score/speed", "score/memory", "score/overall"):  # fmt: skip
+        for key in (
+            "bench/step_s",
+            "bench/samples_per_s",
+            "bench/tokens_per_s",
+            "bench/peak_memory_mb",
+            "bench/predicted_memory_mb",
+            "bench/memory_error",
+            "bench/step_time_error",
+            "bench/plan_predicted_step_s",
+            "bench/learned",
+            "bench/quality",
+            "score/efficiency",
+            "score/speed",
+            "score/memory",
+            "score/overall",
+        ):
             assert m[key] is not None, key
         assert 0 <= m["bench/quality"] <= 1 and len(m["bench/loss_curve"]) == 12
-        assert m["bench/samples_per_s"] == pytest.approx(
-            8 / m["bench/step_s"], rel=5e-3
-        )  # step_s is rounded to 0.1 ms
+        assert m["bench/samples_per_s"] == pytest.approx(8 / m["bench/step_s"], rel=5e-3)  # step_s is rounded to 0.1 ms
     assert sparse["bench/io_s"] is not None and sparse["bench/compute_s"] > 0  # streaming splits its step
     for strategy in ("full", "sparse_lora"):
         failed = metrics[f"strategy={strategy} task.quality=bleu"]

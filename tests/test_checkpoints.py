@@ -13,17 +13,20 @@ def test_round_trip_nested_state(tmp_path):
     shared = torch.randn(4, 3)
     state = {
         "state_dict": {"a.weight": shared, "b.weight": shared, "view": shared[1:]},  # tied weights and a view
-        "optimizer_states": [{"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}}, "param_groups": [{"betas": (0.9, 0.95), "lr": 1e-3, "params": [0]}]}],
+        "optimizer_states": [
+            {
+                "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}},
+                "param_groups": [{"betas": (0.9, 0.95), "lr": 1e-3, "params": [0]}],
+            }
+        ],
         "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 1}}}},
         "dtype": torch.bfloat16,
         "none": None,
-    }  # fmt: skip
+    }
     save(state, tmp_path / "x.ckpt")
     assert sorted(p.name for p in (tmp_path / "x.ckpt").iterdir()) == ["meta.json", "model.safetensors"]
     back = load(tmp_path / "x.ckpt")
-    assert torch.equal(back["state_dict"]["a.weight"], shared) and torch.equal(
-        back["state_dict"]["view"], shared[1:]
-    )
+    assert torch.equal(back["state_dict"]["a.weight"], shared) and torch.equal(back["state_dict"]["view"], shared[1:])
     opt = back["optimizer_states"][0]
     assert 0 in opt["state"] and opt["param_groups"][0]["betas"] == (0.9, 0.95)  # int keys and tuples survive
     assert back["dtype"] is torch.bfloat16 and back["none"] is None and back["loops"] == state["loops"]

@@ -63,9 +63,7 @@ def test_bad_inputs_name_file_and_line(tmp_path):
     mapping = compose(
         "data=text", "data.source=f.jsonl", "data.fields.input=question", "data.fields.output=answer"
     ).data
-    records = Records(
-        [{"question": "x", "answer": "1"}, {"question": "y"}], ["f.jsonl line 1", "f.jsonl line 2"]
-    )
+    records = Records([{"question": "x", "answer": "1"}, {"question": "y"}], ["f.jsonl line 1", "f.jsonl line 2"])
     with pytest.raises(UserError, match=r"f.jsonl line 2 has no field 'answer' \(data.fields.output\)"):
         Prompter(mapping, byte_tokenizer()).examples(records)
 

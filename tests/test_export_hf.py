@@ -46,8 +46,15 @@ def streamed_model(tmp: Path, *overrides: str):
     from onn.modalities.text.tasks import streaming_settings
     from onn.streaming.strategy import build_engine
 
-    cfg, plan, module, tokenizer = build_model(tmp, "strategy=sparse_lora", "strategy.layers=[0,1,-1]", "strategy.streaming.store=disk",
-                                               "strategy.streaming.chunk_size=3", "strategy.streaming.edges=stream", *overrides)  # fmt: skip
+    cfg, plan, module, tokenizer = build_model(
+        tmp,
+        "strategy=sparse_lora",
+        "strategy.layers=[0,1,-1]",
+        "strategy.streaming.store=disk",
+        "strategy.streaming.chunk_size=3",
+        "strategy.streaming.edges=stream",
+        *overrides,
+    )
     engine = build_engine(module.model, streaming_settings(cfg, plan), module.store, "cpu", micro_batch=None)
     return module, tokenizer, engine
 
@@ -96,10 +103,7 @@ def test_streamed_export_loads_in_transformers_and_generates_what_onn_infer_does
     folder = tmp_path / "hf"
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in folder.glob("*.safetensors"))
-    assert (
-        out["export/shards"] == len(shards) >= 2
-        and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
-    )
+    assert out["export/shards"] == len(shards) >= 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     assert set(index["weight_map"].values()) == set(shards) and out["export/folder"] == str(folder)
     tensors = read_folder(folder)
     assert set(index["weight_map"]) == set(tensors) and index["metadata"]["total_size"] == sum(
@@ -108,9 +112,7 @@ def test_streamed_export_loads_in_transformers_and_generates_what_onn_infer_does
     assert not [n for n in tensors if "lora_" in n or "base_layer" in n or n.startswith("base_model")]
     # block 0 has an adapter: its merged weight differs from the stored one; block 3 has none: equal
     block = {i: engine.store.decode(engine.store.read(i), torch.device("cpu"), torch.float32) for i in (0, 3)}
-    assert not torch.equal(
-        tensors["model.layers.0.self_attn.q_proj.weight"], block[0]["self_attn.q_proj.weight"]
-    )
+    assert not torch.equal(tensors["model.layers.0.self_attn.q_proj.weight"], block[0]["self_attn.q_proj.weight"])
     assert torch.equal(tensors["model.layers.3.mlp.down_proj.weight"], block[3]["mlp.down_proj.weight"])
 
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -120,8 +122,14 @@ def test_streamed_export_loads_in_transformers_and_generates_what_onn_infer_does
     want = complete(module.model, tokenizer, PROMPTS, max_new_tokens=8, engine=engine)
     assert complete(hf, hf_tokenizer, PROMPTS, max_new_tokens=8) == want and any(want)
     inputs = batch(tokenizer)
-    got = hf.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None,
-                      pad_token_id=tokenizer.pad_token_id)[:, inputs["input_ids"].shape[1] :]  # fmt: skip
+    got = hf.generate(
+        **inputs,
+        max_new_tokens=8,
+        min_new_tokens=8,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+    )[:, inputs["input_ids"].shape[1] :]
     assert torch.equal(got, engine.generate(inputs["input_ids"], inputs["attention_mask"], max_new_tokens=8))
     with torch.no_grad():
         logits = hf(**inputs).logits
@@ -186,9 +194,7 @@ def test_resident_lora_export_equals_peft_merge_and_unload(resident, tmp_path, t
     from transformers import AutoModelForCausalLM
 
     if tied:
-        _, _, module, tokenizer = build_model(
-            tmp_path, "strategy=lora", "model.architecture.tie_word_embeddings=true"
-        )
+        _, _, module, tokenizer = build_model(tmp_path, "strategy=lora", "model.architecture.tie_word_embeddings=true")
     else:
         _, module, tokenizer = resident
     live = {n: t.clone() for n, t in module.model.state_dict().items()}
@@ -221,9 +227,7 @@ def test_adapter_round_trips_through_peft(resident, tmp_path):
     cfg, module, tokenizer = resident
     out = save_adapter(module, tokenizer, tmp_path / "adapter")
     files = {p.name for p in (tmp_path / "adapter").iterdir()}
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= files and out[
-        "export/adapter_files"
-    ] == len(files)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= files and out["export/adapter_files"] == len(files)
     base, _ = load(cfg.model)  # the same random base, rebuilt from the model config
     loaded = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
     inputs = batch(tokenizer)
@@ -239,9 +243,7 @@ def test_bad_outputs_and_a_failed_export_damage_nothing(resident, tmp_path, monk
 
     _, module, tokenizer = resident
     missing = tmp_path / "no" / "such" / "hf"
-    with pytest.raises(
-        UserError, match=f"export output {missing}: its folder {missing.parent} does not exist"
-    ):
+    with pytest.raises(UserError, match=f"export output {missing}: its folder {missing.parent} does not exist"):
         save_folder(module, tokenizer, missing)
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")

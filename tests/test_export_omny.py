@@ -46,9 +46,7 @@ def test_decoder_cut_points_sit_at_block_boundaries_and_every_plan_validates(lla
     assert names[1:3] == ["model.layers.0", "model.layers.1"]
     assert [b["role"] for b in doc["blocks"]] == ["prefix", "block", "block", "suffix"]
     # every cut point is a [batch, sequence, hidden] hidden state: 32 floats per token
-    assert all(
-        c["shape"] == ["batch", "sequence", 32] and c["bytes_per_token"] == 128 for c in doc["cut_points"]
-    )
+    assert all(c["shape"] == ["batch", "sequence", 32] and c["bytes_per_token"] == 128 for c in doc["cut_points"])
     # KV cache per token of a decoder block: keys + values of 2 KV heads of 8 floats
     assert [b["kv_cache_bytes_per_token"] for b in doc["blocks"][1:3]] == [2 * 2 * 8 * 4] * 2
     blocks = doc["blocks"]
@@ -71,10 +69,7 @@ def test_decoder_cut_points_sit_at_block_boundaries_and_every_plan_validates(lla
     lines = []
     assert omny.validate(path, echo=lines.append)
     assert f"{path}: valid" in lines[-1]
-    assert (
-        sum("max abs diff against the whole model" in line for line in lines)
-        == len(plans["configurations"]) + 1
-    )
+    assert sum("max abs diff against the whole model" in line for line in lines) == len(plans["configurations"]) + 1
 
 
 def test_validate_catches_a_document_that_lies(llama, tmp_path):
@@ -126,9 +121,7 @@ def _foreign_mlp(path: Path, layers: int = 4, width: int = 32) -> Path:
             [width, width],
             rng.standard_normal((width, width)).astype(np.float32).ravel() / 8,
         )
-        b = helper.make_tensor(
-            f"b{i}", TensorProto.FLOAT, [width], rng.standard_normal(width).astype(np.float32)
-        )
+        b = helper.make_tensor(f"b{i}", TensorProto.FLOAT, [width], rng.standard_normal(width).astype(np.float32))
         inits += [w, b]
         nodes += [
             helper.make_node("MatMul", [h, f"w{i}"], [f"mm{i}"]),
@@ -138,9 +131,12 @@ def _foreign_mlp(path: Path, layers: int = 4, width: int = 32) -> Path:
         ]
         h = f"h{i}"
     graph = helper.make_graph(
-        nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
-        [helper.make_tensor_value_info(h, TensorProto.FLOAT, ["batch", width])], inits,
-    )  # fmt: skip
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info(h, TensorProto.FLOAT, ["batch", width])],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 10  # onnxruntime 1.31 reads IR versions up to 11; onnx 1.23 writes 14 by default
     onnx.save(model, str(path))
@@ -217,9 +213,7 @@ def test_onnx_shipped_light_models_get_their_blocks_and_leave_no_temp_file(tmp_p
 def test_bad_inputs_fail_in_one_clear_sentence(tmp_path):
     src = _foreign_mlp(tmp_path / "mlp.onnx", layers=2)
     sample = {"x": np.zeros((2, 32), np.float32)}
-    with pytest.raises(
-        UserError, match=r"sample input 'x' has shape \[2, 16\], but the graph expects \['batch', 32\]"
-    ):
+    with pytest.raises(UserError, match=r"sample input 'x' has shape \[2, 16\], but the graph expects \['batch', 32\]"):
         omny.enrich_onnx(src, tmp_path / "a.omny", {"x": np.zeros((2, 16), np.float32)})
     with pytest.raises(UserError, match="do not match the graph's inputs"):
         omny.enrich_onnx(src, tmp_path / "a.omny", {"y": np.zeros((2, 32), np.float32)})
@@ -299,10 +293,15 @@ def test_task_export_through_the_app(outputs):
 
 def _graph(path: Path, nodes, inits, outputs, inputs=(("x", ["batch", 8]),)) -> Path:
     model = helper.make_model(
-        helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
-                          [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs], inits),
+        helper.make_graph(
+            nodes,
+            "g",
+            [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+            [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs],
+            inits,
+        ),
         opset_imports=[helper.make_opsetid("", 18)],
-    )  # fmt: skip
+    )
     model.ir_version = 10
     onnx.save(onnx.shape_inference.infer_shapes(model), str(path))
     return path
@@ -315,9 +314,7 @@ def test_awkward_graphs_still_split_where_the_document_says(tmp_path):
     rng = np.random.default_rng(0)
 
     def w(name, shape=(8, 8)):
-        return helper.make_tensor(
-            name, TensorProto.FLOAT, shape, rng.standard_normal(shape).astype(np.float32).ravel()
-        )
+        return helper.make_tensor(name, TensorProto.FLOAT, shape, rng.standard_normal(shape).astype(np.float32).ravel())
 
     nodes = [
         helper.make_node("Constant", [], ["two"], value_float=2.0),

@@ -135,9 +135,7 @@ def test_export_checks_names_and_matches_pytorch(exported):
     proto = check_onnx(path)
     assert [i.name for i in proto.graph.input] == inputs
     assert [o.name for o in proto.graph.output] == outputs
-    dims = {
-        i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in proto.graph.input
-    }
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in proto.graph.input}
     for text in set(inputs) & set(TEXT):
         assert dims[text] == ["batch", "sequence"]
     if "pixel_values" in dims:
@@ -180,9 +178,7 @@ def test_sample_inputs_are_deterministic_and_avoid_special_tokens():
         sample_inputs(model, batch_size=8, sequence_length=64),
     )
     assert torch.equal(a["input_ids"], b["input_ids"]) and a["input_ids"].dtype == torch.long
-    assert not torch.equal(
-        a["input_ids"], sample_inputs(model, batch_size=8, sequence_length=64, seed=1)["input_ids"]
-    )
+    assert not torch.equal(a["input_ids"], sample_inputs(model, batch_size=8, sequence_length=64, seed=1)["input_ids"])
     assert a["input_ids"].shape == (8, 64) and int(a["input_ids"].max()) < 128
     assert not torch.isin(a["input_ids"], torch.tensor([0, 1, 2])).any()
     assert torch.equal(a["attention_mask"], torch.ones(8, 64, dtype=torch.long))
@@ -229,16 +225,48 @@ def _ids(*shape, dtype=torch.long):
 @pytest.mark.parametrize(
     "model_name, sample, match",
     [
-        ("llama", {"input_ids": _ids(2, 8), "pixel_values": torch.randn(2, 3, 8, 8)}, r"'pixel_values' \(shape \[2, 3, 8, 8\]\) is not an input of LlamaForCausalLM"),
-        ("llama", {"input_ids": _ids(2, 8, dtype=torch.float32)}, r"'input_ids' \(shape \[2, 8\]\) is torch.float32; expected integer"),
+        (
+            "llama",
+            {"input_ids": _ids(2, 8), "pixel_values": torch.randn(2, 3, 8, 8)},
+            r"'pixel_values' \(shape \[2, 3, 8, 8\]\) is not an input of LlamaForCausalLM",
+        ),
+        (
+            "llama",
+            {"input_ids": _ids(2, 8, dtype=torch.float32)},
+            r"'input_ids' \(shape \[2, 8\]\) is torch.float32; expected integer",
+        ),
         ("llama", {"input_ids": _ids(2, 8, 1)}, r"'input_ids' has shape \[2, 8, 1\]; expected 2 dims"),
-        ("llama", {"input_ids": _ids(2, 8), "attention_mask": torch.ones(2, 7, dtype=torch.long)}, r"'attention_mask' has shape \[2, 7\]; expected the shape of 'input_ids', \[2, 8\]"),
-        ("llama", {"input_ids": torch.full((2, 8), 500)}, r"'input_ids' .* ids from 500 to 500; .* vocabulary is 0..127"),
-        ("llama", {"input_ids": _ids(1, 8)}, r"'input_ids' has shape \[1, 8\]; a dynamic export needs batch and sequence sizes of at least 2"),
-        ("clip", {"input_ids": _ids(2, 8), "attention_mask": torch.ones(2, 8, dtype=torch.long), "pixel_values": torch.randn(2, 3, 64, 64)}, r"'pixel_values' has shape \[2, 3, 64, 64\]; CLIPModel's config expects \[batch, 3, 32, 32\]"),
-        ("resnet", {"pixel_values": torch.randn(2, 3, 64, 64), "extra": torch.randn(2, 3)}, r"ResNet.forward takes 1 tensor\(s\) \['x'\]; the sample input has 2"),
+        (
+            "llama",
+            {"input_ids": _ids(2, 8), "attention_mask": torch.ones(2, 7, dtype=torch.long)},
+            r"'attention_mask' has shape \[2, 7\]; expected the shape of 'input_ids', \[2, 8\]",
+        ),
+        (
+            "llama",
+            {"input_ids": torch.full((2, 8), 500)},
+            r"'input_ids' .* ids from 500 to 500; .* vocabulary is 0..127",
+        ),
+        (
+            "llama",
+            {"input_ids": _ids(1, 8)},
+            r"'input_ids' has shape \[1, 8\]; a dynamic export needs batch and sequence sizes of at least 2",
+        ),
+        (
+            "clip",
+            {
+                "input_ids": _ids(2, 8),
+                "attention_mask": torch.ones(2, 8, dtype=torch.long),
+                "pixel_values": torch.randn(2, 3, 64, 64),
+            },
+            r"'pixel_values' has shape \[2, 3, 64, 64\]; CLIPModel's config expects \[batch, 3, 32, 32\]",
+        ),
+        (
+            "resnet",
+            {"pixel_values": torch.randn(2, 3, 64, 64), "extra": torch.randn(2, 3)},
+            r"ResNet.forward takes 1 tensor\(s\) \['x'\]; the sample input has 2",
+        ),
     ],
-)  # fmt: skip
+)
 def test_mismatched_sample_input_is_refused_before_export(tmp_path, model_name, sample, match):
     with pytest.raises(UserError, match=match) as err:
         export_onnx(build(model_name), tmp_path / "m.onnx", sample)
@@ -283,9 +311,7 @@ def test_static_shapes_and_other_opset(tmp_path):
     proto = check_onnx(path)
     assert [d.dim_value for d in proto.graph.input[0].type.tensor_type.shape.dim] == [2, 8]
     assert {o.domain: o.version for o in proto.opset_import}[""] == 17
-    with pytest.raises(
-        UserError, match=r"takes inputs \['x'\]; the feeds lack \['x'\] and have extra \['y'\]"
-    ):
+    with pytest.raises(UserError, match=r"takes inputs \['x'\]; the feeds lack \['x'\] and have extra \['y'\]"):
         run_onnx(path, {"y": np.zeros((2, 8), np.float32)})
 
 

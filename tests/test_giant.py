@@ -41,8 +41,15 @@ def validate(model, batches, strategy=None):
     from onn.modalities.text.module import CausalLM
 
     module = CausalLM(model, OPTIM, max_steps=1, onn_config={}, micro_batch=2)
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, strategy=strategy or "auto")  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        strategy=strategy or "auto",
+    )
     trainer.validate(module, dataloaders=torch.utils.data.DataLoader(batches, batch_size=None), verbose=False)
     return module
 
@@ -55,8 +62,16 @@ def test_streamed_validation_matches_resident_and_loads_each_chunk_once_per_pass
     streamed = copy.deepcopy(resident)
     batches = held_out()
     want = validate(resident, batches).val_losses[-1]
-    settings = EngineSettings(chunk_size=3, store="disk", store_dtype="float32", edges="resident", activations="device",
-                              prefetch=True, cache_blocks=0, eval_tokens=eval_tokens)  # fmt: skip
+    settings = EngineSettings(
+        chunk_size=3,
+        store="disk",
+        store_dtype="float32",
+        edges="resident",
+        activations="device",
+        prefetch=True,
+        cache_blocks=0,
+        eval_tokens=eval_tokens,
+    )
     module = validate(streamed, batches, LayerStreamingStrategy(settings, tmp_path, 2))
     assert module.val_losses[-1] == pytest.approx(want, rel=1e-5)
     engine = module.engine
@@ -69,9 +84,7 @@ def test_streamed_validation_matches_resident_and_loads_each_chunk_once_per_pass
         assert engine.times.read_bytes == store_bytes + ahead
     else:  # passes of at most 20 tokens: the store streams once per pass, and the loss is the same
         passes = engine.times.loads / len(engine.chunks)
-        assert (
-            passes > 1 and passes == int(passes) and engine.times.read_bytes == passes * store_bytes + ahead
-        )
+        assert passes > 1 and passes == int(passes) and engine.times.read_bytes == passes * store_bytes + ahead
 
 
 def test_block_cache_and_direct_reads_change_no_number(tmp_path):
@@ -148,9 +161,7 @@ def test_killed_build_resumes_and_never_uses_a_half_written_block(tmp_path, monk
     assert again.rebuilt == [3, 4, 5, 6, 7] and not list((tmp_path / "killed").glob("*.tmp"))
     engine = StreamingEngine(model, discover(model), again, 3)
     engine.offload()
-    torch.testing.assert_close(
-        torch.stack(engine.loss(micro_batches())), torch.stack(want_losses), rtol=0, atol=0
-    )
+    torch.testing.assert_close(torch.stack(engine.loss(micro_batches())), torch.stack(want_losses), rtol=0, atol=0)
 
 
 def plan(*overrides, tmp_path, **hw_changes):
@@ -170,8 +181,14 @@ def test_plan_never_fits_over_budget_and_names_the_smallest_budget(tmp_path):
     refused, planned = {}, {}
     for budget in (3_000, 6_000, 9_000, 14_000, 40_000):
         try:
-            p = plan("model=phi4", "hardware=cpu_16gb", "strategy=sparse_lora", f"hardware.budget_mb={budget}",
-                     "hardware.host_memory_mb=65536", tmp_path=tmp_path)  # fmt: skip
+            p = plan(
+                "model=phi4",
+                "hardware=cpu_16gb",
+                "strategy=sparse_lora",
+                f"hardware.budget_mb={budget}",
+                "hardware.host_memory_mb=65536",
+                tmp_path=tmp_path,
+            )
         except UserError as e:
             assert "\n" not in str(e) and str(e).startswith(f"hardware cpu_16gb: a budget of {budget:,} MB")
             refused[budget] = float(
@@ -191,8 +208,13 @@ def test_plan_never_fits_over_budget_and_names_the_smallest_budget(tmp_path):
     assert 3_000 in refused and 40_000 in planned
     smallest = max(refused.values())
     assert all(b < smallest for b in refused) and all(b >= smallest for b in planned)
-    p = plan("model=phi4", "hardware=cpu_16gb", "strategy=sparse_lora", f"hardware.budget_mb={math.ceil(smallest)}",
-             tmp_path=tmp_path)  # fmt: skip
+    p = plan(
+        "model=phi4",
+        "hardware=cpu_16gb",
+        "strategy=sparse_lora",
+        f"hardware.budget_mb={math.ceil(smallest)}",
+        tmp_path=tmp_path,
+    )
     assert p.candidates["sparse_lora"]["fits"]  # the budget the message named works
 
 
@@ -203,9 +225,7 @@ def test_plan_refuses_a_store_the_disk_cannot_hold(tmp_path):
     ):
         plan("model=phi4", "hardware=cpu_16gb", "strategy=sparse_lora", tmp_path=tmp_path, disk_free_mb=4000)
     # the disk holds int8 but not bf16: the plan takes what fits, before anything is written
-    p = plan(
-        "model=phi4", "hardware=cpu_16gb", "strategy=sparse_lora", tmp_path=tmp_path, disk_free_mb=20_000
-    )
+    p = plan("model=phi4", "hardware=cpu_16gb", "strategy=sparse_lora", tmp_path=tmp_path, disk_free_mb=20_000)
     assert p.streaming.store_dtype == "int8" and not (tmp_path / "outputs" / ".cache" / "stores").exists()
 
 
@@ -213,21 +233,26 @@ def test_threads_follow_the_free_cores_and_the_plan_says_so(tmp_path):
     from onn.hardware.profile import Profile
     from onn.planning.costs import threads_for
 
-    assert threads_for(
-        Profile(name="cpu", accelerator="cpu", cpu_cores=2, cpu_busy_cores=0.1, cpu_share=0.9)
-    ) == (2, 1.0)  # quiet: noise
-    assert threads_for(
-        Profile(name="cpu", accelerator="cpu", cpu_cores=2, cpu_busy_cores=1.0, cpu_share=1.0)
-    ) == (1, 1.0)
-    assert threads_for(
-        Profile(name="cpu", accelerator="cpu", cpu_cores=2, cpu_busy_cores=2.0, cpu_share=0.5)
-    ) == (1, 0.5)
-    assert threads_for(
-        Profile(name="cpu", accelerator="cpu", cpu_cores=8, cpu_busy_cores=0.0, thread_limit=1)
-    ) == (1, 1.0)
+    assert threads_for(Profile(name="cpu", accelerator="cpu", cpu_cores=2, cpu_busy_cores=0.1, cpu_share=0.9)) == (
+        2,
+        1.0,
+    )  # quiet: noise
+    assert threads_for(Profile(name="cpu", accelerator="cpu", cpu_cores=2, cpu_busy_cores=1.0, cpu_share=1.0)) == (
+        1,
+        1.0,
+    )
+    assert threads_for(Profile(name="cpu", accelerator="cpu", cpu_cores=2, cpu_busy_cores=2.0, cpu_share=0.5)) == (
+        1,
+        0.5,
+    )
+    assert threads_for(Profile(name="cpu", accelerator="cpu", cpu_cores=8, cpu_busy_cores=0.0, thread_limit=1)) == (
+        1,
+        1.0,
+    )
     quiet = plan("model=llama_tiny", "hardware=cpu_16gb", "strategy=lora", tmp_path=tmp_path)
-    busy = plan("model=llama_tiny", "hardware=cpu_16gb", "strategy=lora", tmp_path=tmp_path, cpu_busy_cores=8.0,
-                cpu_share=0.5)  # fmt: skip
+    busy = plan(
+        "model=llama_tiny", "hardware=cpu_16gb", "strategy=lora", tmp_path=tmp_path, cpu_busy_cores=8.0, cpu_share=0.5
+    )
     assert quiet.threads == 8 and busy.threads == 1
     assert any("cores busy: other processes use 8.0 of 8 cores" in r for r in busy.reasons)
     assert busy.predicted_step_s > quiet.predicted_step_s
@@ -241,8 +266,14 @@ def test_settings_and_data_are_checked_before_the_store_is_built(tmp_path):
         (["data=text", f"data.source={bad}"], f"{bad} line 2 is not valid JSON"),
         (["model.tokenizer=null"], "has no tokenizer"),
     ]:
-        proc = run_cli("model=phi4_tiny", "strategy=sparse_lora", "strategy.streaming.store=disk", "tracking=none",
-                       f"paths.outputs={outputs}", *args)  # fmt: skip
+        proc = run_cli(
+            "model=phi4_tiny",
+            "strategy=sparse_lora",
+            "strategy.streaming.store=disk",
+            "tracking=none",
+            f"paths.outputs={outputs}",
+            *args,
+        )
         assert proc.returncode == 1 and message in proc.stdout + proc.stderr, proc.stderr[-2000:]
         assert not (outputs / ".cache" / "stores").exists()  # nothing was written
 
@@ -250,10 +281,22 @@ def test_settings_and_data_are_checked_before_the_store_is_built(tmp_path):
 @pytest.mark.slow
 def test_bench_giant_on_a_tiny_model(tmp_path):
     outputs = tmp_path / "outputs"
-    proc = run_cli("recipe=bench_giant", "model=llama_tiny", "hardware.budget_mb=4000", "strategy.streaming.cache_blocks=2",
-                   "strategy.streaming.chunk_size=2", "task.disk_probe_mb=16", "task.kill_build_after=3", "task.steps=4",
-                   "task.kill_after=2", "task.gen_tokens=3", "data.builtin.val_size=20", f"paths.outputs={outputs}",
-                   f"hydra.run.dir={outputs / 'giant'}", timeout=900)  # fmt: skip
+    proc = run_cli(
+        "recipe=bench_giant",
+        "model=llama_tiny",
+        "hardware.budget_mb=4000",
+        "strategy.streaming.cache_blocks=2",
+        "strategy.streaming.chunk_size=2",
+        "task.disk_probe_mb=16",
+        "task.kill_build_after=3",
+        "task.steps=4",
+        "task.kill_after=2",
+        "task.gen_tokens=3",
+        "data.builtin.val_size=20",
+        f"paths.outputs={outputs}",
+        f"hydra.run.dir={outputs / 'giant'}",
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     m = read_metrics(outputs / "giant")
     assert (
@@ -263,26 +306,27 @@ def test_bench_giant_on_a_tiny_model(tmp_path):
     assert m["giant/train_killed"] and m["giant/resumed_at_step"] == m["giant/killed_after_step"] >= 2
     assert m["giant/steps"] == 4 and m["giant/loss_last"] < m["giant/loss_first"]
     assert m["giant/val_samples"] == 20 and m["giant/val_read_gb"] <= 2 * m["giant/step_read_gb"]
-    assert m[
-        "giant/accelerate_same_tokens"
-    ]  # the same model, read from the same files: the same greedy tokens
-    for key in ("giant/limit_s", "giant/limit_efficiency", "giant/gen_s_per_token_b1", "giant/gen_s_per_token_b8",
-                "giant/vs_accelerate", "giant/predicted_peak_mb", "giant/predicted_step_s", "giant/build_peak_rss_mb",
-                "giant/matmul_gflops_steps"):  # fmt: skip
+    assert m["giant/accelerate_same_tokens"]  # the same model, read from the same files: the same greedy tokens
+    for key in (
+        "giant/limit_s",
+        "giant/limit_efficiency",
+        "giant/gen_s_per_token_b1",
+        "giant/gen_s_per_token_b8",
+        "giant/vs_accelerate",
+        "giant/predicted_peak_mb",
+        "giant/predicted_step_s",
+        "giant/build_peak_rss_mb",
+        "giant/matmul_gflops_steps",
+    ):
         assert isinstance(m[key], float | int) and m[key] > 0, key
     assert "| limit_efficiency |" in (outputs / "giant" / "bench_giant.md").read_text()
 
 
-SMOLLM = (
-    __import__("pathlib").Path.home()
-    / ".cache/onn/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
-)
+SMOLLM = __import__("pathlib").Path.home() / ".cache/onn/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not SMOLLM.exists(), reason="SmolLM2 GGUF not fetched (../shared/scripts/fetch-smollm2.sh)"
-)
+@pytest.mark.skipif(not SMOLLM.exists(), reason="SmolLM2 GGUF not fetched (../shared/scripts/fetch-smollm2.sh)")
 def test_a_gguf_file_loads_block_by_block_into_the_store(tmp_path):
     """A GGUF larger than RAM must not be de-quantized whole: its tensors go to the store one block at a
     time, through transformers' name mapping and fix-ups (Llama's q/k permutation), and compute what

@@ -19,8 +19,13 @@ from onn.streaming.store import LayerStore, stored_name
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-TINY = ["model=llama_tiny", "data.builtin.train_size=200", "data.builtin.val_size=20", "tracking=none",
-        "task.exact_match_samples=4"]  # fmt: skip
+TINY = [
+    "model=llama_tiny",
+    "data.builtin.train_size=200",
+    "data.builtin.val_size=20",
+    "tracking=none",
+    "task.exact_match_samples=4",
+]
 
 
 def test_every_process_computes_on_an_indexed_device(monkeypatch):
@@ -54,14 +59,10 @@ def test_a_gpu_plan_streams_phi4_from_pinned_host_memory_within_the_budget():
     plan = make_plan(cfg, hw, model_spec(cfg.model, 16), use_tuned=False)
     s = plan.streaming
     assert (s.store, s.store_dtype, s.edges) == ("cpu", "int8", "stream")
-    assert (
-        plan.predicted_peak_memory_mb + plan.context_mb <= 4096 and plan.context_mb == H200["cuda_context_mb"]
-    )
+    assert plan.predicted_peak_memory_mb + plan.context_mb <= 4096 and plan.context_mb == H200["cuda_context_mb"]
     smaller = make_plan(compose("recipe=bench_gpu", "strategy.micro_batch=64"), hw, model_spec(cfg.model, 16))
     assert smaller.predicted_peak_memory_mb <= 1536 < plan.predicted_peak_memory_mb
-    assert s.predicted_h2d_gb > 20 and s.predicted_io_s == pytest.approx(
-        s.predicted_h2d_gb * 1024 / 50_000, rel=0.1
-    )
+    assert s.predicted_h2d_gb > 20 and s.predicted_io_s == pytest.approx(s.predicted_h2d_gb * 1024 / 50_000, rel=0.1)
     small_host = dataclasses.replace(
         cfg.hardware, **{**H200, "host_memory_mb": 16_000, "host_memory_available_mb": 12_000}
     )
@@ -74,10 +75,12 @@ def test_a_gpu_plan_streams_phi4_from_pinned_host_memory_within_the_budget():
 H200 = dict(
     name="auto", measure=False, accelerator="cuda", device_name="NVIDIA H200", device_count=1, device_memory_mb=143_155,
     host_memory_mb=128_887, host_memory_available_mb=126_346, cpu_cores=16, h2d_mb_s=50_732.0, disk_read_mb_s=1504.8,
-    bf16=True, memory_gb_s=4147.4, decode_gvalues_s={"int8->bfloat16": 377.57, "int8->float16": 385.78, "int8->float32": 365.27},
+    bf16=True, memory_gb_s=4147.4,
+    decode_gvalues_s={"int8->bfloat16": 377.57, "int8->float16": 385.78, "int8->float32": 365.27},
     cuda_context_mb=742.0, cuda_workspace_mb=32.0, matmul_tflops=796.8,
     block_call_s={"forward": 0.001244, "full": 0.003494, "lora": 0.005723, "step": 0.003711},
-    matmul_gflops={"4096": {"bfloat16": {"1": {"1": 1290.7, "16": 25875.0, "128": 226017.7, "1024": 758948.8, "8192": 796769.1}}}},
+    matmul_gflops={"4096": {"bfloat16": {"1": {"1": 1290.7, "16": 25875.0, "128": 226017.7, "1024": 758948.8,
+                                               "8192": 796769.1}}}},
 )  # fmt: skip
 
 
@@ -90,12 +93,19 @@ def test_a_streamed_step_on_the_gpu_is_the_dequantized_models_step():
     resident = lora_model("llama", LAYER_SETS["first4+last4"], hidden_size=64, intermediate_size=128)
     streamed = copy.deepcopy(resident)
     store = LayerStore("cpu", "int8", pin=True)
-    engine = StreamingEngine(streamed, discover(streamed), store, 2, device="cuda:0", stream_edges=True,
-                             activations="host", suffix_rows=1)  # fmt: skip
+    engine = StreamingEngine(
+        streamed, discover(streamed), store, 2, device="cuda:0", stream_edges=True, activations="host", suffix_rows=1
+    )
     engine.offload()
     streamed.to("cuda:0")
-    decoded = {**{f"{discover(resident).block_paths[i]}.{n}": t for i in range(len(engine.map))
-                  for n, t in store_decoded(engine, i).items()}, **store_decoded(engine, "edges")}  # fmt: skip
+    decoded = {
+        **{
+            f"{discover(resident).block_paths[i]}.{n}": t
+            for i in range(len(engine.map))
+            for n, t in store_decoded(engine, i).items()
+        },
+        **store_decoded(engine, "edges"),
+    }
     for name, param in resident.named_parameters():
         if stored_name(name) in decoded:
             param.data = decoded[stored_name(name)]
@@ -114,8 +124,15 @@ def test_a_streamed_step_on_the_gpu_is_the_dequantized_models_step():
     assert sum(target_tokens(mb) for mb in mbs) > 0
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]], device="cuda:0")
     mask = (ids != 0).long()
-    want_ids = resident.eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
-                                        pad_token_id=0, eos_token_id=None, min_new_tokens=5)[:, 6:]  # fmt: skip
+    want_ids = resident.eval().generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=5,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        min_new_tokens=5,
+    )[:, 6:]
     assert torch.equal(engine.generate(ids, mask, max_new_tokens=5), want_ids)
     engine.close()
 
@@ -125,8 +142,14 @@ def test_a_streamed_step_on_the_gpu_is_the_dequantized_models_step():
 @pytest.mark.parametrize("strategy", ["full", "lora", "qlora", "sparse_lora"])
 def test_each_single_process_strategy_trains_on_the_gpu(strategy, tmp_path):
     run_dir = tmp_path / strategy
-    proc = run_cli(*TINY, f"strategy={strategy}", "trainer.max_steps=20", "trainer.val_check_interval=10",
-                   f"paths.outputs={tmp_path}", f"hydra.run.dir={run_dir}")  # fmt: skip
+    proc = run_cli(
+        *TINY,
+        f"strategy={strategy}",
+        "trainer.max_steps=20",
+        "trainer.val_check_interval=10",
+        f"paths.outputs={tmp_path}",
+        f"hydra.run.dir={run_dir}",
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     m = read_metrics(run_dir)
     plan = yaml.safe_load((run_dir / "plan.yaml").read_text())
@@ -160,8 +183,14 @@ def _run_with_env(env: dict[str, str], *args: str):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env={**env, "HF_HUB_OFFLINE": "1"},
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *args],
+        cwd=ROOT,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @gpu
@@ -170,9 +199,20 @@ def test_running_out_of_gpu_memory_backs_off_or_says_so_in_one_sentence(tmp_path
     """A micro-batch forced far above what a 1.2 GB card holds: the step halves it until it fits (the
     budget is held to for real), or says in one sentence what to change; never a CUDA traceback."""
     run_dir = tmp_path / "oom"
-    proc = run_cli("model=llama_small", "tracking=none", "strategy=full", "data.batch_size=256", "data.max_length=512",
-                   "strategy.micro_batch=256", "hardware.budget_mb=1200", "trainer.max_steps=2", "task.validate_before=false",
-                   "task.exact_match_samples=0", f"paths.outputs={tmp_path}", f"hydra.run.dir={run_dir}")  # fmt: skip
+    proc = run_cli(
+        "model=llama_small",
+        "tracking=none",
+        "strategy=full",
+        "data.batch_size=256",
+        "data.max_length=512",
+        "strategy.micro_batch=256",
+        "hardware.budget_mb=1200",
+        "trainer.max_steps=2",
+        "task.validate_before=false",
+        "task.exact_match_samples=0",
+        f"paths.outputs={tmp_path}",
+        f"hydra.run.dir={run_dir}",
+    )
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     m = read_metrics(run_dir)
     if m["status"] == "ok":
@@ -184,8 +224,13 @@ def test_running_out_of_gpu_memory_backs_off_or_says_so_in_one_sentence(tmp_path
 @gpu
 @pytest.mark.gpu
 def test_a_budget_below_one_block_names_the_smallest_that_works(tmp_path):
-    proc = run_cli("recipe=phi4_local", "hardware.budget_mb=1000", "task=plan", f"paths.outputs={tmp_path}",
-                   f"hydra.run.dir={tmp_path / 'plan'}")  # fmt: skip
+    proc = run_cli(
+        "recipe=phi4_local",
+        "hardware.budget_mb=1000",
+        "task=plan",
+        f"paths.outputs={tmp_path}",
+        f"hydra.run.dir={tmp_path / 'plan'}",
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert (
         "the smallest budget that works is about" in proc.stdout + proc.stderr

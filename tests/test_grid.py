@@ -19,13 +19,36 @@ COMMON = ["task=bench", "recipe=equitable_grid", "data=math"]
 
 
 def bench_metrics(model: str, strategy: str, overall: float, samples_per_s: float, peak_mb: float) -> dict:
-    return {"status": "ok", "error": None, "task": "bench", "model": model, "data": "math", "strategy": strategy, "hardware": "auto",
-            "params_total": 2_300_000, "predicted_peak_memory_mb": 612.3,
-            "bench/step_s": 0.51, "bench/samples_per_s": samples_per_s, "bench/tokens_per_s": samples_per_s * 77, "bench/io_s": 0.1,
-            "bench/compute_s": 0.4, "bench/peak_memory_mb": peak_mb, "bench/predicted_memory_mb": 612.3,
-            "bench/memory_error": peak_mb / 612.3 - 1, "bench/predicted_step_s": 0.6, "bench/step_time_error": -0.15,
-            "bench/learned": True, "bench/learned_p": 0.014, "bench/quality": 0.31, "bench/loss_curve": [5.9, 5.1, 4.2],
-            "score/efficiency": 1347.8, "score/speed": 195.0, "score/memory": 3100.0, "score/overall": overall, "wall_s": 35.2}  # fmt: skip
+    return {
+        "status": "ok",
+        "error": None,
+        "task": "bench",
+        "model": model,
+        "data": "math",
+        "strategy": strategy,
+        "hardware": "auto",
+        "params_total": 2_300_000,
+        "predicted_peak_memory_mb": 612.3,
+        "bench/step_s": 0.51,
+        "bench/samples_per_s": samples_per_s,
+        "bench/tokens_per_s": samples_per_s * 77,
+        "bench/io_s": 0.1,
+        "bench/compute_s": 0.4,
+        "bench/peak_memory_mb": peak_mb,
+        "bench/predicted_memory_mb": 612.3,
+        "bench/memory_error": peak_mb / 612.3 - 1,
+        "bench/predicted_step_s": 0.6,
+        "bench/step_time_error": -0.15,
+        "bench/learned": True,
+        "bench/learned_p": 0.014,
+        "bench/quality": 0.31,
+        "bench/loss_curve": [5.9, 5.1, 4.2],
+        "score/efficiency": 1347.8,
+        "score/speed": 195.0,
+        "score/memory": 3100.0,
+        "score/overall": overall,
+        "wall_s": 35.2,
+    }
 
 
 def make_job(sweep: Path, name: str, overrides: list[str], metrics: dict | None) -> None:
@@ -38,10 +61,28 @@ def make_job(sweep: Path, name: str, overrides: list[str], metrics: dict | None)
 
 def fake_sweep(sweep: Path) -> Path:
     """Four jobs: two ok (the better one second), one failed, one killed before metrics.json."""
-    failed = {"status": "failed", "error": "CUDA out of memory. Tried to allocate 2.00 GiB " + "x" * 200, "task": "bench",
-              "model": "phi4_tiny", "data": "math", "strategy": "full", "hardware": "auto", "wall_s": 3.1}  # fmt: skip
-    make_job(sweep, "0", ["model=phi4_tiny", "strategy=sparse_lora", *COMMON], bench_metrics("phi4_tiny", "sparse_lora", 900.0, 15.6, 640.2))  # fmt: skip
-    make_job(sweep, "1", ["model=llama_tiny", "strategy=lora", *COMMON], bench_metrics("llama_tiny", "lora", 1547.6, 31.0, 420.0))  # fmt: skip
+    failed = {
+        "status": "failed",
+        "error": "CUDA out of memory. Tried to allocate 2.00 GiB " + "x" * 200,
+        "task": "bench",
+        "model": "phi4_tiny",
+        "data": "math",
+        "strategy": "full",
+        "hardware": "auto",
+        "wall_s": 3.1,
+    }
+    make_job(
+        sweep,
+        "0",
+        ["model=phi4_tiny", "strategy=sparse_lora", *COMMON],
+        bench_metrics("phi4_tiny", "sparse_lora", 900.0, 15.6, 640.2),
+    )
+    make_job(
+        sweep,
+        "1",
+        ["model=llama_tiny", "strategy=lora", *COMMON],
+        bench_metrics("llama_tiny", "lora", 1547.6, 31.0, 420.0),
+    )
     make_job(sweep, "2", ["model=phi4_tiny", "strategy=full", *COMMON], failed)
     make_job(sweep, "3", ["model=llama_tiny", "strategy=full", *COMMON], None)
     (sweep / "multirun.yaml").write_text("hydra: {}\n")
@@ -76,9 +117,7 @@ def test_write_grid(tmp_path):
     ]
     assert [r[1] for r in table] == ["ok", "ok", "failed", "missing"]
     assert table[0][5] == "-15.0%" and table[0][14] == "1,548"
-    assert (
-        table[2][-1].startswith("CUDA out of memory. Tried to allocate 2.00 GiB") and len(table[2][-1]) <= 80
-    )
+    assert table[2][-1].startswith("CUDA out of memory. Tried to allocate 2.00 GiB") and len(table[2][-1]) <= 80
     assert "never started" in table[3][-1]
     assert "efficiency = quality / parameters x 1e10" in md
 

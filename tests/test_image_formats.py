@@ -193,9 +193,7 @@ def test_mixed_sizes_error_then_resize_or_center_crop(tmp_path):
 
     files = {"a/0.png": rgb(8, 8), "a/1.png": rgb(8, 16), "b/0.png": rgb(8, 8)}
     write_tree(tmp_path, files)
-    with pytest.raises(
-        UserError, match=r"a/0\.png is 8x8 but a/1\.png is 8x16.*data\.image_size=\[H,W\].*center_crop"
-    ):
+    with pytest.raises(UserError, match=r"a/0\.png is 8x8 but a/1\.png is 8x16.*data\.image_size=\[H,W\].*center_crop"):
         read_splits(tmp_path)
     s = read_splits(tmp_path, image_size=[8, 8], resize="center_crop")["all"]
     by = dict(zip(s.names, s.images))
@@ -218,9 +216,7 @@ def test_corrupt_and_truncated_images_are_skipped_counted_and_warned(tmp_path, c
     monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)  # as some other library may leave it
     files = tree()
     jpeg = encode(rgb(64, 64), "JPEG", quality=95)
-    write_tree(
-        tmp_path, {**files, "cat/junk.png": b"\x89PNG not really", "dog/cut.jpg": jpeg[: len(jpeg) // 2]}
-    )
+    write_tree(tmp_path, {**files, "cat/junk.png": b"\x89PNG not really", "dog/cut.jpg": jpeg[: len(jpeg) // 2]})
     with caplog.at_level(logging.WARNING, logger="onn"):
         s = read_splits(tmp_path, max_bad_fraction=0.2)["all"]
     assert len(s.names) == 12 and "cat/junk.png" not in s.names and "dog/cut.jpg" not in s.names
@@ -237,9 +233,7 @@ def test_corrupt_and_truncated_images_are_skipped_counted_and_warned(tmp_path, c
 
 def test_labels_outside_num_classes_name_the_item(tmp_path):
     write_tree(tmp_path, tree())
-    with pytest.raises(
-        UserError, match=r"emu/0000\.png has label 'emu' \(class 2 of 3 names.*data\.num_classes is 2"
-    ):
+    with pytest.raises(UserError, match=r"emu/0000\.png has label 'emu' \(class 2 of 3 names.*data\.num_classes is 2"):
         read_splits(tmp_path, num_classes=2)
     assert read_splits(tmp_path, num_classes=3)["all"].classes == CLASSES
 
@@ -250,9 +244,7 @@ def test_labels_outside_num_classes_name_the_item(tmp_path):
 
 def idx_bytes(arr: np.ndarray) -> bytes:
     magic = 0x0800 | arr.ndim
-    return (
-        struct.pack(">I", magic) + struct.pack(f">{arr.ndim}I", *arr.shape) + arr.astype(np.uint8).tobytes()
-    )
+    return struct.pack(">I", magic) + struct.pack(f">{arr.ndim}I", *arr.shape) + arr.astype(np.uint8).tobytes()
 
 
 def write_idx(folder: Path, prefix="", n=(6, 3), gz=True):
@@ -361,9 +353,7 @@ def test_cifar10_binary_folder_and_tar_gz(tmp_path):
     want = Image.fromarray(parts["test_batch.bin"][0][1].transpose(1, 2, 0)).convert("L")
     assert gray.shape == (2, 1, 32, 32) and torch.equal(gray[1, 0], torch.from_numpy(np.array(want)))
     (folder / "test_batch.bin").write_bytes(cifar_records(2)[2][:-5])
-    with pytest.raises(
-        UserError, match=r"test_batch\.bin is 6141 bytes, not a multiple of the 3073-byte CIFAR-10"
-    ):
+    with pytest.raises(UserError, match=r"test_batch\.bin is 6141 bytes, not a multiple of the 3073-byte CIFAR-10"):
         read_splits(folder)
 
 
@@ -383,9 +373,7 @@ def test_pickled_cifar_is_refused_unread(tmp_path, files):
     for f in files:
         (tmp_path / f).write_bytes(b"\x80\x04junk that must never be unpickled")
     for source, fmt in ((tmp_path, "auto"), (tmp_path, "cifar_binary"), (tmp_path / files[0], "auto")):
-        with pytest.raises(
-            UserError, match=r"pickled Python version.*cifar-10-binary\.tar\.gz.*kriz/cifar\.html"
-        ):
+        with pytest.raises(UserError, match=r"pickled Python version.*cifar-10-binary\.tar\.gz.*kriz/cifar\.html"):
             read_splits(source, fmt)
     archive = tmp_path / "cifar-10-python.tar.gz"
     write_archive(archive, {"cifar-10-batches-py/data_batch_1": b"junk"})
@@ -441,23 +429,15 @@ def test_stl10_binary_is_column_major(tmp_path):
 # parquet, csv, single image
 
 
-def write_parquet(
-    path: Path, images: list[np.ndarray], labels: list[int], names=None, struct_col=True, col="label"
-):
+def write_parquet(path: Path, images: list[np.ndarray], labels: list[int], names=None, struct_col=True, col="label"):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     blobs = [encode(a) for a in images]
-    image = (
-        pa.array([{"bytes": b, "path": f"{i}.png"} for i, b in enumerate(blobs)])
-        if struct_col
-        else pa.array(blobs)
-    )
+    image = pa.array([{"bytes": b, "path": f"{i}.png"} for i, b in enumerate(blobs)]) if struct_col else pa.array(blobs)
     table = pa.table({"image": image, col: pa.array(labels, pa.int64())})
     if names:
-        meta = {
-            "info": {"features": {"image": {"_type": "Image"}, col: {"names": names, "_type": "ClassLabel"}}}
-        }
+        meta = {"info": {"features": {"image": {"_type": "Image"}, col: {"names": names, "_type": "ClassLabel"}}}}
         table = table.replace_schema_metadata({"huggingface": json.dumps(meta)})
     pq.write_table(table, path)
 
@@ -473,9 +453,7 @@ def test_parquet_hf_export_with_splits_and_class_names(tmp_path):
     s = read_splits(tmp_path)
     assert sorted(s) == ["test", "train"] and s["train"].classes == ["a", "b", "c"]
     assert torch.equal(s["train"].images, torch.stack([chw(a) for a in imgs[:4]]))
-    assert (
-        s["train"].labels.tolist() == [0, 2, 1, 1] and s["train"].names[2] == "train-00001-of-00002.parquet#0"
-    )
+    assert s["train"].labels.tolist() == [0, 2, 1, 1] and s["train"].names[2] == "train-00001-of-00002.parquet#0"
     plain = tmp_path / "plain.parquet"
     write_parquet(plain, imgs[:3], [4, 0, 1], struct_col=False, col="labels")
     s = read_splits(plain)["all"]
@@ -501,9 +479,7 @@ def test_csv_with_names_or_numbers_and_optional_header(tmp_path):
     (tmp_path / "bad.csv").write_text("img/cat/0000.png,0\nimg/cat/0001.png,-1\n")
     with pytest.raises(UserError, match=r"bad\.csv row 2 has label -1"):
         read_splits(tmp_path / "bad.csv")
-    with pytest.raises(
-        UserError, match=r"numbered\.csv row 9 \(img/emu/0000\.png\) has label 2.*num_classes is 2"
-    ):
+    with pytest.raises(UserError, match=r"numbered\.csv row 9 \(img/emu/0000\.png\) has label 2.*num_classes is 2"):
         read_splits(tmp_path / "numbered.csv", num_classes=2)
 
 
@@ -560,9 +536,7 @@ def test_list_items_matches_read_splits_for_every_random_access_source(tmp_path)
         "zip": write_archive(tmp_path / "ds.zip", files),
         "tar": write_archive(tmp_path / "ds.tar", files),
     }
-    (tmp_path / "ds/train.csv").write_text(
-        "".join(f"{k},{k.split('/')[1]}\n" for k in files if k.startswith("train"))
-    )
+    (tmp_path / "ds/train.csv").write_text("".join(f"{k},{k.split('/')[1]}\n" for k in files if k.startswith("train")))
     sources["csv"] = tmp_path / "ds/train.csv"
     write_idx(tmp_path / "mnist")
     sources["idx"] = tmp_path / "mnist"
@@ -626,8 +600,12 @@ def test_folder_with_directory_link_loops_lists_each_image_once(tmp_path):
     (ds / "cat/0009.png").symlink_to(ds / "dog/0000.png")  # a link to a file: followed
     s = read_splits(ds)["all"]
     assert s.classes == ["cat", "dog", "emu"]
-    assert s.names == [*sorted([*(k for k in files if k.startswith("cat/")), "cat/0009.png"]),
-                       *(k for k in files if k.startswith("dog/")), "emu/0000.png", "emu/0001.png"]  # fmt: skip
+    assert s.names == [
+        *sorted([*(k for k in files if k.startswith("cat/")), "cat/0009.png"]),
+        *(k for k in files if k.startswith("dog/")),
+        "emu/0000.png",
+        "emu/0001.png",
+    ]
     assert torch.equal(s.images[s.names.index("cat/0009.png")], chw(files["dog/0000.png"]))
     assert len(source_digest(ds)) == 64 and detect_format(ds) == "folder"
     assert len(list_items(ds)["all"]) == 7
@@ -680,9 +658,7 @@ def test_archive_members_with_absolute_or_parent_paths_are_skipped_and_named(tmp
     ]
     message = caplog.records[-1].getMessage()
     assert "3 of 11" in message and "/x/cat/1.png" in message
-    with pytest.raises(
-        UserError, match=r"3 of 11 images could not be decoded.*/x/cat/1\.png: an absolute path"
-    ):
+    with pytest.raises(UserError, match=r"3 of 11 images could not be decoded.*/x/cat/1\.png: an absolute path"):
         read_splits(path)
     if name != "ds.tar.gz":
         assert list_items(path)["all"].names == sorted(files)
@@ -694,15 +670,11 @@ def test_csv_with_a_name_among_numeric_labels_names_the_row(tmp_path):
     rows = [f"{k},{i}" for i, k in enumerate(files)]
     rows[4] = rows[4].rsplit(",", 1)[0] + ",cat"
     (tmp_path / "labels.csv").write_text("path,label\n" + "\n".join(rows) + "\n")
-    with pytest.raises(
-        UserError, match=r"labels\.csv row 6 has label 'cat', but the other labels are numbers"
-    ):
+    with pytest.raises(UserError, match=r"labels\.csv row 6 has label 'cat', but the other labels are numbers"):
         read_splits(tmp_path / "labels.csv")
     rows = [f"{k},{'cat' if i else 3}" for i, k in enumerate(files)]  # one number among names
     (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
-    with pytest.raises(
-        UserError, match=r"labels\.csv row 1 has label '3', but the other labels are class names"
-    ):
+    with pytest.raises(UserError, match=r"labels\.csv row 1 has label '3', but the other labels are class names"):
         read_splits(tmp_path / "labels.csv")
 
 

@@ -20,18 +20,52 @@ def _hf(model_type, **kw):
 @pytest.mark.parametrize(
     "model_type,kw,blocks_path,n,prefix,suffix",
     [
-        ("phi3", dict(vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2),
-         "model.layers", 5, ["model.embed_tokens"], ["model.norm", "lm_head"]),
-        ("llama", dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4),
-         "model.layers", 3, ["model.embed_tokens"], ["model.norm", "lm_head"]),
+        (
+            "phi3",
+            dict(
+                vocab_size=64,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=5,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            ),
+            "model.layers",
+            5,
+            ["model.embed_tokens"],
+            ["model.norm", "lm_head"],
+        ),
+        (
+            "llama",
+            dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4),
+            "model.layers",
+            3,
+            ["model.embed_tokens"],
+            ["model.norm", "lm_head"],
+        ),
         # GPT-2's wte/wpe are a same-typed pair too, with more parameters than these tiny blocks:
         # composite blocks must still win.
-        ("gpt2", dict(vocab_size=5000, n_embd=16, n_layer=2, n_head=2), "transformer.h", 2, ["transformer.wte", "transformer.wpe"],
-         ["transformer.ln_f", "lm_head"]),
-        ("bert", dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4),
-         "encoder.layer", 4, ["embeddings"], ["pooler"]),
+        (
+            "gpt2",
+            dict(vocab_size=5000, n_embd=16, n_layer=2, n_head=2),
+            "transformer.h",
+            2,
+            ["transformer.wte", "transformer.wpe"],
+            ["transformer.ln_f", "lm_head"],
+        ),
+        (
+            "bert",
+            dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4),
+            "encoder.layer",
+            4,
+            ["embeddings"],
+            ["pooler"],
+        ),
     ],
-)  # fmt: skip
+)
 def test_transformers(model_type, kw, blocks_path, n, prefix, suffix):
     lmap = discover(_hf(model_type, **kw))
     assert lmap.blocks_path == blocks_path and len(lmap) == n
@@ -58,9 +92,7 @@ class Block(nn.Module):
 
 
 def test_user_sequential_and_exact_params():
-    model = nn.Sequential(
-        nn.Embedding(10, 8), Block(8), Block(8), Block(8), nn.LayerNorm(8), nn.Linear(8, 10)
-    )
+    model = nn.Sequential(nn.Embedding(10, 8), Block(8), Block(8), Block(8), nn.LayerNorm(8), nn.Linear(8, 10))
     lmap = discover(model)
     assert (
         lmap.block_names == ["1", "2", "3"]
@@ -84,9 +116,7 @@ def test_override_and_errors():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     with pytest.raises(UserError, match="no repeated blocks"):
         discover(model)
-    lmap = discover(
-        nn.ModuleDict({"stack": nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])}), blocks_path="stack"
-    )
+    lmap = discover(nn.ModuleDict({"stack": nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])}), blocks_path="stack")
     assert len(lmap) == 2
     with pytest.raises(UserError, match="not a submodule"):
         discover(model, blocks_path="nope")

@@ -57,10 +57,7 @@ def test_pca_alignment_undoes_a_rotation():
     a, b = (sample_points(m.vertices, m.faces, aligned, "box") for m in (box, turned))
     assert np.allclose(a, b, atol=1e-4)  # the same points, the same frame, whatever the file's orientation
     spread = np.cov(a[:, :3].T)
-    assert (
-        np.allclose(spread, np.diag(np.diag(spread)), atol=1e-6)
-        and spread[0, 0] > spread[1, 1] > spread[2, 2]
-    )
+    assert np.allclose(spread, np.diag(np.diag(spread)), atol=1e-6) and spread[0, 0] > spread[1, 1] > spread[2, 2]
 
 
 def test_a_scene_of_two_meshes_is_one_shape(tmp_path):
@@ -77,9 +74,7 @@ def test_a_scene_of_two_meshes_is_one_shape(tmp_path):
     )
     (tmp_path / "two.glb").write_bytes(scene.export(file_type="glb"))
     points = decode(tmp_path / "two.glb", "two.glb", Sampling(256, False))
-    assert (points[:, 0] < -0.5).sum() > 64 and (
-        points[:, 0] > 0.5
-    ).sum() > 64  # both boxes, where the scene put them
+    assert (points[:, 0] < -0.5).sum() > 64 and (points[:, 0] > 0.5).sum() > 64  # both boxes, where the scene put them
 
 
 def test_broken_files_are_skipped_with_their_reason(shapes, tmp_path, caplog):
@@ -117,7 +112,10 @@ def test_broken_files_are_skipped_with_their_reason(shapes, tmp_path, caplog):
 
 def _point_cloud_ply(n: int) -> bytes:
     rows = "\n".join(f"{math.cos(i)} {math.sin(i)} {i / n}" for i in range(n))
-    return f"ply\nformat ascii 1.0\nelement vertex {n}\nproperty float x\nproperty float y\nproperty float z\nend_header\n{rows}\n".encode()
+    return (
+        f"ply\nformat ascii 1.0\nelement vertex {n}\nproperty float x\nproperty float y\nproperty float z\n"
+        f"end_header\n{rows}\n"
+    ).encode()
 
 
 def test_layouts_splits_and_loose_files(shapes, tmp_path):
@@ -131,9 +129,9 @@ def test_layouts_splits_and_loose_files(shapes, tmp_path):
     shutil.copytree(shapes / "cone", tmp_path / "modelnet" / "ModelNet" / "cone" / "test")
     # a wrapping folder, CLASS/SPLIT/FILE
     found = read_source(tmp_path / "modelnet", SETTINGS, max_bad_fraction=0.0)
-    assert found["train"].classes == ["cone", "torus"] and {
-        found["test"].classes[i] for i in found["test"].labels
-    } == {"cone"}
+    assert found["train"].classes == ["cone", "torus"] and {found["test"].classes[i] for i in found["test"].labels} == {
+        "cone"
+    }
     shutil.copy(shapes / "box" / "0000.obj", tmp_path / "split" / "loose.obj")
     with pytest.raises(UserError, match="loose.obj is not in a class folder"):
         read_source(tmp_path / "split", SETTINGS, max_bad_fraction=0.0)
@@ -152,9 +150,7 @@ def test_point_augment_turns_about_the_up_axis_only_in_training():
     assert not torch.allclose(out[..., :2], points[..., :2])
     assert torch.equal(augment(points, train=False), points)
     scaled = PointAugment(MeshAugment(scale=[2.0, 2.0]))(points, train=True)
-    assert torch.allclose(scaled[..., :3], 2 * points[..., :3]) and torch.equal(
-        scaled[..., 3:], points[..., 3:]
-    )
+    assert torch.allclose(scaled[..., :3], 2 * points[..., :3]) and torch.equal(scaled[..., 3:], points[..., 3:])
     turned = PointAugment(MeshAugment(rotate="any"))(points, train=True)
     assert torch.allclose(turned[..., :3].norm(dim=-1), points[..., :3].norm(dim=-1), atol=1e-5)
     gram = turned[0, :, :3].T @ turned[0, :, :3]  # a rotation keeps the points' Gram matrix's spectrum
@@ -211,8 +207,15 @@ def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
 def test_train_infer_and_onnx_on_generated_primitives(tmp_path):
     data = write_primitives(tmp_path / "shapes", per_class=12, seed=0)
     test = write_primitives(tmp_path / "held_out", per_class=3, seed=1)
-    metrics, run_dir = run(tmp_path, f"data.source={data}", f"data.test_source={test}", "trainer.max_epochs=10",
-                           "task.monitor=val/loss", "export=onnx", "data.max_bad_fraction=0.1")  # fmt: skip
+    metrics, run_dir = run(
+        tmp_path,
+        f"data.source={data}",
+        f"data.test_source={test}",
+        "trainer.max_epochs=10",
+        "task.monitor=val/loss",
+        "export=onnx",
+        "data.max_bad_fraction=0.1",
+    )
     assert metrics["modality"] == "mesh" and metrics["resident"] is True and metrics["items_skipped"] == 0
     assert metrics["train/loss_final"] < metrics["train/loss_initial"]
     assert metrics["test/acc"] > 2 / 6  # chance is 1/6

@@ -57,11 +57,12 @@ def test_detect_reads_the_content_not_the_name(tmp_path):
 def test_data_auto_picks_the_modality_its_data_config_and_default_model(tmp_path, outputs):
     images = image_folder(tmp_path / "photos")
     records = tmp_path / "qa.jsonl"
-    records.write_text(
-        "".join(json.dumps({"input": f"{i}+1", "output": str(i + 1)}) + "\n" for i in range(40))
-    )
-    for source, modality, model, given in ((images, "image", "v28_cnn", []), (records, "text", "phi4_tiny", []),
-                                           (records, "text", "llama_tiny", ["model=llama_tiny"])):  # fmt: skip
+    records.write_text("".join(json.dumps({"input": f"{i}+1", "output": str(i + 1)}) + "\n" for i in range(40)))
+    for source, modality, model, given in (
+        (images, "image", "v28_cnn", []),
+        (records, "text", "phi4_tiny", []),
+        (records, "text", "llama_tiny", ["model=llama_tiny"]),
+    ):
         run_dir = outputs / f"{modality}-{model}"
         proc = run_cli(
             "data=auto",

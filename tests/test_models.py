@@ -11,9 +11,9 @@ from onn.errors import UserError
 from onn.models.load import load, meta_model, source_kind
 from onn.models.tokenizer import byte_tokenizer
 
-LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
-         "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}  # fmt: skip
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 32,
+         "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "max_position_embeddings": 128, "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}  # fmt: skip
 
 
 def language_model(**keys) -> LanguageModelConfig:
@@ -52,9 +52,9 @@ def test_random_and_safetensors_sources(tmp_path):
 
 def test_python_builder_source(tmp_path):
     (tmp_path / "mine.py").write_text(
-        "import torch.nn as nn\n"
-        "def build(width=4):\n"
-        "    return nn.Sequential(nn.Embedding(10, width), *[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(3)], nn.Linear(width, 10))\n"
+        "import torch.nn as nn\ndef build(width=4):\n"
+        "    return nn.Sequential(nn.Embedding(10, width), *[nn.Sequential(nn.Linear(width, width), nn.ReLU()) "
+        "for _ in range(3)], nn.Linear(width, 10))\n"
     )
     model = meta_model(language_model(name="mine", source=f"{tmp_path}/mine.py:build"))
     assert next(model.parameters()).is_meta and model[0].embedding_dim == 4
@@ -100,9 +100,7 @@ SMOLLM = Path.home() / ".cache/onn/models/smollm2-135m-instruct/SmolLM2-135M-Ins
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not SMOLLM.exists(), reason="SmolLM2 GGUF not fetched (../shared/scripts/fetch-smollm2.sh)"
-)
+@pytest.mark.skipif(not SMOLLM.exists(), reason="SmolLM2 GGUF not fetched (../shared/scripts/fetch-smollm2.sh)")
 def test_real_gguf_smollm2():
     from onn.models.layers import discover
 

@@ -36,9 +36,7 @@ def test_sgd_momentum_and_nesterov_reach_every_module():
     cnn = module.configure_optimizers()["optimizer"]
     for optimizer in (lm, cnn):
         group = optimizer.param_groups[0]
-        assert (
-            isinstance(optimizer, torch.optim.SGD) and group["momentum"] == 0.5 and group["nesterov"] is True
-        )
+        assert isinstance(optimizer, torch.optim.SGD) and group["momentum"] == 0.5 and group["nesterov"] is True
 
 
 @pytest.mark.parametrize("monitor, mode", [("val/loss", "min"), ("val/acc", "max")])
@@ -58,16 +56,19 @@ def test_warmup_longer_than_the_run_is_clamped_to_it():
         rates.append(scheduler.get_last_lr()[0])
         scheduler.optimizer.step()
         scheduler.step()
-    assert rates == sorted(rates) and rates[-1] == pytest.approx(
-        0.09
-    )  # warming up over the whole run, to the peak
+    assert rates == sorted(rates) and rates[-1] == pytest.approx(0.09)  # warming up over the whole run, to the peak
 
 
 @pytest.mark.parametrize(
     "override, message",
-    [("optim.lr=-1", "optim.lr=-1"), ("optim.warmup_steps=-5", "optim.warmup_steps=-5"), ("optim.schedule=wobbly", "optim.schedule='wobbly'"),
-     ("optim.name=lion", "optim.name='lion'"), ("optim.step_size=0", "optim.step_size=0")],
-)  # fmt: skip
+    [
+        ("optim.lr=-1", "optim.lr=-1"),
+        ("optim.warmup_steps=-5", "optim.warmup_steps=-5"),
+        ("optim.schedule=wobbly", "optim.schedule='wobbly'"),
+        ("optim.name=lion", "optim.name='lion'"),
+        ("optim.step_size=0", "optim.step_size=0"),
+    ],
+)
 def test_bad_optim_settings_are_one_sentence(override, message):
     with pytest.raises(UserError, match=message.replace("[", r"\[")):
         check(compose(override).optim)

@@ -38,9 +38,7 @@ def test_optuna_lr_recipe_is_an_optuna_lr_search():
     job = compose("recipe=optuna_lr")  # what each trial starts from, before the sweeper's overrides
     assert job.trainer.max_steps == job.trainer.val_check_interval == 30
     assert job.task.exact_match_samples == 0
-    assert (
-        job.sweep_objective == "val/loss_final" and job.optim.warmup_steps == 5
-    )  # the recipe wins over root keys
+    assert job.sweep_objective == "val/loss_final" and job.optim.warmup_steps == 5  # the recipe wins over root keys
     assert (job.model.name, job.data.name, job.task.name) == ("phi4_tiny", "math", "train")
 
 
@@ -59,9 +57,18 @@ def test_optuna_sweeper_parses_the_lr_search_space():
 @pytest.mark.slow
 def test_optuna_runs_two_real_trials_and_reports_the_best_lr(outputs):
     sweep = outputs / "optuna"
-    proc = run_cli("recipe=optuna_lr", "hydra.sweeper.n_trials=2", "model=llama_tiny", "trainer.max_steps=6",
-                   "trainer.val_check_interval=6", "data.builtin.train_size=64", "data.builtin.val_size=16", "tracking=none",
-                   f"paths.outputs={outputs}", f"hydra.sweep.dir={sweep}")  # fmt: skip
+    proc = run_cli(
+        "recipe=optuna_lr",
+        "hydra.sweeper.n_trials=2",
+        "model=llama_tiny",
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=6",
+        "data.builtin.train_size=64",
+        "data.builtin.val_size=16",
+        "tracking=none",
+        f"paths.outputs={outputs}",
+        f"hydra.sweep.dir={sweep}",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     trials = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/metrics.json"))]
     lrs = [
@@ -69,9 +76,7 @@ def test_optuna_runs_two_real_trials_and_reports_the_best_lr(outputs):
         for p in sorted(sweep.glob("*/metrics.json"))
     ]
     assert len(trials) == 2 and all(t["status"] == "ok" and t["val/loss_final"] > 0 for t in trials)
-    assert len(set(lrs)) == 2 and all(
-        1e-4 <= lr <= 3e-2 for lr in lrs
-    )  # Optuna picked two rates in the range
+    assert len(set(lrs)) == 2 and all(1e-4 <= lr <= 3e-2 for lr in lrs)  # Optuna picked two rates in the range
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     best = min(range(2), key=lambda i: trials[i]["val/loss_final"])
     assert results["best_params"]["optim.lr"] == pytest.approx(lrs[best])

@@ -30,9 +30,7 @@ def test_pairs_by_shared_stem_with_orphans_and_other_files(shapes, tmp_path):
     (folder / "0002.json").write_text("{}")  # a sidecar of neither side
     listing = find_pairs(folder)
     assert listing.modalities == ("image", "text") and listing.complete == 10
-    assert listing.orphans == {"image": ["0000.png"], "text": ["0001.txt"]} and listing.left_out == [
-        "0002.json"
-    ]
+    assert listing.orphans == {"image": ["0000.png"], "text": ["0001.txt"]} and listing.left_out == ["0002.json"]
     assert listing.entries["text"][0].name == "0002.txt" and listing.entries["image"][0].name == "0002.png"
     summary = listing.summary()
     assert (
@@ -118,9 +116,7 @@ def test_pairs_from_metadata_jsonl_and_csv(shapes, tmp_path):
     listing = find_pairs(folder)
     # label is a number, not a caption
     assert listing.complete == 11 and listing.how == "metadata.csv (file_name + text)"
-    (folder / "metadata.csv").write_text(
-        "file_name,label\n" + "\n".join(f"images/{i:04d}.png,{i}" for i in range(12))
-    )
+    (folder / "metadata.csv").write_text("file_name,label\n" + "\n".join(f"images/{i:04d}.png,{i}" for i in range(12)))
     with pytest.raises(UserError, match="no text column to pair with file_name"):
         find_pairs(folder)
 
@@ -142,9 +138,20 @@ def test_data_auto_says_what_pairs_it_found(shapes, tmp_path):
 def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
     from onn.app import execute
 
-    cfg = compose("data=pairs", "model=dual_encoder", "tracking=none", "trainer.enable_progress_bar=false",
-                  f"paths.outputs={tmp / 'outputs'}", f"paths.cache={tmp / 'cache'}", "trainer.max_steps=-1", "trainer.max_epochs=2",
-                  "trainer.val_check_interval=1.0", "optim.warmup_steps=5", "strategy.precision=32-true", *overrides)  # fmt: skip
+    cfg = compose(
+        "data=pairs",
+        "model=dual_encoder",
+        "tracking=none",
+        "trainer.enable_progress_bar=false",
+        f"paths.outputs={tmp / 'outputs'}",
+        f"paths.cache={tmp / 'cache'}",
+        "trainer.max_steps=-1",
+        "trainer.max_epochs=2",
+        "trainer.val_check_interval=1.0",
+        "optim.warmup_steps=5",
+        "strategy.precision=32-true",
+        *overrides,
+    )
     run_dir = tmp / name
     run_dir.mkdir(parents=True, exist_ok=True)
     return execute(cfg, run_dir), run_dir
@@ -166,39 +173,43 @@ def test_image_text_pairs_half_orphaned_train_to_5x_chance_then_infer_eval_expor
     (folder / "0007.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
 
     register()
-    overrides = ["data=auto", f"data.source={folder}", f"paths.root={ROOT}", "tracking=none", "trainer.enable_progress_bar=false",
-                 f"paths.cache={tmp_path / 'cache'}", "trainer.max_steps=-1", "trainer.max_epochs=8", "trainer.val_check_interval=1.0",
-                 "data.batch_size=24", "optim.warmup_steps=5", "strategy.precision=32-true", "data.sides.image.image_size=[24,24]",
-                 "export=onnx"]  # fmt: skip
+    overrides = [
+        "data=auto",
+        f"data.source={folder}",
+        f"paths.root={ROOT}",
+        "tracking=none",
+        "trainer.enable_progress_bar=false",
+        f"paths.cache={tmp_path / 'cache'}",
+        "trainer.max_steps=-1",
+        "trainer.max_epochs=8",
+        "trainer.val_check_interval=1.0",
+        "data.batch_size=24",
+        "optim.warmup_steps=5",
+        "strategy.precision=32-true",
+        "data.sides.image.image_size=[24,24]",
+        "export=onnx",
+    ]
     # data=auto's own config has only a source: the other data.* keys apply once the pairs config is chosen
     first = [o for o in overrides if not o.startswith("data.") or o.startswith("data.source=")]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose_detected(hydra_compose("config", overrides=first), overrides)
     said = capsys.readouterr().out
     assert (
-        "holds 150 complete image-text pairs by shared file stems; 300 items have no partner (150 image, 150 text; e.g. 0150.png, 0300.txt"
-        in said
+        "holds 150 complete image-text pairs by shared file stems; 300 items have no partner (150 image, 150 text; "
+        "e.g. 0150.png, 0300.txt" in said
     )
     assert "data=pairs model=dual_encoder" in said
     run_dir = tmp_path / "train"
     metrics = execute(to_config(cfg), run_dir)
 
     assert metrics["modality"] == "pairs" and metrics["pairs/modalities"] == ["image", "text"]
-    assert (
-        metrics["pairs/complete"] == 150
-        and metrics["pairs/orphans"] == 300
-        and metrics["pairs/unreadable"] == 1
-    )
+    assert metrics["pairs/complete"] == 150 and metrics["pairs/orphans"] == 300 and metrics["pairs/unreadable"] == 1
     assert "0007.png" in caplog.text and "300 items have no partner" in caplog.text
-    assert metrics["pairs/held_out"] == 30 and metrics["val/recall@1_chance"] == pytest.approx(
-        1 / 30, abs=1e-4
-    )
+    assert metrics["pairs/held_out"] == 30 and metrics["val/recall@1_chance"] == pytest.approx(1 / 30, abs=1e-4)
     assert metrics["train/loss_final"] < metrics["train/loss_initial"]
     assert metrics["val/recall@1"] >= 5 * metrics["val/recall@1_chance"], metrics["val/history"]
     for side in ("image", "text"):
-        assert (
-            metrics[f"export/max_abs_diff/{side}"] < 1e-4 and Path(metrics[f"export/onnx/{side}"]).is_file()
-        )
+        assert metrics[f"export/max_abs_diff/{side}"] < 1e-4 and Path(metrics[f"export/onnx/{side}"]).is_file()
 
     queries = tmp_path / "queries"
     queries.mkdir()
@@ -215,8 +226,7 @@ def test_image_text_pairs_half_orphaned_train_to_5x_chance_then_infer_eval_expor
     rows = [json.loads(line) for line in Path(out["infer/output"]).read_text().splitlines()]
     assert out["infer/queries"] == 19 and out["infer/gallery"] == 300  # 0007.png cannot be read; 300 captions
     assert all(
-        r["modality"] == "image" and len(r["matches"]) == 5 and r["matches"][0]["name"].endswith(".txt")
-        for r in rows
+        r["modality"] == "image" and len(r["matches"]) == 5 and r["matches"][0]["name"].endswith(".txt") for r in rows
     )
     assert out["infer/recall@5"] > 5 * 5 / 300  # each query's own caption is among 300
     out, _ = run(
@@ -238,8 +248,15 @@ def test_image_text_pairs_half_orphaned_train_to_5x_chance_then_infer_eval_expor
 @pytest.mark.slow
 def test_mesh_image_pairs_train_to_5x_chance(tmp_path):
     folder = write_primitives(tmp_path / "pairs", 150, seed=0, size=24)
-    metrics, _ = run(tmp_path, f"data.source={folder}", "data.batch_size=24", "trainer.max_epochs=8", "data.sides.image.image_size=[24,24]",
-                     "+data.sides.mesh.augment={rotate: none, scale: [0.9, 1.1], jitter: 0.01}", "data.sides.mesh.points=128")  # fmt: skip
+    metrics, _ = run(
+        tmp_path,
+        f"data.source={folder}",
+        "data.batch_size=24",
+        "trainer.max_epochs=8",
+        "data.sides.image.image_size=[24,24]",
+        "+data.sides.mesh.augment={rotate: none, scale: [0.9, 1.1], jitter: 0.01}",
+        "data.sides.mesh.points=128",
+    )
     assert metrics["pairs/modalities"] == ["image", "mesh"] and metrics["pairs/complete"] == 150
     assert metrics["val/recall@1"] >= 5 * metrics["val/recall@1_chance"], metrics["val/history"]
 

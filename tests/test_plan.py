@@ -28,9 +28,7 @@ def test_phi4_on_a_4gb_gpu_streams_under_4gb(tmp_path):
 @pytest.mark.parametrize("hardware", ["a100_80gb", "h100_80gb"])
 def test_phi4_on_80gb_picks_lora(tmp_path, hardware):
     plan, _ = plan_for("model=phi4", f"hardware={hardware}", tmp_path=tmp_path)
-    assert (
-        plan.strategy == "lora" and plan.precision == "bf16-mixed"
-    )  # pretrained weights fit: LoRA, never full
+    assert plan.strategy == "lora" and plan.precision == "bf16-mixed"  # pretrained weights fit: LoRA, never full
 
 
 def test_random_init_trains_everything_and_explicit_choice_wins(tmp_path):
@@ -44,9 +42,7 @@ def test_memory_grows_with_micro_batch_and_breakdown_adds_up(tmp_path):
     small, _ = plan_for(
         "model=phi4", "hardware=a100_80gb", "strategy=lora", "strategy.micro_batch=1", tmp_path=tmp_path
     )
-    big, _ = plan_for(
-        "model=phi4", "hardware=a100_80gb", "strategy=lora", "strategy.micro_batch=8", tmp_path=tmp_path
-    )
+    big, _ = plan_for("model=phi4", "hardware=a100_80gb", "strategy=lora", "strategy.micro_batch=8", tmp_path=tmp_path)
     assert big.candidates["lora"]["activations_mb"] > 4 * small.candidates["lora"]["activations_mb"]
     c = big.candidates["lora"]
     # one micro-batch per step: gradients are allocated as activations are freed, the peak holds the larger
@@ -54,17 +50,13 @@ def test_memory_grows_with_micro_batch_and_breakdown_adds_up(tmp_path):
     assert parts + max(c["trainable_mb"], c["activations_mb"]) == pytest.approx(c["peak_mb"], abs=1)
     # micro-batches accumulating: the first one's gradients outlive its backward, the peak holds both
     a = small.candidates["lora"]
-    parts = sum(
-        a[k] for k in ("weights_mb", "optimizer_mb", "workspace_mb", "trainable_mb", "activations_mb")
-    )
+    parts = sum(a[k] for k in ("weights_mb", "optimizer_mb", "workspace_mb", "trainable_mb", "activations_mb"))
     assert small.accumulate == 8 and parts == pytest.approx(a["peak_mb"], abs=1)
 
 
 def test_measured_profile_is_cached(tmp_path):
     # its own cache folder, not the session's (conftest): this profile is measured here
-    auto = compose(
-        "hardware=auto", "hardware.disk_probe_mb=16", f"hardware.cache={tmp_path / 'hardware'}"
-    ).hardware
+    auto = compose("hardware=auto", "hardware.disk_probe_mb=16", f"hardware.cache={tmp_path / 'hardware'}").hardware
     first = resolve(auto, tmp_path / "cache", tmp_path)
     assert first.source == "measured" and first.matmul_tflops > 0 and first.disk_read_mb_s > 0
     assert first.accelerator in ("cpu", "cuda", "mps") and first.cpu_cores >= 1
@@ -73,7 +65,5 @@ def test_measured_profile_is_cached(tmp_path):
     if first.accelerator == "cpu":
         assert {"256", "4096"} == set(first.matmul_gflops) and first.decode_gvalues_s["int8->bfloat16"] > 0
     second = resolve(auto, tmp_path / "cache", tmp_path)
-    if (
-        first.busy_while_measuring < 0.5
-    ):  # a profile measured on busy cores is measured again when they are free
+    if first.busy_while_measuring < 0.5:  # a profile measured on busy cores is measured again when they are free
         assert second.source.startswith("cache") and second.matmul_tflops == first.matmul_tflops

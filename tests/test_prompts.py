@@ -22,9 +22,7 @@ CHAT = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-TEXT = compose(
-    "data=text", "data.source=unused.jsonl"
-).data  # fields auto, template {prompt}, chat_template auto
+TEXT = compose("data=text", "data.source=unused.jsonl").data  # fields auto, template {prompt}, chat_template auto
 
 
 def text_data(prompt: str = "auto", answer: str = "auto", **keys) -> TextData:
@@ -57,8 +55,14 @@ def cache(tmp_path_factory) -> Path:
 def run(tmp: Path, cache: Path, *overrides: str) -> dict:
     from onn.app import execute
 
-    cfg = compose("model=llama_tiny", "tracking=none", "trainer.enable_progress_bar=false", f"paths.outputs={tmp / 'outputs'}",
-                  f"paths.cache={cache}", *overrides)  # fmt: skip
+    cfg = compose(
+        "model=llama_tiny",
+        "tracking=none",
+        "trainer.enable_progress_bar=false",
+        f"paths.outputs={tmp / 'outputs'}",
+        f"paths.cache={cache}",
+        *overrides,
+    )
     run_dir = tmp / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     return execute(cfg, run_dir)
@@ -66,8 +70,14 @@ def run(tmp: Path, cache: Path, *overrides: str) -> dict:
 
 def alpaca(path: Path, n: int = 30) -> Path:
     """Alpaca's layout: instruction, input (empty in most rows), output."""
-    rows = [{"instruction": f"Add {i} and {i + 1}.", "input": "" if i % 3 else f"Show the sum of {i} + {i + 1}.",
-             "output": str(2 * i + 1)} for i in range(n)]  # fmt: skip
+    rows = [
+        {
+            "instruction": f"Add {i} and {i + 1}.",
+            "input": "" if i % 3 else f"Show the sum of {i} + {i + 1}.",
+            "output": str(2 * i + 1),
+        }
+        for i in range(n)
+    ]
     path.write_text(json.dumps(rows, indent=2))
     return path
 
@@ -85,8 +95,15 @@ def test_infer_uses_the_tokenizers_chat_template_by_default(tmp_path, cache, cha
     user = f"Question: {question}\nAnswer: "  # data=math's template shapes the user's message
     assert m["infer/prompt_format"] == "chat template"
     assert m["infer/model_input"] == f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
-    plain = run(tmp_path, cache, f"model.tokenizer={chat_folder}", "task=infer", f"prompt={question}", "task.max_new_tokens=2",
-                "data.chat_template=false")  # fmt: skip
+    plain = run(
+        tmp_path,
+        cache,
+        f"model.tokenizer={chat_folder}",
+        "task=infer",
+        f"prompt={question}",
+        "task.max_new_tokens=2",
+        "data.chat_template=false",
+    )
     assert plain["infer/model_input"] == user and plain["infer/prompt_format"] == "data.template"
 
 
@@ -105,8 +122,15 @@ def test_training_examples_go_through_the_chat_template_without_a_second_bos():
 
 def test_an_alpaca_file_is_mapped_by_itself_and_said(tmp_path, cache):
     source = alpaca(tmp_path / "alpaca_data.json")
-    m = run(tmp_path, cache, "data=text", f"data.source={source}", "trainer.max_steps=2", "task.validate_before=false",
-            "task.exact_match_samples=0")  # fmt: skip
+    m = run(
+        tmp_path,
+        cache,
+        "data=text",
+        f"data.source={source}",
+        "trainer.max_steps=2",
+        "task.validate_before=false",
+        "task.exact_match_samples=0",
+    )
     assert m["data/layout"] == "alpaca" and m["data/mapping"] == "{instruction}\n\n{input} -> output"
     assert m["data/train_records"] + m["data/val_records"] == 30
     examples = Prompter(AUTO, byte_tokenizer()).examples(read_records(source))
@@ -132,9 +156,7 @@ def test_a_template_reaches_every_field_and_a_typed_newline_is_a_newline(tmp_pat
     assert (
         prompt == "Add 0 and 1.\nInput: Show the sum of 0 + 1.\nAdd 0 and 1."
     )  # Alpaca's own input is not overwritten
-    nested = Records(
-        [{"seed": {"instruction": "Name a colour.", "answer": {"text": "red"}}}], ["seeds.jsonl line 1"]
-    )
+    nested = Records([{"seed": {"instruction": "Name a colour.", "answer": {"text": "red"}}}], ["seeds.jsonl line 1"])
     cfg = text_data("seed.instruction", "seed.answer.text", template="Q: {seed.instruction}")
     assert Prompter(cfg, byte_tokenizer()).examples(nested) == [("Q: Name a colour.", "red")]
     with pytest.raises(
@@ -144,8 +166,18 @@ def test_a_template_reaches_every_field_and_a_typed_newline_is_a_newline(tmp_pat
 
 
 def test_chat_layouts_are_recognised():
-    openai = Records([{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                                    {"role": "assistant", "content": "Hello"}]}], ["c.jsonl line 1"])  # fmt: skip
+    openai = Records(
+        [
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello"},
+                ]
+            }
+        ],
+        ["c.jsonl line 1"],
+    )
     sharegpt = Records(
         [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}],
         ["s.json line 2"],
@@ -158,10 +190,7 @@ def test_chat_layouts_are_recognised():
         and prompt.endswith("<|im_start|>assistant\n")
     )
     prompter = Prompter(AUTO, byte_tokenizer())
-    assert (
-        prompter.examples(sharegpt) == [("user: Hi\nassistant: ", "Hello")]
-        and prompter.layout.name == "messages"
-    )
+    assert prompter.examples(sharegpt) == [("user: Hi\nassistant: ", "Hello")] and prompter.layout.name == "messages"
     dolly = Records(
         [{"instruction": "Sum", "context": "1 and 2", "response": "3", "category": "qa"}], ["d.jsonl line 1"]
     )
@@ -174,17 +203,27 @@ def test_an_empty_completion_is_reported_not_ok(tmp_path, cache, caplog):
     """A model whose first token is end-of-text (as SmolLM2 without its chat format): the run says so."""
     builder = tmp_path / "ends_at_once.py"
     builder.write_text(
-        "def build():\n"
-        "    from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "def build():\n    from transformers import LlamaConfig, LlamaForCausalLM\n"
         "    from onn.models.tokenizer import byte_tokenizer\n"
-        "    cfg = LlamaConfig(vocab_size=320, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,\n"
+        "    cfg = LlamaConfig(vocab_size=320, hidden_size=16, intermediate_size=32, num_hidden_layers=2, "
+        "num_attention_heads=2,\n"
         "                      num_key_value_heads=1, bos_token_id=256, eos_token_id=257, pad_token_id=258)\n"
         "    model = LlamaForCausalLM(cfg)\n"
         "    model.generation_config.suppress_tokens = [t for t in range(320) if t != 257]  # only <eos> can come\n"
         "    return model, byte_tokenizer()\n"
     )
-    m = run(tmp_path, cache, f"model.source={builder}:build", "model.architecture=null", "model.tokenizer=null", "task=infer",
-            "prompt=Hello", "task.max_new_tokens=4", "task.template=false", "strategy=full")  # fmt: skip
+    m = run(
+        tmp_path,
+        cache,
+        f"model.source={builder}:build",
+        "model.architecture=null",
+        "model.tokenizer=null",
+        "task=infer",
+        "prompt=Hello",
+        "task.max_new_tokens=4",
+        "task.template=false",
+        "strategy=full",
+    )
     assert m["infer/completion"] == "" and m["infer/empty_completions"] == 1
     assert "the completion is empty" in caplog.text
     from onn.app import summary
@@ -211,8 +250,13 @@ def test_gsm8k_answers_are_extracted_by_its_convention_with_room_to_write_them(t
         and scores["answer_pattern_found"] == 0.25
     )
     assert "last number" in scores["answer_extraction"]
-    rows = [{"question": f"Tom has {i} apples and buys {i}. How many?", "answer": f"He has {i} + {i} = {2 * i} apples.\n#### {2 * i}"}
-            for i in range(40)]  # fmt: skip
+    rows = [
+        {
+            "question": f"Tom has {i} apples and buys {i}. How many?",
+            "answer": f"He has {i} + {i} = {2 * i} apples.\n#### {2 * i}",
+        }
+        for i in range(40)
+    ]
     source = tmp_path / "gsm8k_test.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     monkeypatch.undo()
@@ -229,6 +273,4 @@ def test_gsm8k_answers_are_extracted_by_its_convention_with_room_to_write_them(t
     assert (
         16 < m["val/max_new_tokens"] <= longest + 16 and m["val/exact_match_samples"] == 2
     )  # was 24: no room for ####
-    assert 0 <= m["val/exact_match"] <= 1 and m["val/answer_extraction"].startswith(
-        "group 1 of data.answer_pattern"
-    )
+    assert 0 <= m["val/exact_match"] <= 1 and m["val/answer_extraction"].startswith("group 1 of data.answer_pattern")

@@ -30,9 +30,7 @@ from onn.modalities.text.prompts import Prompter
 from onn.models.tokenizer import byte_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-FIELDS = compose(
-    "data=text", "data.source=unused.jsonl"
-).data  # fields auto, template {prompt}, chat_template auto
+FIELDS = compose("data=text", "data.source=unused.jsonl").data  # fields auto, template {prompt}, chat_template auto
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +41,22 @@ def cache(tmp_path_factory) -> Path:
 def execute(tmp: Path, cache: Path, *overrides: str, text: bool = True) -> dict:
     from onn.app import execute as run
 
-    groups = ["model=llama_tiny", "data=text"] if text else \
-             ["model=v28_cnn", "data=image", "trainer.max_epochs=1", "trainer.max_steps=-1", "data.batch_size=4"]  # fmt: skip
+    groups = (
+        ["model=llama_tiny", "data=text"]
+        if text
+        else ["model=v28_cnn", "data=image", "trainer.max_epochs=1", "trainer.max_steps=-1", "data.batch_size=4"]
+    )
     if text and not any(o.startswith("task=") for o in overrides):
         groups += ["task.validate_before=false", "task.exact_match_samples=0"]
-    cfg = compose(*groups, "tracking=none", "trainer.enable_progress_bar=false", "trainer.max_steps=2" if text else "optim.warmup_steps=0",
-                  f"paths.outputs={tmp / 'outputs'}", f"paths.cache={cache}", *overrides)  # fmt: skip
+    cfg = compose(
+        *groups,
+        "tracking=none",
+        "trainer.enable_progress_bar=false",
+        "trainer.max_steps=2" if text else "optim.warmup_steps=0",
+        f"paths.outputs={tmp / 'outputs'}",
+        f"paths.cache={cache}",
+        *overrides,
+    )
     run_dir = tmp / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     return run(cfg, run_dir, {o.split("=", 1)[0] for o in overrides})  # the keys the "command line" set
@@ -104,36 +112,23 @@ def test_classes_given_in_another_order_keep_each_image_under_its_name(tmp_path,
     dm = image_data(tmp_path, cache, images(tmp_path / "img", {"a": 30, "b": 220}), "data.classes=[b,a]")
     assert dm.classes == ["b", "a"]
     for split in dm.splits.values():
-        assert all(
-            name.split("/")[-2] == dm.classes[label]
-            for name, label in zip(split.names, split.labels.tolist())
-        )
+        assert all(name.split("/")[-2] == dm.classes[label] for name, label in zip(split.names, split.labels.tolist()))
 
 
 def test_image_labels_that_are_no_class(tmp_path, cache):
-    with pytest.raises(
-        UserError, match=r"labels.csv row 12 has label 'cat', but the other labels are numbers"
-    ):
+    with pytest.raises(UserError, match=r"labels.csv row 12 has label 'cat', but the other labels are numbers"):
         image_data(tmp_path, cache, label_csv(tmp_path / "mixed", ["0", "1"] * 5 + ["cat"] + ["1", "0"] * 2))
-    dm = image_data(
-        tmp_path, cache, tar_with_absolute_member(tmp_path / "abs.tar"), "data.max_bad_fraction=0.1"
-    )
+    dm = image_data(tmp_path, cache, tar_with_absolute_member(tmp_path / "abs.tar"), "data.max_bad_fraction=0.1")
     assert dm.classes == ["a", "b"] and any("/etc/evil/x.png: an absolute path" in s for s in dm.skipped)
-    with pytest.raises(
-        UserError, match=r"has label 'dog' \(class 2 of 3 names: bird, cat, dog\), outside \[0, 2\)"
-    ):
-        image_data(
-            tmp_path, cache, label_csv(tmp_path / "names", ["cat", "dog", "bird"] * 4), "data.num_classes=2"
-        )
+    with pytest.raises(UserError, match=r"has label 'dog' \(class 2 of 3 names: bird, cat, dog\), outside \[0, 2\)"):
+        image_data(tmp_path, cache, label_csv(tmp_path / "names", ["cat", "dog", "bird"] * 4), "data.num_classes=2")
 
 
 # --- 8. checkpoint identity ------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_eval_takes_the_architecture_from_the_checkpoint_and_the_data_from_the_command_line(
-    tmp_path, outputs, cache
-):
+def test_eval_takes_the_architecture_from_the_checkpoint_and_the_data_from_the_command_line(tmp_path, outputs, cache):
     trained = execute(
         tmp_path / "text",
         cache,
@@ -147,8 +142,15 @@ def test_eval_takes_the_architecture_from_the_checkpoint_and_the_data_from_the_c
         f"paths.cache={cache}",
         "trainer.enable_progress_bar=false",
     ]
-    proc = run_cli("task=eval", f"ckpt={trained['checkpoint']}", f"data.source={new}", "model=phi4_tiny", "task.max_samples=2", *common,
-                   f"hydra.run.dir={outputs / 'eval'}")  # fmt: skip
+    proc = run_cli(
+        "task=eval",
+        f"ckpt={trained['checkpoint']}",
+        f"data.source={new}",
+        "model=phi4_tiny",
+        "task.max_samples=2",
+        *common,
+        f"hydra.run.dir={outputs / 'eval'}",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     m = read_metrics(outputs / "eval")
     assert (
@@ -159,9 +161,7 @@ def test_eval_takes_the_architecture_from_the_checkpoint_and_the_data_from_the_c
         "strategy": "checkpoint",
         "data": "checkpoint, with data.source from the command line",
     }
-    assert (
-        "the command line is not used" in proc.stderr + proc.stdout
-    )  # model=phi4_tiny: said, not silently dropped
+    assert "the command line is not used" in proc.stderr + proc.stdout  # model=phi4_tiny: said, not silently dropped
     picture = execute(
         tmp_path / "img", cache, f"data.source={images(tmp_path / 'pics', {'a': 30, 'b': 220})}", text=False
     )
@@ -235,11 +235,14 @@ def test_weights_of_the_wrong_shape_or_truncated(tmp_path, cache):
     save_file(net.state_dict(), str(tmp_path / "v28.safetensors"))
     data = (tmp_path / "v28.safetensors").read_bytes()
     (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(
-        UserError, match=r"model.weights .*cut.safetensors is not a readable safetensors file"
-    ):
-        execute(tmp_path, cache, f"data.source={images(tmp_path / 'img', {'a': 30, 'b': 220})}",
-                f"model.weights={tmp_path / 'cut.safetensors'}", text=False)  # fmt: skip
+    with pytest.raises(UserError, match=r"model.weights .*cut.safetensors is not a readable safetensors file"):
+        execute(
+            tmp_path,
+            cache,
+            f"data.source={images(tmp_path / 'img', {'a': 30, 'b': 220})}",
+            f"model.weights={tmp_path / 'cut.safetensors'}",
+            text=False,
+        )
 
 
 def test_damaged_checkpoints_are_one_sentence(tmp_path, cache):
@@ -260,12 +263,23 @@ def test_damaged_checkpoints_are_one_sentence(tmp_path, cache):
         (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
 
     for name, change, said in [
-        ("corrupt", lambda c: (c / "meta.json").write_text('{"__dict__": [["state_dict", '), r"meta.json is not valid JSON"),
-        ("list", lambda c: (c / "meta.json").write_text("[1, 2, 3]"), r"meta.json does not hold an ONN checkpoint's structure"),
+        (
+            "corrupt",
+            lambda c: (c / "meta.json").write_text('{"__dict__": [["state_dict", '),
+            r"meta.json is not valid JSON",
+        ),
+        (
+            "list",
+            lambda c: (c / "meta.json").write_text("[1, 2, 3]"),
+            r"meta.json does not hold an ONN checkpoint's structure",
+        ),
         ("cut", cut, r"model.safetensors is damaged \(truncated"),
-        ("other", lambda c: shutil.copy(Path(network["checkpoint"]) / "model.safetensors", c / "model.safetensors"),
-         r"names the tensor .* which model.safetensors lacks"),
-    ]:  # fmt: skip
+        (
+            "other",
+            lambda c: shutil.copy(Path(network["checkpoint"]) / "model.safetensors", c / "model.safetensors"),
+            r"names the tensor .* which model.safetensors lacks",
+        ),
+    ]:
         with pytest.raises(UserError, match=said):
             # data=text needs a source to compose; the checkpoint's data config is used, with this (its own) file
             execute(
@@ -293,14 +307,12 @@ def test_one_class_and_link_loop_sources(tmp_path, cache):
 
 @pytest.mark.parametrize("text", [True, False], ids=["text", "image"])
 def test_bad_numbers_in_settings(tmp_path, cache, text):
-    source = (
-        write_jsonl(tmp_path / "d.jsonl", qa_rows())
-        if text
-        else images(tmp_path / "img", {"a": 30, "b": 220})
-    )
-    cases = [("optim.lr=-1", r"optim.lr=-1.0: give a number 0 or more"),
-             ("trainer.max_steps=-5", r"trainer.max_steps=-5: give a whole number, 1 or more, or -1"),
-             ("optim.schedule=warmup_cosine", r"optim.schedule='warmup_cosine' is not one of cosine")]  # fmt: skip
+    source = write_jsonl(tmp_path / "d.jsonl", qa_rows()) if text else images(tmp_path / "img", {"a": 30, "b": 220})
+    cases = [
+        ("optim.lr=-1", r"optim.lr=-1.0: give a number 0 or more"),
+        ("trainer.max_steps=-5", r"trainer.max_steps=-5: give a whole number, 1 or more, or -1"),
+        ("optim.schedule=warmup_cosine", r"optim.schedule='warmup_cosine' is not one of cosine"),
+    ]
     if text:
         cases.append(
             (
@@ -329,16 +341,20 @@ def test_a_value_of_the_wrong_type_is_hydras_sentence_naming_the_key(tmp_path):
 def test_messages_name_what_the_user_wrote(tmp_path, cache):
     rows = qa_rows()
     del rows[6]["output"]
-    with pytest.raises(
-        UserError, match=r"m.jsonl line 7 has no field 'output'"
-    ):  # not the row it had after shuffling
+    with pytest.raises(UserError, match=r"m.jsonl line 7 has no field 'output'"):  # not the row it had after shuffling
         execute(tmp_path, cache, f"data.source={write_jsonl(tmp_path / 'm.jsonl', rows)}")
     (tmp_path / "n.json").write_text("42\n")
     with pytest.raises(UserError, match=r"n.json holds a bare JSON number \(42\), not records"):
         read_records(tmp_path / "n.json")
     with pytest.raises(UserError, match=r"data.image_size=\[0, 0\]: give \[height, width\] in pixels"):
-        execute(tmp_path, cache, f"data.source={images(tmp_path / 'img', {'a': 30, 'b': 220})}", "data.image_size=[0,0]",
-                "data.resize=resize", text=False)  # fmt: skip
+        execute(
+            tmp_path,
+            cache,
+            f"data.source={images(tmp_path / 'img', {'a': 30, 'b': 220})}",
+            "data.image_size=[0,0]",
+            "data.resize=resize",
+            text=False,
+        )
 
 
 def test_omny_validate_names_the_file_and_checks_the_documents_tensors(tmp_path, capsys):

@@ -37,14 +37,30 @@ def test_train_eval_infer(outputs, tmp_path):
         )
     )
     m = read_metrics(run_dir)
-    for key in ("status", "error", "task", "model", "data", "strategy", "hardware", "steps", "train/loss_initial", "train/loss_final",
-                "val/loss_initial", "val/loss_final", "samples_per_s", "peak_memory_mb", "predicted_peak_memory_mb", "params_total",
-                "params_trainable", "wall_s", "val/exact_match"):  # fmt: skip
+    for key in (
+        "status",
+        "error",
+        "task",
+        "model",
+        "data",
+        "strategy",
+        "hardware",
+        "steps",
+        "train/loss_initial",
+        "train/loss_final",
+        "val/loss_initial",
+        "val/loss_final",
+        "samples_per_s",
+        "peak_memory_mb",
+        "predicted_peak_memory_mb",
+        "params_total",
+        "params_trainable",
+        "wall_s",
+        "val/exact_match",
+    ):
         assert key in m, key
     assert m["status"] == "ok" and m["steps"] == 40 and m["strategy"] == "full"  # random init -> full
-    assert (
-        m["train/loss_final"] < 0.7 * m["train/loss_initial"] and m["val/loss_final"] < m["val/loss_initial"]
-    )
+    assert m["train/loss_final"] < 0.7 * m["train/loss_initial"] and m["val/loss_final"] < m["val/loss_initial"]
     assert (
         (run_dir / "plan.yaml").is_file()
         and (run_dir / "config.yaml").is_file()
@@ -76,25 +92,51 @@ def test_train_eval_infer(outputs, tmp_path):
         and 0 <= ev["val/exact_match"] <= 1
     )
 
-    proc = ok(run_cli("task=infer", "ckpt=last", "prompt=What is 2 + 2?", "task.max_new_tokens=5", f"paths.outputs={outputs}",
-                      f"hydra.run.dir={outputs / 'infer_one'}"))  # fmt: skip
+    proc = ok(
+        run_cli(
+            "task=infer",
+            "ckpt=last",
+            "prompt=What is 2 + 2?",
+            "task.max_new_tokens=5",
+            f"paths.outputs={outputs}",
+            f"hydra.run.dir={outputs / 'infer_one'}",
+        )
+    )
     completion = read_metrics(outputs / "infer_one")["infer/completion"]
     assert completion.strip() and completion.strip() in proc.stdout  # streamed to the terminal
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "What is 1 + 1?", "id": 1}\n{"prompt": "What is 3 * 3?", "id": 2}\n')
-    ok(run_cli("task=infer", "ckpt=last", f"task.input={prompts}", "task.max_new_tokens=4", f"paths.outputs={outputs}",
-               f"hydra.run.dir={outputs / 'infer_many'}"))  # fmt: skip
-    rows = [
-        json.loads(line) for line in (outputs / "infer_many" / "predictions.jsonl").read_text().splitlines()
-    ]
+    ok(
+        run_cli(
+            "task=infer",
+            "ckpt=last",
+            f"task.input={prompts}",
+            "task.max_new_tokens=4",
+            f"paths.outputs={outputs}",
+            f"hydra.run.dir={outputs / 'infer_many'}",
+        )
+    )
+    rows = [json.loads(line) for line in (outputs / "infer_many" / "predictions.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == [1, 2] and all("completion" in r for r in rows)
 
 
 def test_sparse_lora_trains_only_its_layers_and_peft_loads_the_adapter(outputs):
     run_dir = outputs / "sparse"
-    ok(run_cli(*TINY, "strategy=sparse_lora", "strategy.layers=[0,-1]", "optim.lr=1e-2", "trainer.max_steps=20", "task.exact_match_samples=0",
-               "strategy.streaming.store=disk", "strategy.streaming.chunk_size=3", "strategy.micro_batch=2",
-               f"paths.outputs={outputs}", f"hydra.run.dir={run_dir}"))  # fmt: skip
+    ok(
+        run_cli(
+            *TINY,
+            "strategy=sparse_lora",
+            "strategy.layers=[0,-1]",
+            "optim.lr=1e-2",
+            "trainer.max_steps=20",
+            "task.exact_match_samples=0",
+            "strategy.streaming.store=disk",
+            "strategy.streaming.chunk_size=3",
+            "strategy.micro_batch=2",
+            f"paths.outputs={outputs}",
+            f"hydra.run.dir={run_dir}",
+        )
+    )
     m = read_metrics(run_dir)
     assert m["strategy"] == "sparse_lora" and m["train/loss_final"] < m["train/loss_initial"]
     assert m["val/loss_final"] < m["val/loss_initial"]
@@ -103,12 +145,18 @@ def test_sparse_lora_trains_only_its_layers_and_peft_loads_the_adapter(outputs):
     assert len(stores) == 1 and len(list(stores[0].glob("block_*.safetensors"))) == 8 == len(
         list(stores[0].glob("*.done"))
     )
-    proc = ok(run_cli("task=infer", f"ckpt={run_dir}", "prompt=What is 2 + 2?", "task.max_new_tokens=4", f"paths.outputs={outputs}",
-                      f"hydra.run.dir={outputs / 'infer_streamed'}"))  # fmt: skip
+    proc = ok(
+        run_cli(
+            "task=infer",
+            f"ckpt={run_dir}",
+            "prompt=What is 2 + 2?",
+            "task.max_new_tokens=4",
+            f"paths.outputs={outputs}",
+            f"hydra.run.dir={outputs / 'infer_streamed'}",
+        )
+    )
     plan = yaml.safe_load((outputs / "infer_streamed" / "plan.yaml").read_text())
-    assert (
-        plan["strategy"] == "sparse_lora" and plan["streaming"]
-    )  # generated through the layer-streaming engine
+    assert plan["strategy"] == "sparse_lora" and plan["streaming"]  # generated through the layer-streaming engine
     assert read_metrics(outputs / "infer_streamed")["infer/completion"] in proc.stdout
     config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
     assert config["layers_to_transform"] == [0, 7] and config["peft_type"] == "LORA"
@@ -145,8 +193,13 @@ def test_killed_run_resumes_to_the_same_result(outputs):
     ok(run_cli(*args, f"hydra.run.dir={outputs / 'whole'}"))
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     killed = outputs / "killed"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={killed}"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={killed}"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     meta = killed / "checkpoints" / "last.ckpt" / "meta.json"
     deadline, step = time.time() + 300, 0
     while time.time() < deadline and proc.poll() is None and not step:
@@ -167,15 +220,23 @@ def test_killed_run_resumes_to_the_same_result(outputs):
     assert resumed["resumed_from"].startswith(str(killed)) and resumed["steps"] == whole["steps"] == 40
     assert resumed["train/loss_final"] == pytest.approx(whole["train/loss_final"], rel=0.01)
     assert resumed["val/loss_final"] == pytest.approx(whole["val/loss_final"], rel=0.01)
-    assert (
-        resumed["train/loss_curve"][:step] == whole["train/loss_curve"][:step]
-    )  # history travels in the checkpoint
+    assert resumed["train/loss_curve"][:step] == whole["train/loss_curve"][:step]  # history travels in the checkpoint
 
 
 @pytest.mark.slow
 def test_multirun_sweep_over_strategies(outputs):
-    ok(run_cli("-m", *TINY, "strategy=full,lora,sparse_lora", "trainer.max_steps=3", "task.validate_before=false", "task.exact_match_samples=0",
-               f"paths.outputs={outputs}", f"hydra.sweep.dir={outputs / 'sweep'}"))  # fmt: skip
+    ok(
+        run_cli(
+            "-m",
+            *TINY,
+            "strategy=full,lora,sparse_lora",
+            "trainer.max_steps=3",
+            "task.validate_before=false",
+            "task.exact_match_samples=0",
+            f"paths.outputs={outputs}",
+            f"hydra.sweep.dir={outputs / 'sweep'}",
+        )
+    )
     jobs = sorted((outputs / "sweep").glob("*/metrics.json"))
     assert len(jobs) == 3
     assert sorted(json.loads(j.read_text())["strategy"] for j in jobs) == ["full", "lora", "sparse_lora"]
@@ -221,13 +282,20 @@ def test_bad_input_is_one_clear_line_and_keeps_earlier_runs(tmp_path, outputs):
 def test_the_default_run_prints_the_plan_a_progress_bar_and_the_result_and_no_warnings(outputs):
     """A newcomer's first run: nothing a user cannot act on (library deprecations, bitsandbytes' optional
     kernels, Lightning's tips and checkpoint advice), and no line printed twice."""
-    proc = ok(run_cli("trainer.max_steps=4", "trainer.val_check_interval=2", "data.builtin.train_size=64", "data.builtin.val_size=16",
-                      f"paths.outputs={outputs}", f"hydra.run.dir={outputs / 'default'}", python_warnings="default"))  # fmt: skip
+    proc = ok(
+        run_cli(
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=2",
+            "data.builtin.train_size=64",
+            "data.builtin.val_size=16",
+            f"paths.outputs={outputs}",
+            f"hydra.run.dir={outputs / 'default'}",
+            python_warnings="default",
+        )
+    )
     console = proc.stdout + proc.stderr
     assert "ONN plan: phi4_tiny" in console and "train ok:" in console
-    noisy = [
-        line for line in console.splitlines() if any(w in line.lower() for w in ("warn", "deprecat", "tip:"))
-    ]
+    noisy = [line for line in console.splitlines() if any(w in line.lower() for w in ("warn", "deprecat", "tip:"))]
     assert not noisy, noisy
     lines = [
         line.strip()

@@ -18,14 +18,26 @@ from conftest import ROOT, read_metrics, run_cli
 from onn.bench.grid import collect
 from onn.tasks.record import STALE_S, state
 
-TRAIN = ["model=llama_tiny", "data.builtin.train_size=400", "data.builtin.val_size=20", "tracking=none",
-         "task.validate_before=false", "task.exact_match_samples=0", "trainer.enable_progress_bar=false"]  # fmt: skip
+TRAIN = [
+    "model=llama_tiny",
+    "data.builtin.train_size=400",
+    "data.builtin.val_size=20",
+    "tracking=none",
+    "task.validate_before=false",
+    "task.exact_match_samples=0",
+    "trainer.enable_progress_bar=false",
+]
 
 
 def start(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "run.py"), *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for(check, proc: subprocess.Popen, timeout: float = 240):
@@ -42,9 +54,7 @@ def wait_for(check, proc: subprocess.Popen, timeout: float = 240):
 
 def checkpoint_step(run_dir: Path) -> int:
     try:
-        found = re.search(
-            r'"global_step", (\d+)', (run_dir / "checkpoints" / "last.ckpt" / "meta.json").read_text()
-        )
+        found = re.search(r'"global_step", (\d+)', (run_dir / "checkpoints" / "last.ckpt" / "meta.json").read_text())
     except OSError:  # not written yet, or being replaced
         return 0
     return int(found.group(1)) if found else 0
@@ -54,18 +64,11 @@ def test_a_dead_running_record_reads_as_crashed():
     now = time.time()
     me = {"status": "running", "pid": os.getpid(), "host": socket.gethostname(), "heartbeat": now}
     assert state(me, now) == "running"
-    assert (
-        state({**me, "heartbeat": now - STALE_S - 1}, now) == "crashed"
-    )  # alive pid, but no heartbeat: a reused pid
-    gone = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
-    )
+    assert state({**me, "heartbeat": now - STALE_S - 1}, now) == "crashed"  # alive pid, but no heartbeat: a reused pid
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     assert state({**me, "pid": int(gone.stdout)}, now) == "crashed"
     elsewhere = {**me, "host": "another-machine", "pid": 1}
-    assert (
-        state(elsewhere, now) == "running"
-        and state({**elsewhere, "heartbeat": now - STALE_S - 1}, now) == "crashed"
-    )
+    assert state(elsewhere, now) == "running" and state({**elsewhere, "heartbeat": now - STALE_S - 1}, now) == "crashed"
     assert state({"status": "ok"}) == "ok" and state({"error": "boom"}) == "failed"
 
 
@@ -88,9 +91,7 @@ def test_sigterm_ends_a_training_run_as_failed_with_its_step_and_a_whole_checkpo
     assert proc.wait(60) == 128 + signal.SIGTERM
     m = read_metrics(run_dir)
     assert (
-        m["status"] == "failed"
-        and m["signal"] == "SIGTERM"
-        and m["error"].startswith("stopped by SIGTERM after step")
+        m["status"] == "failed" and m["signal"] == "SIGTERM" and m["error"].startswith("stopped by SIGTERM after step")
     )
     saved = load(run_dir / "checkpoints" / "last.ckpt")  # whole: it loads
     assert 4 <= saved["global_step"] <= m["steps"] and "pid" not in m
@@ -111,9 +112,7 @@ def test_a_sigkilled_job_is_crashed_in_the_grid_and_runs_again_when_the_sweep_re
     assert proc.returncode == 0, proc.stderr[-2000:]
     kept = (sweep / "0" / "metrics.json").read_text()
     # job 1's folder now holds a training run that the OOM killer (here: SIGKILL) ends without a word
-    killed = start(
-        *TRAIN, "trainer.max_steps=100000", f"paths.outputs={outputs}", f"hydra.run.dir={sweep / '1'}"
-    )
+    killed = start(*TRAIN, "trainer.max_steps=100000", f"paths.outputs={outputs}", f"hydra.run.dir={sweep / '1'}")
     wait_for(
         lambda: (sweep / "1" / "metrics.json").is_file() and read_metrics(sweep / "1").get("task") == "train",
         killed,
@@ -122,11 +121,7 @@ def test_a_sigkilled_job_is_crashed_in_the_grid_and_runs_again_when_the_sweep_re
     killed.wait(30)
     assert read_metrics(sweep / "1")["status"] == "running"  # what a SIGKILL leaves
     rows = {r["job"]: r for r in collect(sweep)}
-    assert (
-        rows["0"]["status"] == "ok"
-        and rows["1"]["status"] == "crashed"
-        and "runs it again" in rows["1"]["error"]
-    )
+    assert rows["0"]["status"] == "ok" and rows["1"]["status"] == "crashed" and "runs it again" in rows["1"]["error"]
     proc = run_cli(*plan)  # the same command, into the same folder: resume
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (sweep / "0" / "metrics.json").read_text() == kept  # finished: not run again
@@ -141,9 +136,7 @@ def test_a_run_folder_that_is_a_file_is_one_sentence(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr + proc.stdout
     assert f"hydra.run.dir={blocker} is a file, so it cannot be a folder" in proc.stderr
     assert blocker.read_text() == "a file, not a folder\n"  # nothing it held is touched
-    proc = run_cli(
-        "-m", "task=plan", f"hydra.sweep.dir={blocker / 'sweep'}", f"paths.outputs={tmp_path / 'out'}"
-    )
+    proc = run_cli("-m", "task=plan", f"hydra.sweep.dir={blocker / 'sweep'}", f"paths.outputs={tmp_path / 'out'}")
     assert proc.returncode == 1 and f"is under {blocker}, which is a file" in proc.stderr
 
 
@@ -155,11 +148,7 @@ def test_a_cache_folder_under_a_file_is_one_sentence(tmp_path):
 
     blocker = tmp_path / "cachefile"
     blocker.write_text("x")
-    cfg = compose(
-        "task=plan", "model=llama_tiny", f"paths.cache={blocker}/cache", f"paths.outputs={tmp_path / 'out'}"
-    )
-    with pytest.raises(
-        UserError, match=r"paths.cache=.*cachefile/cache is under .*cachefile, which is a file"
-    ):
+    cfg = compose("task=plan", "model=llama_tiny", f"paths.cache={blocker}/cache", f"paths.outputs={tmp_path / 'out'}")
+    with pytest.raises(UserError, match=r"paths.cache=.*cachefile/cache is under .*cachefile, which is a file"):
         execute(cfg, tmp_path / "run")
     assert blocker.read_text() == "x"

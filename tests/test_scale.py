@@ -21,13 +21,28 @@ from onn.errors import UserError
 from onn.training.checkpoints import load, read_meta
 
 # 3 optimizer steps of 8 samples, 4 micro-batches of 2; no warmup, so every step moves the weights
-STEPS = ["model=llama_tiny", "data.builtin.train_size=64", "data.builtin.val_size=16", "tracking=none",
-         "task.exact_match_samples=0", "trainer.max_steps=3", "optim.warmup_steps=0", "strategy.micro_batch=2",
-         "data.batch_size=8", "trainer.enable_progress_bar=false"]  # fmt: skip
+STEPS = [
+    "model=llama_tiny",
+    "data.builtin.train_size=64",
+    "data.builtin.val_size=16",
+    "tracking=none",
+    "task.exact_match_samples=0",
+    "trainer.max_steps=3",
+    "optim.warmup_steps=0",
+    "strategy.micro_batch=2",
+    "data.batch_size=8",
+    "trainer.enable_progress_bar=false",
+]
 # SGD: AdamW's first update of a LoRA A matrix divides gradients near its eps (1e-8) by their own size,
 # which turns float-rounding differences of the summation order into 1e-3 relative differences
-STREAMED = ["strategy=sparse_lora", "strategy.layers=[0,-1]", "strategy.streaming.store=cpu",
-            "strategy.streaming.chunk_size=3", "optim.name=sgd", "optim.lr=0.5"]  # fmt: skip
+STREAMED = [
+    "strategy=sparse_lora",
+    "strategy.layers=[0,-1]",
+    "strategy.streaming.store=cpu",
+    "strategy.streaming.chunk_size=3",
+    "optim.name=sgd",
+    "optim.lr=0.5",
+]
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -42,8 +57,9 @@ def cache(tmp_path_factory) -> Path:
 
 
 def run(*args: str, outputs: Path, run_dir: Path, cache: Path) -> subprocess.CompletedProcess:
-    return run_cli(*STEPS, *args, f"paths.outputs={outputs}", f"paths.cache={cache}", f"hydra.run.dir={run_dir}",
-                   timeout=300)  # fmt: skip
+    return run_cli(
+        *STEPS, *args, f"paths.outputs={outputs}", f"paths.cache={cache}", f"hydra.run.dir={run_dir}", timeout=300
+    )
 
 
 def assert_same_run(one: Path, many: Path) -> None:
@@ -91,19 +107,27 @@ def test_a_killed_rank_ends_the_run_and_its_checkpoint_resumes(tmp_path: Path, c
     import psutil
 
     outputs, run_dir = tmp_path / "outputs", tmp_path / "outputs" / "killed"
-    args = [*STEPS, "strategy=ddp", "trainer.devices=2", "trainer.max_steps=500", "checkpoint.every_n_steps=2",
-            "strategy.timeout_s=30", f"paths.outputs={outputs}", f"paths.cache={cache}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    args = [
+        *STEPS,
+        "strategy=ddp",
+        "trainer.devices=2",
+        "trainer.max_steps=500",
+        "checkpoint.every_n_steps=2",
+        "strategy.timeout_s=30",
+        f"paths.outputs={outputs}",
+        f"paths.cache={cache}",
+        f"hydra.run.dir={run_dir}",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     log = tmp_path / "killed.log"
-    parent = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env, stdout=log.open("w"),
-                              stderr=subprocess.STDOUT)  # fmt: skip
+    parent = subprocess.Popen(
+        [sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT
+    )
     deadline = time.time() + 240
     while not (run_dir / "checkpoints" / "last.ckpt" / "meta.json").exists() and time.time() < deadline:
         assert parent.poll() is None, log.read_text()[-3000:]
         time.sleep(0.5)
-    ranks = [
-        p for p in psutil.Process(parent.pid).children() if "train_ddp_process_1" in " ".join(p.cmdline())
-    ]
+    ranks = [p for p in psutil.Process(parent.pid).children() if "train_ddp_process_1" in " ".join(p.cmdline())]
     assert ranks, log.read_text()[-3000:]
     ranks[0].send_signal(signal.SIGKILL)
     code = parent.wait(timeout=120)  # the other rank stops on strategy.timeout_s; a hang fails here
@@ -112,8 +136,17 @@ def test_a_killed_rank_ends_the_run_and_its_checkpoint_resumes(tmp_path: Path, c
     assert record["status"] == "failed" and "lost a peer process" in record["error"], record
     step = read_meta(run_dir / "checkpoints" / "last.ckpt")["global_step"]
     resumed = outputs / "resumed"
-    ok(run("strategy=ddp", "trainer.devices=2", f"ckpt={run_dir}", f"trainer.max_steps={step + 1}", outputs=outputs,
-           run_dir=resumed, cache=cache))  # fmt: skip
+    ok(
+        run(
+            "strategy=ddp",
+            "trainer.devices=2",
+            f"ckpt={run_dir}",
+            f"trainer.max_steps={step + 1}",
+            outputs=outputs,
+            run_dir=resumed,
+            cache=cache,
+        )
+    )
     assert read_metrics(resumed)["steps"] == step + 1
 
 
@@ -127,14 +160,33 @@ def free_port() -> int:
 def test_torchrun_two_nodes_equal_one(single: Path, tmp_path: Path, cache: Path):
     """Two torchrun "nodes" on localhost (c10d rendezvous), one process each, through run.py."""
     outputs, run_dir, port = tmp_path / "outputs", tmp_path / "outputs" / "tr", free_port()
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=onn-test"]  # fmt: skip
-    args = [str(ROOT / "run.py"), *STEPS, "strategy=ddp", "trainer.num_nodes=2", f"paths.outputs={outputs}",
-            f"paths.cache={cache}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=onn-test",
+    ]
+    args = [
+        str(ROOT / "run.py"),
+        *STEPS,
+        "strategy=ddp",
+        "trainer.num_nodes=2",
+        f"paths.outputs={outputs}",
+        f"paths.cache={cache}",
+        f"hydra.run.dir={run_dir}",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     logs = [tmp_path / f"node{r}.log" for r in (0, 1)]
-    nodes = [subprocess.Popen([*torchrun, f"--node-rank={r}", *args], cwd=ROOT, env=env, stdout=log.open("w"),
-                              stderr=subprocess.STDOUT) for r, log in enumerate(logs)]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            [*torchrun, f"--node-rank={r}", *args], cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT
+        )
+        for r, log in enumerate(logs)
+    ]
     codes = [n.wait(timeout=300) for n in nodes]
     assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
     assert_same_run(single, run_dir)
@@ -150,9 +202,7 @@ def test_streamed_lora_two_ranks_equal_one(tmp_path: Path, cache: Path):
     ok(run(*STREAMED, "trainer.devices=2", outputs=outputs, run_dir=outputs / "two", cache=cache))
     assert_same_run(outputs / "one", outputs / "two")
     adapters = load(outputs / "two" / "checkpoints" / "last.ckpt")["state_dict"]
-    assert any(
-        "lora_B" in k and float(v.abs().max()) > 0 for k, v in adapters.items()
-    )  # B starts at 0: it learned
+    assert any("lora_B" in k and float(v.abs().max()) > 0 for k, v in adapters.items())  # B starts at 0: it learned
     assert (outputs / "two" / "adapter" / "adapter_model.safetensors").exists()
 
 
@@ -160,12 +210,26 @@ def test_streamed_lora_two_ranks_equal_one(tmp_path: Path, cache: Path):
 def test_unreachable_rendezvous_fails_in_one_sentence(tmp_path: Path, monkeypatch, cache: Path):
     """Rank 1 of 2 whose rank 0 never comes: one sentence naming the address and port, after the timeout."""
     port = free_port()
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": "1", "NODE_RANK": "0",
-                       "WORLD_SIZE": "2"}.items():  # fmt: skip
+    for key, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "LOCAL_RANK": "1",
+        "NODE_RANK": "0",
+        "WORLD_SIZE": "2",
+    }.items():
         monkeypatch.setenv(key, value)  # what Lightning's launcher gives the process of rank 1
     # run_cli's timeout (120 s, not Lightning's default 30 minutes) turns a hang into a failure
-    proc = run_cli(*STEPS, "strategy=ddp", "trainer.devices=2", "strategy.timeout_s=3", f"paths.outputs={tmp_path}", f"paths.cache={cache}",
-                   f"hydra.run.dir={tmp_path / 'r1'}", "hydra.output_subdir=null", timeout=120)  # fmt: skip
+    proc = run_cli(
+        *STEPS,
+        "strategy=ddp",
+        "trainer.devices=2",
+        "strategy.timeout_s=3",
+        f"paths.outputs={tmp_path}",
+        f"paths.cache={cache}",
+        f"hydra.run.dir={tmp_path / 'r1'}",
+        "hydra.output_subdir=null",
+        timeout=120,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     said = proc.stdout + proc.stderr
     assert f"could not reach the rendezvous at 127.0.0.1:{port} within strategy.timeout_s=3" in said
@@ -287,9 +351,14 @@ def test_submitit_local_runs_two_jobs_at_a_time_and_the_grid_is_complete(tmp_pat
     (tmp_path / "app.py").write_text(textwrap.dedent(SWEEP_APP))
     sweep = tmp_path / "sweep"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "app.py", "-m", "hydra/launcher=submitit_local", "x=1,2,3,4",
-                           f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "app.py", "-m", "hydra/launcher=submitit_local", "x=1,2,3,4", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     jobs = [json.loads((sweep / str(i) / "metrics.json").read_text()) for i in range(4)]
     logs = [p.name for p in (sweep / ".submitit").glob("*_0_log.out")]  # JOBID_0_log.out, one per job
@@ -314,29 +383,26 @@ def scale_for(*overrides: str, tmp_path: Path) -> dict:
 
 @pytest.mark.slow
 def test_plan_for_phi4_on_1_8_and_16_a100(tmp_path: Path):
-    one, eight, sixteen = (scale_for("model=phi4", "hardware=a100_80gb", f"hardware.count={c}", f"trainer.num_nodes={n}",
-                                     tmp_path=tmp_path) for c, n in ((1, 1), (8, 1), (8, 2)))  # fmt: skip
+    one, eight, sixteen = (
+        scale_for(
+            "model=phi4", "hardware=a100_80gb", f"hardware.count={c}", f"trainer.num_nodes={n}", tmp_path=tmp_path
+        )
+        for c, n in ((1, 1), (8, 1), (8, 2))
+    )
     for plan in (one, eight, sixteen):
         assert set(plan["options"]) == {"ddp", "deepspeed_zero2", "fsdp", "deepspeed_zero3_offload"}
-        assert not plan["options"]["ddp"][
-            "fits"
-        ]  # 14.7B weights, gradients and Adam: about 16 bytes a weight
-    per_device = {
-        n: [p["options"][n]["per_device_mb"] for p in (one, eight, sixteen)] for n in one["options"]
-    }
+        assert not plan["options"]["ddp"]["fits"]  # 14.7B weights, gradients and Adam: about 16 bytes a weight
+    per_device = {n: [p["options"][n]["per_device_mb"] for p in (one, eight, sixteen)] for n in one["options"]}
     # sharded state falls with the devices holding it; DDP's does not
     assert per_device["fsdp"][0] > per_device["fsdp"][1] > per_device["fsdp"][2]
-    assert (
-        per_device["deepspeed_zero2"][0] > per_device["deepspeed_zero2"][1] > per_device["deepspeed_zero2"][2]
-    )
+    assert per_device["deepspeed_zero2"][0] > per_device["deepspeed_zero2"][1] > per_device["deepspeed_zero2"][2]
     assert per_device["ddp"][0] == per_device["ddp"][1] == per_device["ddp"][2]
     # one GPU: only offloading the weights and optimizer to host memory fits
     assert one["chosen"] == "deepspeed_zero3_offload" and one["reason"].startswith(
         "14.7B full fine-tune: ZeRO-3+offload over 1 x"
     )
     assert (
-        eight["chosen"] in ("deepspeed_zero2", "fsdp")
-        and "over 8 x NVIDIA A100-SXM4-80GB, 1 node" in eight["reason"]
+        eight["chosen"] in ("deepspeed_zero2", "fsdp") and "over 8 x NVIDIA A100-SXM4-80GB, 1 node" in eight["reason"]
     )
     # between nodes the gradients cross a slower link: the same bytes take longer
     assert sixteen["links"]["all_reduce_s"] > eight["links"]["all_reduce_s"] > 0
@@ -346,20 +412,23 @@ def test_plan_for_phi4_on_1_8_and_16_a100(tmp_path: Path):
 def test_a_model_that_fits_ddp_gets_ddp_and_the_cpu_refuses_sharding(tmp_path: Path):
     gpus = scale_for("model=llama_tiny", "hardware=a100_80gb", "hardware.count=2", tmp_path=tmp_path)
     assert gpus["chosen"] == "ddp" and gpus["options"]["ddp"]["fits"]
-    cpu = scale_for(
-        "model=llama_tiny", "hardware=cpu_16gb", "strategy=ddp", "trainer.num_nodes=2", tmp_path=tmp_path
-    )
+    cpu = scale_for("model=llama_tiny", "hardware=cpu_16gb", "strategy=ddp", "trainer.num_nodes=2", tmp_path=tmp_path)
     assert cpu["chosen"] == "ddp"
     assert all(cpu["options"][n]["refused"] for n in ("deepspeed_zero2", "fsdp", "deepspeed_zero3_offload"))
-    assert cpu["links"]["missing"] == [
-        "hardware.network_gb_s"
-    ]  # the preset names no network: said, not guessed
+    assert cpu["links"]["missing"] == ["hardware.network_gb_s"]  # the preset names no network: said, not guessed
 
 
 @pytest.mark.slow
 def test_plan_table_is_printed(tmp_path: Path):
-    proc = run_cli("task=plan", "model=phi4", "hardware=a100_80gb", "hardware.count=8", "trainer.num_nodes=2",
-                   f"paths.outputs={tmp_path}", f"hydra.run.dir={tmp_path / 'plan'}")  # fmt: skip
+    proc = run_cli(
+        "task=plan",
+        "model=phi4",
+        "hardware=a100_80gb",
+        "hardware.count=8",
+        "trainer.num_nodes=2",
+        f"paths.outputs={tmp_path}",
+        f"hydra.run.dir={tmp_path / 'plan'}",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "full fine-tune over 8 device(s) x 2 node(s)" in proc.stdout and "ZeRO-3+offload" in proc.stdout
     assert "14.7B full fine-tune:" in proc.stdout and "over 8 x NVIDIA A100-SXM4-80GB, 2 nodes" in proc.stdout

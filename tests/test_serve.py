@@ -23,9 +23,7 @@ from conftest import ROOT, compose, read_metrics
 KEY = "test-key"
 MODEL = "llama_tiny"
 CHROMIUM = Path("/usr/bin/chromium")
-SCREENSHOT_COPY = Path(
-    "/work/wt/serve-screenshot.png"
-)  # where the lead looks at it; written when that folder exists
+SCREENSHOT_COPY = Path("/work/wt/serve-screenshot.png")  # where the lead looks at it; written when that folder exists
 
 
 def serve_job(tmp: Path, *overrides: str, ckpt: Path | None = None):
@@ -34,8 +32,14 @@ def serve_job(tmp: Path, *overrides: str, ckpt: Path | None = None):
     from onn.hardware.profile import resolve
     from onn.modalities import Job, get
 
-    config = compose("task=serve", "hardware=cpu_16gb", "tracking=none", f"paths.outputs={tmp / 'outputs'}",
-                     f"paths.cache={tmp / 'cache'}", *overrides)  # fmt: skip
+    config = compose(
+        "task=serve",
+        "hardware=cpu_16gb",
+        "tracking=none",
+        f"paths.outputs={tmp / 'outputs'}",
+        f"paths.cache={tmp / 'cache'}",
+        *overrides,
+    )
     if ckpt is not None:
         config.ckpt = str(ckpt)
         ckpt, _ = from_checkpoint(config, set())
@@ -56,22 +60,34 @@ def start(job):
 def lm(tmp_path_factory):
     """A random-init tiny Llama (byte tokenizer), resident, with a key."""
     tmp = tmp_path_factory.mktemp("serve")
-    with start(serve_job(tmp, f"model={MODEL}", "strategy=full", f"serve.api_key={KEY}", "serve.slots=4",
-                         "serve.max_tokens=64", "serve.max_prompt_tokens=256")) as running:  # fmt: skip
+    with start(
+        serve_job(
+            tmp,
+            f"model={MODEL}",
+            "strategy=full",
+            f"serve.api_key={KEY}",
+            "serve.slots=4",
+            "serve.max_tokens=64",
+            "serve.max_prompt_tokens=256",
+        )
+    ) as running:
         yield running
 
 
 def client(running, key: str | None = KEY):
     import httpx2
 
-    return httpx2.Client(
-        base_url=running.url, timeout=120, headers={"Authorization": f"Bearer {key}"} if key else {}
-    )
+    return httpx2.Client(base_url=running.url, timeout=120, headers={"Authorization": f"Bearer {key}"} if key else {})
 
 
 def chat(http, content: str, max_tokens: int = 12, **extra) -> dict:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, **extra}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
     response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     return response.json()
@@ -88,8 +104,16 @@ def test_the_openai_client_gets_plain_and_streamed_chat_completions(lm):
     assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
     assert plain.usage.completion_tokens <= 10 and plain.usage.prompt_tokens > 0
     assert plain.usage.total_tokens == plain.usage.prompt_tokens + plain.usage.completion_tokens
-    chunks = list(api.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True,
-                                              stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        api.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == choice.message.content  # greedy: the same text, whether streamed or not
@@ -100,8 +124,14 @@ def test_the_openai_client_gets_plain_and_streamed_chat_completions(lm):
 
 
 def test_the_raw_stream_is_server_sent_events_ending_in_done(lm):
-    with client(lm) as http, http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 5,
-                                                                          "temperature": 0, "stream": True}) as response:  # fmt: skip
+    with (
+        client(lm) as http,
+        http.stream(
+            "POST",
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "ab", "max_tokens": 5, "temperature": 0, "stream": True},
+        ) as response,
+    ):
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [line for line in response.iter_lines() if line]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
@@ -133,22 +163,31 @@ def test_max_tokens_stop_seed_and_limits(lm):
             for _ in range(2)
         ]
         assert sampled[0] == sampled[1]  # the same seed, the same sample
-        for body, status in (({"max_tokens": 65}, 400), ({"messages": [{"role": "user", "content": "x" * 300}]}, 400),
-                             ({"model": "gpt-4"}, 404), ({"temperature": 3}, 400), ({"stop": ["a"] * 5}, 400)):  # fmt: skip
+        for body, status in (
+            ({"max_tokens": 65}, 400),
+            ({"messages": [{"role": "user", "content": "x" * 300}]}, 400),
+            ({"model": "gpt-4"}, 404),
+            ({"temperature": 3}, 400),
+            ({"stop": ["a"] * 5}, 400),
+        ):
             response = http.post(
                 "/v1/chat/completions",
                 json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body},
             )
             assert response.status_code == status, (body, response.text)
-        too_big = http.post("/v1/chat/completions", content=b"{" + b" " * (2**20 + 10) + b"}",
-                            headers={"Content-Type": "application/json"})  # fmt: skip
+        too_big = http.post(
+            "/v1/chat/completions",
+            content=b"{" + b" " * (2**20 + 10) + b"}",
+            headers={"Content-Type": "application/json"},
+        )
         assert too_big.status_code == 413
 
 
 INVALID = {  # per field of a chat request, values OpenAI's API refuses (strict types: "5" is no number, true no int)
     "model": [None, 5, [], {}, True, "gpt-4o", "", "llama_tiny ", "../../etc/passwd", "x" * 5000],
     "messages": [None, [], "hi", 5, {}, [None], [[]], [{"content": "hi"}], [{"role": "wizard", "content": "hi"}],
-                 [{"role": "user", "content": 5}], [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]],
+                 [{"role": "user", "content": 5}],
+                 [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]],
     "max_tokens": [0, -1, 2**70, 1e308, "5", True, 3.5, 65, [], {}],
     "max_completion_tokens": [0, -3, "7", 1e9, 10**6],
     "temperature": [-1, 2.5, 1e308, "0", True, [], -1e308],
@@ -159,9 +198,23 @@ INVALID = {  # per field of a chat request, values OpenAI's API refuses (strict 
     "stream": ["yes", 1, 0, [], None],
     "stream_options": ["x", 5, [], True],
 }  # fmt: skip
-RAW = [b"", b"{", b"}", b"null", b"[]", b"42", b'"text"', b"\xff\xfe\x00", b'{"model": NaN}', b'{"model": Infinity}',
-       b"[" * 5000 + b"]" * 5000, b'{"a":' * 3000 + b"1" + b"}" * 3000, b'{"model": "llama_tiny", "messages": "hi"}',
-       b'{"model": "llama_tiny", "prompt": 5}', b'{"model": "llama_tiny", "prompt": ["a", "b"]}']  # fmt: skip
+RAW = [
+    b"",
+    b"{",
+    b"}",
+    b"null",
+    b"[]",
+    b"42",
+    b'"text"',
+    b"\xff\xfe\x00",
+    b'{"model": NaN}',
+    b'{"model": Infinity}',
+    b"[" * 5000 + b"]" * 5000,
+    b'{"a":' * 3000 + b"1" + b"}" * 3000,
+    b'{"model": "llama_tiny", "messages": "hi"}',
+    b'{"model": "llama_tiny", "prompt": 5}',
+    b'{"model": "llama_tiny", "prompt": ["a", "b"]}',
+]
 
 
 def malformed_requests(count: int) -> list[tuple[str, str, dict | None, bytes | None]]:
@@ -173,21 +226,15 @@ def malformed_requests(count: int) -> list[tuple[str, str, dict | None, bytes | 
     for i in range(count):
         kind = i % 4
         if kind == 0:
-            out.append(
-                ("POST", rng.choice(["/v1/chat/completions", "/v1/completions"]), None, rng.choice(RAW))
-            )
+            out.append(("POST", rng.choice(["/v1/chat/completions", "/v1/completions"]), None, rng.choice(RAW)))
         elif kind == 1:
             field = rng.choice(sorted(INVALID))
             out.append(("POST", "/v1/chat/completions", {**good, field: rng.choice(INVALID[field])}, None))
         elif kind == 2:
-            path = rng.choice(
-                ["/v1/nothing", "/v2/chat/completions", "/v1/models/gpt-4", "/etc/passwd", "/v1/chat"]
-            )
+            path = rng.choice(["/v1/nothing", "/v2/chat/completions", "/v1/models/gpt-4", "/etc/passwd", "/v1/chat"])
             out.append((rng.choice(["GET", "POST", "DELETE"]), path, None, b"{}"))
         else:
-            out.append(
-                ("POST", "/v1/classify", None, rng.choice([b"", b"--x\r\n", b"not multipart", b"\x00" * 100]))
-            )
+            out.append(("POST", "/v1/classify", None, rng.choice([b"", b"--x\r\n", b"not multipart", b"\x00" * 100])))
     return out
 
 
@@ -197,12 +244,13 @@ def test_a_fuzz_of_malformed_requests_gets_4xx_and_the_server_stays_up(lm):
     with client(lm) as http:
         for method, path, body, raw in requests:
             headers = {
-                "Content-Type": "multipart/form-data; boundary=x"
-                if path == "/v1/classify"
-                else "application/json"
+                "Content-Type": "multipart/form-data; boundary=x" if path == "/v1/classify" else "application/json"
             }
-            response = http.request(method, path, json=body, headers=headers) if raw is None else \
-                http.request(method, path, content=raw, headers=headers)  # fmt: skip
+            response = (
+                http.request(method, path, json=body, headers=headers)
+                if raw is None
+                else http.request(method, path, content=raw, headers=headers)
+            )
             statuses.append(response.status_code)
             assert 400 <= response.status_code < 500, (
                 method,
@@ -238,8 +286,14 @@ def test_concurrent_greedy_requests_give_what_each_gives_alone(lm):
 
 
 def test_a_layer_streamed_model_batches_through_the_engine(tmp_path):
-    job = serve_job(tmp_path, f"model={MODEL}", "strategy=sparse_lora", "strategy.streaming.store=disk",
-                    "strategy.streaming.chunk_size=2", f"serve.api_key={KEY}")  # fmt: skip
+    job = serve_job(
+        tmp_path,
+        f"model={MODEL}",
+        "strategy=sparse_lora",
+        "strategy.streaming.store=disk",
+        "strategy.streaming.chunk_size=2",
+        f"serve.api_key={KEY}",
+    )
     with start(job) as running:
         engine = running.app.state.scheduler.lm.engine
         assert engine is not None and engine.store.kind == "disk"
@@ -250,8 +304,11 @@ def test_a_layer_streamed_model_batches_through_the_engine(tmp_path):
 def test_a_client_that_goes_away_frees_its_slot(lm):
     scheduler = lm.app.state.scheduler
     with client(lm) as http:
-        with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "long", "max_tokens": 64,
-                                                          "temperature": 0, "stream": True}) as response:  # fmt: skip
+        with http.stream(
+            "POST",
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "long", "max_tokens": 64, "temperature": 0, "stream": True},
+        ) as response:
             next(response.iter_lines())  # the first event arrived: the sequence decodes
         deadline = time.monotonic() + 30
         while scheduler.active and time.monotonic() < deadline:
@@ -277,9 +334,7 @@ def classifier(tmp_path_factory):
         "hardware=cpu_16gb",
     )  # learns the stripes: test accuracy 1.0
     torch.set_num_threads(threads)  # a preset machine's plan may set its own
-    with start(
-        serve_job(tmp, "model=v28_cnn", "data=image", f"data.source={images}", ckpt=run_dir)
-    ) as running:
+    with start(serve_job(tmp, "model=v28_cnn", "data=image", f"data.source={images}", ckpt=run_dir)) as running:
         running.images = images
         yield running
 
@@ -287,8 +342,11 @@ def classifier(tmp_path_factory):
 def test_classify_an_upload(classifier):
     picture = classifier.images / "test" / "class1" / "000.png"
     with client(classifier, key=None) as http:
-        response = http.post("/v1/classify", files={"file": ("x.png", picture.read_bytes(), "image/png")},
-                             data={"top_k": "2", "picture": "true"})  # fmt: skip
+        response = http.post(
+            "/v1/classify",
+            files={"file": ("x.png", picture.read_bytes(), "image/png")},
+            data={"top_k": "2", "picture": "true"},
+        )
         assert response.status_code == 200, response.text
         result = response.json()
         assert len(result["labels"]) == 2 and {r["label"] for r in result["labels"]} <= {
@@ -317,10 +375,24 @@ def test_the_cli_serves_until_ctrl_c_and_records_the_run(tmp_path):
 
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "ONN_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "task=serve", f"model={MODEL}", "strategy=full",
-                             f"serve.port={port}", f"paths.outputs={tmp_path}", "hardware=cpu_16gb",
-                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            "task=serve",
+            f"model={MODEL}",
+            "strategy=full",
+            f"serve.port={port}",
+            f"paths.outputs={tmp_path}",
+            "hardware=cpu_16gb",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -334,11 +406,13 @@ def test_the_cli_serves_until_ctrl_c_and_records_the_run(tmp_path):
             )
             time.sleep(0.3)
         headers = {"Authorization": f"Bearer {KEY}"}
-        assert (
-            httpx2.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 401
-        )  # ONN_API_KEY is the key
-        response = httpx2.post(f"http://127.0.0.1:{port}/v1/completions", headers=headers, timeout=60,
-                               json={"model": MODEL, "prompt": "hi", "max_tokens": 3})  # fmt: skip
+        assert httpx2.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 401  # ONN_API_KEY is the key
+        response = httpx2.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            headers=headers,
+            timeout=60,
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 3},
+        )
         assert response.status_code == 200
     finally:
         proc.send_signal(signal.SIGINT)
@@ -360,9 +434,7 @@ def test_serve_settings_are_checked_first():
     for key, value in (("port", 70000), ("slots", 0), ("max_tokens", "many"), ("api_key", "")):
         with pytest.raises(UserError, match=f"serve.{key}"):
             check(replace(config, serve=replace(config.serve, **{key: value})))  # past Hydra's type checks
-    with pytest.raises(
-        Exception, match="serve.max_tokens"
-    ):  # a wrong type on the command line: Hydra's message
+    with pytest.raises(Exception, match="serve.max_tokens"):  # a wrong type on the command line: Hydra's message
         compose("task=serve", "serve.max_tokens=many")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -376,8 +448,11 @@ def test_the_web_page_chats_and_classifies_in_a_real_browser(lm, classifier, tmp
         pytest.skip("no chromium: apt-get install -y chromium")
     playwright = pytest.importorskip("playwright.sync_api")
     with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
-                                    args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])  # fmt: skip
+        browser = p.chromium.launch(
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
+        )
         try:
             page = browser.new_page(viewport={"width": 1000, "height": 700})
             page.goto(lm.url)
@@ -425,10 +500,21 @@ def _side_by_side(left: Path, right: Path, out: Path) -> None:
 def test_bench_serve_reports_the_speedup_latencies_and_no_errors(tmp_path):
     from onn.app import execute
 
-    config = compose("task=bench_serve", f"model={MODEL}", "strategy=sparse_lora", "strategy.streaming.store=disk",
-                     "tracking=none", f"paths.outputs={tmp_path / 'outputs'}", f"paths.cache={tmp_path / 'cache'}",
-                     "task.requests=4", "task.max_tokens=6", "task.clients=8", "task.requests_per_client=2",
-                     "task.load_max_tokens=4", "hardware=cpu_16gb")  # fmt: skip
+    config = compose(
+        "task=bench_serve",
+        f"model={MODEL}",
+        "strategy=sparse_lora",
+        "strategy.streaming.store=disk",
+        "tracking=none",
+        f"paths.outputs={tmp_path / 'outputs'}",
+        f"paths.cache={tmp_path / 'cache'}",
+        "task.requests=4",
+        "task.max_tokens=6",
+        "task.clients=8",
+        "task.requests_per_client=2",
+        "task.load_max_tokens=4",
+        "hardware=cpu_16gb",
+    )
     threads = torch.get_num_threads()
     try:
         metrics = execute(config, tmp_path / "run")

@@ -20,9 +20,7 @@ def mb_blocks(*specs: tuple[float, float]) -> list[Block]:
     return [Block(f"model.layers.{i}", int(w * MB), int(a * MB)) for i, (w, a) in enumerate(specs)]
 
 
-def memory(
-    blocks: list[Block], start: int, end: int, headroom_mb: float, batch_size: int
-) -> tuple[int, float]:
+def memory(blocks: list[Block], start: int, end: int, headroom_mb: float, batch_size: int) -> tuple[int, float]:
     """(weight bytes, total bytes) of [start, end), computed directly from the blocks."""
     weight = sum(b.weight_bytes for b in blocks[start:end])
     activation = max(b.activation_bytes for b in blocks[start:end]) * batch_size
@@ -223,9 +221,7 @@ def test_node_plans_match_brute_force() -> None:
         nodes = [round(need * rng.uniform(0.9, 2.0) * x / sum(shares), 1) for x in shares]
 
         def utils(ranges, blocks=blocks, headroom=headroom, batch=batch, nodes=nodes):
-            return [
-                memory(blocks, s, e, headroom, batch)[1] / (mem * MB) for (s, e), mem in zip(ranges, nodes)
-            ]
+            return [memory(blocks, s, e, headroom, batch)[1] / (mem * MB) for (s, e), mem in zip(ranges, nodes)]
 
         fitting = [max(utils(r)) for r in partitions(n, m) if max(utils(r)) <= 1]
         if not fitting:

@@ -13,11 +13,29 @@ from onn.streaming.engine import StreamingEngine, target_tokens, token_weights
 from onn.streaming.store import LayerStore, stored_name
 
 ARCH = {
-    "llama": dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                  pad_token_id=0, bos_token_id=1, eos_token_id=2),
-    "phi3": dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=1,
-                 pad_token_id=0, bos_token_id=1, eos_token_id=2),
-}  # fmt: skip
+    "llama": dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "phi3": dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+}
 LAYER_SETS = {"first4+last4": [0, 1, 2, 3, -4, -3, -2, -1], "last4": [-4, -3, -2, -1], "all": None}
 
 
@@ -26,9 +44,7 @@ def lora_model(model_type: str, layers, **sizes):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model(model_type, **{**ARCH[model_type], **sizes})
-    )
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**ARCH[model_type], **sizes}))
     idx = None if layers is None else sorted({i % 8 for i in layers})
     targets = (
         ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
@@ -60,13 +76,9 @@ def micro_batches(m=3, b=2, t=10, seed=1):
     return out
 
 
-def engine_for(
-    model, chunk_size, kind="cpu", prefetch=True, folder=None, stream_edges=False, dtype="float32"
-):
+def engine_for(model, chunk_size, kind="cpu", prefetch=True, folder=None, stream_edges=False, dtype="float32"):
     store = LayerStore(kind, dtype, folder=folder)
-    engine = StreamingEngine(
-        model, discover(model), store, chunk_size, prefetch=prefetch, stream_edges=stream_edges
-    )
+    engine = StreamingEngine(model, discover(model), store, chunk_size, prefetch=prefetch, stream_edges=stream_edges)
     engine.offload()
     return engine
 
@@ -158,15 +170,29 @@ def test_fp16_loss_scaling_through_lightning():
     model = lora_model("llama", LAYER_SETS["all"])
     optim = compose("optim.lr=1e-3", "optim.schedule=constant", "optim.warmup_steps=0").optim
     module = CausalLM(model, optim, max_steps=2, onn_config={}, micro_batch=2)
-    settings = EngineSettings(chunk_size=2, store="cpu", store_dtype="float32", edges="resident", activations="device",
-                              prefetch=True, cache_blocks=0, eval_tokens=10_000)  # fmt: skip
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        strategy=LayerStreamingStrategy(settings, "/nonexistent", 2), enable_model_summary=False,
-                        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])  # fmt: skip
-    trainer.fit(
-        module, train_dataloaders=torch.utils.data.DataLoader(micro_batches(m=2, b=4), batch_size=None)
+    settings = EngineSettings(
+        chunk_size=2,
+        store="cpu",
+        store_dtype="float32",
+        edges="resident",
+        activations="device",
+        prefetch=True,
+        cache_blocks=0,
+        eval_tokens=10_000,
     )
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    trainer = L.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        strategy=LayerStreamingStrategy(settings, "/nonexistent", 2),
+        enable_model_summary=False,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+    )
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(micro_batches(m=2, b=4), batch_size=None))
     assert trainer.global_step == 2 and all(math.isfinite(x) for x in module.train_losses)
     assert scaler._scale is not None
 
@@ -208,14 +234,19 @@ def test_greedy_generation_matches_resident_generate(model_type):
     streamed = copy.deepcopy(resident)
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-    want = resident.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
-                             eos_token_id=None, min_new_tokens=8)[:, ids.shape[1] :]  # fmt: skip
+    want = resident.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        min_new_tokens=8,
+    )[:, ids.shape[1] :]
     engine = engine_for(streamed, 3)
     got = engine.generate(ids, mask, max_new_tokens=8)
     assert torch.equal(got, want)
-    assert engine.times.loads == 8 * len(
-        engine.chunks
-    )  # each chunk loaded once per token, for the whole batch
+    assert engine.times.loads == 8 * len(engine.chunks)  # each chunk loaded once per token, for the whole batch
 
 
 def test_streamed_edges_match_resident_and_never_sit_beside_a_chunk():
@@ -238,8 +269,15 @@ def test_streamed_edges_match_resident_and_never_sit_beside_a_chunk():
     assert set(sizes) == {0} and head.numel() == 0  # the head was never resident with a chunk
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
     mask = (ids != 0).long()
-    want_ids = resident.eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
-                                        pad_token_id=0, eos_token_id=None, min_new_tokens=5)[:, 6:]  # fmt: skip
+    want_ids = resident.eval().generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=5,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        min_new_tokens=5,
+    )[:, 6:]
     assert torch.equal(engine.generate(ids, mask, max_new_tokens=5), want_ids)
 
 
@@ -425,9 +463,7 @@ def test_int8_codes_decode_tokens_as_the_dequantized_model_does(tmp_path, monkey
     chunks again (its gradients need the weights)."""
     from onn.streaming.schedule import CODES_MAX_ROWS
 
-    resident = lora_model(
-        "llama", LAYER_SETS["last4"], hidden_size=64, intermediate_size=128
-    ).eval()  # weights of
+    resident = lora_model("llama", LAYER_SETS["last4"], hidden_size=64, intermediate_size=128).eval()  # weights of
     streamed = copy.deepcopy(resident)  # 4,096 values and more are quantized; smaller ones stay float
     store = LayerStore("disk", "int8", folder=tmp_path / "store")
     engine = StreamingEngine(streamed, discover(streamed), store, 2, compute_dtype=torch.bfloat16)
@@ -478,19 +514,27 @@ def test_every_pass_from_int8_codes_matches_the_dequantized_model(monkeypatch):
     monkeypatch.setattr(quantized, "CAST_TILE_VALUES", 40 * 64)  # 64-row tiles: weights of 128 rows take two
     resident = lora_model("llama", LAYER_SETS["first4+last4"], hidden_size=64, intermediate_size=128)
     streamed = copy.deepcopy(resident)
-    engine = StreamingEngine(streamed, discover(streamed), LayerStore("cpu", "int8"), 2, stream_edges=True,
-                             suffix_rows=1)  # the loss one row at a time, as a large vocabulary needs  # fmt: skip
+    engine = StreamingEngine(
+        streamed, discover(streamed), LayerStore("cpu", "int8"), 2, stream_edges=True, suffix_rows=1
+    )  # the loss one row at a time, as a large vocabulary needs
     engine.offload()
-    decoded = {**{f"{discover(resident).block_paths[i]}.{n}": t for i in range(len(engine.map))
-                  for n, t in store_decoded(engine, i).items()},
-               **store_decoded(engine, "edges")}  # fmt: skip
+    decoded = {
+        **{
+            f"{discover(resident).block_paths[i]}.{n}": t
+            for i in range(len(engine.map))
+            for n, t in store_decoded(engine, i).items()
+        },
+        **store_decoded(engine, "edges"),
+    }
     for name, param in resident.named_parameters():
         if stored_name(name) in decoded:
             param.data = decoded[stored_name(name)]
     kinds = []
     original = engine._run_chunk
-    engine._run_chunk = lambda c, *a: (kinds.append({p.dtype for p in engine.resident_weights() if p.numel() >= 4096}),
-                                       original(c, *a))[1]  # fmt: skip
+    engine._run_chunk = lambda c, *a: (
+        kinds.append({p.dtype for p in engine.resident_weights() if p.numel() >= 4096}),
+        original(c, *a),
+    )[1]
     mbs = micro_batches()
     losses = [resident(**mb).loss for mb in mbs]
     (sum(losses) / len(mbs)).backward()
@@ -506,6 +550,13 @@ def test_every_pass_from_int8_codes_matches_the_dequantized_model(monkeypatch):
     assert math.isclose(total, want_total, rel_tol=1e-4)
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
     mask = (ids != 0).long()
-    want_ids = resident.eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
-                                        pad_token_id=0, eos_token_id=None, min_new_tokens=5)[:, 6:]  # fmt: skip
+    want_ids = resident.eval().generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=5,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        min_new_tokens=5,
+    )[:, 6:]
     assert torch.equal(engine.generate(ids, mask, max_new_tokens=5), want_ids)

@@ -17,14 +17,24 @@ from onn.config import as_dict
 from onn.config.data import TextData
 from onn.errors import UserError
 
-STREAM = ["model=llama_tiny", "data=text", "data.streaming=true", "tracking=none", "task.exact_match_samples=0",
-          "task.validate_before=false", "data.max_length=64"]  # fmt: skip
+STREAM = [
+    "model=llama_tiny",
+    "data=text",
+    "data.streaming=true",
+    "tracking=none",
+    "task.exact_match_samples=0",
+    "task.validate_before=false",
+    "data.max_length=64",
+]
 
 
 def write_jsonl(path, rows: int, filler: str = "") -> None:
     with open(path, "w") as f:
         for i in range(rows):
-            f.write(json.dumps({"question": f"record {i}: {filler}what is {i % 7}+{i % 5}?", "answer": str(i % 7 + i % 5)}) + "\n")  # fmt: skip
+            f.write(
+                json.dumps({"question": f"record {i}: {filler}what is {i % 7}+{i % 5}?", "answer": str(i % 7 + i % 5)})
+                + "\n"
+            )
 
 
 def data_cfg(source, **over) -> TextData:
@@ -46,8 +56,10 @@ def texts_of(batch) -> list[str]:
     from onn.models.tokenizer import byte_tokenizer
 
     tok = byte_tokenizer()
-    return [tok.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
-            for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]  # fmt: skip
+    return [
+        tok.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+        for ids, mask in zip(batch["input_ids"], batch["attention_mask"])
+    ]
 
 
 def ids_of(loader) -> list[int]:
@@ -76,7 +88,8 @@ with PeakMemory("cpu", interval_s=0.005) as peak:
     dm.setup()  # counts the records, holds the validation split
     for batch in dm.train_dataloader():
         seen += batch["input_ids"].shape[0]
-print(json.dumps({"growth_mb": peak.peak_mb - base, "seen": seen, "rows": dm.train_records, "streamed": dm.stream is not None}))
+print(json.dumps({"growth_mb": peak.peak_mb - base, "seen": seen, "rows": dm.train_records,
+                  "streamed": dm.stream is not None}))
 """
 
 
@@ -89,12 +102,16 @@ def test_a_file_4x_the_budget_streams_a_whole_epoch_within_it(tmp_path):
     budget = 4
     write_jsonl(source, 28500, filler="lorem ipsum dolor sit amet " * 20)
     assert source.stat().st_size >= 4 * budget * 2**20
-    cfg = data_cfg(
-        source, streaming="auto", resident_max_mb=budget, shuffle_buffer=256, max_length=128, val_split=0.01
-    )
+    cfg = data_cfg(source, streaming="auto", resident_max_mb=budget, shuffle_buffer=256, max_length=128, val_split=0.01)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(as_dict(cfg))], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", MEASURE, json.dumps(as_dict(cfg))],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert found["streamed"] and found["seen"] == found["rows"] == 28500 - 285  # the first 1% is held out
@@ -111,8 +128,7 @@ def test_resume_from_loader_state_continues_on_the_same_sample(tmp_path):
     whole_loader = module(cfg).train_dataloader()
     whole = ids_of(whole_loader) + ids_of(whole_loader)
     assert (
-        sorted(whole[: len(whole) // 2]) == sorted(set(whole))
-        and whole[: len(whole) // 2] != whole[len(whole) // 2 :]
+        sorted(whole[: len(whole) // 2]) == sorted(set(whole)) and whole[: len(whole) // 2] != whole[len(whole) // 2 :]
     )
     loader = module(cfg).train_dataloader()
     first, it = [], iter(loader)
@@ -120,8 +136,10 @@ def test_resume_from_loader_state_continues_on_the_same_sample(tmp_path):
 
     for _ in range(13):
         batch = next(it)
-        first += [int(re.search(r"record (\d+)", byte_tokenizer().decode(i[m.bool()].tolist())).group(1))
-                  for i, m in zip(batch["input_ids"], batch["attention_mask"])]  # fmt: skip
+        first += [
+            int(re.search(r"record (\d+)", byte_tokenizer().decode(i[m.bool()].tolist())).group(1))
+            for i, m in zip(batch["input_ids"], batch["attention_mask"])
+        ]
     state = json.loads(json.dumps(loader.state_dict()))
     resumed = module(cfg).train_dataloader()
     resumed.load_state_dict(state)
@@ -141,8 +159,16 @@ def test_kill_9_mid_epoch_resumes_on_the_exact_sample(tmp_path, outputs):
     source = tmp_path / "d.jsonl"
     write_jsonl(source, 90)
     steps, epoch = 30, 11  # 86 training records (4 held out) in batches of 8: the run spans 3 epochs
-    args = [*STREAM, f"data.source={source}", "data.shuffle_buffer=16", "data.batch_size=8", f"trainer.max_steps={steps}",
-            "checkpoint.every_n_steps=1", "trainer.val_check_interval=1000", f"paths.outputs={outputs}"]  # fmt: skip
+    args = [
+        *STREAM,
+        f"data.source={source}",
+        "data.shuffle_buffer=16",
+        "data.batch_size=8",
+        f"trainer.max_steps={steps}",
+        "checkpoint.every_n_steps=1",
+        "trainer.val_check_interval=1000",
+        f"paths.outputs={outputs}",
+    ]
     # the uninterrupted run's samples, step by step: the same loader, in-process, epoch after epoch
     cfg, whole = data_cfg(source, shuffle_buffer=16, batch_size=8, max_length=64), []
     loader = module(cfg).train_dataloader()
@@ -151,8 +177,13 @@ def test_kill_9_mid_epoch_resumes_on_the_exact_sample(tmp_path, outputs):
     whole = list(enumerate(whole[:steps]))
     killed, trace = outputs / "killed", tmp_path / "killed.jsonl"
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args, f"data.trace={trace}", f"hydra.run.dir={killed}"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "run.py"), *args, f"data.trace={trace}", f"hydra.run.dir={killed}"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     meta = killed / "checkpoints" / "last.ckpt" / "meta.json"
     deadline, step = time.time() + 300, 0
     while time.time() < deadline and proc.poll() is None and step < epoch + 3:  # into the second epoch
@@ -182,8 +213,11 @@ def test_auto_streams_over_the_budget(tmp_path):
     from onn.modalities.text.streaming import streaming_choice
 
     over, reason = streaming_choice(data_cfg(source, streaming="auto", resident_max_mb=1))
-    assert over is True and re.fullmatch(r"data: streamed from d\.jsonl: about \d+ MB decoded \(3,000 records\) is over "
-                                         r"data\.resident_max_mb=1 \(data\.streaming=auto\)", reason)  # fmt: skip
+    assert over is True and re.fullmatch(
+        r"data: streamed from d\.jsonl: about \d+ MB decoded \(3,000 records\) is over "
+        r"data\.resident_max_mb=1 \(data\.streaming=auto\)",
+        reason,
+    )
     held, reason = streaming_choice(data_cfg(source, streaming="auto", resident_max_mb=500))
     assert held is False and reason.startswith("data: held in memory: about")
     assert module(data_cfg(source, streaming="auto", resident_max_mb=1)).stream is not None
@@ -194,8 +228,15 @@ def test_auto_streams_over_the_budget(tmp_path):
 def test_the_plan_says_when_auto_streams(tmp_path):
     source = tmp_path / "d.jsonl"
     write_jsonl(source, 3000, filler="lorem ipsum " * 10)
-    over = run_cli("task=plan", "model=llama_tiny", "data=text", f"data.source={source}", "data.resident_max_mb=1",
-                   "tracking=none", f"paths.outputs={tmp_path / 'out'}")  # fmt: skip
+    over = run_cli(
+        "task=plan",
+        "model=llama_tiny",
+        "data=text",
+        f"data.source={source}",
+        "data.resident_max_mb=1",
+        "tracking=none",
+        f"paths.outputs={tmp_path / 'out'}",
+    )
     assert over.returncode == 0, over.stderr[-3000:]
     assert re.search(
         r"data: streamed from d\.jsonl: about \d+ MB decoded \(3,000 records\) is over data\.resident_max_mb=1",
@@ -228,8 +269,10 @@ def test_formats_stream_as_their_resident_records(tmp_path):
         from onn.models.tokenizer import byte_tokenizer
 
         for batch in streamed.train_dataloader():
-            texts |= {byte_tokenizer().decode(i[m.bool()].tolist(), skip_special_tokens=True)
-                      for i, m in zip(batch["input_ids"], batch["attention_mask"])}  # fmt: skip
+            texts |= {
+                byte_tokenizer().decode(i[m.bool()].tolist(), skip_special_tokens=True)
+                for i, m in zip(batch["input_ids"], batch["attention_mask"])
+            }
         every = {p + a for p, a in resident.train_examples + resident.val_examples}
         assert len(texts) == streamed.train_records == 38 and texts <= every, path
 
@@ -276,8 +319,15 @@ def test_streamed_images_resume_mid_epoch_from_the_checkpointed_loader_state(tmp
     root = make_images(tmp_path / "images", train=24, test=4)
 
     def loader():
-        data = compose("data=image", f"data.source={root}", "data.resident=false", "data.num_workers=2", "data.batch_size=4",
-                       "data.mean=[0.5,0.5,0.5]", "data.std=[0.25,0.25,0.25]").data  # fmt: skip
+        data = compose(
+            "data=image",
+            f"data.source={root}",
+            "data.resident=false",
+            "data.num_workers=2",
+            "data.batch_size=4",
+            "data.mean=[0.5,0.5,0.5]",
+            "data.std=[0.25,0.25,0.25]",
+        ).data
         dm = ImageDataModule(data, str(tmp_path / "cache"))
         dm.setup()
         return dm.train_dataloader()

@@ -19,10 +19,23 @@ OPTIM = compose("optim.name=sgd", "optim.lr=0.1", "optim.schedule=constant", "op
 
 def tiny_module(micro_batch: int, min_micro_batch: int = 1) -> CausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
-    return CausalLM(LlamaForCausalLM(config), OPTIM, max_steps=3, onn_config={}, micro_batch=micro_batch,
-                    min_micro_batch=min_micro_batch)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return CausalLM(
+        LlamaForCausalLM(config),
+        OPTIM,
+        max_steps=3,
+        onn_config={},
+        micro_batch=micro_batch,
+        min_micro_batch=min_micro_batch,
+    )
 
 
 def batches(steps: int = 3, rows: int = 8, width: int = 12) -> list[dict[str, torch.Tensor]]:
@@ -52,8 +65,15 @@ def inject_oom(module: CausalLM, above: int) -> list[int]:
 
 
 def fit(module: CausalLM, data: list[dict[str, torch.Tensor]]) -> None:
-    trainer = L.Trainer(max_steps=len(data), accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=len(data),
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
 
 
@@ -117,16 +137,21 @@ def test_resource_monitor_logs_memory_and_cpu_to_the_loggers(tmp_path):
     from onn.training.callbacks import ResourceMonitor
 
     module = tiny_module(micro_batch=4)
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path, name="csv", version=""),
-                        callbacks=[ResourceMonitor(every_n_steps=1)], enable_checkpointing=False, enable_progress_bar=False,
-                        log_every_n_steps=1)  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        devices=1,
+        logger=CSVLogger(tmp_path, name="csv", version=""),
+        callbacks=[ResourceMonitor(every_n_steps=1)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        log_every_n_steps=1,
+    )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(), batch_size=None))
     rows = list(csv.DictReader((tmp_path / "csv" / "metrics.csv").open()))
     rss = [float(r["resource/process_rss_mb"]) for r in rows if r.get("resource/process_rss_mb")]
     assert len(rss) >= 2 and all(x > 50 for x in rss)
-    assert all(
-        float(r["resource/host_available_mb"]) > 0 for r in rows if r.get("resource/host_available_mb")
-    )
+    assert all(float(r["resource/host_available_mb"]) > 0 for r in rows if r.get("resource/host_available_mb"))
     assert any(r.get("resource/cpu_percent") for r in rows)
 
 
@@ -139,9 +164,7 @@ def test_validation_ignores_micro_batches_without_targets():
         trainer = L.Trainer(
             accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
         )
-        trainer.validate(
-            module, dataloaders=torch.utils.data.DataLoader([data], batch_size=None), verbose=False
-        )
+        trainer.validate(module, dataloaders=torch.utils.data.DataLoader([data], batch_size=None), verbose=False)
         losses.append(module.val_losses[-1])
     assert math.isfinite(losses[1]) and losses[1] == pytest.approx(losses[0], rel=1e-5)
 
@@ -162,9 +185,7 @@ def test_qlora_trains_lora_on_a_4bit_base_also_after_a_validation(tmp_path):
     plan, _ = get("text").plan(cfg, hardware)
     assert plan.strategy == "qlora" and plan.candidates["qlora"]["fits"]
     module, _ = build(cfg, plan)
-    assert (
-        sum(isinstance(m, bnb.nn.Linear4bit) for m in module.model.modules()) == 8 * 7
-    )  # every block linear
+    assert sum(isinstance(m, bnb.nn.Linear4bit) for m in module.model.modules()) == 8 * 7  # every block linear
     device = module.model.get_input_embeddings().weight.device  # the GPU the plan loaded the base on, if any
     batch = {k: v.to(device) for k, v in batches(steps=1)[0].items()}
     module.eval()
@@ -172,9 +193,7 @@ def test_qlora_trains_lora_on_a_4bit_base_also_after_a_validation(tmp_path):
         module.model(**batch)  # a validation pass
     module.train()
     module.model(**batch).loss.backward()
-    grads = [
-        p.grad for n, p in module.model.named_parameters() if "lora_B" in n
-    ]  # lora_A gets none while B is 0
+    grads = [p.grad for n, p in module.model.named_parameters() if "lora_B" in n]  # lora_A gets none while B is 0
     assert grads and all(g is not None for g in grads) and sum(float(g.abs().sum()) for g in grads) > 0
 
 

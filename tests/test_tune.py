@@ -8,16 +8,28 @@ import pytest
 import yaml
 from conftest import read_metrics, run_cli
 
-TINY = ["model=llama_tiny", "strategy=sparse_lora", "data.builtin.train_size=200", "data.builtin.val_size=16",
-        "data.max_length=40", "tracking=none"]  # fmt: skip
+TINY = [
+    "model=llama_tiny",
+    "strategy=sparse_lora",
+    "data.builtin.train_size=200",
+    "data.builtin.val_size=16",
+    "data.max_length=40",
+    "tracking=none",
+]
 
 
 @pytest.mark.slow
 def test_tune_caches_the_fastest_setting_and_the_plan_uses_it(outputs):
     cache = outputs / "cache"
     common = [*TINY, f"paths.outputs={outputs}", f"paths.cache={cache}"]
-    proc = run_cli("task=tune", "tune.time_budget_s=15", "tune.steps=2", "tune.confirm_rounds=1", *common,
-                   f"hydra.run.dir={outputs / 'tune'}")  # fmt: skip
+    proc = run_cli(
+        "task=tune",
+        "tune.time_budget_s=15",
+        "tune.steps=2",
+        "tune.confirm_rounds=1",
+        *common,
+        f"hydra.run.dir={outputs / 'tune'}",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     m = read_metrics(outputs / "tune")
     assert m["tune/trials"] >= 2
@@ -39,20 +51,20 @@ def test_tune_caches_the_fastest_setting_and_the_plan_uses_it(outputs):
     proc = run_cli("task=plan", *common, f"hydra.run.dir={outputs / 'plan'}")
     plan = yaml.safe_load((outputs / "plan" / "plan.yaml").read_text())
     assert (
-        plan["settings_source"] == "tune"
-        and "from task=tune" in plan["reasons"][0]
-        and "from task=tune" in proc.stdout
+        plan["settings_source"] == "tune" and "from task=tune" in plan["reasons"][0] and "from task=tune" in proc.stdout
     )
     assert plan["micro_batch"] == tuned["settings"]["micro_batch"]
     assert plan["streaming"]["chunk_size"] == tuned["settings"]["chunk_size"]
     # another sequence length is another key; a setting the user fixed is never replaced
     run_cli("task=plan", *common, "data.max_length=32", f"hydra.run.dir={outputs / 'plan32'}")
     assert yaml.safe_load((outputs / "plan32" / "plan.yaml").read_text())["settings_source"] == "plan"
-    run_cli("task=plan", *common, "strategy.micro_batch=1", "strategy.streaming.chunk_size=3", "strategy.streaming.store_dtype=int8",
-            f"hydra.run.dir={outputs / 'fixed'}")  # fmt: skip
-    fixed = yaml.safe_load((outputs / "fixed" / "plan.yaml").read_text())
-    assert (
-        fixed["settings_source"] == "plan"
-        and fixed["micro_batch"] == 1
-        and fixed["streaming"]["chunk_size"] == 3
+    run_cli(
+        "task=plan",
+        *common,
+        "strategy.micro_batch=1",
+        "strategy.streaming.chunk_size=3",
+        "strategy.streaming.store_dtype=int8",
+        f"hydra.run.dir={outputs / 'fixed'}",
     )
+    fixed = yaml.safe_load((outputs / "fixed" / "plan.yaml").read_text())
+    assert fixed["settings_source"] == "plan" and fixed["micro_batch"] == 1 and fixed["streaming"]["chunk_size"] == 3

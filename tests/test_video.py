@@ -37,9 +37,16 @@ def which(clip: torch.Tensor, frames: int = 16) -> list[int]:
 
 @pytest.mark.parametrize(
     "codec, suffix, pix_fmt",
-    [("libx264", "mp4", "yuv420p"), ("mpeg4", "avi", "yuv420p"), ("libx264", "mov", "yuv420p"), ("libvpx-vp9", "webm", "yuv420p"),
-     ("libx265", "mkv", "yuv420p10le"), ("libsvtav1", "mkv", "yuv420p"), ("libx264", "mp4", "yuv420p10le")],
-)  # fmt: skip
+    [
+        ("libx264", "mp4", "yuv420p"),
+        ("mpeg4", "avi", "yuv420p"),
+        ("libx264", "mov", "yuv420p"),
+        ("libvpx-vp9", "webm", "yuv420p"),
+        ("libx265", "mkv", "yuv420p10le"),
+        ("libsvtav1", "mkv", "yuv420p"),
+        ("libx264", "mp4", "yuv420p10le"),
+    ],
+)
 def test_containers_codecs_and_10_bit_decode_to_evenly_sampled_frames(tmp_path, codec, suffix, pix_fmt):
     """h264/h265/vp9/av1/mpeg4 in mp4/mov/avi/mkv/webm, 8 and 10 bit: 8 of 16 frames, evenly spaced, resized."""
     from onn.modalities.video.builtin import write_clip
@@ -91,9 +98,7 @@ def test_variable_frame_rate_rotation_and_odd_sizes(tmp_path):
         == [0, 4, 5, 9, 9, 11, 11, 15]
     )
 
-    path = (
-        tmp_path / "portrait.mp4"
-    )  # stored 96x64 (W x H) with a 90-degree display rotation, as phones write
+    path = tmp_path / "portrait.mp4"  # stored 96x64 (W x H) with a 90-degree display rotation, as phones write
     image = np.zeros((64, 96, 3), np.uint8)
     image[:16, :16] = 255  # a white corner, top left as stored
     with av.open(str(path), "w") as container:
@@ -108,9 +113,7 @@ def test_variable_frame_rate_rotation_and_odd_sizes(tmp_path):
     clip, _ = load(str(path), Fit(2, 1, (48, 32), "resize"))  # shown upright: 64 wide, 96 tall, here halved
     upright = np.rot90(image[::2, ::2, 0], 1)
     assert clip.shape == (1, 2, 48, 32)
-    assert (clip[0, 0].numpy() > 128).nonzero()[0].mean() == pytest.approx(
-        (upright > 128).nonzero()[0].mean(), abs=1
-    )
+    assert (clip[0, 0].numpy() > 128).nonzero()[0].mean() == pytest.approx((upright > 128).nonzero()[0].mean(), abs=1)
 
     path = tmp_path / "odd.avi"  # 33x17 pixels, centre-cropped to a square
     write_clip(path, np.random.default_rng(0).integers(0, 255, (5, 17, 33, 3), dtype=np.uint8), 5, "mpeg4")
@@ -136,19 +139,19 @@ def test_bad_videos_are_skipped_counted_and_named(tmp_path, caplog):
     (folder / "corrupt.mp4").write_bytes(b"\x00\x00\x00\x18ftypisom" + bytes(range(256)) * 8)
     (folder / "truncated.mp4").write_bytes(good[:400])
     (folder / "empty.mkv").write_bytes(b"")
-    sf.write(
-        folder / "sound.mkv", np.zeros(800, np.float32), 8000, format="WAV"
-    )  # audio only, named as a video
+    sf.write(folder / "sound.mkv", np.zeros(800, np.float32), 8000, format="WAV")  # audio only, named as a video
     (folder / "notes.xyz").write_bytes(good)
     fit = Fit(4, 3, (16, 16), "resize")
-    for name, why in (("corrupt.mp4", "not a decodable video"), ("truncated.mp4", "not a decodable video"),
-                      ("empty.mkv", "empty file"), ("sound.mkv", "no video stream")):  # fmt: skip
+    for name, why in (
+        ("corrupt.mp4", "not a decodable video"),
+        ("truncated.mp4", "not a decodable video"),
+        ("empty.mkv", "empty file"),
+        ("sound.mkv", "no video stream"),
+    ):
         with pytest.raises(BadFile, match=why):
             load(str(folder / name), fit)
     cfg = compose("data=video").data
-    with pytest.raises(
-        UserError, match=r"4 of 16 video files could not be decoded \(first: left/corrupt.mp4"
-    ):
+    with pytest.raises(UserError, match=r"4 of 16 video files could not be decoded \(first: left/corrupt.mp4"):
         READER.read(str(tmp_path / "clips"), cfg, fit)
     with caplog.at_level(logging.WARNING, logger="onn"):
         decoded, _ = READER.read(str(tmp_path / "clips"), dataclasses.replace(cfg, max_bad_fraction=0.3), fit)
@@ -160,9 +163,14 @@ def test_settings_that_make_no_sense_name_their_key():
     from onn.modalities import get
 
     video = get("video")
-    for override, key in (("data.frames=0", "data.frames"), ("data.decode_frames=2", "data.decode_frames"),
-                          ("data.image_size=[4,4]", "data.image_size"), ("data.sampling=sometimes", "data.sampling"),
-                          ("data.resize=squash", "data.resize"), ("model=audio_cnn", "does not take clips")):  # fmt: skip
+    for override, key in (
+        ("data.frames=0", "data.frames"),
+        ("data.decode_frames=2", "data.decode_frames"),
+        ("data.image_size=[4,4]", "data.image_size"),
+        ("data.sampling=sometimes", "data.sampling"),
+        ("data.resize=squash", "data.resize"),
+        ("model=audio_cnn", "does not take clips"),
+    ):
         with pytest.raises(UserError, match=key):
             video.check(compose("data=video", "model=video_c3d_tiny", override))
 
@@ -171,17 +179,19 @@ def test_augmentation_is_the_same_for_every_frame_of_a_clip():
     from onn.config.data import ColorJitter, ImageAugment, RandomErasing
     from onn.modalities.video.transform import ClipTransform
 
-    augment = ImageAugment(crop_padding=4, hflip=0.5, color_jitter=ColorJitter(brightness=0.3, contrast=0.3, saturation=0.3),
-                           random_erasing=RandomErasing(p=1.0))  # fmt: skip
+    augment = ImageAugment(
+        crop_padding=4,
+        hflip=0.5,
+        color_jitter=ColorJitter(brightness=0.3, contrast=0.3, saturation=0.3),
+        random_erasing=RandomErasing(p=1.0),
+    )
     transform = ClipTransform(augment, [0.5] * 3, [0.25] * 3, frames=4, sampling="random")
     frame = torch.randint(0, 256, (8, 3, 1, 16, 16), dtype=torch.uint8)
     clips = frame.expand(8, 3, 12, 16, 16).contiguous()  # every frame of a clip the same picture
     torch.manual_seed(0)
     out = transform(clips, train=True)
     assert out.shape == (8, 3, 4, 16, 16)
-    assert torch.equal(
-        out, out[:, :, :1].expand_as(out)
-    )  # same crop, flip, jitter and erased box on every frame
+    assert torch.equal(out, out[:, :, :1].expand_as(out))  # same crop, flip, jitter and erased box on every frame
     assert not torch.allclose(out[0], out[1])  # but each clip its own
     plain = transform(clips, train=False)
     assert not torch.allclose(out, plain) and torch.equal(plain, transform(clips, train=False))
@@ -190,9 +200,7 @@ def test_augmentation_is_the_same_for_every_frame_of_a_clip():
     assert picks(counted, train=False)[0, 0, :, 0, 0].round().tolist() == [0, 4, 7, 11]  # evenly spaced
     torch.manual_seed(1)
     drawn = picks(counted, train=True)[:, 0, :, 0, 0].round()
-    assert all(
-        0 <= v[0] <= 2 < v[1] <= 5 < v[2] <= 8 < v[3] <= 11 for v in drawn.tolist()
-    )  # one from each segment
+    assert all(0 <= v[0] <= 2 < v[1] <= 5 < v[2] <= 8 < v[3] <= 11 for v in drawn.tolist())  # one from each segment
 
 
 @pytest.mark.parametrize(
@@ -201,9 +209,7 @@ def test_augmentation_is_the_same_for_every_frame_of_a_clip():
 def test_video_networks_plan_on_the_meta_device(model):
     from onn.modalities import get
 
-    cfg = compose(
-        f"model={model}", "data=video", "data.source=/nowhere", "hardware=rtx3060_12gb", "data.num_classes=5"
-    )
+    cfg = compose(f"model={model}", "data=video", "data.source=/nowhere", "hardware=rtx3060_12gb", "data.num_classes=5")
     plan, spec = get("video").plan(cfg, resolve(cfg.hardware, "/tmp", "/tmp"))
     assert plan.strategy == "full" and spec.kind == "network" and spec.sample_flops > 0 and spec.params > 0
     assert plan.candidates["full"]["fits"]
@@ -233,16 +239,27 @@ def test_motion_run_trains_infers_and_exports(tmp_path):
     """builtin:motion, made small: clips encoded and decoded, the 3-D CNN trained, strips of frames, ONNX."""
     from onn.app import execute
 
-    common = ["tracking=none", "trainer.enable_progress_bar=false", f"paths.outputs={tmp_path / 'outputs'}",
-              f"paths.cache={tmp_path / 'cache'}"]  # fmt: skip
-    cfg = compose("recipe=video_motion", *common, "data.motion.train_per_class=10", "data.motion.test_per_class=4",
-                  "data.motion.size=24", "data.image_size=[16,16]", "data.batch_size=8", "trainer.max_epochs=4",
-                  "+model.kwargs.widths=[8,16]", "export=onnx")  # fmt: skip
+    common = [
+        "tracking=none",
+        "trainer.enable_progress_bar=false",
+        f"paths.outputs={tmp_path / 'outputs'}",
+        f"paths.cache={tmp_path / 'cache'}",
+    ]
+    cfg = compose(
+        "recipe=video_motion",
+        *common,
+        "data.motion.train_per_class=10",
+        "data.motion.test_per_class=4",
+        "data.motion.size=24",
+        "data.image_size=[16,16]",
+        "data.batch_size=8",
+        "trainer.max_epochs=4",
+        "+model.kwargs.widths=[8,16]",
+        "export=onnx",
+    )
     metrics = execute(cfg, tmp_path / "train")
     assert metrics["modality"] == "video" and metrics["resident"] is True
-    assert (
-        metrics["train/loss_final"] < metrics["train/loss_initial"] and metrics["export/max_abs_diff"] < 1e-3
-    )
+    assert metrics["train/loss_final"] < metrics["train/loss_initial"] and metrics["export/max_abs_diff"] < 1e-3
     import onnx
 
     dims = [d.dim_value for d in onnx.load(metrics["export/onnx"]).graph.input[0].type.tensor_type.shape.dim]

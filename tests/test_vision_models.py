@@ -54,9 +54,7 @@ def test_v28_runs_and_discovers_its_conv_blocks(shape):
 
 
 def test_v28_layout_follows_kwargs():
-    model = build_zoo(
-        "v28_cnn", in_channels=1, num_classes=5, image_size=[28, 28], convs_per_block=3, hidden=(64,)
-    )
+    model = build_zoo("v28_cnn", in_channels=1, num_classes=5, image_size=[28, 28], convs_per_block=3, hidden=(64,))
     assert sum(isinstance(m, torch.nn.Conv2d) for m in model.features[0]) == 3
     assert [m.out_features for m in model.classifier if isinstance(m, torch.nn.Linear)] == [64, 5]
 
@@ -74,10 +72,7 @@ def test_resnet_stem_keeps_a_4x4_map(size):
     model = build_classifier({"source": "timm:resnet18"}, 3, 10, [size, size])
     assert model.conv1.kernel_size == (3, 3) and model.conv1.stride == (1, 1)
     assert isinstance(model.maxpool, torch.nn.Identity)
-    assert (
-        model.pretrained_cfg["input_size"] == (3, size, size)
-        and model.pretrained_cfg["first_conv"] == "conv1"
-    )
+    assert model.pretrained_cfg["input_size"] == (3, size, size) and model.pretrained_cfg["first_conv"] == "conv1"
     assert model.forward_features(torch.randn(2, 3, size, size)).shape == (2, 512, 4, 4)
     big = build_classifier({"source": "timm:resnet18", "small_input": "auto"}, 3, 10, [128, 128])
     assert big.conv1.kernel_size == (7, 7)  # auto leaves larger images alone
@@ -107,9 +102,7 @@ def test_vgg_head_is_exact_and_its_width_is_4096(tmp_path):
 
     ref = timm.create_model("vgg16_bn", pretrained=False, num_classes=1000).eval()
     save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, tmp_path / "vgg.safetensors")
-    model = build_classifier(
-        {"source": "timm:vgg16_bn", "weights": str(tmp_path / "vgg.safetensors")}, 3, 10, [32, 32]
-    )
+    model = build_classifier({"source": "timm:vgg16_bn", "weights": str(tmp_path / "vgg.safetensors")}, 3, 10, [32, 32])
     assert model.pre_logits.fc1.kernel_size == (1, 1)  # timm's 7x7 conv on an up-sampled 1x1 map, collapsed
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
@@ -143,30 +136,22 @@ def test_weights_of_another_architecture_are_refused(tmp_path):
 
     save_file(timm.create_model("resnet18", pretrained=False).state_dict(), tmp_path / "r18.safetensors")
     with pytest.raises(UserError, match=r"does not fit this ResNet: missing \(\d+\): layer1\.2\."):
-        build_classifier(
-            {"source": "timm:resnet34", "weights": str(tmp_path / "r18.safetensors")}, 3, 10, [32, 32]
-        )
+        build_classifier({"source": "timm:resnet34", "weights": str(tmp_path / "r18.safetensors")}, 3, 10, [32, 32])
     save_file(build_zoo("v28_cnn", image_size=32).state_dict(), tmp_path / "v28.safetensors")
     with pytest.raises(
         UserError, match=r"wrong shapes \(1\): classifier\.fc0\.weight \(512, 2048\) vs \(512, 1152\)\. "
     ):
-        build_classifier(
-            {"source": "zoo:v28_cnn", "weights": str(tmp_path / "v28.safetensors")}, 3, 10, [28, 28]
-        )
+        build_classifier({"source": "zoo:v28_cnn", "weights": str(tmp_path / "v28.safetensors")}, 3, 10, [28, 28])
     with pytest.raises(UserError, match="pickle"):
         build_classifier({"source": "zoo:v28_cnn", "weights": str(tmp_path / "w.pt")}, 3, 10, [32, 32])
     with pytest.raises(UserError, match="not an existing .safetensors"):
-        build_classifier(
-            {"source": "zoo:v28_cnn", "weights": str(tmp_path / "no.safetensors")}, 3, 10, [32, 32]
-        )
+        build_classifier({"source": "zoo:v28_cnn", "weights": str(tmp_path / "no.safetensors")}, 3, 10, [32, 32])
 
 
 def test_zoo_weights_round_trip(tmp_path):
     src = build_zoo("v28_cnn", in_channels=3, num_classes=100, image_size=32)
     save_file(src.state_dict(), tmp_path / "v28.safetensors")
-    model = build_classifier(
-        {"source": "zoo:v28_cnn", "weights": str(tmp_path / "v28.safetensors")}, 1, 10, [32, 32]
-    )
+    model = build_classifier({"source": "zoo:v28_cnn", "weights": str(tmp_path / "v28.safetensors")}, 1, 10, [32, 32])
     assert torch.equal(model.classifier.fc1.weight, src.classifier.fc1.weight)
     torch.testing.assert_close(model.features[0][0].weight, src.features[0][0].weight.sum(1, keepdim=True))
     assert model.classifier.head.out_features == 10
@@ -209,9 +194,7 @@ def test_write_grid_png(tmp_path):
     assert picture.format == "PNG" and picture.mode == "RGB"
     cell_w, cell_h = w * scale + 2 * grid.PAD, h * scale + 2 * grid.LINE + 2 * grid.PAD
     assert picture.size == (columns * cell_w, 8 * cell_h)  # capped at 64 images: 8 rows of 8
-    pixels = torch.tensor(list(picture.getdata()), dtype=torch.int32).view(
-        picture.size[1], picture.size[0], 3
-    )
+    pixels = torch.tensor(list(picture.getdata()), dtype=torch.int32).view(picture.size[1], picture.size[0], 3)
 
     def caption(i):  # the caption strip under image i
         x, y = (i % columns) * cell_w, (i // columns) * cell_h + grid.PAD + h * scale
@@ -231,9 +214,7 @@ def test_write_grid_png(tmp_path):
     assert red > 20 and green == 0 and white == 0
     green, red, white = hues(caption(2))  # true label unknown
     assert white > 10 and red == 0 and green == 0
-    top = pixels[
-        grid.PAD : grid.PAD + h * scale, grid.PAD : grid.PAD + w * scale
-    ]  # image 0, upscaled in gray
+    top = pixels[grid.PAD : grid.PAD + h * scale, grid.PAD : grid.PAD + w * scale]  # image 0, upscaled in gray
     want = images[0, 0].repeat_interleave(scale, 0).repeat_interleave(scale, 1).int()
     assert torch.equal(top[..., 0], want) and torch.equal(top[..., 2], want)
 

@@ -45,10 +45,23 @@ def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
     from onn.app import execute
 
     groups = [] if any(o.startswith("recipe=") for o in overrides) else ["model=v28_cnn", "data=image"]
-    cfg = compose(*groups, "tracking=none", "trainer.enable_progress_bar=false", f"paths.outputs={tmp / 'outputs'}",
-                  f"paths.cache={tmp / 'cache'}", "data.batch_size=16", "trainer.max_steps=-1", "trainer.max_epochs=3",
-                  "trainer.val_check_interval=1.0", "optim.name=sgd", "optim.lr=0.05", "optim.warmup_steps=0",
-                  "optim.clip_grad_norm=0", "data.val_split=0.25", *overrides)  # fmt: skip
+    cfg = compose(
+        *groups,
+        "tracking=none",
+        "trainer.enable_progress_bar=false",
+        f"paths.outputs={tmp / 'outputs'}",
+        f"paths.cache={tmp / 'cache'}",
+        "data.batch_size=16",
+        "trainer.max_steps=-1",
+        "trainer.max_epochs=3",
+        "trainer.val_check_interval=1.0",
+        "optim.name=sgd",
+        "optim.lr=0.05",
+        "optim.warmup_steps=0",
+        "optim.clip_grad_norm=0",
+        "data.val_split=0.25",
+        *overrides,
+    )
     run_dir = tmp / name
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.ckpt:
@@ -79,24 +92,16 @@ def test_train_learns_keeps_best_and_tests_it(images, tmp_path):
 
 def test_resume_infer_and_eval(images, tmp_path):
     first, run_dir = run(tmp_path, f"data.source={images}", "trainer.max_epochs=2")
-    resumed, _ = run(
-        tmp_path, f"data.source={images}", "trainer.max_epochs=3", f"ckpt={run_dir}", name="resumed"
-    )
+    resumed, _ = run(tmp_path, f"data.source={images}", "trainer.max_epochs=3", f"ckpt={run_dir}", name="resumed")
     assert resumed["resumed_from"] and resumed["epochs"] == 3
     assert [h["epoch"] for h in resumed["val/history"]] == [0, 1, 2]  # the history came with the checkpoint
     assert resumed["val/history"][:2] == first["val/history"]
     assert resumed["val/acc_best"] == max(h["val/acc"] for h in resumed["val/history"])  # over both runs
-    unchanged, _ = run(
-        tmp_path, f"data.source={images}", "trainer.max_epochs=2", f"ckpt={run_dir}", name="same"
-    )
-    assert unchanged["val/acc_best"] == max(
-        h["val/acc"] for h in first["val/history"]
-    )  # nothing new: the earlier best
+    unchanged, _ = run(tmp_path, f"data.source={images}", "trainer.max_epochs=2", f"ckpt={run_dir}", name="same")
+    assert unchanged["val/acc_best"] == max(h["val/acc"] for h in first["val/history"])  # nothing new: the earlier best
     assert unchanged["test/acc"] == pytest.approx(first["test/acc"], abs=1e-6)
 
-    out, infer_dir = run(
-        tmp_path, "task=infer", f"ckpt={run_dir}", f"task.input={images / 'test'}", name="infer"
-    )
+    out, infer_dir = run(tmp_path, "task=infer", f"ckpt={run_dir}", f"task.input={images / 'test'}", name="infer")
     rows = [json.loads(line) for line in Path(out["infer/output"]).read_text().splitlines()]
     assert len(rows) == 24 and {r["true"] for r in rows} == {"class0", "class1", "class2"}
     assert all(r["predicted"] in ("class0", "class1", "class2") and len(r["top5"]) == 3 for r in rows)
@@ -110,21 +115,29 @@ def test_resume_infer_and_eval(images, tmp_path):
     assert single["infer/items"] == 1
 
     evaluated, _ = run(tmp_path, "task=eval", f"ckpt={run_dir / 'checkpoints' / 'best.ckpt'}", name="eval")
-    assert evaluated["test/acc"] == pytest.approx(
-        first["test/acc"], abs=1e-6
-    )  # training tested best.ckpt too
+    assert evaluated["test/acc"] == pytest.approx(first["test/acc"], abs=1e-6)  # training tested best.ckpt too
 
 
 def test_early_stopping_and_schedules(images, tmp_path):
-    metrics, _ = run(tmp_path, f"data.source={images}", "optim.lr=0", "trainer.max_epochs=10",
-                     "task.early_stopping={patience: 1}", "optim.schedule=constant")  # fmt: skip
+    metrics, _ = run(
+        tmp_path,
+        f"data.source={images}",
+        "optim.lr=0",
+        "trainer.max_epochs=10",
+        "task.early_stopping={patience: 1}",
+        "optim.schedule=constant",
+    )
     assert metrics["epochs"] < 10  # nothing improves at lr 0: stopped after patience + 1 validations
     for schedule in ("step", "plateau", "onecycle", "linear"):
-        metrics, _ = run(tmp_path, f"data.source={images}", f"optim.schedule={schedule}", "trainer.max_epochs=2",
-                         "optim.step_size=1", name=schedule)  # fmt: skip
-        assert metrics["epochs"] == 2 and metrics["train/loss_final"] < metrics["train/loss_initial"], (
-            schedule
+        metrics, _ = run(
+            tmp_path,
+            f"data.source={images}",
+            f"optim.schedule={schedule}",
+            "trainer.max_epochs=2",
+            "optim.step_size=1",
+            name=schedule,
         )
+        assert metrics["epochs"] == 2 and metrics["train/loss_final"] < metrics["train/loss_initial"], schedule
     with pytest.raises(UserError, match="optim.schedule"):
         run(tmp_path, f"data.source={images}", "optim.schedule=wobbly", name="bad")
 
@@ -142,8 +155,15 @@ def test_linear_probe_trains_the_head_on_cached_features(images, tmp_path):
 
 
 def test_streamed_fallback_trains_like_resident(images, tmp_path):
-    metrics, _ = run(tmp_path, f"data.source={images}", "data.resident=false", "data.num_workers=0",
-                     "trainer.max_epochs=2", "data.mean=[0.5,0.5,0.5]", "data.std=[0.25,0.25,0.25]")  # fmt: skip
+    metrics, _ = run(
+        tmp_path,
+        f"data.source={images}",
+        "data.resident=false",
+        "data.num_workers=0",
+        "trainer.max_epochs=2",
+        "data.mean=[0.5,0.5,0.5]",
+        "data.std=[0.25,0.25,0.25]",
+    )
     assert metrics["resident"] is False and metrics["epochs"] == 2
     assert metrics["train/loss_final"] < metrics["train/loss_initial"]
 
@@ -167,9 +187,7 @@ def test_separate_val_source_is_labelled_by_class_name(images, tmp_path):
 def test_resident_batches_are_seeded_shuffles_of_every_sample():
     from onn.data.resident import ResidentBatches, Split
 
-    split = Split(
-        torch.arange(50).view(50, 1, 1, 1).to(torch.uint8), torch.arange(50), [str(i) for i in range(50)]
-    )
+    split = Split(torch.arange(50).view(50, 1, 1, 1).to(torch.uint8), torch.arange(50), [str(i) for i in range(50)])
     loader = ResidentBatches(split, 8, shuffle=True, seed=3, drop_last=True)
     first = torch.cat([x.flatten() for x, _ in loader])
     second = torch.cat([x.flatten() for x, _ in loader])
@@ -217,8 +235,16 @@ def test_user_mistakes_are_one_clear_error(images, tmp_path):
 
 @pytest.mark.slow
 def test_bench_vision_reports_both_ratios(images, tmp_path):
-    metrics, _ = run(tmp_path, "task=bench_vision", f"data.source={images}", "task.steps=3", "task.warmup=1",
-                     "task.repeats=1", "task.standard_workers=0", "data.augment={crop_padding: 2, hflip: 0.5}")  # fmt: skip
+    metrics, _ = run(
+        tmp_path,
+        "task=bench_vision",
+        f"data.source={images}",
+        "task.steps=3",
+        "task.warmup=1",
+        "task.repeats=1",
+        "task.standard_workers=0",
+        "data.augment={crop_padding: 2, hflip: 0.5}",
+    )
     for key in ("vision/runner_overhead", "vision/resident_speedup", "vision/train_speedup"):
         assert isinstance(metrics[key], float), key
     assert set(metrics["vision/rounds"]) >= {
@@ -233,9 +259,15 @@ def test_bench_vision_reports_both_ratios(images, tmp_path):
 
 @pytest.mark.parametrize(
     "recipe, strategy, channels",
-    [("cifar10_v28", "full", 3), ("cifar10_v28_aug", "full", 3), ("cifar10_resnet18", "full", 3),
-     ("fashion_mnist_v28", "full", 1), ("oxford_flowers_probe", "linear_probe", 3), ("bench_vision", "full", 3)],
-)  # fmt: skip
+    [
+        ("cifar10_v28", "full", 3),
+        ("cifar10_v28_aug", "full", 3),
+        ("cifar10_resnet18", "full", 3),
+        ("fashion_mnist_v28", "full", 1),
+        ("oxford_flowers_probe", "linear_probe", 3),
+        ("bench_vision", "full", 3),
+    ],
+)
 def test_recipes_compose_and_plan(recipe, strategy, channels):
     from onn.modalities import get
 
@@ -280,8 +312,15 @@ def test_idx_files_train_a_one_channel_model_and_export(tmp_path):
         (folder / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(
             gzip.compress(struct.pack(">II", 0x801, n) + labels.to(torch.uint8).numpy().tobytes())
         )
-    metrics, run_dir = run(tmp_path, "recipe=fashion_mnist_v28", f"data.source={folder}", "trainer.max_epochs=4", "optim.warmup_steps=0",
-                           "data.batch_size=16", "export=onnx")  # fmt: skip
+    metrics, run_dir = run(
+        tmp_path,
+        "recipe=fashion_mnist_v28",
+        f"data.source={folder}",
+        "trainer.max_epochs=4",
+        "optim.warmup_steps=0",
+        "data.batch_size=16",
+        "export=onnx",
+    )
     assert metrics["test/acc"] > 0.5 and metrics["export/max_abs_diff"] < 1e-3
     import onnx
 

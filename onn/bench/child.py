@@ -18,8 +18,12 @@ def config_from_dict(values: dict[str, Any], task_schema: type, where: str) -> O
     from onn.modalities import get
 
     modality = get(values["data"]["modality"])
-    schemas = {"model": modality.model_schema, "data": modality.data_schema, "task": task_schema,
-               "export": SCHEMAS["export"][values["export"]["name"]]}  # fmt: skip
+    schemas = {
+        "model": modality.model_schema,
+        "data": modality.data_schema,
+        "task": task_schema,
+        "export": SCHEMAS["export"][values["export"]["name"]],
+    }
     root = {k: ({"name": v["name"]} if k in _OPTION_GROUPS else v) for k, v in values.items()}
     config = typed(ONNConfig, root, where)
     for group, schema in schemas.items():

@@ -81,9 +81,12 @@ def run(job) -> dict[str, Any]:
 
     task: BenchGiantTask = config.task
     store_dir = store_root(config) / streaming.store_dtype
-    out: dict[str, Any] = {"giant/params": spec.params, "giant/store_dtype": streaming.store_dtype,
-                           "giant/load_avg_start": [round(x, 2) for x in os.getloadavg()],
-                           "giant/cpu_busy_cores_at_plan": hw.cpu_busy_cores}  # fmt: skip
+    out: dict[str, Any] = {
+        "giant/params": spec.params,
+        "giant/store_dtype": streaming.store_dtype,
+        "giant/load_avg_start": [round(x, 2) for x in os.getloadavg()],
+        "giant/cpu_busy_cores_at_plan": hw.cpu_busy_cores,
+    }
     started = time.perf_counter()
     # the disk and the cores, now
     out["giant/disk_read_mb_s"] = round(read_mb_s(Path(config.paths.cache), task.disk_probe_mb), 1)
@@ -92,8 +95,11 @@ def run(job) -> dict[str, Any]:
     out["giant/matmul_gflops"] = rate["gflops"]
     out["giant/matmul_shape"] = [rate["rows"], *rate["shape"]]
     out.update(_build_phase(job, store_dir))
-    out.update(_train_phase(job, max(out["giant/disk_read_mb_s"], out["giant/disk_read_mb_s_store"]),
-                            out["giant/matmul_gflops"]))  # fmt: skip
+    out.update(
+        _train_phase(
+            job, max(out["giant/disk_read_mb_s"], out["giant/disk_read_mb_s_store"]), out["giant/matmul_gflops"]
+        )
+    )
     out.update(_generation_phase(job))
     if not task.keep_store:
         shutil.rmtree(store_dir, ignore_errors=True)
@@ -112,9 +118,7 @@ def _build_phase(job, store_dir: Path) -> dict[str, Any]:
     if task.rebuild:
         shutil.rmtree(store_dir, ignore_errors=True)
     request = _request(job)
-    killed = _child(
-        "build", request, run_dir, kill_when=lambda: _done_blocks(store_dir) >= task.kill_build_after
-    )
+    killed = _child("build", request, run_dir, kill_when=lambda: _done_blocks(store_dir) >= task.kill_build_after)
     first_blocks = _done_blocks(store_dir)
     build = _child("build", request, run_dir)
     passed = _child("read_store", {**request, "limit_gb": task.disk_probe_mb * 4 / 1024}, run_dir)["result"]
@@ -125,7 +129,7 @@ def _build_phase(job, store_dir: Path) -> dict[str, Any]:
         "giant/build_resumed_blocks": build["result"]["written"],
         "giant/store_gb": round(sum(f.stat().st_size for f in store_dir.glob("*.safetensors")) / 2**30, 2),
         "giant/disk_read_mb_s_store": round(passed["mb_s"], 1),
-    }  # fmt: skip
+    }
 
 
 def _train_phase(job, disk_mb_s: float, start_gflops: float) -> dict[str, Any]:
@@ -134,16 +138,21 @@ def _train_phase(job, disk_mb_s: float, start_gflops: float) -> dict[str, Any]:
     task: BenchGiantTask = job.config.task
     run_dir = job.run_dir
     request, train_dir = _request(job), run_dir / "train"
-    first = _child("train", {**request, "run_dir": str(train_dir), "validate": True, "max_steps": task.steps, "ckpt": None},
-                   run_dir, kill_when=lambda: _steps_done(train_dir) >= task.kill_after)  # fmt: skip
+    first = _child(
+        "train",
+        {**request, "run_dir": str(train_dir), "validate": True, "max_steps": task.steps, "ckpt": None},
+        run_dir,
+        kill_when=lambda: _steps_done(train_dir) >= task.kill_after,
+    )
     killed_at = _steps_done(train_dir)
     ckpt = train_dir / "checkpoints" / "last.ckpt"
     if not ckpt.exists():
-        raise RuntimeError(
-            f"the first training process left no checkpoint at {ckpt}; see {run_dir}/train.log"
-        )
-    second = _child("train", {**request, "run_dir": str(train_dir), "validate": False, "max_steps": task.steps,
-                              "ckpt": str(ckpt)}, run_dir)  # fmt: skip
+        raise RuntimeError(f"the first training process left no checkpoint at {ckpt}; see {run_dir}/train.log")
+    second = _child(
+        "train",
+        {**request, "run_dir": str(train_dir), "validate": False, "max_steps": task.steps, "ckpt": str(ckpt)},
+        run_dir,
+    )
     rows = _progress(train_dir)
     steps = [s for s in rows if "step_s" in s]  # a training step's row (step 0 holds the validation)
     out, read_bytes, step_s = _step_figures(job, steps, disk_mb_s, start_gflops)
@@ -151,23 +160,33 @@ def _train_phase(job, disk_mb_s: float, start_gflops: float) -> dict[str, Any]:
     peak = max(first["peak_rss_mb"], second["peak_rss_mb"])
     val = next(s for s in rows if "val_s" in s)
     losses = [s.loss for s in steps]
-    out.update({
-        "giant/steps": len(steps), "giant/killed_after_step": killed_at, "giant/train_killed": first["killed"],
-        "giant/resumed_at_step": second["result"]["resumed_at_step"], "giant/peak_rss_mb": round(peak, 1),
-        "giant/baseline_mb": round(second["result"]["baseline_mb"], 1),
-        "giant/predicted_peak_mb": round(predicted_peak, 1), "giant/memory_error": round(peak / predicted_peak - 1, 3),
-        "giant/loss_first": round(losses[0], 4), "giant/loss_last": round(losses[-1], 4),
-        "giant/loss_curve": [round(x, 4) for x in losses], "giant/val_samples": val["val_samples"],
-        "giant/val_s": round(val["val_s"], 1), "giant/val_read_gb": round(val["val_read_bytes"] / 2**30, 2),
-        "giant/val_loss": round(val["val_loss"], 4),
-        "giant/val_read_over_step_read": round(val["val_read_bytes"] / read_bytes, 3) if read_bytes else None,
-        "giant/val_over_step": round(val["val_s"] / step_s, 2),
-    })  # fmt: skip
+    out.update(
+        {
+            "giant/steps": len(steps),
+            "giant/killed_after_step": killed_at,
+            "giant/train_killed": first["killed"],
+            "giant/resumed_at_step": second["result"]["resumed_at_step"],
+            "giant/peak_rss_mb": round(peak, 1),
+            "giant/baseline_mb": round(second["result"]["baseline_mb"], 1),
+            "giant/predicted_peak_mb": round(predicted_peak, 1),
+            "giant/memory_error": round(peak / predicted_peak - 1, 3),
+            "giant/loss_first": round(losses[0], 4),
+            "giant/loss_last": round(losses[-1], 4),
+            "giant/loss_curve": [round(x, 4) for x in losses],
+            "giant/val_samples": val["val_samples"],
+            "giant/val_s": round(val["val_s"], 1),
+            "giant/val_read_gb": round(val["val_read_bytes"] / 2**30, 2),
+            "giant/val_loss": round(val["val_loss"], 4),
+            "giant/val_read_over_step_read": round(val["val_read_bytes"] / read_bytes, 3) if read_bytes else None,
+            "giant/val_over_step": round(val["val_s"] / step_s, 2),
+        }
+    )
     return out
 
 
-def _step_figures(job, steps: list[dict[str, Any]], disk_mb_s: float,
-                  start_gflops: float) -> tuple[dict[str, Any], float, float]:  # fmt: skip
+def _step_figures(
+    job, steps: list[dict[str, Any]], disk_mb_s: float, start_gflops: float
+) -> tuple[dict[str, Any], float, float]:
     """The timed steps (a process's first step fills its block cache, so after the first process's it is
     not timed) against limit_s = max(bytes read / disk bandwidth, matmul FLOPs / the cores' rate around
     the steps, measured after each; the rate at the start when none was). Also the bytes a step read and
@@ -184,18 +203,25 @@ def _step_figures(job, steps: list[dict[str, Any]], disk_mb_s: float,
     rates = [s.matmul_gflops for s in timed if s.matmul_gflops]
     gflops = statistics.mean(rates) if rates else start_gflops
     limit_s = max(read_bytes / disk_bw, flops / (gflops * 1e9))
-    return {
-        "giant/matmul_gflops_steps": round(gflops, 1) if rates else None, "giant/step_s": round(step_s, 4),
-        "giant/io_s": round(statistics.mean(s.io_s for s in timed), 4),
-        "giant/compute_s": round(statistics.mean(s.compute_s for s in timed), 4),
-        "giant/step_read_gb": round(read_bytes / 2**30, 2),
-        "giant/read_mb_s": round(read_bytes / MB / read_s, 1) if read_s else None,
-        "giant/read_efficiency": round(read_bytes / read_s / disk_bw, 3) if read_s else None,
-        "giant/step_gflop": round(flops / 1e9, 1), "giant/limit_s": round(limit_s, 4),
-        "giant/limit_bound": "disk" if read_bytes / disk_bw >= flops / (gflops * 1e9) else "compute",
-        "giant/limit_efficiency": round(limit_s / step_s, 3), "giant/predicted_step_s": plan.predicted_step_s,
-        "giant/step_time_error": round(step_s / plan.predicted_step_s - 1, 3),
-    }, read_bytes, step_s  # fmt: skip
+    return (
+        {
+            "giant/matmul_gflops_steps": round(gflops, 1) if rates else None,
+            "giant/step_s": round(step_s, 4),
+            "giant/io_s": round(statistics.mean(s.io_s for s in timed), 4),
+            "giant/compute_s": round(statistics.mean(s.compute_s for s in timed), 4),
+            "giant/step_read_gb": round(read_bytes / 2**30, 2),
+            "giant/read_mb_s": round(read_bytes / MB / read_s, 1) if read_s else None,
+            "giant/read_efficiency": round(read_bytes / read_s / disk_bw, 3) if read_s else None,
+            "giant/step_gflop": round(flops / 1e9, 1),
+            "giant/limit_s": round(limit_s, 4),
+            "giant/limit_bound": "disk" if read_bytes / disk_bw >= flops / (gflops * 1e9) else "compute",
+            "giant/limit_efficiency": round(limit_s / step_s, 3),
+            "giant/predicted_step_s": plan.predicted_step_s,
+            "giant/step_time_error": round(step_s / plan.predicted_step_s - 1, 3),
+        },
+        read_bytes,
+        step_s,
+    )
 
 
 def _generation_phase(job) -> dict[str, Any]:
@@ -209,19 +235,24 @@ def _generation_phase(job) -> dict[str, Any]:
         "giant/gen_s_per_token_b1": round(g["b1"]["token_s"], 4),
         f"giant/gen_s_per_token_b{task.gen_batch}": round(g["bn"]["token_s"], 4),
         "giant/gen_b8_over_b1": round(g["bn"]["token_s"] / g["b1"]["token_s"], 3),
-        "giant/gen_tokens_per_s": round(g["bn"]["tokens_per_s"], 4), "giant/gen_peak_rss_mb": round(gen["peak_rss_mb"], 1),
-        "giant/gen_chunk_size": g["chunk_size"], "giant/gen_cache_blocks": g["cache_blocks"],
-    }  # fmt: skip
+        "giant/gen_tokens_per_s": round(g["bn"]["tokens_per_s"], 4),
+        "giant/gen_peak_rss_mb": round(gen["peak_rss_mb"], 1),
+        "giant/gen_chunk_size": g["chunk_size"],
+        "giant/gen_cache_blocks": g["cache_blocks"],
+    }
     if task.accelerate:
         acc = _child("accelerate", {**request, "prompts": g["prompts"]}, run_dir)
         a = acc["result"]
-        out.update({
-            "giant/accelerate_tokens_per_s": round(a["tokens_per_s"], 4), "giant/accelerate_s_per_token": round(a["token_s"], 2),
-            "giant/vs_accelerate": round(g["bn"]["tokens_per_s"] / a["tokens_per_s"], 2),
-            "giant/vs_accelerate_per_token": round(a["token_s"] / g["bn"]["token_s"], 2),
-            "giant/accelerate_same_tokens": a["tokens"] == g["bn"]["tokens"],
-            "giant/accelerate_peak_rss_mb": round(acc["peak_rss_mb"], 1),
-        })  # fmt: skip
+        out.update(
+            {
+                "giant/accelerate_tokens_per_s": round(a["tokens_per_s"], 4),
+                "giant/accelerate_s_per_token": round(a["token_s"], 2),
+                "giant/vs_accelerate": round(g["bn"]["tokens_per_s"] / a["tokens_per_s"], 2),
+                "giant/vs_accelerate_per_token": round(a["token_s"] / g["bn"]["token_s"], 2),
+                "giant/accelerate_same_tokens": a["tokens"] == g["bn"]["tokens"],
+                "giant/accelerate_peak_rss_mb": round(acc["peak_rss_mb"], 1),
+            }
+        )
     return out
 
 
@@ -265,8 +296,14 @@ def _child(phase: str, request: dict[str, Any], run_dir: Path, kill_when=None) -
     start = time.perf_counter()
     peak, killed = 0.0, False
     with open(run_dir / f"{phase}.log", "a") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "onn.bench.giant", phase, str(result)], stdin=subprocess.PIPE,
-                                stdout=log, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "onn.bench.giant", phase, str(result)],
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
         try:
             proc.stdin.write(json.dumps(request, default=str))
             proc.stdin.close()
@@ -394,9 +431,16 @@ def _progress_callback(path: Path, rows: int):
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             t = module.engine.times
-            row = {"step": trainer.global_step, "step_s": time.perf_counter() - self.t0, "io_s": t.io_s - self.before[0],
-                   "compute_s": t.compute_s - self.before[1], "read_bytes": t.read_bytes - self.before[2],
-                   "read_s": t.read_s - self.before[3], "loss": module.train_losses[-1], "first_in_process": self.steps == 0}  # fmt: skip
+            row = {
+                "step": trainer.global_step,
+                "step_s": time.perf_counter() - self.t0,
+                "io_s": t.io_s - self.before[0],
+                "compute_s": t.compute_s - self.before[1],
+                "read_bytes": t.read_bytes - self.before[2],
+                "read_s": t.read_s - self.before[3],
+                "loss": module.train_losses[-1],
+                "first_in_process": self.steps == 0,
+            }
             self.steps += 1
             row["matmul_gflops"] = _matmul_after_step(module.engine, rows)
             with open(path, "a") as f:
@@ -419,9 +463,7 @@ def _matmul_after_step(engine, rows: int) -> float | None:
         return None
     weight = max(weights, key=lambda w: w.numel())
     x = torch.randn(rows, weight.shape[1]).to(weight.dtype)
-    rate = _best_rate(
-        2 * rows * weight.numel(), lambda: torch.nn.functional.linear(x, weight), trials=3, min_s=0.2
-    )
+    rate = _best_rate(2 * rows * weight.numel(), lambda: torch.nn.functional.linear(x, weight), trials=3, min_s=0.2)
     return round(rate / 1e9, 1)
 
 
@@ -448,16 +490,19 @@ def _train(request: dict[str, Any]) -> dict[str, Any]:
     gc.collect()
     baseline = anon_rss_mb()
     progress = _progress_callback(run_dir / "progress.jsonl", plan.micro_batch * plan.sequence_length)
-    fit = trainer(
-        config, plan, run_dir, [StepCheckpoint(run_dir / "checkpoints", 1), progress], loggers=False
-    )
+    fit = trainer(config, plan, run_dir, [StepCheckpoint(run_dir / "checkpoints", 1), progress], loggers=False)
     module, tokenizer = build(config, plan)
     dm = datamodule(config, tokenizer)
     if request["validate"]:  # the first pass fills the block cache: it reads the whole store once
         start = time.perf_counter()
         fit.validate(module, datamodule=dm, verbose=False)
-        row = {"step": 0, "val_s": time.perf_counter() - start, "val_read_bytes": module.engine.times.read_bytes,
-               "val_samples": len(dm.val_set), "val_loss": module.val_losses[-1]}  # fmt: skip
+        row = {
+            "step": 0,
+            "val_s": time.perf_counter() - start,
+            "val_read_bytes": module.engine.times.read_bytes,
+            "val_samples": len(dm.val_set),
+            "val_loss": module.val_losses[-1],
+        }
         with open(run_dir / "progress.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
     fit.limit_val_batches = 0  # the validation above is the one measured
@@ -478,8 +523,10 @@ def _prompts(config: ONNConfig, tokenizer, count: int) -> list[list[int]]:
     _, val = load_splits(config.data, config.seed)
     length = config.data.max_length
     prompter = Prompter(config.data, tokenizer)  # the prompt format training uses
-    return [tokenizer(p, add_special_tokens=prompter.add_special_tokens)["input_ids"][-length:]
-            for p, _ in prompter.examples(val, "data.source")[:count]]  # fmt: skip
+    return [
+        tokenizer(p, add_special_tokens=prompter.add_special_tokens)["input_ids"][-length:]
+        for p, _ in prompter.examples(val, "data.source")[:count]
+    ]
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int):
@@ -507,14 +554,35 @@ def _generate(request: dict[str, Any]) -> dict[str, Any]:
     for key, batch in (("b1", prompts[:1]), ("bn", prompts)):
         ids, mask = _left_padded(batch, tokenizer.pad_token_id)
         stamps = [time.perf_counter()]
-        new = engine.generate(ids, mask, int(request["tokens"]),
-                              on_token=lambda t, stamps=stamps: stamps.append(time.perf_counter()))  # fmt: skip
+        new = engine.generate(
+            ids, mask, int(request["tokens"]), on_token=lambda t, stamps=stamps: stamps.append(time.perf_counter())
+        )
         steps = [b - a for a, b in itertools.pairwise(stamps)]
         total = stamps[-1] - stamps[0]
-        out[key] = {"first_s": steps[0], "token_s": statistics.median(steps[1:]), "total_s": total,
-                    "tokens_per_s": len(batch) * len(steps) / total, "tokens": new.tolist()}  # fmt: skip
+        out[key] = {
+            "first_s": steps[0],
+            "token_s": statistics.median(steps[1:]),
+            "total_s": total,
+            "tokens_per_s": len(batch) * len(steps) / total,
+            "tokens": new.tolist(),
+        }
     engine.close()
     return out
+
+
+def _offload_index(model: Any, layer_map: Any, folder: Path, blocks: Path) -> dict[str, dict[str, str]]:
+    """accelerate's offload index: for every weight, the block file and name it has there, or the edges file."""
+    index = {}
+    for name, _ in model.named_parameters():
+        block = next((i for i, p in enumerate(layer_map.block_paths) if name.startswith(p + ".")), None)
+        if block is None:
+            index[name] = {"safetensors_file": str(folder / "edges.safetensors"), "weight_name": name}
+        else:
+            index[name] = {
+                "safetensors_file": str(blocks / f"block_{block:05d}.safetensors"),
+                "weight_name": name[len(layer_map.block_paths[block]) + 1 :],
+            }
+    return index
 
 
 def _accelerate(request: dict[str, Any]) -> dict[str, Any]:
@@ -555,15 +623,7 @@ def _accelerate(request: dict[str, Any]) -> dict[str, Any]:
         # accelerate reads float tensors only: the store's blocks, de-quantized to the weights dtype (the
         # numbers ONN computes with), written once beside; this needs the disk room of a bf16 store
         blocks = _float_copy(config, plan, folder, dtype)
-    index = {}
-    for name, _ in model.named_parameters():
-        block = next((i for i, p in enumerate(layer_map.block_paths) if name.startswith(p + ".")), None)
-        if block is None:
-            index[name] = {"safetensors_file": str(folder / "edges.safetensors"), "weight_name": name}
-        else:
-            index[name] = {"safetensors_file": str(blocks / f"block_{block:05d}.safetensors"),
-                           "weight_name": name[len(layer_map.block_paths[block]) + 1 :]}  # fmt: skip
-    (folder / "index.json").write_text(json.dumps(index))
+    (folder / "index.json").write_text(json.dumps(_offload_index(model, layer_map, folder, blocks)))
     disk_offload(model, offload_dir=str(folder), execution_device=torch.device("cpu"))
     files = [*blocks.glob("*.safetensors"), folder / "edges.safetensors"]
 
@@ -580,14 +640,24 @@ def _accelerate(request: dict[str, Any]) -> dict[str, Any]:
     model.register_forward_hook(lambda m, a, o: stamps.append(time.perf_counter()))
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=int(request["tokens"]), min_new_tokens=int(request["tokens"]), do_sample=False,
-                             eos_token_id=None, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        out = model.generate(
+            **inputs,
+            max_new_tokens=int(request["tokens"]),
+            min_new_tokens=int(request["tokens"]),
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     total = time.perf_counter() - start
     new = out[:, inputs["input_ids"].shape[1] :]
     steps = [b - a for a, b in itertools.pairwise([start, *stamps])]
     shutil.rmtree(folder, ignore_errors=True)
-    return {"tokens_per_s": new.numel() / total, "token_s": statistics.median(steps[1:]) if len(steps) > 1 else total,
-            "total_s": total, "tokens": new.tolist()}  # fmt: skip
+    return {
+        "tokens_per_s": new.numel() / total,
+        "token_s": statistics.median(steps[1:]) if len(steps) > 1 else total,
+        "total_s": total,
+        "tokens": new.tolist(),
+    }
 
 
 def _float_copy(config: ONNConfig, plan: dict[str, Any], folder: Path, dtype) -> Path:
@@ -607,7 +677,8 @@ def _float_copy(config: ONNConfig, plan: dict[str, Any], folder: Path, dtype) ->
         need = sum(t.numel() * t.element_size() for t in tensors.values()) * (len(blocks) - i)
         if shutil.disk_usage(out).free < need + DISK_RESERVE_BYTES:
             raise UserError(
-                f"accelerate's copy of the model needs {human_bytes(need)} more under {out}: free some disk, or task.accelerate=false."
+                f"accelerate's copy of the model needs {human_bytes(need)} more under {out}: free some disk, "
+                "or task.accelerate=false."
             )
         write_safetensors(out / f"block_{i:05d}.safetensors", tensors)  # synced and out of the page cache
     return out
@@ -632,7 +703,8 @@ def _write_table(run_dir: Path, out: dict[str, Any], plan: dict[str, Any]) -> No
     s = plan.streaming
     text = (
         f"# Giant: {plan.model['name']} ({out['giant/params'] / 1e9:.1f}B parameters) on this machine\n\n"
-        f"Store: {s.store_dtype} on disk ({out.get('giant/store_gb')} GB), {s.cache_blocks} blocks cached in RAM, chunk "
+        f"Store: {s.store_dtype} on disk ({out.get('giant/store_gb')} GB), "
+        f"{s.cache_blocks} blocks cached in RAM, chunk "
         f"{s.chunk_size}, compute in {s.compute_dtype} on {plan.threads} thread(s). "
         f"limit_s = max(bytes read per step / disk bandwidth, matmul FLOPs per step / matmul rate).\n\n"
         "| figure | value |\n| --- | --- |\n" + "\n".join(rows) + "\n"
@@ -658,9 +730,7 @@ def _main() -> None:
 
     try:
         request["plan"] = Plan.from_dict(request["plan"])
-        request["config"] = config_from_dict(
-            request["config"], BenchGiantTask, f"bench_giant's {phase} process"
-        )
+        request["config"] = config_from_dict(request["config"], BenchGiantTask, f"bench_giant's {phase} process")
         with PeakMemory("cpu", interval_s=0.05) as peak:
             body = PHASES[phase](request)
         body["peak_rss_mb"] = peak.peak_mb

@@ -63,8 +63,11 @@ def run(job) -> dict[str, Any]:
         )
     task: BenchGpuTask = job.config.task
     started = time.perf_counter()
-    out: dict[str, Any] = {"gpu/device": torch.cuda.get_device_name(), "gpu/params": job.spec.params,
-                           "gpu/seed_ms_per_sample": SEED_MS_PER_SAMPLE}  # fmt: skip
+    out: dict[str, Any] = {
+        "gpu/device": torch.cuda.get_device_name(),
+        "gpu/params": job.spec.params,
+        "gpu/seed_ms_per_sample": SEED_MS_PER_SAMPLE,
+    }
     module, tokenizer, trained = _train(job)
     out.update(trained)
     _write(job, out)
@@ -99,13 +102,9 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     clock, probe = StepClock(), _StepProbe(job.run_dir / "syncs_last_step.txt")
     steps = config.task.steps
     # no checkpoint callback: the Trainer writes no checkpoint (onn/training/trainer.py)
-    run_trainer = dataclasses.replace(
-        config.trainer, max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0
-    )
+    run_trainer = dataclasses.replace(config.trainer, max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0)
     run_config = dataclasses.replace(config, trainer=run_trainer)
-    fit = trainer(
-        run_config, plan, job.run_dir, [clock, probe], loggers=False, steps_per_epoch=dm.steps_per_epoch
-    )
+    fit = trainer(run_config, plan, job.run_dir, [clock, probe], loggers=False, steps_per_epoch=dm.steps_per_epoch)
     torch.cuda.reset_peak_memory_stats()
     module.train()
     fit.fit(module, datamodule=dm)
@@ -124,31 +123,48 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     predicted_peak, predicted_context = plan.predicted_peak_memory_mb, plan.context_mb
     tokens = statistics.mean(clock.tokens[timed])
     out = {
-        "gpu/store_dtype": s.store_dtype, "gpu/store_place": "pinned host memory" if s.store == "cpu" else "disk",
-        "gpu/chunk_size": s.chunk_size, "gpu/micro_batch": plan.micro_batch, "gpu/suffix_rows": s.suffix_rows,
-        "gpu/activations": s.activations, "gpu/edges": s.edges, "gpu/build_s": round(build_s, 1),
-        "gpu/steps": len(clock.step_s), "gpu/batch_size": batch,
-        "gpu/peak_allocated_mb": round(peak, 1), "gpu/process_gpu_mb": round(process, 1),
-        "gpu/context_mb": round(context, 1), "gpu/budget_mb": plan.budget_mb,
-        "gpu/predicted_peak_mb": predicted_peak, "gpu/predicted_process_mb": round(predicted_peak + predicted_context, 1),
+        "gpu/store_dtype": s.store_dtype,
+        "gpu/store_place": "pinned host memory" if s.store == "cpu" else "disk",
+        "gpu/chunk_size": s.chunk_size,
+        "gpu/micro_batch": plan.micro_batch,
+        "gpu/suffix_rows": s.suffix_rows,
+        "gpu/activations": s.activations,
+        "gpu/edges": s.edges,
+        "gpu/build_s": round(build_s, 1),
+        "gpu/steps": len(clock.step_s),
+        "gpu/batch_size": batch,
+        "gpu/peak_allocated_mb": round(peak, 1),
+        "gpu/process_gpu_mb": round(process, 1),
+        "gpu/context_mb": round(context, 1),
+        "gpu/budget_mb": plan.budget_mb,
+        "gpu/predicted_peak_mb": predicted_peak,
+        "gpu/predicted_process_mb": round(predicted_peak + predicted_context, 1),
         "gpu/allocated_error": round(peak / predicted_peak - 1, 4),
         "gpu/memory_error": round((peak + context) / (predicted_peak + predicted_context) - 1, 4),
-        "gpu/step_s": round(step_s, 4), "gpu/predicted_step_s": plan.predicted_step_s,
+        "gpu/step_s": round(step_s, 4),
+        "gpu/predicted_step_s": plan.predicted_step_s,
         "gpu/step_time_error": round(step_s / plan.predicted_step_s - 1, 4),
         "gpu/step_s_all": [round(x, 4) for x in clock.step_s],
-        "gpu/io_s": round(statistics.mean(clock.io_s[timed]), 4), "gpu/compute_s": round(statistics.mean(clock.compute_s[timed]), 4),
-        "gpu/predicted_io_s": s.predicted_io_s, "gpu/predicted_compute_s": s.predicted_compute_s,
-        "gpu/copied_gb_per_step": round(copied / 2**30, 3), "gpu/h2d_gb_s": round(link / 2**30, 2),
+        "gpu/io_s": round(statistics.mean(clock.io_s[timed]), 4),
+        "gpu/compute_s": round(statistics.mean(clock.compute_s[timed]), 4),
+        "gpu/predicted_io_s": s.predicted_io_s,
+        "gpu/predicted_compute_s": s.predicted_compute_s,
+        "gpu/copied_gb_per_step": round(copied / 2**30, 3),
+        "gpu/h2d_gb_s": round(link / 2**30, 2),
         "gpu/h2d_gb_s_profile": round(float(job.hardware.h2d_mb_s or 0) / 1024, 2),
-        "gpu/flops_per_step": flops, "gpu/matmul_tflops": round(rate / 1e12, 1),
-        "gpu/limit_s": round(limit, 4), "gpu/limit_efficiency": round(limit / step_s, 4),
+        "gpu/flops_per_step": flops,
+        "gpu/matmul_tflops": round(rate / 1e12, 1),
+        "gpu/limit_s": round(limit, 4),
+        "gpu/limit_efficiency": round(limit / step_s, 4),
         "gpu/limit_bound": "host link" if copied / link >= flops / rate else "matmuls",
-        "gpu/ms_per_sample": round(step_s / batch * 1000, 3), "gpu/tokens_per_s": round(tokens / step_s, 1),
-        "gpu/loss_first": round(module.train_losses[0], 4), "gpu/loss_last": round(module.train_losses[-1], 4),
+        "gpu/ms_per_sample": round(step_s / batch * 1000, 3),
+        "gpu/tokens_per_s": round(tokens / step_s, 1),
+        "gpu/loss_first": round(module.train_losses[0], 4),
+        "gpu/loss_last": round(module.train_losses[-1], 4),
         "gpu/loss_curve": [round(x, 4) for x in module.train_losses],
         "gpu/reserved_peak_mb": round(torch.cuda.max_memory_reserved() / MB, 1),
         "gpu/syncs_last_step": probe.syncs,
-    }  # fmt: skip
+    }
     return module, tokenizer, out
 
 
@@ -172,9 +188,7 @@ class _StepProbe:
                     import warnings
 
                     self._show, self._filters = warnings.showwarning, warnings.filters[:]
-                    warnings.showwarning = lambda message, *a, **k: self._seen.append(
-                        str(message).splitlines()[0]
-                    )
+                    warnings.showwarning = lambda message, *a, **k: self._seen.append(str(message).splitlines()[0])
                     warnings.simplefilter("always")
                     torch.cuda.set_sync_debug_mode("warn")
                     self._profiler = torch.profiler.profile(
@@ -240,8 +254,11 @@ def _timed_generation(generate, prompts: list[list[int]], pad_id: int) -> dict[s
         stamps = [time.perf_counter()]
         generate(ids, mask, lambda *_, stamps=stamps: stamps.append(time.perf_counter()))
         steps = [b - a for a, b in itertools.pairwise(stamps)]
-        out[key] = {"token_s": statistics.median(steps[1:]), "tokens_per_s": len(batch) * len(steps) / (stamps[-1] - stamps[0]),
-                    "first_s": steps[0]}  # fmt: skip
+        out[key] = {
+            "token_s": statistics.median(steps[1:]),
+            "tokens_per_s": len(batch) * len(steps) / (stamps[-1] - stamps[0]),
+            "first_s": steps[0],
+        }
     return out
 
 
@@ -256,17 +273,22 @@ def _generate(job, module, tokenizer, prompts: list[list[int]]) -> dict[str, Any
     engine = build_engine(module.model, settings, module.store, job.device, micro_batch=None)
     module.model.eval()
     torch.cuda.reset_peak_memory_stats()
-    timed = _timed_generation(lambda ids, mask, on_token: engine.generate(ids, mask, tokens, on_token=on_token),
-                              prompts, tokenizer.pad_token_id)  # fmt: skip
+    timed = _timed_generation(
+        lambda ids, mask, on_token: engine.generate(ids, mask, tokens, on_token=on_token),
+        prompts,
+        tokenizer.pad_token_id,
+    )
     engine.close()
     return {
-        "gpu/gen_tokens": tokens, "gpu/gen_batch": len(prompts),
-        "gpu/gen_b1_token_s": round(timed["b1"]["token_s"], 4), "gpu/gen_bn_token_s": round(timed["bn"]["token_s"], 4),
+        "gpu/gen_tokens": tokens,
+        "gpu/gen_batch": len(prompts),
+        "gpu/gen_b1_token_s": round(timed["b1"]["token_s"], 4),
+        "gpu/gen_bn_token_s": round(timed["bn"]["token_s"], 4),
         "gpu/gen_b1_tokens_per_s": round(timed["b1"]["tokens_per_s"], 3),
         "gpu/gen_bn_tokens_per_s": round(timed["bn"]["tokens_per_s"], 3),
         "gpu/gen_bn_over_b1": round(timed["bn"]["token_s"] / timed["b1"]["token_s"], 3),
         "gpu/gen_peak_allocated_mb": round(torch.cuda.max_memory_allocated() / MB, 1),
-    }  # fmt: skip
+    }
 
 
 def _plain_state(job, module) -> dict[str, torch.Tensor]:
@@ -323,8 +345,12 @@ def _accelerate(
     torch.cuda.set_per_process_memory_fraction(1.0)
     gpu_mb = int(plan.budget_mb - plan.context_mb - 1024)
     host_mb = int(job.hardware.host_memory_available_mb * 0.9)
-    device_map = infer_auto_device_map(model, max_memory={0: f"{gpu_mb}MiB", "cpu": f"{host_mb}MiB"},
-                                       no_split_module_classes=model._no_split_modules, dtype=dtype)  # fmt: skip
+    device_map = infer_auto_device_map(
+        model,
+        max_memory={0: f"{gpu_mb}MiB", "cpu": f"{host_mb}MiB"},
+        no_split_module_classes=model._no_split_modules,
+        dtype=dtype,
+    )
     model = dispatch_model(model, device_map=device_map).eval()
     on_gpu = sum(1 for where in device_map.values() if where == 0)
 
@@ -342,8 +368,15 @@ def _accelerate(
 
     def generate(ids, mask, on_token):
         with torch.no_grad():
-            model.generate(input_ids=ids.to(0), attention_mask=mask.to(0), max_new_tokens=tokens, min_new_tokens=tokens,
-                           do_sample=False, pad_token_id=tokenizer.pad_token_id, streamer=Stamps(on_token))  # fmt: skip
+            model.generate(
+                input_ids=ids.to(0),
+                attention_mask=mask.to(0),
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                streamer=Stamps(on_token),
+            )
 
     torch.cuda.reset_peak_memory_stats()
     timed = _timed_generation(generate, prompts, tokenizer.pad_token_id)
@@ -363,13 +396,29 @@ def _overheads(job) -> dict[str, Any]:
     task: BenchGpuTask = job.config.task
     out = {}
     ran = _child(job, "overhead", ["task=bench_overhead", "tracking=none"])
-    out.update(_figures(ran, {"gpu/default_job_ratio": "overhead/ratio", "gpu/default_job_steps_per_s": "overhead/onn_steps_per_s",
-                              "gpu/plain_loop_steps_per_s": "overhead/plain_steps_per_s"}))  # fmt: skip
+    out.update(
+        _figures(
+            ran,
+            {
+                "gpu/default_job_ratio": "overhead/ratio",
+                "gpu/default_job_steps_per_s": "overhead/onn_steps_per_s",
+                "gpu/plain_loop_steps_per_s": "overhead/plain_steps_per_s",
+            },
+        )
+    )
     source = Path(str(task.vision_source)).expanduser()
     if source.exists():
         ran = _child(job, "vision", ["recipe=bench_vision", f"data.source={source}"])
-        out.update(_figures(ran, {"gpu/vision_runner_overhead": "vision/runner_overhead", "gpu/vision_onn_samples_per_s":
-                                  "vision/onn_samples_per_s", "gpu/vision_plain_samples_per_s": "vision/plain_samples_per_s"}))  # fmt: skip
+        out.update(
+            _figures(
+                ran,
+                {
+                    "gpu/vision_runner_overhead": "vision/runner_overhead",
+                    "gpu/vision_onn_samples_per_s": "vision/onn_samples_per_s",
+                    "gpu/vision_plain_samples_per_s": "vision/plain_samples_per_s",
+                },
+            )
+        )
     else:
         out["gpu/vision_runner_overhead"] = f"not measured: task.vision_source {source} does not exist"
     return out
@@ -388,8 +437,14 @@ def _child(job, name: str, overrides: list[str]) -> dict[str, Any]:
     folder = job.run_dir / name
     paths = job.config.paths
     root = Path(paths.root)
-    command = [sys.executable, str(root / "run.py"), *overrides, f"hydra.run.dir={folder}",
-               f"paths.outputs={paths.outputs}", f"paths.cache={paths.cache}"]  # fmt: skip
+    command = [
+        sys.executable,
+        str(root / "run.py"),
+        *overrides,
+        f"hydra.run.dir={folder}",
+        f"paths.outputs={paths.outputs}",
+        f"paths.cache={paths.cache}",
+    ]
     proc = subprocess.run(command, cwd=root, env=os.environ.copy(), capture_output=True, text=True)
     (job.run_dir / f"{name}.log").write_text(proc.stdout + proc.stderr)
     try:
@@ -404,7 +459,10 @@ def _child(job, name: str, overrides: list[str]) -> dict[str, Any]:
 def _write(job, out: dict[str, Any]) -> None:
     """bench_gpu.md: the figures so far (a bench stopped midway keeps what it measured)."""
     rows = [f"| {k.removeprefix('gpu/')} | {v} |" for k, v in out.items() if not isinstance(v, dict | list)]
-    text = (f"# bench_gpu: {job.spec.name} on {out.get('gpu/device')}\n\n| figure | value |\n| --- | --- |\n"
-            + "\n".join(rows) + "\n")  # fmt: skip
+    text = (
+        f"# bench_gpu: {job.spec.name} on {out.get('gpu/device')}\n\n| figure | value |\n| --- | --- |\n"
+        + "\n".join(rows)
+        + "\n"
+    )
     (job.run_dir / "bench_gpu.md").write_text(text)
     (job.run_dir / "bench_gpu.json").write_text(json.dumps(out, indent=1, default=str))

@@ -61,12 +61,18 @@ COLUMNS = [
     "wall_s",
     "overrides",
 ]
-SCORE_NAMES = {"score/efficiency": "efficiency", "score/speed": "speed", "score/memory": "memory", "score/overall": "overall"}  # fmt: skip
+SCORE_NAMES = {
+    "score/efficiency": "efficiency",
+    "score/speed": "speed",
+    "score/memory": "memory",
+    "score/overall": "overall",
+}
 ERROR_CHARS = 80
 
 EXPLANATION = (
     "One row per job of the sweep, best `overall` score first; still running, failed, crashed (killed without a "
-    "record: SIGKILL, out of memory) and missing (never started) jobs last. `job` lists the overrides that differ between the sweep's jobs, `dir` is "
+    "record: SIGKILL, out of memory) and missing (never started) jobs last. "
+    "`job` lists the overrides that differ between the sweep's jobs, `dir` is "
     "the job's folder. *samples/s* is the measured training throughput. *step s* and *peak MB* are "
     "measured next to the planner's predictions (pred.), which the plan made before the job ran; "
     "*err %* is measured / predicted - 1, so +10% means the job took 10% more than predicted. "
@@ -89,9 +95,7 @@ def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
         given = overrides[d.name]
         row: dict[str, Any] = dict.fromkeys(COLUMNS)
         row.update(metrics)
-        row.update(
-            job=d.name, label=labels[d.name], status=status, error=error, overrides=" ".join(given.values())
-        )
+        row.update(job=d.name, label=labels[d.name], status=status, error=error, overrides=" ".join(given.values()))
         for group in ("task", "model", "data", "strategy", "hardware"):
             if row[group] is None and group in given:  # a missing job still says what it was
                 row[group] = given[group].split("=", 1)[1]
@@ -126,8 +130,12 @@ class GridCallback(Callback):
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The jobs as a markdown table, best overall score first, failed/missing last."""
     header = ["job", "status", "samples/s", "step s", "step s pred.", "step err %", "peak MB", "peak MB pred.",
-              "memory err %", "learned", "quality", "efficiency", "speed", "memory", "overall", "dir", "error"]  # fmt: skip
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if h in ("job", "status", "dir", "error") else "--:" for h in header) + "|"]  # fmt: skip
+              "memory err %", "learned", "quality", "efficiency", "speed", "memory", "overall", "dir",
+              "error"]  # fmt: skip
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" if h in ("job", "status", "dir", "error") else "--:" for h in header) + "|",
+    ]
     for r in ranked(rows):
         cells = [
             r["label"],
@@ -227,14 +235,30 @@ def _scatter(ax: Any, ok: list[dict[str, Any]]) -> None:
     ax.set_title("Throughput against peak memory (up and left is better)")
     ax.grid(True, alpha=0.3)
     if not points:
-        ax.text(0.5, 0.5, "no job measured both\nthroughput and peak memory", ha="center", va="center", transform=ax.transAxes)  # fmt: skip
+        ax.text(
+            0.5,
+            0.5,
+            "no job measured both\nthroughput and peak memory",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
         return
     strategies = sorted({str(r["strategy"] or "unknown") for _, _, r in points})
-    palette = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666"]  # fmt: skip
+    palette = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666"]
     colours = {s: palette[i % len(palette)] for i, s in enumerate(strategies)}  # Dark2, unlike the score bars
     for s in strategies:
         mine = [(x, y) for x, y, r in points if str(r["strategy"] or "unknown") == s]
-        ax.scatter([x for x, _ in mine], [y for _, y in mine], s=60, color=colours[s], label=s, zorder=3, edgecolor="black", linewidth=0.5)  # fmt: skip
+        ax.scatter(
+            [x for x, _ in mine],
+            [y for _, y in mine],
+            s=60,
+            color=colours[s],
+            label=s,
+            zorder=3,
+            edgecolor="black",
+            linewidth=0.5,
+        )
     ax.margins(x=0.15, y=0.2)
     if ax.get_xlim()[0] < 0:  # neither memory nor throughput goes below zero
         ax.set_xlim(left=0)
@@ -258,13 +282,29 @@ def _annotate(ax: Any, points: list[tuple[float, float, str]]) -> None:
     for x, y, text in sorted(points, key=lambda p: -p[1]):
         side = -1 if x > middle else 1  # point inwards, so labels stay inside the axes
         for dx, dy in ((7, 5), (7, -12), (7, 16), (7, -23), (7, 27)):
-            note = ax.annotate(text, (x, y), xytext=(side * dx, dy), textcoords="offset points", ha="left" if side > 0 else "right", fontsize=8, alpha=0.85)  # fmt: skip
+            note = ax.annotate(
+                text,
+                (x, y),
+                xytext=(side * dx, dy),
+                textcoords="offset points",
+                ha="left" if side > 0 else "right",
+                fontsize=8,
+                alpha=0.85,
+            )
             box = note.get_window_extent(renderer)
             if not any(box.overlaps(other) for other in placed):
                 break
             note.remove()
         else:
-            note = ax.annotate(text, (x, y), xytext=(side * 7, 5), textcoords="offset points", ha="left" if side > 0 else "right", fontsize=8, alpha=0.85)  # fmt: skip
+            note = ax.annotate(
+                text,
+                (x, y),
+                xytext=(side * 7, 5),
+                textcoords="offset points",
+                ha="left" if side > 0 else "right",
+                fontsize=8,
+                alpha=0.85,
+            )
         placed.append(note.get_window_extent(renderer))
 
 
@@ -288,13 +328,27 @@ def _score_bars(ax: Any, rows: list[dict[str, Any]]) -> None:
     if log_scale:
         ax.set_yscale("log")
     if not values:
-        ax.text(0.5, 0.85, "no job reported scores", ha="center", va="center", transform=ax.transAxes, color="dimgray")  # fmt: skip
+        ax.text(0.5, 0.85, "no job reported scores", ha="center", va="center", transform=ax.transAxes, color="dimgray")
     ax.set_ylim(top=ax.get_ylim()[1] * (3 if log_scale else 1.15))  # room for the bar labels
     for i, r in enumerate(rows):
-        note = r["status"] if r["status"] != "ok" else ("no scores" if values and all(_finite(r[k]) is None for k in SCORE_KEYS) else None)  # fmt: skip
+        note = (
+            r["status"]
+            if r["status"] != "ok"
+            else ("no scores" if values and all(_finite(r[k]) is None for k in SCORE_KEYS) else None)
+        )
         if note:
             ax.axvspan(i - 0.4, i + 0.4, color="lightgray", alpha=0.35, zorder=1)
-            ax.text(i, 0.5, note, ha="center", va="center", rotation=90, fontsize=11, color="firebrick" if r["status"] != "ok" else "dimgray", transform=ax.get_xaxis_transform())  # fmt: skip
+            ax.text(
+                i,
+                0.5,
+                note,
+                ha="center",
+                va="center",
+                rotation=90,
+                fontsize=11,
+                color="firebrick" if r["status"] != "ok" else "dimgray",
+                transform=ax.get_xaxis_transform(),
+            )
     ax.set_xticks(range(n))
     ax.set_xticklabels([r["label"].replace(" ", "\n") for r in rows], rotation=30, ha="right", fontsize=8)
     ax.set_xlim(-0.6, n - 0.4)
@@ -331,11 +385,12 @@ def _read_metrics(job: Path) -> tuple[dict[str, Any], str, str | None]:
     status = state(metrics)
     metrics.pop("status", None)
     error = metrics.pop("error", None)
-    if (
-        status == "crashed"
-    ):  # a `running` record whose process is gone: SIGKILL, out of memory, a machine down
+    if status == "crashed":  # a `running` record whose process is gone: SIGKILL, out of memory, a machine down
         step = metrics["steps"]
-        error = f"crashed: the job stopped without a record{f' after step {step}' if step else ''} (killed?); a resumed sweep runs it again"
+        error = (
+            f"crashed: the job stopped without a record{f' after step {step}' if step else ''} (killed?); "
+            "a resumed sweep runs it again"
+        )
     return metrics, status, error
 
 
@@ -420,8 +475,6 @@ def _csv_value(v: Any) -> Any:
 
 
 def _counts_text(rows: list[dict[str, Any]]) -> str:
-    counts = {
-        s: sum(r["status"] == s for r in rows) for s in ("ok", "running", "failed", "crashed", "missing")
-    }
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "running", "failed", "crashed", "missing")}
     parts = [f"{n} {s}" for s, n in counts.items() if n or s in ("ok", "failed", "missing")]
     return f"{len(rows)} job{'' if len(rows) == 1 else 's'}: " + ", ".join(parts)

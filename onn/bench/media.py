@@ -51,20 +51,14 @@ def run(job) -> dict[str, Any]:
 
         source = resolve(config.data.source, config.data, config.paths.cache)
         config = dataclasses.replace(config, data=dataclasses.replace(config.data, source=source))
-    dm = classification.setup_data(
-        m, config, job.device
-    )  # decodes once (or reads the cache): what the runs use
+    dm = classification.setup_data(m, config, job.device)  # decodes once (or reads the cache): what the runs use
     if dm.streamed:
-        raise UserError(
-            "task=bench_media compares the resident store with per-file loading; set data.resident=true."
-        )
+        raise UserError("task=bench_media compares the resident store with per-file loading; set data.resident=true.")
     inputs = classification.data_inputs(m, config, dm)
     decoding = _decoding(m, config, inputs, repeats)
     pipe, train = _pipelines(job, config, dm, inputs, steps, warmup, repeats, workers)
     metrics = _figures(m.name, decoding, pipe, train)
-    metrics.update(
-        {"media/batch_size": dm.batch_size, "media/timed_steps": steps, "media/standard_workers": workers}
-    )
+    metrics.update({"media/batch_size": dm.batch_size, "media/timed_steps": steps, "media/standard_workers": workers})
     return metrics
 
 
@@ -74,9 +68,7 @@ def _decoding(m, config: ONNConfig, inputs: dict[str, Any], repeats: int) -> dic
     decode_s, cache_s, clips, seconds = [], [], 0, 0.0
     for _ in range(repeats):
         start = time.perf_counter()
-        decoded, seconds = reader.read(
-            source, config.data, reader.fit(inputs), workers=config.data.num_workers or 1
-        )
+        decoded, seconds = reader.read(source, config.data, reader.fit(inputs), workers=config.data.num_workers or 1)
         decode_s.append(time.perf_counter() - start)
         clips = sum(len(d.labels) for d in decoded.values())
         start = time.perf_counter()
@@ -110,8 +102,11 @@ def _pipelines(job, config: ONNConfig, dm, inputs, steps: int, warmup: int, repe
         train["resident"].append(
             _train(m, config, inputs, dm.train_dataloader(), steps, warmup, transform, precision, dm.device)
         )
-        train["standard"].append(_train(m, config, inputs, standard.loader(batch, workers, dm.device), steps, warmup, None,
-                                        precision, dm.device))  # fmt: skip
+        train["standard"].append(
+            _train(
+                m, config, inputs, standard.loader(batch, workers, dm.device), steps, warmup, None, precision, dm.device
+            )
+        )
     return pipe, train
 
 
@@ -123,10 +118,13 @@ def _figures(
     best_pipe = {k: max(v) for k, v in pipe.items()}
     best_train = {k: max(v) for k, v in train.items()}
     metrics = {
-        "media/clips": clips, "media/decoded_seconds": round(seconds, 2), "media/decode_s": round(best_decode, 3),
+        "media/clips": clips,
+        "media/decoded_seconds": round(seconds, 2),
+        "media/decode_s": round(best_decode, 3),
         "media/decode_clips_per_s": round(clips / best_decode, 1),
         f"media/decode_{kind}_s_per_s": round(seconds / best_decode, 1),  # seconds of media decoded per second
-        "media/cache_read_s": round(best_cache, 4), "media/cache_clips_per_s": round(clips / best_cache, 1),
+        "media/cache_read_s": round(best_cache, 4),
+        "media/cache_clips_per_s": round(clips / best_cache, 1),
         "media/cache_speedup": round(best_decode / best_cache, 1),
         "media/pipeline_resident_samples_per_s": round(best_pipe["resident"], 1),
         "media/pipeline_standard_samples_per_s": round(best_pipe["standard"], 1),
@@ -134,17 +132,23 @@ def _figures(
         "media/train_resident_samples_per_s": round(best_train["resident"], 1),
         "media/train_standard_samples_per_s": round(best_train["standard"], 1),
         "media/train_speedup": round(best_train["resident"] / best_train["standard"], 3),
-        "media/rounds": {"decode_s": [round(x, 3) for x in d["decode_s"]], "cache_s": [round(x, 4) for x in d["cache_s"]],
-                         **{f"pipeline_{k}": [round(x, 1) for x in v] for k, v in pipe.items()},
-                         **{f"train_{k}": [round(x, 1) for x in v] for k, v in train.items()}},
-    }  # fmt: skip
+        "media/rounds": {
+            "decode_s": [round(x, 3) for x in d["decode_s"]],
+            "cache_s": [round(x, 4) for x in d["cache_s"]],
+            **{f"pipeline_{k}": [round(x, 1) for x in v] for k, v in pipe.items()},
+            **{f"train_{k}": [round(x, 1) for x in v] for k, v in train.items()},
+        },
+    }
     for line in (
-        f"decode: {clips} clips ({seconds:.0f} s of {kind}) in {best_decode:.2f} s = {metrics['media/decode_clips_per_s']:.0f} clips/s, "
+        f"decode: {clips} clips ({seconds:.0f} s of {kind}) "
+        f"in {best_decode:.2f} s = {metrics['media/decode_clips_per_s']:.0f} clips/s, "
         f"{metrics[f'media/decode_{kind}_s_per_s']:.0f} s of {kind} per second; from the cache in {best_cache:.3f} s "
         f"(x{metrics['media/cache_speedup']:.0f})",
-        f"pipelines: resident {best_pipe['resident']:.0f} samples/s, per-file Dataset+DataLoader {best_pipe['standard']:.0f} "
+        f"pipelines: resident {best_pipe['resident']:.0f} samples/s, "
+        f"per-file Dataset+DataLoader {best_pipe['standard']:.0f} "
         f"samples/s -> resident_speedup x{metrics['media/resident_speedup']:.1f}",
-        f"training on each: resident {best_train['resident']:.0f} samples/s, per-file {best_train['standard']:.0f} samples/s "
+        f"training on each: resident {best_train['resident']:.0f} samples/s, "
+        f"per-file {best_train['standard']:.0f} samples/s "
         f"-> train_speedup x{metrics['media/train_speedup']:.2f}",
     ):
         print(line)
@@ -179,8 +183,15 @@ class PerFileItems(torch.utils.data.Dataset):
         raise UserError("no file of the training split decodes")
 
     def loader(self, batch: int, workers: int, device: torch.device):
-        return torch.utils.data.DataLoader(self, batch_size=batch, shuffle=True, drop_last=True, num_workers=workers,
-                                           persistent_workers=False, pin_memory=device.type == "cuda")  # fmt: skip
+        return torch.utils.data.DataLoader(
+            self,
+            batch_size=batch,
+            shuffle=True,
+            drop_last=True,
+            num_workers=workers,
+            persistent_workers=False,
+            pin_memory=device.type == "cuda",
+        )
 
 
 def _sync(device: torch.device) -> None:
@@ -223,13 +234,7 @@ def _train(
     torch.manual_seed(config.seed)
     model = m.network(config.model, inputs).to(device).train()
     optimizer = make_optimizer(model.parameters(), config.optim)
-    half = (
-        torch.bfloat16
-        if precision.startswith("bf16")
-        else torch.float16
-        if precision.startswith("16")
-        else None
-    )
+    half = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else None
     scaler = torch.amp.GradScaler(device.type, enabled=half is torch.float16)  # as Lightning's 16-mixed
     stamps, batch = [], 0
     for x, labels in _batches(loader, steps, warmup):

@@ -135,8 +135,12 @@ def _onn(job, steps: int, warmup: int) -> float:
     dm = datamodule(config, tokenizer)
     folder = job.run_dir / "onn_side"
     # the stamps first: the end of training is stamped before the checkpoint is written
-    callbacks = [Stamps(), StepCheckpoint(folder / "checkpoints", 10**9), StepClock(),
-                 ResourceMonitor(config.trainer.log_every_n_steps)]  # fmt: skip
+    callbacks = [
+        Stamps(),
+        StepCheckpoint(folder / "checkpoints", 10**9),
+        StepClock(),
+        ResourceMonitor(config.trainer.log_every_n_steps),
+    ]
     run_trainer = dataclasses.replace(
         config.trainer, max_steps=warmup + steps, limit_val_batches=0, num_sanity_val_steps=0
     )

@@ -4,7 +4,8 @@ task=bench             onn/bench/suite.py      a short training protocol against
 task=tune              onn/bench/tune.py       timed trials of the settings the planner guesses; cached
 task=bench_streaming   onn/bench/streaming.py  layer streaming: chunk reuse, I/O against compute
 task=bench_vision      onn/bench/vision.py     the image runner against a plain loop and a standard pipeline
-task=bench_media       onn/bench/media.py      audio/video decoding throughput; the cached store against per-file loading
+task=bench_media       onn/bench/media.py      audio/video decoding throughput; the cached store against per-file
+                                               loading
 task=bench_shard_plan  onn/export/shards.py    the .omny shard planner on a synthetic model
 task=bench_giant       onn/bench/giant.py      a model larger than RAM: store build, training, generation
 task=bench_serve       onn/bench/serve.py      task=serve under load: batching speedup, latencies, errors

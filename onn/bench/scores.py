@@ -33,9 +33,15 @@ def learned(losses: list[float], alpha: float = 0.05) -> tuple[bool, float | Non
     if fifth < 2:
         return False, None
     first, last = np.asarray(losses[:fifth]), np.asarray(losses[-fifth:])
-    result = permutation_test((first, last), lambda a, b, axis: a.mean(axis=axis) - b.mean(axis=axis),
-                              permutation_type="independent", alternative="greater", vectorized=True,
-                              n_resamples=MAX_RELABELLINGS, rng=np.random.default_rng(0))  # fmt: skip
+    result = permutation_test(
+        (first, last),
+        lambda a, b, axis: a.mean(axis=axis) - b.mean(axis=axis),
+        permutation_type="independent",
+        alternative="greater",
+        vectorized=True,
+        n_resamples=MAX_RELABELLINGS,
+        rng=np.random.default_rng(0),
+    )
     p = float(result.pvalue)
     return bool(result.statistic > 0 and p < alpha), p
 
@@ -46,8 +52,15 @@ def loss_fall(before: float | None, after: float | None) -> float | None:
     return min(1.0, max(0.0, (before - after) / before))
 
 
-def equitable(quality: float | None, params: int, samples_per_s: float | None, batch_size: int,
-              available_mb: float | None, peak_mb: float | None, weights: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+def equitable(
+    quality: float | None,
+    params: int,
+    samples_per_s: float | None,
+    batch_size: int,
+    available_mb: float | None,
+    peak_mb: float | None,
+    weights: dict[str, float],
+) -> dict[str, Any]:
     """The four `score/*` keys (None where a figure is missing)."""
     scores = {
         "score/efficiency": quality / params * 1e10 if quality is not None and params else None,

@@ -51,9 +51,13 @@ class _EngineClock:
     def phase(self, name: str) -> None:
         now = self._now()
         if self.engine is not None:
-            self.figures.update({f"serve/{name}_io_wait_s": round(now[0] - self.mark[0], 3),
-                                 f"serve/{name}_compute_s": round(now[1] - self.mark[1], 3),
-                                 f"serve/{name}_chunk_loads": now[2] - self.mark[2]})  # fmt: skip
+            self.figures.update(
+                {
+                    f"serve/{name}_io_wait_s": round(now[0] - self.mark[0], 3),
+                    f"serve/{name}_compute_s": round(now[1] - self.mark[1], 3),
+                    f"serve/{name}_chunk_loads": now[2] - self.mark[2],
+                }
+            )
         self.mark = now
 
 
@@ -79,8 +83,10 @@ def run(job: Job) -> dict[str, Any]:
             "serve/store": engine.store.kind if engine is not None else None,
         }
     )
-    print(" ".join(f"{k}={v}" for k, v in out.items() if isinstance(v, int | float) and not isinstance(v, bool)),
-          flush=True)  # fmt: skip
+    print(
+        " ".join(f"{k}={v}" for k, v in out.items() if isinstance(v, int | float) and not isinstance(v, bool)),
+        flush=True,
+    )
     return out
 
 
@@ -110,16 +116,23 @@ def _one_by_one_and_together(http, name: str, n: int, tokens: int, engine) -> di
     concurrent_s = time.perf_counter() - start
     clock.phase("concurrent")
     same = sum(a["choices"][0]["text"] == b["choices"][0]["text"] for a, b in zip(alone, together))
-    print(f"{n} requests of {tokens} tokens: one by one {sequential_s:.2f} s, together {concurrent_s:.2f} s "
-          f"(x{sequential_s / concurrent_s:.2f}); {same}/{n} identical texts", flush=True)  # fmt: skip
+    print(
+        f"{n} requests of {tokens} tokens: one by one {sequential_s:.2f} s, together {concurrent_s:.2f} s "
+        f"(x{sequential_s / concurrent_s:.2f}); {same}/{n} identical texts",
+        flush=True,
+    )
     return {
         "serve/batching_speedup": round(sequential_s / concurrent_s, 3),
         "serve/concurrent_over_single": round(concurrent_s / (sequential_s / n), 3),
-        "serve/sequential_s": round(sequential_s, 3), "serve/concurrent_s": round(concurrent_s, 3),
-        "serve/last_alone_s": round(alone_s, 3), "serve/requests_together": n, "serve/tokens_per_request": tokens,
+        "serve/sequential_s": round(sequential_s, 3),
+        "serve/concurrent_s": round(concurrent_s, 3),
+        "serve/last_alone_s": round(alone_s, 3),
+        "serve/requests_together": n,
+        "serve/tokens_per_request": tokens,
         "serve/concurrent_tokens": sum(r["usage"]["completion_tokens"] for r in together),
-        "serve/identical_to_alone": same, **clock.figures,
-    }  # fmt: skip
+        "serve/identical_to_alone": same,
+        **clock.figures,
+    }
 
 
 def _load(http, name: str, clients: int, per_client: int, max_tokens: int) -> dict[str, Any]:
@@ -128,8 +141,13 @@ def _load(http, name: str, clients: int, per_client: int, max_tokens: int) -> di
     lock = threading.Lock()
 
     def one(client: int, i: int) -> None:
-        body = {"model": name, "messages": [{"role": "user", "content": f"{PROMPTS[(client + i) % len(PROMPTS)]} #{client}"}],
-                "max_tokens": max_tokens, "temperature": 0, "stream": True}  # fmt: skip
+        body = {
+            "model": name,
+            "messages": [{"role": "user", "content": f"{PROMPTS[(client + i) % len(PROMPTS)]} #{client}"}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
         start = last = time.perf_counter()
         first, between, done = None, [], False
         try:
@@ -146,9 +164,7 @@ def _load(http, name: str, clients: int, per_client: int, max_tokens: int) -> di
                     if "error" in chunk:
                         raise RuntimeError(chunk["error"]["message"])
                     delta = chunk["choices"][0]["delta"] if chunk["choices"] else {}
-                    if (
-                        "content" in delta and "role" not in delta
-                    ):  # one chunk per token (its text may be empty)
+                    if "content" in delta and "role" not in delta:  # one chunk per token (its text may be empty)
                         now = time.perf_counter()
                         if first is None:
                             first = now - start

@@ -41,9 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("onn")
 
 
-def micro_batches(
-    count: int, micro_batch: int, seq: int, vocab: int, seed: int = 0
-) -> list[dict[str, torch.Tensor]]:
+def micro_batches(count: int, micro_batch: int, seq: int, vocab: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):
@@ -104,11 +102,13 @@ def run(job) -> dict[str, Any]:
     model, _ = load(config.model, dtype=torch.float32)
     base = apply(model, "sparse_lora", config.strategy, discover(model), plan.sparse_layers)
     store_dir = Path(config.paths.cache) / "stores" / model_fingerprint(config.model) / "bench"
-    b = _Bench(
-        config, plan, base, store_dir, bench.seq_len, bench.micro_batch, bench.repeats, bench.chunk_size
-    )
-    out: dict[str, Any] = {"stream/blocks": len(discover(base)), "stream/chunk_size": b.chunk, "stream/seq_len": b.seq,
-                           "stream/micro_batch": b.micro_batch}  # fmt: skip
+    b = _Bench(config, plan, base, store_dir, bench.seq_len, bench.micro_batch, bench.repeats, bench.chunk_size)
+    out: dict[str, Any] = {
+        "stream/blocks": len(discover(base)),
+        "stream/chunk_size": b.chunk,
+        "stream/seq_len": b.seq,
+        "stream/micro_batch": b.micro_batch,
+    }
     out.update(_memory_within_budget(b))
     rows: list[tuple] = []
     for measure in (_reuse, _against_resident, _against_accelerate):
@@ -129,17 +129,28 @@ def _memory_within_budget(b: _Bench) -> dict[str, Any]:
     predicted, planned = _predicted_step_mb(b.config, budget, b.micro_batch, b.seq)
     shutil.rmtree(f"{b.store_dir}_blockwise", ignore_errors=True)
     measured = _step_memory_in_fresh_process(
-        {"model": as_dict(b.config.model), "strategy": as_dict(b.config.strategy), "layers": b.plan.sparse_layers,
-         "store": f"{b.store_dir}_blockwise", "chunk_size": planned.chunk_size, "stream_edges": planned.edges == "stream",
-         "micro_batch": b.micro_batch, "seq_len": b.seq}
-    )  # fmt: skip
+        {
+            "model": as_dict(b.config.model),
+            "strategy": as_dict(b.config.strategy),
+            "layers": b.plan.sparse_layers,
+            "store": f"{b.store_dir}_blockwise",
+            "chunk_size": planned.chunk_size,
+            "stream_edges": planned.edges == "stream",
+            "micro_batch": b.micro_batch,
+            "seq_len": b.seq,
+        }
+    )
     return {
-        "stream/model_mb": round(weights_mb, 1), "stream/budget_mb": round(budget, 1),
-        "stream/budget_chunk_size": planned.chunk_size, "stream/budget_edges": planned.edges,
-        "stream/model_over_budget": round(weights_mb / budget, 2), "stream/peak_step_mb": round(measured, 1),
-        "stream/predicted_step_mb": round(predicted, 1), "stream/peak_over_predicted": round(measured / predicted, 3),
+        "stream/model_mb": round(weights_mb, 1),
+        "stream/budget_mb": round(budget, 1),
+        "stream/budget_chunk_size": planned.chunk_size,
+        "stream/budget_edges": planned.edges,
+        "stream/model_over_budget": round(weights_mb / budget, 2),
+        "stream/peak_step_mb": round(measured, 1),
+        "stream/predicted_step_mb": round(predicted, 1),
+        "stream/peak_over_predicted": round(measured / predicted, 3),
         "stream/within_budget": measured <= budget,
-    }  # fmt: skip
+    }
 
 
 def _reuse(b: _Bench) -> tuple[dict[str, Any], list[tuple]]:
@@ -149,9 +160,7 @@ def _reuse(b: _Bench) -> tuple[dict[str, Any], list[tuple]]:
     for m_count in b.config.task.reuse_m:
         batch = micro_batches(m_count, b.micro_batch, b.seq, b.vocab)
         disk.times.__init__()
-        step = _timed(
-            lambda batch=batch: (disk.train_step(batch), b.base.zero_grad(set_to_none=True)), b.repeats
-        )
+        step = _timed(lambda batch=batch: (disk.train_step(batch), b.base.zero_grad(set_to_none=True)), b.repeats)
         runs = b.repeats + 1
         speeds[m_count] = m_count * b.micro_batch / step
         load_s, compute_s = disk.times.load_s / runs, disk.times.compute_s / runs
@@ -226,9 +235,12 @@ def _write_table(run_dir: Path, rows: list[tuple], out: dict[str, Any]) -> None:
     table += [f"| {name} | {s:.3f} | {sps:.2f} | {ld:.3f} | {cp:.3f} |" for name, s, sps, ld, cp in rows]
     figures = [f"| {k} | {v} |" for k, v in out.items() if not isinstance(v, dict)]
     (run_dir / "bench_streaming.md").write_text(
-        "# Layer streaming benchmark\n\n" + "\n".join(table) + "\n\n| figure | value |\n| --- | --- |\n"
-        + "\n".join(figures) + "\n"
-    )  # fmt: skip
+        "# Layer streaming benchmark\n\n"
+        + "\n".join(table)
+        + "\n\n| figure | value |\n| --- | --- |\n"
+        + "\n".join(figures)
+        + "\n"
+    )
     print("\n".join(table))
 
 
@@ -240,8 +252,13 @@ def _step_memory_in_fresh_process(spec: dict[str, Any]) -> float:
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "onn.bench.streaming"], input=json.dumps(spec), capture_output=True,
-                          text=True, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "onn.bench.streaming"],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"the step-memory measurement failed:\n{done.stderr[-2000:]}")
     return float(json.loads(done.stdout.strip().splitlines()[-1])["peak_step_mb"])
@@ -297,8 +314,13 @@ def _predicted_step_mb(config: ONNConfig, budget_mb: float, mb: int, seq: int) -
     from onn.planning.streaming import FixedStreaming
 
     spec = model_spec(config.model, config.strategy.lora.r)
-    hw = Profile(name="budget", accelerator="cpu", source="preset", host_memory_available_mb=budget_mb + 600.0,
-                 budget_mb=budget_mb + 600.0)  # fmt: skip
+    hw = Profile(
+        name="budget",
+        accelerator="cpu",
+        source="preset",
+        host_memory_available_mb=budget_mb + 600.0,
+        budget_mb=budget_mb + 600.0,
+    )
     layers = [i % spec.n_blocks for i in config.strategy.layers]
     est = estimate(
         "sparse_lora",

@@ -54,9 +54,7 @@ def check_settings(task: BenchTask) -> None:
         raise UserError(f"task.quality={task.quality} is not one of {', '.join(QUALITY)}.")
     for key in ("steps", "val_batches"):
         if getattr(task, key) < 1:
-            raise UserError(
-                f"task.{key}={getattr(task, key)}: the benchmark needs a whole number of at least 1."
-            )
+            raise UserError(f"task.{key}={getattr(task, key)}: the benchmark needs a whole number of at least 1.")
     if task.warmup_steps < 0:
         raise UserError(f"task.warmup_steps={task.warmup_steps}: give a whole number, 0 or more.")
 
@@ -70,9 +68,7 @@ def run(job) -> dict[str, Any]:
         from onn.modalities.text.calibrate import refine
 
         steps = job.config.task.steps  # timed for about as long as the steps will take
-        refine(
-            job.plan, job.config, job.hardware, job.spec, window_s=steps * float(job.plan.predicted_step_s)
-        )
+        refine(job.plan, job.config, job.hardware, job.spec, window_s=steps * float(job.plan.predicted_step_s))
     raw = measure_isolated(job.config, job.plan, job.run_dir)
     return summarize(job.config, job.plan, job.hardware, job.spec, raw)
 
@@ -90,7 +86,9 @@ def measure_isolated(config: ONNConfig, plan: dict[str, Any], run_dir: Path) -> 
             }
         )
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-        proc = subprocess.run([sys.executable, "-m", "onn.bench.suite"], input=request, text=True, capture_output=True, env=env)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "onn.bench.suite"], input=request, text=True, capture_output=True, env=env
+        )
         (run_dir / "bench.log").write_text(proc.stdout + proc.stderr)
         if result.is_file():
             raw = json.loads(result.read_text())
@@ -99,7 +97,8 @@ def measure_isolated(config: ONNConfig, plan: dict[str, Any], run_dir: Path) -> 
             return raw
     if proc.returncode < 0:
         raise UserError(
-            f"the benchmark process was killed by signal {-proc.returncode} (out of memory?); see {run_dir / 'bench.log'}."
+            f"the benchmark process was killed by signal {-proc.returncode} (out of memory?); "
+            f"see {run_dir / 'bench.log'}."
         )
     tail = [line for line in (proc.stderr or proc.stdout).strip().splitlines() if line.strip()]
     raise RuntimeError(
@@ -147,11 +146,16 @@ def measure(config: ONNConfig, plan: dict[str, Any], run_dir: Path) -> dict[str,
         from onn.modalities.text.generate import exact_match
 
         if not any(p for p, _ in dm.val_examples):
-            raise UserError(
-                f"task.quality=exact_match needs data with answers; data '{config.data.name}' has none."
-            )
-        exact = exact_match(module.model, tokenizer, dm.val_examples, config.data.answer_pattern, task.exact_match_samples,
-                            max_new_tokens=dm.max_answer_tokens + 2, engine=module.engine)  # fmt: skip
+            raise UserError(f"task.quality=exact_match needs data with answers; data '{config.data.name}' has none.")
+        exact = exact_match(
+            module.model,
+            tokenizer,
+            dm.val_examples,
+            config.data.answer_pattern,
+            task.exact_match_samples,
+            max_new_tokens=dm.max_answer_tokens + 2,
+            engine=module.engine,
+        )
     return {
         "step_s": clock.step_s,
         "tokens": clock.tokens,
@@ -184,9 +188,7 @@ def summarize(
     widths = raw["widths"][warmup:]
     mb = raw["micro_batch"]
     predicted_alloc = _replan(config, plan, hardware, spec, max(raw["widths"]), mb).predicted_peak_memory_mb
-    predicted_step = _replan(
-        config, plan, hardware, spec, round(statistics.mean(widths)), mb
-    ).predicted_step_s
+    predicted_step = _replan(config, plan, hardware, spec, round(statistics.mean(widths)), mb).predicted_step_s
     predicted_mem = predicted_alloc + raw["baseline_mb"]
     peak = raw["peak_mb"]
     is_learned, p = learned(raw["losses"], task.learned_p)
@@ -196,9 +198,7 @@ def summarize(
         if task.quality == "exact_match"
         else loss_fall(val[0] if val else None, val[-1] if val else None)
     )
-    available = (
-        hardware.device_memory_mb if cuda else hardware.host_memory_available_mb
-    ) or hardware.host_memory_mb
+    available = (hardware.device_memory_mb if cuda else hardware.host_memory_available_mb) or hardware.host_memory_mb
     samples_per_s = batch_size / step_s
     out = {
         "bench/steps_timed": len(timed),
@@ -219,9 +219,7 @@ def summarize(
         "bench/step_time_error": round(step_s / predicted_step - 1, 4) if predicted_step else None,
         # the plan's prediction, made before the benchmark's own timing of the blocks
         "bench/plan_predicted_step_s": plan.predicted_step_s,
-        "bench/plan_step_time_error": round(step_s / plan.predicted_step_s - 1, 4)
-        if plan.predicted_step_s
-        else None,
+        "bench/plan_step_time_error": round(step_s / plan.predicted_step_s - 1, 4) if plan.predicted_step_s else None,
         "bench/sequence_length": max(raw["widths"]),
         "bench/micro_batch": raw["micro_batch"],
         "bench/oom_backoffs": raw["oom_backoffs"],
@@ -236,9 +234,7 @@ def summarize(
         "bench/cpu_share_planned": hardware.cpu_share,
         "bench/cpu_share_measured": round(raw["cpu_share"], 3) if raw["cpu_share"] is not None else None,
     }
-    out.update(
-        equitable(quality, spec.params, samples_per_s, batch_size, available, peak, task.score_weights)
-    )
+    out.update(equitable(quality, spec.params, samples_per_s, batch_size, available, peak, task.score_weights))
     _print(out)
     return out
 
@@ -278,12 +274,16 @@ def _print(out: dict[str, Any]) -> None:
         return f"{x:+.1%}" if x is not None else "n/a"
 
     lines = [
-        f"bench: {out['bench/samples_per_s']:.2f} samples/s, {out['bench/step_s']:.3f} s/step measured vs {out['bench/predicted_step_s']:.3f} predicted ({pct(out['bench/step_time_error'])})",
-        f"       peak {out['bench/peak_memory_mb']:,.0f} MB measured vs {out['bench/predicted_memory_mb']:,.0f} MB predicted ({pct(out['bench/memory_error'])}); "
+        f"bench: {out['bench/samples_per_s']:.2f} samples/s, "
+        f"{out['bench/step_s']:.3f} s/step measured vs {out['bench/predicted_step_s']:.3f} predicted "
+        f"({pct(out['bench/step_time_error'])})",
+        f"       peak {out['bench/peak_memory_mb']:,.0f} MB measured vs {out['bench/predicted_memory_mb']:,.0f} MB "
+        f"predicted ({pct(out['bench/memory_error'])}); "
         f"baseline {out['bench/baseline_memory_mb']:,.0f} MB",
-        f"       learned: {out['bench/learned']} (p={out['bench/learned_p']}), quality {out['bench/quality']} ({out['bench/quality_metric']}), "
-        f"scores: " + ", ".join(f"{k.split('/')[1]} {v:,.1f}" for k, v in out.items() if k.startswith("score/") and v is not None),
-    ]  # fmt: skip
+        f"       learned: {out['bench/learned']} (p={out['bench/learned_p']}), "
+        f"quality {out['bench/quality']} ({out['bench/quality_metric']}), scores: "
+        + ", ".join(f"{k.split('/')[1]} {v:,.1f}" for k, v in out.items() if k.startswith("score/") and v is not None),
+    ]
     print("\n".join(lines), flush=True)
 
 

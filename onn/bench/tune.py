@@ -57,9 +57,7 @@ class _Trials:
                 return t
         row = self.timed(settings, self.job.run_dir / "trials" / str(len(self.rows)))
         self.rows.append(row)
-        log.info(
-            "tune: trial %d %s -> %s", len(self.rows) - 1, settings, _samples_per_s(row) or row["status"]
-        )
+        log.info("tune: trial %d %s -> %s", len(self.rows) - 1, settings, _samples_per_s(row) or row["status"])
         return row
 
     def usable(self, row: dict[str, Any]) -> bool:
@@ -90,26 +88,32 @@ def run(job) -> dict[str, Any]:
             if time.perf_counter() - started > tune.time_budget_s:
                 break
             row = trials({**best["settings"], axis: value})
-            if trials.usable(row) and (
-                not trials.usable(best) or row["samples_per_s"] > best["samples_per_s"]
-            ):
+            if trials.usable(row) and (not trials.usable(best) or row["samples_per_s"] > best["samples_per_s"]):
                 best = row
     if not trials.usable(best):
-        table = _table({"strategy": plan.strategy, "sequence_length": plan.sequence_length, "settings": {},
-                        "samples_per_s": None, "plan_settings": guess, "plan_samples_per_s": None,
-                        "speedup_over_plan": None, "trials": trials.rows})  # fmt: skip
+        table = _table(
+            {
+                "strategy": plan.strategy,
+                "sequence_length": plan.sequence_length,
+                "settings": {},
+                "samples_per_s": None,
+                "plan_settings": guess,
+                "plan_samples_per_s": None,
+                "speedup_over_plan": None,
+                "trials": trials.rows,
+            }
+        )
         (run_dir / "tune.md").write_text(table + "\n")
         raise UserError(
-            f"task=tune: no setting of {plan.strategy} ran within the {plan.budget_mb:,.0f} MB budget; see {run_dir / 'tune.md'}."
+            f"task=tune: no setting of {plan.strategy} ran within the {plan.budget_mb:,.0f} MB budget; "
+            f"see {run_dir / 'tune.md'}."
         )
     result = _confirmed(trials, best, guess, tune)
     result["time_s"] = round(time.perf_counter() - started, 1)
     return _save(job, result, len(trials.rows))
 
 
-def _confirmed(
-    trials: _Trials, best: dict[str, Any], guess: dict[str, Any], tune: TuneConfig
-) -> dict[str, Any]:
+def _confirmed(trials: _Trials, best: dict[str, Any], guess: dict[str, Any], tune: TuneConfig) -> dict[str, Any]:
     """The best trial against the planner's guess head to head, alternating (drift hits both alike); a
     gain that does not hold up, or a round that fails (out of memory, ...), keeps the guess."""
     plan_row = trials.rows[0]
@@ -119,11 +123,12 @@ def _confirmed(
         rounds: dict[str, list] = {"plan": [], "candidate": []}
         for _ in range(tune.confirm_rounds):
             for row, name in ((plan_row, "plan"), (best, "candidate")):
-                rounds[name].append(
-                    _samples_per_s(trials.timed(row["settings"], trials.job.run_dir / "confirm"))
-                )
-        head_to_head = {"settings": best["settings"], "plan_samples_per_s": rounds["plan"],
-                        "samples_per_s": rounds["candidate"]}  # fmt: skip
+                rounds[name].append(_samples_per_s(trials.timed(row["settings"], trials.job.run_dir / "confirm")))
+        head_to_head = {
+            "settings": best["settings"],
+            "plan_samples_per_s": rounds["plan"],
+            "samples_per_s": rounds["candidate"],
+        }
         if None in rounds["plan"] + rounds["candidate"]:
             best, best_sps = plan_row, plan_sps
         else:
@@ -133,11 +138,18 @@ def _confirmed(
                 best, best_sps = plan_row, plan_sps
     speedup = best_sps / plan_sps if plan_sps else None
     plan = trials.job.plan
-    return {"strategy": plan.strategy, "sequence_length": plan.sequence_length, "settings": best["settings"],
-            "samples_per_s": round(best_sps, 3), "plan_settings": guess,
-            "plan_samples_per_s": round(plan_sps, 3) if plan_sps else None,
-            "speedup_over_plan": round(speedup, 3) if speedup else None, "trials": trials.rows,
-            "head_to_head": head_to_head, "tuned_at": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+    return {
+        "strategy": plan.strategy,
+        "sequence_length": plan.sequence_length,
+        "settings": best["settings"],
+        "samples_per_s": round(best_sps, 3),
+        "plan_settings": guess,
+        "plan_samples_per_s": round(plan_sps, 3) if plan_sps else None,
+        "speedup_over_plan": round(speedup, 3) if speedup else None,
+        "trials": trials.rows,
+        "head_to_head": head_to_head,
+        "tuned_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 def _samples_per_s(row: dict[str, Any]) -> float | None:
@@ -155,10 +167,16 @@ def _save(job, result: dict[str, Any], trial_count: int) -> dict[str, Any]:
     table = _table(result)
     (job.run_dir / "tune.md").write_text(table + "\n")
     print(table, flush=True)
-    return {"tune/settings": result["settings"], "tune/plan_settings": result["plan_settings"],
-            "tune/samples_per_s": result["samples_per_s"], "tune/plan_samples_per_s": result["plan_samples_per_s"],
-            "tune/speedup_over_plan": result["speedup_over_plan"], "tune/trials": trial_count,
-            "tune/time_s": result["time_s"], "tune/cache": str(path)}  # fmt: skip
+    return {
+        "tune/settings": result["settings"],
+        "tune/plan_settings": result["plan_settings"],
+        "tune/samples_per_s": result["samples_per_s"],
+        "tune/plan_samples_per_s": result["plan_samples_per_s"],
+        "tune/speedup_over_plan": result["speedup_over_plan"],
+        "tune/trials": trial_count,
+        "tune/time_s": result["time_s"],
+        "tune/cache": str(path),
+    }
 
 
 def _settings_of(plan: dict[str, Any]) -> dict[str, Any]:
@@ -213,21 +231,31 @@ def _time(config: ONNConfig, plan: dict[str, Any], run_dir: Path, tune: TuneConf
     if raw["oom_backoffs"]:
         return {"status": "out of memory"}
     timed = raw["step_s"][warmup:]
-    return {"status": "ok", "samples_per_s": round(config.data.batch_size * len(timed) / sum(timed), 3),
-            "peak_growth_mb": round(raw["peak_mb"] - raw["baseline_mb"], 1)}  # fmt: skip
+    return {
+        "status": "ok",
+        "samples_per_s": round(config.data.batch_size * len(timed) / sum(timed), 3),
+        "peak_growth_mb": round(raw["peak_mb"] - raw["baseline_mb"], 1),
+    }
 
 
 def _table(result: dict[str, Any]) -> str:
     keys = list(result["plan_settings"])
-    lines = [f"# task=tune: {result['strategy']}, sequence length {result['sequence_length']}", "",
-             "| # | " + " | ".join(keys) + " | samples/s | RSS growth MB (measured) | predicted MB | status |",
-             "|---|" + "---|" * len(keys) + "--:|--:|--:|---|"]  # fmt: skip
+    lines = [
+        f"# task=tune: {result['strategy']}, sequence length {result['sequence_length']}",
+        "",
+        "| # | " + " | ".join(keys) + " | samples/s | RSS growth MB (measured) | predicted MB | status |",
+        "|---|" + "---|" * len(keys) + "--:|--:|--:|---|",
+    ]
     for i, t in enumerate(result["trials"]):
         mark = " (plan)" if i == 0 else ""
         mark += " **best**" if t["settings"] == result["settings"] else ""
         cells = [str(t["settings"][k]) for k in keys]
-        lines.append(f"| {i}{mark} | " + " | ".join(cells) + f" | {t.get('samples_per_s', '')} | {t.get('peak_growth_mb', '')} | "
-                     f"{t['predicted_mb']} | {t['status']} |")  # fmt: skip
+        lines.append(
+            f"| {i}{mark} | "
+            + " | ".join(cells)
+            + f" | {t.get('samples_per_s', '')} | {t.get('peak_growth_mb', '')} | "
+            f"{t['predicted_mb']} | {t['status']} |"
+        )
     if not result["settings"]:
         lines += ["", "no setting ran within the memory budget"]
         return "\n".join(lines)
@@ -236,10 +264,17 @@ def _table(result: dict[str, Any]) -> str:
         how = "no trial beat it"
     else:
         kept = "kept" if result["settings"] == result["plan_settings"] else "beaten"
-        how = (f"re-measured head to head, alternating, against {duel['settings']}: {duel['plan_samples_per_s']} vs "
-               f"{duel['samples_per_s']} samples/s, so the guess was {kept}")  # fmt: skip
-    lines += ["", f"best: {result['settings']} at {result['samples_per_s']} samples/s; the planner's guess {result['plan_settings']} "
-              f"at {result['plan_samples_per_s']} samples/s ({how}): speedup over plan {result['speedup_over_plan']}",
-              "RSS growth is measured in this one process, trial after trial: the first trial also pays for first use "
-              "(lazy imports, thread pools), later ones reuse memory freed before them. It only screens out settings far over budget."]  # fmt: skip
+        how = (
+            f"re-measured head to head, alternating, against {duel['settings']}: {duel['plan_samples_per_s']} vs "
+            f"{duel['samples_per_s']} samples/s, so the guess was {kept}"
+        )
+    lines += [
+        "",
+        f"best: {result['settings']} at {result['samples_per_s']} samples/s; "
+        f"the planner's guess {result['plan_settings']} "
+        f"at {result['plan_samples_per_s']} samples/s ({how}): speedup over plan {result['speedup_over_plan']}",
+        "RSS growth is measured in this one process, trial after trial: the first trial also pays for first use "
+        "(lazy imports, thread pools), later ones reuse memory freed before them. "
+        "It only screens out settings far over budget.",
+    ]
     return "\n".join(lines)

@@ -58,17 +58,17 @@ def run(job) -> dict[str, Any]:
     batch = dm.batch_size
     results: dict[str, list[float]] = {"plain": [], "onn": [], "standard": [], "resident": []}
     for round_ in range(repeats):  # each round times both, in alternating order: a slow spell hits both
-        sides = [("plain", lambda: _plain_loop(config, plan, inputs, dm, steps, warmup)),
-                 ("onn", lambda: _onn_run(config, plan, inputs, dm, run_dir, steps, warmup))]  # fmt: skip
+        sides = [
+            ("plain", lambda: _plain_loop(config, plan, inputs, dm, steps, warmup)),
+            ("onn", lambda: _onn_run(config, plan, inputs, dm, run_dir, steps, warmup)),
+        ]
         for name, measure in sides if round_ % 2 == 0 else sides[::-1]:
             L.seed_everything(0, verbose=False)
             results[name].append(measure())
     standard = StandardPipeline(config, dm, inputs)
     pipe = {"standard": [], "resident": []}
     for _ in range(repeats):
-        results["standard"].append(
-            _plain_loop(config, plan, inputs, dm, steps, warmup, loader=standard.loader())
-        )
+        results["standard"].append(_plain_loop(config, plan, inputs, dm, steps, warmup, loader=standard.loader()))
         results["resident"].append(_plain_loop(config, plan, inputs, dm, steps, warmup))
         pipe["standard"].append(_pipeline_only(standard.loader(), steps, warmup, batch, None, dm.device))
         pipe["resident"].append(
@@ -91,7 +91,7 @@ def run(job) -> dict[str, Any]:
         "vision/rounds": {
             **{k: [round(x, 1) for x in v] for k, v in results.items()},
             **{f"pipeline_{k}": [round(x, 1) for x in v] for k, v in pipe.items()},
-        },  # fmt: skip
+        },
         "vision/batch_size": batch,
         "vision/timed_steps": steps,
         "vision/standard_workers": standard.workers,
@@ -133,25 +133,15 @@ def _plain_loop(config: ONNConfig, plan, inputs, dm, steps: int, warmup: int, lo
 
     optimizer = make_optimizer(model.parameters(), config.optim)
     schedule = make_schedule(optimizer, config.optim, warmup + steps, config.task.monitor)
-    scheduler = (
-        schedule["scheduler"] if schedule["interval"] == "step" else None
-    )  # per-epoch ones never step here
+    scheduler = schedule["scheduler"] if schedule["interval"] == "step" else None  # per-epoch ones never step here
     clip = config.optim.clip_grad_norm
     augment = _augment(config, inputs)
     channels_last = config.model.channels_last
     smoothing = config.task.label_smoothing
     precision = config.trainer.precision  # what ONN's Trainer runs with: auto is the plan's
     precision = plan.precision if precision in (None, "auto") else str(precision)
-    half = (
-        torch.bfloat16
-        if precision.startswith("bf16")
-        else torch.float16
-        if precision.startswith("16")
-        else None
-    )
-    scaler = torch.amp.GradScaler(
-        device.type, enabled=half is torch.float16
-    )  # Lightning's 16-mixed scales too
+    half = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else None
+    scaler = torch.amp.GradScaler(device.type, enabled=half is torch.float16)  # Lightning's 16-mixed scales too
     from_resident = loader is None
     stamps = []
     while len(stamps) <= warmup + steps:
@@ -160,9 +150,7 @@ def _plain_loop(config: ONNConfig, plan, inputs, dm, steps: int, warmup: int, lo
             if len(stamps) > warmup + steps:
                 break
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            x = (
-                augment(images, train=True) if from_resident else images
-            )  # the standard pipeline augmented per sample
+            x = augment(images, train=True) if from_resident else images  # the standard pipeline augmented per sample
             if channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
             with torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None):
@@ -227,8 +215,14 @@ def _onn_run(config: ONNConfig, plan, inputs, dm, run_dir: Path, steps: int, war
         config.trainer, max_steps=warmup + steps, max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0
     )
     cfg = dataclasses.replace(config, trainer=run_trainer)
-    trainer = build_trainer(cfg, plan, run_dir / "bench", [*callbacks, stamps.callback], loggers=False,
-                            steps_per_epoch=len(dm.train_dataloader()))  # fmt: skip
+    trainer = build_trainer(
+        cfg,
+        plan,
+        run_dir / "bench",
+        [*callbacks, stamps.callback],
+        loggers=False,
+        steps_per_epoch=len(dm.train_dataloader()),
+    )
     trainer.fit(module, train_dataloaders=dm.train_dataloader())
     # stamps: the start of each step, then the end of training (after the last step)
     return dm.batch_size * steps / (stamps.stamps[warmup + steps] - stamps.stamps[warmup])
@@ -288,9 +282,7 @@ class _Transform:
         if augment is not None and augment.color_jitter is not None:
             jitter = augment.color_jitter  # hue is not supported (it must stay 0)
             steps.append(
-                T.ColorJitter(
-                    brightness=jitter.brightness, contrast=jitter.contrast, saturation=jitter.saturation
-                )
+                T.ColorJitter(brightness=jitter.brightness, contrast=jitter.contrast, saturation=jitter.saturation)
             )
         steps += [T.ToTensor(), T.Normalize(mean, std)]
         if augment is not None and augment.random_erasing is not None:
@@ -323,9 +315,14 @@ class StandardPipeline:
 
     def loader(self):
         return torch.utils.data.DataLoader(
-            _EncodedImages(self.items, self.transform), batch_size=self.dm.batch_size, shuffle=True, drop_last=True,
-            num_workers=self.workers, persistent_workers=False, pin_memory=self.dm.device.type == "cuda",
-        )  # fmt: skip
+            _EncodedImages(self.items, self.transform),
+            batch_size=self.dm.batch_size,
+            shuffle=True,
+            drop_last=True,
+            num_workers=self.workers,
+            persistent_workers=False,
+            pin_memory=self.dm.device.type == "cuda",
+        )
 
 
 def _encoded_train_images(source: str, dm, channels: int) -> list[tuple[bytes, int]]:

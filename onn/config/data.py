@@ -66,9 +66,7 @@ class ImageAugment:
 
 @dataclass
 class ImageData(SplitData):
-    format: str = (
-        MISSING  # auto | folder | archive | idx | cifar_binary | svhn_mat | stl10_binary | parquet | csv
-    )
+    format: str = MISSING  # auto | folder | archive | idx | cifar_binary | svhn_mat | stl10_binary | parquet | csv
     channels: Any = MISSING  # auto | 1 | 3
     image_size: list[int] | None = MISSING  # [H, W]; null: keep their size (must agree)
     resize: str = MISSING  # error | resize | center_crop

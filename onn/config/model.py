@@ -49,6 +49,4 @@ class DualEncoderConfig(ModelConfig):
     temperature: float = MISSING  # the initial softmax temperature
     learn_temperature: bool = MISSING
     max_logit_scale: float = MISSING  # 1 / temperature is clamped at this
-    sides: dict[str, Any] = field(
-        default_factory=dict
-    )  # per side: a conf/model option, or a dict of its keys
+    sides: dict[str, Any] = field(default_factory=dict)  # per side: a conf/model option, or a dict of its keys

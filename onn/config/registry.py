@@ -72,6 +72,4 @@ def register_local_launcher() -> None:
         # a busy machine it loses that race (FileNotFoundError, the job never runs).
         submitit_folder: str = "${hydra.sweep.dir}/.submitit"
 
-    ConfigStore.instance().store(
-        group="hydra/launcher", name="submitit_local", node=ThrottledLocalConf, provider="onn"
-    )
+    ConfigStore.instance().store(group="hydra/launcher", name="submitit_local", node=ThrottledLocalConf, provider="onn")

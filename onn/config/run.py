@@ -69,9 +69,7 @@ class PathsConfig:
 
 @dataclass
 class TrackingConfig:
-    loggers: list[Any] = field(
-        default_factory=list
-    )  # Lightning loggers, each a `_target_` Hydra instantiates
+    loggers: list[Any] = field(default_factory=list)  # Lightning loggers, each a `_target_` Hydra instantiates
 
 
 @dataclass

@@ -20,8 +20,13 @@ from onn.data.resident import Decoded
 log = logging.getLogger("onn")
 
 
-def cached_decode(kind: str, key: dict[str, Any], cache_dir: str | os.PathLike, decode: Callable[[], dict[str, Decoded]],
-                  source: str = "") -> dict[str, Decoded]:  # fmt: skip
+def cached_decode(
+    kind: str,
+    key: dict[str, Any],
+    cache_dir: str | os.PathLike,
+    decode: Callable[[], dict[str, Decoded]],
+    source: str = "",
+) -> dict[str, Decoded]:
     """{split: Decoded} from the cache under cache_dir/kind for `key`, or from `decode()` (then cached)."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
@@ -35,10 +40,19 @@ def cached_decode(kind: str, key: dict[str, Any], cache_dir: str | os.PathLike, 
         log.info("%s: %s from the decoded cache %s", kind, source, cache)
         skipped = [item for s in meta["splits"].values() for item in s["skipped"]]
         if skipped:  # the decoder named them when it read the source; say so again for this run
-            log.warning("%s: %d items of %s could not be decoded and are left out, e.g. %s", kind, len(skipped), source,
-                        "; ".join(skipped[:3]))  # fmt: skip
-        return {name: Decoded(tensors[f"{name}.inputs"], tensors[f"{name}.labels"], meta["classes"], s["names"], s["skipped"])
-                for name, s in meta["splits"].items()}  # fmt: skip
+            log.warning(
+                "%s: %d items of %s could not be decoded and are left out, e.g. %s",
+                kind,
+                len(skipped),
+                source,
+                "; ".join(skipped[:3]),
+            )
+        return {
+            name: Decoded(
+                tensors[f"{name}.inputs"], tensors[f"{name}.labels"], meta["classes"], s["names"], s["skipped"]
+            )
+            for name, s in meta["splits"].items()
+        }
     splits = decode()
     tensors, meta = {}, {"classes": None, "splits": {}}
     for name, s in splits.items():

@@ -287,9 +287,7 @@ def json_type(value: Any) -> str:
     return names.get(type(value), "value")
 
 
-def jsonl_objects(
-    text: str, where: str, wanted: str = "an object with fields"
-) -> list[tuple[int, dict[str, Any]]]:
+def jsonl_objects(text: str, where: str, wanted: str = "an object with fields") -> list[tuple[int, dict[str, Any]]]:
     """(line number, object) of each non-blank line of JSON lines; a line that is not JSON, or not a JSON
     object, is one sentence naming `where` and the line (`wanted`: what an object there holds)."""
     rows = []

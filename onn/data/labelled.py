@@ -126,9 +126,16 @@ def sort_classes(names: Iterable[str]) -> list[str]:
     return sorted(names)
 
 
-def list_labelled(source: str | os.PathLike, suffixes: frozenset[str], *, label_from: str = "auto",
-                  label_column: str = "label", kind: str = "media", key: str = "data.source",
-                  allow_unlabelled: bool = False) -> Listing:  # fmt: skip
+def list_labelled(
+    source: str | os.PathLike,
+    suffixes: frozenset[str],
+    *,
+    label_from: str = "auto",
+    label_column: str = "label",
+    kind: str = "media",
+    key: str = "data.source",
+    allow_unlabelled: bool = False,
+) -> Listing:
     """Every file of `source` whose extension is in `suffixes`, with its label and split (see the module doc).
 
     `kind` names the files in messages ("audio", "video"); allow_unlabelled: files without a label are
@@ -160,8 +167,8 @@ def list_labelled(source: str | os.PathLike, suffixes: frozenset[str], *, label_
         missing = [m.name for m in labelled if m.label is None]
         if missing:
             raise UserError(
-                f"{key} {path}: {len(missing)} {kind} files have no label, e.g. {missing[0]} "
-                f"(labels come from {'data.label_from=' + mode if mode not in ('folder', 'manifest') else mode + 's'}); "
+                f"{key} {path}: {len(missing)} {kind} files have no label, e.g. {missing[0]} (labels come from "
+                f"{'data.label_from=' + mode if mode not in ('folder', 'manifest') else mode + 's'}); "
                 "fix the names or data.label_from, or move them out."
             )
     splits: dict[str, list[MediaFile]] = {}
@@ -206,12 +213,7 @@ def _strip_wrapper(names: list[str]) -> int:
     top folder): 1 when all names start with the same folder and sit at least two folders deeper."""
     parts = [n.split("/") for n in names]
     tops = {p[0] for p in parts}
-    if (
-        len(tops) == 1
-        and len(parts[0]) > 1
-        and parts[0][0].lower() not in SPLITS
-        and min(len(p) for p in parts) >= 3
-    ):
+    if len(tops) == 1 and len(parts[0]) > 1 and parts[0][0].lower() not in SPLITS and min(len(p) for p in parts) >= 3:
         return 1
     return 0
 
@@ -303,21 +305,32 @@ def _manifest_labels(
             ", ".join(left[:3]),
         )
     if not out:
-        raise UserError(
-            f"{key} {path}: the manifest names none of the files beside it; check its file_name column."
-        )
+        raise UserError(f"{key} {path}: the manifest names none of the files beside it; check its file_name column.")
     return out
 
 
 def report_left_out(listing: Listing, path: str, key: str, kind: str) -> None:
     """Name the files of unknown types (left out, not counted as bad) in one warning."""
     if listing.unknown:
-        log.warning("%s %s: %s not %s this modality reads, left out: %s", key, path, _count(len(listing.unknown), "file is", "files are"),
-                    kind, _names(listing.unknown))  # fmt: skip
+        log.warning(
+            "%s %s: %s not %s this modality reads, left out: %s",
+            key,
+            path,
+            _count(len(listing.unknown), "file is", "files are"),
+            kind,
+            _names(listing.unknown),
+        )
 
 
-def check_bad(skipped: list[str], total: int, max_bad_fraction: float, path, key: str, items: str,
-              problem: str = "could not be decoded") -> None:  # fmt: skip
+def check_bad(
+    skipped: list[str],
+    total: int,
+    max_bad_fraction: float,
+    path,
+    key: str,
+    items: str,
+    problem: str = "could not be decoded",
+) -> None:
     """Name the items that could not be used (`items`: "images", "audio files", ...) in one warning, or refuse
     when more than data.max_bad_fraction of them are: every reader of files skips, counts and names them so."""
     if not skipped:
@@ -327,9 +340,7 @@ def check_bad(skipped: list[str], total: int, max_bad_fraction: float, path, key
             f"{key} {path}: {len(skipped)} of {total} {items} {problem} (first: {'; '.join(skipped[:3])}); fix or "
             f"remove them, or set data.max_bad_fraction (now {max_bad_fraction}) to accept more."
         )
-    log.warning(
-        "Skipped %d of %d %s in %s that %s: %s", len(skipped), total, items, path, problem, _names(skipped)
-    )
+    log.warning("Skipped %d of %d %s in %s that %s: %s", len(skipped), total, items, path, problem, _names(skipped))
 
 
 def _count(n: int, one: str, many: str) -> str:
@@ -352,8 +363,4 @@ def sniff_files(path: Path, suffixes: frozenset[str], kind: str, one: str, limit
 
     names = [name for name, _ in islice(walk_files(path), limit) if extension(name) not in SIDECARS]
     found = sum(extension(n) in suffixes for n in names)
-    return (
-        f"{kind} files ({found} of the first {len(names)} files)"
-        if found and found * 2 >= len(names)
-        else None
-    )
+    return f"{kind} files ({found} of the first {len(names)} files)" if found and found * 2 >= len(names) else None

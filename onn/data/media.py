@@ -45,9 +45,7 @@ def nonempty(source: str | IO[bytes]) -> str | bytes:
 
 def decoder_complaint(e: BaseException) -> str:
     """A decoder's complaint in a few words (FFmpeg's strerror, not the path it adds)."""
-    text = (
-        getattr(e, "error_string", None) or getattr(e, "strerror", None) or str(e).strip() or type(e).__name__
-    )
+    text = getattr(e, "error_string", None) or getattr(e, "strerror", None) or str(e).strip() or type(e).__name__
     return str(text).splitlines()[0].rstrip(".")[:100]
 
 
@@ -68,23 +66,41 @@ class MediaReader:
     bad: type[Exception]  # what `load` raises for a file it cannot use
     dtype: torch.dtype  # the stored dtype
     hint: str  # what data.source should be, for the message when it is missing
-    resolve: Callable = (
-        _as_given  # (source, data_cfg, cache_dir) -> its path (a generated dataset is made here)
-    )
+    resolve: Callable = _as_given  # (source, data_cfg, cache_dir) -> its path (a generated dataset is made here)
 
-    def listing(
-        self, source: str, data_cfg: LabelledFiles, key: str, allow_unlabelled: bool = False
-    ) -> Listing:
-        return list_labelled(source, self.suffixes, label_from=data_cfg.label_from, label_column=data_cfg.label_column,
-                             kind=self.kind, key=key, allow_unlabelled=allow_unlabelled)  # fmt: skip
+    def listing(self, source: str, data_cfg: LabelledFiles, key: str, allow_unlabelled: bool = False) -> Listing:
+        return list_labelled(
+            source,
+            self.suffixes,
+            label_from=data_cfg.label_from,
+            label_column=data_cfg.label_column,
+            kind=self.kind,
+            key=key,
+            allow_unlabelled=allow_unlabelled,
+        )
 
-    def read(self, source: str, data_cfg: LabelledFiles, fit, key: str = "data.source", allow_unlabelled: bool = False,
-             workers: int = 1) -> tuple[dict[str, Decoded], float]:  # fmt: skip
+    def read(
+        self,
+        source: str,
+        data_cfg: LabelledFiles,
+        fit,
+        key: str = "data.source",
+        allow_unlabelled: bool = False,
+        workers: int = 1,
+    ) -> tuple[dict[str, Decoded], float]:
         """{split: Decoded} of a source and the seconds of media decoded, from the files (no cache)."""
         found = self.listing(source, data_cfg, key, allow_unlabelled)
-        return decode_listing(found, functools.partial(self.load, fit=fit), self.bad, dtype=self.dtype,
-                              max_bad_fraction=float(data_cfg.max_bad_fraction), path=source, key=key,
-                              kind=self.kind, workers=workers)  # fmt: skip
+        return decode_listing(
+            found,
+            functools.partial(self.load, fit=fit),
+            self.bad,
+            dtype=self.dtype,
+            max_bad_fraction=float(data_cfg.max_bad_fraction),
+            path=source,
+            key=key,
+            kind=self.kind,
+            workers=workers,
+        )
 
     def read_cached(
         self, source: str, data_cfg: LabelledFiles, cache_dir, key: str = "data.source"
@@ -93,11 +109,20 @@ class MediaReader:
         path = self.resolve(source, data_cfg, cache_dir)
         existing_source(path, key, self.hint)
         fit = self.settings(data_cfg)
-        settings = {"fit": asdict(fit), "label_from": data_cfg.label_from, "label_column": data_cfg.label_column,
-                    "max_bad_fraction": data_cfg.max_bad_fraction}  # fmt: skip
+        settings = {
+            "fit": asdict(fit),
+            "label_from": data_cfg.label_from,
+            "label_column": data_cfg.label_column,
+            "max_bad_fraction": data_cfg.max_bad_fraction,
+        }
         workers = int(data_cfg.num_workers) or 1
-        return cached_decode(self.kind, {"digest": content_digest(path), **settings}, cache_dir,
-                             lambda: self.read(path, data_cfg, fit, key, workers=workers)[0], path)  # fmt: skip
+        return cached_decode(
+            self.kind,
+            {"digest": content_digest(path), **settings},
+            cache_dir,
+            lambda: self.read(path, data_cfg, fit, key, workers=workers)[0],
+            path,
+        )
 
     def items(self, source: str, data_cfg: LabelledFiles, cache_dir) -> dict[str, ListedItems]:
         """Each split, decoded item by item (the streamed fallback)."""
@@ -109,8 +134,18 @@ class MediaReader:
         }
 
 
-def decode_listing(listing: Listing, load: Loader, bad: type[Exception], *, dtype: torch.dtype, max_bad_fraction: float,
-                   path: str, key: str, kind: str, workers: int = 1) -> tuple[dict[str, Decoded], float]:  # fmt: skip
+def decode_listing(
+    listing: Listing,
+    load: Loader,
+    bad: type[Exception],
+    *,
+    dtype: torch.dtype,
+    max_bad_fraction: float,
+    path: str,
+    key: str,
+    kind: str,
+    workers: int = 1,
+) -> tuple[dict[str, Decoded], float]:
     """{split: Decoded} of every listed file, and the seconds of media decoded. The decoders release the
     GIL (libsndfile, FFmpeg), so `workers` threads decode side by side."""
     report_left_out(listing, path, key, kind)
@@ -137,9 +172,13 @@ def decode_listing(listing: Listing, load: Loader, bad: type[Exception], *, dtyp
             continue
         seconds += sum(r[1] for _, r in good)
         labels = np.array([index[f.label] if f.label is not None else -1 for f, _ in good], np.int64)
-        out[split] = Decoded(torch.stack([r[0] for _, r in good]), torch.from_numpy(labels), list(listing.classes),
-                             [f.name for f, _ in good],
-                             [r[2] for f, r in ((f, results[id(f)]) for f in members) if r[2]] + (listing.refused if n == 0 else []))  # fmt: skip
+        out[split] = Decoded(
+            torch.stack([r[0] for _, r in good]),
+            torch.from_numpy(labels),
+            list(listing.classes),
+            [f.name for f, _ in good],
+            [r[2] for f, r in ((f, results[id(f)]) for f in members) if r[2]] + (listing.refused if n == 0 else []),
+        )
     return out, seconds
 
 

@@ -71,8 +71,15 @@ class ResidentBatches:
     The permutation of epoch e is drawn from seed + e, so a resumed run sees the same order. `groups`: the
     group of each sample (e.g. its speaker); each training batch then holds samples of one group only."""
 
-    def __init__(self, split: Split, batch_size: int, shuffle: bool, seed: int = 0, drop_last: bool = False,
-                 groups: list[str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        split: Split,
+        batch_size: int,
+        shuffle: bool,
+        seed: int = 0,
+        drop_last: bool = False,
+        groups: list[str] | None = None,
+    ):
         self.split, self.batch_size, self.shuffle, self.seed = split, batch_size, shuffle, seed
         self.drop_last = drop_last and len(split) >= batch_size
         self.groups = groups
@@ -129,8 +136,10 @@ def batch_groups(names: list[str], pattern: str | None) -> list[str] | None:
     for name in names:
         found = regex.search(name)
         if found is None or not found.groups():
-            raise UserError(f"data.batch_groups={pattern!r} finds no group in the training file name {name!r}: give a regex "
-                            "with one (group) that every training file name has, e.g. '_([a-z]+)_' for FSDD's speaker.")  # fmt: skip
+            raise UserError(
+                f"data.batch_groups={pattern!r} finds no group in the training file name {name!r}: give a regex "
+                "with one (group) that every training file name has, e.g. '_([a-z]+)_' for FSDD's speaker."
+            )
         groups.append(found.group(1))
     return groups
 
@@ -145,9 +154,7 @@ class StreamedItems(torch.utils.data.Dataset):
         return len(self.index)
 
     def __getitem__(self, i: int):
-        for step in range(
-            len(self)
-        ):  # a corrupt item: the next good one stands in, so batches keep their size
+        for step in range(len(self)):  # a corrupt item: the next good one stands in, so batches keep their size
             j = self.index[(i + step) % len(self)]
             item = self.items.load(j)
             if item is not None:
@@ -191,9 +198,7 @@ def relabel(decoded: Decoded, classes: list[str], key: str) -> Decoded:
         return Decoded(decoded.inputs, decoded.labels, list(classes), decoded.names, decoded.skipped)
     missing = [c for c in decoded.classes if c not in classes]
     if missing:
-        raise UserError(
-            f"{key} has classes the training data does not: {missing[:5]}; use the same class names."
-        )
+        raise UserError(f"{key} has classes the training data does not: {missing[:5]}; use the same class names.")
     table = torch.tensor([classes.index(c) for c in decoded.classes] or [0], dtype=torch.long)
     labels = torch.where(decoded.labels >= 0, table[decoded.labels.clamp_min(0)], decoded.labels)
     return Decoded(decoded.inputs, labels, list(classes), decoded.names, decoded.skipped)
@@ -210,19 +215,27 @@ def held_out_by_name(sets: dict[str, Decoded], split: str, pattern: str) -> dict
         raise UserError(f"{key}={pattern!r} is not a valid regular expression: {e}.") from e
     if split in sets:
         raise UserError(
-            f"{key} is set but the data already has a {split} split (data.source or data.{split}_source); use one of them."
+            f"{key} is set but the data already has a {split} split (data.source or data.{split}_source); "
+            "use one of them."
         )
     name = "train" if "train" in sets else "all"
     source = sets[name]
     mask = torch.tensor([bool(regex.search(n)) for n in source.names], dtype=torch.bool)
     if not mask.any() or mask.all():
-        raise UserError(f"{key}={pattern!r} matches {'no' if not mask.any() else 'every'} item of the training data "
-                        f"(names look like {source.names[0]}); give a pattern that picks some of them.")  # fmt: skip
+        raise UserError(
+            f"{key}={pattern!r} matches {'no' if not mask.any() else 'every'} item of the training data "
+            f"(names look like {source.names[0]}); give a pattern that picks some of them."
+        )
 
     def take(keep: torch.Tensor, skipped: list[str]) -> Decoded:
         index = keep.nonzero().flatten()
-        return Decoded(source.inputs[index], source.labels[index], source.classes,
-                       [source.names[i] for i in index.tolist()], skipped)  # fmt: skip
+        return Decoded(
+            source.inputs[index],
+            source.labels[index],
+            source.classes,
+            [source.names[i] for i in index.tolist()],
+            skipped,
+        )
 
     return {**sets, name: take(~mask, source.skipped), split: take(mask, [])}
 
@@ -244,9 +257,7 @@ class ClassificationData(L.LightningDataModule):
     train / val / test / all), and for streaming `list_items(source)` -> {split: Items} and
     `item_mb(items)`, the decoded size of one item."""
 
-    def __init__(
-        self, data_cfg: SplitData, cache_dir: str, device: str | torch.device = "cpu", seed: int = 0
-    ):
+    def __init__(self, data_cfg: SplitData, cache_dir: str, device: str | torch.device = "cpu", seed: int = 0):
         super().__init__()
         self.cfg, self.cache_dir, self.seed = data_cfg, cache_dir, seed
         self.device = torch.device(device)
@@ -286,7 +297,8 @@ class ClassificationData(L.LightningDataModule):
         source = self.cfg.source
         if not source:
             raise UserError(
-                "data.source is not set: point it at your copy of the dataset (the data config's comment shows the layouts)."
+                "data.source is not set: point it at your copy of the dataset (the data config's comment shows "
+                "the layouts)."
             )
         source = str(source)
         if self._too_big(source):
@@ -339,14 +351,14 @@ class ClassificationData(L.LightningDataModule):
         if train is None:
             raise UserError(f"data.source={source} has no training data (found splits: {', '.join(sets)}).")
         self.classes = class_order(train.classes, self.cfg)
-        sets = {k: relabel(v, self.classes, "data.source" if k in ("train", "all") else f"data.{k}_source")
-                for k, v in sets.items()}  # fmt: skip
+        sets = {
+            k: relabel(v, self.classes, "data.source" if k in ("train", "all") else f"data.{k}_source")
+            for k, v in sets.items()
+        }
         self._check_labels(sets)
         self.skipped = [s for v in sets.values() for s in v.skipped]
         splits = {
-            k: Split(v.inputs, v.labels, v.names)
-            for k, v in sets.items()
-            if k in ("train", "val", "test", "all")
+            k: Split(v.inputs, v.labels, v.names) for k, v in sets.items() if k in ("train", "val", "test", "all")
         }
         if "train" not in splits:
             splits["train"] = splits.pop("all")
@@ -354,16 +366,18 @@ class ClassificationData(L.LightningDataModule):
             splits["train"], splits["val"] = self._hold_out(splits["train"])
         shapes = {k: tuple(v.inputs.shape[1:]) for k, v in splits.items()}
         if len(set(shapes.values())) > 1:
-            raise UserError(
-                f"data.source={source}: splits have different shapes {shapes}; {self.same_shape_hint}."
-            )
-        self.splits = {
-            k: Split(v.inputs.to(self.device), v.labels.to(self.device), v.names) for k, v in splits.items()
-        }
+            raise UserError(f"data.source={source}: splits have different shapes {shapes}; {self.same_shape_hint}.")
+        self.splits = {k: Split(v.inputs.to(self.device), v.labels.to(self.device), v.names) for k, v in splits.items()}
         sizes = ", ".join(f"{k} {len(v)}" for k, v in self.splits.items())
         mb = sum(v.inputs.numel() * v.inputs.element_size() for v in self.splits.values()) / MB
-        log.info("data: %s, %s, %d classes, %.0f MB on %s", sizes, "x".join(map(str, shapes["train"])), self.num_classes, mb,
-                 self.device)  # fmt: skip
+        log.info(
+            "data: %s, %s, %d classes, %.0f MB on %s",
+            sizes,
+            "x".join(map(str, shapes["train"])),
+            self.num_classes,
+            mb,
+            self.device,
+        )
 
     same_shape_hint = "bring every item to one shape (see the data config)"
 
@@ -376,8 +390,10 @@ class ClassificationData(L.LightningDataModule):
 
     def _setup_streamed(self, source: str) -> None:
         if self.cfg.val_source or self.cfg.test_source or self._patterns():
-            raise UserError("a streamed dataset takes its splits from data.source: unset data.val_source/test_source "
-                            "and data.val_pattern/test_pattern, or set data.resident=true.")  # fmt: skip
+            raise UserError(
+                "a streamed dataset takes its splits from data.source: unset data.val_source/test_source "
+                "and data.val_pattern/test_pattern, or set data.resident=true."
+            )
         items = self.list_items(source)
         train = items.get("train") or items.get("all")
         self.classes = class_order(train.classes, self.cfg)
@@ -400,16 +416,14 @@ class ClassificationData(L.LightningDataModule):
             if len(bad):
                 i = int(bad[0])
                 raise UserError(
-                    f"{s.names[i]} in data.source ({name} split) has label {int(s.labels[i])}, outside the {n} classes; "
-                    "fix the label or set data.num_classes."
+                    f"{s.names[i]} in data.source ({name} split) has label {int(s.labels[i])}, "
+                    f"outside the {n} classes; fix the label or set data.num_classes."
                 )
 
     def _val_count(self, n: int) -> int:
         fraction = float(self.cfg.val_split)
         if not 0 < fraction < 1:
-            raise UserError(
-                f"data.val_split must be between 0 and 1 (got {fraction}) when the data has no val split."
-            )
+            raise UserError(f"data.val_split must be between 0 and 1 (got {fraction}) when the data has no val split.")
         n_val = max(1, round(n * fraction))
         if n_val >= n:
             raise UserError(f"data.source has {n} training items: too few to hold out a validation split.")
@@ -426,13 +440,20 @@ class ClassificationData(L.LightningDataModule):
         if self.streamed:
             if self.cfg.batch_groups:
                 raise UserError(
-                    "data.batch_groups draws batches from data held in memory, and this data is streamed (too big to hold): "
+                    "data.batch_groups draws batches from data held in memory, "
+                    "and this data is streamed (too big to hold): "
                     "set data.batch_groups=null, or raise data.resident_max_mb."
                 )
             return self._loader("train", shuffle=True)
         train = self.splits["train"]
-        loader = ResidentBatches(train, self.batch_size, shuffle=True, seed=self.seed, drop_last=True,
-                                 groups=batch_groups(train.names, self.cfg.batch_groups))  # fmt: skip
+        loader = ResidentBatches(
+            train,
+            self.batch_size,
+            shuffle=True,
+            seed=self.seed,
+            drop_last=True,
+            groups=batch_groups(train.names, self.cfg.batch_groups),
+        )
         if self.trainer is not None:
             loader.epoch = self.trainer.current_epoch  # resumed runs continue the epoch sequence
         return loader
@@ -446,9 +467,7 @@ class ClassificationData(L.LightningDataModule):
         if self.streamed:
             return self._loader("test", shuffle=False) if "test" in self.streamed else []
         return (
-            ResidentBatches(self.splits["test"], self.eval_batch_size, shuffle=False)
-            if "test" in self.splits
-            else []
+            ResidentBatches(self.splits["test"], self.eval_batch_size, shuffle=False) if "test" in self.splits else []
         )
 
     def has_test(self) -> bool:
@@ -463,7 +482,12 @@ class ClassificationData(L.LightningDataModule):
         # on where it stopped (exact with workers; with num_workers=0 the later epochs shuffle differently)
         loader = StatefulDataLoader if shuffle else torch.utils.data.DataLoader
         return loader(
-            StreamedItems(items, index), batch_size=self.batch_size if shuffle else self.eval_batch_size,
-            shuffle=shuffle, drop_last=shuffle, num_workers=workers, persistent_workers=workers > 0,
-            pin_memory=self.device.type == "cuda", generator=torch.Generator().manual_seed(self.seed),
-        )  # fmt: skip
+            StreamedItems(items, index),
+            batch_size=self.batch_size if shuffle else self.eval_batch_size,
+            shuffle=shuffle,
+            drop_last=shuffle,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            pin_memory=self.device.type == "cuda",
+            generator=torch.Generator().manual_seed(self.seed),
+        )

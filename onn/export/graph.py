@@ -105,9 +105,7 @@ class Graph:
             "",
             *(n for n, t in self.initializers.items() if not is_weight(t)),
         }
-        self.free_nodes = {
-            i for i in range(len(self.nodes)) if i not in live
-        }  # (dead: never cut, never stored)
+        self.free_nodes = {i for i in range(len(self.nodes)) if i not in live}  # (dead: never cut, never stored)
         for i, node in enumerate(self.nodes):
             if i not in live:
                 continue
@@ -126,11 +124,7 @@ class Graph:
         return sum(tensor_bytes(self.initializers[n]) for n in self.stored(nodes))
 
     def weights_of(self, i: int) -> set[str]:
-        return {
-            n
-            for n in node_inputs(self.nodes[i])
-            if n in self.initializers and is_weight(self.initializers[n])
-        }
+        return {n for n in node_inputs(self.nodes[i]) if n in self.initializers and is_weight(self.initializers[n])}
 
     def scopes(self, i: int) -> list[str]:
         for p in self.nodes[i].metadata_props:
@@ -311,8 +305,18 @@ def merge_weightless(g: Graph, cuts: list[str], anc: dict[int, int], pos: dict[i
         kept = [c for c in kept if c != empty[0]]
 
 
-NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli",
-              "If", "Loop", "Scan", "Constant"}  # fmt: skip
+NOT_FOLDED = {
+    "RandomNormal",
+    "RandomUniform",
+    "RandomNormalLike",
+    "RandomUniformLike",
+    "Multinomial",
+    "Bernoulli",
+    "If",
+    "Loop",
+    "Scan",
+    "Constant",
+}
 
 
 def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
@@ -325,18 +329,11 @@ def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
 
     graph = model.graph
     # IR 3 lists every initializer among the inputs too (light_* models do): ONN never feeds those
-    known = {t.name for t in graph.initializer} | {
-        o for n in graph.node if n.op_type == "Constant" for o in n.output
-    }
+    known = {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
     folded = []
     for node in graph.node:
         given = [i for i in node.input if i]
-        if (
-            node.domain in ("", "ai.onnx")
-            and node.op_type not in NOT_FOLDED
-            and given
-            and set(given) <= known
-        ):
+        if node.domain in ("", "ai.onnx") and node.op_type not in NOT_FOLDED and given and set(given) <= known:
             folded.append(node)
             known.update(o for o in node.output if o)
     if not folded:
@@ -348,10 +345,16 @@ def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     constants = [n for n in graph.node if n.op_type == "Constant"]
     needed = {i for n in folded for i in n.input}
     program = onnx.helper.make_model(
-        onnx.helper.make_graph([*constants, *folded], "fold", [], [onnx.helper.make_empty_tensor_value_info(o) for o in made],
-                               [t for t in graph.initializer if t.name in needed]),
-        opset_imports=model.opset_import, ir_version=model.ir_version,
-    )  # fmt: skip
+        onnx.helper.make_graph(
+            [*constants, *folded],
+            "fold",
+            [],
+            [onnx.helper.make_empty_tensor_value_info(o) for o in made],
+            [t for t in graph.initializer if t.name in needed],
+        ),
+        opset_imports=model.opset_import,
+        ir_version=model.ir_version,
+    )
     values = ReferenceEvaluator(program).run(None, {})
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -365,9 +368,7 @@ def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     gone = {t.name for t in graph.initializer} - still  # constants only the folded nodes read
     kept_inputs = [i for i in graph.input if i.name not in gone]
     if model.ir_version < 4:  # IR 3 lists every initializer among the graph's inputs
-        kept_inputs += [
-            onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in computed
-        ]
+        kept_inputs += [onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in computed]
     del out.graph.input[:]
     out.graph.input.extend(kept_inputs)
     return out, len(folded)
@@ -485,9 +486,7 @@ def symbolic_shapes(model: onnx.ModelProto) -> dict[str, tuple[str, list[int | s
     return out
 
 
-def activation_peak(
-    g: Graph, nodes: list[int], entering: set[str], leaving: set[str], sizes: dict[str, int]
-) -> int:
+def activation_peak(g: Graph, nodes: list[int], entering: set[str], leaving: set[str], sizes: dict[str, int]) -> int:
     """Largest sum of tensors alive at once while `nodes` run in graph order: each lives from its
     producer (or the start, for what enters) to its last reader in the piece (or the end, for
     what leaves). Weights are not activations."""

@@ -46,9 +46,7 @@ def save_folder(
     try:
         max_bytes = _size(max_shard_size)
     except ValueError as e:
-        raise UserError(
-            f"export.max_shard_size={max_shard_size!r}: give bytes or a size like 2GB or 500MB."
-        ) from e
+        raise UserError(f"export.max_shard_size={max_shard_size!r}: give bytes or a size like 2GB or 500MB.") from e
     from transformers import PreTrainedModel
 
     if not isinstance(base, PreTrainedModel):
@@ -58,7 +56,8 @@ def save_folder(
         )
     if engine is not None and engine.store.dtype != str(engine.compute_dtype).removeprefix("torch."):
         log.info(
-            "export: the layer store holds %s weights; the folder gets them de-quantized/cast to %s, as streaming computed with them",
+            "export: the layer store holds %s weights; the folder gets them de-quantized/cast to %s, "
+            "as streaming computed with them",
             engine.store.dtype,
             str(engine.compute_dtype).removeprefix("torch."),
         )
@@ -88,8 +87,13 @@ def save_folder(
     total = sum(p.stat().st_size for p in files)
     seconds = time.perf_counter() - start
     log.info("export: wrote %s (%d shards, %.1f MB) in %.1f s", output, shards, total / 2**20, seconds)
-    return {"export/folder": str(output), "export/files": len(files), "export/shards": shards,
-            "export/bytes": total, "export/seconds": round(seconds, 3)}  # fmt: skip
+    return {
+        "export/folder": str(output),
+        "export/files": len(files),
+        "export/shards": shards,
+        "export/bytes": total,
+        "export/seconds": round(seconds, 3),
+    }
 
 
 def save_adapter(model: nn.Module, tokenizer: Any, output: Path) -> dict[str, Any]:
@@ -112,9 +116,12 @@ def save_adapter(model: nn.Module, tokenizer: Any, output: Path) -> dict[str, An
     _write_atomically(Path(output), "adapter_config.json", write)
     output = Path(output)
     files = [p for p in output.iterdir() if p.is_file()]
-    return {"export/adapter": str(output), "export/adapter_files": len(files),
-            "export/adapter_bytes": sum(p.stat().st_size for p in files),
-            "export/adapter_seconds": round(time.perf_counter() - start, 3)}  # fmt: skip
+    return {
+        "export/adapter": str(output),
+        "export/adapter_files": len(files),
+        "export/adapter_bytes": sum(p.stat().st_size for p in files),
+        "export/adapter_seconds": round(time.perf_counter() - start, 3),
+    }
 
 
 def merged_model(model: nn.Module, engine: Any = None) -> nn.Module:
@@ -130,10 +137,7 @@ def merged_model(model: nn.Module, engine: Any = None) -> nn.Module:
             state.update(group)
     # Copy the module tree with empty parameters (deepcopy's memo stands in for every parameter),
     # drop the LoRA layers, then put the merged tensors in place.
-    memo = {
-        id(p): torch.nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=False)
-        for p in model.parameters()
-    }
+    memo = {id(p): torch.nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=False) for p in model.parameters()}
     clone = copy.deepcopy(model, memo)
     plain = clone.unload() if hasattr(clone, "unload") else clone
     plain = plain.to("cpu")
@@ -196,9 +200,7 @@ def _merged_groups(model, base, engine) -> Iterator[dict[str, torch.Tensor]]:
         tensors = engine.store.decode(engine.store.read("edges"), cpu, engine.compute_dtype)
         in_engine = {id(p): n for n, p in engine.model.named_parameters()}
         return {
-            stored_name(k): tensors[in_engine[id(state[k])]]
-            for k in keys
-            if in_engine.get(id(state[k])) in tensors
+            stored_name(k): tensors[in_engine[id(state[k])]] for k in keys if in_engine.get(id(state[k])) in tensors
         }
 
     for group, keys in groupby(list(state), key=group_of):
@@ -215,9 +217,7 @@ def _merged_groups(model, base, engine) -> Iterator[dict[str, torch.Tensor]]:
             if tensor is None:
                 tensor = state[key].detach().to(cpu)
                 if tensor.numel() == 0:  # a streamed block's placeholder
-                    where = (
-                        "nor in the layer store" if engine else "(pass the streaming engine that holds it)"
-                    )
+                    where = "nor in the layer store" if engine else "(pass the streaming engine that holds it)"
                     raise RuntimeError(f"{key} is not in memory {where}")
             if owner:
                 tensor = _merge(lora[owner], rest[len(BASE_LAYER) :], tensor)
@@ -232,13 +232,13 @@ def _merge(layer, param: str, tensor: torch.Tensor) -> torch.Tensor:
     adapters = [
         a
         for a in layer.active_adapters
-        if a not in layer.merged_adapters
-        and (a in layer.lora_A or a in getattr(layer, "lora_embedding_A", {}))
+        if a not in layer.merged_adapters and (a in layer.lora_A or a in getattr(layer, "lora_embedding_A", {}))
     ]
     for a in adapters:
         if a in getattr(layer, "lora_variant", {}):
             raise UserError(
-                f"adapter '{a}' is a LoRA variant (e.g. DoRA) that export=safetensors does not merge; export the adapter alone."
+                f"adapter '{a}' is a LoRA variant (e.g. DoRA) that export=safetensors does not merge; "
+                "export the adapter alone."
             )
     if param == "weight":
         merged = tensor.clone()
@@ -292,9 +292,7 @@ def _unwrap(model, engine):
     from torch import nn
     from transformers import PreTrainedModel
 
-    if not isinstance(model, (PeftModel, PreTrainedModel)) and isinstance(
-        getattr(model, "model", None), nn.Module
-    ):
+    if not isinstance(model, (PeftModel, PreTrainedModel)) and isinstance(getattr(model, "model", None), nn.Module):
         engine = engine if engine is not None else getattr(model, "engine", None)  # ONN's CausalLM module
         model = model.model
     base = model.get_base_model() if isinstance(model, PeftModel) else model
@@ -345,11 +343,7 @@ class _Shards:
     def finish(self) -> int:
         self.flush()
         n = len(self.names)
-        files = (
-            ["model.safetensors"]
-            if n == 1
-            else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-        )
+        files = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
         for k, file in enumerate(files):
             os.replace(self._part(k), self.folder / file)
         if n > 1:
@@ -370,11 +364,10 @@ def _write_atomically(output: Path, marker: str, write: Callable[[Path], Any]) -
         raise UserError(
             f"export output {output}: its folder {output.parent} does not exist; create it or choose another path."
         )
-    if output.exists() and not (
-        output.is_dir() and (not any(output.iterdir()) or (output / marker).is_file())
-    ):
+    if output.exists() and not (output.is_dir() and (not any(output.iterdir()) or (output / marker).is_file())):
         raise UserError(
-            f"export output {output} exists and is not an earlier export (no {marker}); choose another path or remove it."
+            f"export output {output} exists and is not an earlier export (no {marker}); "
+            "choose another path or remove it."
         )
     tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -43,5 +43,9 @@ def model_source(model, model_name: str | None) -> dict[str, Any]:
         if id(p) not in seen:
             seen.add(id(p))
             params += p.numel()
-    return {"name": str(model_name or type(model).__name__), "framework": "pytorch",
-            "class": type(model).__name__, "parameters": params}  # fmt: skip
+    return {
+        "name": str(model_name or type(model).__name__),
+        "framework": "pytorch",
+        "class": type(model).__name__,
+        "parameters": params,
+    }

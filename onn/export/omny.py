@@ -62,6 +62,30 @@ def check_document(doc: dict[str, Any], where: str) -> None:
 # --- building the document ------------------------------------------------------------------------
 
 
+def _cut_point(
+    name: str,
+    index: int,
+    symbolic: dict[str, Any],
+    sizes: dict[str, int],
+    seq_symbols: Any,
+    reference_length: int,
+) -> dict[str, Any]:
+    """The .omny entry of the cut after block `index`: the tensor crossing it and its bytes per sample and token."""
+    dtype, shape = symbolic.get(name, ("undefined", []))
+    per_sample = sizes.get(name, 0)
+    per_token = (
+        per_sample / reference_len if (reference_len := _seq_len(shape, seq_symbols, reference_length)) else None
+    )
+    return {
+        "name": name,
+        "after_block": index,
+        "dtype": dtype,
+        "shape": shape,
+        "bytes_per_sample": per_sample,
+        "bytes_per_token": round(per_token, 3) if per_token else None,
+    }
+
+
 def describe(
     model: onnx.ModelProto,
     sample_input: dict[str, Any],
@@ -99,40 +123,36 @@ def describe(
         leaving = {piece.cut_after} if piece.cut_after else set(g.outputs)
         name = block_of.get(piece.cut_after) if piece.cut_after else None
         name = name or _name(g, piece, index)
-        blocks.append({
-            "index": index,
-            "name": name,
-            "role": _role(index, len(parts), name, block_of),
-            "nodes": len(piece.nodes),
-            "weight_bytes": g.stored_bytes(piece.nodes + sorted(free)),
-            "activation_bytes_per_sample": G.activation_peak(g, piece.nodes + sorted(free), entering | graph_inputs, leaving, sizes),
-            "kv_cache_bytes_per_token": (kv_cache_bytes or {}).get(name),
-            "cut_after": piece.cut_after,
-        })  # fmt: skip
+        blocks.append(
+            {
+                "index": index,
+                "name": name,
+                "role": _role(index, len(parts), name, block_of),
+                "nodes": len(piece.nodes),
+                "weight_bytes": g.stored_bytes(piece.nodes + sorted(free)),
+                "activation_bytes_per_sample": G.activation_peak(
+                    g, piece.nodes + sorted(free), entering | graph_inputs, leaving, sizes
+                ),
+                "kv_cache_bytes_per_token": (kv_cache_bytes or {}).get(name),
+                "cut_after": piece.cut_after,
+            }
+        )
         if piece.cut_after:
-            dtype, shape = symbolic.get(piece.cut_after, ("undefined", []))
-            per_sample = sizes.get(piece.cut_after, 0)
-            per_token = (
-                per_sample / reference_len
-                if (reference_len := _seq_len(shape, seq_symbols, int(settings["reference_sequence_length"])))
-                else None
-            )
-            cut_points.append({
-                "name": piece.cut_after, "after_block": index, "dtype": dtype, "shape": shape,
-                "bytes_per_sample": per_sample, "bytes_per_token": round(per_token, 3) if per_token else None,
-            })  # fmt: skip
+            reference_length = int(settings["reference_sequence_length"])
+            cut_points.append(_cut_point(piece.cut_after, index, symbolic, sizes, seq_symbols, reference_length))
     doc = {
         "format": "omny",
         "format_version": FORMAT_VERSION,
         "exporter": _exporter(),
-        "source_model": source or {"name": model.graph.name or "model", "framework": "onnx", "producer": model.producer_name},
+        "source_model": source
+        or {"name": model.graph.name or "model", "framework": "onnx", "producer": model.producer_name},
         "opset": next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0),
         "inputs": [_signature(i, symbolic) | {"sample": sample[i]} for i in g.inputs],
         "outputs": [_signature(o, symbolic) for o in g.outputs],
         "reference": {"batch_size": 1, "input_shapes": reference},
         "blocks": blocks,
         "cut_points": cut_points,
-    }  # fmt: skip
+    }
     doc["shard_plans"] = _shard_plans(g, parts, blocks, settings)
     doc["node_plan"] = _node_plan(g, parts, blocks, settings) if settings["nodes"] else None
     return doc
@@ -192,14 +212,16 @@ def _detail(g: G.Graph, parts: list[G.Piece], ranges: list[list[int]], totals: l
         free, graph_inputs = g.free_inputs_needed(nodes, g.outputs if end == len(parts) else ())
         read = {t for n in nodes for t in G.node_inputs(g.nodes[n])}
         after = G.crossing(g, done) if end < len(parts) else list(g.outputs)
-        out.append({
-            "blocks": [start, end],
-            "inputs": [i for i in g.inputs if i in graph_inputs] + [t for t in before if t in read],
-            "outputs": [t for t in after if t not in before],
-            "carry": [t for t in before if t in after],  # passed on to a later shard (read here or not)
-            "weight_bytes": g.stored_bytes(nodes + sorted(free)),
-            "total_mb": total,
-        })  # fmt: skip
+        out.append(
+            {
+                "blocks": [start, end],
+                "inputs": [i for i in g.inputs if i in graph_inputs] + [t for t in before if t in read],
+                "outputs": [t for t in after if t not in before],
+                "carry": [t for t in before if t in after],  # passed on to a later shard (read here or not)
+                "weight_bytes": g.stored_bytes(nodes + sorted(free)),
+                "total_mb": total,
+            }
+        )
     return out
 
 
@@ -213,7 +235,8 @@ def _check_sample(g: G.Graph, sample_input: dict[str, Any]) -> dict[str, dict[st
     if missing or extra:
         raise UserError(
             f"sample input names {sorted(sample_input)} do not match the graph's inputs {g.inputs}"
-            f"{' (missing ' + ', '.join(missing) + ')' if missing else ''}{' (unknown ' + ', '.join(extra) + ')' if extra else ''}."
+            f"{' (missing ' + ', '.join(missing) + ')' if missing else ''}"
+            f"{' (unknown ' + ', '.join(extra) + ')' if extra else ''}."
         )
     out = {}
     for name in g.inputs:
@@ -221,9 +244,7 @@ def _check_sample(g: G.Graph, sample_input: dict[str, Any]) -> dict[str, dict[st
         dims = declared[name].type.tensor_type.shape.dim
         want = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
         if len(want) != value.ndim or any(isinstance(w, int) and w != v for w, v in zip(want, value.shape)):
-            raise UserError(
-                f"sample input '{name}' has shape {list(value.shape)}, but the graph expects {want}."
-            )
+            raise UserError(f"sample input '{name}' has shape {list(value.shape)}, but the graph expects {want}.")
         entry: dict[str, Any] = {"shape": list(value.shape)}
         if np.issubdtype(value.dtype, np.integer) or value.dtype == bool:
             entry.update(low=int(value.min()), high=int(value.max()) + 1)
@@ -347,7 +368,8 @@ def read_document(source: str | Path | onnx.ModelProto, where: str | None = None
     raw = next((p.value for p in model.metadata_props if p.key == METADATA_KEY), None)
     if raw is None:
         raise UserError(
-            f"{where} has no .omny metadata (no '{METADATA_KEY}' in metadata_props); make one with enrich_onnx or task=export export=omny."
+            f"{where} has no .omny metadata (no '{METADATA_KEY}' in metadata_props); "
+            "make one with enrich_onnx or task=export export=omny."
         )
     try:
         doc = json.loads(raw)
@@ -413,26 +435,37 @@ class OmnyInfo:
         cuts = {c["after_block"]: c for c in d["cut_points"]}
         for b in d["blocks"]:
             c = cuts.get(b["index"])
-            cut = (f"{c['name']} {c['dtype']} {_dims(c['shape'])}, {_bytes(c['bytes_per_sample'])}/sample"
-                   + (f", {_bytes(c['bytes_per_token'])}/token" if c["bytes_per_token"] else "")) if c else "-"  # fmt: skip
-            kv = _bytes(b["kv_cache_bytes_per_token"]) if b["kv_cache_bytes_per_token"] else "-"
-            lines.append(f"  {b['index']:>3}  {b['name'][:34]:<34} {_bytes(b['weight_bytes']):>10} "
-                         f"{_bytes(b['activation_bytes_per_sample']):>12} {kv:>9}  {cut}")  # fmt: skip
-        p = d["shard_plans"]
-        lines += ["", f"shard plans: weights <= {p['max_shard_size_mb']:g} MB per shard, weights + activations + "
-                      f"{p['headroom_mb']:g} MB headroom <= {p['min_vram_mb']:g} MB; allowed counts {p['allowed_counts']}",
-                  "  (each shard: [first block, end) weights/total MB)"]  # fmt: skip
-        for conf in p["configurations"]:
-            lines.append(
-                f"  {conf['shards']} shard{'s' if conf['shards'] > 1 else ''}: " + _ranges(conf["detail"])
+            cut = (
+                (
+                    f"{c['name']} {c['dtype']} {_dims(c['shape'])}, {_bytes(c['bytes_per_sample'])}/sample"
+                    + (f", {_bytes(c['bytes_per_token'])}/token" if c["bytes_per_token"] else "")
+                )
+                if c
+                else "-"
             )
+            kv = _bytes(b["kv_cache_bytes_per_token"]) if b["kv_cache_bytes_per_token"] else "-"
+            lines.append(
+                f"  {b['index']:>3}  {b['name'][:34]:<34} {_bytes(b['weight_bytes']):>10} "
+                f"{_bytes(b['activation_bytes_per_sample']):>12} {kv:>9}  {cut}"
+            )
+        p = d["shard_plans"]
+        lines += [
+            "",
+            f"shard plans: weights <= {p['max_shard_size_mb']:g} MB per shard, weights + activations + "
+            f"{p['headroom_mb']:g} MB headroom <= {p['min_vram_mb']:g} MB; allowed counts {p['allowed_counts']}",
+            "  (each shard: [first block, end) weights/total MB)",
+        ]
+        for conf in p["configurations"]:
+            lines.append(f"  {conf['shards']} shard{'s' if conf['shards'] > 1 else ''}: " + _ranges(conf["detail"]))
         if d["node_plan"]:
             n = d["node_plan"]
             lines += ["", f"node plan ({n['method']}) over {len(n['nodes_mb'])} nodes:"]
             for mb, util, det in zip(n["nodes_mb"], n["utilisation"], n["detail"]):
                 a, b = det["blocks"]
-                lines.append(f"  {mb:>7g} MB  blocks [{a}, {b})  weights {_bytes(det['weight_bytes'])}, "
-                             f"total {det['total_mb']:g} MB ({util:.0%})")  # fmt: skip
+                lines.append(
+                    f"  {mb:>7g} MB  blocks [{a}, {b})  weights {_bytes(det['weight_bytes'])}, "
+                    f"total {det['total_mb']:g} MB ({util:.0%})"
+                )
         return "\n".join(lines)
 
 
@@ -442,9 +475,7 @@ def inspect_omny(path: str | Path) -> OmnyInfo:
 
 def _ranges(detail: list[dict]) -> str:
     return "  ".join(
-        f"[{a}, {b}) {_bytes(d['weight_bytes'])}/{d['total_mb']:g} MB"
-        for d in detail
-        for a, b in [d["blocks"]]
+        f"[{a}, {b}) {_bytes(d['weight_bytes'])}/{d['total_mb']:g} MB" for d in detail for a, b in [d["blocks"]]
     )
 
 
@@ -480,9 +511,7 @@ def sample_feeds(doc: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     return feeds
 
 
-def validate(
-    path: str | Path, sample_input: dict[str, Any] | None = None, atol: float = 1e-4, echo=print
-) -> bool:
+def validate(path: str | Path, sample_input: dict[str, Any] | None = None, atol: float = 1e-4, echo=print) -> bool:
     """Cut the model at every plan's boundaries, run the shards in sequence, compare with the whole
     model; check each shard's weights against the document. True when all of it holds."""
     import numpy as np
@@ -499,16 +528,16 @@ def validate(
     feeds = {k: _numpy(v) for k, v in (sample_input or sample_feeds(doc)).items()}
     whole = run_onnx(str(path), feeds)  # from the file: a model over 2 GB cannot be serialised again
     extractor = Extractor(model)
-    plans = [(f"{c['shards']} shard{'s' if c['shards'] > 1 else ''}", c["detail"], doc["shard_plans"]["max_shard_size_mb"])
-             for c in doc["shard_plans"]["configurations"]]  # fmt: skip
+    plans = [
+        (f"{c['shards']} shard{'s' if c['shards'] > 1 else ''}", c["detail"], doc["shard_plans"]["max_shard_size_mb"])
+        for c in doc["shard_plans"]["configurations"]
+    ]
     if doc["node_plan"]:
         plans.append((f"node plan over {doc['node_plan']['nodes_mb']} MB", doc["node_plan"]["detail"], None))
     ok = True
     for title, detail, limit in plans:
         echo(f"{path}: {title}")
-        echo(
-            f"  {'shard':>5}  {'blocks':<10} {'weights (doc)':>14} {'weights (file)':>15}  inputs -> outputs"
-        )
+        echo(f"  {'shard':>5}  {'blocks':<10} {'weights (doc)':>14} {'weights (file)':>15}  inputs -> outputs")
         env = dict(feeds)
         for k, shard in enumerate(detail):
             try:  # a document naming tensors the graph lacks, or inputs no earlier shard made, is invalid
@@ -529,32 +558,34 @@ def validate(
                 if actual != shard["weight_bytes"]
                 else "  <- over max_shard_size_mb"
             )
-            echo(f"  {k:>5}  [{a}, {b}){'':<{max(0, 6 - len(str(a)) - len(str(b)))}} {_bytes(shard['weight_bytes']):>14} {_bytes(actual):>15}  "
-                 f"{', '.join(shard['inputs'])} -> {', '.join(shard['outputs'])}{carried}{mark}")  # fmt: skip
+            echo(
+                f"  {k:>5}  [{a}, {b}){'':<{max(0, 6 - len(str(a)) - len(str(b)))}} "
+                f"{_bytes(shard['weight_bytes']):>14} {_bytes(actual):>15}  "
+                f"{', '.join(shard['inputs'])} -> {', '.join(shard['outputs'])}{carried}{mark}"
+            )
             ok &= size_ok
         else:  # every shard ran: compare the end result with the whole model's
             if missing := [o for o in whole if o not in env]:
                 echo(f"  the shards never produce {', '.join(missing)}")
                 ok = False
                 continue
-            diffs = [float(np.max(np.abs(env[o].astype(np.float64) - whole[o].astype(np.float64)))) if env[o].size else 0.0
-                     for o in whole]  # fmt: skip
+            diffs = [
+                float(np.max(np.abs(env[o].astype(np.float64) - whole[o].astype(np.float64)))) if env[o].size else 0.0
+                for o in whole
+            ]
             worst = max(diffs, default=0.0)
             ok &= worst <= atol
-            echo(
-                f"  max abs diff against the whole model: {worst:.3g} ({'ok' if worst <= atol else f'over {atol:g}'})"
-            )
+            echo(f"  max abs diff against the whole model: {worst:.3g} ({'ok' if worst <= atol else f'over {atol:g}'})")
     echo(f"{path}: {'valid' if ok else 'INVALID'}")
     return ok
 
 
 def unknown_tensors(model: onnx.ModelProto, doc: dict[str, Any]) -> list[str]:
-    """Tensors the document names (cut points, blocks' cut_after, the graph's inputs and outputs) that the graph lacks."""
+    """Tensors the document names (cut points, blocks' cut_after, the graph's inputs and outputs) that the graph
+    lacks."""
     graph = model.graph
     tensors = (
-        {i.name for i in graph.input}
-        | {t.name for t in graph.initializer}
-        | {o for n in graph.node for o in n.output}
+        {i.name for i in graph.input} | {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output}
     )
     named = [c["name"] for c in doc["cut_points"]] + [b["cut_after"] for b in doc["blocks"] if b["cut_after"]]
     named += [s["name"] for s in doc["inputs"]] + [s["name"] for s in doc["outputs"]]
@@ -645,23 +676,30 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("validate", help="split at every plan's cut points, run the shards, compare")
     check.add_argument("file")
     check.add_argument("--atol", type=float, default=1e-4)
-    enrich = sub.add_parser(
-        "enrich", help="make a .omny of an ONNX file made elsewhere (cut points from the graph)"
-    )
+    enrich = sub.add_parser("enrich", help="make a .omny of an ONNX file made elsewhere (cut points from the graph)")
     enrich.add_argument("file", help="the .onnx file")
     enrich.add_argument("output", help="the .omny file to write")
-    enrich.add_argument("--sample", help="a .npz of the sample input (one array per graph input); default: "
-                        "made from the graph's declared shapes")  # fmt: skip
-    enrich.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
-                        help=f"the size of a named input dimension in the made sample (default: 1 for the first, {SAMPLE_DIM} for others)")  # fmt: skip
+    enrich.add_argument(
+        "--sample",
+        help="a .npz of the sample input (one array per graph input); default: made from the graph's declared shapes",
+    )
+    enrich.add_argument(
+        "--dim",
+        action="append",
+        default=[],
+        metavar="NAME=SIZE",
+        help="the size of a named input dimension in the made sample (default: 1 for the first, "
+        f"{SAMPLE_DIM} for others)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
             print(inspect_omny(args.file).summary())
             return 0
         if args.command == "enrich":
-            written = enrich_onnx(args.file, args.output, _read_sample(args.sample) if args.sample else None,
-                                  dims=_read_dims(args.dim))  # fmt: skip
+            written = enrich_onnx(
+                args.file, args.output, _read_sample(args.sample) if args.sample else None, dims=_read_dims(args.dim)
+            )
             print(inspect_omny(written).summary())
             return 0
         return 0 if validate(args.file, atol=args.atol) else 1

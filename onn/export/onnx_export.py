@@ -86,10 +86,7 @@ def _kind(model) -> str:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return "image"
-    if (
-        getattr(config, "vision_config", None) is not None
-        and getattr(config, "text_config", None) is not None
-    ):
+    if getattr(config, "vision_config", None) is not None and getattr(config, "text_config", None) is not None:
         return "clip"
     return "text" if getattr(_text_config(model), "vocab_size", None) else "image"
 
@@ -230,9 +227,7 @@ def export_onnx(
                     f"{type(model).__name__} fails on the sample input {_shapes(sample_input)}: {_one_line(e)}"
                 ) from e
         if not reference:
-            raise UserError(
-                f"{type(model).__name__} returned no tensors on the sample input; nothing to export."
-            )
+            raise UserError(f"{type(model).__name__} returned no tensors on the sample input; nothing to export.")
         names = [name for name, _ in reference]
         program = _torch_export(model, input_names, names, tensors, opset, dynamic)
 
@@ -250,9 +245,7 @@ def export_onnx(
         del program
         _check_file(written)
         ort = run_onnx(written, sample_input)
-        diffs = {
-            name: _max_abs_diff(ref, ort[name], sample_input.get("attention_mask")) for name, ref in reference
-        }
+        diffs = {name: _max_abs_diff(ref, ort[name], sample_input.get("attention_mask")) for name, ref in reference}
         for name, ref in reference:
             if ref.dtype == torch.float32 and not diffs[name] <= atol:
                 raise UserError(
@@ -416,9 +409,7 @@ def _check_kind(model, name: str, value) -> None:
             raise UserError(f"sample input '{name}' has shape {shape}; expected 2 dims [batch, sequence].")
     if name in IMAGE_INPUTS:
         if not value.is_floating_point():
-            raise UserError(
-                f"sample input '{name}' (shape {shape}) is {value.dtype}; expected a float image."
-            )
+            raise UserError(f"sample input '{name}' (shape {shape}) is {value.dtype}; expected a float image.")
         if value.dim() != 4:
             raise UserError(
                 f"sample input '{name}' has shape {shape}; expected 4 dims [batch, channels, height, width]."

@@ -43,14 +43,13 @@ def check_settings(export: ExportConfig) -> None:
             isinstance(value, list | tuple)
             and value
             and all(
-                not isinstance(v, bool)
-                and (isinstance(v, int) if whole else isinstance(v, int | float))
-                and v > 0
+                not isinstance(v, bool) and (isinstance(v, int) if whole else isinstance(v, int | float)) and v > 0
                 for v in value
             )
         )
         if not ok:
             example = "[4, 8]" if whole else "[2048, 1536, 4096]"
             raise UserError(
-                f"export.{key}={value!r}: give a list of positive {'whole ' if whole else ''}numbers, e.g. {example}, or null."
+                f"export.{key}={value!r}: give a list of positive {'whole ' if whole else ''}numbers, e.g. "
+                f"{example}, or null."
             )

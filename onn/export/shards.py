@@ -89,11 +89,7 @@ class _Sizes:
         end = 0
         for start in range(n):
             end = max(end, start)
-            while (
-                end < n
-                and pre[end + 1] - pre[start] <= weight_cap
-                and self.total(start, end + 1) <= total_cap
-            ):
+            while end < n and pre[end + 1] - pre[start] <= weight_cap and self.total(start, end + 1) <= total_cap:
                 end += 1
             out[start] = end
         return out
@@ -159,8 +155,8 @@ def plan_shards(
                 raise UserError(
                     f"export.shard_counts has {k}, which is not feasible: under export.max_shard_size_mb="
                     f"{max_shard_size_mb:g} and export.min_vram_mb={min_vram_mb:g} (export.headroom_mb="
-                    f"{headroom_mb:g}) the {n} blocks need at least {k_min} shards; use counts from {k_min} to {n} "
-                    "or raise those limits."
+                    f"{headroom_mb:g}) the {n} blocks need at least {k_min} shards; "
+                    f"use counts from {k_min} to {n} or raise those limits."
                 )
     # Ascending counts: more shards never need a larger largest shard, so each optimum bounds the next search.
     plans, cap = [], sizes.pre[n]
@@ -192,9 +188,7 @@ def plan_nodes(
     nodes = []
     for index, mem in enumerate(nodes_mb):
         if isinstance(mem, bool) or not isinstance(mem, int | float) or not mem > 0 or not math.isfinite(mem):
-            raise UserError(
-                f"export.nodes[{index}] is {mem!r}; each node's memory must be a positive number of MB."
-            )
+            raise UserError(f"export.nodes[{index}] is {mem!r}; each node's memory must be a positive number of MB.")
         nodes.append(mem)
     n, m = len(blocks), len(nodes)
     if n < m:
@@ -238,9 +232,7 @@ def largest_remainder(n: int, weights: list[float]) -> list[int]:
         counts[i] += 1
     for i in range(len(counts)):
         if counts[i] == 0:
-            donor = max(
-                (j for j in range(len(counts)) if counts[j] > 1), key=lambda j: (counts[j] - quotas[j], -j)
-            )
+            donor = max((j for j in range(len(counts)) if counts[j] > 1), key=lambda j: (counts[j] - quotas[j], -j))
             counts[donor] -= 1
             counts[i] = 1
     return counts
@@ -305,9 +297,7 @@ def synthetic_blocks(
 ) -> list[Block]:
     """A decoder-shaped model: a big embedding, n-2 similar blocks (seeded jitter), a big head with big logits."""
     if n < 3:
-        raise UserError(
-            f"task.blocks is {n}; the synthetic model needs at least 3 (embedding, a block, head)."
-        )
+        raise UserError(f"task.blocks is {n}; the synthetic model needs at least 3 (embedding, a block, head).")
     rng = random.Random(seed)
     blocks = [Block("model.embed_tokens", int(embed_mb * MB), int(activation_mb * MB))]
     for i in range(n - 2):
@@ -428,8 +418,8 @@ def _capacity_plan(
             raise UserError(
                 f"block {index} '{blocks[index].name}' needs {total / MB:.1f} MB (with export.headroom_mb="
                 f"{headroom_mb:g}) but the largest node, node {largest}, has {nodes[largest]:g} MB: "
-                f"{_excess(total / MB, nodes[largest])} MB too big; add memory to export.nodes or lower "
-                "export.headroom_mb."
+                f"{_excess(total / MB, nodes[largest])} MB too big; "
+                "add memory to export.nodes or lower export.headroom_mb."
             )
     layers, failed = _frontiers(sizes, caps, 1.0)
     if failed is not None:
@@ -456,9 +446,7 @@ def _fits(sizes: _Sizes, start: int, end: int, cap: float, bound: float) -> bool
     return sizes.total(start, end) / cap <= bound
 
 
-def _frontiers(
-    sizes: _Sizes, caps: list[float], bound: float
-) -> tuple[list[list[tuple[int, int]]], int | None]:
+def _frontiers(sizes: _Sizes, caps: list[float], bound: float) -> tuple[list[list[tuple[int, int]]], int | None]:
     """Where each node may start when every node stays within bound utilisation, as sorted runs [a, b] of starts.
 
     Returns the runs per node (and one more entry, the possible ends of the last node) with None when the last
@@ -527,18 +515,14 @@ def _backtrack(
                 high = mid
             else:
                 low = mid + 1
-        options = [
-            min(max(cuts[node], a, low), b, end - 1) for a, b in layers[node] if b >= low and a <= end - 1
-        ]
+        options = [min(max(cuts[node], a, low), b, end - 1) for a, b in layers[node] if b >= low and a <= end - 1]
         start = min(options, key=lambda s: (abs(s - cuts[node]), s))
         ranges.append([start, end])
         end = start
     return ranges[::-1]
 
 
-def _raise_node(
-    blocks: list[Block], sizes: _Sizes, nodes: list[float], layers: list[list[bool]], node: int
-) -> None:
+def _raise_node(blocks: list[Block], sizes: _Sizes, nodes: list[float], layers: list[list[bool]], node: int) -> None:
     """Explain why node cannot be given a range within its memory, naming the block or blocks that overflow."""
     n, m, mem = sizes.n, len(nodes), nodes[node]
     starts = [s for a, b in layers[node] for s in range(a, min(b, n - 1) + 1)]

@@ -54,16 +54,12 @@ def export_model(
     if kind == "safetensors":
         from onn.export import hf
 
-        metrics = hf.save_folder(
-            model, tokenizer, output, engine=engine, max_shard_size=settings.max_shard_size
-        )
+        metrics = hf.save_folder(model, tokenizer, output, engine=engine, max_shard_size=settings.max_shard_size)
         if settings.adapter and _has_adapter(model):
             metrics.update(hf.save_adapter(model, tokenizer, output.with_name(output.name + "-adapter")))
         return metrics
     if sample_input is None:
-        raise UserError(
-            f"export={kind} traces the model on a sample input; pass sample_input (named tensors)."
-        )
+        raise UserError(f"export={kind} traces the model on a sample input; pass sample_input (named tensors).")
     if engine is not None or _has_adapter(model):
         from onn.export.hf import merged_model
 
@@ -96,8 +92,9 @@ def export_model(
     return metrics
 
 
-def export_for_run(config: ONNConfig, model, run_dir: Path, sample: dict[str, Any] | None = None, *,
-                   tokenizer=None, engine=None) -> dict[str, Any]:  # fmt: skip
+def export_for_run(
+    config: ONNConfig, model, run_dir: Path, sample: dict[str, Any] | None = None, *, tokenizer=None, engine=None
+) -> dict[str, Any]:
     """Write a run's model in the `export` group's format, to export.output or the run folder's export/.
 
     `sample` (named tensors) is what ONNX traces; language models, CLIP and image CNNs get one made
@@ -113,9 +110,7 @@ def export_for_run(config: ONNConfig, model, run_dir: Path, sample: dict[str, An
     if sample is None and kind != "safetensors":
         shape: ExportSample = settings.sample
         plain = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's wrapper
-        sample = sample_inputs(
-            plain, shape.batch_size, shape.sequence_length, shape.image_size, seed=config.seed
-        )
+        sample = sample_inputs(plain, shape.batch_size, shape.sequence_length, shape.image_size, seed=config.seed)
     metrics = export_model(
         model, output, sample, settings, model_name=config.model.name, tokenizer=tokenizer, engine=engine
     )

@@ -92,6 +92,4 @@ def return_large_frees_to_os(smallest: int = MMAP_MIN) -> None:
 
     if sys.platform == "linux":
         with contextlib.suppress(OSError, AttributeError):  # not glibc
-            ctypes.CDLL("libc.so.6").mallopt(
-                -3, min(max(int(smallest), MMAP_MIN), MMAP_MAX)
-            )  # M_MMAP_THRESHOLD
+            ctypes.CDLL("libc.so.6").mallopt(-3, min(max(int(smallest), MMAP_MIN), MMAP_MAX))  # M_MMAP_THRESHOLD

@@ -116,9 +116,7 @@ def resolve(hw_cfg: HardwareConfig, cache_dir: str | os.PathLike, probe_dir: str
 
     fingerprint = machine_fingerprint()
     cache = Path(hw_cfg.cache or Path(cache_dir) / "hardware") / f"{fingerprint}.json"
-    profile = (
-        Profile.from_cache(json.loads(cache.read_text())) if cache.exists() and not hw_cfg.refresh else None
-    )
+    profile = Profile.from_cache(json.loads(cache.read_text())) if cache.exists() and not hw_cfg.refresh else None
     if profile is not None and (profile.busy_while_measuring or 0) >= 0.5 and cpu_busy_cores(0.3) < 0.25:
         profile = None  # measured on a busy machine, which is quiet now: measure it properly
     if profile is not None:
@@ -419,14 +417,35 @@ def matmul_table(cores: int) -> dict[str, dict[str, dict[str, dict[str, float]]]
                         x = torch.randn(rows, size).to(weight.dtype)
                         flops = 2 * rows * size * size
                         clock = time.process_time if threads == 1 else time.perf_counter
-                        rate = _best_rate(
-                            flops, lambda x=x, w=weight: torch.nn.functional.linear(x, w), clock=clock
-                        )
+                        rate = _best_rate(flops, lambda x=x, w=weight: torch.nn.functional.linear(x, w), clock=clock)
                         rates[str(rows)] = round(rate / 1e9, 2)
                     table[str(size)][dtype][str(threads)] = rates
     finally:
         torch.set_num_threads(before)
     return table
+
+
+def _tiny_llama(layers: int, lora: bool, device: str):
+    """block_call_s's model: a Llama of width 32 with `layers` blocks, LoRA-adapted or not, on `device`."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    m = LlamaForCausalLM(config).to(device)
+    if lora:
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        m = get_peft_model(m, LoraConfig(r=4, target_modules=targets))
+    return m
 
 
 def block_call_s(device: str = "cpu", repeats: int = 9) -> dict[str, float]:
@@ -440,27 +459,16 @@ def block_call_s(device: str = "cpu", repeats: int = 9) -> dict[str, float]:
     import logging
 
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
     def model(layers: int, lora: bool):
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
-        m = LlamaForCausalLM(config).to(device)
-        if lora:
-            targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-            m = get_peft_model(m, LoraConfig(r=4, target_modules=targets))
-        return m
+        return _tiny_llama(layers, lora, device)
 
     ids = torch.randint(0, 64, (1, 8), device=device)
     batch = {"input_ids": ids, "labels": ids}
 
-    clock = (
-        time.process_time if device == "cpu" else time.perf_counter
-    )  # one thread: its CPU time ignores the load
+    clock = time.process_time if device == "cpu" else time.perf_counter  # one thread: its CPU time ignores the load
 
     def fastest(fn) -> float:
         fn()
@@ -598,8 +606,12 @@ def gpu_rates() -> dict[str, Any]:
         out = torch.empty(codes.shape, dtype=getattr(torch, target), device="cuda")
         decode[f"int8->{target}"] = round(codes.numel() / gpu_seconds(lambda o=out: o.copy_(codes)) / 1e9, 2)
     best = max(max(r.values()) for r in table["bfloat16"].values())
-    return {"matmul_gflops": {str(size): table}, "memory_gb_s": round(copy, 1), "decode_gvalues_s": decode,
-            "matmul_tflops": round(best / 1000, 1)}  # fmt: skip
+    return {
+        "matmul_gflops": {str(size): table},
+        "memory_gb_s": round(copy, 1),
+        "decode_gvalues_s": decode,
+        "matmul_tflops": round(best / 1000, 1),
+    }
 
 
 def cuda_workspace_mb() -> float:

@@ -66,9 +66,7 @@ class Modality:
     description: str = ""  # one line for messages ("prompt/answer text", "image classification")
     data_schema: type[DataConfig] = DataConfig  # its conf/data options' type (onn/config/data.py)
     model_schema: type[ModelConfig] = ModelConfig  # the type of the models it trains (onn/config/model.py)
-    sniff_priority: int = (
-        0  # data=auto asks higher first: specific modalities before text, which reads any UTF-8
-    )
+    sniff_priority: int = 0  # data=auto asks higher first: specific modalities before text, which reads any UTF-8
     builtins: tuple[
         str, ...
     ] = ()  # its generated datasets, data.source=builtin:NAME (data=auto picks the modality by name)
@@ -159,9 +157,7 @@ class ClassifierModality(Modality):
     (onn/modalities/classification.py, imported when a classifier first runs: it brings Lightning)."""
 
     model_schema = NetworkConfig
-    stored_dtype: str = (
-        "float32"  # the dtype its datasets hold inputs in (uint8 pixels, float16 samples, ...)
-    )
+    stored_dtype: str = "float32"  # the dtype its datasets hold inputs in (uint8 pixels, float16 samples, ...)
 
     def datamodule(self, config: ONNConfig, device: str):
         """The data config's dataset, a ClassificationData (not set up yet)."""
@@ -217,7 +213,5 @@ class MediaModality(ClassifierModality):
 
     def read_inputs(self, source: Path, inputs: dict[str, Any], config: RunConfig):
         reader = self.reader()
-        decoded, _ = reader.read(
-            str(source), config.data, reader.fit(inputs), key="task.input", allow_unlabelled=True
-        )
+        decoded, _ = reader.read(str(source), config.data, reader.fit(inputs), key="task.input", allow_unlabelled=True)
         return decoded

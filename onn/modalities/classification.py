@@ -67,15 +67,18 @@ def plan(m: ClassifierModality, config: ONNConfig, hardware: dict[str, Any], use
     if transform is not None:  # the network's input is the transform's output (e.g. a spectrogram)
         stored = torch.zeros(1, *inputs["input_shape"], dtype=getattr(torch, m.stored_dtype))
         sample = transform(stored, train=False).to("meta")
-    spec = network_spec(network, sample, str(model_cfg.name), pretrained=bool(model_cfg.weights),
-                        head_params=head_params(network, len(inputs["classes"])),
-                        blocks_path=configured_blocks(model_cfg.layer_map))  # fmt: skip
+    spec = network_spec(
+        network,
+        sample,
+        str(model_cfg.name),
+        pretrained=bool(model_cfg.weights),
+        head_params=head_params(network, len(inputs["classes"])),
+        blocks_path=configured_blocks(model_cfg.layer_map),
+    )
     return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
 
 
-def build(
-    m: ClassifierModality, config: ONNConfig, plan: dict[str, Any], inputs: dict[str, Any]
-) -> Classifier:
+def build(m: ClassifierModality, config: ONNConfig, plan: dict[str, Any], inputs: dict[str, Any]) -> Classifier:
     """The Classifier for `inputs`: from the data, or from a checkpoint."""
     torch.manual_seed(int(config.seed))
     model_cfg: NetworkConfig = config.model
@@ -85,14 +88,27 @@ def build(
         backbone, width = feature_extractor(network)
         network = LinearProbe(backbone, width, len(inputs["classes"]))
     # what the checkpoint keeps to rebuild this model (plain values; read back with onn.config.typed)
-    onn_config = {"model": as_dict(model_cfg), "strategy": as_dict(dataclasses.replace(config.strategy, name=strategy)),
-                  "data": as_dict(config.data), "inputs": inputs, "modality": m.name}  # fmt: skip
+    onn_config = {
+        "model": as_dict(model_cfg),
+        "strategy": as_dict(dataclasses.replace(config.strategy, name=strategy)),
+        "data": as_dict(config.data),
+        "inputs": inputs,
+        "modality": m.name,
+    }
     # every task a classifier runs (eval, infer, export, serve, the vision benches) extends train's keys
     task: TrainTask = config.task
-    module = Classifier(network, inputs["classes"], config.optim, onn_config, transform=m.transform(config, inputs),
-                        label_smoothing=float(task.label_smoothing), channels_last=bool(model_cfg.channels_last),
-                        inputs="features" if strategy == "linear_probe" else "data", monitor=task.monitor,
-                        adapt_norm=bool(task.adapt_norm))  # fmt: skip
+    module = Classifier(
+        network,
+        inputs["classes"],
+        config.optim,
+        onn_config,
+        transform=m.transform(config, inputs),
+        label_smoothing=float(task.label_smoothing),
+        channels_last=bool(model_cfg.channels_last),
+        inputs="features" if strategy == "linear_probe" else "data",
+        monitor=task.monitor,
+        adapt_norm=bool(task.adapt_norm),
+    )
     if model_cfg.compile:
         module.model = torch.compile(module.model)  # the Lightning module keeps the same parameters
     return module
@@ -100,8 +116,12 @@ def build(
 
 def data_inputs(m: ClassifierModality, config: ONNConfig, dm: ClassificationData) -> dict[str, Any]:
     # the seed picks the validation split held out of train: eval and infer of a checkpoint reuse it
-    return {"classes": dm.classes, "input_shape": list(dm.input_shape), "seed": int(config.seed),
-            **m.input_stats(config, dm)}  # fmt: skip
+    return {
+        "classes": dm.classes,
+        "input_shape": list(dm.input_shape),
+        "seed": int(config.seed),
+        **m.input_stats(config, dm),
+    }
 
 
 def setup_data(m: ClassifierModality, config: ONNConfig, device: str) -> ClassificationData:
@@ -153,9 +173,7 @@ def train(job: Job) -> dict[str, Any]:
         trainer.test(module, datamodule=dm, ckpt_path=best or None, verbose=False)
     else:
         trainer.validate(module, datamodule=dm, ckpt_path=best or None, verbose=False)
-    metrics.update(
-        {k: round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith(f"{stage}/")}
-    )
+    metrics.update({k: round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith(f"{stage}/")})
     picture = run_dir / f"confusion_{stage}.png"
     save_confusion(module.confusion[stage], module.classes, picture)
     metrics["confusion_matrix"] = str(picture)
@@ -196,14 +214,10 @@ def evaluate(job: Job) -> dict[str, Any]:
     trainer = build_trainer(config, plan, job.run_dir, [], loggers=False, steps_per_epoch=1)
     metrics: dict[str, Any] = {"checkpoint": str(ckpt) if ckpt else None}
     trainer.validate(module, datamodule=dm, verbose=False)
-    metrics.update(
-        {k: round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    )
+    metrics.update({k: round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith("val/")})
     if dm.has_test():
         trainer.test(module, datamodule=dm, verbose=False)
-        metrics.update(
-            {k: round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
-        )
+        metrics.update({k: round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
     print("  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
     return metrics
 
@@ -215,13 +229,9 @@ def infer(job: Job) -> dict[str, Any]:
     task: InferTask = config.task
     source = task.input
     if not source:
-        raise UserError(
-            f"task=infer on {m.name} data needs task.input=PATH (a file, a folder or an archive)."
-        )
+        raise UserError(f"task=infer on {m.name} data needs task.input=PATH (a file, a folder or an archive).")
     if job.ckpt is None:
-        raise UserError(
-            f"task=infer on {m.name} data needs ckpt=RUN_DIR (a trained classifier) to know its classes."
-        )
+        raise UserError(f"task=infer on {m.name} data needs ckpt=RUN_DIR (a trained classifier) to know its classes.")
     path = Path(str(source)).expanduser()
     if not path.exists():
         raise UserError(f"task.input={source} does not exist.")
@@ -244,9 +254,13 @@ def infer(job: Job) -> dict[str, Any]:
                 label = int(decoded.labels[j])
                 true = decoded.classes[label] if 0 <= label < len(decoded.classes) else None
                 guess = classes[int(top.indices[i, 0])]
-                row = {"name": decoded.names[j], "predicted": guess, "probability": round(float(top.values[i, 0]), 5),
-                       "top5": [[classes[int(c)], round(float(p), 5)] for c, p in zip(top.indices[i], top.values[i])],
-                       "true": true}  # fmt: skip
+                row = {
+                    "name": decoded.names[j],
+                    "predicted": guess,
+                    "probability": round(float(top.values[i, 0]), 5),
+                    "top5": [[classes[int(c)], round(float(p), 5)] for c, p in zip(top.indices[i], top.values[i])],
+                    "true": true,
+                }
                 if split != "all":
                     row["split"] = split
                 rows.append(row)
@@ -262,8 +276,12 @@ def infer(job: Job) -> dict[str, Any]:
     picture = output.with_suffix(".png")
     m.picture(torch.stack(shown), predicted_names, true_names, picture, inputs)
     print(f"wrote {len(rows)} predictions to {output} and a picture of the first {len(shown)} to {picture}")
-    metrics = {"infer/items": len(rows), "infer/output": str(output), "infer/picture": str(picture),
-               "infer/items_skipped": sum(len(d.skipped) for d in sets.values())}  # fmt: skip
+    metrics = {
+        "infer/items": len(rows),
+        "infer/output": str(output),
+        "infer/picture": str(picture),
+        "infer/items_skipped": sum(len(d.skipped) for d in sets.values()),
+    }
     if known:
         metrics["infer/acc"] = round(correct / known, 5)
     return metrics
@@ -303,9 +321,7 @@ class Predictor:
 def serving(job: Job) -> Predictor:
     m = job.modality
     if job.ckpt is None:
-        raise UserError(
-            f"task=serve on {m.name} data needs ckpt=RUN_DIR (a trained classifier) to know its classes."
-        )
+        raise UserError(f"task=serve on {m.name} data needs ckpt=RUN_DIR (a trained classifier) to know its classes.")
     return Predictor(m, job.config, load_trained(m, job.config, job.plan, job.ckpt), torch.device(job.device))
 
 
@@ -316,15 +332,11 @@ def export(job: Job) -> dict[str, Any]:
     if job.ckpt is not None:
         module = load_trained(m, job.config, job.plan, job.ckpt)
     else:
-        module = build(
-            m, job.config, job.plan, {**(inputs := m.planned_inputs(job.config)), **m.neutral_stats(inputs)}
-        )
+        module = build(m, job.config, job.plan, {**(inputs := m.planned_inputs(job.config)), **m.neutral_stats(inputs)})
     return export_module(m, job.config, module, job.run_dir)
 
 
-def export_module(
-    m: ClassifierModality, config: ONNConfig, module: Classifier, run_dir: Path
-) -> dict[str, Any]:
+def export_module(m: ClassifierModality, config: ONNConfig, module: Classifier, run_dir: Path) -> dict[str, Any]:
     """safetensors: the network's state dict plus what rebuilds it (config.json; model.weights loads it);
     onnx / omny: the network as a graph with a [batch, *input] input."""
     settings = config.export
@@ -360,9 +372,7 @@ class SideEncoder(nn.Module):
         self.transform, self.network = transform, network
 
     def prepare(self, x: torch.Tensor, train: bool) -> torch.Tensor:
-        with torch.autocast(
-            x.device.type, enabled=False
-        ):  # the transform runs in fp32, as the Classifier's does
+        with torch.autocast(x.device.type, enabled=False):  # the transform runs in fp32, as the Classifier's does
             return self.transform(x, train=train) if self.transform is not None else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -399,9 +409,7 @@ class ClassifierSide:
         return stored[order], [index[i] for i in order], skipped
 
     def encoder(self, width: int) -> SideEncoder:
-        network = self.m.network(
-            self.config.model, {**self.inputs, "classes": [str(i) for i in range(width)]}
-        )
+        network = self.m.network(self.config.model, {**self.inputs, "classes": [str(i) for i in range(width)]})
         return SideEncoder(self.m.transform(self.config, self.inputs), network)
 
     def sample(self, batch: int) -> torch.Tensor:
@@ -444,17 +452,18 @@ def features(module: Classifier, dm: ClassificationData, config: ONNConfig) -> C
     for k in sorted(state):
         weights.update(k.encode())
         weights.update(state[k].detach().float().cpu().numpy().tobytes())
-    data = {
-        k: v
-        for k, v in as_dict(config.data).items()
-        if k not in ("batch_size", "eval_batch_size", "num_workers")
-    }
-    key = json.dumps({"weights": weights.hexdigest(), "inputs": module.onn_config["inputs"],
-                      "data": {k: hashlib.sha256("\n".join(v.names).encode()).hexdigest() for k, v in dm.splits.items()},
-                      "config": data}, sort_keys=True, default=str)  # fmt: skip
-    cache = (
-        Path(config.paths.cache) / "features" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
+    data = {k: v for k, v in as_dict(config.data).items() if k not in ("batch_size", "eval_batch_size", "num_workers")}
+    key = json.dumps(
+        {
+            "weights": weights.hexdigest(),
+            "inputs": module.onn_config["inputs"],
+            "data": {k: hashlib.sha256("\n".join(v.names).encode()).hexdigest() for k, v in dm.splits.items()},
+            "config": data,
+        },
+        sort_keys=True,
+        default=str,
     )
+    cache = Path(config.paths.cache) / "features" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
     if cache.is_file():
         saved = load_file(str(cache), device=str(dm.device))
         log.info("linear probe: features from the cache %s", cache)
@@ -463,15 +472,21 @@ def features(module: Classifier, dm: ClassificationData, config: ONNConfig) -> C
         backbone = probe.backbone.to(dm.device).eval()
         with torch.no_grad():
             for name, split in dm.splits.items():
-                chunks = [backbone(module.prepare(x, train=False)).float().flatten(1)
-                          for x, _ in ResidentBatches(split, dm.eval_batch_size, shuffle=False)]  # fmt: skip
+                chunks = [
+                    backbone(module.prepare(x, train=False)).float().flatten(1)
+                    for x, _ in ResidentBatches(split, dm.eval_batch_size, shuffle=False)
+                ]
                 saved[name] = torch.cat(chunks)
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(f".tmp{os.getpid()}")
         save_file({k: v.cpu().contiguous() for k, v in saved.items()}, str(tmp))
         tmp.replace(cache)
-        log.info("linear probe: %d-wide features of %d items cached to %s", next(iter(saved.values())).shape[1],
-                 sum(len(v) for v in saved.values()), cache)  # fmt: skip
+        log.info(
+            "linear probe: %d-wide features of %d items cached to %s",
+            next(iter(saved.values())).shape[1],
+            sum(len(v) for v in saved.values()),
+            cache,
+        )
     dm.splits = {k: Split(saved[k], v.labels, v.names) for k, v in dm.splits.items()}
     return dm
 
@@ -482,14 +497,27 @@ def _callbacks(config: ONNConfig, run_dir: Path) -> list:
     task: TrainTask = config.task
     monitor = task.monitor
     # the best by `monitor` (the first ModelCheckpoint: trainer.checkpoint_callback), and the latest every epoch
-    best = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), filename="best", monitor=monitor, mode=monitor_mode(monitor),
-                           save_top_k=1, auto_insert_metric_name=False, enable_version_counter=False)  # fmt: skip
+    best = ModelCheckpoint(
+        dirpath=str(run_dir / "checkpoints"),
+        filename="best",
+        monitor=monitor,
+        mode=monitor_mode(monitor),
+        save_top_k=1,
+        auto_insert_metric_name=False,
+        enable_version_counter=False,
+    )
     last = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), save_top_k=0, save_last=True)
     callbacks = [best, last, StepClock(), ResourceMonitor(int(config.trainer.log_every_n_steps))]
     stop = task.early_stopping
     if stop.patience > 0:
-        callbacks.append(EarlyStopping(monitor=monitor, mode=monitor_mode(monitor), patience=int(stop.patience),
-                                       min_delta=float(stop.min_delta)))  # fmt: skip
+        callbacks.append(
+            EarlyStopping(
+                monitor=monitor,
+                mode=monitor_mode(monitor),
+                patience=int(stop.patience),
+                min_delta=float(stop.min_delta),
+            )
+        )
     return callbacks
 
 

@@ -26,9 +26,7 @@ class LayerMap:
     blocks_path: str  # dotted path of the module whose children hold the blocks ("" for the root)
     block_names: list[str]  # child names of the blocks, in execution order
     blocks: list[nn.Module]
-    prefix: list[tuple[str, nn.Module]] = field(
-        default_factory=list
-    )  # (dotted name, module) before the blocks
+    prefix: list[tuple[str, nn.Module]] = field(default_factory=list)  # (dotted name, module) before the blocks
     suffix: list[tuple[str, nn.Module]] = field(default_factory=list)  # after the blocks
 
     def __len__(self) -> int:

@@ -25,7 +25,8 @@ INIT_SEED = 0  # random weights (model.source=random) are drawn from this seed: 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".joblib")
 CONVERT_HINT = (
     "ONN loads safetensors only (pickle files can run code when loaded). Convert it once on a machine you trust: "
-    "python -c \"import torch, safetensors.torch as st; st.save_file(torch.load('{p}', weights_only=True), '{stem}.safetensors')\""
+    "python -c \"import torch, safetensors.torch as st; st.save_file(torch.load('{p}', weights_only=True), "
+    "'{stem}.safetensors')\""
 )
 
 
@@ -39,20 +40,21 @@ def source_kind(source: str | None) -> str:
     path = Path(src).expanduser()
     if path.suffix.lower() in PICKLE_SUFFIXES:
         raise UserError(
-            f"model.source {src} is a pickle checkpoint. "
-            + CONVERT_HINT.format(p=src, stem=path.with_suffix(""))
+            f"model.source {src} is a pickle checkpoint. " + CONVERT_HINT.format(p=src, stem=path.with_suffix(""))
         )
     if path.suffix.lower() in (".gguf", ".safetensors"):
         if not path.is_file():
             raise UserError(
-                f"model.source {src} does not exist; check the path (for SmolLM2 run ../shared/scripts/fetch-smollm2.sh)."
+                f"model.source {src} does not exist; check the path (for SmolLM2 run "
+                "../shared/scripts/fetch-smollm2.sh)."
             )
         return path.suffix.lower().lstrip(".")
     if path.is_dir():
         return "folder"
     if src.startswith((".", "/", "~")) or src.count("/") != 1:
         raise UserError(
-            f"model.source {src} does not exist; give a Hugging Face folder, a .gguf/.safetensors file, file.py:function, a hub id, or `random`."
+            f"model.source {src} does not exist; give a Hugging Face folder, a .gguf/.safetensors file, "
+            "file.py:function, a hub id, or `random`."
         )
     return "hub"
 
@@ -70,9 +72,7 @@ def architecture(model_cfg: LanguageModelConfig):
     if not arch:
         kind = source_kind(model_cfg.source)
         if kind == "folder":
-            return AutoConfig.from_pretrained(
-                expand(model_cfg.source), trust_remote_code=model_cfg.trust_remote_code
-            )
+            return AutoConfig.from_pretrained(expand(model_cfg.source), trust_remote_code=model_cfg.trust_remote_code)
         if kind == "hub":
             return AutoConfig.from_pretrained(
                 hub_folder(model_cfg.source), trust_remote_code=model_cfg.trust_remote_code
@@ -80,9 +80,7 @@ def architecture(model_cfg: LanguageModelConfig):
         return None
     model_type = arch.pop("model_type", None)
     if model_type is None:
-        raise UserError(
-            f"model.architecture of '{model_cfg.name}' needs a model_type (e.g. llama, phi3, gpt2)."
-        )
+        raise UserError(f"model.architecture of '{model_cfg.name}' needs a model_type (e.g. llama, phi3, gpt2).")
     return AutoConfig.for_model(model_type, **arch)
 
 
@@ -96,7 +94,8 @@ def meta_model(model_cfg: LanguageModelConfig):
         config = architecture(model_cfg)
         if config is None:
             raise UserError(
-                f"model '{model_cfg.name}' has no architecture in its config; add model.architecture to plan it without weights."
+                f"model '{model_cfg.name}' has no architecture in its config; "
+                "add model.architecture to plan it without weights."
             )
         return auto_class(config).from_config(config, trust_remote_code=model_cfg.trust_remote_code)
 
@@ -134,8 +133,10 @@ def load(model_cfg: LanguageModelConfig, dtype=None, cache_dir: str | os.PathLik
         except RuntimeError as e:  # transformers prints a table of mismatched tensors, then raises
             if "mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
                 raise
-            raise UserError(f"model.source {folder}: its weights do not have the shapes its config.json describes "
-                            "(see the table above); the folder mixes two models' files.") from None  # fmt: skip
+            raise UserError(
+                f"model.source {folder}: its weights do not have the shapes its config.json describes "
+                "(see the table above); the folder mixes two models' files."
+            ) from None
         tokenizer = tokenizer_from(folder, remote)
     if dtype is not None:
         model = model.to(dtype)
@@ -166,9 +167,14 @@ def load_4bit(model_cfg: LanguageModelConfig, compute_dtype, cache_dir: str | os
     quantization = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype
     )
-    model = auto_class(read_config(folder, remote)).from_pretrained(folder, local_files_only=True, use_safetensors=True,
-                                                                   trust_remote_code=remote, quantization_config=quantization,
-                                                                   device_map={"": device})  # fmt: skip
+    model = auto_class(read_config(folder, remote)).from_pretrained(
+        folder,
+        local_files_only=True,
+        use_safetensors=True,
+        trust_remote_code=remote,
+        quantization_config=quantization,
+        device_map={"": device},
+    )
     import bitsandbytes as bnb
 
     for module in model.modules():
@@ -316,14 +322,13 @@ def check_gguf(path: str) -> None:
     try:
         reader = GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError, MemoryError) as e:
-        raise UserError(
-            f"model.source {path} is not a readable GGUF file (truncated or corrupt?): {e}"
-        ) from e
+        raise UserError(f"model.source {path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
     size = os.path.getsize(path)
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
             raise UserError(
-                f"model.source {path} is truncated: tensor '{t.name}' ends at byte {t.data_offset + t.n_bytes} of a {size}-byte file."
+                f"model.source {path} is truncated: tensor '{t.name}' ends at byte {t.data_offset + t.n_bytes} of a "
+                f"{size}-byte file."
             )
 
 
@@ -339,22 +344,26 @@ def _load_safetensors_file(model_cfg: LanguageModelConfig, path: str):
     try:
         state = load_file(path)
     except (SafetensorError, OSError) as e:
-        raise UserError(
-            f"model.source {path} is not a readable safetensors file (truncated or corrupt?): {e}"
-        ) from e
+        raise UserError(f"model.source {path} is not a readable safetensors file (truncated or corrupt?): {e}") from e
     model = auto_class(config).from_config(config)
     own = model.state_dict()
-    wrong = [f"{k} {list(v.shape)} (the architecture's: {list(own[k].shape)})" for k, v in state.items()
-             if k in own and v.shape != own[k].shape]  # fmt: skip
+    wrong = [
+        f"{k} {list(v.shape)} (the architecture's: {list(own[k].shape)})"
+        for k, v in state.items()
+        if k in own and v.shape != own[k].shape
+    ]
     if wrong:  # load_state_dict raises on a wrong shape even when not strict
-        raise UserError(f"model.source {path} does not match model.architecture: wrong shapes {', '.join(wrong[:2])}"
-                        f"{' ...' if len(wrong) > 2 else ''}; give the architecture these weights were trained with.")  # fmt: skip
+        raise UserError(
+            f"model.source {path} does not match model.architecture: wrong shapes {', '.join(wrong[:2])}"
+            f"{' ...' if len(wrong) > 2 else ''}; give the architecture these weights were trained with."
+        )
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if "lm_head" in k and getattr(config, "tie_word_embeddings", False)}
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
         raise UserError(
-            f"model.source {path} does not match model.architecture: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+            f"model.source {path} does not match model.architecture: "
+            f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
             f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}."
         )
     model.tie_weights()

@@ -29,8 +29,9 @@ TORCHVISION = ("r3d_18", "r2plus1d_18", "mc3_18")
 POOLS = ("mean", "tconv")
 
 
-def build_video_classifier(model_cfg: NetworkConfig, channels: int, num_classes: int, frames: int,
-                           image_size: list[int]) -> nn.Module:  # fmt: skip
+def build_video_classifier(
+    model_cfg: NetworkConfig, channels: int, num_classes: int, frames: int, image_size: list[int]
+) -> nn.Module:
     source = str(model_cfg.source or "")
     kind, _, name = source.partition(":")
     kwargs = dict(model_cfg.kwargs or {})
@@ -62,35 +63,29 @@ def build_video_classifier(model_cfg: NetworkConfig, channels: int, num_classes:
         pool = model_cfg.temporal_pool
         if pool not in POOLS:
             raise UserError(f"model.temporal_pool={pool!r}: use mean or tconv.")
-        backbone = build_classifier(
-            model_cfg, channels, num_classes, image_size
-        )  # weights loaded, head fresh
+        backbone = build_classifier(model_cfg, channels, num_classes, image_size)  # weights loaded, head fresh
         model = FrameClassifier(backbone, num_classes, pool)
     else:
-        raise UserError(f"model.source {source or '(empty)'}: a video classifier is torchvision:NAME "
-                        f"({', '.join(TORCHVISION)}), zoo:c3d_tiny, or timm:NAME (an image model run per frame).")  # fmt: skip
+        raise UserError(
+            f"model.source {source or '(empty)'}: a video classifier is torchvision:NAME "
+            f"({', '.join(TORCHVISION)}), zoo:c3d_tiny, or timm:NAME (an image model run per frame)."
+        )
     model.pretrained_cfg = {**model.pretrained_cfg, "input_size": (channels, frames, *image_size)}
     return model
 
 
-def _torchvision(
-    name: str, source: str, channels: int, num_classes: int, kwargs: dict[str, Any]
-) -> nn.Module:
+def _torchvision(name: str, source: str, channels: int, num_classes: int, kwargs: dict[str, Any]) -> nn.Module:
     import torchvision.models.video as video
 
     if name not in TORCHVISION:
-        raise UserError(
-            f"model.source {source}: torchvision's video classifiers here are {', '.join(TORCHVISION)}."
-        )
+        raise UserError(f"model.source {source}: torchvision's video classifiers here are {', '.join(TORCHVISION)}.")
     try:
         model = getattr(video, name)(weights=None, num_classes=num_classes, **kwargs)
     except TypeError as e:
         raise UserError(f"model.kwargs does not fit {source}: {e}; fix or remove that key.") from e
     stem = model.stem[0]
     if channels != stem.in_channels:
-        model.stem[0] = nn.Conv3d(
-            channels, stem.out_channels, stem.kernel_size, stem.stride, stem.padding, bias=False
-        )
+        model.stem[0] = nn.Conv3d(channels, stem.out_channels, stem.kernel_size, stem.stride, stem.padding, bias=False)
     model.pretrained_cfg = {"first_conv": "stem.0", "classifier": "fc"}
     model.num_features = model.fc.in_features
     model.reset_classifier = types.MethodType(_reset_fc, model)
@@ -109,8 +104,11 @@ class FrameClassifier(nn.Module):
         backbone.reset_classifier(0)
         self.backbone = backbone
         self.num_features = int(getattr(backbone, "head_hidden_size", None) or backbone.num_features)
-        self.temporal = (nn.Sequential(nn.Conv1d(self.num_features, self.num_features, 3, padding=1), nn.ReLU())
-                         if pool == "tconv" else nn.Identity())  # fmt: skip
+        self.temporal = (
+            nn.Sequential(nn.Conv1d(self.num_features, self.num_features, 3, padding=1), nn.ReLU())
+            if pool == "tconv"
+            else nn.Identity()
+        )
         self.head = nn.Linear(self.num_features, num_classes)
         first = (getattr(backbone, "pretrained_cfg", None) or {}).get("first_conv")
         self.pretrained_cfg = {"first_conv": f"backbone.{first}" if first else None, "classifier": "head"}

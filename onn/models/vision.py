@@ -28,9 +28,7 @@ log = logging.getLogger("onn")
 DATA_KWARGS = ("in_channels", "in_chans", "num_classes", "image_size", "pretrained")
 
 
-def build_classifier(
-    model_cfg: NetworkConfig, in_channels: int, num_classes: int, image_size: list[int]
-) -> nn.Module:
+def build_classifier(model_cfg: NetworkConfig, in_channels: int, num_classes: int, image_size: list[int]) -> nn.Module:
     """The model named by model_cfg.source, for images of in_channels x image_size and num_classes classes."""
     source = str(model_cfg.source or "")
     kind, _, name = source.partition(":")
@@ -164,8 +162,7 @@ def load_weights(model: nn.Module, path: str | Path, changed: set[str] = frozens
     path = Path(str(path)).expanduser()
     if path.suffix.lower() in PICKLE_SUFFIXES:
         raise UserError(
-            f"model.weights {path} is a pickle checkpoint. "
-            + CONVERT_HINT.format(p=path, stem=path.with_suffix(""))
+            f"model.weights {path} is a pickle checkpoint. " + CONVERT_HINT.format(p=path, stem=path.with_suffix(""))
         )
     if path.suffix.lower() != ".safetensors" or not path.is_file():
         raise UserError(f"model.weights {path} is not an existing .safetensors file; check the path.")
@@ -178,16 +175,21 @@ def load_weights(model: nn.Module, path: str | Path, changed: set[str] = frozens
     wrong, fresh, shapes = _fit_shapes(model, state, heads, cfg.get("first_conv"), changed)
     result = model.load_state_dict(state, strict=False)
     missing = [
-        k for k in result.missing_keys
+        k
+        for k in result.missing_keys
         if not _under(k, heads + tuple(changed) + tuple(wrong)) and not k.endswith("num_batches_tracked")
-    ]  # fmt: skip
+    ]
     unexpected = list(result.unexpected_keys)
     if wrong or missing or unexpected:
         parts = [
             f"{label} ({len(keys)}): {', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}"
-            for label, keys in (("wrong shapes", [shapes[k] for k in wrong]), ("missing", missing), ("unexpected", unexpected))
+            for label, keys in (
+                ("wrong shapes", [shapes[k] for k in wrong]),
+                ("missing", missing),
+                ("unexpected", unexpected),
+            )
             if keys
-        ]  # fmt: skip
+        ]
         raise UserError(
             f"model.weights {path} does not fit this {type(model).__name__}: {'; '.join(parts)}. "
             "Give the state dict of the same architecture and model.small_input (only the classifier head may differ)."
@@ -232,9 +234,7 @@ def _fit_shapes(model: nn.Module, state: dict, heads: tuple, first_conv: str | N
         if _under(key, heads):
             del state[key]
         elif (
-            key == f"{first_conv}.weight"
-            and value.shape[0] == target.shape[0]
-            and value.shape[2:] == target.shape[2:]
+            key == f"{first_conv}.weight" and value.shape[0] == target.shape[0] and value.shape[2:] == target.shape[2:]
         ):
             state[key] = adapt_input_conv(target.shape[1], value, base_chans=value.shape[1])
         elif (

@@ -214,8 +214,18 @@ def streaming_step_flops(spec: ModelSpec, seq: int, batch_size: int, trainable_l
     return (sum(per_block) + 2 * sum(per_block[lowest:]) + 2 * head) * batch_size * seq
 
 
-def compute_s(spec: ModelSpec, hw: Profile, strategy: str, seq: int, batch_size: int, micro_batch: int,
-              trainable_layers: list[int], dtype: str = "float32", forward_group: int = 1, parts: bool = False):  # fmt: skip
+def compute_s(
+    spec: ModelSpec,
+    hw: Profile,
+    strategy: str,
+    seq: int,
+    batch_size: int,
+    micro_batch: int,
+    trainable_layers: list[int],
+    dtype: str = "float32",
+    forward_group: int = 1,
+    parts: bool = False,
+):
     """Predicted compute time of one optimizer step on this machine, from what its profile measured.
 
     Matmuls: forward 2 FLOPs per weight per token plus attention's 4 x seq x hidden per token and
@@ -251,9 +261,7 @@ def compute_s(spec: ModelSpec, hw: Profile, strategy: str, seq: int, batch_size:
         time_s = matmul(forward, forward_group * rows) + matmul(2 * upper + 2 * head * tokens, rows)
         lora_call = calls.get("lora_bf16" if half else "lora", 0.0)
         forward_call = calls.get("forward_bf16" if half else "forward", 0.0)
-        framework = (
-            forward_call * n * -(-micro_batches // forward_group) + lora_call * (n - lowest) * micro_batches
-        )
+        framework = forward_call * n * -(-micro_batches // forward_group) + lora_call * (n - lowest) * micro_batches
         trainable, with_grad = sum(spec.lora_params_per_block[i] for i in trainable_layers), n - lowest
     else:
         time_s = matmul(forward + upper + 2 * head * tokens, rows)

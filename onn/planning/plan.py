@@ -95,6 +95,34 @@ class Plan:
         return cls(**values)
 
 
+def _network_estimates(
+    spec: ModelSpec, hw: Profile, batch: int, half: bool, optimizer_bytes: int, ctx: float
+) -> dict[str, Estimate]:
+    """A classifier network's candidates (full training, a linear probe): their memory, and whether it fits."""
+    estimates = {}
+    for name in NETWORK_CANDIDATES:
+        trainable = spec.params if name == "full" else spec.head_params
+        # a probe's backbone runs once, without autograd, to cache features: one batch of activations
+        activations = spec.sample_activation_bytes * batch * (0.5 if half else 1) if name == "full" else 0
+        weights, grads, optim = spec.params * 4, trainable * 4, trainable * optimizer_bytes
+        workspace = 0.05 * (weights + activations) + (CPU_HEAP_OVERHEAD * activations if hw.accelerator == "cpu" else 0)
+        est = Estimate(
+            name,
+            False,
+            batch,
+            weights / MB,
+            grads / MB,
+            optim / MB,
+            activations / MB,
+            workspace / MB,
+            ctx,
+            note="plus the resident dataset, measured when it is read",
+        )
+        est.fits = fits(est, hw)
+        estimates[name] = est
+    return estimates
+
+
 def make_network_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
     """The plan for a classifier network (images, audio, video, points): full training or a linear
     probe, the whole batch in one pass."""
@@ -114,45 +142,51 @@ def make_network_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
     half = precision.startswith(("bf16", "16"))
     optimizer_bytes = 8 if cfg.optim.name == "adamw" else 4  # AdamW keeps two moments, SGD one
     ctx = context_mb(hw)
-    estimates = {}
-    for name in NETWORK_CANDIDATES:
-        trainable = spec.params if name == "full" else spec.head_params
-        # a probe's backbone runs once, without autograd, to cache features: one batch of activations
-        activations = spec.sample_activation_bytes * batch * (0.5 if half else 1) if name == "full" else 0
-        weights, grads, optim = spec.params * 4, trainable * 4, trainable * optimizer_bytes
-        workspace = 0.05 * (weights + activations) + (
-            CPU_HEAP_OVERHEAD * activations if hw.accelerator == "cpu" else 0
-        )
-        est = Estimate(name, False, batch, weights / MB, grads / MB, optim / MB, activations / MB, workspace / MB, ctx,
-                       note="plus the resident dataset, measured when it is read")  # fmt: skip
-        est.fits = fits(est, hw)
-        estimates[name] = est
+    estimates = _network_estimates(spec, hw, batch, half, optimizer_bytes, ctx)
     if requested == "auto":
         chosen = "full"
-        reasons.insert(
-            0, "a classifier: train every weight (strategy=linear_probe trains a head on frozen features)"
-        )
+        reasons.insert(0, "a classifier: train every weight (strategy=linear_probe trains a head on frozen features)")
     else:
         chosen = requested
         reasons.insert(0, f"strategy={requested} was asked for")
     est = estimates[chosen]
     if not est.fits:
         reasons.append(
-            f"WARNING: predicted {est.peak_mb + est.context_mb:,.0f} MB exceeds the {budget_mb(hw):,.0f} MB budget; lower data.batch_size"
+            f"WARNING: predicted {est.peak_mb + est.context_mb:,.0f} MB exceeds the {budget_mb(hw):,.0f} MB budget; "
+            "lower data.batch_size"
         )
     tflops = float(hw.matmul_tflops or 1.0)
     step_flops = spec.sample_flops * batch * (3 if chosen == "full" else 0)
     return Plan(
-        strategy=chosen, requested=requested, reasons=reasons, micro_batch=batch, accumulate=1, precision=precision,
-        weights_dtype="float32", sequence_length=None, predicted_peak_memory_mb=round(est.peak_mb, 1),
-        predicted_step_s=round(step_flops / (tflops * 1e12), 4), context_mb=round(ctx, 1),
-        budget_mb=round(budget_mb(hw), 1), sparse_layers=None, gradient_checkpointing=False, settings_source="plan",
-        streaming=None, threads=None, hardware=hardware_summary(hw),
-        model={"name": spec.name, "params": spec.params, "blocks": spec.n_blocks, "layer_map": spec.layer_map,
-               "pretrained": spec.pretrained, "flops_per_sample": spec.sample_flops,
-               "activation_bytes_per_sample": spec.sample_activation_bytes},
+        strategy=chosen,
+        requested=requested,
+        reasons=reasons,
+        micro_batch=batch,
+        accumulate=1,
+        precision=precision,
+        weights_dtype="float32",
+        sequence_length=None,
+        predicted_peak_memory_mb=round(est.peak_mb, 1),
+        predicted_step_s=round(step_flops / (tflops * 1e12), 4),
+        context_mb=round(ctx, 1),
+        budget_mb=round(budget_mb(hw), 1),
+        sparse_layers=None,
+        gradient_checkpointing=False,
+        settings_source="plan",
+        streaming=None,
+        threads=None,
+        hardware=hardware_summary(hw),
+        model={
+            "name": spec.name,
+            "params": spec.params,
+            "blocks": spec.n_blocks,
+            "layer_map": spec.layer_map,
+            "pretrained": spec.pretrained,
+            "flops_per_sample": spec.sample_flops,
+            "activation_bytes_per_sample": spec.sample_activation_bytes,
+        },
         candidates=candidate_table(estimates),
-    )  # fmt: skip
+    )
 
 
 def candidate_table(estimates: dict[str, Estimate]) -> dict[str, dict[str, Any]]:
@@ -164,10 +198,37 @@ def candidate_table(estimates: dict[str, Estimate]) -> dict[str, dict[str, Any]]
     return table
 
 
-def estimate(strategy: str, spec: ModelSpec, hw: Profile, seq: int, micro_batch: int, precision: str,
-             sparse_layers: list[int], batch_size: int, store_dtype: str | None = None,
-             fixed: FixedStreaming | None = None, prefetch: bool = True, checkpointing: bool = False,
-             present: dict[str, int] | None = None, where: str = "paths.cache") -> Estimate:  # fmt: skip
+def _weights_and_states(strategy: str, spec: ModelSpec, mixed: bool, frozen_bytes: int) -> tuple[float, ...]:
+    """Bytes of a full or (Q)LoRA candidate's weights, trainable weights and optimizer state, and the extra
+    half-precision copy of the weights that mixed-precision full training keeps."""
+    if strategy == "full":
+        return spec.params * 4, spec.params * 4, spec.params * 8, spec.params * 2 if mixed else 0
+    lora_all = sum(spec.lora_params_per_block)
+    if strategy == "qlora":
+        # the blocks' linear layers in NF4; the rest (embeddings, norms, head) as the frozen weights are
+        linear = sum(spec.linear_params_per_block)
+        weights = linear * DTYPE_BYTES["nf4"] + (spec.params - linear) * frozen_bytes
+    else:
+        weights = spec.params * frozen_bytes
+    return weights + lora_all * 4, lora_all * 4, lora_all * 8, 0  # fp32 adapters
+
+
+def estimate(
+    strategy: str,
+    spec: ModelSpec,
+    hw: Profile,
+    seq: int,
+    micro_batch: int,
+    precision: str,
+    sparse_layers: list[int],
+    batch_size: int,
+    store_dtype: str | None = None,
+    fixed: FixedStreaming | None = None,
+    prefetch: bool = True,
+    checkpointing: bool = False,
+    present: dict[str, int] | None = None,
+    where: str = "paths.cache",
+) -> Estimate:
     """Predicted memory of one candidate at one micro-batch. With gradient checkpointing, autograd
     keeps only each block's input, and one block's activations exist at a time, during its recompute.
     `fixed`: the streaming settings the config fixes (fixed_streaming); `prefetch`: strategy.streaming.prefetch."""
@@ -176,40 +237,35 @@ def estimate(strategy: str, spec: ModelSpec, hw: Profile, seq: int, micro_batch:
     act_bytes = half
     frozen_bytes = half if hw.accelerator != "cpu" else (2 if precision.startswith("bf16") else 4)
     per_token_layer = 10 * spec.hidden + 4 * spec.kv_dim + 4 * spec.intermediate
-    kept_layers = (
-        spec.hidden * spec.n_blocks + per_token_layer if checkpointing else per_token_layer * spec.n_blocks
-    )
+    kept_layers = spec.hidden * spec.n_blocks + per_token_layer if checkpointing else per_token_layer * spec.n_blocks
     tokens = micro_batch * seq
     logits = tokens * spec.vocab * 4 * 3
-    lora_all = sum(spec.lora_params_per_block)
     ctx = context_mb(hw)
     note = ""
 
-    if strategy == "full":
-        weights = spec.params * 4
-        trainable = spec.params * 4
-        optimizer = spec.params * 8
+    if strategy == "qlora" and hw.accelerator == "mps":
+        note = "bitsandbytes' 4-bit layers run on CUDA GPUs and CPUs, not on Apple's MPS"
+        return Estimate(strategy, False, micro_batch, 0, 0, 0, 0, 0, ctx, note=note)
+    if strategy in ("full", "lora", "qlora"):
+        weights, trainable, optimizer, extra = _weights_and_states(strategy, spec, mixed, frozen_bytes)
         activations = kept_layers * tokens * act_bytes + logits
-        extra = spec.params * 2 if mixed else 0
-    elif strategy in ("lora", "qlora"):
-        if strategy == "qlora":
-            if hw.accelerator == "mps":
-                return Estimate(strategy, False, micro_batch, 0, 0, 0, 0, 0, ctx,
-                                note="bitsandbytes' 4-bit layers run on CUDA GPUs and CPUs, not on Apple's MPS")  # fmt: skip
-            # the blocks' linear layers in NF4; the rest (embeddings, norms, head) as the frozen weights are
-            linear = sum(spec.linear_params_per_block)
-            weights = linear * DTYPE_BYTES["nf4"] + (spec.params - linear) * frozen_bytes
-        else:
-            weights = spec.params * frozen_bytes
-        weights += lora_all * 4  # fp32 adapters
-        trainable = lora_all * 4
-        optimizer = lora_all * 8
-        activations = kept_layers * tokens * act_bytes + logits
-        extra = 0
     elif strategy == "sparse_lora":
-        shape = StreamShape(spec, hw, compute_dtype_name(hw, precision), seq, micro_batch, batch_size, sparse_layers,
-                            per_token_layer, logits, prefetch=prefetch, budget=(budget_mb(hw) - ctx) * MB,
-                            fixed=fixed or FixedStreaming(), present=present or {}, where=where)  # fmt: skip
+        shape = StreamShape(
+            spec,
+            hw,
+            compute_dtype_name(hw, precision),
+            seq,
+            micro_batch,
+            batch_size,
+            sparse_layers,
+            per_token_layer,
+            logits,
+            prefetch=prefetch,
+            budget=(budget_mb(hw) - ctx) * MB,
+            fixed=fixed or FixedStreaming(),
+            present=present or {},
+            where=where,
+        )
         return estimate_streaming(shape, [store_dtype] if store_dtype else store_dtypes(hw, precision), ctx)
     else:
         raise ValueError(strategy)
@@ -242,20 +298,23 @@ def check_settings(cfg: ONNConfig, hw: Profile) -> None:
     held = context_mb(hw)
     if budget_mb(hw) <= held:
         given = cfg.hardware.budget_mb
-        cause = (f"hardware.budget_mb={given:g} MB" if given
-                 else f"this machine's available memory ({hw.host_memory_available_mb or hw.device_memory_mb} MB)")  # fmt: skip
-        raise UserError(f"{cause} is below what the run holds before any model is built ({held:,.0f} MB: "
-                        f"{'the CUDA context' if hw.accelerator == 'cuda' else 'Python, torch and the libraries'}); "
-                        f"give a budget above {held:,.0f} MB.")  # fmt: skip
+        cause = (
+            f"hardware.budget_mb={given:g} MB"
+            if given
+            else f"this machine's available memory ({hw.host_memory_available_mb or hw.device_memory_mb} MB)"
+        )
+        raise UserError(
+            f"{cause} is below what the run holds before any model is built ({held:,.0f} MB: "
+            f"{'the CUDA context' if hw.accelerator == 'cuda' else 'Python, torch and the libraries'}); "
+            f"give a budget above {held:,.0f} MB."
+        )
 
 
 def check_streaming(streaming: StreamingConfig) -> None:
     """strategy.streaming's values: a chunk size of whole blocks, and each choice one of its kind."""
     chunk = streaming.chunk_size
     if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise UserError(
-            f"strategy.streaming.chunk_size={chunk!r}: give a whole number of blocks, 1 or more, or auto."
-        )
+        raise UserError(f"strategy.streaming.chunk_size={chunk!r}: give a whole number of blocks, 1 or more, or auto.")
     for key, choices in STREAMING_CHOICES.items():
         value = getattr(streaming, key)
         if value not in ("auto", None, *choices):
@@ -314,22 +373,30 @@ class PlanRequest:
         sparse_layers = resolve_indices(layers, n)
         fixed_mb = strategy_cfg.micro_batch
         if fixed_mb not in (None, "auto") and (not isinstance(fixed_mb, int) or fixed_mb < 1):
-            raise UserError(
-                f"strategy.micro_batch={fixed_mb}: give a whole number of samples, 1 or more, or auto."
-            )
+            raise UserError(f"strategy.micro_batch={fixed_mb}: give a whole number of samples, 1 or more, or auto.")
         if batch_size < 1:
             raise UserError(f"data.batch_size={batch_size}: give a whole number of samples, 1 or more.")
-        present = (
-            {sd: _store_present_bytes(cfg, sd) for sd in PRECISE_FIRST} if hw.disk_free_mb is not None else {}
-        )
-        precisions = {name: _precision(strategy_cfg.precision, name, spec, hw, seq, batch_size, sparse_layers)
-                      for name in CANDIDATES}  # fmt: skip
+        present = {sd: _store_present_bytes(cfg, sd) for sd in PRECISE_FIRST} if hw.disk_free_mb is not None else {}
+        precisions = {
+            name: _precision(strategy_cfg.precision, name, spec, hw, seq, batch_size, sparse_layers)
+            for name in CANDIDATES
+        }
         streaming = strategy_cfg.streaming
-        return cls(cfg, hw, spec, strategy_cfg.name, seq, batch_size, sparse_layers,
-                   None if fixed_mb in (None, "auto") else int(fixed_mb),
-                   strategy_cfg.gradient_checkpointing is True,  # auto: off unless task=tune found it faster
-                   fixed_streaming(streaming), streaming.prefetch if streaming is not None else True,
-                   present, precisions)  # fmt: skip
+        return cls(
+            cfg,
+            hw,
+            spec,
+            strategy_cfg.name,
+            seq,
+            batch_size,
+            sparse_layers,
+            None if fixed_mb in (None, "auto") else int(fixed_mb),
+            strategy_cfg.gradient_checkpointing is True,  # auto: off unless task=tune found it faster
+            fixed_streaming(streaming),
+            streaming.prefetch if streaming is not None else True,
+            present,
+            precisions,
+        )
 
 
 def make_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec, use_tuned: bool = True) -> Plan:
@@ -355,8 +422,22 @@ def _best_estimate(r: PlanRequest, name: str) -> Estimate:
     streamed_on_gpu = name == "sparse_lora" and r.hw.accelerator == "cuda"
     fitting, last = [], None
     for mb in sizes:
-        last = estimate(name, r.spec, r.hw, r.seq, mb, r.precisions[name], layers, r.batch_size, store, r.fixed,
-                        r.prefetch, r.checkpointing, present=r.present, where=str(_store_folder(r.cfg)))  # fmt: skip
+        last = estimate(
+            name,
+            r.spec,
+            r.hw,
+            r.seq,
+            mb,
+            r.precisions[name],
+            layers,
+            r.batch_size,
+            store,
+            r.fixed,
+            r.prefetch,
+            r.checkpointing,
+            present=r.present,
+            where=str(_store_folder(r.cfg)),
+        )
         if last.fits and not streamed_on_gpu:
             return last
         if last.fits:
@@ -373,9 +454,7 @@ def _choose(r: PlanRequest, estimates: dict[str, Estimate]) -> tuple[str, list[s
     if r.requested != "auto":
         reasons = [f"strategy={r.requested} was asked for"]
         if r.requested not in estimates:  # ddp / fsdp / deepspeed: full training placed by Lightning
-            reasons.append(
-                f"sized as full training; Lightning strategy '{r.cfg.strategy.lightning}' places it"
-            )
+            reasons.append(f"sized as full training; Lightning strategy '{r.cfg.strategy.lightning}' places it")
         return (r.requested if r.requested in estimates else "full"), reasons
     if not r.spec.pretrained:
         return "full", ["random init: train every weight (LoRA on random weights would adapt noise)"]
@@ -383,8 +462,10 @@ def _choose(r: PlanRequest, estimates: dict[str, Estimate]) -> tuple[str, list[s
     reasons = []
     for s in AUTO_ORDER[: AUTO_ORDER.index(chosen) + 1]:
         e = estimates[s]
-        reasons.append(f"{s}: {'fits' if e.fits else 'does not fit'} ({e.peak_mb + e.context_mb:,.0f} MB"
-                       f"{'; ' + e.note if e.note else ''})")  # fmt: skip
+        reasons.append(
+            f"{s}: {'fits' if e.fits else 'does not fit'} ({e.peak_mb + e.context_mb:,.0f} MB"
+            f"{'; ' + e.note if e.note else ''})"
+        )
     return chosen, reasons
 
 
@@ -399,9 +480,9 @@ def _refuse_unfit(r: PlanRequest, chosen: str, est: Estimate) -> None:
         need = est.peak_mb + est.context_mb
         smallest = need if r.cfg.hardware.budget_mb else need / HEADROOM
         raise UserError(
-            f"hardware {r.hw.name}: a budget of {budget_mb(r.hw):,.0f} MB cannot hold one streamed block plus activations "
-            f"for {r.spec.name} at data.max_length={r.seq}; the smallest budget that works is about {smallest:,.0f} MB "
-            "(or shorten data.max_length)."
+            f"hardware {r.hw.name}: a budget of {budget_mb(r.hw):,.0f} MB cannot hold one streamed block plus "
+            f"activations for {r.spec.name} at data.max_length={r.seq}; "
+            f"the smallest budget that works is about {smallest:,.0f} MB (or shorten data.max_length)."
         )
 
 
@@ -411,19 +492,24 @@ def _notes(r: PlanRequest, chosen: str, est: Estimate) -> list[str]:
     threads, share = threads_for(hw)
     precision = r.precisions.get(chosen, r.precisions["full"])
     if not est.fits:
-        notes.append(f"WARNING: predicted {est.peak_mb + est.context_mb:,.0f} MB exceeds the {budget_mb(hw):,.0f} MB "
-                     "budget; expect out-of-memory")  # fmt: skip
+        notes.append(
+            f"WARNING: predicted {est.peak_mb + est.context_mb:,.0f} MB exceeds the {budget_mb(hw):,.0f} MB "
+            "budget; expect out-of-memory"
+        )
     if precision != choose_precision(hw) and r.cfg.strategy.precision in (None, "auto"):
         rows = est.micro_batch * r.seq
         notes.append(
-            f"precision {precision}: this CPU's bf16 matmuls make the step faster ({matmul_rate(hw, 'bfloat16', rows, threads) / 1e9:,.0f} "
-            f"GFLOP/s at {rows} rows, measured, against float32's {matmul_rate(hw, 'float32', rows, threads) / 1e9:,.0f}): "
+            f"precision {precision}: this CPU's bf16 matmuls make the step faster "
+            f"({matmul_rate(hw, 'bfloat16', rows, threads) / 1e9:,.0f} "
+            f"GFLOP/s at {rows} rows, measured, against float32's "
+            f"{matmul_rate(hw, 'float32', rows, threads) / 1e9:,.0f}): "
             "frozen weights in bf16, adapters in fp32"
         )
     if hw.accelerator == "cpu" and (hw.cpu_busy_cores or 0) >= 0.25:
         notes.append(
             f"cores busy: other processes use {hw.cpu_busy_cores:.1f} of {hw.cpu_cores} cores; torch runs "
-            f"{threads} thread(s){'' if share >= 1 else f', each getting about {share:.0%} of a core'}, and the step time counts that"
+            f"{threads} thread(s){'' if share >= 1 else f', each getting about {share:.0%} of a core'}, "
+            "and the step time counts that"
         )
     elif hw.thread_limit and threads < (hw.cpu_cores or 1):
         notes.append(f"torch runs {threads} thread(s): OMP_NUM_THREADS={hw.thread_limit}")
@@ -441,25 +527,49 @@ def _record(r: PlanRequest, chosen: str, estimates: dict[str, Estimate], reasons
         step_s = est.streaming.predicted_step_s
     else:
         trainable = list(range(spec.n_blocks)) if chosen != "full" else [0]
-        step_s = compute_s(spec, hw, chosen if chosen in CANDIDATES else "full", r.seq, r.batch_size, micro_batch, trainable,
-                           dtype=compute_dtype_name(hw, precision))  # fmt: skip
+        step_s = compute_s(
+            spec,
+            hw,
+            chosen if chosen in CANDIDATES else "full",
+            r.seq,
+            r.batch_size,
+            micro_batch,
+            trainable,
+            dtype=compute_dtype_name(hw, precision),
+        )
     return Plan(
-        strategy=chosen, requested=r.requested, reasons=reasons, micro_batch=micro_batch,
-        accumulate=-(-r.batch_size // micro_batch), precision=precision,
-        weights_dtype=_weights_dtype(chosen, precision, hw), sequence_length=r.seq,
-        predicted_peak_memory_mb=round(est.peak_mb, 1), predicted_step_s=round(step_s, 4),
-        context_mb=round(est.context_mb, 1), budget_mb=round(budget_mb(hw), 1),
+        strategy=chosen,
+        requested=r.requested,
+        reasons=reasons,
+        micro_batch=micro_batch,
+        accumulate=-(-r.batch_size // micro_batch),
+        precision=precision,
+        weights_dtype=_weights_dtype(chosen, precision, hw),
+        sequence_length=r.seq,
+        predicted_peak_memory_mb=round(est.peak_mb, 1),
+        predicted_step_s=round(step_s, 4),
+        context_mb=round(est.context_mb, 1),
+        budget_mb=round(budget_mb(hw), 1),
         sparse_layers=r.sparse_layers if chosen == "sparse_lora" else None,
-        gradient_checkpointing=r.checkpointing, settings_source="plan", streaming=est.streaming,
-        threads=threads_for(hw)[0] if hw.accelerator == "cpu" else None, hardware=hardware_summary(hw),
-        model={"name": spec.name, "params": spec.params, "blocks": spec.n_blocks, "layer_map": spec.layer_map,
-               "pretrained": spec.pretrained},
+        gradient_checkpointing=r.checkpointing,
+        settings_source="plan",
+        streaming=est.streaming,
+        threads=threads_for(hw)[0] if hw.accelerator == "cpu" else None,
+        hardware=hardware_summary(hw),
+        model={
+            "name": spec.name,
+            "params": spec.params,
+            "blocks": spec.n_blocks,
+            "layer_map": spec.layer_map,
+            "pretrained": spec.pretrained,
+        },
         candidates=candidate_table(estimates),
-    )  # fmt: skip
+    )
 
 
-def _precision(asked: str, name: str, spec: ModelSpec, hw: Profile, seq: int, batch_size: int,
-               sparse_layers: list[int]) -> str:  # fmt: skip
+def _precision(
+    asked: str, name: str, spec: ModelSpec, hw: Profile, seq: int, batch_size: int, sparse_layers: list[int]
+) -> str:
     """The precision a candidate runs in: as asked, or by the machine. A CPU whose profile measured
     bf16 matmuls streams in bf16-mixed when matmuls are most of the step and bf16 makes it at least
     1.5x faster: the
@@ -470,12 +580,8 @@ def _precision(asked: str, name: str, spec: ModelSpec, hw: Profile, seq: int, ba
     measured = all("bfloat16" in table for table in (hw.matmul_gflops or {"": {}}).values())
     if hw.accelerator != "cpu" or name != "sparse_lora" or not measured:
         return choose_precision(hw)
-    matmul32, other32 = compute_s(
-        spec, hw, name, seq, batch_size, batch_size, sparse_layers, "float32", parts=True
-    )
-    matmul16, other16 = compute_s(
-        spec, hw, name, seq, batch_size, batch_size, sparse_layers, "bfloat16", parts=True
-    )
+    matmul32, other32 = compute_s(spec, hw, name, seq, batch_size, batch_size, sparse_layers, "float32", parts=True)
+    matmul16, other16 = compute_s(spec, hw, name, seq, batch_size, batch_size, sparse_layers, "bfloat16", parts=True)
     # only where the matmuls are most of the step: a small model's step is framework time, which autocast adds to
     dominated = matmul32 >= 0.7 * (matmul32 + other32)
     return "bf16-mixed" if dominated and matmul16 + other16 < 0.67 * (matmul32 + other32) else "32-true"
@@ -483,13 +589,14 @@ def _precision(asked: str, name: str, spec: ModelSpec, hw: Profile, seq: int, ba
 
 def _streaming_reason(s: StreamingPlan) -> str:
     """Why these streaming settings: their predicted step against the next fastest."""
-    place = (
-        "in host memory" if s.store == "cpu" else f"on disk, {s.cache_blocks} block(s) cached in host memory"
+    place = "in host memory" if s.store == "cpu" else f"on disk, {s.cache_blocks} block(s) cached in host memory"
+    line = (
+        f"streaming: {s.store_dtype} store {place}, chunk {s.chunk_size}, edges {s.edges}: predicted "
+        f"{s.predicted_step_s:.2f} s/step (I/O {s.predicted_io_s:.2f} s for {_moved(s)}, "
+        f"compute {s.predicted_compute_s:.2f} s in {s.compute_dtype}"
+        + (f", decode {s.predicted_decode_s:.2f} s" if s.predicted_decode_s else "")
+        + "), the fastest that fits"
     )
-    line = (f"streaming: {s.store_dtype} store {place}, chunk {s.chunk_size}, edges {s.edges}: predicted "
-            f"{s.predicted_step_s:.2f} s/step (I/O {s.predicted_io_s:.2f} s for {_moved(s)}, "
-            f"compute {s.predicted_compute_s:.2f} s in {s.compute_dtype}"
-            + (f", decode {s.predicted_decode_s:.2f} s" if s.predicted_decode_s else "") + "), the fastest that fits")  # fmt: skip
     others = [a for a in s.alternatives if (a["store_dtype"], a["store"]) != (s.store_dtype, s.store)]
     if others:
         a = others[0]
@@ -527,9 +634,7 @@ def _with_tuned(plan: Plan, cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Pla
     taken = {}
     for key, value in tuned["settings"].items():
         if key in STREAMING_KEYS and strategy.streaming is None:
-            strategy.streaming = (
-                StreamingConfig()
-            )  # a strategy that names no streaming streams with every `auto`
+            strategy.streaming = StreamingConfig()  # a strategy that names no streaming streams with every `auto`
         holder = strategy.streaming if key in STREAMING_KEYS else strategy
         if hasattr(holder, key) and getattr(holder, key) in (None, "auto"):  # what the config fixes stays
             setattr(holder, key, value)
@@ -538,18 +643,16 @@ def _with_tuned(plan: Plan, cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Pla
         return plan
     tuned_plan = make_plan(config, hw, spec, use_tuned=False)
     if tuned_plan.strategy != plan.strategy or not tuned_plan.candidates[plan.strategy]["fits"]:
-        plan.reasons.append(
-            f"task=tune's settings {taken} ({tuned['path']}) no longer fit: using the planner's own"
-        )
+        plan.reasons.append(f"task=tune's settings {taken} ({tuned['path']}) no longer fit: using the planner's own")
         return plan
     tuned_plan.requested = plan.requested
     tuned_plan.settings_source = "tune"
     tuned_plan.tuned = {
-        k: tuned.get(k)
-        for k in ("path", "tuned_at", "samples_per_s", "plan_samples_per_s", "speedup_over_plan")
+        k: tuned.get(k) for k in ("path", "tuned_at", "samples_per_s", "plan_samples_per_s", "speedup_over_plan")
     }
     tuned_plan.reasons = [
-        f"settings {taken} from task=tune ({tuned['path']}, {tuned.get('tuned_at')}): measured {tuned.get('samples_per_s')} "
+        f"settings {taken} from task=tune ({tuned['path']}, {tuned.get('tuned_at')}): "
+        f"measured {tuned.get('samples_per_s')} "
         f"samples/s against {tuned.get('plan_samples_per_s')} for the planner's guess",
         *[r for r in plan.reasons],
     ]
@@ -569,9 +672,7 @@ def render(plan: Plan) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(
-        title=f"ONN plan: {plan.model['name']} on {plan.hardware['name']} ({plan.hardware['device_name']})"
-    )
+    table = Table(title=f"ONN plan: {plan.model['name']} on {plan.hardware['name']} ({plan.hardware['device_name']})")
     for col in (
         "candidate",
         "fits",
@@ -586,28 +687,33 @@ def render(plan: Plan) -> str:
         table.add_column(col, justify="right" if col not in ("candidate", "fits") else "left")
     for name, c in plan.candidates.items():
         mark = "*" if name == plan.strategy else ""
-        table.add_row(f"{mark}{name}", "yes" if c["fits"] else "no", str(c["micro_batch"]),
-                      *(f"{c[k]:,.0f}" for k in ("weights_mb", "trainable_mb", "optimizer_mb", "activations_mb", "workspace_mb", "peak_mb")))  # fmt: skip
+        table.add_row(
+            f"{mark}{name}",
+            "yes" if c["fits"] else "no",
+            str(c["micro_batch"]),
+            *(
+                f"{c[k]:,.0f}"
+                for k in ("weights_mb", "trainable_mb", "optimizer_mb", "activations_mb", "workspace_mb", "peak_mb")
+            ),
+        )
     console = Console(width=120, record=True, force_terminal=False)
     with console.capture() as capture:
         console.print(table)
     lines = [capture.get().rstrip()]
     lines.append(
-        f"strategy: {plan.strategy}  micro-batch: {plan.micro_batch} x {plan.accumulate} accumulated  precision: {plan.precision}"
+        f"strategy: {plan.strategy}  micro-batch: {plan.micro_batch} x {plan.accumulate} accumulated  precision: "
+        f"{plan.precision}"
     )
     peak, ctx = plan.predicted_peak_memory_mb, plan.context_mb
     ctx_name = "CUDA context" if plan.hardware["accelerator"] == "cuda" else "process baseline"
     lines.append(
-        f"predicted peak memory: {peak:,.0f} MB allocated (+{ctx:,.0f} MB {ctx_name} = {peak + ctx:,.0f} MB); budget {plan.budget_mb:,.0f} MB"
+        f"predicted peak memory: {peak:,.0f} MB allocated (+{ctx:,.0f} MB {ctx_name} = {peak + ctx:,.0f} MB); "
+        f"budget {plan.budget_mb:,.0f} MB"
     )
     where = (
-        f"at data.max_length={plan.sequence_length}"
-        if plan.sequence_length
-        else f"for a batch of {plan.micro_batch}"
+        f"at data.max_length={plan.sequence_length}" if plan.sequence_length else f"for a batch of {plan.micro_batch}"
     )
-    lines.append(
-        f"predicted step time: {plan.predicted_step_s:.3f} s {where} (a prediction; the run measures it)"
-    )
+    lines.append(f"predicted step time: {plan.predicted_step_s:.3f} s {where} (a prediction; the run measures it)")
     if plan.streaming:
         s = plan.streaming
         place = (
@@ -615,9 +721,11 @@ def render(plan: Plan) -> str:
             if s.store == "cpu"
             else f"disk, {s.cache_blocks} of {plan.model['blocks']} blocks cached in RAM"
         )
-        lines.append(f"streaming: chunk_size {s.chunk_size}, store {s.store_dtype} in {place} ({s.store_gb:,.1f} GB), "
-                     f"edges {s.edges}, compute in {s.compute_dtype}; per step {_moved(s)} "
-                     f"({s.predicted_io_s}s I/O) vs {s.predicted_compute_s}s compute (predictions)")  # fmt: skip
+        lines.append(
+            f"streaming: chunk_size {s.chunk_size}, store {s.store_dtype} in {place} ({s.store_gb:,.1f} GB), "
+            f"edges {s.edges}, compute in {s.compute_dtype}; per step {_moved(s)} "
+            f"({s.predicted_io_s}s I/O) vs {s.predicted_compute_s}s compute (predictions)"
+        )
     if plan.threads:
         lines.append(f"threads: {plan.threads} of {plan.hardware['cpu_cores']} cores")
     lines += [f"  - {r}" for r in plan.reasons]
@@ -632,16 +740,35 @@ def render_scale(scale: dict[str, Any]) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"full fine-tune over {scale['devices_per_node']} device(s) x {scale['nodes']} node(s): "
-                        f"global batch {scale['global_batch']} ({scale['per_device_batch']} per device)")  # fmt: skip
-    for col in ("setup", "fits", "micro-batch", "MB per device", "host MB per node", "compute s", "all-reduce s",
-                "offload s", "step s"):  # fmt: skip
+    table = Table(
+        title=f"full fine-tune over {scale['devices_per_node']} device(s) x {scale['nodes']} node(s): "
+        f"global batch {scale['global_batch']} ({scale['per_device_batch']} per device)"
+    )
+    for col in (
+        "setup",
+        "fits",
+        "micro-batch",
+        "MB per device",
+        "host MB per node",
+        "compute s",
+        "all-reduce s",
+        "offload s",
+        "step s",
+    ):
         table.add_column(col, justify="left" if col in ("setup", "fits") else "right", no_wrap=col == "setup")
     for name, o in scale["options"].items():
         fits = "refused" if o["refused"] else ("yes" if o["fits"] else "no")
-        table.add_row(f"{'*' if name == scale['chosen'] else ''}{o['label']}", fits, str(o["micro_batch"]),
-                      f"{o['per_device_mb']:,.0f}", f"{o['host_per_node_mb']:,.0f}", f"{o['compute_s']:.3g}",
-                      f"{o['collective_s']:.3g}", f"{o['offload_s']:.3g}", f"{o['predicted_step_s']:.3g}")  # fmt: skip
+        table.add_row(
+            f"{'*' if name == scale['chosen'] else ''}{o['label']}",
+            fits,
+            str(o["micro_batch"]),
+            f"{o['per_device_mb']:,.0f}",
+            f"{o['host_per_node_mb']:,.0f}",
+            f"{o['compute_s']:.3g}",
+            f"{o['collective_s']:.3g}",
+            f"{o['offload_s']:.3g}",
+            f"{o['predicted_step_s']:.3g}",
+        )
     console = Console(width=120, record=True, force_terminal=False)
     with console.capture() as capture:
         console.print(table)

@@ -58,40 +58,51 @@ def scale_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> dict[str, Any] |
     precision = choose_precision(hw)
     grad_bytes = spec.params * (2 if precision.endswith("mixed") else 4)
     comm = collective_s(grad_bytes, count, nodes, cfg.hardware)
-    setup = _Setup(
-        spec, hw, int(cfg.data.max_length), per_device, precision, devices, nodes, grad_bytes, comm
-    )
+    setup = _Setup(spec, hw, int(cfg.data.max_length), per_device, precision, devices, nodes, grad_bytes, comm)
     options = {name: setup.option(name) for name in SETUPS}
     fitting = [n for n in SETUPS if options[n]["fits"]]
-    chosen = (
-        min(fitting, key=lambda n: (options[n]["predicted_step_s"], SETUPS.index(n))) if fitting else None
-    )
+    chosen = min(fitting, key=lambda n: (options[n]["predicted_step_s"], SETUPS.index(n))) if fitting else None
     return {
-        "devices": devices, "devices_per_node": count, "nodes": nodes, "global_batch": per_device * devices,
-        "per_device_batch": per_device, "precision": precision, "links": comm, "options": options,
-        "chosen": chosen, "reason": reason(spec, hw, options, chosen, count, nodes),
-    }  # fmt: skip
+        "devices": devices,
+        "devices_per_node": count,
+        "nodes": nodes,
+        "global_batch": per_device * devices,
+        "per_device_batch": per_device,
+        "precision": precision,
+        "links": comm,
+        "options": options,
+        "chosen": chosen,
+        "reason": reason(spec, hw, options, chosen, count, nodes),
+    }
 
 
 class _Setup:
     """A full fine-tune over `devices` devices: what each setup holds per device and host, and its step."""
 
-    def __init__(self, spec: ModelSpec, hw: Profile, seq: int, per_device: int, precision: str, devices: int,
-                 nodes: int, grad_bytes: float, comm: dict[str, Any]):  # fmt: skip
+    def __init__(
+        self,
+        spec: ModelSpec,
+        hw: Profile,
+        seq: int,
+        per_device: int,
+        precision: str,
+        devices: int,
+        nodes: int,
+        grad_bytes: float,
+        comm: dict[str, Any],
+    ):
         self.spec, self.hw, self.seq, self.per_device, self.precision = spec, hw, seq, per_device, precision
         self.devices, self.grad_bytes, self.comm = devices, grad_bytes, comm
         mixed, params = precision.endswith("mixed"), spec.params
         gathered = (
-            GATHERED_BLOCKS
-            * max(spec.block_params + [spec.prefix_params, spec.suffix_params])
-            * (2 if mixed else 4)
+            GATHERED_BLOCKS * max(spec.block_params + [spec.prefix_params, spec.suffix_params]) * (2 if mixed else 4)
         )
         self.state = {
             "ddp": (16 + (2 if mixed else 0)) * params,
             "deepspeed_zero2": (2 * params + 14 * params / devices) if mixed else (4 * params + 12 * params / devices),
             "fsdp": 16 * params / devices + gathered,
             "deepspeed_zero3_offload": gathered,
-        }  # fmt: skip
+        }
         self.host_per_node = {name: 0.0 for name in SETUPS}
         self.host_per_node["deepspeed_zero3_offload"] = 16 * params / nodes
 
@@ -102,9 +113,7 @@ class _Setup:
         budget = budget_mb(hw)
         for mb in micro_batch_sizes(self.per_device):
             act = estimate("full", spec, hw, self.seq, mb, self.precision, [], self.per_device)
-            device_mb = (
-                self.state[name] / MB + act.activations_mb
-            ) * 1.05  # + 5% workspace, as the single-device plan
+            device_mb = (self.state[name] / MB + act.activations_mb) * 1.05  # + 5% workspace, as the single-device plan
             if device_mb + act.context_mb <= budget:
                 break
         ctx = act.context_mb
@@ -120,13 +129,17 @@ class _Setup:
             offload = (3 * self.grad_bytes / self.devices) / pcie if pcie else 0.0
             offload += spec.params / self.devices / CPU_ADAM_WEIGHTS_S
         return {
-            "label": LABELS[name], "fits": fits,
+            "label": LABELS[name],
+            "fits": fits,
             "refused": "Lightning runs FSDP and DeepSpeed on CUDA GPUs only" if refused else None,
-            "micro_batch": mb, "per_device_mb": round(device_mb + ctx, 1),
-            "host_per_node_mb": round(self.host_per_node[name] / MB, 1), "compute_s": round(step, 6),
-            "collective_s": round(collective, 6), "offload_s": round(offload, 6),
+            "micro_batch": mb,
+            "per_device_mb": round(device_mb + ctx, 1),
+            "host_per_node_mb": round(self.host_per_node[name] / MB, 1),
+            "compute_s": round(step, 6),
+            "collective_s": round(collective, 6),
+            "offload_s": round(offload, 6),
             "predicted_step_s": round(step + collective + offload, 6),
-        }  # fmt: skip
+        }
 
 
 def collective_s(grad_bytes: float, count: int, nodes: int, hw_cfg: HardwareConfig) -> dict[str, Any]:
@@ -143,12 +156,10 @@ def collective_s(grad_bytes: float, count: int, nodes: int, hw_cfg: HardwareConf
             seconds += 2 * (nodes - 1) / nodes * grad_bytes / (float(between) * 1e9)
         else:
             missing.append("hardware.network_gb_s")
-    return {"interconnect_gb_s": inside, "network_gb_s": between, "all_reduce_s": round(seconds, 6),
-            "missing": missing}  # fmt: skip
+    return {"interconnect_gb_s": inside, "network_gb_s": between, "all_reduce_s": round(seconds, 6), "missing": missing}
 
 
-def reason(spec: ModelSpec, hw: Profile, options: dict[str, Any], chosen: str | None, count: int,
-           nodes: int) -> str:  # fmt: skip
+def reason(spec: ModelSpec, hw: Profile, options: dict[str, Any], chosen: str | None, count: int, nodes: int) -> str:
     """The recommendation in one sentence, e.g. "14.7B full fine-tune: FSDP over 8 x A100-80GB, 1 node"."""
     size = f"{spec.params / 1e9:.1f}B" if spec.params >= 1e8 else f"{spec.params / 1e6:.1f}M"
     device = hw.device_name or hw.name or "device"
@@ -156,12 +167,19 @@ def reason(spec: ModelSpec, hw: Profile, options: dict[str, Any], chosen: str | 
     if chosen is None:
         need = min(o["per_device_mb"] for o in options.values())
         refused = next((o["refused"] for o in options.values() if o["refused"]), None)
-        return (f"{size} full fine-tune: no setup fits {where} (the smallest needs {need:,.0f} MB per device"
-                f"{'; ' + refused if refused else ''}): add devices or nodes, or use LoRA.")  # fmt: skip
+        return (
+            f"{size} full fine-tune: no setup fits {where} (the smallest needs {need:,.0f} MB per device"
+            f"{'; ' + refused if refused else ''}): add devices or nodes, or use LoRA."
+        )
     c = options[chosen]
-    rejected = [f"{o['label']} {'is refused' if o['refused'] else 'needs'}"
-                + ("" if o["refused"] else f" {o['per_device_mb'] / 1024:,.0f} GB") for n, o in options.items()
-                if not o["fits"] and SETUPS.index(n) < SETUPS.index(chosen)]  # fmt: skip
+    rejected = [
+        f"{o['label']} {'is refused' if o['refused'] else 'needs'}"
+        + ("" if o["refused"] else f" {o['per_device_mb'] / 1024:,.0f} GB")
+        for n, o in options.items()
+        if not o["fits"] and SETUPS.index(n) < SETUPS.index(chosen)
+    ]
     why = f"; {', '.join(rejected)} per device" if rejected else ""
-    return (f"{size} full fine-tune: {c['label']} over {where} ({c['per_device_mb'] / 1024:,.1f} GB per device of "
-            f"{budget_mb(hw) / 1024:,.0f} GB, predicted {c['predicted_step_s']:.3g} s per step{why}).")  # fmt: skip
+    return (
+        f"{size} full fine-tune: {c['label']} over {where} ({c['per_device_mb'] / 1024:,.1f} GB per device of "
+        f"{budget_mb(hw) / 1024:,.0f} GB, predicted {c['predicted_step_s']:.3g} s per step{why})."
+    )

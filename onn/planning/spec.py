@@ -114,8 +114,9 @@ def _measure_spec(model_cfg: LanguageModelConfig, lora_rank: int) -> ModelSpec:
     )
 
 
-def network_spec(model, sample, name: str, pretrained: bool, head_params: int = 0,
-                 blocks_path: str | None = None) -> ModelSpec:  # fmt: skip
+def network_spec(
+    model, sample, name: str, pretrained: bool, head_params: int = 0, blocks_path: str | None = None
+) -> ModelSpec:
     """A network's sizes for one sample: parameters, and the forward FLOPs and the bytes autograd saves
     for backward, both counted during one forward pass on the meta device (nothing is allocated).
     `model` is built on the meta device and `sample` is a meta tensor of one sample's batch of 1;
@@ -143,11 +144,25 @@ def network_spec(model, sample, name: str, pretrained: bool, head_params: int = 
     except UserError:  # a network without repeated blocks plans as well; only cut points need them
         blocks, prefix, suffix, described = [], 0, 0, "no repeated blocks"
     params = sum(p.numel() for p in model.parameters())
-    return ModelSpec(name=name, params=params, block_params=blocks, prefix_params=prefix, suffix_params=suffix,
-                     lora_params_per_block=[0] * len(blocks), linear_params_per_block=[0] * len(blocks),
-                     hidden=0, intermediate=0, kv_dim=0, vocab=0, layer_map=described, pretrained=pretrained,
-                     kind="network", sample_activation_bytes=saved, sample_flops=int(flops.get_total_flops()),
-                     head_params=head_params)  # fmt: skip
+    return ModelSpec(
+        name=name,
+        params=params,
+        block_params=blocks,
+        prefix_params=prefix,
+        suffix_params=suffix,
+        lora_params_per_block=[0] * len(blocks),
+        linear_params_per_block=[0] * len(blocks),
+        hidden=0,
+        intermediate=0,
+        kv_dim=0,
+        vocab=0,
+        layer_map=described,
+        pretrained=pretrained,
+        kind="network",
+        sample_activation_bytes=saved,
+        sample_flops=int(flops.get_total_flops()),
+        head_params=head_params,
+    )
 
 
 def _cfg_int(config, *names: str, default: int) -> int:

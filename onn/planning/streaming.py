@@ -44,8 +44,12 @@ from onn.streaming.schedule import CAST_TILE_VALUES, cached_blocks, generates_fr
 GPU_TIE = 0.10
 PRECISE_FIRST = ("float32", "bfloat16", "float16", "int8", "nf4")  # the tie-break between equally fast stores
 STREAMING_KEYS = ("chunk_size", "store", "store_dtype", "edges", "activations", "cache_blocks", "eval_tokens")
-STREAMING_CHOICES = {"store": ("disk", "cpu"), "store_dtype": tuple(DTYPE_BYTES), "edges": ("resident", "stream"),
-                     "activations": ("device", "host")}  # fmt: skip
+STREAMING_CHOICES = {
+    "store": ("disk", "cpu"),
+    "store_dtype": tuple(DTYPE_BYTES),
+    "edges": ("resident", "stream"),
+    "activations": ("device", "host"),
+}
 DISK_RESERVE = 2 * 1024**3  # what a store's build leaves free on the disk for others
 
 
@@ -110,9 +114,7 @@ class StreamShape:
     prefetch: bool = True
     budget: float = 0.0  # bytes the step may allocate, its context left out
     fixed: FixedStreaming = field(default_factory=FixedStreaming)  # streaming settings the config fixes
-    present: dict[str, int] = field(
-        default_factory=dict
-    )  # bytes of complete blocks on the disk, per store dtype
+    present: dict[str, int] = field(default_factory=dict)  # bytes of complete blocks on the disk, per store dtype
     where: str = "paths.cache"  # the store's folder, for a message
 
     @property
@@ -174,8 +176,9 @@ def peak(m: dict[str, float]) -> float:
     return m["weights"] + m["optimizer"] + m["workspace"] + max(m["trainable"], m["activations"])
 
 
-def cpu_stream_memory(s: StreamShape, sd: str, store: str, edges: str, activations: str, chunk: int, cache: int,
-                      decoded: bool = True) -> dict[str, float]:  # fmt: skip
+def cpu_stream_memory(
+    s: StreamShape, sd: str, store: str, edges: str, activations: str, chunk: int, cache: int, decoded: bool = True
+) -> dict[str, float]:
     """Host memory of a streamed step on a CPU (host memory is the device): a store held there counts in full,
     and so do cached blocks; two slots of reused memory (the disk read buffer, and the compute copy unless the
     CPU computes from the read buffer itself: a store in the compute dtype, or int8 codes generating)."""
@@ -189,9 +192,7 @@ def cpu_stream_memory(s: StreamShape, sd: str, store: str, edges: str, activatio
     n_chunks = -(-n // chunk)
     # Kept per micro-batch: the input of every chunk from the lowest trainable one, the final hidden state
     # and the embeddings' output.
-    kept = (
-        (n_chunks - min(s.lowest // chunk, n_chunks) + 2) * s.micro_batches if activations == "device" else 2
-    )
+    kept = (n_chunks - min(s.lowest // chunk, n_chunks) + 2) * s.micro_batches if activations == "device" else 2
     tokens = s.micro_batch * s.seq
     acts = (kept * tokens * spec.hidden + s.per_token_layer * tokens * chunk) * cb + s.logits
     weights += s.lora * 4  # fp32 adapters
@@ -199,13 +200,18 @@ def cpu_stream_memory(s: StreamShape, sd: str, store: str, edges: str, activatio
     workspace = 0.05 * (weights - held + max(trainable, acts) + optimizer)
     if sd == s.cdtype and decoded:  # a zero-copy stream: glibc's heap keeps what it frees
         workspace += STREAM_HEAP_OVERHEAD * acts
-    return {"weights": weights, "trainable": trainable, "optimizer": optimizer, "activations": acts,
-            "workspace": workspace, "cached_block": max(files), "suffix_rows": s.micro_batch}  # fmt: skip
+    return {
+        "weights": weights,
+        "trainable": trainable,
+        "optimizer": optimizer,
+        "activations": acts,
+        "workspace": workspace,
+        "cached_block": max(files),
+        "suffix_rows": s.micro_batch,
+    }
 
 
-def cpu_stream_timing(
-    s: StreamShape, sd: str, store: str, edges: str, chunk: int, cache: int
-) -> dict[str, float]:
+def cpu_stream_timing(s: StreamShape, sd: str, store: str, edges: str, chunk: int, cache: int) -> dict[str, float]:
     """A streamed step's time on a CPU: the disk's reads (at its measured bandwidth) overlap the compute, and
     the loaders' decoding takes CPU time from the compute's cores."""
     spec, hw, n = s.spec, s.hw, s.n
@@ -226,8 +232,17 @@ def cpu_stream_timing(
     if sd != s.cdtype:
         rate = (hw.decode_gvalues_s or {}).get(f"{sd}->{s.cdtype}") or 1.0
         decode = sum(spec.block_params[i] for i in loads) / (rate * 1e9) / threads_for(hw)[1]
-    compute = compute_s(spec, hw, "sparse_lora", s.seq, s.batch_size, s.micro_batch, s.sparse_layers, dtype=s.cdtype,
-                        forward_group=chunk)  # fmt: skip
+    compute = compute_s(
+        spec,
+        hw,
+        "sparse_lora",
+        s.seq,
+        s.batch_size,
+        s.micro_batch,
+        s.sparse_layers,
+        dtype=s.cdtype,
+        forward_group=chunk,
+    )
     cpu = compute + decode
     step = max(io, cpu) if s.prefetch else io + cpu
     return {
@@ -240,19 +255,26 @@ def cpu_stream_timing(
     }
 
 
-def stream_memory(s: StreamShape, sd: str, store: str, edges: str, activations: str, chunk: int, cache: int,
-                  decoded: bool = True) -> dict[str, float]:  # fmt: skip
+def stream_memory(
+    s: StreamShape, sd: str, store: str, edges: str, activations: str, chunk: int, cache: int, decoded: bool = True
+) -> dict[str, float]:
     if s.on_gpu:
         return gpu_stream_memory(s, sd, edges, activations, chunk)
     return cpu_stream_memory(s, sd, store, edges, activations, chunk, cache, decoded)
 
 
-def stream_timing(s: StreamShape, setting_memory: dict[str, float], sd: str, store: str, edges: str,
-                  activations: str, chunk: int, cache: int) -> dict[str, float]:  # fmt: skip
+def stream_timing(
+    s: StreamShape,
+    setting_memory: dict[str, float],
+    sd: str,
+    store: str,
+    edges: str,
+    activations: str,
+    chunk: int,
+    cache: int,
+) -> dict[str, float]:
     if s.on_gpu:
-        return gpu_stream_timing(
-            s, sd, store, edges, activations, chunk, cache, int(setting_memory["suffix_rows"])
-        )
+        return gpu_stream_timing(s, sd, store, edges, activations, chunk, cache, int(setting_memory["suffix_rows"]))
     return cpu_stream_timing(s, sd, store, edges, chunk, cache)
 
 
@@ -277,8 +299,11 @@ def candidates(s: StreamShape, dtypes: list[str]) -> tuple[list[Setting], list[t
         disk_ok = disk_free is None or missing + DISK_RESERVE <= disk_free * MB
         stores = (["cpu"] if sum(files) <= s.host_room else ["disk"]) if s.on_gpu else ["cpu", "disk"]
         activations = ["device", "host"] if s.on_gpu else ["device"]
-        for store, edges, act in itertools.product(s.options("store", stores), s.options("edges", ["resident", "stream"]),
-                                                   s.options("activations", activations)):  # fmt: skip
+        for store, edges, act in itertools.product(
+            s.options("store", stores),
+            s.options("edges", ["resident", "stream"]),
+            s.options("activations", activations),
+        ):
             if store == "disk" and not disk_ok:
                 refused.append((sd, missing))
                 continue
@@ -286,8 +311,18 @@ def candidates(s: StreamShape, dtypes: list[str]) -> tuple[list[Setting], list[t
                 cache = _cache(s, sd, store, stream_memory(s, sd, store, edges, act, chunk, 0))
                 m = stream_memory(s, sd, store, edges, act, chunk, cache)
                 if peak(m) <= s.budget:
-                    found.append(Setting(stream_timing(s, m, sd, store, edges, act, chunk, cache), sd, store, edges, act,
-                                         chunk, cache, m))  # fmt: skip
+                    found.append(
+                        Setting(
+                            stream_timing(s, m, sd, store, edges, act, chunk, cache),
+                            sd,
+                            store,
+                            edges,
+                            act,
+                            chunk,
+                            cache,
+                            m,
+                        )
+                    )
     return found, refused
 
 
@@ -327,9 +362,11 @@ def smallest(s: StreamShape, dtypes: list[str]) -> Setting:
 
 def disk_refusal(s: StreamShape, refused: list[tuple[str, int]]) -> str:
     sd, missing = min(refused, key=lambda r: r[1])
-    return (f"not enough disk for the layer store: {s.spec.name} as {sd} needs {missing / 2**30:,.1f} GB more under "
-            f"{s.where} and 2 GB must stay free, but the disk has {s.hw.disk_free_mb / 1024:,.1f} GB free; "
-            "set paths.cache (or ONN_CACHE) to a disk with room, or a smaller strategy.streaming.store_dtype.")  # fmt: skip
+    return (
+        f"not enough disk for the layer store: {s.spec.name} as {sd} needs {missing / 2**30:,.1f} GB more under "
+        f"{s.where} and 2 GB must stay free, but the disk has {s.hw.disk_free_mb / 1024:,.1f} GB free; "
+        "set paths.cache (or ONN_CACHE) to a disk with room, or a smaller strategy.streaming.store_dtype."
+    )
 
 
 def generation(s: StreamShape, best: Setting) -> dict[str, Any]:
@@ -349,15 +386,17 @@ def generation(s: StreamShape, best: Setting) -> dict[str, Any]:
     codes = not s.on_gpu and generates_from_codes(best.store_dtype, "cpu", s.cdtype)
     g = stream_memory(s, best.store_dtype, best.store, best.edges, best.activations, 1, 0, decoded=not codes)
     scratch = min(max(spec.block_params), 2 * spec.intermediate * spec.hidden) * cb if codes else 0
-    room = (
-        s.budget - (g["weights"] - s.lora * 4) - 0.05 * g["weights"] - scratch - generate_batch * per_sequence
-    )
+    room = s.budget - (g["weights"] - s.lora * 4) - 0.05 * g["weights"] - scratch - generate_batch * per_sequence
     on_host = best.store == "disk" and not s.on_gpu
     cache = int(min(s.n, max(0.0, room) // g["cached_block"])) if on_host else best.cache
-    return {"eval_tokens": int(eval_tokens), "generate_batch": generate_batch, "generate_cache_blocks": cache,
-            "generate_sequence_mb": round(per_sequence / MB, 3),  # what each of generate_batch sequences is given
-            "generate_spare_mb": round(max(0.0, room - cache * g["cached_block"]) / MB, 3),  # below one more cached block
-            "block_mb": round(g["cached_block"] / MB, 3)}  # fmt: skip
+    return {
+        "eval_tokens": int(eval_tokens),
+        "generate_batch": generate_batch,
+        "generate_cache_blocks": cache,
+        "generate_sequence_mb": round(per_sequence / MB, 3),  # what each of generate_batch sequences is given
+        "generate_spare_mb": round(max(0.0, room - cache * g["cached_block"]) / MB, 3),  # below one more cached block
+        "block_mb": round(g["cached_block"] / MB, 3),
+    }
 
 
 def estimate_streaming(s: StreamShape, dtypes: list[str], context_mb: float) -> Estimate:
@@ -369,19 +408,41 @@ def estimate_streaming(s: StreamShape, dtypes: list[str], context_mb: float) -> 
     best = best or smallest(s, dtypes)
     t, m = best.timing, best.memory
     streaming = StreamingPlan(
-        chunk_size=best.chunk, store=best.store, store_dtype=best.store_dtype, edges=best.edges,
-        activations=best.activations, cache_blocks=best.cache, **generation(s, best),
-        suffix_rows=int(m["suffix_rows"]), compute_dtype=s.cdtype, micro_batches_per_chunk=s.micro_batches,
-        threads=threads_for(s.hw)[0], predicted_io_s=round(t["io"], 3), predicted_compute_s=round(t["compute"], 3),
-        predicted_decode_s=round(t["decode"], 3), predicted_disk_read_gb=round(t["disk_bytes"] / 2**30, 2),
+        chunk_size=best.chunk,
+        store=best.store,
+        store_dtype=best.store_dtype,
+        edges=best.edges,
+        activations=best.activations,
+        cache_blocks=best.cache,
+        **generation(s, best),
+        suffix_rows=int(m["suffix_rows"]),
+        compute_dtype=s.cdtype,
+        micro_batches_per_chunk=s.micro_batches,
+        threads=threads_for(s.hw)[0],
+        predicted_io_s=round(t["io"], 3),
+        predicted_compute_s=round(t["compute"], 3),
+        predicted_decode_s=round(t["decode"], 3),
+        predicted_disk_read_gb=round(t["disk_bytes"] / 2**30, 2),
         predicted_h2d_gb=round(t["h2d_bytes"] / 2**30, 2),
         store_gb=round(sum(block_bytes(s.spec, best.store_dtype)) / 2**30, 2),
-        predicted_step_s=round(t["step"], 3), refused=refusal, alternatives=alternatives(found, best),
-    )  # fmt: skip
-    est = Estimate("sparse_lora", False, s.micro_batch, m["weights"] / MB, m["trainable"] / MB, m["optimizer"] / MB,
-                   m["activations"] / MB, m["workspace"] / MB, context_mb, streaming=streaming,
-                   note=f"streams {best.chunk} block(s) at a time, frozen weights stored as {best.store_dtype}",
-                   accumulates=s.batch_size > s.micro_batch)  # fmt: skip
+        predicted_step_s=round(t["step"], 3),
+        refused=refusal,
+        alternatives=alternatives(found, best),
+    )
+    est = Estimate(
+        "sparse_lora",
+        False,
+        s.micro_batch,
+        m["weights"] / MB,
+        m["trainable"] / MB,
+        m["optimizer"] / MB,
+        m["activations"] / MB,
+        m["workspace"] / MB,
+        context_mb,
+        streaming=streaming,
+        note=f"streams {best.chunk} block(s) at a time, frozen weights stored as {best.store_dtype}",
+        accumulates=s.batch_size > s.micro_batch,
+    )
     est.fits = fits(est, s.hw)
     return est
 
@@ -392,8 +453,14 @@ def alternatives(found: list[Setting], best: Setting) -> list[dict[str, Any]]:
     for f in sorted(found, key=lambda f: f.timing["step"]):
         key = (f.store_dtype, f.store)
         if f is not best and key != (best.store_dtype, best.store) and key not in seen:
-            seen[key] = {"store_dtype": f.store_dtype, "store": f.store, "edges": f.edges, "chunk_size": f.chunk,
-                         "cache_blocks": f.cache, "predicted_step_s": round(f.timing["step"], 2)}  # fmt: skip
+            seen[key] = {
+                "store_dtype": f.store_dtype,
+                "store": f.store,
+                "edges": f.edges,
+                "chunk_size": f.chunk,
+                "cache_blocks": f.cache,
+                "predicted_step_s": round(f.timing["step"], 2),
+            }
     return list(seen.values())
 
 
@@ -441,9 +508,7 @@ def gpu_stream_memory(s: StreamShape, sd: str, edges: str, activations: str, chu
     head = max(spec.suffix_params, spec.vocab * spec.hidden) * (DTYPE_BYTES[sd] if codes else cb) + tile
     tokens = s.micro_batch * s.seq
     n_chunks = -(-spec.n_blocks // chunk)
-    kept = (
-        (n_chunks - min(s.lowest // chunk, n_chunks) + 2) * s.micro_batches if activations == "device" else 0
-    )
+    kept = (n_chunks - min(s.lowest // chunk, n_chunks) + 2) * s.micro_batches if activations == "device" else 0
     kept_bytes = kept * tokens * spec.hidden * cb
     # a chunk's recompute with grad (or the no-grad forward of `chunk` fused micro-batches: as large), and
     # beside it in the backward the gradients of the widest layer's output and input (the MLP's)
@@ -459,12 +524,20 @@ def gpu_stream_memory(s: StreamShape, sd: str, edges: str, activations: str, chu
         weights, acts = max((slots, kept_bytes + recompute), (head, kept_bytes + rows * row_logits), key=sum)
     weights += lora * 4
     workspace = 0.05 * (weights + acts + lora * 8) + float(s.hw.cuda_workspace_mb or 0) * MB
-    return {"weights": weights, "trainable": lora * 4, "optimizer": lora * 8, "activations": acts,
-            "workspace": workspace, "cached_block": max(files), "suffix_rows": rows}  # fmt: skip
+    return {
+        "weights": weights,
+        "trainable": lora * 4,
+        "optimizer": lora * 8,
+        "activations": acts,
+        "workspace": workspace,
+        "cached_block": max(files),
+        "suffix_rows": rows,
+    }
 
 
-def gpu_stream_timing(s: StreamShape, sd: str, store: str, edges: str, activations: str, chunk: int,
-                      cache: int, suffix_rows: int) -> dict[str, float]:  # fmt: skip
+def gpu_stream_timing(
+    s: StreamShape, sd: str, store: str, edges: str, activations: str, chunk: int, cache: int, suffix_rows: int
+) -> dict[str, float]:
     """A streamed step's time on a GPU. The copy of the next chunk over the host link (from pinned host
     memory; a disk store's uncached blocks read first) overlaps the current chunk's compute, so each half of
     the step (the forward's chunks, the backward's) takes the longer of its copies and its compute; the
@@ -479,9 +552,7 @@ def gpu_stream_timing(s: StreamShape, sd: str, store: str, edges: str, activatio
     # the lowest trainable chunk stays resident from the last backward; the suffix gives the last one back
     # when the edges stream (the embeddings' lookup needs no device memory, so the prefix keeps it)
     forward = [c for c in range(len(chunks)) if not (c == low == 0)]
-    backward = (
-        list(range(low, len(chunks) if edges == "stream" else len(chunks) - 1)) if low < len(chunks) else []
-    )
+    backward = list(range(low, len(chunks) if edges == "stream" else len(chunks) - 1)) if low < len(chunks) else []
     h2d = float(hw.h2d_mb_s or 10000.0) * MB
     disk_rate = float(hw.disk_read_mb_s or 1000.0) * MB
     cached = set(cached_blocks(n, cache, low * chunk if low < len(chunks) else n))
@@ -492,9 +563,7 @@ def gpu_stream_timing(s: StreamShape, sd: str, store: str, edges: str, activatio
         return sum(files[i] for i in blocks) / h2d + read / disk_rate
 
     tokens = s.batch_size * s.seq
-    kept = (
-        tokens * spec.hidden * DTYPE_BYTES[s.cdtype] * len(backward) * chunk if activations == "host" else 0
-    )
+    kept = tokens * spec.hidden * DTYPE_BYTES[s.cdtype] * len(backward) * chunk if activations == "host" else 0
     compute = gpu_stream_compute(s, sd, chunk, suffix_rows)
     io_f, io_b = copy_s(forward), copy_s(backward) + kept / h2d
     embedding = spec.vocab * spec.hidden
@@ -506,8 +575,14 @@ def gpu_stream_timing(s: StreamShape, sd: str, store: str, edges: str, activatio
     step += compute["suffix"] + edges_io
     disk = sum(files[i] for c in forward + backward for i in chunks[c] if store == "disk" and i not in cached)
     copied = sum(files[i] for c in forward + backward for i in chunks[c]) + kept + edges_io * h2d
-    return {"step": step, "io": io_f + io_b + edges_io, "compute": sum(compute.values()), "decode": 0.0,
-            "disk_bytes": disk, "h2d_bytes": copied}  # fmt: skip
+    return {
+        "step": step,
+        "io": io_f + io_b + edges_io,
+        "compute": sum(compute.values()),
+        "decode": 0.0,
+        "disk_bytes": disk,
+        "h2d_bytes": copied,
+    }
 
 
 def gpu_stream_compute(s: StreamShape, sd: str, chunk: int, suffix_rows: int) -> dict[str, float]:
@@ -530,12 +605,20 @@ def gpu_stream_compute(s: StreamShape, sd: str, chunk: int, suffix_rows: int) ->
     bandwidth = float(hw.memory_gb_s or 0) * 1e9
     # the GPU's kernels and the host's launching of them (the measured framework time per block call) overlap:
     # nothing in a chunk's compute waits for the GPU, so each part takes the longer of the two
-    forward = max(matmul(sum(per_block) * tokens, min(s.micro_batches, chunk) * rows) + cast(sum(linear) * groups),
-                  calls.get("forward", 0.0) * n * groups)  # fmt: skip
-    backward = max(matmul(2 * sum(per_block[lowest:]) * tokens, rows) + cast(2 * sum(linear[lowest:]) * s.micro_batches),
-                   calls.get("lora", 0.0) * (n - lowest) * s.micro_batches)  # fmt: skip
+    forward = max(
+        matmul(sum(per_block) * tokens, min(s.micro_batches, chunk) * rows) + cast(sum(linear) * groups),
+        calls.get("forward", 0.0) * n * groups,
+    )
+    backward = max(
+        matmul(2 * sum(per_block[lowest:]) * tokens, rows) + cast(2 * sum(linear[lowest:]) * s.micro_batches),
+        calls.get("lora", 0.0) * (n - lowest) * s.micro_batches,
+    )
     head_values = max(spec.suffix_params, spec.vocab * spec.hidden)
     pieces = s.micro_batches * -(-s.micro_batch // suffix_rows)
-    suffix = max(matmul(2 * head * tokens, suffix_rows * s.seq) + cast(2 * head_values * pieces)
-                 + (28 * lora / bandwidth if bandwidth else 0.0), calls.get("step", 0.0) * pieces)  # fmt: skip
+    suffix = max(
+        matmul(2 * head * tokens, suffix_rows * s.seq)
+        + cast(2 * head_values * pieces)
+        + (28 * lora / bandwidth if bandwidth else 0.0),
+        calls.get("step", 0.0) * pieces,
+    )
     return {"forward": forward, "backward": backward, "suffix": suffix}

@@ -21,9 +21,17 @@ from onn.models.load import model_fingerprint
 def cache_path(config: ONNConfig, hw: Profile, strategy: str, seq: int) -> Path:
     machine = hw.fingerprint or f"preset:{hw.name}"
     chosen = config.strategy
-    key = {"hardware": machine, "model": model_fingerprint(config.model), "strategy": strategy, "sequence_length": seq,
-           "batch_size": int(config.data.batch_size), "precision": chosen.precision, "layers": chosen.layers,
-           "lora": as_dict(chosen.lora), "lightning": chosen.lightning}  # fmt: skip
+    key = {
+        "hardware": machine,
+        "model": model_fingerprint(config.model),
+        "strategy": strategy,
+        "sequence_length": seq,
+        "batch_size": int(config.data.batch_size),
+        "precision": chosen.precision,
+        "layers": chosen.layers,
+        "lora": as_dict(chosen.lora),
+        "lightning": chosen.lightning,
+    }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(config.paths.cache) / "tune" / f"{digest}.json"
 

@@ -100,10 +100,23 @@ class StreamingEngine:
     compute dtype on a CPU computes straight from the read buffer: no copy). `cache_blocks` blocks of a
     disk store stay in host memory after their first read and are never read again."""
 
-    def __init__(self, model: nn.Module, layer_map: LayerMap, store: LayerStore, chunk_size: int, device: torch.device | str = "cpu",
-                 prefetch: bool = True, activations: str = "device", compute_dtype: torch.dtype | None = None,
-                 micro_batch: int | None = None, forward_group: int | None = None, stream_edges: bool = False,
-                 cache_blocks: int = 0, eval_tokens: int | None = None, suffix_rows: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        layer_map: LayerMap,
+        store: LayerStore,
+        chunk_size: int,
+        device: torch.device | str = "cpu",
+        prefetch: bool = True,
+        activations: str = "device",
+        compute_dtype: torch.dtype | None = None,
+        micro_batch: int | None = None,
+        forward_group: int | None = None,
+        stream_edges: bool = False,
+        cache_blocks: int = 0,
+        eval_tokens: int | None = None,
+        suffix_rows: int | None = None,
+    ):
         n = len(layer_map)
         if not 1 <= chunk_size <= n:
             raise UserError(
@@ -124,18 +137,14 @@ class StreamingEngine:
         self._find_edges(stream_edges)
         # Blocks of a disk store held in host memory once read (as many as the plan's budget allows).
         first_twice = self.chunks[self.lowest_chunk][0] if self.lowest_chunk < len(self.chunks) else n
-        self.cache_blocks = (
-            set(cached_blocks(n, int(cache_blocks), first_twice)) if store.kind == "disk" else set()
-        )
+        self.cache_blocks = set(cached_blocks(n, int(cache_blocks), first_twice)) if store.kind == "disk" else set()
         self._prepare_linears()
         self._start_state()
 
     def _find_frozen(self, compute_dtype: torch.dtype | None) -> None:
         """The blocks' frozen weights, the dtype they compute in, and the lowest chunk with a trainable layer."""
         blocks = self.map.blocks
-        self.frozen = [
-            [name for name, p in block.named_parameters() if not p.requires_grad] for block in blocks
-        ]
+        self.frozen = [[name for name, p in block.named_parameters() if not p.requires_grad] for block in blocks]
         model_dtype = next(p.dtype for p in blocks[0].parameters() if not p.requires_grad)
         self.compute_dtype = compute_dtype or model_dtype
         self._autocast = self.compute_dtype != model_dtype
@@ -158,9 +167,10 @@ class StreamingEngine:
         )
         self._edge_phases = _edge_phases(model, self.map, self.edges)
         self._embeddings = {
-            path: module for path, module in model.named_modules()
+            path: module
+            for path, module in model.named_modules()
             if isinstance(module, nn.Embedding) and f"{path}.weight" in self._edge_phases["prefix"]
-        }  # fmt: skip
+        }
 
     def _prepare_linears(self) -> None:
         """The frozen linears of the blocks (and the streamed head). With an int8 store each computes from the
@@ -169,16 +179,25 @@ class StreamingEngine:
         stay in the heap; a zero-copy stream decodes nothing, and a fixed threshold would only send a small
         model's activations (larger than its weights) through mmap: llama_small's step ran 35% slower."""
         self._linears = [
-            {stored_name(f"{name}.weight"): m for name, m in block.named_modules()
-             if isinstance(m, nn.Linear) and not m.weight.requires_grad}
+            {
+                stored_name(f"{name}.weight"): m
+                for name, m in block.named_modules()
+                if isinstance(m, nn.Linear) and not m.weight.requires_grad
+            }
             for block in self.map.blocks
-        ]  # fmt: skip
+        ]
         if not self._zero_copy:
-            weights = [m.in_features * m.out_features * self.compute_dtype.itemsize for linears in self._linears
-                       for m in linears.values()]  # fmt: skip
+            weights = [
+                m.in_features * m.out_features * self.compute_dtype.itemsize
+                for linears in self._linears
+                for m in linears.values()
+            ]
             return_large_frees_to_os(min(weights, default=0))
-        self._edge_linears = {f"{name}.weight": m for name, m in self.model.named_modules()
-                              if isinstance(m, nn.Linear) and f"{name}.weight" in self.edges}  # fmt: skip
+        self._edge_linears = {
+            f"{name}.weight": m
+            for name, m in self.model.named_modules()
+            if isinstance(m, nn.Linear) and f"{name}.weight" in self.edges
+        }
         if self.store.dtype == "int8":
             scratch = Scratch()
             for module in [
@@ -206,9 +225,7 @@ class StreamingEngine:
         self._pool: ThreadPoolExecutor | None = None  # started on first use, again after close()
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self._edge_buffer: torch.Tensor | None = None
-        self.cores: CoreWatch | None = (
-            None  # set for CPU runs: torch's threads follow the free cores, chunk by chunk
-        )
+        self.cores: CoreWatch | None = None  # set for CPU runs: torch's threads follow the free cores, chunk by chunk
         self._as_tuple = False
         self._pending_backward = None
 
@@ -297,9 +314,7 @@ class StreamingEngine:
     @property
     def _zero_copy(self) -> bool:
         """Stored tensors are the compute tensors: a CPU computing in the store's (float) dtype."""
-        return self.device.type == "cpu" and self.store.dtype == str(self.compute_dtype).removeprefix(
-            "torch."
-        )
+        return self.device.type == "cpu" and self.store.dtype == str(self.compute_dtype).removeprefix("torch.")
 
     def _as_stored(self) -> bool:
         """A CPU computes from the stored tensors themselves (a zero-copy stream, or an int8 store's codes
@@ -357,19 +372,21 @@ class StreamingEngine:
             if self._copy_stream is not None:
                 self.times.copied_bytes += sum(t.numel() * t.element_size() for t in stored.values())
                 with torch.cuda.stream(self._copy_stream):
-                    tensors = self.store.decode(stored, self.device, self.compute_dtype, non_blocking=True,
-                                                scales=scales, codes=self._codes_direct)  # fmt: skip
+                    tensors = self.store.decode(
+                        stored,
+                        self.device,
+                        self.compute_dtype,
+                        non_blocking=True,
+                        scales=scales,
+                        codes=self._codes_direct,
+                    )
                 # the slot's host buffer is read again only after this chunk is released: the copy must be done by then
                 self._copy_stream.synchronize()
             elif self._codes_direct:  # views of the read buffer (or the cached block): nothing to keep
-                tensors = self.store.decode(
-                    stored, self.device, self.compute_dtype, scales=scales, codes=True
-                )
+                tensors = self.store.decode(stored, self.device, self.compute_dtype, scales=scales, codes=True)
             else:
                 targets = slot.decoded.get(pos) if slot is not None else None
-                tensors = self.store.decode(
-                    stored, self.device, self.compute_dtype, out=targets, scales=scales
-                )
+                tensors = self.store.decode(stored, self.device, self.compute_dtype, out=targets, scales=scales)
                 if slot is not None and not self._zero_copy:
                     slot.decoded[pos] = tensors
             out[i] = (tensors, scales or {})
@@ -423,9 +440,7 @@ class StreamingEngine:
                         t.record_stream(torch.cuda.current_stream())
                     params[name].data = t
                 for name, scale in scales.items():
-                    if (
-                        self._copy_stream is not None
-                    ):  # made on the copy stream too: its memory must outlive the use
+                    if self._copy_stream is not None:  # made on the copy stream too: its memory must outlive the use
                         scale.record_stream(torch.cuda.current_stream())
                     self._linears[i][name]._onn_scale = scale
             self._resident, self._resident_slot = c, slot
@@ -452,8 +467,12 @@ class StreamingEngine:
         """The frozen 2-D weights of the chunk on the device now, as the matmuls use them (empty if none)."""
         if self._resident is None:
             return []
-        return [p for i in self.chunks[self._resident] for p in self.map.blocks[i].parameters()
-                if not p.requires_grad and p.dim() == 2]  # fmt: skip
+        return [
+            p
+            for i in self.chunks[self._resident]
+            for p in self.map.blocks[i].parameters()
+            if not p.requires_grad and p.dim() == 2
+        ]
 
     def release(self) -> None:
         """Give the resident chunk's weights (and its slot) back."""
@@ -491,10 +510,7 @@ class StreamingEngine:
 
     def suffix(self, hidden: torch.Tensor, batch: dict[str, Any], **extra):
         """Finish the model's forward from the last block's output (norm, head, loss)."""
-        replay = {
-            i: _Replay(hidden if i == len(self.map) - 1 else None, self._as_tuple)
-            for i in range(len(self.map))
-        }
+        replay = {i: _Replay(hidden if i == len(self.map) - 1 else None, self._as_tuple) for i in range(len(self.map))}
         with self._swapped(replay):
             return self.model(**batch, **extra)
 
@@ -521,18 +537,15 @@ class StreamingEngine:
         are read from memory once per run instead of once per micro-batch."""
         groups: list[list[int]] = []
         for m, mb in enumerate(micro_batches):
-            if (
-                groups
-                and len(groups[-1]) < self.forward_group
-                and _shapes(mb) == _shapes(micro_batches[groups[-1][0]])
-            ):
+            if groups and len(groups[-1]) < self.forward_group and _shapes(mb) == _shapes(micro_batches[groups[-1][0]]):
                 groups[-1].append(m)
             else:
                 groups.append([m])
         return groups
 
-    def _forward(self, micro_batches: list[dict[str, Any]], keep_from: int | None, then=(),
-                 fuse: bool = True) -> tuple[list[BlockInputs] | None, list, list]:  # fmt: skip
+    def _forward(
+        self, micro_batches: list[dict[str, Any]], keep_from: int | None, then=(), fuse: bool = True
+    ) -> tuple[list[BlockInputs] | None, list, list]:
         """Chunk-outer forward without grad, micro-batches fused into groups (`fuse`). Returns each
         micro-batch's block inputs (for the backward's recompute; None when nothing is kept), the kept
         chunk inputs per micro-batch, and the final hidden state per micro-batch. `then`: the chunks
@@ -551,9 +564,7 @@ class StreamingEngine:
                 start = time.perf_counter()
                 if keep_from is not None and c >= keep_from:
                     kept[c] = [
-                        piece
-                        for h, g in zip(hidden, groups)
-                        for piece in self._keep(h).split(_sizes(micro_batches, g))
+                        piece for h, g in zip(hidden, groups) for piece in self._keep(h).split(_sizes(micro_batches, g))
                     ]
                 hidden = [self._run_chunk(c, h, x) for h, x in zip(hidden, fused)]
                 self.times.compute_s += time.perf_counter() - start
@@ -565,10 +576,7 @@ class StreamingEngine:
         """A macro-batch as micro-batches of `micro_batch` samples, moved to the device."""
         size = self.micro_batch or next(iter(batch.values())).shape[0]
         pieces = {k: v.split(size) for k, v in batch.items()}
-        return [
-            {k: v[i].to(self.device) for k, v in pieces.items()}
-            for i in range(len(next(iter(pieces.values()))))
-        ]
+        return [{k: v[i].to(self.device) for k, v in pieces.items()} for i in range(len(next(iter(pieces.values()))))]
 
     def train_step(self, micro_batches: list[dict[str, Any]]) -> torch.Tensor:
         """Forward and backward over M micro-batches; gradients of trainable parameters accumulate
@@ -582,8 +590,9 @@ class StreamingEngine:
         last = len(self.chunks) - 1
         return list(range(last if self.edges else last - 1, self.lowest_chunk - 1, -1))
 
-    def forward_train(self, micro_batches: list[dict[str, Any]], loss_scale: float = 1.0,
-                      total_tokens: int | None = None) -> torch.Tensor:  # fmt: skip
+    def forward_train(
+        self, micro_batches: list[dict[str, Any]], loss_scale: float = 1.0, total_tokens: int | None = None
+    ) -> torch.Tensor:
         """The forward half of a step: chunk-outer forward keeping chunk inputs, then each micro-batch's
         loss backpropagated to its last hidden state (the engine's own tensors, so an optimizer's
         zero_grad in between changes nothing). `loss_scale` is fp16's loss scale; `total_tokens` the
@@ -626,18 +635,11 @@ class StreamingEngine:
         self._pending_backward = None
         last = len(self.chunks) - 1
         for c in range(last, self.lowest_chunk - 1, -1):
-            upcoming = (
-                range(c - 1, self.lowest_chunk - 1, -1) if c > self.lowest_chunk else range(len(self.chunks))
-            )
+            upcoming = range(c - 1, self.lowest_chunk - 1, -1) if c > self.lowest_chunk else range(len(self.chunks))
             self._install(c, upcoming)
             start = time.perf_counter()
             for m in range(len(grads)):
-                x = (
-                    kept[c][m]
-                    .to(self.device, non_blocking=True)
-                    .detach()
-                    .requires_grad_(c > self.lowest_chunk)
-                )
+                x = kept[c][m].to(self.device, non_blocking=True).detach().requires_grad_(c > self.lowest_chunk)
                 with torch.enable_grad():
                     y = self._run_chunk(c, x, inputs[m])
                 y.backward(grads[m])
@@ -652,8 +654,13 @@ class StreamingEngine:
             losses = [self.suffix(h, mb).loss for h, mb in zip(hidden, micro_batches)]
         return losses
 
-    def evaluate(self, batches: list[dict[str, torch.Tensor]], pass_tokens: int | None = None, group_tokens: int | None = None,
-                 suffix_rows: int | None = None) -> tuple[float, int]:  # fmt: skip
+    def evaluate(
+        self,
+        batches: list[dict[str, torch.Tensor]],
+        pass_tokens: int | None = None,
+        group_tokens: int | None = None,
+        suffix_rows: int | None = None,
+    ) -> tuple[float, int]:
         """Loss over a whole held-out set, chunk-outer: every chunk is loaded once per pass, and a pass
         holds as many samples as `pass_tokens` allows (all of them, for a validation set that fits).
 
@@ -667,9 +674,7 @@ class StreamingEngine:
         suffix_rows = suffix_rows or self.suffix_rows or self.micro_batch or 1
         # one matmul per block per group: what the training forward fuses, never less than a micro-batch
         group_tokens = group_tokens or self.forward_group * (self.micro_batch or suffix_rows) * longest
-        pass_tokens = max(
-            pass_tokens or self.eval_tokens or sum(r["input_ids"].shape[0] for r in rows), group_tokens
-        )
+        pass_tokens = max(pass_tokens or self.eval_tokens or sum(r["input_ids"].shape[0] for r in rows), group_tokens)
         total, count = 0.0, 0
         for rows_in_pass in _packed(rows, pass_tokens):
             groups = [_pad(g) for g in _packed(rows_in_pass, group_tokens)]
@@ -688,8 +693,14 @@ class StreamingEngine:
         return total, count
 
     @torch.no_grad()
-    def decode_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache,
-                    last: bool = False) -> torch.Tensor:  # fmt: skip
+    def decode_step(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache,
+        last: bool = False,
+    ) -> torch.Tensor:
         """One forward with a KV cache (the prompts' prefill, or one new token per sequence): every chunk is
         loaded once for all the rows. Returns the last position's logits (batch x vocab, float32). `last`: no
         step follows, so the loader does not start on the first chunk again (task=serve runs this step by
@@ -726,8 +737,16 @@ class StreamingEngine:
         return out.logits[:, -1, :].float()
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
-                 temperature: float = 0.0, top_p: float = 1.0, on_token=None) -> torch.Tensor:  # fmt: skip
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        max_new_tokens: int,
+        eos_token_id: int | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        on_token=None,
+    ) -> torch.Tensor:
         """Batched generation with a KV cache: every chunk load serves every sequence, per token.
         Prompts are left-padded; returns the new tokens (batch x steps)."""
         from transformers import DynamicCache
@@ -801,8 +820,7 @@ def _concat(micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
     if len(micro_batches) == 1:
         return micro_batches[0]
     return {
-        k: torch.cat([mb[k] for mb in micro_batches]) if torch.is_tensor(v) else v
-        for k, v in micro_batches[0].items()
+        k: torch.cat([mb[k] for mb in micro_batches]) if torch.is_tensor(v) else v for k, v in micro_batches[0].items()
     }
 
 
@@ -836,9 +854,7 @@ def _pad(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     width = max(r["input_ids"].shape[0] for r in rows)
     fill = {"labels": -100, "attention_mask": 0}
     return {
-        k: torch.stack(
-            [torch.nn.functional.pad(r[k], (0, width - r[k].shape[0]), value=fill.get(k, 0)) for r in rows]
-        )
+        k: torch.stack([torch.nn.functional.pad(r[k], (0, width - r[k].shape[0]), value=fill.get(k, 0)) for r in rows])
         for k in rows[0]
     }
 

@@ -57,9 +57,7 @@ class Source:
             return cls(gguf.config, gguf=gguf, tokenizer=gguf.tokenizer())
         if kind not in ("folder", "hub", "gguf"):
             return None
-        folder = {"folder": expand, "hub": hub_folder}.get(kind, lambda s: converted_gguf(s, cache_dir))(
-            source
-        )
+        folder = {"folder": expand, "hub": hub_folder}.get(kind, lambda s: converted_gguf(s, cache_dir))(source)
         refuse_pickle_folder(folder)
         files = sorted(str(f) for f in Path(folder).glob("*.safetensors"))
         return cls(read_config(folder, remote), files, tokenizer=tokenizer_from(folder, remote))._indexed()
@@ -101,9 +99,7 @@ class Materialiser:
             state = {}
             for file in {src.where[prefix + n] for n in names}:
                 with safe_open(file, framework="pt") as f:
-                    state.update(
-                        {n: f.get_tensor(prefix + n) for n in names if src.where[prefix + n] == file}
-                    )
+                    state.update({n: f.get_tensor(prefix + n) for n in names if src.where[prefix + n] == file})
             module.load_state_dict(state, strict=False, assign=True)
         elif src.gguf is not None:
             names = [n for n, _ in module.named_parameters(recurse=recurse) if src.gguf.has(prefix + n)]
@@ -160,8 +156,7 @@ def _write_blocks(layer_map, store, materialise: Materialiser, seed: int, dtype)
     import torch
 
     shapes = {
-        i: {stored_name(n): list(p.shape) for n, p in b.named_parameters()}
-        for i, b in enumerate(layer_map.blocks)
+        i: {stored_name(n): list(p.shape) for n, p in b.named_parameters()} for i, b in enumerate(layer_map.blocks)
     }
 
     def empty(block) -> None:
@@ -223,12 +218,8 @@ class GGUFBlocks:
         check_gguf(path)
         self.path, folder = path, os.path.dirname(path) or "."
         try:
-            self.config = AutoConfig.from_pretrained(
-                folder, gguf_file=os.path.basename(path), local_files_only=True
-            )
-            meta = load_gguf_checkpoint(path, return_tensors=False)[
-                "config"
-            ]  # the metadata: no tensor is read
+            self.config = AutoConfig.from_pretrained(folder, gguf_file=os.path.basename(path), local_files_only=True)
+            meta = load_gguf_checkpoint(path, return_tensors=False)["config"]  # the metadata: no tensor is read
         except (ValueError, OSError, KeyError) as e:
             raise UserError(f"model.source {path} could not be read as GGUF: {e}") from e
         self.reader = GGUFReader(path)
@@ -243,8 +234,9 @@ class GGUFBlocks:
 
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(os.path.dirname(self.path) or ".", gguf_file=os.path.basename(self.path),
-                                             local_files_only=True)  # fmt: skip
+        return AutoTokenizer.from_pretrained(
+            os.path.dirname(self.path) or ".", gguf_file=os.path.basename(self.path), local_files_only=True
+        )
 
     def map_names(self, model) -> None:
         from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
@@ -262,8 +254,12 @@ class GGUFBlocks:
         from gguf import dequantize
 
         t = self.by_name[self.from_hf[hf_name]]
-        result = self.processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name, tensor_key_mapping=self.to_hf,
-                                        parsed_parameters={"tensors": {}, "config": {}})  # fmt: skip
+        result = self.processor.process(
+            weights=dequantize(t.data, t.tensor_type),
+            name=t.name,
+            tensor_key_mapping=self.to_hf,
+            parsed_parameters={"tensors": {}, "config": {}},
+        )
         return torch.from_numpy(np.copy(result.weights))
 
 
@@ -277,8 +273,13 @@ def build_progress(store, missing: list, shapes: dict):
 
     total = sum(stored_bytes(shapes[i], store.dtype) for i in missing)
     written = 0
-    bar = tqdm(total=len(missing), unit="block", desc=f"layer store ({store.dtype}, {human_bytes(total)})",
-               bar_format="{desc}: {n_fmt}/{total_fmt} blocks{postfix} [{elapsed}<{remaining}]", postfix="0.0 GB")  # fmt: skip
+    bar = tqdm(
+        total=len(missing),
+        unit="block",
+        desc=f"layer store ({store.dtype}, {human_bytes(total)})",
+        bar_format="{desc}: {n_fmt}/{total_fmt} blocks{postfix} [{elapsed}<{remaining}]",
+        postfix="0.0 GB",
+    )
 
     def advance(index, size: int) -> None:
         nonlocal written

@@ -89,8 +89,9 @@ class Scratch:
 def linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A frozen linear of an int8 store: x Qᵀ times the row scales s is x Wᵀ. The weight installed is either
     the codes cast to the compute dtype by the loader (a plain matmul, scaled after) or the stored int8
-    codes: on a GPU (or wherever a gradient is needed) through CastMatmul; on a CPU a few rows through torch's weight-only int8 matmul (which
-    scales itself), more rows through a cast into the scratch buffer. The bias, if any, is added after."""
+    codes: on a GPU (or wherever a gradient is needed) through CastMatmul; on a CPU a few rows through torch's
+    weight-only int8 matmul (which scales itself), more rows through a cast into the scratch buffer. The bias, if
+    any, is added after."""
     scale = module._onn_scale
     if scale is None:  # weights installed whole (de-quantized, or no store yet)
         return F.linear(x, module.weight, module.bias)
@@ -113,8 +114,9 @@ class StoredEmbedding(nn.Module):
     the stored table in host memory (int8 codes and their row scales, or a float table) and only they cross
     to the device, in the compute dtype. The lookup is the de-quantized table's, value for value."""
 
-    def __init__(self, module: nn.Embedding, stored: dict[str, torch.Tensor], name: str, device: torch.device,
-                 dtype: torch.dtype):  # fmt: skip
+    def __init__(
+        self, module: nn.Embedding, stored: dict[str, torch.Tensor], name: str, device: torch.device, dtype: torch.dtype
+    ):
         super().__init__()
         self.table, self.scale = stored[name], stored.get(f"{name}.scale")
         self.device, self.dtype = device, dtype

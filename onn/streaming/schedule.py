@@ -30,9 +30,7 @@ def computes_from_codes(store_dtype: str, device_type: str, compute_dtype: str, 
     the device's memory bandwidth); on a CPU while generating, where torch's weight-only int8 matmul pays."""
     if store_dtype != "int8":
         return False
-    return (
-        device_type == "cuda" or generating and generates_from_codes(store_dtype, device_type, compute_dtype)
-    )
+    return device_type == "cuda" or generating and generates_from_codes(store_dtype, device_type, compute_dtype)
 
 
 def generates_from_codes(store_dtype: str, device_type: str, compute_dtype: str) -> bool:

@@ -48,23 +48,17 @@ class Layout:
     """Where each tensor of a block file lies, read from its safetensors header."""
 
     file_bytes: int
-    tensors: dict[
-        str, tuple[torch.dtype, list[int], int, int]
-    ]  # name -> dtype, shape, start, end (file offsets)
+    tensors: dict[str, tuple[torch.dtype, list[int], int, int]]  # name -> dtype, shape, start, end (file offsets)
 
 
 class LayerStore:
     """Frozen weights of each block, by block index and parameter name (relative to the block)."""
 
-    def __init__(
-        self, kind: str, dtype: str, folder: Path | None = None, pin: bool = False, direct: bool = True
-    ):
+    def __init__(self, kind: str, dtype: str, folder: Path | None = None, pin: bool = False, direct: bool = True):
         if kind not in ("disk", "cpu"):
             raise UserError(f"strategy.streaming.store must be disk or cpu, not {kind!r}.")
         if dtype not in BYTES_PER_VALUE:
-            raise UserError(
-                f"strategy.streaming.store_dtype {dtype!r} is not one of {', '.join(BYTES_PER_VALUE)}."
-            )
+            raise UserError(f"strategy.streaming.store_dtype {dtype!r} is not one of {', '.join(BYTES_PER_VALUE)}.")
         if dtype == "nf4":
             _bitsandbytes()  # fail now, with a clear message, not in the prefetch thread
         self.kind, self.dtype, self.folder, self.pin = kind, dtype, folder, pin
@@ -74,9 +68,7 @@ class LayerStore:
         self.rebuilt: list[int | str] = []  # blocks written by the last `fill`
         self.bytes_read = 0  # from the disk, since the store was made
         self.read_s = 0.0
-        self.progress = (
-            None  # a callable(index, bytes) told after every block written (the build's progress bar)
-        )
+        self.progress = None  # a callable(index, bytes) told after every block written (the build's progress bar)
 
     def block_file(self, index: int | str) -> Path:
         return self.folder / f"{_stem(index)}.safetensors"
@@ -124,9 +116,11 @@ class LayerStore:
         free = shutil.disk_usage(self.folder).free + reusable
         if needed + DISK_RESERVE_BYTES > free:
             raise UserError(
-                f"the layer store at {self.folder} needs {human_bytes(needed)} more ({len(missing)} blocks as {self.dtype}) "
-                f"plus {human_bytes(DISK_RESERVE_BYTES)} left free for others, but the disk has {human_bytes(free)} free; "
-                "set paths.cache (or ONN_CACHE) to a disk with room, or a smaller strategy.streaming.store_dtype (bfloat16, int8)."
+                f"the layer store at {self.folder} needs {human_bytes(needed)} more ({len(missing)} blocks as "
+                f"{self.dtype}) plus {human_bytes(DISK_RESERVE_BYTES)} left free for others, "
+                f"but the disk has {human_bytes(free)} free; "
+                "set paths.cache (or ONN_CACHE) to a disk with room, "
+                "or a smaller strategy.streaming.store_dtype (bfloat16, int8)."
             )
         return missing
 
@@ -154,9 +148,7 @@ class LayerStore:
         nf4: `name` codes, `name.absmax` scales and `name.shape` the original shape)."""
         out = {}
         for name, t in tensors.items():
-            t = (
-                t.detach()
-            )  # cast or quantized where it lies (a block initialised on a GPU), stored on the host
+            t = t.detach()  # cast or quantized where it lies (a block initialised on a GPU), stored on the host
             if self.dtype not in QUANTIZED_BLOCK:
                 out[name] = t.to(torch_dtype(self.dtype)).to("cpu").contiguous()
             elif t.dim() < 2 or t.numel() < 4096:
@@ -176,9 +168,16 @@ class LayerStore:
                 out[f"{name}.shape"] = torch.tensor(t.shape, dtype=torch.int64)
         return out
 
-    def decode(self, stored: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, non_blocking: bool = False,
-               out: dict[str, torch.Tensor] | None = None, scales: dict[str, torch.Tensor] | None = None,
-               codes: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+    def decode(
+        self,
+        stored: dict[str, torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+        non_blocking: bool = False,
+        out: dict[str, torch.Tensor] | None = None,
+        scales: dict[str, torch.Tensor] | None = None,
+        codes: bool = False,
+    ) -> dict[str, torch.Tensor]:
         """Stored tensors -> compute tensors on `device`; quantized ones are de-quantized there.
 
         On the CPU a stored tensor already in the compute dtype is returned as it is (a view of the
@@ -214,8 +213,14 @@ class LayerStore:
     def _dequantize_nf4(self, codes: torch.Tensor, absmax: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
         import bitsandbytes.functional as bnb
 
-        state = bnb.QuantState(absmax=absmax, shape=torch.Size(shape.tolist()), dtype=torch.float32, blocksize=QUANTIZED_BLOCK["nf4"],
-                               quant_type="nf4", code=bnb.get_4bit_type("nf4", device=codes.device))  # fmt: skip
+        state = bnb.QuantState(
+            absmax=absmax,
+            shape=torch.Size(shape.tolist()),
+            dtype=torch.float32,
+            blocksize=QUANTIZED_BLOCK["nf4"],
+            quant_type="nf4",
+            code=bnb.get_4bit_type("nf4", device=codes.device),
+        )
         return bnb.dequantize_4bit(codes, quant_state=state)
 
     def file_bytes(self, index: int | str) -> int:
@@ -262,8 +267,7 @@ def read_layout(path: Path) -> Layout:
 def views(data: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
     """The tensors of a block file read into `data`, as views of it (no copy)."""
     return {
-        name: data[begin:end].view(dtype).view(shape)
-        for name, (dtype, shape, begin, end) in layout.tensors.items()
+        name: data[begin:end].view(dtype).view(shape) for name, (dtype, shape, begin, end) in layout.tensors.items()
     }
 
 

@@ -50,8 +50,12 @@ def layer_store(settings: EngineSettings, store_root: Path, device: torch.device
     """The store the streaming settings describe: one folder per store dtype under the model's root. For a
     GPU its host memory is pinned (a host-memory store, a disk store's read buffers): the copy engine reads
     pinned pages directly, at the link's speed, while the GPU computes."""
-    return LayerStore(settings.store, settings.store_dtype, folder=Path(store_root) / settings.store_dtype,
-                      pin=torch.device(device).type == "cuda")  # fmt: skip
+    return LayerStore(
+        settings.store,
+        settings.store_dtype,
+        folder=Path(store_root) / settings.store_dtype,
+        pin=torch.device(device).type == "cuda",
+    )
 
 
 def build_engine(
@@ -66,10 +70,21 @@ def build_engine(
     device = torch.device(device)
     layer_map = discover(model)
     s = settings
-    engine = StreamingEngine(model, layer_map, store, int(s.chunk_size), device=device, prefetch=bool(s.prefetch),
-                             activations=s.activations, micro_batch=micro_batch, stream_edges=s.edges == "stream",
-                             cache_blocks=int(s.cache_blocks), eval_tokens=int(s.eval_tokens), suffix_rows=s.suffix_rows,
-                             compute_dtype=torch_dtype(s.compute_dtype) if s.compute_dtype else None)  # fmt: skip
+    engine = StreamingEngine(
+        model,
+        layer_map,
+        store,
+        int(s.chunk_size),
+        device=device,
+        prefetch=bool(s.prefetch),
+        activations=s.activations,
+        micro_batch=micro_batch,
+        stream_edges=s.edges == "stream",
+        cache_blocks=int(s.cache_blocks),
+        eval_tokens=int(s.eval_tokens),
+        suffix_rows=s.suffix_rows,
+        compute_dtype=torch_dtype(s.compute_dtype) if s.compute_dtype else None,
+    )
     engine.offload()
     if device.type == "cpu":
         engine.cores = CoreWatch(torch.get_num_threads())  # at most the threads the plan gave it
@@ -117,9 +132,7 @@ class Streams:
 class LayerStreamingStrategy(Streams, SingleDeviceStrategy):
     strategy_name = "onn_layer_streaming"
 
-    def __init__(
-        self, settings: EngineSettings, store_root: Path, micro_batch: int, device: str = "cpu", **kwargs
-    ):
+    def __init__(self, settings: EngineSettings, store_root: Path, micro_batch: int, device: str = "cpu", **kwargs):
         super().__init__(device=torch.device(device), **kwargs)
         self._streaming(settings, store_root, micro_batch)
 

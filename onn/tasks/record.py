@@ -65,9 +65,7 @@ class RunRecord:
 
     def start(self) -> None:
         """Write `status: running` and keep it fresh; SIGTERM and SIGINT raise Interrupted from now on."""
-        self.metrics.update(
-            status="running", pid=os.getpid(), host=socket.gethostname(), steps=progress.last_step()
-        )
+        self.metrics.update(status="running", pid=os.getpid(), host=socket.gethostname(), steps=progress.last_step())
         self.write()
         if threading.current_thread() is threading.main_thread():
             for signum in SIGNALS:
@@ -103,10 +101,7 @@ class RunRecord:
             self.metrics["wall_s"] = round(time.perf_counter() - self.started, 2)
             if self.metrics["status"] == "running":
                 self.metrics["heartbeat"] = time.time()
-            clean = {
-                k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                for k, v in self.metrics.items()
-            }
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in self.metrics.items()}
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
@@ -187,9 +182,7 @@ class RunFolder(Callback):
     def _check(config: DictConfig, mode: str) -> None:
         from hydra.core.hydra_config import HydraConfig
 
-        HydraConfig.instance().set_config(
-            config
-        )  # Hydra sets it only later; ${hydra:runtime.cwd} needs it now
+        HydraConfig.instance().set_config(config)  # Hydra sets it only later; ${hydra:runtime.cwd} needs it now
         key = f"hydra.{mode}.dir"
         try:
             writable_folder(config.hydra[mode].dir, key)

@@ -28,9 +28,7 @@ class Task:
     check: Callable[[ONNConfig], None] = _no_check  # the task's own settings, before anything is planned
     modalities: frozenset[str] | None = None  # None: every modality
     model: bool = True  # False: the task neither plans nor builds a model (a benchmark of the planner alone)
-    heavy: bool = (
-        True  # the task trains or runs a model: Lightning and transformers are imported before planning
-    )
+    heavy: bool = True  # the task trains or runs a model: Lightning and transformers are imported before planning
     trains: bool = False  # the task fits weights: its trainer.max_steps/max_epochs must end
 
 

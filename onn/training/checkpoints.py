@@ -49,9 +49,7 @@ def flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
         return str(obj)
     if hasattr(obj, "item") and getattr(obj, "shape", None) == ():  # numpy scalars
         return obj.item()
-    raise TypeError(
-        f"checkpoint value at {path or '<root>'} has type {type(obj).__name__}, which ONN does not store"
-    )
+    raise TypeError(f"checkpoint value at {path or '<root>'} has type {type(obj).__name__}, which ONN does not store")
 
 
 def unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -113,13 +111,17 @@ def load(path: str | os.PathLike, map_location: Any = None) -> dict[str, Any]:
     try:
         tensors = load_file(str(path / TENSORS), device=device)
     except (SafetensorError, OSError) as e:
-        raise UserError(f"checkpoint {path}: {TENSORS} is damaged (truncated or not safetensors: {e}); "
-                        "use another checkpoint of the run, or train again.") from None  # fmt: skip
+        raise UserError(
+            f"checkpoint {path}: {TENSORS} is damaged (truncated or not safetensors: {e}); "
+            "use another checkpoint of the run, or train again."
+        ) from None
     try:
         return _rebuilt(meta, tensors, path)
     except KeyError as e:
-        raise UserError(f"checkpoint {path}: {META} names the tensor {e.args[0]!r}, which {TENSORS} lacks "
-                        "(its tensors come from another checkpoint?); use the run's own files.") from None  # fmt: skip
+        raise UserError(
+            f"checkpoint {path}: {META} names the tensor {e.args[0]!r}, which {TENSORS} lacks "
+            "(its tensors come from another checkpoint?); use the run's own files."
+        ) from None
 
 
 def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -163,7 +165,8 @@ def resolve(ckpt: str, outputs: str | os.PathLike) -> Path:
             return candidate
     if path.suffix in (".pt", ".bin", ".pth", ".pkl") or path.is_file():
         raise UserError(
-            f"ckpt={ckpt} is a file, not an ONN checkpoint folder; pickle checkpoints are never loaded (ONN writes NAME.ckpt/ folders)."
+            f"ckpt={ckpt} is a file, not an ONN checkpoint folder; "
+            "pickle checkpoints are never loaded (ONN writes NAME.ckpt/ folders)."
         )
     raise UserError(
         f"ckpt={ckpt}: no ONN checkpoint there (looked for {META} in it, its checkpoints/last.ckpt and last.ckpt)."
@@ -192,8 +195,10 @@ def _read_json(path: Path) -> Any:
     try:
         return json.loads((path / META).read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"checkpoint {path}: {META} is not valid JSON ({e}); the checkpoint is damaged: "
-                        "use another checkpoint of the run, or train again.") from None  # fmt: skip
+        raise UserError(
+            f"checkpoint {path}: {META} is not valid JSON ({e}); the checkpoint is damaged: "
+            "use another checkpoint of the run, or train again."
+        ) from None
 
 
 def _rebuilt(meta: Any, tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
@@ -203,8 +208,10 @@ def _rebuilt(meta: Any, tensors: dict[str, torch.Tensor], path: Path) -> dict[st
     except (TypeError, ValueError, AttributeError) as e:
         checkpoint = e
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict", {}), dict):
-        raise UserError(f"checkpoint {path}: {META} does not hold an ONN checkpoint's structure (written by another "
-                        "tool, or damaged); use a checkpoint folder ONN wrote.")  # fmt: skip
+        raise UserError(
+            f"checkpoint {path}: {META} does not hold an ONN checkpoint's structure (written by another "
+            "tool, or damaged); use a checkpoint folder ONN wrote."
+        )
     return checkpoint
 
 
@@ -218,12 +225,16 @@ def state_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
         with safe_open(str(path / TENSORS), "pt") as f:
             stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
     except (SafetensorError, OSError) as e:
-        raise UserError(f"checkpoint {path}: {TENSORS} is damaged (truncated or not safetensors: {e}); "
-                        "use another checkpoint of the run, or train again.") from None  # fmt: skip
+        raise UserError(
+            f"checkpoint {path}: {TENSORS} is damaged (truncated or not safetensors: {e}); "
+            "use another checkpoint of the run, or train again."
+        ) from None
     lacking = [ref for ref in refs.values() if ref not in stored]
     if lacking:
-        raise UserError(f"checkpoint {path}: {META} names the tensor {lacking[0]!r}, which {TENSORS} lacks "
-                        "(its tensors come from another checkpoint?); use the run's own files.")  # fmt: skip
+        raise UserError(
+            f"checkpoint {path}: {META} names the tensor {lacking[0]!r}, which {TENSORS} lacks "
+            "(its tensors come from another checkpoint?); use the run's own files."
+        )
     return {name: stored[ref] for name, ref in refs.items()}
 
 
@@ -234,13 +245,19 @@ def check_state(
     every weight there (`loads_frozen` False: a LoRA checkpoint holds only what trains)."""
     own = module.state_dict()
     unknown = [k for k in shapes if k not in own]
-    wrong = [f"{k} {list(shapes[k])} (the model's: {list(own[k].shape)})" for k in shapes
-             if k in own and tuple(shapes[k]) != tuple(own[k].shape)]  # fmt: skip
+    wrong = [
+        f"{k} {list(shapes[k])} (the model's: {list(own[k].shape)})"
+        for k in shapes
+        if k in own and tuple(shapes[k]) != tuple(own[k].shape)
+    ]
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     missing = [k for k in own if k not in shapes and (loads_frozen or k in trainable)]
     if unknown or wrong or missing:
-        said = "; ".join(f"{what} {', '.join(keys[:2])}{' ...' if len(keys) > 2 else ''}"
-                         for what, keys in (("unknown tensors", unknown), ("wrong shapes", wrong), ("missing", missing)) if keys)  # fmt: skip
+        said = "; ".join(
+            f"{what} {', '.join(keys[:2])}{' ...' if len(keys) > 2 else ''}"
+            for what, keys in (("unknown tensors", unknown), ("wrong shapes", wrong), ("missing", missing))
+            if keys
+        )
         raise UserError(
             f"ckpt {ckpt} does not fit the model its config builds ({said}); it belongs to another model or run."
         )

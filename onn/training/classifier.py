@@ -48,9 +48,19 @@ class Classifier(EpochRecord, L.LightningModule):
     loop = LOOP
     describes = "ONN's image classifier"
 
-    def __init__(self, model: nn.Module, classes: list[str], optim: OptimConfig, onn_config: dict[str, Any],
-                 transform: nn.Module | None = None, label_smoothing: float = 0.0, channels_last: bool = False,
-                 inputs: str = "data", monitor: str = "val/acc", adapt_norm: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        classes: list[str],
+        optim: OptimConfig,
+        onn_config: dict[str, Any],
+        transform: nn.Module | None = None,
+        label_smoothing: float = 0.0,
+        channels_last: bool = False,
+        inputs: str = "data",
+        monitor: str = "val/acc",
+        adapt_norm: bool = False,
+    ):
         super().__init__()
         from torchmetrics import MeanMetric
         from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
@@ -58,9 +68,7 @@ class Classifier(EpochRecord, L.LightningModule):
         self.model = model
         self.classes = list(classes)
         self.optim = optim
-        self.onn_config = (
-            onn_config  # plain values, stored in every checkpoint so eval/infer/export rebuild this model
-        )
+        self.onn_config = onn_config  # plain values, stored in every checkpoint so eval/infer/export rebuild this model
         self.transform = transform  # stored form -> the network's input (augmented in training)
         self.label_smoothing = float(label_smoothing)
         self.channels_last = channels_last
@@ -71,16 +79,19 @@ class Classifier(EpochRecord, L.LightningModule):
         if channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         n = len(self.classes)
-        self.metrics = nn.ModuleDict({
-            f"{stage}_{name}": metric
-            for stage in ("val", "test")
-            for name, metric in (("acc", MulticlassAccuracy(n, average="micro")),
-                                 ("acc_top5", MulticlassAccuracy(n, top_k=min(5, n), average="micro")),
-                                 ("confusion", MulticlassConfusionMatrix(n)), ("loss", MeanMetric()))
-        })  # fmt: skip
-        self.train_losses: list[
-            torch.Tensor
-        ] = []  # detached per step; read once at the end (no per-step sync)
+        self.metrics = nn.ModuleDict(
+            {
+                f"{stage}_{name}": metric
+                for stage in ("val", "test")
+                for name, metric in (
+                    ("acc", MulticlassAccuracy(n, average="micro")),
+                    ("acc_top5", MulticlassAccuracy(n, top_k=min(5, n), average="micro")),
+                    ("confusion", MulticlassConfusionMatrix(n)),
+                    ("loss", MeanMetric()),
+                )
+            }
+        )
+        self.train_losses: list[torch.Tensor] = []  # detached per step; read once at the end (no per-step sync)
         self.history: list[dict[str, float]] = []  # per validation: epoch, step, val/acc, val/loss
         self.confusion: dict[str, torch.Tensor] = {}
 
@@ -88,9 +99,7 @@ class Classifier(EpochRecord, L.LightningModule):
     def prepare(self, batch_x: torch.Tensor, train: bool) -> torch.Tensor:
         if self.inputs == "features":
             return batch_x.float()
-        with torch.autocast(
-            batch_x.device.type, enabled=False
-        ):  # the transform runs in fp32; the model in autocast
+        with torch.autocast(batch_x.device.type, enabled=False):  # the transform runs in fp32; the model in autocast
             x = self.transform(batch_x, train=train) if self.transform is not None else batch_x.float()
         return x.contiguous(memory_format=torch.channels_last) if self.channels_last and x.dim() == 4 else x
 
@@ -120,8 +129,11 @@ class Classifier(EpochRecord, L.LightningModule):
 
     def on_test_epoch_start(self) -> None:
         if self.adapt_norm:  # the trained statistics come back after the test (on_test_epoch_end)
-            self._trained_norms = {k: v.clone() for k, v in self.model.state_dict().items()
-                                   if k.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")}  # fmt: skip
+            self._trained_norms = {
+                k: v.clone()
+                for k, v in self.model.state_dict().items()
+                if k.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")
+            }
             self.adapt_batch_norm(self.trainer.test_dataloaders)
 
     @torch.no_grad()
@@ -167,10 +179,19 @@ class Classifier(EpochRecord, L.LightningModule):
             self.metrics[f"{stage}_{metric}"].reset()
         self.log_dict(figures, prog_bar=stage == "val")
         if stage == "val" and not self.trainer.sanity_checking:
-            self.history.append({"epoch": self.current_epoch, "step": self.global_step,
-                                 **{k: round(float(v), 5) for k, v in figures.items()}})  # fmt: skip
-            log.info("epoch %d step %d: %s", self.current_epoch, self.global_step,
-                     "  ".join(f"{k} {float(v):.4f}" for k, v in figures.items()))  # fmt: skip
+            self.history.append(
+                {
+                    "epoch": self.current_epoch,
+                    "step": self.global_step,
+                    **{k: round(float(v), 5) for k, v in figures.items()},
+                }
+            )
+            log.info(
+                "epoch %d step %d: %s",
+                self.current_epoch,
+                self.global_step,
+                "  ".join(f"{k} {float(v):.4f}" for k, v in figures.items()),
+            )
             self._log_confusion(stage)
 
     def _log_confusion(self, stage: str) -> None:
@@ -192,17 +213,13 @@ class Classifier(EpochRecord, L.LightningModule):
     # -- optimiser and schedule -----------------------------------------------------------------------
     def configure_optimizers(self):
         optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], self.optim)
-        schedule = make_schedule(
-            optimizer, self.optim, int(self.trainer.estimated_stepping_batches), self.monitor
-        )
+        schedule = make_schedule(optimizer, self.optim, int(self.trainer.estimated_stepping_batches), self.monitor)
         return {"optimizer": optimizer, "lr_scheduler": schedule}
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.inputs == "features":  # the frozen backbone comes from model.weights again
-            checkpoint["state_dict"] = {
-                k: v for k, v in checkpoint["state_dict"].items() if ".backbone." not in k
-            }
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if ".backbone." not in k}
         super().on_save_checkpoint(checkpoint)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -225,9 +242,7 @@ def confusion_figure(matrix: torch.Tensor, classes: list[str]):
     from torchmetrics.classification import MulticlassConfusionMatrix
 
     n = len(classes)
-    figure, _ = MulticlassConfusionMatrix(n).plot(
-        val=matrix, add_text=n <= 20, labels=classes if n <= 40 else None
-    )
+    figure, _ = MulticlassConfusionMatrix(n).plot(val=matrix, add_text=n <= 20, labels=classes if n <= 40 else None)
     size = min(4 + 0.35 * n, 24)
     figure.set_size_inches(size, size)
     if figure.get_layout_engine() is None:  # torchmetrics may have set one: tight_layout() would warn

@@ -49,8 +49,9 @@ class ShardedDeepSpeed(DeepSpeedStrategy):
             self.checkpoint_io.save_checkpoint({**kept, "state_dict": state}, filepath)
 
 
-def sharded_strategy(name: str, entry: dict[str, Any], config: ONNConfig, processes: int,
-                     timeout: timedelta) -> Strategy:  # fmt: skip
+def sharded_strategy(
+    name: str, entry: dict[str, Any], config: ONNConfig, processes: int, timeout: timedelta
+) -> Strategy:
     """Lightning's registered strategy `name` (fsdp*, deepspeed*) set up as the module doc says."""
     params = dict(entry["init_params"])
     if name.startswith("fsdp"):
@@ -124,9 +125,7 @@ def gathered(module):
 
 def parameter_count(module, trainable: bool = True) -> int:
     """Parameters (that train), counted whole under ZeRO-3 too."""
-    return sum(
-        getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad or not trainable
-    )
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad or not trainable)
 
 
 def end_distributed() -> None:

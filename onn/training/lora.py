@@ -25,24 +25,20 @@ def apply(
         return model
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    if (
-        strategy == "qlora"
-    ):  # a 4-bit base from onn.models.load.load_4bit: norms in fp32, inputs that carry grad
+    if strategy == "qlora":  # a 4-bit base from onn.models.load.load_4bit: norms in fp32, inputs that carry grad
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
     lora = strategy_cfg.lora
     if lora is None:
-        raise UserError(f"strategy={strategy} trains LoRA adapters, but strategy.lora is null: give its r, alpha, "
-                        "dropout and target_modules (conf/strategy/lora.yaml).")
+        raise UserError(
+            f"strategy={strategy} trains LoRA adapters, but strategy.lora is null: give its r, alpha, "
+            "dropout and target_modules (conf/strategy/lora.yaml)."
+        )
     layers = sparse_layers if strategy == "sparse_lora" else None
     target = lora.target_modules
     if target == "all-linear":  # peft needs explicit names to combine with layers_to_transform
         target = sorted(
-            {
-                name.rsplit(".", 1)[-1]
-                for name, m in layer_map.blocks[0].named_modules()
-                if isinstance(m, nn.Linear)
-            }
+            {name.rsplit(".", 1)[-1] for name, m in layer_map.blocks[0].named_modules() if isinstance(m, nn.Linear)}
         )
     config = LoraConfig(
         r=lora.r,

@@ -21,8 +21,9 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
-def split(batch: dict[str, torch.Tensor], size: int, host_rows: tuple[list[int], list[int]] | None = None
-          ) -> tuple[list[dict[str, torch.Tensor]], list[int]]:  # fmt: skip
+def split(
+    batch: dict[str, torch.Tensor], size: int, host_rows: tuple[list[int], list[int]] | None = None
+) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
     """A right-padded macro-batch as micro-batches of `size` rows, each cut to its own longest row, and each
     micro-batch's target tokens. `host_rows`: every row's length and target tokens as the host counted them
     before the batch went to the device (else they are read from the batch, which waits for the device)."""

@@ -28,12 +28,7 @@ def check(optim: OptimConfig) -> None:
         ("weight_decay", optim.weight_decay),
         ("clip_grad_norm", optim.clip_grad_norm),
     ):
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-            or value < 0
-        ):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
             raise UserError(f"optim.{key}={value!r}: give a number 0 or more.")
     for key, value in (
         ("warmup_steps", optim.warmup_steps),
@@ -54,13 +49,12 @@ def make_optimizer(params, optim: OptimConfig):
     lr, decay = float(optim.lr), float(optim.weight_decay)
     if optim.name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=decay, betas=tuple(optim.betas))
-    return torch.optim.SGD(params, lr=lr, momentum=float(optim.momentum), weight_decay=decay,
-                           nesterov=bool(optim.nesterov))  # fmt: skip
+    return torch.optim.SGD(
+        params, lr=lr, momentum=float(optim.momentum), weight_decay=decay, nesterov=bool(optim.nesterov)
+    )
 
 
-def make_schedule(
-    optimizer, optim: OptimConfig, total_steps: int, monitor: str, epochs: bool = True
-) -> dict[str, Any]:
+def make_schedule(optimizer, optim: OptimConfig, total_steps: int, monitor: str, epochs: bool = True) -> dict[str, Any]:
     """Lightning's lr_scheduler config for optim.schedule over a run of `total_steps` optimizer steps.
 
     Warm-up is clamped to the run's length. `monitor` is the metric the plateau schedule watches
@@ -83,16 +77,16 @@ def make_schedule(
         scheduler = get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)
         return {"scheduler": scheduler, "interval": "step"}
     if schedule == "onecycle":
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=float(optim.lr), total_steps=total,
-                                                        pct_start=float(optim.pct_start))  # fmt: skip
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=float(optim.lr), total_steps=total, pct_start=float(optim.pct_start)
+        )
         return {"scheduler": scheduler, "interval": "step"}
     if schedule == "step":
-        scheduler = torch.optim.lr_scheduler.StepLR(
-            optimizer, step_size=int(optim.step_size), gamma=float(optim.gamma)
-        )
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=int(optim.step_size), gamma=float(optim.gamma))
         return {"scheduler": scheduler, "interval": "epoch"}
-    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode=monitor_mode(monitor), factor=float(optim.gamma),
-                                                           patience=int(optim.patience))  # fmt: skip
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
+        optimizer, mode=monitor_mode(monitor), factor=float(optim.gamma), patience=int(optim.patience)
+    )
     return {"scheduler": scheduler, "interval": "epoch", "monitor": monitor, "strict": False}
 
 

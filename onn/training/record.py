@@ -26,17 +26,17 @@ class EpochRecord:
     train_losses: list[torch.Tensor]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["onn"] = {"loop": self.loop, "config": self.onn_config, "history": self.history,
-                             "train_losses": [float(x) for x in self.train_losses]}  # fmt: skip
+        checkpoint["onn"] = {
+            "loop": self.loop,
+            "config": self.onn_config,
+            "history": self.history,
+            "train_losses": [float(x) for x in self.train_losses],
+        }
         self.train_losses = [torch.tensor(float(x)) for x in self.train_losses]
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if (
-            checkpoint.get("onn", {}).get("loop") != self.loop
-        ):  # another tool's checkpoint has no `onn` record
-            raise UserError(
-                f"this checkpoint was not written by {self.describes}: it cannot resume this run."
-            )
+        if checkpoint.get("onn", {}).get("loop") != self.loop:  # another tool's checkpoint has no `onn` record
+            raise UserError(f"this checkpoint was not written by {self.describes}: it cannot resume this run.")
         onn = checkpoint["onn"]
         self.history = list(onn["history"])
         self.train_losses = [torch.tensor(x) for x in onn["train_losses"]]

@@ -64,7 +64,8 @@ def check_launch(config: ONNConfig, multirun: bool) -> None:
         raise UserError(
             f"trainer.devices={config.trainer.devices} in a multirun (-m): Lightning starts the extra processes by "
             "running the command again, which would run the whole sweep again in each; run that job on its own, or "
-            "give each job one device (a cluster launcher such as hydra/launcher=submitit_slurm gives each its own machine)."
+            "give each job one device (a cluster launcher such as hydra/launcher=submitit_slurm gives each its "
+            "own machine)."
         )
 
 
@@ -74,9 +75,7 @@ def explain_distributed_failure(error: BaseException, config: ONNConfig | None) 
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
     name = type(error).__name__
     # gloo: "Connection closed by peer", "Read error ...: Connection reset by peer", "Timed out waiting ... for recv"
-    lost_peer = (
-        isinstance(error, RuntimeError) and "gloo" in text and ("by peer" in text or "Timed out" in text)
-    )
+    lost_peer = isinstance(error, RuntimeError) and "gloo" in text and ("by peer" in text or "Timed out" in text)
     if name not in ("DistNetworkError", "DistStoreError") and not lost_peer or not config:
         return None
     where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '?')}"
@@ -84,16 +83,22 @@ def explain_distributed_failure(error: BaseException, config: ONNConfig | None) 
     if name == "DistNetworkError":
         return unreachable(where, timeout) + f" ({text})"
     if name == "DistStoreError":
-        return (f"the other processes did not join the rendezvous at {where} within strategy.timeout_s={timeout}: "
-                f"start every node with the same address and trainer.num_nodes. ({text})")  # fmt: skip
-    return (f"rank {rank()} lost a peer process (it stopped, or its link went silent for strategy.timeout_s={timeout}); "
-            f"resume every node with ckpt=last. ({text})")  # fmt: skip
+        return (
+            f"the other processes did not join the rendezvous at {where} within strategy.timeout_s={timeout}: "
+            f"start every node with the same address and trainer.num_nodes. ({text})"
+        )
+    return (
+        f"rank {rank()} lost a peer process (it stopped, or its link went silent for strategy.timeout_s={timeout}); "
+        f"resume every node with ckpt=last. ({text})"
+    )
 
 
 def unreachable(where: str, timeout: float) -> str:
-    return (f"rank {rank()} could not reach the rendezvous at {where} within strategy.timeout_s={timeout}: check that "
-            "rank 0 is running there and that the address and port (MASTER_ADDR/MASTER_PORT, torchrun "
-            "--rdzv-endpoint) are right and open.")  # fmt: skip
+    return (
+        f"rank {rank()} could not reach the rendezvous at {where} within strategy.timeout_s={timeout}: check that "
+        "rank 0 is running there and that the address and port (MASTER_ADDR/MASTER_PORT, torchrun "
+        "--rdzv-endpoint) are right and open."
+    )
 
 
 def wait_for_rendezvous(timeout: float) -> None:
@@ -160,12 +165,25 @@ def warn_oversubscribed(kwargs: dict[str, Any]) -> None:
         log.warning(
             "trainer.devices=%d starts %d processes on this machine's %d CPU core(s): they share the cores, so each "
             "step is slower than with trainer.devices=%d; use at most %d",
-            wanted, wanted, cores, cores, cores,
-        )  # fmt: skip
+            wanted,
+            wanted,
+            cores,
+            cores,
+            cores,
+        )
 
 
-def build_trainer(config: ONNConfig, plan: dict[str, Any], run_dir: Path, callbacks: list, *, strategy: Any = None,
-                  loggers: bool = True, steps_per_epoch: int | None = None, distributed_sampler: bool = True):  # fmt: skip
+def build_trainer(
+    config: ONNConfig,
+    plan: dict[str, Any],
+    run_dir: Path,
+    callbacks: list,
+    *,
+    strategy: Any = None,
+    loggers: bool = True,
+    steps_per_epoch: int | None = None,
+    distributed_sampler: bool = True,
+):
     """A Trainer for this run. `strategy`: a Strategy object or Lightning name (default: the strategy
     config's `lightning`); `steps_per_epoch`: the training loader's length, when it has epochs;
     `distributed_sampler`: False when the data module gives each process its own share of every batch."""
@@ -189,9 +207,7 @@ def build_trainer(config: ONNConfig, plan: dict[str, Any], run_dir: Path, callba
     strategy = strategy if strategy is not None else config.strategy.lightning
     if trainer.accelerator in (None, "auto"):
         kwargs["accelerator"] = "cuda" if plan.hardware["accelerator"] == "cuda" else "cpu"
-    if trainer.devices in (None, "auto") and not (
-        isinstance(strategy, str) and strategy.startswith(MULTI_DEVICE)
-    ):
+    if trainer.devices in (None, "auto") and not (isinstance(strategy, str) and strategy.startswith(MULTI_DEVICE)):
         kwargs["devices"] = 1
     if isinstance(strategy, str):
         strategy = data_parallel(strategy, config, kwargs["accelerator"]) or strategy
@@ -206,9 +222,15 @@ def build_trainer(config: ONNConfig, plan: dict[str, Any], run_dir: Path, callba
     # validate() would otherwise become inference tensors that fit's validation cannot update
     kwargs["inference_mode"] = False
     kwargs["enable_checkpointing"] = any(isinstance(c, Checkpoint) for c in callbacks)
-    return L.Trainer(default_root_dir=str(run_dir), logger=made or False, callbacks=callbacks,
-                     plugins=[SafetensorsCheckpointIO()], strategy=strategy, use_distributed_sampler=distributed_sampler,
-                     **kwargs)  # fmt: skip
+    return L.Trainer(
+        default_root_dir=str(run_dir),
+        logger=made or False,
+        callbacks=callbacks,
+        plugins=[SafetensorsCheckpointIO()],
+        strategy=strategy,
+        use_distributed_sampler=distributed_sampler,
+        **kwargs,
+    )
 
 
 def share_console_with_hydra() -> None:

@@ -18,7 +18,9 @@ from onn.data.resident import ClassificationData, Decoded
 from onn.modalities.audio.decode import BadFile, Fit, fit_settings, load
 from onn.modalities.audio.modality import SUFFIXES
 
-DTYPE = torch.float16  # 16-bit samples: half the memory of float32, and more precision than 16-bit PCM needs at the scale of a log-mel
+DTYPE = (
+    torch.float16
+)  # 16-bit samples: half the memory of float32, and more precision than 16-bit PCM needs at the scale of a log-mel
 
 
 def fit_of(inputs: dict[str, Any]) -> Fit:
@@ -26,16 +28,22 @@ def fit_of(inputs: dict[str, Any]) -> Fit:
     return Fit(**inputs["fit"])
 
 
-READER = MediaReader("audio", SUFFIXES, load, fit_settings, fit_of, BadFile, DTYPE,
-                     "a folder of audio files, an archive of one, or one file")  # fmt: skip
+READER = MediaReader(
+    "audio",
+    SUFFIXES,
+    load,
+    fit_settings,
+    fit_of,
+    BadFile,
+    DTYPE,
+    "a folder of audio files, an archive of one, or one file",
+)
 
 
 class AudioDataModule(ClassificationData):
     """train / val / test splits of an audio dataset, resident on the device or streamed."""
 
-    same_shape_hint = (
-        "every split is decoded with the same data.sample_rate, data.channels and data.clip_seconds"
-    )
+    same_shape_hint = "every split is decoded with the same data.sample_rate, data.channels and data.clip_seconds"
 
     def read(self, source: str, key: str) -> dict[str, Decoded]:
         return READER.read_cached(source, self.cfg, self.cache_dir, key)

@@ -37,12 +37,11 @@ def fit_settings(data_cfg: AudioData) -> Fit:
     stored = data_cfg.store_seconds if data_cfg.store_seconds is not None else clip
     if isinstance(rate, bool) or not isinstance(rate, int) or not 1000 <= rate <= 384_000:
         raise UserError(
-            f"data.sample_rate={rate!r}: give the rate to resample to in Hz, a whole number from 1000 to 384000 (e.g. 16000)."
+            f"data.sample_rate={rate!r}: give the rate to resample to in Hz, "
+            "a whole number from 1000 to 384000 (e.g. 16000)."
         )
     if isinstance(channels, bool) or not isinstance(channels, int) or not 1 <= channels <= 32:
-        raise UserError(
-            f"data.channels={channels!r}: give 1 (mix down to mono) or the number of channels to keep."
-        )
+        raise UserError(f"data.channels={channels!r}: give 1 (mix down to mono) or the number of channels to keep.")
     for name, value in (("clip_seconds", clip), ("store_seconds", stored)):
         if (
             isinstance(value, bool)
@@ -58,7 +57,8 @@ def fit_settings(data_cfg: AudioData) -> Fit:
     samples = round(float(stored) * rate)
     if round(float(clip) * rate) < 16:
         raise UserError(
-            f"data.clip_seconds={clip} at data.sample_rate={rate} is {round(float(clip) * rate)} samples; give a longer clip."
+            f"data.clip_seconds={clip} at data.sample_rate={rate} is {round(float(clip) * rate)} samples; "
+            "give a longer clip."
         )
     return Fit(rate, channels, samples)
 
@@ -101,9 +101,7 @@ def _decode_ffmpeg(source: str | IO[bytes]) -> tuple[np.ndarray, int]:
         rate = stream.rate or stream.codec_context.sample_rate
         if not rate:
             raise BadFile("an audio stream without a sample rate")
-        resampler = av.AudioResampler(
-            format="fltp", layout=stream.layout.name if stream.layout else None, rate=rate
-        )
+        resampler = av.AudioResampler(format="fltp", layout=stream.layout.name if stream.layout else None, rate=rate)
         chunks = [out.to_ndarray() for frame in container.decode(stream) for out in resampler.resample(frame)]
         chunks += [out.to_ndarray() for out in resampler.resample(None)]
     if not chunks:

@@ -42,16 +42,26 @@ def feature_settings(data_cfg: AudioData) -> dict[str, Any]:
         )
     f_max = f.f_max if f.f_max is not None else rate / 2
     if not 0 <= float(f.f_min) < float(f_max) <= rate / 2:
-        raise UserError(f"data.features.f_min={f.f_min} / f_max={f.f_max}: give 0 <= f_min < f_max <= "
-                        f"data.sample_rate / 2 = {rate / 2:g} Hz.")  # fmt: skip
+        raise UserError(
+            f"data.features.f_min={f.f_min} / f_max={f.f_max}: give 0 <= f_min < f_max <= "
+            f"data.sample_rate / 2 = {rate / 2:g} Hz."
+        )
     if f.normalize not in NORMALIZE:
         raise UserError(f"data.features.normalize={f.normalize!r}: use one of {', '.join(NORMALIZE)}.")
     clip = round(float(data_cfg.clip_seconds) * rate)
     if clip < f.n_fft // 2 + 1:
-        raise UserError(f"data.clip_seconds={data_cfg.clip_seconds} is {clip} samples at {rate} Hz, shorter than half of "
-                        f"data.features.n_fft={f.n_fft}; give a longer clip or a smaller n_fft.")  # fmt: skip
-    return {**as_dict(f), "f_max": float(f_max), "f_min": float(f.f_min), "top_db": float(f.top_db),
-            "sample_rate": rate, "clip_samples": clip}  # fmt: skip
+        raise UserError(
+            f"data.clip_seconds={data_cfg.clip_seconds} is {clip} samples at {rate} Hz, shorter than half of "
+            f"data.features.n_fft={f.n_fft}; give a longer clip or a smaller n_fft."
+        )
+    return {
+        **as_dict(f),
+        "f_max": float(f_max),
+        "f_min": float(f.f_min),
+        "top_db": float(f.top_db),
+        "sample_rate": rate,
+        "clip_samples": clip,
+    }
 
 
 def augment_settings(cfg: AudioAugment | None) -> AudioAugment:
@@ -63,9 +73,7 @@ def augment_settings(cfg: AudioAugment | None) -> AudioAugment:
         out[key] = float(value)
     for key in ("truncate", "speed", "freq_warp", "time_warp"):
         if out[key] >= 1:
-            raise UserError(
-                f"data.augment.{key}={out[key]}: give a fraction below 1 (0.1 changes by up to 10%)."
-            )
+            raise UserError(f"data.augment.{key}={out[key]}: give a fraction below 1 (0.1 changes by up to 10%).")
     if out["masks"] != int(out["masks"]):
         raise UserError(f"data.augment.masks={out['masks']}: give a whole number of masks per axis.")
     return AudioAugment(**out)
@@ -74,9 +82,7 @@ def augment_settings(cfg: AudioAugment | None) -> AudioAugment:
 class LogMel:
     """Stored waveforms -> (augmented) normalised log-mels; one callable for training, evaluation and plan."""
 
-    def __init__(
-        self, settings: dict[str, Any], augment: AudioAugment | None, mean: float = 0.0, std: float = 1.0
-    ):
+    def __init__(self, settings: dict[str, Any], augment: AudioAugment | None, mean: float = 0.0, std: float = 1.0):
         self.s = settings  # feature_settings: a checkpoint's inputs["features"]
         self.augment = augment_settings(augment)
         self.mean, self.std = float(mean), float(std)
@@ -90,8 +96,15 @@ class LogMel:
             import torchaudio.transforms as T
 
             s = self.s
-            self._mels[device] = T.MelSpectrogram(s["sample_rate"], n_fft=s["n_fft"], hop_length=s["hop_length"],
-                                                  n_mels=s["n_mels"], f_min=s["f_min"], f_max=s["f_max"], power=2.0).to(device)  # fmt: skip
+            self._mels[device] = T.MelSpectrogram(
+                s["sample_rate"],
+                n_fft=s["n_fft"],
+                hop_length=s["hop_length"],
+                n_mels=s["n_mels"],
+                f_min=s["f_min"],
+                f_max=s["f_max"],
+                power=2.0,
+            ).to(device)
         return self._mels[device]
 
     def __call__(self, waves: torch.Tensor, train: bool, normalize: bool = True) -> torch.Tensor:
@@ -165,9 +178,7 @@ class LogMel:
         at a random signal-to-noise ratio from noise_snr_db to 30 dB above it: noisier rooms and microphones."""
         sound = (x.abs() > 0).any(dim=1, keepdim=True)  # [B, 1, n]
         inside = (sound.cumsum(-1) > 0) & (sound.flip(-1).cumsum(-1).flip(-1) > 0)
-        power = (x * x).sum(dim=(1, 2), keepdim=True) / (
-            inside.sum(dim=(1, 2), keepdim=True) * x.shape[1]
-        ).clamp_min(1)
+        power = (x * x).sum(dim=(1, 2), keepdim=True) / (inside.sum(dim=(1, 2), keepdim=True) * x.shape[1]).clamp_min(1)
         snr = torch.empty(x.shape[0], 1, 1, device=x.device).uniform_(0, 30) + self.augment.noise_snr_db
         return x + torch.randn_like(x) * (power / torch.pow(10.0, snr / 10)).sqrt() * inside
 

@@ -19,8 +19,34 @@ from onn.data.labelled import sniff_files
 from onn.errors import UserError
 from onn.modalities.base import MediaModality, RunConfig
 
-SUFFIXES = frozenset({".wav", ".wave", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aiff", ".aif", ".aifc", ".au", ".snd",
-                      ".caf", ".w64", ".rf64", ".m4a", ".aac", ".mka", ".wma", ".amr", ".ac3", ".mp2", ".alac", ".weba"})  # fmt: skip
+SUFFIXES = frozenset(
+    {
+        ".wav",
+        ".wave",
+        ".flac",
+        ".ogg",
+        ".oga",
+        ".opus",
+        ".mp3",
+        ".aiff",
+        ".aif",
+        ".aifc",
+        ".au",
+        ".snd",
+        ".caf",
+        ".w64",
+        ".rf64",
+        ".m4a",
+        ".aac",
+        ".mka",
+        ".wma",
+        ".amr",
+        ".ac3",
+        ".mp2",
+        ".alac",
+        ".weba",
+    }
+)
 
 
 class AudioModality(MediaModality):
@@ -49,8 +75,10 @@ class AudioModality(MediaModality):
         source = str(model.source or "")
         kind, _, name = source.partition(":")
         if kind not in ("zoo", "timm") or name in VIDEO:
-            raise UserError(f"model={model.name} ({source or 'no source'}) does not take spectrograms; audio data trains "
-                            "zoo:audio_cnn (model=audio_cnn) or an image network from timm (e.g. model=resnet18).")  # fmt: skip
+            raise UserError(
+                f"model={model.name} ({source or 'no source'}) does not take spectrograms; audio data trains "
+                "zoo:audio_cnn (model=audio_cnn) or an image network from timm (e.g. model=resnet18)."
+            )
 
     def datamodule(self, config: ONNConfig, device: str):
         from onn.modalities.audio.dataset import AudioDataModule
@@ -86,11 +114,12 @@ class AudioModality(MediaModality):
     def planned_inputs(self, config: RunConfig) -> dict[str, Any]:
         data: AudioData = config.data
         settings = self._settings(data)
-        classes = data.classes or [
-            str(i) for i in range(data.num_classes if isinstance(data.num_classes, int) else 10)
-        ]
-        return {"classes": [str(c) for c in classes], "input_shape": [settings["fit"]["channels"], settings["fit"]["samples"]],
-                **settings}  # fmt: skip
+        classes = data.classes or [str(i) for i in range(data.num_classes if isinstance(data.num_classes, int) else 10)]
+        return {
+            "classes": [str(c) for c in classes],
+            "input_shape": [settings["fit"]["channels"], settings["fit"]["samples"]],
+            **settings,
+        }
 
     def picture(self, samples, predicted, true, path: Path, inputs: dict[str, Any]) -> None:
         from onn.modalities.audio import pictures

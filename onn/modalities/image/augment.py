@@ -39,9 +39,7 @@ class BatchAugment:
         self.mean = [float(m) for m in mean]
         self.std = [float(s) for s in std]
         if len(self.mean) != len(self.std) or not self.mean or any(s <= 0 for s in self.std):
-            raise UserError(
-                f"the normalisation mean {mean} and std {std} need one value per channel, with std > 0."
-            )
+            raise UserError(f"the normalisation mean {mean} and std {std} need one value per channel, with std > 0.")
 
         self.pad = int(cfg.crop_padding)
         if self.pad < 0:
@@ -75,17 +73,17 @@ class BatchAugment:
             self.erase_ratio = tuple(float(r) for r in erasing.ratio)
             if not (len(self.erase_scale) == 2 and 0 < self.erase_scale[0] <= self.erase_scale[1] <= 1):
                 raise UserError(
-                    f"data.augment.random_erasing.scale must be [min, max] with 0 < min <= max <= 1 (got {self.erase_scale})."
+                    "data.augment.random_erasing.scale must be [min, "
+                    f"max] with 0 < min <= max <= 1 (got {self.erase_scale})."
                 )
             if not (len(self.erase_ratio) == 2 and 0 < self.erase_ratio[0] <= self.erase_ratio[1]):
                 raise UserError(
-                    f"data.augment.random_erasing.ratio must be [min, max] with 0 < min <= max (got {self.erase_ratio})."
+                    "data.augment.random_erasing.ratio must be [min, "
+                    f"max] with 0 < min <= max (got {self.erase_ratio})."
                 )
             value = erasing.value
             if value != "random" and not isinstance(value, int | float):
-                raise UserError(
-                    f"data.augment.random_erasing.value must be a number or `random` (got {value!r})."
-                )
+                raise UserError(f"data.augment.random_erasing.value must be a number or `random` (got {value!r}).")
             self.erase_value = value
         self._stats: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -94,14 +92,10 @@ class BatchAugment:
         """Whether training batches are augmented at all (every setting off: only normalised)."""
         return bool(self.pad or self.hflip or self.jitter or self.erase_p > 0)
 
-    def __call__(
-        self, images: torch.Tensor, train: bool, generator: torch.Generator | None = None
-    ) -> torch.Tensor:
+    def __call__(self, images: torch.Tensor, train: bool, generator: torch.Generator | None = None) -> torch.Tensor:
         """uint8 [B,C,H,W] -> normalised float32 [B,C,H,W]; augmentation only when train is True."""
         if images.dtype != torch.uint8 or images.dim() != 4:
-            raise ValueError(
-                f"BatchAugment expects a uint8 [B,C,H,W] batch, got {images.dtype} {tuple(images.shape)}"
-            )
+            raise ValueError(f"BatchAugment expects a uint8 [B,C,H,W] batch, got {images.dtype} {tuple(images.shape)}")
         channels_last = _is_channels_last(images)  # the work runs in NCHW, the output gets the input's layout
         images, g = images.contiguous(), generator
         if train and (self.pad or self.hflip):
@@ -153,23 +147,17 @@ class BatchAugment:
         if p:
             shift = torch.randint(-p, p + 1, (b, 2, 1), device=dev, generator=g)
             rows, cols = rows + shift[:, 0], cols + shift[:, 1]
-            if (
-                self.padding_mode == "reflect"
-            ):  # -1 -> 1, h -> h - 2 (edge not repeated, like torch's reflect)
+            if self.padding_mode == "reflect":  # -1 -> 1, h -> h - 2 (edge not repeated, like torch's reflect)
                 rows = (h - 1) - ((h - 1) - rows.abs()).abs()
                 cols = (w - 1) - ((w - 1) - cols.abs()).abs()
             else:
-                valid = ((rows >= 0) & (rows < h))[:, None, :, None] & ((cols >= 0) & (cols < w))[
-                    :, None, None, :
-                ]
+                valid = ((rows >= 0) & (rows < h))[:, None, :, None] & ((cols >= 0) & (cols < w))[:, None, None, :]
                 rows, cols = rows.clamp(0, h - 1), cols.clamp(0, w - 1)
         index = (rows[:, :, None] * w + cols[:, None, :]).view(b, 1, h * w).expand(b, c, h * w)
         out = images.view(b, c, h * w).gather(2, index).view(b, c, h, w)
         return out if valid is None else out.mul_(valid)
 
-    def _color_jitter(
-        self, images: torch.Tensor, gray: torch.Tensor, g: torch.Generator | None
-    ) -> torch.Tensor:
+    def _color_jitter(self, images: torch.Tensor, gray: torch.Tensor, g: torch.Generator | None) -> torch.Tensor:
         """uint8 -> float in [0, 1] with brightness, contrast, saturation applied in that fixed order
         (torchvision shuffles the order per call)."""
         b, c = images.shape[:2]
@@ -179,10 +167,8 @@ class BatchAugment:
             return lo + (hi - lo) * torch.rand(b, 1, 1, 1, device=images.device, generator=g)
 
         x = images.float()
-        if "brightness" in self.jitter:  # folded into the conversion to [0, 1]: x * f / 255
-            x = x.mul_(factor("brightness").div_(255)).clamp_(max=1)
-        else:
-            x = x.div_(255)
+        # brightness is folded into the conversion to [0, 1]: x * f / 255
+        x = x.mul_(factor("brightness").div_(255)).clamp_(max=1) if "brightness" in self.jitter else x.div_(255)
         if "contrast" in self.jitter:  # the mean of the luminance is the luminance of the channel means
             f = factor("contrast")
             mean = _gray(x.mean(dim=(2, 3), keepdim=True), gray)

@@ -37,15 +37,15 @@ def read_cached(
     source: str, data_cfg: ImageData, cache_dir: str | os.PathLike, key: str = "data.source"
 ) -> dict[str, Decoded]:
     """{split: Decoded} for a source, decoded once and then read from the safetensors cache."""
-    path = existing_source(
-        source, key, "see the data config's comment"
-    )  # a link loop, a device: named as such
+    path = existing_source(source, key, "see the data config's comment")  # a link loop, a device: named as such
     settings = decode_settings(data_cfg)
     fmt = data_cfg.format or "auto"
 
     def decode() -> dict[str, Decoded]:
-        return {name: Decoded(s.images, s.labels, s.classes, s.names, s.skipped)
-                for name, s in read_splits(path, fmt, key=key, **settings).items()}  # fmt: skip
+        return {
+            name: Decoded(s.images, s.labels, s.classes, s.names, s.skipped)
+            for name, s in read_splits(path, fmt, key=key, **settings).items()
+        }
 
     return cached_decode(
         "images", {"digest": source_digest(path), "format": fmt, **settings}, cache_dir, decode, str(path)

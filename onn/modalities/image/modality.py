@@ -43,18 +43,19 @@ class ImageModality(ClassifierModality):
                     schema = pq.read_schema(path)
                 except Exception:  # noqa: BLE001 - pyarrow raises several types for damaged files
                     return None
-                binary = [f.name for f in schema if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)
-                          or (pa.types.is_struct(f.type) and any(pa.types.is_binary(c.type) for c in f.type))]  # fmt: skip
+                binary = [
+                    f.name
+                    for f in schema
+                    if pa.types.is_binary(f.type)
+                    or pa.types.is_large_binary(f.type)
+                    or (pa.types.is_struct(f.type) and any(pa.types.is_binary(c.type) for c in f.type))
+                ]
                 return f"a parquet table with image bytes ({', '.join(binary[:2])})" if binary else None
             if path.suffix.lower() in (".csv", ".tsv", ".jsonl", ".json", ".txt"):
                 # tables: image data only when their first row names an image file (text tables are text data)
                 lines = head.decode("utf-8", "replace").splitlines()
                 row = lines[1] if len(lines) > 1 else ""
-                return (
-                    "a table of image paths and labels"
-                    if any(s in row.lower() for s in IMAGE_SUFFIXES)
-                    else None
-                )
+                return "a table of image paths and labels" if any(s in row.lower() for s in IMAGE_SUFFIXES) else None
         try:
             fmt = detect_format(path)
         except UserError:
@@ -70,9 +71,7 @@ class ImageModality(ClassifierModality):
         if size is not None and (len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size)):
             from onn.errors import UserError
 
-            raise UserError(
-                f"data.image_size={size}: give [height, width] in pixels, each 1 or more (or null)."
-            )
+            raise UserError(f"data.image_size={size}: give [height, width] in pixels, each 1 or more (or null).")
 
     def datamodule(self, config: ONNConfig, device: str):
         from onn.modalities.image.dataset import ImageDataModule
@@ -115,10 +114,16 @@ class ImageModality(ClassifierModality):
 
         channels, height, width = inputs["input_shape"]
         data: ImageData = config.data
-        sets = read_splits(source, "auto", channels=channels, image_size=[height, width],
-                           resize=data.resize if data.resize != "error" else "resize",
-                           max_bad_fraction=float(data.max_bad_fraction), allow_unlabelled=True,
-                           key="task.input")  # fmt: skip
+        sets = read_splits(
+            source,
+            "auto",
+            channels=channels,
+            image_size=[height, width],
+            resize=data.resize if data.resize != "error" else "resize",
+            max_bad_fraction=float(data.max_bad_fraction),
+            allow_unlabelled=True,
+            key="task.input",
+        )
         return {k: Decoded(s.images, s.labels, s.classes, s.names, s.skipped) for k, s in sets.items()}
 
     def picture(self, samples, predicted, true, path: Path, inputs: dict[str, Any]) -> None:

@@ -27,9 +27,7 @@ def write_grid(
     from PIL import Image, ImageDraw, ImageFont
 
     if images.dim() != 4 or images.shape[1] not in (1, 3) or images.dtype != torch.uint8:
-        raise ValueError(
-            f"write_grid needs uint8 [N,1|3,H,W] images, got {images.dtype} {tuple(images.shape)}"
-        )
+        raise ValueError(f"write_grid needs uint8 [N,1|3,H,W] images, got {images.dtype} {tuple(images.shape)}")
     if len(predicted) < len(images) or len(true) < len(images):
         raise ValueError(
             f"write_grid got {len(images)} images but {len(predicted)} predicted / {len(true)} true labels"

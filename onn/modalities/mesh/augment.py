@@ -1,9 +1,9 @@
 """Point-cloud batch augmentation on the compute device, with random parameters drawn per sample.
 
 In training every point set of the batch gets its own random rotation about the up axis (or, for
-shapes with no up, a uniformly random 3D rotation), its own scale and per-point Gaussian jitter (clipped), as PointNet and its successors train; normals (when
-the data has them) turn with their points and are not scaled or jittered. In evaluation the batch
-passes unchanged (as float32).
+shapes with no up, a uniformly random 3D rotation), its own scale and per-point Gaussian jitter (clipped),
+as PointNet and its successors train; normals (when the data has them) turn with their points and are not
+scaled or jittered. In evaluation the batch passes unchanged (as float32).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ class PointAugment:
         cfg = cfg if cfg is not None else MeshAugment()
         self.rotate = cfg.rotate
         if self.rotate not in ROTATIONS:
-            raise UserError(f"data.augment.rotate={self.rotate!r}: give up (a random turn about the up axis), any (a random "
-                            "3D rotation, for shapes with no up) or none.")  # fmt: skip
+            raise UserError(
+                f"data.augment.rotate={self.rotate!r}: give up (a random turn about the up axis), any (a random "
+                "3D rotation, for shapes with no up) or none."
+            )
         axis = str(cfg.up_axis).lower()
         if axis not in AXES:
-            raise UserError(
-                f"data.augment.up_axis={axis!r}: give x, y or z (the axis that points up in your files)."
-            )
+            raise UserError(f"data.augment.up_axis={axis!r}: give x, y or z (the axis that points up in your files).")
         self.up = AXES[axis]
         scale = cfg.scale
         self.scale = None
@@ -44,20 +44,14 @@ class PointAugment:
                 or not all(isinstance(v, int | float) for v in values)
                 or not 0 < values[0] <= values[1]
             ):
-                raise UserError(
-                    f"data.augment.scale={scale!r}: give [low, high] with 0 < low <= high, or null."
-                )
+                raise UserError(f"data.augment.scale={scale!r}: give [low, high] with 0 < low <= high, or null.")
             self.scale = (float(values[0]), float(values[1]))
         self.jitter = float(cfg.jitter)
         self.clip = float(cfg.jitter_clip)
         if self.jitter < 0 or self.clip < 0:
-            raise UserError(
-                f"data.augment.jitter and jitter_clip must be 0 or more (got {self.jitter}, {self.clip})."
-            )
+            raise UserError(f"data.augment.jitter and jitter_clip must be 0 or more (got {self.jitter}, {self.clip}).")
 
-    def __call__(
-        self, points: torch.Tensor, train: bool, generator: torch.Generator | None = None
-    ) -> torch.Tensor:
+    def __call__(self, points: torch.Tensor, train: bool, generator: torch.Generator | None = None) -> torch.Tensor:
         """float [B, P, 3|6] -> float32 [B, P, 3|6]; augmented only when train is True."""
         if points.dim() != 3 or points.shape[-1] not in (3, 6):
             raise ValueError(f"PointAugment expects a [B, points, 3|6] batch, got {tuple(points.shape)}")

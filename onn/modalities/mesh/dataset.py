@@ -22,8 +22,14 @@ from onn.modalities.mesh.primitives import BUILTIN, builtin_splits
 from onn.modalities.mesh.read import HELP, read_source, sampling
 
 
-def read_cached(source: str, data_cfg: MeshData, cache_dir: str | os.PathLike, seed: int, key: str = "data.source",
-                allow_unlabelled: bool = False) -> dict[str, Decoded]:  # fmt: skip
+def read_cached(
+    source: str,
+    data_cfg: MeshData,
+    cache_dir: str | os.PathLike,
+    seed: int,
+    key: str = "data.source",
+    allow_unlabelled: bool = False,
+) -> dict[str, Decoded]:
     """{split: Decoded} for a source, sampled once and then read from the safetensors cache."""
     settings = sampling(data_cfg, seed)
     bad = float(data_cfg.max_bad_fraction)
@@ -31,12 +37,22 @@ def read_cached(source: str, data_cfg: MeshData, cache_dir: str | os.PathLike, s
         builtin = data_cfg.builtin
         if builtin is None:
             raise UserError(f"data.source={BUILTIN} needs data.builtin: {{per_class: N, test_per_class: N}}.")
-        return cached_decode("meshes", {"builtin": as_dict(builtin), "settings": settings.__dict__}, cache_dir,
-                             lambda: builtin_splits(builtin, settings, seed), source)  # fmt: skip
+        return cached_decode(
+            "meshes",
+            {"builtin": as_dict(builtin), "settings": settings.__dict__},
+            cache_dir,
+            lambda: builtin_splits(builtin, settings, seed),
+            source,
+        )
     path = existing_source(Path(source).expanduser(), key, HELP)
     digest = {"digest": content_digest(path), "settings": settings.__dict__, "unlabelled": allow_unlabelled}
-    return cached_decode("meshes", digest, cache_dir, lambda: read_source(path, settings, max_bad_fraction=bad,
-                         allow_unlabelled=allow_unlabelled, key=key), str(path))  # fmt: skip
+    return cached_decode(
+        "meshes",
+        digest,
+        cache_dir,
+        lambda: read_source(path, settings, max_bad_fraction=bad, allow_unlabelled=allow_unlabelled, key=key),
+        str(path),
+    )
 
 
 class MeshDataModule(ClassificationData):

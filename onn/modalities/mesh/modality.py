@@ -73,8 +73,10 @@ class MeshModality(ClassifierModality):
             raise UserError(f"data.max_bad_fraction={bad!r}: give a fraction between 0 and 1.")
         source = str(model.source or "")
         if source not in POINT_NETWORKS:
-            raise UserError(f"model={model.name} (source {source or 'empty'}) is not a point-cloud network: use "
-                            "model=pointnet (or model.source=zoo:pointnet) with mesh data.")  # fmt: skip
+            raise UserError(
+                f"model={model.name} (source {source or 'empty'}) is not a point-cloud network: use "
+                "model=pointnet (or model.source=zoo:pointnet) with mesh data."
+            )
         given = [k for k in model.kwargs or {} if k in DATA_KWARGS]
         if given:
             raise UserError(
@@ -92,12 +94,15 @@ class MeshModality(ClassifierModality):
         points, channels = inputs["input_shape"]
         name = str(model_cfg.source).partition(":")[2]
         try:
-            network = build_zoo(name, in_channels=channels, num_classes=len(inputs["classes"]), num_points=points,
-                                **(model_cfg.kwargs or {}))  # fmt: skip
+            network = build_zoo(
+                name,
+                in_channels=channels,
+                num_classes=len(inputs["classes"]),
+                num_points=points,
+                **(model_cfg.kwargs or {}),
+            )
         except TypeError as e:  # an unknown or misspelled model.kwargs entry
-            raise UserError(
-                f"model.kwargs does not fit {model_cfg.source}: {e}; fix or remove that key."
-            ) from e
+            raise UserError(f"model.kwargs does not fit {model_cfg.source}: {e}; fix or remove that key.") from e
         if model_cfg.weights:
             from onn.models.vision import load_weights
 
@@ -129,8 +134,9 @@ class MeshModality(ClassifierModality):
         points, channels = inputs["input_shape"]
         data: MeshData = config.data
         settings = Sampling(int(points), channels == 6, int(config.seed), data.align)
-        return read_source(source, settings, max_bad_fraction=float(data.max_bad_fraction), allow_unlabelled=True,
-                           key="task.input")  # fmt: skip
+        return read_source(
+            source, settings, max_bad_fraction=float(data.max_bad_fraction), allow_unlabelled=True, key="task.input"
+        )
 
     def picture(self, samples, predicted, true, path: Path, inputs: dict[str, Any]) -> None:
         from onn.modalities.mesh.render import write_picture

@@ -78,14 +78,16 @@ def builtin_splits(builtin: MeshBuiltin, settings: Sampling, seed: int) -> dict[
     ):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             key = "per_class" if split == "train" else "test_per_class"
-            raise UserError(
-                f"data.builtin.{key}={count!r}: give the number of shapes of each class, 1 or more."
-            )
+            raise UserError(f"data.builtin.{key}={count!r}: give the number of shapes of each class, 1 or more.")
         made = shapes(count, stream)
         points = np.stack([sample_points(m.vertices, m.faces, settings, f"{split}/{n}") for n, m in made])
         labels = [CLASSES.index(n.split("/")[0]) for n, _ in made]
-        splits[split] = Decoded(torch.from_numpy(points), torch.tensor(labels, dtype=torch.long), list(CLASSES),
-                                [f"{split}/{n}" for n, _ in made])  # fmt: skip
+        splits[split] = Decoded(
+            torch.from_numpy(points),
+            torch.tensor(labels, dtype=torch.long),
+            list(CLASSES),
+            [f"{split}/{n}" for n, _ in made],
+        )
     return splits
 
 

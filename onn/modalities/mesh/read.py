@@ -76,8 +76,10 @@ def sampling(data_cfg: MeshData, seed: int = 0) -> Sampling:
             f"data.normals={normals!r}: give true (points and their normals, 6 values) or false (3 values)."
         )
     if data_cfg.align not in ALIGNMENTS:
-        raise UserError(f"data.align={data_cfg.align!r}: give none (keep the files' orientation) or pca (turn each shape "
-                        "onto its principal axes).")  # fmt: skip
+        raise UserError(
+            f"data.align={data_cfg.align!r}: give none (keep the files' orientation) "
+            "or pca (turn each shape onto its principal axes)."
+        )
     return Sampling(points, normals, seed, data_cfg.align)
 
 
@@ -105,9 +107,7 @@ def load_geometry(source: Path | bytes, suffix: str) -> tuple[np.ndarray, np.nda
             loaded = trimesh.load(str(source), file_type=file_type, force=None, process=False)
     except Exception as e:  # trimesh's parsers raise every kind of error on a malformed file
         text = " ".join(str(e).split())[:160]
-        raise MeshError(
-            f"unreadable as {file_type.upper()} ({type(e).__name__}{': ' + text if text else ''})"
-        ) from e
+        raise MeshError(f"unreadable as {file_type.upper()} ({type(e).__name__}{': ' + text if text else ''})") from e
     parts: list[tuple[np.ndarray, np.ndarray | None]] = []
     if isinstance(loaded, trimesh.Scene):
         for node in loaded.graph.nodes_geometry:  # every placed instance, with its world transform
@@ -150,9 +150,7 @@ def _part(geometry, transform) -> tuple[np.ndarray, np.ndarray | None]:
     return vertices, None if faces is None else np.asarray(faces, dtype=np.int64).reshape(-1, 3)
 
 
-def sample_points(
-    vertices: np.ndarray, faces: np.ndarray | None, settings: Sampling, name: str
-) -> np.ndarray:
+def sample_points(vertices: np.ndarray, faces: np.ndarray | None, settings: Sampling, name: str) -> np.ndarray:
     """float32 [points, 3 or 6]: surface points sampled by area (a point cloud's points with replacement),
     seeded by (seed, name), centred and scaled into the unit sphere; normals after the xyz when asked."""
     import trimesh
@@ -223,9 +221,7 @@ def entries(path: Path, key: str) -> Iterator[tuple[str, Path | bytes]]:
                 with member.open() as f:
                     yield member.name, f.read()
     except ARCHIVE_ERRORS as e:
-        raise UserError(
-            f"{key} {path} is not a readable archive ({e}); repack it, or unpack it into a folder."
-        ) from e
+        raise UserError(f"{key} {path} is not a readable archive ({e}); repack it, or unpack it into a folder.") from e
 
 
 def place(name: str) -> tuple[str, str | None]:
@@ -247,8 +243,14 @@ def unwrap(names: list[str]) -> list[str]:
     return names
 
 
-def read_source(source: str | os.PathLike, settings: Sampling, *, max_bad_fraction: float, allow_unlabelled: bool = False,
-                key: str = "data.source") -> dict[str, Decoded]:  # fmt: skip
+def read_source(
+    source: str | os.PathLike,
+    settings: Sampling,
+    *,
+    max_bad_fraction: float,
+    allow_unlabelled: bool = False,
+    key: str = "data.source",
+) -> dict[str, Decoded]:
     """Every split of a mesh source, decoded: {train, val, test} as its folders say, else {all}."""
     path = existing_source(source, key, HELP)
     names: list[str] = []
@@ -279,8 +281,13 @@ def read_source(source: str | os.PathLike, settings: Sampling, *, max_bad_fracti
     stacked = np.stack(arrays) if arrays else np.zeros((0, settings.points, settings.channels), np.float32)
     for split, index in order.items():
         labels = [classes.index(placed[i][1]) if placed[i][1] is not None else -1 for i in index]
-        found[split] = Decoded(torch.from_numpy(stacked[index]), torch.tensor(labels, dtype=torch.long), classes,
-                               [names[i] for i in index], [])  # fmt: skip
+        found[split] = Decoded(
+            torch.from_numpy(stacked[index]),
+            torch.tensor(labels, dtype=torch.long),
+            classes,
+            [names[i] for i in index],
+            [],
+        )
     if skipped:
         # the skips are the source's; one split carries them for the report
         first = next(iter(found.values()))

@@ -66,17 +66,29 @@ def decode_pairs(
             kept &= set(index)
             skipped += [f"{listing.entries[name][i].name}: {reason}" for i, reason in bad]
     if n - len(kept) > max_bad_fraction * n or not kept:
-        raise UserError(f"data.source {source}: {n - len(kept)} of {n} pairs cannot be read (first: {'; '.join(skipped[:3])}); "
-                        f"fix or remove them, or set data.max_bad_fraction (now {max_bad_fraction}) to accept more.")  # fmt: skip
+        raise UserError(
+            f"data.source {source}: {n - len(kept)} of {n} pairs cannot be read (first: {'; '.join(skipped[:3])}); "
+            f"fix or remove them, or set data.max_bad_fraction (now {max_bad_fraction}) to accept more."
+        )
     if skipped:
-        log.warning("pairs: %d of %d pairs left out, a half could not be read: %s%s", n - len(kept), n, "; ".join(skipped[:3]),
-                    " ..." if len(skipped) > 3 else "")  # fmt: skip
+        log.warning(
+            "pairs: %d of %d pairs left out, a half could not be read: %s%s",
+            n - len(kept),
+            n,
+            "; ".join(skipped[:3]),
+            " ..." if len(skipped) > 3 else "",
+        )
     order = sorted(kept)
     out = {}
     for name, (tensor, index) in stored.items():
         row = {pair: r for r, pair in enumerate(index)}
-        out[name] = Decoded(tensor[[row[i] for i in order]], torch.tensor(order, dtype=torch.long), list(sides),
-                            [listing.keys[i] for i in order], skipped if not out else [])  # fmt: skip
+        out[name] = Decoded(
+            tensor[[row[i] for i in order]],
+            torch.tensor(order, dtype=torch.long),
+            list(sides),
+            [listing.keys[i] for i in order],
+            skipped if not out else [],
+        )
     return out
 
 
@@ -107,9 +119,7 @@ class PairData(L.LightningDataModule):
             return
         source = self.cfg.source
         if not source:
-            raise UserError(
-                "data.source is not set: point it at a folder of paired files (see conf/data/pairs.yaml)."
-            )
+            raise UserError("data.source is not set: point it at a folder of paired files (see conf/data/pairs.yaml).")
         listing = find_pairs(source, self.names, self.cfg.text_column)
         self.listing = listing
         (log.warning if listing.orphan_count else log.info)("pairs: %s", listing.summary())
@@ -117,8 +127,11 @@ class PairData(L.LightningDataModule):
             raise UserError(
                 f"data.source {source}: {listing.summary()}; at least {MIN_PAIRS} complete pairs are needed."
             )
-        key = {"digest": content_digest(Path(str(source)).expanduser()), "keys": listing.keys,
-               "sides": {n: as_dict(s.config.data) for n, s in self.sides.items()}}  # fmt: skip
+        key = {
+            "digest": content_digest(Path(str(source)).expanduser()),
+            "keys": listing.keys,
+            "sides": {n: as_dict(s.config.data) for n, s in self.sides.items()},
+        }
         bad = self.cfg.max_bad_fraction
         decoded = cached_decode(
             "pairs",
@@ -138,9 +151,7 @@ class PairData(L.LightningDataModule):
             )
         n_val = min(max(2, round(len(pairs) * fraction)), len(pairs) - 2)
         splits = {"train": pairs.subset(order[n_val:]), "val": pairs.subset(order[:n_val])}
-        self.splits = {
-            k: Split(v.inputs.to(self.device), v.labels.to(self.device), v.names) for k, v in splits.items()
-        }
+        self.splits = {k: Split(v.inputs.to(self.device), v.labels.to(self.device), v.names) for k, v in splits.items()}
         log.info(
             "pairs: %d training and %d held-out %s pairs on %s",
             len(self.splits["train"]),

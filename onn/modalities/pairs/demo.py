@@ -56,8 +56,13 @@ def write_shapes(folder: str | Path, count: int, seed: int = 0, size: int = 32) 
     return folder
 
 
-def write_primitives(folder: str | Path, count: int, seed: int = 0, size: int = 32,
-                     file_types: tuple[str, ...] = ("obj", "ply", "stl", "off", "glb")) -> Path:  # fmt: skip
+def write_primitives(
+    folder: str | Path,
+    count: int,
+    seed: int = 0,
+    size: int = 32,
+    file_types: tuple[str, ...] = ("obj", "ply", "stl", "off", "glb"),
+) -> Path:
     """count pairs NNNN.<mesh type> + NNNN.png (the shape's points drawn) under folder."""
     import torch
     from PIL import Image

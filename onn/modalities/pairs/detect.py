@@ -49,8 +49,10 @@ SNIFF_FILES = 20_000  # data=auto looks at this many files at most
 SNIFF_BYTES = 1 << 16  # and at most this much of a metadata file
 EXAMPLE_BYTES = 64 << 20  # a shard member read to learn its suffix's modality
 NAMED = 5  # orphans named in a summary
-LAYOUT = ("pairs of files that share a name up to the extension (0001.jpg + 0001.txt), in folders or .tar shards, "
-          "or a metadata.jsonl/metadata.csv with file_name and a caption column")  # fmt: skip
+LAYOUT = (
+    "pairs of files that share a name up to the extension (0001.jpg + 0001.txt), in folders or .tar shards, "
+    "or a metadata.jsonl/metadata.csv with file_name and a caption column"
+)
 
 
 @dataclass
@@ -99,8 +101,13 @@ class Listing:
         return text + "".join(f"; {note}" for note in self.notes)
 
 
-def find_pairs(source: str | Path, modalities: Any = "auto", text_column: str = "auto", limit: int | None = None,
-               key: str = "data.source") -> Listing:  # fmt: skip
+def find_pairs(
+    source: str | Path,
+    modalities: Any = "auto",
+    text_column: str = "auto",
+    limit: int | None = None,
+    key: str = "data.source",
+) -> Listing:
     """The pairs in a folder, a tar shard or a metadata file. `limit`: look at that many files at most
     (data=auto's quick look). A source with no pair at all is one UserError naming what it holds."""
     path = existing_source(Path(str(source)).expanduser(), key, LAYOUT)
@@ -109,9 +116,7 @@ def find_pairs(source: str | Path, modalities: Any = "auto", text_column: str = 
         return _from_metadata([path], path.parent, wanted, text_column, limit, key)
     if path.is_file():
         if not _is_shard(path):
-            raise UserError(
-                f"{key} {path} is not a folder, a .tar shard or a metadata.jsonl/.csv; expected {LAYOUT}."
-            )
+            raise UserError(f"{key} {path} is not a folder, a .tar shard or a metadata.jsonl/.csv; expected {LAYOUT}.")
         return _by_stem([(path.name, path)], wanted, limit)
     metadata, files = [], []
     for rel, full in walk_files(path):
@@ -131,9 +136,7 @@ def wanted_modalities(modalities: Any) -> tuple[str, str] | None:
         return None
     names = list(modalities) if isinstance(modalities, list | tuple) else [modalities]
     if len(names) != 2 or len(set(names)) != 2 or not all(isinstance(n, str) for n in names):
-        raise UserError(
-            f"data.modalities={modalities!r}: give two different modalities, e.g. [image, text], or auto."
-        )
+        raise UserError(f"data.modalities={modalities!r}: give two different modalities, e.g. [image, text], or auto.")
     return names[0], names[1]
 
 
@@ -162,10 +165,7 @@ def _by_stem(files: list[tuple[str, Path]], wanted: tuple[str, str] | None, limi
         if suffix:
             items.append((rel[: -len(suffix)], suffix, Entry(rel, path=full)))
             examples.setdefault(suffix, full)
-    kinds = {
-        s: (modality_of(s, e) if isinstance(e, Path) else modality_of_bytes(s, e))
-        for s, e in examples.items()
-    }
+    kinds = {s: (modality_of(s, e) if isinstance(e, Path) else modality_of_bytes(s, e)) for s, e in examples.items()}
     groups: dict[str, dict[str, list[Entry]]] = {}
     left_out = []
     for key, suffix, entry in items:
@@ -174,15 +174,14 @@ def _by_stem(files: list[tuple[str, Path]], wanted: tuple[str, str] | None, limi
         else:
             groups.setdefault(key, {}).setdefault(kinds[suffix], []).append(entry)
     pair = wanted or _most_paired(groups)
-    listing = Listing("shared file stems", pair, left_out=left_out, notes=notes,
-                      partial=limit is not None and len(files) >= limit)  # fmt: skip
+    listing = Listing(
+        "shared file stems", pair, left_out=left_out, notes=notes, partial=limit is not None and len(files) >= limit
+    )
     _collect(listing, groups)
     return listing
 
 
-def _shard_items(
-    rel: str, shard: Path, items: list, examples: dict, notes: list[str], limit: int | None
-) -> None:
+def _shard_items(rel: str, shard: Path, items: list, examples: dict, notes: list[str], limit: int | None) -> None:
     """The members of a tar shard as (key, suffix, entry); a damaged shard keeps the members before the damage."""
     count = 0
     try:
@@ -270,8 +269,15 @@ def _rows(meta: Path, limit: int | None) -> list[tuple[int, dict[str, Any]]]:
     return jsonl_objects(text, str(meta), "an object with file_name")
 
 
-def _from_metadata(metas: list[Path], root: Path, wanted: tuple[str, str] | None, text_column: str, limit: int | None,
-                   key: str, files: list[tuple[str, Path]] = ()) -> Listing:  # fmt: skip
+def _from_metadata(
+    metas: list[Path],
+    root: Path,
+    wanted: tuple[str, str] | None,
+    text_column: str,
+    limit: int | None,
+    key: str,
+    files: list[tuple[str, Path]] = (),
+) -> Listing:
     rows = [(meta, number, row) for meta in sorted(metas) for number, row in _rows(meta, limit)]
     columns = list(dict.fromkeys(c for _, _, row in rows for c in row))
     file_columns = [c for c in columns if c == "file_name" or c.endswith("_file_name")]
@@ -310,8 +316,10 @@ def _from_metadata(metas: list[Path], root: Path, wanted: tuple[str, str] | None
     kinds = {c: _column_modality(c, file_columns, samples, examples) for c in columns_used}
     pair = wanted or (kinds[columns_used[0]], kinds[columns_used[1]])
     if set(pair) != set(kinds.values()):
-        raise UserError(f"data.modalities={list(pair)} but {where} pairs {kinds[columns_used[0]]} ({columns_used[0]}) "
-                        f"with {kinds[columns_used[1]]} ({columns_used[1]}).")  # fmt: skip
+        raise UserError(
+            f"data.modalities={list(pair)} but {where} pairs {kinds[columns_used[0]]} ({columns_used[0]}) "
+            f"with {kinds[columns_used[1]]} ({columns_used[1]})."
+        )
     how = f"{where} ({' + '.join(columns_used)})"
     listing = Listing(how, pair, partial=limit is not None)
     by_modality = {kinds[c]: c for c in columns_used}
@@ -344,18 +352,21 @@ def _file_entry(folder: Path, value: Any, root: Path) -> Entry | None:
 def _text_column(rows, columns: list[str], file_columns: list[str], wanted: str, where: str) -> str:
     if wanted not in (None, "auto"):
         if wanted not in columns:
-            raise UserError(
-                f"data.text_column={wanted}: {where} has no such column (columns: {', '.join(columns)})."
-            )
+            raise UserError(f"data.text_column={wanted}: {where} has no such column (columns: {', '.join(columns)}).")
         return wanted
-    texts = [c for c in columns if c not in file_columns and any(isinstance(r.get(c), str) and r[c].strip() and not
-             _looks_numeric(r[c]) for _, _, r in rows)]  # fmt: skip
+    texts = [
+        c
+        for c in columns
+        if c not in file_columns
+        and any(isinstance(r.get(c), str) and r[c].strip() and not _looks_numeric(r[c]) for _, _, r in rows)
+    ]
     for name in ("text", "caption", "description", "transcription", "sentence"):
         if name in texts:
             return name
     if not texts:
-        raise UserError(f"{where} has no text column to pair with file_name (columns: {', '.join(columns)}); add one, "
-                        "e.g. \"text\".")  # fmt: skip
+        raise UserError(
+            f'{where} has no text column to pair with file_name (columns: {", ".join(columns)}); add one, e.g. "text".'
+        )
     return texts[0]
 
 

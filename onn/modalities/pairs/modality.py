@@ -29,9 +29,7 @@ class PairsModality(Modality):
     default_data = "pairs"
     default_model = "dual_encoder"
     description = "paired data (a dual encoder of two modalities)"
-    sniff_priority = (
-        10  # a folder of pairs also holds images (or meshes, or text): pairs are the more specific reading
-    )
+    sniff_priority = 10  # a folder of pairs also holds images (or meshes, or text): pairs are the more specific reading
 
     def sniff(self, path: Path) -> str | None:
         from onn.modalities.pairs.detect import SNIFF_FILES, find_pairs
@@ -61,25 +59,17 @@ class PairsModality(Modality):
                 registered(name)
         model = config.model
         if not isinstance(model, DualEncoderConfig):
-            raise UserError(
-                f"model={model.name} is not a dual encoder: use model=dual_encoder with paired data."
-            )
+            raise UserError(f"model={model.name} is not a dual encoder: use model=dual_encoder with paired data.")
         for key in ("feature_dim", "embed_dim"):
             if getattr(model, key) < 1:
-                raise UserError(
-                    f"model.{key}={getattr(model, key)!r}: give a whole number of dimensions, 1 or more."
-                )
+                raise UserError(f"model.{key}={getattr(model, key)!r}: give a whole number of dimensions, 1 or more.")
         for key in ("temperature", "max_logit_scale"):
             if not getattr(model, key) > 0:
                 raise UserError(f"model.{key}={getattr(model, key)!r}: give a number above 0.")
         if data.batch_size < 2:
-            raise UserError(
-                f"data.batch_size={data.batch_size!r}: a contrastive batch needs 2 pairs or more."
-            )
+            raise UserError(f"data.batch_size={data.batch_size!r}: a contrastive batch needs 2 pairs or more.")
         if config.strategy.name not in ("auto", "full"):
-            raise UserError(
-                f"strategy={config.strategy.name}: a dual encoder trains with strategy=full (or auto)."
-            )
+            raise UserError(f"strategy={config.strategy.name}: a dual encoder trains with strategy=full (or auto).")
         if config.export.name == "omny":
             raise UserError(
                 "export=omny is not available for a dual encoder; export=onnx writes one ONNX file per side."

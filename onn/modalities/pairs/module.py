@@ -44,9 +44,7 @@ def ranks(similarity: torch.Tensor) -> torch.Tensor:
     return ahead.sum(1)
 
 
-def retrieval_metrics(
-    a: torch.Tensor, b: torch.Tensor, names: tuple[str, str], prefix: str
-) -> dict[str, float]:
+def retrieval_metrics(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str], prefix: str) -> dict[str, float]:
     """recall@k of both directions and their mean, for aligned normalised embeddings a [n, d] and b [n, d]."""
     similarity = a.float() @ b.float().T
     out: dict[str, float] = {}
@@ -58,9 +56,7 @@ def retrieval_metrics(
         for k in KS:
             out[f"{prefix}/recall@{k}/{direction}"] = float((rank < k).float().mean())
     for k in KS:
-        out[f"{prefix}/recall@{k}"] = (
-            sum(v for key, v in out.items() if key.startswith(f"{prefix}/recall@{k}/")) / 2
-        )
+        out[f"{prefix}/recall@{k}"] = sum(v for key, v in out.items() if key.startswith(f"{prefix}/recall@{k}/")) / 2
     out[f"{prefix}/recall@1_chance"] = 1 / similarity.shape[0]
     return out
 
@@ -69,8 +65,14 @@ class DualEncoder(EpochRecord, L.LightningModule):
     loop = LOOP
     describes = "ONN's dual encoder"
 
-    def __init__(self, towers: dict[str, nn.Module], width: int, model_cfg: DualEncoderConfig, optim: OptimConfig,
-                 onn_config: dict[str, Any]):  # fmt: skip
+    def __init__(
+        self,
+        towers: dict[str, nn.Module],
+        width: int,
+        model_cfg: DualEncoderConfig,
+        optim: OptimConfig,
+        onn_config: dict[str, Any],
+    ):
         super().__init__()
         if len(towers) != 2:
             raise ValueError("a dual encoder has two towers")
@@ -83,9 +85,7 @@ class DualEncoder(EpochRecord, L.LightningModule):
         )
         self.max_log_scale = math.log(model_cfg.max_logit_scale)
         self.optim = optim
-        self.onn_config = (
-            onn_config  # plain values, stored in every checkpoint: eval/infer/export rebuild from it
-        )
+        self.onn_config = onn_config  # plain values, stored in every checkpoint: eval/infer/export rebuild from it
         self.train_losses: list[torch.Tensor] = []
         self.history: list[dict[str, float]] = []
         self._held_out: dict[str, list[torch.Tensor]] = {n: [] for n in self.names}
@@ -135,8 +135,12 @@ class DualEncoder(EpochRecord, L.LightningModule):
                     **{k: round(v, 5) for k, v in figures.items()},
                 }
             )
-            log.info("epoch %d step %d: %s", self.current_epoch, self.global_step,
-                     "  ".join(f"{k} {v:.4f}" for k, v in figures.items() if not k.endswith("chance")))  # fmt: skip
+            log.info(
+                "epoch %d step %d: %s",
+                self.current_epoch,
+                self.global_step,
+                "  ".join(f"{k} {v:.4f}" for k, v in figures.items() if not k.endswith("chance")),
+            )
 
     def on_before_optimizer_step(self, optimizer) -> None:
         clip_gradients(self, optimizer, self.optim.clip_grad_norm)

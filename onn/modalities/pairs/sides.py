@@ -48,12 +48,12 @@ def option_values(group: str, option: str, key: str) -> dict[str, Any]:
 
     path = CONF / group / f"{option}.yaml"
     if not path.is_file():
-        raise UserError(f"{key}: there is no conf/{group}/{option}.yaml to take the side's settings from; "
-                        f"give them under {key} (a dict of that group's keys).")  # fmt: skip
+        raise UserError(
+            f"{key}: there is no conf/{group}/{option}.yaml to take the side's settings from; "
+            f"give them under {key} (a dict of that group's keys)."
+        )
     own = OmegaConf.load(path)
-    parents = [
-        d for d in own.pop("defaults", None) or [] if isinstance(d, str) and d != "_self_" and "/" not in d
-    ]
+    parents = [d for d in own.pop("defaults", None) or [] if isinstance(d, str) and d != "_self_" and "/" not in d]
     values = OmegaConf.merge(*(option_values(group, d, key) for d in parents), own) if parents else own
     return OmegaConf.to_container(values, resolve=True)
 
@@ -177,8 +177,13 @@ class TextSide:
             texts.append(text)
             index.append(i)
         tokenizer = self.tokenizer()
-        ids = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=self.max_length,
-                        padding="max_length")["input_ids"] if texts else []  # fmt: skip
+        ids = (
+            tokenizer(
+                texts, add_special_tokens=False, truncation=True, max_length=self.max_length, padding="max_length"
+            )["input_ids"]
+            if texts
+            else []
+        )
         return torch.tensor(ids, dtype=torch.long).reshape(len(texts), self.max_length), index, skipped
 
     @staticmethod
@@ -195,12 +200,16 @@ class TextSide:
         name = model.source.partition(":")[2]
         try:
             tokenizer = self.tokenizer()
-            network = build_zoo(name, out_features=width, max_length=self.max_length, vocab_size=len(tokenizer),
-                                pad_id=tokenizer.pad_token_id, **model.kwargs)  # fmt: skip
+            network = build_zoo(
+                name,
+                out_features=width,
+                max_length=self.max_length,
+                vocab_size=len(tokenizer),
+                pad_id=tokenizer.pad_token_id,
+                **model.kwargs,
+            )
         except TypeError as e:
-            raise UserError(
-                f"model.sides.text.kwargs does not fit {model.source}: {e}; fix or remove that key."
-            ) from e
+            raise UserError(f"model.sides.text.kwargs does not fit {model.source}: {e}; fix or remove that key.") from e
         return SideEncoder(None, network)
 
     def sample(self, batch: int):

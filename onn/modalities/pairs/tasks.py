@@ -51,8 +51,10 @@ def modalities(config: ONNConfig) -> tuple[str, str]:
         a, b = data.modalities
         return str(a), str(b)
     if not data.source:
-        raise UserError("data.modalities=auto finds the sides in data.source, which is not set; set data.source "
-                        "(or data.modalities=[image, text] to plan without data).")  # fmt: skip
+        raise UserError(
+            "data.modalities=auto finds the sides in data.source, which is not set; set data.source "
+            "(or data.modalities=[image, text] to plan without data)."
+        )
     return find_pairs(data.source, "auto", data.text_column, limit=SNIFF_FILES).modalities
 
 
@@ -61,8 +63,7 @@ def sides_of(config: ONNConfig, ckpt: Path | None = None) -> dict[str, PairSide]
     if ckpt is not None:
         where = f"ckpt {ckpt}"
         return {
-            name: build_side(name, saved_side(name, side, where))
-            for name, side in saved_config(ckpt)["sides"].items()
+            name: build_side(name, saved_side(name, side, where)) for name, side in saved_config(ckpt)["sides"].items()
         }
     return {name: build_side(name, side_config(name, config)) for name in modalities(config)}
 
@@ -73,9 +74,14 @@ def build(config: ONNConfig, sides: dict[str, PairSide], strategy: str = "full")
     torch.manual_seed(config.seed)
     model: DualEncoderConfig = config.model
     names = list(sides)
-    onn_config = {"model": as_dict(model), "strategy": {**as_dict(config.strategy), "name": strategy}, "modality": "pairs",
-                  "seed": config.seed, "data": {**as_dict(config.data), "modalities": names},
-                  "sides": {n: as_dict(s.config) for n, s in sides.items()}}  # fmt: skip
+    onn_config = {
+        "model": as_dict(model),
+        "strategy": {**as_dict(config.strategy), "name": strategy},
+        "modality": "pairs",
+        "seed": config.seed,
+        "data": {**as_dict(config.data), "modalities": names},
+        "sides": {n: as_dict(s.config) for n, s in sides.items()},
+    }
     return DualEncoder(
         {n: s.encoder(model.feature_dim) for n, s in sides.items()},
         model.feature_dim,
@@ -98,12 +104,20 @@ def plan(modality, config: ONNConfig, hardware: dict[str, Any], use_tuned: bool 
         specs.append(network_spec(tower.network, x, name, pretrained=False))
     a, b = specs
     dim = config.model.embed_dim
-    spec = replace(a, name=f"{config.model.name} ({' + '.join(sides)})", params=a.params + b.params + 2 * width * dim,
-                   block_params=a.block_params + b.block_params, prefix_params=a.prefix_params + b.prefix_params,
-                   suffix_params=a.suffix_params + b.suffix_params, lora_params_per_block=[0] * (a.n_blocks + b.n_blocks),
-                   linear_params_per_block=[0] * (a.n_blocks + b.n_blocks), layer_map=f"{a.name}: {a.layer_map}; {b.name}: {b.layer_map}",
-                   sample_activation_bytes=a.sample_activation_bytes + b.sample_activation_bytes,
-                   sample_flops=a.sample_flops + b.sample_flops, head_params=0)  # fmt: skip
+    spec = replace(
+        a,
+        name=f"{config.model.name} ({' + '.join(sides)})",
+        params=a.params + b.params + 2 * width * dim,
+        block_params=a.block_params + b.block_params,
+        prefix_params=a.prefix_params + b.prefix_params,
+        suffix_params=a.suffix_params + b.suffix_params,
+        lora_params_per_block=[0] * (a.n_blocks + b.n_blocks),
+        linear_params_per_block=[0] * (a.n_blocks + b.n_blocks),
+        layer_map=f"{a.name}: {a.layer_map}; {b.name}: {b.layer_map}",
+        sample_activation_bytes=a.sample_activation_bytes + b.sample_activation_bytes,
+        sample_flops=a.sample_flops + b.sample_flops,
+        head_params=0,
+    )
     return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
 
 
@@ -129,15 +143,20 @@ def load_trained(config: ONNConfig, ckpt: Path) -> DualEncoder:
 def _callbacks(config: ONNConfig, run_dir: Path) -> list:
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
-    best = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), filename="best", monitor=MONITOR, mode="max", save_top_k=1,
-                           auto_insert_metric_name=False, enable_version_counter=False)  # fmt: skip
+    best = ModelCheckpoint(
+        dirpath=str(run_dir / "checkpoints"),
+        filename="best",
+        monitor=MONITOR,
+        mode="max",
+        save_top_k=1,
+        auto_insert_metric_name=False,
+        enable_version_counter=False,
+    )
     last = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), save_top_k=0, save_last=True)
     callbacks = [best, last, StepClock(), ResourceMonitor(config.trainer.log_every_n_steps)]
     stop = config.task.early_stopping
     if stop.patience > 0:
-        callbacks.append(
-            EarlyStopping(monitor=MONITOR, mode="max", patience=stop.patience, min_delta=stop.min_delta)
-        )
+        callbacks.append(EarlyStopping(monitor=MONITOR, mode="max", patience=stop.patience, min_delta=stop.min_delta))
     return callbacks
 
 
@@ -189,8 +208,12 @@ def train(job: Job) -> dict[str, Any]:
     trainer.validate(module, datamodule=dm, ckpt_path=best, verbose=False)
     metrics.update({k: round(v, 5) for k, v in module.last_metrics.items()})
     metrics["val/recall@1_over_chance"] = round(metrics["val/recall@1"] / metrics["val/recall@1_chance"], 2)
-    log.info("held-out retrieval: recall@1 %.4f (chance %.4f), recall@5 %.4f", metrics["val/recall@1"],
-             metrics["val/recall@1_chance"], metrics["val/recall@5"])  # fmt: skip
+    log.info(
+        "held-out retrieval: recall@1 %.4f (chance %.4f), recall@5 %.4f",
+        metrics["val/recall@1"],
+        metrics["val/recall@1_chance"],
+        metrics["val/recall@5"],
+    )
     if config.export.name != "none":
         metrics.update(export_module(config, module, run_dir))
     return metrics
@@ -253,32 +276,31 @@ def infer(job: Job) -> dict[str, Any]:
     if job.ckpt is None:
         raise UserError("task=infer on paired data needs ckpt=RUN_DIR (a trained dual encoder).")
     if not task.gallery:
-        raise UserError("task=infer on paired data needs task.gallery=FOLDER (the files to rank) and a query: task.input=FILE|FOLDER, "
-                        "or prompt=\"...\" for a text query.")  # fmt: skip
+        raise UserError(
+            "task=infer on paired data needs task.gallery=FOLDER (the files to rank) and a query: "
+            "task.input=FILE|FOLDER, "
+            'or prompt="..." for a text query.'
+        )
     module = load_trained(config, job.ckpt)
     names = list(module.names)
     sides = sides_of(config, job.ckpt)
     if task.input:
-        queries = {
-            m: f for m, f in files_of(Path(task.input).expanduser(), "task.input").items() if m in names
-        }
+        queries = {m: f for m, f in files_of(Path(task.input).expanduser(), "task.input").items() if m in names}
         if not queries:
-            raise UserError(
-                f"task.input={task.input} holds no {' or '.join(names)} files this dual encoder reads."
-            )
+            raise UserError(f"task.input={task.input} holds no {' or '.join(names)} files this dual encoder reads.")
         query = max(queries, key=lambda m: len(queries[m]))
         query_items: list = queries[query]
     elif config.prompt and TEXT in names:
         query, query_items = TEXT, [str(config.prompt)]
     else:
-        raise UserError(f"task=infer needs a query: task.input=FILE|FOLDER of {' or '.join(names)} files"
-                        f"{', or prompt=... (this model has a text side)' if TEXT in names else ''}.")  # fmt: skip
+        raise UserError(
+            f"task=infer needs a query: task.input=FILE|FOLDER of {' or '.join(names)} files"
+            f"{', or prompt=... (this model has a text side)' if TEXT in names else ''}."
+        )
     other = next(n for n in names if n != query)
     gallery_items = files_of(Path(task.gallery).expanduser(), "task.gallery").get(other, [])
     if not gallery_items:
-        raise UserError(
-            f"task.gallery={task.gallery} holds no {other} files to rank against the {query} queries."
-        )
+        raise UserError(f"task.gallery={task.gallery} holds no {other} files to rank against the {query} queries.")
     device = torch.device(job.device)
     module = module.to(device).eval()
     batch = config.data.eval_batch_size or 2 * config.data.batch_size
@@ -286,9 +308,7 @@ def infer(job: Job) -> dict[str, Any]:
     g, g_index, g_skipped = embed_all(module, other, sides[other], gallery_items, device, batch)
     for skipped in (q_skipped, g_skipped):
         if skipped:
-            log.warning(
-                "infer: %d items could not be read and are left out: %s", len(skipped), "; ".join(skipped[:3])
-            )
+            log.warning("infer: %d items could not be read and are left out: %s", len(skipped), "; ".join(skipped[:3]))
     if not len(q) or not len(g):
         raise UserError("task=infer: no query or no gallery item could be read (see the warnings above).")
     top_k = task.top_k
@@ -300,8 +320,14 @@ def infer(job: Job) -> dict[str, Any]:
     rows, hits = [], {1: 0, 5: 0}
     known = 0
     for r, i in enumerate(q_index):
-        row = {"query": label[i], "modality": query, "matches": [{"name": gallery_names[int(j)], "score": round(float(s), 5)}
-                                                                  for s, j in zip(best.values[r], best.indices[r])]}  # fmt: skip
+        row = {
+            "query": label[i],
+            "modality": query,
+            "matches": [
+                {"name": gallery_names[int(j)], "score": round(float(s), 5)}
+                for s, j in zip(best.values[r], best.indices[r])
+            ],
+        }
         partner = stems.get(Path(label[i]).stem) if isinstance(query_items[i], Path) else None
         if partner is not None:  # the gallery holds the query's partner (same stem): where does it rank?
             rank = int((scores[r] > scores[r, partner]).sum())
@@ -312,9 +338,7 @@ def infer(job: Job) -> dict[str, Any]:
         rows.append(row)
     output = Path(task.output or job.run_dir / "matches.jsonl")
     write_jsonl(rows, output)
-    print(
-        f"wrote the top {min(top_k, len(g))} of {len(g)} {other} items for {len(rows)} {query} queries to {output}"
-    )
+    print(f"wrote the top {min(top_k, len(g))} of {len(g)} {other} items for {len(rows)} {query} queries to {output}")
     metrics: dict[str, Any] = {
         "infer/queries": len(rows),
         "infer/gallery": len(g),
@@ -367,9 +391,7 @@ def export_module(config: ONNConfig, module: DualEncoder, run_dir: Path) -> dict
     metrics: dict[str, Any] = {}
     batch = settings.sample.batch_size
     suffix = {"onnx": ".onnx", "omny": ".omny"}[settings.name]
-    sides = {
-        n: build_side(n, saved_side(n, c, "the dual encoder")) for n, c in module.onn_config["sides"].items()
-    }
+    sides = {n: build_side(n, saved_side(n, c, "the dual encoder")) for n, c in module.onn_config["sides"].items()}
     for name, side in sides.items():
         stored = side.sample(batch)  # zeros: black pixels, points at the centre, NUL bytes
         generator = torch.Generator().manual_seed(config.seed)

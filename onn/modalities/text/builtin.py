@@ -56,9 +56,7 @@ def generate(
     """`size` problems as {"input": question, "output": answer} records."""
     unknown = set(operations) - set(TEMPLATES)
     if unknown:
-        raise UserError(
-            f"data.builtin.operations: {sorted(unknown)} unknown; choose from {sorted(TEMPLATES)}."
-        )
+        raise UserError(f"data.builtin.operations: {sorted(unknown)} unknown; choose from {sorted(TEMPLATES)}.")
     rng = random.Random(seed)
     records = []
     for _ in range(size):

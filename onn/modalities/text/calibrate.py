@@ -4,8 +4,8 @@ A small model's step is mostly framework time (Python, dispatch, autograd, small
 no FLOP count predicts. So the plan times the model's own code: copies of it with 2 and 6 blocks, at the
 planned micro-batch and sequence length, in the planned precision and strategy (full, LoRA, or the
 streaming engine), on the plan's thread count. Six blocks less two, over four, is one block's share;
-two blocks less two shares is the rest (embeddings, head, loss, optimizer). The step of n blocks is then rest + n x block,
-divided by the share of a core the plan's threads get now. A small model's timing is the mean of nine
+two blocks less two shares is the rest (embeddings, head, loss, optimizer). The step of n blocks is then
+rest + n x block, divided by the share of a core the plan's threads get now. A small model's timing is the mean of nine
 steps (the fastest of nine ran 20-35% under what runs measured); `window_s` (task=bench, just before
 its steps, gives as long as its timed steps will take, at most WINDOW_S) skips the cache and times the
 copies' steps for that long: this shared host runs for seconds at a time a third
@@ -16,8 +16,8 @@ where runs took 560). Timings are in CPU time on one thread (which other process
 stretch), so a busy machine measures what a quiet one would. Results are cached per machine and
 shapes for MAX_AGE_S: this shared host's speed drifts over the hours (llama_small's grid step was timed
 at 0.47 s and ran at 0.68 s in a sweep later, on idle cores; timed again, 0.56 s and ran at 0.58 to 0.60 s),
-so a timing older than that is taken again. Large models (whose step is matmuls, which the plan's FLOP model predicts from the measured
-matmul rate) and GPUs keep the FLOP model.
+so a timing older than that is taken again. Large models (whose step is matmuls, which the plan's FLOP model
+predicts from the measured matmul rate) and GPUs keep the FLOP model.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ MAX_AGE_S = 900  # a cached timing older than this is measured again (seconds of
 WINDOW_S = 3.0  # the longest a timing window takes (a short run's twenty steps of a 0.15 s step)
 
 
-def refine(plan: dict[str, Any], config: ONNConfig, hw: dict[str, Any], spec,
-           window_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+def refine(
+    plan: dict[str, Any], config: ONNConfig, hw: dict[str, Any], spec, window_s: float | None = None
+) -> dict[str, Any]:
     """The plan with predicted_step_s from timing the model's own blocks, where that applies. `window_s`:
     timed now, for that long, whatever the cache holds (see the module's docstring)."""
     if hw.accelerator != "cpu" or hw.source == "preset" or not config.model.architecture:
@@ -46,9 +47,7 @@ def refine(plan: dict[str, Any], config: ONNConfig, hw: dict[str, Any], spec,
     if plan.strategy not in ("full", "lora", "sparse_lora"):
         return plan
     large = spec.params - sum(spec.block_params) + 6 * max(spec.block_params) > MAX_PARAMS
-    if large and (
-        plan.strategy != "sparse_lora" or 2 * max(spec.block_params) * 2 > 0.5 * _budget_bytes(hw)
-    ):
+    if large and (plan.strategy != "sparse_lora" or 2 * max(spec.block_params) * 2 > 0.5 * _budget_bytes(hw)):
         return plan  # a large model trains streamed; its block copies must fit beside the run comfortably
     from onn.planning.costs import matmul_rate, threads_for
 
@@ -60,16 +59,13 @@ def refine(plan: dict[str, Any], config: ONNConfig, hw: dict[str, Any], spec,
         layers = set(plan.sparse_layers)
         lowest = min(layers) if layers else n
         blocks = sum(
-            costs["below"] if i < lowest else costs["lora"] if i in layers else costs["frozen"]
-            for i in range(n)
+            costs["below"] if i < lowest else costs["lora"] if i in layers else costs["frozen"] for i in range(n)
         )
     else:
         blocks = n * costs["block"]
     micro_batches = -(-batch // micro)
     rest = costs["rest"]
-    if (
-        large
-    ):  # the copies had a tiny vocabulary: the head's matmuls (forward, input gradient) by the measured rate
+    if large:  # the copies had a tiny vocabulary: the head's matmuls (forward, input gradient) by the measured rate
         dtype = plan.streaming.compute_dtype if plan.streaming else "float32"
         rest += 4 * spec.vocab * spec.hidden * micro * seq / matmul_rate(hw, dtype, micro * seq, threads)
     compute = (rest + blocks) * micro_batches / share
@@ -82,8 +78,8 @@ def refine(plan: dict[str, Any], config: ONNConfig, hw: dict[str, Any], spec,
     plan.predicted_step_s = round(step, 4)
     plan.step_time_source = "timed"
     plan.reasons.append(
-        f"step time: {spec.name}'s own blocks timed on this machine ({blocks / n * 1e3:,.1f} ms per block and micro-batch on "
-        f"average, {rest * 1e3:,.1f} ms for the rest) for {n} blocks and {micro_batches} micro-batch(es)"
+        f"step time: {spec.name}'s own blocks timed on this machine ({blocks / n * 1e3:,.1f} ms per block and "
+        f"micro-batch on average, {rest * 1e3:,.1f} ms for the rest) for {n} blocks and {micro_batches} micro-batch(es)"
         + (f", at {share:.0%} of a core" if share < 1 else "")
     )
     return plan
@@ -95,16 +91,37 @@ def _budget_bytes(hw: dict[str, Any]) -> float:
     return budget_mb(hw) * 2**20
 
 
-def block_times(config: ONNConfig, plan: dict[str, Any], hw: dict[str, Any], seq: int, micro: int, threads: int,
-                large: bool = False, window_s: float | None = None) -> dict[str, float]:  # fmt: skip
+def block_times(
+    config: ONNConfig,
+    plan: dict[str, Any],
+    hw: dict[str, Any],
+    seq: int,
+    micro: int,
+    threads: int,
+    large: bool = False,
+    window_s: float | None = None,
+) -> dict[str, float]:
     """Per micro-batch: one block's share of a step and the rest (`block`, `rest`); streamed, a block with
     adapters (`lora`), one without them above the lowest adapted block (`frozen`, recomputed for its input
     gradient) and one below it (`below`, forward only). Cached per machine and shapes. `large`: copies of 1
     and 2 blocks with a vocabulary of 256 (a block does not depend on it; the head is counted apart)."""
-    key = json.dumps({"model": config.model.architecture, "strategy": plan.strategy, "precision": plan.precision,
-                      "lora": as_dict(config.strategy.lora), "seq": seq, "micro": micro, "threads": threads,
-                      "streaming": {k: getattr(plan.streaming, k, None) for k in ("store", "store_dtype")},
-                      "machine": hw.fingerprint, "large": large, "version": 9}, sort_keys=True, default=str)  # fmt: skip
+    key = json.dumps(
+        {
+            "model": config.model.architecture,
+            "strategy": plan.strategy,
+            "precision": plan.precision,
+            "lora": as_dict(config.strategy.lora),
+            "seq": seq,
+            "micro": micro,
+            "threads": threads,
+            "streaming": {k: getattr(plan.streaming, k, None) for k in ("store", "store_dtype")},
+            "machine": hw.fingerprint,
+            "large": large,
+            "version": 9,
+        },
+        sort_keys=True,
+        default=str,
+    )
     # beside the hardware profile: a timing of this machine, shared by every outputs folder that shares it
     folder = config.hardware.cache or Path(config.paths.cache) / "hardware"
     cache = Path(folder) / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
@@ -135,8 +152,16 @@ def block_times(config: ONNConfig, plan: dict[str, Any], hw: dict[str, Any], seq
     return costs
 
 
-def _step_times(config: ONNConfig, plan: dict[str, Any], seq: int, micro: int, threads: int,
-                copies: list[tuple[int, list[int] | None]], vocab: int | None = None, window_s: float = 0.0) -> list[float]:  # fmt: skip
+def _step_times(
+    config: ONNConfig,
+    plan: dict[str, Any],
+    seq: int,
+    micro: int,
+    threads: int,
+    copies: list[tuple[int, list[int] | None]],
+    vocab: int | None = None,
+    window_s: float = 0.0,
+) -> list[float]:
     """Per copy of the model (`blocks`, `adapted` blocks), its training step as ONN runs it: the mean of
     nine, or of as many as window_s (at most WINDOW_S) takes; the fastest of three for a large
     model's. The copies take their steps in turns, so a
@@ -151,10 +176,7 @@ def _step_times(config: ONNConfig, plan: dict[str, Any], seq: int, micro: int, t
     torch.set_num_threads(threads)
     engines: list = []
     try:
-        steps = [
-            _copy_step(config, plan, seq, micro, blocks, adapted, vocab, engines)
-            for blocks, adapted in copies
-        ]
+        steps = [_copy_step(config, plan, seq, micro, blocks, adapted, vocab, engines) for blocks, adapted in copies]
         clock = time.process_time if threads == 1 else time.perf_counter
         for step in steps:
             step()
@@ -173,8 +195,16 @@ def _step_times(config: ONNConfig, plan: dict[str, Any], seq: int, micro: int, t
             return_large_frees_to_os(MMAP_MAX)
 
 
-def _copy_step(config: ONNConfig, plan: dict[str, Any], seq: int, micro: int, blocks: int,
-               adapted: list[int] | None, vocab: int | None, engines: list):  # fmt: skip
+def _copy_step(
+    config: ONNConfig,
+    plan: dict[str, Any],
+    seq: int,
+    micro: int,
+    blocks: int,
+    adapted: list[int] | None,
+    vocab: int | None,
+    engines: list,
+):
     """A `blocks`-block copy of the model, set up as the plan trains it; returns its training step."""
     import torch
 

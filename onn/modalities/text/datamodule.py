@@ -42,10 +42,7 @@ def encode(
 ) -> tuple[list[int], list[int]]:
     """Token ids and labels (prompt positions ignored), truncated from the prompt's left so the answer survives.
     `special_tokens`: add the tokenizer's own (BOS); off for a chat-templated prompt, which carries its own."""
-    if prompt:
-        prompt_ids = tokenizer(prompt, add_special_tokens=special_tokens)["input_ids"]
-    else:
-        prompt_ids = _bos(tokenizer)
+    prompt_ids = tokenizer(prompt, add_special_tokens=special_tokens)["input_ids"] if prompt else _bos(tokenizer)
     answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     answer_ids = answer_ids[: max_length - 1]
     prompt_ids = prompt_ids[max(0, len(prompt_ids) + len(answer_ids) - max_length) :]
@@ -114,9 +111,7 @@ class ResumableShuffle(Sampler[int]):
         position = self.start()
         epoch, offset = divmod(position, self.n)
         while True:
-            order = torch.randperm(
-                self.n, generator=torch.Generator().manual_seed(self.seed + epoch)
-            ).tolist()
+            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
             yield from order[offset:]
             epoch, offset = epoch + 1, 0
 
@@ -156,9 +151,7 @@ class TextDataModule(L.LightningDataModule):
             return
         train, val = load_splits(self.cfg, self.seed)
         self.train_examples = self.prompter.examples(train, "data.source")
-        self.val_examples = self.prompter.examples(
-            val, "data.val_source" if self.cfg.val_source else "data.source"
-        )
+        self.val_examples = self.prompter.examples(val, "data.val_source" if self.cfg.val_source else "data.source")
         self.train_records = len(self.train_examples)
         max_length, special = self.cfg.max_length, self.prompter.add_special_tokens
         self.train_set = [encode(self.tokenizer, p, a, max_length, special) for p, a in self.train_examples]
@@ -197,18 +190,19 @@ class TextDataModule(L.LightningDataModule):
                 total - n_val,
             )
         sample = [item for item, _ in zip(reader.records(start), range(LAYOUT_SAMPLE))]
-        self.prompter.examples(
-            Records([r for _, _, r, _ in sample], [w for _, _, _, w in sample]), "data.source"
-        )
-        self.val_examples = self.prompter.examples(
-            val, "data.val_source" if cfg.val_source else "data.source"
-        )
+        self.prompter.examples(Records([r for _, _, r, _ in sample], [w for _, _, _, w in sample]), "data.source")
+        self.val_examples = self.prompter.examples(val, "data.val_source" if cfg.val_source else "data.source")
         max_length, special = cfg.max_length, self.prompter.add_special_tokens
         self.val_set = [encode(self.tokenizer, p, a, max_length, special) for p, a in self.val_examples]
         self.train_records = rows
         self.stream = ShuffledStream(reader, start, rows, cfg.shuffle_buffer, self.seed, self._encode)
-        log.info("data: streaming %d training records from %s (%d held out), shuffle buffer %d", rows,
-                 cfg.source, len(self.val_set), self.stream.buffer)  # fmt: skip
+        log.info(
+            "data: streaming %d training records from %s (%d held out), shuffle buffer %d",
+            rows,
+            cfg.source,
+            len(self.val_set),
+            self.stream.buffer,
+        )
 
     def _encode(self, record: dict[str, Any], where: str) -> tuple[list[int], list[int]]:
         prompt, answer = self.prompter.example(record, where)
@@ -243,7 +237,8 @@ class TextDataModule(L.LightningDataModule):
         rank, world = self._ranks()
         if self.batch_size % world:
             raise UserError(
-                f"data.batch_size={self.batch_size} does not split evenly over {world} processes: give a multiple of {world}."
+                f"data.batch_size={self.batch_size} does not split evenly over {world} processes: "
+                f"give a multiple of {world}."
             )
         collate = Collator(self.tokenizer.pad_token_id)
         if self.stream is not None:
@@ -256,9 +251,12 @@ class TextDataModule(L.LightningDataModule):
         if world > 1:
             sampler = RankSlice(sampler, self.batch_size, rank, world)
         return DataLoader(
-            self.train_set, batch_size=self.batch_size // world, sampler=sampler, collate_fn=collate,
+            self.train_set,
+            batch_size=self.batch_size // world,
+            sampler=sampler,
+            collate_fn=collate,
             num_workers=self.cfg.num_workers,
-        )  # fmt: skip
+        )
 
     def val_dataloader(self) -> DataLoader:
         rank, world = self._ranks()
@@ -282,7 +280,9 @@ class SampleTrace(L.Callback):
         self.path, self.tokenizer = path, tokenizer
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        texts = [self.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
-                 for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]  # fmt: skip
+        texts = [
+            self.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+            for ids, mask in zip(batch["input_ids"], batch["attention_mask"])
+        ]
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": trainer.global_step, "samples": texts}) + "\n")

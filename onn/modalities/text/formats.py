@@ -56,9 +56,7 @@ def read_records(path: str | Path, fmt: str = "auto", key: str = "data.source") 
     """All records of a text dataset file; `fmt` is one of FORMATS or auto."""
     path = existing_source(path, key, "a .jsonl, .json, .csv, .parquet or .txt file")
     if path.is_dir():
-        raise UserError(
-            f"{key} {path} is a folder; point it at a .jsonl, .json, .csv, .parquet or .txt file."
-        )
+        raise UserError(f"{key} {path} is a folder; point it at a .jsonl, .json, .csv, .parquet or .txt file.")
     if fmt not in ("auto", *FORMATS):
         raise UserError(f"data.format={fmt!r} is not one of auto, {', '.join(FORMATS)}.")
     data = read_file(path)
@@ -82,22 +80,22 @@ def decode(data: bytes, path: Path, key: str) -> str:
             try:
                 return data.decode(codec).lstrip("\ufeff")
             except UnicodeDecodeError as e:
-                raise UserError(f"{key} {path} starts with a {codec.upper()} byte-order mark but is not {codec.upper()} "
-                                f"text (bad bytes at offset {e.start}); save it again as UTF-8.") from None  # fmt: skip
+                raise UserError(
+                    f"{key} {path} starts with a {codec.upper()} byte-order mark but is not {codec.upper()} "
+                    f"text (bad bytes at offset {e.start}); save it again as UTF-8."
+                ) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         if not _binary(data[:8192]):
             line = data.count(b"\n", 0, e.start) + 1
             raise UserError(
-                f"{key} {path} is not UTF-8 text: byte 0x{data[e.start]:02x} on line {line} (Latin-1 or Windows-1252?); "
-                f"convert it, e.g. iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8{path.suffix}"
+                f"{key} {path} is not UTF-8 text: byte 0x{data[e.start]:02x} on line {line} (Latin-1 or "
+                f"Windows-1252?); convert it, e.g. iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8{path.suffix}"
             ) from None
         text = ""
     if not text or _binary(data[:8192]):
-        utf16 = data[1:4096:2].count(0) > 0.4 * len(data[1:4096:2]) or data[:4096:2].count(0) > 0.4 * len(
-            data[:4096:2]
-        )
+        utf16 = data[1:4096:2].count(0) > 0.4 * len(data[1:4096:2]) or data[:4096:2].count(0) > 0.4 * len(data[:4096:2])
         hint = " (it looks like UTF-16 without a byte-order mark: save it as UTF-8)" if utf16 else ""
         raise UserError(
             f"{key} {path} is a binary file, not text{hint}; point it at a .jsonl, .json, .csv, .parquet or .txt file."
@@ -159,20 +157,14 @@ def csv_delimiter(text: str) -> str | None:
     match, so ragged rows still read as CSV, and the reader names the first."""
     for delimiter in DELIMITERS:
         try:
-            rows = [
-                r for r in csv.reader(io.StringIO(text), delimiter=delimiter) if any(c.strip() for c in r)
-            ]
+            rows = [r for r in csv.reader(io.StringIO(text), delimiter=delimiter) if any(c.strip() for c in r)]
         except csv.Error:
             continue
         rows = rows[:51]
         if len(rows) < 2:
             continue
         header = [c.strip() for c in rows[0]]
-        if (
-            len(header) < 2
-            or len(set(header)) < len(header)
-            or not all(COLUMN_NAME.fullmatch(c) for c in header)
-        ):
+        if len(header) < 2 or len(set(header)) < len(header) or not all(COLUMN_NAME.fullmatch(c) for c in header):
             continue
         if sum(len(r) == len(header) for r in rows[1:]) >= 0.5 * (len(rows) - 1):
             return delimiter

@@ -41,14 +41,26 @@ class LanguageModel:
         return DynamicCache(config=config) if config is not None else DynamicCache()
 
     @torch.no_grad()
-    def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache,
-             last: bool = False) -> torch.Tensor:  # fmt: skip
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache,
+        last: bool = False,
+    ) -> torch.Tensor:
         """One forward of a batch with a KV cache: the last position's logits (batch x vocab, float32).
         Streamed, every chunk load serves every row."""
         if self.engine is not None:
             return self.engine.decode_step(input_ids, attention_mask, position_ids, cache, last=last)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         return out.logits[:, -1, :].float()
 
 
@@ -65,20 +77,23 @@ def _sampling(max_new_tokens: int, temperature: float, top_p: float, tokenizer) 
     return kwargs
 
 
-def _generate(
-    model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p, streamer=None
-) -> torch.Tensor:
+def _generate(model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p, streamer=None) -> torch.Tensor:
     """New tokens for a left-padded batch: layer-streamed when an engine is given, else model.generate."""
     if engine is not None:
         on_token = (lambda token: streamer.put(token.cpu())) if streamer is not None else None
-        out = engine.generate(inputs["input_ids"], inputs["attention_mask"], max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                              temperature=temperature, top_p=top_p, on_token=on_token)  # fmt: skip
+        out = engine.generate(
+            inputs["input_ids"],
+            inputs["attention_mask"],
+            max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            temperature=temperature,
+            top_p=top_p,
+            on_token=on_token,
+        )
         if streamer is not None:
             streamer.end()
         return out
-    out = model.generate(
-        **inputs, streamer=streamer, **_sampling(max_new_tokens, temperature, top_p, tokenizer)
-    )
+    out = model.generate(**inputs, streamer=streamer, **_sampling(max_new_tokens, temperature, top_p, tokenizer))
     return out[:, inputs["input_ids"].shape[1] :]
 
 
@@ -103,8 +118,16 @@ def stream(
 
 
 @torch.no_grad()
-def complete(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-             batch_size: int = 16, engine=None) -> list[str]:  # fmt: skip
+def complete(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    batch_size: int = 16,
+    engine=None,
+) -> list[str]:
     """Completions for many prompts in left-padded batches (with an engine, every chunk load serves the whole batch)."""
     model.eval()
     side = tokenizer.padding_side
@@ -122,8 +145,16 @@ def complete(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, tem
     return results
 
 
-def answer_scores(model, tokenizer, examples: list[tuple[str, str]], pattern: str | None, max_samples: int, max_new_tokens: int,
-                  engine=None, batch_size: int = 16) -> dict[str, Any]:  # fmt: skip
+def answer_scores(
+    model,
+    tokenizer,
+    examples: list[tuple[str, str]],
+    pattern: str | None,
+    max_samples: int,
+    max_new_tokens: int,
+    engine=None,
+    batch_size: int = 16,
+) -> dict[str, Any]:
     """Exact match of greedy answers against the references, and how the answers were extracted.
 
     With data.answer_pattern (GSM8K's `#### N`), the reference's answer is the pattern's group 1. A
@@ -156,22 +187,30 @@ def answer_scores(model, tokenizer, examples: list[tuple[str, str]], pattern: st
         "max_new_tokens": max_new_tokens,
     }
     if pattern:
-        scores.update({
-            "exact_match_strict": strict / n,
-            "answer_pattern_found": found / n,
-            "answer_extraction": f"group 1 of data.answer_pattern {pattern}; where a generation lacks it, its last number",
-        })  # fmt: skip
+        scores.update(
+            {
+                "exact_match_strict": strict / n,
+                "answer_pattern_found": found / n,
+                "answer_extraction": f"group 1 of data.answer_pattern {pattern}; where a generation lacks it, "
+                "its last number",
+            }
+        )
     else:
         scores["answer_extraction"] = "the first line of the answer, numbers normalised"
     return scores
 
 
-def exact_match(model, tokenizer, examples: list[tuple[str, str]], pattern: str | None, max_samples: int, max_new_tokens: int,
-                engine=None) -> float:  # fmt: skip
+def exact_match(
+    model,
+    tokenizer,
+    examples: list[tuple[str, str]],
+    pattern: str | None,
+    max_samples: int,
+    max_new_tokens: int,
+    engine=None,
+) -> float:
     """The share of greedy answers equal to the reference (see answer_scores)."""
-    return answer_scores(model, tokenizer, examples, pattern, max_samples, max_new_tokens, engine)[
-        "exact_match"
-    ]
+    return answer_scores(model, tokenizer, examples, pattern, max_samples, max_new_tokens, engine)["exact_match"]
 
 
 def answer_tokens(tokenizer, examples: list[tuple[str, str]]) -> int:

@@ -39,7 +39,8 @@ class TextModality(Modality):
         model, data = config.model, config.data
         if not isinstance(model, LanguageModelConfig):
             raise UserError(
-                f"model={model.name} is {'a classifier network' if isinstance(model, NetworkConfig) else 'no language model'} "
+                f"model={model.name} is "
+                f"{'a classifier network' if isinstance(model, NetworkConfig) else 'no language model'} "
                 f"but data={data.name} is text: pick a language model "
                 "(e.g. model=phi4_tiny) for text, or classification data for this model (e.g. data=cifar10)."
             )

@@ -35,8 +35,15 @@ LOOP = "manual-accumulation"
 
 
 class CausalLM(L.LightningModule):
-    def __init__(self, model: torch.nn.Module, optim: OptimConfig, max_steps: int, onn_config: dict[str, Any],
-                 micro_batch: int, min_micro_batch: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optim: OptimConfig,
+        max_steps: int,
+        onn_config: dict[str, Any],
+        micro_batch: int,
+        min_micro_batch: int = 1,
+    ):
         super().__init__()
         self.automatic_optimization = False  # the step accumulates micro-batches itself (see module doc)
         self.model = model
@@ -56,9 +63,7 @@ class CausalLM(L.LightningModule):
         self.val_at_step: int | None = None  # global step of the latest validation
         self.engine = None  # set by LayerStreamingStrategy: batches are then macro-batches it streams
         self.store = None  # the layer store the model's frozen blocks were loaded into, when it streams
-        self._held_out: list[
-            dict[str, torch.Tensor]
-        ] = []  # a streamed validation's batches, until its epoch ends
+        self._held_out: list[dict[str, torch.Tensor]] = []  # a streamed validation's batches, until its epoch ends
         # LoRA checkpoints hold only what trains; the frozen base comes from model.source again.
         self.strict_loading = all(p.requires_grad for p in model.parameters())
 
@@ -118,9 +123,7 @@ class CausalLM(L.LightningModule):
             self.engine.micro_batch = self.micro_batch
             pieces = self.engine.split(batch)
             total = self._global_tokens(sum(target_tokens(p) for p in pieces))
-            loss = self.engine.forward_train(
-                pieces, loss_scale=self.trainer.strategy.loss_scale(), total_tokens=total
-            )
+            loss = self.engine.forward_train(pieces, loss_scale=self.trainer.strategy.loss_scale(), total_tokens=total)
             self.manual_backward(loss)
             return self._global_sum(loss.detach())
         pieces, counts = split(batch, self.micro_batch, rows)
@@ -147,9 +150,7 @@ class CausalLM(L.LightningModule):
         """Target tokens of the whole global batch: the sum over every process."""
         if self.trainer.world_size == 1:
             return tokens
-        return int(
-            self.trainer.strategy.reduce(torch.tensor(float(tokens), device=self.device), reduce_op="sum")
-        )
+        return int(self.trainer.strategy.reduce(torch.tensor(float(tokens), device=self.device), reduce_op="sum"))
 
     def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
         if self.trainer.world_size == 1:
@@ -164,8 +165,7 @@ class CausalLM(L.LightningModule):
             # one process halving alone would desynchronise the gradient all-reduce
             raise OutOfMemoryFloor(
                 f"out of memory at micro-batch {self.micro_batch} in one of {self.trainer.world_size} processes, which "
-                "cannot back off alone: set strategy.micro_batch lower. The error was: "
-                + str(error).splitlines()[0]
+                "cannot back off alone: set strategy.micro_batch lower. The error was: " + str(error).splitlines()[0]
             ) from error
         if self.micro_batch // 2 < self.min_micro_batch:
             raise OutOfMemoryFloor(

@@ -76,13 +76,9 @@ def choose_layout(records: Records, fields: TextFields, key: str = "data.source"
         if names == {"text"}:
             return Layout("text", None, None)
         if {"instruction", "output"} <= names:
-            return Layout(
-                "alpaca", "{instruction}\n\n{input}" if "input" in names else "instruction", "output"
-            )
+            return Layout("alpaca", "{instruction}\n\n{input}" if "input" in names else "instruction", "output")
         if {"instruction", "response"} <= names:
-            return Layout(
-                "dolly", "{instruction}\n\n{context}" if "context" in names else "instruction", "response"
-            )
+            return Layout("dolly", "{instruction}\n\n{context}" if "context" in names else "instruction", "response")
         found = next(((p, a) for p, a in PAIRS if {p, a} <= names), None)
     elif prompt == "auto":
         found = next(((p, answer) for p, a in PAIRS if p in names and p != answer), None)
@@ -132,8 +128,10 @@ def chat_in_use(data_cfg: TextData, tokenizer) -> bool:
     setting = data_cfg.chat_template
     has = bool(getattr(tokenizer, "chat_template", None))
     if setting is True and not has:
-        raise UserError("data.chat_template=true, but the model's tokenizer has no chat template; "
-                        "use data.chat_template=auto (or false) or a tokenizer that has one.")  # fmt: skip
+        raise UserError(
+            "data.chat_template=true, but the model's tokenizer has no chat template; "
+            "use data.chat_template=auto (or false) or a tokenizer that has one."
+        )
     if setting not in ("auto", True, False):
         raise UserError(f"data.chat_template={setting!r} is not one of auto, true, false.")
     return has and setting in ("auto", True)
@@ -167,8 +165,12 @@ class Prompter:
                 if self.layout.name == "fields"
                 else f"the {self.layout.name} layout, recognised"
             )
-            log.info("data: prompt and answer are %s (%s); prompts go through the %s", self.layout.describe(), how,
-                     self.prompt_format)  # fmt: skip
+            log.info(
+                "data: prompt and answer are %s (%s); prompts go through the %s",
+                self.layout.describe(),
+                how,
+                self.prompt_format,
+            )
         out, empty = [], 0
         for record, where in zip(records, records.where):
             pair, blank = self._example(record, where)
@@ -200,8 +202,10 @@ class Prompter:
         try:
             text = FORMATTER.vformat(self.template, (), fields)
         except KeyError as e:
-            raise UserError(f"data.template names the field {{{e.args[0]}}}, which {where} does not have; "
-                            f"its fields are {sorted(fields)[:12]} ({{prompt}} is the mapped prompt).") from None  # fmt: skip
+            raise UserError(
+                f"data.template names the field {{{e.args[0]}}}, which {where} does not have; "
+                f"its fields are {sorted(fields)[:12]} ({{prompt}} is the mapped prompt)."
+            ) from None
         except (ValueError, IndexError) as e:
             raise UserError(
                 f"data.template {self.template!r} is not a format string: {e} (write {{{{ and }}}} for braces)."
@@ -227,20 +231,25 @@ class Prompter:
             return FORMATTER.vformat(unescape(spec), (), values).strip()
         except KeyError as e:
             raise UserError(
-                f"{where} has no field '{e.args[0]}' (named in the prompt {spec!r}); its fields are {sorted(record)[:12]}."
+                f"{where} has no field '{e.args[0]}' (named in the prompt {spec!r}); "
+                f"its fields are {sorted(record)[:12]}."
             ) from None
 
     def _text(self, record: dict[str, Any], name: str, where: str, key: str) -> str:
         try:
             value = resolve(record, name)
         except KeyError:
-            raise UserError(f"{where} has no field '{name}' ({key}); its fields are {sorted(record)[:12]}. "
-                            f"Map yours with {key}=NAME (nested: {key}=outer.inner).") from None  # fmt: skip
+            raise UserError(
+                f"{where} has no field '{name}' ({key}); its fields are {sorted(record)[:12]}. "
+                f"Map yours with {key}=NAME (nested: {key}=outer.inner)."
+            ) from None
         if is_missing(value):
             raise UserError(f"{where}: '{name}' ({key}) is null; fill it in or remove the record.")
         if isinstance(value, dict | list):
-            raise UserError(f"{where}: '{name}' ({key}) is a JSON {'object' if isinstance(value, dict) else 'list'}, not text; "
-                            f"map a text field (nested: {key}={name}.FIELD).")  # fmt: skip
+            raise UserError(
+                f"{where}: '{name}' ({key}) is a JSON {'object' if isinstance(value, dict) else 'list'}, not text; "
+                f"map a text field (nested: {key}={name}.FIELD)."
+            )
         return str(value)
 
     def _messages(self, record: dict[str, Any], where: str) -> list[dict[str, str]]:
@@ -252,13 +261,13 @@ class Prompter:
             role = m.get("role", m.get("from")) if isinstance(m, dict) else None
             content = m.get("content", m.get("value")) if isinstance(m, dict) else None
             if role not in ROLES or not isinstance(content, str):
-                raise UserError(f"{where}: message {i} of '{self.layout.conversation}' needs a role (user, assistant, system) "
-                                "and text content (OpenAI's role/content or ShareGPT's from/value).")  # fmt: skip
+                raise UserError(
+                    f"{where}: message {i} of '{self.layout.conversation}' needs a role (user, assistant, system) "
+                    "and text content (OpenAI's role/content or ShareGPT's from/value)."
+                )
             messages.append({"role": ROLES[role], "content": content})
         if messages[-1]["role"] != "assistant" or len(messages) < 2:
-            raise UserError(
-                f"{where}: the conversation must end with an assistant message (the answer to learn)."
-            )
+            raise UserError(f"{where}: the conversation must end with an assistant message (the answer to learn).")
         return messages
 
     def _check_empty(self, records: Records, empty: int, key: str) -> None:
@@ -268,11 +277,19 @@ class Prompter:
             return
         field = self.layout.prompt
         names = set().union(*(r.keys() for r in records[:200]))
-        others = sorted(n for n in names if n not in (field, self.layout.answer)
-                        and any(isinstance(r.get(n), str) and r.get(n).strip() for r in records[:200]))  # fmt: skip
-        said = (f"the prompt ({field}) is empty in {share:.0%} of {key}'s records ({empty} of {len(records)}); "
-                f"its other text fields are {others or 'none'}")  # fmt: skip
+        others = sorted(
+            n
+            for n in names
+            if n not in (field, self.layout.answer)
+            and any(isinstance(r.get(n), str) and r.get(n).strip() for r in records[:200])
+        )
+        said = (
+            f"the prompt ({field}) is empty in {share:.0%} of {key}'s records ({empty} of {len(records)}); "
+            f"its other text fields are {others or 'none'}"
+        )
         if share > EMPTY_REFUSED:
-            raise UserError(f"{said}: map the prompt with data.fields.input=NAME (or a template such as "
-                            f"data.fields.input='{{{others[0] if others else 'instruction'}}}\\n\\n{{{field}}}').")  # fmt: skip
+            raise UserError(
+                f"{said}: map the prompt with data.fields.input=NAME (or a template such as "
+                f"data.fields.input='{{{others[0] if others else 'instruction'}}}\\n\\n{{{field}}}')."
+            )
         log.warning("data: %s.", said)

@@ -19,9 +19,7 @@ class ShuffledStream(IterableDataset):
     """torch IterableDataset over a reader from `start`: `rows` records, a seeded buffer shuffle, each
     record encoded when drawn. Workers take every n-th record. `epoch` is set by StreamLoader."""
 
-    def __init__(
-        self, reader, start: Ref, rows: int, buffer: int, seed: int, encode: Callable[[dict, str], Any]
-    ):
+    def __init__(self, reader, start: Ref, rows: int, buffer: int, seed: int, encode: Callable[[dict, str], Any]):
         self.reader, self.start, self.rows, self.buffer = reader, list(start), rows, max(1, int(buffer))
         self.seed, self.encode, self.epoch = seed, encode, 0
 
@@ -40,14 +38,23 @@ class _Stream:
         self._records: Iterator | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "worker": self.worker, "workers": self.workers, "at": self.at,
-                "index": self.index, "buffer": [ref for ref, _, _ in self.buffer], "draining": self.draining,
-                "rng": self.rng.bit_generator.state}  # fmt: skip
+        return {
+            "epoch": self.epoch,
+            "worker": self.worker,
+            "workers": self.workers,
+            "at": self.at,
+            "index": self.index,
+            "buffer": [ref for ref, _, _ in self.buffer],
+            "draining": self.draining,
+            "rng": self.rng.bit_generator.state,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if (state["worker"], state["workers"]) != (self.worker, self.workers):
-            raise UserError(f"the checkpoint's data stream ran with data.num_workers={state['workers']}; resume with the "
-                            "same data.num_workers.")  # fmt: skip
+            raise UserError(
+                f"the checkpoint's data stream ran with data.num_workers={state['workers']}; "
+                "resume with the same data.num_workers."
+            )
         self.epoch, self.at, self.index = state["epoch"], list(state["at"]), state["index"]
         self.draining = state["draining"]
         self.rng.bit_generator.state = state["rng"]
@@ -114,8 +121,10 @@ def stream_loader(dataset: ShuffledStream, batch_size: int, collate_fn, num_work
             state = dict(state)
             workers, self.next_epoch = state.pop("onn_workers"), state.pop("onn_epoch")
             if workers != num_workers:
-                raise UserError(f"the checkpoint's data stream ran with data.num_workers={workers}; resume with the "
-                                f"same data.num_workers (not {num_workers}).")  # fmt: skip
+                raise UserError(
+                    f"the checkpoint's data stream ran with data.num_workers={workers}; resume with the "
+                    f"same data.num_workers (not {num_workers})."
+                )
             super().load_state_dict(state)
 
     return StreamLoader()

@@ -52,8 +52,10 @@ class LineReader:
         head = read_head(path, 4)
         for bom, codec in BOMS:
             if head.startswith(bom) and codec != "utf-8-sig":
-                raise UserError(f"data.source {path} is {codec.upper()} text, which is not streamed: save it as UTF-8, "
-                                "or set data.streaming=false.")  # fmt: skip
+                raise UserError(
+                    f"data.source {path} is {codec.upper()} text, which is not streamed: save it as UTF-8, "
+                    "or set data.streaming=false."
+                )
         self.start = [3 if head.startswith(BOMS[2][0]) else 0, 0]
 
     def records(self, at: Ref) -> Iterator[tuple[Ref, Ref, dict[str, Any], str]]:
@@ -90,23 +92,22 @@ class LineReader:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise UserError(f"{self.path} line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x}); convert the file "
-                            "to UTF-8.") from None  # fmt: skip
+            raise UserError(
+                f"{self.path} line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x}); convert the file to UTF-8."
+            ) from None
         if self.fmt == "txt":
             return {"text": text.rstrip("\r\n")}
         try:
             row = json.loads(text)
         except json.JSONDecodeError as e:
             if not raw.endswith(b"\n"):  # only the file's last line lacks its newline
-                raise UserError(f"{self.path} line {line} is cut off mid-record (the file ends inside it: a truncated "
-                                "copy?); copy the file again or delete that line.") from None  # fmt: skip
-            raise UserError(
-                f"{self.path} line {line} is not valid JSON ({e.msg} at column {e.colno})."
-            ) from None
+                raise UserError(
+                    f"{self.path} line {line} is cut off mid-record (the file ends inside it: a truncated "
+                    "copy?); copy the file again or delete that line."
+                ) from None
+            raise UserError(f"{self.path} line {line} is not valid JSON ({e.msg} at column {e.colno}).") from None
         if not isinstance(row, dict):
-            raise UserError(
-                f"{self.path} line {line} is a JSON {type(row).__name__}, not an object with fields."
-            )
+            raise UserError(f"{self.path} line {line} is a JSON {type(row).__name__}, not an object with fields.")
         return row
 
 
@@ -117,13 +118,13 @@ class CsvReader:
         self.path = path
         head = read_head(path, HEAD_BYTES)
         if head.startswith((BOMS[0][0], BOMS[1][0], BOMS[3][0], BOMS[4][0])):
-            raise UserError(f"data.source {path} is UTF-16/32 text, which is not streamed: save it as UTF-8, "
-                            "or set data.streaming=false.")  # fmt: skip
+            raise UserError(
+                f"data.source {path} is UTF-16/32 text, which is not streamed: save it as UTF-8, "
+                "or set data.streaming=false."
+            )
         bom = 3 if head.startswith(BOMS[2][0]) else 0
         text = head[bom:].decode("utf-8", "ignore")
-        self.delimiter = (
-            csv_delimiter(text if len(head) < HEAD_BYTES else text[: text.rfind("\n") + 1]) or ","
-        )
+        self.delimiter = csv_delimiter(text if len(head) < HEAD_BYTES else text[: text.rfind("\n") + 1]) or ","
         self.header: list[str] = []
         for _, first, after, last, raw in self._raw(bom, 0):
             cells = self._cells(raw, first)
@@ -147,15 +148,18 @@ class CsvReader:
                     yield start, first, offset, line, pending
                     pending = b""
             if pending:
-                raise UserError(f"{self.path} line {first} opens a quoted field that the file never closes (it ends "
-                                "inside it: a truncated copy?); copy the file again or fix that row.")  # fmt: skip
+                raise UserError(
+                    f"{self.path} line {first} opens a quoted field that the file never closes (it ends "
+                    "inside it: a truncated copy?); copy the file again or fix that row."
+                )
 
     def _cells(self, raw: bytes, line: int) -> list[str]:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise UserError(f"{self.path} line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x}); convert the file "
-                            "to UTF-8.") from None  # fmt: skip
+            raise UserError(
+                f"{self.path} line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x}); convert the file to UTF-8."
+            ) from None
         return next(csv.reader(io.StringIO(text), delimiter=self.delimiter), [])
 
     def records(self, at: Ref) -> Iterator[tuple[Ref, Ref, dict[str, Any], str]]:
@@ -174,8 +178,10 @@ class CsvReader:
 
     def _record(self, cells: list[str], row: int, line: int) -> dict[str, Any]:
         if len(cells) != len(self.header):
-            raise UserError(f"{self._where(row, line)} has {len(cells)} cells but the header has {len(self.header)} "
-                            f"(a row cut off, or a field holding the delimiter {self.delimiter!r} unquoted); fix the row.")  # fmt: skip
+            raise UserError(
+                f"{self._where(row, line)} has {len(cells)} cells but the header has {len(self.header)} "
+                f"(a row cut off, or a field holding the delimiter {self.delimiter!r} unquoted); fix the row."
+            )
         return dict(zip(self.header, cells))
 
     def _where(self, row: int, line: int) -> str:
@@ -203,12 +209,8 @@ class ParquetReader:
         try:
             meta = pq.ParquetFile(path).metadata
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for damaged files
-            raise UserError(
-                f"{path} is not a readable parquet file (truncated? {e}); copy it again."
-            ) from None
-        self.group_starts = np.cumsum(
-            [0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
-        ).tolist()
+            raise UserError(f"{path} is not a readable parquet file (truncated? {e}); copy it again.") from None
+        self.group_starts = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]).tolist()
         self.rows = meta.num_rows
         self.start = [0]
 
@@ -232,8 +234,9 @@ class ParquetReader:
                         if index > row:
                             yield [index - 1], [index], record, f"{self.path} row {index}"
             except (OSError, ValueError) as e:  # pyarrow's ArrowIOError / ArrowInvalid
-                raise UserError(f"{self.path} row group {g} cannot be read (truncated or damaged: {e}); copy the "
-                                "file again.") from None  # fmt: skip
+                raise UserError(
+                    f"{self.path} row group {g} cannot be read (truncated or damaged: {e}); copy the file again."
+                ) from None
 
     def fetch(self, refs: list[Ref]) -> list[tuple[dict[str, Any], str]]:
         pf, groups = self._file(), {}
@@ -242,9 +245,7 @@ class ParquetReader:
             g = int(np.searchsorted(self.group_starts, row, side="right")) - 1
             if g not in groups:
                 groups = {g: pf.read_row_group(g)}  # refs come roughly in file order: keep one group
-            out.append(
-                (groups[g].slice(row - self.group_starts[g], 1).to_pylist()[0], f"{self.path} row {row + 1}")
-            )
+            out.append((groups[g].slice(row - self.group_starts[g], 1).to_pylist()[0], f"{self.path} row {row + 1}"))
         return out
 
     def count(self, at: Ref) -> int:
@@ -257,8 +258,10 @@ def open_reader(path: str | Path, fmt: str, key: str = "data.source"):
         raise UserError(f"{key} {path} is a folder; point it at a .jsonl, .csv, .parquet or .txt file.")
     fmt = detect_format(path) if fmt == "auto" else fmt
     if fmt not in STREAM_FORMATS:
-        raise UserError(f"{key} {path} is one {fmt.upper()} document, which cannot be read in pieces: convert it to "
-                        "JSON lines (one object a line), or set data.streaming=false.")  # fmt: skip
+        raise UserError(
+            f"{key} {path} is one {fmt.upper()} document, which cannot be read in pieces: convert it to "
+            "JSON lines (one object a line), or set data.streaming=false."
+        )
     if fmt == "parquet":
         return ParquetReader(path)
     return CsvReader(path) if fmt == "csv" else LineReader(path, fmt)
@@ -320,7 +323,8 @@ def streaming_choice(data_cfg: TextData) -> tuple[bool, str]:
     if setting is True:
         return (
             True,
-            f"data: streamed from {source} (data.streaming=true): read in order, shuffled in a buffer of {data_cfg.shuffle_buffer} records",
+            f"data: streamed from {source} (data.streaming=true): read in order, "
+            f"shuffled in a buffer of {data_cfg.shuffle_buffer} records",
         )
     budget, fmt, path = budget_mb(data_cfg), data_cfg.format, Path(source).expanduser()
     if not path.is_file():
@@ -329,8 +333,10 @@ def streaming_choice(data_cfg: TextData) -> tuple[bool, str]:
         return False, "data: read whole into memory (a JSON document cannot be streamed)"
     mb, rows = decoded_mb(path, fmt, data_cfg.max_length)
     if mb > budget:
-        return True, (f"data: streamed from {path.name}: about {mb:.0f} MB decoded ({rows:,} records) is over "
-                      f"data.resident_max_mb={budget:.0f} (data.streaming=auto)")  # fmt: skip
+        return True, (
+            f"data: streamed from {path.name}: about {mb:.0f} MB decoded ({rows:,} records) is over "
+            f"data.resident_max_mb={budget:.0f} (data.streaming=auto)"
+        )
     return (
         False,
         f"data: held in memory: about {mb:.0f} MB decoded ({rows:,} records), within data.resident_max_mb={budget:.0f}",

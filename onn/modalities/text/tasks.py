@@ -65,7 +65,10 @@ log = logging.getLogger("onn")
 SHORT_ANSWER_TOKENS = 32  # exact match after training only where generating answers is cheap
 AUTO_NEW_TOKENS_MARGIN = 16  # task.max_new_tokens=auto: the longest reference answer plus this
 MAX_AUTO_NEW_TOKENS = 1024
-EMPTY_HINT = "its first token was end-of-text; a chat model answers in its chat format: check data.chat_template and task.template"
+EMPTY_HINT = (
+    "its first token was end-of-text; a chat model answers in its chat format: "
+    "check data.chat_template and task.template"
+)
 
 
 def build(config: ONNConfig, plan: Plan) -> tuple[CausalLM, Any]:
@@ -124,8 +127,12 @@ def streaming_settings(
     chosen = {key: getattr(s, key) if given[key] in (None, "auto") else given[key] for key in STREAMING_KEYS}
     # Mixed precision computes the matmuls in the plan's compute dtype anyway: frozen weights streamed in
     # it skip a decode to the model's float32 and autocast's cast back (a bf16 store on a CPU: zero-copy).
-    settings = EngineSettings(**chosen, prefetch=fixed.prefetch, suffix_rows=s.suffix_rows,
-                              compute_dtype=s.compute_dtype if plan.precision.endswith("-mixed") else None)  # fmt: skip
+    settings = EngineSettings(
+        **chosen,
+        prefetch=fixed.prefetch,
+        suffix_rows=s.suffix_rows,
+        compute_dtype=s.compute_dtype if plan.precision.endswith("-mixed") else None,
+    )
     if generate:
         settings.chunk_size = settings.chunk_size if fixed.chunk_size not in (None, "auto") else 1
         if fixed.cache_blocks in (None, "auto"):
@@ -156,8 +163,14 @@ def datamodule(config: ONNConfig, tokenizer) -> TextDataModule:
     return dm
 
 
-def trainer(config: ONNConfig, plan: Plan, run_dir: Path, callbacks: list, loggers: bool = True,
-            steps_per_epoch: int | None = None):  # fmt: skip
+def trainer(
+    config: ONNConfig,
+    plan: Plan,
+    run_dir: Path,
+    callbacks: list,
+    loggers: bool = True,
+    steps_per_epoch: int | None = None,
+):
     """The Trainer for a language model: the layer-streaming strategy when the plan streams (its data-parallel
     form with several processes). Each process takes its own slice of every global batch (TextDataModule)."""
     strategy = None
@@ -166,16 +179,22 @@ def trainer(config: ONNConfig, plan: Plan, run_dir: Path, callbacks: list, logge
         from datetime import timedelta
 
         timeout = timedelta(seconds=config.strategy.timeout_s)
-        strategy = LayerStreamingDDPStrategy(
-            settings, store_root(config), plan.micro_batch, timeout=timeout
-        )
+        strategy = LayerStreamingDDPStrategy(settings, store_root(config), plan.micro_batch, timeout=timeout)
     elif settings:
         device = compute_device(plan.hardware["accelerator"])
         strategy = LayerStreamingStrategy(settings, store_root(config), plan.micro_batch, device=device)
     elif config.strategy.lightning == "streaming":
         strategy = "auto"  # sparse_lora that the plan did not choose to stream
-    return build_trainer(config, plan, run_dir, callbacks, strategy=strategy, loggers=loggers,
-                         steps_per_epoch=steps_per_epoch, distributed_sampler=False)  # fmt: skip
+    return build_trainer(
+        config,
+        plan,
+        run_dir,
+        callbacks,
+        strategy=strategy,
+        loggers=loggers,
+        steps_per_epoch=steps_per_epoch,
+        distributed_sampler=False,
+    )
 
 
 def load_weights(module: CausalLM, ckpt: Path) -> None:
@@ -190,8 +209,11 @@ def early_tokenizer(model_cfg: LanguageModelConfig, cache_dir) -> Any | None:
     source, remote = model_cfg.source, model_cfg.trust_remote_code
     if model_cfg.tokenizer:
         return finish_tokenizer(model_cfg, None, remote)
-    folder = {"folder": lambda: expand(source), "hub": lambda: hub_folder(source),
-              "gguf": lambda: converted_gguf(source, cache_dir)}.get(source_kind(source), lambda: None)()  # fmt: skip
+    folder = {
+        "folder": lambda: expand(source),
+        "hub": lambda: hub_folder(source),
+        "gguf": lambda: converted_gguf(source, cache_dir),
+    }.get(source_kind(source), lambda: None)()
     tokenizer = tokenizer_from(folder, remote) if folder else None
     return finish_tokenizer(model_cfg, tokenizer, remote) if tokenizer is not None else None
 
@@ -199,16 +221,17 @@ def early_tokenizer(model_cfg: LanguageModelConfig, cache_dir) -> Any | None:
 def train(job: Job) -> dict[str, Any]:
     config, plan, run_dir, ckpt = job.config, job.plan, job.run_dir, job.ckpt
     early = early_tokenizer(config.model, config.paths.cache)
-    dm = (
-        datamodule(config, early) if early is not None else None
-    )  # a data mistake costs a second, not a store build
+    dm = datamodule(config, early) if early is not None else None  # a data mistake costs a second, not a store build
     module, tokenizer = build(config, plan)
     if ckpt is not None:  # before Lightning restores it: a checkpoint of another model is one sentence
         check_state(module, state_shapes(ckpt), ckpt, loads_frozen=module.strict_loading)
     dm = dm or datamodule(config, tokenizer)
     clock = StepClock()
-    callbacks = [StepCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps), clock,
-                 ResourceMonitor(config.trainer.log_every_n_steps)]  # fmt: skip
+    callbacks = [
+        StepCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps),
+        clock,
+        ResourceMonitor(config.trainer.log_every_n_steps),
+    ]
     if config.data.trace:
         callbacks.append(SampleTrace(config.data.trace, tokenizer))
     fit = trainer(config, plan, run_dir, callbacks, steps_per_epoch=dm.steps_per_epoch)
@@ -250,14 +273,19 @@ def train(job: Job) -> dict[str, Any]:
     elif samples and any(p for p, _ in dm.val_examples):
         module.model.to(job.device)  # Lightning's teardown left it on the CPU
         with gathered(module):  # ZeRO-3's partitioned weights, whole for generation
-            scores = answer_scores(module.model, tokenizer, dm.val_examples, config.data.answer_pattern, samples,
-                                   max_new_tokens=dm.max_answer_tokens + 2, engine=module.engine,
-                                   batch_size=generate_batch(plan, samples))  # fmt: skip
+            scores = answer_scores(
+                module.model,
+                tokenizer,
+                dm.val_examples,
+                config.data.answer_pattern,
+                samples,
+                max_new_tokens=dm.max_answer_tokens + 2,
+                engine=module.engine,
+                batch_size=generate_batch(plan, samples),
+            )
         metrics.update({f"val/{k}": v for k, v in scores.items()})
     if writes and config.export.name != "none":
-        metrics.update(
-            export_for_run(config, module.model, run_dir, tokenizer=tokenizer, engine=module.engine)
-        )
+        metrics.update(export_for_run(config, module.model, run_dir, tokenizer=tokenizer, engine=module.engine))
     return metrics
 
 
@@ -272,18 +300,32 @@ def evaluate(job: Job) -> dict[str, Any]:
     trainer(config, plan, job.run_dir, [], loggers=False).validate(module, datamodule=dm, verbose=False)
     loss = module.val_losses[-1]
     task = config.task
-    metrics = {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50)), "checkpoint": str(ckpt) if ckpt else None,
-               "params_trainable": sum(p.numel() for p in module.parameters() if p.requires_grad)}  # fmt: skip
+    metrics = {
+        "val/loss": loss,
+        "val/perplexity": math.exp(min(loss, 50)),
+        "checkpoint": str(ckpt) if ckpt else None,
+        "params_trainable": sum(p.numel() for p in module.parameters() if p.requires_grad),
+    }
     metrics.update(data_metrics(dm))
     if any(p for p, _ in dm.val_examples):
         samples = task.max_samples
         module.model.to(job.device)  # Lightning's teardown left it on the CPU
-        scores = answer_scores(module.model, tokenizer, dm.val_examples, config.data.answer_pattern, samples,
-                               new_tokens(task, tokenizer, dm.val_examples[:samples]), engine=module.engine,
-                               batch_size=generate_batch(plan, samples))  # fmt: skip
+        scores = answer_scores(
+            module.model,
+            tokenizer,
+            dm.val_examples,
+            config.data.answer_pattern,
+            samples,
+            new_tokens(task, tokenizer, dm.val_examples[:samples]),
+            engine=module.engine,
+            batch_size=generate_batch(plan, samples),
+        )
         metrics.update({f"val/{k}": v for k, v in scores.items()})
-    print(f"val loss {loss:.4f}  perplexity {metrics['val/perplexity']:.3f}  "
-          f"exact match {metrics.get('val/exact_match', float('nan')):.3f} ({metrics.get('val/answer_extraction', 'no answers')})")  # fmt: skip
+    print(
+        f"val loss {loss:.4f}  perplexity {metrics['val/perplexity']:.3f}  "
+        f"exact match {metrics.get('val/exact_match', float('nan')):.3f} "
+        f"({metrics.get('val/answer_extraction', 'no answers')})"
+    )
     return metrics
 
 
@@ -305,10 +347,14 @@ def new_tokens(task: EvalTask | InferTask, tokenizer, examples: list[tuple[str, 
 def data_metrics(dm: TextDataModule) -> dict[str, Any]:
     """What the data turned into: how many records, the layout chosen and what wraps the prompts."""
     layout = dm.prompter.layout
-    return {"data/train_records": dm.train_records, "data/val_records": len(dm.val_examples),
-            "data/streamed": dm.stream is not None,
-            "data/layout": layout.name if layout else None, "data/mapping": layout.describe() if layout else None,
-            "data/prompt_format": dm.prompter.prompt_format}  # fmt: skip
+    return {
+        "data/train_records": dm.train_records,
+        "data/val_records": len(dm.val_examples),
+        "data/streamed": dm.stream is not None,
+        "data/layout": layout.name if layout else None,
+        "data/mapping": layout.describe() if layout else None,
+        "data/prompt_format": dm.prompter.prompt_format,
+    }
 
 
 def language_model(job: Job) -> LanguageModel:
@@ -376,8 +422,13 @@ def infer(job: Job) -> dict[str, Any]:
     completion = stream(model, tokenizer, text, engine=engine, **gen)
     if not completion.strip():
         log.warning("the completion is empty: the model ended the text at once (%s)", EMPTY_HINT)
-    return {**said, "infer/prompt": config.prompt, "infer/model_input": text, "infer/completion": completion,
-            "infer/empty_completions": int(not completion.strip())}  # fmt: skip
+    return {
+        **said,
+        "infer/prompt": config.prompt,
+        "infer/model_input": text,
+        "infer/completion": completion,
+        "infer/empty_completions": int(not completion.strip()),
+    }
 
 
 def export(job: Job) -> dict[str, Any]:

@@ -46,8 +46,10 @@ def generated(source: str, data_cfg: VideoData, cache_dir: str | os.PathLike) ->
         return folder
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    for split, count, seed in (("train", motion.train_per_class, motion.seed),
-                               ("test", motion.test_per_class, motion.seed + 1_000_003)):  # fmt: skip
+    for split, count, seed in (
+        ("train", motion.train_per_class, motion.seed),
+        ("test", motion.test_per_class, motion.seed + 1_000_003),
+    ):
         rng = np.random.default_rng(seed)
         for label in DIRECTIONS:
             (tmp / split / label).mkdir(parents=True)
@@ -107,9 +109,7 @@ def write_clip(
         for key, value in stream_options.items():
             setattr(stream, key, value)
         for array in frames:
-            for packet in stream.encode(
-                av.VideoFrame.from_ndarray(np.ascontiguousarray(array), format="rgb24")
-            ):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(array), format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)

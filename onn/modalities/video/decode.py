@@ -43,20 +43,20 @@ def fit_settings(data_cfg: VideoData) -> Fit:
     for key, value in (("frames", frames), ("decode_frames", stored)):
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
             raise UserError(
-                f"data.{key}={value!r}: give the number of frames to sample from each clip, a whole number from 1 to 1024."
+                f"data.{key}={value!r}: give the number of frames to sample from each clip, "
+                "a whole number from 1 to 1024."
             )
     if stored < frames:
         raise UserError(
-            f"data.decode_frames={stored} is fewer than data.frames={frames}; store at least the frames the model sees (or null)."
+            f"data.decode_frames={stored} is fewer than data.frames={frames}; "
+            "store at least the frames the model sees (or null)."
         )
     channels = data_cfg.channels
     if channels not in (1, 3) or isinstance(channels, bool):
         raise UserError(f"data.channels={channels!r}: use 3 (RGB) or 1 (grey).")
     size = data_cfg.image_size
     sizes = list(size or [])
-    if len(sizes) != 2 or not all(
-        isinstance(v, int) and not isinstance(v, bool) and 8 <= v <= 4096 for v in sizes
-    ):
+    if len(sizes) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and 8 <= v <= 4096 for v in sizes):
         raise UserError(
             f"data.image_size={size!r}: give [height, width] in pixels, each 8 to 4096 (every frame is resized to it)."
         )
@@ -82,9 +82,7 @@ def decode_video(source: str | IO[bytes], fit: Fit) -> tuple[torch.Tensor, float
             frames, duration = _decode_all(source, fit)
     except BadFile:
         raise
-    except (
-        Exception
-    ) as e:  # PyAV raises FFmpegError subclasses (InvalidDataError, ...), and OSError/ValueError
+    except Exception as e:  # PyAV raises FFmpegError subclasses (InvalidDataError, ...), and OSError/ValueError
         raise BadFile(f"not a decodable video ({decoder_complaint(e)})") from e
     clip = np.stack(frames)  # [T, H, W, C]
     return torch.from_numpy(np.ascontiguousarray(clip.transpose(3, 0, 1, 2))), duration

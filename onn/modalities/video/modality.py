@@ -21,8 +21,27 @@ from onn.data.labelled import sniff_files
 from onn.errors import UserError
 from onn.modalities.base import MediaModality, RunConfig
 
-SUFFIXES = frozenset({".mp4", ".m4v", ".mov", ".avi", ".mkv", ".webm", ".mpg", ".mpeg", ".ts", ".mts", ".m2ts", ".wmv",
-                      ".flv", ".3gp", ".ogv", ".mxf", ".y4m"})  # fmt: skip
+SUFFIXES = frozenset(
+    {
+        ".mp4",
+        ".m4v",
+        ".mov",
+        ".avi",
+        ".mkv",
+        ".webm",
+        ".mpg",
+        ".mpeg",
+        ".ts",
+        ".mts",
+        ".m2ts",
+        ".wmv",
+        ".flv",
+        ".3gp",
+        ".ogv",
+        ".mxf",
+        ".y4m",
+    }
+)
 
 
 class VideoModality(MediaModality):
@@ -51,8 +70,10 @@ class VideoModality(MediaModality):
         source = str(model.source or "")
         kind, _, name = source.partition(":")
         if kind not in ("torchvision", "zoo", "timm") or (kind == "zoo" and name not in VIDEO):
-            raise UserError(f"model={model.name} ({source or 'no source'}) does not take clips; video data trains "
-                            "model=video_c3d_tiny, video_r3d_18, video_r2plus1d, video_mc3_18 or video_frames_resnet18.")  # fmt: skip
+            raise UserError(
+                f"model={model.name} ({source or 'no source'}) does not take clips; video data trains "
+                "model=video_c3d_tiny, video_r3d_18, video_r2plus1d, video_mc3_18 or video_frames_resnet18."
+            )
         if model.channels_last:
             raise UserError(
                 "model.channels_last=true does not apply to clips [B, C, T, H, W]; set model.channels_last=false."
@@ -67,9 +88,7 @@ class VideoModality(MediaModality):
         from onn.models.video import build_video_classifier
 
         channels, _, height, width = inputs["input_shape"]
-        return build_video_classifier(
-            model_cfg, channels, len(inputs["classes"]), inputs["frames"], [height, width]
-        )
+        return build_video_classifier(model_cfg, channels, len(inputs["classes"]), inputs["frames"], [height, width])
 
     def transform(self, config: RunConfig, inputs: dict[str, Any]):
         from onn.modalities.video.transform import ClipTransform
@@ -86,9 +105,7 @@ class VideoModality(MediaModality):
         if mean in (None, "auto") or std in (None, "auto"):
             channels = settings["fit"]["channels"]
             mean, std = (
-                ([0.5] * channels, [0.25] * channels)
-                if dm.streamed
-                else measure_stats(dm.splits["train"].inputs)
+                ([0.5] * channels, [0.25] * channels) if dm.streamed else measure_stats(dm.splits["train"].inputs)
             )
         return {**settings, "mean": [float(v) for v in mean], "std": [float(v) for v in std]}
 
@@ -100,9 +117,7 @@ class VideoModality(MediaModality):
         data: VideoData = config.data
         settings = self._settings(data)
         fit = settings["fit"]
-        classes = data.classes or [
-            str(i) for i in range(data.num_classes if isinstance(data.num_classes, int) else 10)
-        ]
+        classes = data.classes or [str(i) for i in range(data.num_classes if isinstance(data.num_classes, int) else 10)]
         return {
             "classes": [str(c) for c in classes],
             "input_shape": [fit["channels"], fit["frames"], *fit["size"]],

@@ -1,4 +1,5 @@
-"""A picture of video predictions: a strip of each clip's sampled frames, captioned with its predicted (and true) class."""
+"""A picture of video predictions: a strip of each clip's sampled frames, captioned with its predicted (and true)
+class."""
 
 from __future__ import annotations
 

@@ -21,9 +21,7 @@ SAMPLING = ("uniform", "random")
 
 
 class ClipTransform:
-    def __init__(
-        self, augment: ImageAugment | None, mean: list[float], std: list[float], frames: int, sampling: str
-    ):
+    def __init__(self, augment: ImageAugment | None, mean: list[float], std: list[float], frames: int, sampling: str):
         if sampling not in SAMPLING:
             raise UserError(
                 f"data.sampling={sampling!r}: use uniform or random (training picks random frames, one per segment)."
@@ -58,12 +56,7 @@ class ClipTransform:
         if train and self.sampling == "random":
             edges = torch.linspace(0, stored, n + 1, device=clips.device)
             width = (edges[1:] - edges[:-1]).clamp_min(1)
-            index = (
-                (edges[:-1] + torch.rand(b, n, device=clips.device) * width)
-                .floor()
-                .long()
-                .clamp_max(stored - 1)
-            )
+            index = (edges[:-1] + torch.rand(b, n, device=clips.device) * width).floor().long().clamp_max(stored - 1)
         else:
             index = torch.linspace(0, stored - 1, n, device=clips.device).round().long().expand(b, n)
         shape = clips.shape

@@ -17,9 +17,16 @@ from onn.models.zoo.v28 import ConvBlock
 class AudioCNN(nn.Module):
     """conv blocks (16, 32, 64, 128 filters) -> global average pool -> dropout -> classes."""
 
-    def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int | list[int] = 64,
-                 widths: tuple[int, ...] = (16, 32, 64, 128), convs_per_block: int = 2, dropout: float = 0.3,
-                 negative_slope: float = 0.01):  # fmt: skip
+    def __init__(
+        self,
+        in_channels: int = 1,
+        num_classes: int = 10,
+        image_size: int | list[int] = 64,
+        widths: tuple[int, ...] = (16, 32, 64, 128),
+        convs_per_block: int = 2,
+        dropout: float = 0.3,
+        negative_slope: float = 0.01,
+    ):
         super().__init__()
         blocks, channels = [], in_channels
         for width in widths:
@@ -41,8 +48,11 @@ class AudioCNN(nn.Module):
         self.classifier.add_module("head", nn.Linear(channels, num_classes))
         self.num_classes = num_classes
         self.num_features = channels
-        self.pretrained_cfg = {"first_conv": "features.0.0", "classifier": "classifier.head",
-                               "input_size": (in_channels, *given)}  # fmt: skip
+        self.pretrained_cfg = {
+            "first_conv": "features.0.0",
+            "classifier": "classifier.head",
+            "input_size": (in_channels, *given),
+        }
 
     def forward(self, x):
         return self.classifier(self.flatten(self.pool(self.features(x))))

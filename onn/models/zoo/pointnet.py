@@ -38,9 +38,7 @@ class PointPool(nn.Module):
     def __init__(self, pooling: tuple[str, ...]):
         super().__init__()
         if not pooling or set(pooling) - set(POOLS):
-            raise UserError(
-                f"zoo:pointnet: pooling {list(pooling)} must name one or more of {', '.join(POOLS)}."
-            )
+            raise UserError(f"zoo:pointnet: pooling {list(pooling)} must name one or more of {', '.join(POOLS)}.")
         self.pooling = tuple(pooling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,9 +49,16 @@ class PointPool(nn.Module):
 class PointNet(nn.Module):
     """points [B, P, C] -> shared MLP (widths) -> max (and mean) over points -> head (hidden) -> classes."""
 
-    def __init__(self, in_channels: int = 3, num_classes: int = 10, num_points: int = 1024,
-                 widths: tuple[int, ...] = (64, 128, 256), hidden: tuple[int, ...] = (128,), dropout: float = 0.3,
-                 pooling: tuple[str, ...] = ("max",)):  # fmt: skip
+    def __init__(
+        self,
+        in_channels: int = 3,
+        num_classes: int = 10,
+        num_points: int = 1024,
+        widths: tuple[int, ...] = (64, 128, 256),
+        hidden: tuple[int, ...] = (128,),
+        dropout: float = 0.3,
+        pooling: tuple[str, ...] = ("max",),
+    ):
         super().__init__()
         blocks, channels = [], in_channels
         for width in widths:

@@ -19,8 +19,17 @@ PAD_ID = 258
 class TextEncoder(nn.Module):
     """token ids [B, L] (PAD_ID after the text) -> features [B, out_features]."""
 
-    def __init__(self, out_features: int = 128, max_length: int = 64, width: int = 64, layers: int = 2, heads: int = 4,
-                 dropout: float = 0.1, vocab_size: int = BYTE_VOCAB, pad_id: int = PAD_ID):  # fmt: skip
+    def __init__(
+        self,
+        out_features: int = 128,
+        max_length: int = 64,
+        width: int = 64,
+        layers: int = 2,
+        heads: int = 4,
+        dropout: float = 0.1,
+        vocab_size: int = BYTE_VOCAB,
+        pad_id: int = PAD_ID,
+    ):
         super().__init__()
         self.pad_id = pad_id
         self.embed = nn.Embedding(vocab_size, width, padding_idx=pad_id)
@@ -38,9 +47,7 @@ class TextEncoder(nn.Module):
         x = self.embed(ids) + self.position[: ids.shape[1]]
         # padding as an additive float mask (not a bool key_padding_mask): the fast path and its nested
         # tensors stay off, so training, evaluation and the exported graph compute the same thing
-        mask = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill(~keep, float("-inf"))[
-            :, None, :
-        ]
+        mask = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill(~keep, float("-inf"))[:, None, :]
         mask = (
             mask.expand(-1, ids.shape[1], -1).repeat_interleave(self.blocks[0].self_attn.num_heads, dim=0)
             if self.blocks

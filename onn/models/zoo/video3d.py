@@ -24,8 +24,15 @@ class Conv3dBlock(nn.Sequential):
 class C3DTiny(nn.Module):
     """3-D conv blocks (16, 32, 64 filters) -> global average pool -> dropout -> classes."""
 
-    def __init__(self, in_channels: int = 3, num_classes: int = 10, frames: int = 8, image_size: int | list[int] = 32,
-                 widths: tuple[int, ...] = (16, 32, 64), dropout: float = 0.2):  # fmt: skip
+    def __init__(
+        self,
+        in_channels: int = 3,
+        num_classes: int = 10,
+        frames: int = 8,
+        image_size: int | list[int] = 32,
+        widths: tuple[int, ...] = (16, 32, 64),
+        dropout: float = 0.2,
+    ):
         super().__init__()
         size = [image_size, image_size] if isinstance(image_size, int) else [int(v) for v in image_size]
         t, h, w = int(frames), size[0], size[1]
@@ -42,8 +49,11 @@ class C3DTiny(nn.Module):
         self.classifier.add_module("head", nn.Linear(channels, num_classes))
         self.num_classes = num_classes
         self.num_features = channels
-        self.pretrained_cfg = {"first_conv": "features.0.0", "classifier": "classifier.head",
-                               "input_size": (in_channels, int(frames), *size)}  # fmt: skip
+        self.pretrained_cfg = {
+            "first_conv": "features.0.0",
+            "classifier": "classifier.head",
+            "input_size": (in_channels, int(frames), *size),
+        }
 
     def forward(self, x):
         return self.classifier(self.flatten(self.pool(self.features(x))))

@@ -43,8 +43,14 @@ MAX_SEED = 2**63 - 1
 class ApiError(Exception):
     """A request the server refuses, as OpenAI's error object."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
@@ -55,8 +61,9 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None) -> JSONResponse:  # fmt: skip
+def error_response(
+    status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
 
@@ -86,9 +93,7 @@ class StreamOptions(BaseModel):
 class Generation(BaseModel):
     """What chat completions and completions share."""
 
-    model_config = ConfigDict(
-        strict=True, extra="allow"
-    )  # other OpenAI fields (user, logit_bias...) are ignored
+    model_config = ConfigDict(strict=True, extra="allow")  # other OpenAI fields (user, logit_bias...) are ignored
     model: str = Field(max_length=256)
     stream: bool = False
     max_tokens: int | None = Field(default=None, ge=1)
@@ -140,20 +145,20 @@ class Guard:
         if self.api_key and scope["path"] not in OPEN_PATHS:
             given = headers.get("authorization", "")
             scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(
-                token.strip().encode(), self.api_key.encode()
-            ):
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
                 self.stats.add(refused=1)
-                response = error_response(401, "missing or wrong API key: send `Authorization: Bearer KEY`",
-                                          "authentication_error", code="invalid_api_key")  # fmt: skip
+                response = error_response(
+                    401,
+                    "missing or wrong API key: send `Authorization: Bearer KEY`",
+                    "authentication_error",
+                    code="invalid_api_key",
+                )
                 return await response(scope, receive, send)
         limit = self.max_upload + UPLOAD_OVERHEAD if scope["path"] == "/v1/classify" else self.max_body
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
             status, what = (
-                (413, f"the request body is over {limit} bytes")
-                if length.isdigit()
-                else (400, "a bad Content-Length")
+                (413, f"the request body is over {limit} bytes") if length.isdigit() else (400, "a bad Content-Length")
             )
             self.stats.add(refused=1)
             return await error_response(status, what, code="request_too_large" if status == 413 else None)(
@@ -170,8 +175,9 @@ class Guard:
             more = message.get("more_body", False)
             if len(body) > limit:
                 self.stats.add(refused=1)
-                return await error_response(413, f"the request body is over {limit} bytes",
-                                            code="request_too_large")(scope, receive, send)  # fmt: skip
+                return await error_response(413, f"the request body is over {limit} bytes", code="request_too_large")(
+                    scope, receive, send
+                )
         replayed = False
 
         async def replay():
@@ -204,13 +210,23 @@ def create_app(served: Any, settings: ServeConfig, model_name: str, api_key: str
     app.state.stats, app.state.scheduler = server.stats, server.scheduler
     app.state.close = server.scheduler.close if server.scheduler else (lambda: None)
     app.state.kind = "classifier" if server.classifier else "language model"
-    app.add_middleware(Guard, api_key=api_key, max_body=settings.max_body_bytes,
-                       max_upload=settings.max_upload_bytes, stats=server.stats)  # fmt: skip
+    app.add_middleware(
+        Guard,
+        api_key=api_key,
+        max_body=settings.max_body_bytes,
+        max_upload=settings.max_upload_bytes,
+        stats=server.stats,
+    )
     _answer_errors(app, server.stats)
-    for path, method, handler in (("/health", "GET", server.health), ("/", "GET", server.index),
-                                  ("/v1/models", "GET", server.models), ("/v1/models/{name:path}", "GET", server.model),
-                                  ("/v1/chat/completions", "POST", server.chat), ("/v1/completions", "POST", server.completions),
-                                  ("/v1/classify", "POST", server.classify)):  # fmt: skip
+    for path, method, handler in (
+        ("/health", "GET", server.health),
+        ("/", "GET", server.index),
+        ("/v1/models", "GET", server.models),
+        ("/v1/models/{name:path}", "GET", server.model),
+        ("/v1/chat/completions", "POST", server.chat),
+        ("/v1/completions", "POST", server.completions),
+        ("/v1/classify", "POST", server.classify),
+    ):
         app.add_api_route(path, handler, methods=[method])
     return app
 
@@ -267,29 +283,27 @@ class Server:
 
     async def model(self, name: str):
         if name != self.model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; this server has {self.model_name!r}", param="model",
-                           code="model_not_found")  # fmt: skip
+            raise ApiError(
+                404,
+                f"the model {name!r} does not exist; this server has {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         return _model_card(self.model_name, self.created, self.classifier)
 
     async def chat(self, request: Request):
         req = _parse(await request.body(), ChatRequest)
         lm = _language_model(self.served, req, self.model_name)
-        messages = [
-            {"role": "user" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
-        ]
+        messages = [{"role": "user" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
         prompter, template = lm.prompter, self.settings.template
         try:
             if template and len(messages) == 1 and messages[0]["role"] == "user":
-                text = prompter.render(
-                    messages[0]["content"]
-                )  # as trained: data.template, then the chat template
+                text = prompter.render(messages[0]["content"])  # as trained: data.template, then the chat template
             elif template or prompter.chat:
                 text = prompter.render_messages(messages)
             else:
                 text = "".join(m["content"] for m in messages)
-        except (
-            Exception
-        ) as e:  # a chat template's own rule (roles that must alternate...), a template's field
+        except Exception as e:  # a chat template's own rule (roles that must alternate...), a template's field
             raise ApiError(
                 400, f"the messages do not fit the model's prompt format: {_short(e)}", param="messages"
             ) from None
@@ -309,11 +323,17 @@ class Server:
         sampling = _sampling(req, self.settings)
         room = _context(self.served)
         if room is not None and len(ids) + sampling.max_tokens > room:
-            raise ApiError(400, f"the prompt's {len(ids)} tokens and max_tokens {sampling.max_tokens} pass the model's "
-                                f"context of {room} tokens", param="max_tokens", code="context_length_exceeded")  # fmt: skip
+            raise ApiError(
+                400,
+                f"the prompt's {len(ids)} tokens and max_tokens {sampling.max_tokens} pass the model's "
+                f"context of {room} tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         if len(self.scheduler.waiting) >= self.settings.max_waiting:
-            raise ApiError(429, "too many requests are waiting; try again shortly", "rate_limit_error",
-                           code="rate_limit_exceeded")  # fmt: skip
+            raise ApiError(
+                429, "too many requests are waiting; try again shortly", "rate_limit_error", code="rate_limit_exceeded"
+            )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         seq = Sequence(ids, sampling, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
@@ -323,13 +343,14 @@ class Server:
         now = int(time.time())
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return StreamingResponse(self._stream(seq, events, rid, kind, now, usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+            return StreamingResponse(
+                self._stream(seq, events, rid, kind, now, usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         return await self._whole(request, seq, events, rid, kind, now)
 
-    async def _whole(
-        self, request: Request, seq: Sequence, events: asyncio.Queue, rid: str, kind: str, now: int
-    ):
+    async def _whole(self, request: Request, seq: Sequence, events: asyncio.Queue, rid: str, kind: str, now: int):
         """The whole completion, once it has finished (499 when the client left meanwhile)."""
         text, finish = [], None
         try:
@@ -349,25 +370,44 @@ class Server:
             seq.cancel()
             raise
         if finish["finish"] == "error":
-            raise ApiError(
-                503, f"generation failed: {finish['error']}", "server_error", code="generation_failed"
-            )
+            raise ApiError(503, f"generation failed: {finish['error']}", "server_error", code="generation_failed")
         self.stats.add(completion_tokens=finish["completion_tokens"])
         content = "".join(text)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish["finish"],
-                   "logprobs": None} if kind == "chat.completion" else
-                  {"index": 0, "text": content, "finish_reason": finish["finish"], "logprobs": None})  # fmt: skip
-        return {"id": rid, "object": kind, "created": now, "model": self.model_name, "choices": [choice],
-                "usage": _usage(finish)}  # fmt: skip
+        choice = (
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content},
+                "finish_reason": finish["finish"],
+                "logprobs": None,
+            }
+            if kind == "chat.completion"
+            else {"index": 0, "text": content, "finish_reason": finish["finish"], "logprobs": None}
+        )
+        return {
+            "id": rid,
+            "object": kind,
+            "created": now,
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": _usage(finish),
+        }
 
     async def _stream(self, seq: Sequence, events: asyncio.Queue, rid: str, kind: str, now: int, usage: bool):
         chat, name = kind == "chat.completion", self.model_name
 
         def chunk(delta: dict | None, text: str | None, finish: str | None) -> str:
-            choice = ({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None} if chat else
-                      {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})  # fmt: skip
-            body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": now,
-                    "model": name, "choices": [choice]}  # fmt: skip
+            choice = (
+                {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                if chat
+                else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            )
+            body = {
+                "id": rid,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": now,
+                "model": name,
+                "choices": [choice],
+            }
             return _sse(body)
 
         try:
@@ -380,16 +420,22 @@ class Server:
                     continue
                 if event["finish"] == "error":
                     yield _sse(
-                        error_body(
-                            f"generation failed: {event['error']}", "server_error", code="generation_failed"
-                        )
+                        error_body(f"generation failed: {event['error']}", "server_error", code="generation_failed")
                     )
                     break
                 self.stats.add(completion_tokens=event["completion_tokens"])
                 yield chunk({}, "", event["finish"])
                 if usage:
-                    yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": now,
-                                "model": name, "choices": [], "usage": _usage(event)})  # fmt: skip
+                    yield _sse(
+                        {
+                            "id": rid,
+                            "object": "chat.completion.chunk" if chat else "text_completion",
+                            "created": now,
+                            "model": name,
+                            "choices": [],
+                            "usage": _usage(event),
+                        }
+                    )
                 break
             yield "data: [DONE]\n\n"
         finally:
@@ -397,8 +443,11 @@ class Server:
 
     async def classify(self, request: Request):
         if not self.classifier:
-            raise ApiError(400, f"{self.model_name} is a language model: use /v1/chat/completions or /v1/completions",
-                           code="not_a_classifier")  # fmt: skip
+            raise ApiError(
+                400,
+                f"{self.model_name} is a language model: use /v1/chat/completions or /v1/completions",
+                code="not_a_classifier",
+            )
         try:
             form = await request.form(max_files=1, max_fields=8, max_part_size=self.settings.max_upload_bytes)
         except Exception as e:  # not multipart, a broken body, too many parts
@@ -413,8 +462,12 @@ class Server:
     async def _classify(self, form: FormData) -> dict[str, Any]:
         given: ClassifyForm = _validated(dict(form), ClassifyForm)
         if given.model is not None and given.model != self.model_name:
-            raise ApiError(404, f"the model {given.model!r} does not exist; this server has {self.model_name!r}",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise ApiError(
+                404,
+                f"the model {given.model!r} does not exist; this server has {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         most, limit = self.settings.top_k, self.settings.max_upload_bytes
         top_k = most if given.top_k is None else given.top_k
         if not 1 <= top_k <= most:
@@ -429,8 +482,12 @@ class Server:
         labels, image = await run_in_threadpool(
             _run_classifier, self.served, data, upload.filename or "", top_k, given.picture
         )
-        out = {"object": "classification", "model": self.model_name, "filename": upload.filename,
-               "labels": [{"label": label, "probability": round(p, 6)} for label, p in labels]}  # fmt: skip
+        out = {
+            "object": "classification",
+            "model": self.model_name,
+            "filename": upload.filename,
+            "labels": [{"label": label, "probability": round(p, 6)} for label, p in labels],
+        }
         if image is not None:
             out["picture"] = "data:image/png;base64," + base64.b64encode(image).decode()
         return out
@@ -439,9 +496,7 @@ class Server:
 _classify_lock = threading.Lock()
 
 
-def _run_classifier(
-    served, data: bytes, filename: str, top_k: int, picture: bool
-) -> tuple[list, bytes | None]:
+def _run_classifier(served, data: bytes, filename: str, top_k: int, picture: bool) -> tuple[list, bytes | None]:
     """Decode the upload as the modality reads a file (a temporary file of the upload's extension)."""
     suffix = "".join(Path(filename).suffixes[-2:])[:16].lower()
     suffix = suffix if re.fullmatch(r"(\.[a-z0-9]{1,8}){1,2}", suffix) else ""
@@ -452,11 +507,13 @@ def _run_classifier(
             try:
                 labels, sample = served.classify(path, top_k)
             except UserError as e:
-                raise ApiError(400, str(e).replace(str(path), filename or "the upload"), param="file",
-                               code="unreadable_file") from None  # fmt: skip
+                raise ApiError(
+                    400, str(e).replace(str(path), filename or "the upload"), param="file", code="unreadable_file"
+                ) from None
             except Exception as e:  # a decoder's own complaint about a corrupt file
-                raise ApiError(400, f"the file could not be decoded: {_short(e)}", param="file",
-                               code="unreadable_file") from None  # fmt: skip
+                raise ApiError(
+                    400, f"the file could not be decoded: {_short(e)}", param="file", code="unreadable_file"
+                ) from None
             image = None
             if picture:
                 png = Path(folder) / "picture.png"
@@ -491,27 +548,31 @@ def _no_constant(name: str):
 
 def _language_model(served, req: Generation, model_name: str):
     if hasattr(served, "classify"):
-        raise ApiError(
-            400, f"{model_name} is a classifier: POST a file to /v1/classify", code="not_a_language_model"
-        )
+        raise ApiError(400, f"{model_name} is a classifier: POST a file to /v1/classify", code="not_a_language_model")
     if req.model != model_name:
-        raise ApiError(404, f"the model {req.model!r} does not exist; this server has {model_name!r}", param="model",
-                       code="model_not_found")  # fmt: skip
+        raise ApiError(
+            404,
+            f"the model {req.model!r} does not exist; this server has {model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
     return served
 
 
 def _prompt_ids(lm, text: str, special: bool, settings: ServeConfig, param: str) -> list[int]:
     limit = settings.max_prompt_tokens
     if len(text) > limit * 64:  # no tokenizer packs more than this into a token: refuse before tokenizing
-        raise ApiError(
-            400, f"the prompt is longer than {limit} tokens", param=param, code="context_length_exceeded"
-        )
+        raise ApiError(400, f"the prompt is longer than {limit} tokens", param=param, code="context_length_exceeded")
     ids = list(lm.tokenizer(text, add_special_tokens=special)["input_ids"])
     if not ids:
         raise ApiError(400, "the prompt is empty", param=param)
     if len(ids) > limit:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {limit} (serve.max_prompt_tokens)",
-                       param=param, code="context_length_exceeded")  # fmt: skip
+        raise ApiError(
+            400,
+            f"the prompt has {len(ids)} tokens; this server takes at most {limit} (serve.max_prompt_tokens)",
+            param=param,
+            code="context_length_exceeded",
+        )
     return ids
 
 
@@ -542,8 +603,13 @@ def _usage(finish: dict[str, Any]) -> dict[str, int]:
 
 
 def _model_card(name: str, created: int, classifier: bool) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "onn",
-            "onn_kind": "classifier" if classifier else "language model"}  # fmt: skip
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "onn",
+        "onn_kind": "classifier" if classifier else "language model",
+    }
 
 
 def _sse(body: dict[str, Any]) -> str:

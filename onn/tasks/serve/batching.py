@@ -64,11 +64,7 @@ class Scheduler:
         self.lm, self.slots = lm, slots
         self.tokenizer = lm.tokenizer
         self.eos = lm.eos_ids
-        self.pad = (
-            self.tokenizer.pad_token_id
-            if self.tokenizer.pad_token_id is not None
-            else min(self.eos, default=0)
-        )
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos, default=0)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.active: list[Sequence] = []
         self.cache = None
@@ -145,9 +141,7 @@ class Scheduler:
         step_mask = torch.tensor(rows_mask, dtype=torch.long, device=device)
         if self.cache is None:
             self.cache, past = self.lm.new_cache(), torch.zeros(0, 0, dtype=torch.long, device=device)
-            self.plain = all(
-                type(layer).__name__ == "DynamicLayer" for layer in getattr(self.cache, "layers", [])
-            )
+            self.plain = all(type(layer).__name__ == "DynamicLayer" for layer in getattr(self.cache, "layers", []))
         else:
             past = self.mask
         if joining and past.shape[1]:
@@ -211,9 +205,7 @@ class Scheduler:
         mask = self.mask.index_select(0, index)
         columns = mask.any(dim=0).nonzero()[:, 0]
         self.mask = mask.index_select(1, columns)
-        _edit_cache(
-            self.cache, lambda t: t.index_select(0, index.to(t.device)).index_select(2, columns.to(t.device))
-        )
+        _edit_cache(self.cache, lambda t: t.index_select(0, index.to(t.device)).index_select(2, columns.to(t.device)))
 
 
 def _send(seq: Sequence, event: dict[str, Any]) -> None:
@@ -238,8 +230,11 @@ def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator |
 
 def _layers(cache) -> list:
     """The cache's per-layer key/value holders that hold something."""
-    return [layer for layer in getattr(cache, "layers", []) if getattr(layer, "keys", None) is not None
-            and layer.keys.numel()]  # fmt: skip
+    return [
+        layer
+        for layer in getattr(cache, "layers", [])
+        if getattr(layer, "keys", None) is not None and layer.keys.numel()
+    ]
 
 
 def _edit_cache(cache, edit: Callable[[torch.Tensor], torch.Tensor]) -> None:

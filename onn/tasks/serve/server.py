@@ -35,8 +35,9 @@ def _server_class():
 def make_server(app: Any, host: str, port: int):
     import uvicorn
 
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5, lifespan="off")  # fmt: skip
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5, lifespan="off"
+    )
     return _server_class()(config)
 
 

@@ -30,20 +30,14 @@ def check(config: ONNConfig) -> None:
     """serve.* before the model is built: one sentence per mistake."""
     settings = config.serve
     if settings is None:
-        raise UserError(
-            "task=serve needs its serve.* settings: choose it with task=serve (conf/task/serve.yaml)."
-        )
+        raise UserError("task=serve needs its serve.* settings: choose it with task=serve (conf/task/serve.yaml).")
     for key in WHOLE:
         value = getattr(settings, key)
         least = 0 if key == "port" else 1
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int)
-            or value < least
-            or (key == "port" and value > 65535)
-        ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least or (key == "port" and value > 65535):
             raise UserError(
-                f"serve.{key}={value!r}: give a whole number, {least} or more{' (at most 65535)' if key == 'port' else ''}."
+                f"serve.{key}={value!r}: give a whole number, "
+                f"{least} or more{' (at most 65535)' if key == 'port' else ''}."
             )
     if not isinstance(settings.host, str) or not settings.host:
         raise UserError(f"serve.host={settings.host!r}: give an address to listen on, e.g. 127.0.0.1.")
@@ -72,8 +66,10 @@ def free_address(host: str, port: int) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
             probe.bind(infos[0][4])
     except OSError as e:
-        raise UserError(f"serve.host={host} serve.port={port} cannot be listened on ({e.strerror or e}): "
-                        "choose another serve.port (0: any free one).") from None  # fmt: skip
+        raise UserError(
+            f"serve.host={host} serve.port={port} cannot be listened on ({e.strerror or e}): "
+            "choose another serve.port (0: any free one)."
+        ) from None
 
 
 def build_app(job: Job):
@@ -103,8 +99,11 @@ def run(job: Job) -> dict[str, Any]:
 
     async def announce() -> None:
         shown = f"[{host}]" if ":" in host else host
-        print(f"serving {name} ({kind}) on http://{shown}:{bound_port(server)}: the web page at /, the API at /v1"
-              f"{' (Bearer key required)' if key else ''}; Ctrl-C stops it", flush=True)  # fmt: skip
+        print(
+            f"serving {name} ({kind}) on http://{shown}:{bound_port(server)}: the web page at /, the API at /v1"
+            f"{' (Bearer key required)' if key else ''}; Ctrl-C stops it",
+            flush=True,
+        )
 
     original = server.startup
 
@@ -121,12 +120,14 @@ def run(job: Job) -> dict[str, Any]:
     finally:
         app.state.close()
     if not server.started:
-        raise UserError(
-            f"serve.port={settings.port} on {host} could not be opened (in use? see the log above)."
-        )
+        raise UserError(f"serve.port={settings.port} on {host} could not be opened (in use? see the log above).")
     stats = app.state.stats
-    out = {"serve/requests": stats.requests, "serve/refused": stats.refused,
-           "serve/completion_tokens": stats.completion_tokens, "serve/kind": kind}  # fmt: skip
+    out = {
+        "serve/requests": stats.requests,
+        "serve/refused": stats.refused,
+        "serve/completion_tokens": stats.completion_tokens,
+        "serve/kind": kind,
+    }
     if app.state.scheduler is not None:
         out.update(
             {

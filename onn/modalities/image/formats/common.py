@@ -233,7 +233,12 @@ def finish_classes(listing: Listing, num_classes: int | None, key: str) -> list[
                     else f"the source names only {len(classes)} classes"
                 )
                 label = int(split.labels[i])
-                shown = f"label {classes[label]!r} (class {label} of {len(classes)} names: {', '.join(classes[:6])}{' ...' if len(classes) > 6 else ''})" if classes else f"label {label}"  # fmt: skip
+                shown = (
+                    f"label {classes[label]!r} (class {label} of {len(classes)} names: "
+                    f"{', '.join(classes[:6])}{' ...' if len(classes) > 6 else ''})"
+                    if classes
+                    else f"label {label}"
+                )
                 raise UserError(f"{key}: {where} has {shown}, outside [0, {limit}): {said}.")
     if classes is None:
         classes = [str(i) for i in range(max(top + 1, num_classes or 0))]
@@ -330,9 +335,7 @@ class Arr(Lazy):
     bytes in memory, or an array. Layouts: nchw, nchw_t (H and W stored swapped), records (CIFAR: `skip`
     label bytes before each 3x32x32 image)."""
 
-    def __init__(
-        self, src: Path | bytes | np.ndarray, shape: tuple[int, ...], layout: str = "nchw", offset=0, skip=0
-    ):
+    def __init__(self, src: Path | bytes | np.ndarray, shape: tuple[int, ...], layout: str = "nchw", offset=0, skip=0):
         self.src, self.shape, self.layout, self.offset, self.skip = src, shape, layout, offset, skip
 
     def __len__(self) -> int:

@@ -32,9 +32,7 @@ def csv_rows(path: Path, key: str, labelled: bool = True) -> list[tuple[int, str
         dialect = csv.Sniffer().sniff(sample, delimiters=",\t;")
     except csv.Error:
         dialect = csv.excel_tab if path.suffix.lower() == ".tsv" else csv.excel
-    rows = [
-        (n, r) for n, r in enumerate(csv.reader(io.StringIO(text), dialect), 1) if any(c.strip() for c in r)
-    ]
+    rows = [(n, r) for n, r in enumerate(csv.reader(io.StringIO(text), dialect), 1) if any(c.strip() for c in r)]
     if not rows:
         raise UserError(f"{key} {path} holds no rows; expected path,label rows.")
     first = [c.strip() for c in rows[0][1]]
@@ -75,15 +73,11 @@ def list_csv(path: Path, key: str, allow_unlabelled: bool) -> Listing:
             if f.suffix.lower() in (".csv", ".tsv") and split_of(f.name) and f.is_file():
                 files.setdefault(split_of(f.name), f)
         if not files:
-            raise UserError(
-                f"{key} {path} holds no train.csv / test.csv / val.csv; point {key} at a csv file."
-            )
+            raise UserError(f"{key} {path} holds no train.csv / test.csv / val.csv; point {key} at a csv file.")
     else:
         files = {"all": path}
     tables = {split: csv_rows(f, key) for split, f in files.items()}
-    given = [
-        (files[split], n, lab) for split, rows in tables.items() for n, _, lab in rows if lab is not None
-    ]
+    given = [(files[split], n, lab) for split, rows in tables.items() for n, _, lab in rows if lab is not None]
     numeric = sum(is_int(lab) for _, _, lab in given)
     if 0 < numeric < len(given):  # one class name among numbers (or the other way round) is a typo
         most = numeric * 2 >= len(given)

@@ -100,9 +100,7 @@ def _detect_file(path: Path, key: str) -> str:
     if head[:1] == b"\x80" and "." not in name:
         if name in ("train", "test", "meta"):  # CIFAR-100's python version
             refuse_pickled(str(path), key)
-        raise UserError(
-            f"{key} {path} looks like a Python pickle, which ONN does not load (it can run code)."
-        )
+        raise UserError(f"{key} {path} looks like a Python pickle, which ONN does not load (it can run code).")
     if image_kind(head[:SNIFF_BYTES]):
         return "image"
     try:

@@ -37,14 +37,8 @@ def _idx_read(name: str, src: Path | bytes, images: bool, where: str, key: str):
     head = head_bytes(src, 4 + 4 * want[1])
     magic = int.from_bytes(head[:4], "big") if len(head) >= 4 else -1
     if magic != (want[0] << 0) or len(head) < 4 + 4 * want[1]:
-        what = (
-            "images (magic 0x00000803: uint8, 3 dims)"
-            if images
-            else "labels (magic 0x00000801: uint8, 1 dim)"
-        )
-        raise UserError(
-            f"{key}: {label} is not an IDX {what} file; its first bytes are {head[:4].hex() or 'missing'}."
-        )
+        what = "images (magic 0x00000803: uint8, 3 dims)" if images else "labels (magic 0x00000801: uint8, 1 dim)"
+        raise UserError(f"{key}: {label} is not an IDX {what} file; its first bytes are {head[:4].hex() or 'missing'}.")
     dims = [int.from_bytes(head[4 + 4 * i : 8 + 4 * i], "big") for i in range(want[1])]
     offset = 4 + 4 * want[1]
     expected = offset + int(np.prod(dims))
@@ -105,9 +99,7 @@ def list_idx(files, only: str | None, where: str, key: str, allow_unlabelled: bo
     splits = {}
     for (_, split), pair in sorted(entries.items(), key=lambda e: e[0][1]):
         if "images" not in pair:
-            raise UserError(
-                f"{key}: {where} has the labels file {pair['labels']} but no images file next to it."
-            )
+            raise UserError(f"{key}: {where} has the labels file {pair['labels']} but no images file next to it.")
         n, dims, arr = _idx_read(pair["images"], files[pair["images"]], True, where, key)
         if "labels" in pair:
             m, _, labels = _idx_read(pair["labels"], files[pair["labels"]], False, where, key)

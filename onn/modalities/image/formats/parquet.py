@@ -37,9 +37,7 @@ def _parquet_columns(schema, f: Path, key: str):
     if label is None and len(ints) == 1:
         label = ints[0]
     elif label is None and len(ints) > 1:
-        raise UserError(
-            f"{key}: {f} has several integer columns ({', '.join(ints)}); name the label column 'label'."
-        )
+        raise UserError(f"{key}: {f} has several integer columns ({', '.join(ints)}); name the label column 'label'.")
     return image[0], image[1], label
 
 
@@ -111,9 +109,7 @@ def list_parquet(path: Path, key: str, allow_unlabelled: bool):
                 "other parquet files next to it; rename it or point at one file."
             )
     elif archive_kind(path) is not None:
-        raise UserError(
-            f"{key} {path} is an archive of parquet files; extract it and point {key} at the folder."
-        )
+        raise UserError(f"{key} {path} is an archive of parquet files; extract it and point {key} at the folder.")
     else:
         groups = {"all": [path]}
     classes = None

@@ -117,9 +117,7 @@ def list_items(source: str | Path, fmt: str = "auto", *, key: str = "data.source
     listing = _listing(path, _resolve(path, fmt, key), key, allow_unlabelled=False, stream=True)
     classes = finish_classes(listing, None, key)
     if listing.rejected:
-        log.warning(
-            "Skipped %d items of %s: %s", len(listing.rejected), path, "; ".join(listing.rejected[:3])
-        )
+        log.warning("Skipped %d items of %s: %s", len(listing.rejected), path, "; ".join(listing.rejected[:3]))
     return {
         name: ItemList(s.fetch, torch.from_numpy(s.labels.astype(np.int64)), classes, s.names)
         for name, s in listing.splits.items()
@@ -143,9 +141,7 @@ def _listing(path: Path, fmt: str, key: str, allow_unlabelled: bool, stream: boo
         return list_parquet(path, key, allow_unlabelled)
     if fmt == "image":
         return list_single(path, key)
-    module = {"idx": idx, "cifar_binary": cifar_binary, "svhn_mat": svhn_mat, "stl10_binary": stl10_binary}[
-        fmt
-    ]
+    module = {"idx": idx, "cifar_binary": cifar_binary, "svhn_mat": svhn_mat, "stl10_binary": stl10_binary}[fmt]
     files, only, where = gather(path, module.wanted, key)
     if fmt == "idx":
         return idx.list_idx(files, only, where, key, allow_unlabelled)

@@ -25,9 +25,7 @@ def list_stl10(files, only: str | None, where: str, key: str):
     if only is not None:
         m = re.fullmatch(r"(train|test)_x\.bin", only.lower())
         if not m:
-            raise UserError(
-                f"{key}: point {key} at the STL-10 folder or at train_X.bin / test_X.bin, not {only}."
-            )
+            raise UserError(f"{key}: point {key} at the STL-10 folder or at train_X.bin / test_X.bin, not {only}.")
         wanted = (m.group(1),)
     size = 3 * 96 * 96
     splits = {}
@@ -45,9 +43,7 @@ def list_stl10(files, only: str | None, where: str, key: str):
                 "(3 x 96 x 96 per image); it is truncated or not STL-10."
             )
         n = xbytes // size
-        y = (
-            np.frombuffer(ysrc, np.uint8) if isinstance(ysrc, bytes) else np.fromfile(ysrc, np.uint8)
-        ).astype(np.int64)
+        y = (np.frombuffer(ysrc, np.uint8) if isinstance(ysrc, bytes) else np.fromfile(ysrc, np.uint8)).astype(np.int64)
         if len(y) != n:
             raise UserError(
                 f"{key}: {label_of(where, xname, xsrc)} holds {n} images but "

@@ -33,9 +33,7 @@ def list_svhn(files, only: str | None, where: str, key: str):
         try:
             mat = loadmat(io.BytesIO(src) if isinstance(src, bytes) else src, variable_names=["X", "y"])
         except NotImplementedError as e:
-            raise UserError(
-                f"{key}: {label} is a MATLAB v7.3 (HDF5) file; save it as MAT v5, as SVHN ships."
-            ) from e
+            raise UserError(f"{key}: {label} is a MATLAB v7.3 (HDF5) file; save it as MAT v5, as SVHN ships.") from e
         except Exception as e:  # scipy raises several types for damaged files
             raise UserError(f"{key}: {label} is not a readable .mat file: {e}") from e
         x, y = mat.get("X"), mat.get("y")
