@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from onn.config.model import LanguageModelConfig
+from onn.config.model import LanguageModelConfig, LayerMapOverride
 from onn.errors import UserError
 from onn.models.load import load, meta_model, source_kind
 from onn.models.tokenizer import byte_tokenizer
@@ -22,7 +22,7 @@ def language_model(**keys) -> LanguageModelConfig:
         "tokenizer": None,
         "dtype": "auto",
         "trust_remote_code": False,
-        "layer_map": None,
+        "layer_map": LayerMapOverride(blocks=None),
         "architecture": None,
     }
     return LanguageModelConfig(**{"name": "x", "source": "random", **unset, **keys})

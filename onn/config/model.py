@@ -9,6 +9,14 @@ from omegaconf import MISSING
 
 
 @dataclass
+class LayerMapOverride:
+    """Where a model's repeated blocks are, for a model whose blocks discovery does not find
+    (onn/models/layers.py): `model.layer_map.blocks=model.layers`."""
+
+    blocks: str | None = MISSING  # the blocks' ModuleList path; null: discovered
+
+
+@dataclass
 class ModelConfig:
     name: str = MISSING
 
@@ -21,7 +29,7 @@ class LanguageModelConfig(ModelConfig):
     tokenizer: str | None = MISSING  # null: from source; `byte`: ONN's built-in byte tokenizer
     dtype: str = MISSING  # auto | float32 | bfloat16 | float16
     trust_remote_code: bool = MISSING
-    layer_map: dict[str, Any] | None = MISSING  # override discovery, e.g. {blocks: model.layers}
+    layer_map: LayerMapOverride = MISSING
     architecture: dict[str, Any] | None = MISSING  # a transformers config: the shapes, before weights load
 
 
@@ -36,7 +44,7 @@ class NetworkConfig(ModelConfig):
     channels_last: bool = False
     compile: bool = False  # torch.compile the network
     temporal_pool: str = "mean"  # per-frame image networks on video: mean | tconv
-    layer_map: dict[str, Any] | None = None
+    layer_map: LayerMapOverride = field(default_factory=lambda: LayerMapOverride(blocks=None))
     dtype: str = "float32"
 
 

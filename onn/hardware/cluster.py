@@ -19,21 +19,21 @@ LAUNCHED_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID")
 def rank() -> int:
     """This process's global rank as its launcher gave it (0 when it runs alone or is the first)."""
     for name in ("RANK", "SLURM_PROCID"):
-        if os.environ.get(name, "").isdigit():
+        if os.getenv(name, "").isdigit():
             return int(os.environ[name])
-    local, node = int(os.environ.get("LOCAL_RANK") or 0), int(os.environ.get("NODE_RANK") or 0)
+    local, node = int(os.getenv("LOCAL_RANK") or 0), int(os.getenv("NODE_RANK") or 0)
     return local if node == 0 else max(1, node * 1000 + local)  # node > 0: not rank 0, number unknown here
 
 
 def is_rank_zero() -> bool:
     """True in the one process that writes the run's record, config, plan, adapters and exports."""
-    return all((os.environ.get(name) or "0") == "0" for name in RANK_VARIABLES)
+    return all((os.getenv(name) or "0") == "0" for name in RANK_VARIABLES)
 
 
 def local_rank() -> int:
     """This process's rank on its node (0 when it runs alone): which of the node's GPUs is its own."""
     for name in ("LOCAL_RANK", "SLURM_LOCALID"):
-        if os.environ.get(name, "").isdigit():
+        if os.getenv(name, "").isdigit():
             return int(os.environ[name])
     return 0
 

@@ -140,10 +140,10 @@ def now(accelerator: str, folder: str | os.PathLike) -> dict[str, Any]:
     import shutil
 
     Path(folder).mkdir(parents=True, exist_ok=True)
-    limit = os.environ.get("OMP_NUM_THREADS")
+    limit = os.getenv("OMP_NUM_THREADS")
     busy, runnable = cpu_load()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = os.getenv("CUDA_VISIBLE_DEVICES")
     threads = max(1, min(cores, int(cores - busy + 0.5)))
     return {
         "cpu_share": round(cpu_share(threads, 1.0), 3) if busy >= 0.25 else 1.0,

@@ -41,7 +41,6 @@ from onn.errors import UserError
 from onn.export.write import export_for_run
 from onn.hardware.memory import PeakMemory
 from onn.modalities.base import ClassifierModality, Job
-from onn.models.layers import configured_blocks
 from onn.models.vision import feature_extractor
 from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
@@ -73,7 +72,7 @@ def plan(m: ClassifierModality, config: ONNConfig, hardware: dict[str, Any], use
         str(model_cfg.name),
         pretrained=bool(model_cfg.weights),
         head_params=head_params(network, len(inputs["classes"])),
-        blocks_path=configured_blocks(model_cfg.layer_map),
+        blocks_path=model_cfg.layer_map.blocks,
     )
     return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
 

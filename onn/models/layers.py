@@ -11,7 +11,7 @@ the run holding the most parameters, then the longest. A model config can name t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from onn.errors import UserError
 
@@ -70,11 +70,6 @@ def resolve_indices(layers, n: int, key: str = "strategy.layers") -> list[int]:
             )
         out.add(i % n)
     return sorted(out)
-
-
-def configured_blocks(layer_map: dict[str, Any] | None) -> str | None:
-    """The blocks' path a model config's `layer_map` names (`{blocks: model.layers}`); None: discover them."""
-    return (layer_map or {}).get("blocks")
 
 
 def discover(model: nn.Module, blocks_path: str | None = None) -> LayerMap:

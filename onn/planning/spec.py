@@ -67,7 +67,7 @@ def _spec_cache_path(model_cfg: LanguageModelConfig, lora_rank: int, cache_dir: 
 
     key = {
         "architecture": model_cfg.architecture,
-        "layer_map": model_cfg.layer_map,
+        "layer_map": model_cfg.layer_map.blocks,
         "lora_rank": lora_rank,
         "pretrained": is_pretrained(model_cfg),
         "name": model_cfg.name,
@@ -81,7 +81,7 @@ def _measure_spec(model_cfg: LanguageModelConfig, lora_rank: int) -> ModelSpec:
     from torch import nn
 
     model = meta_model(model_cfg)
-    lmap = discover(model, (model_cfg.layer_map or {}).get("blocks"))  # layer_map: a dict of LayerMap paths
+    lmap = discover(model, model_cfg.layer_map.blocks)
     config = getattr(model, "config", None)
 
     def linear_sizes(block):

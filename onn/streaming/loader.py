@@ -15,7 +15,7 @@ from typing import Any
 
 from onn.config.model import LanguageModelConfig
 from onn.hardware.memory import return_large_frees_to_os
-from onn.models.layers import configured_blocks, discover
+from onn.models.layers import discover
 from onn.models.load import (
     INIT_SEED,
     architecture,
@@ -143,7 +143,7 @@ def load_into_store(
         source.gguf.map_names(model)
     random = source_kind(model_cfg.source) == "random"
     materialise = Materialiser(source, model, dtype, device if random and store.kind == "cpu" else "cpu")
-    layer_map = discover(model, configured_blocks(model_cfg.layer_map))
+    layer_map = discover(model, model_cfg.layer_map.blocks)
     _write_blocks(layer_map, store, materialise, INIT_SEED, dtype)
     _materialise_edges(model, layer_map, materialise, INIT_SEED)
     model.tie_weights()

@@ -209,14 +209,14 @@ def _copy_step(
     import torch
 
     from onn.dtypes import torch_dtype
-    from onn.models.layers import configured_blocks, discover
+    from onn.models.layers import discover
     from onn.models.load import architecture, auto_class, meta_model
     from onn.streaming.engine import StreamingEngine
     from onn.streaming.store import LayerStore
     from onn.training.lora import apply
 
     # the blocks' path from the whole model (one block alone is no run of repeated blocks to discover)
-    blocks_path = discover(meta_model(config.model), configured_blocks(config.model.layer_map)).blocks_path
+    blocks_path = discover(meta_model(config.model), config.model.layer_map.blocks).blocks_path
     arch = architecture(config.model)
     for key in ("num_hidden_layers", "n_layer", "num_layers"):
         if hasattr(arch, key):

@@ -32,7 +32,7 @@ from onn.modalities.text.generate import (
 )
 from onn.modalities.text.module import CausalLM, summarize_losses
 from onn.modalities.text.prompts import Prompter
-from onn.models.layers import configured_blocks, discover
+from onn.models.layers import discover
 from onn.models.load import (
     converted_gguf,
     expand,
@@ -85,7 +85,7 @@ def build(config: ONNConfig, plan: Plan) -> tuple[CausalLM, Any]:
     if plan.strategy == "qlora":
         loaded = load_4bit(model_cfg, dtype, cache, compute_device(plan.hardware["accelerator"]))
     model, tokenizer = loaded or load(model_cfg, dtype=dtype, cache_dir=cache)
-    layer_map = discover(model, configured_blocks(model_cfg.layer_map))
+    layer_map = discover(model, model_cfg.layer_map.blocks)
     model = apply(model, plan.strategy, config.strategy, layer_map, plan.sparse_layers)
     if plan.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

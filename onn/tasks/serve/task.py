@@ -47,7 +47,7 @@ def check(config: ONNConfig) -> None:
 
 def api_key(settings: ServeConfig) -> str | None:
     """serve.api_key, else the ONN_API_KEY environment variable, else none."""
-    return settings.api_key or os.environ.get("ONN_API_KEY") or None
+    return settings.api_key or os.getenv("ONN_API_KEY") or None
 
 
 def model_name(config: ONNConfig) -> str:
