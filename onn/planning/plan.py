@@ -177,16 +177,23 @@ def make_network_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
         threads=None,
         hardware=hardware_summary(hw),
         model={
-            "name": spec.name,
-            "params": spec.params,
-            "blocks": spec.n_blocks,
-            "layer_map": spec.layer_map,
-            "pretrained": spec.pretrained,
+            **model_summary(spec),
             "flops_per_sample": spec.sample_flops,
             "activation_bytes_per_sample": spec.sample_activation_bytes,
         },
         candidates=candidate_table(estimates),
     )
+
+
+def model_summary(spec: ModelSpec) -> dict[str, Any]:
+    """plan.yaml's `model`: what was planned for."""
+    return {
+        "name": spec.name,
+        "params": spec.params,
+        "blocks": spec.n_blocks,
+        "layer_map": spec.layer_map,
+        "pretrained": spec.pretrained,
+    }
 
 
 def candidate_table(estimates: dict[str, Estimate]) -> dict[str, dict[str, Any]]:
@@ -556,13 +563,7 @@ def _record(r: PlanRequest, chosen: str, estimates: dict[str, Estimate], reasons
         streaming=est.streaming,
         threads=threads_for(hw)[0] if hw.accelerator == "cpu" else None,
         hardware=hardware_summary(hw),
-        model={
-            "name": spec.name,
-            "params": spec.params,
-            "blocks": spec.n_blocks,
-            "layer_map": spec.layer_map,
-            "pretrained": spec.pretrained,
-        },
+        model=model_summary(spec),
         candidates=candidate_table(estimates),
     )
 

@@ -9,7 +9,6 @@ head runs.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from onn.training.distributed import clip_gradients
 from onn.training.optim import make_optimizer, make_schedule
 from onn.training.record import EpochRecord, log_train_loss
 
-log = logging.getLogger("onn")
 LOOP = "epochs"
 
 
@@ -179,19 +177,7 @@ class Classifier(EpochRecord, L.LightningModule):
             self.metrics[f"{stage}_{metric}"].reset()
         self.log_dict(figures, prog_bar=stage == "val")
         if stage == "val" and not self.trainer.sanity_checking:
-            self.history.append(
-                {
-                    "epoch": self.current_epoch,
-                    "step": self.global_step,
-                    **{k: round(float(v), 5) for k, v in figures.items()},
-                }
-            )
-            log.info(
-                "epoch %d step %d: %s",
-                self.current_epoch,
-                self.global_step,
-                "  ".join(f"{k} {float(v):.4f}" for k, v in figures.items()),
-            )
+            self.record_epoch(figures, list(figures))
             self._log_confusion(stage)
 
     def _log_confusion(self, stage: str) -> None:

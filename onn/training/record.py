@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import lightning as L
@@ -9,6 +10,8 @@ import torch
 
 from onn.errors import UserError
 from onn.training.callbacks import logs_now
+
+log = logging.getLogger("onn")
 
 
 class EpochRecord:
@@ -21,9 +24,24 @@ class EpochRecord:
 
     loop: str
     describes: str
+    current_epoch: int  # LightningModule's
+    global_step: int
     onn_config: dict[str, Any]
     history: list[dict[str, float]]
     train_losses: list[torch.Tensor]
+
+    def record_epoch(self, figures: dict[str, Any], shown: list[str]) -> None:
+        """An epoch's validation figures into the history (the report and resume read it) and the log
+        (`shown`: the names printed)."""
+        self.history.append(
+            {
+                "epoch": self.current_epoch,
+                "step": self.global_step,
+                **{k: round(float(v), 5) for k, v in figures.items()},
+            }
+        )
+        text = "  ".join(f"{k} {float(figures[k]):.4f}" for k in shown)
+        log.info("epoch %d step %d: %s", self.current_epoch, self.global_step, text)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["onn"] = {

@@ -13,7 +13,6 @@ earlier item, so a collapsed model that embeds everything alike scores chance (1
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
@@ -28,7 +27,6 @@ from onn.training.distributed import clip_gradients
 from onn.training.optim import make_optimizer, make_schedule
 from onn.training.record import EpochRecord, log_train_loss
 
-log = logging.getLogger("onn")
 LOOP = "pairs"
 KS = (1, 5)
 MONITOR = "val/recall@1"  # the mean of both directions' recall@1: picks checkpoints/best.ckpt
@@ -128,19 +126,7 @@ class DualEncoder(EpochRecord, L.LightningModule):
         self.log_dict({k: v for k, v in figures.items() if k != MONITOR and not k.endswith("chance")})
         self.log(MONITOR, figures[MONITOR], prog_bar=True)
         if not self.trainer.sanity_checking:
-            self.history.append(
-                {
-                    "epoch": self.current_epoch,
-                    "step": self.global_step,
-                    **{k: round(v, 5) for k, v in figures.items()},
-                }
-            )
-            log.info(
-                "epoch %d step %d: %s",
-                self.current_epoch,
-                self.global_step,
-                "  ".join(f"{k} {v:.4f}" for k, v in figures.items() if not k.endswith("chance")),
-            )
+            self.record_epoch(figures, [k for k in figures if not k.endswith("chance")])
 
     def on_before_optimizer_step(self, optimizer) -> None:
         clip_gradients(self, optimizer, self.optim.clip_grad_norm)
