@@ -264,10 +264,7 @@ def test_train_held_out_pattern_eval_infer_and_export(tmp_path):
     new.mkdir()
     for name in ("low_bob_1.wav", "high_bob_2.wav"):
         (new / name).write_bytes((data / name).read_bytes())
-    out = execute(
-        {**compose(*common, "task=infer", f"ckpt={ckpt}", f"task.input={new}"), "ckpt": ckpt},
-        tmp_path / "infer",
-    )
+    out = execute(compose(*common, "task=infer", f"ckpt={ckpt}", f"task.input={new}"), tmp_path / "infer")
     rows = [json.loads(line) for line in Path(out["infer/output"]).read_text().splitlines()]
     assert [r["name"] for r in rows] == ["high_bob_2.wav", "low_bob_1.wav"] and {r["true"] for r in rows} == {
         "high",

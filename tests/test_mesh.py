@@ -255,3 +255,17 @@ def test_the_hundred_real_files_load_or_are_skipped_with_a_reason():
     ]
     assert all("no geometry" in s for s in split.skipped)
     assert torch.isfinite(split.inputs).all() and split.inputs.shape == (96, 64, 3)
+
+
+def test_a_checkpoint_an_earlier_onn_wrote_still_evaluates(tmp_path):
+    """tests/data/mesh_b6b1dee.ckpt was written by commit b6b1dee (a one-epoch PointNet on builtin:primitives,
+    test/acc 0.26, test/loss 1.7817), whose saved config has `model.layer_map: null` and no
+    `data.batch_groups`: today's config types read it through checkpoints.in_todays_form."""
+    from onn.app import execute
+
+    ckpt = Path(__file__).parent / "data" / "mesh_b6b1dee.ckpt"
+    cfg = compose(
+        "task=eval", f"ckpt={ckpt}", "tracking=none", f"paths.outputs={tmp_path}", "trainer.enable_progress_bar=false"
+    )
+    metrics = execute(cfg, tmp_path / "eval")
+    assert metrics["test/loss"] == pytest.approx(1.7817, abs=1e-3)

@@ -159,7 +159,7 @@ def _train_phase(job, disk_mb_s: float, start_gflops: float) -> dict[str, Any]:
     predicted_peak = job.plan.predicted_peak_memory_mb + second["result"]["baseline_mb"]
     peak = max(first["peak_rss_mb"], second["peak_rss_mb"])
     val = next(s for s in rows if "val_s" in s)
-    losses = [s.loss for s in steps]
+    losses = [s["loss"] for s in steps]
     out.update(
         {
             "giant/steps": len(steps),
@@ -194,21 +194,21 @@ def _step_figures(
     from onn.planning.costs import streaming_step_flops
 
     config, plan, spec = job.config, job.plan, job.spec
-    timed = [s for s in steps if not (s.first_in_process and s.step > 1)]
-    step_s = statistics.mean(s.step_s for s in timed)
-    read_bytes = statistics.mean(s.read_bytes for s in timed)
-    read_s = statistics.mean(s.read_s for s in timed)
+    timed = [s for s in steps if not (s["first_in_process"] and s["step"] > 1)]
+    step_s = statistics.mean(s["step_s"] for s in timed)
+    read_bytes = statistics.mean(s["read_bytes"] for s in timed)
+    read_s = statistics.mean(s["read_s"] for s in timed)
     flops = streaming_step_flops(spec, config.data.max_length, config.data.batch_size, plan.sparse_layers)
     disk_bw = disk_mb_s * MB
-    rates = [s.matmul_gflops for s in timed if s.matmul_gflops]
+    rates = [s["matmul_gflops"] for s in timed if s["matmul_gflops"]]
     gflops = statistics.mean(rates) if rates else start_gflops
     limit_s = max(read_bytes / disk_bw, flops / (gflops * 1e9))
     return (
         {
             "giant/matmul_gflops_steps": round(gflops, 1) if rates else None,
             "giant/step_s": round(step_s, 4),
-            "giant/io_s": round(statistics.mean(s.io_s for s in timed), 4),
-            "giant/compute_s": round(statistics.mean(s.compute_s for s in timed), 4),
+            "giant/io_s": round(statistics.mean(s["io_s"] for s in timed), 4),
+            "giant/compute_s": round(statistics.mean(s["compute_s"] for s in timed), 4),
             "giant/step_read_gb": round(read_bytes / 2**30, 2),
             "giant/read_mb_s": round(read_bytes / MB / read_s, 1) if read_s else None,
             "giant/read_efficiency": round(read_bytes / read_s / disk_bw, 3) if read_s else None,

@@ -19,7 +19,7 @@ class HardwareConfig:
     accelerator: str | None = None
     device_name: str | None = None
     device_count: int | None = None
-    count: int | None = None  # devices per node to plan and run for (null: 1)
+    count: int = 1  # devices per node to plan and run for (a preset: 1)
     interconnect_gb_s: float | None = None  # link between a node's devices (NVLink, PCIe), GB/s
     network_gb_s: float | None = None  # link between nodes (InfiniBand, Ethernet), GB/s
     device_memory_mb: float | None = None

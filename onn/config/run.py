@@ -19,7 +19,7 @@ class OptimConfig:
     name: str = MISSING  # adamw | sgd
     lr: float = MISSING
     weight_decay: float = MISSING
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw
+    betas: list[float] = MISSING  # adamw
     momentum: float = MISSING  # sgd
     nesterov: bool = MISSING  # sgd
     schedule: str = MISSING  # cosine | linear | constant | step | plateau | onecycle

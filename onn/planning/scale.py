@@ -47,7 +47,7 @@ GATHERED_BLOCKS = 2  # FSDP and ZeRO-3 gather the next block while this one comp
 def scale_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> dict[str, Any] | None:
     """Per-device memory and step time of each multi-device setup, and the one to use. None for a run on
     one device with a single-device strategy (task=plan always shows it, for one device too)."""
-    count = int(cfg.hardware.count or 1)
+    count = cfg.hardware.count
     nodes = int(cfg.trainer.num_nodes)
     devices = count * nodes
     lightning = str(cfg.strategy.lightning)

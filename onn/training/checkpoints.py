@@ -10,6 +10,7 @@ saving never leaves a half-written checkpoint where a good one was.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import shutil
@@ -182,13 +183,28 @@ def saved_config(path: str | os.PathLike) -> dict[str, Any]:
     """The ONN run config a checkpoint carries (model, strategy, data, modality, ...): {} when it has none."""
     match read_meta(path):
         case {"onn": {"config": dict() as config}}:
-            return config
+            return in_todays_form(config)
         case {"onn": _}:
             raise UserError(
                 f"checkpoint {path}: {META} holds a damaged ONN run config; use a checkpoint folder ONN wrote."
             )
         case _:
             return {}  # a checkpoint another tool wrote
+
+
+def in_todays_form(config: dict[str, Any]) -> dict[str, Any]:
+    """A run config an earlier ONN saved, in the form today's config types read: `model.layer_map` became a
+    block (`{blocks: null}`), and mesh data gained `batch_groups` (null: off). A dual encoder's sides carry
+    their own model and data."""
+    config = copy.deepcopy(config)
+    parts = [config, *(config["sides"].values() if isinstance(config.get("sides"), dict) else ())]
+    for part in parts:
+        model, data = part.get("model"), part.get("data")
+        if isinstance(model, dict) and "layer_map" in model and model["layer_map"] is None:
+            model["layer_map"] = {"blocks": None}
+        if isinstance(data, dict) and data.get("modality") == "mesh":
+            data.setdefault("batch_groups", None)
+    return config
 
 
 def _read_json(path: Path) -> Any:

@@ -182,7 +182,7 @@ def train(job: Job) -> dict[str, Any]:
     sides = sides_of(config, ckpt)
     dm = PairData(config, sides, job.device)
     dm.setup()
-    module = build(config, sides, plan_["strategy"])
+    module = build(config, sides, plan_.strategy)
     callbacks = _callbacks(config, run_dir)
     clock = next(c for c in callbacks if isinstance(c, StepClock))
     trainer = build_trainer(config, plan_, run_dir, callbacks, steps_per_epoch=len(dm.train_dataloader()))
