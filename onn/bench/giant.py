@@ -45,6 +45,7 @@ from typing import Any
 from onn.config import ONNConfig, as_dict
 from onn.config.task import BenchGiantTask
 from onn.errors import UserError
+from onn.planning.plan import Plan
 
 MB = 1024**2
 
@@ -660,7 +661,7 @@ def _accelerate(request: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _float_copy(config: ONNConfig, plan: dict[str, Any], folder: Path, dtype) -> Path:
+def _float_copy(config: ONNConfig, plan: Plan, folder: Path, dtype) -> Path:
     """The store's blocks de-quantized into `folder`/blocks as plain safetensors files, one at a time."""
     import torch
 
@@ -694,7 +695,7 @@ PHASES = {
 }
 
 
-def _write_table(run_dir: Path, out: dict[str, Any], plan: dict[str, Any]) -> None:
+def _write_table(run_dir: Path, out: dict[str, Any], plan: Plan) -> None:
     rows = [
         f"| {k.removeprefix('giant/')} | {v} |"
         for k, v in out.items()

@@ -34,6 +34,7 @@ import torch
 
 from onn.config import ONNConfig, as_dict
 from onn.config.task import BenchStreamingTask
+from onn.planning.plan import Plan
 
 if TYPE_CHECKING:
     from onn.planning.streaming import StreamingPlan
@@ -67,7 +68,7 @@ class _Bench:
     """What every measurement of the bench shares: the LoRA model, its settings and where its store goes."""
 
     config: ONNConfig
-    plan: dict[str, Any]
+    plan: Plan
     base: Any  # the sparse-LoRA model every engine copies
     store_dir: Path
     seq: int

@@ -73,7 +73,7 @@ def run(job) -> dict[str, Any]:
     return summarize(job.config, job.plan, job.hardware, job.spec, raw)
 
 
-def measure_isolated(config: ONNConfig, plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+def measure_isolated(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
     """`measure` in a fresh interpreter; its output goes to run_dir/bench.log."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
@@ -106,7 +106,7 @@ def measure_isolated(config: ONNConfig, plan: dict[str, Any], run_dir: Path) -> 
     )
 
 
-def measure(config: ONNConfig, plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+def measure(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
     """Run the protocol (config.task, a BenchTask) in this process and return the raw figures (per-step times,
     losses, peak memory)."""
     import gc
@@ -174,9 +174,7 @@ def measure(config: ONNConfig, plan: dict[str, Any], run_dir: Path) -> dict[str,
     }
 
 
-def summarize(
-    config: ONNConfig, plan: dict[str, Any], hardware: dict[str, Any], spec, raw: dict[str, Any]
-) -> dict[str, Any]:
+def summarize(config: ONNConfig, plan: Plan, hardware: Profile, spec, raw: dict[str, Any]) -> dict[str, Any]:
     """The bench/* and score/* keys from the raw figures and the planner's predictions for the same shapes."""
     task: BenchTask = config.task
     warmup = task.warmup_steps

@@ -27,7 +27,7 @@ from onn.bench.suite import fixed_streaming, measure
 from onn.config import ONNConfig
 from onn.config.task import BenchTask, TuneConfig
 from onn.errors import UserError
-from onn.planning.plan import make_plan, micro_batch_sizes
+from onn.planning.plan import Plan, make_plan, micro_batch_sizes
 from onn.planning.streaming import chunk_sizes, store_dtypes
 from onn.planning.tuned import cache_path
 from onn.training.micro_batches import is_out_of_memory
@@ -179,7 +179,7 @@ def _save(job, result: dict[str, Any], trial_count: int) -> dict[str, Any]:
     }
 
 
-def _settings_of(plan: dict[str, Any]) -> dict[str, Any]:
+def _settings_of(plan: Plan) -> dict[str, Any]:
     settings = {"micro_batch": plan.micro_batch}
     if plan.streaming:
         settings.update(chunk_size=plan.streaming.chunk_size, store_dtype=plan.streaming.store_dtype)
@@ -199,7 +199,7 @@ def _with_settings(config: ONNConfig, settings: dict[str, Any], streaming: bool)
     return cfg
 
 
-def _time(config: ONNConfig, plan: dict[str, Any], run_dir: Path, tune: TuneConfig) -> dict[str, Any]:
+def _time(config: ONNConfig, plan: Plan, run_dir: Path, tune: TuneConfig) -> dict[str, Any]:
     """One trial: the bench protocol with a few steps, in this process (`measure` reads the task's protocol;
     a trial scores no answers and runs no learning test)."""
     warmup, steps = tune.warmup_steps, tune.steps

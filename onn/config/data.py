@@ -224,3 +224,8 @@ class CaptionData:
 
     modality: str = "text"
     max_length: int = MISSING  # bytes kept of each caption (ONN's byte tokenizer: one token per byte)
+
+
+def eval_batch(data: SplitData | PairsData) -> int:
+    """The validation, test and inference batch: data.eval_batch_size, or twice the training batch (null)."""
+    return int(data.eval_batch_size or 2 * data.batch_size)

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import lightning as L
 import torch
 
-from onn.config.data import LabelledFiles, SplitData
+from onn.config.data import LabelledFiles, SplitData, eval_batch
 from onn.errors import UserError
 
 log = logging.getLogger("onn")
@@ -262,7 +262,7 @@ class ClassificationData(L.LightningDataModule):
         self.cfg, self.cache_dir, self.seed = data_cfg, cache_dir, seed
         self.device = torch.device(device)
         self.batch_size = int(data_cfg.batch_size)
-        self.eval_batch_size = int(data_cfg.eval_batch_size or 2 * self.batch_size)
+        self.eval_batch_size = eval_batch(data_cfg)
         self.splits: dict[str, Split] = {}
         self.classes: list[str] = []
         self.streamed: dict[str, tuple[Items, list[int]]] | None = None

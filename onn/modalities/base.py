@@ -26,6 +26,8 @@ from onn.config.model import NetworkConfig
 from onn.config.run import PairSideConfig
 from onn.errors import UserError
 from onn.hardware.cluster import compute_device
+from onn.hardware.profile import Profile
+from onn.planning.plan import Plan
 
 if TYPE_CHECKING:
     import torch
@@ -93,7 +95,7 @@ class Modality:
             self._unsupported(task or name)
         return getattr(module, name)
 
-    def plan(self, config: ONNConfig, hardware: dict[str, Any], use_tuned: bool = True):
+    def plan(self, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
         """(plan, ModelSpec) for this config on this hardware."""
         return self._implementation("plan")(self, config, hardware, use_tuned)
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from onn.config import ONNConfig, as_dict
+from onn.config.data import eval_batch
 from onn.config.export import OnnxExport, SafetensorsExport
 from onn.config.model import NetworkConfig
 from onn.config.run import PairSideConfig
@@ -40,9 +41,10 @@ from onn.data.resident import ClassificationData, ResidentBatches, Split
 from onn.errors import UserError
 from onn.export.write import export_for_run
 from onn.hardware.memory import PeakMemory
+from onn.hardware.profile import Profile
 from onn.modalities.base import ClassifierModality, Job
 from onn.models.vision import feature_extractor
-from onn.planning.plan import make_plan
+from onn.planning.plan import Plan, make_plan
 from onn.planning.spec import network_spec
 from onn.training.callbacks import ResourceMonitor, StepClock
 from onn.training.checkpoints import check_state, read_meta, saved_config, state_shapes
@@ -56,7 +58,7 @@ TOP_K = 5
 PICTURED = 64  # inputs drawn in infer's picture
 
 
-def plan(m: ClassifierModality, config: ONNConfig, hardware: dict[str, Any], use_tuned: bool = True):
+def plan(m: ClassifierModality, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
     inputs = m.planned_inputs(config)
     model_cfg: NetworkConfig = config.model
     with torch.device("meta"):
@@ -77,7 +79,7 @@ def plan(m: ClassifierModality, config: ONNConfig, hardware: dict[str, Any], use
     return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
 
 
-def build(m: ClassifierModality, config: ONNConfig, plan: dict[str, Any], inputs: dict[str, Any]) -> Classifier:
+def build(m: ClassifierModality, config: ONNConfig, plan: Plan, inputs: dict[str, Any]) -> Classifier:
     """The Classifier for `inputs`: from the data, or from a checkpoint."""
     torch.manual_seed(int(config.seed))
     model_cfg: NetworkConfig = config.model
@@ -182,7 +184,7 @@ def train(job: Job) -> dict[str, Any]:
     return metrics
 
 
-def load_trained(m: ClassifierModality, config: ONNConfig, plan: dict[str, Any], ckpt: Path) -> Classifier:
+def load_trained(m: ClassifierModality, config: ONNConfig, plan: Plan, ckpt: Path) -> Classifier:
     """The classifier with the checkpoint's weights."""
     module = build(m, config, plan, saved_inputs(ckpt))
     check_state(
@@ -241,7 +243,7 @@ def infer(job: Job) -> dict[str, Any]:
     model = module.to(device).eval()
     rows, shown, predicted_names, true_names, correct, known = [], [], [], [], 0, 0
     classes = inputs["classes"]
-    batch = int(config.data.eval_batch_size or 2 * config.data.batch_size)  # null: 2 x batch_size
+    batch = eval_batch(config.data)
     for split, decoded in sets.items():
         for start in range(0, len(decoded.labels), batch):
             x = decoded.inputs[start : start + batch].to(device)

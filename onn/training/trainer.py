@@ -17,6 +17,7 @@ from typing import Any
 from onn.config import ONNConfig, TrainerConfig, as_dict
 from onn.errors import UserError
 from onn.hardware.cluster import launched, rank
+from onn.planning.plan import Plan
 
 log = logging.getLogger("onn")
 MULTI_DEVICE = ("ddp", "ddp_spawn", "fsdp", "deepspeed")
@@ -175,7 +176,7 @@ def warn_oversubscribed(kwargs: dict[str, Any]) -> None:
 
 def build_trainer(
     config: ONNConfig,
-    plan: dict[str, Any],
+    plan: Plan,
     run_dir: Path,
     callbacks: list,
     *,

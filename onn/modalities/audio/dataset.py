@@ -15,8 +15,7 @@ import torch
 
 from onn.data.media import MediaReader
 from onn.data.resident import ClassificationData, Decoded
-from onn.modalities.audio.decode import BadFile, Fit, fit_settings, load
-from onn.modalities.audio.modality import SUFFIXES
+from onn.modalities.audio.decode import SUFFIXES, BadFile, Fit, fit_settings, load
 
 DTYPE = (
     torch.float16

@@ -21,6 +21,36 @@ from onn.config.data import AudioData
 from onn.data.media import BadFile, decoder_complaint, nonempty
 from onn.errors import UserError
 
+# the files the audio decoder reads (the sniffer and the listings go by them)
+SUFFIXES = frozenset(
+    {
+        ".wav",
+        ".wave",
+        ".flac",
+        ".ogg",
+        ".oga",
+        ".opus",
+        ".mp3",
+        ".aiff",
+        ".aif",
+        ".aifc",
+        ".au",
+        ".snd",
+        ".caf",
+        ".w64",
+        ".rf64",
+        ".m4a",
+        ".aac",
+        ".mka",
+        ".wma",
+        ".amr",
+        ".ac3",
+        ".mp2",
+        ".alac",
+        ".weba",
+    }
+)
+
 
 @dataclass(frozen=True)
 class Fit:

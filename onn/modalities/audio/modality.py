@@ -17,36 +17,8 @@ from onn.config.data import AudioData
 from onn.config.model import NetworkConfig
 from onn.data.labelled import sniff_files
 from onn.errors import UserError
+from onn.modalities.audio.decode import SUFFIXES
 from onn.modalities.base import MediaModality, RunConfig
-
-SUFFIXES = frozenset(
-    {
-        ".wav",
-        ".wave",
-        ".flac",
-        ".ogg",
-        ".oga",
-        ".opus",
-        ".mp3",
-        ".aiff",
-        ".aif",
-        ".aifc",
-        ".au",
-        ".snd",
-        ".caf",
-        ".w64",
-        ".rf64",
-        ".m4a",
-        ".aac",
-        ".mka",
-        ".wma",
-        ".amr",
-        ".ac3",
-        ".mp2",
-        ".alac",
-        ".weba",
-    }
-)
 
 
 class AudioModality(MediaModality):

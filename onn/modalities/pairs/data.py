@@ -18,7 +18,7 @@ import lightning as L
 import torch
 
 from onn.config import ONNConfig, as_dict
-from onn.config.data import PairsData
+from onn.config.data import PairsData, eval_batch
 from onn.data.cache import cached_decode
 from onn.data.files import content_digest, iter_members
 from onn.data.resident import Decoded, ResidentBatches, Split
@@ -105,7 +105,7 @@ class PairData(L.LightningDataModule):
         self.cache_dir, self.seed = config.paths.cache, config.seed
         self.device = torch.device(device)
         self.batch_size = self.cfg.batch_size
-        self.eval_batch_size = self.cfg.eval_batch_size or 2 * self.batch_size
+        self.eval_batch_size = eval_batch(self.cfg)
         self.listing: Listing | None = None
         self.splits: dict[str, Split] = {}
         self.skipped: list[str] = []

@@ -21,13 +21,14 @@ from typing import Any
 import torch
 
 from onn.config import ONNConfig, as_dict, typed
-from onn.config.data import PairsData
+from onn.config.data import PairsData, eval_batch
 from onn.config.export import OnnxExport, SafetensorsExport
 from onn.config.model import DualEncoderConfig
 from onn.config.task import InferTask
 from onn.data.files import existing_source, walk_files, write_jsonl
 from onn.errors import UserError
 from onn.hardware.memory import PeakMemory
+from onn.hardware.profile import Profile
 from onn.modalities.base import Job, PairSide
 from onn.modalities.pairs.data import PairData
 from onn.modalities.pairs.detect import SNIFF_FILES, find_pairs
@@ -91,7 +92,7 @@ def build(config: ONNConfig, sides: dict[str, PairSide], strategy: str = "full")
     )
 
 
-def plan(modality, config: ONNConfig, hardware: dict[str, Any], use_tuned: bool = True):
+def plan(modality, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
     """One network plan for both towers: their parameters, FLOPs and saved activations per pair, added."""
     sides = sides_of(config)
     width = config.model.feature_dim
@@ -303,7 +304,7 @@ def infer(job: Job) -> dict[str, Any]:
         raise UserError(f"task.gallery={task.gallery} holds no {other} files to rank against the {query} queries.")
     device = torch.device(job.device)
     module = module.to(device).eval()
-    batch = config.data.eval_batch_size or 2 * config.data.batch_size
+    batch = eval_batch(config.data)
     q, q_index, q_skipped = embed_all(module, query, sides[query], query_items, device, batch)
     g, g_index, g_skipped = embed_all(module, other, sides[other], gallery_items, device, batch)
     for skipped in (q_skipped, g_skipped):

@@ -31,15 +31,15 @@ from pathlib import Path
 from typing import Any
 
 from onn.config import ONNConfig, as_dict
+from onn.hardware.profile import Profile
+from onn.planning.plan import Plan
 
 MAX_PARAMS = 50_000_000  # a 6-block copy about this size trains in a second or so
 MAX_AGE_S = 900  # a cached timing older than this is measured again (seconds of work for a small model)
 WINDOW_S = 3.0  # the longest a timing window takes (a short run's twenty steps of a 0.15 s step)
 
 
-def refine(
-    plan: dict[str, Any], config: ONNConfig, hw: dict[str, Any], spec, window_s: float | None = None
-) -> dict[str, Any]:
+def refine(plan: Plan, config: ONNConfig, hw: Profile, spec, window_s: float | None = None) -> dict[str, Any]:
     """The plan with predicted_step_s from timing the model's own blocks, where that applies. `window_s`:
     timed now, for that long, whatever the cache holds (see the module's docstring)."""
     if hw.accelerator != "cpu" or hw.source == "preset" or not config.model.architecture:
@@ -85,7 +85,7 @@ def refine(
     return plan
 
 
-def _budget_bytes(hw: dict[str, Any]) -> float:
+def _budget_bytes(hw: Profile) -> float:
     from onn.planning.costs import budget_mb
 
     return budget_mb(hw) * 2**20
@@ -93,8 +93,8 @@ def _budget_bytes(hw: dict[str, Any]) -> float:
 
 def block_times(
     config: ONNConfig,
-    plan: dict[str, Any],
-    hw: dict[str, Any],
+    plan: Plan,
+    hw: Profile,
     seq: int,
     micro: int,
     threads: int,
@@ -154,7 +154,7 @@ def block_times(
 
 def _step_times(
     config: ONNConfig,
-    plan: dict[str, Any],
+    plan: Plan,
     seq: int,
     micro: int,
     threads: int,
@@ -197,7 +197,7 @@ def _step_times(
 
 def _copy_step(
     config: ONNConfig,
-    plan: dict[str, Any],
+    plan: Plan,
     seq: int,
     micro: int,
     blocks: int,

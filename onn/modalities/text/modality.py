@@ -8,12 +8,12 @@ source (onn/models/load.py) trained resident or layer-streamed, generation, and 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from onn.config.data import TextData
 from onn.config.model import LanguageModelConfig, NetworkConfig
 from onn.config.run import ONNConfig
 from onn.errors import UserError
+from onn.hardware.profile import Profile
 from onn.modalities.base import Modality
 
 
@@ -59,7 +59,7 @@ class TextModality(Modality):
                 f"trainer.max_steps={steps}: a language model trains for a number of optimizer steps; give 1 or more."
             )
 
-    def plan(self, config: ONNConfig, hardware: dict[str, Any], use_tuned: bool = True):
+    def plan(self, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
         from onn.modalities.text.calibrate import refine
         from onn.modalities.text.streaming import streaming_choice
         from onn.planning.plan import make_plan

@@ -16,8 +16,7 @@ import torch
 from onn.config.data import VideoData
 from onn.data.media import MediaReader
 from onn.data.resident import ClassificationData, Decoded
-from onn.modalities.video.decode import BadFile, Fit, fit_settings, load
-from onn.modalities.video.modality import SUFFIXES
+from onn.modalities.video.decode import SUFFIXES, BadFile, Fit, fit_settings, load
 
 DTYPE = torch.uint8
 HINT = "a folder of video clips (one folder per class), an archive of one, or one file"

@@ -23,6 +23,29 @@ from onn.config.data import VideoData
 from onn.data.media import BadFile, decoder_complaint, nonempty
 from onn.errors import UserError
 
+# the files the video decoder reads (the sniffer and the listings go by them)
+SUFFIXES = frozenset(
+    {
+        ".mp4",
+        ".m4v",
+        ".mov",
+        ".avi",
+        ".mkv",
+        ".webm",
+        ".mpg",
+        ".mpeg",
+        ".ts",
+        ".mts",
+        ".m2ts",
+        ".wmv",
+        ".flv",
+        ".3gp",
+        ".ogv",
+        ".mxf",
+        ".y4m",
+    }
+)
+
 RESIZE_MODES = ("resize", "center_crop")
 
 

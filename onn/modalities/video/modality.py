@@ -20,28 +20,7 @@ from onn.config.model import NetworkConfig
 from onn.data.labelled import sniff_files
 from onn.errors import UserError
 from onn.modalities.base import MediaModality, RunConfig
-
-SUFFIXES = frozenset(
-    {
-        ".mp4",
-        ".m4v",
-        ".mov",
-        ".avi",
-        ".mkv",
-        ".webm",
-        ".mpg",
-        ".mpeg",
-        ".ts",
-        ".mts",
-        ".m2ts",
-        ".wmv",
-        ".flv",
-        ".3gp",
-        ".ogv",
-        ".mxf",
-        ".y4m",
-    }
-)
+from onn.modalities.video.decode import SUFFIXES
 
 
 class VideoModality(MediaModality):
