@@ -19,7 +19,7 @@ from onn.config.data import LabelledFiles
 from onn.data.cache import cached_decode
 from onn.data.files import content_digest, existing_source
 from onn.data.labelled import Listing, MediaFile, check_bad, list_labelled, report_left_out
-from onn.data.resident import Decoded
+from onn.data.resident import ClassificationData, Decoded
 
 log = logging.getLogger("onn")
 
@@ -207,3 +207,16 @@ class ListedItems:
         except (self._bad, OSError) as e:
             log.warning("skipped %s: %s", f.name, e)
             return None
+
+
+class MediaDataModule(ClassificationData):
+    """A media modality's train / val / test splits, resident on the device or streamed, read through its
+    MediaReader (`reader`)."""
+
+    reader: MediaReader
+
+    def read(self, source: str, key: str) -> dict[str, Decoded]:
+        return self.reader.read_cached(source, self.cfg, self.cache_dir, key)
+
+    def list_items(self, source: str):
+        return self.reader.items(source, self.cfg, self.cache_dir)

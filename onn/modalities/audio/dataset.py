@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from onn.data.media import MediaReader
-from onn.data.resident import ClassificationData, Decoded
+from onn.data.media import MediaDataModule, MediaReader
 from onn.modalities.audio.decode import SUFFIXES, BadFile, Fit, fit_settings, load
 
 DTYPE = (
@@ -39,13 +38,8 @@ READER = MediaReader(
 )
 
 
-class AudioDataModule(ClassificationData):
+class AudioDataModule(MediaDataModule):
     """train / val / test splits of an audio dataset, resident on the device or streamed."""
 
     same_shape_hint = "every split is decoded with the same data.sample_rate, data.channels and data.clip_seconds"
-
-    def read(self, source: str, key: str) -> dict[str, Decoded]:
-        return READER.read_cached(source, self.cfg, self.cache_dir, key)
-
-    def list_items(self, source: str):
-        return READER.items(source, self.cfg, self.cache_dir)
+    reader = READER

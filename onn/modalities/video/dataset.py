@@ -14,8 +14,7 @@ from typing import Any
 import torch
 
 from onn.config.data import VideoData
-from onn.data.media import MediaReader
-from onn.data.resident import ClassificationData, Decoded
+from onn.data.media import MediaDataModule, MediaReader
 from onn.modalities.video.decode import SUFFIXES, BadFile, Fit, fit_settings, load
 
 DTYPE = torch.uint8
@@ -39,13 +38,8 @@ def fit_of(inputs: dict[str, Any]) -> Fit:
 READER = MediaReader("video", SUFFIXES, load, fit_settings, fit_of, BadFile, DTYPE, HINT, resolve)
 
 
-class VideoDataModule(ClassificationData):
+class VideoDataModule(MediaDataModule):
     """train / val / test splits of a video dataset, resident on the device or streamed."""
 
     same_shape_hint = "every split is decoded with the same data.frames, data.image_size and data.channels"
-
-    def read(self, source: str, key: str) -> dict[str, Decoded]:
-        return READER.read_cached(source, self.cfg, self.cache_dir, key)
-
-    def list_items(self, source: str):
-        return READER.items(source, self.cfg, self.cache_dir)
+    reader = READER
