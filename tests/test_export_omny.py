@@ -15,6 +15,7 @@ from onnx import TensorProto, helper
 
 from onn.errors import UserError
 from onn.export import omny
+from onn.export.omny import cli as omny_cli
 
 SMALL = {
     "max_shard_size_mb": 0.05,
@@ -178,7 +179,7 @@ def test_enrich_command_folds_computed_weights_into_the_folded_files_blocks(tmp_
     assert "ConstantOfShape" not in {n.op_type for n in onnx.load(str(tmp_path / "folded.onnx")).graph.node}
     monkeypatch.chdir(tmp_path)
     for name in ("computed", "folded"):
-        assert omny.main(["enrich", f"{name}.onnx", f"{name}.omny", "--dim", "batch=2"]) == 0
+        assert omny_cli.main(["enrich", f"{name}.onnx", f"{name}.omny", "--dim", "batch=2"]) == 0
     printed = capsys.readouterr().out
     assert "folded 4 node(s)" in printed and "blocks (4)" in printed
     ours, theirs = (omny.read_document(tmp_path / f"{n}.omny") for n in ("computed", "folded"))

@@ -358,7 +358,7 @@ def test_messages_name_what_the_user_wrote(tmp_path, cache):
 
 
 def test_omny_validate_names_the_file_and_checks_the_documents_tensors(tmp_path, capsys):
-    from onn.export.omny import main
+    from onn.export.omny.cli import main
 
     bad = rewrite_document(enriched(tmp_path / "m.omny", ROOT), lambda d: d["blocks"][0].pop("weight_bytes"))
     assert main(["validate", str(bad)]) == 2

@@ -23,14 +23,20 @@ class ModelConfig:
 
 @dataclass
 class LanguageModelConfig(ModelConfig):
-    """A causal language model: Hugging Face weights (hub id, folder, .gguf, .safetensors) or a random init."""
+    """A transformers model: a causal language model (what it trains), CLIP, or one of the models exported as
+    .omny pipelines (SAM2, Grounding DINO, TrOCR). Hugging Face weights (hub id, folder, .gguf, .safetensors) or
+    a random init."""
 
     source: str = MISSING  # hub id, HF folder, .gguf, .safetensors, file.py:function, or random
-    tokenizer: str | None = MISSING  # null: from source; `byte`: ONN's built-in byte tokenizer
+    # null: from source; `byte` or `wordpiece`: ONN's built-in ones (onn/models/tokenizer.py); `none`: reads no text
+    tokenizer: str | None = MISSING
     dtype: str = MISSING  # auto | float32 | bfloat16 | float16
     trust_remote_code: bool = MISSING
     layer_map: LayerMapOverride = MISSING
     architecture: dict[str, Any] | None = MISSING  # a transformers config: the shapes, before weights load
+    # Grounded SAM2: the SAM2 model (a conf/model option's keys, `- sam2_hiera_large@segmenter` in the defaults)
+    # that segments what this detector finds; exported beside it as one pipeline
+    segmenter: dict[str, Any] | None = None
 
 
 @dataclass

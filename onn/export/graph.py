@@ -200,13 +200,16 @@ def cut_points(g: Graph) -> tuple[list[str], dict[int, int], dict[int, int]]:
     return cuts, anc, pos
 
 
-def pieces(g: Graph, cuts: list[str], anc: dict[int, int], pos: dict[int, int]) -> list[Piece]:
+def pieces(
+    g: Graph, cuts: list[str], anc: dict[int, int], pos: dict[int, int], closures: dict[str, int] | None = None
+) -> list[Piece]:
     """Split the non-free nodes at `cuts` (in graph order): piece i holds what cut i needs that no
-    earlier cut did; the last piece holds the rest (the suffix and any parallel branch's tail)."""
+    earlier cut did; the last piece holds the rest (the suffix and any parallel branch's tail).
+    `closures` gives a cut that other tensors cross with (a block with two outputs) the nodes before it."""
     order = sorted(pos, key=pos.get)
     done, out = 0, []
     for cut in cuts:
-        closure = done | anc[g.producer[cut]]
+        closure = done | (closures or {}).get(cut, anc[g.producer[cut]])
         out.append(_piece(g, order, closure & ~done, cut))
         done = closure
     everything = (1 << len(order)) - 1
@@ -231,13 +234,47 @@ def crossing(g: Graph, done_nodes: set[int]) -> list[str]:
     return out
 
 
-def select_block_cuts(g: Graph, cuts: list[str], runs: list[list[str]]) -> list[tuple[str, str]]:
-    """The cuts at LayerMap block boundaries, as (tensor, block path it ends or None for a prefix).
+def select_block_cuts(
+    g: Graph, cuts: list[str], runs: list[list[str]], anc: dict[int, int]
+) -> list[tuple[str, str, int]]:
+    """The cuts at LayerMap block boundaries, as (tensor, block path it ends or "" for a prefix, the
+    bitset of the nodes before the cut).
 
     `runs` lists the module paths of each run of repeated blocks (a decoder's layers; each tower
     of a two-tower model). A node belongs to the block whose path is one of its scopes (the
-    exporter's wrapper adds a leading module name, hence the suffix match).
+    exporter's wrapper adds a leading module name, hence the suffix match). A block's output need
+    not cross alone: Hiera's stage outputs wait for the neck and Grounding DINO's fusion layers pass
+    image and text features on, so what else crosses is carried past the cut (FORMAT_SPEC.md). A
+    block with several outputs is cut after the last of them it makes; the cut holds all of them.
     """
+    member = _block_members(g, runs)
+    chosen: dict[str, tuple[str, int]] = {}
+    for run in runs:
+        for k, path in enumerate(run):
+            made = [t for i, b in member.items() if b == path for t in g.nodes[i].output if t]
+            leaving = [t for t in made if t in g.outputs or any(member.get(c) != path for c in g.consumers.get(t, []))]
+            leaving = [t for t in leaving if t not in g.free_tensors and t in g.producer]
+            if leaving:
+                closure = 0
+                for t in leaving:
+                    closure |= anc[g.producer[t]]
+                last = max(leaving, key=lambda t: g.producer[t])
+                chosen.setdefault(last, (path, closure))
+            else:
+                log.info("block %s: nothing leaves it; no cut after it", path)
+            if k == 0:  # the tensor entering the run: the prefix's output
+                entering = {t for i, b in member.items() if b == path for t in node_inputs(g.nodes[i])}
+                entering = [t for t in entering if t in g.producer and member.get(g.producer[t]) != path]
+                entering = [t for t in entering if t not in g.free_tensors]
+                if len(entering) == 1 and entering[0] in set(cuts):
+                    chosen.setdefault(entering[0], ("", anc[g.producer[entering[0]]]))
+    order = {t: g.producer[t] for t in chosen}
+    return sorted(((t, *chosen[t]) for t in chosen), key=lambda x: order[x[0]])
+
+
+def _block_members(g: Graph, runs: list[list[str]]) -> dict[int, str]:
+    """The block each node belongs to, by its module scope; a node the exporter's optimizer made (a fused
+    Split, say) has no scope: it belongs to the block that makes all of its inputs."""
     member: dict[int, str] = {}
     paths = {p for run in runs for p in run}
     for i in range(len(g.nodes)):
@@ -248,31 +285,11 @@ def select_block_cuts(g: Graph, cuts: list[str], runs: list[list[str]]) -> list[
                 member[i] = hit
                 break
         if not scopes and i not in g.free_nodes:
-            # a node the exporter's optimizer made (a fused Split, say) has no scope: it belongs to
-            # the block that makes all of its inputs
             owners = {member.get(g.producer[t]) for t in node_inputs(g.nodes[i]) if t in g.producer}
             owners.discard(None)
             if len(owners) == 1:
                 member[i] = owners.pop()
-    cut_set = set(cuts)
-    chosen: dict[str, str] = {}
-    for run in runs:
-        for k, path in enumerate(run):
-            made = [t for i, b in member.items() if b == path for t in g.nodes[i].output if t]
-            leaving = [t for t in made if any(member.get(c) != path for c in g.consumers.get(t, []))]
-            leaving = [t for t in leaving if t not in g.free_tensors]
-            if len(leaving) == 1 and leaving[0] in cut_set:
-                chosen.setdefault(leaving[0], path)
-            else:
-                log.info("block %s: its output does not cross alone (%s); no cut after it", path, leaving[:3])
-            if k == 0:  # the tensor entering the run: the prefix's output
-                entering = {t for i, b in member.items() if b == path for t in node_inputs(g.nodes[i])}
-                entering = [t for t in entering if t in g.producer and member.get(g.producer[t]) != path]
-                entering = [t for t in entering if t not in g.free_tensors]
-                if len(entering) == 1 and entering[0] in cut_set:
-                    chosen.setdefault(entering[0], "")
-    order = {t: g.producer[t] for t in chosen}
-    return sorted(((t, chosen[t]) for t in chosen), key=lambda x: order[x[0]])
+    return member
 
 
 def merge_weightless(g: Graph, cuts: list[str], anc: dict[int, int], pos: dict[int, int]) -> list[str]:

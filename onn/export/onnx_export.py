@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import logging
 import os
 import shutil
 import tempfile
@@ -201,20 +202,26 @@ def export_onnx(
     opset: int = 18,
     dynamic: bool = True,
     atol: float = 1e-4,
+    axes: dict[str, dict[int, str]] | None = None,
+    bounds: dict[str, tuple[int, int]] | None = None,
 ) -> dict:
     """Export to ONNX, check it, run it in onnxruntime and compare every output with PyTorch's. The files are
     written in a temp folder beside `output` and moved into place only after all of that passed, so a failed
-    export never damages an earlier file."""
+    export never damages an earlier file. `axes` names each input's dynamic axes ({"input_points": {1:
+    "prompts"}}) instead of the shared batch and sequence axes, `bounds` an axis's (min, max) where the model
+    needs one: the pieces of a pipeline (pipelines/)."""
     import torch
 
     started = time.perf_counter()
+    for noisy in ("onnx_ir", "onnxscript"):  # the exporter's passes log every rewrite at INFO
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     output = Path(output)
     if output.suffix != ".onnx":
         raise UserError(f"ONNX export path {output} must end in .onnx.")
     if not output.parent.is_dir():
         raise UserError(f"the folder of the ONNX export path {output} does not exist; create it first.")
     model = _unwrap_peft(model, merge=True)
-    _check_sample(model, sample_input, dynamic)
+    _check_sample(model, sample_input, dynamic and axes is None)
     input_names = list(sample_input)
     tensors = tuple(sample_input.values())
 
@@ -229,7 +236,7 @@ def export_onnx(
         if not reference:
             raise UserError(f"{type(model).__name__} returned no tensors on the sample input; nothing to export.")
         names = [name for name, _ in reference]
-        program = _torch_export(model, input_names, names, tensors, opset, dynamic)
+        program = _torch_export(model, input_names, names, tensors, opset, dynamic, (axes, bounds or {}))
 
     folder = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
     try:
@@ -263,13 +270,21 @@ def export_onnx(
     }
 
 
-def _torch_export(model, input_names: list[str], names: list[str], tensors: tuple, opset: int, dynamic: bool):
-    """torch.onnx.export with the dynamo exporter: every input shares `batch`, text inputs share `sequence`."""
+def _torch_export(
+    model, input_names: list[str], names: list[str], tensors: tuple, opset: int, dynamic: bool, axes: tuple
+):
+    """torch.onnx.export with the dynamo exporter: every input shares `batch`, text inputs share `sequence`;
+    or each input's `axes`, one torch.export Dim per axis name."""
     import torch
     from torch.export import Dim
 
-    shapes = None
-    if dynamic:
+    shapes, (axes, bounds) = None, axes
+    if axes is not None:
+        names_used = {name for per_input in axes.values() for name in per_input.values()}
+        dims = {name: Dim(name, **dict(zip(("min", "max"), bounds.get(name, ())))) for name in names_used}
+        specs = tuple({k: dims[a] for k, a in axes.get(n, {}).items()} or None for n in input_names)
+        shapes = {"tensors": specs}
+    elif dynamic:
         batch, sequence = Dim("batch"), Dim("sequence", max=max_sequence_length(model))
         specs = tuple({0: batch, 1: sequence} if n in TEXT_INPUTS else {0: batch} for n in input_names)
         shapes = {"tensors": specs}  # keyed by the wrapper's *tensors parameter
@@ -472,7 +487,7 @@ def _max_abs_diff(reference, got, attention_mask=None) -> float:
     if ref.size == 0:
         return 0.0
     diff = np.abs(ref - got)
-    diff[np.isnan(ref) & np.isnan(got)] = 0.0
+    diff[(np.isnan(ref) & np.isnan(got)) | (ref == got)] = 0.0  # equal infinities (masked logits) agree
     return float(np.nan_to_num(diff, nan=np.inf).max())
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from onn.config.model import LanguageModelConfig
 from onn.errors import UserError
-from onn.models.tokenizer import byte_tokenizer
+from onn.models.tokenizer import byte_tokenizer, wordpiece_tokenizer
 
 INIT_SEED = 0  # random weights (model.source=random) are drawn from this seed: the same model every run
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".joblib")
@@ -189,13 +189,18 @@ def load_4bit(model_cfg: LanguageModelConfig, compute_dtype, cache_dir: str | os
 def finish_tokenizer(model_cfg: LanguageModelConfig, tokenizer, remote: bool):
     """The tokenizer the model config asks for (or the source's), with a pad token."""
     tok_cfg = model_cfg.tokenizer
+    if tok_cfg == "none":
+        return None  # the model reads no text (SAM2)
     if tok_cfg == "byte":
         tokenizer = byte_tokenizer()
+    elif tok_cfg == "wordpiece":
+        tokenizer = wordpiece_tokenizer()
     elif tok_cfg:
         tokenizer = tokenizer_from(expand(tok_cfg), remote)
     if tokenizer is None:
         raise UserError(
-            f"model '{model_cfg.name}' has no tokenizer; set model.tokenizer to a folder with one, or `byte`."
+            f"model '{model_cfg.name}' has no tokenizer; "
+            "set model.tokenizer to a folder with one, `byte` or `wordpiece`."
         )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -220,12 +225,27 @@ def converted_gguf(source: str, cache_dir) -> str | None:
 
 
 def auto_class(config):
-    from transformers import AutoModel, AutoModelForCausalLM
+    """The auto class that builds `config`: a causal LM's, else the one that maps it to the class its `architectures`
+    names (Sam2Model, GroundingDinoForObjectDetection, VisionEncoderDecoderModel), else AutoModel."""
+    import transformers
 
     archs = getattr(config, "architectures", None) or []
     if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) or not archs:
-        return AutoModelForCausalLM
-    return AutoModel
+        return transformers.AutoModelForCausalLM
+    for name in AUTO_CLASSES:
+        auto = getattr(transformers, name, None)
+        mapped = auto._model_mapping.get(type(config), None) if auto is not None else None
+        if mapped is not None and mapped.__name__ == archs[0]:
+            return auto
+    return transformers.AutoModel
+
+
+AUTO_CLASSES = (
+    "AutoModel",
+    "AutoModelForZeroShotObjectDetection",
+    "AutoModelForImageTextToText",
+    "AutoModelForVision2Seq",
+)
 
 
 def expand(path: str) -> str:

@@ -1,7 +1,8 @@
-"""ONN's built-in byte tokenizer: 256 byte tokens plus <bos>, <eos>, <pad>.
+"""ONN's built-in tokenizers, which need no download: what tiny offline models need for tests and demos.
 
-It needs no download and round-trips any UTF-8 text exactly, which is what tiny offline models
-(phi4_tiny, llama_tiny) need for tests and demos.
+byte       256 byte tokens plus <bos>, <eos>, <pad>; round-trips any UTF-8 text exactly (phi4_tiny, llama_tiny)
+wordpiece  BERT's uncased WordPiece over letters, digits and punctuation, with BERT's ids for [PAD], [UNK],
+           [CLS], [SEP], [MASK], "." and "?" (Grounding DINO reads phrases between those ids)
 """
 
 from __future__ import annotations
@@ -27,3 +28,34 @@ def byte_tokenizer():
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([BOS, EOS, PAD])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+
+
+BERT_IDS = {"[PAD]": 0, "[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103, ".": 1012, "?": 1029}
+
+
+def wordpiece_tokenizer():
+    """A BERT-style fast tokenizer (lower case, [CLS] text [SEP]) whose words are spelt letter by letter:
+    `a`, `##b`, ... Its special tokens and the phrase delimiters "." and "?" have bert-base-uncased's ids."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = dict(BERT_IDS)
+    free = (i for i in range(104, 2**16) if i not in vocab.values())
+    symbols = [c for c in string.ascii_lowercase + string.digits + string.punctuation if c not in vocab]
+    for piece in symbols + ["##" + c for c in string.ascii_lowercase + string.digits]:
+        vocab[piece] = next(free)
+    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.BertProcessing(("[SEP]", 102), ("[CLS]", 101))
+    tok.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )

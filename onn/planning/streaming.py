@@ -382,7 +382,7 @@ def generation(s: StreamShape, best: Setting) -> dict[str, Any]:
     if eval_tokens is None:
         eval_tokens = max(s.micro_batch * s.seq, min(1_000_000, left // (2 * spec.hidden * cb + 1)))
     per_sequence = (s.n * 2 * spec.kv_dim + 2 * spec.hidden) * cb * (s.seq + 64) + spec.vocab * 4
-    generate_batch = int(max(1, min(256, left // per_sequence)))
+    generate_batch = int(max(1, min(256, left // max(per_sequence, 1))))
     codes = not s.on_gpu and generates_from_codes(best.store_dtype, "cpu", s.cdtype)
     g = stream_memory(s, best.store_dtype, best.store, best.edges, best.activations, 1, 0, decoded=not codes)
     scratch = min(max(spec.block_params), 2 * spec.intermediate * spec.hidden) * cb if codes else 0

@@ -1,9 +1,7 @@
 """.omny: an ONNX model whose metadata carries where it can be cut, what each block needs and how
 to shard it over small GPUs. Any ONNX tool still opens it; FORMAT_SPEC.md defines the document.
-
-    python -m onn.export.omny inspect FILE     # cut points, per-block memory, shard plans
-    python -m onn.export.omny validate FILE    # split at every plan's cuts, run the shards, compare
-    python -m onn.export.omny enrich IN.onnx OUT.omny   # a .omny of an ONNX file made elsewhere
+This module writes, reads, inspects, validates and enriches such files; cli.py is their command line
+(`python -m onn.export.omny inspect|validate|enrich|run`).
 
 `validate` is what makes "a .omny file always splits where it says" a checked fact: it cuts the
 model with onnx's own extractor at every planned boundary, runs the shards one after another in
@@ -14,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 from dataclasses import dataclass
 from functools import cache
@@ -27,7 +24,7 @@ from onn.errors import UserError
 from onn.export import graph as G
 from onn.export import shards
 
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"
 METADATA_KEY = "onn.omny"
 SCHEMA_FILE = Path(__file__).with_name("omny.schema.json")
 MB = 2**20
@@ -100,27 +97,17 @@ def describe(
     settings = {**DEFAULTS, **(settings or {})}
     g = G.Graph(model)
     sample = _check_sample(g, sample_input)
-    cuts, anc, pos = G.cut_points(g)
     symbolic = G.symbolic_shapes(model)
-    # a shard boundary needs the tensor's type; ops shape inference does not know leave it untyped
-    cuts = [c for c in cuts if symbolic.get(c, ("undefined",))[0] != "undefined"]
-    if runs:
-        chosen = G.select_block_cuts(g, cuts, runs)
-        block_of = dict(chosen)
-        cuts = [t for t, _ in chosen]
-    else:
-        cuts, block_of = G.merge_weightless(g, cuts, anc, pos), {}
-    parts = G.pieces(g, cuts, anc, pos)
+    parts, block_of = _pieces(g, symbolic, runs)
     reference = _reference_shapes(g, sample, int(settings["reference_sequence_length"]))
     ranges = {k: (v["low"], v["high"]) for k, v in sample.items() if "low" in v}
     sizes = G.concrete_shapes(model, reference, ranges)
-    seq_symbols = _sequence_symbols(model)
     blocks, cut_points, done = [], [], set()
     for index, piece in enumerate(parts):
         free, graph_inputs = g.free_inputs_needed(piece.nodes, () if piece.cut_after else g.outputs)
         entering = set(G.crossing(g, done)) if done else set()
         done |= set(piece.nodes)
-        leaving = {piece.cut_after} if piece.cut_after else set(g.outputs)
+        leaving = set(G.crossing(g, done)) if piece.cut_after else set(g.outputs)
         name = block_of.get(piece.cut_after) if piece.cut_after else None
         name = name or _name(g, piece, index)
         blocks.append(
@@ -139,7 +126,8 @@ def describe(
         )
         if piece.cut_after:
             reference_length = int(settings["reference_sequence_length"])
-            cut_points.append(_cut_point(piece.cut_after, index, symbolic, sizes, seq_symbols, reference_length))
+            cut = _cut_point(piece.cut_after, index, symbolic, sizes, _sequence_symbols(model), reference_length)
+            cut_points.append(cut | _carried(piece.cut_after, sorted(leaving), sizes))
     doc = {
         "format": "omny",
         "format_version": FORMAT_VERSION,
@@ -156,6 +144,28 @@ def describe(
     doc["shard_plans"] = _shard_plans(g, parts, blocks, settings)
     doc["node_plan"] = _node_plan(g, parts, blocks, settings) if settings["nodes"] else None
     return doc
+
+
+def _pieces(g: G.Graph, symbolic: dict, runs: list[list[str]] | None) -> tuple[list[G.Piece], dict[str, str]]:
+    """The graph's blocks, and the block path each cut ends: at LayerMap block boundaries when `runs` is given,
+    else at every cut that leaves weights on both sides."""
+    cuts, anc, pos = G.cut_points(g)
+    typed = lambda t: symbolic.get(t, ("undefined",))[0] != "undefined"  # noqa: E731
+    # a shard boundary needs the tensor's type; ops shape inference does not know leave it untyped
+    cuts = [c for c in cuts if typed(c)]
+    if not runs:
+        return G.pieces(g, G.merge_weightless(g, cuts, anc, pos), anc, pos), {}
+    chosen = [c for c in G.select_block_cuts(g, cuts, runs, anc) if typed(c[0])]
+    closures = {t: bits for t, _, bits in chosen}
+    return G.pieces(g, [t for t, _, _ in chosen], anc, pos, closures), {t: path for t, path, _ in chosen}
+
+
+def _carried(name: str, crossing: list[str], sizes: dict[str, int]) -> dict[str, Any]:
+    """A cut that other tensors cross with (an earlier stage's output waiting for the neck): their names and the
+    bytes of all of them."""
+    if crossing == [name]:
+        return {}
+    return {"crossing": crossing, "crossing_bytes_per_sample": sum(sizes.get(t, 0) for t in crossing)}
 
 
 def _shard_plans(g: G.Graph, parts: list[G.Piece], blocks: list[dict], settings: dict) -> dict[str, Any]:
@@ -569,15 +579,25 @@ def validate(path: str | Path, sample_input: dict[str, Any] | None = None, atol:
                 echo(f"  the shards never produce {', '.join(missing)}")
                 ok = False
                 continue
-            diffs = [
-                float(np.max(np.abs(env[o].astype(np.float64) - whole[o].astype(np.float64)))) if env[o].size else 0.0
-                for o in whole
-            ]
+            diffs = [_max_diff(env[o], whole[o]) for o in whole]
             worst = max(diffs, default=0.0)
             ok &= worst <= atol
             echo(f"  max abs diff against the whole model: {worst:.3g} ({'ok' if worst <= atol else f'over {atol:g}'})")
     echo(f"{path}: {'valid' if ok else 'INVALID'}")
     return ok
+
+
+def _max_diff(got, want) -> float:
+    """Max |got - want|; equal values agree, infinities included (a detector's masked logits are -inf)."""
+    import numpy as np
+
+    if not got.size:
+        return 0.0
+    got, want = got.astype(np.float64), want.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(got - want)
+    diff[got == want] = 0.0
+    return float(np.nan_to_num(diff, nan=np.inf).max())
 
 
 def unknown_tensors(model: onnx.ModelProto, doc: dict[str, Any]) -> list[str]:
@@ -665,76 +685,3 @@ def _with_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     if made <= described:
         return model
     return onnx.shape_inference.infer_shapes(model)
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m onn.export.omny", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("inspect", help="print cut points, per-block memory and shard plans").add_argument("file")
-    check = sub.add_parser("validate", help="split at every plan's cut points, run the shards, compare")
-    check.add_argument("file")
-    check.add_argument("--atol", type=float, default=1e-4)
-    enrich = sub.add_parser("enrich", help="make a .omny of an ONNX file made elsewhere (cut points from the graph)")
-    enrich.add_argument("file", help="the .onnx file")
-    enrich.add_argument("output", help="the .omny file to write")
-    enrich.add_argument(
-        "--sample",
-        help="a .npz of the sample input (one array per graph input); default: made from the graph's declared shapes",
-    )
-    enrich.add_argument(
-        "--dim",
-        action="append",
-        default=[],
-        metavar="NAME=SIZE",
-        help="the size of a named input dimension in the made sample (default: 1 for the first, "
-        f"{SAMPLE_DIM} for others)",
-    )
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "inspect":
-            print(inspect_omny(args.file).summary())
-            return 0
-        if args.command == "enrich":
-            written = enrich_onnx(
-                args.file, args.output, _read_sample(args.sample) if args.sample else None, dims=_read_dims(args.dim)
-            )
-            print(inspect_omny(written).summary())
-            return 0
-        return 0 if validate(args.file, atol=args.atol) else 1
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (KeyError, ValueError, TypeError) as e:  # a document that passes the schema yet makes no sense
-        print(
-            f"error: {args.file}: the .omny document cannot be used ({type(e).__name__}: {e}).",
-            file=sys.stderr,
-        )
-        return 2
-
-
-def _read_dims(items: list[str]) -> dict[str, int]:
-    dims = {}
-    for item in items:
-        name, _, size = item.partition("=")
-        if not name or not size.isdigit() or int(size) < 1:
-            raise UserError(
-                f"--dim {item}: write NAME=SIZE with a whole number of 1 or more (e.g. --dim sequence=128)."
-            )
-        dims[name] = int(size)
-    return dims
-
-
-def _read_sample(path: str) -> dict[str, Any]:
-    import numpy as np
-
-    try:
-        with np.load(path, allow_pickle=False) as arrays:  # never unpickles
-            return {k: arrays[k] for k in arrays.files}
-    except (OSError, ValueError) as e:
-        raise UserError(f"--sample {path} is not a readable .npz of arrays: {e}.") from None
-
-
-if __name__ == "__main__":
-    sys.exit(main())
