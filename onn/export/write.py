@@ -16,10 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from onn.config import ONNConfig
+from onn.config.convert import typed
 from onn.config.export import ExportSample, OmnyExport, OnnxExport, SafetensorsExport
+from onn.config.model import LanguageModelConfig
 from onn.errors import UserError
 from onn.export.model_facts import kv_cache_bytes, model_source, omny_runs
 from onn.export.settings import FORMATS, check_settings
+from onn.models.load import load
+
+DEFAULT_LIMITS = ("max_shard_size_mb", "min_vram_mb", "headroom_mb", "nodes", "shard_counts", "max_configs",
+                  "reference_sequence_length")  # fmt: skip
 
 log = logging.getLogger("onn")
 
@@ -40,8 +46,6 @@ def export_model(
     `sample_input` (named tensors) is what ONNX traces and checks against; `engine` is the
     streaming engine of a layer-streamed model, whose frozen blocks live in its layer store;
     `model_name` names the model in a .omny's source (default: its class)."""
-    for noisy in ("onnx_ir", "onnxscript"):  # the exporter's passes log every rewrite at INFO
-        logging.getLogger(noisy).setLevel(logging.WARNING)
     kind = settings.name
     if kind not in FORMATS:
         raise UserError(f"export={kind!r} is not one of {', '.join(FORMATS)}.")
@@ -107,15 +111,41 @@ def export_for_run(
     output = Path(settings.output or Path(run_dir) / "export" / default)
     if not settings.output:
         output.parent.mkdir(parents=True, exist_ok=True)
+    plain = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's wrapper
+    if kind != "safetensors" and (pipeline := _pipeline(config, plain)) is not None:
+        return _export_pipeline(config, pipeline, plain, output.parent, tokenizer)
     if sample is None and kind != "safetensors":
         shape: ExportSample = settings.sample
-        plain = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's wrapper
         sample = sample_inputs(plain, shape.batch_size, shape.sequence_length, shape.image_size, seed=config.seed)
     metrics = export_model(
         model, output, sample, settings, model_name=config.model.name, tokenizer=tokenizer, engine=engine
     )
     log.info("export: %s", {k: v for k, v in metrics.items() if not isinstance(v, dict | list)})
     return metrics
+
+
+def _pipeline(config: ONNConfig, model):
+    """The pipeline this model is exported as (SAM2, Grounding DINO, Grounded SAM2, TrOCR), or None."""
+    from onn.export.pipelines import for_model  # onnx, onnxruntime: imported when an export asks
+
+    segmenter = getattr(config.model, "segmenter", None)
+    return for_model(model, 2 if segmenter else 1)
+
+
+def _export_pipeline(config: ONNConfig, pipeline, model, folder: Path, tokenizer) -> dict[str, Any]:
+    """The pipeline's pieces and pipeline.json in `folder` (Grounded SAM2's SAM2 built from model.segmenter)."""
+    from onn.export.pipelines import export_pipeline  # onnx, onnxruntime: imported when a pipeline is exported
+
+    models = [model]
+    if pipeline.models == 2:
+        segmenter = typed(LanguageModelConfig, config.model.segmenter, "model.segmenter")
+        models.append(load(segmenter)[0])
+    export: OnnxExport | OmnyExport = config.export
+    limits = {k: getattr(export, k) for k in DEFAULT_LIMITS if getattr(export, k, None) is not None}
+    size = export.sample.image_size  # the detector's square canvas: its side
+    return export_pipeline(
+        pipeline, models, folder, export, limits, config.model.name, tokenizer, side=size and size[0]
+    )
 
 
 def _omny_settings(export: OmnyExport, model) -> dict[str, Any]:

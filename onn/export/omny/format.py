@@ -524,7 +524,6 @@ def sample_feeds(doc: dict[str, Any], seed: int = 0) -> dict[str, Any]:
 def validate(path: str | Path, sample_input: dict[str, Any] | None = None, atol: float = 1e-4, echo=print) -> bool:
     """Cut the model at every plan's boundaries, run the shards in sequence, compare with the whole
     model; check each shard's weights against the document. True when all of it holds."""
-    import numpy as np
     from onnx.utils import Extractor
 
     from onn.export.onnx_export import run_onnx

@@ -1,0 +1,147 @@
+"""Export a pipeline: each piece traced, checked against PyTorch in onnxruntime and written as a .omny (or
+.onnx) with its cut points, then pipeline.json (document.py) and the tokenizer beside them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from onn.config.export import OmnyExport, OnnxExport
+from onn.export.pipelines import document
+from onn.export.pipelines.registry import Piece, Pipeline
+
+
+def export_pipeline(
+    pipeline: Pipeline,
+    models: list,
+    folder: Path,
+    settings: OnnxExport | OmnyExport,
+    limits: dict[str, Any],
+    model_name: str,
+    tokenizer=None,
+    side: int | None = None,
+) -> dict[str, Any]:
+    """Write every piece of `pipeline` (built from `models`: the model, and SAM2 for Grounded SAM2) and the
+    pipeline document into `folder`; return the export/* metrics, per piece under export/pieces. `side`: the
+    detector's square image size (export.sample.image_size)."""
+    started = time.perf_counter()
+    folder.mkdir(parents=True, exist_ok=True)
+    pieces = pipeline.pieces(*models, side=side)
+    entries, per_piece = [], {}
+    for piece in pieces:
+        path, figures, signature = export_piece(piece, folder, settings, limits, _source(piece, model_name))
+        entries.append({"name": piece.name, "file": path.name, "when": piece.when, **signature})
+        per_piece[piece.name] = figures
+    doc = {
+        "format": document.FORMAT,
+        "format_version": document.VERSION,
+        "kind": pipeline.kind,
+        "model": {"name": model_name, "classes": [type(m).__name__ for m in models]},
+        "pieces": entries,
+        "connections": [{"from": a, "to": b, "via": via} for a, b, via in pipeline.connections],
+        "settings": pipeline.settings(*models, side=side),
+        "tokenizer": _save_tokenizer(tokenizer, folder),
+    }
+    written = document.write(folder, doc)
+    return {
+        "export/pipeline": str(written),
+        "export/pieces": per_piece,
+        "export/seconds": round(time.perf_counter() - started, 3),
+        "export/cut_points": sum(f.get("cut_points", 0) for f in per_piece.values()),
+    }
+
+
+def export_piece(
+    piece: Piece, folder: Path, settings: OnnxExport | OmnyExport, limits: dict[str, Any], source: dict[str, Any]
+) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """One piece as `folder/NAME.omny` (or .onnx): traced, compared with PyTorch, its cut points described."""
+    import onnx
+
+    from onn.export import omny
+    from onn.export.onnx_export import export_onnx
+
+    started = time.perf_counter()
+    suffix = ".omny" if settings.name == "omny" else ".onnx"
+    output = folder / f"{piece.name}{suffix}"
+    with tempfile.TemporaryDirectory(dir=folder, prefix=f".{piece.name}-") as tmp:
+        traced = Path(tmp) / f"{piece.name}.onnx"
+        with _checks_off():
+            checked = export_onnx(
+                piece.module, traced, piece.sample, opset=settings.opset, atol=settings.atol, axes=piece.axes,
+                bounds=piece.bounds,
+            )  # fmt: skip
+        graph = onnx.load(str(traced))
+        if "sequence" in piece.bounds:  # per-sample figures at a length the piece takes
+            longest = piece.bounds["sequence"][1]
+            limits = {**limits, "reference_sequence_length": min(limits.get("reference_sequence_length", 128), longest)}
+        doc = omny.describe(
+            graph, piece.sample, limits, runs=piece.runs, kv_cache_bytes=piece.kv_cache_bytes, source=source
+        )
+        if suffix == ".omny":
+            omny.write(graph, doc, output)
+        else:
+            for f in Path(tmp).iterdir():
+                os.replace(f, folder / f.name)
+    plans = doc["shard_plans"]["configurations"]
+    figures = {
+        "file": str(output),
+        "seconds": round(time.perf_counter() - started, 3),
+        "bytes": sum(p.stat().st_size for p in folder.glob(output.name + "*")),
+        "cut_points": len(doc["cut_points"]),
+        "blocks": len(doc["blocks"]),
+        "largest_shard_mb": round(max(s["weight_bytes"] for s in plans[0]["detail"]) / 2**20, 3) if plans else None,
+        "shard_counts": doc["shard_plans"]["allowed_counts"],
+        "max_abs_diff": checked["export/max_abs_diff"],
+        "too_large": _too_large(doc),
+    }
+    signature = {"inputs": _plain(doc["inputs"]), "outputs": _plain(doc["outputs"])}
+    return output, figures, signature
+
+
+def _too_large(doc: dict[str, Any]) -> list[str]:
+    """Blocks whose weights alone are over the shard limit: no plan can hold them (one sentence each)."""
+    limit = doc["shard_plans"]["max_shard_size_mb"] * 2**20
+    return [
+        f"block {b['index']} ({b['name']}) holds {b['weight_bytes'] / 2**20:.0f} MB of weights, more than the "
+        f"{limit / 2**20:g} MB shard limit, and the graph has no cut inside it"
+        for b in doc["blocks"]
+        if b["weight_bytes"] > limit
+    ]
+
+
+def _plain(signatures: list[dict]) -> list[dict]:
+    return [{"name": s["name"], "dtype": s["dtype"], "shape": s["shape"]} for s in signatures]
+
+
+def _source(piece: Piece, model_name: str) -> dict[str, Any]:
+    params = sum(p.numel() for p in {id(p): p for p in piece.module.parameters()}.values())
+    return {"name": f"{model_name}/{piece.name}", "framework": "pytorch", "class": type(piece.module).__name__,
+            "parameters": params}  # fmt: skip
+
+
+def _save_tokenizer(tokenizer, folder: Path) -> str | None:
+    """The tokenizer as tokenizer.json (the `tokenizers` library reads it without transformers), or None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    backend.save(str(folder / "tokenizer.json"))
+    return "tokenizer.json"
+
+
+@contextlib.contextmanager
+def _checks_off():
+    """transformers' torch_compilable_check asserts shapes with tensors, which the ONNX exporter cannot translate
+    (aten._is_all_true); its own switch turns them off while tracing."""
+    before = os.environ.get("TRANSFORMERS_DISABLE_TORCH_CHECK")
+    os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TRANSFORMERS_DISABLE_TORCH_CHECK", None)
+        else:
+            os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = before

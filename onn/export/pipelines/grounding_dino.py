@@ -1,0 +1,197 @@
+"""Grounding DINO (boxes for the phrases of a text prompt) and Grounded SAM2 (those boxes segmented by SAM2).
+
+The detector piece takes the tokenizer's output as explicit inputs: the ids, attention mask and token types,
+and the per-phrase text attention mask and position ids that transformers computes from the ids with cummax
+(which ONNX lacks): `text_masks` computes them in numpy, as transformers does in torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+
+from onn.errors import UserError
+from onn.export.pipelines import images, sam2
+from onn.export.pipelines.registry import Piece, Pipeline, register
+from onn.export.pipelines.runtime import Pieces, Request, write_json
+
+SPECIAL_IDS = [101, 102, 1012, 1029]  # [CLS] [SEP] . ? in BERT's vocabulary: phrases lie between them
+SIDE = 800  # the detector's square canvas when export.sample.image_size gives none (its processor's shorter edge)
+INPUTS = ("pixel_values", "pixel_mask", "input_ids", "attention_mask", "token_type_ids", "text_self_attention_masks",
+          "position_ids")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _given_text_masks(masks, positions):
+    """transformers' forward computes the text masks from the ids; while tracing, it takes the given ones."""
+    from transformers.models.grounding_dino import modeling_grounding_dino as gd
+
+    made = gd.generate_masks_with_special_tokens_and_transfer_map
+    gd.generate_masks_with_special_tokens_and_transfer_map = lambda *args, **kwargs: (masks, positions)
+    try:
+        yield
+    finally:
+        gd.generate_masks_with_special_tokens_and_transfer_map = made
+
+
+def _detector():
+    import torch
+
+    class Detector(torch.nn.Module):
+        """An image (letterboxed, with its pixel mask) and the tokenizer's output -> per-query token logits and
+        boxes ([cx, cy, w, h], 0-1 of the picture)."""
+
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, pixel_values, pixel_mask, input_ids, attention_mask, token_type_ids,
+                    text_self_attention_masks, position_ids):  # fmt: skip
+            with _given_text_masks(text_self_attention_masks, position_ids):
+                out = self.model(pixel_values=pixel_values, pixel_mask=pixel_mask, input_ids=input_ids,
+                                 attention_mask=attention_mask, token_type_ids=token_type_ids)  # fmt: skip
+            return {"logits": out.logits, "pred_boxes": out.pred_boxes}
+
+    return Detector
+
+
+def text_masks(ids: np.ndarray, special: list[int] = SPECIAL_IDS) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' generate_masks_with_special_tokens_and_transfer_map in numpy: tokens attend within their
+    phrase (up to the next special token), and count their positions from the phrase's start."""
+    batch, length = ids.shape
+    is_special = np.isin(ids, special)
+    index = np.broadcast_to(np.arange(length), (batch, length))
+    previous = np.maximum.accumulate(np.where(is_special, index, -1), axis=1)
+    previous = np.concatenate([np.full((batch, 1), -1), previous[:, :-1]], axis=1)
+    following = np.flip(np.minimum.accumulate(np.flip(np.where(is_special, index, length), 1), axis=1), 1)
+    valid = (following != 0) & (following != length - 1) & (following != length)
+    masks = (following[:, :, None] == following[:, None, :]) & valid[:, None, :]
+    masks |= np.eye(length, dtype=bool)[None]
+    positions = np.where(valid, index - previous - 1, 0).clip(min=0).astype(np.int64)
+    return masks, positions
+
+
+def pieces(model, segmenter=None, side: int | None = None) -> list[Piece]:
+    import torch
+
+    model.set_attn_implementation("eager")  # Swin's sdpa path reshapes a view the exporter cannot
+    side = side or SIDE
+    ids = torch.tensor([[101, 1037, 4937, 1012, 1037, 3899, 1012, 102]]).clamp(
+        max=model.config.text_config.vocab_size - 1
+    )
+    masks, positions = (torch.from_numpy(a) for a in text_masks(ids.numpy()))
+    sample = {
+        "pixel_values": torch.randn(1, 3, side, side, generator=torch.Generator().manual_seed(0)),
+        "pixel_mask": torch.ones(1, side, side, dtype=torch.long),
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "token_type_ids": torch.zeros_like(ids),
+        "text_self_attention_masks": masks,
+        "position_ids": positions,
+    }
+    text = {n: {1: "sequence"} for n in ("input_ids", "attention_mask", "token_type_ids", "position_ids")}
+    text["text_self_attention_masks"] = {1: "sequence", 2: "sequence"}
+    runs = [[f"model.model.{part}.layers.{i}" for i in range(len(getattr(model.model, part).layers))]
+            for part in ("encoder", "decoder")]  # fmt: skip
+    detector = Piece(
+        "detector",
+        _detector()(model).eval(),
+        sample,
+        axes=text,
+        bounds={"sequence": (2, model.config.max_text_len - 1)},
+        runs=runs,
+        when="once per image and prompt",
+    )
+    return [detector] + (sam2.pieces(segmenter) if segmenter is not None else [])
+
+
+def settings(model, segmenter=None, side: int | None = None) -> dict[str, Any]:
+    detector = {"image_size": side or SIDE, **sam2.IMAGENET, "max_text_len": model.config.max_text_len,
+                "special_ids": SPECIAL_IDS, "box_threshold": 0.35, "text_threshold": 0.25, "max_boxes": 5}  # fmt: skip
+    return {"detector": detector, **({"segmenter": sam2.settings(segmenter)} if segmenter is not None else {})}
+
+
+def detect(pieces_: Pieces, image, text: str | None, s: dict, tokenizer) -> list[dict[str, Any]]:
+    """Boxes (x0, y0, x1, y1 in the image's pixels), their scores and phrases, best first."""
+    text = (text or "").strip().lower()
+    if not text:
+        raise UserError(
+            '--text is empty: Grounding DINO finds the phrases of a text prompt; give one, e.g. --text "a cat."'
+        )
+    text = text if text.endswith((".", "?")) else text + "."
+    ids = np.asarray([tokenizer.encode(text).ids], np.int64)
+    if ids.shape[1] > s["max_text_len"] - 1:
+        raise UserError(f"--text is {ids.shape[1]} tokens long; the detector reads at most {s['max_text_len'] - 1}.")
+    masks, positions = text_masks(ids, s["special_ids"])
+    pixels, pixel_mask, _ = images.letterboxed(image, s["image_size"], s["mean"], s["std"])
+    feeds = dict(zip(INPUTS, (pixels, pixel_mask, ids, np.ones_like(ids), np.zeros_like(ids), masks, positions)))
+    out = pieces_.run("detector", feeds)
+    probs = 1 / (1 + np.exp(-out["logits"][0, :, : ids.shape[1]]))
+    scores = probs.max(-1)
+    order = [q for q in np.argsort(-scores) if scores[q] > s["box_threshold"]][: s["max_boxes"]] or [
+        int(scores.argmax())
+    ]
+    found = []
+    for q in order:
+        cx, cy, w, h = out["pred_boxes"][0, q]
+        box = [float(v) for v in ((cx - w / 2) * image.width, (cy - h / 2) * image.height,
+                                  (cx + w / 2) * image.width, (cy + h / 2) * image.height)]  # fmt: skip
+        words = [int(t) for t, p in zip(ids[0], probs[q]) if p > s["text_threshold"] and t not in s["special_ids"]]
+        found.append({"box": [round(v, 1) for v in box], "score": round(float(scores[q]), 4),
+                      "phrase": tokenizer.decode(words)})  # fmt: skip
+    return found
+
+
+def _tokenizer(doc: dict[str, Any], pieces_: Pieces):
+    from tokenizers import Tokenizer
+
+    if not doc.get("tokenizer"):
+        raise UserError("the pipeline has no tokenizer.json; re-export it with a model that has a tokenizer.")
+    return Tokenizer.from_file(str(next(iter(pieces_.files.values())).parent / doc["tokenizer"]))
+
+
+def run_detector(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict[str, Any]:
+    image = images.load_rgb(request.image)
+    found = detect(pieces_, image, request.text, doc["settings"]["detector"], _tokenizer(doc, pieces_))
+    picture = images.annotate(image, boxes=[(f["box"], f"{f['phrase']} {f['score']:.2f}") for f in found])
+    result = {"image": str(request.image), "text": request.text, "boxes": found,
+              "png": str(images.save(picture, request.output))}  # fmt: skip
+    result["json"] = str(write_json(request, result))
+    return result
+
+
+def run_grounded(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict[str, Any]:
+    image = images.load_rgb(request.image)
+    found = detect(pieces_, image, request.text, doc["settings"]["detector"], _tokenizer(doc, pieces_))
+    prompts = [[(f["box"][0], f["box"][1], 2), (f["box"][2], f["box"][3], 3)] for f in found]
+    clipped = [
+        [(min(max(x, 0), image.width - 1), min(max(y, 0), image.height - 1), k) for x, y, k in p] for p in prompts
+    ]
+    masks, scores = sam2.segment(pieces_, image, clipped, doc["settings"]["segmenter"])
+    boxes = [(f["box"], f"{f['phrase']} {f['score']:.2f}") for f in found]
+    picture = images.annotate(images.overlay(image, masks), boxes=boxes)
+    for f, m, s in zip(found, masks, scores):
+        f["mask"] = {"score": round(s, 4), **images.describe_mask(m)}
+    result = {"image": str(request.image), "text": request.text, "objects": found,
+              "png": str(images.save(picture, request.output))}  # fmt: skip
+    result["json"] = str(write_json(request, result))
+    return result
+
+
+DETECTOR = register(
+    Pipeline("grounding_dino", "GroundingDinoForObjectDetection", pieces, [], run_detector, settings=settings)
+)
+GROUNDED = register(
+    Pipeline(
+        "grounded_sam2",
+        "GroundingDinoForObjectDetection",
+        pieces,
+        [("detector.pred_boxes", "prompt_decoder.input_points", "boxes_to_prompts")]
+        + [(f"image_encoder.{f}", f"prompt_decoder.{f}", "") for f in sam2.FEATURES],
+        run_grounded,
+        settings=settings,
+        models=2,
+    )
+)

@@ -1,0 +1,107 @@
+"""Pictures in and out of the pipelines: an image file read as RGB (or refused in one sentence), resized and
+normalised for a piece, and the results drawn over it as a PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from onn.errors import UserError
+
+COLOURS = [(230, 25, 75), (60, 180, 75), (0, 130, 200), (245, 130, 48), (145, 30, 180), (70, 240, 240)]
+# Modes that hold colour or grey levels PIL converts to RGB; others (32-bit integer, float) need a choice we leave
+# to the user.
+CONVERTIBLE = {"RGB", "RGBA", "L", "LA", "P", "PA", "CMYK", "YCbCr", "1", "I;16", "RGBX", "LAB", "HSV"}
+
+
+def load_rgb(path: str | Path):
+    """The image at `path` as an RGB PIL image; a file PIL cannot read, or a mode without one RGB reading, is
+    one sentence."""
+    from PIL import Image, UnidentifiedImageError
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"image {path} does not exist.")
+    try:
+        image = Image.open(path)
+        image.load()
+    except (UnidentifiedImageError, OSError) as e:
+        raise UserError(f"image {path} cannot be read as a picture ({e}); give a PNG, JPEG or other image.") from None
+    if image.mode not in CONVERTIBLE:
+        raise UserError(
+            f"image {path} is in mode {image.mode} ({'x'.join(map(str, image.size))}), which has no one RGB "
+            "reading; convert it to an 8-bit RGB or grey image first."
+        )
+    if image.mode == "I;16":
+        image = image.point(lambda v: v / 256).convert("L")
+    return image.convert("RGB")
+
+
+def normalised(image, size: tuple[int, int], mean: list[float], std: list[float]) -> np.ndarray:
+    """[1, 3, height, width] float32: the image resized to `size` (height, width), scaled to 0-1, normalised."""
+    from PIL import Image
+
+    resized = image.resize((size[1], size[0]), Image.Resampling.BILINEAR)
+    array = np.asarray(resized, dtype=np.float32) / 255.0
+    array = (array - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    return array.transpose(2, 0, 1)[None].astype(np.float32)
+
+
+def letterboxed(image, side: int, mean: list[float], std: list[float]) -> tuple[np.ndarray, np.ndarray, float]:
+    """The image scaled to fit a `side` x `side` canvas (aspect kept), normalised, zero-padded; the pixel mask
+    (1 on the picture) and the scale."""
+    scale = side / max(image.size)
+    width, height = max(1, round(image.width * scale)), max(1, round(image.height * scale))
+    pixels = np.zeros((1, 3, side, side), np.float32)
+    pixels[:, :, :height, :width] = normalised(image, (height, width), mean, std)
+    mask = np.zeros((1, side, side), np.int64)
+    mask[:, :height, :width] = 1
+    return pixels, mask, scale
+
+
+def overlay(image, masks: list[np.ndarray], alpha: float = 0.45):
+    """The image with each boolean mask (image-sized) tinted in its own colour."""
+    array = np.asarray(image, dtype=np.float32).copy()
+    for k, mask in enumerate(masks):
+        colour = np.asarray(COLOURS[k % len(COLOURS)], np.float32)
+        array[mask] = (1 - alpha) * array[mask] + alpha * colour
+    from PIL import Image
+
+    return Image.fromarray(array.clip(0, 255).astype(np.uint8))
+
+
+def annotate(image, boxes: list[tuple[list[float], str]] = (), points: list[tuple[float, float]] = ()):
+    """Boxes (x0, y0, x1, y1) with their labels, and points, drawn on a copy of the image."""
+    from PIL import ImageDraw
+
+    image = image.copy()
+    draw = ImageDraw.Draw(image)
+    for k, (box, label) in enumerate(boxes):
+        colour = COLOURS[k % len(COLOURS)]
+        draw.rectangle(box, outline=colour, width=max(1, image.width // 300))
+        if label:
+            draw.text((box[0] + 2, box[1] + 2), label, fill=colour)
+    for x, y in points:
+        r = max(3, image.width // 150)
+        draw.ellipse((x - r, y - r, x + r, y + r), fill=(255, 255, 0), outline=(0, 0, 0))
+    return image
+
+
+def upsampled(logits: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """A low-resolution mask's logits resized to `size` (width, height), bilinear, then thresholded at 0."""
+    from PIL import Image
+
+    return np.asarray(Image.fromarray(logits.astype(np.float32), mode="F").resize(size, Image.Resampling.BILINEAR)) > 0
+
+
+def save(image, path: Path) -> Path:
+    image.save(path, format="PNG")
+    return path
+
+
+def describe_mask(mask: np.ndarray) -> dict[str, Any]:
+    ys, xs = np.nonzero(mask)
+    box = [int(xs.min()), int(ys.min()), int(xs.max()), int(ys.max())] if len(xs) else None
+    return {"area": int(mask.sum()), "box": box}

@@ -1,0 +1,60 @@
+"""Running a pipeline's pieces in onnxruntime: a session per piece (CUDA when this onnxruntime has it), the
+request a `run` gets, and where it writes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from onn.errors import UserError
+
+
+@dataclass
+class Request:
+    """What `python -m onn.export.omny run` was asked: the picture, a text prompt, points, where to write."""
+
+    image: Path
+    output: Path  # the PNG; the JSON goes beside it
+    text: str | None = None
+    points: list[tuple[float, float]] = field(default_factory=list)
+
+
+class Pieces:
+    """The pipeline's pieces as onnxruntime sessions, opened on first use."""
+
+    def __init__(self, doc: dict[str, Any], folder: Path):
+        self.files = {p["name"]: folder / p["file"] for p in doc["pieces"]}
+        self.sessions: dict[str, Any] = {}
+
+    def run(self, name: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import onnxruntime as ort
+
+        if name not in self.sessions:
+            options = ort.SessionOptions()
+            options.log_severity_level = 3
+            wanted = ("CUDAExecutionProvider", "CPUExecutionProvider")
+            providers = [p for p in wanted if p in ort.get_available_providers()]
+            self.sessions[name] = ort.InferenceSession(str(self.files[name]), options, providers=providers)
+        session = self.sessions[name]
+        names = [o.name for o in session.get_outputs()]
+        return dict(zip(names, session.run(names, feeds)))
+
+
+def write_json(request: Request, result: dict[str, Any]) -> Path:
+    path = request.output.with_suffix(".json")
+    path.write_text(json.dumps(result, indent=2))
+    return path
+
+
+def check_points(points: list[tuple[float, float]], size: tuple[int, int]) -> None:
+    width, height = size
+    for x, y in points:
+        if not (0 <= x < width and 0 <= y < height):
+            raise UserError(
+                f"--points {x:g},{y:g} lies outside the image ({width} x {height} pixels); give x in 0-{width - 1} "
+                f"and y in 0-{height - 1}."
+            )
