@@ -10,6 +10,7 @@ task=bench_shard_plan  onn/export/shards.py    the .omny shard planner on a synt
 task=bench_giant       onn/bench/giant.py      a model larger than RAM: store build, training, generation
 task=bench_serve       onn/bench/serve.py      task=serve under load: batching speedup, latencies, errors
 task=bench_overhead    onn/bench/overhead.py   the language-model runner's step against a plain PyTorch loop
+task=bench_omny        onn/bench/omny.py       SAM2, Grounded SAM2 and TrOCR as .omny pipelines at their real sizes
 task=bench_gpu         onn/bench/gpu.py        the headline on a GPU: Phi-4 under a 4 GB budget, generation,
                                                accelerate, the runner's overhead
 """
@@ -97,6 +98,12 @@ def _check_gpu(config: ONNConfig) -> None:
     gpu.check_settings(config)
 
 
+def _bench_omny(job: Job) -> dict[str, Any]:
+    from onn.bench import omny
+
+    return omny.run(job)
+
+
 def _bench_shard_plan(job: Job) -> dict[str, Any]:
     from onn.export.shards import bench
 
@@ -112,6 +119,7 @@ TASKS: dict[str, Task] = {
     "bench_giant": Task(_bench_giant, check=_check_giant, modalities=TEXT),
     "bench_serve": Task(_bench_serve, check=serve_check, modalities=TEXT),
     "bench_shard_plan": Task(_bench_shard_plan, model=False, heavy=False),
+    "bench_omny": Task(_bench_omny, modalities=TEXT),
     "bench_overhead": Task(_bench_overhead, check=_check_overhead, modalities=TEXT),
     "bench_gpu": Task(_bench_gpu, check=_check_gpu, modalities=TEXT),
 }

@@ -28,6 +28,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
              "bench": task.BenchTask, "bench_giant": task.BenchGiantTask, "bench_gpu": task.BenchGpuTask,
              "bench_overhead": task.BenchOverheadTask, "bench_vision": task.BenchVisionTask,
              "bench_serve": task.BenchServeTask, "bench_shard_plan": task.BenchShardPlanTask,
+             "bench_omny": task.BenchOmnyTask,
              "bench_streaming": task.BenchStreamingTask},
     "export": {"none": export.ExportConfig, "safetensors": export.SafetensorsExport, "onnx": export.OnnxExport,
                "omny": export.OmnyExport},

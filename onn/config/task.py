@@ -116,6 +116,17 @@ class BenchServeTask(TrainTask):
 
 
 @dataclass
+class BenchOmnyTask(TaskConfig):
+    """task=bench_omny: a model exported as a pipeline of .omny pieces, validated, measured, run on pictures."""
+
+    image: str | None = MISSING  # a photograph; null: matplotlib's sample photograph (grace_hopper.jpg)
+    page: str | None = MISSING  # a page of printed text for OCR; null: one rendered here
+    text: str = MISSING  # the detector's prompt
+    points: list[list[float]] = MISSING  # SAM2's prompts, as fractions of the image's width and height
+    repeats: int = MISSING  # timed runs of the whole pipeline; the best is reported
+
+
+@dataclass
 class BenchShardPlanTask(TaskConfig):
     blocks: int = MISSING
     block_mb: float = MISSING

@@ -234,9 +234,7 @@ def crossing(g: Graph, done_nodes: set[int]) -> list[str]:
     return out
 
 
-def select_block_cuts(
-    g: Graph, cuts: list[str], runs: list[list[str]], anc: dict[int, int]
-) -> list[tuple[str, str, int]]:
+def select_block_cuts(g: Graph, runs: list[list[str]], anc: dict[int, int]) -> list[tuple[str, str, int]]:
     """The cuts at LayerMap block boundaries, as (tensor, block path it ends or "" for a prefix, the
     bitset of the nodes before the cut).
 
@@ -266,8 +264,11 @@ def select_block_cuts(
                 entering = {t for i, b in member.items() if b == path for t in node_inputs(g.nodes[i])}
                 entering = [t for t in entering if t in g.producer and member.get(g.producer[t]) != path]
                 entering = [t for t in entering if t not in g.free_tensors]
-                if len(entering) == 1 and entering[0] in set(cuts):
-                    chosen.setdefault(entering[0], ("", anc[g.producer[entering[0]]]))
+                if entering:  # (Grounding DINO's fusion encoder: image and text features enter it)
+                    closure = 0
+                    for t in entering:
+                        closure |= anc[g.producer[t]]
+                    chosen.setdefault(max(entering, key=lambda t: g.producer[t]), ("", closure))
     order = {t: g.producer[t] for t in chosen}
     return sorted(((t, *chosen[t]) for t in chosen), key=lambda x: order[x[0]])
 

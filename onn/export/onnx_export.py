@@ -486,7 +486,8 @@ def _max_abs_diff(reference, got, attention_mask=None) -> float:
         ref, got = ref[keep], got[keep]
     if ref.size == 0:
         return 0.0
-    diff = np.abs(ref - got)
+    with np.errstate(invalid="ignore"):  # inf - inf: equal infinities, set to 0 below
+        diff = np.abs(ref - got)
     diff[(np.isnan(ref) & np.isnan(got)) | (ref == got)] = 0.0  # equal infinities (masked logits) agree
     return float(np.nan_to_num(diff, nan=np.inf).max())
 

@@ -90,16 +90,20 @@ def describe(
     runs: list[list[str]] | None = None,
     kv_cache_bytes: dict[str, int] | None = None,
     source: dict[str, Any] | None = None,
+    sequence_axes: set[str] | None = None,
 ) -> dict[str, Any]:
     """The .omny document of an ONNX graph. `runs` (module paths of repeated blocks, from the
     LayerMap) keeps only the cuts at block boundaries; without it every cut that leaves weights
-    on both sides is kept. `kv_cache_bytes` gives a decoder block's KV cache per token."""
+    on both sides is kept. `kv_cache_bytes` gives a decoder block's KV cache per token.
+    `sequence_axes` names the axes per-sample figures put at the reference length (default: dim 1
+    of the integer inputs, the token axis; a SAM2 decoder's prompt axis is none)."""
     settings = {**DEFAULTS, **(settings or {})}
     g = G.Graph(model)
+    seq = _sequence_symbols(model) if sequence_axes is None else set(sequence_axes)
     sample = _check_sample(g, sample_input)
     symbolic = G.symbolic_shapes(model)
     parts, block_of = _pieces(g, symbolic, runs)
-    reference = _reference_shapes(g, sample, int(settings["reference_sequence_length"]))
+    reference = _reference_shapes(g, sample, int(settings["reference_sequence_length"]), seq)
     ranges = {k: (v["low"], v["high"]) for k, v in sample.items() if "low" in v}
     sizes = G.concrete_shapes(model, reference, ranges)
     blocks, cut_points, done = [], [], set()
@@ -126,7 +130,7 @@ def describe(
         )
         if piece.cut_after:
             reference_length = int(settings["reference_sequence_length"])
-            cut = _cut_point(piece.cut_after, index, symbolic, sizes, _sequence_symbols(model), reference_length)
+            cut = _cut_point(piece.cut_after, index, symbolic, sizes, seq, reference_length)
             cut_points.append(cut | _carried(piece.cut_after, sorted(leaving), sizes))
     doc = {
         "format": "omny",
@@ -155,7 +159,7 @@ def _pieces(g: G.Graph, symbolic: dict, runs: list[list[str]] | None) -> tuple[l
     cuts = [c for c in cuts if typed(c)]
     if not runs:
         return G.pieces(g, G.merge_weightless(g, cuts, anc, pos), anc, pos), {}
-    chosen = [c for c in G.select_block_cuts(g, cuts, runs, anc) if typed(c[0])]
+    chosen = [c for c in G.select_block_cuts(g, runs, anc) if typed(c[0])]
     closures = {t: bits for t, _, bits in chosen}
     return G.pieces(g, [t for t, _, _ in chosen], anc, pos, closures), {t: path for t, path, _ in chosen}
 
@@ -277,9 +281,8 @@ def _sequence_symbols(model: onnx.ModelProto) -> set[str]:
     return out
 
 
-def _reference_shapes(g: G.Graph, sample: dict[str, dict], sequence_length: int) -> dict[str, list[int]]:
+def _reference_shapes(g: G.Graph, sample: dict[str, dict], sequence_length: int, seq: set[str]) -> dict[str, list[int]]:
     """The sample's shapes at batch 1, with every sequence axis at the reference length."""
-    seq = _sequence_symbols(g.model)
     out = {}
     for i in g.model.graph.input:
         if i.name not in sample:
@@ -521,7 +524,21 @@ def sample_feeds(doc: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     return feeds
 
 
-def validate(path: str | Path, sample_input: dict[str, Any] | None = None, atol: float = 1e-4, echo=print) -> bool:
+@dataclass
+class Validation:
+    """What validate found: whether everything holds (the object is truthy then) and the largest difference any
+    plan's shards made against the whole model."""
+
+    ok: bool
+    max_abs_diff: float
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def validate(
+    path: str | Path, sample_input: dict[str, Any] | None = None, atol: float = 1e-4, echo=print
+) -> Validation:
     """Cut the model at every plan's boundaries, run the shards in sequence, compare with the whole
     model; check each shard's weights against the document. True when all of it holds."""
     from onnx.utils import Extractor
@@ -543,7 +560,7 @@ def validate(path: str | Path, sample_input: dict[str, Any] | None = None, atol:
     ]
     if doc["node_plan"]:
         plans.append((f"node plan over {doc['node_plan']['nodes_mb']} MB", doc["node_plan"]["detail"], None))
-    ok = True
+    ok, largest = True, 0.0
     for title, detail, limit in plans:
         echo(f"{path}: {title}")
         echo(f"  {'shard':>5}  {'blocks':<10} {'weights (doc)':>14} {'weights (file)':>15}  inputs -> outputs")
@@ -580,10 +597,11 @@ def validate(path: str | Path, sample_input: dict[str, Any] | None = None, atol:
                 continue
             diffs = [_max_diff(env[o], whole[o]) for o in whole]
             worst = max(diffs, default=0.0)
+            largest = max(largest, worst)
             ok &= worst <= atol
             echo(f"  max abs diff against the whole model: {worst:.3g} ({'ok' if worst <= atol else f'over {atol:g}'})")
     echo(f"{path}: {'valid' if ok else 'INVALID'}")
-    return ok
+    return Validation(bool(ok), largest)
 
 
 def _max_diff(got, want) -> float:

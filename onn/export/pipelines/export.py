@@ -78,9 +78,8 @@ def export_piece(
         if "sequence" in piece.bounds:  # per-sample figures at a length the piece takes
             longest = piece.bounds["sequence"][1]
             limits = {**limits, "reference_sequence_length": min(limits.get("reference_sequence_length", 128), longest)}
-        doc = omny.describe(
-            graph, piece.sample, limits, runs=piece.runs, kv_cache_bytes=piece.kv_cache_bytes, source=source
-        )
+        doc = omny.describe(graph, piece.sample, limits, runs=piece.runs, kv_cache_bytes=piece.kv_cache_bytes,
+                            source=source, sequence_axes={"sequence"} & set(piece.bounds))  # fmt: skip
         if suffix == ".omny":
             omny.write(graph, doc, output)
         else:

@@ -22,7 +22,4 @@ def validate_pipeline(path: str | Path, atol: float = 1e-4, echo=print) -> bool:
     """The connections hold (document.read raises, naming the two pieces, when they do not); then every piece."""
     doc = document.read(path)
     echo(f"{path}: {len(doc['connections'])} connections between {len(doc['pieces'])} pieces hold")
-    ok = True
-    for piece in doc["pieces"]:
-        ok &= validate(Path(path).parent / piece["file"], atol=atol, echo=echo)
-    return ok
+    return all([bool(validate(Path(path).parent / piece["file"], atol=atol, echo=echo)) for piece in doc["pieces"]])

@@ -36,6 +36,8 @@ class Pieces:
         if name not in self.sessions:
             options = ort.SessionOptions()
             options.log_severity_level = 3
+            # weights held once, as the .omny budgets them (a CPU pre-packs a second copy for its GEMMs otherwise)
+            options.add_session_config_entry("session.disable_prepacking", "1")
             wanted = ("CUDAExecutionProvider", "CPUExecutionProvider")
             providers = [p for p in wanted if p in ort.get_available_providers()]
             self.sessions[name] = ort.InferenceSession(str(self.files[name]), options, providers=providers)

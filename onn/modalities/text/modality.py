@@ -49,7 +49,7 @@ class TextModality(Modality):
                 f"model '{model.name}' has no tokenizer: a model.source of {model.source or 'random'} carries none; "
                 "set model.tokenizer to a folder with one, or model.tokenizer=byte."
             )
-        if model.tokenizer == "none" and config.task.name not in ("export", "plan"):
+        if model.tokenizer == "none" and config.task.name not in ("export", "plan", "bench_omny"):
             raise UserError(
                 f"model '{model.name}' reads no text (model.tokenizer=none): it can be planned and exported "
                 f"(task=export export=omny), not given to task={config.task.name}."
@@ -76,7 +76,11 @@ class TextModality(Modality):
         spec = model_spec(config.model, lora_rank, cache_dir=config.paths.cache)
         plan = make_plan(config, hardware, spec, use_tuned=use_tuned)
         plan.scale = scale_plan(config, hardware, spec)  # several devices or nodes: DDP, ZeRO, FSDP
-        if config.task.name not in ("plan", "export"):  # timing blocks imports torch; an export trains nothing
+        if config.task.name not in (
+            "plan",
+            "export",
+            "bench_omny",
+        ):  # timing blocks imports torch; exports train nothing
             plan = refine(plan, config, hardware, spec)
         plan.data_streamed, reason = streaming_choice(config.data)
         plan.reasons.append(reason)

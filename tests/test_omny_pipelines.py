@@ -1,0 +1,213 @@
+"""SAM2, Grounded SAM2 and TrOCR as pipelines of .omny pieces (onn/export/pipelines), at their test sizes:
+each piece agrees with PyTorch on inputs it was not traced with, splits where its .omny says, and the pipelines
+run end to end in onnxruntime on pictures; bad pictures, points, prompts and pipelines are one sentence."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import compose, run_cli
+
+from onn.config.convert import typed
+from onn.config.model import LanguageModelConfig
+from onn.errors import UserError
+from onn.export.pipelines import Request, export_pipeline, for_model, run_pipeline, validate_pipeline
+from onn.export.pipelines.grounding_dino import text_masks
+from onn.export.pipelines.ocr import lines
+from onn.models.load import load
+
+LIMITS = {"max_shard_size_mb": 2.0, "min_vram_mb": 8.0, "headroom_mb": 0.5}  # tiny models: several shards
+
+
+def _export(name: str, folder: Path, side: int | None = None):
+    config = compose(f"model={name}", "export=omny")
+    model, tokenizer = load(config.model)
+    models = [model]
+    if config.model.segmenter:
+        models.append(load(typed(LanguageModelConfig, config.model.segmenter, "model.segmenter"))[0])
+    pipeline = for_model(model, len(models))
+    metrics = export_pipeline(pipeline, models, folder, config.export, LIMITS, name, tokenizer, side=side)
+    return models, Path(metrics["export/pipeline"]), metrics
+
+
+@pytest.fixture(scope="module")
+def grounded(tmp_path_factory):
+    return _export("grounded_sam2_mini", tmp_path_factory.mktemp("grounded"), side=224)
+
+
+@pytest.fixture(scope="module")
+def trocr(tmp_path_factory):
+    """TrOCR exported as a user does: `python run.py task=export export=omny model=trocr_mini`."""
+    run_dir = tmp_path_factory.mktemp("trocr")
+    proc = run_cli("task=export", "export=omny", "model=trocr_mini", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    model, _ = load(compose("model=trocr_mini").model)  # the same seeded weights
+    return [model], run_dir / "export" / "pipeline.json", metrics
+
+
+@pytest.fixture(scope="module")
+def photo(tmp_path_factory) -> Path:
+    """A 400 x 300 picture (not the models' square size) with a red block on a blue background."""
+    from PIL import Image
+
+    pixels = np.zeros((300, 400, 3), np.uint8)
+    pixels[:] = (120, 160, 200)
+    pixels[100:220, 150:300] = (200, 60, 40)
+    path = tmp_path_factory.mktemp("pictures") / "photo.jpg"
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def test_every_piece_splits_where_it_says_and_the_pieces_connect(grounded, trocr):
+    for _, path, metrics in (grounded, trocr):
+        lines_ = []
+        assert validate_pipeline(path, echo=lines_.append), "\n".join(lines_)
+        for name, figures in metrics["export/pieces"].items():
+            assert figures["max_abs_diff"] <= 1e-4 and figures["cut_points"] >= 1, (name, figures)
+            assert max(figures["shard_counts"]) >= 2 and not figures["too_large"], (name, figures)
+    doc = json.loads(grounded[1].read_text())
+    assert [p["name"] for p in doc["pieces"]] == ["detector", "image_encoder", "prompt_decoder"]
+    # Hiera's stage outputs wait for the neck: its cuts carry them
+    encoder = json.loads(
+        __import__("onnx").load(str(grounded[1].parent / "image_encoder.omny")).metadata_props[0].value
+    )
+    assert any("crossing" in c for c in encoder["cut_points"])
+
+
+def test_sam2_decoder_takes_any_number_of_prompts_as_pytorch_does(grounded):
+    """Traced with two prompts of two points; asked three prompts of three points (one padded), it matches."""
+    from onn.export.pipelines.runtime import Pieces
+
+    (_, sam), path, _ = grounded
+    pieces = Pieces(json.loads(path.read_text()), path.parent)
+    pixels = torch.randn(1, 3, 256, 256, generator=torch.Generator().manual_seed(3))
+    features = pieces.run("image_encoder", {"pixel_values": pixels.numpy()})
+    points = torch.tensor(
+        [[[[30.0, 40.0], [0, 0], [0, 0]], [[100, 120], [10, 200], [0, 0]], [[5, 5], [250, 250], [90, 9]]]]
+    )
+    labels = torch.tensor([[[1, -10, -10], [1, 0, -10], [2, 3, 1]]])
+    got = pieces.run("prompt_decoder", features | {"input_points": points.numpy(), "input_labels": labels.numpy()})
+    with torch.no_grad():
+        maps = [torch.from_numpy(features[k]) for k in ("high_res_feats_0", "high_res_feats_1", "image_embeddings")]
+        want = sam(image_embeddings=maps, input_points=points, input_labels=labels, multimask_output=True)
+    assert got["pred_masks"].shape == (1, 3, 3, 64, 64)
+    np.testing.assert_allclose(got["pred_masks"], want.pred_masks.numpy(), atol=1e-4)
+    np.testing.assert_allclose(got["iou_scores"], want.iou_scores.numpy(), atol=1e-4)
+
+
+def test_ocr_decoder_with_explicit_past_reads_the_tokens_generate_reads(trocr, tmp_path):
+    """Greedy decoding through the exported encoder and decoder, one token a step with the keys and values carried
+    by hand, gives transformers' generate()'s tokens on the same line."""
+    from PIL import Image
+
+    from onn.export.pipelines.ocr import read_line
+    from onn.export.pipelines.runtime import Pieces
+
+    (model,), path, _ = trocr
+    doc = json.loads(path.read_text())
+    crop = Image.fromarray(np.random.default_rng(1).integers(0, 255, (40, 200, 3), dtype=np.uint8))
+    tokens = read_line(Pieces(doc, path.parent), crop, {**doc["settings"], "max_new_tokens": 6})
+    from onn.export.pipelines.images import normalised
+
+    s = doc["settings"]
+    pixels = torch.from_numpy(normalised(crop, (s["image_size"],) * 2, s["mean"], s["std"]))
+    with torch.no_grad():
+        want = model.generate(pixel_values=pixels, max_new_tokens=6, do_sample=False, num_beams=1)
+    assert [s["start_token"], *tokens] == want[0, : len(tokens) + 1].tolist()
+
+
+def test_grounding_dino_text_masks_are_transformers_own():
+    from transformers.models.grounding_dino.modeling_grounding_dino import (
+        SPECIAL_TOKENS,
+        generate_masks_with_special_tokens_and_transfer_map,
+    )
+
+    ids = np.array([[101, 7, 8, 1012, 9, 1012, 102, 0], [101, 5, 1029, 6, 6, 6, 1012, 102]])
+    masks, positions = text_masks(ids)
+    want_masks, want_positions = generate_masks_with_special_tokens_and_transfer_map(
+        torch.from_numpy(ids), torch.tensor(SPECIAL_TOKENS)
+    )
+    assert (masks == want_masks.numpy()).all() and (positions == want_positions.numpy()).all()
+
+
+def test_pipelines_run_end_to_end_on_pictures(grounded, trocr, photo, tmp_path):
+    from PIL import Image
+
+    _, path, _ = grounded
+    found = run_pipeline(path, Request(photo, tmp_path / "grounded.png", "a red block. the sky."))
+    assert Image.open(found["png"]).size == (400, 300) and found["objects"]
+    assert all(len(o["box"]) == 4 and "mask" in o for o in found["objects"])
+    page = _page(tmp_path / "page.png")
+    read = run_pipeline(trocr[1], Request(page, tmp_path / "page.result.png"))
+    assert len(read["lines"]) == 3  # the page's three lines of print, each read
+    assert json.loads(Path(read["json"]).read_text())["lines"][0]["token_ids"]
+
+
+def _page(path: Path) -> Path:
+    from PIL import Image, ImageDraw, ImageFont
+
+    page = Image.new("RGB", (500, 300), "white")
+    draw = ImageDraw.Draw(page)
+    for k, line in enumerate(("The first line", "a second one", "and the third.")):
+        draw.text((30, 30 + 90 * k), line, fill="black", font=ImageFont.load_default(size=30))
+    page.save(path)
+    return path
+
+
+def test_page_lines_are_the_bands_of_ink():
+    gray = np.full((100, 80), 255.0)
+    gray[10:20, 5:60] = 0
+    gray[50:62, 10:70] = 0
+    assert [(y0 <= 10 and y1 >= 20, y0 <= 50 and y1 >= 62) for _, y0, _, y1 in lines(gray)] == [
+        (True, False),
+        (False, True),
+    ]
+    assert lines(np.full((30, 30), 255.0)) == [(0, 0, 30, 30)]  # a blank page: the whole page
+
+
+def test_bad_input_is_one_sentence(grounded, photo, tmp_path):
+    from PIL import Image
+
+    _, path, _ = grounded
+    folder = path.parent
+    with pytest.raises(UserError, match="empty"):
+        run_pipeline(path, Request(photo, tmp_path / "x.png", "   "))
+    floats = tmp_path / "depth.tiff"
+    Image.fromarray(np.ones((20, 30), np.float32), mode="F").save(floats)
+    with pytest.raises(UserError, match="mode F"):
+        run_pipeline(path, Request(floats, tmp_path / "x.png", "a cat."))
+    doc = json.loads(path.read_text())
+    sam2 = {**doc, "kind": "sam2", "pieces": doc["pieces"][1:], "connections": doc["connections"][1:],
+            "settings": doc["settings"]["segmenter"]}  # fmt: skip
+    (folder / "sam2.json").write_text(json.dumps(sam2))
+    with pytest.raises(UserError, match="outside the image"):
+        run_pipeline(folder / "sam2.json", Request(photo, tmp_path / "x.png", points=[(400.0, 10.0)]))
+    found = run_pipeline(folder / "sam2.json", Request(photo, tmp_path / "ok.png", points=[(399.0, 10.0)]))
+    assert found["masks"][0]["area"] >= 0  # a point on the edge is inside
+    sam2["connections"][0] = {
+        "from": "image_encoder.high_res_feats_0",
+        "to": "prompt_decoder.image_embeddings",
+        "via": "",
+    }
+    (folder / "broken.json").write_text(json.dumps(sam2))
+    with pytest.raises(
+        UserError, match="image_encoder's output high_res_feats_0 .* does not fit prompt_decoder's input"
+    ):
+        validate_pipeline(folder / "broken.json")
+
+
+def test_the_cli_validates_and_runs_a_pipeline(trocr, tmp_path):
+    from onn.export.omny.cli import main
+
+    _, pipeline, metrics = trocr
+    assert metrics["status"] == "ok" and set(metrics["export/pieces"]) == {"encoder", "decoder"}
+    assert main(["validate", str(pipeline)]) == 0
+    page = _page(tmp_path / "page.png")
+    assert main(["run", str(pipeline), str(page), "--output", str(tmp_path / "read.png")]) == 0
+    assert (tmp_path / "read.png").is_file() and (tmp_path / "read.json").is_file()
+    assert main(["run", str(pipeline), str(page), "--points", "1;2"]) == 2  # one sentence, exit 2
