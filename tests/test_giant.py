@@ -330,7 +330,7 @@ SMOLLM = __import__("pathlib").Path.home() / ".cache/onn/models/smollm2-135m-ins
 def test_a_gguf_file_loads_block_by_block_into_the_store(tmp_path):
     """A GGUF larger than RAM must not be de-quantized whole: its tensors go to the store one block at a
     time, through transformers' name mapping and fix-ups (Llama's q/k permutation), and compute what
-    transformers' own GGUF loading computes."""
+    transformers' own GGUF loading computes (which also loads it whole, with all its parameters, and generates)."""
     from onn.models.load import load
     from onn.streaming.loader import load_into_store
 
@@ -340,8 +340,11 @@ def test_a_gguf_file_loads_block_by_block_into_the_store(tmp_path):
     assert store.rebuilt == list(range(30)) and not (tmp_path / "gguf").exists()  # nothing converted whole
     engine = StreamingEngine(model, discover(model), store, 10)
     engine.offload()
-    full, _ = load(source, dtype=torch.float32, cache_dir=None)
+    full, _ = load(source, dtype=torch.float32, cache_dir=None)  # transformers' own GGUF loading, whole
+    assert sum(p.numel() for p in full.parameters()) == 134_515_008 and len(discover(full)) == 30
     ids = tokenizer("What is 2 + 2?", return_tensors="pt")
+    out = full.generate(**ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    assert out.shape[1] == ids["input_ids"].shape[1] + 3
     batch = {
         "input_ids": ids["input_ids"],
         "attention_mask": ids["attention_mask"],

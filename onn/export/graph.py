@@ -426,11 +426,7 @@ def concrete_shapes(
             inferred = SymbolicShapeInference.infer_shapes(fixed, auto_merge=True)
         sizes.update(_sizes(inferred.graph, {}))
     except Exception as e:  # its asserts cover op types it does not know
-        log.warning(
-            "shape inference stopped (%s: %s); activation figures leave out unsized tensors",
-            type(e).__name__,
-            e,
-        )
+        log.info("shape inference stopped (%s: %s); the graph is run once to size the rest", type(e).__name__, e)
     if missing := made - sizes.keys():
         sizes.update(_measured_sizes(model, input_shapes, value_ranges or {}, missing))
     return sizes

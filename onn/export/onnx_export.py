@@ -254,10 +254,14 @@ def export_onnx(
         ort = run_onnx(written, sample_input)
         diffs = {name: _max_abs_diff(ref, ort[name], sample_input.get("attention_mask")) for name, ref in reference}
         for name, ref in reference:
-            if ref.dtype == torch.float32 and not diffs[name] <= atol:
+            # fp32 rounding grows with the values: an output in the hundreds (a detector's logits) is held to
+            # atol times its largest magnitude
+            finite = ref[ref.isfinite()] if ref.is_floating_point() else ref[:0]
+            scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+            if ref.dtype == torch.float32 and not diffs[name] <= atol * scale:
                 raise UserError(
                     f"ONNX output '{name}' of {type(model).__name__} differs from PyTorch by {diffs[name]:.3g} "
-                    f"(more than atol={atol:g}), so {output} was not written."
+                    f"(more than atol={atol:g} x {scale:.3g}, its largest magnitude), so {output} was not written."
                 )
         _move_into_place(folder, output)
     finally:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from onn.errors import UserError
+from onn.export.omny.format import sample_feeds
 
 CHILD = r"""
 import json, resource, sys
@@ -52,19 +53,19 @@ def shard_peaks(path: str | Path, seed: int = 0) -> list[dict[str, Any]]:
     import onnx
     from onnx.utils import Extractor
 
-    from onn.export.omny.format import read_document, sample_feeds
+    from onn.export.omny.format import read_document
     from onn.export.onnx_export import run_onnx
 
     model = onnx.load(str(path))
     doc = read_document(model, where=str(path))
     plan = doc["shard_plans"]["configurations"][0]
     headroom = doc["shard_plans"]["headroom_mb"]
-    env, extractor, out = sample_feeds(doc, seed), Extractor(model), []
+    env, extractor, out = reference_feeds(doc, seed), Extractor(model), []
     with tempfile.TemporaryDirectory(prefix="onn-shards-") as tmp:
         for k, shard in enumerate(plan["detail"]):
             part = extractor.extract_model(shard["inputs"], shard["outputs"])
             file, inputs = Path(tmp) / f"shard{k}.onnx", Path(tmp) / f"shard{k}.npz"
-            onnx.save_model(part, str(file), save_as_external_data=True, location=f"shard{k}.data")
+            onnx.save_model(part, str(file))  # weights inside: loaded, not memory-mapped (a shard is under 2 GB)
             feeds = {n: env[n] for n in shard["inputs"]}
             np.savez(inputs, **feeds)
             measured = _run_alone(file, inputs)
@@ -81,6 +82,15 @@ def shard_peaks(path: str | Path, seed: int = 0) -> list[dict[str, Any]]:
                 }
             )
     return out
+
+
+def reference_feeds(doc: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
+    """An input at the shapes the .omny's estimates are made at (batch 1, sequence axes at the reference length),
+    with values as the exporter's sample has them."""
+    sample = sample_feeds({**doc, "inputs": [
+        {**s, "sample": {**s["sample"], "shape": doc["reference"]["input_shapes"][s["name"]]}} for s in doc["inputs"]
+    ]}, seed)  # fmt: skip
+    return sample
 
 
 def _run_alone(file: Path, inputs: Path) -> float:

@@ -150,7 +150,8 @@ def run(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict[str, Any
         known = [t for t in ids if tokenizer is None or t < tokenizer.get_vocab_size()]
         text = tokenizer.decode(known, skip_special_tokens=True) if tokenizer is not None else " ".join(map(str, ids))
         found.append({"box": list(box), "text": text, "token_ids": ids})
-    picture = images.annotate(image, boxes=[(f["box"], f["text"][:40]) for f in found])
+    labels = [f["text"][:40] or f"(no text: ids {' '.join(map(str, f['token_ids'][:4]))} ...)" for f in found]
+    picture = images.annotate(image, boxes=[(f["box"], label) for f, label in zip(found, labels)])
     result = {"image": str(request.image), "lines": found, "text": "\n".join(f["text"] for f in found),
               "png": str(images.save(picture, request.output))}  # fmt: skip
     result["json"] = str(write_json(request, result))
