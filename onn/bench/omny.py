@@ -70,7 +70,7 @@ def _piece(file: Path, name: str, exported: dict[str, Any]) -> dict[str, Any]:
         f"{key}/shard_estimate_mb": [p["estimate_mb"] for p in peaks],
         f"{key}/shard_measured_mb": [p["measured_mb"] for p in peaks],
         f"{key}/measured_over_estimate": [p["measured_over_estimate"] for p in peaks],
-        f"{key}/too_large": exported["too_large"],
+        f"{key}/largest_shard_mb_any_plan": exported["largest_shard_mb_any_plan"],
     }
 
 

@@ -500,6 +500,12 @@ def symbolic_shapes(model: onnx.ModelProto) -> dict[str, tuple[str, list[int | s
     return out
 
 
+IN_PLACE = frozenset(
+    {"Add", "Sub", "Mul", "Div", "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Erf", "Gelu", "Exp", "Neg", "Sqrt", "Clip",
+     "Softmax"}
+)  # fmt: skip
+
+
 def activation_peak(g: Graph, nodes: list[int], entering: set[str], leaving: set[str], sizes: dict[str, int]) -> int:
     """Largest sum of tensors alive at once while `nodes` run in graph order: each lives from its
     producer (or the start, for what enters) to its last reader in the piece (or the end, for
@@ -519,6 +525,22 @@ def activation_peak(g: Graph, nodes: list[int], entering: set[str], leaving: set
                 last.setdefault(t, step[n])
     for t in leaving:
         last[t] = len(order)
+    # An elementwise op (or a softmax) whose input of its output's size dies there writes over that input,
+    # as runtimes do (onnxruntime's kernels that may run in place, PyTorch's in-place ops): one buffer, not two.
+    for n in order:
+        node = g.nodes[n]
+        if node.op_type not in IN_PLACE or not node.output or not node.output[0]:
+            continue
+        out = node.output[0]
+        for t in node_inputs(node):
+            if (
+                t not in entering
+                and last.get(t) == step[n]
+                and first.get(t, 0) < step[n]
+                and sizes.get(t) == sizes.get(out)
+            ):
+                last[t] = step[n] - 1  # freed as the output takes its place
+                break
     delta = [0] * (len(order) + 2)
     for t, start in first.items():
         b = sizes.get(t, 0)

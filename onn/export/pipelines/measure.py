@@ -27,7 +27,10 @@ def resident():
         return int(f.read().split()[1]) * resource.getpagesize()
 options = ort.SessionOptions()
 options.log_severity_level = 3
-options.add_session_config_entry("session.disable_prepacking", "1")  # as the pipelines' runtime: weights once
+# as the pipelines' runtime (runtime.py): weights held once, each tensor freed after its last reader
+options.add_session_config_entry("session.disable_prepacking", "1")
+options.enable_mem_reuse = False
+options.enable_cpu_mem_arena = False
 # the runtime's own context (kernels, thread pools, arena) is paid by a one-node model first: like the GPU
 # headroom, it is not the shard's
 from onnx import helper, TensorProto
@@ -40,6 +43,11 @@ ort.InferenceSession(tiny.SerializeToString(), options, providers=["CPUExecution
 before = resident()
 session = ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
 loaded = resident()
+try:  # the peak while it runs: the high-water mark restarts here (a file loaded holds a tensor twice for a moment)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:
+    pass
 session.run(None, feeds)
 # VmHWM, this process's own high-water mark (ru_maxrss would count the parent's size at fork, on Linux)
 with open("/proc/self/status") as f:

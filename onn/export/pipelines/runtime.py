@@ -36,8 +36,12 @@ class Pieces:
         if name not in self.sessions:
             options = ort.SessionOptions()
             options.log_severity_level = 3
-            # weights held once, as the .omny budgets them (a CPU pre-packs a second copy for its GEMMs otherwise)
+            # memory as the .omny budgets it: weights held once (a CPU pre-packs a second copy for its GEMMs
+            # otherwise), each tensor freed after its last reader (onnxruntime's planned buffer reuse keeps a
+            # block's buffers alive into the next; its CPU arena holds what was freed)
             options.add_session_config_entry("session.disable_prepacking", "1")
+            options.enable_mem_reuse = False
+            options.enable_cpu_mem_arena = False
             wanted = ("CUDAExecutionProvider", "CPUExecutionProvider")
             providers = [p for p in wanted if p in ort.get_available_providers()]
             self.sessions[name] = ort.InferenceSession(str(self.files[name]), options, providers=providers)
