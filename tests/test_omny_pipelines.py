@@ -185,8 +185,13 @@ def test_bad_input_is_one_sentence(grounded, photo, tmp_path):
     with pytest.raises(UserError, match="mode F"):
         run_pipeline(path, Request(floats, tmp_path / "x.png", "a cat."))
     doc = json.loads(path.read_text())
-    sam2 = {**doc, "kind": "sam2", "pieces": doc["pieces"][1:], "connections": doc["connections"][1:],
-            "settings": doc["settings"]["segmenter"]}  # fmt: skip
+    sam2 = {
+        **doc,
+        "kind": "sam2",
+        "pieces": doc["pieces"][1:],
+        "connections": doc["connections"][1:],
+        "settings": doc["settings"]["segmenter"],
+    }
     (folder / "sam2.json").write_text(json.dumps(sam2))
     with pytest.raises(UserError, match="outside the image"):
         run_pipeline(folder / "sam2.json", Request(photo, tmp_path / "x.png", points=[(400.0, 10.0)]))

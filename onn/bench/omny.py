@@ -90,8 +90,12 @@ def _pictures(path: Path, kind: str, task: BenchOmnyTask, run_dir: Path) -> dict
         started = time.perf_counter()
         result = run_pipeline(path, Request(picture, run_dir / f"{kind}.png", text, points))
         times.append(time.perf_counter() - started)
-    return {"omny/picture": str(picture), "omny/seconds_per_picture": round(min(times), 3),
-            "omny/png": result["png"], "omny/json": result["json"]}  # fmt: skip
+    return {
+        "omny/picture": str(picture),
+        "omny/seconds_per_picture": round(min(times), 3),
+        "omny/png": result["png"],
+        "omny/json": result["json"],
+    }
 
 
 def sample_photo() -> Path:
@@ -108,15 +112,23 @@ def rendered_page():
     page = Image.new("RGB", (1000, 480), "white")
     draw = ImageDraw.Draw(page)
     font = ImageFont.load_default(size=40)
-    for k, line in enumerate(("ONN exports models as .omny files.", "Each shard fits a small GPU.",
-                              "This page was rendered for the benchmark.")):  # fmt: skip
+    for k, line in enumerate(
+        (
+            "ONN exports models as .omny files.",
+            "Each shard fits a small GPU.",
+            "This page was rendered for the benchmark.",
+        )
+    ):
         draw.text((50, 60 + 140 * k), line, fill="black", font=font)
     return page
 
 
 def _table(doc: dict[str, Any], m: dict[str, Any]) -> str:
-    rows = ["| piece | export s | file MB | cut points | largest shard MB | shard MB estimated / measured | "
-            "max abs diff (export, shards) | valid |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        "| piece | export s | file MB | cut points | largest shard MB | shard MB estimated / measured | "
+        "max abs diff (export, shards) | valid |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for piece in doc["pieces"]:
         k = f"omny/{piece['name']}"
         pairs = ", ".join(f"{e:g} / {v:g}" for e, v in zip(m[f"{k}/shard_estimate_mb"], m[f"{k}/shard_measured_mb"]))

@@ -501,9 +501,24 @@ def symbolic_shapes(model: onnx.ModelProto) -> dict[str, tuple[str, list[int | s
 
 
 IN_PLACE = frozenset(
-    {"Add", "Sub", "Mul", "Div", "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Erf", "Gelu", "Exp", "Neg", "Sqrt", "Clip",
-     "Softmax"}
-)  # fmt: skip
+    {
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Relu",
+        "LeakyRelu",
+        "Sigmoid",
+        "Tanh",
+        "Erf",
+        "Gelu",
+        "Exp",
+        "Neg",
+        "Sqrt",
+        "Clip",
+        "Softmax",
+    }
+)
 
 
 def activation_peak(g: Graph, nodes: list[int], entering: set[str], leaving: set[str], sizes: dict[str, int]) -> int:

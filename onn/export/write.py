@@ -24,8 +24,15 @@ from onn.export.model_facts import kv_cache_bytes, model_source, omny_runs
 from onn.export.settings import FORMATS, check_settings
 from onn.models.load import load
 
-DEFAULT_LIMITS = ("max_shard_size_mb", "min_vram_mb", "headroom_mb", "nodes", "shard_counts", "max_configs",
-                  "reference_sequence_length")  # fmt: skip
+DEFAULT_LIMITS = (
+    "max_shard_size_mb",
+    "min_vram_mb",
+    "headroom_mb",
+    "nodes",
+    "shard_counts",
+    "max_configs",
+    "reference_sequence_length",
+)
 
 log = logging.getLogger("onn")
 

@@ -72,17 +72,29 @@ def export_piece(
         traced = Path(tmp) / f"{piece.name}.onnx"
         with _checks_off():
             checked = export_onnx(
-                piece.module, traced, piece.sample, opset=settings.opset, atol=settings.atol, axes=piece.axes,
+                piece.module,
+                traced,
+                piece.sample,
+                opset=settings.opset,
+                atol=settings.atol,
+                axes=piece.axes,
                 bounds=piece.bounds,
-            )  # fmt: skip
+            )
         # what computes from weights alone (a tied head's transpose, SAM2's interpolated position table) is folded
         # into weights, as onnxruntime does when it loads the graph: held once, not counted as activations
         graph, _ = fold_constants(onnx.load(str(traced)))
         if "sequence" in piece.bounds:  # per-sample figures at a length the piece takes
             longest = piece.bounds["sequence"][1]
             limits = {**limits, "reference_sequence_length": min(limits.get("reference_sequence_length", 128), longest)}
-        doc = omny.describe(graph, piece.sample, limits, runs=piece.runs, kv_cache_bytes=piece.kv_cache_bytes,
-                            source=source, sequence_axes={"sequence"} & set(piece.bounds))  # fmt: skip
+        doc = omny.describe(
+            graph,
+            piece.sample,
+            limits,
+            runs=piece.runs,
+            kv_cache_bytes=piece.kv_cache_bytes,
+            source=source,
+            sequence_axes={"sequence"} & set(piece.bounds),
+        )
         if suffix == ".omny":
             omny.write(graph, doc, output)
         else:
@@ -112,8 +124,12 @@ def _plain(signatures: list[dict]) -> list[dict]:
 
 def _source(piece: Piece, model_name: str) -> dict[str, Any]:
     params = sum(p.numel() for p in {id(p): p for p in piece.module.parameters()}.values())
-    return {"name": f"{model_name}/{piece.name}", "framework": "pytorch", "class": type(piece.module).__name__,
-            "parameters": params}  # fmt: skip
+    return {
+        "name": f"{model_name}/{piece.name}",
+        "framework": "pytorch",
+        "class": type(piece.module).__name__,
+        "parameters": params,
+    }
 
 
 def _save_tokenizer(tokenizer, folder: Path) -> str | None:

@@ -19,8 +19,15 @@ from onn.export.pipelines.runtime import Pieces, Request, write_json
 
 SPECIAL_IDS = [101, 102, 1012, 1029]  # [CLS] [SEP] . ? in BERT's vocabulary: phrases lie between them
 SIDE = 800  # the detector's square canvas when export.sample.image_size gives none (its processor's shorter edge)
-INPUTS = ("pixel_values", "pixel_mask", "input_ids", "attention_mask", "token_type_ids", "text_self_attention_masks",
-          "position_ids")  # fmt: skip
+INPUTS = (
+    "pixel_values",
+    "pixel_mask",
+    "input_ids",
+    "attention_mask",
+    "token_type_ids",
+    "text_self_attention_masks",
+    "position_ids",
+)
 
 
 @contextlib.contextmanager
@@ -47,11 +54,24 @@ def _detector():
             super().__init__()
             self.model = model
 
-        def forward(self, pixel_values, pixel_mask, input_ids, attention_mask, token_type_ids,
-                    text_self_attention_masks, position_ids):  # fmt: skip
+        def forward(
+            self,
+            pixel_values,
+            pixel_mask,
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            text_self_attention_masks,
+            position_ids,
+        ):
             with _given_text_masks(text_self_attention_masks, position_ids):
-                out = self.model(pixel_values=pixel_values, pixel_mask=pixel_mask, input_ids=input_ids,
-                                 attention_mask=attention_mask, token_type_ids=token_type_ids)  # fmt: skip
+                out = self.model(
+                    pixel_values=pixel_values,
+                    pixel_mask=pixel_mask,
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    token_type_ids=token_type_ids,
+                )
             return {"logits": out.logits, "pred_boxes": out.pred_boxes}
 
     return Detector
@@ -93,8 +113,10 @@ def pieces(model, segmenter=None, side: int | None = None) -> list[Piece]:
     }
     text = {n: {1: "sequence"} for n in ("input_ids", "attention_mask", "token_type_ids", "position_ids")}
     text["text_self_attention_masks"] = {1: "sequence", 2: "sequence"}
-    runs = [[f"model.model.{part}.layers.{i}" for i in range(len(getattr(model.model, part).layers))]
-            for part in ("encoder", "decoder")]  # fmt: skip
+    runs = [
+        [f"model.model.{part}.layers.{i}" for i in range(len(getattr(model.model, part).layers))]
+        for part in ("encoder", "decoder")
+    ]
     detector = Piece(
         "detector",
         _detector()(model).eval(),
@@ -108,8 +130,15 @@ def pieces(model, segmenter=None, side: int | None = None) -> list[Piece]:
 
 
 def settings(model, segmenter=None, side: int | None = None) -> dict[str, Any]:
-    detector = {"image_size": side or SIDE, **sam2.IMAGENET, "max_text_len": model.config.max_text_len,
-                "special_ids": SPECIAL_IDS, "box_threshold": 0.35, "text_threshold": 0.25, "max_boxes": 5}  # fmt: skip
+    detector = {
+        "image_size": side or SIDE,
+        **sam2.IMAGENET,
+        "max_text_len": model.config.max_text_len,
+        "special_ids": SPECIAL_IDS,
+        "box_threshold": 0.35,
+        "text_threshold": 0.25,
+        "max_boxes": 5,
+    }
     return {"detector": detector, **({"segmenter": sam2.settings(segmenter)} if segmenter is not None else {})}
 
 
@@ -136,11 +165,19 @@ def detect(pieces_: Pieces, image, text: str | None, s: dict, tokenizer) -> list
     found = []
     for q in order:
         cx, cy, w, h = out["pred_boxes"][0, q]
-        box = [float(v) for v in ((cx - w / 2) * image.width, (cy - h / 2) * image.height,
-                                  (cx + w / 2) * image.width, (cy + h / 2) * image.height)]  # fmt: skip
+        box = [
+            float(v)
+            for v in (
+                (cx - w / 2) * image.width,
+                (cy - h / 2) * image.height,
+                (cx + w / 2) * image.width,
+                (cy + h / 2) * image.height,
+            )
+        ]
         words = [int(t) for t, p in zip(ids[0], probs[q]) if p > s["text_threshold"] and t not in s["special_ids"]]
-        found.append({"box": [round(v, 1) for v in box], "score": round(float(scores[q]), 4),
-                      "phrase": tokenizer.decode(words)})  # fmt: skip
+        found.append(
+            {"box": [round(v, 1) for v in box], "score": round(float(scores[q]), 4), "phrase": tokenizer.decode(words)}
+        )
     return found
 
 
@@ -156,8 +193,12 @@ def run_detector(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict
     image = images.load_rgb(request.image)
     found = detect(pieces_, image, request.text, doc["settings"]["detector"], _tokenizer(doc, pieces_))
     picture = images.annotate(image, boxes=[(f["box"], f"{f['phrase']} {f['score']:.2f}") for f in found])
-    result = {"image": str(request.image), "text": request.text, "boxes": found,
-              "png": str(images.save(picture, request.output))}  # fmt: skip
+    result = {
+        "image": str(request.image),
+        "text": request.text,
+        "boxes": found,
+        "png": str(images.save(picture, request.output)),
+    }
     result["json"] = str(write_json(request, result))
     return result
 
@@ -174,8 +215,12 @@ def run_grounded(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict
     picture = images.annotate(images.overlay(image, masks), boxes=boxes)
     for f, m, s in zip(found, masks, scores):
         f["mask"] = {"score": round(s, 4), **images.describe_mask(m)}
-    result = {"image": str(request.image), "text": request.text, "objects": found,
-              "png": str(images.save(picture, request.output))}  # fmt: skip
+    result = {
+        "image": str(request.image),
+        "text": request.text,
+        "objects": found,
+        "png": str(images.save(picture, request.output)),
+    }
     result["json"] = str(write_json(request, result))
     return result
 

@@ -95,9 +95,16 @@ def shard_peaks(path: str | Path, seed: int = 0) -> list[dict[str, Any]]:
 def reference_feeds(doc: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
     """An input at the shapes the .omny's estimates are made at (batch 1, sequence axes at the reference length),
     with values as the exporter's sample has them."""
-    sample = sample_feeds({**doc, "inputs": [
-        {**s, "sample": {**s["sample"], "shape": doc["reference"]["input_shapes"][s["name"]]}} for s in doc["inputs"]
-    ]}, seed)  # fmt: skip
+    sample = sample_feeds(
+        {
+            **doc,
+            "inputs": [
+                {**s, "sample": {**s["sample"], "shape": doc["reference"]["input_shapes"][s["name"]]}}
+                for s in doc["inputs"]
+            ],
+        },
+        seed,
+    )
     return sample
 
 

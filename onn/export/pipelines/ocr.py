@@ -41,8 +41,9 @@ def _modules(layers: int):
         def forward(self, input_ids, encoder_hidden_states, *past):
             pairs = [(past[2 * i], past[2 * i + 1]) for i in range(layers)]
             cache = EncoderDecoderCache(DynamicCache(pairs), DynamicCache())  # cross-attention: from the features
-            out = self.model.decoder(input_ids=input_ids, encoder_hidden_states=encoder_hidden_states,
-                                     past_key_values=cache, use_cache=True)  # fmt: skip
+            out = self.model.decoder(
+                input_ids=input_ids, encoder_hidden_states=encoder_hidden_states, past_key_values=cache, use_cache=True
+            )
             named = {"logits": out.logits}
             for i, layer in enumerate(out.past_key_values.self_attention_cache.layers):
                 named[f"present.{i}.key"], named[f"present.{i}.value"] = layer.keys, layer.values
@@ -90,9 +91,16 @@ def pieces(model, side: int | None = None) -> list[Piece]:
 
 def settings(model, side: int | None = None) -> dict[str, Any]:
     layers, heads, head_dim = _shape(model)
-    return {"image_size": model.config.encoder.image_size, **HALF, "layers": layers, "heads": heads,
-            "head_dim": head_dim, "start_token": model.config.decoder_start_token_id,
-            "eos_token": model.config.decoder.eos_token_id, "max_new_tokens": MAX_NEW_TOKENS}  # fmt: skip
+    return {
+        "image_size": model.config.encoder.image_size,
+        **HALF,
+        "layers": layers,
+        "heads": heads,
+        "head_dim": head_dim,
+        "start_token": model.config.decoder_start_token_id,
+        "eos_token": model.config.decoder.eos_token_id,
+        "max_new_tokens": MAX_NEW_TOKENS,
+    }
 
 
 def lines(gray: np.ndarray) -> list[tuple[int, int, int, int]]:
@@ -124,8 +132,11 @@ def read_line(pieces_: Pieces, crop, s: dict) -> list[int]:
     encoded = pieces_.run(
         "encoder", {"pixel_values": images.normalised(crop, (s["image_size"],) * 2, s["mean"], s["std"])}
     )
-    past = {f"past.{i}.{kv}": np.zeros((1, s["heads"], 0, s["head_dim"]), np.float32)
-            for i in range(s["layers"]) for kv in ("key", "value")}  # fmt: skip
+    past = {
+        f"past.{i}.{kv}": np.zeros((1, s["heads"], 0, s["head_dim"]), np.float32)
+        for i in range(s["layers"])
+        for kv in ("key", "value")
+    }
     token, tokens = s["start_token"], []
     for _ in range(s["max_new_tokens"]):
         ids = np.asarray([[token]], np.int64)
@@ -152,12 +163,24 @@ def run(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict[str, Any
         found.append({"box": list(box), "text": text, "token_ids": ids})
     labels = [f["text"][:40] or f"(no text: ids {' '.join(map(str, f['token_ids'][:4]))} ...)" for f in found]
     picture = images.annotate(image, boxes=[(f["box"], label) for f, label in zip(found, labels)])
-    result = {"image": str(request.image), "lines": found, "text": "\n".join(f["text"] for f in found),
-              "png": str(images.save(picture, request.output))}  # fmt: skip
+    result = {
+        "image": str(request.image),
+        "lines": found,
+        "text": "\n".join(f["text"] for f in found),
+        "png": str(images.save(picture, request.output)),
+    }
     result["json"] = str(write_json(request, result))
     print(result["text"])
     return result
 
 
-PIPELINE = register(Pipeline("trocr", "VisionEncoderDecoderModel", pieces, [("encoder.line_features",
-                             "decoder.encoder_hidden_states", "")], run, settings=settings))  # fmt: skip
+PIPELINE = register(
+    Pipeline(
+        "trocr",
+        "VisionEncoderDecoderModel",
+        pieces,
+        [("encoder.line_features", "decoder.encoder_hidden_states", "")],
+        run,
+        settings=settings,
+    )
+)

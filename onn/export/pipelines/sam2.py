@@ -66,8 +66,9 @@ def pieces(sam, side: int | None = None) -> list[Piece]:
         features = encoder(pixels)
     blocks = [f"model.vision_encoder.backbone.blocks.{i}" for i in range(len(sam.vision_encoder.backbone.blocks))]
     layers = [f"model.mask_decoder.transformer.layers.{i}" for i in range(len(sam.mask_decoder.transformer.layers))]
-    points = torch.tensor([[[[side * 0.25, side * 0.5], [side * 0.6, side * 0.4]], [[side * 0.1, side * 0.1],
-                            [side * 0.8, side * 0.9]]]])  # fmt: skip
+    points = torch.tensor(
+        [[[[side * 0.25, side * 0.5], [side * 0.6, side * 0.4]], [[side * 0.1, side * 0.1], [side * 0.8, side * 0.9]]]]
+    )
     labels = torch.tensor([[[1, 0], [2, 3]]])  # a point with a background point; a box
     prompts = {"input_points": {1: "prompts", 2: "points"}, "input_labels": {1: "prompts", 2: "points"}}
     return [
