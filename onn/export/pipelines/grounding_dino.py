@@ -15,7 +15,7 @@ import numpy as np
 from onn.errors import UserError
 from onn.export.pipelines import images, sam2
 from onn.export.pipelines.registry import Piece, Pipeline, register
-from onn.export.pipelines.runtime import Pieces, Request, write_json
+from onn.export.pipelines.runtime import Pieces, Request, finish
 
 SPECIAL_IDS = [101, 102, 1012, 1029]  # [CLS] [SEP] . ? in BERT's vocabulary: phrases lie between them
 SIDE = 800  # the detector's square canvas when export.sample.image_size gives none (its processor's shorter edge)
@@ -193,14 +193,7 @@ def run_detector(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict
     image = images.load_rgb(request.image)
     found = detect(pieces_, image, request.text, doc["settings"]["detector"], _tokenizer(doc, pieces_))
     picture = images.annotate(image, boxes=[(f["box"], f"{f['phrase']} {f['score']:.2f}") for f in found])
-    result = {
-        "image": str(request.image),
-        "text": request.text,
-        "boxes": found,
-        "png": str(images.save(picture, request.output)),
-    }
-    result["json"] = str(write_json(request, result))
-    return result
+    return finish(request, picture, {"text": request.text, "boxes": found})
 
 
 def run_grounded(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict[str, Any]:
@@ -215,14 +208,7 @@ def run_grounded(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict
     picture = images.annotate(images.overlay(image, masks), boxes=boxes)
     for f, m, s in zip(found, masks, scores):
         f["mask"] = {"score": round(s, 4), **images.describe_mask(m)}
-    result = {
-        "image": str(request.image),
-        "text": request.text,
-        "objects": found,
-        "png": str(images.save(picture, request.output)),
-    }
-    result["json"] = str(write_json(request, result))
-    return result
+    return finish(request, picture, {"text": request.text, "objects": found})
 
 
 DETECTOR = register(

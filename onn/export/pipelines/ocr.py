@@ -11,7 +11,7 @@ import numpy as np
 
 from onn.export.pipelines import images
 from onn.export.pipelines.registry import Piece, Pipeline, register
-from onn.export.pipelines.runtime import Pieces, Request, write_json
+from onn.export.pipelines.runtime import Pieces, Request, finish
 from onn.models.layers import discover
 
 HALF = {"mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5]}  # TrOCR's image processor
@@ -163,13 +163,7 @@ def run(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict[str, Any
         found.append({"box": list(box), "text": text, "token_ids": ids})
     labels = [f["text"][:40] or f"(no text: ids {' '.join(map(str, f['token_ids'][:4]))} ...)" for f in found]
     picture = images.annotate(image, boxes=[(f["box"], label) for f, label in zip(found, labels)])
-    result = {
-        "image": str(request.image),
-        "lines": found,
-        "text": "\n".join(f["text"] for f in found),
-        "png": str(images.save(picture, request.output)),
-    }
-    result["json"] = str(write_json(request, result))
+    result = finish(request, picture, {"lines": found, "text": "\n".join(f["text"] for f in found)})
     print(result["text"])
     return result
 

@@ -50,10 +50,15 @@ class Pieces:
         return dict(zip(names, session.run(names, feeds)))
 
 
-def write_json(request: Request, result: dict[str, Any]) -> Path:
+def finish(request: Request, picture, findings: dict[str, Any]) -> dict[str, Any]:
+    """What a run found, with the picture drawn: the PNG at request.output, the findings as JSON beside it."""
+    from onn.export.pipelines.images import save
+
+    result = {"image": str(request.image), **findings, "png": str(save(picture, request.output))}
     path = request.output.with_suffix(".json")
+    result["json"] = str(path)
     path.write_text(json.dumps(result, indent=2))
-    return path
+    return result
 
 
 def check_points(points: list[tuple[float, float]], size: tuple[int, int]) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 
 from onn.export.pipelines import images
 from onn.export.pipelines.registry import Piece, Pipeline, register
-from onn.export.pipelines.runtime import Pieces, Request, check_points, write_json
+from onn.export.pipelines.runtime import Pieces, Request, check_points, finish
 
 IMAGENET = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 FEATURES = ("high_res_feats_0", "high_res_feats_1", "image_embeddings")
@@ -118,17 +118,10 @@ def run(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict[str, Any
     check_points(points, image.size)
     masks, scores = segment(pieces_, image, [[(x, y, 1)] for x, y in points], doc["settings"])
     picture = images.annotate(images.overlay(image, masks), points=points)
-    result = {
-        "image": str(request.image),
-        "size": list(image.size),
-        "masks": [
-            {"point": list(p), "score": round(s, 4), **images.describe_mask(m)}
-            for p, s, m in zip(points, scores, masks)
-        ],
-        "png": str(images.save(picture, request.output)),
-    }
-    result["json"] = str(write_json(request, result))
-    return result
+    found = [
+        {"point": list(p), "score": round(s, 4), **images.describe_mask(m)} for p, s, m in zip(points, scores, masks)
+    ]
+    return finish(request, picture, {"size": list(image.size), "masks": found})
 
 
 PIPELINE = register(
