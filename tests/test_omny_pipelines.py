@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import compose, run_cli
+from conftest import compose
 
 from onn.config.convert import typed
 from onn.config.model import LanguageModelConfig
@@ -34,55 +34,53 @@ def _export(name: str, folder: Path, side: int | None = None):
     return models, Path(metrics["export/pipeline"]), metrics
 
 
-@pytest.fixture(scope="module")
-def grounded(tmp_path_factory):
-    return _export("grounded_sam2_mini", tmp_path_factory.mktemp("grounded"), side=224)
+def _grounded(folder: Path):
+    return _export("grounded_sam2_mini", folder, side=224)
 
 
-@pytest.fixture(scope="module")
-def trocr(tmp_path_factory):
-    """TrOCR exported as a user does: `python run.py task=export export=omny model=trocr_mini`."""
-    run_dir = tmp_path_factory.mktemp("trocr")
-    proc = run_cli("task=export", "export=omny", "model=trocr_mini", f"hydra.run.dir={run_dir}")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    metrics = json.loads((run_dir / "metrics.json").read_text())
+def _trocr(run_dir: Path):
+    """TrOCR exported as `python run.py task=export export=omny model=trocr_mini` does (the app, in this process)."""
+    from onn.app import execute
+
+    config = compose("task=export", "export=omny", "model=trocr_mini", "tracking=none", f"paths.outputs={run_dir}")
+    metrics = execute(config, run_dir)
     model, _ = load(compose("model=trocr_mini").model)  # the same seeded weights
     return [model], run_dir / "export" / "pipeline.json", metrics
 
 
-@pytest.fixture(scope="module")
-def photo(tmp_path_factory) -> Path:
+def _photo(folder: Path) -> Path:
     """A 400 x 300 picture (not the models' square size) with a red block on a blue background."""
     from PIL import Image
 
     pixels = np.zeros((300, 400, 3), np.uint8)
     pixels[:] = (120, 160, 200)
     pixels[100:220, 150:300] = (200, 60, 40)
-    path = tmp_path_factory.mktemp("pictures") / "photo.jpg"
+    path = folder / "photo.jpg"
     Image.fromarray(pixels).save(path)
     return path
 
 
-def test_every_piece_splits_where_it_says_and_the_pieces_connect(grounded, trocr):
-    for _, path, metrics in (grounded, trocr):
-        lines_ = []
-        assert validate_pipeline(path, echo=lines_.append), "\n".join(lines_)
-        for name, figures in metrics["export/pieces"].items():
-            assert figures["max_abs_diff"] <= 1e-4 and figures["cut_points"] >= 1, (name, figures)
-            assert (
-                max(figures["shard_counts"]) >= 2
-                and figures["largest_shard_mb_any_plan"] <= LIMITS["max_shard_size_mb"]
-            )
+def _splits_and_connects(exported) -> None:
+    """Every piece splits where its .omny says, within the shard limit, and the pieces connect."""
+    _, path, metrics = exported
+    lines_ = []
+    assert validate_pipeline(path, echo=lines_.append), "\n".join(lines_)
+    for name, figures in metrics["export/pieces"].items():
+        assert figures["max_abs_diff"] <= 1e-4 and figures["cut_points"] >= 1, (name, figures)
+        assert max(figures["shard_counts"]) >= 2 and figures["largest_shard_mb_any_plan"] <= LIMITS["max_shard_size_mb"]
+
+
+def _hiera_cuts_carry_stage_outputs(grounded) -> None:
+    import onnx
+
     doc = json.loads(grounded[1].read_text())
     assert [p["name"] for p in doc["pieces"]] == ["detector", "image_encoder", "prompt_decoder"]
     # Hiera's stage outputs wait for the neck: its cuts carry them
-    encoder = json.loads(
-        __import__("onnx").load(str(grounded[1].parent / "image_encoder.omny")).metadata_props[0].value
-    )
+    encoder = json.loads(onnx.load(str(grounded[1].parent / "image_encoder.omny")).metadata_props[0].value)
     assert any("crossing" in c for c in encoder["cut_points"])
 
 
-def test_sam2_decoder_takes_any_number_of_prompts_as_pytorch_does(grounded):
+def _sam2_decoder_takes_any_number_of_prompts_as_pytorch_does(grounded) -> None:
     """Traced with two prompts of two points; asked three prompts of three points (one padded), it matches."""
     from onn.export.pipelines.runtime import Pieces
 
@@ -103,7 +101,7 @@ def test_sam2_decoder_takes_any_number_of_prompts_as_pytorch_does(grounded):
     np.testing.assert_allclose(got["iou_scores"], want.iou_scores.numpy(), atol=1e-4)
 
 
-def test_ocr_decoder_with_explicit_past_reads_the_tokens_generate_reads(trocr, tmp_path):
+def _ocr_decoder_with_explicit_past_reads_the_tokens_generate_reads(trocr) -> None:
     """Greedy decoding through the exported encoder and decoder, one token a step with the keys and values carried
     by hand, gives transformers' generate()'s tokens on the same line."""
     from PIL import Image
@@ -138,13 +136,16 @@ def test_grounding_dino_text_masks_are_transformers_own():
     assert (masks == want_masks.numpy()).all() and (positions == want_positions.numpy()).all()
 
 
-def test_pipelines_run_end_to_end_on_pictures(grounded, trocr, photo, tmp_path):
+def _grounded_runs_on_a_photo(grounded, photo, tmp_path) -> None:
     from PIL import Image
 
     _, path, _ = grounded
     found = run_pipeline(path, Request(photo, tmp_path / "grounded.png", "a red block. the sky."))
     assert Image.open(found["png"]).size == (400, 300) and found["objects"]
     assert all(len(o["box"]) == 4 and "mask" in o for o in found["objects"])
+
+
+def _ocr_reads_a_page(trocr, tmp_path) -> None:
     page = _page(tmp_path / "page.png")
     read = run_pipeline(trocr[1], Request(page, tmp_path / "page.result.png"))
     assert len(read["lines"]) == 3  # the page's three lines of print, each read
@@ -173,7 +174,7 @@ def test_page_lines_are_the_bands_of_ink():
     assert lines(np.full((30, 30), 255.0)) == [(0, 0, 30, 30)]  # a blank page: the whole page
 
 
-def test_bad_input_is_one_sentence(grounded, photo, tmp_path):
+def _bad_input_is_one_sentence(grounded, photo, tmp_path) -> None:
     from PIL import Image
 
     _, path, _ = grounded
@@ -209,13 +210,32 @@ def test_bad_input_is_one_sentence(grounded, photo, tmp_path):
         validate_pipeline(folder / "broken.json")
 
 
-def test_the_cli_validates_and_runs_a_pipeline(trocr, tmp_path):
+def _the_cli_validates_and_runs_a_pipeline(trocr, tmp_path) -> None:
     from onn.export.omny.cli import main
 
     _, pipeline, metrics = trocr
-    assert metrics["status"] == "ok" and set(metrics["export/pieces"]) == {"encoder", "decoder"}
+    assert set(metrics["export/pieces"]) == {"encoder", "decoder"} and metrics["modality"] == "text"
     assert main(["validate", str(pipeline)]) == 0
     page = _page(tmp_path / "page.png")
     assert main(["run", str(pipeline), str(page), "--output", str(tmp_path / "read.png")]) == 0
     assert (tmp_path / "read.png").is_file() and (tmp_path / "read.json").is_file()
     assert main(["run", str(pipeline), str(page), "--points", "1;2"]) == 2  # one sentence, exit 2
+
+
+def test_grounded_sam2_exports_validates_matches_pytorch_and_runs(tmp_path):
+    """One export (the test suite's slowest step), every check on it: pytest-xdist may not share a fixture."""
+    grounded = _grounded(tmp_path / "export")
+    _splits_and_connects(grounded)
+    _hiera_cuts_carry_stage_outputs(grounded)
+    _sam2_decoder_takes_any_number_of_prompts_as_pytorch_does(grounded)
+    photo = _photo(tmp_path)
+    _grounded_runs_on_a_photo(grounded, photo, tmp_path)
+    _bad_input_is_one_sentence(grounded, photo, tmp_path)
+
+
+def test_trocr_exports_validates_decodes_as_generate_and_reads_a_page(tmp_path):
+    trocr = _trocr(tmp_path / "run")
+    _splits_and_connects(trocr)
+    _ocr_decoder_with_explicit_past_reads_the_tokens_generate_reads(trocr)
+    _ocr_reads_a_page(trocr, tmp_path)
+    _the_cli_validates_and_runs_a_pipeline(trocr, tmp_path)
