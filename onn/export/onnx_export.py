@@ -236,7 +236,8 @@ def export_onnx(
         if not reference:
             raise UserError(f"{type(model).__name__} returned no tensors on the sample input; nothing to export.")
         names = [name for name, _ in reference]
-        program = _torch_export(model, input_names, names, tensors, opset, dynamic, (axes, bounds or {}))
+        shapes = _dynamic_shapes(model, input_names, dynamic, axes, bounds or {})
+        program = _torch_export(model, input_names, names, tensors, opset, dynamic, shapes)
 
     folder = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
     try:
@@ -274,24 +275,27 @@ def export_onnx(
     }
 
 
-def _torch_export(
-    model, input_names: list[str], names: list[str], tensors: tuple, opset: int, dynamic: bool, axes: tuple
-):
-    """torch.onnx.export with the dynamo exporter: every input shares `batch`, text inputs share `sequence`;
-    or each input's `axes`, one torch.export Dim per axis name."""
-    import torch
+def _dynamic_shapes(model, input_names: list[str], dynamic: bool, axes: dict | None, bounds: dict) -> dict | None:
+    """torch.export's dynamic shapes: each input's `axes`, one Dim per axis name (within `bounds`); else, when
+    dynamic, one `batch` axis every input shares and one `sequence` axis the text inputs share."""
     from torch.export import Dim
 
-    shapes, (axes, bounds) = None, axes
     if axes is not None:
         names_used = {name for per_input in axes.values() for name in per_input.values()}
         dims = {name: Dim(name, **dict(zip(("min", "max"), bounds.get(name, ())))) for name in names_used}
-        specs = tuple({k: dims[a] for k, a in axes.get(n, {}).items()} or None for n in input_names)
-        shapes = {"tensors": specs}
-    elif dynamic:
-        batch, sequence = Dim("batch"), Dim("sequence", max=max_sequence_length(model))
-        specs = tuple({0: batch, 1: sequence} if n in TEXT_INPUTS else {0: batch} for n in input_names)
-        shapes = {"tensors": specs}  # keyed by the wrapper's *tensors parameter
+        return {"tensors": tuple({k: dims[a] for k, a in axes.get(n, {}).items()} or None for n in input_names)}
+    if not dynamic:
+        return None
+    batch, sequence = Dim("batch"), Dim("sequence", max=max_sequence_length(model))
+    specs = tuple({0: batch, 1: sequence} if n in TEXT_INPUTS else {0: batch} for n in input_names)
+    return {"tensors": specs}  # keyed by the wrapper's *tensors parameter
+
+
+def _torch_export(
+    model, input_names: list[str], names: list[str], tensors: tuple, opset: int, dynamic: bool, shapes: dict | None
+):
+    """torch.onnx.export with the dynamo exporter and `shapes` (_dynamic_shapes)."""
+    import torch
 
     try:
         return torch.onnx.export(

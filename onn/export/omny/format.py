@@ -154,12 +154,12 @@ def _pieces(g: G.Graph, symbolic: dict, runs: list[list[str]] | None) -> tuple[l
     """The graph's blocks, and the block path each cut ends: at LayerMap block boundaries when `runs` is given,
     else at every cut that leaves weights on both sides."""
     cuts, anc, pos = G.cut_points(g)
-    typed = lambda t: symbolic.get(t, ("undefined",))[0] != "undefined"  # noqa: E731
     # a shard boundary needs the tensor's type; ops shape inference does not know leave it untyped
-    cuts = [c for c in cuts if typed(c)]
+    typed = {t for t, (dtype, _) in symbolic.items() if dtype != "undefined"}
+    cuts = [c for c in cuts if c in typed]
     if not runs:
         return G.pieces(g, G.merge_weightless(g, cuts, anc, pos), anc, pos), {}
-    chosen = [c for c in G.select_block_cuts(g, runs, anc) if typed(c[0])]
+    chosen = [c for c in G.select_block_cuts(g, runs, anc) if c[0] in typed]
     closures = {t: bits for t, _, bits in chosen}
     return G.pieces(g, [t for t, _, _ in chosen], anc, pos, closures), {t: path for t, path, _ in chosen}
 

@@ -154,7 +154,7 @@ def detect(pieces_: Pieces, image, text: str | None, s: dict, tokenizer) -> list
     if ids.shape[1] > s["max_text_len"] - 1:
         raise UserError(f"--text is {ids.shape[1]} tokens long; the detector reads at most {s['max_text_len'] - 1}.")
     masks, positions = text_masks(ids, s["special_ids"])
-    pixels, pixel_mask, _ = images.letterboxed(image, s["image_size"], s["mean"], s["std"])
+    pixels, pixel_mask = images.letterboxed(image, s["image_size"], s["mean"], s["std"])
     feeds = dict(zip(INPUTS, (pixels, pixel_mask, ids, np.ones_like(ids), np.zeros_like(ids), masks, positions)))
     out = pieces_.run("detector", feeds)
     probs = 1 / (1 + np.exp(-out["logits"][0, :, : ids.shape[1]]))
@@ -181,24 +181,23 @@ def detect(pieces_: Pieces, image, text: str | None, s: dict, tokenizer) -> list
     return found
 
 
-def _tokenizer(doc: dict[str, Any], pieces_: Pieces):
-    from tokenizers import Tokenizer
-
-    if not doc.get("tokenizer"):
+def _tokenizer(pieces_: Pieces):
+    tokenizer = pieces_.tokenizer()
+    if tokenizer is None:
         raise UserError("the pipeline has no tokenizer.json; re-export it with a model that has a tokenizer.")
-    return Tokenizer.from_file(str(next(iter(pieces_.files.values())).parent / doc["tokenizer"]))
+    return tokenizer
 
 
 def run_detector(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict[str, Any]:
     image = images.load_rgb(request.image)
-    found = detect(pieces_, image, request.text, doc["settings"]["detector"], _tokenizer(doc, pieces_))
+    found = detect(pieces_, image, request.text, doc["settings"]["detector"], _tokenizer(pieces_))
     picture = images.annotate(image, boxes=[(f["box"], f"{f['phrase']} {f['score']:.2f}") for f in found])
     return finish(request, picture, {"text": request.text, "boxes": found})
 
 
 def run_grounded(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict[str, Any]:
     image = images.load_rgb(request.image)
-    found = detect(pieces_, image, request.text, doc["settings"]["detector"], _tokenizer(doc, pieces_))
+    found = detect(pieces_, image, request.text, doc["settings"]["detector"], _tokenizer(pieces_))
     prompts = [[(f["box"][0], f["box"][1], 2), (f["box"][2], f["box"][3], 3)] for f in found]
     clipped = [
         [(min(max(x, 0), image.width - 1), min(max(y, 0), image.height - 1), k) for x, y, k in p] for p in prompts

@@ -49,16 +49,16 @@ def normalised(image, size: tuple[int, int], mean: list[float], std: list[float]
     return array.transpose(2, 0, 1)[None].astype(np.float32)
 
 
-def letterboxed(image, side: int, mean: list[float], std: list[float]) -> tuple[np.ndarray, np.ndarray, float]:
-    """The image scaled to fit a `side` x `side` canvas (aspect kept), normalised, zero-padded; the pixel mask
-    (1 on the picture) and the scale."""
+def letterboxed(image, side: int, mean: list[float], std: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    """The image scaled to fit a `side` x `side` canvas (aspect kept), normalised, zero-padded; and the pixel
+    mask (1 on the picture)."""
     scale = side / max(image.size)
     width, height = max(1, round(image.width * scale)), max(1, round(image.height * scale))
     pixels = np.zeros((1, 3, side, side), np.float32)
     pixels[:, :, :height, :width] = normalised(image, (height, width), mean, std)
     mask = np.zeros((1, side, side), np.int64)
     mask[:, :height, :width] = 1
-    return pixels, mask, scale
+    return pixels, mask
 
 
 def overlay(image, masks: list[np.ndarray], alpha: float = 0.45):

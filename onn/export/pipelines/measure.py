@@ -42,7 +42,6 @@ ort.InferenceSession(tiny.SerializeToString(), options, providers=["CPUExecution
     None, {"x": np.ones(1, np.float32)})
 before = resident()
 session = ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
-loaded = resident()
 try:  # the peak while it runs: the high-water mark restarts here (a file loaded holds a tensor twice for a moment)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -52,7 +51,7 @@ session.run(None, feeds)
 # VmHWM, this process's own high-water mark (ru_maxrss would count the parent's size at fork, on Linux)
 with open("/proc/self/status") as f:
     peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-print(json.dumps({"baseline": before, "loaded": loaded, "peak": peak}))
+print(json.dumps({"baseline": before, "peak": peak}))
 """
 
 
@@ -95,7 +94,7 @@ def shard_peaks(path: str | Path, seed: int = 0) -> list[dict[str, Any]]:
 def reference_feeds(doc: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
     """An input at the shapes the .omny's estimates are made at (batch 1, sequence axes at the reference length),
     with values as the exporter's sample has them."""
-    sample = sample_feeds(
+    return sample_feeds(
         {
             **doc,
             "inputs": [
@@ -105,7 +104,6 @@ def reference_feeds(doc: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]
         },
         seed,
     )
-    return sample
 
 
 def _run_alone(file: Path, inputs: Path) -> float:

@@ -150,11 +150,8 @@ def read_line(pieces_: Pieces, crop, s: dict) -> list[int]:
 
 
 def run(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict[str, Any]:
-    from tokenizers import Tokenizer
-
     image = images.load_rgb(request.image)
-    folder = next(iter(pieces_.files.values())).parent
-    tokenizer = Tokenizer.from_file(str(folder / doc["tokenizer"])) if doc.get("tokenizer") else None
+    tokenizer = pieces_.tokenizer()
     found = []
     for box in lines(np.asarray(image.convert("L"), np.float32)):
         ids = read_line(pieces_, image.crop(box), doc["settings"])

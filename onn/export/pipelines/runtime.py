@@ -29,6 +29,13 @@ class Pieces:
     def __init__(self, doc: dict[str, Any], folder: Path):
         self.files = {p["name"]: folder / p["file"] for p in doc["pieces"]}
         self.sessions: dict[str, Any] = {}
+        self.tokenizer_file = folder / doc["tokenizer"] if doc.get("tokenizer") else None
+
+    def tokenizer(self):
+        """The pipeline's tokenizer.json (the `tokenizers` library reads it), or None when it has none."""
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(self.tokenizer_file)) if self.tokenizer_file else None
 
     def run(self, name: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import onnxruntime as ort
