@@ -501,15 +501,20 @@ def test_int8_codes_decode_tokens_as_the_dequantized_model_does(tmp_path, monkey
     assert torch.isfinite(loss) and len(calls) == after
 
 
-def test_every_pass_from_int8_codes_matches_the_dequantized_model(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["scaled-product", "scaled-cast"])
+def test_every_pass_from_int8_codes_matches_the_dequantized_model(monkeypatch, fused):
     """On a GPU the blocks and the streamed head compute from an int8 store's codes in every pass (CastMatmul
     casts a tile of rows at a time, in the forward and again in the backward) and the embedding is looked up
     in host memory: a step's loss and LoRA gradients, the validation loss and the greedy tokens are the
     de-quantized model's, and no decoded weight is ever installed. Run on the CPU with the GPU's choice forced
-    and tiles smaller than a weight, so the tiling is exercised."""
+    and tiles smaller than a weight, so the tiling is exercised; `fused`: the row scales applied in the cast
+    (as CUDA's fused kernel does, run here eagerly) rather than to the product."""
+    from onn.hardware import cast
     from onn.streaming import engine as engine_module
     from onn.streaming import quantized
 
+    if fused:
+        monkeypatch.setattr(cast, "_compiled", lambda device_type: cast._cast_scaled)
     monkeypatch.setattr(engine_module, "computes_from_codes", lambda store_dtype, *_: store_dtype == "int8")
     monkeypatch.setattr(quantized, "CAST_TILE_VALUES", 40 * 64)  # 64-row tiles: weights of 128 rows take two
     resident = lora_model("llama", LAYER_SETS["first4+last4"], hidden_size=64, intermediate_size=128)

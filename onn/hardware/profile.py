@@ -16,6 +16,10 @@ What the planner predicts from (CPUs):
                     blocks (the difference, so embeddings, loss and the rest cancel), and `step` the rest
   memory_gb_s       one thread copying a large buffer (bytes read + written per second)
   decode_gvalues_s  one thread turning stored values into compute values: {"int8->bfloat16": ...}
+  activation_ns     GPUs: a bf16 decoder block's kernels besides its matmuls (norms, rotary embedding,
+                    attention, activation function, residuals, casts), in ns per activation value the
+                    planner counts (10h + 4kv + 4i a token): without grad (`forward`), and forward and
+                    backward of a frozen block (`train`, as a streamed step recomputes and back-propagates)
   disk_read_mb_s    cold sequential reads with O_DIRECT of a fresh file of `disk_probe_mb`, as the
                     layer store reads (onn/hardware/disk.py)
 """
@@ -35,6 +39,7 @@ from typing import Any
 import psutil
 
 from onn.config import HardwareConfig, as_dict
+from onn.hardware.cast import cast_scaled, fused_scale
 from onn.hardware.disk import read_mb_s
 
 MB = 1024**2
@@ -46,7 +51,7 @@ PROFILE_KEYS = (
 MATMUL_ROWS = (1, 16, 128, 1024)
 MATMUL_SIZES = (256, 4096)
 GPU_MATMUL_ROWS = (1, 16, 128, 1024, 8192)  # a token at a time up to a large micro-batch's tokens
-VERSION = 7  # what `measure` records; a cached profile of another version is measured again
+VERSION = 8  # what `measure` records; a cached profile of another version is measured again
 
 
 @dataclass
@@ -71,6 +76,7 @@ class Profile:
     block_call_s: dict[str, float] | None = None  # framework time per decoder block and call
     memory_gb_s: float | None = None  # one thread's (or the GPU's) copy bandwidth
     decode_gvalues_s: dict[str, float] | None = None  # {"int8->bfloat16": G values/s, ...}
+    activation_ns: dict[str, float] | None = None  # GPUs: a block's time besides matmuls, per activation value
     cuda_context_mb: float | None = None  # the CUDA context's own memory
     cuda_workspace_mb: float | None = None  # cuBLAS's workspaces, allocated once per process
     source: str | None = None  # preset, measured, or cache (<path>)
@@ -324,6 +330,7 @@ def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> Profile:
     }
     if accelerator == "cuda":
         profile.update(gpu_rates())
+        profile["activation_ns"] = activation_ns(profile["matmul_gflops"])
         profile["cuda_workspace_mb"] = round(cuda_workspace_mb(), 1)
     busy = cpu_busy_cores(0.3)
     if accelerator == "cpu":
@@ -600,17 +607,73 @@ def gpu_rates() -> dict[str, Any]:
         torch.empty(n, dtype=torch.uint8, device="cuda"),
     )
     copy = 2 * n / gpu_seconds(lambda: dst.copy_(src)) / 1e9
-    codes = torch.randint(-127, 127, (64 * MB,), dtype=torch.int8, device="cuda")
+    codes = torch.randint(-127, 127, (16 * 1024, 4096), dtype=torch.int8, device="cuda")
     decode = {}
     for target in ("bfloat16", "float16", "float32"):
         out = torch.empty(codes.shape, dtype=getattr(torch, target), device="cuda")
-        decode[f"int8->{target}"] = round(codes.numel() / gpu_seconds(lambda o=out: o.copy_(codes)) / 1e9, 2)
+        scale = torch.rand(codes.shape[0], dtype=out.dtype, device="cuda")
+        if fused_scale(codes.device):  # the cast a streamed step runs: scaled in the same pass, or a plain copy
+
+            def decode_once(o=out, s=scale):
+                return cast_scaled(codes, s, o)
+        else:
+
+            def decode_once(o=out):
+                return o.copy_(codes)
+
+        decode[f"int8->{target}"] = round(codes.numel() / gpu_seconds(decode_once) / 1e9, 2)
     best = max(max(r.values()) for r in table["bfloat16"].values())
     return {
         "matmul_gflops": {str(size): table},
         "memory_gb_s": round(copy, 1),
         "decode_gvalues_s": decode,
         "matmul_tflops": round(best / 1000, 1),
+    }
+
+
+def activation_ns(matmul_gflops: dict[str, Any], hidden: int = 2048, tokens: int = 8192) -> dict[str, float]:
+    """A frozen bf16 Llama decoder block's GPU time besides its matmuls, per activation value the planner
+    counts (10h + 4kv + 4i per token): `forward` without grad, `train` forward and backward to its input.
+    The matmuls' share is their FLOPs at the rate just measured (`matmul_gflops`), so what remains is the
+    memory-bound work a model's block does around them, at a size that keeps the GPU busy."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_attention_heads=hidden // 128,
+        num_key_value_heads=hidden // 512,
+        max_position_embeddings=4096,
+    )
+    config._attn_implementation = "sdpa"
+    block = LlamaDecoderLayer(config, layer_idx=0).to("cuda", torch.bfloat16).requires_grad_(False)
+    seq = 64
+    x = torch.randn(tokens // seq, seq, hidden, device="cuda", dtype=torch.bfloat16)
+    positions = torch.arange(seq, device="cuda")[None]
+    rotary = LlamaRotaryEmbedding(config).to("cuda")(x, positions)
+    kv = config.num_key_value_heads * 128
+
+    def forward(inputs):
+        out = block(inputs, position_embeddings=rotary, position_ids=positions)
+        return out[0] if isinstance(out, tuple) else out
+
+    def train():
+        inputs = x.detach().requires_grad_(True)
+        forward(inputs).sum().backward()
+
+    with torch.no_grad():
+        forward_s = gpu_seconds(lambda: forward(x), trials=3)
+    train_s = gpu_seconds(train, trials=3)
+    weights = hidden * (2 * hidden + 2 * kv) + 3 * hidden * config.intermediate_size  # q, o, k, v; the MLP
+    flops = 2 * weights * tokens + 4 * seq * hidden * tokens
+    rates = matmul_gflops[next(iter(matmul_gflops))]["bfloat16"]["1"]
+    rate = max(float(v) for v in rates.values()) * 1e9
+    values = (10 * hidden + 4 * kv + 4 * config.intermediate_size) * tokens
+    return {
+        "forward": round(max(forward_s - flops / rate, 0.0) / values * 1e9, 5),
+        "train": round(max(train_s - 2 * flops / rate, 0.0) / values * 1e9, 5),
     }
 
 

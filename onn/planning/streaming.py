@@ -603,14 +603,22 @@ def gpu_stream_compute(s: StreamShape, sd: str, chunk: int, suffix_rows: int) ->
     calls = hw.block_call_s or {}
     lora = sum(spec.lora_params_per_block[i] for i in s.sparse_layers)
     bandwidth = float(hw.memory_gb_s or 0) * 1e9
+    # the kernels around the matmuls (norms, rotary embedding, attention, activations, residuals) at the
+    # profile's measured time per activation value
+    elementwise = hw.activation_ns or {}
+    values = (10 * spec.hidden + 4 * spec.kv_dim + 4 * spec.intermediate) * tokens * 1e-9
     # the GPU's kernels and the host's launching of them (the measured framework time per block call) overlap:
     # nothing in a chunk's compute waits for the GPU, so each part takes the longer of the two
     forward = max(
-        matmul(sum(per_block) * tokens, min(s.micro_batches, chunk) * rows) + cast(sum(linear) * groups),
+        matmul(sum(per_block) * tokens, min(s.micro_batches, chunk) * rows)
+        + cast(sum(linear) * groups)
+        + elementwise.get("forward", 0.0) * values * n,
         calls.get("forward", 0.0) * n * groups,
     )
     backward = max(
-        matmul(2 * sum(per_block[lowest:]) * tokens, rows) + cast(2 * sum(linear[lowest:]) * s.micro_batches),
+        matmul(2 * sum(per_block[lowest:]) * tokens, rows)
+        + cast(2 * sum(linear[lowest:]) * s.micro_batches)
+        + elementwise.get("train", 0.0) * values * (n - lowest),
         calls.get("lora", 0.0) * (n - lowest) * s.micro_batches,
     )
     head_values = max(spec.suffix_params, spec.vocab * spec.hidden)

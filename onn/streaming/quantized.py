@@ -19,16 +19,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from onn.hardware.cast import cast_scaled, fused_scale
 from onn.streaming.schedule import CAST_TILE_VALUES, CODES_MAX_ROWS
 
 _TILES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def _tiles(codes: torch.Tensor, dtype: torch.dtype):
-    """(start, tile) for each run of output rows of `codes`, cast to `dtype` into one buffer per device and
-    dtype, reused for every cast: the device's stream orders each tile's use before the next cast into it,
-    and no allocation comes and goes per tile. A run is a multiple of 64 rows, so every slice of the output
-    starts 16-byte aligned (on an H200, misaligned slices sent cuBLAS to a kernel 5-7x slower)."""
+def _tiles(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, scaled: bool):
+    """(start, tile) for each run of output rows of `codes`, cast to `dtype` (times their row scales when
+    `scaled`) into one buffer per device and dtype, reused for every cast: the device's stream orders each
+    tile's use before the next cast into it, and no allocation comes and goes per tile. A run is a multiple
+    of 64 rows, so every slice of the output starts 16-byte aligned (on an H200, misaligned slices sent
+    cuBLAS to a kernel 5-7x slower)."""
     step = max(64, CAST_TILE_VALUES // codes.shape[1] // 64 * 64)
     key = (codes.device, dtype)
     buffer = _TILES.get(key)
@@ -37,22 +39,26 @@ def _tiles(codes: torch.Tensor, dtype: torch.dtype):
         buffer = _TILES[key] = torch.empty(size, dtype=dtype, device=codes.device)
     for a in range(0, codes.shape[0], step):
         part = codes[a : a + step]
-        yield a, buffer[: part.numel()].view(part.shape).copy_(part)
+        tile = buffer[: part.numel()].view(part.shape)
+        yield a, cast_scaled(part, scale[a : a + step], tile) if scaled else tile.copy_(part)
 
 
 class CastMatmul(torch.autograd.Function):
     """x (Q s)ᵀ for int8 codes Q [out, in] and row scales s [out], differentiable in x only: the codes are
-    cast to x's compute dtype a tile of output rows at a time, in the forward and again in the backward."""
+    cast to x's compute dtype a tile of output rows at a time, in the forward and again in the backward.
+    Where the device fuses the scale into the cast (onn/hardware/cast.py) each tile is Q s; elsewhere the
+    tile is Q and the product is scaled (fewer values than the weight when the rows are few)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(codes, scale)
         ctx.x_dtype = x.dtype
+        ctx.scaled = fused_scale(codes.device)
         rows = x.reshape(-1, x.shape[-1]).to(scale.dtype)
         # each tile's product is a plain contiguous matmul (what F.linear runs), copied into its columns
         # after: cuBLAS picks its slow kernels for products written into strided slices
         out = None
-        for a, tile in _tiles(codes, scale.dtype):
+        for a, tile in _tiles(codes, scale, scale.dtype, ctx.scaled):
             part = torch.mm(rows, tile.t())
             if tile.shape[0] == codes.shape[0]:  # the whole weight in one tile
                 out = part
@@ -60,14 +66,16 @@ class CastMatmul(torch.autograd.Function):
             if out is None:
                 out = rows.new_empty(rows.shape[0], codes.shape[0])
             out[:, a : a + tile.shape[0]] = part
-        return out.mul_(scale).view(*x.shape[:-1], codes.shape[0])
+        out = out if ctx.scaled else out.mul_(scale)
+        return out.view(*x.shape[:-1], codes.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         codes, scale = ctx.saved_tensors
-        g = (grad.reshape(-1, codes.shape[0]).to(scale.dtype) * scale).contiguous()
+        g = grad.reshape(-1, codes.shape[0]).to(scale.dtype)
+        g = (g if ctx.scaled else g * scale).contiguous()
         gx = g.new_zeros(g.shape[0], codes.shape[1])
-        for a, tile in _tiles(codes, scale.dtype):
+        for a, tile in _tiles(codes, scale, scale.dtype, ctx.scaled):
             piece = g if tile.shape[0] == codes.shape[0] else g[:, a : a + tile.shape[0]].contiguous()
             gx.addmm_(piece, tile)
         return gx.view(*grad.shape[:-1], codes.shape[1]).to(ctx.x_dtype), None, None
