@@ -115,6 +115,20 @@ def test_classes_given_in_another_order_keep_each_image_under_its_name(tmp_path,
         assert all(name.split("/")[-2] == dm.classes[label] for name, label in zip(split.names, split.labels.tolist()))
 
 
+def test_classes_given_in_another_order_keep_each_streamed_image_under_its_name(tmp_path, cache):
+    source = images(tmp_path / "img", {"a": 30, "b": 220})  # each class its own red level
+    overrides = ("data.classes=[b,a]", "data.resident=false", "data.num_workers=0", "data.batch_size=2")
+    dm = image_data(tmp_path, cache, source, *overrides)
+    assert dm.classes == ["b", "a"] and dm.streamed
+    seen = [
+        (dm.classes[label], {30: "a", 220: "b"}[int(image[0, 0, 0])])
+        for loader in (dm.train_dataloader(), dm.val_dataloader())
+        for batch, labels in loader
+        for image, label in zip(batch, labels.tolist())
+    ]
+    assert len(seen) == 16 and all(named == drawn for named, drawn in seen), seen
+
+
 def test_image_labels_that_are_no_class(tmp_path, cache):
     with pytest.raises(UserError, match=r"labels.csv row 12 has label 'cat', but the other labels are numbers"):
         image_data(tmp_path, cache, label_csv(tmp_path / "mixed", ["0", "1"] * 5 + ["cat"] + ["1", "0"] * 2))
@@ -206,6 +220,42 @@ def test_text_files_in_other_encodings(tmp_path):
     bare.write_bytes(json.dumps(rows[0]).encode("utf-16-le"))
     with pytest.raises(UserError, match=r"looks like UTF-16 without a byte-order mark"):
         read_records(bare)
+
+
+def text_data(source: Path, *overrides: str):
+    """A text run's data, read as its first step does (data=text, the byte tokenizer)."""
+    from onn.modalities.text.datamodule import TextDataModule
+
+    data = compose("data=text", f"data.source={source}", "data.val_split=0.2", *overrides).data
+    dm = TextDataModule(data, byte_tokenizer(), 4)
+    dm.setup()
+    return dm
+
+
+def test_latin1_training_text_names_the_byte_and_the_iconv_fix(tmp_path):
+    latin = tmp_path / "l1.txt"
+    latin.write_bytes(b"caf\xe9 au lait\n" * 50)
+    binary = tmp_path / "weights.txt"
+    binary.write_bytes(bytes(range(256)) * 64)
+    for streaming in ("auto", "true"):
+        with pytest.raises(
+            UserError, match=r"^data.source \S*l1.txt is not UTF-8 text: byte 0xe9 on line 1 .*iconv -f latin1 -t utf-8"
+        ):
+            text_data(latin, f"data.streaming={streaming}")
+        with pytest.raises(UserError, match=r"^data.source \S*weights.txt is a binary file, not text"):
+            text_data(binary, f"data.streaming={streaming}")
+
+
+def test_plain_text_training_with_question_answer_validation_reads_each_by_its_layout(tmp_path):
+    train = tmp_path / "train.txt"
+    train.write_text("".join(f"plain line {i}\n" for i in range(30)))
+    val = write_jsonl(tmp_path / "val.jsonl", [{"question": f"{i}+{i}?", "answer": str(2 * i)} for i in range(3)])
+    want = [("0+0?", "0"), ("1+1?", "2"), ("2+2?", "4")]
+    for overrides in ([], ["data.streaming=true"], ["data.fields.input=question"]):
+        dm = text_data(train, f"data.val_source={val}", *overrides)
+        assert dm.val_examples == want, overrides
+        assert dm.prompter.layout.name == "text" and dm.train_records == 30
+    assert dm.train_examples[0] == ("", "plain line 0")  # plain text: loss on every token
 
 
 def test_weights_of_the_wrong_shape_or_truncated(tmp_path, cache):

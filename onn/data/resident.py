@@ -192,16 +192,22 @@ def numbered(classes: list[str]) -> bool:
 
 
 def relabel(decoded: Decoded, classes: list[str], key: str) -> Decoded:
-    """Labels by class name, in `classes` order (a separate val/test source, or data.classes given in
-    another order than the data's own); numbered classes keep their numbers."""
-    if decoded.classes == classes or numbered(decoded.classes):
-        return Decoded(decoded.inputs, decoded.labels, list(classes), decoded.names, decoded.skipped)
-    missing = [c for c in decoded.classes if c not in classes]
+    """A decoded split's labels by class name, in `classes` order (see relabelled)."""
+    labels = relabelled(decoded.labels, decoded.classes, classes, key)
+    return Decoded(decoded.inputs, labels, list(classes), decoded.names, decoded.skipped)
+
+
+def relabelled(labels: torch.Tensor, found: list[str], classes: list[str], key: str) -> torch.Tensor:
+    """Labels that index `found` (the data's own class names), as indices into `classes` by name (a separate
+    val/test source, or data.classes given in another order than the data's own); numbered classes keep
+    their numbers, and -1 (unknown) stays."""
+    if found == classes or numbered(found):
+        return labels
+    missing = [c for c in found if c not in classes]
     if missing:
         raise UserError(f"{key} has classes the training data does not: {missing[:5]}; use the same class names.")
-    table = torch.tensor([classes.index(c) for c in decoded.classes] or [0], dtype=torch.long)
-    labels = torch.where(decoded.labels >= 0, table[decoded.labels.clamp_min(0)], decoded.labels)
-    return Decoded(decoded.inputs, labels, list(classes), decoded.names, decoded.skipped)
+    table = torch.tensor([classes.index(c) for c in found] or [0], dtype=torch.long)
+    return torch.where(labels >= 0, table[labels.clamp_min(0)], labels)
 
 
 def held_out_by_name(sets: dict[str, Decoded], split: str, pattern: str) -> dict[str, Decoded]:
@@ -397,6 +403,9 @@ class ClassificationData(L.LightningDataModule):
         items = self.list_items(source)
         train = items.get("train") or items.get("all")
         self.classes = class_order(train.classes, self.cfg)
+        for split in items.values():  # by class name, as the resident path labels them (relabel)
+            split.labels = relabelled(torch.as_tensor(split.labels), split.classes, self.classes, "data.source")
+            split.classes = list(self.classes)
         index = list(range(len(train)))
         self.streamed = {}
         if "val" in items:

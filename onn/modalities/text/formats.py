@@ -111,14 +111,14 @@ def _binary(head: bytes) -> bool:
     return controls > 0.05 * max(1, len(head))
 
 
-def detect_format(path: str | Path) -> str:
+def detect_format(path: str | Path, key: str = "data.source") -> str:
     """Decide from the bytes, not the name: parquet magic, a JSON document or JSON lines, a CSV header, else text."""
     head = read_head(path, HEAD_BYTES)
     if head[:4] == b"PAR1":
         return "parquet"
     text = _decode_head(head)
-    if text is None:
-        raise UserError(f"{path} is a binary file, not text.")
+    if text is None:  # Latin-1 text (the byte, its line, the iconv command) or a binary file: decode says which
+        text = decode(head, Path(path), key)
     return detect(text, complete=len(head) < HEAD_BYTES)
 
 

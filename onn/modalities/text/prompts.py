@@ -67,14 +67,14 @@ def choose_layout(records: Records, fields: TextFields, key: str = "data.source"
     """data.fields as given, or for `auto` the layout the records' fields match."""
     prompt, answer = fields.input, fields.output
     names = set().union(*(r.keys() for r in records[:200]))
+    if names == {"text"}:  # plain text, whatever data.fields maps (another file's prompt and answer)
+        return Layout("text", None, None)
     if prompt != "auto" and answer != "auto":
         return Layout("fields", prompt, answer)
     if prompt == "auto" and answer == "auto":
         for conversation in ("messages", "conversations"):
             if conversation in names and all(isinstance(r.get(conversation), list) for r in records[:200]):
                 return Layout("messages", None, None, conversation)
-        if names == {"text"}:
-            return Layout("text", None, None)
         if {"instruction", "output"} <= names:
             return Layout("alpaca", "{instruction}\n\n{input}" if "input" in names else "instruction", "output")
         if {"instruction", "response"} <= names:
@@ -144,7 +144,8 @@ class Prompter:
         self.cfg, self.tokenizer = data_cfg, tokenizer
         self.template = unescape(data_cfg.template or "{prompt}")  # an empty template: the prompt alone
         self.chat = chat_in_use(data_cfg, tokenizer)
-        self.layout: Layout | None = None
+        self.layouts: dict[str, Layout] = {}  # each file's own (data.source, data.val_source): they may differ
+        self.layout: Layout | None = None  # the first chosen: the training data's
 
     @property
     def prompt_format(self) -> str:
@@ -157,41 +158,42 @@ class Prompter:
         return not self.chat
 
     def examples(self, records: Records, key: str = "data.source") -> list[tuple[str, str]]:
-        """(prompt, answer) per record; plain text records give ("", text): loss on every token."""
-        if self.layout is None:
-            self.layout = choose_layout(records, self.cfg.fields, key)
-            how = (
-                "chosen by data.fields"
-                if self.layout.name == "fields"
-                else f"the {self.layout.name} layout, recognised"
-            )
+        """(prompt, answer) per record, by the layout of the file `key` names (a plain-text training file may
+        come with question/answer validation records); plain text records give ("", text): loss on every token."""
+        layout = self.layouts.get(key)
+        if layout is None:
+            layout = self.layouts[key] = choose_layout(records, self.cfg.fields, key)
+            self.layout = self.layout or layout
+            how = "chosen by data.fields" if layout.name == "fields" else f"the {layout.name} layout, recognised"
             log.info(
-                "data: prompt and answer are %s (%s); prompts go through the %s",
-                self.layout.describe(),
+                "data: %s: prompt and answer are %s (%s); prompts go through the %s",
+                key,
+                layout.describe(),
                 how,
                 self.prompt_format,
             )
         out, empty = [], 0
         for record, where in zip(records, records.where):
-            pair, blank = self._example(record, where)
+            pair, blank = self._example(record, where, layout)
             out.append(pair)
             empty += blank
-        self._check_empty(records, empty, key)
+        self._check_empty(records, empty, key, layout)
         return out
 
     def example(self, record: dict[str, Any], where: str) -> tuple[str, str]:
-        """One record's (prompt, answer), once `examples` has chosen the layout (streamed data: record by record)."""
-        return self._example(record, where)[0]
+        """One training record's (prompt, answer), once `examples` has chosen the layout (streamed data: record
+        by record)."""
+        return self._example(record, where, self.layout)[0]
 
-    def _example(self, record: dict[str, Any], where: str) -> tuple[tuple[str, str], bool]:
+    def _example(self, record: dict[str, Any], where: str, layout: Layout) -> tuple[tuple[str, str], bool]:
         """((prompt, answer), whether the mapped prompt is empty)."""
-        if self.layout.name == "text" or (self.layout.name != "messages" and set(record) == {"text"}):
+        if layout.name == "text" or (layout.name != "messages" and set(record) == {"text"}):
             return ("", self._text(record, "text", where, "data.fields.input")), False
-        if self.layout.name == "messages":
-            messages = self._messages(record, where)
+        if layout.name == "messages":
+            messages = self._messages(record, where, layout.conversation)
             return (self.render_messages(messages[:-1]), messages[-1]["content"]), False
-        prompt = self._prompt(record, where)
-        answer = self._text(record, self.layout.answer, where, "data.fields.output")
+        prompt = self._prompt(record, where, layout.prompt)
+        answer = self._text(record, layout.answer, where, "data.fields.output")
         return (self.render(prompt, record, where), answer), not prompt.strip()
 
     def render(self, prompt: str, record: dict[str, Any] | None = None, where: str = "the prompt") -> str:
@@ -220,8 +222,7 @@ class Prompter:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
 
-    def _prompt(self, record: dict[str, Any], where: str) -> str:
-        spec = self.layout.prompt
+    def _prompt(self, record: dict[str, Any], where: str, spec: str) -> str:
         if "{" not in spec:
             return self._text(record, spec, where, "data.fields.input")
         values = {
@@ -252,17 +253,17 @@ class Prompter:
             )
         return str(value)
 
-    def _messages(self, record: dict[str, Any], where: str) -> list[dict[str, str]]:
-        raw = record.get(self.layout.conversation)
+    def _messages(self, record: dict[str, Any], where: str, conversation: str) -> list[dict[str, str]]:
+        raw = record.get(conversation)
         if not isinstance(raw, list) or not raw:
-            raise UserError(f"{where}: '{self.layout.conversation}' is not a list of messages.")
+            raise UserError(f"{where}: '{conversation}' is not a list of messages.")
         messages = []
         for i, m in enumerate(raw):
             role = m.get("role", m.get("from")) if isinstance(m, dict) else None
             content = m.get("content", m.get("value")) if isinstance(m, dict) else None
             if role not in ROLES or not isinstance(content, str):
                 raise UserError(
-                    f"{where}: message {i} of '{self.layout.conversation}' needs a role (user, assistant, system) "
+                    f"{where}: message {i} of '{conversation}' needs a role (user, assistant, system) "
                     "and text content (OpenAI's role/content or ShareGPT's from/value)."
                 )
             messages.append({"role": ROLES[role], "content": content})
@@ -270,17 +271,17 @@ class Prompter:
             raise UserError(f"{where}: the conversation must end with an assistant message (the answer to learn).")
         return messages
 
-    def _check_empty(self, records: Records, empty: int, key: str) -> None:
+    def _check_empty(self, records: Records, empty: int, key: str, layout: Layout) -> None:
         """A mapping whose prompts are mostly empty maps the wrong field (Alpaca's `input` is empty in 61% of rows)."""
         share = empty / max(1, len(records))
         if share <= EMPTY_WARNED:
             return
-        field = self.layout.prompt
+        field = layout.prompt
         names = set().union(*(r.keys() for r in records[:200]))
         others = sorted(
             n
             for n in names
-            if n not in (field, self.layout.answer)
+            if n not in (field, layout.answer)
             and any(isinstance(r.get(n), str) and r.get(n).strip() for r in records[:200])
         )
         said = (

@@ -256,7 +256,7 @@ def open_reader(path: str | Path, fmt: str, key: str = "data.source"):
     path = existing_source(path, key, "a .jsonl, .csv, .parquet or .txt file")
     if path.is_dir():
         raise UserError(f"{key} {path} is a folder; point it at a .jsonl, .csv, .parquet or .txt file.")
-    fmt = detect_format(path) if fmt == "auto" else fmt
+    fmt = detect_format(path, key) if fmt == "auto" else fmt
     if fmt not in STREAM_FORMATS:
         raise UserError(
             f"{key} {path} is one {fmt.upper()} document, which cannot be read in pieces: convert it to "
