@@ -1,5 +1,33 @@
-"""The one exception type for user mistakes: app.run prints it as a single line, no traceback."""
+"""The one exception type for user mistakes: app.run prints it as a single line, no traceback; and the one
+sentence for a write the disk refuses (full, read-only, not permitted)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
 
 
 class UserError(Exception):
     """A problem with the user's input (a file, a config value); the message says what to do."""
+
+
+def write_refused(
+    error: OSError, path: str | os.PathLike, needed_bytes: int | None = None, what: str = "it"
+) -> UserError:
+    """One sentence for a write the disk refused, naming the path, and for a full disk the space needed
+    beside what is free; the caller has already removed its partial file, so nothing half-written remains."""
+    path = Path(path)
+    if error.errno == errno.ENOSPC:
+        folder = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+        free = shutil.disk_usage(folder).free
+        need = f"{needed_bytes / 2**20:,.1f} MB are needed and " if needed_bytes else ""
+        return UserError(
+            f"cannot write {path}: the disk is full ({need}{free / 2**20:,.1f} MB are free); "
+            f"free some space or write {what} elsewhere."
+        )
+    reason = {errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied"}.get(
+        error.errno, error.strerror or str(error)
+    )
+    return UserError(f"cannot write {path}: {reason}; write {what} elsewhere.")

@@ -10,6 +10,7 @@ ONNX with cut points, per-block memory and shard plans; see FORMAT_SPEC.md).
 
 from __future__ import annotations
 
+import errno
 import logging
 import tempfile
 from pathlib import Path
@@ -19,7 +20,7 @@ from onn.config import ONNConfig
 from onn.config.convert import typed
 from onn.config.export import ExportSample, OmnyExport, OnnxExport, SafetensorsExport
 from onn.config.model import LanguageModelConfig
-from onn.errors import UserError
+from onn.errors import UserError, write_refused
 from onn.export.model_facts import kv_cache_bytes, model_source, omny_runs
 from onn.export.settings import FORMATS, check_settings
 from onn.models.load import load
@@ -62,6 +63,17 @@ def export_model(
         raise UserError(
             f"export.output {output}: the folder {output.parent} does not exist; create it or choose another path."
         )
+    try:  # every format writes beside `output` and moves into place: a refused write leaves nothing half-written
+        return _export(model, output, sample_input, settings, model_name, tokenizer, engine)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES):
+            raise
+        raise write_refused(e, output, None, "the export (export.output)") from None
+
+
+def _export(model, output: Path, sample_input, settings, model_name, tokenizer, engine) -> dict[str, Any]:
+    """export_model's writing, once its settings and folder are checked."""
+    kind = settings.name
     if kind == "safetensors":
         from onn.export import hf
 

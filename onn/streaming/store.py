@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from onn.dtypes import BYTES_PER_VALUE, QUANTIZED_BLOCK, torch_dtype
-from onn.errors import UserError
+from onn.errors import UserError, write_refused
 from onn.hardware.disk import aligned, buffer, evict, read_file
 
 # what a build must leave free on the disk: other processes share it
@@ -134,7 +134,12 @@ class LayerStore:
         self._marker(index).unlink(missing_ok=True)
         path = self.block_file(index)
         tmp = path.with_suffix(".tmp")
-        write_safetensors(tmp, encoded)
+        try:
+            write_safetensors(tmp, encoded)
+        except OSError as e:  # the disk filled after the check in `missing` (another writer)
+            tmp.unlink(missing_ok=True)
+            needed = sum(t.numel() * t.element_size() for t in encoded.values())
+            raise write_refused(e, path, needed, "the layer store (paths.cache or ONN_CACHE)") from None
         os.replace(tmp, path)
         shapes = {n: list(t.shape) for n, t in tensors.items()}
         size = path.stat().st_size

@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from onn.errors import UserError
+from onn.errors import UserError, write_refused
 from onn.hardware.cluster import is_rank_zero
 from onn.training import progress
 
@@ -108,9 +109,8 @@ class RunRecord:
                 tmp.write_text(json.dumps(clean, indent=2, default=str) + "\n")
                 os.replace(tmp, self.path)
             except OSError as e:
-                raise UserError(
-                    f"cannot write {self.path}: {e.strerror or e}; choose another run folder (hydra.run.dir)."
-                ) from None
+                tmp.unlink(missing_ok=True)
+                raise write_refused(e, self.path, None, "the run (hydra.run.dir)") from None
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -165,6 +165,11 @@ def writable_folder(path: str | os.PathLike, key: str) -> Path:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"{key}={path} cannot be made: {e.strerror or e}; choose another path.") from None
+    try:  # an existing folder may still refuse writes (read-only, not ours): say so before any work
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".onn-write-probe-"):
+            pass
+    except OSError as e:
+        raise UserError(f"{key}={path} cannot be written to: {e.strerror or e}; choose another path.") from None
     return path
 
 

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from onn.errors import UserError
+from onn.errors import UserError, write_refused
 
 TENSORS, META = "model.safetensors", "meta.json"
 
@@ -75,9 +75,17 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     meta = flatten(checkpoint, tensors)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(_unshare(tensors), str(tmp / TENSORS))
-    (tmp / META).write_text(json.dumps(meta))
+    try:
+        tmp.mkdir(parents=True)
+        save_file(_unshare(tensors), str(tmp / TENSORS))
+        (tmp / META).write_text(json.dumps(meta))
+        for name in (TENSORS, META):  # on the disk before the rename makes them the checkpoint
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+    except OSError as e:  # a full or read-only disk: the previous checkpoint stays as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        needed = sum(t.numel() * t.element_size() for t in tensors.values())
+        raise write_refused(e, path, needed, "checkpoints (hydra.run.dir)") from None
     old = path.with_name(path.name + ".old")
     if path.exists():  # an .old beside a complete checkpoint is a save that was killed while tidying up
         shutil.rmtree(old, ignore_errors=True)
