@@ -22,6 +22,7 @@ in the quantized stores.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -35,6 +36,9 @@ import torch
 from onn.dtypes import BYTES_PER_VALUE, QUANTIZED_BLOCK, torch_dtype
 from onn.errors import UserError, write_refused
 from onn.hardware.disk import aligned, buffer, evict, read_file
+from onn.hardware.locks import held
+
+log = logging.getLogger(__name__)
 
 # what a build must leave free on the disk: other processes share it
 DISK_RESERVE_BYTES = 2 * 1024**3
@@ -99,8 +103,16 @@ class LayerStore:
         """Store each block's frozen tensors (disk: only blocks without a complete file are written)."""
         shapes = {i: {n: list(t.shape) for n, t in tensors.items()} for i, tensors in blocks.items()}
         self.rebuilt = []
-        for i in self.missing(shapes):
-            self.write(i, blocks[i])
+        if self.kind == "cpu":
+            for i in self.missing(shapes):
+                self.write(i, blocks[i])
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with held(
+            self.folder, on_wait=lambda: log.info("%s: another process is building it; waiting", self.folder)
+        ):  # a second build waits, then finds the first one's blocks whole
+            for i in self.missing(shapes):
+                self.write(i, blocks[i])
 
     def missing(self, shapes: dict[int | str, dict[str, list[int]]]) -> list[int | str]:
         """The blocks that must be written (all of them in memory; on disk those without a complete

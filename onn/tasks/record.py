@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 
 from onn.errors import UserError, write_refused
 from onn.hardware.cluster import is_rank_zero
+from onn.hardware.locks import holder, try_hold
 from onn.training import progress
 
 HEARTBEAT_S = 15.0  # how often a running record is refreshed: one small file write
@@ -190,7 +191,30 @@ class RunFolder(Callback):
         HydraConfig.instance().set_config(config)  # Hydra sets it only later; ${hydra:runtime.cwd} needs it now
         key = f"hydra.{mode}.dir"
         try:
-            writable_folder(config.hydra[mode].dir, key)
+            folder = writable_folder(config.hydra[mode].dir, key)
+            if is_first_process():  # a run's other ranks share its folder (and its lock)
+                hold_folder(folder, key)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
+
+
+_HELD: list[int] = []  # the run folder's lock, held until the process exits
+
+
+def is_first_process() -> bool:
+    """Not one of the processes torchrun, srun or Lightning's launcher start for a run's other ranks."""
+    return all(os.environ.get(v, "0") == "0" for v in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
+
+
+def hold_folder(folder: Path, key: str) -> None:
+    """This process's hold on its run (or sweep) folder: a second run into the same folder would overwrite the
+    first one's config, log and metrics.json, so it is refused; the kernel drops the hold when the holder
+    exits, however it exits, so a killed run's folder can be resumed into at once."""
+    fd = try_hold(folder)
+    if fd is None:
+        raise UserError(
+            f"{key}={folder} is in use by {holder(folder)}, a run still going; wait for it to end or choose "
+            "another folder."
+        )
+    _HELD.append(fd)
