@@ -11,6 +11,7 @@ task=bench_giant       onn/bench/giant.py      a model larger than RAM: store bu
 task=bench_serve       onn/bench/serve.py      task=serve under load: batching speedup, latencies, errors
 task=bench_overhead    onn/bench/overhead.py   the language-model runner's step against a plain PyTorch loop
 task=bench_omny        onn/bench/omny.py       SAM2, Grounded SAM2 and TrOCR as .omny pipelines at their real sizes
+task=bench_chaos       onn/bench/chaos.py      runs killed with SIGKILL at random moments, resumed, compared bitwise
 task=bench_gpu         onn/bench/gpu.py        the headline on a GPU: Phi-4 under a 4 GB budget, generation,
                                                accelerate, the runner's overhead
 """
@@ -104,6 +105,12 @@ def _bench_omny(job: Job) -> dict[str, Any]:
     return omny.run(job)
 
 
+def _bench_chaos(job: Job) -> dict[str, Any]:
+    from onn.bench import chaos
+
+    return chaos.run(job)
+
+
 def _bench_shard_plan(job: Job) -> dict[str, Any]:
     from onn.export.shards import bench
 
@@ -120,6 +127,7 @@ TASKS: dict[str, Task] = {
     "bench_serve": Task(_bench_serve, check=serve_check, modalities=TEXT),
     "bench_shard_plan": Task(_bench_shard_plan, model=False, heavy=False),
     "bench_omny": Task(_bench_omny, modalities=TEXT),
+    "bench_chaos": Task(_bench_chaos, model=False, heavy=False),
     "bench_overhead": Task(_bench_overhead, check=_check_overhead, modalities=TEXT),
     "bench_gpu": Task(_bench_gpu, check=_check_gpu, modalities=TEXT),
 }

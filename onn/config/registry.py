@@ -29,6 +29,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
              "bench_overhead": task.BenchOverheadTask, "bench_vision": task.BenchVisionTask,
              "bench_serve": task.BenchServeTask, "bench_shard_plan": task.BenchShardPlanTask,
              "bench_omny": task.BenchOmnyTask,
+             "bench_chaos": task.BenchChaosTask,
              "bench_streaming": task.BenchStreamingTask},
     "export": {"none": export.ExportConfig, "safetensors": export.SafetensorsExport, "onnx": export.OnnxExport,
                "omny": export.OmnyExport},

@@ -127,6 +127,43 @@ class BenchOmnyTask(TaskConfig):
 
 
 @dataclass
+class ChaosTrack:
+    """One of bench_chaos's tracks: a short run with frequent checkpoints, killed and resumed."""
+
+    overrides: list[str] = MISSING  # run.py's overrides (a sweep's too, with sweep: true)
+    data: str | None = None  # a dataset bench_chaos writes first: images, audio, jsonl, pairs; null: none
+    sweep: bool = False  # the overrides describe a --multirun sweep: it is killed mid-job and run again
+
+
+@dataclass
+class ChaosServer:
+    """bench_chaos's server part: task=serve under clients that vanish, time out or send malformed requests."""
+
+    overrides: list[str] = MISSING  # run.py's overrides for the task=serve process (its model)
+    requests: int = MISSING  # the load after which resident memory is read first
+    more_requests: int = MISSING  # then this many more, and memory read again
+    clients: int = MISSING  # concurrent clients
+    drop_share: float = MISSING  # requests whose client vanishes mid-stream or times out
+    malformed_share: float = MISSING  # requests whose body the API must refuse
+    max_tokens: int = MISSING  # tokens per answered request (greedy: compared with the answer alone)
+
+
+@dataclass
+class BenchChaosTask(TaskConfig):
+    """task=bench_chaos: runs killed with SIGKILL at seeded random moments, resumed, compared bitwise."""
+
+    trials: int = MISSING  # kill -9 trials in all, shared among the tracks
+    seed: int = MISSING  # the moments and the generated data
+    after_first_checkpoint: float = MISSING  # the share of kills after the whole run's first checkpoint
+    kill_from: float = MISSING  # a kill before it falls in [kill_from, 1] x its time
+    kill_to: float = MISSING  # a kill after it falls in the first kill_to of the rest of the run
+    atol: float = MISSING  # where a track is not bitwise: the largest difference called close
+    timeout_s: float = MISSING  # one run's limit
+    tracks: dict[str, ChaosTrack] = MISSING
+    server: ChaosServer | None = None  # null: no server part
+
+
+@dataclass
 class BenchShardPlanTask(TaskConfig):
     blocks: int = MISSING
     block_mb: float = MISSING

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -79,11 +79,14 @@ class ResidentBatches:
         seed: int = 0,
         drop_last: bool = False,
         groups: list[str] | None = None,
+        epoch_of: Callable[[], int] | None = None,
     ):
         self.split, self.batch_size, self.shuffle, self.seed = split, batch_size, shuffle, seed
+        self.epoch_of = epoch_of  # the trainer's epoch, read when an epoch starts (a resumed run's is restored late)
         self.drop_last = drop_last and len(split) >= batch_size
         self.groups = groups
-        self.epoch = 0
+        self.epoch = 0  # the next iteration's epoch
+        self._current, self._taken, self._skip = 0, 0, 0  # the epoch being iterated, its batches given, to skip
 
     def __len__(self) -> int:
         if self.groups is not None:
@@ -106,9 +109,13 @@ class ResidentBatches:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         inputs, labels = self.split.inputs, self.split.labels
+        if self.epoch_of is not None:
+            self.epoch = self.epoch_of()
+        self._current, self._taken, self._skip = self.epoch, self._skip, 0
         if not self.shuffle:
-            for i in range(len(self)):
+            for i in range(self._taken, len(self)):
                 window = slice(i * self.batch_size, (i + 1) * self.batch_size)
+                self._taken += 1
                 yield inputs[window], labels[window]
             return
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
@@ -116,12 +123,22 @@ class ResidentBatches:
         if self.groups is not None:  # the groups' batches interleaved at random
             batches = [batches[b] for b in torch.randperm(len(batches), generator=generator).tolist()]
         self.epoch += 1
+        batches = batches[self._taken :]  # a run resumed mid-epoch goes on from its next batch
         # the epoch's order goes to the device in one copy: a copy per batch would make the host wait for the
         # GPU at every batch (a blocking copy into device memory waits for the work queued before it)
         sizes = [len(index) for index in batches]
         on_device = torch.cat(batches).to(inputs.device) if batches else torch.empty(0, dtype=torch.long)
         for index in on_device.split(sizes):
+            self._taken += 1
             yield inputs.index_select(0, index), labels.index_select(0, index)
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the epoch being iterated stands; Lightning keeps it in checkpoints, so a run killed mid-epoch
+        resumes with the same order from the batch after the last one it trained on."""
+        return {"epoch": self._current, "taken": self._taken}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self._skip = int(state["epoch"]), int(state["taken"])
 
 
 def batch_groups(names: list[str], pattern: str | None) -> list[str] | None:
@@ -462,9 +479,9 @@ class ClassificationData(L.LightningDataModule):
             seed=self.seed,
             drop_last=True,
             groups=batch_groups(train.names, self.cfg.batch_groups),
+            # resumed runs continue the epoch sequence: the trainer's epoch is restored after this is called
+            epoch_of=(lambda: self.trainer.current_epoch) if self.trainer is not None else None,
         )
-        if self.trainer is not None:
-            loader.epoch = self.trainer.current_epoch  # resumed runs continue the epoch sequence
         return loader
 
     def val_dataloader(self):

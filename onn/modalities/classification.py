@@ -46,12 +46,12 @@ from onn.modalities.base import ClassifierModality, Job
 from onn.models.vision import feature_extractor
 from onn.planning.plan import Plan, make_plan
 from onn.planning.spec import network_spec
-from onn.training.callbacks import ResourceMonitor, StepClock
+from onn.training.callbacks import ResourceMonitor, StepClock, epoch_checkpoints
 from onn.training.checkpoints import check_state, read_meta, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.classifier import Classifier, LinearProbe, mean_loss, save_confusion
 from onn.training.optim import monitor_mode
-from onn.training.trainer import build_trainer
+from onn.training.trainer import build_trainer, optimizer_steps
 
 log = logging.getLogger("onn")
 TOP_K = 5
@@ -145,7 +145,9 @@ def train(job: Job) -> dict[str, Any]:
         dm = features(module, dm, config)
     callbacks = _callbacks(config, run_dir)
     clock = next(c for c in callbacks if isinstance(c, StepClock))
-    trainer = build_trainer(config, plan, run_dir, callbacks, steps_per_epoch=len(dm.train_dataloader()))
+    steps_per_epoch = len(dm.train_dataloader())
+    trainer = build_trainer(config, plan, run_dir, callbacks, steps_per_epoch=steps_per_epoch)
+    module.optimizer_steps = optimizer_steps(trainer, steps_per_epoch)
     with PeakMemory(job.device) as peak:
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
         trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"))  # the final state, also mid-epoch
@@ -493,22 +495,12 @@ def features(module: Classifier, dm: ClassificationData, config: ONNConfig) -> C
 
 
 def _callbacks(config: ONNConfig, run_dir: Path) -> list:
-    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+    from lightning.pytorch.callbacks import EarlyStopping
 
     task: TrainTask = config.task
     monitor = task.monitor
-    # the best by `monitor` (the first ModelCheckpoint: trainer.checkpoint_callback), and the latest every epoch
-    best = ModelCheckpoint(
-        dirpath=str(run_dir / "checkpoints"),
-        filename="best",
-        monitor=monitor,
-        mode=monitor_mode(monitor),
-        save_top_k=1,
-        auto_insert_metric_name=False,
-        enable_version_counter=False,
-    )
-    last = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), save_top_k=0, save_last=True)
-    callbacks = [best, last, StepClock(), ResourceMonitor(int(config.trainer.log_every_n_steps))]
+    checkpoints = epoch_checkpoints(run_dir, monitor, monitor_mode(monitor), config.checkpoint.every_n_steps)
+    callbacks = [*checkpoints, StepClock(), ResourceMonitor(int(config.trainer.log_every_n_steps))]
     stop = task.early_stopping
     if stop.patience > 0:
         callbacks.append(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
@@ -27,7 +28,9 @@ class StepCheckpoint(Checkpoint):
         self._saved_at: int | None = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step % self.every_n_steps == 0:
+        # an epoch's last batch is saved by the epoch's end (after validation): Lightning resumes a checkpoint
+        # taken between the two as an unfinished epoch with no batch left, and counts that epoch twice
+        if trainer.global_step % self.every_n_steps == 0 and batch_idx + 1 != trainer.num_training_batches:
             self.save(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -38,6 +41,75 @@ class StepCheckpoint(Checkpoint):
             return
         trainer.save_checkpoint(str(self.path), weights_only=False)
         self.last_model_path, self._saved_at = str(self.path), trainer.global_step
+
+
+class RandomState(L.Callback):
+    """The random number generators' states (torch's on the CPU and every GPU, NumPy's, Python's) in each
+    checkpoint and back on resume: augmentation and dropout then draw after a resume what the run would have
+    drawn had it never stopped. Lightning keeps a callback's state_dict in the checkpoint."""
+
+    def state_dict(self) -> dict[str, Any]:
+        import random
+
+        import numpy as np
+        import torch
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        version, values, python_gauss = random.getstate()
+        return {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
+                      "has_gauss": has_gauss, "gauss": gauss},
+            "python": {"version": version, "values": list(values), "gauss": python_gauss},
+        }  # fmt: skip
+
+    def __init__(self):
+        self._restored: dict[str, Any] | None = None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._restored = state  # set when training starts: the setup after a restore may draw numbers too
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self._restored is not None:
+            self._set(self._restored)
+            self._restored = None
+
+    @staticmethod
+    def _set(state: dict[str, Any]) -> None:
+        import random
+
+        import numpy as np
+        import torch
+
+        torch.set_rng_state(state["torch"])
+        if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        n = state["numpy"]
+        keys = n["keys"].numpy().astype(np.uint32)
+        np.random.set_state((n["kind"], keys, int(n["pos"]), int(n["has_gauss"]), float(n["gauss"])))
+        p = state["python"]
+        random.setstate((p["version"], tuple(p["values"]), p["gauss"]))
+
+
+def epoch_checkpoints(run_dir: Path, monitor: str, mode: str, every_n_steps: int) -> list[L.Callback]:
+    """What an epoch-based run checkpoints: best.ckpt by `monitor` (the first ModelCheckpoint, Lightning's
+    trainer.checkpoint_callback), last.ckpt at each epoch's end and every `every_n_steps` steps within one (a
+    run killed mid-epoch resumes from within it), and the random generators' states in each."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    folder = str(Path(run_dir) / "checkpoints")
+    best = ModelCheckpoint(
+        dirpath=folder,
+        filename="best",
+        monitor=monitor,
+        mode=mode,
+        save_top_k=1,
+        auto_insert_metric_name=False,
+        enable_version_counter=False,
+    )
+    last = ModelCheckpoint(dirpath=folder, save_top_k=0, save_last=True)
+    return [best, last, StepCheckpoint(folder, every_n_steps), RandomState()]
 
 
 class Progress(L.Callback):

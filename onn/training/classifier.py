@@ -66,6 +66,7 @@ class Classifier(EpochRecord, L.LightningModule):
         self.model = model
         self.classes = list(classes)
         self.optim = optim
+        self.optimizer_steps: int | None = None  # the schedule's length, when the runner knows it (optimizer_steps)
         self.onn_config = onn_config  # plain values, stored in every checkpoint so eval/infer/export rebuild this model
         self.transform = transform  # stored form -> the network's input (augmented in training)
         self.label_smoothing = float(label_smoothing)
@@ -199,7 +200,9 @@ class Classifier(EpochRecord, L.LightningModule):
     # -- optimiser and schedule -----------------------------------------------------------------------
     def configure_optimizers(self):
         optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], self.optim)
-        schedule = make_schedule(optimizer, self.optim, int(self.trainer.estimated_stepping_batches), self.monitor)
+        schedule = make_schedule(
+            optimizer, self.optim, self.optimizer_steps or int(self.trainer.estimated_stepping_batches), self.monitor
+        )
         return {"optimizer": optimizer, "lr_scheduler": schedule}
 
     # -- checkpoints ------------------------------------------------------------------------------------

@@ -64,5 +64,5 @@ def log_train_loss(module: L.LightningModule, loss: torch.Tensor, batch_size: in
     """train/loss on a logging step only (logs_now: reading it syncs the device); whether it was one."""
     if not logs_now(module):
         return False
-    module.log("train/loss", float(loss), prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size)
+    module.log("train/loss", float(loss.detach()), prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size)
     return True

@@ -8,6 +8,7 @@ always go through the safetensors CheckpointIO.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -249,3 +250,17 @@ def share_console_with_hydra() -> None:
             if type(handler) is logging.StreamHandler:
                 logger.removeHandler(handler)
         logger.propagate = True
+
+
+def optimizer_steps(trainer, steps_per_epoch: int) -> int | None:
+    """What Trainer.estimated_stepping_batches gives, for a schedule, without setting up the training data:
+    asked in configure_optimizers it sets the data up before a resumed run's loop state is restored, and
+    Lightning then never gives a stateful loader its position back (a run killed mid-epoch would start that
+    epoch over). None with several processes, whose share of an epoch Lightning's own figure knows."""
+    if trainer.world_size > 1:
+        return None
+    per_epoch = math.ceil(steps_per_epoch / max(1, trainer.accumulate_grad_batches))
+    limits = [trainer.max_steps] if trainer.max_steps and trainer.max_steps > 0 else []
+    if trainer.max_epochs is not None and trainer.max_epochs > 0:
+        limits.append(per_epoch * trainer.max_epochs)
+    return min(limits) if limits else None

@@ -72,6 +72,7 @@ class DualEncoder(EpochRecord, L.LightningModule):
         onn_config: dict[str, Any],
     ):
         super().__init__()
+        self.optimizer_steps: int | None = None  # the schedule's length, when the runner knows it (optimizer_steps)
         if len(towers) != 2:
             raise ValueError("a dual encoder has two towers")
         self.names = tuple(towers)
@@ -133,5 +134,7 @@ class DualEncoder(EpochRecord, L.LightningModule):
 
     def configure_optimizers(self):
         optimizer = make_optimizer([p for p in self.parameters() if p.requires_grad], self.optim)
-        schedule = make_schedule(optimizer, self.optim, int(self.trainer.estimated_stepping_batches), MONITOR)
+        schedule = make_schedule(
+            optimizer, self.optim, self.optimizer_steps or int(self.trainer.estimated_stepping_batches), MONITOR
+        )
         return {"optimizer": optimizer, "lr_scheduler": schedule}

@@ -36,11 +36,11 @@ from onn.modalities.pairs.module import MONITOR, DualEncoder
 from onn.modalities.pairs.sides import TEXT, build_side, modality_of, saved_side, side_config
 from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
-from onn.training.callbacks import ResourceMonitor, StepClock
+from onn.training.callbacks import ResourceMonitor, StepClock, epoch_checkpoints
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.checkpoints import saved_config as run_config
 from onn.training.classifier import mean_loss
-from onn.training.trainer import build_trainer
+from onn.training.trainer import build_trainer, optimizer_steps
 
 log = logging.getLogger("onn")
 
@@ -142,19 +142,10 @@ def load_trained(config: ONNConfig, ckpt: Path) -> DualEncoder:
 
 
 def _callbacks(config: ONNConfig, run_dir: Path) -> list:
-    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+    from lightning.pytorch.callbacks import EarlyStopping
 
-    best = ModelCheckpoint(
-        dirpath=str(run_dir / "checkpoints"),
-        filename="best",
-        monitor=MONITOR,
-        mode="max",
-        save_top_k=1,
-        auto_insert_metric_name=False,
-        enable_version_counter=False,
-    )
-    last = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), save_top_k=0, save_last=True)
-    callbacks = [best, last, StepClock(), ResourceMonitor(config.trainer.log_every_n_steps)]
+    checkpoints = epoch_checkpoints(run_dir, MONITOR, "max", config.checkpoint.every_n_steps)
+    callbacks = [*checkpoints, StepClock(), ResourceMonitor(config.trainer.log_every_n_steps)]
     stop = config.task.early_stopping
     if stop.patience > 0:
         callbacks.append(EarlyStopping(monitor=MONITOR, mode="max", patience=stop.patience, min_delta=stop.min_delta))
@@ -186,7 +177,9 @@ def train(job: Job) -> dict[str, Any]:
     module = build(config, sides, plan_.strategy)
     callbacks = _callbacks(config, run_dir)
     clock = next(c for c in callbacks if isinstance(c, StepClock))
-    trainer = build_trainer(config, plan_, run_dir, callbacks, steps_per_epoch=len(dm.train_dataloader()))
+    steps_per_epoch = len(dm.train_dataloader())
+    trainer = build_trainer(config, plan_, run_dir, callbacks, steps_per_epoch=steps_per_epoch)
+    module.optimizer_steps = optimizer_steps(trainer, steps_per_epoch)
     with PeakMemory(job.device) as peak:
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
         trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"))

@@ -54,7 +54,7 @@ from onn.streaming.strategy import (
     build_engine,
     layer_store,
 )
-from onn.training.callbacks import ResourceMonitor, StepCheckpoint, StepClock
+from onn.training.callbacks import RandomState, ResourceMonitor, StepCheckpoint, StepClock
 from onn.training.checkpoints import check_state, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.distributed import gathered, parameter_count
@@ -229,6 +229,7 @@ def train(job: Job) -> dict[str, Any]:
     clock = StepClock()
     callbacks = [
         StepCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps),
+        RandomState(),  # dropout draws after a resume what it would have drawn
         clock,
         ResourceMonitor(config.trainer.log_every_n_steps),
     ]

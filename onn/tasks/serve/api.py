@@ -273,7 +273,11 @@ class Server:
         self.page = resources.files("onn.tasks.serve").joinpath("page.html").read_text(encoding="utf-8")
 
     async def health(self):
-        return {"status": "ok", "kind": "classifier" if self.classifier else "language model"}
+        """Liveness, and the batch's occupancy: rows decoding now and requests queued (both 0 when idle)."""
+        out = {"status": "ok", "kind": "classifier" if self.classifier else "language model"}
+        if self.scheduler is not None:
+            out.update(active=len(self.scheduler.active), waiting=len(self.scheduler.waiting))
+        return out
 
     async def index(self):
         return HTMLResponse(self.page, headers={"Cache-Control": "no-cache"})

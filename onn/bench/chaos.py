@@ -1,0 +1,309 @@
+"""`task=bench_chaos` (recipe=bench_chaos): runs killed with SIGKILL at random, seeded moments, resumed, and
+compared with the same run never interrupted.
+
+Each track (task.tracks: a name, the run.py overrides of a short training run with frequent checkpoints, and
+the data it needs generated) runs once whole in a process of its own. Then each of its trials starts the same
+run, kills its process group with SIGKILL after a seeded random share of the whole run's wall time (inside a
+step, during validation, a checkpoint write or a layer store build: wherever the moment falls), checks what
+the kill left (a `last.ckpt` must load; a half-written one must not be where a resume looks), and resumes:
+`ckpt=<killed run>` when it wrote a checkpoint, else the run from the start. The resumed run must end with the
+whole run's weights (every tensor of its last checkpoint: the model, the optimizer's moments, the step),
+bitwise, or within task.atol where a kernel is not deterministic (said per track), the same loss curve (the
+same samples seen, in the same order) and the same metrics.json keys. A `grid` track kills a sweep mid-job
+and runs the same sweep again: it must finish every job, each with the uninterrupted sweep's weights.
+
+Figures: chaos/trials, chaos/faults (by where the kill fell), chaos/exact, chaos/close, chaos/mismatched,
+chaos/corrupt (must be 0), per track chaos/<track>/..., and bench_chaos.md beside metrics.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from onn.bench import chaos_serve
+from onn.bench.chaos_data import generate
+from onn.config.task import BenchChaosTask, ChaosTrack
+from onn.errors import UserError
+from onn.training.checkpoints import load
+
+log = logging.getLogger("onn")
+RUN_PY = Path(__file__).resolve().parents[2] / "run.py"
+# keys a resumed run's metrics.json has that the whole run's need not, and the other way round
+RUN_SPECIFIC = {"resumed_from", "from_checkpoint", "wall_s", "heartbeat", "pid", "host"}
+
+
+def run(job) -> dict[str, Any]:
+    task: BenchChaosTask = job.config.task
+    check_settings(task)
+    root = job.run_dir / "chaos"
+    shutil.rmtree(root, ignore_errors=True)  # this bench's own runs from an earlier start in the same folder
+    rng = random.Random(task.seed)
+    started = time.perf_counter()
+    names = list(task.tracks) if task.trials else []
+    shares = [task.trials // len(names) + (i < task.trials % len(names)) for i in range(len(names))]
+    results = {}
+    for name, trials in zip(names, shares):
+        track = task.tracks[name]
+        overrides = [*track.overrides, *generate(track.data, root / "data", task.seed)]
+        results[name] = _track(name, overrides, track, trials, root / name, rng, task)
+        log.info("chaos %s: %s", name, results[name]["summary"])
+    metrics = _figures(results, time.perf_counter() - started)
+    if task.server is not None:
+        metrics.update(chaos_serve.run(task.server, root / "server", task.seed))
+        metrics["chaos/seconds"] = round(time.perf_counter() - started, 1)
+    (job.run_dir / "bench_chaos.md").write_text(_table(results, metrics))
+    return metrics
+
+
+def check_settings(task: BenchChaosTask) -> None:
+    if task.trials < 0 or (task.trials and not task.tracks) or (not task.trials and task.server is None):
+        raise UserError(
+            "give task.trials (1 or more) and task.tracks to kill runs, or task.server to load a server, or both."
+        )
+    for name, track in task.tracks.items():
+        if not track.overrides:
+            raise UserError(f"task.tracks.{name}.overrides is empty: give the run.py overrides of a short run.")
+
+
+def _track(
+    name: str, overrides: list[str], track: ChaosTrack, trials: int, folder: Path, rng, task: BenchChaosTask
+) -> dict[str, Any]:
+    """The whole run, then `trials` killed and resumed ones; what each found."""
+    sweep = track.sweep
+    whole = folder / "whole"
+    wall, first = _finish(overrides, whole, sweep, task.timeout_s)
+    reference = _final_state(whole, sweep)
+    found = []
+    for k in range(trials):
+        # most kills fall after the first checkpoint (inside steps, validations, checkpoint writes), the
+        # rest before it (start-up, the layer store's build, the first steps)
+        if rng.random() < task.after_first_checkpoint:
+            moment = first + rng.uniform(0.0, task.kill_to) * (wall - first)
+        else:
+            moment = rng.uniform(task.kill_from, 1.0) * first
+        found.append(_trial(overrides, folder / f"trial_{k}", moment, reference, sweep, task))
+    kinds = Counter(f["fault"] for f in found)
+    outcome = Counter(f["outcome"] for f in found)
+    return {
+        "whole_s": round(wall, 1),
+        "trials": found,
+        "faults": dict(kinds),
+        "outcomes": dict(outcome),
+        "corrupt": sum(f["corrupt"] for f in found),
+        "summary": f"{trials} trials, {dict(outcome)}, faults {dict(kinds)}",
+    }
+
+
+def _trial(
+    overrides: list[str], folder: Path, moment: float, reference, sweep: bool, task: BenchChaosTask
+) -> dict[str, Any]:
+    for _ in range(4):  # a run faster than the whole one (caches now warm) may end first: kill it sooner
+        shutil.rmtree(folder, ignore_errors=True)
+        killed = folder / "killed"
+        fault = _kill_at(_start(overrides, killed, sweep), moment, killed, sweep)
+        if fault is not None:
+            break
+        moment *= 0.6
+    else:
+        fault = "finished before the kill"
+    corrupt = _corrupt(killed, sweep)
+    if sweep:  # the same sweep again: finished jobs are skipped, the killed one runs again
+        resumed, extra = killed, []
+    else:
+        resumed = folder / "resumed"
+        extra = [f"ckpt={killed}"] if (killed / "checkpoints" / "last.ckpt").is_dir() else []
+    _finish([*overrides, *extra], resumed, sweep, task.timeout_s)  # a resume that fails ends the bench
+    outcome, diff = _compare(reference, _final_state(resumed, sweep), task.atol)
+    return {
+        "moment_s": round(moment, 2),
+        "fault": fault,
+        "resumed_from": "checkpoint" if extra else ("sweep" if sweep else "start"),
+        "corrupt": corrupt,
+        "outcome": outcome,
+        "max_abs_diff": diff,
+    }
+
+
+def _kill_at(proc: subprocess.Popen, moment: float, folder: Path, sweep: bool) -> str | None:
+    """SIGKILL to the run's process group `moment` seconds after its start; where it fell (None: it ended first)."""
+    try:
+        proc.wait(timeout=moment)
+        return None
+    except subprocess.TimeoutExpired:
+        fault = _where(folder, sweep)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return fault
+
+
+def _start(overrides: list[str], folder: Path, sweep: bool) -> subprocess.Popen:
+    where = [f"hydra.sweep.dir={folder}", "-m"] if sweep else [f"hydra.run.dir={folder}"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.console.txt", "ab") as console:
+        return subprocess.Popen(
+            [sys.executable, str(RUN_PY), *overrides, *where],
+            stdout=console,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # its own process group: the kill reaches its DataLoader workers too
+        )
+
+
+def _finish(overrides: list[str], folder: Path, sweep: bool, timeout_s: float) -> tuple[float, float]:
+    """Run to the end; its wall time, and when its first checkpoint appeared (the wall time if none did). A
+    run that fails is the harness's finding, said in one sentence."""
+    started = time.perf_counter()
+    proc = _start(overrides, folder, sweep)
+    first = None
+    while proc.poll() is None and time.perf_counter() - started < timeout_s:
+        if first is None and any(folder.glob("**/checkpoints/last.ckpt")):
+            first = time.perf_counter() - started
+        time.sleep(0.05)
+    timed_out = proc.poll() is None
+    if timed_out:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    code = f"a timeout ({timeout_s:g} s)" if timed_out else proc.returncode
+    if code != 0:
+        tail = (folder.parent / f"{folder.name}.console.txt").read_text(errors="replace")[-600:]
+        raise UserError(f"bench_chaos: the run in {folder} ended with {code}; its console ends: {tail!r}")
+    wall = time.perf_counter() - started
+    return wall, first or wall
+
+
+def _runs(folder: Path, sweep: bool) -> list[Path]:
+    return sorted(p.parent for p in folder.glob("*/metrics.json")) if sweep else [folder]
+
+
+def _final_state(folder: Path, sweep: bool) -> dict[str, Any]:
+    """Per run: its last checkpoint's weights and optimizer state (the callbacks' state names the run's own
+    folder), its step, loss curve and metrics keys."""
+    out = {}
+    for run in _runs(folder, sweep):
+        metrics = json.loads((run / "metrics.json").read_text())
+        last = run / "checkpoints" / "last.ckpt"
+        if not last.is_dir() and metrics.get("resumed_from"):  # resumed after the last step: nothing left to train
+            last = Path(metrics["resumed_from"])
+        saved = load(last)
+        state = {"state_dict": saved["state_dict"], "optimizer_states": saved.get("optimizer_states", [])}
+        out[run.name if sweep else "run"] = {
+            "tensors": _tensors(state),
+            "step": saved["global_step"],
+            "curve": metrics.get("train/loss_curve"),
+            "keys": set(metrics) - RUN_SPECIFIC,
+        }
+    return out
+
+
+def _tensors(tree: Any, prefix: str = "") -> dict[str, Any]:
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list | tuple) else ()
+    found = {}
+    for key, value in items:
+        found.update(_tensors(value, f"{prefix}/{key}"))
+    return found
+
+
+def _compare(reference: dict[str, Any], resumed: dict[str, Any], atol: float) -> tuple[str, float | None]:
+    """exact (every tensor bitwise), close (within atol), or mismatched (another tensor set, curve or keys)."""
+    if set(reference) != set(resumed):
+        return "mismatched", None
+    worst = 0.0
+    for name, want in reference.items():
+        got = resumed[name]
+        if (
+            set(want["tensors"]) != set(got["tensors"])
+            or want["curve"] != got["curve"]
+            or not want["keys"] <= got["keys"]
+        ):
+            return "mismatched", None
+        for key, a in want["tensors"].items():
+            b = got["tensors"][key]
+            if a.shape != b.shape or a.dtype != b.dtype:
+                return "mismatched", None
+            if a.is_floating_point():
+                worst = max(worst, float((a.double() - b.double()).abs().max()) if a.numel() else 0.0)
+            elif not bool((a == b).all()):
+                return "mismatched", None
+    if worst == 0.0:
+        return "exact", 0.0
+    return ("close" if worst <= atol else "mismatched"), worst
+
+
+def _where(folder: Path, sweep: bool) -> str:
+    """Where the kill falls, from what the run has on disk at that moment."""
+    runs = _runs(folder, sweep) if sweep else [folder]
+    for run in runs:
+        if list(run.glob("checkpoints/*.tmp")):
+            return "checkpoint write"
+    if list(Path(folder).glob("**/store/*.tmp")) or list(Path(folder).glob("**/layer_store*/*.tmp")):
+        return "layer store build"
+    if not any((run / "checkpoints" / "last.ckpt").is_dir() for run in runs):
+        return "before the first checkpoint"
+    return "training or validation"
+
+
+def _corrupt(folder: Path, sweep: bool) -> int:
+    """Checkpoints the kill left that a resume would take as whole but that do not load."""
+    bad = 0
+    for run in _runs(folder, sweep) if sweep else [folder]:
+        for ckpt in run.glob("checkpoints/*.ckpt"):
+            try:
+                load(ckpt)
+            except Exception:  # noqa: BLE001 - any failure to load is the finding
+                bad += 1
+    return bad
+
+
+def _figures(results: dict[str, dict[str, Any]], seconds: float) -> dict[str, Any]:
+    trials = [t for r in results.values() for t in r["trials"]]
+    outcomes = Counter(t["outcome"] for t in trials)
+    metrics: dict[str, Any] = {
+        "chaos/trials": len(trials),
+        "chaos/faults": dict(Counter(t["fault"] for t in trials)),
+        "chaos/exact": outcomes["exact"],
+        "chaos/close": outcomes["close"],
+        "chaos/mismatched": outcomes["mismatched"],
+        "chaos/corrupt": sum(r["corrupt"] for r in results.values()),
+        "chaos/seconds": round(seconds, 1),
+    }
+    for name, r in results.items():
+        metrics[f"chaos/{name}"] = {k: v for k, v in r.items() if k != "summary"}
+    return metrics
+
+
+def _table(results: dict[str, dict[str, Any]], metrics: dict[str, Any]) -> str:
+    lines = [
+        "# bench_chaos: kill -9 at random moments, resumed",
+        "",
+        "| track | trials | exact | close | mismatched | corrupt | faults | whole run s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, r in results.items():
+        o = r["outcomes"]
+        faults = ", ".join(f"{k}: {v}" for k, v in r["faults"].items())
+        lines.append(
+            f"| {name} | {len(r['trials'])} | {o.get('exact', 0)} | {o.get('close', 0)} | {o.get('mismatched', 0)} "
+            f"| {r['corrupt']} | {faults} | {r['whole_s']} |"
+        )
+    total = (
+        f"**{metrics['chaos/trials']} trials**: {metrics['chaos/exact']} exact, {metrics['chaos/close']} close, "
+        f"{metrics['chaos/mismatched']} mismatched, {metrics['chaos/corrupt']} corrupt checkpoints, "
+        f"in {metrics['chaos/seconds']} s"
+    )
+    return "\n".join([*lines, "", total, ""])

@@ -1,0 +1,84 @@
+"""What a run killed mid-epoch needs back to go on exactly: the resident loader's place in its epoch, the random
+generators' states, and a schedule whose length is known without setting the data up before a restore (each
+found by bench_chaos on image runs, whose resumed weights differed)."""
+
+from __future__ import annotations
+
+import random
+
+import lightning as L
+import numpy as np
+import torch
+
+from onn.data.resident import ResidentBatches, Split
+from onn.training.callbacks import RandomState
+from onn.training.trainer import optimizer_steps
+
+
+def _split(n: int = 20) -> Split:
+    return Split(torch.arange(n, dtype=torch.float32)[:, None], torch.arange(n), [str(i) for i in range(n)])
+
+
+def test_a_resident_loader_resumed_mid_epoch_gives_the_rest_of_that_epoch_in_order():
+    whole = ResidentBatches(_split(), batch_size=4, shuffle=True, seed=7)
+    epochs = [[x.flatten().tolist() for x, _ in whole] for _ in range(2)]
+    first = ResidentBatches(_split(), batch_size=4, shuffle=True, seed=7)
+    list(first)  # epoch 0
+    taken = iter(first)
+    seen = [next(taken)[0].flatten().tolist() for _ in range(2)]  # two batches of epoch 1, then the kill
+    state = first.state_dict()
+    assert state == {"epoch": 1, "taken": 2} and seen == epochs[1][:2]
+    resumed = ResidentBatches(_split(), batch_size=4, shuffle=True, seed=7, epoch_of=lambda: 1)
+    resumed.load_state_dict(state)
+    assert [x.flatten().tolist() for x, _ in resumed] == epochs[1][2:]
+    assert resumed.state_dict() == {"epoch": 1, "taken": 5}
+
+
+def test_the_random_generators_come_back_when_training_starts():
+    keeper = RandomState()
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    state = keeper.state_dict()
+    want = (torch.rand(3), np.random.rand(3), random.random())
+    torch.manual_seed(2), np.random.seed(2), random.seed(2)
+    restored = RandomState()
+    restored.load_state_dict(state)
+    torch.rand(5)  # a resumed run's setup may draw before training starts
+    restored.on_train_start(None, None)
+    got = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(got[0], want[0]) and np.array_equal(got[1], want[1]) and got[2] == want[2]
+
+
+class _Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.pairs: list[tuple[int | None, int]] = []
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def on_train_start(self):
+        self.pairs.append((optimizer_steps(self.trainer, 10), int(self.trainer.estimated_stepping_batches)))
+        self.trainer.should_stop = True
+
+
+def test_the_schedule_length_is_lightnings_own_estimate(tmp_path):
+    batches = torch.utils.data.DataLoader(torch.ones(10, 1), batch_size=1)  # 10 steps an epoch
+    module = _Tiny()
+    for max_steps, max_epochs, accumulate in ((-1, 3, 1), (-1, 3, 4), (7, 3, 1), (50, -1, 1)):
+        trainer = L.Trainer(
+            max_steps=max_steps,
+            max_epochs=max_epochs,
+            accumulate_grad_batches=accumulate,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        trainer.fit(module, batches)
+    assert [ours for ours, _ in module.pairs] == [lightnings for _, lightnings in module.pairs]
+    assert [ours for ours, _ in module.pairs] == [30, 9, 7, 50]
