@@ -18,6 +18,7 @@ chaos/corrupt (must be 0), per track chaos/<track>/..., and bench_chaos.md besid
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -82,17 +83,21 @@ def _track(
     """The whole run, then `trials` killed and resumed ones; what each found."""
     sweep = track.sweep
     whole = folder / "whole"
-    wall, first = _finish(overrides, whole, sweep, task.timeout_s)
+    wall, first = _finish(_with_cache(overrides, track, whole), whole, sweep, task.timeout_s)
     reference = _final_state(whole, sweep)
     found = []
     for k in range(trials):
-        # most kills fall after the first checkpoint (inside steps, validations, checkpoint writes), the
+        point = None
+        if track.failpoints and rng.random() < task.failpoint_share:
+            point = f"{rng.choice(track.failpoints)}:{rng.randint(1, 3)}"  # the 1st, 2nd or 3rd time it is reached
+        # the other kills: most after the first checkpoint (inside steps, validations, checkpoint writes), the
         # rest before it (start-up, the layer store's build, the first steps)
-        if rng.random() < task.after_first_checkpoint:
+        elif rng.random() < task.after_first_checkpoint:
             moment = first + rng.uniform(0.0, task.kill_to) * (wall - first)
         else:
             moment = rng.uniform(task.kill_from, 1.0) * first
-        found.append(_trial(overrides, folder / f"trial_{k}", moment, reference, sweep, task))
+        kill = point or moment
+        found.append(_trial(overrides, track, folder / f"trial_{k}", kill, reference, task))
     kinds = Counter(f["fault"] for f in found)
     outcome = Counter(f["outcome"] for f in found)
     return {
@@ -106,15 +111,20 @@ def _track(
 
 
 def _trial(
-    overrides: list[str], folder: Path, moment: float, reference, sweep: bool, task: BenchChaosTask
+    overrides: list[str], track: ChaosTrack, folder: Path, kill: float | str, reference, task: BenchChaosTask
 ) -> dict[str, Any]:
+    """One run killed (after `kill` seconds, or at the named point `kill`), checked and resumed."""
+    sweep = track.sweep
     for _ in range(4):  # a run faster than the whole one (caches now warm) may end first: kill it sooner
         shutil.rmtree(folder, ignore_errors=True)
         killed = folder / "killed"
-        fault = _kill_at(_start(overrides, killed, sweep), moment, killed, sweep)
+        proc = _start(
+            _with_cache(overrides, track, killed), killed, sweep, point=kill if isinstance(kill, str) else None
+        )
+        fault = _kill_at(proc, kill, killed, sweep)
         if fault is not None:
             break
-        moment *= 0.6
+        kill = kill * 0.6 if isinstance(kill, float) else kill.split(":")[0] + ":1"
     else:
         fault = "finished before the kill"
     corrupt = _corrupt(killed, sweep)
@@ -123,10 +133,11 @@ def _trial(
     else:
         resumed = folder / "resumed"
         extra = [f"ckpt={killed}"] if (killed / "checkpoints" / "last.ckpt").is_dir() else []
-    _finish([*overrides, *extra], resumed, sweep, task.timeout_s)  # a resume that fails ends the bench
+    run_again = _with_cache([*overrides, *extra], track, killed)  # the killed run's store, half built or whole
+    _finish(run_again, resumed, sweep, task.timeout_s)  # a resume that fails ends the bench
     outcome, diff = _compare(reference, _final_state(resumed, sweep), task.atol)
     return {
-        "moment_s": round(moment, 2),
+        "kill": kill if isinstance(kill, str) else round(kill, 2),
         "fault": fault,
         "resumed_from": "checkpoint" if extra else ("sweep" if sweep else "start"),
         "corrupt": corrupt,
@@ -135,10 +146,25 @@ def _trial(
     }
 
 
-def _kill_at(proc: subprocess.Popen, moment: float, folder: Path, sweep: bool) -> str | None:
-    """SIGKILL to the run's process group `moment` seconds after its start; where it fell (None: it ended first)."""
+def _with_cache(overrides: list[str], track: ChaosTrack, folder: Path) -> list[str]:
+    """A run of an own_cache track builds its own layer store (the hardware profile stays shared: the plan
+    must not change between the whole run and a resumed one)."""
+    if not track.own_cache:
+        return overrides
+    shared = folder.parents[1] if folder.parent.name.startswith("trial_") else folder.parent
+    return [*overrides, f"paths.cache={folder}.cache", f"hardware.cache={shared / 'hardware'}"]
+
+
+def _kill_at(proc: subprocess.Popen, kill: float | str, folder: Path, sweep: bool) -> str | None:
+    """SIGKILL to the run's process group `kill` seconds after its start, or wait for it to kill itself at the
+    named point; where the kill fell (None: the run ended first)."""
+    if isinstance(kill, str):
+        proc.wait()
+        with contextlib.suppress(ProcessLookupError):  # what the run started (DataLoader workers) goes with it
+            os.killpg(proc.pid, signal.SIGKILL)
+        return f"at {kill.split(':')[0]}" if proc.returncode == -signal.SIGKILL else None
     try:
-        proc.wait(timeout=moment)
+        proc.wait(timeout=kill)
         return None
     except subprocess.TimeoutExpired:
         fault = _where(folder, sweep)
@@ -147,9 +173,12 @@ def _kill_at(proc: subprocess.Popen, moment: float, folder: Path, sweep: bool) -
         return fault
 
 
-def _start(overrides: list[str], folder: Path, sweep: bool) -> subprocess.Popen:
+def _start(overrides: list[str], folder: Path, sweep: bool, point: str | None = None) -> subprocess.Popen:
     where = [f"hydra.sweep.dir={folder}", "-m"] if sweep else [f"hydra.run.dir={folder}"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
+    env.pop("ONN_FAILPOINT", None)
+    if point is not None:
+        env["ONN_FAILPOINT"] = point
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f"{folder.name}.console.txt", "ab") as console:
         return subprocess.Popen(
@@ -251,7 +280,7 @@ def _where(folder: Path, sweep: bool) -> str:
     for run in runs:
         if list(run.glob("checkpoints/*.tmp")):
             return "checkpoint write"
-    if list(Path(folder).glob("**/store/*.tmp")) or list(Path(folder).glob("**/layer_store*/*.tmp")):
+    if list(folder.with_name(folder.name + ".cache").glob("stores/**/*.tmp")):
         return "layer store build"
     if not any((run / "checkpoints" / "last.ckpt").is_dir() for run in runs):
         return "before the first checkpoint"

@@ -133,6 +133,8 @@ class ChaosTrack:
     overrides: list[str] = MISSING  # run.py's overrides (a sweep's too, with sweep: true)
     data: str | None = None  # a dataset bench_chaos writes first: images, audio, jsonl, pairs; null: none
     sweep: bool = False  # the overrides describe a --multirun sweep: it is killed mid-job and run again
+    failpoints: list[str] = field(default_factory=list)  # named kill points its runs reach (onn/hardware/failpoints.py)
+    own_cache: bool = False  # each run its own paths.cache: every run builds its layer store (the profile shared)
 
 
 @dataclass
@@ -157,6 +159,7 @@ class BenchChaosTask(TaskConfig):
     after_first_checkpoint: float = MISSING  # the share of kills after the whole run's first checkpoint
     kill_from: float = MISSING  # a kill before it falls in [kill_from, 1] x its time
     kill_to: float = MISSING  # a kill after it falls in the first kill_to of the rest of the run
+    failpoint_share: float = MISSING  # the share of a track's trials killed at one of its named points
     atol: float = MISSING  # where a track is not bitwise: the largest difference called close
     timeout_s: float = MISSING  # one run's limit
     tracks: dict[str, ChaosTrack] = MISSING

@@ -35,6 +35,7 @@ import torch
 
 from onn.dtypes import BYTES_PER_VALUE, QUANTIZED_BLOCK, torch_dtype
 from onn.errors import UserError, write_refused
+from onn.hardware import failpoints
 from onn.hardware.disk import aligned, buffer, evict, read_file
 from onn.hardware.locks import held
 
@@ -152,6 +153,7 @@ class LayerStore:
             tmp.unlink(missing_ok=True)
             needed = sum(t.numel() * t.element_size() for t in encoded.values())
             raise write_refused(e, path, needed, "the layer store (paths.cache or ONN_CACHE)") from None
+        failpoints.reached("store_write")
         os.replace(tmp, path)
         shapes = {n: list(t.shape) for n, t in tensors.items()}
         size = path.stat().st_size

@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from onn.errors import UserError, write_refused
+from onn.hardware import failpoints
 
 TENSORS, META = "model.safetensors", "meta.json"
 
@@ -86,6 +87,7 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         needed = sum(t.numel() * t.element_size() for t in tensors.values())
         raise write_refused(e, path, needed, "checkpoints (hydra.run.dir)") from None
+    failpoints.reached("checkpoint_write")
     old = path.with_name(path.name + ".old")
     if path.exists():  # an .old beside a complete checkpoint is a save that was killed while tidying up
         shutil.rmtree(old, ignore_errors=True)

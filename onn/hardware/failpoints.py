@@ -1,0 +1,28 @@
+"""Kill points for the fault harness (bench_chaos): ONN_FAILPOINT=NAME[:N] makes this process kill itself with
+SIGKILL the N-th time (default 1) it reaches the point named NAME, as a failing machine would at that very
+moment. Random kill times rarely land inside a short window (a checkpoint's rename, a layer store's block
+write); a named point lands there every time. Unset, a point costs one dictionary lookup.
+
+Points: checkpoint_write (the new checkpoint written beside the old, before the renames), store_write (a layer
+store block written to its temporary file, before the rename that makes it whole).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+_counts: dict[str, int] = {}
+
+
+def reached(name: str) -> None:
+    """Kill this process here when ONN_FAILPOINT names this point (and this is the N-th time it is reached)."""
+    wanted = os.environ.get("ONN_FAILPOINT")
+    if not wanted:
+        return
+    point, _, nth = wanted.partition(":")
+    if point != name:
+        return
+    _counts[name] = _counts.get(name, 0) + 1
+    if _counts[name] == int(nth or 1):
+        os.kill(os.getpid(), signal.SIGKILL)
