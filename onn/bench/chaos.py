@@ -287,7 +287,7 @@ def _compare(reference: dict[str, Any], resumed: dict[str, Any], atol: float) ->
 
 def _where(folder: Path, sweep: bool) -> str:
     """Where the kill falls, from what the run has on disk at that moment."""
-    runs = _runs(folder, sweep) if sweep else [folder]
+    runs = _runs(folder, sweep)
     for run in runs:
         if list(run.glob("checkpoints/*.tmp")):
             return "checkpoint write"
@@ -301,7 +301,7 @@ def _where(folder: Path, sweep: bool) -> str:
 def _corrupt(folder: Path, sweep: bool) -> int:
     """Checkpoints the kill left that a resume would take as whole but that do not load."""
     bad = 0
-    for run in _runs(folder, sweep) if sweep else [folder]:
+    for run in _runs(folder, sweep):
         for ckpt in run.glob("checkpoints/*.ckpt"):
             try:
                 load(ckpt)
