@@ -168,19 +168,46 @@ def test_node_classification_on_generated_communities(tmp_path):
     assert metrics["test/acc"] > 0.5  # 4 communities: chance is 0.25
 
 
-def test_the_layer_map_finds_graph_blocks_and_plan_sizes_them():
-    from torch_geometric.nn.models import GIN
+class UserGNN(torch.nn.Module):
+    """A graph network as users write one: a list of convs, a list of norms beside it, a head."""
 
-    from onn.hardware.profile import resolve
-    from onn.modalities import get
+    def __init__(self):
+        from torch_geometric.nn import GCNConv
+
+        super().__init__()
+        self.embed = torch.nn.Linear(3, 16)
+        self.convs = torch.nn.ModuleList(GCNConv(16, 16) for _ in range(4))
+        self.norms = torch.nn.ModuleList(torch.nn.BatchNorm1d(16) for _ in range(4))
+        self.head = torch.nn.Linear(16, 2)
+
+
+@pytest.mark.parametrize("name", ["GCN", "GraphSAGE", "GIN", "GAT", "user"])
+def test_the_layer_map_finds_a_graph_networks_conv_list(name):
+    import torch_geometric.nn.models as pyg_models
+
     from onn.models.layers import discover
 
-    lmap = discover(GIN(in_channels=3, hidden_channels=8, num_layers=4, out_channels=2))
-    assert lmap.blocks_path == "convs" and len(lmap) == 4  # torch_geometric's own model: its conv list
-    cfg = compose("data=graph", "model=gat", "data.source=builtin:primitives", "hardware=cpu_16gb")
-    plan, spec = get("graph").plan(cfg, resolve(cfg.hardware, "/tmp", "/tmp"))
-    assert spec.n_blocks == 3 and spec.layer_map.startswith("prefix [-] -> 3 x GraphBlock at 'network.blocks'")
-    assert spec.sample_flops > 0 and spec.sample_activation_bytes > 0 and plan.strategy == "full"
+    if name == "user":
+        model = UserGNN()
+    else:
+        model = getattr(pyg_models, name)(in_channels=3, hidden_channels=8, num_layers=4, out_channels=2)
+    lmap = discover(model)
+    assert lmap.blocks_path == "convs" and len(lmap) == 4  # the convs, not the norms beside them
+    total = sum(p.numel() for p in model.parameters())
+    assert lmap.prefix_params() + sum(lmap.block_params()) + lmap.suffix_params() == total
+
+
+def test_plan_sizes_onns_graph_network_by_its_blocks(tmp_path):
+    from conftest import run_cli
+
+    proc = run_cli(
+        *("task=plan", "data=graph", "model=gat", "data.source=builtin:primitives", "hardware=cpu_16gb"),
+        *(f"paths.outputs={tmp_path}", f"hydra.run.dir={tmp_path / 'plan'}"),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "layer map: prefix [-] -> 3 x GraphBlock at 'network.blocks' -> suffix [network.head]" in proc.stdout
+    plan = json.loads((tmp_path / "plan" / "metrics.json").read_text())
+    assert plan["params_total"] > 0 and plan["predicted_peak_memory_mb"] > 0 and plan["strategy"] == "full"
 
 
 @pytest.mark.skipif(not MESHES.is_dir(), reason="../shared/data/meshes is not here")
@@ -194,3 +221,44 @@ def test_every_real_mesh_reads_as_a_graph_or_is_skipped_with_a_reason():
         "trimesh/empty_nodes.glb",
     ]
     assert all(g.num_nodes > 0 and torch.isfinite(g.x).all() and g.x.shape[1] == 3 for g in split.graphs)
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_epoch_resumes_to_the_uninterrupted_runs_weights(tmp_path):
+    """kill -9 after a mid-epoch checkpoint, then ckpt=<the killed run>: the same weights, bit for bit, as the run
+    that was never stopped (the graph batches' order and place in their epoch come back with the checkpoint)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT, run_cli
+
+    from onn.training.checkpoints import load, read_meta
+
+    data = write_rings_and_stars(tmp_path / "data", 16, 0)
+    args = [
+        *("data=graph", "model=gin", f"data.source={data}", "model.hidden=16", "model.layers=2", "data.batch_size=4"),
+        *("trainer.max_epochs=3", "checkpoint.every_n_steps=2", "tracking=none", "trainer.enable_progress_bar=false"),
+        *("strategy.precision=32-true", f"paths.outputs={tmp_path / 'outputs'}", f"paths.cache={tmp_path / 'cache'}"),
+    ]
+    whole = run_cli(*args, f"hydra.run.dir={tmp_path / 'whole'}")
+    assert whole.returncode == 0, whole.stdout[-2000:] + whole.stderr[-2000:]
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={killed}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    last = killed / "checkpoints" / "last.ckpt"
+    while proc.poll() is None and not (last / "meta.json").is_file():
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL and read_meta(last)["global_step"] < 21  # 7 steps an epoch, 3 epochs
+    resumed = run_cli(*args, f"ckpt={killed}", f"hydra.run.dir={tmp_path / 'resumed'}")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    want = load(tmp_path / "whole" / "checkpoints" / "last.ckpt")["state_dict"]
+    got = load(tmp_path / "resumed" / "checkpoints" / "last.ckpt")["state_dict"]
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

@@ -121,7 +121,7 @@ def infer(job: Job) -> dict[str, Any]:
                 known += truth is not None
                 correct += truth is not None and truth == rows[-1]["predicted"]
             guesses = [classes[int(c)] for c in probs.argmax(dim=1)]
-            shown += _shown(chunk, guesses, truths, level, PICTURED - len(shown))
+            shown += _shown(chunk, names[start:], guesses, truths, level, PICTURED - len(shown))
     skipped = [s for found in sets.values() for s in found.skipped]
     output = Path(task.output or job.run_dir / "predictions.jsonl")
     write_jsonl(rows, output)
@@ -178,18 +178,19 @@ def _row(name: str, probs: torch.Tensor, classes: list[str], truth: str | None) 
     }
 
 
-def _shown(graphs: list, guesses: list[str], truths: list, level: str, room: int) -> list[tuple]:
+def _shown(graphs: list, names: list[str], guesses: list[str], truths: list, level: str, room: int) -> list[tuple]:
     """(graph, predicted per node, true per node or None, caption) for the picture, at most `room` of them."""
     if room <= 0:
         return []
     if level == "node":
         right = sum(g == t for g, t in zip(guesses, truths) if t is not None)
         told = sum(t is not None for t in truths)
-        caption = f"{right}/{told} nodes right" if told else "predicted classes"
+        caption = f"{Path(names[0]).name}: {right}/{told} nodes right" if told else Path(names[0]).name
         return [(graphs[0], guesses, truths, caption)]
     out = []
-    for graph, guess, truth in list(zip(graphs, guesses, truths))[:room]:
-        caption = guess if truth is None else f"{guess} ({'right' if guess == truth else 'true: ' + truth})"
+    for graph, name, guess, truth in list(zip(graphs, names, guesses, truths))[:room]:
+        verdict = "" if truth is None else " (right)" if guess == truth else f" (true: {truth})"
+        caption = f"{Path(name).name[:28]}: {guess}{verdict}"
         out.append((graph, [guess] * graph.num_nodes, None, caption))
     return out
 
