@@ -198,13 +198,18 @@ def test_the_layer_map_finds_a_graph_networks_conv_list(name):
 
 
 def test_plan_sizes_onns_graph_network_by_its_blocks(tmp_path):
+    """data=auto on a folder of meshes with a graph model named: graph data, planned by the network's blocks."""
     from conftest import run_cli
 
+    from onn.modalities.mesh.primitives import write_primitives
+
+    meshes = write_primitives(tmp_path / "meshes", per_class=1, seed=0)
     proc = run_cli(
-        *("task=plan", "data=graph", "model=gat", "data.source=builtin:primitives", "hardware=cpu_16gb"),
+        *("task=plan", "data=auto", f"data.source={meshes}", "model=gat", "hardware=cpu_16gb"),
         *(f"paths.outputs={tmp_path}", f"hydra.run.dir={tmp_path / 'plan'}"),
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "6 mesh files (.obj, .ply, .stl, .off, .glb), read as vertex-edge graphs" in proc.stdout
     assert "layer map: prefix [-] -> 3 x GraphBlock at 'network.blocks' -> suffix [network.head]" in proc.stdout
     plan = json.loads((tmp_path / "plan" / "metrics.json").read_text())
     assert plan["params_total"] > 0 and plan["predicted_peak_memory_mb"] > 0 and plan["strategy"] == "full"

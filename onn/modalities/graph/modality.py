@@ -68,6 +68,10 @@ class GraphModality(ClassifierModality):
             raise UserError(
                 f"model={model.name} is not a graph network: use model=gcn, graphsage, gin or gat with graph data."
             )
+        if config.strategy.name == "linear_probe":
+            raise UserError(
+                "strategy=linear_probe needs a pretrained image backbone; train a graph network with strategy=full."
+            )
         if data.level not in LEVELS:
             raise UserError(f"data.level={data.level!r}: give graph (a class per graph) or node (a class per node).")
         if data.align not in ("none", "pca"):
@@ -149,6 +153,9 @@ class GraphModality(ClassifierModality):
             key="task.input",
             level=inputs["level"],
         )
+
+    def pair_side(self, config):
+        raise UserError(f"{self.name} data ({self.description}) cannot be one side of a pair.")
 
     def classifier_class(self):
         from onn.modalities.graph.tasks import GraphClassifier
