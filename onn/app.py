@@ -214,8 +214,9 @@ def compose_detected(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     its data config (and its default model when the command line names none), and say why."""
     from hydra import compose
 
-    modality, reason = detect(cfg.data.source)
     given = given_groups(overrides)
+    # a model named on the command line picks between modalities that read the same files (meshes: mesh or graph)
+    modality, reason = detect(cfg.data.source, OmegaConf.get_type(cfg.model) if "model" in given else None)
     kept = [
         o
         for o in overrides

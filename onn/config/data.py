@@ -174,6 +174,25 @@ class MeshData(SplitData):
 
 
 @dataclass
+class GraphBuiltin:
+    """builtin:primitives read as graphs (graph level), builtin:communities (node level)."""
+
+    per_class: int = MISSING  # primitives: training shapes of each class
+    test_per_class: int = MISSING  # primitives: held-out shapes of each class (another random stream)
+    nodes: int = MISSING  # communities: nodes of the one generated graph
+    communities: int = MISSING  # communities: its classes
+    features: int = MISSING  # communities: node features (noisy hints of the community)
+
+
+@dataclass
+class GraphData(SplitData):
+    level: str = MISSING  # graph: one class per graph | node: one class per node of one graph (train/val/test masks)
+    align: str = MISSING  # mesh graphs: none | pca (vertex positions turned onto their principal axes)
+    max_nodes: int = MISSING  # a graph with more nodes is skipped with its reason
+    builtin: GraphBuiltin | None = MISSING
+
+
+@dataclass
 class TextFields:
     input: str = MISSING
     output: str = MISSING

@@ -55,6 +55,19 @@ class NetworkConfig(ModelConfig):
 
 
 @dataclass
+class GraphNetworkConfig(NetworkConfig):
+    """A graph network of torch_geometric's convolutions (onn/modalities/graph/network.py); `source` names the
+    convolution: pyg:gcn | pyg:sage | pyg:gin | pyg:gat."""
+
+    hidden: int = MISSING  # every block's width
+    layers: int = MISSING  # message-passing blocks (conv, norm, ReLU, dropout)
+    heads: int = MISSING  # gat: attention heads (hidden is split among them)
+    dropout: float = MISSING
+    norm: str = MISSING  # batch | none: after every conv
+    pooling: list[str] = MISSING  # graph level: mean | max | sum over each graph's nodes, side by side
+
+
+@dataclass
 class DualEncoderConfig(ModelConfig):
     """Two networks trained with CLIP's contrastive loss (conf/model/dual_encoder.yaml)."""
 

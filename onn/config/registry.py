@@ -21,9 +21,9 @@ from onn.config.run import ONNConfig
 # The schemas each conf option names in its defaults list: /schema/<group>/<name>
 SCHEMAS: dict[str, dict[str, type]] = {
     "data": {"image": data.ImageData, "audio": data.AudioData, "video": data.VideoData,
-             "mesh": data.MeshData, "text": data.TextData, "pairs": data.PairsData},
+             "mesh": data.MeshData, "text": data.TextData, "pairs": data.PairsData, "graph": data.GraphData},
     "model": {"language": model.LanguageModelConfig, "network": model.NetworkConfig,
-              "dual_encoder": model.DualEncoderConfig},
+              "dual_encoder": model.DualEncoderConfig, "graph_network": model.GraphNetworkConfig},
     "task": {"train": task.TrainTask, "eval": task.EvalTask, "infer": task.InferTask,
              "bench": task.BenchTask, "bench_giant": task.BenchGiantTask, "bench_gpu": task.BenchGpuTask,
              "bench_overhead": task.BenchOverheadTask, "bench_vision": task.BenchVisionTask,

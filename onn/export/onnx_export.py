@@ -221,7 +221,7 @@ def export_onnx(
     if not output.parent.is_dir():
         raise UserError(f"the folder of the ONNX export path {output} does not exist; create it first.")
     model = _unwrap_peft(model, merge=True)
-    _check_sample(model, sample_input, dynamic and axes is None)
+    _check_sample(model, sample_input, dynamic and axes is None, batched=axes is None)
     input_names = list(sample_input)
     tensors = tuple(sample_input.values())
 
@@ -382,8 +382,10 @@ def _eval(model):
         model.train(was_training)
 
 
-def _check_sample(model, sample: dict, dynamic: bool) -> None:
-    """Catch a sample input that cannot be right before the (slow) export, naming the input and what was expected."""
+def _check_sample(model, sample: dict, dynamic: bool, batched: bool = True) -> None:
+    """Catch a sample input that cannot be right before the (slow) export, naming the input and what was expected.
+    `batched`: the inputs share their first dim (not so where `axes` names each input's own, e.g. a graph's
+    nodes and edges)."""
     import torch
 
     cls = type(model).__name__
@@ -395,7 +397,7 @@ def _check_sample(model, sample: dict, dynamic: bool) -> None:
     _check_names(model, sample)
     for name, value in sample.items():
         _check_kind(model, name, value)
-    _check_together(model, sample, dynamic)
+    _check_together(model, sample, dynamic, batched)
 
 
 def _check_names(model, sample: dict) -> None:
@@ -446,7 +448,7 @@ def _check_kind(model, name: str, value) -> None:
                 )
 
 
-def _check_together(model, sample: dict, dynamic: bool) -> None:
+def _check_together(model, sample: dict, dynamic: bool, batched: bool = True) -> None:
     """Ids within the vocabulary, the text inputs of one shape, one batch size, and sizes a dynamic export keeps."""
     cls = type(model).__name__
     ids = sample.get("input_ids")
@@ -466,7 +468,7 @@ def _check_together(model, sample: dict, dynamic: bool) -> None:
             )
     first = next(iter(sample))
     for name, value in sample.items():
-        if value.dim() == 0 or value.shape[0] != sample[first].shape[0]:
+        if batched and (value.dim() == 0 or value.shape[0] != sample[first].shape[0]):
             raise UserError(
                 f"sample input '{name}' has shape {list(value.shape)}; every input needs the batch size of "
                 f"'{first}' ({list(sample[first].shape)[:1]}) as its first dim."

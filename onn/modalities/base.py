@@ -194,6 +194,17 @@ class ClassifierModality(Modality):
     ) -> None:
         """A PNG of inputs (stored form) captioned with their predicted (and true) classes."""
 
+    def classifier_class(self):
+        """The LightningModule class that trains its networks: the shared Classifier, or a subclass where its
+        batches differ (graphs: a torch_geometric Batch)."""
+        from onn.training.classifier import Classifier
+
+        return Classifier
+
+    def export_network(self, config: ONNConfig, module, run_dir: Path) -> dict[str, Any] | None:
+        """Its own export of a trained classifier's network (export/* metrics), or None for the shared one."""
+        return None
+
     # -- shared: onn/modalities/classification.py -------------------------------------------------
     implementation = "onn.modalities.classification"
 

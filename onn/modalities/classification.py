@@ -98,7 +98,7 @@ def build(m: ClassifierModality, config: ONNConfig, plan: Plan, inputs: dict[str
     }
     # every task a classifier runs (eval, infer, export, serve, the vision benches) extends train's keys
     task: TrainTask = config.task
-    module = Classifier(
+    module = m.classifier_class()(
         network,
         inputs["classes"],
         config.optim,
@@ -342,6 +342,9 @@ def export(job: Job) -> dict[str, Any]:
 def export_module(m: ClassifierModality, config: ONNConfig, module: Classifier, run_dir: Path) -> dict[str, Any]:
     """safetensors: the network's state dict plus what rebuilds it (config.json; model.weights loads it);
     onnx / omny: the network as a graph with a [batch, *input] input."""
+    own = m.export_network(config, module, run_dir)
+    if own is not None:
+        return own
     settings = config.export
     network = module.model.eval()
     inputs = module.onn_config["inputs"]

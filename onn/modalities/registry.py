@@ -36,9 +36,11 @@ def get(name: str) -> Modality:
     return REGISTRY[name]
 
 
-def detect(source: str | os.PathLike) -> tuple[Modality, str]:
+def detect(source: str | os.PathLike, model_schema: type | None = None) -> tuple[Modality, str]:
     """The modality whose sniffer recognises `source` (`data=auto`), and why. Only regular files and
-    folders are read, a bounded number of bytes each; the more specific modalities ask first."""
+    folders are read, a bounded number of bytes each; the more specific modalities ask first. Where several
+    read it (a folder of meshes: mesh data, or graphs), the one whose models are of `model_schema` (the type of
+    the model the command line names) wins."""
     text = str(source)
     if text.startswith("builtin:"):
         name = text.partition(":")[2]
@@ -49,10 +51,16 @@ def detect(source: str | os.PathLike) -> tuple[Modality, str]:
         raise UserError(f"data.source={text} is no built-in dataset; the built-ins are {known}.")
     path = Path(os.path.expanduser(text))
     existing_source(path, "data.source")  # a link loop, a device, a pipe: one sentence, nothing read
+    first = None
     for modality in sorted(REGISTRY.values(), key=lambda m: -m.sniff_priority):
+        if first is not None and modality.model_schema is not model_schema:
+            continue  # only a modality of the named model's kind can still win
         reason = modality.sniff(path)
-        if reason:
+        if reason and (model_schema is None or modality.model_schema is model_schema):
             return modality, reason
+        first = first or ((modality, reason) if reason else None)
+    if first is not None:
+        return first
     known = ", ".join(m.description for m in REGISTRY.values())
     raise UserError(
         f"data.source={text}: no modality recognises what it holds ({known}); choose the data config with data=NAME."

@@ -104,17 +104,22 @@ def discover(model: nn.Module, blocks_path: str | None = None) -> LayerMap:
 
 
 def _same_type_runs(module: nn.Module) -> list[list[str]]:
-    """Runs of >= 2 consecutive children of one type (a ModuleList of decoder layers, ResNet's layer1..4)."""
+    """Runs of >= 2 consecutive children of one type (a ModuleList of decoder layers, ResNet's layer1..4).
+    A ModuleList or ModuleDict is never a block: it has no forward of its own, it holds blocks (a graph
+    network's `convs` and `norms` lists side by side are two lists, not a run of two blocks)."""
+    from torch.nn import ModuleDict, ModuleList  # (torch is loaded: the module was built with it)
+
     runs, current = [], []
     for name, child in module.named_children():
         # (any parameters, even the empty placeholders of blocks whose weights live in a layer store)
         has_params = any(True for _ in child.parameters())
-        if current and type(child) is type(module.get_submodule(current[-1])) and has_params:
+        block = has_params and not isinstance(child, ModuleList | ModuleDict)
+        if current and type(child) is type(module.get_submodule(current[-1])) and block:
             current.append(name)
         else:
             if len(current) >= 2:
                 runs.append(current)
-            current = [name] if has_params else []
+            current = [name] if block else []
     if len(current) >= 2:
         runs.append(current)
     return runs

@@ -1,0 +1,223 @@
+"""Graph datasets for Lightning: graphs held in memory, batched by torch_geometric's `Batch`.
+
+level=graph: every split is a list of graphs; a training batch is `Batch.from_data_list` of batch_size graphs in
+a seeded shuffled order (onn.data.resident.ResidentBatches' order and its mid-epoch resume: a run killed
+mid-epoch goes on from the batch after its last one). level=node: one graph, and each split is that graph with
+the split's node mask; every step sees the whole graph, the loss and metrics only the split's nodes.
+
+Batches are (Batch, labels): what the shared classifier (onn.training.classifier) takes apart as (x, labels).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import lightning as L
+import torch
+
+from onn.config.data import GraphData
+from onn.data.resident import ResidentBatches, class_order, relabelled
+from onn.errors import UserError
+from onn.modalities.graph.builtin import COMMUNITIES, PRIMITIVES, communities, primitive_graphs
+from onn.modalities.graph.read import HELP, Graphs, read_source
+
+log = logging.getLogger("onn")
+LEVELS = ("graph", "node")
+NODE_SPLITS = ("train", "val", "test")
+
+
+class GraphSplit:
+    """One split's graphs (as ResidentBatches reads a Split: its length and, per batch, an index)."""
+
+    def __init__(self, graphs: list, names: list[str]):
+        self.graphs, self.names = graphs, names
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+    def subset(self, index: torch.Tensor) -> GraphSplit:
+        return GraphSplit([self.graphs[i] for i in index.tolist()], [self.names[i] for i in index.tolist()])
+
+
+def as_batch(graphs: list) -> tuple:
+    """(Batch, labels) of graphs: the graph labels, or for one node-level graph the labels of its masked nodes."""
+    from torch_geometric.data import Batch
+
+    batch = Batch.from_data_list(graphs)
+    labels = batch.y[batch.mask] if "mask" in batch else batch.y.view(-1)
+    return batch, labels
+
+
+class GraphBatches(ResidentBatches):
+    """ResidentBatches' seeded order and resumable position, over graphs collated by torch_geometric."""
+
+    def __iter__(self) -> Iterator[tuple]:
+        graphs = self.split.graphs
+        if self.epoch_of is not None:
+            self.epoch = self.epoch_of()
+        self._current, self._taken, self._skip = self.epoch, self._skip, 0
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            batches = self._batches(torch.randperm(len(self.split), generator=generator))
+            self.epoch += 1
+        else:
+            batches = list(torch.arange(len(self.split)).split(self.batch_size))
+        for index in batches[self._taken :]:
+            self._taken += 1
+            yield as_batch([graphs[i] for i in index.tolist()])
+
+
+class GraphDataModule(L.LightningDataModule):
+    """train / val / test graphs of a graph source (the attributes the shared classifier tasks read)."""
+
+    def __init__(self, data_cfg: GraphData, device: str = "cpu", seed: int = 0):
+        super().__init__()
+        self.cfg, self.seed, self.device = data_cfg, seed, torch.device(device)
+        self.batch_size = int(data_cfg.batch_size)
+        self.eval_batch_size = int(data_cfg.eval_batch_size or 2 * data_cfg.batch_size)
+        self.splits: dict[str, GraphSplit] = {}
+        self.classes: list[str] = []
+        self.skipped: list[str] = []
+        self.streamed = None  # graphs are always held in memory
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return (int(self.splits["train"].graphs[0].num_node_features),)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:
+            return
+        source = self.cfg.source
+        if not source:
+            raise UserError(f"data.source is not set: point it at a folder of graphs; {HELP}.")
+        if self.cfg.level == "node":
+            self._setup_nodes(str(source))
+        else:
+            self._setup_graphs(str(source))
+        if len(self.classes) < 2:
+            raise UserError(
+                f"data.source {source} has {len(self.classes)} class ({', '.join(self.classes) or 'none'}): "
+                "a classifier needs two or more; add the other classes' folders (or labels)."
+            )
+        widths = {g.num_node_features for s in self.splits.values() for g in s.graphs}
+        if len(widths) > 1:
+            raise UserError(
+                f"data.source {source}: its graphs' nodes have {sorted(widths)} features; "
+                "every graph needs the same number (x [nodes, features])."
+            )
+        sizes = ", ".join(f"{k} {len(v)}" for k, v in self.splits.items())
+        log.info("data: %s graphs (level=%s), %d classes", sizes, self.cfg.level, len(self.classes))
+
+    def read(self, source: str, key: str) -> dict[str, Graphs]:
+        cfg = self.cfg
+        if source == PRIMITIVES:
+            return primitive_graphs(cfg.builtin, cfg.align, int(cfg.max_nodes), self.seed)
+        return read_source(
+            source,
+            align=cfg.align,
+            max_nodes=int(cfg.max_nodes),
+            max_bad_fraction=float(cfg.max_bad_fraction),
+            key=key,
+        )
+
+    def _setup_graphs(self, source: str) -> None:
+        sets = self.read(source, "data.source")
+        for split, other in (("val", self.cfg.val_source), ("test", self.cfg.test_source)):
+            if other:
+                found = self.read(str(other), f"data.{split}_source")
+                sets[split] = found.get("all") or found.get(split) or next(iter(found.values()))
+        train = sets.pop("train", None) or sets.pop("all", None)
+        if train is None or not train.graphs:
+            raise UserError(f"data.source={source} has no training graphs (found splits: {', '.join(sets) or 'none'}).")
+        sets["train"] = train
+        self.classes = class_order(train.classes, self.cfg)
+        self.skipped = [s for v in sets.values() for s in v.skipped]
+        for name, found in sets.items():
+            key = "data.source" if name == "train" else f"data.{name}_source"
+            labels = relabelled(found.labels, found.classes, self.classes, key)
+            outside = ((labels < 0) | (labels >= len(self.classes))).nonzero()
+            if len(outside):
+                i = int(outside[0])
+                raise UserError(
+                    f"{found.names[i]} in {key} has class number {int(labels[i])}, outside the "
+                    f"{len(self.classes)} classes; fix its y or set data.num_classes."
+                )
+            for graph, label in zip(found.graphs, labels.tolist()):
+                graph.y = torch.tensor([label])
+            if name in ("train", "val", "test"):
+                self.splits[name] = GraphSplit(found.graphs, found.names)
+        if "val" not in self.splits:
+            self.splits["train"], self.splits["val"] = self._hold_out(self.splits["train"])
+
+    def _hold_out(self, train: GraphSplit) -> tuple[GraphSplit, GraphSplit]:
+        """A seeded validation split taken from train (the same graphs for every run with this seed)."""
+        fraction = float(self.cfg.val_split)
+        n_val = max(1, round(len(train) * fraction))
+        if not 0 < fraction < 1 or n_val >= len(train):
+            raise UserError(f"data.val_split={fraction}: give a fraction between 0 and 1 that leaves training graphs.")
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(self.seed))
+        return train.subset(order[n_val:]), train.subset(order[:n_val])
+
+    def _setup_nodes(self, source: str) -> None:
+        """One graph with per-node labels y; each split is the graph with its mask (generated where missing)."""
+        if source == COMMUNITIES:
+            graph, name = communities(self.cfg.builtin, self.seed), COMMUNITIES
+        else:
+            found = read_source(
+                source, align=self.cfg.align, max_nodes=int(self.cfg.max_nodes), max_bad_fraction=0.0, level="node"
+            )
+            graphs = [(g, n) for s in found.values() for g, n in zip(s.graphs, s.names)]
+            if len(graphs) != 1 or "node_y" not in graphs[0][0]:
+                raise UserError(
+                    f"data.source {source}: data.level=node reads one .safetensors graph with y [nodes] "
+                    f"(and optional train_mask/val_mask/test_mask); it holds {len(graphs)} graphs."
+                )
+            ((graph, name),) = graphs
+            graph.y = graph.node_y
+            del graph.node_y
+        found_classes = [str(i) for i in range(int(graph.y.max()) + 1)]
+        self.classes = class_order(found_classes, self.cfg)
+        masks = self._node_masks(graph)
+        for split in NODE_SPLITS:
+            if masks[split].any():
+                part = graph.clone()
+                for key in ("train_mask", "val_mask", "test_mask"):
+                    if key in part:
+                        del part[key]
+                part.mask = masks[split]
+                self.splits[split] = GraphSplit([part], [name])
+
+    def _node_masks(self, graph) -> dict[str, torch.Tensor]:
+        """The graph's own train/val/test masks, or seeded ones: val_split each for val and test, the rest train."""
+        if all(f"{s}_mask" in graph for s in ("train", "val")):
+            return {s: graph[f"{s}_mask"].bool() if f"{s}_mask" in graph else torch.zeros(0, dtype=torch.bool)
+                    for s in NODE_SPLITS}  # fmt: skip
+        n = graph.num_nodes
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed))
+        n_val = max(1, round(n * float(self.cfg.val_split)))
+        masks = {}
+        for split, index in zip(NODE_SPLITS, (order[2 * n_val :], order[:n_val], order[n_val : 2 * n_val])):
+            masks[split] = torch.zeros(n, dtype=torch.bool)
+            masks[split][index] = True
+        return masks
+
+    # -- loaders ----------------------------------------------------------------------------------
+    def train_dataloader(self):
+        return GraphBatches(
+            self.splits["train"],
+            self.batch_size,
+            shuffle=True,
+            seed=self.seed,
+            drop_last=self.cfg.level == "graph",
+            epoch_of=(lambda: self.trainer.current_epoch) if self.trainer is not None else None,
+        )
+
+    def val_dataloader(self):
+        return GraphBatches(self.splits["val"], self.eval_batch_size, shuffle=False)
+
+    def test_dataloader(self):
+        return GraphBatches(self.splits["test"], self.eval_batch_size, shuffle=False) if self.has_test() else []
+
+    def has_test(self) -> bool:
+        return "test" in self.splits

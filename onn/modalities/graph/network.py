@@ -1,0 +1,93 @@
+"""ONN's graph network: torch_geometric's convolutions (GCN, GraphSAGE, GIN, GAT) in repeated blocks, pooled.
+
+    blocks   `layers` x GraphBlock: conv -> BatchNorm -> ReLU -> dropout (the LayerMap's blocks)
+    pool     graph level: torch_geometric's global mean / max / add pools of each graph's nodes, side by side
+    head     Linear -> ReLU -> dropout -> Linear: one row of logits per graph (graph level) or per node
+
+forward(x, edge_index, batch=None): `batch` assigns nodes to the graphs of a torch_geometric Batch; without it the
+nodes are one graph (what ONNX export traces: one graph per call, its nodes and edges dynamic).
+
+GAT adds each node's self-loop itself (a concatenated arange): torch_geometric's own removes existing loops
+first, a data-dependent shape that torch.export cannot trace. Graphs arrive without self-loops (read.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+CONVS = ("gcn", "sage", "gin", "gat")
+POOLS = ("mean", "max", "sum")
+NORMS = ("batch", "none")
+
+
+def make_conv(kind: str, width_in: int, width_out: int, heads: int) -> nn.Module:
+    """torch_geometric's convolution `kind` from width_in to width_out features."""
+    from torch_geometric.nn import GATConv, GCNConv, GINConv, SAGEConv
+
+    if kind == "gcn":
+        return GCNConv(width_in, width_out)
+    if kind == "sage":
+        return SAGEConv(width_in, width_out)
+    if kind == "gin":
+        mlp = nn.Sequential(nn.Linear(width_in, width_out), nn.ReLU(), nn.Linear(width_out, width_out))
+        return GINConv(mlp)  # GIN-0 (eps fixed at 0): a trained eps does not pass torch.export
+    if kind == "gat":
+        return GATConv(width_in, width_out // heads, heads=heads, add_self_loops=False)
+    raise ValueError(f"no convolution {kind!r}; one of {', '.join(CONVS)}")
+
+
+class GraphBlock(nn.Module):
+    """One message-passing step: conv, norm, ReLU, dropout."""
+
+    def __init__(self, kind: str, width_in: int, width_out: int, heads: int, norm: str, dropout: float):
+        super().__init__()
+        self.kind = kind
+        self.conv = make_conv(kind, width_in, width_out, heads)
+        self.norm = nn.BatchNorm1d(width_out) if norm == "batch" else nn.Identity()
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+        if self.kind == "gat":  # every node attends to itself too
+            loops = torch.arange(x.shape[0], device=x.device).unsqueeze(0).expand(2, -1)
+            edge_index = torch.cat([edge_index, loops], dim=1)
+        return self.dropout(torch.relu(self.norm(self.conv(x, edge_index))))
+
+
+class GraphNetwork(nn.Module):
+    def __init__(
+        self,
+        in_channels: int,
+        num_classes: int,
+        conv: str = "gcn",
+        hidden: int = 64,
+        layers: int = 3,
+        heads: int = 4,
+        dropout: float = 0.1,
+        norm: str = "batch",
+        pooling: list[str] | tuple[str, ...] = ("mean", "max"),
+        level: str = "graph",
+    ):
+        super().__init__()
+        self.level, self.pooling = level, list(pooling)
+        widths = [in_channels] + [hidden] * layers
+        self.blocks = nn.ModuleList(
+            GraphBlock(conv, widths[i], widths[i + 1], heads, norm, dropout) for i in range(layers)
+        )
+        width = hidden * (len(self.pooling) if level == "graph" else 1)
+        self.head = nn.Sequential(
+            nn.Linear(width, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, num_classes)
+        )
+
+    def forward(self, x: torch.Tensor, edge_index: torch.Tensor, batch: torch.Tensor | None = None) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, edge_index)
+        if self.level == "graph":
+            x = torch.cat([pool(kind)(x, batch) for kind in self.pooling], dim=1)
+        return self.head(x)
+
+
+def pool(kind: str):
+    from torch_geometric.nn import global_add_pool, global_max_pool, global_mean_pool
+
+    return {"mean": global_mean_pool, "max": global_max_pool, "sum": global_add_pool}[kind]

@@ -1,0 +1,263 @@
+"""Graph files as torch_geometric `Data`: edge lists, safetensors tensors and meshes (their vertex-edge graphs).
+
+One graph per file, its class from its folder (CLASS/FILE, train/CLASS/FILE, ...: the mesh modality's layouts,
+onn/modalities/mesh/read.py's `place`), or a .zip/.tar of that layout:
+
+  NAME.edges / NAME.edgelist   `SRC DST` a line (0-based node numbers), `# ...` comments, an optional
+                               `nodes N` line; undirected; every node's one feature is 1
+  NAME.safetensors             x [nodes, features] (optional: ones), edge_index [2, edges], optional y
+  NAME.obj, .ply, .stl, ...    a mesh through trimesh: vertices (merged where they coincide) are the nodes,
+                               the faces' edges the edges, positions centred and scaled into the unit sphere
+                               (turned onto their principal axes with align=pca); a point cloud's points are
+                               joined to their 6 nearest neighbours
+
+Every graph is made undirected without self-loops. A file that cannot be used is skipped with its reason
+(unreadable, no nodes, an edge that points past the nodes, non-finite features, too many nodes), as broken
+images and meshes are; the run fails only when more than data.max_bad_fraction of the files are bad.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from onn.data.files import existing_source
+from onn.data.labelled import check_bad
+from onn.errors import UserError
+from onn.modalities.mesh.read import MESH_SUFFIXES, MeshError, load_geometry, place, principal_axes, unwrap
+
+EDGE_SUFFIXES = (".edges", ".edgelist")
+TENSOR_SUFFIXES = (".safetensors",)
+GRAPH_SUFFIXES = EDGE_SUFFIXES + TENSOR_SUFFIXES
+NEIGHBOURS = 6  # a point cloud's points are joined to this many nearest ones
+HELP = (
+    f"expected graph files ({', '.join(GRAPH_SUFFIXES)}, or meshes: {', '.join(MESH_SUFFIXES)}) in class folders: "
+    "CLASS/FILE, train/CLASS/FILE + test/CLASS/FILE, or a .zip/.tar of that layout (see conf/data/graph.yaml)"
+)
+
+
+class GraphError(ValueError):
+    """Why a file cannot be used as a graph (the message is the reason its skip names)."""
+
+
+@dataclass
+class Graphs:
+    """One split of a source: its graphs (each a torch_geometric Data with y), names and skipped files."""
+
+    graphs: list  # torch_geometric.data.Data, y set (-1 where the class is unknown)
+    classes: list[str]
+    names: list[str]
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return torch.tensor([int(g.y.view(-1)[0]) for g in self.graphs], dtype=torch.long)
+
+
+def is_graph_name(name: str) -> bool:
+    return os.path.splitext(name)[1].lower() in GRAPH_SUFFIXES
+
+
+def readable(name: str) -> bool:
+    """A graph file or a mesh: what a graph source may hold."""
+    return os.path.splitext(name)[1].lower() in GRAPH_SUFFIXES + MESH_SUFFIXES
+
+
+def make_graph(x: torch.Tensor | None, edge_index: torch.Tensor, nodes: int | None, max_nodes: int):
+    """A checked, undirected Data without self-loops; GraphError naming what is wrong."""
+    from torch_geometric.data import Data
+    from torch_geometric.utils import remove_self_loops, to_undirected
+
+    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        raise GraphError(f"its edge_index has shape {list(edge_index.shape)}, not [2, edges]")
+    edge_index = edge_index.long()
+    if x is not None:
+        n = int(x.shape[0])
+    elif nodes is not None:
+        n = nodes
+    else:
+        n = int(edge_index.max()) + 1 if edge_index.numel() else 0
+    if n == 0:
+        raise GraphError("holds no nodes (an empty graph)")
+    if n > max_nodes:
+        raise GraphError(f"has {n} nodes, more than data.max_nodes={max_nodes}")
+    if edge_index.numel() and (int(edge_index.min()) < 0 or int(edge_index.max()) >= n):
+        bad = int(((edge_index < 0) | (edge_index >= n)).any(0).nonzero()[0])
+        src, dst = edge_index[:, bad].tolist()
+        raise GraphError(f"edge {bad} ({src} -> {dst}) points past its {n} nodes (numbered 0..{n - 1})")
+    if x is None:
+        x = torch.ones(n, 1)
+    x = x.float().reshape(n, -1)
+    if not torch.isfinite(x).all():
+        raise GraphError(f"{int((~torch.isfinite(x)).any(1).sum())} of its {n} nodes have non-finite features")
+    edge_index, _ = remove_self_loops(edge_index)
+    return Data(x=x, edge_index=to_undirected(edge_index, num_nodes=n))
+
+
+def read_edge_list(text: str, max_nodes: int):
+    """An edge-list file's text as a graph (see the module's docstring)."""
+    pairs, nodes = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        try:
+            if words[0].lower() == "nodes" and len(words) == 2:
+                nodes = int(words[1])
+                continue
+            if len(words) != 2:
+                raise ValueError
+            pairs.append((int(words[0]), int(words[1])))
+        except ValueError:
+            raise GraphError(f"line {number} is {line.strip()[:60]!r}, not `SRC DST` (two node numbers)") from None
+    edge_index = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).t()
+    return make_graph(None, edge_index, nodes, max_nodes)
+
+
+def read_tensors(payload: bytes, max_nodes: int, level: str):
+    """A .safetensors file's x, edge_index and y as a graph (y kept: a class number, or [nodes] labels)."""
+    from safetensors.torch import load
+
+    try:
+        tensors = load(payload)
+    except Exception as e:  # safetensors raises its own error types on a damaged header
+        raise GraphError(f"unreadable as safetensors ({type(e).__name__}: {str(e)[:120]})") from e
+    if "edge_index" not in tensors:
+        raise GraphError(f"holds no edge_index tensor (it has {', '.join(sorted(tensors)) or 'none'})")
+    graph = make_graph(tensors.get("x"), tensors["edge_index"], None, max_nodes)
+    for key in ("y", "train_mask", "val_mask", "test_mask"):
+        if key in tensors:  # a node-level graph's y is its nodes' labels: node_y, apart from a graph's class y
+            graph["node_y" if key == "y" and level == "node" else key] = tensors[key]
+    if level == "node" and "y" in tensors and tensors["y"].numel() != graph.num_nodes:
+        raise GraphError(f"has y of {tensors['y'].numel()} labels for its {graph.num_nodes} nodes (level=node)")
+    return graph
+
+
+def mesh_graph(vertices: np.ndarray, faces: np.ndarray | None, align: str, max_nodes: int):
+    """A mesh's vertex-edge graph (vertices merged where they coincide), positions normalised as node features."""
+    import trimesh
+
+    if faces is not None:
+        mesh = trimesh.Trimesh(vertices=vertices, faces=faces, process=True, validate=False)
+        vertices, edges = np.asarray(mesh.vertices), np.asarray(mesh.edges_unique)
+    else:
+        edges = nearest_neighbours(vertices)
+    xyz = vertices - vertices.mean(axis=0)
+    if align == "pca" and len(xyz) >= 3:
+        xyz = xyz @ principal_axes(xyz)
+    radius = float(np.linalg.norm(xyz, axis=1).max()) if len(xyz) else 0.0
+    if radius > 0:
+        xyz = xyz / radius
+    edge_index = torch.from_numpy(np.ascontiguousarray(edges.T, dtype=np.int64)).reshape(2, -1)
+    return make_graph(torch.from_numpy(xyz.astype(np.float32)), edge_index, None, max_nodes)
+
+
+def nearest_neighbours(points: np.ndarray) -> np.ndarray:
+    """[pairs, 2]: each point joined to its NEIGHBOURS nearest others (a point cloud has no faces to give edges)."""
+    from scipy.spatial import cKDTree
+
+    k = min(NEIGHBOURS + 1, len(points))
+    if k < 2:
+        return np.zeros((0, 2), dtype=np.int64)
+    _, index = cKDTree(points).query(points, k=k)
+    return np.stack([np.repeat(np.arange(len(points)), k - 1), index[:, 1:].reshape(-1)], axis=1)
+
+
+def decode(payload: Path | bytes, name: str, align: str, max_nodes: int, level: str = "graph"):
+    """One file (a path, or an archive member's bytes) as a graph; GraphError if it cannot be one."""
+    suffix = os.path.splitext(name)[1].lower()
+    if suffix in MESH_SUFFIXES:
+        try:
+            vertices, faces = load_geometry(payload, suffix)
+        except MeshError as e:
+            raise GraphError(str(e)) from e
+        return mesh_graph(vertices, faces, align, max_nodes)
+    data = payload if isinstance(payload, bytes) else Path(payload).read_bytes()
+    if suffix in TENSOR_SUFFIXES:
+        return read_tensors(data, max_nodes, level)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GraphError(f"is not UTF-8 text (byte {e.start}); an edge list is `SRC DST` lines") from e
+    return read_edge_list(text, max_nodes)
+
+
+def graph_entries(path: Path, key: str) -> Iterator[tuple[str, Path | bytes]]:
+    """(relative name, path or bytes) of every graph or mesh file in a file, folder or archive."""
+    if path.is_file() and readable(path.name):
+        yield path.name, path
+        return
+    if path.is_dir():
+        from onn.data.files import walk_files
+
+        for rel, full in walk_files(path):
+            if readable(rel):
+                yield rel, full
+        return
+    # an archive: the mesh reader's listing takes mesh names only, so members are read here by the same helper
+    from onn.data.files import ARCHIVE_ERRORS, archive_kind, iter_members
+
+    kind = archive_kind(path)
+    if kind is None:
+        raise UserError(f"{key} {path} is not a graph file, a folder or a .zip/.tar archive; {HELP}.")
+    try:
+        for member in iter_members(path, kind):
+            if member.name is not None and readable(member.name):
+                with member.open() as f:
+                    yield member.name, f.read()
+    except ARCHIVE_ERRORS as e:
+        raise UserError(f"{key} {path} is not a readable archive ({e}); repack it, or unpack it into a folder.") from e
+
+
+def read_source(
+    source: str | os.PathLike,
+    *,
+    align: str,
+    max_nodes: int,
+    max_bad_fraction: float,
+    allow_unlabelled: bool = False,
+    key: str = "data.source",
+    level: str = "graph",
+) -> dict[str, Graphs]:
+    """Every split of a graph source: {train, val, test} as its folders say, else {all}. A graph's class is its
+    folder's name, or (in no class folder) the number in its y."""
+    path = existing_source(source, key, HELP)
+    names, graphs, skipped, total = [], [], [], 0
+    for name, payload in graph_entries(path, key):
+        total += 1
+        try:
+            graphs.append(decode(payload, name, align, max_nodes, level))
+            names.append(name)
+        except GraphError as e:
+            skipped.append(f"{name}: {e}")
+    if not total:
+        raise UserError(f"{key} {path}: found no graph files; {HELP}.")
+    check_bad(skipped, total, max_bad_fraction, path, key, "graph files", "cannot be used")
+    short = unwrap(names) if path.is_dir() else names
+    placed = [place(n) for n in short]
+    folders = sorted({c for _, c in placed if c is not None})
+    numbered = sorted({int(g.y.view(-1)[0]) for g, (_, c) in zip(graphs, placed) if c is None and "y" in g})
+    classes = folders or [str(i) for i in range(max(numbered, default=-1) + 1)]
+    found: dict[str, Graphs] = {}
+    for graph, name, (split, folder) in zip(graphs, names, placed):
+        if folder is not None:
+            label = classes.index(folder)
+        elif "y" in graph and not folders:
+            label = int(graph.y.view(-1)[0])
+        elif allow_unlabelled or level == "node":
+            label = -1
+        else:
+            raise UserError(f"{key} {path}: {name} is not in a class folder and holds no class number y; {HELP}.")
+        graph.y = torch.tensor([label], dtype=torch.long)
+        part = found.setdefault(split, Graphs([], classes, []))
+        part.graphs.append(graph)
+        part.names.append(name)
+    if not found:
+        found["all"] = Graphs([], classes, [])
+    next(iter(found.values())).skipped = skipped  # the skips are the source's; one split carries them for the report
+    return found

@@ -1,0 +1,225 @@
+"""The graph modality's tasks: the shared classifier's (onn/modalities/classification.py) with graph batches.
+
+train and eval are the shared ones, run with GraphClassifier (a Classifier whose batches are torch_geometric
+Batches) on the GraphDataModule. What differs is here:
+
+  plan    the network sized on one graph of PLAN_NODES nodes (PLAN_DEGREE edges a node)
+  infer   predictions.jsonl (one row a graph, or a node for level=node) and a PNG of the predicted classes
+          drawn on the graphs; files that are no usable graph are skipped, each with its reason
+  export  ONNX of one graph per call: inputs x [nodes, features] and edge_index [2, edges], both dynamic,
+          checked in onnxruntime against torch (export/max_abs_diff); safetensors as the shared export writes it
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from onn.config import ONNConfig
+from onn.config.data import eval_batch
+from onn.config.export import OnnxExport, SafetensorsExport
+from onn.config.model import GraphNetworkConfig
+from onn.config.task import InferTask
+from onn.data.files import write_jsonl
+from onn.errors import UserError
+from onn.hardware.profile import Profile
+from onn.modalities.base import ClassifierModality, Job
+from onn.modalities.classification import evaluate, export, load_trained, train
+from onn.modalities.graph.dataset import as_batch
+from onn.planning.plan import make_plan
+from onn.planning.spec import network_spec
+from onn.training.classifier import Classifier
+
+__all__ = ["GraphClassifier", "evaluate", "export", "infer", "plan", "train"]
+log = logging.getLogger("onn")
+PLAN_NODES, PLAN_DEGREE = 1024, 6  # the graph task=plan sizes a network on
+TOP_K = 5
+PICTURED = 16  # graphs drawn in infer's picture
+
+
+class GraphClassifier(Classifier):
+    """The shared classifier on (Batch, labels): the network runs on the batch's nodes and edges (and, for
+    graph classification, pools by its graph index); a node-level batch scores only its split's nodes."""
+
+    describes = "ONN's graph classifier"
+
+    def prepare(self, batch, train: bool):
+        return batch
+
+    def forward(self, batch) -> torch.Tensor:
+        graphs = batch.batch if self.model.level == "graph" else None
+        logits = self.model(batch.x, batch.edge_index, graphs)
+        return logits[batch.mask] if "mask" in batch else logits
+
+
+class OneGraph(nn.Module):
+    """The network on one fixed graph, called with its node features alone: what network_spec sizes."""
+
+    def __init__(self, network: nn.Module, edge_index: torch.Tensor):
+        super().__init__()
+        self.network, self.edge_index = network, edge_index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.network(x, self.edge_index)
+
+
+def plan_graph(nodes: int, degree: int) -> torch.Tensor:
+    """edge_index of a ring with chords: every node joined to the next degree/2 (both directions)."""
+    source = torch.arange(nodes).repeat_interleave(degree // 2)
+    target = (source + torch.arange(1, degree // 2 + 1).repeat(nodes)) % nodes
+    return torch.cat([torch.stack([source, target]), torch.stack([target, source])], dim=1)
+
+
+def plan(m: ClassifierModality, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
+    inputs = m.planned_inputs(config)
+    model_cfg: GraphNetworkConfig = config.model
+    network = m.network(model_cfg, inputs)  # small: built for real, the graph's index ops have no meta kernels
+    blocks = model_cfg.layer_map.blocks
+    spec = network_spec(
+        OneGraph(network, plan_graph(PLAN_NODES, PLAN_DEGREE)),
+        torch.zeros(PLAN_NODES, *inputs["input_shape"]),
+        str(model_cfg.name),
+        pretrained=bool(model_cfg.weights),
+        blocks_path=f"network.{blocks}" if blocks else None,
+    )
+    return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
+
+
+def infer(job: Job) -> dict[str, Any]:
+    """Predict the classes of task.input's graphs (a file, a folder or an archive): predictions.jsonl and a PNG."""
+    m, config = job.modality, job.config
+    task: InferTask = config.task
+    if not task.input:
+        raise UserError("task=infer on graph data needs task.input=PATH (a graph file, a folder or an archive).")
+    if job.ckpt is None:
+        raise UserError("task=infer on graph data needs ckpt=RUN_DIR (a trained graph classifier) to know its classes.")
+    path = Path(str(task.input)).expanduser()
+    if not path.exists():
+        raise UserError(f"task.input={task.input} does not exist.")
+    module = load_trained(m, config, job.plan, job.ckpt)
+    inputs = module.onn_config["inputs"]
+    sets = m.read_inputs(path, inputs, config)
+    model = module.to(torch.device(job.device)).eval()
+    classes, level = list(inputs["classes"]), inputs["level"]
+    rows, shown, correct, known = [], [], 0, 0
+    for found in sets.values():
+        graphs, names = _fitting(found, int(inputs["input_shape"][0]))
+        step = 1 if level == "node" else eval_batch(config.data)
+        for start in range(0, len(graphs), step):
+            chunk = graphs[start : start + step]
+            batch, _ = as_batch(chunk)
+            with torch.no_grad():
+                probs = torch.softmax(model(batch.to(model.device)).float(), dim=1).cpu()
+            truths = _truths(chunk, found.classes, classes, level)
+            items = [f"{names[start]}#node{i}" for i in range(len(probs))] if level == "node" else names[start:]
+            for i, (item, truth) in enumerate(zip(items, truths)):
+                rows.append(_row(item, probs[i], classes, truth))
+                known += truth is not None
+                correct += truth is not None and truth == rows[-1]["predicted"]
+            guesses = [classes[int(c)] for c in probs.argmax(dim=1)]
+            shown += _shown(chunk, names[start:], guesses, truths, level, PICTURED - len(shown))
+    skipped = [s for found in sets.values() for s in found.skipped]
+    output = Path(task.output or job.run_dir / "predictions.jsonl")
+    write_jsonl(rows, output)
+    picture = output.with_suffix(".png")
+    if shown:
+        from onn.modalities.graph.picture import write_picture
+
+        write_picture(shown, picture)
+    print(f"wrote {len(rows)} predictions to {output}, {len(skipped)} files skipped, and a picture to {picture}")
+    metrics = {
+        "infer/items": len(rows),
+        "infer/output": str(output),
+        "infer/picture": str(picture) if shown else None,
+        "infer/items_skipped": len(skipped),
+        "infer/skipped": skipped,
+    }
+    if known:
+        metrics["infer/acc"] = round(correct / known, 5)
+    return metrics
+
+
+def _fitting(found, width: int) -> tuple[list, list[str]]:
+    """The graphs (and names) whose nodes have the model's number of features; the others join the skipped."""
+    graphs, names = [], []
+    for graph, name in zip(found.graphs, found.names):
+        if graph.num_node_features == width:
+            graphs.append(graph)
+            names.append(name)
+        else:
+            reason = f"{name}: its nodes have {graph.num_node_features} features, the model takes {width}"
+            log.warning("skipped %s", reason)
+            found.skipped.append(reason)
+    return graphs, names
+
+
+def _truths(graphs: list, found: list[str], classes: list[str], level: str) -> list[str | None]:
+    """Each prediction's true class where the input names one the model knows (its folder's, or y's)."""
+    if level == "node":
+        (graph,) = graphs
+        labels = graph.node_y.view(-1).tolist() if "node_y" in graph else [-1] * graph.num_nodes
+        return [str(c) if str(c) in classes else None for c in labels]
+    names = [found[int(g.y)] if 0 <= int(g.y) < len(found) else None for g in graphs]
+    return [n if n in classes else None for n in names]
+
+
+def _row(name: str, probs: torch.Tensor, classes: list[str], truth: str | None) -> dict[str, Any]:
+    top = probs.topk(min(TOP_K, len(classes)))
+    return {
+        "name": name,
+        "predicted": classes[int(top.indices[0])],
+        "probability": round(float(top.values[0]), 5),
+        "top5": [[classes[int(c)], round(float(p), 5)] for c, p in zip(top.indices, top.values)],
+        "true": truth,
+    }
+
+
+def _shown(graphs: list, names: list[str], guesses: list[str], truths: list, level: str, room: int) -> list[tuple]:
+    """(graph, predicted per node, true per node or None, caption) for the picture, at most `room` of them."""
+    if room <= 0:
+        return []
+    if level == "node":
+        right = sum(g == t for g, t in zip(guesses, truths) if t is not None)
+        told = sum(t is not None for t in truths)
+        caption = f"{Path(names[0]).name}: {right}/{told} nodes right" if told else Path(names[0]).name
+        return [(graphs[0], guesses, truths, caption)]
+    out = []
+    for graph, name, guess, truth in list(zip(graphs, names, guesses, truths))[:room]:
+        verdict = "" if truth is None else " (right)" if guess == truth else f" (true: {truth})"
+        caption = f"{Path(name).name[:28]}: {guess}{verdict}"
+        out.append((graph, [guess] * graph.num_nodes, None, caption))
+    return out
+
+
+def export_network(m: ClassifierModality, config: ONNConfig, module: Classifier, run_dir: Path) -> dict | None:
+    """ONNX of the network on one graph (x, edge_index; nodes and edges dynamic); None: the shared export."""
+    settings = config.export
+    if isinstance(settings, SafetensorsExport):
+        return None
+    if type(settings) is not OnnxExport:
+        raise UserError(f"export={settings.name}: a graph network exports onnx or safetensors.")
+    from onn.export.onnx_export import export_onnx
+
+    inputs = module.onn_config["inputs"]
+    generator = torch.Generator().manual_seed(int(config.seed))
+    nodes = 24
+    sample = {
+        "x": torch.randn(nodes, *inputs["input_shape"], generator=generator),
+        "edge_index": plan_graph(nodes, 4),
+    }
+    output = Path(settings.output or run_dir / "export" / "model.onnx")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    metrics = export_onnx(
+        module.model.eval(),
+        output,
+        sample,
+        opset=settings.opset,
+        atol=settings.atol,
+        axes={"x": {0: "nodes"}, "edge_index": {1: "edges"}},
+    )
+    log.info("export: %s (max abs diff %.3g)", output, metrics["export/max_abs_diff"])
+    return metrics

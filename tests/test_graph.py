@@ -1,0 +1,269 @@
+"""Graphs through torch_geometric: edge lists, safetensors tensors and meshes read as graphs (bad ones skipped
+with their reason), data=auto, graph and node classification trained end to end (loss, accuracy, infer's
+picture, ONNX in onnxruntime), the layer map of graph networks, and the real meshes of ../shared/data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import SHARED_DATA, compose
+
+from onn.errors import UserError
+from onn.modalities.graph.read import read_source
+
+MESHES = SHARED_DATA / "meshes"
+
+
+def write_edges(path: Path, pairs: list[tuple[int, int]], nodes: int | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head = [f"nodes {nodes}"] if nodes is not None else []
+    path.write_text("\n".join(["# an edge list", *head, *(f"{a} {b}" for a, b in pairs)]) + "\n")
+    return path
+
+
+def ring(n: int) -> list[tuple[int, int]]:
+    return [(i, (i + 1) % n) for i in range(n)]
+
+
+def star(n: int) -> list[tuple[int, int]]:
+    return [(0, i) for i in range(1, n)]
+
+
+def write_rings_and_stars(folder: Path, per_class: int, seed: int) -> Path:
+    """Two classes of small graphs as edge lists: rings (every degree 2) and stars (a hub and leaves)."""
+    rng = np.random.default_rng(seed)
+    for i in range(per_class):
+        write_edges(folder / "ring" / f"{i:03d}.edges", ring(int(rng.integers(5, 12))))
+        write_edges(folder / "star" / f"{i:03d}.edges", star(int(rng.integers(5, 12))))
+    return folder
+
+
+def test_edge_lists_tensors_and_meshes_read_as_undirected_graphs(tmp_path):
+    from safetensors.torch import save_file
+
+    from onn.modalities.mesh.primitives import write_primitives
+
+    write_edges(tmp_path / "a" / "path.edges", [(0, 1), (1, 2), (2, 2)], nodes=4)  # a self-loop and a lone node
+    (tmp_path / "b").mkdir()
+    save_file(
+        {"x": torch.randn(3, 3), "edge_index": torch.tensor([[0, 1], [1, 2]])}, str(tmp_path / "b" / "t.safetensors")
+    )
+    write_primitives(tmp_path / "c", per_class=1, seed=0, file_types=("obj",))
+    found = read_source(tmp_path, align="pca", max_nodes=10_000, max_bad_fraction=0.0)
+    (split,) = found.values()
+    graphs = dict(zip(split.names, split.graphs))
+    path = graphs["a/path.edges"]
+    assert path.num_nodes == 4 and path.x.tolist() == [[1.0]] * 4
+    assert sorted(map(tuple, path.edge_index.t().tolist())) == [(0, 1), (1, 0), (1, 2), (2, 1)]
+    tensors = graphs["b/t.safetensors"]
+    assert tensors.x.shape == (3, 3) and tensors.edge_index.shape == (2, 4)
+    box = graphs["c/box/0000.obj"]  # trimesh's box: 8 corners, 12 edges and 6 face diagonals
+    assert box.num_nodes == 8 and box.edge_index.shape == (2, 36)
+    assert torch.allclose(box.x.norm(dim=1).max(), torch.tensor(1.0))  # centred, in the unit sphere
+    assert split.classes == ["a", "b", "c"]
+
+
+def test_bad_graphs_are_skipped_with_one_sentence_each(tmp_path, caplog):
+    from safetensors.torch import save_file
+
+    for i in range(20):
+        write_edges(tmp_path / "ring" / f"{i}.edges", ring(5))
+    write_edges(tmp_path / "ring" / "past.edges", [(0, 1), (1, 7)], nodes=3)
+    (tmp_path / "ring" / "empty.edges").write_text("# nothing\n")
+    save_file(
+        {"x": torch.ones(2, 1), "edge_index": torch.tensor([[0], [5]])}, str(tmp_path / "ring" / "past.safetensors")
+    )
+    found = read_source(tmp_path, align="none", max_nodes=100, max_bad_fraction=0.2)
+    skipped = sorted(found["all"].skipped)
+    assert skipped == [
+        "ring/empty.edges: holds no nodes (an empty graph)",
+        "ring/past.edges: edge 1 (1 -> 7) points past its 3 nodes (numbered 0..2)",
+        "ring/past.safetensors: edge 0 (0 -> 5) points past its 2 nodes (numbered 0..1)",
+    ]
+    assert len(found["all"].graphs) == 20 and "Skipped 3 of 23 graph files" in caplog.text
+    with pytest.raises(UserError, match=r"past.edges: edge 1 \(1 -> 7\) points past its 3 nodes"):
+        read_source(tmp_path / "ring" / "past.edges", align="none", max_nodes=100, max_bad_fraction=0.05)
+    with pytest.raises(UserError, match="empty.edges: holds no nodes"):
+        read_source(tmp_path / "ring" / "empty.edges", align="none", max_nodes=100, max_bad_fraction=0.05)
+
+
+def test_data_auto_reads_graph_folders_and_meshes_as_graphs_for_a_graph_model(tmp_path):
+    from onn.config.model import GraphNetworkConfig
+    from onn.modalities import detect
+    from onn.modalities.mesh.primitives import write_primitives
+
+    modality, reason = detect(write_rings_and_stars(tmp_path / "g", 2, 0))
+    assert modality.name == "graph" and reason == "4 graph files"
+    meshes = write_primitives(tmp_path / "m", per_class=1, seed=0)
+    assert detect(meshes)[0].name == "mesh"
+    modality, reason = detect(meshes, GraphNetworkConfig)
+    assert modality.name == "graph" and reason.endswith("read as vertex-edge graphs")
+    assert detect("builtin:communities")[0].name == "graph"
+
+
+def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
+    from onn.app import execute, given_keys
+
+    cfg = compose(
+        *("data=graph", "model=gin", "tracking=none", "trainer.enable_progress_bar=false", "hardware=cpu_16gb"),
+        *(f"paths.outputs={tmp / 'outputs'}", f"paths.cache={tmp / 'cache'}", "strategy.precision=32-true"),
+        *("trainer.max_steps=-1", "trainer.val_check_interval=1.0", "optim.warmup_steps=0", "optim.lr=1e-2"),
+        *("model.hidden=16", "model.layers=2", "model.dropout=0.0", "data.batch_size=8"),
+        *overrides,
+    )
+    run_dir = tmp / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return execute(cfg, run_dir, given_keys(list(overrides))), run_dir  # the keys a command line would set
+
+
+def test_graph_classification_trains_infers_draws_and_exports(tmp_path):
+    import onnxruntime as ort
+
+    data = write_rings_and_stars(tmp_path / "train", 16, 0)
+    test = write_rings_and_stars(tmp_path / "test", 4, 1)
+    metrics, run_dir = run(
+        tmp_path, f"data.source={data}", f"data.test_source={test}", "trainer.max_epochs=6", "export=onnx"
+    )
+    assert metrics["modality"] == "graph" and metrics["items_skipped"] == 0
+    assert metrics["train/loss_final"] < metrics["train/loss_initial"]
+    assert metrics["test/acc"] >= 0.75  # rings and stars: chance is 0.5
+    assert metrics["export/max_abs_diff"] < 1e-4
+    session = ort.InferenceSession(metrics["export/onnx"], providers=["CPUExecutionProvider"])
+    (logits,) = session.run(None, {"x": np.ones((9, 1), np.float32), "edge_index": np.array(ring(9)).T})
+    assert logits.shape == (1, 2)  # one graph of any size per call
+
+    write_edges(test / "ring" / "past.edges", [(0, 9)], nodes=2)
+    with pytest.raises(UserError, match=r"1 of 9 graph files cannot be used \(first: ring/past.edges: edge 0"):
+        run(tmp_path, "task=infer", f"ckpt={run_dir}", f"task.input={test}", name="refused")
+    out, _ = run(
+        tmp_path, "task=infer", f"ckpt={run_dir}", f"task.input={test}", "data.max_bad_fraction=0.2", name="infer"
+    )
+    rows = [json.loads(line) for line in Path(out["infer/output"]).read_text().splitlines()]
+    assert len(rows) == 8 and out["infer/items_skipped"] == 1 and {r["true"] for r in rows} == {"ring", "star"}
+    assert out["infer/acc"] >= 0.75 and out["infer/skipped"][0].startswith("ring/past.edges: edge 0 (0 -> 9)")
+    from PIL import Image
+
+    picture = np.asarray(Image.open(out["infer/picture"]))
+    assert picture.shape[1] >= 600 and picture.std() > 10  # drawn graphs, not a blank canvas
+
+
+def test_node_classification_on_generated_communities(tmp_path):
+    metrics, run_dir = run(
+        tmp_path,
+        "data.source=builtin:communities",
+        "data.level=node",
+        "data.builtin.nodes=200",
+        "model=gcn",
+        "model.hidden=16",
+        "trainer.max_epochs=12",
+        "optim.lr=0.03",
+        "trainer.check_val_every_n_epoch=4",
+    )
+    assert metrics["steps"] == 12  # the whole graph every step
+    assert metrics["train/loss_final"] < metrics["train/loss_initial"]
+    assert metrics["test/acc"] > 0.5  # 4 communities: chance is 0.25
+
+
+class UserGNN(torch.nn.Module):
+    """A graph network as users write one: a list of convs, a list of norms beside it, a head."""
+
+    def __init__(self):
+        from torch_geometric.nn import GCNConv
+
+        super().__init__()
+        self.embed = torch.nn.Linear(3, 16)
+        self.convs = torch.nn.ModuleList(GCNConv(16, 16) for _ in range(4))
+        self.norms = torch.nn.ModuleList(torch.nn.BatchNorm1d(16) for _ in range(4))
+        self.head = torch.nn.Linear(16, 2)
+
+
+@pytest.mark.parametrize("name", ["GCN", "GraphSAGE", "GIN", "GAT", "user"])
+def test_the_layer_map_finds_a_graph_networks_conv_list(name):
+    import torch_geometric.nn.models as pyg_models
+
+    from onn.models.layers import discover
+
+    if name == "user":
+        model = UserGNN()
+    else:
+        model = getattr(pyg_models, name)(in_channels=3, hidden_channels=8, num_layers=4, out_channels=2)
+    lmap = discover(model)
+    assert lmap.blocks_path == "convs" and len(lmap) == 4  # the convs, not the norms beside them
+    total = sum(p.numel() for p in model.parameters())
+    assert lmap.prefix_params() + sum(lmap.block_params()) + lmap.suffix_params() == total
+
+
+def test_plan_sizes_onns_graph_network_by_its_blocks(tmp_path):
+    """data=auto on a folder of meshes with a graph model named: graph data, planned by the network's blocks."""
+    from conftest import run_cli
+
+    from onn.modalities.mesh.primitives import write_primitives
+
+    meshes = write_primitives(tmp_path / "meshes", per_class=1, seed=0)
+    proc = run_cli(
+        *("task=plan", "data=auto", f"data.source={meshes}", "model=gat", "hardware=cpu_16gb"),
+        *(f"paths.outputs={tmp_path}", f"hydra.run.dir={tmp_path / 'plan'}"),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "6 mesh files (.obj, .ply, .stl, .off, .glb), read as vertex-edge graphs" in proc.stdout
+    assert "layer map: prefix [-] -> 3 x GraphBlock at 'network.blocks' -> suffix [network.head]" in proc.stdout
+    plan = json.loads((tmp_path / "plan" / "metrics.json").read_text())
+    assert plan["params_total"] > 0 and plan["predicted_peak_memory_mb"] > 0 and plan["strategy"] == "full"
+
+
+@pytest.mark.skipif(not MESHES.is_dir(), reason="../shared/data/meshes is not here")
+def test_every_real_mesh_reads_as_a_graph_or_is_skipped_with_a_reason():
+    found = read_source(MESHES, align="pca", max_nodes=500_000, max_bad_fraction=0.1, allow_unlabelled=True)
+    (split,) = found.values()
+    assert len(split.graphs) == 96 and sorted(s.split(":")[0] for s in split.skipped) == [
+        "trimesh/empty.obj",
+        "trimesh/empty.ply",
+        "trimesh/empty.stl",
+        "trimesh/empty_nodes.glb",
+    ]
+    assert all(g.num_nodes > 0 and torch.isfinite(g.x).all() and g.x.shape[1] == 3 for g in split.graphs)
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_epoch_resumes_to_the_uninterrupted_runs_weights(tmp_path):
+    """kill -9 after a mid-epoch checkpoint, then ckpt=<the killed run>: the same weights, bit for bit, as the run
+    that was never stopped (the graph batches' order and place in their epoch come back with the checkpoint)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT, run_cli
+
+    from onn.training.checkpoints import load, read_meta
+
+    data = write_rings_and_stars(tmp_path / "data", 16, 0)
+    args = [
+        *("data=graph", "model=gin", f"data.source={data}", "model.hidden=16", "model.layers=2", "data.batch_size=4"),
+        *("trainer.max_epochs=3", "checkpoint.every_n_steps=2", "tracking=none", "trainer.enable_progress_bar=false"),
+        *("strategy.precision=32-true", f"paths.outputs={tmp_path / 'outputs'}", f"paths.cache={tmp_path / 'cache'}"),
+    ]
+    whole = run_cli(*args, f"hydra.run.dir={tmp_path / 'whole'}")
+    assert whole.returncode == 0, whole.stdout[-2000:] + whole.stderr[-2000:]
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={killed}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    last = killed / "checkpoints" / "last.ckpt"
+    while proc.poll() is None and not (last / "meta.json").is_file():
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL and read_meta(last)["global_step"] < 21  # 7 steps an epoch, 3 epochs
+    resumed = run_cli(*args, f"ckpt={killed}", f"hydra.run.dir={tmp_path / 'resumed'}")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    want = load(tmp_path / "whole" / "checkpoints" / "last.ckpt")["state_dict"]
+    got = load(tmp_path / "resumed" / "checkpoints" / "last.ckpt")["state_dict"]
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
