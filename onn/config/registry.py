@@ -23,7 +23,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "data": {"image": data.ImageData, "audio": data.AudioData, "video": data.VideoData,
              "mesh": data.MeshData, "text": data.TextData, "pairs": data.PairsData},
     "model": {"language": model.LanguageModelConfig, "network": model.NetworkConfig,
-              "dual_encoder": model.DualEncoderConfig},
+              "dual_encoder": model.DualEncoderConfig, "denoiser": model.DenoiserConfig},
     "task": {"train": task.TrainTask, "eval": task.EvalTask, "infer": task.InferTask,
              "bench": task.BenchTask, "bench_giant": task.BenchGiantTask, "bench_gpu": task.BenchGpuTask,
              "bench_overhead": task.BenchOverheadTask, "bench_vision": task.BenchVisionTask,
