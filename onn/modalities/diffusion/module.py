@@ -129,7 +129,10 @@ class DiffusionModule(EpochRecord, L.LightningModule):
         log_train_loss(self, loss, images.shape[0])
         return loss
 
-    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+    def optimizer_step(self, *args, **kwargs) -> None:
+        """The step, then the moving average: before any callback's on_train_batch_end, so a checkpoint written
+        there holds the average of this step too (a resumed run then averages exactly as an unbroken one)."""
+        super().optimizer_step(*args, **kwargs)
         if self.ema is not None:
             self.ema.update_parameters(self.denoiser)
 
