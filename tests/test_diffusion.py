@@ -173,3 +173,28 @@ def test_a_run_killed_at_a_checkpoint_write_resumes_to_the_uninterrupted_weights
         for s, t in zip(a["optimizer_states"][0]["state"].values(), b["optimizer_states"][0]["state"].values())
     ]
     assert moments and all(torch.equal(x, y) for x, y in moments)
+
+
+def test_a_list_of_module_lists_is_still_a_list_of_blocks():
+    """Stages held as a model's ModuleList attributes are not blocks (a UNet's down_blocks and up_blocks), but
+    a ModuleList of [attention, feed-forward] ModuleLists, as many transformers hold their layers, is."""
+    from torch import nn
+
+    from onn.models.layers import blocks_crossed, discover
+
+    class Layers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(4, 8)
+            self.layers = nn.ModuleList(nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)]) for _ in range(3))
+
+        def forward(self, x):
+            x = self.embed(x)
+            for attend, feed in self.layers:
+                x = feed(attend(x))
+            return x
+
+    model = Layers()
+    found = discover(model)
+    assert found.blocks_path == "layers" and len(found) == 3
+    assert blocks_crossed(model, (torch.zeros(1, 4),)) is None  # (the ModuleLists are never called themselves)
