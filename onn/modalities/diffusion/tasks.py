@@ -62,6 +62,7 @@ def plan(modality, config: ONNConfig, hardware: Profile, use_tuned: bool = True)
         denoiser, sample, str(config.model.name), pretrained=False, blocks_path=config.model.layer_map.blocks
     )
     result = make_plan(config, hardware, spec, use_tuned=use_tuned)
+    result.candidates.pop("linear_probe", None)  # a classifier's candidate: a denoiser has no head to probe
     if config.strategy.name == "auto":
         result.reasons[0] = "a denoiser trained from random init: train every weight"
     crossing = blocks_crossed(denoiser, sample)
