@@ -77,3 +77,17 @@ class DualEncoderConfig(ModelConfig):
     learn_temperature: bool = MISSING
     max_logit_scale: float = MISSING  # 1 / temperature is clamped at this
     sides: dict[str, Any] = field(default_factory=dict)  # per side: a conf/model option, or a dict of its keys
+
+
+@dataclass
+class DenoiserConfig(ModelConfig):
+    """A diffusion denoiser from diffusers (onn/modalities/diffusion): a UNet2DModel or a DiTTransformer2DModel
+    predicting the noise added to an image at a timestep, trained under a DDPMScheduler's noise schedule."""
+
+    architecture: str = MISSING  # unet (diffusers.UNet2DModel) | dit (diffusers.DiTTransformer2DModel)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the diffusers constructor's arguments (not sizes/channels)
+    train_timesteps: int = MISSING  # the noise schedule's length (DDPMScheduler's num_train_timesteps)
+    beta_schedule: str = MISSING  # linear | scaled_linear | squaredcos_cap_v2 (DDPMScheduler's)
+    ema_decay: float = MISSING  # weights sampled from: an exponential moving average of the trained ones; 0: off
+    layer_map: LayerMapOverride = field(default_factory=lambda: LayerMapOverride(blocks=None))
+    dtype: str = "float32"

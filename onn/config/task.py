@@ -33,6 +33,15 @@ class TrainTask(TaskConfig):
     label_smoothing: float = MISSING
     adapt_norm: bool = MISSING
     early_stopping: EarlyStopping = MISSING
+    # diffusion (onn/modalities/diffusion): how task=infer and task=eval draw images
+    seed: int = MISSING  # the sampling noise's seed: the same seed, checkpoint and steps give the same images
+    sampler: str = MISSING  # ddim (few steps) | ddpm (every training timestep)
+    sample_steps: int = MISSING  # denoising steps (ddim); ddpm takes the schedule's own
+    samples: int = MISSING  # images drawn
+    classifier: str | None = MISSING  # task=eval: an ONN image classifier's checkpoint that labels the samples
+    confidence: float = (
+        MISSING  # task=eval: a sample counts as recognised when the classifier's top probability is this
+    )
 
 
 @dataclass

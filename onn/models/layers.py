@@ -105,21 +105,25 @@ def discover(model: nn.Module, blocks_path: str | None = None) -> LayerMap:
 
 def _same_type_runs(module: nn.Module) -> list[list[str]]:
     """Runs of >= 2 consecutive children of one type (a ModuleList of decoder layers, ResNet's layer1..4).
-    A ModuleList or ModuleDict is never a block: it has no forward of its own, it holds blocks (a graph
-    network's `convs` and `norms` lists side by side are two lists, not a run of two blocks)."""
-    from torch.nn import ModuleDict, ModuleList  # (torch is loaded: the module was built with it)
+    Plain containers (ModuleList, ModuleDict: no forward of their own) are blocks only inside a list of blocks;
+    as a model's attributes they are separate stages (a UNet's down_blocks and up_blocks), whose own children
+    are the blocks (a graph network's `convs` and `norms` lists side by side are two stages, not a run of
+    two blocks)."""
+    from torch import nn
 
+    in_list = isinstance(module, nn.ModuleList | nn.Sequential)
     runs, current = [], []
     for name, child in module.named_children():
         # (any parameters, even the empty placeholders of blocks whose weights live in a layer store)
         has_params = any(True for _ in child.parameters())
-        block = has_params and not isinstance(child, ModuleList | ModuleDict)
-        if current and type(child) is type(module.get_submodule(current[-1])) and block:
+        if type(child) in (nn.ModuleList, nn.ModuleDict) and not in_list:
+            has_params = False  # a stage's container, never a block
+        if current and type(child) is type(module.get_submodule(current[-1])) and has_params:
             current.append(name)
         else:
             if len(current) >= 2:
                 runs.append(current)
-            current = [name] if block else []
+            current = [name] if has_params else []
     if len(current) >= 2:
         runs.append(current)
     return runs
@@ -194,3 +198,50 @@ def block_runs(model: nn.Module, blocks_path: str | None = None) -> list[list[st
 
 def _nested(a: str, b: str) -> bool:
     return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def blocks_crossed(model: nn.Module, inputs: tuple, blocks_path: str | None = None) -> str | None:
+    """Where a block reads the output of a block other than the one just before it (a UNet's skip connections:
+    an up block reads its down block's features), as "up_blocks.0 reads down_blocks.2's output"; None when
+    each block reads only its predecessor's output (and the model's own inputs), so that blocks can run one
+    after another, as streaming runs them. Found by one forward pass of `inputs` (meta tensors will do)
+    with a hook on every block of every run (block_runs), in the order they are called."""
+    import torch
+
+    paths = [p for run in block_runs(model, blocks_path) for p in run]
+    made: dict[int, int] = {}  # id(tensor) -> the call that returned it
+    calls: list[str] = []
+    kept: list = []  # every hooked tensor stays alive, so no id is reused during the pass
+    found: list[str] = []
+
+    def tensors(value) -> list[torch.Tensor]:
+        if isinstance(value, torch.Tensor):
+            return [value]
+        if isinstance(value, list | tuple):
+            return [t for v in value for t in tensors(v)]
+        if isinstance(value, dict):
+            return [t for v in value.values() for t in tensors(v)]
+        return [t for v in vars(value).values() for t in tensors(v)] if hasattr(value, "__dataclass_fields__") else []
+
+    def hook(path: str):
+        def after(module, args, kwargs, output) -> None:
+            here = len(calls)
+            for t in tensors((args, kwargs)):
+                source = made.get(id(t))
+                if source is not None and source != here - 1 and not found:
+                    found.append(f"{path} reads {calls[source]}'s output")
+            for t in tensors(output):
+                made.setdefault(id(t), here)
+            calls.append(path)
+            kept.append((args, kwargs, output))
+
+        return after
+
+    handles = [model.get_submodule(p).register_forward_hook(hook(p), with_kwargs=True) for p in paths]
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return found[0] if found else None

@@ -119,8 +119,9 @@ def network_spec(
 ) -> ModelSpec:
     """A network's sizes for one sample: parameters, and the forward FLOPs and the bytes autograd saves
     for backward, both counted during one forward pass on the meta device (nothing is allocated).
-    `model` is built on the meta device and `sample` is a meta tensor of one sample's batch of 1;
-    `head_params` is what a linear probe would train."""
+    `model` is built on the meta device and `sample` is a meta tensor of one sample's batch of 1 (or a tuple of
+    them, for a model of several inputs: a denoiser's image and timestep); `head_params` is what a linear probe
+    would train."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -132,7 +133,7 @@ def network_spec(
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as flops:
-        model.train()(sample.requires_grad_(False))
+        model.train()(*(t.requires_grad_(False) for t in (sample if isinstance(sample, tuple) else (sample,))))
     try:
         lmap = discover(model, blocks_path)
         blocks, prefix, suffix, described = (

@@ -1,0 +1,54 @@
+"""Diffusion: a denoiser learns to generate images like those of an image source.
+
+The diffusion modality. Its images are read by the image modality's readers and cached as they are
+(any folder, archive, IDX, CIFAR or parquet source: conf/data/diffusion.yaml); the denoiser is a diffusers
+UNet2DModel or DiTTransformer2DModel (conf/model/ddpm_unet.yaml, dit_small.yaml) trained with DDPM's
+noise-prediction loss under diffusers' DDPMScheduler (module.py); samples are drawn with diffusers'
+DDIMScheduler or DDPMScheduler (sample.py); task=eval judges them with an ONN image classifier (quality.py).
+data=auto never picks it: images are classified unless data=diffusion says to learn to generate them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from onn.config import ONNConfig
+from onn.config.data import ImageData
+from onn.config.model import DenoiserConfig
+from onn.errors import UserError
+from onn.modalities.base import Job, Modality
+
+
+class DiffusionModality(Modality):
+    name = "diffusion"
+    data_schema = ImageData
+    model_schema = DenoiserConfig
+    implementation = "onn.modalities.diffusion.tasks"
+    default_data = "diffusion"
+    default_model = "ddpm_unet"
+    description = "images to generate (a diffusion denoiser)"
+
+    def check(self, config: ONNConfig) -> None:
+        from onn.modalities.diffusion.module import ARCHITECTURES
+        from onn.modalities.diffusion.sample import SAMPLERS
+
+        model = config.model
+        if not isinstance(model, DenoiserConfig):
+            raise UserError(f"model={model.name} is not a denoiser: use model=ddpm_unet or model=dit_small.")
+        if model.architecture not in ARCHITECTURES:
+            raise UserError(f"model.architecture={model.architecture!r}: use one of {', '.join(ARCHITECTURES)}.")
+        if config.strategy.name not in ("auto", "full"):
+            raise UserError(f"strategy={config.strategy.name}: a denoiser trains with strategy=full (or auto).")
+        if not 0 <= model.ema_decay < 1:
+            raise UserError(f"model.ema_decay={model.ema_decay!r}: give a number in [0, 1) (0: no moving average).")
+        task = config.task
+        if task.sampler not in SAMPLERS:
+            raise UserError(f"task.sampler={task.sampler!r}: use one of {', '.join(SAMPLERS)}.")
+        size = config.data.image_size
+        if size is not None and (len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size)):
+            raise UserError(f"data.image_size={size}: give [height, width] in pixels, each 1 or more (or null).")
+
+    def evaluate(self, job: Job) -> dict[str, Any]:
+        from onn.modalities.diffusion.quality import evaluate
+
+        return evaluate(job)

@@ -1,0 +1,163 @@
+"""The denoiser (a diffusers UNet2DModel or DiTTransformer2DModel) and the LightningModule that trains it.
+
+Training is DDPM's (Ho et al. 2020): a batch of images scaled to [-1, 1], a random timestep per image,
+noise added by the diffusers DDPMScheduler (`add_noise`), and the mean squared error between that noise
+and the denoiser's prediction of it. Validation scores the same loss on held-out images with noise and
+timesteps drawn from a fixed seed, so epochs compare. An exponential moving average of the weights
+(torch.optim.swa_utils.AveragedModel) is what samples are drawn from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from onn.config.model import DenoiserConfig
+from onn.config.run import OptimConfig
+from onn.errors import UserError
+from onn.training.distributed import clip_gradients
+from onn.training.optim import make_optimizer, make_schedule
+from onn.training.record import EpochRecord, log_train_loss
+
+LOOP = "diffusion"
+MONITOR = "val/loss"
+ARCHITECTURES = ("unet", "dit")
+VAL_SEED = 1234  # the held-out noise and timesteps: the same every validation
+
+
+class Denoiser(nn.Module):
+    """A diffusers denoiser as one function: (noisy images [B, C, H, W], timesteps [B]) -> predicted noise.
+    The DiT is class-conditional in diffusers; here every image is class 0 (an unconditional model)."""
+
+    def __init__(self, network: nn.Module, architecture: str):
+        super().__init__()
+        self.network, self.architecture = network, architecture
+
+    def forward(self, sample: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        if self.architecture == "dit":
+            classes = torch.zeros(sample.shape[0], dtype=torch.long, device=sample.device)
+            return self.network(sample, timestep=timestep, class_labels=classes).sample
+        return self.network(sample, timestep).sample
+
+
+def build_denoiser(model_cfg: DenoiserConfig, channels: int, size: list[int]) -> Denoiser:
+    """The denoiser of model.architecture for images of `channels` x size[0] x size[1]."""
+    from diffusers import DiTTransformer2DModel, UNet2DModel
+
+    if model_cfg.architecture not in ARCHITECTURES:
+        raise UserError(f"model.architecture={model_cfg.architecture!r}: use one of {', '.join(ARCHITECTURES)}.")
+    kwargs = dict(model_cfg.kwargs)
+    height, width = size
+    try:
+        if model_cfg.architecture == "unet":
+            network = UNet2DModel(sample_size=(height, width), in_channels=channels, out_channels=channels, **kwargs)
+        else:
+            if height != width:
+                raise UserError(f"model.architecture=dit takes square images; data.image_size is {height}x{width}.")
+            network = DiTTransformer2DModel(
+                sample_size=height, in_channels=channels, out_channels=channels, num_embeds_ada_norm=1, **kwargs
+            )
+    except (TypeError, ValueError) as e:  # an unknown or inconsistent constructor argument: diffusers says which
+        raise UserError(f"model.kwargs do not build a {model_cfg.architecture}: {e}") from e
+    return Denoiser(network, model_cfg.architecture)
+
+
+def noise_scheduler(model_cfg: DenoiserConfig):
+    """The training noise schedule (diffusers' DDPMScheduler)."""
+    from diffusers import DDPMScheduler
+
+    return DDPMScheduler(num_train_timesteps=int(model_cfg.train_timesteps), beta_schedule=model_cfg.beta_schedule)
+
+
+def to_model_range(images: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels -> floats in [-1, 1]."""
+    return images.float() / 127.5 - 1
+
+
+def to_pixels(x: torch.Tensor) -> torch.Tensor:
+    """Floats in [-1, 1] -> uint8 pixels."""
+    return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+
+
+class DiffusionModule(EpochRecord, L.LightningModule):
+    loop = LOOP
+    describes = "ONN's diffusion training"
+
+    def __init__(self, denoiser: Denoiser, model_cfg: DenoiserConfig, optim: OptimConfig, onn_config: dict[str, Any]):
+        super().__init__()
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        self.optimizer_steps: int | None = None  # the schedule's length, when the runner knows it
+        self.denoiser = denoiser
+        self.ema_decay = float(model_cfg.ema_decay)
+        self.ema = (
+            AveragedModel(denoiser, multi_avg_fn=get_ema_multi_avg_fn(self.ema_decay), use_buffers=True)
+            if self.ema_decay > 0
+            else None
+        )
+        self.scheduler = noise_scheduler(model_cfg)
+        self.optim = optim
+        self.onn_config = onn_config  # plain values, stored in every checkpoint: eval/infer/export rebuild from it
+        self.train_losses: list[torch.Tensor] = []
+        self.history: list[dict[str, float]] = []
+        self._val: list[torch.Tensor] = []  # held-out loss x batch size, per batch
+        self._val_count = 0
+        self._generator: torch.Generator | None = None
+        self.last_metrics: dict[str, float] = {}
+
+    def sampling_denoiser(self) -> nn.Module:
+        """What samples are drawn from: the moving average of the weights, or the weights themselves."""
+        return self.ema.module if self.ema is not None else self.denoiser
+
+    def loss(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """DDPM's noise-prediction loss of a batch of uint8 images."""
+        x0 = to_model_range(images)
+        steps = self.scheduler.config.num_train_timesteps
+        t = torch.randint(0, steps, (x0.shape[0],), device=x0.device, generator=generator)
+        noise = torch.randn(x0.shape, device=x0.device, generator=generator)
+        noisy = self.scheduler.add_noise(x0, noise, t)
+        return F.mse_loss(self.denoiser(noisy, t).float(), noise)
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        images, _ = batch
+        loss = self.loss(images)
+        self.train_losses.append(loss.detach())
+        log_train_loss(self, loss, images.shape[0])
+        return loss
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        """The step, then the moving average: before any callback's on_train_batch_end, so a checkpoint written
+        there holds the average of this step too (a resumed run then averages exactly as an unbroken one)."""
+        super().optimizer_step(*args, **kwargs)
+        if self.ema is not None:
+            self.ema.update_parameters(self.denoiser)
+
+    def on_validation_epoch_start(self) -> None:
+        self._generator = torch.Generator(device=self.device).manual_seed(VAL_SEED)
+        self._val, self._val_count = [], 0
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        images, _ = batch
+        self._val.append(self.loss(images, self._generator).detach() * images.shape[0])
+        self._val_count += images.shape[0]
+
+    def on_validation_epoch_end(self) -> None:
+        figures = {MONITOR: float(torch.stack(self._val).sum()) / max(self._val_count, 1)}
+        self.last_metrics = figures
+        self.log(MONITOR, figures[MONITOR], prog_bar=True)
+        if not self.trainer.sanity_checking:
+            self.record_epoch(figures, [MONITOR])
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        clip_gradients(self, optimizer, self.optim.clip_grad_norm)
+
+    def configure_optimizers(self):
+        optimizer = make_optimizer([p for p in self.denoiser.parameters() if p.requires_grad], self.optim)
+        schedule = make_schedule(
+            optimizer, self.optim, self.optimizer_steps or int(self.trainer.estimated_stepping_batches), MONITOR
+        )
+        return {"optimizer": optimizer, "lr_scheduler": schedule}

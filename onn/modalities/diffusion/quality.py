@@ -1,0 +1,134 @@
+"""task=eval of a denoiser: sample quality judged by an ONN image classifier trained on the same data.
+
+No feature network is downloaded (ONN has no network at run time), so there is no FID: the judge is a
+classifier ONN trained itself (e.g. `model=v28_cnn` on the same images), named by task.classifier. It
+labels task.samples images drawn from task.seed, and the figures are:
+
+  confident_share   the share of samples whose top class probability reaches task.confidence
+  classes_present   how many classes the confident samples fall in (and which are missing)
+  inception_score   exp(E_x KL(p(y|x) || p(y))) over the samples (Salimans et al. 2016, with ONN's classifier
+                    in Inception's place): 1 when every sample looks alike or like nothing, up to the number
+                    of classes when each is confidently one class and the classes are used evenly
+
+The same figures for held-out real images (the ceiling the classifier allows) are reported beside them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from onn.config import ONNConfig, typed
+from onn.config.data import ImageData
+from onn.config.model import NetworkConfig
+from onn.config.task import TrainTask
+from onn.errors import UserError
+from onn.modalities.base import Job
+from onn.modalities.diffusion.sample import write_sample_grid
+from onn.modalities.diffusion.tasks import build, datamodule, draw_samples, load_trained
+from onn.training.trainer import build_trainer
+
+log = logging.getLogger("onn")
+
+
+def load_classifier(config: ONNConfig, plan, path: str):
+    """The ONN image classifier at `path` (a run dir, checkpoints dir or .ckpt), rebuilt from its own config."""
+    from onn.modalities import get
+    from onn.modalities.classification import load_trained as load_classifier_ckpt
+    from onn.training.checkpoints import resolve, saved_config
+
+    ckpt = resolve(path, config.paths.outputs)
+    saved = saved_config(ckpt)
+    if saved.get("modality") != "image":  # ({} for another tool's checkpoint)
+        raise UserError(
+            f"task.classifier={path} is not an ONN image classifier's checkpoint (train one with data=...)."
+        )
+    run = dataclasses.replace(
+        config,
+        model=typed(NetworkConfig, saved["model"], f"task.classifier {ckpt}: model"),
+        data=typed(ImageData, saved["data"], f"task.classifier {ckpt}: data"),
+    )
+    return load_classifier_ckpt(get("image"), run, dataclasses.replace(plan, strategy="full"), ckpt)
+
+
+@torch.no_grad()
+def judged(classifier, images: torch.Tensor, confidence: float, device: torch.device) -> dict[str, Any]:
+    """The classifier's figures for uint8 images [N, C, H, W] (see the module's docstring)."""
+    classifier = classifier.to(device).eval()
+    probs = torch.cat(
+        [
+            torch.softmax(classifier(classifier.prepare(x.to(device), train=False)).float(), dim=1).cpu()
+            for x in images.split(256)
+        ]
+    )
+    classes = list(classifier.classes)
+    top, label = probs.max(dim=1)
+    sure = top >= confidence
+    counts = torch.bincount(label[sure], minlength=len(classes))
+    marginal = probs.mean(0, keepdim=True)
+    kl = (probs * (probs.clamp_min(1e-12).log() - marginal.clamp_min(1e-12).log())).sum(1)
+    return {
+        "confident_share": round(float(sure.float().mean()), 4),
+        "classes_present": int((counts > 0).sum()),
+        "classes_missing": [c for c, n in zip(classes, counts.tolist()) if n == 0],
+        "class_counts": dict(zip(classes, counts.tolist())),
+        "inception_score": round(float(kl.mean().exp()), 3),
+        "labels": [classes[int(i)] for i in label],
+        "top": top,
+    }
+
+
+def evaluate(job: Job) -> dict[str, Any]:
+    config = job.config
+    task: TrainTask = config.task
+    if not task.classifier:
+        raise UserError(
+            "task=eval on diffusion data needs task.classifier=RUN_DIR: an ONN image classifier trained on the same "
+            "data (e.g. python run.py model=v28_cnn data=mnist ...), which labels the samples."
+        )
+    if job.ckpt is None:
+        log.warning("task=eval without ckpt: judging a random-weights denoiser (the baseline a trained one must beat)")
+    dm = datamodule(config, job.device)
+    if job.ckpt is not None:
+        module = load_trained(config, job.ckpt)
+    else:
+        module = build(config, {"input_shape": list(dm.input_shape), "classes": dm.classes, "seed": config.seed})
+    classifier = load_classifier(config, job.plan, task.classifier)
+    expected = list(classifier.onn_config["inputs"]["input_shape"])
+    shape = list(module.onn_config["inputs"]["input_shape"])
+    if expected != shape:
+        raise UserError(
+            f"task.classifier={task.classifier} takes images of {expected} (C, H, W) but the denoiser draws {shape}; "
+            "train the classifier on the same data.image_size and data.channels."
+        )
+    trainer = build_trainer(config, job.plan, job.run_dir, [], loggers=False, steps_per_epoch=1)
+    trainer.validate(module, datamodule=dm, verbose=False)
+    device = torch.device(job.device)
+    images = draw_samples(config, module, device)
+    figures = judged(classifier, images, float(task.confidence), device)
+    real = judged(classifier, dm.splits["val"].inputs[: len(images)].cpu(), float(task.confidence), device)
+    picture = job.run_dir / "samples.png"
+    captions = [f"{c} {float(p):.2f}" for c, p in zip(figures["labels"], figures["top"])]
+    write_sample_grid(images, picture, captions)
+    metrics: dict[str, Any] = {
+        "checkpoint": str(job.ckpt) if job.ckpt else None,
+        "classifier": task.classifier,
+        **{f"val/{k.split('/')[-1]}": round(v, 5) for k, v in module.last_metrics.items()},
+        "samples/count": len(images),
+        "samples/sampler": f"{task.sampler} ({task.sample_steps} steps)" if task.sampler == "ddim" else task.sampler,
+        "samples/seed": task.seed,
+        "samples/confidence": task.confidence,
+        **{f"samples/{k}": v for k, v in figures.items() if k not in ("labels", "top")},
+        **{f"real/{k}": v for k, v in real.items() if k not in ("labels", "top", "class_counts")},
+        "samples/picture": str(picture),
+    }
+    print(
+        f"samples: {figures['confident_share']:.1%} confident (>= {task.confidence}), "
+        f"{figures['classes_present']}/{len(classifier.classes)} classes, inception score "
+        f"{figures['inception_score']:.2f}; held-out real images: {real['confident_share']:.1%}, "
+        f"{real['inception_score']:.2f}"
+    )
+    return metrics

@@ -1,0 +1,61 @@
+"""Drawing images from a trained denoiser with a diffusers scheduler, and a grid PNG of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from onn.config.model import DenoiserConfig
+from onn.errors import UserError
+from onn.modalities.diffusion.module import to_pixels
+
+SAMPLERS = ("ddim", "ddpm")
+
+
+def sampling_scheduler(model_cfg: DenoiserConfig, sampler: str, steps: int):
+    """DDIMScheduler (deterministic, `steps` of the training schedule) or DDPMScheduler (every timestep),
+    on the noise schedule the model was trained with."""
+    from diffusers import DDIMScheduler, DDPMScheduler
+
+    if sampler not in SAMPLERS:
+        raise UserError(f"task.sampler={sampler!r}: use one of {', '.join(SAMPLERS)}.")
+    kind = DDIMScheduler if sampler == "ddim" else DDPMScheduler
+    scheduler = kind(num_train_timesteps=int(model_cfg.train_timesteps), beta_schedule=model_cfg.beta_schedule)
+    scheduler.set_timesteps(steps if sampler == "ddim" else int(model_cfg.train_timesteps))
+    return scheduler
+
+
+@torch.no_grad()
+def draw(
+    denoiser: nn.Module,
+    scheduler,
+    count: int,
+    shape: list[int],
+    seed: int,
+    device: torch.device,
+    batch: int = 256,
+) -> torch.Tensor:
+    """`count` uint8 images [count, *shape]: noise from `seed` (on the CPU, so every device draws the same),
+    denoised step by step with the scheduler."""
+    denoiser = denoiser.to(device).eval()
+    generator = torch.Generator().manual_seed(int(seed))
+    out = []
+    for start in range(0, count, batch):
+        n = min(batch, count - start)
+        x = torch.randn(n, *shape, generator=generator).to(device)
+        for t in scheduler.timesteps:
+            noise = denoiser(x, t.expand(n).to(device))
+            x = scheduler.step(noise, t, x, generator=generator).prev_sample
+        out.append(to_pixels(x).cpu())
+    return torch.cat(out) if out else torch.zeros(0, *shape, dtype=torch.uint8)
+
+
+def write_sample_grid(images: torch.Tensor, path: Path, captions: list[str] | None = None) -> None:
+    """The first 64 images as one PNG grid (the image modality's), each captioned (the classifier's label) or not."""
+    from onn.modalities.image.pictures import MAX_IMAGES, write_grid
+
+    shown = images[:MAX_IMAGES]
+    labels = captions[: len(shown)] if captions is not None else [""] * len(shown)
+    write_grid(shown, labels, [None] * len(shown), path, columns=8, scale=3)

@@ -1,0 +1,245 @@
+"""plan, train, eval, infer and export of a diffusion denoiser on images.
+
+plan    the denoiser sized on the meta device (one sample and its timestep); a UNet's skip connections
+        cross its blocks, which the plan says, keeping it resident (strategy=full)
+train   epochs over the image modality's resident dataset (its readers and cache), the noise-prediction
+        loss on held-out images every validation, best.ckpt by val/loss beside last.ckpt, resume with the
+        history; a grid of samples at the end
+infer   task.samples images from task.seed in task.sample_steps (DDIM) or every timestep (DDPM): a PNG grid
+        and the images as safetensors
+eval    the held-out loss, and the samples labelled by an ONN image classifier (task.classifier): the share
+        it is confident about, the classes it sees and an Inception-score-like figure
+export  the denoiser (noisy image + timestep -> predicted noise) as ONNX, checked in onnxruntime
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from onn.config import ONNConfig, as_dict, typed
+from onn.config.data import ImageData
+from onn.config.model import DenoiserConfig
+from onn.config.task import TrainTask
+from onn.errors import UserError
+from onn.hardware.memory import PeakMemory
+from onn.hardware.profile import Profile
+from onn.modalities.base import Job
+from onn.modalities.diffusion.module import MONITOR, DiffusionModule, build_denoiser
+from onn.modalities.diffusion.sample import draw, sampling_scheduler, write_sample_grid
+from onn.planning.plan import make_plan
+from onn.planning.spec import network_spec
+from onn.training.callbacks import ResourceMonitor, StepClock, epoch_checkpoints
+from onn.training.checkpoints import load as load_checkpoint
+from onn.training.checkpoints import saved_config as run_config
+from onn.training.classifier import mean_loss
+from onn.training.trainer import build_trainer, optimizer_steps
+
+log = logging.getLogger("onn")
+
+
+def planned_shape(config: ONNConfig) -> list[int]:
+    """[channels, height, width] from the config alone: data.image_size (32 px when null), data.channels (1 when
+    auto)."""
+    data: ImageData = config.data
+    size = [int(v) for v in data.image_size] if data.image_size else [32, 32]
+    return [data.channels if isinstance(data.channels, int) else 1, *size]
+
+
+def plan(modality, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
+    """The network plan of the denoiser for one image and its timestep; the blocks it cannot stream, said."""
+    from onn.models.layers import blocks_crossed
+
+    shape = planned_shape(config)
+    with torch.device("meta"):
+        denoiser = build_denoiser(config.model, shape[0], shape[1:])
+        sample = (torch.empty(1, *shape), torch.zeros(1, dtype=torch.long))
+    spec = network_spec(
+        denoiser, sample, str(config.model.name), pretrained=False, blocks_path=config.model.layer_map.blocks
+    )
+    result = make_plan(config, hardware, spec, use_tuned=use_tuned)
+    result.candidates.pop("linear_probe", None)  # a classifier's candidate: a denoiser has no head to probe
+    if config.strategy.name == "auto":
+        result.reasons[0] = "a denoiser trained from random init: train every weight"
+    crossing = blocks_crossed(denoiser, sample)
+    if crossing:
+        result.reasons.insert(
+            1,
+            f"{type(denoiser.network).__name__}'s skip connections cross its blocks ({crossing}), so it cannot be "
+            "streamed block by block: it trains resident (strategy=full)",
+        )
+    return result, spec
+
+
+def build(config: ONNConfig, inputs: dict[str, Any]) -> DiffusionModule:
+    """The DiffusionModule of config.model for `inputs` (input_shape, the validation split's seed, classes);
+    its onn_config (saved in every checkpoint, plain values) rebuilds it."""
+    torch.manual_seed(int(config.seed))
+    model: DenoiserConfig = config.model
+    channels, height, width = inputs["input_shape"]
+    onn_config = {
+        "model": as_dict(model),
+        "strategy": {**as_dict(config.strategy), "name": "full"},
+        "data": as_dict(config.data),
+        "inputs": inputs,
+        "modality": "diffusion",
+    }
+    return DiffusionModule(build_denoiser(model, channels, [height, width]), model, config.optim, onn_config)
+
+
+def saved_config(ckpt: Path) -> dict[str, Any]:
+    saved = run_config(ckpt)
+    if not saved or saved["modality"] != "diffusion":
+        raise UserError(f"ckpt {ckpt} was not written by a diffusion run; it cannot be used with diffusion data.")
+    return saved
+
+
+def load_trained(config: ONNConfig, ckpt: Path) -> DiffusionModule:
+    """The module of the checkpoint's model with its weights (and its moving average)."""
+    saved = saved_config(ckpt)
+    model = typed(DenoiserConfig, saved["model"], f"ckpt {ckpt}: model")
+    module = build(dataclasses.replace(config, model=model), saved["inputs"])
+    missing, unexpected = module.load_state_dict(load_checkpoint(ckpt)["state_dict"], strict=False)
+    if missing or unexpected:
+        raise UserError(
+            f"ckpt {ckpt} does not match the denoiser it names: missing {missing[:3]}, unexpected {unexpected[:3]}."
+        )
+    return module
+
+
+def datamodule(config: ONNConfig, device: str):
+    """The image modality's datamodule (its readers, cache, resident splits); the labels go unused."""
+    from onn.modalities.image.dataset import ImageDataModule
+
+    dm = ImageDataModule(config.data, config.paths.cache, device, seed=int(config.seed))
+    dm.setup()
+    return dm
+
+
+def _callbacks(config: ONNConfig, run_dir: Path) -> list:
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    checkpoints = epoch_checkpoints(run_dir, MONITOR, "min", config.checkpoint.every_n_steps)
+    callbacks = [*checkpoints, StepClock(), ResourceMonitor(config.trainer.log_every_n_steps)]
+    stop = config.task.early_stopping
+    if stop.patience > 0:
+        callbacks.append(EarlyStopping(monitor=MONITOR, mode="min", patience=stop.patience, min_delta=stop.min_delta))
+    return callbacks
+
+
+def train(job: Job) -> dict[str, Any]:
+    config, run_dir, ckpt = job.config, job.run_dir, job.ckpt
+    saved = saved_config(ckpt) if ckpt is not None else None
+    if saved:  # a resumed run keeps the validation split it started with
+        config = dataclasses.replace(config, seed=int(saved["inputs"]["seed"]))
+    dm = datamodule(config, job.device)
+    inputs = (saved or {}).get("inputs") or {
+        "input_shape": list(dm.input_shape),
+        "classes": dm.classes,
+        "seed": int(config.seed),
+    }
+    module = build(config, inputs)
+    callbacks = _callbacks(config, run_dir)
+    clock = next(c for c in callbacks if isinstance(c, StepClock))
+    steps_per_epoch = len(dm.train_dataloader())
+    trainer = build_trainer(config, job.plan, run_dir, callbacks, steps_per_epoch=steps_per_epoch)
+    module.optimizer_steps = optimizer_steps(trainer, steps_per_epoch)
+    with PeakMemory(job.device) as peak:
+        trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
+        trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"))
+    metrics: dict[str, Any] = {
+        "epochs": trainer.current_epoch,
+        "steps": trainer.global_step,
+        "train/loss_initial": float(module.train_losses[0]) if module.train_losses else None,
+        "train/loss_final": mean_loss(module.train_losses[-20:]),
+        "val/history": module.history,
+        "val/loss_final": module.history[-1][MONITOR] if module.history else None,
+        "samples_per_s": clock.samples_per_s(dm.batch_size, skip=min(2, len(clock.step_s) - 1)),
+        "peak_memory_mb": round(peak.peak_mb, 1),
+        "params_total": sum(p.numel() for p in module.denoiser.parameters()),
+        "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
+        "checkpoint_best": trainer.checkpoint_callback.best_model_path or None,
+        "resumed_from": str(ckpt) if ckpt else None,
+        "items_skipped": len(dm.skipped),
+    }
+    metrics.update(sample_grid(config, module, run_dir, torch.device(job.device)))
+    if config.export.name != "none":
+        metrics.update(export_module(config, module, run_dir))
+    return metrics
+
+
+def sample_grid(config: ONNConfig, module: DiffusionModule, run_dir: Path, device: torch.device) -> dict[str, Any]:
+    """task.samples images drawn as task.sampler, task.sample_steps and task.seed say: samples.png (a grid) and
+    samples.safetensors (every image, uint8)."""
+    from safetensors.torch import save_file
+
+    images = draw_samples(config, module, device)
+    picture = run_dir / "samples.png"
+    write_sample_grid(images, picture)
+    save_file({"images": images.contiguous()}, str(run_dir / "samples.safetensors"))
+    task: TrainTask = config.task
+    log.info("%d samples (%s, seed %d) in %s", len(images), task.sampler, task.seed, picture)
+    return {"samples/picture": str(picture), "samples/count": len(images), "samples/seed": task.seed}
+
+
+def draw_samples(config: ONNConfig, module: DiffusionModule, device: torch.device) -> torch.Tensor:
+    task: TrainTask = config.task
+    if task.samples < 1 or task.sample_steps < 1:
+        raise UserError(
+            f"task.samples={task.samples} and task.sample_steps={task.sample_steps}: give whole numbers, 1 or more."
+        )
+    model: DenoiserConfig = typed(DenoiserConfig, module.onn_config["model"], "the denoiser's model config")
+    scheduler = sampling_scheduler(model, task.sampler, task.sample_steps)
+    shape = list(module.onn_config["inputs"]["input_shape"])
+    return draw(module.sampling_denoiser(), scheduler, task.samples, shape, task.seed, device)
+
+
+def infer(job: Job) -> dict[str, Any]:
+    if job.ckpt is None:
+        raise UserError("task=infer on diffusion data needs ckpt=RUN_DIR (a trained denoiser) to draw images from.")
+    module = load_trained(job.config, job.ckpt)
+    metrics = sample_grid(job.config, module, job.run_dir, torch.device(job.device))
+    print(f"wrote {metrics['samples/count']} samples: {metrics['samples/picture']}")
+    return metrics
+
+
+def export(job: Job) -> dict[str, Any]:
+    """The checkpoint's denoiser (its moving average), or without one a random-weights denoiser of the config."""
+    if job.ckpt is not None:
+        module = load_trained(job.config, job.ckpt)
+    else:
+        module = build(job.config, {"input_shape": planned_shape(job.config), "classes": [], "seed": job.config.seed})
+    return export_module(job.config, module, job.run_dir)
+
+
+def export_module(config: ONNConfig, module: DiffusionModule, run_dir: Path) -> dict[str, Any]:
+    """The sampling denoiser as ONNX (inputs `sample` [batch, C, H, W] and `timestep` [batch] int64; output the
+    predicted noise), checked against PyTorch in onnxruntime; or its state dict as safetensors."""
+    from onn.export.write import export_for_run
+
+    if config.export.name not in ("onnx", "safetensors"):
+        raise UserError(f"export={config.export.name}: a diffusion denoiser exports onnx or safetensors.")
+    denoiser = module.sampling_denoiser().cpu().eval()
+    if config.export.name == "safetensors":
+        import json
+
+        from safetensors.torch import save_model
+
+        folder = Path(config.export.output or run_dir / "export" / "safetensors")
+        folder.mkdir(parents=True, exist_ok=True)
+        save_model(denoiser, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps(module.onn_config, indent=2, default=str))
+        return {"export/format": "safetensors", "export/path": str(folder)}
+    batch = int(config.export.sample.batch_size)
+    generator = torch.Generator().manual_seed(int(config.seed))
+    shape = module.onn_config["inputs"]["input_shape"]
+    steps = int(module.onn_config["model"]["train_timesteps"])
+    sample = {
+        "sample": torch.randn(batch, *shape, generator=generator),
+        "timestep": torch.randint(0, steps, (batch,), generator=generator),
+    }
+    return export_for_run(config, denoiser, run_dir, sample)

@@ -1,0 +1,200 @@
+"""Diffusion: a diffusers UNet (and DiT) trained on an image folder through the runner, samples drawn with a seed
+(DDIM), judged by an ONN classifier, exported to ONNX and checked in onnxruntime; the LayerMap of both; mixed
+image sizes refused in one sentence. Tiny images (8x8) and a few steps: the recipe's figures come from running
+recipe=mnist_ddpm (docs/diffusion.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import compose
+
+from onn.errors import UserError
+
+TINY_UNET = (
+    "model=ddpm_unet",
+    "model.ema_decay=0.5",
+    "model.kwargs={block_out_channels: [8, 16], layers_per_block: 1, norm_num_groups: 4, add_attention: false,"
+    " down_block_types: [DownBlock2D, DownBlock2D], up_block_types: [UpBlock2D, UpBlock2D]}",
+)
+TINY_DIT = (
+    "model=dit_small",
+    "model.ema_decay=0.5",
+    "model.kwargs={num_layers: 2, num_attention_heads: 2, attention_head_dim: 8, patch_size: 2, norm_num_groups: 4}",
+)
+
+
+def write_images(folder: Path, per_class: int = 12, size: int = 8, odd: int | None = None) -> Path:
+    """Two classes of greyscale pictures: a bright top half, a bright left half (a little noise each);
+    `odd`: one more picture of that size."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for name, bright in (("top", np.s_[: size // 2, :]), ("left", np.s_[:, : size // 2])):
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 40, (size, size)).astype(np.uint8)
+            pixels[bright] += 200
+            Image.fromarray(pixels, "L").save(folder / name / f"{i}.png")
+    if odd:
+        Image.fromarray(np.zeros((odd, odd), np.uint8), "L").save(folder / "top" / "odd.png")
+    return folder
+
+
+def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
+    from onn.app import execute
+
+    cfg = compose(
+        *("data=diffusion", "tracking=none", "trainer.enable_progress_bar=false", "strategy.precision=32-true"),
+        *(f"paths.outputs={tmp / 'outputs'}", f"paths.cache={tmp / 'cache'}", "hardware=cpu_16gb"),
+        *("trainer.max_steps=12", "trainer.val_check_interval=6", "optim.warmup_steps=0", "optim.lr=3e-3"),
+        *("data.batch_size=8", "data.val_split=0.25", "task.samples=6", "task.sample_steps=4"),
+        *overrides,
+    )
+    run_dir = tmp / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return execute(cfg, run_dir), run_dir
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    return write_images(tmp_path_factory.mktemp("pictures"))
+
+
+@pytest.mark.slow
+def test_train_sample_judge_and_export_a_unet(images, tmp_path):
+    from safetensors.torch import load_file
+
+    metrics, run_dir = run(tmp_path, *TINY_UNET, f"data.source={images}", "export=onnx")
+    assert metrics["modality"] == "diffusion" and metrics["steps"] == 12
+    assert metrics["train/loss_final"] < metrics["train/loss_initial"]
+    assert metrics["export/max_abs_diff"] < 1e-4 and metrics["export/inputs"] == ["sample", "timestep"]
+    assert Path(metrics["samples/picture"]).is_file()
+
+    common = (*TINY_UNET, f"ckpt={run_dir}", "task.samples=5")
+    first, a = run(tmp_path, *common, "task=infer", "task.seed=7", name="infer_a")
+    _, b = run(tmp_path, *common, "task=infer", "task.seed=7", name="infer_b")
+    _, c = run(tmp_path, *common, "task=infer", "task.seed=8", name="infer_c")
+    drawn = [load_file(str(d / "samples.safetensors"))["images"] for d in (a, b, c)]
+    assert drawn[0].shape == (5, 1, 8, 8) and drawn[0].dtype == torch.uint8
+    assert torch.equal(drawn[0], drawn[1]) and not torch.equal(drawn[0], drawn[2])  # the seed decides the images
+
+    classifier, classifier_dir = run(
+        tmp_path,
+        *("model=v28_cnn", "data=image", f"data.source={images}", "data.batch_size=8", "task.monitor=val/loss"),
+        name="classifier",
+    )
+    judged, _ = run(tmp_path, *common, "task=eval", f"task.classifier={classifier_dir}", name="eval")
+    assert judged["samples/count"] == 5 and 0 <= judged["samples/confident_share"] <= 1
+    assert sum(judged["samples/class_counts"].values()) == round(5 * judged["samples/confident_share"])
+    assert 1 <= judged["samples/inception_score"] <= 2  # two classes at most
+    assert judged["real/confident_share"] >= judged["samples/confident_share"] - 1  # both were measured
+    assert judged["val/loss"] > 0
+
+
+@pytest.mark.slow
+def test_mixed_image_sizes_are_one_sentence_unless_resized(tmp_path):
+    folder = write_images(tmp_path / "mixed", per_class=4, odd=12)
+    with pytest.raises(UserError, match=r"different sizes: .* set data.image_size=\[H,W\] with data.resize=resize"):
+        run(tmp_path, *TINY_UNET, f"data.source={folder}", "trainer.max_steps=1")
+    metrics, _ = run(
+        tmp_path,
+        *TINY_UNET,
+        f"data.source={folder}",
+        "data.image_size=[8,8]",
+        "data.resize=resize",
+        "trainer.max_steps=2",
+    )
+    assert metrics["steps"] == 2
+
+
+def test_the_plan_says_a_unet_cannot_stream_and_finds_the_dit_blocks():
+    from onn.hardware.profile import resolve
+    from onn.modalities import get
+
+    unet = compose("data=diffusion", *TINY_UNET, "data.image_size=[8,8]", "data.channels=1", "hardware=cpu_16gb")
+    plan, spec = get("diffusion").plan(unet, resolve(unet.hardware, "/tmp", "/tmp"))
+    assert plan.strategy == "full" and spec.sample_flops > 0
+    assert any("skip connections cross its blocks" in r and "down_blocks" in r for r in plan.reasons)
+    assert "UpBlock2D at 'network.up_blocks'" in spec.layer_map and "network.down_blocks" in spec.layer_map
+
+    dit = compose("data=diffusion", *TINY_DIT, "data.image_size=[8,8]", "data.channels=1", "hardware=cpu_16gb")
+    plan, spec = get("diffusion").plan(dit, resolve(dit.hardware, "/tmp", "/tmp"))
+    assert spec.n_blocks == 2 and "BasicTransformerBlock at 'network.transformer_blocks'" in spec.layer_map
+    assert not any("skip connections" in r for r in plan.reasons)
+
+
+def test_a_dit_trains_a_few_steps(images, tmp_path):
+    metrics, _ = run(tmp_path, *TINY_DIT, f"data.source={images}", "trainer.max_steps=8", "task.samples=2")
+    assert metrics["train/loss_final"] < metrics["train/loss_initial"]
+
+
+def test_bad_settings_are_one_sentence(images, tmp_path):
+    with pytest.raises(UserError, match="task.sampler='euler'"):
+        run(tmp_path, *TINY_UNET, f"data.source={images}", "task.sampler=euler")
+    with pytest.raises(UserError, match="model.kwargs do not build a unet"):
+        run(tmp_path, *TINY_UNET, f"data.source={images}", "++model.kwargs.no_such_argument=1")
+    with pytest.raises(UserError, match="needs task.classifier"):
+        run(tmp_path, *TINY_UNET, f"data.source={images}", "task=eval")
+
+
+@pytest.mark.slow
+def test_a_run_killed_at_a_checkpoint_write_resumes_to_the_uninterrupted_weights(images, tmp_path, monkeypatch):
+    """kill -9 (ONN_FAILPOINT) while the second checkpoint is written, then ckpt=<the killed run>: the weights, the
+    moving average and the optimizer's state end as an uninterrupted run's, bit for bit."""
+    from conftest import run_cli
+
+    from onn.training.checkpoints import load
+
+    args = (
+        *TINY_UNET,
+        *("data=diffusion", f"data.source={images}", "tracking=none", "trainer.enable_progress_bar=false"),
+        *("hardware=cpu_16gb", "strategy.precision=32-true", f"paths.outputs={tmp_path / 'outputs'}"),
+        *("trainer.max_steps=6", "trainer.val_check_interval=3", "checkpoint.every_n_steps=2", "data.batch_size=4"),
+        *("task.samples=2", "task.sample_steps=2"),
+    )
+    whole = run_cli(*args, f"hydra.run.dir={tmp_path / 'whole'}")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    monkeypatch.setenv("ONN_FAILPOINT", "checkpoint_write:2")
+    killed = run_cli(*args, f"hydra.run.dir={tmp_path / 'killed'}")
+    assert killed.returncode == -9
+    monkeypatch.delenv("ONN_FAILPOINT")
+    resumed = run_cli(*args, f"ckpt={tmp_path / 'killed'}", f"hydra.run.dir={tmp_path / 'resumed'}")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a, b = (load(tmp_path / d / "checkpoints" / "last.ckpt") for d in ("whole", "resumed"))
+    assert b["global_step"] == a["global_step"] == 6
+    assert a["state_dict"].keys() == b["state_dict"].keys() and any(k.startswith("ema.") for k in a["state_dict"])
+    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
+    moments = [
+        (s["exp_avg"], t["exp_avg"])
+        for s, t in zip(a["optimizer_states"][0]["state"].values(), b["optimizer_states"][0]["state"].values())
+    ]
+    assert moments and all(torch.equal(x, y) for x, y in moments)
+
+
+def test_a_list_of_module_lists_is_still_a_list_of_blocks():
+    """Stages held as a model's ModuleList attributes are not blocks (a UNet's down_blocks and up_blocks), but
+    a ModuleList of [attention, feed-forward] ModuleLists, as many transformers hold their layers, is."""
+    from torch import nn
+
+    from onn.models.layers import blocks_crossed, discover
+
+    class Layers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(4, 8)
+            self.layers = nn.ModuleList(nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)]) for _ in range(3))
+
+        def forward(self, x):
+            x = self.embed(x)
+            for attend, feed in self.layers:
+                x = feed(attend(x))
+            return x
+
+    model = Layers()
+    found = discover(model)
+    assert found.blocks_path == "layers" and len(found) == 3
+    assert blocks_crossed(model, (torch.zeros(1, 4),)) is None  # (the ModuleLists are never called themselves)
