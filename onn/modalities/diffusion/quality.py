@@ -111,7 +111,7 @@ def evaluate(job: Job) -> dict[str, Any]:
     figures = judged(classifier, images, float(task.confidence), device)
     real = judged(classifier, dm.splits["val"].inputs[: len(images)].cpu(), float(task.confidence), device)
     picture = job.run_dir / "samples.png"
-    captions = [f"{c} {float(p):.2f}" for c, p in zip(figures["labels"], figures["top"])]
+    captions = [f"{c}: {float(p):.2f}" for c, p in zip(figures["labels"], figures["top"])]
     write_sample_grid(images, picture, captions)
     metrics: dict[str, Any] = {
         "checkpoint": str(job.ckpt) if job.ckpt else None,
