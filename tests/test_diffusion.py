@@ -95,7 +95,6 @@ def test_train_sample_judge_and_export_a_unet(images, tmp_path):
     assert judged["val/loss"] > 0
 
 
-@pytest.mark.slow
 def test_mixed_image_sizes_are_one_sentence_unless_resized(tmp_path):
     folder = write_images(tmp_path / "mixed", per_class=4, odd=12)
     with pytest.raises(UserError, match=r"different sizes: .* set data.image_size=\[H,W\] with data.resize=resize"):
