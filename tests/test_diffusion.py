@@ -95,7 +95,6 @@ def test_train_sample_judge_and_export_a_unet(images, tmp_path):
     assert judged["val/loss"] > 0
 
 
-@pytest.mark.slow
 def test_mixed_image_sizes_are_one_sentence_unless_resized(tmp_path):
     folder = write_images(tmp_path / "mixed", per_class=4, odd=12)
     with pytest.raises(UserError, match=r"different sizes: .* set data.image_size=\[H,W\] with data.resize=resize"):
@@ -137,6 +136,8 @@ def test_bad_settings_are_one_sentence(images, tmp_path):
         run(tmp_path, *TINY_UNET, f"data.source={images}", "task.sampler=euler")
     with pytest.raises(UserError, match="model.kwargs do not build a unet"):
         run(tmp_path, *TINY_UNET, f"data.source={images}", "++model.kwargs.no_such_argument=1")
+    with pytest.raises(UserError, match="strategy=sparse_lora: a denoiser trains resident"):
+        run(tmp_path, *TINY_DIT, f"data.source={images}", "strategy=sparse_lora")
     with pytest.raises(UserError, match="needs task.classifier"):
         run(tmp_path, *TINY_UNET, f"data.source={images}", "task=eval")
 

@@ -38,7 +38,10 @@ class DiffusionModality(Modality):
         if model.architecture not in ARCHITECTURES:
             raise UserError(f"model.architecture={model.architecture!r}: use one of {', '.join(ARCHITECTURES)}.")
         if config.strategy.name not in ("auto", "full"):
-            raise UserError(f"strategy={config.strategy.name}: a denoiser trains with strategy=full (or auto).")
+            raise UserError(
+                f"strategy={config.strategy.name}: a denoiser trains resident with strategy=full (or auto); "
+                "streaming its blocks is not built yet."
+            )
         if not 0 <= model.ema_decay < 1:
             raise UserError(f"model.ema_decay={model.ema_decay!r}: give a number in [0, 1) (0: no moving average).")
         task = config.task

@@ -91,10 +91,13 @@ def evaluate(job: Job) -> dict[str, Any]:
         )
     if job.ckpt is None:
         log.warning("task=eval without ckpt: judging a random-weights denoiser (the baseline a trained one must beat)")
-    dm = datamodule(config, job.device)
     if job.ckpt is not None:
         module = load_trained(config, job.ckpt)
+        # the seed the run held its validation images out with: the held-out loss is on images it never saw
+        config = dataclasses.replace(config, seed=int(module.onn_config["inputs"]["seed"]))
+        dm = datamodule(config, job.device)
     else:
+        dm = datamodule(config, job.device)
         module = build(config, {"input_shape": list(dm.input_shape), "classes": dm.classes, "seed": config.seed})
     classifier = load_classifier(config, job.plan, task.classifier)
     expected = list(classifier.onn_config["inputs"]["input_shape"])
@@ -111,7 +114,7 @@ def evaluate(job: Job) -> dict[str, Any]:
     figures = judged(classifier, images, float(task.confidence), device)
     real = judged(classifier, dm.splits["val"].inputs[: len(images)].cpu(), float(task.confidence), device)
     picture = job.run_dir / "samples.png"
-    captions = [f"{c} {float(p):.2f}" for c, p in zip(figures["labels"], figures["top"])]
+    captions = [f"{c}: {float(p):.2f}" for c, p in zip(figures["labels"], figures["top"])]
     write_sample_grid(images, picture, captions)
     metrics: dict[str, Any] = {
         "checkpoint": str(job.ckpt) if job.ckpt else None,
