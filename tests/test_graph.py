@@ -5,6 +5,7 @@ picture, ONNX in onnxruntime), the layer map of graph networks, and the real mes
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,24 @@ def test_data_auto_reads_graph_folders_and_meshes_as_graphs_for_a_graph_model(tm
     assert detect("builtin:communities")[0].name == "graph"
 
 
+@pytest.mark.parametrize(
+    ("overrides", "sentence"),
+    [
+        (["model=pointnet"], "model=pointnet is not a graph network: use model=gcn, graphsage, gin or gat"),
+        (["data.source=builtin:communities"], "is one graph whose nodes are classified: set data.level=node"),
+        (["model=gat", "model.hidden=10"], "model.hidden=10 must be a multiple of model.heads=4 (gat)"),
+        (["model.source=pyg:cheb"], "model.source='pyg:cheb': give pyg:gcn, pyg:sage, pyg:gin or pyg:gat"),
+        (["model.pooling=[median]"], "model.pooling=['median']: give one or more of mean, max, sum"),
+    ],
+)
+def test_settings_that_cannot_work_are_one_sentence_before_anything_runs(overrides, sentence):
+    from onn.modalities import get
+
+    cfg = compose("data=graph", "model=gin", "data.source=builtin:primitives", *overrides)
+    with pytest.raises(UserError, match=re.escape(sentence)):
+        get("graph").check(cfg)
+
+
 def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
     from onn.app import execute, given_keys
 
@@ -151,14 +170,24 @@ def test_graph_classification_trains_infers_draws_and_exports(tmp_path):
     assert picture.shape[1] >= 600 and picture.std() > 10  # drawn graphs, not a blank canvas
 
 
-def test_node_classification_on_generated_communities(tmp_path):
+def test_node_classification_on_a_graph_file_with_per_node_labels(tmp_path):
+    """One graph of communities saved as safetensors (x, edge_index, y per node, masks): trained on its train
+    nodes, scored on its test nodes, then every node predicted and drawn."""
+    from safetensors.torch import save_file
+
+    from onn.config.data import GraphBuiltin
+    from onn.modalities.graph.builtin import communities
+
+    graph = communities(GraphBuiltin(per_class=1, test_per_class=1, nodes=200, communities=4, features=8), seed=0)
+    source = tmp_path / "communities.safetensors"
+    save_file(
+        {k: graph[k].contiguous() for k in ("x", "edge_index", "y", "train_mask", "val_mask", "test_mask")}, str(source)
+    )
     metrics, run_dir = run(
         tmp_path,
-        "data.source=builtin:communities",
+        f"data.source={source}",
         "data.level=node",
-        "data.builtin.nodes=200",
         "model=gcn",
-        "model.hidden=16",
         "trainer.max_epochs=12",
         "optim.lr=0.03",
         "trainer.check_val_every_n_epoch=4",
@@ -166,6 +195,10 @@ def test_node_classification_on_generated_communities(tmp_path):
     assert metrics["steps"] == 12  # the whole graph every step
     assert metrics["train/loss_final"] < metrics["train/loss_initial"]
     assert metrics["test/acc"] > 0.5  # 4 communities: chance is 0.25
+    out, _ = run(tmp_path, "task=infer", f"ckpt={run_dir}", f"task.input={source}", name="infer")
+    rows = [json.loads(line) for line in Path(out["infer/output"]).read_text().splitlines()]
+    assert len(rows) == 200 and rows[0]["name"] == "communities.safetensors#node0" and out["infer/acc"] > 0.5
+    assert Path(out["infer/picture"]).is_file()
 
 
 class UserGNN(torch.nn.Module):

@@ -23,7 +23,6 @@ from onn.modalities.graph.builtin import COMMUNITIES, PRIMITIVES, communities, p
 from onn.modalities.graph.read import HELP, Graphs, read_source
 
 log = logging.getLogger("onn")
-LEVELS = ("graph", "node")
 NODE_SPLITS = ("train", "val", "test")
 
 

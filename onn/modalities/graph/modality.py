@@ -22,6 +22,10 @@ from onn.config.model import GraphNetworkConfig
 from onn.errors import UserError
 from onn.modalities.base import ClassifierModality, RunConfig
 
+LEVELS = ("graph", "node")  # data.level
+CONVS = ("gcn", "sage", "gin", "gat")  # model.source: pyg:NAME
+POOLS = ("mean", "max", "sum")  # model.pooling
+NORMS = ("batch", "none")  # model.norm
 SNIFF_FILES = 2000  # file names looked at when deciding whether a folder holds graphs
 HEADER_BYTES = 64 * 1024  # a .safetensors file's JSON header read to see whether it holds edge_index
 
@@ -59,9 +63,6 @@ class GraphModality(ClassifierModality):
         return f"{reason}, read as vertex-edge graphs" if reason else None
 
     def check(self, config: ONNConfig) -> None:
-        from onn.modalities.graph.dataset import LEVELS
-        from onn.modalities.graph.network import CONVS, NORMS, POOLS
-
         data: GraphData = config.data
         model: GraphNetworkConfig = config.model
         if not isinstance(model, GraphNetworkConfig):
@@ -74,6 +75,12 @@ class GraphModality(ClassifierModality):
             )
         if data.level not in LEVELS:
             raise UserError(f"data.level={data.level!r}: give graph (a class per graph) or node (a class per node).")
+        from onn.modalities.graph.builtin import COMMUNITIES, PRIMITIVES
+
+        if data.source == COMMUNITIES and data.level != "node":
+            raise UserError(f"data.source={COMMUNITIES} is one graph whose nodes are classified: set data.level=node.")
+        if data.source == PRIMITIVES and data.level != "graph":
+            raise UserError(f"data.source={PRIMITIVES} is shapes classified whole: set data.level=graph.")
         if data.align not in ("none", "pca"):
             raise UserError(f"data.align={data.align!r}: give none or pca.")
         if data.batch_groups:

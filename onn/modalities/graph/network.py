@@ -16,9 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-CONVS = ("gcn", "sage", "gin", "gat")
-POOLS = ("mean", "max", "sum")
-NORMS = ("batch", "none")
+from onn.modalities.graph.modality import CONVS
 
 
 def make_conv(kind: str, width_in: int, width_out: int, heads: int) -> nn.Module:
