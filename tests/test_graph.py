@@ -1,6 +1,7 @@
 """Graphs through torch_geometric: edge lists, safetensors tensors and meshes read as graphs (bad ones skipped
 with their reason), data=auto, graph and node classification trained end to end (loss, accuracy, infer's
-picture, ONNX in onnxruntime), the layer map of graph networks, and the real meshes of ../shared/data."""
+picture, ONNX in onnxruntime), the layer map of graph networks, and the real meshes of ../shared/data. A run
+killed -9 and resumed is the `graph` track of recipe=bench_chaos (onn/bench/chaos.py)."""
 
 from __future__ import annotations
 
@@ -260,44 +261,3 @@ def test_every_real_mesh_reads_as_a_graph_or_is_skipped_with_a_reason():
         "trimesh/empty_nodes.glb",
     ]
     assert all(g.num_nodes > 0 and torch.isfinite(g.x).all() and g.x.shape[1] == 3 for g in split.graphs)
-
-
-@pytest.mark.slow
-def test_a_run_killed_mid_epoch_resumes_to_the_uninterrupted_runs_weights(tmp_path):
-    """kill -9 after a mid-epoch checkpoint, then ckpt=<the killed run>: the same weights, bit for bit, as the run
-    that was never stopped (the graph batches' order and place in their epoch come back with the checkpoint)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from conftest import ROOT, run_cli
-
-    from onn.training.checkpoints import load, read_meta
-
-    data = write_rings_and_stars(tmp_path / "data", 16, 0)
-    args = [
-        *("data=graph", "model=gin", f"data.source={data}", "model.hidden=16", "model.layers=2", "data.batch_size=4"),
-        *("trainer.max_epochs=3", "checkpoint.every_n_steps=2", "tracking=none", "trainer.enable_progress_bar=false"),
-        *("strategy.precision=32-true", f"paths.outputs={tmp_path / 'outputs'}", f"paths.cache={tmp_path / 'cache'}"),
-    ]
-    whole = run_cli(*args, f"hydra.run.dir={tmp_path / 'whole'}")
-    assert whole.returncode == 0, whole.stdout[-2000:] + whole.stderr[-2000:]
-    killed = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={killed}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    last = killed / "checkpoints" / "last.ckpt"
-    while proc.poll() is None and not (last / "meta.json").is_file():
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL and read_meta(last)["global_step"] < 21  # 7 steps an epoch, 3 epochs
-    resumed = run_cli(*args, f"ckpt={killed}", f"hydra.run.dir={tmp_path / 'resumed'}")
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    want = load(tmp_path / "whole" / "checkpoints" / "last.ckpt")["state_dict"]
-    got = load(tmp_path / "resumed" / "checkpoints" / "last.ckpt")["state_dict"]
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

@@ -9,7 +9,19 @@ import json
 import pytest
 from conftest import run_cli
 
-TRACKS = ["text", "text_streamed", "text_data_streamed", "image", "audio", "video", "mesh", "pairs", "grid"]
+TRACKS = [
+    "text",
+    "text_streamed",
+    "text_data_streamed",
+    "image",
+    "audio",
+    "video",
+    "mesh",
+    "pairs",
+    "graph",
+    "diffusion",
+    "grid",
+]
 
 
 @pytest.mark.slow
