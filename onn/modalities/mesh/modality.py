@@ -75,7 +75,8 @@ class MeshModality(ClassifierModality):
         if source not in POINT_NETWORKS:
             raise UserError(
                 f"model={model.name} (source {source or 'empty'}) is not a point-cloud network: use "
-                "model=pointnet (or model.source=zoo:pointnet) with mesh data."
+                "model=pointnet (or model.source=zoo:pointnet) with mesh data, or data=graph to read the meshes as "
+                "graphs for a graph network (model=gcn, graphsage, gin or gat)."
             )
         given = [k for k in model.kwargs or {} if k in DATA_KWARGS]
         if given:
