@@ -48,11 +48,11 @@ class AudioModality(MediaModality):
         augment_settings(data.augment)
         source = str(model.source or "")
         kind, _, name = source.partition(":")
-        if kind not in ("zoo", "timm") or name in VIDEO:
+        if (kind not in ("zoo", "timm") and ".py:" not in source) or name in VIDEO:
             raise UserError(
                 f"model={model.name} ({source or 'no source'}) does not take spectrograms; audio data trains "
-                "zoo:audio_cnn (model=audio_cnn), zoo:audio_rnn (model=audio_lstm) or an image network from timm "
-                "(e.g. model=resnet18)."
+                "zoo:audio_cnn (model=audio_cnn), zoo:audio_rnn (model=audio_lstm), an image network from timm "
+                "(e.g. model=resnet18) or your own file.py:function."
             )
         if name in SILENCE_READERS and data.features.normalize == "instance":
             raise UserError(
