@@ -27,13 +27,14 @@ def spectrograms(lengths: list[int], mels: int = 8, frames: int = 30) -> torch.T
     return floor
 
 
-@pytest.mark.parametrize("cell, bidirectional", [("lstm", True), ("gru", False)])
-def test_packed_sequences_match_the_onnx_graph(tmp_path, cell, bidirectional):
+@pytest.mark.parametrize("cell, bidirectional, batch_norm", [("lstm", True, False), ("gru", False, True)])
+def test_packed_sequences_match_the_onnx_graph(tmp_path, cell, bidirectional, batch_norm):
     """Each clip's sound is found and packed at its own length; onnxruntime runs the padded form of the same
     recurrences and gives the same classes' logits."""
     from onn.export.onnx_export import export_onnx
 
-    model = AudioRNN(1, 3, [8, 30], hidden=6, layers=2, cell=cell, bidirectional=bidirectional).eval()
+    model = AudioRNN(1, 3, [8, 30], hidden=6, layers=2, cell=cell, bidirectional=bidirectional, batch_norm=batch_norm)
+    model.eval()
     x = spectrograms([30, 11, 4, 19])
     assert model.span(x)[1].tolist() == [30, 11, 4, 19]
     result = export_onnx(model, tmp_path / "rnn.onnx", {"input": x})

@@ -116,6 +116,7 @@ class AudioRNN(nn.Module):
         cell: str = "lstm",
         bidirectional: bool = True,
         dropout: float = 0.3,
+        batch_norm: bool = False,
     ):
         super().__init__()
         if cell not in CELLS:
@@ -124,6 +125,8 @@ class AudioRNN(nn.Module):
         self.span = SoundSpan()
         self.project = nn.Linear(in_channels * mels, hidden * (2 if bidirectional else 1))
         width = self.project.out_features
+        # the projected features' statistics over the batch: a held-out voice's own with task.adapt_norm (AdaBN)
+        self.norm = nn.BatchNorm1d(width) if batch_norm else None
         self.layers = nn.ModuleList(
             RecurrentLayer(width, hidden, cell, bidirectional, dropout if i < layers - 1 else 0.0)
             for i in range(layers)
@@ -137,6 +140,8 @@ class AudioRNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq, lengths = self.span(x)
         seq = self.project(seq)
+        if self.norm is not None:
+            seq = self.norm(seq.transpose(1, 2)).transpose(1, 2)
         for layer in self.layers:
             seq = layer(seq, lengths)
         mask = step_mask(lengths, seq.shape[1]).unsqueeze(-1)
