@@ -52,6 +52,9 @@ class NetworkConfig(ModelConfig):
     temporal_pool: str = "mean"  # per-frame image networks on video: mean | tconv
     layer_map: LayerMapOverride = field(default_factory=lambda: LayerMapOverride(blocks=None))
     dtype: str = "float32"
+    # file.py:function computing the training (and validation) loss as loss(outputs, labels) -> a scalar tensor;
+    # null: cross-entropy (with task.label_smoothing)
+    loss: str | None = None
 
 
 @dataclass

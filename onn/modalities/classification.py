@@ -43,6 +43,7 @@ from onn.export.write import export_for_run
 from onn.hardware.memory import PeakMemory
 from onn.hardware.profile import Profile
 from onn.modalities.base import ClassifierModality, Job
+from onn.models.load import user_function
 from onn.models.vision import feature_extractor
 from onn.planning.plan import Plan, make_plan
 from onn.planning.spec import network_spec
@@ -109,6 +110,7 @@ def build(m: ClassifierModality, config: ONNConfig, plan: Plan, inputs: dict[str
         inputs="features" if strategy == "linear_probe" else "data",
         monitor=task.monitor,
         adapt_norm=bool(task.adapt_norm),
+        loss=(model_cfg.loss, user_function(model_cfg.loss, "model.loss")) if model_cfg.loss else None,
     )
     if model_cfg.compile:
         module.model = torch.compile(module.model)  # the Lightning module keeps the same parameters

@@ -391,16 +391,22 @@ def _load_safetensors_file(model_cfg: LanguageModelConfig, path: str):
 
 
 def _call_builder(spec: str):
+    return user_function(spec, "model.source")()
+
+
+def user_function(spec: str, key: str):
+    """The function `file.py:name` names (a model builder, a loss), loaded from the file; `key` is the config
+    key that named it, for the message when the file or the function is not there."""
     file, _, func = str(spec).rpartition(":")
     path = Path(expand(file))
-    if not path.is_file():
-        raise UserError(f"model.source {spec}: {file} does not exist.")
-    module_spec = importlib.util.spec_from_file_location(f"onn_user_model_{path.stem}", path)
+    if not file.endswith(".py") or not path.is_file():
+        raise UserError(f"{key} {spec}: {file or '(no file)'} is not a Python file; give path/to/file.py:function.")
+    module_spec = importlib.util.spec_from_file_location(f"onn_user_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    if not hasattr(module, func):
-        raise UserError(f"model.source {spec}: {file} defines no function '{func}'.")
-    return getattr(module, func)()
+    if not callable(getattr(module, func, None)):
+        raise UserError(f"{key} {spec}: {file} defines no function '{func}'.")
+    return getattr(module, func)
 
 
 def _split_builder_result(result):

@@ -52,10 +52,12 @@ def build_classifier(model_cfg: NetworkConfig, in_channels: int, num_classes: in
         )
     elif kind == "timm":
         model = _timm(name, source, in_channels, num_classes, kwargs)
+    elif ".py:" in source:
+        model = _user_network(source, kwargs, in_channels=in_channels, num_classes=num_classes, image_size=image_size)
     else:
         raise UserError(
-            f"model.source {source or '(empty)'}: an image classifier is zoo:NAME (ONN's zoo, e.g. zoo:v28_cnn) "
-            "or timm:NAME (any timm model, e.g. timm:resnet18)."
+            f"model.source {source or '(empty)'}: an image classifier is zoo:NAME (ONN's zoo, e.g. zoo:v28_cnn), "
+            "timm:NAME (any timm model, e.g. timm:resnet18) or file.py:function (your own builder)."
         )
     changed: set[str] = set()
     if kind == "timm" and _small_input(model_cfg.small_input, image_size):
@@ -89,6 +91,23 @@ def _construct(builder, name: str, source: str, **kwargs) -> nn.Module:
         return builder(name, **kwargs)
     except TypeError as e:  # an unknown or misspelled entry in model.kwargs
         raise UserError(f"model.kwargs does not fit {source}: {e}; fix or remove that key.") from e
+
+
+def _user_network(source: str, kwargs: dict[str, Any], **data: Any) -> nn.Module:
+    """A user's builder `file.py:function`, called with model.kwargs and those of the data's in_channels,
+    num_classes and image_size its signature names."""
+    import inspect
+
+    from onn.models.load import user_function
+
+    builder = user_function(source, "model.source")
+    named = inspect.signature(builder).parameters
+    model = _construct(
+        lambda _, **kw: builder(**kw), source, source, **{k: v for k, v in data.items() if k in named}, **kwargs
+    )
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model.source {source} returned {type(model).__name__}, not a torch nn.Module.")
+    return model
 
 
 def _timm(name: str, source: str, in_channels: int, num_classes: int, kwargs: dict[str, Any]) -> nn.Module:

@@ -129,7 +129,9 @@ def network_spec(
 
     def pack(t: torch.Tensor):
         nonlocal saved
-        saved += t.numel() * t.element_size()
+        # a parameter, or a view of one (a recurrence saves its weight's transpose at every step), is no new memory
+        if not isinstance(t, torch.nn.Parameter) and not isinstance(t._base, torch.nn.Parameter):
+            saved += t.numel() * t.element_size()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as flops:

@@ -9,6 +9,7 @@ head runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from onn.config import OptimConfig
+from onn.errors import UserError
 from onn.training.distributed import clip_gradients
 from onn.training.optim import make_optimizer, make_schedule
 from onn.training.record import EpochRecord, log_train_loss
@@ -58,6 +60,7 @@ class Classifier(EpochRecord, L.LightningModule):
         inputs: str = "data",
         monitor: str = "val/acc",
         adapt_norm: bool = False,
+        loss: tuple[str, Callable] | None = None,
     ):
         super().__init__()
         from torchmetrics import MeanMetric
@@ -75,6 +78,7 @@ class Classifier(EpochRecord, L.LightningModule):
         self.monitor = monitor  # what the plateau schedule watches (task.monitor)
         self.adapt_norm = adapt_norm  # AdaBN on the test set (task.adapt_norm): see adapt_batch_norm
         self._trained_norms: dict[str, torch.Tensor] | None = None
+        self.loss = loss  # (model.loss, the user's loss(outputs, labels)); None: cross-entropy
         if channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         n = len(self.classes)
@@ -108,10 +112,24 @@ class Classifier(EpochRecord, L.LightningModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, labels = batch
         logits = self(self.prepare(x, train=True))
-        loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
+        loss = self._loss(logits, labels, self.label_smoothing)
         self.train_losses.append(loss.detach())
         log_train_loss(self, loss, labels.shape[0])
         return loss
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+        """Cross-entropy, or the user's model.loss, which must give one number to backpropagate."""
+        if self.loss is None:
+            return F.cross_entropy(logits, labels, label_smoothing=label_smoothing)
+        name, function = self.loss
+        loss = function(logits, labels)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise UserError(
+                f"model.loss {name} returned {got}; it must return one floating-point number (a scalar tensor), "
+                "e.g. the .mean() of its per-item losses."
+            )
+        return loss.reshape(())
 
     def validation_step(self, batch, batch_idx: int) -> None:
         self._evaluate(batch, "val")
@@ -122,7 +140,7 @@ class Classifier(EpochRecord, L.LightningModule):
     def _evaluate(self, batch, stage: str) -> None:
         x, labels = batch
         logits = self(self.prepare(x, train=False)).float()
-        self.metrics[f"{stage}_loss"].update(F.cross_entropy(logits, labels), weight=labels.shape[0])
+        self.metrics[f"{stage}_loss"].update(self._loss(logits, labels, 0.0), weight=labels.shape[0])
         for name in ("acc", "acc_top5", "confusion"):
             self.metrics[f"{stage}_{name}"].update(logits, labels)
 

@@ -20,6 +20,8 @@ from onn.errors import UserError
 from onn.modalities.audio.decode import SUFFIXES
 from onn.modalities.base import MediaModality, RunConfig
 
+SILENCE_READERS = frozenset({"audio_rnn"})  # zoo networks that find each clip's sound by its silent floor
+
 
 class AudioModality(MediaModality):
     name = "audio"
@@ -46,10 +48,16 @@ class AudioModality(MediaModality):
         augment_settings(data.augment)
         source = str(model.source or "")
         kind, _, name = source.partition(":")
-        if kind not in ("zoo", "timm") or name in VIDEO:
+        if (kind not in ("zoo", "timm") and ".py:" not in source) or name in VIDEO:
             raise UserError(
                 f"model={model.name} ({source or 'no source'}) does not take spectrograms; audio data trains "
-                "zoo:audio_cnn (model=audio_cnn) or an image network from timm (e.g. model=resnet18)."
+                "zoo:audio_cnn (model=audio_cnn), zoo:audio_rnn (model=audio_lstm), an image network from timm "
+                "(e.g. model=resnet18) or your own file.py:function."
+            )
+        if name in SILENCE_READERS and data.features.normalize == "instance":
+            raise UserError(
+                f"model={model.name} finds each clip's sound by its silent floor, which data.features.normalize="
+                "instance removes; set data.features.normalize=none (the network normalises over the sound itself)."
             )
 
     def datamodule(self, config: ONNConfig, device: str):

@@ -7,6 +7,7 @@ from torch import nn
 from onn.errors import UserError
 from onn.models.zoo.audio_cnn import AudioCNN
 from onn.models.zoo.pointnet import PointNet
+from onn.models.zoo.recurrent import AudioRNN
 from onn.models.zoo.text_encoder import TextEncoder
 from onn.models.zoo.v28 import V28CNN
 from onn.models.zoo.video3d import C3DTiny
@@ -14,6 +15,7 @@ from onn.models.zoo.video3d import C3DTiny
 ZOO = {
     "v28_cnn": V28CNN,
     "audio_cnn": AudioCNN,
+    "audio_rnn": AudioRNN,
     "c3d_tiny": C3DTiny,
     "pointnet": PointNet,
     "text_encoder": TextEncoder,

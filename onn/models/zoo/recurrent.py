@@ -1,0 +1,155 @@
+"""The ONN zoo's recurrent networks: a stack of LSTM or GRU layers over variable-length sequences.
+
+`RecurrentLayer` is one layer of a stack: an LSTM (or GRU) reading each sequence up to its own length,
+and, bidirectional, a second one reading it backwards from its own last step. Sequences are packed
+(torch.nn.utils.rnn.pack_padded_sequence), so no step of padding reaches a recurrence. While
+torch.export traces the network (ONNX export cannot trace packing), or the planner sizes it on the meta
+device, the same recurrences run over the padded batch: a forward recurrence's outputs up to a sequence's
+length do not depend on what follows, and the backward one reads a copy of each sequence reversed within its
+own length, so the outputs match.
+
+`AudioRNN` classifies log-mel spectrograms with such a stack: it finds where each clip's sound is (the
+store pads recordings with silence around them), takes those frames as one sequence each, normalises each
+mel band over them, runs the stack, pools the outputs over each sequence's length and classifies.
+The stack is a ModuleList of identical layers: LayerMap discovery finds its blocks (onn/models/layers.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+CELLS = {"lstm": nn.LSTM, "gru": nn.GRU}
+FLOOR_MARGIN_DB = 1e-3  # a frame whose every band is within this of the clip's minimum is silence
+
+
+def reversed_within(lengths: torch.Tensor, steps: int) -> torch.Tensor:
+    """[B, steps] indices that reverse each sequence within its own length and keep the padding in place
+    (applying them twice gives the sequence back)."""
+    position = torch.arange(steps, device=lengths.device).unsqueeze(0)
+    last = (lengths - 1).unsqueeze(1)
+    return torch.where(position <= last, last - position, position)
+
+
+def take_steps(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B, T, F] at the steps index [B, T] names, per sequence."""
+    return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
+def step_mask(lengths: torch.Tensor, steps: int) -> torch.Tensor:
+    """[B, steps] True at the steps inside each sequence."""
+    return torch.arange(steps, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
+
+
+class RecurrentLayer(nn.Module):
+    """One layer of a recurrent stack: [B, T, in] and lengths [B] -> [B, T, hidden x directions], zero past
+    each sequence's length. A residual connection joins its input where the widths agree."""
+
+    def __init__(
+        self, in_features: int, hidden: int, cell: str = "lstm", bidirectional: bool = True, dropout: float = 0.0
+    ):
+        super().__init__()
+        rnn = CELLS[cell]
+        self.forward_rnn = rnn(in_features, hidden, batch_first=True)
+        self.backward_rnn = rnn(in_features, hidden, batch_first=True) if bidirectional else None
+        self.out_features = hidden * (2 if bidirectional else 1)
+        self.residual = in_features == self.out_features
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        steps = x.shape[1]
+        out = self._run(self.forward_rnn, x, lengths)
+        if self.backward_rnn is not None:
+            flip = reversed_within(lengths, steps)
+            back = self._run(self.backward_rnn, take_steps(x, flip), lengths)
+            out = torch.cat([out, take_steps(back, flip)], dim=-1)
+        out = self.dropout(out)
+        if self.residual:
+            out = out + x
+        return out * step_mask(lengths, steps).unsqueeze(-1).to(out.dtype)
+
+    @staticmethod
+    def _run(rnn: nn.Module, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_exporting() or x.is_meta:  # the padded batch: the same outputs inside each sequence
+            return rnn(x)[0]
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+        return nn.utils.rnn.pad_packed_sequence(rnn(packed)[0], batch_first=True, total_length=x.shape[1])[0]
+
+
+class SoundSpan(nn.Module):
+    """Log-mels in dB [B, C, n_mels, frames] -> the frames of each clip's sound, moved to the start, as a
+    sequence [B, frames, C x n_mels] with each band's mean over the sound removed and scaled by its deviation,
+    and the sequences' lengths [B]. Silence (every band at the clip's minimum: the padding the store puts
+    around a recording, and the silence of a recording's own edges) is not part of the sound."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, c, mels, frames = x.shape
+        seq = x.permute(0, 3, 1, 2).reshape(b, frames, c * mels)
+        floor = seq.amin(dim=(1, 2), keepdim=True)
+        sound = (seq > floor + FLOOR_MARGIN_DB).any(dim=-1)  # [B, frames]
+        position = torch.arange(frames, device=x.device).unsqueeze(0)
+        first = torch.where(sound, position, frames).amin(dim=1).clamp(max=frames - 1)
+        last = torch.where(sound, position, -1).amax(dim=1)
+        lengths = (last - first + 1).clamp(min=1)
+        index = (first.unsqueeze(1) + position).clamp(max=frames - 1)
+        seq = take_steps(seq, index)
+        mask = step_mask(lengths, frames).unsqueeze(-1).to(seq.dtype)
+        count = lengths.view(b, 1, 1).to(seq.dtype)
+        mean = (seq * mask).sum(dim=1, keepdim=True) / count
+        centred = (seq - mean) * mask
+        std = ((centred * centred).sum(dim=(1, 2), keepdim=True) / (count * c * mels)).sqrt().clamp_min(1e-3)
+        return centred / std, lengths
+
+
+class AudioRNN(nn.Module):
+    """Spectrogram -> the sound's frames as a sequence -> a stack of (bi)LSTM or GRU layers -> the mean and the
+    maximum of its outputs over each sequence -> dropout -> classes. Takes log-mels in dB (or affinely scaled
+    dB: data.features.normalize none or dataset), where silence is the clip's minimum."""
+
+    def __init__(
+        self,
+        in_channels: int = 1,
+        num_classes: int = 10,
+        image_size: int | list[int] = 64,
+        hidden: int = 128,
+        layers: int = 2,
+        cell: str = "lstm",
+        bidirectional: bool = True,
+        dropout: float = 0.3,
+        batch_norm: bool = False,
+    ):
+        super().__init__()
+        if cell not in CELLS:
+            raise ValueError(f"cell={cell!r}: use one of {', '.join(CELLS)}")
+        mels = image_size if isinstance(image_size, int) else int(image_size[0])
+        self.span = SoundSpan()
+        self.project = nn.Linear(in_channels * mels, hidden * (2 if bidirectional else 1))
+        width = self.project.out_features
+        # the projected features' statistics over the batch: a held-out voice's own with task.adapt_norm (AdaBN)
+        self.norm = nn.BatchNorm1d(width) if batch_norm else None
+        self.layers = nn.ModuleList(
+            RecurrentLayer(width, hidden, cell, bidirectional, dropout if i < layers - 1 else 0.0)
+            for i in range(layers)
+        )
+        self.classifier = nn.Sequential()
+        self.classifier.add_module("drop", nn.Dropout(dropout))
+        self.classifier.add_module("head", nn.Linear(2 * width, num_classes))
+        self.num_classes, self.num_features = num_classes, 2 * width
+        self.pretrained_cfg = {"classifier": "classifier.head"}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq, lengths = self.span(x)
+        seq = self.project(seq)
+        if self.norm is not None:
+            seq = self.norm(seq.transpose(1, 2)).transpose(1, 2)
+        for layer in self.layers:
+            seq = layer(seq, lengths)
+        mask = step_mask(lengths, seq.shape[1]).unsqueeze(-1)
+        mean = seq.sum(dim=1) / lengths.unsqueeze(1).to(seq.dtype)
+        peak = seq.masked_fill(~mask, torch.finfo(seq.dtype).min).amax(dim=1)
+        return self.classifier(torch.cat([mean, peak], dim=-1))
+
+    def reset_classifier(self, num_classes: int = 0) -> None:
+        """timm's contract: a new head for num_classes, or none (the model returns pooled features) for 0."""
+        self.num_classes = num_classes
+        self.classifier.head = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
