@@ -179,6 +179,15 @@ class StreamedItems(torch.utils.data.Dataset):
         raise UserError("data.source: no item in this split could be decoded.")
 
 
+def split_of(found: dict[str, Any], split: str, fallback: bool = True) -> Any:
+    """A source's `split` (train, val, test) from the splits reading it found: that split, or the whole source
+    ("all": it had no split folders); with `fallback`, else its one split (a val source laid out as test/)."""
+    for name in (split, "all") if split == "train" else ("all", split):
+        if found.get(name):
+            return found[name]
+    return next(iter(found.values())) if fallback and found else None
+
+
 def class_order(found: list[str], data_cfg: SplitData) -> list[str]:
     """The class names in label order: data.classes when given (the data's names must all be in it,
     in any order), else the data's own, padded to data.num_classes when that is larger."""
@@ -367,10 +376,10 @@ class ClassificationData(L.LightningDataModule):
         for split, other in (("val", self.cfg.val_source), ("test", self.cfg.test_source)):
             if other:
                 found = self.read(str(other), f"data.{split}_source")
-                sets[split] = found.get("all") or found.get(split) or next(iter(found.values()))
+                sets[split] = split_of(found, split)
         for split, pattern in self._patterns().items():
             sets = held_out_by_name(sets, split, pattern)
-        train = sets.get("train") or sets.get("all")
+        train = split_of(sets, "train", fallback=False)
         if train is None:
             raise UserError(f"data.source={source} has no training data (found splits: {', '.join(sets)}).")
         self.classes = class_order(train.classes, self.cfg)
@@ -418,7 +427,7 @@ class ClassificationData(L.LightningDataModule):
                 "and data.val_pattern/test_pattern, or set data.resident=true."
             )
         items = self.list_items(source)
-        train = items.get("train") or items.get("all")
+        train = split_of(items, "train", fallback=False)
         self.classes = class_order(train.classes, self.cfg)
         for split in items.values():  # by class name, as the resident path labels them (relabel)
             split.labels = relabelled(torch.as_tensor(split.labels), split.classes, self.classes, "data.source")

@@ -137,11 +137,8 @@ def train(job: Job) -> dict[str, Any]:
     if saved:  # a resumed run keeps the validation split it started with
         config = dataclasses.replace(config, seed=int(saved["inputs"]["seed"]))
     dm = datamodule(config, job.device)
-    inputs = (saved or {}).get("inputs") or {
-        "input_shape": list(dm.input_shape),
-        "classes": dm.classes,
-        "seed": int(config.seed),
-    }
+    fresh = {"input_shape": list(dm.input_shape), "classes": dm.classes, "seed": int(config.seed)}
+    inputs = saved["inputs"] if saved else fresh
     module = build(config, inputs)
     callbacks = _callbacks(config, run_dir)
     clock = next(c for c in callbacks if isinstance(c, StepClock))

@@ -17,7 +17,7 @@ import lightning as L
 import torch
 
 from onn.config.data import GraphData
-from onn.data.resident import ResidentBatches, class_order, relabelled
+from onn.data.resident import ResidentBatches, class_order, relabelled, split_of
 from onn.errors import UserError
 from onn.modalities.graph.builtin import COMMUNITIES, PRIMITIVES, communities, primitive_graphs
 from onn.modalities.graph.read import HELP, Graphs, read_source
@@ -125,7 +125,7 @@ class GraphDataModule(L.LightningDataModule):
         for split, other in (("val", self.cfg.val_source), ("test", self.cfg.test_source)):
             if other:
                 found = self.read(str(other), f"data.{split}_source")
-                sets[split] = found.get("all") or found.get(split) or next(iter(found.values()))
+                sets[split] = split_of(found, split)
         train = sets.pop("train", None) or sets.pop("all", None)
         if train is None or not train.graphs:
             raise UserError(f"data.source={source} has no training graphs (found splits: {', '.join(sets) or 'none'}).")

@@ -129,7 +129,7 @@ def read_tensors(payload: bytes, max_nodes: int, level: str):
         raise GraphError(f"unreadable as safetensors ({type(e).__name__}: {str(e)[:120]})") from e
     if "edge_index" not in tensors:
         raise GraphError(f"holds no edge_index tensor (it has {', '.join(sorted(tensors)) or 'none'})")
-    graph = make_graph(tensors.get("x"), tensors["edge_index"], None, max_nodes)
+    graph = make_graph(tensors.get("x"), tensors["edge_index"], None, max_nodes)  # no x: every node's feature is 1
     for key in ("y", "train_mask", "val_mask", "test_mask"):
         if key in tensors:  # a node-level graph's y is its nodes' labels: node_y, apart from a graph's class y
             graph["node_y" if key == "y" and level == "node" else key] = tensors[key]
