@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import json
 import lzma
 import os
@@ -113,6 +114,11 @@ def read_head(path: str | os.PathLike[str], n: int = 512) -> bytes:
 def is_hidden(name: str) -> bool:
     """Whether a relative posix name has a hidden part (.git, .DS_Store, ._x) or sits under __MACOSX."""
     return any(p.startswith(".") or p in SKIP_DIRS for p in name.split("/"))
+
+
+def first_names(folder: str | os.PathLike[str], limit: int) -> list[str]:
+    """The relative names of at most `limit` files under a folder, for a sniffer (names only: nothing is read)."""
+    return [rel for rel, _ in itertools.islice(walk_files(folder), limit)]
 
 
 def walk_files(root: str | os.PathLike[str], max_depth: int | None = None) -> Iterator[tuple[str, Path]]:

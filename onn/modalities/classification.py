@@ -47,7 +47,7 @@ from onn.models.load import user_function
 from onn.models.vision import feature_extractor
 from onn.planning.plan import Plan, make_plan
 from onn.planning.spec import network_spec
-from onn.training.callbacks import ResourceMonitor, StepClock, epoch_checkpoints
+from onn.training.callbacks import StepClock, run_callbacks
 from onn.training.checkpoints import check_state, read_meta, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.classifier import Classifier, LinearProbe, mean_loss, save_confusion
@@ -500,23 +500,8 @@ def features(module: Classifier, dm: ClassificationData, config: ONNConfig) -> C
 
 
 def _callbacks(config: ONNConfig, run_dir: Path) -> list:
-    from lightning.pytorch.callbacks import EarlyStopping
-
-    task: TrainTask = config.task
-    monitor = task.monitor
-    checkpoints = epoch_checkpoints(run_dir, monitor, monitor_mode(monitor), config.checkpoint.every_n_steps)
-    callbacks = [*checkpoints, StepClock(), ResourceMonitor(int(config.trainer.log_every_n_steps))]
-    stop = task.early_stopping
-    if stop.patience > 0:
-        callbacks.append(
-            EarlyStopping(
-                monitor=monitor,
-                mode=monitor_mode(monitor),
-                patience=int(stop.patience),
-                min_delta=float(stop.min_delta),
-            )
-        )
-    return callbacks
+    monitor = config.task.monitor
+    return run_callbacks(config, run_dir, monitor, monitor_mode(monitor))
 
 
 def _best(callback, ckpt: Path | None, run_dir: Path, monitor: str) -> tuple[str | None, float | None]:

@@ -10,6 +10,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
 
+from onn.config import ONNConfig
 from onn.hardware.memory import anon_rss_mb
 from onn.training import progress
 
@@ -110,6 +111,21 @@ def epoch_checkpoints(run_dir: Path, monitor: str, mode: str, every_n_steps: int
     )
     last = ModelCheckpoint(dirpath=folder, save_top_k=0, save_last=True)
     return [best, last, StepCheckpoint(folder, every_n_steps), RandomState()]
+
+
+def run_callbacks(config: ONNConfig, run_dir: Path, monitor: str, mode: str) -> list[L.Callback]:
+    """An epoch-based run's callbacks: its checkpoints (epoch_checkpoints), the step clock, the resource monitor,
+    and early stopping on `monitor` when task.early_stopping.patience is set."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    checkpoints = epoch_checkpoints(run_dir, monitor, mode, config.checkpoint.every_n_steps)
+    callbacks = [*checkpoints, StepClock(), ResourceMonitor(int(config.trainer.log_every_n_steps))]
+    stop = config.task.early_stopping
+    if stop.patience > 0:
+        callbacks.append(
+            EarlyStopping(monitor=monitor, mode=mode, patience=int(stop.patience), min_delta=float(stop.min_delta))
+        )
+    return callbacks
 
 
 class Progress(L.Callback):

@@ -33,7 +33,7 @@ from onn.modalities.diffusion.module import MONITOR, DiffusionModule, build_deno
 from onn.modalities.diffusion.sample import draw, sampling_scheduler, write_sample_grid
 from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
-from onn.training.callbacks import ResourceMonitor, StepClock, epoch_checkpoints
+from onn.training.callbacks import StepClock, run_callbacks
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.checkpoints import saved_config as run_config
 from onn.training.classifier import mean_loss
@@ -121,14 +121,7 @@ def datamodule(config: ONNConfig, device: str):
 
 
 def _callbacks(config: ONNConfig, run_dir: Path) -> list:
-    from lightning.pytorch.callbacks import EarlyStopping
-
-    checkpoints = epoch_checkpoints(run_dir, MONITOR, "min", config.checkpoint.every_n_steps)
-    callbacks = [*checkpoints, StepClock(), ResourceMonitor(config.trainer.log_every_n_steps)]
-    stop = config.task.early_stopping
-    if stop.patience > 0:
-        callbacks.append(EarlyStopping(monitor=MONITOR, mode="min", patience=stop.patience, min_delta=stop.min_delta))
-    return callbacks
+    return run_callbacks(config, run_dir, MONITOR, "min")
 
 
 def train(job: Job) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 from onn.config import ONNConfig
 from onn.config.data import GraphData
 from onn.config.model import GraphNetworkConfig
+from onn.data.files import first_names
 from onn.errors import UserError
 from onn.modalities.base import ClassifierModality, RunConfig
 
@@ -52,7 +53,7 @@ class GraphModality(ClassifierModality):
                 return "a graph's tensors (x, edge_index)" if _holds_edges(path) else None
             return f"a graph file ({path.suffix.lower()})"
         if path.is_dir():
-            names = _names(path)
+            names = first_names(path, SNIFF_FILES)
             graphs = [n for n in names if is_graph_name(n)]
             tensors = [n for n in graphs if Path(n).suffix.lower() in TENSOR_SUFFIXES]
             if tensors and not _holds_edges(path / tensors[0]):
@@ -187,15 +188,3 @@ def _holds_edges(path: Path) -> bool:
         return size <= HEADER_BYTES and "edge_index" in json.loads(header)
     except (OSError, ValueError, struct.error):
         return False
-
-
-def _names(folder: Path) -> list[str]:
-    """The relative names of at most SNIFF_FILES files under a folder (names only: nothing is read)."""
-    from onn.data.files import walk_files
-
-    names = []
-    for rel, _ in walk_files(folder):
-        names.append(rel)
-        if len(names) >= SNIFF_FILES:
-            break
-    return names

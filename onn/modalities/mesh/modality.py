@@ -14,6 +14,7 @@ from typing import Any
 from onn.config import ONNConfig
 from onn.config.data import MeshData
 from onn.config.model import NetworkConfig
+from onn.data.files import first_names
 from onn.errors import UserError
 from onn.modalities.base import ClassifierModality, RunConfig
 
@@ -39,7 +40,7 @@ class MeshModality(ClassifierModality):
             return "generated 3D primitives"
         if path.is_file():
             return f"a 3D file ({path.suffix.lower()})" if is_mesh_name(path.name) else self._archive(path)
-        names = _names(path)
+        names = first_names(path, SNIFF_FILES)
         meshes = [n for n in names if is_mesh_name(n)]
         if len(meshes) >= 2 and len(meshes) * 2 >= len(names):
             kinds = sorted({Path(n).suffix.lower() for n in meshes}, key=MESH_SUFFIXES.index)
@@ -143,15 +144,3 @@ class MeshModality(ClassifierModality):
         from onn.modalities.mesh.render import write_picture
 
         write_picture(samples, predicted, true, path)
-
-
-def _names(folder: Path) -> list[str]:
-    """The relative names of at most SNIFF_FILES files under a folder (names only: nothing is read)."""
-    from onn.data.files import walk_files
-
-    names = []
-    for rel, _ in walk_files(folder):
-        names.append(rel)
-        if len(names) >= SNIFF_FILES:
-            break
-    return names

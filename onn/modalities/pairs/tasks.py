@@ -36,7 +36,7 @@ from onn.modalities.pairs.module import MONITOR, DualEncoder
 from onn.modalities.pairs.sides import TEXT, build_side, modality_of, saved_side, side_config
 from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
-from onn.training.callbacks import ResourceMonitor, StepClock, epoch_checkpoints
+from onn.training.callbacks import StepClock, run_callbacks
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.checkpoints import saved_config as run_config
 from onn.training.classifier import mean_loss
@@ -142,14 +142,7 @@ def load_trained(config: ONNConfig, ckpt: Path) -> DualEncoder:
 
 
 def _callbacks(config: ONNConfig, run_dir: Path) -> list:
-    from lightning.pytorch.callbacks import EarlyStopping
-
-    checkpoints = epoch_checkpoints(run_dir, MONITOR, "max", config.checkpoint.every_n_steps)
-    callbacks = [*checkpoints, StepClock(), ResourceMonitor(config.trainer.log_every_n_steps)]
-    stop = config.task.early_stopping
-    if stop.patience > 0:
-        callbacks.append(EarlyStopping(monitor=MONITOR, mode="max", patience=stop.patience, min_delta=stop.min_delta))
-    return callbacks
+    return run_callbacks(config, run_dir, MONITOR, "max")
 
 
 def data_metrics(dm: PairData) -> dict[str, Any]:
