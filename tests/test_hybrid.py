@@ -45,13 +45,13 @@ def hybrid_config(tmp_path, *overrides: str):
 def test_hybrid_trains_with_its_own_loss_resumes_and_exports(tmp_path):
     from onn.app import execute
 
-    first = execute(hybrid_config(tmp_path, "trainer.max_epochs=3", "export=onnx"), tmp_path / "first")
+    first = execute(hybrid_config(tmp_path, "trainer.max_epochs=2", "export=onnx"), tmp_path / "first")
     assert first["train/loss_final"] < first["train/loss_initial"]
     assert first["export/max_abs_diff"] < 1e-4
     last = tmp_path / "first" / "checkpoints" / "last.ckpt"
-    resumed = execute(hybrid_config(tmp_path, "trainer.max_epochs=5", f"ckpt={last}"), tmp_path / "resumed")
+    resumed = execute(hybrid_config(tmp_path, "trainer.max_epochs=3", f"ckpt={last}"), tmp_path / "resumed")
     assert resumed["resumed_from"] == str(last) and resumed["steps"] > first["steps"]
-    assert [h["epoch"] for h in resumed["val/history"]] == [0, 1, 2, 3, 4]
+    assert [h["epoch"] for h in resumed["val/history"]] == [0, 1, 2]
 
 
 def test_a_loss_that_is_not_one_number_is_one_sentence(tmp_path):

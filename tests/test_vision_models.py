@@ -162,7 +162,7 @@ def test_zoo_weights_round_trip(tmp_path):
     [
         ({"source": "timm:resnet19"}, r"timm has no model 'resnet19'; close names: .*resnet18"),
         ({"source": "zoo:v29"}, r"no such zoo model; the zoo has: .*v28_cnn"),
-        ({"source": "resnet18"}, r"zoo:NAME .* or timm:NAME"),
+        ({"source": "resnet18"}, r"zoo:NAME .* timm:NAME .* or file\.py:function"),
         ({"source": "zoo:v28_cnn", "kwargs": {"widht": 3}}, r"model\.kwargs does not fit zoo:v28_cnn"),
         (
             {"source": "timm:resnet18", "kwargs": {"num_classes": 3}},
