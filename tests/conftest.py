@@ -10,7 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from onn.config import ONNConfig, register
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist, each worker's torch (and every run.py it starts) gets its share of the cores: three
+    workers of two threads each on two cores spent their time switching (a test of 30 s alone took 60-130 s)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+        if "torch" in sys.modules:  # a plugin imported it first
+            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+_share_the_cores()  # before torch is imported: its thread pool reads OMP_NUM_THREADS once
+
+from onn.config import ONNConfig, register  # noqa: E402
 
 register()  # the config schema, as run.py registers it before Hydra composes
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,3 +129,13 @@ def hardware_profile_once(tmp_path_factory) -> None:
 @pytest.fixture
 def outputs(tmp_path: Path) -> Path:
     return tmp_path / "outputs"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each xdist worker starts on its share of the slow tests. `--dist worksteal` hands worker k the k-th
+    contiguous part of this order, so part k is the k-th share of the slow tests, then of the quick ones; at the
+    end idle workers steal quick tests, instead of one slow test running alone on a quiet machine."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    quick = [item for item in items if not item.get_closest_marker("slow")]
+    items[:] = [item for k in range(workers) for item in slow[k::workers] + quick[k::workers]]

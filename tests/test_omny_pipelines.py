@@ -222,6 +222,7 @@ def _the_cli_validates_and_runs_a_pipeline(trocr, tmp_path) -> None:
     assert main(["run", str(pipeline), str(page), "--points", "1;2"]) == 2  # one sentence, exit 2
 
 
+@pytest.mark.slow
 def test_grounded_sam2_exports_validates_matches_pytorch_and_runs(tmp_path):
     """One export (the test suite's slowest step), every check on it: pytest-xdist may not share a fixture."""
     grounded = _grounded(tmp_path / "export")

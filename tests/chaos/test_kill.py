@@ -26,14 +26,15 @@ TRACKS = [
 
 @pytest.mark.slow
 def test_runs_killed_at_random_moments_resume_bitwise_and_the_server_outlives_its_clients(tmp_path):
-    """Two kills of the resident text run (a kill after its first checkpoint resumes from it) and one of a sweep
-    killed mid-job and run again; then the server under 64 clients, a third of which vanish or time out."""
-    drop = [f"~task.tracks.{t}" for t in TRACKS if t not in ("text", "grid")]
+    """Two kills of the resident text run (a kill after its first checkpoint resumes from it), then the server
+    under 64 clients, a third of which vanish or time out. (A sweep killed mid-job and run again:
+    tests/test_run_record.py; every other track: `recipe=bench_chaos`.)"""
+    drop = [f"~task.tracks.{t}" for t in TRACKS if t != "text"]
     server = ["task.server.requests=150", "task.server.more_requests=150"]
-    proc = run_cli("recipe=bench_chaos", "task.trials=3", "task.seed=3", *drop, *server, f"hydra.run.dir={tmp_path}")
+    proc = run_cli("recipe=bench_chaos", "task.trials=2", "task.seed=3", *drop, *server, f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["chaos/trials"] == 3 and metrics["chaos/exact"] == 3 and metrics["chaos/corrupt"] == 0
+    assert metrics["chaos/trials"] == 2 and metrics["chaos/exact"] == 2 and metrics["chaos/corrupt"] == 0
     trials = metrics["chaos/text"]["trials"]
     assert all(t["fault"] != "finished before the kill" for t in trials)
     assert (tmp_path / "bench_chaos.md").read_text().count("| text | 2 | 2 |") == 1
