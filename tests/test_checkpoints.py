@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from onn.errors import UserError
-from onn.training.checkpoints import load, resolve, save
+from onn.training.checkpoints import load, resolve, save, saved_config
 
 
 def test_round_trip_nested_state(tmp_path):
@@ -55,6 +55,18 @@ def test_a_save_killed_while_tidying_up_does_not_block_the_next(tmp_path):
     save({"x": torch.ones(1)}, tmp_path / "last.ckpt")
     assert load(tmp_path / "last.ckpt")["x"].item() == 1.0
     assert not leftover.exists()
+
+
+def test_a_checkpoint_of_another_modality_is_refused_in_one_sentence(tmp_path):
+    """eval/infer of a diffusion or pairs run names the modality it needs, for another modality's checkpoint and
+    for one another tool wrote alike; without a modality the saved config is read as it is."""
+    save({"onn": {"config": {"modality": "image", "seed": 3}}, "x": torch.zeros(1)}, tmp_path / "image.ckpt")
+    save({"x": torch.zeros(1)}, tmp_path / "foreign.ckpt")
+    assert saved_config(tmp_path / "image.ckpt")["seed"] == 3 and saved_config(tmp_path / "foreign.ckpt") == {}
+    assert saved_config(tmp_path / "image.ckpt", "image")["modality"] == "image"
+    for name in ("image", "foreign"):
+        with pytest.raises(UserError, match=rf"ckpt .*{name}.ckpt was not written by a diffusion run; it cannot"):
+            saved_config(tmp_path / f"{name}.ckpt", "diffusion")
 
 
 def test_resolve_last_picks_newest(tmp_path):

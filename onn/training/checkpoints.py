@@ -189,11 +189,14 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     return _rebuilt(_read_json(Path(path)), _NoTensors(), Path(path))
 
 
-def saved_config(path: str | os.PathLike) -> dict[str, Any]:
-    """The ONN run config a checkpoint carries (model, strategy, data, modality, ...): {} when it has none."""
+def saved_config(path: str | os.PathLike, modality: str | None = None) -> dict[str, Any]:
+    """The ONN run config a checkpoint carries (model, strategy, data, modality, ...): {} when it has none.
+    With `modality`, a checkpoint another modality's run wrote (or another tool) is refused in one sentence."""
     match read_meta(path):
-        case {"onn": {"config": dict() as config}}:
+        case {"onn": {"config": dict() as config}} if modality is None or modality == config["modality"]:
             return in_todays_form(config)
+        case _ if modality is not None:
+            raise UserError(f"ckpt {path} was not written by a {modality} run; it cannot be used with {modality} data.")
         case {"onn": _}:
             raise UserError(
                 f"checkpoint {path}: {META} holds a damaged ONN run config; use a checkpoint folder ONN wrote."

@@ -35,7 +35,7 @@ from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
 from onn.training.callbacks import StepClock, run_callbacks
 from onn.training.checkpoints import load as load_checkpoint
-from onn.training.checkpoints import saved_config as run_config
+from onn.training.checkpoints import saved_config
 from onn.training.classifier import mean_loss
 from onn.training.trainer import build_trainer, optimizer_steps
 
@@ -91,16 +91,9 @@ def build(config: ONNConfig, inputs: dict[str, Any]) -> DiffusionModule:
     return DiffusionModule(build_denoiser(model, channels, [height, width]), model, config.optim, onn_config)
 
 
-def saved_config(ckpt: Path) -> dict[str, Any]:
-    saved = run_config(ckpt)
-    if not saved or saved["modality"] != "diffusion":
-        raise UserError(f"ckpt {ckpt} was not written by a diffusion run; it cannot be used with diffusion data.")
-    return saved
-
-
 def load_trained(config: ONNConfig, ckpt: Path) -> DiffusionModule:
     """The module of the checkpoint's model with its weights (and its moving average)."""
-    saved = saved_config(ckpt)
+    saved = saved_config(ckpt, "diffusion")
     model = typed(DenoiserConfig, saved["model"], f"ckpt {ckpt}: model")
     module = build(dataclasses.replace(config, model=model), saved["inputs"])
     missing, unexpected = module.load_state_dict(load_checkpoint(ckpt)["state_dict"], strict=False)
@@ -126,7 +119,7 @@ def _callbacks(config: ONNConfig, run_dir: Path) -> list:
 
 def train(job: Job) -> dict[str, Any]:
     config, run_dir, ckpt = job.config, job.run_dir, job.ckpt
-    saved = saved_config(ckpt) if ckpt is not None else None
+    saved = saved_config(ckpt, "diffusion") if ckpt is not None else None
     if saved:  # a resumed run keeps the validation split it started with
         config = dataclasses.replace(config, seed=int(saved["inputs"]["seed"]))
     dm = datamodule(config, job.device)

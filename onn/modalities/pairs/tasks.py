@@ -38,7 +38,7 @@ from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
 from onn.training.callbacks import StepClock, run_callbacks
 from onn.training.checkpoints import load as load_checkpoint
-from onn.training.checkpoints import saved_config as run_config
+from onn.training.checkpoints import saved_config
 from onn.training.classifier import mean_loss
 from onn.training.trainer import build_trainer, optimizer_steps
 
@@ -63,9 +63,8 @@ def sides_of(config: ONNConfig, ckpt: Path | None = None) -> dict[str, PairSide]
     """The two sides, from the side configs a checkpoint saved or from this config."""
     if ckpt is not None:
         where = f"ckpt {ckpt}"
-        return {
-            name: build_side(name, saved_side(name, side, where)) for name, side in saved_config(ckpt)["sides"].items()
-        }
+        sides = saved_config(ckpt, "pairs")["sides"]
+        return {name: build_side(name, saved_side(name, side, where)) for name, side in sides.items()}
     return {name: build_side(name, side_config(name, config)) for name in modalities(config)}
 
 
@@ -122,15 +121,8 @@ def plan(modality, config: ONNConfig, hardware: Profile, use_tuned: bool = True)
     return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
 
 
-def saved_config(ckpt: Path) -> dict[str, Any]:
-    saved = run_config(ckpt)  # {} for a checkpoint another tool wrote
-    if not saved or saved["modality"] != "pairs":
-        raise UserError(f"ckpt {ckpt} was not written by a pairs run; it cannot be used with paired data.")
-    return saved
-
-
 def load_trained(config: ONNConfig, ckpt: Path) -> DualEncoder:
-    saved = saved_config(ckpt)
+    saved = saved_config(ckpt, "pairs")
     model = typed(DualEncoderConfig, saved["model"], f"ckpt {ckpt}: model")
     module = build(replace(config, model=model), sides_of(config, ckpt))
     missing, unexpected = module.load_state_dict(load_checkpoint(ckpt)["state_dict"], strict=False)
@@ -163,7 +155,7 @@ def data_metrics(dm: PairData) -> dict[str, Any]:
 def train(job: Job) -> dict[str, Any]:
     config, plan_, run_dir, ckpt = job.config, job.plan, job.run_dir, job.ckpt
     if ckpt is not None:  # a resumed run keeps its sides and its held-out split
-        config = replace(config, seed=int(saved_config(ckpt)["seed"]))
+        config = replace(config, seed=int(saved_config(ckpt, "pairs")["seed"]))
     sides = sides_of(config, ckpt)
     dm = PairData(config, sides, job.device)
     dm.setup()
@@ -211,7 +203,7 @@ def evaluate(job: Job) -> dict[str, Any]:
     if job.ckpt is None:
         raise UserError("task=eval on paired data needs ckpt=RUN_DIR (a trained dual encoder).")
     module = load_trained(config, job.ckpt)
-    saved = saved_config(job.ckpt)
+    saved = saved_config(job.ckpt, "pairs")
     data = config.data if config.data.source else typed(PairsData, saved["data"], f"ckpt {job.ckpt}: data")
     # the seed the run held its pairs out with: the same held-out pairs
     run = replace(config, seed=int(saved["seed"]), data=replace(data, modalities=list(module.names)))
