@@ -18,6 +18,8 @@ TRACKS = [
     "video",
     "mesh",
     "pairs",
+    "audio_lstm",
+    "hybrid",
     "graph",
     "diffusion",
     "grid",
