@@ -114,7 +114,7 @@ def test_audio_lstm_trains_evaluates_infers_and_exports(tmp_path):
         "model.kwargs.hidden=12",
         "trainer.max_epochs=5",
         "optim.schedule=constant",
-        "optim.lr=0.02",
+        "optim.lr=0.005",
         "export=onnx",
     )
     metrics = execute(cfg, tmp_path / "train")
