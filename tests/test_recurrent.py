@@ -12,6 +12,7 @@ import torch
 from conftest import compose
 from test_audio import make_tones
 
+from onn.config.data import AudioAugment
 from onn.errors import UserError
 from onn.models.zoo.recurrent import AudioRNN
 
@@ -27,23 +28,41 @@ def spectrograms(lengths: list[int], mels: int = 8, frames: int = 30) -> torch.T
     return floor
 
 
-@pytest.mark.parametrize("cell, bidirectional, batch_norm", [("lstm", True, False), ("gru", False, True)])
-def test_packed_sequences_match_the_onnx_graph(tmp_path, cell, bidirectional, batch_norm):
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"cell": "lstm", "reference": "band"},
+        {"cell": "gru", "bidirectional": False, "batch_norm": True, "reference": "band"},
+        {"cell": "lstm", "conv_widths": (4, 6), "time_pool": True, "reference": "instance"},
+        {"cell": "gru", "conv_widths": (4,), "time_pool": False, "reference": "band"},
+    ],
+)
+def test_packed_sequences_match_the_onnx_graph(tmp_path, kwargs):
     """Each clip's sound is found and packed at its own length; onnxruntime runs the padded form of the same
-    recurrences and gives the same classes' logits."""
+    recurrences (after the conv front-end, when there is one) and gives the same classes' logits."""
     from onn.export.onnx_export import export_onnx
 
-    model = AudioRNN(1, 3, [8, 30], hidden=6, layers=2, cell=cell, bidirectional=bidirectional, batch_norm=batch_norm)
+    torch.manual_seed(0)
+    model = AudioRNN(1, 3, [8, 30], hidden=6, layers=2, **kwargs)
+    for module in model.modules():  # running statistics away from 0/1: padded frames' zeros would show if they leaked
+        if isinstance(module, torch.nn.BatchNorm1d | torch.nn.BatchNorm2d):
+            module.running_mean.uniform_(-1, 1)
+            module.running_var.uniform_(0.5, 2)
     model.eval()
     x = spectrograms([30, 11, 4, 19])
     assert model.span(x)[1].tolist() == [30, 11, 4, 19]
     result = export_onnx(model, tmp_path / "rnn.onnx", {"input": x})
     assert result["export/max_abs_diff"] < 1e-5
-    # padding a clip with more silence changes nothing: the recurrences never see it
+    # padding a clip with more silence changes nothing: the recurrences (and the front-end) never see it. With
+    # reference=instance the clip's statistics include its silence; the store pads every clip to one length.
     longer = torch.full((4, 1, 8, 40), -100.0)
     longer[:, :, :, 5:35] = x
     with torch.no_grad():
-        assert torch.allclose(model(x), model(longer), atol=1e-5)
+        if kwargs["reference"] == "band":
+            assert torch.allclose(model(x), model(longer), atol=1e-5)
+        else:  # the same sounds elsewhere in a clip of the same length: the same classes' logits
+            moved = torch.roll(longer, 4, dims=-1)
+            assert torch.allclose(model(longer), model(moved), atol=1e-5)
 
 
 def test_layer_map_finds_the_recurrent_stack():
@@ -52,6 +71,10 @@ def test_layer_map_finds_the_recurrent_stack():
     lmap = discover(AudioRNN(1, 10, [24, 101], hidden=8, layers=6))
     assert lmap.blocks_path == "layers" and len(lmap) == 6
     assert [n for n, _ in lmap.prefix] == ["span", "project"] and [n for n, _ in lmap.suffix] == ["classifier"]
+    # a conv front-end is part of the prefix: its stages are one flat Sequential, never a run of blocks
+    lmap = discover(AudioRNN(1, 10, [24, 51], hidden=8, layers=3, conv_widths=(64, 64, 64)))
+    assert lmap.blocks_path == "layers" and len(lmap) == 3
+    assert [n for n, _ in lmap.prefix] == ["span", "conv", "project"]
 
 
 def test_clip_normalisation_is_refused_with_one_sentence():
@@ -91,7 +114,7 @@ def test_audio_lstm_trains_evaluates_infers_and_exports(tmp_path):
         "model.kwargs.hidden=12",
         "trainer.max_epochs=5",
         "optim.schedule=constant",
-        "optim.lr=0.02",
+        "optim.lr=0.005",
         "export=onnx",
     )
     metrics = execute(cfg, tmp_path / "train")
@@ -107,3 +130,25 @@ def test_audio_lstm_trains_evaluates_infers_and_exports(tmp_path):
     out = execute(compose(*common, "task=infer", f"ckpt={ckpt}", f"task.input={new}"), tmp_path / "infer")
     rows = [json.loads(line) for line in Path(out["infer/output"]).read_text().splitlines()]
     assert [r["true"] for r in rows] == ["high"] and Path(out["infer/picture"]).is_file()
+
+
+def test_masks_in_decibels_leave_the_silence_silent():
+    """With dB features (normalize=none) SpecAugment's masks are silence: a training batch's sound spans the same
+    frames as in evaluation (a band masked at the clip's mean would make the silence around a word read as sound)."""
+    from test_audio import tone
+
+    from onn.modalities.audio.features import LogMel, feature_settings
+
+    settings = feature_settings(compose("recipe=fsdd_lstm").data)
+    transform = LogMel(settings, AudioAugment(gain_db=0, shift_seconds=0, freq_mask=8, time_mask=0, masks=1))
+    waves = torch.zeros(4, 1, 8000, dtype=torch.float16)
+    for i, freq in enumerate((300, 700, 1500, 2500)):
+        waves[i, :, 3000:5400] = torch.from_numpy(tone(freq, 0.3).T)
+    span = AudioRNN(1, 10, [24, 51], hidden=4).span
+    evaluated_db = transform(waves, train=False)
+    evaluated = span(evaluated_db)[1]
+    torch.manual_seed(0)
+    trained = transform(waves, train=True)
+    floor = evaluated_db.amin(dim=(1, 2, 3), keepdim=True)
+    assert ((trained != evaluated_db) & (trained == floor)).any()  # bands of the sound were masked to silence
+    assert torch.equal(span(trained)[1], evaluated) and (evaluated < 51).all()

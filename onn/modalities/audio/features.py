@@ -209,13 +209,15 @@ class LogMel:
 
     def _mask(self, x: torch.Tensor) -> torch.Tensor:
         """SpecAugment: `masks` frequency bands of up to freq_mask mels and time spans of up to time_mask
-        frames, each sample its own, set to the sample's mean."""
+        frames, each sample its own, set to the sample's mean; in dB (normalize=none) to its floor, silence, so a
+        masked band does not read as sound in the silence around a word (model=audio_lstm finds the sound by it)."""
         a = self.augment
         count = int(a.masks)
         if not count or not (a.freq_mask or a.time_mask):
             return x
         b, _, h, w = x.shape
-        fill = x.mean(dim=(-3, -2, -1), keepdim=True)
+        reduce = torch.amin if self.s["normalize"] == "none" else torch.mean
+        fill = reduce(x, dim=(-3, -2, -1), keepdim=True)
         keep = torch.ones(b, 1, h, w, dtype=torch.bool, device=x.device)
         for axis, size, limit in ((2, a.freq_mask, h), (3, a.time_mask, w)):
             if not size:

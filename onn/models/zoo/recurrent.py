@@ -9,8 +9,9 @@ length do not depend on what follows, and the backward one reads a copy of each 
 own length, so the outputs match.
 
 `AudioRNN` classifies log-mel spectrograms with such a stack: it finds where each clip's sound is (the
-store pads recordings with silence around them), takes those frames as one sequence each, normalises each
-mel band over them, runs the stack, pools the outputs over each sequence's length and classifies.
+store pads recordings with silence around them), takes those frames as one sequence each, normalises them,
+optionally runs a small convolutional front-end over them (a CRNN), runs the stack, pools the outputs over
+each sequence's length and classifies.
 The stack is a ModuleList of identical layers: LayerMap discovery finds its blocks (onn/models/layers.py).
 """
 
@@ -21,6 +22,7 @@ from torch import nn
 
 CELLS = {"lstm": nn.LSTM, "gru": nn.GRU}
 FLOOR_MARGIN_DB = 1e-3  # a frame whose every band is within this of the clip's minimum is silence
+REFERENCES = ("band", "instance")  # SoundSpan's statistics: the sound's own, or the whole clip's
 
 
 def reversed_within(lengths: torch.Tensor, steps: int) -> torch.Tensor:
@@ -78,9 +80,18 @@ class RecurrentLayer(nn.Module):
 
 class SoundSpan(nn.Module):
     """Log-mels in dB [B, C, n_mels, frames] -> the frames of each clip's sound, moved to the start, as a
-    sequence [B, frames, C x n_mels] with each band's mean over the sound removed and scaled by its deviation,
-    and the sequences' lengths [B]. Silence (every band at the clip's minimum: the padding the store puts
-    around a recording, and the silence of a recording's own edges) is not part of the sound."""
+    sequence [B, frames, C x n_mels], normalised, and the sequences' lengths [B]. Silence (every band at the
+    clip's minimum: the padding the store puts around a recording, and the silence of a recording's own edges)
+    is not part of the sound. `reference` names the statistics: `band` removes each band's mean over the sound
+    and scales by its deviation; `instance` uses the whole clip's, silence included (each band's mean, one
+    deviation: the values data.features.normalize=instance gives the audio CNN), which keeps how far each band
+    of the sound stands above the silence. A held-out voice is recognised far better from `instance`."""
+
+    def __init__(self, reference: str = "band"):
+        super().__init__()
+        if reference not in REFERENCES:
+            raise ValueError(f"reference={reference!r}: use one of {', '.join(REFERENCES)}")
+        self.reference = reference
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, c, mels, frames = x.shape
@@ -91,20 +102,61 @@ class SoundSpan(nn.Module):
         first = torch.where(sound, position, frames).amin(dim=1).clamp(max=frames - 1)
         last = torch.where(sound, position, -1).amax(dim=1)
         lengths = (last - first + 1).clamp(min=1)
-        index = (first.unsqueeze(1) + position).clamp(max=frames - 1)
-        seq = take_steps(seq, index)
+        if self.reference == "instance":  # the whole clip's statistics, before the silence is cut away
+            mean = seq.mean(dim=1, keepdim=True)
+            std = (seq - mean).std(dim=(1, 2), keepdim=True)
+        seq = take_steps(seq, (first.unsqueeze(1) + position).clamp(max=frames - 1))
         mask = step_mask(lengths, frames).unsqueeze(-1).to(seq.dtype)
-        count = lengths.view(b, 1, 1).to(seq.dtype)
-        mean = (seq * mask).sum(dim=1, keepdim=True) / count
-        centred = (seq - mean) * mask
-        std = ((centred * centred).sum(dim=(1, 2), keepdim=True) / (count * c * mels)).sqrt().clamp_min(1e-3)
-        return centred / std, lengths
+        if self.reference == "band":  # the sound's own statistics
+            count = lengths.view(b, 1, 1).to(seq.dtype)
+            mean = (seq * mask).sum(dim=1, keepdim=True) / count
+            centred = (seq - mean) * mask
+            std = ((centred * centred).sum(dim=(1, 2), keepdim=True) / (count * c * mels)).sqrt()
+        return (seq - mean) * mask / std.clamp_min(1e-3), lengths
+
+
+class SpectralConv(nn.Module):
+    """A convolutional front-end over each sequence's frames: [B, T, C x mels] and lengths -> [B, T', features]
+    and the new lengths. Each stage is a 3x3 conv (frequency x time) -> BatchNorm -> ReLU -> max pool of 2 over
+    frequency, so a voice's formants a band higher or lower give nearly the same features, and (time_pool) of 2
+    over time, each sequence then half as long (rounded up). The frames past each sequence's length are zeroed
+    before every pooling, so what a conv or a pooling reads there is the zero padding it would read at the end
+    of the clip: padding changes nothing."""
+
+    def __init__(self, in_channels: int, mels: int, widths: list[int], time_pool: bool = False):
+        super().__init__()
+        stages: list[nn.Module] = []
+        channels = in_channels
+        for width in widths:
+            stages += [
+                nn.Conv2d(channels, width, 3, padding=1, bias=False),
+                nn.BatchNorm2d(width),
+                nn.ReLU(inplace=True),
+                nn.MaxPool2d((2, 2 if time_pool else 1), ceil_mode=True),
+            ]
+            channels, mels = width, (mels + 1) // 2
+        self.in_channels, self.time_pool = in_channels, time_pool
+        # one flat Sequential (no run of same-typed blocks), so LayerMap discovery keeps the recurrent stack
+        self.stages = nn.Sequential(*stages)
+        self.out_features = channels * mels
+
+    def forward(self, seq: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, steps, _ = seq.shape
+        x = seq.reshape(b, steps, self.in_channels, -1).permute(0, 2, 3, 1)  # [B, C, mels, T]
+        for stage in self.stages:
+            x = stage(x)
+            if isinstance(stage, nn.ReLU):  # zero past each length before pooling: a pooled frame never reads past it
+                x = x * step_mask(lengths, x.shape[-1]).view(b, 1, 1, -1).to(x.dtype)
+            elif isinstance(stage, nn.MaxPool2d) and self.time_pool:
+                lengths = torch.div(lengths + 1, 2, rounding_mode="floor")
+        return x.permute(0, 3, 1, 2).reshape(b, x.shape[-1], -1), lengths
 
 
 class AudioRNN(nn.Module):
-    """Spectrogram -> the sound's frames as a sequence -> a stack of (bi)LSTM or GRU layers -> the mean and the
-    maximum of its outputs over each sequence -> dropout -> classes. Takes log-mels in dB (or affinely scaled
-    dB: data.features.normalize none or dataset), where silence is the clip's minimum."""
+    """Spectrogram -> the sound's frames as a sequence -> (conv_widths) a convolutional front-end over its frames
+    -> a stack of (bi)LSTM or GRU layers -> the mean and the maximum of its outputs over each sequence -> dropout
+    -> classes. Takes log-mels in dB (or affinely scaled dB: data.features.normalize none or dataset), where
+    silence is the clip's minimum."""
 
     def __init__(
         self,
@@ -117,13 +169,18 @@ class AudioRNN(nn.Module):
         bidirectional: bool = True,
         dropout: float = 0.3,
         batch_norm: bool = False,
+        conv_widths: list[int] | tuple[int, ...] = (),
+        time_pool: bool = False,
+        reference: str = "band",
     ):
         super().__init__()
         if cell not in CELLS:
             raise ValueError(f"cell={cell!r}: use one of {', '.join(CELLS)}")
         mels = image_size if isinstance(image_size, int) else int(image_size[0])
-        self.span = SoundSpan()
-        self.project = nn.Linear(in_channels * mels, hidden * (2 if bidirectional else 1))
+        self.span = SoundSpan(reference)
+        self.conv = SpectralConv(in_channels, mels, list(conv_widths), time_pool) if conv_widths else None
+        frame_features = self.conv.out_features if self.conv is not None else in_channels * mels
+        self.project = nn.Linear(frame_features, hidden * (2 if bidirectional else 1))
         width = self.project.out_features
         # the projected features' statistics over the batch: a held-out voice's own with task.adapt_norm (AdaBN)
         self.norm = nn.BatchNorm1d(width) if batch_norm else None
@@ -139,6 +196,8 @@ class AudioRNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq, lengths = self.span(x)
+        if self.conv is not None:
+            seq, lengths = self.conv(seq, lengths)
         seq = self.project(seq)
         if self.norm is not None:
             seq = self.norm(seq.transpose(1, 2)).transpose(1, 2)
