@@ -19,7 +19,7 @@ from onn.streaming.store import LayerStore
 TOLERANCE = 1e-4
 
 
-def tiny_dit(layers: int = 4, heads: int = 2, head_dim: int = 8, size: int = 8, patch: int = 2):
+def tiny_dit(layers: int = 4, heads: int = 2, head_dim: int = 8, size: int = 8, patch: int = 2, rank: int = 8):
     """A DiT denoiser as the diffusion modality builds it, LoRA on every block's linears, output layers trained."""
     from onn.config.model import DenoiserConfig
     from onn.modalities.diffusion.module import build_denoiser
@@ -39,7 +39,7 @@ def tiny_dit(layers: int = 4, heads: int = 2, head_dim: int = 8, size: int = 8, 
     )
     torch.manual_seed(0)
     denoiser = build_denoiser(model_cfg, 1, [size, size])
-    strategy = _sparse_lora()
+    strategy = _sparse_lora(rank)
     config = type("C", (), {"model": model_cfg, "strategy": strategy})
     model = adapted(denoiser, config)
     for name, p in model.named_parameters():  # random adapters, so every one has a gradient
@@ -48,10 +48,10 @@ def tiny_dit(layers: int = 4, heads: int = 2, head_dim: int = 8, size: int = 8, 
     return model
 
 
-def _sparse_lora():
+def _sparse_lora(rank: int):
     from conftest import compose
 
-    return compose("strategy=sparse_lora", "strategy.layers=all").strategy
+    return compose("strategy=sparse_lora", "strategy.layers=all", f"strategy.lora.r={rank}").strategy
 
 
 def diffusion_batches(count: int = 2, rows: int = 3, size: int = 8, seed: int = 1) -> list[dict]:

@@ -555,8 +555,7 @@ class StreamingEngine:
                 empty = {stored_name(n): p for n, p in own.items() if n in self.frozen[i] and p.numel() == 0}
                 if not empty:
                     return
-                stored = self.store.read(i)
-                wanted = {k: v for k, v in stored.items() if _base_name(k) in empty}
+                wanted = self.store.read_some(i, lambda name: _base_name(name) in empty)
                 for name, t in self.store.decode(wanted, self.device, self.compute_dtype).items():
                     empty[name].data = t
                     borrowed.append(empty[name])
