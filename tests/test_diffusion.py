@@ -137,7 +137,9 @@ def test_bad_settings_are_one_sentence(images, tmp_path):
         run(tmp_path, *TINY_UNET, f"data.source={images}", "task.sampler=euler")
     with pytest.raises(UserError, match="model.kwargs do not build a unet"):
         run(tmp_path, *TINY_UNET, f"data.source={images}", "++model.kwargs.no_such_argument=1")
-    with pytest.raises(UserError, match="strategy=sparse_lora: a denoiser trains resident"):
+    with pytest.raises(UserError, match="strategy=sparse_lora: a unet's skip connections cross its blocks"):
+        run(tmp_path, *TINY_UNET, f"data.source={images}", "strategy=sparse_lora")
+    with pytest.raises(UserError, match="model.ema_decay=0.5: a streamed denoiser keeps no moving average"):
         run(tmp_path, *TINY_DIT, f"data.source={images}", "strategy=sparse_lora")
     with pytest.raises(UserError, match="needs task.classifier"):
         run(tmp_path, *TINY_UNET, f"data.source={images}", "task=eval")

@@ -43,6 +43,8 @@ from onn.planning.streaming import (
     StreamingPlan,
     StreamShape,
     estimate_streaming,
+    network_streaming,
+    peak,
     store_dtypes,
 )
 from onn.planning.tuned import lookup
@@ -182,6 +184,67 @@ def make_network_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
             "activation_bytes_per_sample": spec.sample_activation_bytes,
         },
         candidates=candidate_table(estimates),
+    )
+
+
+def make_network_streaming_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
+    """A network's blocks streamed (strategy=sparse_lora on a denoiser or a recurrent stack): its frozen block
+    weights in a layer store, what trains resident, the whole batch one micro-batch (network_streaming)."""
+    if spec.n_blocks < 2:
+        raise UserError(f"strategy=sparse_lora streams a model's blocks, and {spec.name} has none to stream.")
+    batch = int(cfg.data.batch_size)
+    ctx = context_mb(hw)
+    optimizer_bytes = 8 if cfg.optim.name == "adamw" else 4
+    budget = (budget_mb(hw) - ctx) * MB
+    streaming, m = network_streaming(spec, hw, batch, budget, fixed_streaming(cfg.strategy.streaming), optimizer_bytes)
+    est = Estimate(
+        "sparse_lora",
+        False,
+        batch,
+        m["weights"] / MB,
+        m["trainable"] / MB,
+        m["optimizer"] / MB,
+        m["activations"] / MB,
+        m["workspace"] / MB,
+        ctx,
+        streaming=streaming,
+        note=f"streams {streaming.chunk_size} block(s) at a time from a {streaming.store} store",
+    )
+    est.fits = fits(est, hw)
+    store_mb = m["store"] / MB
+    reasons = [
+        "strategy=sparse_lora was asked for",
+        f"{spec.n_blocks} blocks ({spec.layer_map}), {store_mb:,.1f} MB of frozen block weights in a "
+        f"{streaming.store} store, {streaming.chunk_size} block(s) at a time: predicted {peak(m) / MB:,.1f} MB "
+        f"for the step in a budget of {budget / MB:,.1f} MB (the process's {ctx:,.0f} MB aside)",
+    ]
+    if streaming.refused:
+        raise UserError(
+            f"hardware {hw.name}: a budget of {budget_mb(hw):,.0f} MB cannot hold one streamed block of {spec.name} "
+            f"with its activations (predicted {peak(m) / MB + ctx:,.0f} MB): raise hardware.budget_mb or lower "
+            "data.batch_size."
+        )
+    return Plan(
+        strategy="sparse_lora",
+        requested="sparse_lora",
+        reasons=reasons,
+        micro_batch=batch,
+        accumulate=1,
+        precision="32-true",
+        weights_dtype="float32",
+        sequence_length=None,
+        predicted_peak_memory_mb=round(est.peak_mb, 1),
+        predicted_step_s=streaming.predicted_step_s,
+        context_mb=round(ctx, 1),
+        budget_mb=round(budget_mb(hw), 1),
+        sparse_layers=[i for i, t in enumerate(spec.lora_params_per_block) if t],
+        gradient_checkpointing=False,
+        settings_source="plan",
+        streaming=streaming,
+        threads=streaming.threads,
+        hardware=hardware_summary(hw),
+        model={**model_summary(spec), "flops_per_sample": spec.sample_flops},
+        candidates=candidate_table({"sparse_lora": est}),
     )
 
 
@@ -409,6 +472,8 @@ class PlanRequest:
 def make_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec, use_tuned: bool = True) -> Plan:
     """The plan: chosen strategy with reasons, micro-batch, precision, and every candidate's memory."""
     check_settings(cfg, hw)
+    if spec.kind == "network" and cfg.strategy.name == "sparse_lora":
+        return make_network_streaming_plan(cfg, hw, spec)
     if spec.kind == "network":
         return make_network_plan(cfg, hw, spec)
     request = PlanRequest.read(cfg, hw, spec)

@@ -39,6 +39,9 @@ class ModelSpec:
     sample_activation_bytes: int = 0  # networks: what autograd keeps per sample (fp32), counted on meta
     sample_flops: int = 0  # networks: forward FLOPs per sample
     head_params: int = 0  # networks: the classifier head, what a linear probe trains
+    block_activation_bytes: list[int] | None = None  # networks: what autograd keeps per sample inside each block
+    boundary_bytes: int = 0  # networks: a block's input per sample (what layer streaming keeps per chunk)
+    edge_trainable_params: int = 0  # networks: trainable weights outside the blocks
 
     @property
     def n_blocks(self) -> int:
@@ -122,30 +125,23 @@ def network_spec(
     `model` is built on the meta device and `sample` is a meta tensor of one sample's batch of 1 (or a tuple of
     them, for a model of several inputs: a denoiser's image and timestep); `head_params` is what a linear probe
     would train."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
 
-    saved = 0
-
-    def pack(t: torch.Tensor):
-        nonlocal saved
-        # a parameter, or a view of one (a recurrence saves its weight's transpose at every step), is no new memory
-        if not isinstance(t, torch.nn.Parameter) and not isinstance(t._base, torch.nn.Parameter):
-            saved += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as flops:
-        model.train()(*(t.requires_grad_(False) for t in (sample if isinstance(sample, tuple) else (sample,))))
     try:
         lmap = discover(model, blocks_path)
+    except UserError:  # a network without repeated blocks plans as well; only cut points and streaming need them
+        lmap = None
+    blocks = lmap.blocks if lmap is not None else []
+    saved, inside, boundary, flops = _saved_bytes(model, sample, blocks)
+    if lmap is not None:
         blocks, prefix, suffix, described = (
             lmap.block_params(),
             lmap.prefix_params(),
             lmap.suffix_params(),
             lmap.describe(),
         )
-    except UserError:  # a network without repeated blocks plans as well; only cut points need them
+    else:
         blocks, prefix, suffix, described = [], 0, 0, "no repeated blocks"
+    in_blocks = {id(p) for b in (lmap.blocks if lmap is not None else []) for p in b.parameters()}
     params = sum(p.numel() for p in model.parameters())
     return ModelSpec(
         name=name,
@@ -153,7 +149,10 @@ def network_spec(
         block_params=blocks,
         prefix_params=prefix,
         suffix_params=suffix,
-        lora_params_per_block=[0] * len(blocks),
+        # what trains in each block (a network's LoRA adapters, when its blocks stream)
+        lora_params_per_block=[sum(p.numel() for p in b.parameters() if p.requires_grad) for b in lmap.blocks]
+        if lmap is not None
+        else [],
         linear_params_per_block=[0] * len(blocks),
         hidden=0,
         intermediate=0,
@@ -163,9 +162,52 @@ def network_spec(
         pretrained=pretrained,
         kind="network",
         sample_activation_bytes=saved,
-        sample_flops=int(flops.get_total_flops()),
+        sample_flops=flops,
         head_params=head_params,
+        block_activation_bytes=inside,
+        boundary_bytes=boundary,
+        edge_trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in in_blocks),
     )
+
+
+def _saved_bytes(model, sample, blocks: list) -> tuple[int, list[int], int, int]:
+    """One forward of `sample` on the meta device: the bytes autograd saves for backward (in all, and inside each
+    of `blocks`), the bytes of the first block's input, and the FLOPs."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    saved, inside, boundary = 0, [0] * len(blocks), []
+    current: list[int] = []  # the block being run (hooks below)
+
+    def pack(t: torch.Tensor):
+        nonlocal saved
+        # a parameter, or a view of one (a recurrence saves its weight's transpose at every step), is no new memory
+        if not isinstance(t, torch.nn.Parameter) and not isinstance(t._base, torch.nn.Parameter):
+            saved += t.numel() * t.element_size()
+            if current:
+                inside[current[-1]] += t.numel() * t.element_size()
+        return t
+
+    def enter(i: int):
+        def hook(module, args):
+            current.append(i)
+            if i == 0 and args and isinstance(args[0], torch.Tensor):
+                boundary.append(args[0].numel() * args[0].element_size())
+
+        return hook
+
+    def leave(module, args, output) -> None:
+        current.pop()
+
+    handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
+    handles += [b.register_forward_hook(leave) for b in blocks]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as flops:
+            model.train()(*(t.requires_grad_(False) for t in (sample if isinstance(sample, tuple) else (sample,))))
+    finally:
+        for h in handles:
+            h.remove()
+    return saved, inside, boundary[0] if boundary else 0, int(flops.get_total_flops())
 
 
 def _cfg_int(config, *names: str, default: int) -> int:

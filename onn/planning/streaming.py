@@ -51,6 +51,9 @@ STREAMING_CHOICES = {
     "activations": ("device", "host"),
 }
 DISK_RESERVE = 2 * 1024**3  # what a store's build leaves free on the disk for others
+# A network streamed on a CPU (a zero-copy float32 stream, glibc's own mmap threshold): the heap kept 1.45x (batch
+# 16) to 1.7x (batch 2) a step's activations beyond them, measured on a 16-block DiT (tests/test_streaming_arch.py)
+NETWORK_HEAP_OVERHEAD = 1.5
 
 
 @dataclass
@@ -630,3 +633,75 @@ def gpu_stream_compute(s: StreamShape, sd: str, chunk: int, suffix_rows: int) ->
         calls.get("step", 0.0) * pieces,
     )
     return {"forward": forward, "backward": backward, "suffix": suffix}
+
+
+def network_stream_memory(spec: ModelSpec, batch: int, chunk: int, store: str, optimizer_bytes: int) -> dict:
+    """Memory of a streamed step of a network (a denoiser, a recurrent stack), its blocks' frozen weights in a
+    float32 store, the whole batch one micro-batch: two slots of `chunk` blocks (the one computing and the one
+    loading), a host-memory store in full on a CPU, the weights outside the blocks and what trains (its weights,
+    gradients and optimizer state), the input of every chunk kept for the backward, one chunk's activations
+    while it is recomputed and the activations outside the blocks (with their gradients), and what the heap keeps
+    of them (NETWORK_HEAP_OVERHEAD)."""
+    n = spec.n_blocks
+    trained = sum(spec.lora_params_per_block) + spec.edge_trainable_params
+    frozen = [p - t for p, t in zip(spec.block_params, spec.lora_params_per_block)]
+    files = [4 * f for f in frozen]
+    held = sum(files) if store == "cpu" else 0
+    weights = held + 2 * chunk * max(files) + 4 * (spec.params - sum(frozen) - trained) + 4 * trained
+    lowest = min((i for i, t in enumerate(spec.lora_params_per_block) if t), default=n) // chunk
+    kept = (-(-n // chunk) - lowest + 2) * spec.boundary_bytes * batch
+    blocks = spec.block_activation_bytes or [0]
+    outside = max(0, spec.sample_activation_bytes - sum(blocks)) * batch
+    # the backward holds each saved activation's gradient beside it: twice what the forward saves
+    activations = kept + 2 * (chunk * max(blocks) * batch + outside)
+    optimizer = trained * optimizer_bytes
+    return {
+        "weights": weights,
+        "trainable": 4 * trained,
+        "optimizer": optimizer,
+        "activations": activations,
+        "workspace": 0.05 * (weights - held + activations + optimizer) + NETWORK_HEAP_OVERHEAD * activations,
+        "store": sum(files),
+    }
+
+
+def network_streaming(
+    spec: ModelSpec, hw: Profile, batch: int, budget: float, fixed: FixedStreaming, optimizer_bytes: int
+) -> tuple[StreamingPlan, dict]:
+    """A network's streaming setting: the store in host memory when all of it fits the budget, else on the disk;
+    the largest chunk that fits (fewest loads); the memory of it. Settings the config fixes are taken as given."""
+    stores = [fixed.store] if fixed.store else ["cpu", "disk"]
+    chunks = [fixed.chunk_size] if fixed.chunk_size else sorted(chunk_sizes(spec.n_blocks), reverse=True)
+    options = [(s, c, network_stream_memory(spec, batch, c, s, optimizer_bytes)) for s in stores for c in chunks]
+    fitting = [o for o in options if peak(o[2]) <= budget]
+    store, chunk, m = fitting[0] if fitting else options[-1]
+    reads = 0 if store == "cpu" else 2 * m["store"]  # forward and backward each read every block once
+    io = reads / MB / float(hw.disk_read_mb_s or 1000.0)
+    compute = 3 * spec.sample_flops * batch / (float(hw.matmul_tflops or 1.0) * 1e12)
+    plan = StreamingPlan(
+        chunk_size=int(chunk),
+        store=store,
+        store_dtype="float32",
+        edges="resident",
+        activations="device",
+        cache_blocks=0,
+        eval_tokens=0,
+        generate_batch=0,
+        generate_cache_blocks=0,
+        generate_sequence_mb=0.0,
+        generate_spare_mb=0.0,
+        block_mb=round(max(spec.block_params) * 4 / MB, 3),
+        suffix_rows=batch,
+        compute_dtype="float32",
+        micro_batches_per_chunk=1,
+        threads=threads_for(hw)[0],
+        predicted_io_s=round(io, 3),
+        predicted_compute_s=round(compute, 3),
+        predicted_decode_s=0.0,
+        predicted_disk_read_gb=round(reads / 2**30, 3),
+        predicted_h2d_gb=0.0,
+        store_gb=round(m["store"] / 2**30, 3),
+        predicted_step_s=round(max(io, compute), 3),
+        refused=None if fitting else "no chunk of one block or more fits the budget",
+    )
+    return plan, m

@@ -47,14 +47,15 @@ class _Capture(nn.Module):
         raise _BlocksReached(hidden, args, kwargs)
 
 
-class _Replay(nn.Module):
-    """Stands in for a block: the first returns the streamed hidden state, the others pass it on."""
+class _Replay:
+    """A block's forward while the suffix runs: the last hands back the streamed hidden state, the others pass on
+    what they are given. Set on the block itself (not swapped for it), so the model can still reach into its
+    blocks after them (a DiT's output layer conditions on block 0's timestep embedding)."""
 
     def __init__(self, value: torch.Tensor | None, as_tuple: bool):
-        super().__init__()
         self.value, self.as_tuple = value, as_tuple
 
-    def forward(self, hidden, *args, **kwargs):
+    def __call__(self, hidden, *args, **kwargs):
         out = self.value if self.value is not None else (hidden[0] if isinstance(hidden, tuple) else hidden)
         return (out,) if self.as_tuple else out
 
@@ -66,6 +67,28 @@ class BlockInputs:
     hidden: torch.Tensor
     args: tuple
     kwargs: dict
+
+
+class Objective:
+    """What the engine asks of a model's batches, the part that differs between kinds of model. This default is a
+    causal LM's (the text modality): the model's keyword inputs are the batch without its labels, its own output
+    carries the loss, and a micro-batch's mean loss averages over its target tokens. Another modality passes its
+    own (a denoiser's inputs are the noisy images and their timesteps, its loss the error against the noise)."""
+
+    def inputs(self, batch: dict[str, Any], targets: bool = False) -> dict[str, Any]:
+        """The model's keyword arguments for `batch`; `targets`: for the suffix, which computes the loss."""
+        if targets:
+            return batch
+        # a cache would grow again when a chunk is recomputed
+        return {"use_cache": False, **{k: v for k, v in batch.items() if k != "labels"}}
+
+    def loss(self, output: Any, batch: dict[str, Any]) -> torch.Tensor:
+        """The mean loss of `batch` from the model's output."""
+        return output.loss
+
+    def weight(self, batch: dict[str, Any]) -> int:
+        """What the mean loss of `batch` averages over (micro-batches weigh by it in a step's loss)."""
+        return target_tokens(batch)
 
 
 @dataclass
@@ -116,6 +139,7 @@ class StreamingEngine:
         cache_blocks: int = 0,
         eval_tokens: int | None = None,
         suffix_rows: int | None = None,
+        objective: Objective | None = None,
     ):
         n = len(layer_map)
         if not 1 <= chunk_size <= n:
@@ -123,6 +147,7 @@ class StreamingEngine:
                 f"strategy.streaming.chunk_size must be between 1 and the model's {n} blocks (got {chunk_size})."
             )
         self.model, self.map, self.store = model, layer_map, store
+        self.objective = objective or Objective()
         self.device = torch.device(device)
         self.prefetch, self.activations, self.micro_batch = prefetch, activations, micro_batch
         self.eval_tokens = eval_tokens  # tokens a validation pass may hold (None: the whole set)
@@ -499,20 +524,58 @@ class StreamingEngine:
 
     def prefix(self, batch: dict[str, Any]) -> BlockInputs:
         """Run the model up to its first block; return what the first block would be called with."""
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        inputs.setdefault("use_cache", False)  # a cache would grow again when a chunk is recomputed
         with self._swapped({0: _Capture()}):
             try:
-                self.model(**inputs)
+                self.model(**self.objective.inputs(batch))
             except _BlocksReached as reached:
                 return BlockInputs(reached.hidden, reached.args, reached.kwargs)
         raise RuntimeError("the model finished its forward without calling its first block")
 
     def suffix(self, hidden: torch.Tensor, batch: dict[str, Any], **extra):
         """Finish the model's forward from the last block's output (norm, head, loss)."""
-        replay = {i: _Replay(hidden if i == len(self.map) - 1 else None, self._as_tuple) for i in range(len(self.map))}
-        with self._swapped(replay):
-            return self.model(**batch, **extra)
+        last = len(self.map) - 1
+        try:
+            for i, block in enumerate(self.map.blocks):
+                block.forward = _Replay(hidden if i == last else None, self._as_tuple)
+            return self.model(**self.objective.inputs(batch, targets=True), **extra)
+        finally:
+            for block in self.map.blocks:
+                del block.forward
+
+    @contextlib.contextmanager
+    def _suffix_phase(self):
+        """Around the suffix's forward and backward: the streamed edges it uses, and any frozen block weights the
+        model reads outside its blocks' calls (a DiT's output layer calls block 0's timestep embedding), which
+        are read from the store when such a module is called without them and given back after."""
+        borrowed: list[nn.Parameter] = []
+
+        def hook(i: int, path: str):
+            def load(module: nn.Module, args) -> None:
+                own = {f"{path}.{n}" if path else n: p for n, p in module.named_parameters(recurse=False)}
+                empty = {stored_name(n): p for n, p in own.items() if n in self.frozen[i] and p.numel() == 0}
+                if not empty:
+                    return
+                wanted = self.store.read_some(i, lambda name: _base_name(name) in empty)
+                for name, t in self.store.decode(wanted, self.device, self.compute_dtype).items():
+                    empty[name].data = t
+                    borrowed.append(empty[name])
+
+            return load
+
+        handles = [
+            module.register_forward_pre_hook(hook(i, path))
+            for i, block in enumerate(self.map.blocks)
+            for path, module in block.named_modules()
+            if any(not p.requires_grad for p in module.parameters(recurse=False))
+        ]
+        try:
+            with self._edges_loaded("suffix"):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+            for p in borrowed:
+                p.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
 
     def _run_chunk(self, c: int, hidden: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
         # weights streamed in a lower dtype than the model's (mixed precision): autocast to it, also where
@@ -604,8 +667,8 @@ class StreamingEngine:
         grads, losses = [], []
         # Each micro-batch's mean loss weighs by its share of the macro-batch's target tokens, so the
         # gradient is the whole macro-batch's, whatever the micro-batch size.
-        weights = token_weights(micro_batches, total_tokens)
-        with self._edges_loaded("suffix"):
+        weights = token_weights(micro_batches, total_tokens, self.objective.weight)
+        with self._suffix_phase():
             start = time.perf_counter()
             for h, mb, w in zip(hidden, micro_batches, weights):
                 h = h.detach().requires_grad_(True)
@@ -614,10 +677,10 @@ class StreamingEngine:
                     continue
                 step = self.suffix_rows or h.shape[0]
                 pieces = [{k: v[a : a + step] for k, v in mb.items()} for a in range(0, h.shape[0], step)]
-                share = token_weights(pieces)  # each piece's part of the micro-batch's mean loss
+                share = token_weights(pieces, weigh=self.objective.weight)  # each piece's part of its mean loss
                 for a, piece, part in zip(range(0, h.shape[0], step), pieces, share):
                     if part:
-                        loss = self.suffix(h[a : a + step], piece).loss
+                        loss = self.objective.loss(self.suffix(h[a : a + step], piece), piece)
                         (loss * (loss_scale * w * part)).backward()
                         losses.append(loss.detach() * (w * part))
                 grads.append(h.grad)
@@ -650,8 +713,8 @@ class StreamingEngine:
     def loss(self, micro_batches: list[dict[str, Any]]) -> list[torch.Tensor]:
         """Streamed forward only: each micro-batch's loss."""
         inputs, _, hidden = self._forward(micro_batches, keep_from=None, then=range(len(self.chunks)))
-        with torch.no_grad(), self._edges_loaded("suffix"):
-            losses = [self.suffix(h, mb).loss for h, mb in zip(hidden, micro_batches)]
+        with torch.no_grad(), self._suffix_phase():
+            losses = [self.objective.loss(self.suffix(h, mb), mb) for h, mb in zip(hidden, micro_batches)]
         return losses
 
     def evaluate(
@@ -680,7 +743,7 @@ class StreamingEngine:
             groups = [_pad(g) for g in _packed(rows_in_pass, group_tokens)]
             groups = [{k: v.to(self.device) for k, v in g.items()} for g in groups]
             _, _, hidden = self._forward(groups, keep_from=None, then=range(len(self.chunks)), fuse=False)
-            with torch.no_grad(), self._edges_loaded("suffix"):
+            with torch.no_grad(), self._suffix_phase():
                 start = time.perf_counter()
                 for h, group in zip(hidden, groups):
                     for s in range(0, h.shape[0], suffix_rows):
@@ -724,7 +787,7 @@ class StreamingEngine:
             start = time.perf_counter()
             hidden = self._run_chunk(c, hidden, block_inputs)
             self.times.compute_s += time.perf_counter() - start
-        with self._edges_loaded("suffix"):
+        with self._suffix_phase():
             # only the last position's logits are needed; a contiguous [batch, 1, hidden] keeps the
             # head a plain matmul (a strided slice sends torch's linear through bmm, which copies
             # the head's weight once per sequence: 8 GB and a minute for Phi-4's at batch 8)
@@ -805,9 +868,10 @@ def target_tokens(mb: dict[str, Any]) -> int:
     return int((mb["labels"][:, 1:] != -100).sum())
 
 
-def token_weights(micro_batches: list[dict[str, Any]], total: int | None = None) -> list[float]:
-    """Each micro-batch's share of the target tokens of them all (or of `total`: a global batch's)."""
-    counts = [target_tokens(mb) for mb in micro_batches]
+def token_weights(micro_batches: list[dict[str, Any]], total: int | None = None, weigh=None) -> list[float]:
+    """Each micro-batch's share of the target tokens of them all (or of `total`: a global batch's); `weigh`: what
+    a micro-batch's mean loss averages over instead (Objective.weight)."""
+    counts = [(weigh or target_tokens)(mb) for mb in micro_batches]
     total = sum(counts) if total is None else total
     return [c / total if total else 0.0 for c in counts]
 

@@ -263,6 +263,23 @@ class LayerStore:
         self.bytes_read += size
         return views(into, self._layouts[index])
 
+    def read_some(self, index: int, keep) -> dict[str, torch.Tensor]:
+        """The stored tensors of block `index` whose names `keep(name)` accepts, and from a disk store only their
+        bytes: a few small tensors wanted outside the blocks' passes (a DiT's timestep embedding)."""
+        if self.kind == "cpu":
+            return {n: t for n, t in self._memory[index].items() if keep(n)}
+        self.file_bytes(index)  # the layout, read once
+        out = {}
+        with open(self.block_file(index), "rb") as f:
+            for name, (dtype, shape, begin, end) in self._layouts[index].tensors.items():
+                if keep(name):
+                    f.seek(begin)
+                    data = bytearray(f.read(end - begin))
+                    out[name] = (
+                        torch.frombuffer(data, dtype=dtype).view(shape) if data else torch.empty(shape, dtype=dtype)
+                    )
+        return out
+
 
 def human_bytes(n: float) -> str:
     return f"{n / 2**30:,.1f} GB" if n >= 2**30 else f"{n / 2**20:,.0f} MB"

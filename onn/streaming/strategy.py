@@ -26,7 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from onn.dtypes import torch_dtype
 from onn.hardware.profile import CoreWatch
 from onn.models.layers import discover
-from onn.streaming.engine import StreamingEngine
+from onn.streaming.engine import Objective, StreamingEngine
 from onn.streaming.store import LayerStore
 
 
@@ -64,9 +64,10 @@ def build_engine(
     store: LayerStore,
     device: torch.device | str,
     micro_batch: int,
+    objective: Objective | None = None,
 ) -> StreamingEngine:
     """Discover the blocks, move their frozen weights into the store (what the loader has not put there
-    already), and return the engine."""
+    already), and return the engine. `objective`: what the model's batches and loss are (default: a causal LM's)."""
     device = torch.device(device)
     layer_map = discover(model)
     s = settings
@@ -84,6 +85,7 @@ def build_engine(
         eval_tokens=int(s.eval_tokens),
         suffix_rows=s.suffix_rows,
         compute_dtype=torch_dtype(s.compute_dtype) if s.compute_dtype else None,
+        objective=objective,
     )
     engine.offload()
     if device.type == "cpu":
@@ -94,8 +96,11 @@ def build_engine(
 class Streams:
     """What both streaming strategies add to Lightning's: the engine, its backward and fp16's loss scale."""
 
-    def _streaming(self, settings: EngineSettings, store_root: Path, micro_batch: int) -> None:
+    def _streaming(
+        self, settings: EngineSettings, store_root: Path, micro_batch: int, objective: Objective | None = None
+    ) -> None:
         self.settings, self.store_root, self.micro_batch = settings, Path(store_root), micro_batch
+        self.objective = objective
         self.engine: StreamingEngine | None = None
 
     def setup(self, trainer) -> None:
@@ -103,7 +108,9 @@ class Streams:
         if self.engine is None:
             # the store the model was loaded into (a host-memory store holds its blocks already)
             store = module.store or layer_store(self.settings, self.store_root, self.root_device)
-            self.engine = build_engine(module.model, self.settings, store, self.root_device, self.micro_batch)
+            self.engine = build_engine(
+                module.model, self.settings, store, self.root_device, self.micro_batch, self.objective
+            )
             module.engine = self.engine
         super().setup(trainer)
 
@@ -132,9 +139,17 @@ class Streams:
 class LayerStreamingStrategy(Streams, SingleDeviceStrategy):
     strategy_name = "onn_layer_streaming"
 
-    def __init__(self, settings: EngineSettings, store_root: Path, micro_batch: int, device: str = "cpu", **kwargs):
+    def __init__(
+        self,
+        settings: EngineSettings,
+        store_root: Path,
+        micro_batch: int,
+        device: str = "cpu",
+        objective: Objective | None = None,
+        **kwargs,
+    ):
         super().__init__(device=torch.device(device), **kwargs)
-        self._streaming(settings, store_root, micro_batch)
+        self._streaming(settings, store_root, micro_batch, objective)
 
 
 class LayerStreamingDDPStrategy(Streams, DDPStrategy):

@@ -17,8 +17,10 @@ def apply(
     strategy_cfg: StrategyConfig,
     layer_map: LayerMap,
     sparse_layers: list[int] | None,
+    task_type: str | None = "CAUSAL_LM",
 ) -> nn.Module:
-    """Return the model ready to train under `strategy` (the plan's choice)."""
+    """Return the model ready to train under `strategy` (the plan's choice). `task_type`: peft's (None: a plain
+    PeftModel, which calls the model with the arguments it is given: a denoiser)."""
     if strategy in ("full", "ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3_offload"):
         for p in model.parameters():
             p.requires_grad_(True)
@@ -37,9 +39,12 @@ def apply(
     layers = sparse_layers if strategy == "sparse_lora" else None
     target = lora.target_modules
     if target == "all-linear":  # peft needs explicit names to combine with layers_to_transform
-        target = sorted(
-            {name.rsplit(".", 1)[-1] for name, m in layer_map.blocks[0].named_modules() if isinstance(m, nn.Linear)}
-        )
+        linears = [name for name, m in layer_map.blocks[0].named_modules() if isinstance(m, nn.Linear)]
+        last = {name.rsplit(".", 1)[-1] for name in linears}
+        # the last names, unless one also names a module that is not a linear (a DiT's `ff.net.0`, an activation,
+        # beside `attn1.to_out.0`): then the linears' paths within the block
+        others = {n.rsplit(".", 1)[-1] for n, m in layer_map.blocks[0].named_modules() if not isinstance(m, nn.Linear)}
+        target = sorted(linears if last & others else last)
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
@@ -47,7 +52,7 @@ def apply(
         target_modules=list(target) if not isinstance(target, str) else target,
         layers_to_transform=layers,
         layers_pattern=layer_map.layers_pattern if layers is not None else None,
-        task_type="CAUSAL_LM",
+        task_type=task_type,
     )
     try:
         return get_peft_model(model, config)

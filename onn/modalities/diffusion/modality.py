@@ -37,10 +37,20 @@ class DiffusionModality(Modality):
             raise UserError(f"model={model.name} is not a denoiser: use model=ddpm_unet or model=dit_small.")
         if model.architecture not in ARCHITECTURES:
             raise UserError(f"model.architecture={model.architecture!r}: use one of {', '.join(ARCHITECTURES)}.")
-        if config.strategy.name not in ("auto", "full"):
+        if config.strategy.name not in ("auto", "full", "sparse_lora"):
             raise UserError(
-                f"strategy={config.strategy.name}: a denoiser trains resident with strategy=full (or auto); "
-                "streaming its blocks is not built yet."
+                f"strategy={config.strategy.name}: a denoiser trains with strategy=full (or auto), or streams its "
+                "blocks with strategy=sparse_lora."
+            )
+        if config.strategy.name == "sparse_lora" and model.architecture != "dit":
+            raise UserError(
+                f"strategy=sparse_lora: a {model.architecture}'s skip connections cross its blocks, so they cannot be "
+                "streamed one after another: use strategy=full, or model=dit_small."
+            )
+        if config.strategy.name == "sparse_lora" and model.ema_decay:
+            raise UserError(
+                f"model.ema_decay={model.ema_decay}: a streamed denoiser keeps no moving average of its weights (the "
+                "frozen ones live in the layer store): set model.ema_decay=0 with strategy=sparse_lora."
             )
         if not 0 <= model.ema_decay < 1:
             raise UserError(f"model.ema_decay={model.ema_decay!r}: give a number in [0, 1) (0: no moving average).")

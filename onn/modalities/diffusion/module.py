@@ -19,6 +19,7 @@ from torch import nn
 from onn.config.model import DenoiserConfig
 from onn.config.run import OptimConfig
 from onn.errors import UserError
+from onn.streaming.engine import Objective
 from onn.training.distributed import clip_gradients
 from onn.training.optim import make_optimizer, make_schedule
 from onn.training.record import EpochRecord, log_train_loss
@@ -63,7 +64,28 @@ def build_denoiser(model_cfg: DenoiserConfig, channels: int, size: list[int]) ->
             )
     except (TypeError, ValueError) as e:  # an unknown or inconsistent constructor argument: diffusers says which
         raise UserError(f"model.kwargs do not build a {model_cfg.architecture}: {e}") from e
+    from diffusers.models.embeddings import LabelEmbedding
+
+    for module in network.modules():
+        # Unconditional: the one class is never dropped (classifier-free guidance's label dropout), which also keeps
+        # a block recomputed by layer streaming's backward the same function as in its forward.
+        if isinstance(module, LabelEmbedding):
+            module.dropout_prob = 0.0
     return Denoiser(network, model_cfg.architecture)
+
+
+class NoisePrediction(Objective):
+    """DDPM's loss for the layer-streaming engine: a batch of noisy images, their timesteps and the noise that was
+    added (drawn once per step by DiffusionModule.noisy, so every pass over the chunks sees the same)."""
+
+    def inputs(self, batch: dict[str, Any], targets: bool = False) -> dict[str, Any]:
+        return {"sample": batch["sample"], "timestep": batch["timestep"]}
+
+    def loss(self, output: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+        return F.mse_loss(output.float(), batch["noise"])
+
+    def weight(self, batch: dict[str, Any]) -> int:
+        return int(batch["sample"].shape[0])
 
 
 def noise_scheduler(model_cfg: DenoiserConfig):
@@ -108,19 +130,40 @@ class DiffusionModule(EpochRecord, L.LightningModule):
         self._val_count = 0
         self._generator: torch.Generator | None = None
         self.last_metrics: dict[str, float] = {}
+        self.engine = None  # set by LayerStreamingStrategy: the blocks' frozen weights stream from a layer store
+        self.store = None  # a layer store the blocks were loaded into beforehand (none: the strategy makes it)
+        # LoRA (strategy=sparse_lora): checkpoints hold what trains; the frozen base is rebuilt from the seed
+        self.strict_loading = all(p.requires_grad for p in denoiser.parameters())
+
+    @property
+    def model(self) -> nn.Module:
+        """What the layer-streaming strategy streams."""
+        return self.denoiser
 
     def sampling_denoiser(self) -> nn.Module:
         """What samples are drawn from: the moving average of the weights, or the weights themselves."""
         return self.ema.module if self.ema is not None else self.denoiser
 
-    def loss(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """DDPM's noise-prediction loss of a batch of uint8 images."""
+    def noisy(self, images: torch.Tensor, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """A batch of uint8 images as DDPM trains on it: a random timestep per image, the noise drawn, the noisy
+        images (diffusers' add_noise)."""
         x0 = to_model_range(images)
         steps = self.scheduler.config.num_train_timesteps
         t = torch.randint(0, steps, (x0.shape[0],), device=x0.device, generator=generator)
         noise = torch.randn(x0.shape, device=x0.device, generator=generator)
-        noisy = self.scheduler.add_noise(x0, noise, t)
-        return F.mse_loss(self.denoiser(noisy, t).float(), noise)
+        return {"sample": self.scheduler.add_noise(x0, noise, t), "timestep": t, "noise": noise}
+
+    def loss(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """DDPM's noise-prediction loss of a batch of uint8 images. Layer-streamed, the forward and the loss's
+        backward to the last block run here and the blocks' backward in the strategy's `backward`."""
+        batch = self.noisy(images, generator)
+        if self.engine is not None:
+            pieces = self.engine.split(batch)
+            if torch.is_grad_enabled():
+                return self.engine.forward_train(pieces, loss_scale=self.trainer.strategy.loss_scale())
+            weights = [p["sample"].shape[0] / images.shape[0] for p in pieces]
+            return sum(loss * w for loss, w in zip(self.engine.loss(pieces), weights))
+        return F.mse_loss(self.denoiser(batch["sample"], batch["timestep"]).float(), batch["noise"])
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images, _ = batch
@@ -154,6 +197,12 @@ class DiffusionModule(EpochRecord, L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         clip_gradients(self, optimizer, self.optim.clip_grad_norm)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if not self.strict_loading:  # the frozen weights are the seed's (and, streamed, live in the store)
+            trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
 
     def configure_optimizers(self):
         optimizer = make_optimizer([p for p in self.denoiser.parameters() if p.requires_grad], self.optim)

@@ -24,12 +24,13 @@ import torch
 from onn.config import ONNConfig, as_dict, typed
 from onn.config.data import ImageData
 from onn.config.model import DenoiserConfig
+from onn.config.strategy import StrategyConfig
 from onn.config.task import TrainTask
 from onn.errors import UserError
 from onn.hardware.memory import PeakMemory
 from onn.hardware.profile import Profile
 from onn.modalities.base import Job
-from onn.modalities.diffusion.module import MONITOR, DiffusionModule, build_denoiser
+from onn.modalities.diffusion.module import MONITOR, DiffusionModule, NoisePrediction, build_denoiser
 from onn.modalities.diffusion.sample import draw, sampling_scheduler, write_sample_grid
 from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
@@ -51,13 +52,22 @@ def planned_shape(config: ONNConfig) -> list[int]:
 
 
 def plan(modality, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
-    """The network plan of the denoiser for one image and its timestep; the blocks it cannot stream, said."""
+    """The network plan of the denoiser for one image and its timestep; the blocks it cannot stream, said. With
+    strategy=sparse_lora its blocks stream (a DiT's transformer blocks), sized with the adapters in place; a
+    UNet's cannot, and it trains resident (strategy=full)."""
     from onn.models.layers import blocks_crossed
 
     shape = planned_shape(config)
     with torch.device("meta"):
         denoiser = build_denoiser(config.model, shape[0], shape[1:])
         sample = (torch.empty(1, *shape), torch.zeros(1, dtype=torch.long))
+    crossing = blocks_crossed(denoiser, sample)
+    streams = config.strategy.name == "sparse_lora" and not crossing
+    if config.strategy.name == "sparse_lora" and crossing:
+        config = dataclasses.replace(config, strategy=dataclasses.replace(config.strategy, name="full"))
+    if streams:
+        with torch.device("meta"):
+            denoiser = adapted(denoiser, config)
     spec = network_spec(
         denoiser, sample, str(config.model.name), pretrained=False, blocks_path=config.model.layer_map.blocks
     )
@@ -65,7 +75,6 @@ def plan(modality, config: ONNConfig, hardware: Profile, use_tuned: bool = True)
     result.candidates.pop("linear_probe", None)  # a classifier's candidate: a denoiser has no head to probe
     if config.strategy.name == "auto":
         result.reasons[0] = "a denoiser trained from random init: train every weight"
-    crossing = blocks_crossed(denoiser, sample)
     if crossing:
         result.reasons.insert(
             1,
@@ -75,32 +84,55 @@ def plan(modality, config: ONNConfig, hardware: Profile, use_tuned: bool = True)
     return result, spec
 
 
+def adapted(denoiser: torch.nn.Module, config: ONNConfig) -> torch.nn.Module:
+    """strategy=sparse_lora's denoiser: LoRA adapters (peft) on strategy.layers' blocks, whose frozen weights
+    stream; the output layers after the blocks train in full (a denoiser from random init has no trained head)."""
+    from onn.models.layers import discover, resolve_indices
+    from onn.training.lora import apply
+
+    layer_map = discover(denoiser, config.model.layer_map.blocks)
+    layers = resolve_indices(config.strategy.layers, len(layer_map))
+    model = apply(denoiser, "sparse_lora", config.strategy, layer_map, layers, task_type=None)
+    for _, module in layer_map.suffix:
+        module.requires_grad_(True)
+    return model
+
+
 def build(config: ONNConfig, inputs: dict[str, Any]) -> DiffusionModule:
     """The DiffusionModule of config.model for `inputs` (input_shape, the validation split's seed, classes);
     its onn_config (saved in every checkpoint, plain values) rebuilds it."""
     torch.manual_seed(int(config.seed))
     model: DenoiserConfig = config.model
     channels, height, width = inputs["input_shape"]
+    streams = config.strategy.name == "sparse_lora"
     onn_config = {
         "model": as_dict(model),
-        "strategy": {**as_dict(config.strategy), "name": "full"},
+        "strategy": {**as_dict(config.strategy), "name": "sparse_lora" if streams else "full"},
         "data": as_dict(config.data),
         "inputs": inputs,
         "modality": "diffusion",
     }
-    return DiffusionModule(build_denoiser(model, channels, [height, width]), model, config.optim, onn_config)
+    denoiser = build_denoiser(model, channels, [height, width])
+    return DiffusionModule(adapted(denoiser, config) if streams else denoiser, model, config.optim, onn_config)
 
 
 def load_trained(config: ONNConfig, ckpt: Path) -> DiffusionModule:
     """The module of the checkpoint's model with its weights (and its moving average)."""
     saved = saved_config(ckpt, "diffusion")
     model = typed(DenoiserConfig, saved["model"], f"ckpt {ckpt}: model")
-    module = build(dataclasses.replace(config, model=model), saved["inputs"])
+    strategy = typed(StrategyConfig, saved["strategy"], f"ckpt {ckpt}: strategy")
+    # LoRA's frozen base is the random init of the run's seed, built again
+    config = dataclasses.replace(config, model=model, strategy=strategy, seed=int(saved["inputs"]["seed"]))
+    module = build(config, saved["inputs"])
     missing, unexpected = module.load_state_dict(load_checkpoint(ckpt)["state_dict"], strict=False)
+    frozen = {n for n, p in module.named_parameters() if not p.requires_grad} if strategy.name == "sparse_lora" else ()
+    missing = [k for k in missing if k not in frozen]
     if missing or unexpected:
         raise UserError(
             f"ckpt {ckpt} does not match the denoiser it names: missing {missing[:3]}, unexpected {unexpected[:3]}."
         )
+    if strategy.name == "sparse_lora":  # the adapters merged into their layers: a plain denoiser again
+        module.denoiser = module.denoiser.merge_and_unload()
     return module
 
 
@@ -129,7 +161,9 @@ def train(job: Job) -> dict[str, Any]:
     callbacks = _callbacks(config, run_dir)
     clock = next(c for c in callbacks if isinstance(c, StepClock))
     steps_per_epoch = len(dm.train_dataloader())
-    trainer = build_trainer(config, job.plan, run_dir, callbacks, steps_per_epoch=steps_per_epoch)
+    trainer = build_trainer(
+        config, job.plan, run_dir, callbacks, strategy=streaming_strategy(config, job), steps_per_epoch=steps_per_epoch
+    )
     module.optimizer_steps = optimizer_steps(trainer, steps_per_epoch)
     with PeakMemory(job.device) as peak:
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
@@ -149,10 +183,35 @@ def train(job: Job) -> dict[str, Any]:
         "resumed_from": str(ckpt) if ckpt else None,
         "items_skipped": len(dm.skipped),
     }
+    if module.engine is not None:  # samples and exports from the checkpoint's weights, resident (docs/streaming.md)
+        module.engine.close()
+        module = load_trained(config, run_dir / "checkpoints" / "last.ckpt")
+        metrics["streaming"] = {"chunk_size": job.plan.streaming.chunk_size, "store": job.plan.streaming.store}
     metrics.update(sample_grid(config, module, run_dir, torch.device(job.device)))
     if config.export.name != "none":
         metrics.update(export_module(config, module, run_dir))
     return metrics
+
+
+def streaming_strategy(config: ONNConfig, job: Job):
+    """The layer-streaming strategy when the plan streams the denoiser's blocks (None: Lightning's default)."""
+    if job.plan.strategy != "sparse_lora":
+        return None
+    from onn.streaming.strategy import EngineSettings, LayerStreamingStrategy
+
+    s = job.plan.streaming
+    settings = EngineSettings(
+        chunk_size=s.chunk_size,
+        store=s.store,
+        store_dtype=s.store_dtype,
+        edges=s.edges,
+        activations=s.activations,
+        cache_blocks=s.cache_blocks,
+        eval_tokens=s.eval_tokens,
+        prefetch=config.strategy.streaming.prefetch,
+    )
+    root = job.run_dir / "layer_store"  # the seed's random frozen weights: this run's own
+    return LayerStreamingStrategy(settings, root, job.plan.micro_batch, device=job.device, objective=NoisePrediction())
 
 
 def sample_grid(config: ONNConfig, module: DiffusionModule, run_dir: Path, device: torch.device) -> dict[str, Any]:

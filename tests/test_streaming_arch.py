@@ -1,0 +1,171 @@
+"""Layer streaming beyond language models: a diffusers DiT and a stack of LSTM layers stream their blocks' frozen
+weights from a layer store and compute what the resident model computes (one step's gradients of what trains),
+through the same engine as a causal LM, with the modality's Objective (its inputs, loss and batch weight); the
+DiT trains through the runner with strategy=sparse_lora; the plan's memory of a DiT streamed under a budget a
+quarter of its size is what the step takes (measured in a fresh process, as task=bench measures)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from onn.models.layers import discover
+from onn.streaming.engine import Objective, StreamingEngine
+from onn.streaming.store import LayerStore
+
+TOLERANCE = 1e-4
+
+
+def tiny_dit(layers: int = 4, heads: int = 2, head_dim: int = 8, size: int = 8, patch: int = 2, rank: int = 8):
+    """A DiT denoiser as the diffusion modality builds it, LoRA on every block's linears, output layers trained."""
+    from onn.config.model import DenoiserConfig
+    from onn.modalities.diffusion.module import build_denoiser
+    from onn.modalities.diffusion.tasks import adapted
+
+    model_cfg = DenoiserConfig(
+        name="dit",
+        architecture="dit",
+        kwargs={
+            "num_layers": layers,
+            "num_attention_heads": heads,
+            "attention_head_dim": head_dim,
+            "patch_size": patch,
+            "norm_num_groups": 4,
+        },  # fmt: skip
+        ema_decay=0.0,
+    )
+    torch.manual_seed(0)
+    denoiser = build_denoiser(model_cfg, 1, [size, size])
+    strategy = _sparse_lora(rank)
+    config = type("C", (), {"model": model_cfg, "strategy": strategy})
+    model = adapted(denoiser, config)
+    for name, p in model.named_parameters():  # random adapters, so every one has a gradient
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def _sparse_lora(rank: int):
+    from conftest import compose
+
+    return compose("strategy=sparse_lora", "strategy.layers=all", f"strategy.lora.r={rank}").strategy
+
+
+def diffusion_batches(count: int = 2, rows: int = 3, size: int = 8, seed: int = 1) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {
+            "sample": torch.randn(rows, 1, size, size, generator=g),
+            "timestep": torch.randint(0, 1000, (rows,), generator=g),
+            "noise": torch.randn(rows, 1, size, size, generator=g),
+        }
+        for _ in range(count)
+    ]
+
+
+class Classification(Objective):
+    """A classifier's batches for the engine: spectrograms in, cross-entropy against the labels."""
+
+    def inputs(self, batch, targets=False):
+        return {"x": batch["x"]}
+
+    def loss(self, output, batch):
+        return F.cross_entropy(output, batch["y"])
+
+    def weight(self, batch):
+        return int(batch["x"].shape[0])
+
+
+def streamed_step(model, objective, batches, chunk_size, folder):
+    engine = StreamingEngine(
+        model, discover(model), LayerStore("disk", "float32", folder=folder), chunk_size, objective=objective
+    )
+    engine.offload()
+    loss = engine.train_step(batches)
+    engine.close()
+    return loss
+
+
+def resident_step(model, objective, batches):
+    losses = []
+    for batch in batches:
+        loss = objective.loss(model(**objective.inputs(batch)), batch)
+        (loss * objective.weight(batch) / sum(objective.weight(b) for b in batches)).backward()
+        losses.append(loss.detach() * objective.weight(batch))
+    return torch.stack(losses).sum() / sum(objective.weight(b) for b in batches)
+
+
+def trained_grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2])
+def test_a_dit_streams_with_the_resident_gradients(tmp_path, chunk_size):
+    """The DiT's output layers call block 0's timestep embedding after the blocks: the engine lends it from the
+    store for the suffix, so its adapters get the gradient of both uses."""
+    from onn.modalities.diffusion.module import NoisePrediction
+
+    resident = tiny_dit()
+    streamed = copy.deepcopy(resident)
+    batches = diffusion_batches()
+    want_loss = resident_step(resident, NoisePrediction(), batches)
+    loss = streamed_step(streamed, NoisePrediction(), batches, chunk_size, tmp_path)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    want, got = trained_grads(resident), trained_grads(streamed)
+    assert want.keys() == got.keys() and any("norm1.emb.timestep_embedder" in n for n in want)
+    assert max(float((want[n] - got[n]).abs().max()) for n in want) <= TOLERANCE
+
+
+def test_an_lstm_stack_streams_with_the_resident_gradients(tmp_path):
+    """An LSTM has no linear layer for LoRA: its biases and the head train, its weight matrices stream."""
+    from onn.models.zoo.recurrent import AudioRNN
+
+    torch.manual_seed(0)
+    resident = AudioRNN(1, 10, 8, hidden=16, layers=8, dropout=0.0)
+    for name, p in resident.named_parameters():
+        p.requires_grad_(name.startswith("classifier") or (name.startswith("layers") and "bias" in name))
+    streamed = copy.deepcopy(resident)
+    g = torch.Generator().manual_seed(2)
+    batches = []
+    for _ in range(2):
+        x = torch.randn(4, 1, 8, 20, generator=g)
+        x[1, :, :, 12:] = x.min()  # a shorter clip: silence after frame 12 (packed sequences of different lengths)
+        batches.append({"x": x, "y": torch.randint(0, 10, (4,), generator=g)})
+    want_loss = resident_step(resident, Classification(), batches)
+    loss = streamed_step(streamed, Classification(), batches, 2, tmp_path)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    want, got = trained_grads(resident), trained_grads(streamed)
+    assert want.keys() == got.keys() and sum("layers.0." in n for n in want) >= 2
+    assert max(float((want[n] - got[n]).abs().max()) for n in want) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_a_streamed_dit_trains_through_the_runner_and_samples_from_its_checkpoint(tmp_path):
+    """strategy=sparse_lora on a DiT: the plan streams its blocks, the loss falls, and the checkpoint (adapters and
+    output layers; the frozen base is the seed's) draws samples and exports, resident."""
+    from test_diffusion import run, write_images
+
+    images = write_images(tmp_path / "pictures")
+    metrics, run_dir = run(
+        tmp_path,
+        "model=dit_small",
+        "model.ema_decay=0",
+        "model.kwargs={num_layers: 4, num_attention_heads: 2, attention_head_dim: 8, patch_size: 2,"
+        " norm_num_groups: 4}",
+        f"data.source={images}",
+        "strategy=sparse_lora",
+        "strategy.layers=all",
+        "strategy.streaming.store=disk",
+        "strategy.streaming.chunk_size=1",
+        "trainer.max_steps=8",
+        "task.samples=2",
+        "export=onnx",
+    )
+    assert metrics["streaming"] == {"chunk_size": 1, "store": "disk"}
+    assert metrics["train/loss_final"] < metrics["train/loss_initial"]
+    assert (run_dir / "samples.png").is_file() and metrics["export/max_abs_diff"] < 1e-3
+    infer, _ = run(tmp_path, "task=infer", f"ckpt={run_dir}", "task.samples=2", name="infer")
+    assert infer["samples/count"] == 2
