@@ -173,7 +173,8 @@ def tiny_recipe(tmp_path, *overrides: str):
 def test_char_lstm_trains_resumes_exactly_evaluates_generates_and_exports(tmp_path):
     """recipe=char_lstm on built-in word problems with chunks of 16 bytes: the validation loss falls, ONNX agrees
     with PyTorch, a run stopped at step 10 and resumed from its last.ckpt ends where the uninterrupted one does,
-    task=eval of the checkpoint gives its validation loss, and task=infer continues a prompt and draws it."""
+    task=eval of the checkpoint gives its validation loss, task=infer continues a prompt and draws it, and task=serve
+    (a KV cache's continuous batching) is refused in one sentence."""
     from onn.app import execute
 
     whole = execute(tiny_recipe(tmp_path, "trainer.max_steps=20", "export=onnx"), tmp_path / "whole")
@@ -190,3 +191,5 @@ def test_char_lstm_trains_resumes_exactly_evaluates_generates_and_exports(tmp_pa
     infer = compose(*common, "task=infer", "prompt=What is 2 + 3?", "task.max_new_tokens=12")
     out = execute(infer, tmp_path / "infer")
     assert out["infer/completion"] and (tmp_path / "infer" / "tokens.png").is_file()
+    with pytest.raises(UserError, match="model 'char_lstm' is recurrent"):
+        execute(compose(*common, "task=serve", "serve.port=0"), tmp_path / "serve")

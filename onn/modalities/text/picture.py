@@ -42,7 +42,7 @@ def write_picture(texts: list[str], probabilities: list[float], prompt_tokens: i
     figure, axes = plt.subplots(figsize=(COLUMNS * 0.22 + 1.5, rows * 0.3 + 1.0))
     image = axes.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     for i, text in enumerate(texts):
-        shown = "".join(SHOWN.get(c, c) for c in text)[:3]
+        shown = "".join(SHOWN.get(c, c if c.isprintable() else "?") for c in text)[:3]  # control bytes: "?"
         colour = "dimgray" if i < prompt_tokens else "black"
         axes.text(i % COLUMNS, i // COLUMNS, shown, ha="center", va="center", fontsize=7, color=colour)
     axes.set_xticks([])

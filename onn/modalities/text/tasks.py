@@ -388,7 +388,15 @@ def language_model(job: Job) -> LanguageModel:
     return LanguageModel(model, tokenizer, Prompter(config.data, tokenizer), engine)
 
 
-serving = language_model  # task=serve answers with it
+def serving(job: Job) -> LanguageModel:
+    """What task=serve answers with: language_model's model, whose KV cache continuous batching shares out."""
+    lm = language_model(job)
+    if getattr(lm.model, "carries_state", False):
+        raise UserError(
+            f"task=serve decodes requests together through a KV cache, and model '{job.config.model.name}' is "
+            "recurrent (it carries a state instead): generate with task=infer."
+        )
+    return lm
 
 
 def infer(job: Job) -> dict[str, Any]:
