@@ -33,6 +33,9 @@ class TrainTask(TaskConfig):
     label_smoothing: float = MISSING
     adapt_norm: bool = MISSING
     early_stopping: EarlyStopping = MISSING
+    # text with a recurrent LM (model=char_lstm): backpropagate through chunks of this many tokens, the state carried
+    # from one chunk to the next, detached (truncated BPTT); 0: through the whole sequence
+    tbptt_steps: int = MISSING
     # diffusion (onn/modalities/diffusion): how task=infer and task=eval draw images
     seed: int = MISSING  # the sampling noise's seed: the same seed, checkpoint and steps give the same images
     sampler: str = MISSING  # ddim (few steps) | ddpm (every training timestep)

@@ -68,6 +68,7 @@ def architecture(model_cfg: LanguageModelConfig):
     """The transformers config of the model, from the model YAML (no weights needed)."""
     from transformers import AutoConfig
 
+    register_zoo_models()
     arch = dict(model_cfg.architecture or {})  # a copy: model_type is taken out of it
     if not arch:
         kind = source_kind(model_cfg.source)
@@ -248,6 +249,14 @@ AUTO_CLASSES = (
 )
 
 
+def register_zoo_models() -> None:
+    """ONN's own transformers models (the recurrent LM, model_type onn_recurrent_lm), known to the Auto classes
+    before a config names one."""
+    from onn.models.zoo.recurrent_lm import register_auto
+
+    register_auto()
+
+
 def expand(path: str) -> str:
     return os.path.expanduser(str(path))
 
@@ -270,6 +279,7 @@ def hub_folder(repo_id: str) -> str:
 def read_config(folder: str, remote: bool):
     from transformers import AutoConfig
 
+    register_zoo_models()
     if not (Path(folder) / "config.json").is_file():
         raise UserError(f"model.source {folder} has no config.json; a Hugging Face model folder needs one.")
     return AutoConfig.from_pretrained(folder, trust_remote_code=remote)

@@ -530,6 +530,8 @@ def _choose(r: PlanRequest, estimates: dict[str, Estimate]) -> tuple[str, list[s
         return (r.requested if r.requested in estimates else "full"), reasons
     if not r.spec.pretrained:
         return "full", ["random init: train every weight (LoRA on random weights would adapt noise)"]
+    if r.spec.kind == "lm" and not any(r.spec.lora_params_per_block):
+        return "full", ["no linear layer inside the blocks for LoRA to adapt (a recurrent stack): train every weight"]
     chosen = next((s for s in AUTO_ORDER if estimates[s].fits), "sparse_lora")
     reasons = []
     for s in AUTO_ORDER[: AUTO_ORDER.index(chosen) + 1]:

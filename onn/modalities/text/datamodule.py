@@ -42,11 +42,46 @@ def encode(
 ) -> tuple[list[int], list[int]]:
     """Token ids and labels (prompt positions ignored), truncated from the prompt's left so the answer survives.
     `special_tokens`: add the tokenizer's own (BOS); off for a chat-templated prompt, which carries its own."""
+    return encode_counted(tokenizer, prompt, answer, max_length, special_tokens)[:2]
+
+
+def encode_counted(
+    tokenizer, prompt: str, answer: str, max_length: int, special_tokens: bool = True
+) -> tuple[list[int], list[int], int]:
+    """`encode`'s ids and labels, and how many tokens the example had before it was cut to max_length."""
     prompt_ids = tokenizer(prompt, add_special_tokens=special_tokens)["input_ids"] if prompt else _bos(tokenizer)
     answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    whole = len(prompt_ids) + len(answer_ids)
     answer_ids = answer_ids[: max_length - 1]
     prompt_ids = prompt_ids[max(0, len(prompt_ids) + len(answer_ids) - max_length) :]
-    return prompt_ids + answer_ids, [IGNORE] * len(prompt_ids) + answer_ids
+    return prompt_ids + answer_ids, [IGNORE] * len(prompt_ids) + answer_ids, whole
+
+
+def encode_all(
+    tokenizer, examples: list[tuple[str, str]], where: list[str], max_length: int, special_tokens: bool, key: str
+) -> list[tuple[list[int], list[int]]]:
+    """Every example encoded; those longer than max_length (cut as `encode` cuts them) are said in one warning,
+    with the longest and where it is."""
+    encoded, cut, longest = [], 0, (0, "")
+    for (prompt, answer), place in zip(examples, where):
+        ids, labels, whole = encode_counted(tokenizer, prompt, answer, max_length, special_tokens)
+        encoded.append((ids, labels))
+        cut += whole > max_length
+        longest = max(longest, (whole, place))
+    if cut:
+        log.warning(
+            "data: %d of %d records of %s are longer than data.max_length=%d tokens (the longest, %s, has %d): "
+            "each is cut to max_length, its prompt from the left, then its answer's end. Raise data.max_length to "
+            "keep them whole (with a recurrent model, task.tbptt_steps keeps the memory of a long sequence a "
+            "chunk's).",
+            cut,
+            len(examples),
+            key,
+            max_length,
+            longest[1],
+            longest[0],
+        )
+    return encoded
 
 
 def _bos(tokenizer) -> list[int]:
@@ -154,8 +189,11 @@ class TextDataModule(L.LightningDataModule):
         self.val_examples = self.prompter.examples(val, "data.val_source" if self.cfg.val_source else "data.source")
         self.train_records = len(self.train_examples)
         max_length, special = self.cfg.max_length, self.prompter.add_special_tokens
-        self.train_set = [encode(self.tokenizer, p, a, max_length, special) for p, a in self.train_examples]
-        self.val_set = [encode(self.tokenizer, p, a, max_length, special) for p, a in self.val_examples]
+        val_key = "data.val_source" if self.cfg.val_source else "data.source"
+        self.train_set = encode_all(
+            self.tokenizer, self.train_examples, train.where, max_length, special, "data.source"
+        )
+        self.val_set = encode_all(self.tokenizer, self.val_examples, val.where, max_length, special, val_key)
 
     def _setup_streamed(self) -> None:
         """The file read in order: the first records are the validation split (at most VAL_MAX, held in
@@ -193,7 +231,8 @@ class TextDataModule(L.LightningDataModule):
         self.prompter.examples(Records([r for _, _, r, _ in sample], [w for _, _, _, w in sample]), "data.source")
         self.val_examples = self.prompter.examples(val, "data.val_source" if cfg.val_source else "data.source")
         max_length, special = cfg.max_length, self.prompter.add_special_tokens
-        self.val_set = [encode(self.tokenizer, p, a, max_length, special) for p, a in self.val_examples]
+        val_key = "data.val_source" if cfg.val_source else "data.source"
+        self.val_set = encode_all(self.tokenizer, self.val_examples, val.where, max_length, special, val_key)
         self.train_records = rows
         self.stream = ShuffledStream(reader, start, rows, cfg.shuffle_buffer, self.seed, self._encode)
         log.info(

@@ -12,6 +12,7 @@ from pathlib import Path
 from onn.config.data import TextData
 from onn.config.model import LanguageModelConfig, NetworkConfig
 from onn.config.run import ONNConfig
+from onn.config.task import TrainTask
 from onn.errors import UserError
 from onn.hardware.profile import Profile
 from onn.modalities.base import Modality
@@ -58,6 +59,9 @@ class TextModality(Modality):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 said = "2 (a prompt token and an answer token)" if least == 2 else "1"
                 raise UserError(f"data.{key}={value!r}: give a whole number, {said} or more.")
+        tbptt = config.task.tbptt_steps if isinstance(config.task, TrainTask) else 0
+        if isinstance(tbptt, bool) or not isinstance(tbptt, int) or tbptt < 0:
+            raise UserError(f"task.tbptt_steps={tbptt!r}: give a whole number of tokens per chunk, or 0 for none.")
         steps = config.trainer.max_steps
         if config.task.name in ("train", "bench", "tune") and steps < 1:
             raise UserError(

@@ -6,6 +6,11 @@ Loss is the model's own shifted cross-entropy over answer tokens (labels of prom
 Batches are whole macro-batches (data.batch_size); the step splits them into micro-batches and
 accumulates their gradients itself (Lightning's manual optimization), so that an out-of-memory
 error can halve the micro-batch and retry the same step with the same macro-batch.
+
+A recurrent model (one that carries its state in `past_key_values`, onn/models/zoo/recurrent_lm.py) can train
+with truncated backpropagation through time (task.tbptt_steps): Lightning 2's way, manual optimization over
+chunks of the sequence with the state carried from one chunk to the next and detached. The chunks' gradients
+accumulate into the batch's one optimizer step, so steps, schedule and resume stay the batch's.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 
 from onn.config.run import OptimConfig
 from onn.errors import UserError
-from onn.modalities.text.datamodule import HOST_ROWS
+from onn.modalities.text.datamodule import HOST_ROWS, IGNORE
 from onn.streaming.engine import target_tokens
 from onn.training.callbacks import logs_now
 from onn.training.distributed import clip_gradients, forward_module, wrap_for_fsdp
@@ -43,6 +48,7 @@ class CausalLM(L.LightningModule):
         onn_config: dict[str, Any],
         micro_batch: int,
         min_micro_batch: int = 1,
+        tbptt_steps: int = 0,
     ):
         super().__init__()
         self.automatic_optimization = False  # the step accumulates micro-batches itself (see module doc)
@@ -52,6 +58,7 @@ class CausalLM(L.LightningModule):
         # plain dicts (as_dict), stored in every checkpoint so eval/infer can rebuild the model (app.from_checkpoint)
         self.onn_config = onn_config
         self.micro_batch, self.min_micro_batch = micro_batch, min_micro_batch
+        self.tbptt_steps = tbptt_steps  # truncated backpropagation through time: tokens per chunk (0: off)
         self.oom_backoffs: list[dict[str, int]] = []  # {"step", "from", "to"} per halving
         from torchmetrics import MeanMetric
 
@@ -135,6 +142,10 @@ class CausalLM(L.LightningModule):
                 continue
             # DDP all-reduces once per step, on the last backward; every process makes the same calls
             sync = i == len(pieces) - 1 or world == 1
+            if count and 0 < self.tbptt_steps < piece["input_ids"].shape[1]:
+                loss = self._truncated_backward(model, piece, count, count / total * world, sync)
+                losses.append(loss * (count / total))
+                continue
             with contextlib.nullcontext() if sync else self.trainer.strategy.block_backward_sync():
                 out = model(**piece)
                 if count == 0:  # a backward through every weight all the same, adding nothing
@@ -145,6 +156,36 @@ class CausalLM(L.LightningModule):
             losses.append(out.loss.detach() * (count / total))
         local = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
         return self._global_sum(local)
+
+    def _truncated_backward(
+        self, model, piece: dict[str, torch.Tensor], tokens: int, weight: float, sync: bool
+    ) -> torch.Tensor:
+        """Truncated backpropagation through time over one micro-batch: its sequences in chunks of tbptt_steps
+        tokens; each chunk starts from the state the previous one ended in, detached, so no gradient crosses a
+        chunk boundary, and each chunk's backward frees its activations before the next chunk runs. Each chunk's
+        loss is its tokens' summed loss over the micro-batch's `tokens`, so the chunks add up to the micro-batch's
+        mean loss (returned), and `weight` scales it as _forward_backward scales a whole micro-batch's."""
+        ids, mask = piece["input_ids"], piece["attention_mask"]
+        targets = torch.nn.functional.pad(piece["labels"][:, 1:], (0, 1), value=IGNORE)  # position t predicts t + 1
+        state, total = None, torch.zeros((), device=ids.device)
+        starts = range(0, ids.shape[1], self.tbptt_steps)
+        for start in starts:
+            span = slice(start, start + self.tbptt_steps)
+            # several processes: DDP reduces the accumulated gradients once, after the last chunk of the last piece
+            quiet = self.trainer.world_size > 1 and not (sync and start == starts[-1])
+            with self.trainer.strategy.block_backward_sync() if quiet else contextlib.nullcontext():
+                out = model(
+                    input_ids=ids[:, span],
+                    attention_mask=mask[:, span],
+                    shift_labels=targets[:, span].contiguous(),
+                    num_items_in_batch=tokens,
+                    past_key_values=state,
+                    use_cache=True,
+                )
+                self.manual_backward(out.loss * weight)
+            total += out.loss.detach()
+            state = tuple(s.detach() for s in out.past_key_values)
+        return total
 
     def _global_tokens(self, tokens: int) -> int:
         """Target tokens of the whole global batch: the sum over every process."""

@@ -102,9 +102,22 @@ def build(config: ONNConfig, plan: Plan) -> tuple[CausalLM, Any]:
         {**saved, "modality": "text"},
         plan.micro_batch,
         config.strategy.min_micro_batch,
+        config.task.tbptt_steps,
     )
     module.store = store
     return module, tokenizer
+
+
+def check_tbptt(config: ONNConfig, module: CausalLM) -> None:
+    """task.tbptt_steps needs a model whose state can be carried from chunk to chunk, resident."""
+    steps = config.task.tbptt_steps
+    if steps and (module.store is not None or not getattr(module.model, "carries_state", False)):
+        what = "is layer-streamed" if module.store is not None else "carries none (a transformer attends instead)"
+        raise UserError(
+            f"task.tbptt_steps={steps}: truncated backpropagation carries a recurrent model's state from one chunk "
+            f"to the next, and model '{config.model.name}' {what}; set task.tbptt_steps=0, or train a recurrent "
+            "model (model=char_lstm) with strategy=full."
+        )
 
 
 def weights_dtype(config: ONNConfig, plan: Plan) -> torch.dtype:
@@ -223,6 +236,7 @@ def train(job: Job) -> dict[str, Any]:
     early = early_tokenizer(config.model, config.paths.cache)
     dm = datamodule(config, early) if early is not None else None  # a data mistake costs a second, not a store build
     module, tokenizer = build(config, plan)
+    check_tbptt(config, module)
     if ckpt is not None:  # before Lightning restores it: a checkpoint of another model is one sentence
         check_state(module, state_shapes(ckpt), ckpt, loads_frozen=module.strict_loading)
     dm = dm or datamodule(config, tokenizer)
@@ -374,7 +388,15 @@ def language_model(job: Job) -> LanguageModel:
     return LanguageModel(model, tokenizer, Prompter(config.data, tokenizer), engine)
 
 
-serving = language_model  # task=serve answers with it
+def serving(job: Job) -> LanguageModel:
+    """What task=serve answers with: language_model's model, whose KV cache continuous batching shares out."""
+    lm = language_model(job)
+    if getattr(lm.model, "carries_state", False):
+        raise UserError(
+            f"task=serve decodes requests together through a KV cache, and model '{job.config.model.name}' is "
+            "recurrent (it carries a state instead): generate with task=infer."
+        )
+    return lm
 
 
 def infer(job: Job) -> dict[str, Any]:
@@ -423,13 +445,21 @@ def infer(job: Job) -> dict[str, Any]:
     completion = stream(model, tokenizer, text, engine=engine, **gen)
     if not completion.strip():
         log.warning("the completion is empty: the model ended the text at once (%s)", EMPTY_HINT)
-    return {
+    metrics = {
         **said,
         "infer/prompt": config.prompt,
         "infer/model_input": text,
         "infer/completion": completion,
         "infer/empty_completions": int(not completion.strip()),
     }
+    if engine is None:  # a resident model reads the whole text in one pass; a streamed one would load every block
+        from onn.modalities.text.picture import token_probabilities, write_picture
+
+        picture = job.run_dir / "tokens.png"
+        write_picture(*token_probabilities(model, tokenizer, text, completion), picture)
+        print(f"wrote {picture}: each token coloured by the probability the model gave it")
+        metrics["infer/picture"] = str(picture)
+    return metrics
 
 
 def export(job: Job) -> dict[str, Any]:

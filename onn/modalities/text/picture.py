@@ -1,0 +1,58 @@
+"""task=infer's picture for a language model: the prompt and its completion, token by token, each coloured by the
+probability the model gave it where it stood (one forward pass over the whole text, teacher-forced). Where the
+prompt is read, low probabilities show what the model did not expect; in the completion, how sure it was."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+COLUMNS = 48  # tokens per row of the picture
+MAX_TOKENS = 960  # the picture shows at most this many (20 rows)
+SHOWN = {"\n": "↵", "\t": "→", " ": "·"}
+
+
+@torch.no_grad()
+def token_probabilities(model, tokenizer, prompt: str, completion: str) -> tuple[list[str], list[float], int]:
+    """(each token's text, the probability the model gave it after the tokens before it, how many are the
+    prompt's). The first token has no context: its probability is NaN."""
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([(prompt_ids + completion_ids)[:MAX_TOKENS]], device=next(model.parameters()).device)
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+    chosen = logits[:-1].softmax(-1).gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1)
+    probabilities = [float("nan")] + chosen.tolist()
+    texts = [tokenizer.decode([i]) for i in ids[0].tolist()]
+    return texts, probabilities, min(len(prompt_ids), len(texts))
+
+
+def write_picture(texts: list[str], probabilities: list[float], prompt_tokens: int, path: Path) -> None:
+    """A grid of the tokens, COLUMNS a row, each cell coloured by its probability; the prompt's tokens in grey
+    type, the completion's in black."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = -(-len(texts) // COLUMNS)
+    grid = np.full((rows, COLUMNS), np.nan)
+    grid.flat[: len(probabilities)] = probabilities
+    figure, axes = plt.subplots(figsize=(COLUMNS * 0.22 + 1.5, rows * 0.3 + 1.0))
+    image = axes.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    for i, text in enumerate(texts):
+        shown = "".join(SHOWN.get(c, c if c.isprintable() else "?") for c in text)[:3]  # control bytes: "?"
+        colour = "dimgray" if i < prompt_tokens else "black"
+        axes.text(i % COLUMNS, i // COLUMNS, shown, ha="center", va="center", fontsize=7, color=colour)
+    axes.set_xticks([])
+    axes.set_yticks([])
+    axes.set_title(
+        f"P(token | the text before it): {prompt_tokens} prompt tokens (grey), "
+        f"{len(texts) - prompt_tokens} generated (black)",
+        fontsize=9,
+    )
+    figure.colorbar(image, ax=axes, fraction=0.02, pad=0.01)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

@@ -1,0 +1,195 @@
+"""The recurrent byte-level language model (model=char_lstm, onn/models/zoo/recurrent_lm.py) through the text
+modality: truncated backpropagation through time stops the gradient at a chunk boundary and the loss still falls;
+padding never changes a row's outputs and generation carries the state; recipe=char_lstm trains, resumes exactly
+from last.ckpt, evaluates, generates (with its picture) and exports to ONNX; sequences longer than data.max_length
+are said in one warning."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+import pytest
+import torch
+from conftest import compose
+
+from onn.errors import UserError
+from onn.modalities.text.module import CausalLM
+from onn.models.zoo.recurrent_lm import RecurrentLMConfig, RecurrentLMForCausalLM
+
+SPECIAL = {"bos_token_id": 61, "eos_token_id": 62, "pad_token_id": 63}
+SGD = compose("optim.name=sgd", "optim.lr=0.1", "optim.schedule=constant", "optim.warmup_steps=0").optim
+
+
+def tiny_lm(cell: str = "lstm", dropout: float = 0.0) -> RecurrentLMForCausalLM:
+    torch.manual_seed(0)
+    return RecurrentLMForCausalLM(
+        RecurrentLMConfig(vocab_size=64, hidden_size=16, cell=cell, dropout=dropout, **SPECIAL)
+    )
+
+
+def fit(module: CausalLM, batches: list[dict[str, torch.Tensor]]) -> None:
+    trainer = L.Trainer(
+        max_steps=len(batches),
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+
+
+def chunked_batch() -> dict[str, torch.Tensor]:
+    """Three chunks of 4 tokens: ids 10-39 in the first two, 50-59 in the third, targets only inside the third
+    (labels at positions 9-11: positions 8-10 predict them). One row is padded from position 10 on."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.cat([torch.randint(10, 40, (3, 8), generator=g), torch.randint(50, 60, (3, 4), generator=g)], dim=1)
+    mask = torch.ones_like(ids)
+    mask[2, 10:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :9] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_truncated_backpropagation_stops_at_the_chunk_boundary(cell):
+    """Loss only on the third chunk: with task.tbptt_steps=4 the embeddings of the tokens of the first two chunks
+    get no gradient (they reach the third chunk only through the detached state), and without it they do. The
+    forward is the same either way: the first step's loss is equal."""
+    batch = chunked_batch()
+    early = batch["input_ids"][:, :8].unique()
+    moved = {}
+    for steps in (4, 0):
+        module = CausalLM(tiny_lm(cell), SGD, max_steps=1, onn_config={}, micro_batch=3, tbptt_steps=steps)
+        before = module.model.embed.weight.detach().clone()
+        fit(module, [batch])
+        moved[steps] = (module.model.embed.weight.detach() - before)[early].abs().amax().item(), module.train_losses
+    assert moved[4][0] == 0.0 and moved[0][0] > 1e-4
+    assert moved[4][1] == pytest.approx(moved[0][1], rel=1e-5)
+
+
+def test_truncated_backpropagation_still_learns():
+    """Twenty steps of chunks of 4 tokens over padded rows of 14: the loss falls well below where it started."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 8, (6, 14), generator=g)
+    ids[:, 1::2] = ids[:, ::2] + 8  # every second token follows from the one before: learnable across chunks
+    mask = torch.ones_like(ids)
+    mask[::2, 11:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    optim = compose("optim.lr=0.02", "optim.schedule=constant", "optim.warmup_steps=0").optim
+    module = CausalLM(tiny_lm(), optim, max_steps=20, onn_config={}, micro_batch=4, tbptt_steps=4)
+    fit(module, [dict(batch) for _ in range(20)])
+    assert module.train_losses[-1] < 0.5 * module.train_losses[0]
+
+
+def test_padding_and_batching_leave_each_rows_outputs_and_generation_alone():
+    """A row's logits are the same alone, right-padded or left-padded in a batch (eval, packed when generating);
+    generation with the carried state picks what re-reading the whole text would."""
+    model = tiny_lm().eval()
+    short, long = torch.tensor([[5, 6, 7]]), torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        alone = model(input_ids=short).logits[0]
+        for side in ("right", "left"):
+            pad = torch.zeros(1, 3, dtype=torch.long)
+            row = torch.cat([short, pad], 1) if side == "right" else torch.cat([pad, short], 1)
+            mask = (torch.arange(6) < 3) if side == "right" else (torch.arange(6) >= 3)
+            both = torch.stack([mask.long(), torch.ones(6, dtype=torch.long)])
+            batch = {"input_ids": torch.cat([row, long]), "attention_mask": both}
+            for use_cache in (None, True):
+                logits = model(**batch, use_cache=use_cache).logits[0][mask]
+                torch.testing.assert_close(logits, alone, rtol=1e-5, atol=1e-5)
+        generated = model.generate(
+            torch.cat([torch.zeros(2, 3, dtype=torch.long), torch.cat([short, long[:, :3]])], 1),
+            attention_mask=torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1]]),
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=63,
+        )[0, 6:]
+        text = short
+        for _ in range(6):
+            text = torch.cat([text, model(input_ids=text).logits[:, -1:].argmax(-1)], 1)
+    assert generated.tolist() == text[0, 3:].tolist()
+
+
+def test_tbptt_with_a_transformer_is_one_sentence(tmp_path):
+    from onn.app import execute
+
+    cfg = compose(
+        "model=llama_tiny",
+        "task.tbptt_steps=8",
+        "trainer.max_steps=1",
+        "tracking=none",
+        f"paths.outputs={tmp_path / 'outputs'}",
+    )
+    with pytest.raises(UserError, match=r"task.tbptt_steps=8: .*model 'llama_tiny' carries none"):
+        execute(cfg, tmp_path / "run")
+    with pytest.raises(UserError, match="task.tbptt_steps=-1"):
+        from onn.modalities import get
+
+        get("text").check(compose("recipe=char_lstm", "task.tbptt_steps=-1"))
+
+
+def test_sequences_longer_than_max_length_are_said_in_one_warning(tmp_path, caplog):
+    from onn.modalities.text.datamodule import TextDataModule
+    from onn.models.tokenizer import byte_tokenizer
+
+    text = tmp_path / "lines.txt"
+    text.write_text("short line\n" * 30 + "a much longer line than the others, " * 4 + "\n")
+    cfg = compose("recipe=char_lstm", "data=text", f"data.source={text}", "data.max_length=32", "data.val_split=0.1")
+    with caplog.at_level(logging.WARNING, logger="onn"):
+        dm = TextDataModule(cfg.data, byte_tokenizer(), 4)
+        dm.setup()
+    said = [r.getMessage() for r in caplog.records if "data.max_length=32" in r.getMessage()]
+    assert len(said) == 1 and "1 of" in said[0] and f"{text} line 31" in said[0] and "has 146" in said[0]
+    assert max(len(ids) for ids, _ in dm.train_set + dm.val_set) == 32
+
+
+def tiny_recipe(tmp_path, *overrides: str):
+    return compose(
+        "recipe=char_lstm",
+        "data=math",
+        "data.source=builtin:math",
+        "data.builtin.train_size=200",
+        "data.builtin.val_size=16",
+        "data.max_length=40",
+        "data.batch_size=8",
+        "model.architecture.hidden_size=32",
+        "task.tbptt_steps=16",
+        "optim.schedule=constant",  # a run stopped at step 10 then has the uninterrupted run's learning rates
+        "optim.warmup_steps=0",
+        "checkpoint.every_n_steps=10",
+        "trainer.val_check_interval=10",
+        "tracking=csv",
+        f"paths.outputs={tmp_path / 'outputs'}",
+        f"paths.cache={tmp_path / 'cache'}",
+        *overrides,
+    )
+
+
+@pytest.mark.slow
+def test_char_lstm_trains_resumes_exactly_evaluates_generates_and_exports(tmp_path):
+    """recipe=char_lstm on built-in word problems with chunks of 16 bytes: the validation loss falls, ONNX agrees
+    with PyTorch, a run stopped at step 10 and resumed from its last.ckpt ends where the uninterrupted one does,
+    task=eval of the checkpoint gives its validation loss, task=infer continues a prompt and draws it, and task=serve
+    (a KV cache's continuous batching) is refused in one sentence."""
+    from onn.app import execute
+
+    whole = execute(tiny_recipe(tmp_path, "trainer.max_steps=20", "export=onnx"), tmp_path / "whole")
+    assert whole["val/loss_final"] < whole["val/loss_initial"] and whole["export/max_abs_diff"] < 1e-4
+    execute(tiny_recipe(tmp_path, "trainer.max_steps=10"), tmp_path / "first")
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    resumed = execute(tiny_recipe(tmp_path, "trainer.max_steps=20", f"ckpt={last}"), tmp_path / "resumed")
+    assert resumed["steps"] == 20 and resumed["train/loss_curve"] == pytest.approx(whole["train/loss_curve"], abs=1e-6)
+    assert resumed["val/loss_final"] == pytest.approx(whole["val/loss_final"], abs=1e-6)
+    ckpt = tmp_path / "whole" / "checkpoints" / "last.ckpt"
+    common = [f"paths.outputs={tmp_path / 'outputs'}", "tracking=none", f"ckpt={ckpt}"]
+    evaluated = execute(compose(*common, "task=eval", "task.max_samples=0"), tmp_path / "eval")
+    assert evaluated["val/loss"] == pytest.approx(whole["val/loss_final"], rel=1e-5)
+    infer = compose(*common, "task=infer", "prompt=What is 2 + 3?", "task.max_new_tokens=12")
+    out = execute(infer, tmp_path / "infer")
+    assert out["infer/completion"] and (tmp_path / "infer" / "tokens.png").is_file()
+    with pytest.raises(UserError, match="model 'char_lstm' is recurrent"):
+        execute(compose(*common, "task=serve", "serve.port=0"), tmp_path / "serve")
