@@ -20,8 +20,10 @@ TRACKS = [
     "pairs",
     "audio_lstm",
     "hybrid",
+    "char_lstm",
     "graph",
     "diffusion",
+    "dit",
     "grid",
 ]
 
