@@ -12,7 +12,7 @@ import torch
 
 from onn.config import ONNConfig, as_dict
 from onn.config.model import LanguageModelConfig
-from onn.config.task import EvalTask, InferTask
+from onn.config.task import EvalTask, InferTask, TrainTask
 from onn.data.files import write_jsonl
 from onn.dtypes import torch_dtype
 from onn.errors import UserError
@@ -102,15 +102,20 @@ def build(config: ONNConfig, plan: Plan) -> tuple[CausalLM, Any]:
         {**saved, "modality": "text"},
         plan.micro_batch,
         config.strategy.min_micro_batch,
-        config.task.tbptt_steps,
+        tbptt_steps(config),
     )
     module.store = store
     return module, tokenizer
 
 
+def tbptt_steps(config: ONNConfig) -> int:
+    """task.tbptt_steps of a training run; 0 (whole sequences) for the tasks that have no such key (bench, tune)."""
+    return config.task.tbptt_steps if isinstance(config.task, TrainTask) else 0
+
+
 def check_tbptt(config: ONNConfig, module: CausalLM) -> None:
     """task.tbptt_steps needs a model whose state can be carried from chunk to chunk, resident."""
-    steps = config.task.tbptt_steps
+    steps = tbptt_steps(config)
     if steps and (module.store is not None or not getattr(module.model, "carries_state", False)):
         what = "is layer-streamed" if module.store is not None else "carries none (a transformer attends instead)"
         raise UserError(
