@@ -23,6 +23,7 @@ from onn.models.load import (
     converted_gguf,
     expand,
     finish_tokenizer,
+    gguf_parsed_once,
     hub_folder,
     read_config,
     refuse_pickle_folder,
@@ -53,8 +54,9 @@ class Source:
         if kind == "safetensors":
             return cls(architecture(model_cfg), [expand(source)])._indexed()
         if kind == "gguf" and converted_gguf(source, cache_dir) is None:
-            gguf = GGUFBlocks(expand(source))  # read tensor by tensor: a GGUF larger than RAM loads too
-            return cls(gguf.config, gguf=gguf, tokenizer=gguf.tokenizer())
+            with gguf_parsed_once():
+                gguf = GGUFBlocks(expand(source))  # read tensor by tensor: a GGUF larger than RAM loads too
+                return cls(gguf.config, gguf=gguf, tokenizer=gguf.tokenizer())
         if kind not in ("folder", "hub", "gguf"):
             return None
         folder = {"folder": expand, "hub": hub_folder}.get(kind, lambda s: converted_gguf(s, cache_dir))(source)
