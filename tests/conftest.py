@@ -132,10 +132,17 @@ def outputs(tmp_path: Path) -> Path:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each xdist worker starts on its share of the slow tests. `--dist worksteal` hands worker k the k-th
-    contiguous part of this order, so part k is the k-th share of the slow tests, then of the quick ones; at the
-    end idle workers steal quick tests, instead of one slow test running alone on a quiet machine."""
+    """Each xdist worker starts on its share of the slow tests, then runs whole test files. `--dist worksteal`
+    hands worker k the k-th contiguous part of this order, so part k is the k-th share of the slow tests, then
+    files of quick tests: a file's module-scoped fixtures (a traced export, a served model) are built by one
+    worker, not by all three. At the end idle workers steal quick tests, instead of one slow test running alone."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     slow = [item for item in items if item.get_closest_marker("slow")]
-    quick = [item for item in items if not item.get_closest_marker("slow")]
-    items[:] = [item for k in range(workers) for item in slow[k::workers] + quick[k::workers]]
+    shares = [slow[k::workers] for k in range(workers)]
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        if not item.get_closest_marker("slow"):
+            files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    for tests in sorted(files.values(), key=len, reverse=True):  # the largest files first, each to the emptiest share
+        min(shares, key=len).extend(tests)
+    items[:] = [item for share in shares for item in share]

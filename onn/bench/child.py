@@ -1,8 +1,12 @@
-"""A run's config across a process boundary: the benches that measure in a fresh interpreter (suite, giant)
-send it as plain JSON (`as_dict`) and the child rebuilds the typed config from it here."""
+"""The benches that measure in a process of their own (suite, giant): the process, started from a warm
+interpreter, and the run's config across the boundary, sent as plain JSON (`as_dict`) and typed again here."""
 
 from __future__ import annotations
 
+import io
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
 from onn.config import ONNConfig, typed
@@ -29,3 +33,39 @@ def config_from_dict(values: dict[str, Any], task_schema: type, where: str) -> O
     for group, schema in schemas.items():
         setattr(config, group, typed(schema, values[group], f"{where}: {group}"))
     return config
+
+
+# What every measuring process imports before its first line: 6-7 s of a core, paid once per bench run
+WARM = ("torch", "lightning", "transformers", "peft")
+
+
+def start(module: str, argv: list[str], request: str, log: Path):
+    """`python -m MODULE ARGV` with REQUEST on stdin and its output appended to LOG, forked from a warm server
+    (multiprocessing's forkserver, which imports WARM once), not a fresh interpreter importing them again:
+    bench_giant starts eight such processes. The server never computes, so a child starts its own threads and
+    CUDA. Returns the started multiprocessing.Process (its `exitcode` is negative for a signal)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(WARM))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}  # the server was started with an older environment
+    process = context.Process(target=_become, args=(module, argv, request, str(log), env), name=module)
+    process.start()
+    return process
+
+
+def _become(module: str, argv: list[str], request: str, log: str, env: dict[str, str]) -> None:
+    """The forked child's side of `start`: the environment, stdin, stdout and argv of `python -m MODULE`."""
+    import runpy
+    import warnings
+
+    opened = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(opened, 1)
+    os.dup2(opened, 2)
+    os.close(opened)
+    os.environ.clear()
+    os.environ.update(env)
+    warnings.simplefilter("ignore")
+    sys.stdin = io.StringIO(request)
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)

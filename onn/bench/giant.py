@@ -1,8 +1,9 @@
 """`task=bench_giant` (recipe=bench_giant): a model larger than RAM, fine-tuned and generating on this
 machine from a layer store on disk, measured against what the disk and the cores allow.
 
-Every phase runs in a fresh interpreter whose anonymous RSS the parent samples (so a phase killed on
-purpose still has its peak), in this order:
+Every phase runs in a process of its own, forked from a warm interpreter that imported torch once
+(onn/bench/child.py), whose anonymous RSS the parent samples (so a phase killed on purpose still has its
+peak), in this order:
 
   disk       the disk's cold sequential read bandwidth now (a fresh file of task.disk_probe_mb, O_DIRECT),
              and the matmul rate now, for the model's own widest weight at the step's rows
@@ -36,12 +37,12 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from onn.bench import child
 from onn.config import ONNConfig, as_dict
 from onn.config.task import BenchGiantTask
 from onn.errors import UserError
@@ -288,43 +289,34 @@ def _steps_done(run_dir: Path) -> int:
 
 
 def _child(phase: str, request: dict[str, Any], run_dir: Path, kill_when=None) -> dict[str, Any]:
-    """Run one phase in a fresh interpreter, sampling its anonymous RSS; with `kill_when`, SIGKILL it as
-    soon as that returns True. Returns {result, peak_rss_mb, wall_s, killed}."""
+    """Run one phase in a process of its own (`child.start`), sampling its anonymous RSS; with `kill_when`,
+    SIGKILL it as soon as that returns True. Returns {result, peak_rss_mb, wall_s, killed}."""
     run_dir.mkdir(parents=True, exist_ok=True)
     result = run_dir / f"{phase}.json"
     result.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     start = time.perf_counter()
     peak, killed = 0.0, False
-    with open(run_dir / f"{phase}.log", "a") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "onn.bench.giant", phase, str(result)],
-            stdin=subprocess.PIPE,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        try:
-            proc.stdin.write(json.dumps(request, default=str))
-            proc.stdin.close()
-            while proc.poll() is None:
-                peak = max(peak, _rss_anon_mb(proc.pid))
-                if kill_when is not None and not killed and kill_when():
-                    proc.send_signal(signal.SIGKILL)
-                    killed = True
-                time.sleep(0.1)
-        finally:  # the bench stopped (SIGTERM, an error): its phase stops with it
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    proc = child.start(
+        "onn.bench.giant", [phase, str(result)], json.dumps(request, default=str), run_dir / f"{phase}.log"
+    )
+    try:
+        while proc.is_alive():
+            peak = max(peak, _rss_anon_mb(proc.pid))
+            if kill_when is not None and not killed and kill_when():
+                proc.kill()  # SIGKILL
+                killed = True
+            time.sleep(0.1)
+    finally:  # the bench stopped (SIGTERM, an error): its phase stops with it
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
     wall = time.perf_counter() - start
     if killed:
         return {"result": None, "peak_rss_mb": peak, "wall_s": wall, "killed": True}
-    if proc.returncode != 0 or not result.is_file():
+    if proc.exitcode != 0 or not result.is_file():
         tail = (run_dir / f"{phase}.log").read_text()[-3000:]
         raise RuntimeError(
-            f"bench_giant phase '{phase}' failed (exit {proc.returncode}); {run_dir / (phase + '.log')}:\n{tail}"
+            f"bench_giant phase '{phase}' failed (exit {proc.exitcode}); {run_dir / (phase + '.log')}:\n{tail}"
         )
     body = json.loads(result.read_text())
     if "error" in body:  # the phase's UserError, said in its own words
@@ -725,13 +717,12 @@ def _main() -> None:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     request = json.loads(sys.stdin.read())
-    from onn.bench.child import config_from_dict
     from onn.hardware.memory import PeakMemory
     from onn.planning.plan import Plan
 
     try:
         request["plan"] = Plan.from_dict(request["plan"])
-        request["config"] = config_from_dict(request["config"], BenchGiantTask, f"bench_giant's {phase} process")
+        request["config"] = child.config_from_dict(request["config"], BenchGiantTask, f"bench_giant's {phase} process")
         with PeakMemory("cpu", interval_s=0.05) as peak:
             body = PHASES[phase](request)
         body["peak_rss_mb"] = peak.peak_mb

@@ -23,16 +23,14 @@ import copy
 import dataclasses
 import json
 import logging
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from onn.bench.child import config_from_dict
+from onn.bench import child
 from onn.bench.scores import equitable, learned, loss_fall
 from onn.config import ONNConfig, as_dict
 from onn.config.strategy import StreamingConfig
@@ -74,36 +72,24 @@ def run(job) -> dict[str, Any]:
 
 
 def measure_isolated(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
-    """`measure` in a fresh interpreter; its output goes to run_dir/bench.log."""
+    """`measure` in a process of its own (`child.start`: forked from a warm interpreter); its output goes to
+    run_dir/bench.log."""
+    log = run_dir / "bench.log"
+    log.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        request = json.dumps(
-            {
-                "config": as_dict(config),
-                "plan": plan.as_dict(),
-                "run_dir": str(run_dir),
-                "result": str(result),
-            }
-        )
-        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-        proc = subprocess.run(
-            [sys.executable, "-m", "onn.bench.suite"], input=request, text=True, capture_output=True, env=env
-        )
-        (run_dir / "bench.log").write_text(proc.stdout + proc.stderr)
+        request = {"config": as_dict(config), "plan": plan.as_dict(), "run_dir": str(run_dir), "result": str(result)}
+        proc = child.start("onn.bench.suite", [], json.dumps(request), log)
+        proc.join()
         if result.is_file():
             raw = json.loads(result.read_text())
             if "error" in raw:  # the child's UserError, in its own words
                 raise UserError(raw["error"])
             return raw
-    if proc.returncode < 0:
-        raise UserError(
-            f"the benchmark process was killed by signal {-proc.returncode} (out of memory?); "
-            f"see {run_dir / 'bench.log'}."
-        )
-    tail = [line for line in (proc.stderr or proc.stdout).strip().splitlines() if line.strip()]
-    raise RuntimeError(
-        f"the benchmark process failed: {tail[-1] if tail else proc.returncode}; see {run_dir / 'bench.log'}"
-    )
+    if proc.exitcode < 0:
+        raise UserError(f"the benchmark process was killed by signal {-proc.exitcode} (out of memory?); see {log}.")
+    tail = [line for line in log.read_text(errors="replace").strip().splitlines() if line.strip()]
+    raise RuntimeError(f"the benchmark process failed: {tail[-1] if tail else proc.exitcode}; see {log}")
 
 
 def measure(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
@@ -297,7 +283,7 @@ def _main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     try:
-        config = config_from_dict(request["config"], BenchTask, "task=bench's measuring process")
+        config = child.config_from_dict(request["config"], BenchTask, "task=bench's measuring process")
         raw = measure(config, Plan.from_dict(request["plan"]), Path(request["run_dir"]))
     except UserError as e:
         raw = {"error": str(e)}
