@@ -25,14 +25,12 @@ import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from onn.bench import chaos_serve
+from onn.bench import chaos_serve, child
 from onn.bench.chaos_data import generate
 from onn.config.task import BenchChaosTask, ChaosTrack
 from onn.errors import UserError
@@ -162,43 +160,37 @@ def _with_cache(overrides: list[str], track: ChaosTrack, folder: Path) -> list[s
     return [*overrides, f"paths.cache={folder}.cache", f"hardware.cache={shared / 'hardware'}"]
 
 
-def _kill_at(proc: subprocess.Popen, kill: float | str, folder: Path, sweep: bool) -> str | None:
+def _kill_at(proc, kill: float | str, folder: Path, sweep: bool) -> str | None:
     """SIGKILL to the run's process group `kill` seconds after its start, or wait for it to kill itself at the
     named point; where the kill fell (None: the run ended first)."""
     if isinstance(kill, str):
-        proc.wait()
+        proc.join()
         with contextlib.suppress(ProcessLookupError):  # what the run started (DataLoader workers) goes with it
             os.killpg(proc.pid, signal.SIGKILL)
-        return f"at {kill.split(':')[0]}" if proc.returncode == -signal.SIGKILL else None
-    try:
-        if isinstance(kill, After):  # a shared machine runs each run at its own pace: wait for its checkpoint
-            pattern = "*/checkpoints/last.ckpt" if sweep else "checkpoints/last.ckpt"
-            while proc.poll() is None and not any(folder.glob(pattern)):
-                time.sleep(0.02)
-        proc.wait(timeout=float(kill))
+        return f"at {kill.split(':')[0]}" if proc.exitcode == -signal.SIGKILL else None
+    if isinstance(kill, After):  # a shared machine runs each run at its own pace: wait for its checkpoint
+        pattern = "*/checkpoints/last.ckpt" if sweep else "checkpoints/last.ckpt"
+        while proc.is_alive() and not any(folder.glob(pattern)):
+            time.sleep(0.02)
+    proc.join(timeout=float(kill))
+    if not proc.is_alive():
         return None
-    except subprocess.TimeoutExpired:
-        fault = _where(folder, sweep)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return fault
+    fault = _where(folder, sweep)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.join()
+    return fault
 
 
-def _start(overrides: list[str], folder: Path, sweep: bool, point: str | None = None) -> subprocess.Popen:
+def _start(overrides: list[str], folder: Path, sweep: bool, point: str | None = None):
+    """`python run.py OVERRIDES` in a session of its own (forked from a warm interpreter: `child.start`)."""
     where = [f"hydra.sweep.dir={folder}", "-m"] if sweep else [f"hydra.run.dir={folder}"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
     env.pop("ONN_FAILPOINT", None)
     if point is not None:
         env["ONN_FAILPOINT"] = point
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f"{folder.name}.console.txt", "ab") as console:
-        return subprocess.Popen(
-            [sys.executable, str(RUN_PY), *overrides, *where],
-            stdout=console,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # its own process group: the kill reaches its DataLoader workers too
-        )
+    console = folder.parent / f"{folder.name}.console.txt"
+    return child.start(str(RUN_PY), [*overrides, *where], console, env=env, session=True)
 
 
 def _finish(overrides: list[str], folder: Path, sweep: bool, timeout_s: float) -> tuple[float, float]:
@@ -207,15 +199,15 @@ def _finish(overrides: list[str], folder: Path, sweep: bool, timeout_s: float) -
     started = time.perf_counter()
     proc = _start(overrides, folder, sweep)
     first = None
-    while proc.poll() is None and time.perf_counter() - started < timeout_s:
+    while proc.is_alive() and time.perf_counter() - started < timeout_s:
         if first is None and any(folder.glob("**/checkpoints/last.ckpt")):
             first = time.perf_counter() - started
         time.sleep(0.05)
-    timed_out = proc.poll() is None
+    timed_out = proc.is_alive()
     if timed_out:
         os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    code = f"a timeout ({timeout_s:g} s)" if timed_out else proc.returncode
+    proc.join()
+    code = f"a timeout ({timeout_s:g} s)" if timed_out else proc.exitcode
     if code != 0:
         tail = (folder.parent / f"{folder.name}.console.txt").read_text(errors="replace")[-600:]
         raise UserError(f"bench_chaos: the run in {folder} ended with {code}; its console ends: {tail!r}")

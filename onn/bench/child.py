@@ -39,33 +39,51 @@ def config_from_dict(values: dict[str, Any], task_schema: type, where: str) -> O
 WARM = ("torch", "lightning", "transformers", "peft")
 
 
-def start(module: str, argv: list[str], request: str, log: Path):
-    """`python -m MODULE ARGV` with REQUEST on stdin and its output appended to LOG, forked from a warm server
-    (multiprocessing's forkserver, which imports WARM once), not a fresh interpreter importing them again:
-    bench_giant starts eight such processes. The server never computes, so a child starts its own threads and
-    CUDA. Returns the started multiprocessing.Process (its `exitcode` is negative for a signal)."""
+def start(
+    program: str,
+    argv: list[str],
+    log: Path,
+    request: str = "",
+    env: dict[str, str] | None = None,
+    session: bool = False,
+):
+    """`python -m PROGRAM ARGV` (or `python PROGRAM ARGV` for a .py file) with REQUEST on stdin and its output
+    appended to LOG, forked from a warm server (multiprocessing's forkserver, which imports WARM once) rather
+    than a fresh interpreter importing them again: bench_giant starts eight such processes, bench_chaos a run.py
+    per kill. `env`: its environment (this one's by default); `session`: a session and process group of its
+    own, for a kill that reaches its DataLoader workers too. The server never computes, so a child starts its
+    own threads and CUDA. Returns the started multiprocessing.Process (`exitcode` is negative for a signal)."""
     import multiprocessing
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(WARM))
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}  # the server was started with an older environment
-    process = context.Process(target=_become, args=(module, argv, request, str(log), env), name=module)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"} if env is None else env  # the server's may be older
+    args = (program, argv, str(log), request, env, os.getcwd(), session)
+    process = context.Process(target=_become, args=args, name=Path(program).name)
     process.start()
     return process
 
 
-def _become(module: str, argv: list[str], request: str, log: str, env: dict[str, str]) -> None:
-    """The forked child's side of `start`: the environment, stdin, stdout and argv of `python -m MODULE`."""
+def _become(program: str, argv: list[str], log: str, request: str, env: dict, cwd: str, session: bool) -> None:
+    """The forked child's side of `start`: the session, environment, directory, stdin, stdout and argv of a
+    fresh `python PROGRAM`."""
     import runpy
     import warnings
 
+    if session:
+        os.setsid()
     opened = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(opened, 1)
     os.dup2(opened, 2)
     os.close(opened)
     os.environ.clear()
     os.environ.update(env)
+    os.chdir(cwd)
     warnings.simplefilter("ignore")
     sys.stdin = io.StringIO(request)
-    sys.argv = [module, *argv]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    sys.argv = [program, *argv]
+    if program.endswith(".py"):
+        sys.path[0] = os.path.dirname(os.path.abspath(program))
+        runpy.run_path(program, run_name="__main__")
+    else:
+        runpy.run_module(program, run_name="__main__", alter_sys=True)

@@ -297,7 +297,7 @@ def _child(phase: str, request: dict[str, Any], run_dir: Path, kill_when=None) -
     start = time.perf_counter()
     peak, killed = 0.0, False
     proc = child.start(
-        "onn.bench.giant", [phase, str(result)], json.dumps(request, default=str), run_dir / f"{phase}.log"
+        "onn.bench.giant", [phase, str(result)], run_dir / f"{phase}.log", json.dumps(request, default=str)
     )
     try:
         while proc.is_alive():

@@ -79,7 +79,7 @@ def measure_isolated(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, 
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         request = {"config": as_dict(config), "plan": plan.as_dict(), "run_dir": str(run_dir), "result": str(result)}
-        proc = child.start("onn.bench.suite", [], json.dumps(request), log)
+        proc = child.start("onn.bench.suite", [], log, json.dumps(request))
         proc.join()
         if result.is_file():
             raw = json.loads(result.read_text())
