@@ -1,5 +1,2 @@
-"""Benchmarks as tasks app runs: their registry (registry.py) and one module per benchmark."""
-
-from onn.bench.registry import TASKS
-
-__all__ = ["TASKS"]
+"""Benchmarks as tasks app runs: their registry (registry.py) and one module per benchmark. Nothing is imported
+here: a sweep's job process loads the grid callback (grid.py) without torch."""

@@ -1,5 +1,2 @@
-"""The tasks app runs, by name (registry.py), and task=serve (serve/)."""
-
-from onn.tasks.registry import TASKS, Task
-
-__all__ = ["TASKS", "Task"]
+"""Tasks app runs (registry.py: TASKS by name), the run record (record.py) and what they share. Nothing is
+imported here: a sweep's job process loads the record callback without torch."""
