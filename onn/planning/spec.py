@@ -42,6 +42,9 @@ class ModelSpec:
     block_activation_bytes: list[int] | None = None  # networks: what autograd keeps per sample inside each block
     boundary_bytes: int = 0  # networks: a block's input per sample (what layer streaming keeps per chunk)
     edge_trainable_params: int = 0  # networks: trainable weights outside the blocks
+    recurrent_blocks: bool = (
+        False  # networks: the blocks hold a recurrence (LSTM, GRU), whose backward steps through time
+    )
 
     @property
     def n_blocks(self) -> int:
@@ -126,6 +129,8 @@ def network_spec(
     them, for a model of several inputs: a denoiser's image and timestep); `head_params` is what a linear probe
     would train."""
 
+    from torch.nn import RNNBase
+
     try:
         lmap = discover(model, blocks_path)
     except UserError:  # a network without repeated blocks plans as well; only cut points and streaming need them
@@ -167,6 +172,9 @@ def network_spec(
         block_activation_bytes=inside,
         boundary_bytes=boundary,
         edge_trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in in_blocks),
+        recurrent_blocks=any(
+            isinstance(m, RNNBase) for b in (lmap.blocks if lmap is not None else []) for m in b.modules()
+        ),
     )
 
 
