@@ -206,3 +206,13 @@ def test_lora_on_an_lstm_language_model_says_its_blocks_have_no_linear_layer():
     model = RecurrentLMForCausalLM(RecurrentLMConfig(hidden_size=8, num_hidden_layers=2))
     with pytest.raises(UserError, match="no linear layer for LoRA adapters.*strategy=full"):
         apply(model, "sparse_lora", _sparse_lora(4), discover(model), [0, 1])
+
+
+def test_the_streamed_architectures_bench_names_its_choices():
+    from conftest import compose
+
+    from onn.bench.registry import TASKS
+    from onn.errors import UserError
+
+    with pytest.raises(UserError, match=r"task.archs=\['unet'\]: choose among dit, lstm"):
+        TASKS["bench_streamed_arch"].check(compose("recipe=bench_streamed_arch", "task.archs=[unet]"))

@@ -53,6 +53,12 @@ def _bench_streamed_arch(job: Job) -> dict[str, Any]:
     return streamed_arch.run(job)
 
 
+def _check_streamed_arch(config: ONNConfig) -> None:
+    from onn.bench import streamed_arch
+
+    streamed_arch.check_settings(config)
+
+
 def _bench_giant(job: Job) -> dict[str, Any]:
     from onn.bench import giant
 
@@ -131,7 +137,7 @@ TASKS: dict[str, Task] = {
     "bench_streaming": Task(_bench_streaming, modalities=TEXT),
     "bench_vision": Task(_bench_vision, modalities=frozenset({"image"})),
     "bench_media": Task(_bench_media, modalities=frozenset({"audio", "video"})),
-    "bench_streamed_arch": Task(_bench_streamed_arch, model=False),
+    "bench_streamed_arch": Task(_bench_streamed_arch, check=_check_streamed_arch, model=False),
     "bench_giant": Task(_bench_giant, check=_check_giant, modalities=TEXT),
     "bench_serve": Task(_bench_serve, check=serve_check, modalities=TEXT),
     "bench_shard_plan": Task(_bench_shard_plan, model=False, heavy=False),

@@ -42,9 +42,12 @@ from onn.config import as_dict, typed
 from onn.config.model import DenoiserConfig
 from onn.config.strategy import StrategyConfig
 from onn.config.task import BenchStreamedArchTask
+from onn.errors import UserError
 from onn.streaming.engine import Objective
 
 MB = 2**20
+ARCHS = ("dit", "lstm")
+ROOT = Path(__file__).resolve().parents[2]  # the folder holding the onn package
 
 
 class Classification(Objective):
@@ -87,7 +90,14 @@ def build(arch: str, t: BenchStreamedArchTask, strategy: StrategyConfig) -> tupl
         for name, p in model.named_parameters():
             p.requires_grad_(name.startswith("classifier") or (name.startswith("layers.") and ".bias_" in name))
         return model, (torch.empty(1, 1, t.lstm_mels, t.lstm_frames),), Classification()
-    raise ValueError(arch)
+    raise ValueError(f"unknown architecture {arch!r}")  # check_settings names the choices first
+
+
+def check_settings(config) -> None:
+    """task.archs names architectures this bench builds: one sentence otherwise, before anything runs."""
+    unknown = [a for a in config.task.archs if a not in ARCHS]
+    if unknown or not config.task.archs:
+        raise UserError(f"task.archs={list(config.task.archs)}: choose among {', '.join(ARCHS)}.")
 
 
 def batches(arch: str, t: BenchStreamedArchTask) -> list[dict[str, torch.Tensor]]:
@@ -244,7 +254,8 @@ def _in_fresh_process(spec: dict[str, Any]) -> dict[str, list[float]]:
         capture_output=True,
         text=True,
         check=False,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+        # this checkout's onn first, whichever one the interpreter would find by itself
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )
     if done.returncode != 0:
         raise RuntimeError(f"the step-memory measurement failed:\n{done.stderr[-2000:]}")
