@@ -100,8 +100,8 @@ def _mallopt(param: int, value: int) -> None:
 
 def trim_heap() -> None:
     """Give the heap's free pages back to the OS (glibc's malloc_trim): a streamed network's weights, built in
-    memory and then moved to the layer store, leave their freed pages there (70 MB of a 24-block DiT's). A no-op
-    where libc is not glibc."""
+    memory and then moved to the layer store, leave their freed pages in the heap where the build allocated them
+    there (before the thresholds were held). A no-op where libc is not glibc."""
     import contextlib
     import ctypes
     import gc
