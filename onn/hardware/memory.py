@@ -82,8 +82,8 @@ def hold_mmap_threshold(size: int = GLIBC_MMAP_START) -> None:
     every mapped buffer freed (up to 32 MiB) and the trim threshold to twice it: after a model's weights (MBs
     each) are freed, activations of the same sizes come from heaps that keep their freed pages. A DiT of 24
     blocks of width 512 streamed at batch 16 then peaked 330 MB above its process's baseline, with the thresholds
-    held ~100 MB (onn/bench/streamed_arch.py). Setting the mmap threshold alone leaves the risen trim threshold:
-    175 MB. Process-wide; a no-op where libc is not glibc."""
+    held from before the model's build ~100 MB, held only after it 175-179 MB (onn/bench/streamed_arch.py): hold
+    them before a streamed network's weights are built. Process-wide; a no-op where libc is not glibc."""
     _mallopt(M_MMAP_THRESHOLD, size)
     _mallopt(M_TRIM_THRESHOLD, 2 * size)
 
