@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from onn.config.model import LanguageModelConfig
@@ -78,6 +78,7 @@ def _spec_cache_path(model_cfg: LanguageModelConfig, lora_rank: int, cache_dir: 
         "pretrained": is_pretrained(model_cfg),
         "name": model_cfg.name,
         "transformers": version("transformers"),
+        "fields": [f.name for f in fields(ModelSpec)],  # a spec of another ONN version's shape is measured again
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return Path(cache_dir) / "specs" / f"{digest}.json"
