@@ -169,3 +169,50 @@ def test_a_streamed_dit_trains_through_the_runner_and_samples_from_its_checkpoin
     assert (run_dir / "samples.png").is_file() and metrics["export/max_abs_diff"] < 1e-3
     infer, _ = run(tmp_path, "task=infer", f"ckpt={run_dir}", "task.samples=2", name="infer")
     assert infer["samples/count"] == 2
+
+
+@pytest.mark.slow  # two fresh interpreters import torch and diffusers: ~35 s on two shared cores
+def test_the_streamed_architectures_bench_writes_its_figures(tmp_path):
+    """recipe=bench_streamed_arch at toy sizes: for the DiT and the LSTM stack, the plan's step memory beside each
+    measured step (whether they agree within 15% is the recipe's figure at its own sizes, not asserted on noisy
+    memory here), and one step's gradients streamed against resident."""
+    from conftest import compose
+
+    from onn.app import execute
+
+    cfg = compose(
+        "recipe=bench_streamed_arch",
+        *(f"paths.outputs={tmp_path / 'outputs'}", f"paths.cache={tmp_path / 'cache'}", "hardware=cpu_16gb"),
+        *("task.dit_layers=2", "task.dit_heads=1", "task.dit_batch=2", "task.steps=2"),
+        *("task.lstm_layers=2", "task.lstm_hidden=16", "task.lstm_frames=8", "task.lstm_batch=2"),
+    )
+    metrics = execute(cfg, tmp_path)
+    for arch in ("dit", "lstm"):
+        f = {k.split("/")[-1]: v for k, v in metrics.items() if k.startswith(f"arch/{arch}/")}
+        assert f["ratio"] == 4.0 and f["budget_mb"] * 4 == pytest.approx(f["blocks_mb"], abs=0.2)
+        assert len(f["measured_mb"]) == len(f["error"]) == 2 and f["planned_mb"] > 0
+        assert isinstance(f["fits"], bool) and f["peak_mb"] == max(f["measured_mb"])
+        assert f["grad_max_abs_diff"] <= TOLERANCE
+    assert "| lstm |" in (tmp_path / "bench_streamed_arch.md").read_text()
+
+
+def test_lora_on_an_lstm_language_model_says_its_blocks_have_no_linear_layer():
+    """char_lstm's blocks are LSTMs: strategy=sparse_lora (or lora) is one sentence naming strategy=full, not peft's
+    error about target modules."""
+    from onn.errors import UserError
+    from onn.models.zoo.recurrent_lm import RecurrentLMConfig, RecurrentLMForCausalLM
+    from onn.training.lora import apply
+
+    model = RecurrentLMForCausalLM(RecurrentLMConfig(hidden_size=8, num_hidden_layers=2))
+    with pytest.raises(UserError, match="no linear layer for LoRA adapters.*strategy=full"):
+        apply(model, "sparse_lora", _sparse_lora(4), discover(model), [0, 1])
+
+
+def test_the_streamed_architectures_bench_names_its_choices():
+    from conftest import compose
+
+    from onn.bench.registry import TASKS
+    from onn.errors import UserError
+
+    with pytest.raises(UserError, match=r"task.archs=\['unet'\]: choose among dit, lstm"):
+        TASKS["bench_streamed_arch"].check(compose("recipe=bench_streamed_arch", "task.archs=[unet]"))

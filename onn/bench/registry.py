@@ -3,6 +3,8 @@
 task=bench             onn/bench/suite.py      a short training protocol against the plan (language models)
 task=tune              onn/bench/tune.py       timed trials of the settings the planner guesses; cached
 task=bench_streaming   onn/bench/streaming.py  layer streaming: chunk reuse, I/O against compute
+task=bench_streamed_arch  onn/bench/streamed_arch.py  a DiT and an LSTM stack streamed under a budget, against
+                                               the plan
 task=bench_vision      onn/bench/vision.py     the image runner against a plain loop and a standard pipeline
 task=bench_media       onn/bench/media.py      audio/video decoding throughput; the cached store against per-file
                                                loading
@@ -43,6 +45,18 @@ def _bench_streaming(job: Job) -> dict[str, Any]:
     from onn.bench import streaming
 
     return streaming.run(job)
+
+
+def _bench_streamed_arch(job: Job) -> dict[str, Any]:
+    from onn.bench import streamed_arch
+
+    return streamed_arch.run(job)
+
+
+def _check_streamed_arch(config: ONNConfig) -> None:
+    from onn.bench import streamed_arch
+
+    streamed_arch.check_settings(config)
 
 
 def _bench_giant(job: Job) -> dict[str, Any]:
@@ -123,6 +137,7 @@ TASKS: dict[str, Task] = {
     "bench_streaming": Task(_bench_streaming, modalities=TEXT),
     "bench_vision": Task(_bench_vision, modalities=frozenset({"image"})),
     "bench_media": Task(_bench_media, modalities=frozenset({"audio", "video"})),
+    "bench_streamed_arch": Task(_bench_streamed_arch, check=_check_streamed_arch, model=False),
     "bench_giant": Task(_bench_giant, check=_check_giant, modalities=TEXT),
     "bench_serve": Task(_bench_serve, check=serve_check, modalities=TEXT),
     "bench_shard_plan": Task(_bench_shard_plan, model=False, heavy=False),

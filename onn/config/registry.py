@@ -31,7 +31,8 @@ SCHEMAS: dict[str, dict[str, type]] = {
              "bench_serve": task.BenchServeTask, "bench_shard_plan": task.BenchShardPlanTask,
              "bench_omny": task.BenchOmnyTask,
              "bench_chaos": task.BenchChaosTask,
-             "bench_streaming": task.BenchStreamingTask},
+             "bench_streaming": task.BenchStreamingTask,
+             "bench_streamed_arch": task.BenchStreamedArchTask},
     "export": {"none": export.ExportConfig, "safetensors": export.SafetensorsExport, "onnx": export.OnnxExport,
                "omny": export.OmnyExport},
 }  # fmt: skip

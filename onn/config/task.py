@@ -204,6 +204,24 @@ class BenchStreamingTask(TaskConfig):
 
 
 @dataclass
+class BenchStreamedArchTask(TaskConfig):
+    """task=bench_streamed_arch (conf/task/bench_streamed_arch.yaml): a DiT and an LSTM stack streamed."""
+
+    archs: list[str] = MISSING
+    steps: int = MISSING
+    budget_ratio: float = MISSING
+    image_size: int = MISSING
+    dit_layers: int = MISSING
+    dit_heads: int = MISSING
+    dit_batch: int = MISSING
+    lstm_layers: int = MISSING
+    lstm_hidden: int = MISSING
+    lstm_mels: int = MISSING
+    lstm_frames: int = MISSING
+    lstm_batch: int = MISSING
+
+
+@dataclass
 class TuneConfig:
     """task=tune's search (conf/task/tune.yaml)."""
 

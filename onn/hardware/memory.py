@@ -71,6 +71,46 @@ def cap_gpu_memory(mb: float) -> None:
 
 
 MMAP_MIN, MMAP_MAX = 1 << 20, 32 << 20  # the threshold's floor, and glibc's own largest dynamic one
+GLIBC_MMAP_START = 128 << 10  # glibc's mmap threshold before anything raises it
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters
+
+
+def hold_mmap_threshold(size: int = GLIBC_MMAP_START) -> None:
+    """Fix glibc's mmap threshold at `size` bytes, and its trim threshold at twice that (glibc's own pairing):
+    every buffer that large or larger is mapped on its own and unmapped when freed, the thresholds no longer
+    rise, and the heap's free top goes back to the OS. By default glibc raises the mmap threshold to the size of
+    every mapped buffer freed (up to 32 MiB) and the trim threshold to twice it: after a model's weights (MBs
+    each) are freed, activations of the same sizes come from heaps that keep their freed pages. A DiT of 24
+    blocks of width 512 streamed at batch 16 then peaked 330 MB above its process's baseline, with the thresholds
+    held from before the model's build ~100 MB, held only after it 175-179 MB (onn/bench/streamed_arch.py): hold
+    them before a streamed network's weights are built. Process-wide; a no-op where libc is not glibc."""
+    _mallopt(M_MMAP_THRESHOLD, size)
+    _mallopt(M_TRIM_THRESHOLD, 2 * size)
+
+
+def _mallopt(param: int, value: int) -> None:
+    import contextlib
+    import ctypes
+    import sys
+
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError, AttributeError):  # not glibc
+            ctypes.CDLL("libc.so.6").mallopt(param, int(value))
+
+
+def trim_heap() -> None:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim): a streamed network's weights, built in
+    memory and then moved to the layer store, leave their freed pages in the heap where the build allocated them
+    there (before the thresholds were held). A no-op where libc is not glibc."""
+    import contextlib
+    import ctypes
+    import gc
+    import sys
+
+    gc.collect()
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError, AttributeError):  # not glibc
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def return_large_frees_to_os(smallest: int = MMAP_MIN) -> None:
@@ -86,10 +126,4 @@ def return_large_frees_to_os(smallest: int = MMAP_MIN) -> None:
     tiny model's 2.5x slower. The setting is process-wide: code that times something after a streamed run
     in the same process sets it back with `return_large_frees_to_os(MMAP_MAX)`. A no-op where libc is not
     glibc."""
-    import contextlib
-    import ctypes
-    import sys
-
-    if sys.platform == "linux":
-        with contextlib.suppress(OSError, AttributeError):  # not glibc
-            ctypes.CDLL("libc.so.6").mallopt(-3, min(max(int(smallest), MMAP_MIN), MMAP_MAX))  # M_MMAP_THRESHOLD
+    _mallopt(M_MMAP_THRESHOLD, min(max(int(smallest), MMAP_MIN), MMAP_MAX))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from onn.config.model import LanguageModelConfig
@@ -42,6 +42,9 @@ class ModelSpec:
     block_activation_bytes: list[int] | None = None  # networks: what autograd keeps per sample inside each block
     boundary_bytes: int = 0  # networks: a block's input per sample (what layer streaming keeps per chunk)
     edge_trainable_params: int = 0  # networks: trainable weights outside the blocks
+    recurrent_blocks: bool = (
+        False  # networks: the blocks hold a recurrence (LSTM, GRU), whose backward steps through time
+    )
 
     @property
     def n_blocks(self) -> int:
@@ -75,6 +78,7 @@ def _spec_cache_path(model_cfg: LanguageModelConfig, lora_rank: int, cache_dir: 
         "pretrained": is_pretrained(model_cfg),
         "name": model_cfg.name,
         "transformers": version("transformers"),
+        "fields": [f.name for f in fields(ModelSpec)],  # a spec of another ONN version's shape is measured again
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return Path(cache_dir) / "specs" / f"{digest}.json"
@@ -126,6 +130,8 @@ def network_spec(
     them, for a model of several inputs: a denoiser's image and timestep); `head_params` is what a linear probe
     would train."""
 
+    from torch.nn import RNNBase
+
     try:
         lmap = discover(model, blocks_path)
     except UserError:  # a network without repeated blocks plans as well; only cut points and streaming need them
@@ -167,6 +173,9 @@ def network_spec(
         block_activation_bytes=inside,
         boundary_bytes=boundary,
         edge_trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in in_blocks),
+        recurrent_blocks=any(
+            isinstance(m, RNNBase) for b in (lmap.blocks if lmap is not None else []) for m in b.modules()
+        ),
     )
 
 

@@ -51,9 +51,6 @@ STREAMING_CHOICES = {
     "activations": ("device", "host"),
 }
 DISK_RESERVE = 2 * 1024**3  # what a store's build leaves free on the disk for others
-# A network streamed on a CPU (a zero-copy float32 stream, glibc's own mmap threshold): the heap kept 1.45x (batch
-# 16) to 1.7x (batch 2) a step's activations beyond them, measured on a 16-block DiT (tests/test_streaming_arch.py)
-NETWORK_HEAP_OVERHEAD = 1.5
 
 
 @dataclass
@@ -639,9 +636,11 @@ def network_stream_memory(spec: ModelSpec, batch: int, chunk: int, store: str, o
     """Memory of a streamed step of a network (a denoiser, a recurrent stack), its blocks' frozen weights in a
     float32 store, the whole batch one micro-batch: two slots of `chunk` blocks (the one computing and the one
     loading), a host-memory store in full on a CPU, the weights outside the blocks and what trains (its weights,
-    gradients and optimizer state), the input of every chunk kept for the backward, one chunk's activations
-    while it is recomputed and the activations outside the blocks (with their gradients), and what the heap keeps
-    of them (NETWORK_HEAP_OVERHEAD)."""
+    gradients and optimizer state: AdamW's moments exist from the first optimizer step on), the input of every
+    chunk kept for the backward, one chunk's activations while it is recomputed and the activations outside the
+    blocks, with their gradients. A recurrence's backward steps through time, holding one step's gradients beside
+    its saved activations, not a second copy of them. The heap keeps no freed activations: the engine holds glibc's
+    mmap threshold for a network (Objective.hold_mmap_threshold), measured by recipe=bench_streamed_arch."""
     n = spec.n_blocks
     trained = sum(spec.lora_params_per_block) + spec.edge_trainable_params
     frozen = [p - t for p, t in zip(spec.block_params, spec.lora_params_per_block)]
@@ -652,15 +651,17 @@ def network_stream_memory(spec: ModelSpec, batch: int, chunk: int, store: str, o
     kept = (-(-n // chunk) - lowest + 2) * spec.boundary_bytes * batch
     blocks = spec.block_activation_bytes or [0]
     outside = max(0, spec.sample_activation_bytes - sum(blocks)) * batch
-    # the backward holds each saved activation's gradient beside it: twice what the forward saves
-    activations = kept + 2 * (chunk * max(blocks) * batch + outside)
+    # the backward holds each saved activation's gradient beside it: twice what the forward saves (a recurrence's
+    # blocks once: their backward walks the steps, one step's gradients at a time)
+    inside = chunk * max(blocks) * batch * (1 if spec.recurrent_blocks else 2)
+    activations = kept + inside + 2 * outside
     optimizer = trained * optimizer_bytes
     return {
         "weights": weights,
         "trainable": 4 * trained,
         "optimizer": optimizer,
         "activations": activations,
-        "workspace": 0.05 * (weights - held + activations + optimizer) + NETWORK_HEAP_OVERHEAD * activations,
+        "workspace": 0.05 * (weights - held + activations + optimizer),
         "store": sum(files),
     }
 

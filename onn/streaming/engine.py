@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from onn.errors import UserError
-from onn.hardware.memory import return_large_frees_to_os
+from onn.hardware.memory import hold_mmap_threshold, return_large_frees_to_os, trim_heap
 from onn.hardware.profile import CoreWatch
 from onn.models.layers import LayerMap
 from onn.streaming.quantized import EmptyEmbedding, Scratch, StoredEmbedding, linear_forward
@@ -74,6 +74,13 @@ class Objective:
     causal LM's (the text modality): the model's keyword inputs are the batch without its labels, its own output
     carries the loss, and a micro-batch's mean loss averages over its target tokens. Another modality passes its
     own (a denoiser's inputs are the noisy images and their timesteps, its loss the error against the noise)."""
+
+    # Hold glibc's mmap threshold at its start (128 KiB) while streaming, so activations of a block's weights' sizes
+    # are unmapped when freed rather than kept by the heap. A network's objective (a DiT's, an LSTM stack's) does:
+    # a 24-block DiT's streamed step then peaked at 102 MB instead of 330 (recipe=bench_streamed_arch), its step
+    # time within the noise of two shared cores. A causal LM's activations stay in the heap: held low, llama_small's
+    # streamed step ran 2.6x slower (docs/streaming.md).
+    hold_mmap_threshold: bool = False
 
     def inputs(self, batch: dict[str, Any], targets: bool = False) -> dict[str, Any]:
         """The model's keyword arguments for `batch`; `targets`: for the suffix, which computes the loss."""
@@ -218,6 +225,8 @@ class StreamingEngine:
                 for m in linears.values()
             ]
             return_large_frees_to_os(min(weights, default=0))
+        elif self.objective.hold_mmap_threshold:
+            hold_mmap_threshold()
         self._edge_linears = {
             f"{name}.weight": m
             for name, m in self.model.named_modules()
@@ -275,6 +284,9 @@ class StreamingEngine:
         for i in range(len(self.map)):
             self._release_block(i)
         self._set_edges(None)
+        del blocks  # the last references to the weights now in the store
+        if self.objective.hold_mmap_threshold:  # the model's build left freed weights in the heap: give them back
+            trim_heap()
 
     def _set_edges(
         self, tensors: dict[str, torch.Tensor] | None, scales: dict[str, torch.Tensor] | None = None

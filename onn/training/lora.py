@@ -40,6 +40,11 @@ def apply(
     target = lora.target_modules
     if target == "all-linear":  # peft needs explicit names to combine with layers_to_transform
         linears = [name for name, m in layer_map.blocks[0].named_modules() if isinstance(m, nn.Linear)]
+        if not linears:
+            raise UserError(
+                f"strategy={strategy}: the blocks of {type(model).__name__} ({type(layer_map.blocks[0]).__name__}) "
+                "hold no linear layer for LoRA adapters (a stack of LSTM or GRU layers): train it with strategy=full."
+            )
         last = {name.rsplit(".", 1)[-1] for name in linears}
         # the last names, unless one also names a module that is not a linear (a DiT's `ff.net.0`, an activation,
         # beside `attn1.to_out.0`): then the linears' paths within the block

@@ -78,6 +78,8 @@ class NoisePrediction(Objective):
     """DDPM's loss for the layer-streaming engine: a batch of noisy images, their timesteps and the noise that was
     added (drawn once per step by DiffusionModule.noisy, so every pass over the chunks sees the same)."""
 
+    hold_mmap_threshold = True  # activations of a block's weights' sizes: unmapped when freed (Objective)
+
     def inputs(self, batch: dict[str, Any], targets: bool = False) -> dict[str, Any]:
         return {"sample": batch["sample"], "timestep": batch["timestep"]}
 

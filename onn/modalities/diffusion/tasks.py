@@ -27,7 +27,7 @@ from onn.config.model import DenoiserConfig
 from onn.config.strategy import StrategyConfig
 from onn.config.task import TrainTask
 from onn.errors import UserError
-from onn.hardware.memory import PeakMemory
+from onn.hardware.memory import PeakMemory, hold_mmap_threshold
 from onn.hardware.profile import Profile
 from onn.modalities.base import Job
 from onn.modalities.diffusion.module import MONITOR, DiffusionModule, NoisePrediction, build_denoiser
@@ -157,6 +157,8 @@ def train(job: Job) -> dict[str, Any]:
     dm = datamodule(config, job.device)
     fresh = {"input_shape": list(dm.input_shape), "classes": dm.classes, "seed": int(config.seed)}
     inputs = saved["inputs"] if saved else fresh
+    if job.plan.strategy == "sparse_lora":  # before the weights are built: as planned, the heap keeps no activations
+        hold_mmap_threshold()
     module = build(config, inputs)
     callbacks = _callbacks(config, run_dir)
     clock = next(c for c in callbacks if isinstance(c, StepClock))
