@@ -33,7 +33,7 @@ def spectrograms(lengths: list[int], mels: int = 8, frames: int = 30) -> torch.T
     [
         {"cell": "lstm", "reference": "band"},
         {"cell": "gru", "bidirectional": False, "batch_norm": True, "reference": "band"},
-        {"cell": "lstm", "conv_widths": (4, 6), "time_pool": True, "reference": "instance"},
+        {"cell": "lstm", "conv_widths": (4, 6), "time_pool": True, "convs_per_stage": 2, "reference": "instance"},
         {"cell": "gru", "conv_widths": (4,), "time_pool": False, "reference": "band"},
     ],
 )
