@@ -117,11 +117,11 @@ class SoundSpan(nn.Module):
 
 class SpectralConv(nn.Module):
     """A convolutional front-end over each sequence's frames: [B, T, C x mels] and lengths -> [B, T', features]
-    and the new lengths. Each stage is a 3x3 conv (frequency x time) -> BatchNorm -> ReLU -> max pool of 2 over
-    frequency, so a voice's formants a band higher or lower give nearly the same features, and (time_pool) of 2
-    over time, each sequence then half as long (rounded up). The frames past each sequence's length are zeroed
-    before every pooling, so what a conv or a pooling reads there is the zero padding it would read at the end
-    of the clip: padding changes nothing."""
+    and the new lengths. Each stage is convs_per_stage x (3x3 conv over frequency x time -> BatchNorm -> ReLU),
+    then a max pool of 2 over frequency, so a voice's formants a band higher or lower give nearly the same
+    features, and (time_pool) of 2 over time, each sequence then half as long (rounded up). The frames past each
+    sequence's length are zeroed before every pooling, so what a conv or a pooling reads there is the zero padding
+    it would read at the end of the clip: padding changes nothing."""
 
     def __init__(
         self, in_channels: int, mels: int, widths: list[int], time_pool: bool = False, convs_per_stage: int = 1
