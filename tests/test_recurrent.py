@@ -33,7 +33,7 @@ def spectrograms(lengths: list[int], mels: int = 8, frames: int = 30) -> torch.T
     [
         {"cell": "lstm", "reference": "band"},
         {"cell": "gru", "bidirectional": False, "batch_norm": True, "reference": "band"},
-        {"cell": "lstm", "conv_widths": (4, 6), "time_pool": True, "reference": "instance"},
+        {"cell": "lstm", "conv_widths": (4, 6), "time_pool": True, "convs_per_stage": 2, "reference": "instance"},
         {"cell": "gru", "conv_widths": (4,), "time_pool": False, "reference": "band"},
     ],
 )
@@ -112,6 +112,8 @@ def test_audio_lstm_trains_evaluates_infers_and_exports(tmp_path):
         "data.augment.noise_snr_db=0",
         "data.augment.speed=0",
         "model.kwargs.hidden=12",
+        "model.kwargs.conv_widths=[8,16]",  # the recipe's two convs a stage, fewer stages and filters for 24 clips
+        "model.kwargs.dropout=0.1",
         "trainer.max_epochs=5",
         "optim.schedule=constant",
         "optim.lr=0.005",

@@ -117,24 +117,28 @@ class SoundSpan(nn.Module):
 
 class SpectralConv(nn.Module):
     """A convolutional front-end over each sequence's frames: [B, T, C x mels] and lengths -> [B, T', features]
-    and the new lengths. Each stage is a 3x3 conv (frequency x time) -> BatchNorm -> ReLU -> max pool of 2 over
-    frequency, so a voice's formants a band higher or lower give nearly the same features, and (time_pool) of 2
-    over time, each sequence then half as long (rounded up). The frames past each sequence's length are zeroed
-    before every pooling, so what a conv or a pooling reads there is the zero padding it would read at the end
-    of the clip: padding changes nothing."""
+    and the new lengths. Each stage is convs_per_stage x (3x3 conv over frequency x time -> BatchNorm -> ReLU),
+    then a max pool of 2 over frequency, so a voice's formants a band higher or lower give nearly the same
+    features, and (time_pool) of 2 over time, each sequence then half as long (rounded up). The frames past each
+    sequence's length are zeroed before every pooling, so what a conv or a pooling reads there is the zero padding
+    it would read at the end of the clip: padding changes nothing."""
 
-    def __init__(self, in_channels: int, mels: int, widths: list[int], time_pool: bool = False):
+    def __init__(
+        self, in_channels: int, mels: int, widths: list[int], time_pool: bool = False, convs_per_stage: int = 1
+    ):
         super().__init__()
         stages: list[nn.Module] = []
         channels = in_channels
         for width in widths:
-            stages += [
-                nn.Conv2d(channels, width, 3, padding=1, bias=False),
-                nn.BatchNorm2d(width),
-                nn.ReLU(inplace=True),
-                nn.MaxPool2d((2, 2 if time_pool else 1), ceil_mode=True),
-            ]
-            channels, mels = width, (mels + 1) // 2
+            for _ in range(convs_per_stage):
+                stages += [
+                    nn.Conv2d(channels, width, 3, padding=1, bias=False),
+                    nn.BatchNorm2d(width),
+                    nn.ReLU(inplace=True),
+                ]
+                channels = width
+            stages.append(nn.MaxPool2d((2, 2 if time_pool else 1), ceil_mode=True))
+            mels = (mels + 1) // 2
         self.in_channels, self.time_pool = in_channels, time_pool
         # one flat Sequential (no run of same-typed blocks), so LayerMap discovery keeps the recurrent stack
         self.stages = nn.Sequential(*stages)
@@ -171,6 +175,7 @@ class AudioRNN(nn.Module):
         batch_norm: bool = False,
         conv_widths: list[int] | tuple[int, ...] = (),
         time_pool: bool = False,
+        convs_per_stage: int = 1,
         reference: str = "band",
     ):
         super().__init__()
@@ -178,7 +183,9 @@ class AudioRNN(nn.Module):
             raise ValueError(f"cell={cell!r}: use one of {', '.join(CELLS)}")
         mels = image_size if isinstance(image_size, int) else int(image_size[0])
         self.span = SoundSpan(reference)
-        self.conv = SpectralConv(in_channels, mels, list(conv_widths), time_pool) if conv_widths else None
+        self.conv = (
+            SpectralConv(in_channels, mels, list(conv_widths), time_pool, convs_per_stage) if conv_widths else None
+        )
         frame_features = self.conv.out_features if self.conv is not None else in_channels * mels
         self.project = nn.Linear(frame_features, hidden * (2 if bidirectional else 1))
         width = self.project.out_features
