@@ -255,7 +255,7 @@ def _in_fresh_process(spec: dict[str, Any]) -> dict[str, list[float]]:
         text=True,
         check=False,
         # this checkout's onn first, whichever one the interpreter would find by itself
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.getenv("PYTHONPATH", "")])},
     )
     if done.returncode != 0:
         raise RuntimeError(f"the step-memory measurement failed:\n{done.stderr[-2000:]}")
