@@ -54,6 +54,36 @@ def test_memory_grows_with_micro_batch_and_breakdown_adds_up(tmp_path):
     assert small.accumulate == 8 and parts == pytest.approx(a["peak_mb"], abs=1)
 
 
+def test_a_busy_profile_is_measured_again_when_quiet_but_not_at_every_quiet_moment(tmp_path, monkeypatch):
+    """A profile measured on busy cores is kept for half an hour, then measured again once the cores are free:
+    on a machine busy in bursts (a sweep, a test suite), every quiet moment used to measure it again."""
+    import json
+    import os
+
+    from onn.hardware import profile as hardware
+
+    auto = compose("hardware=auto").hardware  # the session's profile (conftest), written as if measured on busy cores
+    busy = {**resolve(auto, tmp_path / "cache", tmp_path).as_dict(), "busy_while_measuring": 1.5}
+    cache = tmp_path / "hardware" / f"{busy['fingerprint']}.json"
+    cache.parent.mkdir()
+    cache.write_text(json.dumps({k: v for k, v in busy.items() if k in hardware.Profile.__dataclass_fields__}))
+    monkeypatch.setattr(hardware, "cpu_busy_cores", lambda seconds=0.5: 0.0)  # the cores are free now
+
+    class MeasuredAgain(Exception):
+        pass
+
+    def measure(*args):
+        raise MeasuredAgain
+
+    monkeypatch.setattr(hardware, "measure", measure)
+    mine = compose("hardware=auto", f"hardware.cache={cache.parent}").hardware
+    assert resolve(mine, tmp_path / "cache", tmp_path).source.startswith("cache")  # measured minutes ago
+    an_hour_ago = cache.stat().st_mtime - 3600
+    os.utime(cache, (an_hour_ago, an_hour_ago))
+    with pytest.raises(MeasuredAgain):
+        resolve(mine, tmp_path / "cache", tmp_path)
+
+
 def test_measured_profile_is_cached(tmp_path):
     # its own cache folder, not the session's (conftest): this profile is measured here
     auto = compose("hardware=auto", "hardware.disk_probe_mb=16", f"hardware.cache={tmp_path / 'hardware'}").hardware

@@ -52,6 +52,9 @@ MATMUL_ROWS = (1, 16, 128, 1024)
 MATMUL_SIZES = (256, 4096)
 GPU_MATMUL_ROWS = (1, 16, 128, 1024, 8192)  # a token at a time up to a large micro-batch's tokens
 VERSION = 8  # what `measure` records; a cached profile of another version is measured again
+# A profile measured on busy cores is measured again once they are free, but not sooner than this after the last
+# measurement: on a machine that is busy in bursts (a test suite, a sweep) every quiet moment would measure again.
+REMEASURE_BUSY_AFTER_S = 1800.0
 
 
 @dataclass
@@ -123,7 +126,7 @@ def resolve(hw_cfg: HardwareConfig, cache_dir: str | os.PathLike, probe_dir: str
     fingerprint = machine_fingerprint()
     cache = Path(hw_cfg.cache or Path(cache_dir) / "hardware") / f"{fingerprint}.json"
     profile = Profile.from_cache(json.loads(cache.read_text())) if cache.exists() and not hw_cfg.refresh else None
-    if profile is not None and (profile.busy_while_measuring or 0) >= 0.5 and cpu_busy_cores(0.3) < 0.25:
+    if profile is not None and _measure_again(profile, cache):
         profile = None  # measured on a busy machine, which is quiet now: measure it properly
     if profile is not None:
         profile.source = f"cache ({cache})"
@@ -138,6 +141,13 @@ def resolve(hw_cfg: HardwareConfig, cache_dir: str | os.PathLike, probe_dir: str
     profile = replace(profile, **now(profile.accelerator, cache_dir))  # what changes from run to run
     profile.budget_mb = hw_cfg.budget_mb
     return profile
+
+
+def _measure_again(profile: Profile, cache: Path) -> bool:
+    """A cached profile measured on busy cores, long enough ago, while the cores are free now."""
+    if (profile.busy_while_measuring or 0) < 0.5 or time.time() - cache.stat().st_mtime < REMEASURE_BUSY_AFTER_S:
+        return False
+    return cpu_busy_cores(0.3) < 0.25
 
 
 def now(accelerator: str, folder: str | os.PathLike) -> dict[str, Any]:
