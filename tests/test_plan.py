@@ -84,6 +84,31 @@ def test_a_busy_profile_is_measured_again_when_quiet_but_not_at_every_quiet_mome
         resolve(mine, tmp_path / "cache", tmp_path)
 
 
+def test_runs_started_together_measure_the_profile_once(tmp_path, monkeypatch):
+    """A run that finds another measuring waits for it and reads its profile (a sweep's jobs, test workers): each
+    measuring on cores the others keep busy took tens of seconds of every core and measured their load."""
+    import json
+    import threading
+
+    from onn.hardware import profile as hardware
+    from onn.hardware.locks import held
+
+    measured = resolve(compose("hardware=auto").hardware, tmp_path / "cache", tmp_path)  # the session's (conftest)
+    cache = tmp_path / "hardware" / f"{measured.fingerprint}.json"
+    cache.parent.mkdir()
+    monkeypatch.setattr(hardware, "measure", lambda *args: pytest.fail("measured while another run was measuring"))
+    mine = compose("hardware=auto", f"hardware.cache={cache.parent}").hardware
+    got = []
+    with held(cache.parent):  # another run, measuring
+        waiting = threading.Thread(target=lambda: got.append(resolve(mine, tmp_path / "cache", tmp_path)))
+        waiting.start()
+        waiting.join(1.0)
+        assert waiting.is_alive()  # it waits for the measurement
+        cache.write_text(json.dumps({**measured.as_dict(), "busy_while_measuring": 0.0}))
+    waiting.join()
+    assert got[0].source.startswith("cache") and got[0].matmul_tflops == measured.matmul_tflops
+
+
 def test_measured_profile_is_cached(tmp_path):
     # its own cache folder, not the session's (conftest): this profile is measured here
     auto = compose("hardware=auto", "hardware.disk_probe_mb=16", f"hardware.cache={tmp_path / 'hardware'}").hardware

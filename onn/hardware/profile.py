@@ -41,6 +41,7 @@ import psutil
 from onn.config import HardwareConfig, as_dict
 from onn.hardware.cast import cast_scaled, fused_scale
 from onn.hardware.disk import read_mb_s
+from onn.hardware.locks import held
 
 MB = 1024**2
 PROFILE_KEYS = (
@@ -125,21 +126,31 @@ def resolve(hw_cfg: HardwareConfig, cache_dir: str | os.PathLike, probe_dir: str
 
     fingerprint = machine_fingerprint()
     cache = Path(hw_cfg.cache or Path(cache_dir) / "hardware") / f"{fingerprint}.json"
-    profile = Profile.from_cache(json.loads(cache.read_text())) if cache.exists() and not hw_cfg.refresh else None
-    if profile is not None and _measure_again(profile, cache):
-        profile = None  # measured on a busy machine, which is quiet now: measure it properly
-    if profile is not None:
-        profile.source = f"cache ({cache})"
-    else:
-        profile = measure(probe_dir, int(hw_cfg.disk_probe_mb))
-        profile.fingerprint = fingerprint
+    profile = None if hw_cfg.refresh else _cached(cache)
+    if profile is None:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")  # runs measuring at once each write their own
-        tmp.write_text(json.dumps(profile.as_dict(), indent=2))
-        tmp.replace(cache)
-        profile.source = "measured"
+        # one process measures at a time: runs started together (a sweep's jobs, test workers) would each measure
+        # (tens of seconds of every core) on cores the others keep busy; the ones that waited read its profile
+        with held(cache.parent):
+            profile = None if hw_cfg.refresh else _cached(cache)
+            if profile is None:
+                profile = measure(probe_dir, int(hw_cfg.disk_probe_mb))
+                profile.fingerprint = fingerprint
+                tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(profile.as_dict(), indent=2))
+                tmp.replace(cache)
+                profile.source = "measured"
     profile = replace(profile, **now(profile.accelerator, cache_dir))  # what changes from run to run
     profile.budget_mb = hw_cfg.budget_mb
+    return profile
+
+
+def _cached(cache: Path) -> Profile | None:
+    """The cached profile, or None when there is none, it is another version's, or it is due to be measured again."""
+    profile = Profile.from_cache(json.loads(cache.read_text())) if cache.exists() else None
+    if profile is None or _measure_again(profile, cache):
+        return None  # a busy machine's profile, the machine quiet now: measure it properly
+    profile.source = f"cache ({cache})"
     return profile
 
 
