@@ -36,7 +36,7 @@ from onn.config import ONNConfig, StrategyConfig, as_dict, typed
 from onn.errors import UserError
 from onn.export.settings import check_settings as check_export
 from onn.hardware.cluster import is_rank_zero
-from onn.hardware.memory import cap_gpu_memory
+from onn.hardware.memory import cap_gpu_memory, release_mmap_threshold
 from onn.hardware.profile import resolve as resolve_hardware
 from onn.hardware.profile import use_threads
 from onn.modalities.base import Job, Modality
@@ -417,4 +417,7 @@ def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> 
             "settings_source": plan.settings_source,  # plan, or tune (a cached task=tune result)
         }
     )
-    return {**out, **task.run(Job(config, run_dir, modality, hardware, plan, spec, ckpt))}
+    try:
+        return {**out, **task.run(Job(config, run_dir, modality, hardware, plan, spec, ckpt))}
+    finally:  # a streamed run's malloc setting is process-wide: the next run in this process starts without it
+        release_mmap_threshold()

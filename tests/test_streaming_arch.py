@@ -7,6 +7,7 @@ quarter of its size is what the step takes (measured in a fresh process, as task
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,6 +143,30 @@ def test_an_lstm_stack_streams_with_the_resident_gradients(tmp_path):
     assert max(float((want[n] - got[n]).abs().max()) for n in want) <= TOLERANCE
 
 
+def page_faults_reallocating(mb: int = 1, times: int = 40) -> int:
+    """Minor page faults of allocating, filling and freeing an `mb` MiB tensor `times` times: a buffer glibc maps
+    on its own faults every page in anew each time; one from the heap reuses its pages."""
+    import resource
+
+    torch.ones(mb * 2**18)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(times):
+        torch.ones(mb * 2**18)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="glibc's malloc settings: Linux")
+def test_a_held_mmap_threshold_is_released_for_what_runs_next():
+    """A streamed run holds glibc's mmap threshold low for its whole process; the runner releases it when the run
+    ends, or a CNN trained next in the same process (a test worker, a notebook) mapped every activation anew."""
+    from onn.hardware.memory import hold_mmap_threshold, release_mmap_threshold
+
+    hold_mmap_threshold()
+    held = page_faults_reallocating()
+    release_mmap_threshold()
+    assert held > 40 * 200 and page_faults_reallocating() < held / 10
+
+
 @pytest.mark.slow
 def test_a_streamed_dit_trains_through_the_runner_and_samples_from_its_checkpoint(tmp_path):
     """strategy=sparse_lora on a DiT: the plan streams its blocks, the loss falls, and the checkpoint (adapters and
@@ -166,6 +191,8 @@ def test_a_streamed_dit_trains_through_the_runner_and_samples_from_its_checkpoin
     )
     assert metrics["streaming"] == {"chunk_size": 1, "store": "disk"}
     assert metrics["train/loss_final"] < metrics["train/loss_initial"]
+    # the run held glibc's mmap threshold low (activations unmapped when freed); the runner gave it back
+    assert page_faults_reallocating() < 1000
     assert (run_dir / "samples.png").is_file() and metrics["export/max_abs_diff"] < 1e-3
     infer, _ = run(tmp_path, "task=infer", f"ckpt={run_dir}", "task.samples=2", name="infer")
     assert infer["samples/count"] == 2

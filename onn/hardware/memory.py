@@ -71,6 +71,7 @@ def cap_gpu_memory(mb: float) -> None:
 
 
 MMAP_MIN, MMAP_MAX = 1 << 20, 32 << 20  # the threshold's floor, and glibc's own largest dynamic one
+_held: list[int] = []  # the thresholds this process set (release_mmap_threshold undoes them)
 GLIBC_MMAP_START = 128 << 10  # glibc's mmap threshold before anything raises it
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters
 
@@ -83,9 +84,23 @@ def hold_mmap_threshold(size: int = GLIBC_MMAP_START) -> None:
     each) are freed, activations of the same sizes come from heaps that keep their freed pages. A DiT of 24
     blocks of width 512 streamed at batch 16 then peaked 330 MB above its process's baseline, with the thresholds
     held from before the model's build ~100 MB, held only after it 175-179 MB (onn/bench/streamed_arch.py): hold
-    them before a streamed network's weights are built. Process-wide; a no-op where libc is not glibc."""
+    them before a streamed network's weights are built. Process-wide until `release_mmap_threshold`; a no-op where
+    libc is not glibc."""
     _mallopt(M_MMAP_THRESHOLD, size)
     _mallopt(M_TRIM_THRESHOLD, 2 * size)
+    _held.append(size)
+
+
+def release_mmap_threshold() -> None:
+    """Undo `hold_mmap_threshold` and `return_large_frees_to_os` for what this process runs next (the runner calls
+    it when a run ends): glibc's thresholds at the largest its own rule raises them to (32 MiB, trim 64 MiB), since
+    glibc has no call that brings its rule back. A run in a long-lived process (a notebook, a test worker) left
+    the next run's activations mapped and unmapped at every step: a CNN trained 10x slower after a streamed DiT's
+    run in the same process. Nothing when nothing was held."""
+    if _held:
+        _mallopt(M_MMAP_THRESHOLD, MMAP_MAX)
+        _mallopt(M_TRIM_THRESHOLD, 2 * MMAP_MAX)
+        _held.clear()
 
 
 def _mallopt(param: int, value: int) -> None:
@@ -123,7 +138,7 @@ def return_large_frees_to_os(smallest: int = MMAP_MIN) -> None:
     step's resident memory by ~450 MB instead of ~100 MB. Fixing the threshold keeps streamed
     weights from piling up. Below it, activations stay in the heap: a threshold of 64 KiB (earlier) sent
     every activation through mmap and its page faults, which made Phi-4's streamed step 10% slower and a
-    tiny model's 2.5x slower. The setting is process-wide: code that times something after a streamed run
-    in the same process sets it back with `return_large_frees_to_os(MMAP_MAX)`. A no-op where libc is not
-    glibc."""
+    tiny model's 2.5x slower. The setting is process-wide until `release_mmap_threshold`. A no-op where libc
+    is not glibc."""
     _mallopt(M_MMAP_THRESHOLD, min(max(int(smallest), MMAP_MIN), MMAP_MAX))
+    _held.append(int(smallest))

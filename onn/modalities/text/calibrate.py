@@ -170,7 +170,7 @@ def _step_times(
     apart put llama_small's LoRA step 38-42% under what its runs took."""
     import torch
 
-    from onn.hardware.memory import MMAP_MAX, return_large_frees_to_os
+    from onn.hardware.memory import release_mmap_threshold
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -192,7 +192,7 @@ def _step_times(
     finally:
         torch.set_num_threads(before)
         if engines:  # their malloc setting is process-wide: the next timing starts from glibc's largest
-            return_large_frees_to_os(MMAP_MAX)
+            release_mmap_threshold()
 
 
 def _copy_step(
