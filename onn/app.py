@@ -401,10 +401,9 @@ def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> 
     if writes:
         (run_dir / "plan.yaml").write_text(yaml.safe_dump(plan.as_dict(), sort_keys=False))
         print(render(plan), flush=True)
-    if task.heavy:
-        use_threads(plan.threads)  # torch's threads on the cores other processes leave free
-        if hardware.accelerator == "cuda" and config.hardware.budget_mb:
-            cap_gpu_memory(plan.budget_mb - plan.context_mb)  # a smaller card, held to for real
+    threads_before = use_threads(plan.threads) if task.heavy else None  # on the cores other processes leave free
+    if task.heavy and hardware.accelerator == "cuda" and config.hardware.budget_mb:
+        cap_gpu_memory(plan.budget_mb - plan.context_mb)  # a smaller card, held to for real
     # On CPUs the measured peak is the process's resident memory, which includes its baseline.
     predicted = plan.predicted_peak_memory_mb + (plan.context_mb if hardware.accelerator != "cuda" else 0)
     out.update(
@@ -419,5 +418,6 @@ def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> 
     )
     try:
         return {**out, **task.run(Job(config, run_dir, modality, hardware, plan, spec, ckpt))}
-    finally:  # a streamed run's malloc setting is process-wide: the next run in this process starts without it
-        release_mmap_threshold()
+    finally:  # the process as the run found it, for the next run in it (a notebook, a test worker)
+        release_mmap_threshold()  # a streamed run's malloc setting
+        use_threads(threads_before)

@@ -84,6 +84,22 @@ def test_a_busy_profile_is_measured_again_when_quiet_but_not_at_every_quiet_mome
         resolve(mine, tmp_path / "cache", tmp_path)
 
 
+def test_torch_never_runs_more_threads_than_this_machine_has():
+    """A plan for a preset machine of more cores than this one (hardware=cpu_16gb: 8) runs on this one's cores."""
+    import os
+
+    import torch
+
+    from onn.hardware.profile import use_threads
+
+    before = use_threads(4 * (os.cpu_count() or 1))
+    try:
+        assert 1 <= torch.get_num_threads() <= len(os.sched_getaffinity(0))
+    finally:
+        use_threads(before)
+    assert torch.get_num_threads() == before
+
+
 def test_runs_started_together_measure_the_profile_once(tmp_path, monkeypatch):
     """A run that finds another measuring waits for it and reads its profile (a sweep's jobs, test workers): each
     measuring on cores the others keep busy took tens of seconds of every core and measured their load."""
