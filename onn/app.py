@@ -416,8 +416,13 @@ def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> 
             "settings_source": plan.settings_source,  # plan, or tune (a cached task=tune result)
         }
     )
+    return {**out, **_run(task, Job(config, run_dir, modality, hardware, plan, spec, ckpt), threads_before)}
+
+
+def _run(task: Task, job: Job, threads_before: int | None) -> dict[str, Any]:
+    """The task's run, then the process as the run found it, for the next run in it (a notebook, a test worker)."""
     try:
-        return {**out, **task.run(Job(config, run_dir, modality, hardware, plan, spec, ckpt))}
-    finally:  # the process as the run found it, for the next run in it (a notebook, a test worker)
+        return task.run(job)
+    finally:
         release_mmap_threshold()  # a streamed run's malloc setting
         use_threads(threads_before)
