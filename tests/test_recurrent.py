@@ -154,3 +154,19 @@ def test_masks_in_decibels_leave_the_silence_silent():
     floor = evaluated_db.amin(dim=(1, 2, 3), keepdim=True)
     assert ((trained != evaluated_db) & (trained == floor)).any()  # bands of the sound were masked to silence
     assert torch.equal(span(trained)[1], evaluated) and (evaluated < 51).all()
+
+
+def test_a_streamed_recurrent_classifier_is_refused_with_one_sentence(tmp_path):
+    """The runner does not stream a classifier's blocks yet: strategy=sparse_lora says so instead of planning a
+    stream and training resident; strategy=full still plans."""
+    from onn.hardware.profile import resolve
+    from onn.modalities import get
+
+    cfg = compose("recipe=fsdd_lstm", "hardware=cpu_16gb", "strategy=sparse_lora", root=tmp_path)
+    hw = resolve(cfg.hardware, tmp_path / "cache", tmp_path)
+    with pytest.raises(
+        UserError, match="strategy=sparse_lora: the runner does not stream model=audio_lstm.* use strategy=full"
+    ):
+        get("audio").plan(cfg, hw)
+    full = compose("recipe=fsdd_lstm", "hardware=cpu_16gb", "strategy=full", root=tmp_path)
+    assert get("audio").plan(full, hw)[0].strategy == "full"

@@ -60,6 +60,12 @@ PICTURED = 64  # inputs drawn in infer's picture
 
 
 def plan(m: ClassifierModality, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
+    """The classifier's plan: full training or a linear probe (make_network_plan)."""
+    if config.strategy.name == "sparse_lora":  # make_plan would plan a stream that train does not run
+        raise UserError(
+            f"strategy=sparse_lora: the runner does not stream model={config.model.name}'s blocks yet ({m.name} "
+            "classifiers train resident), so it would not run as planned; use strategy=full or strategy=auto."
+        )
     inputs = m.planned_inputs(config)
     model_cfg: NetworkConfig = config.model
     with torch.device("meta"):
