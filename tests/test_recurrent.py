@@ -156,17 +156,55 @@ def test_masks_in_decibels_leave_the_silence_silent():
     assert torch.equal(span(trained)[1], evaluated) and (evaluated < 51).all()
 
 
-def test_a_streamed_recurrent_classifier_is_refused_with_one_sentence(tmp_path):
-    """The runner does not stream a classifier's blocks yet: strategy=sparse_lora says so instead of planning a
-    stream and training resident; strategy=full still plans."""
+def test_sparse_lora_streams_a_recurrent_classifier_and_refuses_what_it_cannot_stream(tmp_path):
+    """strategy=sparse_lora plans an LSTM stack's blocks streamed, sized with what trains (the blocks' biases and
+    the head); a block with dropout, or a classifier whose blocks are not a recurrent stack, is one sentence."""
     from onn.hardware.profile import resolve
     from onn.modalities import get
 
     cfg = compose("recipe=fsdd_lstm", "hardware=cpu_16gb", "strategy=sparse_lora", root=tmp_path)
     hw = resolve(cfg.hardware, tmp_path / "cache", tmp_path)
-    with pytest.raises(
-        UserError, match="strategy=sparse_lora: the runner does not stream model=audio_lstm.* use strategy=full"
-    ):
+    with pytest.raises(UserError, match="blocks hold dropout.*model.kwargs.dropout=0"):
         get("audio").plan(cfg, hw)
-    full = compose("recipe=fsdd_lstm", "hardware=cpu_16gb", "strategy=full", root=tmp_path)
-    assert get("audio").plan(full, hw)[0].strategy == "full"
+    streamed = ("strategy=sparse_lora", "strategy.layers=all", "model.kwargs.dropout=0")
+    plan, spec = get("audio").plan(compose("recipe=fsdd_lstm", "hardware=cpu_16gb", *streamed), hw)
+    assert plan.strategy == "sparse_lora" and plan.streaming.chunk_size >= 1
+    assert 0 < sum(spec.lora_params_per_block) < sum(spec.block_params) / 50  # biases only
+    cnn = compose("data=audio", "model=audio_cnn", "hardware=cpu_16gb", "strategy=sparse_lora")
+    with pytest.raises(UserError, match="model=audio_cnn's blocks are not: use strategy=full"):
+        get("audio").plan(cnn, hw)
+
+
+@pytest.mark.slow
+def test_an_lstm_stack_streams_through_the_runner_and_its_checkpoint_evaluates_resident(tmp_path):
+    """strategy=sparse_lora on model=audio_lstm: the LSTM weights stream from a disk store a block at a time while
+    the biases and head train, the loss falls; eval of the checkpoint (the frozen weights built again from the
+    seed, resident) gives the streamed test's accuracy, and the ONNX export agrees."""
+    from onn.app import execute
+
+    data = make_tones(tmp_path / "tones", per_class=8)
+    common = ["tracking=none", f"paths.outputs={tmp_path / 'outputs'}", f"paths.cache={tmp_path / 'cache'}"]
+    cfg = compose(
+        "recipe=fsdd_lstm",
+        *common,
+        *(f"data.source={data}", "data.label_from='^([a-z]+)_'", "data.classes=null", "data.test_pattern=_bob_"),
+        *("data.clip_seconds=0.4", "data.batch_size=8", "data.val_split=0.2", "data.features.top_db=50"),
+        *("data.augment.truncate=0", "data.augment.noise_snr_db=0", "data.augment.speed=0"),
+        *(
+            "model.kwargs.hidden=12",
+            "model.kwargs.layers=3",
+            "model.kwargs.conv_widths=[8,16]",
+            "model.kwargs.dropout=0",
+        ),
+        *("strategy=sparse_lora", "strategy.layers=all", "strategy.streaming.store=disk"),
+        *("strategy.streaming.chunk_size=1", "trainer.max_epochs=4", "optim.schedule=constant", "optim.lr=0.01"),
+        "export=onnx",
+    )
+    metrics = execute(cfg, tmp_path / "train")
+    assert metrics["strategy"] == "sparse_lora" and any((tmp_path / "train" / "layer_store").rglob("*.safetensors"))
+    assert metrics["params_trainable"] < metrics["params_total"] / 5
+    assert metrics["train/loss_final"] < metrics["train/loss_initial"]
+    assert metrics["export/max_abs_diff"] < 1e-4
+    ckpt = str(tmp_path / "train" / "checkpoints" / "best.ckpt")
+    evaluated = execute(compose(*common, "task=eval", "task.adapt_norm=true", f"ckpt={ckpt}"), tmp_path / "eval")
+    assert evaluated["test/acc"] == pytest.approx(metrics["test/acc"], abs=1e-6)  # AdaBN streamed and resident

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from onn.models.layers import discover
-from onn.streaming.engine import Objective, StreamingEngine
+from onn.streaming.engine import StreamingEngine
 from onn.streaming.store import LayerStore
+from onn.training.classifier import ClassifierObjective
 
 TOLERANCE = 1e-4
 
@@ -65,19 +66,6 @@ def diffusion_batches(count: int = 2, rows: int = 3, size: int = 8, seed: int = 
         }
         for _ in range(count)
     ]
-
-
-class Classification(Objective):
-    """A classifier's batches for the engine: spectrograms in, cross-entropy against the labels."""
-
-    def inputs(self, batch, targets=False):
-        return {"x": batch["x"]}
-
-    def loss(self, output, batch):
-        return F.cross_entropy(output, batch["y"])
-
-    def weight(self, batch):
-        return int(batch["x"].shape[0])
 
 
 def streamed_step(model, objective, batches, chunk_size, folder):
@@ -135,8 +123,8 @@ def test_an_lstm_stack_streams_with_the_resident_gradients(tmp_path):
         x = torch.randn(4, 1, 8, 20, generator=g)
         x[1, :, :, 12:] = x.min()  # a shorter clip: silence after frame 12 (packed sequences of different lengths)
         batches.append({"x": x, "y": torch.randint(0, 10, (4,), generator=g)})
-    want_loss = resident_step(resident, Classification(), batches)
-    loss = streamed_step(streamed, Classification(), batches, 2, tmp_path)
+    want_loss = resident_step(resident, ClassifierObjective(F.cross_entropy), batches)
+    loss = streamed_step(streamed, ClassifierObjective(F.cross_entropy), batches, 2, tmp_path)
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
     want, got = trained_grads(resident), trained_grads(streamed)
     assert want.keys() == got.keys() and sum("layers.0." in n for n in want) >= 2

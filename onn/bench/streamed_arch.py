@@ -44,25 +44,11 @@ from onn.config.strategy import StrategyConfig
 from onn.config.task import BenchStreamedArchTask
 from onn.errors import UserError
 from onn.streaming.engine import Objective
+from onn.training.classifier import ClassifierObjective
 
 MB = 2**20
 ARCHS = ("dit", "lstm")
 ROOT = Path(__file__).resolve().parents[2]  # the folder holding the onn package
-
-
-class Classification(Objective):
-    """A sequence classifier's batches for the engine: spectrograms in, cross-entropy against the labels."""
-
-    hold_mmap_threshold = True  # a network's activations: unmapped when freed (Objective)
-
-    def inputs(self, batch: dict[str, Any], targets: bool = False) -> dict[str, Any]:
-        return {"x": batch["x"]}
-
-    def loss(self, output: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
-        return F.cross_entropy(output, batch["y"])
-
-    def weight(self, batch: dict[str, Any]) -> int:
-        return int(batch["x"].shape[0])
 
 
 def build(arch: str, t: BenchStreamedArchTask, strategy: StrategyConfig) -> tuple[torch.nn.Module, tuple, Objective]:
@@ -89,7 +75,7 @@ def build(arch: str, t: BenchStreamedArchTask, strategy: StrategyConfig) -> tupl
         model = AudioRNN(1, 10, t.lstm_mels, hidden=t.lstm_hidden, layers=t.lstm_layers, dropout=0.0)
         for name, p in model.named_parameters():
             p.requires_grad_(name.startswith("classifier") or (name.startswith("layers.") and ".bias_" in name))
-        return model, (torch.empty(1, 1, t.lstm_mels, t.lstm_frames),), Classification()
+        return model, (torch.empty(1, 1, t.lstm_mels, t.lstm_frames),), ClassifierObjective(F.cross_entropy)
     raise ValueError(f"unknown architecture {arch!r}")  # check_settings names the choices first
 
 

@@ -30,11 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from onn.config import ONNConfig, as_dict
+from onn.config import ONNConfig, as_dict, typed
 from onn.config.data import eval_batch
 from onn.config.export import OnnxExport, SafetensorsExport
 from onn.config.model import NetworkConfig
 from onn.config.run import PairSideConfig
+from onn.config.strategy import StrategyConfig
 from onn.config.task import InferTask, TrainTask
 from onn.data.files import write_jsonl
 from onn.data.resident import ClassificationData, ResidentBatches, Split
@@ -52,7 +53,7 @@ from onn.training.checkpoints import check_state, read_meta, saved_config, state
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.classifier import Classifier, LinearProbe, mean_loss, save_confusion
 from onn.training.optim import monitor_mode
-from onn.training.trainer import build_trainer, optimizer_steps
+from onn.training.trainer import build_trainer, optimizer_steps, streaming_strategy
 
 log = logging.getLogger("onn")
 TOP_K = 5
@@ -60,17 +61,15 @@ PICTURED = 64  # inputs drawn in infer's picture
 
 
 def plan(m: ClassifierModality, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
-    """The classifier's plan: full training or a linear probe (make_network_plan)."""
-    if config.strategy.name == "sparse_lora":  # make_plan would plan a stream that train does not run
-        raise UserError(
-            f"strategy=sparse_lora: the runner does not stream model={config.model.name}'s blocks yet ({m.name} "
-            "classifiers train resident), so it would not run as planned; use strategy=full or strategy=auto."
-        )
+    """The classifier's plan: full training or a linear probe (make_network_plan); with strategy=sparse_lora a
+    recurrent stack's blocks stream (make_network_streaming_plan), sized with what trains (streamed_trainable)."""
     inputs = m.planned_inputs(config)
     model_cfg: NetworkConfig = config.model
     with torch.device("meta"):
         network = m.network(model_cfg, inputs)
         sample = torch.empty(1, *inputs["input_shape"])
+    if config.strategy.name == "sparse_lora":
+        streamed_trainable(network, config)
     transform = m.transform(config, {**inputs, **m.neutral_stats(inputs)})
     if transform is not None:  # the network's input is the transform's output (e.g. a spectrogram)
         stored = torch.zeros(1, *inputs["input_shape"], dtype=getattr(torch, m.stored_dtype))
@@ -92,7 +91,9 @@ def build(m: ClassifierModality, config: ONNConfig, plan: Plan, inputs: dict[str
     model_cfg: NetworkConfig = config.model
     strategy = plan.strategy
     network = m.network(model_cfg, inputs)
-    if strategy == "linear_probe":  # the plan admits full and linear_probe only
+    if strategy == "sparse_lora":
+        streamed_trainable(network, config)
+    if strategy == "linear_probe":
         backbone, width = feature_extractor(network)
         network = LinearProbe(backbone, width, len(inputs["classes"]))
     # what the checkpoint keeps to rebuild this model (plain values; read back with onn.config.typed)
@@ -121,6 +122,38 @@ def build(m: ClassifierModality, config: ONNConfig, plan: Plan, inputs: dict[str
     if model_cfg.compile:
         module.model = torch.compile(module.model)  # the Lightning module keeps the same parameters
     return module
+
+
+def streamed_trainable(network: nn.Module, config: ONNConfig) -> nn.Module:
+    """strategy=sparse_lora on a classifier whose blocks are a recurrent stack (an LSTM or GRU has no linear layer
+    for LoRA): strategy.layers' blocks train their biases, the layers after the blocks (the head) in full, and every
+    other weight stays as the seed built it; the blocks' weights stream from the layer store, and the layers before
+    them run without gradients. Dropout in a block is refused: the engine runs a block again in the backward, and
+    it would draw another mask than the forward's."""
+    from torch.nn import RNNBase
+
+    from onn.models.layers import discover, resolve_indices
+
+    name = config.model.name
+    layer_map = discover(network, config.model.layer_map.blocks)
+    if not any(isinstance(mod, RNNBase) for block in layer_map.blocks for mod in block.modules()):
+        raise UserError(
+            f"strategy=sparse_lora streams a classifier's blocks when they are a recurrent stack (model=audio_lstm); "
+            f"model={name}'s blocks are not: use strategy=full or strategy=auto."
+        )
+    for mod in (mod for block in layer_map.blocks for mod in block.modules()):
+        if (isinstance(mod, nn.Dropout) and mod.p > 0) or (isinstance(mod, RNNBase) and mod.dropout > 0):
+            raise UserError(
+                f"strategy=sparse_lora: model={name}'s blocks hold dropout, and a streamed block runs again in the "
+                "backward with another mask; set model.kwargs.dropout=0."
+            )
+    network.requires_grad_(False)
+    for i in resolve_indices(config.strategy.layers, len(layer_map)):
+        for param_name, param in layer_map.blocks[i].named_parameters():
+            param.requires_grad_(param_name.rsplit(".", 1)[-1].startswith("bias"))
+    for _, module in layer_map.suffix:
+        module.requires_grad_(True)
+    return network
 
 
 def data_inputs(m: ClassifierModality, config: ONNConfig, dm: ClassificationData) -> dict[str, Any]:
@@ -154,7 +187,8 @@ def train(job: Job) -> dict[str, Any]:
     callbacks = _callbacks(config, run_dir)
     clock = next(c for c in callbacks if isinstance(c, StepClock))
     steps_per_epoch = len(dm.train_dataloader())
-    trainer = build_trainer(config, plan, run_dir, callbacks, steps_per_epoch=steps_per_epoch)
+    streaming = streaming_strategy(config, plan, run_dir, job.device, module.objective())
+    trainer = build_trainer(config, plan, run_dir, callbacks, strategy=streaming, steps_per_epoch=steps_per_epoch)
     module.optimizer_steps = optimizer_steps(trainer, steps_per_epoch)
     with PeakMemory(job.device) as peak:
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
@@ -189,19 +223,28 @@ def train(job: Job) -> dict[str, Any]:
     save_confusion(module.confusion[stage], module.classes, picture)
     metrics["confusion_matrix"] = str(picture)
     log.info("%s accuracy %.4f (best checkpoint %s)", stage, metrics.get(f"{stage}/acc", float("nan")), best)
-    if config.export.name != "none":
-        metrics.update(export_module(m, config, module, run_dir))
+    if config.export.name != "none":  # a streamed network exports from its checkpoint, resident
+        tested = Path(best) if best else run_dir / "checkpoints" / "last.ckpt"
+        exported = module if module.engine is None else load_trained(m, config, plan, tested)
+        metrics.update(export_module(m, config, exported, run_dir))
     return metrics
 
 
 def load_trained(m: ClassifierModality, config: ONNConfig, plan: Plan, ckpt: Path) -> Classifier:
-    """The classifier with the checkpoint's weights."""
-    module = build(m, config, plan, saved_inputs(ckpt))
+    """The classifier with the checkpoint's weights. A streamed run's checkpoint holds what trained (and the
+    buffers): the frozen weights are its seed's, built again with its strategy."""
+    inputs, saved = saved_inputs(ckpt), saved_config(ckpt)["strategy"]
+    if saved["name"] == "sparse_lora":
+        strategy = typed(StrategyConfig, saved, f"ckpt {ckpt}: strategy")
+        config = dataclasses.replace(config, strategy=strategy, seed=int(inputs["seed"]))
+        plan = dataclasses.replace(plan, strategy="sparse_lora")
+    module = build(m, config, plan, inputs)
     check_state(
         module, state_shapes(ckpt), ckpt, loads_frozen=False
     )  # names and shapes, before torch's traceback would
     missing, unexpected = module.load_state_dict(load_checkpoint(ckpt)["state_dict"], strict=False)
-    missing = [k for k in missing if ".backbone." not in k]
+    frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+    missing = [k for k in missing if ".backbone." not in k and k not in frozen]
     if unexpected or missing:
         raise UserError(
             f"ckpt {ckpt} does not match the model it names: missing {missing[:3]}, unexpected {unexpected[:3]}."
@@ -222,7 +265,8 @@ def evaluate(job: Job) -> dict[str, Any]:
         module = load_trained(m, config, plan, ckpt)
     if module.inputs == "features":
         dm = features(module, dm, config)
-    trainer = build_trainer(config, plan, job.run_dir, [], loggers=False, steps_per_epoch=1)
+    resident = "auto" if config.strategy.lightning == "streaming" else None  # a streamed run's checkpoint, resident
+    trainer = build_trainer(config, plan, job.run_dir, [], loggers=False, strategy=resident, steps_per_epoch=1)
     metrics: dict[str, Any] = {"checkpoint": str(ckpt) if ckpt else None}
     trainer.validate(module, datamodule=dm, verbose=False)
     metrics.update({k: round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith("val/")})

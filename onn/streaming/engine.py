@@ -722,12 +722,16 @@ class StreamingEngine:
             kept[c] = None
             self.times.compute_s += time.perf_counter() - start
 
-    def loss(self, micro_batches: list[dict[str, Any]]) -> list[torch.Tensor]:
-        """Streamed forward only: each micro-batch's loss."""
+    def outputs(self, micro_batches: list[dict[str, Any]]) -> list[Any]:
+        """Streamed forward only: each micro-batch's output (a classifier's logits, which its metrics read)."""
         inputs, _, hidden = self._forward(micro_batches, keep_from=None, then=range(len(self.chunks)))
         with torch.no_grad(), self._suffix_phase():
-            losses = [self.objective.loss(self.suffix(h, mb), mb) for h, mb in zip(hidden, micro_batches)]
-        return losses
+            return [self.suffix(h, mb) for h, mb in zip(hidden, micro_batches)]
+
+    def loss(self, micro_batches: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """Streamed forward only: each micro-batch's loss."""
+        with torch.no_grad():
+            return [self.objective.loss(out, mb) for out, mb in zip(self.outputs(micro_batches), micro_batches)]
 
     def evaluate(
         self,

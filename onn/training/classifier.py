@@ -4,7 +4,8 @@ Batches arrive in the modality's stored form already on the device (uint8 pixels
 points); the module's `transform` turns them into the network's input itself (augmented only in
 training: image crops and flips, SpecAugment masks, point-cloud rotations), so the data pipeline
 does no per-sample work. For a linear probe the batches are cached backbone features and only the
-head runs.
+head runs. Layer-streamed (strategy=sparse_lora on a recurrent stack), the engine runs the network's blocks
+from the layer store with ClassifierObjective.
 """
 
 from __future__ import annotations
@@ -20,11 +21,31 @@ from torch import nn
 
 from onn.config import OptimConfig
 from onn.errors import UserError
+from onn.streaming.engine import Objective
 from onn.training.distributed import clip_gradients
 from onn.training.optim import make_optimizer, make_schedule
 from onn.training.record import EpochRecord, log_train_loss
 
 LOOP = "epochs"
+
+
+class ClassifierObjective(Objective):
+    """A classifier's batches for the layer-streaming engine: the network's prepared input `x` in, its loss (the
+    module's: cross-entropy with label smoothing, or model.loss) against the labels `y`."""
+
+    hold_mmap_threshold = True  # a network's activations: unmapped when freed (Objective)
+
+    def __init__(self, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self._loss = loss
+
+    def inputs(self, batch: dict[str, Any], targets: bool = False) -> dict[str, Any]:
+        return {"x": batch["x"]}
+
+    def loss(self, output: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+        return self._loss(output, batch["y"])
+
+    def weight(self, batch: dict[str, Any]) -> int:
+        return int(batch["x"].shape[0])
 
 
 class LinearProbe(nn.Module):
@@ -95,6 +116,10 @@ class Classifier(EpochRecord, L.LightningModule):
             }
         )
         self.train_losses: list[torch.Tensor] = []  # detached per step; read once at the end (no per-step sync)
+        self.engine = None  # set by LayerStreamingStrategy: the blocks' frozen weights stream from a layer store
+        self.store = None  # a layer store the blocks were loaded into beforehand (none: the strategy makes it)
+        # streamed: checkpoints hold what trains and the buffers; the frozen base is the seed's, built again
+        self.strict_loading = all(p.requires_grad for p in model.parameters())
         self.history: list[dict[str, float]] = []  # per validation: epoch, step, val/acc, val/loss
         self.confusion: dict[str, torch.Tensor] = {}
 
@@ -109,10 +134,23 @@ class Classifier(EpochRecord, L.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.head(x) if self.inputs == "features" else self.model(x)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The network's output for a prepared batch, through the layer-streaming engine when its blocks stream."""
+        if self.engine is None:
+            return self(x)
+        return torch.cat(self.engine.outputs(self.engine.split({"x": x})))
+
+    def objective(self) -> ClassifierObjective:
+        """What the layer-streaming engine computes the training loss with: this module's own loss."""
+        return ClassifierObjective(lambda logits, labels: self._loss(logits, labels, self.label_smoothing))
+
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, labels = batch
-        logits = self(self.prepare(x, train=True))
-        loss = self._loss(logits, labels, self.label_smoothing)
+        if self.engine is not None:  # the blocks' backward runs in the strategy's backward
+            pieces = self.engine.split({"x": self.prepare(x, train=True), "y": labels})
+            loss = self.engine.forward_train(pieces, loss_scale=self.trainer.strategy.loss_scale())
+        else:
+            loss = self._loss(self(self.prepare(x, train=True)), labels, self.label_smoothing)
         self.train_losses.append(loss.detach())
         log_train_loss(self, loss, labels.shape[0])
         return loss
@@ -139,7 +177,7 @@ class Classifier(EpochRecord, L.LightningModule):
 
     def _evaluate(self, batch, stage: str) -> None:
         x, labels = batch
-        logits = self(self.prepare(x, train=False)).float()
+        logits = self.logits(self.prepare(x, train=False)).float()
         self.metrics[f"{stage}_loss"].update(self._loss(logits, labels, 0.0), weight=labels.shape[0])
         for name in ("acc", "acc_top5", "confusion"):
             self.metrics[f"{stage}_{name}"].update(logits, labels)
@@ -169,7 +207,7 @@ class Classifier(EpochRecord, L.LightningModule):
             m.train()
         seen = 0
         for x, _ in batches:
-            self(self.prepare(x.to(self.device), train=False))
+            self.logits(self.prepare(x.to(self.device), train=False))
             seen += x.shape[0]
         for m, (momentum, training) in zip(norms, saved):
             m.momentum = momentum
@@ -227,6 +265,9 @@ class Classifier(EpochRecord, L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.inputs == "features":  # the frozen backbone comes from model.weights again
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if ".backbone." not in k}
+        elif not self.strict_loading:  # streamed: the frozen weights are the seed's (and live in the store)
+            kept = {n for n, p in self.named_parameters() if p.requires_grad} | {n for n, _ in self.named_buffers()}
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in kept}
         super().on_save_checkpoint(checkpoint)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):

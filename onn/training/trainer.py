@@ -264,3 +264,26 @@ def optimizer_steps(trainer, steps_per_epoch: int) -> int | None:
     if trainer.max_epochs is not None and trainer.max_epochs > 0:
         limits.append(per_epoch * trainer.max_epochs)
     return min(limits) if limits else None
+
+
+def streaming_strategy(config: ONNConfig, plan: Plan, run_dir: Path, device: str, objective):
+    """ONN's layer-streaming strategy when the plan streams a network's blocks (None: Lightning's default), with
+    the modality's Objective; the blocks' frozen weights (the seed's random init) go to this run's own store."""
+    if plan.strategy != "sparse_lora":
+        return None
+    from onn.streaming.strategy import EngineSettings, LayerStreamingStrategy
+
+    s = plan.streaming
+    settings = EngineSettings(
+        chunk_size=s.chunk_size,
+        store=s.store,
+        store_dtype=s.store_dtype,
+        edges=s.edges,
+        activations=s.activations,
+        cache_blocks=s.cache_blocks,
+        eval_tokens=s.eval_tokens,
+        prefetch=config.strategy.streaming.prefetch,
+    )
+    return LayerStreamingStrategy(
+        settings, run_dir / "layer_store", plan.micro_batch, device=device, objective=objective
+    )

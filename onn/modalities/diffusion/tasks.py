@@ -38,7 +38,7 @@ from onn.training.callbacks import StepClock, run_callbacks
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.checkpoints import saved_config
 from onn.training.classifier import mean_loss
-from onn.training.trainer import build_trainer, optimizer_steps
+from onn.training.trainer import build_trainer, optimizer_steps, streaming_strategy
 
 log = logging.getLogger("onn")
 
@@ -164,7 +164,12 @@ def train(job: Job) -> dict[str, Any]:
     clock = next(c for c in callbacks if isinstance(c, StepClock))
     steps_per_epoch = len(dm.train_dataloader())
     trainer = build_trainer(
-        config, job.plan, run_dir, callbacks, strategy=streaming_strategy(config, job), steps_per_epoch=steps_per_epoch
+        config,
+        job.plan,
+        run_dir,
+        callbacks,
+        strategy=streaming_strategy(config, job.plan, job.run_dir, job.device, NoisePrediction()),
+        steps_per_epoch=steps_per_epoch,
     )
     module.optimizer_steps = optimizer_steps(trainer, steps_per_epoch)
     with PeakMemory(job.device) as peak:
@@ -193,27 +198,6 @@ def train(job: Job) -> dict[str, Any]:
     if config.export.name != "none":
         metrics.update(export_module(config, module, run_dir))
     return metrics
-
-
-def streaming_strategy(config: ONNConfig, job: Job):
-    """The layer-streaming strategy when the plan streams the denoiser's blocks (None: Lightning's default)."""
-    if job.plan.strategy != "sparse_lora":
-        return None
-    from onn.streaming.strategy import EngineSettings, LayerStreamingStrategy
-
-    s = job.plan.streaming
-    settings = EngineSettings(
-        chunk_size=s.chunk_size,
-        store=s.store,
-        store_dtype=s.store_dtype,
-        edges=s.edges,
-        activations=s.activations,
-        cache_blocks=s.cache_blocks,
-        eval_tokens=s.eval_tokens,
-        prefetch=config.strategy.streaming.prefetch,
-    )
-    root = job.run_dir / "layer_store"  # the seed's random frozen weights: this run's own
-    return LayerStreamingStrategy(settings, root, job.plan.micro_batch, device=job.device, objective=NoisePrediction())
 
 
 def sample_grid(config: ONNConfig, module: DiffusionModule, run_dir: Path, device: torch.device) -> dict[str, Any]:
