@@ -205,7 +205,7 @@ def train(job: Job) -> dict[str, Any]:
         "val/acc_final": module.history[-1]["val/acc"] if module.history else None,
         "samples_per_s": clock.samples_per_s(dm.batch_size, skip=min(2, len(clock.step_s) - 1)),
         "peak_memory_mb": round(peak.peak_mb, 1),
-        "params_total": sum(p.numel() for p in module.model.parameters()),
+        "params_total": job.spec.params,  # streamed, the blocks' weights are in the layer store now
         "params_trainable": sum(p.numel() for p in module.model.parameters() if p.requires_grad),
         "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
         "checkpoint_best": best or None,
