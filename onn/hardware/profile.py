@@ -303,7 +303,8 @@ def use_threads(threads: int | None) -> int | None:
     before = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     limit = os.getenv("OMP_NUM_THREADS", "")
-    torch.set_num_threads(max(1, min(int(threads), cores, int(limit) if limit.isdigit() and int(limit) else cores)))
+    most = min(cores, int(limit)) if limit.isdigit() and int(limit) > 0 else cores
+    torch.set_num_threads(max(1, min(int(threads), most)))
     return before
 
 
