@@ -190,6 +190,8 @@ def test_an_lstm_stack_streams_through_the_runner_and_its_checkpoint_evaluates_r
         *(f"data.source={data}", "data.label_from='^([a-z]+)_'", "data.classes=null", "data.test_pattern=_bob_"),
         *("data.clip_seconds=0.4", "data.batch_size=8", "data.val_split=0.2", "data.features.top_db=50"),
         *("data.augment.truncate=0", "data.augment.noise_snr_db=0", "data.augment.speed=0"),
+        *("data.augment.gain_db=0", "data.augment.shift_seconds=0", "data.augment.freq_mask=0"),
+        *("data.augment.time_mask=0", "task.label_smoothing=0"),  # only biases and the head train: a clear signal
         *(
             "model.kwargs.hidden=12",
             "model.kwargs.layers=3",
@@ -197,13 +199,14 @@ def test_an_lstm_stack_streams_through_the_runner_and_its_checkpoint_evaluates_r
             "model.kwargs.dropout=0",
         ),
         *("strategy=sparse_lora", "strategy.layers=all", "strategy.streaming.store=disk"),
-        *("strategy.streaming.chunk_size=1", "trainer.max_epochs=4", "optim.schedule=constant", "optim.lr=0.01"),
+        *("strategy.streaming.chunk_size=1", "trainer.max_epochs=8", "optim.schedule=constant", "optim.lr=0.1"),
         "export=onnx",
     )
     metrics = execute(cfg, tmp_path / "train")
     assert metrics["strategy"] == "sparse_lora" and any((tmp_path / "train" / "layer_store").rglob("*.safetensors"))
     assert metrics["params_trainable"] < metrics["params_total"] / 5
-    assert metrics["train/loss_final"] < metrics["train/loss_initial"]
+    val_losses = [h["val/loss"] for h in metrics["val/history"]]
+    assert val_losses[-1] < val_losses[0] - 0.1  # the same held-out clips at every epoch: the loss fell
     assert metrics["export/max_abs_diff"] < 1e-4
     ckpt = str(tmp_path / "train" / "checkpoints" / "best.ckpt")
     evaluated = execute(compose(*common, "task=eval", "task.adapt_norm=true", f"ckpt={ckpt}"), tmp_path / "eval")

@@ -239,3 +239,60 @@ def test_the_streamed_architectures_bench_names_its_choices():
 
     with pytest.raises(UserError, match=r"task.archs=\['unet'\]: choose among dit, lstm"):
         TASKS["bench_streamed_arch"].check(compose("recipe=bench_streamed_arch", "task.archs=[unet]"))
+
+
+class _Scaled(torch.nn.Module):
+    """A weight of its own that no reset_parameters draws."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+@pytest.mark.parametrize("store_kind", ["disk", "cpu"])
+def test_random_blocks_drawn_into_the_store_equal_the_same_draw_in_memory(tmp_path, store_kind):
+    """A streamed network of random weights is drawn block by block: the store receives each block's frozen
+    weights, which stay empty placeholders in the network (one block in memory at a time), and drawing the same
+    seed in memory (a streamed run's checkpoint evaluated resident) gives exactly the stored values; the trainable
+    biases and the edges are the same too."""
+    from onn.models.zoo.recurrent import AudioRNN
+    from onn.streaming.seeded import draw, empty_network
+
+    def build() -> torch.nn.Module:
+        return AudioRNN(1, 3, [16, 20], hidden=8, layers=3, conv_widths=[4], dropout=0.0)
+
+    def freeze_weights(network: torch.nn.Module) -> torch.nn.Module:
+        for name, p in network.named_parameters():
+            p.requires_grad_(not (name.startswith("layers.") and ".weight" in name))
+        return network
+
+    store = LayerStore(store_kind, "float32", folder=tmp_path / "store")
+    streamed = freeze_weights(empty_network(build, 7))
+    assert all(p.is_meta for p in streamed.parameters())  # nothing drawn yet
+    draw(streamed, 7, None, store)
+    resident = freeze_weights(empty_network(build, 7))
+    draw(resident, 7)
+    layer_map = discover(resident)
+    for i, block in enumerate(layer_map.blocks):
+        stored = store.read(i)
+        for name, p in block.named_parameters():
+            placeholder = discover(streamed).blocks[i].get_parameter(name)
+            if p.requires_grad:
+                assert torch.equal(placeholder, p)  # a trainable bias: drawn in both
+            else:
+                assert placeholder.numel() == 0 and torch.equal(stored[name], p)
+    edges = {n: p for n, p in resident.named_parameters() if not n.startswith("layers.")}
+    assert all(torch.equal(streamed.get_parameter(n), p) for n, p in edges.items())
+    again = freeze_weights(empty_network(build, 8))
+    draw(again, 8)
+    assert not torch.equal(again.layers[0].forward_rnn.weight_ih_l0, resident.layers[0].forward_rnn.weight_ih_l0)
+
+    def build_scaled() -> torch.nn.Module:  # a weight torch cannot draw again: the network is built whole
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), _Scaled(4), _Scaled(4), torch.nn.Linear(4, 2))
+
+    whole = empty_network(build_scaled, 3)
+    torch.manual_seed(3)
+    assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), build_scaled().parameters(), strict=True))

@@ -48,12 +48,14 @@ from onn.models.load import user_function
 from onn.models.vision import feature_extractor
 from onn.planning.plan import Plan, make_plan
 from onn.planning.spec import network_spec
+from onn.streaming.seeded import draw, empty_network
+from onn.streaming.store import LayerStore
 from onn.training.callbacks import StepClock, run_callbacks
 from onn.training.checkpoints import check_state, read_meta, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.classifier import Classifier, LinearProbe, mean_loss, save_confusion
 from onn.training.optim import monitor_mode
-from onn.training.trainer import build_trainer, optimizer_steps, streaming_strategy
+from onn.training.trainer import build_trainer, optimizer_steps, streaming_store, streaming_strategy
 
 log = logging.getLogger("onn")
 TOP_K = 5
@@ -85,14 +87,16 @@ def plan(m: ClassifierModality, config: ONNConfig, hardware: Profile, use_tuned:
     return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
 
 
-def build(m: ClassifierModality, config: ONNConfig, plan: Plan, inputs: dict[str, Any]) -> Classifier:
-    """The Classifier for `inputs`: from the data, or from a checkpoint."""
+def build(
+    m: ClassifierModality, config: ONNConfig, plan: Plan, inputs: dict[str, Any], store: LayerStore | None = None
+) -> Classifier:
+    """The Classifier for `inputs`: from the data, or from a checkpoint. A streamed network's frozen block weights
+    are drawn into `store`, block by block (all in memory without one)."""
     torch.manual_seed(int(config.seed))
     model_cfg: NetworkConfig = config.model
     strategy = plan.strategy
-    network = m.network(model_cfg, inputs)
-    if strategy == "sparse_lora":
-        streamed_trainable(network, config)
+    streamed = strategy == "sparse_lora"
+    network = streamed_network(m, config, inputs, store) if streamed else m.network(model_cfg, inputs)
     if strategy == "linear_probe":
         backbone, width = feature_extractor(network)
         network = LinearProbe(backbone, width, len(inputs["classes"]))
@@ -121,7 +125,22 @@ def build(m: ClassifierModality, config: ONNConfig, plan: Plan, inputs: dict[str
     )
     if model_cfg.compile:
         module.model = torch.compile(module.model)  # the Lightning module keeps the same parameters
+    module.store = store
     return module
+
+
+def streamed_network(m: ClassifierModality, config: ONNConfig, inputs: dict[str, Any], store: LayerStore | None):
+    """strategy=sparse_lora's network (streamed_trainable). A zoo network of random weights is drawn block by block
+    from the run's seed: into the store, one block in memory at a time, or all in memory for eval, infer and export
+    of its checkpoint, with the same values. One that loads weights (model.weights, a builder of your own) is built
+    whole, and the streaming engine moves its blocks to the store."""
+    model_cfg: NetworkConfig = config.model
+    seed = int(config.seed)
+    drawn = model_cfg.source.startswith("zoo:") and not model_cfg.weights  # its weights are the seed's alone
+    network = empty_network(lambda: m.network(model_cfg, inputs), seed) if drawn else m.network(model_cfg, inputs)
+    streamed_trainable(network, config)
+    draw(network, seed, model_cfg.layer_map.blocks, store)
+    return network
 
 
 def streamed_trainable(network: nn.Module, config: ONNConfig) -> nn.Module:
@@ -179,7 +198,8 @@ def train(job: Job) -> dict[str, Any]:
     if saved and "seed" in saved:  # a resumed run keeps the validation split it started with
         config = dataclasses.replace(config, seed=int(saved["seed"]))
     dm = setup_data(m, config, job.device)
-    module = build(m, config, plan, saved or data_inputs(m, config, dm))
+    store = streaming_store(config, plan, run_dir, job.device)
+    module = build(m, config, plan, saved or data_inputs(m, config, dm), store)
     if ckpt is not None:  # before Lightning restores it: a checkpoint of another network is one sentence
         check_state(module, state_shapes(ckpt), ckpt, loads_frozen=False)
     if module.inputs == "features":

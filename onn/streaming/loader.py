@@ -8,7 +8,6 @@ placeholders, which the streaming engine fills from the store.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,8 @@ from onn.models.load import (
     source_kind,
     tokenizer_from,
 )
-from onn.streaming.store import human_bytes, stored_bytes, stored_name
+from onn.streaming.seeded import block_seed, edge_seed
+from onn.streaming.store import build_progress, stored_name
 
 
 @dataclass
@@ -173,7 +173,7 @@ def _write_blocks(layer_map, store, materialise: Materialiser, seed: int, dtype)
     with build_progress(store, missing, shapes):
         for i in missing:
             block = layer_map.blocks[i]
-            materialise(block, layer_map.block_paths[i] + ".", seed * 100_003 + i + 1)
+            materialise(block, layer_map.block_paths[i] + ".", block_seed(seed, i))
             store.write(i, {stored_name(n): p.data for n, p in block.named_parameters()})
             empty(block)
     for block in layer_map.blocks:
@@ -182,8 +182,6 @@ def _write_blocks(layer_map, store, materialise: Materialiser, seed: int, dtype)
 
 def _materialise_edges(model, layer_map, materialise: Materialiser, seed: int) -> None:
     """The prefix and suffix: every module outside the blocks, seeded by its name."""
-    import zlib
-
     full = layer_map.block_paths
     for name, module in model.named_modules():
         inside = any(name == b or name.startswith(b + ".") for b in full)
@@ -191,7 +189,7 @@ def _materialise_edges(model, layer_map, materialise: Materialiser, seed: int) -
             materialise(
                 module,
                 f"{name}." if name else "",
-                seed + zlib.crc32(name.encode()),
+                edge_seed(seed, name),
                 recurse=False,
                 in_dtype=True,
             )
@@ -263,35 +261,3 @@ class GGUFBlocks:
             parsed_parameters={"tensors": {}, "config": {}},
         )
         return torch.from_numpy(np.copy(result.weights))
-
-
-@contextlib.contextmanager
-def build_progress(store, missing: list, shapes: dict):
-    """A progress bar while the store is written: blocks, GB written and the time left."""
-    if not missing or store.kind != "disk":
-        yield
-        return
-    from tqdm import tqdm
-
-    total = sum(stored_bytes(shapes[i], store.dtype) for i in missing)
-    written = 0
-    bar = tqdm(
-        total=len(missing),
-        unit="block",
-        desc=f"layer store ({store.dtype}, {human_bytes(total)})",
-        bar_format="{desc}: {n_fmt}/{total_fmt} blocks{postfix} [{elapsed}<{remaining}]",
-        postfix="0.0 GB",
-    )
-
-    def advance(index, size: int) -> None:
-        nonlocal written
-        written += size
-        bar.set_postfix_str(f"{written / 2**30:,.1f} of {total / 2**30:,.1f} GB", refresh=False)
-        bar.update(1)
-
-    store.progress = advance
-    try:
-        yield
-    finally:
-        store.progress = None
-        bar.close()

@@ -21,6 +21,7 @@ in the quantized stores.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -393,3 +394,35 @@ def _bitsandbytes() -> None:
             f"strategy.streaming.store_dtype nf4 needs bitsandbytes, which failed to import ({e}); "
             "use store_dtype=int8 or bfloat16."
         ) from e
+
+
+@contextlib.contextmanager
+def build_progress(store, missing: list, shapes: dict):
+    """A progress bar while the store is written: blocks, GB written and the time left."""
+    if not missing or store.kind != "disk":
+        yield
+        return
+    from tqdm import tqdm
+
+    total = sum(stored_bytes(shapes[i], store.dtype) for i in missing)
+    written = 0
+    bar = tqdm(
+        total=len(missing),
+        unit="block",
+        desc=f"layer store ({store.dtype}, {human_bytes(total)})",
+        bar_format="{desc}: {n_fmt}/{total_fmt} blocks{postfix} [{elapsed}<{remaining}]",
+        postfix="0.0 GB",
+    )
+
+    def advance(index, size: int) -> None:
+        nonlocal written
+        written += size
+        bar.set_postfix_str(f"{written / 2**30:,.1f} of {total / 2**30:,.1f} GB", refresh=False)
+        bar.update(1)
+
+    store.progress = advance
+    try:
+        yield
+    finally:
+        store.progress = None
+        bar.close()

@@ -13,12 +13,17 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from onn.config import ONNConfig, TrainerConfig, as_dict
 from onn.errors import UserError
 from onn.hardware.cluster import launched, rank
 from onn.planning.plan import Plan
+
+if TYPE_CHECKING:  # the strategy module imports Lightning: the runs that stream import it when they build one
+    from onn.streaming.engine import Objective
+    from onn.streaming.store import LayerStore
+    from onn.streaming.strategy import EngineSettings, LayerStreamingStrategy
 
 log = logging.getLogger("onn")
 MULTI_DEVICE = ("ddp", "ddp_spawn", "fsdp", "deepspeed")
@@ -266,15 +271,12 @@ def optimizer_steps(trainer, steps_per_epoch: int) -> int | None:
     return min(limits) if limits else None
 
 
-def streaming_strategy(config: ONNConfig, plan: Plan, run_dir: Path, device: str, objective):
-    """ONN's layer-streaming strategy when the plan streams a network's blocks (None: Lightning's default), with
-    the modality's Objective; the blocks' frozen weights (the seed's random init) go to this run's own store."""
-    if plan.strategy != "sparse_lora":
-        return None
-    from onn.streaming.strategy import EngineSettings, LayerStreamingStrategy
+def engine_settings(config: ONNConfig, plan: Plan) -> EngineSettings:
+    """The layer-streaming engine's settings for a network's blocks, as the plan chose them."""
+    from onn.streaming.strategy import EngineSettings
 
     s = plan.streaming
-    settings = EngineSettings(
+    return EngineSettings(
         chunk_size=s.chunk_size,
         store=s.store,
         store_dtype=s.store_dtype,
@@ -284,6 +286,28 @@ def streaming_strategy(config: ONNConfig, plan: Plan, run_dir: Path, device: str
         eval_tokens=s.eval_tokens,
         prefetch=config.strategy.streaming.prefetch,
     )
+
+
+def streaming_store(config: ONNConfig, plan: Plan, run_dir: Path, device: str) -> LayerStore | None:
+    """This run's own layer store, which the network's frozen block weights are drawn into before the strategy
+    streams them (None: the plan does not stream)."""
+    if plan.strategy != "sparse_lora":
+        return None
+    from onn.streaming.strategy import layer_store
+
+    return layer_store(engine_settings(config, plan), run_dir / "layer_store", device)
+
+
+def streaming_strategy(
+    config: ONNConfig, plan: Plan, run_dir: Path, device: str, objective: Objective
+) -> LayerStreamingStrategy | None:
+    """ONN's layer-streaming strategy when the plan streams a network's blocks (None: Lightning's default), with
+    the modality's Objective; it streams from the store the module holds (`streaming_store`), or from one of its
+    own, which it fills with the blocks' weights."""
+    if plan.strategy != "sparse_lora":
+        return None
+    from onn.streaming.strategy import LayerStreamingStrategy
+
     return LayerStreamingStrategy(
-        settings, run_dir / "layer_store", plan.micro_batch, device=device, objective=objective
+        engine_settings(config, plan), run_dir / "layer_store", plan.micro_batch, device=device, objective=objective
     )
