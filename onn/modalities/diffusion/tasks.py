@@ -34,11 +34,13 @@ from onn.modalities.diffusion.module import MONITOR, DiffusionModule, NoisePredi
 from onn.modalities.diffusion.sample import draw, sampling_scheduler, write_sample_grid
 from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
+from onn.streaming import seeded
+from onn.streaming.store import LayerStore
 from onn.training.callbacks import StepClock, run_callbacks
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.checkpoints import saved_config
 from onn.training.classifier import mean_loss
-from onn.training.trainer import build_trainer, optimizer_steps, streaming_strategy
+from onn.training.trainer import build_trainer, optimizer_steps, streaming_store, streaming_strategy
 
 log = logging.getLogger("onn")
 
@@ -98,10 +100,12 @@ def adapted(denoiser: torch.nn.Module, config: ONNConfig) -> torch.nn.Module:
     return model
 
 
-def build(config: ONNConfig, inputs: dict[str, Any]) -> DiffusionModule:
+def build(config: ONNConfig, inputs: dict[str, Any], store: LayerStore | None = None) -> DiffusionModule:
     """The DiffusionModule of config.model for `inputs` (input_shape, the validation split's seed, classes);
-    its onn_config (saved in every checkpoint, plain values) rebuilds it."""
-    torch.manual_seed(int(config.seed))
+    its onn_config (saved in every checkpoint, plain values) rebuilds it. With strategy=sparse_lora the random
+    weights are drawn block by block from the seed: the blocks' into `store` (all in memory without one)."""
+    seed = int(config.seed)
+    torch.manual_seed(seed)
     model: DenoiserConfig = config.model
     channels, height, width = inputs["input_shape"]
     streams = config.strategy.name == "sparse_lora"
@@ -112,8 +116,14 @@ def build(config: ONNConfig, inputs: dict[str, Any]) -> DiffusionModule:
         "inputs": inputs,
         "modality": "diffusion",
     }
-    denoiser = build_denoiser(model, channels, [height, width])
-    return DiffusionModule(adapted(denoiser, config) if streams else denoiser, model, config.optim, onn_config)
+    if not streams:
+        return DiffusionModule(build_denoiser(model, channels, [height, width]), model, config.optim, onn_config)
+    denoiser = seeded.empty_network(lambda: build_denoiser(model, channels, [height, width]), seed)
+    denoiser.requires_grad_(False)  # LoRA's base: the blocks' weights are frozen (and stream)
+    seeded.draw(denoiser, seed, model.layer_map.blocks, store)
+    module = DiffusionModule(adapted(denoiser, config), model, config.optim, onn_config)
+    module.store = store
+    return module
 
 
 def load_trained(config: ONNConfig, ckpt: Path) -> DiffusionModule:
@@ -159,7 +169,7 @@ def train(job: Job) -> dict[str, Any]:
     inputs = saved["inputs"] if saved else fresh
     if job.plan.strategy == "sparse_lora":  # before the weights are built: as planned, the heap keeps no activations
         hold_mmap_threshold()
-    module = build(config, inputs)
+    module = build(config, inputs, streaming_store(config, job.plan, run_dir, job.device))
     callbacks = _callbacks(config, run_dir)
     clock = next(c for c in callbacks if isinstance(c, StepClock))
     steps_per_epoch = len(dm.train_dataloader())
