@@ -79,9 +79,9 @@ def draw(network: nn.Module, seed: int, blocks_path: str | None = None, store: L
                 store.write(i, {stored_name(n): params[n].data for n in frozen[i]})
             for n in frozen[i]:
                 params[n].data = torch.empty(0, dtype=params[n].dtype)  # the engine fills it from the store
-    inside = tuple(layer_map.block_paths)
+    blocks, inside = set(layer_map.block_paths), tuple(p + "." for p in layer_map.block_paths)
     for name, module in network.named_modules():
-        if not (name in inside or name.startswith(tuple(p + "." for p in inside))):
+        if name not in blocks and not name.startswith(inside):
             _draw(module, edge_seed(seed, name), recurse=False)
 
 
