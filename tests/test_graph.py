@@ -115,6 +115,7 @@ def test_data_auto_reads_graph_folders_and_meshes_as_graphs_for_a_graph_model(tm
         (["model=gat", "model.hidden=10"], "model.hidden=10 must be a multiple of model.heads=4 (gat)"),
         (["model.source=pyg:cheb"], "model.source='pyg:cheb': give pyg:gcn, pyg:sage, pyg:gin or pyg:gat"),
         (["model.pooling=[median]"], "model.pooling=['median']: give one or more of mean, max, sum"),
+        (["task.mixup=0.2"], "task.mixup=0.2: two graphs' nodes and edges do not blend; set task.mixup=0"),
     ],
 )
 def test_settings_that_cannot_work_are_one_sentence_before_anything_runs(overrides, sentence):

@@ -131,6 +131,38 @@ def test_an_lstm_stack_streams_with_the_resident_gradients(tmp_path):
     assert max(float((want[n] - got[n]).abs().max()) for n in want) <= TOLERANCE
 
 
+def test_a_mixed_batch_streams_with_the_resident_gradients(tmp_path):
+    """task.mixup: the batch blended with itself reversed, split into micro-batches by the engine. Each micro-batch
+    carries its samples' partners' labels, so the streamed loss and gradients are the whole batch's resident ones,
+    and they differ from the unmixed batch's."""
+    from conftest import compose
+
+    from onn.models.zoo.recurrent import AudioRNN
+    from onn.training.classifier import Classifier
+
+    torch.manual_seed(0)
+    network = AudioRNN(1, 10, 8, hidden=16, layers=4, dropout=0.0)
+    for name, p in network.named_parameters():
+        p.requires_grad_(name.startswith("classifier") or (name.startswith("layers") and "bias" in name))
+    module = Classifier(network, [str(c) for c in range(10)], compose().optim, {}, mixup=0.4)
+    g = torch.Generator().manual_seed(2)
+    x, labels = torch.randn(6, 1, 8, 20, generator=g), torch.tensor([0, 1, 2, 3, 4, 5])
+    torch.manual_seed(1)
+    batch = module.mixed_batch(x, labels)
+    weight = float(batch["weight"][0])
+    assert 0.05 < weight < 0.95 and (batch["y_mixed"] == labels.flip(0)).all()
+    objective = module.objective()
+    resident = copy.deepcopy(network)
+    want_loss = resident_step(resident, objective, [batch])
+    plain = objective.loss(resident(batch["x"]), {"x": batch["x"], "y": labels})
+    assert abs(float(plain) - float(want_loss)) > 1e-3  # the partners' labels count
+    micro_batches = [{k: v[i : i + 2] for k, v in batch.items()} for i in (0, 2, 4)]  # partners in other pieces
+    loss = streamed_step(network, objective, micro_batches, 2, tmp_path)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    want, got = trained_grads(resident), trained_grads(network)
+    assert want.keys() == got.keys() and max(float((want[n] - got[n]).abs().max()) for n in want) <= TOLERANCE
+
+
 def page_faults_reallocating(mb: int = 1, times: int = 40) -> int:
     """Minor page faults of allocating, filling and freeing an `mb` MiB tensor `times` times: a buffer glibc maps
     on its own faults every page in anew each time; one from the heap reuses its pages."""

@@ -11,6 +11,7 @@ import torch
 from conftest import compose
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from onn.errors import UserError
 from onn.modalities.text.module import CausalLM
 from onn.training.micro_batches import OutOfMemoryFloor
 
@@ -229,3 +230,11 @@ def test_adapt_norm_measures_the_test_domains_statistics_and_keeps_the_trained_o
     assert tested(adapt=True) > 0.95
     for key, value in network[0].state_dict().items():
         assert torch.equal(value, trained[key]), key
+
+
+def test_a_negative_mixup_is_one_sentence():
+    from onn.modalities.classification import mixup_alpha
+
+    assert mixup_alpha(compose("task.mixup=0.2").task) == 0.2
+    with pytest.raises(UserError, match=r"task.mixup=-1.0: give 0 \(off\) or mixup's Beta parameter"):
+        mixup_alpha(compose("task.mixup=-1").task)

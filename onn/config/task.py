@@ -31,6 +31,7 @@ class TrainTask(TaskConfig):
     exact_match_samples: int = MISSING  # text: held-out problems answered after training
     monitor: str = MISSING  # classifiers: the metric that picks the best checkpoint
     label_smoothing: float = MISSING
+    mixup: float = MISSING  # classifiers: mixup's Beta(alpha, alpha) (0: off)
     adapt_norm: bool = MISSING
     early_stopping: EarlyStopping = MISSING
     # text with a recurrent LM (model=char_lstm): backpropagate through chunks of this many tokens, the state carried

@@ -117,6 +117,7 @@ def build(
         onn_config,
         transform=m.transform(config, inputs),
         label_smoothing=float(task.label_smoothing),
+        mixup=mixup_alpha(task),
         channels_last=bool(model_cfg.channels_last),
         inputs="features" if strategy == "linear_probe" else "data",
         monitor=task.monitor,
@@ -127,6 +128,14 @@ def build(
         module.model = torch.compile(module.model)  # the Lightning module keeps the same parameters
     module.store = store
     return module
+
+
+def mixup_alpha(task: TrainTask) -> float:
+    """task.mixup checked: 0 (off) or the positive alpha of mixup's Beta(alpha, alpha)."""
+    alpha = float(task.mixup)
+    if alpha < 0:
+        raise UserError(f"task.mixup={task.mixup}: give 0 (off) or mixup's Beta parameter, e.g. 0.2.")
+    return alpha
 
 
 def streamed_network(m: ClassifierModality, config: ONNConfig, inputs: dict[str, Any], store: LayerStore | None):

@@ -30,8 +30,9 @@ LOOP = "epochs"
 
 
 class ClassifierObjective(Objective):
-    """A classifier's batches for the layer-streaming engine: the network's prepared input `x` in, its loss (the
-    module's: cross-entropy with label smoothing, or model.loss) against the labels `y`."""
+    """A classifier's batches, for the layer-streaming engine and the resident step alike: the network's prepared
+    input `x` in, its loss (the module's: cross-entropy with label smoothing, or model.loss) against the labels
+    `y`, or with task.mixup the blend of its losses against `y` and `y_mixed` (Classifier.mixed_batch)."""
 
     hold_mmap_threshold = True  # a network's activations: unmapped when freed (Objective)
 
@@ -42,7 +43,7 @@ class ClassifierObjective(Objective):
         return {"x": batch["x"]}
 
     def loss(self, output: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
-        return self._loss(output, batch["y"])
+        return mixed_loss(self._loss, output, batch["y"], batch.get("y_mixed"), batch.get("weight"))
 
     def weight(self, batch: dict[str, Any]) -> int:
         return int(batch["x"].shape[0])
@@ -82,6 +83,7 @@ class Classifier(EpochRecord, L.LightningModule):
         monitor: str = "val/acc",
         adapt_norm: bool = False,
         loss: tuple[str, Callable] | None = None,
+        mixup: float = 0.0,
     ):
         super().__init__()
         from torchmetrics import MeanMetric
@@ -94,6 +96,7 @@ class Classifier(EpochRecord, L.LightningModule):
         self.onn_config = onn_config  # plain values, stored in every checkpoint so eval/infer/export rebuild this model
         self.transform = transform  # stored form -> the network's input (augmented in training)
         self.label_smoothing = float(label_smoothing)
+        self.mixup = float(mixup)  # mixup's Beta(alpha, alpha) (task.mixup; 0: off): see mixed_batch
         self.channels_last = channels_last
         self.inputs = inputs  # "data", or "features" for a linear probe on cached features
         self.monitor = monitor  # what the plateau schedule watches (task.monitor)
@@ -141,19 +144,36 @@ class Classifier(EpochRecord, L.LightningModule):
         return torch.cat(self.engine.outputs(self.engine.split({"x": x})))
 
     def objective(self) -> ClassifierObjective:
-        """What the layer-streaming engine computes the training loss with: this module's own loss."""
+        """What the training loss is computed with, streamed or resident: this module's own loss."""
         return ClassifierObjective(lambda logits, labels: self._loss(logits, labels, self.label_smoothing))
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, labels = batch
+        batch = self.mixed_batch(self.prepare(x, train=True), labels)
         if self.engine is not None:  # the blocks' backward runs in the strategy's backward
-            pieces = self.engine.split({"x": self.prepare(x, train=True), "y": labels})
-            loss = self.engine.forward_train(pieces, loss_scale=self.trainer.strategy.loss_scale())
+            loss = self.engine.forward_train(self.engine.split(batch), loss_scale=self.trainer.strategy.loss_scale())
         else:
-            loss = self._loss(self(self.prepare(x, train=True)), labels, self.label_smoothing)
+            loss = self.objective().loss(self(batch["x"]), batch)
         self.train_losses.append(loss.detach())
         log_train_loss(self, loss, labels.shape[0])
         return loss
+
+    def mixed_batch(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A prepared training batch as the loss reads it: `x` and its labels `y`; with task.mixup (Zhang et al.,
+        2018) `x` blended with itself reversed by one weight drawn from Beta(alpha, alpha), and per sample its
+        partner's labels `y_mixed` and the `weight`, so that each micro-batch the streaming engine splits off
+        blends its loss alike (mixed_loss). Written here: timm's Mixup needs an even batch and gives soft
+        targets, which a model.loss of class labels cannot take."""
+        if not self.mixup:
+            return {"x": x, "y": labels}
+        alpha = torch.tensor(self.mixup)
+        weight = torch.distributions.Beta(alpha, alpha).sample().to(x.device)
+        return {
+            "x": weight * x + (1 - weight) * x.flip(0),
+            "y": labels,
+            "y_mixed": labels.flip(0),
+            "weight": weight.expand(labels.shape[0]),
+        }
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
         """Cross-entropy, or the user's model.loss, which must give one number to backpropagate."""
@@ -274,6 +294,21 @@ class Classifier(EpochRecord, L.LightningModule):
         if self.inputs == "features":
             strict = False  # checkpoints hold the head only
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def mixed_loss(
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    mixed: torch.Tensor | None,
+    weight: torch.Tensor | None,
+) -> torch.Tensor:
+    """loss(logits, labels), or for a mixed batch (Classifier.mixed_batch) the same blend of the losses against both
+    inputs' labels as of the inputs: weight x loss(labels) + (1 - weight) x loss(mixed)."""
+    if mixed is None or weight is None:
+        return loss(logits, labels)
+    weight = weight.reshape(-1)[0]  # one weight per batch: each micro-batch carries it per sample
+    return weight * loss(logits, labels) + (1 - weight) * loss(logits, mixed)
 
 
 def mean_loss(losses: list[torch.Tensor]) -> float | None:

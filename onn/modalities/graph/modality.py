@@ -86,6 +86,10 @@ class GraphModality(ClassifierModality):
             raise UserError(f"data.align={data.align!r}: give none or pca.")
         if data.batch_groups:
             raise UserError("data.batch_groups does not apply to graphs; set data.batch_groups=null.")
+        if config.task.mixup:  # every task a classifier runs extends train's keys
+            raise UserError(
+                f"task.mixup={config.task.mixup}: two graphs' nodes and edges do not blend; set task.mixup=0."
+            )
         conv = str(model.source).partition(":")[2]
         if not str(model.source).startswith("pyg:") or conv not in CONVS:
             raise UserError(f"model.source={model.source!r}: give pyg:gcn, pyg:sage, pyg:gin or pyg:gat.")
