@@ -142,6 +142,14 @@ def test_early_stopping_and_schedules(images, tmp_path):
         run(tmp_path, f"data.source={images}", "optim.schedule=wobbly", name="bad")
 
 
+def test_mixup_blends_the_training_batches_through_the_runner(images, tmp_path):
+    plain, _ = run(tmp_path, f"data.source={images}", "trainer.max_epochs=1", name="plain")
+    mixed, _ = run(tmp_path, f"data.source={images}", "task.mixup=0.4", name="mixed")
+    # the same seed, model and first batch: only the blend (and its blended loss) tells the first steps apart
+    assert abs(mixed["train/loss_initial"] - plain["train/loss_initial"]) > 1e-3
+    assert mixed["train/loss_final"] < mixed["train/loss_initial"]  # the blended loss falls
+
+
 def test_linear_probe_trains_the_head_on_cached_features(images, tmp_path):
     metrics, _ = run(tmp_path, f"data.source={images}", "strategy=linear_probe", "optim.lr=0.1")
     assert metrics["strategy"] == "linear_probe"
