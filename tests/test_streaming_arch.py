@@ -193,6 +193,28 @@ def test_a_held_mmap_threshold_is_released_for_what_runs_next():
     assert held > 40 * 200 and released < held / 10, (held, released)
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="glibc's malloc settings: Linux")
+def test_building_a_model_into_the_store_leaves_the_steps_activations_in_the_heap(tmp_path):
+    """A language model's build into the layer store holds glibc's mmap threshold at 1 MiB (its blocks' weights
+    come and go) and lets it go after: held on, every activation of a MiB or more was mapped anew at each
+    step (llama_small's streamed step ran 1.5x the time its plan predicted, in task=bench's fresh process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from conftest import compose\n"
+        "from test_streaming_arch import page_faults_reallocating as faults\n"
+        "from onn.streaming.loader import load_into_store\n"
+        "from onn.streaming.store import LayerStore\n"
+        "load_into_store(compose('model=llama_tiny').model, torch.float32, None, LayerStore('cpu', 'float32'))\n"
+        "print(faults(mb=2))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) < 40 * 512 / 10  # mapped anew: 512 pages a buffer, every time
+
+
 @pytest.mark.slow
 def test_a_streamed_dit_trains_through_the_runner_and_samples_from_its_checkpoint(tmp_path):
     """strategy=sparse_lora on a DiT: the plan streams its blocks, the loss falls, and the checkpoint (adapters and

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from onn.config.model import LanguageModelConfig
-from onn.hardware.memory import return_large_frees_to_os
+from onn.hardware.memory import large_frees_returned
 from onn.models.layers import discover
 from onn.models.load import (
     INIT_SEED,
@@ -132,7 +132,6 @@ def load_into_store(
     (a Python builder, checkpoint names that differ from the model's): the caller then loads the whole model."""
     from accelerate import init_empty_weights
 
-    return_large_frees_to_os()  # block-sized buffers come and go here: don't let them pile up in the heap
     source = Source.open(model_cfg, cache_dir)
     if source is None:
         return None
@@ -146,8 +145,9 @@ def load_into_store(
     random = source_kind(model_cfg.source) == "random"
     materialise = Materialiser(source, model, dtype, device if random and store.kind == "cpu" else "cpu")
     layer_map = discover(model, model_cfg.layer_map.blocks)
-    _write_blocks(layer_map, store, materialise, INIT_SEED, dtype)
-    _materialise_edges(model, layer_map, materialise, INIT_SEED)
+    with large_frees_returned():  # block-sized buffers come and go here: don't let them pile up in the heap
+        _write_blocks(layer_map, store, materialise, INIT_SEED, dtype)
+        _materialise_edges(model, layer_map, materialise, INIT_SEED)
     model.tie_weights()
     return model, finish_tokenizer(model_cfg, source.tokenizer, remote)
 
