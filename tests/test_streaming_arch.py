@@ -194,7 +194,7 @@ def test_a_held_mmap_threshold_is_released_for_what_runs_next():
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="glibc's malloc settings: Linux")
-def test_building_a_model_into_the_store_leaves_the_steps_activations_in_the_heap(tmp_path):
+def test_building_a_model_into_the_store_leaves_the_steps_activations_in_the_heap():
     """A language model's build into the layer store holds glibc's mmap threshold at 1 MiB (its blocks' weights
     come and go) and lets it go after: held on, every activation of a MiB or more was mapped anew at each
     step (llama_small's streamed step ran 1.5x the time its plan predicted, in task=bench's fresh process)."""
