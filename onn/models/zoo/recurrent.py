@@ -85,19 +85,22 @@ class SoundSpan(nn.Module):
     is not part of the sound. `reference` names the statistics: `band` removes each band's mean over the sound
     and scales by its deviation; `instance` uses the whole clip's, silence included (each band's mean, one
     deviation: the values data.features.normalize=instance gives the audio CNN), which keeps how far each band
-    of the sound stands above the silence. A held-out voice is recognised far better from `instance`."""
+    of the sound stands above the silence. A held-out voice is recognised far better from `instance`.
+    `whole_clip` takes every frame instead, silence included: the clip as the audio CNN sees it."""
 
-    def __init__(self, reference: str = "band"):
+    def __init__(self, reference: str = "band", whole_clip: bool = False):
         super().__init__()
         if reference not in REFERENCES:
             raise ValueError(f"reference={reference!r}: use one of {', '.join(REFERENCES)}")
-        self.reference = reference
+        self.reference, self.whole_clip = reference, whole_clip
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, c, mels, frames = x.shape
         seq = x.permute(0, 3, 1, 2).reshape(b, frames, c * mels)
         floor = seq.amin(dim=(1, 2), keepdim=True)
         sound = (seq > floor + FLOOR_MARGIN_DB).any(dim=-1)  # [B, frames]
+        if self.whole_clip:  # every frame, silence included, as the audio CNN sees a clip
+            sound = torch.ones_like(sound)
         position = torch.arange(frames, device=x.device).unsqueeze(0)
         first = torch.where(sound, position, frames).amin(dim=1).clamp(max=frames - 1)
         last = torch.where(sound, position, -1).amax(dim=1)
@@ -119,12 +122,20 @@ class SpectralConv(nn.Module):
     """A convolutional front-end over each sequence's frames: [B, T, C x mels] and lengths -> [B, T', features]
     and the new lengths. Each stage is convs_per_stage x (3x3 conv over frequency x time -> BatchNorm -> ReLU),
     then a max pool of 2 over frequency, so a voice's formants a band higher or lower give nearly the same
-    features, and (time_pool) of 2 over time, each sequence then half as long (rounded up). The frames past each
-    sequence's length are zeroed before every pooling, so what a conv or a pooling reads there is the zero padding
-    it would read at the end of the clip: padding changes nothing."""
+    features, and (time_pool) of 2 over time, each sequence then half as long (rounded up). `frequency_mean`
+    averages the last stage over frequency, as the audio CNN's global pooling does, so each step's features say
+    what was heard, not in which band. The frames past each sequence's length are zeroed before every pooling,
+    so what a conv or a pooling reads there is the zero padding it would read at the end of the clip: padding
+    changes nothing."""
 
     def __init__(
-        self, in_channels: int, mels: int, widths: list[int], time_pool: bool = False, convs_per_stage: int = 1
+        self,
+        in_channels: int,
+        mels: int,
+        widths: list[int],
+        time_pool: bool = False,
+        convs_per_stage: int = 1,
+        frequency_mean: bool = False,
     ):
         super().__init__()
         stages: list[nn.Module] = []
@@ -139,10 +150,10 @@ class SpectralConv(nn.Module):
                 channels = width
             stages.append(nn.MaxPool2d((2, 2 if time_pool else 1), ceil_mode=True))
             mels = (mels + 1) // 2
-        self.in_channels, self.time_pool = in_channels, time_pool
+        self.in_channels, self.time_pool, self.frequency_mean = in_channels, time_pool, frequency_mean
         # one flat Sequential (no run of same-typed blocks), so LayerMap discovery keeps the recurrent stack
         self.stages = nn.Sequential(*stages)
-        self.out_features = channels * mels
+        self.out_features = channels if frequency_mean else channels * mels
 
     def forward(self, seq: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, steps, _ = seq.shape
@@ -153,6 +164,8 @@ class SpectralConv(nn.Module):
                 x = x * step_mask(lengths, x.shape[-1]).view(b, 1, 1, -1).to(x.dtype)
             elif isinstance(stage, nn.MaxPool2d) and self.time_pool:
                 lengths = torch.div(lengths + 1, 2, rounding_mode="floor")
+        if self.frequency_mean:  # the audio CNN's global pooling over frequency: where a voice's formants sit fades
+            return x.mean(dim=2).transpose(1, 2), lengths
         return x.permute(0, 3, 1, 2).reshape(b, x.shape[-1], -1), lengths
 
 
@@ -176,15 +189,19 @@ class AudioRNN(nn.Module):
         conv_widths: list[int] | tuple[int, ...] = (),
         time_pool: bool = False,
         convs_per_stage: int = 1,
+        frequency_mean: bool = False,
         reference: str = "band",
+        whole_clip: bool = False,
     ):
         super().__init__()
         if cell not in CELLS:
             raise ValueError(f"cell={cell!r}: use one of {', '.join(CELLS)}")
         mels = image_size if isinstance(image_size, int) else int(image_size[0])
-        self.span = SoundSpan(reference)
+        self.span = SoundSpan(reference, whole_clip)
         self.conv = (
-            SpectralConv(in_channels, mels, list(conv_widths), time_pool, convs_per_stage) if conv_widths else None
+            SpectralConv(in_channels, mels, list(conv_widths), time_pool, convs_per_stage, frequency_mean)
+            if conv_widths
+            else None
         )
         frame_features = self.conv.out_features if self.conv is not None else in_channels * mels
         self.project = nn.Linear(frame_features, hidden * (2 if bidirectional else 1))
