@@ -35,6 +35,7 @@ def spectrograms(lengths: list[int], mels: int = 8, frames: int = 30) -> torch.T
         {"cell": "gru", "bidirectional": False, "batch_norm": True, "reference": "band"},
         {"cell": "lstm", "conv_widths": (4, 6), "time_pool": True, "convs_per_stage": 2, "reference": "instance"},
         {"cell": "gru", "conv_widths": (4,), "time_pool": False, "reference": "band"},
+        {"conv_widths": (4, 6), "time_pool": True, "frequency_mean": True, "reference": "band"},
         {"conv_widths": (4, 6), "time_pool": True, "frequency_mean": True, "whole_clip": True, "reference": "instance"},
     ],
 )

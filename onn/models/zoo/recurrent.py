@@ -9,9 +9,9 @@ length do not depend on what follows, and the backward one reads a copy of each 
 own length, so the outputs match.
 
 `AudioRNN` classifies log-mel spectrograms with such a stack: it finds where each clip's sound is (the
-store pads recordings with silence around them), takes those frames as one sequence each, normalises them,
-optionally runs a small convolutional front-end over them (a CRNN), runs the stack, pools the outputs over
-each sequence's length and classifies.
+store pads recordings with silence around them), takes those frames as one sequence each (or, `whole_clip`,
+every frame of the clip), normalises them, optionally runs a small convolutional front-end over them (a CRNN),
+runs the stack, pools the outputs over each sequence's length and classifies.
 The stack is a ModuleList of identical layers: LayerMap discovery finds its blocks (onn/models/layers.py).
 """
 
@@ -170,7 +170,8 @@ class SpectralConv(nn.Module):
 
 
 class AudioRNN(nn.Module):
-    """Spectrogram -> the sound's frames as a sequence -> (conv_widths) a convolutional front-end over its frames
+    """Spectrogram -> the sound's frames (whole_clip: every frame) as a sequence -> (conv_widths) a convolutional
+    front-end over its frames
     -> a stack of (bi)LSTM or GRU layers -> the mean and the maximum of its outputs over each sequence -> dropout
     -> classes. Takes log-mels in dB (or affinely scaled dB: data.features.normalize none or dataset), where
     silence is the clip's minimum."""
