@@ -97,10 +97,10 @@ class SoundSpan(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, c, mels, frames = x.shape
         seq = x.permute(0, 3, 1, 2).reshape(b, frames, c * mels)
-        floor = seq.amin(dim=(1, 2), keepdim=True)
-        sound = (seq > floor + FLOOR_MARGIN_DB).any(dim=-1)  # [B, frames]
         if self.whole_clip:  # every frame, silence included, as the audio CNN sees a clip
-            sound = torch.ones_like(sound)
+            sound = torch.ones(b, frames, dtype=torch.bool, device=x.device)
+        else:  # [B, frames]: a frame with any band above the clip's floor
+            sound = (seq > seq.amin(dim=(1, 2), keepdim=True) + FLOOR_MARGIN_DB).any(dim=-1)
         position = torch.arange(frames, device=x.device).unsqueeze(0)
         first = torch.where(sound, position, frames).amin(dim=1).clamp(max=frames - 1)
         last = torch.where(sound, position, -1).amax(dim=1)
@@ -171,10 +171,9 @@ class SpectralConv(nn.Module):
 
 class AudioRNN(nn.Module):
     """Spectrogram -> the sound's frames (whole_clip: every frame) as a sequence -> (conv_widths) a convolutional
-    front-end over its frames
-    -> a stack of (bi)LSTM or GRU layers -> the mean and the maximum of its outputs over each sequence -> dropout
-    -> classes. Takes log-mels in dB (or affinely scaled dB: data.features.normalize none or dataset), where
-    silence is the clip's minimum."""
+    front-end over its frames (frequency_mean: averaged over frequency) -> a stack of (bi)LSTM or GRU layers ->
+    the mean and the maximum of its outputs over each sequence -> dropout -> classes. Takes log-mels in dB (or
+    affinely scaled dB: data.features.normalize none or dataset), where silence is the clip's minimum."""
 
     def __init__(
         self,
@@ -197,6 +196,8 @@ class AudioRNN(nn.Module):
         super().__init__()
         if cell not in CELLS:
             raise ValueError(f"cell={cell!r}: use one of {', '.join(CELLS)}")
+        if frequency_mean and not conv_widths:
+            raise ValueError("frequency_mean averages the conv front-end's features: give conv_widths too")
         mels = image_size if isinstance(image_size, int) else int(image_size[0])
         self.span = SoundSpan(reference, whole_clip)
         self.conv = (
