@@ -1,7 +1,7 @@
 """Measure this machine (hardware=auto) or read a preset describing another one.
 
 A profile (Profile) has the same fields either way, so the planner never asks where it
-came from. Measuring takes ten seconds or so; the result is cached under the cache folder,
+came from. Measuring takes half a minute on two cores; the result is cached under the cache folder,
 keyed by a fingerprint of the machine (CPU model, core count, RAM, accelerators, torch version).
 What changes from run to run is measured every time: free memory, free disk, and how busy the
 cores are (other processes' CPU use over half a second), from which the planner sizes torch's
@@ -413,13 +413,21 @@ def _matmul_tflops(accelerator: str, seconds: float = 0.4) -> float:
     return 2 * n**3 * iters / elapsed / 1e12
 
 
-def _best_rate(work: float, fn, trials: int = 5, min_s: float = 0.02, clock=time.perf_counter) -> float:
+def _best_rate(
+    work: float, fn, trials: int = 5, min_s: float = 0.02, clock=time.perf_counter, budget_s: float = 1.0
+) -> float:
     """work per second of `fn`, the best of short trials (each repeats fn for at least min_s): a
     neighbour's burst slows some trials, not all, so the best is the machine's own rate. Work done on
     one thread is timed by the process's CPU clock (`clock=time.process_time`), which does not run
-    while other processes hold the core: the rate of a core, whatever the load."""
-    fn()  # warm-up
-    best = 0.0
+    while other processes hold the core: the rate of a core, whatever the load. A call longer than
+    budget_s / trials gets fewer trials, and one longer than budget_s is a trial itself: its own length
+    averages a burst out (a large bf16 matmul on cores without bf16 units takes seconds a call, and five
+    trials of it half a minute)."""
+    start = clock()
+    fn()  # warm-up, and how long one call takes
+    first = clock() - start
+    best = work / first if first >= budget_s else 0.0
+    trials = max(1, min(trials, int(budget_s / max(first, 1e-9))))
     for _ in range(trials):
         calls, start = 0, clock()
         while True:
