@@ -114,6 +114,29 @@ def test_padding_and_batching_leave_each_rows_outputs_and_generation_alone():
     assert generated.tolist() == text[0, 3:].tolist()
 
 
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_the_exported_lm_reads_texts_of_any_length(tmp_path, cell):
+    """Traced with 6 tokens, the ONNX graph (each recurrence an ONNX Scan) reads 1, 6 and 23 tokens, a padded row
+    among them, as PyTorch does: torch.export on its own unrolls nn.LSTM and fixes the length it traced."""
+    import numpy as np
+
+    from onn.export.onnx_export import export_onnx, run_onnx
+
+    model = tiny_lm(cell).eval()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 60, (2, 6), generator=g)
+    result = export_onnx(model, tmp_path / "lm.onnx", {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    assert result["export/fixed_axes"] == []
+    for length in (1, 6, 23):
+        ids, mask = torch.randint(0, 60, (3, length), generator=g), torch.ones(3, length, dtype=torch.long)
+        mask[0, (length + 1) // 2 :] = 0
+        got = run_onnx(tmp_path / "lm.onnx", {"input_ids": ids, "attention_mask": mask})["logits"]
+        with torch.no_grad():
+            want = model(input_ids=ids, attention_mask=mask).logits.numpy()
+        keep = mask.numpy().astype(bool)
+        np.testing.assert_allclose(got[keep], want[keep], atol=1e-5)
+
+
 def test_tbptt_with_a_transformer_is_one_sentence(tmp_path):
     from onn.app import execute
 

@@ -315,6 +315,25 @@ def test_static_shapes_and_other_opset(tmp_path):
         run_onnx(path, {"y": np.zeros((2, 8), np.float32)})
 
 
+def test_an_axis_the_code_fixes_is_said_in_a_warning(tmp_path, caplog):
+    """A Python loop over the steps fixes their number while torch.export traces: the graph is written (it is right
+    at that size) and the run's log and metrics say which axis it takes at one size only."""
+    import logging
+
+    class StepSum(torch.nn.Module):
+        def forward(self, x):
+            total = x[:, 0]
+            for t in range(1, x.shape[1]):
+                total = total + x[:, t]
+            return total
+
+    with caplog.at_level(logging.WARNING, logger="onn"):
+        result = export_onnx(StepSum(), tmp_path / "sum.onnx", {"x": torch.randn(2, 5)}, axes={"x": {0: "b", 1: "t"}})
+    assert result["export/fixed_axes"] == ["x axis 1 (t) = 5"]
+    assert [r.getMessage() for r in caplog.records if "takes only x axis 1 (t) = 5" in r.getMessage()]
+    assert export_onnx(Tiny(), tmp_path / "tiny.onnx", {"x": torch.randn(2, 8)})["export/fixed_axes"] == []
+
+
 def test_peft_model_is_exported_merged_and_left_unmerged(tmp_path):
     import peft
 

@@ -238,6 +238,7 @@ def export_onnx(
         names = [name for name, _ in reference]
         shapes = _dynamic_shapes(model, input_names, dynamic, axes, bounds or {})
         program = _torch_export(model, input_names, names, tensors, opset, dynamic, shapes)
+    fixed = _fixed_axes(model, program, input_names, shapes)
 
     folder = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
     try:
@@ -249,6 +250,7 @@ def export_onnx(
             "export/opset": program.model.opset_imports.get("", opset),
             "export/inputs": [v.name for v in graph.inputs],
             "export/outputs": [v.name for v in graph.outputs],
+            "export/fixed_axes": fixed,
         }
         del program
         _check_file(written)
@@ -289,6 +291,24 @@ def _dynamic_shapes(model, input_names: list[str], dynamic: bool, axes: dict | N
     batch, sequence = Dim("batch"), Dim("sequence", max=max_sequence_length(model))
     specs = tuple({0: batch, 1: sequence} if n in TEXT_INPUTS else {0: batch} for n in input_names)
     return {"tensors": specs}  # keyed by the wrapper's *tensors parameter
+
+
+def _fixed_axes(model, program, input_names: list[str], shapes: dict | None) -> list[str]:
+    """Each axis `shapes` asked to be dynamic that the exported graph has at a fixed size ("input_ids axis 1
+    (sequence) = 10"), said in a warning: torch.onnx falls back to the traced size when the model's code
+    specializes an axis."""
+    fixed = []
+    for value, name, spec in zip(program.model.graph.inputs, input_names, (shapes or {}).get("tensors", ())):
+        for axis, dim in (spec or {}).items():
+            if isinstance(value.shape[axis], int):
+                fixed.append(f"{name} axis {axis} ({dim.__name__}) = {value.shape[axis]}")
+    if fixed:
+        logging.getLogger("onn").warning(
+            f"{type(model).__name__}'s ONNX graph takes only {', '.join(fixed)}: its code fixed those sizes while "
+            "torch.export traced it (a Python loop over an axis, or an op torch.export unrolls), so onnxruntime "
+            "refuses other sizes."
+        )
+    return fixed
 
 
 def _torch_export(

@@ -28,7 +28,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from onn.models.zoo.recurrent import CELLS, take_steps
+from onn.models.zoo.recurrent import CELLS, recurrence, take_steps
 
 MODEL_TYPE = "onn_recurrent_lm"
 
@@ -94,7 +94,9 @@ class RecurrentBlock(nn.Module):
             if state is None
             else (state[0].unsqueeze(0) if len(state) == 1 else tuple(s.unsqueeze(0) for s in state))
         )
-        if not packed:
+        if torch.compiler.is_exporting():  # a scan: the exported graph takes any number of tokens
+            out, last = recurrence(self.rnn, x, hx)
+        elif not packed:
             out, last = self.rnn(x, hx)
         else:
             packed = nn.utils.rnn.pack_padded_sequence(
