@@ -115,6 +115,26 @@ def test_padding_and_batching_leave_each_rows_outputs_and_generation_alone():
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_the_scanned_recurrence_is_torchs_own(cell):
+    """recurrence (the scan export traces) gives nn.LSTM's / nn.GRU's outputs and last state, from zeros and from a
+    given state; a stack or a bidirectional RNN, which it does not run, is refused."""
+    from onn.models.zoo.recurrent import CELLS, recurrence
+
+    torch.manual_seed(0)
+    rnn = CELLS[cell](5, 7, batch_first=True)
+    x = torch.randn(3, 9, 5)
+    h = torch.randn(1, 3, 7)
+    for hx in (None, (h, torch.randn(1, 3, 7)) if cell == "lstm" else h):
+        with torch.no_grad():
+            (out, last), (want, want_last) = recurrence(rnn, x, hx), rnn(x, hx)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+        for got, expected in zip(last if cell == "lstm" else (last,), want_last if cell == "lstm" else (want_last,)):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="one-layer, one-direction"):
+        recurrence(CELLS[cell](5, 7, batch_first=True, bidirectional=True), x)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_the_exported_lm_reads_texts_of_any_length(tmp_path, cell):
     """Traced with 6 tokens, the ONNX graph (each recurrence an ONNX Scan) reads 1, 6 and 23 tokens, a padded row
     among them, as PyTorch does: torch.export on its own unrolls nn.LSTM and fixes the length it traced."""

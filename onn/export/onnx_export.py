@@ -297,11 +297,12 @@ def _fixed_axes(model, program, input_names: list[str], shapes: dict | None) -> 
     """Each axis `shapes` asked to be dynamic that the exported graph has at a fixed size ("input_ids axis 1
     (sequence) = 10"), said in a warning: torch.onnx falls back to the traced size when the model's code
     specializes an axis."""
-    fixed = []
-    for value, name, spec in zip(program.model.graph.inputs, input_names, (shapes or {}).get("tensors", ())):
+    fixed, graph_inputs = [], {value.name: value for value in program.model.graph.inputs}
+    for name, spec in zip(input_names, (shapes or {}).get("tensors", ())):
+        shape = graph_inputs[name].shape if name in graph_inputs else None
         for axis, dim in (spec or {}).items():
-            if isinstance(value.shape[axis], int):
-                fixed.append(f"{name} axis {axis} ({dim.__name__}) = {value.shape[axis]}")
+            if shape is not None and isinstance(shape[axis], int):
+                fixed.append(f"{name} axis {axis} ({dim.__name__}) = {shape[axis]}")
     if fixed:
         logging.getLogger("onn").warning(
             f"{type(model).__name__}'s ONNX graph takes only {', '.join(fixed)}: its code fixed those sizes while "

@@ -414,20 +414,22 @@ def _matmul_tflops(accelerator: str, seconds: float = 0.4) -> float:
 
 
 def _best_rate(
-    work: float, fn, trials: int = 5, min_s: float = 0.02, clock=time.perf_counter, budget_s: float = 1.0
+    work: float, fn, trials: int = 5, min_s: float = 0.02, clock=time.perf_counter, budget_s: float | None = None
 ) -> float:
     """work per second of `fn`, the best of short trials (each repeats fn for at least min_s): a
     neighbour's burst slows some trials, not all, so the best is the machine's own rate. Work done on
     one thread is timed by the process's CPU clock (`clock=time.process_time`), which does not run
-    while other processes hold the core: the rate of a core, whatever the load. A call longer than
-    budget_s / trials gets fewer trials, and one longer than budget_s is a trial itself: its own length
-    averages a burst out (a large bf16 matmul on cores without bf16 units takes seconds a call, and five
-    trials of it half a minute)."""
+    while other processes hold the core: the rate of a core, whatever the load. With `budget_s` (in
+    `clock`'s seconds), trials longer than budget_s / trials are fewer, and a call longer than budget_s
+    is a trial itself: its own length averages a burst out (a large bf16 matmul on cores without bf16
+    units takes seconds a call, and five trials of it half a minute)."""
     start = clock()
     fn()  # warm-up, and how long one call takes
     first = clock() - start
-    best = work / first if first >= budget_s else 0.0
-    trials = max(1, min(trials, int(budget_s / max(first, 1e-9))))
+    best = 0.0
+    if budget_s is not None:
+        best = work / first if first >= budget_s else 0.0
+        trials = max(1, min(trials, int(budget_s / max(first, min_s, 1e-9))))
     for _ in range(trials):
         calls, start = 0, clock()
         while True:
@@ -461,7 +463,9 @@ def matmul_table(cores: int) -> dict[str, dict[str, dict[str, dict[str, float]]]
                         x = torch.randn(rows, size).to(weight.dtype)
                         flops = 2 * rows * size * size
                         clock = time.process_time if threads == 1 else time.perf_counter
-                        rate = _best_rate(flops, lambda x=x, w=weight: torch.nn.functional.linear(x, w), clock=clock)
+                        rate = _best_rate(
+                            flops, lambda x=x, w=weight: torch.nn.functional.linear(x, w), clock=clock, budget_s=1.0
+                        )
                         rates[str(rows)] = round(rate / 1e9, 2)
                     table[str(size)][dtype][str(threads)] = rates
     finally:

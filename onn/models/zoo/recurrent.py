@@ -56,13 +56,16 @@ def recurrence(
     two in onnxruntime)."""
     from torch._higher_order_ops.scan import scan  # torch's scan, which torch.onnx exports as ONNX Scan
 
+    if rnn.num_layers != 1 or rnn.bidirectional or not rnn.batch_first or getattr(rnn, "proj_size", 0):
+        raise ValueError(f"recurrence runs a one-layer, one-direction, batch-first RNN without projection; got {rnn}")
     lstm = isinstance(rnn, nn.LSTM)
     if hx is None:
         zeros = x.new_zeros(1, x.shape[0], rnn.hidden_size)
         hx = (zeros, zeros.clone()) if lstm else zeros
     state = tuple(s.squeeze(0) for s in hx) if lstm else (hx.squeeze(0),)
-    inputs = nn.functional.linear(x, rnn.weight_ih_l0, rnn.bias_ih_l0).transpose(0, 1)  # [T, B, gates]
-    w_hh, b_hh = rnn.weight_hh_l0, rnn.bias_hh_l0
+    b_ih, b_hh = getattr(rnn, "bias_ih_l0", None), getattr(rnn, "bias_hh_l0", None)  # none with bias=False
+    inputs = nn.functional.linear(x, rnn.weight_ih_l0, b_ih).transpose(0, 1)  # [T, B, gates]
+    w_hh = rnn.weight_hh_l0
 
     def lstm_step(carry, gx):
         h, c = carry
