@@ -136,6 +136,37 @@ def test_labels_show_only_what_varies(tmp_path):
     assert collect(same)[0]["label"] == " ".join(COMMON)  # nothing varies: all overrides
 
 
+def test_a_grid_run_under_three_seeds_gives_each_jobs_spread(tmp_path):
+    """`seed=0,1,2`: grid.md puts each job's runs in one row (a failed run counted, not measured) and counts the
+    runs the plan held to 25% (step time) and 15% (memory)."""
+    sweep = tmp_path / "sweep"
+    steps = {"full": [0.20, 0.26, 0.22], "lora": [0.30, 0.31, 0.29]}
+    step_errors = {"full": [-0.05, 0.30, 0.04], "lora": [0.10, -0.12, 0.02]}
+    job = 0
+    for seed in range(3):
+        for strategy in ("full", "lora"):
+            metrics = bench_metrics("phi4_tiny", strategy, 900.0, 15.6, 600.0 + seed)
+            metrics |= {"bench/step_s": steps[strategy][seed], "bench/step_time_error": step_errors[strategy][seed]}
+            if strategy == "lora" and seed == 1:
+                metrics = {"status": "failed", "error": "boom", "model": "phi4_tiny", "strategy": "lora"}
+            make_job(sweep, str(job), [f"seed={seed}", "model=phi4_tiny", f"strategy={strategy}", *COMMON], metrics)
+            job += 1
+    write_grid(sweep)
+    md = (sweep / "grid.md").read_text()
+    spread = table_rows(md.split("## The same jobs under each seed")[1])
+    assert spread == [
+        ["strategy=full", "3 of 3", "0.22 (0.2-0.26)", "-5.0%, +30.0%, +4.0%", "601 (600-602)",
+         "-2.0%, -1.8%, -1.7%", "3 of 3"],
+        ["strategy=lora", "2 of 3", "0.295 (0.29-0.3)", "+10.0%, +2.0%", "601 (600-602)", "-2.0%, -1.7%", "2 of 2"],
+    ]  # fmt: skip
+    assert "Step time within 25% of the plan in 4 of 5 runs (worst +30.0%)." in md
+    assert "Peak memory within 15% of the plan in 5 of 5 runs (worst -2.0%)." in md
+    assert (
+        "## The same jobs"
+        not in (write_grid(fake_sweep(tmp_path / "one")) and (tmp_path / "one" / "grid.md")).read_text()
+    )
+
+
 def test_no_successful_jobs_and_broken_files(tmp_path):
     sweep = tmp_path / "sweep"
     make_job(sweep, "0", ["model=phi4_tiny"], {"status": "failed", "error": "boom", "model": "phi4_tiny"})

@@ -16,6 +16,7 @@ import csv
 import json
 import logging
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,11 @@ EXPLANATION = (
     "speed = samples_per_s / batch_size x 100, memory = available / peak x 100, "
     "overall = weighted mean of the three."
 )
+SPREAD_EXPLANATION = (
+    "Each job that ran under more than one seed (`seed=0,1,2` runs the grid once per seed, a seed's pass after "
+    "the last): step s and peak MB as the median over its successful runs (the range in brackets), and each "
+    "run's error against the plan made before it, in the order the runs went."
+)
 
 
 def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
@@ -122,7 +128,8 @@ class GridCallback(Callback):
                 return
             paths, rows = _write_grid(sweep_dir)
             log.info("grid: %s", ", ".join(str(p) for p in paths))
-            print(markdown_table(rows), flush=True)
+            spread = spread_table(rows)
+            print(markdown_table(rows) + ("" if spread is None else f"\n\n{spread}"), flush=True)
         except Exception as e:  # the sweep's results are on disk either way; the grid is a convenience
             log.warning("grid: could not write the sweep's grid: %s: %s", type(e).__name__, e)
 
@@ -155,6 +162,55 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         ]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def spread_table(rows: list[dict[str, Any]]) -> str | None:
+    """The jobs that differ only in their seed (`seed=0,1,2`: the same grid run again), one row each: how far
+    measured step time and peak memory moved between the runs, and how far from the plan each run came. None
+    when no job ran under two seeds."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(" ".join(o for o in r["label"].split() if not o.startswith("seed=")), []).append(r)
+    groups = {label: runs for label, runs in groups.items() if len(runs) > 1}
+    if not groups:
+        return None
+    header = ["job", "runs ok", "step s", "step err % per run", "peak MB", "memory err % per run", "learned"]
+    lines = ["| " + " | ".join(header) + " |", "|---|--:|--:|---|--:|---|--:|"]
+    for label, runs in groups.items():
+        ok = [r for r in runs if r["status"] == "ok"]
+        cells = [
+            label or "(every job)",
+            f"{len(ok)} of {len(runs)}",
+            _spread([r["bench/step_s"] for r in ok]),
+            ", ".join(_pct(r["bench/step_time_error"]) or "-" for r in ok),
+            _spread([r["bench/peak_memory_mb"] for r in ok]),
+            ", ".join(_pct(r["bench/memory_error"]) or "-" for r in ok),
+            f"{sum(r['bench/learned'] is True for r in ok)} of {len(ok)}",
+        ]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    runs = [r for group in groups.values() for r in group if r["status"] == "ok"]
+    return "\n".join([*lines, "", _within_text(runs, "bench/step_time_error", 0.25, "step time"),
+                      _within_text(runs, "bench/memory_error", 0.15, "peak memory")])  # fmt: skip
+
+
+def _spread(values: list[Any]) -> str:
+    """The median, and the range when the runs differ: 0.231 (0.214-0.262)."""
+    finite = sorted(f for v in values if (f := _finite(v)) is not None)
+    if not finite:
+        return ""
+    median = statistics.median(finite)
+    return _num(median) if finite[0] == finite[-1] else f"{_num(median)} ({_num(finite[0])}-{_num(finite[-1])})"
+
+
+def _within_text(runs: list[dict[str, Any]], key: str, target: float, what: str) -> str:
+    errors = [f for r in runs if (f := _finite(r[key])) is not None]
+    if not errors:
+        return f"No run measured its {what} against the plan."
+    worst = max(errors, key=abs)
+    inside = sum(abs(e) <= target for e in errors)
+    return (
+        f"{what.capitalize()} within {target:.0%} of the plan in {inside} of {len(errors)} runs (worst {_pct(worst)})."
+    )
 
 
 def ranked(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -194,6 +250,9 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
 def _write_md(path: Path, sweep_dir: Path, rows: list[dict[str, Any]]) -> Path:
     summary = _counts_text(rows) + "."
     text = f"# Benchmark grid: {sweep_dir.name}\n\n{summary}\n\n{EXPLANATION}\n\n{markdown_table(rows)}\n"
+    spread = spread_table(rows)
+    if spread is not None:
+        text += f"\n## The same jobs under each seed\n\n{SPREAD_EXPLANATION}\n\n{spread}\n"
     path.write_text(text)
     return path
 
