@@ -247,6 +247,7 @@ def test_the_default_run_prints_the_plan_a_progress_bar_and_the_result_and_no_wa
     )
     console = proc.stdout + proc.stderr
     assert "ONN plan: phi4_tiny" in console and "train ok:" in console
+    assert "Epoch 0" in console and "Epoch 0/-" not in console  # max_steps ends the run: no epoch total
     noisy = [line for line in console.splitlines() if any(w in line.lower() for w in ("warn", "deprecat", "tip:"))]
     assert not noisy, noisy
     lines = [

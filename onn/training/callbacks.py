@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import Checkpoint, RichProgressBar
 
 from onn.config import ONNConfig
 from onn.hardware.memory import anon_rss_mb
@@ -136,6 +136,18 @@ class Progress(L.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         progress.reached(trainer.global_step)  # a resumed run starts at its checkpoint's step
+
+
+class StepsProgressBar(RichProgressBar):
+    """Lightning's rich progress bar without a negative epoch total: when max_steps ends a run
+    (trainer.max_epochs=-1, ONN's default) Lightning 2.6 shows "Epoch 0/-2" (Lightning-AI/pytorch-lightning#21925,
+    fixed after 2.6.6; drop this class once requirements.lock has the fix)."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs >= 0:
+            return super()._get_train_description(current_epoch)
+        description = f"Epoch {current_epoch}"
+        return f"{description:{len(self.validation_description)}}"  # as wide as the validation bar's: no flicker
 
 
 def logs_now(module: L.LightningModule) -> bool:

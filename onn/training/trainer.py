@@ -219,9 +219,14 @@ def build_trainer(
     if isinstance(strategy, str):
         strategy = data_parallel(strategy, config, kwargs["accelerator"]) or strategy
     warn_oversubscribed(kwargs)
-    from onn.training.callbacks import Progress
+    from lightning.pytorch.callbacks import ProgressBar
+    from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+    from onn.training.callbacks import Progress, StepsProgressBar
 
     callbacks = [*callbacks, Progress()]  # the run's record reads the last step reached (onn/tasks/record.py)
+    if trainer.enable_progress_bar and _RICH_AVAILABLE and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(StepsProgressBar())  # the bar Lightning would pick, its epoch total fixed
     made = [instantiate(c, save_dir=str(run_dir)) for c in config.tracking.loggers] if loggers else []
     if made:
         callbacks = [*callbacks, LearningRateMonitor("step")]
