@@ -53,7 +53,7 @@ def recurrence(
     results), computed as a scan over the steps, for torch.export: it traces nn.LSTM by unrolling its
     decomposition, which fixes the number of steps to the traced length, where a scan exports as an ONNX Scan,
     which takes any length. The equations and gate order are PyTorch's (tests/test_char_lstm.py compares the
-    two in onnxruntime)."""
+    two, eagerly and in onnxruntime)."""
     from torch._higher_order_ops.scan import scan  # torch's scan, which torch.onnx exports as ONNX Scan
 
     if rnn.num_layers != 1 or rnn.bidirectional or not rnn.batch_first or getattr(rnn, "proj_size", 0):
