@@ -315,6 +315,17 @@ def test_static_shapes_and_other_opset(tmp_path):
         run_onnx(path, {"y": np.zeros((2, 8), np.float32)})
 
 
+def test_exports_in_one_process_list_torchlib_ops_once(tmp_path):
+    """torch.onnx.export asks onnxscript for its torchlib ops on every call (a second of parsing each time): the
+    second export in a process reuses the first's list, and its graph still matches PyTorch (export_onnx checks)."""
+    from torch.onnx._internal._lazy_import import onnxscript_apis
+
+    for k in range(2):
+        export_onnx(Tiny(), tmp_path / f"tiny{k}.onnx", {"x": torch.randn(2, 8)})
+    info = onnxscript_apis.get_torchlib_ops.cache_info()
+    assert info.misses == 1 and info.hits >= 1
+
+
 def test_an_axis_the_code_fixes_is_said_in_a_warning(tmp_path, caplog):
     """A Python loop over the steps fixes their number while torch.export traces: the graph is written (it is right
     at that size) and the run's log and metrics say which axis it takes at one size only."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import importlib
 import inspect
 import logging
 import os
@@ -318,6 +320,7 @@ def _torch_export(
     """torch.onnx.export with the dynamo exporter and `shapes` (_dynamic_shapes)."""
     import torch
 
+    _reuse_torchlib_ops()
     try:
         return torch.onnx.export(
             _named_outputs(model, input_names),
@@ -336,6 +339,20 @@ def _torch_export(
             f"torch.onnx.export could not export {type(model).__name__} (opset {opset}, dynamic={dynamic}): "
             f"{_one_line(cause)}"
         ) from e
+
+
+@functools.cache
+def _reuse_torchlib_ops() -> None:
+    """torch.onnx.export (torch 2.11) builds its op registry on every call, and onnxscript's get_torchlib_ops,
+    which it asks for the torchlib functions, parses each function's source again to read its domain: about a
+    second of every export, however small the graph. The list depends on the installed packages alone, so it is
+    built once per process. Only a speed-up: where torch reaches onnxscript another way, exports run as before."""
+    from torch.onnx._internal import _lazy_import
+
+    name = getattr(getattr(_lazy_import, "onnxscript_apis", None), "_name", None)  # onnxscript's API for this torch
+    module = importlib.import_module(name) if name else None
+    if callable(getattr(module, "get_torchlib_ops", None)):
+        module.get_torchlib_ops = functools.cache(module.get_torchlib_ops)
 
 
 def max_sequence_length(model) -> int | None:
