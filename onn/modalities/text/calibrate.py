@@ -3,14 +3,15 @@
 A small model's step is mostly framework time (Python, dispatch, autograd, small elementwise ops), which
 no FLOP count predicts. So the plan times the model's own code: copies of it with 2 and 6 blocks, at the
 planned micro-batch and sequence length, in the planned precision and strategy (full, LoRA, or the
-streaming engine), on the plan's thread count. Six blocks less two, over four, is one block's share;
-two blocks less two shares is the rest (embeddings, head, loss, optimizer). The step of n blocks is then
-rest + n x block, divided by the share of a core the plan's threads get now. A small model's timing is the mean of nine
-steps (the fastest of nine ran 20-35% under what runs measured); `window_s` (task=bench, just before
-its steps, gives as long as its timed steps will take, at most WINDOW_S) skips the cache and times the
-copies' steps for that long: this shared host runs for seconds at a time a third
-slower and then fast again (phi4_tiny's run: 0.19 s steps for three seconds, 0.30 s for three, 0.19
-again), so nine steps, under a second, catch one speed where a run's twenty meet both. A large block's
+streaming engine), on the plan's thread count, with a batch padded as the collator pads a run's (a padded row
+sends attention down its masked path: phi4_tiny's step 2-7% slower than unpadded). Six blocks less two, over
+four, is one block's share; two blocks less two shares is the rest (embeddings, head, loss, optimizer). The
+step of n blocks is then rest + n x block, divided by the share of a core the plan's threads get now. A small
+model's timing is the mean of nine steps (the fastest of nine ran 20-35% under what runs measured); `window_s`
+(task=bench, just before its steps, gives as long as its timed steps will take, at most WINDOW_S) skips the
+cache and times the copies' steps for that long: this shared host runs for seconds at a time a third slower
+and then fast again (phi4_tiny's run: 0.19 s steps for three seconds, 0.30 s for three, 0.19 again), so nine
+steps, under a second, catch one speed where a run's twenty meet both. A large block's
 is the fastest of three (its matmuls, undisturbed: one disturbed step in three put Phi-4's at 950 ms per block,
 where runs took 560). Timings are in CPU time on one thread (which other processes' load does not
 stretch), so a busy machine measures what a quiet one would. Results are cached per machine and
@@ -117,7 +118,7 @@ def block_times(
             "streaming": {k: getattr(plan.streaming, k, None) for k in ("store", "store_dtype")},
             "machine": hw.fingerprint,
             "large": large,
-            "version": 9,
+            "version": 10,
         },
         sort_keys=True,
         default=str,
@@ -238,7 +239,10 @@ def _copy_step(
             if p.requires_grad:
                 p.data = p.data.float()
     ids = torch.randint(0, int(getattr(arch, "vocab_size", 256)) - 1, (micro, seq))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    mask = torch.ones_like(ids)
+    if micro > 1:  # rows padded to the longest, as the collator pads a run's batches: attention takes its masked path
+        mask[0, seq - seq // 4 :] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     autocast = plan.precision.startswith("bf16")
     engine = None
