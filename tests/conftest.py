@@ -131,6 +131,7 @@ def outputs(tmp_path: Path) -> Path:
     return tmp_path / "outputs"
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Each xdist worker starts on its share of the slow tests, then runs whole test files. `--dist worksteal`
     hands worker k the k-th contiguous part of this order, so part k is the k-th share of the slow tests, then
