@@ -367,3 +367,19 @@ def test_large_models_time_copies_of_one_and_two_of_their_own_blocks(tmp_path):
     planned, _ = get("text").plan(cfg, hw)
     costs = block_times(cfg, planned, hw, 16, 2, 1, large=True)
     assert set(costs) == {"lora", "frozen", "below", "rest"} and costs["lora"] > 0
+
+
+def test_streamed_copies_compute_a_chunk_at_a_time_as_the_plan_does(tmp_path):
+    """The step-time copies run the plan's chunks: streamed a block at a time, each block paid a chunk boundary's
+    work that the run shares over its chunk, and phi4_tiny's sparse-LoRA runs went 12-27% under the plan."""
+    from onn.hardware.profile import resolve
+    from onn.modalities import get
+    from onn.modalities.text.calibrate import _copy_step
+
+    cfg = compose("model=llama_tiny", "strategy=sparse_lora", f"paths.cache={tmp_path}", root=tmp_path)
+    planned, _ = get("text").plan(cfg, resolve(cfg.hardware, tmp_path, tmp_path))
+    planned.streaming.chunk_size = 4
+    engines: list[StreamingEngine] = []
+    for blocks in (2, 6):
+        _copy_step(cfg, planned, 16, 2, blocks, list(range(blocks)), None, engines)()  # one training step runs
+    assert [e.chunks for e in engines] == [[[0, 1]], [[0, 1, 2, 3], [4, 5]]]

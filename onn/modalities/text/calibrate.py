@@ -1,23 +1,23 @@
 """A small model's step time, measured on this machine rather than modelled.
 
 A small model's step is mostly framework time (Python, dispatch, autograd, small elementwise ops), which no FLOP
-count predicts. So the plan times the model's own code: copies of it with 2 and 6 blocks, at the planned
-micro-batch and sequence length, in the planned precision and strategy (full, LoRA, or the streaming engine), on
-the plan's thread count, with a batch padded as the collator pads a run's (a padded row sends attention down its
-masked path: phi4_tiny's 40-block LoRA step 2-6% slower than unpadded). Six blocks less two, over four, is one
-block's share; two blocks less two shares is the rest (embeddings, head, loss, optimizer). The step of n blocks is
-then rest + n x block, divided by the share of a core the plan's threads get now. A small model's timing is the
+count predicts. So the plan times the model's own code: copies of it with 2 and 6 blocks, at the planned micro-batch
+and sequence length, in the planned precision and strategy (full, LoRA, or the streaming engine at the plan's chunk
+size), on the plan's thread count, with a batch padded as the collator pads a run's (a padded row sends attention
+down its masked path: phi4_tiny's 40-block LoRA step 2-6% slower than unpadded). Six blocks less two, over four, is
+one block's share; two blocks less two shares is the rest (embeddings, head, loss, optimizer). The step of n blocks
+is then rest + n x block, divided by the share of a core the plan's threads get now. A small model's timing is the
 mean of nine steps (the fastest of nine ran 20-35% under what runs measured); `window_s` (task=bench, just before
-its steps, gives as long as its timed steps will take, at most WINDOW_S) skips the cache and times the copies'
-steps for that long: this shared host runs for seconds at a time a third slower and then fast again (phi4_tiny's
-run: 0.19 s steps for three seconds, 0.30 s for three, 0.19 again), so nine steps, under a second, catch one speed
-where a run's twenty meet both. A large block's is the fastest of three (its matmuls, undisturbed: one disturbed
-step in three put Phi-4's at 950 ms per block, where runs took 560). Timings are in CPU time on one thread (which
-other processes' load does not stretch), so a busy machine measures what a quiet one would. Results are cached per
-machine and shapes for MAX_AGE_S: this shared host's speed drifts over the hours (llama_small's grid step was timed
-at 0.47 s and ran at 0.68 s in a sweep later, on idle cores; timed again, 0.56 s and ran at 0.58 to 0.60 s), so a
-timing older than that is taken again. Large models (whose step is matmuls, which the plan's FLOP model predicts
-from the measured matmul rate) and GPUs keep the FLOP model.
+its steps, gives as long as its timed steps will take, at most WINDOW_S) skips the cache and times the copies' steps
+for that long: this shared host runs for seconds at a time a third slower and then fast again (phi4_tiny's run: 0.19
+s steps for three seconds, 0.30 s for three, 0.19 again), so nine steps, under a second, catch one speed where a
+run's twenty meet both. A large block's is the fastest of three (its matmuls, undisturbed: one disturbed step in
+three put Phi-4's at 950 ms per block, where runs took 560). Timings are in CPU time on one thread (which other
+processes' load does not stretch), so a busy machine measures what a quiet one would. Results are cached per machine
+and shapes for MAX_AGE_S: this shared host's speed drifts over the hours (llama_small's grid step was timed at 0.47
+s and ran at 0.68 s in a sweep later, on idle cores; timed again, 0.56 s and ran at 0.58 to 0.60 s), so a timing
+older than that is taken again. Large models (whose step is matmuls, which the plan's FLOP model predicts from the
+measured matmul rate) and GPUs keep the FLOP model.
 """
 
 from __future__ import annotations
@@ -114,10 +114,10 @@ def block_times(
             "seq": seq,
             "micro": micro,
             "threads": threads,
-            "streaming": {k: getattr(plan.streaming, k, None) for k in ("store", "store_dtype")},
+            "streaming": {k: getattr(plan.streaming, k, None) for k in ("store", "store_dtype", "chunk_size")},
             "machine": hw.fingerprint,
             "large": large,
-            "version": 10,
+            "version": 11,
         },
         sort_keys=True,
         default=str,
@@ -248,7 +248,11 @@ def _copy_step(
     engine = None
     if plan.strategy == "sparse_lora":
         s = plan.streaming
-        engine = StreamingEngine(model, layer_map, LayerStore("cpu", s.store_dtype), 1, micro_batch=micro)
+        # the plan's chunks (a copy smaller than one holds one): blocks computed a chunk at a time share its
+        # boundary's work, which copies streamed a block at a time paid per block (phi4_tiny's 40-block step
+        # 12% slower at chunk 1 than at the plan's 16, and its runs 12-27% under the plan)
+        chunk = min(int(s.chunk_size), blocks)
+        engine = StreamingEngine(model, layer_map, LayerStore("cpu", s.store_dtype), chunk, micro_batch=micro)
         engine.offload()
         engines.append(engine)
 
