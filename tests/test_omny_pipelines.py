@@ -5,7 +5,9 @@ run end to end in onnxruntime on pictures; bad pictures, points, prompts and pip
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -120,6 +122,70 @@ def _ocr_decoder_with_explicit_past_reads_the_tokens_generate_reads(trocr) -> No
     with torch.no_grad():
         want = model.generate(pixel_values=pixels, max_new_tokens=6, do_sample=False, num_beams=1)
     assert [s["start_token"], *tokens] == want[0, : len(tokens) + 1].tolist()
+
+
+class _Blocks(torch.nn.Module):
+    """A stack of residual MLP blocks: a piece that exports in seconds, with a cut point between blocks."""
+
+    def __init__(self, width: int, blocks: int, broken: bool = False):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(blocks)
+        )
+        self.broken = broken
+
+    def forward(self, features):
+        if self.broken:
+            raise ValueError("a shape this piece does not take")
+        for block in self.blocks:
+            features = features + block(features)
+        return {"hidden": features}
+
+
+def _block_pieces(broken: bool = False):
+    from onn.export.pipelines.registry import Piece
+
+    torch.manual_seed(0)
+    sizes = [(32, 3), (16, 2)]
+    return [
+        Piece(
+            f"piece{i}",
+            _Blocks(width, blocks, broken and i == 0).eval(),
+            {"features": torch.randn(2, width)},
+            runs=[[f"blocks.{b}" for b in range(blocks)]],
+        )
+        for i, (width, blocks) in enumerate(sizes)
+    ]
+
+
+def test_pieces_exported_side_by_side_are_the_pieces_exported_one_by_one(tmp_path, monkeypatch):
+    """Forked processes (export_processes: one per free core) write what this process writes, a piece's failure
+    in one of them is its own sentence here, and no more processes start than the free memory holds."""
+    from onn.export.pipelines import export as piece_export
+
+    settings = compose("export=omny").export
+
+    def jobs(pieces, folder: Path):
+        folder.mkdir()
+        return [(p, folder, settings, LIMITS, piece_export._source(p, "blocks")) for p in pieces]
+
+    here = piece_export._export_all(jobs(_block_pieces(), tmp_path / "here"), processes=1)
+    forked = piece_export._export_all(jobs(_block_pieces(), tmp_path / "forked"), processes=2)
+    assert [path.name for path, _, _ in forked] == ["piece0.omny", "piece1.omny"]
+    for (_, a, signature_a), (path, b, signature_b) in zip(here, forked, strict=True):
+        assert path.parent == tmp_path / "forked" and path.is_file()
+        assert signature_a == signature_b and a["bytes"] == b["bytes"] and a["cut_points"] == b["cut_points"] >= 1
+        assert a["max_abs_diff"] == b["max_abs_diff"] <= 1e-4
+    with pytest.raises(UserError, match="_Blocks fails on the sample input .* a shape this piece does not take"):
+        piece_export._export_all(jobs(_block_pieces(broken=True), tmp_path / "broken"), processes=2)
+    assert not (tmp_path / "broken" / "piece0.omny").exists()
+
+    pieces = _block_pieces()
+    assert piece_export.export_processes(pieces[:1]) == 1
+    assert 1 <= piece_export.export_processes(pieces) <= min(2, len(os.sched_getaffinity(0)))
+    tight = piece_export.TRACER_MB * 2**20  # room for less than one more process's export
+    monkeypatch.setattr(piece_export.psutil, "virtual_memory", lambda: SimpleNamespace(available=tight))
+    assert piece_export.export_processes(pieces) == 1
 
 
 def test_grounding_dino_text_masks_are_transformers_own():
