@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -127,22 +128,24 @@ def _ocr_decoder_with_explicit_past_reads_the_tokens_generate_reads(trocr) -> No
 class _Blocks(torch.nn.Module):
     """A stack of residual MLP blocks: a piece that exports in seconds, with a cut point between blocks."""
 
-    def __init__(self, width: int, blocks: int, broken: bool = False):
+    def __init__(self, width: int, blocks: int, broken: bool = False, dies_in=None):
         super().__init__()
         self.blocks = torch.nn.ModuleList(
             torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(blocks)
         )
-        self.broken = broken
+        self.broken, self.dies_in = broken, dies_in  # dies_in: a process other than this one, killed as by OOM
 
     def forward(self, features):
         if self.broken:
             raise ValueError("a shape this piece does not take")
+        if self.dies_in is not None and os.getpid() != self.dies_in:
+            os.kill(os.getpid(), signal.SIGKILL)
         for block in self.blocks:
             features = features + block(features)
         return {"hidden": features}
 
 
-def _block_pieces(broken: bool = False):
+def _block_pieces(broken: bool = False, dies_in: int | None = None):
     from onn.export.pipelines.registry import Piece
 
     torch.manual_seed(0)
@@ -150,7 +153,7 @@ def _block_pieces(broken: bool = False):
     return [
         Piece(
             f"piece{i}",
-            _Blocks(width, blocks, broken and i == 0).eval(),
+            _Blocks(width, blocks, broken and i == 0, dies_in if i == 1 else None).eval(),
             {"features": torch.randn(2, width)},
             runs=[[f"blocks.{b}" for b in range(blocks)]],
         )
@@ -160,7 +163,8 @@ def _block_pieces(broken: bool = False):
 
 def test_pieces_exported_side_by_side_are_the_pieces_exported_one_by_one(tmp_path, monkeypatch):
     """Forked processes (export_processes: one per free core) write what this process writes, a piece's failure
-    in one of them is its own sentence here, and no more processes start than the free memory holds."""
+    in one of them is its own sentence here, one killed leaves its pieces to this process, and no more processes
+    start than the free memory holds."""
     from onn.export.pipelines import export as piece_export
 
     settings = compose("export=omny").export
@@ -179,6 +183,8 @@ def test_pieces_exported_side_by_side_are_the_pieces_exported_one_by_one(tmp_pat
     with pytest.raises(UserError, match="_Blocks fails on the sample input .* a shape this piece does not take"):
         piece_export._export_all(jobs(_block_pieces(broken=True), tmp_path / "broken"), processes=2)
     assert not (tmp_path / "broken" / "piece0.omny").exists()
+    survived = piece_export._export_all(jobs(_block_pieces(dies_in=os.getpid()), tmp_path / "killed"), processes=2)
+    assert [figures["max_abs_diff"] for _, figures, _ in survived] == [a["max_abs_diff"] for _, a, _ in here]
 
     pieces = _block_pieces()
     assert piece_export.export_processes(pieces[:1]) == 1

@@ -8,12 +8,14 @@ per free core."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,8 @@ from onn.export.graph import fold_constants
 from onn.export.pipelines import document
 from onn.export.pipelines.registry import Piece, Pipeline
 from onn.hardware.profile import cpu_busy_cores
+
+log = logging.getLogger("onn")
 
 
 def export_pipeline(
@@ -103,7 +107,8 @@ _FORKED: list[tuple] = []  # the jobs a forked process finds in its copy of this
 def _export_all(jobs: list[tuple], processes: int) -> list[tuple]:
     """export_piece(*job) for each job, in order: here one after another, or in `processes` forked processes
     (they inherit the pieces, so nothing is pickled but the figures coming back), each taking the next piece
-    as it finishes one."""
+    as it finishes one. A process that dies (the kernel's out-of-memory killer picks the largest) leaves the
+    pieces to this process, one after another."""
     if processes == 1:
         return [export_piece(*job) for job in jobs]
     threads = max(1, len(os.sched_getaffinity(0)) // processes)
@@ -112,6 +117,13 @@ def _export_all(jobs: list[tuple], processes: int) -> list[tuple]:
         context = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(processes, mp_context=context, initializer=_one_process, initargs=(threads,)) as pool:
             return list(pool.map(_export_nth, range(len(jobs))))
+    except BrokenProcessPool:
+        log.warning(
+            "one of the %d processes exporting the pieces side by side ended without its result (out of memory?): "
+            "exporting them one after another in this process",
+            processes,
+        )
+        return [export_piece(*job) for job in jobs]
     finally:
         _FORKED.clear()
 
