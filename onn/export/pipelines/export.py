@@ -11,13 +11,14 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -26,6 +27,9 @@ from onn.export.graph import fold_constants
 from onn.export.pipelines import document
 from onn.export.pipelines.registry import Piece, Pipeline
 from onn.hardware.profile import cpu_busy_cores
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("onn")
 
@@ -82,60 +86,68 @@ TRACER_MB = 256
 
 def export_processes(pieces: list[Piece]) -> int:
     """How many pieces to export side by side: one per core other processes leave free now, at most one per
-    piece, as many as the free memory holds. 1 (in this process) where a forked process cannot be trusted:
-    off Linux, or once CUDA is initialised (a forked child cannot use it)."""
-    import torch
-
-    if len(pieces) < 2 or sys.platform != "linux" or torch.cuda.is_initialized():
+    piece, as many as the free memory holds (read once, here: two exports started together may both count
+    it). 1 (this process) where forking cannot be trusted (can_fork)."""
+    if len(pieces) < 2 or not can_fork():
         return 1
-    cores = len(os.sched_getaffinity(0))
-    free_cores = int(cores - cpu_busy_cores(0.3) + 0.5)
+    free_cores = int(len(os.sched_getaffinity(0)) - cpu_busy_cores(0.3) + 0.5)
     largest = max(_weight_bytes(p.module) for p in pieces)
     per_process = WEIGHT_COPIES_WHILE_EXPORTING * largest + TRACER_MB * 2**20
     fits = int(psutil.virtual_memory().available // per_process)
     return max(1, min(len(pieces), free_cores, fits))
 
 
-def _weight_bytes(module) -> int:
+def can_fork() -> bool:
+    """Linux, and CUDA not initialised: a forked child cannot use CUDA, nor fork safely elsewhere."""
+    import torch
+
+    return sys.platform == "linux" and not torch.cuda.is_initialized()
+
+
+def _weight_bytes(module: torch.nn.Module) -> int:
     unique = {id(t): t for t in (*module.parameters(), *module.buffers())}.values()
     return sum(t.numel() * t.element_size() for t in unique)
 
 
-_FORKED: list[tuple] = []  # the jobs a forked process finds in its copy of this module
-
-
 def _export_all(jobs: list[tuple], processes: int) -> list[tuple]:
     """export_piece(*job) for each job, in order: here one after another, or in `processes` forked processes
-    (they inherit the pieces, so nothing is pickled but the figures coming back), each taking the next piece
-    as it finishes one. A process that dies (the kernel's out-of-memory killer picks the largest) leaves the
-    pieces to this process, one after another."""
-    if processes == 1:
+    that inherit the jobs (only the figures coming back are pickled), each taking the next piece as it
+    finishes one. The pieces of a process that ended without a result (killed: the kernel's out-of-memory
+    killer picks the largest process) are exported here afterwards, one after another."""
+    if processes == 1 or not can_fork():
         return [export_piece(*job) for job in jobs]
-    threads = max(1, len(os.sched_getaffinity(0)) // processes)
-    _FORKED[:] = jobs
-    try:
-        context = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(processes, mp_context=context, initializer=_one_process, initargs=(threads,)) as pool:
-            return list(pool.map(_export_nth, range(len(jobs))))
-    except BrokenProcessPool:
-        log.warning(
-            "one of the %d processes exporting the pieces side by side ended without its result (out of memory?): "
-            "exporting them one after another in this process",
-            processes,
-        )
-        return [export_piece(*job) for job in jobs]
-    finally:
-        _FORKED.clear()
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(processes, mp_context=context, initializer=_in_a_fork, initargs=(jobs,)) as pool:
+        futures = [pool.submit(_export_nth, i) for i in range(len(jobs))]
+        wait(futures)
+    errors = [f.exception() for f in futures]
+    failed = next((e for e in errors if e is not None and not isinstance(e, BrokenProcessPool)), None)
+    if failed is not None:
+        raise failed  # the first piece's own error (a UserError: one sentence)
+    lost = [i for i, e in enumerate(errors) if e is not None]
+    if lost:
+        names = ", ".join(jobs[i][0].name for i in lost)
+        log.warning("the processes exporting %s ended without a result (killed?): exporting them here", names)
+        for i in lost:  # what the killed process left half-written
+            for partial in jobs[i][1].glob(f".{jobs[i][0].name}-*"):
+                shutil.rmtree(partial, ignore_errors=True)
+    return [export_piece(*jobs[i]) if i in lost else futures[i].result() for i in range(len(jobs))]
 
 
-def _one_process(threads: int) -> None:
+_JOBS: list[tuple] = []  # in a forked process: the jobs it inherited
+
+
+def _in_a_fork(jobs: list[tuple]) -> None:
+    """A forked process's start: its jobs, and torch on one thread. GNU OpenMP's thread pool does not survive a
+    fork (a child's second thread waits forever), and tracing is single-threaded Python anyway."""
     import torch
 
-    torch.set_num_threads(threads)  # its share of the cores: the processes side by side fill them, not more
+    _JOBS[:] = jobs
+    torch.set_num_threads(1)
 
 
 def _export_nth(index: int) -> tuple:
-    return export_piece(*_FORKED[index])
+    return export_piece(*_JOBS[index])
 
 
 def export_piece(
