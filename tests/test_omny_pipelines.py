@@ -231,6 +231,20 @@ def _grounded_runs_on_a_photo(grounded, photo, tmp_path) -> None:
     assert all(len(o["box"]) == 4 and "mask" in o for o in found["objects"])
 
 
+def _pieces_run_at_their_reference_shapes(exported) -> None:
+    """Each piece runs at the shapes its .omny's figures are estimated (and recipe=bench_omny measures) at: the
+    decoder's positions there (its traced past plus the reference sequence) lie within its position table."""
+    from onn.export.omny.format import read_document
+    from onn.export.onnx_export import run_onnx
+    from onn.export.pipelines.measure import reference_feeds
+
+    _, path, _ = exported
+    for piece in json.loads(path.read_text())["pieces"]:
+        file = path.parent / piece["file"]
+        outputs = run_onnx(file, reference_feeds(read_document(file)))
+        assert all(np.isfinite(v).all() for v in outputs.values()), piece["name"]
+
+
 def _ocr_reads_a_page(trocr, tmp_path) -> None:
     page = _page(tmp_path / "page.png")
     read = run_pipeline(trocr[1], Request(page, tmp_path / "page.result.png"))
@@ -323,6 +337,7 @@ def test_grounded_sam2_exports_validates_matches_pytorch_and_runs(tmp_path):
 def test_trocr_exports_validates_decodes_as_generate_and_reads_a_page(tmp_path):
     trocr = _trocr(tmp_path / "run")
     _splits_and_connects(trocr)
+    _pieces_run_at_their_reference_shapes(trocr)
     _ocr_decoder_with_explicit_past_reads_the_tokens_generate_reads(trocr)
     _ocr_reads_a_page(trocr, tmp_path)
     _the_cli_validates_and_runs_a_pipeline(trocr, tmp_path)
