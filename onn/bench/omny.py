@@ -1,7 +1,8 @@
 """`task=bench_omny` (recipe=bench_omny): a model exported as a pipeline of .omny pieces, at its real size.
 
   export    every piece traced, compared with PyTorch in onnxruntime and written with its cut points: seconds,
-            file size, cut points, the largest shard of the first plan (the fewest shards that fit a 1.5 GB GPU)
+            file size, cut points, the largest shard of the first plan (the fewest shards that fit a 1.5 GB GPU);
+            the whole export's seconds and how many processes exported the pieces side by side
   validate  every plan's shards run one after another against the whole piece: the largest max abs diff
   memory    each shard of the first plan run alone in a fresh onnxruntime process: peak resident memory above
             the runtime's own context, beside the .omny's estimate (weights + the largest block's activations)
@@ -46,7 +47,12 @@ def run(job) -> dict[str, Any]:
     gc.collect()
     path = Path(exported["export/pipeline"])
     doc = document.read(path)
-    metrics: dict[str, Any] = {"omny/kind": doc["kind"], "omny/pipeline": str(path)}
+    metrics: dict[str, Any] = {
+        "omny/kind": doc["kind"],
+        "omny/pipeline": str(path),
+        "omny/export_s": exported["export/seconds"],
+        "omny/export_processes": exported["export/processes"],
+    }
     for piece in doc["pieces"]:
         metrics.update(_piece(path.parent / piece["file"], piece["name"], exported["export/pieces"][piece["name"]]))
     metrics.update(_pictures(path, doc["kind"], task, job.run_dir))
@@ -137,5 +143,8 @@ def _table(doc: dict[str, Any], m: dict[str, Any]) -> str:
             f"{m[f'{k}/largest_shard_mb']} | {pairs} | {m[f'{k}/export_max_abs_diff']:.2g}, "
             f"{m[f'{k}/shards_max_abs_diff']:.2g} | {m[f'{k}/valid']} |"
         )
-    rows.append(f"\n{doc['kind']}: {m['omny/seconds_per_picture']} s per picture in onnxruntime ({m['omny/picture']}).")
+    rows.append(
+        f"\n{doc['kind']}: exported in {m['omny/export_s']} s (processes side by side: {m['omny/export_processes']}); "
+        f"{m['omny/seconds_per_picture']} s per picture in onnxruntime ({m['omny/picture']})."
+    )
     return "\n".join(rows) + "\n"
