@@ -4,11 +4,13 @@ run end to end in onnxruntime on pictures; bad pictures, points, prompts and pip
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import signal
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -206,6 +208,78 @@ def test_pieces_exported_side_by_side_are_the_pieces_exported_one_by_one(tmp_pat
     tight = piece_export.TRACER_MB * 2**20  # room for less than one more process's export
     monkeypatch.setattr(piece_export.psutil, "virtual_memory", lambda: SimpleNamespace(available=tight))
     assert piece_export.export_processes(pieces) == 1
+
+
+class _TiedChoice(torch.nn.Module):
+    """Keeps the best 4 of 12 scores, six of them tied, and returns what it kept: PyTorch here breaks the ties
+    towards the last index, the exported graph (ONNX's TopK) towards the first, as torch.topk and onnxruntime
+    may on a real detector's near-tied scores. `given`: the indices to keep instead (choosing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(3, 3)
+        self.given = None
+
+    @contextlib.contextmanager
+    def choosing(self, outputs):
+        self.given = torch.as_tensor(outputs["kept"])
+        try:
+            yield
+        finally:
+            self.given = None
+
+    def forward(self, scores, features):
+        if self.given is not None:
+            kept = self.given
+        elif torch.compiler.is_exporting():
+            kept = scores.topk(4).indices
+        else:
+            kept = scores.shape[1] - 1 - scores.flip(1).topk(4).indices
+        return {"kept": kept, "picked": self.head(features.gather(1, kept[..., None].expand(-1, -1, 3)))}
+
+
+def test_a_piece_that_chooses_among_ties_is_checked_on_onnxruntimes_choice(tmp_path):
+    """A piece's `follow` makes PyTorch take the choice onnxruntime took before the two are compared: without it,
+    the same tied scores fail the export check."""
+    from onn.export.pipelines import export as piece_export
+    from onn.export.pipelines.registry import Piece
+
+    settings = compose("export=omny").export
+    scores = torch.tensor([[0.5, 0.9, 0.9, 0.1, 0.9, 0.2, 0.9, 0.9, 0.3, 0.9, 0.0, 0.4]])
+    features = torch.randn(1, 12, 3, generator=torch.Generator().manual_seed(0))
+    module = _TiedChoice().eval()
+    piece = Piece("chooser", module, {"scores": scores, "features": features}, follow=module.choosing)
+    source = piece_export._source(piece, "chooser")
+    with pytest.raises(UserError, match="ONNX output 'picked' of _TiedChoice differs from PyTorch"):
+        piece_export.export_piece(replace(piece, follow=None), tmp_path, settings, LIMITS, source)
+    path, figures, _ = piece_export.export_piece(piece, tmp_path, settings, LIMITS, source)
+    assert figures["max_abs_diff"] <= 1e-6
+    from onn.export.onnx_export import run_onnx
+
+    assert run_onnx(path, piece.sample)["kept"].tolist() == [[1, 2, 4, 6]]
+
+
+def test_grounding_dino_takes_given_proposals_only_when_they_are_a_top_k():
+    """The detector returns the proposals its queries started from; made to take others (onnxruntime's, in the
+    export check) it takes them when they are a top-k of its own scores, and otherwise says so."""
+    config = compose("model=grounding_dino_mini", "export=omny")
+    model, _ = load(config.model)
+    detector = for_model(model).pieces(model, side=224)[0]
+    with torch.no_grad():
+        chosen = detector.module(**detector.sample)
+        reordered = chosen["proposals"].flip(1)  # the same top-k, the queries in another order
+        with detector.follow({"proposals": reordered.numpy()}):
+            again = detector.module(**detector.sample)
+        assert torch.equal(again["proposals"], reordered)
+        assert not torch.allclose(again["logits"], chosen["logits"])  # each query slot has its own embedding
+        text = ("pixel_values", "pixel_mask", "input_ids", "attention_mask", "token_type_ids")
+        scores = model(**{k: detector.sample[k] for k in text}).enc_outputs_class.max(-1).values
+        k = chosen["proposals"].shape[1]
+        assert scores.gather(1, chosen["proposals"]).min() >= scores.topk(k).values.min()
+        worst = scores.argsort(1)[:, :k]
+        below = pytest.raises(UserError, match=f"PyTorch scores .* below its own top {k}")
+        with below, detector.follow({"proposals": worst.numpy()}):
+            detector.module(**detector.sample)
 
 
 def test_grounding_dino_text_masks_are_transformers_own():

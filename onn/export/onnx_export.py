@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 from onn.errors import UserError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import numpy as np
     import onnx
     import torch
@@ -206,12 +208,14 @@ def export_onnx(
     atol: float = 1e-4,
     axes: dict[str, dict[int, str]] | None = None,
     bounds: dict[str, tuple[int, int]] | None = None,
+    follow: Callable[[dict[str, np.ndarray]], contextlib.AbstractContextManager] | None = None,
 ) -> dict:
     """Export to ONNX, check it, run it in onnxruntime and compare every output with PyTorch's. The files are
     written in a temp folder beside `output` and moved into place only after all of that passed, so a failed
     export never damages an earlier file. `axes` names each input's dynamic axes ({"input_points": {1:
     "prompts"}}) instead of the shared batch and sequence axes, `bounds` an axis's (min, max) where the model
-    needs one: the pieces of a pipeline (pipelines/)."""
+    needs one: the pieces of a pipeline (pipelines/). `follow(onnxruntime's outputs)` is a context in which the
+    model takes onnxruntime's discrete choices (a top-k over near-tied scores), for the comparison."""
     import torch
 
     started = time.perf_counter()
@@ -257,6 +261,9 @@ def export_onnx(
         del program
         _check_file(written)
         ort = run_onnx(written, sample_input)
+        if follow is not None:
+            with _eval(model), torch.no_grad(), follow(ort):
+                reference = _named_tensors(_call(model, sample_input))
         diffs = {name: _max_abs_diff(ref, ort[name], sample_input.get("attention_mask")) for name, ref in reference}
         for name, ref in reference:
             # fp32 rounding grows with the values: an output in the hundreds (a detector's logits) is held to

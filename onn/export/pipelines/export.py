@@ -173,6 +173,7 @@ def export_piece(
                 atol=settings.atol,
                 axes=piece.axes,
                 bounds=piece.bounds,
+                follow=piece.follow,
             )
         # what computes from weights alone (a tied head's transpose, SAM2's interpolated position table) is folded
         # into weights, as onnxruntime does when it loads the graph: held once, not counted as activations

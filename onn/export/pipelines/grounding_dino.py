@@ -3,6 +3,12 @@
 The detector piece takes the tokenizer's output as explicit inputs: the ids, attention mask and token types,
 and the per-phrase text attention mask and position ids that transformers computes from the ids with cummax
 (which ONNX lacks): `text_masks` computes them in numpy, as transformers does in torch.
+
+Its queries start from the encoder's best-scored proposals (torch.topk of 900 of some 13,000 scores, the
+two-stage selection). Those scores meet ties (the proposals at the feature maps' borders all score alike) and
+near-ties closer than fp32's differences between PyTorch and onnxruntime, which the two may order otherwise,
+so the piece also returns the proposals it chose, and its export check makes PyTorch take onnxruntime's
+(`Detector.choosing`) once it has checked that they are a top-k of PyTorch's own scores too.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from onn.export.pipelines.registry import Piece, Pipeline, register
 from onn.export.pipelines.runtime import Pieces, Request, finish
 
 SPECIAL_IDS = [101, 102, 1012, 1029]  # [CLS] [SEP] . ? in BERT's vocabulary: phrases lie between them
+CHOICE_RTOL = 1e-3  # how far below PyTorch's k-th best score a proposal onnxruntime chose may score (x largest)
 SIDE = 800  # the detector's square canvas when export.sample.image_size gives none (its processor's shorter edge)
 INPUTS = (
     "pixel_values",
@@ -43,16 +50,55 @@ def _given_text_masks(masks, positions):
         gd.generate_masks_with_special_tokens_and_transfer_map = made
 
 
+@contextlib.contextmanager
+def _proposals(chosen: list, given=None):
+    """Grounding DINO's query selection (its one torch.topk) records the proposals it takes in `chosen`, or takes
+    the `given` ones: they must be a top-k of its scores to within fp32 rounding, else this is an error."""
+    import torch
+
+    topk = torch.topk
+
+    def select(scores, k, dim=-1, *args, **kwargs):
+        values, indices = topk(scores, k, dim, *args, **kwargs)
+        if given is not None:
+            indices = given.to(scores.device)
+            kth, values = values.narrow(dim, k - 1, 1), scores.gather(dim, indices)
+            short = float((kth - values).max())
+            if short > CHOICE_RTOL * max(1.0, float(scores[scores.isfinite()].abs().max())):
+                raise UserError(
+                    f"onnxruntime's detector chose proposals that PyTorch scores {short:.3g} below its own top {k}: "
+                    "the exported encoder computes other scores."
+                )
+        chosen.append(indices)
+        return values, indices
+
+    torch.topk = select
+    try:
+        yield
+    finally:
+        torch.topk = topk
+
+
 def _detector():
     import torch
 
     class Detector(torch.nn.Module):
-        """An image (letterboxed, with its pixel mask) and the tokenizer's output -> per-query token logits and
-        boxes ([cx, cy, w, h], 0-1 of the picture)."""
+        """An image (letterboxed, with its pixel mask) and the tokenizer's output -> per-query token logits, boxes
+        ([cx, cy, w, h], 0-1 of the picture) and the encoder proposal each query started from."""
 
         def __init__(self, model):
             super().__init__()
             self.model = model
+            self.given = None  # proposals to take instead of the best-scored (choosing)
+
+        @contextlib.contextmanager
+        def choosing(self, outputs: dict[str, np.ndarray]):
+            """forward takes the proposals in `outputs` (onnxruntime's, to compare the rest with them)."""
+            self.given = torch.as_tensor(outputs["proposals"])
+            try:
+                yield
+            finally:
+                self.given = None
 
         def forward(
             self,
@@ -64,7 +110,8 @@ def _detector():
             text_self_attention_masks,
             position_ids,
         ):
-            with _given_text_masks(text_self_attention_masks, position_ids):
+            chosen = []
+            with _given_text_masks(text_self_attention_masks, position_ids), _proposals(chosen, self.given):
                 out = self.model(
                     pixel_values=pixel_values,
                     pixel_mask=pixel_mask,
@@ -72,7 +119,7 @@ def _detector():
                     attention_mask=attention_mask,
                     token_type_ids=token_type_ids,
                 )
-            return {"logits": out.logits, "pred_boxes": out.pred_boxes}
+            return {"logits": out.logits, "pred_boxes": out.pred_boxes, "proposals": chosen[0]}
 
     return Detector
 
@@ -117,14 +164,16 @@ def pieces(model, segmenter=None, side: int | None = None) -> list[Piece]:
         [f"model.model.{part}.layers.{i}" for i in range(len(getattr(model.model, part).layers))]
         for part in ("encoder", "decoder")
     ]
+    module = _detector()(model).eval()
     detector = Piece(
         "detector",
-        _detector()(model).eval(),
+        module,
         sample,
         axes=text,
         bounds={"sequence": (2, model.config.max_text_len - 1)},
         runs=runs,
         when="once per image and prompt",
+        follow=module.choosing,
     )
     return [detector] + (sam2.pieces(segmenter) if segmenter is not None else [])
 

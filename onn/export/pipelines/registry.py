@@ -10,6 +10,7 @@ a prompt decoder once per prompt); its `run(document, folder, request)` runs the
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,9 @@ class Piece:
     runs: list[list[str]] | None = None  # module paths of its repeated blocks, relative to `module`: the cut points
     kv_cache_bytes: dict[str, int] = field(default_factory=dict)  # decoder blocks: KV-cache bytes per token
     when: str = "once"  # how often the runtime runs it: once (per image), per prompt, per token, ...
+    # onnxruntime's outputs -> a context in which the module takes the discrete choices onnxruntime took (which
+    # proposals a detector's top-k kept), for a piece whose outputs hinge on near-tied scores
+    follow: Callable[[dict[str, Any]], AbstractContextManager] | None = None
 
 
 @dataclass
