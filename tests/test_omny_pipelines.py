@@ -49,7 +49,14 @@ def _trocr(run_dir: Path):
     """TrOCR exported as `python run.py task=export export=omny model=trocr_mini` does (the app, in this process)."""
     from onn.app import execute
 
-    config = compose("task=export", "export=omny", "model=trocr_mini", "tracking=none", f"paths.outputs={run_dir}")
+    config = compose(
+        "task=export",
+        "export=omny",
+        "model=trocr_mini",
+        "hardware=cpu_16gb",
+        "tracking=none",
+        f"paths.outputs={run_dir}",
+    )
     metrics = execute(config, run_dir)
     model, _ = load(compose("model=trocr_mini").model)  # the same seeded weights
     return [model], run_dir / "export" / "pipeline.json", metrics
