@@ -260,21 +260,7 @@ def export_onnx(
         }
         del program
         _check_file(written)
-        ort = run_onnx(written, sample_input)
-        if follow is not None:
-            with _eval(model), torch.no_grad(), follow(ort):
-                reference = _named_tensors(_call(model, sample_input))
-        diffs = {name: _max_abs_diff(ref, ort[name], sample_input.get("attention_mask")) for name, ref in reference}
-        for name, ref in reference:
-            # fp32 rounding grows with the values: an output in the hundreds (a detector's logits) is held to
-            # atol times its largest magnitude
-            finite = ref[ref.isfinite()] if ref.is_floating_point() else ref[:0]
-            scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
-            if ref.dtype == torch.float32 and not diffs[name] <= atol * scale:
-                raise UserError(
-                    f"ONNX output '{name}' of {type(model).__name__} differs from PyTorch by {diffs[name]:.3g} "
-                    f"(more than atol={atol:g} x {scale:.3g}, its largest magnitude), so {output} was not written."
-                )
+        diffs = _compare(model, written, output, sample_input, reference, atol, follow)
         _move_into_place(folder, output)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -284,6 +270,31 @@ def export_onnx(
         "export/max_abs_diff_per_output": diffs,
         "export/seconds": round(time.perf_counter() - started, 3),
     }
+
+
+def _compare(
+    model, written: Path, output: Path, sample_input: dict, reference: list, atol: float, follow
+) -> dict[str, float]:
+    """Each output's max |PyTorch - onnxruntime| on the sample input (`written`, bound for `output`), or a
+    UserError for the first beyond atol times the output's largest magnitude (fp32 rounding grows with the
+    values: a detector's logits are in the hundreds). Under `follow`, PyTorch's outputs are computed again with
+    onnxruntime's discrete choices."""
+    import torch
+
+    ort = run_onnx(written, sample_input)
+    if follow is not None:
+        with _eval(model), torch.no_grad(), follow(ort):
+            reference = _named_tensors(_call(model, sample_input))
+    diffs = {name: _max_abs_diff(ref, ort[name], sample_input.get("attention_mask")) for name, ref in reference}
+    for name, ref in reference:
+        finite = ref[ref.isfinite()] if ref.is_floating_point() else ref[:0]
+        scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+        if ref.dtype == torch.float32 and not diffs[name] <= atol * scale:
+            raise UserError(
+                f"ONNX output '{name}' of {type(model).__name__} differs from PyTorch by {diffs[name]:.3g} "
+                f"(more than atol={atol:g} x {scale:.3g}, its largest magnitude), so {output} was not written."
+            )
+    return diffs
 
 
 def _dynamic_shapes(model, input_names: list[str], dynamic: bool, axes: dict | None, bounds: dict) -> dict | None:
