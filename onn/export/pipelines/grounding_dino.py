@@ -53,7 +53,7 @@ def _given_text_masks(masks, positions):
 @contextlib.contextmanager
 def _proposals(chosen: list, given=None):
     """Grounding DINO's query selection (its one torch.topk) records the proposals it takes in `chosen`, or takes
-    the `given` ones: they must be a top-k of its scores to within fp32 rounding, else this is an error."""
+    the `given` ones (_check_choice)."""
     import torch
 
     topk = torch.topk
@@ -62,13 +62,8 @@ def _proposals(chosen: list, given=None):
         values, indices = topk(scores, k, dim, *args, **kwargs)
         if given is not None:
             indices = given.to(scores.device)
-            kth, values = values.narrow(dim, k - 1, 1), scores.gather(dim, indices)
-            short = float((kth - values).max())
-            if short > CHOICE_RTOL * max(1.0, float(scores[scores.isfinite()].abs().max())):
-                raise UserError(
-                    f"onnxruntime's detector chose proposals that PyTorch scores {short:.3g} below its own top {k}: "
-                    "the exported encoder computes other scores."
-                )
+            _check_choice(scores, values, indices, dim)
+            values = scores.gather(dim, indices)
         chosen.append(indices)
         return values, indices
 
@@ -77,6 +72,24 @@ def _proposals(chosen: list, given=None):
         yield
     finally:
         torch.topk = topk
+
+
+def _check_choice(scores, best, given, dim: int) -> None:
+    """`given` must be as many distinct proposals per image as PyTorch's own top-k (`best`), each scored at most
+    CHOICE_RTOL x the largest finite score (at least 1) below PyTorch's k-th best: a top-k up to rounding."""
+    if given.shape != best.shape or not given.sort(dim).values.diff(dim=dim).ne(0).all():
+        raise UserError(
+            f"the detector was given proposals of shape {tuple(given.shape)} with repeats or another shape; "
+            f"it takes {tuple(best.shape)}, distinct in each image."
+        )
+    finite = scores[scores.isfinite()]
+    scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+    short = float((best.amin(dim, keepdim=True) - scores.gather(dim, given)).max())
+    if not short <= CHOICE_RTOL * scale:
+        raise UserError(
+            f"onnxruntime's detector chose proposals that PyTorch scores {short:.3g} below its own top "
+            f"{best.shape[dim]}: the exported encoder computes other scores."
+        )
 
 
 def _detector():
