@@ -3,21 +3,22 @@
 A small model's step is mostly framework time (Python, dispatch, autograd, small elementwise ops), which no FLOP
 count predicts. So the plan times the model's own code: copies of it with 2 and 6 blocks, at the planned micro-batch
 and sequence length, in the planned precision and strategy (full, LoRA, or the streaming engine at the plan's chunk
-size), on the plan's thread count, with a batch padded as the collator pads a run's (a padded row sends attention
-down its masked path: phi4_tiny's 40-block LoRA step 2-6% slower than unpadded). Six blocks less two, over four, is
-one block's share; two blocks less two shares is the rest (embeddings, head, loss, optimizer). The step of n blocks
-is then rest + n x block, divided by the share of a core the plan's threads get now. A small model's timing is the
-mean of nine steps (the fastest of nine ran 20-35% under what runs measured); `window_s` (task=bench, just before
-its steps, gives as long as its timed steps will take, at most WINDOW_S) skips the cache and times the copies' steps
-for that long: this shared host runs for seconds at a time a third slower and then fast again (phi4_tiny's run: 0.19
-s steps for three seconds, 0.30 s for three, 0.19 again), so nine steps, under a second, catch one speed where a
-run's twenty meet both. A large block's is the fastest of three (its matmuls, undisturbed: one disturbed step in
-three put Phi-4's at 950 ms per block, where runs took 560). Timings are in CPU time on one thread (which other
-processes' load does not stretch), so a busy machine measures what a quiet one would. Results are cached per machine
-and shapes for MAX_AGE_S: this shared host's speed drifts over the hours (llama_small's grid step was timed at 0.47
-s and ran at 0.68 s in a sweep later, on idle cores; timed again, 0.56 s and ran at 0.58 to 0.60 s), so a timing
-older than that is taken again. Large models (whose step is matmuls, which the plan's FLOP model predicts from the
-measured matmul rate) and GPUs keep the FLOP model.
+size and compute dtype), with the run's weights (model.dtype where it is set: llama_small's float32 edges beside
+bf16 blocks), on the plan's thread count, with a batch padded as the collator pads a run's (a padded row sends
+attention down its masked path: phi4_tiny's 40-block LoRA step 2-6% slower than unpadded). Six blocks less two, over
+four, is one block's share; two blocks less two shares is the rest (embeddings, head, loss, optimizer). The step of
+n blocks is then rest + n x block, divided by the share of a core the plan's threads get now. A small model's timing
+is the mean of nine steps (the fastest of nine ran 20-35% under what runs measured); `window_s` (task=bench, just
+before its steps, gives as long as its timed steps will take, at most WINDOW_S) skips the cache and times the
+copies' steps for that long: this shared host runs for seconds at a time a third slower and then fast again
+(phi4_tiny's run: 0.19 s steps for three seconds, 0.30 s for three, 0.19 again), so nine steps, under a second,
+catch one speed where a run's twenty meet both. A large block's is the fastest of three (its matmuls, undisturbed:
+one disturbed step in three put Phi-4's at 950 ms per block, where runs took 560). Timings are in CPU time on one
+thread (which other processes' load does not stretch), so a busy machine measures what a quiet one would. Results
+are cached per machine and shapes for MAX_AGE_S: this shared host's speed drifts over the hours (llama_small's grid
+step was timed at 0.47 s and ran at 0.68 s in a sweep later, on idle cores; timed again, 0.56 s and ran at 0.58 to
+0.60 s), so a timing older than that is taken again. Large models (whose step is matmuls, which the plan's FLOP
+model predicts from the measured matmul rate) and GPUs keep the FLOP model.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 from onn.config import ONNConfig, as_dict
 from onn.hardware.profile import Profile
+from onn.modalities.text.tasks import streaming_settings, weights_dtype
 from onn.planning.plan import Plan
 
 MAX_PARAMS = 50_000_000  # a 6-block copy about this size trains in a second or so
@@ -110,6 +112,7 @@ def block_times(
             "model": config.model.architecture,
             "strategy": plan.strategy,
             "precision": plan.precision,
+            "weights": str(weights_dtype(config, plan)),
             "lora": as_dict(config.strategy.lora),
             "seq": seq,
             "micro": micro,
@@ -117,7 +120,7 @@ def block_times(
             "streaming": {k: getattr(plan.streaming, k, None) for k in ("store", "store_dtype", "chunk_size")},
             "machine": hw.fingerprint,
             "large": large,
-            "version": 11,
+            "version": 12,
         },
         sort_keys=True,
         default=str,
@@ -229,7 +232,7 @@ def _copy_step(
                 setattr(arch, key, vocab - 1)
     torch.manual_seed(0)
     model = auto_class(arch).from_config(arch)
-    model = model.to(torch_dtype(plan.weights_dtype))
+    model = model.to(weights_dtype(config, plan))  # model.dtype where it is set, as the run loads it
     container = model.get_submodule(blocks_path)
     model = apply(model, plan.strategy, config.strategy, discover(model, blocks_path), adapted)
     # the blocks' path inside the wrapped model, given: a copy of one block is no run to discover
@@ -252,7 +255,15 @@ def _copy_step(
         # boundary's work, which copies streamed a block at a time paid per block (phi4_tiny's 40-block step
         # 12% slower at chunk 1 than at the plan's 16, and its runs 12-27% under the plan)
         chunk = min(int(s.chunk_size), blocks)
-        engine = StreamingEngine(model, layer_map, LayerStore("cpu", s.store_dtype), chunk, micro_batch=micro)
+        settings = streaming_settings(config, plan)  # the run's: its compute dtype under mixed precision
+        engine = StreamingEngine(
+            model,
+            layer_map,
+            LayerStore("cpu", s.store_dtype),
+            chunk,
+            micro_batch=micro,
+            compute_dtype=torch_dtype(settings.compute_dtype) if settings.compute_dtype else None,
+        )
         engine.offload()
         engines.append(engine)
 
