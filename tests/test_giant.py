@@ -402,3 +402,7 @@ def test_streamed_copies_hold_the_runs_weights_and_compute_dtype(tmp_path):
     engine = engines[0]
     assert cfg.model.dtype == "float32" and engine.compute_dtype == torch.bfloat16
     assert engine.model.get_output_embeddings().weight.dtype == torch.float32
+    # sparse_lora whose Lightning strategy is not ONN's streaming one (strategy.lightning=auto) is timed too
+    resident = compose("model=llama_tiny", "strategy=sparse_lora", "strategy.lightning=auto", root=tmp_path)
+    _copy_step(resident, planned, 16, 2, 2, [0, 1], None, engines)()
+    assert engines[1].compute_dtype == torch.bfloat16

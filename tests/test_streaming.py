@@ -228,27 +228,29 @@ def test_mixed_precision_streams_bf16_weights_into_a_float32_model():
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99, name
 
 
-def test_the_backward_recomputes_each_chunk_as_the_forward_computed_it():
-    """bf16 weights (a bf16-mixed GPU run's) with float32 adapters: Lightning autocasts the step's forward but not
-    the backward, where each chunk is recomputed. The recompute computes as the forward did, adapters in bf16
-    (in float32 it held a Phi-4 block's MLP output in float32 twice over), and peft's own cast of an adapter's
-    input to float32 is left to autocast (a copy of the input for nothing)."""
+def test_float32_adapters_beside_bf16_weights_compute_in_bf16_under_mixed_precision():
+    """bf16 weights (a bf16-mixed GPU run's Phi-4) with float32 adapters: the engine autocasts its blocks, as
+    Lightning's autocast runs a resident model, in the forward and in the backward's recompute. Its autocast
+    used to be off there (the weights were in the compute dtype already), which switched Lightning's off: the
+    adapters ran in float32, peft copying each adapted layer's input to float32 first. peft's cast is left to
+    autocast while the blocks run, and is back on after, for whatever runs the model otherwise."""
     model = lora_model("llama", LAYER_SETS["first4+last4"])
     for p in model.parameters():
         p.data = p.data if p.requires_grad else p.data.bfloat16()
     engine = StreamingEngine(model, discover(model), LayerStore("cpu", "bfloat16"), 2, compute_dtype=torch.bfloat16)
     engine.offload()
     seen = []
-    for name, module in model.named_modules():
-        if name.endswith("lora_A.default"):
-            module.register_forward_hook(lambda m, args, out: seen.append((torch.is_grad_enabled(), args[0].dtype)))
+    adapters = [m for name, m in model.named_modules() if name.endswith("lora_A.default")]
+    for module in adapters:
+        module.register_forward_hook(lambda m, args, out: seen.append((torch.is_grad_enabled(), args[0].dtype)))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as Lightning's bf16-mixed runs training_step
-        engine.forward_train(micro_batches())
-    engine.backward_chunks()
-    recomputed = {dtype for grad, dtype in seen if grad}
-    assert {dtype for grad, dtype in seen if not grad} == {torch.bfloat16} and recomputed == {torch.bfloat16}
+        engine.train_step(micro_batches())
+    assert {dtype for grad, dtype in seen if not grad} == {torch.bfloat16}  # the forward
+    assert {dtype for grad, dtype in seen if grad} == {torch.bfloat16}  # the backward's recompute
     grads = lora_grads(model)
     assert len(grads) == 8 * 7 * 2 and all(g.abs().sum() > 0 for g in grads.values())
+    tuners = [m for m in model.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    assert len(tuners) == 8 * 7 and all(m.cast_input_dtype_enabled for m in tuners)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "phi3"])

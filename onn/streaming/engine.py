@@ -180,20 +180,15 @@ class StreamingEngine:
         model_dtype = next(p.dtype for p in blocks[0].parameters() if not p.requires_grad)
         self.compute_dtype = compute_dtype or model_dtype
         trained = {p.dtype for block in blocks for p in block.parameters() if p.requires_grad}
-        # Autocast wherever a block holds weights of another dtype than the compute's: frozen weights streamed
-        # in a lower dtype, or float32 adapters beside bf16 weights. Lightning's mixed precision autocasts the
-        # forward but not the backward's recompute, which must compute as the forward did. With adapters in fp32
-        # there, and peft's cast of their inputs, a Phi-4 block's backward at 2,048 tokens held 1,007 MB of
-        # activations; autocast and no cast of peft's: 664 MB (tracked on a CPU).
-        self._autocast = bool(trained - {self.compute_dtype}) or self.compute_dtype != model_dtype
-        if self._autocast:
-            # autocast casts an adapter's input itself: peft's own cast to fp32 first would copy it for nothing
-            from peft.tuners.tuners_utils import BaseTunerLayer
-
-            for block in blocks:
-                for module in block.modules():
-                    if isinstance(module, BaseTunerLayer):
-                        module.cast_input_dtype_enabled = False
+        # Mixed precision (a compute dtype given) autocasts the blocks wherever one of their weights has another
+        # dtype: frozen weights streamed in a lower dtype than the model's, or float32 adapters beside bf16
+        # weights (Phi-4's on a GPU), as Lightning's autocast runs a resident model. _run_chunk's autocast with
+        # enabled=False switched Lightning's off inside the blocks: such adapters then ran in float32, and with
+        # peft's cast of their inputs a Phi-4 block's recompute and backward at 2,048 tokens held 1,007 MB of
+        # activations; under autocast, peft's cast left to it: 664 MB (tracked on a CPU).
+        mixed = compute_dtype is not None and bool(trained - {self.compute_dtype})
+        self._autocast = self.compute_dtype != model_dtype or mixed
+        self._adapters = [_tuner_layers([blocks[i] for i in chunk]) if self._autocast else [] for chunk in self.chunks]
         trainable = {i for i, block in enumerate(blocks) if any(p.requires_grad for p in block.parameters())}
         self.lowest_chunk = min(
             (c for c, ids in enumerate(self.chunks) if set(ids) & trainable), default=len(self.chunks)
@@ -604,9 +599,10 @@ class StreamingEngine:
                 p.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
 
     def _run_chunk(self, c: int, hidden: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
-        # weights streamed in a lower dtype than the model's (mixed precision): autocast to it, also where
-        # Lightning's precision plugin does not (validation's epoch end, generation)
-        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self._autocast):
+        # mixed precision (see _find_frozen): autocast to the compute dtype, also where Lightning's precision
+        # plugin does not (validation's epoch end, generation)
+        autocast = torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self._autocast)
+        with autocast, _inputs_left_to_autocast(self._adapters[c]):
             for i in self.chunks[c]:
                 out = self.map.blocks[i](hidden, *inputs.args, **inputs.kwargs)
                 self._as_tuple = isinstance(out, tuple)
@@ -891,6 +887,28 @@ class StreamingEngine:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+
+def _tuner_layers(blocks: list[nn.Module]) -> list[nn.Module]:
+    """The peft adapter layers inside `blocks`."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for block in blocks for m in block.modules() if isinstance(m, BaseTunerLayer)]
+
+
+@contextlib.contextmanager
+def _inputs_left_to_autocast(layers: list[nn.Module]):
+    """peft casts an adapter's input to the adapter's dtype (float32) before its matmuls, which autocast then casts
+    to the compute dtype again: a copy of every adapted layer's input for nothing. Off while the blocks run under
+    the engine's autocast, and as it was after, for whatever runs the model otherwise."""
+    before = [getattr(m, "cast_input_dtype_enabled", True) for m in layers]
+    for m in layers:
+        m.cast_input_dtype_enabled = False
+    try:
+        yield
+    finally:
+        for m, enabled in zip(layers, before):
+            m.cast_input_dtype_enabled = enabled
 
 
 def target_tokens(mb: dict[str, Any]) -> int:

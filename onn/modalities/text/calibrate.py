@@ -33,7 +33,7 @@ from typing import Any
 
 from onn.config import ONNConfig, as_dict
 from onn.hardware.profile import Profile
-from onn.modalities.text.tasks import streaming_settings, weights_dtype
+from onn.modalities.text.tasks import streamed_compute_dtype, weights_dtype
 from onn.planning.plan import Plan
 
 MAX_PARAMS = 50_000_000  # a 6-block copy about this size trains in a second or so
@@ -255,14 +255,14 @@ def _copy_step(
         # boundary's work, which copies streamed a block at a time paid per block (phi4_tiny's 40-block step
         # 12% slower at chunk 1 than at the plan's 16, and its runs 12-27% under the plan)
         chunk = min(int(s.chunk_size), blocks)
-        settings = streaming_settings(config, plan)  # the run's: its compute dtype under mixed precision
+        dtype = streamed_compute_dtype(plan)  # the run's
         engine = StreamingEngine(
             model,
             layer_map,
             LayerStore("cpu", s.store_dtype),
             chunk,
             micro_batch=micro,
-            compute_dtype=torch_dtype(settings.compute_dtype) if settings.compute_dtype else None,
+            compute_dtype=torch_dtype(dtype) if dtype else None,
         )
         engine.offload()
         engines.append(engine)

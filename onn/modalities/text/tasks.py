@@ -149,7 +149,7 @@ def streaming_settings(
         **chosen,
         prefetch=fixed.prefetch,
         suffix_rows=s.suffix_rows,
-        compute_dtype=s.compute_dtype if plan.precision.endswith("-mixed") else None,
+        compute_dtype=streamed_compute_dtype(plan),
     )
     if generate:
         settings.chunk_size = settings.chunk_size if fixed.chunk_size not in (None, "auto") else 1
@@ -161,6 +161,11 @@ def streaming_settings(
                 cache += int(unused // s.block_mb)
             settings.cache_blocks = min(cache, plan.model["blocks"])
     return settings
+
+
+def streamed_compute_dtype(plan: Plan) -> str | None:
+    """The streamed blocks' compute dtype: the plan's under mixed precision, else None (the model's own)."""
+    return plan.streaming.compute_dtype if plan.precision.endswith("-mixed") else None
 
 
 def generate_batch(plan: Plan, samples: int) -> int:
