@@ -406,3 +406,21 @@ def test_streamed_copies_hold_the_runs_weights_and_compute_dtype(tmp_path):
     resident = compose("model=llama_tiny", "strategy=sparse_lora", "strategy.lightning=auto", root=tmp_path)
     _copy_step(resident, planned, 16, 2, 2, [0, 1], None, engines)()
     assert engines[1].compute_dtype == torch.bfloat16
+
+
+def test_strategy_auto_streams_the_sparse_lora_it_chooses(tmp_path):
+    """strategy=auto chooses sparse_lora for a model LoRA cannot fit, and the plan sizes it streamed: the run streams
+    it (it trained resident: smollm2_135m on a 900 MB budget peaked at 1,930 MB against the plan's 899). A Lightning
+    strategy named in the config (ddp) still places the model itself."""
+    from onn.hardware.profile import resolve
+    from onn.modalities import get
+    from onn.modalities.text.tasks import streaming_settings
+
+    cfg = compose("model=llama_tiny", "strategy=sparse_lora", f"paths.cache={tmp_path}", root=tmp_path)
+    planned, _ = get("text").plan(cfg, resolve(cfg.hardware, tmp_path, tmp_path))
+    auto = compose("model=llama_tiny", "strategy=auto", root=tmp_path)
+    settings = streaming_settings(auto, planned)
+    assert auto.strategy.streaming is None and settings is not None
+    assert (settings.chunk_size, settings.store_dtype) == (planned.streaming.chunk_size, planned.streaming.store_dtype)
+    ddp = compose("model=llama_tiny", "strategy=auto", "strategy.lightning=ddp", root=tmp_path)
+    assert streaming_settings(ddp, planned) is None

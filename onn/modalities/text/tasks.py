@@ -12,6 +12,7 @@ import torch
 
 from onn.config import ONNConfig, as_dict
 from onn.config.model import LanguageModelConfig
+from onn.config.strategy import StreamingConfig
 from onn.config.task import EvalTask, InferTask, TrainTask
 from onn.data.files import write_jsonl
 from onn.dtypes import torch_dtype
@@ -137,10 +138,12 @@ def streaming_settings(
     """The streaming engine's settings: the config's, with `auto` filled in from the plan; None when not
     streaming. `generate`: for generation only (task=infer), which streams one block at a time and
     gives the memory training needs to cached blocks; `sequences`: generated together, when fewer than
-    the plan's generate_batch (the room of the others goes to cached blocks too)."""
-    if config.strategy.lightning != "streaming" or plan.strategy != "sparse_lora":
+    the plan's generate_batch (the room of the others goes to cached blocks too). A plan's sparse_lora streams
+    unless another Lightning strategy was named: strategy=auto choosing it for a model LoRA cannot fit trained
+    it resident, and smollm2_135m on a 900 MB budget peaked at 1,930 MB."""
+    if config.strategy.lightning not in ("streaming", "auto") or plan.strategy != "sparse_lora":
         return None
-    fixed, s = config.strategy.streaming, plan.streaming
+    fixed, s = config.strategy.streaming or StreamingConfig(), plan.streaming
     given = as_dict(fixed)
     chosen = {key: getattr(s, key) if given[key] in (None, "auto") else given[key] for key in STREAMING_KEYS}
     # Mixed precision computes the matmuls in the plan's compute dtype anyway: frozen weights streamed in
