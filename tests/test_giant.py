@@ -402,8 +402,8 @@ def test_streamed_copies_hold_the_runs_weights_and_compute_dtype(tmp_path):
     engine = engines[0]
     assert cfg.model.dtype == "float32" and engine.compute_dtype == torch.bfloat16
     assert engine.model.get_output_embeddings().weight.dtype == torch.float32
-    # sparse_lora whose Lightning strategy is not ONN's streaming one (strategy.lightning=auto) is timed too
-    resident = compose("model=llama_tiny", "strategy=sparse_lora", "strategy.lightning=auto", root=tmp_path)
+    # sparse_lora placed by a Lightning strategy of its own (ddp), which does not stream it, is timed too
+    resident = compose("model=llama_tiny", "strategy=sparse_lora", "strategy.lightning=ddp", root=tmp_path)
     _copy_step(resident, planned, 16, 2, 2, [0, 1], None, engines)()
     assert engines[1].compute_dtype == torch.bfloat16
 
@@ -414,13 +414,14 @@ def test_strategy_auto_streams_the_sparse_lora_it_chooses(tmp_path):
     strategy named in the config (ddp) still places the model itself."""
     from onn.hardware.profile import resolve
     from onn.modalities import get
-    from onn.modalities.text.tasks import streaming_settings
+    from onn.modalities.text.tasks import build, streaming_settings
 
     cfg = compose("model=llama_tiny", "strategy=sparse_lora", f"paths.cache={tmp_path}", root=tmp_path)
     planned, _ = get("text").plan(cfg, resolve(cfg.hardware, tmp_path, tmp_path))
-    auto = compose("model=llama_tiny", "strategy=auto", root=tmp_path)
+    auto = compose("model=llama_tiny", "strategy=auto", f"paths.cache={tmp_path}", root=tmp_path)
     settings = streaming_settings(auto, planned)
     assert auto.strategy.streaming is None and settings is not None
+    assert build(auto, planned)[0].store is not None  # the run loads the blocks into a layer store
     assert (settings.chunk_size, settings.store_dtype) == (planned.streaming.chunk_size, planned.streaming.store_dtype)
     ddp = compose("model=llama_tiny", "strategy=auto", "strategy.lightning=ddp", root=tmp_path)
     assert streaming_settings(ddp, planned) is None

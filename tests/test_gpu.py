@@ -71,6 +71,24 @@ def test_a_gpu_plan_streams_phi4_from_pinned_host_memory_within_the_budget():
     assert s.store == "disk" and 0 < s.cache_blocks < 40
 
 
+@pytest.mark.slow
+def test_the_runner_overhead_bench_times_a_resident_model_and_refuses_a_streamed_one(tmp_path):
+    """task=bench_overhead (bench_gpu's default-job figure) times ONN's runner against a plain loop on the same
+    model. A sparse_lora plan (strategy=auto's choice for a model nothing else fits) streams its blocks from a layer
+    store, which the plain loop does not have: refused in one sentence, where its first step crashed."""
+    bench = ["model=llama_tiny", "task=bench_overhead", "task.steps=2", "task.warmup=1", "task.repeats=1"]
+    run_dir = tmp_path / "resident"
+    proc = run_cli(*bench, "tracking=none", f"paths.outputs={tmp_path}", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    m = read_metrics(run_dir)
+    assert m["overhead/ratio"] > 0 and len(m["overhead/rounds"]["plain"]) == len(m["overhead/rounds"]["onn"]) == 1
+    streamed = tmp_path / "streamed"
+    args = ["strategy=sparse_lora", "strategy.lightning=auto", "tracking=none", f"hydra.run.dir={streamed}"]
+    proc = run_cli(*bench, *args, f"paths.outputs={tmp_path}")
+    assert proc.returncode != 0 and read_metrics(streamed)["status"] == "failed"
+    assert "this plan streams sparse_lora" in read_metrics(streamed)["error"]
+
+
 # An H200's profile as ONN measured it (bench_gpu's machine, 2026-11-27): the planner's GPU inputs
 H200 = dict(
     name="auto", measure=False, accelerator="cuda", device_name="NVIDIA H200", device_count=1, device_memory_mb=143_155,
