@@ -188,7 +188,13 @@ class StreamingEngine:
         # activations; under autocast, peft's cast left to it: 664 MB (tracked on a CPU).
         mixed = compute_dtype is not None and bool(trained - {self.compute_dtype})
         self._autocast = self.compute_dtype != model_dtype or mixed
-        self._adapters = [_tuner_layers([blocks[i] for i in chunk]) if self._autocast else [] for chunk in self.chunks]
+        # under autocast, which casts an adapter's input itself, peft's cast to float32 first is a copy for nothing:
+        # off while a block runs (peft's own helper, which puts it back after)
+        self._uncast = lambda block: contextlib.nullcontext()
+        if self._autocast:
+            from peft.helpers import disable_input_dtype_casting
+
+            self._uncast = disable_input_dtype_casting
         trainable = {i for i, block in enumerate(blocks) if any(p.requires_grad for p in block.parameters())}
         self.lowest_chunk = min(
             (c for c, ids in enumerate(self.chunks) if set(ids) & trainable), default=len(self.chunks)
@@ -601,10 +607,10 @@ class StreamingEngine:
     def _run_chunk(self, c: int, hidden: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
         # mixed precision (see _find_frozen): autocast to the compute dtype, also where Lightning's precision
         # plugin does not (validation's epoch end, generation)
-        autocast = torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self._autocast)
-        with autocast, _inputs_left_to_autocast(self._adapters[c]):
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self._autocast):
             for i in self.chunks[c]:
-                out = self.map.blocks[i](hidden, *inputs.args, **inputs.kwargs)
+                with self._uncast(self.map.blocks[i]):
+                    out = self.map.blocks[i](hidden, *inputs.args, **inputs.kwargs)
                 self._as_tuple = isinstance(out, tuple)
                 hidden = out[0] if self._as_tuple else out
         return hidden
@@ -887,28 +893,6 @@ class StreamingEngine:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-
-
-def _tuner_layers(blocks: list[nn.Module]) -> list[nn.Module]:
-    """The peft adapter layers inside `blocks`."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return [m for block in blocks for m in block.modules() if isinstance(m, BaseTunerLayer)]
-
-
-@contextlib.contextmanager
-def _inputs_left_to_autocast(layers: list[nn.Module]):
-    """peft casts an adapter's input to the adapter's dtype (float32) before its matmuls, which autocast then casts
-    to the compute dtype again: a copy of every adapted layer's input for nothing. Off while the blocks run under
-    the engine's autocast, and as it was after, for whatever runs the model otherwise."""
-    before = [getattr(m, "cast_input_dtype_enabled", True) for m in layers]
-    for m in layers:
-        m.cast_input_dtype_enabled = False
-    try:
-        yield
-    finally:
-        for m, enabled in zip(layers, before):
-            m.cast_input_dtype_enabled = enabled
 
 
 def target_tokens(mb: dict[str, Any]) -> int:
