@@ -7,7 +7,7 @@ import random
 
 import pytest
 import yaml
-from conftest import run_cli
+from conftest import read_metrics, run_cli
 
 from onn.bench.scores import equitable, learned, loss_fall
 
@@ -110,6 +110,23 @@ def test_bench_grid_records_a_failed_job_and_resumes_only_missing_jobs(outputs):
     assert again["status"] == "ok"
     assert proc.stdout.count("bench: ") == 1  # one benchmark ran: the bleu jobs fail before they measure
     assert "already finished" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_sparse_lora_placed_by_another_lightning_strategy_is_planned_resident(outputs):
+    """strategy=sparse_lora with strategy.lightning=ddp trains resident (DDP places the whole model; layer streaming
+    is a Lightning strategy of its own), and the plan sizes it so: sized streamed, llama_small's run peaked 29%
+    above the plan."""
+    run_dir = outputs / "ddp"
+    args = ["model=llama_small", "data=math", "data.max_length=64", "data.batch_size=8", "strategy=sparse_lora"]
+    bench = ["task=bench", "task.warmup_steps=1", "task.steps=3", "task.val_batches=1", "tracking=none"]
+    proc = run_cli(*args, "strategy.lightning=ddp", *bench, f"paths.outputs={outputs}", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = read_metrics(run_dir)
+    plan = yaml.safe_load((run_dir / "plan.yaml").read_text())
+    assert m["status"] == "ok" and plan["strategy"] == "sparse_lora" and plan["streaming"] is None
+    assert any("sized resident: Lightning strategy 'ddp'" in r for r in plan["reasons"])
+    assert abs(m["bench/memory_error"]) <= 0.15, m["bench/memory_error"]
 
 
 @pytest.mark.parametrize(

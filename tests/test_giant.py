@@ -411,7 +411,7 @@ def test_streamed_copies_hold_the_runs_weights_and_compute_dtype(tmp_path):
 def test_strategy_auto_streams_the_sparse_lora_it_chooses(tmp_path):
     """strategy=auto chooses sparse_lora for a model LoRA cannot fit, and the plan sizes it streamed: the run streams
     it (it trained resident: smollm2_135m on a 900 MB budget peaked at 1,930 MB against the plan's 899). A Lightning
-    strategy named in the config (ddp) still places the model itself."""
+    strategy named in the config (ddp) still places the model itself, and the plan sizes it resident."""
     from onn.hardware.profile import resolve
     from onn.modalities import get
     from onn.modalities.text.tasks import build, streaming_settings
@@ -423,5 +423,6 @@ def test_strategy_auto_streams_the_sparse_lora_it_chooses(tmp_path):
     assert auto.strategy.streaming is None and settings is not None
     assert build(auto, planned)[0].store is not None  # the run loads the blocks into a layer store
     assert (settings.chunk_size, settings.store_dtype) == (planned.streaming.chunk_size, planned.streaming.store_dtype)
-    ddp = compose("model=llama_tiny", "strategy=auto", "strategy.lightning=ddp", root=tmp_path)
-    assert streaming_settings(ddp, planned) is None
+    ddp = compose("model=llama_tiny", "strategy=sparse_lora", "strategy.lightning=ddp", root=tmp_path)
+    resident, _ = get("text").plan(ddp, resolve(ddp.hardware, tmp_path, tmp_path))
+    assert resident.streaming is None and streaming_settings(ddp, resident) is None

@@ -266,7 +266,7 @@ def compute_s(
     else:
         time_s = matmul(forward + upper + 2 * head * tokens, rows)
         framework = calls.get("lora_bf16" if half else "lora", 0.0) * n * micro_batches
-        trainable, with_grad = sum(spec.lora_params_per_block), n
+        trainable, with_grad = sum(spec.lora_params_per_block[i] for i in trainable_layers), n - lowest
     framework += calls.get("step", 0.0) * micro_batches
     bandwidth = float(hw.memory_gb_s or 0) * 1e9
     traffic = (28 * trainable + 2 * act_bytes * with_grad) / bandwidth if bandwidth else 0.0

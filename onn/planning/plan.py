@@ -52,6 +52,7 @@ from onn.planning.tuned import lookup
 CANDIDATES = ("full", "lora", "qlora", "sparse_lora")
 NETWORK_CANDIDATES = ("full", "linear_probe")
 AUTO_ORDER = ("lora", "qlora", "sparse_lora")  # pretrained weights: the first that fits wins
+STREAMING_LIGHTNING = ("streaming", "auto")  # strategy.lightning values under which sparse_lora streams
 EXTRAS = ("scale", "data_streamed", "tuned", "step_time_source")  # plan.yaml holds these only when set
 
 
@@ -268,12 +269,15 @@ def candidate_table(estimates: dict[str, Estimate]) -> dict[str, dict[str, Any]]
     return table
 
 
-def _weights_and_states(strategy: str, spec: ModelSpec, mixed: bool, frozen_bytes: int) -> tuple[float, ...]:
+def _weights_and_states(
+    strategy: str, spec: ModelSpec, mixed: bool, frozen_bytes: int, adapted: list[int]
+) -> tuple[float, ...]:
     """Bytes of a full or (Q)LoRA candidate's weights, trainable weights and optimizer state, and the extra
-    half-precision copy of the weights that mixed-precision full training keeps."""
+    half-precision copy of the weights that mixed-precision full training keeps. `adapted`: the blocks with
+    adapters."""
     if strategy == "full":
         return spec.params * 4, spec.params * 4, spec.params * 8, spec.params * 2 if mixed else 0
-    lora_all = sum(spec.lora_params_per_block)
+    lora_all = sum(spec.lora_params_per_block[i] for i in adapted)
     if strategy == "qlora":
         # the blocks' linear layers in NF4; the rest (embeddings, norms, head) as the frozen weights are
         linear = sum(spec.linear_params_per_block)
@@ -298,16 +302,20 @@ def estimate(
     checkpointing: bool = False,
     present: dict[str, int] | None = None,
     where: str = "paths.cache",
+    streamed: bool = True,
 ) -> Estimate:
     """Predicted memory of one candidate at one micro-batch. With gradient checkpointing, autograd
     keeps only each block's input, and one block's activations exist at a time, during its recompute.
-    `fixed`: the streaming settings the config fixes (fixed_streaming); `prefetch`: strategy.streaming.prefetch."""
+    `fixed`: the streaming settings the config fixes (fixed_streaming); `prefetch`: strategy.streaming.prefetch;
+    `streamed`: False for sparse_lora placed by another Lightning strategy, which trains it resident."""
     mixed = precision.endswith("mixed")
     half = 2 if (mixed or precision.startswith(("bf16", "16"))) else 4
     act_bytes = half
     frozen_bytes = half if hw.accelerator != "cpu" else (2 if precision.startswith("bf16") else 4)
     per_token_layer = 10 * spec.hidden + 4 * spec.kv_dim + 4 * spec.intermediate
-    kept_layers = spec.hidden * spec.n_blocks + per_token_layer if checkpointing else per_token_layer * spec.n_blocks
+    # autograd keeps what the blocks from the lowest adapted one up need for their input gradients
+    with_grad = spec.n_blocks - (min(sparse_layers, default=0) if strategy == "sparse_lora" else 0)
+    kept_layers = spec.hidden * with_grad + per_token_layer if checkpointing else per_token_layer * with_grad
     tokens = micro_batch * seq
     logits = tokens * spec.vocab * 4 * 3
     ctx = context_mb(hw)
@@ -316,8 +324,9 @@ def estimate(
     if strategy == "qlora" and hw.accelerator == "mps":
         note = "bitsandbytes' 4-bit layers run on CUDA GPUs and CPUs, not on Apple's MPS"
         return Estimate(strategy, False, micro_batch, 0, 0, 0, 0, 0, ctx, note=note)
-    if strategy in ("full", "lora", "qlora"):
-        weights, trainable, optimizer, extra = _weights_and_states(strategy, spec, mixed, frozen_bytes)
+    if strategy in ("full", "lora", "qlora") or not streamed:
+        adapted = sparse_layers if strategy == "sparse_lora" else list(range(spec.n_blocks))
+        weights, trainable, optimizer, extra = _weights_and_states(strategy, spec, mixed, frozen_bytes, adapted)
         activations = kept_layers * tokens * act_bytes + logits
     elif strategy == "sparse_lora":
         shape = StreamShape(
@@ -432,6 +441,9 @@ class PlanRequest:
     prefetch: bool
     present: dict[str, int]
     precisions: dict[str, str]
+    # sparse_lora streams under ONN's own strategy (or auto); another Lightning strategy named (ddp, fsdp) trains
+    # it resident, which the plan then sizes
+    streams: bool
 
     @classmethod
     def read(cls, cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> PlanRequest:
@@ -447,8 +459,9 @@ class PlanRequest:
         if batch_size < 1:
             raise UserError(f"data.batch_size={batch_size}: give a whole number of samples, 1 or more.")
         present = {sd: _store_present_bytes(cfg, sd) for sd in PRECISE_FIRST} if hw.disk_free_mb is not None else {}
+        streams = strategy_cfg.lightning in STREAMING_LIGHTNING
         precisions = {
-            name: _precision(strategy_cfg.precision, name, spec, hw, seq, batch_size, sparse_layers)
+            name: _precision(strategy_cfg.precision, name, spec, hw, seq, batch_size, sparse_layers, streams)
             for name in CANDIDATES
         }
         streaming = strategy_cfg.streaming
@@ -466,6 +479,7 @@ class PlanRequest:
             streaming.prefetch if streaming is not None else True,
             present,
             precisions,
+            streams,
         )
 
 
@@ -491,7 +505,8 @@ def _best_estimate(r: PlanRequest, name: str) -> Estimate:
     sizes = [r.fixed_micro_batch] if r.fixed_micro_batch else micro_batch_sizes(r.batch_size)
     layers = r.sparse_layers if name == "sparse_lora" else list(range(r.spec.n_blocks))
     store = r.fixed.store_dtype
-    streamed_on_gpu = name == "sparse_lora" and r.hw.accelerator == "cuda"
+    streamed = name == "sparse_lora" and r.streams
+    streamed_on_gpu = streamed and r.hw.accelerator == "cuda"
     fitting, last = [], None
     for mb in sizes:
         last = estimate(
@@ -509,6 +524,7 @@ def _best_estimate(r: PlanRequest, name: str) -> Estimate:
             r.checkpointing,
             present=r.present,
             where=str(_store_folder(r.cfg)),
+            streamed=streamed,
         )
         if last.fits and not streamed_on_gpu:
             return last
@@ -527,6 +543,11 @@ def _choose(r: PlanRequest, estimates: dict[str, Estimate]) -> tuple[str, list[s
         reasons = [f"strategy={r.requested} was asked for"]
         if r.requested not in estimates:  # ddp / fsdp / deepspeed: full training placed by Lightning
             reasons.append(f"sized as full training; Lightning strategy '{r.cfg.strategy.lightning}' places it")
+        elif r.requested == "sparse_lora" and not r.streams:
+            reasons.append(
+                f"sized resident: Lightning strategy '{r.cfg.strategy.lightning}' places the model whole "
+                "(layer streaming is a Lightning strategy of its own, strategy.lightning=streaming)"
+            )
         return (r.requested if r.requested in estimates else "full"), reasons
     if not r.spec.pretrained:
         return "full", ["random init: train every weight (LoRA on random weights would adapt noise)"]
@@ -546,7 +567,7 @@ def _choose(r: PlanRequest, estimates: dict[str, Estimate]) -> tuple[str, list[s
 def _refuse_unfit(r: PlanRequest, chosen: str, est: Estimate) -> None:
     """A streamed plan that cannot fit is one sentence: the disk that cannot hold its store, or the
     smallest budget that would work."""
-    if chosen != "sparse_lora":
+    if est.streaming is None:
         return
     if est.streaming.refused:
         raise UserError(est.streaming.refused)
@@ -587,7 +608,7 @@ def _notes(r: PlanRequest, chosen: str, est: Estimate) -> list[str]:
         )
     elif hw.thread_limit and threads < (hw.cpu_cores or 1):
         notes.append(f"torch runs {threads} thread(s): OMP_NUM_THREADS={hw.thread_limit}")
-    if chosen == "sparse_lora":
+    if est.streaming is not None:
         notes.append(_streaming_reason(est.streaming))
     return notes
 
@@ -597,14 +618,14 @@ def _record(r: PlanRequest, chosen: str, estimates: dict[str, Estimate], reasons
     spec, hw, est = r.spec, r.hw, estimates[chosen]
     precision = r.precisions.get(chosen, r.precisions["full"])
     micro_batch = est.micro_batch  # need not divide batch_size: the last micro-batch is smaller
-    if chosen == "sparse_lora":
+    if est.streaming is not None:
         step_s = est.streaming.predicted_step_s
     else:
-        trainable = list(range(spec.n_blocks)) if chosen != "full" else [0]
+        trainable = {"full": [0], "sparse_lora": r.sparse_layers}.get(chosen, list(range(spec.n_blocks)))
         step_s = compute_s(
             spec,
             hw,
-            chosen if chosen in CANDIDATES else "full",
+            "lora" if chosen == "sparse_lora" else chosen if chosen in CANDIDATES else "full",
             r.seq,
             r.batch_size,
             micro_batch,
@@ -636,7 +657,14 @@ def _record(r: PlanRequest, chosen: str, estimates: dict[str, Estimate], reasons
 
 
 def _precision(
-    asked: str, name: str, spec: ModelSpec, hw: Profile, seq: int, batch_size: int, sparse_layers: list[int]
+    asked: str,
+    name: str,
+    spec: ModelSpec,
+    hw: Profile,
+    seq: int,
+    batch_size: int,
+    sparse_layers: list[int],
+    streams: bool,
 ) -> str:
     """The precision a candidate runs in: as asked, or by the machine. A CPU whose profile measured
     bf16 matmuls streams in bf16-mixed when matmuls are most of the step and bf16 makes it at least
@@ -646,7 +674,7 @@ def _precision(
     if asked not in (None, "auto"):
         return asked
     measured = all("bfloat16" in table for table in (hw.matmul_gflops or {"": {}}).values())
-    if hw.accelerator != "cpu" or name != "sparse_lora" or not measured:
+    if hw.accelerator != "cpu" or name != "sparse_lora" or not streams or not measured:
         return choose_precision(hw)
     matmul32, other32 = compute_s(spec, hw, name, seq, batch_size, batch_size, sparse_layers, "float32", parts=True)
     matmul16, other16 = compute_s(spec, hw, name, seq, batch_size, batch_size, sparse_layers, "bfloat16", parts=True)

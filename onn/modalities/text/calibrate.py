@@ -48,8 +48,9 @@ def refine(plan: Plan, config: ONNConfig, hw: Profile, spec, window_s: float | N
         return plan
     if plan.strategy not in ("full", "lora", "sparse_lora"):
         return plan
+    streamed = plan.streaming is not None  # sparse_lora under another Lightning strategy trains resident
     large = spec.params - sum(spec.block_params) + 6 * max(spec.block_params) > MAX_PARAMS
-    if large and (plan.strategy != "sparse_lora" or 2 * max(spec.block_params) * 2 > 0.5 * _budget_bytes(hw)):
+    if large and (not streamed or 2 * max(spec.block_params) * 2 > 0.5 * _budget_bytes(hw)):
         return plan  # a large model trains streamed; its block copies must fit beside the run comfortably
     from onn.planning.costs import matmul_rate, threads_for
 
@@ -57,7 +58,7 @@ def refine(plan: Plan, config: ONNConfig, hw: Profile, spec, window_s: float | N
     seq, batch, micro = int(plan.sequence_length), config.data.batch_size, int(plan.micro_batch)
     costs = block_times(config, plan, hw, seq, micro, threads, large, window_s)
     n = spec.n_blocks
-    if plan.strategy == "sparse_lora":
+    if streamed:
         layers = set(plan.sparse_layers)
         lowest = min(layers) if layers else n
         blocks = sum(
@@ -73,7 +74,7 @@ def refine(plan: Plan, config: ONNConfig, hw: Profile, spec, window_s: float | N
     compute = (rest + blocks) * micro_batches / share
     plan = copy.deepcopy(plan)
     step = compute
-    if plan.strategy == "sparse_lora":  # the loaders' reads overlap the compute; their decoding does not
+    if streamed:  # the loaders' reads overlap the compute; their decoding does not
         s = plan.streaming
         step = max(s.predicted_io_s, compute + s.predicted_decode_s)
         s.predicted_compute_s, s.predicted_step_s = round(compute, 3), round(step, 3)
@@ -141,7 +142,7 @@ def block_times(
         costs = {"lora": lora - one, "frozen": frozen - one, "below": below - one}
         costs["rest"] = one - costs["lora"]
     # copies of 2 and 6 blocks: four blocks' difference, so a boundary effect of one copy is not multiplied by n
-    elif plan.strategy == "sparse_lora":
+    elif plan.streaming is not None:
         two, lora, frozen, below = timed((2, [0, 1]), (6, [0, 1, 2, 3, 4, 5]), (6, [0, 1]), (6, [4, 5]))
         costs = {"lora": (lora - two) / 4, "frozen": (frozen - two) / 4, "below": (below - two) / 4}
         costs["rest"] = two - 2 * costs["lora"]
@@ -249,7 +250,7 @@ def _copy_step(
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     autocast = plan.precision.startswith("bf16")
     engine = None
-    if plan.strategy == "sparse_lora":
+    if plan.streaming is not None:
         s = plan.streaming
         # the plan's chunks (a copy smaller than one holds one): blocks computed a chunk at a time share its
         # boundary's work, which copies streamed a block at a time paid per block (phi4_tiny's 40-block step

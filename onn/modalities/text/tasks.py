@@ -139,9 +139,10 @@ def streaming_settings(
     streaming. `generate`: for generation only (task=infer), which streams one block at a time and
     gives the memory training needs to cached blocks; `sequences`: generated together, when fewer than
     the plan's generate_batch (the room of the others goes to cached blocks too). A plan's sparse_lora streams
-    unless another Lightning strategy was named: strategy=auto choosing it for a model LoRA cannot fit trained
-    it resident, and smollm2_135m on a 900 MB budget peaked at 1,930 MB."""
-    if config.strategy.lightning not in ("streaming", "auto") or plan.strategy != "sparse_lora":
+    unless another Lightning strategy was named, which the plan sized resident (its `streaming` is None):
+    strategy=auto choosing it for a model LoRA cannot fit trained it resident, and smollm2_135m on a 900 MB
+    budget peaked at 1,930 MB."""
+    if plan.streaming is None or plan.strategy != "sparse_lora":
         return None
     fixed, s = config.strategy.streaming or StreamingConfig(), plan.streaming
     given = as_dict(fixed)
