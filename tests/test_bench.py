@@ -81,6 +81,7 @@ def test_bench_grid_records_a_failed_job_and_resumes_only_missing_jobs(outputs):
             "bench/memory_error",
             "bench/step_time_error",
             "bench/plan_predicted_step_s",
+            "bench/steal_cores",
             "bench/learned",
             "bench/quality",
             "score/efficiency",

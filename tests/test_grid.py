@@ -147,6 +147,9 @@ def test_a_grid_run_under_three_seeds_gives_each_jobs_spread(tmp_path):
         for strategy in ("full", "lora"):
             metrics = bench_metrics("phi4_tiny", strategy, 900.0, 15.6, 600.0 + seed)
             metrics |= {"bench/step_s": steps[strategy][seed], "bench/step_time_error": step_errors[strategy][seed]}
+            # the cores each run had: the one outside 25% had 61% of its threads' time, the hypervisor took 0.5 cores
+            busy = 0.61 if (strategy, seed) == ("full", 1) else 0.98
+            metrics |= {"bench/cpu_share_planned": 1.0, "bench/cpu_share_measured": busy, "bench/steal_cores": 0.5}
             if strategy == "lora" and seed == 1:
                 metrics = {"status": "failed", "error": "boom", "model": "phi4_tiny", "strategy": "lora"}
             make_job(sweep, str(job), [f"seed={seed}", "model=phi4_tiny", f"strategy={strategy}", *COMMON], metrics)
@@ -161,6 +164,11 @@ def test_a_grid_run_under_three_seeds_gives_each_jobs_spread(tmp_path):
     ]  # fmt: skip
     assert "Step time within 25% of the plan in 4 of 5 runs (worst +30.0%)." in md
     assert "Peak memory within 15% of the plan in 5 of 5 runs (worst -2.0%)." in md
+    slow = md.split("Outside 25%, and the cores each run had:\n")[1].strip().splitlines()
+    assert slow == [
+        "- seed=1 strategy=full: +30.0%; its threads ran 61% of the time (planned 100%); "
+        "the hypervisor took 0.50 cores meanwhile (steal)."
+    ]
     assert (
         "## The same jobs"
         not in (write_grid(fake_sweep(tmp_path / "one")) and (tmp_path / "one" / "grid.md")).read_text()

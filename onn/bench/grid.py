@@ -43,6 +43,9 @@ BENCH_KEYS = [
     "bench/learned_p",
     "bench/quality",
     "bench/loss_curve",
+    "bench/cpu_share_planned",
+    "bench/cpu_share_measured",
+    "bench/steal_cores",
 ]
 SCORE_KEYS = ["score/efficiency", "score/speed", "score/memory", "score/overall"]
 COLUMNS = [
@@ -189,8 +192,27 @@ def spread_table(rows: list[dict[str, Any]]) -> str | None:
         ]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     runs = [r for group in groups.values() for r in group if r["status"] == "ok"]
-    return "\n".join([*lines, "", _within_text(runs, "bench/step_time_error", 0.25, "step time"),
-                      _within_text(runs, "bench/memory_error", 0.15, "peak memory")])  # fmt: skip
+    summary = [
+        _within_text(runs, "bench/step_time_error", 0.25, "step time"),
+        _within_text(runs, "bench/memory_error", 0.15, "peak memory"),
+        *_slow_runs(runs, 0.25),
+    ]
+    return "\n".join([*lines, "", *summary])
+
+
+def _slow_runs(runs: list[dict[str, Any]], target: float) -> list[str]:
+    """The runs whose step time missed the plan, each with the cores it had: a shared machine's neighbours
+    and its hypervisor (steal) take cores for tens of seconds, which no prediction made before the run sees."""
+    lines = []
+    for r in runs:
+        error, share = _finite(r["bench/step_time_error"]), _finite(r.get("bench/cpu_share_measured"))
+        if error is None or abs(error) <= target or share is None:
+            continue
+        planned, steal = _finite(r.get("bench/cpu_share_planned")), _finite(r.get("bench/steal_cores"))
+        had = f" (planned {planned:.0%})" if planned is not None else ""
+        took = f"; the hypervisor took {steal:.2f} cores meanwhile (steal)" if steal is not None else ""
+        lines.append(f"- {r['label']}: {_pct(error)}; its threads ran {share:.0%} of the time{had}{took}.")
+    return ["", f"Outside {target:.0%}, and the cores each run had:", *lines] if lines else []
 
 
 def _spread(values: list[Any]) -> str:

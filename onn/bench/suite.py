@@ -14,6 +14,8 @@ Figures (beside the [core] keys): bench/step_s, samples_per_s, tokens_per_s, io_
 (streaming), peak_memory_mb, predicted_memory_mb, memory_error = measured / predicted - 1,
 memory_growth_error (the same for the growth above the baseline: the stricter figure),
 predicted_step_s, step_time_error, learned, learned_p, loss_curve, quality and the score/* keys;
+on CPUs cpu_share_measured (the run's CPU time over wall time and threads) and steal_cores (the cores the
+hypervisor took meanwhile), which say when the machine, not the plan, made a step slow;
 see onn/bench/scores.py for how learning, quality and the scores are decided.
 """
 
@@ -98,7 +100,7 @@ def measure(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
     import gc
 
     from onn.hardware.memory import PeakMemory, anon_rss_mb
-    from onn.hardware.profile import use_threads
+    from onn.hardware.profile import steal_s, use_threads
     from onn.modalities.text.tasks import build, datamodule, trainer
     from onn.training.callbacks import ResourceMonitor, StepClock
 
@@ -124,9 +126,9 @@ def measure(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
         dm = datamodule(config, tokenizer)
         fit.validate(module, datamodule=dm, verbose=False)
         module.train()
-        cpu0, wall0 = time.process_time(), time.perf_counter()
+        cpu0, wall0, steal0 = time.process_time(), time.perf_counter(), steal_s()
         fit.fit(module, datamodule=dm)
-        cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
+        cpu_s, wall_s, steal1 = time.process_time() - cpu0, time.perf_counter() - wall0, steal_s()
     exact = None
     if task.quality == "exact_match":
         from onn.modalities.text.generate import exact_match
@@ -157,6 +159,8 @@ def measure(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
         "exact_match": exact,
         # the cores the training actually got: CPU time over wall time and threads
         "cpu_share": cpu_s / wall_s / max(1, int(plan.threads or 1)) if not cuda else None,
+        # the cores the hypervisor took from the machine meanwhile: a slow run a prediction made before it cannot see
+        "steal_cores": (steal1 - steal0) / wall_s if steal0 is not None and steal1 is not None else None,
     }
 
 
@@ -217,6 +221,7 @@ def summarize(config: ONNConfig, plan: Plan, hardware: Profile, spec, raw: dict[
         "bench/threads": plan.threads,
         "bench/cpu_share_planned": hardware.cpu_share,
         "bench/cpu_share_measured": round(raw["cpu_share"], 3) if raw["cpu_share"] is not None else None,
+        "bench/steal_cores": round(raw["steal_cores"], 3) if raw["steal_cores"] is not None else None,
     }
     out.update(equitable(quality, spec.params, samples_per_s, batch_size, available, peak, task.score_weights))
     _print(out)

@@ -189,6 +189,16 @@ def cpu_busy_cores(seconds: float = 0.5) -> float:
     return cpu_load(seconds)[0]
 
 
+def steal_s() -> float | None:
+    """CPU time the hypervisor has taken from this virtual machine's cores since boot (steal), in seconds summed
+    over the cores; None where the kernel does not say (not Linux, or no steal column in /proc/stat)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        return float(fields[7]) / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def cpu_load(seconds: float = 0.5) -> tuple[float, float]:
     """(busy cores, runnable threads) of other processes over `seconds`: the CPU time they took (and
     the hypervisor, as steal), in cores; and how many of their threads wanted a core, on average, which
