@@ -426,3 +426,24 @@ def test_strategy_auto_streams_the_sparse_lora_it_chooses(tmp_path):
     ddp = compose("model=llama_tiny", "strategy=sparse_lora", "strategy.lightning=ddp", root=tmp_path)
     resident, _ = get("text").plan(ddp, resolve(ddp.hardware, tmp_path, tmp_path))
     assert resident.streaming is None and streaming_settings(ddp, resident) is None
+
+
+def test_resident_sparse_lora_is_timed_by_where_its_adapters_are_and_streaming_benches_refuse_it(tmp_path):
+    """sparse_lora under ddp trains resident with adapters on strategy.layers only: its blocks are timed as blocks
+    with adapters, without them above the lowest adapted block and below it. Timed with adapters on every block,
+    llama_small's run with strategy.layers=[-1] took 57% less than the plan. The streaming benches refuse it."""
+    from onn.bench.giant import check_settings as check_giant
+    from onn.bench.gpu import check_settings as check_gpu
+    from onn.hardware.profile import resolve
+    from onn.modalities import get
+    from onn.modalities.text.calibrate import block_times
+
+    ddp = compose("model=llama_tiny", "strategy=sparse_lora", "strategy.lightning=ddp", f"paths.cache={tmp_path}")
+    hw = resolve(ddp.hardware, tmp_path, tmp_path)
+    plan, _ = get("text").plan(ddp, hw)
+    costs = block_times(ddp, plan, hw, 16, 2, 1, window_s=0.2)
+    assert plan.streaming is None and {"lora", "frozen", "below", "rest"} <= set(costs)
+    assert 0 < costs["below"] < costs["lora"]  # forward only, against forward and backward with adapters
+    for check, recipe in ((check_giant, "recipe=bench_giant"), (check_gpu, "recipe=bench_gpu")):
+        with pytest.raises(UserError, match="strategy=sparse_lora with strategy.lightning=streaming"):
+            check(compose(recipe, "strategy.lightning=ddp"))

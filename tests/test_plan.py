@@ -25,6 +25,22 @@ def test_phi4_on_a_4gb_gpu_streams_under_4gb(tmp_path):
     assert plan.streaming.chunk_size >= 1
 
 
+def test_another_lightning_strategy_sizes_sparse_lora_resident(tmp_path):
+    """Under ddp (or fsdp) nothing streams: Phi-4 on a 4 GB card fits no candidate resident, strategy=auto takes the
+    smallest and says why, and an explicit sparse_lora is sized as the resident LoRA it trains, over the budget."""
+    plan, _ = plan_for(
+        "model=phi4", "hardware=gtx1650_4gb", "strategy=auto", "strategy.lightning=ddp", tmp_path=tmp_path
+    )
+    smallest = min(("lora", "qlora", "sparse_lora"), key=lambda s: plan.candidates[s]["peak_mb"])
+    assert plan.streaming is None and plan.strategy == smallest
+    assert any("sized resident: Lightning strategy 'ddp'" in r for r in plan.reasons)
+    assert not any(plan.candidates[s]["fits"] for s in ("lora", "qlora", "sparse_lora"))
+    plan, _ = plan_for("model=phi4", "hardware=gtx1650_4gb", "strategy=sparse_lora", "strategy.lightning=ddp",
+                       tmp_path=tmp_path)  # fmt: skip
+    assert plan.streaming is None and plan.predicted_peak_memory_mb > 4096
+    assert any(r.startswith("WARNING: predicted") for r in plan.reasons)
+
+
 @pytest.mark.parametrize("hardware", ["a100_80gb", "h100_80gb"])
 def test_phi4_on_80gb_picks_lora(tmp_path, hardware):
     plan, _ = plan_for("model=phi4", f"hardware={hardware}", tmp_path=tmp_path)

@@ -46,7 +46,7 @@ from onn.bench import child
 from onn.config import ONNConfig, as_dict
 from onn.config.task import BenchGiantTask
 from onn.errors import UserError
-from onn.planning.plan import Plan
+from onn.planning.plan import STREAMING_LIGHTNING, Plan
 
 MB = 1024**2
 
@@ -63,9 +63,10 @@ def check_settings(config: ONNConfig) -> None:
         )
     if task.gen_tokens < 2:
         raise UserError("task.gen_tokens must be 2 or more: the first token's step also reads the prompt.")
-    if config.strategy.name != "sparse_lora":
+    if config.strategy.name != "sparse_lora" or config.strategy.lightning not in STREAMING_LIGHTNING:
         raise UserError(
-            f"task=bench_giant measures layer streaming: use strategy=sparse_lora, not {config.strategy.name}."
+            f"task=bench_giant measures layer streaming: use strategy=sparse_lora with strategy.lightning=streaming, "
+            f"not strategy={config.strategy.name} with strategy.lightning={config.strategy.lightning}."
         )
 
 

@@ -38,6 +38,7 @@ import torch
 from onn.config import ONNConfig
 from onn.config.task import BenchGpuTask
 from onn.errors import UserError
+from onn.planning.plan import STREAMING_LIGHTNING
 
 log = logging.getLogger("onn")
 
@@ -50,9 +51,10 @@ def check_settings(config: ONNConfig) -> None:
     for key, least in (("steps", 2), ("gen_batch", 1), ("gen_tokens", 2)):
         if getattr(task, key) < least:
             raise UserError(f"task.{key}={getattr(task, key)!r}: give a whole number, {least} or more.")
-    if config.strategy.name != "sparse_lora":
+    if config.strategy.name != "sparse_lora" or config.strategy.lightning not in STREAMING_LIGHTNING:
         raise UserError(
-            f"task=bench_gpu measures layer streaming: use strategy=sparse_lora, not {config.strategy.name}."
+            f"task=bench_gpu measures layer streaming: use strategy=sparse_lora with strategy.lightning=streaming, "
+            f"not strategy={config.strategy.name} with strategy.lightning={config.strategy.lightning}."
         )
 
 

@@ -201,17 +201,20 @@ def spread_table(rows: list[dict[str, Any]]) -> str | None:
 
 
 def _slow_runs(runs: list[dict[str, Any]], target: float) -> list[str]:
-    """The runs whose step time missed the plan, each with the cores it had: a shared machine's neighbours
-    and its hypervisor (steal) take cores for tens of seconds, which no prediction made before the run sees."""
+    """The runs whose step time missed the plan, each with the cores it had where it measured them (CPU runs): a
+    shared machine's neighbours and its hypervisor (steal) take cores for tens of seconds, which no prediction
+    made before the run sees."""
     lines = []
     for r in runs:
-        error, share = _finite(r["bench/step_time_error"]), _finite(r.get("bench/cpu_share_measured"))
-        if error is None or abs(error) <= target or share is None:
+        error = _finite(r["bench/step_time_error"])
+        if error is None or abs(error) <= target:
             continue
-        planned, steal = _finite(r.get("bench/cpu_share_planned")), _finite(r.get("bench/steal_cores"))
-        had = f" (planned {planned:.0%})" if planned is not None else ""
+        share, planned = _finite(r.get("bench/cpu_share_measured")), _finite(r.get("bench/cpu_share_planned"))
+        steal = _finite(r.get("bench/steal_cores"))
+        had = f"; its threads ran {share:.0%} of the time" if share is not None else ""
+        had += f" (planned {planned:.0%})" if share is not None and planned is not None else ""
         took = f"; the hypervisor took {steal:.2f} cores meanwhile (steal)" if steal is not None else ""
-        lines.append(f"- {r['label']}: {_pct(error)}; its threads ran {share:.0%} of the time{had}{took}.")
+        lines.append(f"- {r['label']}: {_pct(error)}{had}{took}.")
     return ["", f"Outside {target:.0%}, and the cores each run had:", *lines] if lines else []
 
 

@@ -544,24 +544,33 @@ def _choose(r: PlanRequest, estimates: dict[str, Estimate]) -> tuple[str, list[s
         if r.requested not in estimates:  # ddp / fsdp / deepspeed: full training placed by Lightning
             reasons.append(f"sized as full training; Lightning strategy '{r.cfg.strategy.lightning}' places it")
         elif r.requested == "sparse_lora" and not r.streams:
-            reasons.append(
-                f"sized resident: Lightning strategy '{r.cfg.strategy.lightning}' places the model whole "
-                "(layer streaming is a Lightning strategy of its own, strategy.lightning=streaming)"
-            )
+            reasons.append(_resident_reason(r))
         return (r.requested if r.requested in estimates else "full"), reasons
     if not r.spec.pretrained:
         return "full", ["random init: train every weight (LoRA on random weights would adapt noise)"]
     if r.spec.kind == "lm" and not any(r.spec.lora_params_per_block):
         return "full", ["no linear layer inside the blocks for LoRA to adapt (a recurrent stack): train every weight"]
-    chosen = next((s for s in AUTO_ORDER if estimates[s].fits), "sparse_lora")
+    # streamed, sparse_lora fits any budget above one block; resident (another Lightning strategy), the smallest
+    fallback = "sparse_lora" if r.streams else min(AUTO_ORDER, key=lambda s: estimates[s].peak_mb)
+    chosen = next((s for s in AUTO_ORDER if estimates[s].fits), fallback)
     reasons = []
-    for s in AUTO_ORDER[: AUTO_ORDER.index(chosen) + 1]:
+    for s in AUTO_ORDER[: AUTO_ORDER.index(chosen) + 1] if estimates[chosen].fits else AUTO_ORDER:
         e = estimates[s]
         reasons.append(
             f"{s}: {'fits' if e.fits else 'does not fit'} ({e.peak_mb + e.context_mb:,.0f} MB"
             f"{'; ' + e.note if e.note else ''})"
         )
+    if not r.streams:
+        reasons.append(_resident_reason(r))
     return chosen, reasons
+
+
+def _resident_reason(r: PlanRequest) -> str:
+    return (
+        f"sized resident: Lightning strategy '{r.cfg.strategy.lightning}' places the model whole (layer streaming, "
+        "which fits a model far larger than the budget, is a Lightning strategy of its own: "
+        "strategy.lightning=streaming)"
+    )
 
 
 def _refuse_unfit(r: PlanRequest, chosen: str, est: Estimate) -> None:

@@ -58,7 +58,7 @@ def refine(plan: Plan, config: ONNConfig, hw: Profile, spec, window_s: float | N
     seq, batch, micro = int(plan.sequence_length), config.data.batch_size, int(plan.micro_batch)
     costs = block_times(config, plan, hw, seq, micro, threads, large, window_s)
     n = spec.n_blocks
-    if streamed:
+    if plan.strategy == "sparse_lora":  # streamed or not, its blocks cost by where the adapters are
         layers = set(plan.sparse_layers)
         lowest = min(layers) if layers else n
         blocks = sum(
@@ -104,9 +104,10 @@ def block_times(
     large: bool = False,
     window_s: float | None = None,
 ) -> dict[str, float]:
-    """Per micro-batch: one block's share of a step and the rest (`block`, `rest`); streamed, a block with
-    adapters (`lora`), one without them above the lowest adapted block (`frozen`, recomputed for its input
-    gradient) and one below it (`below`, forward only). Cached per machine and shapes. `large`: copies of 1
+    """Per micro-batch: one block's share of a step and the rest (`block`, `rest`); for sparse_lora (streamed, or
+    resident under another Lightning strategy) a block with adapters (`lora`), one without them above the lowest
+    adapted block (`frozen`: its input gradient, recomputed when streamed) and one below it (`below`, forward
+    only). Cached per machine and shapes. `large`: copies of 1
     and 2 blocks with a vocabulary of 256 (a block does not depend on it; the head is counted apart)."""
     key = json.dumps(
         {
@@ -142,7 +143,7 @@ def block_times(
         costs = {"lora": lora - one, "frozen": frozen - one, "below": below - one}
         costs["rest"] = one - costs["lora"]
     # copies of 2 and 6 blocks: four blocks' difference, so a boundary effect of one copy is not multiplied by n
-    elif plan.streaming is not None:
+    elif plan.strategy == "sparse_lora":
         two, lora, frozen, below = timed((2, [0, 1]), (6, [0, 1, 2, 3, 4, 5]), (6, [0, 1]), (6, [4, 5]))
         costs = {"lora": (lora - two) / 4, "frozen": (frozen - two) / 4, "below": (below - two) / 4}
         costs["rest"] = two - 2 * costs["lora"]
