@@ -170,6 +170,50 @@ def test_validation_ignores_micro_batches_without_targets():
     assert math.isfinite(losses[1]) and losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 
+def test_validation_is_the_mean_per_target_token_and_no_step_reads_the_device():
+    """The validation loss is the mean over every target token of the set (the pieces of a batch and batches with
+    fewer targets weigh by their tokens), and no validation step reads a value from the device: on a GPU each read
+    is a wait, and torchmetrics' MeanMetric read each update's weight and NaN check. (The model's own forward is
+    transformers': its attention mask utilities read the mask.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from onn.modalities.text.datamodule import HOST_ROWS, IGNORE
+
+    reads, in_model = [], []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default) and not in_model:
+                reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    data = batches(steps=2, rows=8)
+    data[1]["labels"][:, :8] = IGNORE  # the second batch has fewer targets
+    module = tiny_module(micro_batch=4)
+    module.model.register_forward_pre_hook(lambda *_: in_model.append(True))
+    module.model.register_forward_hook(lambda *_: in_model.clear())
+    step = module.validation_step
+
+    def counted(batch, batch_idx):
+        batch[HOST_ROWS] = (batch["attention_mask"].sum(1).tolist(), (batch["labels"][:, 1:] != IGNORE).sum(1).tolist())
+        with Reads():
+            return step(batch, batch_idx)
+
+    module.validation_step = counted
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    trainer.validate(module, dataloaders=torch.utils.data.DataLoader(data, batch_size=None), verbose=False)
+    total = tokens = 0
+    with torch.no_grad():
+        for batch in data:
+            for a in (0, 4):
+                piece = {k: v[a : a + 4] for k, v in batch.items() if k != HOST_ROWS}
+                n = int((piece["labels"][:, 1:] != IGNORE).sum())
+                total, tokens = total + float(module.model(**piece).loss) * n, tokens + n
+    assert reads == [] and module.val_losses[-1] == pytest.approx(total / tokens, rel=1e-5)
+
+
 @pytest.mark.slow
 def test_qlora_trains_lora_on_a_4bit_base_also_after_a_validation(tmp_path):
     """strategy=qlora loads the base through transformers' BitsAndBytesConfig (NF4) on this device, and
