@@ -44,7 +44,7 @@ def run(job) -> dict[str, Any]:
 
     config, task = job.config, job.config.task
     check_settings(config)
-    if job.plan.strategy == "sparse_lora":  # streamed: its blocks live in a layer store, which a plain loop lacks
+    if job.plan.streaming is not None:  # its blocks live in a layer store, which a plain loop lacks
         raise UserError(
             "task=bench_overhead times a resident model against a plain loop, and this plan streams sparse_lora "
             "(the model does not fit otherwise); set strategy=full or strategy=lora, or a model that fits."
