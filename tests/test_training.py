@@ -170,23 +170,38 @@ def test_validation_ignores_micro_batches_without_targets():
     assert math.isfinite(losses[1]) and losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 
+def device_waits(skip: list | None = None):
+    """A dispatch mode that lists the operators run under it which, on a GPU, wait for the device: reading a
+    value to the host, or an output whose size depends on the values (bincount, unique, nonzero). Nothing is
+    recorded while `skip` is not empty."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    waits = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.bincount.default, aten.nonzero.default}
+    waits |= {aten._unique2.default, aten.unique_dim.default, aten.masked_select.default}
+
+    class Waits(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in waits and not skip:
+                self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    return Waits()
+
+
 def test_validation_is_the_mean_per_target_token_and_no_step_reads_the_device():
     """The validation loss is the mean over every target token of the set (the pieces of a batch and batches with
     fewer targets weigh by their tokens), and no validation step reads a value from the device: on a GPU each read
     is a wait, and torchmetrics' MeanMetric read each update's weight and NaN check. (The model's own forward is
     transformers': its attention mask utilities read the mask.)"""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from onn.modalities.text.datamodule import HOST_ROWS, IGNORE
 
-    reads, in_model = [], []
-
-    class Reads(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default) and not in_model:
-                reads.append(func)
-            return func(*args, **(kwargs or {}))
-
+    in_model = []
+    reads = device_waits(skip=in_model)
     data = batches(steps=2, rows=8)
     data[1]["labels"][:, :8] = IGNORE  # the second batch has fewer targets
     module = tiny_module(micro_batch=4)
@@ -196,7 +211,7 @@ def test_validation_is_the_mean_per_target_token_and_no_step_reads_the_device():
 
     def counted(batch, batch_idx):
         batch[HOST_ROWS] = (batch["attention_mask"].sum(1).tolist(), (batch["labels"][:, 1:] != IGNORE).sum(1).tolist())
-        with Reads():
+        with reads:
             return step(batch, batch_idx)
 
     module.validation_step = counted
@@ -211,7 +226,42 @@ def test_validation_is_the_mean_per_target_token_and_no_step_reads_the_device():
                 piece = {k: v[a : a + 4] for k, v in batch.items() if k != HOST_ROWS}
                 n = int((piece["labels"][:, 1:] != IGNORE).sum())
                 total, tokens = total + float(module.model(**piece).loss) * n, tokens + n
-    assert reads == [] and module.val_losses[-1] == pytest.approx(total / tokens, rel=1e-5)
+    assert reads.seen == [] and module.val_losses[-1] == pytest.approx(total / tokens, rel=1e-5)
+
+
+def test_classifier_evaluation_figures_wait_for_the_device_only_at_the_end():
+    """A classifier's validation and test add their loss (per sample), accuracies and confusion matrix up on the
+    device and read them once, when the evaluation ends: torchmetrics' MeanMetric read each batch's NaN check,
+    and its confusion matrix's bincount the batch's largest and smallest index (on a GPU, each a wait). The
+    figures are still the whole set's, its last smaller batch weighing by its samples."""
+    from onn.training.classifier import Classifier
+
+    torch.manual_seed(0)
+    x, y = torch.randn(70, 4), torch.randint(0, 3, (70,))
+    data = [(x[i : i + 32], y[i : i + 32]) for i in range(0, 70, 32)]  # 32, 32 and 6 samples
+    module = Classifier(torch.nn.Linear(4, 3), ["a", "b", "c"], OPTIM, {})
+    reads = device_waits()
+    step = module.test_step
+
+    def counted(batch, batch_idx):
+        with reads:
+            return step(batch, batch_idx)
+
+    module.test_step = counted
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    figures = trainer.test(module, dataloaders=torch.utils.data.DataLoader(data, batch_size=None), verbose=False)[0]
+    with torch.no_grad():
+        logits = module.model(x)
+    predicted = logits.argmax(1)
+    expected = torch.zeros(3, 3, dtype=torch.long)
+    for true, guess in zip(y.tolist(), predicted.tolist()):
+        expected[true, guess] += 1
+    assert reads.seen == []
+    assert figures["test/loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, y)), rel=1e-5)
+    assert figures["test/acc"] == pytest.approx(float((predicted == y).float().mean()), rel=1e-6)
+    assert torch.equal(module.confusion["test"], expected)
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from onn.config import OptimConfig
 from onn.errors import UserError
 from onn.streaming.engine import Objective
 from onn.training.distributed import clip_gradients
+from onn.training.metrics import ClassPairs, WeightedMean
 from onn.training.optim import make_optimizer, make_schedule
 from onn.training.record import EpochRecord, log_train_loss
 
@@ -86,8 +87,7 @@ class Classifier(EpochRecord, L.LightningModule):
         mixup: float = 0.0,
     ):
         super().__init__()
-        from torchmetrics import MeanMetric
-        from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
+        from torchmetrics.classification import MulticlassAccuracy
 
         self.model = model
         self.classes = list(classes)
@@ -106,15 +106,17 @@ class Classifier(EpochRecord, L.LightningModule):
         if channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         n = len(self.classes)
+        # figures that add up on the device and are read once per evaluation (onn/training/metrics.py); the
+        # labels are the data module's class indices, so torchmetrics need not check them each batch
         self.metrics = nn.ModuleDict(
             {
                 f"{stage}_{name}": metric
                 for stage in ("val", "test")
                 for name, metric in (
-                    ("acc", MulticlassAccuracy(n, average="micro")),
-                    ("acc_top5", MulticlassAccuracy(n, top_k=min(5, n), average="micro")),
-                    ("confusion", MulticlassConfusionMatrix(n)),
-                    ("loss", MeanMetric()),
+                    ("acc", MulticlassAccuracy(n, average="micro", validate_args=False)),
+                    ("acc_top5", MulticlassAccuracy(n, top_k=min(5, n), average="micro", validate_args=False)),
+                    ("confusion", ClassPairs(n)),
+                    ("loss", WeightedMean()),
                 )
             }
         )
@@ -198,7 +200,7 @@ class Classifier(EpochRecord, L.LightningModule):
     def _evaluate(self, batch, stage: str) -> None:
         x, labels = batch
         logits = self.logits(self.prepare(x, train=False)).float()
-        self.metrics[f"{stage}_loss"].update(self._loss(logits, labels, 0.0), weight=labels.shape[0])
+        self.metrics[f"{stage}_loss"].update(self._loss(logits, labels, 0.0) * labels.shape[0], labels.shape[0])
         for name in ("acc", "acc_top5", "confusion"):
             self.metrics[f"{stage}_{name}"].update(logits, labels)
 
@@ -244,15 +246,17 @@ class Classifier(EpochRecord, L.LightningModule):
             self._trained_norms = None
 
     def _epoch_end(self, stage: str) -> None:
+        loss = self.metrics[f"{stage}_loss"].compute(self.device, self.trainer.world_size)
         figures = {
             f"{stage}/acc": self.metrics[f"{stage}_acc"].compute(),
             f"{stage}/acc_top5": self.metrics[f"{stage}_acc_top5"].compute(),
-            f"{stage}/loss": self.metrics[f"{stage}_loss"].compute(),
+            f"{stage}/loss": float("nan") if loss is None else loss,
         }
-        self.confusion[stage] = self.metrics[f"{stage}_confusion"].compute().cpu()
-        for metric in ("acc", "acc_top5", "confusion", "loss"):
+        self.confusion[stage] = self.metrics[f"{stage}_confusion"].compute()
+        for metric in ("acc", "acc_top5"):
             self.metrics[f"{stage}_{metric}"].reset()
-        self.log_dict(figures, prog_bar=stage == "val")
+        # already each figure over every process (compute() above): sync_dist only says so to Lightning
+        self.log_dict(figures, prog_bar=stage == "val", sync_dist=True)
         if stage == "val" and not self.trainer.sanity_checking:
             self.record_epoch(figures, list(figures))
             self._log_confusion(stage)

@@ -29,6 +29,7 @@ from onn.modalities.text.datamodule import HOST_ROWS, IGNORE
 from onn.streaming.engine import target_tokens
 from onn.training.callbacks import logs_now
 from onn.training.distributed import clip_gradients, forward_module, wrap_for_fsdp
+from onn.training.metrics import WeightedMean
 from onn.training.micro_batches import OutOfMemoryFloor, is_out_of_memory, split
 from onn.training.optim import make_optimizer, make_schedule
 
@@ -60,15 +61,8 @@ class CausalLM(L.LightningModule):
         self.micro_batch, self.min_micro_batch = micro_batch, min_micro_batch
         self.tbptt_steps = tbptt_steps  # truncated backpropagation through time: tokens per chunk (0: off)
         self.oom_backoffs: list[dict[str, int]] = []  # {"step", "from", "to"} per halving
-        from torchmetrics import SumMetric
-
-        # The mean loss per target token over the whole validation set (and over every process): the losses times
-        # their tokens summed where they are, the tokens on the host until the epoch's end. MeanMetric read every
-        # update's weight and NaN check to the host, a GPU wait per batch, and with nan_strategy="disable" it drops
-        # the weights (torchmetrics 1.9).
-        self.val_loss_sum = SumMetric(nan_strategy="disable")
-        self.val_tokens = SumMetric(nan_strategy="disable")
-        self._val_tokens = 0
+        # the mean loss per target token over the whole validation set and every process, read once at its end
+        self.val_loss = WeightedMean()
         self._losses: list[float] = []  # one mean loss per optimizer step, kept across resume (train_losses)
         self._pending_losses: list[torch.Tensor] = []  # steps' losses not read from the device yet
         self.val_losses: list[float] = []
@@ -250,38 +244,20 @@ class CausalLM(L.LightningModule):
         losses = [self.model(**piece).loss for piece in pieces]
         for loss, tokens in zip(losses, counts):
             if tokens:  # a micro-batch without targets has a 0/0 mean loss
-                # the metric where the loss is (DeepSpeed's ZeRO-3 offload leaves the module's metrics on the CPU)
-                self.val_loss_sum.to(loss.device).update(loss.detach().float() * tokens)
-                self._val_tokens += tokens
+                self.val_loss.update(loss * tokens, tokens)
 
     def on_validation_epoch_end(self) -> None:
         if self._held_out:
             total, tokens = self.engine.evaluate(self._held_out)
             self._held_out = []
-            self._val_tokens += tokens
-            self.val_loss_sum.to(self.device).update(torch.tensor(float(total), device=self.device))
-        loss = self._mean_val_loss()
+            self.val_loss.update(torch.tensor(float(total), device=self.device), tokens)
+        loss = self.val_loss.compute(self.device, self.trainer.world_size) or 0.0
         # already the mean over every process (compute() above): sync_dist only says so to Lightning
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
         self.log("val/perplexity", math.exp(min(loss, 50)), sync_dist=True)
         if not self.trainer.sanity_checking:
             self.val_losses.append(loss)
             self.val_at_step = self.trainer.global_step
-
-    def _mean_val_loss(self) -> float:
-        """The validation's mean loss per target token, over every process (compute() reduces: each process must
-        call it, also one whose share was empty), read from the device once; the sums start again."""
-        loss = 0.0
-        if self._val_tokens or self.trainer.world_size > 1:
-            sums = self.val_loss_sum.to(self.device), self.val_tokens.to(self.device)
-            sums[0].update(torch.zeros((), device=self.device))  # a share without targets adds nothing
-            sums[1].update(torch.tensor(float(self._val_tokens), device=self.device))
-            total, tokens = (float(m.compute()) for m in sums)
-            loss = total / tokens if tokens else 0.0
-        self.val_loss_sum.reset()
-        self.val_tokens.reset()
-        self._val_tokens = 0
-        return loss
 
     def configure_optimizers(self):
         optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], self.optim)
