@@ -254,3 +254,68 @@ def test_a_budget_below_one_block_names_the_smallest_that_works(tmp_path):
         "the smallest budget that works is about" in proc.stdout + proc.stderr
         or "below what the run holds" in proc.stdout + proc.stderr
     )
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_classifiers_steps_queue_their_work_without_waiting_for_the_gpu():
+    """The image runner's training step (device augmentation, loss, the step's record) and a classifier's
+    validation never wait for the GPU, so the host queues the next batch while the GPU computes this one: under
+    CUDA's sync debug mode "error" any wait in them (a value read to the host, a blocking copy from it, an output
+    sized by its values) raises. The first step is left out: it logs, and makes the augmentation's constants."""
+    import lightning as L
+
+    from onn.config.data import ColorJitter, ImageAugment, RandomErasing
+    from onn.modalities.image.augment import BatchAugment
+    from onn.training.callbacks import logs_now
+    from onn.training.classifier import Classifier
+
+    torch.manual_seed(0)
+    labels = torch.randint(0, 2, (96,), device="cuda")
+    images = (torch.randint(0, 128, (96, 3, 16, 16), device="cuda") + 128 * labels[:, None, None, None]).byte()
+    batches = [(images[i : i + 32], labels[i : i + 32]) for i in range(0, 96, 32)]
+    augment = ImageAugment(
+        crop_padding=2, hflip=0.5, color_jitter=ColorJitter(0.1, 0.2, 0.2), random_erasing=RandomErasing()
+    )
+    network = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8, 2),
+    )
+    optim = compose("optim.name=sgd", "optim.lr=0.1", "optim.schedule=constant", "optim.warmup_steps=0").optim
+    module = Classifier(network, ["dark", "bright"], optim, {}, transform=BatchAugment(augment, [0.5] * 3, [0.25] * 3))
+    checked = []
+
+    def strict(step):
+        def run(batch, batch_idx):
+            if module.training and logs_now(module):
+                return step(batch, batch_idx)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return step(batch, batch_idx)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                checked.append(module.training)
+
+        return run
+
+    module.training_step, module.validation_step = strict(module.training_step), strict(module.validation_step)
+    trainer = L.Trainer(
+        accelerator="cuda",
+        devices=1,
+        max_steps=12,
+        num_sanity_val_steps=0,
+        log_every_n_steps=50,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        precision="bf16-mixed",
+    )
+    loader = torch.utils.data.DataLoader(batches, batch_size=None)
+    trainer.fit(module, train_dataloaders=loader, val_dataloaders=loader)
+    assert checked.count(True) == 11 and checked.count(False) == 3 * 4  # each epoch's validation (3 batches)
+    assert module.history[-1]["val/loss"] < module.history[0]["val/loss"]
