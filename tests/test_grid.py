@@ -137,8 +137,9 @@ def test_labels_show_only_what_varies(tmp_path):
 
 
 def test_a_grid_run_under_three_seeds_gives_each_jobs_spread(tmp_path):
-    """`seed=0,1,2`: grid.md puts each job's runs in one row (a failed run counted, not measured) and counts the
-    runs the plan held to 25% (step time) and 15% (memory)."""
+    """`seed=0,1,2`: grid.md puts each job's runs in one row (a failed run counted, not measured), counts the
+    runs the plan held to 25% (step time) and 15% (memory), and gives each run outside its step against both
+    predictions and the cores it had."""
     sweep = tmp_path / "sweep"
     steps = {"full": [0.20, 0.26, 0.22], "lora": [0.30, 0.31, 0.29]}
     step_errors = {"full": [-0.05, 0.30, 0.04], "lora": [0.10, -0.12, 0.02]}
@@ -150,6 +151,7 @@ def test_a_grid_run_under_three_seeds_gives_each_jobs_spread(tmp_path):
             # the cores each run had: the one outside 25% had 61% of its threads' time, the hypervisor took 0.5 cores
             busy = 0.61 if (strategy, seed) == ("full", 1) else 0.98
             metrics |= {"bench/cpu_share_planned": 1.0, "bench/cpu_share_measured": busy, "bench/steal_cores": 0.5}
+            metrics |= {"bench/predicted_step_s": 0.2, "bench/plan_predicted_step_s": 0.21}
             if strategy == "lora" and seed == 1:
                 metrics = {"status": "failed", "error": "boom", "model": "phi4_tiny", "strategy": "lora"}
             make_job(sweep, str(job), [f"seed={seed}", "model=phi4_tiny", f"strategy={strategy}", *COMMON], metrics)
@@ -164,10 +166,14 @@ def test_a_grid_run_under_three_seeds_gives_each_jobs_spread(tmp_path):
     ]  # fmt: skip
     assert "Step time within 25% of the plan in 4 of 5 runs (worst +30.0%)." in md
     assert "Peak memory within 15% of the plan in 5 of 5 runs (worst -2.0%)." in md
-    slow = md.split("Outside 25%, and the cores each run had:\n")[1].strip().splitlines()
+    slow = (
+        md.split("Outside 25%: each run's step against its predictions, and the cores it had:\n")[1]
+        .strip()
+        .splitlines()
+    )
     assert slow == [
-        "- seed=1 strategy=full: +30.0%; its threads ran 61% of the time (planned 100%); "
-        "the hypervisor took 0.50 cores meanwhile (steal)."
+        "- seed=1 strategy=full: +30.0% (0.26 s a step against 0.2 timed just before it, 0.21 when the job was "
+        "planned); its threads ran 61% of the time (planned 100%); the hypervisor took 0.50 cores meanwhile (steal)."
     ]
     assert (
         "## The same jobs"

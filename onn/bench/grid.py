@@ -38,6 +38,7 @@ BENCH_KEYS = [
     "bench/predicted_memory_mb",
     "bench/memory_error",
     "bench/predicted_step_s",
+    "bench/plan_predicted_step_s",
     "bench/step_time_error",
     "bench/learned",
     "bench/learned_p",
@@ -201,21 +202,32 @@ def spread_table(rows: list[dict[str, Any]]) -> str | None:
 
 
 def _slow_runs(runs: list[dict[str, Any]], target: float) -> list[str]:
-    """The runs whose step time missed the plan, each with the cores it had where it measured them (CPU runs): a
-    shared machine's neighbours and its hypervisor (steal) take cores for tens of seconds, which no prediction
-    made before the run sees."""
+    """The runs whose step time missed the plan, each with its step against the two predictions (timed just before
+    its steps, and the plan's when the job started: which side a slow spell hit) and the cores it had where it
+    measured them (CPU runs): a shared machine's neighbours and its hypervisor (steal) take cores for tens of
+    seconds, which no prediction made before the run sees."""
     lines = []
     for r in runs:
         error = _finite(r["bench/step_time_error"])
         if error is None or abs(error) <= target:
             continue
+        step, before = _finite(r.get("bench/step_s")), _finite(r.get("bench/predicted_step_s"))
+        timed = ""
+        if step and before:
+            planned_s = _finite(r.get("bench/plan_predicted_step_s"))
+            when = f", {_num(planned_s)} when the job was planned" if planned_s else ""
+            timed = f" ({_num(step)} s a step against {_num(before)} timed just before it{when})"
         share, planned = _finite(r.get("bench/cpu_share_measured")), _finite(r.get("bench/cpu_share_planned"))
         steal = _finite(r.get("bench/steal_cores"))
         had = f"; its threads ran {share:.0%} of the time" if share is not None else ""
         had += f" (planned {planned:.0%})" if share is not None and planned is not None else ""
         took = f"; the hypervisor took {steal:.2f} cores meanwhile (steal)" if steal is not None else ""
-        lines.append(f"- {r['label']}: {_pct(error)}{had}{took}.")
-    return ["", f"Outside {target:.0%}, and the cores each run had:", *lines] if lines else []
+        lines.append(f"- {r['label']}: {_pct(error)}{timed}{had}{took}.")
+    return (
+        ["", f"Outside {target:.0%}: each run's step against its predictions, and the cores it had:", *lines]
+        if lines
+        else []
+    )
 
 
 def _spread(values: list[Any]) -> str:
