@@ -173,20 +173,43 @@ def test_validation_ignores_micro_batches_without_targets():
 def device_waits(skip: list | None = None):
     """A dispatch mode that lists the operators run under it which, on a GPU, wait for the device: reading a
     value to the host, or an output whose size depends on the values (bincount, unique, nonzero). Nothing is
-    recorded while `skip` is not empty."""
+    recorded while `skip` is not empty, nor inside F.one_hot on a CPU tensor (it checks its indices' range on the
+    host on a CPU only; on CUDA a device assert does). Tensors made under inference mode never reach a dispatch
+    mode: a Trainer the counter watches needs inference_mode=False (ONN's trainers have it)."""
+    from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     aten = torch.ops.aten
     waits = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.bincount.default, aten.nonzero.default}
     waits |= {aten._unique2.default, aten.unique_dim.default, aten.masked_select.default}
+    in_cpu_check: list = []
+
+    class CpuOnlyChecks(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is not torch.nn.functional.one_hot or args[0].device.type != "cpu":
+                return func(*args, **(kwargs or {}))
+            in_cpu_check.append(True)
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                in_cpu_check.pop()
 
     class Waits(TorchDispatchMode):
         def __init__(self):
             super().__init__()
             self.seen: list = []
+            self.checks = CpuOnlyChecks()
+
+        def __enter__(self):
+            self.checks.__enter__()
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            super().__exit__(*exc)
+            self.checks.__exit__(*exc)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in waits and not skip:
+            if func in waits and not skip and not in_cpu_check:
                 self.seen.append(func)
             return func(*args, **(kwargs or {}))
 
@@ -216,7 +239,12 @@ def test_validation_is_the_mean_per_target_token_and_no_step_reads_the_device():
 
     module.validation_step = counted
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        inference_mode=False,
     )
     trainer.validate(module, dataloaders=torch.utils.data.DataLoader(data, batch_size=None), verbose=False)
     total = tokens = 0
@@ -249,7 +277,12 @@ def test_classifier_evaluation_figures_wait_for_the_device_only_at_the_end():
 
     module.test_step = counted
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        inference_mode=False,
     )
     figures = trainer.test(module, dataloaders=torch.utils.data.DataLoader(data, batch_size=None), verbose=False)[0]
     with torch.no_grad():

@@ -199,8 +199,10 @@ class Classifier(EpochRecord, L.LightningModule):
 
     def _evaluate(self, batch, stage: str) -> None:
         x, labels = batch
+        if not labels.shape[0]:  # an empty batch adds nothing (and its mean loss is 0/0)
+            return
         logits = self.logits(self.prepare(x, train=False)).float()
-        self.metrics[f"{stage}_loss"].update(self._loss(logits, labels, 0.0) * labels.shape[0], labels.shape[0])
+        self.metrics[f"{stage}_loss"].update(self._loss(logits, labels, 0.0), labels.shape[0])
         for name in ("acc", "acc_top5", "confusion"):
             self.metrics[f"{stage}_{name}"].update(logits, labels)
 

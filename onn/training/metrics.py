@@ -23,16 +23,13 @@ class WeightedMean(nn.Module):
         self.count = SumMetric(nan_strategy="disable")
         self._count = 0.0
 
-    def update(self, total: torch.Tensor, count: float) -> None:
-        """`total`: the sum of `count` values (a batch's mean times its count), wherever it is computed."""
-        # where the value is: DeepSpeed's ZeRO-3 offload leaves a module's metrics on the CPU
-        self.total.to(total.device).update(total.detach().float())
+    def update(self, mean: torch.Tensor, count: float) -> None:
+        """`mean`: the mean of `count` values (a batch's mean loss), wherever it is computed; in float32 before it is
+        weighted (a half-precision mean times thousands of tokens would round, or overflow)."""
+        if self.total.device != mean.device:  # DeepSpeed's ZeRO-3 offload leaves a module's metrics on the CPU
+            self.total.to(mean.device)
+        self.total.update(mean.detach().float() * count)
         self._count += count
-
-    @property
-    def counted(self) -> float:
-        """What this process has counted since the last compute()."""
-        return self._count
 
     def compute(self, device: torch.device, processes: int = 1) -> float | None:
         """The mean over every process, read once (None when nothing was counted); the sums start again. With
@@ -69,7 +66,8 @@ class ClassPairs(nn.Module):
     def compute(self) -> torch.Tensor:
         """The confusion matrix over every process (rows: true class, columns: predicted), on the host."""
         if self._targets:
-            self.matrix.update(torch.cat(self._predicted), torch.cat(self._targets))
+            predicted = torch.cat(self._predicted)
+            self.matrix.to(predicted.device).update(predicted, torch.cat(self._targets))
         self._targets, self._predicted = [], []
         counts = self.matrix.compute().cpu()
         self.matrix.reset()

@@ -244,13 +244,14 @@ class CausalLM(L.LightningModule):
         losses = [self.model(**piece).loss for piece in pieces]
         for loss, tokens in zip(losses, counts):
             if tokens:  # a micro-batch without targets has a 0/0 mean loss
-                self.val_loss.update(loss * tokens, tokens)
+                self.val_loss.update(loss, tokens)
 
     def on_validation_epoch_end(self) -> None:
         if self._held_out:
             total, tokens = self.engine.evaluate(self._held_out)
             self._held_out = []
-            self.val_loss.update(torch.tensor(float(total), device=self.device), tokens)
+            if tokens:  # the held-out set's mean loss per target token
+                self.val_loss.update(torch.tensor(float(total) / tokens, device=self.device), tokens)
         loss = self.val_loss.compute(self.device, self.trainer.world_size) or 0.0
         # already the mean over every process (compute() above): sync_dist only says so to Lightning
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
