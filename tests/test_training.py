@@ -170,6 +170,18 @@ def test_validation_ignores_micro_batches_without_targets():
     assert math.isfinite(losses[1]) and losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 
+def watched_trainer() -> L.Trainer:
+    """A quiet CPU Trainer a dispatch mode can watch: no inference mode, as ONN's (see device_waits)."""
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        inference_mode=False,
+    )
+
+
 def device_waits(skip: list | None = None):
     """A dispatch mode that lists the operators run under it which, on a GPU, wait for the device: reading a
     value to the host, or an output whose size depends on the values (bincount, unique, nonzero). Nothing is
@@ -238,14 +250,7 @@ def test_validation_is_the_mean_per_target_token_and_no_step_reads_the_device():
             return step(batch, batch_idx)
 
     module.validation_step = counted
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        inference_mode=False,
-    )
+    trainer = watched_trainer()
     trainer.validate(module, dataloaders=torch.utils.data.DataLoader(data, batch_size=None), verbose=False)
     total = tokens = 0
     with torch.no_grad():
@@ -276,14 +281,7 @@ def test_classifier_evaluation_figures_wait_for_the_device_only_at_the_end():
             return step(batch, batch_idx)
 
     module.test_step = counted
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        inference_mode=False,
-    )
+    trainer = watched_trainer()
     figures = trainer.test(module, dataloaders=torch.utils.data.DataLoader(data, batch_size=None), verbose=False)[0]
     with torch.no_grad():
         logits = module.model(x)
