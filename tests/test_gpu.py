@@ -47,9 +47,9 @@ def test_every_process_computes_on_an_indexed_device(monkeypatch):
 
 def test_a_gpu_plan_streams_phi4_from_pinned_host_memory_within_the_budget():
     """Planned from an H200's measured profile, Phi-4 at batch 128 on a 4 GB budget streams from host memory
-    (which holds the store), int8 codes cast on the device, within the budget with its context; a smaller
-    micro-batch holds the seeds' 1.5 GB; a host too small for the store puts it on the disk with what fits
-    cached in host memory."""
+    (which holds the store), int8 codes cast on the device, within the budget with its context, and within the
+    seeds' 1.5 GB at micro-batch 128 by computing each block's MLP in slices (whole, it would not be); a host
+    too small for the store puts it on the disk with what fits cached in host memory."""
     from onn.hardware.profile import resolve
     from onn.planning.plan import make_plan
     from onn.planning.spec import model_spec
@@ -60,8 +60,10 @@ def test_a_gpu_plan_streams_phi4_from_pinned_host_memory_within_the_budget():
     s = plan.streaming
     assert (s.store, s.store_dtype, s.edges) == ("cpu", "int8", "stream")
     assert plan.predicted_peak_memory_mb + plan.context_mb <= 4096 and plan.context_mb == H200["cuda_context_mb"]
-    smaller = make_plan(compose("recipe=bench_gpu", "strategy.micro_batch=64"), hw, model_spec(cfg.model, 16))
-    assert smaller.predicted_peak_memory_mb <= 1536 < plan.predicted_peak_memory_mb
+    whole = make_plan(compose("recipe=bench_gpu", "strategy.streaming.mlp_tiles=1"), hw, model_spec(cfg.model, 16))
+    assert plan.micro_batch == whole.micro_batch == 128 and (s.mlp_tiles, whole.streaming.mlp_tiles) == (5, 1)
+    assert plan.predicted_peak_memory_mb <= 1536 < whole.predicted_peak_memory_mb
+    assert s.predicted_step_s <= whole.streaming.predicted_step_s * 1.1  # one more MLP pass, under the copies
     assert s.predicted_h2d_gb > 20 and s.predicted_io_s == pytest.approx(s.predicted_h2d_gb * 1024 / 50_000, rel=0.1)
     small_host = dataclasses.replace(
         cfg.hardware, **{**H200, "host_memory_mb": 16_000, "host_memory_available_mb": 12_000}

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from onn.errors import UserError
-from onn.models.layers import discover, resolve_indices
+from onn.models.layers import discover, gated_mlps, resolve_indices
 
 
 def _hf(model_type, **kw):
@@ -18,7 +18,7 @@ def _hf(model_type, **kw):
 
 
 @pytest.mark.parametrize(
-    "model_type,kw,blocks_path,n,prefix,suffix",
+    "model_type,kw,blocks_path,n,prefix,suffix,gated",
     [
         (
             "phi3",
@@ -37,6 +37,7 @@ def _hf(model_type, **kw):
             5,
             ["model.embed_tokens"],
             ["model.norm", "lm_head"],
+            (0, 64, 64),  # one fused gate_up_proj: the gate's rows first, the up projection's after
         ),
         (
             "llama",
@@ -45,6 +46,7 @@ def _hf(model_type, **kw):
             3,
             ["model.embed_tokens"],
             ["model.norm", "lm_head"],
+            (0, 0, 64),
         ),
         # GPT-2's wte/wpe are a same-typed pair too, with more parameters than these tiny blocks:
         # composite blocks must still win.
@@ -55,6 +57,7 @@ def _hf(model_type, **kw):
             2,
             ["transformer.wte", "transformer.wpe"],
             ["transformer.ln_f", "lm_head"],
+            None,  # an ungated MLP (c_fc, c_proj)
         ),
         (
             "bert",
@@ -63,14 +66,17 @@ def _hf(model_type, **kw):
             4,
             ["embeddings"],
             ["pooler"],
+            None,
         ),
     ],
 )
-def test_transformers(model_type, kw, blocks_path, n, prefix, suffix):
+def test_transformers(model_type, kw, blocks_path, n, prefix, suffix, gated):
     lmap = discover(_hf(model_type, **kw))
     assert lmap.blocks_path == blocks_path and len(lmap) == n
     assert [name for name, _ in lmap.prefix if any(True for _ in _.parameters())] == prefix
     assert [name for name, _ in lmap.suffix if any(True for _ in _.parameters())] == suffix
+    mlps = gated_mlps(lmap.blocks[0])  # what layer streaming may compute a slice at a time
+    assert [(m.gate_row, m.up_row, m.intermediate) for m in mlps] == ([gated] if gated else [])
 
 
 def test_resnet_stages():

@@ -364,12 +364,10 @@ def test_bad_numbers_in_settings(tmp_path, cache, text):
         ("optim.schedule=warmup_cosine", r"optim.schedule='warmup_cosine' is not one of cosine"),
     ]
     if text:
-        cases.append(
-            (
-                "strategy.streaming.chunk_size=0",
-                r"strategy.streaming.chunk_size=0: give a whole number of blocks",
-            )
-        )
+        cases += [
+            ("strategy.streaming.chunk_size=0", r"strategy.streaming.chunk_size=0: give a whole number of blocks"),
+            ("strategy.streaming.mlp_tiles=0", r"strategy.streaming.mlp_tiles=0: give a whole number of slices"),
+        ]
     for override, said in cases:
         extra = ["strategy=sparse_lora"] if "streaming" in override else []
         with pytest.raises(UserError, match=said):

@@ -3,14 +3,18 @@ gradients, same weights after several steps, same greedy tokens."""
 
 import copy
 import math
+import weakref
 
 import pytest
 import torch
 from conftest import compose
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from onn.models.layers import discover
 from onn.streaming.engine import StreamingEngine, target_tokens, token_weights
 from onn.streaming.store import LayerStore, stored_name
+from onn.streaming.tiled_mlp import tile_blocks
 
 ARCH = {
     "llama": dict(
@@ -115,6 +119,66 @@ def test_one_step_matches_resident_gradient_accumulation(model_type, chunk_size,
             3,
             2,
         ]  # forward 0..3, backward reuses 3 then reloads 2 and stops
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the tensors created under it that are still alive, and their peak: what a device's
+    allocator would hold for them, measured on any device."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = {}, 0, 0
+
+    def _freed(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.live:
+                storage, key = t.untyped_storage(), t.untyped_storage().data_ptr()
+                self.live[key] = storage.nbytes()
+                weakref.finalize(storage, self._freed, key)
+                self.now += storage.nbytes()
+                self.peak = max(self.peak, self.now)
+        return out
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+def test_a_sliced_gated_mlp_trains_as_the_whole_one_in_a_fraction_of_the_memory(model_type):
+    """strategy.streaming.mlp_tiles: each block's gated MLP (Llama's gate and up projections, Phi-3's fused
+    one) computed a slice of its intermediate features at a time, LoRA on all three of its linears: the
+    streamed step's loss and LoRA gradients are the resident model's, and a block's recompute and backward
+    holds less than half of what the whole MLP held."""
+    bias = {"mlp_bias": True} if model_type == "llama" else {}  # the down projection's bias added once
+    resident = lora_model(model_type, LAYER_SETS["first4+last4"], hidden_size=32, intermediate_size=1024, **bias)
+    for name, param in resident.named_parameters():
+        if name.endswith("proj.base_layer.bias"):
+            param.data.normal_()  # transformers starts biases at zero
+    sliced, whole = copy.deepcopy(resident), copy.deepcopy(resident)
+    mbs = micro_batches(m=2, b=4, t=16)
+    losses = [resident(**mb).loss for mb in mbs]
+    (sum(losses) / len(mbs)).backward()
+    engine = StreamingEngine(sliced, discover(sliced), LayerStore("cpu", "float32"), 2, mlp_tiles=4)
+    engine.offload()
+    assert engine.tiled_mlps == 8
+    loss = engine.train_step(mbs)
+    torch.testing.assert_close(loss, torch.stack(losses).mean().detach(), rtol=1e-4, atol=1e-6)
+    want, got = lora_grads(resident), lora_grads(sliced)
+    assert any("down_proj" in n for n in want) and any("up_proj" in n for n in want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+
+    def block_peak(model) -> int:
+        block, x = discover(model).blocks[-1], torch.randn(8, 64, 32, requires_grad=True)
+        position = torch.arange(64)[None]
+        rotary = model.base_model.model.model.rotary_emb(x, position)
+        with LiveBytes() as held:
+            block(x, position_embeddings=rotary, position_ids=position)[0].sum().backward()
+        return held.peak
+
+    tile_blocks(discover(resident).blocks, 4)  # what the engine did to `sliced`, whose weights are in its store
+    assert block_peak(resident) < 0.5 * block_peak(whole)
 
 
 def test_adapters_match_after_several_steps():
@@ -533,7 +597,8 @@ def test_every_pass_from_int8_codes_matches_the_dequantized_model(monkeypatch, f
     in host memory: a step's loss and LoRA gradients, the validation loss and the greedy tokens are the
     de-quantized model's, and no decoded weight is ever installed. Run on the CPU with the GPU's choice forced
     and tiles smaller than a weight, so the tiling is exercised; `fused`: the row scales applied in the cast
-    (as CUDA's fused kernel does, run here eagerly) rather than to the product."""
+    (as CUDA's fused kernel does, run here eagerly) rather than to the product, and each gated MLP computed
+    in two slices of its intermediate features (strategy.streaming.mlp_tiles), as a GPU's plan chooses."""
     from onn.hardware import cast
     from onn.streaming import engine as engine_module
     from onn.streaming import quantized
@@ -545,8 +610,15 @@ def test_every_pass_from_int8_codes_matches_the_dequantized_model(monkeypatch, f
     resident = lora_model("llama", LAYER_SETS["first4+last4"], hidden_size=64, intermediate_size=128)
     streamed = copy.deepcopy(resident)
     engine = StreamingEngine(
-        streamed, discover(streamed), LayerStore("cpu", "int8"), 2, stream_edges=True, suffix_rows=1
-    )  # the loss one row at a time, as a large vocabulary needs
+        streamed,
+        discover(streamed),
+        LayerStore("cpu", "int8"),
+        2,
+        stream_edges=True,
+        suffix_rows=1,  # the loss one row at a time, as a large vocabulary needs
+        mlp_tiles=2 if fused else 1,
+    )
+    assert engine.tiled_mlps == (8 if fused else 0)
     engine.offload()
     decoded = {
         **{

@@ -132,6 +132,7 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
         "gpu/suffix_rows": s.suffix_rows,
         "gpu/activations": s.activations,
         "gpu/edges": s.edges,
+        "gpu/mlp_tiles": s.mlp_tiles,
         "gpu/build_s": round(build_s, 1),
         "gpu/steps": len(clock.step_s),
         "gpu/batch_size": batch,

@@ -32,6 +32,7 @@ class StreamingConfig:
     activations: str = "auto"  # auto | device | host
     cache_blocks: Any = "auto"  # auto | blocks of a disk store held in host memory after their first read
     eval_tokens: Any = "auto"  # auto | tokens per streamed pass of a validation / evaluation
+    mlp_tiles: Any = "auto"  # auto | slices a block's gated MLP computes in (1: whole)
     prefetch: bool = True  # load the next chunk while this one computes
 
 

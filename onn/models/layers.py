@@ -58,6 +58,63 @@ class LayerMap:
         return f"prefix [{pre}] -> {len(self.blocks)} x {kind} at '{self.blocks_path or '<root>'}' -> suffix [{suf}]"
 
 
+@dataclass
+class GatedMLP:
+    """Where a gated MLP's three projections are: the gate's and the up projection's rows start at
+    `gate_row` and `up_row` of their linears (one fused linear: 0 and the intermediate size)."""
+
+    module: nn.Module
+    gate: nn.Module
+    up: nn.Module
+    down: nn.Module
+    act: nn.Module
+    gate_row: int
+    up_row: int
+    intermediate: int
+
+
+def linear_of(module: nn.Module | None) -> nn.Linear | None:
+    """The nn.Linear a module is, or wraps (peft's LoRA layer), or None."""
+    from torch import nn
+
+    base = getattr(module, "base_layer", module)
+    return base if isinstance(base, nn.Linear) else None
+
+
+def gated_mlps(block: nn.Module) -> list[GatedMLP]:
+    """The gated MLPs (down(act(gate(x)) * up(x))) in a block, found by the attribute names transformers gives
+    them: `gate_proj` and `up_proj` or one fused `gate_up_proj` (its first half the gate), `down_proj`, `act_fn`
+    or `activation_fn` (Llama, Mistral, Qwen, Gemma, Phi-3). Only those whose linears are plain or carry vanilla
+    LoRA (no DoRA or other peft variant), which onn/streaming/tiled_mlp.py computes a slice at a time."""
+    return [m for m in map(_gated_mlp, block.modules()) if m is not None]
+
+
+def _gated_mlp(module: nn.Module) -> GatedMLP | None:
+    act = getattr(module, "act_fn", None)
+    act = getattr(module, "activation_fn", None) if act is None else act
+    down = getattr(module, "down_proj", None)
+    fused = getattr(module, "gate_up_proj", None)
+    gate, up = (
+        (fused, fused) if fused is not None else (getattr(module, "gate_proj", None), getattr(module, "up_proj", None))
+    )
+    if act is None or not all(linear_of(m) is not None and _plain_lora(m) for m in (gate, up, down)):
+        return None
+    size = linear_of(down).in_features
+    rows = linear_of(gate).out_features
+    if (fused is not None and rows != 2 * size) or (
+        fused is None and (rows, linear_of(up).out_features) != (size, size)
+    ):
+        return None
+    return GatedMLP(module, gate, up, down, act, 0, size if fused is not None else 0, size)
+
+
+def _plain_lora(module: nn.Module) -> bool:
+    """A plain linear, or peft's LoRA linear with vanilla adapters only (no DoRA or other variant)."""
+    if not hasattr(module, "lora_A"):
+        return True
+    return not getattr(module, "lora_variant", {}) and not getattr(module, "merged", False)
+
+
 def resolve_indices(layers, n: int, key: str = "strategy.layers") -> list[int]:
     """`all`, or a list of block indices (negative counts from the end) -> sorted unique indices."""
     if layers in (None, "all"):

@@ -390,10 +390,11 @@ def check_settings(cfg: ONNConfig, hw: Profile) -> None:
 
 
 def check_streaming(streaming: StreamingConfig) -> None:
-    """strategy.streaming's values: a chunk size of whole blocks, and each choice one of its kind."""
-    chunk = streaming.chunk_size
-    if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise UserError(f"strategy.streaming.chunk_size={chunk!r}: give a whole number of blocks, 1 or more, or auto.")
+    """strategy.streaming's values: a chunk size of whole blocks, MLP slices, and each choice one of its kind."""
+    for key, what in (("chunk_size", "blocks"), ("mlp_tiles", "slices")):
+        value = getattr(streaming, key)
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UserError(f"strategy.streaming.{key}={value!r}: give a whole number of {what}, 1 or more, or auto.")
     for key, choices in STREAMING_CHOICES.items():
         value = getattr(streaming, key)
         if value not in ("auto", None, *choices):

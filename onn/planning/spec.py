@@ -14,7 +14,7 @@ from pathlib import Path
 
 from onn.config.model import LanguageModelConfig
 from onn.errors import UserError
-from onn.models.layers import discover
+from onn.models.layers import discover, gated_mlps
 from onn.models.load import is_pretrained, meta_model
 
 
@@ -45,6 +45,7 @@ class ModelSpec:
     recurrent_blocks: bool = (
         False  # networks: the blocks hold a recurrence (LSTM, GRU), whose backward steps through time
     )
+    gated_mlp: bool = False  # the blocks have a gated MLP, which streaming may compute a slice at a time
 
     @property
     def n_blocks(self) -> int:
@@ -118,6 +119,7 @@ def _measure_spec(model_cfg: LanguageModelConfig, lora_rank: int) -> ModelSpec:
         vocab=_cfg_int(config, "vocab_size", default=0),
         layer_map=lmap.describe(),
         pretrained=is_pretrained(model_cfg),
+        gated_mlp=bool(gated_mlps(lmap.blocks[0])),
     )
 
 

@@ -43,7 +43,16 @@ from onn.streaming.schedule import CAST_TILE_VALUES, cached_blocks, generates_fr
 # batch, can have).
 GPU_TIE = 0.10
 PRECISE_FIRST = ("float32", "bfloat16", "float16", "int8", "nf4")  # the tie-break between equally fast stores
-STREAMING_KEYS = ("chunk_size", "store", "store_dtype", "edges", "activations", "cache_blocks", "eval_tokens")
+STREAMING_KEYS = (
+    "chunk_size",
+    "store",
+    "store_dtype",
+    "edges",
+    "activations",
+    "cache_blocks",
+    "eval_tokens",
+    "mlp_tiles",
+)
 STREAMING_CHOICES = {
     "store": ("disk", "cpu"),
     "store_dtype": tuple(DTYPE_BYTES),
@@ -51,6 +60,9 @@ STREAMING_CHOICES = {
     "activations": ("device", "host"),
 }
 DISK_RESERVE = 2 * 1024**3  # what a store's build leaves free on the disk for others
+# A GPU's streamed block may compute its gated MLP a slice of this many intermediate features at a time
+# (onn/streaming/tiled_mlp.py): Phi-4's 17,920 in five slices.
+MLP_TILE_FEATURES = 4096
 
 
 @dataclass
@@ -64,6 +76,7 @@ class FixedStreaming:
     activations: str | None = None
     cache_blocks: int | None = None
     eval_tokens: int | None = None
+    mlp_tiles: int | None = None
 
 
 @dataclass
@@ -77,6 +90,7 @@ class StreamingPlan:
     activations: str  # kept chunk inputs on the device or the host (GPUs)
     cache_blocks: int  # blocks of a disk store cached in host memory
     eval_tokens: int  # tokens validation holds hidden states for at once
+    mlp_tiles: int  # slices a block's gated MLP computes in (1: whole)
     generate_batch: int  # sequences generated together
     generate_cache_blocks: int  # cached blocks while generating
     generate_sequence_mb: float  # memory each of generate_batch sequences is given
@@ -208,6 +222,7 @@ def cpu_stream_memory(
         "workspace": workspace,
         "cached_block": max(files),
         "suffix_rows": s.micro_batch,
+        "mlp_tiles": 1,
     }
 
 
@@ -256,10 +271,18 @@ def cpu_stream_timing(s: StreamShape, sd: str, store: str, edges: str, chunk: in
 
 
 def stream_memory(
-    s: StreamShape, sd: str, store: str, edges: str, activations: str, chunk: int, cache: int, decoded: bool = True
+    s: StreamShape,
+    sd: str,
+    store: str,
+    edges: str,
+    activations: str,
+    chunk: int,
+    cache: int,
+    decoded: bool = True,
+    tiles: int = 1,
 ) -> dict[str, float]:
     if s.on_gpu:
-        return gpu_stream_memory(s, sd, edges, activations, chunk)
+        return gpu_stream_memory(s, sd, edges, activations, chunk, tiles)
     return cpu_stream_memory(s, sd, store, edges, activations, chunk, cache, decoded)
 
 
@@ -274,7 +297,8 @@ def stream_timing(
     cache: int,
 ) -> dict[str, float]:
     if s.on_gpu:
-        return gpu_stream_timing(s, sd, store, edges, activations, chunk, cache, int(setting_memory["suffix_rows"]))
+        rows, tiles = int(setting_memory["suffix_rows"]), int(setting_memory["mlp_tiles"])
+        return gpu_stream_timing(s, sd, store, edges, activations, chunk, cache, rows, tiles)
     return cpu_stream_timing(s, sd, store, edges, chunk, cache)
 
 
@@ -299,17 +323,18 @@ def candidates(s: StreamShape, dtypes: list[str]) -> tuple[list[Setting], list[t
         disk_ok = disk_free is None or missing + DISK_RESERVE <= disk_free * MB
         stores = (["cpu"] if sum(files) <= s.host_room else ["disk"]) if s.on_gpu else ["cpu", "disk"]
         activations = ["device", "host"] if s.on_gpu else ["device"]
-        for store, edges, act in itertools.product(
+        for store, edges, act, tiles in itertools.product(
             s.options("store", stores),
             s.options("edges", ["resident", "stream"]),
             s.options("activations", activations),
+            s.options("mlp_tiles", mlp_tile_counts(s)),
         ):
             if store == "disk" and not disk_ok:
                 refused.append((sd, missing))
                 continue
             for chunk in sorted(s.options("chunk_size", chunk_sizes(s.n)), reverse=True):
-                cache = _cache(s, sd, store, stream_memory(s, sd, store, edges, act, chunk, 0))
-                m = stream_memory(s, sd, store, edges, act, chunk, cache)
+                cache = _cache(s, sd, store, stream_memory(s, sd, store, edges, act, chunk, 0, tiles=tiles))
+                m = stream_memory(s, sd, store, edges, act, chunk, cache, tiles=tiles)
                 if peak(m) <= s.budget:
                     found.append(
                         Setting(
@@ -324,6 +349,14 @@ def candidates(s: StreamShape, dtypes: list[str]) -> tuple[list[Setting], list[t
                         )
                     )
     return found, refused
+
+
+def mlp_tile_counts(s: StreamShape) -> list[int]:
+    """The slices a block's gated MLP may compute in: on a GPU whole, or MLP_TILE_FEATURES features at a time
+    where it has more (its activations, a decoder block's largest, then shrink by as much for one more pass of
+    its matmuls in the backward); on a CPU whole (host memory holds a step's activations)."""
+    tiles = -(-s.spec.intermediate // MLP_TILE_FEATURES)
+    return [1, tiles] if s.on_gpu and s.spec.gated_mlp and tiles > 1 else [1]
 
 
 def choose(s: StreamShape, found: list[Setting]) -> Setting | None:
@@ -347,7 +380,7 @@ def smallest(s: StreamShape, dtypes: list[str]) -> Setting:
     edges = s.fixed.edges or "stream"
     activations = s.fixed.activations or ("host" if s.on_gpu else "device")
     chunk = min(s.options("chunk_size", [1]))
-    m = stream_memory(s, sd, store, edges, activations, chunk, 0)
+    m = stream_memory(s, sd, store, edges, activations, chunk, 0, tiles=max(s.options("mlp_tiles", mlp_tile_counts(s))))
     return Setting(
         stream_timing(s, m, sd, store, edges, activations, chunk, 0),
         sd,
@@ -414,6 +447,7 @@ def estimate_streaming(s: StreamShape, dtypes: list[str], context_mb: float) -> 
         edges=best.edges,
         activations=best.activations,
         cache_blocks=best.cache,
+        mlp_tiles=int(m["mlp_tiles"]),
         **generation(s, best),
         suffix_rows=int(m["suffix_rows"]),
         compute_dtype=s.cdtype,
@@ -440,7 +474,8 @@ def estimate_streaming(s: StreamShape, dtypes: list[str], context_mb: float) -> 
         m["workspace"] / MB,
         context_mb,
         streaming=streaming,
-        note=f"streams {best.chunk} block(s) at a time, frozen weights stored as {best.store_dtype}",
+        note=f"streams {best.chunk} block(s) at a time, frozen weights stored as {best.store_dtype}"
+        + (f", each gated MLP in {best.memory['mlp_tiles']} slices" if best.memory["mlp_tiles"] > 1 else ""),
         accumulates=s.batch_size > s.micro_batch,
     )
     est.fits = fits(est, s.hw)
@@ -493,12 +528,16 @@ def chunk_sizes(n: int) -> list[int]:
     return sizes
 
 
-def gpu_stream_memory(s: StreamShape, sd: str, edges: str, activations: str, chunk: int) -> dict[str, float]:
+def gpu_stream_memory(
+    s: StreamShape, sd: str, edges: str, activations: str, chunk: int, tiles: int = 1
+) -> dict[str, float]:
     """Device memory of a streamed step on a GPU, as its peak phase holds it: a chunk computing (two chunks
     of blocks on the device, the one computing and the one copying in; an int8 store's as codes with one
     cast tile), or the suffix (the head's weights, the logits of `suffix_rows` rows at a time: as many as
     keep the suffix within what a chunk holds). With edges streamed no chunk is resident while the suffix
-    runs; the embeddings are looked up in host memory and never come to the device."""
+    runs; the embeddings are looked up in host memory and never come to the device. With the gated MLP in
+    `tiles` slices, its activations (4 x intermediate per token, and their gradients) are a slice's, beside
+    that slice's weights cast to the compute dtype."""
     spec, cb = s.spec, DTYPE_BYTES[s.cdtype]
     files = block_bytes(spec, sd)
     codes = sd == "int8"
@@ -511,8 +550,14 @@ def gpu_stream_memory(s: StreamShape, sd: str, edges: str, activations: str, chu
     kept = (n_chunks - min(s.lowest // chunk, n_chunks) + 2) * s.micro_batches if activations == "device" else 0
     kept_bytes = kept * tokens * spec.hidden * cb
     # a chunk's recompute with grad (or the no-grad forward of `chunk` fused micro-batches: as large), and
-    # beside it in the backward the gradients of the widest layer's output and input (the MLP's)
-    recompute = (s.per_token_layer * chunk * MIXED_ACTIVATION_FACTOR + 4 * spec.intermediate) * tokens * cb
+    # beside it in the backward the gradients of the widest layer's output and input (the MLP's); a sliced MLP
+    # holds one slice's activations and gradients at a time, and that slice's weights cast
+    mlp = 4 * spec.intermediate
+    held_mlp = mlp * chunk if tiles == 1 else mlp / tiles
+    recompute = (s.per_token_layer - mlp) * chunk * MIXED_ACTIVATION_FACTOR + held_mlp * MIXED_ACTIVATION_FACTOR
+    recompute = (recompute + mlp / tiles) * tokens * cb
+    if tiles > 1:  # the slice's gate, up and down weights, cast
+        recompute += 3 * -(-spec.intermediate // tiles) * spec.hidden * cb
     row_logits = s.logits / s.micro_batch
     lora = sum(spec.lora_params_per_block[i] for i in s.sparse_layers)
     if edges == "resident":
@@ -532,11 +577,20 @@ def gpu_stream_memory(s: StreamShape, sd: str, edges: str, activations: str, chu
         "workspace": workspace,
         "cached_block": max(files),
         "suffix_rows": rows,
+        "mlp_tiles": tiles,
     }
 
 
 def gpu_stream_timing(
-    s: StreamShape, sd: str, store: str, edges: str, activations: str, chunk: int, cache: int, suffix_rows: int
+    s: StreamShape,
+    sd: str,
+    store: str,
+    edges: str,
+    activations: str,
+    chunk: int,
+    cache: int,
+    suffix_rows: int,
+    tiles: int = 1,
 ) -> dict[str, float]:
     """A streamed step's time on a GPU. The copy of the next chunk over the host link (from pinned host
     memory; a disk store's uncached blocks read first) overlaps the current chunk's compute, so each half of
@@ -564,7 +618,7 @@ def gpu_stream_timing(
 
     tokens = s.batch_size * s.seq
     kept = tokens * spec.hidden * DTYPE_BYTES[s.cdtype] * len(backward) * chunk if activations == "host" else 0
-    compute = gpu_stream_compute(s, sd, chunk, suffix_rows)
+    compute = gpu_stream_compute(s, sd, chunk, suffix_rows, tiles)
     io_f, io_b = copy_s(forward), copy_s(backward) + kept / h2d
     embedding = spec.vocab * spec.hidden
     edges_io = max(spec.suffix_params, embedding) * DTYPE_BYTES[sd] / h2d if edges == "stream" else 0.0
@@ -585,9 +639,10 @@ def gpu_stream_timing(
     }
 
 
-def gpu_stream_compute(s: StreamShape, sd: str, chunk: int, suffix_rows: int) -> dict[str, float]:
+def gpu_stream_compute(s: StreamShape, sd: str, chunk: int, suffix_rows: int, tiles: int = 1) -> dict[str, float]:
     """A streamed step's GPU compute in its three parts (see gpu_stream_timing); the suffix runs
-    `suffix_rows` rows of a micro-batch at a time."""
+    `suffix_rows` rows of a micro-batch at a time. A gated MLP in slices (`tiles` > 1) computes its forward
+    once more in each backward (its casts do not grow: the slice's recompute casts what the backward uses)."""
     spec, hw, n = s.spec, s.hw, s.spec.n_blocks
     per_block, head = token_flops(spec, s.seq)
     linear = spec.linear_params_per_block or spec.block_params
@@ -607,6 +662,8 @@ def gpu_stream_compute(s: StreamShape, sd: str, chunk: int, suffix_rows: int) ->
     # profile's measured time per activation value
     elementwise = hw.activation_ns or {}
     values = (10 * spec.hidden + 4 * spec.kv_dim + 4 * spec.intermediate) * tokens * 1e-9
+    again = tiles > 1  # the MLP's forward once more in the backward
+    mlp_flops, mlp_values = 6 * spec.hidden * spec.intermediate * again, 4 * spec.intermediate * tokens * 1e-9 * again
     # the GPU's kernels and the host's launching of them (the measured framework time per block call) overlap:
     # nothing in a chunk's compute waits for the GPU, so each part takes the longer of the two
     forward = max(
@@ -616,9 +673,9 @@ def gpu_stream_compute(s: StreamShape, sd: str, chunk: int, suffix_rows: int) ->
         calls.get("forward", 0.0) * n * groups,
     )
     backward = max(
-        matmul(2 * sum(per_block[lowest:]) * tokens, rows)
+        matmul((2 * sum(per_block[lowest:]) + mlp_flops * (n - lowest)) * tokens, rows)
         + cast(2 * sum(linear[lowest:]) * s.micro_batches)
-        + elementwise.get("train", 0.0) * values * (n - lowest),
+        + (elementwise.get("train", 0.0) * values + elementwise.get("forward", 0.0) * mlp_values) * (n - lowest),
         calls.get("lora", 0.0) * (n - lowest) * s.micro_batches,
     )
     head_values = max(spec.suffix_params, spec.vocab * spec.hidden)
@@ -687,6 +744,7 @@ def network_streaming(
         activations="device",
         cache_blocks=0,
         eval_tokens=0,
+        mlp_tiles=1,
         generate_batch=0,
         generate_cache_blocks=0,
         generate_sequence_mb=0.0,

@@ -35,6 +35,7 @@ from onn.models.layers import LayerMap
 from onn.streaming.quantized import EmptyEmbedding, Scratch, StoredEmbedding, linear_forward
 from onn.streaming.schedule import cached_blocks, computes_from_codes
 from onn.streaming.store import LayerStore, buffer, stored_name
+from onn.streaming.tiled_mlp import tile_blocks
 
 
 class _BlocksReached(Exception):
@@ -147,6 +148,7 @@ class StreamingEngine:
         eval_tokens: int | None = None,
         suffix_rows: int | None = None,
         objective: Objective | None = None,
+        mlp_tiles: int = 1,
     ):
         n = len(layer_map)
         if not 1 <= chunk_size <= n:
@@ -171,6 +173,9 @@ class StreamingEngine:
         first_twice = self.chunks[self.lowest_chunk][0] if self.lowest_chunk < len(self.chunks) else n
         self.cache_blocks = set(cached_blocks(n, int(cache_blocks), first_twice)) if store.kind == "disk" else set()
         self._prepare_linears()
+        # a block's gated MLP a slice of its intermediate features at a time: its activations, the largest
+        # of a decoder block's, then take a slice's memory (onn/streaming/tiled_mlp.py)
+        self.tiled_mlps = tile_blocks(self.map.blocks, mlp_tiles) if mlp_tiles > 1 else 0
         self._start_state()
 
     def _find_frozen(self, compute_dtype: torch.dtype | None) -> None:

@@ -41,6 +41,7 @@ class EngineSettings:
     activations: str  # kept chunk inputs on the device or the host
     cache_blocks: int  # blocks of a disk store cached in host memory
     eval_tokens: int  # tokens validation holds hidden states for at once
+    mlp_tiles: int = 1  # slices a block's gated MLP computes in
     prefetch: bool = True  # load the next chunk while this one computes
     suffix_rows: int | None = None  # rows whose loss (logits) runs at once
     compute_dtype: str | None = None  # the blocks' compute dtype under mixed precision; None: the model's
@@ -86,6 +87,7 @@ def build_engine(
         suffix_rows=s.suffix_rows,
         compute_dtype=torch_dtype(s.compute_dtype) if s.compute_dtype else None,
         objective=objective,
+        mlp_tiles=int(s.mlp_tiles),
     )
     engine.offload()
     if device.type == "cpu":
