@@ -79,6 +79,20 @@ def test_transformers(model_type, kw, blocks_path, n, prefix, suffix, gated):
     assert [(m.gate_row, m.up_row, m.intermediate) for m in mlps] == ([gated] if gated else [])
 
 
+def test_a_module_named_as_a_gated_mlp_but_computing_more_is_not_one():
+    """gated_mlps goes by what a forward computes (transformers' Llama and Phi-3 MLP bytecode), not by names:
+    an MLP with the same attributes that scales its features is left whole."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    class ScaledMLP(LlamaMLP):
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x) * 0.5)
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64)
+    assert len(gated_mlps(LlamaMLP(config))) == 1 and gated_mlps(ScaledMLP(config)) == []
+
+
 def test_resnet_stages():
     from torchvision.models import resnet18
 

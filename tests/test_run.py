@@ -128,6 +128,7 @@ def test_sparse_lora_trains_only_its_layers_and_peft_loads_the_adapter(outputs):
             "task.exact_match_samples=0",
             "strategy.streaming.store=disk",
             "strategy.streaming.chunk_size=3",
+            "strategy.streaming.mlp_tiles=2",  # each block's MLP (176 features) in slices of 128 and 48
             "strategy.micro_batch=2",
             f"paths.outputs={outputs}",
             f"hydra.run.dir={run_dir}",
@@ -135,6 +136,7 @@ def test_sparse_lora_trains_only_its_layers_and_peft_loads_the_adapter(outputs):
     )
     m = read_metrics(run_dir)
     assert m["strategy"] == "sparse_lora" and m["train/loss_final"] < m["train/loss_initial"]
+    assert yaml.safe_load((run_dir / "plan.yaml").read_text())["streaming"]["mlp_tiles"] == 2
     assert m["val/loss_final"] < m["val/loss_initial"]
     # the frozen blocks went to the disk store: one safetensors file and marker per block
     stores = list((outputs / ".cache" / "stores").glob("*/float32"))

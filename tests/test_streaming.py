@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import compose
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -148,8 +149,9 @@ class LiveBytes(TorchDispatchMode):
 def test_a_sliced_gated_mlp_trains_as_the_whole_one_in_a_fraction_of_the_memory(model_type):
     """strategy.streaming.mlp_tiles: each block's gated MLP (Llama's gate and up projections, Phi-3's fused
     one) computed a slice of its intermediate features at a time, LoRA on all three of its linears: the
-    streamed step's loss and LoRA gradients are the resident model's, and a block's recompute and backward
-    holds less than half of what the whole MLP held."""
+    streamed step's loss and LoRA gradients are the resident model's, also under bf16 autocast, a block's
+    recompute and backward holds less than half of what the whole MLP held, and a copy of a sliced model
+    computes with its own weights."""
     bias = {"mlp_bias": True} if model_type == "llama" else {}  # the down projection's bias added once
     resident = lora_model(model_type, LAYER_SETS["first4+last4"], hidden_size=32, intermediate_size=1024, **bias)
     for name, param in resident.named_parameters():
@@ -179,6 +181,29 @@ def test_a_sliced_gated_mlp_trains_as_the_whole_one_in_a_fraction_of_the_memory(
 
     tile_blocks(discover(resident).blocks, 4)  # what the engine did to `sliced`, whose weights are in its store
     assert block_peak(resident) < 0.5 * block_peak(whole)
+    copied = copy.deepcopy(resident)
+    mlp = discover(copied).blocks[-1].mlp
+    mlp.down_proj.base_layer.weight.data.zero_()
+    mlp.down_proj.lora_B["default"].weight.data.zero_()
+    if model_type == "llama":
+        mlp.down_proj.base_layer.bias.data.zero_()
+    x = torch.randn(64, 32, requires_grad=True)
+    assert not mlp(x).any() and discover(resident).blocks[-1].mlp(x).any()
+    assert tile_blocks(discover(copied).blocks, 1) == 0 and "forward" not in mlp.__dict__  # whole again
+
+    # bf16 autocast, as a GPU computes: a bf16 store, float32 adapters; sliced against whole
+    grads = []
+    for tiles in (1, 4):
+        model = copy.deepcopy(whole)
+        engine = StreamingEngine(
+            model, discover(model), LayerStore("cpu", "bfloat16"), 2, compute_dtype=torch.bfloat16, mlp_tiles=tiles
+        )
+        engine.offload()
+        engine.train_step(mbs)
+        grads.append(lora_grads(model))
+    # each against the float32 gradients: bf16's rounding puts the whole MLP's at cosines of 0.986 and more
+    cosines = [[F.cosine_similarity(g[n].flatten(), want[n].flatten(), dim=0).item() for n in want] for g in grads]
+    assert min(cosines[1]) > 0.97 and sum(cosines[1]) / len(want) > sum(cosines[0]) / len(want) - 0.002
 
 
 def test_adapters_match_after_several_steps():

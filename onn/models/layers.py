@@ -10,6 +10,7 @@ the run holding the most parameters, then the longest. A model config can name t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -82,30 +83,42 @@ def linear_of(module: nn.Module | None) -> nn.Linear | None:
 
 
 def gated_mlps(block: nn.Module) -> list[GatedMLP]:
-    """The gated MLPs (down(act(gate(x)) * up(x))) in a block, found by the attribute names transformers gives
-    them: `gate_proj` and `up_proj` or one fused `gate_up_proj` (its first half the gate), `down_proj`, `act_fn`
-    or `activation_fn` (Llama, Mistral, Qwen, Gemma, Phi-3). Only those whose linears are plain or carry vanilla
-    LoRA (no DoRA or other peft variant), which onn/streaming/tiled_mlp.py computes a slice at a time."""
-    return [m for m in map(_gated_mlp, block.modules()) if m is not None]
+    """The gated MLPs (down(act(gate(x)) * up(x))) in a block, whose slices of intermediate features layer
+    streaming may compute one at a time (onn/streaming/tiled_mlp.py). One is a module whose forward is, bytecode
+    for bytecode, transformers' Llama MLP's (gate_proj, up_proj, down_proj, act_fn: the form Mistral, Qwen and
+    Gemma copy) or Phi-3's (one fused gate_up_proj, its first half the gate): a module of the same names that
+    computes anything else (a scale, a norm, a clamp across the features) is not one. Its linears are plain or
+    carry vanilla LoRA (no DoRA or other peft variant)."""
+    return [m for m in map(gated_mlp, block.modules()) if m is not None]
 
 
-def _gated_mlp(module: nn.Module) -> GatedMLP | None:
-    act = getattr(module, "act_fn", None)
-    act = getattr(module, "activation_fn", None) if act is None else act
-    down = getattr(module, "down_proj", None)
-    fused = getattr(module, "gate_up_proj", None)
-    gate, up = (
-        (fused, fused) if fused is not None else (getattr(module, "gate_proj", None), getattr(module, "up_proj", None))
-    )
-    if act is None or not all(linear_of(m) is not None and _plain_lora(m) for m in (gate, up, down)):
+def gated_mlp(module: nn.Module) -> GatedMLP | None:
+    """`module` as a gated MLP (see gated_mlps), or None."""
+    form = _gated_forms().get(_code_key(type(module).forward))
+    if form is None:
+        return None
+    fused = form == "fused"
+    gate = module.gate_up_proj if fused else module.gate_proj
+    up = gate if fused else module.up_proj
+    down, act = module.down_proj, module.activation_fn if fused else module.act_fn
+    if not all(linear_of(m) is not None and _plain_lora(m) for m in (gate, up, down)):
         return None
     size = linear_of(down).in_features
-    rows = linear_of(gate).out_features
-    if (fused is not None and rows != 2 * size) or (
-        fused is None and (rows, linear_of(up).out_features) != (size, size)
-    ):
-        return None
-    return GatedMLP(module, gate, up, down, act, 0, size if fused is not None else 0, size)
+    return GatedMLP(module, gate, up, down, act, 0, size if fused else 0, size)
+
+
+def _code_key(function) -> tuple | None:
+    code = getattr(function, "__code__", None)
+    return None if code is None else (code.co_code, code.co_names, code.co_consts)
+
+
+@functools.cache
+def _gated_forms() -> dict[tuple, str]:
+    """The bytecode of transformers' two gated MLP forwards: Llama's (separate) and Phi-3's (fused)."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+    from transformers.models.phi3.modeling_phi3 import Phi3MLP
+
+    return {_code_key(LlamaMLP.forward): "separate", _code_key(Phi3MLP.forward): "fused"}
 
 
 def _plain_lora(module: nn.Module) -> bool:

@@ -35,7 +35,7 @@ from onn.planning.costs import (
     token_flops,
 )
 from onn.planning.spec import ModelSpec
-from onn.streaming.schedule import CAST_TILE_VALUES, cached_blocks, generates_from_codes
+from onn.streaming.schedule import CAST_TILE_VALUES, cached_blocks, generates_from_codes, mlp_slices
 
 # On a GPU, streamed settings predicted within this share of the fastest step count as equally fast, and
 # the one holding the least device memory wins: the prediction's own error is about this large, and a step
@@ -222,7 +222,6 @@ def cpu_stream_memory(
         "workspace": workspace,
         "cached_block": max(files),
         "suffix_rows": s.micro_batch,
-        "mlp_tiles": 1,
     }
 
 
@@ -283,7 +282,8 @@ def stream_memory(
 ) -> dict[str, float]:
     if s.on_gpu:
         return gpu_stream_memory(s, sd, edges, activations, chunk, tiles)
-    return cpu_stream_memory(s, sd, store, edges, activations, chunk, cache, decoded)
+    # a CPU's host memory holds a step's activations: sliced or not, the MLP's count in full
+    return {**cpu_stream_memory(s, sd, store, edges, activations, chunk, cache, decoded), "mlp_tiles": tiles}
 
 
 def stream_timing(
@@ -327,7 +327,7 @@ def candidates(s: StreamShape, dtypes: list[str]) -> tuple[list[Setting], list[t
             s.options("store", stores),
             s.options("edges", ["resident", "stream"]),
             s.options("activations", activations),
-            s.options("mlp_tiles", mlp_tile_counts(s)),
+            [sliced_count(s, t) for t in s.options("mlp_tiles", mlp_tile_counts(s))],
         ):
             if store == "disk" and not disk_ok:
                 refused.append((sd, missing))
@@ -359,6 +359,12 @@ def mlp_tile_counts(s: StreamShape) -> list[int]:
     return [1, tiles] if s.on_gpu and s.spec.gated_mlp and tiles > 1 else [1]
 
 
+def sliced_count(s: StreamShape, tiles: int) -> int:
+    """The slices a block's MLP computes in when `tiles` are asked for, as the engine cuts them (1: the blocks
+    have no gated MLP, or it is too narrow to cut)."""
+    return len(mlp_slices(s.spec.intermediate, tiles)) if s.spec.gated_mlp else 1
+
+
 def choose(s: StreamShape, found: list[Setting]) -> Setting | None:
     """The fastest setting (nf4, which costs precision, only when nothing else fits); between settings equally
     fast, the more precise store, and on a GPU then the one holding least of its memory."""
@@ -380,7 +386,8 @@ def smallest(s: StreamShape, dtypes: list[str]) -> Setting:
     edges = s.fixed.edges or "stream"
     activations = s.fixed.activations or ("host" if s.on_gpu else "device")
     chunk = min(s.options("chunk_size", [1]))
-    m = stream_memory(s, sd, store, edges, activations, chunk, 0, tiles=max(s.options("mlp_tiles", mlp_tile_counts(s))))
+    tiles = max(sliced_count(s, t) for t in s.options("mlp_tiles", mlp_tile_counts(s)))
+    m = stream_memory(s, sd, store, edges, activations, chunk, 0, tiles=tiles)
     return Setting(
         stream_timing(s, m, sd, store, edges, activations, chunk, 0),
         sd,
@@ -553,11 +560,12 @@ def gpu_stream_memory(
     # beside it in the backward the gradients of the widest layer's output and input (the MLP's); a sliced MLP
     # holds one slice's activations and gradients at a time, and that slice's weights cast
     mlp = 4 * spec.intermediate
-    held_mlp = mlp * chunk if tiles == 1 else mlp / tiles
+    width = max((b - a for a, b in mlp_slices(spec.intermediate, tiles)), default=0)  # the widest slice
+    held_mlp = mlp * chunk if tiles == 1 else 4 * width
     recompute = (s.per_token_layer - mlp) * chunk * MIXED_ACTIVATION_FACTOR + held_mlp * MIXED_ACTIVATION_FACTOR
-    recompute = (recompute + mlp / tiles) * tokens * cb
+    recompute = (recompute + 4 * width) * tokens * cb
     if tiles > 1:  # the slice's gate, up and down weights, cast
-        recompute += 3 * -(-spec.intermediate // tiles) * spec.hidden * cb
+        recompute += 3 * width * spec.hidden * cb
     row_logits = s.logits / s.micro_batch
     lora = sum(spec.lora_params_per_block[i] for i in s.sparse_layers)
     if edges == "resident":

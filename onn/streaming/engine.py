@@ -175,7 +175,7 @@ class StreamingEngine:
         self._prepare_linears()
         # a block's gated MLP a slice of its intermediate features at a time: its activations, the largest
         # of a decoder block's, then take a slice's memory (onn/streaming/tiled_mlp.py)
-        self.tiled_mlps = tile_blocks(self.map.blocks, mlp_tiles) if mlp_tiles > 1 else 0
+        self.tiled_mlps = tile_blocks(self.map.blocks, mlp_tiles)
         self._start_state()
 
     def _find_frozen(self, compute_dtype: torch.dtype | None) -> None:

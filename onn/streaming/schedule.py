@@ -11,6 +11,19 @@ CODES_MAX_ROWS = 32
 CAST_TILE_VALUES = 32 * 2**20
 
 
+# A sliced gated MLP's slices start on multiples of this many intermediate features: aligned matmuls (on an
+# H200, misaligned slices sent cuBLAS to kernels 5-7x slower; see quantized._tiles).
+MLP_SLICE_ALIGN = 64
+
+
+def mlp_slices(intermediate: int, tiles: int) -> list[tuple[int, int]]:
+    """(start, end) of the slices a gated MLP of `intermediate` features computes in when asked for `tiles`:
+    as many as that, each a multiple of MLP_SLICE_ALIGN features wide (so fewer for a narrow MLP)."""
+    width = -(-intermediate // max(1, tiles))
+    width = max(MLP_SLICE_ALIGN, -(-width // MLP_SLICE_ALIGN) * MLP_SLICE_ALIGN)
+    return [(a, min(a + width, intermediate)) for a in range(0, intermediate, width)]
+
+
 def cached_blocks(n: int, count: int, first_twice: int = 0) -> list[int]:
     """The `count` blocks of n that a disk store keeps in host memory: spread evenly, so the loader reads
     the others while the cores compute on the cached ones, and first among the blocks a training step

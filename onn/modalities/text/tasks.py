@@ -487,5 +487,6 @@ def export(job: Job) -> dict[str, Any]:
     load_weights(module, job.ckpt)
     engine = None
     if settings := streaming_settings(config, plan):
+        settings.mlp_tiles = 1  # the exported graph computes each MLP whole
         engine = build_engine(module.model, settings, module.store, "cpu", micro_batch=None)
     return export_for_run(config, module.model, job.run_dir, tokenizer=tokenizer, engine=engine)
