@@ -76,7 +76,7 @@ def _rows(module: nn.Module, x: torch.Tensor, lows: Lows, rows: slice) -> torch.
     return _lora_out(module, lows, y, rows)
 
 
-def _slice(mlp: GatedMLP, x: torch.Tensor, gate_low: Lows, up_low: Lows, a: int, b: int):
+def _slice(mlp: GatedMLP, x: torch.Tensor, gate_low: Lows, up_low: Lows, a: int, b: int) -> tuple[torch.Tensor, Lows]:
     """One slice's part of the MLP's output (the down projection's frozen weight over input features a:b),
     and its part of each down adapter's low-rank input."""
     gate = _rows(mlp.gate, x, gate_low, slice(mlp.gate_row + a, mlp.gate_row + b))
