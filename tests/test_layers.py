@@ -37,7 +37,7 @@ def _hf(model_type, **kw):
             5,
             ["model.embed_tokens"],
             ["model.norm", "lm_head"],
-            (0, 64, 64),  # one fused gate_up_proj: the gate's rows first, the up projection's after
+            (64, 64),  # one fused gate_up_proj: the gate's rows first, the up projection's after
         ),
         (
             "llama",
@@ -46,7 +46,7 @@ def _hf(model_type, **kw):
             3,
             ["model.embed_tokens"],
             ["model.norm", "lm_head"],
-            (0, 0, 64),
+            (0, 64),
         ),
         # GPT-2's wte/wpe are a same-typed pair too, with more parameters than these tiny blocks:
         # composite blocks must still win.
@@ -76,7 +76,7 @@ def test_transformers(model_type, kw, blocks_path, n, prefix, suffix, gated):
     assert [name for name, _ in lmap.prefix if any(True for _ in _.parameters())] == prefix
     assert [name for name, _ in lmap.suffix if any(True for _ in _.parameters())] == suffix
     mlps = gated_mlps(lmap.blocks[0])  # what layer streaming may compute a slice at a time
-    assert [(m.gate_row, m.up_row, m.intermediate) for m in mlps] == ([gated] if gated else [])
+    assert [(m.up_row, m.intermediate) for m in mlps] == ([gated] if gated else [])
 
 
 def test_a_module_named_as_a_gated_mlp_but_computing_more_is_not_one():

@@ -61,15 +61,14 @@ class LayerMap:
 
 @dataclass
 class GatedMLP:
-    """Where a gated MLP's three projections are: the gate's and the up projection's rows start at
-    `gate_row` and `up_row` of their linears (one fused linear: 0 and the intermediate size)."""
+    """Where a gated MLP's three projections are: the gate's rows start at 0 of its linear, the up
+    projection's at `up_row` of its own (one fused linear: the intermediate size; separate ones: 0)."""
 
     module: nn.Module
     gate: nn.Module
     up: nn.Module
     down: nn.Module
     act: nn.Module
-    gate_row: int
     up_row: int
     intermediate: int
 
@@ -104,7 +103,7 @@ def gated_mlp(module: nn.Module) -> GatedMLP | None:
     if not all(linear_of(m) is not None and _plain_lora(m) for m in (gate, up, down)):
         return None
     size = linear_of(down).in_features
-    return GatedMLP(module, gate, up, down, act, 0, size if fused else 0, size)
+    return GatedMLP(module, gate, up, down, act, size if fused else 0, size)
 
 
 def _code_key(function) -> tuple | None:

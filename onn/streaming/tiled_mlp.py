@@ -79,7 +79,7 @@ def _rows(module: nn.Module, x: torch.Tensor, lows: Lows, rows: slice) -> torch.
 def _slice(mlp: GatedMLP, x: torch.Tensor, gate_low: Lows, up_low: Lows, a: int, b: int) -> tuple[torch.Tensor, Lows]:
     """One slice's part of the MLP's output (the down projection's frozen weight over input features a:b),
     and its part of each down adapter's low-rank input."""
-    gate = _rows(mlp.gate, x, gate_low, slice(mlp.gate_row + a, mlp.gate_row + b))
+    gate = _rows(mlp.gate, x, gate_low, slice(a, b))
     up = _rows(mlp.up, x, up_low, slice(mlp.up_row + a, mlp.up_row + b))
     h = mlp.act(gate) * up
     return F.linear(h, _weight(linear_of(mlp.down), None, slice(a, b))), _low(mlp.down, h, slice(a, b))
