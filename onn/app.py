@@ -181,9 +181,15 @@ def quiet_console() -> None:
         ("bitsandbytes.backends.cpu.ops", logging.ERROR),
         ("lightning.pytorch.utilities.rank_zero", logging.WARNING),
         ("lightning.fabric.utilities.rank_zero", logging.WARNING),
-        ("DeepSpeed", logging.ERROR),
     ):
         logging.getLogger(name).setLevel(level)
+    # DeepSpeed sets its logger's level again when it is imported, after this: on a machine without a GPU its
+    # import (transformers' save_pretrained makes it) warned that it found none. A filter outlasts the level.
+    logging.getLogger("DeepSpeed").addFilter(_errors_only)
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
 
 
 def summary(metrics: dict[str, Any], run_dir: Path) -> str:

@@ -2,6 +2,7 @@
 
 import json
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -231,6 +232,31 @@ def test_bad_input_is_one_clear_line_and_keeps_earlier_runs(tmp_path, outputs):
     assert (earlier / "metrics.json").read_text() == '{"status": "ok"}'
     failed = [json.loads(p.read_text()) for p in outputs.glob("*/*/metrics.json")]
     assert len(failed) == 3 and all(m["status"] == "failed" and m["error"] for m in failed)
+
+
+def test_deepspeeds_notes_stay_off_the_console_when_it_is_imported_after_the_run_starts(capsys):
+    """DeepSpeed sets its logger's level when it is imported, which a run does after quiet_console (a QLoRA
+    run's first build writes its model with save_pretrained, which imports it): on a machine without a GPU
+    its import printed "[WARNING] Setting accelerator to CPU" on the console."""
+    import logging
+
+    from onn.app import quiet_console
+
+    quiet_console()
+    pytest.importorskip("deepspeed")  # its first import here warns as a run's did
+    from deepspeed.utils.logging import LoggerFactory
+
+    logger = LoggerFactory.create_logger(name="DeepSpeed")  # what deepspeed's import does: level WARNING again
+    try:
+        logger.warning("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.")
+        logger.error("a DeepSpeed error")
+    finally:
+        for handler in logger.handlers[:]:
+            if getattr(handler, "stream", None) is sys.stdout:
+                logger.removeHandler(handler)
+    console = capsys.readouterr().out
+    assert "Setting accelerator" not in console and "a DeepSpeed error" in console
+    assert logging.getLogger("DeepSpeed").level == logging.WARNING  # the level was reset: the filter held
 
 
 def test_the_default_run_prints_the_plan_a_progress_bar_and_the_result_and_no_warnings(outputs):
