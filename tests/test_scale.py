@@ -418,6 +418,40 @@ def test_a_model_that_fits_ddp_gets_ddp_and_the_cpu_refuses_sharding(tmp_path: P
     assert cpu["links"]["missing"] == ["hardware.network_gb_s"]  # the preset names no network: said, not guessed
 
 
+def test_an_adapter_fine_tune_over_several_devices_is_sized_as_the_adapters_it_trains(tmp_path: Path):
+    """strategy=lora (qlora, sparse_lora) over 8 GPUs: the table sizes that fine-tune, not a full one. Every setup
+    holds the frozen weights whole or sharded and the adapters' gradients and moments; the all-reduce moves the
+    adapters' gradients; DDP holds what one device's plan holds."""
+    from onn.hardware.profile import resolve
+    from onn.planning.plan import estimate
+    from onn.planning.spec import model_spec
+
+    common = ("model=llama_small", "hardware=a100_80gb", "hardware.count=8")
+    full, lora, qlora, sparse = (
+        scale_for(*common, f"strategy={s}", tmp_path=tmp_path) for s in ("full", "lora", "qlora", "sparse_lora")
+    )
+    cfg = compose("task=plan", *common, "strategy=lora", root=tmp_path)
+    spec = model_spec(cfg.model, 8, cache_dir=str(tmp_path / "cache"))
+    assert full["method"] == "full" and full["trainable_params"] == spec.params
+    assert lora["method"] == "lora" and lora["trainable_params"] == sum(spec.lora_params_per_block)
+    layers = [0, 1, 2, 3, spec.n_blocks - 4, spec.n_blocks - 3, spec.n_blocks - 2, spec.n_blocks - 1]
+    assert sparse["trainable_params"] == sum(spec.lora_params_per_block[i] for i in sorted(set(layers)))
+    assert "LoRA fine-tune: DDP over 8 x" in lora["reason"] and lora["fine_tune"] == "LoRA fine-tune"
+    # the gradients all-reduced: the adapters' only, a small share of the full fine-tune's
+    ratio = lora["trainable_params"] / spec.params
+    assert lora["links"]["all_reduce_s"] <= full["links"]["all_reduce_s"] * ratio * 1.1 + 1e-6
+    for name in ("ddp", "deepspeed_zero2"):
+        assert lora["options"][name]["per_device_mb"] < full["options"][name]["per_device_mb"]
+        assert qlora["options"][name]["per_device_mb"] < lora["options"][name]["per_device_mb"]  # NF4 blocks
+    # DDP replicates one device's LoRA run: the single-device plan's memory at the same micro-batch
+    hw = resolve(cfg.hardware, tmp_path / "cache", tmp_path)
+    ddp = lora["options"]["ddp"]
+    seq = int(cfg.data.max_length)
+    one = estimate("lora", spec, hw, seq, ddp["micro_batch"], lora["precision"], list(range(spec.n_blocks)), 1)
+    states = one.weights_mb + one.trainable_mb + one.optimizer_mb
+    assert ddp["per_device_mb"] == pytest.approx((states + one.activations_mb) * 1.05 + one.context_mb, rel=0.01)
+
+
 @pytest.mark.slow
 def test_plan_table_is_printed(tmp_path: Path):
     proc = run_cli(

@@ -269,7 +269,15 @@ def candidate_table(estimates: dict[str, Estimate]) -> dict[str, dict[str, Any]]
     return table
 
 
-def _weights_and_states(
+def frozen_weight_bytes(hw: Profile, precision: str) -> int:
+    """Bytes of a frozen weight: half precision on an accelerator under a half or mixed precision; on a CPU only
+    under bf16, whose matmuls it computes in."""
+    if hw.accelerator == "cpu":
+        return 2 if precision.startswith("bf16") else 4
+    return 2 if precision.endswith("mixed") or precision.startswith(("bf16", "16")) else 4
+
+
+def weights_and_states(
     strategy: str, spec: ModelSpec, mixed: bool, frozen_bytes: int, adapted: list[int]
 ) -> tuple[float, ...]:
     """Bytes of a full or (Q)LoRA candidate's weights, trainable weights and optimizer state, and the extra
@@ -309,9 +317,8 @@ def estimate(
     `fixed`: the streaming settings the config fixes (fixed_streaming); `prefetch`: strategy.streaming.prefetch;
     `streamed`: False for sparse_lora placed by another Lightning strategy, which trains it resident."""
     mixed = precision.endswith("mixed")
-    half = 2 if (mixed or precision.startswith(("bf16", "16"))) else 4
-    act_bytes = half
-    frozen_bytes = half if hw.accelerator != "cpu" else (2 if precision.startswith("bf16") else 4)
+    act_bytes = 2 if (mixed or precision.startswith(("bf16", "16"))) else 4
+    frozen_bytes = frozen_weight_bytes(hw, precision)
     per_token_layer = 10 * spec.hidden + 4 * spec.kv_dim + 4 * spec.intermediate
     # autograd keeps what the blocks from the lowest adapted one up need for their input gradients
     with_grad = spec.n_blocks - (min(sparse_layers, default=0) if strategy == "sparse_lora" else 0)
@@ -326,7 +333,7 @@ def estimate(
         return Estimate(strategy, False, micro_batch, 0, 0, 0, 0, 0, ctx, note=note)
     if strategy in ("full", "lora", "qlora") or not streamed:
         adapted = sparse_layers if strategy == "sparse_lora" else list(range(spec.n_blocks))
-        weights, trainable, optimizer, extra = _weights_and_states(strategy, spec, mixed, frozen_bytes, adapted)
+        weights, trainable, optimizer, extra = weights_and_states(strategy, spec, mixed, frozen_bytes, adapted)
         activations = kept_layers * tokens * act_bytes + logits
     elif strategy == "sparse_lora":
         shape = StreamShape(
@@ -847,7 +854,7 @@ def render_scale(scale: dict[str, Any]) -> str:
     from rich.table import Table
 
     table = Table(
-        title=f"full fine-tune over {scale['devices_per_node']} device(s) x {scale['nodes']} node(s): "
+        title=f"{scale['fine_tune']} over {scale['devices_per_node']} device(s) x {scale['nodes']} node(s): "
         f"global batch {scale['global_batch']} ({scale['per_device_batch']} per device)"
     )
     for col in (

@@ -1,21 +1,23 @@
-"""The plan for several devices and nodes: full fine-tuning under DDP, DeepSpeed ZeRO-2, FSDP and
-DeepSpeed ZeRO-3 with CPU offload, over hardware.count devices on each of trainer.num_nodes nodes.
+"""The plan for several devices and nodes: a fine-tune under DDP, DeepSpeed ZeRO-2, FSDP and DeepSpeed ZeRO-3
+with CPU offload, over hardware.count devices on each of trainer.num_nodes nodes. The fine-tune is the one asked
+for: LoRA, QLoRA or sparse LoRA (which trains resident under these strategies) when strategy names one, else full.
 
-Per device, in bytes per weight P (Adam; the ZeRO paper's accounting, with Lightning's mixed precision
+Per device, with W the weights' bytes (frozen ones as the single-device plan holds them, trainable ones fp32), T
+the trainable weights, and the states of Adam (the ZeRO paper's accounting, with Lightning's mixed precision
 keeping fp32 weights and gradients, and DeepSpeed keeping half-precision ones beside its fp32 master copy):
 
-    DDP              every device holds everything        16P (+2P of autocast copies)
-    ZeRO-2           weights whole, the rest sharded       2P + 14P/N   (fp32: 4P + 12P/N)
-    FSDP (= ZeRO-3)  everything sharded                    16P/N + two blocks gathered at a time
-    ZeRO-3+offload   weights and optimizer in host memory  two blocks gathered at a time; host 16P per node's share
+    DDP              every device holds everything        W + 12T (+2T of a full fine-tune's autocast copies)
+    ZeRO-2           weights whole, the rest sharded       frozen W + 2T + 14T/N   (fp32: frozen W + 4T + 12T/N)
+    FSDP (= ZeRO-3)  everything sharded                    (W + 12T)/N + two blocks gathered at a time
+    ZeRO-3+offload   weights and optimizer in host memory  two blocks gathered at a time; host W + 12T per node's share
 
-plus the activations of one micro-batch, as the single-device plan counts them. The step's predicted
-time is the per-device compute (each device takes global batch / N samples) plus the gradients'
-collectives, not overlapped: a ring all-reduce moves 2 (n-1)/n of the gradient bytes over each link;
-inside a node at hardware.interconnect_gb_s, between nodes at hardware.network_gb_s (hierarchical:
-devices reduce inside their node first). ZeRO-2 moves the same bytes (reduce-scatter + all-gather);
-FSDP and ZeRO-3 gather the weights again for the backward (1.5x). Offload adds the weights' and
-gradients' trips over PCIe (h2d_mb_s) and the optimizer step on the CPU.
+(a full fine-tune: T = P weights, W = 4P: 16P, 2P + 14P/N, 16P/N), plus the activations of one micro-batch,
+as the single-device plan counts them. The step's predicted time is the per-device compute (each device takes
+global batch / N samples) plus the trainable weights' gradients' collectives, not overlapped: a ring all-reduce
+moves 2 (n-1)/n of the gradient bytes over each link; inside a node at hardware.interconnect_gb_s, between nodes at
+hardware.network_gb_s (hierarchical: devices reduce inside their node first). ZeRO-2 moves the same bytes
+(reduce-scatter + all-gather); FSDP and ZeRO-3 gather the weights again for the backward (1.5x). Offload adds
+the trainable weights' and gradients' trips over PCIe (h2d_mb_s) and the optimizer step on the CPU.
 
 The recommendation: the fastest setup that fits; on a tie the first of DDP, ZeRO-2, FSDP, ZeRO-3+offload
 (less to configure and to go wrong). Every figure is a prediction.
@@ -27,8 +29,9 @@ from typing import Any
 
 from onn.config import HardwareConfig, ONNConfig
 from onn.hardware.profile import Profile
+from onn.models.layers import resolve_indices
 from onn.planning.costs import HEADROOM, MB, budget_mb, choose_precision, compute_dtype_name, compute_s
-from onn.planning.plan import estimate, micro_batch_sizes
+from onn.planning.plan import estimate, frozen_weight_bytes, micro_batch_sizes, weights_and_states
 from onn.planning.spec import ModelSpec
 
 SETUPS = ("ddp", "deepspeed_zero2", "fsdp", "deepspeed_zero3_offload")  # also the tie-break order
@@ -42,6 +45,10 @@ LABELS = {
 # ZeRO-Offload paper's order of magnitude); an assumption, said so in the plan.
 CPU_ADAM_WEIGHTS_S = 1.0e9
 GATHERED_BLOCKS = 2  # FSDP and ZeRO-3 gather the next block while this one computes
+# the adapter fine-tunes the table sizes as strategy names them; any other strategy (full, auto, ddp, fsdp,
+# deepspeed_*) is sized as a full fine-tune, what several devices are for
+FINE_TUNES = {"full": "full fine-tune", "lora": "LoRA fine-tune", "qlora": "QLoRA fine-tune",
+              "sparse_lora": "sparse-LoRA fine-tune"}  # fmt: skip
 
 
 def scale_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> dict[str, Any] | None:
@@ -56,28 +63,35 @@ def scale_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> dict[str, Any] |
         return None
     per_device = -(-int(cfg.data.batch_size) // devices)
     precision = choose_precision(hw)
-    grad_bytes = spec.params * (2 if precision.endswith("mixed") else 4)
-    comm = collective_s(grad_bytes, count, nodes, cfg.hardware)
-    setup = _Setup(spec, hw, int(cfg.data.max_length), per_device, precision, devices, nodes, grad_bytes, comm)
-    options = {name: setup.option(name) for name in SETUPS}
+    method = cfg.strategy.name if cfg.strategy.name in FINE_TUNES else "full"
+    adapted = (
+        resolve_indices(cfg.strategy.layers, spec.n_blocks) if method == "sparse_lora" else list(range(spec.n_blocks))
+    )
+    setup = _Setup(spec, hw, int(cfg.data.max_length), per_device, precision, devices, nodes, method, adapted)
+    comm = collective_s(setup.grad_bytes, count, nodes, cfg.hardware)
+    options = {name: setup.option(name, comm["all_reduce_s"]) for name in SETUPS}
     fitting = [n for n in SETUPS if options[n]["fits"]]
     chosen = min(fitting, key=lambda n: (options[n]["predicted_step_s"], SETUPS.index(n))) if fitting else None
     return {
         "devices": devices,
         "devices_per_node": count,
         "nodes": nodes,
+        "method": method,
+        "fine_tune": FINE_TUNES[method],
+        "trainable_params": int(setup.trained),
         "global_batch": per_device * devices,
         "per_device_batch": per_device,
         "precision": precision,
         "links": comm,
         "options": options,
         "chosen": chosen,
-        "reason": reason(spec, hw, options, chosen, count, nodes),
+        "reason": reason(spec, hw, options, chosen, count, nodes, method),
     }
 
 
 class _Setup:
-    """A full fine-tune over `devices` devices: what each setup holds per device and host, and its step."""
+    """A fine-tune (`method`, adapters on the `adapted` blocks) over `devices` devices: what each setup holds
+    per device and per node's host, and its step."""
 
     def __init__(
         self,
@@ -88,46 +102,59 @@ class _Setup:
         precision: str,
         devices: int,
         nodes: int,
-        grad_bytes: float,
-        comm: dict[str, Any],
+        method: str,
+        adapted: list[int],
     ):
         self.spec, self.hw, self.seq, self.per_device, self.precision = spec, hw, seq, per_device, precision
-        self.devices, self.grad_bytes, self.comm = devices, grad_bytes, comm
-        mixed, params = precision.endswith("mixed"), spec.params
+        self.devices, self.method, self.adapted = devices, method, adapted
+        mixed = precision.endswith("mixed")
+        # the weights as one device holds them (frozen ones in the plan's dtype, trainable ones fp32), the
+        # trainable ones' gradients and Adam moments, and mixed precision's half copy of what trains
+        weights, grads, moments, extra = weights_and_states(
+            method, spec, mixed, frozen_weight_bytes(hw, precision), adapted
+        )
+        self.trained = grads / 4
+        self.grad_bytes = self.trained * (2 if mixed else 4)  # what the all-reduce moves
+        frozen, states = weights - grads, grads + moments
         gathered = (
             GATHERED_BLOCKS * max(spec.block_params + [spec.prefix_params, spec.suffix_params]) * (2 if mixed else 4)
         )
+        t = self.trained
         self.state = {
-            "ddp": (16 + (2 if mixed else 0)) * params,
-            "deepspeed_zero2": (2 * params + 14 * params / devices) if mixed else (4 * params + 12 * params / devices),
-            "fsdp": 16 * params / devices + gathered,
+            "ddp": weights + states + extra,
+            "deepspeed_zero2": frozen + ((2 * t + 14 * t / devices) if mixed else (4 * t + 12 * t / devices)),
+            "fsdp": (weights + states) / devices + gathered,
             "deepspeed_zero3_offload": gathered,
         }
         self.host_per_node = {name: 0.0 for name in SETUPS}
-        self.host_per_node["deepspeed_zero3_offload"] = 16 * params / nodes
+        self.host_per_node["deepspeed_zero3_offload"] = (weights + states) / nodes
+        # offloaded, the weights cross PCIe for the forward and again for the backward, the gradients once
+        self.offload_bytes = 2 * (frozen + t * (2 if mixed else 4)) + self.grad_bytes
 
-    def option(self, name: str) -> dict[str, Any]:
+    def option(self, name: str, all_reduce_s: float) -> dict[str, Any]:
         """The largest micro-batch whose state and activations fit a device, and the step's parts."""
         spec, hw = self.spec, self.hw
         refused = hw.accelerator != "cuda" and name != "ddp"
         budget = budget_mb(hw)
         for mb in micro_batch_sizes(self.per_device):
-            act = estimate("full", spec, hw, self.seq, mb, self.precision, [], self.per_device)
+            act = estimate(
+                self.method, spec, hw, self.seq, mb, self.precision, self.adapted, self.per_device, streamed=False
+            )
             device_mb = (self.state[name] / MB + act.activations_mb) * 1.05  # + 5% workspace, as the single-device plan
             if device_mb + act.context_mb <= budget:
                 break
         ctx = act.context_mb
         host_budget = float(hw.host_memory_mb or 0) * HEADROOM
         fits = (not refused) and device_mb + ctx <= budget and self.host_per_node[name] / MB <= host_budget
-        step = compute_s(
-            spec, hw, "full", self.seq, self.per_device, mb, [0], dtype=compute_dtype_name(hw, self.precision)
-        )
-        collective = self.comm["all_reduce_s"] * (1.5 if name in ("fsdp", "deepspeed_zero3_offload") else 1.0)
+        resident = "full" if self.method == "full" else "lora"  # sparse LoRA trains resident here: LoRA's step
+        dtype = compute_dtype_name(hw, self.precision)
+        step = compute_s(spec, hw, resident, self.seq, self.per_device, mb, self.adapted, dtype=dtype)
+        collective = all_reduce_s * (1.5 if name in ("fsdp", "deepspeed_zero3_offload") else 1.0)
         offload = 0.0
         if name == "deepspeed_zero3_offload":
             pcie = float(hw.h2d_mb_s or 0) * MB
-            offload = (3 * self.grad_bytes / self.devices) / pcie if pcie else 0.0
-            offload += spec.params / self.devices / CPU_ADAM_WEIGHTS_S
+            offload = self.offload_bytes / self.devices / pcie if pcie else 0.0
+            offload += self.trained / self.devices / CPU_ADAM_WEIGHTS_S
         return {
             "label": LABELS[name],
             "fits": fits,
@@ -159,7 +186,9 @@ def collective_s(grad_bytes: float, count: int, nodes: int, hw_cfg: HardwareConf
     return {"interconnect_gb_s": inside, "network_gb_s": between, "all_reduce_s": round(seconds, 6), "missing": missing}
 
 
-def reason(spec: ModelSpec, hw: Profile, options: dict[str, Any], chosen: str | None, count: int, nodes: int) -> str:
+def reason(
+    spec: ModelSpec, hw: Profile, options: dict[str, Any], chosen: str | None, count: int, nodes: int, method: str
+) -> str:
     """The recommendation in one sentence, e.g. "14.7B full fine-tune: FSDP over 8 x A100-80GB, 1 node"."""
     size = f"{spec.params / 1e9:.1f}B" if spec.params >= 1e8 else f"{spec.params / 1e6:.1f}M"
     device = hw.device_name or hw.name or "device"
@@ -168,8 +197,9 @@ def reason(spec: ModelSpec, hw: Profile, options: dict[str, Any], chosen: str | 
         need = min(o["per_device_mb"] for o in options.values())
         refused = next((o["refused"] for o in options.values() if o["refused"]), None)
         return (
-            f"{size} full fine-tune: no setup fits {where} (the smallest needs {need:,.0f} MB per device"
-            f"{'; ' + refused if refused else ''}): add devices or nodes, or use LoRA."
+            f"{size} {FINE_TUNES[method]}: no setup fits {where} (the smallest needs {need:,.0f} MB per device"
+            f"{'; ' + refused if refused else ''}): add devices or nodes"
+            + (", or use LoRA." if method == "full" else ".")
         )
     c = options[chosen]
     rejected = [
@@ -180,6 +210,6 @@ def reason(spec: ModelSpec, hw: Profile, options: dict[str, Any], chosen: str | 
     ]
     why = f"; {', '.join(rejected)} per device" if rejected else ""
     return (
-        f"{size} full fine-tune: {c['label']} over {where} ({c['per_device_mb'] / 1024:,.1f} GB per device of "
+        f"{size} {FINE_TUNES[method]}: {c['label']} over {where} ({c['per_device_mb'] / 1024:,.1f} GB per device of "
         f"{budget_mb(hw) / 1024:,.0f} GB, predicted {c['predicted_step_s']:.3g} s per step{why})."
     )
