@@ -109,8 +109,8 @@ H200 = dict(
 def test_a_streamed_step_on_the_gpu_is_the_dequantized_models_step():
     """On the GPU: an int8 store in pinned host memory, its codes copied on a side stream and cast a tile at a
     time, edges streamed (the embedding looked up in host memory), kept activations in host memory, the loss
-    one row at a time, each gated MLP in two slices (as the plan has Phi-4's): the step's loss and LoRA
-    gradients, and the greedy tokens, are the de-quantized model's."""
+    one row at a time, each gated MLP in two slices (as the plan has Phi-4's), each norm recomputed in the
+    backward: the step's loss and LoRA gradients, and the greedy tokens, are the de-quantized model's."""
     resident = lora_model("llama", LAYER_SETS["first4+last4"], hidden_size=64, intermediate_size=128)
     streamed = copy.deepcopy(resident)
     store = LayerStore("cpu", "int8", pin=True)
@@ -125,6 +125,7 @@ def test_a_streamed_step_on_the_gpu_is_the_dequantized_models_step():
         suffix_rows=1,
         mlp_tiles=2,
     )
+    assert engine.recomputed_norms == 2 * len(engine.map)  # on a GPU (on a CPU none: host memory holds them)
     engine.offload()
     streamed.to("cuda:0")
     decoded = {

@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_flatten
 
 from onn.models.layers import discover
 from onn.streaming.engine import StreamingEngine, target_tokens, token_weights
+from onn.streaming.recompute_norms import recompute_norms
 from onn.streaming.store import LayerStore, stored_name
 from onn.streaming.tiled_mlp import tile_blocks
 
@@ -204,6 +205,51 @@ def test_a_sliced_gated_mlp_trains_as_the_whole_one_in_a_fraction_of_the_memory(
     # each against the float32 gradients: bf16's rounding puts the whole MLP's at cosines of 0.986 and more
     cosines = [[F.cosine_similarity(g[n].flatten(), want[n].flatten(), dim=0).item() for n in want] for g in grads]
     assert min(cosines[1]) > 0.97 and sum(cosines[1]) / len(want) > sum(cosines[0]) / len(want) - 0.002
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+def test_recomputed_norms_keep_no_float32_copies_and_change_no_gradient(model_type):
+    """On a GPU the engine recomputes its blocks' norms in the backward (onn/streaming/recompute_norms.py). Under
+    bf16 autocast, bf16 weights beside float32 adapters as a GPU computes: a block's output and its input's and
+    adapters' gradients are what they were, and its recompute and backward holds less by at least one float32
+    copy of its input (RMSNorm keeps one per norm); no gradient, or the norms kept again: the class's forward."""
+    model = lora_model(model_type, LAYER_SETS["first4+last4"], hidden_size=64, intermediate_size=128)
+    for param in model.parameters():
+        if not param.requires_grad:
+            param.data = param.data.bfloat16()
+    blocks = discover(model).blocks
+    g = torch.Generator().manual_seed(3)
+    x0, dy = torch.randn(8, 32, 64, generator=g).bfloat16(), torch.randn(8, 32, 64, generator=g).bfloat16()
+    position = torch.arange(32)[None]
+
+    def block_step(block) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], int]:
+        model.zero_grad()
+        x = x0.clone().requires_grad_(True)
+        rotary = model.base_model.model.model.rotary_emb(x, position)
+        with LiveBytes() as held, torch.autocast("cpu", dtype=torch.bfloat16):
+            y = block(x, position_embeddings=rotary, position_ids=position)
+            y = y[0] if isinstance(y, tuple) else y
+            y.backward(dy)
+        return (
+            y.detach(),
+            x.grad,
+            {n: p.grad.clone() for n, p in block.named_parameters() if p.requires_grad},
+            held.peak,
+        )
+
+    y_kept, dx_kept, grads_kept, peak_kept = block_step(blocks[-1])
+    assert recompute_norms(blocks) == 2 * len(blocks)
+    y, dx, grads, peak = block_step(blocks[-1])
+    torch.testing.assert_close(y, y_kept, rtol=0, atol=0)
+    torch.testing.assert_close(dx, dx_kept, rtol=0, atol=0)
+    assert grads_kept and all(torch.equal(grads[n], grads_kept[n]) for n in grads_kept)
+    assert peak <= peak_kept - x0.numel() * 4, (peak, peak_kept)
+    norm = blocks[-1].input_layernorm
+    copied = copy.deepcopy(norm)  # a copy computes with its own weight
+    copied.weight.data.zero_()
+    with torch.no_grad():
+        assert not copied(x0).any() and norm(x0).any()
+    assert recompute_norms(blocks, on=False) == 0 and "forward" not in norm.__dict__
 
 
 def test_adapters_match_after_several_steps():

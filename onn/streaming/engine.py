@@ -33,6 +33,7 @@ from onn.hardware.memory import hold_mmap_threshold, return_large_frees_to_os, t
 from onn.hardware.profile import CoreWatch
 from onn.models.layers import LayerMap
 from onn.streaming.quantized import EmptyEmbedding, Scratch, StoredEmbedding, linear_forward
+from onn.streaming.recompute_norms import recompute_norms
 from onn.streaming.schedule import cached_blocks, computes_from_codes
 from onn.streaming.store import LayerStore, buffer, stored_name
 from onn.streaming.tiled_mlp import tile_blocks
@@ -176,6 +177,9 @@ class StreamingEngine:
         # a block's gated MLP a slice of its intermediate features at a time: its activations, the largest
         # of a decoder block's, then take a slice's memory (onn/streaming/tiled_mlp.py)
         self.tiled_mlps = tile_blocks(self.map.blocks, mlp_tiles)
+        # on a GPU, whose memory a block's recompute shares with the chunks, its norms' float32 copies are computed
+        # again in the backward rather than kept (onn/streaming/recompute_norms.py); host memory has room for them
+        self.recomputed_norms = recompute_norms(self.map.blocks, on=self.device.type == "cuda")
         self._start_state()
 
     def _find_frozen(self, compute_dtype: torch.dtype | None) -> None:
