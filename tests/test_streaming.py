@@ -45,7 +45,7 @@ ARCH = {
 LAYER_SETS = {"first4+last4": [0, 1, 2, 3, -4, -3, -2, -1], "last4": [-4, -3, -2, -1], "all": None}
 
 
-def lora_model(model_type: str, layers, **sizes):
+def lora_model(model_type: str, layers, dropout: float = 0.0, **sizes):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -63,6 +63,7 @@ def lora_model(model_type: str, layers, **sizes):
         target_modules=targets,
         layers_to_transform=idx,
         layers_pattern="layers" if idx else None,
+        lora_dropout=dropout,
         init_lora_weights=False,
     )  # random A and B, so every adapter gets a gradient
     return get_peft_model(model, config).float()
@@ -250,6 +251,49 @@ def test_recomputed_norms_keep_no_float32_copies_and_change_no_gradient(model_ty
     with torch.no_grad():
         assert not copied(x0).any() and norm(x0).any()
     assert recompute_norms(blocks, on=False) == 0 and "forward" not in norm.__dict__
+
+
+def test_with_dropout_the_recompute_draws_the_forwards_masks():
+    """LoRA dropout (and any dropout in the blocks): each chunk recomputed in the backward draws the masks its
+    forward drew. With one chunk of all blocks and one micro-batch the streamed step draws as the resident
+    model does, and its gradients are the resident model's; with chunks of 3 and 3 micro-batches every
+    recompute's output is its forward's, and the step leaves the random state where its forward did."""
+    resident = lora_model("llama", LAYER_SETS["first4+last4"], dropout=0.3)
+    streamed = copy.deepcopy(resident)
+    mb = micro_batches(m=1, b=4, t=12)
+    torch.manual_seed(5)
+    resident(**mb[0]).loss.backward()
+    engine = engine_for(streamed, 8)
+    assert engine.dropout
+    torch.manual_seed(5)
+    engine.train_step(mb)
+    want, got = lora_grads(resident), lora_grads(streamed)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+    model = copy.deepcopy(resident)
+    engine = engine_for(model, 3)
+    outputs: dict[str, list[torch.Tensor]] = {"forward": [], "recompute": []}
+    run_chunk = engine._run_chunk
+
+    def recorded(c, hidden, inputs, random_state=None):
+        out = run_chunk(c, hidden, inputs, random_state)
+        outputs["recompute" if torch.is_grad_enabled() else "forward"].append((c, out.detach().clone()))
+        return out
+
+    engine._run_chunk = recorded
+    mbs = micro_batches(m=3, b=2, t=10)
+    torch.manual_seed(7)
+    engine.train_step(mbs)
+    after_step = torch.get_rng_state()
+    forward = {(c, i % 3): out for i, (c, out) in enumerate(outputs["forward"])}
+    recompute = {(c, i % 3): out for i, (c, out) in enumerate(sorted(outputs["recompute"], key=lambda x: -x[0]))}
+    assert len(forward) == len(recompute) == 9
+    for key, out in recompute.items():
+        torch.testing.assert_close(out, forward[key], rtol=0, atol=0, msg=str(key))
+    torch.manual_seed(7)
+    engine._forward(mbs, keep_from=0)  # the forward alone draws what the whole step drew
+    assert torch.equal(torch.get_rng_state(), after_step)
 
 
 def test_adapters_match_after_several_steps():

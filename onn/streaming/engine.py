@@ -180,6 +180,12 @@ class StreamingEngine:
         # on a GPU, whose memory a block's recompute shares with the chunks, its norms' float32 copies are computed
         # again in the backward rather than kept (onn/streaming/recompute_norms.py); host memory has room for them
         self.recomputed_norms = recompute_norms(self.map.blocks, on=self.device.type == "cuda")
+        # Dropout in the blocks (LoRA's, a layer's, attention's): the backward recomputes each chunk, and must draw
+        # the masks its forward drew, or the gradient is of no network at all. The training forward then records
+        # the random state each chunk of each micro-batch starts from, and fuses no micro-batches (one draw for a
+        # fused batch is not the draws of its parts); the recompute starts from the same state.
+        self.dropout = any(_draws_masks(m) for block in self.map.blocks for m in block.modules())
+        self._random_states: dict[tuple[int, int], tuple] = {}
         self._start_state()
 
     def _find_frozen(self, compute_dtype: torch.dtype | None) -> None:
@@ -613,16 +619,37 @@ class StreamingEngine:
             for p in borrowed:
                 p.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
 
-    def _run_chunk(self, c: int, hidden: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
+    def _run_chunk(self, c: int, hidden: torch.Tensor, inputs: BlockInputs, random_state=None) -> torch.Tensor:
+        """Chunk c's blocks on `hidden`; drawing from `random_state` when given (the masks a run from it drew)."""
         # mixed precision (see _find_frozen): autocast to the compute dtype, also where Lightning's precision
         # plugin does not (validation's epoch end, generation)
-        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self._autocast):
+        with (
+            self._replay(random_state),
+            torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self._autocast),
+        ):
             for i in self.chunks[c]:
                 with self._uncast(self.map.blocks[i]):
                     out = self.map.blocks[i](hidden, *inputs.args, **inputs.kwargs)
                 self._as_tuple = isinstance(out, tuple)
                 hidden = out[0] if self._as_tuple else out
         return hidden
+
+    def _random_state(self) -> tuple:
+        """The random state dropout draws from next: the CPU generator's, and the device's on a GPU."""
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    @contextlib.contextmanager
+    def _replay(self, state: tuple | None):
+        """Draw from `state` inside, and from where the generators were after it (None: as they are)."""
+        if state is None:
+            yield
+            return
+        with torch.random.fork_rng(devices=[self.device] if state[1] is not None else []):
+            torch.set_rng_state(state[0])
+            if state[1] is not None:
+                torch.cuda.set_rng_state(state[1], self.device)
+            yield
 
     def _keep(self, t: torch.Tensor) -> torch.Tensor:
         """A chunk input kept for the backward: on the device, or (activations=host) in pinned host memory,
@@ -649,7 +676,11 @@ class StreamingEngine:
         """Chunk-outer forward without grad, micro-batches fused into groups (`fuse`). Returns each
         micro-batch's block inputs (for the backward's recompute; None when nothing is kept), the kept
         chunk inputs per micro-batch, and the final hidden state per micro-batch. `then`: the chunks
-        needed after this pass, in order, which the loader may start on during the last chunk."""
+        needed after this pass, in order, which the loader may start on during the last chunk. Training with
+        dropout, each kept chunk's random state per micro-batch is recorded for its recompute (see __init__)."""
+        record = keep_from is not None and self.dropout and self.model.training
+        self._random_states = {}
+        fuse = fuse and not record
         groups = self._groups(micro_batches) if fuse else [[m] for m in range(len(micro_batches))]
         n = len(self.chunks)
         self._use_codes(False)
@@ -666,7 +697,12 @@ class StreamingEngine:
                     kept[c] = [
                         piece for h, g in zip(hidden, groups) for piece in self._keep(h).split(_sizes(micro_batches, g))
                     ]
-                hidden = [self._run_chunk(c, h, x) for h, x in zip(hidden, fused)]
+                outputs = []
+                for m, (h, x) in enumerate(zip(hidden, fused)):
+                    if record and c >= keep_from:  # the recompute draws from here again (backward_chunks)
+                        self._random_states[(c, m)] = self._random_state()
+                    outputs.append(self._run_chunk(c, h, x))
+                hidden = outputs
                 self.times.compute_s += time.perf_counter() - start
         final = [piece for h, g in zip(hidden, groups) for piece in h.split(_sizes(micro_batches, g))]
         return inputs, kept, final
@@ -741,7 +777,7 @@ class StreamingEngine:
             for m in range(len(grads)):
                 x = kept[c][m].to(self.device, non_blocking=True).detach().requires_grad_(c > self.lowest_chunk)
                 with torch.enable_grad():
-                    y = self._run_chunk(c, x, inputs[m])
+                    y = self._run_chunk(c, x, inputs[m], self._random_states.pop((c, m), None))
                 y.backward(grads[m])
                 grads[m] = x.grad
             kept[c] = None
@@ -915,6 +951,13 @@ def token_weights(micro_batches: list[dict[str, Any]], total: int | None = None,
     counts = [(weigh or target_tokens)(mb) for mb in micro_batches]
     total = sum(counts) if total is None else total
     return [c / total if total else 0.0 for c in counts]
+
+
+def _draws_masks(module: nn.Module) -> bool:
+    """A module that draws dropout masks in training: a dropout layer of rate above 0, or an attention with a
+    dropout rate (transformers' attentions drop inside the kernel they call)."""
+    rate = module.p if isinstance(module, nn.Dropout) else getattr(module, "attention_dropout", 0.0)
+    return isinstance(rate, int | float) and rate > 0
 
 
 def _shapes(mb: dict[str, Any]) -> dict[str, tuple]:
