@@ -125,6 +125,14 @@ def test_the_plan_says_a_unet_cannot_stream_and_finds_the_dit_blocks():
     plan, spec = get("diffusion").plan(dit, resolve(dit.hardware, "/tmp", "/tmp"))
     assert spec.n_blocks == 2 and "BasicTransformerBlock at 'network.transformer_blocks'" in spec.layer_map
     assert not any("skip connections" in r for r in plan.reasons)
+    # streamed, its blocks compute their MLPs whole: a fixed mlp_tiles is said not to apply, not dropped unsaid
+    streamed = compose(
+        "data=diffusion", *TINY_DIT, "data.image_size=[8,8]", "data.channels=1", "hardware=cpu_16gb",
+        "strategy=sparse_lora", "strategy.layers=[1]", "strategy.streaming.mlp_tiles=2",
+    )  # fmt: skip
+    plan, _ = get("diffusion").plan(streamed, resolve(streamed.hardware, "/tmp", "/tmp"))
+    assert plan.streaming is not None and plan.streaming.mlp_tiles == 1
+    assert any("strategy.streaming.mlp_tiles=2 does not apply" in r for r in plan.reasons)
 
 
 def test_a_dit_trains_a_few_steps(images, tmp_path):

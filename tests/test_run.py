@@ -138,6 +138,7 @@ def test_sparse_lora_trains_only_its_layers_and_peft_loads_the_adapter(outputs):
     m = read_metrics(run_dir)
     assert m["strategy"] == "sparse_lora" and m["train/loss_final"] < m["train/loss_initial"]
     assert yaml.safe_load((run_dir / "plan.yaml").read_text())["streaming"]["mlp_tiles"] == 2
+    assert m["streaming/mlps_sliced"] == 8 and m["streaming/norms_recomputed"] == 0  # norms: on a GPU only
     assert m["val/loss_final"] < m["val/loss_initial"]
     # the frozen blocks went to the disk store: one safetensors file and marker per block
     stores = list((outputs / ".cache" / "stores").glob("*/float32"))

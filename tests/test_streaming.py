@@ -191,7 +191,8 @@ def test_a_sliced_gated_mlp_trains_as_the_whole_one_in_a_fraction_of_the_memory(
         mlp.down_proj.base_layer.bias.data.zero_()
     x = torch.randn(64, 32, requires_grad=True)
     assert not mlp(x).any() and discover(resident).blocks[-1].mlp(x).any()
-    assert tile_blocks(discover(copied).blocks, 1) == 0 and "forward" not in mlp.__dict__  # whole again
+    tile_blocks(discover(copied).blocks, 1)
+    assert "forward" not in mlp.__dict__  # the class's forward again: whole
 
     # bf16 autocast, as a GPU computes: a bf16 store, float32 adapters; sliced against whole
     grads = []

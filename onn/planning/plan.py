@@ -219,6 +219,9 @@ def make_network_streaming_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) ->
         f"{streaming.store} store, {streaming.chunk_size} block(s) at a time: predicted {peak(m) / MB:,.1f} MB "
         f"for the step in a budget of {budget / MB:,.1f} MB (the process's {ctx:,.0f} MB aside)",
     ]
+    tiles = cfg.strategy.streaming.mlp_tiles
+    if tiles not in ("auto", 1):  # a language model's gated MLPs only (onn/streaming/tiled_mlp.py)
+        reasons.append(f"strategy.streaming.mlp_tiles={tiles} does not apply: a network's blocks compute whole")
     if streaming.refused:
         raise UserError(
             f"hardware {hw.name}: a budget of {budget_mb(hw):,.0f} MB cannot hold one streamed block of {spec.name} "

@@ -99,7 +99,8 @@ def _sliced_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     for a, b in parts:
         args = (mlp, x, gate_low, up_low, a, b)
         y, low = checkpoint(_slice, *args, use_reentrant=False) if grad else _slice(*args)
-        out = y.float() if out is None else out + y  # summed in float32, as one matmul would accumulate
+        # summed in float32 at least, as one matmul would accumulate (a float64 model's in float64)
+        out = y.to(torch.promote_types(y.dtype, torch.float32)) if out is None else out + y
         down_low = {k: down_low[k] + v if k in down_low else v for k, v in low.items()}
     down = linear_of(mlp.down)
     out = out.to(y.dtype) if down.bias is None else (out + down.bias).to(y.dtype)

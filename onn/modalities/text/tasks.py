@@ -293,6 +293,10 @@ def train(job: Job) -> dict[str, Any]:
         "resumed_from": str(ckpt) if ckpt else None,
     }
     metrics.update(data_metrics(dm))
+    if module.engine is not None:  # what the streaming engine did to its blocks' activations
+        metrics["streaming/mlps_sliced"] = module.engine.tiled_mlps
+        metrics["streaming/norms_recomputed"] = module.engine.recomputed_norms
+        metrics["streaming/dropout_replayed"] = module.engine.dropout
     samples = config.task.exact_match_samples if writes else 0
     if samples and any(p for p, _ in dm.val_examples) and dm.max_answer_tokens > SHORT_ANSWER_TOKENS:
         log.info(
