@@ -41,6 +41,16 @@ def test_another_lightning_strategy_sizes_sparse_lora_resident(tmp_path):
     assert any(r.startswith("WARNING: predicted") for r in plan.reasons)
 
 
+def test_a_cpu_plan_counts_the_extra_pass_of_slices_asked_for(tmp_path):
+    """On a CPU the plan keeps each gated MLP whole; slices asked for (strategy.streaming.mlp_tiles=2) cost one
+    more forward of the MLP's matmuls in each backward (2/3 of a Llama block's), which its predicted step counts."""
+    common = ("model=llama_small", "strategy=sparse_lora", "hardware=cpu_16gb")
+    whole = plan_for(*common, tmp_path=tmp_path)[0].streaming
+    sliced = plan_for(*common, "strategy.streaming.mlp_tiles=2", tmp_path=tmp_path)[0].streaming
+    assert (whole.mlp_tiles, sliced.mlp_tiles) == (1, 2)
+    assert 0.1 < sliced.predicted_compute_s / whole.predicted_compute_s - 1 < 0.5
+
+
 @pytest.mark.parametrize("hardware", ["a100_80gb", "h100_80gb"])
 def test_phi4_on_80gb_picks_lora(tmp_path, hardware):
     plan, _ = plan_for("model=phi4", f"hardware={hardware}", tmp_path=tmp_path)

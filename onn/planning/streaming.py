@@ -225,9 +225,12 @@ def cpu_stream_memory(
     }
 
 
-def cpu_stream_timing(s: StreamShape, sd: str, store: str, edges: str, chunk: int, cache: int) -> dict[str, float]:
+def cpu_stream_timing(
+    s: StreamShape, sd: str, store: str, edges: str, chunk: int, cache: int, tiles: int = 1
+) -> dict[str, float]:
     """A streamed step's time on a CPU: the disk's reads (at its measured bandwidth) overlap the compute, and
-    the loaders' decoding takes CPU time from the compute's cores."""
+    the loaders' decoding takes CPU time from the compute's cores. A gated MLP in slices (a fixed `tiles`; the
+    plan keeps it whole on a CPU) computes its forward once more in each backward."""
     spec, hw, n = s.spec, s.hw, s.n
     files = block_bytes(spec, sd)
     chunks = [list(range(a, min(a + chunk, n))) for a in range(0, n, chunk)]
@@ -257,6 +260,10 @@ def cpu_stream_timing(s: StreamShape, sd: str, store: str, edges: str, chunk: in
         dtype=s.cdtype,
         forward_group=chunk,
     )
+    if sliced_count(s, tiles) > 1:  # the MLP's matmuls once more, for each block the backward recomputes
+        threads, share = threads_for(hw)
+        flops = 6 * spec.hidden * spec.intermediate * s.batch_size * s.seq * (n - s.lowest)
+        compute += flops / (matmul_rate(hw, s.cdtype, s.micro_batch * s.seq, threads) * share)
     cpu = compute + decode
     step = max(io, cpu) if s.prefetch else io + cpu
     return {
@@ -299,7 +306,7 @@ def stream_timing(
     if s.on_gpu:
         rows, tiles = int(setting_memory["suffix_rows"]), int(setting_memory["mlp_tiles"])
         return gpu_stream_timing(s, sd, store, edges, activations, chunk, cache, rows, tiles)
-    return cpu_stream_timing(s, sd, store, edges, chunk, cache)
+    return cpu_stream_timing(s, sd, store, edges, chunk, cache, int(setting_memory["mlp_tiles"]))
 
 
 def _cache(s: StreamShape, sd: str, store: str, m: dict[str, float]) -> int:

@@ -119,7 +119,9 @@ def block_times(
             "seq": seq,
             "micro": micro,
             "threads": threads,
-            "streaming": {k: getattr(plan.streaming, k, None) for k in ("store", "store_dtype", "chunk_size")},
+            "streaming": {
+                k: getattr(plan.streaming, k, None) for k in ("store", "store_dtype", "chunk_size", "mlp_tiles")
+            },
             "machine": hw.fingerprint,
             "large": large,
             "version": 12,
@@ -265,6 +267,7 @@ def _copy_step(
             chunk,
             micro_batch=micro,
             compute_dtype=torch_dtype(dtype) if dtype else None,
+            mlp_tiles=int(s.mlp_tiles),  # a fixed slicing's extra MLP pass, as the run computes it
         )
         engine.offload()
         engines.append(engine)
