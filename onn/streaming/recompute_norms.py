@@ -28,7 +28,8 @@ def _recomputed_forward(self: nn.Module, *args, **kwargs):
     forward = type(self).forward
     if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         return forward(self, *args, **kwargs)
-    return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
+    # a norm draws nothing at random: no random state to save and restore around its recompute
+    return checkpoint(forward, self, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
 
 
 def recompute_norms(blocks: list[nn.Module], on: bool = True) -> int:
