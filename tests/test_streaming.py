@@ -252,6 +252,8 @@ def test_recomputed_norms_keep_no_float32_copies_and_change_no_gradient(model_ty
     with torch.no_grad():
         assert not copied(x0).any() and norm(x0).any()
     assert recompute_norms(blocks, on=False) == 0 and "forward" not in norm.__dict__
+    # a batch norm's training forward updates its running statistics: recomputed, it would update them twice
+    assert recompute_norms([torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.LayerNorm(4))]) == 1
 
 
 def test_with_dropout_the_recompute_draws_the_forwards_masks():

@@ -19,7 +19,10 @@ from torch.utils.checkpoint import checkpoint
 
 
 def _is_norm(module: nn.Module) -> bool:
-    """A normalisation layer: a leaf module whose class is named a norm (RMSNorm, LayerNorm, Gemma's, T5's)."""
+    """A normalisation layer: a leaf module whose class is named a norm (RMSNorm, LayerNorm, Gemma's, T5's). Not
+    a batch norm: its forward in training updates running statistics, which a recompute would update again."""
+    if isinstance(module, nn.modules.batchnorm._NormBase):
+        return False
     return "norm" in type(module).__name__.lower() and next(module.children(), None) is None
 
 
