@@ -3,10 +3,10 @@
 Llama's, Phi-3's and their kin's RMSNorm compute in float32: under bf16 autocast each keeps a float32 copy of its
 input for the backward, twice the bytes of the block's own hidden state. A Phi-4 block keeps two, 80 MB at 128 x 16
 tokens of the 899 MB its recompute and backward hold with a sliced MLP (tracked on a CPU). Run under PyTorch's
-non-reentrant checkpoint a norm keeps only its input, which the block keeps anyway (the residual), and computes its
-float32 copy again when its gradient is taken: a few elementwise passes over one hidden state, where the block's
-matmuls pass over its weights. Without a gradient (the no-grad forward, generation, export) a norm runs as its
-class does.
+non-reentrant checkpoint a norm keeps only its input (half the bytes, and often kept by the block's other layers
+anyway) and computes its float32 copy again when its gradient is taken: a few elementwise passes over one hidden
+state, where the block's matmuls pass over its weights. Tracked, the block held 60 MB less (839 MB). Without a
+gradient (the no-grad forward, generation, export) a norm runs as its class does.
 """
 
 from __future__ import annotations
