@@ -35,7 +35,7 @@ from onn.bench.registry import TASKS as BENCH_TASKS
 from onn.config import ONNConfig, StrategyConfig, as_dict, typed
 from onn.errors import UserError
 from onn.export.settings import check_settings as check_export
-from onn.hardware.cluster import is_rank_zero
+from onn.hardware.cluster import is_rank_zero, use_own_gpu
 from onn.hardware.memory import cap_gpu_memory, release_mmap_threshold
 from onn.hardware.profile import resolve as resolve_hardware
 from onn.hardware.profile import use_threads
@@ -395,6 +395,7 @@ def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> 
         import peft  # noqa: F401
         import transformers  # noqa: F401
 
+    use_own_gpu()  # before the profile, the cap and the memory readings act on the current device
     hardware = resolve_hardware(config.hardware, Path(config.paths.cache), Path(config.paths.outputs))
     if hardware.gpus_hidden:
         print(

@@ -45,6 +45,36 @@ def test_every_process_computes_on_an_indexed_device(monkeypatch):
     assert torch.device(job.device) == torch.device("cuda", 3)
 
 
+def test_each_rank_makes_its_own_gpu_current_before_cuda_is_touched(monkeypatch, tmp_path):
+    """The profile, the allocator's cap and the memory readings act on the current CUDA device, which is GPU 0
+    until Lightning's setup: rank 2 of a node must make cuda:2 current before the profile runs, or it caps GPU 0
+    and puts a second context there."""
+    import onn.app as app
+
+    calls = []
+
+    class Profiled(Exception):
+        pass
+
+    def profile(*args):
+        calls.append("profile")
+        raise Profiled
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(f"set_device({index})"))
+    monkeypatch.setattr(app, "resolve_hardware", profile)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(Profiled):
+        app.execute(compose(*TINY, f"paths.outputs={tmp_path}", f"paths.cache={tmp_path}/cache"), tmp_path / "run")
+    assert calls == ["set_device(2)", "profile"]
+    calls.clear()
+    monkeypatch.setenv("LOCAL_RANK", "0")  # a single process, or a node's first rank: GPU 0 is current already
+    with pytest.raises(Profiled):
+        app.execute(compose(*TINY, f"paths.outputs={tmp_path}", f"paths.cache={tmp_path}/cache"), tmp_path / "run")
+    assert calls == ["profile"]
+
+
 def test_a_gpu_plan_streams_phi4_from_pinned_host_memory_within_the_budget():
     """Planned from an H200's measured profile, Phi-4 at batch 128 on a 4 GB budget streams from host memory
     (which holds the store), int8 codes cast on the device, within the budget with its context, and within the

@@ -44,6 +44,20 @@ def compute_device(accelerator: str) -> str:
     return f"cuda:{local_rank()}" if accelerator == "cuda" else "cpu"
 
 
+def use_own_gpu() -> None:
+    """Make this rank's GPU (`cuda:LOCAL_RANK`) the current CUDA device before anything touches CUDA. The
+    profile, the allocator's cap and the memory readings act on the current device, which stays GPU 0 until
+    Lightning's setup sets it: a rank of a multi-GPU run would otherwise cap GPU 0 instead of its own and put a
+    second CUDA context (hundreds of MB) there."""
+    index = local_rank()
+    if index == 0:
+        return  # GPU 0 is already current
+    import torch
+
+    if torch.cuda.is_available() and index < torch.cuda.device_count():
+        torch.cuda.set_device(index)
+
+
 def launched() -> bool:
     """True in a process a launcher started as one rank of several (its peers are already on their way)."""
     return any(name in os.environ for name in LAUNCHED_VARIABLES)

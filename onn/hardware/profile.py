@@ -342,7 +342,7 @@ def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> Profile:
     t0 = time.perf_counter()
     if torch.cuda.is_available():
         accelerator, count = "cuda", torch.cuda.device_count()
-        props = torch.cuda.get_device_properties(0)
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())  # this rank's GPU
         name, total_mb = props.name, props.total_memory // MB
         bf16 = torch.cuda.is_bf16_supported()
     elif getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
@@ -393,7 +393,7 @@ def _free_memory(accelerator: str) -> dict[str, int]:
 
     out = {"host_memory_available_mb": int(psutil.virtual_memory().available // MB)}
     if accelerator == "cuda":
-        free, _ = torch.cuda.mem_get_info(0)
+        free, _ = torch.cuda.mem_get_info()  # the current device: this rank's GPU
         out["device_memory_free_mb"] = int(free // MB)
     else:
         out["device_memory_free_mb"] = out["host_memory_available_mb"]
