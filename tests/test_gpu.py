@@ -75,6 +75,43 @@ def test_each_rank_makes_its_own_gpu_current_before_cuda_is_touched(monkeypatch,
     assert calls == ["profile"]
 
 
+def test_pinned_host_memory_locks_exactly_its_bytes_and_unlocks_them_when_freed(monkeypatch):
+    """torch's pinned allocator rounds every allocation up to a power of two (a Phi-4 block's int8 tensors: 480 MB
+    locked for 341). A store pinned for the GPU, and a disk store's read buffers, register exactly their bytes with
+    CUDA and unregister them when the last tensor viewing them is freed. CUDA's registration is recorded here
+    instead, so this runs on any machine."""
+    import gc
+
+    from torch.cuda import _pin_memory_utils as pins
+
+    from onn.hardware.disk import aligned, buffer
+
+    registered: dict[int, int] = {}
+    monkeypatch.setattr(pins, "pin_memory", lambda ptr, size: registered.__setitem__(ptr, size))
+    monkeypatch.setattr(pins, "unpin_memory", lambda ptr: registered.pop(ptr))
+    torch.manual_seed(0)
+    block = {"mlp.up_proj.weight": torch.randn(300, 70), "input_layernorm.weight": torch.randn(70)}
+    pinned, plain = LayerStore("cpu", "int8", pin=True), LayerStore("cpu", "int8")
+    pinned.fill({0: block})
+    plain.fill({0: block})
+    stored = plain.read(0)
+    assert (
+        sum(registered.values())
+        == sum(t.numel() * t.element_size() for t in stored.values())
+        == 21_000 + 300 * 4 + 70 * 4
+    )
+    read = pinned.read(0)
+    assert all(torch.equal(read[name], t) and read[name].dtype == t.dtype for name, t in stored.items())
+    del pinned, read
+    gc.collect()
+    assert registered == {}
+    raw = buffer(5000, pin=True)  # a disk store's read buffer: O_DIRECT-aligned, 12 KiB locked (not 16)
+    assert len(raw) == aligned(5000) and list(registered.values()) == [aligned(5000) + 4096]
+    del raw
+    gc.collect()
+    assert registered == {}
+
+
 def test_a_gpu_plan_streams_phi4_from_pinned_host_memory_within_the_budget():
     """Planned from an H200's measured profile, Phi-4 at batch 128 on a 4 GB budget streams from host memory
     (which holds the store), int8 codes cast on the device, within the budget with its context, and within the

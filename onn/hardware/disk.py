@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from onn.hardware.memory import pinned_empty
+
 MB = 1024**2
 ALIGN = 4096  # O_DIRECT wants buffer address, offset and length aligned to the disk's block size
 READ_REQUEST = 1024 * MB  # bytes per read call
@@ -26,7 +28,7 @@ def buffer(size: int, pin: bool = False):
     import torch
 
     length = aligned(size)
-    raw = torch.empty(length + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    raw = pinned_empty(length + ALIGN) if pin else torch.empty(length + ALIGN, dtype=torch.uint8)
     offset = (-raw.data_ptr()) % ALIGN
     return raw[offset : offset + length]
 

@@ -7,10 +7,17 @@ are not counted, so the figure compares with the planner's prediction plus the p
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+import weakref
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 MB = 1024**2
+log = logging.getLogger("onn")
 
 
 def anon_rss_mb() -> float:
@@ -70,6 +77,37 @@ def cap_gpu_memory(mb: float) -> None:
 
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, mb * MB / total)))
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 host buffer of exactly `nbytes`, page-locked, so that the GPU's copy engine reads it at the link's
+    speed while the GPU computes. torch's pinned allocator (`pin_memory=True`, `.pin_memory()`) rounds every
+    allocation up to a power of two: a Phi-4 block's int8 tensors would lock 480 MB of host memory for 341, and
+    the store half as much again as the plan counts. This registers ordinary memory with CUDA instead, as torch's
+    own checkpoint stager does, and unregisters it when the last tensor viewing it is freed."""
+    import torch
+    from torch.cuda import _pin_memory_utils as pins
+
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes == 0:
+        return buffer
+    storage = buffer.untyped_storage()  # the same object for as long as any tensor views it
+    try:
+        pins.pin_memory(storage.data_ptr(), storage.nbytes())
+    except RuntimeError as e:
+        log.warning(
+            "registering %d MB of host memory with CUDA failed (%s); using torch's pinned allocator", nbytes // MB, e
+        )
+        return buffer.pin_memory()
+    unregister = weakref.finalize(storage, pins.unpin_memory, storage.data_ptr())
+    unregister.atexit = False  # at exit the CUDA context may be gone before the storage
+    return buffer
+
+
+def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` copied into page-locked host memory of exactly its size (pinned_empty)."""
+    buffer = pinned_empty(tensor.numel() * tensor.element_size())
+    return buffer.view(tensor.dtype).reshape(tensor.shape).copy_(tensor)
 
 
 MMAP_MIN, MMAP_MAX = 1 << 20, 32 << 20  # the threshold's floor, and glibc's own largest dynamic one

@@ -42,6 +42,7 @@ from onn.config import HardwareConfig, as_dict
 from onn.hardware.cast import cast_scaled, fused_scale
 from onn.hardware.disk import read_mb_s
 from onn.hardware.locks import held
+from onn.hardware.memory import pinned_empty
 
 MB = 1024**2
 PROFILE_KEYS = (
@@ -606,10 +607,11 @@ def memory_rates() -> tuple[float, dict[str, float]]:
 
 
 def h2d_mb_s(size_mb: int = 512) -> float:
-    """Pinned host memory to the GPU, as the layer store's copies go: the best of five copies."""
+    """Pinned host memory to the GPU, as the layer store's copies go (memory registered as the store's is,
+    pinned_empty): the best of five copies."""
     import torch
 
-    src = torch.empty(size_mb * MB, dtype=torch.uint8, pin_memory=True)
+    src = pinned_empty(size_mb * MB)
     dst = torch.empty_like(src, device="cuda")
     return size_mb / gpu_seconds(lambda: dst.copy_(src, non_blocking=True), trials=5)
 

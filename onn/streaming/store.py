@@ -39,6 +39,7 @@ from onn.errors import UserError, write_refused
 from onn.hardware import failpoints
 from onn.hardware.disk import aligned, buffer, evict, read_file
 from onn.hardware.locks import held
+from onn.hardware.memory import pinned_copy
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class LayerStore:
         self.rebuilt.append(index)
         encoded = self.encode(tensors)
         if self.kind == "cpu":
-            self._memory[index] = {n: t.pin_memory() for n, t in encoded.items()} if self.pin else encoded
+            self._memory[index] = {n: pinned_copy(t) for n, t in encoded.items()} if self.pin else encoded
             return
         self._marker(index).unlink(missing_ok=True)
         path = self.block_file(index)
