@@ -77,9 +77,9 @@ def test_each_rank_makes_its_own_gpu_current_before_cuda_is_touched(monkeypatch,
 
 def test_pinned_host_memory_locks_exactly_its_bytes_and_unlocks_them_when_freed(monkeypatch):
     """torch's pinned allocator rounds every allocation up to a power of two (a Phi-4 block's int8 tensors: 480 MB
-    locked for 341). A store pinned for the GPU, and a disk store's read buffers, register exactly their bytes with
-    CUDA and unregister them when the last tensor viewing them is freed. CUDA's registration is recorded here
-    instead, so this runs on any machine."""
+    locked for 341). A store pinned for the GPU, and a disk store's read buffers, register their bytes with CUDA in
+    whole pages of their own (two registrations sharing a page would be refused) and unregister them when the last
+    tensor viewing them is freed. CUDA's registration is recorded here instead, so this runs on any machine."""
     import gc
 
     from torch.cuda import _pin_memory_utils as pins
@@ -95,18 +95,18 @@ def test_pinned_host_memory_locks_exactly_its_bytes_and_unlocks_them_when_freed(
     pinned.fill({0: block})
     plain.fill({0: block})
     stored = plain.read(0)
-    assert (
-        sum(registered.values())
-        == sum(t.numel() * t.element_size() for t in stored.values())
-        == 21_000 + 300 * 4 + 70 * 4
-    )
+    # whole pages inside each tensor's own allocation: the 21,000 bytes of codes lock 6 pages (a power of two, 8)
+    assert sum(t.numel() * t.element_size() for t in stored.values()) == 21_000 + 300 * 4 + 70 * 4
+    assert sorted(registered.values()) == [4096, 4096, 6 * 4096] and all(ptr % 4096 == 0 for ptr in registered)
+    ranges = sorted(registered.items())
+    assert all(ptr + size <= after for (ptr, size), (after, _) in zip(ranges, ranges[1:]))
     read = pinned.read(0)
     assert all(torch.equal(read[name], t) and read[name].dtype == t.dtype for name, t in stored.items())
     del pinned, read
     gc.collect()
     assert registered == {}
-    raw = buffer(5000, pin=True)  # a disk store's read buffer: O_DIRECT-aligned, 12 KiB locked (not 16)
-    assert len(raw) == aligned(5000) and list(registered.values()) == [aligned(5000) + 4096]
+    raw = buffer(5000, pin=True)  # a disk store's read buffer, O_DIRECT-aligned: 12 KiB locked (not 16)
+    assert len(raw) == aligned(5000) and list(registered.values()) == [3 * 4096]
     del raw
     gc.collect()
     assert registered == {}

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
 MB = 1024**2
+PAGE = 4096  # CUDA page-locks host memory in whole pages
 log = logging.getLogger("onn")
 
 
@@ -80,28 +81,32 @@ def cap_gpu_memory(mb: float) -> None:
 
 
 def pinned_empty(nbytes: int) -> torch.Tensor:
-    """A uint8 host buffer of exactly `nbytes`, page-locked, so that the GPU's copy engine reads it at the link's
-    speed while the GPU computes. torch's pinned allocator (`pin_memory=True`, `.pin_memory()`) rounds every
+    """A uint8 host buffer of `nbytes`, page-locked, so that the GPU's copy engine reads it at the link's speed
+    while the GPU computes. torch's pinned allocator (`pin_memory=True`, `.pin_memory()`) rounds every
     allocation up to a power of two: a Phi-4 block's int8 tensors would lock 480 MB of host memory for 341, and
     the store half as much again as the plan counts. This registers ordinary memory with CUDA instead, as torch's
-    own checkpoint stager does, and unregisters it when the last tensor viewing it is freed."""
+    own checkpoint stager does: the whole pages inside one allocation of `nbytes` and two pages (CUDA locks
+    whole pages, and two registrations may not share one), unregistered when the last tensor viewing it is
+    freed."""
     import torch
     from torch.cuda import _pin_memory_utils as pins
 
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
     if nbytes == 0:
-        return buffer
-    storage = buffer.untyped_storage()  # the same object for as long as any tensor views it
+        return torch.empty(0, dtype=torch.uint8)
+    raw = torch.empty(nbytes + 2 * PAGE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % PAGE
+    start, length = raw.data_ptr() + offset, -(-nbytes // PAGE) * PAGE
     try:
-        pins.pin_memory(storage.data_ptr(), storage.nbytes())
+        pins.pin_memory(start, length)
     except RuntimeError as e:
         log.warning(
             "registering %d MB of host memory with CUDA failed (%s); using torch's pinned allocator", nbytes // MB, e
         )
-        return buffer.pin_memory()
-    unregister = weakref.finalize(storage, pins.unpin_memory, storage.data_ptr())
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    # the storage object lives as long as any tensor views it
+    unregister = weakref.finalize(raw.untyped_storage(), pins.unpin_memory, start)
     unregister.atexit = False  # at exit the CUDA context may be gone before the storage
-    return buffer
+    return raw[offset : offset + nbytes]
 
 
 def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
