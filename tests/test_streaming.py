@@ -708,6 +708,37 @@ def test_int8_codes_decode_tokens_as_the_dequantized_model_does(tmp_path, monkey
     assert torch.isfinite(loss) and len(calls) == after
 
 
+def test_the_fused_cast_compiles_one_graph_whatever_grad_mode_and_autocast_its_caller_runs_under(monkeypatch):
+    """torch.compile guards its graphs on grad mode and autocast, and the fused int8 cast is called under each
+    of their mixes (the profile, the no-grad forward, the recompute under checkpoint, generation): with the
+    cast's layouts, that ran past its limit of 8 graphs, after which every cast fell back to two passes. Here
+    the CUDA kernel's compile is stood in for by one that counts its graphs on the CPU."""
+    import itertools
+
+    from onn.hardware import cast
+
+    graphs = []
+
+    def count(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(cast, "_compiled", lambda device_type: torch.compile(cast._cast_scaled, backend=count))
+    codes = torch.randint(-127, 128, (64, 32), dtype=torch.int8)
+    scale = torch.rand(64).bfloat16()
+    out = torch.empty(64, 32, dtype=torch.bfloat16)
+    try:
+        for grad, autocast in itertools.product((True, False), (True, False)):
+            with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                assert torch.equal(
+                    cast.cast_scaled(codes, scale, out), (codes.float() * scale.float()[:, None]).bfloat16()
+                )
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["scaled-product", "scaled-cast"])
 def test_every_pass_from_int8_codes_matches_the_dequantized_model(monkeypatch, fused):
     """On a GPU the blocks and the streamed head compute from an int8 store's codes in every pass (CastMatmul

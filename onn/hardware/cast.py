@@ -57,8 +57,14 @@ def cast_scaled(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> 
     kernel that fails to build falls back, once, to PyTorch's copy and multiply)."""
     kernel = _compiled(codes.device.type)
     if kernel is not None:
+        import torch
+
         try:
-            kernel(codes, scale, out)
+            # one graph for every caller: Dynamo guards on grad mode and autocast, and the profile, the no-grad
+            # forward, the recompute under checkpoint and generation each call with their own (a cast of
+            # codes needs neither), which would have run past torch.compile's limit of 8 graphs
+            with torch.no_grad(), torch.autocast(codes.device.type, enabled=False):
+                kernel(codes, scale, out)
             return out
         except Exception as error:  # inductor failed on this machine: the same values, two passes
             log.warning("the fused int8 cast failed (%s): casting with PyTorch's copy from now on", error)
