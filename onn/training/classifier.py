@@ -169,12 +169,12 @@ class Classifier(EpochRecord, L.LightningModule):
         if not self.mixup:
             return {"x": x, "y": labels}
         alpha = torch.tensor(self.mixup)
-        weight = torch.distributions.Beta(alpha, alpha).sample().to(x.device)
+        weight = float(torch.distributions.Beta(alpha, alpha).sample())  # drawn on the host: no copy to wait for
         return {
             "x": weight * x + (1 - weight) * x.flip(0),
             "y": labels,
             "y_mixed": labels.flip(0),
-            "weight": weight.expand(labels.shape[0]),
+            "weight": torch.full(labels.shape, weight, device=x.device),
         }
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
