@@ -297,7 +297,9 @@ def train(job: Job) -> dict[str, Any]:
         metrics["streaming/mlps_sliced"] = module.engine.tiled_mlps
         metrics["streaming/norms_recomputed"] = module.engine.recomputed_norms
         metrics["streaming/dropout_replayed"] = module.engine.dropout
-    samples = config.task.exact_match_samples if writes else 0
+    # every rank answers: under ZeRO-3 gathering the weights, and under sharded FSDP each forward, is a
+    # collective that every rank must join (rank 0 alone would wait for the others until the timeout)
+    samples = config.task.exact_match_samples
     if samples and any(p for p, _ in dm.val_examples) and dm.max_answer_tokens > SHORT_ANSWER_TOKENS:
         log.info(
             "answers run to %d tokens: skipping exact match after training; run task=eval for it",
