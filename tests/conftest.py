@@ -123,7 +123,9 @@ def hardware_profile_once(tmp_path_factory) -> None:
     seconds of both cores, and every run with a fresh outputs folder would measure it again."""
     base = tmp_path_factory.getbasetemp()
     folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "hardware"
-    os.environ.setdefault("ONN_HARDWARE_CACHE", str(folder))  # run_cli's subprocesses inherit it
+    # run_cli's subprocesses inherit it; the session's own, never the user's: a profile measured while this
+    # process holds GPU memory counts it in the CUDA context, and `recipe=bench_gpu` run after must not read that
+    os.environ["ONN_HARDWARE_CACHE"] = str(folder)
 
 
 @pytest.fixture
