@@ -29,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,7 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     module.train()
     fit.fit(module, datamodule=dm)
     peak = torch.cuda.max_memory_allocated() / MB
+    reserved_peak = torch.cuda.max_memory_reserved() / MB  # before the rate probes below allocate theirs
     process = max(probe.process_mb)
     context = float(job.hardware.cuda_context_mb or 0.0)
     timed = slice(1, None)  # the first step loads kernels and the first chunks
@@ -165,7 +167,7 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
         "gpu/loss_first": round(module.train_losses[0], 4),
         "gpu/loss_last": round(module.train_losses[-1], 4),
         "gpu/loss_curve": [round(x, 4) for x in module.train_losses],
-        "gpu/reserved_peak_mb": round(torch.cuda.max_memory_reserved() / MB, 1),
+        "gpu/reserved_peak_mb": round(reserved_peak, 1),
         "gpu/syncs_last_step": probe.syncs,
     }
     return module, tokenizer, out
@@ -173,8 +175,10 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
 
 class _StepProbe:
     """A callback: the process's GPU memory (NVML, context included) after every step, and the host-device
-    synchronisations of the last step (torch's sync debug mode), written to `path` by where they happen, with
-    torch.profiler's table of that step's kernels beside it (profile_last_step.txt)."""
+    synchronisations of the last step (torch's sync debug mode), written to `path` by thread and by where they
+    happen, with torch.profiler's table of that step's kernels beside it (profile_last_step.txt). `syncs` counts
+    the training thread's (the loader's waits for its own copies hold nothing back). No step waits for the GPU
+    here: the memory readings need no wait, and a wait would stop the host from queueing the next step."""
 
     def __new__(cls, path: Path):
         import lightning as L
@@ -191,7 +195,9 @@ class _StepProbe:
                     import warnings
 
                     self._show, self._filters = warnings.showwarning, warnings.filters[:]
-                    warnings.showwarning = lambda message, *a, **k: self._seen.append(str(message).splitlines()[0])
+                    warnings.showwarning = lambda message, category, filename, lineno, *a, **k: self._seen.append(
+                        (threading.current_thread().name, f"{filename}:{lineno}: {str(message).splitlines()[0]}")
+                    )
                     warnings.simplefilter("always")
                     torch.cuda.set_sync_debug_mode("warn")
                     self._profiler = torch.profiler.profile(
@@ -214,9 +220,11 @@ class _StepProbe:
                     warnings.showwarning, self._show = self._show, None
                     warnings.filters[:] = self._filters
                     counts = collections.Counter(self._seen)
-                    self.syncs = sum(counts.values())
-                    path.write_text("".join(f"{n} x {m}\n" for m, n in counts.most_common()))
-                torch.cuda.synchronize()
+                    main = threading.current_thread().name
+                    self.syncs = sum(n for (thread, _), n in counts.items() if thread == main)
+                    path.write_text(
+                        "".join(f"{n} x [{thread}] {where}\n" for (thread, where), n in counts.most_common())
+                    )
                 self.process_mb.append(process_gpu_mb())
 
         return Probe()
