@@ -99,7 +99,7 @@ def measure(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
     losses, peak memory)."""
     import gc
 
-    from onn.hardware.memory import PeakMemory, anon_rss_mb
+    from onn.hardware.memory import PeakMemory, anon_rss_mb, cap_gpu_memory
     from onn.hardware.profile import steal_s, use_threads
     from onn.modalities.text.tasks import build, datamodule, trainer
     from onn.training.callbacks import ResourceMonitor, StepClock
@@ -120,6 +120,8 @@ def measure(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
     fit = trainer(config, plan, run_dir, [clock, ResourceMonitor(config.trainer.log_every_n_steps)])
     gc.collect()
     cuda = plan.hardware["accelerator"] == "cuda"
+    if cuda and config.hardware.budget_mb:  # held to the budget as a run is (onn/app.py)
+        cap_gpu_memory(plan.budget_mb - plan.context_mb)
     baseline = 0.0 if cuda else anon_rss_mb()
     with PeakMemory("cuda" if cuda else "cpu") as peak:
         module, tokenizer = build(config, plan)
