@@ -287,7 +287,7 @@ class StreamingEngine:
         self._resident_slot: int | None = None
         self._pending: dict[int, tuple[Future, int | None]] = {}
         self._pool: ThreadPoolExecutor | None = None  # started on first use, again after close()
-        self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._edge_buffer: torch.Tensor | None = None
         self.cores: CoreWatch | None = None  # set for CPU runs: torch's threads follow the free cores, chunk by chunk
         self._as_tuple = False
