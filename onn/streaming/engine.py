@@ -288,6 +288,7 @@ class StreamingEngine:
         self._pending: dict[int, tuple[Future, int | None]] = {}
         self._pool: ThreadPoolExecutor | None = None  # started on first use, again after close()
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._released: torch.cuda.Event | None = None  # the GPU's point past the last chunk released (release)
         self._edge_buffer: torch.Tensor | None = None
         self.cores: CoreWatch | None = None  # set for CPU runs: torch's threads follow the free cores, chunk by chunk
         self._as_tuple = False
@@ -426,10 +427,11 @@ class StreamingEngine:
         return self._read(i, slot.raw[pos])
 
     def _load_chunk(
-        self, c: int, slot_index: int | None
+        self, c: int, slot_index: int | None, after: torch.cuda.Event | None = None
     ) -> dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
         """Read (and decode) chunk c's weights for the device: per block, its tensors and the row scales of
-        its int8 weights. Runs in a loader thread."""
+        its int8 weights. Runs in a loader thread. `after`: the GPU's point past the last chunk released, which
+        the copies wait for (see release)."""
         start = time.perf_counter()
         slot = self._slots[slot_index] if slot_index is not None else None
         out = {}
@@ -437,6 +439,9 @@ class StreamingEngine:
             stored = self._stored(i, slot, pos)
             scales = {} if self.store.dtype == "int8" else None
             if self._copy_stream is not None:
+                if after is not None:  # read from the host already; the device memory is the released chunk's
+                    after.synchronize()
+                    after = None
                 self.times.copied_bytes += sum(t.numel() * t.element_size() for t in stored.values())
                 with torch.cuda.stream(self._copy_stream):
                     tensors = self.store.decode(
@@ -470,7 +475,7 @@ class StreamingEngine:
         if self._pool is None:
             # one loader per slot: one chunk's decode overlaps the next one's read
             self._pool = ThreadPoolExecutor(max_workers=SLOTS, thread_name_prefix="onn-prefetch")
-        self._pending[c] = (self._pool.submit(self._load_chunk, c, slot), slot)
+        self._pending[c] = (self._pool.submit(self._load_chunk, c, slot, self._released), slot)
 
     def _prefetch(self, upcoming) -> None:
         """Start loading the next chunks of `upcoming` (in the order they will be needed) that need the
@@ -542,13 +547,20 @@ class StreamingEngine:
         ]
 
     def release(self) -> None:
-        """Give the resident chunk's weights (and its slot) back."""
+        """Give the resident chunk's weights (and its slot) back. On a GPU its memory is free for reuse only once
+        the GPU has run the kernels queued on it (the allocator holds it until then: record_stream), so the
+        loads started after this wait for that point before they allocate: else each load would take new memory
+        while the GPU still computes with the released chunk, a third chunk the plan does not count, until the
+        allocator met the budget's cap and stalled to free its cache."""
         if self._resident is not None:
             for i in self.chunks[self._resident]:
                 self._release_block(i)
             if self._resident_slot is not None:
                 self._free.append(self._resident_slot)
             self._resident, self._resident_slot = None, None
+            if self._copy_stream is not None:
+                self._released = torch.cuda.Event()
+                self._released.record()
 
     # -- around the blocks ---------------------------------------------------------------------
     @contextlib.contextmanager
