@@ -75,9 +75,9 @@ def test_each_rank_makes_its_own_gpu_current_before_cuda_is_touched(monkeypatch,
     assert calls == ["profile"]
 
 
-def test_pinned_host_memory_locks_exactly_its_bytes_and_unlocks_them_when_freed(monkeypatch):
-    """torch's pinned allocator rounds every allocation up to a power of two (a Phi-4 block's int8 tensors: 480 MB
-    locked for 341). A store pinned for the GPU, and a disk store's read buffers, register their bytes with CUDA in
+def test_pinned_host_memory_locks_its_own_pages_not_a_power_of_two_and_unlocks_them_when_freed(monkeypatch):
+    """torch's pinned allocator rounds every allocation up to a power of two (a Phi-4 block's int8 tensors: 480 MiB
+    locked for 325). A store pinned for the GPU, and a disk store's read buffers, register their bytes with CUDA in
     whole pages of their own (two registrations sharing a page would be refused) and unregister them when the last
     tensor viewing them is freed. CUDA's registration is recorded here instead, so this runs on any machine."""
     import gc

@@ -111,8 +111,7 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     torch.cuda.reset_peak_memory_stats()
     module.train()
     fit.fit(module, datamodule=dm)
-    peak = torch.cuda.max_memory_allocated() / MB
-    reserved_peak = torch.cuda.max_memory_reserved() / MB  # before the rate probes below allocate theirs
+    peak, reserved_peak = torch.cuda.max_memory_allocated() / MB, torch.cuda.max_memory_reserved() / MB
     process = max(probe.process_mb)
     context = float(job.hardware.cuda_context_mb or 0.0)
     timed = slice(1, None)  # the first step loads kernels and the first chunks
@@ -167,7 +166,7 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
         "gpu/loss_first": round(module.train_losses[0], 4),
         "gpu/loss_last": round(module.train_losses[-1], 4),
         "gpu/loss_curve": [round(x, 4) for x in module.train_losses],
-        "gpu/reserved_peak_mb": round(reserved_peak, 1),
+        "gpu/reserved_peak_mb": round(reserved_peak, 1),  # read before the rate probes allocated theirs
         "gpu/syncs_last_step": probe.syncs,
     }
     return module, tokenizer, out

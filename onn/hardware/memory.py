@@ -83,7 +83,7 @@ def cap_gpu_memory(mb: float) -> None:
 def pinned_empty(nbytes: int) -> torch.Tensor:
     """A uint8 host buffer of `nbytes`, page-locked, so that the GPU's copy engine reads it at the link's speed
     while the GPU computes. torch's pinned allocator (`pin_memory=True`, `.pin_memory()`) rounds every
-    allocation up to a power of two: a Phi-4 block's int8 tensors would lock 480 MB of host memory for 341, and
+    allocation up to a power of two: a Phi-4 block's int8 tensors would lock 480 MiB of host memory for 325, and
     the store half as much again as the plan counts. This registers ordinary memory with CUDA instead, as torch's
     own checkpoint stager does: the whole pages inside one allocation of `nbytes` and two pages (CUDA locks
     whole pages, and two registrations may not share one), unregistered when the last tensor viewing it is
