@@ -13,6 +13,7 @@ import yaml
 from conftest import ROOT, compose, read_metrics, run_cli
 from test_streaming import LAYER_SETS, lora_grads, lora_model, micro_batches, store_decoded
 
+from onn.errors import UserError
 from onn.models.layers import discover
 from onn.streaming.engine import StreamingEngine, target_tokens
 from onn.streaming.store import LayerStore, stored_name
@@ -110,6 +111,27 @@ def test_pinned_host_memory_locks_its_own_pages_not_a_power_of_two_and_unlocks_t
     del raw
     gc.collect()
     assert registered == {}
+
+    def refused(ptr, size):
+        raise RuntimeError("Registering memory failed with cudaError: 2.")
+
+    monkeypatch.setattr(pins, "pin_memory", refused)  # CUDA keeps the error: no fallback, one sentence
+    with pytest.raises(UserError, match="could not page-lock .*strategy.streaming.store=disk"):
+        buffer(5000, pin=True)
+
+
+def test_the_answers_after_training_take_every_rank_only_where_the_forward_is_a_collective():
+    """Under ZeRO-3 (gathering the weights) and sharded FSDP (every forward) the exact-match answers after training
+    are collectives: rank 0 alone would wait for ranks that had ended. Under DDP rank 0 answers alone."""
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+
+    from onn.training.distributed import forward_is_collective
+
+    def trainer(strategy, world_size):
+        return SimpleNamespace(strategy=object.__new__(strategy), world_size=world_size)
+
+    assert forward_is_collective(trainer(FSDPStrategy, 2)) and forward_is_collective(trainer(DeepSpeedStrategy, 8))
+    assert not forward_is_collective(trainer(DDPStrategy, 2)) and not forward_is_collective(trainer(FSDPStrategy, 1))
 
 
 def test_a_gpu_plan_streams_phi4_from_pinned_host_memory_within_the_budget():

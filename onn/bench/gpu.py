@@ -176,7 +176,7 @@ class _StepProbe:
     """A callback: the process's GPU memory (NVML, context included) after every step, and the host-device
     synchronisations of the last step (torch's sync debug mode), written to `path` by thread and by where they
     happen, with torch.profiler's table of that step's kernels beside it (profile_last_step.txt). `syncs` counts
-    the training thread's (the loader's waits for its own copies hold nothing back). No step waits for the GPU
+    all but the loader threads' (their waits for their own copies hold nothing back). No step waits for the GPU
     here: the memory readings need no wait, and a wait would stop the host from queueing the next step."""
 
     def __new__(cls, path: Path):
@@ -219,8 +219,8 @@ class _StepProbe:
                     warnings.showwarning, self._show = self._show, None
                     warnings.filters[:] = self._filters
                     counts = collections.Counter(self._seen)
-                    main = threading.current_thread().name
-                    self.syncs = sum(n for (thread, _), n in counts.items() if thread == main)
+                    # the step's: the training thread's and autograd's (CastMatmul's backward runs on its threads)
+                    self.syncs = sum(n for (thread, _), n in counts.items() if not thread.startswith("onn-prefetch"))
                     path.write_text(
                         "".join(f"{n} x [{thread}] {where}\n" for (thread, where), n in counts.most_common())
                     )

@@ -99,12 +99,14 @@ def measure(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
     losses, peak memory)."""
     import gc
 
+    from onn.hardware.cluster import use_own_gpu
     from onn.hardware.memory import PeakMemory, anon_rss_mb, cap_gpu_memory
     from onn.hardware.profile import steal_s, use_threads
     from onn.modalities.text.tasks import build, datamodule, trainer
     from onn.training.callbacks import ResourceMonitor, StepClock
 
     use_threads(plan.threads)  # the fresh process runs on the threads the plan sized to the free cores
+    use_own_gpu()  # before the cap and the memory readings, which act on the current device
     task: BenchTask = config.task
     warmup, steps = task.warmup_steps, task.steps
     config = copy.deepcopy(config)

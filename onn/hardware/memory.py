@@ -7,18 +7,18 @@ are not counted, so the figure compares with the planner's prediction plus the p
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
+
+from onn.errors import UserError
 
 if TYPE_CHECKING:
     import torch
 
 MB = 1024**2
 PAGE = 4096  # CUDA page-locks host memory in whole pages
-log = logging.getLogger("onn")
 
 
 def anon_rss_mb() -> float:
@@ -87,7 +87,8 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     the store half as much again as the plan counts. This registers ordinary memory with CUDA instead, as torch's
     own checkpoint stager does: the whole pages inside one allocation of `nbytes` and two pages (CUDA locks
     whole pages, and two registrations may not share one), unregistered when the last tensor viewing it is
-    freed."""
+    freed. `is_pinned()` asks about the allocation's first byte, outside the locked pages, and says False; copies
+    from the buffer run asynchronously all the same."""
     import torch
     from torch.cuda import _pin_memory_utils as pins
 
@@ -98,11 +99,12 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     start, length = raw.data_ptr() + offset, -(-nbytes // PAGE) * PAGE
     try:
         pins.pin_memory(start, length)
-    except RuntimeError as e:
-        log.warning(
-            "registering %d MB of host memory with CUDA failed (%s); using torch's pinned allocator", nbytes // MB, e
-        )
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError as e:  # no fallback: CUDA keeps the failed call's error for the next kernel launch
+        raise UserError(
+            f"CUDA could not page-lock {nbytes / MB:,.0f} MB of host memory for the GPU's copies ({e}); free host "
+            "memory, or keep the layer store on disk with fewer blocks in host memory (strategy.streaming.store=disk "
+            "strategy.streaming.cache_blocks=N)."
+        ) from None
     # the storage object lives as long as any tensor views it
     unregister = weakref.finalize(raw.untyped_storage(), pins.unpin_memory, start)
     unregister.atexit = False  # at exit the CUDA context may be gone before the storage

@@ -123,6 +123,13 @@ def gathered(module):
         yield
 
 
+def forward_is_collective(trainer) -> bool:
+    """Whether a forward after training needs every rank: gathering ZeRO-3's partitioned weights is an
+    all-gather, and each forward of a sharded FSDP model is one (transformers' generate then keeps the ranks
+    in step itself, synced_gpus). Under DDP each rank holds the whole model and rank 0 can answer alone."""
+    return trainer.world_size > 1 and isinstance(trainer.strategy, DeepSpeedStrategy | FSDPStrategy)
+
+
 def parameter_count(module, trainable: bool = True) -> int:
     """Parameters (that train), counted whole under ZeRO-3 too."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad or not trainable)

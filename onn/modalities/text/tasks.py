@@ -58,7 +58,7 @@ from onn.streaming.strategy import (
 from onn.training.callbacks import RandomState, ResourceMonitor, StepCheckpoint, StepClock
 from onn.training.checkpoints import check_state, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
-from onn.training.distributed import gathered, parameter_count
+from onn.training.distributed import forward_is_collective, gathered, parameter_count
 from onn.training.lora import apply
 from onn.training.trainer import build_trainer, processes_per_node
 
@@ -297,9 +297,8 @@ def train(job: Job) -> dict[str, Any]:
         metrics["streaming/mlps_sliced"] = module.engine.tiled_mlps
         metrics["streaming/norms_recomputed"] = module.engine.recomputed_norms
         metrics["streaming/dropout_replayed"] = module.engine.dropout
-    # every rank answers: under ZeRO-3 gathering the weights, and under sharded FSDP each forward, is a
-    # collective that every rank must join (rank 0 alone would wait for the others until the timeout)
-    samples = config.task.exact_match_samples
+    # rank 0 answers, or every rank where the forward is a collective (else rank 0 would wait for the others)
+    samples = config.task.exact_match_samples if writes or forward_is_collective(fit) else 0
     if samples and any(p for p, _ in dm.val_examples) and dm.max_answer_tokens > SHORT_ANSWER_TOKENS:
         log.info(
             "answers run to %d tokens: skipping exact match after training; run task=eval for it",
