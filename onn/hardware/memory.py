@@ -112,7 +112,7 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
 
 
 def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` copied into page-locked host memory of exactly its size (pinned_empty)."""
+    """`tensor` copied into page-locked host memory of its own (pinned_empty)."""
     buffer = pinned_empty(tensor.numel() * tensor.element_size())
     return buffer.view(tensor.dtype).reshape(tensor.shape).copy_(tensor)
 

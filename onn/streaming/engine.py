@@ -475,10 +475,8 @@ class StreamingEngine:
         if self._pool is None:
             # one loader per slot: one chunk's decode overlaps the next one's read
             # a new thread's current CUDA device is GPU 0: its page-locked buffers would put a context there
-            setup = (torch.cuda.set_device, (self.device,)) if self.device.type == "cuda" else (None, ())
-            self._pool = ThreadPoolExecutor(
-                max_workers=SLOTS, thread_name_prefix="onn-prefetch", initializer=setup[0], initargs=setup[1]
-            )
+            on_device = {"initializer": torch.cuda.set_device, "initargs": (self.device,)} if self._copy_stream else {}
+            self._pool = ThreadPoolExecutor(max_workers=SLOTS, thread_name_prefix="onn-prefetch", **on_device)
         self._pending[c] = (self._pool.submit(self._load_chunk, c, slot, self._released), slot)
 
     def _prefetch(self, upcoming) -> None:
