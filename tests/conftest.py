@@ -56,14 +56,14 @@ def run_cli(
     *args: str, cwd: Path | None = None, timeout: int = 600, python_warnings: str = "ignore"
 ) -> subprocess.CompletedProcess:
     """`python run.py ARGS` in a process of its own. Forked from a warm interpreter (tests/zygote.py) when
-    warnings are ignored; a fresh interpreter when a test reads the warnings a first import prints."""
+    warnings are ignored and the zygote left CUDA unstarted; a fresh interpreter when a test reads the warnings a
+    first import prints."""
     argv = [sys.executable, str(ROOT / "run.py"), *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": python_warnings}
-    # ONN_TEST_FRESH=1: every run in a fresh interpreter (a GPU machine, where a library that touched CUDA
-    # while the zygote imported it would make every forked child fail to use the GPU)
-    if python_warnings != "ignore" or os.environ.get("ONN_TEST_FRESH") == "1":
+    zygote = _zygote() if python_warnings == "ignore" else None
+    if zygote is None or not zygote.forks:
         return subprocess.run(argv, cwd=cwd or ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    return _zygote().run(argv, env, cwd or ROOT, timeout)
+    return zygote.run(argv, env, cwd or ROOT, timeout)
 
 
 class Zygote:
@@ -86,7 +86,9 @@ class Zygote:
                 cwd=ROOT,
                 env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"},
             )
-        assert json.loads(self.proc.stdout.readline()).get("ready"), (self.folder / "zygote.log").read_text()
+        ready = json.loads(self.proc.stdout.readline())
+        assert ready.get("ready"), (self.folder / "zygote.log").read_text()
+        self.forks: bool = ready["forks"]  # False: its children could not use the GPU
 
     def run(self, argv: list[str], env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
         import select

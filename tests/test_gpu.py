@@ -4,6 +4,8 @@ a GPU."""
 
 import copy
 import dataclasses
+import importlib.util
+import json
 import os
 from types import SimpleNamespace
 
@@ -44,6 +46,41 @@ def test_every_process_computes_on_an_indexed_device(monkeypatch):
     assert compute_device("cuda") == "cuda:3"
     job = Job({}, ROOT, get("text"), plan=SimpleNamespace(hardware={"accelerator": "cuda"}))
     assert torch.device(job.device) == torch.device("cuda", 3)
+
+
+# A process that sees one GPU, whose CUDA start is recorded instead of made: what the warm interpreters import
+_SEEN_GPU = """
+import json, sys, torch
+started = []
+def start(*args, **kwargs):
+    started.append(1)
+    raise RuntimeError("CUDA started")
+torch.cuda._lazy_init, torch.cuda.is_available, torch.cuda.device_count = start, lambda: True, lambda: 1
+torch._C._cuda_getDeviceCount = lambda: 1
+sys.path[:0] = [sys.argv[1]]
+{imports}
+print(json.dumps(started))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is what starts CUDA")
+def test_warm_interpreters_leave_cuda_unstarted_on_a_gpu_machine():
+    """The test's zygote and the benches' forkserver import the heavy libraries once and fork a run from them;
+    a child forked from a process that started CUDA cannot use the GPU, and peft imports bitsandbytes, which
+    starts CUDA as it is imported wherever a GPU is visible (three GPU tests failed so on a GPU machine). Seen
+    by a process that sees one GPU: importing peft starts CUDA, the warm imports do not."""
+    import subprocess
+    import sys
+
+    def started(imports: str) -> list:
+        script = _SEEN_GPU.format(imports=imports)
+        out = subprocess.run([sys.executable, "-c", script, str(ROOT / "tests")], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert started("import peft")  # the libraries as they are: the check below would see a start
+    assert not started("import zygote; zygote.warm_imports()")
+    assert not started("from onn.bench import child\nfor name in child.warm_modules(): __import__(name)")
 
 
 def test_each_rank_makes_its_own_gpu_current_before_cuda_is_touched(monkeypatch, tmp_path):

@@ -19,15 +19,32 @@ import os
 import sys
 
 HEAVY = ("torch", "lightning", "transformers", "peft", "torchvision", "torchmetrics", "hydra", "omegaconf")
+# peft imports bitsandbytes, which starts CUDA as it is imported wherever a GPU is visible: a child forked from a
+# process that started CUDA cannot use the GPU ("Cannot re-initialize CUDA in forked subprocess"), so on a GPU
+# machine each child imports it itself
+STARTS_CUDA = ("peft",)
+
+
+def warm_imports() -> None:
+    """Import HEAVY, leaving CUDA unstarted: on a machine with a GPU (NVML's count, which starts nothing) without
+    the modules that start it."""
+    import torch
+
+    gpu = torch.cuda.device_count() > 0
+    for name in HEAVY:
+        if not (gpu and name in STARTS_CUDA):
+            __import__(name)
 
 
 def serve() -> dict:
     """Answer requests until stdin closes; return (in the child only) the request it is to run."""
-    for name in HEAVY:
-        __import__(name)
+    warm_imports()
+    import torch
+
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # a stray print goes to the zygote's log, never into the answers
-    print(json.dumps({"ready": True}), file=answers)
+    # a library that started CUDA anyway: its children could not use the GPU, so the tests start fresh ones
+    print(json.dumps({"ready": True, "forks": not torch.cuda.is_initialized()}), file=answers)
     for line in sys.stdin:
         request = json.loads(line)
         sys.stdout.flush()

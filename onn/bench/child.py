@@ -37,6 +37,17 @@ def config_from_dict(values: dict[str, Any], task_schema: type, where: str) -> O
 
 # What every measuring process imports before its first line: 6-7 s of a core, paid once per bench run
 WARM = ("torch", "lightning", "transformers", "peft")
+# peft imports bitsandbytes, which starts CUDA as it is imported wherever a GPU is visible, and a child forked
+# from a server that started CUDA cannot use the GPU: on a GPU machine each child imports it itself
+STARTS_CUDA = ("peft",)
+
+
+def warm_modules() -> list[str]:
+    """What the server imports: WARM, less what would start CUDA there (NVML counts the GPUs without it)."""
+    import torch
+
+    gpu = torch.cuda.device_count() > 0
+    return [name for name in WARM if not (gpu and name in STARTS_CUDA)]
 
 
 def start(
@@ -56,7 +67,7 @@ def start(
     import multiprocessing
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(WARM))
+    context.set_forkserver_preload(warm_modules())
     env = {**os.environ, "PYTHONWARNINGS": "ignore"} if env is None else env  # the server's may be older
     args = (program, argv, str(log), request, env, os.getcwd(), session)
     process = context.Process(target=_become, args=args, name=Path(program).name)
