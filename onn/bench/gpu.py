@@ -2,7 +2,8 @@
 
   train       Phi-4 at its real size (random init) under hardware.budget_mb, a 4 GB card with its CUDA context:
               the store built into pinned host memory, `task.steps` optimizer steps of data.batch_size samples
-              (the first warms up and is not timed), the plan's predictions beside the measurements
+              (the first warms up and is not timed), the plan's predictions beside the measurements, then one
+              more step, profiled (its kernels, its waits for the GPU) and not timed: the profiler slows it
   generate    greedy tokens for 1 and for task.gen_batch prompts from the same store
   accelerate  the same weights (the store's, de-quantized to bf16), prompts and token count through
               accelerate's device_map="auto" with max_memory at the same budget: what users reach for today
@@ -45,6 +46,7 @@ log = logging.getLogger("onn")
 
 MB = 1024**2
 SEED_MS_PER_SAMPLE = 490  # the seeds' Phi-4 on a 4 GB GTX 1650, batch 128
+CHILD_TIMEOUT_S = 300  # a child run (the default job's or the image runner's overhead) takes 1-2 minutes on an H200
 
 
 def check_settings(config: ONNConfig) -> None:
@@ -91,7 +93,9 @@ def run(job) -> dict[str, Any]:
 
 
 def _train(job) -> tuple[Any, Any, dict[str, Any]]:
-    """The store built, then task.steps steps; figures of the steps after the first."""
+    """The store built, then task.steps steps and a profiled one; figures of the steps between the first and the
+    profiled one (torch.profiler starts and traces every kernel inside its step, which it slows)."""
+    from onn.hardware.cast import fused_scale
     from onn.hardware.profile import h2d_mb_s
     from onn.modalities.text.tasks import build, datamodule, trainer
     from onn.planning.costs import streaming_step_flops
@@ -105,7 +109,7 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     clock, probe = StepClock(), _StepProbe(job.run_dir / "syncs_last_step.txt")
     steps = config.task.steps
     # no checkpoint callback: the Trainer writes no checkpoint (onn/training/trainer.py)
-    run_trainer = dataclasses.replace(config.trainer, max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0)
+    run_trainer = dataclasses.replace(config.trainer, max_steps=steps + 1, limit_val_batches=0, num_sanity_val_steps=0)
     run_config = dataclasses.replace(config, trainer=run_trainer)
     fit = trainer(run_config, plan, job.run_dir, [clock, probe], loggers=False, steps_per_epoch=dm.steps_per_epoch)
     torch.cuda.reset_peak_memory_stats()
@@ -114,7 +118,7 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     peak, reserved_peak = torch.cuda.max_memory_allocated() / MB, torch.cuda.max_memory_reserved() / MB
     process = max(probe.process_mb)
     context = float(job.hardware.cuda_context_mb or 0.0)
-    timed = slice(1, None)  # the first step loads kernels and the first chunks
+    timed = slice(1, steps)  # the first step loads kernels and the first chunks; the last is profiled
     step_s = statistics.mean(clock.step_s[timed])
     copied = statistics.mean(clock.copied_bytes[timed])
     batch, seq = config.data.batch_size, int(plan.sequence_length)
@@ -136,6 +140,7 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
         "gpu/mlp_tiles": s.mlp_tiles,
         "gpu/build_s": round(build_s, 1),
         "gpu/steps": len(clock.step_s),
+        "gpu/timed_steps": len(clock.step_s[timed]),
         "gpu/batch_size": batch,
         "gpu/peak_allocated_mb": round(peak, 1),
         "gpu/process_gpu_mb": round(process, 1),
@@ -168,6 +173,8 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
         "gpu/loss_curve": [round(x, 4) for x in module.train_losses],
         "gpu/reserved_peak_mb": round(reserved_peak, 1),  # read before the rate probes allocated theirs
         "gpu/syncs_last_step": probe.syncs,
+        # the int8 casts as one kernel that scales as it casts (Triton), still in use after the steps
+        "gpu/fused_cast": fused_scale(torch.device("cuda")),
     }
     return module, tokenizer, out
 
@@ -255,14 +262,20 @@ def _prompts(job, tokenizer) -> list[list[int]]:
 
 def _timed_generation(generate, prompts: list[list[int]], pad_id: int) -> dict[str, Any]:
     """`generate(ids, mask, on_token)` for 1 prompt and for all: the time of each new token after the first
-    (whose step also reads the prompt), and tokens per second over the whole generation."""
+    (whose step also reads the prompt), and tokens per second over the whole generation. Each token's time
+    stamp waits for the GPU to finish it (accelerate's streamer reads each token to the host anyway)."""
     from onn.bench.giant import _left_padded
 
     out = {}
     for key, batch in (("b1", prompts[:1]), ("bn", prompts)):
         ids, mask = _left_padded(batch, pad_id)
         stamps = [time.perf_counter()]
-        generate(ids, mask, lambda *_, stamps=stamps: stamps.append(time.perf_counter()))
+
+        def stamp(*_, stamps=stamps) -> None:
+            torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+
+        generate(ids, mask, stamp)
         steps = [b - a for a, b in itertools.pairwise(stamps)]
         out[key] = {
             "token_s": statistics.median(steps[1:]),
@@ -455,7 +468,13 @@ def _child(job, name: str, overrides: list[str]) -> dict[str, Any]:
         f"paths.outputs={paths.outputs}",
         f"paths.cache={paths.cache}",
     ]
-    proc = subprocess.run(command, cwd=root, env=os.environ.copy(), capture_output=True, text=True)
+    try:
+        proc = subprocess.run(
+            command, cwd=root, env=os.environ.copy(), capture_output=True, text=True, timeout=CHILD_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired as stopped:
+        (job.run_dir / f"{name}.log").write_text(_text(stopped.stdout) + _text(stopped.stderr))
+        return {"status": "failed", "error": f"{name} ran past {CHILD_TIMEOUT_S} s and was stopped; see {name}.log"}
     (job.run_dir / f"{name}.log").write_text(proc.stdout + proc.stderr)
     try:
         return json.loads((folder / "metrics.json").read_text())
@@ -464,6 +483,11 @@ def _child(job, name: str, overrides: list[str]) -> dict[str, Any]:
             "status": "failed",
             "error": f"{name} left no metrics.json (exit {proc.returncode}); see {name}.log",
         }
+
+
+def _text(output: bytes | str | None) -> str:
+    """What a stopped subprocess had written (bytes even when it was asked for text)."""
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def _write(job, out: dict[str, Any]) -> None:
