@@ -36,12 +36,13 @@ from onn.config import ONNConfig, StrategyConfig, as_dict, typed
 from onn.errors import UserError
 from onn.export.settings import check_settings as check_export
 from onn.hardware.cluster import is_rank_zero, use_own_gpu
-from onn.hardware.memory import cap_gpu_memory, release_mmap_threshold
+from onn.hardware.memory import cap_gpu_memory, release_gpu, release_mmap_threshold
 from onn.hardware.profile import resolve as resolve_hardware
 from onn.hardware.profile import use_threads
 from onn.modalities.base import Job, Modality
 from onn.modalities.registry import detect, get
 from onn.planning.plan import render
+from onn.streaming.quantized import release_tiles
 from onn.tasks.record import Interrupted, RunRecord, writable_folder
 from onn.tasks.registry import TASKS as RUN_TASKS
 from onn.tasks.registry import Task
@@ -432,4 +433,6 @@ def _run(task: Task, job: Job, threads_before: int | None) -> dict[str, Any]:
         return task.run(job)
     finally:
         release_mmap_threshold()  # a streamed run's malloc setting
+        release_tiles()
+        release_gpu()  # its cached memory and the allocator's cap
         use_threads(threads_before)

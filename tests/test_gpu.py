@@ -495,3 +495,41 @@ def test_a_classifiers_steps_queue_their_work_without_waiting_for_the_gpu():
     trainer.fit(module, train_dataloaders=loader, val_dataloaders=loader)
     assert checked.count(True) == 11 and checked.count(False) == 3 * 4  # each epoch's validation (3 batches)
     assert module.history[-1]["val/loss"] < module.history[0]["val/loss"]
+
+
+def test_a_model_a_gpu_run_leaves_in_bf16_exports_to_onnx_in_float32(tmp_path):
+    """After a run on a GPU, the model ONNX is to trace can be in bf16 (a streamed model's blocks merge in the
+    compute dtype) beside float32 edges, and is left on the device: export traces a float32 copy on the CPU
+    (bf16 blocks beside float32 edges failed the reference forward, and onnxruntime's CPU provider has no bf16
+    matmul), and its outputs are the float32 model's."""
+    from test_export_onnx import build
+
+    from onn.export.onnx_export import run_onnx, sample_inputs
+    from onn.export.write import export_model
+
+    model = build("llama")
+    want_model = copy.deepcopy(model)
+    model.model.layers.to(torch.bfloat16)  # as merged_model leaves a streamed run's blocks
+    want_model.model.layers.to(torch.bfloat16).float()  # the same weights, rounded through bf16
+    sample = sample_inputs(model, 2, 8)
+    export_model(model, tmp_path / "model.onnx", sample, compose("export=onnx").export)
+    got = run_onnx(tmp_path / "model.onnx", {k: v.numpy() for k, v in sample.items()})
+    with torch.no_grad():
+        want = want_model(**sample, use_cache=False).logits
+    torch.testing.assert_close(torch.from_numpy(got["logits"]), want, rtol=1e-4, atol=1e-4)
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_run_in_a_process_that_runs_more_leaves_the_gpu_as_it_found_it(tmp_path):
+    """A sweep's jobs (Hydra's basic launcher, optuna) and a notebook's runs share one process: a run under
+    hardware.budget_mb caps PyTorch's allocator for the whole process, and memory its allocator keeps cached
+    reads as used to the next run's profile. After each run the cap is lifted and the cache given back."""
+    from onn.app import execute
+
+    torch.cuda.empty_cache()
+    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # free parts of segments in use
+    config = compose(*TINY, "trainer.max_steps=2", "hardware.budget_mb=4096", f"paths.outputs={tmp_path}")
+    assert execute(config, tmp_path / "capped")["train/loss_final"] > 0
+    assert torch.cuda.get_per_process_memory_fraction() == 1.0
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() <= cached + 2**20

@@ -11,6 +11,7 @@ ONNX with cut points, per-block memory and shard plans; see FORMAT_SPEC.md).
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import tempfile
 from pathlib import Path
@@ -71,6 +72,23 @@ def export_model(
         raise write_refused(e, output, None, "the export (export.output)") from None
 
 
+def _traceable(model, sample: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The model and its sample as ONNX traces them: on the CPU, in float32. A run on a GPU leaves its model on
+    the device (after answering) and in bf16 (a streamed model's blocks merge in the compute dtype, beside
+    float32 edges), and onnxruntime's CPU provider, which checks the export, has no bf16 matmul."""
+    import torch
+
+    def traceable(t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and (not t.is_floating_point() or t.dtype == torch.float32)
+
+    if not all(traceable(t) for t in itertools.chain(model.parameters(), model.buffers())):
+        model = model.to("cpu", torch.float32)
+    return model, {
+        k: v.to("cpu", torch.float32 if v.is_floating_point() else v.dtype) if torch.is_tensor(v) else v
+        for k, v in sample.items()
+    }
+
+
 def _export(model, output: Path, sample_input, settings, model_name, tokenizer, engine) -> dict[str, Any]:
     """export_model's writing, once its settings and folder are checked."""
     kind = settings.name
@@ -87,6 +105,7 @@ def _export(model, output: Path, sample_input, settings, model_name, tokenizer, 
         from onn.export.hf import merged_model
 
         model = merged_model(model, engine)  # ONNX holds the whole graph: one resident, merged model
+    model, sample_input = _traceable(model, sample_input)
     from onn.export.onnx_export import export_onnx
 
     opset, atol = settings.opset, settings.atol

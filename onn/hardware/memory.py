@@ -80,6 +80,22 @@ def cap_gpu_memory(mb: float) -> None:
     torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, mb * MB / total)))
 
 
+def release_gpu() -> None:
+    """Give back what a run left on the GPU and lift the allocator's cap, for the next run in this process (a
+    sweep's job, a notebook's cell): the cap is process-wide, so a job planned without a budget would allocate
+    under the last one's, and memory the allocator keeps cached reads as used to the next profile, which would
+    plan with less."""
+    import gc
+
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return
+    gc.collect()  # a Trainer and its module refer to each other: only the collector frees them
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+
+
 def pinned_empty(nbytes: int) -> torch.Tensor:
     """A uint8 host buffer of `nbytes`, page-locked, so that the GPU's copy engine reads it at the link's speed
     while the GPU computes. torch's pinned allocator (`pin_memory=True`, `.pin_memory()`) rounds every

@@ -25,6 +25,12 @@ from onn.streaming.schedule import CAST_TILE_VALUES, CODES_MAX_ROWS
 _TILES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
+def release_tiles() -> None:
+    """Drop the cast buffers (one per device and dtype, kept from run to run): a run in this process that
+    follows plans its own from the memory it finds free."""
+    _TILES.clear()
+
+
 def _tiles(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, scaled: bool):
     """(start, tile) for each run of output rows of `codes`, cast to `dtype` (times their row scales when
     `scaled`) into one buffer per device and dtype, reused for every cast: the device's stream orders each
