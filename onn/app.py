@@ -178,6 +178,12 @@ def quiet_console() -> None:
     )
     # bitsandbytes' note that a layer whose width is no multiple of its 4-bit kernel's block runs a slower kernel
     warnings.filterwarnings("ignore", message=r".*is not aligned for fast kernel.*")
+    # on a GPU: PyG's note that an optional package (torch-scatter, no wheel for this torch) would speed up a graph's
+    # max pooling; cuDNN's that a streamed recurrent block's weights (installed a chunk at a time, beside trainable
+    # biases) are not one buffer, so it packs them at each call
+    warnings.filterwarnings(
+        "ignore", message=r".*(can be accelerated via the 'torch-scatter'|not part of single contiguous).*"
+    )
     for name, level in (
         ("bitsandbytes.backends.cpu.ops", logging.ERROR),
         ("lightning.pytorch.utilities.rank_zero", logging.WARNING),

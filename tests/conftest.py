@@ -27,6 +27,9 @@ from onn.config import ONNConfig, register  # noqa: E402
 
 register()  # the config schema, as run.py registers it before Hydra composes
 ROOT = Path(__file__).resolve().parents[1]
+# A modality's train/eval/infer tests plan for this: the same 16 GB CPU preset on every CPU machine (its figures do
+# not move with the machine), and the machine itself where it has a GPU, so that the GPU check runs them on CUDA
+MODALITY_HARDWARE = "hardware=auto" if __import__("torch").cuda.is_available() else "hardware=cpu_16gb"
 # ../shared/data beside the checkout; ONN_SHARED_DATA points elsewhere (a git worktree one level deeper)
 SHARED_DATA = Path(os.environ.get("ONN_SHARED_DATA") or ROOT.parent / "shared" / "data")
 # A sweep whose jobs write a bench record and whose Hydra callback writes the grid (tests' stand-in apps)

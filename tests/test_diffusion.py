@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import compose
+from conftest import MODALITY_HARDWARE, compose
 
 from onn.errors import UserError
 
@@ -50,7 +50,7 @@ def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
 
     cfg = compose(
         *("data=diffusion", "tracking=none", "trainer.enable_progress_bar=false", "strategy.precision=32-true"),
-        *(f"paths.outputs={tmp / 'outputs'}", f"paths.cache={tmp / 'cache'}", "hardware=cpu_16gb"),
+        *(f"paths.outputs={tmp / 'outputs'}", f"paths.cache={tmp / 'cache'}", MODALITY_HARDWARE),
         *("trainer.max_steps=12", "trainer.val_check_interval=6", "optim.warmup_steps=0", "optim.lr=3e-3"),
         *("data.batch_size=8", "data.val_split=0.25", "task.samples=6", "task.sample_steps=4"),
         *overrides,

@@ -533,3 +533,26 @@ def test_a_run_in_a_process_that_runs_more_leaves_the_gpu_as_it_found_it(tmp_pat
     assert execute(config, tmp_path / "capped")["train/loss_final"] > 0
     assert torch.cuda.get_per_process_memory_fraction() == 1.0
     assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() <= cached + 2**20
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_large_graph_pools_and_a_recurrence_runs_in_float32_under_bf16_autocast():
+    """bf16-mixed on a GPU: a graph of 2,000 nodes, each with the same features, pools to those features (its
+    mean's node count, summed in bf16, stopped at 256: eight times too large), and an LSTM whose weights are
+    float32 recurs in float32 (autocast sends cuDNN's RNNs to float16, and bf16-mixed scales no loss)."""
+    from onn.modalities.graph.network import GraphNetwork
+    from onn.models.zoo.recurrent import in_float32
+
+    network = GraphNetwork(4, 2, conv="gin", hidden=8, layers=1, pooling=["mean"], dropout=0.0).cuda().eval()
+    no_edges = torch.zeros(2, 0, dtype=torch.long, device="cuda")
+    seen = []
+    network.head.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        network(torch.ones(2000, 4, device="cuda"), no_edges, torch.zeros(2000, dtype=torch.long, device="cuda"))
+        node = network.blocks[0](torch.ones(1, 4, device="cuda"), no_edges)
+    torch.testing.assert_close(seen[0].float(), node.float(), rtol=2e-2, atol=2e-2)
+    features = torch.randn(2, 50, 8, device="cuda")
+    lstm = torch.nn.LSTM(8, 8, batch_first=True).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16), in_float32(lstm, features.bfloat16()) as x:
+        assert lstm(x)[0].dtype == torch.float32

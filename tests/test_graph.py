@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SHARED_DATA, compose
+from conftest import MODALITY_HARDWARE, SHARED_DATA, compose
 
 from onn.errors import UserError
 from onn.modalities.graph.read import read_source
@@ -130,7 +130,7 @@ def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
     from onn.app import execute, given_keys
 
     cfg = compose(
-        *("data=graph", "model=gin", "tracking=none", "trainer.enable_progress_bar=false", "hardware=cpu_16gb"),
+        *("data=graph", "model=gin", "tracking=none", "trainer.enable_progress_bar=false", MODALITY_HARDWARE),
         *(f"paths.outputs={tmp / 'outputs'}", f"paths.cache={tmp / 'cache'}", "strategy.precision=32-true"),
         *("trainer.max_steps=-1", "trainer.val_check_interval=1.0", "optim.warmup_steps=0", "optim.lr=1e-2"),
         *("model.hidden=16", "model.layers=2", "model.dropout=0.0", "data.batch_size=8"),

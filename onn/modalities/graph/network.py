@@ -81,7 +81,10 @@ class GraphNetwork(nn.Module):
         for block in self.blocks:
             x = block(x, edge_index)
         if self.level == "graph":
-            x = torch.cat([pool(kind)(x, batch) for kind in self.pooling], dim=1)
+            # in float32: under bf16 autocast on a GPU the mean's node count is summed in bf16, whose step at 256
+            # is 2, so a graph of 2,000 nodes would be averaged over 256 (a CPU's scatter sums in float32)
+            with torch.autocast(x.device.type, enabled=False):
+                x = torch.cat([pool(kind)(x.float(), batch) for kind in self.pooling], dim=1)
         return self.head(x)
 
 

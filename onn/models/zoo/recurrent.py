@@ -20,6 +20,8 @@ The stack is a ModuleList of identical layers: LayerMap discovery finds its bloc
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -118,8 +120,22 @@ class RecurrentLayer(nn.Module):
     def _run(rnn: nn.Module, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_exporting() or x.is_meta:  # the padded batch: the same outputs inside each sequence
             return rnn(x)[0]
-        packed = nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
-        return nn.utils.rnn.pad_packed_sequence(rnn(packed)[0], batch_first=True, total_length=x.shape[1])[0]
+        with in_float32(rnn, x) as x:
+            packed = nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+            return nn.utils.rnn.pad_packed_sequence(rnn(packed)[0], batch_first=True, total_length=x.shape[1])[0]
+
+
+@contextlib.contextmanager
+def in_float32(rnn: nn.Module, x: torch.Tensor):
+    """`x` as `rnn` takes it: on CUDA, where its weights are float32, in float32 with autocast off. Under autocast
+    PyTorch casts cuDNN's RNNs to float16 whatever autocast's dtype (its AutocastRNN), and a bf16-mixed run scales
+    no loss, so a float16 recurrence's small gradients would flush to zero. Elsewhere (a CPU; weights streamed in
+    the compute dtype), as it comes."""
+    if x.device.type != "cuda" or any(p.dtype != torch.float32 for p in rnn.parameters()):
+        yield x
+        return
+    with torch.autocast("cuda", enabled=False):
+        yield x.float()
 
 
 class SoundSpan(nn.Module):

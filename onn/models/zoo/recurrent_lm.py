@@ -28,7 +28,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from onn.models.zoo.recurrent import CELLS, recurrence, take_steps
+from onn.models.zoo.recurrent import CELLS, in_float32, recurrence, take_steps
 
 MODEL_TYPE = "onn_recurrent_lm"
 
@@ -97,12 +97,14 @@ class RecurrentBlock(nn.Module):
         if torch.compiler.is_exporting():  # a scan: the exported graph takes any number of tokens
             out, last = recurrence(self.rnn, x, hx)
         elif not packed:
-            out, last = self.rnn(x, hx)
+            with in_float32(self.rnn, x) as inputs:
+                out, last = self.rnn(inputs, hx)
         else:
-            packed = nn.utils.rnn.pack_padded_sequence(
-                x, lengths.clamp(min=1).cpu(), batch_first=True, enforce_sorted=False
-            )
-            out, last = self.rnn(packed, hx)
+            with in_float32(self.rnn, x) as inputs:
+                inputs = nn.utils.rnn.pack_padded_sequence(
+                    inputs, lengths.clamp(min=1).cpu(), batch_first=True, enforce_sorted=False
+                )
+                out, last = self.rnn(inputs, hx)
             out = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])[0]
         last = tuple(s.squeeze(0) for s in (last if isinstance(last, tuple) else (last,)))
         if state is not None:  # a row without tokens here (a chunk past its end) keeps the state it had
