@@ -26,15 +26,15 @@ CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOT_COPY = Path("/work/wt/serve-screenshot.png")  # where the lead looks at it; written when that folder exists
 
 
-def serve_job(tmp: Path, *overrides: str, ckpt: Path | None = None):
-    """The Job app.execute would hand task=serve (a preset machine, so nothing is measured)."""
+def serve_job(tmp: Path, *overrides: str, ckpt: Path | None = None, hardware: str = "hardware=cpu_16gb"):
+    """The Job app.execute would hand task=serve (by default a preset machine, so nothing is measured)."""
     from onn.app import from_checkpoint
     from onn.hardware.profile import resolve
     from onn.modalities import Job, get
 
     config = compose(
         "task=serve",
-        "hardware=cpu_16gb",
+        hardware,
         "tracking=none",
         f"paths.outputs={tmp / 'outputs'}",
         f"paths.cache={tmp / 'cache'}",
@@ -299,6 +299,26 @@ def test_a_layer_streamed_model_batches_through_the_engine(tmp_path):
         assert engine is not None and engine.store.kind == "disk"
         concurrent_equals_alone(running, ["a", "the cat", "1+1=", "hello"], [8, 5, 10, 7])
         assert engine.times.loads > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("strategy", ["full", "sparse_lora"])
+def test_on_the_gpu_concurrent_greedy_requests_give_what_each_gives_alone(strategy, tmp_path):
+    """task=serve on CUDA, resident and layer-streamed, in float32 (bf16 kernels differ with the batch's shape, so
+    a near-tie between two tokens could flip a greedy choice): requests sent together give what each gives alone."""
+    job = serve_job(
+        tmp_path,
+        f"model={MODEL}",
+        f"strategy={strategy}",
+        "strategy.precision=32-true",
+        f"serve.api_key={KEY}",
+        hardware="hardware=auto",
+    )
+    assert job.plan.hardware["accelerator"] == "cuda"
+    with start(job) as running:
+        assert (running.app.state.scheduler.lm.engine is not None) == (strategy == "sparse_lora")
+        concurrent_equals_alone(running, ["a", "the cat", "1+1=", "hello"], [8, 5, 10, 7])
 
 
 def test_a_client_that_goes_away_frees_its_slot(lm):
