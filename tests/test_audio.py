@@ -215,6 +215,7 @@ def test_log_mels_on_the_device_augment_training_batches_only():
     assert top[0] < top[1] < top[2]
 
 
+@pytest.mark.modalities
 @pytest.mark.slow
 def test_train_held_out_pattern_eval_infer_and_export(tmp_path):
     """Tones by two 'speakers': bob's are the test set (data.test_pattern); then eval, infer with a picture, ONNX."""

@@ -212,6 +212,7 @@ def tiny_recipe(tmp_path, *overrides: str):
     )
 
 
+@pytest.mark.modalities
 @pytest.mark.slow
 def test_char_lstm_trains_resumes_exactly_evaluates_generates_and_exports(tmp_path):
     """recipe=char_lstm on built-in word problems with chunks of 16 bytes: the validation loss falls, ONNX agrees

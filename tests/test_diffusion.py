@@ -65,6 +65,7 @@ def images(tmp_path_factory) -> Path:
     return write_images(tmp_path_factory.mktemp("pictures"))
 
 
+@pytest.mark.modalities
 @pytest.mark.slow
 def test_train_sample_judge_and_export_a_unet(images, tmp_path):
     from safetensors.torch import load_file

@@ -141,6 +141,7 @@ def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
     return execute(cfg, run_dir, given_keys(list(overrides))), run_dir  # the keys a command line would set
 
 
+@pytest.mark.modalities
 @pytest.mark.slow  # (about 14 s: training, two inferences and an ONNX export)
 def test_graph_classification_trains_infers_draws_and_exports(tmp_path):
     import onnxruntime as ort

@@ -41,6 +41,7 @@ def hybrid_config(tmp_path, *overrides: str):
     )
 
 
+@pytest.mark.modalities
 @pytest.mark.slow
 def test_hybrid_trains_with_its_own_loss_resumes_and_exports(tmp_path):
     from onn.app import execute

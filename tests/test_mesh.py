@@ -203,6 +203,7 @@ def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
     return execute(cfg, run_dir), run_dir
 
 
+@pytest.mark.modalities
 @pytest.mark.slow
 def test_train_infer_and_onnx_on_generated_primitives(tmp_path):
     data = write_primitives(tmp_path / "shapes", per_class=12, seed=0)

@@ -157,6 +157,7 @@ def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
     return execute(cfg, run_dir), run_dir
 
 
+@pytest.mark.modalities
 @pytest.mark.slow
 def test_image_text_pairs_half_orphaned_train_to_5x_chance_then_infer_eval_export(tmp_path, capsys, caplog):
     from hydra import compose as hydra_compose

@@ -90,6 +90,7 @@ def test_clip_normalisation_is_refused_with_one_sentence():
     get("audio").check(compose("recipe=fsdd_lstm"))
 
 
+@pytest.mark.modalities
 @pytest.mark.slow
 def test_audio_lstm_trains_evaluates_infers_and_exports(tmp_path):
     """recipe=fsdd_lstm on tones by two speakers, bob's held out: the loss falls, bob is recognised above chance,

@@ -22,6 +22,7 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.modalities
 def test_train_eval_infer(outputs, tmp_path):
     run_dir = outputs / "train_run"
     ok(

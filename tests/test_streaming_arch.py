@@ -215,6 +215,7 @@ def test_building_a_model_into_the_store_leaves_the_steps_activations_in_the_hea
     assert int(out.stdout.split()[-1]) < 40 * 512 / 10  # mapped anew: 512 pages a buffer, every time
 
 
+@pytest.mark.modalities
 @pytest.mark.slow
 def test_a_streamed_dit_trains_through_the_runner_and_samples_from_its_checkpoint(tmp_path):
     """strategy=sparse_lora on a DiT: the plan streams its blocks, the loss falls, and the checkpoint (adapters and

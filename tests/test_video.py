@@ -234,6 +234,7 @@ def test_video_networks_train_a_step_on_clips():
         ), source
 
 
+@pytest.mark.modalities
 @pytest.mark.slow
 def test_motion_run_trains_infers_and_exports(tmp_path):
     """builtin:motion, made small: clips encoded and decoded, the 3-D CNN trained, strips of frames, ONNX."""

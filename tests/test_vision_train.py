@@ -90,6 +90,7 @@ def test_train_learns_keeps_best_and_tests_it(images, tmp_path):
     assert "val/confusion_matrix" in tags["images"] and "val/acc" in tags["scalars"]
 
 
+@pytest.mark.modalities
 def test_resume_infer_and_eval(images, tmp_path):
     first, run_dir = run(tmp_path, f"data.source={images}", "trainer.max_epochs=2")
     resumed, _ = run(tmp_path, f"data.source={images}", "trainer.max_epochs=3", f"ckpt={run_dir}", name="resumed")
