@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import lightning as L
@@ -321,6 +322,41 @@ def test_qlora_trains_lora_on_a_4bit_base_also_after_a_validation(tmp_path):
     module.model(**batch).loss.backward()
     grads = [p.grad for n, p in module.model.named_parameters() if "lora_B" in n]  # lora_A gets none while B is 0
     assert grads and all(g is not None for g in grads) and sum(float(g.abs().sum()) for g in grads) > 0
+
+
+@pytest.mark.slow
+def test_a_qlora_model_exports_as_a_dense_folder_that_computes_what_it_computed(tmp_path):
+    """export=safetensors of a QLoRA model: its 4-bit weights de-quantized (as its forward uses them) with the
+    adapters merged, no quantisation state or config left in the folder, and the loaded folder's logits are the
+    trained model's (the merge added a float delta to the packed codes and failed)."""
+    from transformers import AutoModelForCausalLM
+
+    from onn.export.hf import save_folder
+    from onn.hardware.profile import resolve
+    from onn.modalities import get
+    from onn.modalities.text.tasks import build
+
+    cfg = compose("model=llama_tiny", "strategy=qlora", f"paths.cache={tmp_path / 'cache'}")
+    plan, _ = get("text").plan(cfg, resolve(cfg.hardware, tmp_path / "cache", tmp_path))
+    module, tokenizer = build(cfg, plan)
+    torch.manual_seed(0)
+    for name, p in module.model.named_parameters():
+        if "lora_B" in name:  # as after training: the adapters change the output
+            p.data.normal_(std=0.05)
+    device = module.model.get_input_embeddings().weight.device
+    batch = {k: v.to(device) for k, v in batches(steps=1)[0].items() if k != "labels"}
+    module.model.eval()
+    with torch.no_grad():
+        want = module.model(**batch).logits.float().cpu()
+    save_folder(module, tokenizer, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert "quantization_config" not in config
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = loaded(**{k: v.cpu() for k, v in batch.items()}).logits
+    with torch.no_grad(), module.model.disable_adapter():
+        assert not torch.allclose(want, module.model(**batch).logits.float().cpu(), atol=1e-3)  # the adapters count
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 def test_adapt_norm_measures_the_test_domains_statistics_and_keeps_the_trained_ones():

@@ -72,6 +72,8 @@ def save_folder(
                 group.clear()
         count = shards.finish()
         config = copy.deepcopy(base.config)
+        if getattr(config, "quantization_config", None) is not None:  # QLoRA's base: written de-quantized
+            del config.quantization_config
         config.dtype = str(engine.compute_dtype if engine is not None else base.dtype).removeprefix("torch.")
         config.architectures = [type(base).__name__]
         config.save_pretrained(folder)
@@ -203,6 +205,7 @@ def _merged_groups(model, base, engine) -> Iterator[dict[str, torch.Tensor]]:
             stored_name(k): tensors[in_engine[id(state[k])]] for k in keys if in_engine.get(id(state[k])) in tensors
         }
 
+    packed = _packed_4bit(base)
     for group, keys in groupby(list(state), key=group_of):
         keys = list(keys)
         stored = frozen(group, keys)
@@ -210,12 +213,12 @@ def _merged_groups(model, base, engine) -> Iterator[dict[str, torch.Tensor]]:
         for key in keys:
             owner = _owner(key, lora)
             rest = key[len(owner) + 1 :] if owner else ""
-            if owner and not rest.startswith(BASE_LAYER):
-                continue  # the adapter's own tensors
+            if owner and not rest.startswith(BASE_LAYER) or key.rpartition(".")[0] in packed:
+                continue  # the adapter's own tensors; a 4-bit weight's quantisation state
             name = f"{owner}.{rest[len(BASE_LAYER) :]}" if owner else key
             tensor = stored.pop(name, None)
             if tensor is None:
-                tensor = state[key].detach().to(cpu)
+                tensor = _dense(state[key], packed.get(key)).to(cpu)
                 if tensor.numel() == 0:  # a streamed block's placeholder
                     where = "nor in the layer store" if engine else "(pass the streaming engine that holds it)"
                     raise RuntimeError(f"{key} is not in memory {where}")
@@ -224,6 +227,26 @@ def _merged_groups(model, base, engine) -> Iterator[dict[str, torch.Tensor]]:
             out[name] = tensor
         stored = None  # what was not used: gone before the next group is read
         yield out
+
+
+def _packed_4bit(base) -> dict[str, Any]:
+    """Each 4-bit linear's weight key -> the bitsandbytes module: QLoRA's base holds NF4 codes packed two to a
+    byte, and their quantisation state under further keys of the weight (absmax, quant_map, ...)."""
+    if getattr(base.config, "quantization_config", None) is None:
+        return {}
+    import bitsandbytes as bnb
+
+    return {f"{name}.weight": m for name, m in base.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+
+
+def _dense(tensor: torch.Tensor, four_bit) -> torch.Tensor:
+    """A weight as the folder holds it: a 4-bit one de-quantized (as its forward does), else as it is."""
+    if four_bit is None:
+        return tensor.detach()
+    import bitsandbytes as bnb
+
+    weight = four_bit.weight
+    return bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
 
 
 def _merge(layer, param: str, tensor: torch.Tensor) -> torch.Tensor:
