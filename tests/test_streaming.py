@@ -124,6 +124,33 @@ def test_one_step_matches_resident_gradient_accumulation(model_type, chunk_size,
         ]  # forward 0..3, backward reuses 3 then reloads 2 and stops
 
 
+def test_a_step_weighs_its_micro_batches_and_loss_pieces_by_the_hosts_counts_without_reading_them(monkeypatch):
+    """The text module counts each row's target tokens on the host before the batch goes to the device; the
+    streamed step weighs its micro-batches and its loss's pieces (a row at a time here) by those counts and never
+    counts them on the device (each count read back is a wait for the GPU): the same loss and gradients as the
+    resident model's, with the device's counting taken away. Micro-batches hold different numbers of targets."""
+    import onn.streaming.engine as streaming
+
+    resident = lora_model("llama", LAYER_SETS["first4+last4"])
+    streamed = copy.deepcopy(resident)
+    mbs = micro_batches()
+    mbs[1]["labels"][1, 5:8] = -100  # fewer targets in one row of one micro-batch
+    total = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in mbs)
+    for mb in mbs:
+        loss = resident(**mb).loss
+        (loss * int((mb["labels"][:, 1:] != -100).sum()) / total).backward()
+    rows = [(mb["labels"][:, 1:] != -100).sum(1).tolist() for mb in mbs]
+    engine = engine_for(streamed, 2)
+    engine.suffix_rows = 1
+    monkeypatch.setattr(streaming, "target_tokens", lambda mb: pytest.fail("a count was read from the device"))
+    engine.forward_train(mbs, total_tokens=total, row_weights=rows)
+    engine.backward_chunks()
+    want, got = lora_grads(resident), lora_grads(streamed)
+    assert want.keys() == got.keys() and want
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 class LiveBytes(TorchDispatchMode):
     """The bytes of the tensors created under it that are still alive, and their peak: what a device's
     allocator would hold for them, measured on any device."""

@@ -741,12 +741,18 @@ class StreamingEngine:
         return list(range(last if self.edges else last - 1, self.lowest_chunk - 1, -1))
 
     def forward_train(
-        self, micro_batches: list[dict[str, Any]], loss_scale: float = 1.0, total_tokens: int | None = None
+        self,
+        micro_batches: list[dict[str, Any]],
+        loss_scale: float = 1.0,
+        total_tokens: int | None = None,
+        row_weights: list[list[int]] | None = None,
     ) -> torch.Tensor:
         """The forward half of a step: chunk-outer forward keeping chunk inputs, then each micro-batch's
         loss backpropagated to its last hidden state (the engine's own tensors, so an optimizer's
         zero_grad in between changes nothing). `loss_scale` is fp16's loss scale; `total_tokens` the
-        target tokens of the whole global batch when several processes share it (default: these)."""
+        target tokens of the whole global batch when several processes share it (default: these);
+        `row_weights`: per micro-batch, what each row's loss averages over (target tokens) as the host counted
+        them, so that no micro-batch's or suffix piece's weight is read from the device (a wait on a GPU)."""
         # the loader reads the backward's first chunks while the forward's last one computes
         inputs, kept, hidden = self._forward(
             micro_batches, keep_from=self.lowest_chunk, then=[] if self.edges else self._backward_order()
@@ -754,17 +760,20 @@ class StreamingEngine:
         grads, losses = [], []
         # Each micro-batch's mean loss weighs by its share of the macro-batch's target tokens, so the
         # gradient is the whole macro-batch's, whatever the micro-batch size.
-        weights = token_weights(micro_batches, total_tokens, self.objective.weight)
+        counts = None if row_weights is None else [sum(rows) for rows in row_weights]
+        weights = token_weights(micro_batches, total_tokens, self.objective.weight, counts)
         with self._suffix_phase():
             start = time.perf_counter()
-            for h, mb, w in zip(hidden, micro_batches, weights):
+            for m, (h, mb, w) in enumerate(zip(hidden, micro_batches, weights)):
                 h = h.detach().requires_grad_(True)
                 if w == 0:  # no target tokens: nothing to learn from, and its mean loss is 0/0
                     grads.append(torch.zeros_like(h))
                     continue
                 step = self.suffix_rows or h.shape[0]
                 pieces = [{k: v[a : a + step] for k, v in mb.items()} for a in range(0, h.shape[0], step)]
-                share = token_weights(pieces, weigh=self.objective.weight)  # each piece's part of its mean loss
+                rows = None if row_weights is None else row_weights[m]
+                counted = None if rows is None else [sum(rows[a : a + step]) for a in range(0, h.shape[0], step)]
+                share = token_weights(pieces, weigh=self.objective.weight, counts=counted)  # its part of the mean
                 for a, piece, part in zip(range(0, h.shape[0], step), pieces, share):
                     if part:
                         loss = self.objective.loss(self.suffix(h[a : a + step], piece), piece)
@@ -959,10 +968,12 @@ def target_tokens(mb: dict[str, Any]) -> int:
     return int((mb["labels"][:, 1:] != -100).sum())
 
 
-def token_weights(micro_batches: list[dict[str, Any]], total: int | None = None, weigh=None) -> list[float]:
+def token_weights(
+    micro_batches: list[dict[str, Any]], total: int | None = None, weigh=None, counts: list[int] | None = None
+) -> list[float]:
     """Each micro-batch's share of the target tokens of them all (or of `total`: a global batch's); `weigh`: what
-    a micro-batch's mean loss averages over instead (Objective.weight)."""
-    counts = [(weigh or target_tokens)(mb) for mb in micro_batches]
+    a micro-batch's mean loss averages over instead (Objective.weight); `counts`: those, counted on the host."""
+    counts = counts if counts is not None else [(weigh or target_tokens)(mb) for mb in micro_batches]
     total = sum(counts) if total is None else total
     return [c / total if total else 0.0 for c in counts]
 

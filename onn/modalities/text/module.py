@@ -128,8 +128,13 @@ class CausalLM(L.LightningModule):
             # chunk-outer forward of every micro-batch; the chunks' backward runs in manual_backward
             self.engine.micro_batch = self.micro_batch
             pieces = self.engine.split(batch)
-            total = self._global_tokens(sum(target_tokens(p) for p in pieces))
-            loss = self.engine.forward_train(pieces, loss_scale=self.trainer.strategy.loss_scale(), total_tokens=total)
+            counted = rows is not None and len(rows[1]) == batch["input_ids"].shape[0]
+            size = pieces[0]["input_ids"].shape[0]
+            weights = [rows[1][a : a + size] for a in range(0, len(rows[1]), size)] if counted else None
+            total = self._global_tokens(sum(map(sum, weights)) if weights else sum(target_tokens(p) for p in pieces))
+            loss = self.engine.forward_train(
+                pieces, loss_scale=self.trainer.strategy.loss_scale(), total_tokens=total, row_weights=weights
+            )
             self.manual_backward(loss)
             return self._global_sum(loss.detach())
         pieces, counts = split(batch, self.micro_batch, rows)
