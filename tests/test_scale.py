@@ -466,3 +466,57 @@ def test_plan_table_is_printed(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "full fine-tune over 8 device(s) x 2 node(s)" in proc.stdout and "ZeRO-3+offload" in proc.stdout
     assert "14.7B full fine-tune:" in proc.stdout and "over 8 x NVIDIA A100-SXM4-80GB, 2 nodes" in proc.stdout
+
+
+_FSDP_RANK = """
+import json, os, sys
+from types import SimpleNamespace
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+from onn.training.distributed import gathered
+
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+whole = [p.detach().clone() for p in model.parameters()]
+root = FullyShardedDataParallel(
+    model, sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=True, device_id=torch.device("cpu")
+)
+root(torch.randn(2, 8)).sum().backward()  # a step's forward and backward: the parameters are views of shards after
+x = torch.ones(3, 8)
+want = torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, whole[0], whole[1])), whole[2], whole[3])
+# what the LightningModule offers gathered(): its trainer's world and strategy, its modules
+module = SimpleNamespace(trainer=SimpleNamespace(world_size=2, strategy=SimpleNamespace(model=root)),
+                         parameters=root.parameters, modules=root.modules)
+try:
+    with gathered(module), torch.no_grad():
+        got = root.module(x)  # the wrapped model's own forward, as transformers' generate calls it
+    out = {"max_diff": float((got - want).abs().max())}
+except RuntimeError as e:
+    out = {"error": str(e).splitlines()[0]}
+print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow  # two fresh interpreters import torch and set up a process group: ~20 s on two shared cores
+def test_fsdp_sharded_over_two_ranks_answers_with_whole_weights(tmp_path: Path):
+    """After training, every rank of a sharded FSDP run generates its answers through the wrapped model's own
+    forward (transformers' generate), which FSDP's gather never sees: between FSDP's forwards each parameter is
+    a 1-D view of its rank's shard, and the forward failed on it. Within `gathered` the weights are whole on
+    every rank (two gloo processes on the CPU, FULL_SHARD and the original parameters, as Lightning sets FSDP
+    up)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FSDP_RANK, str(r)], env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True
+        )
+        for r in range(2)
+    ]
+    outs = [json.loads(r.communicate(timeout=120)[0].strip().splitlines()[-1]) for r in ranks]
+    assert all(out.get("max_diff", 1.0) < 1e-5 for out in outs), outs

@@ -111,22 +111,31 @@ def forward_module(module):
 
 @contextlib.contextmanager
 def gathered(module):
-    """ZeRO-3 partitions every weight over the ranks: gather them whole for the body (a checkpoint, greedy
-    answers after training); elsewhere nothing to do."""
+    """Every weight whole for the body (a checkpoint, greedy answers after training), on every rank: ZeRO-3
+    partitions them over the ranks, and between its own forwards FSDP leaves each parameter a view of this
+    rank's shard (transformers' generate calls the wrapped model's forward, past FSDP's gather: "'weight' must be
+    2-D"). One process, or neither strategy: nothing to do."""
     params = [p for p in module.parameters() if hasattr(p, "ds_numel")]
-    if not params:
+    if params:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield
+        return
+    root = _fsdp_root(module) if module.trainer.world_size > 1 else None
+    if root is None:
         yield
         return
-    import deepspeed
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+    with FullyShardedDataParallel.summon_full_params(root, writeback=False):
         yield
 
 
 def forward_is_collective(trainer) -> bool:
-    """Whether a forward after training needs every rank: gathering ZeRO-3's partitioned weights is an
-    all-gather, and each forward of a sharded FSDP model is one (transformers' generate then keeps the ranks
-    in step itself, synced_gpus). Under DDP each rank holds the whole model and rank 0 can answer alone."""
+    """Whether a forward after training needs every rank: gathering ZeRO-3's partitioned weights or FSDP's
+    shards (`gathered`) is an all-gather. Under DDP each rank holds the whole model and rank 0 can answer
+    alone."""
     return trainer.world_size > 1 and isinstance(trainer.strategy, DeepSpeedStrategy | FSDPStrategy)
 
 
