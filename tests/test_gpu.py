@@ -64,6 +64,7 @@ print(json.dumps(started))
 """
 
 
+@pytest.mark.slow  # three fresh interpreters import the heavy libraries: ~60 s on two shared cores
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is what starts CUDA")
 def test_warm_interpreters_leave_cuda_unstarted_on_a_gpu_machine():
     """The test's zygote and the benches' forkserver import the heavy libraries once and fork a run from them;

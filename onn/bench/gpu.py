@@ -130,14 +130,7 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     predicted_peak, predicted_context = plan.predicted_peak_memory_mb, plan.context_mb
     tokens = statistics.mean(clock.tokens[timed])
     out = {
-        "gpu/store_dtype": s.store_dtype,
-        "gpu/store_place": "pinned host memory" if s.store == "cpu" else "disk",
-        "gpu/chunk_size": s.chunk_size,
-        "gpu/micro_batch": plan.micro_batch,
-        "gpu/suffix_rows": s.suffix_rows,
-        "gpu/activations": s.activations,
-        "gpu/edges": s.edges,
-        "gpu/mlp_tiles": s.mlp_tiles,
+        **_settings(plan),
         "gpu/build_s": round(build_s, 1),
         "gpu/steps": len(clock.step_s),
         "gpu/timed_steps": len(clock.step_s[timed]),
@@ -177,6 +170,21 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
         "gpu/fused_cast": fused_scale(torch.device("cuda")),
     }
     return module, tokenizer, out
+
+
+def _settings(plan) -> dict[str, Any]:
+    """The streaming settings the plan chose for the steps."""
+    s = plan.streaming
+    return {
+        "gpu/store_dtype": s.store_dtype,
+        "gpu/store_place": "pinned host memory" if s.store == "cpu" else "disk",
+        "gpu/chunk_size": s.chunk_size,
+        "gpu/micro_batch": plan.micro_batch,
+        "gpu/suffix_rows": s.suffix_rows,
+        "gpu/activations": s.activations,
+        "gpu/edges": s.edges,
+        "gpu/mlp_tiles": s.mlp_tiles,
+    }
 
 
 class _StepProbe:
