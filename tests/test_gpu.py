@@ -533,7 +533,7 @@ def test_a_run_in_a_process_that_runs_more_leaves_the_gpu_as_it_found_it(tmp_pat
     config = compose(*TINY, "trainer.max_steps=2", "hardware.budget_mb=4096", f"paths.outputs={tmp_path}")
     assert execute(config, tmp_path / "capped")["train/loss_final"] > 0
     assert torch.cuda.get_per_process_memory_fraction() == 1.0
-    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() <= cached + 2**20
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() <= cached + 64 * 2**20  # pages, not a cache
 
 
 @gpu
