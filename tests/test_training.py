@@ -329,6 +329,7 @@ def test_a_qlora_model_exports_as_a_dense_folder_that_computes_what_it_computed(
     """export=safetensors of a QLoRA model: its 4-bit weights de-quantized (as its forward uses them) with the
     adapters merged, no quantisation state or config left in the folder, and the loaded folder's logits are the
     trained model's (the merge added a float delta to the packed codes and failed)."""
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     from onn.export.hf import save_folder
@@ -352,6 +353,8 @@ def test_a_qlora_model_exports_as_a_dense_folder_that_computes_what_it_computed(
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert "quantization_config" not in config
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    written = set().union(*(safe_open(f, "pt").keys() for f in (tmp_path / "hf").glob("*.safetensors")))
+    assert written == set(loaded.state_dict()) - {"lm_head.weight"} or written == set(loaded.state_dict())
     with torch.no_grad():
         got = loaded(**{k: v.cpu() for k, v in batch.items()}).logits
     with torch.no_grad(), module.model.disable_adapter():

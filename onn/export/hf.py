@@ -213,8 +213,9 @@ def _merged_groups(model, base, engine) -> Iterator[dict[str, torch.Tensor]]:
         for key in keys:
             owner = _owner(key, lora)
             rest = key[len(owner) + 1 :] if owner else ""
-            if owner and not rest.startswith(BASE_LAYER) or key.rpartition(".")[0] in packed:
-                continue  # the adapter's own tensors; a 4-bit weight's quantisation state
+            head, state_of_weight, _ = key.partition(".weight.")
+            if owner and not rest.startswith(BASE_LAYER) or state_of_weight and f"{head}.weight" in packed:
+                continue  # the adapter's own tensors; a 4-bit weight's quantisation state (absmax, quant_state...)
             name = f"{owner}.{rest[len(BASE_LAYER) :]}" if owner else key
             tensor = stored.pop(name, None)
             if tensor is None:

@@ -73,9 +73,10 @@ def export_model(
 
 
 def _traceable(model, sample: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """The model and its sample as ONNX traces them: on the CPU, in float32. A run on a GPU leaves its model on
-    the device (after answering) and in bf16 (a streamed model's blocks merge in the compute dtype, beside
-    float32 edges), and onnxruntime's CPU provider, which checks the export, has no bf16 matmul."""
+    """The model and its sample as ONNX traces them: on the CPU, in float32 (the model moved there in place: a
+    copy of a large model would double what the export holds). A run on a GPU leaves its model on the device
+    (after answering) and in bf16 (a streamed model's blocks merge in the compute dtype, beside float32 edges),
+    and onnxruntime's CPU provider, which checks the export, has no bf16 matmul."""
     import torch
 
     def traceable(t: torch.Tensor) -> bool:

@@ -7,12 +7,15 @@ are not counted, so the figure compares with the planner's prediction plus the p
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from onn.errors import UserError
+
+log = logging.getLogger("onn")
 
 if TYPE_CHECKING:
     import torch
@@ -92,8 +95,11 @@ def release_gpu() -> None:
     if not torch.cuda.is_initialized():
         return
     gc.collect()  # a Trainer and its module refer to each other: only the collector frees them
-    torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(1.0)
+    try:
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    except RuntimeError as error:  # a CUDA error the run raised stays with the device: the run's own is what to say
+        log.debug("the GPU's memory was not given back: %s", error)
 
 
 def pinned_empty(nbytes: int) -> torch.Tensor:

@@ -128,6 +128,7 @@ def gathered(module):
         return
     from torch.distributed.fsdp import FullyShardedDataParallel
 
+    # one FSDP unit (wrap_for_fsdp wraps the model whole): nested units' own forwards would refuse to run in here
     with FullyShardedDataParallel.summon_full_params(root, writeback=False):
         yield
 
