@@ -530,7 +530,8 @@ def test_a_run_in_a_process_that_runs_more_leaves_the_gpu_as_it_found_it(tmp_pat
 
     torch.cuda.empty_cache()
     cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # free parts of segments in use
-    del torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")  # 512 MB the allocator keeps cached, until given back
+    held = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    del held  # 512 MB the allocator keeps cached, until a run gives it back
     config = compose(*TINY, "trainer.max_steps=2", "hardware.budget_mb=4096", f"paths.outputs={tmp_path}")
     assert execute(config, tmp_path / "capped")["train/loss_final"] > 0
     assert torch.cuda.get_per_process_memory_fraction() == 1.0
