@@ -362,10 +362,13 @@ def test_large_models_time_copies_of_one_and_two_of_their_own_blocks(tmp_path):
     from onn.modalities import get
     from onn.modalities.text.calibrate import block_times
 
-    cfg = compose("model=llama_tiny", "strategy=sparse_lora", f"paths.cache={tmp_path}", root=tmp_path)
+    # blocks wide enough that one block's work, not the timer's noise, sets the difference of the two copies
+    # (at llama_tiny's width of 64 a block took microseconds, and once the adapted block timed at 0)
+    wide = ("model.architecture.hidden_size=256", "model.architecture.intermediate_size=704")
+    cfg = compose("model=llama_tiny", *wide, "strategy=sparse_lora", f"paths.cache={tmp_path}", root=tmp_path)
     hw = resolve(cfg.hardware, tmp_path, tmp_path)
     planned, _ = get("text").plan(cfg, hw)
-    costs = block_times(cfg, planned, hw, 16, 2, 1, large=True)
+    costs = block_times(cfg, planned, hw, 64, 2, 1, large=True)
     assert set(costs) == {"lora", "frozen", "below", "rest"} and costs["lora"] > 0
 
 
