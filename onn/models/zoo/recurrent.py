@@ -106,10 +106,12 @@ class RecurrentLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         steps = x.shape[1]
-        out = self._run(self.forward_rnn, x, lengths)
+        packs = not (torch.compiler.is_exporting() or x.is_meta)  # else the padded batch: the same outputs inside
+        host = lengths.cpu() if packs else None  # packing reads them on the host: on a GPU, one wait for both ways
+        out = self._run(self.forward_rnn, x, host)
         if self.backward_rnn is not None:
             flip = reversed_within(lengths, steps)
-            back = self._run(self.backward_rnn, take_steps(x, flip), lengths)
+            back = self._run(self.backward_rnn, take_steps(x, flip), host)
             out = torch.cat([out, take_steps(back, flip)], dim=-1)
         out = self.dropout(out)
         if self.residual:
@@ -117,11 +119,11 @@ class RecurrentLayer(nn.Module):
         return out * step_mask(lengths, steps).unsqueeze(-1).to(out.dtype)
 
     @staticmethod
-    def _run(rnn: nn.Module, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_exporting() or x.is_meta:  # the padded batch: the same outputs inside each sequence
+    def _run(rnn: nn.Module, x: torch.Tensor, host_lengths: torch.Tensor | None) -> torch.Tensor:
+        if host_lengths is None:  # each sequence's outputs inside its length do not depend on the padding after it
             return rnn(x)[0]
         with in_float32(rnn, x) as x:
-            packed = nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+            packed = nn.utils.rnn.pack_padded_sequence(x, host_lengths, batch_first=True, enforce_sorted=False)
             return nn.utils.rnn.pad_packed_sequence(rnn(packed)[0], batch_first=True, total_length=x.shape[1])[0]
 
 
