@@ -35,7 +35,11 @@ class CNNLSTM(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, mels, frames]
         features = self.encoder(x)  # [B, width, mels / 4, frames]
         sequence = features.flatten(1, 2).transpose(1, 2)  # [B, frames, width * mels / 4]
-        outputs, _ = self.lstm(sequence)
+        if sequence.is_cuda:  # CUDA autocast runs cuDNN's LSTM in float16, and bf16-mixed scales no loss: float32
+            with torch.autocast("cuda", enabled=False):
+                outputs, _ = self.lstm(sequence.float())
+        else:
+            outputs, _ = self.lstm(sequence)
         return self.head(outputs.mean(dim=1))
 
 
