@@ -106,8 +106,10 @@ class RecurrentLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         steps = x.shape[1]
-        packs = not (torch.compiler.is_exporting() or x.is_meta)  # else the padded batch: the same outputs inside
-        host = lengths.cpu() if packs else None  # packing reads them on the host: on a GPU, one wait for both ways
+        # packing reads the lengths on the host (on a GPU, one wait for both directions); export and meta-device
+        # sizing run the padded batch instead (_run)
+        packs = not (torch.compiler.is_exporting() or x.is_meta)
+        host = lengths.cpu() if packs else None
         out = self._run(self.forward_rnn, x, host)
         if self.backward_rnn is not None:
             flip = reversed_within(lengths, steps)
