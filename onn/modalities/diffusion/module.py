@@ -4,7 +4,7 @@ Training is DDPM's (Ho et al. 2020): a batch of images scaled to [-1, 1], a rand
 noise added by the diffusers DDPMScheduler (`add_noise`), and the mean squared error between that noise
 and the denoiser's prediction of it. Validation scores the same loss on held-out images with noise and
 timesteps drawn from a fixed seed, so epochs compare. An exponential moving average of the weights
-(torch.optim.swa_utils.AveragedModel) is what samples are drawn from.
+(torch.optim.swa_utils.AveragedModel's, updated without waiting for the GPU) is what samples are drawn from.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from onn.config.model import DenoiserConfig
 from onn.config.run import OptimConfig
@@ -43,6 +44,38 @@ class Denoiser(nn.Module):
             classes = torch.zeros(sample.shape[0], dtype=torch.long, device=sample.device)
             return self.network(sample, timestep=timestep, class_labels=classes).sample
         return self.network(sample, timestep).sample
+
+
+class MovingAverage(AveragedModel):
+    """An exponential moving average of a model's weights and buffers: AveragedModel's state (`module` and
+    `n_averaged`, so checkpoints keep their keys), updated without reading its count from the device.
+    AveragedModel tests `n_averaged` twice an update, and on a GPU each test waits for every kernel queued,
+    so the host could never queue a step while the GPU runs the one before. Here the count is mirrored on
+    the host, read from the device once after a checkpoint loads into it."""
+
+    def __init__(self, model: nn.Module, decay: float):
+        super().__init__(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+        self.updates: int | None = 0  # n_averaged, on the host; None after a load, until read
+        self.register_load_state_dict_post_hook(_count_unread)
+
+    @torch.no_grad()
+    def update_parameters(self, model: nn.Module) -> None:
+        if self.updates is None:
+            self.updates = int(self.n_averaged)
+        mine = [*self.module.parameters(), *self.module.buffers()]
+        pairs = list(zip(mine, [*model.parameters(), *model.buffers()], strict=True))
+        floats = [(averaged, current) for averaged, current in pairs if averaged.is_floating_point()]
+        if self.updates > 0 and floats:  # the first update copies, as AveragedModel's does
+            self.multi_avg_fn([a for a, _ in floats], [c for _, c in floats], self.n_averaged)
+        for averaged, current in pairs:
+            if self.updates == 0 or not averaged.is_floating_point():  # counts follow the model
+                averaged.copy_(current)
+        self.n_averaged += 1
+        self.updates += 1
+
+
+def _count_unread(module: MovingAverage, incompatible_keys) -> None:
+    module.updates = None
 
 
 def build_denoiser(model_cfg: DenoiserConfig, channels: int, size: list[int]) -> Denoiser:
@@ -113,16 +146,10 @@ class DiffusionModule(EpochRecord, L.LightningModule):
 
     def __init__(self, denoiser: Denoiser, model_cfg: DenoiserConfig, optim: OptimConfig, onn_config: dict[str, Any]):
         super().__init__()
-        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-
         self.optimizer_steps: int | None = None  # the schedule's length, when the runner knows it
         self.denoiser = denoiser
         self.ema_decay = float(model_cfg.ema_decay)
-        self.ema = (
-            AveragedModel(denoiser, multi_avg_fn=get_ema_multi_avg_fn(self.ema_decay), use_buffers=True)
-            if self.ema_decay > 0
-            else None
-        )
+        self.ema = MovingAverage(denoiser, self.ema_decay) if self.ema_decay > 0 else None
         self.scheduler = noise_scheduler(model_cfg)
         self.optim = optim
         self.onn_config = onn_config  # plain values, stored in every checkpoint: eval/infer/export rebuild from it
