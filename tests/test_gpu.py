@@ -436,10 +436,12 @@ def test_a_budget_below_one_block_names_the_smallest_that_works(tmp_path):
 @gpu
 @pytest.mark.gpu
 def test_a_classifiers_steps_queue_their_work_without_waiting_for_the_gpu():
-    """The image runner's training step (device augmentation, loss, the step's record) and a classifier's
-    validation never wait for the GPU, so the host queues the next batch while the GPU computes this one: under
-    CUDA's sync debug mode "error" any wait in them (a value read to the host, a blocking copy from it, an output
-    sized by its values) raises. The first step is left out: it logs, and makes the augmentation's constants."""
+    """The image runner's training steps (the batch fetched, device augmentation, loss, the step's record, and
+    Lightning's own work between batches: its progress-bar figures are read back at every batch's end) and a
+    classifier's validation never wait for the GPU, so the host queues the next batch while the GPU computes
+    this one: under CUDA's sync debug mode "error" any wait in them (a value read to the host, a blocking copy
+    from it, an output sized by its values) raises. Left out: the first step (it makes the augmentation's
+    constants), a logging step (it reads the loss), and each epoch's end (the evaluation reads its figures)."""
     import lightning as L
 
     from onn.config.data import ColorJitter, ImageAugment, RandomErasing
@@ -466,21 +468,38 @@ def test_a_classifiers_steps_queue_their_work_without_waiting_for_the_gpu():
     module = Classifier(network, ["dark", "bright"], optim, {}, transform=BatchAugment(augment, [0.5] * 3, [0.25] * 3))
     checked = []
 
+    class Strict(L.Callback):
+        """From a training batch's start to the next's (or to the evaluation), unless the batch logs."""
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            torch.cuda.set_sync_debug_mode(0)
+            if trainer.global_step > 0 and not logs_now(pl_module):
+                checked.append(True)
+                torch.cuda.set_sync_debug_mode("error")
+
+        def on_validation_start(self, trainer, pl_module):
+            torch.cuda.set_sync_debug_mode(0)
+
+        def on_train_end(self, trainer, pl_module):
+            torch.cuda.set_sync_debug_mode(0)
+
+        def on_exception(self, trainer, pl_module, exception):
+            torch.cuda.set_sync_debug_mode(0)
+
     def strict(step):
         def run(batch, batch_idx):
-            if module.training and logs_now(module):
-                return step(batch, batch_idx)
             torch.cuda.set_sync_debug_mode("error")
             try:
                 return step(batch, batch_idx)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-                checked.append(module.training)
+                checked.append(False)
 
         return run
 
-    module.training_step, module.validation_step = strict(module.training_step), strict(module.validation_step)
+    module.validation_step = strict(module.validation_step)
     trainer = L.Trainer(
+        callbacks=[Strict()],
         accelerator="cuda",
         devices=1,
         max_steps=12,

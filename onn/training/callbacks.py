@@ -152,9 +152,10 @@ class StepsProgressBar(RichProgressBar):
 
 def logs_now(module: L.LightningModule) -> bool:
     """Whether this training step logs: the first, and every trainer.log_every_n_steps-th after it. Lightning
-    writes to the loggers at that rate anyway. A step that logs gives a host float (one wait for the GPU): a
-    logged GPU tensor would be read by the progress bar after every step, logging or not, and reading a GPU
-    tensor waits for the GPU, so the host could never run ahead of it."""
+    writes to the loggers at that rate anyway. A step that logs reads its loss (one wait for the GPU) and logs it
+    as a host tensor (record.log_train_loss): Lightning reads every progress-bar figure back after every step,
+    logging or not, and a figure on the GPU (where it puts a logged number) would make the host wait for the GPU
+    at every step, so it could never run ahead."""
     return module.global_step % max(1, module.trainer.log_every_n_steps) == 0
 
 

@@ -61,8 +61,13 @@ class EpochRecord:
 
 
 def log_train_loss(module: L.LightningModule, loss: torch.Tensor, batch_size: int) -> bool:
-    """train/loss on a logging step only (logs_now: reading it syncs the device); whether it was one."""
+    """train/loss on a logging step only (logs_now: reading it syncs the device); whether it was one.
+
+    Logged as a host tensor: Lightning turns a logged number into a tensor on the module's device and reads
+    every progress-bar figure back at the end of every batch, logged on that step or not, which on a GPU
+    would wait for the GPU at every step."""
     if not logs_now(module):
         return False
-    module.log("train/loss", float(loss.detach()), prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size)
+    value = torch.tensor(float(loss.detach()))
+    module.log("train/loss", value, prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size)
     return True

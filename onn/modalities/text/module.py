@@ -27,11 +27,11 @@ from onn.config.run import OptimConfig
 from onn.errors import UserError
 from onn.modalities.text.datamodule import HOST_ROWS, IGNORE
 from onn.streaming.engine import target_tokens
-from onn.training.callbacks import logs_now
 from onn.training.distributed import clip_gradients, forward_module, wrap_for_fsdp
 from onn.training.metrics import WeightedMean
 from onn.training.micro_batches import OutOfMemoryFloor, is_out_of_memory, split
 from onn.training.optim import make_optimizer, make_schedule
+from onn.training.record import log_train_loss
 
 log = logging.getLogger("onn")
 
@@ -106,15 +106,7 @@ class CausalLM(L.LightningModule):
         optimizer.zero_grad(set_to_none=True)
         self.lr_schedulers().step()
         self._pending_losses.append(loss.detach())
-        if logs_now(self):
-            self.log(
-                "train/loss",
-                float(loss),
-                prog_bar=True,
-                on_step=True,
-                on_epoch=False,
-                batch_size=batch["input_ids"].shape[0],
-            )
+        log_train_loss(self, loss, batch["input_ids"].shape[0])
         return loss
 
     def _forward_backward(
