@@ -43,6 +43,32 @@ hydra:
 """
 
 
+class HostReads:
+    """Counts the tensor values read back by the host inside `with HostReads() as reads:` (reads.seen: the
+    functions). On a GPU each is a wait for every kernel queued, so the host cannot run ahead of the device;
+    on a CPU nothing waits, but the reads are the same calls."""
+
+    NAMES = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "cpu", "numpy"}
+
+    def __enter__(self) -> HostReads:
+        from torch.overrides import TorchFunctionMode
+
+        seen: list[str] = []
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if getattr(func, "__name__", "") in HostReads.NAMES:
+                    seen.append(func.__name__)
+                return func(*args, **(kwargs or {}))
+
+        self.seen, self._mode = seen, Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
+
 def compose(*overrides: str, root: Path | None = None) -> ONNConfig:
     """The typed config `python run.py OVERRIDES` would get (paths.root set, since no Hydra run exists)."""
     from hydra import compose as hydra_compose

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import MODALITY_HARDWARE, compose
+from conftest import MODALITY_HARDWARE, HostReads, compose
 
 from onn.errors import UserError
 
@@ -183,21 +183,8 @@ def test_the_moving_average_is_torchs_and_reads_nothing_back_from_the_device():
     """The same average as AveragedModel's EMA, step for step and across a checkpoint's load, with no tensor read
     by the host in an update after the one following a load (each such read is a wait for the GPU)."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-    from torch.overrides import TorchFunctionMode
 
     from onn.modalities.diffusion.module import MovingAverage
-
-    reads = {"__bool__", "__int__", "__float__", "item", "tolist", "cpu", "numpy"}
-
-    class HostReads(TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.seen: list[str] = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if getattr(func, "__name__", "") in reads:
-                self.seen.append(func.__name__)
-            return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
@@ -210,10 +197,10 @@ def test_the_moving_average_is_torchs_and_reads_nothing_back_from_the_device():
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
         model(torch.randn(8, 4))  # the running statistics move too
-        with HostReads() as mode:
+        with HostReads() as reads:
             ours.update_parameters(model)
         torchs.update_parameters(model)
-        assert mode.seen == [], f"update {step} read {mode.seen} from the device"
+        assert reads.seen == [], f"update {step} read {reads.seen} from the device"
         for mine, theirs in zip(ours.module.parameters(), torchs.module.parameters()):
             torch.testing.assert_close(mine, theirs)
     torch.testing.assert_close(ours.module[1].running_mean, torchs.module[1].running_mean)

@@ -234,6 +234,29 @@ def test_the_layer_map_finds_a_graph_networks_conv_list(name):
     assert lmap.prefix_params() + sum(lmap.block_params()) + lmap.suffix_params() == total
 
 
+@pytest.mark.parametrize("model", ["gcn", "graphsage", "gin", "gat"])
+def test_a_graph_classifiers_forward_and_backward_read_nothing_back_from_the_device(model):
+    """Each graph's nodes pooled by a count the host holds (the Batch's), not one read from the batch index: on a
+    GPU such a read waits for every kernel queued, at every step."""
+    from conftest import HostReads
+    from torch_geometric.data import Data
+
+    from onn.modalities import get
+    from onn.modalities.graph.dataset import as_batch
+    from onn.modalities.graph.tasks import GraphClassifier
+
+    cfg = compose("data=graph", f"model={model}", "model.hidden=8", "model.layers=2", "model.pooling=[mean,max,sum]")
+    network = get("graph").network(cfg.model, {"input_shape": (3,), "classes": ["ring", "star"], "level": "graph"})
+    module = GraphClassifier(network, ["ring", "star"], cfg.optim, {})
+    edges = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4]])
+    graphs = [Data(x=torch.randn(5, 3), edge_index=edges, y=torch.tensor([i % 2])) for i in range(4)]
+    batch, labels = as_batch(graphs)
+    with HostReads() as reads:
+        logits = module(batch)
+        torch.nn.functional.cross_entropy(logits, labels).backward()
+    assert logits.shape == (4, 2) and reads.seen == []
+
+
 def test_plan_sizes_onns_graph_network_by_its_blocks(tmp_path):
     """data=auto on a folder of meshes with a graph model named: graph data, planned by the network's blocks."""
     from conftest import run_cli

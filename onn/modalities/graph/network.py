@@ -4,8 +4,10 @@
     pool     graph level: torch_geometric's global mean / max / add pools of each graph's nodes, side by side
     head     Linear -> ReLU -> dropout -> Linear: one row of logits per graph (graph level) or per node
 
-forward(x, edge_index, batch=None): `batch` assigns nodes to the graphs of a torch_geometric Batch; without it the
-nodes are one graph (what ONNX export traces: one graph per call, its nodes and edges dynamic).
+forward(x, edge_index, batch=None, graphs=None): `batch` assigns nodes to the graphs of a torch_geometric Batch,
+`graphs` says how many there are (else the pools count them from `batch`, a value read back from the device, a
+wait for a GPU at every step); without `batch` the nodes are one graph (what ONNX export traces: one graph per
+call, its nodes and edges dynamic).
 
 GAT adds each node's self-loop itself (a concatenated arange): torch_geometric's own removes existing loops
 first, a data-dependent shape that torch.export cannot trace. Graphs arrive without self-loops (read.py).
@@ -77,14 +79,16 @@ class GraphNetwork(nn.Module):
             nn.Linear(width, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, num_classes)
         )
 
-    def forward(self, x: torch.Tensor, edge_index: torch.Tensor, batch: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, edge_index: torch.Tensor, batch: torch.Tensor | None = None, graphs: int | None = None
+    ) -> torch.Tensor:
         for block in self.blocks:
             x = block(x, edge_index)
         if self.level == "graph":
             # in float32: under bf16 autocast on a GPU the mean's node count is summed in bf16, whose step at 256
             # is 2, so a graph of 2,000 nodes would be averaged over 256 (a CPU's scatter sums in float32)
             with torch.autocast(x.device.type, enabled=False):
-                x = torch.cat([pool(kind)(x.float(), batch) for kind in self.pooling], dim=1)
+                x = torch.cat([pool(kind)(x.float(), batch, graphs) for kind in self.pooling], dim=1)
         return self.head(x)
 
 

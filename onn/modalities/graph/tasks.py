@@ -51,8 +51,10 @@ class GraphClassifier(Classifier):
         return batch
 
     def forward(self, batch) -> torch.Tensor:
-        graphs = batch.batch if self.model.level == "graph" else None
-        logits = self.model(batch.x, batch.edge_index, graphs)
+        if self.model.level == "graph":  # the graph count from the host: pooling reads no value from the device
+            logits = self.model(batch.x, batch.edge_index, batch.batch, batch.num_graphs)
+        else:
+            logits = self.model(batch.x, batch.edge_index)
         return logits[batch.mask] if "mask" in batch else logits
 
 
