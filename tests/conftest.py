@@ -46,7 +46,8 @@ hydra:
 class HostReads:
     """Counts the tensor values read back by the host inside `with HostReads() as reads:` (reads.seen: the
     functions). On a GPU each is a wait for every kernel queued, so the host cannot run ahead of the device;
-    on a CPU nothing waits, but the reads are the same calls."""
+    on a CPU nothing waits, but the reads are the same calls. A tensor `.cpu()` brought to the host inside the
+    block is on the host after: reading it again is not counted."""
 
     NAMES = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "cpu", "numpy"}
 
@@ -54,12 +55,17 @@ class HostReads:
         from torch.overrides import TorchFunctionMode
 
         seen: list[str] = []
+        on_host: list = []  # the tensors .cpu() gave (held, so their ids stay theirs)
 
         class Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
-                if getattr(func, "__name__", "") in HostReads.NAMES:
-                    seen.append(func.__name__)
-                return func(*args, **(kwargs or {}))
+                out = func(*args, **(kwargs or {}))
+                name = getattr(func, "__name__", "")
+                if name in HostReads.NAMES and not any(args[0] is t for t in on_host):
+                    seen.append(name)
+                    if name == "cpu":
+                        on_host.append(out)
+                return out
 
         self.seen, self._mode = seen, Mode()
         self._mode.__enter__()

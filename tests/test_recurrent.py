@@ -82,6 +82,20 @@ def test_layer_map_finds_the_recurrent_stack():
     assert [n for n, _ in lmap.prefix] == ["span", "conv", "project"]
 
 
+def test_a_stack_reads_its_sequences_lengths_back_once_whatever_its_depth():
+    """Packing needs the lengths on the host, and the network finds them on the device (where each clip's sound
+    is): one read per forward, on a GPU one wait for it, not one per layer, nor one per recurrence to unsort
+    its outputs (pad_packed_sequence reads the inverse order back when packing sorted the batch)."""
+    from conftest import HostReads
+
+    x = spectrograms([30, 12, 20])
+    for layers in (1, 4):
+        network = AudioRNN(1, 3, [8, 30], hidden=8, layers=layers)
+        with HostReads() as reads:
+            network(x).sum().backward()
+        assert reads.seen == ["cpu"], f"{layers} layers: {reads.seen}"
+
+
 def test_clip_normalisation_is_refused_with_one_sentence():
     from onn.modalities import get
 

@@ -21,6 +21,7 @@ The stack is a ModuleList of identical layers: LayerMap discovery finds its bloc
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -104,16 +105,15 @@ class RecurrentLayer(nn.Module):
         self.residual = in_features == self.out_features
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
+        """`packing`: how the batch packs (a stack works it out once for all its layers), else worked out here."""
         steps = x.shape[1]
-        # packing reads the lengths on the host (on a GPU, one wait for both directions); export and meta-device
-        # sizing run the padded batch instead (_run)
-        packs = not (torch.compiler.is_exporting() or x.is_meta)
-        host = lengths.cpu() if packs else None
-        out = self._run(self.forward_rnn, x, host)
+        if packing is None and packs(x):
+            packing = Packing.of(lengths)
+        out = self._run(self.forward_rnn, x, packing)
         if self.backward_rnn is not None:
             flip = reversed_within(lengths, steps)
-            back = self._run(self.backward_rnn, take_steps(x, flip), host)
+            back = self._run(self.backward_rnn, take_steps(x, flip), packing)
             out = torch.cat([out, take_steps(back, flip)], dim=-1)
         out = self.dropout(out)
         if self.residual:
@@ -121,12 +121,38 @@ class RecurrentLayer(nn.Module):
         return out * step_mask(lengths, steps).unsqueeze(-1).to(out.dtype)
 
     @staticmethod
-    def _run(rnn: nn.Module, x: torch.Tensor, host_lengths: torch.Tensor | None) -> torch.Tensor:
-        if host_lengths is None:  # each sequence's outputs inside its length do not depend on the padding after it
+    def _run(rnn: nn.Module, x: torch.Tensor, packing: Packing | None) -> torch.Tensor:
+        if packing is None:  # each sequence's outputs inside its length do not depend on the padding after it
             return rnn(x)[0]
         with in_float32(rnn, x) as x:
-            packed = nn.utils.rnn.pack_padded_sequence(x, host_lengths, batch_first=True, enforce_sorted=False)
-            return nn.utils.rnn.pad_packed_sequence(rnn(packed)[0], batch_first=True, total_length=x.shape[1])[0]
+            ordered = x.index_select(0, packing.order)
+            packed = nn.utils.rnn.pack_padded_sequence(ordered, packing.lengths, batch_first=True)
+            out = nn.utils.rnn.pad_packed_sequence(rnn(packed)[0], batch_first=True, total_length=x.shape[1])[0]
+            return out.index_select(0, packing.inverse)
+
+
+def packs(x: torch.Tensor) -> bool:
+    """Whether a recurrence over `x` packs its sequences (reading their lengths on the host): not while export
+    traces it or the planner sizes it on the meta device, which run the padded batch."""
+    return not (torch.compiler.is_exporting() or x.is_meta)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """A batch's sequences longest first, as packing takes them: `order` and its `inverse` on the batch's device,
+    the sorted `lengths` on the host. PyTorch's own unsorting (pack_padded_sequence with enforce_sorted=False)
+    reads its device-held inverse order back at every pad_packed_sequence, a wait for the GPU per recurrence;
+    here the lengths are read once, and the device sorts them as the host does (a stable sort's order is unique)."""
+
+    order: torch.Tensor
+    inverse: torch.Tensor
+    lengths: torch.Tensor
+
+    @staticmethod
+    def of(lengths: torch.Tensor) -> Packing:
+        host = lengths.cpu()
+        order = torch.argsort(lengths, descending=True, stable=True)
+        return Packing(order, torch.argsort(order), host[torch.argsort(host, descending=True, stable=True)])
 
 
 @contextlib.contextmanager
@@ -291,8 +317,9 @@ class AudioRNN(nn.Module):
         seq = self.project(seq)
         if self.norm is not None:
             seq = self.norm(seq.transpose(1, 2)).transpose(1, 2)
+        packing = Packing.of(lengths) if packs(seq) else None  # once for every layer
         for layer in self.layers:
-            seq = layer(seq, lengths)
+            seq = layer(seq, lengths, packing)
         mask = step_mask(lengths, seq.shape[1]).unsqueeze(-1)
         mean = seq.sum(dim=1) / lengths.unsqueeze(1).to(seq.dtype)
         peak = seq.masked_fill(~mask, torch.finfo(seq.dtype).min).amax(dim=1)
