@@ -44,35 +44,65 @@ hydra:
 
 
 class HostReads:
-    """Counts the tensor values read back by the host inside `with HostReads() as reads:` (reads.seen: the
-    functions). On a GPU each is a wait for every kernel queued, so the host cannot run ahead of the device;
-    on a CPU nothing waits, but the reads are the same calls. A tensor `.cpu()` brought to the host inside the
-    block is on the host after: reading it again is not counted."""
+    """The tensor values read back by the host inside `with HostReads() as reads:` (reads.seen: what read them).
+    On a GPU each is a wait for every kernel queued, so the host cannot run ahead of the device; on a CPU
+    nothing waits, but the reads are the same calls: a value taken to Python (`.item()`, `bool(t)`, `.tolist()`,
+    `.cpu()` ...), and an output sized by the values (a boolean mask's indexing, `nonzero`, `unique` ...).
+    A tensor brought to the host by `.cpu()` inside the block is on the host after: reading it is not counted
+    (on a CPU, `.cpu()` would give the tensor itself; here it gives a copy, as on a GPU)."""
 
-    NAMES = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "cpu", "numpy"}
+    VALUES = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "cpu", "numpy"}
+    SIZED = {"nonzero", "masked_select", "unique", "_unique2", "unique_dim", "unique_consecutive", "bincount"}
 
     def __enter__(self) -> HostReads:
+        import torch
         from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
 
         seen: list[str] = []
-        on_host: list = []  # the tensors .cpu() gave (held, so their ids stay theirs)
+        on_host: list = []  # the tensors .cpu() gave (held, so that no other tensor takes their ids)
 
-        class Mode(TorchFunctionMode):
+        def hosted(args) -> bool:
+            return bool(args) and any(args[0] is t for t in on_host)
+
+        class Values(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 name = getattr(func, "__name__", "")
-                if name in HostReads.NAMES and not any(args[0] is t for t in on_host):
+                if name in HostReads.VALUES and not hosted(args):
                     seen.append(name)
                     if name == "cpu":
+                        if out is args[0]:
+                            with torch._C.DisableTorchFunction():
+                                out = out.clone()
                         on_host.append(out)
                 return out
 
-        self.seen, self._mode = seen, Mode()
-        self._mode.__enter__()
+        class Sized(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func._schema.name.split("::")[1]
+                if not hosted(args):
+                    if name in HostReads.SIZED:
+                        seen.append(name)
+                    elif name == "index" and any(i is not None and i.dtype == torch.bool for i in args[1]):
+                        seen.append("index[bool]")
+                    elif (
+                        name == "repeat_interleave"
+                        and torch.is_tensor(args[0])
+                        and (kwargs or {}).get("output_size") is None
+                        and func._overloadname != "self_int"
+                    ):
+                        seen.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self.seen, self._modes = seen, [Values(), Sized()]
+        for mode in self._modes:
+            mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._mode.__exit__(*exc)
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
 
 
 def compose(*overrides: str, root: Path | None = None) -> ONNConfig:

@@ -257,6 +257,21 @@ def test_a_graph_classifiers_forward_and_backward_read_nothing_back_from_the_dev
     assert logits.shape == (4, 2) and reads.seen == []
 
 
+def test_gcns_own_self_loops_convolve_as_torch_geometrics():
+    """GCN adds each node's loop itself (torch_geometric's add_remaining_self_loops indexes by a boolean mask, a
+    read on the host): on the loop-free graphs ONN reads, the same outputs."""
+    from torch_geometric.nn import GCNConv
+
+    from onn.modalities.graph.network import GraphBlock
+
+    torch.manual_seed(0)
+    block = GraphBlock("gcn", 3, 8, heads=1, norm="none", dropout=0.0)
+    reference = GCNConv(3, 8)
+    reference.load_state_dict(block.conv.state_dict())
+    x, edges = torch.randn(6, 3), torch.tensor([[0, 1, 1, 2, 3, 4, 0, 5], [1, 0, 2, 1, 4, 3, 5, 0]])
+    torch.testing.assert_close(block(x, edges), torch.relu(reference(x, edges)))
+
+
 def test_plan_sizes_onns_graph_network_by_its_blocks(tmp_path):
     """data=auto on a folder of meshes with a graph model named: graph data, planned by the network's blocks."""
     from conftest import run_cli

@@ -9,8 +9,9 @@ forward(x, edge_index, batch=None, graphs=None): `batch` assigns nodes to the gr
 wait for a GPU at every step); without `batch` the nodes are one graph (what ONNX export traces: one graph per
 call, its nodes and edges dynamic).
 
-GAT adds each node's self-loop itself (a concatenated arange): torch_geometric's own removes existing loops
-first, a data-dependent shape that torch.export cannot trace. Graphs arrive without self-loops (read.py).
+GCN and GAT add each node's self-loop themselves (a concatenated arange): torch_geometric's own removes existing
+loops first, a data-dependent shape that torch.export cannot trace and a GPU computes only after the host has read
+how many remain (a wait at every layer of every step). Graphs arrive without self-loops (read.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def make_conv(kind: str, width_in: int, width_out: int, heads: int) -> nn.Module
     from torch_geometric.nn import GATConv, GCNConv, GINConv, SAGEConv
 
     if kind == "gcn":
-        return GCNConv(width_in, width_out)
+        return GCNConv(width_in, width_out, add_self_loops=False)
     if kind == "sage":
         return SAGEConv(width_in, width_out)
     if kind == "gin":
@@ -48,7 +49,7 @@ class GraphBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
-        if self.kind == "gat":  # every node attends to itself too
+        if self.kind in ("gcn", "gat"):  # every node convolves (attends to) itself too
             loops = torch.arange(x.shape[0], device=x.device).unsqueeze(0).expand(2, -1)
             edge_index = torch.cat([edge_index, loops], dim=1)
         return self.dropout(torch.relu(self.norm(self.conv(x, edge_index))))
