@@ -137,7 +137,7 @@ def packs(x: torch.Tensor) -> bool:
     return not (torch.compiler.is_exporting() or x.is_meta)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors: no field-wise ==
 class Packing:
     """A batch's sequences longest first, as packing takes them: `order` and its `inverse` on the batch's device,
     the sorted `lengths` on the host. PyTorch's own unsorting (pack_padded_sequence with enforce_sorted=False)
