@@ -406,6 +406,42 @@ def test_fp16_loss_scaling_through_lightning():
     assert scaler._scale is not None
 
 
+def test_a_streamed_validation_keeps_its_batches_on_the_host():
+    """The engine evaluates the held-out set at the epoch's end, moving each group itself: its batches stay where
+    the loader made them (a copy to the device and back would wait for a GPU at every batch), training's go."""
+    import lightning as L
+
+    from onn.modalities.text.module import CausalLM
+    from onn.streaming.strategy import EngineSettings, LayerStreamingStrategy
+
+    module = CausalLM(
+        lora_model("llama", LAYER_SETS["last4"]),
+        compose("optim.lr=1e-3", "optim.schedule=constant", "optim.warmup_steps=0").optim,
+        max_steps=2,
+        onn_config={},
+        micro_batch=2,
+    )
+    settings = EngineSettings(
+        chunk_size=2, store="cpu", store_dtype="float32", edges="resident", activations="device",
+        prefetch=False, cache_blocks=0, eval_tokens=10_000,
+    )  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        strategy=LayerStreamingStrategy(settings, "/nonexistent", 2),
+    )  # fmt: skip
+    batches = torch.utils.data.DataLoader(micro_batches(m=2, b=4), batch_size=None)
+    trainer.fit(module, train_dataloaders=batches, val_dataloaders=batches)
+    assert len(module.val_losses) == 1 and math.isfinite(module.val_losses[0])
+
+    batch = micro_batches(m=1, b=2)[0]
+    trainer.validating = True
+    kept = module.transfer_batch_to_device(batch, torch.device("meta"), 0)
+    assert all(kept[k] is batch[k] for k in batch)
+    trainer.training = True
+    assert all(t.is_meta for t in module.transfer_batch_to_device(batch, torch.device("meta"), 0).values())
+
+
 def test_validation_loss_matches_resident():
     resident = lora_model("llama", LAYER_SETS["last4"])
     streamed = copy.deepcopy(resident)
