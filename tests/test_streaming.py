@@ -411,7 +411,9 @@ def test_a_streamed_validation_keeps_its_batches_on_the_host():
     the loader made them (a copy to the device and back would wait for a GPU at every batch), training's go."""
     import lightning as L
 
+    from onn.modalities.text.datamodule import TextDataModule
     from onn.modalities.text.module import CausalLM
+    from onn.models.tokenizer import byte_tokenizer
     from onn.streaming.strategy import EngineSettings, LayerStreamingStrategy
 
     module = CausalLM(
@@ -434,12 +436,14 @@ def test_a_streamed_validation_keeps_its_batches_on_the_host():
     trainer.fit(module, train_dataloaders=batches, val_dataloaders=batches)
     assert len(module.val_losses) == 1 and math.isfinite(module.val_losses[0])
 
-    batch = micro_batches(m=1, b=2)[0]
+    # a device the host cannot read: what the text data's hook keeps on the host while validating, and moves else
+    dm = TextDataModule(compose("data=math").data, byte_tokenizer(), 4)
+    dm.trainer, batch = trainer, micro_batches(m=1, b=2)[0]
     trainer.validating = True
-    kept = module.transfer_batch_to_device(batch, torch.device("meta"), 0)
+    kept = dm.transfer_batch_to_device(batch, torch.device("meta"), 0)
     assert all(kept[k] is batch[k] for k in batch)
     trainer.training = True
-    assert all(t.is_meta for t in module.transfer_batch_to_device(batch, torch.device("meta"), 0).values())
+    assert all(t.is_meta for t in dm.transfer_batch_to_device(batch, torch.device("meta"), 0).values())
 
 
 def test_validation_loss_matches_resident():

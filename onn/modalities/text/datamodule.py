@@ -272,6 +272,15 @@ class TextDataModule(L.LightningDataModule):
             batch[HOST_ROWS] = (batch["attention_mask"].sum(1).tolist(), targets)
         return batch
 
+    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
+        """A layer-streamed model's held-out batches stay on the host: its validation_step only keeps them, and
+        the engine moves them when it evaluates the whole set (a copy to the device and back would wait for the
+        GPU at every batch). Here, not in CausalLM: Lightning warns when a module's batch hooks meet a datamodule."""
+        trainer = self.trainer
+        if trainer is not None and trainer.validating and trainer.lightning_module.engine is not None:
+            return batch
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
     def train_dataloader(self):
         rank, world = self._ranks()
         if self.batch_size % world:

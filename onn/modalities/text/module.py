@@ -230,18 +230,12 @@ class CausalLM(L.LightningModule):
         # so the step's own backward passes (the micro-batches) run outside FSDP's forward
         self.model = wrap_for_fsdp(self.model)
 
-    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
-        """A streamed model's held-out batches stay on the host: validation_step only keeps them, and the engine
-        moves them when it evaluates (a copy to the device and back would wait for the GPU at every batch)."""
-        if self.engine is not None and self.trainer.validating:
-            return batch
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
-
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         rows = batch.pop(HOST_ROWS, None)
         if self.engine is not None:
             # streamed: the whole held-out set goes through the blocks at the end of the epoch, so each
-            # chunk is loaded once per validation (per pass that memory allows), not once per batch
+            # chunk is loaded once per validation (per pass that memory allows), not once per batch; the
+            # batches come on the host (TextDataModule.transfer_batch_to_device)
             self._held_out.append(dict(batch))
             return
         pieces, counts = split(batch, self.micro_batch, rows)
