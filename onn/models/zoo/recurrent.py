@@ -142,7 +142,7 @@ class Packing:
     """A batch's sequences longest first, as packing takes them: `order` and its `inverse` on the batch's device,
     the sorted `lengths` on the host. PyTorch's own unsorting (pack_padded_sequence with enforce_sorted=False)
     reads its device-held inverse order back at every pad_packed_sequence, a wait for the GPU per recurrence;
-    here the lengths are read once, and the device sorts them as the host does (a stable sort's order is unique)."""
+    here the lengths are read once and sorted on each side (ties may order differently: their lengths are equal)."""
 
     order: torch.Tensor
     inverse: torch.Tensor
@@ -150,9 +150,8 @@ class Packing:
 
     @staticmethod
     def of(lengths: torch.Tensor) -> Packing:
-        host = lengths.cpu()
         order = torch.argsort(lengths, descending=True, stable=True)
-        return Packing(order, torch.argsort(order), host[torch.argsort(host, descending=True, stable=True)])
+        return Packing(order, torch.argsort(order), lengths.cpu().sort(descending=True).values)
 
 
 @contextlib.contextmanager
