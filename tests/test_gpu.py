@@ -518,6 +518,42 @@ def test_a_classifiers_steps_queue_their_work_without_waiting_for_the_gpu():
     assert module.history[-1]["val/loss"] < module.history[0]["val/loss"]
 
 
+@gpu
+@pytest.mark.gpu
+def test_graph_and_text_batches_go_to_the_gpu_without_waiting_for_it():
+    """A blocking copy to the GPU waits for every kernel queued before it, and a copy from pageable memory can
+    (the driver stages it). A graph batch (torch_geometric's Batch, which Lightning moves by the Batch's own
+    blocking `to`) goes from pinned memory without waiting: under CUDA's sync debug mode "error", a wait raises.
+    A text run's loaders give pinned batches on a GPU, which Lightning copies without waiting."""
+    import lightning as L
+
+    from onn.modalities.graph.dataset import GraphDataModule
+    from onn.modalities.text.datamodule import TextDataModule
+    from onn.models.tokenizer import byte_tokenizer
+
+    device = torch.device("cuda", 0)
+    graphs = GraphDataModule(compose("data=graph", "data.source=builtin:primitives").data, str(device))
+    graphs.setup()
+    batch = next(iter(graphs.train_dataloader()))
+    busy = torch.randn(4096, 4096, device=device)
+    for _ in range(20):
+        busy = busy @ busy / 64  # the GPU has work queued when the batch goes
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moved, labels = graphs.transfer_batch_to_device(batch, device, 0)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert moved.x.device == device and labels.device == device and moved.num_graphs == batch[0].num_graphs
+    assert torch.equal(moved.edge_index.cpu(), batch[0].edge_index) and torch.equal(labels.cpu(), batch[1])
+
+    text = TextDataModule(compose("data=math").data, byte_tokenizer(), 4)
+    text.setup()
+    for accelerator, pinned in (("cuda", True), ("cpu", False)):
+        text.trainer = L.Trainer(accelerator=accelerator, devices=1, logger=False)
+        for loader in (text.train_dataloader(), text.val_dataloader()):
+            assert all(t.is_pinned() == pinned for t in next(iter(loader)).values())
+
+
 def test_a_model_a_gpu_run_leaves_in_bf16_exports_to_onnx_in_float32(tmp_path):
     """After a run on a GPU, the model ONNX is to trace can be in bf16 (a streamed model's blocks merge in the
     compute dtype) beside float32 edges, and is left on the device: export traces a float32 copy on the CPU

@@ -281,6 +281,12 @@ class TextDataModule(L.LightningDataModule):
             return batch
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
+    def _pins(self) -> bool:
+        """Batches in pinned memory on a GPU run: Lightning copies them without waiting, where a copy from
+        pageable memory can make the host wait for the GPU to reach it (the driver stages it)."""
+        trainer = self.trainer
+        return trainer is not None and trainer.strategy.root_device.type == "cuda"
+
     def train_dataloader(self):
         rank, world = self._ranks()
         if self.batch_size % world:
@@ -294,7 +300,7 @@ class TextDataModule(L.LightningDataModule):
                 raise UserError(
                     "data.streaming runs in one process for now: set data.streaming=false, or trainer.devices=1."
                 )
-            return stream_loader(self.stream, self.batch_size, collate, self.cfg.num_workers)
+            return stream_loader(self.stream, self.batch_size, collate, self.cfg.num_workers, self._pins())
         sampler = ResumableShuffle(len(self.train_set), self.seed, self._start_sample)
         if world > 1:
             sampler = RankSlice(sampler, self.batch_size, rank, world)
@@ -304,6 +310,7 @@ class TextDataModule(L.LightningDataModule):
             sampler=sampler,
             collate_fn=collate,
             num_workers=self.cfg.num_workers,
+            pin_memory=self._pins(),
         )
 
     def val_dataloader(self) -> DataLoader:
@@ -313,6 +320,7 @@ class TextDataModule(L.LightningDataModule):
             batch_size=self.batch_size,
             shuffle=False,
             collate_fn=Collator(self.tokenizer.pad_token_id),
+            pin_memory=self._pins(),
         )
 
     @property

@@ -98,13 +98,15 @@ def batches_per_epoch(rows: int, batch_size: int, num_workers: int) -> int:
     return sum(math.ceil(len(range(w, rows, workers)) / batch_size) for w in range(workers))
 
 
-def stream_loader(dataset: ShuffledStream, batch_size: int, collate_fn, num_workers: int):
+def stream_loader(dataset: ShuffledStream, batch_size: int, collate_fn, num_workers: int, pin_memory: bool):
     """A StatefulDataLoader with an exact length (so Lightning does not fetch a batch ahead, which would
     put the saved position one batch past the last trained one) and an epoch counter in its state."""
 
     class StreamLoader(StatefulDataLoader):
         def __init__(self):
-            super().__init__(dataset, batch_size=batch_size, collate_fn=collate_fn, num_workers=num_workers)
+            super().__init__(
+                dataset, batch_size=batch_size, collate_fn=collate_fn, num_workers=num_workers, pin_memory=pin_memory
+            )
             self.next_epoch = 0
 
         def __len__(self) -> int:
