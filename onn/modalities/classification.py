@@ -54,6 +54,7 @@ from onn.training.callbacks import StepClock, run_callbacks
 from onn.training.checkpoints import check_state, read_meta, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.classifier import Classifier, LinearProbe, mean_loss, save_confusion
+from onn.training.distributed import parameter_count
 from onn.training.optim import monitor_mode
 from onn.training.trainer import build_trainer, optimizer_steps, streaming_store, streaming_strategy
 
@@ -213,6 +214,7 @@ def train(job: Job) -> dict[str, Any]:
         check_state(module, state_shapes(ckpt), ckpt, loads_frozen=False)
     if module.inputs == "features":
         dm = features(module, dm, config)
+    trainable = parameter_count(module.model)  # before fit: FSDP's ranks hold shards of them after it
     callbacks = _callbacks(config, run_dir)
     clock = next(c for c in callbacks if isinstance(c, StepClock))
     steps_per_epoch = len(dm.train_dataloader())
@@ -235,7 +237,7 @@ def train(job: Job) -> dict[str, Any]:
         "samples_per_s": clock.samples_per_s(dm.batch_size, skip=min(2, len(clock.step_s) - 1)),
         "peak_memory_mb": round(peak.peak_mb, 1),
         "params_total": job.spec.params,  # streamed, the blocks' weights are in the layer store now
-        "params_trainable": sum(p.numel() for p in module.model.parameters() if p.requires_grad),
+        "params_trainable": trainable,
         "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
         "checkpoint_best": best or None,
         "resumed_from": str(ckpt) if ckpt else None,

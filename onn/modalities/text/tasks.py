@@ -250,6 +250,7 @@ def train(job: Job) -> dict[str, Any]:
     early = early_tokenizer(config.model, config.paths.cache)
     dm = datamodule(config, early) if early is not None else None  # a data mistake costs a second, not a store build
     module, tokenizer = build(config, plan)
+    trainable = parameter_count(module)  # before fit: FSDP's ranks hold shards of them after it
     check_tbptt(config, module)
     if ckpt is not None:  # before Lightning restores it: a checkpoint of another model is one sentence
         check_state(module, state_shapes(ckpt), ckpt, loads_frozen=module.strict_loading)
@@ -287,7 +288,7 @@ def train(job: Job) -> dict[str, Any]:
         "val/perplexity": math.exp(min(module.val_losses[-1], 50)) if module.val_losses else None,
         "samples_per_s": clock.samples_per_s(config.data.batch_size),
         "peak_memory_mb": round(peak.peak_mb, 1),
-        "params_trainable": parameter_count(module),
+        "params_trainable": trainable,
         "train/oom_backoffs": module.oom_backoffs,  # each halving of the micro-batch after out-of-memory
         "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
         "resumed_from": str(ckpt) if ckpt else None,
