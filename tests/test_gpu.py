@@ -535,6 +535,7 @@ def test_graph_and_text_batches_go_to_the_gpu_without_waiting_for_it():
     graphs = GraphDataModule(compose("data=graph", "data.source=builtin:primitives").data, str(device))
     graphs.setup()
     batch = next(iter(graphs.train_dataloader()))
+    edges, want_labels = batch[0].edge_index.clone(), batch[1].clone()  # torch_geometric's `to` moves in place
     busy = torch.randn(4096, 4096, device=device)
     for _ in range(20):
         busy = torch.tanh(busy @ busy)  # the GPU has work queued when the batch goes
@@ -544,7 +545,7 @@ def test_graph_and_text_batches_go_to_the_gpu_without_waiting_for_it():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert moved.x.device == device and labels.device == device and moved.num_graphs == batch[0].num_graphs
-    assert torch.equal(moved.edge_index.cpu(), batch[0].edge_index) and torch.equal(labels.cpu(), batch[1])
+    assert torch.equal(moved.edge_index.cpu(), edges) and torch.equal(labels.cpu(), want_labels)
 
     text = TextDataModule(compose("data=math").data, byte_tokenizer(), 4)
     text.setup()
