@@ -520,11 +520,12 @@ def test_a_classifiers_steps_queue_their_work_without_waiting_for_the_gpu():
 
 @gpu
 @pytest.mark.gpu
-def test_graph_and_text_batches_go_to_the_gpu_without_waiting_for_it():
+def test_graph_and_text_batches_go_to_the_gpu_without_waiting_for_it(tmp_path):
     """A blocking copy to the GPU waits for every kernel queued before it, and a copy from pageable memory can
     (the driver stages it). A graph batch (torch_geometric's Batch, which Lightning moves by the Batch's own
     blocking `to`) goes from pinned memory without waiting: under CUDA's sync debug mode "error", a wait raises.
-    A text run's loaders give pinned batches on a GPU, which Lightning copies without waiting."""
+    A text run's loaders, resident or streamed, give pinned batches on a GPU (Lightning copies a batch's tensors
+    non-blocking); a layer-streamed model's held-out batches, which stay on the host, are not pinned."""
     import lightning as L
 
     from onn.modalities.graph.dataset import GraphDataModule
@@ -547,12 +548,27 @@ def test_graph_and_text_batches_go_to_the_gpu_without_waiting_for_it():
     assert moved.x.device == device and labels.device == device
     assert torch.equal(moved.edge_index.cpu(), edges) and torch.equal(labels.cpu(), want_labels)
 
-    text = TextDataModule(compose("data=math").data, byte_tokenizer(), 4)
-    text.setup()
-    for accelerator, pinned in (("cuda", True), ("cpu", False)):
-        text.trainer = L.Trainer(accelerator=accelerator, devices=1, logger=False)
-        for loader in (text.train_dataloader(), text.val_dataloader()):
-            assert all(t.is_pinned() == pinned for t in next(iter(loader)).values())
+    class Streamed(L.LightningModule):  # the text module as the loaders read it: layer-streamed or not
+        def __init__(self, engine):
+            super().__init__()
+            self.engine = engine
+
+    source = tmp_path / "qa.jsonl"
+    source.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(64)))
+    resident = TextDataModule(compose("data=math").data, byte_tokenizer(), 4)
+    streamed = compose("data=text", f"data.source={source}", "data.streaming=true").data
+    streamed = TextDataModule(streamed, byte_tokenizer(), 4)
+    for text in (resident, streamed):
+        text.setup()
+        for accelerator, engine, pinned in (
+            ("cuda", None, (True, True)),
+            ("cuda", 1, (True, False)),
+            ("cpu", None, (False, False)),
+        ):
+            text.trainer = L.Trainer(accelerator=accelerator, devices=1, logger=False)
+            text.trainer.strategy.connect(Streamed(engine))
+            for loader, pins in zip((text.train_dataloader(), text.val_dataloader()), pinned):
+                assert all(t.is_pinned() == pins for t in next(iter(loader)).values())
 
 
 def test_a_model_a_gpu_run_leaves_in_bf16_exports_to_onnx_in_float32(tmp_path):

@@ -320,7 +320,8 @@ class TextDataModule(L.LightningDataModule):
             batch_size=self.batch_size,
             shuffle=False,
             collate_fn=Collator(self.tokenizer.pad_token_id),
-            pin_memory=self._pins(),
+            # a layer-streamed model's held-out batches stay on the host (transfer_batch_to_device)
+            pin_memory=self._pins() and self.trainer.lightning_module.engine is None,
         )
 
     @property
