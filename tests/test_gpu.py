@@ -523,7 +523,8 @@ def test_a_classifiers_steps_queue_their_work_without_waiting_for_the_gpu():
 def test_graph_and_text_batches_go_to_the_gpu_without_waiting_for_it(tmp_path):
     """A blocking copy to the GPU waits for every kernel queued before it, and a copy from pageable memory can
     (the driver stages it). A graph batch (torch_geometric's Batch, which Lightning moves by the Batch's own
-    blocking `to`) goes from pinned memory without waiting: under CUDA's sync debug mode "error", a wait raises.
+    blocking `to`) goes from pinned memory without waiting: under CUDA's sync debug mode "error", a wait raises;
+    a node-level graph is on the device from the start and is not copied.
     A text run's loaders, resident or streamed, give pinned batches on a GPU (Lightning copies a batch's tensors
     non-blocking); a layer-streamed model's held-out batches, which stay on the host, are not pinned."""
     import lightning as L
@@ -547,6 +548,16 @@ def test_graph_and_text_batches_go_to_the_gpu_without_waiting_for_it(tmp_path):
         torch.cuda.set_sync_debug_mode(0)
     assert moved.x.device == device and labels.device == device
     assert torch.equal(moved.edge_index.cpu(), edges) and torch.equal(labels.cpu(), want_labels)
+    nodes = compose("data=graph", "data.source=builtin:communities", "data.level=node").data
+    nodes = GraphDataModule(nodes, str(device))
+    nodes.setup()
+    graph, labels = next(iter(nodes.train_dataloader()))  # collated once, on the device since setup
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moved, moved_labels = nodes.transfer_batch_to_device((graph, labels), device, 0)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert moved.x is graph.x and moved_labels is labels and graph.x.device == device
 
     class Streamed(L.LightningModule):  # the text module as the loaders read it: layer-streamed or not
         def __init__(self, engine):

@@ -43,7 +43,8 @@ PICTURED = 16  # graphs drawn in infer's picture
 
 class GraphClassifier(Classifier):
     """The shared classifier on (Batch, labels): the network runs on the batch's nodes and edges (and, for
-    graph classification, pools by its graph index); a node-level batch scores only its split's nodes."""
+    graph classification, pools by its graph index); a node-level batch scores only its split's nodes (by index:
+    a boolean mask's selection on a GPU reads the mask back)."""
 
     describes = "ONN's graph classifier"
 
@@ -55,7 +56,7 @@ class GraphClassifier(Classifier):
             logits = self.model(batch.x, batch.edge_index, batch.batch, batch.num_graphs)
         else:
             logits = self.model(batch.x, batch.edge_index)
-        return logits[batch.mask] if "mask" in batch else logits
+        return logits.index_select(0, batch.nodes) if "nodes" in batch else logits
 
 
 class OneGraph(nn.Module):
