@@ -273,7 +273,7 @@ def test_a_node_level_graph_is_collated_once_and_its_step_reads_nothing_back():
     loader = dm.train_dataloader()
     (graph, labels), (again, _) = next(iter(loader)), next(iter(loader))  # two epochs
     assert again is graph and dm.splits["val"].resident[0].x is graph.x  # one graph, shared by the splits
-    nodes = dm.splits["train"].graphs[0].nodes
+    nodes = graph.nodes
     assert torch.equal(labels, graph.y[nodes]) and len(nodes) < graph.num_nodes
     inputs = {"input_shape": dm.input_shape, "classes": dm.classes, "level": "node"}
     module = GraphClassifier(get("graph").network(cfg.model, inputs), dm.classes, cfg.optim, {})

@@ -44,12 +44,11 @@ class GraphSplit:
 
 
 def as_batch(graphs: list) -> tuple:
-    """(Batch, labels) of graphs: the graph labels, or for one node-level graph the labels of its split's nodes."""
+    """(Batch, labels) of graphs and their graph labels (a node-level split's batch is made once: _setup_nodes)."""
     from torch_geometric.data import Batch
 
     batch = Batch.from_data_list(graphs)
-    labels = batch.y[batch.nodes] if "nodes" in batch else batch.y.view(-1)
-    return batch, labels
+    return batch, batch.y.view(-1)
 
 
 class GraphBatches(ResidentBatches):
@@ -191,9 +190,9 @@ class GraphDataModule(L.LightningDataModule):
             if masks[split].any():
                 # indices, not a mask: selecting by a boolean mask on a GPU reads the mask back at every step
                 nodes = masks[split].nonzero().view(-1)
-                part, batch = copy.copy(graph), copy.copy(whole)  # each split's nodes beside the shared tensors
-                part.nodes, batch.nodes = nodes, nodes.to(self.device)
-                self.splits[split] = GraphSplit([part], [name], resident=(batch, graph.y[nodes].to(self.device)))
+                batch = copy.copy(whole)  # the split's nodes beside the shared tensors
+                batch.nodes = nodes.to(self.device)
+                self.splits[split] = GraphSplit([graph], [name], resident=(batch, graph.y[nodes].to(self.device)))
 
     def _node_masks(self, graph) -> dict[str, torch.Tensor]:
         """The graph's own train/val/test masks, or seeded ones: val_split each for val and test, the rest train."""
