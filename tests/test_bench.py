@@ -142,3 +142,24 @@ def test_bad_bench_settings_fail_in_one_line_before_measuring(outputs, override,
     assert proc.returncode == 1 and message in proc.stderr + proc.stdout
     m = json.loads((outputs / "bad" / "metrics.json").read_text())
     assert m["status"] == "failed" and message in m["error"] and not (outputs / "bad" / "bench.log").exists()
+
+
+@pytest.mark.slow
+def test_a_step_time_miss_has_its_blocks_timed_again_after_the_steps(outputs, monkeypatch):
+    """A run outside the plan's step-time bound times the model's blocks once more, after its steps: grid.md sets
+    that beside the timing before, which tells a host whose speed changed from a plan that mis-models the step."""
+    from conftest import compose
+
+    from onn.bench import suite
+    from onn.hardware.profile import resolve
+    from onn.modalities import get
+    from onn.modalities.base import Job
+
+    config = compose(*TINY, f"paths.outputs={outputs}")
+    hardware = resolve(config.hardware, outputs / "cache", outputs)
+    plan, spec = get("text").plan(config, hardware, use_tuned=False)
+    assert plan.step_time_source == "timed"  # a small model on a CPU: its blocks are timed
+    monkeypatch.setattr(suite, "STEP_TIME_TARGET", -1.0)  # every run a miss
+    (outputs / "run").mkdir()
+    out = suite.run(Job(config, outputs / "run", get("text"), hardware, plan, spec))
+    assert out["bench/step_s"] > 0 and out["bench/timed_after_step_s"] > 0

@@ -24,6 +24,7 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from onn.bench.suite import STEP_TIME_TARGET
 from onn.tasks.record import state
 
 log = logging.getLogger("onn")
@@ -194,18 +195,18 @@ def spread_table(rows: list[dict[str, Any]]) -> str | None:
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     runs = [r for group in groups.values() for r in group if r["status"] == "ok"]
     summary = [
-        _within_text(runs, "bench/step_time_error", 0.25, "step time"),
+        _within_text(runs, "bench/step_time_error", STEP_TIME_TARGET, "step time"),
         _within_text(runs, "bench/memory_error", 0.15, "peak memory"),
-        *_slow_runs(runs, 0.25),
+        *_slow_runs(runs, STEP_TIME_TARGET),
     ]
     return "\n".join([*lines, "", *summary])
 
 
 def _slow_runs(runs: list[dict[str, Any]], target: float) -> list[str]:
-    """The runs whose step time missed the plan, each with its step against the two predictions (timed just before
-    its steps, and the plan's when the job started: which side a slow spell hit) and the cores it had where it
-    measured them (CPU runs): a shared machine's neighbours and its hypervisor (steal) take cores for tens of
-    seconds, which no prediction made before the run sees."""
+    """The runs whose step time missed the plan, each with its step against the predictions (timed just before its
+    steps, timed again just after them, and the plan's when the job started: which side a slow spell hit) and the
+    cores it had where it measured them (CPU runs): a shared machine's neighbours and its hypervisor (steal) take
+    cores for tens of seconds, which no prediction made before the run sees."""
     lines = []
     for r in runs:
         error = _finite(r["bench/step_time_error"])
@@ -215,7 +216,9 @@ def _slow_runs(runs: list[dict[str, Any]], target: float) -> list[str]:
         timed = ""
         if step and before:
             planned_s = _finite(r.get("bench/plan_predicted_step_s"))
-            when = f", {_num(planned_s)} when the job was planned" if planned_s else ""
+            after_s = _finite(r.get("bench/timed_after_step_s"))
+            when = f", {_num(after_s)} timed just after it" if after_s else ""
+            when += f", {_num(planned_s)} when the job was planned" if planned_s else ""
             timed = f" ({_num(step)} s a step against {_num(before)} timed just before it{when})"
         share, planned = _finite(r.get("bench/cpu_share_measured")), _finite(r.get("bench/cpu_share_planned"))
         steal = _finite(r.get("bench/steal_cores"))
