@@ -806,15 +806,19 @@ def test_the_fused_cast_compiles_one_graph_whatever_grad_mode_and_autocast_its_c
     assert len(graphs) == 1
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["scaled-product", "scaled-cast"])
-def test_every_pass_from_int8_codes_matches_the_dequantized_model(monkeypatch, fused):
+@pytest.mark.parametrize(
+    "fused,tied", [(False, False), (True, False), (False, True)], ids=["scaled-product", "scaled-cast", "tied-head"]
+)
+def test_every_pass_from_int8_codes_matches_the_dequantized_model(monkeypatch, fused, tied):
     """On a GPU the blocks and the streamed head compute from an int8 store's codes in every pass (CastMatmul
     casts a tile of rows at a time, in the forward and again in the backward) and the embedding is looked up
     in host memory: a step's loss and LoRA gradients, the validation loss and the greedy tokens are the
     de-quantized model's, and no decoded weight is ever installed. Run on the CPU with the GPU's choice forced
     and tiles smaller than a weight, so the tiling is exercised; `fused`: the row scales applied in the cast
     (as CUDA's fused kernel does, run here eagerly) rather than to the product, and each gated MLP computed
-    in two slices of its intermediate features (strategy.streaming.mlp_tiles), as a GPU's plan chooses."""
+    in two slices of its intermediate features (strategy.streaming.mlp_tiles), as a GPU's plan chooses; `tied`:
+    a head that shares the embedding's weight (SmolLM2's, GPT-2's), which computes from the codes as an untied one
+    does (it took them as a float weight and failed, its weight named after the embedding)."""
     from onn.hardware import cast
     from onn.streaming import engine as engine_module
     from onn.streaming import quantized
@@ -823,8 +827,12 @@ def test_every_pass_from_int8_codes_matches_the_dequantized_model(monkeypatch, f
         monkeypatch.setattr(cast, "_compiled", lambda device_type: cast._cast_scaled)
     monkeypatch.setattr(engine_module, "computes_from_codes", lambda store_dtype, *_: store_dtype == "int8")
     monkeypatch.setattr(quantized, "CAST_TILE_VALUES", 40 * 64)  # 64-row tiles: weights of 128 rows take two
-    resident = lora_model("llama", LAYER_SETS["first4+last4"], hidden_size=64, intermediate_size=128)
+    resident = lora_model(
+        "llama", LAYER_SETS["first4+last4"], hidden_size=64, intermediate_size=128, tie_word_embeddings=tied
+    )
     streamed = copy.deepcopy(resident)
+    head = streamed.get_output_embeddings()
+    assert (head.weight is streamed.get_input_embeddings().weight) == tied
     engine = StreamingEngine(
         streamed,
         discover(streamed),
@@ -862,6 +870,7 @@ def test_every_pass_from_int8_codes_matches_the_dequantized_model(monkeypatch, f
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
     assert kinds and all(k == {torch.int8} for k in kinds)  # quantized weights stay codes on the device
+    assert head.forward.__func__ is quantized.linear_forward  # the head computed from its codes, scaled
     total, tokens = engine.evaluate(mbs)
     with torch.no_grad():
         want_total = sum(float(resident(**mb).loss) * target_tokens(mb) for mb in mbs)

@@ -257,16 +257,18 @@ class StreamingEngine:
             return_large_frees_to_os(min(weights, default=0))
         elif self.objective.hold_mmap_threshold:
             hold_mmap_threshold()
-        self._edge_linears = {
-            f"{name}.weight": m
-            for name, m in self.model.named_modules()
-            if isinstance(m, nn.Linear) and f"{name}.weight" in self.edges
-        }
+        # by the weight itself: a head tied to the embedding holds a weight named after the embedding
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        self._edge_linears = [
+            (names[id(m.weight)], m)
+            for m in self.model.modules()
+            if isinstance(m, nn.Linear) and names.get(id(m.weight)) in self.edges
+        ]
         if self.store.dtype == "int8":
             scratch = Scratch()
             for module in [
                 *(m for linears in self._linears for m in linears.values()),
-                *self._edge_linears.values(),
+                *(m for _, m in self._edge_linears),
             ]:
                 module._onn_scale, module._onn_scratch = None, scratch
                 module.forward = types.MethodType(linear_forward, module)
@@ -329,7 +331,7 @@ class StreamingEngine:
                 if tensors and name in tensors
                 else torch.empty(0, dtype=self.compute_dtype, device=self.device)
             )
-        for name, module in self._edge_linears.items():
+        for name, module in self._edge_linears:
             module._onn_scale = (scales or {}).get(name)
 
     @contextlib.contextmanager
@@ -347,16 +349,19 @@ class StreamingEngine:
         stored = self._read("edges", self._edge_buffer)
         looked_up = {f"{path}.weight" for path in self._embeddings} if phase == "prefix" else set()
         wanted = self._edge_phases[phase] - looked_up
+        # every streamed embedding: the suffix computes one only for its shape, even where the head shares its
+        # weight (which the head then takes as installed: codes, on a GPU)
         stand_ins = {
             path: StoredEmbedding(module, stored, f"{path}.weight", self.device, self.compute_dtype)
             if phase == "prefix"
             else EmptyEmbedding(module, self.device, self.compute_dtype)
             for path, module in self._embeddings.items()
-            if f"{path}.weight" not in wanted
         }
         if wanted:
             self.release()
-            codes = self.device.type == "cuda" and self.store.dtype == "int8"
+            # the same choice as the blocks' outside generation: on a GPU the head computes from codes too
+            compute = str(self.compute_dtype).removeprefix("torch.")
+            codes = computes_from_codes(self.store.dtype, self.device.type, compute, False)
             scales = {} if codes else None
             subset = {k: v for k, v in stored.items() if _base_name(k) in wanted}
             if self.device.type == "cuda":
