@@ -116,6 +116,10 @@ def test_data_auto_reads_graph_folders_and_meshes_as_graphs_for_a_graph_model(tm
         (["model.source=pyg:cheb"], "model.source='pyg:cheb': give pyg:gcn, pyg:sage, pyg:gin or pyg:gat"),
         (["model.pooling=[median]"], "model.pooling=['median']: give one or more of mean, max, sum"),
         (["task.mixup=0.2"], "task.mixup=0.2: two graphs' nodes and edges do not blend; set task.mixup=0"),
+        (
+            ["data.source=builtin:communities", "data.level=node", "task.adapt_norm=true"],
+            "a node-level graph's test nodes share one graph with its training nodes: set task.adapt_norm=false",
+        ),
     ],
 )
 def test_settings_that_cannot_work_are_one_sentence_before_anything_runs(overrides, sentence):
@@ -255,6 +259,26 @@ def test_a_graph_classifiers_forward_and_backward_read_nothing_back_from_the_dev
         logits = module(batch)
         torch.nn.functional.cross_entropy(logits, labels).backward()
     assert logits.shape == (4, 2) and reads.seen == []
+
+
+def test_adabn_measures_a_graph_networks_norms_on_the_test_graphs_and_counts_graphs():
+    """task.adapt_norm on graph classification: the norms' statistics measured again on the test graphs' nodes
+    (features moved by +6 here, as a new sensor would), the count being graphs (a Batch has no shape)."""
+    from torch_geometric.data import Data
+
+    from onn.modalities import get
+    from onn.modalities.graph.dataset import as_batch
+    from onn.modalities.graph.tasks import GraphClassifier
+
+    cfg = compose("data=graph", "model=gin", "model.hidden=8", "model.layers=2")
+    network = get("graph").network(cfg.model, {"input_shape": (3,), "classes": ["ring", "star"], "level": "graph"})
+    module = GraphClassifier(network, ["ring", "star"], cfg.optim, {}, adapt_norm=True)
+    edges = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4]])
+    shifted = [Data(x=torch.randn(5, 3) + 6.0, edge_index=edges, y=torch.tensor([i % 2])) for i in range(6)]
+    norm = next(m for m in network.eval().modules() if isinstance(m, torch.nn.BatchNorm1d))
+    before = norm.running_mean.clone()
+    assert module.adapt_batch_norm([as_batch(shifted[:4]), as_batch(shifted[4:])]) == 6
+    assert not torch.allclose(norm.running_mean, before) and not norm.training
 
 
 def test_a_node_level_graph_is_collated_once_and_its_step_reads_nothing_back():

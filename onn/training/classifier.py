@@ -215,6 +215,10 @@ class Classifier(EpochRecord, L.LightningModule):
             }
             self.adapt_batch_norm(self.trainer.test_dataloaders)
 
+    def samples(self, inputs) -> int:
+        """The samples in a batch's inputs (a graph batch counts its graphs)."""
+        return inputs.shape[0]
+
     @torch.no_grad()
     def adapt_batch_norm(self, batches) -> int:
         """AdaBN (Li et al., 2016): measure every BatchNorm's statistics again on `batches` (their inputs
@@ -232,7 +236,7 @@ class Classifier(EpochRecord, L.LightningModule):
         seen = 0
         for x, _ in batches:
             self.logits(self.prepare(x.to(self.device), train=False))
-            seen += x.shape[0]
+            seen += self.samples(x)
         for m, (momentum, training) in zip(norms, saved):
             m.momentum = momentum
             m.train(training)

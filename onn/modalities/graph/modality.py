@@ -84,6 +84,11 @@ class GraphModality(ClassifierModality):
             raise UserError(f"data.source={PRIMITIVES} is shapes classified whole: set data.level=graph.")
         if data.align not in ("none", "pca"):
             raise UserError(f"data.align={data.align!r}: give none or pca.")
+        if data.level == "node" and config.task.adapt_norm:
+            raise UserError(
+                "task.adapt_norm=true measures the norms again on the test data, but a node-level graph's test "
+                "nodes share one graph with its training nodes: set task.adapt_norm=false."
+            )
         if data.batch_groups:
             raise UserError("data.batch_groups does not apply to graphs; set data.batch_groups=null.")
         if config.task.mixup:  # every task a classifier runs extends train's keys

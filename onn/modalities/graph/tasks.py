@@ -51,6 +51,9 @@ class GraphClassifier(Classifier):
     def prepare(self, batch, train: bool):
         return batch
 
+    def samples(self, batch) -> int:
+        return batch.num_graphs
+
     def forward(self, batch) -> torch.Tensor:
         if self.model.level == "graph":  # the graph count from the host: pooling reads no value from the device
             logits = self.model(batch.x, batch.edge_index, batch.batch, batch.num_graphs)
