@@ -10,9 +10,10 @@ What ONN adds to Lightning's own:
   - ZeRO-3 with the optimizer offloaded to the host runs torch's AdamW there (`zero_force_ds_cpu_optimizer:
     false`) rather than DeepSpeed's CPU Adam, which is compiled on first use (about a minute per machine);
   - FSDP with one process shards nothing (NO_SHARD, what torch falls back to anyway, said without its warning);
-  - checkpoints through ONN's safetensors CheckpointIO: FSDP's full state dict as Lightning gathers it (its
-    check that refuses an existing folder would refuse ONN's checkpoint folder), DeepSpeed's weights gathered
-    whole (DeepSpeed's own format is pickles), its partitioned optimizer state left out;
+  - checkpoints through ONN's safetensors CheckpointIO, saved and loaded (a resumed run, a classifier's best
+    checkpoint tested): FSDP's full state dict as Lightning gathers it (its check that refuses an existing folder
+    would refuse ONN's checkpoint folder, and its reader takes a folder for its sharded format), DeepSpeed's
+    weights gathered whole (DeepSpeed's own format is pickles), its partitioned optimizer state left out;
   - the process group destroyed when the run ends (`end_distributed`), so NCCL has nothing to warn about.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
@@ -35,6 +37,37 @@ class ShardedFSDP(FSDPStrategy):
         # the state dict Lightning gathered for rank 0, written by ONN's CheckpointIO (atomically, over the last)
         return Strategy.save_checkpoint(self, checkpoint, self.broadcast(filepath), storage_options)
 
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """ONN's checkpoint folder (resumed, or a classifier's best tested) loaded as Lightning loads a full
+        checkpoint file: Lightning's own reader takes a folder for its sharded format and refuses ONN's."""
+        from lightning.fabric.strategies.fsdp import _get_full_state_dict_context, _is_sharded_checkpoint
+        from lightning.fabric.strategies.model_parallel import _load_raw_module_state
+        from lightning.pytorch.trainer.states import TrainerFn
+        from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.is_dir() or _is_sharded_checkpoint(path):
+            return super().load_checkpoint(path, weights_only)
+        checkpoint = self.checkpoint_io.load_checkpoint(path)
+        module = self.lightning_module
+        strict = module.strict_loading
+        _load_raw_module_state(
+            checkpoint.pop("state_dict"), module=self.model, world_size=self.world_size, strict=strict
+        )
+        states = checkpoint.get("optimizer_states")
+        if states is None or module.trainer.state.fn != TrainerFn.FITTING:
+            return checkpoint
+        # rank0_only=False: every rank loads the optimizer's state
+        with _get_full_state_dict_context(self.model, world_size=self.world_size, rank0_only=False):
+            for optimizer, state in zip(self.optimizers, states, strict=True):
+                if isinstance(next(iter(state["state"]), None), int):  # saved by a plain optimizer
+                    state = FullyShardedDataParallel.rekey_optim_state_dict(
+                        state, OptimStateKeyType.PARAM_NAME, self.model
+                    )
+                state = FullyShardedDataParallel.optim_state_dict_to_load(self.model, optimizer, state)
+                optimizer.load_state_dict(state)
+        return checkpoint
+
 
 class ShardedDeepSpeed(DeepSpeedStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
@@ -47,6 +80,19 @@ class ShardedDeepSpeed(DeepSpeedStrategy):
         kept = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint({**kept, "state_dict": state}, filepath)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """ONN's checkpoint folder, read by ONN's CheckpointIO (DeepSpeed's own reader wants its per-rank files)."""
+        return Strategy.load_checkpoint(self, self.broadcast(checkpoint_path), weights_only)
+
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        """The whole weights into the engine's module, each layer gathered as it loads under ZeRO-3 (Lightning's
+        own load of full weights), then ZeRO's float32 copies of them refreshed: its optimizer steps from those."""
+        self.model_to_device()
+        self._restore_zero_state(checkpoint, strict=strict)
+        optimizer = self.deepspeed_engine.optimizer if self.deepspeed_engine is not None else None
+        if hasattr(optimizer, "refresh_fp32_params"):
+            optimizer.refresh_fp32_params()
 
 
 def sharded_strategy(
