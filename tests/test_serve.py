@@ -285,6 +285,28 @@ def test_concurrent_greedy_requests_give_what_each_gives_alone(lm):
     concurrent_equals_alone(lm, prompts, [10, 6, 14, 8, 12, 9])
 
 
+def test_a_decode_step_reads_every_rows_token_back_in_one_copy():
+    """The batch's next tokens (greedy rows' argmax, sampled rows' draws with their own seeds) come back to the
+    host together: on a GPU each read waits for every kernel queued, and a read per row made N waits a step."""
+    from types import SimpleNamespace
+
+    from conftest import HostReads
+
+    from onn.tasks.serve.batching import Sampling, _pick
+
+    def row(temperature: float, seed: int | None = None):
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        return SimpleNamespace(sampling=Sampling(max_tokens=4, temperature=temperature, top_p=0.9), generator=generator)
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    with HostReads() as reads:
+        tokens = _pick(logits, [row(0.0), row(1.0, seed=7), row(0.0)])
+    assert reads.seen == ["tolist"]
+    assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
+    assert tokens[1] == _pick(logits[1:2], [row(1.0, seed=7)])[0]  # the seed's draw, whatever rows it shares
+    assert len({tuple(_pick(logits, [row(2.0, seed=s)] * 3)) for s in range(8)}) > 1  # sampled, not greedy
+
+
 def test_a_layer_streamed_model_batches_through_the_engine(tmp_path):
     job = serve_job(
         tmp_path,

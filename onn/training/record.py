@@ -44,13 +44,14 @@ class EpochRecord:
         log.info("epoch %d step %d: %s", self.current_epoch, self.global_step, text)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        losses = [float(x) for x in self.train_losses]  # read once: each read of a device loss waits for the GPU
         checkpoint["onn"] = {
             "loop": self.loop,
             "config": self.onn_config,
             "history": self.history,
-            "train_losses": [float(x) for x in self.train_losses],
+            "train_losses": losses,
         }
-        self.train_losses = [torch.tensor(float(x)) for x in self.train_losses]
+        self.train_losses = [torch.tensor(x) for x in losses]  # on the host now: the next save reads none of them
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if checkpoint.get("onn", {}).get("loop") != self.loop:  # another tool's checkpoint has no `onn` record

@@ -154,13 +154,13 @@ class Scheduler:
         self.mask = mask
         self.steps += 1
         self.widest = max(self.widest, len(self.active))
-        finished = [i for i, seq in enumerate(self.active) if self._advance(seq, logits[i])]
+        tokens = _pick(logits, self.active)
+        finished = [i for i, seq in enumerate(self.active) if self._advance(seq, tokens[i])]
         if finished:
             self._keep([i for i in range(len(self.active)) if i not in set(finished)])
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor) -> bool:
+    def _advance(self, seq: Sequence, token: int) -> bool:
         """The row's next token: emit its text; True when the sequence is done."""
-        token = _pick(logits, seq.sampling, seq.generator)
         if token in self.eos:
             return self._finish(seq, "stop")
         seq.tokens.append(token)
@@ -215,17 +215,24 @@ def _send(seq: Sequence, event: dict[str, Any]) -> None:
         seq.cancel()
 
 
-def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """Greedy at temperature 0, else sampled through transformers' temperature and top-p warpers (as
-    model.generate), with the request's own generator when it gave a seed."""
-    if not sampling.temperature:
-        return int(logits.argmax())
+def _pick(logits: torch.Tensor, rows: list[Sequence]) -> list[int]:
+    """Each row's next token, read back in one copy (each read of a GPU value waits for it): greedy at
+    temperature 0, else sampled through transformers' temperature and top-p warpers (as model.generate), with
+    the request's own generator when it gave a seed."""
+    picks = logits.argmax(-1)
+    for i, seq in enumerate(rows):
+        if seq.sampling.temperature:
+            picks[i] = _sample(logits[i], seq.sampling, seq.generator)
+    return picks.tolist()
+
+
+def _sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
     from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
     scores = TemperatureLogitsWarper(sampling.temperature)(None, logits[None])
     if sampling.top_p < 1.0:
         scores = TopPLogitsWarper(sampling.top_p)(None, scores)
-    return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[0, 0])
+    return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[0, 0]
 
 
 def _layers(cache) -> list:
