@@ -405,6 +405,26 @@ def test_classify_an_upload(classifier):
         assert http.get("/health").json()["kind"] == "classifier"
 
 
+def test_a_classifier_out_of_device_memory_answers_503_and_serves_the_next_upload(classifier, monkeypatch):
+    """Out of GPU memory on one upload is the server's state, not a bad file: 503 in one sentence (it was a 400
+    saying the file could not be decoded), and the next upload is answered."""
+    from onn.modalities.classification import Predictor
+
+    classify = Predictor.classify
+
+    def out_of_memory_once(self, path, top_k):
+        monkeypatch.setattr(Predictor, "classify", classify)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(Predictor, "classify", out_of_memory_once)
+    upload = {"file": ("x.png", (classifier.images / "test" / "class1" / "000.png").read_bytes(), "image/png")}
+    with client(classifier, key=None) as http:
+        refused = http.post("/v1/classify", files=upload)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "out_of_memory"
+        assert "ran out of device memory" in refused.json()["error"]["message"]
+        assert http.post("/v1/classify", files=upload).status_code == 200
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -22,6 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from fastapi import FastAPI, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -513,6 +514,13 @@ def _run_classifier(served, data: bytes, filename: str, top_k: int, picture: boo
             except UserError as e:
                 raise ApiError(
                     400, str(e).replace(str(path), filename or "the upload"), param="file", code="unreadable_file"
+                ) from None
+            except torch.OutOfMemoryError:  # the device's, not the file's: the server answers the next one
+                raise ApiError(
+                    503,
+                    "the model ran out of device memory on this upload; send a smaller file, or again later.",
+                    "server_error",
+                    code="out_of_memory",
                 ) from None
             except Exception as e:  # a decoder's own complaint about a corrupt file
                 raise ApiError(
