@@ -234,6 +234,21 @@ H200 = dict(
 
 @gpu
 @pytest.mark.gpu
+def test_a_streaming_engine_given_cuda_alone_streams_on_the_current_gpu():
+    """`device="cuda"` (no index) is the current GPU, named: the loader threads call torch.cuda.set_device with
+    it, which refuses a device without an index (the first prefetch failed with a broken thread pool)."""
+    model = lora_model("llama", LAYER_SETS["first4+last4"], hidden_size=64, intermediate_size=128)
+    engine = StreamingEngine(model, discover(model), LayerStore("cpu", "int8", pin=True), 2, device="cuda")
+    assert engine.device == torch.device("cuda", torch.cuda.current_device())
+    engine.offload()
+    model.to(engine.device)
+    mbs = [{k: v.to(engine.device) for k, v in mb.items()} for mb in micro_batches()]
+    assert torch.isfinite(engine.train_step(mbs)) and engine.times.loads > 0
+    engine.close()
+
+
+@gpu
+@pytest.mark.gpu
 def test_a_streamed_step_on_the_gpu_is_the_dequantized_models_step():
     """On the GPU: an int8 store in pinned host memory, its codes copied on a side stream and cast a tile at a
     time, edges streamed (the embedding looked up in host memory), kept activations in host memory, the loss

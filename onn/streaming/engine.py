@@ -158,7 +158,9 @@ class StreamingEngine:
             )
         self.model, self.map, self.store = model, layer_map, store
         self.objective = objective or Objective()
-        self.device = torch.device(device)
+        device = torch.device(device)
+        # `cuda` alone is the current GPU, named: the loader threads' set_device needs the index
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == torch.device("cuda") else device
         self.prefetch, self.activations, self.micro_batch = prefetch, activations, micro_batch
         self.eval_tokens = eval_tokens  # tokens a validation pass may hold (None: the whole set)
         # rows of a micro-batch whose loss runs at once (None: all): the logits of a large vocabulary
