@@ -224,20 +224,22 @@ class LayerStore:
                 else:
                     decoded[name] = dequantize_int8(t, scale, dtype, target)
                 continue
-            if f"{name}.absmax" in stored:
+            if f"{name}.absmax" in stored:  # into the compute dtype at once: a float32 copy would be in flight too
                 t = self._dequantize_nf4(
-                    t, stored[f"{name}.absmax"].to(device, non_blocking=non_blocking), stored[f"{name}.shape"]
+                    t, stored[f"{name}.absmax"].to(device, non_blocking=non_blocking), stored[f"{name}.shape"], dtype
                 )
             decoded[name] = _into(target, t, dtype)
         return decoded
 
-    def _dequantize_nf4(self, codes: torch.Tensor, absmax: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
+    def _dequantize_nf4(
+        self, codes: torch.Tensor, absmax: torch.Tensor, shape: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
         import bitsandbytes.functional as bnb
 
         state = bnb.QuantState(
             absmax=absmax,
             shape=torch.Size(shape.tolist()),
-            dtype=torch.float32,
+            dtype=dtype,
             blocksize=QUANTIZED_BLOCK["nf4"],
             quant_type="nf4",
             code=bnb.get_4bit_type("nf4", device=codes.device),
