@@ -16,7 +16,9 @@ Figures go to metrics.json as gpu/* and to bench_gpu.md beside it. The step's li
                   matmul FLOPs per step / bf16 matmul rate now (the largest block weight at the step's rows))
 
 and limit_efficiency = limit_s / step_s. The seed's figure for Phi-4 on a GTX 1650 (490 ms per sample at
-batch 128) stands beside ms_per_sample.
+batch 128) stands beside ms_per_sample. alloc_retries counts the times the allocator ran out of room under the
+budget's cap during the steps (each a wait for the GPU and a flush of its cache): a step that retries is
+slower than its copies and matmuls say.
 """
 
 from __future__ import annotations
@@ -113,9 +115,13 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     run_config = dataclasses.replace(config, trainer=run_trainer)
     fit = trainer(run_config, plan, job.run_dir, [clock, probe], loggers=False, steps_per_epoch=dm.steps_per_epoch)
     torch.cuda.reset_peak_memory_stats()
+    retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     module.train()
     fit.fit(module, datamodule=dm)
     peak, reserved_peak = torch.cuda.max_memory_allocated() / MB, torch.cuda.max_memory_reserved() / MB
+    # the allocator out of room under the budget's cap: it waits for the GPU, frees its cache and tries again
+    # (the copy stream's blocks are not reused by the compute stream's allocations, nor the other way)
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before
     process = max(probe.process_mb)
     context = float(job.hardware.cuda_context_mb or 0.0)
     timed = slice(1, steps)  # the first step loads kernels and the first chunks; the last is profiled
@@ -165,6 +171,7 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
         "gpu/loss_last": round(module.train_losses[-1], 4),
         "gpu/loss_curve": [round(x, 4) for x in module.train_losses],
         "gpu/reserved_peak_mb": round(reserved_peak, 1),  # read before the rate probes allocated theirs
+        "gpu/alloc_retries": retries,
         "gpu/syncs_last_step": probe.syncs,
         # the int8 casts as one kernel that scales as it casts (Triton), still in use after the steps
         "gpu/fused_cast": fused_scale(torch.device("cuda")),
