@@ -114,14 +114,7 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     run_trainer = dataclasses.replace(config.trainer, max_steps=steps + 1, limit_val_batches=0, num_sanity_val_steps=0)
     run_config = dataclasses.replace(config, trainer=run_trainer)
     fit = trainer(run_config, plan, job.run_dir, [clock, probe], loggers=False, steps_per_epoch=dm.steps_per_epoch)
-    torch.cuda.reset_peak_memory_stats()
-    retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-    module.train()
-    fit.fit(module, datamodule=dm)
-    peak, reserved_peak = torch.cuda.max_memory_allocated() / MB, torch.cuda.max_memory_reserved() / MB
-    # the allocator out of room under the budget's cap: it waits for the GPU, frees its cache and tries again
-    # (the copy stream's blocks are not reused by the compute stream's allocations, nor the other way)
-    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before
+    peak, reserved_peak, retries = _fit_measured(fit, module, dm)
     process = max(probe.process_mb)
     context = float(job.hardware.cuda_context_mb or 0.0)
     timed = slice(1, steps)  # the first step loads kernels and the first chunks; the last is profiled
@@ -177,6 +170,18 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
         "gpu/fused_cast": fused_scale(torch.device("cuda")),
     }
     return module, tokenizer, out
+
+
+def _fit_measured(fit, module, dm) -> tuple[float, float, int]:
+    """The fit, from fresh memory statistics: its peak allocated and reserved MB, and how often the allocator ran
+    out of room under the budget's cap (then it waits for the GPU, frees its cache and tries again; the copy
+    stream's blocks are not reused by the compute stream's allocations, nor the other way)."""
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    module.train()
+    fit.fit(module, datamodule=dm)
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - before
+    return torch.cuda.max_memory_allocated() / MB, torch.cuda.max_memory_reserved() / MB, retries
 
 
 def _settings(plan) -> dict[str, Any]:
