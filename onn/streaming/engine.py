@@ -368,9 +368,12 @@ class StreamingEngine:
             subset = {k: v for k, v in stored.items() if _base_name(k) in wanted}
             if self.device.type == "cuda":
                 self.times.copied_bytes += sum(t.numel() * t.element_size() for t in subset.values())
-            self._set_edges(
-                self.store.decode(subset, self.device, self.compute_dtype, scales=scales, codes=codes), scales
-            )
+            # queued behind the compute, without waiting for it (a blocking copy drained the GPU at every suffix
+            # and generated token) where the host tensors stay as they are: a memory store's; a disk store's
+            # edge buffer is read into again at the next phase
+            queued = self.device.type == "cuda" and self.store.kind == "cpu"
+            decoded = self.store.decode(subset, self.device, self.compute_dtype, queued, scales=scales, codes=codes)
+            self._set_edges(decoded, scales)
         self.times.load_s += time.perf_counter() - start
         self.times.io_s += time.perf_counter() - start
         try:
