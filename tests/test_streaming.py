@@ -815,16 +815,25 @@ def test_every_pass_from_int8_codes_matches_the_dequantized_model(monkeypatch, f
     in host memory: a step's loss and LoRA gradients, the validation loss and the greedy tokens are the
     de-quantized model's, and no decoded weight is ever installed. Run on the CPU with the GPU's choice forced
     and tiles smaller than a weight, so the tiling is exercised; `fused`: the row scales applied in the cast
-    (as CUDA's fused kernel does, run here eagerly) rather than to the product, and each gated MLP computed
-    in two slices of its intermediate features (strategy.streaming.mlp_tiles), as a GPU's plan chooses; `tied`:
+    (as CUDA's fused kernel does, compiled as there, its graphs counted) rather than to the product, and each
+    gated MLP computed in two slices of its intermediate features (strategy.streaming.mlp_tiles), as a GPU's
+    plan chooses; `tied`:
     a head that shares the embedding's weight (SmolLM2's, GPT-2's), which computes from the codes as an untied one
     does (it took them as a float weight and failed, its weight named after the embedding)."""
     from onn.hardware import cast
     from onn.streaming import engine as engine_module
     from onn.streaming import quantized
 
-    if fused:
-        monkeypatch.setattr(cast, "_compiled", lambda device_type: cast._cast_scaled)
+    graphs = []
+    if fused:  # CUDA's compile (dynamic shapes, one graph), its graphs counted rather than built for a GPU
+
+        def count(graph, example_inputs):
+            graphs.append(graph)
+            return graph.forward
+
+        torch._dynamo.reset()
+        compiled = torch.compile(cast._cast_scaled, backend=count, dynamic=True, fullgraph=True)
+        monkeypatch.setattr(cast, "_compiled", lambda device_type: compiled)
     monkeypatch.setattr(engine_module, "computes_from_codes", lambda store_dtype, *_: store_dtype == "int8")
     monkeypatch.setattr(quantized, "CAST_TILE_VALUES", 40 * 64)  # 64-row tiles: weights of 128 rows take two
     resident = lora_model(
@@ -887,3 +896,7 @@ def test_every_pass_from_int8_codes_matches_the_dequantized_model(monkeypatch, f
         min_new_tokens=5,
     )[:, 6:]
     assert torch.equal(engine.generate(ids, mask, max_new_tokens=5), want_ids)
+    # every pass's casts (the forward, the recompute, the tiled MLP's slices of each weight, evaluation,
+    # generation) in a few graphs (3 here): past torch.compile's limit, every cast falls back to two passes
+    assert len(graphs) < torch._dynamo.config.recompile_limit if fused else not graphs, len(graphs)
+    torch._dynamo.reset()
