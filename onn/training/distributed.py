@@ -86,10 +86,14 @@ class ShardedDeepSpeed(DeepSpeedStrategy):
         return Strategy.load_checkpoint(self, self.broadcast(checkpoint_path), weights_only)
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        """The whole weights into the engine's module, each layer gathered as it loads under ZeRO-3 (Lightning's
-        own load of full weights), then ZeRO's float32 copies of them refreshed: its optimizer steps from those."""
+        """The whole weights into the engine's module on every rank (under ZeRO-3, Lightning's own load of full
+        weights: rank 0's, each layer gathered as it loads, partitioned again), then ZeRO's float32 copies of
+        them refreshed: its optimizer steps from those."""
         self.model_to_device()
-        self._restore_zero_state(checkpoint, strict=strict)
+        if self.zero_stage_3:
+            self._restore_zero_state(checkpoint, strict=strict)
+        else:  # whole on every rank: each loads the checkpoint it read
+            self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
         optimizer = self.deepspeed_engine.optimizer if self.deepspeed_engine is not None else None
         if hasattr(optimizer, "refresh_fp32_params"):
             optimizer.refresh_fp32_params()
