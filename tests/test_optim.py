@@ -79,3 +79,37 @@ def test_per_epoch_schedules_refuse_a_run_without_epochs():
     optimizer = make_optimizer([torch.nn.Parameter(torch.zeros(1))], optim)
     with pytest.raises(UserError, match="without epochs"):
         make_schedule(optimizer, optim, 10, "val/loss", epochs=False)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "plateau"])
+def test_a_resumed_optimizer_steps_at_the_rate_its_schedule_had_reached(tmp_path, schedule):
+    """DeepSpeed's optimizer state is not in ONN's checkpoint, and a scheduler's restored state sets no rate: a
+    resumed run's optimizer stepped at the rate it was built with (0 under a warm-up; the first rate after a
+    plateau's reductions) until restore_learning_rates set the one the saved schedule had reached."""
+    from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+    from onn.training.checkpoints import load, save
+    from onn.training.distributed import restore_learning_rates
+
+    optim = compose("optim.warmup_steps=5", f"optim.schedule={schedule}", "optim.patience=0").optim
+
+    def built():
+        weights = [torch.nn.Parameter(torch.ones(3))]
+        optimizer = make_optimizer(weights, optim)
+        return optimizer, make_schedule(optimizer, optim, 20, "val/loss")["scheduler"]
+
+    optimizer, scheduler = built()
+    for _ in range(8):
+        optimizer.step()
+        if schedule == "plateau":
+            scheduler.step(1.0)  # the loss never falls: each epoch cuts the rate
+        else:
+            scheduler.step()
+    reached = scheduler.get_last_lr()
+    save({"lr_schedulers": [scheduler.state_dict()]}, tmp_path / "last.ckpt")  # as ONN's CheckpointIO writes it
+    states = load(tmp_path / "last.ckpt")["lr_schedulers"]
+    optimizer, scheduler = built()
+    scheduler.load_state_dict(states[0])  # what Lightning restores
+    assert [g["lr"] for g in optimizer.param_groups] != reached
+    restore_learning_rates([LRSchedulerConfig(scheduler)], states)
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx(reached) and reached[0] < optim.lr

@@ -17,8 +17,8 @@ Figures go to metrics.json as gpu/* and to bench_gpu.md beside it. The step's li
 
 and limit_efficiency = limit_s / step_s. The seed's figure for Phi-4 on a GTX 1650 (490 ms per sample at
 batch 128) stands beside ms_per_sample. alloc_retries counts the times the allocator ran out of room under the
-budget's cap during the steps (each a wait for the GPU and a flush of its cache): a step that retries is
-slower than its copies and matmuls say.
+budget's cap during the fit (every step, the untimed first and profiled last included; each a wait for the GPU
+and a flush of its cache): a step that retries is slower than its copies and matmuls say.
 """
 
 from __future__ import annotations

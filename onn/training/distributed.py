@@ -13,7 +13,9 @@ What ONN adds to Lightning's own:
   - checkpoints through ONN's safetensors CheckpointIO, saved and loaded (a resumed run, a classifier's best
     checkpoint tested): FSDP's full state dict as Lightning gathers it (its check that refuses an existing folder
     would refuse ONN's checkpoint folder, and its reader takes a folder for its sharded format), DeepSpeed's
-    weights gathered whole (DeepSpeed's own format is pickles), its partitioned optimizer state left out;
+    weights gathered whole (DeepSpeed's own format is pickles), its partitioned optimizer state left out (a
+    resumed run starts its moments afresh, at the learning rates its schedule had reached, and its float32
+    master weights rebuilt from the saved bf16 ones under bf16-mixed);
   - the process group destroyed when the run ends (`end_distributed`), so NCCL has nothing to warn about.
 """
 
@@ -89,6 +91,8 @@ class ShardedDeepSpeed(DeepSpeedStrategy):
         """The whole weights into the engine's module on every rank (under ZeRO-3, Lightning's own load of full
         weights: rank 0's, each layer gathered as it loads, partitioned again), then ZeRO's float32 copies of
         them refreshed: its optimizer steps from those."""
+        from lightning.pytorch.trainer.states import TrainerFn
+
         self.model_to_device()
         if self.zero_stage_3:
             self._restore_zero_state(checkpoint, strict=strict)
@@ -97,6 +101,17 @@ class ShardedDeepSpeed(DeepSpeedStrategy):
         optimizer = self.deepspeed_engine.optimizer if self.deepspeed_engine is not None else None
         if hasattr(optimizer, "refresh_fp32_params"):
             optimizer.refresh_fp32_params()
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            restore_learning_rates(self.lr_scheduler_configs, checkpoint["lr_schedulers"])
+
+
+def restore_learning_rates(schedulers: list, states: list[dict[str, Any]]) -> None:
+    """Each scheduler's optimizer at the learning rates the saved scheduler last set. A scheduler's state sets
+    none, and an optimizer whose own state is not restored (DeepSpeed's) would step at the rates it was built
+    with: 0 under a warm-up, its first rate after a plateau's reductions."""
+    for config, state in zip(schedulers, states, strict=True):
+        for group, lr in zip(config.scheduler.optimizer.param_groups, state["_last_lr"], strict=True):
+            group["lr"] = lr
 
 
 def sharded_strategy(
