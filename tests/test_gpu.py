@@ -44,9 +44,25 @@ def test_every_process_computes_on_an_indexed_device(monkeypatch):
     strategy = LayerStreamingStrategy(None, "/nonexistent", 2, device=compute_device("cuda"))
     assert strategy.root_device == torch.device("cuda", 0)
     monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert compute_device("cuda") == "cuda:3"
     job = Job({}, ROOT, get("text"), plan=SimpleNamespace(hardware={"accelerator": "cuda"}))
     assert torch.device(job.device) == torch.device("cuda", 3)
+
+
+def test_a_rank_that_sees_one_gpu_computes_on_it(monkeypatch):
+    """SLURM's --gpus-per-task=1 shows each rank its own GPU as cuda:0 while SLURM_LOCALID counts up: cuda:3
+    does not exist there. A rank past the GPUs it sees (and not alone with one) is told so in a sentence."""
+    from onn.errors import UserError
+    from onn.hardware.cluster import compute_device
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("SLURM_LOCALID", "3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert compute_device("cuda") == "cuda:0"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(UserError, match="local rank 3 but sees 2 GPUs"):
+        compute_device("cuda")
 
 
 # A process that sees one GPU, whose CUDA start is recorded instead of made: what the warm interpreters import

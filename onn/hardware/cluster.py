@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+from onn.errors import UserError
+
 # Every variable a launcher sets to a process's rank; rank zero has all of those that are set at 0.
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID")
 # Set only in processes an outside launcher (torchrun, srun) or Lightning's own launcher started.
@@ -38,23 +40,44 @@ def local_rank() -> int:
     return 0
 
 
+def gpu_index() -> int:
+    """This rank's GPU among those it sees: its local rank, or 0 where the launcher made one GPU visible to each
+    process (SLURM's `--gpus-per-task=1`, a per-rank CUDA_VISIBLE_DEVICES), whose `cuda:LOCAL_RANK` does not
+    exist."""
+    index = local_rank()
+    if index == 0:
+        return 0
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 1:
+        return 0
+    if index >= count > 0:
+        raise UserError(
+            f"this process has local rank {index} but sees {count} GPUs "
+            f"(CUDA_VISIBLE_DEVICES={os.getenv('CUDA_VISIBLE_DEVICES', 'unset')}): "
+            "let each process see one GPU, or all of its node's."
+        )
+    return index
+
+
 def compute_device(accelerator: str) -> str:
-    """The device this process computes on, with its index on a GPU (`cuda:LOCAL_RANK`): Lightning's
-    single-device strategies and `torch.cuda.set_device` need one, and each rank of a node takes its own GPU."""
-    return f"cuda:{local_rank()}" if accelerator == "cuda" else "cpu"
+    """The device this process computes on, with its index on a GPU (`gpu_index`): Lightning's single-device
+    strategies and `torch.cuda.set_device` need one, and each rank of a node takes its own GPU."""
+    return f"cuda:{gpu_index()}" if accelerator == "cuda" else "cpu"
 
 
 def use_own_gpu() -> None:
-    """Make this rank's GPU (`cuda:LOCAL_RANK`) the current CUDA device before anything touches CUDA. The
+    """Make this rank's GPU (`gpu_index`) the current CUDA device before anything touches CUDA. The
     profile, the allocator's cap and the memory readings act on the current device, which stays GPU 0 until
     Lightning's setup sets it: a rank of a multi-GPU run would otherwise cap GPU 0 instead of its own and put a
     second CUDA context (hundreds of MB) there."""
-    index = local_rank()
+    index = gpu_index()
     if index == 0:
         return  # GPU 0 is already current
     import torch
 
-    if torch.cuda.is_available() and index < torch.cuda.device_count():
+    if torch.cuda.is_available():
         torch.cuda.set_device(index)
 
 
