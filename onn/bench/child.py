@@ -41,6 +41,9 @@ WARM = ("torch", "lightning", "transformers", "peft")
 # from a server that started CUDA cannot use the GPU: on a GPU machine each child imports it itself
 STARTS_CUDA = ("peft",)
 
+# In a child started with a link (`start`'s): its end of a multiprocessing Pipe to the process that started it
+link = None
+
 
 def warm_modules() -> list[str]:
     """What the server imports: WARM, less what would start CUDA there (NVML counts the GPUs without it)."""
@@ -57,30 +60,37 @@ def start(
     request: str = "",
     env: dict[str, str] | None = None,
     session: bool = False,
+    link=None,
 ):
     """`python -m PROGRAM ARGV` (or `python PROGRAM ARGV` for a .py file) with REQUEST on stdin and its output
     appended to LOG, forked from a warm server (multiprocessing's forkserver, which imports WARM once) rather
     than a fresh interpreter importing them again: bench_giant starts eight such processes, bench_chaos a run.py
     per kill. `env`: its environment (this one's by default); `session`: a session and process group of its
-    own, for a kill that reaches its DataLoader workers too. The server never computes, so a child starts its
-    own threads and CUDA. Returns the started multiprocessing.Process (`exitcode` is negative for a signal)."""
+    own, for a kill that reaches its DataLoader workers too; `link`: one end of a multiprocessing Pipe, which the
+    child finds as `onn.bench.child.link` (the caller closes its copy once started). The server never computes, so
+    a child starts its own threads and CUDA. Returns the started multiprocessing.Process (`exitcode` is negative
+    for a signal)."""
     import multiprocessing
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(warm_modules())
     env = {**os.environ, "PYTHONWARNINGS": "ignore"} if env is None else env  # the server's may be older
-    args = (program, argv, str(log), request, env, os.getcwd(), session)
+    args = (program, argv, str(log), request, env, os.getcwd(), session, link)
     process = context.Process(target=_become, args=args, name=Path(program).name)
     process.start()
     return process
 
 
-def _become(program: str, argv: list[str], log: str, request: str, env: dict, cwd: str, session: bool) -> None:
+def _become(
+    program: str, argv: list[str], log: str, request: str, env: dict, cwd: str, session: bool, pipe_end
+) -> None:
     """The forked child's side of `start`: the session, environment, directory, stdin, stdout and argv of a
-    fresh `python PROGRAM`."""
+    fresh `python PROGRAM`, and the link to its parent where it has one."""
     import runpy
     import warnings
 
+    global link
+    link = pipe_end
     if session:
         os.setsid()
     opened = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

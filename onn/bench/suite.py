@@ -13,7 +13,8 @@ baseline (on GPUs: the allocation alone, against torch.cuda.max_memory_allocated
 Figures (beside the [core] keys): bench/step_s, samples_per_s, tokens_per_s, io_s and compute_s
 (streaming), peak_memory_mb, predicted_memory_mb, memory_error = measured / predicted - 1,
 memory_growth_error (the same for the growth above the baseline: the stricter figure),
-predicted_step_s, step_time_error (with timed_after_step_s where it exceeds STEP_TIME_TARGET: the blocks timed
+predicted_step_s (the model's blocks timed between the run's steps, timing_windows times), step_time_error
+(with timed_after_step_s where it exceeds STEP_TIME_TARGET: the blocks timed
 again after the steps), learned, learned_p, loss_curve, quality and the score/* keys;
 on CPUs cpu_share_measured (the run's CPU time over wall time and threads) and steal_cores (the cores the
 hypervisor took meanwhile), which say when the machine, not the plan, made a step slow;
@@ -30,8 +31,11 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import lightning as L
 
 from onn.bench import child
 from onn.bench.scores import equitable, learned, loss_fall
@@ -48,6 +52,7 @@ log = logging.getLogger("onn")
 
 QUALITY = ("loss_fall", "exact_match")
 STEP_TIME_TARGET = 0.25  # |step_time_error| the plan is held to (the equitable grid's bound)
+STEPS_PER_WINDOW = 5  # the run's timed steps between two timings of the blocks
 
 
 def check_settings(task: BenchTask) -> None:
@@ -62,15 +67,29 @@ def check_settings(task: BenchTask) -> None:
 
 
 def run(job) -> dict[str, Any]:
+    from onn.modalities.text.calibrate import WINDOW_S, is_large, refine
+
     check_settings(job.config.task)
     timed = job.plan.step_time_source == "timed"
-    if timed:
-        # The blocks timed again just before the steps: this shared host's speed drifts over minutes
-        # (phi4_tiny's blocks timed at plan time predicted 0.171 s, its run took 0.228 s, and timed again
-        # after it 0.21-0.23 s). summarize's prediction reads this timing; the plan's own is kept beside it.
-        _time_blocks(job)
-    raw = measure_isolated(job.config, job.plan, job.run_dir)
+    timings = [0]
+    if timed and not is_large(job.spec):
+        # The blocks timed between the steps: back to back for as long as the next STEPS_PER_WINDOW steps will take,
+        # before each such span of the run's timed steps, in this process while the run waits. This shared host's
+        # speed moves by a third in spells of seconds (a 3 s timing just before 20 steps missed them by 25-43% in
+        # 1 or 2 of a grid's 18 runs, the timing just after agreeing with the run); timings spread over the run
+        # meet its spells. summarize's prediction reads this timing; the plan's own is kept beside it.
+        window = min(WINDOW_S, STEPS_PER_WINDOW * float(job.plan.predicted_step_s))
+
+        def between(pauses: Iterator[None]) -> None:
+            refine(job.plan, job.config, job.hardware, job.spec, windows=(window for _ in _counted(pauses, timings)))
+
+        raw = measure_isolated(job.config, job.plan, job.run_dir, between)
+    else:
+        if timed:  # a large model's copies: timed just before the steps, not beside the run
+            _time_blocks(job)
+        raw = measure_isolated(job.config, job.plan, job.run_dir)
     out = summarize(job.config, job.plan, job.hardware, job.spec, raw)
+    out["bench/timing_windows"] = timings[0]
     error = out["bench/step_time_error"]
     if timed and error is not None and abs(error) > STEP_TIME_TARGET:
         # A miss: the blocks timed once more, at once. Near the run's step, the host's speed changed between
@@ -78,6 +97,12 @@ def run(job) -> dict[str, Any]:
         # and stayed there); near the timing before, the plan mis-modelled the step.
         out["bench/timed_after_step_s"] = _time_blocks(job).predicted_step_s
     return out
+
+
+def _counted(items: Iterator[None], count: list[int]) -> Iterator[None]:
+    for item in items:
+        count[0] += 1
+        yield item
 
 
 def _time_blocks(job) -> Plan:
@@ -88,15 +113,31 @@ def _time_blocks(job) -> Plan:
     return refine(job.plan, job.config, job.hardware, job.spec, window_s=window_s)
 
 
-def measure_isolated(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
+def measure_isolated(
+    config: ONNConfig, plan: Plan, run_dir: Path, between: Callable[[Iterator[None]], Any] | None = None
+) -> dict[str, Any]:
     """`measure` in a process of its own (`child.start`: forked from a warm interpreter); its output goes to
-    run_dir/bench.log."""
+    run_dir/bench.log. `between`: called in this process while the child runs, with an iterator that yields
+    before every STEPS_PER_WINDOW-th of the child's timed steps, the first included, which waits until the next
+    item is asked for (or `between` returns)."""
+    import multiprocessing
+
     log = run_dir / "bench.log"
     log.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         request = {"config": as_dict(config), "plan": plan.as_dict(), "run_dir": str(run_dir), "result": str(result)}
-        proc = child.start("onn.bench.suite", [], log, json.dumps(request))
+        ours, theirs = multiprocessing.Pipe() if between else (None, None)
+        proc = child.start("onn.bench.suite", [], log, json.dumps(request), link=theirs)
+        if ours is not None:
+            theirs.close()
+            try:
+                pauses = _pauses(ours, proc, config.task.warmup_steps)
+                between(pauses)
+                for _ in pauses:  # the pauses `between` left: the run goes on through them
+                    pass
+            finally:
+                ours.close()  # a child still waiting reads the end of the pipe and fails
         proc.join()
         if result.is_file():
             raw = json.loads(result.read_text())
@@ -107,6 +148,47 @@ def measure_isolated(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, 
         raise UserError(f"the benchmark process was killed by signal {-proc.exitcode} (out of memory?); see {log}.")
     tail = [line for line in log.read_text(errors="replace").strip().splitlines() if line.strip()]
     raise RuntimeError(f"the benchmark process failed: {tail[-1] if tail else proc.exitcode}; see {log}")
+
+
+def _pauses(link, proc, warmup: int) -> Iterator[None]:
+    """Yields as the child's run is about to take every STEPS_PER_WINDOW-th timed step (after `warmup`), and lets
+    the step start when the next item is asked for; ends when the run's steps do, or the child does."""
+    count = 0
+    while True:
+        while not link.poll(0.2):
+            if not proc.is_alive():
+                return
+        try:
+            message = link.recv()
+        except EOFError:  # the child ended without a word: measure_isolated reads what it left
+            return
+        if message == "done":
+            return
+        if count >= warmup and (count - warmup) % STEPS_PER_WINDOW == 0:
+            yield
+        count += 1
+        link.send("go")
+
+
+class Pauses(L.Callback):
+    """The child's side of `measure_isolated(between=...)`: before each training step, waits until the parent
+    lets it start (after timing its copies, every STEPS_PER_WINDOW-th step). `waited_s`: the time spent waiting,
+    which is not the run's."""
+
+    def __init__(self, link):
+        self.link, self.waited_s = link, 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        begin = time.perf_counter()
+        self.link.send("step")
+        self.link.recv()
+        self.waited_s += time.perf_counter() - begin
+        cores = getattr(getattr(pl_module, "engine", None), "cores", None)
+        if cores is not None:  # the parent's timing just now is no load the run should leave its cores to
+            cores.restart()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.link.send("done")
 
 
 def measure(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
@@ -134,7 +216,8 @@ def measure(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
         enable_model_summary=False,
     )
     clock = StepClock()
-    fit = trainer(config, plan, run_dir, [clock, ResourceMonitor(config.trainer.log_every_n_steps)])
+    pauses = [Pauses(child.link)] if child.link is not None else []  # before the clock: its waits are not the step's
+    fit = trainer(config, plan, run_dir, [*pauses, clock, ResourceMonitor(config.trainer.log_every_n_steps)])
     gc.collect()
     cuda = plan.hardware["accelerator"] == "cuda"
     if cuda and config.hardware.budget_mb:  # held to the budget as a run is (onn/app.py)
@@ -148,6 +231,7 @@ def measure(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
         cpu0, wall0, steal0 = time.process_time(), time.perf_counter(), steal_s()
         fit.fit(module, datamodule=dm)
         cpu_s, wall_s, steal1 = time.process_time() - cpu0, time.perf_counter() - wall0, steal_s()
+        wall_s -= sum(p.waited_s for p in pauses)  # the run's own time: not the parent's timing
     exact = None
     if task.quality == "exact_match":
         from onn.modalities.text.generate import exact_match

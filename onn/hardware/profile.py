@@ -285,6 +285,11 @@ class CoreWatch:
         idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
         return sum(fields[:8]) - idle, sum(fields[:8]), time.process_time(), time.perf_counter()
 
+    def restart(self) -> None:
+        """Count from now: what the machine did before (another process's turn while this one waited for it) is
+        no load to leave cores to."""
+        self.last = self._read()
+
     def look(self) -> int:
         """The thread count for now (set in torch when it changes)."""
         now = self._read()

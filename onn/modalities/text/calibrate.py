@@ -12,7 +12,9 @@ is the mean of nine steps (the fastest of nine ran 20-35% under what runs measur
 before its steps, gives as long as its timed steps will take, at most WINDOW_S) skips the cache and times the
 copies' steps for that long: this shared host runs for seconds at a time a third slower and then fast again
 (phi4_tiny's run: 0.19 s steps for three seconds, 0.30 s for three, 0.19 again), so nine steps, under a second,
-catch one speed where a run's twenty meet both. A large block's is the fastest of three (its matmuls, undisturbed:
+catch one speed where a run's twenty meet both; `windows` (task=bench, between its steps: onn/bench/suite.py)
+times them back to back before every fifth of the run's steps, so the timings meet the spells the steps meet.
+A large block's is the fastest of three (its matmuls, undisturbed:
 one disturbed step in three put Phi-4's at 950 ms per block, where runs took 560). Timings are in CPU time on one
 thread (which other processes' load does not stretch), so a busy machine measures what a quiet one would. Results
 are cached per machine and shapes for MAX_AGE_S: this shared host's speed drifts over the hours (llama_small's grid
@@ -28,6 +30,7 @@ import hashlib
 import json
 import statistics
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -41,22 +44,30 @@ MAX_AGE_S = 900  # a cached timing older than this is measured again (seconds of
 WINDOW_S = 3.0  # the longest a timing window takes (a short run's twenty steps of a 0.15 s step)
 
 
-def refine(plan: Plan, config: ONNConfig, hw: Profile, spec, window_s: float | None = None) -> dict[str, Any]:
+def refine(
+    plan: Plan,
+    config: ONNConfig,
+    hw: Profile,
+    spec,
+    window_s: float | None = None,
+    windows: Iterable[float] | None = None,
+) -> dict[str, Any]:
     """The plan with predicted_step_s from timing the model's own blocks, where that applies. `window_s`:
-    timed now, for that long, whatever the cache holds (see the module's docstring)."""
+    timed now, for that long, whatever the cache holds; `windows`: timed now, whatever the cache holds, for as many
+    seconds as each item says when it comes (a run pausing between its steps; see the module's docstring)."""
     if hw.accelerator != "cpu" or hw.source == "preset" or not config.model.architecture:
         return plan
     if plan.strategy not in ("full", "lora", "sparse_lora"):
         return plan
     streamed = plan.streaming is not None  # sparse_lora under another Lightning strategy trains resident
-    large = spec.params - sum(spec.block_params) + 6 * max(spec.block_params) > MAX_PARAMS
+    large = is_large(spec)
     if large and (not streamed or 2 * max(spec.block_params) * 2 > 0.5 * _budget_bytes(hw)):
         return plan  # a large model trains streamed; its block copies must fit beside the run comfortably
     from onn.planning.costs import matmul_rate, threads_for
 
     threads, share = threads_for(hw)
     seq, batch, micro = int(plan.sequence_length), config.data.batch_size, int(plan.micro_batch)
-    costs = block_times(config, plan, hw, seq, micro, threads, large, window_s)
+    costs = block_times(config, plan, hw, seq, micro, threads, large, window_s, windows)
     n = spec.n_blocks
     if plan.strategy == "sparse_lora":  # streamed or not, its blocks cost by where the adapters are
         layers = set(plan.sparse_layers)
@@ -88,6 +99,12 @@ def refine(plan: Plan, config: ONNConfig, hw: Profile, spec, window_s: float | N
     return plan
 
 
+def is_large(spec) -> bool:
+    """Whether the model's copies are too large for nine steps of each: timed as 1- and 2-block copies with a small
+    vocabulary, the fastest of three steps, and never between a run's steps."""
+    return spec.params - sum(spec.block_params) + 6 * max(spec.block_params) > MAX_PARAMS
+
+
 def _budget_bytes(hw: Profile) -> float:
     from onn.planning.costs import budget_mb
 
@@ -103,6 +120,7 @@ def block_times(
     threads: int,
     large: bool = False,
     window_s: float | None = None,
+    windows: Iterable[float] | None = None,
 ) -> dict[str, float]:
     """Per micro-batch: one block's share of a step and the rest (`block`, `rest`); for sparse_lora (streamed, or
     resident under another Lightning strategy) a block with adapters (`lora`), one without them above the lowest
@@ -124,7 +142,7 @@ def block_times(
             },
             "machine": hw.fingerprint,
             "large": large,
-            "version": 12,
+            "version": 13,
         },
         sort_keys=True,
         default=str,
@@ -132,13 +150,13 @@ def block_times(
     # beside the hardware profile: a timing of this machine, shared by every outputs folder that shares it
     folder = config.hardware.cache or Path(config.paths.cache) / "hardware"
     cache = Path(folder) / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    if window_s is None and cache.is_file() and time.time() - cache.stat().st_mtime < MAX_AGE_S:
+    if window_s is None and windows is None and cache.is_file() and time.time() - cache.stat().st_mtime < MAX_AGE_S:
         return json.loads(cache.read_text())["costs"]
 
     def timed(*copies: tuple[int, list[int] | None]) -> list[float]:
         if large:  # a large block's copies, one at a time: two of them at once may not fit beside the run
             return [_step_times(config, plan, seq, micro, threads, [c], vocab=256)[0] for c in copies]
-        return _step_times(config, plan, seq, micro, threads, list(copies), window_s=window_s or 0.0)
+        return _step_times(config, plan, seq, micro, threads, list(copies), window_s=window_s or 0.0, windows=windows)
 
     if large:  # a block's compute dwarfs any boundary effect: 1 and 2 blocks do
         one, lora, frozen, below = timed((1, [0]), (2, [0, 1]), (2, [0]), (2, [1]))
@@ -168,10 +186,12 @@ def _step_times(
     copies: list[tuple[int, list[int] | None]],
     vocab: int | None = None,
     window_s: float = 0.0,
+    windows: Iterable[float] | None = None,
 ) -> list[float]:
     """Per copy of the model (`blocks`, `adapted` blocks), its training step as ONN runs it: the mean of
-    nine, or of as many as window_s (at most WINDOW_S) takes; the fastest of three for a large
-    model's. The copies take their steps in turns, so a
+    nine, or of as many as window_s (at most WINDOW_S) takes, or of as many as each of `windows` takes (after one
+    untimed: the steps before it were another model's); the fastest of three for a large model's. The copies take
+    their steps in turns, so a
     change in the machine's speed meanwhile reaches them all alike and leaves their differences (a
     block's cost) alone: timed one copy after the other, a 2-block copy and a 6-block one a few seconds
     apart put llama_small's LoRA step 38-42% under what its runs took."""
@@ -187,14 +207,29 @@ def _step_times(
         clock = time.process_time if threads == 1 else time.perf_counter
         for step in steps:
             step()
-        seconds = min(WINDOW_S, window_s) if vocab is None else 0.0
         times: list[list[float]] = [[] for _ in steps]
-        start = time.perf_counter()
-        while len(times[0]) < (3 if vocab is not None else 9) or time.perf_counter() - start < seconds:
+
+        def one_each() -> None:
             for step, taken in zip(steps, times):
                 begin = clock()
                 step()
                 taken.append(clock() - begin)
+
+        if windows is not None:
+            for seconds in windows:
+                one_each()  # untimed: the caches hold the run's model, not these copies
+                for taken in times:
+                    taken.pop()
+                start = time.perf_counter()
+                one_each()
+                while time.perf_counter() - start < seconds:
+                    one_each()
+            least, seconds = 1, 0.0  # a run that ended before its first timed step: one round, for a figure
+        else:
+            least, seconds = (3 if vocab is not None else 9), min(WINDOW_S, window_s) if vocab is None else 0.0
+        start = time.perf_counter()
+        while len(times[0]) < least or time.perf_counter() - start < seconds:
+            one_each()
         return [min(t) if vocab is not None else statistics.mean(t) for t in times]
     finally:
         torch.set_num_threads(before)
@@ -250,7 +285,9 @@ def _copy_step(
     if micro > 1:  # rows padded to the longest, as the collator pads a run's batches: attention takes its masked path
         mask[0, seq - seq // 4 :] = 0
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, IGNORE)}
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-4)
+    clip = float(config.optim.clip_grad_norm)  # the run clips every step: a pass over every trained gradient
     autocast = plan.precision.startswith("bf16")
     engine = None
     if plan.streaming is not None:
@@ -278,6 +315,8 @@ def _copy_step(
                 engine.train_step([batch])
             else:
                 model(**batch).loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(trained, clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
