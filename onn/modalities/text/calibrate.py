@@ -251,7 +251,6 @@ def _copy_step(
     import torch
 
     from onn.dtypes import torch_dtype
-    from onn.modalities.text.datamodule import IGNORE
     from onn.models.layers import discover
     from onn.models.load import architecture, auto_class, meta_model
     from onn.streaming.engine import StreamingEngine
@@ -280,11 +279,7 @@ def _copy_step(
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
-    ids = torch.randint(0, int(getattr(arch, "vocab_size", 256)) - 1, (micro, seq))
-    mask = torch.ones_like(ids)
-    if micro > 1:  # rows padded to the longest, as the collator pads a run's batches: attention takes its masked path
-        mask[0, seq - seq // 4 :] = 0
-    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, IGNORE)}
+    batch = _padded_batch(int(getattr(arch, "vocab_size", 256)), micro, seq)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-4)
     clip = float(config.optim.clip_grad_norm)  # the run clips every step: a pass over every trained gradient
@@ -321,3 +316,17 @@ def _copy_step(
         optimizer.zero_grad(set_to_none=True)
 
     return step
+
+
+def _padded_batch(vocab: int, micro: int, seq: int) -> dict[str, Any]:
+    """Random tokens, one row padded to the longest as the collator pads a run's batches (a padded row sends
+    attention down its masked path)."""
+    import torch
+
+    from onn.modalities.text.datamodule import IGNORE
+
+    ids = torch.randint(0, vocab - 1, (micro, seq))
+    mask = torch.ones_like(ids)
+    if micro > 1:
+        mask[0, seq - seq // 4 :] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, IGNORE)}
