@@ -126,6 +126,25 @@ def test_torch_never_runs_more_threads_than_this_machine_has():
     assert torch.get_num_threads() == before
 
 
+def test_a_watch_restarted_runs_on_its_threads_again():
+    """Load a watch restarts past (a benchmark's harness working while its run waited) no longer holds the run to
+    fewer threads: the thread count it led to goes back to the plan's."""
+    import torch
+
+    from onn.hardware.profile import CoreWatch
+
+    before = torch.get_num_threads()
+    try:
+        watch = CoreWatch(2, every_s=0.0)
+        every_core = float(watch.ticks * watch.cores)  # a second ago: every core busy with another process
+        watch.last = tuple(a - b for a, b in zip(watch._read(), (every_core, every_core, 0.0, 1.0)))
+        assert watch.look() == 1 and torch.get_num_threads() == 1
+        watch.restart()
+        assert watch.threads == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_runs_started_together_measure_the_profile_once(tmp_path, monkeypatch):
     """A run that finds another measuring waits for it and reads its profile (a sweep's jobs, test workers): each
     measuring on cores the others keep busy took tens of seconds of every core and measured their load."""

@@ -164,10 +164,11 @@ def _pauses(link, proc, warmup: int) -> Iterator[None]:
             return
         if message == "done":
             return
-        if count >= warmup and (count - warmup) % STEPS_PER_WINDOW == 0:
+        timed = count >= warmup and (count - warmup) % STEPS_PER_WINDOW == 0
+        if timed:
             yield
         count += 1
-        link.send("go")
+        link.send("timed" if timed else "go")
 
 
 class Pauses(L.Callback):
@@ -181,10 +182,12 @@ class Pauses(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         begin = time.perf_counter()
         self.link.send("step")
-        self.link.recv()
+        timed = self.link.recv() == "timed"
         self.waited_s += time.perf_counter() - begin
         cores = getattr(getattr(pl_module, "engine", None), "cores", None)
-        if cores is not None:  # the parent's timing just now is no load the run should leave its cores to
+        if cores is not None and (timed or batch_idx == 0):
+            # The parent's timing just now, or its copies built while this run set up, is no load the run should
+            # leave its cores to. Only then: a restart at every step would keep the watch from ever looking.
             cores.restart()
 
     def on_train_end(self, trainer, pl_module) -> None:

@@ -287,8 +287,17 @@ class CoreWatch:
 
     def restart(self) -> None:
         """Count from now: what the machine did before (another process's turn while this one waited for it) is
-        no load to leave cores to."""
+        no load to leave cores to, nor is it the reason for fewer threads (a benchmark's harness building its block
+        copies while the run validated left the run's 20 steps on 1 of 2 cores, 60% slower)."""
         self.last = self._read()
+        self._use(self.most)
+
+    def _use(self, threads: int) -> None:
+        if threads != self.threads:
+            import torch
+
+            torch.set_num_threads(threads)
+            self.threads = threads
 
     def look(self) -> int:
         """The thread count for now (set in torch when it changes)."""
@@ -299,13 +308,8 @@ class CoreWatch:
         self.last = now
         machine = all_ticks / self.ticks / wall  # cores of the whole machine
         busy = max(0.0, (busy_ticks / self.ticks - own) / wall) * self.cores / max(machine, 1e-9)
-        threads = max(1, min(self.most, int(self.cores - busy + 0.5)))
-        if threads != self.threads:
-            import torch
-
-            torch.set_num_threads(threads)
-            self.threads = threads
-        return threads
+        self._use(max(1, min(self.most, int(self.cores - busy + 0.5))))
+        return self.threads
 
 
 def use_threads(threads: int | None) -> int | None:
