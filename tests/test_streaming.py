@@ -368,6 +368,33 @@ def test_prefetch_survives_close_as_lightning_tears_down_after_validate(tmp_path
     engine.close()
 
 
+def test_loads_that_fail_give_their_read_buffers_back(tmp_path):
+    """A load that runs out of memory beside the step (on a GPU, the copy's allocation) fails the step, which the
+    back-off retries after engine.reset(): every failed load's read buffer comes back, so a third failure in a row
+    cannot leave the retry without one to read into (it failed with an IndexError)."""
+    from onn.streaming.engine import SLOTS
+
+    engine = engine_for(lora_model("llama", LAYER_SETS["all"]), 2, kind="disk", folder=tmp_path)
+    load, failures = engine._load_chunk, [SLOTS + 1]
+
+    def out_of_memory_first(*args, **kwargs):
+        if failures[0] > 0:
+            failures[0] -= 1
+            raise torch.OutOfMemoryError("out of memory (injected)")
+        return load(*args, **kwargs)
+
+    engine._load_chunk = out_of_memory_first
+    for _ in range(SLOTS + 1):
+        with pytest.raises(torch.OutOfMemoryError):
+            engine.train_step(micro_batches())
+        engine.reset()
+    loss = engine.train_step(micro_batches())
+    engine.close()
+    reference = engine_for(lora_model("llama", LAYER_SETS["all"]), 2, kind="disk", folder=tmp_path / "again")
+    assert torch.equal(loss, reference.train_step(micro_batches()))
+    reference.close()
+
+
 def test_fp16_loss_scaling_through_lightning():
     """Lightning's fp16 plugin unscales before every optimizer step: the streamed loss must start its scaler."""
     import lightning as L
@@ -553,6 +580,26 @@ def test_streamed_edges_match_resident_and_never_sit_beside_a_chunk():
         min_new_tokens=5,
     )[:, 6:]
     assert torch.equal(engine.generate(ids, mask, max_new_tokens=5), want_ids)
+
+
+def test_a_forward_only_pass_loads_no_chunk_beside_the_streamed_head(tmp_path):
+    """With stream_edges the head has the device to itself in validation and in a classifier's forward, as in
+    training: the next pass's first chunks are loaded ahead after the suffix, not during it (on a GPU a chunk, the
+    head and the logits at once, which the plan's memory does not count)."""
+    resident = lora_model("llama", LAYER_SETS["all"])
+    engine = engine_for(copy.deepcopy(resident), 2, kind="disk", folder=tmp_path, stream_edges=True)
+    beside, suffix = [], engine.suffix
+    engine.suffix = lambda *a: (beside.append((engine._resident, len(engine._pending))), suffix(*a))[1]
+    mbs = micro_batches()
+    total, _ = engine.evaluate(mbs)
+    assert 0 in engine._pending  # the next pass's first chunk, loaded ahead once the suffix is done
+    engine.outputs(mbs)
+    assert 0 in engine._pending
+    engine.close()
+    assert len(beside) > len(mbs) and set(beside) == {(None, 0)}
+    with torch.no_grad():
+        want = sum(float(resident(**mb).loss) * target_tokens(mb) for mb in mbs)
+    assert math.isclose(total, want, rel_tol=1e-4)
 
 
 def test_micro_batches_of_different_lengths_match_resident():

@@ -511,11 +511,13 @@ class StreamingEngine:
             self.release()
             start = time.perf_counter()
             entry = self._pending.pop(c, None)
-            if entry is not None:
-                chunk, slot = entry[0].result(), entry[1]
-            else:
-                slot = self._take_slot() if self._needs_slot(c) else None
-                chunk = self._load_chunk(c, slot)
+            slot = entry[1] if entry is not None else self._take_slot() if self._needs_slot(c) else None
+            try:
+                chunk = entry[0].result() if entry is not None else self._load_chunk(c, slot)
+            except BaseException:  # out of memory beside the step: the back-off retries, and needs the buffer
+                if slot is not None:
+                    self._free.append(slot)
+                raise
             self.times.io_s += time.perf_counter() - start
             for i, (tensors, scales) in chunk.items():
                 params = {stored_name(n): p for n, p in self.map.blocks[i].named_parameters()}
@@ -818,9 +820,11 @@ class StreamingEngine:
 
     def outputs(self, micro_batches: list[dict[str, Any]]) -> list[Any]:
         """Streamed forward only: each micro-batch's output (a classifier's logits, which its metrics read)."""
-        inputs, _, hidden = self._forward(micro_batches, keep_from=None, then=range(len(self.chunks)))
+        inputs, _, hidden = self._forward(micro_batches, keep_from=None, then=self._after_suffix())
         with torch.no_grad(), self._suffix_phase():
-            return [self.suffix(h, mb) for h, mb in zip(hidden, micro_batches)]
+            out = [self.suffix(h, mb) for h, mb in zip(hidden, micro_batches)]
+        self._prefetch(range(len(self.chunks)))
+        return out
 
     def loss(self, micro_batches: list[dict[str, Any]]) -> list[torch.Tensor]:
         """Streamed forward only: each micro-batch's loss."""
@@ -852,7 +856,7 @@ class StreamingEngine:
         for rows_in_pass in _packed(rows, pass_tokens):
             groups = [_pad(g) for g in _packed(rows_in_pass, group_tokens)]
             groups = [{k: v.to(self.device) for k, v in g.items()} for g in groups]
-            _, _, hidden = self._forward(groups, keep_from=None, then=range(len(self.chunks)), fuse=False)
+            _, _, hidden = self._forward(groups, keep_from=None, then=self._after_suffix(), fuse=False)
             with torch.no_grad(), self._suffix_phase():
                 start = time.perf_counter()
                 for h, group in zip(hidden, groups):
@@ -863,7 +867,13 @@ class StreamingEngine:
                             total += float(self.suffix(h[s : s + suffix_rows], piece).loss) * tokens
                             count += tokens
                 self.times.compute_s += time.perf_counter() - start
+            self._prefetch(range(len(self.chunks)))
         return total, count
+
+    def _after_suffix(self) -> range:
+        """The chunks a forward-only pass may load ahead during its last chunk: the next pass's first ones, unless
+        the edges stream (the suffix's head then takes the device on its own; they are loaded ahead after it)."""
+        return range(0 if self.edges else len(self.chunks))
 
     @torch.no_grad()
     def decode_step(
