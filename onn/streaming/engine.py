@@ -852,23 +852,23 @@ class StreamingEngine:
         # one matmul per block per group: what the training forward fuses, never less than a micro-batch
         group_tokens = group_tokens or self.forward_group * (self.micro_batch or suffix_rows) * longest
         pass_tokens = max(pass_tokens or self.eval_tokens or sum(r["input_ids"].shape[0] for r in rows), group_tokens)
-        total, count = 0.0, 0
+        total, count = torch.zeros((), dtype=torch.float64, device=self.device), 0
         for rows_in_pass in _packed(rows, pass_tokens):
             groups = [_pad(g) for g in _packed(rows_in_pass, group_tokens)]
+            # each piece's target tokens counted here, on the host: read from the device, each is a wait for the GPU
+            tokens = [[target_tokens(piece) for piece in _pieces(g, suffix_rows)] for g in groups]
             groups = [{k: v.to(self.device) for k, v in g.items()} for g in groups]
             _, _, hidden = self._forward(groups, keep_from=None, then=self._after_suffix(), fuse=False)
             with torch.no_grad(), self._suffix_phase():
                 start = time.perf_counter()
-                for h, group in zip(hidden, groups):
-                    for s in range(0, h.shape[0], suffix_rows):
-                        piece = {k: v[s : s + suffix_rows] for k, v in group.items()}
-                        tokens = target_tokens(piece)
-                        if tokens:
-                            total += float(self.suffix(h[s : s + suffix_rows], piece).loss) * tokens
-                            count += tokens
+                for h, group, counts in zip(hidden, groups, tokens):
+                    for s, piece, n in zip(range(0, h.shape[0], suffix_rows), _pieces(group, suffix_rows), counts):
+                        if n:  # the sum stays on the device: one read for the whole held-out set
+                            total += self.suffix(h[s : s + suffix_rows], piece).loss.double() * n
+                            count += n
                 self.times.compute_s += time.perf_counter() - start
             self._prefetch(range(len(self.chunks)))
-        return total, count
+        return float(total), count
 
     def _after_suffix(self) -> range:
         """The chunks a forward-only pass may load ahead during its last chunk: the next pass's first ones, unless
@@ -1040,6 +1040,11 @@ def _packed(rows: list[dict[str, torch.Tensor]], max_tokens: int) -> list[list[d
         else:
             groups.append([row])
     return groups
+
+
+def _pieces(batch: dict[str, torch.Tensor], rows: int) -> list[dict[str, torch.Tensor]]:
+    """A batch cut into pieces of `rows` rows (the last may have fewer)."""
+    return [{k: v[s : s + rows] for k, v in batch.items()} for s in range(0, batch["input_ids"].shape[0], rows)]
 
 
 def _pad(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
