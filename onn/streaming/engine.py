@@ -852,7 +852,7 @@ class StreamingEngine:
         # one matmul per block per group: what the training forward fuses, never less than a micro-batch
         group_tokens = group_tokens or self.forward_group * (self.micro_batch or suffix_rows) * longest
         pass_tokens = max(pass_tokens or self.eval_tokens or sum(r["input_ids"].shape[0] for r in rows), group_tokens)
-        total, count = torch.zeros((), dtype=torch.float64, device=self.device), 0
+        total, count = torch.zeros((), dtype=torch.float32, device=self.device), 0  # float64: not on MPS
         for rows_in_pass in _packed(rows, pass_tokens):
             groups = [_pad(g) for g in _packed(rows_in_pass, group_tokens)]
             # each piece's target tokens counted here, on the host: read from the device, each is a wait for the GPU
@@ -864,7 +864,7 @@ class StreamingEngine:
                 for h, group, counts in zip(hidden, groups, tokens):
                     for s, piece, n in zip(range(0, h.shape[0], suffix_rows), _pieces(group, suffix_rows), counts):
                         if n:  # the sum stays on the device: one read for the whole held-out set
-                            total += self.suffix(h[s : s + suffix_rows], piece).loss.double() * n
+                            total += self.suffix(h[s : s + suffix_rows], piece).loss.float() * n
                             count += n
                 self.times.compute_s += time.perf_counter() - start
             self._prefetch(range(len(self.chunks)))
