@@ -293,6 +293,7 @@ class CoreWatch:
         self._use(self.most)
 
     def _use(self, threads: int) -> None:
+        """Set torch's thread count only when it changes: each set resizes its thread pool."""
         if threads != self.threads:
             import torch
 

@@ -453,17 +453,18 @@ class StreamingEngine:
                     after.synchronize()
                     after = None
                 self.times.copied_bytes += sum(t.numel() * t.element_size() for t in stored.values())
-                with torch.cuda.stream(self._copy_stream):
-                    tensors = self.store.decode(
-                        stored,
-                        self.device,
-                        self.compute_dtype,
-                        non_blocking=True,
-                        scales=scales,
-                        codes=self._codes_direct,
-                    )
-                # the slot's host buffer is read again only after this chunk is released: the copy must be done by then
-                self._copy_stream.synchronize()
+                try:
+                    with torch.cuda.stream(self._copy_stream):
+                        tensors = self.store.decode(
+                            stored,
+                            self.device,
+                            self.compute_dtype,
+                            non_blocking=True,
+                            scales=scales,
+                            codes=self._codes_direct,
+                        )
+                finally:  # the slot's host buffer is read into again after this chunk (or a failed load) gives it
+                    self._copy_stream.synchronize()  # back: its copies, a failed decode's queued ones too, end first
             elif self._codes_direct:  # views of the read buffer (or the cached block): nothing to keep
                 tensors = self.store.decode(stored, self.device, self.compute_dtype, scales=scales, codes=True)
             else:
@@ -514,7 +515,7 @@ class StreamingEngine:
             slot = entry[1] if entry is not None else self._take_slot() if self._needs_slot(c) else None
             try:
                 chunk = entry[0].result() if entry is not None else self._load_chunk(c, slot)
-            except BaseException:  # out of memory beside the step: the back-off retries, and needs the buffer
+            except Exception:  # out of memory beside the step: the back-off retries, and needs the buffer
                 if slot is not None:
                     self._free.append(slot)
                 raise
@@ -852,7 +853,8 @@ class StreamingEngine:
         # one matmul per block per group: what the training forward fuses, never less than a micro-batch
         group_tokens = group_tokens or self.forward_group * (self.micro_batch or suffix_rows) * longest
         pass_tokens = max(pass_tokens or self.eval_tokens or sum(r["input_ids"].shape[0] for r in rows), group_tokens)
-        total, count = torch.zeros((), dtype=torch.float32, device=self.device), 0  # float64: not on MPS
+        wide = torch.float32 if self.device.type == "mps" else torch.float64  # MPS has no float64
+        total, count = torch.zeros((), dtype=wide, device=self.device), 0
         for rows_in_pass in _packed(rows, pass_tokens):
             groups = [_pad(g) for g in _packed(rows_in_pass, group_tokens)]
             # each piece's target tokens counted here, on the host: read from the device, each is a wait for the GPU
@@ -864,7 +866,7 @@ class StreamingEngine:
                 for h, group, counts in zip(hidden, groups, tokens):
                     for s, piece, n in zip(range(0, h.shape[0], suffix_rows), _pieces(group, suffix_rows), counts):
                         if n:  # the sum stays on the device: one read for the whole held-out set
-                            total += self.suffix(h[s : s + suffix_rows], piece).loss.float() * n
+                            total += self.suffix(h[s : s + suffix_rows], piece).loss.to(wide) * n
                             count += n
                 self.times.compute_s += time.perf_counter() - start
             self._prefetch(range(len(self.chunks)))
