@@ -703,3 +703,76 @@ def test_a_large_graph_pools_and_a_recurrence_runs_in_float32_under_bf16_autocas
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = layer(torch.randn(2, 50, 8, device="cuda"), lengths)
     assert out.dtype == torch.float32
+
+
+def _device_event(name: str, start_us: float, end_us: float, annotation: bool = False):
+    """One GPU activity as torch.profiler's events() gives it."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    return FunctionEvent(
+        id=0,
+        name=name,
+        thread=7,
+        start_us=start_us,
+        end_us=end_us,
+        device_type=DeviceType.CUDA,
+        device_resource_id=7,
+        is_user_annotation=annotation,
+    )
+
+
+def test_a_profiled_steps_copies_count_as_hidden_only_where_kernels_ran_beside_them():
+    """The GPU's own timeline, not the host's: copies across the host link on one stream, kernels on another,
+    overlapping in part; a gap where neither ran; CPU events and a user annotation spanning everything (which is
+    no work) left out. Copies within the device count as compute."""
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from onn.bench.timeline import gpu_timeline
+
+    events = [
+        FunctionEvent(id=1, name="aten::mm", thread=1, start_us=0, end_us=500),  # the host's: not the GPU's
+        _device_event("Memcpy HtoD (Pinned -> Device)", 0, 400),
+        _device_event("Memcpy HtoD (Pinned -> Device)", 300, 600),  # a second copy engine: 0..600 busy, once
+        _device_event("ampere_bf16_gemm", 100, 300),
+        _device_event("Memcpy DtoD (Device -> Device)", 250, 350),  # within the device: compute
+        _device_event("vectorized_elementwise_kernel", 700, 1000),  # after a gap 600..700
+        _device_event("Memcpy DtoH (Device -> Pinned)", 900, 1100),  # activations to the host
+        _device_event("ProfilerStep#3", 0, 1100, annotation=True),
+    ]
+    t = gpu_timeline(events)
+    assert t["io_s"] == pytest.approx(800e-6)  # 0..600 and 900..1100
+    assert t["compute_s"] == pytest.approx(550e-6)  # 100..350 and 700..1000
+    assert t["overlap_s"] == pytest.approx(350e-6)  # 100..350 and 900..1000
+    assert t["idle_s"] == pytest.approx(100e-6) and t["span_s"] == pytest.approx(1100e-6)
+    assert t["hidden"] == pytest.approx(350 / 800)
+    assert gpu_timeline(events[:1]) == {}  # no GPU activity: nothing measured
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_copy_on_a_side_stream_beside_kernels_is_measured_as_hidden():
+    """On the GPU: a pinned host-to-device copy queued on a side stream while matmuls run on the current one is
+    seen by the profiler as overlapping them, and the same copy run alone as not hidden."""
+    from onn.bench.timeline import gpu_timeline
+
+    host = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty_like(host, device="cuda")
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+
+    def profiled(beside: bool) -> dict[str, float]:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            if beside:
+                for _ in range(40):
+                    a @ a
+            with torch.cuda.stream(side):
+                device.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+        return gpu_timeline(prof.events())
+
+    profiled(True)  # cuBLAS's first call
+    together, alone = profiled(True), profiled(False)
+    assert together["io_s"] > 0 and together["compute_s"] > 0 and together["hidden"] > 0.5
+    assert alone["compute_s"] == 0 and alone["hidden"] == 0 and alone["io_s"] > 0

@@ -15,10 +15,14 @@ Figures go to metrics.json as gpu/* and to bench_gpu.md beside it. The step's li
     limit_s = max(bytes copied host-to-device per step / pinned bandwidth now,
                   matmul FLOPs per step / bf16 matmul rate now (the largest block weight at the step's rows))
 
-and limit_efficiency = limit_s / step_s. The seed's figure for Phi-4 on a GTX 1650 (490 ms per sample at
-batch 128) stands beside ms_per_sample. alloc_retries counts the times the allocator ran out of room under the
-budget's cap during the fit (every step, the untimed first and profiled last included; each a wait for the GPU
-and a flush of its cache): a step that retries is slower than its copies and matmuls say.
+and limit_efficiency = limit_s / step_s. io_s and compute_s are the GPU's own busy times in the profiled step
+(onn/bench/timeline.py): copying over the host link, and everything else; overlap_s is both at once, and
+copies_hidden the share of the copying done under compute (the engine's host clocks, io_wait_host_s and
+compute_host_s, count a load's wait for the kernels queued before its copy as I/O). The seed's figure for
+Phi-4 on a GTX 1650 (490 ms per sample at batch 128) stands beside ms_per_sample. alloc_retries counts the times
+the allocator ran out of room under the budget's cap during the fit (every step, the untimed first and profiled
+last included; each a wait for the GPU and a flush of its cache): a step that retries is slower than its copies
+and matmuls say.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from typing import Any
 
 import torch
 
+from onn.bench.timeline import gpu_timeline
 from onn.config import ONNConfig
 from onn.config.task import BenchGpuTask
 from onn.errors import UserError
@@ -146,10 +151,14 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
         "gpu/predicted_step_s": plan.predicted_step_s,
         "gpu/step_time_error": round(step_s / plan.predicted_step_s - 1, 4),
         "gpu/step_s_all": [round(x, 4) for x in clock.step_s],
-        "gpu/io_s": round(statistics.mean(clock.io_s[timed]), 4),
-        "gpu/compute_s": round(statistics.mean(clock.compute_s[timed]), 4),
+        # the GPU's own busy times in the profiled step: copies over the host link, kernels, both at once
+        **{f"gpu/{k}": round(v, 4) for k, v in probe.timeline.items() if k != "hidden"},
+        "gpu/copies_hidden": round(probe.timeline.get("hidden", 0.0), 4),
         "gpu/predicted_io_s": s.predicted_io_s,
         "gpu/predicted_compute_s": s.predicted_compute_s,
+        # the engine's host clocks, timed steps: its waits for loads (which wait for queued kernels too), the rest
+        "gpu/io_wait_host_s": round(statistics.mean(clock.io_s[timed]), 4),
+        "gpu/compute_host_s": round(statistics.mean(clock.compute_s[timed]), 4),
         "gpu/copied_gb_per_step": round(copied / 2**30, 3),
         "gpu/h2d_gb_s": round(link / 2**30, 2),
         "gpu/h2d_gb_s_profile": round(float(job.hardware.h2d_mb_s or 0) / 1024, 2),
@@ -213,6 +222,7 @@ class _StepProbe:
             def __init__(self):
                 self.process_mb: list[float] = []
                 self.syncs = 0
+                self.timeline: dict[str, float] = {}  # the profiled step's GPU busy times (onn/bench/timeline.py)
                 self._seen: list[str] = []
                 self._show = None
 
@@ -240,6 +250,7 @@ class _StepProbe:
 
                     torch.cuda.synchronize()
                     self._profiler.__exit__(None, None, None)
+                    self.timeline = gpu_timeline(self._profiler.events())
                     table = self._profiler.key_averages().table(sort_by="cuda_time_total", row_limit=30)
                     path.with_name("profile_last_step.txt").write_text(table)
                     torch.cuda.set_sync_debug_mode("default")
