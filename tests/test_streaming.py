@@ -395,6 +395,36 @@ def test_loads_that_fail_give_their_read_buffers_back(tmp_path):
     reference.close()
 
 
+def test_a_load_that_fails_lets_what_it_loaded_go_with_its_error(tmp_path):
+    """A load ahead that runs out of memory partway (on a GPU: a chunk's first blocks already on the device) fails
+    the step; once the step's error is let go, what the load held is freed by reference counts alone, the garbage
+    collector off (the future holding the error was kept by the frame its traceback holds: a cycle that kept the
+    blocks through the back-off's retry)."""
+    import gc
+
+    engine = engine_for(lora_model("llama", LAYER_SETS["all"]), 2, kind="disk", folder=tmp_path)
+    load, held = engine._load_chunk, []
+
+    def out_of_memory_partway(c, *args, **kwargs):
+        if c == 1 and not held:
+            copied = torch.empty(4096)  # the blocks copied before the allocation that failed
+            held.append(weakref.ref(copied))
+            raise torch.OutOfMemoryError("out of memory (injected)")
+        return load(c, *args, **kwargs)
+
+    engine._load_chunk = out_of_memory_partway
+    gc.disable()
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            engine.train_step(micro_batches())
+        engine.reset()
+        assert held and held[0]() is None
+    finally:
+        gc.enable()
+    assert torch.isfinite(engine.train_step(micro_batches()))
+    engine.close()
+
+
 def test_fp16_loss_scaling_through_lightning():
     """Lightning's fp16 plugin unscales before every optimizer step: the streamed loss must start its scaler."""
     import lightning as L
@@ -851,6 +881,34 @@ def test_the_fused_cast_compiles_one_graph_whatever_grad_mode_and_autocast_its_c
     finally:
         torch._dynamo.reset()
     assert len(graphs) == 1
+
+
+def test_the_fused_cast_falls_back_when_it_cannot_build_but_lets_out_of_memory_through(monkeypatch):
+    """A kernel that fails to build (no C compiler, say) leaves the cast to PyTorch's copy, the same values; running
+    out of device memory is the step's to back off from, and neither turns the fused kernel off nor is hidden."""
+    from onn.hardware import cast
+
+    codes = torch.randint(-127, 128, (64, 32), dtype=torch.int8)
+    scale = torch.rand(64).bfloat16()
+    expected = (codes.float() * scale.float()[:, None]).bfloat16()
+    for error, passes in ((torch.OutOfMemoryError("out of memory (injected)"), True), (RuntimeError("no cc"), False)):
+
+        def kernel(*args, error=error):
+            raise error
+
+        def compiled(device_type, kernel=kernel):
+            return kernel
+
+        compiled.cache_clear = lambda: None  # what functools.cache gives the real one
+        monkeypatch.setattr(cast, "_broken", set())
+        monkeypatch.setattr(cast, "_compiled", compiled)
+        out = torch.empty(64, 32, dtype=torch.bfloat16)
+        if passes:
+            with pytest.raises(torch.OutOfMemoryError):
+                cast.cast_scaled(codes, scale, out)
+            assert not cast._broken
+        else:
+            assert torch.equal(cast.cast_scaled(codes, scale, out), expected) and cast._broken == {"cpu"}
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
+import weakref
 
 import lightning as L
 import pytest
@@ -93,6 +95,35 @@ def test_out_of_memory_halves_the_micro_batch_and_retries_the_same_step():
     assert module.train_losses == pytest.approx(reference.train_losses, rel=1e-5)
     for (name, p), q in zip(module.model.named_parameters(), reference.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_failed_pass_has_let_its_memory_go_when_the_back_off_starts():
+    """The error's traceback holds the failed pass's frames and what they had allocated (on a GPU: activations and
+    a chunk's weights, which the retry needs the room of). The back-off starts without them, the garbage
+    collector off: nothing but reference counts frees them."""
+    module = tiny_module(micro_batch=8)
+    forward, held, alive = module.model.forward, [], []
+
+    def failing(*args, **kwargs):
+        if kwargs["input_ids"].shape[0] > 4:
+            activations = torch.empty(4096)  # what the pass held when it ran out
+            held.append(weakref.ref(activations))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return forward(*args, **kwargs)
+
+    back_off = module._back_off
+
+    def watched(error):
+        alive.append(held[-1]() is not None)
+        back_off(error)
+
+    module.model.forward, module._back_off = failing, watched
+    gc.disable()
+    try:
+        fit(module, batches(steps=1))
+    finally:
+        gc.enable()
+    assert module.oom_backoffs == [{"step": 0, "from": 8, "to": 4}] and alive == [False]
 
 
 def test_out_of_memory_below_the_floor_is_one_clear_error():

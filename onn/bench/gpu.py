@@ -230,16 +230,17 @@ class _StepProbe:
                 if trainer.global_step == trainer.max_steps - 1:  # the last step: count its syncs
                     import warnings
 
+                    # started before the warnings are caught: its own (a first profile's note) is no sync
+                    self._profiler = torch.profiler.profile(
+                        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                    )
+                    self._profiler.__enter__()
                     self._show, self._filters = warnings.showwarning, warnings.filters[:]
                     warnings.showwarning = lambda message, category, filename, lineno, *a, **k: self._seen.append(
                         (threading.current_thread().name, f"{filename}:{lineno}: {str(message).splitlines()[0]}")
                     )
                     warnings.simplefilter("always")
                     torch.cuda.set_sync_debug_mode("warn")
-                    self._profiler = torch.profiler.profile(
-                        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-                    )
-                    self._profiler.__enter__()
 
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
                 from onn.hardware.profile import process_gpu_mb
@@ -248,17 +249,21 @@ class _StepProbe:
                     import collections
                     import warnings
 
+                    torch.cuda.set_sync_debug_mode("default")
+                    warnings.showwarning, self._show = self._show, None
+                    warnings.filters[:] = self._filters
                     torch.cuda.synchronize()
                     self._profiler.__exit__(None, None, None)
                     self.timeline = gpu_timeline(self._profiler.events())
                     table = self._profiler.key_averages().table(sort_by="cuda_time_total", row_limit=30)
                     path.with_name("profile_last_step.txt").write_text(table)
-                    torch.cuda.set_sync_debug_mode("default")
-                    warnings.showwarning, self._show = self._show, None
-                    warnings.filters[:] = self._filters
                     counts = collections.Counter(self._seen)
                     # the step's: the training thread's and autograd's (CastMatmul's backward runs on its threads)
-                    self.syncs = sum(n for (thread, _), n in counts.items() if not thread.startswith("onn-prefetch"))
+                    self.syncs = sum(
+                        n
+                        for (thread, where), n in counts.items()
+                        if "synchroniz" in where and not thread.startswith("onn-prefetch")
+                    )
                     path.write_text(
                         "".join(f"{n} x [{thread}] {where}\n" for (thread, where), n in counts.most_common())
                     )

@@ -445,15 +445,15 @@ class StreamingEngine:
         start = time.perf_counter()
         slot = self._slots[slot_index] if slot_index is not None else None
         out = {}
-        for pos, i in enumerate(self.chunks[c]):
-            stored = self._stored(i, slot, pos)
-            scales = {} if self.store.dtype == "int8" else None
-            if self._copy_stream is not None:
-                if after is not None:  # read from the host already; the device memory is the released chunk's
-                    after.synchronize()
-                    after = None
-                self.times.copied_bytes += sum(t.numel() * t.element_size() for t in stored.values())
-                try:
+        try:
+            for pos, i in enumerate(self.chunks[c]):
+                stored = self._stored(i, slot, pos)
+                scales = {} if self.store.dtype == "int8" else None
+                if self._copy_stream is not None:
+                    if after is not None:  # read from the host already; the device memory is the released chunk's
+                        after.synchronize()
+                        after = None
+                    self.times.copied_bytes += sum(t.numel() * t.element_size() for t in stored.values())
                     with torch.cuda.stream(self._copy_stream):
                         tensors = self.store.decode(
                             stored,
@@ -463,16 +463,20 @@ class StreamingEngine:
                             scales=scales,
                             codes=self._codes_direct,
                         )
-                finally:  # the slot's host buffer is read into again after this chunk (or a failed load) gives it
-                    self._copy_stream.synchronize()  # back: its copies, a failed decode's queued ones too, end first
-            elif self._codes_direct:  # views of the read buffer (or the cached block): nothing to keep
-                tensors = self.store.decode(stored, self.device, self.compute_dtype, scales=scales, codes=True)
-            else:
-                targets = slot.decoded.get(pos) if slot is not None else None
-                tensors = self.store.decode(stored, self.device, self.compute_dtype, out=targets, scales=scales)
-                if slot is not None and not self._zero_copy:
-                    slot.decoded[pos] = tensors
-            out[i] = (tensors, scales or {})
+                elif self._codes_direct:  # views of the read buffer (or the cached block): nothing to keep
+                    tensors = self.store.decode(stored, self.device, self.compute_dtype, scales=scales, codes=True)
+                else:
+                    targets = slot.decoded.get(pos) if slot is not None else None
+                    tensors = self.store.decode(stored, self.device, self.compute_dtype, out=targets, scales=scales)
+                    if slot is not None and not self._zero_copy:
+                        slot.decoded[pos] = tensors
+                out[i] = (tensors, scales or {})
+        finally:
+            # the slot's host buffers are read into again after this chunk (or a failed load) gives it back: its
+            # copies, a failed decode's queued ones too, end first. One wait for the chunk: each block position has
+            # a buffer of its own, so the next block's read from the disk runs while this one's copy is queued
+            if self._copy_stream is not None:
+                self._copy_stream.synchronize()
         self.times.load_s += time.perf_counter() - start
         return out
 
@@ -514,10 +518,14 @@ class StreamingEngine:
             entry = self._pending.pop(c, None)
             slot = entry[1] if entry is not None else self._take_slot() if self._needs_slot(c) else None
             try:
-                chunk = entry[0].result() if entry is not None else self._load_chunk(c, slot)
+                chunk = entry[0].result() if entry is not None else self._load_chunk(c, slot, self._released)
             except Exception:  # out of memory beside the step: the back-off retries, and needs the buffer
                 if slot is not None:
                     self._free.append(slot)
+                # the failed load's future holds the error, whose traceback holds this frame: without the future
+                # here, what the load had copied to the device goes when the back-off lets the error go, not at
+                # the garbage collector's next full pass
+                entry = None
                 raise
             self.times.io_s += time.perf_counter() - start
             for i, (tensors, scales) in chunk.items():
@@ -756,13 +764,13 @@ class StreamingEngine:
     def forward_train(
         self,
         micro_batches: list[dict[str, Any]],
-        loss_scale: float = 1.0,
+        loss_scale: float | torch.Tensor = 1.0,
         total_tokens: int | None = None,
         row_weights: list[list[int]] | None = None,
     ) -> torch.Tensor:
         """The forward half of a step: chunk-outer forward keeping chunk inputs, then each micro-batch's
         loss backpropagated to its last hidden state (the engine's own tensors, so an optimizer's
-        zero_grad in between changes nothing). `loss_scale` is fp16's loss scale; `total_tokens` the
+        zero_grad in between changes nothing). `loss_scale` is fp16's loss scale (on the device); `total_tokens` the
         target tokens of the whole global batch when several processes share it (default: these);
         `row_weights`: per micro-batch, what each row's loss averages over (target tokens) as the host counted
         them, so that no micro-batch's or suffix piece's weight is read from the device (a wait on a GPU)."""

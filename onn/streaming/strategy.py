@@ -116,15 +116,14 @@ class Streams:
             module.engine = self.engine
         super().setup(trainer)
 
-    def loss_scale(self) -> float:
-        """fp16's current loss scale (1 without a scaler). The engine scales its own losses, so the
-        scaler never sees one: start it here, or its first unscale_ finds no scale."""
+    def loss_scale(self) -> float | torch.Tensor:
+        """fp16's current loss scale (1 without a scaler), as a tensor on the device: read to the host, it would
+        wait for the previous step's optimizer on a GPU. The engine scales its own losses, so the scaler never
+        sees one: this starts it too, or its first unscale_ finds no scale."""
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is None:
             return 1.0
-        if scaler._scale is None:
-            scaler.scale(torch.ones((), device=self.root_device))
-        return float(scaler.get_scale())
+        return scaler.scale(torch.ones((), device=self.root_device))
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args, **kwargs) -> torch.Tensor:
         # training_step ran the forward and the loss's backward to the last hidden state; the

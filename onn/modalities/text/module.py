@@ -16,6 +16,7 @@ accumulate into the batch's one optimizer step, so steps, schedule and resume st
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 from typing import Any
@@ -100,8 +101,11 @@ class CausalLM(L.LightningModule):
             except Exception as e:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
                 if not is_out_of_memory(e):
                     raise
-                optimizer.zero_grad(set_to_none=True)
-                self._back_off(e)
+                # backed off after this block, from the error without its traceback: that holds the failed pass's
+                # frames, and with them the activations and weights whose memory the retry needs
+                error = e.with_traceback(None)
+            optimizer.zero_grad(set_to_none=True)
+            self._back_off(error)
         optimizer.step()  # clips in on_before_optimizer_step, after fp16's unscale
         optimizer.zero_grad(set_to_none=True)
         self.lr_schedulers().step()
@@ -219,6 +223,7 @@ class CausalLM(L.LightningModule):
             self.micro_batch,
         )
         self.log("train/micro_batch", float(self.micro_batch), on_step=True, on_epoch=False)
+        gc.collect()  # a cycle through the failed pass (a future holding its error) would keep device memory
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
