@@ -36,7 +36,7 @@ from onn.config import ONNConfig, StrategyConfig, as_dict, typed
 from onn.errors import UserError
 from onn.export.settings import check_settings as check_export
 from onn.hardware.cluster import is_rank_zero, use_own_gpu
-from onn.hardware.memory import cap_gpu_memory, release_gpu, release_mmap_threshold
+from onn.hardware.memory import cap_gpu_memory, is_out_of_memory, release_gpu, release_mmap_threshold
 from onn.hardware.profile import resolve as resolve_hardware
 from onn.hardware.profile import use_threads
 from onn.modalities.base import Job, Modality
@@ -49,7 +49,6 @@ from onn.tasks.registry import Task
 from onn.training.checkpoints import resolve as resolve_checkpoint
 from onn.training.checkpoints import saved_config
 from onn.training.distributed import end_distributed
-from onn.training.micro_batches import is_out_of_memory
 from onn.training.optim import check as check_optim
 from onn.training.trainer import check as check_trainer
 from onn.training.trainer import check_launch, explain_distributed_failure

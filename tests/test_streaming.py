@@ -418,6 +418,7 @@ def test_a_load_that_fails_lets_what_it_loaded_go_with_its_error(tmp_path):
         with pytest.raises(torch.OutOfMemoryError):
             engine.train_step(micro_batches())
         engine.reset()
+        engine.close()  # the loader threads joined: none still holds its finished work item (and the error)
         assert held and held[0]() is None
     finally:
         gc.enable()
@@ -891,7 +892,11 @@ def test_the_fused_cast_falls_back_when_it_cannot_build_but_lets_out_of_memory_t
     codes = torch.randint(-127, 128, (64, 32), dtype=torch.int8)
     scale = torch.rand(64).bfloat16()
     expected = (codes.float() * scale.float()[:, None]).bfloat16()
-    for error, passes in ((torch.OutOfMemoryError("out of memory (injected)"), True), (RuntimeError("no cc"), False)):
+    for error, passes in (
+        (torch.OutOfMemoryError("out of memory (injected)"), True),
+        (RuntimeError("Triton Error [CUDA]: out of memory"), True),  # a compiled kernel's launch on a full GPU
+        (RuntimeError("no cc"), False),
+    ):
 
         def kernel(*args, error=error):
             raise error
@@ -904,7 +909,7 @@ def test_the_fused_cast_falls_back_when_it_cannot_build_but_lets_out_of_memory_t
         monkeypatch.setattr(cast, "_compiled", compiled)
         out = torch.empty(64, 32, dtype=torch.bfloat16)
         if passes:
-            with pytest.raises(torch.OutOfMemoryError):
+            with pytest.raises(type(error), match="out of memory"):
                 cast.cast_scaled(codes, scale, out)
             assert not cast._broken
         else:

@@ -27,10 +27,10 @@ from onn.bench.suite import fixed_streaming, measure
 from onn.config import ONNConfig
 from onn.config.task import BenchTask, TuneConfig
 from onn.errors import UserError
+from onn.hardware.memory import is_out_of_memory
 from onn.planning.plan import Plan, make_plan, micro_batch_sizes
 from onn.planning.streaming import chunk_sizes, store_dtypes
 from onn.planning.tuned import cache_path
-from onn.training.micro_batches import is_out_of_memory
 
 log = logging.getLogger("onn")
 

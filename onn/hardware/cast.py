@@ -16,6 +16,8 @@ import functools
 import logging
 from typing import TYPE_CHECKING
 
+from onn.hardware.memory import is_out_of_memory
+
 if TYPE_CHECKING:
     import torch
 
@@ -66,9 +68,9 @@ def cast_scaled(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> 
             with torch.no_grad(), torch.autocast(codes.device.type, enabled=False):
                 kernel(codes, scale, out)
             return out
-        except torch.OutOfMemoryError:  # the step's to back off from, not a kernel that failed to build
-            raise
         except Exception as error:  # inductor failed on this machine (no C compiler, say): the same values, two passes
+            if is_out_of_memory(error):  # the step's to back off from, not a kernel that failed to build
+                raise
             # in the log, not on the console: the run goes on as it would without Triton (bench_gpu's gpu/fused_cast)
             log.info("the fused int8 cast failed (%s): casting with PyTorch's copy from now on", error)
             _compiled.cache_clear()

@@ -73,6 +73,17 @@ class PeakMemory:
             self.peak_mb = max(self.peak_mb, anon_rss_mb())
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or an allocator's failure told as a RuntimeError (the CPU's; Triton's launch of a
+    kernel on a full GPU)."""
+    import torch
+
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
 def cap_gpu_memory(mb: float) -> None:
     """Hold PyTorch's CUDA allocator to `mb` (hardware.budget_mb less the context): a run planned for a
     smaller card than this one allocates as that card would let it, and an allocation beyond it is an

@@ -13,14 +13,6 @@ class OutOfMemoryFloor(UserError):
     """Out of memory even at the smallest micro-batch allowed."""
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    """CUDA's OutOfMemoryError, or the CPU allocator's failure (a RuntimeError)."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
-
-
 def split(
     batch: dict[str, torch.Tensor], size: int, host_rows: tuple[list[int], list[int]] | None = None
 ) -> tuple[list[dict[str, torch.Tensor]], list[int]]:

@@ -19,6 +19,7 @@ import contextlib
 import gc
 import logging
 import math
+import traceback
 from typing import Any
 
 import lightning as L
@@ -26,11 +27,12 @@ import torch
 
 from onn.config.run import OptimConfig
 from onn.errors import UserError
+from onn.hardware.memory import is_out_of_memory
 from onn.modalities.text.datamodule import HOST_ROWS, IGNORE
 from onn.streaming.engine import target_tokens
 from onn.training.distributed import clip_gradients, forward_module, wrap_for_fsdp
 from onn.training.metrics import WeightedMean
-from onn.training.micro_batches import OutOfMemoryFloor, is_out_of_memory, split
+from onn.training.micro_batches import OutOfMemoryFloor, split
 from onn.training.optim import make_optimizer, make_schedule
 from onn.training.record import log_train_loss
 
@@ -102,7 +104,9 @@ class CausalLM(L.LightningModule):
                 if not is_out_of_memory(e):
                     raise
                 # backed off after this block, from the error without its traceback: that holds the failed pass's
-                # frames, and with them the activations and weights whose memory the retry needs
+                # frames, and with them the activations and weights whose memory the retry needs (where it ran
+                # out stays with the error, as text)
+                e.add_note("".join(traceback.format_tb(e.__traceback__)))
                 error = e.with_traceback(None)
             optimizer.zero_grad(set_to_none=True)
             self._back_off(error)
