@@ -426,6 +426,30 @@ def test_a_load_that_fails_lets_what_it_loaded_go_with_its_error(tmp_path):
     engine.close()
 
 
+@pytest.mark.parametrize("chunk_size,prefixes", [(1, 4), (2, 2 + 4)], ids=["unfused", "fused-in-pairs"])
+def test_a_step_runs_the_prefix_once_per_micro_batch_and_holds_no_hidden_state_for_the_recompute(chunk_size, prefixes):
+    """The backward's recompute starts each chunk from its kept input and takes only the rest of the blocks'
+    arguments from the prefix: a micro-batch the forward ran alone gives its own (one prefix run, not two: on a GPU
+    each is an embedding lookup that reads the ids back and a mask the model reads), and none of them holds a hidden
+    state until the step's end (a micro-batch's activations on the device that nothing reads). Micro-batches fused
+    in the forward run the prefix again, each alone. The step equals the resident model's either way."""
+    resident = lora_model("llama", LAYER_SETS["first4+last4"])
+    streamed = copy.deepcopy(resident)
+    mbs = micro_batches(4)
+    for mb in mbs:
+        (resident(**mb).loss / len(mbs)).backward()
+    engine = engine_for(streamed, chunk_size)
+    engine.forward_group = chunk_size
+    runs, prefix = [], engine.prefix
+    engine.prefix = lambda batch: runs.append(batch) or prefix(batch)
+    engine.forward_train(mbs)
+    assert len(runs) == prefixes and all(x.hidden is None for x in engine._pending_backward[0])
+    engine.backward_chunks()
+    engine.close()
+    for name, grad in lora_grads(streamed).items():
+        torch.testing.assert_close(grad, dict(resident.named_parameters())[name].grad, rtol=1e-4, atol=1e-6)
+
+
 def test_fp16_loss_scaling_through_lightning():
     """Lightning's fp16 plugin unscales before every optimizer step: the streamed loss must start its scaler."""
     import lightning as L

@@ -10,6 +10,7 @@ the first of lora -> qlora -> sparse_lora that fits; a model trained from random
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -593,11 +594,12 @@ def _refuse_unfit(r: PlanRequest, chosen: str, est: Estimate) -> None:
         raise UserError(est.streaming.refused)
     if not est.fits:
         need = est.peak_mb + est.context_mb
-        smallest = need if r.cfg.hardware.budget_mb else need / HEADROOM
+        # rounded up: a budget of the figure named must fit
+        smallest = math.ceil(need if r.cfg.hardware.budget_mb else need / HEADROOM)
         raise UserError(
             f"hardware {r.hw.name}: a budget of {budget_mb(r.hw):,.0f} MB cannot hold one streamed block plus "
             f"activations for {r.spec.name} at data.max_length={r.seq}; "
-            f"the smallest budget that works is about {smallest:,.0f} MB (or shorten data.max_length)."
+            f"the smallest budget that works is about {smallest:,} MB (or shorten data.max_length)."
         )
 
 

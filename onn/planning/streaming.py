@@ -204,9 +204,9 @@ def cpu_stream_memory(
     slots = 2 * chunk * (raw + (0 if zero_copy else max(spec.block_params) * cb))
     weights = held + slots + s.edge
     n_chunks = -(-n // chunk)
-    # Kept per micro-batch: the input of every chunk from the lowest trainable one, the final hidden state
-    # and the embeddings' output.
-    kept = (n_chunks - min(s.lowest // chunk, n_chunks) + 2) * s.micro_batches if activations == "device" else 2
+    # Kept per micro-batch: the input of every chunk from the lowest trainable one and the final hidden state
+    # (the recompute takes the blocks' other arguments from the prefix, not its output).
+    kept = (n_chunks - min(s.lowest // chunk, n_chunks) + 1) * s.micro_batches if activations == "device" else 1
     tokens = s.micro_batch * s.seq
     acts = (kept * tokens * spec.hidden + s.per_token_layer * tokens * chunk) * cb + s.logits
     weights += s.lora * 4  # fp32 adapters
@@ -561,7 +561,7 @@ def gpu_stream_memory(
     head = max(spec.suffix_params, spec.vocab * spec.hidden) * (DTYPE_BYTES[sd] if codes else cb) + tile
     tokens = s.micro_batch * s.seq
     n_chunks = -(-spec.n_blocks // chunk)
-    kept = (n_chunks - min(s.lowest // chunk, n_chunks) + 2) * s.micro_batches if activations == "device" else 0
+    kept = (n_chunks - min(s.lowest // chunk, n_chunks) + 1) * s.micro_batches if activations == "device" else 0
     kept_bytes = kept * tokens * spec.hidden * cb
     # a chunk's recompute with grad (or the no-grad forward of `chunk` fused micro-batches: as large). The MLP's
     # four activations per intermediate feature are kept in the compute dtype (no float32 copies: the norms'

@@ -64,9 +64,10 @@ class _Replay:
 
 @dataclass
 class BlockInputs:
-    """What the model passes its blocks for one micro-batch: the hidden state and the rest."""
+    """What the model passes its blocks for one micro-batch: the hidden state (None where it is not needed) and the
+    rest."""
 
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None
     args: tuple
     kwargs: dict
 
@@ -722,7 +723,7 @@ class StreamingEngine:
         with torch.no_grad():
             with self._edges_loaded("prefix"):
                 fused = [self.prefix(_concat([micro_batches[m] for m in g])) for g in groups]
-                inputs = [self.prefix(mb) for mb in micro_batches] if keep_from is not None else None
+                inputs = self._recompute_inputs(micro_batches, groups, fused) if keep_from is not None else None
             hidden = [x.hidden for x in fused]
             kept: list[list[torch.Tensor] | None] = [None] * n
             for c in range(n):
@@ -741,6 +742,20 @@ class StreamingEngine:
                 self.times.compute_s += time.perf_counter() - start
         final = [piece for h, g in zip(hidden, groups) for piece in h.split(_sizes(micro_batches, g))]
         return inputs, kept, final
+
+    def _recompute_inputs(
+        self, micro_batches: list[dict[str, Any]], groups: list[list[int]], fused: list[BlockInputs]
+    ) -> list[BlockInputs]:
+        """What each micro-batch's blocks are called with besides their hidden state, for the backward's recompute
+        (which starts each chunk from its kept input): a group of one micro-batch's own from the forward's prefix,
+        else the prefix run again for each. No hidden state is held: kept until the step's end, it would be a
+        micro-batch's activations on the device that nothing reads."""
+        if all(len(g) == 1 for g in groups):
+            by_micro_batch = {g[0]: x for g, x in zip(groups, fused)}
+            return [
+                BlockInputs(None, by_micro_batch[m].args, by_micro_batch[m].kwargs) for m in range(len(micro_batches))
+            ]
+        return [BlockInputs(None, x.args, x.kwargs) for x in map(self.prefix, micro_batches)]
 
     # -- what callers use ----------------------------------------------------------------------
     def split(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
