@@ -745,7 +745,7 @@ def test_a_profiled_steps_copies_count_as_hidden_only_where_kernels_ran_beside_t
     assert t["compute_s"] == pytest.approx(550e-6)  # 100..350 and 700..1000
     assert t["overlap_s"] == pytest.approx(350e-6)  # 100..350 and 900..1000
     assert t["idle_s"] == pytest.approx(100e-6) and t["span_s"] == pytest.approx(1100e-6)
-    assert t["hidden"] == pytest.approx(350 / 800)
+    assert t["copies_hidden"] == pytest.approx(350 / 800)
     assert gpu_timeline(events[:1]) == {}  # no GPU activity: nothing measured
 
 
@@ -774,5 +774,5 @@ def test_a_copy_on_a_side_stream_beside_kernels_is_measured_as_hidden():
 
     profiled(True)  # cuBLAS's first call
     together, alone = profiled(True), profiled(False)
-    assert together["io_s"] > 0 and together["compute_s"] > 0 and together["hidden"] > 0.5
-    assert alone["compute_s"] == 0 and alone["hidden"] == 0 and alone["io_s"] > 0
+    assert together["io_s"] > 0 and together["compute_s"] > 0 and together["copies_hidden"] > 0.5
+    assert alone["compute_s"] == 0 and alone["copies_hidden"] == 0 and alone["io_s"] > 0

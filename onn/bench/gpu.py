@@ -52,7 +52,6 @@ from onn.planning.plan import STREAMING_LIGHTNING
 log = logging.getLogger("onn")
 
 MB = 1024**2
-TIMELINE_KEYS = {"hidden": "copies_hidden"}  # the profiled step's GPU timeline as bench_gpu names it
 SEED_MS_PER_SAMPLE = 490  # the seeds' Phi-4 on a 4 GB GTX 1650, batch 128
 CHILD_TIMEOUT_S = 300  # a child run (the default job's or the image runner's overhead) takes 1-2 minutes on an H200
 
@@ -153,7 +152,7 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
         "gpu/step_time_error": round(step_s / plan.predicted_step_s - 1, 4),
         "gpu/step_s_all": [round(x, 4) for x in clock.step_s],
         # the GPU's own busy times in the profiled step: copies over the host link, kernels, both at once
-        **{f"gpu/{TIMELINE_KEYS.get(k, k)}": round(v, 4) for k, v in probe.timeline.items()},
+        **{f"gpu/{k}": round(v, 4) for k, v in probe.timeline.items()},
         "gpu/predicted_io_s": s.predicted_io_s,
         "gpu/predicted_compute_s": s.predicted_compute_s,
         # the engine's host clocks, timed steps: its waits for loads (which wait for queued kernels too), the rest

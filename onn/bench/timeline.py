@@ -49,8 +49,8 @@ def intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> 
 def gpu_timeline(events: Iterable[Any]) -> dict[str, float]:
     """Seconds of a profiled region's GPU activity (torch.profiler's `events()`): `io_s` busy copying across
     the host link (either way), `compute_s` busy with anything else (kernels, copies within the device),
-    `overlap_s` both at once, `idle_s` neither between the first activity and the last, and `hidden` the
-    share of the copying done under compute. Empty where the profiler saw no GPU activity."""
+    `overlap_s` both at once, `idle_s` neither between the first activity and the last (`span_s`), and
+    `copies_hidden` the share of the copying done under compute. Empty where the profiler saw no GPU activity."""
     device = [
         e
         for e in events  # a user annotation's range on the GPU's timeline is no work of its own
@@ -70,5 +70,5 @@ def gpu_timeline(events: Iterable[Any]) -> dict[str, float]:
         "overlap_s": both * us,
         "idle_s": (span - total(busy)) * us,
         "span_s": span * us,
-        "hidden": both / io if io else 0.0,
+        "copies_hidden": both / io if io else 0.0,
     }

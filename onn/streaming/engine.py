@@ -747,15 +747,12 @@ class StreamingEngine:
         self, micro_batches: list[dict[str, Any]], groups: list[list[int]], fused: list[BlockInputs]
     ) -> list[BlockInputs]:
         """What each micro-batch's blocks are called with besides their hidden state, for the backward's recompute
-        (which starts each chunk from its kept input): a group of one micro-batch's own from the forward's prefix,
-        else the prefix run again for each. No hidden state is held: kept until the step's end, it would be a
-        micro-batch's activations on the device that nothing reads."""
-        if all(len(g) == 1 for g in groups):
-            by_micro_batch = {g[0]: x for g, x in zip(groups, fused)}
-            return [
-                BlockInputs(None, by_micro_batch[m].args, by_micro_batch[m].kwargs) for m in range(len(micro_batches))
-            ]
-        return [BlockInputs(None, x.args, x.kwargs) for x in map(self.prefix, micro_batches)]
+        (which starts each chunk from its kept input): the forward's prefix runs where each group is one micro-batch
+        (groups are runs of consecutive micro-batches, so they are then the micro-batches in order), else the prefix
+        run again for each. No hidden state is held: kept until the step's end, it would be a micro-batch's
+        activations on the device that nothing reads."""
+        ran = fused if all(len(g) == 1 for g in groups) else map(self.prefix, micro_batches)
+        return [BlockInputs(None, x.args, x.kwargs) for x in ran]
 
     # -- what callers use ----------------------------------------------------------------------
     def split(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
