@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import csv
 import gc
 import json
 import math
@@ -163,8 +164,6 @@ def test_accumulated_micro_batches_equal_one_whole_batch():
 
 
 def test_resource_monitor_logs_memory_and_cpu_to_the_loggers(tmp_path):
-    import csv
-
     from lightning.pytorch.loggers import CSVLogger
 
     from onn.training.callbacks import ResourceMonitor
@@ -325,6 +324,59 @@ def test_classifier_evaluation_figures_wait_for_the_device_only_at_the_end():
     assert figures["test/loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, y)), rel=1e-5)
     assert figures["test/acc"] == pytest.approx(float((predicted == y).float().mean()), rel=1e-6)
     assert torch.equal(module.confusion["test"], expected)
+
+
+@pytest.mark.parametrize("reader", [None, "logger", "monitor"])
+def test_a_training_step_reads_its_loss_only_when_something_reads_it(tmp_path, reader):
+    """A logging step reads its loss to the host (on a GPU, a wait for every kernel queued). With no logger, no
+    progress bar and nothing monitoring train/loss nobody reads it, and no step waits; with a logger, or a
+    checkpoint that monitors it, every log_every_n_steps-th step does, and the figure reaches its reader."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from onn.training.classifier import Classifier
+
+    torch.manual_seed(0)
+    x, y = torch.randn(96, 4), torch.randint(0, 3, (96,))
+    data = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 96, 16)]
+    module = Classifier(torch.nn.Linear(4, 3), ["a", "b", "c"], OPTIM, {})
+    reads, step = device_waits(), module.training_step
+    waited: list[int] = []
+
+    def counted(batch, batch_idx):
+        before = len(reads.seen)
+        with reads:
+            loss = step(batch, batch_idx)
+        waited.append(len(reads.seen) - before)
+        return loss
+
+    module.training_step = counted
+    checkpoint = ModelCheckpoint(tmp_path / "ckpt", monitor="train/loss", every_n_train_steps=3)
+    trainer = L.Trainer(
+        max_steps=6,
+        accelerator="cpu",
+        devices=1,
+        logger=CSVLogger(tmp_path, name="csv", version="") if reader == "logger" else False,
+        callbacks=[checkpoint] if reader == "monitor" else [],
+        enable_checkpointing=reader == "monitor",
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        inference_mode=False,
+        log_every_n_steps=2,
+    )
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    assert len(waited) == 6 and len(module.train_losses) == 6
+    if reader is None:
+        assert waited == [0] * 6 and "train/loss" not in trainer.callback_metrics
+        return
+    assert [w > 0 for w in waited] == [True, False] * 3  # steps 0, 2 and 4
+    logged = float(trainer.callback_metrics["train/loss"])
+    assert logged == pytest.approx(float(module.train_losses[4]))
+    if reader == "logger":
+        rows = list(csv.DictReader((tmp_path / "csv" / "metrics.csv").open()))
+        assert [float(r["train/loss"]) for r in rows if r.get("train/loss")][-1] == pytest.approx(logged)
+    else:
+        assert checkpoint.best_model_score is not None
 
 
 @pytest.mark.slow
