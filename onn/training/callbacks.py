@@ -151,15 +151,16 @@ class StepsProgressBar(RichProgressBar):
 
 
 def logs_now(module: L.LightningModule) -> bool:
-    """Whether this training step logs: the first, and every trainer.log_every_n_steps-th after it (Lightning
-    writes to the loggers at that rate anyway), when something reads the loss: a logger, the progress bar, or a
-    callback or schedule that monitors train/loss. A step that logs reads its loss (one wait for the GPU) and
-    logs it as a host tensor (record.log_train_loss): Lightning reads every progress-bar figure back after every
-    step, logging or not, and a figure on the GPU (where it puts a logged number) would make the host wait for
-    the GPU at every step, so it could never run ahead. With no reader no step waits (the run's record reads the
-    losses once, after the steps)."""
-    trainer = module.trainer
-    if module.global_step % max(1, trainer.log_every_n_steps):
+    """Whether this training step logs its loss: the first step (the progress bar has a figure at once), and each
+    step after which Lightning writes to the loggers (every trainer.log_every_n_steps-th: steps n-1, 2n-1, ...,
+    so each row holds its own step's loss), when something reads it: a logger, the progress bar, or a callback or
+    schedule that monitors train/loss. A step that logs reads its loss (one wait for the GPU) and logs it as a
+    host tensor (record.log_train_loss): Lightning reads every progress-bar figure back after every step, logging
+    or not, and a figure on the GPU (where it puts a logged number) would make the host wait for the GPU at every
+    step, so it could never run ahead. With no reader no step waits (the run's record reads the losses after the
+    steps, and a checkpoint as it is saved)."""
+    trainer, step = module.trainer, module.global_step
+    if step and (step + 1) % max(1, trainer.log_every_n_steps):
         return False
     monitors = [getattr(c, "monitor", None) for c in trainer.callbacks]
     monitors += [s.monitor for s in trainer.lr_scheduler_configs]
