@@ -16,6 +16,8 @@ from onn.config.data import AudioAugment
 from onn.errors import UserError
 from onn.models.zoo.recurrent import AudioRNN
 
+SLOW = pytest.mark.slow
+
 
 def spectrograms(lengths: list[int], mels: int = 8, frames: int = 30) -> torch.Tensor:
     """dB log-mels [B, 1, mels, frames], each clip's sound `length` frames long in the middle, silence around it."""
@@ -34,9 +36,22 @@ def spectrograms(lengths: list[int], mels: int = 8, frames: int = 30) -> torch.T
         {"cell": "lstm", "reference": "band"},
         {"cell": "gru", "bidirectional": False, "batch_norm": True, "reference": "band"},
         {"cell": "lstm", "conv_widths": (4, 6), "time_pool": True, "convs_per_stage": 2, "reference": "instance"},
-        {"cell": "gru", "conv_widths": (4,), "time_pool": False, "reference": "band"},
-        {"conv_widths": (4, 6), "time_pool": True, "frequency_mean": True, "reference": "band"},
-        {"conv_widths": (4, 6), "time_pool": True, "frequency_mean": True, "whole_clip": True, "reference": "instance"},
+        # the slow tier: about 20 s each on 2 cores (the exporter unrolls every step); the three above cover
+        # both cells, batch norm, the conv front-end and reference=instance
+        pytest.param({"cell": "gru", "conv_widths": (4,), "time_pool": False, "reference": "band"}, marks=SLOW),
+        pytest.param(
+            {"conv_widths": (4, 6), "time_pool": True, "frequency_mean": True, "reference": "band"}, marks=SLOW
+        ),
+        pytest.param(
+            {
+                "conv_widths": (4, 6),
+                "time_pool": True,
+                "frequency_mean": True,
+                "whole_clip": True,
+                "reference": "instance",
+            },
+            marks=SLOW,
+        ),
     ],
 )
 def test_packed_sequences_match_the_onnx_graph(tmp_path, kwargs):
