@@ -217,6 +217,29 @@ def test_a_gpu_plan_streams_phi4_from_pinned_host_memory_within_the_budget():
     assert s.store == "disk" and 0 < s.cache_blocks < 40
 
 
+def test_a_gpu_plan_counts_each_micro_batchs_final_state_and_its_gradient():
+    """With the chunk inputs on the host, what stays on the device through a streamed step's backward is each
+    micro-batch's final hidden state's gradient (StreamingEngine.forward_train keeps one per micro-batch for
+    backward_chunks), beside the chunk input brought back: at the same micro-batch, each two more micro-batches
+    hold two hidden states more (the suffix, which holds the final states too, computes fewer rows at a time)."""
+    from onn.hardware.profile import resolve
+    from onn.planning.plan import make_plan
+    from onn.planning.spec import model_spec
+
+    fixed = [f"strategy.streaming.{k}" for k in ("activations=host", "chunk_size=1", "store_dtype=int8", "mlp_tiles=1")]
+    fixed.append("strategy.micro_batch=32")
+    hw = resolve(dataclasses.replace(compose("recipe=bench_gpu").hardware, **H200), "/tmp", "/tmp")
+    peaks = []
+    for batch in (64, 128, 256):  # 2, 4 and 8 micro-batches
+        cfg = compose("recipe=bench_gpu", *fixed, f"data.batch_size={batch}")
+        plan = make_plan(cfg, hw, model_spec(cfg.model, 16), use_tuned=False)
+        assert (plan.micro_batch, plan.streaming.edges) == (32, "stream")
+        peaks.append(plan.predicted_peak_memory_mb)
+    state_mb = 32 * 16 * model_spec(cfg.model, 16).hidden * 2 / 2**20  # a micro-batch's hidden state in bf16
+    for more, grown in ((2, peaks[1] - peaks[0]), (4, peaks[2] - peaks[1])):
+        assert more * state_mb <= grown <= more * state_mb * 1.1  # and the 5% the plan adds for the allocator
+
+
 @pytest.mark.slow
 def test_the_runner_overhead_bench_times_a_resident_model_and_refuses_a_streamed_one(tmp_path):
     """task=bench_overhead (bench_gpu's default-job figure) times ONN's runner against a plain loop on the same

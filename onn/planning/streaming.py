@@ -575,15 +575,26 @@ def gpu_stream_memory(
     recompute = ((s.per_token_layer - mlp) * chunk * MIXED_ACTIVATION_FACTOR + held_mlp) * tokens * cb
     if tiles > 1:  # the slice's gate, up and down weights, cast
         recompute += 3 * width * spec.hidden * cb
+    # what passes between the phases, a micro-batch's hidden state each (StreamingEngine.forward_train,
+    # backward_chunks): the suffix holds every micro-batch's final state and, as its backward reaches them, their
+    # gradients; a chunk's backward holds the gradients and, with activations on the host, its input brought back.
+    # Kept on the device, the chunk inputs count the final states and the backward's gradients already (the +1).
+    state = tokens * spec.hidden * cb
+    if activations == "host":
+        chunk_edges, suffix_edges = (s.micro_batches + 1) * state, 2 * s.micro_batches * state
+    else:
+        chunk_edges, suffix_edges = 0, s.micro_batches * state
     row_logits = s.logits / s.micro_batch
     lora = sum(spec.lora_params_per_block[i] for i in s.sparse_layers)
     if edges == "resident":
         weights = slots + (spec.prefix_params + spec.suffix_params) * cb
         rows = s.micro_batch
-        acts = kept_bytes + max(recompute, rows * row_logits)
-    else:
-        rows = int(max(1, min(s.micro_batch, max(slots + recompute - head, 64 * MB) // row_logits)))
-        weights, acts = max((slots, kept_bytes + recompute), (head, kept_bytes + rows * row_logits), key=sum)
+        acts = kept_bytes + max(recompute + chunk_edges, suffix_edges + rows * row_logits)
+    else:  # the suffix's rows at a time: as many as keep it within what a chunk's phase holds
+        room = slots + recompute + chunk_edges - head - suffix_edges
+        rows = int(max(1, min(s.micro_batch, max(room, 64 * MB) // row_logits)))
+        chunk_phase = (slots, kept_bytes + recompute + chunk_edges)
+        weights, acts = max(chunk_phase, (head, kept_bytes + suffix_edges + rows * row_logits), key=sum)
     weights += lora * 4
     workspace = 0.05 * (weights + acts + lora * 8) + float(s.hw.cuda_workspace_mb or 0) * MB
     return {
