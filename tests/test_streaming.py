@@ -174,6 +174,27 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+def test_a_streamed_forward_lets_the_prefixs_output_go_once_the_first_chunk_has_read_it():
+    """A streamed step's no-grad forward holds, per micro-batch, a chunk's input and its output: two hidden states,
+    as the GPU plan counts with the chunk inputs on the host. The prefix's outputs were held to the forward's end,
+    a third state per micro-batch on the device."""
+    model = lora_model("llama", LAYER_SETS["last4"], hidden_size=256, intermediate_size=64)
+    engine = StreamingEngine(model, discover(model), LayerStore("cpu", "float32"), 2, forward_group=1)
+    engine.offload()
+    g = torch.Generator().manual_seed(0)
+
+    def forward_peak(m: int) -> int:
+        ids = [torch.randint(3, 97, (4, 16), generator=g) for _ in range(m)]
+        batches = [{"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x} for x in ids]
+        with LiveBytes() as held:
+            engine._forward(batches, keep_from=None)
+        return held.peak
+
+    state = 4 * 16 * 256 * 4  # a micro-batch's hidden state in float32
+    grown = forward_peak(4) - forward_peak(2)
+    assert 4 * state <= grown < 5 * state  # two micro-batches more, two states each (six before)
+
+
 @pytest.mark.parametrize("model_type", ["llama", "phi3"])
 def test_a_sliced_gated_mlp_trains_as_the_whole_one_in_a_fraction_of_the_memory(model_type):
     """strategy.streaming.mlp_tiles: each block's gated MLP (Llama's gate and up projections, Phi-3's fused

@@ -575,13 +575,13 @@ def gpu_stream_memory(
     recompute = ((s.per_token_layer - mlp) * chunk * MIXED_ACTIVATION_FACTOR + held_mlp) * tokens * cb
     if tiles > 1:  # the slice's gate, up and down weights, cast
         recompute += 3 * width * spec.hidden * cb
-    # what passes between the phases, a micro-batch's hidden state each (StreamingEngine.forward_train,
-    # backward_chunks): the suffix holds every micro-batch's final state and, as its backward reaches them, their
-    # gradients; a chunk's backward holds the gradients and, with activations on the host, its input brought back.
-    # Kept on the device, the chunk inputs count the final states and the backward's gradients already (the +1).
+    # the hidden states a step passes along, one per micro-batch each (StreamingEngine._forward, forward_train,
+    # backward_chunks): a chunk's forward holds every micro-batch's input and output, its backward their gradients
+    # and the input brought back from the host, the suffix the final states and, as its backward reaches them, their
+    # gradients. Kept on the device, the chunk inputs count the final states and the backward's gradients (the +1).
     state = tokens * spec.hidden * cb
     if activations == "host":
-        chunk_edges, suffix_edges = (s.micro_batches + 1) * state, 2 * s.micro_batches * state
+        chunk_edges = suffix_edges = 2 * s.micro_batches * state
     else:
         chunk_edges, suffix_edges = 0, s.micro_batches * state
     row_logits = s.logits / s.micro_batch

@@ -725,6 +725,7 @@ class StreamingEngine:
                 fused = [self.prefix(_concat([micro_batches[m] for m in g])) for g in groups]
                 inputs = self._recompute_inputs(micro_batches, groups, fused) if keep_from is not None else None
             hidden = [x.hidden for x in fused]
+            fused = [BlockInputs(None, x.args, x.kwargs) for x in fused]  # each state let go as its chunk replaces it
             kept: list[list[torch.Tensor] | None] = [None] * n
             for c in range(n):
                 self._install(c, [*range(c + 1, n), *then])
