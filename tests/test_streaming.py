@@ -195,6 +195,29 @@ def test_a_streamed_forward_lets_the_prefixs_output_go_once_the_first_chunk_has_
     assert 4 * state <= grown < 5 * state  # two micro-batches more, two states each (six before)
 
 
+def test_a_decode_step_lets_the_prefixs_output_go_once_the_first_chunk_has_read_it():
+    """Generation holds a chunk's input and output, as training's forward does: the prefix's output (for the
+    prompts' prefill, a hidden state of every prompt token) was held through every chunk of the step."""
+    engine = engine_for(lora_model("llama", LAYER_SETS["last4"]), 2)
+    prefix, run_chunk, outputs, alive = engine.prefix, engine._run_chunk, [], []
+
+    def watched_prefix(batch):
+        inputs = prefix(batch)
+        outputs.append(weakref.ref(inputs.hidden))
+        return inputs
+
+    def watched_chunk(c, hidden, inputs, random_state=None):
+        alive.append(outputs[-1]() is not None)
+        return run_chunk(c, hidden, inputs, random_state)
+
+    engine.prefix, engine._run_chunk = watched_prefix, watched_chunk
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
+    engine.generate(ids, torch.ones_like(ids), max_new_tokens=2)
+    chunks = len(engine.chunks)
+    assert chunks >= 2 and len(outputs) == 2  # the prefill and one token
+    assert alive == ([True] + [False] * (chunks - 1)) * 2
+
+
 @pytest.mark.parametrize("model_type", ["llama", "phi3"])
 def test_a_sliced_gated_mlp_trains_as_the_whole_one_in_a_fraction_of_the_memory(model_type):
     """strategy.streaming.mlp_tiles: each block's gated MLP (Llama's gate and up projections, Phi-3's fused

@@ -922,6 +922,7 @@ class StreamingEngine:
         with self._edges_loaded("prefix"):
             block_inputs = self.prefix(batch)
         hidden = block_inputs.hidden
+        block_inputs = BlockInputs(None, block_inputs.args, block_inputs.kwargs)  # the state let go as chunk 0 reads it
         n = len(self.chunks)
         for c in range(n):
             # after the last chunk the first is next (next token), unless the edges come between
