@@ -266,6 +266,16 @@ def test_bench_vision_reports_both_ratios(images, tmp_path):
     }
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bench_visions_plain_loop_compiles_its_model_as_onns_side_does(compiled):
+    """model.compile: both sides of the runner's overhead train the compiled network, or neither does."""
+    from onn.bench.vision import _plain_model
+
+    cfg = compose("recipe=bench_vision", "data.source=/nowhere", f"model.compile={compiled}")
+    model = _plain_model(cfg, {"input_shape": [3, 32, 32], "classes": list("abcdefghij")}, torch.device("cpu"))
+    assert isinstance(model, torch._dynamo.eval_frame.OptimizedModule) == compiled
+
+
 @pytest.mark.parametrize(
     "recipe, strategy, channels",
     [

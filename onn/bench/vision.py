@@ -122,7 +122,7 @@ def _plain_model(config: ONNConfig, inputs: dict[str, Any], device: torch.device
     model = build_classifier(config.model, channels, len(inputs["classes"]), [height, width]).to(device)
     if config.model.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    return model
+    return torch.compile(model) if config.model.compile else model  # as ONN's side compiles it (classification.build)
 
 
 def _plain_loop(config: ONNConfig, plan, inputs, dm, steps: int, warmup: int, loader=None) -> float:
