@@ -256,6 +256,10 @@ def test_bench_vision_reports_both_ratios(images, tmp_path):
     )
     for key in ("vision/runner_overhead", "vision/resident_speedup", "vision/train_speedup"):
         assert isinstance(metrics[key], float), key
+    # ONN's runner asks the device for the plain loop's work: on a GPU, no kernel launches or waits of its own
+    ops, reads = metrics["vision/device_ops_per_step"], metrics["vision/host_reads_per_step"]
+    assert ops["plain"] > 50 and ops["onn"] <= 1.05 * ops["plain"]
+    assert reads["onn"] <= reads["plain"]
     assert set(metrics["vision/rounds"]) >= {
         "plain",
         "onn",

@@ -9,6 +9,10 @@ resident speedup  the two ways of feeding v28 its training batches (the recipe's
                   per-sample pipeline (a Dataset that PIL-decodes each image and applies torchvision
                   transforms, a DataLoader with workers collating batches): resident / standard
                   batches-ready samples/s.
+device ops        what each side of the runner's overhead asks of the device per training step, counted rather
+                  than timed: the aten ops it dispatches, views aside (on a GPU each is a kernel launch, or a
+                  few: the host's share of a step), and the values it reads back to the host (each a wait
+                  for the GPU). Equal counts leave the runner's overhead to its own Python time per step.
 train speedup     the same two pipelines each training v28 end to end: resident / standard samples/s.
                   Where the model's compute dominates (v28 on a few CPU cores) this is far below the
                   pipeline ratio; on a GPU, where v28's step takes a millisecond, it approaches it.
@@ -32,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from onn.config import ONNConfig
 from onn.config.data import ImageData
@@ -74,6 +79,12 @@ def run(job) -> dict[str, Any]:
         pipe["resident"].append(
             _pipeline_only(dm.train_dataloader(), steps, warmup, batch, _augment(config, inputs), dm.device)
         )
+    trains = {
+        "plain": lambda n: _plain_loop(config, plan, inputs, dm, n, 1),
+        "onn": lambda n: _onn_run(config, plan, inputs, dm, run_dir, n, 1),
+    }
+    # a compiled network's kernels bypass the dispatcher, where the ops are counted
+    ops = {} if config.model.compile else {side: _device_ops(train) for side, train in trains.items()}
     best = {k: max(v) for k, v in results.items()}
     paired = sorted(p / o for p, o in zip(results["plain"], results["onn"]))
     best_pipe = {k: max(v) for k, v in pipe.items()}
@@ -92,20 +103,52 @@ def run(job) -> dict[str, Any]:
             **{k: [round(x, 1) for x in v] for k, v in results.items()},
             **{f"pipeline_{k}": [round(x, 1) for x in v] for k, v in pipe.items()},
         },
+        "vision/device_ops_per_step": {side: counts["ops"] for side, counts in ops.items()},
+        "vision/host_reads_per_step": {side: counts["reads"] for side, counts in ops.items()},
         "vision/batch_size": batch,
         "vision/timed_steps": steps,
         "vision/standard_workers": standard.workers,
     }
+    counted = [f"{side}: {c['ops']:g} device ops, {c['reads']:g} reads to the host" for side, c in ops.items()]
     for line in (
         f"runner overhead: plain loop {best['plain']:.0f} samples/s, ONN {best['onn']:.0f} samples/s (best rounds); "
         f"median round plain/ONN - 1 = {metrics['vision/runner_overhead']:+.3f}",
         f"pipelines: resident {best_pipe['resident']:.0f} samples/s, standard Dataset+DataLoader "
         f"{best_pipe['standard']:.0f} samples/s -> resident_speedup x{metrics['vision/resident_speedup']:.1f}",
+        f"per training step: {'; '.join(counted) or 'not counted (model.compile)'}",
         f"training v28 on each: resident {best['resident']:.0f} samples/s, standard {best['standard']:.0f} samples/s "
         f"-> train_speedup x{metrics['vision/train_speedup']:.2f}",
     ):
         print(line)
     return metrics
+
+
+class _DeviceOps(TorchDispatchMode):
+    """Counts the aten ops dispatched under it, views aside (they launch nothing), and the values read back to
+    the host among them."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.ops += 1
+            moved = func is torch.ops.aten._to_copy.default and (kwargs or {}).get("device") == torch.device("cpu")
+            self.reads += func is torch.ops.aten._local_scalar_dense.default or (moved and args[0].device.type != "cpu")
+        return out
+
+
+def _device_ops(train, steps: int = 4) -> dict[str, float]:
+    """A side's device ops and host reads per training step: a run of 2 x `steps` steps less a run of `steps`,
+    so what a run does once (building the model and optimiser, the Trainer's setup) cancels out."""
+    runs = []
+    for n in (steps, 2 * steps):
+        with _DeviceOps() as counted:
+            train(n)
+        runs.append(counted)
+    return {"ops": (runs[1].ops - runs[0].ops) / steps, "reads": (runs[1].reads - runs[0].reads) / steps}
 
 
 def _augment(config: ONNConfig, inputs: dict[str, Any]):
