@@ -8,7 +8,8 @@
   accelerate  the same weights (the store's, de-quantized to bf16), prompts and token count through
               accelerate's device_map="auto" with max_memory at the same budget: what users reach for today
   overhead    the default job (`python run.py`'s model and data) against a plain PyTorch loop, and
-              recipe=bench_vision's image runner against its plain loop, each in a run of its own
+              recipe=bench_vision's image runner against its plain loop (with the device ops and host reads each
+              side's step asks for, counted), each in a run of its own
 
 Figures go to metrics.json as gpu/* and to bench_gpu.md beside it. The step's limit is
 
@@ -474,6 +475,8 @@ def _overheads(job) -> dict[str, Any]:
                     "gpu/vision_runner_overhead": "vision/runner_overhead",
                     "gpu/vision_onn_samples_per_s": "vision/onn_samples_per_s",
                     "gpu/vision_plain_samples_per_s": "vision/plain_samples_per_s",
+                    "gpu/vision_device_ops_per_step": "vision/device_ops_per_step",
+                    "gpu/vision_host_reads_per_step": "vision/host_reads_per_step",
                 },
             )
         )
