@@ -257,9 +257,10 @@ def test_bench_vision_reports_both_ratios(images, tmp_path):
     for key in ("vision/runner_overhead", "vision/resident_speedup", "vision/train_speedup"):
         assert isinstance(metrics[key], float), key
     # ONN's runner asks the device for the plain loop's work: on a GPU, no kernel launches or waits of its own
-    ops, reads = metrics["vision/device_ops_per_step"], metrics["vision/host_reads_per_step"]
+    # (on a CPU the count sees .item() and outputs sized by their values, not copies to the host: no ops here)
+    ops, waits = metrics["vision/device_ops_per_step"], metrics["vision/host_waits_per_step"]
     assert ops["plain"] > 50 and ops["onn"] <= 1.05 * ops["plain"]
-    assert reads["onn"] <= reads["plain"]
+    assert waits["onn"] <= waits["plain"]
     assert set(metrics["vision/rounds"]) >= {
         "plain",
         "onn",
@@ -268,6 +269,31 @@ def test_bench_vision_reports_both_ratios(images, tmp_path):
         "pipeline_standard",
         "pipeline_resident",
     }
+
+
+def test_the_vision_bench_counts_what_makes_the_host_wait_for_a_gpu():
+    """bench_vision's count of waits, op by op, for a GPU run (meta tensors stand in for the GPU's) and a CPU run."""
+    from onn.bench.vision import _DeviceOps, aten
+
+    gpu, cpu = _DeviceOps(torch.device("cuda")), _DeviceOps(torch.device("cpu"))
+    device, host = torch.empty(4, device="meta"), torch.empty(4)
+    to_host = {"device": torch.device("cpu")}
+    cases = [
+        (aten._local_scalar_dense.default, (device,), {}, True),  # .item(), float(), bool()
+        (aten._local_scalar_dense.default, (host,), {}, False),  # a value the host holds
+        (aten._to_copy.default, (device,), to_host, True),  # .cpu(), .tolist()
+        (aten._to_copy.default, (device,), {**to_host, "non_blocking": True}, False),
+        (aten._to_copy.default, (host,), {"device": torch.device("cuda"), "non_blocking": True}, False),
+        (aten.copy_.default, (host, device), {}, True),
+        (aten.copy_.default, (host, device, True), {}, False),
+        (aten.copy_.default, (device, host), {}, False),
+        (aten.nonzero.default, (device,), {}, True),
+        (aten.index.Tensor, (device, [torch.empty(4, dtype=torch.bool, device="meta")]), {}, True),
+        (aten.index.Tensor, (device, [torch.empty(2, dtype=torch.long, device="meta")]), {}, False),
+        (aten.add.Tensor, (device, device), {}, False),
+    ]
+    assert [gpu.makes_the_host_wait(*case[:3]) for case in cases] == [case[3] for case in cases]
+    assert cpu.makes_the_host_wait(aten._local_scalar_dense.default, (host,), {})  # would wait on a GPU
 
 
 @pytest.mark.parametrize("compiled", [False, True])

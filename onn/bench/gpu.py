@@ -8,8 +8,8 @@
   accelerate  the same weights (the store's, de-quantized to bf16), prompts and token count through
               accelerate's device_map="auto" with max_memory at the same budget: what users reach for today
   overhead    the default job (`python run.py`'s model and data) against a plain PyTorch loop, and
-              recipe=bench_vision's image runner against its plain loop (with the device ops and host reads each
-              side's step asks for, counted), each in a run of its own
+              recipe=bench_vision's image runner against its plain loop (with the device ops and the waits
+              for the GPU each side's step asks for, counted), each in a run of its own
 
 Figures go to metrics.json as gpu/* and to bench_gpu.md beside it. The step's limit is
 
@@ -475,11 +475,12 @@ def _overheads(job) -> dict[str, Any]:
                     "gpu/vision_runner_overhead": "vision/runner_overhead",
                     "gpu/vision_onn_samples_per_s": "vision/onn_samples_per_s",
                     "gpu/vision_plain_samples_per_s": "vision/plain_samples_per_s",
-                    "gpu/vision_device_ops_per_step": "vision/device_ops_per_step",
-                    "gpu/vision_host_reads_per_step": "vision/host_reads_per_step",
                 },
             )
         )
+        for name in ("device_ops_per_step", "host_waits_per_step"):  # per side, each a figure of bench_gpu.md
+            sides = ran.get(f"vision/{name}") or {}  # absent when the child failed or compiled its model
+            out.update({f"gpu/vision_{name}_{side}": n for side, n in sides.items()})
     else:
         out["gpu/vision_runner_overhead"] = f"not measured: task.vision_source {source} does not exist"
     return out

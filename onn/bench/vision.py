@@ -10,9 +10,10 @@ resident speedup  the two ways of feeding v28 its training batches (the recipe's
                   transforms, a DataLoader with workers collating batches): resident / standard
                   batches-ready samples/s.
 device ops        what each side of the runner's overhead asks of the device per training step, counted rather
-                  than timed: the aten ops it dispatches, views aside (on a GPU each is a kernel launch, or a
-                  few: the host's share of a step), and the values it reads back to the host (each a wait
-                  for the GPU). Equal counts leave the runner's overhead to its own Python time per step.
+                  than timed: the aten ops it dispatches, views aside (on a GPU most launch a kernel: the
+                  host's share of a step), and those that make the host wait for the GPU (a value read back,
+                  a blocking copy to the host, an output sized by the values; _DeviceOps). Equal counts leave
+                  the runner's overhead to its own Python time per step.
 train speedup     the same two pipelines each training v28 end to end: resident / standard samples/s.
                   Where the model's compute dominates (v28 on a few CPU cores) this is far below the
                   pipeline ratio; on a GPU, where v28's step takes a millisecond, it approaches it.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import math
 import tarfile
 import time
 import zipfile
@@ -84,7 +86,11 @@ def run(job) -> dict[str, Any]:
         "onn": lambda n: _onn_run(config, plan, inputs, dm, run_dir, n, 1),
     }
     # a compiled network's kernels bypass the dispatcher, where the ops are counted
-    ops = {} if config.model.compile else {side: _device_ops(train) for side, train in trains.items()}
+    ops = (
+        {}
+        if config.model.compile
+        else {side: _device_ops(train, dm.device, len(dm.train_dataloader())) for side, train in trains.items()}
+    )
     best = {k: max(v) for k, v in results.items()}
     paired = sorted(p / o for p, o in zip(results["plain"], results["onn"]))
     best_pipe = {k: max(v) for k, v in pipe.items()}
@@ -104,12 +110,12 @@ def run(job) -> dict[str, Any]:
             **{f"pipeline_{k}": [round(x, 1) for x in v] for k, v in pipe.items()},
         },
         "vision/device_ops_per_step": {side: counts["ops"] for side, counts in ops.items()},
-        "vision/host_reads_per_step": {side: counts["reads"] for side, counts in ops.items()},
+        "vision/host_waits_per_step": {side: counts["waits"] for side, counts in ops.items()},
         "vision/batch_size": batch,
         "vision/timed_steps": steps,
         "vision/standard_workers": standard.workers,
     }
-    counted = [f"{side}: {c['ops']:g} device ops, {c['reads']:g} reads to the host" for side, c in ops.items()]
+    counted = [f"{side}: {c['ops']:g} device ops, {c['waits']:g} waits for the device" for side, c in ops.items()]
     for line in (
         f"runner overhead: plain loop {best['plain']:.0f} samples/s, ONN {best['onn']:.0f} samples/s (best rounds); "
         f"median round plain/ONN - 1 = {metrics['vision/runner_overhead']:+.3f}",
@@ -123,32 +129,58 @@ def run(job) -> dict[str, Any]:
     return metrics
 
 
-class _DeviceOps(TorchDispatchMode):
-    """Counts the aten ops dispatched under it, views aside (they launch nothing), and the values read back to
-    the host among them."""
+aten = torch.ops.aten
+# ops whose output's size depends on the values: on a GPU the host waits to learn it
+SIZED_BY_VALUES = (aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default)
 
-    def __init__(self):
+
+class _DeviceOps(TorchDispatchMode):
+    """Counts the aten ops dispatched under it, views aside (they launch nothing), and the ops among them that
+    make the host wait for the device. On a CPU run, where nothing waits, it counts what would wait
+    on a GPU as far as the dispatcher shows it: a value read back (.item(), float(), bool()), an output sized by
+    the values; a copy to the host (.cpu(), .tolist()) is no op at all on a CPU."""
+
+    def __init__(self, device: torch.device):
         super().__init__()
-        self.ops = self.reads = 0
+        self.on_cpu = device.type == "cpu"
+        self.ops = self.waits = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if not func.is_view:
             self.ops += 1
-            moved = func is torch.ops.aten._to_copy.default and (kwargs or {}).get("device") == torch.device("cpu")
-            self.reads += func is torch.ops.aten._local_scalar_dense.default or (moved and args[0].device.type != "cpu")
+            self.waits += self.makes_the_host_wait(func, args, kwargs)
         return out
 
+    def makes_the_host_wait(self, func, args: tuple, kwargs: dict) -> bool:
+        def on_device(t) -> bool:
+            return self.on_cpu or t.device.type != "cpu"
 
-def _device_ops(train, steps: int = 4) -> dict[str, float]:
-    """A side's device ops and host reads per training step: a run of 2 x `steps` steps less a run of `steps`,
-    so what a run does once (building the model and optimiser, the Trainer's setup) cancels out."""
+        if func is aten._local_scalar_dense.default or func in SIZED_BY_VALUES:
+            return on_device(args[0])
+        if func is aten.index.Tensor:  # a boolean mask's indexing is sized by the mask
+            return on_device(args[0]) and any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+        blocking = not kwargs.get("non_blocking", args[2] if func is aten.copy_.default and len(args) > 2 else False)
+        if func is aten._to_copy.default:
+            return blocking and kwargs.get("device") == torch.device("cpu") and args[0].device.type != "cpu"
+        if func is aten.copy_.default:
+            return blocking and args[0].device.type == "cpu" and args[1].device.type != "cpu"
+        return False
+
+
+def _device_ops(train, device: torch.device, per_epoch: int) -> dict[str, float]:
+    """A side's device ops and waits per training step: a run of 1 + 2n steps less a run of 1 + n, so what a
+    run does once (building the model and optimiser, the Trainer's setup) cancels out. n is 4, or whole epochs
+    where the longer run would reach an epoch's end (`per_epoch` steps), so each epoch's own work counts at
+    its share per step. A wait on a logging step counts where one falls among the n steps."""
+    steps = 4 if per_epoch > 2 * 4 + 1 else per_epoch * math.ceil(4 / per_epoch)
     runs = []
     for n in (steps, 2 * steps):
-        with _DeviceOps() as counted:
+        with _DeviceOps(device) as counted:
             train(n)
         runs.append(counted)
-    return {"ops": (runs[1].ops - runs[0].ops) / steps, "reads": (runs[1].reads - runs[0].reads) / steps}
+    return {"ops": (runs[1].ops - runs[0].ops) / steps, "waits": (runs[1].waits - runs[0].waits) / steps}
 
 
 def _augment(config: ONNConfig, inputs: dict[str, Any]):
