@@ -81,16 +81,7 @@ def run(job) -> dict[str, Any]:
         pipe["resident"].append(
             _pipeline_only(dm.train_dataloader(), steps, warmup, batch, _augment(config, inputs), dm.device)
         )
-    trains = {
-        "plain": lambda n: _plain_loop(config, plan, inputs, dm, n, 1),
-        "onn": lambda n: _onn_run(config, plan, inputs, dm, run_dir, n, 1),
-    }
-    # a compiled network's kernels bypass the dispatcher, where the ops are counted
-    ops = (
-        {}
-        if config.model.compile
-        else {side: _device_ops(train, dm.device, len(dm.train_dataloader())) for side, train in trains.items()}
-    )
+    ops = _device_work(config, plan, inputs, dm, run_dir)
     best = {k: max(v) for k, v in results.items()}
     paired = sorted(p / o for p, o in zip(results["plain"], results["onn"]))
     best_pipe = {k: max(v) for k, v in pipe.items()}
@@ -167,6 +158,18 @@ class _DeviceOps(TorchDispatchMode):
         if func is aten.copy_.default:
             return blocking and args[0].device.type == "cpu" and args[1].device.type != "cpu"
         return False
+
+
+def _device_work(config: ONNConfig, plan, inputs, dm, run_dir: Path) -> dict[str, dict[str, float]]:
+    """Each side's device ops and waits per step (_device_ops); none under model.compile, whose kernels bypass
+    the dispatcher where the ops are counted."""
+    if config.model.compile:
+        return {}
+    trains = {
+        "plain": lambda n: _plain_loop(config, plan, inputs, dm, n, 1),
+        "onn": lambda n: _onn_run(config, plan, inputs, dm, run_dir, n, 1),
+    }
+    return {side: _device_ops(train, dm.device, len(dm.train_dataloader())) for side, train in trains.items()}
 
 
 def _device_ops(train, device: torch.device, per_epoch: int) -> dict[str, float]:
