@@ -257,7 +257,7 @@ def test_bench_vision_reports_both_ratios(images, tmp_path):
     for key in ("vision/runner_overhead", "vision/resident_speedup", "vision/train_speedup"):
         assert isinstance(metrics[key], float), key
     # ONN's runner asks the device for the plain loop's work: on a GPU, no kernel launches or waits of its own
-    # (on a CPU the count sees .item() and outputs sized by their values, not copies to the host: no ops here)
+    # (on a CPU the count sees .item() and outputs sized by their values, not copies: no ops there)
     ops, waits = metrics["vision/device_ops_per_step"], metrics["vision/host_waits_per_step"]
     assert ops["plain"] > 50 and ops["onn"] <= 1.05 * ops["plain"]
     assert waits["onn"] <= waits["plain"]
@@ -283,10 +283,13 @@ def test_the_vision_bench_counts_what_makes_the_host_wait_for_a_gpu():
         (aten._local_scalar_dense.default, (host,), {}, False),  # a value the host holds
         (aten._to_copy.default, (device,), to_host, True),  # .cpu(), .tolist()
         (aten._to_copy.default, (device,), {**to_host, "non_blocking": True}, False),
+        (aten._to_copy.default, (host,), {"device": torch.device("cuda")}, True),  # a batch from pageable memory
         (aten._to_copy.default, (host,), {"device": torch.device("cuda"), "non_blocking": True}, False),
+        (aten._to_copy.default, (device,), {"dtype": torch.bfloat16}, False),  # a cast on the device
         (aten.copy_.default, (host, device), {}, True),
         (aten.copy_.default, (host, device, True), {}, False),
-        (aten.copy_.default, (device, host), {}, False),
+        (aten.copy_.default, (device, host), {}, True),
+        (aten.copy_.default, (device, host), {"non_blocking": True}, False),
         (aten.nonzero.default, (device,), {}, True),
         (aten.index.Tensor, (device, [torch.empty(4, dtype=torch.bool, device="meta")]), {}, True),
         (aten.index.Tensor, (device, [torch.empty(2, dtype=torch.long, device="meta")]), {}, False),

@@ -12,7 +12,7 @@ resident speedup  the two ways of feeding v28 its training batches (the recipe's
 device ops        what each side of the runner's overhead asks of the device per training step, counted rather
                   than timed: the aten ops it dispatches, views aside (on a GPU most launch a kernel: the
                   host's share of a step), and those that make the host wait for the GPU (a value read back,
-                  a blocking copy to the host, an output sized by the values; _DeviceOps). Equal counts leave
+                  a blocking copy, an output sized by its values; _DeviceOps). Equal counts leave
                   the runner's overhead to its own Python time per step.
 train speedup     the same two pipelines each training v28 end to end: resident / standard samples/s.
                   Where the model's compute dominates (v28 on a few CPU cores) this is far below the
@@ -127,9 +127,10 @@ SIZED_BY_VALUES = (aten.nonzero.default, aten.masked_select.default, aten._uniqu
 
 class _DeviceOps(TorchDispatchMode):
     """Counts the aten ops dispatched under it, views aside (they launch nothing), and the ops among them that
-    make the host wait for the device. On a CPU run, where nothing waits, it counts what would wait
-    on a GPU as far as the dispatcher shows it: a value read back (.item(), float(), bool()), an output sized by
-    the values; a copy to the host (.cpu(), .tolist()) is no op at all on a CPU."""
+    make the host wait for the device: a value read back (.item(), float(), bool()), a blocking copy between
+    the host and the device (.cpu(), .tolist(), a batch's .to(device)), an output sized by its values. On a CPU
+    run, where nothing waits, it counts what would wait on a GPU as far as the dispatcher shows it: a copy
+    between host and device is no op at all there."""
 
     def __init__(self, device: torch.device):
         super().__init__()
@@ -153,10 +154,11 @@ class _DeviceOps(TorchDispatchMode):
         if func is aten.index.Tensor:  # a boolean mask's indexing is sized by the mask
             return on_device(args[0]) and any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
         blocking = not kwargs.get("non_blocking", args[2] if func is aten.copy_.default and len(args) > 2 else False)
-        if func is aten._to_copy.default:
-            return blocking and kwargs.get("device") == torch.device("cpu") and args[0].device.type != "cpu"
+        if func is aten._to_copy.default:  # a blocking copy between the host and the device, either way
+            to = kwargs.get("device")
+            return blocking and to is not None and (to.type == "cpu") != (args[0].device.type == "cpu")
         if func is aten.copy_.default:
-            return blocking and args[0].device.type == "cpu" and args[1].device.type != "cpu"
+            return blocking and (args[0].device.type == "cpu") != (args[1].device.type == "cpu")
         return False
 
 
