@@ -222,9 +222,8 @@ def device_waits(skip: list | None = None):
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    aten = torch.ops.aten
-    waits = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.bincount.default, aten.nonzero.default}
-    waits |= {aten._unique2.default, aten.unique_dim.default, aten.masked_select.default}
+    from onn.hardware.waits import READ_VALUES as waits
+
     in_cpu_check: list = []
 
     class CpuOnlyChecks(TorchFunctionMode):

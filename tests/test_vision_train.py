@@ -272,10 +272,9 @@ def test_bench_vision_reports_both_ratios(images, tmp_path):
 
 
 def test_the_vision_bench_counts_what_makes_the_host_wait_for_a_gpu():
-    """bench_vision's count of waits, op by op, for a GPU run (meta tensors stand in for the GPU's) and a CPU run."""
-    from onn.bench.vision import _DeviceOps, aten
+    """What makes the host wait for a GPU, op by op (meta tensors stand in for the GPU's), and on a CPU run."""
+    from onn.hardware.waits import aten, makes_the_host_wait
 
-    gpu, cpu = _DeviceOps(torch.device("cuda")), _DeviceOps(torch.device("cpu"))
     device, host = torch.empty(4, device="meta"), torch.empty(4)
     to_host = {"device": torch.device("cpu")}
     cases = [
@@ -291,12 +290,13 @@ def test_the_vision_bench_counts_what_makes_the_host_wait_for_a_gpu():
         (aten.copy_.default, (device, host), {}, True),
         (aten.copy_.default, (device, host), {"non_blocking": True}, False),
         (aten.nonzero.default, (device,), {}, True),
+        (aten.bincount.default, (device,), {}, True),
         (aten.index.Tensor, (device, [torch.empty(4, dtype=torch.bool, device="meta")]), {}, True),
         (aten.index.Tensor, (device, [torch.empty(2, dtype=torch.long, device="meta")]), {}, False),
         (aten.add.Tensor, (device, device), {}, False),
     ]
-    assert [gpu.makes_the_host_wait(*case[:3]) for case in cases] == [case[3] for case in cases]
-    assert cpu.makes_the_host_wait(aten._local_scalar_dense.default, (host,), {})  # would wait on a GPU
+    assert [makes_the_host_wait(*case[:3], on_cpu=False) for case in cases] == [case[3] for case in cases]
+    assert makes_the_host_wait(aten._local_scalar_dense.default, (host,), {}, on_cpu=True)  # would wait on a GPU
 
 
 @pytest.mark.parametrize("compiled", [False, True])

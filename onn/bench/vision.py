@@ -12,7 +12,7 @@ resident speedup  the two ways of feeding v28 its training batches (the recipe's
 device ops        what each side of the runner's overhead asks of the device per training step, counted rather
                   than timed: the aten ops it dispatches, views aside (on a GPU most launch a kernel: the
                   host's share of a step), and those that make the host wait for the GPU (a value read back,
-                  a blocking copy, an output sized by its values; _DeviceOps). Equal counts leave
+                  a blocking copy, an output sized by its values; onn/hardware/waits.py). Equal counts leave
                   the runner's overhead to its own Python time per step.
 train speedup     the same two pipelines each training v28 end to end: resident / standard samples/s.
                   Where the model's compute dominates (v28 on a few CPU cores) this is far below the
@@ -38,12 +38,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from onn.config import ONNConfig
 from onn.config.data import ImageData
 from onn.config.task import BenchVisionTask
 from onn.errors import UserError
+from onn.hardware.waits import DeviceOps
 
 log = logging.getLogger("onn")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
@@ -120,48 +120,6 @@ def run(job) -> dict[str, Any]:
     return metrics
 
 
-aten = torch.ops.aten
-# ops whose output's size depends on the values: on a GPU the host waits to learn it
-SIZED_BY_VALUES = (aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default)
-
-
-class _DeviceOps(TorchDispatchMode):
-    """Counts the aten ops dispatched under it, views aside (they launch nothing), and the ops among them that
-    make the host wait for the device: a value read back (.item(), float(), bool()), a blocking copy between
-    the host and the device (.cpu(), .tolist(), a batch's .to(device)), an output sized by its values. On a CPU
-    run, where nothing waits, it counts what would wait on a GPU as far as the dispatcher shows it: a copy
-    between host and device is no op at all there."""
-
-    def __init__(self, device: torch.device):
-        super().__init__()
-        self.on_cpu = device.type == "cpu"
-        self.ops = self.waits = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if not func.is_view:
-            self.ops += 1
-            self.waits += self.makes_the_host_wait(func, args, kwargs)
-        return out
-
-    def makes_the_host_wait(self, func, args: tuple, kwargs: dict) -> bool:
-        def on_device(t) -> bool:
-            return self.on_cpu or t.device.type != "cpu"
-
-        if func is aten._local_scalar_dense.default or func in SIZED_BY_VALUES:
-            return on_device(args[0])
-        if func is aten.index.Tensor:  # a boolean mask's indexing is sized by the mask
-            return on_device(args[0]) and any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
-        blocking = not kwargs.get("non_blocking", args[2] if func is aten.copy_.default and len(args) > 2 else False)
-        if func is aten._to_copy.default:  # a blocking copy between the host and the device, either way
-            to = kwargs.get("device")
-            return blocking and to is not None and (to.type == "cpu") != (args[0].device.type == "cpu")
-        if func is aten.copy_.default:
-            return blocking and (args[0].device.type == "cpu") != (args[1].device.type == "cpu")
-        return False
-
-
 def _device_work(config: ONNConfig, plan, inputs, dm, run_dir: Path) -> dict[str, dict[str, float]]:
     """Each side's device ops and waits per step (_device_ops); none under model.compile, whose kernels bypass
     the dispatcher where the ops are counted."""
@@ -182,7 +140,7 @@ def _device_ops(train, device: torch.device, per_epoch: int) -> dict[str, float]
     steps = 4 if per_epoch > 2 * 4 + 1 else per_epoch * math.ceil(4 / per_epoch)
     runs = []
     for n in (steps, 2 * steps):
-        with _DeviceOps(device) as counted:
+        with DeviceOps(device) as counted:
             train(n)
         runs.append(counted)
     return {"ops": (runs[1].ops - runs[0].ops) / steps, "waits": (runs[1].waits - runs[0].waits) / steps}
