@@ -201,12 +201,14 @@ def test_validation_ignores_micro_batches_without_targets():
     assert math.isfinite(losses[1]) and losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 
-def watched_trainer() -> L.Trainer:
+def watched_trainer(max_steps: int = -1) -> L.Trainer:
     """A quiet CPU Trainer a dispatch mode can watch: no inference mode, as ONN's (see device_waits)."""
     return L.Trainer(
+        max_steps=max_steps,
         accelerator="cpu",
         devices=1,
         logger=False,
+        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         inference_mode=False,
@@ -290,6 +292,41 @@ def test_validation_is_the_mean_per_target_token_and_no_step_reads_the_device():
                 n = int((piece["labels"][:, 1:] != IGNORE).sum())
                 total, tokens = total + float(module.model(**piece).loss) * n, tokens + n
     assert reads.seen == [] and module.val_losses[-1] == pytest.approx(total / tokens, rel=1e-5)
+
+
+def test_a_text_step_without_padding_gives_transformers_no_mask_to_read():
+    """A resident training batch whose rows the host counted at full width reaches the model without its attention
+    mask: given one, transformers reads it back from the device at every call (on a GPU, a wait for every kernel
+    queued) only to find no row padded. Such a step then reads nothing from the device, and its loss is the masked
+    batch's; a padded batch keeps its mask, which the model reads."""
+    from onn.hardware.waits import DeviceOps
+    from onn.modalities.text.datamodule import HOST_ROWS, IGNORE
+
+    def first_step(padded: bool) -> tuple[int, float, float]:
+        data = batches(steps=2, rows=8)
+        for batch in data:
+            if not padded:
+                batch["attention_mask"].fill_(1)
+            targets = (batch["labels"][:, 1:] != IGNORE).sum(1).tolist()
+            batch[HOST_ROWS] = (batch["attention_mask"].sum(1).tolist(), targets)
+        module = tiny_module(micro_batch=4)
+        with torch.no_grad():  # the whole first batch, its mask given: the mean loss over its target tokens
+            want = float(copy.deepcopy(module.model)(**{k: v for k, v in data[0].items() if k != HOST_ROWS}).loss)
+        counter, step = DeviceOps(torch.device("cpu")), module.training_step
+
+        def counted(batch, batch_idx):
+            with counter:
+                return step(batch, batch_idx)
+
+        module.training_step = counted
+        trainer = watched_trainer(max_steps=2)
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+        return counter.waits, module.train_losses[0], want
+
+    waits, loss, want = first_step(padded=False)
+    assert waits == 0 and loss == pytest.approx(want, rel=1e-5)
+    waits, loss, want = first_step(padded=True)
+    assert waits > 0 and loss == pytest.approx(want, rel=1e-5)
 
 
 def test_classifier_evaluation_figures_wait_for_the_device_only_at_the_end():
