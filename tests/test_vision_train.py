@@ -254,7 +254,7 @@ def test_bench_vision_reports_both_ratios(images, tmp_path):
         "task.standard_workers=0",
         "data.augment={crop_padding: 2, hflip: 0.5}",
     )
-    for key in ("vision/runner_overhead", "vision/resident_speedup", "vision/train_speedup"):
+    for key in ("vision/runner_overhead", "vision/lightning_floor", "vision/resident_speedup", "vision/train_speedup"):
         assert isinstance(metrics[key], float), key
     # ONN's runner asks the device for the plain loop's work: on a GPU, no kernel launches or waits of its own
     # (on a CPU the count sees .item() and outputs sized by their values, not copies: no ops there)
@@ -264,6 +264,7 @@ def test_bench_vision_reports_both_ratios(images, tmp_path):
     assert set(metrics["vision/rounds"]) >= {
         "plain",
         "onn",
+        "lightning",
         "standard",
         "resident",
         "pipeline_standard",

@@ -3,6 +3,10 @@
 runner overhead   the same model, optimiser, augmentation, precision and batches from the same
                   device-resident tensors, trained by a plain hand-written PyTorch loop and by ONN
                   (Lightning Trainer + ImageClassifier, as a run uses them): plain / ONN - 1.
+lightning floor   the plain loop's step as a bare LightningModule's training_step under a Trainer with
+                  nothing of ONN's (no logger, checkpoint, progress bar or summary): plain / bare - 1, what
+                  Lightning's loop costs by itself. Where a step's kernels take less time than the host
+                  takes to queue them (a small CNN on a fast GPU), the runner's overhead cannot go below it.
 resident speedup  the two ways of feeding v28 its training batches (the recipe's batch size, augmentation
                   and normalisation, on the compute device), timed alone: ONN's resident uint8
                   tensors sliced by a shuffled index and augmented on the device, against the standard
@@ -32,6 +36,7 @@ import logging
 import math
 import tarfile
 import time
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -63,11 +68,12 @@ def run(job) -> dict[str, Any]:
     dm = classification.setup_data(image, config, job.device)
     inputs = classification.data_inputs(image, config, dm)
     batch = dm.batch_size
-    results: dict[str, list[float]] = {"plain": [], "onn": [], "standard": [], "resident": []}
-    for round_ in range(repeats):  # each round times both, in alternating order: a slow spell hits both
+    results: dict[str, list[float]] = {"plain": [], "onn": [], "lightning": [], "standard": [], "resident": []}
+    for round_ in range(repeats):  # each round times each side, in alternating order: a slow spell hits them all
         sides = [
             ("plain", lambda: _plain_loop(config, plan, inputs, dm, steps, warmup)),
             ("onn", lambda: _onn_run(config, plan, inputs, dm, run_dir, steps, warmup)),
+            ("lightning", lambda: _bare_lightning(config, plan, inputs, dm, run_dir, steps, warmup)),
         ]
         for name, measure in sides if round_ % 2 == 0 else sides[::-1]:
             L.seed_everything(0, verbose=False)
@@ -83,13 +89,14 @@ def run(job) -> dict[str, Any]:
         )
     ops = _device_work(config, plan, inputs, dm, run_dir)
     best = {k: max(v) for k, v in results.items()}
-    paired = sorted(p / o for p, o in zip(results["plain"], results["onn"]))
     best_pipe = {k: max(v) for k, v in pipe.items()}
     metrics = {
-        "vision/runner_overhead": round(paired[len(paired) // 2] - 1, 4),  # the median round
+        "vision/runner_overhead": _median_ratio(results["plain"], results["onn"]),
         "vision/runner_overhead_best": round(best["plain"] / best["onn"] - 1, 4),
+        "vision/lightning_floor": _median_ratio(results["plain"], results["lightning"]),
         "vision/plain_samples_per_s": round(best["plain"], 1),
         "vision/onn_samples_per_s": round(best["onn"], 1),
+        "vision/lightning_samples_per_s": round(best["lightning"], 1),
         "vision/resident_speedup": round(best_pipe["resident"] / best_pipe["standard"], 2),
         "vision/pipeline_resident_samples_per_s": round(best_pipe["resident"], 1),
         "vision/pipeline_standard_samples_per_s": round(best_pipe["standard"], 1),
@@ -109,7 +116,8 @@ def run(job) -> dict[str, Any]:
     counted = [f"{side}: {c['ops']:g} device ops, {c['waits']:g} waits for the device" for side, c in ops.items()]
     for line in (
         f"runner overhead: plain loop {best['plain']:.0f} samples/s, ONN {best['onn']:.0f} samples/s (best rounds); "
-        f"median round plain/ONN - 1 = {metrics['vision/runner_overhead']:+.3f}",
+        f"median round plain/ONN - 1 = {metrics['vision/runner_overhead']:+.3f} "
+        f"(a bare LightningModule: {metrics['vision/lightning_floor']:+.3f})",
         f"pipelines: resident {best_pipe['resident']:.0f} samples/s, standard Dataset+DataLoader "
         f"{best_pipe['standard']:.0f} samples/s -> resident_speedup x{metrics['vision/resident_speedup']:.1f}",
         f"per training step: {'; '.join(counted) or 'not counted (model.compile)'}",
@@ -176,8 +184,7 @@ def _plain_loop(config: ONNConfig, plan, inputs, dm, steps: int, warmup: int, lo
     augment = _augment(config, inputs)
     channels_last = config.model.channels_last
     smoothing = config.task.label_smoothing
-    precision = config.trainer.precision  # what ONN's Trainer runs with: auto is the plan's
-    precision = plan.precision if precision in (None, "auto") else str(precision)
+    precision = _precision(config, plan)
     half = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else None
     scaler = torch.amp.GradScaler(device.type, enabled=half is torch.float16)  # Lightning's 16-mixed scales too
     from_resident = loader is None
@@ -261,9 +268,72 @@ def _onn_run(config: ONNConfig, plan, inputs, dm, run_dir: Path, steps: int, war
         loggers=False,
         steps_per_epoch=len(dm.train_dataloader()),
     )
-    trainer.fit(module, train_dataloaders=dm.train_dataloader())
+    with warnings.catch_warnings():  # the classifier validates in a run; here it only trains, on purpose
+        warnings.filterwarnings("ignore", message=r"You defined a `validation_step` but have no `val_dataloader`")
+        trainer.fit(module, train_dataloaders=dm.train_dataloader())
     # stamps: the start of each step, then the end of training (after the last step)
     return dm.batch_size * steps / (stamps.stamps[warmup + steps] - stamps.stamps[warmup])
+
+
+def _bare_lightning(config: ONNConfig, plan, inputs, dm, run_dir: Path, steps: int, warmup: int) -> float:
+    """Lightning's own floor: the plain loop's step as a bare LightningModule's training_step (automatic
+    optimisation; the same model, optimiser, schedule, clipping and precision) under a Trainer with nothing of
+    ONN's and no logger, checkpoint, progress bar or summary."""
+    import lightning as L
+
+    from onn.training.optim import make_optimizer, make_schedule
+
+    device, model, augment = dm.device, _plain_model(config, inputs, dm.device).train(), _augment(config, inputs)
+    channels_last, smoothing = config.model.channels_last, config.task.label_smoothing
+
+    class Bare(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+            images, labels = batch
+            with torch.autocast(device.type, enabled=False):  # augmented in float32, as both other sides do
+                x = augment(images, train=True)
+            x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
+            return F.cross_entropy(self.model(x), labels, label_smoothing=smoothing)
+
+        def configure_optimizers(self):
+            optimizer = make_optimizer(self.model.parameters(), config.optim)
+            schedule = make_schedule(optimizer, config.optim, warmup + steps, config.task.monitor)
+            # as the plain loop: a per-step schedule steps, a per-epoch one never does within the timed steps
+            return {"optimizer": optimizer, "lr_scheduler": schedule} if schedule["interval"] == "step" else optimizer
+
+    stamps = _Stamps(warmup, steps)
+    trainer = L.Trainer(
+        default_root_dir=str(run_dir / "bench"),
+        max_steps=warmup + steps,
+        accelerator=device.type,
+        devices=[device.index or 0] if device.type == "cuda" else 1,
+        precision=_precision(config, plan),
+        gradient_clip_val=config.optim.clip_grad_norm or None,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[stamps.callback],
+    )
+    trainer.fit(Bare(), train_dataloaders=dm.train_dataloader())
+    return dm.batch_size * steps / (stamps.stamps[warmup + steps] - stamps.stamps[warmup])
+
+
+def _precision(config: ONNConfig, plan) -> str:
+    """What ONN's Trainer runs with: trainer.precision, or where it is auto the plan's."""
+    precision = config.trainer.precision
+    return plan.precision if precision in (None, "auto") else str(precision)
+
+
+def _median_ratio(plain: list[float], other: list[float]) -> float:
+    """The median round's plain / other - 1 (samples/s each): a noisy neighbour slows a round's sides alike."""
+    paired = sorted(p / o for p, o in zip(plain, other))
+    return round(paired[len(paired) // 2] - 1, 4)
 
 
 def _pipeline_only(loader, steps: int, warmup: int, batch: int, augment, device: torch.device) -> float:
