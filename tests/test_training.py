@@ -295,10 +295,10 @@ def test_validation_is_the_mean_per_target_token_and_no_step_reads_the_device():
 
 
 def test_a_text_step_without_padding_gives_transformers_no_mask_to_read():
-    """A resident training batch whose rows the host counted at full width reaches the model without its attention
+    """A resident micro-batch whose rows the host counted at its full width reaches the model without its attention
     mask: given one, transformers reads it back from the device at every call (on a GPU, a wait for every kernel
-    queued) only to find no row padded. Such a step then reads nothing from the device, and its loss is the masked
-    batch's; a padded batch keeps its mask, which the model reads."""
+    queued) only to find no row padded. A step of such micro-batches reads nothing from the device. A micro-batch
+    with a padded row keeps its mask, which the model reads; either way the step's loss is the masked batch's."""
     from onn.hardware.waits import DeviceOps
     from onn.modalities.text.datamodule import HOST_ROWS, IGNORE
 
@@ -309,7 +309,7 @@ def test_a_text_step_without_padding_gives_transformers_no_mask_to_read():
                 batch["attention_mask"].fill_(1)
             targets = (batch["labels"][:, 1:] != IGNORE).sum(1).tolist()
             batch[HOST_ROWS] = (batch["attention_mask"].sum(1).tolist(), targets)
-        module = tiny_module(micro_batch=4)
+        module = tiny_module(micro_batch=2)  # padded: rows 0, 3 and 6 (batches()); rows 4 and 5 go unmasked
         with torch.no_grad():  # the whole first batch, its mask given: the mean loss over its target tokens
             want = float(copy.deepcopy(module.model)(**{k: v for k, v in data[0].items() if k != HOST_ROWS}).loss)
         counter, step = DeviceOps(torch.device("cpu")), module.training_step

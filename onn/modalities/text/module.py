@@ -137,7 +137,7 @@ class CausalLM(L.LightningModule):
             )
             self.manual_backward(loss)
             return self._global_sum(loss.detach())
-        pieces, counts = split(unmasked(batch, rows), self.micro_batch, rows)
+        pieces, counts = split(batch, self.micro_batch, rows)
         total = self._global_tokens(sum(counts))
         model = forward_module(self)
         losses = []
@@ -169,7 +169,7 @@ class CausalLM(L.LightningModule):
         chunk boundary, and each chunk's backward frees its activations before the next chunk runs. Each chunk's
         loss is its tokens' summed loss over the micro-batch's `tokens`, so the chunks add up to the micro-batch's
         mean loss (returned), and `weight` scales it as _forward_backward scales a whole micro-batch's."""
-        ids, mask = piece["input_ids"], piece.get("attention_mask")  # none: no row is padded (unmasked)
+        ids, mask = piece["input_ids"], piece.get("attention_mask")  # none: no row is padded (split)
         targets = torch.nn.functional.pad(piece["labels"][:, 1:], (0, 1), value=IGNORE)  # position t predicts t + 1
         state, total = None, torch.zeros((), device=ids.device)
         starts = range(0, ids.shape[1], self.tbptt_steps)
@@ -247,7 +247,7 @@ class CausalLM(L.LightningModule):
             # batches come on the host (TextDataModule.transfer_batch_to_device)
             self._held_out.append(dict(batch))
             return
-        pieces, counts = split(unmasked(batch, rows), self.micro_batch, rows)
+        pieces, counts = split(batch, self.micro_batch, rows)
         losses = [self.model(**piece).loss for piece in pieces]
         for loss, tokens in zip(losses, counts):
             if tokens:  # a micro-batch without targets has a 0/0 mean loss
@@ -304,16 +304,3 @@ def summarize_losses(losses: list[float]) -> tuple[float | None, float | None]:
         return None, None
     tail = max(1, math.ceil(len(losses) * 0.05))
     return losses[0], sum(losses[-tail:]) / tail
-
-
-def unmasked(batch: dict[str, torch.Tensor], rows: tuple[list[int], list[int]] | None) -> dict[str, torch.Tensor]:
-    """`batch` without its attention mask where the host counted every row at full width (`rows`: each row's length
-    and target tokens, TextDataModule), for a resident model's calls. Given a mask, transformers reads it back from
-    the device at every call (create_causal_mask) to find that no row is padded before it lets SDPA attend
-    causally, which it does unasked with no mask: on a GPU, a wait for every kernel queued per micro-batch. A
-    padded batch, or one the host did not count, keeps its mask. (A streamed step's calls gain nothing: run without
-    a cache, as the engine runs them, transformers reads the positions instead, to look for packed sequences.)"""
-    rows_n, width = batch["input_ids"].shape
-    if rows is None or "attention_mask" not in batch or len(rows[0]) != rows_n or min(rows[0]) < width:
-        return batch
-    return {k: v for k, v in batch.items() if k != "attention_mask"}
