@@ -9,8 +9,8 @@
               accelerate's device_map="auto" with max_memory at the same budget: what users reach for today
   overhead    the default job (`python run.py`'s model and data) against a plain PyTorch loop, and
               recipe=bench_vision's image runner against its plain loop (with the device ops and the waits
-              for the GPU each side's step asks for, counted, and a bare LightningModule's own overhead, the
-              floor of any runner built on Lightning's loop), each in a run of its own
+              for the GPU each side's step asks for, counted, and a bare LightningModule's own overhead: what
+              Lightning's loop costs by itself), each in a run of its own
 
 Figures go to metrics.json as gpu/* and to bench_gpu.md beside it. The step's limit is
 

@@ -3,10 +3,10 @@
 runner overhead   the same model, optimiser, augmentation, precision and batches from the same
                   device-resident tensors, trained by a plain hand-written PyTorch loop and by ONN
                   (Lightning Trainer + ImageClassifier, as a run uses them): plain / ONN - 1.
-lightning floor   the plain loop's step as a bare LightningModule's training_step under a Trainer with
-                  nothing of ONN's (no logger, checkpoint, progress bar or summary): plain / bare - 1, what
-                  Lightning's loop costs by itself. Where a step's kernels take less time than the host
-                  takes to queue them (a small CNN on a fast GPU), the runner's overhead cannot go below it.
+lightning floor   the plain loop's step as a bare LightningModule's training_step (automatic optimisation)
+                  under a Trainer with nothing of ONN's (no logger, checkpoint, progress bar or summary):
+                  plain / bare - 1, what Lightning's loop costs by itself. Where a step's kernels take less
+                  time than the host takes to queue them (a small CNN on a fast GPU), that cost is the step's.
 resident speedup  the two ways of feeding v28 its training batches (the recipe's batch size, augmentation
                   and normalisation, on the compute device), timed alone: ONN's resident uint8
                   tensors sliced by a shuffled index and augmented on the device, against the standard
@@ -23,14 +23,15 @@ train speedup     the same two pipelines each training v28 end to end: resident 
                   pipeline ratio; on a GPU, where v28's step takes a millisecond, it approaches it.
 
 Throughput is wall time over whole iterations (data, step, loop overhead), after warm-up steps.
-Each of `task.repeats` rounds times both sides back to back, in alternating order; the runner
-overhead is the median round's ratio (a noisy neighbour slows both sides of a round alike), the
-speedups compare each side's best round.
+Each of `task.repeats` rounds times the plain loop, ONN and the bare LightningModule back to back, each
+side first in turn; the runner overhead and the floor are the median round's ratios (a noisy neighbour
+slows a round's sides alike), the speedups compare each side's best round.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import io
 import logging
 import math
@@ -69,13 +70,16 @@ def run(job) -> dict[str, Any]:
     inputs = classification.data_inputs(image, config, dm)
     batch = dm.batch_size
     results: dict[str, list[float]] = {"plain": [], "onn": [], "lightning": [], "standard": [], "resident": []}
-    for round_ in range(repeats):  # each round times each side, in alternating order: a slow spell hits them all
-        sides = [
-            ("plain", lambda: _plain_loop(config, plan, inputs, dm, steps, warmup)),
-            ("onn", lambda: _onn_run(config, plan, inputs, dm, run_dir, steps, warmup)),
-            ("lightning", lambda: _bare_lightning(config, plan, inputs, dm, run_dir, steps, warmup)),
-        ]
-        for name, measure in sides if round_ % 2 == 0 else sides[::-1]:
+    # the ONN side trains without validation, on purpose: Lightning's note that the classifier has a validation_step
+    warnings.filterwarnings("ignore", message=r"You defined a `validation_step` but have no `val_dataloader`")
+    sides = [
+        ("plain", lambda: _plain_loop(config, plan, inputs, dm, steps, warmup)),
+        ("onn", lambda: _onn_run(config, plan, inputs, dm, run_dir, steps, warmup)),
+        ("lightning", lambda: _bare_lightning(config, plan, inputs, dm, run_dir, steps, warmup)),
+    ]
+    for round_ in range(repeats):  # each round times every side, in turn first: a slow spell hits them all
+        for name, measure in sides[round_ % 3 :] + sides[: round_ % 3]:
+            gc.collect()  # not the previous side's garbage in this side's timed steps
             L.seed_everything(0, verbose=False)
             results[name].append(measure())
     standard = StandardPipeline(config, dm, inputs)
@@ -268,9 +272,7 @@ def _onn_run(config: ONNConfig, plan, inputs, dm, run_dir: Path, steps: int, war
         loggers=False,
         steps_per_epoch=len(dm.train_dataloader()),
     )
-    with warnings.catch_warnings():  # the classifier validates in a run; here it only trains, on purpose
-        warnings.filterwarnings("ignore", message=r"You defined a `validation_step` but have no `val_dataloader`")
-        trainer.fit(module, train_dataloaders=dm.train_dataloader())
+    trainer.fit(module, train_dataloaders=dm.train_dataloader())
     # stamps: the start of each step, then the end of training (after the last step)
     return dm.batch_size * steps / (stamps.stamps[warmup + steps] - stamps.stamps[warmup])
 
