@@ -204,9 +204,12 @@ def test_a_gpu_plan_streams_phi4_from_pinned_host_memory_within_the_budget():
     s = plan.streaming
     assert (s.store, s.store_dtype, s.edges) == ("cpu", "int8", "stream")
     assert plan.predicted_peak_memory_mb + plan.context_mb <= 4096 and plan.context_mb == H200["cuda_context_mb"]
-    whole = make_plan(compose("recipe=bench_gpu", "strategy.streaming.mlp_tiles=1"), hw, model_spec(cfg.model, 16))
-    assert plan.micro_batch == whole.micro_batch == 128 and (s.mlp_tiles, whole.streaming.mlp_tiles) == (5, 1)
-    assert plan.predicted_peak_memory_mb <= 1536 < whole.predicted_peak_memory_mb
+    whole, five = (
+        make_plan(compose("recipe=bench_gpu", f"strategy.streaming.mlp_tiles={t}"), hw, model_spec(cfg.model, 16))
+        for t in (1, 5)
+    )
+    assert plan.micro_batch == whole.micro_batch == 128 and (s.mlp_tiles, whole.streaming.mlp_tiles) == (9, 1)
+    assert plan.predicted_peak_memory_mb < five.predicted_peak_memory_mb <= 1536 < whole.predicted_peak_memory_mb
     assert s.predicted_step_s <= whole.streaming.predicted_step_s * 1.1  # one more MLP pass, under the copies
     assert s.predicted_h2d_gb > 20 and s.predicted_io_s == pytest.approx(s.predicted_h2d_gb * 1024 / 50_000, rel=0.1)
     small_host = dataclasses.replace(
@@ -215,6 +218,66 @@ def test_a_gpu_plan_streams_phi4_from_pinned_host_memory_within_the_budget():
     small = resolve(small_host, "/tmp", "/tmp")
     s = make_plan(cfg, small, model_spec(cfg.model, 16), use_tuned=False).streaming
     assert s.store == "disk" and 0 < s.cache_blocks < 40
+
+
+def test_a_gpu_plan_counts_a_sliced_mlp_as_tracked_down_to_the_backwards_tail():
+    """A block's recompute and backward with its gated MLP in slices peaks at a slice (its activations and weights
+    cast) until the slices are narrow, then at the backward's tail past them (the recomputed norms' float32 copies
+    and gradients), where more slices save nothing. Tracked on a CPU (a Phi-3 block with LoRA on its linears, int8
+    codes, norms recomputed, bf16 autocast, 64 x 16 tokens), the plan's peak falls as the block's does, slice count
+    by slice count; it counted nine and more of Phi-4's slices below what they hold."""
+    import types
+
+    from test_streaming import LiveBytes
+
+    from onn.hardware.profile import resolve
+    from onn.planning.plan import make_plan
+    from onn.planning.spec import model_spec
+    from onn.streaming.quantized import Scratch, linear_forward
+    from onn.streaming.recompute_norms import recompute_norms
+    from onn.streaming.store import quantize_int8
+    from onn.streaming.tiled_mlp import tile_blocks
+
+    sizes = dict(hidden_size=256, intermediate_size=2048, num_attention_heads=4, num_key_value_heads=2)
+    model = lora_model("phi3", None, **sizes).to(torch.bfloat16)
+    for param in model.parameters():  # float32 adapters beside bf16 weights, as a streamed model's on a GPU
+        param.data = param.data.float() if param.requires_grad else param.data
+    block, scratch = discover(model).blocks[0], Scratch()
+    for m in block.modules():
+        if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad:  # an int8 store's codes, as on a GPU
+            codes, scale = quantize_int8(m.weight.data)
+            m.weight = torch.nn.Parameter(codes, requires_grad=False)
+            m._onn_scale, m._onn_scratch = scale.view(-1).to(torch.bfloat16), scratch
+            m.forward = types.MethodType(linear_forward, m)
+    recompute_norms([block])
+    x, position = torch.randn(64, 16, 256, dtype=torch.bfloat16), torch.arange(16)[None]
+    rotary = model.base_model.model.model.rotary_emb(x, position)
+
+    def tracked_mb(tiles: int) -> float:
+        tile_blocks([block], tiles)
+        with torch.autocast("cpu", dtype=torch.bfloat16), LiveBytes() as held:
+            block(x.clone().requires_grad_(True), position_embeddings=rotary, position_ids=position)[0].sum().backward()
+        return held.peak / 2**20
+
+    arch = {**sizes, "num_hidden_layers": 2, "vocab_size": 256, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    fixed = [f"model.architecture.{k}={v}" for k, v in arch.items()]
+    fixed += ["data.batch_size=64", "strategy.micro_batch=64", "strategy.layers=[0,1]"]
+    fixed += [f"strategy.streaming.{k}" for k in ("store=cpu", "store_dtype=int8", "chunk_size=1", "edges=stream")]
+    hw = resolve(dataclasses.replace(compose("recipe=bench_gpu").hardware, **H200), "/tmp", "/tmp")
+
+    def planned_mb(tiles: int) -> float:
+        cfg = compose(
+            "recipe=bench_gpu", *fixed, "strategy.streaming.activations=host", f"strategy.streaming.mlp_tiles={tiles}"
+        )
+        plan = make_plan(cfg, hw, model_spec(cfg.model, 16), use_tuned=False)
+        assert (plan.micro_batch, plan.streaming.mlp_tiles) == (64, tiles)
+        return plan.predicted_peak_memory_mb
+
+    tracked, planned = {t: tracked_mb(t) for t in (2, 4, 8, 16)}, {t: planned_mb(t) for t in (2, 4, 8, 16)}
+    assert tracked[16] == pytest.approx(tracked[8], abs=0.1) and tracked[4] > tracked[8] + 1  # the tail, reached at 8
+    assert planned[16] == pytest.approx(planned[8], abs=0.1)
+    for tiles in (2, 4):  # what the wider slices hold above the tail, planned as tracked (and the allocator's 5%)
+        assert planned[tiles] - planned[8] == pytest.approx(tracked[tiles] - tracked[8], rel=0.2)
 
 
 def test_a_gpu_plan_counts_the_hidden_states_a_streamed_step_passes_along():

@@ -60,9 +60,13 @@ STREAMING_CHOICES = {
     "activations": ("device", "host"),
 }
 DISK_RESERVE = 2 * 1024**3  # what a store's build leaves free on the disk for others
-# A GPU's streamed block may compute its gated MLP a slice of this many intermediate features at a time
-# (onn/streaming/tiled_mlp.py): Phi-4's 17,920 in five slices.
-MLP_TILE_FEATURES = 4096
+# A GPU's streamed block may compute its gated MLP a slice of about this many intermediate features at a time
+# (onn/streaming/tiled_mlp.py): Phi-4's 17,920 in five slices, or nine.
+MLP_TILE_FEATURES = (4096, 2048)
+# The hidden states per token a block's backward holds, past its sliced MLP, beyond the activations it keeps: the
+# recomputed norms' float32 input, output and gradient, and the gradient of the block's input (fitted to tracked
+# figures, gpu_stream_memory).
+BACKWARD_TAIL_STATES = 7
 
 
 @dataclass
@@ -359,11 +363,12 @@ def candidates(s: StreamShape, dtypes: list[str]) -> tuple[list[Setting], list[t
 
 
 def mlp_tile_counts(s: StreamShape) -> list[int]:
-    """The slices a block's gated MLP may compute in: on a GPU whole, or MLP_TILE_FEATURES features at a time
-    where it has more (its activations, a decoder block's largest, then shrink by as much for one more pass of
-    its matmuls in the backward); on a CPU whole (host memory holds a step's activations)."""
-    tiles = -(-s.spec.intermediate // MLP_TILE_FEATURES)
-    return [1, tiles] if s.on_gpu and s.spec.gated_mlp and tiles > 1 else [1]
+    """The slices a block's gated MLP may compute in: on a GPU whole, or each of MLP_TILE_FEATURES features at a
+    time where it has more than the first (its activations, a decoder block's largest, then shrink by as much
+    for one more pass of its matmuls in the backward); on a CPU whole (host memory holds a step's activations)."""
+    if not (s.on_gpu and s.spec.gated_mlp and s.spec.intermediate > MLP_TILE_FEATURES[0]):
+        return [1]
+    return [1, *dict.fromkeys(-(-s.spec.intermediate // features) for features in MLP_TILE_FEATURES)]
 
 
 def sliced_count(s: StreamShape, tiles: int) -> int:
@@ -565,16 +570,19 @@ def gpu_stream_memory(
     kept_bytes = kept * tokens * spec.hidden * cb
     # a chunk's recompute with grad (or the no-grad forward of `chunk` fused micro-batches: as large). The MLP's
     # four activations per intermediate feature are kept in the compute dtype (no float32 copies: the norms'
-    # are counted with the rest of the block), and its backward adds about one more, its gradient; a sliced MLP
-    # holds one slice's at a time, beside that slice's weights cast. Tracked on a CPU (a Phi-4 block's recompute
-    # and backward at 128 x 16 tokens, int8 codes, norms recomputed as on a GPU): 608 MB of activations whole, 434
-    # in five slices, 392 in nine; this counts 625, 450 and 375.
+    # are counted with the rest of the block), and its backward adds about one more, its gradient. A sliced MLP
+    # holds one slice's at a time, beside that slice's weights cast; past the slices, the backward of the block's
+    # attention and recomputed norms holds BACKWARD_TAIL_STATES hidden states per token beside the rest, which is
+    # the block's peak once the slices are narrow. Tracked on a CPU (a Phi-4 block with LoRA on its linears, int8
+    # codes, norms recomputed as on a GPU; 512 to 4,096 tokens in 5, 9, 18 and 36 slices): this counts each of the
+    # 13 sliced figures within 4%; at 128 x 16 tokens 457 MB in five slices (counts 450), 416 in nine (413).
     mlp = 4 * spec.intermediate
     width = max((b - a for a, b in mlp_slices(spec.intermediate, tiles)), default=0)  # the widest slice
-    held_mlp = mlp * chunk + spec.intermediate if tiles == 1 else 5 * width
-    recompute = ((s.per_token_layer - mlp) * chunk * MIXED_ACTIVATION_FACTOR + held_mlp) * tokens * cb
-    if tiles > 1:  # the slice's gate, up and down weights, cast
-        recompute += 3 * width * spec.hidden * cb
+    if tiles == 1:
+        held_mlp = (mlp * chunk + spec.intermediate) * tokens * cb
+    else:  # the slice's activations and its gate, up and down weights cast, or the tail's hidden states
+        held_mlp = max(5 * width * tokens + 3 * width * spec.hidden, BACKWARD_TAIL_STATES * spec.hidden * tokens) * cb
+    recompute = (s.per_token_layer - mlp) * chunk * MIXED_ACTIVATION_FACTOR * tokens * cb + held_mlp
     # the hidden states a step passes along, one per micro-batch each (StreamingEngine._forward, forward_train,
     # backward_chunks): a chunk's forward holds every micro-batch's input and output, its backward their gradients
     # and the input brought back from the host, the suffix the final states and, as its backward reaches them, their
