@@ -212,9 +212,7 @@ def cpu_stream_memory(
     # (the recompute takes the blocks' other arguments from the prefix, not its output).
     kept = (n_chunks - min(s.lowest // chunk, n_chunks) + 1) * s.micro_batches if activations == "device" else 1
     tokens = s.micro_batch * s.seq
-    # in a 16-bit compute dtype the norms still keep float32 copies (MIXED_ACTIVATION_FACTOR), as on a GPU
-    layer_bytes = cb * (MIXED_ACTIVATION_FACTOR if cb < 4 else 1)
-    acts = kept * tokens * spec.hidden * cb + s.per_token_layer * tokens * chunk * layer_bytes + s.logits
+    acts = (kept * tokens * spec.hidden + s.per_token_layer * tokens * chunk) * cb + s.logits
     weights += s.lora * 4  # fp32 adapters
     trainable, optimizer = s.lora * 4, s.lora * 8
     workspace = 0.05 * (weights - held + max(trainable, acts) + optimizer)
