@@ -575,7 +575,7 @@ def gpu_stream_memory(
     # attention and recomputed norms holds BACKWARD_TAIL_STATES hidden states per token beside the rest, which is
     # the block's peak once the slices are narrow. Tracked on a CPU (a Phi-4 block with LoRA on its linears, int8
     # codes, norms recomputed as on a GPU; 512 to 4,096 tokens in 5, 9, 18 and 36 slices): this counts each of the
-    # 13 sliced figures within 4%; at 128 x 16 tokens 457 MB in five slices (counts 450), 416 in nine (413).
+    # 17 sliced figures within 4%; at 128 x 16 tokens 457 MB in five slices (counts 450), 415 in nine (counts 415).
     mlp = 4 * spec.intermediate
     width = max((b - a for a, b in mlp_slices(spec.intermediate, tiles)), default=0)  # the widest slice
     if tiles == 1:
