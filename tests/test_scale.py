@@ -329,7 +329,15 @@ def main(cfg):
     out = Path(HydraConfig.get().runtime.output_dir)
     x = int(cfg.x)
     start = time.time()
-    time.sleep(0.2 if x % 2 == 0 else 2.5)  # the second job of each pair ends first
+    (out.parent / f"started_{x}").touch()
+    if x % 2:  # the first job of each pair waits for the second to start (a launcher running two at a time starts
+        # it now; a slow machine's imports can take seconds), then ends last
+        partner = out.parent / f"started_{x + 1}"
+        while not partner.exists() and time.time() - start < 60:
+            time.sleep(0.05)
+        time.sleep(2.5)
+    else:
+        time.sleep(0.2)
     (out / "metrics.json").write_text(json.dumps({"status": "ok", "error": None, "model": "m", "strategy": f"s{x}",
         "bench/samples_per_s": 10.0 * x, "bench/peak_memory_mb": 100.0 + x, "score/overall": float(x),
         "start": start, "end": time.time()}))
