@@ -380,6 +380,39 @@ def test_large_models_time_copies_of_one_and_two_of_their_own_blocks(tmp_path):
     assert set(costs) == {"lora", "frozen", "below", "rest"} and costs["lora"] > 0
 
 
+def test_one_stalled_step_does_not_set_a_small_models_block_time(tmp_path, monkeypatch):
+    """A small model's copies take nine timed steps each, and the plan reads a typical one: their mean once put a
+    grid's llama_small sparse-LoRA plan at 189.5 ms a block (five times its run's), as one stalled step would. Here
+    each copy's step is CPU work of 2 ms a block (the one-thread timing reads CPU time) and the 6-block copy's
+    fifth timed step stalls for twenty steps' work."""
+    import time
+
+    from onn.hardware.profile import resolve
+    from onn.modalities import get
+    from onn.modalities.text import calibrate
+
+    cfg = compose("model=llama_tiny", f"paths.cache={tmp_path}", root=tmp_path)
+    hw = resolve(cfg.hardware, tmp_path, tmp_path)
+    planned, _ = get("text").plan(cfg, hw)
+
+    def copy_step(config, plan, seq, micro, blocks, adapted, vocab, engines):
+        calls = []
+
+        def step() -> None:
+            calls.append(None)
+            work = 0.002 * blocks * (20 if blocks == 6 and len(calls) == 6 else 1)  # the first call is untimed
+            end = time.process_time() + work
+            while time.process_time() < end:
+                pass
+
+        return step
+
+    monkeypatch.setattr(calibrate, "_copy_step", copy_step)
+    costs = calibrate.block_times(cfg, planned, hw, 16, 2, 1)
+    assert planned.strategy == "full" and set(costs) == {"block", "rest"}
+    assert costs["block"] == pytest.approx(0.002, rel=0.25)
+
+
 def test_streamed_copies_compute_a_chunk_at_a_time_as_the_plan_does(tmp_path):
     """The step-time copies run the plan's chunks: streamed a block at a time, each block paid a chunk boundary's
     work that the run shares over its chunk, and phi4_tiny's sparse-LoRA runs went 12-27% under the plan."""

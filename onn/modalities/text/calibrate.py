@@ -8,8 +8,10 @@ bf16 blocks), on the plan's thread count, with a batch padded as the collator pa
 attention down its masked path: phi4_tiny's 40-block LoRA step 2-6% slower than unpadded). Six blocks less two, over
 four, is one block's share; two blocks less two shares is the rest (embeddings, head, loss, optimizer). The step of
 n blocks is then rest + n x block, divided by the share of a core the plan's threads get now. A small model's timing
-is the mean of nine steps (the fastest of nine ran 20-35% under what runs measured); `window_s` (task=bench, just
-before its steps, gives as long as its timed steps will take, at most WINDOW_S) skips the cache and times the
+is the median of nine steps (the fastest of nine ran 20-35% under what runs measured; their mean once put a grid's
+llama_small sparse-LoRA plan at 189.5 ms a block where its run took 37, as one stalled step among nine would);
+`window_s` (task=bench, just before its steps, gives as long as its timed steps will take, at most WINDOW_S) skips
+the cache and times the
 copies' steps for that long: this shared host runs for seconds at a time a third slower and then fast again
 (phi4_tiny's run: 0.19 s steps for three seconds, 0.30 s for three, 0.19 again), so nine steps, under a second,
 catch one speed where a run's twenty meet both; `windows` (task=bench, between its steps: onn/bench/suite.py)
@@ -142,7 +144,7 @@ def block_times(
             },
             "machine": hw.fingerprint,
             "large": large,
-            "version": 13,
+            "version": 14,
         },
         sort_keys=True,
         default=str,
@@ -188,13 +190,12 @@ def _step_times(
     window_s: float = 0.0,
     windows: Iterable[float] | None = None,
 ) -> list[float]:
-    """Per copy of the model (`blocks`, `adapted` blocks), its training step as ONN runs it: the mean of
-    nine, or of as many as window_s (at most WINDOW_S) takes, or of as many as each of `windows` takes (after one
-    untimed: the steps before it were another model's); the fastest of three for a large model's. The copies take
-    their steps in turns, so a
-    change in the machine's speed meanwhile reaches them all alike and leaves their differences (a
-    block's cost) alone: timed one copy after the other, a 2-block copy and a 6-block one a few seconds
-    apart put llama_small's LoRA step 38-42% under what its runs took."""
+    """Per copy of the model (`blocks`, `adapted` blocks), its training step as ONN runs it: the median of
+    nine, or the mean of as many as window_s (at most WINDOW_S) takes, or of as many as each of `windows` takes
+    (after one untimed: the steps before it were another model's); the fastest of three for a large model's. The
+    copies take their steps in turns, so a change in the machine's speed meanwhile reaches them all alike and leaves
+    their differences (a block's cost) alone: timed one copy after the other, a 2-block copy and a 6-block one a few
+    seconds apart put llama_small's LoRA step 38-42% under what its runs took."""
     import torch
 
     from onn.hardware.memory import release_mmap_threshold
@@ -230,7 +231,9 @@ def _step_times(
         start = time.perf_counter()
         while len(times[0]) < least or time.perf_counter() - start < seconds:
             one_each()
-        return [min(t) if vocab is not None else statistics.mean(t) for t in times]
+        if vocab is not None:
+            return [min(t) for t in times]
+        return [statistics.mean(t) if seconds or windows is not None else statistics.median(t) for t in times]
     finally:
         torch.set_num_threads(before)
         if engines:  # their malloc setting is process-wide: the next timing starts from glibc's largest
