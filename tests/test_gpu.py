@@ -224,11 +224,12 @@ def test_a_gpu_plan_counts_a_sliced_mlp_as_tracked_down_to_the_backwards_tail():
     """A block's recompute and backward with its gated MLP in slices peaks at a slice (its activations and weights
     cast) until the slices are narrow, then at the backward's tail past them (the recomputed norms' float32 copies
     and gradients), where more slices save nothing. Tracked on a CPU (a Phi-3 block with LoRA on its linears, int8
-    codes, norms recomputed, bf16 autocast, 64 x 16 tokens), the plan's peak falls as the block's does, slice count
-    by slice count; it counted nine and more of Phi-4's slices below what they hold, and a whole MLP without the
-    input its down projection's adapter keeps (the plan held 72% of what a whole MLP holds above eight slices)."""
+    codes, norms recomputed, bf16 autocast with peft's input cast off, as the engine runs a block; 64 x 16 tokens), the
+    plan's peak falls as the block's does, slice count by slice count and from whole; it counted nine and more of
+    Phi-4's slices below what they hold."""
     import types
 
+    from peft.helpers import disable_input_dtype_casting
     from test_streaming import LiveBytes
 
     from onn.hardware.profile import resolve
@@ -256,7 +257,7 @@ def test_a_gpu_plan_counts_a_sliced_mlp_as_tracked_down_to_the_backwards_tail():
 
     def tracked_mb(tiles: int) -> float:
         tile_blocks([block], tiles)
-        with torch.autocast("cpu", dtype=torch.bfloat16), LiveBytes() as held:
+        with torch.autocast("cpu", dtype=torch.bfloat16), disable_input_dtype_casting(block), LiveBytes() as held:
             block(x.clone().requires_grad_(True), position_embeddings=rotary, position_ids=position)[0].sum().backward()
         return held.peak / 2**20
 
@@ -278,7 +279,7 @@ def test_a_gpu_plan_counts_a_sliced_mlp_as_tracked_down_to_the_backwards_tail():
     assert tracked[16] == pytest.approx(tracked[8], abs=0.1) and tracked[4] > tracked[8] + 1  # the tail, reached at 8
     assert planned[16] == pytest.approx(planned[8], abs=0.1)
     for tiles in (1, 2, 4):  # whole and wider slices above the tail, planned as tracked (and 5% for the allocator)
-        assert planned[tiles] - planned[8] == pytest.approx(tracked[tiles] - tracked[8], rel=0.2)
+        assert planned[tiles] - planned[8] == pytest.approx(tracked[tiles] - tracked[8], rel=0.1)
 
 
 def test_a_gpu_plan_counts_the_hidden_states_a_streamed_step_passes_along():

@@ -576,14 +576,10 @@ def gpu_stream_memory(
     # the block's peak once the slices are narrow. Tracked on a CPU (a Phi-4 block with LoRA on its linears, int8
     # codes, norms recomputed as on a GPU; 512 to 4,096 tokens in 5, 9, 18 and 36 slices): this counts each of the
     # 17 sliced figures within 4%; at 128 x 16 tokens 457 MB in five slices (counts 450), 415 in nine (counts 415).
-    # Whole, an adapter on the down projection (all-linear targets, as lora_params_per_block counts them) keeps its
-    # input, the product of intermediate features, for its own gradient: one more per token in each adapted block of
-    # the chunk (tracked: 1.26 of them per token with adapters on the MLP's linears against none, at 4,096 features).
     mlp = 4 * spec.intermediate
     width = max((b - a for a, b in mlp_slices(spec.intermediate, tiles)), default=0)  # the widest slice
     if tiles == 1:
-        adapted = min(chunk, len(s.sparse_layers))
-        held_mlp = (mlp * chunk + spec.intermediate * (1 + adapted)) * tokens * cb
+        held_mlp = (mlp * chunk + spec.intermediate) * tokens * cb
     else:  # the slice's activations and its gate, up and down weights cast, or the tail's hidden states
         held_mlp = max(5 * width * tokens + 3 * width * spec.hidden, BACKWARD_TAIL_STATES * spec.hidden * tokens) * cb
     recompute = (s.per_token_layer - mlp) * chunk * MIXED_ACTIVATION_FACTOR * tokens * cb + held_mlp
