@@ -11,18 +11,17 @@ n blocks is then rest + n x block, divided by the share of a core the plan's thr
 is the median of nine steps (the fastest of nine ran 20-35% under what runs measured; their mean once put a grid's
 llama_small sparse-LoRA plan at 189.5 ms a block where its run took 37, as one stalled step among nine would);
 `window_s` (task=bench, just before its steps, gives as long as its timed steps will take, at most WINDOW_S) skips
-the cache and times the
-copies' steps for that long: this shared host runs for seconds at a time a third slower and then fast again
-(phi4_tiny's run: 0.19 s steps for three seconds, 0.30 s for three, 0.19 again), so nine steps, under a second,
-catch one speed where a run's twenty meet both; `windows` (task=bench, between its steps: onn/bench/suite.py)
-times them back to back before every fifth of the run's steps, so the timings meet the spells the steps meet.
-A large block's is the fastest of three (its matmuls, undisturbed:
-one disturbed step in three put Phi-4's at 950 ms per block, where runs took 560). Timings are in CPU time on one
-thread (which other processes' load does not stretch), so a busy machine measures what a quiet one would. Results
-are cached per machine and shapes for MAX_AGE_S: this shared host's speed drifts over the hours (llama_small's grid
-step was timed at 0.47 s and ran at 0.68 s in a sweep later, on idle cores; timed again, 0.56 s and ran at 0.58 to
-0.60 s), so a timing older than that is taken again. Large models (whose step is matmuls, which the plan's FLOP
-model predicts from the measured matmul rate) and GPUs keep the FLOP model.
+the cache and times the copies' steps for that long, their mean: this shared host runs for seconds at a time a third
+slower and then fast again (phi4_tiny's run: 0.19 s steps for three seconds, 0.30 s for three, 0.19 again), so nine
+steps, under a second, catch one speed where a run's twenty meet both; `windows` (task=bench, between its steps:
+onn/bench/suite.py) times them back to back before every fifth of the run's steps, so the timings meet the spells
+the steps meet. A large block's is the fastest of three (its matmuls, undisturbed: one disturbed step in three put
+Phi-4's at 950 ms per block, where runs took 560). Timings are in CPU time on one thread (which other processes'
+load does not stretch), so a busy machine measures what a quiet one would. Results are cached per machine and
+shapes for MAX_AGE_S: this shared host's speed drifts over the hours (llama_small's grid step was timed at 0.47 s
+and ran at 0.68 s in a sweep later, on idle cores; timed again, 0.56 s and ran at 0.58 to 0.60 s), so a timing
+older than that is taken again. Large models (whose step is matmuls, which the plan's FLOP model predicts from the
+measured matmul rate) and GPUs keep the FLOP model.
 """
 
 from __future__ import annotations
