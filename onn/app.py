@@ -37,8 +37,8 @@ from onn.errors import UserError
 from onn.export.settings import check_settings as check_export
 from onn.hardware.cluster import is_rank_zero, use_own_gpu
 from onn.hardware.memory import cap_gpu_memory, is_out_of_memory, release_gpu, release_mmap_threshold
+from onn.hardware.profile import Profile, use_threads
 from onn.hardware.profile import resolve as resolve_hardware
-from onn.hardware.profile import use_threads
 from onn.modalities.base import Job, Modality
 from onn.modalities.registry import detect, get
 from onn.planning.plan import render
@@ -352,6 +352,26 @@ def _set(tree: dict[str, Any], path: list[str], value: Any) -> None:
     tree[path[-1]] = value
 
 
+def _hardware(config: ONNConfig, task: Task) -> Profile:
+    """The machine's profile, measured or cached, for the current device; said when CUDA_VISIBLE_DEVICES hides
+    every GPU, and refused for a task that measures a GPU when there is none (a CPU's plan would refuse it in
+    other words: its budget)."""
+    use_own_gpu()  # before the profile, the cap and the memory readings act on the current device
+    hardware = resolve_hardware(config.hardware, Path(config.paths.cache), Path(config.paths.outputs))
+    if hardware.gpus_hidden:
+        print(
+            f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} hides every GPU: "
+            "planning and running on the CPU.",
+            flush=True,
+        )
+    if task.gpu and hardware.accelerator != "cuda":
+        raise UserError(
+            f"task={config.task.name} measures a CUDA GPU, and this machine has none (or CUDA_VISIBLE_DEVICES "
+            "hides it)."
+        )
+    return hardware
+
+
 def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> dict[str, Any]:
     """The run itself, on the typed, resolved config. `given`: the keys the command line set."""
     name = config.task.name
@@ -401,14 +421,7 @@ def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> 
         import peft  # noqa: F401
         import transformers  # noqa: F401
 
-    use_own_gpu()  # before the profile, the cap and the memory readings act on the current device
-    hardware = resolve_hardware(config.hardware, Path(config.paths.cache), Path(config.paths.outputs))
-    if hardware.gpus_hidden:
-        print(
-            f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} hides every GPU: "
-            "planning and running on the CPU.",
-            flush=True,
-        )
+    hardware = _hardware(config, task)
     # task=tune starts from the planner's own guess; every other task takes a cached tune result
     plan, spec = modality.plan(config, hardware, use_tuned=name != "tune")
     if writes:

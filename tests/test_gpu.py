@@ -510,6 +510,19 @@ def test_a_checkpoint_trained_on_the_gpu_evaluates_on_a_cpu_and_says_so(tmp_path
     assert plan["hardware"]["accelerator"] == "cpu" and read_metrics(tmp_path / "eval")["status"] == "ok"
 
 
+def test_bench_gpu_without_a_visible_gpu_says_so_before_planning(tmp_path):
+    """recipe=bench_gpu with no GPU visible (CUDA_VISIBLE_DEVICES=, on any machine): one sentence saying the task
+    measures a CUDA GPU. It was planned for the CPU first, whose plan refused Phi-4's 4 GB budget as too small for
+    one streamed block, which sent a user without a GPU after the budget."""
+    hidden = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = _run_with_env(hidden, "recipe=bench_gpu", f"paths.outputs={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}")
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "task=bench_gpu measures a CUDA GPU, and this machine has none" in said, said[
+        -2000:
+    ]
+    assert "budget" not in said and not (tmp_path / "run" / "plan.yaml").exists()  # refused before planning
+
+
 def _run_with_env(env: dict[str, str], *args: str):
     import subprocess
     import sys

@@ -144,5 +144,5 @@ TASKS: dict[str, Task] = {
     "bench_omny": Task(_bench_omny, modalities=TEXT),
     "bench_chaos": Task(_bench_chaos, model=False, heavy=False),
     "bench_overhead": Task(_bench_overhead, check=_check_overhead, modalities=TEXT),
-    "bench_gpu": Task(_bench_gpu, check=_check_gpu, modalities=TEXT),
+    "bench_gpu": Task(_bench_gpu, check=_check_gpu, modalities=TEXT, gpu=True),
 }

@@ -30,6 +30,7 @@ class Task:
     model: bool = True  # False: the task neither plans nor builds a model (a benchmark of the planner alone)
     heavy: bool = True  # the task trains or runs a model: Lightning and transformers are imported before planning
     trains: bool = False  # the task fits weights: its trainer.max_steps/max_epochs must end
+    gpu: bool = False  # the task measures a CUDA GPU: refused on a machine without one, before anything is planned
 
 
 def _train(job: Job) -> dict[str, Any]:
