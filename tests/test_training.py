@@ -416,6 +416,57 @@ def test_a_training_step_reads_its_loss_only_when_something_reads_it(tmp_path, r
         assert checkpoint.best_model_score is not None
 
 
+def test_lightnings_hook_names_are_set_without_nn_modules_setattr(tmp_path, monkeypatch):
+    """Lightning sets the module's `_current_fx_name` before and after every hook, 44 times a training step. ONN's
+    modules set it as a plain attribute (onn/training/module.py), not through nn.Module.__setattr__'s checks for
+    parameters, buffers and submodules: none of those calls is made, while self.log (which reads the name to know
+    where it logs from) and the name seen from a callback's hook still read what Lightning set."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from onn.modalities.diffusion.module import DiffusionModule
+    from onn.modalities.pairs.module import DualEncoder
+    from onn.training.classifier import Classifier
+    from onn.training.module import ONNModule
+
+    through_module: list[str] = []
+    setattr_ = torch.nn.Module.__setattr__
+
+    def spied(self, name, value):
+        if name == "_current_fx_name":
+            through_module.append(value)
+        setattr_(self, name, value)
+
+    seen_in_hooks: list[str] = []
+
+    class Names(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            seen_in_hooks.append(pl_module._current_fx_name)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+    data = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
+    module = Classifier(torch.nn.Linear(4, 3), ["a", "b", "c"], OPTIM, {})
+    monkeypatch.setattr(torch.nn.Module, "__setattr__", spied)
+    trainer = L.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        logger=CSVLogger(tmp_path, name="csv", version=""),
+        callbacks=[Names()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+    )
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    assert through_module == []
+    assert seen_in_hooks == ["on_train_batch_end"] * 4
+    rows = [r for r in csv.DictReader((tmp_path / "csv" / "metrics.csv").open()) if r.get("train/loss")]
+    assert [float(r["train/loss"]) for r in rows] == pytest.approx([float(v) for v in module.train_losses])
+    for cls in (CausalLM, DiffusionModule, DualEncoder):  # every LightningModule ONN trains
+        assert issubclass(cls, ONNModule), cls
+
+
 @pytest.mark.slow
 def test_qlora_trains_lora_on_a_4bit_base_also_after_a_validation(tmp_path):
     """strategy=qlora loads the base through transformers' BitsAndBytesConfig (NF4) on this device, and

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,6 +23,7 @@ from onn.errors import UserError
 from onn.streaming.engine import Objective
 from onn.training.distributed import clip_gradients
 from onn.training.metrics import ClassPairs, WeightedMean
+from onn.training.module import ONNModule
 from onn.training.optim import make_optimizer, make_schedule
 from onn.training.record import EpochRecord, log_train_loss
 
@@ -67,7 +67,7 @@ class LinearProbe(nn.Module):
         return self.head(self.backbone(images))
 
 
-class Classifier(EpochRecord, L.LightningModule):
+class Classifier(EpochRecord, ONNModule):
     loop = LOOP
     describes = "ONN's image classifier"
 

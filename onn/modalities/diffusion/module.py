@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +21,7 @@ from onn.config.run import OptimConfig
 from onn.errors import UserError
 from onn.streaming.engine import Objective
 from onn.training.distributed import clip_gradients
+from onn.training.module import ONNModule
 from onn.training.optim import make_optimizer, make_schedule
 from onn.training.record import EpochRecord, log_train_loss
 
@@ -140,7 +140,7 @@ def to_pixels(x: torch.Tensor) -> torch.Tensor:
     return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
 
 
-class DiffusionModule(EpochRecord, L.LightningModule):
+class DiffusionModule(EpochRecord, ONNModule):
     loop = LOOP
     describes = "ONN's diffusion training"
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,6 +23,7 @@ from torch import nn
 from onn.config.model import DualEncoderConfig
 from onn.config.run import OptimConfig
 from onn.training.distributed import clip_gradients
+from onn.training.module import ONNModule
 from onn.training.optim import make_optimizer, make_schedule
 from onn.training.record import EpochRecord, log_train_loss
 
@@ -59,7 +59,7 @@ def retrieval_metrics(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str], 
     return out
 
 
-class DualEncoder(EpochRecord, L.LightningModule):
+class DualEncoder(EpochRecord, ONNModule):
     loop = LOOP
     describes = "ONN's dual encoder"
 

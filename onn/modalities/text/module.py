@@ -22,7 +22,6 @@ import math
 import traceback
 from typing import Any
 
-import lightning as L
 import torch
 
 from onn.config.run import OptimConfig
@@ -33,6 +32,7 @@ from onn.streaming.engine import target_tokens
 from onn.training.distributed import clip_gradients, forward_module, wrap_for_fsdp
 from onn.training.metrics import WeightedMean
 from onn.training.micro_batches import OutOfMemoryFloor, split
+from onn.training.module import ONNModule
 from onn.training.optim import make_optimizer, make_schedule
 from onn.training.record import log_train_loss
 
@@ -43,7 +43,7 @@ log = logging.getLogger("onn")
 LOOP = "manual-accumulation"
 
 
-class CausalLM(L.LightningModule):
+class CausalLM(ONNModule):
     def __init__(
         self,
         model: torch.nn.Module,
