@@ -8,12 +8,10 @@ import lightning as L
 
 
 class ONNModule(L.LightningModule):
-    """Lightning names the hook it is in by setting `_current_fx_name` on the module before and after every hook
-    (44 times a training step: 13 module hooks, each set and restored, and the closure's). Each goes through
-    nn.Module.__setattr__, which checks the value against parameters, buffers and submodules first: 0.07 ms of a
-    bare LightningModule's 0.43 ms loop overhead a step on 2 Xeon cores, where a small CNN's step on a fast GPU is
-    the host's. The name is a string or None, never a tensor or a module, so it is set as a plain attribute is,
-    as PyTorch sets its own in nn.Module.__init__."""
+    """Lightning sets `_current_fx_name` before and after every hook it calls (lightning/pytorch/trainer/call.py),
+    some 44 times a training step, where a small CNN's step on a fast GPU is the host's time. The value is only ever
+    a str or None, so it is set as nn.Module.__init__ sets its own attributes, without nn.Module.__setattr__'s checks
+    for parameters, buffers and submodules (docs/gpu.md, "Where the image runner's overhead lives")."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "_current_fx_name":
