@@ -212,6 +212,8 @@ def test_a_gpu_plan_streams_phi4_from_pinned_host_memory_within_the_budget():
     assert plan.predicted_peak_memory_mb < five.predicted_peak_memory_mb <= 1536 < whole.predicted_peak_memory_mb
     assert s.predicted_step_s <= whole.streaming.predicted_step_s * 1.1  # one more MLP pass, under the copies
     assert s.predicted_h2d_gb > 20 and s.predicted_io_s == pytest.approx(s.predicted_h2d_gb * 1024 / 50_000, rel=0.1)
+    nf4 = next(a for a in s.alternatives if a["store_dtype"] == "nf4")  # faster, passed over, and the reason says so
+    assert nf4["predicted_step_s"] < s.predicted_step_s and any("nf4 costs precision" in r for r in plan.reasons)
     small_host = dataclasses.replace(
         cfg.hardware, **{**H200, "host_memory_mb": 16_000, "host_memory_available_mb": 12_000}
     )

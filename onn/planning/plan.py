@@ -706,27 +706,47 @@ def _precision(
 
 
 def _streaming_reason(s: StreamingPlan) -> str:
-    """Why these streaming settings: their predicted step against the next fastest."""
+    """Why these streaming settings: their predicted step against the next fastest, and why a faster store,
+    where there is one, was passed over (nf4 costs precision; a store within the tie is less precise)."""
     place = "in host memory" if s.store == "cpu" else f"on disk, {s.cache_blocks} block(s) cached in host memory"
     line = (
         f"streaming: {s.store_dtype} store {place}, chunk {s.chunk_size}, edges {s.edges}: predicted "
         f"{s.predicted_step_s:.2f} s/step (I/O {s.predicted_io_s:.2f} s for {_moved(s)}, "
         f"compute {s.predicted_compute_s:.2f} s in {s.compute_dtype}"
         + (f", decode {s.predicted_decode_s:.2f} s" if s.predicted_decode_s else "")
-        + "), the fastest that fits"
+        + ")"
     )
     others = [a for a in s.alternatives if (a["store_dtype"], a["store"]) != (s.store_dtype, s.store)]
-    if others:
-        a = others[0]
-        line += f"; next: {a['store_dtype']} {a['store']} store at {a['predicted_step_s']:.2f} s/step"
-    return line
+    faster = [a for a in others if a["predicted_step_s"] < s.predicted_step_s]
+    if not faster:
+        line += ", the fastest that fits"
+        if others:
+            a = others[0]
+            line += f"; next: the {a['store_dtype']} store {_place(a['store'])} at {a['predicted_step_s']:.2f} s/step"
+        return line
+    a = faster[0]
+    if a["store_dtype"] == "nf4":
+        return line + (
+            f"; the nf4 store {_place(a['store'])} would take {a['predicted_step_s']:.2f} s/step, but nf4 "
+            "costs precision and is chosen only when nothing else fits (strategy.streaming.store_dtype=nf4 asks for it)"
+        )
+    return line + (
+        f"; the {a['store_dtype']} store {_place(a['store'])} would take {a['predicted_step_s']:.2f} s/step, within "
+        "the tie of the fastest, where the more precise store, then the one holding least memory, is chosen"
+    )
 
 
 def _moved(s: StreamingPlan) -> str:
     """What a streamed step moves: GB read from the disk, and on a GPU GB copied over the host link."""
-    read = f"{s.predicted_disk_read_gb:,.1f} GB read"
-    copied = s.predicted_h2d_gb
-    return f"{read} and {copied:,.1f} GB copied to the GPU" if copied else read
+    read, copied = f"{s.predicted_disk_read_gb:,.1f} GB read", s.predicted_h2d_gb
+    if not copied:
+        return read
+    copy = f"{copied:,.1f} GB copied to the GPU"
+    return f"{read} and {copy}" if s.predicted_disk_read_gb else copy
+
+
+def _place(store: str) -> str:
+    return "in host memory" if store == "cpu" else "on disk"
 
 
 def _store_folder(cfg: ONNConfig) -> Path:
