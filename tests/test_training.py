@@ -464,6 +464,46 @@ def test_lightnings_hook_names_are_set_without_nn_modules_setattr():
     assert [c for c in found if not issubclass(c, ONNModule)] == []
 
 
+def test_onns_trainer_wraps_no_hook_in_a_profiler_unless_trainer_profiler_names_one(tmp_path):
+    """Lightning's default profiler records nothing, yet wraps every hook in its generator-based context (17 a
+    step, and each callback's). ONN's Trainer hands back one shared empty context instead: in four steps no hook
+    goes through Lightning's `Profiler.profile` (the old code: 117 in setup and four steps). `trainer.profiler=simple`
+    gets Lightning's SimpleProfiler, which times the training step; an unknown name is one sentence."""
+    from lightning.pytorch.profilers import Profiler
+
+    from onn.hardware.profile import resolve
+    from onn.modalities import get
+    from onn.training.classifier import Classifier
+    from onn.training.trainer import build_trainer, check
+
+    profiled: list[str] = []
+    profile = Profiler.profile
+
+    def counted(self, action_name: str):
+        profiled.append(action_name)
+        return profile(self, action_name)
+
+    x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+    data = torch.utils.data.DataLoader([(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)], batch_size=None)
+    cfg = compose("trainer.max_steps=4", "trainer.enable_progress_bar=false", f"paths.cache={tmp_path / 'cache'}")
+    plan, _ = get("text").plan(cfg, resolve(cfg.hardware, tmp_path / "cache", tmp_path))
+    runs = {}
+    for name in (None, "simple"):
+        cfg.trainer.profiler = name
+        trainer = build_trainer(cfg, plan, tmp_path / str(name), [], loggers=False, steps_per_epoch=4)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Profiler, "profile", counted)
+            trainer.fit(Classifier(torch.nn.Linear(4, 3), ["a", "b", "c"], OPTIM, {}), train_dataloaders=data)
+        runs[name], profiled[:] = (trainer, list(profiled)), []
+    assert runs[None][1] == [] and runs[None][0].global_step == 4
+    simple, hooks = runs["simple"]
+    assert hooks.count("[Strategy]SingleDeviceStrategy.training_step") == 4
+    assert len(simple.profiler.recorded_durations["[Strategy]SingleDeviceStrategy.training_step"]) == 4
+    cfg.trainer.profiler = "fast"
+    with pytest.raises(UserError, match=r"^trainer.profiler='fast': give one of Lightning's profilers"):
+        check(cfg.trainer)
+
+
 @pytest.mark.slow
 def test_qlora_trains_lora_on_a_4bit_base_also_after_a_validation(tmp_path):
     """strategy=qlora loads the base through transformers' BitsAndBytesConfig (NF4) on this device, and

@@ -58,6 +58,7 @@ class TrainerConfig:
     limit_val_batches: Any = None
     limit_test_batches: Any = None
     gradient_clip_val: float | None = None
+    profiler: str | None = None  # one of Lightning's (simple | advanced | pytorch); null: none at all
 
 
 @dataclass

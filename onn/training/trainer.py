@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # the strategy module imports Lightning: the runs that stream
 log = logging.getLogger("onn")
 MULTI_DEVICE = ("ddp", "ddp_spawn", "fsdp", "deepspeed")
 GPU_ONLY = ("fsdp", "deepspeed")  # Lightning refuses these on the CPU
+PROFILERS = ("simple", "advanced", "pytorch")  # Lightning's names for its profilers
 
 
 def check(trainer: TrainerConfig, *, trains: bool = True) -> None:
@@ -43,6 +44,11 @@ def check(trainer: TrainerConfig, *, trains: bool = True) -> None:
     every = trainer.log_every_n_steps
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise UserError(f"trainer.log_every_n_steps={every!r}: give a whole number, 1 or more.")
+    if trainer.profiler not in (None, *PROFILERS):
+        raise UserError(
+            f"trainer.profiler={trainer.profiler!r}: give one of Lightning's profilers ({', '.join(PROFILERS)}), "
+            "or null for none."
+        )
     interval = trainer.val_check_interval
     if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
         raise UserError(
@@ -199,6 +205,7 @@ def build_trainer(
     from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor
 
     from onn.training.checkpoint_io import SafetensorsCheckpointIO
+    from onn.training.profiler import NoProfiler
 
     share_console_with_hydra()
     trainer = config.trainer
@@ -234,6 +241,7 @@ def build_trainer(
     # validate() would otherwise become inference tensors that fit's validation cannot update
     kwargs["inference_mode"] = False
     kwargs["enable_checkpointing"] = any(isinstance(c, Checkpoint) for c in callbacks)
+    kwargs["profiler"] = trainer.profiler or NoProfiler()
     return L.Trainer(
         default_root_dir=str(run_dir),
         logger=made or False,
