@@ -8,8 +8,10 @@ and without trusting archive member names (an absolute or '..' path is reported,
 
 from __future__ import annotations
 
+import csv
 import errno
 import hashlib
+import io
 import itertools
 import json
 import lzma
@@ -26,6 +28,7 @@ from typing import IO, Any
 from onn.errors import UserError
 
 SKIP_DIRS = frozenset({"__MACOSX"})  # macOS zip resource forks: never data
+csv.field_size_limit(2**31 - 1)  # a CSV field may hold a whole document; csv refuses one over 128 KB by default
 ARCHIVE_KINDS = ("zip", "tar", "targz")
 # What a damaged archive raises while it is listed or read (gzip.BadGzipFile is an OSError); zipfile raises
 # RuntimeError for an encrypted member and NotImplementedError for a compression method it lacks.
@@ -257,6 +260,21 @@ def iter_members(path: str | os.PathLike[str], kind: str | None = None) -> Itera
                 )
 
 
+def wanted_members(
+    path: str | os.PathLike[str], kind: str, wanted: Callable[[str], bool], refused: list[str]
+) -> Iterator[tuple[str, bytes]]:
+    """(clean name, bytes) of each archive member whose name `wanted` takes, hidden ones (a Mac zip's
+    __MACOSX/._x copies, .DS_Store) left out. A wanted member whose name cannot be used (absolute, or with '..')
+    is added to `refused` as "name: why", for the caller's report. Raises ARCHIVE_ERRORS as iter_members does."""
+    for member in iter_members(path, kind):
+        if member.name is None:
+            if wanted(member.raw):
+                refused.append(f"{member.raw}: {member.problem}")
+        elif not is_hidden(member.name) and wanted(member.name):
+            with member.open() as f:
+                yield member.name, f.read()
+
+
 def _checked(raw: str) -> tuple[str | None, str | None]:
     try:
         return clean_member_name(raw), None
@@ -309,6 +327,26 @@ def jsonl_objects(text: str, where: str, wanted: str = "an object with fields") 
         if not isinstance(row, dict):
             raise UserError(f"{where} line {number} is a JSON {json_type(row)}, not {wanted}.")
         rows.append((number, row))
+    return rows
+
+
+def csv_objects(text: str, where: str) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, row by the header's column names) of each row of a CSV with a header. A row with more fields
+    than the header (a caption or label with an unquoted comma) is one sentence naming `where` and the line: csv's
+    DictReader would file the rest under the key None, and the field before it would be cut at the comma."""
+    reader = csv.DictReader(io.StringIO(text))
+    rows = []
+    try:
+        for row in reader:
+            if None in row:
+                raise UserError(
+                    f"{where} line {reader.line_num} has {len(row[None])} more field(s) than its header's "
+                    f"{len(reader.fieldnames or ())} columns; put a field that holds a comma in double quotes "
+                    '("a dog, running").'
+                )
+            rows.append((reader.line_num, row))
+    except csv.Error as e:
+        raise UserError(f"{where} line {reader.line_num} is not valid CSV ({e}); fix that line.") from None
     return rows
 
 

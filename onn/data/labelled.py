@@ -17,7 +17,6 @@ that are absolute or climb out with '..' are refused and named.
 
 from __future__ import annotations
 
-import csv
 import io
 import logging
 import os
@@ -31,6 +30,7 @@ from typing import IO
 from onn.data.files import (
     ARCHIVE_ERRORS,
     archive_kind,
+    csv_objects,
     existing_source,
     is_hidden,
     iter_members,
@@ -218,6 +218,12 @@ def _strip_wrapper(names: list[str]) -> int:
     return 0
 
 
+def _split(parts: list[str]) -> str:
+    """The split a file's folders name (train/, test/, val/ first under the source or its archive's top
+    folder), or "all"."""
+    return SPLITS.get(parts[0].lower(), "all") if len(parts) > 1 else "all"
+
+
 def _folder_labels(media: dict, key: str, path: Path, allow_unlabelled: bool) -> list[MediaFile]:
     names = list(media)
     skip = _strip_wrapper(names)
@@ -244,10 +250,10 @@ def _regex_labels(media: dict, pattern: str, key: str) -> list[MediaFile]:
         regex = re.compile(pattern)
     except re.error as e:
         raise UserError(f"data.label_from={pattern!r} is not a valid regular expression: {e}.") from e
-    out = []
+    out, skip = [], _strip_wrapper(list(media))
     for name, src in media.items():
         parts = name.split("/")
-        split = SPLITS.get(parts[0].lower(), "all") if len(parts) > 1 else "all"
+        split = _split(parts[skip:])
         found = regex.search(parts[-1])
         label = (found.group(1) if regex.groups else found.group(0)) if found else None
         out.append(MediaFile(name, label, split, src))
@@ -257,7 +263,7 @@ def _regex_labels(media: dict, pattern: str, key: str) -> list[MediaFile]:
 def _manifest_rows(name: str, text: str, key: str) -> list[tuple[int, dict]]:
     if name.lower().endswith(".jsonl"):
         return jsonl_objects(text, f"{key}: {name}", "an object with file_name and a label")
-    return list(enumerate(csv.DictReader(io.StringIO(text)), 2))
+    return csv_objects(text, f"{key}: {name}")
 
 
 def _manifest_labels(
@@ -277,22 +283,19 @@ def _manifest_labels(
             file = next((row[c] for c in FILE_COLUMNS if row.get(c)), None)
             if file is None:
                 raise UserError(
-                    f"{key}: {name} row {n} has no file_name; the manifest needs file_name and {column} columns."
+                    f"{key}: {name} line {n} has no file_name; the manifest needs file_name and {column} columns."
                 )
             if column not in row:
                 raise UserError(
-                    f"{key}: {name} row {n} has no {column!r} column (it has {', '.join(row)}); set data.label_column."
+                    f"{key}: {name} line {n} has no {column!r} column (it has {', '.join(row)}); set data.label_column."
                 )
             target = folder + str(file).replace("\\", "/").lstrip("./")
             value = row[column]
             labels[target] = None if value in (None, "") else str(value)
-    out = []
+    out, skip = [], _strip_wrapper(list(media))
     for name, src in media.items():
-        if name not in labels:
-            continue
-        parts = name.split("/")
-        split = SPLITS.get(parts[0].lower(), "all") if len(parts) > 1 else "all"
-        out.append(MediaFile(name, labels[name], split, src))
+        if name in labels:
+            out.append(MediaFile(name, labels[name], _split(name.split("/")[skip:]), src))
     listed = set(media)
     refused += [f"{t}: named in the manifest but not in {path}" for t in labels if t not in listed]
     left = [n for n in media if n not in labels]

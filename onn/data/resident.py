@@ -437,9 +437,8 @@ class ClassificationData(L.LightningDataModule):
         if "val" in items:
             self.streamed["val"] = (items["val"], list(range(len(items["val"]))))
         else:
-            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(self.seed)).tolist()
-            n_val = self._val_count(len(train))
-            self.streamed["val"], index = (train, order[:n_val]), order[n_val:]
+            index, val = self._held_out(torch.as_tensor(train.labels))
+            self.streamed["val"] = (train, val)
         self.streamed["train"] = (train, index)
         if "test" in items:
             self.streamed["test"] = (items["test"], list(range(len(items["test"]))))
@@ -465,10 +464,24 @@ class ClassificationData(L.LightningDataModule):
         return n_val
 
     def _hold_out(self, train: Split) -> tuple[Split, Split]:
-        """A seeded validation split taken from train (the same items for every run with this seed)."""
-        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(self.seed))
-        n_val = self._val_count(len(train))
-        return train.subset(order[n_val:]), train.subset(order[:n_val])
+        kept, val = self._held_out(train.labels)
+        return train.subset(torch.tensor(kept)), train.subset(torch.tensor(val))
+
+    def _held_out(self, labels: torch.Tensor) -> tuple[list[int], list[int]]:
+        """(train, val) indices: a seeded validation share of train (the same items for every run with this seed),
+        less one item of each class it would take whole, so the model trains on every class it is validated on
+        (a class folder of one file was, for some seeds, validated on only)."""
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.seed)).tolist()
+        n_val = self._val_count(len(labels))
+        val, kept = order[:n_val], order[n_val:]
+        trained = set(labels[kept].tolist())
+        for i in list(val):
+            label = int(labels[i])
+            if label not in trained and len(val) > 1:
+                val.remove(i)
+                kept.append(i)
+                trained.add(label)
+        return kept, val
 
     # -- loaders ----------------------------------------------------------------------------------
     def train_dataloader(self):

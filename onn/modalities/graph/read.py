@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from onn.data.files import existing_source
+from onn.data.files import ARCHIVE_ERRORS, archive_kind, existing_source, walk_files, wanted_members
 from onn.data.labelled import check_bad
 from onn.errors import UserError
 from onn.modalities.mesh.read import MESH_SUFFIXES, MeshError, load_geometry, place, principal_axes, unwrap
@@ -187,29 +187,23 @@ def decode(payload: Path | bytes, name: str, align: str, max_nodes: int, level: 
     return read_edge_list(text, max_nodes)
 
 
-def graph_entries(path: Path, key: str) -> Iterator[tuple[str, Path | bytes]]:
-    """(relative name, path or bytes) of every graph or mesh file in a file, folder or archive."""
+def graph_entries(path: Path, key: str, refused: list[str]) -> Iterator[tuple[str, Path | bytes]]:
+    """(relative name, path or bytes) of every graph or mesh file in a file, folder or archive; an archive's
+    members whose names cannot be used go to `refused`."""
     if path.is_file() and readable(path.name):
         yield path.name, path
         return
     if path.is_dir():
-        from onn.data.files import walk_files
-
         for rel, full in walk_files(path):
             if readable(rel):
                 yield rel, full
         return
     # an archive: the mesh reader's listing takes mesh names only, so members are read here by the same helper
-    from onn.data.files import ARCHIVE_ERRORS, archive_kind, iter_members
-
     kind = archive_kind(path)
     if kind is None:
         raise UserError(f"{key} {path} is not a graph file, a folder or a .zip/.tar archive; {HELP}.")
     try:
-        for member in iter_members(path, kind):
-            if member.name is not None and readable(member.name):
-                with member.open() as f:
-                    yield member.name, f.read()
+        yield from wanted_members(path, kind, readable, refused)
     except ARCHIVE_ERRORS as e:
         raise UserError(f"{key} {path} is not a readable archive ({e}); repack it, or unpack it into a folder.") from e
 
@@ -227,18 +221,20 @@ def read_source(
     """Every split of a graph source: {train, val, test} as its folders say, else {all}. A graph's class is its
     folder's name, or (in no class folder) the number in its y."""
     path = existing_source(source, key, HELP)
-    names, graphs, skipped, total = [], [], [], 0
-    for name, payload in graph_entries(path, key):
+    names, graphs, skipped, refused, total = [], [], [], [], 0
+    for name, payload in graph_entries(path, key, refused):
         total += 1
         try:
             graphs.append(decode(payload, name, align, max_nodes, level))
             names.append(name)
         except GraphError as e:
             skipped.append(f"{name}: {e}")
+    total += len(refused)
+    skipped += refused
     if not total:
         raise UserError(f"{key} {path}: found no graph files; {HELP}.")
     check_bad(skipped, total, max_bad_fraction, path, key, "graph files", "cannot be used")
-    short = unwrap(names) if path.is_dir() else names
+    short = unwrap(names) if path.is_dir() or archive_kind(path) else names
     placed = [place(n) for n in short]
     folders = sorted({c for _, c in placed if c is not None})
     numbered = sorted({int(g.y.view(-1)[0]) for g, (_, c) in zip(graphs, placed) if c is None and "y" in g})

@@ -70,6 +70,9 @@ class ImageDataModule(ClassificationData):
         settings = {k: v for k, v in decode_settings(self.cfg).items() if k in STREAM_SETTINGS}
         for v in items.values():
             v.configure(**settings)
+        if len({v.channels for v in items.values()}) > 1:  # grey in one split, colour in another: all in colour,
+            for v in items.values():  # as a resident read widens them
+                v.configure(**{**settings, "channels": 3})
         return items
 
 

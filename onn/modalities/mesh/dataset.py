@@ -45,7 +45,12 @@ def read_cached(
             source,
         )
     path = existing_source(Path(source).expanduser(), key, HELP)
-    digest = {"digest": content_digest(path), "settings": settings.__dict__, "unlabelled": allow_unlabelled}
+    digest = {
+        "digest": content_digest(path),
+        "settings": settings.__dict__,
+        "unlabelled": allow_unlabelled,
+        "max_bad_fraction": bad,  # a cache filled under a looser limit must not pass a stricter one
+    }
     return cached_decode(
         "meshes",
         digest,

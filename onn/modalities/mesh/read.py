@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from onn.config.data import MeshData
-from onn.data.files import ARCHIVE_ERRORS, archive_kind, existing_source, iter_members, walk_files
+from onn.data.files import ARCHIVE_ERRORS, archive_kind, existing_source, walk_files, wanted_members
 from onn.data.labelled import check_bad
 from onn.data.resident import Decoded
 from onn.errors import UserError
@@ -202,8 +202,9 @@ def decode(source: Path | bytes, name: str, settings: Sampling) -> np.ndarray:
 # A source: a file, a folder or an archive of class folders
 
 
-def entries(path: Path, key: str) -> Iterator[tuple[str, Path | bytes]]:
-    """(relative name, path or bytes) of every mesh file in a file, folder or zip/tar archive."""
+def entries(path: Path, key: str, refused: list[str]) -> Iterator[tuple[str, Path | bytes]]:
+    """(relative name, path or bytes) of every mesh file in a file, folder or zip/tar archive; an archive's
+    members whose names cannot be used go to `refused`."""
     if path.is_dir():
         for rel, full in walk_files(path):
             if is_mesh_name(rel):
@@ -216,10 +217,7 @@ def entries(path: Path, key: str) -> Iterator[tuple[str, Path | bytes]]:
         yield path.name, path
         return
     try:
-        for member in iter_members(path, kind):
-            if member.name is not None and is_mesh_name(member.name):
-                with member.open() as f:
-                    yield member.name, f.read()
+        yield from wanted_members(path, kind, is_mesh_name, refused)
     except ARCHIVE_ERRORS as e:
         raise UserError(f"{key} {path} is not a readable archive ({e}); repack it, or unpack it into a folder.") from e
 
@@ -256,14 +254,17 @@ def read_source(
     names: list[str] = []
     arrays: list[np.ndarray] = []
     skipped: list[str] = []
+    refused: list[str] = []
     total = 0
-    for name, payload in entries(path, key):
+    for name, payload in entries(path, key, refused):
         total += 1
         try:
             arrays.append(decode(payload, name, settings))
             names.append(name)
         except MeshError as e:
             skipped.append(f"{name}: {e}")
+    total += len(refused)
+    skipped += refused
     if not total:
         raise UserError(f"{key} {path}: found no mesh files; {HELP}.")
     check_bad(skipped, total, max_bad_fraction, path, key, "mesh files", "cannot be used")

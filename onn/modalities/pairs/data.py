@@ -10,6 +10,7 @@ retrieval metrics are measured on those.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import tempfile
 from pathlib import Path
@@ -92,6 +93,18 @@ def decode_pairs(
     return out
 
 
+def named_files_digest(listing: Listing) -> str:
+    """A digest of the files a listing's entries name, by (name, size, mtime_ns) as content_digest keys a folder:
+    a replaced image changes it where the metadata file naming it does not change."""
+    h = hashlib.sha256()
+    for entries in listing.entries.values():
+        for entry in entries:
+            if entry.path is not None:
+                st = entry.path.stat()
+                h.update(f"{entry.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
 class PairData(L.LightningDataModule):
     """The held-out split and the training pairs of a paired source, resident on `device`.
 
@@ -127,11 +140,14 @@ class PairData(L.LightningDataModule):
             raise UserError(
                 f"data.source {source}: {listing.summary()}; at least {MIN_PAIRS} complete pairs are needed."
             )
+        path = Path(str(source)).expanduser()
         key = {
-            "digest": content_digest(Path(str(source)).expanduser()),
+            "digest": content_digest(path),
             "keys": listing.keys,
             "sides": {n: as_dict(s.config.data) for n, s in self.sides.items()},
         }
+        if path.is_file():  # a metadata file: the files it names sit beside it, outside its own digest
+            key["named"] = named_files_digest(listing)
         bad = self.cfg.max_bad_fraction
         decoded = cached_decode(
             "pairs",

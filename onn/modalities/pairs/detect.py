@@ -17,8 +17,6 @@ counted and a few named. Files of neither are left out and counted too.
 
 from __future__ import annotations
 
-import csv
-import io
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,6 +29,7 @@ from onn.data.files import (
     UnsafeMemberNameError,
     archive_kind,
     clean_member_name,
+    csv_objects,
     existing_source,
     iter_members,
     jsonl_objects,
@@ -252,6 +251,11 @@ def _collect(listing: Listing, groups: dict[str, dict[str, list[Entry]]]) -> Non
 # metadata.jsonl / metadata.csv
 
 
+class UnreadableMetadata(UserError):
+    """A metadata.csv / metadata.jsonl that cannot be read (not UTF-8, a malformed line). data=auto says so,
+    rather than read the folder beside it as another modality."""
+
+
 def _rows(meta: Path, limit: int | None) -> list[tuple[int, dict[str, Any]]]:
     """(line number, row) of a metadata file; at most SNIFF_BYTES of it when limit is set."""
     raw = read_head(meta, SNIFF_BYTES) if limit is not None else read_file(meta)
@@ -259,14 +263,16 @@ def _rows(meta: Path, limit: int | None) -> list[tuple[int, dict[str, Any]]]:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         if limit is None or e.start < len(raw) - 4:
-            raise UserError(f"{meta} is not UTF-8 text (byte {e.start}); save it as UTF-8.") from None
+            raise UnreadableMetadata(f"{meta} is not UTF-8 text (byte {e.start}); save it as UTF-8.") from None
         text = raw[: e.start].decode("utf-8-sig")
     if limit is not None and len(raw) == SNIFF_BYTES:
         text = text.rsplit("\n", 1)[0]  # the last line may be cut
-    if meta.name.lower().endswith(".csv"):
-        reader = csv.DictReader(io.StringIO(text))
-        return [(reader.line_num, dict(row)) for row in reader]
-    return jsonl_objects(text, str(meta), "an object with file_name")
+    try:
+        if meta.name.lower().endswith(".csv"):
+            return csv_objects(text, str(meta))
+        return jsonl_objects(text, str(meta), "an object with file_name")
+    except UserError as e:
+        raise UnreadableMetadata(str(e)) from None
 
 
 def _from_metadata(

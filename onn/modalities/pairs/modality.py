@@ -32,7 +32,7 @@ class PairsModality(Modality):
     sniff_priority = 10  # a folder of pairs also holds images (or meshes, or text): pairs are the more specific reading
 
     def sniff(self, path: Path) -> str | None:
-        from onn.modalities.pairs.detect import SNIFF_FILES, find_pairs
+        from onn.modalities.pairs.detect import SNIFF_FILES, UnreadableMetadata, find_pairs
 
         if str(path).startswith("builtin:") or not (
             path.is_dir() or path.suffix.lower() in (".tar", ".gz", ".tgz", ".jsonl", ".csv")
@@ -40,6 +40,8 @@ class PairsModality(Modality):
             return None
         try:
             listing = find_pairs(path, limit=SNIFF_FILES)
+        except UnreadableMetadata:
+            raise  # the folder's metadata file names pairs: reading the folder as another modality would hide it
         except (UserError, OSError):
             return None
         items = listing.complete * 2 + listing.orphan_count + len(listing.left_out)

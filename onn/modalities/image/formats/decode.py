@@ -324,6 +324,11 @@ class ItemList:
             raise UserError(mixed_sizes(ref[0], ref[1], self.names[i], a.shape[:2]))
         return torch.from_numpy(np.array(a[None] if a.ndim == 2 else a.transpose(2, 0, 1), dtype=np.uint8))
 
+    @property
+    def channels(self) -> int | str:
+        """The channels load() gives: data.channels, or under auto 1 when the first items are all grey, else 3."""
+        return self._opts.channels if isinstance(self._fetch, ArrayFetch) else self._probe()[0]
+
     def _probe(self) -> tuple[int | str, tuple[str, tuple[int, int]] | None]:
         """Channels and reference size (HxW) from the first items that decode."""
         if self._probed is None:

@@ -166,5 +166,12 @@ def _tree_layout(names: list[str], where: str, allow_unlabelled: bool, key: str)
                 f"{key}: found no class folders in {folder}, only images; expected {LAYOUT}, or set "
                 "data.allow_unlabelled=true to read unlabelled images."
             )
+    kept = {i for entries in out.values() for i, _ in entries}
+    loose = [names[i] for i in range(len(names)) if i not in kept]
+    if loose:
+        raise UserError(
+            f"{key}: {len(loose)} image(s) in {where} sit in no class folder beside images that do, e.g. "
+            f"{loose[0]}; move them into their class's folder or out of the source (expected {LAYOUT})."
+        )
     classes = sorted({c for entries in out.values() for _, c in entries if c is not None})
     return out, classes
