@@ -183,6 +183,107 @@ def test_max_tokens_stop_seed_and_limits(lm):
         assert too_big.status_code == 413
 
 
+ALTERNATING = (  # a chat template like Llama-2's or Mistral's: an optional system message, then user/assistant turns
+    "{% if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content'] %}{% set msgs = messages[1:] %}"
+    "{% else %}{% set sys = '' %}{% set msgs = messages %}{% endif %}"
+    "{% for m in msgs %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and sys %}[SYS]{{ sys }}[/SYS]{% endif %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    "[assistant]"
+)
+
+
+def served_model(running):
+    """The LanguageModel the running server decodes with (its tokenizer and Prompter)."""
+    return running.app.state.scheduler.lm
+
+
+def serve_settings(running):
+    """The running server's serve.* settings (a test may change one for its own requests)."""
+    return next(r.endpoint.__self__ for r in running.app.routes if r.path == "/v1/chat/completions").settings
+
+
+def test_a_one_message_chat_fills_a_data_template_of_record_fields(lm, monkeypatch):
+    """docs/text.md's data.template='{instruction}\\n{input}': the user's text is the instruction, the input
+    empty, as an Alpaca record without one was trained (it was a 400 naming {instruction})."""
+    prompter = served_model(lm).prompter
+    monkeypatch.setattr(prompter, "template", "{instruction}\n{input}")
+    expected = served_model(lm).tokenizer("Name a colour.\n", add_special_tokens=prompter.add_special_tokens)
+    with client(lm) as http:
+        reply = chat(http, "Name a colour.", max_tokens=2)
+    assert reply["usage"]["prompt_tokens"] == len(expected["input_ids"])
+
+
+def test_without_max_tokens_the_default_is_cut_to_what_the_context_leaves(lm, monkeypatch):
+    """A request that gives no max_tokens is not refused for one: the default fits the context the prompt leaves,
+    and a prompt that fills the context is named as the problem."""
+    from onn.tasks.serve import api
+
+    monkeypatch.setattr(api, "_context", lambda served: 24)
+    body = {"model": MODEL, "temperature": 0}
+    with client(lm) as http:
+        fits = http.post("/v1/completions", json={**body, "prompt": "x" * 20})
+        assert fits.status_code == 200, fits.text
+        assert fits.json()["usage"]["total_tokens"] <= 24
+        for extra, param in (({"prompt": "x" * 24}, "prompt"), ({"prompt": "x" * 20, "max_tokens": 10}, "max_tokens")):
+            refused = http.post("/v1/completions", json={**body, **extra})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+            assert refused.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_developer_message_is_the_system_message(lm, monkeypatch):
+    """OpenAI's developer role replaces system: a chat template that takes a system message and then alternating
+    turns gets it as one (it was a user turn, and this template refused user, user)."""
+    served = served_model(lm)
+    monkeypatch.setattr(served.tokenizer, "chat_template", ALTERNATING)
+    monkeypatch.setattr(served.prompter, "chat", True)
+    prompt_tokens = {}
+    with client(lm) as http:
+        for role in ("system", "developer"):
+            messages = [{"role": role, "content": "Answer in French."}, {"role": "user", "content": "hi"}]
+            body = {"model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0}
+            response = http.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            prompt_tokens[role] = response.json()["usage"]["prompt_tokens"]
+    assert prompt_tokens["developer"] == prompt_tokens["system"]
+
+
+def test_serve_template_false_gives_the_model_the_messages_as_typed(lm, monkeypatch):
+    """serve.template=false: no chat template either, the text tokenized as /v1/completions tokenizes a prompt."""
+    served = served_model(lm)
+    monkeypatch.setattr(
+        served.tokenizer,
+        "chat_template",
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}<|assistant|>",
+    )
+    monkeypatch.setattr(served.prompter, "chat", True)
+    monkeypatch.setattr(serve_settings(lm), "template", False)
+    with client(lm) as http:
+        typed = chat(http, "hi there", max_tokens=1)["usage"]["prompt_tokens"]
+        completion = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi there", "max_tokens": 1})
+    assert typed == completion.json()["usage"]["prompt_tokens"]
+
+
+def test_openai_nullable_values_are_taken_and_unimplemented_fields_refused(lm):
+    """stream: null and top_p: 0 (the likeliest token alone) as OpenAI takes them; logprobs, top_logprobs and
+    echo, which this server does not compute, a 400 naming the field (they were answered 200 with no logprobs)."""
+    with client(lm) as http:
+        greedy = chat(http, "hi", max_tokens=6)["choices"][0]["message"]["content"]
+        assert chat(http, "hi", max_tokens=6, stream=None)["choices"][0]["message"]["content"] == greedy
+        assert chat(http, "hi", max_tokens=6, temperature=1.0, top_p=0)["choices"][0]["message"]["content"] == greedy
+        asks = {"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "hi"}
+        for path, ask, field, value in (
+            ("/v1/chat/completions", asks[0], "logprobs", True),
+            ("/v1/chat/completions", asks[0], "top_logprobs", 2),
+            ("/v1/completions", asks[1], "logprobs", 2),
+            ("/v1/completions", asks[1], "echo", True),
+        ):
+            response = http.post(path, json={"model": MODEL, "max_tokens": 4, **ask, field: value})
+            assert response.status_code == 400, (field, response.text)
+            error = response.json()["error"]
+            assert error["param"] == field and field in error["message"] and error["code"] == "unsupported_parameter"
+
+
 INVALID = {  # per field of a chat request, values OpenAI's API refuses (strict types: "5" is no number, true no int)
     "model": [None, 5, [], {}, True, "gpt-4o", "", "llama_tiny ", "../../etc/passwd", "x" * 5000],
     "messages": [None, [], "hi", 5, {}, [None], [[]], [{"content": "hi"}], [{"role": "wizard", "content": "hi"}],
@@ -191,11 +292,11 @@ INVALID = {  # per field of a chat request, values OpenAI's API refuses (strict 
     "max_tokens": [0, -1, 2**70, 1e308, "5", True, 3.5, 65, [], {}],
     "max_completion_tokens": [0, -3, "7", 1e9, 10**6],
     "temperature": [-1, 2.5, 1e308, "0", True, [], -1e308],
-    "top_p": [0, -0.1, 1.5, "1", False, {}],
+    "top_p": [-0.1, 1.5, "1", False, {}],
     "stop": [5, [5], [None], [""], ["a"] * 9, {}, True, "x" * 300],
     "seed": [-1, 2**70, "1", 1.5, True, []],
     "n": [0, 2, -1, "1", 1.5],
-    "stream": ["yes", 1, 0, [], None],
+    "stream": ["yes", 1, 0, []],
     "stream_options": ["x", 5, [], True],
 }  # fmt: skip
 RAW = [
@@ -357,6 +458,50 @@ def test_a_client_that_goes_away_frees_its_slot(lm):
             time.sleep(0.05)
         assert not scheduler.active
         assert chat(http, "next", max_tokens=3)["usage"]["completion_tokens"] <= 3
+
+
+def test_a_client_that_leaves_a_whole_completion_frees_its_slot_before_max_tokens(lm, monkeypatch):
+    """A non-streamed request's client that disconnects while it decodes: its row leaves the batch then, not at
+    max_tokens (the scheduler sends an event every token, so a check only after a quiet second never ran)."""
+    scheduler = lm.app.state.scheduler
+    step = scheduler.lm.step
+
+    def paced_step(*args):  # 10 ms a token: 64 tokens outlast the client by far
+        time.sleep(0.01)
+        return step(*args)
+
+    monkeypatch.setattr(scheduler.lm, "step", paced_step)
+    body = json.dumps({"model": MODEL, "prompt": "long", "max_tokens": 64, "temperature": 0}).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", lm.port)) as raw:
+        raw.sendall(head.encode() + body)
+        deadline = time.monotonic() + 30
+        while not (scheduler.active and scheduler.active[0].tokens) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        seq = scheduler.active[0]  # decoding; the client closes its connection now
+    deadline = time.monotonic() + 30
+    while scheduler.active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seq.cancelled.is_set() and len(seq.tokens) < 64
+
+
+def test_an_upload_keeps_its_extension_when_its_name_has_dots_of_its_own():
+    """Audio and video readers go by the extension: "Voice memo 1.2 (edited).wav" lost its .wav and was refused."""
+    from onn.tasks.serve.api import _run_classifier
+
+    class NameSeen:
+        def classify(self, path, top_k):
+            return [(path.name, 1.0)], None
+
+    for name, kept in (
+        ("memo.wav", "upload.wav"),
+        ("Voice memo 1.2 (edited).wav", "upload.wav"),
+        ("take_3.final-mix.wav", "upload.wav"),
+        ("Scan.NII.GZ", "upload.nii.gz"),
+        ("no extension", "upload"),
+    ):
+        assert _run_classifier(NameSeen(), b"x", name, 1, False)[0][0][0] == kept, name
 
 
 @pytest.fixture(scope="module")

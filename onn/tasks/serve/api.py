@@ -14,6 +14,7 @@ import json
 import logging
 import re
 import secrets
+import string
 import tempfile
 import threading
 import time
@@ -39,6 +40,11 @@ log = logging.getLogger("onn")
 OPEN_PATHS = ("/health", "/")  # no key needed: the page holds no model data, and asks for the key itself
 UPLOAD_OVERHEAD = 64 * 1024  # multipart boundaries and headers around an upload
 MAX_SEED = 2**63 - 1
+UNIMPLEMENTED = {  # OpenAI's fields this server does not compute: refused, not silently ignored
+    "logprobs": "returns no log-probabilities",
+    "top_logprobs": "returns no log-probabilities",
+    "echo": "does not echo the prompt",
+}
 
 
 class ApiError(Exception):
@@ -96,15 +102,18 @@ class Generation(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="allow")  # other OpenAI fields (user, logit_bias...) are ignored
     model: str = Field(max_length=256)
-    stream: bool = False
+    stream: bool | None = False  # null: not streamed, as OpenAI takes it
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)  # 0: only the likeliest token
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     n: int | None = Field(default=None, ge=1, le=1)
     stream_options: StreamOptions | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    echo: bool | None = None
 
 
 class ChatRequest(Generation):
@@ -299,15 +308,18 @@ class Server:
     async def chat(self, request: Request):
         req = _parse(await request.body(), ChatRequest)
         lm = _language_model(self.served, req, self.model_name)
-        messages = [{"role": "user" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        prompter, template = lm.prompter, self.settings.template
+        # OpenAI's developer message is the system message of newer models
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        prompter = lm.prompter
+        if not self.settings.template:  # the messages' text as typed, tokenized as /v1/completions tokenizes
+            ids = _prompt_ids(lm, "".join(m["content"] for m in messages), True, self.settings, "messages")
+            return await self._generate(request, req, ids, "chat.completion")
         try:
-            if template and len(messages) == 1 and messages[0]["role"] == "user":
-                text = prompter.render(messages[0]["content"])  # as trained: data.template, then the chat template
-            elif template or prompter.chat:
-                text = prompter.render_messages(messages)
+            if len(messages) == 1 and messages[0]["role"] == "user":
+                text = messages[0]["content"]  # as trained: data.template, then the chat template
+                text = prompter.render(text, _record(prompter.template, text))
             else:
-                text = "".join(m["content"] for m in messages)
+                text = prompter.render_messages(messages)
         except Exception as e:  # a chat template's own rule (roles that must alternate...), a template's field
             raise ApiError(
                 400, f"the messages do not fit the model's prompt format: {_short(e)}", param="messages"
@@ -325,16 +337,9 @@ class Server:
         return await self._generate(request, req, ids, "text_completion")
 
     async def _generate(self, request: Request, req: Generation, ids: list[int], kind: str):
-        sampling = _sampling(req, self.settings)
-        room = _context(self.served)
-        if room is not None and len(ids) + sampling.max_tokens > room:
-            raise ApiError(
-                400,
-                f"the prompt's {len(ids)} tokens and max_tokens {sampling.max_tokens} pass the model's "
-                f"context of {room} tokens",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
+        _refuse_unimplemented(req)
+        param = "messages" if kind == "chat.completion" else "prompt"
+        sampling = _sampling(req, self.settings, _max_tokens(req, self.settings, _context(self.served), ids, param))
         if len(self.scheduler.waiting) >= self.settings.max_waiting:
             raise ApiError(
                 429, "too many requests are waiting; try again shortly", "rate_limit_error", code="rate_limit_exceeded"
@@ -356,17 +361,16 @@ class Server:
         return await self._whole(request, seq, events, rid, kind, now)
 
     async def _whole(self, request: Request, seq: Sequence, events: asyncio.Queue, rid: str, kind: str, now: int):
-        """The whole completion, once it has finished (499 when the client left meanwhile)."""
+        """The whole completion, once it has finished (499 when the client left meanwhile: its row leaves the
+        batch at the next step, as a stream's does, not when max_tokens runs out)."""
         text, finish = [], None
+        watcher = asyncio.create_task(_put_disconnect(request, events))
         try:
             while finish is None:
-                try:
-                    event = await asyncio.wait_for(events.get(), timeout=1.0)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        seq.cancel()
-                        return Response(status_code=499)
-                    continue
+                event = await events.get()
+                if "gone" in event:
+                    seq.cancel()
+                    return Response(status_code=499)
                 if "text" in event:
                     text.append(event["text"])
                 else:
@@ -374,6 +378,8 @@ class Server:
         except asyncio.CancelledError:
             seq.cancel()
             raise
+        finally:
+            watcher.cancel()
         if finish["finish"] == "error":
             raise ApiError(503, f"generation failed: {finish['error']}", "server_error", code="generation_failed")
         self.stats.add(completion_tokens=finish["completion_tokens"])
@@ -503,8 +509,7 @@ _classify_lock = threading.Lock()
 
 def _run_classifier(served, data: bytes, filename: str, top_k: int, picture: bool) -> tuple[list, bytes | None]:
     """Decode the upload as the modality reads a file (a temporary file of the upload's extension)."""
-    suffix = "".join(Path(filename).suffixes[-2:])[:16].lower()
-    suffix = suffix if re.fullmatch(r"(\.[a-z0-9]{1,8}){1,2}", suffix) else ""
+    suffix = _upload_suffix(filename)
     with tempfile.TemporaryDirectory(prefix="onn-serve-") as folder:
         path = Path(folder) / f"upload{suffix}"
         path.write_bytes(data)
@@ -532,6 +537,37 @@ def _run_classifier(served, data: bytes, filename: str, top_k: int, picture: boo
                 served.picture(sample, labels[0][0], png)
                 image = png.read_bytes()
     return labels, image
+
+
+def _upload_suffix(filename: str) -> str:
+    """The upload's extension, which readers choose by: the last two suffixes (.tar.gz), else the last alone
+    (a name with dots of its own: "memo 1.2 (edited).wav"), else none."""
+    suffixes = [suffix.lower() for suffix in Path(filename).suffixes]
+    for suffix in ("".join(suffixes[-2:]), "".join(suffixes[-1:])):
+        if re.fullmatch(r"(\.[a-z0-9]{1,8}){1,2}", suffix):
+            return suffix
+    return ""
+
+
+async def _put_disconnect(request: Request, events: asyncio.Queue) -> None:
+    """A {"gone"} event once the client disconnects: the scheduler sends an event every token, so a check
+    between events would never run while the request decodes."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    events.put_nowait({"gone": True})
+
+
+def _record(template: str, text: str) -> dict[str, str]:
+    """The user's text as a record for data.template, as training filled it: in {prompt} when the template
+    names it (no record), else in the first field it names ({instruction} of '{instruction}\\n{input}'), the
+    other fields empty, as an optional field a record lacked."""
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name]
+    except ValueError:
+        return {}  # Prompter.render says what is wrong with the template
+    if not names or "prompt" in names:
+        return {}
+    return {name: text if name == names[0] else "" for name in names}
 
 
 def _parse(body: bytes, model: type[BaseModel]) -> Any:
@@ -588,15 +624,48 @@ def _prompt_ids(lm, text: str, special: bool, settings: ServeConfig, param: str)
     return ids
 
 
-def _sampling(req: Generation, settings: ServeConfig) -> Sampling:
-    most = settings.max_tokens
-    wanted = req.max_completion_tokens or req.max_tokens or min(settings.default_max_tokens, most)
-    if wanted > most:
+def _refuse_unimplemented(req: Generation) -> None:
+    for name, missing in UNIMPLEMENTED.items():
+        if getattr(req, name) not in (None, False, 0):
+            raise ApiError(
+                400,
+                f"{name}: this server {missing}; leave {name} out.",
+                param=name,
+                code="unsupported_parameter",
+            )
+
+
+def _max_tokens(req: Generation, settings: ServeConfig, room: int | None, ids: list[int], param: str) -> int:
+    """The tokens to generate: what the request asked for, else serve.default_max_tokens cut to the context the
+    prompt leaves (a client that asked for no length is not refused for one)."""
+    most, asked = settings.max_tokens, req.max_completion_tokens or req.max_tokens
+    if asked is None:
+        left = most if room is None else room - len(ids)
+        if left < 1:
+            raise ApiError(
+                400,
+                f"the prompt's {len(ids)} tokens fill the model's context of {room} tokens; shorten the {param}.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return min(settings.default_max_tokens, most, left)
+    if asked > most:
         raise ApiError(
             400,
-            f"max_tokens={wanted}: this server generates at most {most} (serve.max_tokens)",
+            f"max_tokens={asked}: this server generates at most {most} (serve.max_tokens)",
             param="max_tokens",
         )
+    if room is not None and len(ids) + asked > room:
+        raise ApiError(
+            400,
+            f"the prompt's {len(ids)} tokens and max_tokens {asked} pass the model's context of {room} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return asked
+
+
+def _sampling(req: Generation, settings: ServeConfig, wanted: int) -> Sampling:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > settings.max_stop or any(not s or len(s) > 256 for s in stop):
         raise ApiError(400, f"stop: at most {settings.max_stop} strings of 1 to 256 characters", param="stop")

@@ -217,11 +217,11 @@ def _send(seq: Sequence, event: dict[str, Any]) -> None:
 
 def _pick(logits: torch.Tensor, rows: list[Sequence]) -> list[int]:
     """Each row's next token, read back in one copy (each read of a GPU value waits for it): greedy at
-    temperature 0, else sampled through transformers' temperature and top-p warpers (as model.generate), with
-    the request's own generator when it gave a seed."""
+    temperature 0 or top_p 0 (a nucleus of the likeliest token alone), else sampled through transformers'
+    temperature and top-p warpers (as model.generate), with the request's own generator when it gave a seed."""
     picks = logits.argmax(-1)
     for i, seq in enumerate(rows):
-        if seq.sampling.temperature:
+        if seq.sampling.temperature and seq.sampling.top_p:
             picks[i] = _sample(logits[i], seq.sampling, seq.generator)
     return picks.tolist()
 
