@@ -466,8 +466,8 @@ def test_a_client_that_leaves_a_whole_completion_frees_its_slot_before_max_token
     scheduler = lm.app.state.scheduler
     step = scheduler.lm.step
 
-    def paced_step(*args):  # 10 ms a token: 64 tokens outlast the client by far
-        time.sleep(0.01)
+    def paced_step(*args):  # 50 ms a token: 64 tokens outlast the client by far, even on a busy machine
+        time.sleep(0.05)
         return step(*args)
 
     monkeypatch.setattr(scheduler.lm, "step", paced_step)
