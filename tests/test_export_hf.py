@@ -273,3 +273,30 @@ def test_bad_outputs_and_a_failed_export_damage_nothing(resident, tmp_path, monk
     monkeypatch.undo()
     save_folder(module, tokenizer, folder)  # a later export replaces the earlier one whole
     assert sorted(p.name for p in folder.glob("*.safetensors")) == ["model.safetensors"]
+
+
+def test_an_export_replaces_or_removes_the_adapter_beside_its_folder(resident, tmp_path, monkeypatch):
+    """hf-adapter/ always belongs to the weights in hf/: a later export of a model without an adapter removes an
+    earlier export's, and one whose folder fails to write leaves both folders as they were."""
+    import safetensors.torch
+
+    from onn.config.export import SafetensorsExport
+    from onn.export import export_model
+
+    _, module, tokenizer = resident
+    settings = SafetensorsExport(name="safetensors", output=None, max_shard_size="2GB", adapter=True)
+    metrics = export_model(module, tmp_path / "hf", None, settings, tokenizer=tokenizer)
+    assert metrics["export/adapter"] == str(tmp_path / "hf-adapter")
+    assert (tmp_path / "hf-adapter" / "adapter_config.json").is_file()
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+    def failing(*args, **kwargs):
+        raise OSError("No space left on device (simulated)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    with pytest.raises(OSError, match="simulated"):
+        export_model(module, tmp_path / "hf", None, settings, tokenizer=tokenizer)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # no temp folder either
+    monkeypatch.undo()
+    export_model(merged_model(module), tmp_path / "hf", None, settings, tokenizer=tokenizer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # the earlier adapter is gone with its weights

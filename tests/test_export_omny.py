@@ -372,3 +372,153 @@ def test_bad_export_settings_fail_before_anything_loads():
     ]:
         with pytest.raises(UserError, match=message):
             check_settings(replace(base, **{key: value}))  # past Hydra's type checks, as Python may
+
+
+# --- what the document's figures say -------------------------------------------------------------------
+
+
+def _omny_settings(**limits):
+    from onn.config.export import ExportSample, OmnyExport
+
+    given = {"max_shard_size_mb": None, "min_vram_mb": None, "headroom_mb": None, **limits}
+    return OmnyExport(
+        name="omny", output=None, opset=18, atol=1e-4, sample=ExportSample(2, 8, None), nodes=None,
+        shard_counts=None, max_configs=8, reference_sequence_length=16, **given,
+    )  # fmt: skip
+
+
+def test_a_tied_embedding_counts_once_in_a_shard_that_holds_both_its_readers(tmp_path):
+    """The prefix's table is the head's matrix: each block's weight_bytes counts it, a shard holding both stores it
+    once, and the plans hold that, the figure validate checks, to the limit."""
+    import transformers as tf
+
+    from onn.export import export_model
+    from onn.export.onnx_export import sample_inputs
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = tf.LlamaForCausalLM(config).eval()
+    table = 1024 * 32 * 4
+    out = tmp_path / "tied.omny"
+    export_model(model, out, sample_inputs(model, 2, 8), _omny_settings(max_shard_size_mb=0.2, headroom_mb=0.0))
+    doc = omny.read_document(out)
+    blocks = doc["blocks"]
+    summed = sum(b["weight_bytes"] for b in blocks)  # the table twice: over the limit; once: under it
+    assert summed > 0.2 * 2**20 >= summed - table
+    plans = doc["shard_plans"]
+    assert plans["allowed_counts"][0] == 1  # stored once, the whole model fits one shard
+    for conf in plans["configurations"]:
+        for d in conf["detail"]:
+            a, b = d["blocks"]
+            peak = max(x["activation_bytes_per_sample"] for x in blocks[a:b])
+            assert d["weight_bytes"] <= 0.2 * 2**20
+            assert d["total_mb"] == round((d["weight_bytes"] + peak) / 2**20, 1)
+    assert omny.validate(out, echo=lambda *_: None)
+
+
+class _BatchLoop(__import__("torch").nn.Module):
+    """A Python loop over the batch: torch.export fixes the batch axis at the traced size."""
+
+    def __init__(self):
+        import torch
+
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        import torch
+
+        rows = []
+        for i in range(x.shape[0]):
+            h = x[i]
+            for layer in self.layers:
+                h = torch.relu(layer(h)) + h
+            rows.append(self.head(h))
+        return torch.stack(rows)
+
+
+def test_figures_of_a_graph_with_a_fixed_batch_are_at_that_batch(tmp_path):
+    """Traced at batch 4 with the batch axis fixed, the graph runs at no other: the reference says batch 4, the
+    shapes the figures are at; a dynamic batch is at 1."""
+    import torch
+
+    from onn.export import export_model
+
+    torch.manual_seed(0)
+    out = tmp_path / "loop.omny"
+    export_model(_BatchLoop().eval(), out, {"x": torch.randn(4, 16)}, _omny_settings())
+    doc = omny.read_document(out)
+    assert doc["reference"] == {"batch_size": 4, "input_shapes": {"x": [4, 16]}}
+    assert "batch 4" in omny.inspect_omny(out).summary()
+    src = _foreign_mlp(tmp_path / "mlp.onnx", layers=2)
+    dynamic = omny.read_document(omny.enrich_onnx(src, tmp_path / "mlp.omny", {"x": np.zeros((3, 32), np.float32)}))
+    assert dynamic["reference"] == {"batch_size": 1, "input_shapes": {"x": [1, 32]}}
+
+
+def test_export_output_naming_a_folder_is_refused_before_the_trace(tmp_path, monkeypatch):
+    import torch
+
+    from onn.export import export_model
+
+    monkeypatch.setattr("onn.export.onnx_export.export_onnx", lambda *a, **k: pytest.fail("traced"))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(UserError, match=r"export.output .*/out is a folder; name the .omny file to write, e.g. "):
+        export_model(_BatchLoop(), tmp_path / "out", {"x": torch.randn(2, 16)}, _omny_settings())
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_newer_minor_version_with_fields_this_reader_does_not_know_is_read(tmp_path):
+    """FORMAT_SPEC.md: MINOR versions only add optional fields; a reader of an older MINOR ignores them. A document
+    of this reader's own version is still held to the schema whole."""
+    src = _foreign_mlp(tmp_path / "mlp.onnx", layers=2)
+    good = omny.enrich_onnx(src, tmp_path / "good.omny", {"x": np.zeros((2, 32), np.float32)})
+    doc = omny.read_document(good)
+    major, minor = omny.FORMAT_VERSION.split(".")
+    newer = json.loads(json.dumps(doc))
+    newer["format_version"] = f"{major}.{int(minor) + 1}"
+    newer["flops"] = 1
+    newer["blocks"][0]["flops"] = 123
+    newer["cut_points"][0]["layout"] = "NC"
+    newer["reference"]["dtype"] = "float32"
+    newer["shard_plans"]["batch_size"] = 1
+    newer["shard_plans"]["configurations"][0]["detail"][0]["peak_mb"] = 1.0
+    for label, document in (("newer", newer), ("same", {**newer, "format_version": omny.FORMAT_VERSION})):
+        model = onnx.load(str(good))
+        helper.set_model_props(model, {omny.METADATA_KEY: json.dumps(document)})
+        onnx.save(model, str(tmp_path / f"{label}.omny"))
+    assert omny.read_document(tmp_path / "newer.omny")["blocks"][0]["flops"] == 123
+    assert omny.validate(tmp_path / "newer.omny", echo=lambda *_: None)
+    with pytest.raises(UserError, match="Additional properties are not allowed"):
+        omny.read_document(tmp_path / "same.omny")
+    schema = omny.schema()
+    assert schema["$id"].endswith(omny.FORMAT_VERSION) and schema["title"].endswith(omny.FORMAT_VERSION)
+
+
+def test_the_spec_defines_activations_as_the_code_computes_them():
+    """An op that may run in place frees its input as it writes: FORMAT_SPEC.md's definition names every such op."""
+    from onn.export import graph as G
+
+    spec = (ROOT / "FORMAT_SPEC.md").read_text()
+    row = next(line for line in spec.splitlines() if line.startswith("| `activation_bytes_per_sample`"))
+    assert "in place" in row
+    assert [op for op in sorted(G.IN_PLACE) if f"`{op}`" not in row] == []
+
+
+def test_export_sample_image_size_is_height_and_width(tmp_path):
+    """export.sample.image_size is [H, W] (a list, as its type says); anything else is one sentence."""
+    from dataclasses import replace
+
+    from conftest import compose
+
+    from onn.export.settings import check_settings
+
+    base = compose("export=omny").export
+    check_settings(replace(base, sample=replace(base.sample, image_size=[32, 48])))
+    for bad in ([32], [0, 32], [32, 32, 3], 32):
+        with pytest.raises(UserError, match=r"export.sample.image_size=.*: give two positive whole numbers \[H, W\]"):
+            check_settings(replace(base, sample=replace(base.sample, image_size=bad)))

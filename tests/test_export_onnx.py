@@ -194,6 +194,18 @@ def test_sample_inputs_images():
     assert sample_inputs(resnet, batch_size=1, image_size=64)["pixel_values"].shape == (1, 3, 64, 64)
 
 
+def test_sample_image_size_from_the_config_is_height_and_width(tmp_path, monkeypatch):
+    """export.sample.image_size is a list [H, W] in the config, and export_for_run traces at it as it is."""
+    from conftest import compose
+
+    from onn.export import write
+
+    seen = {}
+    monkeypatch.setattr(write, "export_model", lambda model, output, sample, settings, **kw: seen.update(sample) or {})
+    write.export_for_run(compose("export=onnx", "export.sample.image_size=[32,48]"), build("resnet"), tmp_path)
+    assert seen["pixel_values"].shape == (2, 3, 32, 48)
+
+
 # ---------------------------------------------------------------- bad input
 
 

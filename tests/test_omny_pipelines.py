@@ -427,3 +427,111 @@ def test_trocr_exports_validates_decodes_as_generate_and_reads_a_page(tmp_path):
     _ocr_decoder_with_explicit_past_reads_the_tokens_generate_reads(trocr)
     _ocr_reads_a_page(trocr, tmp_path)
     _the_cli_validates_and_runs_a_pipeline(trocr, tmp_path)
+
+
+def _blocks_pipeline(kind: str, pieces):
+    """A pipeline of `pieces` (no connections): what export_pipeline writes, without a real model's minutes."""
+    from onn.export.pipelines.registry import Pipeline
+
+    return Pipeline(kind, "Blocks", lambda *models, side=None: pieces, [], lambda *a: {}, lambda *m, side=None: {})
+
+
+def _export_blocks(kind: str, folder: Path, pieces, monkeypatch) -> dict:
+    from onn.export.pipelines import export as piece_export
+
+    monkeypatch.setattr(piece_export, "export_processes", lambda pieces: 1)  # here, one after another
+    settings = compose("export=omny").export
+    return export_pipeline(_blocks_pipeline(kind, pieces), [pieces[0].module], folder, settings, LIMITS, kind)
+
+
+def test_a_failed_re_export_leaves_the_earlier_pipeline_whole(tmp_path, monkeypatch):
+    """The pieces go into a sibling folder that replaces the earlier one only once every piece is done: a piece
+    that fails after another was exported leaves the earlier folder as it was, and nothing beside it."""
+    folder = tmp_path / "blocks"
+    _export_blocks("blocks", folder, _block_pieces(), monkeypatch)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert set(before) == {"piece0.omny", "piece1.omny", "pipeline.json"}
+    torch.manual_seed(5)
+    changed = _block_pieces()  # piece0 with other weights, exported first; then piece1 fails
+    changed[0].module.blocks[0][0].weight.data.normal_()
+    changed[1].module.broken = True
+    with pytest.raises(UserError, match="a shape this piece does not take"):
+        _export_blocks("blocks", folder, changed, monkeypatch)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["blocks"]  # no temporary folder left
+    assert validate_pipeline(folder / "pipeline.json", echo=lambda *_: None)
+
+
+def test_each_pipeline_gets_its_own_folder_from_export_output(tmp_path, monkeypatch):
+    """export.output=shared/a.omny writes the pipeline to shared/a/: two pipelines named apart in one folder never
+    share a pipeline.json, and a folder holding another pipeline is refused before anything is traced."""
+    from onn.export import write
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    model = _block_pieces()[0].module
+
+    def export(kind: str, output: str):
+        pieces = _block_pieces()[:1]
+        monkeypatch.setattr(write, "_pipeline", lambda config, model: _blocks_pipeline(kind, pieces))
+        monkeypatch.setattr("onn.export.pipelines.export.export_processes", lambda pieces: 1)
+        config = compose("export=omny", f"export.output={shared / output}", "model=llama_tiny")
+        return write.export_for_run(config, model, tmp_path / "run")
+
+    first = export("one", "a.omny")
+    export("two", "b.omny")
+    assert first["export/pipeline"] == str(shared / "a" / "pipeline.json")
+    assert first["export/pieces"]["piece0"]["file"] == str(shared / "a" / "piece0.omny")
+    assert sorted(p.name for p in shared.iterdir()) == ["a", "b"]
+    kinds = {p: json.loads((shared / p / "pipeline.json").read_text())["kind"] for p in ("a", "b")}
+    assert kinds == {"a": "one", "b": "two"}
+    before = {p.name: p.read_bytes() for p in (shared / "a").iterdir()}
+    monkeypatch.setattr("onn.export.onnx_export.export_onnx", lambda *a, **k: pytest.fail("traced"))
+    with pytest.raises(UserError, match=r"shared/a already holds a one pipeline of llama_tiny, not this two pipeline"):
+        export("two", "a.omny")
+    assert {p.name: p.read_bytes() for p in (shared / "a").iterdir()} == before
+
+
+def test_a_missing_piece_file_is_named_before_any_piece_runs(tmp_path, monkeypatch):
+    from onn.export.omny.cli import main
+
+    folder = tmp_path / "blocks"
+    _export_blocks("blocks", folder, _block_pieces(), monkeypatch)
+    (folder / "piece1.omny").unlink()
+    message = rf"piece piece1's file {folder / 'piece1.omny'} is missing; put it back beside pipeline.json"
+    for call in (lambda p: run_pipeline(p, Request(tmp_path / "x.png", tmp_path / "y.png")), validate_pipeline):
+        with pytest.raises(UserError, match=message):
+            call(folder / "pipeline.json")
+    assert main(["run", str(folder / "pipeline.json"), str(tmp_path / "x.png")]) == 2
+
+
+class _Stages(torch.nn.Module):
+    """Three blocks whose first output waits for the head (as Hiera's stage outputs wait for SAM2's neck), each
+    ending in another op, so that the tensors crossing the second cut sort by name otherwise than in the graph."""
+
+    def __init__(self):
+        super().__init__()
+        acts = (torch.nn.Tanh(), torch.nn.GELU(), torch.nn.ReLU())
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), a) for a in acts)
+
+    def forward(self, features):
+        first = self.blocks[0](features)
+        return {"hidden": self.blocks[2](self.blocks[1](first)) + first}
+
+
+def test_the_tensors_crossing_a_cut_are_listed_in_graph_order(tmp_path):
+    import onnx
+
+    from onn.export.omny.format import read_document
+    from onn.export.pipelines import export as piece_export
+    from onn.export.pipelines.registry import Piece
+
+    torch.manual_seed(0)
+    piece = Piece("stages", _Stages().eval(), {"features": torch.randn(2, 8)}, runs=[["blocks.0", "blocks.1"]])
+    source = piece_export._source(piece, "stages")
+    path, _, _ = piece_export.export_piece(piece, tmp_path, compose("export=omny").export, LIMITS, source)
+    graph = onnx.load(str(path), load_external_data=False).graph
+    made = {t: i for i, node in enumerate(graph.node) for t in node.output}
+    crossing = [c["crossing"] for c in read_document(path)["cut_points"] if "crossing" in c]
+    assert crossing and crossing[0] != sorted(crossing[0])  # names sort otherwise: the order is the graph's
+    assert all(c == sorted(c, key=made.get) for c in crossing)

@@ -85,6 +85,47 @@ def test_balanced_plans_match_brute_force_and_obey_both_limits() -> None:
     assert checked > 150 and infeasible > 20  # both branches really ran
 
 
+def test_weights_blocks_share_count_once_in_a_shard_and_plans_match_brute_force() -> None:
+    """A tied embedding is stored by the prefix and the head; a shard holding both stores it once (as its extracted
+    ONNX does), so the whole model fits one shard that the blocks' summed weights would not."""
+    tied = mb_blocks((100, 1), (10, 1), (10, 1), (100, 1))
+    shared = [(0, 3, 100 * MB)]
+    plans = plan_shards(tied, max_shard_size_mb=130, min_vram_mb=200, headroom_mb=0, shared=shared)
+    assert plans[0]["ranges"] == [[0, 4]] and plans[0]["weight_mb"] == [120.0] and plans[0]["total_mb"] == [121.0]
+    assert plan_nodes(tied, [125], headroom_mb=0, shared=shared)["total_mb"] == [121.0]
+    rng = random.Random(2)
+    checked = 0
+    for _ in range(400):
+        n = rng.randint(2, 7)
+        blocks = random_blocks(rng, n)
+        every = [(a, b) for a in range(n) for b in range(a + 1, n)]
+        pairs = sorted(rng.sample(every, min(len(every), rng.randint(1, 3))))
+        shared = [(a, b, rng.randint(1, min(blocks[a].weight_bytes, blocks[b].weight_bytes))) for a, b in pairs]
+
+        def stored(s, e, shared=shared, blocks=blocks):
+            return sum(b.weight_bytes for b in blocks[s:e]) - sum(x for a, b, x in shared if s <= a and b < e)
+
+        best = {}
+        for k in range(1, n + 1):
+            for ranges in partitions(n, k):
+                weights = [stored(s, e) for s, e in ranges]
+                totals = [w + max(b.activation_bytes for b in blocks[s:e]) for w, (s, e) in zip(weights, ranges)]
+                if max(weights) <= 3 * MB and max(totals) <= 5 * MB:
+                    best[k] = min(best.get(k, math.inf), max(weights))
+        if not best:
+            with pytest.raises(UserError, match="MB too big"):
+                plan_shards(blocks, 3, 5, 0, shared=shared)
+            continue
+        plans = plan_shards(blocks, 3, 5, 0, shared=shared, max_configs=n)
+        assert [p["shards"] for p in plans] == sorted(best)
+        for plan in plans:
+            assert_cover(plan["ranges"], plan["ranges"][-1][1])
+            assert max(stored(s, e) for s, e in plan["ranges"]) == best[plan["shards"]]
+            assert plan["weight_mb"] == [round(stored(s, e) / MB, 1) for s, e in plan["ranges"]]
+        checked += 1
+    assert checked > 80  # feasible cases (the rest are refused, above)
+
+
 def test_equal_blocks_split_evenly_and_counts_start_at_the_fewest_that_fit() -> None:
     blocks = mb_blocks(*[(100, 0)] * 12)
     plans = plan_shards(blocks, max_shard_size_mb=400, min_vram_mb=1500, headroom_mb=0)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from onn.errors import UserError
+from onn.export.folders import stage, swap_in, write_atomically
 from onn.models.layers import discover
 from onn.streaming.store import stored_name
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("onn")
 BASE_LAYER = "base_layer."
+ADAPTER_MARKER = "adapter_config.json"
 
 
 def save_folder(
@@ -83,7 +85,7 @@ def save_folder(
             tokenizer.save_pretrained(str(folder))
         return count
 
-    shards = _write_atomically(Path(output), "config.json", write)
+    shards = write_atomically(Path(output), "config.json", write)
     output = Path(output)
     files = [p for p in output.iterdir() if p.is_file()]
     total = sum(p.stat().st_size for p in files)
@@ -101,9 +103,39 @@ def save_folder(
 def save_adapter(model: nn.Module, tokenizer: Any, output: Path) -> dict[str, Any]:
     """Write the LoRA adapter alone in peft's format (adapter_config.json + adapter_model.safetensors),
     loadable with PeftModel.from_pretrained(base, output)."""
+    start = time.perf_counter()
+    write_atomically(Path(output), ADAPTER_MARKER, _adapter_writer(model, tokenizer))
+    return _adapter_metrics(Path(output), start)
+
+
+def save_export(
+    model: nn.Module, tokenizer: Any, output: Path, *, engine: Any = None, max_shard_size: str | int, adapter: bool
+) -> dict[str, Any]:
+    """The folder (save_folder) and OUTPUT-adapter beside it, replaced together: the adapter is staged before the
+    folder is written and swapped in right after it, and an export without one removes an earlier export's, so the
+    adapter beside the weights is always the one trained with them."""
+    start = time.perf_counter()
+    beside = output.with_name(output.name + "-adapter")
+    staged = stage(beside, ADAPTER_MARKER, _adapter_writer(model, tokenizer))[0] if adapter else None
+    try:
+        metrics = save_folder(model, tokenizer, output, engine=engine, max_shard_size=max_shard_size)
+    except BaseException:
+        if staged is not None:
+            shutil.rmtree(staged, ignore_errors=True)
+        raise
+    if staged is not None:
+        swap_in(staged, beside)
+        metrics.update(_adapter_metrics(beside, start))
+    elif (beside / ADAPTER_MARKER).is_file():  # an earlier export's adapter, trained with other weights
+        shutil.rmtree(beside)
+        log.info("export: removed %s, an earlier export's adapter (this model has none)", beside)
+    return metrics
+
+
+def _adapter_writer(model: nn.Module, tokenizer: Any) -> Callable[[Path], None]:
+    """What writes the adapter into a folder; refuses a model without one before anything is written."""
     from peft import PeftModel
 
-    start = time.perf_counter()
     model, _, _ = _unwrap(model, None)
     if not isinstance(model, PeftModel):
         raise UserError(
@@ -115,8 +147,10 @@ def save_adapter(model: nn.Module, tokenizer: Any, output: Path) -> dict[str, An
         if tokenizer is not None:
             tokenizer.save_pretrained(str(folder))
 
-    _write_atomically(Path(output), "adapter_config.json", write)
-    output = Path(output)
+    return write
+
+
+def _adapter_metrics(output: Path, start: float) -> dict[str, Any]:
     files = [p for p in output.iterdir() if p.is_file()]
     return {
         "export/adapter": str(output),
@@ -378,40 +412,3 @@ class _Shards:
             text = json.dumps(index, indent=2, sort_keys=True) + "\n"
             (self.folder / "model.safetensors.index.json").write_text(text)
         return n
-
-
-def _write_atomically(output: Path, marker: str, write: Callable[[Path], Any]) -> Any:
-    """Run `write` into a temporary sibling folder and rename it to `output` only when it succeeded,
-    so a failed export leaves no half folder and an earlier export at `output` intact until then."""
-    output = output.expanduser()
-    if not output.parent.is_dir():
-        raise UserError(
-            f"export output {output}: its folder {output.parent} does not exist; create it or choose another path."
-        )
-    if output.exists() and not (output.is_dir() and (not any(output.iterdir()) or (output / marker).is_file())):
-        raise UserError(
-            f"export output {output} exists and is not an earlier export (no {marker}); "
-            "choose another path or remove it."
-        )
-    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        result = write(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = output.parent / f".{output.name}.old-{os.getpid()}" if output.exists() else None
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-        output.rename(old)
-    try:
-        tmp.rename(output)
-    except BaseException:
-        if old is not None:
-            old.rename(output)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return result

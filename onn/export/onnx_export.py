@@ -57,11 +57,12 @@ def sample_inputs(
     model,
     batch_size: int = 2,
     sequence_length: int = 16,
-    image_size: int | None = None,
+    image_size: list[int] | int | None = None,
     seed: int = 0,
 ) -> dict[str, torch.Tensor]:
     """A deterministic input that exercises the whole model: random token ids (no special or pad tokens, no
-    padding, so PyTorch and onnxruntime agree everywhere) and/or a random image of the size the model expects."""
+    padding, so PyTorch and onnxruntime agree everywhere) and/or a random image of the size the model expects.
+    `image_size`: [H, W] (export.sample.image_size), or one side of a square."""
     import torch
 
     model = _unwrap_peft(model, merge=False)
@@ -79,7 +80,7 @@ def sample_inputs(
     if kind in ("clip", "image"):
         channels, size = _image_shape(model)
         if image_size is not None:
-            size = (image_size, image_size)
+            size = tuple(image_size) if isinstance(image_size, list | tuple) else (image_size, image_size)
         inputs["pixel_values"] = torch.randn(
             batch_size, channels, *size, generator=generator, dtype=_float_dtype(model)
         )

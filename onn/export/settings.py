@@ -28,6 +28,7 @@ def check_settings(export: ExportConfig) -> None:
     if kind in ("onnx", "omny"):
         number("opset", 7, strict=False, whole=True)
         number("atol", 0, strict=False)
+        _check_image_size(export.sample.image_size)
     if kind != "omny":
         return
     for key, strict in (("max_shard_size_mb", True), ("min_vram_mb", True), ("headroom_mb", False)):
@@ -53,3 +54,14 @@ def check_settings(export: ExportConfig) -> None:
                 f"export.{key}={value!r}: give a list of positive {'whole ' if whole else ''}numbers, e.g. "
                 f"{example}, or null."
             )
+
+
+def _check_image_size(size) -> None:
+    """export.sample.image_size is the traced picture's [H, W], as the data group's image_size is."""
+    if size is None:
+        return
+    ok = isinstance(size, list | tuple) and len(size) == 2
+    if not ok or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size):
+        raise UserError(
+            f"export.sample.image_size={size!r}: give two positive whole numbers [H, W], e.g. [224, 224], or null."
+        )

@@ -35,6 +35,11 @@ MIN_VRAM_MB = 1500.0
 HEADROOM_MB = 256.0
 
 
+# What two blocks both count in their weight_bytes (a tied embedding: the prefix's table is the head's matrix):
+# (a block, a later block reading the same weight, its bytes). A range holding both stores it once.
+Shared = list[tuple[int, int, int]]
+
+
 @dataclass(frozen=True)
 class Block:
     """One entry of the document's ordered block list (prefix/embeddings, blocks, suffix/head)."""
@@ -45,13 +50,15 @@ class Block:
 
 
 class _Sizes:
-    """Any range's weights (prefix sums) and peak activation (sparse table) in O(1), in bytes."""
+    """Any range's weights (prefix sums, less what `shared` says two of its blocks both count) and peak activation
+    (sparse table) in O(1), in bytes."""
 
-    def __init__(self, blocks: list[Block], headroom_mb: float, batch_size: int) -> None:
+    def __init__(self, blocks: list[Block], headroom_mb: float, batch_size: int, shared: Shared | None = None) -> None:
         self.n = len(blocks)
         self.pre = [0]
         for block in blocks:
             self.pre.append(self.pre[-1] + block.weight_bytes)
+        self.common = _common_table(self.n, shared) if shared else None
         self.table = [[block.activation_bytes * batch_size for block in blocks]]
         span = 1
         while 2 * span <= self.n:
@@ -64,7 +71,9 @@ class _Sizes:
         self.alone = [alone[i] for i in self.by_size]
 
     def weight(self, start: int, end: int) -> int:
-        return self.pre[end] - self.pre[start]
+        """What the range stores: each weight once, however many of its blocks read it."""
+        counted = self.pre[end] - self.pre[start]
+        return counted - self.common[start][end] if self.common else counted
 
     def activation(self, start: int, end: int) -> int:
         level = (end - start).bit_length() - 1
@@ -72,7 +81,20 @@ class _Sizes:
         return max(row[start], row[end - (1 << level)])
 
     def total(self, start: int, end: int) -> float:
-        return self.pre[end] - self.pre[start] + self.activation(start, end) + self.headroom
+        return self.weight(start, end) + self.activation(start, end) + self.headroom
+
+    def furthest(self, start: int, cap: float) -> int:
+        """The largest end with [start, end) storing at most cap bytes (start when block start alone is over)."""
+        if not self.common:
+            return bisect_right(self.pre, self.pre[start] + cap, start + 1) - 1
+        low, high = start, self.n  # weights only grow with the end: bisect on it
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.weight(start, mid) <= cap:
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     def too_big(self, cap: float, bound: float) -> list[int]:
         """Blocks that alone exceed bound utilisation of a node with cap bytes, in block order."""
@@ -84,12 +106,12 @@ class _Sizes:
 
         Ends only grow with the start (a fitting range minus its first block still fits), so one sweep does it.
         """
-        pre, n = self.pre, self.n
+        n = self.n
         out = list(range(n))
         end = 0
         for start in range(n):
             end = max(end, start)
-            while end < n and pre[end + 1] - pre[start] <= weight_cap and self.total(start, end + 1) <= total_cap:
+            while end < n and self.weight(start, end + 1) <= weight_cap and self.total(start, end + 1) <= total_cap:
                 end += 1
             out[start] = end
         return out
@@ -112,10 +134,12 @@ def plan_shards(
     batch_size: int = 1,
     counts: list[int] | None = None,
     max_configs: int = 8,
+    shared: Shared | None = None,
 ) -> list[dict]:
     """Balanced contiguous shard plans, one per allowed shard count (ascending), each fitting the smallest GPU.
 
-    Without `counts`: every feasible count from the fewest shards that fit up to `max_configs` of them.
+    Without `counts`: every feasible count from the fewest shards that fit up to `max_configs` of them. `shared`:
+    the weights blocks share, which a shard holding several of them stores once.
     """
     _check_common(blocks, headroom_mb, batch_size)
     if isinstance(max_configs, bool) or not isinstance(max_configs, int) or max_configs < 1:
@@ -128,14 +152,14 @@ def plan_shards(
             f"export.headroom_mb ({headroom_mb:g}) leaves no memory under export.min_vram_mb ({min_vram_mb:g}); "
             "lower export.headroom_mb or raise export.min_vram_mb."
         )
-    sizes = _Sizes(blocks, headroom_mb, batch_size)
+    sizes = _Sizes(blocks, headroom_mb, batch_size, shared)
     weight_cap, total_cap = max_shard_size_mb * MB, min_vram_mb * MB
     for index in range(len(blocks)):
         _check_block(blocks, sizes, index, max_shard_size_mb, min_vram_mb, headroom_mb, batch_size)
     reach = sizes.reach(weight_cap, total_cap)
     n = len(blocks)
     # Fewest shards: extend each shard as far as it fits (optimal, since fitting ranges are closed under shrinking).
-    k_min = _greedy_parts(sizes.pre, reach, math.inf, n)
+    k_min = _greedy_parts(sizes, reach, math.inf, n)
     # Any plan can be split further down to one block per shard, so exactly the counts k_min..n are feasible.
     if counts is None:
         wanted = list(range(k_min, min(n, k_min + max_configs - 1) + 1))
@@ -159,7 +183,7 @@ def plan_shards(
                     f"use counts from {k_min} to {n} or raise those limits."
                 )
     # Ascending counts: more shards never need a larger largest shard, so each optimum bounds the next search.
-    plans, cap = [], sizes.pre[n]
+    plans, cap = [], sizes.weight(0, n)
     for k in wanted:
         ranges, cap = _balanced(sizes, reach, k, cap)
         plans.append(
@@ -174,7 +198,11 @@ def plan_shards(
 
 
 def plan_nodes(
-    blocks: list[Block], nodes_mb: list[float], headroom_mb: float = HEADROOM_MB, batch_size: int = 1
+    blocks: list[Block],
+    nodes_mb: list[float],
+    headroom_mb: float = HEADROOM_MB,
+    batch_size: int = 1,
+    shared: Shared | None = None,
 ) -> dict:
     """One contiguous range per node (in the given order), in proportion to node memory, every node within it.
 
@@ -196,7 +224,7 @@ def plan_nodes(
             f"export.nodes lists {m} nodes but the model has only {n} blocks; list at most {n} nodes, "
             "since every node holds at least one block."
         )
-    sizes = _Sizes(blocks, headroom_mb, batch_size)
+    sizes = _Sizes(blocks, headroom_mb, batch_size, shared)
     counts = largest_remainder(n, nodes)
     ranges, start = [], 0
     for count in counts:
@@ -362,11 +390,11 @@ def _excess(value: float, limit: float) -> str:
     return f"{math.ceil((value - limit) * 10 - 1e-9) / 10:.1f}"
 
 
-def _greedy_parts(pre: list[int], reach: list[int], cap: float, limit: int) -> int:
+def _greedy_parts(sizes: _Sizes, reach: list[int], cap: float, limit: int) -> int:
     """Fewest shards with weights <= cap (and the fixed limits in reach); stops counting past limit."""
     n, start, parts = len(reach), 0, 0
     while start < n:
-        end = min(reach[start], bisect_right(pre, pre[start] + cap, start + 1) - 1)
+        end = min(reach[start], sizes.furthest(start, cap))
         if end <= start:
             return limit + 1
         parts += 1
@@ -378,17 +406,17 @@ def _greedy_parts(pre: list[int], reach: list[int], cap: float, limit: int) -> i
 
 def _balanced(sizes: _Sizes, reach: list[int], k: int, high: int) -> tuple[list[list[int]], int]:
     """The k-shard partition with the smallest largest weight (at most high), cuts near an even split; and it."""
-    pre, n = sizes.pre, sizes.n
-    heaviest = max(pre[i + 1] - pre[i] for i in range(n))
-    low = max(heaviest, -(-pre[n] // k)) - 1  # no k shards can all be this light
+    n = sizes.n
+    heaviest = max(sizes.weight(i, i + 1) for i in range(n))
+    low = max(heaviest, -(-sizes.weight(0, n) // k)) - 1  # no k shards can all be this light
     while high - low > 1:  # weights are whole bytes, so the optimum is a whole number
         mid = (low + high) // 2
-        if _greedy_parts(pre, reach, mid, k) <= k:
+        if _greedy_parts(sizes, reach, mid, k) <= k:
             high = mid
         else:
             low = mid
     cap = high
-    far = [min(reach[s], bisect_right(pre, pre[s] + cap, s + 1) - 1) for s in range(n)]
+    far = [min(reach[s], sizes.furthest(s, cap)) for s in range(n)]
     need = [0] * (n + 1)  # fewest shards under cap for blocks e..n-1
     for e in range(n - 1, -1, -1):
         need[e] = 1 + need[far[e]]
@@ -399,11 +427,29 @@ def _balanced(sizes: _Sizes, reach: list[int], k: int, high: int) -> tuple[list[
         first = start + 1
         while need[first] > left - 1:
             first += 1
-        ideal = (pre[n] - pre[start]) / left
-        end = min(range(first, last + 1), key=lambda e: (abs(pre[e] - pre[start] - ideal), e))
+        ideal = sizes.weight(start, n) / left
+        end = min(range(first, last + 1), key=lambda e: (abs(sizes.weight(start, e) - ideal), e))
         ranges.append([start, end])
         start = end
     return ranges, cap
+
+
+def _common_table(n: int, shared: Shared) -> list[list[int]]:
+    """common[s][e]: the bytes blocks s..e-1 count more than once (each pair a < b of `shared` inside the range)."""
+    later: dict[int, list[tuple[int, int]]] = {}
+    for a, b, size in shared:
+        later.setdefault(a, []).append((b, size))
+    rows = [[0] * (n + 1)]
+    for s in range(n - 1, -1, -1):  # the pairs starting at s, added to those starting later
+        step = [0] * (n + 1)
+        for b, size in later.get(s, []):
+            step[b + 1] += size
+        row, inside = list(rows[-1]), 0
+        for e in range(n + 1):
+            inside += step[e]
+            row[e] += inside
+        rows.append(row)
+    return rows[::-1]
 
 
 def _capacity_plan(

@@ -64,6 +64,10 @@ def export_model(
         raise UserError(
             f"export.output {output}: the folder {output.parent} does not exist; create it or choose another path."
         )
+    if kind != "safetensors" and output.is_dir():  # refused before the trace, not by the rename after it
+        raise UserError(
+            f"export.output {output} is a folder; name the .{kind} file to write, e.g. {output / ('model.' + kind)}."
+        )
     try:  # every format writes beside `output` and moves into place: a refused write leaves nothing half-written
         return _export(model, output, sample_input, settings, model_name, tokenizer, engine)
     except OSError as e:
@@ -96,10 +100,10 @@ def _export(model, output: Path, sample_input, settings, model_name, tokenizer, 
     if kind == "safetensors":
         from onn.export import hf
 
-        metrics = hf.save_folder(model, tokenizer, output, engine=engine, max_shard_size=settings.max_shard_size)
-        if settings.adapter and _has_adapter(model):
-            metrics.update(hf.save_adapter(model, tokenizer, output.with_name(output.name + "-adapter")))
-        return metrics
+        adapter = bool(settings.adapter and _has_adapter(model))
+        return hf.save_export(
+            model, tokenizer, output, engine=engine, max_shard_size=settings.max_shard_size, adapter=adapter
+        )
     if sample_input is None:
         raise UserError(f"export={kind} traces the model on a sample input; pass sample_input (named tensors).")
     if engine is not None or _has_adapter(model):
@@ -152,7 +156,7 @@ def export_for_run(
         output.parent.mkdir(parents=True, exist_ok=True)
     plain = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's wrapper
     if kind != "safetensors" and (pipeline := _pipeline(config, plain)) is not None:
-        return _export_pipeline(config, pipeline, plain, output.parent, tokenizer)
+        return _export_pipeline(config, pipeline, plain, pipeline_folder(settings.output, output), tokenizer)
     if sample is None and kind != "safetensors":
         shape: ExportSample = settings.sample
         sample = sample_inputs(plain, shape.batch_size, shape.sequence_length, shape.image_size, seed=config.seed)
@@ -161,6 +165,14 @@ def export_for_run(
     )
     log.info("export: %s", {k: v for k, v in metrics.items() if not isinstance(v, dict | list)})
     return metrics
+
+
+def pipeline_folder(given: str | None, output: Path) -> Path:
+    """Where a pipeline goes: export.output=DIR/NAME.omny (or .onnx, or DIR/NAME) is the folder DIR/NAME/, so two
+    pipelines given two names in one folder never share a pipeline.json; without export.output, the run's export/."""
+    if not given:
+        return output.parent
+    return output.with_suffix("") if output.suffix in (".omny", ".onnx") else output
 
 
 def _pipeline(config: ONNConfig, model):

@@ -45,12 +45,25 @@ def schema() -> dict[str, Any]:
     return json.loads(SCHEMA_FILE.read_text())
 
 
-def check_document(doc: dict[str, Any], where: str) -> None:
-    """Both the writer and the reader hold the document to the schema in FORMAT_SPEC.md."""
+@cache
+def _open_schema() -> dict[str, Any]:
+    """The schema without its `additionalProperties: false`: a newer MINOR version may add optional fields."""
+
+    def opened(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: opened(v) for k, v in node.items() if not (k == "additionalProperties" and v is False)}
+        return [opened(v) for v in node] if isinstance(node, list) else node
+
+    return opened(schema())
+
+
+def check_document(doc: dict[str, Any], where: str, newer_minor: bool = False) -> None:
+    """Both the writer and the reader hold the document to the schema in FORMAT_SPEC.md; a reader ignores the
+    fields a document of a newer MINOR version adds (`newer_minor`), and holds the rest to the schema."""
     import jsonschema
 
     try:
-        jsonschema.validate(doc, schema())
+        jsonschema.validate(doc, _open_schema() if newer_minor else schema())
     except jsonschema.ValidationError as e:
         at = "/".join(str(p) for p in e.absolute_path) or "<root>"
         raise UserError(f"{where}: the .omny document is invalid at {at}: {e.message}.") from None
@@ -103,15 +116,17 @@ def describe(
     sample = _check_sample(g, sample_input)
     symbolic = G.symbolic_shapes(model)
     parts, block_of = _pieces(g, symbolic, runs)
-    reference = _reference_shapes(g, sample, int(settings["reference_sequence_length"]), seq)
+    batch, reference = _reference_shapes(g, sample, int(settings["reference_sequence_length"]), seq)
     ranges = {k: (v["low"], v["high"]) for k, v in sample.items() if "low" in v}
     sizes = G.concrete_shapes(model, reference, ranges)
-    blocks, cut_points, done = [], [], set()
+    blocks, cut_points, done, stored = [], [], set(), []
     for index, piece in enumerate(parts):
         free, graph_inputs = g.free_inputs_needed(piece.nodes, () if piece.cut_after else g.outputs)
+        stored.append(g.stored(piece.nodes + sorted(free)))
         entering = set(G.crossing(g, done)) if done else set()
         done |= set(piece.nodes)
-        leaving = set(G.crossing(g, done)) if piece.cut_after else set(g.outputs)
+        crossing = G.crossing(g, done) if piece.cut_after else list(g.outputs)  # in graph order
+        leaving = set(crossing)
         name = block_of.get(piece.cut_after) if piece.cut_after else None
         name = name or _name(g, piece, index)
         blocks.append(
@@ -120,7 +135,7 @@ def describe(
                 "name": name,
                 "role": _role(index, len(parts), name, block_of),
                 "nodes": len(piece.nodes),
-                "weight_bytes": g.stored_bytes(piece.nodes + sorted(free)),
+                "weight_bytes": sum(G.tensor_bytes(g.initializers[t]) for t in stored[-1]),
                 "activation_bytes_per_sample": G.activation_peak(
                     g, piece.nodes + sorted(free), entering | graph_inputs, leaving, sizes
                 ),
@@ -131,7 +146,7 @@ def describe(
         if piece.cut_after:
             reference_length = int(settings["reference_sequence_length"])
             cut = _cut_point(piece.cut_after, index, symbolic, sizes, seq, reference_length)
-            cut_points.append(cut | _carried(piece.cut_after, sorted(leaving), sizes))
+            cut_points.append(cut | _carried(piece.cut_after, crossing, sizes))
     doc = {
         "format": "omny",
         "format_version": FORMAT_VERSION,
@@ -141,12 +156,13 @@ def describe(
         "opset": next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0),
         "inputs": [_signature(i, symbolic) | {"sample": sample[i]} for i in g.inputs],
         "outputs": [_signature(o, symbolic) for o in g.outputs],
-        "reference": {"batch_size": 1, "input_shapes": reference},
+        "reference": {"batch_size": batch, "input_shapes": reference},
         "blocks": blocks,
         "cut_points": cut_points,
     }
-    doc["shard_plans"] = _shard_plans(g, parts, blocks, settings)
-    doc["node_plan"] = _node_plan(g, parts, blocks, settings) if settings["nodes"] else None
+    shared = _shared(g, stored)
+    doc["shard_plans"] = _shard_plans(g, parts, blocks, settings, shared)
+    doc["node_plan"] = _node_plan(g, parts, blocks, settings, shared) if settings["nodes"] else None
     return doc
 
 
@@ -172,8 +188,23 @@ def _carried(name: str, crossing: list[str], sizes: dict[str, int]) -> dict[str,
     return {"crossing": crossing, "crossing_bytes_per_sample": sum(sizes.get(t, 0) for t in crossing)}
 
 
-def _shard_plans(g: G.Graph, parts: list[G.Piece], blocks: list[dict], settings: dict) -> dict[str, Any]:
+def _shared(g: G.Graph, stored: list[set[str]]) -> shards.Shared:
+    """What two blocks both store (a tied embedding: the prefix's table is the head's matrix), as (block, the next
+    block storing it, bytes): a shard holding both stores it once, as its extracted ONNX does."""
+    last: dict[str, int] = {}
+    out = []
+    for index, names in enumerate(stored):
+        for name in sorted(names):
+            if name in last:
+                out.append((last[name], index, G.tensor_bytes(g.initializers[name])))
+            last[name] = index
+    return out
 
+
+def _shard_plans(
+    g: G.Graph, parts: list[G.Piece], blocks: list[dict], settings: dict, shared: shards.Shared
+) -> dict[str, Any]:
+    """Planned with what each shard stores (each weight once), the figure its detail gives and validate checks."""
     planned = shards.plan_shards(
         _planner_blocks(blocks),
         max_shard_size_mb=float(settings["max_shard_size_mb"]),
@@ -181,6 +212,7 @@ def _shard_plans(g: G.Graph, parts: list[G.Piece], blocks: list[dict], settings:
         headroom_mb=float(settings["headroom_mb"]),
         counts=list(settings["shard_counts"]) if settings["shard_counts"] else None,
         max_configs=int(settings["max_configs"]),
+        shared=shared,
     )
     return {
         "max_shard_size_mb": float(settings["max_shard_size_mb"]),
@@ -198,10 +230,12 @@ def _shard_plans(g: G.Graph, parts: list[G.Piece], blocks: list[dict], settings:
     }
 
 
-def _node_plan(g: G.Graph, parts: list[G.Piece], blocks: list[dict], settings: dict) -> dict[str, Any]:
-
+def _node_plan(
+    g: G.Graph, parts: list[G.Piece], blocks: list[dict], settings: dict, shared: shards.Shared
+) -> dict[str, Any]:
     nodes = [float(m) for m in settings["nodes"]]
-    planned = shards.plan_nodes(_planner_blocks(blocks), nodes, headroom_mb=float(settings["headroom_mb"]))
+    headroom = float(settings["headroom_mb"])
+    planned = shards.plan_nodes(_planner_blocks(blocks), nodes, headroom_mb=headroom, shared=shared)
     return {
         "nodes_mb": nodes,
         "method": planned["method"],
@@ -281,20 +315,25 @@ def _sequence_symbols(model: onnx.ModelProto) -> set[str]:
     return out
 
 
-def _reference_shapes(g: G.Graph, sample: dict[str, dict], sequence_length: int, seq: set[str]) -> dict[str, list[int]]:
-    """The sample's shapes at batch 1, with every sequence axis at the reference length."""
+def _reference_shapes(
+    g: G.Graph, sample: dict[str, dict], sequence_length: int, seq: set[str]
+) -> tuple[int, dict[str, list[int]]]:
+    """The batch size per-sample figures are at, and the sample's shapes there, with every sequence axis at the
+    reference length: batch 1, unless the graph fixes an input's first axis above 1 (a model whose code
+    specialised the batch while it was traced runs at no other): then that size, the figures' true batch."""
+    inputs = [i for i in g.model.graph.input if i.name in sample]
+    fixed = [d.dim_value for i in inputs for d in i.type.tensor_type.shape.dim[:1] if d.HasField("dim_value")]
+    batch = max([1, *fixed])
     out = {}
-    for i in g.model.graph.input:
-        if i.name not in sample:
-            continue
+    for i in inputs:
         shape = list(sample[i.name]["shape"])
         for k, d in enumerate(i.type.tensor_type.shape.dim):
             if k == 0 and not d.HasField("dim_value"):
-                shape[k] = 1
+                shape[k] = batch
             elif d.dim_param in seq:
                 shape[k] = sequence_length
         out[i.name] = shape
-    return out
+    return batch, out
 
 
 def _seq_len(shape: list, seq_symbols: set[str], sequence_length: int) -> int | None:
@@ -391,14 +430,16 @@ def read_document(source: str | Path | onnx.ModelProto, where: str | None = None
             f"{where}: the .omny metadata is not valid JSON ({e.msg} at character {e.pos}); re-export the file."
         ) from None
     version = str(doc.get("format_version", "")) if isinstance(doc, dict) else ""
-    major = version.split(".")[0]
+    major, _, minor = version.partition(".")
     if not major.isdigit():
         raise UserError(f"{where}: the .omny metadata has no format_version; re-export the file.")
-    if int(major) > int(FORMAT_VERSION.split(".")[0]):
+    ours = [int(v) for v in FORMAT_VERSION.split(".")]
+    if int(major) > ours[0]:
         raise UserError(
             f"{where} is .omny format {version}, newer than this ONN reads ({FORMAT_VERSION}); upgrade onn."
         )
-    check_document(doc, where)
+    newer_minor = int(major) == ours[0] and minor.isdigit() and int(minor) > ours[1]
+    check_document(doc, where, newer_minor=newer_minor)
     return doc
 
 
@@ -439,7 +480,7 @@ class OmnyInfo:
             f"opset {d['opset']}, from {src.get('class') or src.get('name')} ({src.get('framework', '?')})",
             "inputs:  " + "; ".join(f"{s['name']} {s['dtype']} {_dims(s['shape'])}" for s in d["inputs"]),
             "outputs: " + "; ".join(f"{s['name']} {s['dtype']} {_dims(s['shape'])}" for s in d["outputs"]),
-            "reference shape (per-sample figures): "
+            f"reference shape (per-sample figures, batch {d['reference']['batch_size']}): "
             + ", ".join(f"{k} {v}" for k, v in d["reference"]["input_shapes"].items()),
             "",
             f"blocks ({len(d['blocks'])}) and the cut point after each",

@@ -46,7 +46,21 @@ def read(path: str | Path) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise UserError(f'{path} is not a pipeline document (no "format": "{FORMAT}").')
     check(doc, str(path))
+    _check_files(doc, path)
     return doc
+
+
+def _check_files(doc: dict[str, Any], path: Path) -> None:
+    """Every piece's file (and the tokenizer's) is beside pipeline.json: found missing now, not by onnxruntime
+    after the pieces before it have run."""
+    files = [(f"piece {p['name']}", p["file"]) for p in doc["pieces"]]
+    files += [("the tokenizer", doc["tokenizer"])] if doc.get("tokenizer") else []
+    for what, name in files:
+        if not (path.parent / name).is_file():
+            raise UserError(
+                f"{path}: {what}'s file {path.parent / name} is missing; put it back beside {path.name} or "
+                "re-export the pipeline."
+            )
 
 
 def check(doc: dict[str, Any], where: str) -> None:

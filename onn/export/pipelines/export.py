@@ -8,6 +8,7 @@ per free core."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import multiprocessing
 import os
@@ -23,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from onn.config.export import OmnyExport, OnnxExport
+from onn.errors import UserError
+from onn.export.folders import write_atomically
 from onn.export.graph import fold_constants
 from onn.export.pipelines import document
 from onn.export.pipelines.registry import Piece, Pipeline
@@ -46,34 +49,58 @@ def export_pipeline(
 ) -> dict[str, Any]:
     """Write every piece of `pipeline` (built from `models`: the model, and SAM2 for Grounded SAM2) and the
     pipeline document into `folder`; return the export/* metrics, per piece under export/pieces. `side`: the
-    detector's square image size (export.sample.image_size)."""
+    detector's square image size (export.sample.image_size). The pieces are written into a sibling folder that
+    replaces `folder` whole once every piece is done: a failed export leaves an earlier one as it was."""
     started = time.perf_counter()
-    folder.mkdir(parents=True, exist_ok=True)
+    _check_replaceable(folder, pipeline.kind, model_name)
     pieces = pipeline.pieces(*models, side=side)
-    jobs = [(piece, folder, settings, limits, _source(piece, model_name)) for piece in pieces]
     processes = export_processes(pieces)
-    entries, per_piece = [], {}
-    for piece, (path, figures, signature) in zip(pieces, _export_all(jobs, processes)):
-        entries.append({"name": piece.name, "file": path.name, "when": piece.when, **signature})
-        per_piece[piece.name] = figures
-    doc = {
-        "format": document.FORMAT,
-        "format_version": document.VERSION,
-        "kind": pipeline.kind,
-        "model": {"name": model_name, "classes": [type(m).__name__ for m in models]},
-        "pieces": entries,
-        "connections": [{"from": a, "to": b, "via": via} for a, b, via in pipeline.connections],
-        "settings": pipeline.settings(*models, side=side),
-        "tokenizer": _save_tokenizer(tokenizer, folder),
-    }
-    written = document.write(folder, doc)
+
+    def write(staged: Path) -> dict[str, Any]:
+        jobs = [(piece, staged, settings, limits, _source(piece, model_name)) for piece in pieces]
+        entries, per_piece = [], {}
+        for piece, (path, figures, signature) in zip(pieces, _export_all(jobs, processes)):
+            entries.append({"name": piece.name, "file": path.name, "when": piece.when, **signature})
+            per_piece[piece.name] = {**figures, "file": str(folder / path.name)}  # where it will be
+        doc = {
+            "format": document.FORMAT,
+            "format_version": document.VERSION,
+            "kind": pipeline.kind,
+            "model": {"name": model_name, "classes": [type(m).__name__ for m in models]},
+            "pieces": entries,
+            "connections": [{"from": a, "to": b, "via": via} for a, b, via in pipeline.connections],
+            "settings": pipeline.settings(*models, side=side),
+            "tokenizer": _save_tokenizer(tokenizer, staged),
+        }
+        document.write(staged, doc)
+        return per_piece
+
+    per_piece = write_atomically(folder, "pipeline.json", write)
     return {
-        "export/pipeline": str(written),
+        "export/pipeline": str(folder / "pipeline.json"),
         "export/pieces": per_piece,
         "export/seconds": round(time.perf_counter() - started, 3),
         "export/cut_points": sum(f.get("cut_points", 0) for f in per_piece.values()),
         "export/processes": processes,
     }
+
+
+def _check_replaceable(folder: Path, kind: str, model_name: str) -> None:
+    """Before anything is traced: a folder holding another pipeline (another kind or model) is not replaced."""
+    path = folder / "pipeline.json"
+    if not path.is_file():
+        return  # missing or empty, or not an export at all (write_atomically refuses that one)
+    try:
+        earlier = json.loads(path.read_text())
+        held = (earlier["kind"], earlier["model"]["name"])
+    except (OSError, ValueError, KeyError, TypeError):
+        held = None
+    if held != (kind, model_name):
+        what = f"a {held[0]} pipeline of {held[1]}" if held else "a pipeline.json this export did not write"
+        raise UserError(
+            f"export.output: {folder} already holds {what}, not this {kind} pipeline of {model_name}; "
+            "choose another export.output or remove that folder."
+        )
 
 
 # What one more process exporting a piece beside the others must find free. Measured (ru_maxrss above the
