@@ -2,11 +2,12 @@
 
 import os
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from onn.config.registry import register
+from onn.config.registry import register, yaml_problem
 
 register()  # the config's types (dataclasses only: nothing heavy is imported here)
 
@@ -22,6 +23,8 @@ def other_rank_overrides(argv: list[str]) -> list[str]:
 
 
 sys.argv += other_rank_overrides(sys.argv[1:])
+if problem := yaml_problem(sys.argv[1:], Path(__file__).resolve().parent / "conf"):
+    sys.exit(f"error: {problem}")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -18,6 +18,8 @@ record whose process is gone) run again.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import difflib
 import hashlib
 import json
 import logging
@@ -248,11 +250,36 @@ def compose_detected(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 
 def to_config(cfg: DictConfig) -> ONNConfig:
     """The composed config as ONN's dataclasses (onn/config), every interpolation resolved. A key the
-    command line must give (`???`, such as data.source of data=text) is one sentence naming it."""
+    command line must give (`???`, such as data.source of data=text) is one sentence naming it, and so is a key
+    no dataclass has (Hydra's `+trainer.max_step=3`, which OmegaConf would drop without a word)."""
+    unknown = unknown_keys(cfg)
+    if unknown:
+        key, fields = unknown[0]
+        close = difflib.get_close_matches(key.rsplit(".", 1)[-1], fields, n=1)
+        hint = f"did you mean {key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{close[0]}?" if close else ""
+        raise UserError(
+            f"{key} is not a key of ONN's config{' (' + hint + ')' if hint else ''}; "
+            "fix its name (docs/config.md lists the groups' keys)."
+        )
     try:
         return OmegaConf.to_object(cfg)
     except MissingMandatoryValue as e:
         raise UserError(f"{e.full_key} has no value: give it on the command line ({e.full_key}=...).") from None
+
+
+def unknown_keys(node: DictConfig, prefix: str = "") -> list[tuple[str, list[str]]]:
+    """(dotted key, its dataclass's field names) of every key a dataclass-typed node holds that its dataclass
+    lacks, nodes read unresolved; free-form nodes (model.kwargs, a logger's arguments) are walked, not checked."""
+    kind = OmegaConf.get_type(node)
+    names = [f.name for f in dataclasses.fields(kind)] if dataclasses.is_dataclass(kind) else None
+    found = []
+    for key in node:
+        if names is not None and key not in names:
+            found.append((f"{prefix}{key}", names))
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            found += unknown_keys(child, f"{prefix}{key}.")
+    return found
 
 
 def config_digest(config: ONNConfig) -> str:
@@ -275,6 +302,11 @@ def _objective(key: str | None, metrics: dict[str, Any]) -> float | None:
     """metrics[key] (the config's sweep_objective) for a sweeper; None without a key or a finished run."""
     if not key:
         return None
+    if metrics["status"] == "ok" and key not in metrics:  # a misspelt key would fail every trial, then the sweeper
+        close = difflib.get_close_matches(key, [k for k, v in metrics.items() if isinstance(v, int | float)], n=3)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+        log.error("sweep_objective=%s is not a key of this run's metrics.json%s; fix sweep_objective.", key, hint)
+        sys.exit(1)  # stops the sweep: every other trial would end the same way
     value = metrics.get(key) if metrics["status"] == "ok" else None
     if not isinstance(value, int | float) or not math.isfinite(value):
         return None  # Optuna records None as a failed trial and goes on; NaN would stop the search

@@ -60,7 +60,8 @@ def test_bench_grid_records_a_failed_job_and_resumes_only_missing_jobs(outputs):
         f"hydra.sweep.dir={sweep}",
     ]
     proc = run_cli(*args)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # the sweep ends, then says 2 failed
+    assert "2 job(s) of the sweep did not end ok" in proc.stderr
     jobs = {}
     for d in (d for d in sweep.iterdir() if d.is_dir()):
         given = yaml.safe_load((d / ".hydra" / "overrides.yaml").read_text())
@@ -107,7 +108,8 @@ def test_bench_grid_records_a_failed_job_and_resumes_only_missing_jobs(outputs):
     (jobs["strategy=sparse_lora task.quality=loss_fall"] / "metrics.json").unlink()
     before = (jobs["strategy=full task.quality=loss_fall"] / "metrics.json").stat().st_mtime_ns
     proc = run_cli(*args)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # the bleu jobs fail again
+    assert "2 job(s) of the sweep did not end ok" in proc.stderr
     assert (jobs["strategy=full task.quality=loss_fall"] / "metrics.json").stat().st_mtime_ns == before
     again = json.loads((jobs["strategy=sparse_lora task.quality=loss_fall"] / "metrics.json").read_text())
     assert again["status"] == "ok"

@@ -5,7 +5,8 @@ Where things live: the types in onn/config/<group>.py (run.py: the root and the 
 values in the YAML files under conf/. A conf option names its schema in its defaults list
 (`/schema/data/image@_here_`), so an unknown or misspelt key and a wrong type fail at compose time with
 Hydra's own message (`trainer.max_steps=abc`: "Value 'abc' of type 'str' could not be converted to Integer").
-app.run turns the composed config into these dataclasses (OmegaConf.to_object) and every layer reads them.
+app.run turns the composed config into these dataclasses (OmegaConf.to_object) and every layer reads them; a key
+Hydra's `+` added that no dataclass has is one sentence there (app.to_config), as OmegaConf would drop it.
 
 A new key: add the field to its dataclass (type, `MISSING`, a comment saying what it holds), give its value
 in the option's YAML, and read it as an attribute.
@@ -14,6 +15,7 @@ in the option's YAML, and read it as an attribute.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from onn.config import data, export, model, task
 from onn.config.run import ONNConfig
@@ -77,3 +79,26 @@ def register_local_launcher() -> None:
         submitit_folder: str = "${hydra.sweep.dir}/.submitit"
 
     ConfigStore.instance().store(group="hydra/launcher", name="submitit_local", node=ThrottledLocalConf, provider="onn")
+
+
+def yaml_problem(argv: list[str], conf_dir: Path) -> str | None:
+    """The first YAML file the command line picks (`recipe=NAME`, `model=a,b`, ...) that does not parse, as one
+    sentence naming its line; Hydra would print its YAML parser's traceback. None when each parses."""
+    import yaml
+
+    for arg in argv:
+        group, _, names = arg.lstrip("+~").partition("=")
+        if not names or "." in group or "/" in group:
+            continue  # a key's value, or hydra/launcher=...
+        for name in names.split(","):
+            path = conf_dir / group / f"{name.strip()}.yaml"
+            if not path.is_file():
+                continue  # Hydra names the options a misspelt one could be
+            try:
+                yaml.safe_load(path.read_text())
+            except yaml.YAMLError as e:
+                mark = getattr(e, "problem_mark", None)
+                where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+                problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+                return f"{path.resolve()}{where}: {problem}; fix the YAML there."
+    return None

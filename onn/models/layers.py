@@ -131,6 +131,8 @@ def resolve_indices(layers, n: int, key: str = "strategy.layers") -> list[int]:
     """`all`, or a list of block indices (negative counts from the end) -> sorted unique indices."""
     if layers in (None, "all"):
         return list(range(n))
+    if isinstance(layers, str) or not isinstance(layers, list | tuple):
+        raise UserError(f"{key}={layers!r}: give all, or a list of block indices such as [0, 1, -2, -1].")
     out = set()
     for i in layers:
         if not isinstance(i, int) or not -n <= i < n:

@@ -470,6 +470,10 @@ class PlanRequest:
             raise UserError(f"strategy.micro_batch={fixed_mb}: give a whole number of samples, 1 or more, or auto.")
         if batch_size < 1:
             raise UserError(f"data.batch_size={batch_size}: give a whole number of samples, 1 or more.")
+        if strategy_cfg.gradient_checkpointing not in (True, False, "auto"):
+            raise UserError(
+                f"strategy.gradient_checkpointing={strategy_cfg.gradient_checkpointing!r}: give true, false or auto."
+            )
         present = {sd: _store_present_bytes(cfg, sd) for sd in PRECISE_FIRST} if hw.disk_free_mb is not None else {}
         streams = strategy_cfg.lightning in STREAMING_LIGHTNING
         precisions = {

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from onn.config import HardwareConfig, ONNConfig
+from onn.errors import UserError
 from onn.hardware.profile import Profile
 from onn.models.layers import resolve_indices
 from onn.planning.costs import HEADROOM, MB, budget_mb, choose_precision, compute_dtype_name, compute_s
@@ -55,6 +56,8 @@ def scale_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> dict[str, Any] |
     """Per-device memory and step time of each multi-device setup, and the one to use. None for a run on
     one device with a single-device strategy (task=plan always shows it, for one device too)."""
     count = cfg.hardware.count
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise UserError(f"hardware.count={count!r}: give a whole number of devices per node, 1 or more.")
     nodes = int(cfg.trainer.num_nodes)
     devices = count * nodes
     lightning = str(cfg.strategy.lightning)

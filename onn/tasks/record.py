@@ -104,13 +104,14 @@ class RunRecord:
             if self.metrics["status"] == "running":
                 self.metrics["heartbeat"] = time.time()
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in self.metrics.items()}
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
                 tmp.write_text(json.dumps(clean, indent=2, default=str) + "\n")
                 os.replace(tmp, self.path)
             except OSError as e:
-                tmp.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # its folder may be what could not be made
+                    tmp.unlink(missing_ok=True)
                 raise write_refused(e, self.path, None, "the run (hydra.run.dir)") from None
 
     def _beat(self) -> None:
@@ -197,6 +198,43 @@ class RunFolder(Callback):
         except UserError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
+
+
+class SweepStatus(Callback):
+    """Hydra callback: a sweep whose jobs failed ends with a non-zero exit, as a failed run does. Each job fails on
+    its own and the sweep goes on (the grid shows it as failed); at the end, the jobs of this sweep (their
+    metrics.json written since it started: a resumed sweep's folder holds earlier ones too) are counted, and any
+    that did not end `ok` are named in one line and the exit is 1. Set in conf/config.yaml, before the grid's
+    callback, which Hydra calls first at the end."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.started = time.time()
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        failed = failed_jobs(Path(config.hydra.sweep.dir), getattr(self, "started", 0.0))
+        if failed:
+            named = "; ".join(f"job {name}: {why}" for name, why in failed[:3])
+            print(f"error: {len(failed)} job(s) of the sweep did not end ok ({named})", file=sys.stderr, flush=True)
+            raise SystemExit(1)
+
+
+def failed_jobs(sweep_dir: Path, since: float) -> list[tuple[str, str]]:
+    """(job folder name, its status and error) of each job under sweep_dir whose metrics.json was written since
+    `since` and that did not end ok, in job order."""
+    out = []
+    jobs = sorted(sweep_dir.glob("*/metrics.json"), key=lambda p: (not p.parent.name.isdigit(), p.parent.name.zfill(9)))
+    for path in jobs:
+        try:
+            if path.stat().st_mtime < since:
+                continue
+            metrics = json.loads(path.read_text())
+            status = state(metrics)
+        except (OSError, ValueError, KeyError, TypeError):
+            out.append((path.parent.name, "an unreadable metrics.json"))
+            continue
+        if status != "ok":
+            out.append((path.parent.name, f"{status}: {metrics.get('error') or 'see its log'}"))
+    return out
 
 
 _HELD: list[int] = []  # the run folder's lock, held until the process exits

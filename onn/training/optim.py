@@ -30,6 +30,15 @@ def check(optim: OptimConfig) -> None:
     ):
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
             raise UserError(f"optim.{key}={value!r}: give a number 0 or more.")
+    betas = list(optim.betas)
+    if len(betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in betas):
+        raise UserError(f"optim.betas={betas!r}: give two numbers from 0 up to (not including) 1, e.g. [0.9, 0.95].")
+    if not (_number(optim.momentum) and optim.momentum >= 0):
+        raise UserError(f"optim.momentum={optim.momentum!r}: give a number 0 or more.")
+    if not (_number(optim.gamma) and 0 <= optim.gamma <= 1):
+        raise UserError(f"optim.gamma={optim.gamma!r}: give a number from 0 to 1 (the factor lr is multiplied by).")
+    if not (_number(optim.pct_start) and 0 < optim.pct_start < 1):
+        raise UserError(f"optim.pct_start={optim.pct_start!r}: give a number above 0 and below 1.")
     for key, value in (
         ("warmup_steps", optim.warmup_steps),
         ("step_size", optim.step_size),
@@ -39,6 +48,10 @@ def check(optim: OptimConfig) -> None:
             raise UserError(
                 f"optim.{key}={value!r}: give a whole number, {'1' if key == 'step_size' else '0'} or more."
             )
+
+
+def _number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
 
 
 def make_optimizer(params, optim: OptimConfig):

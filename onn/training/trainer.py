@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ log = logging.getLogger("onn")
 MULTI_DEVICE = ("ddp", "ddp_spawn", "fsdp", "deepspeed")
 GPU_ONLY = ("fsdp", "deepspeed")  # Lightning refuses these on the CPU
 PROFILERS = ("simple", "advanced", "pytorch")  # Lightning's names for its profilers
+ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")  # Lightning's, less the TPU's and HPU's extra packages
 
 
 def check(trainer: TrainerConfig, *, trains: bool = True) -> None:
@@ -54,6 +56,43 @@ def check(trainer: TrainerConfig, *, trains: bool = True) -> None:
         raise UserError(
             f"trainer.val_check_interval={interval!r}: give a number of steps, or a fraction of an epoch above 0."
         )
+    _check_devices(trainer)
+
+
+def _check_devices(trainer: TrainerConfig) -> None:
+    """Where the run goes (precision, accelerator, devices, nodes): what Lightning would refuse with a traceback."""
+    from typing import get_args
+
+    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT, _PRECISION_INPUT_STR
+
+    accepted = {str(v) for kind in get_args(_PRECISION_INPUT) for v in get_args(kind)}  # 32, "bf16" and the rest
+    named = [v for v in get_args(_PRECISION_INPUT_STR) if "transformer-engine" not in v]  # its own names
+    if str(trainer.precision) not in ("None", "auto", *accepted):
+        raise UserError(
+            f"trainer.precision={trainer.precision!r}: give auto (the plan's), or one of Lightning's: "
+            f"{', '.join(named)}."
+        )
+    if trainer.accelerator not in (None, *ACCELERATORS):
+        raise UserError(f"trainer.accelerator={trainer.accelerator!r}: give one of {', '.join(ACCELERATORS)}.")
+    nodes = trainer.num_nodes
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise UserError(f"trainer.num_nodes={nodes!r}: give a whole number, 1 or more.")
+    devices = trainer.devices
+    if not _devices_ok(devices):
+        raise UserError(
+            f"trainer.devices={devices!r}: give auto, a count (1 or more, -1: all), or a list of device indices."
+        )
+
+
+def _devices_ok(devices: Any) -> bool:
+    """A value of Lightning's `devices`: auto, a count (-1: every device), a list of indices, or "0,1"."""
+    if devices in (None, "auto", -1, "-1"):
+        return True
+    if isinstance(devices, str):
+        return re.fullmatch(r"\d+|(\d+\s*,\s*)*\d+\s*,?", devices.strip()) is not None
+    if isinstance(devices, list | tuple):
+        return bool(devices) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)
+    return isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1
 
 
 def processes_per_node(trainer: TrainerConfig) -> int:
