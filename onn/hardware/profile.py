@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import sys
@@ -170,7 +171,7 @@ def now(accelerator: str, folder: str | os.PathLike) -> dict[str, Any]:
     Path(folder).mkdir(parents=True, exist_ok=True)
     limit = os.getenv("OMP_NUM_THREADS")
     busy, runnable = cpu_load()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     visible = os.getenv("CUDA_VISIBLE_DEVICES")
     threads = max(1, min(cores, int(cores - busy + 0.5)))
     return {
@@ -224,7 +225,7 @@ def cpu_load(seconds: float = 0.5) -> tuple[float, float]:
     except (OSError, ValueError, IndexError, StopIteration):
         return 0.0, 0.0
     ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     elapsed = time.perf_counter() - start
     total_cores = (all1 - all0) / ticks / elapsed  # every core of the machine, busy or idle
     busy = (busy1 - busy0) / ticks / elapsed - (own1 - own0) / elapsed
@@ -271,7 +272,7 @@ class CoreWatch:
 
     def __init__(self, threads: int, every_s: float = 2.0):
         self.most, self.every_s = max(1, int(threads)), every_s
-        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.cores = usable_cores()
         self.ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self.last = self._read()
         self.threads = self.most
@@ -322,11 +323,60 @@ def use_threads(threads: int | None) -> int | None:
     import torch
 
     before = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     limit = os.getenv("OMP_NUM_THREADS", "")
     most = min(cores, int(limit)) if limit.isdigit() and int(limit) > 0 else cores
     torch.set_num_threads(max(1, min(int(threads), most)))
     return before
+
+
+CGROUP = Path("/sys/fs/cgroup")  # this process's cgroup (v2) as a container sees it; v1 keeps its own folders
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (taskset), under a cgroup's CPU quota where one is set
+    (a container's --cpus), which the scheduler would otherwise enforce by stalling every thread."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota, period = (
+        _cgroup_value("cpu.max", "cpu/cpu.cfs_quota_us"),
+        _cgroup_value("cpu.max", "cpu/cpu.cfs_period_us", 1),
+    )
+    if quota is not None and period:
+        cores = min(cores, max(1, math.ceil(quota / period)))
+    return cores
+
+
+def host_memory_mb() -> int:
+    """The host's memory, or a cgroup's memory limit where it is lower (a container's --memory)."""
+    limit = _cgroup_value("memory.max", "memory/memory.limit_in_bytes")
+    total = psutil.virtual_memory().total
+    return int(min(total, limit if limit is not None else total) // MB)
+
+
+def available_memory_mb() -> int:
+    """Memory available now: the host's, or what a cgroup's limit leaves beside its usage where that is less (past
+    it the kernel's OOM killer ends the run, with no out-of-memory error to back off from)."""
+    available = psutil.virtual_memory().available
+    limit = _cgroup_value("memory.max", "memory/memory.limit_in_bytes")
+    if limit is not None:
+        used = _cgroup_value("memory.current", "memory/memory.usage_in_bytes") or 0
+        available = min(available, max(0, limit - used))
+    return int(available // MB)
+
+
+def _cgroup_value(v2: str, v1: str, field: int = 0) -> int | None:
+    """A number from a cgroup file (v2's, else v1's; `field`: which of v2's space-separated values), or None where
+    there is none or it says there is no limit ("max", v1's huge "unlimited")."""
+    for name, index in ((v2, field), (v1, 0)):
+        try:
+            parts = (CGROUP / name).read_text().split()
+        except OSError:
+            continue
+        value = parts[index] if index < len(parts) else ""
+        if not value.lstrip("-").isdigit() or int(value) < 0 or int(value) >= 2**60:
+            return None
+        return int(value)
+    return None
 
 
 def machine_fingerprint() -> str:
@@ -338,7 +388,8 @@ def machine_fingerprint() -> str:
         platform.machine(),
         _cpu_model(),
         str(os.cpu_count()),
-        str(psutil.virtual_memory().total // (256 * MB)),
+        str(usable_cores()),  # a taskset or a container's CPU quota: another machine to plan for
+        str(host_memory_mb() // 256),  # a container's memory limit, likewise
     ]
     parts.append(torch.__version__)
     if torch.cuda.is_available():
@@ -358,11 +409,10 @@ def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> Profile:
         bf16 = torch.cuda.is_bf16_supported()
     elif getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
         accelerator, count, name = "mps", 1, f"Apple {platform.processor() or 'GPU'}"
-        total_mb, bf16 = psutil.virtual_memory().total // MB, False
+        total_mb, bf16 = host_memory_mb(), False
     else:
         accelerator, count, name = "cpu", 1, _cpu_model()
-        total_mb, bf16 = psutil.virtual_memory().total // MB, _cpu_has_fast_bf16()
-    vm = psutil.virtual_memory()
+        total_mb, bf16 = host_memory_mb(), _cpu_has_fast_bf16()
     profile: dict[str, Any] = {
         "name": "auto",
         "version": VERSION,
@@ -370,9 +420,9 @@ def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> Profile:
         "device_name": name,
         "device_count": count,
         "device_memory_mb": int(total_mb),
-        "host_memory_mb": int(vm.total // MB),
-        "host_memory_available_mb": int(vm.available // MB),
-        "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "host_memory_mb": host_memory_mb(),
+        "host_memory_available_mb": available_memory_mb(),
+        "cpu_cores": usable_cores(),
         "matmul_tflops": round(_matmul_tflops(accelerator), 4) if accelerator != "cuda" else None,
         "disk_read_mb_s": round(read_mb_s(probe_dir, disk_probe_mb), 1),
         "h2d_mb_s": round(h2d_mb_s(), 1) if accelerator == "cuda" else None,
@@ -402,7 +452,7 @@ def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> Profile:
 def _free_memory(accelerator: str) -> dict[str, int]:
     import torch
 
-    out = {"host_memory_available_mb": int(psutil.virtual_memory().available // MB)}
+    out = {"host_memory_available_mb": available_memory_mb()}
     if accelerator == "cuda":
         free, _ = torch.cuda.mem_get_info()  # the current device: this rank's GPU
         out["device_memory_free_mb"] = int(free // MB)

@@ -131,7 +131,8 @@ def resolve_indices(layers, n: int, key: str = "strategy.layers") -> list[int]:
     """`all`, or a list of block indices (negative counts from the end) -> sorted unique indices."""
     if layers in (None, "all"):
         return list(range(n))
-    if isinstance(layers, str) or not isinstance(layers, list | tuple):
+    if isinstance(layers, str) or not isinstance(layers, list | tuple) or not layers:
+        # an empty list too: peft reads an empty layers_to_transform as every layer
         raise UserError(f"{key}={layers!r}: give all, or a list of block indices such as [0, 1, -2, -1].")
     out = set()
     for i in layers:

@@ -133,7 +133,7 @@ def budget_mb(hw: Profile) -> float:
     else:  # CPU and unified memory: the host's available memory is the device
         total = hw.host_memory_available_mb or hw.device_memory_mb or hw.host_memory_mb
     total *= HEADROOM
-    if hw.budget_mb:
+    if hw.budget_mb is not None:  # 0 too: a budget of nothing, refused as below the context, not "no budget"
         total = min(total, float(hw.budget_mb))
     return total
 

@@ -379,24 +379,46 @@ def estimate(
     return est
 
 
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")  # Lightning's own names
+
+
 def check_settings(cfg: ONNConfig, hw: Profile) -> None:
     """What a plan cannot be made from, in one sentence before any is made: strategy.streaming values, and
     a memory budget below what the process already holds (planned, it would be a negative budget)."""
     streaming = cfg.strategy.streaming
     if streaming is not None:
         check_streaming(streaming)
+    check_precision(cfg.strategy.precision, hw)
     held = context_mb(hw)
     if budget_mb(hw) <= held:
         given = cfg.hardware.budget_mb
         cause = (
             f"hardware.budget_mb={given:g} MB"
-            if given
+            if given is not None
             else f"this machine's available memory ({hw.host_memory_available_mb or hw.device_memory_mb} MB)"
         )
         raise UserError(
             f"{cause} is below what the run holds before any model is built ({held:,.0f} MB: "
             f"{'the CUDA context' if hw.accelerator == 'cuda' else 'Python, torch and the libraries'}); "
             f"give a budget above {held:,.0f} MB."
+        )
+
+
+def check_precision(precision: str | None, hw: Profile) -> None:
+    """strategy.precision: one Lightning runs, and one this machine has (Lightning would fail at the run, or run
+    another than the plan records)."""
+    if precision not in (None, "auto", *PRECISIONS):
+        raise UserError(f"strategy.precision={precision!r}: give auto, or one of {', '.join(PRECISIONS)}.")
+    if precision in (None, "auto"):
+        return
+    if precision.startswith("bf16") and hw.accelerator == "cuda" and hw.bf16 is False:
+        raise UserError(
+            f"strategy.precision={precision}: {hw.device_name or 'this GPU'} has no bf16; "
+            "give 16-mixed, 32-true or auto."
+        )
+    if precision.startswith("16") and hw.accelerator == "cpu":
+        raise UserError(
+            f"strategy.precision={precision}: float16 autocast is for GPUs; on a CPU give bf16-mixed, 32-true or auto."
         )
 
 
@@ -410,6 +432,24 @@ def check_streaming(streaming: StreamingConfig) -> None:
         value = getattr(streaming, key)
         if value not in ("auto", None, *choices):
             raise UserError(f"strategy.streaming.{key}={value!r} is not one of auto, {', '.join(choices)}.")
+    cached = streaming.cache_blocks
+    if cached != "auto" and (isinstance(cached, bool) or not isinstance(cached, int) or cached < 0):
+        raise UserError(
+            f"strategy.streaming.cache_blocks={cached!r}: give a whole number of blocks, 0 or more, or auto."
+        )
+
+
+def check_blocks(streaming: StreamingConfig | None, blocks: int) -> None:
+    """strategy.streaming's block counts against the model's blocks (the engine would refuse a chunk only at
+    the run, after task=plan had planned it)."""
+    if streaming is None:
+        return
+    for key in ("chunk_size", "cache_blocks"):
+        value = getattr(streaming, key)
+        if value != "auto" and value > blocks:
+            raise UserError(
+                f"strategy.streaming.{key}={value}: this model has {blocks} blocks; give {blocks} or fewer, or auto."
+            )
 
 
 def fixed_streaming(streaming: StreamingConfig | None) -> FixedStreaming:
@@ -470,6 +510,12 @@ class PlanRequest:
             raise UserError(f"strategy.micro_batch={fixed_mb}: give a whole number of samples, 1 or more, or auto.")
         if batch_size < 1:
             raise UserError(f"data.batch_size={batch_size}: give a whole number of samples, 1 or more.")
+        if fixed_mb not in (None, "auto") and fixed_mb > batch_size:
+            raise UserError(
+                f"strategy.micro_batch={fixed_mb} is more than data.batch_size={batch_size}: a micro-batch is part of "
+                "a batch; give the batch size or less, or auto."
+            )
+        check_blocks(strategy_cfg.streaming, n)
         if strategy_cfg.gradient_checkpointing not in (True, False, "auto"):
             raise UserError(
                 f"strategy.gradient_checkpointing={strategy_cfg.gradient_checkpointing!r}: give true, false or auto."
@@ -635,7 +681,7 @@ def _notes(r: PlanRequest, chosen: str, est: Estimate) -> list[str]:
     elif hw.thread_limit and threads < (hw.cpu_cores or 1):
         notes.append(f"torch runs {threads} thread(s): OMP_NUM_THREADS={hw.thread_limit}")
     if est.streaming is not None:
-        notes.append(_streaming_reason(est.streaming))
+        notes.append(streaming_reason(est.streaming))
     return notes
 
 
@@ -709,7 +755,7 @@ def _precision(
     return "bf16-mixed" if dominated and matmul16 + other16 < 0.67 * (matmul32 + other32) else "32-true"
 
 
-def _streaming_reason(s: StreamingPlan) -> str:
+def streaming_reason(s: StreamingPlan) -> str:
     """Why these streaming settings: their predicted step against the next fastest, and why a faster store,
     where there is one, was passed over (nf4 costs precision; a store within the tie is less precise)."""
     place = "in host memory" if s.store == "cpu" else f"on disk, {s.cache_blocks} block(s) cached in host memory"

@@ -260,6 +260,11 @@ def build_trainer(
     strategy = strategy if strategy is not None else config.strategy.lightning
     if trainer.accelerator in (None, "auto"):
         kwargs["accelerator"] = "cuda" if plan.hardware["accelerator"] == "cuda" else "cpu"
+    if kwargs["accelerator"] in ("cuda", "gpu") and not _cuda_available():
+        raise UserError(
+            f"hardware={plan.hardware['name']} plans for a CUDA GPU and this machine has none: use that preset with "
+            "task=plan, or hardware=auto to run here."
+        )
     if trainer.devices in (None, "auto") and not (isinstance(strategy, str) and strategy.startswith(MULTI_DEVICE)):
         kwargs["devices"] = 1
     if isinstance(strategy, str):
@@ -290,6 +295,12 @@ def build_trainer(
         use_distributed_sampler=distributed_sampler,
         **kwargs,
     )
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def share_console_with_hydra() -> None:

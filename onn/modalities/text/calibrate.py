@@ -38,7 +38,7 @@ from typing import Any
 from onn.config import ONNConfig, as_dict
 from onn.hardware.profile import Profile
 from onn.modalities.text.tasks import streamed_compute_dtype, weights_dtype
-from onn.planning.plan import Plan
+from onn.planning.plan import Plan, streaming_reason
 
 MAX_PARAMS = 50_000_000  # a 6-block copy about this size trains in a second or so
 MAX_AGE_S = 900  # a cached timing older than this is measured again (seconds of work for a small model)
@@ -90,6 +90,8 @@ def refine(
         s = plan.streaming
         step = max(s.predicted_io_s, compute + s.predicted_decode_s)
         s.predicted_compute_s, s.predicted_step_s = round(compute, 3), round(step, 3)
+        # the streaming line says the step it predicted: the timed one now, not the model's
+        plan.reasons = [streaming_reason(s) if r.startswith("streaming:") else r for r in plan.reasons]
     plan.predicted_step_s = round(step, 4)
     plan.step_time_source = "timed"
     plan.reasons.append(

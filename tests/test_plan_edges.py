@@ -1,0 +1,90 @@
+"""The profile and the planner at their edges, as a review of them found them (2026-12-05): an empty layer list that
+trained every block, a container's CPU quota and memory limit unseen, streaming block counts and a micro-batch past
+what the model and batch have, precisions Lightning or the machine lacks, a zero budget read as none, a preset GPU on
+a machine without one, and a streaming reason left at the model's step after the blocks were timed."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import compose
+
+from onn.errors import UserError
+from onn.hardware.profile import resolve
+from onn.planning.plan import make_plan
+from onn.planning.spec import model_spec
+
+
+def plan_for(tmp_path, *overrides: str):
+    cfg = compose(*overrides, f"paths.cache={tmp_path}", root=tmp_path)
+    hw = resolve(cfg.hardware, tmp_path / "cache", tmp_path)
+    return make_plan(cfg, hw, model_spec(cfg.model, cfg.strategy.lora.r))
+
+
+@pytest.mark.parametrize(
+    "overrides, sentence",
+    [
+        (("strategy=sparse_lora", "strategy.layers=[]"), r"strategy\.layers=\[\]: give all, or a list of block"),
+        (("strategy=sparse_lora", "strategy.streaming.cache_blocks=-3"), r"cache_blocks=-3: give a whole number"),
+        (("strategy=sparse_lora", "strategy.streaming.cache_blocks=lots"), r"cache_blocks='lots': give a whole"),
+        (("model=llama_small", "strategy=sparse_lora", "strategy.streaming.cache_blocks=1000"), r"has 8 blocks"),
+        (("model=phi4", "strategy=sparse_lora", "strategy.streaming.chunk_size=1000"), r"chunk_size=1000: this mod"),
+        (("data.batch_size=4", "strategy.micro_batch=64"), r"micro_batch=64 is more than data\.batch_size=4"),
+        (("strategy.precision=fp8",), r"strategy\.precision='fp8': give auto, or one of 32-true"),
+        (("strategy.precision=16-mixed",), r"float16 autocast is for GPUs; on a CPU give bf16-mixed"),
+        (("hardware=gtx1650_4gb", "strategy.precision=bf16-mixed"), r"GeForce GTX 1650 has no bf16"),
+        (("hardware.budget_mb=0",), r"hardware\.budget_mb=0 MB is below what the run holds"),
+    ],
+)
+def test_settings_that_cannot_work_are_one_sentence_at_plan_time(tmp_path, overrides, sentence):
+    """Each was planned, then trained another thing (every block, for an empty layer list), failed at the run,
+    or was read as something else (a zero budget as no budget)."""
+    with pytest.raises(UserError, match=sentence):
+        plan_for(tmp_path, *overrides)
+
+
+def test_a_containers_cpu_quota_and_memory_limit_are_the_machine(tmp_path, monkeypatch):
+    """Nothing read the cgroup: a container limited to 1 core and 1 GB planned for the host's cores and memory, and
+    its profile was the host's (the fingerprint counted os.cpu_count and the host's memory)."""
+    from onn.hardware import profile
+
+    before = (profile.usable_cores(), profile.host_memory_mb(), profile.machine_fingerprint())
+    (tmp_path / "cpu.max").write_text("100000 100000\n")
+    (tmp_path / "memory.max").write_text(f"{1024 * 2**20}\n")
+    (tmp_path / "memory.current").write_text(f"{256 * 2**20}\n")
+    monkeypatch.setattr(profile, "CGROUP", tmp_path)
+    assert profile.usable_cores() == 1 and profile.host_memory_mb() == min(1024, before[1])
+    assert profile.available_memory_mb() <= 768 and profile.machine_fingerprint() != before[2]
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "memory.max").write_text("max\n")
+    assert (profile.usable_cores(), profile.host_memory_mb()) == before[:2]
+
+
+def test_the_streaming_reason_says_the_timed_step_after_calibration(tmp_path, monkeypatch):
+    """The summary said the timed step (0.335 s) while the streaming line still said the model's (0.25 s)."""
+    from onn.modalities.text import calibrate
+
+    cfg = compose("model=llama_small", "strategy=sparse_lora", f"paths.cache={tmp_path}")
+    hw = resolve(cfg.hardware, tmp_path / "cache", tmp_path)
+    spec = model_spec(cfg.model, cfg.strategy.lora.r)
+    plan = make_plan(cfg, hw, spec)
+    assert plan.streaming is not None
+    costs = {"below": 2.0, "lora": 3.0, "frozen": 2.0, "block": 2.0, "rest": 1.0}  # seconds: far from the model's
+    monkeypatch.setattr(calibrate, "block_times", lambda *args, **kwargs: costs)
+    timed = calibrate.refine(plan, cfg, hw, spec)
+    line = next(r for r in timed.reasons if r.startswith("streaming:"))
+    assert f"predicted {timed.streaming.predicted_step_s:.2f} s/step" in line
+    assert timed.streaming.predicted_step_s != plan.streaming.predicted_step_s
+
+
+def test_a_gpu_preset_on_a_machine_without_one_is_one_sentence_at_the_trainer(tmp_path):
+    """hardware=gtx1650_4gb task=train on a CPU machine ended in Lightning's MisconfigurationException."""
+    import torch
+
+    from onn.training.trainer import build_trainer
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the preset's accelerator is there")
+    cfg = compose("hardware=gtx1650_4gb", "model=llama_tiny", f"paths.cache={tmp_path}")
+    plan = make_plan(cfg, resolve(cfg.hardware, tmp_path, tmp_path), model_spec(cfg.model, cfg.strategy.lora.r))
+    with pytest.raises(UserError, match=r"hardware=gtx1650_4gb plans for a CUDA GPU and this machine has none"):
+        build_trainer(cfg, plan, tmp_path / "run", [], loggers=False)
