@@ -60,7 +60,8 @@ def test_a_save_killed_while_tidying_up_does_not_block_the_next(tmp_path):
 def test_a_checkpoint_of_another_modality_is_refused_in_one_sentence(tmp_path):
     """eval/infer of a diffusion or pairs run names the modality it needs, for another modality's checkpoint and
     for one another tool wrote alike; without a modality the saved config is read as it is."""
-    save({"onn": {"config": {"modality": "image", "seed": 3}}, "x": torch.zeros(1)}, tmp_path / "image.ckpt")
+    config = {"modality": "image", "seed": 3, "model": {}, "strategy": {}, "data": {}}  # what every run's holds
+    save({"onn": {"config": config}, "x": torch.zeros(1)}, tmp_path / "image.ckpt")
     save({"x": torch.zeros(1)}, tmp_path / "foreign.ckpt")
     assert saved_config(tmp_path / "image.ckpt")["seed"] == 3 and saved_config(tmp_path / "foreign.ckpt") == {}
     assert saved_config(tmp_path / "image.ckpt", "image")["modality"] == "image"

@@ -166,10 +166,12 @@ def decode_listing(
     skipped = list(listing.refused) + [r[2] for r in results.values() if r[2]]
     check_bad(skipped, len(files) + len(listing.refused), max_bad_fraction, path, key, f"{kind} files")
     out, seconds = {}, 0.0
-    for n, (split, members) in enumerate(listing.splits.items()):
+    carried = list(listing.refused)  # each skip is counted once, by the first split that decodes
+    for split, members in listing.splits.items():
         good = [(f, results[id(f)]) for f in members if results[id(f)][0] is not None]
+        carried += [results[id(f)][2] for f in members if results[id(f)][2]]
         if not good:
-            continue
+            continue  # a split of which nothing decoded: its skips go with the next one
         seconds += sum(r[1] for _, r in good)
         labels = np.array([index[f.label] if f.label is not None else -1 for f, _ in good], np.int64)
         out[split] = Decoded(
@@ -177,8 +179,11 @@ def decode_listing(
             torch.from_numpy(labels),
             list(listing.classes),
             [f.name for f, _ in good],
-            [r[2] for f, r in ((f, results[id(f)]) for f in members) if r[2]] + (listing.refused if n == 0 else []),
+            carried,
         )
+        carried = []
+    if carried and out:
+        next(reversed(out.values())).skipped.extend(carried)  # the last splits' skips, after their decoded ones
     return out, seconds
 
 

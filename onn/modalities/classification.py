@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ from onn.config.run import PairSideConfig
 from onn.config.strategy import StrategyConfig
 from onn.config.task import InferTask, TrainTask
 from onn.data.files import write_jsonl
-from onn.data.resident import ClassificationData, ResidentBatches, Split
+from onn.data.resident import ClassificationData, ResidentBatches, Split, numbered
 from onn.errors import UserError
 from onn.export.write import export_for_run
 from onn.hardware.memory import PeakMemory
@@ -51,7 +50,7 @@ from onn.planning.spec import network_spec
 from onn.streaming.seeded import draw, empty_network
 from onn.streaming.store import LayerStore
 from onn.training.callbacks import StepClock, run_callbacks
-from onn.training.checkpoints import check_state, read_meta, saved_config, state_shapes
+from onn.training.checkpoints import check_state, run_best, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.classifier import Classifier, LinearProbe, mean_loss, save_confusion
 from onn.training.distributed import parameter_count
@@ -225,7 +224,7 @@ def train(job: Job) -> dict[str, Any]:
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
         trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"))  # the final state, also mid-epoch
     monitor = config.task.monitor
-    best, best_score = _best(trainer.checkpoint_callback, ckpt, run_dir, monitor)
+    best, best_score = run_best(trainer.checkpoint_callback, ckpt, run_dir, monitor, monitor_mode(monitor))
     metrics: dict[str, Any] = {
         "epochs": trainer.current_epoch,
         "steps": trainer.global_step,
@@ -286,7 +285,7 @@ def load_trained(m: ClassifierModality, config: ONNConfig, plan: Plan, ckpt: Pat
 def evaluate(job: Job) -> dict[str, Any]:
     m = job.modality
     config, plan, ckpt = job.config, job.plan, job.ckpt
-    dm = setup_data(m, config, job.device)
+    dm = setup_data(m, config, job.device) if ckpt is None else trained_data(m, config, ckpt, job.device)
     if ckpt is None:
         log.warning(
             "task=eval without ckpt: evaluating the network as model.source gives it (untrained unless it has weights)"
@@ -308,6 +307,25 @@ def evaluate(job: Job) -> dict[str, Any]:
     return metrics
 
 
+def trained_data(m: ClassifierModality, config: ONNConfig, ckpt: Path, device: str) -> ClassificationData:
+    """The data a checkpoint is scored on: the validation split its training held out (its seed), and labels by
+    class name, in the checkpoint's order (a data.source of fewer classes, or in another order, was scored by
+    position). A class the model never learned is one sentence."""
+    inputs = saved_inputs(ckpt)
+    known = [str(c) for c in inputs["classes"]]
+    config = dataclasses.replace(config, seed=int(inputs["seed"]))
+    dm = setup_data(m, config, device)
+    if dm.classes == known or config.data.classes:
+        return dm
+    unknown = [c for c in dm.classes if c not in known]
+    if unknown and not numbered(dm.classes):
+        raise UserError(
+            f"data.source has the classes {unknown[:5]}, which ckpt {ckpt} never learned (it knows {known[:10]}); "
+            "evaluate it on data of its own classes."
+        )
+    return setup_data(m, dataclasses.replace(config, data=dataclasses.replace(config.data, classes=known)), device)
+
+
 def infer(job: Job) -> dict[str, Any]:
     """Predict the classes of task.input (one file, a folder or an archive): predictions.jsonl and a PNG."""
     m = job.modality
@@ -327,7 +345,7 @@ def infer(job: Job) -> dict[str, Any]:
     device = torch.device(job.device)
     model = module.to(device).eval()
     rows, shown, predicted_names, true_names, correct, known = [], [], [], [], 0, 0
-    classes = inputs["classes"]
+    classes, unknown = inputs["classes"], set()
     batch = eval_batch(config.data)
     for split, decoded in sets.items():
         for start in range(0, len(decoded.labels), batch):
@@ -339,6 +357,9 @@ def infer(job: Job) -> dict[str, Any]:
                 j = start + i
                 label = int(decoded.labels[j])
                 true = decoded.classes[label] if 0 <= label < len(decoded.classes) else None
+                if true is not None and true not in classes:  # a folder the model has no class of (an archive's
+                    unknown.add(true)  # wrapping folder): no truth to score against
+                    true = None
                 guess = classes[int(top.indices[i, 0])]
                 row = {
                     "name": decoded.names[j],
@@ -357,6 +378,10 @@ def infer(job: Job) -> dict[str, Any]:
                     shown.append(decoded.inputs[j])
                     predicted_names.append(guess)
                     true_names.append(true)
+    if unknown:
+        log.warning(
+            "task.input names folders the model has no class of (%s): no true label for their rows", sorted(unknown)[:5]
+        )
     output = Path(task.output or job.run_dir / "predictions.jsonl")
     write_jsonl(rows, output)
     picture = output.with_suffix(".png")
@@ -583,25 +608,3 @@ def features(module: Classifier, dm: ClassificationData, config: ONNConfig) -> C
 def _callbacks(config: ONNConfig, run_dir: Path) -> list:
     monitor = config.task.monitor
     return run_callbacks(config, run_dir, monitor, monitor_mode(monitor))
-
-
-def _best(callback, ckpt: Path | None, run_dir: Path, monitor: str) -> tuple[str | None, float | None]:
-    """The whole run's best checkpoint and score. Lightning forgets the best score when a resumed run
-    writes to a new folder, so an earlier run's best.ckpt that beats this run's is copied in here."""
-    here = run_dir / "checkpoints"
-    path = callback.best_model_path or None
-    score = None
-    if path and Path(path).parent == here and callback.best_model_score is not None:
-        score = float(callback.best_model_score)
-    if ckpt is not None:
-        history = read_meta(ckpt)["onn"]["history"]  # the run this one resumed from
-        earlier = [h[monitor] for h in history if monitor in h]
-        old = Path(ckpt).parent / "best.ckpt"
-        better = min if monitor_mode(monitor) == "min" else max
-        if earlier and old.is_dir() and (score is None or better(better(earlier), score) != score):
-            target = here / "best.ckpt"
-            if target.exists():
-                shutil.rmtree(target)
-            shutil.copytree(old, target)
-            path, score = str(target), float(better(earlier))
-    return path, score

@@ -109,7 +109,9 @@ def epoch_checkpoints(run_dir: Path, monitor: str, mode: str, every_n_steps: int
         auto_insert_metric_name=False,
         enable_version_counter=False,
     )
-    last = ModelCheckpoint(dirpath=folder, save_top_k=0, save_last=True)
+    # last.ckpt at each epoch's end: Lightning's save_last writes only when that same callback saved a checkpoint at
+    # the step, which save_top_k=0 never does; with no monitor and one kept, it saves the latest every epoch
+    last = ModelCheckpoint(dirpath=folder, filename="last", monitor=None, save_top_k=1, enable_version_counter=False)
     return [best, last, StepCheckpoint(folder, every_n_steps), RandomState()]
 
 

@@ -172,8 +172,10 @@ def resolve(ckpt: str, outputs: str | os.PathLike) -> Path:
         path / "last.ckpt",
         path.with_name(path.name + ".ckpt"),
     ):
-        if (candidate / META).is_file():
-            return candidate
+        # NAME.ckpt.old alone: a save killed (SIGKILL) between its two renames left the previous checkpoint there
+        for found in (candidate, candidate.with_name(candidate.name + ".old")):
+            if (found / META).is_file():
+                return found
     if path.suffix in (".pt", ".bin", ".pth", ".pkl") or path.is_file():
         raise UserError(
             f"ckpt={ckpt} is a file, not an ONN checkpoint folder; "
@@ -189,18 +191,22 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     return _rebuilt(_read_json(Path(path)), _NoTensors(), Path(path))
 
 
+SAVED_KEYS = {"model", "strategy", "data", "modality"}  # what every ONN run's checkpoint config holds
+
+
 def saved_config(path: str | os.PathLike, modality: str | None = None) -> dict[str, Any]:
     """The ONN run config a checkpoint carries (model, strategy, data, modality, ...): {} when it has none.
     With `modality`, a checkpoint another modality's run wrote (or another tool) is refused in one sentence."""
+    damaged = f"checkpoint {path}: {META} holds a damaged ONN run config; use a checkpoint folder ONN wrote."
     match read_meta(path):
+        case {"onn": {"config": dict() as config}} if not config.keys() >= SAVED_KEYS:  # an edited meta.json
+            raise UserError(damaged)
         case {"onn": {"config": dict() as config}} if modality is None or modality == config["modality"]:
             return in_todays_form(config)
         case _ if modality is not None:
             raise UserError(f"ckpt {path} was not written by a {modality} run; it cannot be used with {modality} data.")
         case {"onn": _}:
-            raise UserError(
-                f"checkpoint {path}: {META} holds a damaged ONN run config; use a checkpoint folder ONN wrote."
-            )
+            raise UserError(damaged)
         case _:
             return {}  # a checkpoint another tool wrote
 
@@ -302,3 +308,25 @@ class _Refs(dict):
 
     def __missing__(self, key: str) -> str:
         return key
+
+
+def run_best(callback, ckpt: Path | None, run_dir: Path, monitor: str, mode: str) -> tuple[str | None, float | None]:
+    """The whole run's best checkpoint and score (`mode`: min or max of `monitor`). Lightning forgets the best score
+    when a resumed run writes to a new folder, so an earlier run's best.ckpt that beats this run's is copied in."""
+    here = run_dir / "checkpoints"
+    path = callback.best_model_path or None
+    score = None
+    if path and Path(path).parent == here and callback.best_model_score is not None:
+        score = float(callback.best_model_score)
+    if ckpt is not None:
+        history = read_meta(ckpt)["onn"]["history"]  # the run this one resumed from
+        earlier = [h[monitor] for h in history if monitor in h]
+        old = Path(ckpt).parent / "best.ckpt"
+        better = min if mode == "min" else max
+        if earlier and old.is_dir() and (score is None or better(better(earlier), score) != score):
+            target = here / "best.ckpt"
+            if target.exists():
+                shutil.rmtree(target)
+            shutil.copytree(old, target)
+            path, score = str(target), float(better(earlier))
+    return path, score

@@ -30,12 +30,16 @@ from typing import Any
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
 
 from onn.config import ONNConfig
+from onn.errors import UserError
 
 
 class ShardedFSDP(FSDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
-        if self._state_dict_type != "full":
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self._state_dict_type != "full":  # Lightning's sharded format pickles (meta.pt, .metadata)
+            raise UserError(
+                f"FSDP's state_dict_type={self._state_dict_type!r} writes pickle; ONN saves whole safetensors "
+                "checkpoints only: leave state_dict_type at full."
+            )
         # the state dict Lightning gathered for rank 0, written by ONN's CheckpointIO (atomically, over the last)
         return Strategy.save_checkpoint(self, checkpoint, self.broadcast(filepath), storage_options)
 
@@ -48,8 +52,11 @@ class ShardedFSDP(FSDPStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
 
         path = Path(self.broadcast(checkpoint_path))
-        if not path.is_dir() or _is_sharded_checkpoint(path):
-            return super().load_checkpoint(path, weights_only)
+        if not path.is_dir() or _is_sharded_checkpoint(path):  # Lightning's readers would torch.load (unpickle) it
+            raise UserError(
+                f"ckpt {path} is not an ONN checkpoint folder (safetensors): ONN loads no pickle, and a sharded FSDP "
+                "checkpoint's meta.pt and .metadata are pickles; resume from a checkpoint an ONN run wrote."
+            )
         checkpoint = self.checkpoint_io.load_checkpoint(path)
         module = self.lightning_module
         strict = module.strict_loading

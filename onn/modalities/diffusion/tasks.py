@@ -37,8 +37,8 @@ from onn.planning.spec import network_spec
 from onn.streaming import seeded
 from onn.streaming.store import LayerStore
 from onn.training.callbacks import StepClock, run_callbacks
+from onn.training.checkpoints import check_state, run_best, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
-from onn.training.checkpoints import saved_config
 from onn.training.classifier import mean_loss
 from onn.training.trainer import build_trainer, optimizer_steps, streaming_store, streaming_strategy
 
@@ -134,6 +134,7 @@ def load_trained(config: ONNConfig, ckpt: Path) -> DiffusionModule:
     # LoRA's frozen base is the random init of the run's seed, built again
     config = dataclasses.replace(config, model=model, strategy=strategy, seed=int(saved["inputs"]["seed"]))
     module = build(config, saved["inputs"])
+    check_state(module, state_shapes(ckpt), ckpt, loads_frozen=strategy.name != "sparse_lora")  # before torch's
     missing, unexpected = module.load_state_dict(load_checkpoint(ckpt)["state_dict"], strict=False)
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad} if strategy.name == "sparse_lora" else ()
     missing = [k for k in missing if k not in frozen]
@@ -196,7 +197,7 @@ def train(job: Job) -> dict[str, Any]:
         "peak_memory_mb": round(peak.peak_mb, 1),
         "params_total": sum(p.numel() for p in module.denoiser.parameters()),
         "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
-        "checkpoint_best": trainer.checkpoint_callback.best_model_path or None,
+        "checkpoint_best": run_best(trainer.checkpoint_callback, ckpt, run_dir, MONITOR, "min")[0],
         "resumed_from": str(ckpt) if ckpt else None,
         "items_skipped": len(dm.skipped),
     }

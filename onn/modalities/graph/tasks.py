@@ -25,6 +25,7 @@ from onn.config.export import OnnxExport, SafetensorsExport
 from onn.config.model import GraphNetworkConfig
 from onn.config.task import InferTask
 from onn.data.files import write_jsonl
+from onn.data.labelled import check_bad
 from onn.errors import UserError
 from onn.hardware.profile import Profile
 from onn.modalities.base import ClassifierModality, Job
@@ -112,8 +113,12 @@ def infer(job: Job) -> dict[str, Any]:
     model = module.to(torch.device(job.device)).eval()
     classes, level = list(inputs["classes"]), inputs["level"]
     rows, shown, correct, known = [], [], 0, 0
-    for found in sets.values():
-        graphs, names = _fitting(found, int(inputs["input_shape"][0]))
+    total = sum(len(found.graphs) for found in sets.values())
+    fitting = {split: _fitting(found, int(inputs["input_shape"][0])) for split, found in sets.items()}
+    misfits = [reason for _, _, reasons in fitting.values() for reason in reasons]
+    check_bad(misfits, total, float(config.data.max_bad_fraction), path, "task.input", "graphs", "do not fit the model")
+    for split, found in sets.items():
+        graphs, names, _ = fitting[split]
         step = 1 if level == "node" else eval_batch(config.data)
         for start in range(0, len(graphs), step):
             chunk = graphs[start : start + step]
@@ -149,18 +154,18 @@ def infer(job: Job) -> dict[str, Any]:
     return metrics
 
 
-def _fitting(found, width: int) -> tuple[list, list[str]]:
-    """The graphs (and names) whose nodes have the model's number of features; the others join the skipped."""
-    graphs, names = [], []
+def _fitting(found, width: int) -> tuple[list, list[str], list[str]]:
+    """The graphs (and names) whose nodes have the model's number of features, and why each other one does not
+    fit; those join the skipped."""
+    graphs, names, misfits = [], [], []
     for graph, name in zip(found.graphs, found.names):
         if graph.num_node_features == width:
             graphs.append(graph)
             names.append(name)
         else:
-            reason = f"{name}: its nodes have {graph.num_node_features} features, the model takes {width}"
-            log.warning("skipped %s", reason)
-            found.skipped.append(reason)
-    return graphs, names
+            misfits.append(f"{name}: its nodes have {graph.num_node_features} features, the model takes {width}")
+    found.skipped += misfits
+    return graphs, names, misfits
 
 
 def _truths(graphs: list, found: list[str], classes: list[str], level: str) -> list[str | None]:

@@ -37,8 +37,8 @@ from onn.modalities.pairs.sides import TEXT, build_side, modality_of, saved_side
 from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
 from onn.training.callbacks import StepClock, run_callbacks
+from onn.training.checkpoints import check_state, run_best, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
-from onn.training.checkpoints import saved_config
 from onn.training.classifier import mean_loss
 from onn.training.trainer import build_trainer, optimizer_steps
 
@@ -125,6 +125,7 @@ def load_trained(config: ONNConfig, ckpt: Path) -> DualEncoder:
     saved = saved_config(ckpt, "pairs")
     model = typed(DualEncoderConfig, saved["model"], f"ckpt {ckpt}: model")
     module = build(replace(config, model=model), sides_of(config, ckpt))
+    check_state(module, state_shapes(ckpt), ckpt)  # names and shapes, before torch's traceback would
     missing, unexpected = module.load_state_dict(load_checkpoint(ckpt)["state_dict"], strict=False)
     if missing or unexpected:
         raise UserError(
@@ -168,7 +169,7 @@ def train(job: Job) -> dict[str, Any]:
     with PeakMemory(job.device) as peak:
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
         trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"))
-    best = trainer.checkpoint_callback.best_model_path or None
+    best, _ = run_best(trainer.checkpoint_callback, ckpt, run_dir, MONITOR, "max")  # the whole run's, resumed too
     metrics: dict[str, Any] = {
         **data_metrics(dm),
         "epochs": trainer.current_epoch,

@@ -225,9 +225,27 @@ def read_prompts(path: str):
     """Rows of a prompts JSONL file (Records: each knows its line); each needs a field of PROMPT_FIELDS."""
     rows = read_records(path, "jsonl", key="task.input")
     for row, where in zip(rows, rows.where):
-        if not any(k in row for k in PROMPT_FIELDS):
+        field = next((k for k in PROMPT_FIELDS if k in row), None)
+        if field is None:
             raise UserError(f"task.input {where} has no 'prompt' field; its fields are {sorted(row)}.")
+        if row[field] is None or not str(row[field]).strip():  # null would be generated from as the text "None"
+            raise UserError(f"task.input {where}: its {field!r} is empty; give it a prompt, or remove the line.")
     return rows
+
+
+def check_context(model, tokenizer, prompts: list[str], where: list[str], max_new_tokens: int) -> None:
+    """Each prompt and its new tokens within the model's context (max_position_embeddings), as task=serve holds
+    them: past it, positions the model never learned give text without a word said (transformers only warns)."""
+    room = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(room, int):
+        return
+    for text, place in zip(prompts, where):
+        n = len(tokenizer(text)["input_ids"])
+        if n + max_new_tokens > room:
+            raise UserError(
+                f"{place}: the prompt's {n} tokens and task.max_new_tokens={max_new_tokens} pass the model's context "
+                f"of {room} tokens; shorten the prompt or lower task.max_new_tokens."
+            )
 
 
 def prompt_of(row: dict[str, Any]) -> str:

@@ -26,6 +26,7 @@ from onn.modalities.text.generate import (
     LanguageModel,
     answer_scores,
     answer_tokens,
+    check_context,
     complete,
     prompt_of,
     read_prompts,
@@ -437,13 +438,9 @@ def infer(job: Job) -> dict[str, Any]:
     said = {"infer/prompt_format": prompter.prompt_format if task.template else "none (task.template=false)"}
     if task.input:
         rows = read_prompts(task.input)
-        completions = complete(
-            model,
-            tokenizer,
-            [wrap(prompt_of(r), r, w) for r, w in zip(rows, rows.where)],
-            engine=engine,
-            **gen,
-        )
+        prompts = [wrap(prompt_of(r), r, w) for r, w in zip(rows, rows.where)]
+        check_context(model, tokenizer, prompts, [f"task.input {w}" for w in rows.where], gen["max_new_tokens"])
+        completions = complete(model, tokenizer, prompts, engine=engine, **gen)
         output = Path(task.output or job.run_dir / "predictions.jsonl")
         write_jsonl([{**r, "completion": c} for r, c in zip(rows, completions)], output)
         print(f"wrote {len(rows)} completions to {output}")
@@ -462,6 +459,7 @@ def infer(job: Job) -> dict[str, Any]:
             "infer/empty_completions": empty,
         }
     text = wrap(str(config.prompt))
+    check_context(model, tokenizer, [text], ["prompt"], gen["max_new_tokens"])
     completion = stream(model, tokenizer, text, engine=engine, **gen)
     if not completion.strip():
         log.warning("the completion is empty: the model ended the text at once (%s)", EMPTY_HINT)
