@@ -54,6 +54,8 @@ def test_a_containers_cpu_quota_and_memory_limit_are_the_machine(tmp_path, monke
     monkeypatch.setattr(profile, "CGROUP", tmp_path)
     assert profile.usable_cores() == 1 and profile.host_memory_mb() == min(1024, before[1])
     assert profile.available_memory_mb() <= 768 and profile.machine_fingerprint() != before[2]
+    (tmp_path / "memory.stat").write_text(f"anon 100\ninactive_file {512 * 2**20}\n")  # cache it can reclaim
+    assert 768 < profile.available_memory_mb() <= 1280
     (tmp_path / "cpu.max").write_text("max 100000\n")
     (tmp_path / "memory.max").write_text("max\n")
     assert (profile.usable_cores(), profile.host_memory_mb()) == before[:2]

@@ -360,8 +360,24 @@ def available_memory_mb() -> int:
     limit = _cgroup_value("memory.max", "memory/memory.limit_in_bytes")
     if limit is not None:
         used = _cgroup_value("memory.current", "memory/memory.usage_in_bytes") or 0
+        used -= _reclaimable(("memory.stat", "inactive_file"), ("memory/memory.stat", "total_inactive_file"))
         available = min(available, max(0, limit - used))
     return int(available // MB)
+
+
+def _reclaimable(*sources: tuple[str, str]) -> int:
+    """The cgroup's inactive file cache (the kernel reclaims it before it kills), which its usage counts: the
+    first of `sources` ((file, key) of memory.stat, v2's then v1's) that has it, as `docker stats` reads it."""
+    for name, key in sources:
+        try:
+            lines = (CGROUP / name).read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            field, _, value = line.partition(" ")
+            if field == key and value.strip().isdigit():
+                return int(value)
+    return 0
 
 
 def _cgroup_value(v2: str, v1: str, field: int = 0) -> int | None:
