@@ -426,6 +426,32 @@ def test_a_model_that_fits_ddp_gets_ddp_and_the_cpu_refuses_sharding(tmp_path: P
     assert cpu["links"]["missing"] == ["hardware.network_gb_s"]  # the preset names no network: said, not guessed
 
 
+def test_cpu_processes_share_their_hosts_memory_and_cores(tmp_path: Path):
+    """DDP over hardware.count CPU processes: each holds what the single-device plan holds at its micro-batch (the
+    heap's share included) within 1/count of the host's budget, and computes at 1/count of the cores' rate."""
+    from onn.hardware.profile import resolve
+    from onn.planning.costs import compute_s
+    from onn.planning.plan import estimate
+    from onn.planning.spec import model_spec
+
+    common = ("model=llama_tiny", "hardware=cpu_16gb", "strategy=ddp", "data.batch_size=8")
+    two = scale_for(*common, "hardware.count=2", tmp_path=tmp_path)
+    ddp = two["options"]["ddp"]
+    cfg = compose("task=plan", *common, root=tmp_path)
+    spec = model_spec(cfg.model, 8, cache_dir=str(tmp_path / "cache"))
+    hw = resolve(cfg.hardware, tmp_path / "cache", tmp_path)
+    blocks = list(range(spec.n_blocks))
+    one = estimate("full", spec, hw, int(cfg.data.max_length), ddp["micro_batch"], two["precision"], blocks, 4)
+    assert ddp["per_device_mb"] == pytest.approx(one.peak_mb + one.context_mb, rel=0.01)
+    alone = compute_s(spec, hw, "full", int(cfg.data.max_length), 4, ddp["micro_batch"], blocks)
+    assert ddp["compute_s"] == pytest.approx(2 * alone, rel=0.01)
+    assert "GB over 2 processes" in two["reason"]
+    # a budget that holds one process but not two: DDP over two does not fit
+    budget = f"hardware.budget_mb={int(ddp['per_device_mb'] * 1.5)}"
+    assert scale_for(*common, "hardware.count=1", budget, tmp_path=tmp_path)["options"]["ddp"]["fits"]
+    assert not scale_for(*common, "hardware.count=2", budget, tmp_path=tmp_path)["options"]["ddp"]["fits"]
+
+
 def test_an_adapter_fine_tune_over_several_devices_is_sized_as_the_adapters_it_trains(tmp_path: Path):
     """strategy=lora (qlora, sparse_lora) over 8 GPUs: the table sizes that fine-tune, not a full one. Every setup
     holds the frozen weights whole or sharded and the adapters' gradients and moments; the all-reduce moves the

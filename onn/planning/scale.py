@@ -12,10 +12,13 @@ keeping fp32 weights and gradients, and DeepSpeed keeping half-precision ones be
     ZeRO-3+offload   weights and optimizer in host memory  two blocks gathered at a time; host W + 12T per node's share
 
 (a full fine-tune: T = P weights, W = 4P: 16P, 2P + 14P/N, 16P/N), plus the activations of one micro-batch,
-as the single-device plan counts them. The step's predicted time is the per-device compute (each device takes
-global batch / N samples) plus the trainable weights' gradients' collectives, not overlapped: a ring all-reduce
-moves 2 (n-1)/n of the gradient bytes over each link; inside a node at hardware.interconnect_gb_s, between nodes at
-hardware.network_gb_s (hierarchical: devices reduce inside their node first). ZeRO-2 moves the same bytes
+as the single-device plan counts them (on a CPU with the heap's share, CPU_HEAP_OVERHEAD). CPU processes are not
+devices of their own: the hardware.count processes of a node share its memory and cores, so each gets 1/count of
+the budget and computes at 1/count of the profile's rate. The step's predicted time is the per-device compute
+(each device takes global batch / N samples) plus the trainable weights' gradients' collectives, not
+overlapped: a ring all-reduce moves 2 (n-1)/n of the gradient bytes over each link; inside a node at
+hardware.interconnect_gb_s, between nodes at hardware.network_gb_s (hierarchical: devices reduce inside their
+node first). ZeRO-2 moves the same bytes
 (reduce-scatter + all-gather); FSDP and ZeRO-3 gather the weights again for the backward (1.5x). Offload adds
 the trainable weights' and gradients' trips over PCIe (h2d_mb_s) and the optimizer step on the CPU.
 
@@ -31,7 +34,15 @@ from onn.config import HardwareConfig, ONNConfig
 from onn.errors import UserError
 from onn.hardware.profile import Profile
 from onn.models.layers import resolve_indices
-from onn.planning.costs import HEADROOM, MB, budget_mb, choose_precision, compute_dtype_name, compute_s
+from onn.planning.costs import (
+    CPU_HEAP_OVERHEAD,
+    HEADROOM,
+    MB,
+    budget_mb,
+    choose_precision,
+    compute_dtype_name,
+    compute_s,
+)
 from onn.planning.plan import estimate, frozen_weight_bytes, micro_batch_sizes, weights_and_states
 from onn.planning.spec import ModelSpec
 
@@ -110,6 +121,8 @@ class _Setup:
     ):
         self.spec, self.hw, self.seq, self.per_device, self.precision = spec, hw, seq, per_device, precision
         self.devices, self.method, self.adapted = devices, method, adapted
+        # a node's processes on a host device share its memory and cores; GPUs are one device each
+        self.sharing = 1 if hw.accelerator == "cuda" else devices // nodes
         mixed = precision.endswith("mixed")
         # the weights as one device holds them (frozen ones in the plan's dtype, trainable ones fp32), the
         # trainable ones' gradients and Adam moments, and mixed precision's half copy of what trains
@@ -138,12 +151,14 @@ class _Setup:
         """The largest micro-batch whose state and activations fit a device, and the step's parts."""
         spec, hw = self.spec, self.hw
         refused = hw.accelerator != "cuda" and name != "ddp"
-        budget = budget_mb(hw)
+        budget = budget_mb(hw) / self.sharing
+        heap = CPU_HEAP_OVERHEAD if hw.accelerator == "cpu" else 0.0  # as the single-device plan's workspace
         for mb in micro_batch_sizes(self.per_device):
             act = estimate(
                 self.method, spec, hw, self.seq, mb, self.precision, self.adapted, self.per_device, streamed=False
             )
-            device_mb = (self.state[name] / MB + act.activations_mb) * 1.05  # + 5% workspace, as the single-device plan
+            # + 5% workspace and a CPU's heap, as the single-device plan
+            device_mb = (self.state[name] / MB + act.activations_mb) * 1.05 + heap * act.activations_mb
             if device_mb + act.context_mb <= budget:
                 break
         ctx = act.context_mb
@@ -151,7 +166,7 @@ class _Setup:
         fits = (not refused) and device_mb + ctx <= budget and self.host_per_node[name] / MB <= host_budget
         resident = "full" if self.method == "full" else "lora"  # sparse LoRA trains resident here: LoRA's step
         dtype = compute_dtype_name(hw, self.precision)
-        step = compute_s(spec, hw, resident, self.seq, self.per_device, mb, self.adapted, dtype=dtype)
+        step = self.sharing * compute_s(spec, hw, resident, self.seq, self.per_device, mb, self.adapted, dtype=dtype)
         collective = all_reduce_s * (1.5 if name in ("fsdp", "deepspeed_zero3_offload") else 1.0)
         offload = 0.0
         if name == "deepspeed_zero3_offload":
@@ -205,6 +220,12 @@ def reason(
             + (", or use LoRA." if method == "full" else ".")
         )
     c = options[chosen]
+    total = budget_mb(hw) / 1024
+    of = (
+        f"of {total:,.0f} GB"
+        if hw.accelerator == "cuda" or count == 1
+        else f"of {total / count:,.0f} GB, the host's {total:,.0f} GB over {count} processes"
+    )
     rejected = [
         f"{o['label']} {'is refused' if o['refused'] else 'needs'}"
         + ("" if o["refused"] else f" {o['per_device_mb'] / 1024:,.0f} GB")
@@ -213,6 +234,6 @@ def reason(
     ]
     why = f"; {', '.join(rejected)} per device" if rejected else ""
     return (
-        f"{size} {FINE_TUNES[method]}: {c['label']} over {where} ({c['per_device_mb'] / 1024:,.1f} GB per device of "
-        f"{budget_mb(hw) / 1024:,.0f} GB, predicted {c['predicted_step_s']:.3g} s per step{why})."
+        f"{size} {FINE_TUNES[method]}: {c['label']} over {where} ({c['per_device_mb'] / 1024:,.1f} GB per device "
+        f"{of}, predicted {c['predicted_step_s']:.3g} s per step{why})."
     )
