@@ -120,3 +120,17 @@ def test_a_sweep_with_a_failed_job_exits_1_and_names_it(tmp_path):
     assert done.returncode == 1, done.stderr[-2000:]
     assert "1 job(s) of the sweep did not end ok (job 1: failed: data.batch_size=0: give a whole number" in done.stderr
     assert '"status": "ok"' in (tmp_path / "sweep" / "0" / "metrics.json").read_text()
+
+
+def test_a_sweep_into_a_folder_of_another_sweeps_finished_jobs_is_refused_before_it_writes(tmp_path):
+    """A sweep run into the folder of another sweep took over its job folders (0, 1, ...): .hydra/ and the finished
+    jobs' metrics.json were overwritten."""
+    sweep = tmp_path / "sweep"
+    common = ("task=plan", f"paths.outputs={tmp_path}", f"hydra.sweep.dir={sweep}")
+    assert run_cli("-m", *common, "data.batch_size=4").returncode == 0
+    files = lambda: {p: p.read_bytes() for p in sorted(sweep.rglob("*")) if p.is_file() and p.name != ".onn.lock"}  # noqa: E731
+    before = files()
+    other = run_cli("-m", *common, "data.batch_size=2")
+    assert other.returncode == 1
+    assert f"hydra.sweep.dir={sweep} holds the finished jobs of another sweep" in other.stderr
+    assert files() == before  # the same overrides again resume it: tests/test_bench.py's grid test

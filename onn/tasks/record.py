@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from onn.errors import UserError, write_refused
 from onn.hardware.cluster import is_rank_zero
@@ -184,6 +184,9 @@ class RunFolder(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config, "sweep")
+        if problem := other_sweep(Path(config.hydra.sweep.dir), list(config.hydra.overrides.task)):
+            print(f"error: {problem}", file=sys.stderr, flush=True)
+            raise SystemExit(1)
 
     @staticmethod
     def _check(config: DictConfig, mode: str) -> None:
@@ -216,6 +219,30 @@ class SweepStatus(Callback):
             named = "; ".join(f"job {name}: {why}" for name, why in failed[:3])
             print(f"error: {len(failed)} job(s) of the sweep did not end ok ({named})", file=sys.stderr, flush=True)
             raise SystemExit(1)
+
+
+def other_sweep(sweep_dir: Path, overrides: list[str]) -> str | None:
+    """Why this sweep may not run into sweep_dir: the folder holds finished jobs of a sweep of other overrides,
+    whose job folders (job 0, 1, ...) this one would take over, .hydra/ and metrics.json included. The same
+    overrides again resume the sweep (finished jobs are not run again), so they pass. None when it may run."""
+    try:
+        earlier = [str(o) for o in OmegaConf.load(sweep_dir / "multirun.yaml").hydra.overrides.task]
+    except (OSError, ValueError, AttributeError):  # no earlier sweep there (or not Hydra's): nothing to take over
+        return None
+    if sorted(earlier) == sorted(overrides) or not any(_ended_ok(m) for m in sweep_dir.glob("*/metrics.json")):
+        return None
+    return (
+        f"hydra.sweep.dir={sweep_dir} holds the finished jobs of another sweep ({' '.join(earlier) or 'no overrides'}) "
+        f"that this one ({' '.join(overrides) or 'no overrides'}) would overwrite: give another hydra.sweep.dir, or "
+        "move that folder away."
+    )
+
+
+def _ended_ok(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text())["status"] == "ok"
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def failed_jobs(sweep_dir: Path, since: float) -> list[tuple[str, str]]:
