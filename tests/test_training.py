@@ -610,3 +610,37 @@ def test_a_negative_mixup_is_one_sentence():
     assert mixup_alpha(compose("task.mixup=0.2").task) == 0.2
     with pytest.raises(UserError, match=r"task.mixup=-1.0: give 0 \(off\) or mixup's Beta parameter"):
         mixup_alpha(compose("task.mixup=-1").task)
+
+
+def test_samples_per_s_counts_the_rows_each_step_trained_on_not_the_configured_batch():
+    """Data smaller than a batch, or a short last batch: samples/s was data.batch_size per step (10 samples
+    under a batch of 8 read as 16 a step over two steps, 5 samples under a batch of 1024 as 1024)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from onn.training.callbacks import StepClock, batch_rows
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 2)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = TensorDataset(torch.randn(10, 3), torch.randint(0, 2, (10,)))
+    for batch_size, rows in ((8, [8, 2, 8, 2]), (1024, [10, 10])):
+        clock = StepClock()
+        trainer = L.Trainer(
+            max_epochs=len(rows) // (2 if batch_size == 8 else 1), callbacks=[clock], logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+        )  # fmt: skip
+        trainer.fit(Tiny(), DataLoader(data, batch_size=batch_size))
+        assert clock.rows == rows
+        assert clock.samples_per_s() == pytest.approx(sum(rows) / sum(clock.step_s))
+        assert clock.samples_per_s(skip=1) == pytest.approx(sum(rows[1:]) / sum(clock.step_s[1:]))
+    tokens = {"input_ids": torch.zeros(3, 7, dtype=torch.long), "attention_mask": torch.ones(3, 7)}
+    assert batch_rows(tokens) == 3 and batch_rows((tokens, torch.zeros(3, 4))) == 3

@@ -254,6 +254,7 @@ def measure(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
         "step_s": clock.step_s,
         "tokens": clock.tokens,
         "widths": clock.widths,
+        "rows": clock.rows,
         "io_s": clock.io_s,
         "compute_s": clock.compute_s,
         "losses": module.train_losses,
@@ -280,9 +281,14 @@ def summarize(config: ONNConfig, plan: Plan, hardware: Profile, spec, raw: dict[
     io = raw["io_s"][warmup:]
     cuda = hardware.accelerator == "cuda"
     widths = raw["widths"][warmup:]
+    rows = raw["rows"][warmup:]  # data smaller than a batch, or a short last batch: fewer than data.batch_size
     mb = raw["micro_batch"]
-    predicted_alloc = _replan(config, plan, hardware, spec, max(raw["widths"]), mb).predicted_peak_memory_mb
-    predicted_step = _replan(config, plan, hardware, spec, round(statistics.mean(widths)), mb).predicted_step_s
+    predicted_alloc = _replan(
+        config, plan, hardware, spec, max(raw["widths"]), mb, max(raw["rows"])
+    ).predicted_peak_memory_mb
+    predicted_step = _replan(
+        config, plan, hardware, spec, round(statistics.mean(widths)), mb, round(statistics.mean(rows))
+    ).predicted_step_s
     predicted_mem = predicted_alloc + raw["baseline_mb"]
     peak = raw["peak_mb"]
     is_learned, p = learned(raw["losses"], task.learned_p)
@@ -293,7 +299,7 @@ def summarize(config: ONNConfig, plan: Plan, hardware: Profile, spec, raw: dict[
         else loss_fall(val[0] if val else None, val[-1] if val else None)
     )
     available = (hardware.device_memory_mb if cuda else hardware.host_memory_available_mb) or hardware.host_memory_mb
-    samples_per_s = batch_size / step_s
+    samples_per_s = sum(rows) / sum(timed)
     out = {
         "bench/steps_timed": len(timed),
         "bench/step_s": round(step_s, 4),
@@ -334,13 +340,13 @@ def summarize(config: ONNConfig, plan: Plan, hardware: Profile, spec, raw: dict[
     return out
 
 
-def _replan(config: ONNConfig, plan: Plan, hardware: Profile, spec, seq: int, micro_batch: int) -> Plan:
+def _replan(config: ONNConfig, plan: Plan, hardware: Profile, spec, seq: int, micro_batch: int, rows: int) -> Plan:
     """The planner's prediction for the settings this run used (the micro-batch it ended at, after any
-    out-of-memory halving), at the sequence length its batches had."""
+    out-of-memory halving), at the sequence length and the rows its batches had."""
     cfg = copy.deepcopy(config)
-    cfg.data.max_length = seq
+    cfg.data.max_length, cfg.data.batch_size = seq, rows
     strategy = cfg.strategy
-    strategy.name, strategy.micro_batch, strategy.precision = plan.strategy, micro_batch, plan.precision
+    strategy.name, strategy.micro_batch, strategy.precision = plan.strategy, min(micro_batch, rows), plan.precision
     strategy.gradient_checkpointing = bool(plan.gradient_checkpointing)
     if plan.streaming:
         strategy.streaming = fixed_streaming(

@@ -233,7 +233,7 @@ def _time(config: ONNConfig, plan: Plan, run_dir: Path, tune: TuneConfig) -> dic
     timed = raw["step_s"][warmup:]
     return {
         "status": "ok",
-        "samples_per_s": round(config.data.batch_size * len(timed) / sum(timed), 3),
+        "samples_per_s": round(sum(raw["rows"][warmup:]) / sum(timed), 3),  # the rows its steps had
         "peak_growth_mb": round(raw["peak_mb"] - raw["baseline_mb"], 1),
     }
 

@@ -233,7 +233,7 @@ def train(job: Job) -> dict[str, Any]:
         f"{monitor}_best": round(best_score, 5) if best_score is not None else None,
         "val/history": module.history,
         "val/acc_final": module.history[-1]["val/acc"] if module.history else None,
-        "samples_per_s": clock.samples_per_s(dm.batch_size, skip=min(2, len(clock.step_s) - 1)),
+        "samples_per_s": clock.samples_per_s(skip=min(2, len(clock.step_s) - 1)),
         "peak_memory_mb": round(peak.peak_mb, 1),
         "params_total": job.spec.params,  # streamed, the blocks' weights are in the layer store now
         "params_trainable": trainable,

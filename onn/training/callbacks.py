@@ -182,6 +182,7 @@ class StepClock(L.Callback):
         self._events: list = []  # (start, end) CUDA events per step, on a GPU
         self._tokens: list = []  # per step, as the batch's device holds it: read once, after the steps
         self.widths: list[int] = []
+        self.rows: list[int] = []  # the samples each step trained on (a last or only batch may be short)
         self.io_s: list[float] = []
         self.compute_s: list[float] = []
         self.copied_bytes: list[int] = []  # streamed on a GPU: weights copied from host memory per step
@@ -192,6 +193,7 @@ class StepClock(L.Callback):
         engine = getattr(pl_module, "engine", None)
         if engine is not None:
             self._engine_t0 = (engine.times.io_s, engine.times.compute_s, engine.times.copied_bytes)
+        self.rows.append(batch_rows(batch))
         if isinstance(batch, dict):  # token batches; image batches are (images, labels)
             self._tokens.append(batch["attention_mask"].sum())
             self.widths.append(int(batch["input_ids"].shape[1]))
@@ -225,11 +227,24 @@ class StepClock(L.Callback):
         """Non-padding tokens of every step (read from the device here, not during the steps)."""
         return [int(t) for t in self._tokens]
 
-    def samples_per_s(self, batch_size: int, skip: int = 0) -> float | None:
-        """Training samples per second over the steps after the first `skip`: batches and optimizer steps
-        only, not validation, checkpoints or data loading."""
+    def samples_per_s(self, skip: int = 0) -> float | None:
+        """Training samples per second over the steps after the first `skip`: the rows those steps trained on
+        (not data.batch_size: a short last batch, or data smaller than a batch) over their batches' and optimizer
+        steps' time, not validation, checkpoints or data loading."""
         timed = self.step_s[skip:]
-        return batch_size * len(timed) / sum(timed) if timed and sum(timed) > 0 else None
+        return sum(self.rows[skip:]) / sum(timed) if timed and sum(timed) > 0 else None
+
+
+def batch_rows(batch: Any) -> int:
+    """How many samples a training batch holds, read from its shapes (no wait for the device): a dict of tensors
+    (tokens, pairs), a tuple or list whose first item is the inputs (images, labels), a PyG batch of graphs."""
+    if hasattr(batch, "num_graphs"):
+        return int(batch.num_graphs)
+    if isinstance(batch, dict):
+        return batch_rows(batch["input_ids"] if "input_ids" in batch else next(iter(batch.values())))
+    if isinstance(batch, list | tuple):
+        return batch_rows(batch[0])
+    return int(batch.shape[0]) if hasattr(batch, "shape") else len(batch)
 
 
 class ResourceMonitor(L.Callback):

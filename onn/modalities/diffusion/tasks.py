@@ -193,7 +193,7 @@ def train(job: Job) -> dict[str, Any]:
         "train/loss_final": mean_loss(module.train_losses[-20:]),
         "val/history": module.history,
         "val/loss_final": module.history[-1][MONITOR] if module.history else None,
-        "samples_per_s": clock.samples_per_s(dm.batch_size, skip=min(2, len(clock.step_s) - 1)),
+        "samples_per_s": clock.samples_per_s(skip=min(2, len(clock.step_s) - 1)),
         "peak_memory_mb": round(peak.peak_mb, 1),
         "params_total": sum(p.numel() for p in module.denoiser.parameters()),
         "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),

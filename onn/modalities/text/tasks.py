@@ -287,7 +287,7 @@ def train(job: Job) -> dict[str, Any]:
         "val/loss_initial": module.val_losses[0] if module.val_losses else None,
         "val/loss_final": module.val_losses[-1] if module.val_losses else None,
         "val/perplexity": math.exp(min(module.val_losses[-1], 50)) if module.val_losses else None,
-        "samples_per_s": clock.samples_per_s(config.data.batch_size),
+        "samples_per_s": clock.samples_per_s(),
         "peak_memory_mb": round(peak.peak_mb, 1),
         "params_trainable": trainable,
         "train/oom_backoffs": module.oom_backoffs,  # each halving of the micro-batch after out-of-memory
