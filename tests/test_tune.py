@@ -68,3 +68,26 @@ def test_tune_caches_the_fastest_setting_and_the_plan_uses_it(outputs):
     )
     fixed = yaml.safe_load((outputs / "fixed" / "plan.yaml").read_text())
     assert fixed["settings_source"] == "plan" and fixed["micro_batch"] == 1 and fixed["streaming"]["chunk_size"] == 3
+
+
+def test_a_tuned_result_is_keyed_by_the_streaming_settings_it_did_not_vary(tmp_path):
+    """A result tuned with the store in host memory was taken by a plan streaming from disk: the key held no
+    streaming setting. The ones the tuner varies (chunk size, store dtype) stay out of it, or no plan would find it."""
+    from conftest import compose
+
+    from onn.hardware.profile import resolve
+    from onn.planning.tuned import cache_path
+
+    def path(*overrides: str):
+        cfg = compose("task=plan", "hardware=cpu_16gb", *TINY, *overrides, root=tmp_path)
+        return cache_path(cfg, resolve(cfg.hardware, tmp_path / "cache", tmp_path), "sparse_lora", 40)
+
+    cpu = path("strategy.streaming.store=cpu")
+    assert cpu == path("strategy.streaming.store=cpu", "strategy.streaming.chunk_size=3")
+    assert cpu == path("strategy.streaming.store=cpu", "strategy.streaming.store_dtype=int8")
+    for other in (
+        "strategy.streaming.store=disk",
+        "strategy.streaming.prefetch=false",
+        "strategy.streaming.mlp_tiles=4",
+    ):
+        assert path("strategy.streaming.store=cpu", other) != cpu, other
