@@ -80,7 +80,9 @@ EXPLANATION = (
     "record: SIGKILL, out of memory) and missing (never started) jobs last. "
     "`job` lists the overrides that differ between the sweep's jobs, `dir` is "
     "the job's folder. *samples/s* is the measured training throughput. *step s* and *peak MB* are "
-    "measured next to the planner's predictions (pred.), which the plan made before the job ran; "
+    "measured next to the planner's predictions (pred.) for the shapes the job's steps had: its memory as "
+    "planned, its step time from the model's blocks timed between the steps (the plan's own step time, made "
+    "before the job ran, is `bench/plan_predicted_step_s` in its metrics.json); "
     "*err %* is measured / predicted - 1, so +10% means the job took 10% more than predicted. "
     "*learned* says whether the loss fell significantly (p-value in brackets), *quality* is the bench's "
     "quality figure. Scores, higher is better: efficiency = quality / parameters x 1e10, "
@@ -90,7 +92,7 @@ EXPLANATION = (
 SPREAD_EXPLANATION = (
     "Each job that ran under more than one seed (`seed=0,1,2` runs the grid once per seed, a seed's pass after "
     "the last): step s and peak MB as the median over its successful runs (the range in brackets), and each "
-    "run's error against the plan made before it, in the order the runs went."
+    "run's error against its prediction (pred. above), in the order the runs went."
 )
 
 
