@@ -362,9 +362,9 @@ def _data_from_checkpoint(
     data_keys = sorted(k for k in given if k.startswith("data."))
     data = copy.deepcopy(saved)
     if "data.source" in given:
-        for key in ("val_source", "test_source"):
+        for key in ("val_source", "test_source", "val_pattern", "test_pattern"):
             if key in data:
-                data[key] = None  # the checkpoint's other files belong to its own data.source
+                data[key] = None  # the checkpoint's other files and names belong to its own data.source
     given_data = as_dict(config.data)
     for key in data_keys:
         _set(data, key.split(".")[1:], _get(given_data, key.split(".")[1:]))

@@ -219,7 +219,7 @@ def test_log_mels_on_the_device_augment_training_batches_only():
 @pytest.mark.slow
 def test_train_held_out_pattern_eval_infer_and_export(tmp_path):
     """Tones by two 'speakers': bob's are the test set (data.test_pattern); then eval, infer with a picture, ONNX."""
-    from onn.app import execute
+    from onn.app import execute, given_keys
 
     data = make_tones(tmp_path / "tones", per_class=10)
     common = [
@@ -261,6 +261,10 @@ def test_train_held_out_pattern_eval_infer_and_export(tmp_path):
     evaluated = compose(*common, "task=eval", f"ckpt={ckpt}", "task.adapt_norm=true")
     evaluated = execute(evaluated, tmp_path / "eval")
     assert evaluated["test/acc"] == pytest.approx(metrics["test/acc"], abs=1e-6)
+    # new recordings: the checkpoint's test_pattern names its own files (none here), and eval was refused for it
+    given = [f"data.source={make_tones(tmp_path / 'other', per_class=4, speakers=('cy',))}"]
+    other = execute(compose(*common, "task=eval", f"ckpt={ckpt}", *given), tmp_path / "other_eval", given_keys(given))
+    assert other["val/acc"] is not None and "test/acc" not in other
     new = tmp_path / "new"
     new.mkdir()
     for name in ("low_bob_1.wav", "high_bob_2.wav"):
