@@ -185,6 +185,9 @@ def test_settings_that_make_no_sense_name_their_key():
         ("data.features.f_max=99999", "f_max"),
         ("data.augment.freq_warp=2", "data.augment.freq_warp"),
         ("model=video_r3d_18", "does not take spectrograms"),
+        ("model=pointnet", "does not take spectrograms"),  # was: model.kwargs does not fit (none were given)
+        ("data.features.top_db=0", "data.features.top_db"),  # every bin at the clip's peak: a constant picture
+        ("data.features.top_db=-5", "data.features.top_db"),
     ):
         with pytest.raises(UserError, match=key):
             audio.check(compose("data=audio", "model=audio_cnn", override))

@@ -46,6 +46,12 @@ def feature_settings(data_cfg: AudioData) -> dict[str, Any]:
             f"data.features.f_min={f.f_min} / f_max={f.f_max}: give 0 <= f_min < f_max <= "
             f"data.sample_rate / 2 = {rate / 2:g} Hz."
         )
+    top_db = f.top_db
+    if isinstance(top_db, bool) or not isinstance(top_db, int | float) or not 0 < top_db < float("inf"):
+        # at 0 or below, every bin is clamped to the clip's peak: a constant picture
+        raise UserError(
+            f"data.features.top_db={top_db!r}: give a positive number of dB below each clip's peak (e.g. 80)."
+        )
     if f.normalize not in NORMALIZE:
         raise UserError(f"data.features.normalize={f.normalize!r}: use one of {', '.join(NORMALIZE)}.")
     clip = round(float(data_cfg.clip_seconds) * rate)

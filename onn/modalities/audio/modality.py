@@ -39,7 +39,7 @@ class AudioModality(MediaModality):
     def check(self, config: ONNConfig) -> None:
         from onn.modalities.audio.decode import fit_settings
         from onn.modalities.audio.features import augment_settings, feature_settings
-        from onn.models.zoo.registry import VIDEO
+        from onn.models.zoo.registry import PICTURES
 
         data: AudioData = config.data
         model: NetworkConfig = config.model
@@ -48,7 +48,7 @@ class AudioModality(MediaModality):
         augment_settings(data.augment)
         source = str(model.source or "")
         kind, _, name = source.partition(":")
-        if (kind not in ("zoo", "timm") and ".py:" not in source) or name in VIDEO:
+        if (kind not in ("zoo", "timm") and ".py:" not in source) or (kind == "zoo" and name not in PICTURES):
             raise UserError(
                 f"model={model.name} ({source or 'no source'}) does not take spectrograms; audio data trains "
                 "zoo:audio_cnn (model=audio_cnn), zoo:audio_rnn (model=audio_lstm), an image network from timm "

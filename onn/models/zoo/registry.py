@@ -21,6 +21,7 @@ ZOO = {
     "text_encoder": TextEncoder,
 }
 VIDEO = frozenset({"c3d_tiny"})  # zoo models that take clips [B, C, T, H, W]
+PICTURES = frozenset({"v28_cnn", "audio_cnn", "audio_rnn"})  # zoo models that take [B, C, H, W]: images, spectrograms
 
 
 def build_zoo(name: str, **kwargs) -> nn.Module:
