@@ -180,3 +180,27 @@ def test_an_encrypted_zip_member_is_an_archive_error(tmp_path):
     members = iter_members(path)
     with pytest.raises(ARCHIVE_ERRORS, match="encrypted"):
         next(members).open()
+
+
+def test_a_zip_members_utf8_name_without_the_utf8_flag_is_read_as_utf8(tmp_path):
+    """Info-ZIP's `zip` and macOS write UTF-8 names without the flag that says so; zipfile read them as cp437,
+    so a class folder "zéro un" became "z├⌐ro un", a class the model trained on the folder had never seen."""
+    import struct
+
+    from onn.data.files import iter_members
+
+    path = tmp_path / "classes.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("zéro un/1.wav", b"RIFF")
+        zf.writestr("plain/2.wav", b"RIFF")
+    data = bytearray(path.read_bytes())
+    for signature, at in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):  # clear bit 11 in each header's flags
+        start = 0
+        while (start := data.find(signature, start)) != -1:
+            (flags,) = struct.unpack_from("<H", data, start + at)
+            struct.pack_into("<H", data, start + at, flags & ~0x800)
+            start += 4
+    path.write_bytes(bytes(data))
+    assert "z├⌐ro un/1.wav" in zipfile.ZipFile(path).namelist()  # the premise: zipfile reads the name as cp437
+    members = {m.name: m.open().read() for m in iter_members(path)}
+    assert members == {"zéro un/1.wav": b"RIFF", "plain/2.wav": b"RIFF"}

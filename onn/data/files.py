@@ -241,7 +241,7 @@ def iter_members(path: str | os.PathLike[str], kind: str | None = None) -> Itera
             for info in zf.infolist():
                 if not info.is_dir():
                     yield Member(
-                        *_checked(info.filename),
+                        *_checked(zip_name(info)),
                         info.filename,
                         info.file_size,
                         None,
@@ -273,6 +273,18 @@ def wanted_members(
         elif not is_hidden(member.name) and wanted(member.name):
             with member.open() as f:
                 yield member.name, f.read()
+
+
+def zip_name(info: zipfile.ZipInfo) -> str:
+    """A zip member's name as its writer meant it. Without the UTF-8 flag (bit 11) zipfile decodes the name as
+    cp437, but Info-ZIP's `zip` and macOS write UTF-8 names without setting it: "zéro" would read "z├⌐ro". Such
+    a name is taken as UTF-8 when its bytes are valid UTF-8, as cp437 otherwise."""
+    if info.flag_bits & 0x800:
+        return info.filename
+    try:
+        return info.filename.encode("cp437").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        return info.filename
 
 
 def _checked(raw: str) -> tuple[str | None, str | None]:
