@@ -270,3 +270,22 @@ def test_a_checkpoint_an_earlier_onn_wrote_still_evaluates(tmp_path):
     )
     metrics = execute(cfg, tmp_path / "eval")
     assert metrics["test/loss"] == pytest.approx(1.7817, abs=1e-3)
+
+
+def test_data_auto_takes_textured_objs_for_meshes_not_pictures(tmp_path):
+    """Shapes as .obj + .mtl + texture .png (a common export) were a third meshes, and data=auto read the folder
+    as paired data: a mesh's material and textures beside it are its parts."""
+    from PIL import Image
+
+    from onn.modalities import detect
+
+    cube = "v 0 0 0\nv 1 0 0\nv 0 1 0\nv 0 0 1\nvt 0 0\nf 1 2 3\nf 1 2 4\nf 1 3 4\nf 2 3 4\n"
+    for shape in ("chair", "table"):
+        for i in range(4):
+            folder = tmp_path / shape
+            folder.mkdir(exist_ok=True)
+            (folder / f"{i}.obj").write_text(f"mtllib {i}.mtl\n{cube}")
+            (folder / f"{i}.mtl").write_text(f"newmtl m\nmap_Kd texture_{i}.png\n")
+            Image.new("RGB", (8, 8), (i * 40, 0, 0)).save(folder / f"texture_{i}.png")
+    modality, reason = detect(tmp_path)
+    assert modality.name == "mesh" and "8 mesh files (.obj)" in reason

@@ -8,6 +8,7 @@ and held on the device; rotation, scaling and jitter on the device (augment.py);
 
 from __future__ import annotations
 
+import posixpath
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,19 @@ DATA_KWARGS = ("in_channels", "num_classes", "num_points")
 POINT_NETWORKS = ("zoo:pointnet",)  # the zoo's networks that take [batch, points, channels]
 
 
+# A textured OBJ's material file and texture pictures, beside it in its folder: a mesh's parts, not other data
+SIDECARS = (".mtl", ".png", ".jpg", ".jpeg", ".tga", ".bmp", ".tif", ".tiff")
+
+
+def mostly_meshes(names: list[str], meshes: list[str]) -> bool:
+    """Two or more meshes, and at least half of the files that are not their sidecars (SIDECARS in a folder that
+    holds a mesh: shapes of .obj + .mtl + .png are meshes, not pictures with captions)."""
+    folders = {posixpath.dirname(n) for n in meshes}
+    others = [n for n in names if n not in meshes]
+    sidecars = [n for n in others if posixpath.splitext(n)[1].lower() in SIDECARS and posixpath.dirname(n) in folders]
+    return len(meshes) >= 2 and len(meshes) * 2 >= len(names) - len(sidecars)
+
+
 class MeshModality(ClassifierModality):
     name = "mesh"
     data_schema = MeshData
@@ -31,6 +45,9 @@ class MeshModality(ClassifierModality):
     description = "3D shape classification (meshes and point clouds)"
     builtins = ("primitives",)
     stored_dtype = "float32"
+    sniff_priority = (
+        1  # file extensions say it: asked before the image sniffer (a textured mesh's pictures are its parts)
+    )
 
     def sniff(self, path: Path) -> str | None:
         from onn.modalities.mesh.primitives import BUILTIN
@@ -42,7 +59,7 @@ class MeshModality(ClassifierModality):
             return f"a 3D file ({path.suffix.lower()})" if is_mesh_name(path.name) else self._archive(path)
         names = first_names(path, SNIFF_FILES)
         meshes = [n for n in names if is_mesh_name(n)]
-        if len(meshes) >= 2 and len(meshes) * 2 >= len(names):
+        if mostly_meshes(names, meshes):
             kinds = sorted({Path(n).suffix.lower() for n in meshes}, key=MESH_SUFFIXES.index)
             return f"{len(meshes)}{'+' if len(names) >= SNIFF_FILES else ''} mesh files ({', '.join(kinds)})"
         return None
@@ -58,8 +75,8 @@ class MeshModality(ClassifierModality):
             names = [m.name or m.raw for _, m in zip(range(SNIFF_FILES), iter_members(path, kind))]
         except ARCHIVE_ERRORS:
             return None
-        meshes = sum(is_mesh_name(n) for n in names)
-        return f"an archive of {meshes} mesh files" if meshes >= 2 and meshes * 2 >= len(names) else None
+        meshes = [n for n in names if is_mesh_name(n)]
+        return f"an archive of {len(meshes)} mesh files" if mostly_meshes(names, meshes) else None
 
     def check(self, config: ONNConfig) -> None:
         from onn.modalities.mesh.augment import PointAugment
