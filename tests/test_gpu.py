@@ -325,6 +325,37 @@ def test_the_runner_overhead_bench_times_a_resident_model_and_refuses_a_streamed
     assert "this plan streams sparse_lora" in read_metrics(streamed)["error"]
 
 
+def test_the_runner_overhead_bench_times_more_steps_than_an_epoch_holds(tmp_path):
+    """task=bench_overhead's plain loop runs epoch after epoch, as the Trainer on ONN's side does: on 6 streamed
+    rows (an epoch of fewer batches than the warm-up and timed steps) it read one epoch and stopped on an
+    IndexError."""
+    from onn.app import execute
+
+    rows = tmp_path / "small.jsonl"
+    rows.write_text(
+        "".join(json.dumps({"input": f"What is {i} plus {i}?", "output": str(2 * i)}) + "\n" for i in range(6))
+    )
+    cfg = compose(
+        "task=bench_overhead",
+        "model=llama_tiny",
+        "hardware=cpu_16gb",
+        "strategy=full",
+        "data=text",
+        f"data.source={rows}",
+        "data.streaming=true",
+        "data.val_split=0.2",
+        "data.max_length=32",
+        "task.steps=2",
+        "task.warmup=1",
+        "task.repeats=1",
+        "tracking=none",
+        f"paths.outputs={tmp_path}",
+        f"paths.cache={tmp_path / 'cache'}",
+    )
+    m = execute(cfg, tmp_path / "run")
+    assert m["overhead/plain_steps_per_s"] > 0 and m["overhead/onn_steps_per_s"] > 0
+
+
 # An H200's profile as ONN measured it (bench_gpu's machine, 2026-11-27): the planner's GPU inputs
 H200 = dict(
     name="auto", measure=False, accelerator="cuda", device_name="NVIDIA H200", device_count=1, device_memory_mb=143_155,

@@ -1078,3 +1078,56 @@ def test_every_pass_from_int8_codes_matches_the_dequantized_model(monkeypatch, f
     # generation) in a few graphs (3 here): past torch.compile's limit, every cast falls back to two passes
     assert len(graphs) < torch._dynamo.config.recompile_limit if fused else not graphs, len(graphs)
     torch._dynamo.reset()
+
+
+def bench_plan(tmp_path, *overrides: str):
+    """recipe=bench_streaming on llama_tiny, planned for the 16 GB CPU preset: its config and plan."""
+    from onn.hardware.profile import resolve
+    from onn.planning.plan import make_plan
+    from onn.planning.spec import model_spec
+
+    cfg = compose(
+        "recipe=bench_streaming", "model=llama_tiny", "hardware=cpu_16gb", f"paths.cache={tmp_path}", *overrides
+    )
+    hw = resolve(cfg.hardware, tmp_path, tmp_path)
+    return cfg, make_plan(cfg, hw, model_spec(cfg.model, cfg.strategy.lora.r), use_tuned=False)
+
+
+def test_the_streaming_bench_predicts_a_step_with_every_block_trained(tmp_path):
+    """strategy.layers=all: the budget figure's prediction plans the plan's resolved blocks (it iterated the string
+    `all` and stopped on a TypeError); every block trained takes more than the recipe's last four."""
+    from onn.bench.streaming import _predicted_step_mb
+
+    predicted = {}
+    for layers in ("all", "[-4,-3,-2,-1]"):
+        cfg, plan = bench_plan(tmp_path, f"strategy.layers={layers}")
+        predicted[layers], _ = _predicted_step_mb(cfg, plan.sparse_layers, 0.25, 1, 8)
+    assert predicted["all"] > predicted["[-4,-3,-2,-1]"] > 0
+
+
+def test_the_streaming_benchs_load_and_compute_are_the_timed_steps_own(tmp_path):
+    """The reuse figures' load and compute seconds are those of the timed steps, not of the untimed warm-up's
+    too (an engine's first step reads more than the next ones: nothing is resident yet), and the overlap
+    efficiency divides them by the same steps' time: compute runs inside a step, so it is never more than the
+    step (it was 1.13 times the step where the warm-up's compute counted)."""
+    from onn.bench.streaming import _reuse, _runs, make_bench, micro_batches
+
+    b = make_bench(*bench_plan(tmp_path, "task.reuse_m=[1,16]", "task.repeats=1"))
+    disk = b.engine("disk")
+    batch = micro_batches(1, b.micro_batch, b.seq, b.vocab)
+
+    def step():
+        disk.train_step(batch)
+        disk.model.zero_grad(set_to_none=True)
+
+    _runs(step, 2, after_warmup=disk.times.__init__)
+    timed = disk.times.read_bytes
+    disk.times.__init__()
+    step()
+    disk.close()
+    assert timed == 2 * disk.times.read_bytes > 0
+    out, rows = _reuse(b)
+    assert out["stream/compute_s"] <= out["stream/step_s_m16"]  # one timed step: its mean is its median
+    assert out["stream/overlap_efficiency"] <= 1
+    for _, step_s, _, _, compute_s in rows:
+        assert compute_s <= step_s

@@ -296,6 +296,23 @@ def test_the_streamed_architectures_bench_names_its_choices():
         TASKS["bench_streamed_arch"].check(compose("recipe=bench_streamed_arch", "task.archs=[unet]"))
 
 
+def test_the_streamed_architectures_bench_refuses_no_steps_and_a_budget_of_nothing():
+    """task.steps=0 measured nothing and stopped on max() of no steps after all the work; task.budget_ratio=0
+    divided by zero: each is one sentence naming its key, before anything runs."""
+    from conftest import compose
+
+    from onn.bench.registry import TASKS
+    from onn.errors import UserError
+
+    check = TASKS["bench_streamed_arch"].check
+    with pytest.raises(UserError, match=r"task.steps=0: give a whole number of steps to measure, 1 or more"):
+        check(compose("recipe=bench_streamed_arch", "task.archs=[lstm]", "task.steps=0"))
+    for ratio in ("0", "-2.0"):
+        with pytest.raises(UserError, match=rf"task.budget_ratio={ratio}.*: give a number above 0"):
+            check(compose("recipe=bench_streamed_arch", f"task.budget_ratio={ratio}"))
+    check(compose("recipe=bench_streamed_arch", "task.archs=[lstm]", "task.steps=1"))
+
+
 class _Scaled(torch.nn.Module):
     """A weight of its own that no reset_parameters draws."""
 

@@ -300,6 +300,39 @@ def test_the_vision_bench_counts_what_makes_the_host_wait_for_a_gpu():
     assert makes_the_host_wait(aten._local_scalar_dense.default, (host,), {}, on_cpu=True)  # would wait on a GPU
 
 
+def test_bench_visions_standard_pipeline_reads_the_training_split_and_batches_one_smaller_than_a_batch(
+    images, tmp_path
+):
+    """The standard pipeline draws from the datamodule's training split, as the resident side does: not the images
+    data.val_split holds out for validation (it read every file outside a `test` folder). A split smaller than
+    data.batch_size still gives a batch each epoch (drop_last gave none, and the timing loops spun for ever), the
+    loops run epoch after epoch, and a loader with no batch at all is an error, not a loop that never ends."""
+    from onn.bench.vision import StandardPipeline, _pipeline_only, epochs
+    from onn.modalities import classification, get
+
+    image = get("image")
+    sizes = ["data.image_size=[16,16]", "data.val_split=0.25", "data.batch_size=128"]
+    cfg = compose("recipe=bench_vision", f"data.source={images}", *sizes, f"paths.cache={tmp_path}")
+    dm = classification.setup_data(image, cfg, "cpu")
+    standard = StandardPipeline(cfg, dm, classification.data_inputs(image, cfg, dm))
+    train = dm.splits["train"]
+    assert len(standard.items) == len(train) == 54  # 72 training images, a quarter held out
+    assert sorted(label for _, label in standard.items) == sorted(train.labels.tolist())
+    assert [len(labels) for _, labels in epochs(standard.loader(), 3)] == [54, 54, 54]
+    assert _pipeline_only(standard.loader(), 2, 1, None, dm.device) > 0
+    with pytest.raises(UserError, match="data.source's training split gave no batch"):
+        next(epochs([], 1))
+
+
+def test_bench_vision_counts_the_rows_each_timed_step_had():
+    """samples/s is the rows the timed steps held over their time, not data.batch_size per step: an epoch's
+    partial batch, or a split smaller than a batch, counts what it held."""
+    from onn.bench.vision import samples_per_s
+
+    # one warm-up step, then two timed ones of 16 and 5 rows: 2 s from the first timed step's start to the end
+    assert samples_per_s([10.0, 11.0, 12.5, 13.0], [16, 16, 5], warmup=1, steps=2) == 21 / 2
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_bench_visions_plain_loop_compiles_its_model_as_onns_side_does(compiled):
     """model.compile: both sides of the runner's overhead train the compiled network, or neither does."""

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from onn.bench.vision import epochs, samples_per_s
 from onn.config import ONNConfig
 from onn.config.task import BenchVisionTask
 from onn.errors import UserError
@@ -82,23 +83,15 @@ def _pipelines(job, config: ONNConfig, dm, inputs, steps: int, warmup: int, repe
     Dataset + DataLoader: samples per second of each, per round."""
     m = job.modality
     transform = m.transform(config, inputs)
-    reader, source = m.reader(), str(config.data.source)
-    names = set(dm.splits["train"].names)
-    listed = reader.listing(source, config.data, "data.source")
-    files = [f for split in listed.splits.values() for f in split if f.name in names]
-    index = {c: i for i, c in enumerate(dm.classes)}
-    load = functools.partial(reader.load, fit=reader.fit(inputs))
-    standard = PerFileItems(files, [index[f.label] for f in files], load, reader.bad, transform, reader.dtype)
+    standard = standard_items(m, config, dm, inputs, transform)
     batch = dm.batch_size
     precision = config.trainer.precision  # what a run trains with: auto is the plan's
     precision = job.plan.precision if precision in (None, "auto") else str(precision)
     pipe: dict[str, list[float]] = {"resident": [], "standard": []}
     train: dict[str, list[float]] = {"resident": [], "standard": []}
     for _ in range(repeats):
-        pipe["resident"].append(_pipeline(dm.train_dataloader(), steps, warmup, batch, transform, dm.device))
-        pipe["standard"].append(
-            _pipeline(standard.loader(batch, workers, dm.device), steps, warmup, batch, None, dm.device)
-        )
+        pipe["resident"].append(_pipeline(dm.train_dataloader(), steps, warmup, transform, dm.device))
+        pipe["standard"].append(_pipeline(standard.loader(batch, workers, dm.device), steps, warmup, None, dm.device))
         train["resident"].append(
             _train(m, config, inputs, dm.train_dataloader(), steps, warmup, transform, precision, dm.device)
         )
@@ -108,6 +101,18 @@ def _pipelines(job, config: ONNConfig, dm, inputs, steps: int, warmup: int, repe
             )
         )
     return pipe, train
+
+
+def standard_items(m, config: ONNConfig, dm, inputs: dict[str, Any], transform) -> PerFileItems:
+    """The standard pipeline's Dataset over the files of the datamodule's training split, as the resident side
+    draws them."""
+    reader, source = m.reader(), str(config.data.source)
+    names = set(dm.splits["train"].names)
+    listed = reader.listing(source, config.data, "data.source")
+    files = [f for split in listed.splits.values() for f in split if f.name in names]
+    index = {c: i for i, c in enumerate(dm.classes)}
+    load = functools.partial(reader.load, fit=reader.fit(inputs))
+    return PerFileItems(files, [index[f.label] for f in files], load, reader.bad, transform, reader.dtype)
 
 
 def _figures(
@@ -183,11 +188,12 @@ class PerFileItems(torch.utils.data.Dataset):
         raise UserError("no file of the training split decodes")
 
     def loader(self, batch: int, workers: int, device: torch.device):
+        """Full batches only, as the resident side draws them, unless the split holds less than a batch."""
         return torch.utils.data.DataLoader(
             self,
             batch_size=batch,
             shuffle=True,
-            drop_last=True,
+            drop_last=len(self) >= batch,
             num_workers=workers,
             persistent_workers=False,
             pin_memory=device.type == "cuda",
@@ -199,30 +205,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _batches(loader, steps: int, warmup: int):
-    """warmup + steps + 1 batches, the loader's epochs run one after another."""
-    count = 0
-    while count <= warmup + steps:
-        for batch in loader:
-            yield batch
-            count += 1
-            if count > warmup + steps:
-                return
-
-
-def _pipeline(loader, steps: int, warmup: int, batch: int, transform, device: torch.device) -> float:
+def _pipeline(loader, steps: int, warmup: int, transform, device: torch.device) -> float:
     """Batches ready for the model (on the device, augmented), no model: samples/s after warm-up."""
-    stamps = []
+    stamps: list[float] = []
+    rows: list[int] = []
     with torch.no_grad():
-        for x, _ in _batches(loader, steps, warmup):
+        for x, _ in epochs(loader, warmup + steps + 1):
             _sync(device)
             stamps.append(time.perf_counter())
+            rows.append(len(x))
             x = x.to(device, non_blocking=True)
             if transform is not None:
                 transform(x, train=True)
     _sync(device)
     stamps.append(time.perf_counter())
-    return batch * steps / (stamps[warmup + steps] - stamps[warmup])
+    return samples_per_s(stamps, rows, warmup, steps)
 
 
 def _train(
@@ -236,11 +233,12 @@ def _train(
     optimizer = make_optimizer(model.parameters(), config.optim)
     half = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else None
     scaler = torch.amp.GradScaler(device.type, enabled=half is torch.float16)  # as Lightning's 16-mixed
-    stamps, batch = [], 0
-    for x, labels in _batches(loader, steps, warmup):
-        batch = len(labels)
+    stamps: list[float] = []
+    rows: list[int] = []
+    for x, labels in epochs(loader, warmup + steps + 1):
         _sync(device)
         stamps.append(time.perf_counter())
+        rows.append(len(labels))
         x, labels = x.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         if transform is not None:
             with torch.no_grad():
@@ -253,4 +251,4 @@ def _train(
         scaler.update()
     _sync(device)
     stamps.append(time.perf_counter())
-    return batch * steps / (stamps[warmup + steps] - stamps[warmup])
+    return samples_per_s(stamps, rows, warmup, steps)

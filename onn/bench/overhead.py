@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from onn.bench.vision import epochs
 from onn.config import ONNConfig
 from onn.config.task import BenchOverheadTask
 from onn.errors import UserError
@@ -98,7 +99,7 @@ def _plain(job, steps: int, warmup: int) -> float:
     clip = config.optim.clip_grad_norm
     half = {"bf16": torch.bfloat16, "16": torch.float16}.get(plan.precision.split("-")[0])
     stamps: list[float] = []
-    for batch in loader:
+    for batch in epochs(loader, warmup + steps + 1):  # as many epochs as the steps take, as the Trainer runs
         _sync(device)
         stamps.append(time.perf_counter())
         if len(stamps) > warmup + steps:

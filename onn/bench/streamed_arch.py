@@ -80,10 +80,18 @@ def build(arch: str, t: BenchStreamedArchTask, strategy: StrategyConfig) -> tupl
 
 
 def check_settings(config) -> None:
-    """task.archs names architectures this bench builds: one sentence otherwise, before anything runs."""
-    unknown = [a for a in config.task.archs if a not in ARCHS]
-    if unknown or not config.task.archs:
-        raise UserError(f"task.archs={list(config.task.archs)}: choose among {', '.join(ARCHS)}.")
+    """task.archs names architectures this bench builds, task.steps measures at least one step and the budget is
+    a share of the blocks: one sentence otherwise, before anything runs."""
+    t: BenchStreamedArchTask = config.task
+    unknown = [a for a in t.archs if a not in ARCHS]
+    if unknown or not t.archs:
+        raise UserError(f"task.archs={list(t.archs)}: choose among {', '.join(ARCHS)}.")
+    if t.steps < 1:
+        raise UserError(f"task.steps={t.steps!r}: give a whole number of steps to measure, 1 or more.")
+    if t.budget_ratio <= 0:
+        raise UserError(
+            f"task.budget_ratio={t.budget_ratio!r}: give a number above 0, the blocks' size over the step's budget."
+        )
 
 
 def batches(arch: str, t: BenchStreamedArchTask) -> list[dict[str, torch.Tensor]]:

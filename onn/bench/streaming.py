@@ -6,7 +6,7 @@ and accelerate's offload folder is dropped the same way before every forward, so
 the disk as they would for a model larger than RAM.
 
   stream/reuse_speedup_m64     samples/s at M=64 micro-batches per chunk load over M=1 (disk store)
-  stream/overlap_efficiency    max(load time, compute time) / step time, prefetch on (disk store, M=16)
+  stream/overlap_efficiency    max(load time, compute time) / step time of the timed steps, prefetch on (disk, M=16)
   stream/resident_step_ratio   streamed step / resident peft step, M=16, store in host memory
   stream/vs_accelerate_speedup ONN samples/s over accelerate's disk_offload hooks, same model and batch (M=16)
   stream/peak_over_predicted   measured peak growth of a step (after a warm-up step) over the planner's
@@ -54,13 +54,21 @@ def micro_batches(count: int, micro_batch: int, seq: int, vocab: int, seed: int 
 
 
 def _timed(fn, repeats: int) -> float:
-    fn()  # warm-up: allocator, thread pool, first-touch
+    return statistics.median(_runs(fn, repeats))
+
+
+def _runs(fn, repeats: int, after_warmup=None) -> list[float]:
+    """Each of `repeats` timed calls' seconds, after one untimed warm-up call (allocator, thread pool,
+    first-touch); `after_warmup` runs between them, e.g. to reset counters that must cover the timed calls only."""
+    fn()
+    if after_warmup is not None:
+        after_warmup()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 @dataclass
@@ -95,17 +103,10 @@ class _Bench:
 
 def run(job) -> dict[str, Any]:
     from onn.models.layers import discover
-    from onn.models.load import load, model_fingerprint
-    from onn.training.lora import apply
 
-    config, plan = job.config, job.plan
-    bench: BenchStreamingTask = config.task
-    model, _ = load(config.model, dtype=torch.float32)
-    base = apply(model, "sparse_lora", config.strategy, discover(model), plan.sparse_layers)
-    store_dir = Path(config.paths.cache) / "stores" / model_fingerprint(config.model) / "bench"
-    b = _Bench(config, plan, base, store_dir, bench.seq_len, bench.micro_batch, bench.repeats, bench.chunk_size)
+    b = make_bench(job.config, job.plan)
     out: dict[str, Any] = {
-        "stream/blocks": len(discover(base)),
+        "stream/blocks": len(discover(b.base)),
         "stream/chunk_size": b.chunk,
         "stream/seq_len": b.seq,
         "stream/micro_batch": b.micro_batch,
@@ -121,13 +122,26 @@ def run(job) -> dict[str, Any]:
     return out
 
 
+def make_bench(config: ONNConfig, plan: Plan) -> _Bench:
+    """The sparse-LoRA model on the plan's trained blocks, and the bench's settings, for every measurement."""
+    from onn.models.layers import discover
+    from onn.models.load import load, model_fingerprint
+    from onn.training.lora import apply
+
+    bench: BenchStreamingTask = config.task
+    model, _ = load(config.model, dtype=torch.float32)
+    base = apply(model, "sparse_lora", config.strategy, discover(model), plan.sparse_layers)
+    store_dir = Path(config.paths.cache) / "stores" / model_fingerprint(config.model) / "bench"
+    return _Bench(config, plan, base, store_dir, bench.seq_len, bench.micro_batch, bench.repeats, bench.chunk_size)
+
+
 def _memory_within_budget(b: _Bench) -> dict[str, Any]:
     """5: a budget the model's fp32 weights exceed many times; one step's growth of anonymous memory stays
     within it and near the planner's prediction. An empty store, so the fresh process really loads the model
     block by block."""
     weights_mb = sum(p.numel() for p in b.base.parameters()) * 4 / 2**20
     budget = weights_mb / b.config.task.weights_over_budget
-    predicted, planned = _predicted_step_mb(b.config, budget, b.micro_batch, b.seq)
+    predicted, planned = _predicted_step_mb(b.config, b.plan.sparse_layers, budget, b.micro_batch, b.seq)
     shutil.rmtree(f"{b.store_dir}_blockwise", ignore_errors=True)
     measured = _step_memory_in_fresh_process(
         {
@@ -160,16 +174,20 @@ def _reuse(b: _Bench) -> tuple[dict[str, Any], list[tuple]]:
     speeds, out, rows = {}, {}, []
     for m_count in b.config.task.reuse_m:
         batch = micro_batches(m_count, b.micro_batch, b.seq, b.vocab)
-        disk.times.__init__()
-        step = _timed(lambda batch=batch: (disk.train_step(batch), b.base.zero_grad(set_to_none=True)), b.repeats)
-        runs = b.repeats + 1
+        # load and compute seconds of the timed steps only (the warm-up's reset away), per step
+        times = _runs(
+            lambda batch=batch: (disk.train_step(batch), disk.model.zero_grad(set_to_none=True)),
+            b.repeats,
+            after_warmup=disk.times.__init__,
+        )
+        step = statistics.median(times)
         speeds[m_count] = m_count * b.micro_batch / step
-        load_s, compute_s = disk.times.load_s / runs, disk.times.compute_s / runs
+        load_s, compute_s = disk.times.load_s / b.repeats, disk.times.compute_s / b.repeats
         rows.append((f"disk store, M={m_count}", step, speeds[m_count], load_s, compute_s))
         if m_count == 1:  # I/O-bound here: load time next to compute time says so
             out["stream/load_s_m1"], out["stream/compute_s_m1"] = round(load_s, 4), round(compute_s, 4)
-        if m_count == 16:
-            out["stream/overlap_efficiency"] = round(max(load_s, compute_s) / step, 3)
+        if m_count == 16:  # like over like: the timed steps' mean load and compute over their mean step
+            out["stream/overlap_efficiency"] = round(max(load_s, compute_s) / statistics.fmean(times), 3)
             out["stream/io_s"], out["stream/compute_s"] = round(load_s, 4), round(compute_s, 4)
             out["stream/step_s_m16"] = round(step, 4)
     lo, hi = min(speeds), max(speeds)
@@ -306,9 +324,12 @@ def step_memory(spec: dict[str, Any]) -> float:
     return measured
 
 
-def _predicted_step_mb(config: ONNConfig, budget_mb: float, mb: int, seq: int) -> tuple[float, StreamingPlan]:
-    """The planner's streaming prediction for this model at this budget (allocations, no context),
-    and the settings it chose to fit, for the benchmark's float32 disk store."""
+def _predicted_step_mb(
+    config: ONNConfig, layers: list[int], budget_mb: float, mb: int, seq: int
+) -> tuple[float, StreamingPlan]:
+    """The planner's streaming prediction for this model at this budget (allocations, no context), and the
+    settings it chose to fit, for the benchmark's float32 disk store. `layers`: the plan's trained blocks, resolved
+    (strategy.layers may say `all`)."""
     from onn.hardware.profile import Profile
     from onn.planning.plan import estimate
     from onn.planning.spec import model_spec
@@ -322,7 +343,6 @@ def _predicted_step_mb(config: ONNConfig, budget_mb: float, mb: int, seq: int) -
         host_memory_available_mb=budget_mb + 600.0,
         budget_mb=budget_mb + 600.0,
     )
-    layers = [i % spec.n_blocks for i in config.strategy.layers]
     est = estimate(
         "sparse_lora",
         spec,
@@ -330,7 +350,7 @@ def _predicted_step_mb(config: ONNConfig, budget_mb: float, mb: int, seq: int) -
         seq,
         mb,
         "32-true",
-        sorted(set(layers)),
+        layers,
         batch_size=4 * mb,
         store_dtype="float32",
         fixed=FixedStreaming(store="disk"),

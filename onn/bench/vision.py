@@ -22,7 +22,8 @@ train speedup     the same two pipelines each training v28 end to end: resident 
                   Where the model's compute dominates (v28 on a few CPU cores) this is far below the
                   pipeline ratio; on a GPU, where v28's step takes a millisecond, it approaches it.
 
-Throughput is wall time over whole iterations (data, step, loop overhead), after warm-up steps.
+Throughput is the rows the timed iterations held over their wall time (data, step, loop overhead), after
+warm-up steps; loops run epoch after epoch, full batches only unless the training split holds less than one.
 Each of `task.repeats` rounds times the plain loop, ONN and the bare LightningModule back to back, each
 side first in turn; the runner overhead and the floor are the median round's ratios (a noisy neighbour
 slows a round's sides alike), the speedups compare each side's best round.
@@ -35,10 +36,9 @@ import gc
 import io
 import logging
 import math
-import tarfile
 import time
 import warnings
-import zipfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,6 @@ from onn.errors import UserError
 from onn.hardware.waits import DeviceOps
 
 log = logging.getLogger("onn")
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 
 
 def run(job) -> dict[str, Any]:
@@ -87,9 +86,9 @@ def run(job) -> dict[str, Any]:
     for _ in range(repeats):
         results["standard"].append(_plain_loop(config, plan, inputs, dm, steps, warmup, loader=standard.loader()))
         results["resident"].append(_plain_loop(config, plan, inputs, dm, steps, warmup))
-        pipe["standard"].append(_pipeline_only(standard.loader(), steps, warmup, batch, None, dm.device))
+        pipe["standard"].append(_pipeline_only(standard.loader(), steps, warmup, None, dm.device))
         pipe["resident"].append(
-            _pipeline_only(dm.train_dataloader(), steps, warmup, batch, _augment(config, inputs), dm.device)
+            _pipeline_only(dm.train_dataloader(), steps, warmup, _augment(config, inputs), dm.device)
         )
     ops = _device_work(config, plan, inputs, dm, run_dir)
     best = {k: max(v) for k, v in results.items()}
@@ -192,28 +191,54 @@ def _plain_loop(config: ONNConfig, plan, inputs, dm, steps: int, warmup: int, lo
     half = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else None
     scaler = torch.amp.GradScaler(device.type, enabled=half is torch.float16)  # Lightning's 16-mixed scales too
     from_resident = loader is None
-    stamps = []
-    while len(stamps) <= warmup + steps:
-        for images, labels in loader if loader is not None else dm.train_dataloader():
-            _stamp(stamps, device, warmup, steps)
-            if len(stamps) > warmup + steps:
-                break
-            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            x = augment(images, train=True) if from_resident else images  # the standard pipeline augmented per sample
-            if channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
-            with torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None):
-                loss = F.cross_entropy(model(x), labels, label_smoothing=smoothing)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            if clip > 0:  # the same work as ONN's step, which clips by optim.clip_grad_norm
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            scaler.step(optimizer)
-            scaler.update()
-            if scheduler is not None:
-                scheduler.step()
-    return dm.batch_size * steps / (stamps[warmup + steps] - stamps[warmup])
+    stamps: list[float] = []
+    rows: list[int] = []
+    for images, labels in epochs(dm.train_dataloader() if from_resident else loader, warmup + steps + 1):
+        _stamp(stamps, device, warmup, steps)
+        if len(stamps) > warmup + steps:
+            break
+        rows.append(len(labels))
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        x = augment(images, train=True) if from_resident else images  # the standard pipeline augmented per sample
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None):
+            loss = F.cross_entropy(model(x), labels, label_smoothing=smoothing)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        if clip > 0:  # the same work as ONN's step, which clips by optim.clip_grad_norm
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.step(optimizer)
+        scaler.update()
+        if scheduler is not None:
+            scheduler.step()
+    return samples_per_s(stamps, rows, warmup, steps)
+
+
+def epochs(loader: Iterable, count: int) -> Iterator:
+    """`count` batches, the loader's epochs one after another (a split of fewer batches than the steps to time
+    takes several). An epoch without a batch would have the loop spin for ever: it is an error."""
+    given = 0
+    while given < count:
+        before = given
+        for batch in loader:
+            yield batch
+            given += 1
+            if given == count:
+                return
+        if given == before:
+            raise UserError(
+                "data.source's training split gave no batch to time: give it more items, or hold fewer out "
+                "(data.val_split)."
+            )
+
+
+def samples_per_s(stamps: list[float], rows: list[int], warmup: int, steps: int) -> float:
+    """The rows the timed steps had over their time: a step's batch may be smaller than data.batch_size (an
+    epoch's partial batch, a split smaller than a batch), and each side is measured on what it processed.
+    `stamps[i]` is the start of step i, `rows[i]` its batch's rows."""
+    return sum(rows[warmup : warmup + steps]) / (stamps[warmup + steps] - stamps[warmup])
 
 
 def _sync(device: torch.device) -> None:
@@ -232,20 +257,24 @@ def _stamp(stamps: list[float], device: torch.device, warmup: int, steps: int) -
 
 
 class _Stamps:
-    """A Lightning callback that stamps the start of every training batch."""
+    """A Lightning callback that stamps the start of every training batch and counts its rows."""
 
     def __init__(self, warmup: int, steps: int):
         import lightning as L
 
+        from onn.training.callbacks import batch_rows
+
         class Callback(L.Callback):
             def on_train_batch_start(cb, trainer, pl_module, batch, batch_idx):  # noqa: N805
                 _stamp(self.stamps, pl_module.device, self.warmup, self.steps)
+                self.rows.append(batch_rows(batch))
 
             def on_train_end(cb, trainer, pl_module):  # noqa: N805
                 _sync(pl_module.device)
                 self.stamps.append(time.perf_counter())
 
         self.stamps: list[float] = []
+        self.rows: list[int] = []
         self.warmup, self.steps = warmup, steps
         self.callback = Callback()
 
@@ -274,7 +303,7 @@ def _onn_run(config: ONNConfig, plan, inputs, dm, run_dir: Path, steps: int, war
     )
     trainer.fit(module, train_dataloaders=dm.train_dataloader())
     # stamps: the start of each step, then the end of training (after the last step)
-    return dm.batch_size * steps / (stamps.stamps[warmup + steps] - stamps.stamps[warmup])
+    return samples_per_s(stamps.stamps, stamps.rows, warmup, steps)
 
 
 def _bare_lightning(config: ONNConfig, plan, inputs, dm, run_dir: Path, steps: int, warmup: int) -> float:
@@ -323,7 +352,7 @@ def _bare_lightning(config: ONNConfig, plan, inputs, dm, run_dir: Path, steps: i
         callbacks=[stamps.callback],
     )
     trainer.fit(Bare(), train_dataloaders=dm.train_dataloader())
-    return dm.batch_size * steps / (stamps.stamps[warmup + steps] - stamps.stamps[warmup])
+    return samples_per_s(stamps.stamps, stamps.rows, warmup, steps)
 
 
 def _precision(config: ONNConfig, plan) -> str:
@@ -338,18 +367,19 @@ def _median_ratio(plain: list[float], other: list[float]) -> float:
     return round(paired[len(paired) // 2] - 1, 4)
 
 
-def _pipeline_only(loader, steps: int, warmup: int, batch: int, augment, device: torch.device) -> float:
+def _pipeline_only(loader, steps: int, warmup: int, augment, device: torch.device) -> float:
     """Batches ready for the model (decoded, augmented, normalised, on the device), no model."""
-    stamps = []
-    while len(stamps) <= warmup + steps:
-        for images, _ in loader:
-            _stamp(stamps, device, warmup, steps)
-            if len(stamps) > warmup + steps:
-                break
-            images = images.to(device, non_blocking=True)
-            if augment is not None:
-                augment(images, train=True)
-    return batch * steps / (stamps[warmup + steps] - stamps[warmup])
+    stamps: list[float] = []
+    rows: list[int] = []
+    for images, _ in epochs(loader, warmup + steps + 1):
+        _stamp(stamps, device, warmup, steps)
+        if len(stamps) > warmup + steps:
+            break
+        rows.append(len(images))
+        images = images.to(device, non_blocking=True)
+        if augment is not None:
+            augment(images, train=True)
+    return samples_per_s(stamps, rows, warmup, steps)
 
 
 class _EncodedImages(torch.utils.data.Dataset):
@@ -424,11 +454,12 @@ class StandardPipeline:
         )
 
     def loader(self):
+        """Full batches only, as the resident side draws them, unless the split holds less than a batch."""
         return torch.utils.data.DataLoader(
             _EncodedImages(self.items, self.transform),
             batch_size=self.dm.batch_size,
             shuffle=True,
-            drop_last=True,
+            drop_last=len(self.items) >= self.dm.batch_size,
             num_workers=self.workers,
             persistent_workers=False,
             pin_memory=self.dm.device.type == "cuda",
@@ -436,40 +467,26 @@ class StandardPipeline:
 
 
 def _encoded_train_images(source: str, dm, channels: int) -> list[tuple[bytes, int]]:
-    """The training images as their files' bytes (image folders and archives), or PNG-encoded from the
-    decoded arrays for formats that store raw pixels (IDX, CIFAR binary, .mat)."""
+    """The datamodule's training split (the held-out validation and test images left out, so both pipelines
+    draw from one set) as its files' bytes (image folders and archives), or PNG-encoded from the decoded arrays
+    for formats that store raw pixels (IDX, CIFAR binary, .mat)."""
+    from onn.data.files import archive_kind, iter_members, walk_files
+
     path = Path(source).expanduser()
-    classes = {c: i for i, c in enumerate(dm.classes)}
+    split = dm.splits["train"]
+    labels = dict(zip(split.names, split.labels.cpu().tolist()))
     items: list[tuple[bytes, int]] = []
-
-    def take(name: str, read) -> None:
-        parts = Path(name).parts
-        if (
-            name.lower().endswith(IMAGE_SUFFIXES)
-            and len(parts) >= 2
-            and parts[-2] in classes
-            and "test" not in parts[:-2]
-        ):
-            items.append((read(), classes[parts[-2]]))
-
     if path.is_dir():
-        for f in sorted(path.rglob("*")):
-            if f.is_file():
-                take(str(f.relative_to(path)), f.read_bytes)
-    elif tarfile.is_tarfile(path):
-        with tarfile.open(path) as tar:
-            for member in tar:
-                if member.isfile():
-                    take(member.name, lambda m=member: tar.extractfile(m).read())
-    elif zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as z:
-            for name in z.namelist():
-                take(name, lambda n=name: z.read(n))
+        items = [(file.read_bytes(), labels[name]) for name, file in walk_files(path) if name in labels]
+    elif path.is_file() and archive_kind(path) is not None:
+        for member in iter_members(path):
+            if member.name in labels:
+                with member.open() as f:
+                    items.append((f.read(), labels[member.name]))
     if items:
         return items
     from PIL import Image
 
-    split = dm.splits["train"]
     for image, label in zip(split.inputs.cpu(), split.labels.cpu().tolist()):
         buffer = io.BytesIO()
         array = image.permute(1, 2, 0).numpy()
