@@ -324,13 +324,14 @@ def test_streamed_fallback_decodes_per_item(tmp_path):
     from onn.modalities import classification, get
 
     data = make_tones(tmp_path / "tones", per_class=4, speakers=("ann",))
-    (data / "low_ann_9.wav").write_bytes(b"")  # a bad file stands in for the next good one
+    (data / "low_ann_9.wav").write_bytes(b"")  # a bad file is skipped and counted, as resident data's are
     cfg = compose(
         "data=audio",
         "model=audio_cnn",
         f"data.source={data}",
         "data.label_from='^([a-z]+)_'",
         "data.resident=false",
+        "data.max_bad_fraction=0.1",
         "data.num_workers=0",
         "data.batch_size=4",
         "data.clip_seconds=0.3",
@@ -338,7 +339,7 @@ def test_streamed_fallback_decodes_per_item(tmp_path):
         f"paths.cache={tmp_path / 'cache'}",
     )
     dm = classification.setup_data(get("audio"), cfg, "cpu")
-    assert dm.streamed and dm.input_shape == (1, 2400)
+    assert dm.streamed and dm.input_shape == (1, 2400) and dm.skipped == ["low_ann_9.wav"]
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == (4, 1, 2400) and x.dtype == torch.float16 and y.shape == (4,)
 

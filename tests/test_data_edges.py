@@ -1,8 +1,9 @@
 """Users' data at its edges, as a review of the readers found them (2026-12-05): a caption with an unquoted comma,
 a CSV field over csv's 128 KB, an archive's wrapping folder over its splits, images outside any class folder, a
 replaced image under an unchanged metadata file, grey and colour splits streamed, a Mac zip's resource forks and
-members named outside the archive, a class of one sample, a cache filled under a looser limit. Each ends in one
-sentence naming the file and line, or reads the data as the user laid it out."""
+members named outside the archive, a class of one sample, a cache filled under a looser limit, batch groups
+smaller than a batch, undecodable files streamed. Each ends in one sentence naming the file and line, or reads the
+data as the user laid it out."""
 
 from __future__ import annotations
 
@@ -230,3 +231,71 @@ def test_a_mesh_cache_filled_under_a_looser_bad_fraction_does_not_pass_a_stricte
         assert len(read_cached(str(source), data(0.5), tmp_path / "cache", seed=0)["all"].names) == 4
     with pytest.raises(UserError, match=r"2 of 6 mesh files cannot be used"):
         read_cached(str(source), data(0.01), tmp_path / "cache", seed=0)
+
+
+def test_a_batch_group_smaller_than_a_batch_is_trained_on():
+    """data.batch_groups with every group under data.batch_size gave no batch: drop_last was on because the whole
+    split filled a batch, and each group's one short batch was dropped; the run trained 0 steps and said `ok`."""
+    from onn.data.resident import ResidentBatches, Split, batch_groups
+
+    names = [f"0_{g}_{i}.wav" for g, n in (("ann", 2), ("bob", 3), ("cy", 6)) for i in range(n)]
+    split = Split(torch.arange(len(names))[:, None], torch.zeros(len(names), dtype=torch.long), names)
+    loader = ResidentBatches(split, 4, shuffle=True, drop_last=True, groups=batch_groups(names, "_([a-z]+)_"))
+    batches = [x.flatten().tolist() for x, _ in loader]
+    assert len(loader) == len(batches) == 3
+    assert sorted(len(b) for b in batches) == [2, 3, 4]  # ann's and bob's whole; cy's full batch, not its remainder
+    assert all(len({names[i].split("_")[1] for i in b}) == 1 for b in batches)
+
+
+def test_streamed_media_skips_counts_and_refuses_undecodable_files_as_resident_media_does(tmp_path):
+    """data.resident=false ignored data.max_bad_fraction, counted no skips (items_skipped 0), and put the next good
+    file in a bad one's place, in val and test too (scored twice)."""
+    from test_audio import make_tones
+
+    from onn.modalities import classification, get
+
+    data = make_tones(tmp_path / "tones", per_class=4, speakers=("ann",))
+    (data / "low_ann_9.wav").write_bytes(b"")
+    (data / "mid_ann_9.wav").write_bytes(b"RIFF")
+    given = (
+        *("data=audio", "model=audio_cnn", f"data.source={data}", "data.label_from='^([a-z]+)_'"),
+        *("data.num_workers=0", "data.sample_rate=8000", "data.clip_seconds=0.3", "data.val_split=0.25"),
+        f"paths.cache={tmp_path / 'cache'}",
+    )
+    with pytest.raises(UserError, match=r"2 of 14 audio files could not be decoded .*data\.max_bad_fraction"):
+        classification.setup_data(get("audio"), compose(*given, "data.resident=false"), "cpu")
+    loose = (*given, "data.max_bad_fraction=0.2")
+    streamed = classification.setup_data(get("audio"), compose(*loose, "data.resident=false"), "cpu")
+    resident = classification.setup_data(get("audio"), compose(*loose, "data.resident=true"), "cpu")
+    assert streamed.streamed and sorted(streamed.skipped) == ["low_ann_9.wav", "mid_ann_9.wav"]
+    assert len(streamed.skipped) == len(resident.skipped)
+    for split in ("train", "val"):  # the same items, held out alike
+        items, index = streamed.streamed[split]
+        assert [items.names[i] for i in index] == resident.splits[split].names, split
+    labels = torch.cat([y for _, y in streamed.val_dataloader()])
+    assert labels.tolist() == resident.splits["val"].labels.tolist()  # each item once, none standing in
+    items, index = streamed.streamed["val"]
+    (data / items.names[index[0]]).write_bytes(b"")  # broken after the check: named, not replaced
+    with pytest.raises(UserError, match=rf"item {items.names[index[0]]} decoded when the run began"):
+        list(streamed.val_dataloader())
+
+
+def test_streamed_images_refuse_undecodable_files_above_max_bad_fraction(tmp_path):
+    """The same check for images streamed item by item: a damaged PNG of 11 was silently replaced."""
+    from onn.modalities.image.dataset import ImageDataModule
+
+    for c in ("a", "b"):
+        for i in range(5):
+            square(tmp_path / "src" / c / f"{i}.png", (40 * i, 0, 0))
+    (tmp_path / "src" / "a" / "broken.png").write_bytes(b"\x89PNG not an image")
+    for bad, fails in ((0.01, True), (0.2, False)):
+        given = ("data=image", f"data.source={tmp_path / 'src'}", "data.resident=false", "data.num_workers=0")
+        cfg = compose(*given, f"data.max_bad_fraction={bad}", root=tmp_path)
+        data = ImageDataModule(cfg.data, tmp_path / "cache")
+        if fails:
+            with pytest.raises(UserError, match=r"1 of 11 items could not be decoded \(first: .*broken\.png\)"):
+                data.setup()
+        else:
+            data.setup()
+            assert [s.rsplit("/", 1)[-1] for s in data.skipped] == ["broken.png"]
+            assert sum(len(index) for _, index in data.streamed.values()) == 10

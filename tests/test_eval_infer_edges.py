@@ -1,7 +1,7 @@
 """task=eval and task=infer at their edges, as a review of them found them (2026-12-05): a checkpoint scored on a
-folder of fewer classes or in another order, a validation split drawn by the command line's seed, graphs none of
-which fit the model, a prompt past the model's context or empty, and
-skipped files lost with a split of which nothing decoded. (A wrapping folder taken for a true class, audio's
+folder of fewer classes, of one class or in another order, a validation split drawn by the command line's seed,
+graphs none of which fit the model, a prompt past the model's context or empty, skipped files lost with a split of
+which nothing decoded, and params_total without the classifier head. (A wrapping folder taken for a true class, audio's
 and video's, is fixed in the shared infer and not tested here: an image archive never named one.)"""
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from onn.errors import UserError
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> tuple[Path, Path]:
-    """A v28 classifier of three classes (trained as test_vision_train's, which learns them), and its images."""
+def trained(tmp_path_factory) -> tuple[Path, Path, dict]:
+    """A v28 classifier of three classes (trained as test_vision_train's, which learns them), its images and the
+    run's metrics."""
     tmp = tmp_path_factory.mktemp("trained")
     images = make_images(tmp / "images")
     metrics, run_dir = run(tmp, f"data.source={images}", "trainer.max_epochs=8")
     assert metrics["val/history"][-1]["val/acc"] > 0.9  # the premise: last.ckpt tells the classes apart
-    return run_dir, images
+    return run_dir, images, metrics
 
 
 def scored(tmp: Path, run_dir: Path, *overrides: str, name: str) -> dict:
@@ -41,7 +42,7 @@ def scored(tmp: Path, run_dir: Path, *overrides: str, name: str) -> dict:
 def test_eval_scores_another_folder_by_class_name_and_on_the_checkpoints_split(trained, tmp_path):
     """A data.source of class1 and class2 only was labelled 0 and 1 and scored against class0 and class1: val/acc
     0.0. A class the model never learned crashed torch's loss; the split was drawn by the command line's seed."""
-    run_dir, images = trained
+    run_dir, images, _ = trained
     fewer = tmp_path / "fewer"
     for c in ("class1", "class2"):
         shutil.copytree(images / "test" / c, fewer / c)
@@ -120,3 +121,20 @@ def test_skips_of_a_split_of_which_nothing_decoded_are_counted():
         listing, load, ValueError, dtype=torch.float32, max_bad_fraction=0.5, path="p", key="k", kind="audio"
     )
     assert list(out) == ["train"] and [s.split(":")[0] for s in out["train"].skipped] == ["bad.wav"]
+
+
+def test_eval_scores_a_folder_of_one_of_the_checkpoints_classes(trained, tmp_path):
+    """The data's own classes were checked before the checkpoint's were put on it: a folder of one class was
+    refused ("a classifier needs two or more") although the checkpoint knows its classes."""
+    run_dir, images, _ = trained
+    one = tmp_path / "class2_only"
+    shutil.copytree(images / "test" / "class2", one / "class2")
+    scored_one = scored(tmp_path, run_dir, f"data.source={one}", "data.val_split=0.5", name="one")
+    assert scored_one["val/acc"] > 0.9
+
+
+def test_params_total_counts_the_classifier_head(trained):
+    """Planning read the linear probe's head width by removing the network's head in place, so the spec (and
+    params_total) left it out: 293712 total of 294099 trainable in a strategy=full run."""
+    metrics = trained[2]
+    assert metrics["strategy"] == "full" and metrics["params_total"] == metrics["params_trainable"] > 0

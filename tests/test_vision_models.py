@@ -228,3 +228,20 @@ def test_meta_device_build_for_the_planner(tmp_path, recwarn):
         assert all(p.is_meta for p in model.parameters())
         assert model.train()(torch.empty(2, 3, 32, 32, device="meta")).shape == (2, 10)
     assert not [w for w in recwarn if "meta" in str(w.message)]  # the weights file is not copied onto meta
+
+
+@pytest.mark.parametrize("groups", [("model=v28_cnn", "data=image"), ("model=audio_cnn", "data=fsdd")])
+def test_the_plan_counts_the_head_it_sizes_a_linear_probe_by(groups):
+    """Planning read the probe's head width with feature_extractor, which removes the head in place: the spec
+    (params_total, FLOPs) then counted a network without it."""
+    from conftest import compose
+
+    from onn.hardware.profile import resolve
+    from onn.modalities import get
+
+    cfg = compose(*groups, "hardware=cpu_16gb")
+    m = get(cfg.data.modality)
+    _, spec = m.plan(cfg, resolve(cfg.hardware, "/tmp", "/tmp"))
+    network = m.network(cfg.model, m.planned_inputs(cfg))
+    assert spec.params == sum(p.numel() for p in network.parameters())
+    assert spec.head_params == (network.num_features + 1) * 10  # 10 classes planned

@@ -125,12 +125,13 @@ class MediaReader:
         )
 
     def items(self, source: str, data_cfg: LabelledFiles, cache_dir) -> dict[str, ListedItems]:
-        """Each split, decoded item by item (the streamed fallback)."""
+        """Each split, decoded item by item (the streamed fallback); the files the listing refused go with the
+        first, so they are counted with the undecodable ones as a resident read counts them."""
         found = self.listing(self.resolve(source, data_cfg, cache_dir), data_cfg, "data.source")
         loader = functools.partial(self.load, fit=self.settings(data_cfg))
         return {
-            split: ListedItems(files, found.classes, loader, self.bad, self.dtype)
-            for split, files in found.splits.items()
+            split: ListedItems(files, found.classes, loader, self.bad, self.dtype, found.refused if k == 0 else [])
+            for k, (split, files) in enumerate(found.splits.items())
         }
 
 
@@ -197,10 +198,13 @@ class ListedItems:
         load: Loader,
         bad: type[Exception],
         dtype: torch.dtype,
+        refused: list[str] | None = None,
     ):
         self.files, self.classes, self._load, self._bad, self._dtype = files, classes, load, bad, dtype
+        self.refused = list(refused or [])  # "name: why" of files the listing refused (Items.refused)
         index = {c: i for i, c in enumerate(classes)}
         self.labels = np.array([index[f.label] if f.label is not None else -1 for f in files], np.int64)
+        self.names = [f.name for f in files]
 
     def __len__(self) -> int:
         return len(self.files)
@@ -219,6 +223,10 @@ class MediaDataModule(ClassificationData):
     MediaReader (`reader`)."""
 
     reader: MediaReader
+
+    @property
+    def item_kind(self) -> str:
+        return f"{self.reader.kind} files"
 
     def read(self, source: str, key: str) -> dict[str, Decoded]:
         return self.reader.read_cached(source, self.cfg, self.cache_dir, key)

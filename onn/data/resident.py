@@ -22,6 +22,7 @@ import lightning as L
 import torch
 
 from onn.config.data import LabelledFiles, SplitData, eval_batch
+from onn.data.labelled import check_bad
 from onn.errors import UserError
 
 log = logging.getLogger("onn")
@@ -55,10 +56,12 @@ class Split:
 
 
 class Items(Protocol):
-    """A source listed item by item, decoded on demand (the streamed fallback)."""
+    """A source listed item by item, decoded on demand (the streamed fallback). It may also hold `refused`, the
+    listed items its reader refused ("name: why"), counted with those that do not decode."""
 
     labels: Any
     classes: list[str]
+    names: list[str]  # where each item came from, as Decoded.names
 
     def __len__(self) -> int: ...
 
@@ -69,7 +72,9 @@ class ResidentBatches:
     """Batches sliced from device-resident tensors by a seeded shuffled index, one epoch per iteration.
 
     The permutation of epoch e is drawn from seed + e, so a resumed run sees the same order. `groups`: the
-    group of each sample (e.g. its speaker); each training batch then holds samples of one group only."""
+    group of each sample (e.g. its speaker); each training batch then holds samples of one group only, and
+    drop_last drops the remainder of a group that filled a batch (a smaller group is one short batch: dropped,
+    it would never be trained on)."""
 
     def __init__(
         self,
@@ -103,7 +108,8 @@ class ResidentBatches:
             members.setdefault(self.groups[i], []).append(i)
         out = []
         for index in members.values():
-            full = len(index) // self.batch_size if self.drop_last else -(-len(index) // self.batch_size)
+            drop = self.drop_last and len(index) >= self.batch_size
+            full = len(index) // self.batch_size if drop else -(-len(index) // self.batch_size)
             out += [torch.tensor(index[b * self.batch_size : (b + 1) * self.batch_size]) for b in range(full)]
         return out
 
@@ -171,12 +177,29 @@ class StreamedItems(torch.utils.data.Dataset):
         return len(self.index)
 
     def __getitem__(self, i: int):
-        for step in range(len(self)):  # a corrupt item: the next good one stands in, so batches keep their size
-            j = self.index[(i + step) % len(self)]
-            item = self.items.load(j)
-            if item is not None:
-                return item, int(self.items.labels[j])
-        raise UserError("data.source: no item in this split could be decoded.")
+        j = self.index[i]  # an item that decoded when the data was set up (ClassificationData._decodable)
+        item = self.items.load(j)
+        if item is None:
+            raise UserError(
+                f"data.source item {self.items.names[j]} decoded when the run began and no longer does; "
+                "restore or remove it and run again."
+            )
+        return item, int(self.items.labels[j])
+
+
+class Decodes(torch.utils.data.Dataset):
+    """Whether each (split, index) item decodes: one pass over streamed data in the loader's workers, so a
+    corrupt item is skipped and counted up front as a resident read does, not met in an epoch."""
+
+    def __init__(self, items: dict[str, Items], pairs: list[tuple[str, int]]):
+        self.items, self.pairs = items, pairs
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, i: int) -> bool:
+        split, j = self.pairs[i]
+        return self.items[split].load(j) is not None
 
 
 def split_of(found: dict[str, Any], split: str, fallback: bool = True) -> Any:
@@ -289,6 +312,11 @@ class ClassificationData(L.LightningDataModule):
     train / val / test / all), and for streaming `list_items(source)` -> {split: Items} and
     `item_mb(items)`, the decoded size of one item."""
 
+    item_kind = "items"  # what the messages call its items ("audio files", ...)
+    # a classifier learns two classes or more; 1 where a checkpoint's classes are known (task=eval of a folder of
+    # some of them)
+    min_classes = 2
+
     def __init__(self, data_cfg: SplitData, cache_dir: str, device: str | torch.device = "cpu", seed: int = 0):
         super().__init__()
         self.cfg, self.cache_dir, self.seed = data_cfg, cache_dir, seed
@@ -337,7 +365,7 @@ class ClassificationData(L.LightningDataModule):
             self._setup_streamed(source)
         else:
             self._setup_resident(source)
-        if self.num_classes < 2:
+        if self.num_classes < self.min_classes:
             raise UserError(
                 f"data.source {source} has {self.num_classes} class ({', '.join(self.classes) or 'none'}): "
                 "a classifier needs two or more; add the other classes' folders (or files)."
@@ -427,21 +455,47 @@ class ClassificationData(L.LightningDataModule):
                 "and data.val_pattern/test_pattern, or set data.resident=true."
             )
         items = self.list_items(source)
-        train = split_of(items, "train", fallback=False)
+        good = self._decodable(items, source)
+        name = next((n for n in ("train", "all") if good.get(n)), None)
+        if name is None:
+            raise UserError(f"data.source={source} has no training data (found splits: {', '.join(items)}).")
+        train = items[name]
         self.classes = class_order(train.classes, self.cfg)
         for split in items.values():  # by class name, as the resident path labels them (relabel)
             split.labels = relabelled(torch.as_tensor(split.labels), split.classes, self.classes, "data.source")
             split.classes = list(self.classes)
-        index = list(range(len(train)))
+        index = good[name]
         self.streamed = {}
-        if "val" in items:
-            self.streamed["val"] = (items["val"], list(range(len(items["val"]))))
-        else:
-            index, val = self._held_out(torch.as_tensor(train.labels))
-            self.streamed["val"] = (train, val)
+        if "val" in good:
+            self.streamed["val"] = (items["val"], good["val"])
+        else:  # held out of the items that decode, as the resident path holds out of those it decoded
+            kept, val = self._held_out(torch.as_tensor(train.labels)[index])
+            index, self.streamed["val"] = [index[i] for i in kept], (train, [index[i] for i in val])
         self.streamed["train"] = (train, index)
-        if "test" in items:
-            self.streamed["test"] = (items["test"], list(range(len(items["test"]))))
+        if "test" in good:
+            self.streamed["test"] = (items["test"], good["test"])
+
+    def _decodable(self, items: dict[str, Items], source: str) -> dict[str, list[int]]:
+        """{split: the indices of its items that decode}, splits of which none does left out. Each item is decoded
+        once (in data.num_workers workers): the others are skipped, counted and named as a resident read's are, and
+        more than data.max_bad_fraction of them refuse the run; no item stands in for another (val and test would
+        count it twice)."""
+        pairs = [(split, i) for split, listed in items.items() for i in range(len(listed))]
+        log.info("data: checking that the %d streamed items of %s decode", len(pairs), source)
+        loader = torch.utils.data.DataLoader(
+            Decodes(items, pairs), batch_size=64, num_workers=int(self.cfg.num_workers), collate_fn=list
+        )
+        decodes = [ok for batch in loader for ok in batch]
+        refused = [s for listed in items.values() for s in getattr(listed, "refused", [])]
+        skipped = refused + [items[split].names[i] for (split, i), ok in zip(pairs, decodes) if not ok]
+        total = len(refused) + len(pairs)
+        check_bad(skipped, total, float(self.cfg.max_bad_fraction), source, "data.source", self.item_kind)
+        self.skipped = skipped
+        good: dict[str, list[int]] = {}
+        for (split, i), ok in zip(pairs, decodes):
+            if ok:
+                good.setdefault(split, []).append(i)
+        return good
 
     def _check_labels(self, sets: dict[str, Decoded]) -> None:
         n = len(self.classes)
@@ -533,7 +587,7 @@ class ClassificationData(L.LightningDataModule):
             StreamedItems(items, index),
             batch_size=self.batch_size if shuffle else self.eval_batch_size,
             shuffle=shuffle,
-            drop_last=shuffle,
+            drop_last=shuffle and len(index) >= self.batch_size,  # a split smaller than a batch is one batch
             num_workers=workers,
             persistent_workers=workers > 0,
             pin_memory=self.device.type == "cuda",

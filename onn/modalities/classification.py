@@ -44,7 +44,7 @@ from onn.hardware.memory import PeakMemory
 from onn.hardware.profile import Profile
 from onn.modalities.base import ClassifierModality, Job
 from onn.models.load import user_function
-from onn.models.vision import feature_extractor
+from onn.models.vision import feature_extractor, feature_width
 from onn.planning.plan import Plan, make_plan
 from onn.planning.spec import network_spec
 from onn.streaming.seeded import draw, empty_network
@@ -214,9 +214,17 @@ def train(job: Job) -> dict[str, Any]:
     if module.inputs == "features":
         dm = features(module, dm, config)
     trainable = parameter_count(module.model)  # before fit: FSDP's ranks hold shards of them after it
+    # the network built for the data (the plan's is sized from the config's classes); streamed, the blocks'
+    # weights are in the layer store, which the plan's count holds
+    total = job.spec.params if store is not None else parameter_count(module.model, trainable=False)
     callbacks = _callbacks(config, run_dir)
     clock = next(c for c in callbacks if isinstance(c, StepClock))
     steps_per_epoch = len(dm.train_dataloader())
+    if not steps_per_epoch:  # Lightning would end "ok" having trained nothing, and the untrained model be tested
+        raise UserError(
+            f"data.source gives no training batch (data.batch_size={dm.batch_size}): nothing would train; "
+            "add training data or lower data.batch_size."
+        )
     streaming = streaming_strategy(config, plan, run_dir, job.device, module.objective())
     trainer = build_trainer(config, plan, run_dir, callbacks, strategy=streaming, steps_per_epoch=steps_per_epoch)
     module.optimizer_steps = optimizer_steps(trainer, steps_per_epoch)
@@ -235,7 +243,7 @@ def train(job: Job) -> dict[str, Any]:
         "val/acc_final": module.history[-1]["val/acc"] if module.history else None,
         "samples_per_s": clock.samples_per_s(skip=min(2, len(clock.step_s) - 1)),
         "peak_memory_mb": round(peak.peak_mb, 1),
-        "params_total": job.spec.params,  # streamed, the blocks' weights are in the layer store now
+        "params_total": total,
         "params_trainable": trainable,
         "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
         "checkpoint_best": best or None,
@@ -314,7 +322,9 @@ def trained_data(m: ClassifierModality, config: ONNConfig, ckpt: Path, device: s
     inputs = saved_inputs(ckpt)
     known = [str(c) for c in inputs["classes"]]
     config = dataclasses.replace(config, seed=int(inputs["seed"]))
-    dm = setup_data(m, config, device)
+    dm = m.datamodule(config, device)
+    dm.min_classes = 1  # the checkpoint knows the classes: a folder of one of them is scored too
+    dm.setup()
     if dm.classes == known or config.data.classes:
         return dm
     unknown = [c for c in dm.classes if c not in known]
@@ -536,9 +546,10 @@ def input_shape(inputs: dict[str, Any]) -> list[int]:
 
 
 def head_params(network: nn.Module, classes: int) -> int:
-    """What a linear probe trains: the head over the backbone's features."""
+    """What a linear probe trains: the head over the backbone's features (the network keeps its own head, which
+    the plan's spec counts)."""
     try:
-        _, width = feature_extractor(network)
+        width = feature_width(network)
     except UserError:
         return 0
     return width * classes + classes

@@ -75,15 +75,22 @@ def build_classifier(model_cfg: NetworkConfig, in_channels: int, num_classes: in
 def feature_extractor(model: nn.Module) -> tuple[nn.Module, int]:
     """`model` without its classifier head (changed in place) and the width of the features it then returns:
     a frozen backbone for a linear probe (cached features -> a dense head)."""
+    width = feature_width(model)
+    model.reset_classifier(0)
+    return model, width
+
+
+def feature_width(model: nn.Module) -> int:
+    """The width of the features `model` returns without its head, read without removing it: planning sizes a
+    linear probe's head while it still counts the whole network."""
     if not hasattr(model, "reset_classifier"):
         raise UserError(
             f"{type(model).__name__} has no classifier head ONN can remove; a linear probe needs "
             "model.source timm:NAME or zoo:NAME."
         )
-    model.reset_classifier(0)
     # timm: num_features is the last feature map's width, head_hidden_size what comes out of the
     # pre-logits (VGG's 4096-wide ConvMlp); with no classifier the model returns the latter.
-    return model, int(getattr(model, "head_hidden_size", None) or model.num_features)
+    return int(getattr(model, "head_hidden_size", None) or model.num_features)
 
 
 def _construct(builder, name: str, source: str, **kwargs) -> nn.Module:
