@@ -237,3 +237,23 @@ def test_char_lstm_trains_resumes_exactly_evaluates_generates_and_exports(tmp_pa
     assert out["infer/completion"] and (tmp_path / "infer" / "tokens.png").is_file()
     with pytest.raises(UserError, match="model 'char_lstm' is recurrent"):
         execute(compose(*common, "task=serve", "serve.port=0"), tmp_path / "serve")
+
+
+def test_an_omny_of_a_recurrent_lm_validates_every_plan(tmp_path):
+    """An LSTM's Scan body reads the layer's weights from the graph around it. onnx's extractor follows node inputs
+    only, so every shard of char_lstm's .omny lost them and validate called the export INVALID (1 shard too)."""
+    from test_export_omny import SMALL
+
+    from onn.export import omny
+    from onn.export.write import export_model
+
+    model = tiny_lm("lstm").eval()
+    ids = torch.randint(0, 60, (2, 6), generator=torch.Generator().manual_seed(0))
+    settings = compose("export=omny", *(f"export.{k}={v}" for k, v in SMALL.items())).export
+    metrics = export_model(
+        model, tmp_path / "lm.omny", {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, settings
+    )
+    lines: list[str] = []
+    assert metrics["export/cut_points"] >= 1
+    assert omny.validate(tmp_path / "lm.omny", echo=lines.append), "\n".join(lines)
+    assert sum("max abs diff against the whole model" in line for line in lines) >= 2  # a plan of several shards too

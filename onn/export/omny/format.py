@@ -582,8 +582,6 @@ def validate(
 ) -> Validation:
     """Cut the model at every plan's boundaries, run the shards in sequence, compare with the whole
     model; check each shard's weights against the document. True when all of it holds."""
-    from onnx.utils import Extractor
-
     from onn.export.onnx_export import run_onnx
 
     model = _load(path)
@@ -594,7 +592,7 @@ def validate(
         return False
     feeds = {k: _numpy(v) for k, v in (sample_input or sample_feeds(doc)).items()}
     whole = run_onnx(str(path), feeds)  # from the file: a model over 2 GB cannot be serialised again
-    extractor = Extractor(model)
+    extractor = subgraph_extractor(model)
     plans = [
         (f"{c['shards']} shard{'s' if c['shards'] > 1 else ''}", c["detail"], doc["shard_plans"]["max_shard_size_mb"])
         for c in doc["shard_plans"]["configurations"]
@@ -643,6 +641,30 @@ def validate(
             echo(f"  max abs diff against the whole model: {worst:.3g} ({'ok' if worst <= atol else f'over {atol:g}'})")
     echo(f"{path}: {'valid' if ok else 'INVALID'}")
     return Validation(bool(ok), largest)
+
+
+def subgraph_extractor(model: onnx.ModelProto):
+    """onnx's Extractor, following the outer tensors subgraphs read (the bodies of Scan, Loop and If): onnx's own
+    follows node inputs only, so a shard holding an LSTM's Scan lost the weights its body reads, and no plan of a
+    recurrent model could run (onnx 1.23). A shard stores what graph.node_inputs counts, as `weight_bytes` says."""
+    from onnx.utils import Extractor
+
+    class SubgraphExtractor(Extractor):
+        def _dfs_search_reachable_nodes(self, node_output_name, graph_input_names, reachable) -> None:
+            stack = [node_output_name]
+            while stack:
+                name = stack.pop()
+                if name in graph_input_names or name not in self.outmap or self.outmap[name] in reachable:
+                    continue
+                reachable.add(self.outmap[name])
+                stack += G.node_inputs(self.graph.node[self.outmap[name]])
+
+        def _collect_reachable_tensors(self, nodes):
+            initializer, value_info = super()._collect_reachable_tensors(nodes)
+            taken, read = {t.name for t in initializer}, {n for node in nodes for n in G.node_inputs(node)}
+            return initializer + [t for n, t in self.initializers.items() if n in read and n not in taken], value_info
+
+    return SubgraphExtractor(model)
 
 
 def _max_diff(got, want) -> float:
