@@ -33,6 +33,9 @@ def plan_for(tmp_path, *overrides: str):
         (("strategy.precision=16-mixed",), r"float16 autocast is for GPUs; on a CPU give bf16-mixed"),
         (("hardware=gtx1650_4gb", "strategy.precision=bf16-mixed"), r"GeForce GTX 1650 has no bf16"),
         (("hardware.budget_mb=0",), r"hardware\.budget_mb=0 MB is below what the run holds"),
+        # planned (lora), or refused for a block index past the 2 recurrent blocks (sparse_lora's default layers)
+        (("model=char_lstm", "strategy=lora"), r"strategy=lora: the blocks of model char_lstm hold no linear layer"),
+        (("model=char_lstm", "strategy=sparse_lora"), r"strategy=sparse_lora: the blocks of model char_lstm hold no"),
     ],
 )
 def test_settings_that_cannot_work_are_one_sentence_at_plan_time(tmp_path, overrides, sentence):

@@ -52,7 +52,7 @@ from onn.planning.tuned import lookup
 
 CANDIDATES = ("full", "lora", "qlora", "sparse_lora")
 NETWORK_CANDIDATES = ("full", "linear_probe")
-AUTO_ORDER = ("lora", "qlora", "sparse_lora")  # pretrained weights: the first that fits wins
+AUTO_ORDER = ("lora", "qlora", "sparse_lora")  # the adapter strategies; pretrained weights: the first that fits wins
 STREAMING_LIGHTNING = ("streaming", "auto")  # strategy.lightning values under which sparse_lora streams
 EXTRAS = ("scale", "data_streamed", "tuned", "step_time_source")  # plan.yaml holds these only when set
 
@@ -504,6 +504,11 @@ class PlanRequest:
         # the sparse_lora candidate of another strategy: first and last four blocks, as many as exist
         default = [i for i in (0, 1, 2, 3, -4, -3, -2, -1) if -n <= i < n]
         layers = strategy_cfg.layers if strategy_cfg.name == "sparse_lora" else default
+        if strategy_cfg.name in AUTO_ORDER and spec.lora_params_per_block and not any(spec.lora_params_per_block):
+            raise UserError(  # before strategy.layers is read: a recurrent stack has fewer blocks than the default
+                f"strategy={strategy_cfg.name}: the blocks of model {cfg.model.name} hold no linear layer for LoRA "
+                "adapters (a stack of LSTM or GRU layers): train it with strategy=full."
+            )
         sparse_layers = resolve_indices(layers, n)
         fixed_mb = strategy_cfg.micro_batch
         if fixed_mb not in (None, "auto") and (not isinstance(fixed_mb, int) or fixed_mb < 1):
