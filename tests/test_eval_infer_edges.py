@@ -138,3 +138,25 @@ def test_params_total_counts_the_classifier_head(trained):
     params_total) left it out: 293712 total of 294099 trainable in a strategy=full run."""
     metrics = trained[2]
     assert metrics["strategy"] == "full" and metrics["params_total"] == metrics["params_trainable"] > 0
+
+
+def test_resident_sampling_draws_from_temperature_and_top_p_alone_as_streamed_sampling_does():
+    """model.generate filled what a call left unset with transformers' top_k=50 (and a pretrained model's
+    generation_config), while the streamed engine and task=serve sample through temperature and top-p alone: the
+    same checkpoint and settings drew from two distributions (0 of 200 resident tokens past rank 50, 170 streamed)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from onn.modalities.text.generate import _generate
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, pad_token_id=0, eos_token_id=1)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()  # random weights: logits near uniform over 256 tokens
+    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
+    ids = torch.full((64, 3), 7)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        logits = model(**inputs).logits[:, -1, :]
+        drawn = _generate(model, None, tokenizer, inputs, 1, 1.0, 1.0)[:, -1]
+    ranks = (logits > logits.gather(1, drawn[:, None])).sum(1)
+    assert (ranks >= 50).sum() > 32  # about 200 of 256 tokens lie past rank 50

@@ -64,6 +64,13 @@ class LanguageModel:
         return out.logits[:, -1, :].float()
 
 
+# model.generate's other warpers and penalties, off: transformers fills what a call leaves unset from the model's
+# generation_config and then its own defaults (top_k=50), while a layer-streamed model and task=serve sample through
+# temperature and top-p alone (engine._pick). The same checkpoint and settings sample from one distribution.
+NO_PENALTIES = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
+ONLY_TEMPERATURE_AND_TOP_P = {"top_k": 0, "min_p": 0.0, "typical_p": 1.0, **NO_PENALTIES}
+
+
 def _sampling(max_new_tokens: int, temperature: float, top_p: float, tokenizer) -> dict[str, Any]:
     kwargs = {
         "max_new_tokens": max_new_tokens,
@@ -71,9 +78,9 @@ def _sampling(max_new_tokens: int, temperature: float, top_p: float, tokenizer) 
         "eos_token_id": tokenizer.eos_token_id,
     }
     if temperature and temperature > 0:
-        kwargs.update(do_sample=True, temperature=temperature, top_p=top_p)
+        kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, **ONLY_TEMPERATURE_AND_TOP_P)
     else:
-        kwargs.update(do_sample=False)
+        kwargs.update(do_sample=False, **NO_PENALTIES)
     return kwargs
 
 
