@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from onn.config import ONNConfig, StreamingConfig, as_dict
+from onn.config import ONNConfig, StrategyConfig, StreamingConfig, as_dict
 from onn.dtypes import BYTES_PER_VALUE as DTYPE_BYTES
 from onn.errors import UserError
 from onn.hardware.profile import Profile
@@ -127,10 +127,22 @@ def _network_estimates(
     return estimates
 
 
+def check_layers_apply(strategy: StrategyConfig) -> None:
+    """strategy.layers picks the blocks sparse_lora adapts; every other strategy trains every block, and read the
+    key nowhere: strategy=lora strategy.layers=[0,-1] put adapters on all 40 blocks without a word."""
+    if strategy.name != "sparse_lora" and strategy.layers not in (None, "all"):
+        raise UserError(
+            f"strategy.layers={strategy.layers!r} picks the blocks strategy=sparse_lora adapts, and strategy="
+            f"{strategy.name} trains every block: use strategy=sparse_lora (strategy.lightning=ddp keeps the model "
+            "resident), or leave strategy.layers at all."
+        )
+
+
 def make_network_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
     """The plan for a classifier network (images, audio, video, points): full training or a linear
     probe, the whole batch in one pass."""
     requested = cfg.strategy.name
+    check_layers_apply(cfg.strategy)
     if requested not in ("auto", *NETWORK_CANDIDATES):
         raise UserError(
             f"strategy={requested}: classifiers train with strategy=full or strategy=linear_probe "
@@ -503,6 +515,7 @@ class PlanRequest:
         seq, batch_size, n = int(cfg.data.max_length), int(cfg.data.batch_size), spec.n_blocks
         # the sparse_lora candidate of another strategy: first and last four blocks, as many as exist
         default = [i for i in (0, 1, 2, 3, -4, -3, -2, -1) if -n <= i < n]
+        check_layers_apply(strategy_cfg)
         layers = strategy_cfg.layers if strategy_cfg.name == "sparse_lora" else default
         if strategy_cfg.name in AUTO_ORDER and spec.lora_params_per_block and not any(spec.lora_params_per_block):
             raise UserError(  # before strategy.layers is read: a recurrent stack has fewer blocks than the default
