@@ -28,6 +28,10 @@ def plan_for(tmp_path, *overrides: str):
         (("strategy=sparse_lora", "strategy.streaming.cache_blocks=lots"), r"cache_blocks='lots': give a whole"),
         (("model=llama_small", "strategy=sparse_lora", "strategy.streaming.cache_blocks=1000"), r"has 8 blocks"),
         (("model=phi4", "strategy=sparse_lora", "strategy.streaming.chunk_size=1000"), r"chunk_size=1000: this mod"),
+        # a ValueError from int("abc") at the run; -7, 2.5 and true (one token a pass) planned
+        (("strategy=sparse_lora", "strategy.streaming.eval_tokens=abc"), r"eval_tokens='abc': give a whole number"),
+        (("strategy=sparse_lora", "strategy.streaming.eval_tokens=true"), r"eval_tokens=True: give a whole number"),
+        (("strategy=sparse_lora", "strategy.streaming.eval_tokens=2.5"), r"eval_tokens=2.5: give a whole number"),
         (("data.batch_size=4", "strategy.micro_batch=64"), r"micro_batch=64 is more than data\.batch_size=4"),
         (("strategy.precision=fp8",), r"strategy\.precision='fp8': give auto, or one of 32-true"),
         (("strategy.precision=16-mixed",), r"float16 autocast is for GPUs; on a CPU give bf16-mixed"),

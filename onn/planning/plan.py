@@ -435,8 +435,9 @@ def check_precision(precision: str | None, hw: Profile) -> None:
 
 
 def check_streaming(streaming: StreamingConfig) -> None:
-    """strategy.streaming's values: a chunk size of whole blocks, MLP slices, and each choice one of its kind."""
-    for key, what in (("chunk_size", "blocks"), ("mlp_tiles", "slices")):
+    """strategy.streaming's values: a chunk size of whole blocks, MLP slices, tokens per evaluation pass, and each
+    choice one of its kind."""
+    for key, what in (("chunk_size", "blocks"), ("mlp_tiles", "slices"), ("eval_tokens", "tokens per streamed pass")):
         value = getattr(streaming, key)
         if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise UserError(f"strategy.streaming.{key}={value!r}: give a whole number of {what}, 1 or more, or auto.")
