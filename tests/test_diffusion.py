@@ -45,7 +45,8 @@ def write_images(folder: Path, per_class: int = 12, size: int = 8, odd: int | No
     return folder
 
 
-def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
+def run(tmp: Path, *overrides: str, name: str = "run", given: set[str] | None = None) -> tuple[dict, Path]:
+    """`given`: the keys the command line set (app.execute reads a checkpoint's config against them)."""
     from onn.app import execute
 
     cfg = compose(
@@ -57,7 +58,7 @@ def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
     )
     run_dir = tmp / name
     run_dir.mkdir(parents=True, exist_ok=True)
-    return execute(cfg, run_dir), run_dir
+    return execute(cfg, run_dir, given), run_dir
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +153,63 @@ def test_bad_settings_are_one_sentence(images, tmp_path):
         run(tmp_path, *TINY_DIT, f"data.source={images}", "strategy=sparse_lora")
     with pytest.raises(UserError, match="needs task.classifier"):
         run(tmp_path, *TINY_UNET, f"data.source={images}", "task=eval")
+
+
+def test_sampling_and_schedule_mistakes_are_refused_before_training(images, tmp_path):
+    """Settings that would fail only when samples are drawn, after the training, fail before it in one sentence."""
+    with pytest.raises(UserError, match=r"task.sample_steps=2000: ddim takes between 1 and model.train_timesteps=1000"):
+        run(tmp_path, *TINY_UNET, f"data.source={images}", "task.sample_steps=2000", name="steps")
+    assert not (tmp_path / "steps" / "checkpoints").exists()  # nothing trained
+    with pytest.raises(UserError, match=r"task.sample_steps=0: ddim takes between 1 and"):
+        run(tmp_path, *TINY_UNET, f"data.source={images}", "task=infer", "task.sample_steps=0")
+    with pytest.raises(UserError, match=r"task.samples=0: give the number of images to draw"):
+        run(tmp_path, *TINY_UNET, f"data.source={images}", "task.samples=0")
+    with pytest.raises(UserError, match=r"model.beta_schedule='foo': use one of linear, scaled_linear, squaredcos"):
+        run(tmp_path, *TINY_UNET, f"data.source={images}", "model.beta_schedule=foo")
+
+
+@pytest.mark.parametrize("task", ["train", "plan"])
+def test_image_sizes_a_denoiser_cannot_take_are_one_sentence(images, tmp_path, task):
+    """A UNet halves images once per down block but its last; a DiT cuts them into patches."""
+    resized = (f"task={task}", f"data.source={images}", "data.image_size=[7,7]", "data.resize=resize")
+    unet = r"images of 7x7: a unet halves images 1 times .* multiples of 2; set data.image_size=\[8,8\] with"
+    with pytest.raises(UserError, match=unet):
+        run(tmp_path, *TINY_UNET, *resized)
+    dit = r"images of 7x7: a dit cuts images into 2x2 patches .* multiples of 2; set data.image_size=\[8,8\]"
+    with pytest.raises(UserError, match=dit):
+        run(tmp_path, *TINY_DIT, *resized)
+
+
+def test_images_of_their_own_odd_size_are_one_sentence(tmp_path):
+    """data.image_size=null keeps the images' size: known once they are read, still before any step."""
+    folder = write_images(tmp_path / "odd", per_class=4, size=6)
+    unet = r"images of 6x6: a unet halves images 2 times .* multiples of 4; set data.image_size=\[8,8\]"
+    deeper = "model.kwargs={block_out_channels: [4, 4, 4], layers_per_block: 1, norm_num_groups: 2, " + (
+        "add_attention: false, down_block_types: [DownBlock2D, DownBlock2D, DownBlock2D], "
+        "up_block_types: [UpBlock2D, UpBlock2D, UpBlock2D]}"
+    )
+    with pytest.raises(UserError, match=unet):
+        run(tmp_path, "model=ddpm_unet", deeper, f"data.source={folder}", name="odd")
+    assert not (tmp_path / "odd" / "checkpoints").exists()
+
+
+def test_eval_on_the_training_source_scores_the_runs_own_held_out_images(images, tmp_path):
+    """task=eval with the very data.source the denoiser trained on: the held-out loss is the run's own last
+    validation (its seeded held-out split, not every image); the real images judged are drawn at random from
+    what is held out (a source scored whole lists its images class by class: the first few are all one class)."""
+    trained, run_dir = run(tmp_path, *TINY_UNET, f"data.source={images}", name="train")
+    judge = ("model=v28_cnn", "data=image", f"data.source={images}", "data.batch_size=8", "trainer.max_steps=30")
+    _, judge_dir = run(tmp_path, *judge, name="judge")
+    evaluate = (f"ckpt={run_dir}", "task=eval", f"task.classifier={judge_dir}", f"data.source={images}")
+    given = {"ckpt", "task", "task.classifier", "data", "data.source", "task.samples", "task.confidence"}
+    judged, _ = run(tmp_path, *TINY_UNET, *evaluate, "task.samples=5", "task.confidence=0", name="eval", given=given)
+    assert judged["val/loss"] == round(trained["val/loss_final"], 5)
+    assert judged["real/classes_present"] == 2  # confidence 0: every image counts, in the class it looks like
+    # another source is scored whole: its images are listed class by class, and a random 5 of them are judged
+    other = write_images(tmp_path / "other", per_class=8)
+    evaluate = (*evaluate[:3], f"data.source={other}")
+    fresh, _ = run(tmp_path, *TINY_UNET, *evaluate, "task.samples=5", "task.confidence=0", name="other", given=given)
+    assert fresh["real/classes_present"] == 2 and fresh["val/loss"] != judged["val/loss"]
 
 
 def test_a_list_of_module_lists_is_still_a_list_of_blocks():

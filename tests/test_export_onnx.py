@@ -419,3 +419,34 @@ def test_omny_of_each_model_cuts_at_its_blocks_and_validates(exported, tmp_path)
         assert text_cut["bytes_per_token"] == 32 * 4
     assert max(doc["shard_plans"]["allowed_counts"]) > 1
     assert omny.validate(out, echo=lambda *_: None)
+
+
+def test_a_scanned_recurrence_exports_without_torchs_graph_dumps(tmp_path):
+    """torch's scan partitioner sets its own logger to DEBUG and prints every scan's forward and backward graphs
+    (hundreds of lines for a char_lstm): the export leaves it at warnings."""
+    import logging
+
+    from onn.models.zoo.recurrent import recurrence
+
+    class Scanned(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = torch.nn.LSTM(4, 8, batch_first=True)
+
+        def forward(self, x):
+            return recurrence(self.lstm, x)[0]
+
+    class Kept(logging.Handler):
+        def emit(self, record):
+            dumps.append(record.getMessage())
+
+    dumps: list[str] = []
+    partitioner = logging.getLogger("torch._higher_order_ops.partitioner")
+    handler = Kept()
+    partitioner.addHandler(handler)
+    try:
+        torch.manual_seed(0)
+        export_onnx(Scanned(), tmp_path / "scan.onnx", {"x": torch.randn(2, 5, 4)}, axes={"x": {0: "b", 1: "t"}})
+    finally:
+        partitioner.removeHandler(handler)
+    assert dumps == []

@@ -158,6 +158,21 @@ def test_zoo_weights_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"cell": "rnn"}, r"model\.kwargs does not build zoo:audio_rnn: cell='rnn': use one of lstm, gru\.$"),
+        ({"reference": "foo"}, r"model\.kwargs does not build zoo:audio_rnn: reference='foo': use one of band"),
+        ({"frequency_mean": True}, r"model\.kwargs does not build zoo:audio_rnn: frequency_mean .* give conv_widths"),
+        ({"hiden": 8}, r"model\.kwargs does not fit zoo:audio_rnn: .*'hiden' \(it takes in_channels, .*hidden"),
+    ],
+)
+def test_zoo_constructor_refusals_name_model_kwargs(kwargs, match):
+    """The zoo constructors' own checks (ValueError) and unknown keys reach the user as one sentence."""
+    with pytest.raises(UserError, match=match):
+        build_zoo("audio_rnn", in_channels=1, num_classes=3, image_size=[16, 20], **kwargs)
+
+
+@pytest.mark.parametrize(
     "cfg,match",
     [
         ({"source": "timm:resnet19"}, r"timm has no model 'resnet19'; close names: .*resnet18"),

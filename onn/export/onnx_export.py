@@ -220,7 +220,9 @@ def export_onnx(
     import torch
 
     started = time.perf_counter()
-    for noisy in ("onnx_ir", "onnxscript"):  # the exporter's passes log every rewrite at INFO
+    # the exporter's passes log every rewrite at INFO; torch's scan partitioner (imported with torch) sets its own
+    # logger to DEBUG and dumps every scan's forward and backward graphs
+    for noisy in ("onnx_ir", "onnxscript", "torch._higher_order_ops.partitioner"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     output = Path(output)
     if output.suffix != ".onnx":

@@ -29,8 +29,7 @@ class DiffusionModality(Modality):
     description = "images to generate (a diffusion denoiser)"
 
     def check(self, config: ONNConfig) -> None:
-        from onn.modalities.diffusion.module import ARCHITECTURES
-        from onn.modalities.diffusion.sample import SAMPLERS
+        from onn.modalities.diffusion.module import ARCHITECTURES, BETA_SCHEDULES
 
         model = config.model
         if not isinstance(model, DenoiserConfig):
@@ -54,12 +53,32 @@ class DiffusionModality(Modality):
             )
         if not 0 <= model.ema_decay < 1:
             raise UserError(f"model.ema_decay={model.ema_decay!r}: give a number in [0, 1) (0: no moving average).")
-        task = config.task
-        if task.sampler not in SAMPLERS:
-            raise UserError(f"task.sampler={task.sampler!r}: use one of {', '.join(SAMPLERS)}.")
+        if model.beta_schedule not in BETA_SCHEDULES:
+            raise UserError(f"model.beta_schedule={model.beta_schedule!r}: use one of {', '.join(BETA_SCHEDULES)}.")
+        if model.train_timesteps < 1:
+            raise UserError(f"model.train_timesteps={model.train_timesteps}: give a whole number, 1 or more.")
+        self._check_sampling(config)
         size = config.data.image_size
         if size is not None and (len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size)):
             raise UserError(f"data.image_size={size}: give [height, width] in pixels, each 1 or more (or null).")
+
+    @staticmethod
+    def _check_sampling(config: ONNConfig) -> None:
+        """Samples are drawn after training (and by infer and eval): settings that cannot draw them are refused
+        before, not after the training they would otherwise lose."""
+        from onn.modalities.diffusion.sample import SAMPLERS
+
+        task, timesteps = config.task, config.model.train_timesteps
+        if task.sampler not in SAMPLERS:
+            raise UserError(f"task.sampler={task.sampler!r}: use one of {', '.join(SAMPLERS)}.")
+        if task.name in ("train", "infer", "eval") and task.samples < 1:
+            raise UserError(f"task.samples={task.samples}: give the number of images to draw, 1 or more.")
+        # ddim takes task.sample_steps of the training schedule's timesteps; ddpm takes every one of them
+        if task.sampler == "ddim" and not 1 <= task.sample_steps <= timesteps:
+            raise UserError(
+                f"task.sample_steps={task.sample_steps}: ddim takes between 1 and model.train_timesteps={timesteps} "
+                "steps of the noise schedule; set task.sample_steps in that range."
+            )
 
     def evaluate(self, job: Job) -> dict[str, Any]:
         from onn.modalities.diffusion.quality import evaluate

@@ -28,6 +28,7 @@ from onn.training.record import EpochRecord, log_train_loss
 LOOP = "diffusion"
 MONITOR = "val/loss"
 ARCHITECTURES = ("unet", "dit")
+BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")  # what DDPMScheduler and DDIMScheduler both take
 VAL_SEED = 1234  # the held-out noise and timesteps: the same every validation
 
 
@@ -97,6 +98,7 @@ def build_denoiser(model_cfg: DenoiserConfig, channels: int, size: list[int]) ->
             )
     except (TypeError, ValueError) as e:  # an unknown or inconsistent constructor argument: diffusers says which
         raise UserError(f"model.kwargs do not build a {model_cfg.architecture}: {e}") from e
+    check_size(network, model_cfg.architecture, height, width)
     from diffusers.models.embeddings import LabelEmbedding
 
     for module in network.modules():
@@ -105,6 +107,24 @@ def build_denoiser(model_cfg: DenoiserConfig, channels: int, size: list[int]) ->
         if isinstance(module, LabelEmbedding):
             module.dropout_prob = 0.0
     return Denoiser(network, model_cfg.architecture)
+
+
+def check_size(network: nn.Module, architecture: str, height: int, width: int) -> None:
+    """Refuse images the network cannot take whole, before a step fails on mismatched tensors: a UNet halves them
+    once per down block but its last (and its up blocks double them back, to be joined with the skips), a DiT cuts
+    them into patch_size x patch_size patches."""
+    if architecture == "unet":
+        halvings = sum(getattr(block, "downsamplers", None) is not None for block in network.down_blocks)
+        factor, why = 2**halvings, f"a unet halves images {halvings} times (model.kwargs.block_out_channels)"
+    else:
+        factor = int(network.config.patch_size)
+        why = f"a dit cuts images into {factor}x{factor} patches (model.kwargs.patch_size)"
+    if height % factor or width % factor:
+        fit = [-(-v // factor) * factor for v in (height, width)]
+        raise UserError(
+            f"images of {height}x{width}: {why}, so their height and width must be multiples of {factor}; set "
+            f"data.image_size=[{fit[0]},{fit[1]}] with data.resize=resize (or center_crop)."
+        )
 
 
 class NoisePrediction(Objective):

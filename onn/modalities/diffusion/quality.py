@@ -10,13 +10,16 @@ labels task.samples images drawn from task.seed, and the figures are:
                     in Inception's place): 1 when every sample looks alike or like nothing, up to the number
                     of classes when each is confidently one class and the classes are used evenly
 
-The same figures for held-out real images (the ceiling the classifier allows) are reported beside them.
+The same figures for as many held-out real images (the ceiling the classifier allows), drawn at random with
+task.seed, are reported beside them. Held out means never trained on: given the very data.source the checkpoint
+trained on, the figures are on the run's own held-out split of it, not on the whole source.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +32,7 @@ from onn.errors import UserError
 from onn.modalities.base import Job
 from onn.modalities.diffusion.sample import write_sample_grid
 from onn.modalities.diffusion.tasks import build, datamodule, draw_samples, load_trained
+from onn.training.checkpoints import saved_config
 from onn.training.trainer import build_trainer
 
 log = logging.getLogger("onn")
@@ -38,7 +42,7 @@ def load_classifier(config: ONNConfig, plan, path: str):
     """The ONN image classifier at `path` (a run dir, checkpoints dir or .ckpt), rebuilt from its own config."""
     from onn.modalities import get
     from onn.modalities.classification import load_trained as load_classifier_ckpt
-    from onn.training.checkpoints import resolve, saved_config
+    from onn.training.checkpoints import resolve
 
     ckpt = resolve(path, config.paths.outputs)
     saved = saved_config(ckpt)
@@ -81,6 +85,45 @@ def judged(classifier, images: torch.Tensor, confidence: float, device: torch.de
     }
 
 
+def held_out(config: ONNConfig, saved: dict[str, Any]) -> ONNConfig:
+    """The config whose validation images the checkpoint (run config `saved`) never trained on: its run's seed,
+    and, where task=eval would score the whole of the very source the run trained on, the run's own held-out
+    split of it (its data.val_source, or data.val_split of its training images with that seed)."""
+    config = dataclasses.replace(config, seed=int(saved["inputs"]["seed"]))
+    data: ImageData = config.data
+    trained = saved["data"]
+    if data.val_source is None or not same_source(data.val_source, trained["source"]):
+        return config
+    own = trained.get("val_source")
+    log.info(
+        "%s is what the checkpoint trained on: the held-out figures are on its own held-out images (%s)",
+        data.val_source,
+        f"data.val_source {own}" if own else f"data.val_split {trained['val_split']} of them, seed {config.seed}",
+    )
+    data = dataclasses.replace(data, source=trained["source"], val_source=own, val_split=trained["val_split"])
+    return dataclasses.replace(config, data=data)
+
+
+def same_source(a: str, b: str | None) -> bool:
+    """Whether two data sources name the same files (the same path, however written)."""
+    if b is None:
+        return False
+    if str(a) == str(b):
+        return True
+    try:
+        return Path(str(a)).expanduser().resolve() == Path(str(b)).expanduser().resolve()
+    except (OSError, RuntimeError):
+        return False
+
+
+def real_images(dm, count: int, seed: int) -> torch.Tensor:
+    """`count` held-out real images drawn at random with `seed` (every one when it holds fewer): the first ones
+    may all be one class, since many sources list their images class by class."""
+    images = dm.splits["val"].inputs.cpu()
+    pick = torch.randperm(len(images), generator=torch.Generator().manual_seed(int(seed)))[:count]
+    return images[pick]
+
+
 def evaluate(job: Job) -> dict[str, Any]:
     config = job.config
     task: TrainTask = config.task
@@ -93,8 +136,7 @@ def evaluate(job: Job) -> dict[str, Any]:
         log.warning("task=eval without ckpt: judging a random-weights denoiser (the baseline a trained one must beat)")
     if job.ckpt is not None:
         module = load_trained(config, job.ckpt)
-        # the seed the run held its validation images out with: the held-out loss is on images it never saw
-        config = dataclasses.replace(config, seed=int(module.onn_config["inputs"]["seed"]))
+        config = held_out(config, saved_config(job.ckpt, "diffusion"))
         dm = datamodule(config, job.device)
     else:
         dm = datamodule(config, job.device)
@@ -112,7 +154,7 @@ def evaluate(job: Job) -> dict[str, Any]:
     device = torch.device(job.device)
     images = draw_samples(config, module, device)
     figures = judged(classifier, images, float(task.confidence), device)
-    real = judged(classifier, dm.splits["val"].inputs[: len(images)].cpu(), float(task.confidence), device)
+    real = judged(classifier, real_images(dm, len(images), task.seed), float(task.confidence), device)
     picture = job.run_dir / "samples.png"
     captions = [f"{c}: {float(p):.2f}" for c, p in zip(figures["labels"], figures["top"])]
     write_sample_grid(images, picture, captions)

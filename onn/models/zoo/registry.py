@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 
 from onn.errors import UserError
@@ -25,7 +27,20 @@ PICTURES = frozenset({"v28_cnn", "audio_cnn", "audio_rnn"})  # zoo models that t
 
 
 def build_zoo(name: str, **kwargs) -> nn.Module:
-    """The zoo model `name` built with kwargs (the model config's `kwargs` plus the data's shape)."""
+    """The zoo model `name` built with kwargs (the model config's `kwargs` plus the data's shape). A key the
+    constructor does not take, or a value its own checks refuse (a ValueError), is a mistake in model.kwargs, said
+    in one sentence; any other error passes through as it is (a bug keeps its traceback)."""
     if name not in ZOO:
         raise UserError(f"model.source zoo:{name}: no such zoo model; the zoo has: {', '.join(sorted(ZOO))}.")
-    return ZOO[name](**kwargs)
+    model = ZOO[name]
+    try:
+        inspect.signature(model).bind(**kwargs)
+    except TypeError as e:
+        raise UserError(
+            f"model.kwargs does not fit zoo:{name}: {e} (it takes {', '.join(inspect.signature(model).parameters)}); "
+            "fix or remove that key."
+        ) from e
+    try:
+        return model(**kwargs)
+    except ValueError as e:
+        raise UserError(f"model.kwargs does not build zoo:{name}: {e}.") from e
