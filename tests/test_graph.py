@@ -209,6 +209,96 @@ def test_node_classification_on_a_graph_file_with_per_node_labels(tmp_path):
     assert Path(out["infer/picture"]).is_file()
 
 
+def write_node_graph(path: Path, y: torch.Tensor, **masks: torch.Tensor) -> Path:
+    """One graph of len(y) nodes in a ring, each node's features a noisy hint of its class, as a node-level file."""
+    from safetensors.torch import save_file
+
+    n = len(y)
+    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0)) + y.clamp_min(0).float().unsqueeze(1)
+    save_file({"x": x, "edge_index": torch.tensor(ring(n)).t().contiguous(), "y": y, **masks}, str(path))
+    return path
+
+
+def node_data(source: Path, *overrides: str):
+    from onn.modalities.graph.dataset import GraphDataModule
+
+    cfg = compose("data=graph", "model=gcn", f"data.source={source}", "data.level=node", *overrides)
+    dm = GraphDataModule(cfg.data)
+    dm.setup()
+    return dm
+
+
+def split_nodes(dm) -> dict[str, set[int]]:
+    return {name: set(split.resident[0].nodes.tolist()) for name, split in dm.splits.items()}
+
+
+def test_unlabelled_nodes_are_in_no_split_and_the_labelled_ones_train(tmp_path):
+    """y -1 marks a node without a label (as task=infer reads it): it is convolved, never scored or trained on."""
+    y = torch.arange(60) % 3
+    y[:10] = -1
+    source = write_node_graph(tmp_path / "g.safetensors", y)
+    dm = node_data(source)
+    nodes = split_nodes(dm)
+    assert set().union(*nodes.values()) == set(range(10, 60)) and sum(map(len, nodes.values())) == 50
+    assert all(bool((split.resident[1] >= 0).all()) for split in dm.splits.values()) and dm.classes == ["0", "1", "2"]
+    metrics, _ = run(tmp_path, f"data.source={source}", "data.level=node", "model=gcn", "trainer.max_epochs=2")
+    assert metrics["steps"] == 2 and np.isfinite(metrics["train/loss_final"]) and 0 <= metrics["test/acc"] <= 1
+
+
+def test_a_node_files_own_masks_are_kept_and_only_the_missing_ones_seeded(tmp_path):
+    train = torch.zeros(60, dtype=torch.bool)
+    train[:6] = True
+    dm = node_data(write_node_graph(tmp_path / "g.safetensors", torch.arange(60) % 3, train_mask=train))
+    nodes = split_nodes(dm)
+    assert nodes["train"] == set(range(6)) and len(nodes["val"]) == len(nodes["test"]) == 6  # data.val_split 0.1
+    assert not nodes["val"] & nodes["test"] and not (nodes["val"] | nodes["test"]) & nodes["train"]
+
+
+@pytest.mark.parametrize(
+    ("y", "overrides", "sentence"),
+    [
+        (torch.arange(60.0) % 3, [], "g.safetensors in data.source: its y is float32; data.level=node needs integer"),
+        (torch.tensor([0, 1, 2, -2] * 15), [], "g.safetensors in data.source: node 3 has y -2; give class numbers"),
+        (
+            torch.arange(60) % 3,
+            ["data.val_split=0.5"],
+            "no node is left to train on: 60 of its 60 nodes have a label (y >= 0) and the other splits take val 30",
+        ),
+        (torch.arange(60) % 3, ["data.num_classes=2"], "data.num_classes=2 but data.source has 3 classes (0, 1, 2)"),
+    ],
+)
+def test_node_labels_and_splits_that_cannot_work_are_one_sentence(tmp_path, y, overrides, sentence):
+    source = write_node_graph(tmp_path / "g.safetensors", y)
+    with pytest.raises(UserError, match=re.escape(sentence)):
+        node_data(source, *overrides)
+
+
+def test_a_data_num_classes_below_the_folders_classes_is_one_sentence(tmp_path):
+    from onn.modalities.graph.dataset import GraphDataModule
+
+    data = write_rings_and_stars(tmp_path / "g", 3, 0)
+    cfg = compose("data=graph", "model=gcn", f"data.source={data}", "data.num_classes=1")
+    with pytest.raises(UserError, match=re.escape("data.num_classes=1 but data.source has 2 classes (ring, star)")):
+        GraphDataModule(cfg.data).setup()
+
+
+def test_a_batch_of_one_node_is_normalised_by_the_running_statistics(tmp_path):
+    """A one-node graph at data.batch_size=1 has no batch statistics to normalise by: it trains with the running
+    ones (what evaluation uses), and a batch of more nodes still normalises by its own."""
+    from onn.modalities.graph.network import GraphNetwork
+
+    network = GraphNetwork(3, 2, conv="gcn", hidden=8, layers=2, dropout=0.0).train()
+    x, edges = torch.randn(1, 3), torch.zeros(2, 0, dtype=torch.long)
+    logits = network(x, edges, torch.zeros(1, dtype=torch.long), 1)
+    logits.sum().backward()
+    assert torch.allclose(logits, network.eval()(x, edges, torch.zeros(1, dtype=torch.long), 1))
+    data = write_rings_and_stars(tmp_path / "g", 3, 0)
+    for kind in ("ring", "star"):
+        write_edges(data / kind / "single.edges", [], nodes=1)
+    metrics, _ = run(tmp_path, f"data.source={data}", "model=gcn", "data.batch_size=1", "trainer.max_epochs=1")
+    assert metrics["steps"] > 0 and metrics["items_skipped"] == 0
+
+
 class UserGNN(torch.nn.Module):
     """A graph network as users write one: a list of convs, a list of norms beside it, a head."""
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, compose
+from conftest import MODALITY_HARDWARE, ROOT, compose
 
 from onn.errors import UserError
 from onn.modalities.pairs.demo import write_primitives, write_shapes
@@ -136,7 +136,7 @@ def test_data_auto_says_what_pairs_it_found(shapes, tmp_path):
 
 
 def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
-    from onn.app import execute
+    from onn.app import execute, given_keys
 
     cfg = compose(
         "data=pairs",
@@ -154,7 +154,7 @@ def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
     )
     run_dir = tmp / name
     run_dir.mkdir(parents=True, exist_ok=True)
-    return execute(cfg, run_dir), run_dir
+    return execute(cfg, run_dir, given_keys(list(overrides))), run_dir  # the keys a command line would set
 
 
 @pytest.mark.modalities
@@ -275,3 +275,72 @@ def test_a_metadata_line_that_is_not_json_is_named(tmp_path):
     (tmp_path / "metadata.jsonl").write_text('{"file_name": "a.png", "text": "x"}\n{broken\n')
     with pytest.raises(UserError, match=r"metadata.jsonl line 2 is not valid JSON"):
         find_pairs(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def tiny(shapes, tmp_path_factory) -> tuple[Path, Path]:
+    """A dual encoder trained one epoch on the 12 shapes (16x16): (its run folder, a scratch folder)."""
+    tmp = tmp_path_factory.mktemp("tiny")
+    _, run_dir = run(
+        tmp,
+        MODALITY_HARDWARE,
+        f"data.source={shapes}",
+        "data.batch_size=4",
+        "trainer.max_epochs=1",
+        "data.sides.image.image_size=[16,16]",
+        "data.sides.text.max_length=32",
+        "model.feature_dim=16",
+        "model.embed_dim=8",
+        name="train",
+    )
+    return run_dir, tmp
+
+
+def test_infer_breaks_ties_against_the_partner_as_validation_does(shapes, tiny, tmp_path):
+    """Ten captions against ten copies of one picture: every score of a row is equal, so the partner ranks by its
+    place in the gallery (module.ranks' rule), recall@1 is chance, and the matches list agrees with the ranks."""
+    run_dir, _ = tiny
+    queries, gallery = tmp_path / "queries", tmp_path / "gallery"
+    queries.mkdir()
+    gallery.mkdir()
+    for i in range(10):
+        shutil.copy(shapes / f"{i:04d}.txt", queries / f"{i:04d}.txt")
+        shutil.copy(shapes / "0000.png", gallery / f"{i:04d}.png")
+    # one embedding batch: batches of another size may round the same picture's embedding apart
+    out, _ = run(
+        tmp_path,
+        MODALITY_HARDWARE,
+        "task=infer",
+        f"ckpt={run_dir}",
+        f"task.input={queries}",
+        f"task.gallery={gallery}",
+        "data.eval_batch_size=10",
+    )
+    rows = [json.loads(line) for line in Path(out["infer/output"]).read_text().splitlines()]
+    assert out["infer/recall@1"] == pytest.approx(0.1) and out["infer/recall@5"] == pytest.approx(0.5)
+    assert [r["partner_rank"] for r in rows] == list(range(1, 11))
+    assert all([m["name"] for m in r["matches"]] == [f"{i:04d}.png" for i in range(5)] for r in rows)
+
+
+def test_eval_on_a_data_source_given_scores_every_pair_of_it(tiny):
+    run_dir, tmp = tiny
+    other = write_shapes(tmp / "other", 10, seed=3, size=16)
+    out, _ = run(tmp, MODALITY_HARDWARE, "task=eval", f"ckpt={run_dir}", f"data.source={other}", name="eval_other")
+    assert out["pairs/complete"] == 10 and out["pairs/held_out"] == 10 and out["pairs/train"] == 0
+    assert out["val/recall@1_chance"] == pytest.approx(0.1)
+    own, _ = run(
+        tmp, MODALITY_HARDWARE, "task=eval", f"ckpt={run_dir}", name="eval_own"
+    )  # its own data: the seeded held-out pairs
+    assert own["pairs/held_out"] == 2 and own["pairs/train"] == 10
+
+
+@pytest.mark.slow  # (10 to 50 s: two towers traced to ONNX and checked in onnxruntime)
+def test_an_onnx_export_output_file_name_is_the_folder_of_the_towers(tiny):
+    run_dir, tmp = tiny
+    (tmp / "exports").mkdir()
+    out, _ = run(
+        tmp, "task=export", "export=onnx", f"ckpt={run_dir}", f"export.output={tmp / 'exports' / 'towers.onnx'}"
+    )
+    assert sorted(p.name for p in (tmp / "exports").iterdir()) == ["towers"]
+    assert sorted(p.name for p in (tmp / "exports" / "towers").iterdir()) == ["image.onnx", "text.onnx"]
+    assert Path(out["export/onnx/text"]).parent == tmp / "exports" / "towers"

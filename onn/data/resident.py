@@ -213,7 +213,7 @@ def split_of(found: dict[str, Any], split: str, fallback: bool = True) -> Any:
 
 def class_order(found: list[str], data_cfg: SplitData) -> list[str]:
     """The class names in label order: data.classes when given (the data's names must all be in it,
-    in any order), else the data's own, padded to data.num_classes when that is larger."""
+    in any order), else the data's own, padded to data.num_classes when that is larger (refused when smaller)."""
     names, n = data_cfg.classes, data_cfg.num_classes
     if names:
         names = [str(c) for c in names]
@@ -230,6 +230,11 @@ def class_order(found: list[str], data_cfg: SplitData) -> list[str]:
                 "list every class (in the label order you want), or leave data.classes unset."
             )
         return names
+    if isinstance(n, int) and len(found) > n:  # a label at or above data.num_classes
+        raise UserError(
+            f"data.num_classes={n} but data.source has {len(found)} classes ({', '.join(found[:5])}"
+            f"{', ...' if len(found) > 5 else ''}); set data.num_classes={len(found)} or more, or auto."
+        )
     if isinstance(n, int) and len(found) < n:
         return found + [str(i) for i in range(len(found), n)]  # classes absent from this copy of the data
     return list(found)

@@ -43,6 +43,22 @@ class GraphSplit:
         return GraphSplit([self.graphs[i] for i in index.tolist()], [self.names[i] for i in index.tolist()])
 
 
+def node_labels(y: torch.Tensor, where: str) -> torch.Tensor:
+    """A node-level graph's y as int64 class numbers, -1 for a node without a label (as infer reads it)."""
+    if y.is_floating_point() or y.is_complex():
+        raise UserError(
+            f"{where}: its y is {str(y.dtype).removeprefix('torch.')}; data.level=node needs integer class numbers "
+            "(0, 1, ..., and -1 for a node without a label): save y as int64."
+        )
+    y = y.long().reshape(-1)
+    if (y < -1).any():
+        i = int((y < -1).nonzero()[0])
+        raise UserError(
+            f"{where}: node {i} has y {int(y[i])}; give class numbers 0, 1, ... and -1 for a node without a label."
+        )
+    return y
+
+
 def as_batch(graphs: list) -> tuple:
     """(Batch, labels) of graphs and their graph labels (a node-level split's batch is made once: _setup_nodes)."""
     from torch_geometric.data import Batch
@@ -176,11 +192,11 @@ class GraphDataModule(L.LightningDataModule):
                     f"(and optional train_mask/val_mask/test_mask); it holds {len(graphs)} graphs."
                 )
             ((graph, name),) = graphs
-            graph.y = graph.node_y
+            graph.y = node_labels(graph.node_y, f"{name} in data.source")
             del graph.node_y
         found_classes = [str(i) for i in range(int(graph.y.max()) + 1)]
         self.classes = class_order(found_classes, self.cfg)
-        masks = self._node_masks(graph)
+        masks = self._node_masks(graph, f"{name} in data.source")
         for key in ("train_mask", "val_mask", "test_mask"):
             if key in graph:
                 del graph[key]
@@ -194,18 +210,44 @@ class GraphDataModule(L.LightningDataModule):
                 batch.nodes = nodes.to(self.device)
                 self.splits[split] = GraphSplit([graph], [name], resident=(batch, graph.y[nodes].to(self.device)))
 
-    def _node_masks(self, graph) -> dict[str, torch.Tensor]:
-        """The graph's own train/val/test masks, or seeded ones: val_split each for val and test, the rest train."""
-        if all(f"{s}_mask" in graph for s in ("train", "val")):
-            return {s: graph[f"{s}_mask"].bool() if f"{s}_mask" in graph else torch.zeros(0, dtype=torch.bool)
-                    for s in NODE_SPLITS}  # fmt: skip
-        n = graph.num_nodes
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed))
-        n_val = max(1, round(n * float(self.cfg.val_split)))
-        masks = {}
-        for split, index in zip(NODE_SPLITS, (order[2 * n_val :], order[:n_val], order[n_val : 2 * n_val])):
-            masks[split] = torch.zeros(n, dtype=torch.bool)
-            masks[split][index] = True
+    def _node_masks(self, graph, where: str) -> dict[str, torch.Tensor]:
+        """Each split's nodes: the graph's own train/val/test masks where it has them; a missing val or test mask
+        seeded (data.val_split of the labelled nodes each, drawn from those no given mask holds), a missing train
+        mask the labelled rest. A node without a label (y -1) is in no split: it is only convolved."""
+        n, labelled = graph.num_nodes, graph.y >= 0
+        masks: dict[str, torch.Tensor] = {}
+        for split in NODE_SPLITS:
+            if f"{split}_mask" in graph:
+                mask = graph[f"{split}_mask"].reshape(-1)
+                if mask.numel() != n:
+                    raise UserError(f"{where}: its {split}_mask has {mask.numel()} entries for its {n} nodes.")
+                masks[split] = mask.bool() & labelled
+        free = labelled.clone()  # the labelled nodes no mask holds yet
+        for mask in masks.values():
+            free &= ~mask
+        seeded = [split for split in ("val", "test") if split not in masks]
+        if seeded:
+            fraction = float(self.cfg.val_split)
+            if not 0 < fraction < 1:
+                raise UserError(
+                    f"data.val_split must be between 0 and 1 (got {fraction}): it seeds the {seeded[0]} nodes."
+                )
+            pool = free.nonzero().view(-1)
+            order = pool[torch.randperm(len(pool), generator=torch.Generator().manual_seed(self.seed))]
+            n_val = max(1, round(int(labelled.sum()) * fraction))
+            for i, split in enumerate(seeded):
+                masks[split] = torch.zeros(n, dtype=torch.bool)
+                masks[split][order[i * n_val : (i + 1) * n_val]] = True
+                free &= ~masks[split]
+        masks.setdefault("train", free)
+        for split, verb in (("train", "train on"), ("val", "validate on")):
+            if not masks[split].any():
+                held = " and ".join(f"{s} {int(masks[s].sum())}" for s in NODE_SPLITS if s != split)
+                raise UserError(
+                    f"{where}: no node is left to {verb}: {int(labelled.sum())} of its {n} nodes have a label "
+                    f"(y >= 0) and the other splits take {held} (data.val_split={self.cfg.val_split}); "
+                    f"give it a {split}_mask, or a smaller data.val_split."
+                )
         return masks
 
     def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):

@@ -1,6 +1,6 @@
 """ONN's graph network: torch_geometric's convolutions (GCN, GraphSAGE, GIN, GAT) in repeated blocks, pooled.
 
-    blocks   `layers` x GraphBlock: conv -> BatchNorm -> ReLU -> dropout (the LayerMap's blocks)
+    blocks   `layers` x GraphBlock: conv -> BatchNorm (NodeNorm) -> ReLU -> dropout (the LayerMap's blocks)
     pool     graph level: torch_geometric's global mean / max / add pools of each graph's nodes, side by side
     head     Linear -> ReLU -> dropout -> Linear: one row of logits per graph (graph level) or per node
 
@@ -17,6 +17,7 @@ how many remain (a wait at every layer of every step). Graphs arrive without sel
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from onn.modalities.graph.modality import CONVS
@@ -38,6 +39,17 @@ def make_conv(kind: str, width_in: int, width_out: int, heads: int) -> nn.Module
     raise ValueError(f"no convolution {kind!r}; one of {', '.join(CONVS)}")
 
 
+class NodeNorm(nn.BatchNorm1d):
+    """BatchNorm over a batch's nodes. A training batch of one node (a one-node graph at data.batch_size=1) has no
+    batch statistics: it is normalised by the running ones, as in evaluation and as torch_geometric's
+    BatchNorm(allow_single_element=True) does; its state dict stays BatchNorm1d's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and x.shape[0] <= 1:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        return super().forward(x)
+
+
 class GraphBlock(nn.Module):
     """One message-passing step: conv, norm, ReLU, dropout."""
 
@@ -45,7 +57,7 @@ class GraphBlock(nn.Module):
         super().__init__()
         self.kind = kind
         self.conv = make_conv(kind, width_in, width_out, heads)
-        self.norm = nn.BatchNorm1d(width_out) if norm == "batch" else nn.Identity()
+        self.norm = NodeNorm(width_out) if norm == "batch" else nn.Identity()
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:

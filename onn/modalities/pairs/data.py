@@ -5,7 +5,7 @@ files through their modality's own reader, captions through the text side. A pai
 cannot be decoded is dropped and named; the run fails when more than data.max_bad_fraction of the
 complete pairs are. The decoded tensors are cached as safetensors (onn.data.cache: one "split" per
 side, the pair's index as its label), and a seeded data.val_split of the pairs is held out: the
-retrieval metrics are measured on those.
+retrieval metrics are measured on those (task=eval of a data.source given on the command line: on all of them).
 """
 
 from __future__ import annotations
@@ -111,8 +111,11 @@ class PairData(L.LightningDataModule):
     A batch is (side A's items, side B's items), row i of one the partner of row i of the other; the
     partner side rides in ResidentBatches' second tensor, which is index-selected like the first."""
 
-    def __init__(self, config: ONNConfig, sides: dict[str, PairSide], device: str | torch.device = "cpu"):
+    def __init__(
+        self, config: ONNConfig, sides: dict[str, PairSide], device: str | torch.device = "cpu", whole: bool = False
+    ):
         super().__init__()
+        self.whole = whole  # every pair is held out (task=eval of a data.source): no training split
         self.cfg: PairsData = config.data
         self.sides = sides
         self.cache_dir, self.seed = config.paths.cache, config.seed
@@ -136,10 +139,9 @@ class PairData(L.LightningDataModule):
         listing = find_pairs(source, self.names, self.cfg.text_column)
         self.listing = listing
         (log.warning if listing.orphan_count else log.info)("pairs: %s", listing.summary())
-        if listing.complete < MIN_PAIRS:
-            raise UserError(
-                f"data.source {source}: {listing.summary()}; at least {MIN_PAIRS} complete pairs are needed."
-            )
+        least = 2 if self.whole else MIN_PAIRS  # retrieval among one pair measures nothing
+        if listing.complete < least:
+            raise UserError(f"data.source {source}: {listing.summary()}; at least {least} complete pairs are needed.")
         path = Path(str(source)).expanduser()
         key = {
             "digest": content_digest(path),
@@ -158,23 +160,28 @@ class PairData(L.LightningDataModule):
         )
         self.skipped = [s for d in decoded.values() for s in d.skipped]
         a, b = (decoded[n] for n in self.names)
-        pairs = Split(a.inputs, b.inputs, a.names)
+        splits = self._split(Split(a.inputs, b.inputs, a.names))
+        self.splits = {k: Split(v.inputs.to(self.device), v.labels.to(self.device), v.names) for k, v in splits.items()}
+        log.info(
+            "pairs: %d training and %d held-out %s pairs on %s",
+            len(self.splits["train"]),
+            len(self.splits["val"]),
+            "-".join(self.names),
+            self.device,
+        )
+
+    def _split(self, pairs: Split) -> dict[str, Split]:
+        """{train, val}: a seeded data.val_split of the pairs held out, or all of them (whole)."""
         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(self.seed))
+        if self.whole:
+            return {"train": pairs.subset(order[:0]), "val": pairs}
         fraction = self.cfg.val_split
         if not 0 < fraction < 1:
             raise UserError(
                 f"data.val_split must be between 0 and 1 (got {fraction}): the held-out pairs measure retrieval."
             )
         n_val = min(max(2, round(len(pairs) * fraction)), len(pairs) - 2)
-        splits = {"train": pairs.subset(order[n_val:]), "val": pairs.subset(order[:n_val])}
-        self.splits = {k: Split(v.inputs.to(self.device), v.labels.to(self.device), v.names) for k, v in splits.items()}
-        log.info(
-            "pairs: %d training and %d held-out %s pairs on %s",
-            len(self.splits["train"]),
-            n_val,
-            "-".join(self.names),
-            self.device,
-        )
+        return {"train": pairs.subset(order[n_val:]), "val": pairs.subset(order[:n_val])}
 
     def train_dataloader(self):
         # a contrastive batch of one pair teaches nothing

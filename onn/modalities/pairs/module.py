@@ -32,13 +32,15 @@ KS = (1, 5)
 MONITOR = "val/recall@1"  # the mean of both directions' recall@1: picks checkpoints/best.ckpt
 
 
-def ranks(similarity: torch.Tensor) -> torch.Tensor:
-    """Where each row's partner (column i of row i) ranks among the row's columns, 0 = first; ties go to
-    the lower column index."""
-    n = similarity.shape[0]
-    right = similarity.diagonal().unsqueeze(1)
-    index = torch.arange(n, device=similarity.device)
-    ahead = (similarity > right) | ((similarity == right) & (index.unsqueeze(0) < index.unsqueeze(1)))
+def ranks(similarity: torch.Tensor, partners: torch.Tensor | None = None) -> torch.Tensor:
+    """Where each row's partner (column partners[i], else column i) ranks among the row's columns, 0 = first;
+    ties go to the lower column index, so alike scores rank a partner by its place, not first. Validation and
+    task=infer's partner_rank both rank by this rule."""
+    rows = torch.arange(similarity.shape[0], device=similarity.device)
+    partners = rows if partners is None else partners.to(similarity.device)
+    right = similarity[rows, partners].unsqueeze(1)
+    index = torch.arange(similarity.shape[1], device=similarity.device)
+    ahead = (similarity > right) | ((similarity == right) & (index.unsqueeze(0) < partners.unsqueeze(1)))
     return ahead.sum(1)
 
 

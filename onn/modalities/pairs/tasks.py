@@ -3,7 +3,7 @@
 plan    both towers sized on the meta device, one network plan for the pair (onn.planning)
 train   epochs over the resident pairs; retrieval recall on the held-out pairs every validation;
         best.ckpt by val/recall@1 beside last.ckpt; resume with the history
-eval    the held-out recall of a checkpoint (on its own data, or on data.source given now)
+eval    the retrieval recall of a checkpoint on its own held-out pairs, or on every pair of a data.source given now
 infer   a query (task.input: a file or folder, or prompt="..." for text) against task.gallery, a
         folder of the other side: the ranked matches as JSONL
 export  safetensors (the whole dual encoder + config.json), or each tower to ONNX (stored batch ->
@@ -32,7 +32,7 @@ from onn.hardware.profile import Profile
 from onn.modalities.base import Job, PairSide
 from onn.modalities.pairs.data import PairData
 from onn.modalities.pairs.detect import SNIFF_FILES, find_pairs
-from onn.modalities.pairs.module import MONITOR, DualEncoder
+from onn.modalities.pairs.module import KS, MONITOR, DualEncoder, ranks
 from onn.modalities.pairs.sides import TEXT, build_side, modality_of, saved_side, side_config
 from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
@@ -206,9 +206,13 @@ def evaluate(job: Job) -> dict[str, Any]:
     module = load_trained(config, job.ckpt)
     saved = saved_config(job.ckpt, "pairs")
     data = config.data if config.data.source else typed(PairsData, saved["data"], f"ckpt {job.ckpt}: data")
-    # the seed the run held its pairs out with: the same held-out pairs
+    # a data.source the command line gives is scored whole: app.from_checkpoint sets data.val_source to it (a key
+    # PairsData has no field for); without one, the seed the run held its pairs out with gives the same held-out pairs
+    given = getattr(config.data, "val_source", None)
+    if given:
+        data = replace(data, source=given)
     run = replace(config, seed=int(saved["seed"]), data=replace(data, modalities=list(module.names)))
-    dm = PairData(run, sides_of(config, job.ckpt), job.device)
+    dm = PairData(run, sides_of(config, job.ckpt), job.device, whole=bool(given))
     dm.setup()
     trainer = build_trainer(config, job.plan, job.run_dir, [], loggers=False, steps_per_epoch=1)
     trainer.validate(module, datamodule=dm, verbose=False)
@@ -291,42 +295,51 @@ def infer(job: Job) -> dict[str, Any]:
             log.warning("infer: %d items could not be read and are left out: %s", len(skipped), "; ".join(skipped[:3]))
     if not len(q) or not len(g):
         raise UserError("task=infer: no query or no gallery item could be read (see the warnings above).")
-    top_k = task.top_k
-    scores = (q @ g.T).cpu()
-    best = scores.topk(min(top_k, len(g)), dim=1)
-    label = [_label(item) for item in query_items]
-    gallery_names = [Path(gallery_items[i]).name for i in g_index]
-    stems = {Path(n).stem: j for j, n in enumerate(gallery_names)}
-    rows, hits = [], {1: 0, 5: 0}
-    known = 0
-    for r, i in enumerate(q_index):
-        row = {
-            "query": label[i],
-            "modality": query,
-            "matches": [
-                {"name": gallery_names[int(j)], "score": round(float(s), 5)}
-                for s, j in zip(best.values[r], best.indices[r])
-            ],
-        }
-        partner = stems.get(Path(label[i]).stem) if isinstance(query_items[i], Path) else None
-        if partner is not None:  # the gallery holds the query's partner (same stem): where does it rank?
-            rank = int((scores[r] > scores[r, partner]).sum())
-            row["partner"], row["partner_rank"] = gallery_names[partner], rank + 1
-            known += 1
-            for k in hits:
-                hits[k] += rank < k
-        rows.append(row)
+    top_k = min(task.top_k, len(g))
+    rows, partner_ranks = _ranked(
+        (q @ g.T).cpu(), [query_items[i] for i in q_index], query, gallery_items, g_index, top_k
+    )
     output = Path(task.output or job.run_dir / "matches.jsonl")
     write_jsonl(rows, output)
-    print(f"wrote the top {min(top_k, len(g))} of {len(g)} {other} items for {len(rows)} {query} queries to {output}")
+    print(f"wrote the top {top_k} of {len(g)} {other} items for {len(rows)} {query} queries to {output}")
     metrics: dict[str, Any] = {
         "infer/queries": len(rows),
         "infer/gallery": len(g),
         "infer/output": str(output),
     }
-    if known:
-        metrics.update({f"infer/recall@{k}": round(v / known, 5) for k, v in hits.items()})
+    if len(partner_ranks):
+        metrics.update({f"infer/recall@{k}": round(float((partner_ranks < k).float().mean()), 5) for k in KS})
     return metrics
+
+
+def _ranked(
+    scores: torch.Tensor, queries: list, modality: str, gallery: list, g_index: list[int], top_k: int
+) -> tuple[list[dict[str, Any]], torch.Tensor]:
+    """matches.jsonl's rows (each query's top_k gallery items) and the ranks of the partners the gallery holds (a
+    file of the query's stem). Equal scores go to the lower gallery index, in the matches and the ranks alike, as
+    validation breaks them (module.ranks): a gallery of alike items ranks a partner by its place, not first."""
+    order = scores.sort(dim=1, descending=True, stable=True)
+    names = [Path(gallery[i]).name for i in g_index]
+    stems = {Path(n).stem: j for j, n in enumerate(names)}
+    partners = {r: stems.get(Path(item).stem) for r, item in enumerate(queries) if isinstance(item, Path)}
+    partners = {r: j for r, j in partners.items() if j is not None}
+    known = torch.tensor(list(partners), dtype=torch.long)
+    placed = ranks(scores[known], torch.tensor(list(partners.values()), dtype=torch.long)).tolist()
+    place = dict(zip(partners, placed))
+    rows = []
+    for r, item in enumerate(queries):
+        row = {
+            "query": _label(item),
+            "modality": modality,
+            "matches": [
+                {"name": names[int(j)], "score": round(float(v), 5)}
+                for v, j in zip(order.values[r, :top_k], order.indices[r, :top_k])
+            ],
+        }
+        if r in partners:  # the gallery holds the query's partner (same stem): where does it rank?
+            row["partner"], row["partner_rank"] = names[partners[r]], place[r] + 1
+        rows.append(row)
+    return rows, torch.tensor(placed, dtype=torch.long)
 
 
 def _label(item: Path | str) -> str:
@@ -355,11 +368,14 @@ def export(job: Job) -> dict[str, Any]:
 
 
 def export_module(config: ONNConfig, module: DualEncoder, run_dir: Path) -> dict[str, Any]:
-    """safetensors: the dual encoder's state dict and config.json; onnx/omny: one file per tower."""
-    from onn.export.write import export_model
+    """safetensors: the dual encoder's state dict and config.json; onnx/omny: one file per tower, in a folder as a
+    pipeline's pieces are: export.output=DIR/NAME.onnx (or .omny, or DIR/NAME) is DIR/NAME/ (write.pipeline_folder)."""
+    from onn.export.write import export_model, pipeline_folder
 
     settings: SafetensorsExport | OnnxExport = config.export
-    folder = Path(settings.output or run_dir / "export")
+    folder = Path(settings.output).expanduser() if settings.output else run_dir / "export"
+    if settings.output and settings.name != "safetensors":
+        folder = pipeline_folder(settings.output, folder)
     folder.mkdir(parents=True, exist_ok=True)
     module = module.cpu().eval()
     if settings.name == "safetensors":
