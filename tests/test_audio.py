@@ -344,16 +344,20 @@ def test_streamed_fallback_decodes_per_item(tmp_path):
     assert x.shape == (4, 1, 2400) and x.dtype == torch.float16 and y.shape == (4,)
 
 
+def bench_media_on(tones: Path, *overrides: str):
+    """recipe=bench_media on make_tones' folder, its classes read from the file names."""
+    return compose(
+        "recipe=bench_media", f"data.source={tones}", "data.label_from='^([a-z]+)_'", "data.classes=null", *overrides
+    )
+
+
 @pytest.mark.slow
 def test_bench_media_reports_decoding_and_both_pipelines(tmp_path):
     from onn.app import execute
 
     data = make_tones(tmp_path / "tones", per_class=6, speakers=("ann",))
-    cfg = compose(
-        "recipe=bench_media",
-        f"data.source={data}",
-        "data.label_from='^([a-z]+)_'",
-        "data.classes=null",
+    cfg = bench_media_on(
+        data,
         "data.batch_size=4",
         "task.steps=2",
         "task.warmup=1",
@@ -384,11 +388,8 @@ def test_bench_medias_per_file_pipeline_batches_a_split_smaller_than_a_batch(tmp
     from onn.modalities import classification, get
 
     data = make_tones(tmp_path / "tones", per_class=2, speakers=("ann",))
-    cfg = compose(
-        "recipe=bench_media",
-        f"data.source={data}",
-        "data.label_from='^([a-z]+)_'",
-        "data.classes=null",
+    cfg = bench_media_on(
+        data,
         "data.batch_size=16",
         "+model.kwargs.widths=[8,16]",
         f"paths.cache={tmp_path / 'cache'}",
