@@ -93,3 +93,41 @@ def test_truncated_gguf_is_refused(tmp_path):
     cut.write_bytes(path.read_bytes()[: path.stat().st_size - 1000])
     with pytest.raises(UserError, match="truncated|not a readable GGUF"):
         load(language_model(source=str(cut)))
+
+
+def test_a_folder_models_fingerprint_follows_the_files_inside_it(tmp_path):
+    """The layer store and the tuner's cache are keyed by the fingerprint: weights copied over a folder model's
+    file in place (the folder's own size and mtime unchanged) give a new key, so a stale store is never served."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from onn.models.load import model_fingerprint
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    weights = folder / "model.safetensors"
+    save_file({"w": torch.zeros(4, 4)}, str(weights))
+    cfg = language_model(source=str(folder))
+    before, folder_stat = model_fingerprint(cfg), folder.stat()
+    with open(weights, "r+b") as f:  # new weights of the same size, written over the old file
+        f.seek(weights.stat().st_size - 4)
+        f.write(b"\x00\x00\x80\x3f")
+    mtime = weights.stat().st_mtime_ns + 1_000_000_000
+    os.utime(weights, ns=(mtime, mtime))
+    os.utime(folder, ns=(folder_stat.st_atime_ns, folder_stat.st_mtime_ns))
+    assert folder.stat().st_size == folder_stat.st_size and model_fingerprint(cfg) != before
+    replaced = model_fingerprint(cfg)
+    (folder / "tokenizer.json").write_text("{}")  # not weights: the store stays
+    assert model_fingerprint(cfg) == replaced
+    os.utime(folder / "config.json", ns=(mtime, mtime))
+    assert model_fingerprint(cfg) != replaced
+    random = language_model(architecture=LLAMA)
+    assert model_fingerprint(random) == model_fingerprint(random)
+    builder = tmp_path / "mine.py"
+    builder.write_text("def build(): ...\n")
+    built = language_model(source=f"{builder}:build")
+    first = model_fingerprint(built)
+    os.utime(builder, ns=(mtime, mtime))  # the builder edited: its weights may be others
+    assert model_fingerprint(built) != first

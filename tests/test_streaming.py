@@ -768,6 +768,122 @@ def test_store_detects_and_rebuilds_damaged_blocks(tmp_path):
     assert store.rebuilt == [0, 1, 2] and store.read(0)["w"].shape == (2, 4)
 
 
+def test_a_block_whose_header_is_damaged_is_rebuilt_not_used(tmp_path):
+    """A header whose length or tensor table does not fit the file (a bad sector, a stray write: same size, marker
+    intact) marks the block incomplete, so it is rebuilt; it never crashes the run or serves wrong bytes."""
+    blocks = {i: {"w": torch.full((4, 4), float(i))} for i in range(4)}
+    store = LayerStore("disk", "float32", folder=tmp_path)
+    store.fill(blocks)
+
+    def damage(index: int, offset: int, data: bytes) -> None:
+        with open(store.block_file(index), "r+b") as f:
+            f.seek(offset)
+            f.write(data)
+
+    damage(0, 0, b"\xff" * 8)  # a length no index fits (it raised OverflowError)
+    damage(1, 0, (2**40).to_bytes(8, "little"))  # a length far past the file (a read that size: MemoryError)
+    header = store.block_file(2).read_bytes()
+    damage(2, header.index(b"[0,64]"), b"[0,96]")  # a tensor past the end of the file, the JSON still whole
+    damage(3, 8, b"\x00" * 8)  # not JSON at all
+    fresh = LayerStore("disk", "float32", folder=tmp_path)
+    assert not any(fresh.is_complete(i, {"w": [4, 4]}) for i in range(4))
+    fresh.fill(blocks)
+    assert fresh.rebuilt == [0, 1, 2, 3]
+    assert all(torch.equal(fresh.read(i)["w"], blocks[i]["w"]) for i in range(4))
+
+
+def _two_builds_at_once(build, folder, monkeypatch, caplog) -> dict:
+    """`build(store)` in two threads on one disk store folder: the second starts while the first has a block in its
+    temporary file, not yet renamed; the first goes on once the second waits for it (or, unheld, has finished).
+    The errors each raised, by thread."""
+    import logging
+    import threading
+
+    from onn.hardware import failpoints
+
+    paused, go, errors = threading.Event(), threading.Event(), {}
+
+    def pause(name: str) -> None:
+        if name == "store_write" and threading.current_thread().name == "first" and not paused.is_set():
+            paused.set()
+            go.wait(60)
+
+    class Waiting(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waiting" in record.getMessage():
+                go.set()
+
+    def run() -> None:
+        try:
+            build(LayerStore("disk", "float32", folder=folder))
+        except Exception as e:  # the assertion names it
+            errors[threading.current_thread().name] = e
+        finally:
+            go.set()
+
+    monkeypatch.setattr(failpoints, "reached", pause)
+    caplog.set_level(logging.INFO, logger="onn.streaming.store")
+    logger, handler = logging.getLogger("onn.streaming.store"), Waiting()
+    logger.addHandler(handler)
+    try:
+        first = threading.Thread(target=run, name="first")
+        first.start()
+        assert paused.wait(60)
+        second = threading.Thread(target=run, name="second")
+        second.start()
+        first.join(120)
+        second.join(120)
+    finally:
+        logger.removeHandler(handler)
+    return errors
+
+
+@pytest.mark.parametrize("builder", ["loader", "seeded"])
+def test_two_builds_of_one_store_at_once_both_finish_with_its_blocks_whole(tmp_path, monkeypatch, caplog, builder):
+    """Two runs of one model (or the ranks of a streamed run) building its disk store together: the second waits
+    for the first's lock, then finds every block whole. Unheld, the second deleted the first's temporary file
+    mid-write and the first died with advice to move the store elsewhere."""
+    from torch import nn
+
+    from onn.streaming.loader import load_into_store
+    from onn.streaming.seeded import draw, empty_network
+
+    source = compose("model=llama_tiny").model
+
+    def frozen_network() -> nn.Module:
+        network = empty_network(lambda: nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)]), 5)
+        return network.requires_grad_(False)
+
+    build = {
+        "loader": lambda store: load_into_store(source, torch.float32, None, store),
+        "seeded": lambda store: draw(frozen_network(), 5, None, store),
+    }[builder]
+    errors = _two_builds_at_once(build, tmp_path / "store", monkeypatch, caplog)
+    assert errors == {}
+    again = LayerStore("disk", "float32", folder=tmp_path / "store")
+    build(again)
+    assert again.rebuilt == [] and not list((tmp_path / "store").glob("*.tmp"))
+
+
+def test_a_random_model_has_the_same_weights_resident_and_streamed(tmp_path):
+    """model.source=random draws each block from its own seed, in memory as into the layer store, so the resident
+    strategies (full, lora) and streamed sparse_lora start from one model: a sweep over strategies compares them."""
+    from onn.models.load import load
+    from onn.streaming.loader import load_into_store
+
+    for dtype, store_dtype in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        source = compose("model=llama_tiny").model
+        resident, _ = load(source, dtype=dtype)
+        store = LayerStore("disk", store_dtype, folder=tmp_path / store_dtype)
+        streamed, _ = load_into_store(source, dtype, None, store)
+        layer_map = discover(resident)
+        for i, block in enumerate(layer_map.blocks):
+            stored = store.read(i)
+            assert all(torch.equal(stored[stored_name(n)], p) for n, p in block.named_parameters())
+        edges = {n: p for n, p in resident.named_parameters() if not n.startswith("model.layers.")}
+        assert edges and all(torch.equal(streamed.get_parameter(n), p) for n, p in edges.items())
+
+
 def test_bad_streaming_inputs(tmp_path, monkeypatch):
     from torch import nn
 

@@ -16,14 +16,19 @@ import hashlib
 import importlib.util
 import json
 import os
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 from onn.config.model import LanguageModelConfig
 from onn.errors import UserError
+from onn.models.layers import discover
 from onn.models.tokenizer import byte_tokenizer, wordpiece_tokenizer
 
-INIT_SEED = 0  # random weights (model.source=random) are drawn from this seed: the same model every run
+# random weights (model.source=random) are drawn from this seed, each block from its own (`block_seed`): the
+# same model every run, resident or streamed
+INIT_SEED = 0
+WEIGHT_FILES = ("*.safetensors", "*.gguf", "config.json")  # what a folder source's fingerprint stats
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".joblib")
 CONVERT_HINT = (
     "ONN loads safetensors only (pickle files can run code when loaded). Convert it once on a machine you trust: "
@@ -106,15 +111,11 @@ def meta_model(model_cfg: LanguageModelConfig):
 def load(model_cfg: LanguageModelConfig, dtype=None, cache_dir: str | os.PathLike | None = None):
     """Build or load the model and its tokenizer. `dtype` is the weights dtype the plan chose;
     `cache_dir` keeps converted GGUF models so the slow conversion happens once per file."""
-    import torch
-
     source = model_cfg.source
     kind, remote = source_kind(source), model_cfg.trust_remote_code
     tokenizer = None
     if kind == "random":
-        config = architecture(model_cfg)
-        torch.manual_seed(INIT_SEED)
-        model = auto_class(config).from_config(config, trust_remote_code=remote)
+        model = _random_model(model_cfg, dtype)
     elif kind == "python":
         model, tokenizer = _split_builder_result(_call_builder(source))
     elif kind == "gguf":
@@ -187,6 +188,67 @@ def load_4bit(model_cfg: LanguageModelConfig, compute_dtype, cache_dir: str | os
             # so every later LoRA gradient through the layer would be zero. Keep the trainable path.
             module.support_avx512bf16_for_cpu = False
     return model, finish_tokenizer(model_cfg, tokenizer, remote)
+
+
+def block_seed(seed: int, index: int) -> int:
+    """The seed block `index`'s random weights are drawn from."""
+    return seed * 100_003 + index + 1
+
+
+def edge_seed(seed: int, name: str) -> int:
+    """The seed a module outside the blocks is drawn from: its dotted name's."""
+    return seed + zlib.crc32(name.encode())
+
+
+def _random_model(model_cfg: LanguageModelConfig, dtype):
+    """model.source=random: built empty, then each block drawn from its own seed and every module outside the
+    blocks from its name's, as the layer store's loader draws them, so that a config gives the same weights
+    resident and streamed (`-m strategy=full,lora,sparse_lora` compares one starting model). A model without
+    repeated blocks (never streamed) is drawn whole from INIT_SEED."""
+    import torch
+    from accelerate import init_empty_weights
+
+    config, remote = architecture(model_cfg), model_cfg.trust_remote_code
+    with init_empty_weights(include_buffers=False):
+        model = auto_class(config).from_config(config, trust_remote_code=remote)
+    try:
+        layer_map = discover(model, model_cfg.layer_map.blocks)
+    except UserError:
+        torch.manual_seed(INIT_SEED)
+        return auto_class(config).from_config(config, trust_remote_code=remote)
+    for i, block in enumerate(layer_map.blocks):
+        draw_random(model, block, block_seed(INIT_SEED, i), dtype=dtype)
+    for name, module in outside_blocks(model, layer_map):
+        draw_random(model, module, edge_seed(INIT_SEED, name), recurse=False, dtype=dtype, in_dtype=True)
+    model.tie_weights()
+    return model
+
+
+def draw_random(model, module, seed: int, device="cpu", recurse: bool = True, dtype=None, in_dtype=False) -> None:
+    """Fill `module`'s empty weights from `seed` with the model's own initialiser, on `device`, then cast them to
+    `dtype`; in float32 and cast (fast), or with `in_dtype` straight in `dtype` (no float32 copy of a large
+    embedding). The one rule for random weights wherever they then live (in memory, in a layer store)."""
+    import torch
+
+    module.to_empty(device=device, recurse=recurse)
+    if in_dtype and dtype is not None:
+        for param in module.parameters(recurse=recurse):
+            param.data = torch.empty_like(param.data, dtype=dtype)
+    torch.manual_seed(seed)
+    for sub in module.modules() if recurse else [module]:
+        model._init_weights(sub)
+    for param in module.parameters(recurse=recurse):
+        param.data = param.data.to(dtype or param.dtype)
+
+
+def outside_blocks(model, layer_map) -> Iterator[tuple[str, object]]:
+    """(name, module) of each module outside the blocks that holds empty (meta) weights of its own when reached."""
+    blocks, inside = set(layer_map.block_paths), tuple(f"{b}." for b in layer_map.block_paths)
+    for name, module in model.named_modules():
+        if name in blocks or name.startswith(inside):
+            continue
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            yield name, module
 
 
 def finish_tokenizer(model_cfg: LanguageModelConfig, tokenizer, remote: bool):
@@ -449,7 +511,7 @@ def _split_builder_result(result):
 
 
 def model_fingerprint(model_cfg: LanguageModelConfig) -> str:
-    """Identifies the frozen weights: source (with its size and mtime), architecture, dtype. (`init_seed`
+    """Identifies the frozen weights: source (with its files' sizes and mtimes), architecture, dtype. (`init_seed`
     stays in the key, as null, so that the stores and tune results cached before keep their folders.)"""
     parts = {
         "source": model_cfg.source,
@@ -457,8 +519,15 @@ def model_fingerprint(model_cfg: LanguageModelConfig) -> str:
         "init_seed": None,
         "dtype": model_cfg.dtype,
     }
-    source = os.path.expanduser(str(model_cfg.source or ""))
-    if os.path.exists(source):
-        stat = os.stat(source)
-        parts["stat"] = [stat.st_size, stat.st_mtime_ns]
+    parts.update(_source_stat(model_cfg.source) if is_pretrained(model_cfg) else {})
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _source_stat(source: str) -> dict[str, list]:
+    """The size and mtime of the source file (a builder's .py), or of each weights and config file in a source
+    folder (a file replaced in place leaves the folder's own stat as it was): cheap, no hashing of gigabytes."""
+    path = Path(expand(str(source).rpartition(":")[0] if ".py:" in str(source) else source))
+    if path.is_dir():
+        files = sorted({f for pattern in WEIGHT_FILES for f in path.glob(pattern) if f.is_file()})
+        return {"files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
+    return {"stat": [path.stat().st_size, path.stat().st_mtime_ns]} if path.is_file() else {}

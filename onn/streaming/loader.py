@@ -19,17 +19,20 @@ from onn.models.load import (
     INIT_SEED,
     architecture,
     auto_class,
+    block_seed,
     converted_gguf,
+    draw_random,
+    edge_seed,
     expand,
     finish_tokenizer,
     gguf_parsed_once,
     hub_folder,
+    outside_blocks,
     read_config,
     refuse_pickle_folder,
     source_kind,
     tokenizer_from,
 )
-from onn.streaming.seeded import block_seed, edge_seed
 from onn.streaming.store import build_progress, stored_name
 
 
@@ -92,7 +95,6 @@ class Materialiser:
     init_device: str
 
     def __call__(self, module, prefix: str, seed: int, recurse: bool = True, in_dtype: bool = False) -> None:
-        import torch
         from safetensors import safe_open
 
         src = self.source
@@ -106,14 +108,8 @@ class Materialiser:
         elif src.gguf is not None:
             names = [n for n, _ in module.named_parameters(recurse=recurse) if src.gguf.has(prefix + n)]
             module.load_state_dict({n: src.gguf.tensor(prefix + n) for n in names}, strict=False, assign=True)
-        else:
-            module.to_empty(device=self.init_device, recurse=recurse)
-            if in_dtype and self.dtype is not None:
-                for param in module.parameters(recurse=recurse):
-                    param.data = torch.empty_like(param.data, dtype=self.dtype)
-            torch.manual_seed(seed)
-            for sub in module.modules() if recurse else [module]:
-                self.model._init_weights(sub)
+        else:  # as `load` draws a resident model: the same weights wherever they live
+            draw_random(self.model, module, seed, self.init_device, recurse, self.dtype, in_dtype)
         for param in module.parameters(recurse=recurse):
             param.data = param.data.to(self.dtype or param.dtype)
             if not recurse and not param.is_meta:  # (a tied weight the GGUF lacks is tied after the load)
@@ -169,30 +165,22 @@ def _write_blocks(layer_map, store, materialise: Materialiser, seed: int, dtype)
                         torch.empty(0, dtype=dtype or torch.float32), requires_grad=False
                     )
 
-    missing = store.missing(shapes)  # the disk's room is checked here, before anything is written
-    with build_progress(store, missing, shapes):
-        for i in missing:
-            block = layer_map.blocks[i]
-            materialise(block, layer_map.block_paths[i] + ".", block_seed(seed, i))
-            store.write(i, {stored_name(n): p.data for n, p in block.named_parameters()})
-            empty(block)
+    with store.building():  # another process building the same store waits, then finds these blocks whole
+        missing = store.missing(shapes)  # the disk's room is checked here, before anything is written
+        with build_progress(store, missing, shapes):
+            for i in missing:
+                block = layer_map.blocks[i]
+                materialise(block, layer_map.block_paths[i] + ".", block_seed(seed, i))
+                store.write(i, {stored_name(n): p.data for n, p in block.named_parameters()})
+                empty(block)
     for block in layer_map.blocks:
         empty(block)
 
 
 def _materialise_edges(model, layer_map, materialise: Materialiser, seed: int) -> None:
     """The prefix and suffix: every module outside the blocks, seeded by its name."""
-    full = layer_map.block_paths
-    for name, module in model.named_modules():
-        inside = any(name == b or name.startswith(b + ".") for b in full)
-        if not inside and any(p.is_meta for p in module.parameters(recurse=False)):
-            materialise(
-                module,
-                f"{name}." if name else "",
-                edge_seed(seed, name),
-                recurse=False,
-                in_dtype=True,
-            )
+    for name, module in outside_blocks(model, layer_map):
+        materialise(module, f"{name}." if name else "", edge_seed(seed, name), recurse=False, in_dtype=True)
 
 
 class GGUFBlocks:

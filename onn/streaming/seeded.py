@@ -11,25 +11,14 @@ whole from the seed instead, in memory (the engine then moves its blocks to the 
 
 from __future__ import annotations
 
-import contextlib
-import zlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from onn.models.layers import discover
+from onn.models.load import block_seed, edge_seed
 from onn.streaming.store import LayerStore, build_progress, stored_name
-
-
-def block_seed(seed: int, index: int) -> int:
-    """The seed block `index`'s random weights are drawn from."""
-    return seed * 100_003 + index + 1
-
-
-def edge_seed(seed: int, name: str) -> int:
-    """The seed a module outside the blocks is drawn from: its dotted name's."""
-    return seed + zlib.crc32(name.encode())
 
 
 def _holds_weights(module: nn.Module) -> bool:
@@ -62,27 +51,34 @@ def draw(network: nn.Module, seed: int, blocks_path: str | None = None, store: L
     layer_map = discover(network, blocks_path)
     streamed = store is not None and any(p.is_meta for p in network.parameters())
     frozen = [[n for n, p in b.named_parameters() if not p.requires_grad] for b in layer_map.blocks]
-    missing, shapes = [], {}
     if streamed:
-        shapes = {
-            i: {stored_name(n): list(b.get_parameter(n).shape) for n in frozen[i]}
-            for i, b in enumerate(layer_map.blocks)
-        }
-        missing = store.missing(shapes)  # the disk's room is checked here, before anything is written
-    with build_progress(store, missing, shapes) if streamed else contextlib.nullcontext():
+        _draw_blocks_into(store, layer_map, seed, frozen)
+    else:
         for i, block in enumerate(layer_map.blocks):
-            _draw(block, block_seed(seed, i))  # every block drawn, so its trainable weights are the same either way
-            if not streamed:
-                continue
-            params = dict(block.named_parameters())
-            if i in missing:
-                store.write(i, {stored_name(n): params[n].data for n in frozen[i]})
-            for n in frozen[i]:
-                params[n].data = torch.empty(0, dtype=params[n].dtype)  # the engine fills it from the store
+            _draw(block, block_seed(seed, i))
     blocks, inside = set(layer_map.block_paths), tuple(p + "." for p in layer_map.block_paths)
     for name, module in network.named_modules():
         if name not in blocks and not name.startswith(inside):
             _draw(module, edge_seed(seed, name), recurse=False)
+
+
+def _draw_blocks_into(store: LayerStore, layer_map, seed: int, frozen: list[list[str]]) -> None:
+    """Every block drawn (so its trainable weights are the same as in memory), its frozen weights written where the
+    store lacks them and left empty placeholders, which the engine fills from the store. The store's folder is held
+    throughout: another process building the same store waits, then finds these blocks whole."""
+    shapes = {
+        i: {stored_name(n): list(b.get_parameter(n).shape) for n in frozen[i]} for i, b in enumerate(layer_map.blocks)
+    }
+    with store.building():
+        missing = store.missing(shapes)  # the disk's room is checked here, before anything is written
+        with build_progress(store, missing, shapes):
+            for i, block in enumerate(layer_map.blocks):
+                _draw(block, block_seed(seed, i))
+                params = dict(block.named_parameters())
+                if i in missing:
+                    store.write(i, {stored_name(n): params[n].data for n in frozen[i]})
+                for n in frozen[i]:
+                    params[n].data = torch.empty(0, dtype=params[n].dtype)
 
 
 def _draw(module: nn.Module, seed: int, recurse: bool = True) -> None:

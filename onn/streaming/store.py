@@ -48,6 +48,7 @@ DISK_RESERVE_BYTES = 2 * 1024**3
 ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8,
              "U8": torch.uint8, "I64": torch.int64, "I32": torch.int32}  # fmt: skip
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit: a longer header length is damage
 
 
 @dataclass
@@ -98,28 +99,30 @@ class LayerStore:
             if shapes is not None and (recorded["shapes"] != shapes or recorded["dtype"] != self.dtype):
                 return False
             self._layouts[index] = read_layout(path)
-        except (OSError, ValueError, KeyError, json.JSONDecodeError):
+        except (OSError, ValueError, KeyError, TypeError, OverflowError, struct.error):  # damaged: rebuilt
             return False
         return True
+
+    def building(self) -> contextlib.AbstractContextManager:
+        """Hold a disk store's folder while checking and writing blocks: a second build (another run of the
+        model, another rank) waits, then finds the first one's blocks whole, and never sees a half-written one."""
+        if self.kind == "cpu":
+            return contextlib.nullcontext()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        return held(self.folder, on_wait=lambda: log.info("%s: another process is building it; waiting", self.folder))
 
     def fill(self, blocks: dict[int | str, dict[str, torch.Tensor]]) -> None:
         """Store each block's frozen tensors (disk: only blocks without a complete file are written)."""
         shapes = {i: {n: list(t.shape) for n, t in tensors.items()} for i, tensors in blocks.items()}
         self.rebuilt = []
-        if self.kind == "cpu":
-            for i in self.missing(shapes):
-                self.write(i, blocks[i])
-            return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        with held(
-            self.folder, on_wait=lambda: log.info("%s: another process is building it; waiting", self.folder)
-        ):  # a second build waits, then finds the first one's blocks whole
+        with self.building():
             for i in self.missing(shapes):
                 self.write(i, blocks[i])
 
     def missing(self, shapes: dict[int | str, dict[str, list[int]]]) -> list[int | str]:
         """The blocks that must be written (all of them in memory; on disk those without a complete
-        file of these shapes), after checking the disk has room for them and a reserve beside."""
+        file of these shapes), after checking the disk has room for them and a reserve beside. On disk, called
+        inside `building`: a temporary file found then is a dead build's."""
         if self.kind == "cpu":
             return list(shapes)
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -148,7 +151,7 @@ class LayerStore:
             return
         self._marker(index).unlink(missing_ok=True)
         path = self.block_file(index)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # this process's own, whoever else writes
         try:
             write_safetensors(tmp, encoded)
         except OSError as e:  # the disk filled after the check in `missing` (another writer)
@@ -290,18 +293,28 @@ def human_bytes(n: float) -> str:
 
 
 def read_layout(path: Path) -> Layout:
-    """A safetensors file's tensor table, from its header (8-byte length, then JSON)."""
+    """A safetensors file's tensor table, from its header (8-byte length, then JSON). A header that does not
+    fit the file (a damaged length, a tensor past the end or of the wrong size) is a ValueError, before any
+    large read: the store rebuilds the block."""
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
+        head = f.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 8 <= length <= min(size - 8, MAX_HEADER_BYTES):
+            raise ValueError(f"{path}: a header of {length} bytes does not fit a {size}-byte file")
         header = json.loads(f.read(length))
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: its header is not a table of tensors")
     start = 8 + length
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        begin, end = info["data_offsets"]
-        tensors[name] = (ST_DTYPES[info["dtype"]], list(info["shape"]), start + begin, start + end)
-    return Layout(os.path.getsize(path), tensors)
+        dtype, shape, (begin, end) = ST_DTYPES[info["dtype"]], [int(n) for n in info["shape"]], info["data_offsets"]
+        if not 0 <= begin <= end <= size - start or end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"{path}: tensor {name!r} at bytes {begin}-{end} does not fit the file or its shape")
+        tensors[name] = (dtype, shape, start + begin, start + end)
+    return Layout(size, tensors)
 
 
 def views(data: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
