@@ -203,19 +203,24 @@ def edge_seed(seed: int, name: str) -> int:
 def _random_model(model_cfg: LanguageModelConfig, dtype):
     """model.source=random: built empty, then each block drawn from its own seed and every module outside the
     blocks from its name's, as the layer store's loader draws them, so that a config gives the same weights
-    resident and streamed (`-m strategy=full,lora,sparse_lora` compares one starting model). A model without
-    repeated blocks (never streamed) is drawn whole from INIT_SEED."""
+    resident and streamed (`-m strategy=full,lora,sparse_lora` compares one starting model). A model that is never
+    layer-streamed (no causal LM: SAM2, Grounding DINO, TrOCR, whose composite initialisers only the whole model
+    runs; or one without repeated blocks) is drawn whole from INIT_SEED."""
     import torch
+    import transformers
     from accelerate import init_empty_weights
 
     config, remote = architecture(model_cfg), model_cfg.trust_remote_code
-    with init_empty_weights(include_buffers=False):
-        model = auto_class(config).from_config(config, trust_remote_code=remote)
-    try:
-        layer_map = discover(model, model_cfg.layer_map.blocks)
-    except UserError:
+    auto = auto_class(config)
+    layer_map = None
+    if auto is transformers.AutoModelForCausalLM:
+        with init_empty_weights(include_buffers=False):
+            model = auto.from_config(config, trust_remote_code=remote)
+        with contextlib.suppress(UserError):  # no repeated blocks: never streamed
+            layer_map = discover(model, model_cfg.layer_map.blocks)
+    if layer_map is None:
         torch.manual_seed(INIT_SEED)
-        return auto_class(config).from_config(config, trust_remote_code=remote)
+        return auto.from_config(config, trust_remote_code=remote)
     for i, block in enumerate(layer_map.blocks):
         draw_random(model, block, block_seed(INIT_SEED, i), dtype=dtype)
     for name, module in outside_blocks(model, layer_map):
@@ -230,7 +235,13 @@ def draw_random(model, module, seed: int, device="cpu", recurse: bool = True, dt
     embedding). The one rule for random weights wherever they then live (in memory, in a layer store)."""
     import torch
 
+    # buffers built for real (init_empty_weights leaves them: position tables, rotary frequencies, index maps) keep
+    # their values; to_empty would leave them uninitialised, and _init_weights knows only some of them
+    kept = {name: b for name, b in module.named_buffers(recurse=recurse) if not b.is_meta}
     module.to_empty(device=device, recurse=recurse)
+    for name, buffer in kept.items():
+        owner, _, leaf = name.rpartition(".")
+        (module.get_submodule(owner) if owner else module)._buffers[leaf] = buffer.to(device)
     if in_dtype and dtype is not None:
         for param in module.parameters(recurse=recurse):
             param.data = torch.empty_like(param.data, dtype=dtype)
