@@ -267,6 +267,8 @@ def test_pairs_settings_are_checked_first(tmp_path):
         run(tmp_path, "data.source=/nowhere", "data.modalities=[image,sound]")
     with pytest.raises(UserError, match="a contrastive batch needs 2 pairs or more"):
         run(tmp_path, "data.source=/nowhere", "data.batch_size=1")
+    with pytest.raises(UserError, match="data.val_source=/elsewhere is what task=eval of paired data scores"):
+        run(tmp_path, "data.source=/nowhere", "data.val_source=/elsewhere")  # training would not read it
     with pytest.raises(UserError, match="is not a dual encoder"):
         run(tmp_path, "data.source=/nowhere", "model=v28_cnn")
 

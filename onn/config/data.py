@@ -234,6 +234,9 @@ class PairsData(DataConfig):
     val_split: float = MISSING
     max_bad_fraction: float = MISSING
     sides: dict[str, Any] = field(default_factory=dict)  # per side: keys of that modality's data config
+    # task=eval: every pair of this source is scored (eval sets it to a data.source it is given); training holds
+    # out data.val_split of data.source instead
+    val_source: str | None = None
 
 
 @dataclass

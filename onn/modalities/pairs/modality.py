@@ -68,6 +68,11 @@ class PairsModality(Modality):
         for key in ("temperature", "max_logit_scale"):
             if not getattr(model, key) > 0:
                 raise UserError(f"model.{key}={getattr(model, key)!r}: give a number above 0.")
+        if data.val_source is not None and config.task.name != "eval":
+            raise UserError(
+                f"data.val_source={data.val_source} is what task=eval of paired data scores (every pair of it); "
+                "training holds out data.val_split of data.source: leave data.val_source unset."
+            )
         if data.batch_size < 2:
             raise UserError(f"data.batch_size={data.batch_size!r}: a contrastive batch needs 2 pairs or more.")
         if config.strategy.name not in ("auto", "full"):

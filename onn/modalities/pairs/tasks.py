@@ -206,9 +206,9 @@ def evaluate(job: Job) -> dict[str, Any]:
     module = load_trained(config, job.ckpt)
     saved = saved_config(job.ckpt, "pairs")
     data = config.data if config.data.source else typed(PairsData, saved["data"], f"ckpt {job.ckpt}: data")
-    # a data.source the command line gives is scored whole: app.from_checkpoint sets data.val_source to it (a key
-    # PairsData has no field for); without one, the seed the run held its pairs out with gives the same held-out pairs
-    given = getattr(config.data, "val_source", None)
+    # a data.source the command line gives is scored whole (app.from_checkpoint sets data.val_source to it); without
+    # one, the seed the run held its pairs out with gives the same held-out pairs
+    given = config.data.val_source
     if given:
         data = replace(data, source=given)
     run = replace(config, seed=int(saved["seed"]), data=replace(data, modalities=list(module.names)))
