@@ -172,6 +172,23 @@ def test_runs_started_together_measure_the_profile_once(tmp_path, monkeypatch):
     assert got[0].source.startswith("cache") and got[0].matmul_tflops == measured.matmul_tflops
 
 
+def test_a_damaged_profile_cache_is_measured_again(tmp_path, monkeypatch):
+    """A cache file cut short (a run killed while writing it, a full disk) is measured again, not a traceback in
+    every later run until someone deletes it by hand."""
+    import json
+
+    from onn.hardware import profile as hardware
+
+    measured = resolve(compose("hardware=auto").hardware, tmp_path / "cache", tmp_path)  # the session's (conftest)
+    cache = tmp_path / "hardware" / f"{measured.fingerprint}.json"
+    cache.parent.mkdir()
+    cache.write_text(json.dumps(measured.as_dict())[:100])
+    monkeypatch.setattr(hardware, "measure", lambda *args: hardware.replace(measured))
+    again = resolve(compose("hardware=auto", f"hardware.cache={cache.parent}").hardware, tmp_path / "cache", tmp_path)
+    assert again.source == "measured" and json.loads(cache.read_text())["matmul_tflops"] == measured.matmul_tflops
+    assert not list(cache.parent.glob("*.tmp"))  # no temporary file left beside it
+
+
 def test_measured_profile_is_cached(tmp_path):
     # its own cache folder, not the session's (conftest): this profile is measured here
     auto = compose("hardware=auto", "hardware.disk_probe_mb=16", f"hardware.cache={tmp_path / 'hardware'}").hardware

@@ -37,6 +37,14 @@ def plan_for(tmp_path, *overrides: str):
         (("strategy.precision=16-mixed",), r"float16 autocast is for GPUs; on a CPU give bf16-mixed"),
         (("hardware=gtx1650_4gb", "strategy.precision=bf16-mixed"), r"GeForce GTX 1650 has no bf16"),
         (("hardware.budget_mb=0",), r"hardware\.budget_mb=0 MB is below what the run holds"),
+        # planned for the full memory (min(total, nan) is total), or for this machine without a word
+        (("hardware.budget_mb=nan",), r"hardware\.budget_mb=nan: give a number of MB"),
+        (("hardware.host_memory_mb=1000",), r"hardware\.host_memory_mb=1000\.0: hardware=auto measures this machine"),
+        (("hardware.accelerator=cuda",), r"hardware\.accelerator=cuda: hardware=auto measures this machine"),
+        # a TypeError in the planner, a plan for a made-up device, a plan for no cores
+        (("hardware.measure=false",), r"hardware=auto is a preset \(measure: false\) without accelerator, host_memory"),
+        (("hardware=cpu_16gb", "hardware.accelerator=tpu"), r"hardware\.accelerator=tpu: give one of cpu, cuda, mps"),
+        (("hardware=cpu_16gb", "hardware.cpu_cores=0"), r"hardware\.cpu_cores=0 in hardware=cpu_16gb: give a number"),
         # planned (lora), or refused for a block index past the 2 recurrent blocks (sparse_lora's default layers)
         (("model=char_lstm", "strategy=lora"), r"strategy=lora: the blocks of model char_lstm hold no linear layer"),
         (("model=char_lstm", "strategy=sparse_lora"), r"strategy=sparse_lora: the blocks of model char_lstm hold no"),

@@ -46,6 +46,7 @@ from onn.bench import child
 from onn.config import ONNConfig, as_dict
 from onn.config.task import BenchGiantTask
 from onn.errors import UserError
+from onn.hardware.disk import write_text_atomically
 from onn.planning.plan import STREAMING_LIGHTNING, Plan
 
 MB = 1024**2
@@ -729,9 +730,7 @@ def _main() -> None:
         body["peak_rss_mb"] = peak.peak_mb
     except UserError as e:
         body = {"error": str(e)}
-    tmp = result.with_suffix(".tmp")
-    tmp.write_text(json.dumps(body))
-    tmp.replace(result)
+    write_text_atomically(result, json.dumps(body))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from onn.bench.suite import fixed_streaming, measure
 from onn.config import ONNConfig
 from onn.config.task import BenchTask, TuneConfig
 from onn.errors import UserError
+from onn.hardware.disk import write_text_atomically
 from onn.hardware.memory import is_out_of_memory
 from onn.planning.plan import Plan, make_plan, micro_batch_sizes
 from onn.planning.streaming import chunk_sizes, store_dtypes
@@ -160,10 +161,7 @@ def _samples_per_s(row: dict[str, Any]) -> float | None:
 def _save(job, result: dict[str, Any], trial_count: int) -> dict[str, Any]:
     """The result into the tuner's cache (later runs take it) and tune.md; the run's figures."""
     path = cache_path(job.config, job.hardware, result["strategy"], result["sequence_length"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(path)
+    write_text_atomically(path, json.dumps(result, indent=2))
     table = _table(result)
     (job.run_dir / "tune.md").write_text(table + "\n")
     print(table, flush=True)

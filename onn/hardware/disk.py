@@ -11,16 +11,35 @@ the hardware profile reports as the disk's bandwidth.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from onn.hardware.memory import pinned_empty
 
 MB = 1024**2
 ALIGN = 4096  # O_DIRECT wants buffer address, offset and length aligned to the disk's block size
 READ_REQUEST = 1024 * MB  # bytes per read call
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Whole or not at all: a run killed mid-write, or two runs writing at once, never leave a cut-short file
+    (each writer has its own temporary name; the last rename wins)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def read_json(path: Path) -> Any:
+    """A cache file's JSON, or None when it is absent or damaged: a cache is measured again, never half-trusted."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def buffer(size: int, pin: bool = False):

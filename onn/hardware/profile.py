@@ -40,8 +40,9 @@ from typing import Any
 import psutil
 
 from onn.config import HardwareConfig, as_dict
+from onn.errors import UserError
 from onn.hardware.cast import cast_scaled, fused_scale
-from onn.hardware.disk import read_mb_s
+from onn.hardware.disk import read_json, read_mb_s, write_text_atomically
 from onn.hardware.locks import held
 from onn.hardware.memory import pinned_empty
 
@@ -116,6 +117,7 @@ class Profile:
 
 def resolve(hw_cfg: HardwareConfig, cache_dir: str | os.PathLike, probe_dir: str | os.PathLike) -> Profile:
     """The hardware profile for this run: a preset as written, or this machine measured (cached)."""
+    check_settings(hw_cfg)
     if not hw_cfg.measure:
         preset = as_dict(hw_cfg)
         profile = Profile(**{k: preset[k] for k in PROFILE_KEYS})
@@ -126,8 +128,8 @@ def resolve(hw_cfg: HardwareConfig, cache_dir: str | os.PathLike, probe_dir: str
         profile.cpu_busy_cores, profile.cpu_runnable_threads, profile.cpu_share = 0.0, 0.0, 1.0
         return profile
 
-    fingerprint = machine_fingerprint()
-    cache = Path(hw_cfg.cache or Path(cache_dir) / "hardware") / f"{fingerprint}.json"
+    cache = cache_file(hw_cfg, cache_dir)
+    fingerprint = cache.stem
     profile = None if hw_cfg.refresh else _cached(cache)
     if profile is None:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -138,18 +140,52 @@ def resolve(hw_cfg: HardwareConfig, cache_dir: str | os.PathLike, probe_dir: str
             if profile is None:
                 profile = measure(probe_dir, int(hw_cfg.disk_probe_mb))
                 profile.fingerprint = fingerprint
-                tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(profile.as_dict(), indent=2))
-                tmp.replace(cache)
+                write_text_atomically(cache, json.dumps(profile.as_dict(), indent=2))
                 profile.source = "measured"
     profile = replace(profile, **now(profile.accelerator, cache_dir))  # what changes from run to run
     profile.budget_mb = hw_cfg.budget_mb
     return profile
 
 
+ACCELERATORS = ("cpu", "cuda", "mps")
+PRESET_NEEDS = ("accelerator", "host_memory_mb", "cpu_cores", "matmul_tflops")  # what the planner reads of a preset
+
+
+def check_settings(hw_cfg: HardwareConfig) -> None:
+    """A preset describes its machine whole and sensibly; a measured machine takes none of a preset's keys (they
+    would be dropped without a word: the measurement fills them)."""
+    name = f"hardware={hw_cfg.name}"
+    if hw_cfg.budget_mb is not None and not math.isfinite(hw_cfg.budget_mb):
+        raise UserError(f"hardware.budget_mb={hw_cfg.budget_mb}: give a number of MB, or null for all the machine has.")
+    given = {k: getattr(hw_cfg, k) for k in PROFILE_KEYS if k != "name" and getattr(hw_cfg, k) is not None}
+    if hw_cfg.measure:
+        if given:
+            key, value = next(iter(given.items()))
+            raise UserError(
+                f"hardware.{key}={value}: {name} measures this machine, so a preset's keys do not apply; give "
+                "hardware.budget_mb to plan for less memory, or a preset (hardware=cpu_16gb, ...) to plan for another."
+            )
+        return
+    needs = PRESET_NEEDS + (("device_memory_mb",) if hw_cfg.accelerator in ("cuda", "mps") else ())
+    if missing := [k for k in needs if k not in given]:
+        raise UserError(f"{name} is a preset (measure: false) without {', '.join(missing)}: give them, or measure.")
+    if hw_cfg.accelerator not in ACCELERATORS:
+        raise UserError(f"hardware.accelerator={hw_cfg.accelerator}: give one of {', '.join(ACCELERATORS)}.")
+    for key, value in given.items():
+        if isinstance(value, int | float) and not isinstance(value, bool) and not (math.isfinite(value) and value > 0):
+            raise UserError(f"hardware.{key}={value} in {name}: give a number above 0.")
+
+
+def cache_file(hw_cfg: HardwareConfig, cache_dir: str | os.PathLike) -> Path:
+    """Where this machine's measured profile is cached (hardware.cache, else under paths.cache)."""
+    return Path(hw_cfg.cache or Path(cache_dir) / "hardware") / f"{machine_fingerprint()}.json"
+
+
 def _cached(cache: Path) -> Profile | None:
-    """The cached profile, or None when there is none, it is another version's, or it is due to be measured again."""
-    profile = Profile.from_cache(json.loads(cache.read_text())) if cache.exists() else None
+    """The cached profile, or None when there is none (or a damaged one), it is another version's, or it is due
+    to be measured again."""
+    values = read_json(cache)
+    profile = Profile.from_cache(values) if isinstance(values, dict) else None
     if profile is None or _measure_again(profile, cache):
         return None  # a busy machine's profile, the machine quiet now: measure it properly
     profile.source = f"cache ({cache})"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from onn.config.model import LanguageModelConfig
 from onn.errors import UserError
+from onn.hardware.disk import read_json, write_text_atomically
 from onn.models.layers import discover, gated_mlps
 from onn.models.load import is_pretrained, meta_model
 
@@ -56,14 +57,12 @@ def model_spec(model_cfg: LanguageModelConfig, lora_rank: int, cache_dir: str | 
     """A language model's sizes, read off its meta-device build. The result is cached under cache_dir
     for models described by an architecture dict, so a repeated `task=plan` imports no torch."""
     cache = _spec_cache_path(model_cfg, lora_rank, cache_dir)
-    if cache is not None and cache.is_file():
-        return ModelSpec(**json.loads(cache.read_text()))
+    saved = read_json(cache) if cache is not None else None
+    if isinstance(saved, dict):
+        return ModelSpec(**saved)  # (a damaged file reads as None: measured again)
     spec = _measure_spec(model_cfg, lora_rank)
     if cache is not None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(spec)))
-        tmp.replace(cache)
+        write_text_atomically(cache, json.dumps(asdict(spec)))
     return spec
 
 

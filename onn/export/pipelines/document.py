@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from onn.errors import UserError
+from onn.hardware.disk import write_text_atomically
 
 FORMAT = "omny-pipeline"
 VERSION = "1.0"
@@ -29,9 +30,7 @@ VIA = {
 def write(folder: Path, doc: dict[str, Any]) -> Path:
     check(doc, str(folder / "pipeline.json"))
     path = folder / "pipeline.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=2))
-    tmp.replace(path)
+    write_text_atomically(path, json.dumps(doc, indent=2))
     return path
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from onn.config import ONNConfig, as_dict
+from onn.hardware.disk import read_json, write_text_atomically
 from onn.hardware.profile import Profile
 from onn.modalities.text.tasks import streamed_compute_dtype, weights_dtype
 from onn.planning.plan import Plan, streaming_reason
@@ -154,7 +155,9 @@ def block_times(
     folder = config.hardware.cache or Path(config.paths.cache) / "hardware"
     cache = Path(folder) / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if window_s is None and windows is None and cache.is_file() and time.time() - cache.stat().st_mtime < MAX_AGE_S:
-        return json.loads(cache.read_text())["costs"]
+        saved = read_json(cache)  # a damaged file (a run killed while writing it) is timed again
+        if isinstance(saved, dict) and isinstance(saved.get("costs"), dict):
+            return saved["costs"]
 
     def timed(*copies: tuple[int, list[int] | None]) -> list[float]:
         if large:  # a large block's copies, one at a time: two of them at once may not fit beside the run
@@ -175,8 +178,7 @@ def block_times(
         costs = {"block": (six - two) / 4}
         costs["rest"] = two - 2 * costs["block"]
     costs = {k: max(v, 0.0) for k, v in costs.items()}
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps({"costs": costs, "key": json.loads(key)}))
+    write_text_atomically(cache, json.dumps({"costs": costs, "key": json.loads(key)}))
     return costs
 
 
