@@ -134,3 +134,24 @@ def test_a_sweep_into_a_folder_of_another_sweeps_finished_jobs_is_refused_before
     assert other.returncode == 1
     assert f"hydra.sweep.dir={sweep} holds the finished jobs of another sweep" in other.stderr
     assert files() == before  # the same overrides again resume it: tests/test_bench.py's grid test
+
+
+@pytest.mark.slow  # three runs
+def test_a_run_into_a_folder_of_an_earlier_runs_checkpoints_is_refused_unless_it_resumes(tmp_path):
+    """A killed run's folder given again (a scheduler's requeue with a fixed folder) had its last.ckpt replaced by
+    the new run's step 1 without a word, and its metrics.json and config with it."""
+    run = tmp_path / "run"
+    common = (f"paths.outputs={tmp_path}", f"hydra.run.dir={run}", "tracking=none", "task.validate_before=false")
+    first = run_cli(*common, "trainer.max_steps=2", "checkpoint.every_n_steps=1", "task.exact_match_samples=0")
+    assert first.returncode == 0, first.stderr[-2000:]
+    files = lambda: {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".onn.lock"}  # noqa: E731
+    before = files()
+    again = run_cli(*common, "trainer.max_steps=1")
+    assert again.returncode == 1
+    assert f"hydra.run.dir={run} holds an earlier run's checkpoints (last.ckpt) that this run would replace" in (
+        again.stderr
+    )
+    assert files() == before
+    resumed = run_cli(*common, "trainer.max_steps=3", f"ckpt={run}", "task.exact_match_samples=0")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert '"steps": 3' in (run / "metrics.json").read_text()

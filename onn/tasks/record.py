@@ -198,6 +198,8 @@ class RunFolder(Callback):
             folder = writable_folder(config.hydra[mode].dir, key)
             if is_first_process():  # a run's other ranks share its folder (and its lock)
                 hold_folder(folder, key)
+                if mode == "run" and not config.ckpt:
+                    refuse_earlier_checkpoints(folder, key)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
@@ -262,6 +264,17 @@ def failed_jobs(sweep_dir: Path, since: float) -> list[tuple[str, str]]:
         if status != "ok":
             out.append((path.parent.name, f"{status}: {metrics.get('error') or 'see its log'}"))
     return out
+
+
+def refuse_earlier_checkpoints(folder: Path, key: str) -> None:
+    """A run into a folder that holds an earlier run's checkpoints would replace them (a killed run's last.ckpt
+    among them, the one thing it left to resume from): that is a resume, said with ckpt=, or another folder."""
+    earlier = sorted(p.name for p in folder.glob("checkpoints/*") if p.name.endswith((".ckpt", ".ckpt.old")))
+    if earlier:
+        raise UserError(
+            f"{key}={folder} holds an earlier run's checkpoints ({', '.join(earlier[:3])}) that this run would "
+            f"replace: give ckpt={folder} to resume it, or choose another folder."
+        )
 
 
 _HELD: list[int] = []  # the run folder's lock, held until the process exits
