@@ -105,3 +105,47 @@ def test_a_gpu_preset_on_a_machine_without_one_is_one_sentence_at_the_trainer(tm
     plan = make_plan(cfg, resolve(cfg.hardware, tmp_path, tmp_path), model_spec(cfg.model, cfg.strategy.lora.r))
     with pytest.raises(UserError, match=r"hardware=gtx1650_4gb plans for a CUDA GPU and this machine has none"):
         build_trainer(cfg, plan, tmp_path / "run", [], loggers=False)
+
+
+def test_an_apple_preset_trains_on_its_gpu_or_is_one_sentence_at_the_trainer(tmp_path):
+    """hardware=macbook_m2_16gb trained on the CPU (every accelerator but cuda became "cpu"), with Lightning's
+    warning that fp16 autocast is not for CPUs, while the plan and plan.yaml said an M2 in 16-mixed."""
+    import torch
+
+    from onn.training.trainer import build_trainer
+
+    cfg = compose("hardware=macbook_m2_16gb", "model=llama_tiny", f"paths.cache={tmp_path}")
+    plan = make_plan(cfg, resolve(cfg.hardware, tmp_path, tmp_path), model_spec(cfg.model, cfg.strategy.lora.r))
+    assert plan.hardware["accelerator"] == "mps"
+    if torch.backends.mps.is_available():
+        assert (
+            type(build_trainer(cfg, plan, tmp_path / "run", [], loggers=False).accelerator).__name__ == "MPSAccelerator"
+        )
+        return
+    with pytest.raises(UserError, match=r"^hardware=macbook_m2_16gb plans for an Apple GPU \(MPS\) and this machine"):
+        build_trainer(cfg, plan, tmp_path / "run", [], loggers=False)
+    cfg = compose("trainer.accelerator=mps", "model=llama_tiny", "hardware=cpu_16gb", f"paths.cache={tmp_path}")
+    with pytest.raises(UserError, match=r"^trainer.accelerator=mps asks for an Apple GPU \(MPS\) and this machine"):
+        build_trainer(cfg, plan, tmp_path / "run", [], loggers=False)
+
+
+def test_trainer_precision_is_strategy_precisions_or_one_sentence_before_the_plan(tmp_path):
+    """trainer.precision=bf16-mixed trained in bf16 while the plan, plan.yaml and the streamed compute dtype said
+    32-true, with memory sized for fp32: the plan reads strategy.precision, which the sentence names. Lightning's
+    short names for the same precision pass."""
+    hw = resolve(compose("hardware=cpu_16gb").hardware, tmp_path, tmp_path)
+
+    def planned(*overrides: str):
+        cfg = compose("hardware=cpu_16gb", "model=llama_tiny", f"paths.cache={tmp_path}", *overrides)
+        return make_plan(cfg, hw, model_spec(cfg.model, cfg.strategy.lora.r))
+
+    with pytest.raises(
+        UserError,
+        match=r"^trainer.precision=bf16-mixed differs from strategy.precision=auto, which the plan sizes memory .* "
+        r"give strategy.precision=bf16-mixed and leave trainer.precision at auto",
+    ):
+        planned("trainer.precision=bf16-mixed")
+    with pytest.raises(UserError, match=r"^trainer.precision=32 differs from strategy.precision=bf16-mixed"):
+        planned("trainer.precision=32", "strategy.precision=bf16-mixed")
+    assert planned("trainer.precision=bf16", "strategy.precision=bf16-mixed").precision == "bf16-mixed"
+    assert planned("strategy.precision=bf16-mixed").precision == "bf16-mixed"

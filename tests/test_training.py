@@ -644,3 +644,65 @@ def test_samples_per_s_counts_the_rows_each_step_trained_on_not_the_configured_b
         assert clock.samples_per_s(skip=1) == pytest.approx(sum(rows[1:]) / sum(clock.step_s[1:]))
     tokens = {"input_ids": torch.zeros(3, 7, dtype=torch.long), "attention_mask": torch.ones(3, 7)}
     assert batch_rows(tokens) == 3 and batch_rows((tokens, torch.zeros(3, 4))) == 3
+
+
+def test_tracking_aim_gives_aims_logger_its_repo_and_the_run_logs_into_it(tmp_path):
+    """tracking=aim always crashed: every logger was given `save_dir`, and AimLogger takes `repo` (its YAML sets
+    it) and no save_dir. The loggers that take save_dir still write into the run folder."""
+    pytest.importorskip("aim")
+    from pathlib import Path
+
+    from aim import Repo
+    from aim.pytorch_lightning import AimLogger
+    from aim.sdk.index_manager import RepoIndexManager
+    from lightning.pytorch.loggers import CSVLogger
+
+    from onn.hardware.profile import resolve
+    from onn.modalities import get
+    from onn.training.classifier import Classifier
+    from onn.training.trainer import build_trainer
+
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    data = torch.utils.data.DataLoader([(x[i : i + 16], y[i : i + 16]) for i in range(0, 32, 16)], batch_size=None)
+    base = (
+        "hardware=cpu_16gb",
+        "trainer.max_steps=2",
+        "trainer.log_every_n_steps=1",
+        "trainer.enable_progress_bar=false",
+    )
+    cfg = compose(*base, "tracking=aim", f"paths.outputs={tmp_path / 'out'}", f"paths.cache={tmp_path / 'cache'}")
+    plan, _ = get("text").plan(cfg, resolve(cfg.hardware, tmp_path / "cache", tmp_path))
+    trainer = build_trainer(cfg, plan, tmp_path / "run", [], steps_per_epoch=2)
+    assert [type(logger) for logger in trainer.loggers] == [AimLogger]
+    trainer.fit(Classifier(torch.nn.Linear(4, 3), ["a", "b", "c"], OPTIM, {}), train_dataloaders=data)
+    assert trainer.global_step == 2
+    repo = Repo(str(tmp_path / "out"))  # conf/tracking/aim.yaml's outputs/.aim: `aim up --repo outputs/.aim`
+    (run_hash,) = repo.list_all_runs()
+    RepoIndexManager.get_index_manager(repo).index(run_hash)  # what `aim up` does in the background
+    (run,) = Repo(str(tmp_path / "out")).iter_runs()
+    losses = {m.name: list(m.values.values_list()) for m in run.metrics()}["train/loss"]
+    assert len(losses) == 2 and not run.active  # a value each step, and the run closed at the end of fit
+    csv_cfg = compose(*base, "tracking=csv", f"paths.cache={tmp_path / 'cache'}")
+    (logger,) = build_trainer(csv_cfg, plan, tmp_path / "csv_run", [], steps_per_epoch=2).loggers
+    assert isinstance(logger, CSVLogger) and Path(logger.log_dir) == tmp_path / "csv_run" / "csv"
+
+
+def test_trainer_keys_lightning_refuses_for_onns_modules_are_one_sentence(tmp_path):
+    """trainer.gradient_clip_val ended in Lightning's traceback (text: "Automatic gradient clipping is not supported
+    for manual optimization"; images: it clashes with ONN's own clipping by optim.clip_grad_norm); a fraction of an
+    epoch for trainer.val_check_interval on text data failed with MisconfigurationException once the model was
+    built (a stream has no length Lightning can take a fraction of). Image data keeps its fractions."""
+    from onn.hardware.profile import resolve
+    from onn.modalities import get
+    from onn.training.trainer import build_trainer, check
+
+    with pytest.raises(UserError, match=r"^trainer.gradient_clip_val=0.5: ONN clips .* give optim.clip_grad_norm=0.5"):
+        check(compose("trainer.gradient_clip_val=0.5").trainer)
+    cfg = compose("hardware=cpu_16gb", "trainer.val_check_interval=0.5", f"paths.cache={tmp_path}")
+    check(cfg.trainer)  # a fraction is a value Lightning takes: the data decides
+    plan, _ = get("text").plan(cfg, resolve(cfg.hardware, tmp_path, tmp_path))
+    with pytest.raises(UserError, match=r"^trainer.val_check_interval=0.5: a language model's training data"):
+        build_trainer(cfg, plan, tmp_path / "text", [], loggers=False)
+    images = compose("data=cifar10", "trainer.val_check_interval=0.5", f"paths.cache={tmp_path}")
+    trainer = build_trainer(images, plan, tmp_path / "images", [], loggers=False, steps_per_epoch=4)
+    assert trainer.val_check_interval == 0.5 and trainer.check_val_every_n_epoch == 1

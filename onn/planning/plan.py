@@ -401,6 +401,7 @@ def check_settings(cfg: ONNConfig, hw: Profile) -> None:
     if streaming is not None:
         check_streaming(streaming)
     check_precision(cfg.strategy.precision, hw)
+    check_trainer_precision(cfg)
     held = context_mb(hw)
     if budget_mb(hw) <= held:
         given = cfg.hardware.budget_mb
@@ -432,6 +433,27 @@ def check_precision(precision: str | None, hw: Profile) -> None:
         raise UserError(
             f"strategy.precision={precision}: float16 autocast is for GPUs; on a CPU give bf16-mixed, 32-true or auto."
         )
+
+
+SHORT_PRECISIONS = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}  # Lightning's aliases
+
+
+def check_trainer_precision(cfg: ONNConfig) -> None:
+    """trainer.precision, given, must be strategy.precision's: the plan sizes memory and picks the compute dtype from
+    strategy.precision, and the Trainer ran in trainer.precision while the plan and plan.yaml said another."""
+    given = cfg.trainer.precision
+    if given in (None, "auto"):
+        return
+    named = SHORT_PRECISIONS.get(str(given), str(given))
+    if named == cfg.strategy.precision:
+        return
+    use = (
+        f"strategy.precision={named}" if named in PRECISIONS else f"strategy.precision (one of {', '.join(PRECISIONS)})"
+    )
+    raise UserError(
+        f"trainer.precision={given} differs from strategy.precision={cfg.strategy.precision}, which the plan sizes "
+        f"memory and the compute dtype for: give {use} and leave trainer.precision at auto."
+    )
 
 
 def check_streaming(streaming: StreamingConfig) -> None:

@@ -56,6 +56,12 @@ def check(trainer: TrainerConfig, *, trains: bool = True) -> None:
         raise UserError(
             f"trainer.val_check_interval={interval!r}: give a number of steps, or a fraction of an epoch above 0."
         )
+    if trainer.gradient_clip_val is not None:  # Lightning's clipping refuses manual optimization, and ONN's own clips
+        raise UserError(
+            f"trainer.gradient_clip_val={trainer.gradient_clip_val}: ONN clips the gradients' norm itself, under every "
+            f"strategy: give optim.clip_grad_norm={trainer.gradient_clip_val} instead (0: no clipping) and leave "
+            "trainer.gradient_clip_val at null."
+        )
     _check_devices(trainer)
 
 
@@ -240,7 +246,6 @@ def build_trainer(
     config's `lightning`); `steps_per_epoch`: the training loader's length, when it has epochs;
     `distributed_sampler`: False when the data module gives each process its own share of every batch."""
     import lightning as L
-    from hydra.utils import instantiate
     from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor
 
     from onn.training.checkpoint_io import SafetensorsCheckpointIO
@@ -251,20 +256,9 @@ def build_trainer(
     kwargs = as_dict(trainer)  # lightning.Trainer's arguments, the trainer group's keys one-to-one
     if trainer.precision in (None, "auto"):
         kwargs["precision"] = plan.precision
-    interval = trainer.val_check_interval
-    if isinstance(interval, int) and not isinstance(interval, bool):
-        limits = [n for n in (trainer.max_steps, steps_per_epoch) if isinstance(n, int) and n > 0]
-        kwargs["val_check_interval"] = min([interval, *limits])
-    elif trainer.check_val_every_n_epoch is None:  # a fraction of an epoch: validate every epoch
-        kwargs["check_val_every_n_epoch"] = 1
+    kwargs.update(_validation_schedule(config, steps_per_epoch))
     strategy = strategy if strategy is not None else config.strategy.lightning
-    if trainer.accelerator in (None, "auto"):
-        kwargs["accelerator"] = "cuda" if plan.hardware["accelerator"] == "cuda" else "cpu"
-    if kwargs["accelerator"] in ("cuda", "gpu") and not _cuda_available():
-        raise UserError(
-            f"hardware={plan.hardware['name']} plans for a CUDA GPU and this machine has none: use that preset with "
-            "task=plan, or hardware=auto to run here."
-        )
+    kwargs["accelerator"] = _accelerator(trainer, plan)
     if trainer.devices in (None, "auto") and not (isinstance(strategy, str) and strategy.startswith(MULTI_DEVICE)):
         kwargs["devices"] = 1
     if isinstance(strategy, str):
@@ -278,7 +272,7 @@ def build_trainer(
     callbacks = [*callbacks, Progress()]  # the run's record reads the last step reached (onn/tasks/record.py)
     if trainer.enable_progress_bar and _RICH_AVAILABLE and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(StepsProgressBar())  # the bar Lightning would pick, its epoch total fixed
-    made = [instantiate(c, save_dir=str(run_dir)) for c in config.tracking.loggers] if loggers else []
+    made = make_loggers(config, run_dir) if loggers else []
     if made:
         callbacks = [*callbacks, LearningRateMonitor("step")]
     # no_grad, not inference_mode, for evaluation: torchmetrics states reset inside a standalone
@@ -297,10 +291,74 @@ def build_trainer(
     )
 
 
-def _cuda_available() -> bool:
+def _validation_schedule(config: ONNConfig, steps_per_epoch: int | None) -> dict[str, Any]:
+    """Lightning's val_check_interval (and check_val_every_n_epoch) for trainer.val_check_interval: steps, capped
+    by the run's length, or a fraction of an epoch, which a language model's data (a stream whose length Lightning
+    cannot read, or resident: one endless stream) does not have: Lightning refused it once the model was built."""
+    trainer = config.trainer
+    interval = trainer.val_check_interval
+    if isinstance(interval, int) and not isinstance(interval, bool):
+        limits = [n for n in (trainer.max_steps, steps_per_epoch) if isinstance(n, int) and n > 0]
+        return {"val_check_interval": min([interval, *limits])}
+    if config.data.modality == "text":
+        raise UserError(
+            f"trainer.val_check_interval={interval}: a language model's training data is a stream with no epoch "
+            "Lightning can take a fraction of; give a number of optimizer steps (a whole number)."
+        )
+    if trainer.check_val_every_n_epoch is None:  # a fraction of an epoch: validate every epoch
+        return {"check_val_every_n_epoch": 1}
+    return {}
+
+
+GPUS = {"cuda": "a CUDA GPU", "gpu": "a GPU", "mps": "an Apple GPU (MPS)"}  # accelerators a machine may lack
+
+
+def _accelerator(trainer: TrainerConfig, plan: Plan) -> str:
+    """Lightning's accelerator: trainer.accelerator, or (auto) the planned machine's. A GPU this machine lacks is one
+    sentence: Lightning refused a CUDA one with a traceback, and an Apple preset (mps) trained on the CPU instead."""
+    planned = plan.hardware["accelerator"]
+    given = trainer.accelerator not in (None, "auto")
+    accelerator = trainer.accelerator if given else (planned if planned in ("cuda", "mps") else "cpu")
+    if accelerator not in GPUS or _has_gpu(accelerator):
+        return accelerator
+    if given:
+        raise UserError(
+            f"trainer.accelerator={accelerator} asks for {GPUS[accelerator]} and this machine has none: give cpu, "
+            "or auto for the plan's device."
+        )
+    raise UserError(
+        f"hardware={plan.hardware['name']} plans for {GPUS[accelerator]} and this machine has none: use that preset "
+        "with task=plan, or hardware=auto to run here."
+    )
+
+
+def _has_gpu(accelerator: str) -> bool:
     import torch
 
-    return torch.cuda.is_available()
+    cuda = torch.cuda.is_available()
+    mps = bool(getattr(torch.backends, "mps", None)) and torch.backends.mps.is_available()
+    return {"cuda": cuda, "mps": mps}.get(accelerator, cuda or mps)  # Lightning's "gpu": whichever there is
+
+
+def make_loggers(config: ONNConfig, run_dir: Path) -> list:
+    """The tracking group's loggers, each writing into the run folder (`save_dir`) where it takes one: Aim's
+    AimLogger takes none (its YAML names its `repo`), and was refused the keyword."""
+    import inspect
+
+    from hydra.utils import get_class, instantiate
+
+    made = []
+    for spec in config.tracking.loggers:
+        target = spec.get("_target_")
+        try:
+            takes_dir = "save_dir" in inspect.signature(get_class(target)).parameters
+        except ImportError as error:
+            raise UserError(
+                f"tracking: the logger {target} cannot be imported ({error}): install its package, or choose "
+                "tracking=tensorboard, csv or none."
+            ) from None
+        made.append(instantiate(spec, save_dir=str(run_dir)) if takes_dir else instantiate(spec))
+    return made
 
 
 def share_console_with_hydra() -> None:
