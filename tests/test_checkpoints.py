@@ -92,3 +92,58 @@ def test_no_pickle_in_the_package():
         for line in text.splitlines():
             if "torch.load(" in line and "weights_only=True" not in line and "st.save_file" not in line:
                 pytest.fail(f"{path}: {line.strip()}")
+
+
+def test_resumed_optim_is_the_checkpoints_and_says_which_of_the_configs_keys_go_unused(tmp_path, caplog):
+    """The optimizer settings a resumed run builds its optimizer from, whose state the checkpoint holds."""
+    from conftest import compose
+
+    from onn.config import as_dict
+    from onn.training.checkpoints import resumed_optim
+
+    trained = compose("optim.name=sgd", "optim.lr=0.05", "optim.schedule=constant").optim
+    config = {"modality": "text", "model": {}, "strategy": {}, "data": {}, "optim": as_dict(trained)}
+    save({"onn": {"config": config}, "x": torch.zeros(1)}, tmp_path / "new.ckpt")
+    save({"onn": {"config": {**config, "optim": None}}, "x": torch.zeros(1)}, tmp_path / "earlier.ckpt")
+    given = compose("optim.lr=0.3").optim
+    with caplog.at_level("WARNING", logger="onn"):
+        assert resumed_optim(given, tmp_path / "new.ckpt") == trained
+    assert "(optim.name=sgd, optim.lr=0.05, optim.schedule=constant); this run's optim.name=adamw, optim.lr=0.3" in (
+        caplog.text
+    )
+    caplog.clear()
+    assert resumed_optim(trained, tmp_path / "new.ckpt") == trained and not caplog.text
+    assert resumed_optim(given, tmp_path / "earlier.ckpt") == given  # written before checkpoints held optim
+
+
+@pytest.mark.slow  # two runs of the CLI: about 60 s on two busy cores
+def test_a_resumed_run_trains_with_the_checkpoints_optimizer_and_says_the_configs_is_not_used(tmp_path):
+    """ckpt= with another optim.name or optim.schedule than the checkpoint's failed with a KeyError ('momentum',
+    'max_lr') after training had started: Lightning loaded the checkpoint's optimizer state into the config's
+    optimizer. Another lr was silently not used, while the schedule's warm-up came from the config. The optimizer is
+    the checkpoint's, as its model and strategy are, so `ckpt=RUN` alone resumes a run trained with SGD."""
+    from conftest import read_metrics, run_cli
+
+    common = [
+        "model=llama_tiny",
+        "tracking=none",
+        "task.exact_match_samples=0",
+        "task.validate_before=false",
+        "data.builtin.train_size=16",
+        "data.builtin.val_size=4",
+        "trainer.enable_progress_bar=false",
+        f"paths.outputs={tmp_path / 'outputs'}",
+    ]
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    sgd = ["optim.name=sgd", "optim.schedule=constant", "optim.lr=0.05", "optim.warmup_steps=0"]
+    trained = run_cli(*common, *sgd, "trainer.max_steps=2", f"hydra.run.dir={first}")
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    proc = run_cli(*common, "trainer.max_steps=3", "optim.lr=0.3", f"ckpt={first}", f"hydra.run.dir={resumed}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = "the optimizer and its schedule are the checkpoint's (optim.name=sgd, optim.lr=0.05, optim.schedule=constant"
+    assert said in proc.stdout and "this run's optim.name=adamw, optim.lr=0.3, optim.schedule=cosine" in proc.stdout
+    assert read_metrics(resumed)["steps"] == 3
+    checkpoint = load(resumed / "checkpoints" / "last.ckpt")
+    assert checkpoint["onn"]["config"]["optim"]["name"] == "sgd"
+    group = checkpoint["optimizer_states"][0]["param_groups"][0]
+    assert group["lr"] == pytest.approx(0.05) and "momentum" in group

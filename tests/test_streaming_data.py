@@ -147,6 +147,43 @@ def test_resume_from_loader_state_continues_on_the_same_sample(tmp_path):
     assert first + rest == whole
 
 
+def test_trainer_max_epochs_ends_a_text_run_resident_or_streamed(tmp_path):
+    """trainer.max_epochs was ignored on resident text (one endless shuffled stream), and a streamed run that its
+    epoch limit ended sized its schedule's warm-up and decay for trainer.max_steps all the same."""
+    from onn.modalities.text.tasks import run_steps
+
+    source = tmp_path / "d.jsonl"
+    write_jsonl(source, 40)
+    for streaming in (False, True):
+        dm = module(data_cfg(source, streaming=streaming, batch_size=8, val_split=0.2))  # 4 batches of 8 an epoch
+        assert dm.train_records == 32
+        for steps, epochs, expected in ((20, 1, 4), (20, -1, 20), (3, 2, 3), (-1, 2, 8)):
+            config = compose(f"trainer.max_steps={steps}", f"trainer.max_epochs={epochs}")
+            assert run_steps(config, dm) == expected, (streaming, steps, epochs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_text_run_ends_at_its_epoch_limit_with_its_schedule_run_out(tmp_path, streaming):
+    """What run_steps counts is what trains: two epochs of 16 records in batches of 8 are 4 steps, and the cosine
+    schedule, sized for them, has decayed to 0 at the end (sized for trainer.max_steps=20, it stood at 90% of
+    optim.lr)."""
+    source = tmp_path / "d.jsonl"
+    write_jsonl(source, 20)
+    run_dir = tmp_path / "run"
+    proc = run_cli(
+        *STREAM, f"data.streaming={str(streaming).lower()}", f"data.source={source}", "data.val_split=0.2",
+        "trainer.max_steps=20", "trainer.max_epochs=2", "optim.warmup_steps=0", f"hydra.run.dir={run_dir}",
+        f"paths.outputs={tmp_path / 'outputs'}",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_metrics(run_dir)["steps"] == 4
+    from onn.training.checkpoints import load
+
+    group = load(run_dir / "checkpoints" / "last.ckpt")["optimizer_states"][0]["param_groups"][0]
+    assert group["lr"] == pytest.approx(0.0, abs=1e-12)
+
+
 def _trace(path) -> list[tuple[int, list[str]]]:
     return [(r["step"], r["samples"]) for r in map(json.loads, path.read_text().splitlines())]
 

@@ -416,6 +416,30 @@ def test_a_training_step_reads_its_loss_only_when_something_reads_it(tmp_path, r
         assert checkpoint.best_model_score is not None
 
 
+def test_a_text_runs_logged_loss_is_its_own_steps(tmp_path):
+    """A language model's step logged its loss after optimizer.step() had moved global_step on: the step logged
+    was the one before each step Lightning writes, so the CSV row of step 2 held step 1's loss."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    module = tiny_module(micro_batch=8)
+    module.max_steps = 6
+    trainer = L.Trainer(
+        max_steps=6,
+        accelerator="cpu",
+        devices=1,
+        logger=CSVLogger(tmp_path, name="csv", version=""),
+        log_every_n_steps=3,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(steps=6), batch_size=None))
+    rows = [r for r in csv.DictReader((tmp_path / "csv" / "metrics.csv").open()) if r.get("train/loss")]
+    assert [int(r["step"]) for r in rows] == [2, 5]
+    for r in rows:
+        assert float(r["train/loss"]) == pytest.approx(module.train_losses[int(r["step"])], rel=1e-6)
+
+
 def test_lightnings_hook_names_are_set_without_nn_modules_setattr():
     """Lightning sets the module's `_current_fx_name` before and after every hook, 44 times a training step. ONN's
     modules set it as a plain attribute (onn/training/module.py), not through nn.Module.__setattr__'s checks for
@@ -706,3 +730,47 @@ def test_trainer_keys_lightning_refuses_for_onns_modules_are_one_sentence(tmp_pa
     images = compose("data=cifar10", "trainer.val_check_interval=0.5", f"paths.cache={tmp_path}")
     trainer = build_trainer(images, plan, tmp_path / "images", [], loggers=False, steps_per_epoch=4)
     assert trainer.val_check_interval == 0.5 and trainer.check_val_every_n_epoch == 1
+
+
+class LinearSteps(L.LightningModule):
+    """A linear classifier: the smallest module Lightning's launcher can start in other processes."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class RowsToFile(L.Callback):
+    """Rank 0's StepClock rows, written where the test process reads them (a spawned process's callbacks stay there)."""
+
+    def __init__(self, clock, path):
+        self.clock, self.path = clock, path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            self.path.write_text(json.dumps(self.clock.rows))
+
+
+@pytest.mark.slow  # two processes started by spawning: about 35 s on two busy cores
+def test_samples_per_s_counts_every_process_rows(tmp_path):
+    """Under DDP each process times its own share of a step: samples_per_s counted rank 0's rows only, half the
+    figure with two processes."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from onn.training.callbacks import StepClock
+
+    clock, path = StepClock(), tmp_path / "rows.json"
+    data = TensorDataset(torch.randn(32, 3), torch.randint(0, 2, (32,)))
+    trainer = L.Trainer(
+        max_steps=2, strategy="ddp_spawn", devices=2, accelerator="cpu", callbacks=[clock, RowsToFile(clock, path)],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(LinearSteps(), DataLoader(data, batch_size=8))  # 8 rows a step in each process
+    assert json.loads(path.read_text()) == [16, 16]

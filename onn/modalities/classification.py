@@ -50,7 +50,7 @@ from onn.planning.spec import network_spec
 from onn.streaming.seeded import draw, empty_network
 from onn.streaming.store import LayerStore
 from onn.training.callbacks import StepClock, run_callbacks
-from onn.training.checkpoints import check_state, run_best, saved_config, state_shapes
+from onn.training.checkpoints import check_state, resumed_optim, run_best, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.classifier import Classifier, LinearProbe, mean_loss, save_confusion
 from onn.training.distributed import parameter_count
@@ -105,6 +105,7 @@ def build(
         "model": as_dict(model_cfg),
         "strategy": as_dict(dataclasses.replace(config.strategy, name=strategy)),
         "data": as_dict(config.data),
+        "optim": as_dict(config.optim),  # what a resumed run's optimizer state belongs to (resumed_optim)
         "inputs": inputs,
         "modality": m.name,
     }
@@ -206,6 +207,9 @@ def train(job: Job) -> dict[str, Any]:
     saved = saved_inputs(ckpt) if ckpt is not None else None
     if saved and "seed" in saved:  # a resumed run keeps the validation split it started with
         config = dataclasses.replace(config, seed=int(saved["seed"]))
+    if ckpt is not None:  # the optimizer's state in the checkpoint belongs to its settings
+        config = dataclasses.replace(config, optim=resumed_optim(config.optim, ckpt))
+    callbacks = _callbacks(config, run_dir)  # its settings checked before the data and the model are built
     dm = setup_data(m, config, job.device)
     store = streaming_store(config, plan, run_dir, job.device)
     module = build(m, config, plan, saved or data_inputs(m, config, dm), store)
@@ -217,7 +221,6 @@ def train(job: Job) -> dict[str, Any]:
     # the network built for the data (the plan's is sized from the config's classes); streamed, the blocks'
     # weights are in the layer store, which the plan's count holds
     total = job.spec.params if store is not None else parameter_count(module.model, trainable=False)
-    callbacks = _callbacks(config, run_dir)
     clock = next(c for c in callbacks if isinstance(c, StepClock))
     steps_per_epoch = len(dm.train_dataloader())
     if not steps_per_epoch:  # Lightning would end "ok" having trained nothing, and the untrained model be tested

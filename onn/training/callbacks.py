@@ -11,6 +11,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Checkpoint, RichProgressBar
 
 from onn.config import ONNConfig
+from onn.errors import UserError
 from onn.hardware.memory import anon_rss_mb
 from onn.training import progress
 
@@ -20,28 +21,59 @@ class StepCheckpoint(Checkpoint):
 
     Lightning's ModelCheckpoint expects automatic optimization: with the manual accumulation ONN's
     language models use, it warns on every run (with a code sample) although it saves correctly. This
-    does the one thing those runs need, through the Trainer's own save (loops, optimizer, CheckpointIO)."""
+    does the one thing those runs need, through the Trainer's own save (loops, optimizer, CheckpointIO).
+
+    A step that Lightning validates after is saved after that validation, and an epoch's last step at the
+    epoch's end: Lightning resumes a checkpoint taken between a batch and its validation past the
+    validation (the resumed run would never validate that step), and one taken between an epoch's last
+    batch and its end as an unfinished epoch with no batch left (it would count that epoch twice)."""
 
     def __init__(self, dirpath: str | Path, every_n_steps: int):
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise UserError(
+                f"checkpoint.every_n_steps={every_n_steps!r}: give a whole number of optimizer steps, 1 or more "
+                "(last.ckpt is written at the end of training too)."
+            )
         self.path = Path(dirpath) / "last.ckpt"
-        self.every_n_steps = max(1, int(every_n_steps))
+        self.every_n_steps = every_n_steps
         self.last_model_path = ""
         self._saved_at: int | None = None
+        self._waits_for: str | None = None  # "validation" or "epoch": what a due step's save waits for
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        # an epoch's last batch is saved by the epoch's end (after validation): Lightning resumes a checkpoint
-        # taken between the two as an unfinished epoch with no batch left, and counts that epoch twice
-        if trainer.global_step % self.every_n_steps == 0 and batch_idx + 1 != trainer.num_training_batches:
+        if trainer.global_step % self.every_n_steps:
+            return
+        if batch_idx + 1 == trainer.num_training_batches:
+            self._waits_for = "epoch"
+        elif validates_now(trainer):
+            self._waits_for = "validation"
+        else:
+            self.save(trainer)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._waits_for == "validation" and not trainer.sanity_checking:
+            self.save(trainer)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if self._waits_for is not None:  # also a step whose validation did not run (no held-out batch)
             self.save(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.save(trainer)
 
     def save(self, trainer) -> None:
+        self._waits_for = None
         if self._saved_at == trainer.global_step:
             return
         trainer.save_checkpoint(str(self.path), weights_only=False)
         self.last_model_path, self._saved_at = str(self.path), trainer.global_step
+
+
+def validates_now(trainer) -> bool:
+    """Whether Lightning validates after the training batch that just ended: asked as its training loop asks it
+    (after the callbacks' on_train_batch_end, from the same loop state), so the two never disagree."""
+    loop = trainer.fit_loop
+    return loop._data_fetcher is not None and bool(loop.epoch_loop._should_check_val_fx(loop._data_fetcher))
 
 
 class RandomState(L.Callback):
@@ -182,7 +214,8 @@ class StepClock(L.Callback):
         self._events: list = []  # (start, end) CUDA events per step, on a GPU
         self._tokens: list = []  # per step, as the batch's device holds it: read once, after the steps
         self.widths: list[int] = []
-        self.rows: list[int] = []  # the samples each step trained on (a last or only batch may be short)
+        # the samples each step trained on, over every process (a last or only batch may be short)
+        self.rows: list[int] = []
         self.io_s: list[float] = []
         self.compute_s: list[float] = []
         self.copied_bytes: list[int] = []  # streamed on a GPU: weights copied from host memory per step
@@ -193,7 +226,9 @@ class StepClock(L.Callback):
         engine = getattr(pl_module, "engine", None)
         if engine is not None:
             self._engine_t0 = (engine.times.io_s, engine.times.compute_s, engine.times.copied_bytes)
-        self.rows.append(batch_rows(batch))
+        # this process's share of the step: the processes train equal shares (a sampler's or the global batch's
+        # slices), so the step trained the world's
+        self.rows.append(batch_rows(batch) * trainer.world_size)
         if isinstance(batch, dict):  # token batches; image batches are (images, labels)
             self._tokens.append(batch["attention_mask"].sum())
             self.widths.append(int(batch["input_ids"].shape[1]))
@@ -228,9 +263,9 @@ class StepClock(L.Callback):
         return [int(t) for t in self._tokens]
 
     def samples_per_s(self, skip: int = 0) -> float | None:
-        """Training samples per second over the steps after the first `skip`: the rows those steps trained on
-        (not data.batch_size: a short last batch, or data smaller than a batch) over their batches' and optimizer
-        steps' time, not validation, checkpoints or data loading."""
+        """Training samples per second over the steps after the first `skip`: the rows those steps trained on in
+        every process (not data.batch_size: a short last batch, or data smaller than a batch) over their batches'
+        and optimizer steps' time, not validation, checkpoints or data loading."""
         timed = self.step_s[skip:]
         return sum(self.rows[skip:]) / sum(timed) if timed and sum(timed) > 0 else None
 

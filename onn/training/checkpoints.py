@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import os
 import shutil
 import signal
@@ -22,9 +23,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from onn.config import OptimConfig, as_dict, typed
 from onn.errors import UserError, write_refused
 from onn.hardware import failpoints
 
+log = logging.getLogger("onn")
 TENSORS, META = "model.safetensors", "meta.json"
 
 
@@ -209,6 +212,29 @@ def saved_config(path: str | os.PathLike, modality: str | None = None) -> dict[s
             raise UserError(damaged)
         case _:
             return {}  # a checkpoint another tool wrote
+
+
+def resumed_optim(optim: OptimConfig, ckpt: str | os.PathLike) -> OptimConfig:
+    """The optimizer settings a run resumed from `ckpt` trains with: the checkpoint's, as its model and strategy
+    are (app.from_checkpoint). Lightning loads the checkpoint's optimizer and schedule state into what the module
+    builds from these settings: another optim.name or optim.schedule could not take it (a KeyError mid-fit), and
+    another lr or warm-up would be half used. The keys this run's config gives otherwise are said not to be used;
+    `ckpt=last` alone resumes a run trained with any optimizer. A checkpoint an earlier ONN wrote, without its
+    optim settings, keeps the config's."""
+    saved = saved_config(ckpt).get("optim")
+    if not isinstance(saved, dict):
+        return optim
+    given = as_dict(optim)
+    kept = {k: v for k, v in saved.items() if k in given}
+    changed = [k for k in given if k in kept and given[k] != kept[k]]
+    if changed:
+        log.warning(
+            "ckpt %s: the optimizer and its schedule are the checkpoint's (%s); this run's %s not used",
+            ckpt,
+            ", ".join(f"optim.{k}={kept[k]}" for k in changed),
+            ", ".join(f"optim.{k}={given[k]}" for k in changed) + (" is" if len(changed) == 1 else " are"),
+        )
+    return typed(OptimConfig, {**given, **kept}, f"ckpt {ckpt}: optim")
 
 
 def in_todays_form(config: dict[str, Any]) -> dict[str, Any]:

@@ -62,10 +62,11 @@ class TextModality(Modality):
         tbptt = config.task.tbptt_steps if isinstance(config.task, TrainTask) else 0
         if isinstance(tbptt, bool) or not isinstance(tbptt, int) or tbptt < 0:
             raise UserError(f"task.tbptt_steps={tbptt!r}: give a whole number of tokens per chunk, or 0 for none.")
-        steps = config.trainer.max_steps
-        if config.task.name in ("train", "bench", "tune") and steps < 1:
+        steps, by_epochs = config.trainer.max_steps, config.task.name == "train" and config.trainer.max_epochs >= 1
+        if config.task.name in ("train", "bench", "tune") and steps < 1 and not (steps == -1 and by_epochs):
             raise UserError(
-                f"trainer.max_steps={steps}: a language model trains for a number of optimizer steps; give 1 or more."
+                f"trainer.max_steps={steps}: a language model trains for a number of optimizer steps; give 1 or more"
+                + (", or -1 with trainer.max_epochs set." if config.task.name == "train" else ".")
             )
 
     def plan(self, config: ONNConfig, hardware: Profile, use_tuned: bool = True):

@@ -58,7 +58,7 @@ class CausalLM(ONNModule):
         self.automatic_optimization = False  # the step accumulates micro-batches itself (see module doc)
         self.model = model
         self.optim = optim
-        self.max_steps = max_steps
+        self.max_steps = max_steps  # the optimizer steps the schedule spans
         # plain dicts (as_dict), stored in every checkpoint so eval/infer can rebuild the model (app.from_checkpoint)
         self.onn_config = onn_config
         self.micro_batch, self.min_micro_batch = micro_batch, min_micro_batch
@@ -110,11 +110,12 @@ class CausalLM(ONNModule):
                 error = e.with_traceback(None)
             optimizer.zero_grad(set_to_none=True)
             self._back_off(error)
+        # logged before the step: optimizer.step() moves global_step on, and logs_now asks for this step's number
+        log_train_loss(self, loss, batch["input_ids"].shape[0])
         optimizer.step()  # clips in on_before_optimizer_step, after fp16's unscale
         optimizer.zero_grad(set_to_none=True)
         self.lr_schedulers().step()
         self._pending_losses.append(loss.detach())
-        log_train_loss(self, loss, batch["input_ids"].shape[0])
         return loss
 
     def _forward_backward(
@@ -269,7 +270,8 @@ class CausalLM(ONNModule):
 
     def configure_optimizers(self):
         optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], self.optim)
-        # one endless stream of batches: the run's length is trainer.max_steps, and there are no epochs
+        # stepped per optimizer step over the run's length (tasks.run_steps: trainer.max_steps, or fewer where
+        # trainer.max_epochs ends the run first); the per-epoch schedules are refused
         return {
             "optimizer": optimizer,
             "lr_scheduler": make_schedule(optimizer, self.optim, self.max_steps, "val/loss", epochs=False),

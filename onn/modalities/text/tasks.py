@@ -57,7 +57,7 @@ from onn.streaming.strategy import (
     layer_store,
 )
 from onn.training.callbacks import RandomState, ResourceMonitor, StepCheckpoint, StepClock
-from onn.training.checkpoints import check_state, state_shapes
+from onn.training.checkpoints import check_state, resumed_optim, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.distributed import forward_is_collective, gathered, parameter_count
 from onn.training.lora import apply
@@ -96,7 +96,12 @@ def build(config: ONNConfig, plan: Plan) -> tuple[CausalLM, Any]:
     if plan.sparse_layers is not None:
         strategy.layers = plan.sparse_layers
     # plain dicts: a checkpoint holds data, and app.from_checkpoint types them again
-    saved = {"model": as_dict(model_cfg), "strategy": as_dict(strategy), "data": as_dict(config.data)}
+    saved = {
+        "model": as_dict(model_cfg),
+        "strategy": as_dict(strategy),
+        "data": as_dict(config.data),
+        "optim": as_dict(config.optim),  # what a resumed run's optimizer state belongs to (resumed_optim)
+    }
     module = CausalLM(
         model,
         config.optim,
@@ -246,8 +251,34 @@ def early_tokenizer(model_cfg: LanguageModelConfig, cache_dir) -> Any | None:
     return finish_tokenizer(model_cfg, tokenizer, remote) if tokenizer is not None else None
 
 
+def run_steps(config: ONNConfig, dm: TextDataModule) -> int:
+    """The optimizer steps this run trains, which its schedule is sized for: trainer.max_steps, or fewer where
+    trainer.max_epochs ends the run first (an epoch: one pass over the training records in global batches).
+    Lightning ends a streamed run's epochs itself; resident data is one endless shuffled stream, whose epochs
+    only this count ends."""
+    steps, epochs = config.trainer.max_steps, config.trainer.max_epochs
+    if epochs < 1:
+        return steps
+    per_epoch = dm.steps_per_epoch or math.ceil(dm.train_records / dm.batch_size)
+    if 0 < steps <= per_epoch * epochs:
+        return steps
+    log.info(
+        "trainer.max_epochs=%d: %d optimizer steps an epoch (%d training records, data.batch_size=%d): training "
+        "ends after step %d",
+        epochs,
+        per_epoch,
+        dm.train_records,
+        dm.batch_size,
+        per_epoch * epochs,
+    )
+    return per_epoch * epochs
+
+
 def train(job: Job) -> dict[str, Any]:
     config, plan, run_dir, ckpt = job.config, job.plan, job.run_dir, job.ckpt
+    if ckpt is not None:  # the optimizer's state in the checkpoint belongs to its settings
+        config = dataclasses.replace(config, optim=resumed_optim(config.optim, ckpt))
+    saves = StepCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps)  # checked before the builds
     early = early_tokenizer(config.model, config.paths.cache)
     dm = datamodule(config, early) if early is not None else None  # a data mistake costs a second, not a store build
     module, tokenizer = build(config, plan)
@@ -256,13 +287,10 @@ def train(job: Job) -> dict[str, Any]:
     if ckpt is not None:  # before Lightning restores it: a checkpoint of another model is one sentence
         check_state(module, state_shapes(ckpt), ckpt, loads_frozen=module.strict_loading)
     dm = dm or datamodule(config, tokenizer)
-    clock = StepClock()
-    callbacks = [
-        StepCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps),
-        RandomState(),  # dropout draws after a resume what it would have drawn
-        clock,
-        ResourceMonitor(config.trainer.log_every_n_steps),
-    ]
+    module.max_steps = run_steps(config, dm)
+    config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, max_steps=module.max_steps))
+    clock = StepClock()  # RandomState: dropout draws after a resume what it would have drawn
+    callbacks = [saves, RandomState(), clock, ResourceMonitor(config.trainer.log_every_n_steps)]
     if config.data.trace:
         callbacks.append(SampleTrace(config.data.trace, tokenizer))
     fit = trainer(config, plan, run_dir, callbacks, steps_per_epoch=dm.steps_per_epoch)
