@@ -119,3 +119,36 @@ def test_a_new_modality_needs_only_registering(tmp_path):
         REGISTRY.pop("echo")
     with pytest.raises(UserError, match="data.modality='echo' is not one of"):
         get("echo")
+
+
+@pytest.mark.parametrize(
+    "overrides, sentence",
+    [
+        # IndexError ("no such group") after the whole evaluation, or re.error there
+        (("task=eval", "data.answer_pattern='[0-9]+'"), r"data\.answer_pattern='\[0-9\]\+' has no group: put the"),
+        (("task=eval", "data.answer_pattern='####([0-9]+'"), r"answer_pattern='####\(\[0-9\]\+' is not a regular expr"),
+        # greedy, and a top_p above 1 used, both without a word
+        (("task=infer", "task.temperature=-1"), r"task\.temperature=-1\.0: give 0 \(greedy\) or more"),
+        (("task=infer", "task.top_p=1.5"), r"task\.top_p=1\.5: give a share of the probability above 0, at most 1"),
+    ],
+)
+def test_text_generation_settings_that_cannot_work_are_one_sentence_before_the_run(overrides, sentence):
+    with pytest.raises(UserError, match=sentence):
+        get("text").check(compose(*overrides))
+
+
+def test_val_loss_initial_is_null_when_no_validation_ran_before_training(tmp_path):
+    """With task.validate_before=false, val/loss_initial was the first validation during training (the same
+    number as val/loss_final in a short run), though it says "before training"."""
+    done = run_cli(
+        "model=llama_tiny",
+        "trainer.max_steps=2",
+        "task.validate_before=false",
+        "task.exact_match_samples=0",
+        "tracking=none",
+        f"paths.outputs={tmp_path}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    m = read_metrics(tmp_path / "run")
+    assert m["val/loss_initial"] is None and m["val/loss_final"] > 0

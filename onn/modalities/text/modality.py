@@ -7,12 +7,14 @@ source (onn/models/load.py) trained resident or layer-streamed, generation, and 
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 
 from onn.config.data import TextData
 from onn.config.model import LanguageModelConfig, NetworkConfig
 from onn.config.run import ONNConfig
-from onn.config.task import TrainTask
+from onn.config.task import InferTask, TrainTask
 from onn.errors import UserError
 from onn.hardware.profile import Profile
 from onn.modalities.base import Modality
@@ -62,6 +64,7 @@ class TextModality(Modality):
         tbptt = config.task.tbptt_steps if isinstance(config.task, TrainTask) else 0
         if isinstance(tbptt, bool) or not isinstance(tbptt, int) or tbptt < 0:
             raise UserError(f"task.tbptt_steps={tbptt!r}: give a whole number of tokens per chunk, or 0 for none.")
+        check_generation(config)
         steps, by_epochs = config.trainer.max_steps, config.task.name == "train" and config.trainer.max_epochs >= 1
         if config.task.name in ("train", "bench", "tune") and steps < 1 and not (steps == -1 and by_epochs):
             raise UserError(
@@ -90,3 +93,25 @@ class TextModality(Modality):
         plan.data_streamed, reason = streaming_choice(config.data)
         plan.reasons.append(reason)
         return plan, spec
+
+
+def check_generation(config: ONNConfig) -> None:
+    """The settings exact match and sampling read, checked before anything runs: a pattern without a group (or no
+    regular expression) failed after the whole evaluation with IndexError, a negative temperature sampled
+    greedily and a top_p above 1 was used, each without a word."""
+    pattern = config.data.answer_pattern
+    if pattern:
+        try:
+            groups = re.compile(pattern).groups
+        except re.error as e:
+            raise UserError(f"data.answer_pattern={pattern!r} is not a regular expression ({e}): fix it.") from None
+        if groups < 1:
+            raise UserError(
+                f"data.answer_pattern={pattern!r} has no group: put the answer in one, e.g. '####\\s*(-?[0-9.,]+)'."
+            )
+    task = config.task
+    if isinstance(task, InferTask):
+        if not (math.isfinite(task.temperature) and task.temperature >= 0):
+            raise UserError(f"task.temperature={task.temperature}: give 0 (greedy) or more.")
+        if not 0 < task.top_p <= 1:
+            raise UserError(f"task.top_p={task.top_p}: give a share of the probability above 0, at most 1.")

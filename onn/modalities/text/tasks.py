@@ -68,7 +68,7 @@ SHORT_ANSWER_TOKENS = 32  # exact match after training only where generating ans
 AUTO_NEW_TOKENS_MARGIN = 16  # task.max_new_tokens=auto: the longest reference answer plus this
 MAX_AUTO_NEW_TOKENS = 1024
 EMPTY_HINT = (
-    "its first token was end-of-text; a chat model answers in its chat format: "
+    "its first token was end-of-text, or it wrote only blank space; a chat model answers in its chat format: "
     "check data.chat_template and task.template"
 )
 
@@ -294,6 +294,7 @@ def train(job: Job) -> dict[str, Any]:
     if config.data.trace:
         callbacks.append(SampleTrace(config.data.trace, tokenizer))
     fit = trainer(config, plan, run_dir, callbacks, steps_per_epoch=dm.steps_per_epoch)
+    validated_before = ckpt is not None or config.task.validate_before
     with PeakMemory(job.device) as peak:
         if ckpt is None and config.task.validate_before:
             fit.validate(module, datamodule=dm, verbose=False)
@@ -312,7 +313,8 @@ def train(job: Job) -> dict[str, Any]:
         "train/loss_initial": loss_initial,
         "train/loss_final": loss_final,
         "train/loss_curve": [round(x, 5) for x in module.train_losses],
-        "val/loss_initial": module.val_losses[0] if module.val_losses else None,
+        # before training: the validation task.validate_before runs (a resumed run's is in its checkpoint)
+        "val/loss_initial": module.val_losses[0] if module.val_losses and validated_before else None,
         "val/loss_final": module.val_losses[-1] if module.val_losses else None,
         "val/perplexity": math.exp(min(module.val_losses[-1], 50)) if module.val_losses else None,
         "samples_per_s": clock.samples_per_s(),
@@ -475,7 +477,7 @@ def infer(job: Job) -> dict[str, Any]:
         empty = sum(not c.strip() for c in completions)
         if empty:
             log.warning(
-                "%d of %d completions are empty: the model ended the text at once (%s)",
+                "%d of %d completions are empty or blank (%s)",
                 empty,
                 len(rows),
                 EMPTY_HINT,
@@ -490,7 +492,7 @@ def infer(job: Job) -> dict[str, Any]:
     check_context(model, tokenizer, [text], ["prompt"], gen["max_new_tokens"])
     completion = stream(model, tokenizer, text, engine=engine, **gen)
     if not completion.strip():
-        log.warning("the completion is empty: the model ended the text at once (%s)", EMPTY_HINT)
+        log.warning("the completion is empty or blank (%s)", EMPTY_HINT)
     metrics = {
         **said,
         "infer/prompt": config.prompt,
