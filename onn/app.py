@@ -37,6 +37,7 @@ from onn.bench.registry import TASKS as BENCH_TASKS
 from onn.config import ONNConfig, StrategyConfig, as_dict, typed
 from onn.errors import UserError
 from onn.export.settings import check_settings as check_export
+from onn.hardware import failpoints
 from onn.hardware.cluster import is_rank_zero, use_own_gpu
 from onn.hardware.memory import cap_gpu_memory, is_out_of_memory, release_gpu, release_mmap_threshold
 from onn.hardware.profile import Profile, use_threads
@@ -93,6 +94,7 @@ def run(cfg: DictConfig) -> float | None:
             log.info("%s: already finished for this config; not run again", run_dir)
             return _objective(config.sweep_objective, done)
         check_launch(config, multirun)
+        failpoints.check()
         record.start()
         results = execute(config, run_dir, given_keys(overrides))
         record.finish(**results, status="ok")

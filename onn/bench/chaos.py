@@ -32,8 +32,11 @@ from typing import Any
 
 from onn.bench import chaos_serve, child
 from onn.bench.chaos_data import generate
+from onn.config import ONNConfig
 from onn.config.task import BenchChaosTask, ChaosTrack
 from onn.errors import UserError
+from onn.hardware import failpoints
+from onn.hardware.profile import cache_file
 from onn.training.checkpoints import load
 
 log = logging.getLogger("onn")
@@ -49,11 +52,11 @@ def run(job) -> dict[str, Any]:
     shutil.rmtree(root, ignore_errors=True)  # this bench's own runs from an earlier start in the same folder
     rng = random.Random(task.seed)
     started = time.perf_counter()
-    names = list(task.tracks) if task.trials else []
-    shares = [task.trials // len(names) + (i < task.trials % len(names)) for i in range(len(names))]
     results = {}
-    for name, trials in zip(names, shares):
+    for name, trials in trial_shares(task).items():
         track = task.tracks[name]
+        if track.own_cache:  # its runs share the bench's hardware profile, not a fresh measurement of their own
+            _share_profile(job.config, root / name / "hardware")
         overrides = [*track.overrides, *generate(track.data, root / "data", task.seed)]
         results[name] = _track(name, overrides, track, trials, root / name, rng, task)
         log.info("chaos %s: %s", name, results[name]["summary"])
@@ -65,6 +68,16 @@ def run(job) -> dict[str, Any]:
     return metrics
 
 
+def trial_shares(task: BenchChaosTask) -> dict[str, int]:
+    """task.trials spread over the tracks in order; a track left with none is not run at all (its whole run alone
+    would take minutes and check nothing)."""
+    names = list(task.tracks) if task.trials else []
+    shares = {name: task.trials // len(names) + (i < task.trials % len(names)) for i, name in enumerate(names)}
+    if 0 in shares.values():
+        log.warning("chaos: task.trials=%d < %d tracks: only the first %d run", task.trials, len(names), task.trials)
+    return {name: n for name, n in shares.items() if n}
+
+
 def check_settings(task: BenchChaosTask) -> None:
     if task.trials < 0 or (task.trials and not task.tracks) or (not task.trials and task.server is None):
         raise UserError(
@@ -73,6 +86,11 @@ def check_settings(task: BenchChaosTask) -> None:
     for name, track in task.tracks.items():
         if not track.overrides:
             raise UserError(f"task.tracks.{name}.overrides is empty: give the run.py overrides of a short run.")
+        if unknown := [p for p in track.failpoints or () if p not in failpoints.POINTS]:
+            raise UserError(
+                f"task.tracks.{name}.failpoints names {', '.join(unknown)}: "
+                f"the points are {', '.join(failpoints.POINTS)}."
+            )
 
 
 def _track(
@@ -149,6 +167,16 @@ def _trial(
         "outcome": outcome,
         "max_abs_diff": diff,
     }
+
+
+def _share_profile(config: ONNConfig, folder: Path) -> None:
+    """The bench's own hardware profile into an own_cache track's profile folder: a measurement there (tens of
+    seconds) would make the whole run that long, and the kills timed from it would all land after the trials'
+    first checkpoint."""
+    source = cache_file(config.hardware, config.paths.cache)
+    if source.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, folder / source.name)
 
 
 def _with_cache(overrides: list[str], track: ChaosTrack, folder: Path) -> list[str]:

@@ -5,7 +5,8 @@ cache filled with data that a model larger than RAM would evict again (other pro
 it). Large requests keep the disk's queue full (on this project's virtual disks 1 GiB requests read
 ~15% faster than 64 MiB ones). Where a file system refuses O_DIRECT the file is read normally and
 dropped from the page cache after. `read_mb_s` measures the same path on a fresh file, which is what
-the hardware profile reports as the disk's bandwidth.
+the hardware profile reports as the disk's bandwidth. Cache files (profiles, timings, tuning results) are
+written whole or not at all, and one that is damaged reads as absent.
 """
 
 from __future__ import annotations

@@ -10,9 +10,21 @@ store block written to its temporary file, before the rename that makes it whole
 from __future__ import annotations
 
 import os
+import re
 import signal
 
+from onn.errors import UserError
+
+POINTS = ("checkpoint_write", "store_write")
 _counts: dict[str, int] = {}
+
+
+def check() -> None:
+    """ONN_FAILPOINT read once at a run's start: a mistyped one failed the run at its first checkpoint instead
+    (its count read only there), or never fired without a word (an unknown point, or N of 0)."""
+    wanted = os.environ.get("ONN_FAILPOINT")
+    if wanted and not re.fullmatch(rf"({'|'.join(POINTS)})(:[1-9][0-9]*)?", wanted):
+        raise UserError(f"ONN_FAILPOINT={wanted}: give {' or '.join(POINTS)}, each with :N (N 1 or more) or without.")
 
 
 def reached(name: str) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli
+from conftest import compose, run_cli
 
 TRACKS = [
     "text",
@@ -45,3 +45,43 @@ def test_runs_killed_at_random_moments_resume_bitwise_and_the_server_outlives_it
     served = {k.removeprefix("chaos/server/"): v for k, v in metrics.items() if k.startswith("chaos/server/")}
     assert served["requests"] == 300 and served["right"] > 100 and served["gone"] > 50 and served["refused"] > 0
     assert served["wrong"] == served["errors"] == served["misrefused"] == served["left_in_batch"] == 0
+
+
+def test_fewer_trials_than_tracks_leave_the_last_tracks_out():
+    """Each track ran its whole run even with no trial of its own: with 15 tracks and task.trials=3, twelve whole
+    runs (minutes each) that checked nothing."""
+    from onn.bench.chaos import trial_shares
+
+    task = compose("recipe=bench_chaos", "task.trials=3").task
+    shares = trial_shares(task)
+    assert list(shares) == list(task.tracks)[:3] and set(shares.values()) == {1}
+    assert sum(trial_shares(compose("recipe=bench_chaos", f"task.trials={len(TRACKS) + 2}").task).values()) == 17
+
+
+def test_a_track_with_its_own_cache_reads_the_benchs_hardware_profile(tmp_path):
+    """An own_cache track pointed its runs at an empty profile folder: its whole run measured the machine (tens of
+    seconds), and the kills timed from that run all landed after the trials' first checkpoint."""
+    from onn.bench.chaos import _share_profile
+    from onn.hardware.profile import resolve
+
+    config = compose("hardware=auto")
+    resolve(config.hardware, config.paths.cache, tmp_path)  # the session's profile (conftest)
+    _share_profile(config, tmp_path / "track" / "hardware")
+    track = compose("hardware=auto", f"hardware.cache={tmp_path / 'track' / 'hardware'}").hardware
+    assert resolve(track, tmp_path / "cache", tmp_path).source.startswith("cache")
+
+
+def test_a_mistyped_failpoint_is_one_sentence_before_the_run(tmp_path, monkeypatch):
+    """ONN_FAILPOINT=checkpoint_write:x failed the run at its first checkpoint (int("x") inside the save, the run
+    lost); an unknown point or a count of 0 never fired, without a word. A track's failpoints are checked too."""
+    from onn.bench.chaos import check_settings
+    from onn.errors import UserError
+
+    for wanted in ("checkpoint_write:x", "checkpoint_write:0", "checkpoint_writ"):
+        monkeypatch.setenv("ONN_FAILPOINT", wanted)
+        done = run_cli("task=plan", f"paths.outputs={tmp_path}", f"hydra.run.dir={tmp_path / wanted}")
+        assert done.returncode == 1
+        assert f"ONN_FAILPOINT={wanted}: give checkpoint_write or store_write" in done.stdout + done.stderr
+    task = compose("recipe=bench_chaos", "task.tracks.text.failpoints=[store_writ]").task
+    with pytest.raises(UserError, match=r"^task\.tracks\.text\.failpoints names store_writ: the points are"):
+        check_settings(task)
