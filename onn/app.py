@@ -320,9 +320,8 @@ def from_checkpoint(config: ONNConfig, given: set[str]) -> tuple[Path, dict[str,
     Face's users expect. The architecture (model, strategy) is the checkpoint's. The data is the command
     line's when it names any: `data=NAME` brings that data config (of the checkpoint's modality, or one
     sentence refusing it); `data.KEY=...` changes those keys of the checkpoint's data config, and a new
-    data.source replaces the checkpoint's files (its val/test sources too). task=eval scores the whole of
-    a data.source the command line gives (data.val_source to score another file). Returns the checkpoint
-    and where each group came from."""
+    data.source replaces the checkpoint's files (its val/test sources too). Returns the checkpoint and where
+    each group came from."""
     ckpt = resolve_checkpoint(config.ckpt, config.paths.outputs)
     saved = saved_config(ckpt)
     if "model" not in saved:  # {} for a checkpoint another tool wrote
@@ -343,10 +342,20 @@ def from_checkpoint(config: ONNConfig, given: set[str]) -> tuple[Path, dict[str,
         # exporting run them whole, on whatever this machine has (Lightning refuses these strategies on a CPU)
         config.strategy.lightning = "auto"
     came["data"] = _data_from_checkpoint(config, saved["data"], modality, ckpt, given)
-    named = "data" in given or "data.source" in given
-    if config.task.name == "eval" and named and "data.val_source" not in given:
-        config.data.val_source = config.data.source  # eval scores the file it is given, all of it
     return ckpt, came
+
+
+def score_all_given(config: ONNConfig, given: set[str]) -> None:
+    """task=eval scores the whole of a data.source the command line gives, with or without ckpt (its
+    data.val_source scores another file); a built-in generator keeps its own held-out split."""
+    named = "data" in given or "data.source" in given
+    source = str(config.data.source or "")
+    if config.task.name != "eval" or not named or "data.val_source" in given:
+        return
+    if not source or source.startswith("builtin:"):
+        return
+    if hasattr(config.data, "val_source"):  # a data schema without held-out files has nothing to point
+        config.data.val_source = config.data.source
 
 
 def _data_from_checkpoint(
@@ -422,6 +431,7 @@ def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> 
     if config.ckpt:
         ckpt, came = from_checkpoint(config, given or set())
         log.info("checkpoint %s: %s", ckpt, "; ".join(f"{group} from the {where}" for group, where in came.items()))
+    score_all_given(config, given or set())
     run_dir.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {
         "model": config.model.name,

@@ -49,6 +49,31 @@ def test_every_format_reads_the_same_rows(tmp_path):
     ]
 
 
+def test_a_one_column_csv_reads_as_csv(tmp_path):
+    """pandas' to_csv of one `text` column (a lone header, a field quoted where it holds a comma, quote or newline)
+    was read as plain text: the header became a record, quotes stayed and a quoted newline split a record."""
+    import csv
+    import io
+
+    from onn.modalities.text.streaming import open_reader
+
+    texts = ["plain row", "a row, with a comma", 'she said "hi"', "first line\nsecond line"] * 3
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows([["text"], *[[t] for t in texts]])
+    for name in ("one.csv", "one.dat"):  # by its name, and by its quoting alone
+        path = tmp_path / name
+        path.write_text(buf.getvalue())
+        assert detect_format(path) == "csv" and read_records(path) == [{"text": t} for t in texts], name
+        reader = open_reader(path, "auto")
+        assert [r for _, _, r, _ in reader.records(reader.start)] == [{"text": t} for t in texts], name
+    named = tmp_path / "plain.csv"  # nothing quoted: the .csv name makes its first line a header
+    named.write_text("text\nrow 0\nrow 1\n")
+    assert read_records(named) == [{"text": "row 0"}, {"text": "row 1"}]
+    for prose in ('Chapter 1\n"Hello," she said.\nHe nodded.\n', 'Notes\none, two\n"three"\n'):
+        (tmp_path / "story.txt").write_text(prose)  # a title line, then quotes a CSV would not write: text
+        assert detect_format(tmp_path / "story.txt") == "txt"
+
+
 def test_bad_inputs_name_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"q": "a", "a": "1"}\n{"q": "b", "a": \n')

@@ -83,7 +83,7 @@ def test_a_prompt_past_the_context_or_empty_is_one_sentence(tmp_path):
 
     model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=32))
 
-    def tokenizer(text):
+    def tokenizer(text, add_special_tokens=True):
         return {"input_ids": text.split()}
 
     check_context(model, tokenizer, ["a " * 24], ["prompt"], 8)
@@ -160,3 +160,48 @@ def test_resident_sampling_draws_from_temperature_and_top_p_alone_as_streamed_sa
         drawn = _generate(model, None, tokenizer, inputs, 1, 1.0, 1.0)[:, -1]
     ranks = (logits > logits.gather(1, drawn[:, None])).sum(1)
     assert (ranks >= 50).sum() > 32  # about 200 of 256 tokens lie past rank 50
+
+
+def test_eval_without_ckpt_scores_all_of_the_data_source_it_is_given(tmp_path):
+    """task=eval data.source=F scored all of F with ckpt= and only data.val_split of it without (2 of 40 records);
+    data.val_source still picks another file, and a built-in generator keeps its own held-out split."""
+    from conftest import MODALITY_HARDWARE, compose
+
+    from onn.app import execute, given_keys
+
+    source = tmp_path / "qa.jsonl"
+    source.write_text("".join(f'{{"question": "What is {i}+1?", "answer": "{i + 1}"}}\n' for i in range(40)))
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(f'{{"question": "Say {i}", "answer": "{i}"}}\n' for i in range(7)))
+    common = ("task=eval", "model=llama_tiny", MODALITY_HARDWARE, "tracking=none", f"paths.outputs={tmp_path}",
+              "task.max_samples=0")  # fmt: skip
+
+    def val_records(*given: str) -> int:
+        run_dir = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+        return execute(compose(*common, *given), run_dir, given_keys(list(given)))["data/val_records"]
+
+    assert val_records("data=text", f"data.source={source}") == 40
+    assert val_records("data=text", f"data.source={source}", f"data.val_source={other}") == 7
+    assert val_records("data=math", "data.builtin.val_size=5") == 5
+
+
+def test_infer_takes_max_new_tokens_auto_cut_to_the_context_the_prompt_leaves():
+    """conf/task/infer.yaml offers task.max_new_tokens=auto, and the schema refused it ("Value 'auto' could not be
+    converted to Integer"); auto's 1024 then had to fit the context left after the prompt."""
+    from conftest import compose
+
+    from onn.modalities.text.generate import check_context
+
+    assert compose("task=infer", "task.max_new_tokens=auto").task.max_new_tokens == "auto"
+    assert compose("task=infer", "task.max_new_tokens=7").task.max_new_tokens == 7
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=32))
+
+    def tokenizer(text, add_special_tokens=True):
+        return {"input_ids": ["<bos>"] * add_special_tokens + text.split()}
+
+    prompts = ["a " * 10, "a " * 20]
+    assert check_context(model, tokenizer, prompts, ["row 1", "row 2"], 1024, auto=True) == 11  # 32 - 21
+    assert check_context(model, tokenizer, prompts, ["row 1", "row 2"], 1024, False, auto=True) == 12
+    assert check_context(model, tokenizer, prompts, ["row 1", "row 2"], 5, auto=True) == 5
+    with pytest.raises(UserError, match=r"^row 2: the prompt's 32 tokens and task\.max_new_tokens=auto pass"):
+        check_context(model, tokenizer, ["a", "a " * 31], ["row 1", "row 2"], 1024, auto=True)

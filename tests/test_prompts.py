@@ -52,7 +52,7 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")  # one hardware profile for the module's runs
 
 
-def run(tmp: Path, cache: Path, *overrides: str) -> dict:
+def run(tmp: Path, cache: Path, *overrides: str, name: str = "run") -> dict:
     from onn.app import execute
 
     cfg = compose(
@@ -63,7 +63,7 @@ def run(tmp: Path, cache: Path, *overrides: str) -> dict:
         f"paths.cache={cache}",
         *overrides,
     )
-    run_dir = tmp / "run"
+    run_dir = tmp / name
     run_dir.mkdir(parents=True, exist_ok=True)
     return execute(cfg, run_dir)
 
@@ -118,6 +118,107 @@ def test_training_examples_go_through_the_chat_template_without_a_second_bos():
     ids, labels = encode(tok, prompt, answer, 64, prompter.add_special_tokens)
     assert tok.decode(ids) == prompt + "4<eos>" and ids.count(tok.bos_token_id) == 0
     assert Prompter(AUTO, byte_tokenizer()).examples(records) == [("2+2?", "4")]  # no chat template: plain
+
+
+def bos_chat_tokenizer():
+    """A tokenizer that adds BOS itself and whose chat template writes it too (as Llama 3's and Gemma's do)."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = byte_tokenizer().backend_tokenizer
+    backend.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 256)]
+    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    tok.chat_template = "{{ bos_token }}" + CHAT
+    return tok
+
+
+def test_generation_encodes_prompts_as_training_did_without_a_second_bos():
+    """Training encodes a chat-templated prompt without the tokenizer's special tokens (the template wrote BOS);
+    eval, infer and the context check tokenized it with them: [bos, bos, ...], a start training never showed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from onn.modalities.text.datamodule import encode
+
+    tok = bos_chat_tokenizer()
+    prompter = Prompter(AUTO, tok)
+    prompt, special = prompter.render("2+2?"), prompter.add_special_tokens
+    trained, _ = encode(tok, prompt, "4", 64, special)
+    n = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    assert trained[:2] != [256, 256] and trained.count(256) == 1
+    config = LlamaConfig(vocab_size=320, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=n + 4,
+                         bos_token_id=256, eos_token_id=257, pad_token_id=258)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    seen = []
+    model.register_forward_pre_hook(lambda _, args, kw: seen.append(kw["input_ids"][0].tolist()), with_kwargs=True)
+    generate.complete(model, tok, [prompt], max_new_tokens=1, add_special_tokens=special)
+    generate.stream(model, tok, prompt, max_new_tokens=1, add_special_tokens=special)
+    assert seen == [trained[:n], trained[:n]]
+    assert generate.check_context(model, tok, [prompt], ["prompt"], 4, add_special_tokens=special) == 4
+
+
+def test_a_model_trained_on_chat_messages_without_a_chat_template_is_prompted_as_it_learned():
+    """Trained on `messages` records by a tokenizer without a chat template, the model learned role lines; infer
+    gave it the typed prompt alone ("say 5", not "user: say 5\nassistant: ")."""
+    records = Records(
+        [{"messages": [{"role": "user", "content": "say 12"}, {"role": "assistant", "content": "12"}]}],
+        ["c.jsonl line 1"],
+    )
+    training = Prompter(AUTO, byte_tokenizer())
+    assert training.examples(records) == [("user: say 12\nassistant: ", "12")] and training.layout_name == "messages"
+    assert training.render("say 5") == "user: say 5\nassistant: "  # a question/answer val_source, as trained
+    at_infer = Prompter(AUTO, byte_tokenizer(), trained_layout=training.layout_name)  # the checkpoint's
+    assert at_infer.render("say 5") == "user: say 5\nassistant: "
+    assert at_infer.prompt_format == "role lines (chat messages without a chat template)"
+    assert Prompter(AUTO, byte_tokenizer(), trained_layout="pairs").render("say 5") == "say 5"
+    with_chat = Prompter(AUTO, chat_tokenizer(), trained_layout="messages")  # the chat template, as before
+    assert with_chat.render("say 5") == "<|im_start|>user\nsay 5<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_infer_of_a_checkpoint_trained_on_chat_messages_prompts_with_role_lines(tmp_path, cache):
+    """The checkpoint keeps the layout its model learned (prompt_layout): infer's model_input was the typed prompt
+    alone, "say 5", for a model trained on "user: say 12\nassistant: ". task.max_new_tokens=auto
+    (1024) is cut to the 512 positions llama_tiny has."""
+    chat = tmp_path / "chat.jsonl"
+    turns = [[{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": str(i)}] for i in range(20)]
+    chat.write_text("".join(json.dumps({"messages": t}) + "\n" for t in turns))
+    trained = run(
+        tmp_path,
+        cache,
+        "data=text",
+        f"data.source={chat}",
+        "trainer.max_steps=1",
+        "task.validate_before=false",
+        "task.exact_match_samples=0",
+        name="train",
+    )
+    assert trained["data/layout"] == "messages"
+    m = run(
+        tmp_path,
+        cache,
+        "task=infer",
+        f"ckpt={tmp_path / 'train'}",
+        "prompt=say 5",
+        "task.max_new_tokens=auto",
+        name="infer",
+    )
+    assert m["infer/model_input"] == "user: say 5\nassistant: "
+    assert m["infer/prompt_format"] == "role lines (chat messages without a chat template)"
+
+
+def test_an_alpaca_file_with_only_its_answer_field_named_keeps_its_input(tmp_path):
+    """data.fields.output=output alone on Alpaca records took the first prompt field of the pairs list
+    (instruction) and dropped the input: 'Add 0 and 1.' instead of 'Add 0 and 1.\n\nShow the sum of 0 + 1.'."""
+    prompter = Prompter(text_data(answer="output"), byte_tokenizer())
+    examples = prompter.examples(read_records(alpaca(tmp_path / "a.json")))
+    assert examples[:2] == [("Add 0 and 1.\n\nShow the sum of 0 + 1.", "1"), ("Add 1 and 2.", "3")]
+    assert prompter.layout.name == "alpaca"
+    dolly = Records([{"instruction": "Sum", "context": "1 and 2", "response": "3"}], ["d.jsonl line 1"])
+    assert Prompter(text_data(answer="response"), byte_tokenizer()).examples(dolly) == [("Sum\n\n1 and 2", "3")]
+    qa = Records([{"question": "2+2?", "answer": "4"}], ["q.jsonl line 1"])
+    assert Prompter(text_data(answer="answer"), byte_tokenizer()).examples(qa) == [("2+2?", "4")]
 
 
 def test_an_alpaca_file_is_mapped_by_itself_and_said(tmp_path, cache):

@@ -261,6 +261,29 @@ def test_auto_streams_over_the_budget(tmp_path):
     assert module(data_cfg(source, streaming="auto", resident_max_mb=500)).stream is None
 
 
+def test_auto_reads_utf16_and_utf32_text_whole(tmp_path):
+    """A UTF-16/32 file with its byte-order mark (which formats.py reads) was refused under the default
+    data.streaming=auto: estimating its size opened a streaming reader, which walks UTF-8 bytes only."""
+    from onn.modalities.text.streaming import streaming_choice
+
+    for codec, fmt in (("utf-16", "jsonl"), ("utf-32", "jsonl"), ("utf-16", "csv")):
+        source = tmp_path / f"d_{codec}.{fmt}"
+        rows = [{"question": f"what is {i}+1?", "answer": str(i + 1)} for i in range(40)]
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+        if fmt == "csv":
+            text = "question,answer\n" + "".join(f"{r['question']},{r['answer']}\n" for r in rows)
+        source.write_bytes(text.encode(codec))
+        held, reason = streaming_choice(data_cfg(source, streaming="auto"))
+        assert held is False and f"is {codec.upper()} text, which is not streamed" in reason, reason
+        dm = module(data_cfg(source, streaming="auto", val_split=0.1))
+        assert dm.stream is None and dm.train_records + len(dm.val_examples) == 40
+        assert ("what is 0+1?", "1") in dm.train_examples + dm.val_examples
+    with pytest.raises(UserError, match=r"is UTF-16 text of 0 MB, over data\.resident_max_mb=0, and only UTF-8"):
+        streaming_choice(data_cfg(tmp_path / "d_utf-16.jsonl", streaming="auto", resident_max_mb=0.0001))
+    with pytest.raises(UserError, match=r"is UTF-16 text, which is not streamed: save it as UTF-8, or set"):
+        module(data_cfg(tmp_path / "d_utf-16.jsonl", streaming=True))
+
+
 @pytest.mark.slow
 def test_the_plan_says_when_auto_streams(tmp_path):
     source = tmp_path / "d.jsonl"

@@ -249,6 +249,7 @@ def measure(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
             task.exact_match_samples,
             max_new_tokens=dm.max_answer_tokens + 2,
             engine=module.engine,
+            add_special_tokens=dm.prompter.add_special_tokens,
         )
     return {
         "step_s": clock.step_s,

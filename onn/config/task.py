@@ -59,7 +59,7 @@ class InferTask(TrainTask):
     input: str | None = MISSING
     output: str | None = MISSING
     template: bool = MISSING
-    max_new_tokens: int = MISSING
+    max_new_tokens: Any = MISSING  # auto | tokens (checked where it is read: text's new_tokens)
     temperature: float = MISSING
     top_p: float = MISSING
     gallery: str | None = MISSING

@@ -29,6 +29,7 @@ HEAD_BYTES = 65536  # what format detection reads
 DELIMITERS = ",\t;|"
 # A CSV header cell: a column name (letters, digits, spaces, _ . - ( ) /), not a sentence
 COLUMN_NAME = re.compile(r"[^\W\d][\w .\-()/]{0,63}")
+QUOTED = re.compile(r'"(?:[^"]|"")*"', re.S)  # one CSV field in quotes (a quote inside doubled)
 BOMS = (  # UTF-32's little-endian mark starts like UTF-16's: check it first
     (codecs.BOM_UTF32_LE, "utf-32"),
     (codecs.BOM_UTF32_BE, "utf-32"),
@@ -66,7 +67,7 @@ def read_records(path: str | Path, fmt: str = "auto", key: str = "data.source") 
         records = _read_parquet(path)
     else:
         text = decode(data, path, key)
-        fmt = detect(text, complete=True) if fmt == "auto" else fmt
+        fmt = detect(text, complete=True, csv_named=_csv_named(path)) if fmt == "auto" else fmt
         records = _READERS[fmt](text, path)
     if not records:
         raise UserError(f"{key} {path} holds no records.")
@@ -119,11 +120,16 @@ def detect_format(path: str | Path, key: str = "data.source") -> str:
     text = _decode_head(head)
     if text is None:  # Latin-1 text (the byte, its line, the iconv command) or a binary file: decode says which
         text = decode(head, Path(path), key)
-    return detect(text, complete=len(head) < HEAD_BYTES)
+    return detect(text, complete=len(head) < HEAD_BYTES, csv_named=_csv_named(Path(path)))
 
 
-def detect(text: str, complete: bool) -> str:
-    """The format of a text (the whole file when `complete`, else its head)."""
+def _csv_named(path: Path) -> bool:
+    return path.suffix.lower() == ".csv"
+
+
+def detect(text: str, complete: bool, csv_named: bool = False) -> str:
+    """The format of a text (the whole file when `complete`, else its head); `csv_named`: the file is named .csv,
+    which makes a lone column name on the first line a one-column CSV's header."""
     text = text.lstrip("\ufeff")
     stripped = text.lstrip()
     if stripped.startswith("["):
@@ -137,7 +143,8 @@ def detect(text: str, complete: bool) -> str:
         return "jsonl" if rest.strip() else "json"  # several one-line objects, or one document on one line
     if complete and _json_scalar(stripped):
         return "json"  # a bare number or string: the JSON reader says it holds no records
-    if csv_delimiter(text if complete else text[: text.rfind("\n") + 1]):
+    lines = text if complete else text[: text.rfind("\n") + 1]
+    if csv_delimiter(lines) or one_column_csv(lines, csv_named):
         return "csv"
     return "txt"
 
@@ -169,6 +176,38 @@ def csv_delimiter(text: str) -> str | None:
         if sum(len(r) == len(header) for r in rows[1:]) >= 0.5 * (len(rows) - 1):
             return delimiter
     return None
+
+
+def one_column_csv(text: str, csv_named: bool) -> bool:
+    """Whether a text is a CSV of one column, as pandas' to_csv writes one: a lone column name, then a record a
+    line, quoted where it holds a comma, a quote or a newline. Named .csv, the header says it; other text also
+    needs a quoted record, and no unquoted one that CSV would have quoted (prose is not a table)."""
+    records = _raw_records(text, 51)
+    try:
+        header = next(csv.reader([records[0]])) if len(records) > 1 else []
+    except csv.Error:
+        return False
+    if len(header) != 1 or not COLUMN_NAME.fullmatch(header[0].strip()):
+        return False
+    if csv_named:
+        return True
+    quoted = [QUOTED.fullmatch(r.strip()) is not None for r in records[1:]]
+    plain = all(q or not any(c in r for c in ',"') for q, r in zip(quoted, records[1:]))
+    return any(quoted) and plain
+
+
+def _raw_records(text: str, limit: int) -> list[str]:
+    """The first `limit` non-blank records of a CSV text, unparsed: lines joined while a quote is open."""
+    out, pending = [], ""
+    for line in text.split("\n"):
+        pending += line + "\n"
+        if pending.count('"') % 2 == 0:
+            if pending.strip():
+                out.append(pending.rstrip("\r\n"))
+            pending = ""
+            if len(out) >= limit:
+                break
+    return out
 
 
 def _read_jsonl(text: str, path: Path) -> Records:
@@ -229,7 +268,7 @@ def _checked(rows: list, where: list[str], path: Path) -> Records:
 
 
 def _read_csv(text: str, path: Path) -> Records:
-    delimiter = csv_delimiter(text) or _sniffed_delimiter(text)
+    delimiter = csv_delimiter(text) or ("," if one_column_csv(text, csv_named=True) else _sniffed_delimiter(text))
     reader = csv.reader(io.StringIO(text), delimiter=delimiter)
     header, rows, where, line, row_no = None, [], [], 1, 0
     for cells in reader:
@@ -311,7 +350,7 @@ def sniff_text(path: Path) -> str | None:
     printable = sum(c.isprintable() or c in "\n\r\t" for c in text) / len(text)
     if printable < 0.95:
         return None
-    return f"{detect(text, complete=len(head) < HEAD_BYTES)} text"
+    return f"{detect(text, complete=len(head) < HEAD_BYTES, csv_named=_csv_named(path))} text"
 
 
 def _decode_head(head: bytes) -> str | None:

@@ -113,12 +113,14 @@ def stream(
     temperature: float = 0.0,
     top_p: float = 1.0,
     engine=None,
+    add_special_tokens: bool = True,
 ) -> str:
-    """Print the completion token by token as it is generated; return it."""
+    """Print the completion token by token as it is generated; return it. `add_special_tokens`: as training
+    encoded prompts (Prompter.add_special_tokens: False where a chat template wrote them)."""
     from transformers import TextStreamer
 
     model.eval()
-    inputs = tokenizer(prompt, return_tensors="pt").to(_device(model, engine))
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=add_special_tokens).to(_device(model, engine))
     streamer = TextStreamer(tokenizer, skip_prompt=engine is None, skip_special_tokens=True)
     new = _generate(model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p, streamer)
     return tokenizer.decode(new[0], skip_special_tokens=True)
@@ -134,17 +136,19 @@ def complete(
     top_p: float = 1.0,
     batch_size: int = 16,
     engine=None,
+    add_special_tokens: bool = True,
 ) -> list[str]:
-    """Completions for many prompts in left-padded batches (with an engine, every chunk load serves the whole batch)."""
+    """Completions for many prompts in left-padded batches (with an engine, every chunk load serves the whole batch).
+    `add_special_tokens`: as training encoded prompts (Prompter.add_special_tokens), so no second BOS."""
     model.eval()
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     results = []
     try:
         for i in range(0, len(prompts), batch_size):
-            inputs = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True).to(
-                _device(model, engine)
-            )
+            batch = prompts[i : i + batch_size]
+            inputs = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens)
+            inputs = inputs.to(_device(model, engine))
             new = _generate(model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p)
             results += tokenizer.batch_decode(new, skip_special_tokens=True)
     finally:
@@ -161,6 +165,7 @@ def answer_scores(
     max_new_tokens: int,
     engine=None,
     batch_size: int = 16,
+    add_special_tokens: bool = True,
 ) -> dict[str, Any]:
     """Exact match of greedy answers against the references, and how the answers were extracted.
 
@@ -168,7 +173,8 @@ def answer_scores(
     generated answer is the pattern's group 1 where the model wrote it, else the last number in its text:
     `exact_match` counts both, `exact_match_strict` only the first, `answer_pattern_found` is the share
     of generations that wrote the pattern. Without a pattern, both answers are their first line.
-    `batch_size` prompts generate together (with an engine: every chunk load serves all of them)."""
+    `batch_size` prompts generate together (with an engine: every chunk load serves all of them);
+    `add_special_tokens`: the datamodule's Prompter.add_special_tokens, as its training samples were encoded."""
     examples = examples[:max_samples]
     if not examples:
         return {"exact_match": float("nan")}
@@ -179,6 +185,7 @@ def answer_scores(
         max_new_tokens=max_new_tokens,
         engine=engine,
         batch_size=batch_size,
+        add_special_tokens=add_special_tokens,
     )
     hits = strict = found = 0
     for output, (_, answer) in zip(outputs, examples):
@@ -215,9 +222,12 @@ def exact_match(
     max_samples: int,
     max_new_tokens: int,
     engine=None,
+    add_special_tokens: bool = True,
 ) -> float:
     """The share of greedy answers equal to the reference (see answer_scores)."""
-    return answer_scores(model, tokenizer, examples, pattern, max_samples, max_new_tokens, engine)["exact_match"]
+    return answer_scores(
+        model, tokenizer, examples, pattern, max_samples, max_new_tokens, engine, add_special_tokens=add_special_tokens
+    )["exact_match"]
 
 
 def answer_tokens(tokenizer, examples: list[tuple[str, str]]) -> int:
@@ -240,19 +250,34 @@ def read_prompts(path: str):
     return rows
 
 
-def check_context(model, tokenizer, prompts: list[str], where: list[str], max_new_tokens: int) -> None:
+def check_context(
+    model,
+    tokenizer,
+    prompts: list[str],
+    where: list[str],
+    max_new_tokens: int,
+    add_special_tokens: bool = True,
+    auto: bool = False,
+) -> int:
     """Each prompt and its new tokens within the model's context (max_position_embeddings), as task=serve holds
-    them: past it, positions the model never learned give text without a word said (transformers only warns)."""
+    them: past it, positions the model never learned give text without a word said (transformers only warns).
+    Returns the new tokens to generate: max_new_tokens, or for task.max_new_tokens=auto (`auto`) at most what
+    the longest prompt leaves of the context, as serve's default length is cut. Prompts are counted as
+    generation encodes them (`add_special_tokens`)."""
     room = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if not isinstance(room, int):
-        return
-    for text, place in zip(prompts, where):
-        n = len(tokenizer(text)["input_ids"])
+        return max_new_tokens
+    counts = [len(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]) for text in prompts]
+    if auto and counts:
+        max_new_tokens = max(1, min(max_new_tokens, room - max(counts)))
+    for n, place in zip(counts, where):
         if n + max_new_tokens > room:
             raise UserError(
-                f"{place}: the prompt's {n} tokens and task.max_new_tokens={max_new_tokens} pass the model's context "
-                f"of {room} tokens; shorten the prompt or lower task.max_new_tokens."
+                f"{place}: the prompt's {n} tokens and task.max_new_tokens={'auto' if auto else max_new_tokens} "
+                f"pass the model's context of {room} tokens; shorten the prompt"
+                f"{'' if auto else ' or lower task.max_new_tokens'}."
             )
+    return max_new_tokens
 
 
 def prompt_of(row: dict[str, Any]) -> str:

@@ -14,10 +14,13 @@ SHOWN = {"\n": "↵", "\t": "→", " ": "·"}
 
 
 @torch.no_grad()
-def token_probabilities(model, tokenizer, prompt: str, completion: str) -> tuple[list[str], list[float], int]:
+def token_probabilities(
+    model, tokenizer, prompt: str, completion: str, add_special_tokens: bool = True
+) -> tuple[list[str], list[float], int]:
     """(each token's text, the probability the model gave it after the tokens before it, how many are the
-    prompt's). The first token has no context: its probability is NaN."""
-    prompt_ids = tokenizer(prompt)["input_ids"]
+    prompt's). The first token has no context: its probability is NaN. `add_special_tokens`: the prompt's
+    tokens as generation read them (no second BOS after a chat template's)."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
     completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
     ids = torch.tensor([(prompt_ids + completion_ids)[:MAX_TOKENS]], device=next(model.parameters()).device)
     logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()

@@ -20,7 +20,9 @@ or a tab.
 
 Chat template. When the tokenizer has one (instruction and chat models ship one; `data.chat_template:
 auto`), the templated prompt is the user's message and the chat template wraps it; with `false` the
-model gets the templated prompt alone. Plain text never goes through it.
+model gets the templated prompt alone. Plain text never goes through it. Without a chat template, chat
+messages are `role: content` lines; a model that learned them (the checkpoint's prompt_layout) gets a typed
+prompt as the user's line the same way.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ log = logging.getLogger("onn")
 PAIRS = (("prompt", "completion"), ("prompt", "response"), ("prompt", "answer"), ("prompt", "output"),
          ("question", "answer"), ("query", "response"), ("query", "answer"), ("instruction", "response"),
          ("instruction", "output"), ("input", "output"), ("input", "target"), ("source", "target"))  # fmt: skip
+INSTRUCTION_LAYOUTS = {"alpaca": ("output", "input"), "dolly": ("response", "context")}  # (answer, its input)
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
          "model": "assistant", "system": "system", "tool": "tool"}  # fmt: skip
 EMPTY_REFUSED = 0.5  # a mapped prompt empty in more than this share of records is a wrong mapping
@@ -75,13 +78,13 @@ def choose_layout(records: Records, fields: TextFields, key: str = "data.source"
         for conversation in ("messages", "conversations"):
             if conversation in names and all(isinstance(r.get(conversation), list) for r in records[:200]):
                 return Layout("messages", None, None, conversation)
-        if {"instruction", "output"} <= names:
-            return Layout("alpaca", "{instruction}\n\n{input}" if "input" in names else "instruction", "output")
-        if {"instruction", "response"} <= names:
-            return Layout("dolly", "{instruction}\n\n{context}" if "context" in names else "instruction", "response")
-        found = next(((p, a) for p, a in PAIRS if {p, a} <= names), None)
-    elif prompt == "auto":
-        found = next(((p, answer) for p, a in PAIRS if p in names and p != answer), None)
+    if prompt == "auto":
+        if instruction := _instruction_layout(names, answer):
+            return instruction
+        if answer == "auto":
+            found = next(((p, a) for p, a in PAIRS if {p, a} <= names), None)
+        else:
+            found = next(((p, answer) for p, a in PAIRS if p in names and p != answer), None)
     else:
         used = {f for _, f, _, _ in string.Formatter().parse(prompt) if f} if "{" in prompt else {prompt}
         found = next(((prompt, a) for p, a in PAIRS if a in names and a not in used), None)
@@ -91,6 +94,15 @@ def choose_layout(records: Records, fields: TextFields, key: str = "data.source"
             "say which field is which with data.fields.input=NAME data.fields.output=NAME."
         )
     return Layout("pairs" if prompt == answer == "auto" else "fields", *found)
+
+
+def _instruction_layout(names: set[str], answer: str) -> Layout | None:
+    """Alpaca's or Dolly's layout where the records have its fields and data.fields.output is auto or names its
+    answer: their prompt is the instruction with its input (context), which a pair of fields would drop."""
+    for name, (output, extra) in INSTRUCTION_LAYOUTS.items():
+        if {"instruction", output} <= names and answer in ("auto", output):
+            return Layout(name, f"{{instruction}}\n\n{{{extra}}}" if extra in names else "instruction", output)
+    return None
 
 
 class _Fields(string.Formatter):
@@ -140,17 +152,33 @@ def chat_in_use(data_cfg: TextData, tokenizer) -> bool:
 class Prompter:
     """Turns records (or a typed prompt) into the text the model sees, the same way in every task."""
 
-    def __init__(self, data_cfg: TextData, tokenizer):
+    def __init__(self, data_cfg: TextData, tokenizer, trained_layout: str | None = None):
+        """`trained_layout`: the layout the model was trained on (a checkpoint's prompt_layout), for prompts typed
+        at infer and serve, which come without records to choose one from."""
         self.cfg, self.tokenizer = data_cfg, tokenizer
         self.template = unescape(data_cfg.template or "{prompt}")  # an empty template: the prompt alone
         self.chat = chat_in_use(data_cfg, tokenizer)
         self.layouts: dict[str, Layout] = {}  # each file's own (data.source, data.val_source): they may differ
         self.layout: Layout | None = None  # the first chosen: the training data's
+        self.trained_layout = trained_layout
+
+    @property
+    def layout_name(self) -> str | None:
+        """The layout the model learns or learned its prompts in: the checkpoint's, else the training data's."""
+        return self.trained_layout or (self.layout.name if self.layout else None)
+
+    @property
+    def conversational(self) -> bool:
+        """Whether a prompt is a user's turn of a conversation: by the chat template, or as `role: content` lines
+        where the model learned chat messages without one."""
+        return self.chat or self.layout_name == "messages"
 
     @property
     def prompt_format(self) -> str:
         """What wraps prompts, for metrics.json and the log."""
-        return "chat template" if self.chat else "data.template"
+        if self.chat:
+            return "chat template"
+        return "role lines (chat messages without a chat template)" if self.conversational else "data.template"
 
     @property
     def add_special_tokens(self) -> bool:
@@ -197,7 +225,8 @@ class Prompter:
         return (self.render(prompt, record, where), answer), not prompt.strip()
 
     def render(self, prompt: str, record: dict[str, Any] | None = None, where: str = "the prompt") -> str:
-        """The text the model sees for a prompt: data.template around it, then the chat template (when in use)."""
+        """The text the model sees for a prompt: data.template around it, then the user's turn of a conversation
+        (the chat template, or role lines for a model trained on chat messages without one)."""
         fields = {k: ("" if is_missing(v) else v) for k, v in (record or {}).items()}
         fields["prompt"] = prompt
         fields.setdefault("input", prompt)
@@ -212,7 +241,7 @@ class Prompter:
             raise UserError(
                 f"data.template {self.template!r} is not a format string: {e} (write {{{{ and }}}} for braces)."
             ) from None
-        if self.chat:
+        if self.conversational:
             return self.render_messages([{"role": "user", "content": text}])
         return text
 

@@ -44,19 +44,27 @@ Ref = list[int]  # where a record starts: [byte offset, line (, row)] or [row] f
 # ---- readers: a file record by record --------------------------------------------------------------
 
 
+def wide_text(path: Path) -> str | None:
+    """UTF-16 or UTF-32 where the file starts with that byte-order mark: the readers here walk UTF-8 bytes."""
+    head = read_head(path, 4)
+    return next((codec.upper() for bom, codec in BOMS if codec != "utf-8-sig" and head.startswith(bom)), None)
+
+
+def refuse_wide(path: Path) -> None:
+    """Streaming asked for (data.streaming=true) of text it cannot walk: one sentence, not garbled records."""
+    if wide := wide_text(path):
+        raise UserError(
+            f"data.source {path} is {wide} text, which is not streamed: save it as UTF-8, or set data.streaming=false."
+        )
+
+
 class LineReader:
     """JSON lines (one object a line) or plain text (one sample a line); position [byte offset, line]."""
 
     def __init__(self, path: Path, fmt: str):
         self.path, self.fmt = path, fmt
-        head = read_head(path, 4)
-        for bom, codec in BOMS:
-            if head.startswith(bom) and codec != "utf-8-sig":
-                raise UserError(
-                    f"data.source {path} is {codec.upper()} text, which is not streamed: save it as UTF-8, "
-                    "or set data.streaming=false."
-                )
-        self.start = [3 if head.startswith(BOMS[2][0]) else 0, 0]
+        refuse_wide(path)
+        self.start = [3 if read_head(path, 4).startswith(BOMS[2][0]) else 0, 0]
 
     def records(self, at: Ref) -> Iterator[tuple[Ref, Ref, dict[str, Any], str]]:
         offset, line = at
@@ -116,12 +124,8 @@ class CsvReader:
 
     def __init__(self, path: Path):
         self.path = path
+        refuse_wide(path)
         head = read_head(path, HEAD_BYTES)
-        if head.startswith((BOMS[0][0], BOMS[1][0], BOMS[3][0], BOMS[4][0])):
-            raise UserError(
-                f"data.source {path} is UTF-16/32 text, which is not streamed: save it as UTF-8, "
-                "or set data.streaming=false."
-            )
         bom = 3 if head.startswith(BOMS[2][0]) else 0
         text = head[bom:].decode("utf-8", "ignore")
         self.delimiter = csv_delimiter(text if len(head) < HEAD_BYTES else text[: text.rfind("\n") + 1]) or ","
@@ -331,6 +335,8 @@ def streaming_choice(data_cfg: TextData) -> tuple[bool, str]:
         return False, f"data: read whole into memory (data.source {source} is not a file to stream)"
     if (fmt == "auto" and detect_format(path) not in STREAM_FORMATS) or fmt == "json":
         return False, "data: read whole into memory (a JSON document cannot be streamed)"
+    if wide := wide_text(path):
+        return _resident_wide(path, wide, budget)
     mb, rows = decoded_mb(path, fmt, data_cfg.max_length)
     if mb > budget:
         return True, (
@@ -341,3 +347,15 @@ def streaming_choice(data_cfg: TextData) -> tuple[bool, str]:
         False,
         f"data: held in memory: about {mb:.0f} MB decoded ({rows:,} records), within data.resident_max_mb={budget:.0f}",
     )
+
+
+def _resident_wide(path: Path, wide: str, budget: float) -> tuple[bool, str]:
+    """UTF-16/32 text is read whole (only UTF-8 is streamed): said, and refused where the file alone passes the
+    budget, which its decoded records would pass further."""
+    mb = path.stat().st_size / MB
+    if mb > budget:
+        raise UserError(
+            f"data.source {path} is {wide} text of {mb:.0f} MB, over data.resident_max_mb={budget:.0f}, and only UTF-8 "
+            f"text is streamed: save it as UTF-8 (iconv -f {wide.lower()} -t utf-8) or raise data.resident_max_mb."
+        )
+    return False, f"data: read whole into memory ({path.name} is {wide} text, which is not streamed; {mb:.1f} MB)"

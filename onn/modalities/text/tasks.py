@@ -57,7 +57,7 @@ from onn.streaming.strategy import (
     layer_store,
 )
 from onn.training.callbacks import RandomState, ResourceMonitor, StepCheckpoint, StepClock
-from onn.training.checkpoints import check_state, resumed_optim, state_shapes
+from onn.training.checkpoints import check_state, resumed_optim, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.distributed import forward_is_collective, gathered, parameter_count
 from onn.training.lora import apply
@@ -274,6 +274,13 @@ def run_steps(config: ONNConfig, dm: TextDataModule) -> int:
     return per_epoch * epochs
 
 
+def with_prompt_layout(module: CausalLM, dm: TextDataModule) -> TextDataModule:
+    """The data, its prompt layout put in the checkpoint's config: infer and serve then prompt as the model learned
+    (a model trained on chat messages without a chat template learned role lines)."""
+    module.onn_config["prompt_layout"] = dm.prompter.layout_name
+    return dm
+
+
 def train(job: Job) -> dict[str, Any]:
     config, plan, run_dir, ckpt = job.config, job.plan, job.run_dir, job.ckpt
     if ckpt is not None:  # the optimizer's state in the checkpoint belongs to its settings
@@ -286,7 +293,7 @@ def train(job: Job) -> dict[str, Any]:
     check_tbptt(config, module)
     if ckpt is not None:  # before Lightning restores it: a checkpoint of another model is one sentence
         check_state(module, state_shapes(ckpt), ckpt, loads_frozen=module.strict_loading)
-    dm = dm or datamodule(config, tokenizer)
+    dm = with_prompt_layout(module, dm or datamodule(config, tokenizer))
     module.max_steps = run_steps(config, dm)
     config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, max_steps=module.max_steps))
     clock = StepClock()  # RandomState: dropout draws after a resume what it would have drawn
@@ -348,6 +355,7 @@ def train(job: Job) -> dict[str, Any]:
                 max_new_tokens=dm.max_answer_tokens + 2,
                 engine=module.engine,
                 batch_size=generate_batch(plan, samples),
+                add_special_tokens=dm.prompter.add_special_tokens,
             )
         metrics.update({f"val/{k}": v for k, v in scores.items()})
     if writes and config.export.name != "none":
@@ -385,6 +393,7 @@ def evaluate(job: Job) -> dict[str, Any]:
             new_tokens(task, tokenizer, dm.val_examples[:samples]),
             engine=module.engine,
             batch_size=generate_batch(plan, samples),
+            add_special_tokens=dm.prompter.add_special_tokens,
         )
         metrics.update({f"val/{k}": v for k, v in scores.items()})
     print(
@@ -436,7 +445,8 @@ def language_model(job: Job) -> LanguageModel:
         engine = build_engine(model, settings, module.store, job.device, micro_batch=None)
     model.to(job.device)  # streamed: what is left after the blocks' frozen weights went to the store
     model.eval()
-    return LanguageModel(model, tokenizer, Prompter(config.data, tokenizer), engine)
+    layout = saved_config(job.ckpt).get("prompt_layout") if job.ckpt is not None else None
+    return LanguageModel(model, tokenizer, Prompter(config.data, tokenizer, layout), engine)
 
 
 def serving(job: Job) -> LanguageModel:
@@ -460,16 +470,20 @@ def infer(job: Job) -> dict[str, Any]:
     def wrap(text: str, row: dict[str, Any] | None = None, where: str = "prompt") -> str:
         return prompter.render(text, row, where) if task.template else text
 
+    special = prompter.add_special_tokens if task.template else True  # as training encoded the prompts it wraps
     gen = {
         "max_new_tokens": new_tokens(task, tokenizer, []),
         "temperature": task.temperature,
         "top_p": task.top_p,
+        "add_special_tokens": special,
     }
+    auto = task.max_new_tokens == "auto"
     said = {"infer/prompt_format": prompter.prompt_format if task.template else "none (task.template=false)"}
     if task.input:
         rows = read_prompts(task.input)
         prompts = [wrap(prompt_of(r), r, w) for r, w in zip(rows, rows.where)]
-        check_context(model, tokenizer, prompts, [f"task.input {w}" for w in rows.where], gen["max_new_tokens"])
+        places = [f"task.input {w}" for w in rows.where]
+        gen["max_new_tokens"] = check_context(model, tokenizer, prompts, places, gen["max_new_tokens"], special, auto)
         completions = complete(model, tokenizer, prompts, engine=engine, **gen)
         output = Path(task.output or job.run_dir / "predictions.jsonl")
         write_jsonl([{**r, "completion": c} for r, c in zip(rows, completions)], output)
@@ -489,7 +503,7 @@ def infer(job: Job) -> dict[str, Any]:
             "infer/empty_completions": empty,
         }
     text = wrap(str(config.prompt))
-    check_context(model, tokenizer, [text], ["prompt"], gen["max_new_tokens"])
+    gen["max_new_tokens"] = check_context(model, tokenizer, [text], ["prompt"], gen["max_new_tokens"], special, auto)
     completion = stream(model, tokenizer, text, engine=engine, **gen)
     if not completion.strip():
         log.warning("the completion is empty or blank (%s)", EMPTY_HINT)
@@ -504,7 +518,7 @@ def infer(job: Job) -> dict[str, Any]:
         from onn.modalities.text.picture import token_probabilities, write_picture
 
         picture = job.run_dir / "tokens.png"
-        write_picture(*token_probabilities(model, tokenizer, text, completion), picture)
+        write_picture(*token_probabilities(model, tokenizer, text, completion, special), picture)
         print(f"wrote {picture}: each token coloured by the probability the model gave it")
         metrics["infer/picture"] = str(picture)
     return metrics
