@@ -152,3 +152,17 @@ def test_val_loss_initial_is_null_when_no_validation_ran_before_training(tmp_pat
     assert done.returncode == 0, done.stderr[-2000:]
     m = read_metrics(tmp_path / "run")
     assert m["val/loss_initial"] is None and m["val/loss_final"] > 0
+
+
+def test_exact_match_leaves_out_references_it_cannot_read_and_refuses_when_none_are():
+    """A reference data.answer_pattern could not read became "", which every generation without a number matched:
+    a 2-step random model scored val/exact_match 1.0, strict too."""
+    from onn.modalities.text.generate import readable_references
+
+    gsm8k = "####\\s*(-?[0-9][0-9,\\.]*)"
+    with pytest.raises(UserError, match=r"^data\.answer_pattern=.* reads no answer out of the 2 references"):
+        readable_references([("1+1?", "2"), ("2+2?", "4")], gsm8k)
+    kept, left_out = readable_references([("1+1?", "so #### 2"), ("2+2?", "4")], gsm8k)
+    assert kept == [("1+1?", "so #### 2")] and left_out == 1
+    with pytest.raises(UserError, match=r"^exact match found empty the 1 references"):
+        readable_references([("say nothing", "\n")], None)

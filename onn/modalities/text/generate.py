@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,8 @@ from onn.errors import UserError
 from onn.modalities.text.datamodule import extract, extract_answer
 from onn.modalities.text.formats import read_records
 from onn.modalities.text.prompts import Prompter
+
+log = logging.getLogger("onn")
 
 
 @dataclass
@@ -175,7 +178,7 @@ def answer_scores(
     of generations that wrote the pattern. Without a pattern, both answers are their first line.
     `batch_size` prompts generate together (with an engine: every chunk load serves all of them);
     `add_special_tokens`: the datamodule's Prompter.add_special_tokens, as its training samples were encoded."""
-    examples = examples[:max_samples]
+    examples, unreadable = readable_references(examples[:max_samples], pattern)
     if not examples:
         return {"exact_match": float("nan")}
     outputs = complete(
@@ -198,6 +201,7 @@ def answer_scores(
     scores: dict[str, Any] = {
         "exact_match": hits / n,
         "exact_match_samples": n,
+        "unreadable_references": unreadable,
         "max_new_tokens": max_new_tokens,
     }
     if pattern:
@@ -212,6 +216,25 @@ def answer_scores(
     else:
         scores["answer_extraction"] = "the first line of the answer, numbers normalised"
     return scores
+
+
+def readable_references(examples: list[tuple[str, str]], pattern: str | None) -> tuple[list[tuple[str, str]], int]:
+    """The examples whose reference holds an answer to compare, and how many do not: a reference the pattern
+    cannot read (or an empty one) gave "", which any generation without a number matched, so a random model
+    scored 1.0. None readable is one sentence; some, a warning."""
+    readable = [(p, a) for p, a in examples if extract(a, pattern)[0] != ""]
+    left_out = len(examples) - len(readable)
+    if examples and not readable:
+        where = f"data.answer_pattern={pattern!r} reads no answer out of" if pattern else "exact match found empty"
+        raise UserError(
+            f"{where} the {len(examples)} references exact match scores (the first: {examples[0][1][:60]!r}): "
+            "give a pattern they hold, or data.answer_pattern=null to compare their first lines."
+        )
+    if left_out:
+        log.warning(
+            "exact match: %d of %d references hold no answer to compare; they are left out", left_out, len(examples)
+        )
+    return readable, left_out
 
 
 def exact_match(
