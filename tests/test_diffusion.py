@@ -166,6 +166,29 @@ def test_sampling_and_schedule_mistakes_are_refused_before_training(images, tmp_
         run(tmp_path, *TINY_UNET, f"data.source={images}", "task.samples=0")
     with pytest.raises(UserError, match=r"model.beta_schedule='foo': use one of linear, scaled_linear, squaredcos"):
         run(tmp_path, *TINY_UNET, f"data.source={images}", "model.beta_schedule=foo")
+    with pytest.raises(UserError, match=r"export=omny is not available for a diffusion denoiser; use export=onnx"):
+        run(tmp_path, *TINY_UNET, f"data.source={images}", "export=omny", name="omny")
+    assert not (tmp_path / "omny" / "checkpoints").exists()  # refused before the training, not after it
+
+
+def test_a_safetensors_export_replaces_an_earlier_export_only(images, tmp_path):
+    """export=safetensors is written beside its folder and swapped in: an earlier export's folder (it holds
+    onn_export.json) is replaced whole, a folder of the user's own is refused and left as it was."""
+    mine = tmp_path / "mine"
+    (mine / "eval_results").mkdir(parents=True)
+    (mine / "config.json").write_text("{}")
+    (mine / "NOTES.md").write_text("mine")
+    export = (*TINY_UNET, f"data.source={images}", "task=export", "export=safetensors")
+    with pytest.raises(UserError, match=rf"export output {mine} exists and is not an earlier export"):
+        run(tmp_path, *export, f"export.output={mine}", name="refused")
+    assert sorted(p.name for p in mine.iterdir()) == ["NOTES.md", "config.json", "eval_results"]
+    assert (mine / "config.json").read_text() == "{}"
+    folder = tmp_path / "denoiser"
+    for name in ("first", "again"):
+        metrics, _ = run(tmp_path, *export, f"export.output={folder}", name=name)
+        assert metrics["export/path"] == str(folder)
+        assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "onn_export.json"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staged folder left
 
 
 @pytest.mark.parametrize("task", ["train", "plan"])

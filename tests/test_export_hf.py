@@ -300,3 +300,62 @@ def test_an_export_replaces_or_removes_the_adapter_beside_its_folder(resident, t
     monkeypatch.undo()
     export_model(merged_model(module), tmp_path / "hf", None, settings, tokenizer=tokenizer)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # the earlier adapter is gone with its weights
+
+
+def test_a_folder_of_the_users_own_is_never_taken_for_an_earlier_export(resident, tmp_path):
+    """Only a folder an export wrote (it holds onn_export.json) is replaced whole: a Hugging Face folder of the
+    user's own (its config.json, their notes, an eval_results/ folder) is refused and left as it was, and so is an
+    adapter folder of theirs beside it, where an export of a model without an adapter removes an earlier export's."""
+    from dataclasses import replace
+
+    from onn.config.export import SafetensorsExport
+    from onn.export import export_model
+    from onn.export.settings import check_settings
+
+    _, module, tokenizer = resident
+
+    def tree(folder: Path) -> dict[str, bytes | None]:
+        return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in folder.rglob("*")}
+
+    mine = tmp_path / "hf"
+    (mine / "eval_results").mkdir(parents=True)
+    (mine / "config.json").write_text('{"model_type": "llama"}')
+    (mine / "NOTES.md").write_text("mine")
+    before = tree(mine)
+    with pytest.raises(UserError, match=rf"export output {mine} exists and is not an earlier export \(no onn_export"):
+        save_folder(module, tokenizer, mine)
+    with pytest.raises(UserError, match=rf"export output {mine} exists and is not an earlier export"):
+        check_settings(replace(compose("export=safetensors").export, output=str(mine)))  # before any training
+    assert tree(mine) == before
+
+    settings = SafetensorsExport(name="safetensors", output=None, max_shard_size="2GB", adapter=True)
+    plain = merged_model(module)  # no adapter: its export removes an earlier export's adapter folder only
+    theirs = tmp_path / "out-adapter"  # the user's own adapter, where an export to out/ puts one
+    theirs.mkdir()
+    (theirs / "adapter_config.json").write_text("{}")
+    export_model(plain, tmp_path / "out", None, settings, tokenizer=tokenizer)
+    assert (theirs / "adapter_config.json").read_text() == "{}"
+    export_model(module, tmp_path / "export", None, settings, tokenizer=tokenizer)  # hf and its adapter
+    assert (tmp_path / "export-adapter" / "onn_export.json").is_file()
+    export_model(plain, tmp_path / "export", None, settings, tokenizer=tokenizer)
+    assert not (tmp_path / "export-adapter").exists()
+    assert json.loads((tmp_path / "export" / "onn_export.json").read_text())["kind"] == "hf"
+
+
+def test_an_onn_zoo_models_folder_loads_in_transformers_as_the_docs_say(tmp_path):
+    """docs/export.md: a zoo architecture of ONN's own (char_lstm's onn_recurrent_lm) is not one transformers
+    knows; the call the docs name registers it, and the exported folder then loads and computes what ONN does."""
+    from transformers import AutoModelForCausalLM
+
+    from onn.models.load import load, register_zoo_models
+
+    docs = " ".join((Path(__file__).resolve().parents[1] / "docs" / "export.md").read_text().split())
+    assert "from onn.models.load import register_zoo_models" in docs and "onn_recurrent_lm" in docs
+    cfg = compose("model=char_lstm", "model.architecture.hidden_size=16", root=tmp_path)
+    model, tokenizer = load(cfg.model)
+    save_folder(model.eval(), tokenizer, tmp_path / "hf")
+    register_zoo_models()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-6, rtol=0)

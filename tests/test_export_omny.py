@@ -499,6 +499,74 @@ def test_a_newer_minor_version_with_fields_this_reader_does_not_know_is_read(tmp
     assert schema["$id"].endswith(omny.FORMAT_VERSION) and schema["title"].endswith(omny.FORMAT_VERSION)
 
 
+def test_a_folder_where_a_file_is_meant_is_one_sentence(tmp_path, capsys):
+    """enrich into a folder used to end in a raw IsADirectoryError after the graph was described, and inspect or
+    validate of a folder said it "does not exist"."""
+    src = _foreign_mlp(tmp_path / "mlp.onnx", layers=2)
+    (tmp_path / "out").mkdir()
+    assert omny_cli.main(["enrich", str(src), str(tmp_path / "out")]) == 2
+    said = capsys.readouterr().err
+    assert f"output {tmp_path / 'out'} is a folder; name the .omny file to write, e.g. " in said
+    assert str(tmp_path / "out" / "model.omny") in said and "Traceback" not in said
+    assert list((tmp_path / "out").iterdir()) == []
+    for command in ("inspect", "validate"):
+        assert omny_cli.main([command, str(tmp_path)]) == 2
+        said = capsys.readouterr().err
+        assert f"{tmp_path} is a folder, not an ONNX file; name the file in it (it holds mlp.onnx)." in said
+
+
+def _tampered(good: Path, tmp_path: Path, name: str, change) -> Path:
+    """A copy of the .omny file `good` whose document `change` edited (in place)."""
+    model = onnx.load(str(good))
+    doc = omny.read_document(model)
+    change(doc)
+    helper.set_model_props(model, {omny.METADATA_KEY: json.dumps(doc)})
+    onnx.save(model, str(tmp_path / f"{name}.omny"))
+    return tmp_path / f"{name}.omny"
+
+
+def test_a_document_whose_plans_contradict_the_spec_or_the_graph_is_invalid(tmp_path):
+    """FORMAT_SPEC.md: a plan's ranges are contiguous from the first block to the last and are its shards' blocks,
+    a shard's total fits min_vram_mb, a block's weight_bytes is what it stores, and a document of this version has
+    no field the schema lacks (at the top level, in source_model, inputs and outputs too). Each used to validate.
+    A document of an older version that holds to its schema still does."""
+    src = _foreign_mlp(tmp_path / "mlp.onnx", layers=4)
+    sample = {"x": np.zeros((2, 32), np.float32)}
+    good = omny.enrich_onnx(src, tmp_path / "good.omny", sample, {"shard_counts": [2, 4], "min_vram_mb": 300})
+    conf = omny.read_document(good)["shard_plans"]["configurations"]
+    assert [c["ranges"] for c in conf] == [[[0, 2], [2, 4]], [[0, 1], [1, 2], [2, 3], [3, 4]]]
+
+    def plans(k: int, key: str, value):
+        return lambda doc: doc["shard_plans"]["configurations"][k].__setitem__(key, value)
+
+    def shard(j: int, key: str, value):
+        return lambda doc: doc["shard_plans"]["configurations"][1]["detail"][j].__setitem__(key, value)
+
+    for name, change, message in [
+        ("gap", plans(1, "ranges", [[0, 1], [1, 2], [3, 4], [3, 4]]), r"are not contiguous ranges covering blocks 0"),
+        ("short", plans(0, "ranges", [[0, 2], [2, 3]]), r"are not contiguous ranges covering blocks 0 to 4"),
+        ("moved", plans(0, "ranges", [[0, 1], [1, 4]]), r"differ from the detail's blocks \[\[0, 2\], \[2, 4\]\]"),
+        ("total", shard(1, "total_mb", 999), r"detail/1: total_mb 999 is over the 300 MB it must fit"),
+        ("heavy", shard(1, "weight_bytes", 2 * 2**40), r"detail/1: weight_bytes 2199023255552 is over max_shard"),
+        ("counts", lambda d: d["shard_plans"].__setitem__("allowed_counts", [2, 3]), r"allowed_counts \[2, 3\]"),
+        ("extra", lambda d: d.__setitem__("future", 1), r"at <root>: Additional properties are not allowed"),
+        ("source", lambda d: d["source_model"].__setitem__("future", 1), r"at source_model: Additional properties"),
+        ("input", lambda d: d["inputs"][0].__setitem__("future", 1), r"at inputs/0: Additional properties"),
+        ("output", lambda d: d["outputs"][0].__setitem__("future", 1), r"at outputs/0: Additional properties"),
+    ]:
+        bad = _tampered(good, tmp_path, name, change)
+        with pytest.raises(UserError, match=message):
+            omny.read_document(bad)
+        assert omny_cli.main(["validate", str(bad)]) == 2, name
+    lines, light = [], _tampered(good, tmp_path, "light", lambda d: d["blocks"][1].__setitem__("weight_bytes", 1))
+    assert not omny.validate(light, echo=lines.append)
+    name = omny.read_document(good)["blocks"][1]["name"]
+    assert f"{light}: weight_bytes differ from the graph: block 1 '{name}' says 1, stores 4224" in lines
+    assert lines[-1].endswith("INVALID")
+    older = _tampered(good, tmp_path, "older", lambda d: d.__setitem__("format_version", "1.0"))
+    assert omny.validate(older, echo=lambda *_: None)
+
+
 def test_the_spec_defines_activations_as_the_code_computes_them():
     """An op that may run in place frees its input as it writes: FORMAT_SPEC.md's definition names every such op."""
     from onn.export import graph as G

@@ -261,7 +261,8 @@ def _ids(*shape, dtype=torch.long):
         (
             "llama",
             {"input_ids": _ids(1, 8)},
-            r"'input_ids' has shape \[1, 8\]; a dynamic export needs batch and sequence sizes of at least 2",
+            r"'input_ids' has shape \[1, 8\]; a dynamic export needs batch and sequence sizes of at least 2 .*: "
+            r"set export.sample.batch_size and export.sample.sequence_length to 2 or more",
         ),
         (
             "clip",
@@ -325,6 +326,52 @@ def test_static_shapes_and_other_opset(tmp_path):
     assert {o.domain: o.version for o in proto.opset_import}[""] == 17
     with pytest.raises(UserError, match=r"takes inputs \['x'\]; the feeds lack \['x'\] and have extra \['y'\]"):
         run_onnx(path, {"y": np.zeros((2, 8), np.float32)})
+
+
+def test_an_opset_the_export_cannot_keep_is_refused_before_anything_loads():
+    """torch.onnx writes opset 18 and converts its graph to others: below 18 the conversion fails for most models
+    (torch then wrote opset 18 anyway), above what onnx and onnxruntime know the file cannot be checked or run. And
+    a dynamic export's sample needs 2 or more on its axes. All of it is said before a model is loaded."""
+    from dataclasses import replace
+
+    from conftest import compose
+
+    from onn.export.onnx_export import newest_opset
+    from onn.export.settings import check_settings
+
+    base = compose("export=onnx").export
+    newest = newest_opset()
+    assert newest >= 18
+    check_settings(replace(base, opset=newest))
+    for opset in (13, 17, newest + 1, 99, True):
+        with pytest.raises(UserError, match=rf"export.opset={opset!r}: give a whole number from 18 .* to {newest} "):
+            check_settings(replace(base, opset=opset))
+    for key in ("batch_size", "sequence_length"):
+        with pytest.raises(UserError, match=rf"export.sample.{key}=1: give a whole number, 2 or more"):
+            check_settings(replace(base, sample=replace(base.sample, **{key: 1})))
+
+
+def test_an_opset_torch_cannot_write_or_onnxruntime_cannot_run_names_export_opset(tmp_path):
+    """A graph torch.onnx's version converter cannot take to the opset asked for is refused (torch wrote opset 18
+    instead, saying so only in a logged traceback); a converted graph that fails its check names export.opset and
+    the file it was to be, not the temporary file it was checked as."""
+    model = build("llama")
+    sample = sample_inputs(model, batch_size=2, sequence_length=8)
+    path = tmp_path / "llama.onnx"
+    with pytest.raises(
+        UserError, match=r"could not convert LlamaForCausalLM's graph to opset 17 .*set export.opset=18"
+    ):
+        export_onnx(model, path, sample, opset=17)
+    with pytest.raises(UserError) as err:  # Tiny at a converted opset, held to a tolerance no output meets
+        export_onnx(Tiny(), tmp_path / "tiny.onnx", {"x": torch.randn(2, 8)}, opset=20, atol=-1.0)
+    assert "export.opset=20: torch.onnx converted its opset-18 graph to it" in str(err.value)
+    try:  # onnxruntime 1.31 runs torch's RotaryEmbedding at opset 23 otherwise than torch writes it
+        export_onnx(model, path, sample, opset=23)
+    except UserError as e:
+        assert f"{path} was not written" in str(e) and "export.opset=23" in str(e) and ".tmp" not in str(e)
+    else:
+        assert {o.domain: o.version for o in check_onnx(path).opset_import}[""] == 23
+    assert [p.name for p in tmp_path.iterdir()] in ([], ["llama.onnx"])  # no temp folder left
 
 
 def test_exports_in_one_process_list_torchlib_ops_once(tmp_path):

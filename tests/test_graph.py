@@ -116,6 +116,7 @@ def test_data_auto_reads_graph_folders_and_meshes_as_graphs_for_a_graph_model(tm
         (["model.source=pyg:cheb"], "model.source='pyg:cheb': give pyg:gcn, pyg:sage, pyg:gin or pyg:gat"),
         (["model.pooling=[median]"], "model.pooling=['median']: give one or more of mean, max, sum"),
         (["task.mixup=0.2"], "task.mixup=0.2: two graphs' nodes and edges do not blend; set task.mixup=0"),
+        (["export=omny"], "export=omny is not available for a graph network; use export=onnx"),  # not after training
         (
             ["data.source=builtin:communities", "data.level=node", "task.adapt_norm=true"],
             "a node-level graph's test nodes share one graph with its training nodes: set task.adapt_norm=false",

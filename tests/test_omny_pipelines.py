@@ -450,7 +450,7 @@ def test_a_failed_re_export_leaves_the_earlier_pipeline_whole(tmp_path, monkeypa
     folder = tmp_path / "blocks"
     _export_blocks("blocks", folder, _block_pieces(), monkeypatch)
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
-    assert set(before) == {"piece0.omny", "piece1.omny", "pipeline.json"}
+    assert set(before) == {"piece0.omny", "piece1.omny", "pipeline.json", "onn_export.json"}
     torch.manual_seed(5)
     changed = _block_pieces()  # piece0 with other weights, exported first; then piece1 fails
     changed[0].module.blocks[0][0].weight.data.normal_()
@@ -460,6 +460,9 @@ def test_a_failed_re_export_leaves_the_earlier_pipeline_whole(tmp_path, monkeypa
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["blocks"]  # no temporary folder left
     assert validate_pipeline(folder / "pipeline.json", echo=lambda *_: None)
+    (folder / "onn_export.json").unlink()  # as a pipeline exported before onn_export.json was written
+    _export_blocks("blocks", folder, _block_pieces(), monkeypatch)  # its pipeline.json says it is an export
+    assert (folder / "onn_export.json").is_file()
 
 
 def test_each_pipeline_gets_its_own_folder_from_export_output(tmp_path, monkeypatch):

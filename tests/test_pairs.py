@@ -344,5 +344,50 @@ def test_an_onnx_export_output_file_name_is_the_folder_of_the_towers(tiny):
         tmp, "task=export", "export=onnx", f"ckpt={run_dir}", f"export.output={tmp / 'exports' / 'towers.onnx'}"
     )
     assert sorted(p.name for p in (tmp / "exports").iterdir()) == ["towers"]
-    assert sorted(p.name for p in (tmp / "exports" / "towers").iterdir()) == ["image.onnx", "text.onnx"]
+    assert sorted(p.name for p in (tmp / "exports" / "towers").iterdir()) == [
+        "image.onnx",
+        "onn_export.json",
+        "text.onnx",
+    ]
     assert Path(out["export/onnx/text"]).parent == tmp / "exports" / "towers"
+
+
+@pytest.mark.slow  # (about 30 s: a second training, then three towers traced to ONNX and checked)
+def test_a_failed_re_export_leaves_the_earlier_towers_together(shapes, tiny, tmp_path, monkeypatch):
+    """The towers are written beside the export folder, which they replace only once every tower passed: the disk
+    filling up while another training's second tower is written leaves the earlier export's two towers, not one
+    tower of each training, and nothing beside them; the message names the folder, not the staged one."""
+    import errno
+
+    from torch.onnx import ONNXProgram
+
+    first, _ = tiny
+    towers = tmp_path / "towers"
+    run(tmp_path, "task=export", "export=onnx", f"ckpt={first}", f"export.output={towers}", name="export1")
+    before = {p.name: p.read_bytes() for p in towers.iterdir()}
+    assert {"image.onnx", "text.onnx"} <= set(before)
+    _, second = run(
+        tmp_path,
+        f"data.source={shapes}",
+        "data.batch_size=4",
+        "trainer.max_epochs=1",
+        "data.sides.image.image_size=[16,16]",
+        "data.sides.text.max_length=32",
+        "model.feature_dim=16",
+        "model.embed_dim=8",
+        "seed=1",
+        name="train2",
+    )
+    saves, save = [], ONNXProgram.save
+
+    def disk_fills_on_the_second_tower(program, path, *args, **kwargs):
+        saves.append(path)
+        if len(saves) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+        return save(program, path, *args, **kwargs)
+
+    monkeypatch.setattr(ONNXProgram, "save", disk_fills_on_the_second_tower)
+    with pytest.raises(UserError, match=rf"cannot write {towers}/text.onnx: the disk is full"):
+        run(tmp_path, "task=export", "export=onnx", f"ckpt={second}", f"export.output={towers}", name="export2")
+    assert {p.name: p.read_bytes() for p in towers.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no staged folder left

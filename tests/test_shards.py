@@ -178,6 +178,42 @@ def test_a_block_too_big_for_a_shard_is_named_with_its_excess() -> None:
         plan_shards(blocks, min_vram_mb=1500, headroom_mb=1500)
 
 
+def test_the_figures_of_a_block_too_big_add_up_as_printed() -> None:
+    """Every figure is rounded up alike (0.1 MB, or two significant digits below 1 MB), so the weights less the
+    limit are the excess, the weights are what to raise the limit to, and the parts add up to the total."""
+    import random
+    import re
+
+    rng = random.Random(0)
+    for _ in range(200):
+        weight, activation = rng.uniform(0.01, 3000), rng.uniform(0, 50)
+        limit, headroom = round(rng.uniform(0.001, 1) * weight, rng.choice([0, 1, 2, 4])) or 0.001, rng.uniform(0, 9)
+        blocks = [Block("b", int(weight * MB), int(activation * MB))]
+        with pytest.raises(UserError) as err:
+            plan_shards(blocks, max_shard_size_mb=limit, min_vram_mb=1e9, headroom_mb=0)
+        has, given, over, least = re.match(
+            r"block 0 'b' has ([\d.]+) MB of weights but export.max_shard_size_mb is ([\d.e-]+): ([\d.]+) MB too big; "
+            r"raise export.max_shard_size_mb to at least ([\d.]+)\.$",
+            str(err.value),
+        ).groups()
+        assert float(has) == float(least) >= weight and float(given) == limit
+        assert float(has) - float(given) == pytest.approx(float(over), abs=1e-9) and float(over) > 0
+        vram = round(weight + activation + headroom, 2) * 0.9
+        with pytest.raises(UserError) as err:
+            plan_shards(blocks, max_shard_size_mb=1e9, min_vram_mb=vram, headroom_mb=headroom)
+        total, *parts, over = re.match(
+            r"block 0 'b' needs ([\d.]+) MB \(weights ([\d.]+) \+ activations ([\d.]+) \+ headroom ([\d.]+)\) but "
+            r"export.min_vram_mb is [\d.e-]+: ([\d.]+) MB too big;",
+            str(err.value),
+        ).groups()
+        assert float(total) == pytest.approx(sum(map(float, parts)), abs=1e-9)
+        assert float(total) - vram == pytest.approx(float(over), abs=1e-6) and float(over) > 0
+    with pytest.raises(
+        UserError, match=re.escape("has 0.84 MB of weights but export.max_shard_size_mb is 0.3: 0.54 MB")
+    ):
+        plan_shards([Block("b", int(0.84 * MB), 0)], max_shard_size_mb=0.3, headroom_mb=0)
+
+
 def test_a_thousand_blocks_plan() -> None:
     blocks = [Block(f"b{i}", (20 + i % 7) * MB, MB) for i in range(1000)]
     plans = plan_shards(blocks)

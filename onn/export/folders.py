@@ -1,8 +1,13 @@
 """Folders an export replaces whole: written beside their place, then renamed into it, so a failed export leaves
-no half folder and an earlier export intact (hf.py's Hugging Face folder and adapter, a pipeline's pieces)."""
+no half folder and an earlier export intact (hf.py's Hugging Face folder and adapter, a pipeline's pieces, a dual
+encoder's towers, a network's safetensors).
+
+Every such folder holds MARKER, and only a folder holding it (or empty, or missing) is replaced: a folder of the
+user's own (a Hugging Face model they downloaded, their notes beside it) is never taken for an earlier export."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Callable
@@ -11,25 +16,46 @@ from typing import Any
 
 from onn.errors import UserError
 
+MARKER = "onn_export.json"  # written into every folder an export replaces whole
+PIPELINE = ("pipeline.json", "omny-pipeline")  # a pipeline folder written before MARKER existed: its file, format
 
-def stage(output: Path, marker: str, write: Callable[[Path], Any]) -> tuple[Path, Any]:
-    """Run `write` into a temporary sibling of `output`; return it (for swap_in) and what `write` returned.
-    `output` may be missing, empty, or an earlier export (it holds `marker`): anything else is refused first."""
+
+def is_export(folder: Path) -> bool:
+    """Whether `folder` is one ONN wrote (MARKER, or an earlier pipeline's own pipeline.json)."""
+    if (folder / MARKER).is_file():
+        return True
+    try:
+        return json.loads((folder / PIPELINE[0]).read_text()).get("format") == PIPELINE[1]
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_replaceable(output: Path) -> None:
+    """Refuse, before anything is written, an `output` that is neither missing, empty nor an earlier export."""
     output = output.expanduser()
     if not output.parent.is_dir():
         raise UserError(
             f"export output {output}: its folder {output.parent} does not exist; create it or choose another path."
         )
-    if output.exists() and not (output.is_dir() and (not any(output.iterdir()) or (output / marker).is_file())):
+    if output.exists() and not (output.is_dir() and (not any(output.iterdir()) or is_export(output))):
         raise UserError(
-            f"export output {output} exists and is not an earlier export (no {marker}); "
-            "choose another path or remove it."
+            f"export output {output} exists and is not an earlier export (no {MARKER}, which ONN writes into every "
+            "export folder); choose another path or remove it."
         )
+
+
+def stage(output: Path, kind: str, write: Callable[[Path], Any]) -> tuple[Path, Any]:
+    """Run `write` into a temporary sibling of `output` and mark it as a `kind` export; return it (for swap_in)
+    and what `write` returned. `output` may be missing, empty, or an earlier export: anything else is refused first."""
+    output = output.expanduser()
+    check_replaceable(output)
     tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        return tmp, write(tmp)
+        result = write(tmp)
+        (tmp / MARKER).write_text(json.dumps({"written_by": "onn", "kind": kind, "version": _version()}, indent=2))
+        return tmp, result
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -53,8 +79,18 @@ def swap_in(tmp: Path, output: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_atomically(output: Path, marker: str, write: Callable[[Path], Any]) -> Any:
-    """`write` into a temporary sibling folder, renamed to `output` only when it succeeded."""
-    tmp, result = stage(output, marker, write)
+def write_atomically(output: Path, kind: str, write: Callable[[Path], Any]) -> Any:
+    """`write` into a temporary sibling folder, renamed to `output` (marked as a `kind` export) only when it
+    succeeded."""
+    tmp, result = stage(output, kind, write)
     swap_in(tmp, output)
     return result
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("onn")
+    except PackageNotFoundError:
+        return "unknown"

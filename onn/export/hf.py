@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from onn.errors import UserError
-from onn.export.folders import stage, swap_in, write_atomically
+from onn.export.folders import is_export, stage, swap_in, write_atomically
 from onn.models.layers import discover
 from onn.streaming.store import stored_name
 
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("onn")
 BASE_LAYER = "base_layer."
-ADAPTER_MARKER = "adapter_config.json"
 
 
 def save_folder(
@@ -85,7 +84,7 @@ def save_folder(
             tokenizer.save_pretrained(str(folder))
         return count
 
-    shards = write_atomically(Path(output), "config.json", write)
+    shards = write_atomically(Path(output), "hf", write)
     output = Path(output)
     files = [p for p in output.iterdir() if p.is_file()]
     total = sum(p.stat().st_size for p in files)
@@ -104,7 +103,7 @@ def save_adapter(model: nn.Module, tokenizer: Any, output: Path) -> dict[str, An
     """Write the LoRA adapter alone in peft's format (adapter_config.json + adapter_model.safetensors),
     loadable with PeftModel.from_pretrained(base, output)."""
     start = time.perf_counter()
-    write_atomically(Path(output), ADAPTER_MARKER, _adapter_writer(model, tokenizer))
+    write_atomically(Path(output), "adapter", _adapter_writer(model, tokenizer))
     return _adapter_metrics(Path(output), start)
 
 
@@ -116,7 +115,7 @@ def save_export(
     adapter beside the weights is always the one trained with them."""
     start = time.perf_counter()
     beside = output.with_name(output.name + "-adapter")
-    staged = stage(beside, ADAPTER_MARKER, _adapter_writer(model, tokenizer))[0] if adapter else None
+    staged = stage(beside, "adapter", _adapter_writer(model, tokenizer))[0] if adapter else None
     try:
         metrics = save_folder(model, tokenizer, output, engine=engine, max_shard_size=max_shard_size)
     except BaseException:
@@ -126,7 +125,7 @@ def save_export(
     if staged is not None:
         swap_in(staged, beside)
         metrics.update(_adapter_metrics(beside, start))
-    elif (beside / ADAPTER_MARKER).is_file():  # an earlier export's adapter, trained with other weights
+    elif beside.is_dir() and is_export(beside):  # an earlier export's adapter, trained with other weights
         shutil.rmtree(beside)
         log.info("export: removed %s, an earlier export's adapter (this model has none)", beside)
     return metrics

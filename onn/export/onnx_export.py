@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import onnx
     import torch
 
+TORCH_OPSET = 18  # the opset torch.onnx's dynamo exporter writes; others are converted from it
 TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 IMAGE_INPUTS = ("pixel_values",)
 # ModelOutput fields that are not results: caches and per-layer extras (the prefill graph returns none of them).
@@ -143,8 +144,9 @@ def check_onnx(path: str | os.PathLike, load_external_data: bool = True) -> onnx
     return onnx.load(str(path), load_external_data=load_external_data)
 
 
-def _check_file(path: Path) -> None:
-    """onnx.checker on the path (not a loaded proto), so files with external data above 2 GB are checked too."""
+def _check_file(path: Path, bound_for: Path | None = None) -> None:
+    """onnx.checker on the path (not a loaded proto), so files with external data above 2 GB are checked too.
+    `bound_for`: the path an export's temporary file was to be moved to, which the message names instead."""
     import onnx
 
     if not path.is_file():
@@ -152,16 +154,19 @@ def _check_file(path: Path) -> None:
     try:
         onnx.checker.check_model(str(path))
     except Exception as e:
-        raise UserError(f"ONNX file {path} fails onnx.checker: {_one_line(e)}") from e
+        if bound_for is None:
+            raise UserError(f"ONNX file {path} fails onnx.checker: {_one_line(e)}") from e
+        raise UserError(_sentence(f"the ONNX export {bound_for} fails onnx.checker: {_one_line(e)}", bound_for)) from e
 
 
-def run_onnx(path_or_model, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Run a model (path or ModelProto) with onnxruntime on CPU; outputs by name. Torch tensors are accepted."""
+def run_onnx(path_or_model, feeds: dict[str, Any], name: str | None = None) -> dict[str, np.ndarray]:
+    """Run a model (path or ModelProto) with onnxruntime on CPU; outputs by name. Torch tensors are accepted.
+    `name` is what messages call the model (default: its path)."""
     import numpy as np
     import onnxruntime as ort
 
-    where = str(path_or_model) if isinstance(path_or_model, str | os.PathLike) else "the ONNX model"
-    source = where if isinstance(path_or_model, str | os.PathLike) else path_or_model.SerializeToString()
+    where = name or (str(path_or_model) if isinstance(path_or_model, str | os.PathLike) else "the ONNX model")
+    source = str(path_or_model) if isinstance(path_or_model, str | os.PathLike) else path_or_model.SerializeToString()
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors only: ORT's warnings about unused initializers are noise here
     try:
@@ -187,6 +192,32 @@ def run_onnx(path_or_model, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
     return dict(zip(names, results))
 
 
+@functools.cache
+def newest_opset() -> int:
+    """The newest default-domain opset the installed onnx defines and onnxruntime loads (the lower of the two):
+    onnxruntime is asked with a one-node model per opset, as it says nothing of its own range."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    def loads(opset: int) -> bool:
+        value = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+        graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [value], [])
+        graph.output.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [1]))
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+        try:
+            ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        except Exception:
+            return False
+        return True
+
+    low, high = TORCH_OPSET, onnx.defs.onnx_opset_version()
+    while low < high:  # the largest opset onnxruntime loads: every lower one loads too
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if loads(mid) else (low, mid - 1)
+    return low
+
+
 # ---------------------------------------------------------------- the export
 
 
@@ -204,7 +235,7 @@ def export_onnx(
     model,
     output: Path,
     sample_input: dict[str, torch.Tensor],
-    opset: int = 18,
+    opset: int = TORCH_OPSET,
     dynamic: bool = True,
     atol: float = 1e-4,
     axes: dict[str, dict[int, str]] | None = None,
@@ -220,10 +251,7 @@ def export_onnx(
     import torch
 
     started = time.perf_counter()
-    # the exporter's passes log every rewrite at INFO; torch's scan partitioner (imported with torch) sets its own
-    # logger to DEBUG and dumps every scan's forward and backward graphs
-    for noisy in ("onnx_ir", "onnxscript", "torch._higher_order_ops.partitioner"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    _quiet_exporter_logs()
     output = Path(output)
     if output.suffix != ".onnx":
         raise UserError(f"ONNX export path {output} must end in .onnx.")
@@ -247,23 +275,24 @@ def export_onnx(
         names = [name for name, _ in reference]
         shapes = _dynamic_shapes(model, input_names, dynamic, axes, bounds or {})
         program = _torch_export(model, input_names, names, tensors, opset, dynamic, shapes)
+    _check_opset(model, program, opset)
     fixed = _fixed_axes(model, program, input_names, shapes)
 
     folder = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
     try:
         written = folder / output.name
+        compared = (model, written, output, sample_input, reference)
         program.save(written)  # weights go to an external .data file above torch's 1.5 GB threshold
         graph = program.model.graph
         result = {
             "export/onnx": str(output),
-            "export/opset": program.model.opset_imports.get("", opset),
+            "export/opset": opset,
             "export/inputs": [v.name for v in graph.inputs],
             "export/outputs": [v.name for v in graph.outputs],
             "export/fixed_axes": fixed,
         }
         del program
-        _check_file(written)
-        diffs = _compare(model, written, output, sample_input, reference, atol, follow)
+        diffs = _verify(model, written, output, opset, lambda: _compare(*compared, atol, follow))
         _move_into_place(folder, output)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -275,6 +304,30 @@ def export_onnx(
     }
 
 
+def _quiet_exporter_logs() -> None:
+    """The exporter's passes log every rewrite at INFO; torch's scan partitioner (imported with torch) sets its own
+    logger to DEBUG and dumps every scan's forward and backward graphs; the version converter's failure is a
+    warning with a traceback, which _check_opset says in one sentence instead."""
+    for noisy in ("onnx_ir", "onnxscript", "torch._higher_order_ops.partitioner"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("onnxscript.version_converter").setLevel(logging.ERROR)
+
+
+def _verify(model, written: Path, output: Path, opset: int, compare: Callable[[], dict[str, float]]):
+    """onnx.checker on the written file, then `compare` (onnxruntime against PyTorch); a failure at an opset torch
+    converted its graph to says so, since export.opset=18 may then pass."""
+    try:
+        _check_file(written, bound_for=output)
+        return compare()
+    except UserError as e:
+        if opset == TORCH_OPSET:
+            raise
+        raise UserError(
+            f"{str(e).rstrip('.')} (export.opset={opset}: torch.onnx converted its opset-{TORCH_OPSET} graph to "
+            f"it; export.opset={TORCH_OPSET} is the graph as torch.onnx writes it)."
+        ) from e
+
+
 def _compare(
     model, written: Path, output: Path, sample_input: dict, reference: list, atol: float, follow
 ) -> dict[str, float]:
@@ -284,7 +337,10 @@ def _compare(
     onnxruntime's discrete choices."""
     import torch
 
-    ort = run_onnx(written, sample_input)
+    try:
+        ort = run_onnx(written, sample_input, name=str(output))
+    except UserError as e:
+        raise UserError(_sentence(str(e), output)) from e
     if follow is not None:
         with _eval(model), torch.no_grad(), follow(ort):
             reference = _named_tensors(_call(model, sample_input))
@@ -298,6 +354,22 @@ def _compare(
                 f"(more than atol={atol:g} x {scale:.3g}, its largest magnitude), so {output} was not written."
             )
     return diffs
+
+
+def _check_opset(model, program, opset: int) -> None:
+    """torch.onnx falls back to the graph it made (opset 18) when its version converter fails on it, with only a
+    warning: a file of another opset than the one asked for is refused instead."""
+    written = program.model.opset_imports.get("", opset)
+    if written != opset:
+        raise UserError(
+            f"torch.onnx could not convert {type(model).__name__}'s graph to opset {opset} (its version converter "
+            f"failed, leaving opset {written}); set export.opset={written}."
+        )
+
+
+def _sentence(message: str, output: Path) -> str:
+    """A check's message about an export's temporary file, saying that `output` was not written."""
+    return f"{message.rstrip('.')}; {output} was not written."
 
 
 def _dynamic_shapes(model, input_names: list[str], dynamic: bool, axes: dict | None, bounds: dict) -> dict | None:
@@ -535,7 +607,8 @@ def _check_together(model, sample: dict, dynamic: bool, batched: bool = True) ->
         if dynamic and (value.shape[0] < 2 or (name in TEXT_INPUTS and value.shape[1] < 2)):
             raise UserError(
                 f"sample input '{name}' has shape {list(value.shape)}; a dynamic export needs batch and "
-                "sequence sizes of at least 2 (torch.export fixes sizes 0 and 1), or dynamic=False."
+                "sequence sizes of at least 2 (torch.export fixes sizes 0 and 1): set export.sample.batch_size and "
+                "export.sample.sequence_length to 2 or more (export_onnx in Python: or pass dynamic=False)."
             )
 
 

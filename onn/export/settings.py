@@ -16,6 +16,12 @@ def check_settings(export: ExportConfig) -> None:
         return
     if kind not in FORMATS:
         raise UserError(f"export={kind!r} is not one of {', '.join(FORMATS)}.")
+    if kind == "safetensors" and export.output:  # the folder it replaces: refused before training, not after it
+        from pathlib import Path
+
+        from onn.export.folders import check_replaceable
+
+        check_replaceable(Path(export.output))
 
     def number(key: str, minimum: float, strict: bool = True, whole: bool = False) -> None:
         value = getattr(export, key)
@@ -26,9 +32,9 @@ def check_settings(export: ExportConfig) -> None:
             raise UserError(f"export.{key}={value!r}: give {what} {bound}.")
 
     if kind in ("onnx", "omny"):
-        number("opset", 7, strict=False, whole=True)
+        _check_opset(export.opset)
         number("atol", 0, strict=False)
-        _check_image_size(export.sample.image_size)
+        _check_sample(export.sample)
     if kind != "omny":
         return
     for key, strict in (("max_shard_size_mb", True), ("min_vram_mb", True), ("headroom_mb", False)):
@@ -54,6 +60,32 @@ def check_settings(export: ExportConfig) -> None:
                 f"export.{key}={value!r}: give a list of positive {'whole ' if whole else ''}numbers, e.g. "
                 f"{example}, or null."
             )
+
+
+def _check_opset(opset) -> None:
+    """torch.onnx writes opset 18 and converts its graph to another; below 18 that conversion fails for most models
+    (and torch writes 18 anyway), above what onnx and onnxruntime know the written file cannot be checked or run."""
+    from onn.export.onnx_export import TORCH_OPSET, newest_opset
+
+    newest = newest_opset()
+    if isinstance(opset, bool) or not isinstance(opset, int) or not TORCH_OPSET <= opset <= newest:
+        raise UserError(
+            f"export.opset={opset!r}: give a whole number from {TORCH_OPSET} (what torch.onnx writes) to {newest} "
+            "(the newest opset both the installed onnx and onnxruntime know)."
+        )
+
+
+def _check_sample(sample) -> None:
+    """The traced sample's sizes: a dynamic export needs 2 or more on its batch and sequence axes (torch.export
+    fixes an axis of size 0 or 1), and export.sample.image_size is [H, W] as the data group's image_size is."""
+    for key in ("batch_size", "sequence_length"):
+        value = getattr(sample, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+            raise UserError(
+                f"export.sample.{key}={value!r}: give a whole number, 2 or more (torch.export fixes an axis traced "
+                "at size 1, and the exported graph would take no other size)."
+            )
+    _check_image_size(sample.image_size)
 
 
 def _check_image_size(size) -> None:

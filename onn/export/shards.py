@@ -367,27 +367,37 @@ def _check_block(
 ) -> None:
     """Raise naming the block when it does not fit a shard even alone."""
     block = blocks[index]
-    weight = block.weight_bytes / MB
-    if weight > max_shard_size_mb:
+    weight = _up(block.weight_bytes / MB)  # every figure rounded up, so they add up as printed
+    if block.weight_bytes > max_shard_size_mb * MB:
         raise UserError(
-            f"block {index} '{block.name}' has {weight:.1f} MB of weights but export.max_shard_size_mb is "
-            f"{max_shard_size_mb:g}: {_excess(weight, max_shard_size_mb)} MB too big; raise "
-            f"export.max_shard_size_mb to at least {math.ceil(weight * 10) / 10:g}."
+            f"block {index} '{block.name}' has {_mb(weight)} MB of weights but export.max_shard_size_mb is "
+            f"{max_shard_size_mb:.10g}: {_mb(weight - max_shard_size_mb)} MB too big; raise "
+            f"export.max_shard_size_mb to at least {weight:g}."
         )
-    total = sizes.total(index, index + 1) / MB
-    if total > min_vram_mb:
-        activation = sizes.activation(index, index + 1) / MB
+    if sizes.total(index, index + 1) / MB > min_vram_mb:
+        activation = _up(sizes.activation(index, index + 1) / MB)
+        total = weight + activation + headroom_mb  # what the figures printed add up to
         batch = " or the batch size" if batch_size > 1 else ""
         raise UserError(
-            f"block {index} '{block.name}' needs {total:.1f} MB (weights {weight:.1f} + activations "
-            f"{activation:.1f} + headroom {headroom_mb:.1f}) but export.min_vram_mb is {min_vram_mb:g}: "
-            f"{_excess(total, min_vram_mb)} MB too big; raise export.min_vram_mb or lower export.headroom_mb{batch}."
+            f"block {index} '{block.name}' needs {_mb(total)} MB (weights {_mb(weight)} + activations "
+            f"{_mb(activation)} + headroom {_mb(headroom_mb)}) but export.min_vram_mb is {min_vram_mb:.10g}: "
+            f"{_mb(total - min_vram_mb)} MB too big; raise export.min_vram_mb or lower export.headroom_mb{batch}."
         )
 
 
-def _excess(value: float, limit: float) -> str:
-    """How far over, rounded up to 0.1 MB so a tiny excess never reads as 0.0."""
-    return f"{math.ceil((value - limit) * 10 - 1e-9) / 10:.1f}"
+def _up(mb: float) -> float:
+    """Rounded up (as the limit to raise to must be, so a tiny excess never reads as 0.0) to 0.1 MB, or to two
+    significant digits below 1 MB (a test's tiny blocks)."""
+    if mb <= 0:
+        return 0.0
+    step = min(0.1, 10 ** (math.floor(math.log10(mb)) - 1))
+    return round(math.ceil(mb / step - 1e-9) * step, 10)
+
+
+def _mb(value: float) -> str:
+    """A figure of MB as printed: one decimal where that is exact (the rounded figures), else as many as it has."""
+    value = round(value, 6)
+    return f"{value:.1f}" if abs(value * 10 - round(value * 10)) < 1e-6 else f"{value:.10g}"
 
 
 def _greedy_parts(sizes: _Sizes, reach: list[int], cap: float, limit: int) -> int:
@@ -462,9 +472,9 @@ def _capacity_plan(
         total = sizes.total(index, index + 1)
         if total > caps[largest]:
             raise UserError(
-                f"block {index} '{blocks[index].name}' needs {total / MB:.1f} MB (with export.headroom_mb="
-                f"{headroom_mb:g}) but the largest node, node {largest}, has {nodes[largest]:g} MB: "
-                f"{_excess(total / MB, nodes[largest])} MB too big; "
+                f"block {index} '{blocks[index].name}' needs {_mb(_up(total / MB))} MB (with export.headroom_mb="
+                f"{headroom_mb:g}) but the largest node, node {largest}, has {nodes[largest]:.10g} MB: "
+                f"{_mb(_up(total / MB) - nodes[largest])} MB too big; "
                 "add memory to export.nodes or lower export.headroom_mb."
             )
     layers, failed = _frontiers(sizes, caps, 1.0)
@@ -579,13 +589,13 @@ def _raise_node(blocks: list[Block], sizes: _Sizes, nodes: list[float], layers: 
         if start < n - 1:
             what = f"blocks {start}-{n - 1}, which need"
         raise UserError(
-            f"node {node} ({mem:g} MB), the last in export.nodes, would have to hold {what} "
-            f"{total:.1f} MB: {_excess(total, mem)} MB too big; add nodes or memory to export.nodes."
+            f"node {node} ({mem:.10g} MB), the last in export.nodes, would have to hold {what} "
+            f"{_mb(_up(total))} MB: {_mb(_up(total) - mem)} MB too big; add nodes or memory to export.nodes."
         )
     start = min(starts, key=lambda s: (sizes.total(s, s + 1), s))
     total = sizes.total(start, start + 1) / MB
     raise UserError(
-        f"node {node} ({mem:g} MB) must hold at least one block but cannot hold even block {start} "
-        f"'{blocks[start].name}', the smallest it could start at, which needs {total:.1f} MB: "
-        f"{_excess(total, mem)} MB too big; give node {node} more memory or reorder export.nodes."
+        f"node {node} ({mem:.10g} MB) must hold at least one block but cannot hold even block {start} "
+        f"'{blocks[start].name}', the smallest it could start at, which needs {_mb(_up(total))} MB: "
+        f"{_mb(_up(total) - mem)} MB too big; give node {node} more memory or reorder export.nodes."
     )

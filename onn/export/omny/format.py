@@ -58,8 +58,9 @@ def _open_schema() -> dict[str, Any]:
 
 
 def check_document(doc: dict[str, Any], where: str, newer_minor: bool = False) -> None:
-    """Both the writer and the reader hold the document to the schema in FORMAT_SPEC.md; a reader ignores the
-    fields a document of a newer MINOR version adds (`newer_minor`), and holds the rest to the schema."""
+    """Both the writer and the reader hold the document to the schema in FORMAT_SPEC.md and to the rules a schema
+    cannot state (consistent_plans); a reader ignores the fields a document of a newer MINOR version adds
+    (`newer_minor`), and holds the rest to the schema."""
     import jsonschema
 
     try:
@@ -67,6 +68,66 @@ def check_document(doc: dict[str, Any], where: str, newer_minor: bool = False) -
     except jsonschema.ValidationError as e:
         at = "/".join(str(p) for p in e.absolute_path) or "<root>"
         raise UserError(f"{where}: the .omny document is invalid at {at}: {e.message}.") from None
+    if problem := consistent_plans(doc):
+        raise UserError(f"{where}: the .omny document is invalid: {problem}.")
+
+
+ROUNDING_MB = 0.05  # a shard's total_mb is rounded to 0.1 MB: it may read up to half of that over its limit
+
+
+def consistent_plans(doc: dict[str, Any]) -> str | None:
+    """What FORMAT_SPEC.md says of the plans beyond the schema, or None when it holds: blocks numbered in order;
+    each plan's ranges contiguous from block 0 to the last, one per shard and the same as its detail's blocks; a
+    shard's weights within max_shard_size_mb and its total within min_vram_mb (a node plan's: its node's memory);
+    allowed_counts the configurations' shard counts."""
+    count = len(doc["blocks"])
+    if (bad := next((i for i, b in enumerate(doc["blocks"]) if b["index"] != i), None)) is not None:
+        return f"blocks/{bad} has index {doc['blocks'][bad]['index']}, not its place {bad}"
+    plans = doc["shard_plans"]
+    limits = (plans["max_shard_size_mb"], plans["min_vram_mb"])
+    for k, conf in enumerate(plans["configurations"]):
+        at = f"shard_plans/configurations/{k}"
+        if problem := _ranges_problem(conf["ranges"], conf["detail"], count, conf["shards"]):
+            return f"{at}: {problem}"
+        for j, shard in enumerate(conf["detail"]):
+            if problem := _over(shard, *limits):
+                return f"{at}/detail/{j}: {problem}"
+    if plans["allowed_counts"] != [c["shards"] for c in plans["configurations"]]:
+        return (
+            f"shard_plans/allowed_counts {plans['allowed_counts']} are not the configurations' shard counts "
+            f"{[c['shards'] for c in plans['configurations']]}"
+        )
+    if node := doc["node_plan"]:
+        nodes = node["nodes_mb"]
+        if problem := _ranges_problem(node["ranges"], node["detail"], count, len(nodes)):
+            return f"node_plan: {problem}"
+        if len(node["utilisation"]) != len(nodes):
+            return f"node_plan has {len(node['utilisation'])} utilisation figures for {len(nodes)} nodes"
+        for j, (shard, memory) in enumerate(zip(node["detail"], nodes)):
+            if problem := _over(shard, None, memory):
+                return f"node_plan/detail/{j}: {problem}"
+    return None
+
+
+def _ranges_problem(ranges: list, detail: list, blocks: int, shards: int) -> str | None:
+    """A plan's [start, end) ranges: one per shard, contiguous, from 0 to `blocks`, each its detail's blocks."""
+    if len(ranges) != shards or len(detail) != shards:
+        return f"{shards} shards, but {len(ranges)} ranges and {len(detail)} details"
+    ends = [0, *(end for _, end in ranges)]
+    if [start for start, _ in ranges] != ends[:-1] or ends[-1] != blocks or any(a >= b for a, b in ranges):
+        return f"ranges {ranges} are not contiguous ranges covering blocks 0 to {blocks}"
+    if [d["blocks"] for d in detail] != [list(r) for r in ranges]:
+        return f"ranges {ranges} differ from the detail's blocks {[d['blocks'] for d in detail]}"
+    return None
+
+
+def _over(shard: dict, max_shard_mb: float | None, memory_mb: float) -> str | None:
+    """A shard's weights over max_shard_size_mb, or its total_mb over the memory it must fit."""
+    if max_shard_mb is not None and shard["weight_bytes"] > max_shard_mb * MB:
+        return f"weight_bytes {shard['weight_bytes']} is over max_shard_size_mb={max_shard_mb:g}"
+    if shard["total_mb"] > memory_mb + ROUNDING_MB:
+        return f"total_mb {shard['total_mb']:g} is over the {memory_mb:g} MB it must fit"
+    return None
 
 
 # --- building the document ------------------------------------------------------------------------
@@ -389,13 +450,20 @@ def _exporter() -> dict[str, str]:
 # --- writing and reading --------------------------------------------------------------------------
 
 
-def write(model: onnx.ModelProto, doc: dict[str, Any], output: str | Path) -> Path:
-    """The model with its document in metadata_props, written beside `output` then renamed into place."""
-    output = Path(output)
+def _check_output(output: Path) -> None:
+    """The .omny file to write: in a folder that exists, and not itself a folder."""
+    if output.is_dir():
+        raise UserError(f"output {output} is a folder; name the .omny file to write, e.g. {output / 'model.omny'}.")
     if not output.parent.is_dir():
         raise UserError(
             f"export output {output}: the folder {output.parent} does not exist; create it or choose another path."
         )
+
+
+def write(model: onnx.ModelProto, doc: dict[str, Any], output: str | Path) -> Path:
+    """The model with its document in metadata_props, written beside `output` then renamed into place."""
+    output = Path(output)
+    _check_output(output)
     check_document(doc, str(output))
     props = {p.key: p.value for p in model.metadata_props}  # other tools' metadata stays
     props[METADATA_KEY] = json.dumps(doc, separators=(",", ":"))
@@ -447,6 +515,10 @@ def _load(path: str | Path, weights: bool = True) -> onnx.ModelProto:
     from onn.export.onnx_export import check_onnx
 
     path = Path(path)
+    if path.is_dir():
+        inside = sorted(p.name for p in path.iterdir() if p.suffix in (".omny", ".onnx") or p.name == "pipeline.json")
+        hint = f" (it holds {', '.join(inside[:3])})" if inside else ""
+        raise UserError(f"{path} is a folder, not an ONNX file; name the file in it{hint}.")
     if not path.is_file():
         raise UserError(f"{path} does not exist.")
     return check_onnx(path, load_external_data=weights)
@@ -593,13 +665,14 @@ def validate(
     feeds = {k: _numpy(v) for k, v in (sample_input or sample_feeds(doc)).items()}
     whole = run_onnx(str(path), feeds)  # from the file: a model over 2 GB cannot be serialised again
     extractor = subgraph_extractor(model)
+    ok = _blocks_hold_their_weights(doc, extractor, path, echo)
     plans = [
         (f"{c['shards']} shard{'s' if c['shards'] > 1 else ''}", c["detail"], doc["shard_plans"]["max_shard_size_mb"])
         for c in doc["shard_plans"]["configurations"]
     ]
     if doc["node_plan"]:
         plans.append((f"node plan over {doc['node_plan']['nodes_mb']} MB", doc["node_plan"]["detail"], None))
-    ok, largest = True, 0.0
+    largest = 0.0
     for title, detail, limit in plans:
         echo(f"{path}: {title}")
         echo(f"  {'shard':>5}  {'blocks':<10} {'weights (doc)':>14} {'weights (file)':>15}  inputs -> outputs")
@@ -641,6 +714,28 @@ def validate(
             echo(f"  max abs diff against the whole model: {worst:.3g} ({'ok' if worst <= atol else f'over {atol:g}'})")
     echo(f"{path}: {'valid' if ok else 'INVALID'}")
     return Validation(bool(ok), largest)
+
+
+def _blocks_hold_their_weights(doc: dict[str, Any], extractor, path, echo) -> bool:
+    """Each block cut out alone (from the tensors crossing the cut before it to those crossing the cut after it)
+    stores exactly its weight_bytes; the blocks the document's figures are wrong for are named."""
+    crossing = {c["after_block"]: c.get("crossing") or [c["name"]] for c in doc["cut_points"]}
+    inputs, outputs = [s["name"] for s in doc["inputs"]], [s["name"] for s in doc["outputs"]]
+    wrong, before = [], []
+    for block in doc["blocks"]:
+        after = crossing.get(block["index"], outputs) if block["cut_after"] else outputs
+        try:
+            part = extractor.extract_model(inputs + before, [t for t in after if t not in before])
+            actual = _stored_bytes(part)
+        except (KeyError, ValueError, TypeError) as e:
+            echo(f"{path}: block {block['index']} cannot be cut out as the document says: {type(e).__name__}: {e}")
+            return False
+        if actual != block["weight_bytes"]:
+            wrong.append(f"block {block['index']} '{block['name']}' says {block['weight_bytes']}, stores {actual}")
+        before = [t for t in after if t not in inputs]
+    for line in wrong:
+        echo(f"{path}: weight_bytes differ from the graph: {line}")
+    return not wrong
 
 
 def subgraph_extractor(model: onnx.ModelProto):
@@ -717,6 +812,7 @@ def enrich_onnx(
     Nodes that compute from constants alone are folded into initializers first (weights a graph builds with
     ConstantOfShape count as weights, and blocks can hold them). Without `sample_input`, one is made from
     the graph's declared input shapes (see declared_sample; `dims` sizes its named dimensions)."""
+    _check_output(Path(output))  # before the graph is read and described, not after
     model, folded = G.fold_constants(_load(onnx_path))
     if folded:
         print(

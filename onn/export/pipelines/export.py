@@ -75,7 +75,7 @@ def export_pipeline(
         document.write(staged, doc)
         return per_piece
 
-    per_piece = write_atomically(folder, "pipeline.json", write)
+    per_piece = write_atomically(folder, "pipeline", write)
     return {
         "export/pipeline": str(folder / "pipeline.json"),
         "export/pieces": per_piece,

@@ -57,6 +57,8 @@ class DiffusionModality(Modality):
             raise UserError(f"model.beta_schedule={model.beta_schedule!r}: use one of {', '.join(BETA_SCHEDULES)}.")
         if model.train_timesteps < 1:
             raise UserError(f"model.train_timesteps={model.train_timesteps}: give a whole number, 1 or more.")
+        if config.export.name == "omny":  # refused before training, not after it
+            raise UserError("export=omny is not available for a diffusion denoiser; use export=onnx or safetensors.")
         self._check_sampling(config)
         size = config.data.image_size
         if size is not None and (len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size)):

@@ -268,10 +268,16 @@ def export_module(config: ONNConfig, module: DiffusionModule, run_dir: Path) -> 
 
         from safetensors.torch import save_model
 
-        folder = Path(config.export.output or run_dir / "export" / "safetensors")
-        folder.mkdir(parents=True, exist_ok=True)
-        save_model(denoiser, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        (folder / "config.json").write_text(json.dumps(module.onn_config, indent=2, default=str))
+        from onn.export.folders import write_atomically
+
+        def write(folder: Path) -> None:
+            save_model(denoiser, str(folder / "model.safetensors"), metadata={"format": "pt"})
+            (folder / "config.json").write_text(json.dumps(module.onn_config, indent=2, default=str))
+
+        folder = Path(config.export.output or run_dir / "export" / "safetensors").expanduser()
+        if not config.export.output:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(folder, "denoiser", write)  # an earlier export's folder only, replaced whole
         return {"export/format": "safetensors", "export/path": str(folder)}
     batch = int(config.export.sample.batch_size)
     generator = torch.Generator().manual_seed(int(config.seed))

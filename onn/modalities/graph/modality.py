@@ -91,6 +91,11 @@ class GraphModality(ClassifierModality):
             )
         if data.batch_groups:
             raise UserError("data.batch_groups does not apply to graphs; set data.batch_groups=null.")
+        if config.export.name == "omny":  # refused before training, not after it
+            raise UserError(
+                "export=omny is not available for a graph network; use export=onnx (nodes and edges stay dynamic) "
+                "or export=safetensors."
+            )
         if config.task.mixup:  # every task a classifier runs extends train's keys
             raise UserError(
                 f"task.mixup={config.task.mixup}: two graphs' nodes and edges do not blend; set task.mixup=0."

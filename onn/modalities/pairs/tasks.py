@@ -369,21 +369,34 @@ def export(job: Job) -> dict[str, Any]:
 
 def export_module(config: ONNConfig, module: DualEncoder, run_dir: Path) -> dict[str, Any]:
     """safetensors: the dual encoder's state dict and config.json; onnx/omny: one file per tower, in a folder as a
-    pipeline's pieces are: export.output=DIR/NAME.onnx (or .omny, or DIR/NAME) is DIR/NAME/ (write.pipeline_folder)."""
-    from onn.export.write import export_model, pipeline_folder
+    pipeline's pieces are: export.output=DIR/NAME.onnx (or .omny, or DIR/NAME) is DIR/NAME/ (write.pipeline_folder).
+    The folder is written beside its place and replaces it whole once every tower passed its check, so a failed
+    export leaves the earlier one as it was, never towers of two trainings side by side."""
+    from onn.export.folders import write_atomically
+    from onn.export.write import pipeline_folder
 
     settings: SafetensorsExport | OnnxExport = config.export
     folder = Path(settings.output).expanduser() if settings.output else run_dir / "export"
     if settings.output and settings.name != "safetensors":
         folder = pipeline_folder(settings.output, folder)
-    folder.mkdir(parents=True, exist_ok=True)
     module = module.cpu().eval()
     if settings.name == "safetensors":
         from safetensors.torch import save_model
 
-        save_model(module, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        (folder / "config.json").write_text(json.dumps(module.onn_config, indent=2, default=str))
+        def write(staged: Path) -> None:
+            save_model(module, str(staged / "model.safetensors"), metadata={"format": "pt"})
+            (staged / "config.json").write_text(json.dumps(module.onn_config, indent=2, default=str))
+
+        write_atomically(folder, "dual_encoder", write)
         return {"export/format": "safetensors", "export/path": str(folder)}
+    return write_atomically(folder, "dual_encoder", lambda staged: _export_towers(config, module, staged, folder))
+
+
+def _export_towers(config: ONNConfig, module: DualEncoder, staged: Path, folder: Path) -> dict[str, Any]:
+    """Each tower as ONNX (or .omny) in `staged`, the metrics naming the files where they will be, in `folder`."""
+    from onn.export.write import export_model
+
+    settings: OnnxExport = config.export
     metrics: dict[str, Any] = {}
     batch = settings.sample.batch_size
     suffix = {"onnx": ".onnx", "omny": ".omny"}[settings.name]
@@ -395,12 +408,18 @@ def export_module(config: ONNConfig, module: DualEncoder, run_dir: Path) -> dict
             stored = torch.randn(stored.shape, generator=generator)
         elif stored.dtype == torch.uint8:
             stored = torch.randint(0, 256, stored.shape, dtype=torch.uint8, generator=generator)
-        result = export_model(
-            Tower(module, name),
-            folder / f"{name}{suffix}",
-            {"input": stored},
-            settings,
-            model_name=config.model.name,
-        )
-        metrics.update({f"{k}/{name}" if k.startswith("export/") else k: v for k, v in result.items()})
+        try:
+            result = export_model(
+                Tower(module, name),
+                staged / f"{name}{suffix}",
+                {"input": stored},
+                settings,
+                model_name=config.model.name,
+            )
+        except UserError as e:  # named where the tower was to go, not the folder it was staged in
+            raise UserError(str(e).replace(str(staged), str(folder))) from e
+        for key, value in result.items():
+            if isinstance(value, str) and Path(value).parent == staged:
+                value = str(folder / Path(value).name)
+            metrics[f"{key}/{name}" if key.startswith("export/") else key] = value
     return metrics
