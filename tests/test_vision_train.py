@@ -417,3 +417,20 @@ def test_idx_files_train_a_one_channel_model_and_export(tmp_path):
 
     state = load_file(str(Path(saved["export/path"]) / "model.safetensors"))
     assert state["features.0.0.weight"].shape[1] == 1 and state["classifier.head.weight"].shape[0] == 10
+
+
+def test_a_classifiers_export_replaces_an_earlier_export_whole_and_traces_at_its_own_size(tmp_path):
+    """A classifier's safetensors export wrote into its folder in place (a user's own config.json overwritten, a
+    failed write leaving half a folder), and export.sample.image_size was ignored without a word (the graph took
+    the data's size)."""
+    from onn.app import execute
+    from onn.export.folders import MARKER
+
+    common = ("task=export", "model=v28_cnn", "data=image", f"paths.outputs={tmp_path}", f"paths.cache={tmp_path}")
+    folder = tmp_path / "export"
+    for run in ("first", "second"):
+        m = execute(compose(*common, "export=safetensors", f"export.output={folder}"), tmp_path / run)
+        assert m["export/path"] == str(folder)
+        assert sorted(p.name for p in folder.iterdir()) == sorted(["config.json", "model.safetensors", MARKER])
+    with pytest.raises(UserError, match=r"^export\.sample\.image_size=\[64, 64\]: a trained classifier is traced"):
+        execute(compose(*common, "export=onnx", "export.sample.image_size=[64,64]"), tmp_path / "onnx")

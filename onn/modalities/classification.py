@@ -472,19 +472,30 @@ def export_module(m: ClassifierModality, config: ONNConfig, module: Classifier, 
     if isinstance(settings, SafetensorsExport):
         from safetensors.torch import save_model
 
-        folder = Path(settings.output or run_dir / "export" / "safetensors")
-        folder.mkdir(parents=True, exist_ok=True)
-        save_model(network, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        (folder / "config.json").write_text(
-            json.dumps({"model": as_dict(config.model), "inputs": inputs, "modality": m.name}, indent=2)
-        )
+        from onn.export.folders import write_atomically
+
+        def write(folder: Path) -> None:
+            save_model(network, str(folder / "model.safetensors"), metadata={"format": "pt"})
+            (folder / "config.json").write_text(
+                json.dumps({"model": as_dict(config.model), "inputs": inputs, "modality": m.name}, indent=2)
+            )
+
+        folder = Path(settings.output or run_dir / "export" / "safetensors").expanduser()
+        if not settings.output:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(folder, "network", write)  # an earlier export's folder only, replaced whole
         log.info("export: %s", folder)
         return {"export/format": "safetensors", "export/path": str(folder)}
     if not isinstance(settings, OnnxExport):  # (export=none never comes here)
         raise UserError(f"export={settings.name}: a classifier exports safetensors, onnx or omny.")
-    batch = int(settings.sample.batch_size)
-    stored = torch.zeros(batch, *input_shape(inputs), dtype=getattr(torch, m.stored_dtype))
+    stored = torch.zeros(int(settings.sample.batch_size), *input_shape(inputs), dtype=getattr(torch, m.stored_dtype))
     x = module.prepare(stored, train=False) if module.transform is not None else stored
+    size = settings.sample.image_size
+    if size is not None and list(size) != list(x.shape[-2:]):  # it was traced at the data's size without a word
+        raise UserError(
+            f"export.sample.image_size={list(size)}: a trained classifier is traced at the size its network "
+            f"takes ({list(x.shape[-2:])}, from its data); leave export.sample.image_size at null."
+        )
     generator = torch.Generator().manual_seed(int(config.seed))
     sample = {"input": torch.randn(x.shape, generator=generator, dtype=x.dtype)}
     return export_for_run(config, network, run_dir, sample)
