@@ -13,6 +13,15 @@ class UserError(Exception):
     """A problem with the user's input (a file, a config value); the message says what to do."""
 
 
+class ExportFailed(UserError):
+    """The export at the end of a training run failed: `metrics` are the training's figures, which the run's
+    record keeps beside the error (the checkpoint is written: task=export of it needs no training again)."""
+
+    def __init__(self, message: str, metrics: dict):
+        super().__init__(message)
+        self.metrics = metrics
+
+
 def write_refused(
     error: OSError, path: str | os.PathLike, needed_bytes: int | None = None, what: str = "it"
 ) -> UserError:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run_cli
 from onnx import TensorProto, helper
 
 from onn.errors import UserError
@@ -590,3 +590,25 @@ def test_export_sample_image_size_is_height_and_width(tmp_path):
     for bad in ([32], [0, 32], [32, 32, 3], 32):
         with pytest.raises(UserError, match=r"export.sample.image_size=.*: give two positive whole numbers \[H, W\]"):
             check_settings(replace(base, sample=replace(base.sample, image_size=bad)))
+
+
+def test_a_failed_export_after_training_keeps_the_trainings_figures_and_says_how_to_export_it(tmp_path):
+    """An export that failed at the end of training left metrics.json with its error alone: the loss curve and
+    validation figures of the finished training were gone, and nothing said its checkpoint could be exported."""
+    run = tmp_path / "run"
+    done = run_cli(
+        "model=llama_tiny",
+        "trainer.max_steps=2",
+        "task.validate_before=false",
+        "task.exact_match_samples=0",
+        "tracking=none",
+        "export=omny",
+        "export.max_shard_size_mb=0.01",
+        f"paths.outputs={tmp_path}",
+        f"hydra.run.dir={run}",
+    )
+    assert done.returncode == 1
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["status"] == "failed" and m["steps"] == 2 and len(m["train/loss_curve"]) == 2 and m["val/loss_final"] > 0
+    assert f"task=export ckpt={run} exports it without training again" in m["error"]
+    assert (run / "checkpoints" / "last.ckpt").is_dir()

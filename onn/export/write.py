@@ -14,6 +14,7 @@ import errno
 import itertools
 import logging
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from onn.config import ONNConfig
 from onn.config.convert import typed
 from onn.config.export import ExportSample, OmnyExport, OnnxExport, SafetensorsExport
 from onn.config.model import LanguageModelConfig
-from onn.errors import UserError, write_refused
+from onn.errors import ExportFailed, UserError, write_refused
 from onn.export.model_facts import kv_cache_bytes, model_source, omny_runs
 from onn.export.settings import FORMATS, check_settings
 from onn.models.load import load
@@ -137,6 +138,19 @@ def _export(model, output: Path, sample_input, settings, model_name, tokenizer, 
     metrics["export/onnx"] = str(output)
     metrics.update(_omny_metrics(doc, output))
     return metrics
+
+
+def export_after_training(metrics: dict[str, Any], run_dir: Path, export: Callable[[], dict[str, Any]]) -> None:
+    """A trained run's export, its figures added to `metrics`. A failure keeps the training's figures
+    (ExportFailed carries them to the run's record) and says how to export the checkpoint without training."""
+    try:
+        metrics.update(export())
+    except UserError as e:
+        raise ExportFailed(
+            f"{e} (training finished and wrote {Path(run_dir) / 'checkpoints'}: once that is fixed, "
+            f"task=export ckpt={run_dir} exports it without training again)",
+            metrics,
+        ) from None
 
 
 def export_for_run(

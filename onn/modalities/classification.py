@@ -39,7 +39,7 @@ from onn.config.task import InferTask, TrainTask
 from onn.data.files import write_jsonl
 from onn.data.resident import ClassificationData, ResidentBatches, Split, numbered
 from onn.errors import UserError
-from onn.export.write import export_for_run
+from onn.export.write import export_after_training, export_for_run
 from onn.hardware.memory import PeakMemory
 from onn.hardware.profile import Profile
 from onn.modalities.base import ClassifierModality, Job
@@ -267,7 +267,7 @@ def train(job: Job) -> dict[str, Any]:
     if config.export.name != "none":  # a streamed network exports from its checkpoint, resident
         tested = Path(best) if best else run_dir / "checkpoints" / "last.ckpt"
         exported = module if module.engine is None else load_trained(m, config, plan, tested)
-        metrics.update(export_module(m, config, exported, run_dir))
+        export_after_training(metrics, run_dir, lambda: export_module(m, config, exported, run_dir))
     return metrics
 
 

@@ -27,6 +27,7 @@ from onn.config.model import DenoiserConfig
 from onn.config.strategy import StrategyConfig
 from onn.config.task import TrainTask
 from onn.errors import UserError
+from onn.export.write import export_after_training
 from onn.hardware.memory import PeakMemory, hold_mmap_threshold
 from onn.hardware.profile import Profile
 from onn.modalities.base import Job
@@ -207,7 +208,7 @@ def train(job: Job) -> dict[str, Any]:
         metrics["streaming"] = {"chunk_size": job.plan.streaming.chunk_size, "store": job.plan.streaming.store}
     metrics.update(sample_grid(config, module, run_dir, torch.device(job.device)))
     if config.export.name != "none":
-        metrics.update(export_module(config, module, run_dir))
+        export_after_training(metrics, run_dir, lambda: export_module(config, module, run_dir))
     return metrics
 
 

@@ -27,6 +27,7 @@ from onn.config.model import DualEncoderConfig
 from onn.config.task import InferTask
 from onn.data.files import existing_source, walk_files, write_jsonl
 from onn.errors import UserError
+from onn.export.write import export_after_training
 from onn.hardware.memory import PeakMemory
 from onn.hardware.profile import Profile
 from onn.modalities.base import Job, PairSide
@@ -195,7 +196,7 @@ def train(job: Job) -> dict[str, Any]:
         metrics["val/recall@5"],
     )
     if config.export.name != "none":
-        metrics.update(export_module(config, module, run_dir))
+        export_after_training(metrics, run_dir, lambda: export_module(config, module, run_dir))
     return metrics
 
 

@@ -17,7 +17,7 @@ from onn.config.task import EvalTask, InferTask, TrainTask
 from onn.data.files import write_jsonl
 from onn.dtypes import torch_dtype
 from onn.errors import UserError
-from onn.export.write import export_for_run
+from onn.export.write import export_after_training, export_for_run
 from onn.hardware.cluster import compute_device, is_rank_zero
 from onn.hardware.memory import PeakMemory
 from onn.modalities.base import Job
@@ -274,11 +274,30 @@ def run_steps(config: ONNConfig, dm: TextDataModule) -> int:
     return per_epoch * epochs
 
 
-def with_prompt_layout(module: CausalLM, dm: TextDataModule) -> TextDataModule:
-    """The data, its prompt layout put in the checkpoint's config: infer and serve then prompt as the model learned
-    (a model trained on chat messages without a chat template learned role lines)."""
-    module.onn_config["prompt_layout"] = dm.prompter.layout_name
-    return dm
+def exact_match_after_training(job: Job, fit, module: CausalLM, dm: TextDataModule, tokenizer, writes: bool):
+    """val/exact_match of the trained model on task.exact_match_samples held-out answers; rank 0 answers, or every
+    rank where the forward is a collective (else rank 0 would wait for the others)."""
+    config = job.config
+    samples = config.task.exact_match_samples if writes or forward_is_collective(fit) else 0
+    if not samples or not any(p for p, _ in dm.val_examples):
+        return {}
+    if dm.max_answer_tokens > SHORT_ANSWER_TOKENS:
+        log.info("answers run to %d tokens: skipping exact match after training; run task=eval", dm.max_answer_tokens)
+        return {}
+    module.model.to(job.device)  # Lightning's teardown left it on the CPU
+    with gathered(module):  # ZeRO-3's partitioned weights, whole for generation
+        scores = answer_scores(
+            module.model,
+            tokenizer,
+            dm.val_examples,
+            config.data.answer_pattern,
+            samples,
+            max_new_tokens=dm.max_answer_tokens + 2,
+            engine=module.engine,
+            batch_size=generate_batch(job.plan, samples),
+            add_special_tokens=dm.prompter.add_special_tokens,
+        )
+    return {f"val/{k}": v for k, v in scores.items()}
 
 
 def train(job: Job) -> dict[str, Any]:
@@ -293,7 +312,10 @@ def train(job: Job) -> dict[str, Any]:
     check_tbptt(config, module)
     if ckpt is not None:  # before Lightning restores it: a checkpoint of another model is one sentence
         check_state(module, state_shapes(ckpt), ckpt, loads_frozen=module.strict_loading)
-    dm = with_prompt_layout(module, dm or datamodule(config, tokenizer))
+    dm = dm or datamodule(config, tokenizer)
+    # in the checkpoint's config: infer and serve prompt as the model learned (chat messages without a chat
+    # template: role lines)
+    module.onn_config["prompt_layout"] = dm.prompter.layout_name
     module.max_steps = run_steps(config, dm)
     config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, max_steps=module.max_steps))
     clock = StepClock()  # RandomState: dropout draws after a resume what it would have drawn
@@ -336,30 +358,12 @@ def train(job: Job) -> dict[str, Any]:
         metrics["streaming/mlps_sliced"] = module.engine.tiled_mlps
         metrics["streaming/norms_recomputed"] = module.engine.recomputed_norms
         metrics["streaming/dropout_replayed"] = module.engine.dropout
-    # rank 0 answers, or every rank where the forward is a collective (else rank 0 would wait for the others)
-    samples = config.task.exact_match_samples if writes or forward_is_collective(fit) else 0
-    if samples and any(p for p, _ in dm.val_examples) and dm.max_answer_tokens > SHORT_ANSWER_TOKENS:
-        log.info(
-            "answers run to %d tokens: skipping exact match after training; run task=eval for it",
-            dm.max_answer_tokens,
-        )
-    elif samples and any(p for p, _ in dm.val_examples):
-        module.model.to(job.device)  # Lightning's teardown left it on the CPU
-        with gathered(module):  # ZeRO-3's partitioned weights, whole for generation
-            scores = answer_scores(
-                module.model,
-                tokenizer,
-                dm.val_examples,
-                config.data.answer_pattern,
-                samples,
-                max_new_tokens=dm.max_answer_tokens + 2,
-                engine=module.engine,
-                batch_size=generate_batch(plan, samples),
-                add_special_tokens=dm.prompter.add_special_tokens,
-            )
-        metrics.update({f"val/{k}": v for k, v in scores.items()})
+    metrics.update(exact_match_after_training(job, fit, module, dm, tokenizer, writes))
     if writes and config.export.name != "none":
-        metrics.update(export_for_run(config, module.model, run_dir, tokenizer=tokenizer, engine=module.engine))
+        model, engine = module.model, module.engine
+        export_after_training(
+            metrics, run_dir, lambda: export_for_run(config, model, run_dir, tokenizer=tokenizer, engine=engine)
+        )
     return metrics
 
 
