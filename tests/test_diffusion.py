@@ -76,6 +76,10 @@ def test_train_sample_judge_and_export_a_unet(images, tmp_path):
     assert metrics["train/loss_final"] < metrics["train/loss_initial"]
     assert metrics["export/max_abs_diff"] < 1e-4 and metrics["export/inputs"] == ["sample", "timestep"]
     assert Path(metrics["samples/picture"]).is_file()
+    # another optim.name on resume failed with KeyError 'momentum' mid-fit: the optimizer is the checkpoint's
+    resumed, _ = run(tmp_path, *TINY_UNET, f"data.source={images}", f"ckpt={run_dir}", "optim.name=sgd",
+                     "trainer.max_steps=14", name="resumed")  # fmt: skip
+    assert resumed["steps"] == 14
 
     common = (*TINY_UNET, f"ckpt={run_dir}", "task.samples=5")
     first, a = run(tmp_path, *common, "task=infer", "task.seed=7", name="infer_a")

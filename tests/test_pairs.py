@@ -16,6 +16,7 @@ from conftest import MODALITY_HARDWARE, ROOT, compose
 from onn.errors import UserError
 from onn.modalities.pairs.demo import write_primitives, write_shapes
 from onn.modalities.pairs.detect import find_pairs
+from onn.training.checkpoints import saved_config
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +210,8 @@ def test_image_text_pairs_half_orphaned_train_to_5x_chance_then_infer_eval_expor
     assert metrics["pairs/held_out"] == 30 and metrics["val/recall@1_chance"] == pytest.approx(1 / 30, abs=1e-4)
     assert metrics["train/loss_final"] < metrics["train/loss_initial"]
     assert metrics["val/recall@1"] >= 5 * metrics["val/recall@1_chance"], metrics["val/history"]
+    # what a resume builds its optimizer from: the checkpoint's optimizer state belongs to these settings
+    assert saved_config(run_dir / "checkpoints" / "last.ckpt")["optim"]["warmup_steps"] == 5
     for side in ("image", "text"):
         assert metrics[f"export/max_abs_diff/{side}"] < 1e-4 and Path(metrics[f"export/onnx/{side}"]).is_file()
 

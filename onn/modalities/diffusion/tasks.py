@@ -38,7 +38,7 @@ from onn.planning.spec import network_spec
 from onn.streaming import seeded
 from onn.streaming.store import LayerStore
 from onn.training.callbacks import StepClock, run_callbacks
-from onn.training.checkpoints import check_state, run_best, saved_config, state_shapes
+from onn.training.checkpoints import check_state, resumed_optim, run_best, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.classifier import mean_loss
 from onn.training.trainer import build_trainer, optimizer_steps, streaming_store, streaming_strategy
@@ -114,6 +114,7 @@ def build(config: ONNConfig, inputs: dict[str, Any], store: LayerStore | None = 
         "model": as_dict(model),
         "strategy": {**as_dict(config.strategy), "name": "sparse_lora" if streams else "full"},
         "data": as_dict(config.data),
+        "optim": as_dict(config.optim),  # what a resumed run's optimizer state belongs to (resumed_optim)
         "inputs": inputs,
         "modality": "diffusion",
     }
@@ -164,8 +165,8 @@ def _callbacks(config: ONNConfig, run_dir: Path) -> list:
 def train(job: Job) -> dict[str, Any]:
     config, run_dir, ckpt = job.config, job.run_dir, job.ckpt
     saved = saved_config(ckpt, "diffusion") if ckpt is not None else None
-    if saved:  # a resumed run keeps the validation split it started with
-        config = dataclasses.replace(config, seed=int(saved["inputs"]["seed"]))
+    if saved:  # a resumed run keeps the validation split it started with, and the optimizer its state belongs to
+        config = dataclasses.replace(config, seed=int(saved["inputs"]["seed"]), optim=resumed_optim(config.optim, ckpt))
     dm = datamodule(config, job.device)
     fresh = {"input_shape": list(dm.input_shape), "classes": dm.classes, "seed": int(config.seed)}
     inputs = saved["inputs"] if saved else fresh

@@ -38,7 +38,7 @@ from onn.modalities.pairs.sides import TEXT, build_side, modality_of, saved_side
 from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
 from onn.training.callbacks import StepClock, run_callbacks
-from onn.training.checkpoints import check_state, run_best, saved_config, state_shapes
+from onn.training.checkpoints import check_state, resumed_optim, run_best, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.classifier import mean_loss
 from onn.training.trainer import build_trainer, optimizer_steps
@@ -81,6 +81,7 @@ def build(config: ONNConfig, sides: dict[str, PairSide], strategy: str = "full")
         "modality": "pairs",
         "seed": config.seed,
         "data": {**as_dict(config.data), "modalities": names},
+        "optim": as_dict(config.optim),  # what a resumed run's optimizer state belongs to (resumed_optim)
         "sides": {n: as_dict(s.config) for n, s in sides.items()},
     }
     return DualEncoder(
@@ -156,8 +157,8 @@ def data_metrics(dm: PairData) -> dict[str, Any]:
 
 def train(job: Job) -> dict[str, Any]:
     config, plan_, run_dir, ckpt = job.config, job.plan, job.run_dir, job.ckpt
-    if ckpt is not None:  # a resumed run keeps its sides and its held-out split
-        config = replace(config, seed=int(saved_config(ckpt, "pairs")["seed"]))
+    if ckpt is not None:  # a resumed run keeps its sides, its held-out split and the optimizer its state belongs to
+        config = replace(config, seed=int(saved_config(ckpt, "pairs")["seed"]), optim=resumed_optim(config.optim, ckpt))
     sides = sides_of(config, ckpt)
     dm = PairData(config, sides, job.device)
     dm.setup()
