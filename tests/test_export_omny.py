@@ -592,6 +592,7 @@ def test_export_sample_image_size_is_height_and_width(tmp_path):
             check_settings(replace(base, sample=replace(base.sample, image_size=bad)))
 
 
+@pytest.mark.slow  # a training run, then its export
 def test_a_failed_export_after_training_keeps_the_trainings_figures_and_says_how_to_export_it(tmp_path):
     """An export that failed at the end of training left metrics.json with its error alone: the loss curve and
     validation figures of the finished training were gone, and nothing said its checkpoint could be exported."""

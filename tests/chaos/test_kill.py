@@ -76,12 +76,19 @@ def test_a_mistyped_failpoint_is_one_sentence_before_the_run(tmp_path, monkeypat
     lost); an unknown point or a count of 0 never fired, without a word. A track's failpoints are checked too."""
     from onn.bench.chaos import check_settings
     from onn.errors import UserError
+    from onn.hardware import failpoints
 
-    for wanted in ("checkpoint_write:x", "checkpoint_write:0", "checkpoint_writ"):
+    monkeypatch.setenv("ONN_FAILPOINT", "checkpoint_write:x")
+    done = run_cli("task=plan", f"paths.outputs={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == 1
+    assert "ONN_FAILPOINT=checkpoint_write:x: give checkpoint_write or store_write" in done.stdout + done.stderr
+    for wanted in ("checkpoint_write:0", "checkpoint_writ", "store_write:2:1"):
         monkeypatch.setenv("ONN_FAILPOINT", wanted)
-        done = run_cli("task=plan", f"paths.outputs={tmp_path}", f"hydra.run.dir={tmp_path / wanted}")
-        assert done.returncode == 1
-        assert f"ONN_FAILPOINT={wanted}: give checkpoint_write or store_write" in done.stdout + done.stderr
+        with pytest.raises(UserError, match=f"^ONN_FAILPOINT={wanted}: give"):
+            failpoints.check()
+    for wanted in ("checkpoint_write", "store_write:12"):
+        monkeypatch.setenv("ONN_FAILPOINT", wanted)
+        failpoints.check()
     task = compose("recipe=bench_chaos", "task.tracks.text.failpoints=[store_writ]").task
     with pytest.raises(UserError, match=r"^task\.tracks\.text\.failpoints names store_writ: the points are"):
         check_settings(task)
