@@ -486,6 +486,19 @@ def test_an_adapter_fine_tune_over_several_devices_is_sized_as_the_adapters_it_t
     assert ddp["per_device_mb"] == pytest.approx((states + one.activations_mb) * 1.05 + one.context_mb, rel=0.01)
 
 
+def test_one_device_that_fits_the_streamed_plan_is_not_told_to_add_devices(tmp_path: Path):
+    """The README's first command: its plan streamed sparse_lora within the GTX 1650's budget, then the table below
+    it said "no setup fits 1 x NVIDIA GeForce GTX 1650, 1 node ...: add devices or nodes"."""
+    common = ("model=phi4", "data=math", "strategy=sparse_lora", "hardware=gtx1650_4gb")
+    one = scale_for(*common, tmp_path=tmp_path)
+    assert one["chosen"] is None and "add devices" not in one["reason"]
+    assert one["reason"].startswith("14.7B sparse-LoRA fine-tune: streamed, it fits 1 x NVIDIA GeForce GTX 1650")
+    assert f"need at least {min(o['per_device_mb'] for o in one['options'].values()):,.0f} MB" in one["reason"]
+    # held resident (strategy.lightning=ddp), nothing streams: no setup fits, and the table says so
+    resident = scale_for(*common, "strategy.lightning=ddp", tmp_path=tmp_path)
+    assert "no setup fits 1 x NVIDIA GeForce GTX 1650" in resident["reason"]
+
+
 @pytest.mark.slow
 def test_plan_table_is_printed(tmp_path: Path):
     proc = run_cli(

@@ -91,3 +91,28 @@ def test_a_tuned_result_is_keyed_by_the_streaming_settings_it_did_not_vary(tmp_p
         "strategy.streaming.mlp_tiles=4",
     ):
         assert path("strategy.streaming.store=cpu", other) != cpu, other
+
+
+def test_a_tuned_plan_gives_the_reasons_of_the_settings_it_uses(tmp_path):
+    """With task=tune's result cached, the plan took its chunk size while its reasons were the planner's own guess's:
+    "streaming: chunk_size 2" above a reason line "streaming: float32 store in host memory, chunk 16"."""
+    from conftest import compose
+
+    from onn.hardware.profile import resolve
+    from onn.planning.plan import make_plan
+    from onn.planning.spec import model_spec
+    from onn.planning.tuned import cache_path
+
+    cfg = compose("task=plan", "hardware=cpu_16gb", *TINY, f"paths.cache={tmp_path / 'cache'}", root=tmp_path)
+    hw = resolve(cfg.hardware, tmp_path / "cache", tmp_path)
+    spec = model_spec(cfg.model, 8, cache_dir=cfg.paths.cache)
+    guess = make_plan(cfg, hw, spec)
+    chunk = 1 if guess.streaming.chunk_size != 1 else 2
+    settings = {"micro_batch": guess.micro_batch, "chunk_size": chunk, "store_dtype": guess.streaming.store_dtype}
+    path = cache_path(cfg, hw, "sparse_lora", guess.sequence_length)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"settings": settings, "samples_per_s": 2.0, "plan_samples_per_s": 1.0}))
+    tuned = make_plan(cfg, hw, spec)
+    assert tuned.settings_source == "tune" and tuned.streaming.chunk_size == chunk
+    said = [r for r in tuned.reasons if r.startswith("streaming:")]
+    assert said and all(f"chunk {chunk}," in r for r in said), tuned.reasons

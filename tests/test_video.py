@@ -215,6 +215,24 @@ def test_video_networks_plan_on_the_meta_device(model):
     assert plan.candidates["full"]["fits"]
 
 
+def test_a_3d_network_on_a_bf16_cpu_plans_float32_and_says_why():
+    """On a CPU with bf16 matrix units the plan picked bf16-mixed for every network, and oneDNN's bf16 Conv3d
+    backward then corrupted the heap at 112 px (PyTorch 2.11): a 3-D network keeps 32-true there, and a
+    bf16-mixed the user gives stays, with a warning."""
+    from onn.modalities import get
+
+    bf16_cpu = ("hardware=cpu_16gb", "hardware.bf16=true", "data.source=/nowhere", "data.num_classes=5")
+    cfg = compose("model=video_c3d_tiny", "data=video", *bf16_cpu)
+    plan, spec = get("video").plan(cfg, resolve(cfg.hardware, "/tmp", "/tmp"))
+    assert spec.conv3d and plan.precision == "32-true"
+    assert any(r.startswith("precision 32-true") and "3-D convolutions" in r for r in plan.reasons), plan.reasons
+    frames = compose("model=video_frames_resnet18", "data=video", *bf16_cpu)  # 2-D convolutions: bf16 still pays
+    assert get("video").plan(frames, resolve(frames.hardware, "/tmp", "/tmp"))[0].precision == "bf16-mixed"
+    given = compose("model=video_c3d_tiny", "data=video", "strategy.precision=bf16-mixed", *bf16_cpu)
+    plan, _ = get("video").plan(given, resolve(given.hardware, "/tmp", "/tmp"))
+    assert plan.precision == "bf16-mixed" and any(r.startswith("WARNING") and "Conv3d" in r for r in plan.reasons)
+
+
 @pytest.mark.slow
 def test_video_networks_train_a_step_on_clips():
     from onn.config.model import NetworkConfig

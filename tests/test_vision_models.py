@@ -245,6 +245,24 @@ def test_meta_device_build_for_the_planner(tmp_path, recwarn):
     assert not [w for w in recwarn if "meta" in str(w.message)]  # the weights file is not copied onto meta
 
 
+def test_a_linear_probe_of_a_random_network_is_refused_at_plan_time(tmp_path):
+    """recipe=oxford_flowers_probe without model.weights cached the features of a random EfficientNet-B0 and
+    trained a head on them without a word; the recipe promises a pretrained one."""
+    from conftest import compose
+
+    from onn.hardware.profile import resolve
+    from onn.modalities import get
+
+    probe = ("recipe=oxford_flowers_probe", "data.source=/nowhere", "hardware=cpu_16gb")
+    cfg = compose(*probe)
+    with pytest.raises(UserError, match="model.weights=PATH.safetensors, or use strategy=full"):
+        get("image").plan(cfg, resolve(cfg.hardware, "/tmp", "/tmp"))
+    weights = tmp_path / "efficientnet_b0.safetensors"
+    save_file({"unread": torch.zeros(1)}, weights)  # the planner builds on the meta device: no value is read
+    cfg = compose(*probe, f"model.weights={weights}")
+    assert get("image").plan(cfg, resolve(cfg.hardware, "/tmp", "/tmp"))[0].strategy == "linear_probe"
+
+
 @pytest.mark.parametrize("groups", [("model=v28_cnn", "data=image"), ("model=audio_cnn", "data=fsdd")])
 def test_the_plan_counts_the_head_it_sizes_a_linear_probe_by(groups):
     """Planning read the probe's head width with feature_extractor, which removes the head in place: the spec

@@ -152,13 +152,21 @@ def test_mixup_blends_the_training_batches_through_the_runner(images, tmp_path):
 
 
 def test_linear_probe_trains_the_head_on_cached_features(images, tmp_path):
-    metrics, _ = run(tmp_path, f"data.source={images}", "strategy=linear_probe", "optim.lr=0.1")
+    from safetensors.torch import save_file
+
+    from onn.models.zoo.registry import build_zoo
+
+    torch.manual_seed(0)  # the "pretrained" v28 a probe needs (planning refuses one without model.weights)
+    weights = tmp_path / "v28.safetensors"
+    save_file(build_zoo("v28_cnn", in_channels=3, num_classes=3, image_size=16).state_dict(), weights)
+    probe = ("strategy=linear_probe", f"model.weights={weights}")
+    metrics, _ = run(tmp_path, f"data.source={images}", *probe, "optim.lr=0.1")
     assert metrics["strategy"] == "linear_probe"
     assert metrics["params_trainable"] == 256 * 3 + 3  # v28's 256 features -> 3 classes
     cached = list((tmp_path / "cache" / "features").glob("*.safetensors"))
     assert len(cached) == 1
     stamp = cached[0].stat().st_mtime_ns
-    again, _ = run(tmp_path, f"data.source={images}", "strategy=linear_probe", "optim.lr=0.1", name="again")
+    again, _ = run(tmp_path, f"data.source={images}", *probe, "optim.lr=0.1", name="again")
     assert cached[0].stat().st_mtime_ns == stamp  # read from the cache, not computed again
     assert again["val/history"] == metrics["val/history"]
 
@@ -354,11 +362,16 @@ def test_bench_visions_plain_loop_compiles_its_model_as_onns_side_does(compiled)
         ("bench_vision", "full", 3),
     ],
 )
-def test_recipes_compose_and_plan(recipe, strategy, channels):
+def test_recipes_compose_and_plan(recipe, strategy, channels, tmp_path):
+    from safetensors.torch import save_file
+
     from onn.modalities import get
 
+    weights = tmp_path / "pretrained.safetensors"  # a probe needs model.weights; planning builds on meta, reads none
+    save_file({"unread": torch.zeros(1)}, weights)
+    given = [f"model.weights={weights}"] if strategy == "linear_probe" else []
     cfg = compose(
-        f"recipe={recipe}", "data.source=/nowhere", "hardware=rtx3060_12gb"
+        f"recipe={recipe}", "data.source=/nowhere", "hardware=rtx3060_12gb", *given
     )  # cifar10_resnet18 is a GPU recipe
     assert cfg.data.modality == "image" and cfg.data.channels == channels
     plan, spec = get("image").plan(cfg, resolve(cfg.hardware, "/tmp", "/tmp"))

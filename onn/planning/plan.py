@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from onn.config import ONNConfig, StrategyConfig, StreamingConfig, as_dict
+from onn.config.model import NetworkConfig
 from onn.dtypes import BYTES_PER_VALUE as DTYPE_BYTES
 from onn.errors import UserError
 from onn.hardware.profile import Profile
@@ -138,6 +139,41 @@ def check_layers_apply(strategy: StrategyConfig) -> None:
         )
 
 
+def check_probe_weights(cfg: ONNConfig) -> None:
+    """A linear probe trains a head on a frozen network's features: without model.weights (or a checkpoint, or the
+    user's own builder, which may load weights itself) the network is a random one, and the probe ran silently."""
+    model = cfg.model
+    if not isinstance(model, NetworkConfig) or model.weights or cfg.ckpt or ".py:" in str(model.source):
+        return
+    raise UserError(
+        f"strategy=linear_probe freezes model {model.name} and trains a head on its features, and model.weights is "
+        "null, so the frozen network would be random: give model.weights=PATH.safetensors, or use strategy=full."
+    )
+
+
+def _network_precision(given: str | None, hw: Profile, spec: ModelSpec) -> tuple[str, list[str]]:
+    """A network's precision, and the reason when the CPU decides it. oneDNN runs bf16 convolutions on AMX /
+    AVX512-BF16 (v28 trained 2x faster), but its bf16 Conv3d backward corrupted the heap on such a CPU (PyTorch
+    2.11, clips of 96 px and up: "free(): invalid next size"), so a 3-D network stays in float32 there."""
+    bf16_cpu = hw.accelerator == "cpu" and bool(hw.bf16)
+    if given not in (None, "auto"):
+        if bf16_cpu and spec.conv3d and given.startswith("bf16"):
+            return given, [
+                f"WARNING: strategy.precision={given} on a CPU: oneDNN's bf16 Conv3d backward aborted with heap "
+                "corruption on such CPUs (PyTorch 2.11, 96 px and up); strategy.precision=32-true avoids it"
+            ]
+        return given, []
+    if bf16_cpu and spec.conv3d:
+        return "32-true", [
+            "precision 32-true: this CPU has bf16 matrix units, but the network has 3-D convolutions, whose bf16 "
+            "backward in oneDNN aborted with heap corruption on such CPUs (PyTorch 2.11); "
+            "strategy.precision=bf16-mixed asks for bf16 anyway"
+        ]
+    if bf16_cpu:
+        return "bf16-mixed", ["precision bf16-mixed: this CPU has bf16 matrix units (AMX / AVX512-BF16)"]
+    return choose_precision(hw), []
+
+
 def make_network_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
     """The plan for a classifier network (images, audio, video, points): full training or a linear
     probe, the whole batch in one pass."""
@@ -148,13 +184,10 @@ def make_network_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
             f"strategy={requested}: classifiers train with strategy=full or strategy=linear_probe "
             "(the LoRA and streaming strategies are for language models)."
         )
+    if requested == "linear_probe":
+        check_probe_weights(cfg)
     batch = int(cfg.data.batch_size)
-    precision = cfg.strategy.precision
-    reasons = []
-    if precision in (None, "auto") and hw.accelerator == "cpu" and hw.bf16:
-        precision = "bf16-mixed"  # oneDNN runs bf16 convolutions on AMX / AVX512-BF16: v28 trained 2x faster
-        reasons.append("precision bf16-mixed: this CPU has bf16 matrix units (AMX / AVX512-BF16)")
-    precision = choose_precision(hw) if precision in (None, "auto") else precision
+    precision, reasons = _network_precision(cfg.strategy.precision, hw, spec)
     half = precision.startswith(("bf16", "16"))
     optimizer_bytes = 8 if cfg.optim.name == "adamw" else 4  # AdamW keeps two moments, SGD one
     ctx = context_mb(hw)
@@ -601,6 +634,11 @@ def make_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec, use_tuned: bool = Tr
     return _with_tuned(plan, cfg, hw, spec) if use_tuned else plan
 
 
+def candidate_estimate(cfg: ONNConfig, hw: Profile, spec: ModelSpec, name: str) -> Estimate:
+    """A language model's candidate `name` as make_plan sizes it on one device (scale.py reads sparse_lora's)."""
+    return _best_estimate(PlanRequest.read(cfg, hw, spec), name)
+
+
 def _best_estimate(r: PlanRequest, name: str) -> Estimate:
     """Largest micro-batch that fits (streaming then picks its own fastest settings). Streamed on a GPU, the
     fastest micro-batch that fits, and between two equally fast (GPU_TIE) the one holding less memory: a step
@@ -883,7 +921,7 @@ def _with_tuned(plan: Plan, cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Pla
         f"settings {taken} from task=tune ({tuned['path']}, {tuned.get('tuned_at')}): "
         f"measured {tuned.get('samples_per_s')} "
         f"samples/s against {tuned.get('plan_samples_per_s')} for the planner's guess",
-        *[r for r in plan.reasons],
+        *tuned_plan.reasons,  # the reasons of the settings used: the planner's own guess's said another chunk size
     ]
     return tuned_plan
 

@@ -43,7 +43,14 @@ from onn.planning.costs import (
     compute_dtype_name,
     compute_s,
 )
-from onn.planning.plan import estimate, frozen_weight_bytes, micro_batch_sizes, weights_and_states
+from onn.planning.plan import (
+    STREAMING_LIGHTNING,
+    candidate_estimate,
+    estimate,
+    frozen_weight_bytes,
+    micro_batch_sizes,
+    weights_and_states,
+)
 from onn.planning.spec import ModelSpec
 
 SETUPS = ("ddp", "deepspeed_zero2", "fsdp", "deepspeed_zero3_offload")  # also the tie-break order
@@ -99,8 +106,28 @@ def scale_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> dict[str, Any] |
         "links": comm,
         "options": options,
         "chosen": chosen,
-        "reason": reason(spec, hw, options, chosen, count, nodes, method),
+        "reason": streamed_alone(cfg, hw, spec, options, chosen, devices)
+        or reason(spec, hw, options, chosen, count, nodes, method),
     }
+
+
+def streamed_alone(
+    cfg: ONNConfig, hw: Profile, spec: ModelSpec, options: dict[str, Any], chosen: str | None, devices: int
+) -> str | None:
+    """On one device no setup above fits a sparse-LoRA fine-tune held resident, but the single-device plan streams
+    its blocks and may fit: the table's "no setup fits: add devices" then contradicted the plan it follows."""
+    if chosen is not None or devices > 1 or cfg.strategy.name != "sparse_lora":
+        return None
+    if str(cfg.strategy.lightning) not in STREAMING_LIGHTNING:
+        return None  # under ddp/fsdp sparse LoRA trains resident: the table is that run
+    if not candidate_estimate(cfg, hw, spec, "sparse_lora").fits:
+        return None
+    size = model_size(spec)
+    need = min(o["per_device_mb"] for o in options.values())
+    return (
+        f"{size} sparse-LoRA fine-tune: streamed, it fits 1 x {hw.device_name or hw.name or 'device'} (the plan "
+        f"above); held resident under DDP, ZeRO or FSDP it would need at least {need:,.0f} MB per device."
+    )
 
 
 class _Setup:
@@ -204,11 +231,16 @@ def collective_s(grad_bytes: float, count: int, nodes: int, hw_cfg: HardwareConf
     return {"interconnect_gb_s": inside, "network_gb_s": between, "all_reduce_s": round(seconds, 6), "missing": missing}
 
 
+def model_size(spec: ModelSpec) -> str:
+    """The model's size as the recommendation says it: 14.7B, 135.0M."""
+    return f"{spec.params / 1e9:.1f}B" if spec.params >= 1e8 else f"{spec.params / 1e6:.1f}M"
+
+
 def reason(
     spec: ModelSpec, hw: Profile, options: dict[str, Any], chosen: str | None, count: int, nodes: int, method: str
 ) -> str:
     """The recommendation in one sentence, e.g. "14.7B full fine-tune: FSDP over 8 x A100-80GB, 1 node"."""
-    size = f"{spec.params / 1e9:.1f}B" if spec.params >= 1e8 else f"{spec.params / 1e6:.1f}M"
+    size = model_size(spec)
     device = hw.device_name or hw.name or "device"
     where = f"{count} x {device}, {nodes} node{'s' if nodes > 1 else ''}"
     if chosen is None:

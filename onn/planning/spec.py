@@ -47,6 +47,7 @@ class ModelSpec:
         False  # networks: the blocks hold a recurrence (LSTM, GRU), whose backward steps through time
     )
     gated_mlp: bool = False  # the blocks have a gated MLP, which streaming may compute a slice at a time
+    conv3d: bool = False  # networks: holds a 3-D convolution, which the plan keeps out of bf16 on CPUs
 
     @property
     def n_blocks(self) -> int:
@@ -131,7 +132,7 @@ def network_spec(
     them, for a model of several inputs: a denoiser's image and timestep); `head_params` is what a linear probe
     would train."""
 
-    from torch.nn import RNNBase
+    from torch.nn import Conv3d, RNNBase
 
     try:
         lmap = discover(model, blocks_path)
@@ -177,6 +178,7 @@ def network_spec(
         recurrent_blocks=any(
             isinstance(m, RNNBase) for b in (lmap.blocks if lmap is not None else []) for m in b.modules()
         ),
+        conv3d=any(isinstance(m, Conv3d) for m in model.modules()),
     )
 
 
