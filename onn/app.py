@@ -77,9 +77,7 @@ def run(cfg: DictConfig) -> float | None:
         "status": "running",
         "error": None,
         "task": cfg.task.name,
-        "model": cfg.model.name,
-        "data": cfg.data.name,
-        "strategy": cfg.strategy.name,
+        **_groups(cfg),
         "hardware": cfg.hardware.name,
     }
     record = RunRecord(run_dir, metrics)
@@ -87,6 +85,7 @@ def run(cfg: DictConfig) -> float | None:
     try:
         if cfg.data.name == "auto":
             cfg = compose_detected(cfg, overrides)
+            metrics.update(_groups(cfg))  # what runs, also in the record of a run that fails before it ends
         config = to_config(cfg)
         metrics["config_digest"] = config_digest(config)
         done = finished(run_dir, metrics["config_digest"]) if multirun else None
@@ -148,6 +147,11 @@ def torch_out_of_memory() -> type:
     import torch
 
     return torch.OutOfMemoryError
+
+
+def _groups(cfg: DictConfig) -> dict[str, str]:
+    """The model, data and strategy configs a run composed, as its record names them."""
+    return {"model": cfg.model.name, "data": cfg.data.name, "strategy": cfg.strategy.name}
 
 
 def _finish_failed(record: RunRecord, error: str) -> None:

@@ -152,3 +152,23 @@ def test_a_cache_folder_under_a_file_is_one_sentence(tmp_path):
     with pytest.raises(UserError, match=r"paths.cache=.*cachefile/cache is under .*cachefile, which is a file"):
         execute(cfg, tmp_path / "run")
     assert blocker.read_text() == "x"
+
+
+def test_a_failed_data_auto_run_records_the_model_and_data_it_chose(tmp_path):
+    from PIL import Image
+
+    only = tmp_path / "photos" / "cats"  # one class: data=auto finds images, then the classifier refuses them
+    only.mkdir(parents=True)
+    for i in range(4):
+        Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(only / f"{i}.png")
+    run_dir = tmp_path / "run"
+    proc = run_cli(
+        "data=auto",
+        f"data.source={tmp_path / 'photos'}",
+        "tracking=none",
+        f"paths.outputs={tmp_path / 'out'}",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert proc.returncode == 1 and "a classifier needs two or more" in proc.stdout + proc.stderr, proc.stdout[-2000:]
+    metrics = read_metrics(run_dir)
+    assert (metrics["status"], metrics["model"], metrics["data"]) == ("failed", "v28_cnn", "image")

@@ -119,6 +119,27 @@ def test_resume_infer_and_eval(images, tmp_path):
     assert evaluated["test/acc"] == pytest.approx(first["test/acc"], abs=1e-6)  # training tested best.ckpt too
 
 
+@pytest.mark.slow
+@pytest.mark.modalities
+def test_resuming_the_final_checkpoint_with_more_epochs_trains_them_as_an_unbroken_run(images, tmp_path):
+    """trainer.max_steps set (the default's 200) makes Lightning restore last.ckpt inside its finished epoch."""
+    steps = ("trainer.max_steps=200", "optim.schedule=constant", f"data.source={images}")  # a constant lr: checkable
+    first, run_dir = run(tmp_path, *steps, "trainer.max_epochs=1")
+    resumed, _ = run(tmp_path, *steps, "trainer.max_epochs=3", f"ckpt={run_dir}", name="resumed")
+    whole, _ = run(tmp_path, *steps, "trainer.max_epochs=3", name="whole")
+    per_epoch = first["steps"]
+    assert resumed["steps"] == whole["steps"] == 3 * per_epoch and resumed["epochs"] == 3
+    assert [h["step"] for h in resumed["val/history"]] == [per_epoch * (e + 1) for e in range(3)]
+    assert resumed["val/history"] == whole["val/history"]  # the same numbers as a run that never stopped
+    assert resumed["train/loss_final"] == pytest.approx(whole["train/loss_final"], abs=1e-6)
+
+
+def test_val_acc_best_is_recorded_whatever_the_monitor(images, tmp_path):
+    metrics, _ = run(tmp_path, f"data.source={images}", "trainer.max_epochs=2", "task.monitor=val/loss")
+    assert metrics["val/acc_best"] == max(h["val/acc"] for h in metrics["val/history"])
+    assert metrics["val/loss_best"] == pytest.approx(min(h["val/loss"] for h in metrics["val/history"]), abs=1e-5)
+
+
 def test_early_stopping_and_schedules(images, tmp_path):
     metrics, _ = run(
         tmp_path,

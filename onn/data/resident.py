@@ -92,6 +92,7 @@ class ResidentBatches:
         self.groups = groups
         self.epoch = 0  # the next iteration's epoch
         self._current, self._taken, self._skip = 0, 0, 0  # the epoch being iterated, its batches given, to skip
+        self._skip_epoch = 0  # the epoch that _skip belongs to
 
     def __len__(self) -> int:
         if self.groups is not None:
@@ -117,7 +118,9 @@ class ResidentBatches:
         inputs, labels = self.split.inputs, self.split.labels
         if self.epoch_of is not None:
             self.epoch = self.epoch_of()
-        self._current, self._taken, self._skip = self.epoch, self._skip, 0
+        # a restored place holds for the epoch it was saved in only (a later epoch starts at its first batch)
+        skip = self._skip if self.epoch == self._skip_epoch else 0
+        self._current, self._taken, self._skip = self.epoch, skip, 0
         if not self.shuffle:
             for i in range(self._taken, len(self)):
                 window = slice(i * self.batch_size, (i + 1) * self.batch_size)
@@ -140,11 +143,15 @@ class ResidentBatches:
 
     def state_dict(self) -> dict[str, int]:
         """Where the epoch being iterated stands; Lightning keeps it in checkpoints, so a run killed mid-epoch
-        resumes with the same order from the batch after the last one it trained on."""
+        resumes with the same order from the batch after the last one it trained on. An epoch given whole is the
+        next epoch's start: a run resumed from its end (with more trainer.max_epochs) trains that next epoch whole."""
+        if self._taken >= len(self):
+            return {"epoch": self._current + 1, "taken": 0}
         return {"epoch": self._current, "taken": self._taken}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self._skip = int(state["epoch"]), int(state["taken"])
+        self._skip_epoch = self.epoch
 
 
 def batch_groups(names: list[str], pattern: str | None) -> list[str] | None:

@@ -254,6 +254,8 @@ def train(job: Job) -> dict[str, Any]:
         "items_skipped": len(dm.skipped),
         "resident": not dm.streamed,
     }
+    if monitor != "val/acc":  # every classifier's record has val/acc_best (the grids read it) beside its monitor's
+        metrics["val/acc_best"] = max((h["val/acc"] for h in module.history), default=None)
     stage = "test" if dm.has_test() else "val"
     if stage == "test":
         trainer.test(module, datamodule=dm, ckpt_path=best or None, verbose=False)

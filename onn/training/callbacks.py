@@ -149,17 +149,34 @@ def epoch_checkpoints(run_dir: Path, monitor: str, mode: str, every_n_steps: int
 
 def run_callbacks(config: ONNConfig, run_dir: Path, monitor: str, mode: str) -> list[L.Callback]:
     """An epoch-based run's callbacks: its checkpoints (epoch_checkpoints), the step clock, the resource monitor,
-    and early stopping on `monitor` when task.early_stopping.patience is set."""
+    a finished run's resume at its next epoch (NextEpochAfterFit), and early stopping on `monitor` when
+    task.early_stopping.patience is set."""
     from lightning.pytorch.callbacks import EarlyStopping
 
     checkpoints = epoch_checkpoints(run_dir, monitor, mode, config.checkpoint.every_n_steps)
-    callbacks = [*checkpoints, StepClock(), ResourceMonitor(int(config.trainer.log_every_n_steps))]
+    callbacks = [*checkpoints, StepClock(), ResourceMonitor(int(config.trainer.log_every_n_steps)), NextEpochAfterFit()]
     stop = config.task.early_stopping
     if stop.patience > 0:
         callbacks.append(
             EarlyStopping(monitor=monitor, mode=mode, patience=int(stop.patience), min_delta=float(stop.min_delta))
         )
     return callbacks
+
+
+class NextEpochAfterFit(L.Callback):
+    """A checkpoint written after fit ended at an epoch's end (last.ckpt) resumes at the next epoch's first batch.
+    With trainer.max_steps set, Lightning restores every checkpoint as a restart inside the epoch it was saved in:
+    the first epoch a larger trainer.max_epochs adds took the finished epoch's batch counters as its own and ended
+    without training (Lightning resets them at an epoch's start only when it is not restarting)."""
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        loop = checkpoint.get("loops", {}).get("fit_loop", {})
+        epochs, batches = loop.get("epoch_progress"), loop.get("epoch_loop.batch_progress")
+        if not epochs or not batches or not batches.get("is_last_batch"):
+            return
+        if len(set(epochs["current"].values())) == 1:  # its last epoch completed: fit had ended
+            batches["current"] = dict.fromkeys(batches["current"], 0)
+            batches["is_last_batch"] = False
 
 
 class Progress(L.Callback):

@@ -31,7 +31,7 @@ def test_a_resident_loader_resumed_mid_epoch_gives_the_rest_of_that_epoch_in_ord
     resumed = ResidentBatches(_split(), batch_size=4, shuffle=True, seed=7, epoch_of=lambda: 1)
     resumed.load_state_dict(state)
     assert [x.flatten().tolist() for x, _ in resumed] == epochs[1][2:]
-    assert resumed.state_dict() == {"epoch": 1, "taken": 5}
+    assert resumed.state_dict() == {"epoch": 2, "taken": 0}  # an epoch given whole: the next one starts
 
 
 def test_the_random_generators_come_back_when_training_starts():
@@ -82,3 +82,18 @@ def test_the_schedule_length_is_lightnings_own_estimate(tmp_path):
         trainer.fit(module, batches)
     assert [ours for ours, _ in module.pairs] == [lightnings for _, lightnings in module.pairs]
     assert [ours for ours, _ in module.pairs] == [30, 9, 7, 50]
+
+
+def test_a_resident_loader_saved_at_an_epochs_end_resumes_at_the_next_epochs_start():
+    whole = ResidentBatches(_split(), batch_size=4, shuffle=True, seed=7)
+    epochs = [[x.flatten().tolist() for x, _ in whole] for _ in range(3)]
+    first = ResidentBatches(_split(), batch_size=4, shuffle=True, seed=7)
+    list(first), list(first)  # epochs 0 and 1, whole: the end of a run of trainer.max_epochs=2
+    assert first.state_dict() == {"epoch": 2, "taken": 0}
+    resumed = ResidentBatches(_split(), batch_size=4, shuffle=True, seed=7, epoch_of=lambda: 2)
+    resumed.load_state_dict(first.state_dict())
+    assert [x.flatten().tolist() for x, _ in resumed] == epochs[2]
+    # a place within an epoch holds for that epoch only: a loader asked for a later one gives it whole
+    later = ResidentBatches(_split(), batch_size=4, shuffle=True, seed=7, epoch_of=lambda: 2)
+    later.load_state_dict({"epoch": 1, "taken": 5})
+    assert [x.flatten().tolist() for x, _ in later] == epochs[2]
