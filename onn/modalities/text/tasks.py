@@ -284,19 +284,24 @@ def exact_match_after_training(job: Job, fit, module: CausalLM, dm: TextDataModu
     if dm.max_answer_tokens > SHORT_ANSWER_TOKENS:
         log.info("answers run to %d tokens: skipping exact match after training; run task=eval", dm.max_answer_tokens)
         return {}
-    module.model.to(job.device)  # Lightning's teardown left it on the CPU
     with gathered(module):  # ZeRO-3's partitioned weights, whole for generation
-        scores = answer_scores(
-            module.model,
-            tokenizer,
-            dm.val_examples,
-            config.data.answer_pattern,
-            samples,
-            max_new_tokens=dm.max_answer_tokens + 2,
-            engine=module.engine,
-            batch_size=generate_batch(job.plan, samples),
-            add_special_tokens=dm.prompter.add_special_tokens,
-        )
+        return held_out_scores(job, module, dm, tokenizer, samples, dm.max_answer_tokens + 2)
+
+
+def held_out_scores(job: Job, module: CausalLM, dm: TextDataModule, tokenizer, samples: int, new: int):
+    """val/exact_match and how the answers were read, on `samples` held-out prompts, as training encoded them."""
+    module.model.to(job.device)  # Lightning's teardown left it on the CPU
+    scores = answer_scores(
+        module.model,
+        tokenizer,
+        dm.val_examples,
+        job.config.data.answer_pattern,
+        samples,
+        new,
+        engine=module.engine,
+        batch_size=generate_batch(job.plan, samples),
+        add_special_tokens=dm.prompter.add_special_tokens,
+    )
     return {f"val/{k}": v for k, v in scores.items()}
 
 
@@ -386,20 +391,8 @@ def evaluate(job: Job) -> dict[str, Any]:
     }
     metrics.update(data_metrics(dm))
     if any(p for p, _ in dm.val_examples):
-        samples = task.max_samples
-        module.model.to(job.device)  # Lightning's teardown left it on the CPU
-        scores = answer_scores(
-            module.model,
-            tokenizer,
-            dm.val_examples,
-            config.data.answer_pattern,
-            samples,
-            new_tokens(task, tokenizer, dm.val_examples[:samples]),
-            engine=module.engine,
-            batch_size=generate_batch(plan, samples),
-            add_special_tokens=dm.prompter.add_special_tokens,
-        )
-        metrics.update({f"val/{k}": v for k, v in scores.items()})
+        new = new_tokens(task, tokenizer, dm.val_examples[: task.max_samples])
+        metrics.update(held_out_scores(job, module, dm, tokenizer, task.max_samples, new))
     print(
         f"val loss {loss:.4f}  perplexity {metrics['val/perplexity']:.3f}  "
         f"exact match {metrics.get('val/exact_match', float('nan')):.3f} "
