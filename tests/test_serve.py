@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -284,6 +285,50 @@ def test_openai_nullable_values_are_taken_and_unimplemented_fields_refused(lm):
             assert error["param"] == field and field in error["message"] and error["code"] == "unsupported_parameter"
 
 
+def test_openai_fields_the_server_does_not_compute_are_refused_unless_they_ask_for_nothing(lm):
+    """Penalties, logit_bias, JSON mode, tools, best_of and suffix were answered 200 with the same text as without
+    them: a 400 naming the field now, while null/0/{}/[] and the defaults that ask for nothing are taken."""
+    chat_ask = {"messages": [{"role": "user", "content": "hi"}]}
+    refused = (
+        ("/v1/chat/completions", chat_ask, "frequency_penalty", 5),
+        ("/v1/chat/completions", chat_ask, "presence_penalty", 1.5),
+        ("/v1/chat/completions", chat_ask, "logit_bias", {"50": 100}),
+        ("/v1/chat/completions", chat_ask, "response_format", {"type": "json_object"}),
+        ("/v1/chat/completions", chat_ask, "tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("/v1/chat/completions", chat_ask, "tool_choice", "required"),
+        ("/v1/chat/completions", chat_ask, "functions", [{"name": "f"}]),
+        ("/v1/completions", {"prompt": "hi"}, "best_of", 3),
+        ("/v1/completions", {"prompt": "hi"}, "suffix", " end"),
+    )
+    taken = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": "none",
+             "response_format": {"type": "text"}, "functions": None}  # fmt: skip
+    with client(lm) as http:
+        for path, ask, field, value in refused:
+            response = http.post(path, json={"model": MODEL, "max_tokens": 2, **ask, field: value})
+            assert response.status_code == 400, (field, response.text)
+            error = response.json()["error"]
+            assert error["param"] == field and error["code"] == "unsupported_parameter", error
+        assert chat(http, "hi", max_tokens=2, **taken)["choices"][0]["message"]["role"] == "assistant"
+        completion = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "best_of": 1, "suffix": None}
+        assert http.post("/v1/completions", json=completion).status_code == 200
+
+
+def test_an_unpaired_surrogate_in_a_prompt_is_a_400_naming_it(lm):
+    """JSON's "\\ud800" is a lone half of a UTF-16 pair, which the tokenizer refused with a TypeError: a 500 and a
+    traceback, for what the client got wrong."""
+    with client(lm) as http:
+        for path, ask, param in (
+            ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages"),
+        ):
+            body = json.dumps({"model": MODEL, "max_tokens": 2, **ask})  # ensure_ascii: the escape as JSON sends it
+            response = http.post(path, content=body.encode(), headers={"Content-Type": "application/json"})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == param and "unpaired surrogate" in error["message"], error
+        assert chat(http, "still there?", max_tokens=2)["choices"][0]["message"]["role"] == "assistant"
+
+
 INVALID = {  # per field of a chat request, values OpenAI's API refuses (strict types: "5" is no number, true no int)
     "model": [None, 5, [], {}, True, "gpt-4o", "", "llama_tiny ", "../../etc/passwd", "x" * 5000],
     "messages": [None, [], "hi", 5, {}, [None], [[]], [{"content": "hi"}], [{"role": "wizard", "content": "hi"}],
@@ -408,6 +453,38 @@ def test_a_decode_step_reads_every_rows_token_back_in_one_copy():
     assert len({tuple(_pick(logits, [row(2.0, seed=s)] * 3)) for s in range(8)}) > 1  # sampled, not greedy
 
 
+def test_a_tiny_temperature_is_greedy_and_a_failed_draw_ends_only_its_own_request(lm, monkeypatch):
+    """temperature=1e-45 (valid: 0 to 2) divided the logits into inf, and the failed draw ended every request in the
+    batch with a 503. It is greedy now; and a row whose draw still fails (NaN logits) ends alone, with its error."""
+    scheduler = lm.app.state.scheduler
+    with client(lm) as http:
+        greedy = chat(http, "hi", max_tokens=8)["choices"][0]["message"]["content"]
+        assert chat(http, "hi", max_tokens=8, temperature=1e-45)["choices"][0]["message"]["content"] == greedy
+        step, both_in = scheduler.lm.step, threading.Event()
+
+        def poisoned_step(*args):  # the decode thread waits for both requests; the seed-13 row's logits are NaN
+            both_in.wait(60)
+            logits = step(*args)
+            for i, seq in enumerate(scheduler.active):
+                if seq.sampling.seed == 13:
+                    logits[i] = float("nan")
+            return logits
+
+        monkeypatch.setattr(scheduler.lm, "step", poisoned_step)
+        requests = lm.app.state.stats.requests
+        with ThreadPoolExecutor(2) as pool:
+            victim = pool.submit(chat, http, "hi", 8)
+            while lm.app.state.stats.requests < requests + 1:
+                time.sleep(0.005)
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "temperature": 1.0, "seed": 13}
+            failed = pool.submit(http.post, "/v1/completions", json=body)
+            while lm.app.state.stats.requests < requests + 2:
+                time.sleep(0.005)
+            both_in.set()
+            assert failed.result().status_code == 503 and "generation failed" in failed.result().text
+            assert victim.result()["choices"][0]["message"]["content"] == greedy
+
+
 def test_a_layer_streamed_model_batches_through_the_engine(tmp_path):
     job = serve_job(
         tmp_path,
@@ -484,6 +561,39 @@ def test_a_client_that_leaves_a_whole_completion_frees_its_slot_before_max_token
     while scheduler.active and time.monotonic() < deadline:
         time.sleep(0.01)
     assert seq.cancelled.is_set() and len(seq.tokens) < 64
+
+
+def test_ctrl_c_ends_the_requests_in_flight_with_an_error_and_a_streams_done(tmp_path, monkeypatch):
+    """Ctrl-C (uvicorn's handle_exit) stops the model first: a whole request gets a 503 with OpenAI's error object
+    and a stream its error event and [DONE]. The scheduler was closed only after uvicorn's grace period had
+    cancelled the handlers: a plain-text 500, a stream cut off."""
+    with start(serve_job(tmp_path, f"model={MODEL}", "strategy=full", f"serve.api_key={KEY}")) as running:
+        scheduler, stats = running.app.state.scheduler, running.app.state.stats
+        step, stopped = scheduler.lm.step, threading.Event()
+
+        def held_step(*args):  # from the third step on, decoding waits for the shutdown: both stay in flight
+            if scheduler.steps >= 2:
+                stopped.wait(60)
+            return step(*args)
+
+        monkeypatch.setattr(scheduler.lm, "step", held_step)
+        body = {"model": MODEL, "prompt": "long", "max_tokens": 64, "temperature": 0}
+
+        def streamed() -> list[str]:
+            with client(running) as http, http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                return [line for line in r.iter_lines() if line]
+
+        with client(running) as http, ThreadPoolExecutor(2) as pool:
+            whole, stream = pool.submit(http.post, "/v1/completions", json=body), pool.submit(streamed)
+            deadline = time.monotonic() + 60
+            while (stats.requests < 2 or scheduler.steps < 2) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            running.server.handle_exit(signal.SIGINT, None)  # what Ctrl-C calls
+            stopped.set()
+            response, events = whole.result(), stream.result()
+    assert response.status_code == 503, response.text
+    assert "shutting down" in response.json()["error"]["message"]
+    assert events[-1] == "data: [DONE]" and "shutting down" in json.loads(events[-2][6:])["error"]["message"]
 
 
 def test_an_upload_keeps_its_extension_when_its_name_has_dots_of_its_own():
@@ -650,6 +760,19 @@ def test_serve_settings_are_checked_first():
             free_address("127.0.0.1", taken.getsockname()[1])  # said before the model is built
 
 
+def test_a_host_that_is_not_this_machines_is_named_as_the_host_not_the_port():
+    """serve.host=192.0.2.1 (TEST-NET: no machine's) or a name that does not resolve was told to choose another
+    serve.port; with serve.port=0 it was not checked before the model was built at all."""
+    from onn.errors import UserError
+    from onn.tasks.serve.task import free_address
+
+    for host, port in (("192.0.2.1", 8000), ("192.0.2.1", 0), ("nonexistent.invalid", 8000)):
+        with pytest.raises(UserError, match=f"serve.host={host} is not an address of this machine") as said:
+            free_address(host, port)
+        assert "serve.port" not in str(said.value)
+    free_address("127.0.0.1", 0)
+
+
 def test_the_web_page_chats_and_classifies_in_a_real_browser(lm, classifier, tmp_path):
     if not CHROMIUM.exists():
         pytest.skip("no chromium: apt-get install -y chromium")
@@ -735,3 +858,42 @@ def test_bench_serve_reports_the_speedup_latencies_and_no_errors(tmp_path):
     for key in ("ttft", "token", ""):
         name = f"serve/{key}_p" if key else "serve/p"
         assert 0 < metrics[f"{name}50_ms"] <= metrics[f"{name}99_ms"]
+
+
+def test_bench_serve_settings_are_checked_before_the_model_is_built(tmp_path):
+    """task.requests=0 was an IndexError, task.max_tokens=0 (or over serve.max_tokens) an HTTP 400 raised from
+    the bench, task.clients=0 a thread pool's ValueError after the first phase: one sentence each, first."""
+    from dataclasses import replace
+
+    from onn.app import execute
+    from onn.errors import UserError
+
+    config = compose(
+        "task=bench_serve", f"model={MODEL}", "strategy=full", "tracking=none", "hardware=cpu_16gb",
+        f"paths.outputs={tmp_path / 'outputs'}", f"paths.cache={tmp_path / 'cache'}",
+    )  # fmt: skip
+    most = config.serve.max_tokens
+    for key, value, said in (
+        ("requests", 0, "1 or more"),
+        ("max_tokens", 0, "1 or more"),
+        ("clients", 0, "1 or more"),
+        ("requests_per_client", -1, "1 or more"),
+        ("load_max_tokens", True, "1 or more"),
+        ("max_tokens", most + 1, "serve.max_tokens"),
+        ("load_max_tokens", most + 1, "serve.max_tokens"),
+    ):
+        with pytest.raises(UserError, match=f"task.{key}={value!r}.*{said}"):
+            execute(replace(config, task=replace(config.task, **{key: value})), tmp_path / "run")
+    with pytest.raises(UserError, match="serve.slots"):  # serve.* as task=serve checks them
+        execute(replace(config, serve=replace(config.serve, slots=0)), tmp_path / "run")
+
+
+def test_bench_serve_percentiles_are_the_nearest_rank():
+    """The p-th percentile of n values is the ceil(p/100 * n)-th smallest: the p50 of 1..10 ms is 5 and the p99
+    of 1..100 ms is 99 (they were 6 and 100: rounding half to even put them one rank high)."""
+    from onn.bench.serve import percentile
+
+    ms = [i / 1000 for i in range(1, 101)]
+    assert percentile(ms[:10], 50) == 5.0 and percentile(ms, 99) == 99.0 and percentile(ms, 50) == 50.0
+    assert percentile(ms[:10], 99) == 10.0 and percentile(ms[:10], 0) == 1.0 and percentile(ms[:1], 50) == 1.0
+    assert percentile([], 50) is None

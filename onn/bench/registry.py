@@ -26,7 +26,6 @@ from onn.bench import suite
 from onn.config import ONNConfig
 from onn.modalities.base import Job
 from onn.tasks.registry import Task
-from onn.tasks.serve.task import check as serve_check
 
 TEXT = frozenset({"text"})
 
@@ -89,6 +88,12 @@ def _bench_serve(job: Job) -> dict[str, Any]:
     return serve.run(job)
 
 
+def _check_serve(config: ONNConfig) -> None:
+    from onn.bench import serve
+
+    serve.check_settings(config)
+
+
 def _bench_overhead(job: Job) -> dict[str, Any]:
     from onn.bench import overhead
 
@@ -139,7 +144,7 @@ TASKS: dict[str, Task] = {
     "bench_media": Task(_bench_media, modalities=frozenset({"audio", "video"})),
     "bench_streamed_arch": Task(_bench_streamed_arch, check=_check_streamed_arch, model=False),
     "bench_giant": Task(_bench_giant, check=_check_giant, modalities=TEXT),
-    "bench_serve": Task(_bench_serve, check=serve_check, modalities=TEXT),
+    "bench_serve": Task(_bench_serve, check=_check_serve, modalities=TEXT),
     "bench_shard_plan": Task(_bench_shard_plan, model=False, heavy=False),
     "bench_omny": Task(_bench_omny, modalities=TEXT),
     "bench_chaos": Task(_bench_chaos, model=False, heavy=False),

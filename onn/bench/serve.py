@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from onn.config import ONNConfig
 from onn.config.task import BenchServeTask
+from onn.errors import UserError
 from onn.modalities import Job
 from onn.tasks.serve.task import build_app, model_name
+from onn.tasks.serve.task import check as serve_check
 
 log = logging.getLogger("onn")
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time", "def fibonacci(n):", "Roses are red,",
@@ -30,11 +34,31 @@ PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time", "def f
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (nearest rank) in ms of values in seconds; None without values."""
+    """The q-th percentile (nearest rank: the ceil(q/100 * n)-th smallest) in ms of values in seconds; None
+    without values."""
     if not values:
         return None
     ordered = sorted(values)
-    return round(1000 * ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))], 2)
+    rank = max(1, math.ceil(q * len(ordered) / 100))  # q * n first: 99 / 100 * 100 is 99.00000000000001
+    return round(1000 * ordered[min(rank, len(ordered)) - 1], 2)
+
+
+def check_settings(config: ONNConfig) -> None:
+    """serve.* and task.* before the model is built: a count under 1 or more tokens than the server gives failed
+    only once the server ran (an IndexError, an HTTP 400, a thread pool's ValueError)."""
+    serve_check(config)
+    task: BenchServeTask = config.task
+    for key in ("requests", "max_tokens", "clients", "requests_per_client", "load_max_tokens"):
+        value = getattr(task, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"task.{key}={value!r}: give a whole number, 1 or more.")
+    most = config.serve.max_tokens
+    for key in ("max_tokens", "load_max_tokens"):
+        if getattr(task, key) > most:
+            raise UserError(
+                f"task.{key}={getattr(task, key)} is over serve.max_tokens={most}, the most the server generates: "
+                f"lower task.{key} or raise serve.max_tokens."
+            )
 
 
 class _EngineClock:

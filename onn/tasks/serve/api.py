@@ -44,7 +44,19 @@ UNIMPLEMENTED = {  # OpenAI's fields this server does not compute: refused, not 
     "logprobs": "returns no log-probabilities",
     "top_logprobs": "returns no log-probabilities",
     "echo": "does not echo the prompt",
+    "frequency_penalty": "applies no frequency penalty",
+    "presence_penalty": "applies no presence penalty",
+    "logit_bias": "applies no logit bias",
+    "response_format": "has no JSON mode or structured output",
+    "tools": "calls no tools",
+    "tool_choice": "calls no tools",
+    "functions": "calls no functions",
+    "function_call": "calls no functions",
+    "best_of": "generates one completion per request",
+    "suffix": "inserts no text after the completion",
 }
+NEUTRAL = (None, False, 0, {}, [])  # a value of those fields that asks for nothing this server lacks
+NEUTRAL_OWN = {"response_format": {"type": "text"}, "tool_choice": "none", "best_of": 1}
 
 
 class ApiError(Exception):
@@ -100,7 +112,7 @@ class StreamOptions(BaseModel):
 class Generation(BaseModel):
     """What chat completions and completions share."""
 
-    model_config = ConfigDict(strict=True, extra="allow")  # other OpenAI fields (user, logit_bias...) are ignored
+    model_config = ConfigDict(strict=True, extra="allow")  # other fields (user, metadata...) are ignored
     model: str = Field(max_length=256)
     stream: bool | None = False  # null: not streamed, as OpenAI takes it
     max_tokens: int | None = Field(default=None, ge=1)
@@ -214,11 +226,13 @@ class Stats:
 
 def create_app(served: Any, settings: ServeConfig, model_name: str, api_key: str | None = None) -> FastAPI:
     """The app for a LanguageModel (`served.step`) or a classifier Predictor (`served.classify`). A language
-    model's Scheduler starts with it; `app.state.close()` stops it."""
+    model's Scheduler starts with it; `app.state.stop()` ends its requests (without waiting), `app.state.close()`
+    stops it."""
     app = FastAPI(title="ONN", docs_url=None, redoc_url=None, openapi_url=None)  # docs would fetch from a CDN
     server = Server(served, settings, model_name)
     app.state.stats, app.state.scheduler = server.stats, server.scheduler
     app.state.close = server.scheduler.close if server.scheduler else (lambda: None)
+    app.state.stop = server.scheduler.stop if server.scheduler else (lambda: None)
     app.state.kind = "classifier" if server.classifier else "language model"
     app.add_middleware(
         Guard,
@@ -611,6 +625,14 @@ def _prompt_ids(lm, text: str, special: bool, settings: ServeConfig, param: str)
     limit = settings.max_prompt_tokens
     if len(text) > limit * 64:  # no tokenizer packs more than this into a token: refuse before tokenizing
         raise ApiError(400, f"the prompt is longer than {limit} tokens", param=param, code="context_length_exceeded")
+    try:
+        text.encode("utf-8")  # JSON's escapes can spell half a UTF-16 pair, which no tokenizer takes
+    except UnicodeEncodeError:
+        raise ApiError(
+            400,
+            f"{param}: the text holds an unpaired surrogate (a lone \\ud800-\\udfff escape); send valid Unicode.",
+            param=param,
+        ) from None
     ids = list(lm.tokenizer(text, add_special_tokens=special)["input_ids"])
     if not ids:
         raise ApiError(400, "the prompt is empty", param=param)
@@ -626,7 +648,8 @@ def _prompt_ids(lm, text: str, special: bool, settings: ServeConfig, param: str)
 
 def _refuse_unimplemented(req: Generation) -> None:
     for name, missing in UNIMPLEMENTED.items():
-        if getattr(req, name) not in (None, False, 0):
+        value = getattr(req, name, None)  # declared, or one of the body's extra fields
+        if value not in NEUTRAL and value != NEUTRAL_OWN.get(name):
             raise ApiError(
                 400,
                 f"{name}: this server {missing}; leave {name} out.",

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 log = logging.getLogger("onn")
+SHUTTING_DOWN = "the server is shutting down"
+MIN_TEMPERATURE = 1e-4  # below it a request is greedy: its distribution is the top token's alone anyway
 
 
 @dataclass
@@ -80,13 +82,21 @@ class Scheduler:
     # -- what the API calls ------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
         with self.lock:
+            if self.stopping:  # past the loop's last sweep: told at once, not left waiting
+                _send(seq, {"finish": "error", "error": SHUTTING_DOWN})
+                return
             self.waiting.append(seq)
             self.lock.notify()
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Stop after the current step: every sequence still decoding or waiting ends with an error event. It
+        does not wait, so a signal handler on the event loop's thread may call it."""
         with self.lock:
             self.stopping = True
             self.lock.notify()
+
+    def close(self) -> None:
+        self.stop()
         self.thread.join(timeout=60)
 
     # -- the thread ----------------------------------------------------------------------------
@@ -115,7 +125,7 @@ class Scheduler:
                 if self.lm.engine is not None:
                     self.lm.engine.reset()
         for seq in [*self.active, *self.waiting]:
-            _send(seq, {"finish": "error", "error": "the server is shutting down"})
+            _send(seq, {"finish": "error", "error": SHUTTING_DOWN})
         if self.lm.engine is not None:
             self.lm.engine.close()
 
@@ -154,8 +164,8 @@ class Scheduler:
         self.mask = mask
         self.steps += 1
         self.widest = max(self.widest, len(self.active))
-        tokens = _pick(logits, self.active)
-        finished = [i for i, seq in enumerate(self.active) if self._advance(seq, tokens[i])]
+        tokens = _pick(logits, self.active)  # None: the row failed, and was told
+        finished = [i for i, seq in enumerate(self.active) if tokens[i] is None or self._advance(seq, tokens[i])]
         if finished:
             self._keep([i for i in range(len(self.active)) if i not in set(finished)])
 
@@ -215,21 +225,28 @@ def _send(seq: Sequence, event: dict[str, Any]) -> None:
         seq.cancel()
 
 
-def _pick(logits: torch.Tensor, rows: list[Sequence]) -> list[int]:
-    """Each row's next token, read back in one copy (each read of a GPU value waits for it): greedy at
-    temperature 0 or top_p 0 (a nucleus of the likeliest token alone), else sampled through transformers'
-    temperature and top-p warpers (as model.generate), with the request's own generator when it gave a seed."""
-    picks = logits.argmax(-1)
+def _pick(logits: torch.Tensor, rows: list[Sequence]) -> list[int | None]:
+    """Each row's next token, read back in one copy (each read of a GPU value waits for it): greedy at a
+    temperature under MIN_TEMPERATURE or top_p 0 (a nucleus of the likeliest token alone), else sampled through
+    transformers' temperature and top-p warpers (as model.generate), with the request's own generator when it
+    gave a seed. A row whose draw fails gets None and its error event; the others go on."""
+    picks, failed = logits.argmax(-1), set()
     for i, seq in enumerate(rows):
-        if seq.sampling.temperature and seq.sampling.top_p:
-            picks[i] = _sample(logits[i], seq.sampling, seq.generator)
-    return picks.tolist()
+        if seq.sampling.temperature >= MIN_TEMPERATURE and seq.sampling.top_p:
+            try:
+                picks[i] = _sample(logits[i], seq.sampling, seq.generator)
+            except RuntimeError as e:  # logits with inf or NaN: this row's problem, not the batch's
+                log.warning("serve: sampling a row failed: %s", e)
+                _send(seq, {"finish": "error", "error": f"{type(e).__name__}: {e}"})
+                failed.add(i)
+    return [None if i in failed else token for i, token in enumerate(picks.tolist())]
 
 
 def _sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
     from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
-    scores = TemperatureLogitsWarper(sampling.temperature)(None, logits[None])
+    scores = logits.float()[None]  # in float32 from the top logit down: a small temperature cannot overflow
+    scores = TemperatureLogitsWarper(sampling.temperature)(None, scores - scores.max())
     if sampling.top_p < 1.0:
         scores = TopPLogitsWarper(sampling.top_p)(None, scores)
     return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[0, 0]

@@ -29,6 +29,12 @@ def _server_class():
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
+        def handle_exit(self, sig, frame) -> None:
+            """The model stops first: each request in flight gets its error (a 503, a stream's error event and
+            [DONE]) within uvicorn's grace period, which would otherwise cancel it with a bare 500 or a cut stream."""
+            self.config.app.state.stop()
+            super().handle_exit(sig, frame)
+
     return Server
 
 
@@ -62,7 +68,7 @@ class Running:
         self.url = f"http://{host}:{self.port}"
 
     def stop(self) -> None:
-        self.server.should_exit = True
+        self.server.handle_exit(signal.SIGTERM, None)  # as task=serve stops
         self.thread.join(timeout=30)
         self.app.state.close()
 

@@ -55,17 +55,22 @@ def model_name(config: ONNConfig) -> str:
 
 
 def free_address(host: str, port: int) -> None:
-    """UserError when host:port cannot be listened on (taken, or not this machine's address)."""
+    """UserError when host:port cannot be listened on: the port taken (or not allowed), or the host no address of
+    this machine (checked with port 0 too)."""
+    import errno
     import socket
 
-    if port == 0:
-        return
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
             probe.bind(infos[0][4])
     except OSError as e:
+        if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+            raise UserError(
+                f"serve.host={host} is not an address of this machine ({e.strerror or e}): "
+                "use 127.0.0.1, 0.0.0.0 or one of its addresses."
+            ) from None
         raise UserError(
             f"serve.host={host} serve.port={port} cannot be listened on ({e.strerror or e}): "
             "choose another serve.port (0: any free one)."
