@@ -190,3 +190,20 @@ def test_cuda_matches_its_own_seed_and_cpu_normalisation():
     b = aug(images, True, torch.Generator("cuda").manual_seed(3))
     assert a.is_cuda and torch.equal(a, b)
     torch.testing.assert_close(aug(images, False).cpu(), aug(images.cpu(), False), rtol=0, atol=1e-6)
+
+
+def test_one_key_of_a_block_is_set_on_the_command_line_also_over_a_recipe_without_augmentation():
+    """color_jitter and random_erasing were null until given whole, and recipe=cifar10_v28 set augment: null: Hydra
+    then failed with a raw AssertionError (or AttributeError) on data.augment.color_jitter.brightness=0.2."""
+    from conftest import compose
+
+    given = ("data.augment.color_jitter.brightness=0.2", "data.augment.random_erasing.p=0.5")
+    aug = compose("data=cifar10", "model=v28_cnn", *given).data.augment
+    assert aug.color_jitter.brightness == 0.2 and aug.random_erasing.p == 0.5 and aug.crop_padding == 4
+    assert BatchAugment(aug, MEAN, STD).jitter == {"brightness": (0.8, 1.2)}
+    aug = compose("data=cifar10", "model=v28_cnn", "data.augment.color_jitter={contrast: 0.1}").data.augment
+    assert aug.color_jitter.contrast == 0.1
+    baseline = compose("recipe=cifar10_v28").data.augment
+    assert not BatchAugment(baseline, MEAN, STD).random  # the baseline still trains on the images as they are
+    assert compose("recipe=cifar10_v28", "data.augment.hflip=0.5").data.augment.hflip == 0.5
+    assert not BatchAugment(compose("data=image", "model=v28_cnn").data.augment, MEAN, STD).random

@@ -154,6 +154,91 @@ def test_grey_and_colour_splits_streamed_come_out_in_colour_as_resident_ones_do(
         assert next(iter(data.test_dataloader()))[0].shape[1] == 3
 
 
+def test_streamed_images_are_colour_when_a_colour_one_comes_after_the_first_16_grey_ones(tmp_path):
+    """Streamed, the first 16 items chose the channels: 16 grey ones before the colour ones made every image grey,
+    where a resident read of the same folder is colour (as docs/images.md says)."""
+    from onn.modalities.image.dataset import ImageDataModule
+
+    for i in range(16):
+        square(tmp_path / "a" / f"{i:02d}.png", mode="L")
+    for i in range(4):
+        square(tmp_path / "b" / f"{i}.png", (200, 0, 0))
+    given = ("data=image", f"data.source={tmp_path}", "data.resident=false", "data.num_workers=0")
+    data = ImageDataModule(compose(*given, root=tmp_path).data, tmp_path / "cache")
+    data.setup()
+    assert data.input_shape == (3, 8, 8)
+    batches = [x for x, _ in data.train_dataloader()] + [x for x, _ in data.val_dataloader()]
+    assert {x.shape[1] for x in batches} == {3} and any(x[:, 0].max() == 200 for x in batches)
+
+
+def test_a_damaged_decoded_cache_is_decoded_again_not_failed_on(tmp_path, caplog):
+    """A truncated, emptied or overwritten cache file failed every later run with safetensors' raw error."""
+    from onn.data.cache import cached_decode
+    from onn.data.resident import Decoded
+
+    calls = []
+
+    def decode() -> dict[str, Decoded]:
+        calls.append(1)
+        return {"all": Decoded(torch.arange(12).view(3, 4), torch.tensor([0, 1, 0]), ["a", "b"], ["x", "y", "z"])}
+
+    first = cached_decode("images", {"k": 1}, tmp_path, decode, "src")
+    (cache,) = (tmp_path / "images").glob("*.safetensors")
+    whole = cache.read_bytes()
+    for damaged in (whole[: len(whole) // 2], b"", bytes(range(256)) * 8):
+        cache.write_bytes(damaged)
+        with caplog.at_level(logging.WARNING, logger="onn"):
+            again = cached_decode("images", {"k": 1}, tmp_path, decode, "src")
+        assert torch.equal(again["all"].inputs, first["all"].inputs) and again["all"].names == ["x", "y", "z"]
+        assert f"the decoded cache {cache} is damaged" in caplog.text
+    assert len(calls) == 4 and cached_decode("images", {"k": 1}, tmp_path, decode, "src")["all"].classes == ["a", "b"]
+    assert len(calls) == 4  # the file written again is read
+
+
+def test_a_user_error_in_a_streaming_worker_is_its_one_sentence(tmp_path):
+    """Raised in a DataLoader worker, the sentence came out as "Caught UserError in DataLoader worker process 1.
+    Original Traceback ..." on the console and in metrics.json's error."""
+    from onn.modalities.image.dataset import ImageDataModule
+
+    for i in range(8):
+        square(tmp_path / "a" / f"{i}.png", (30 * i, 0, 0))
+        square(tmp_path / "b" / f"{i}.png", (0, 30 * i, 0))
+    given = ("data=image", f"data.source={tmp_path}", "data.resident=false", "data.num_workers=1", "data.batch_size=4")
+    data = ImageDataModule(compose(*given, root=tmp_path).data, tmp_path / "cache")
+    data.setup()
+    items, index = data.streamed["train"]
+    broken = items.names[index[0]]
+    (tmp_path / broken).write_bytes(b"")  # after the check that every item decodes
+    with pytest.raises(UserError) as e:
+        list(data.train_dataloader())
+    assert str(e.value) == (
+        f"data.source item {broken} decoded when the run began and no longer does; restore or remove it and run again."
+    )
+    square(tmp_path / broken)
+    Image.new("RGB", (12, 8)).save(tmp_path / "b" / "9.png")  # another size, after the 16 items that set it
+    with pytest.raises(UserError) as e:
+        ImageDataModule(compose(*given, root=tmp_path).data, tmp_path / "cache").setup()
+    assert str(e.value).startswith("images have different sizes: a/0.png is 8x8 but b/9.png is 8x12 (HxW); set")
+    assert "Traceback" not in str(e.value)
+
+
+def test_eval_of_a_given_source_of_train_and_test_folders_scores_all_of_it(tmp_path):
+    """task=eval sets data.val_source to the data.source it is given (app.score_all_given): a source of train/ and
+    test/ folders was scored on its test/ only, reported as val/* (and again as test/*)."""
+    from onn.modalities.image.dataset import ImageDataModule
+
+    for split, count in (("train", 3), ("test", 1)):
+        for c in ("a", "b"):
+            for i in range(count):
+                square(tmp_path / split / c / f"{i}.png", (40 * i, 0, 0))
+    cfg = compose("data=image", f"data.source={tmp_path}", f"data.val_source={tmp_path}", root=tmp_path)
+    data = ImageDataModule(cfg.data, tmp_path / "cache")
+    data.setup()
+    assert sorted(data.splits["val"].names) == sorted(data.splits["train"].names + data.splits["test"].names)
+    val = data.splits["val"]
+    assert len(val) == 8 and val.labels.tolist() == [data.classes.index(n.split("/")[1]) for n in val.names]
+
+
 def test_a_mac_zips_resource_forks_are_left_out_and_members_named_outside_the_archive_are_reported(tmp_path):
     """A zip made on a Mac holds __MACOSX/._x copies, which the mesh and graph readers took for damaged files
     ("6 of 12 cannot be used"); members named /etc/x or ../x were dropped without a word."""

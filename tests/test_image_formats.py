@@ -101,16 +101,25 @@ def test_split_folders_share_classes_and_val_alias(tmp_path):
     files = {
         **tree("train/", ["a", "b"]),
         **tree("validation/", ["a", "b"], per=2),
-        **tree("test/", ["a", "c"], 2),
+        **tree("test/", ["b"], 2),
     }
     write_tree(tmp_path, files)
     splits = read_splits(tmp_path)
     assert sorted(splits) == ["test", "train", "val"]
     for s in splits.values():
-        assert s.classes == ["a", "b", "c"]
+        assert s.classes == ["a", "b"]
         assert_matches(s, files)
-    assert splits["test"].labels.tolist() == [0, 0, 2, 2]
+    assert splits["test"].labels.tolist() == [1, 1]
     assert len(splits["train"].names) == 8 and len(splits["val"].names) == 4
+
+
+def test_a_held_out_class_the_training_split_lacks_is_refused(tmp_path):
+    """test/automobil beside train/automobile became an 11th class that nothing trained on, without a word."""
+    write_tree(tmp_path, {**tree("train/", ["a", "b"], 2), **tree("test/", ["a", "bb"], 1)})
+    for read in (read_splits, list_items):
+        with pytest.raises(UserError, match=r"\(test split\) has classes the training data does not: \['bb'\]"):
+            read(tmp_path)
+    assert read_splits(tmp_path, allow_unlabelled=True)["test"].classes == ["a", "b", "bb"]  # task.input: no truth
 
 
 @pytest.mark.parametrize(
@@ -147,6 +156,25 @@ def test_split_folders_mixed_with_other_folders_are_refused(tmp_path):
     write_tree(tmp_path, {**tree("train/"), "samples/x/a.png": rgb()})
     with pytest.raises(UserError, match=r"mixes split folders \(train\) with other folders \(samples\)"):
         read_splits(tmp_path)
+
+
+def test_a_class_named_like_a_split_beside_other_classes_is_a_class(tmp_path):
+    """CIFAR-100 has a class `train`: cat/, tractor/ and train/ holding images were refused as split folders
+    mixed with other folders."""
+    files = tree(classes=["cat", "test", "train"], per=2)
+    write_tree(tmp_path, files)
+    s = read_splits(tmp_path)["all"]
+    assert s.classes == ["cat", "test", "train"]
+    assert_matches(s, files)
+
+
+def test_task_input_of_one_class_folder_keeps_its_class(tmp_path):
+    """task=infer of a folder holding only cat/ took cat/ for a wrapping folder: every row's true label was lost."""
+    files = tree(classes=["cat"], per=2)
+    write_tree(tmp_path, files)
+    s = read_splits(tmp_path, allow_unlabelled=True, key="task.input")["all"]
+    assert s.classes == ["cat"] and s.labels.tolist() == [0, 0]
+    assert_matches(s, files)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -483,6 +511,17 @@ def test_csv_with_names_or_numbers_and_optional_header(tmp_path):
         read_splits(tmp_path / "numbered.csv", num_classes=2)
 
 
+def test_unlabelled_images_are_pointed_at_task_infer_not_at_a_key_that_does_not_exist(tmp_path):
+    """The messages said to set data.allow_unlabelled=true, which no data config has."""
+    write_tree(tmp_path / "flat", {f"{i}.png": rgb() for i in range(2)})
+    (tmp_path / "rows.csv").write_text("path,label\nflat/0.png,cat\nflat/1.png,\n")
+    write_parquet(tmp_path / "rows.parquet", [rgb(), rgb()], [0, -1])
+    for source, said in (("flat", "no class folders"), ("rows.csv", "row 3 has no label"), ("rows.parquet", "-1")):
+        with pytest.raises(UserError, match=said) as e:
+            read_splits(tmp_path / source)
+        assert "use task=infer task.input=PATH" in str(e.value) and "allow_unlabelled" not in str(e.value)
+
+
 def test_single_image_for_inference(tmp_path):
     arr = rgb(5, 7)
     (tmp_path / "x.webp").write_bytes(encode(arr, "WEBP", lossless=True))
@@ -523,6 +562,18 @@ def test_source_digest_follows_content(tmp_path):
     c0 = source_digest(tmp_path / "ds/list.csv")
     target.write_bytes(encode(rgb()))  # the csv's bytes are unchanged, the image it names is not
     assert source_digest(tmp_path / "ds/list.csv") != c0
+
+
+def test_a_folder_of_split_tables_is_digested_with_the_images_they_name_outside_it(tmp_path):
+    """tables/train.csv naming ../img/x.png: the folder's digest saw the tables only, so an image replaced in
+    img/ kept its old pixels in the decoded cache."""
+    write_tree(tmp_path / "img", tree(per=1))
+    (tmp_path / "tables").mkdir()
+    for split in ("train", "test"):
+        (tmp_path / "tables" / f"{split}.csv").write_text("path,label\n../img/cat/0000.png,cat\n")
+    before = source_digest(tmp_path / "tables")
+    (tmp_path / "img/cat/0000.png").write_bytes(encode(rgb()))
+    assert source_digest(tmp_path / "tables") != before
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -757,6 +808,25 @@ def test_jpeg_pixels_and_channels_match_pillow(tmp_path):
             assert torch.equal(img, want), (name, channels)
         items = list_items(tmp_path)["all"].configure(channels=channels)
         assert torch.equal(torch.stack([items.load(i) for i in range(len(items))]), s.images)
+
+
+def test_exif_orientation_turns_a_picture_as_a_viewer_shows_it(tmp_path):
+    """A phone's portrait photo is stored sideways with EXIF orientation 6: it decoded as stored, 40 wide."""
+    from PIL import Image, ImageOps
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # turn 90 degrees clockwise to view
+    files = {}
+    for name, fmt in (("a/0.jpg", "JPEG"), ("a/1.png", "PNG"), ("b/0.jpg", "JPEG"), ("b/1.png", "PNG")):
+        files[name] = encode(rgb(20, 40), fmt, exif=exif.tobytes(), **({"quality": 95} if fmt == "JPEG" else {}))
+    write_tree(tmp_path, files)
+    s = read_splits(tmp_path)["all"]
+    assert s.images.shape == (4, 3, 40, 20)
+    for name, img in zip(s.names, s.images):
+        want = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(files[name]))).convert("RGB"))
+        assert torch.equal(img, chw(want)), name
+    items = list_items(tmp_path)["all"]
+    assert torch.equal(torch.stack([items.load(i) for i in range(len(items))]), s.images)
 
 
 # ---------------------------------------------------------------------------------------------------------

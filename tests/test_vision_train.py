@@ -192,6 +192,37 @@ def test_linear_probe_trains_the_head_on_cached_features(images, tmp_path):
     assert again["val/history"] == metrics["val/history"]
 
 
+def test_linear_probe_features_are_computed_again_when_the_images_change(tmp_path):
+    """The features' cache was keyed by the items' names: test images overwritten under the same names (the
+    decoded cache rebuilt) were scored on the old images' features."""
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from onn.modalities import classification, get
+    from onn.models.zoo.registry import build_zoo
+
+    source = make_images(tmp_path / "src", train=4, test=2, size=8)
+    weights = tmp_path / "v28.safetensors"
+    save_file(build_zoo("v28_cnn", in_channels=3, num_classes=3, image_size=8).state_dict(), weights)
+    cfg = compose(
+        *("model=v28_cnn", "data=image", "hardware=cpu_16gb", "strategy=linear_probe", f"model.weights={weights}"),
+        *(f"data.source={source}", f"paths.cache={tmp_path / 'cache'}", "data.mean=[0.5]", "data.std=[0.25]"),
+    )
+    image = get("image")
+    plan = image.plan(cfg, resolve(cfg.hardware, "/tmp", "/tmp"))[0]
+
+    def test_features() -> torch.Tensor:
+        dm = classification.setup_data(image, cfg, "cpu")
+        module = classification.build(image, cfg, plan, classification.data_inputs(image, cfg, dm))
+        return classification.features(module, dm, cfg).splits["test"].inputs
+
+    before = test_features()
+    for path in (source / "test").rglob("*.png"):
+        Image.new("RGB", (8, 8)).save(path)
+    after = test_features()
+    assert torch.equal(after[0], after[-1]) and not torch.equal(before, after)  # every test image black now
+
+
 def test_streamed_fallback_trains_like_resident(images, tmp_path):
     metrics, _ = run(
         tmp_path,

@@ -419,14 +419,14 @@ class _Transform:
             steps.append(T.RandomCrop(size, padding=augment.crop_padding, padding_mode=mode))
         if augment is not None and augment.hflip:
             steps.append(T.RandomHorizontalFlip(augment.hflip))
-        if augment is not None and augment.color_jitter is not None:
-            jitter = augment.color_jitter  # hue is not supported (it must stay 0)
+        jitter = augment.color_jitter if augment is not None else None  # hue is not supported (it must stay 0)
+        if jitter is not None and (jitter.brightness or jitter.contrast or jitter.saturation):
             steps.append(
                 T.ColorJitter(brightness=jitter.brightness, contrast=jitter.contrast, saturation=jitter.saturation)
             )
         steps += [T.ToTensor(), T.Normalize(mean, std)]
-        if augment is not None and augment.random_erasing is not None:
-            erasing = augment.random_erasing
+        erasing = augment.random_erasing if augment is not None else None
+        if erasing is not None and erasing.p:  # blocks that are there and off add no step, as BatchAugment's
             steps.append(
                 T.RandomErasing(
                     p=erasing.p, scale=tuple(erasing.scale), ratio=tuple(erasing.ratio), value=erasing.value

@@ -60,8 +60,10 @@ class ImageAugment:
     crop_padding: int = 0  # random crop of the original size from the image padded by this many pixels
     padding_mode: str = "reflect"  # reflect | zeros
     hflip: float = 0.0  # probability of a horizontal flip
-    color_jitter: ColorJitter | None = None
-    random_erasing: RandomErasing | None = None
+    # blocks that are there and off (not null), so data.augment.color_jitter.brightness=0.2 on the command line
+    # sets one key (Hydra cannot set a key inside a null); null, as a saved config may hold, is off too
+    color_jitter: ColorJitter | None = field(default_factory=ColorJitter)
+    random_erasing: RandomErasing | None = field(default_factory=lambda: RandomErasing(p=0.0))
 
 
 @dataclass

@@ -28,31 +28,14 @@ def cached_decode(
     source: str = "",
 ) -> dict[str, Decoded]:
     """{split: Decoded} from the cache under cache_dir/kind for `key`, or from `decode()` (then cached)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     cache = Path(cache_dir) / kind / f"{digest}.safetensors"
     if cache.is_file():
-        with safe_open(str(cache), "pt") as f:
-            meta = json.loads(f.metadata()["onn"])
-        tensors = load_file(str(cache))
-        log.info("%s: %s from the decoded cache %s", kind, source, cache)
-        skipped = [item for s in meta["splits"].values() for item in s["skipped"]]
-        if skipped:  # the decoder named them when it read the source; say so again for this run
-            log.warning(
-                "%s: %d items of %s could not be decoded and are left out, e.g. %s",
-                kind,
-                len(skipped),
-                source,
-                "; ".join(skipped[:3]),
-            )
-        return {
-            name: Decoded(
-                tensors[f"{name}.inputs"], tensors[f"{name}.labels"], meta["classes"], s["names"], s["skipped"]
-            )
-            for name, s in meta["splits"].items()
-        }
+        cached = _read(cache, kind, source)
+        if cached is not None:
+            return cached
     splits = decode()
     tensors, meta = {}, {"classes": None, "splits": {}}
     for name, s in splits.items():
@@ -63,4 +46,37 @@ def cached_decode(
     tmp = cache.with_suffix(f".tmp{os.getpid()}")
     save_file(tensors, str(tmp), metadata={"onn": json.dumps(meta), "source": source})
     tmp.replace(cache)  # whole or not at all
+    return splits
+
+
+def _read(cache: Path, kind: str, source: str) -> dict[str, Decoded] | None:
+    """The cached splits, or None when the file is damaged (truncated, emptied, overwritten): it is removed and
+    the source decoded again, where every later run would otherwise fail on it."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+
+    try:
+        with safe_open(str(cache), "pt") as f:
+            meta = json.loads(f.metadata()["onn"])
+        tensors = load_file(str(cache))
+        splits = {
+            name: Decoded(
+                tensors[f"{name}.inputs"], tensors[f"{name}.labels"], meta["classes"], s["names"], s["skipped"]
+            )
+            for name, s in meta["splits"].items()
+        }
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("%s: the decoded cache %s is damaged (%s); decoding %s again", kind, cache, e, source)
+        cache.unlink(missing_ok=True)
+        return None
+    log.info("%s: %s from the decoded cache %s", kind, source, cache)
+    skipped = [item for s in splits.values() for item in s.skipped]
+    if skipped:  # the decoder named them when it read the source; say so again for this run
+        log.warning(
+            "%s: %d items of %s could not be decoded and are left out, e.g. %s",
+            kind,
+            len(skipped),
+            source,
+            "; ".join(skipped[:3]),
+        )
     return splits

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -174,6 +175,29 @@ def batch_groups(names: list[str], pattern: str | None) -> list[str] | None:
     return groups
 
 
+class WorkerError(UserError):
+    """A UserError raised in a DataLoader worker. torch raises it again in the main process as
+    WorkerError("Caught WorkerError in DataLoader worker process N. Original Traceback ...: SENTENCE"): the one
+    sentence is kept (the console's line, metrics.json's error), the worker's traceback dropped."""
+
+    def __init__(self, message: str):
+        said = f"{type(self).__module__}.{type(self).__qualname__}: "
+        if message.startswith("Caught ") and said in message:
+            message = message.rsplit(said, 1)[1].strip()
+        super().__init__(message)
+
+
+@contextmanager
+def one_sentence() -> Iterator[None]:
+    """Around work a DataLoader worker may do: its UserError reaches the user as the sentence it is (WorkerError)."""
+    try:
+        yield
+    except WorkerError:
+        raise
+    except UserError as e:
+        raise WorkerError(str(e)) from None
+
+
 class StreamedItems(torch.utils.data.Dataset):
     """Per-item decoding for datasets too big to hold decoded (the fallback, not the fast path)."""
 
@@ -185,9 +209,10 @@ class StreamedItems(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int):
         j = self.index[i]  # an item that decoded when the data was set up (ClassificationData._decodable)
-        item = self.items.load(j)
+        with one_sentence():
+            item = self.items.load(j)
         if item is None:
-            raise UserError(
+            raise WorkerError(
                 f"data.source item {self.items.names[j]} decoded when the run began and no longer does; "
                 "restore or remove it and run again."
             )
@@ -195,8 +220,9 @@ class StreamedItems(torch.utils.data.Dataset):
 
 
 class Decodes(torch.utils.data.Dataset):
-    """Whether each (split, index) item decodes: one pass over streamed data in the loader's workers, so a
-    corrupt item is skipped and counted up front as a resident read does, not met in an epoch."""
+    """What each (split, index) item decodes to, None when it does not: one pass over streamed data in the loader's
+    workers, so a corrupt item is skipped and counted up front as a resident read does, not met in an epoch. Items
+    with a `check(i)` say what it found (an image's channels); the others, True."""
 
     def __init__(self, items: dict[str, Items], pairs: list[tuple[str, int]]):
         self.items, self.pairs = items, pairs
@@ -204,9 +230,14 @@ class Decodes(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.pairs)
 
-    def __getitem__(self, i: int) -> bool:
+    def __getitem__(self, i: int) -> Any:
         split, j = self.pairs[i]
-        return self.items[split].load(j) is not None
+        items = self.items[split]
+        check = getattr(items, "check", None)
+        with one_sentence():
+            if check is not None:
+                return check(j)
+            return True if items.load(j) is not None else None
 
 
 def split_of(found: dict[str, Any], split: str, fallback: bool = True) -> Any:
@@ -216,6 +247,21 @@ def split_of(found: dict[str, Any], split: str, fallback: bool = True) -> Any:
         if found.get(name):
             return found[name]
     return next(iter(found.values())) if fallback and found else None
+
+
+def every_split(found: dict[str, Decoded]) -> Decoded:
+    """Every split of a source as one: task=eval scores all of a data.source the command line gives (it sets
+    data.val_source to it: onn.app.score_all_given), its train/ and test/ folders alike, as text eval does."""
+    parts = list(found.values())
+    if len(parts) == 1:
+        return parts[0]
+    return Decoded(
+        torch.cat([p.inputs for p in parts]),
+        torch.cat([p.labels for p in parts]),
+        parts[0].classes,
+        [n for p in parts for n in p.names],
+        [],  # counted with the source's own splits
+    )
 
 
 def class_order(found: list[str], data_cfg: SplitData) -> list[str]:
@@ -416,7 +462,8 @@ class ClassificationData(L.LightningDataModule):
         for split, other in (("val", self.cfg.val_source), ("test", self.cfg.test_source)):
             if other:
                 found = self.read(str(other), f"data.{split}_source")
-                sets[split] = split_of(found, split)
+                scores_all = split == "val" and str(other) == source  # task=eval of a given data.source
+                sets[split] = every_split(found) if scores_all else split_of(found, split)
         for split, pattern in self._patterns().items():
             sets = held_out_by_name(sets, split, pattern)
         train = split_of(sets, "train", fallback=False)
@@ -497,17 +544,22 @@ class ClassificationData(L.LightningDataModule):
         loader = torch.utils.data.DataLoader(
             Decodes(items, pairs), batch_size=64, num_workers=int(self.cfg.num_workers), collate_fn=list
         )
-        decodes = [ok for batch in loader for ok in batch]
+        decodes = [found for batch in loader for found in batch]
+        self.checked(items, [found for found in decodes if found is not None])
         refused = [s for listed in items.values() for s in getattr(listed, "refused", [])]
-        skipped = refused + [items[split].names[i] for (split, i), ok in zip(pairs, decodes) if not ok]
+        skipped = refused + [items[split].names[i] for (split, i), ok in zip(pairs, decodes) if ok is None]
         total = len(refused) + len(pairs)
         check_bad(skipped, total, float(self.cfg.max_bad_fraction), source, "data.source", self.item_kind)
         self.skipped = skipped
         good: dict[str, list[int]] = {}
         for (split, i), ok in zip(pairs, decodes):
-            if ok:
+            if ok is not None:
                 good.setdefault(split, []).append(i)
         return good
+
+    def checked(self, items: dict[str, Items], found: list[Any]) -> None:
+        """What the pass over every streamed item found of those that decode (Decodes); a modality may settle its
+        items' settings by it (images: colour anywhere makes every item colour)."""
 
     def _check_labels(self, sets: dict[str, Decoded]) -> None:
         n = len(self.classes)

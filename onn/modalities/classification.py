@@ -598,7 +598,7 @@ def features(module: Classifier, dm: ClassificationData, config: ONNConfig) -> C
         {
             "weights": weights.hexdigest(),
             "inputs": module.onn_config["inputs"],
-            "data": {k: hashlib.sha256("\n".join(v.names).encode()).hexdigest() for k, v in dm.splits.items()},
+            "data": {k: split_digest(v) for k, v in dm.splits.items()},
             "config": data,
         },
         sort_keys=True,
@@ -630,6 +630,14 @@ def features(module: Classifier, dm: ClassificationData, config: ONNConfig) -> C
         )
     dm.splits = {k: Split(saved[k], v.labels, v.names) for k, v in dm.splits.items()}
     return dm
+
+
+def split_digest(split: Split) -> str:
+    """sha256 of a split's names and stored inputs: features cached for images since changed (same names,
+    other pixels) are computed again, not read back stale."""
+    h = hashlib.sha256("\n".join(split.names).encode())
+    h.update(split.inputs.detach().contiguous().cpu().flatten().view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def _callbacks(config: ONNConfig, run_dir: Path) -> list:

@@ -48,7 +48,7 @@ def read_cached(
         }
 
     return cached_decode(
-        "images", {"digest": source_digest(path), "format": fmt, **settings}, cache_dir, decode, str(path)
+        "images", {"digest": source_digest(path, fmt), "format": fmt, **settings}, cache_dir, decode, str(path)
     )
 
 
@@ -67,13 +67,24 @@ class ImageDataModule(ClassificationData):
 
     def list_items(self, source: str):
         items = list_items(source, self.cfg.format or "auto")
-        settings = {k: v for k, v in decode_settings(self.cfg).items() if k in STREAM_SETTINGS}
         for v in items.values():
-            v.configure(**settings)
+            v.configure(**self._settings())
         if len({v.channels for v in items.values()}) > 1:  # grey in one split, colour in another: all in colour,
-            for v in items.values():  # as a resident read widens them
-                v.configure(**{**settings, "channels": 3})
+            self._colour(items)  # as a resident read widens them
         return items
+
+    def checked(self, items, found) -> None:
+        """Colour in any item (not only the first 16, which chose the channels) makes every item colour."""
+        if 3 in found:
+            self._colour(items)
+
+    def _colour(self, items) -> None:
+        for v in items.values():
+            if v.channels != 3:
+                v.configure(**{**self._settings(), "channels": 3})
+
+    def _settings(self) -> dict[str, Any]:
+        return {k: v for k, v in decode_settings(self.cfg).items() if k in STREAM_SETTINGS}
 
 
 def input_stats(config: ONNConfig, dm: ImageDataModule) -> tuple[list[float], list[float]]:

@@ -11,7 +11,14 @@ from pathlib import Path
 import numpy as np
 
 from onn.errors import UserError
-from onn.modalities.image.formats.common import Listing, PathFetch, Split, is_image_name, split_of
+from onn.modalities.image.formats.common import (
+    Listing,
+    PathFetch,
+    Split,
+    check_held_out_classes,
+    is_image_name,
+    split_of,
+)
 
 _PATH_HEADERS = ("path", "file", "filename", "file_name", "filepath", "image", "image_path", "img")
 _LABEL_HEADERS = ("label", "labels", "class", "class_name", "target", "category", "y")
@@ -66,12 +73,18 @@ def csv_path(csv_file: Path, name: str) -> Path:
     return p if p.is_absolute() else csv_file.parent / p
 
 
+def split_tables(folder: Path) -> dict[str, Path]:
+    """{split: its table} of a folder holding train.csv / test.csv / val.csv (.tsv too)."""
+    files: dict[str, Path] = {}
+    for f in sorted(folder.iterdir()):
+        if f.suffix.lower() in (".csv", ".tsv") and split_of(f.name) and f.is_file():
+            files.setdefault(split_of(f.name), f)
+    return files
+
+
 def list_csv(path: Path, key: str, allow_unlabelled: bool) -> Listing:
     if path.is_dir():
-        files = {}
-        for f in sorted(path.iterdir()):
-            if f.suffix.lower() in (".csv", ".tsv") and split_of(f.name) and f.is_file():
-                files.setdefault(split_of(f.name), f)
+        files = split_tables(path)
         if not files:
             raise UserError(f"{key} {path} holds no train.csv / test.csv / val.csv; point {key} at a csv file.")
     else:
@@ -97,8 +110,8 @@ def list_csv(path: Path, key: str, allow_unlabelled: bool) -> Listing:
             if lab is None:
                 if not allow_unlabelled:
                     raise UserError(
-                        f"{key}: {f} row {n} has no label; give every row one, or set "
-                        "data.allow_unlabelled=true to read unlabelled images."
+                        f"{key}: {f} row {n} has no label; give every row one (for predictions on unlabelled "
+                        "images use task=infer task.input=PATH)."
                     )
                 labels[j] = -1
             elif numeric:
@@ -113,4 +126,7 @@ def list_csv(path: Path, key: str, allow_unlabelled: bool) -> Listing:
             PathFetch([csv_path(f, name) for _, name, _ in rows]),
             origin=[f"{f.name} row {n} ({name})" for n, name, _ in rows],
         )
-    return Listing(splits, classes)
+    listing = Listing(splits, classes)
+    if not allow_unlabelled:
+        check_held_out_classes(listing, path, key)
+    return listing

@@ -90,6 +90,7 @@ def decode(data: bytes | None, channels: int | str, name: str = "") -> np.ndarra
 
     JPEGs go to torchvision's libjpeg-turbo decoder: the same pixels as Pillow, about twice as fast. When it
     refuses a file (damaged, truncated, CMYK, 12-bit) Pillow decides, so what counts as damaged is as before.
+    Either turns a picture by its EXIF orientation, as a viewer shows it.
     """
     if data is None:
         raise ValueError("no image bytes")
@@ -115,7 +116,7 @@ def _jpeg(data: bytes, channels: int | str) -> np.ndarray | None:
     from torchvision.io import decode_jpeg
 
     try:
-        t = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        t = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), apply_exif_orientation=True)
     except RuntimeError:
         return None
     a = t.numpy()
@@ -127,11 +128,15 @@ def _jpeg(data: bytes, channels: int | str) -> np.ndarray | None:
 
 
 def _open_raw(data: bytes):
-    from PIL import Image
+    """The picture as a viewer shows it: turned by its EXIF orientation (a phone's portrait photo is stored
+    sideways)."""
+    from PIL import Image, ImageOps
 
     _register_plugins()
     img = Image.open(io.BytesIO(data))
     img.load()
+    if img.getexif().get(0x0112, 1) != 1:
+        img = ImageOps.exif_transpose(img)
     return img
 
 
@@ -283,8 +288,8 @@ class ItemList:
     """One split, listed: labels and names up front, pixels decoded by load(i) (in DataLoader workers).
 
     Archive handles are opened on first use in each process, so a list survives pickling into workers.
-    With channels="auto" on encoded images, the first 16 items decide (1 if all are gray, else 3), and with
-    no image_size every image must have the size of the first one.
+    With channels="auto" on encoded images, the first 16 items decide (1 if all are gray, else 3) until a pass
+    over every item (check) finds colour, and with no image_size every image must have the size of the first one.
     """
 
     def __init__(self, fetch: Any, labels: torch.Tensor, classes: list[str], names: list[str]):
@@ -313,16 +318,32 @@ class ItemList:
         opts = self._opts
         if isinstance(self._fetch, ArrayFetch):
             return torch.from_numpy(array_image(self._fetch.get(i), opts, self.names[i]))
-        channels, ref = self._probe()
+        a = self._pixels(i, self._probe()[0])
+        if a is None:
+            return None
+        return torch.from_numpy(np.array(a[None] if a.ndim == 2 else a.transpose(2, 0, 1), dtype=np.uint8))
+
+    def check(self, i: int) -> int | None:
+        """The channels item i has (under channels=auto 1 when it is grey, else 3), or None when it cannot be
+        decoded: for the one pass over every streamed item (ClassificationData._decodable), so that a colour
+        image after the first 16 makes the data colour, as a resident read does."""
+        if isinstance(self._fetch, ArrayFetch):
+            return int(self.load(i).shape[0])
+        a = self._pixels(i, self._opts.channels)
+        return None if a is None else 1 if a.ndim == 2 else 3
+
+    def _pixels(self, i: int, channels: int | str) -> np.ndarray | None:
+        """Item i decoded to [H, W] or [H, W, 3] and fitted to data.image_size, or None when it cannot be."""
+        ref = self._probe()[1]
         with strict_pil():
             try:
                 a = decode(self._fetch.get(i), channels, self.names[i])
             except Exception:  # PIL raises many types for damaged files
                 return None
-        a = fit(a, opts, self.names[i])
-        if opts.image_size is None and ref is not None and a.shape[:2] != ref[1]:
+        a = fit(a, self._opts, self.names[i])
+        if self._opts.image_size is None and ref is not None and a.shape[:2] != ref[1]:
             raise UserError(mixed_sizes(ref[0], ref[1], self.names[i], a.shape[:2]))
-        return torch.from_numpy(np.array(a[None] if a.ndim == 2 else a.transpose(2, 0, 1), dtype=np.uint8))
+        return a
 
     @property
     def channels(self) -> int | str:

@@ -27,6 +27,7 @@ from onn.modalities.image.formats.common import (
     Split,
     TarFetch,
     ZipFetch,
+    check_held_out_classes,
     image_kind,
     is_image_name,
     needs_sniffing,
@@ -81,7 +82,10 @@ def list_tree(path: Path, key: str, allow_unlabelled: bool, stream: bool) -> Lis
         idx = [i for i, _ in entries]
         labels = np.array([index[c] if c is not None else -1 for _, c in entries], np.int64)
         splits[split] = Split([names[i] for i in idx], labels, make(idx))
-    return Listing(splits, classes, rejected)
+    listing = Listing(splits, classes, rejected)
+    if not allow_unlabelled:  # (task.input: a folder the model has no class of is a row with no truth)
+        check_held_out_classes(listing, path, key)
+    return listing
 
 
 def _archive_images(path: Path, kind: str, stream: bool, key: str):
@@ -134,13 +138,15 @@ def _tree_layout(names: list[str], where: str, allow_unlabelled: bool, key: str)
     """Split -> [(index, class or None)] and the sorted classes, from CLASS/IMAGE or SPLIT/CLASS/IMAGE."""
     parts = [n.split("/") for n in names]
     firsts = {p[0] for p in parts}
-    if len(firsts) == 1 and parts[0][0].lower() not in SPLITS:
-        depths = {len(p) for p in parts}
-        if min(depths) >= 3 or (allow_unlabelled and depths == {2}):
-            parts = [p[1:] for p in parts]  # one wrapping top folder
-            where = f"{where}/{names[0].split('/')[0]}"
+    # one wrapping top folder over class folders; one folder of images is a class (task.input of one class's folder
+    # has its truth; infer gives none to a wrapper the model has no class of)
+    if len(firsts) == 1 and parts[0][0].lower() not in SPLITS and min(len(p) for p in parts) >= 3:
+        parts = [p[1:] for p in parts]
+        where = f"{where}/{names[0].split('/')[0]}"
     tops = {p[0].lower() for p in parts if len(p) >= 2}
     split_tops = {t for t in tops if t in SPLITS}
+    if split_tops and split_tops != tops and not split_tops & {p[0].lower() for p in parts if len(p) >= 3}:
+        split_tops = set()  # CLASS/IMAGE with a class named like a split (CIFAR-100's `train`), holding images
     if split_tops and split_tops != tops:
         raise UserError(
             f"{key}: {where} mixes split folders ({', '.join(sorted(split_tops))}) with other folders "
@@ -163,8 +169,8 @@ def _tree_layout(names: list[str], where: str, allow_unlabelled: bool, key: str)
         else:
             folder = f"{where}/{parts[idx[0]][0]}" if depth else where
             raise UserError(
-                f"{key}: found no class folders in {folder}, only images; expected {LAYOUT}, or set "
-                "data.allow_unlabelled=true to read unlabelled images."
+                f"{key}: found no class folders in {folder}, only images; expected {LAYOUT} (for predictions on "
+                "unlabelled images use task=infer task.input=PATH)."
             )
     kept = {i for entries in out.values() for i, _ in entries}
     loose = [names[i] for i in range(len(names)) if i not in kept]

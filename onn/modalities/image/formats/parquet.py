@@ -136,14 +136,14 @@ def list_parquet(path: Path, key: str, allow_unlabelled: bool):
             classes = classes or _parquet_names(pf.schema_arrow, label)
             if label is None and not allow_unlabelled:
                 raise UserError(
-                    f"{key}: {f} has no label column (an integer column named label); add one, or set "
-                    "data.allow_unlabelled=true to read unlabelled images."
+                    f"{key}: {f} has no label column (an integer column named label); add one (for predictions "
+                    "on unlabelled images use task=infer task.input=PATH)."
                 )
             neg = np.flatnonzero(labs < (-1 if allow_unlabelled else 0)) if label else np.zeros(0, np.int64)
             if neg.size:
                 raise UserError(
                     f"{key}: {f} row {int(neg[0])} has label {int(labs[neg[0]])}; labels must be 0 or more "
-                    "(-1 or empty means unlabelled only with data.allow_unlabelled=true)."
+                    "(-1 or empty: unlabelled; for predictions on unlabelled images use task=infer task.input=PATH)."
                 )
             names += [f"{f.name}#{r}" for r in range(len(labs))]
             labels.append(labs)

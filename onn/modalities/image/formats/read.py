@@ -35,7 +35,7 @@ from onn.modalities.image.formats.common import (
     log,
     options,
 )
-from onn.modalities.image.formats.csvfile import csv_path, csv_rows, list_csv
+from onn.modalities.image.formats.csvfile import csv_path, csv_rows, list_csv, split_tables
 from onn.modalities.image.formats.decode import ItemList, array_split, decode_split, strict_pil
 from onn.modalities.image.formats.detect import detect
 from onn.modalities.image.formats.folder import list_tree
@@ -43,14 +43,26 @@ from onn.modalities.image.formats.parquet import list_parquet
 from onn.modalities.image.formats.single import list_single
 
 
-def source_digest(source: str | Path) -> str:
+def source_digest(source: str | Path, fmt: str = "auto") -> str:
     """A hex digest of the source's content, to key the decoded cache. Files (archives, idx, .bin, .mat,
     parquet, csv and the images a csv names): sha256 of the bytes. Folders: sha256 over (relative path,
-    size, mtime_ns) of every file, sorted — reading 60k small files' bytes is too slow."""
+    size, mtime_ns) of every file, sorted — reading 60k small files' bytes is too slow; a folder of
+    train.csv / test.csv also over each table's images, which may live outside it (../img/x.jpg)."""
     path = existing(source, "data.source")
+    if path.is_dir() and _resolve(path, fmt, "data.source") == "csv":
+        h = hashlib.sha256(content_digest(path).encode())
+        for table in split_tables(path).values():
+            _table_digest(h, table)
+        return h.hexdigest()
     if path.is_dir() or path.suffix.lower() not in (".csv", ".tsv"):
         return content_digest(path)
     h = hashlib.sha256()
+    _table_digest(h, path)
+    return h.hexdigest()
+
+
+def _table_digest(h: Any, path: Path) -> None:
+    """Hash a csv's bytes and those of every image it names."""
     update_hash(h, path)
     try:
         rows = csv_rows(path, "data.source", labelled=False)
@@ -63,7 +75,6 @@ def source_digest(source: str | Path) -> str:
             update_hash(h, image)
         else:
             h.update(b"<missing>")
-    return h.hexdigest()
 
 
 def read_splits(
