@@ -660,6 +660,21 @@ def test_classify_an_upload(classifier):
         assert http.get("/health").json()["kind"] == "classifier"
 
 
+def test_an_upload_that_is_no_image_is_named_so_without_a_data_sets_advice(classifier):
+    """A text file, or bytes that are no image: the Predictor's own sentence with the reason. read_inputs' message
+    for task.input came through (its dataset formats, "or set data.max_bad_fraction")."""
+    with client(classifier, key=None) as http:
+        for name, data, reason in (
+            ("notes.txt", b"just some text\n", "cannot tell its format"),
+            ("photo.jpg", bytes(random.Random(0).randrange(256) for _ in range(2000)), "not an image"),
+        ):
+            response = http.post("/v1/classify", files={"file": (name, data, "application/octet-stream")})
+            assert response.status_code == 400, response.text
+            message = response.json()["error"]["message"]
+            assert message.startswith("the upload is no image file ONN can decode: ") and reason in message, message
+            assert "task.input" not in message and "data." not in message and "supported formats" not in message
+
+
 def test_a_classifier_out_of_device_memory_answers_503_and_serves_the_next_upload(classifier, monkeypatch):
     """Out of GPU memory on one upload is the server's state, not a bad file: 503 in one sentence (it was a 400
     saying the file could not be decoded), and the next upload is answered."""

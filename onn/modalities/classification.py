@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -426,8 +427,15 @@ class Predictor:
     @torch.no_grad()
     def classify(self, path: Path, top_k: int) -> tuple[list[tuple[str, float]], torch.Tensor]:
         """The top_k (class, probability) of one file, best first, and its decoded input (the stored form).
-        A file the modality cannot decode is a UserError saying why."""
-        sets = self.modality.read_inputs(path, self.inputs, self.config)
+        A file the modality cannot decode is a UserError saying why, in the upload's terms (read_inputs speaks of
+        task.input and gives a data set's advice: data.max_bad_fraction, the folder formats)."""
+        try:
+            sets = self.modality.read_inputs(path, self.inputs, self.config)
+        except UserError as e:
+            said = str(e).replace(f"task.input {path}", "").lstrip(": ")
+            first = re.search(r"\(first: (.+?)\); ", said)  # "1 of 1 images could not be decoded (first: why); ..."
+            reason = first[1] if first else said.split("; ")[0]
+            raise UserError(f"the upload is no {self.modality.name} file ONN can decode: {reason}") from None
         decoded = next((d for d in sets.values() if len(d.labels)), None)
         if decoded is None:
             reasons = [r for d in sets.values() for r in d.skipped]
