@@ -515,6 +515,22 @@ def test_a_folder_where_a_file_is_meant_is_one_sentence(tmp_path, capsys):
         assert f"{tmp_path} is a folder, not an ONNX file; name the file in it (it holds mlp.onnx)." in said
 
 
+def test_enrich_refuses_a_dim_the_graph_does_not_name(tmp_path, capsys):
+    """--dim h=224 on a graph whose axes are H and W sized nothing and made the sample at 8 x 8, without a word;
+    --dim beside --sample (which gives every size) was ignored the same way."""
+    src = _foreign_mlp(tmp_path / "mlp.onnx", layers=2)  # one input, x ['batch', 32]
+    out = str(tmp_path / "mlp.omny")
+    assert omny_cli.main(["enrich", str(src), out, "--dim", "Batch=3"]) == 2
+    said = "--dim Batch: the graph's inputs have no dimension named 'Batch'; its named dimensions are batch."
+    assert said in capsys.readouterr().err
+    np.savez(tmp_path / "x.npz", x=np.zeros((3, 32), np.float32))
+    assert omny_cli.main(["enrich", str(src), out, "--sample", str(tmp_path / "x.npz"), "--dim", "batch=3"]) == 2
+    assert "with --sample give only the sample" in capsys.readouterr().err
+    assert not (tmp_path / "mlp.omny").exists()
+    assert omny_cli.main(["enrich", str(src), out, "--dim", "batch=3"]) == 0
+    assert omny.read_document(out)["inputs"][0]["sample"]["shape"] == [3, 32]
+
+
 def _tampered(good: Path, tmp_path: Path, name: str, change) -> Path:
     """A copy of the .omny file `good` whose document `change` edited (in place)."""
     model = onnx.load(str(good))

@@ -137,6 +137,54 @@ def test_text_generation_settings_that_cannot_work_are_one_sentence_before_the_r
         get("text").check(compose(*overrides))
 
 
+@pytest.mark.parametrize("model", ["grounding_dino_mini", "grounded_sam2_mini", "trocr_mini", "clip_tiny"])
+def test_a_model_that_is_only_exported_is_refused_by_every_task_but_export_and_plan(model):
+    """These read text as a part of a picture model (or not as a causal LM) and failed inside the training step
+    with a raw TypeError, ValueError or AttributeError; SAM2 (model.tokenizer=none) was already one sentence."""
+    from onn.export.pipelines import PIPELINES
+    from onn.modalities.text.modality import EXPORT_ONLY
+
+    assert {p.model_class for p in PIPELINES.values()} <= EXPORT_ONLY
+    for task in ("train", "eval", "infer"):
+        with pytest.raises(UserError, match=rf"model '{model}' is a \w+, not a causal language model: it can be plan"):
+            get("text").check(compose(f"model={model}", f"task={task}"))
+    for task in ("export", "plan"):
+        get("text").check(compose(f"model={model}", f"task={task}"))
+
+
+@pytest.mark.parametrize(
+    "model, data",
+    [
+        ("pointnet", "data=mesh"),
+        ("text_encoder", "data=pairs"),
+        ("gcn", "data=graph"),
+        ("ddpm_unet", "data=diffusion"),
+        ("dual_encoder", "data=pairs"),
+        ("video_c3d_tiny", "data=video"),
+        ("audio_lstm", "data=audio"),
+        ("v28_cnn", "data=cifar10"),
+    ],
+)
+def test_a_model_given_text_is_pointed_at_its_own_data(model, data):
+    """Every model that is no language model was told to use classification data (data=cifar10), which a point
+    cloud network, a graph network, a denoiser or a dual encoder refuses in turn."""
+    with pytest.raises(
+        UserError, match=rf"pick a language model \(e\.g\. model=phi4_tiny\) for text, or .*\((e\.g\. )?{data}\) for"
+    ):
+        get("text").check(compose(f"model={model}"))
+
+
+def test_grounded_sam2_counts_the_parameters_of_both_its_models(tmp_path):
+    """params_total (metrics.json, the plan) counted the detector alone: Grounded SAM2 exports SAM2 with it."""
+    from onn.hardware.profile import resolve
+
+    def params(model: str) -> int:
+        config = compose(f"model={model}", "task=plan", "hardware=cpu_16gb", root=tmp_path)
+        return get("text").plan(config, resolve(config.hardware, tmp_path / "cache", tmp_path))[1].params
+
+    assert params("grounded_sam2_mini") == params("grounding_dino_mini") + params("sam2_mini") > 200_000
+
+
 def test_val_loss_initial_is_null_when_no_validation_ran_before_training(tmp_path):
     """With task.validate_before=false, val/loss_initial was the first validation during training (the same
     number as val/loss_final in a short run), though it says "before training"."""

@@ -429,19 +429,44 @@ def test_trocr_exports_validates_decodes_as_generate_and_reads_a_page(tmp_path):
     _the_cli_validates_and_runs_a_pipeline(trocr, tmp_path)
 
 
-def _blocks_pipeline(kind: str, pieces):
+def _run_blocks(doc, pieces_, request):
+    """A blocks pipeline's run: the picture read, its first piece run, the picture and what it gave written."""
+    from onn.export.pipelines import images
+    from onn.export.pipelines.runtime import finish
+
+    image = images.load_rgb(request.image)
+    width = doc["pieces"][0]["inputs"][0]["shape"][1]
+    hidden = pieces_.run("piece0", {"features": np.ones((2, width), np.float32)})["hidden"]
+    return finish(request, image, {"size": list(image.size), "hidden": hidden.shape[1]})
+
+
+def _blocks_pipeline(kind: str, pieces, takes=frozenset()):
     """A pipeline of `pieces` (no connections): what export_pipeline writes, without a real model's minutes."""
     from onn.export.pipelines.registry import Pipeline
 
-    return Pipeline(kind, "Blocks", lambda *models, side=None: pieces, [], lambda *a: {}, lambda *m, side=None: {})
+    return Pipeline(
+        kind,
+        "Blocks",
+        lambda *models, side=None: pieces,
+        [],
+        _run_blocks,
+        lambda *m, side=None: {"side": 8},
+        names=tuple(p.name for p in pieces),
+        needs=("side",),
+        takes=takes,
+    )
 
 
-def _export_blocks(kind: str, folder: Path, pieces, monkeypatch) -> dict:
+def _export_blocks(kind: str, folder: Path, pieces, monkeypatch, takes=frozenset()) -> dict:
+    """The pipeline exported into `folder`, and registered (as each real pipeline's module registers its own)."""
+    from onn.export.pipelines import PIPELINES
     from onn.export.pipelines import export as piece_export
 
     monkeypatch.setattr(piece_export, "export_processes", lambda pieces: 1)  # here, one after another
     settings = compose("export=omny").export
-    return export_pipeline(_blocks_pipeline(kind, pieces), [pieces[0].module], folder, settings, LIMITS, kind)
+    pipeline = _blocks_pipeline(kind, pieces, takes)
+    monkeypatch.setitem(PIPELINES, kind, pipeline)
+    return export_pipeline(pipeline, [pieces[0].module], folder, settings, LIMITS, kind)
 
 
 def test_a_failed_re_export_leaves_the_earlier_pipeline_whole(tmp_path, monkeypatch):
@@ -506,6 +531,145 @@ def test_a_missing_piece_file_is_named_before_any_piece_runs(tmp_path, monkeypat
         with pytest.raises(UserError, match=message):
             call(folder / "pipeline.json")
     assert main(["run", str(folder / "pipeline.json"), str(tmp_path / "x.png")]) == 2
+
+
+def test_run_writes_beside_the_image_and_never_over_a_file_it_reads(tmp_path, monkeypatch, capsys):
+    """The PNG and JSON go beside the picture by default (a re-export replaces the pipeline's folder whole); an
+    --output that would overwrite pipeline.json, a piece or the picture, or that lies in no folder or is one, is
+    one sentence before any piece runs."""
+    from onn.export.omny.cli import main
+
+    folder = tmp_path / "blocks"
+    _export_blocks("blocks", folder, _block_pieces(), monkeypatch)
+    (tmp_path / "pictures").mkdir()
+    photo, pipeline = _photo(tmp_path / "pictures"), folder / "pipeline.json"
+    assert main(["run", str(pipeline), str(photo)]) == 0
+    result = tmp_path / "pictures" / "photo.result.json"
+    assert json.loads(result.read_text())["size"] == [400, 300]
+    assert (tmp_path / "pictures" / "photo.result.png").is_file()
+    _export_blocks("blocks", folder, _block_pieces(), monkeypatch)  # a re-export leaves the results alone
+    assert result.is_file() and not list(folder.glob("*.result.*"))
+    before = {p: p.read_bytes() for p in (*folder.iterdir(), photo)}
+    for output, said in (
+        (folder / "pipeline.png", "would write .*pipeline.json over a file this run reads"),
+        (folder / "piece0.omny", "would write .*piece0.omny over a file this run reads"),
+        (photo, "would write .*photo.jpg over a file this run reads"),
+        (tmp_path / "result.json", "names the PNG to write"),
+        (tmp_path / "no" / "x.png", "the folder .*no does not exist"),
+        (tmp_path, "is a folder; name the PNG to write"),
+    ):
+        code = main(["run", str(pipeline), str(photo), "--output", str(output)])
+        err = capsys.readouterr().err
+        assert code == 2 and re.search(said, err) and "Traceback" not in err, (output, err)
+    assert {p: p.read_bytes() for p in (*folder.iterdir(), photo)} == before
+
+
+def test_text_or_points_a_pipeline_does_not_read_are_refused(tmp_path, monkeypatch):
+    folder = tmp_path / "blocks"
+    _export_blocks("blocks", folder, _block_pieces(), monkeypatch, takes=frozenset({"points"}))
+    photo = _photo(tmp_path)
+    with pytest.raises(UserError, match=r"^--text: a blocks pipeline takes --points, not --text\.$"):
+        run_pipeline(folder / "pipeline.json", Request(photo, tmp_path / "x.png", "a cat."))
+    _export_blocks("lines", tmp_path / "lines", _block_pieces(), monkeypatch)
+    with pytest.raises(UserError, match=r"^--points: a lines pipeline takes only the image, not --points\.$"):
+        run_pipeline(tmp_path / "lines" / "pipeline.json", Request(photo, tmp_path / "x.png", points=[(1.0, 2.0)]))
+    assert run_pipeline(folder / "pipeline.json", Request(photo, tmp_path / "x.png", points=[(1.0, 2.0)]))["json"]
+    from onn.export.pipelines import PIPELINES
+
+    takes = {kind: set(p.takes) for kind, p in PIPELINES.items() if kind not in ("blocks", "lines")}
+    assert takes == {"sam2": {"points"}, "grounding_dino": {"text"}, "grounded_sam2": {"text"}, "trocr": set()}
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        # the files of two pieces swapped, or a piece copied from another export: onnxruntime's raw error at run
+        (
+            lambda d: [p.update(file=f"piece{1 - k}.omny") for k, p in enumerate(d["pieces"])],
+            r"piece piece0's file piece1.omny has input features float32 \[2, 16\], not the float32 \[2, 32\]",
+        ),
+        (lambda d: d["pieces"].pop(), "a blocks pipeline's pieces are piece0, piece1, not piece0; re-export"),
+        (lambda d: d["settings"].pop("side"), r"settings\.side is missing; re-export the pipeline"),
+        (lambda d: d.pop("settings"), "invalid at <root>: 'settings' is a required property; re-export"),
+        (
+            lambda d: d["connections"].append({"from": "piece0.hidden", "to": "piece0.features"}),
+            "invalid at connections/0: 'via' is a required property",
+        ),
+        (
+            lambda d: d["connections"].append({"from": "piece0", "to": "piece0.features", "via": ""}),
+            "invalid at connections/0/from",
+        ),
+        (
+            lambda d: d["connections"].append({"from": "piece0.hidden", "to": "piece0.features", "via": ""}),
+            "a blocks pipeline has connection piece0.hidden -> piece0.features, which it has not",
+        ),
+    ],
+    ids=["files_swapped", "piece_left_out", "setting_left_out", "no_settings", "no_via", "no_tensor", "extra_link"],
+)
+def test_a_pipeline_json_its_kind_or_files_contradict_is_one_sentence(tmp_path, monkeypatch, capsys, change, said):
+    """validate and run hold pipeline.json to its kind's pieces, connections and settings and to its pieces' files,
+    before any piece runs: validate passed such documents, and run failed in onnxruntime or with a KeyError."""
+    from onn.export.omny.cli import main
+
+    folder = tmp_path / "blocks"
+    _export_blocks("blocks", folder, _block_pieces(), monkeypatch)
+    doc = json.loads((folder / "pipeline.json").read_text())
+    change(doc)
+    (folder / "edited.json").write_text(json.dumps(doc))
+    with pytest.raises(UserError, match=said):
+        validate_pipeline(folder / "edited.json", echo=lambda *_: None)
+    assert main(["run", str(folder / "edited.json"), str(_photo(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert re.search(said, err) and ".omny document" not in err and "Error:" not in err
+    assert main(["inspect", str(folder / "pipeline.json")]) == 2
+    assert "inspect reads a .omny piece; validate or run take pipeline.json" in capsys.readouterr().err
+
+
+def test_export_sample_image_size_is_refused_where_the_model_fixes_it(tmp_path, monkeypatch):
+    """SAM2's and TrOCR's image size is their config's: export.sample.image_size was ignored; the detector's
+    canvas is square: [320, 480] was cut to 320 x 320. Both are refused before anything is traced."""
+    from onn.export import write
+
+    monkeypatch.setattr("onn.export.pipelines.export_pipeline", lambda *a, **k: pytest.fail("traced"))
+    for name, size, said in (
+        ("sam2_mini", "[128,128]", r"a sam2 pipeline's image size is fixed by the model's config"),
+        ("grounding_dino_mini", "[320,480]", r"the grounding_dino detector reads a square canvas; give \[N, N\]"),
+    ):
+        config = compose(f"model={name}", "export=omny", f"export.sample.image_size={size}")
+        with pytest.raises(UserError, match=rf"^export\.sample\.image_size=\[.*\]: {said}"):
+            write.export_for_run(config, load(config.model)[0], tmp_path / name)
+
+
+def test_a_prompt_of_punctuation_alone_is_refused_before_the_detector_runs():
+    from PIL import Image
+
+    from onn.export.pipelines.grounding_dino import detect, settings
+
+    config = compose("model=grounding_dino_mini", "export=omny")
+    model, tokenizer = load(config.model)
+    image = Image.new("RGB", (40, 30))
+    for text in ("   .", "?", " . . "):
+        with pytest.raises(UserError, match="holds no phrase, only punctuation"):
+            detect(None, image, text, settings(model)["detector"], tokenizer.backend_tokenizer)
+
+
+def test_a_sideways_photograph_is_read_upright_and_one_too_large_is_one_sentence(tmp_path, monkeypatch):
+    """A phone's photograph stored 40 x 30 with EXIF orientation 6 (turn 90 degrees) is 30 x 40 upright, as points
+    are given on it; one over PIL's decompression-bomb limit was a raw DecompressionBombError."""
+    from PIL import Image
+
+    from onn.export.pipelines.images import load_rgb
+
+    pixels = np.zeros((30, 40, 3), np.uint8)
+    pixels[:, :10] = 255  # a white band on the stored picture's left: on the upright one's top
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(pixels).save(tmp_path / "sideways.jpg", exif=exif)
+    upright = load_rgb(tmp_path / "sideways.jpg")
+    assert upright.size == (30, 40) and np.asarray(upright)[:8].mean() > 200 > np.asarray(upright)[12:].mean()
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 30 x 40 is more than twice that: PIL refuses it
+    with pytest.raises(UserError, match=r"sideways.jpg has more pixels than PIL opens \(200 at most"):
+        load_rgb(tmp_path / "sideways.jpg")
 
 
 class _Stages(torch.nn.Module):

@@ -198,6 +198,25 @@ def test_config_mistakes_are_user_errors(cfg, match):
         build_classifier(cfg, 3, 10, [32, 32])
 
 
+@pytest.mark.parametrize(
+    "model, said",
+    [
+        ("pointnet", r"model=pointnet \(zoo:pointnet\) does not take images"),
+        ("text_encoder", r"model=text_encoder \(zoo:text_encoder\) does not take images"),
+        ("gcn", r"model=gcn \(pyg:gcn\) does not take images"),
+        ("ddpm_unet", r"model=ddpm_unet \(DenoiserConfig\) does not take images"),
+        ("dual_encoder", r"model=dual_encoder \(DualEncoderConfig\) does not take images"),
+    ],
+)
+def test_a_model_that_takes_no_pictures_is_refused_as_an_image_classifier(model, said):
+    """With data=cifar10 these failed as a model.kwargs the user never set (image_size, in_channels), or a raw
+    AttributeError ('DenoiserConfig' object has no attribute 'source')."""
+    from conftest import compose
+
+    with pytest.raises(UserError, match=said + r": image data trains a picture network"):
+        build_network(compose(f"model={model}", "data=cifar10").model, 3, 10, [32, 32])
+
+
 def test_write_grid_png(tmp_path):
     n, h, w, scale, columns = 70, 28, 28, 3, 8
     images = torch.randint(0, 256, (n, 1, h, w), dtype=torch.uint8)

@@ -207,10 +207,26 @@ def _export_pipeline(config: ONNConfig, pipeline, model, folder: Path, tokenizer
         models.append(load(segmenter)[0])
     export: OnnxExport | OmnyExport = config.export
     limits = {k: getattr(export, k) for k in DEFAULT_LIMITS if getattr(export, k, None) is not None}
-    size = export.sample.image_size  # the detector's square canvas: its side
-    return export_pipeline(
-        pipeline, models, folder, export, limits, config.model.name, tokenizer, side=size and size[0]
-    )
+    side = _pipeline_side(pipeline, export.sample.image_size)
+    return export_pipeline(pipeline, models, folder, export, limits, config.model.name, tokenizer, side=side)
+
+
+def _pipeline_side(pipeline, size: list[int] | None) -> int | None:
+    """export.sample.image_size as a pipeline takes it: a detector's square canvas, its side; refused where the
+    model's config fixes the size (SAM2, TrOCR), not ignored, and refused when not square, not cut to one."""
+    if size is None:
+        return None
+    if not pipeline.canvas:
+        raise UserError(
+            f"export.sample.image_size={list(size)}: a {pipeline.kind} pipeline's image size is fixed by the model's "
+            "config (model.architecture); remove export.sample.image_size."
+        )
+    if size[0] != size[1]:
+        raise UserError(
+            f"export.sample.image_size={list(size)}: the {pipeline.kind} detector reads a square canvas; give "
+            f"[N, N], e.g. [{max(size)}, {max(size)}]."
+        )
+    return size[0]
 
 
 def _omny_settings(export: OmnyExport, model) -> dict[str, Any]:

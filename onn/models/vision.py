@@ -18,18 +18,33 @@ from typing import Any
 
 from torch import nn
 
-from onn.config.model import NetworkConfig
+from onn.config.model import GraphNetworkConfig, NetworkConfig
 from onn.errors import UserError
 from onn.models.load import CONVERT_HINT, PICKLE_SUFFIXES
-from onn.models.zoo.registry import build_zoo
+from onn.models.zoo.registry import PICTURES, ZOO, build_zoo
 
 log = logging.getLogger("onn")
 
 DATA_KWARGS = ("in_channels", "in_chans", "num_classes", "image_size", "pretrained")
 
 
+def check_image_classifier(model_cfg) -> None:
+    """The model takes pictures [B, C, H, W]: a classifier network (not a graph network, denoiser or dual encoder),
+    and, from the zoo, one of its picture networks; another is one sentence, not a kwargs or attribute error."""
+    source = str(getattr(model_cfg, "source", "") or "")
+    kind, _, name = source.partition(":")
+    takes = isinstance(model_cfg, NetworkConfig) and not isinstance(model_cfg, GraphNetworkConfig)
+    if not takes or (kind == "zoo" and name in ZOO and name not in PICTURES):
+        raise UserError(
+            f"model={model_cfg.name} ({source or type(model_cfg).__name__}) does not take images: image data trains "
+            "a picture network from ONN's zoo (model=v28_cnn), one from timm (e.g. model=resnet18) or your own "
+            "file.py:function."
+        )
+
+
 def build_classifier(model_cfg: NetworkConfig, in_channels: int, num_classes: int, image_size: list[int]) -> nn.Module:
     """The model named by model_cfg.source, for images of in_channels x image_size and num_classes classes."""
+    check_image_classifier(model_cfg)
     source = str(model_cfg.source or "")
     kind, _, name = source.partition(":")
     kwargs = dict(model_cfg.kwargs or {})

@@ -47,12 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("image", help="the picture (a photograph, a page of text)")
     run.add_argument("--text", help="what to find (Grounding DINO, Grounded SAM2): phrases ending in '.'")
     run.add_argument("--points", nargs="*", default=[], metavar="X,Y", help="SAM2's prompts, in the image's pixels")
-    run.add_argument("--output", help="the PNG to write (default: IMAGE.result.png beside pipeline.json)")
+    run.add_argument("--output", help="the PNG to write, the JSON beside it (default: IMAGE.result.png beside IMAGE)")
     args = parser.parse_args(argv)
     try:
         if args.command == "run":
             return _run(args)
         if args.command == "inspect":
+            if args.file.endswith(".json"):
+                raise UserError(f"{args.file}: inspect reads a .omny piece; validate or run take pipeline.json.")
             print(inspect_omny(args.file).summary())
             return 0
         if args.command == "enrich":
@@ -68,10 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (KeyError, ValueError, TypeError) as e:  # a document that passes the schema yet makes no sense
-        print(
-            f"error: {args.file}: the .omny document cannot be used ({type(e).__name__}: {e}).",
-            file=sys.stderr,
-        )
+        what = "pipeline document" if args.file.endswith(".json") else ".omny document"
+        print(f"error: {args.file}: the {what} cannot be used ({type(e).__name__}: {e}).", file=sys.stderr)
         return 2
 
 
@@ -79,7 +79,7 @@ def _run(args) -> int:
     from pathlib import Path
 
     pipeline, image = Path(args.file), Path(args.image)
-    output = Path(args.output) if args.output else pipeline.parent / f"{image.stem}.result.png"
+    output = Path(args.output) if args.output else image.parent / f"{image.stem}.result.png"
     result = run_pipeline(pipeline, Request(image, output, args.text, [_point(p) for p in args.points]))
     print(f"wrote {result['png']} and {result['json']}")
     return 0

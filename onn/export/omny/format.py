@@ -813,7 +813,10 @@ def enrich_onnx(
     ConstantOfShape count as weights, and blocks can hold them). Without `sample_input`, one is made from
     the graph's declared input shapes (see declared_sample; `dims` sizes its named dimensions)."""
     _check_output(Path(output))  # before the graph is read and described, not after
+    if dims and sample_input is not None:
+        raise UserError("--dim sizes the sample made from the graph's shapes; with --sample give only the sample.")
     model, folded = G.fold_constants(_load(onnx_path))
+    _check_dims(model, dims or {})
     if folded:
         print(
             f"{onnx_path}: folded {folded} node(s) that compute from constants alone into initializers",
@@ -822,6 +825,17 @@ def enrich_onnx(
     model = _with_shapes(model)
     doc = describe(model, sample_input if sample_input is not None else declared_sample(model, dims), config)
     return write(model, doc, output)
+
+
+def _check_dims(model: onnx.ModelProto, dims: dict[str, int]) -> None:
+    """A --dim names one of the graph's named input dimensions: another name would size nothing, silently."""
+    named = {d.dim_param for v in model.graph.input for d in v.type.tensor_type.shape.dim if d.dim_param}
+    for name in dims:
+        if name not in named:
+            raise UserError(
+                f"--dim {name}: the graph's inputs have no dimension named {name!r}; "
+                f"its named dimensions are {', '.join(sorted(named)) or 'none (every size is fixed)'}."
+            )
 
 
 def declared_sample(model: onnx.ModelProto, dims: dict[str, int] | None = None) -> dict[str, Any]:

@@ -213,6 +213,10 @@ def detect(pieces_: Pieces, image, text: str | None, s: dict, tokenizer) -> list
         )
     text = text if text.endswith((".", "?")) else text + "."
     ids = np.asarray([tokenizer.encode(text).ids], np.int64)
+    if np.isin(ids, s["special_ids"]).all():  # "   ." : [CLS] . [SEP], no phrase between them
+        raise UserError(
+            f'--text "{text}" holds no phrase, only punctuation: give the words to find, e.g. --text "a cat."'
+        )
     if ids.shape[1] > s["max_text_len"] - 1:
         raise UserError(f"--text is {ids.shape[1]} tokens long; the detector reads at most {s['max_text_len'] - 1}.")
     masks, positions = text_masks(ids, s["special_ids"])
@@ -272,8 +276,32 @@ def run_grounded(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict
     return finish(request, picture, {"text": request.text, "objects": found})
 
 
+DETECTOR_NEEDS = tuple(
+    f"detector.{k}"
+    for k in (
+        "image_size",
+        "mean",
+        "std",
+        "max_text_len",
+        "special_ids",
+        "box_threshold",
+        "text_threshold",
+        "max_boxes",
+    )
+)
 DETECTOR = register(
-    Pipeline("grounding_dino", "GroundingDinoForObjectDetection", pieces, [], run_detector, settings=settings)
+    Pipeline(
+        "grounding_dino",
+        "GroundingDinoForObjectDetection",
+        pieces,
+        [],
+        run_detector,
+        settings=settings,
+        names=("detector",),
+        needs=DETECTOR_NEEDS,
+        takes=frozenset({"text"}),
+        canvas=True,
+    )
 )
 GROUNDED = register(
     Pipeline(
@@ -285,5 +313,9 @@ GROUNDED = register(
         run_grounded,
         settings=settings,
         models=2,
+        names=("detector", *sam2.NAMES),
+        needs=DETECTOR_NEEDS + tuple(f"segmenter.{k}" for k in sam2.NEEDS),
+        takes=frozenset({"text"}),
+        canvas=True,
     )
 )

@@ -3,6 +3,7 @@ normalised for a piece, and the results drawn over it as a PNG."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,10 @@ CONVERTIBLE = {"RGB", "RGBA", "L", "LA", "P", "PA", "CMYK", "YCbCr", "1", "I;16"
 
 
 def load_rgb(path: str | Path):
-    """The image at `path` as an RGB PIL image; a file PIL cannot read, or a mode without one RGB reading, is
+    """The image at `path` as an RGB PIL image, upright as its EXIF orientation says (a phone's photograph is
+    stored sideways); a file PIL cannot read, one over PIL's pixel limit, or a mode without one RGB reading, is
     one sentence."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     path = Path(path)
     if not path.is_file():
@@ -27,8 +29,14 @@ def load_rgb(path: str | Path):
     try:
         image = Image.open(path)
         image.load()
+    except Image.DecompressionBombError:
+        raise UserError(
+            f"image {path} has more pixels than PIL opens ({2 * Image.MAX_IMAGE_PIXELS:,} at most, its guard against "
+            "decompression bombs); scale it down first."
+        ) from None
     except (UnidentifiedImageError, OSError) as e:
         raise UserError(f"image {path} cannot be read as a picture ({e}); give a PNG, JPEG or other image.") from None
+    image = ImageOps.exif_transpose(image)
     if image.mode not in CONVERTIBLE:
         raise UserError(
             f"image {path} is in mode {image.mode} ({'x'.join(map(str, image.size))}), which has no one RGB "
@@ -97,7 +105,13 @@ def upsampled(logits: np.ndarray, size: tuple[int, int]) -> np.ndarray:
 
 
 def save(image, path: Path) -> Path:
-    image.save(path, format="PNG")
+    """The PNG written beside `path` and renamed into place: a failed write leaves no cut-short file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        image.save(tmp, format="PNG")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 

@@ -178,5 +178,17 @@ PIPELINE = register(
         [("encoder.line_features", "decoder.encoder_hidden_states", "")],
         run,
         settings=settings,
+        names=("encoder", "decoder"),
+        needs=(
+            "image_size",
+            "mean",
+            "std",
+            "layers",
+            "heads",
+            "head_dim",
+            "start_token",
+            "eos_token",
+            "max_new_tokens",
+        ),
     )
 )

@@ -43,6 +43,10 @@ class Pipeline:
     run: Callable[..., dict[str, Any]]  # (document, folder, request) -> what it found; writes the PNG
     settings: Callable[..., dict[str, Any]] = lambda *models: {}  # what the runtime needs: sizes, ids, means
     models: int = 1  # how many models build it: 2 for Grounded SAM2 (the detector, then SAM2)
+    names: tuple[str, ...] = ()  # its pieces, as pipeline.json must list them (document.read checks)
+    needs: tuple[str, ...] = ()  # the settings its run reads ("detector.image_size": a key of settings["detector"])
+    takes: frozenset[str] = frozenset()  # what `run` reads besides the image: "text", "points"
+    canvas: bool = False  # export.sample.image_size sets its (square) input side; else the model's config fixes it
 
 
 PIPELINES: dict[str, Pipeline] = {}

@@ -6,16 +6,30 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from onn.errors import UserError
 from onn.export.omny.format import validate
 from onn.export.pipelines import document
-from onn.export.pipelines.registry import get
-from onn.export.pipelines.runtime import Pieces, Request
+from onn.export.pipelines.registry import Pipeline, get
+from onn.export.pipelines.runtime import Pieces, Request, check_output
 
 
 def run_pipeline(path: str | Path, request: Request) -> dict[str, Any]:
+    path = Path(path)
     doc = document.read(path)
     pipeline = get(doc["kind"], str(path))
-    return pipeline.run(doc, Pieces(doc, Path(path).parent), request)
+    _check_prompts(pipeline, request)
+    files = [p["file"] for p in doc["pieces"]]
+    read = [path, request.image, *(path.parent / f for f in files), *(path.parent / f"{f}.data" for f in files)]
+    check_output(request, read + ([path.parent / doc["tokenizer"]] if doc.get("tokenizer") else []))
+    return pipeline.run(doc, Pieces(doc, path.parent), request)
+
+
+def _check_prompts(pipeline: Pipeline, request: Request) -> None:
+    """--text and --points only where the pipeline reads them: one given to another is refused, not ignored."""
+    for flag, given in (("text", request.text is not None), ("points", bool(request.points))):
+        if given and flag not in pipeline.takes:
+            takes = " and ".join(f"--{t}" for t in sorted(pipeline.takes)) or "only the image"
+            raise UserError(f"--{flag}: a {pipeline.kind} pipeline takes {takes}, not --{flag}.")
 
 
 def validate_pipeline(path: str | Path, atol: float = 1e-4, echo=print) -> bool:

@@ -4,6 +4,7 @@ request a `run` gets, and where it writes."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from onn.errors import UserError
+from onn.hardware.disk import write_text_atomically
 
 
 @dataclass
@@ -57,14 +59,33 @@ class Pieces:
         return dict(zip(names, session.run(names, feeds)))
 
 
+def check_output(request: Request, keep: list[Path]) -> None:
+    """Before any piece runs: --output names a PNG whose folder exists, and neither it nor the JSON beside it is
+    a file the run reads (`keep`: the picture, pipeline.json, the pieces, the tokenizer)."""
+    png = request.output
+    if png.suffix.lower() == ".json":
+        raise UserError(f"--output {png} names the PNG to write (the JSON goes beside it); give a .png path.")
+    if not png.parent.is_dir():
+        raise UserError(f"--output {png}: the folder {png.parent} does not exist; create it or choose another path.")
+    if not os.access(png.parent, os.W_OK):
+        raise UserError(f"--output {png}: the folder {png.parent} cannot be written to; choose another --output.")
+    kept = {p.resolve() for p in keep}
+    for path in (png, png.with_suffix(".json")):
+        if path.is_dir():
+            raise UserError(f"--output {png}: {path} is a folder; name the PNG to write, e.g. {path / 'result.png'}.")
+        if path.resolve() in kept:
+            raise UserError(f"--output {png} would write {path} over a file this run reads; choose another --output.")
+
+
 def finish(request: Request, picture, findings: dict[str, Any]) -> dict[str, Any]:
-    """What a run found, with the picture drawn: the PNG at request.output, the findings as JSON beside it."""
+    """What a run found, with the picture drawn: the PNG at request.output, the findings as JSON beside it (each
+    written whole or not at all)."""
     from onn.export.pipelines.images import save
 
     result = {"image": str(request.image), **findings, "png": str(save(picture, request.output))}
     path = request.output.with_suffix(".json")
     result["json"] = str(path)
-    path.write_text(json.dumps(result, indent=2))
+    write_text_atomically(path, json.dumps(result, indent=2))
     return result
 
 

@@ -13,6 +13,8 @@ from onn.export.pipelines.runtime import Pieces, Request, check_points, finish
 
 IMAGENET = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 FEATURES = ("high_res_feats_0", "high_res_feats_1", "image_embeddings")
+NAMES = ("image_encoder", "prompt_decoder")
+NEEDS = ("image_size", "mean", "std")  # settings() and what segment() reads
 
 
 def _modules():
@@ -132,5 +134,8 @@ PIPELINE = register(
         connections=[(f"image_encoder.{f}", f"prompt_decoder.{f}", "") for f in FEATURES],
         run=run,
         settings=settings,
+        names=NAMES,
+        needs=NEEDS,
+        takes=frozenset({"points"}),
     )
 )

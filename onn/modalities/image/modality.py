@@ -64,7 +64,9 @@ class ImageModality(ClassifierModality):
 
     def check(self, config: ONNConfig) -> None:
         from onn.modalities.image.augment import BatchAugment
+        from onn.models.vision import check_image_classifier
 
+        check_image_classifier(config.model)  # a denoiser, graph network or point cloud model: before planning
         data: ImageData = config.data
         BatchAugment(data.augment, [0.5], [0.5])  # the augmentation's values, checked now
         size = data.image_size

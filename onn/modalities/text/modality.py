@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from onn.config.data import TextData
@@ -18,6 +19,31 @@ from onn.config.task import InferTask, TrainTask
 from onn.errors import UserError
 from onn.hardware.profile import Profile
 from onn.modalities.base import Modality
+
+# Architectures ONN builds from a text model config but only plans and exports: the pipelines' models
+# (onn/export/pipelines: each registered Pipeline's model_class) and CLIP (one graph of two towers).
+EXPORT_ONLY = frozenset({"Sam2Model", "GroundingDinoForObjectDetection", "VisionEncoderDecoderModel", "CLIPModel"})
+# The data a model that is no language model trains on: by its config's kind, then by its source.
+KIND_DATA = {
+    "DenoiserConfig": "diffusion data (data=diffusion)",
+    "DualEncoderConfig": "paired data (data=pairs)",
+    "GraphNetworkConfig": "graph data (data=graph)",
+}
+SOURCE_DATA = {
+    "zoo:pointnet": "point clouds (data=mesh)",
+    "zoo:text_encoder": "captions, as model=dual_encoder's text side (data=pairs)",
+    "zoo:c3d_tiny": "video data (data=video)",
+    "torchvision": "video data (data=video)",
+    "zoo:audio_cnn": "audio data (data=audio)",
+    "zoo:audio_rnn": "audio data (data=audio)",
+}
+
+
+def own_data(model) -> str:
+    """What to give a model that is no language model, instead of text."""
+    source = str(getattr(model, "source", "") or "")
+    found = KIND_DATA.get(type(model).__name__) or SOURCE_DATA.get(source) or SOURCE_DATA.get(source.partition(":")[0])
+    return found or "classification data (e.g. data=cifar10)"
 
 
 class TextModality(Modality):
@@ -45,18 +71,27 @@ class TextModality(Modality):
                 f"model={model.name} is "
                 f"{'a classifier network' if isinstance(model, NetworkConfig) else 'no language model'} "
                 f"but data={data.name} is text: pick a language model "
-                "(e.g. model=phi4_tiny) for text, or classification data for this model (e.g. data=cifar10)."
+                f"(e.g. model=phi4_tiny) for text, or {own_data(model)} for this model."
             )
         if not model.tokenizer and source_kind(model.source) in ("random", "safetensors"):
             raise UserError(
                 f"model '{model.name}' has no tokenizer: a model.source of {model.source or 'random'} carries none; "
                 "set model.tokenizer to a folder with one, or model.tokenizer=byte."
             )
-        if model.tokenizer == "none" and config.task.name not in ("export", "plan", "bench_omny"):
-            raise UserError(
-                f"model '{model.name}' reads no text (model.tokenizer=none): it can be planned and exported "
-                f"(task=export export=omny), not given to task={config.task.name}."
+        architecture = ((model.architecture or {}).get("architectures") or [None])[0]
+        if config.task.name not in ("export", "plan", "bench_omny"):
+            what = (
+                "reads no text (model.tokenizer=none)"
+                if model.tokenizer == "none"
+                else f"is a {architecture}, not a causal language model"
+                if architecture in EXPORT_ONLY
+                else None
             )
+            if what:
+                raise UserError(
+                    f"model '{model.name}' {what}: it can be planned and exported (task=export export=omny), "
+                    f"not given to task={config.task.name}."
+                )
         for key, value, least in (("max_length", data.max_length, 2), ("batch_size", data.batch_size, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 said = "2 (a prompt token and an answer token)" if least == 2 else "1"
@@ -73,6 +108,7 @@ class TextModality(Modality):
             )
 
     def plan(self, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
+        from onn.config.convert import typed
         from onn.modalities.text.calibrate import refine
         from onn.modalities.text.streaming import streaming_choice
         from onn.planning.plan import make_plan
@@ -82,6 +118,10 @@ class TextModality(Modality):
         lora = config.strategy.lora
         lora_rank = lora.r if lora is not None else 8  # full training sizes LoRA at the default rank
         spec = model_spec(config.model, lora_rank, cache_dir=config.paths.cache)
+        if config.model.segmenter:  # Grounded SAM2: the detector and SAM2, loaded and exported together
+            segmenter = typed(LanguageModelConfig, config.model.segmenter, "model.segmenter")
+            more = model_spec(segmenter, lora_rank, cache_dir=config.paths.cache).params
+            spec = replace(spec, params=spec.params + more, suffix_params=spec.suffix_params + more)
         plan = make_plan(config, hardware, spec, use_tuned=use_tuned)
         plan.scale = scale_plan(config, hardware, spec)  # several devices or nodes: DDP, ZeRO, FSDP
         if config.task.name not in (
