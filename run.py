@@ -7,7 +7,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from onn.config.registry import register, yaml_problem
+from onn.config.registry import compose_problem, group_problem, register, yaml_problem
 
 register()  # the config's types (dataclasses only: nothing heavy is imported here)
 
@@ -23,7 +23,9 @@ def other_rank_overrides(argv: list[str]) -> list[str]:
 
 
 sys.argv += other_rank_overrides(sys.argv[1:])
-if problem := yaml_problem(sys.argv[1:], Path(__file__).resolve().parent / "conf"):
+# mistakes Hydra would report as a traceback or in its own terms, each one sentence before Hydra composes
+ARGS, CONF = sys.argv[1:], Path(__file__).resolve().parent / "conf"
+if problem := yaml_problem(ARGS, CONF) or group_problem(ARGS, CONF) or compose_problem(ARGS, CONF):
     sys.exit(f"error: {problem}")
 
 

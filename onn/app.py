@@ -58,6 +58,11 @@ from onn.training.trainer import check_launch, explain_distributed_failure
 
 log = logging.getLogger("onn")
 TASKS: dict[str, Task] = {**RUN_TASKS, **BENCH_TASKS}
+# the top-level blocks only these tasks give (conf/task/<task>.yaml); null in every other task's config
+TASK_BLOCKS = {"serve": ("serve", "bench_serve"), "tune": ("tune",)}
+# task.* counts that cut a list (examples[:n]): a negative one would drop the last items without a word
+TASK_COUNTS = ("exact_match_samples", "max_samples")
+SEEDS = 2**32  # numpy's seeds, and Lightning's seed_everything's: 0 to 2**32 - 1
 
 
 def run(cfg: DictConfig) -> float | None:
@@ -272,6 +277,14 @@ def to_config(cfg: DictConfig) -> ONNConfig:
     try:
         return OmegaConf.to_object(cfg)
     except MissingMandatoryValue as e:
+        block, task = e.full_key.split(".", 1)[0], cfg.task.name
+        owners = TASK_BLOCKS.get(block, ())
+        if owners and task not in owners:  # a recipe of that task (recipe=bench_serve) run as another (task=plan)
+            raise UserError(
+                f"{e.full_key} has no value: {block}.* holds the settings of "
+                f"{' and '.join(f'task={t}' for t in owners)}, and this run is task={task}; drop the block "
+                f"(~{block} on the command line drops a recipe's), or run that task."
+            ) from None
         raise UserError(f"{e.full_key} has no value: give it on the command line ({e.full_key}=...).") from None
 
 
@@ -427,6 +440,7 @@ def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> 
     if name not in TASKS:
         raise UserError(f"task={name} is not one of {', '.join(sorted(TASKS))}.")
     task = TASKS[name]
+    check_run_numbers(config)
     task.check(config)
     # a path under a file: one sentence now, not a traceback when first written
     writable_folder(config.paths.outputs, "paths.outputs")
@@ -458,9 +472,9 @@ def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> 
             f"and data={config.data.name} is {modality.name} "
             f"data{'; for image classifiers use recipe=bench_vision' if name in ('bench', 'tune') else ''}."
         )
-    if task.heavy:
+    if task.heavy or name == "plan":  # a plan is the plan of the training these settings would run
         check_optim(config.optim)
-        check_trainer(config.trainer, trains=task.trains)
+        check_trainer(config.trainer, trains=task.trains or name == "plan")
     modality.check(config)
     if writes:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(as_dict(config), sort_keys=False))
@@ -493,6 +507,24 @@ def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> 
         }
     )
     return {**out, **_run(task, Job(config, run_dir, modality, hardware, plan, spec, ckpt), threads_before)}
+
+
+def check_run_numbers(config: ONNConfig) -> None:
+    """The seed and task.* counts, before anything runs: numpy refused a negative seed with a traceback mid-run
+    and one of 2**64 overflowed, and exact_match_samples=-1 scored every held-out problem but the last."""
+    seed = config.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEEDS:
+        raise UserError(f"seed={seed}: give a whole number from 0 to {SEEDS - 1}.")
+    for key in TASK_COUNTS:
+        value = getattr(config.task, key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise UserError(f"task.{key}={value}: give a whole number, 0 (none) or more.")
+    stop = getattr(config.task, "early_stopping", None)
+    if stop is not None and stop.patience < 0:
+        raise UserError(
+            f"task.early_stopping.patience={stop.patience}: give a whole number of validations, "
+            "0 (never stop early) or more."
+        )
 
 
 def _run(task: Task, job: Job, threads_before: int | None) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import compose, run_cli
+from conftest import ROOT, compose, run_cli
 from hydra.errors import MissingConfigException
 
 from onn.errors import UserError
@@ -155,3 +155,103 @@ def test_a_run_into_a_folder_of_an_earlier_runs_checkpoints_is_refused_unless_it
     resumed = run_cli(*common, "trainer.max_steps=3", f"ckpt={run}", "task.exact_match_samples=0")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert '"steps": 3' in (run / "metrics.json").read_text()
+
+
+def test_a_key_under_a_block_that_is_null_here_is_one_sentence_naming_the_block():
+    """OmegaConf asserted on a null block ("Unexpected type for root: NoneType"), and Hydra printed 23 lines of
+    traceback: serve is null unless task=serve gives it, data.builtin is null for a file's data (data=gsm8k)."""
+    from onn.config.registry import compose_problem
+
+    conf = ROOT / "conf"
+    assert compose_problem(["task=plan", "serve.slots=4"], conf) == (
+        "serve.slots=4: serve is null in this config, so it has no slots to set; give the whole block instead, "
+        "e.g. serve={slots: 4}."
+    )
+    problem = compose_problem(["data=gsm8k", "data.source=x.jsonl", "data.builtin.train_size=32"], conf)
+    assert problem is not None and problem.startswith("data.builtin.train_size=32: data.builtin is null in this")
+    problem = compose_problem(["data=diffusion", "data.augment.color_jitter.brightness=0.2"], conf)
+    assert problem is not None and problem.endswith("e.g. data.augment={color_jitter: {brightness: 0.2}}.")
+    # where the block is there, and where the command line gives it whole first, it is Hydra's to compose
+    assert compose_problem(["data.builtin.train_size=32"], conf) is None
+    assert compose_problem(["task=serve", "serve.slots=4"], conf) is None
+    assert compose_problem(["data=gsm8k", "+data.builtin={train_size: 32}", "data.builtin.val_size=8"], conf) is None
+
+
+def test_a_recipe_given_twice_or_as_a_list_is_refused():
+    """recipe=a recipe=b ran b alone without a word (.hydra/overrides.yaml listed both); recipe=[a,b] merged both
+    into one config and failed on the first key of one that the other's data schema lacks."""
+    from onn.config.registry import group_problem
+
+    conf = ROOT / "conf"
+    assert group_problem(["recipe=phi4_math_sparse_lora", "recipe=char_lstm", "task=plan"], conf) == (
+        "recipe is given twice (phi4_math_sparse_lora, char_lstm); a run takes one recipe: copy one and add the "
+        "other's keys."
+    )
+    assert group_problem(["recipe=[phi4_math_sparse_lora,char_lstm]"], conf) == (
+        "recipe=[phi4_math_sparse_lora,char_lstm]: a run takes one recipe, not a list; copy one and add the "
+        "other's keys."
+    )
+    assert "model is given twice (llama_tiny, phi4_tiny)" in group_problem(
+        ["model=llama_tiny", "model=phi4_tiny"], conf
+    )
+    assert group_problem(["recipe=char_lstm", "recipe=char_lstm", "-m", "model=llama_tiny,phi4_tiny"], conf) is None
+
+
+def test_a_recipe_run_as_another_task_names_the_task_its_keys_belong_to():
+    """recipe=bench_chaos task=plan failed in Hydra's terms ("Key 'tracks' not in 'TrainTask'"); recipe=bench_serve
+    task=plan asked for serve.host, then serve.port, ... on the command line, thirteen keys one at a time."""
+    from onn.config.registry import compose_problem
+
+    assert compose_problem(["recipe=bench_chaos", "task=plan"], ROOT / "conf") == (
+        "recipe=bench_chaos sets task.tracks, a key of task=bench_chaos (the task the recipe names), and task=plan "
+        "has no such key; run the recipe with its own task, or copy the recipe and drop its task.* keys."
+    )
+    assert compose_problem(["recipe=bench_chaos", "task=bench_chaos"], ROOT / "conf") is None
+    with pytest.raises(UserError, match=r"^serve\.host has no value: serve\.\* holds the settings of task=serve and "):
+        compose("recipe=bench_serve", "task=plan")
+    assert compose("recipe=bench_serve", "task=plan", "~serve").serve is None  # what the sentence says to do
+
+
+def test_the_command_lines_compose_mistakes_are_one_sentence_before_hydra(tmp_path):
+    """run.py asks registry's checks before Hydra composes: each is `error: ...` and exit 1, no traceback."""
+    where = (f"paths.outputs={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}")
+    for args, said in [
+        (("task=plan", "serve.slots=4"), "error: serve.slots=4: serve is null in this config"),
+        (("recipe=char_lstm", "recipe=optuna_lr", "task=plan"), "error: recipe is given twice (char_lstm, optuna_lr)"),
+        (("recipe=bench_chaos", "task=plan"), "error: recipe=bench_chaos sets task.tracks, a key of task=bench_chaos"),
+    ]:
+        done = run_cli(*args, *where)
+        assert done.returncode == 1 and said in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "override, sentence",
+    [
+        ("seed=-1", r"^seed=-1: give a whole number from 0 to 4294967295\.$"),  # numpy's ValueError mid-run
+        ("seed=18446744073709551617", r"^seed=18446744073709551617: give a whole number from 0 to 4294967295"),
+        ("task.exact_match_samples=-1", r"^task\.exact_match_samples=-1: give a whole number, 0 \(none\) or more"),
+        ("task.early_stopping.patience=-1", r"^task\.early_stopping\.patience=-1: give a whole number of validations"),
+        # task=plan said "plan ok" for the optimizer and trainer settings training refuses
+        ("optim.lr=-1", r"^optim\.lr=-1\.0: give a number 0 or more"),
+        ("optim.schedule=bogus", r"^optim\.schedule='bogus' is not one of cosine"),
+        ("trainer.max_steps=-5", r"^trainer\.max_steps=-5: give a whole number, 1 or more, or -1"),
+    ],
+)
+def test_numbers_training_refuses_are_refused_by_a_plan_before_it_plans(tmp_path, override, sentence):
+    """exact_match_samples=-1 scored every held-out problem but the last (examples[:-1]) and reported 7 of 8."""
+    from onn.app import execute
+
+    cfg = compose("task=plan", override, f"paths.outputs={tmp_path}")
+    with pytest.raises(UserError, match=sentence):
+        execute(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "plan.yaml").exists()
+
+
+def test_an_evaluations_negative_sample_count_is_one_sentence():
+    """task.max_samples=-1 scored all but the last held-out sample, as exact_match_samples did."""
+    from onn.app import check_run_numbers
+
+    with pytest.raises(UserError, match=r"^task\.max_samples=-1: give a whole number, 0 \(none\) or more\.$"):
+        check_run_numbers(compose("task=eval", "task.max_samples=-1"))
+    check_run_numbers(compose("task=eval", "task.max_samples=0", "seed=4294967295"))

@@ -7,7 +7,7 @@ import torch
 
 from onn.config.model import LanguageModelConfig, LayerMapOverride
 from onn.errors import UserError
-from onn.models.load import load, meta_model, source_kind
+from onn.models.load import architecture, load, meta_model, source_kind
 from onn.models.tokenizer import byte_tokenizer
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 32,
@@ -57,6 +57,28 @@ def test_python_builder_source(tmp_path):
     )
     model = meta_model(language_model(name="mine", source=f"{tmp_path}/mine.py:build"))
     assert next(model.parameters()).is_meta and model[0].embedding_dim == 4
+
+
+def test_an_architecture_key_the_config_class_does_not_read_is_one_sentence():
+    """+model.architecture.num_hiden_layers=3 trained the full model (transformers keeps an unknown key as a bare
+    attribute), and recipe=char_lstm model=llama_tiny carried the LSTM's cell and dropout into a Llama's config."""
+    from conftest import compose
+
+    with pytest.raises(
+        UserError,
+        match=r"^model\.architecture\.num_hiden_layers is not a key of llama's config \(LlamaConfig\) \(did you mean "
+        r"model\.architecture\.num_hidden_layers\?\)",
+    ):
+        architecture(language_model(architecture={**LLAMA, "num_hiden_layers": 3}))
+    with pytest.raises(UserError, match=r"^model\.architecture\.cell is not a key of llama's config"):
+        architecture(compose("recipe=char_lstm", "model=llama_tiny").model)
+    # keys the class takes and keeps as others (rope_theta in rope_parameters, torch_dtype as dtype), special token
+    # ids and keys transformers reads off any config: not in to_dict() under their names, and not refused
+    taken = {"rope_theta": 5e5, "torch_dtype": "float32", "attn_implementation": "eager", "num_labels": 3}
+    config = architecture(language_model(architecture={**LLAMA, **taken, "sep_token_id": 1, "is_decoder": True}))
+    assert config.rope_parameters["rope_theta"] == 5e5 and config.num_labels == 3
+    assert architecture(compose("model=char_lstm").model).cell == "lstm"  # ONN's own transformers model: its keys
+    assert architecture(compose("model=trocr_mini").model).decoder_start_token_id == 256  # an encoder-decoder's ids
 
 
 def test_refusals(tmp_path, monkeypatch):

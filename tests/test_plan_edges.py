@@ -48,6 +48,13 @@ def plan_for(tmp_path, *overrides: str):
         # planned (lora), or refused for a block index past the 2 recurrent blocks (sparse_lora's default layers)
         (("model=char_lstm", "strategy=lora"), r"strategy=lora: the blocks of model char_lstm hold no linear layer"),
         (("model=char_lstm", "strategy=sparse_lora"), r"strategy=sparse_lora: the blocks of model char_lstm hold no"),
+        # r=0 was said to be blocks without a linear layer (LSTM or GRU), r=-2 in peft's words, alpha=-1 trained
+        (("strategy=lora", "strategy.lora.r=0"), r"strategy\.lora\.r=0: give the adapters' rank, a whole number 1 or"),
+        (("strategy=lora", "strategy.lora.r=-2"), r"strategy\.lora\.r=-2: give the adapters' rank"),
+        (("strategy=lora", "strategy.lora.alpha=-1"), r"strategy\.lora\.alpha=-1: give a number above 0"),
+        # a negative all-reduce time, a step predicted shorter than its compute
+        (("hardware.count=2", "hardware.interconnect_gb_s=-1"), r"hardware\.interconnect_gb_s=-1\.0: give the link's"),
+        (("hardware.network_gb_s=0",), r"hardware\.network_gb_s=0\.0: give the link's speed in GB/s, a number above 0"),
     ],
 )
 def test_settings_that_cannot_work_are_one_sentence_at_plan_time(tmp_path, overrides, sentence):

@@ -8,13 +8,17 @@ Hydra's own message (`trainer.max_steps=abc`: "Value 'abc' of type 'str' could n
 app.run turns the composed config into these dataclasses (OmegaConf.to_object) and every layer reads them; a key
 Hydra's `+` added that no dataclass has is one sentence there (app.to_config), as OmegaConf would drop it.
 
+Before Hydra composes, run.py asks for the mistakes Hydra would report as a traceback or in its own terms: a YAML
+file that does not parse (yaml_problem), a group chosen twice (group_problem), a key under a block that is null
+here, and a recipe's task keys under another task (compose_problem).
+
 A new key: add the field to its dataclass (type, `MISSING`, a comment saying what it holds), give its value
 in the option's YAML, and read it as an attribute.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from onn.config import data, export, model, task
@@ -102,3 +106,102 @@ def yaml_problem(argv: list[str], conf_dir: Path) -> str | None:
                 problem = getattr(e, "problem", None) or str(e).splitlines()[0]
                 return f"{path.resolve()}{where}: {problem}; fix the YAML there."
     return None
+
+
+def group_problem(argv: list[str], conf_dir: Path) -> str | None:
+    """A config group the command line chooses twice (`recipe=a recipe=b`: Hydra keeps the last without a word) or
+    as a list (`recipe=[a,b]`: Hydra merges both options into one), as one sentence; None when each is chosen once."""
+    groups = {p.name for p in conf_dir.iterdir() if p.is_dir()}
+    chosen: dict[str, str] = {}
+    for arg in argv:
+        group, _, value = arg.lstrip("+~").partition("=")
+        if group not in groups or not value:
+            continue
+        advice = "copy one and add the other's keys" if group == "recipe" else f"give one {group}"
+        if value.lstrip().startswith("["):
+            return f"{arg}: a run takes one {group}, not a list; {advice}."
+        if chosen.setdefault(group, value) != value:
+            return f"{group} is given twice ({chosen[group]}, {value}); a run takes one {group}: {advice}."
+    return None
+
+
+def compose_problem(argv: list[str], conf_dir: Path) -> str | None:
+    """Two mistakes Hydra's composition reports in its own terms, as one sentence: a key set under a block that is
+    null in this config (`serve.slots=4` with no task=serve to give `serve`, `data.builtin.train_size=32` of
+    data=gsm8k: OmegaConf's AssertionError, a 23-line traceback), and a recipe's task.* key that the task given on
+    the command line lacks (`recipe=bench_chaos task=plan`: "Key 'tracks' not in 'TrainTask'"). It composes only
+    for a command line that could hold one; None for anything else (Hydra says it)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
+        return None  # Hydra's own options: --help, --cfg job, -cn NAME, ...
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
+    except Exception:  # noqa: BLE001 -- Hydra names a line it cannot parse
+        return None
+    if any(o.is_sweep_override() for o in overrides):
+        return None  # each job of a sweep composes its own config
+    optional = {f.name for f in fields(ONNConfig) if f.default is None}  # top-level blocks null by default
+    under = [o for o in overrides if not o.is_delete() and _under_block(o.key_or_group, optional)]
+    named = {o.key_or_group for o in overrides}
+    if not under and not {"recipe", "task"} <= named:
+        return None
+    rest = [o.input_line for o in overrides if o not in under and not o.key_or_group.startswith("hydra")]
+    with initialize_config_dir(config_dir=str(conf_dir.resolve()), version_base="1.3"):
+        try:
+            cfg = compose("config", overrides=rest)
+        except Exception as e:  # noqa: BLE001 -- anything but a recipe's task key, Hydra says itself
+            return _recipe_task_problem(e, overrides, conf_dir)
+    for o in under:  # applied as Hydra applies them, in order
+        try:
+            OmegaConf.update(cfg, o.key_or_group, o.value(), merge=True, force_add=o.is_add() or o.is_force_add())
+        except AssertionError:  # OmegaConf's "Unexpected type for root: NoneType"
+            return _null_block_problem(cfg, o)
+        except Exception:  # noqa: BLE001 -- a misspelt key or a wrong type: Hydra's message names it
+            return None
+    return None
+
+
+def _under_block(key: str, optional: set[str]) -> bool:
+    """A key inside a block that can be null: two levels down (data.builtin.train_size), or in a top-level block
+    that is null unless its task sets it (serve.slots)."""
+    parts = key.split(".")
+    return parts[0] != "hydra" and (len(parts) > 2 or (len(parts) == 2 and parts[0] in optional))
+
+
+def _null_block_problem(cfg, override) -> str:
+    """`serve.slots=4: serve is null in this config ...`, with the block written whole as the way to give it."""
+    from omegaconf import OmegaConf
+
+    parts = override.key_or_group.split(".")
+    depth = next(i for i in range(1, len(parts)) if OmegaConf.select(cfg, ".".join(parts[:i])) is None)
+    block, inner = ".".join(parts[:depth]), parts[depth:]
+    whole = "".join(f"{{{p}: " for p in inner) + override.get_value_element_as_str() + "}" * len(inner)
+    return (
+        f"{override.input_line.lstrip('+')}: {block} is null in this config, so it has no {'.'.join(inner)} to set; "
+        f"give the whole block instead, e.g. {block}={whole}."
+    )
+
+
+def _recipe_task_problem(error: Exception, overrides: list, conf_dir: Path) -> str | None:
+    """`recipe=bench_chaos task=plan`: the recipe's task keys are its own task's; None for any other error."""
+    import yaml
+    from omegaconf.errors import ConfigKeyError
+
+    recipe = next((str(o.value()) for o in overrides if o.key_or_group == "recipe"), None)
+    cause = error.__cause__ or error.__context__  # Hydra raises its own error while handling OmegaConf's
+    key = str(getattr(cause, "full_key", ""))
+    if not isinstance(cause, ConfigKeyError) or not key.startswith("task.") or recipe is None:
+        return None
+    if f"'recipe/{recipe}'" not in str(error):
+        return None  # the command line's own task.* key: Hydra's "Could not override" names it
+    task = next(str(o.value()) for o in overrides if o.key_or_group == "task")
+    defaults = (yaml.safe_load((conf_dir / "recipe" / f"{recipe}.yaml").read_text()) or {}).get("defaults") or []
+    own = next((d["override /task"] for d in defaults if isinstance(d, dict) and "override /task" in d), None)
+    whose = f"task={own} (the task the recipe names)" if own else "another task"
+    return (
+        f"recipe={recipe} sets {key}, a key of {whose}, and task={task} has no such key; run the recipe with its "
+        "own task, or copy the recipe and drop its task.* keys."
+    )

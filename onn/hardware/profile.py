@@ -157,6 +157,13 @@ def check_settings(hw_cfg: HardwareConfig) -> None:
     name = f"hardware={hw_cfg.name}"
     if hw_cfg.budget_mb is not None and not math.isfinite(hw_cfg.budget_mb):
         raise UserError(f"hardware.budget_mb={hw_cfg.budget_mb}: give a number of MB, or null for all the machine has.")
+    for key in ("interconnect_gb_s", "network_gb_s"):  # a link of 0 or less gave a negative all-reduce time
+        speed = getattr(hw_cfg, key)
+        if speed is not None and not (math.isfinite(speed) and speed > 0):
+            raise UserError(
+                f"hardware.{key}={speed}: give the link's speed in GB/s, a number above 0, or null (not known: the "
+                "plan then leaves that link's time out and says so)."
+            )
     given = {k: getattr(hw_cfg, k) for k in PROFILE_KEYS if k != "name" and getattr(hw_cfg, k) is not None}
     if hw_cfg.measure:
         if given:

@@ -12,6 +12,7 @@ Sources (model.source):
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import importlib.util
 import json
@@ -29,6 +30,10 @@ from onn.models.tokenizer import byte_tokenizer, wordpiece_tokenizer
 # same model every run, resident or streamed
 INIT_SEED = 0
 WEIGHT_FILES = ("*.safetensors", "*.gguf", "config.json")  # what a folder source's fingerprint stats
+# keys transformers reads with getattr off a config of any class (its model code, generation, tokenizers), whether
+# or not the class declares them: model.architecture may give them to any model type
+GENERIC_CONFIG_KEYS = {"tie_word_embeddings", "is_decoder", "add_cross_attention", "cross_attention_hidden_size",
+                       "tokenizer_class", "prefix"}  # fmt: skip
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".joblib")
 CONVERT_HINT = (
     "ONN loads safetensors only (pickle files can run code when loaded). Convert it once on a machine you trust: "
@@ -89,7 +94,30 @@ def architecture(model_cfg: LanguageModelConfig):
     model_type = arch.pop("model_type", None)
     if model_type is None:
         raise UserError(f"model.architecture of '{model_cfg.name}' needs a model_type (e.g. llama, phi3, gpt2).")
-    return AutoConfig.for_model(model_type, **arch)
+    config = AutoConfig.for_model(model_type, **arch)
+    check_architecture_keys(config, arch)
+    return config
+
+
+def check_architecture_keys(config, arch: dict) -> None:
+    """A model.architecture key that the transformers config class neither has nor reads is kept as a bare
+    attribute that nothing reads: `+model.architecture.num_hiden_layers=3` built all 40 layers without a word, and a
+    recipe's keys for another model (cell: lstm) rode along into a Llama. A key the class takes and turns into
+    another (rope_theta into rope_parameters, torch_dtype into dtype) is not kept as itself, and passes; so does a
+    special token id (`*_token_id`) or another key transformers reads off any config (GENERIC_CONFIG_KEYS)."""
+    try:
+        default = type(config)()
+    except (TypeError, ValueError):
+        return  # a class that cannot be built bare: its keys are not known here, so none is refused
+    known = set(default.to_dict()) | set(type(config).attribute_map) | GENERIC_CONFIG_KEYS
+    bare = [k for k in arch if k in vars(config) and k not in known and not k.endswith("_token_id")]
+    if bare:
+        close = difflib.get_close_matches(bare[0], sorted(known), n=1)
+        hint = f" (did you mean model.architecture.{close[0]}?)" if close else ""
+        raise UserError(
+            f"model.architecture.{bare[0]} is not a key of {config.model_type}'s config ({type(config).__name__})"
+            f"{hint}; fix its name, or drop it (a recipe's architecture keys are for the model it names)."
+        )
 
 
 def meta_model(model_cfg: LanguageModelConfig):

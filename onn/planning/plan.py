@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from onn.config import ONNConfig, StrategyConfig, StreamingConfig, as_dict
+from onn.config import LoraConfig, ONNConfig, StrategyConfig, StreamingConfig, as_dict
 from onn.config.model import NetworkConfig
 from onn.dtypes import BYTES_PER_VALUE as DTYPE_BYTES
 from onn.errors import UserError
@@ -433,6 +433,8 @@ def check_settings(cfg: ONNConfig, hw: Profile) -> None:
     streaming = cfg.strategy.streaming
     if streaming is not None:
         check_streaming(streaming)
+    if cfg.strategy.lora is not None:
+        check_lora(cfg.strategy.lora)
     check_precision(cfg.strategy.precision, hw)
     check_trainer_precision(cfg)
     held = context_mb(hw)
@@ -447,6 +449,19 @@ def check_settings(cfg: ONNConfig, hw: Profile) -> None:
             f"{cause} is below what the run holds before any model is built ({held:,.0f} MB: "
             f"{'the CUDA context' if hw.accelerator == 'cuda' else 'Python, torch and the libraries'}); "
             f"give a budget above {held:,.0f} MB."
+        )
+
+
+def check_lora(lora: LoraConfig) -> None:
+    """strategy.lora's rank and scale: r=0 made adapters of no parameters, which the plan then took for blocks that
+    hold no linear layer, and a negative alpha flipped the adapters' sign without a word."""
+    if isinstance(lora.r, bool) or not isinstance(lora.r, int) or lora.r < 1:
+        raise UserError(
+            f"strategy.lora.r={lora.r}: give the adapters' rank, a whole number 1 or more (8 or 16 is usual)."
+        )
+    if not lora.alpha > 0:
+        raise UserError(
+            f"strategy.lora.alpha={lora.alpha}: give a number above 0 (the adapters' output is scaled by alpha / r)."
         )
 
 
