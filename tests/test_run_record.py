@@ -172,3 +172,77 @@ def test_a_failed_data_auto_run_records_the_model_and_data_it_chose(tmp_path):
     assert proc.returncode == 1 and "a classifier needs two or more" in proc.stdout + proc.stderr, proc.stdout[-2000:]
     metrics = read_metrics(run_dir)
     assert (metrics["status"], metrics["model"], metrics["data"]) == ("failed", "v28_cnn", "image")
+
+
+def fake_checkpoint(path: Path, age_s: float) -> Path:
+    """A checkpoint folder's JSON half, written `age_s` seconds ago (what tells the newest of a run's checkpoints)."""
+    path.mkdir(parents=True)
+    (path / "meta.json").write_text("{}")
+    written = time.time() - age_s
+    os.utime(path / "meta.json", (written, written))
+    return path
+
+
+def test_the_checkpoint_lightnings_slurm_requeue_saves_is_an_earlier_runs_and_ends_as_last_ckpt(tmp_path):
+    """Lightning's SLURM auto-requeue saves RUN_DIR/hpc_ckpt_N.ckpt: a run started into that folder without ckpt was
+    not refused, and Lightning resumed from it on its own (the record said resumed_from null); left after a resume,
+    Lightning loaded it again at the run's next validate(). A run into it is refused naming it; once fit ends the
+    newest checkpoint is checkpoints/last.ckpt and no hpc_ckpt is left."""
+    from onn.errors import UserError
+    from onn.tasks.record import refuse_earlier_checkpoints
+    from onn.training.trainer import keep_newest_as_last, newest_checkpoint
+
+    run = tmp_path / "run"
+    hpc = fake_checkpoint(run / "hpc_ckpt_1.ckpt", age_s=60)
+    with pytest.raises(UserError, match=rf"holds an earlier run's checkpoints \(hpc_ckpt_1.ckpt\).* give ckpt={hpc} "):
+        refuse_earlier_checkpoints(run, "hydra.run.dir")
+    last = fake_checkpoint(run / "checkpoints" / "last.ckpt", age_s=120)
+    newer = fake_checkpoint(run / "hpc_ckpt_2.ckpt", age_s=30)
+    assert newest_checkpoint(run) == newer
+    keep_newest_as_last(run)
+    assert newest_checkpoint(run) == last and not list(run.glob("hpc_ckpt_*"))
+    assert (last / "meta.json").stat().st_mtime > time.time() - 40  # hpc_ckpt_2's, not the older last.ckpt's
+    fake_checkpoint(run / "hpc_ckpt_1.ckpt", age_s=300)  # older than last.ckpt: it goes, last.ckpt stays
+    keep_newest_as_last(run)
+    assert newest_checkpoint(run) == last and not list(run.glob("hpc_ckpt_*"))
+
+
+@pytest.mark.slow
+def test_a_requeued_slurm_job_resumes_from_the_checkpoint_its_signal_saved(tmp_path):
+    """examples/slurm/train.sbatch: SIGUSR1 before the time limit, Lightning saves hpc_ckpt_1.ckpt and requeues the
+    job (scontrol, here a stand-in that records the call), SLURM's SIGTERM ends it, and the requeued job runs the
+    same command with SLURM_RESTART_COUNT set. It failed on the checkpoints its first run left (or resumed without
+    a word when there was only Lightning's); it resumes from the newest, says so in its record and ends with it as
+    last.ckpt."""
+    from onn.training.checkpoints import read_meta
+
+    bin_dir, calls, run_dir = tmp_path / "bin", tmp_path / "scontrol.calls", tmp_path / "run"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    slurm = {"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+             "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "onn-train",
+             "SLURM_NODELIST": "localhost"}  # fmt: skip
+    env = {**os.environ, **slurm, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONWARNINGS": "ignore"}
+    env["HF_HUB_OFFLINE"] = "1"
+    command = [sys.executable, str(ROOT / "run.py"), *TRAIN, "trainer.max_steps=30", "checkpoint.every_n_steps=2",
+               f"paths.outputs={tmp_path / 'outputs'}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: checkpoint_step(run_dir) >= 2, first)  # training, Lightning's signal handlers set
+    first.send_signal(signal.SIGUSR1)
+    wait_for(lambda: (run_dir / "hpc_ckpt_1.ckpt" / "meta.json").is_file(), first)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(60) == 128 + signal.SIGTERM
+    saved = read_meta(run_dir / "hpc_ckpt_1.ckpt")["global_step"]
+    assert calls.read_text().split() == ["requeue", "4242"] and 2 <= saved < 30
+    again = subprocess.run(
+        command, env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    record = read_metrics(run_dir)
+    assert record["status"] == "ok" and record["steps"] == 30, record
+    assert record["resumed_from"] == str(run_dir / "hpc_ckpt_1.ckpt") == record["checkpoint_used"]
+    assert len(record["train/loss_curve"]) == 30  # the first run's steps, then the rest
+    assert (
+        not list(run_dir.glob("hpc_ckpt_*")) and read_meta(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 30
+    )

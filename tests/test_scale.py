@@ -266,6 +266,87 @@ def test_gpu_only_strategies_refuse_the_cpu_in_one_sentence():
     assert strategy._timeout.total_seconds() == 7
 
 
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "SLURM_PROCID",
+    "MASTER_ADDR",
+    "NODE_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+)
+
+
+def test_several_processes_under_lightnings_auto_strategy_keep_strategy_timeout(tmp_path: Path, monkeypatch):
+    """strategy=lora over two nodes (strategy.lightning=auto): Lightning picked DDP itself with its 30-minute timeout,
+    and rank 0 waited 12 minutes for a node that never came whatever strategy.timeout_s said. One process stays
+    on Lightning's single-device strategy."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    from onn.hardware.profile import resolve
+    from onn.planning.plan import make_plan
+    from onn.planning.spec import model_spec
+    from onn.training.trainer import build_trainer
+
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for nodes, kind in ((2, DDPStrategy), (1, SingleDeviceStrategy)):
+        cfg = compose(
+            "model=llama_tiny",
+            "hardware=cpu_16gb",
+            "strategy=lora",
+            f"trainer.num_nodes={nodes}",
+            "strategy.timeout_s=15",
+        )
+        assert cfg.strategy.lightning == "auto"
+        plan = make_plan(cfg, resolve(cfg.hardware, tmp_path, tmp_path), model_spec(cfg.model, cfg.strategy.lora.r))
+        strategy = build_trainer(cfg, plan, tmp_path / f"run{nodes}", [], loggers=False).strategy
+        assert type(strategy) is kind
+        if nodes > 1:
+            assert strategy._timeout.total_seconds() == 15
+
+
+def test_a_launch_that_would_wait_or_fail_in_every_process_is_one_sentence_first(monkeypatch):
+    """Before any process waits: several nodes in a process no launcher started (rank 0 waited strategy.timeout_s
+    for nodes nobody starts, deaf to SIGTERM), and torchrun's process count other than trainer.devices x
+    trainer.num_nodes (Lightning's ValueError, with a traceback in each process)."""
+    from onn.training.trainer import check
+
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    nodes = compose("strategy=ddp", "trainer.num_nodes=2").trainer
+    with pytest.raises(UserError, match=r"^trainer.num_nodes=2 asks for 2 machines, and no launcher started this one"):
+        check(nodes)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # Lightning's own multi-node: the address and rank set by hand
+    monkeypatch.setenv("NODE_RANK", "1")
+    check(nodes)
+    for name in ("MASTER_ADDR", "NODE_RANK"):
+        monkeypatch.delenv(name)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)  # torchrun --nproc-per-node=2
+    with pytest.raises(
+        UserError,
+        match=r"^torchrun started 2 processes \(2 per node\), and trainer.devices=1 x trainer.num_nodes=1 asks for 1: "
+        r"give trainer.devices=2 trainer.num_nodes=1\.$",
+    ):
+        check(compose("strategy=ddp", "trainer.devices=1").trainer)
+    check(compose("strategy=ddp", "trainer.devices=2").trainer)
+
+
+def test_strategy_lightning_is_one_of_lightnings_that_returns_or_one_sentence():
+    """strategy.lightning=ddpx ended in Lightning's ValueError; ddp_spawn trained, then failed the task ("CausalLM is
+    not attached to a Trainer": the spawned processes' results never come back)."""
+    from onn.training.trainer import check_lightning
+
+    with pytest.raises(UserError, match=r"^strategy.lightning='ddpx' is not a Lightning strategy"):
+        check_lightning("ddpx")
+    for name in ("ddp_spawn", "ddp_fork_find_unused_parameters_true", "ddp_notebook"):
+        with pytest.raises(UserError, match=r"returns nothing to the one that started them.*use strategy=ddp"):
+            check_lightning(name)
+    for name in ("auto", "streaming", "ddp", "ddp_find_unused_parameters_true", "fsdp", "deepspeed_stage_3_offload"):
+        check_lightning(name)
+
+
 def test_multirun_with_several_devices_is_refused():
     from onn.training.trainer import check_launch
 
@@ -450,6 +531,24 @@ def test_cpu_processes_share_their_hosts_memory_and_cores(tmp_path: Path):
     budget = f"hardware.budget_mb={int(ddp['per_device_mb'] * 1.5)}"
     assert scale_for(*common, "hardware.count=1", budget, tmp_path=tmp_path)["options"]["ddp"]["fits"]
     assert not scale_for(*common, "hardware.count=2", budget, tmp_path=tmp_path)["options"]["ddp"]["fits"]
+
+
+def test_the_plan_sizes_the_processes_trainer_devices_starts(tmp_path: Path):
+    """trainer.devices=2 ran two processes while the plan sized one for the whole host; hardware.count=2 sized two
+    while the run was one process. The plan follows trainer.devices; a hardware.count the run would not start is one
+    sentence (task=plan alone plans a node with hardware.count)."""
+    from onn.planning.scale import devices_per_node
+
+    common = ("model=llama_tiny", "hardware=cpu_16gb", "strategy=ddp", "data.batch_size=8")
+    two = scale_for(*common, "trainer.devices=2", tmp_path=tmp_path)
+    assert two["devices_per_node"] == 2 and two["per_device_batch"] == 4 and "GB over 2 processes" in two["reason"]
+    assert scale_for(*common, "trainer.devices=[0,1,2]", tmp_path=tmp_path)["devices_per_node"] == 3
+    assert scale_for(*common, "hardware.count=2", tmp_path=tmp_path)["devices_per_node"] == 2  # planned, not run
+    with pytest.raises(UserError, match=r"^hardware.count=3 and trainer.devices=2 disagree .*give hardware.count=2"):
+        scale_for(*common, "hardware.count=3", "trainer.devices=2", tmp_path=tmp_path)
+    with pytest.raises(UserError, match=r"^hardware.count=2 sizes .* which trainer.devices=auto does not start: give "):
+        devices_per_node(compose(*common, "task=train", "hardware.count=2"))
+    assert devices_per_node(compose(*common, "task=train", "hardware.count=2", "trainer.devices=2")) == 2
 
 
 def test_an_adapter_fine_tune_over_several_devices_is_sized_as_the_adapters_it_trains(tmp_path: Path):

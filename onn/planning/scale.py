@@ -1,6 +1,7 @@
 """The plan for several devices and nodes: a fine-tune under DDP, DeepSpeed ZeRO-2, FSDP and DeepSpeed ZeRO-3
-with CPU offload, over hardware.count devices on each of trainer.num_nodes nodes. The fine-tune is the one asked
-for: LoRA, QLoRA or sparse LoRA (which trains resident under these strategies) when strategy names one, else full.
+with CPU offload, over the devices each of trainer.num_nodes nodes runs (trainer.devices, or hardware.count for a node
+this run does not start: `devices_per_node`). The fine-tune is the one asked for: LoRA, QLoRA or sparse LoRA (which
+trains resident under these strategies) when strategy names one, else full.
 
 Per device, with W the weights' bytes (frozen ones as the single-device plan holds them, trainable ones fp32), T
 the trainable weights, and the states of Adam (the ZeRO paper's accounting, with Lightning's mixed precision
@@ -13,8 +14,8 @@ keeping fp32 weights and gradients, and DeepSpeed keeping half-precision ones be
 
 (a full fine-tune: T = P weights, W = 4P: 16P, 2P + 14P/N, 16P/N), plus the activations of one micro-batch,
 as the single-device plan counts them (on a CPU with the heap's share, CPU_HEAP_OVERHEAD). CPU processes are not
-devices of their own: the hardware.count processes of a node share its memory and cores, so each gets 1/count of
-the budget and computes at 1/count of the profile's rate. The step's predicted time is the per-device compute
+devices of their own: the n processes of a node share its memory and cores, so each gets 1/n of the budget and
+computes at 1/n of the profile's rate. The step's predicted time is the per-device compute
 (each device takes global batch / N samples) plus the trainable weights' gradients' collectives, not
 overlapped: a ring all-reduce moves 2 (n-1)/n of the gradient bytes over each link; inside a node at
 hardware.interconnect_gb_s, between nodes at hardware.network_gb_s (hierarchical: devices reduce inside their
@@ -73,9 +74,7 @@ FINE_TUNES = {"full": "full fine-tune", "lora": "LoRA fine-tune", "qlora": "QLoR
 def scale_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> dict[str, Any] | None:
     """Per-device memory and step time of each multi-device setup, and the one to use. None for a run on
     one device with a single-device strategy (task=plan always shows it, for one device too)."""
-    count = cfg.hardware.count
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise UserError(f"hardware.count={count!r}: give a whole number of devices per node, 1 or more.")
+    count = devices_per_node(cfg)
     nodes = int(cfg.trainer.num_nodes)
     devices = count * nodes
     lightning = str(cfg.strategy.lightning)
@@ -109,6 +108,41 @@ def scale_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> dict[str, Any] |
         "reason": streamed_alone(cfg, hw, spec, options, chosen, devices)
         or reason(spec, hw, options, chosen, count, nodes, method),
     }
+
+
+def devices_per_node(cfg: ONNConfig) -> int:
+    """The processes per node the table sizes: those trainer.devices starts when it names them, else hardware.count
+    (a node this run does not start: task=plan). The plan sized one number while Lightning started another, so
+    a hardware.count that disagrees with trainer.devices, or that a run's trainer.devices=auto would not start,
+    is refused."""
+    count = cfg.hardware.count
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise UserError(f"hardware.count={count!r}: give a whole number of devices per node, 1 or more.")
+    devices = cfg.trainer.devices
+    given = named_devices(devices)
+    if given is not None and count not in (1, given):
+        raise UserError(
+            f"hardware.count={count} and trainer.devices={devices} disagree on the processes per node: "
+            f"trainer.devices is what runs and what the plan sizes; give hardware.count={given}, or leave it at 1."
+        )
+    if given is None and count > 1 and cfg.task.name != "plan":
+        raise UserError(
+            f"hardware.count={count} sizes the plan for {count} processes per node, which trainer.devices={devices} "
+            f"does not start: give trainer.devices={count} as well, or task=plan to plan without running."
+        )
+    return given or count
+
+
+def named_devices(devices: Any) -> int | None:
+    """The processes per node a value of trainer.devices (Lightning's `devices`) names: a count, a list of device
+    indices or "0,1"; None for auto and -1 (whatever the node has)."""
+    if isinstance(devices, list | tuple):
+        return len(devices)
+    if isinstance(devices, str) and "," in devices:
+        return len([d for d in devices.split(",") if d.strip()])
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    return devices if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0 else None
 
 
 def streamed_alone(

@@ -34,6 +34,7 @@ from onn.errors import UserError, write_refused
 from onn.hardware.cluster import is_rank_zero
 from onn.hardware.locks import holder, try_hold
 from onn.training import progress
+from onn.training.trainer import REQUEUE_CHECKPOINTS, newest_checkpoint
 
 HEARTBEAT_S = 15.0  # how often a running record is refreshed: one small file write
 STALE_S = 6 * HEARTBEAT_S  # a heartbeat older than this is a dead run's (when its pid cannot be asked)
@@ -180,6 +181,7 @@ class RunFolder(Callback):
     file ends in one sentence instead of Hydra's traceback. Set in conf/config.yaml."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        resume_requeued(config)
         self._check(config, "run")
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -268,13 +270,35 @@ def failed_jobs(sweep_dir: Path, since: float) -> list[tuple[str, str]]:
 
 def refuse_earlier_checkpoints(folder: Path, key: str) -> None:
     """A run into a folder that holds an earlier run's checkpoints would replace them (a killed run's last.ckpt
-    among them, the one thing it left to resume from): that is a resume, said with ckpt=, or another folder."""
+    among them, the one thing it left to resume from): that is a resume, said with ckpt=, or another folder. The
+    checkpoint Lightning's SLURM auto-requeue saved (hpc_ckpt_N.ckpt) counts too: Lightning loaded it unasked."""
     earlier = sorted(p.name for p in folder.glob("checkpoints/*") if p.name.endswith((".ckpt", ".ckpt.old")))
+    earlier += sorted(p.name for p in folder.glob(REQUEUE_CHECKPOINTS))
     if earlier:
+        newest = newest_checkpoint(folder)
+        resume = newest if newest is not None and newest.parent == folder else folder  # an hpc_ckpt: named whole
         raise UserError(
             f"{key}={folder} holds an earlier run's checkpoints ({', '.join(earlier[:3])}) that this run would "
-            f"replace: give ckpt={folder} to resume it, or choose another folder."
+            f"replace: give ckpt={resume} to resume it, or choose another folder."
         )
+
+
+def resume_requeued(config: DictConfig) -> None:
+    """A job SLURM requeued (Lightning's auto-requeue at sbatch's --signal, or a node that failed) runs the same
+    command again, without ckpt, into the run folder its first run left checkpoints in: it resumes from the newest
+    of them, as ckpt=THAT would (the run's record names it). Every rank reads the same files before any writes."""
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "")
+    if config.ckpt or not restarts.isdigit() or int(restarts) < 1:
+        return
+    from hydra.core.hydra_config import HydraConfig
+
+    HydraConfig.instance().set_config(config)  # Hydra sets it only later; ${hydra:runtime.cwd} needs it now
+    newest = newest_checkpoint(Path(config.hydra.run.dir))
+    if newest is None:  # requeued before its first checkpoint: it starts over
+        return
+    config.ckpt = str(newest)
+    if is_first_process():
+        print(f"SLURM requeued this job ({restarts} time(s)): resuming from {newest}", flush=True)
 
 
 _HELD: list[int] = []  # the run folder's lock, held until the process exits

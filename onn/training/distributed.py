@@ -16,7 +16,9 @@ What ONN adds to Lightning's own:
     weights gathered whole (DeepSpeed's own format is pickles), its partitioned optimizer state left out (a
     resumed run starts its moments afresh, at the learning rates its schedule had reached, and its float32
     master weights rebuilt from the saved bf16 ones under bf16-mixed);
-  - the process group destroyed when the run ends (`end_distributed`), so NCCL has nothing to warn about.
+  - the process group destroyed when the run ends (`end_distributed`), so NCCL has nothing to warn about;
+  - under SLURM, the checkpoint Lightning's auto-requeue saved becomes last.ckpt when fit ends, if it is the newest
+    (`RequeueCheckpoint`).
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch import Callback
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
 
 from onn.config import ONNConfig
 from onn.errors import UserError
+from onn.training.trainer import keep_newest_as_last
 
 
 class ShardedFSDP(FSDPStrategy):
@@ -230,3 +234,14 @@ def end_distributed() -> None:
         comm.destroy_process_group()
     else:
         dist.destroy_process_group()
+
+
+class RequeueCheckpoint(Callback):
+    """Under SLURM, Lightning's auto-requeue saves RUN_DIR/hpc_ckpt_N.ckpt at sbatch's --signal, and the requeued job
+    resumes from it (onn/tasks/record.py). Once fit ends, the run folder's newest checkpoint is its last.ckpt and no
+    hpc_ckpt is left (`keep_newest_as_last`): Lightning loaded one again, unasked, at the run's next validate()."""
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            keep_newest_as_last(Path(trainer.default_root_dir))
+        trainer.strategy.barrier("onn.requeue_checkpoint")  # no rank's next validate() looks before they are gone

@@ -20,6 +20,7 @@ from onn.config import ONNConfig, TrainerConfig, as_dict
 from onn.errors import UserError
 from onn.hardware.cluster import launched, rank
 from onn.planning.plan import Plan
+from onn.planning.scale import named_devices
 
 if TYPE_CHECKING:  # the strategy module imports Lightning: the runs that stream import it when they build one
     from onn.streaming.engine import Objective
@@ -27,7 +28,11 @@ if TYPE_CHECKING:  # the strategy module imports Lightning: the runs that stream
     from onn.streaming.strategy import EngineSettings, LayerStreamingStrategy
 
 log = logging.getLogger("onn")
-MULTI_DEVICE = ("ddp", "ddp_spawn", "fsdp", "deepspeed")
+MULTI_DEVICE = ("ddp", "fsdp", "deepspeed")
+# Lightning's strategies that start their processes anew and return nothing to the one that started them: ONN's
+# results (the trained module, its record) would be lost, and the task failed after training ("not attached")
+SPAWNED = ("ddp_spawn", "ddp_fork", "ddp_notebook")
+ONN_LIGHTNING = ("auto", "streaming")  # strategy.lightning values ONN decides itself
 GPU_ONLY = ("fsdp", "deepspeed")  # Lightning refuses these on the CPU
 PROFILERS = ("simple", "advanced", "pytorch")  # Lightning's names for its profilers
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")  # Lightning's, less the TPU's and HPU's extra packages
@@ -88,6 +93,33 @@ def _check_devices(trainer: TrainerConfig) -> None:
         raise UserError(
             f"trainer.devices={devices!r}: give auto, a count (1 or more, -1: all), or a list of device indices."
         )
+    launcher = os.getenv("MASTER_ADDR") or os.getenv("NODE_RANK") or launched()
+    if nodes > 1 and not launcher:  # the rendezvous would wait strategy.timeout_s for nodes nobody starts
+        raise UserError(
+            f"trainer.num_nodes={nodes} asks for {nodes} machines, and no launcher started this one: start each node "
+            f"with torchrun (--nnodes={nodes} --rdzv-endpoint=HOST:PORT) or srun, or set MASTER_ADDR, MASTER_PORT "
+            "and NODE_RANK on each (docs/distributed.md)."
+        )
+    _check_launched_world(trainer)
+
+
+def _check_launched_world(trainer: TrainerConfig) -> None:
+    """Under torchrun, trainer.devices x trainer.num_nodes must be the processes it started: Lightning refused
+    another product in every process, each with its traceback. trainer.devices=auto on a GPU machine is Lightning's
+    to count (its GPUs)."""
+    world, local = os.getenv("WORLD_SIZE", ""), os.getenv("LOCAL_WORLD_SIZE", "")
+    if not (launched() and world.isdigit() and local.isdigit() and int(local) > 0):
+        return
+    per_node = named_devices(trainer.devices)
+    if per_node is None and trainer.accelerator != "cpu" and _has_gpu("cuda"):
+        return
+    asked = (per_node or 1) * trainer.num_nodes
+    if asked != int(world):
+        raise UserError(
+            f"torchrun started {world} processes ({local} per node), and trainer.devices={trainer.devices} x "
+            f"trainer.num_nodes={trainer.num_nodes} asks for {asked}: give trainer.devices={local} "
+            f"trainer.num_nodes={int(world) // int(local)}."
+        )
 
 
 def _devices_ok(devices: Any) -> bool:
@@ -108,11 +140,7 @@ def processes_per_node(trainer: TrainerConfig) -> int:
 
 def device_processes(devices: Any) -> int:
     """The processes a value of trainer.devices (Lightning's `devices`) starts on a node (auto: one, on a CPU)."""
-    if isinstance(devices, list | tuple):
-        return len(devices)
-    if isinstance(devices, str) and devices.isdigit():
-        return int(devices)
-    return devices if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0 else 1
+    return named_devices(devices) or 1
 
 
 def check_launch(config: ONNConfig, multirun: bool) -> None:
@@ -203,6 +231,25 @@ def data_parallel(name: str, config: ONNConfig, accelerator: str):
     return entry["strategy"](**entry["init_params"], timeout=timeout)
 
 
+def check_lightning(name: str) -> None:
+    """strategy.lightning: one of Lightning's registered strategies that returns to the process that started it,
+    or ONN's own (auto, streaming). Lightning refused an unknown name with a traceback, and a spawning strategy
+    trained, then failed the task ("not attached to a Trainer")."""
+    if name.startswith(SPAWNED):
+        raise UserError(
+            f"strategy.lightning={name} starts its processes anew and returns nothing to the one that started them, "
+            "so ONN could not finish the run: use strategy=ddp (strategy.lightning=ddp)."
+        )
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if name not in ONN_LIGHTNING and name not in StrategyRegistry:
+        raise UserError(
+            f"strategy.lightning={name!r} is not a Lightning strategy: give auto, streaming (layer streaming) or one "
+            "of Lightning's registered names (ddp, fsdp, deepspeed_stage_2, ...), or choose strategy=ddp, fsdp, "
+            "deepspeed_zero2 or deepspeed_zero3_offload."
+        )
+
+
 def world_size(config: ONNConfig) -> int:
     """The processes a multi-device run has: trainer.devices per node (auto: every GPU visible) x nodes."""
     if config.trainer.devices in (None, "auto", -1, "-1"):
@@ -212,6 +259,15 @@ def world_size(config: ONNConfig) -> int:
     else:
         per_node = processes_per_node(config.trainer)
     return per_node * int(config.trainer.num_nodes)
+
+
+def _processes(config: ONNConfig) -> int:
+    """The processes a run under Lightning's strategy `auto` has: those its launcher started (torchrun's WORLD_SIZE),
+    else trainer.devices (auto: the one build_trainer gives Lightning) x trainer.num_nodes."""
+    world = os.getenv("WORLD_SIZE", "")
+    if launched() and world.isdigit():
+        return int(world)
+    return world_size(config) if config.trainer.devices not in (None, "auto") else int(config.trainer.num_nodes)
 
 
 def warn_oversubscribed(kwargs: dict[str, Any]) -> None:
@@ -231,6 +287,37 @@ def warn_oversubscribed(kwargs: dict[str, Any]) -> None:
         )
 
 
+REQUEUE_CHECKPOINTS = "hpc_ckpt_*.ckpt"  # what Lightning's SLURM auto-requeue saves into the run folder at its signal
+
+
+def newest_checkpoint(folder: Path) -> Path | None:
+    """The run folder's newest whole checkpoint: its last.ckpt, or one Lightning's SLURM auto-requeue saved at
+    sbatch's --signal (after the last.ckpt before it); None when it holds neither."""
+    found = [*folder.glob(REQUEUE_CHECKPOINTS), folder / "checkpoints" / "last.ckpt"]
+    whole = [p for p in found if (p / "meta.json").is_file()]  # a checkpoint's JSON half, written with it
+    return max(whole, key=lambda p: (p / "meta.json").stat().st_mtime, default=None)
+
+
+def keep_newest_as_last(folder: Path) -> None:
+    """The run folder's newest checkpoint as its checkpoints/last.ckpt, where the run's saves go and a resume looks,
+    and no hpc_ckpt_N.ckpt left: under SLURM Lightning loads the highest-numbered one, unasked, at every later
+    fit() or validate() without a checkpoint (its weights over the trained ones)."""
+    import shutil
+
+    newest, last = newest_checkpoint(folder), folder / "checkpoints" / "last.ckpt"
+    if newest is not None and newest != last:
+        old = last.with_name(last.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        last.parent.mkdir(parents=True, exist_ok=True)
+        if last.exists():
+            last.rename(old)
+        newest.rename(last)
+        shutil.rmtree(old, ignore_errors=True)
+        log.info("%s, the run's newest checkpoint, is now %s", newest.name, last)
+    for stale in folder.glob(REQUEUE_CHECKPOINTS):  # older than last.ckpt
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def build_trainer(
     config: ONNConfig,
     plan: Plan,
@@ -246,6 +333,7 @@ def build_trainer(
     config's `lightning`); `steps_per_epoch`: the training loader's length, when it has epochs;
     `distributed_sampler`: False when the data module gives each process its own share of every batch."""
     import lightning as L
+    from lightning.fabric.plugins.environments import SLURMEnvironment
     from lightning.pytorch.callbacks import Checkpoint, LearningRateMonitor
 
     from onn.training.checkpoint_io import SafetensorsCheckpointIO
@@ -262,6 +350,10 @@ def build_trainer(
     if trainer.devices in (None, "auto") and not (isinstance(strategy, str) and strategy.startswith(MULTI_DEVICE)):
         kwargs["devices"] = 1
     if isinstance(strategy, str):
+        check_lightning(strategy)
+    if strategy == "auto" and _processes(config) > 1:
+        strategy = "ddp"  # what Lightning picks for several processes, here with strategy.timeout_s (its own: 30 min)
+    if isinstance(strategy, str):
         strategy = data_parallel(strategy, config, kwargs["accelerator"]) or strategy
     warn_oversubscribed(kwargs)
     from lightning.pytorch.callbacks import ProgressBar
@@ -270,6 +362,10 @@ def build_trainer(
     from onn.training.callbacks import Progress, StepsProgressBar
 
     callbacks = [*callbacks, Progress()]  # the run's record reads the last step reached (onn/tasks/record.py)
+    if SLURMEnvironment.detect():  # Lightning's auto-requeue checkpoint, once resumed from
+        from onn.training.distributed import RequeueCheckpoint
+
+        callbacks.append(RequeueCheckpoint())
     if trainer.enable_progress_bar and _RICH_AVAILABLE and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(StepsProgressBar())  # the bar Lightning would pick, its epoch total fixed
     made = make_loggers(config, run_dir) if loggers else []
