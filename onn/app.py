@@ -474,7 +474,7 @@ def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> 
         )
     if task.heavy or name == "plan":  # a plan is the plan of the training these settings would run
         check_optim(config.optim)
-        check_trainer(config.trainer, trains=task.trains or name == "plan")
+        check_trainer(config.trainer, trains=task.trains or name == "plan", launches=name != "plan")
     modality.check(config)
     if writes:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(as_dict(config), sort_keys=False))

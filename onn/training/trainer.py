@@ -38,9 +38,10 @@ PROFILERS = ("simple", "advanced", "pytorch")  # Lightning's names for its profi
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")  # Lightning's, less the TPU's and HPU's extra packages
 
 
-def check(trainer: TrainerConfig, *, trains: bool = True) -> None:
+def check(trainer: TrainerConfig, *, trains: bool = True, launches: bool = True) -> None:
     """The trainer group's values, checked before anything is built: one sentence per mistake.
-    `trains`: the task fits weights, so its step and epoch limits must end."""
+    `trains`: the task fits weights, so its step and epoch limits must end. `launches`: it starts this node's
+    processes (task=plan only plans for nodes: no launcher needed)."""
     for key, value in (("max_steps", trainer.max_steps), ("max_epochs", trainer.max_epochs)):
         if isinstance(value, bool) or not isinstance(value, int) or value < -1:
             raise UserError(f"trainer.{key}={value!r}: give a whole number, 1 or more, or -1 (no limit).")
@@ -67,10 +68,10 @@ def check(trainer: TrainerConfig, *, trains: bool = True) -> None:
             f"strategy: give optim.clip_grad_norm={trainer.gradient_clip_val} instead (0: no clipping) and leave "
             "trainer.gradient_clip_val at null."
         )
-    _check_devices(trainer)
+    _check_devices(trainer, launches)
 
 
-def _check_devices(trainer: TrainerConfig) -> None:
+def _check_devices(trainer: TrainerConfig, launches: bool) -> None:
     """Where the run goes (precision, accelerator, devices, nodes): what Lightning would refuse with a traceback."""
     from typing import get_args
 
@@ -93,6 +94,8 @@ def _check_devices(trainer: TrainerConfig) -> None:
         raise UserError(
             f"trainer.devices={devices!r}: give auto, a count (1 or more, -1: all), or a list of device indices."
         )
+    if not launches:
+        return
     launcher = os.getenv("MASTER_ADDR") or os.getenv("NODE_RANK") or launched()
     if nodes > 1 and not launcher:  # the rendezvous would wait strategy.timeout_s for nodes nobody starts
         raise UserError(
