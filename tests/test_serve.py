@@ -4,6 +4,7 @@ a classifier's upload, the real CLI, and the web page in a real browser (Debian'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -313,6 +314,91 @@ def test_openai_fields_the_server_does_not_compute_are_refused_unless_they_ask_f
         assert http.post("/v1/completions", json=completion).status_code == 200
 
 
+def test_output_and_sampler_fields_the_server_does_not_apply_are_refused(lm):
+    """modalities: ["audio"], audio, top_k, min_p and repetition_penalty were answered 200 with plain text and
+    greedy or top-p tokens: a 400 naming the field now, while the values that ask for nothing are taken."""
+    ask = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    with client(lm) as http:
+        for field, value in (
+            ("modalities", ["text", "audio"]),
+            ("audio", {"voice": "alloy", "format": "wav"}),
+            ("top_k", 40),
+            ("min_p", 0.1),
+            ("repetition_penalty", 1.3),
+        ):
+            response = http.post("/v1/chat/completions", json={**ask, field: value})
+            assert response.status_code == 400, (field, response.text)
+            error = response.json()["error"]
+            assert error["param"] == field and error["code"] == "unsupported_parameter", error
+        taken = {"modalities": ["text"], "top_k": -1, "min_p": 0, "repetition_penalty": 1.0}
+        assert chat(http, "hi", max_tokens=2, **taken)["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_a_refusal_names_the_field_the_client_sent(lm):
+    """An image part was "messages.0.content.str: Input should be a valid string", token ids "prompt.str", and
+    max_completion_tokens over serve.max_tokens was refused as max_tokens, a field the client had not sent."""
+    image = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    with client(lm) as http:
+        for path, ask, param, said in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": image}]}, "messages.0.content", "text"),
+            ("/v1/completions", {"prompt": [1, 2, 3]}, "prompt", "no token ids"),
+            ("/v1/completions", {"prompt": "hi", "stop": [5]}, "stop", "list of strings"),
+            ("/v1/completions", {"prompt": "hi", "max_completion_tokens": 65}, "max_completion_tokens", "at most 64"),
+        ):
+            response = http.post(path, json={"model": MODEL, **ask})
+            assert response.status_code == 400, (ask, response.text)
+            error = response.json()["error"]
+            assert error["param"] == param and error["message"].startswith(param) and said in error["message"], error
+            assert "str" not in error["message"].split(":")[0] and "Input should be" not in error["message"], error
+
+
+def test_metrics_count_requests_answered_and_every_token_decoded(lm, monkeypatch):
+    """A stream whose client left (the page's Stop) added no completion tokens: only a finish event counted them.
+    Each request now counts once, as answered or refused, and every token decoded counts."""
+    from onn.tasks.serve.task import figures
+
+    scheduler = lm.app.state.scheduler
+    step = scheduler.lm.step
+
+    def paced_step(*args):  # 20 ms a token: 64 tokens outlast a client that reads 6 of them
+        time.sleep(0.02)
+        return step(*args)
+
+    monkeypatch.setattr(scheduler.lm, "step", paced_step)
+    before = figures(lm.app)
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 64, "temperature": 0, "stream": True}
+    with client(lm) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            read = 0
+            for line in response.iter_lines():
+                read += line.startswith("data: {")
+                if read == 6:
+                    break  # the client goes away
+        deadline = time.monotonic() + 30
+        while (
+            scheduler.active or lm.app.state.stats.requests == before["serve/requests"]
+        ) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        monkeypatch.setattr(scheduler.lm, "step", step)
+        whole = chat(http, "hi", max_tokens=3)["usage"]["completion_tokens"]
+        refused = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 65})
+        assert refused.status_code == 400
+    after = figures(lm.app)
+    assert after["serve/requests"] - before["serve/requests"] == 2
+    assert after["serve/refused"] - before["serve/refused"] == 1
+    assert after["serve/completion_tokens"] - before["serve/completion_tokens"] >= read + whole
+
+
+def test_the_browsers_own_icon_request_needs_no_key_and_counts_as_nothing(lm):
+    """A browser asks for /favicon.ico by itself: it was a 404 (401 with a key) counted in serve/refused, so
+    opening the page showed a refused request in metrics.json."""
+    stats = lm.app.state.stats
+    refused = stats.refused
+    with client(lm, key=None) as anonymous:
+        assert anonymous.get("/favicon.ico").status_code == 204
+    assert stats.refused == refused
+
+
 def test_an_unpaired_surrogate_in_a_prompt_is_a_400_naming_it(lm):
     """JSON's "\\ud800" is a lone half of a UTF-16 pair, which the tokenizer refused with a TypeError: a 500 and a
     traceback, for what the client got wrong."""
@@ -471,18 +557,24 @@ def test_a_tiny_temperature_is_greedy_and_a_failed_draw_ends_only_its_own_reques
             return logits
 
         monkeypatch.setattr(scheduler.lm, "step", poisoned_step)
-        requests = lm.app.state.stats.requests
+        while scheduler.active:  # the last answer's row leaves the batch just after its client has it
+            time.sleep(0.005)
         with ThreadPoolExecutor(2) as pool:
             victim = pool.submit(chat, http, "hi", 8)
-            while lm.app.state.stats.requests < requests + 1:
+            while in_flight(scheduler) < 1:
                 time.sleep(0.005)
             body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "temperature": 1.0, "seed": 13}
             failed = pool.submit(http.post, "/v1/completions", json=body)
-            while lm.app.state.stats.requests < requests + 2:
+            while in_flight(scheduler) < 2:
                 time.sleep(0.005)
             both_in.set()
             assert failed.result().status_code == 503 and "generation failed" in failed.result().text
             assert victim.result()["choices"][0]["message"]["content"] == greedy
+
+
+def in_flight(scheduler) -> int:
+    """Requests the scheduler holds: decoding, or waiting for a slot (stats count a request once it is answered)."""
+    return len(scheduler.active) + len(scheduler.waiting)
 
 
 def test_a_layer_streamed_model_batches_through_the_engine(tmp_path):
@@ -568,7 +660,7 @@ def test_ctrl_c_ends_the_requests_in_flight_with_an_error_and_a_streams_done(tmp
     and a stream its error event and [DONE]. The scheduler was closed only after uvicorn's grace period had
     cancelled the handlers: a plain-text 500, a stream cut off."""
     with start(serve_job(tmp_path, f"model={MODEL}", "strategy=full", f"serve.api_key={KEY}")) as running:
-        scheduler, stats = running.app.state.scheduler, running.app.state.stats
+        scheduler = running.app.state.scheduler
         step, stopped = scheduler.lm.step, threading.Event()
 
         def held_step(*args):  # from the third step on, decoding waits for the shutdown: both stay in flight
@@ -586,7 +678,7 @@ def test_ctrl_c_ends_the_requests_in_flight_with_an_error_and_a_streams_done(tmp
         with client(running) as http, ThreadPoolExecutor(2) as pool:
             whole, stream = pool.submit(http.post, "/v1/completions", json=body), pool.submit(streamed)
             deadline = time.monotonic() + 60
-            while (stats.requests < 2 or scheduler.steps < 2) and time.monotonic() < deadline:
+            while (in_flight(scheduler) < 2 or scheduler.steps < 2) and time.monotonic() < deadline:
                 time.sleep(0.01)
             running.server.handle_exit(signal.SIGINT, None)  # what Ctrl-C calls
             stopped.set()
@@ -673,6 +765,27 @@ def test_an_upload_that_is_no_image_is_named_so_without_a_data_sets_advice(class
             message = response.json()["error"]["message"]
             assert message.startswith("the upload is no image file ONN can decode: ") and reason in message, message
             assert "task.input" not in message and "data." not in message and "supported formats" not in message
+
+
+def test_an_undecodable_upload_is_named_by_the_clients_file_name(classifier):
+    """The reader's skip report named the server's temporary file: "...decode: upload.jpeg: not an image..."."""
+    noise = bytes(random.Random(1).randrange(256) for _ in range(2000))
+    with client(classifier, key=None) as http:
+        response = http.post("/v1/classify", files={"file": ("my scan.jpeg", noise, "image/jpeg")})
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert "my scan.jpeg: not an image" in message and "upload.jpeg" not in message, message
+
+
+def test_a_refused_upload_counts_as_refused_alone(classifier):
+    """serve/requests was counted before the upload was decoded: a corrupt file counted as answered and refused."""
+    stats = classifier.app.state.stats
+    before = stats.requests, stats.refused
+    good = (classifier.images / "test" / "class1" / "000.png").read_bytes()
+    with client(classifier, key=None) as http:
+        assert http.post("/v1/classify", files={"file": ("a.png", good, "image/png")}).status_code == 200
+        assert http.post("/v1/classify", files={"file": ("b.png", b"\x89PNG no", "image/png")}).status_code == 400
+    assert (stats.requests, stats.refused) == (before[0] + 1, before[1] + 1)
 
 
 def test_a_classifier_out_of_device_memory_answers_503_and_serves_the_next_upload(classifier, monkeypatch):
@@ -829,6 +942,139 @@ def test_the_web_page_chats_and_classifies_in_a_real_browser(lm, classifier, tmp
     assert shot.stat().st_size > 1000 and chat_shot.stat().st_size > 1000
     if SCREENSHOT_COPY.parent.exists():
         _side_by_side(chat_shot, shot, SCREENSHOT_COPY)
+
+
+NO_SERVER = "the server did not answer (is it still running?)"
+
+
+@contextlib.contextmanager
+def browser_page(url: str):
+    """A page of the server in headless chromium; `page.errors` collects uncaught errors and rejections, and
+    `page.bodies` the chat requests' JSON bodies."""
+    if not CHROMIUM.exists():
+        pytest.skip("no chromium: apt-get install -y chromium")
+    playwright = pytest.importorskip("playwright.sync_api")
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 700})
+            page.set_default_timeout(15000)
+            page.errors, page.bodies = [], []
+            page.on("pageerror", lambda e: page.errors.append(str(e)))
+            page.on(
+                "request",
+                lambda r: page.bodies.append(json.loads(r.post_data)) if r.url.endswith("/chat/completions") else None,
+            )
+            page.goto(url)
+            yield page
+        finally:
+            browser.close()
+
+
+def page_send(page, text: str) -> None:
+    page.fill("#prompt", text)
+    page.click("#send")
+    page.wait_for_selector("#send:not([disabled])")
+
+
+def page_log(page) -> list[tuple[str, str]]:
+    return [
+        tuple(m) for m in page.eval_on_selector_all("#log .msg", "els => els.map(e => [e.className, e.textContent])")
+    ]
+
+
+def test_the_chat_page_keeps_refused_turns_out_and_new_chat_starts_afresh(lm, monkeypatch):
+    """The page's conversation holds only turns the server answered. A refused message stayed in it with an empty
+    answer (every later message was refused too); New chat left the old stream running into the new chat; a
+    built-in max tokens of 128 was over this server's serve.max_tokens=64; a non-ASCII key threw on every fetch;
+    an unreachable server was a bare "Failed to fetch"; an Enter confirming an input method's composition sent the
+    half-typed text; a right-to-left message was laid out left to right; the browser's icon request was refused."""
+    scheduler, stats = lm.app.state.scheduler, lm.app.state.stats
+    refused = stats.refused
+    with browser_page(lm.url) as page:
+        page.fill("#key", "clé")
+        page.dispatch_event("#key", "change")
+        page.wait_for_function("document.querySelector('#model').textContent.includes('only ASCII')")
+        page.fill("#key", KEY)
+        page.dispatch_event("#key", "change")
+        page.wait_for_selector("#chat-view:not(.hidden)")
+        assert page.input_value("#max-tokens") == ""  # blank: the server's default, cut to fit its limits
+        page_send(page, "hi")
+        assert "max_tokens" not in page.bodies[-1] and [c for c, _ in page_log(page)] == ["msg user", "msg assistant"]
+        answer = page_log(page)[1][1]
+        page.fill("#max-tokens", "4")
+        page_send(page, "x" * 300)  # over serve.max_prompt_tokens: refused
+        assert page.input_value("#prompt") == "x" * 300  # given back, to shorten
+        assert [c for c, _ in page_log(page)] == ["msg user", "msg assistant", "msg error"]
+        page.route("**/v1/chat/completions", lambda route: route.abort())
+        page_send(page, "anyone?")
+        assert page_log(page)[-1] == ("msg error", NO_SERVER) and page.input_value("#prompt") == "anyone?"
+        page.unroute("**/v1/chat/completions")
+        page_send(page, "מה שלומך?")
+        assert page.bodies[-1]["messages"] == [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "מה שלומך?"},
+        ]
+        assert page.eval_on_selector_all(".user", "els => getComputedStyle(els[els.length - 1]).direction") == "rtl"
+        page.fill("#prompt", "にほん")
+        sent = len(page.bodies)
+        page.dispatch_event("#prompt", "keydown", {"key": "Enter", "isComposing": True, "keyCode": 229})
+        assert page.input_value("#prompt") == "にほん" and len(page.bodies) == sent  # still composing: not sent
+
+        step = scheduler.lm.step
+
+        def paced_step(*args):  # 50 ms a token: the answer still streams when New chat is pressed
+            time.sleep(0.05)
+            return step(*args)
+
+        monkeypatch.setattr(scheduler.lm, "step", paced_step)
+        page.fill("#max-tokens", "60")
+        page.fill("#prompt", "a long story")
+        page.click("#send")
+        page.wait_for_function("[...document.querySelectorAll('.assistant')].pop().textContent.length > 0")
+        seq = scheduler.active[0]
+        page.click("#clear")  # New chat while the answer streams
+        assert page_log(page) == [] and page.is_enabled("#send") and page.is_disabled("#stop")
+        while scheduler.active:
+            time.sleep(0.01)
+        assert len(seq.tokens) < 60  # the stream was stopped, not left decoding unseen
+        monkeypatch.setattr(scheduler.lm, "step", step)
+        page.fill("#max-tokens", "4")
+        page_send(page, "a fresh question")
+        assert page.bodies[-1]["messages"] == [{"role": "user", "content": "a fresh question"}]
+        assert page.errors == []
+    assert stats.refused == refused + 2  # the page's first /v1/models without a key, and the long message
+
+
+def test_the_classify_page_shows_only_the_current_files_labels(classifier, tmp_path):
+    """A refused upload left the previous file's labels on screen; a TIFF (which chromium cannot show) had a broken
+    preview; an unreachable server left "classifying ..." on screen for good."""
+    from PIL import Image
+
+    tiff = tmp_path / "scan.tif"
+    Image.open(classifier.images / "test" / "class2" / "000.png").save(tiff)
+    (tmp_path / "notes.txt").write_text("just some text\n")
+    done = "!document.querySelector('#status').textContent.startsWith('classifying')"
+    with browser_page(classifier.url) as page:
+        page.wait_for_selector("#classify-view:not(.hidden)")
+        page.set_input_files("#file", str(classifier.images / "test" / "class1" / "000.png"))
+        page.wait_for_selector("#result:not(.hidden)")
+        page.set_input_files("#file", str(tmp_path / "notes.txt"))
+        page.wait_for_function(done)
+        assert "cannot tell its format" in page.text_content("#status") and not page.is_visible("#result")
+        page.set_input_files("#file", str(tiff))
+        page.wait_for_selector("#result:not(.hidden)")
+        page.wait_for_function("(img => img.complete && img.naturalWidth > 0)(document.querySelector('#preview'))")
+        page.route("**/v1/classify", lambda route: route.abort())
+        page.set_input_files("#file", str(classifier.images / "test" / "class0" / "000.png"))
+        page.wait_for_function(done)
+        assert page.text_content("#status") == NO_SERVER and not page.is_visible("#result")
+        assert page.errors == []
 
 
 def _side_by_side(left: Path, right: Path, out: Path) -> None:

@@ -37,7 +37,7 @@ from onn.errors import UserError
 from onn.tasks.serve.batching import Sampling, Scheduler, Sequence
 
 log = logging.getLogger("onn")
-OPEN_PATHS = ("/health", "/")  # no key needed: the page holds no model data, and asks for the key itself
+OPEN_PATHS = ("/health", "/", "/favicon.ico")  # no key needed: the page holds no model data, and asks for the key
 UPLOAD_OVERHEAD = 64 * 1024  # multipart boundaries and headers around an upload
 MAX_SEED = 2**63 - 1
 UNIMPLEMENTED = {  # OpenAI's fields this server does not compute: refused, not silently ignored
@@ -54,9 +54,34 @@ UNIMPLEMENTED = {  # OpenAI's fields this server does not compute: refused, not 
     "function_call": "calls no functions",
     "best_of": "generates one completion per request",
     "suffix": "inserts no text after the completion",
+    "modalities": "answers in text only",
+    "audio": "returns no audio",
+    "top_k": "applies no top-k cut (top_p is honoured)",
+    "min_p": "applies no min-p cut (top_p is honoured)",
+    "typical_p": "applies no typical-p cut (top_p is honoured)",
+    "repetition_penalty": "applies no repetition penalty",
+    "repeat_penalty": "applies no repetition penalty",
+    "min_tokens": "has no minimum length (max_tokens is honoured)",
+    "ignore_eos": "always stops at the end-of-sequence token",
 }
 NEUTRAL = (None, False, 0, {}, [])  # a value of those fields that asks for nothing this server lacks
-NEUTRAL_OWN = {"response_format": {"type": "text"}, "tool_choice": "none", "best_of": 1}
+NEUTRAL_OWN = {
+    "response_format": {"type": "text"},
+    "tool_choice": "none",
+    "best_of": 1,
+    "modalities": ["text"],
+    "top_k": -1,
+    "typical_p": 1,
+    "repetition_penalty": 1,
+    "repeat_penalty": 1,
+}
+UNION_MEMBER = re.compile(r"str|int|bool|float|list\[.+\]")  # pydantic's name for one type of a field of several
+SEVERAL_TYPES = {  # such a field's error: what it takes, in one sentence (pydantic says why each type did not fit)
+    "content": 'give a string, or a list of text parts {"type": "text", "text": ...}; this server takes no image, '
+    "audio or file parts",
+    "prompt": "give a string, or a list of one string; this server takes no token ids",
+    "stop": "give a string, or a list of strings",
+}
 
 
 class ApiError(Exception):
@@ -214,9 +239,12 @@ class Guard:
 
 # -- the app -------------------------------------------------------------------------------------------
 class Stats:
+    """metrics.json's counts: requests answered (a client that left midway included) and refused (an error
+    answered, a stream's error event included). The tokens generated are the Scheduler's."""
+
     def __init__(self):
         self.lock = threading.Lock()
-        self.requests = self.refused = self.completion_tokens = 0
+        self.requests = self.refused = 0
 
     def add(self, **counts: int) -> None:
         with self.lock:
@@ -245,6 +273,7 @@ def create_app(served: Any, settings: ServeConfig, model_name: str, api_key: str
     for path, method, handler in (
         ("/health", "GET", server.health),
         ("/", "GET", server.index),
+        ("/favicon.ico", "GET", server.favicon),
         ("/v1/models", "GET", server.models),
         ("/v1/models/{name:path}", "GET", server.model),
         ("/v1/chat/completions", "POST", server.chat),
@@ -306,6 +335,10 @@ class Server:
     async def index(self):
         return HTMLResponse(self.page, headers={"Cache-Control": "no-cache"})
 
+    async def favicon(self):
+        """No icon: a browser asks for one by itself, and a 404 would count as a refused request."""
+        return Response(status_code=204)
+
     async def models(self):
         return {"object": "list", "data": [_model_card(self.model_name, self.created, self.classifier)]}
 
@@ -362,7 +395,6 @@ class Server:
         events: asyncio.Queue = asyncio.Queue()
         seq = Sequence(ids, sampling, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
         self.scheduler.submit(seq)
-        self.stats.add(requests=1)
         rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
         now = int(time.time())
         if req.stream:
@@ -384,6 +416,7 @@ class Server:
                 event = await events.get()
                 if "gone" in event:
                     seq.cancel()
+                    self.stats.add(requests=1)
                     return Response(status_code=499)
                 if "text" in event:
                     text.append(event["text"])
@@ -396,7 +429,7 @@ class Server:
             watcher.cancel()
         if finish["finish"] == "error":
             raise ApiError(503, f"generation failed: {finish['error']}", "server_error", code="generation_failed")
-        self.stats.add(completion_tokens=finish["completion_tokens"])
+        self.stats.add(requests=1)
         content = "".join(text)
         choice = (
             {
@@ -435,6 +468,7 @@ class Server:
             }
             return _sse(body)
 
+        failed = False
         try:
             if chat:
                 yield chunk({"role": "assistant", "content": ""}, None, None)
@@ -444,11 +478,11 @@ class Server:
                     yield chunk({"content": event["text"]}, event["text"], None)
                     continue
                 if event["finish"] == "error":
+                    failed = True
                     yield _sse(
                         error_body(f"generation failed: {event['error']}", "server_error", code="generation_failed")
                     )
                     break
-                self.stats.add(completion_tokens=event["completion_tokens"])
                 yield chunk({}, "", event["finish"])
                 if usage:
                     yield _sse(
@@ -464,6 +498,7 @@ class Server:
                 break
             yield "data: [DONE]\n\n"
         finally:
+            self.stats.add(**{"refused" if failed else "requests": 1})  # a client that left midway was answered
             seq.cancel()  # the client went away (or the stream ended): the row leaves the batch
 
     async def classify(self, request: Request):
@@ -503,10 +538,10 @@ class Server:
             raise ApiError(413, f"the file is over {limit} bytes", param="file", code="request_too_large")
         if not data:
             raise ApiError(400, "the file is empty", param="file")
-        self.stats.add(requests=1)
         labels, image = await run_in_threadpool(
             _run_classifier, self.served, data, upload.filename or "", top_k, given.picture
         )
+        self.stats.add(requests=1)  # answered: a refused upload counts as refused alone
         out = {
             "object": "classification",
             "model": self.model_name,
@@ -530,10 +565,12 @@ def _run_classifier(served, data: bytes, filename: str, top_k: int, picture: boo
         with _classify_lock:
             try:
                 labels, sample = served.classify(path, top_k)
-            except UserError as e:
-                raise ApiError(
-                    400, str(e).replace(str(path), filename or "the upload"), param="file", code="unreadable_file"
-                ) from None
+            except UserError as e:  # in the client's terms: its file's name, not the temporary file's
+                shown = filename or "the upload"
+                said = str(e).replace(str(path), shown)
+                if suffix:  # a reader's skip report names the file alone ("upload.png: not an image...")
+                    said = said.replace(path.name, shown)
+                raise ApiError(400, said, param="file", code="unreadable_file") from None
             except torch.OutOfMemoryError:  # the device's, not the file's: the server answers the next one
                 raise ApiError(
                     503,
@@ -599,9 +636,17 @@ def _validated(data: dict[str, Any], model: type[BaseModel]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(map(str, first["loc"])) or None
-        raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+        errors = e.errors()
+        loc, message = errors[0]["loc"], errors[0]["msg"]
+        at = next((i for i, part in enumerate(loc) if isinstance(part, str) and UNION_MEMBER.fullmatch(part)), None)
+        if at:  # a field of several types (content, prompt, stop): the field the client gave, and what it takes
+            loc = loc[:at]
+            types = dict.fromkeys(
+                str(err["loc"][at]) for err in errors if err["loc"][:at] == loc and len(err["loc"]) > at
+            )
+            message = SEVERAL_TYPES.get(str(loc[-1]), f"give a value of type {' or '.join(types)}")
+        param = ".".join(map(str, loc)) or None
+        raise ApiError(400, f"{param}: {message}" if param else message, param=param) from None
 
 
 def _no_constant(name: str):
@@ -661,7 +706,8 @@ def _refuse_unimplemented(req: Generation) -> None:
 def _max_tokens(req: Generation, settings: ServeConfig, room: int | None, ids: list[int], param: str) -> int:
     """The tokens to generate: what the request asked for, else serve.default_max_tokens cut to the context the
     prompt leaves (a client that asked for no length is not refused for one)."""
-    most, asked = settings.max_tokens, req.max_completion_tokens or req.max_tokens
+    given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"  # as the client named it
+    most, asked = settings.max_tokens, getattr(req, given)
     if asked is None:
         left = most if room is None else room - len(ids)
         if left < 1:
@@ -675,14 +721,14 @@ def _max_tokens(req: Generation, settings: ServeConfig, room: int | None, ids: l
     if asked > most:
         raise ApiError(
             400,
-            f"max_tokens={asked}: this server generates at most {most} (serve.max_tokens)",
-            param="max_tokens",
+            f"{given}={asked}: this server generates at most {most} (serve.max_tokens)",
+            param=given,
         )
     if room is not None and len(ids) + asked > room:
         raise ApiError(
             400,
-            f"the prompt's {len(ids)} tokens and max_tokens {asked} pass the model's context of {room} tokens",
-            param="max_tokens",
+            f"the prompt's {len(ids)} tokens and {given} {asked} pass the model's context of {room} tokens",
+            param=given,
             code="context_length_exceeded",
         )
     return asked

@@ -76,6 +76,7 @@ class Scheduler:
         self.plain = True  # the cache holds one column per position in every layer (see _step)
         self.steps = 0
         self.widest = 0  # most rows one step has served
+        self.generated = 0  # completion tokens of every request, also one whose client left or that Ctrl-C ended
         self.thread = threading.Thread(target=self._loop, name="onn-serve-decode", daemon=True)
         self.thread.start()
 
@@ -174,6 +175,7 @@ class Scheduler:
         if token in self.eos:
             return self._finish(seq, "stop")
         seq.tokens.append(token)
+        self.generated += 1
         text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
         for stop in seq.sampling.stop:
             at = text.find(stop)

@@ -126,18 +126,19 @@ def run(job: Job) -> dict[str, Any]:
         app.state.close()
     if not server.started:
         raise UserError(f"serve.port={settings.port} on {host} could not be opened (in use? see the log above).")
-    stats = app.state.stats
+    return figures(app)
+
+
+def figures(app) -> dict[str, Any]:
+    """metrics.json's serve/* figures: requests answered (a client that left midway included) and refused, and the
+    tokens generated (counted as they are decoded: a client that left, or a stream Ctrl-C ended, had them too)."""
+    stats, scheduler = app.state.stats, app.state.scheduler
     out = {
         "serve/requests": stats.requests,
         "serve/refused": stats.refused,
-        "serve/completion_tokens": stats.completion_tokens,
-        "serve/kind": kind,
+        "serve/completion_tokens": scheduler.generated if scheduler is not None else 0,
+        "serve/kind": app.state.kind,
     }
-    if app.state.scheduler is not None:
-        out.update(
-            {
-                "serve/decode_steps": app.state.scheduler.steps,
-                "serve/widest_batch": app.state.scheduler.widest,
-            }
-        )
+    if scheduler is not None:
+        out.update({"serve/decode_steps": scheduler.steps, "serve/widest_batch": scheduler.widest})
     return out
