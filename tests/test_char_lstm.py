@@ -239,6 +239,29 @@ def test_char_lstm_trains_resumes_exactly_evaluates_generates_and_exports(tmp_pa
         execute(compose(*common, "task=serve", "serve.port=0"), tmp_path / "serve")
 
 
+def test_a_one_layer_lm_trains_and_bad_architecture_keys_are_one_sentence(tmp_path):
+    """One LSTM layer is a model (its LayerMap a list of one block); no layers, no width or an unknown cell is one
+    sentence naming its model.architecture key, not advice about LoRA or a traceback from inside nn.LSTM."""
+    from conftest import MODALITY_HARDWARE
+
+    from onn.app import execute
+
+    one = ("model.architecture.num_hidden_layers=1", "trainer.max_steps=2", "trainer.val_check_interval=2")
+    metrics = execute(tiny_recipe(tmp_path, *one, "tracking=none", MODALITY_HARDWARE), tmp_path / "one")
+    assert metrics["steps"] == 2 and metrics["val/loss_final"] > 0
+    assert "1 x RecurrentBlock at 'layers'" in (tmp_path / "one" / "plan.yaml").read_text()
+    for key, value, said in (
+        ("num_hidden_layers", 0, "give a whole number, 1 or more"),
+        ("num_hidden_layers", -2, "give a whole number, 1 or more"),
+        ("hidden_size", 0, "give a whole number, 1 or more"),
+        ("cell", "rnn", "use one of lstm, gru"),
+        ("dropout", 1.5, r"give a number in \[0, 1\)"),
+    ):
+        shown = repr(value) if isinstance(value, str) else value
+        with pytest.raises(UserError, match=rf"^model\.architecture\.{key}={shown}: {said}"):
+            execute(tiny_recipe(tmp_path, f"model.architecture.{key}={value}", MODALITY_HARDWARE), tmp_path / key)
+
+
 def test_an_omny_of_a_recurrent_lm_validates_every_plan(tmp_path):
     """An LSTM's Scan body reads the layer's weights from the graph around it. onnx's extractor follows node inputs
     only, so every shard of char_lstm's .omny lost them and validate called the export INVALID (1 shard too)."""

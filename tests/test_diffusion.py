@@ -175,6 +175,16 @@ def test_sampling_and_schedule_mistakes_are_refused_before_training(images, tmp_
     assert not (tmp_path / "omny" / "checkpoints").exists()  # refused before the training, not after it
 
 
+@pytest.mark.parametrize("task", ["export", "plan"])
+def test_tasks_that_draw_no_samples_skip_the_sampling_keys(images, tmp_path, task):
+    """task.sample_steps is checked against model.train_timesteps where samples are drawn, not by export or plan."""
+    short = (*TINY_UNET, f"data.source={images}", "model.train_timesteps=10", "task.sample_steps=50")
+    with pytest.raises(UserError, match=r"task.sample_steps=50: ddim takes between 1 and model.train_timesteps=10"):
+        run(tmp_path, *short, "task=infer", name="infer")
+    metrics, _ = run(tmp_path, *short, f"task={task}", "export=safetensors", name=task)
+    assert metrics["modality"] == "diffusion" and (task == "plan" or Path(metrics["export/path"]).is_dir())
+
+
 def test_a_safetensors_export_replaces_an_earlier_export_only(images, tmp_path):
     """export=safetensors is written beside its folder and swapped in: an earlier export's folder (it holds
     onn_export.json) is replaced whole, a folder of the user's own is refused and left as it was."""

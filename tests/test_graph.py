@@ -179,6 +179,33 @@ def test_graph_classification_trains_infers_draws_and_exports(tmp_path):
     assert picture.shape[1] >= 600 and picture.std() > 10  # drawn graphs, not a blank canvas
 
 
+def test_the_onnx_export_takes_a_files_edges_as_infer_reads_them_and_counts_the_checkpoints_weights(tmp_path):
+    """A file's edges fed as written (one way round a ring, a self-loop, a repeat) give task=infer's probabilities:
+    the export prepares them as the reader does. task=export, infer, eval and plan of the checkpoint count its own
+    network's weights (1 feature, 2 classes), not those of a network the data config would guess."""
+    import onnx
+    import onnxruntime as ort
+
+    data = write_rings_and_stars(tmp_path / "train", 6, 0)
+    trained, run_dir = run(tmp_path, f"data.source={data}", "trainer.max_epochs=1", "model.pooling=[mean,max,sum]")
+    pairs = [*ring(7), (2, 2), (4, 5), (5, 4), (4, 5)]
+    one = write_edges(tmp_path / "one" / "ring" / "g.edges", pairs)
+    exported, _ = run(tmp_path, "task=export", "export=onnx", f"ckpt={run_dir}", name="export")
+    inferred, _ = run(tmp_path, "task=infer", f"ckpt={run_dir}", f"task.input={one.parent.parent}", name="infer")
+    (row,) = [json.loads(line) for line in Path(inferred["infer/output"]).read_text().splitlines()]
+    session = ort.InferenceSession(exported["export/onnx"], providers=["CPUExecutionProvider"])
+    (logits,) = session.run(None, {"x": np.ones((7, 1), np.float32), "edge_index": np.array(pairs).T})
+    probs = torch.softmax(torch.from_numpy(logits[0]), dim=0)
+    assert float(probs.max()) == pytest.approx(row["probability"], abs=1e-5)
+    assert ["ring", "star"][int(probs.argmax())] == row["predicted"]
+    said = {p.key: p.value for p in onnx.load(exported["export/onnx"]).metadata_props}["onn.inputs"]
+    assert "self-loops and repeats allowed" in said and "float32 [nodes, 1]" in said and "ring, star" in said
+    evaluated, _ = run(tmp_path, "task=eval", f"ckpt={run_dir}", name="eval")
+    planned, _ = run(tmp_path, "task=plan", f"ckpt={run_dir}", "trainer.max_epochs=1", name="plan")
+    counts = {m["params_total"] for m in (trained, exported, inferred, evaluated, planned)}
+    assert counts == {trained["params_total"]}
+
+
 def test_node_classification_on_a_graph_file_with_per_node_labels(tmp_path):
     """One graph of communities saved as safetensors (x, edge_index, y per node, masks): trained on its train
     nodes, scored on its test nodes, then every node predicted and drawn."""
@@ -396,6 +423,29 @@ def test_a_node_level_graph_is_collated_once_and_its_step_reads_nothing_back():
         logits = module(graph)
         torch.nn.functional.cross_entropy(logits, labels).backward()
     assert logits.shape == (len(nodes), len(dm.classes)) and reads.seen == []
+
+
+def test_a_node_level_step_counts_the_nodes_it_trains_on_as_its_samples():
+    """samples_per_s is the rows the steps trained on (docs/outputs.md): a node-level step trains on its split's
+    nodes, not on one graph; a graph-level step on its graphs."""
+    from onn.modalities import get
+    from onn.modalities.graph.dataset import GraphDataModule, as_batch
+    from onn.modalities.graph.tasks import GraphClassifier
+    from onn.training.callbacks import batch_rows
+
+    cfg = compose("data=graph", "data.source=builtin:communities", "data.level=node", "model=gcn", "model.hidden=8")
+    dm = GraphDataModule(cfg.data)
+    dm.setup()
+    graph, labels = next(iter(dm.train_dataloader()))
+    assert batch_rows((graph, labels)) == len(graph.nodes) == len(labels) > 1
+    inputs = {"input_shape": dm.input_shape, "classes": dm.classes, "level": "node"}
+    module = GraphClassifier(get("graph").network(cfg.model, inputs), dm.classes, cfg.optim, {})
+    assert module.samples(graph) == len(graph.nodes)
+    from torch_geometric.data import Data
+
+    graphs = [Data(x=torch.ones(5, 1), edge_index=torch.tensor(ring(5)).t(), y=torch.tensor([0])) for _ in range(3)]
+    batch = as_batch(graphs)
+    assert batch_rows(batch) == module.samples(batch[0]) == 3
 
 
 def test_gcns_own_self_loops_convolve_as_torch_geometrics():

@@ -132,6 +132,22 @@ def test_user_sequential_and_exact_params():
     assert torch.equal(h, model(x))  # the map is the model's execution order
 
 
+def test_a_list_of_one_block_is_a_one_layer_stack():
+    """A one-layer model's blocks are its list of one block, not a pair of leaf layers inside or beside it (GPT-2's
+    wte/wpe embeddings, a block's two linears); a run of two or more blocks elsewhere still comes first."""
+    gpt2 = _hf("gpt2", n_layer=1, n_embd=16, n_head=2, vocab_size=64)
+    lmap = discover(gpt2)
+    assert lmap.block_paths == ["transformer.h.0"] and [n for n, _ in lmap.suffix] == ["transformer.ln_f", "lm_head"]
+    model = nn.Module()
+    model.stack = nn.ModuleList([Block(64)])  # the most weights, yet one block
+    model.towers = nn.Sequential(Block(4), Block(4))
+    assert discover(model).block_paths == ["towers.0", "towers.1"]
+    lstms = nn.Module()  # leaf RNNs are never blocks: each returns (output, state)
+    lstms.forward_rnn, lstms.backward_rnn = nn.LSTM(4, 4), nn.LSTM(4, 4)
+    with pytest.raises(UserError, match="no repeated blocks"):
+        discover(lstms)
+
+
 def test_override_and_errors():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     with pytest.raises(UserError, match="no repeated blocks"):

@@ -97,6 +97,27 @@ def test_layer_map_finds_the_recurrent_stack():
     assert [n for n, _ in lmap.prefix] == ["span", "conv", "project"]
 
 
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_a_one_layer_stack_is_one_block_not_its_two_directions(bidirectional):
+    """A one-layer stack's LayerMap is that layer: its forward and backward LSTMs read the same input side by side
+    and each returns a tuple, so they were never two blocks run one after the other (streaming crashed on them)."""
+    from onn.models.layers import discover
+
+    lmap = discover(AudioRNN(1, 10, [24, 51], hidden=8, layers=1, bidirectional=bidirectional, conv_widths=(8,)))
+    assert lmap.describe() == "prefix [span, conv, project] -> 1 x RecurrentLayer at 'layers' -> suffix [classifier]"
+
+
+@pytest.mark.parametrize("kwargs", [{"layers": 0}, {"layers": -1}, {"layers": True}, {"hidden": 0}])
+def test_a_stack_without_layers_or_width_is_one_sentence(kwargs):
+    """layers=0 or -1 built the front-end and the head with no recurrence between them, and trained it."""
+    from onn.models.zoo.registry import build_zoo
+
+    ((key, value),) = kwargs.items()
+    said = rf"^model\.kwargs does not build zoo:audio_rnn: {key}={value}: give a whole number, 1 or more\.$"
+    with pytest.raises(UserError, match=said):
+        build_zoo("audio_rnn", in_channels=1, num_classes=3, image_size=[16, 20], **kwargs)
+
+
 def test_a_stack_reads_its_sequences_lengths_back_once_whatever_its_depth():
     """Packing needs the lengths on the host, and the network finds them on the device (where each clip's sound
     is): one read per forward, on a GPU one wait for it, not one per layer, nor one per recurrence to unsort

@@ -3,8 +3,9 @@
 One discovery serves three users: the planner sizes memory by it, the streaming strategy chunks
 the blocks by it, and the .omny exporter cuts the graph at its block boundaries. Discovery knows
 no model names: the blocks are a run of same-typed sibling modules (a decoder's layer list, a
-ResNet's stages, the middle of a user's nn.Sequential): composite modules before leaf layers, then
-the run holding the most parameters, then the longest. A model config can name the blocks explicitly instead
+ResNet's stages, the middle of a user's nn.Sequential): composite modules before leaf layers (a list of one
+composite module, a one-layer stack, after any longer run of them), then the run holding the most parameters,
+then the longest. A model config can name the blocks explicitly instead
 (`model.layer_map.blocks: model.layers`).
 """
 
@@ -158,21 +159,37 @@ def discover(model: nn.Module, blocks_path: str | None = None) -> LayerMap:
 
     best = None  # (key, path, names)
     for path, module in model.named_modules():
-        for names in _same_type_runs(module):
-            # Blocks are composite modules (a decoder layer, a ResNet stage); a pair of leaf
-            # layers (GPT-2's wte/wpe embeddings) only counts when nothing composite repeats.
+        for names in [*_same_type_runs(module), *_lone_block(module)]:
+            # Blocks are composite modules (a decoder layer, a ResNet stage); a list of one such block (a
+            # one-layer stack) comes after any run of two or more, and a pair of leaf layers (GPT-2's wte/wpe
+            # embeddings) only counts when no composite block is found at all.
             composite = any(True for _ in module.get_submodule(names[0]).children())
+            rank = (2 if len(names) >= 2 else 1) if composite else 0
             coverage = sum(_count(module.get_submodule(n)) for n in names)
-            key = (composite, coverage, len(names))
+            key = (rank, coverage, len(names))
             if best is None or key > best[0]:
                 best = (key, path, names)
     if best is None:
         raise UserError(
-            f"{type(model).__name__} has no repeated blocks (no run of two or more same-typed sibling modules); "
-            "set model.layer_map.blocks to the module that holds them, or use strategy=lora."
+            f"{type(model).__name__} has no repeated blocks (no run of two or more same-typed sibling modules, nor "
+            "a list of one); set model.layer_map.blocks to the module that holds them, or use strategy=lora."
         )
     _, path, names = best
     return _assemble(model, path, names)
+
+
+def _lone_block(module: nn.Module) -> list[list[str]]:
+    """[[name]] when `module` is a ModuleList or Sequential of one composite module (a one-layer recurrent stack,
+    a one-layer decoder), else []: that module is the stack's one block, not the layers inside it."""
+    from torch import nn
+
+    children = list(module.named_children())  # (not len(module), which counts a list's None entries)
+    if not isinstance(module, nn.ModuleList | nn.Sequential) or len(children) != 1:
+        return []
+    name, child = children[0]
+    if type(child) in (nn.ModuleList, nn.ModuleDict) or not any(True for _ in child.children()):
+        return []
+    return [[name]] if any(True for _ in child.parameters()) else []
 
 
 def _same_type_runs(module: nn.Module) -> list[list[str]]:
@@ -180,7 +197,8 @@ def _same_type_runs(module: nn.Module) -> list[list[str]]:
     Plain containers (ModuleList, ModuleDict: no forward of their own) are blocks only inside a list of blocks;
     as a model's attributes they are separate stages (a UNet's down_blocks and up_blocks), whose own children
     are the blocks (a graph network's `convs` and `norms` lists side by side are two stages, not a run of
-    two blocks)."""
+    two blocks). PyTorch's RNN modules are never blocks: each returns its output with its state, a tuple that
+    no next block takes (a bidirectional layer's forward and backward LSTMs read the same input side by side)."""
     from torch import nn
 
     in_list = isinstance(module, nn.ModuleList | nn.Sequential)
@@ -188,8 +206,8 @@ def _same_type_runs(module: nn.Module) -> list[list[str]]:
     for name, child in module.named_children():
         # (any parameters, even the empty placeholders of blocks whose weights live in a layer store)
         has_params = any(True for _ in child.parameters())
-        if type(child) in (nn.ModuleList, nn.ModuleDict) and not in_list:
-            has_params = False  # a stage's container, never a block
+        if (type(child) in (nn.ModuleList, nn.ModuleDict) and not in_list) or isinstance(child, nn.RNNBase):
+            has_params = False  # a stage's container, or a recurrence, never a block
         if current and type(child) is type(module.get_submodule(current[-1])) and has_params:
             current.append(name)
         else:

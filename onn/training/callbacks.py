@@ -289,9 +289,10 @@ class StepClock(L.Callback):
 
 def batch_rows(batch: Any) -> int:
     """How many samples a training batch holds, read from its shapes (no wait for the device): a dict of tensors
-    (tokens, pairs), a tuple or list whose first item is the inputs (images, labels), a PyG batch of graphs."""
+    (tokens, pairs), a tuple or list whose first item is the inputs (images, labels), a PyG batch of graphs, or of
+    a node-level split (one graph whose `nodes` are the split's: those nodes are its rows, not the one graph)."""
     if hasattr(batch, "num_graphs"):
-        return int(batch.num_graphs)
+        return int(batch.nodes.numel()) if "nodes" in batch else int(batch.num_graphs)
     if isinstance(batch, dict):
         return batch_rows(batch["input_ids"] if "input_ids" in batch else next(iter(batch.values())))
     if isinstance(batch, list | tuple):

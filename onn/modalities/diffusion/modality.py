@@ -67,10 +67,12 @@ class DiffusionModality(Modality):
     @staticmethod
     def _check_sampling(config: ONNConfig) -> None:
         """Samples are drawn after training (and by infer and eval): settings that cannot draw them are refused
-        before, not after the training they would otherwise lose."""
+        before, not after the training they would otherwise lose. export and plan draw none, so they skip these keys."""
         from onn.modalities.diffusion.sample import SAMPLERS
 
         task, timesteps = config.task, config.model.train_timesteps
+        if task.name in ("export", "plan"):
+            return
         if task.sampler not in SAMPLERS:
             raise UserError(f"task.sampler={task.sampler!r}: use one of {', '.join(SAMPLERS)}.")
         if task.name in ("train", "infer", "eval") and task.samples < 1:

@@ -12,6 +12,10 @@ call, its nodes and edges dynamic).
 GCN and GAT add each node's self-loop themselves (a concatenated arange): torch_geometric's own removes existing
 loops first, a data-dependent shape that torch.export cannot trace and a GPU computes only after the host has read
 how many remain (a wait at every layer of every step). Graphs arrive without self-loops (read.py).
+
+`ListedEdges` is the network as the ONNX export holds it: it takes a graph's edges as a file lists them and
+prepares them as the reader does (both directions, no self-loops, no repeats), so the exported model gives what
+task=infer gives for the same file.
 """
 
 from __future__ import annotations
@@ -109,3 +113,31 @@ def pool(kind: str):
     from torch_geometric.nn import global_add_pool, global_max_pool, global_mean_pool
 
     return {"mean": global_mean_pool, "max": global_max_pool, "sum": global_add_pool}[kind]
+
+
+class ListedEdges(nn.Module):
+    """The network on one graph whose edges are given as a file lists them: one direction or both, self-loops and
+    repeats allowed. They are prepared as read.make_graph prepares them for training and task=infer (every edge
+    both ways, no self-loops, each edge once), with shapes that do not depend on the data, so torch.export traces
+    it: a self-loop or a repeated edge is not removed but sent to one extra node, alone in a graph of its own (or,
+    per node, after the graph's nodes), whose output is dropped. No other node reads it, so the graph's own nodes
+    compute what they compute on the prepared edges."""
+
+    def __init__(self, network: GraphNetwork):
+        super().__init__()
+        self.network = network
+
+    def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+        nodes = x.shape[0]
+        both = torch.cat([edge_index, edge_index.flip(0)], dim=1)
+        key = both[0] * (nodes + 1) + both[1]
+        order = torch.argsort(key)  # (not stable=True: ONNX has no stable sort; which copy of an edge stays is moot)
+        ordered = key[order]
+        repeated = torch.cat([ordered[:1] != ordered[:1], ordered[1:] == ordered[:-1]])  # after an equal one
+        dropped = torch.zeros_like(repeated).scatter(0, order, repeated) | (both[0] == both[1])
+        both = torch.where(dropped, torch.full_like(both, nodes), both)
+        x = torch.cat([x, x.new_zeros(1, x.shape[1])])
+        if self.network.level == "graph":
+            batch = (torch.arange(nodes + 1, device=x.device) == nodes).long()  # the extra node: graph 1
+            return self.network(x, both, batch, 2)[:1]
+        return self.network(x, both)[:nodes]

@@ -3,11 +3,14 @@
 train and eval are the shared ones, run with GraphClassifier (a Classifier whose batches are torch_geometric
 Batches) on the GraphDataModule. What differs is here:
 
-  plan    the network sized on one graph of PLAN_NODES nodes (PLAN_DEGREE edges a node)
+  plan    the network (with ckpt, the checkpoint's) sized on one graph of PLAN_NODES nodes (PLAN_DEGREE edges a
+          node)
   infer   predictions.jsonl (one row a graph, or a node for level=node) and a PNG of the predicted classes
           drawn on the graphs; files that are no usable graph are skipped, each with its reason
-  export  ONNX of one graph per call: inputs x [nodes, features] and edge_index [2, edges], both dynamic,
-          checked in onnxruntime against torch (export/max_abs_diff); safetensors as the shared export writes it
+  export  ONNX of one graph per call: inputs x [nodes, features] and edge_index [2, edges] as a file lists them
+          (network.ListedEdges prepares them as the reader does), both dynamic, checked in onnxruntime against
+          torch (export/max_abs_diff), what it takes written into the file; safetensors as the shared export
+          writes it
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ from onn.data.labelled import check_bad
 from onn.errors import UserError
 from onn.hardware.profile import Profile
 from onn.modalities.base import ClassifierModality, Job
-from onn.modalities.classification import evaluate, export, load_trained, train
+from onn.modalities.classification import evaluate, export, load_trained, saved_inputs, train
 from onn.modalities.graph.dataset import as_batch
 from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
+from onn.training.checkpoints import resolve as resolve_checkpoint
 from onn.training.classifier import Classifier
 
 __all__ = ["GraphClassifier", "evaluate", "export", "infer", "plan", "train"]
@@ -53,7 +57,8 @@ class GraphClassifier(Classifier):
         return batch
 
     def samples(self, batch) -> int:
-        return batch.num_graphs
+        """Graphs; a node-level split's batch is one graph, and its samples are the split's nodes."""
+        return int(batch.nodes.numel()) if "nodes" in batch else batch.num_graphs
 
     def forward(self, batch) -> torch.Tensor:
         if self.model.level == "graph":  # the graph count from the host: pooling reads no value from the device
@@ -82,7 +87,7 @@ def plan_graph(nodes: int, degree: int) -> torch.Tensor:
 
 
 def plan(m: ClassifierModality, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
-    inputs = m.planned_inputs(config)
+    inputs = planned_inputs(m, config)
     model_cfg: GraphNetworkConfig = config.model
     network = m.network(model_cfg, inputs)  # small: built for real, the graph's index ops have no meta kernels
     blocks = model_cfg.layer_map.blocks
@@ -94,6 +99,15 @@ def plan(m: ClassifierModality, config: ONNConfig, hardware: Profile, use_tuned:
         blocks_path=f"network.{blocks}" if blocks else None,
     )
     return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
+
+
+def planned_inputs(m: ClassifierModality, config: ONNConfig) -> dict[str, Any]:
+    """The network's inputs as the run will build it: with ckpt, the checkpoint's (its node features, classes and
+    level: what eval, infer and export load and a resumed run trains), not the data config's guess (3 features and
+    10 classes for a folder not yet read), so the plan's parameter count is the network's."""
+    if not config.ckpt:
+        return m.planned_inputs(config)
+    return saved_inputs(resolve_checkpoint(config.ckpt, config.paths.outputs))
 
 
 def infer(job: Job) -> dict[str, Any]:
@@ -214,23 +228,50 @@ def export_network(m: ClassifierModality, config: ONNConfig, module: Classifier,
     if type(settings) is not OnnxExport:
         raise UserError(f"export={settings.name}: a graph network exports onnx or safetensors.")
     from onn.export.onnx_export import export_onnx
+    from onn.modalities.graph.network import ListedEdges
 
     inputs = module.onn_config["inputs"]
     generator = torch.Generator().manual_seed(int(config.seed))
     nodes = 24
+    ring = plan_graph(nodes, 2)[:, :nodes]  # one way round a ring, then a self-loop and a repeated edge
     sample = {
         "x": torch.randn(nodes, *inputs["input_shape"], generator=generator),
-        "edge_index": plan_graph(nodes, 4),
+        "edge_index": torch.cat([ring, torch.tensor([[3, 5], [3, 6]])], dim=1),
     }
     output = Path(settings.output or run_dir / "export" / "model.onnx")
     output.parent.mkdir(parents=True, exist_ok=True)
     metrics = export_onnx(
-        module.model.eval(),
+        ListedEdges(module.model).eval(),
         output,
         sample,
         opset=settings.opset,
         atol=settings.atol,
         axes={"x": {0: "nodes"}, "edge_index": {1: "edges"}},
     )
+    describe_inputs(output, inputs)
     log.info("export: %s (max abs diff %.3g)", output, metrics["export/max_abs_diff"])
     return metrics
+
+
+def describe_inputs(output: Path, inputs: dict[str, Any]) -> None:
+    """What the exported graph takes, in its doc_string and metadata_props (`onn.inputs`): a reader of model.onnx
+    learns it from the file, as Netron and onnxruntime's modelmeta show it. Written beside it, then swapped in."""
+    import os
+
+    import onnx
+
+    features = int(inputs["input_shape"][0])
+    per = "a row of logits per node" if inputs["level"] == "node" else "one row of logits for the graph"
+    text = (
+        f"One graph per call. x: float32 [nodes, {features}], each node's features as ONN's reader makes them (an "
+        "edge list's nodes: one feature, 1). edge_index: int64 [2, edges], node numbers 0..nodes-1, as the file "
+        "lists them: one direction or both, self-loops and repeats allowed; the model makes every edge two-way, "
+        "drops self-loops and repeats, as task=infer reads the file. Output: " + per + f" over the classes "
+        f"{', '.join(map(str, inputs['classes']))}."
+    )
+    model = onnx.load(str(output), load_external_data=False)  # weights in a .data file beside it stay there
+    model.doc_string = text
+    onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, "onn.inputs": text})
+    staged = output.with_name(f".{output.name}.described")
+    onnx.save(model, str(staged))
+    os.replace(staged, output)

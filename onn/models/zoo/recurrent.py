@@ -285,6 +285,9 @@ class AudioRNN(nn.Module):
         super().__init__()
         if cell not in CELLS:
             raise ValueError(f"cell={cell!r}: use one of {', '.join(CELLS)}")
+        for key, value in (("hidden", hidden), ("layers", layers)):  # range(0) would build no recurrence at all
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key}={value!r}: give a whole number, 1 or more")
         if frequency_mean and not conv_widths:
             raise ValueError("frequency_mean averages the conv front-end's features: give conv_widths too")
         mels = image_size if isinstance(image_size, int) else int(image_size[0])

@@ -28,6 +28,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from onn.errors import UserError
 from onn.models.zoo.recurrent import CELLS, in_float32, recurrence, take_steps
 
 MODEL_TYPE = "onn_recurrent_lm"
@@ -51,8 +52,7 @@ class RecurrentLMConfig(PreTrainedConfig):
         tie_word_embeddings: bool = False,
         **kwargs,
     ):
-        if cell not in CELLS:
-            raise ValueError(f"cell={cell!r}: use one of {', '.join(CELLS)}")
+        check_shape(hidden_size, num_hidden_layers, cell, dropout)
         self.vocab_size, self.hidden_size, self.num_hidden_layers = vocab_size, hidden_size, num_hidden_layers
         self.cell, self.dropout = cell, dropout
         super().__init__(
@@ -62,6 +62,18 @@ class RecurrentLMConfig(PreTrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
+
+
+def check_shape(hidden_size: int, num_hidden_layers: int, cell: str, dropout: float) -> None:
+    """The shapes conf/model/char_lstm.yaml gives as model.architecture, each refused in one sentence naming its key:
+    no layers built a model with no recurrence (and no LayerMap), a zero width failed inside nn.LSTM."""
+    for key, value in (("hidden_size", hidden_size), ("num_hidden_layers", num_hidden_layers)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"model.architecture.{key}={value!r}: give a whole number, 1 or more.")
+    if cell not in CELLS:
+        raise UserError(f"model.architecture.cell={cell!r}: use one of {', '.join(CELLS)}.")
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        raise UserError(f"model.architecture.dropout={dropout!r}: give a number in [0, 1) (0: no dropout).")
 
 
 def compaction(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
