@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import yaml
 from conftest import read_metrics, run_cli
 
 from onn.bench.scores import equitable, learned, loss_fall
+from onn.errors import UserError
 
 TINY = [
     "model=llama_tiny",
@@ -139,13 +141,39 @@ def test_sparse_lora_placed_by_another_lightning_strategy_is_planned_resident(ou
     [
         ("task.steps=0", "task.steps=0"),
         ("task.quality=bleu", "task.quality=bleu is not one of loss_fall, exact_match"),
+        # each was accepted: the weight left out of score/overall, bench/learned true at p 1/6, every score null
+        ("+task.score_weights.sped=5", "task.score_weights.sped is not one of efficiency, speed, memory (did you mean"),
+        ("task.learned_p=2", "task.learned_p=2.0: bench/learned needs a significance level between 0 and 1"),
+        ("task.quality=exact_match task.exact_match_samples=0", "task.exact_match_samples=0: task.quality=exact_match"),
     ],
 )
 def test_bad_bench_settings_fail_in_one_line_before_measuring(outputs, override, message):
-    proc = run_cli(*TINY, override, f"paths.outputs={outputs}", f"hydra.run.dir={outputs / 'bad'}")
+    proc = run_cli(*TINY, *override.split(), f"paths.outputs={outputs}", f"hydra.run.dir={outputs / 'bad'}")
     assert proc.returncode == 1 and message in proc.stderr + proc.stdout
     m = json.loads((outputs / "bad" / "metrics.json").read_text())
     assert m["status"] == "failed" and message in m["error"] and not (outputs / "bad" / "bench.log").exists()
+
+
+@pytest.mark.parametrize(
+    "weights,message",
+    [
+        ({"efficiency": 1.0, "speed": -1.0}, "task.score_weights.speed=-1.0: give a weight of 0 or more."),
+        ({"efficiency": 0.0, "speed": 0.0, "memory": 0.0}, "give at least one weight above 0."),
+        ({}, "give at least one weight above 0."),
+    ],
+)
+def test_score_weights_that_make_no_weighted_mean_are_refused(weights, message):
+    """A negative weight was accepted (a score that pulls the overall down as it rises), and weights that sum to 0
+    gave score/overall null in every run of a grid."""
+    from conftest import compose
+
+    from onn.bench.suite import check_settings
+
+    task = compose(*TINY).task
+    check_settings(task)  # the defaults pass
+    task.score_weights = weights
+    with pytest.raises(UserError, match=re.escape(message)):
+        check_settings(task)
 
 
 @pytest.mark.slow
@@ -167,3 +195,56 @@ def test_a_step_time_miss_has_its_blocks_timed_again_after_the_steps(outputs, mo
     (outputs / "run").mkdir()
     out = suite.run(Job(config, outputs / "run", get("text"), hardware, plan, spec))
     assert out["bench/step_s"] > 0 and out["bench/timed_after_step_s"] > 0
+
+
+@pytest.mark.parametrize(
+    "recipe,overrides,message",
+    [
+        # each ended in a traceback: ZeroDivisionError, "negative sizes", max() of nothing, torch's min() of nothing
+        ("bench_shard_plan", ["task.nodes_mb=[]"], "task.nodes_mb=[]: list each node's memory in MB, each above 0."),
+        ("bench_shard_plan", ["task.nodes_mb=[0,1024]"], "task.nodes_mb=[0.0, 1024.0]: list each node's memory"),
+        ("bench_shard_plan", ["task.jitter=2"], "task.jitter=2.0: each block's size varies by up to this share"),
+        ("bench_shard_plan", ["task.block_mb=-5"], "task.block_mb=-5.0: give a size in MB, 0 or more."),
+        ("bench_shard_plan", ["task.fleet_slack=0"], "task.fleet_slack=0.0: the fleet holds this many times"),
+        # one sentence, but of a key the user never set (export.nodes)
+        ("bench_shard_plan", ["task.blocks=3"], "task.nodes_mb lists 10 nodes and task.blocks=3: every node holds"),
+        ("bench_streaming", ["task.weights_over_budget=0"], "task.weights_over_budget=0.0: the memory figure's budget"),
+        ("bench_streaming", ["task.repeats=0"], "task.repeats=0: give a whole number, 1 or more."),
+        # without 16, stream/overlap_efficiency, io_s and compute_s were left out without a word
+        ("bench_streaming", ["task.reuse_m=[1,4]"], "task.reuse_m=[1, 4]: list micro-batches per chunk load"),
+        ("bench_streaming", ["task.reuse_m=[16]"], "task.reuse_m=[16]: list micro-batches per chunk load"),
+        (
+            "bench_streamed_arch",
+            ["task.archs=[lstm]", "task.lstm_layers=0"],
+            "task.lstm_layers=0: task.archs lists lstm",
+        ),
+        ("bench_streamed_arch", ["task.archs=[lstm]", "task.lstm_batch=0"], "task.lstm_batch=0: task.archs lists lstm"),
+        ("bench_streamed_arch", ["task.archs=[dit]", "task.dit_heads=0"], "task.dit_heads=0: task.archs lists dit"),
+        ("bench_streamed_arch", ["task.image_size=6"], "task.image_size=6: the DiT cuts its images into 4x4 patches"),
+    ],
+)
+def test_a_bench_setting_no_figure_can_use_is_one_sentence_before_it_runs(recipe, overrides, message):
+    from conftest import compose
+
+    from onn.app import TASKS
+
+    check = TASKS[recipe].check
+    check(compose(f"recipe={recipe}"))  # the recipe's own values pass
+    with pytest.raises(UserError, match=re.escape(message)):
+        check(compose(f"recipe={recipe}", *overrides))
+
+
+def test_an_architecture_the_bench_does_not_build_is_not_asked_for_its_sizes():
+    from conftest import compose
+
+    from onn.app import TASKS
+
+    TASKS["bench_streamed_arch"].check(compose("recipe=bench_streamed_arch", "task.archs=[lstm]", "task.dit_layers=0"))
+
+
+def test_a_shard_plan_bench_setting_is_refused_before_the_run_writes_figures(tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli("recipe=bench_shard_plan", "task.nodes_mb=[]", f"paths.outputs={tmp_path}", f"hydra.run.dir={run}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in out and "task.nodes_mb=[]: list each node's memory" in out
+    assert json.loads((run / "metrics.json").read_text())["status"] == "failed"

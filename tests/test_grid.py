@@ -184,6 +184,23 @@ def test_a_grid_run_under_three_seeds_gives_each_jobs_spread(tmp_path):
     )
 
 
+def test_a_slow_run_says_when_its_prediction_was_timed(tmp_path):
+    """grid.md said the prediction was "timed just before it" for a run whose blocks were timed between its steps
+    (bench/timing_windows 2), while its own explanation and the docs said "between the steps"."""
+    sweep = tmp_path / "sweep"
+    for job, windows in enumerate((2, 0)):  # the bench's windows between the steps; 0: a large model's, timed before
+        metrics = bench_metrics("phi4_tiny", "full", 900.0, 15.6, 600.0)
+        metrics |= {"bench/step_s": 0.311, "bench/predicted_step_s": 0.232, "bench/step_time_error": 0.343}
+        metrics |= {"bench/timed_after_step_s": 0.219, "bench/timing_windows": windows}
+        make_job(sweep, str(job), [f"seed={job}", *COMMON], metrics)
+    write_grid(sweep)
+    slow = [line for line in (sweep / "grid.md").read_text().splitlines() if line.startswith("- seed=")]
+    assert slow == [
+        "- seed=0: +34.3% (0.311 s a step against 0.232 timed between its steps, 0.219 timed just after them).",
+        "- seed=1: +34.3% (0.311 s a step against 0.232 timed just before it, 0.219 timed just after it).",
+    ]
+
+
 def test_no_successful_jobs_and_broken_files(tmp_path):
     sweep = tmp_path / "sweep"
     make_job(sweep, "0", ["model=phi4_tiny"], {"status": "failed", "error": "boom", "model": "phi4_tiny"})

@@ -26,7 +26,7 @@ def test_optuna_lr_recipe_is_an_optuna_lr_search():
     cfg = _compose_with_hydra("recipe=optuna_lr")
     hydra = cfg["hydra"]
     sweeper = hydra["sweeper"]
-    assert sweeper["_target_"] == "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+    assert sweeper["_target_"] == "hydra_plugins.onn_launcher.sweeper.OptunaSweeper"  # Hydra's, with ONN's rules
     assert hydra["runtime"]["choices"]["hydra/sweeper"] == "optuna"
     assert hydra["mode"] == RunMode.MULTIRUN  # `python run.py recipe=optuna_lr` sweeps without -m
     assert sweeper["sampler"]["_target_"] == "optuna.samplers.TPESampler"
@@ -81,3 +81,38 @@ def test_optuna_runs_two_real_trials_and_reports_the_best_lr(outputs):
     best = min(range(2), key=lambda i: trials[i]["val/loss_final"])
     assert results["best_params"]["optim.lr"] == pytest.approx(lrs[best])
     assert results["best_value"] == pytest.approx(trials[best]["val/loss_final"])
+
+
+PLAN_SEARCH = ("recipe=optuna_lr", "task=plan", "hardware=cpu_16gb", "model=llama_tiny")  # trials that only plan
+
+
+def test_an_optuna_search_whose_trials_all_failed_ends_in_one_line(tmp_path):
+    """Every trial of a mistyped setting failed in one sentence each, then the sweeper asked Optuna for the best
+    trial and the search ended in Optuna's traceback ("No trials are completed yet"), without the sweep's summary."""
+    sweep = tmp_path / "search"
+    proc = run_cli(*PLAN_SEARCH, "data.batch_size=0", "hydra.sweeper.n_trials=2", f"paths.outputs={tmp_path}",
+                   f"hydra.sweep.dir={sweep}")  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    assert (
+        "error: no trial of the Optuna search ended ok, so it has no best one (2 failed: job 0: failed: "
+        "data.batch_size=0: give a whole number, 1 or more." in proc.stderr
+    )
+    assert not (sweep / "optimization_results.yaml").exists()
+
+
+@pytest.mark.slow  # three searches
+def test_an_optuna_search_of_another_range_into_a_folder_of_finished_trials_is_refused(tmp_path):
+    """The recipe's own example, another range (`hydra.sweeper.params={optim.lr:...}`), searched into a fixed
+    hydra.sweep.dir replaced the finished trials there with trials of other learning rates."""
+    sweep = tmp_path / "search"
+    common = (*PLAN_SEARCH, "sweep_objective=predicted_peak_memory_mb", "hydra.sweeper.n_trials=1",
+              f"paths.outputs={tmp_path}", f"hydra.sweep.dir={sweep}")  # fmt: skip
+    first = run_cli(*common)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = {p: p.read_bytes() for p in sorted((sweep / "0").rglob("*")) if p.is_file()}
+    other = run_cli(*common, "hydra.sweeper.params={optim.lr:'tag(log, interval(1e-6, 1e-5))'}")
+    assert other.returncode == 1 and "Traceback" not in other.stderr, other.stderr[-3000:]
+    assert f"hydra.sweep.dir={sweep} holds the finished jobs of another sweep: its job 0 ran `optim.lr=" in other.stderr
+    assert {p: p.read_bytes() for p in sorted((sweep / "0").rglob("*")) if p.is_file()} == before
+    again = run_cli(*common)  # the same search (its sampler seeded) picks the same rate: the finished trial stays
+    assert again.returncode == 0 and "already finished for this config" in again.stderr + again.stdout

@@ -246,3 +246,53 @@ def test_a_requeued_slurm_job_resumes_from_the_checkpoint_its_signal_saved(tmp_p
     assert (
         not list(run_dir.glob("hpc_ckpt_*")) and read_meta(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 30
     )
+
+
+def test_a_sweep_of_other_sweeper_params_into_a_folder_of_finished_jobs_is_refused(tmp_path):
+    """A sweep whose jobs differed only in hydra.sweeper.params (a recipe's sweep, `hydra.sweeper.params.strategy=`)
+    passed the guard, which compared the command line's task overrides alone, and replaced the finished jobs."""
+    sweep = tmp_path / "sweep"
+    common = ("recipe=equitable_grid", "task=plan", "hydra.sweeper.params.model=llama_tiny", "hardware=cpu_16gb",
+              f"paths.outputs={tmp_path}", f"hydra.sweep.dir={sweep}")  # fmt: skip
+    first = run_cli(*common, "hydra.sweeper.params.strategy=full")
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = (sweep / "0" / "metrics.json").read_text()
+    other = run_cli(*common, "hydra.sweeper.params.strategy=lora")
+    assert other.returncode == 1 and "Traceback" not in other.stderr
+    assert f"hydra.sweep.dir={sweep} holds the finished jobs of another sweep: its job 0 ran" in other.stderr
+    assert "strategy=full" in other.stderr and "where this sweep's job 0 is" in other.stderr
+    assert (sweep / "0" / "metrics.json").read_text() == before and '"strategy": "full"' in before
+
+
+def test_a_sweep_is_compared_with_the_finished_jobs_job_by_job(tmp_path):
+    """Reordered sweep values (`data.max_length=32,48 strategy=full,lora` after `strategy=full,lora
+    data.max_length=32,48`) give the same sorted overrides but other jobs in each folder: both were run again."""
+    from omegaconf import OmegaConf
+
+    from onn.tasks.record import BASIC_SWEEPER, other_sweep
+
+    def refused(*overrides: str, params: dict | None = None) -> str | None:
+        sweeper = {"_target_": BASIC_SWEEPER, "max_batch_size": None, "params": params}
+        config = OmegaConf.create({"hydra": {"sweeper": sweeper, "overrides": {"task": list(overrides)}}})
+        return other_sweep(tmp_path, config)
+
+    jobs = [["task=plan", f"strategy={s}", f"data.max_length={n}"] for s in ("full", "lora") for n in (32, 48)]
+    for num, overrides in enumerate(jobs):  # as Hydra's basic sweeper wrote them, each finished
+        (tmp_path / str(num) / ".hydra").mkdir(parents=True)
+        (tmp_path / str(num) / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+        (tmp_path / str(num) / "metrics.json").write_text('{"status": "ok"}')
+    assert refused("task=plan", "strategy=full,lora", "data.max_length=32,48") is None
+    swapped = refused("task=plan", "data.max_length=32,48", "strategy=full,lora")
+    assert swapped and "its job 1 ran `task=plan strategy=full data.max_length=48`" in swapped
+    assert "this sweep's job 1 is `task=plan data.max_length=32 strategy=lora`" in swapped
+    # the sweeper's params are each job's first overrides: the same jobs pass, other ones are another sweep
+    assert refused("strategy=full,lora", "data.max_length=32,48", params={"task": "plan"}) is None
+    assert "its job 0 ran" in refused("data.max_length=32,48", params={"task": "plan", "strategy": "lora"})
+    # fewer jobs: the finished ones left over would stand in this sweep's grid
+    fewer = refused("task=plan", "strategy=full", "data.max_length=32,48")
+    assert fewer and "its job 2 ran" in fewer and "this sweep has 2 job(s)" in fewer
+    # jobs added after the finished ones (a value added to the first key) take none of theirs: it resumes
+    assert refused("task=plan", "strategy=full,lora,sparse_lora", "data.max_length=32,48") is None
+    for num in (1, 2, 3):  # failed jobs are run again, whatever they were
+        (tmp_path / str(num) / "metrics.json").write_text('{"status": "failed"}')
+    assert refused("task=plan", "strategy=full,lora", "data.max_length=32,48,64") is None

@@ -116,3 +116,53 @@ def test_a_tuned_plan_gives_the_reasons_of_the_settings_it_uses(tmp_path):
     assert tuned.settings_source == "tune" and tuned.streaming.chunk_size == chunk
     said = [r for r in tuned.reasons if r.startswith("streaming:")]
     assert said and all(f"chunk {chunk}," in r for r in said), tuned.reasons
+
+
+@pytest.mark.parametrize("rounds", ["0", "-1"])
+def test_a_search_with_no_confirm_rounds_is_refused_before_any_trial(tmp_path, rounds):
+    """tune.confirm_rounds=0 was accepted: every trial ran, then the head-to-head divided by its zero rounds
+    (ZeroDivisionError) and the search was lost, nothing cached."""
+    run = tmp_path / "tune"
+    search = ("tune.time_budget_s=0", "tune.steps=1", "tune.warmup_steps=0", f"tune.confirm_rounds={rounds}")
+    proc = run_cli(
+        "task=tune", *TINY, "hardware=cpu_16gb", *search, f"paths.outputs={tmp_path}", f"hydra.run.dir={run}"
+    )
+    said = f"tune.confirm_rounds={rounds}: give a number, 1 or more."
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and said in out and "Traceback" not in out, out[-3000:]
+    assert read_metrics(run)["error"] == said and not (run / "trials").exists() and not (run / "plan.yaml").exists()
+
+
+def test_a_tuned_result_is_used_by_every_strategy_that_plans_what_it_tuned(tmp_path):
+    """task=tune with strategy=auto, planned as a full fine-tune, cached a result that strategy=full did not take
+    (nor the other way round): the key held the configured block's LoRA settings, which a full fine-tune never reads."""
+    from conftest import compose
+
+    from onn.hardware.profile import resolve
+    from onn.planning.plan import make_plan
+    from onn.planning.spec import model_spec
+    from onn.planning.tuned import cache_path
+
+    base = ("task=plan", "hardware=cpu_16gb", "model=llama_tiny", "data.max_length=40", f"paths.cache={tmp_path}")
+    auto, full = (compose(*base, f"strategy={name}", root=tmp_path) for name in ("auto", "full"))
+    hw = resolve(auto.hardware, tmp_path / "cache", tmp_path)
+    spec = model_spec(auto.model, 8, cache_dir=auto.paths.cache)
+    guess = make_plan(auto, hw, spec)
+    assert guess.strategy == "full" and guess.settings_source == "plan"  # random weights: a full fine-tune
+    path = cache_path(auto, hw, "full", guess.sequence_length)  # where task=tune with strategy=auto writes
+    assert path == cache_path(full, hw, "full", guess.sequence_length)
+    micro_batch = 1 if guess.micro_batch != 1 else 2
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"settings": {"micro_batch": micro_batch, "gradient_checkpointing": False}}))
+    for cfg in (auto, full):
+        tuned = make_plan(cfg, hw, spec)
+        assert (tuned.strategy, tuned.settings_source, tuned.micro_batch) == ("full", "tune", micro_batch)
+    # the adapter strategies key what they read: LoRA, and for sparse_lora its blocks and streaming settings
+    lora, sparse = (compose(*base, f"strategy={name}", root=tmp_path) for name in ("lora", "sparse_lora"))
+    assert cache_path(auto, hw, "lora", 40) == cache_path(lora, hw, "lora", 40)
+    assert cache_path(auto, hw, "sparse_lora", 40) == cache_path(sparse, hw, "sparse_lora", 40)
+    assert cache_path(auto, hw, "lora", 40) != cache_path(
+        compose(*base, "strategy.lora.r=4", root=tmp_path), hw, "lora", 40
+    )
+    other_blocks = compose(*base, "strategy=sparse_lora", "strategy.layers=[0,-1]", root=tmp_path)
+    assert cache_path(sparse, hw, "sparse_lora", 40) != cache_path(other_blocks, hw, "sparse_lora", 40)

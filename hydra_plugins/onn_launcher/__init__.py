@@ -6,6 +6,8 @@ own process, as submitit_slurm runs each on the cluster. Submitit's local execut
 once and has no `array_parallelism` (that key is SLURM's); on one machine that is rarely what a user
 wants, so this launcher hands the plugin `array_parallelism` jobs at a time and waits for them before
 the next ones. Everything else (job folders, logs under .submitit/, results, resume) is the plugin's.
+
+sweeper.py beside it: Hydra's Optuna sweeper with ONN's sweep rules (recipes/optuna_lr.yaml names it).
 """
 
 from __future__ import annotations

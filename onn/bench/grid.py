@@ -205,10 +205,11 @@ def spread_table(rows: list[dict[str, Any]]) -> str | None:
 
 
 def _slow_runs(runs: list[dict[str, Any]], target: float) -> list[str]:
-    """The runs whose step time missed the plan, each with its step against the predictions (timed just before its
-    steps, timed again just after them, and the plan's when the job started: which side a slow spell hit) and the
-    cores it had where it measured them (CPU runs): a shared machine's neighbours and its hypervisor (steal) take
-    cores for tens of seconds, which no prediction made before the run sees."""
+    """The runs whose step time missed the plan, each with its step against the predictions (timed between its steps,
+    or just before them where the bench timed no windows: a large model's, timed again just after them, and the plan's
+    when the job started: which side a slow spell hit) and the cores it had where it measured them (CPU runs): a
+    shared machine's neighbours and its hypervisor (steal) take cores for tens of seconds, which no prediction made
+    before the run sees."""
     lines = []
     for r in runs:
         error = _finite(r["bench/step_time_error"])
@@ -219,9 +220,11 @@ def _slow_runs(runs: list[dict[str, Any]], target: float) -> list[str]:
         if step and before:
             planned_s = _finite(r.get("bench/plan_predicted_step_s"))
             after_s = _finite(r.get("bench/timed_after_step_s"))
-            when = f", {_num(after_s)} timed just after it" if after_s else ""
+            between = bool(_finite(r.get("bench/timing_windows")))  # suite.run times a large model's just before
+            when = f", {_num(after_s)} timed just after {'them' if between else 'it'}" if after_s else ""
             when += f", {_num(planned_s)} when the job was planned" if planned_s else ""
-            timed = f" ({_num(step)} s a step against {_num(before)} timed just before it{when})"
+            how = "timed between its steps" if between else "timed just before it"
+            timed = f" ({_num(step)} s a step against {_num(before)} {how}{when})"
         share, planned = _finite(r.get("bench/cpu_share_measured")), _finite(r.get("bench/cpu_share_planned"))
         steal = _finite(r.get("bench/steal_cores"))
         had = f"; its threads ran {share:.0%} of the time" if share is not None else ""

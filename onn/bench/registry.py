@@ -20,10 +20,12 @@ task=bench_gpu         onn/bench/gpu.py        the headline on a GPU: Phi-4 unde
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from onn.bench import suite
 from onn.config import ONNConfig
+from onn.errors import UserError
 from onn.modalities.base import Job
 from onn.tasks.registry import Task
 
@@ -40,10 +42,22 @@ def _tune(job: Job) -> dict[str, Any]:
     return tune.run(job)
 
 
+def _check_tune(config: ONNConfig) -> None:
+    from onn.bench import tune
+
+    tune.check_settings(config)
+
+
 def _bench_streaming(job: Job) -> dict[str, Any]:
     from onn.bench import streaming
 
     return streaming.run(job)
+
+
+def _check_streaming(config: ONNConfig) -> None:
+    from onn.bench import streaming
+
+    streaming.check_settings(config)
 
 
 def _bench_streamed_arch(job: Job) -> dict[str, Any]:
@@ -136,16 +150,46 @@ def _bench_shard_plan(job: Job) -> dict[str, Any]:
     return bench(job.config)
 
 
+def _check_shard_plan(config: ONNConfig) -> None:
+    """task.* of the shard planner's synthetic model and fleet, in this task's terms: the planner names its own keys
+    (export.nodes), and a size it cannot use ends in its traceback (a negative block, a node of 0 MB)."""
+    t = config.task
+    if t.blocks < 3:
+        raise UserError(
+            f"task.blocks={t.blocks}: the synthetic model is an embedding, blocks and a head; give 3 or more."
+        )
+    for key in ("block_mb", "embed_mb", "head_mb", "activation_mb", "head_activation_mb"):
+        if not 0 <= getattr(t, key) < math.inf:
+            raise UserError(f"task.{key}={getattr(t, key)}: give a size in MB, 0 or more.")
+    if not 0 <= t.jitter < 1:
+        raise UserError(
+            f"task.jitter={t.jitter}: each block's size varies by up to this share of task.block_mb; give 0 or more, "
+            "under 1."
+        )
+    if not t.nodes_mb or not all(0 < mb < math.inf for mb in t.nodes_mb):
+        raise UserError(f"task.nodes_mb={list(t.nodes_mb)}: list each node's memory in MB, each above 0.")
+    if len(t.nodes_mb) > t.blocks:
+        raise UserError(
+            f"task.nodes_mb lists {len(t.nodes_mb)} nodes and task.blocks={t.blocks}: every node holds at least one "
+            f"block; list at most {t.blocks} nodes, or give more blocks."
+        )
+    if not 0 < t.fleet_slack < math.inf:
+        raise UserError(
+            f"task.fleet_slack={t.fleet_slack}: the fleet holds this many times what the model needs; give a number "
+            "above 0."
+        )
+
+
 TASKS: dict[str, Task] = {
     "bench": Task(_bench, check=lambda config: suite.check_settings(config.task), modalities=TEXT),
-    "tune": Task(_tune, modalities=TEXT),
-    "bench_streaming": Task(_bench_streaming, modalities=TEXT),
+    "tune": Task(_tune, check=_check_tune, modalities=TEXT),
+    "bench_streaming": Task(_bench_streaming, check=_check_streaming, modalities=TEXT),
     "bench_vision": Task(_bench_vision, modalities=frozenset({"image"})),
     "bench_media": Task(_bench_media, modalities=frozenset({"audio", "video"})),
     "bench_streamed_arch": Task(_bench_streamed_arch, check=_check_streamed_arch, model=False),
     "bench_giant": Task(_bench_giant, check=_check_giant, modalities=TEXT),
     "bench_serve": Task(_bench_serve, check=_check_serve, modalities=TEXT),
-    "bench_shard_plan": Task(_bench_shard_plan, model=False, heavy=False),
+    "bench_shard_plan": Task(_bench_shard_plan, check=_check_shard_plan, model=False, heavy=False),
     "bench_omny": Task(_bench_omny, modalities=TEXT),
     "bench_chaos": Task(_bench_chaos, model=False, heavy=False),
     "bench_overhead": Task(_bench_overhead, check=_check_overhead, modalities=TEXT),

@@ -48,6 +48,11 @@ from onn.training.classifier import ClassifierObjective
 
 MB = 2**20
 ARCHS = ("dit", "lstm")
+SIZES = {  # each architecture's sizes (task.*): a stack, a batch or an image of none ends in torch's traceback
+    "dit": ("image_size", "dit_layers", "dit_heads", "dit_batch"),
+    "lstm": ("lstm_layers", "lstm_hidden", "lstm_mels", "lstm_frames", "lstm_batch"),
+}
+PATCH = 4  # the DiT's patch side (build)
 ROOT = Path(__file__).resolve().parents[2]  # the folder holding the onn package
 
 
@@ -63,7 +68,7 @@ def build(arch: str, t: BenchStreamedArchTask, strategy: StrategyConfig) -> tupl
 
         kwargs = {"num_layers": t.dit_layers, "num_attention_heads": t.dit_heads, "attention_head_dim": 64}
         model_cfg = DenoiserConfig(
-            name="dit", architecture="dit", kwargs={**kwargs, "patch_size": 4, "norm_num_groups": 32}, ema_decay=0.0
+            name="dit", architecture="dit", kwargs={**kwargs, "patch_size": PATCH, "norm_num_groups": 32}, ema_decay=0.0
         )
         config = SimpleNamespace(model=model_cfg, strategy=strategy)
         model = adapted(build_denoiser(model_cfg, 1, [t.image_size, t.image_size]), config)
@@ -91,6 +96,17 @@ def check_settings(config) -> None:
     if t.budget_ratio <= 0:
         raise UserError(
             f"task.budget_ratio={t.budget_ratio!r}: give a number above 0, the blocks' size over the step's budget."
+        )
+    for arch in dict.fromkeys(t.archs):  # the sizes of the architectures it builds; the others are not read
+        for key in SIZES[arch]:
+            if getattr(t, key) < 1:
+                raise UserError(
+                    f"task.{key}={getattr(t, key)!r}: task.archs lists {arch}; give a whole number, 1 or more."
+                )
+    if "dit" in t.archs and t.image_size % PATCH:
+        raise UserError(
+            f"task.image_size={t.image_size}: the DiT cuts its images into {PATCH}x{PATCH} patches; give a multiple "
+            f"of {PATCH}."
         )
 
 

@@ -34,6 +34,7 @@ import torch
 
 from onn.config import ONNConfig, as_dict
 from onn.config.task import BenchStreamingTask
+from onn.errors import UserError
 from onn.planning.plan import Plan
 
 if TYPE_CHECKING:
@@ -99,6 +100,30 @@ class _Bench:
         e.offload()
         os.sync()  # written pages must be clean before they can be dropped from the page cache
         return e
+
+
+OVERLAP_M = 16  # the micro-batches per chunk load at which load against compute (overlap, io_s, compute_s) is measured
+
+
+def check_settings(config: ONNConfig) -> None:
+    """task.* in one sentence before the model is loaded: a value the figures cannot use would end the bench in a
+    traceback after minutes, or leave figures out without a word."""
+    t: BenchStreamingTask = config.task
+    for key in ("seq_len", "micro_batch", "chunk_size", "repeats"):
+        if getattr(t, key) < 1:
+            raise UserError(f"task.{key}={getattr(t, key)}: give a whole number, 1 or more.")
+    if not t.weights_over_budget > 0:
+        raise UserError(
+            f"task.weights_over_budget={t.weights_over_budget}: the memory figure's budget is the model's weights "
+            "over this; give a number above 0 (the recipe's 8)."
+        )
+    counts = list(t.reuse_m)
+    if any(m < 1 for m in counts) or len(set(counts)) < 2 or OVERLAP_M not in counts:
+        raise UserError(
+            f"task.reuse_m={counts}: list micro-batches per chunk load, each 1 or more, at least two of them (the "
+            f"reuse speedup is the most over the fewest) and {OVERLAP_M}, where stream/overlap_efficiency, io_s and "
+            f"compute_s are measured; e.g. [1, 4, {OVERLAP_M}, 64]."
+        )
 
 
 def run(job) -> dict[str, Any]:
@@ -186,7 +211,7 @@ def _reuse(b: _Bench) -> tuple[dict[str, Any], list[tuple]]:
         rows.append((f"disk store, M={m_count}", step, speeds[m_count], load_s, compute_s))
         if m_count == 1:  # I/O-bound here: load time next to compute time says so
             out["stream/load_s_m1"], out["stream/compute_s_m1"] = round(load_s, 4), round(compute_s, 4)
-        if m_count == 16:  # like over like: the timed steps' mean load and compute over their mean step
+        if m_count == OVERLAP_M:  # like over like: the timed steps' mean load and compute over their mean step
             out["stream/overlap_efficiency"] = round(max(load_s, compute_s) / statistics.fmean(times), 3)
             out["stream/io_s"], out["stream/compute_s"] = round(load_s, 4), round(compute_s, 4)
             out["stream/step_s_m16"] = round(step, 4)

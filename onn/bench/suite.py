@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import json
 import logging
 import statistics
@@ -51,12 +52,14 @@ log = logging.getLogger("onn")
 
 
 QUALITY = ("loss_fall", "exact_match")
+SCORES = ("efficiency", "speed", "memory")  # task.score_weights' keys: the scores score/overall weighs
 STEP_TIME_TARGET = 0.25  # |step_time_error| the plan is held to (the equitable grid's bound)
 STEPS_PER_WINDOW = 5  # the run's timed steps between two timings of the blocks
 
 
 def check_settings(task: BenchTask) -> None:
-    """The task's own values, checked before anything is profiled, planned or loaded."""
+    """The task's own values, checked before anything is profiled, planned or loaded: a value the figures cannot
+    use would otherwise give them wrong or empty, with `status: ok`."""
     if task.quality not in QUALITY:
         raise UserError(f"task.quality={task.quality} is not one of {', '.join(QUALITY)}.")
     for key in ("steps", "val_batches"):
@@ -64,6 +67,33 @@ def check_settings(task: BenchTask) -> None:
             raise UserError(f"task.{key}={getattr(task, key)}: the benchmark needs a whole number of at least 1.")
     if task.warmup_steps < 0:
         raise UserError(f"task.warmup_steps={task.warmup_steps}: give a whole number, 0 or more.")
+    if task.quality == "exact_match" and task.exact_match_samples < 1:
+        raise UserError(
+            f"task.exact_match_samples={task.exact_match_samples}: task.quality=exact_match scores that many held-out "
+            "answers; give 1 or more, or task.quality=loss_fall."
+        )
+    if not 0 < task.learned_p < 1:
+        raise UserError(
+            f"task.learned_p={task.learned_p}: bench/learned needs a significance level between 0 and 1 (e.g. 0.05)."
+        )
+    check_score_weights(task.score_weights)
+
+
+def check_score_weights(weights: dict[str, float]) -> None:
+    """task.score_weights: the three scores' names (a misspelt one would be left out of score/overall without a
+    word), weights 0 or more, at least one above 0."""
+    for name, weight in weights.items():
+        if name not in SCORES:
+            close = difflib.get_close_matches(name, SCORES, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise UserError(f"task.score_weights.{name} is not one of {', '.join(SCORES)}{hint}; fix its name.")
+        if not weight >= 0:
+            raise UserError(f"task.score_weights.{name}={weight}: give a weight of 0 or more.")
+    if not sum(weights.values()) > 0:
+        raise UserError(
+            f"task.score_weights={dict(weights)}: score/overall is the scores' mean by these weights; give at least "
+            "one weight above 0."
+        )
 
 
 def run(job) -> dict[str, Any]:

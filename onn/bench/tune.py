@@ -65,12 +65,18 @@ class _Trials:
         return row["status"] == "ok" and row["peak_growth_mb"] <= self.job.plan.budget_mb
 
 
+def check_settings(config: ONNConfig) -> None:
+    """tune.* in one sentence before anything is profiled: a value no search can use would end it in a traceback
+    after every trial (confirm_rounds=0 divides by its zero rounds)."""
+    tune = config.tune
+    for key, least in (("steps", 1), ("warmup_steps", 0), ("time_budget_s", 0), ("confirm_rounds", 1)):
+        if getattr(tune, key) < least:
+            raise UserError(f"tune.{key}={getattr(tune, key)}: give a number, {least} or more.")
+
+
 def run(job) -> dict[str, Any]:
     config, plan, run_dir, hw, spec = job.config, job.plan, job.run_dir, job.hardware, job.spec
     tune = config.tune
-    for key, least in (("steps", 1), ("warmup_steps", 0), ("time_budget_s", 0)):
-        if getattr(tune, key) < least:
-            raise UserError(f"tune.{key}={getattr(tune, key)}: give a number, {least} or more.")
     streaming = bool(plan.streaming)
     guess = _settings_of(plan)
     axes = {"micro_batch": micro_batch_sizes(config.data.batch_size)}

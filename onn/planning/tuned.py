@@ -2,10 +2,16 @@
 
 The tuner (onn/bench/tune.py) writes `cache_path(...)`; the planner only reads it, so planning never
 imports the benchmark that produced it. The key holds what changes the speed of a setting: the
-machine, the frozen weights, the strategy and its precision, layers, LoRA, quantisation, what trains and
-Lightning strategy, the sequence length and the batch size, and the streaming settings the tuner does not vary
-(the store's place, edges, activations, cached blocks, MLP slices, prefetch): a result measured with the store in
-host memory says nothing of one on disk.
+machine, the frozen weights, the strategy and its precision, layers, LoRA and Lightning strategy, the sequence
+length and the batch size, and the streaming settings the tuner does not vary (the store's place, edges,
+activations, cached blocks, MLP slices, prefetch): a result measured with the store in host memory says nothing of
+one on disk.
+
+The key is the planned strategy's, not the configured block's: strategy=auto planned as a full fine-tune runs what
+strategy=full runs, though its block names LoRA settings (which a full fine-tune never reads), so both take one
+result. Only what the planned strategy reads is keyed: LoRA for the adapter strategies, layers and streaming for
+sparse_lora (a strategy naming no streaming streams with every setting `auto`). What trains and the quantisation
+follow from the planned strategy itself (full trains every weight; qlora loads the base in NF4).
 """
 
 from __future__ import annotations
@@ -15,27 +21,34 @@ import json
 from pathlib import Path
 from typing import Any
 
-from onn.config import ONNConfig, as_dict
+from onn.config import ONNConfig, StreamingConfig, as_dict
 from onn.hardware.profile import Profile
 from onn.models.load import model_fingerprint
 
+ADAPTERS = ("lora", "qlora", "sparse_lora")  # the planned strategies that train LoRA adapters
+# sparse_lora's blocks when another strategy (auto) plans it (onn/planning/plan.py, PlanRequest.read): the same as
+# conf/strategy/sparse_lora.yaml's
+SPARSE_LAYERS = [0, 1, 2, 3, -4, -3, -2, -1]
+STREAMS = ("auto", "streaming")  # strategy.lightning values under which sparse_lora streams (as the plan reads them)
+
 
 def cache_path(config: ONNConfig, hw: Profile, strategy: str, seq: int) -> Path:
+    """The result file of the planned `strategy` at sequence length `seq` for this config and machine."""
     machine = hw.fingerprint or f"preset:{hw.name}"
     chosen = config.strategy
+    sparse = strategy == "sparse_lora"
+    streams = sparse and chosen.lightning in STREAMS
     key = {
         "hardware": machine,
         "model": model_fingerprint(config.model),
         "strategy": strategy,
         "sequence_length": seq,
         "batch_size": int(config.data.batch_size),
-        "precision": chosen.precision,
-        "layers": chosen.layers,
-        "lora": as_dict(chosen.lora),
-        "lightning": chosen.lightning,
-        "quantize": chosen.quantize,
-        "trainable": chosen.trainable,
-        "streaming": _fixed_streaming(chosen.streaming),
+        "precision": chosen.precision,  # the plan resolves `auto` from these same inputs
+        "layers": (chosen.layers if chosen.name == "sparse_lora" else SPARSE_LAYERS) if sparse else None,
+        "lora": as_dict(chosen.lora) if strategy in ADAPTERS else None,
+        "lightning": "streaming" if streams else chosen.lightning,
+        "streaming": _fixed_streaming(chosen.streaming or StreamingConfig()) if streams else None,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(config.paths.cache) / "tune" / f"{digest}.json"

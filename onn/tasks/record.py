@@ -186,7 +186,7 @@ class RunFolder(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config, "sweep")
-        if problem := other_sweep(Path(config.hydra.sweep.dir), list(config.hydra.overrides.task)):
+        if problem := other_sweep(Path(config.hydra.sweep.dir), config):
             print(f"error: {problem}", file=sys.stderr, flush=True)
             raise SystemExit(1)
 
@@ -225,20 +225,93 @@ class SweepStatus(Callback):
             raise SystemExit(1)
 
 
-def other_sweep(sweep_dir: Path, overrides: list[str]) -> str | None:
-    """Why this sweep may not run into sweep_dir: the folder holds finished jobs of a sweep of other overrides,
-    whose job folders (job 0, 1, ...) this one would take over, .hydra/ and metrics.json included. The same
-    overrides again resume the sweep (finished jobs are not run again), so they pass. None when it may run."""
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+
+def other_sweep(sweep_dir: Path, config: DictConfig) -> str | None:
+    """Why this sweep may not run into sweep_dir: a finished job there (job 0, 1, ...) is not the job this sweep
+    would run in its folder, whose .hydra/ and metrics.json it would take over. Hydra's basic sweeper is compared job
+    by job (its params and the command line's overrides, in order), so the same sweep again, or one that only adds
+    jobs after the finished ones, resumes it (finished jobs are not run again). Another sweeper's jobs are known only
+    as it runs them (ONN's Optuna sweeper checks each trial then: job_taken), and job folders named otherwise than by
+    number cannot be matched to jobs: the earlier sweep's multirun.yaml is compared instead. None when it may run."""
+    finished = [p.parent.name for p in sweep_dir.glob("*/metrics.json") if _ended_ok(p)]
+    if not finished:
+        return None
+    jobs = planned_jobs(config)
+    if jobs is None or not all(name.isdigit() for name in finished):  # job folders not named by hydra.job.num
+        return _other_sweep_config(sweep_dir, config)
+    for num in sorted(int(name) for name in finished):
+        if problem := job_taken(sweep_dir, num, jobs[num] if num < len(jobs) else None, len(jobs)):
+            return problem
+    return None
+
+
+def planned_jobs(config: DictConfig) -> list[list[str]] | None:
+    """Each job's overrides, in job order, as Hydra's basic sweeper will make them: its params first, then the command
+    line's task overrides, a key given in both keeping its first place. None for another sweeper, or overrides that
+    do not parse (Hydra reports those itself when the sweep starts)."""
+    if config.hydra.sweeper.get("_target_") != BASIC_SWEEPER:
+        return None
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
     try:
-        earlier = [str(o) for o in OmegaConf.load(sweep_dir / "multirun.yaml").hydra.overrides.task]
+        parsed = OverridesParser.create().parse_overrides([*params, *config.hydra.overrides.task])
+        batches = BasicSweeper.split_arguments(parsed, None)
+    except Exception:  # noqa: BLE001 - Hydra's own error for the sweep follows, in its words
+        return None
+    return [list(job) for batch in batches for job in batch]
+
+
+def job_taken(sweep_dir: Path, num: int, overrides: list[str] | None, count: int = 0) -> str | None:
+    """Why job `num` of this sweep (its `overrides`; None: the sweep, of `count` jobs, has no such job) may not run
+    into sweep_dir: its folder holds a finished job of other overrides. The order of one job's overrides does not
+    change its config. None when it may run (no finished job there, or the same one: it is not run again)."""
+    job = sweep_dir / str(num)
+    if not _ended_ok(job / "metrics.json"):
+        return None
+    earlier = _job_overrides(job)
+    if earlier is not None and overrides is not None and sorted(earlier) == sorted(overrides):
+        return None
+    ran = " ".join(earlier or []) or "no overrides"
+    if earlier is None:
+        ran = "overrides its .hydra/overrides.yaml no longer says"
+    clash = (
+        f"where this sweep's job {num} is `{' '.join(overrides) or 'no overrides'}` and would overwrite it"
+        if overrides is not None
+        else f"and this sweep has {count} job(s), so its grid would show that one beside its own"
+    )
+    return (
+        f"hydra.sweep.dir={sweep_dir} holds the finished jobs of another sweep: its job {num} ran `{ran}`, {clash}; "
+        "give another hydra.sweep.dir, or move that folder away."
+    )
+
+
+def _job_overrides(job: Path) -> list[str] | None:
+    try:
+        overrides = OmegaConf.load(job / ".hydra" / "overrides.yaml")
+    except (OSError, ValueError):
+        return None
+    return [str(o) for o in overrides] if OmegaConf.is_list(overrides) else None
+
+
+def _other_sweep_config(sweep_dir: Path, config: DictConfig) -> str | None:
+    """Another sweeper: its earlier sweep's settings and overrides (in order) against this one's, from the
+    multirun.yaml it saved; None when they are the same, or it saved none."""
+    try:
+        earlier = OmegaConf.load(sweep_dir / "multirun.yaml").hydra
+        before = (OmegaConf.to_container(earlier.sweeper), [str(o) for o in earlier.overrides.task])
     except (OSError, ValueError, AttributeError):  # no earlier sweep there (or not Hydra's): nothing to take over
         return None
-    if sorted(earlier) == sorted(overrides) or not any(_ended_ok(m) for m in sweep_dir.glob("*/metrics.json")):
+    now = (OmegaConf.to_container(config.hydra.sweeper), [str(o) for o in config.hydra.overrides.task])
+    if before == now:
         return None
     return (
-        f"hydra.sweep.dir={sweep_dir} holds the finished jobs of another sweep ({' '.join(earlier) or 'no overrides'}) "
-        f"that this one ({' '.join(overrides) or 'no overrides'}) would overwrite: give another hydra.sweep.dir, or "
-        "move that folder away."
+        f"hydra.sweep.dir={sweep_dir} holds the finished jobs of another sweep ({' '.join(before[1]) or 'no overrides'}"
+        f"; sweeper {before[0]}) that this one ({' '.join(now[1]) or 'no overrides'}; sweeper {now[0]}) would "
+        "overwrite: give another hydra.sweep.dir, or move that folder away."
     )
 
 
