@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 
 import lightning as L
 import pytest
@@ -235,6 +236,31 @@ def test_plan_refuses_a_store_the_disk_cannot_hold(tmp_path):
     # the disk holds int8 but not bf16: the plan takes what fits, before anything is written
     p = plan("model=phi4", "hardware=cpu_16gb", "strategy=sparse_lora", tmp_path=tmp_path, disk_free_mb=20_000)
     assert p.streaming.store_dtype == "int8" and not (tmp_path / "outputs" / ".cache" / "stores").exists()
+
+
+def test_a_disk_refusal_shows_the_shortfall_and_suggests_only_a_smaller_store(tmp_path):
+    """A disk 2.001 GB free against a store of some MB and the 2 GB reserve was refused with "needs 0.0 GB more ...
+    and 2 GB must stay free, but the disk has 2.0 GB free" (figures that fit) and advice of a smaller store dtype
+    below nf4, the smallest. The figures now add up to a shortfall; a smaller dtype is named only where one exists."""
+    free = 2.001 * 1024  # MB
+    with pytest.raises(UserError) as refused:
+        plan(
+            "model=phi4_tiny",
+            "strategy=sparse_lora",
+            "strategy.streaming.store=disk",
+            tmp_path=tmp_path,
+            disk_free_mb=free,
+        )
+    message = str(refused.value)
+    figures = (
+        r"phi4_tiny as nf4 needs [\d.]+ MB more under .*, and 2\.0 GB must stay free for others: 2\.0 GB in all, but "
+        r"the disk has 2\.0 GB free \([\d.]+ [KM]B short\); set paths\.cache \(or ONN_CACHE\) to a disk with room\.$"
+    )
+    assert re.search(figures, message), message
+    assert "store_dtype" not in message
+    with pytest.raises(UserError, match=r"or a smaller strategy\.streaming\.store_dtype \(bfloat16, int8, nf4\)\.$"):
+        plan("model=phi4_tiny", "strategy=sparse_lora", "strategy.streaming.store=disk",
+             "strategy.streaming.store_dtype=float32", tmp_path=tmp_path, disk_free_mb=free)  # fmt: skip
 
 
 def test_threads_follow_the_free_cores_and_the_plan_says_so(tmp_path):

@@ -156,3 +156,50 @@ def test_trainer_precision_is_strategy_precisions_or_one_sentence_before_the_pla
         planned("trainer.precision=32", "strategy.precision=bf16-mixed")
     assert planned("trainer.precision=bf16", "strategy.precision=bf16-mixed").precision == "bf16-mixed"
     assert planned("strategy.precision=bf16-mixed").precision == "bf16-mixed"
+
+
+STREAMED_DIT = (
+    "data=diffusion",
+    "model=dit_small",
+    "model.kwargs={num_layers: 4, num_attention_heads: 4, attention_head_dim: 16, patch_size: 2, norm_num_groups: 4}",
+    "data.image_size=[8,8]",
+    "data.channels=1",
+    "hardware=cpu_16gb",
+    "strategy=sparse_lora",
+    "strategy.layers=[3]",
+    "strategy.streaming.store=disk",
+)
+
+
+def network_plan(tmp_path, *overrides: str):
+    from onn.modalities import get
+
+    cfg = compose(*STREAMED_DIT, *overrides)
+    return get("diffusion").plan(cfg, resolve(cfg.hardware, tmp_path / "cache", tmp_path))[0]
+
+
+def test_a_streamed_network_plans_the_store_settings_the_config_fixes_and_says_which_do_not_apply(tmp_path):
+    """A network's plan took a float32 store, no cached blocks and device activations whatever the config fixed, and
+    said nothing; the engine streams any store dtype and caches blocks for any network. They are planned as given,
+    the store counted at its dtype; edges and eval_tokens, which a network's engine does not use, are said not to
+    apply."""
+    plain = network_plan(tmp_path)
+    plan = network_plan(
+        tmp_path,
+        "strategy.streaming.store_dtype=int8",
+        "strategy.streaming.cache_blocks=2",
+        "strategy.streaming.activations=host",
+        "strategy.streaming.edges=stream",
+        "strategy.streaming.eval_tokens=100",
+    )
+    s = plan.streaming
+    assert (s.store, s.store_dtype, s.cache_blocks, s.activations) == ("disk", "int8", 2, "host")
+    assert plain.streaming.store_dtype == "float32" and plain.streaming.cache_blocks == 0
+    assert s.store_gb < plain.streaming.store_gb / 3.5  # a byte a value, not four
+    assert s.predicted_disk_read_gb < plain.streaming.predicted_disk_read_gb / 3.5  # and the cached blocks not read
+    reasons = "\n".join(plan.reasons)
+    assert "store of int8 (2 blocks cached in memory)" in reasons
+    assert "strategy.streaming.edges=stream does not apply" in reasons and s.edges == "resident"
+    assert "strategy.streaming.eval_tokens=100 does not apply" in reasons
+    assert "stored as int8 and computed in float32" in reasons
+    assert not any("does not apply" in r or "stored as" in r for r in plain.reasons)

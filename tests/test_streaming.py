@@ -746,6 +746,40 @@ def test_quantized_store_trains_the_dequantized_model(tmp_path, dtype, max_error
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_an_lstm_stack_streams_from_an_int8_store_as_its_dequantized_self(tmp_path):
+    """A network's fixed store_dtype is now honoured (the plan took float32 whatever was set). An LSTM's weight
+    matrices are no linear's, so an int8 store de-quantizes them whole in the loader instead of leaving their row
+    scales to a linear's output (a KeyError on the LSTM's weight): a step's loss and gradients, with a block cached,
+    are the de-quantized network's."""
+    from onn.models.zoo.recurrent import AudioRNN
+    from onn.training.classifier import ClassifierObjective
+
+    torch.manual_seed(0)
+    resident = AudioRNN(1, 10, 8, hidden=64, layers=4, dropout=0.0)
+    for name, p in resident.named_parameters():
+        p.requires_grad_(name.startswith("classifier") or (name.startswith("layers") and "bias" in name))
+    streamed = copy.deepcopy(resident)
+    store = LayerStore("disk", "int8", folder=tmp_path)
+    objective = ClassifierObjective(F.cross_entropy)
+    engine = StreamingEngine(streamed, discover(streamed), store, 2, objective=objective, cache_blocks=1)
+    engine.offload()
+    assert any(n.endswith(".scale") for n in store.read(0))  # the LSTM's weights are stored as codes
+    for i, block in enumerate(discover(resident).blocks):
+        params = dict(block.named_parameters())
+        for name, t in store_decoded(engine, i).items():
+            params[name].data = t
+    g = torch.Generator().manual_seed(2)
+    batches = [{"x": torch.randn(4, 1, 8, 20, generator=g), "y": torch.randint(0, 10, (4,), generator=g)} for _ in "ab"]
+    for batch in batches:
+        (objective.loss(resident(**objective.inputs(batch)), batch) / len(batches)).backward()
+    engine.train_step(batches)
+    want, got = lora_grads(resident), lora_grads(streamed)
+    assert any(".bias" in n for n in want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    engine.close()
+
+
 def store_decoded(engine, i):
     return engine.store.decode(engine.store.read(i), torch.device("cpu"), torch.float32)
 
@@ -790,6 +824,106 @@ def test_a_block_whose_header_is_damaged_is_rebuilt_not_used(tmp_path):
     fresh.fill(blocks)
     assert fresh.rebuilt == [0, 1, 2, 3]
     assert all(torch.equal(fresh.read(i)["w"], blocks[i]["w"]) for i in range(4))
+
+
+GENERATE_FROM_CODES = """
+import sys, torch
+from pathlib import Path
+from test_streaming import LAYER_SETS, lora_model
+from onn.models.layers import discover
+from onn.streaming.engine import StreamingEngine
+from onn.streaming.store import LayerStore
+torch.set_num_threads(1)
+model = lora_model("llama", LAYER_SETS["last4"], hidden_size=64, intermediate_size=96).eval()
+engine = StreamingEngine(model, discover(model), LayerStore("disk", "int8", folder=Path(sys.argv[1])), 2,
+                         compute_dtype=torch.bfloat16)
+engine.offload()
+ids = torch.arange(3, 27).view(4, 6)
+print(engine.generate(ids, torch.ones_like(ids), max_new_tokens=2).tolist())
+"""
+
+
+def _tensor_starts(path) -> dict[str, int]:
+    """Each tensor's first byte in a safetensors file, read from its header as any reader would."""
+    import json
+    import struct
+
+    data = path.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + length])
+    return {n: 8 + length + t["data_offsets"][0] for n, t in header.items() if n != "__metadata__"}
+
+
+def test_generating_in_bf16_from_int8_codes_survives_a_header_of_any_length(tmp_path):
+    """torch's weight-only int8 matmul (a few rows from an int8 store's codes, on a CPU) segfaults on codes that
+    are not 16-byte aligned, and the codes are views of the block file read: this model's header length left its
+    MLP's codes 8 bytes off, and generating for four prompts killed the process. Every tensor of a block file now
+    starts 64-byte aligned, and any safetensors reader still opens it. In a subprocess: a crash fails the test."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from safetensors.torch import load_file
+
+    store = tmp_path / "store"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}
+    proc = subprocess.run(
+        [sys.executable, "-c", GENERATE_FROM_CODES, str(store)], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+    assert len(eval(proc.stdout.strip().splitlines()[-1])) == 4
+    files = sorted(store.glob("*.safetensors"))
+    assert len(files) == 8
+    for path in files:
+        assert all(start % 64 == 0 for start in _tensor_starts(path).values()), path.name
+        assert any(t.dtype == torch.int8 for t in load_file(path).values())
+
+
+def test_a_block_of_the_earlier_unaligned_format_is_rebuilt_not_read(tmp_path):
+    """Block files of the earlier format aligned a tensor only for its dtype: their markers name no format, so
+    the blocks are rebuilt (an int8 matmul reading their codes in place could crash), and a file whose tensors
+    are off the store's alignment, whatever its marker says, is rebuilt too."""
+    import json
+    import struct
+
+    blocks = {i: {"w": torch.randn(3, 5), "b": torch.randn(7)} for i in range(3)}
+    store = LayerStore("disk", "float32", folder=tmp_path)
+    store.fill(blocks)
+    marker = json.loads((tmp_path / "block_00000.done").read_text())
+    del marker["format"]  # what the earlier format's marker held
+    (tmp_path / "block_00000.done").write_text(json.dumps(marker))
+    path = store.block_file(1)  # the earlier layout: the header padded to 8 bytes only, no padding between tensors
+    header = {"w": {"dtype": "F32", "shape": [3, 5], "data_offsets": [0, 60]},
+              "b": {"dtype": "F32", "shape": [7], "data_offsets": [60, 88]}}  # fmt: skip
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    data = blocks[1]["w"].numpy().tobytes() + blocks[1]["b"].numpy().tobytes()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    marker = json.loads((tmp_path / "block_00001.done").read_text())
+    (tmp_path / "block_00001.done").write_text(json.dumps({**marker, "bytes": path.stat().st_size}))
+    fresh = LayerStore("disk", "float32", folder=tmp_path)
+    fresh.fill(blocks)
+    assert fresh.rebuilt == [0, 1]
+    for i in range(3):
+        got = fresh.read(i)
+        assert torch.equal(got["w"], blocks[i]["w"]) and torch.equal(got["b"], blocks[i]["b"])
+        assert all(t.data_ptr() % 64 == 0 for t in got.values())
+
+
+def test_a_file_where_the_store_folder_goes_is_one_sentence(tmp_path):
+    """A file in place of a disk store's folder, or of a folder above it (a damaged cache), was a bare
+    FileExistsError traceback from the build; it is one sentence naming the path, and nothing is written."""
+    from onn.errors import UserError
+
+    blocks = {0: {"w": torch.ones(4, 4)}}
+    (tmp_path / "stores").mkdir()
+    (tmp_path / "stores" / "float32").write_text("junk")
+    with pytest.raises(UserError, match=r"layer store folder .*stores/float32 is a file: remove it, or set paths"):
+        LayerStore("disk", "float32", folder=tmp_path / "stores" / "float32").fill(blocks)
+    with pytest.raises(UserError, match=r"float32/int8 cannot be made: .*stores/float32 is a file; remove it"):
+        LayerStore("disk", "int8", folder=tmp_path / "stores" / "float32" / "int8").fill(blocks)
+    assert (tmp_path / "stores" / "float32").read_text() == "junk"
 
 
 def _two_builds_at_once(build, folder, monkeypatch, caplog) -> dict:
@@ -904,9 +1038,12 @@ def test_bad_streaming_inputs(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda path: namedtuple("u", "total used free")(10, 10, 1024))
     with pytest.raises(
         UserError,
-        match=r"needs 4 MB more \(1 blocks as float32\) plus 2.0 GB left free for others, but the disk has 0 MB free",
+        match=r"needs 4.0 MB more \(1 blocks as float32\) and 2.0 GB left free for others: 2.0 GB in all, but the disk "
+        r"has 1 KB free \(2.0 GB short\); .* or a smaller strategy.streaming.store_dtype \(bfloat16, int8, nf4\)\.$",
     ):
         LayerStore("disk", "float32", folder=tmp_path).fill({0: {"w": torch.zeros(1024, 1024)}})
+    with pytest.raises(UserError, match=r"as nf4\) .*set paths.cache \(or ONN_CACHE\) to a disk with room\.$"):
+        LayerStore("disk", "nf4", folder=tmp_path).fill({0: {"w": torch.zeros(1024, 1024)}})  # no smaller dtype
     assert not list(tmp_path.glob("*.safetensors"))  # checked before anything was written
 
 

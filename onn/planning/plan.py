@@ -234,6 +234,29 @@ def make_network_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
     )
 
 
+def _network_streaming_notes(given: StreamingConfig, streaming: StreamingPlan) -> list[str]:
+    """What the plan says of the streaming settings a network's engine takes otherwise than a language model's:
+    those that do not apply, and a store that keeps the blocks at less than their precision."""
+    notes = []
+    if given.mlp_tiles not in ("auto", 1):  # a language model's gated MLPs only (onn/streaming/tiled_mlp.py)
+        notes.append(f"strategy.streaming.mlp_tiles={given.mlp_tiles} does not apply: a network's blocks compute whole")
+    if given.edges == "stream":
+        notes.append(
+            "strategy.streaming.edges=stream does not apply: a network's layers outside its blocks stay in memory"
+        )
+    if given.eval_tokens != "auto":
+        notes.append(
+            f"strategy.streaming.eval_tokens={given.eval_tokens} does not apply: a network's validation streams "
+            "one batch at a time"
+        )
+    if streaming.store_dtype != "float32":
+        notes.append(
+            f"the blocks' frozen weights are stored as {streaming.store_dtype} and computed in float32 from that; "
+            "task=eval, infer and export of the checkpoint build them again at full precision"
+        )
+    return notes
+
+
 def make_network_streaming_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
     """A network's blocks streamed (strategy=sparse_lora on a denoiser or a recurrent stack): its frozen block
     weights in a layer store, what trains resident, the whole batch one micro-batch (network_streaming)."""
@@ -262,12 +285,12 @@ def make_network_streaming_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) ->
     reasons = [
         "strategy=sparse_lora was asked for",
         f"{spec.n_blocks} blocks ({spec.layer_map}), {store_mb:,.1f} MB of frozen block weights in a "
-        f"{streaming.store} store, {streaming.chunk_size} block(s) at a time: predicted {peak(m) / MB:,.1f} MB "
+        f"{streaming.store} store of {streaming.store_dtype}"
+        + (f" ({streaming.cache_blocks} blocks cached in memory)" if streaming.cache_blocks else "")
+        + f", {streaming.chunk_size} block(s) at a time: predicted {peak(m) / MB:,.1f} MB "
         f"for the step in a budget of {budget / MB:,.1f} MB (the process's {ctx:,.0f} MB aside)",
     ]
-    tiles = cfg.strategy.streaming.mlp_tiles
-    if tiles not in ("auto", 1):  # a language model's gated MLPs only (onn/streaming/tiled_mlp.py)
-        reasons.append(f"strategy.streaming.mlp_tiles={tiles} does not apply: a network's blocks compute whole")
+    reasons += _network_streaming_notes(cfg.strategy.streaming, streaming)
     if streaming.refused:
         raise UserError(
             f"hardware {hw.name}: a budget of {budget_mb(hw):,.0f} MB cannot hold one streamed block of {spec.name} "

@@ -35,7 +35,14 @@ from onn.planning.costs import (
     token_flops,
 )
 from onn.planning.spec import ModelSpec
-from onn.streaming.schedule import CAST_TILE_VALUES, cached_blocks, generates_from_codes, mlp_slices
+from onn.streaming.schedule import (
+    CAST_TILE_VALUES,
+    cached_blocks,
+    generates_from_codes,
+    human_bytes,
+    mlp_slices,
+    smaller_store_dtypes,
+)
 
 # On a GPU, streamed settings predicted within this share of the fastest step count as equally fast, and
 # the one holding the least device memory wins: the prediction's own error is about this large, and a step
@@ -413,11 +420,18 @@ def smallest(s: StreamShape, dtypes: list[str]) -> Setting:
 
 
 def disk_refusal(s: StreamShape, refused: list[tuple[str, int]]) -> str:
+    """One sentence for a disk too small for any store the plan could take: what the smallest store needs, with the
+    reserve and the shortfall (the rounded figures alone looked as if they fit), and a smaller store dtype only
+    where there is one the plan did not try."""
     sd, missing = min(refused, key=lambda r: r[1])
+    free, need = float(s.hw.disk_free_mb) * MB, missing + DISK_RESERVE
+    smaller = [d for d in smaller_store_dtypes(sd) if d not in {r[0] for r in refused}]
     return (
-        f"not enough disk for the layer store: {s.spec.name} as {sd} needs {missing / 2**30:,.1f} GB more under "
-        f"{s.where} and 2 GB must stay free, but the disk has {s.hw.disk_free_mb / 1024:,.1f} GB free; "
-        "set paths.cache (or ONN_CACHE) to a disk with room, or a smaller strategy.streaming.store_dtype."
+        f"not enough disk for the layer store: {s.spec.name} as {sd} needs {human_bytes(missing)} more under "
+        f"{s.where}, and {human_bytes(DISK_RESERVE)} must stay free for others: {human_bytes(need)} in all, but the "
+        f"disk has {human_bytes(free)} free ({human_bytes(need - free)} short); set paths.cache (or ONN_CACHE) to a "
+        "disk with room"
+        + (f", or a smaller strategy.streaming.store_dtype ({', '.join(smaller)})." if smaller else ".")
     )
 
 
@@ -725,21 +739,32 @@ def gpu_stream_compute(s: StreamShape, sd: str, chunk: int, suffix_rows: int, ti
     return {"forward": forward, "backward": backward, "suffix": suffix}
 
 
-def network_stream_memory(spec: ModelSpec, batch: int, chunk: int, store: str, optimizer_bytes: int) -> dict:
-    """Memory of a streamed step of a network (a denoiser, a recurrent stack), its blocks' frozen weights in a
-    float32 store, the whole batch one micro-batch: two slots of `chunk` blocks (the one computing and the one
-    loading), a host-memory store in full on a CPU, the weights outside the blocks and what trains (its weights,
-    gradients and optimizer state: AdamW's moments exist from the first optimizer step on), the input of every
-    chunk kept for the backward, one chunk's activations while it is recomputed and the activations outside the
-    blocks, with their gradients. A recurrence's backward steps through time, holding one step's gradients beside
-    its saved activations, not a second copy of them. The heap keeps no freed activations: the engine holds glibc's
-    mmap threshold for a network (Objective.hold_mmap_threshold), measured by recipe=bench_streamed_arch."""
+def network_stream_memory(
+    spec: ModelSpec,
+    batch: int,
+    chunk: int,
+    store: str,
+    optimizer_bytes: int,
+    store_dtype: str = "float32",
+    cache: int = 0,
+) -> dict:
+    """Memory of a streamed step of a network (a denoiser, a recurrent stack), its blocks' frozen weights in a store
+    of `store_dtype` (small tensors counted at that dtype too), the whole batch one micro-batch: two slots of `chunk`
+    blocks (the one computing and the one loading: each block's file, and its float32 copy when the store holds
+    another dtype), a host-memory store in full on a CPU (a disk store's `cache` blocks), the weights outside the
+    blocks and what trains (its weights, gradients and optimizer state: AdamW's moments exist from the first
+    optimizer step on), the input of every chunk kept for the backward, one chunk's activations while it is
+    recomputed and the activations outside the blocks, with their gradients. A recurrence's backward steps through
+    time, holding one step's gradients beside its saved activations, not a second copy of them. The heap keeps no
+    freed activations: the engine holds glibc's mmap threshold for a network (Objective.hold_mmap_threshold),
+    measured by recipe=bench_streamed_arch."""
     n = spec.n_blocks
     trained = sum(spec.lora_params_per_block) + spec.edge_trainable_params
     frozen = [p - t for p, t in zip(spec.block_params, spec.lora_params_per_block)]
-    files = [4 * f for f in frozen]
-    held = sum(files) if store == "cpu" else 0
-    weights = held + 2 * chunk * max(files) + 4 * (spec.params - sum(frozen) - trained) + 4 * trained
+    files = [int(f * DTYPE_BYTES[store_dtype]) for f in frozen]
+    held = sum(files) if store == "cpu" else min(n, cache) * max(files)
+    decoded = 4 * max(frozen) if store_dtype != "float32" else 0
+    weights = held + 2 * chunk * (max(files) + decoded) + 4 * (spec.params - sum(frozen) - trained) + 4 * trained
     lowest = min((i for i, t in enumerate(spec.lora_params_per_block) if t), default=n) // chunk
     kept = (-(-n // chunk) - lowest + 2) * spec.boundary_bytes * batch
     blocks = spec.block_activation_bytes or [0]
@@ -749,6 +774,7 @@ def network_stream_memory(spec: ModelSpec, batch: int, chunk: int, store: str, o
     inside = chunk * max(blocks) * batch * (1 if spec.recurrent_blocks else 2)
     activations = kept + inside + 2 * outside
     optimizer = trained * optimizer_bytes
+    cached = set(cached_blocks(n, cache, lowest * chunk)) if store == "disk" else set(range(n))
     return {
         "weights": weights,
         "trainable": 4 * trained,
@@ -756,6 +782,7 @@ def network_stream_memory(spec: ModelSpec, batch: int, chunk: int, store: str, o
         "activations": activations,
         "workspace": 0.05 * (weights - held + activations + optimizer),
         "store": sum(files),
+        "read": sum(f for i, f in enumerate(files) if i not in cached),  # by each pass, forward and backward
     }
 
 
@@ -763,29 +790,36 @@ def network_streaming(
     spec: ModelSpec, hw: Profile, batch: int, budget: float, fixed: FixedStreaming, optimizer_bytes: int
 ) -> tuple[StreamingPlan, dict]:
     """A network's streaming setting: the store in host memory when all of it fits the budget, else on the disk;
-    the largest chunk that fits (fewest loads); the memory of it. Settings the config fixes are taken as given."""
+    the largest chunk that fits (fewest loads); the memory of it. Settings the config fixes are taken as given
+    (the edges and eval_tokens do not apply: make_network_streaming_plan says so); the store's dtype is float32
+    unless fixed, and a disk store caches no blocks unless `cache_blocks` is fixed."""
     stores = [fixed.store] if fixed.store else ["cpu", "disk"]
     chunks = [fixed.chunk_size] if fixed.chunk_size else sorted(chunk_sizes(spec.n_blocks), reverse=True)
-    options = [(s, c, network_stream_memory(spec, batch, c, s, optimizer_bytes)) for s in stores for c in chunks]
+    sd, cache = fixed.store_dtype or "float32", int(fixed.cache_blocks or 0)
+    options = [
+        (s, c, network_stream_memory(spec, batch, c, s, optimizer_bytes, sd, cache if s == "disk" else 0))
+        for s in stores
+        for c in chunks
+    ]
     fitting = [o for o in options if peak(o[2]) <= budget]
     store, chunk, m = fitting[0] if fitting else options[-1]
-    reads = 0 if store == "cpu" else 2 * m["store"]  # forward and backward each read every block once
+    reads = 0 if store == "cpu" else 2 * m["read"]  # forward and backward each read every uncached block once
     io = reads / MB / float(hw.disk_read_mb_s or 1000.0)
     compute = 3 * spec.sample_flops * batch / (float(hw.matmul_tflops or 1.0) * 1e12)
     plan = StreamingPlan(
         chunk_size=int(chunk),
         store=store,
-        store_dtype="float32",
+        store_dtype=sd,
         edges="resident",
-        activations="device",
-        cache_blocks=0,
+        activations=fixed.activations or "device",
+        cache_blocks=min(spec.n_blocks, cache) if store == "disk" else 0,
         eval_tokens=0,
         mlp_tiles=1,
         generate_batch=0,
         generate_cache_blocks=0,
         generate_sequence_mb=0.0,
         generate_spare_mb=0.0,
-        block_mb=round(max(spec.block_params) * 4 / MB, 3),
+        block_mb=round(max(spec.block_params) * DTYPE_BYTES[sd] / MB, 3),  # one cached block
         suffix_rows=batch,
         compute_dtype="float32",
         micro_batches_per_chunk=1,

@@ -450,6 +450,7 @@ class StreamingEngine:
             for pos, i in enumerate(self.chunks[c]):
                 stored = self._stored(i, slot, pos)
                 scales = {} if self.store.dtype == "int8" else None
+                linears = self._linears[i]  # their int8 weights scale the output; others (an LSTM's) decode whole
                 if self._copy_stream is not None:
                     if after is not None:  # read from the host already; the device memory is the released chunk's
                         after.synchronize()
@@ -463,12 +464,17 @@ class StreamingEngine:
                             non_blocking=True,
                             scales=scales,
                             codes=self._codes_direct,
+                            scaled=linears,
                         )
                 elif self._codes_direct:  # views of the read buffer (or the cached block): nothing to keep
-                    tensors = self.store.decode(stored, self.device, self.compute_dtype, scales=scales, codes=True)
+                    tensors = self.store.decode(
+                        stored, self.device, self.compute_dtype, scales=scales, codes=True, scaled=linears
+                    )
                 else:
                     targets = slot.decoded.get(pos) if slot is not None else None
-                    tensors = self.store.decode(stored, self.device, self.compute_dtype, out=targets, scales=scales)
+                    tensors = self.store.decode(
+                        stored, self.device, self.compute_dtype, out=targets, scales=scales, scaled=linears
+                    )
                     if slot is not None and not self._zero_copy:
                         slot.decoded[pos] = tensors
                 out[i] = (tensors, scales or {})

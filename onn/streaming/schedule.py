@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
+from onn.dtypes import BYTES_PER_VALUE
+
 # Rows up to which torch's weight-only int8 matmul beats a cast of the weight and a 16-bit matmul: its cost
 # grows with the rows (5120x17920 on a Xeon, 2 threads: 4 ms at 1 row, 13 at 8, 45 at 32, 179 at 128),
 # the cast's does not (64 ms, matmul included, up to a few hundred rows).
@@ -22,6 +26,22 @@ def mlp_slices(intermediate: int, tiles: int) -> list[tuple[int, int]]:
     width = -(-intermediate // max(1, tiles))
     width = max(MLP_SLICE_ALIGN, -(-width // MLP_SLICE_ALIGN) * MLP_SLICE_ALIGN)
     return [(a, min(a + width, intermediate)) for a in range(0, intermediate, width)]
+
+
+def smaller_store_dtypes(store_dtype: str) -> list[str]:
+    """The store dtypes that take fewer bytes than `store_dtype` (none below nf4): advice for a disk too small
+    (float16 is bfloat16's size, and named once)."""
+    return [d for d in ("bfloat16", "int8", "nf4") if BYTES_PER_VALUE[d] < BYTES_PER_VALUE[store_dtype]]
+
+
+def human_bytes(n: float) -> str:
+    """A size as the store's and the plan's messages give it, with a figure that is not zero where the size is not
+    (a disk's shortfall may be a few KB)."""
+    if n >= 2**30:
+        return f"{n / 2**30:,.1f} GB"
+    if n >= 10 * 2**20:
+        return f"{n / 2**20:,.0f} MB"
+    return f"{n / 2**20:,.1f} MB" if n >= 2**20 else f"{math.ceil(n / 2**10):,} KB"
 
 
 def cached_blocks(n: int, count: int, first_twice: int = 0) -> list[int]:

@@ -1,8 +1,8 @@
 """The layer store: frozen block weights kept off the compute device, one block at a time.
 
 `disk`: one safetensors file per block in a folder keyed by the model's fingerprint, each with a
-`.done` marker that records the file's size; a block whose file or marker is missing or whose
-size disagrees is rebuilt, never used. A block file is written to a temporary name, synced,
+`.done` marker that records the file's size and the store's format; a block whose file or marker is missing or whose
+size or format disagrees is rebuilt, never used. A block file is written to a temporary name, synced,
 renamed, and only then marked, so a build killed at any moment leaves whole blocks (reused) and
 at most one unmarked file (rebuilt). `cpu`: the same tensors held in host memory (pinned when a
 GPU will read them).
@@ -29,6 +29,7 @@ import os
 import shutil
 import struct
 import time
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from onn.hardware import failpoints
 from onn.hardware.disk import aligned, buffer, evict, read_file
 from onn.hardware.locks import held
 from onn.hardware.memory import pinned_copy
+from onn.streaming.schedule import human_bytes, smaller_store_dtypes
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,14 @@ ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
              "U8": torch.uint8, "I64": torch.int64, "I32": torch.int32}  # fmt: skip
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit: a longer header length is damage
+# every tensor of a block file starts at a multiple of this many bytes (a cache line): the read buffer is
+# page-aligned, so the stored tensors, views of it, are too. torch's weight-only int8 matmul on a CPU
+# (generating from an int8 store's codes) segfaults on codes that are not 16-byte aligned.
+STORE_ALIGN = 64
+PAD = "__pad__"  # the names of the bytes between tensors (safetensors allows no holes): never a weight
+# a block file's layout, recorded in its marker: a block of another format (format 1 aligned its tensors
+# only for their dtype) is rebuilt, not read
+STORE_FORMAT = 2
 
 
 @dataclass
@@ -94,7 +104,7 @@ class LayerStore:
             return False
         try:
             recorded = json.loads(marker.read_text())
-            if recorded["bytes"] != path.stat().st_size:
+            if recorded["bytes"] != path.stat().st_size or recorded.get("format") != STORE_FORMAT:
                 return False
             if shapes is not None and (recorded["shapes"] != shapes or recorded["dtype"] != self.dtype):
                 return False
@@ -103,13 +113,44 @@ class LayerStore:
             return False
         return True
 
-    def building(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def building(self) -> Iterator[None]:
         """Hold a disk store's folder while checking and writing blocks: a second build (another run of the
         model, another rank) waits, then finds the first one's blocks whole, and never sees a half-written one."""
         if self.kind == "cpu":
-            return contextlib.nullcontext()
-        self.folder.mkdir(parents=True, exist_ok=True)
-        return held(self.folder, on_wait=lambda: log.info("%s: another process is building it; waiting", self.folder))
+            yield
+            return
+        self._make_folder()
+        with contextlib.ExitStack() as lock:
+            try:
+                lock.enter_context(
+                    held(
+                        self.folder,
+                        on_wait=lambda: log.info("%s: another process is building it; waiting", self.folder),
+                    )
+                )
+            except OSError as e:  # a folder that refuses the lock file (read-only, not ours)
+                raise self._unusable(e) from None
+            yield
+
+    def _make_folder(self) -> None:
+        """The disk store's folder, made where missing; one sentence when a file (or the file system) is in the way."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise self._unusable(e) from None
+
+    def _unusable(self, error: OSError) -> UserError:
+        """One sentence naming the store folder the disk refused (a file in its place or above it, no permission)."""
+        folder, elsewhere = self.folder, "set paths.cache (or ONN_CACHE) to another folder"
+        blocking = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+        if blocking == folder:
+            return UserError(f"the layer store folder {folder} is a file: remove it, or {elsewhere}.")
+        if blocking is not None:
+            return UserError(
+                f"the layer store folder {folder} cannot be made: {blocking} is a file; remove it, or {elsewhere}."
+            )
+        return UserError(f"the layer store folder {folder} cannot be used: {error.strerror or error}; {elsewhere}.")
 
     def fill(self, blocks: dict[int | str, dict[str, torch.Tensor]]) -> None:
         """Store each block's frozen tensors (disk: only blocks without a complete file are written)."""
@@ -125,7 +166,7 @@ class LayerStore:
         inside `building`: a temporary file found then is a dead build's."""
         if self.kind == "cpu":
             return list(shapes)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self._make_folder()
         for stale in self.folder.glob("*.tmp"):  # a build killed while writing
             stale.unlink(missing_ok=True)
         missing = [i for i in shapes if not self.is_complete(i, shapes[i])]
@@ -133,12 +174,14 @@ class LayerStore:
         reusable = sum(self.block_file(i).stat().st_size for i in missing if self.block_file(i).is_file())
         free = shutil.disk_usage(self.folder).free + reusable
         if needed + DISK_RESERVE_BYTES > free:
+            smaller = smaller_store_dtypes(self.dtype)
             raise UserError(
                 f"the layer store at {self.folder} needs {human_bytes(needed)} more ({len(missing)} blocks as "
-                f"{self.dtype}) plus {human_bytes(DISK_RESERVE_BYTES)} left free for others, "
-                f"but the disk has {human_bytes(free)} free; "
-                "set paths.cache (or ONN_CACHE) to a disk with room, "
-                "or a smaller strategy.streaming.store_dtype (bfloat16, int8)."
+                f"{self.dtype}) and {human_bytes(DISK_RESERVE_BYTES)} left free for others: "
+                f"{human_bytes(needed + DISK_RESERVE_BYTES)} in all, but the disk has {human_bytes(free)} free "
+                f"({human_bytes(needed + DISK_RESERVE_BYTES - free)} short); "
+                "set paths.cache (or ONN_CACHE) to a disk with room"
+                + (f", or a smaller strategy.streaming.store_dtype ({', '.join(smaller)})." if smaller else ".")
             )
         return missing
 
@@ -162,7 +205,8 @@ class LayerStore:
         os.replace(tmp, path)
         shapes = {n: list(t.shape) for n, t in tensors.items()}
         size = path.stat().st_size
-        self._marker(index).write_text(json.dumps({"bytes": size, "shapes": shapes, "dtype": self.dtype}))
+        marker = {"bytes": size, "shapes": shapes, "dtype": self.dtype, "format": STORE_FORMAT}
+        self._marker(index).write_text(json.dumps(marker))
         self._layouts[index] = read_layout(path)
         if self.progress is not None:
             self.progress(index, size)
@@ -201,6 +245,7 @@ class LayerStore:
         out: dict[str, torch.Tensor] | None = None,
         scales: dict[str, torch.Tensor] | None = None,
         codes: bool = False,
+        scaled: Container[str] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Stored tensors -> compute tensors on `device`; quantized ones are de-quantized there.
 
@@ -209,7 +254,8 @@ class LayerStore:
         is written into instead of allocating: the buffers are reused from chunk to chunk. With `scales`,
         int8 weights are only cast (one pass) and their per-row scales go into `scales` by name, for the
         caller to apply to the layer's output: (x Qᵀ) s = x (s Q)ᵀ, at a cost of one multiply per output;
-        with `codes` too, int8 weights stay the stored codes (for an int8 matmul)."""
+        with `codes` too, int8 weights stay the stored codes (for an int8 matmul). `scaled`: the int8 weights that
+        scale their layer's output (a block's linears; None: all); any other is de-quantized whole (an LSTM's)."""
         decoded = {}
         for name, t in stored.items():
             if name.endswith((".absmax", ".shape", ".scale")):
@@ -221,7 +267,7 @@ class LayerStore:
             t = t.to(device, non_blocking=non_blocking)
             if f"{name}.scale" in stored:
                 scale = stored[f"{name}.scale"].to(device, non_blocking=non_blocking)
-                if scales is not None:
+                if scales is not None and (scaled is None or name in scaled):
                     decoded[name] = t if codes else _into(target, t, dtype)
                     scales[name] = scale.to(dtype).view(-1)
                 else:
@@ -288,14 +334,10 @@ class LayerStore:
         return out
 
 
-def human_bytes(n: float) -> str:
-    return f"{n / 2**30:,.1f} GB" if n >= 2**30 else f"{n / 2**20:,.0f} MB"
-
-
 def read_layout(path: Path) -> Layout:
-    """A safetensors file's tensor table, from its header (8-byte length, then JSON). A header that does not
-    fit the file (a damaged length, a tensor past the end or of the wrong size) is a ValueError, before any
-    large read: the store rebuilds the block."""
+    """A block file's tensor table, from its safetensors header (8-byte length, then JSON), padding left out. A
+    header that does not fit the file (a damaged length, a tensor past the end or of the wrong size) or a tensor
+    off `STORE_ALIGN` is a ValueError, before any large read: the store rebuilds the block."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -308,11 +350,13 @@ def read_layout(path: Path) -> Layout:
     start = 8 + length
     tensors = {}
     for name, info in header.items():
-        if name == "__metadata__":
+        if name == "__metadata__" or name.startswith(PAD):
             continue
         dtype, shape, (begin, end) = ST_DTYPES[info["dtype"]], [int(n) for n in info["shape"]], info["data_offsets"]
         if not 0 <= begin <= end <= size - start or end - begin != math.prod(shape) * dtype.itemsize:
             raise ValueError(f"{path}: tensor {name!r} at bytes {begin}-{end} does not fit the file or its shape")
+        if (start + begin) % STORE_ALIGN:
+            raise ValueError(f"{path}: tensor {name!r} at byte {start + begin} is not {STORE_ALIGN}-byte aligned")
         tensors[name] = (dtype, shape, start + begin, start + end)
     return Layout(size, tensors)
 
@@ -326,25 +370,29 @@ def views(data: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """A safetensors file written tensor by tensor (no second copy of the block in memory), synced to
-    the disk and dropped from the page cache. Tensors go largest element first, as safetensors orders
-    them, so each lies at an offset aligned for its dtype."""
+    the disk and dropped from the page cache. The header is padded with spaces and each tensor followed by
+    a uint8 padding tensor (`PAD`), so every tensor starts `STORE_ALIGN`-aligned in the file: safetensors
+    allows no gaps, and any safetensors reader still opens the file."""
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    header, offset = {}, 0
+    header, offset, pads = {}, 0, {}
     for name in order:
         t = tensors[name]
         size = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": ST_NAMES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + size],
-        }
+        header[name] = {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
+        if offset % STORE_ALIGN:
+            pads[name] = f"{PAD}{len(pads)}"
+            gap = -offset % STORE_ALIGN
+            header[pads[name]] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
+            offset += gap
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 8)
+    text += b" " * (-(8 + len(text)) % STORE_ALIGN)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text)
         for name in order:
             f.write(memoryview(tensors[name].contiguous().view(-1).view(torch.uint8).numpy()))
+            if name in pads:
+                f.write(bytes(header[pads[name]]["shape"][0]))
         f.flush()
         os.fsync(f.fileno())
     evict(path)
