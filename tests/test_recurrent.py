@@ -227,6 +227,11 @@ def test_sparse_lora_streams_a_recurrent_classifier_and_refuses_what_it_cannot_s
     plan, spec = get("audio").plan(compose("recipe=fsdd_lstm", "hardware=cpu_16gb", *streamed), hw)
     assert plan.strategy == "sparse_lora" and plan.streaming.chunk_size >= 1
     assert 0 < sum(spec.lora_params_per_block) < sum(spec.block_params) / 50  # biases only
+    # a one-layer stack is one block to stream (it was refused as having none)
+    plan, spec = get("audio").plan(
+        compose("recipe=fsdd_lstm", "hardware=cpu_16gb", *streamed, "model.kwargs.layers=1"), hw
+    )
+    assert spec.n_blocks == 1 and plan.strategy == "sparse_lora" and plan.streaming.chunk_size == 1
     cnn = compose("data=audio", "model=audio_cnn", "hardware=cpu_16gb", "strategy=sparse_lora")
     with pytest.raises(UserError, match="model=audio_cnn's blocks are not: use strategy=full"):
         get("audio").plan(cnn, hw)

@@ -36,6 +36,11 @@ class StreamingConfig:
     prefetch: bool = True  # load the next chunk while this one computes
 
 
+# the blocks with adapters when another strategy (auto) plans sparse_lora: the first and last four, as
+# conf/strategy/sparse_lora.yaml's default
+SPARSE_LAYERS = (0, 1, 2, 3, -4, -3, -2, -1)
+
+
 @dataclass
 class StrategyConfig:
     name: str = MISSING

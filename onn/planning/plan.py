@@ -17,6 +17,7 @@ from typing import Any
 
 from onn.config import LoraConfig, ONNConfig, StrategyConfig, StreamingConfig, as_dict
 from onn.config.model import NetworkConfig
+from onn.config.strategy import SPARSE_LAYERS
 from onn.dtypes import BYTES_PER_VALUE as DTYPE_BYTES
 from onn.errors import UserError
 from onn.hardware.profile import Profile
@@ -260,7 +261,7 @@ def _network_streaming_notes(given: StreamingConfig, streaming: StreamingPlan) -
 def make_network_streaming_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
     """A network's blocks streamed (strategy=sparse_lora on a denoiser or a recurrent stack): its frozen block
     weights in a layer store, what trains resident, the whole batch one micro-batch (network_streaming)."""
-    if spec.n_blocks < 2:
+    if spec.n_blocks < 1:
         raise UserError(f"strategy=sparse_lora streams a model's blocks, and {spec.name} has none to stream.")
     batch = int(cfg.data.batch_size)
     ctx = context_mb(hw)
@@ -608,7 +609,7 @@ class PlanRequest:
         strategy_cfg = cfg.strategy
         seq, batch_size, n = int(cfg.data.max_length), int(cfg.data.batch_size), spec.n_blocks
         # the sparse_lora candidate of another strategy: first and last four blocks, as many as exist
-        default = [i for i in (0, 1, 2, 3, -4, -3, -2, -1) if -n <= i < n]
+        default = [i for i in SPARSE_LAYERS if -n <= i < n]
         check_layers_apply(strategy_cfg)
         layers = strategy_cfg.layers if strategy_cfg.name == "sparse_lora" else default
         if strategy_cfg.name in AUTO_ORDER and spec.lora_params_per_block and not any(spec.lora_params_per_block):

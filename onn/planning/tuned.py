@@ -22,13 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from onn.config import ONNConfig, StreamingConfig, as_dict
+from onn.config.strategy import SPARSE_LAYERS
 from onn.hardware.profile import Profile
 from onn.models.load import model_fingerprint
 
 ADAPTERS = ("lora", "qlora", "sparse_lora")  # the planned strategies that train LoRA adapters
-# sparse_lora's blocks when another strategy (auto) plans it (onn/planning/plan.py, PlanRequest.read): the same as
-# conf/strategy/sparse_lora.yaml's
-SPARSE_LAYERS = [0, 1, 2, 3, -4, -3, -2, -1]
 STREAMS = ("auto", "streaming")  # strategy.lightning values under which sparse_lora streams (as the plan reads them)
 
 
@@ -45,7 +43,7 @@ def cache_path(config: ONNConfig, hw: Profile, strategy: str, seq: int) -> Path:
         "sequence_length": seq,
         "batch_size": int(config.data.batch_size),
         "precision": chosen.precision,  # the plan resolves `auto` from these same inputs
-        "layers": (chosen.layers if chosen.name == "sparse_lora" else SPARSE_LAYERS) if sparse else None,
+        "layers": (chosen.layers if chosen.name == "sparse_lora" else list(SPARSE_LAYERS)) if sparse else None,
         "lora": as_dict(chosen.lora) if strategy in ADAPTERS else None,
         "lightning": "streaming" if streams else chosen.lightning,
         "streaming": _fixed_streaming(chosen.streaming or StreamingConfig()) if streams else None,
