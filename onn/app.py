@@ -12,7 +12,8 @@ ends the run as `failed` with the signal and the last step (onn/tasks/record.py)
 
 In a multirun, a job whose folder already holds a successful metrics.json for the same config is
 not run again, so an interrupted sweep picks up where it stopped; failed and crashed jobs (a `running`
-record whose process is gone) run again.
+record whose process is gone) run again, a training job from the newest checkpoint its folder holds
+(resume_job), as a requeued SLURM job does.
 """
 
 from __future__ import annotations
@@ -49,12 +50,13 @@ from onn.streaming.quantized import release_tiles
 from onn.tasks.record import Interrupted, RunRecord, writable_folder
 from onn.tasks.registry import TASKS as RUN_TASKS
 from onn.tasks.registry import Task
+from onn.training import progress
 from onn.training.checkpoints import resolve as resolve_checkpoint
 from onn.training.checkpoints import saved_config
 from onn.training.distributed import end_distributed
 from onn.training.optim import check as check_optim
 from onn.training.trainer import check as check_trainer
-from onn.training.trainer import check_launch, explain_distributed_failure
+from onn.training.trainer import check_launch, explain_distributed_failure, newest_checkpoint
 
 log = logging.getLogger("onn")
 TASKS: dict[str, Task] = {**RUN_TASKS, **BENCH_TASKS}
@@ -97,10 +99,12 @@ def run(cfg: DictConfig) -> float | None:
         if done is not None:
             log.info("%s: already finished for this config; not run again", run_dir)
             return _objective(config.sweep_objective, done)
+        if multirun:
+            resume_job(config, run_dir, metrics["config_digest"])
         check_launch(config, multirun)
         failpoints.check()
         record.start()
-        results = execute(config, run_dir, given_keys(overrides))
+        results = execute(config, run_dir, given_keys(overrides), record.metrics)
         record.finish(**results, status="ok")
         if is_rank_zero():
             print(summary(metrics, run_dir), flush=True)
@@ -160,7 +164,11 @@ def _groups(cfg: DictConfig) -> dict[str, str]:
 
 
 def _finish_failed(record: RunRecord, error: str) -> None:
-    """The failed record; a run folder that cannot be written (an existing file) is said once, not twice."""
+    """The failed record, with the last step reached (a run whose checkpoint write failed got that far); a run
+    folder that cannot be written (an existing file) is said once, not twice."""
+    step = progress.last_step()
+    if step is not None:  # as the heartbeat and a signal's record read it
+        record.metrics["steps"] = step
     try:
         record.finish(status="failed", error=error)
     except UserError as e:
@@ -319,6 +327,28 @@ def finished(run_dir: Path, digest: str) -> dict[str, Any] | None:
     return metrics if done else None
 
 
+def resume_job(config: ONNConfig, run_dir: Path, digest: str) -> None:
+    """A sweep's training job run again (the sweep resumed after a kill, or after it failed) whose folder holds the
+    checkpoints its earlier run of this config left: it resumes from the newest (ckpt=THAT, said in its record), as a
+    requeued SLURM job does (onn/tasks/record.resume_requeued), instead of training from step 0 over them. Checkpoints
+    of a run of another config are refused: this job would replace them."""
+    task = TASKS.get(config.task.name)
+    newest = newest_checkpoint(run_dir) if task is not None and task.trains else None
+    if newest is None:
+        return
+    try:
+        earlier = json.loads((run_dir / "metrics.json").read_text()).get("config_digest")
+    except (OSError, ValueError, AttributeError):
+        earlier = None
+    if earlier != digest:
+        raise UserError(
+            f"job folder {run_dir} holds the checkpoints ({newest.name}) of a run of another config, which this job "
+            "would replace: give another hydra.sweep.dir, or move that folder away."
+        )
+    config.ckpt = str(newest)
+    log.info("resuming job from %s, the checkpoint its earlier run of this config left", newest)
+
+
 def _objective(key: str | None, metrics: dict[str, Any]) -> float | None:
     """metrics[key] (the config's sweep_objective) for a sweeper; None without a key or a finished run."""
     if not key:
@@ -434,8 +464,11 @@ def _hardware(config: ONNConfig, task: Task) -> Profile:
     return hardware
 
 
-def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> dict[str, Any]:
-    """The run itself, on the typed, resolved config. `given`: the keys the command line set."""
+def execute(
+    config: ONNConfig, run_dir: Path, given: set[str] | None = None, record: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The run itself, on the typed, resolved config. `given`: the keys the command line set. `record`: the run's
+    metrics.json, which learns what runs (the checkpoint's model, the data) before anything can fail."""
     name = config.task.name
     if name not in TASKS:
         raise UserError(f"task={name} is not one of {', '.join(sorted(TASKS))}.")
@@ -453,13 +486,9 @@ def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> 
         log.info("checkpoint %s: %s", ckpt, "; ".join(f"{group} from the {where}" for group, where in came.items()))
     score_all_given(config, given or set())
     run_dir.mkdir(parents=True, exist_ok=True)
-    out: dict[str, Any] = {
-        "model": config.model.name,
-        "data": config.data.name,
-        "data_source": config.data.source,
-        "checkpoint_used": str(ckpt) if ckpt else None,
-        "from_checkpoint": came or None,
-    }
+    out = _what_runs(config, ckpt, came)
+    if record is not None:  # a run that fails from here on names the model and data it ran, not the defaults'
+        record.update(out)
     writes = is_rank_zero()  # in a multi-process run, rank 0 alone writes the run's files
     if not task.model:
         if writes:
@@ -507,6 +536,20 @@ def execute(config: ONNConfig, run_dir: Path, given: set[str] | None = None) -> 
         }
     )
     return {**out, **_run(task, Job(config, run_dir, modality, hardware, plan, spec, ckpt), threads_before)}
+
+
+def _what_runs(config: ONNConfig, ckpt: Path | None, came: dict[str, str]) -> dict[str, Any]:
+    """The model and data the run runs, as its record names them (with ckpt, the checkpoint's model and strategy)."""
+    out: dict[str, Any] = {
+        "model": config.model.name,
+        "data": config.data.name,
+        "data_source": config.data.source,
+        "checkpoint_used": str(ckpt) if ckpt else None,
+        "from_checkpoint": came or None,
+    }
+    if ckpt:
+        out["strategy"] = config.strategy.name  # the checkpoint's; the plan's once it is made
+    return out
 
 
 def check_run_numbers(config: ONNConfig) -> None:

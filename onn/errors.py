@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -40,3 +41,12 @@ def write_refused(
         error.errno, error.strerror or str(error)
     )
     return UserError(f"cannot write {path}: {reason}; write {what} elsewhere.")
+
+
+def disk_error(error: BaseException) -> OSError | None:
+    """The disk's refusal behind a failed write, as an OSError: safetensors' writer raises its own SafetensorError
+    for one ("I/O error: No space left on device (os error 28)"); None for any other error."""
+    if isinstance(error, OSError):
+        return error
+    found = re.search(r"\(os error (\d+)\)", str(error)) if type(error).__name__ == "SafetensorError" else None
+    return OSError(int(found[1]), os.strerror(int(found[1]))) if found else None

@@ -4,8 +4,12 @@ without its modality, and a save killed between its two renames."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import lightning as L
@@ -14,6 +18,7 @@ import torch
 from conftest import compose
 
 from onn.errors import UserError
+from onn.training.checkpoints import load, save
 
 
 def test_an_epoch_based_run_writes_last_ckpt_at_each_epochs_end(tmp_path):
@@ -83,6 +88,96 @@ def test_a_save_killed_between_its_renames_still_resolves_to_the_previous_checkp
     assert resolve(str(tmp_path / "run"), tmp_path) == old
     shutil.copytree(old, old.with_name("last.ckpt"))
     assert resolve(str(tmp_path / "run"), tmp_path) == old.with_name("last.ckpt")  # a whole one comes first
+
+
+def test_ckpt_last_and_a_requeue_find_a_last_ckpt_old_that_is_alone(tmp_path):
+    """`ckpt=last` looked for checkpoints/last.ckpt alone: a run whose save was killed between its two renames (only
+    last.ckpt.old left) was not found, and an older run's checkpoint was taken instead; a requeued SLURM job's
+    newest_checkpoint missed it too. An .old beside a whole last.ckpt is the older of the two, and not taken."""
+    from onn.training.checkpoints import resolve
+    from onn.training.trainer import keep_newest_as_last, newest_checkpoint
+
+    older = tmp_path / "older" / "checkpoints" / "last.ckpt"
+    save({"x": torch.zeros(1)}, older)
+    os.utime(older / "meta.json", (time.time() - 60, time.time() - 60))
+    killed = tmp_path / "killed" / "checkpoints" / "last.ckpt.old"
+    save({"x": torch.ones(1)}, killed)
+    assert resolve("last", tmp_path) == killed
+    assert newest_checkpoint(tmp_path / "killed") == killed
+    keep_newest_as_last(tmp_path / "killed")  # what a run that ends puts back: its newest checkpoint as last.ckpt
+    assert newest_checkpoint(tmp_path / "killed") == killed.with_name("last.ckpt") and not killed.exists()
+    beside = tmp_path / "older" / "checkpoints" / "last.ckpt.old"  # newer, but a whole last.ckpt stands beside it
+    save({"x": torch.ones(1)}, beside)
+    assert resolve("last", tmp_path) == killed.with_name("last.ckpt")
+    assert newest_checkpoint(tmp_path / "older") == older
+
+
+def test_the_best_checkpoint_of_a_run_resumed_into_its_own_folder_is_kept(tmp_path):
+    """A classifier resumed into its own folder (a sweep's job, a requeued SLURM job) whose earlier best score beat
+    this run's: run_best removed checkpoints/best.ckpt, then copied it onto itself (FileNotFoundError)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from onn.training.checkpoints import run_best
+
+    run = tmp_path / "run"
+    history = [{"epoch": 0, "val/acc": 0.5}, {"epoch": 1, "val/acc": 0.75}]
+    save({"state_dict": {"w": torch.ones(1)}, "onn": {"history": history}}, run / "checkpoints" / "best.ckpt")
+    save({"state_dict": {"w": torch.zeros(1)}, "onn": {"history": history}}, run / "checkpoints" / "last.ckpt")
+    callback = ModelCheckpoint(dirpath=run / "checkpoints")  # this run saved no best of its own
+    path, score = run_best(callback, run / "checkpoints" / "last.ckpt", run, "val/acc", "max")
+    assert path == str(run / "checkpoints" / "best.ckpt") and score == 0.75
+    assert load(path)["state_dict"]["w"].item() == 1.0
+
+
+def test_a_checkpoint_write_that_safetensors_refuses_is_one_sentence_without_a_mount(tmp_path):
+    """safetensors' writer raises its own SafetensorError for a write the system refuses, which save() let through
+    as a traceback (it caught OSError only), leaving last.ckpt.tmp/ behind. A file size limit (RLIMIT_FSIZE) refuses
+    the write here with no file system to mount: the sentence names the path, the tmp folder is gone and the earlier
+    checkpoint loads."""
+    import subprocess
+    import sys
+
+    script = f"""
+import resource, signal, torch
+from onn.errors import UserError
+from onn.training.checkpoints import save
+save({{"x": torch.zeros(4)}}, {str(tmp_path / "last.ckpt")!r})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of a signal
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+try:
+    save({{"x": torch.zeros(1 << 20)}}, {str(tmp_path / "last.ckpt")!r})
+except UserError as e:
+    print("UserError:", e)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"UserError: cannot write {tmp_path / 'last.ckpt'}: File too large; write checkpoints" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert load(tmp_path / "last.ckpt")["x"].shape == (4,)
+
+
+@contextlib.contextmanager
+def small_disk(folder: Path, size: str):
+    """`folder` on a tmpfs of `size` (a full disk to write to); the test is skipped where mounting is not allowed."""
+    folder.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a tmpfs cannot be mounted here ({mounted.stderr.decode().strip()[:80]})")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def test_a_checkpoint_on_a_full_disk_is_one_sentence_and_the_earlier_one_stays(tmp_path):
+    """A run folder on a disk that filled: the next checkpoint's safetensors write raised SafetensorError ("No space
+    left on device (os error 28)"), a 60-line traceback, and an empty last.ckpt.tmp/ stayed."""
+    with small_disk(tmp_path / "disk", "2m") as disk:
+        save({"x": torch.zeros(128 * 1024)}, disk / "last.ckpt")  # 0.5 MB: it fits
+        with pytest.raises(UserError, match=r"cannot write .*/last.ckpt: the disk is full \(4.0 MB are needed and "):
+            save({"x": torch.zeros(1024 * 1024)}, disk / "last.ckpt")
+        assert sorted(p.name for p in disk.iterdir()) == ["last.ckpt"]
+        assert load(disk / "last.ckpt")["x"].shape == (128 * 1024,)
 
 
 def tiny_lm(max_steps: int = 8):

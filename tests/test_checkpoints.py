@@ -1,6 +1,7 @@
 """Checkpoints are safetensors + JSON, round-trip exactly, and never need pickle."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -147,3 +148,103 @@ def test_a_resumed_run_trains_with_the_checkpoints_optimizer_and_says_the_config
     assert checkpoint["onn"]["config"]["optim"]["name"] == "sgd"
     group = checkpoint["optimizer_states"][0]["param_groups"][0]
     assert group["lr"] == pytest.approx(0.05) and "momentum" in group
+
+
+def test_a_failed_runs_record_keeps_the_last_step_it_reached(tmp_path, monkeypatch):
+    """A run whose next checkpoint found the disk full had written its step-3 one, and its record said steps: null:
+    the failed record did not read the last step reached, as the heartbeat and a signal's record do."""
+    from onn.app import _finish_failed
+    from onn.tasks.record import RunRecord
+    from onn.training import progress
+
+    monkeypatch.setattr(progress, "_last_step", 3)  # what the run's Progress callback said at its third step
+    record = RunRecord(tmp_path, {"status": "running", "error": None, "task": "train", "steps": None})
+    _finish_failed(record, f"cannot write {tmp_path}/checkpoints/last.ckpt: the disk is full")
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["status"] == "failed" and saved["steps"] == 3
+
+
+def test_a_run_given_ckpt_does_not_write_into_another_runs_folder(tmp_path):
+    """ckpt= turned the run folder's check off, whatever the task and whatever folder it named: an eval of a run's
+    checkpoint into that run's own folder (its data.source missing) replaced the training's metrics.json, config.yaml
+    and .hydra/, and a resume of run B into run A's folder replaced A's last.ckpt. Only the training that resumes
+    the folder's own checkpoint may write into it; a run of another task never replaces a record."""
+    from conftest import run_cli
+    from omegaconf import OmegaConf
+
+    from onn.tasks.record import refuse_earlier_run
+
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    for run in (run_a, run_b):
+        save({"x": torch.zeros(1)}, run / "checkpoints" / "last.ckpt")
+        (run / "metrics.json").write_text(json.dumps({"status": "ok", "task": "train"}))
+    files = lambda: {p: p.read_bytes() for p in sorted(run_a.rglob("*")) if p.is_file() and p.name != ".onn.lock"}  # noqa: E731
+    before = files()
+    common = ("tracking=none", f"paths.outputs={tmp_path}", f"hydra.run.dir={run_a}")
+    for args, said in [
+        (
+            ("task=eval", f"ckpt={run_a}", f"data.source={tmp_path / 'missing.jsonl'}"),
+            f"hydra.run.dir={run_a} holds an earlier run's checkpoints (last.ckpt) and its record, which this "
+            "task=eval run would replace: choose another folder",
+        ),
+        (
+            (f"ckpt={run_b}", "trainer.max_steps=3"),
+            f"hydra.run.dir={run_a} holds an earlier run's checkpoints (last.ckpt) that this run would replace",
+        ),
+    ]:
+        proc = run_cli(*args, *common)
+        assert proc.returncode == 1 and said in proc.stderr, proc.stderr[-2000:]
+    assert files() == before
+
+    def check(folder, task: str, ckpt=None) -> None:
+        config = {"ckpt": str(ckpt) if ckpt else None, "task": {"name": task}, "paths": {"outputs": str(tmp_path)}}
+        refuse_earlier_run(folder, "hydra.run.dir", OmegaConf.create(config))
+
+    check(run_a, "train", run_a)  # the resume of its own checkpoint: in
+    check(run_a, "train", run_a / "checkpoints" / "last.ckpt")
+    shutil.rmtree(run_a / "checkpoints")  # a training that failed before its first checkpoint: its record stays
+    with pytest.raises(UserError, match=r"holds the record \(metrics.json\) of an earlier training run, which this"):
+        check(run_a, "eval", run_b)
+    check(run_a, "train")  # the training again: it had nothing to resume
+    evaluated = tmp_path / "evaluated"
+    evaluated.mkdir()
+    (evaluated / "metrics.json").write_text(json.dumps({"status": "ok", "task": "eval"}))
+    check(evaluated, "eval", run_a)  # an eval's record: replaced as before
+
+
+@pytest.mark.slow  # three runs of the CLI, two of them training: about 90 s on two busy cores
+def test_a_resumed_runs_val_loss_initial_and_a_failed_ckpt_runs_record_are_the_checkpoints(tmp_path):
+    """A run with task.validate_before=false, resumed, reported its checkpoint's first periodic validation as
+    val/loss_initial (a run that never stopped: null). A ckpt= run that failed once the checkpoint was read (a
+    data.source that is not there) named the command line's defaults in its record (phi4_tiny, auto, no source),
+    which the grids read, not the checkpoint's model it ran."""
+    from conftest import read_metrics, run_cli
+
+    common = ["tracking=none", "trainer.enable_progress_bar=false", f"paths.outputs={tmp_path / 'outputs'}"]
+    train = ["model=llama_tiny", "task.exact_match_samples=0", "task.validate_before=false",
+             "data.builtin.train_size=16", "data.builtin.val_size=4"]  # fmt: skip
+    first, resumed, failed = tmp_path / "first", tmp_path / "resumed", tmp_path / "failed"
+    proc = run_cli(*common, *train, "trainer.max_steps=2", "checkpoint.every_n_steps=1", f"hydra.run.dir={first}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    whole = read_metrics(first)
+    assert whole["val/loss_initial"] is None and whole["val/loss_final"] is not None
+    proc = run_cli(*common, *train, "trainer.max_steps=3", f"ckpt={first}", f"hydra.run.dir={resumed}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    again = read_metrics(resumed)
+    assert again["steps"] == 3 and again["val/loss_initial"] is None and again["val/loss_final"] is not None
+    missing = tmp_path / "missing.jsonl"
+    proc = run_cli(*common, "task=eval", f"ckpt={first}", f"data.source={missing}", f"hydra.run.dir={failed}")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    record = read_metrics(failed)
+    assert record["status"] == "failed" and str(missing) in record["error"]
+    assert (record["model"], record["strategy"], record["data_source"]) == (
+        "llama_tiny",
+        whole["strategy"],
+        str(missing),
+    )
+    assert record["checkpoint_used"] == str(first / "checkpoints" / "last.ckpt")
+    assert record["from_checkpoint"] == {
+        "model": "checkpoint",
+        "strategy": "checkpoint",
+        "data": "checkpoint, with data.source from the command line",
+    }

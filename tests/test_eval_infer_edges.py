@@ -205,3 +205,29 @@ def test_infer_takes_max_new_tokens_auto_cut_to_the_context_the_prompt_leaves():
     assert check_context(model, tokenizer, prompts, ["row 1", "row 2"], 5, auto=True) == 5
     with pytest.raises(UserError, match=r"^row 2: the prompt's 32 tokens and task\.max_new_tokens=auto pass"):
         check_context(model, tokenizer, ["a", "a " * 31], ["row 1", "row 2"], 1024, auto=True)
+
+
+def test_eval_of_streamed_images_scores_all_of_the_data_source_it_is_given(trained, tmp_path):
+    """task=eval data.source=X sets data.val_source to X (app.score_all_given), and a streamed data module refused
+    it, naming data.val_source/test_source, which the user never set: a streamed image run's checkpoint could not be
+    scored on another folder. Streamed, all of X is val/* (its train/ and test/ folders alike, as resident), and a
+    test/ folder is also scored alone."""
+    from conftest import compose
+
+    from onn.modalities.registry import get
+
+    run_dir, images, _ = trained
+    counts = {}
+    for resident in ("true", "false"):
+        config = compose(
+            "data=image", f"data.source={images}", f"data.val_source={images}", f"data.resident={resident}"
+        )
+        dm = get("image").datamodule(config, "cpu")
+        dm.setup()
+        held = {k: len(v) for k, v in dm.splits.items()} or {k: len(index) for k, (_, index) in dm.streamed.items()}
+        counts[resident] = (held["val"], held["test"])
+    assert counts["true"] == counts["false"] == (3 * (24 + 8), 3 * 8)  # make_images: 24 train, 8 test per class
+    given = ("data=image", f"data.source={images / 'test'}")
+    resident = scored(tmp_path, run_dir, *given, "data.resident=true", name="resident")
+    streamed = scored(tmp_path, run_dir, *given, "data.resident=false", "data.num_workers=0", name="streamed")
+    assert streamed["val/loss"] == pytest.approx(resident["val/loss"], abs=1e-5) and streamed["val/acc"] > 0.9

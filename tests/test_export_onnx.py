@@ -497,3 +497,151 @@ def test_a_scanned_recurrence_exports_without_torchs_graph_dumps(tmp_path):
     finally:
         partitioner.removeHandler(handler)
     assert dumps == []
+
+
+CLASSIFIERS = {  # modality -> (its data and model overrides, its transform's statistics, not the neutral ones)
+    "image": (
+        ["data=image", "model=v28_cnn", "data.image_size=[16,16]"],
+        {"mean": [0.2, 0.4, 0.6], "std": [0.3, 0.2, 0.1]},
+    ),
+    "audio": (
+        ["data=audio", "model=audio_cnn", "data.clip_seconds=0.25", "data.store_seconds=0.3"],
+        {"mean": -30.0, "std": 12.0},
+    ),
+    "video": (
+        ["data=video", "model=video_c3d_tiny", "data.image_size=[16,16]", "data.frames=4", "data.decode_frames=6"],
+        {"mean": [0.3, 0.4, 0.5], "std": [0.2, 0.25, 0.3]},
+    ),
+    "mesh": (["data=mesh", "model=pointnet", "data.points=64"], {}),
+}
+
+
+def classifier(tmp_path: Path, modality: str, *overrides: str):
+    """(modality, config, Classifier) of random weights whose transform normalises with CLASSIFIERS' statistics, as a
+    checkpoint of data that measured them would build it."""
+    from conftest import compose
+
+    from onn.hardware.profile import resolve
+    from onn.modalities.classification import build
+    from onn.modalities.registry import get
+
+    given, stats = CLASSIFIERS[modality]
+    config = compose(*given, f"data.source={tmp_path / 'unread'}", "hardware=cpu_16gb", f"paths.outputs={tmp_path}",
+                     f"paths.cache={tmp_path / 'cache'}", *overrides)  # fmt: skip
+    m = get(config.data.modality)
+    plan, _ = m.plan(config, resolve(config.hardware, tmp_path / "cache", tmp_path))
+    inputs = {**m.planned_inputs(config), **m.neutral_stats(m.planned_inputs(config)), **stats, "seed": 0}
+    return m, config, build(m, config, plan, inputs)
+
+
+@pytest.mark.parametrize("modality", list(CLASSIFIERS))
+def test_a_classifiers_onnx_graph_takes_the_batch_its_data_module_stores(tmp_path, modality):
+    """docs/export.md: a trained classifier's graph takes `input`, a batch as its data module stores it. It took the
+    network's input after the transform (normalised pixels, a log-mel, the clip's sampled frames) and the mean/std were
+    in neither export: fed the stored batch, an image classifier's probabilities were up to 0.6 off task=infer's. The
+    transform is traced in front of the network; the graph gives what infer computes from the stored batch."""
+    import onnxruntime as ort
+
+    from onn.modalities.classification import export_module, input_shape
+
+    m, config, module = classifier(tmp_path, modality, "export=onnx", "export.sample.batch_size=2")
+    metrics = export_module(m, config, module.eval(), tmp_path / "run")
+    session = ort.InferenceSession(metrics["export/onnx"], providers=["CPUExecutionProvider"])
+    (given,) = session.get_inputs()
+    shape = input_shape(module.onn_config["inputs"])
+    stored_type = {"uint8": "tensor(uint8)"}.get(m.stored_dtype, "tensor(float)")  # float16 audio: float32 samples
+    assert (given.name, given.type, given.shape[1:]) == ("input", stored_type, shape)
+    generator = torch.Generator().manual_seed(1)
+    if m.stored_dtype == "uint8":
+        stored = torch.randint(0, 256, (3, *shape), dtype=torch.uint8, generator=generator)
+    else:
+        stored = torch.randn(3, *shape, generator=generator).to(getattr(torch, m.stored_dtype))
+    with torch.no_grad():  # what task=infer computes from a decoded batch
+        want = module(module.prepare(stored, train=False)).float().numpy()
+    (got,) = session.run(None, {"input": stored.numpy() if stored.dtype == torch.uint8 else stored.float().numpy()})
+    assert np.abs(got - want).max() < 1e-4 * max(1.0, float(np.abs(want).max()))
+
+
+def test_a_classifiers_omny_takes_the_stored_batch_and_its_safetensors_the_statistics(tmp_path):
+    """The .omny of a classifier is the same graph (cut at its network's blocks); the safetensors export's
+    config.json has the mean/std, and model.weights of that export normalises with them: task=eval of the export
+    measured the data's own, and gave another val/loss than the checkpoint (0.2685 against 0.4463)."""
+    import onnx
+    from test_vision_train import make_images
+
+    from onn.modalities.classification import data_inputs, export_module, setup_data
+
+    m, config, module = classifier(tmp_path, "image", "export=omny")
+    omny = export_module(m, config, module.eval(), tmp_path / "omny")
+    graph = onnx.load(omny["export/omny"]).graph
+    assert graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.UINT8 and omny["export/blocks"] > 1
+    m, config, module = classifier(tmp_path, "image", "export=safetensors")
+    folder = Path(export_module(m, config, module, tmp_path / "st")["export/path"])
+    images = make_images(tmp_path / "images", train=4, test=2)
+    from conftest import compose
+
+    data = ["model=v28_cnn", "data=image", f"data.source={images}", f"paths.cache={tmp_path / 'cache'}"]
+    measured = data_inputs(m, compose(*data), setup_data(m, compose(*data), "cpu"))
+    weights = compose(*data, f"model.weights={folder / 'model.safetensors'}")
+    kept = data_inputs(m, weights, setup_data(m, weights, "cpu"))
+    assert (kept["mean"], kept["std"]) == (CLASSIFIERS["image"][1]["mean"], CLASSIFIERS["image"][1]["std"])
+    assert measured["mean"] != kept["mean"] and {**kept, "mean": 0, "std": 0} == {**measured, "mean": 0, "std": 0}
+    import onnxruntime as ort
+
+    from onn.app import execute
+
+    given = ["task=export", "export=onnx", *CLASSIFIERS["image"][0], "hardware=cpu_16gb", f"paths.outputs={tmp_path}"]
+    again = execute(compose(*given, f"model.weights={folder / 'model.safetensors'}"), tmp_path / "again")
+    stored = torch.randint(0, 256, (3, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = module.eval()(module.prepare(stored, train=False)).numpy()
+    session = ort.InferenceSession(again["export/onnx"], providers=["CPUExecutionProvider"])
+    assert np.abs(session.run(None, {"input": stored.numpy()})[0] - want).max() < 1e-4  # its weights, its statistics
+
+
+def test_an_onnx_or_omny_export_output_is_checked_before_training(tmp_path):
+    """export=onnx|omny with an export.output whose folder does not exist, or that names a folder, failed only once
+    training had ended (safetensors' was checked first): settings.py checks them before a model is loaded."""
+    from conftest import compose
+
+    from onn.app import execute
+    from onn.export.folders import MARKER
+    from onn.export.settings import check_settings
+
+    missing, folder, earlier = tmp_path / "nope" / "model.onnx", tmp_path / "folder", tmp_path / "pipeline"
+    folder.mkdir()
+    earlier.mkdir()
+    (earlier / MARKER).write_text("{}")  # a pipeline's folder, which export.output=DIR/NAME names: taken
+    for kind in ("onnx", "omny"):
+        with pytest.raises(UserError, match=rf"export.output {missing}: the folder {missing.parent} does not exist"):
+            check_settings(compose(f"export={kind}", f"export.output={missing}").export)
+        with pytest.raises(UserError, match=rf"export.output {folder} is a folder; name the .{kind} file to write"):
+            check_settings(compose(f"export={kind}", f"export.output={folder}").export)
+        check_settings(compose(f"export={kind}", f"export.output={earlier}").export)
+        check_settings(compose(f"export={kind}", f"export.output={folder / 'model.onnx'}").export)
+    run = ["model=llama_tiny", "trainer.max_steps=2", "tracking=none", "hardware=cpu_16gb", f"paths.outputs={tmp_path}"]
+    config = compose(*run, "export=onnx", f"export.output={missing}")
+    with pytest.raises(UserError, match=r"the folder .*/nope does not exist"):
+        execute(config, tmp_path / "run")
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused before a step was trained
+
+
+def test_an_export_to_a_full_disk_is_one_sentence_and_leaves_the_earlier_one(tmp_path):
+    """safetensors' writer raised SafetensorError for a full disk ("No space left on device (os error 28)"), which
+    export caught as OSError only: a 60-line traceback. A classifier's safetensors export was not caught at all."""
+    from conftest import compose
+    from test_checkpoint_edges import small_disk
+
+    from onn.export import export_model
+    from onn.models.load import load
+
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        model, tokenizer = load(compose("model=llama_tiny").model)
+        with pytest.raises(UserError, match=rf"cannot write {disk}/hf: the disk is full \([\d.]+ MB are needed and"):
+            export_model(model, disk / "hf", None, compose("export=safetensors").export, tokenizer=tokenizer)
+        m, config, module = classifier(tmp_path, "image", "export=safetensors", f"export.output={disk / 'net'}")
+        with pytest.raises(UserError, match=rf"cannot write {disk}/net: the disk is full"):
+            from onn.modalities.classification import export_module
+
+            export_module(m, config, module, tmp_path / "run")
+        assert [p.name for p in disk.iterdir()] == []  # nothing half-written, no staged folder

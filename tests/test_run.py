@@ -201,6 +201,35 @@ def test_multirun_sweep_over_strategies(outputs):
     assert all(json.loads(j.read_text())["status"] == "ok" for j in jobs)
 
 
+@pytest.mark.slow  # a sweep whole, then killed in its job and run again: about 90 s on two busy cores
+def test_a_resumed_sweep_resumes_its_killed_job_from_the_checkpoint_it_left(outputs, monkeypatch):
+    """A sweep killed inside its job's second checkpoint write (step 4), then run again into its folder: the job
+    trained again from step 1 (resumed_from null) and wrote over the step-2 checkpoint it had left. It resumes from
+    that checkpoint, as a requeued SLURM job does, and ends with the weights and loss curve of a sweep never killed."""
+    import torch
+
+    from onn.training.checkpoints import load
+
+    sweep, whole = outputs / "sweep", outputs / "whole"
+    command = ["-m", "seed=0", *TINY, "task.exact_match_samples=0", "task.validate_before=false",
+               "trainer.max_steps=4", "checkpoint.every_n_steps=2", f"paths.outputs={outputs}"]  # fmt: skip
+    ok(run_cli(*command, f"hydra.sweep.dir={whole}"))
+    command.append(f"hydra.sweep.dir={sweep}")
+    monkeypatch.setenv("ONN_FAILPOINT", "checkpoint_write:2")  # SIGKILL inside the step-4 checkpoint's write
+    assert run_cli(*command).returncode != 0
+    job = sweep / "0"
+    left = load(job / "checkpoints" / "last.ckpt")
+    assert left["global_step"] == 2 and read_metrics(job)["status"] == "running"  # what the kill left
+    monkeypatch.delenv("ONN_FAILPOINT")
+    proc = ok(run_cli(*command))
+    assert f"resuming job from {job / 'checkpoints' / 'last.ckpt'}" in proc.stdout + proc.stderr
+    m = read_metrics(job)
+    assert m["status"] == "ok" and m["steps"] == 4 and m["resumed_from"] == str(job / "checkpoints" / "last.ckpt")
+    assert m["train/loss_curve"] == read_metrics(whole / "0")["train/loss_curve"]
+    resumed, never = (load(run / "checkpoints" / "last.ckpt")["state_dict"] for run in (job, whole / "0"))
+    assert resumed.keys() == never.keys() and all(torch.equal(resumed[k], never[k]) for k in never)
+
+
 def test_recipe_and_plan_from_any_directory(tmp_path):
     proc = ok(
         run_cli(

@@ -219,6 +219,24 @@ class StreamedItems(torch.utils.data.Dataset):
         return item, int(self.items.labels[j])
 
 
+class JoinedItems:
+    """Several splits' items as one Items (those of each that decode): task=eval streams all of a data.source the
+    command line gives as its val split, as every_split joins a resident read's."""
+
+    def __init__(self, parts: list[tuple[Items, list[int]]]):
+        self.where = [(items, i) for items, index in parts for i in index]
+        self.labels = torch.as_tensor([int(items.labels[i]) for items, i in self.where], dtype=torch.long)
+        self.classes = list(parts[0][0].classes) if parts else []
+        self.names = [items.names[i] for items, i in self.where]
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def load(self, j: int) -> torch.Tensor | None:
+        items, i = self.where[j]
+        return items.load(i)
+
+
 class Decodes(torch.utils.data.Dataset):
     """What each (split, index) item decodes to, None when it does not: one pass over streamed data in the loader's
     workers, so a corrupt item is skipped and counted up front as a resident read does, not met in an epoch. Items
@@ -508,7 +526,8 @@ class ClassificationData(L.LightningDataModule):
         return {split: str(pattern) for split, pattern in given.items() if pattern}
 
     def _setup_streamed(self, source: str) -> None:
-        if self.cfg.val_source or self.cfg.test_source or self._patterns():
+        scores_all = str(self.cfg.val_source or "") == source  # task=eval of a given data.source: all of it is val
+        if (self.cfg.val_source and not scores_all) or self.cfg.test_source or self._patterns():
             raise UserError(
                 "a streamed dataset takes its splits from data.source: unset data.val_source/test_source "
                 "and data.val_pattern/test_pattern, or set data.resident=true."
@@ -525,7 +544,10 @@ class ClassificationData(L.LightningDataModule):
             split.classes = list(self.classes)
         index = good[name]
         self.streamed = {}
-        if "val" in good:
+        if scores_all:  # every split of it, its train/ and test/ folders alike, as the resident path's every_split
+            joined = JoinedItems([(items[k], good[k]) for k in good])
+            self.streamed["val"] = (joined, list(range(len(joined))))
+        elif "val" in good:
             self.streamed["val"] = (items["val"], good["val"])
         else:  # held out of the items that decode, as the resident path holds out of those it decoded
             kept, val = self._held_out(torch.as_tensor(train.labels)[index])

@@ -22,6 +22,8 @@ def check_settings(export: ExportConfig) -> None:
         from onn.export.folders import check_replaceable
 
         check_replaceable(Path(export.output))
+    elif export.output:
+        _check_file_output(export.output, kind)
 
     def number(key: str, minimum: float, strict: bool = True, whole: bool = False) -> None:
         value = getattr(export, key)
@@ -60,6 +62,24 @@ def check_settings(export: ExportConfig) -> None:
                 f"export.{key}={value!r}: give a list of positive {'whole ' if whole else ''}numbers, e.g. "
                 f"{example}, or null."
             )
+
+
+def _check_file_output(output: str, kind: str) -> None:
+    """export.output of onnx or omny names the file to write: in a folder that exists, and not a folder itself
+    (an earlier export's folder is taken: a pipeline or a dual encoder writes its pieces into DIR/NAME/)."""
+    from pathlib import Path
+
+    from onn.export.folders import is_export
+
+    path = Path(output).expanduser()
+    if not path.parent.is_dir():
+        raise UserError(
+            f"export.output {path}: the folder {path.parent} does not exist; create it or choose another path."
+        )
+    if path.is_dir() and not is_export(path):
+        raise UserError(
+            f"export.output {path} is a folder; name the .{kind} file to write, e.g. {path / ('model.' + kind)}."
+        )
 
 
 def _check_opset(opset) -> None:

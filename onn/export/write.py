@@ -18,11 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
+
 from onn.config import ONNConfig
 from onn.config.convert import typed
 from onn.config.export import ExportSample, OmnyExport, OnnxExport, SafetensorsExport
 from onn.config.model import LanguageModelConfig
-from onn.errors import ExportFailed, UserError, write_refused
+from onn.errors import ExportFailed, UserError, disk_error, write_refused
 from onn.export.model_facts import kv_cache_bytes, model_source, omny_runs
 from onn.export.settings import FORMATS, check_settings
 from onn.models.load import load
@@ -71,10 +73,28 @@ def export_model(
         )
     try:  # every format writes beside `output` and moves into place: a refused write leaves nothing half-written
         return _export(model, output, sample_input, settings, model_name, tokenizer, engine)
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES):
+    except (OSError, SafetensorError) as e:
+        refused = refused_write(e, output, weight_bytes(model) if engine is None else None)
+        if refused is None:
             raise
-        raise write_refused(e, output, None, "the export (export.output)") from None
+        raise refused from None
+
+
+def refused_write(error: BaseException, output: Path, needed_bytes: int | None = None) -> UserError | None:
+    """One sentence for an export's write the disk refused (full, read-only, not permitted), naming `output` and for a
+    full disk the space needed; None for any other error. safetensors' writer says the disk's refusal in its own
+    SafetensorError ("I/O error: No space left on device (os error 28)"), read here as the OSError it was."""
+    refused = disk_error(error)
+    if refused is None or refused.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES):
+        return None
+    return write_refused(refused, output, needed_bytes, "the export (export.output)")
+
+
+def weight_bytes(model) -> int | None:
+    """What the model's weights take as they are held (parameters and buffers, shared ones once): about what its
+    export writes; None for a model that holds none (its weights in a layer store, or on the meta device)."""
+    tensors = {id(t): t for t in itertools.chain(model.parameters(), model.buffers()) if not t.is_meta}
+    return sum(t.numel() * t.element_size() for t in tensors.values()) or None
 
 
 def _traceable(model, sample: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from onn.config import ONNConfig, as_dict, typed
@@ -40,7 +41,7 @@ from onn.config.task import InferTask, TrainTask
 from onn.data.files import write_jsonl
 from onn.data.resident import ClassificationData, ResidentBatches, Split, numbered
 from onn.errors import UserError
-from onn.export.write import export_after_training, export_for_run
+from onn.export.write import export_after_training, export_for_run, refused_write, weight_bytes
 from onn.hardware.memory import PeakMemory
 from onn.hardware.profile import Profile
 from onn.modalities.base import ClassifierModality, Job
@@ -188,12 +189,35 @@ def streamed_trainable(network: nn.Module, config: ONNConfig) -> nn.Module:
 
 def data_inputs(m: ClassifierModality, config: ONNConfig, dm: ClassificationData) -> dict[str, Any]:
     # the seed picks the validation split held out of train: eval and infer of a checkpoint reuse it
+    stats = m.input_stats(config, dm)
     return {
         "classes": dm.classes,
         "input_shape": list(dm.input_shape),
         "seed": int(config.seed),
-        **m.input_stats(config, dm),
+        **stats,
+        **exported_stats(m, config, stats),
     }
+
+
+def exported_stats(m: ClassifierModality, config: ONNConfig, measured: dict[str, Any]) -> dict[str, Any]:
+    """The mean/std the network of an ONN safetensors export (model.weights, its config.json beside it) was trained
+    with, in place of what this data measures: normalised otherwise, it would see other inputs than it learned from
+    (and task=eval of the export would not give the checkpoint's figures). {} for weights from elsewhere."""
+    from onn.export.folders import MARKER
+
+    weights = getattr(config.model, "weights", None)
+    folder = Path(str(weights)).expanduser().parent if weights else None
+    if folder is None or not (folder / MARKER).is_file():
+        return {}
+    try:
+        saved = json.loads((folder / "config.json").read_text())
+        inputs = saved["inputs"] if saved.get("modality") == m.name else {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+    kept = {k: inputs[k] for k in ("mean", "std") if k in measured and k in inputs}
+    if kept:
+        log.info("model.weights: normalised with the mean/std its training measured (%s)", folder / "config.json")
+    return kept
 
 
 def setup_data(m: ClassifierModality, config: ONNConfig, device: str) -> ClassificationData:
@@ -465,14 +489,16 @@ def export(job: Job) -> dict[str, Any]:
     m = job.modality
     if job.ckpt is not None:
         module = load_trained(m, job.config, job.plan, job.ckpt)
-    else:
-        module = build(m, job.config, job.plan, {**(inputs := m.planned_inputs(job.config)), **m.neutral_stats(inputs)})
+    else:  # statistics from no data: neutral ones, or those of the ONN export model.weights names
+        neutral = m.neutral_stats(inputs := m.planned_inputs(job.config))
+        module = build(m, job.config, job.plan, {**inputs, **neutral, **exported_stats(m, job.config, neutral)})
     return export_module(m, job.config, module, job.run_dir)
 
 
 def export_module(m: ClassifierModality, config: ONNConfig, module: Classifier, run_dir: Path) -> dict[str, Any]:
-    """safetensors: the network's state dict plus what rebuilds it (config.json; model.weights loads it);
-    onnx / omny: the network as a graph with a [batch, *input] input."""
+    """safetensors: the network's state dict plus what rebuilds it (config.json; model.weights loads it, and its
+    mean/std); onnx / omny: the network behind its evaluation transform (StoredBatchClassifier), a graph whose
+    `input` is a batch as the data module stores it."""
     own = m.export_network(config, module, run_dir)
     if own is not None:
         return own
@@ -493,13 +519,21 @@ def export_module(m: ClassifierModality, config: ONNConfig, module: Classifier, 
         folder = Path(settings.output or run_dir / "export" / "safetensors").expanduser()
         if not settings.output:
             folder.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(folder, "network", write)  # an earlier export's folder only, replaced whole
+        try:
+            write_atomically(folder, "network", write)  # an earlier export's folder only, replaced whole
+        except (OSError, SafetensorError) as e:  # a full or read-only disk: the earlier export stays as it was
+            refused = refused_write(e, folder, weight_bytes(network))
+            if refused is None:
+                raise
+            raise refused from None
         log.info("export: %s", folder)
         return {"export/format": "safetensors", "export/path": str(folder)}
     if not isinstance(settings, OnnxExport):  # (export=none never comes here)
         raise UserError(f"export={settings.name}: a classifier exports safetensors, onnx or omny.")
-    stored = torch.zeros(int(settings.sample.batch_size), *input_shape(inputs), dtype=getattr(torch, m.stored_dtype))
-    x = module.prepare(stored, train=False) if module.transform is not None else stored
+    graph = StoredBatchClassifier(module.prepare, network).eval()
+    shape, dtype = [int(settings.sample.batch_size), *input_shape(inputs)], getattr(torch, m.stored_dtype)
+    with torch.no_grad():
+        x = graph.prepare(torch.zeros(shape, dtype=dtype), train=False)
     size = settings.sample.image_size
     if size is not None and list(size) != list(x.shape[-2:]):  # it was traced at the data's size without a word
         raise UserError(
@@ -507,8 +541,25 @@ def export_module(m: ClassifierModality, config: ONNConfig, module: Classifier, 
             f"takes ({list(x.shape[-2:])}, from its data); leave export.sample.image_size at null."
         )
     generator = torch.Generator().manual_seed(int(config.seed))
-    sample = {"input": torch.randn(x.shape, generator=generator, dtype=x.dtype)}
-    return export_for_run(config, network, run_dir, sample)
+    if dtype == torch.uint8:  # pixels of every value check the graph better than zeros
+        stored = torch.randint(0, 256, shape, dtype=dtype, generator=generator)
+    else:  # float32: an audio run stores float16 samples, and onnxruntime takes float32 ones (write._traceable)
+        stored = torch.randn(shape, generator=generator)
+    return export_for_run(config, graph, run_dir, {"input": stored})
+
+
+class StoredBatchClassifier(nn.Module):
+    """A trained classifier as evaluation and task=infer run it, from a batch as its data module stores it (uint8
+    pixels and clips, waveforms, points): `prepare` (the Classifier's, in its evaluation form: normalised with the
+    training data's mean/std, the log-mel, the clip's frames) is traced in front of the network, so the exported
+    graph gives infer's answers for the stored batch, with no statistics to carry beside it."""
+
+    def __init__(self, prepare, network: nn.Module):
+        super().__init__()
+        self.prepare, self.network = prepare, network  # (prepare: a bound method, not a submodule)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.network(self.prepare(x, train=False))
 
 
 class SideEncoder(nn.Module):

@@ -200,8 +200,8 @@ class RunFolder(Callback):
             folder = writable_folder(config.hydra[mode].dir, key)
             if is_first_process():  # a run's other ranks share its folder (and its lock)
                 hold_folder(folder, key)
-                if mode == "run" and not config.ckpt:
-                    refuse_earlier_checkpoints(folder, key)
+                if mode == "run":
+                    refuse_earlier_run(folder, key, config)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
@@ -341,12 +341,61 @@ def failed_jobs(sweep_dir: Path, since: float) -> list[tuple[str, str]]:
     return out
 
 
+def refuse_earlier_run(folder: Path, key: str, config: DictConfig) -> None:
+    """What an earlier run left in this run's folder is not replaced: its checkpoints, unless this run is the training
+    that resumes them (resumes_here), and a training run's record (metrics.json, with config.yaml and .hydra/), which
+    a run of another task would take over. Any ckpt= let a run in: an eval of a run's checkpoint into that run's
+    folder replaced its training record, and a resume of another run replaced that run's last.ckpt."""
+    task = str(config.task.name)
+    earlier = earlier_checkpoints(folder)
+    if earlier and task != "train":
+        raise UserError(
+            f"{key}={folder} holds an earlier run's checkpoints ({', '.join(earlier[:3])}) and its record, which this "
+            f"task={task} run would replace: choose another folder (ckpt= names the checkpoint it reads)."
+        )
+    if not resumes_here(folder, config):
+        refuse_earlier_checkpoints(folder, key)
+    if task != "train" and _recorded_task(folder / "metrics.json") == "train":
+        raise UserError(
+            f"{key}={folder} holds the record (metrics.json) of an earlier training run, which this task={task} run "
+            "would replace: choose another folder."
+        )
+
+
+def resumes_here(folder: Path, config: DictConfig) -> bool:
+    """A training run whose ckpt= is a checkpoint in this folder (the folder, its last.ckpt, or `last` finding one
+    there): it continues that run into its own folder, as a requeued SLURM job does. A ckpt elsewhere is not."""
+    if not config.ckpt or str(config.task.name) != "train":
+        return False
+    from onn.training.checkpoints import resolve  # torch: imported here only by a run given ckpt, which needs it
+
+    try:
+        ckpt = resolve(str(config.ckpt), config.paths.outputs)
+    except UserError:  # no checkpoint there: the run itself says so, once it is let in (or the folder's refusal)
+        return False
+    return ckpt.resolve().is_relative_to(folder.resolve())
+
+
+def _recorded_task(path: Path) -> str | None:
+    try:
+        task = json.loads(path.read_text()).get("task")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(task) if task else None
+
+
+def earlier_checkpoints(folder: Path) -> list[str]:
+    """The names of the checkpoints an earlier run left in `folder`: its checkpoints/ and Lightning's SLURM
+    auto-requeue's hpc_ckpt_N.ckpt."""
+    earlier = sorted(p.name for p in folder.glob("checkpoints/*") if p.name.endswith((".ckpt", ".ckpt.old")))
+    return earlier + sorted(p.name for p in folder.glob(REQUEUE_CHECKPOINTS))
+
+
 def refuse_earlier_checkpoints(folder: Path, key: str) -> None:
     """A run into a folder that holds an earlier run's checkpoints would replace them (a killed run's last.ckpt
     among them, the one thing it left to resume from): that is a resume, said with ckpt=, or another folder. The
     checkpoint Lightning's SLURM auto-requeue saved (hpc_ckpt_N.ckpt) counts too: Lightning loaded it unasked."""
-    earlier = sorted(p.name for p in folder.glob("checkpoints/*") if p.name.endswith((".ckpt", ".ckpt.old")))
-    earlier += sorted(p.name for p in folder.glob(REQUEUE_CHECKPOINTS))
+    earlier = earlier_checkpoints(folder)
     if earlier:
         newest = newest_checkpoint(folder)
         resume = newest if newest is not None and newest.parent == folder else folder  # an hpc_ckpt: named whole

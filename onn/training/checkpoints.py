@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from onn.config import OptimConfig, as_dict, typed
-from onn.errors import UserError, write_refused
+from onn.errors import UserError, disk_error, write_refused
 from onn.hardware import failpoints
 
 log = logging.getLogger("onn")
@@ -86,10 +86,13 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
         for name in (TENSORS, META):  # on the disk before the rename makes them the checkpoint
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
-    except OSError as e:  # a full or read-only disk: the previous checkpoint stays as it was
+    except (OSError, SafetensorError) as e:  # a full or read-only disk: the previous checkpoint stays as it was
         shutil.rmtree(tmp, ignore_errors=True)
+        refused = disk_error(e)
+        if refused is None:
+            raise
         needed = sum(t.numel() * t.element_size() for t in tensors.values())
-        raise write_refused(e, path, needed, "checkpoints (hydra.run.dir)") from None
+        raise write_refused(refused, path, needed, "checkpoints (hydra.run.dir)") from None
     failpoints.reached("checkpoint_write")
     old = path.with_name(path.name + ".old")
     if path.exists():  # an .old beside a complete checkpoint is a save that was killed while tidying up
@@ -160,14 +163,11 @@ def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def resolve(ckpt: str, outputs: str | os.PathLike) -> Path:
     """`last` (newest last.ckpt under outputs), a run dir, a checkpoints dir, or a checkpoint path."""
     if str(ckpt) == "last":
-        found = sorted(
-            Path(outputs).glob("**/checkpoints/last.ckpt"),
-            key=lambda p: (p / META).stat().st_mtime if (p / META).exists() else 0,
-        )
-        found = [p for p in found if (p / META).is_file()]
+        found = [whole_last(folder) for folder in Path(outputs).glob("**/checkpoints")]
+        found = [p for p in found if p is not None]
         if not found:
             raise UserError(f"ckpt=last: no checkpoint under {outputs}; train first, or give ckpt=PATH.")
-        return found[-1]
+        return max(found, key=lambda p: (p / META).stat().st_mtime)
     path = Path(str(ckpt)).expanduser()
     for candidate in (
         path,
@@ -187,6 +187,15 @@ def resolve(ckpt: str, outputs: str | os.PathLike) -> Path:
     raise UserError(
         f"ckpt={ckpt}: no ONN checkpoint there (looked for {META} in it, its checkpoints/last.ckpt and last.ckpt)."
     )
+
+
+def whole_last(folder: Path) -> Path | None:
+    """A checkpoints folder's last.ckpt, or its last.ckpt.old where a save killed between its two renames left only
+    that (an .old beside a whole last.ckpt is the older one); None when it holds neither whole."""
+    for name in ("last.ckpt", "last.ckpt.old"):
+        if (folder / name / META).is_file():
+            return folder / name
+    return None
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -351,8 +360,9 @@ def run_best(callback, ckpt: Path | None, run_dir: Path, monitor: str, mode: str
         better = min if mode == "min" else max
         if earlier and old.is_dir() and (score is None or better(better(earlier), score) != score):
             target = here / "best.ckpt"
-            if target.exists():
-                shutil.rmtree(target)
-            shutil.copytree(old, target)
+            if old.resolve() != target.resolve():  # resumed into its own folder (a sweep's job), it is there already
+                if target.exists():
+                    shutil.rmtree(target)
+                shutil.copytree(old, target)
             path, score = str(target), float(better(earlier))
     return path, score

@@ -294,9 +294,13 @@ REQUEUE_CHECKPOINTS = "hpc_ckpt_*.ckpt"  # what Lightning's SLURM auto-requeue s
 
 
 def newest_checkpoint(folder: Path) -> Path | None:
-    """The run folder's newest whole checkpoint: its last.ckpt, or one Lightning's SLURM auto-requeue saved at
-    sbatch's --signal (after the last.ckpt before it); None when it holds neither."""
-    found = [*folder.glob(REQUEUE_CHECKPOINTS), folder / "checkpoints" / "last.ckpt"]
+    """The run folder's newest whole checkpoint: its last.ckpt (last.ckpt.old where a save killed between its two
+    renames left only that), or one Lightning's SLURM auto-requeue saved at sbatch's --signal (after the last.ckpt
+    before it); None when it holds none."""
+    last = folder / "checkpoints" / "last.ckpt"
+    if not (last / "meta.json").is_file():
+        last = last.with_name("last.ckpt.old")  # an .old beside a whole last.ckpt is the older of the two
+    found = [*folder.glob(REQUEUE_CHECKPOINTS), last]
     whole = [p for p in found if (p / "meta.json").is_file()]  # a checkpoint's JSON half, written with it
     return max(whole, key=lambda p: (p / "meta.json").stat().st_mtime, default=None)
 
@@ -310,10 +314,13 @@ def keep_newest_as_last(folder: Path) -> None:
     newest, last = newest_checkpoint(folder), folder / "checkpoints" / "last.ckpt"
     if newest is not None and newest != last:
         old = last.with_name(last.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
         last.parent.mkdir(parents=True, exist_ok=True)
-        if last.exists():
-            last.rename(old)
+        if newest == old:  # a save killed between its two renames: its previous checkpoint goes back in its place
+            shutil.rmtree(last, ignore_errors=True)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+            if last.exists():
+                last.rename(old)
         newest.rename(last)
         shutil.rmtree(old, ignore_errors=True)
         log.info("%s, the run's newest checkpoint, is now %s", newest.name, last)

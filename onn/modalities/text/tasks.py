@@ -115,6 +115,14 @@ def build(config: ONNConfig, plan: Plan) -> tuple[CausalLM, Any]:
     return module, tokenizer
 
 
+def validated_first(config: ONNConfig, ckpt: Path | None) -> bool:
+    """Whether the run validated before its first step (its first val loss is val/loss_initial): task.validate_before,
+    or a resumed run's checkpoint's, which says so (one an earlier ONN wrote does not: it had the default, true)."""
+    if ckpt is None:
+        return bool(config.task.validate_before)
+    return bool(saved_config(ckpt).get("validated_before", True))
+
+
 def tbptt_steps(config: ONNConfig) -> int:
     """task.tbptt_steps of a training run; 0 (whole sequences) for the tasks that have no such key (bench, tune)."""
     return config.task.tbptt_steps if isinstance(config.task, TrainTask) else 0
@@ -328,7 +336,8 @@ def train(job: Job) -> dict[str, Any]:
     if config.data.trace:
         callbacks.append(SampleTrace(config.data.trace, tokenizer))
     fit = trainer(config, plan, run_dir, callbacks, steps_per_epoch=dm.steps_per_epoch)
-    validated_before = ckpt is not None or config.task.validate_before
+    validated_before = validated_first(config, ckpt)
+    module.onn_config["validated_before"] = validated_before  # in every checkpoint: a resumed run reads it
     with PeakMemory(job.device) as peak:
         if ckpt is None and config.task.validate_before:
             fit.validate(module, datamodule=dm, verbose=False)
