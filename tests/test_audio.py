@@ -174,6 +174,30 @@ def test_bad_audio_files_are_skipped_counted_and_named(tmp_path, caplog):
     )  # named, not silently ignored
 
 
+def test_a_float_file_louder_than_float16_holds_is_scaled_not_infinite(tmp_path):
+    """32-bit float WAVs peaking at 70000 and at 1e30 became infinities in the float16 store: the training's loss
+    was NaN with "train ok", and infer wrote "probability": NaN. They are scaled to a peak of 1, their sound kept;
+    a stored value that is not finite after the cast is a skipped file, not a NaN loss."""
+    import soundfile as sf
+
+    from onn.data.media import stored
+    from onn.modalities.audio.dataset import READER
+    from onn.modalities.audio.decode import BadFile, Fit
+
+    data = make_tones(tmp_path / "tones", per_class=2, speakers=("ann",))
+    wave = tone(700.0)
+    for name, peak in (("mid_ann_7.wav", 7e4), ("mid_ann_8.wav", 1e30)):
+        sf.write(data / name, wave * (peak / np.abs(wave).max()), 8000, subtype="FLOAT")
+    cfg = compose("data=audio", "data.label_from='^([a-z]+)_'").data
+    (split,) = READER.read(str(data), cfg, Fit(8000, 1, 2400))[0].values()
+    assert torch.isfinite(split.inputs).all() and not split.skipped and len(split.names) == 8
+    for name in ("mid_ann_7.wav", "mid_ann_8.wav"):
+        loud = split.inputs[split.names.index(name)].float()
+        assert loud.abs().max() == pytest.approx(1.0, abs=0.05) and peak_hz(loud, 8000) == pytest.approx(700, abs=30)
+    with pytest.raises(BadFile, match="values beyond what float16 holds"):
+        stored(torch.tensor([7e4]), torch.float16, BadFile)
+
+
 def test_settings_that_make_no_sense_name_their_key():
     from onn.modalities import get
 
@@ -281,6 +305,85 @@ def test_train_held_out_pattern_eval_infer_and_export(tmp_path):
     from PIL import Image
 
     assert Image.open(out["infer/picture"]).size[1] >= 24 * 4  # spectrograms drawn 4x
+
+
+def tone_run(root: Path) -> list[str]:
+    """A run in `root`, planned for a named machine (measuring this one takes half a minute)."""
+    return [
+        "tracking=none",
+        "trainer.enable_progress_bar=false",
+        f"paths.outputs={root}",
+        f"paths.cache={root}/cache",
+        "hardware=cpu_16gb",
+    ]
+
+
+TONE_DATA = ["data=audio", "data.label_from='^([a-z]+)_'", "data.clip_seconds=0.3", "data.max_bad_fraction=0.2"]
+
+
+@pytest.fixture(scope="module")
+def tone_ckpt(tmp_path_factory) -> tuple[Path, Path]:
+    """(tones, the checkpoint of two epochs of a small audio CNN on them at 8 kHz, ann's tested with AdaBN)."""
+    from onn.app import execute
+
+    root = tmp_path_factory.mktemp("tone_ckpt")
+    data = make_tones(root / "tones", per_class=6)
+    cfg = compose(
+        *tone_run(root),
+        *TONE_DATA,
+        f"data.source={data}",
+        *("data.sample_rate=8000", "data.test_pattern=_ann_", "data.batch_size=4", "data.val_split=0.2"),
+        *("model=audio_cnn", "+model.kwargs.widths=[8,16]", "trainer.max_epochs=2", "trainer.val_check_interval=1.0"),
+        "task.adapt_norm=true",
+    )
+    execute(cfg, root / "train")
+    return data, root / "train" / "checkpoints" / "last.ckpt"
+
+
+def eval_of(root: Path, ckpt: Path, *given: str) -> dict:
+    from onn.app import execute, given_keys
+
+    name = f"eval{len(list(root.glob('eval*')))}"
+    return execute(compose(*tone_run(root), "task=eval", f"ckpt={ckpt}", *given), root / name, given_keys(list(given)))
+
+
+def test_eval_with_data_named_decodes_as_the_checkpoint_was_trained(tone_ckpt, tmp_path, caplog):
+    """`data=audio` with ckpt= brought that config's 16 kHz: the checkpoint's 8 kHz log-mels got twice the samples
+    (FSDD's val/acc 0.88 -> 0.04), without a word. The checkpoint's decoding settings are used, the difference said;
+    the plan sizes the checkpoint's network."""
+    data, ckpt = tone_ckpt
+    own = eval_of(tmp_path, ckpt, f"data.source={data}")
+    with caplog.at_level(logging.WARNING, logger="onn"):
+        named = eval_of(tmp_path, ckpt, *TONE_DATA, f"data.source={data}")
+    assert named["val/loss"] == pytest.approx(own["val/loss"], abs=1e-6) and named["val/acc"] == own["val/acc"]
+    assert "decoding the audio as its model was trained (sample_rate 8000, channels 1, samples 2400)" in caplog.text
+    assert "not as the data config says (sample_rate 16000" in caplog.text
+    assert named["params_total"] == own["params_total"]
+
+
+def test_adapt_norm_measures_a_given_source(tone_ckpt, tmp_path):
+    """task.adapt_norm=true was dropped on a given data.source, which eval scores as val: AdaBN ran before tests
+    only, and the figures were the same with it as without. It runs before eval's validation now."""
+    data, ckpt = tone_ckpt
+    plain = eval_of(tmp_path, ckpt, f"data.source={data}")
+    adapted = eval_of(tmp_path, ckpt, f"data.source={data}", "task.adapt_norm=true")
+    assert adapted["val/loss"] != pytest.approx(plain["val/loss"], abs=1e-6)  # other norms, other figures
+    again = eval_of(tmp_path, ckpt, f"data.source={data}")
+    assert again["val/loss"] == pytest.approx(plain["val/loss"], abs=1e-6)  # the checkpoint keeps the trained ones
+
+
+def test_eval_says_when_it_runs_without_the_checkpoints_adapt_norm(tone_ckpt, tmp_path, caplog):
+    """A run tested with AdaBN, evaluated without (task.adapt_norm is the command line's): its test figures
+    differed from the training's without a word. Needs /tmp/rv2/fixmedia/classification.diff (evaluate calls
+    adapt_norm_note)."""
+    _, ckpt = tone_ckpt
+    with caplog.at_level(logging.WARNING, logger="onn"):
+        eval_of(tmp_path, ckpt)
+    assert "was tested with task.adapt_norm=true" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="onn"):
+        eval_of(tmp_path, ckpt, "task.adapt_norm=true")
+    assert "was tested with task.adapt_norm" not in caplog.text
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ ONNX), and the 100 real files of ../shared/data/meshes/trimesh."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def test_every_format_reads_to_normalised_points(shapes):
     assert torch.allclose(normals.norm(dim=-1), torch.ones(36, 64), atol=1e-4)
     assert [split.classes[i] for i in split.labels] == [n.split("/")[0] for n in split.names]
     again = read_source(shapes, Sampling(points=64, normals=True, seed=0), max_bad_fraction=0.0)
-    assert torch.equal(next(iter(again.values())).inputs, split.inputs)  # seeded by the file's name
+    assert torch.equal(next(iter(again.values())).inputs, split.inputs)  # seeded by the file's content
     other = read_source(shapes, Sampling(points=64, normals=True, seed=1), max_bad_fraction=0.0)
     assert not torch.equal(next(iter(other.values())).inputs, split.inputs)
 
@@ -108,6 +109,39 @@ def test_broken_files_are_skipped_with_their_reason(shapes, tmp_path, caplog):
     assert "empty file (0 bytes)" in reasons["box/empty.ply"] and "no geometry" in reasons["cone/garbage.stl"]
     assert reasons["torus/bad.glb"].startswith("unreadable as GLB")
     assert "Skipped 5 of 42 mesh files" in caplog.text
+
+
+def test_points_that_coincide_or_overflow_are_skipped_with_their_reason(tmp_path):
+    """A file of one distinct point (trimesh's face_in_group_name.obj) was read as a shape: the rounding that
+    centring leaves, scaled into the unit sphere, became all zeros or an arbitrary unit vector by the point count.
+    Coordinates of 1e200 were "zero surface area", with numpy's overflow warning on stderr."""
+    import warnings
+
+    from onn.modalities.mesh.read import MeshError
+
+    (tmp_path / "one.obj").write_text("v 0.3 0.7 0.1\n" * 3)
+    (tmp_path / "huge.obj").write_text("v 0 0 0\nv 1e200 0 0\nv 0 1e200 0\nf 1 2 3\n")
+    (tmp_path / "tiny.obj").write_text("v 0 0 0\nv 1e-7 0 0\nv 0 1e-7 0\nv 0 0 1e-7\nf 1 2 3\nf 1 2 4\nf 1 3 4\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for points in (4, 16, 64):
+            with pytest.raises(MeshError, match=r"has no extent \(all its points coincide\)"):
+                decode(tmp_path / "one.obj", "one.obj", Sampling(points, False, 0, "pca"))
+        with pytest.raises(MeshError, match="coordinates are too large to sample"):
+            decode(tmp_path / "huge.obj", "huge.obj", SETTINGS)
+    tiny = decode(tmp_path / "tiny.obj", "tiny.obj", SETTINGS)  # small, not flat: a shape like any other
+    assert np.linalg.norm(tiny, axis=1).max() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_a_files_points_are_the_same_whichever_folder_is_given(shapes):
+    """Points were seeded by the name relative to the folder given: a file inferred alone, or from its class
+    folder, was sampled otherwise than from the folder above, and its probabilities moved with the path."""
+    (whole,) = read_source(shapes, SETTINGS, max_bad_fraction=0.0).values()
+    (folder,) = read_source(shapes / "box", SETTINGS, max_bad_fraction=0.0, allow_unlabelled=True).values()
+    name = folder.names[0]
+    (alone,) = read_source(shapes / "box" / name, SETTINGS, max_bad_fraction=0.0, allow_unlabelled=True).values()
+    want = whole.inputs[whole.names.index(f"box/{name}")]
+    assert torch.equal(folder.inputs[0], want) and torch.equal(alone.inputs[0], want)
 
 
 def _point_cloud_ply(n: int) -> bytes:
@@ -241,6 +275,64 @@ def test_train_infer_and_onnx_on_generated_primitives(tmp_path):
     assert picture.shape[1] >= 96 * 8 and picture.std() > 10  # drawn point clouds, not a blank canvas
 
 
+@pytest.fixture(scope="module")
+def mesh_ckpt(tmp_path_factory) -> tuple[Path, Path]:
+    """(five classes of primitives, a checkpoint of three epochs of a small PointNet on them: 64 points turned onto
+    their principal axes, under bf16 autocast, planned for a named machine)."""
+    import shutil
+
+    tmp = tmp_path_factory.mktemp("mesh_ckpt")
+    data = write_primitives(tmp / "shapes", per_class=4, seed=0)
+    shutil.rmtree(data / "torus")  # five classes: every class is in a prediction's top 5 (infer's loss below)
+    _, run_dir = run(
+        tmp,
+        f"data.source={data}",
+        *("data.points=64", "trainer.max_epochs=30", "strategy.precision=bf16-mixed", "hardware=cpu_16gb"),
+    )
+    return data, run_dir / "checkpoints" / "last.ckpt"
+
+
+def infer_rows(tmp: Path, *overrides: str, name: str) -> tuple[dict, list[dict]]:
+    out, _ = run(tmp, "task=infer", "hardware=cpu_16gb", *overrides, name=name)
+    return out, [json.loads(line) for line in Path(out["infer/output"]).read_text().splitlines()]
+
+
+def test_eval_and_infer_sample_points_as_the_checkpoint_was_trained(mesh_ckpt, tmp_path, caplog):
+    """`data=mesh` with ckpt= brought that config's 1024 points and no alignment (infer/acc 0.889 -> 0.528), and
+    infer took the sampling seed from the command line (seed=1 moved every probability): the checkpoint's points,
+    alignment and seed are used, and a difference is said."""
+    from onn.app import execute, given_keys
+
+    data, ckpt = mesh_ckpt
+    _, own = infer_rows(tmp_path, f"ckpt={ckpt}", f"task.input={data}", name="own")
+    _, named = infer_rows(tmp_path, f"ckpt={ckpt}", f"task.input={data}", "data=mesh", "seed=1", name="named")
+    assert named == own
+    given = [f"data.source={data}"]
+    common = ("tracking=none", "hardware=cpu_16gb", f"paths.outputs={tmp_path}", f"paths.cache={tmp_path / 'cache'}")
+    scored = execute(compose(*common, "task=eval", f"ckpt={ckpt}", *given), tmp_path / "e1", given_keys(given))
+    with caplog.at_level(logging.WARNING, logger="onn"):
+        given = ["data=mesh", f"data.source={data}"]
+        again = execute(compose(*common, "task=eval", f"ckpt={ckpt}", *given), tmp_path / "e2", given_keys(given))
+    assert again["val/loss"] == pytest.approx(scored["val/loss"], abs=1e-6)
+    assert "as its model was trained (data.points=64, data.align=pca, seed 0)" in caplog.text
+
+
+def test_infer_runs_the_network_as_eval_does(mesh_ckpt, tmp_path):
+    """task=infer ran the network in float32 where task=eval ran it under the plan's bf16 autocast: one of 36 shapes
+    went the other way between the two. Infer's probabilities now give eval's loss and accuracy on the same files.
+    Needs /tmp/rv2/fixmedia/classification.diff (infer and serve under evaluation_autocast)."""
+    from onn.app import execute, given_keys
+
+    data, ckpt = mesh_ckpt
+    out, rows = infer_rows(tmp_path, f"ckpt={ckpt}", f"task.input={data}", name="infer")
+    given = [f"data.source={data}"]
+    common = ("tracking=none", "hardware=cpu_16gb", f"paths.outputs={tmp_path}", f"paths.cache={tmp_path / 'cache'}")
+    scored = execute(compose(*common, "task=eval", f"ckpt={ckpt}", *given), tmp_path / "eval", given_keys(given))
+    assert scored["strategy"] == "full" and out["infer/acc"] == scored["val/acc"]
+    loss = float(np.mean([-math.log(dict(r["top5"])[r["true"]]) for r in rows]))
+    assert loss == pytest.approx(scored["val/loss"], abs=2e-4)
+
+
 @pytest.mark.skipif(not MESHES.is_dir(), reason="../shared/data/meshes/trimesh is not here")
 def test_the_hundred_real_files_load_or_are_skipped_with_a_reason():
     files = sorted(p for p in MESHES.iterdir() if p.suffix.lower() != ".md")
@@ -248,14 +340,11 @@ def test_the_hundred_real_files_load_or_are_skipped_with_a_reason():
     found = read_source(MESHES, SETTINGS, max_bad_fraction=0.1, allow_unlabelled=True)
     (split,) = found.values()
     assert len(split.names) + len(split.skipped) == 100
-    assert sorted(s.split(":")[0] for s in split.skipped) == [
-        "empty.obj",
-        "empty.ply",
-        "empty.stl",
-        "empty_nodes.glb",
-    ]
-    assert all("no geometry" in s for s in split.skipped)
-    assert torch.isfinite(split.inputs).all() and split.inputs.shape == (96, 64, 3)
+    reasons = dict(s.split(": ", 1) for s in split.skipped)
+    assert sorted(reasons) == ["empty.obj", "empty.ply", "empty.stl", "empty_nodes.glb", "face_in_group_name.obj"]
+    assert all("no geometry" in why for name, why in reasons.items() if name.startswith("empty"))
+    assert reasons["face_in_group_name.obj"] == "has no extent (all its points coincide)"  # one vertex
+    assert torch.isfinite(split.inputs).all() and split.inputs.shape == (95, 64, 3)
 
 
 def test_a_checkpoint_an_earlier_onn_wrote_still_evaluates(tmp_path):

@@ -215,6 +215,27 @@ def test_video_networks_plan_on_the_meta_device(model):
     assert plan.candidates["full"]["fits"]
 
 
+def test_a_clip_small_enough_to_reach_one_value_per_channel_plans():
+    """A 16 px clip reaches r3d_18's last BatchNorm as [1, 512, 1, 1, 1]: the plan's batch of one raised torch's
+    "Expected more than 1 value per channel when training" with a traceback, where a batch of 2 or more trains."""
+    from onn.modalities import get
+
+    cfg = compose("model=video_r3d_18", "recipe=video_motion", "data.image_size=[16,16]", "hardware=cpu_16gb")
+    plan, spec = get("video").plan(cfg, resolve(cfg.hardware, "/tmp", "/tmp"))
+    assert spec.sample_activation_bytes > 0 and spec.sample_flops > 0 and plan.strategy == "full"
+
+
+def test_a_one_frame_clip_lasts_a_frame(tmp_path):
+    """A clip of one frame counted 0 s (the step between its timestamps, of which it has one): the media/decode
+    figures of task=bench_media divide by the seconds decoded."""
+    from onn.modalities.video.builtin import write_clip
+    from onn.modalities.video.decode import Fit, load
+
+    write_clip(tmp_path / "one.mp4", ramp(1, 32, 32), 8, "libx264")
+    clip, seconds = load(str(tmp_path / "one.mp4"), Fit(frames=4, channels=3, size=(16, 16), resize="resize"))
+    assert clip.shape == (3, 4, 16, 16) and seconds == pytest.approx(1 / 8, abs=1e-3)
+
+
 def test_a_3d_network_on_a_bf16_cpu_plans_float32_and_says_why():
     """On a CPU with bf16 matrix units the plan picked bf16-mixed for every network, and oneDNN's bf16 Conv3d
     backward then corrupted the heap at 112 px (PyTorch 2.11): a 3-D network keeps 32-true there, and a
@@ -307,3 +328,30 @@ def test_data_auto_finds_audio_and_video_folders(tmp_path):
     assert detect(tmp_path / "sounds")[0].name == "audio"
     assert detect(tmp_path / "clips")[0].name == "video"
     assert detect(tmp_path / "clips" / "a" / "1.webm")[0].name == "video"
+
+
+def test_data_auto_finds_audio_and_video_in_archives(tmp_path):
+    """A .zip or .tar (compressed too) of class folders of sounds or clips, which data=audio and data=video read,
+    was "no modality recognises what it holds" for data=auto."""
+    import shutil
+    import tarfile
+
+    import soundfile as sf
+
+    from onn.modalities import detect
+    from onn.modalities.video.builtin import write_clip
+
+    for name in ("low", "high"):
+        (tmp_path / "sounds" / name).mkdir(parents=True)
+        (tmp_path / "clips" / name).mkdir(parents=True)
+        for i in range(3):
+            sf.write(tmp_path / "sounds" / name / f"{i}.wav", np.zeros(800, np.float32), 8000)
+            write_clip(tmp_path / "clips" / name / f"{i}.mp4", ramp(2, 16, 16), 2, "libx264")
+    (tmp_path / "sounds" / "README.md").write_text("notes")
+    for kind, folder in (("audio", "sounds"), ("video", "clips")):
+        packed = [shutil.make_archive(str(tmp_path / f"{folder}_{f}"), f, tmp_path, folder) for f in ("zip", "tar")]
+        with tarfile.open(tmp_path / f"{folder}.tar.gz", "w:gz") as tar:
+            tar.add(tmp_path / folder, folder)
+        for archive in (*packed, tmp_path / f"{folder}.tar.gz"):
+            modality, reason = detect(Path(archive))
+            assert modality.name == kind and reason.startswith(f"an archive of {kind} files (6 of"), (archive, reason)

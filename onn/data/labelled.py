@@ -356,14 +356,42 @@ def _names(items: list[str], shown: int = 10) -> str:
 
 def sniff_files(path: Path, suffixes: frozenset[str], kind: str, one: str, limit: int = 200) -> str | None:
     """Why `path` holds `kind` files (e.g. "audio files (30 of the first 30 files)", or `one` for a single
-    file) when at least half of its first `limit` data files have one of `suffixes`; else None. Sidecars
-    and hidden files do not count; names only are read, never contents (for data=auto)."""
-    if path.is_file():
-        return one if extension(path.name) in suffixes else None
-    if not path.is_dir():
-        return None
+    file) when at least half of its first `limit` data files have one of `suffixes`; else None. A zip or tar
+    archive is voted on by its members' names, as a folder by its files' (what data.source reads either way).
+    Sidecars and hidden files do not count; names only are read, never contents (for data=auto)."""
     from itertools import islice
 
-    names = [name for name, _ in islice(walk_files(path), limit) if extension(name) not in SIDECARS]
+    if path.is_file():
+        if extension(path.name) in suffixes:
+            return one
+        names, where = _member_names(path, limit), "an archive of "
+        if names is None:
+            return None
+    elif path.is_dir():
+        names, where = [name for name, _ in islice(walk_files(path), limit)], ""
+    else:
+        return None
+    names = [name for name in names if extension(name) not in SIDECARS]
     found = sum(extension(n) in suffixes for n in names)
-    return f"{kind} files ({found} of the first {len(names)} files)" if found and found * 2 >= len(names) else None
+    if not found or found * 2 < len(names):
+        return None
+    return f"{where}{kind} files ({found} of the first {len(names)} files)"
+
+
+SNIFFED_COMPRESSED = 16  # members of a compressed tar named for a sniffer: each is decompressed to reach the next
+
+
+def _member_names(path: Path, limit: int) -> list[str] | None:
+    """The names of the first `limit` members of a zip or tar (hidden ones left out), or None for a file that is
+    neither or cannot be listed. A compressed tar is read front to back, so only its first few are taken."""
+    from itertools import islice
+
+    kind = archive_kind(path)
+    if kind is None:
+        return None
+    count = limit if kind in ("zip", "tar") else min(limit, SNIFFED_COMPRESSED)
+    try:
+        members = list(islice(iter_members(path, kind), count))
+    except ARCHIVE_ERRORS:
+        return None
+    return [m.name or m.raw for m in members if not is_hidden(m.name or m.raw)]

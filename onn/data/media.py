@@ -67,6 +67,7 @@ class MediaReader:
     dtype: torch.dtype  # the stored dtype
     hint: str  # what data.source should be, for the message when it is missing
     resolve: Callable = _as_given  # (source, data_cfg, cache_dir) -> its path (a generated dataset is made here)
+    version: int = 1  # raised when `load` gives other tensors for the same file: caches of before are not read
 
     def listing(self, source: str, data_cfg: LabelledFiles, key: str, allow_unlabelled: bool = False) -> Listing:
         return list_labelled(
@@ -103,13 +104,15 @@ class MediaReader:
         )
 
     def read_cached(
-        self, source: str, data_cfg: LabelledFiles, cache_dir, key: str = "data.source"
+        self, source: str, data_cfg: LabelledFiles, cache_dir, key: str = "data.source", fit=None
     ) -> dict[str, Decoded]:
-        """{split: Decoded} for a source, decoded once and then read from the safetensors cache."""
+        """{split: Decoded} for a source, decoded once and then read from the safetensors cache. `fit`: the
+        decoding settings (a checkpoint's), in place of the data config's."""
         path = self.resolve(source, data_cfg, cache_dir)
         existing_source(path, key, self.hint)
-        fit = self.settings(data_cfg)
+        fit = fit or self.settings(data_cfg)
         settings = {
+            **({"reader": self.version} if self.version > 1 else {}),  # (version 1 kept the keys of before)
             "fit": asdict(fit),
             "label_from": data_cfg.label_from,
             "label_column": data_cfg.label_column,
@@ -124,11 +127,11 @@ class MediaReader:
             path,
         )
 
-    def items(self, source: str, data_cfg: LabelledFiles, cache_dir) -> dict[str, ListedItems]:
+    def items(self, source: str, data_cfg: LabelledFiles, cache_dir, fit=None) -> dict[str, ListedItems]:
         """Each split, decoded item by item (the streamed fallback); the files the listing refused go with the
         first, so they are counted with the undecodable ones as a resident read counts them."""
         found = self.listing(self.resolve(source, data_cfg, cache_dir), data_cfg, "data.source")
-        loader = functools.partial(self.load, fit=self.settings(data_cfg))
+        loader = functools.partial(self.load, fit=fit or self.settings(data_cfg))
         return {
             split: ListedItems(files, found.classes, loader, self.bad, self.dtype, found.refused if k == 0 else [])
             for k, (split, files) in enumerate(found.splits.items())
@@ -156,7 +159,7 @@ def decode_listing(
     def one(f: MediaFile):
         try:
             x, seconds = load(f.source.open())
-            return x.to(dtype), seconds, None
+            return stored(x, dtype, bad), seconds, None
         except bad as e:
             return None, 0.0, f"{f.name}: {e}"
         except OSError as e:  # unreadable (permissions, a file that vanished)
@@ -188,6 +191,15 @@ def decode_listing(
     return out, seconds
 
 
+def stored(x: torch.Tensor, dtype: torch.dtype, bad: type[Exception]) -> torch.Tensor:
+    """A decoded item in the stored dtype; `bad` where a value that was finite is not after the cast (beyond float16's
+    range): it would make every loss it enters NaN."""
+    out = x.to(dtype)
+    if out.is_floating_point() and x.is_floating_point() and not torch.isfinite(out).all():
+        raise bad(f"values beyond what {str(dtype).removeprefix('torch.')} holds (largest {torch.finfo(dtype).max:g})")
+    return out
+
+
 class ListedItems:
     """One split of a listing, decoded item by item (the streamed fallback: DataLoader workers call load)."""
 
@@ -212,7 +224,7 @@ class ListedItems:
     def load(self, i: int) -> torch.Tensor | None:
         f = self.files[i]
         try:
-            return self._load(f.source.open())[0].to(self._dtype)
+            return stored(self._load(f.source.open())[0], self._dtype, self._bad)
         except (self._bad, OSError) as e:
             log.warning("skipped %s: %s", f.name, e)
             return None
@@ -223,13 +235,35 @@ class MediaDataModule(ClassificationData):
     MediaReader (`reader`)."""
 
     reader: MediaReader
+    fit = None  # the decoding settings of a checkpoint's model (its modality's datamodule), in place of the config's
 
     @property
     def item_kind(self) -> str:
         return f"{self.reader.kind} files"
 
     def read(self, source: str, key: str) -> dict[str, Decoded]:
-        return self.reader.read_cached(source, self.cfg, self.cache_dir, key)
+        return self.reader.read_cached(source, self.cfg, self.cache_dir, key, fit=self.fit)
 
     def list_items(self, source: str):
-        return self.reader.items(source, self.cfg, self.cache_dir)
+        return self.reader.items(source, self.cfg, self.cache_dir, fit=self.fit)
+
+
+def trained_fit(reader: MediaReader, data_cfg: LabelledFiles, saved: dict | None, ckpt: str | None):
+    """The decoding settings of the checkpoint whose saved run config is `saved` (None without one: then None), said
+    where the data config's differ: a model decodes its data as it was trained, whatever `data=NAME` brings."""
+    if saved is None:
+        return None
+    trained, given = reader.fit(saved["inputs"]), reader.settings(data_cfg)
+    if trained != given:
+        log.warning(
+            "ckpt %s: decoding the %s as its model was trained (%s), not as the data config says (%s)",
+            ckpt,
+            reader.kind,
+            _described(trained),
+            _described(given),
+        )
+    return trained
+
+
+def _described(fit) -> str:
+    return ", ".join(f"{k} {list(v) if isinstance(v, tuple) else v}" for k, v in asdict(fit).items())

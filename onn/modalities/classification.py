@@ -54,7 +54,14 @@ from onn.streaming.store import LayerStore
 from onn.training.callbacks import StepClock, run_callbacks
 from onn.training.checkpoints import check_state, resumed_optim, run_best, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
-from onn.training.classifier import Classifier, LinearProbe, mean_loss, save_confusion
+from onn.training.classifier import (
+    Classifier,
+    LinearProbe,
+    adapt_norm_note,
+    evaluation_autocast,
+    mean_loss,
+    save_confusion,
+)
 from onn.training.distributed import parameter_count
 from onn.training.optim import monitor_mode
 from onn.training.trainer import build_trainer, optimizer_steps, streaming_store, streaming_strategy
@@ -331,6 +338,7 @@ def evaluate(job: Job) -> dict[str, Any]:
         module = build(m, config, plan, data_inputs(m, config, dm))
     else:
         module = load_trained(m, config, plan, ckpt)
+        adapt_norm_note(module, saved_config(ckpt), ckpt)
     if module.inputs == "features":
         dm = features(module, dm, config)
     resident = "auto" if config.strategy.lightning == "streaming" else None  # a streamed run's checkpoint, resident
@@ -390,7 +398,7 @@ def infer(job: Job) -> dict[str, Any]:
     for split, decoded in sets.items():
         for start in range(0, len(decoded.labels), batch):
             x = decoded.inputs[start : start + batch].to(device)
-            with torch.no_grad():
+            with torch.no_grad(), evaluation_autocast(config, job.plan, device):  # as task=eval runs it
                 probs = torch.softmax(model(model.prepare(x, train=False)).float(), dim=1).cpu()
             top = probs.topk(min(TOP_K, len(classes)), dim=1)
             for i in range(x.shape[0]):
@@ -442,8 +450,15 @@ class Predictor:
     """A trained classifier answering one file at a time (task=serve): decoded by the modality's own
     read_inputs, as task=infer and the training data are."""
 
-    def __init__(self, m: ClassifierModality, config: ONNConfig, module: Classifier, device: torch.device):
-        self.modality, self.config, self.device = m, config, device
+    def __init__(
+        self,
+        m: ClassifierModality,
+        config: ONNConfig,
+        module: Classifier,
+        device: torch.device,
+        plan: Plan | None = None,
+    ):
+        self.modality, self.config, self.device, self.plan = m, config, device, plan
         self.module = module.to(device).eval()
         self.inputs = module.onn_config["inputs"]
         self.classes: list[str] = list(self.inputs["classes"])
@@ -467,7 +482,8 @@ class Predictor:
                 f"the upload is no {self.modality.name} file ONN can decode: {'; '.join(reasons) or 'nothing in it'}"
             )
         x = decoded.inputs[:1].to(self.device)
-        probs = torch.softmax(self.module(self.module.prepare(x, train=False)).float(), dim=1)[0].cpu()
+        with evaluation_autocast(self.config, self.plan, self.device):  # as task=eval runs it
+            probs = torch.softmax(self.module(self.module.prepare(x, train=False)).float(), dim=1)[0].cpu()
         top = probs.topk(min(top_k, len(self.classes)))
         return [(self.classes[int(c)], float(p)) for c, p in zip(top.indices, top.values)], decoded.inputs[0]
 
@@ -480,7 +496,7 @@ def serving(job: Job) -> Predictor:
     m = job.modality
     if job.ckpt is None:
         raise UserError(f"task=serve on {m.name} data needs ckpt=RUN_DIR (a trained classifier) to know its classes.")
-    return Predictor(m, job.config, load_trained(m, job.config, job.plan, job.ckpt), torch.device(job.device))
+    return Predictor(m, job.config, load_trained(m, job.config, job.plan, job.ckpt), torch.device(job.device), job.plan)
 
 
 def export(job: Job) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -213,13 +214,33 @@ def _saved_bytes(model, sample, blocks: list) -> tuple[int, list[int], int, int]
 
     handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
     handles += [b.register_forward_hook(leave) for b in blocks]
+    inputs = [t.requires_grad_(False) for t in (sample if isinstance(sample, tuple) else (sample,))]
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as flops:
-            model.train()(*(t.requires_grad_(False) for t in (sample if isinstance(sample, tuple) else (sample,))))
+        with hooks, FlopCounterMode(display=False) as flops, one_sample_norms(model.train()):
+            model(*inputs)
     finally:
         for h in handles:
             h.remove()
     return saved, inside, boundary[0] if boundary else 0, int(flops.get_total_flops())
+
+
+@contextmanager
+def one_sample_norms(model):
+    """The model as it is, with each BatchNorm in eval mode (its running statistics): the spec's batch of one
+    reaches some norms as one value per channel (a 16 px clip after a video ResNet's four downsamplings), which
+    training's batch statistics refuse, where a real batch of 2 or more trains. A norm in eval mode saves as many
+    bytes for backward (the same totals for ResNets and video ResNets)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.training]
+    for m in norms:
+        m.eval()
+    try:
+        yield model
+    finally:
+        for m in norms:
+            m.train()
 
 
 def _cfg_int(config, *names: str, default: int) -> int:

@@ -10,6 +10,7 @@ from the layer store with ClassifierObjective.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from onn.training.optim import make_optimizer, make_schedule
 from onn.training.record import EpochRecord, log_train_loss
 
 LOOP = "epochs"
+log = logging.getLogger("onn")
 
 
 class ClassifierObjective(Objective):
@@ -100,7 +102,7 @@ class Classifier(EpochRecord, ONNModule):
         self.channels_last = channels_last
         self.inputs = inputs  # "data", or "features" for a linear probe on cached features
         self.monitor = monitor  # what the plateau schedule watches (task.monitor)
-        self.adapt_norm = adapt_norm  # AdaBN on the test set (task.adapt_norm): see adapt_batch_norm
+        self.adapt_norm = adapt_norm  # AdaBN before a test or a validation on its own (task.adapt_norm): _adapt_for
         self._trained_norms: dict[str, torch.Tensor] | None = None
         self.loss = loss  # (model.loss, the user's loss(outputs, labels)); None: cross-entropy
         if channels_last:
@@ -207,13 +209,25 @@ class Classifier(EpochRecord, ONNModule):
             self.metrics[f"{stage}_{name}"].update(logits, labels)
 
     def on_test_epoch_start(self) -> None:
-        if self.adapt_norm:  # the trained statistics come back after the test (on_test_epoch_end)
-            self._trained_norms = {
-                k: v.clone()
-                for k, v in self.model.state_dict().items()
-                if k.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")
-            }
-            self.adapt_batch_norm(self.trainer.test_dataloaders)
+        if self.adapt_norm:
+            self._adapt_for(self.trainer.test_dataloaders)
+
+    def on_validation_epoch_start(self) -> None:
+        """AdaBN before a validation run on its own (task=eval: the held-out split, or the data.source it was given,
+        which it scores as val), not before training's validations, which pick the best checkpoint as trained."""
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        if self.adapt_norm and self.trainer.state.fn == TrainerFn.VALIDATING:
+            self._adapt_for(self.trainer.val_dataloaders)
+
+    def _adapt_for(self, batches) -> None:
+        """adapt_batch_norm on `batches`; the trained statistics come back when the stage ends (_epoch_end)."""
+        self._trained_norms = {
+            k: v.clone()
+            for k, v in self.model.state_dict().items()
+            if k.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")
+        }
+        self.adapt_batch_norm(batches)
 
     def samples(self, inputs) -> int:
         """The samples in a batch's inputs (a graph batch counts its graphs)."""
@@ -244,9 +258,13 @@ class Classifier(EpochRecord, ONNModule):
 
     def on_validation_epoch_end(self) -> None:
         self._epoch_end("val")
+        self._trained_back()
 
     def on_test_epoch_end(self) -> None:
         self._epoch_end("test")
+        self._trained_back()
+
+    def _trained_back(self) -> None:
         if self._trained_norms is not None:
             self.model.load_state_dict(self._trained_norms, strict=False)
             self._trained_norms = None
@@ -299,11 +317,55 @@ class Classifier(EpochRecord, ONNModule):
             kept = {n for n, p in self.named_parameters() if p.requires_grad} | {n for n, _ in self.named_buffers()}
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in kept}
         super().on_save_checkpoint(checkpoint)
+        # whether its test figures were measured with AdaBN: task=eval says so when it runs without (adapt_norm_note)
+        checkpoint["onn"]["config"] = {**self.onn_config, "task": {"adapt_norm": bool(self.adapt_norm)}}
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if self.inputs == "features":
             strict = False  # checkpoints hold the head only
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def trained_config(config) -> dict[str, Any] | None:
+    """The run config saved in the classifier checkpoint that `ckpt=` names, or None without one. What decodes and
+    featurises the data belongs to the model (its `inputs`): eval, infer and a resumed run decode with these
+    settings, whatever the data config given with the checkpoint (`data=NAME`) says."""
+    ckpt = getattr(config, "ckpt", None)  # (a dual encoder's side config has none)
+    if not ckpt:
+        return None
+    from onn.training.checkpoints import resolve, saved_config
+
+    saved = saved_config(resolve(ckpt, config.paths.outputs))
+    return saved if isinstance(saved.get("inputs"), dict) else None
+
+
+def adapt_norm_note(module: Classifier, saved: dict[str, Any], ckpt) -> None:
+    """Say so when the checkpoint's run measured its test figures with AdaBN (task.adapt_norm) and this evaluation
+    keeps the trained statistics: task.adapt_norm is the command line's (false unless given), and the figures
+    would differ from the training's without a word."""
+    if (saved.get("task") or {}).get("adapt_norm") and not module.adapt_norm:
+        log.warning(
+            "ckpt %s was tested with task.adapt_norm=true (AdaBN: the norms measured again on the test inputs); this "
+            "evaluation keeps the trained norms, so its figures differ from the training's: add task.adapt_norm=true "
+            "to measure as it did",
+            ckpt,
+        )
+
+
+def evaluation_autocast(config, plan, device: torch.device | str):
+    """The autocast Lightning's mixed precision evaluates under (trainer.precision, or the plan's), for code that
+    calls the network itself (task=infer, task=serve): their answers are then task=eval's, where a bf16 network can
+    put a close call the other way than float32. No autocast for a plan without one (or without a plan)."""
+    import contextlib
+
+    trainer = getattr(config, "trainer", None)
+    precision = getattr(trainer, "precision", None)
+    if precision in (None, "auto"):
+        precision = getattr(plan, "precision", None)
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(precision))
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
 
 
 def mixed_loss(

@@ -35,6 +35,7 @@ READER = MediaReader(
     BadFile,
     DTYPE,
     "a folder of audio files, an archive of one, or one file",
+    version=2,  # float files beyond float16's range scaled (decode_audio): caches of before hold infinities
 )
 
 

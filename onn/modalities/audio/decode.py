@@ -52,6 +52,9 @@ SUFFIXES = frozenset(
 )
 
 
+FLOAT16_MAX = 65504.0  # the largest float16, the dtype audio is stored in (dataset.DTYPE)
+
+
 @dataclass(frozen=True)
 class Fit:
     """How every waveform is brought to one shape: the sample rate, the channels, the stored length."""
@@ -94,7 +97,8 @@ def fit_settings(data_cfg: AudioData) -> Fit:
 
 
 def decode_audio(source: str | IO[bytes]) -> tuple[np.ndarray, int]:
-    """(float32 [channels, samples] in [-1, 1], sample rate) of a file path or a binary file object."""
+    """(float32 [channels, samples] in [-1, 1], sample rate) of a file path or a binary file object. A float file
+    whose samples reach past float16's largest value (65504) is scaled to a peak of 1, its sound kept."""
     import soundfile as sf
 
     source = nonempty(source)
@@ -118,6 +122,9 @@ def decode_audio(source: str | IO[bytes]) -> tuple[np.ndarray, int]:
         raise BadFile("no audio samples (a header and nothing after it)")
     if not np.isfinite(wave).all():
         raise BadFile("samples that are not finite numbers (NaN or infinity)")
+    peak = float(np.abs(wave).max())
+    if peak > FLOAT16_MAX:  # a float file far outside ±1: the float16 store would hold infinities, the loss NaN
+        wave = wave / peak
     return np.ascontiguousarray(wave), int(rate)
 
 

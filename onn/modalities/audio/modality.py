@@ -61,9 +61,13 @@ class AudioModality(MediaModality):
             )
 
     def datamodule(self, config: ONNConfig, device: str):
-        from onn.modalities.audio.dataset import AudioDataModule
+        from onn.data.media import trained_fit
+        from onn.modalities.audio.dataset import READER, AudioDataModule
+        from onn.training.classifier import trained_config
 
-        return AudioDataModule(config.data, config.paths.cache, device, seed=int(config.seed))
+        dm = AudioDataModule(config.data, config.paths.cache, device, seed=int(config.seed))
+        dm.fit = trained_fit(READER, config.data, trained_config(config), config.ckpt)  # with ckpt=, the model's
+        return dm
 
     def network(self, model_cfg: NetworkConfig, inputs: dict[str, Any]):
         from onn.models.vision import build_classifier
@@ -92,6 +96,11 @@ class AudioModality(MediaModality):
         return {"mean": 0.0, "std": 1.0}
 
     def planned_inputs(self, config: RunConfig) -> dict[str, Any]:
+        from onn.training.classifier import trained_config
+
+        saved = trained_config(config)
+        if saved is not None:  # the checkpoint's network: what eval, infer and a resumed run build
+            return saved["inputs"]
         data: AudioData = config.data
         settings = self._settings(data)
         classes = data.classes or [str(i) for i in range(data.num_classes if isinstance(data.num_classes, int) else 10)]

@@ -19,7 +19,9 @@ from onn.data.files import content_digest, existing_source
 from onn.data.resident import ClassificationData, Decoded
 from onn.errors import UserError
 from onn.modalities.mesh.primitives import BUILTIN, builtin_splits
-from onn.modalities.mesh.read import HELP, read_source, sampling
+from onn.modalities.mesh.read import HELP, Sampling, read_source, sampling
+
+READER_VERSION = 2  # files' points seeded by their content, coincident points refused: caches of before are stale
 
 
 def read_cached(
@@ -29,9 +31,11 @@ def read_cached(
     seed: int,
     key: str = "data.source",
     allow_unlabelled: bool = False,
+    settings: Sampling | None = None,
 ) -> dict[str, Decoded]:
-    """{split: Decoded} for a source, sampled once and then read from the safetensors cache."""
-    settings = sampling(data_cfg, seed)
+    """{split: Decoded} for a source, sampled once and then read from the safetensors cache. `settings`: how to
+    sample (a checkpoint's), in place of the data config's."""
+    settings = settings or sampling(data_cfg, seed)
     bad = float(data_cfg.max_bad_fraction)
     if source == BUILTIN:
         builtin = data_cfg.builtin
@@ -46,6 +50,7 @@ def read_cached(
         )
     path = existing_source(Path(source).expanduser(), key, HELP)
     digest = {
+        "reader": READER_VERSION,
         "digest": content_digest(path),
         "settings": settings.__dict__,
         "unlabelled": allow_unlabelled,
@@ -65,6 +70,7 @@ class MeshDataModule(ClassificationData):
 
     cfg: MeshData
     same_shape_hint = "give every split the same data.points and data.normals"
+    sampling: Sampling | None = None  # a checkpoint's (MeshModality.datamodule), in place of the data config's
 
     def read(self, source: str, key: str) -> dict[str, Decoded]:
-        return read_cached(source, self.cfg, self.cache_dir, self.seed, key)
+        return read_cached(source, self.cfg, self.cache_dir, self.seed, key, settings=self.sampling)

@@ -8,17 +8,19 @@ and held on the device; rotation, scaling and jitter on the device (augment.py);
 
 from __future__ import annotations
 
+import logging
 import posixpath
 from pathlib import Path
 from typing import Any
 
-from onn.config import ONNConfig
+from onn.config import ONNConfig, as_dict
 from onn.config.data import MeshData
 from onn.config.model import NetworkConfig
 from onn.data.files import first_names
 from onn.errors import UserError
 from onn.modalities.base import ClassifierModality, RunConfig
 
+log = logging.getLogger("onn")
 SNIFF_FILES = 2000  # file names looked at when deciding whether a folder holds meshes
 DATA_KWARGS = ("in_channels", "num_classes", "num_points")
 POINT_NETWORKS = ("zoo:pointnet",)  # the zoo's networks that take [batch, points, channels]
@@ -35,6 +37,20 @@ def mostly_meshes(names: list[str], meshes: list[str]) -> bool:
     others = [n for n in names if n not in meshes]
     sidecars = [n for n in others if posixpath.splitext(n)[1].lower() in SIDECARS and posixpath.dirname(n) in folders]
     return len(meshes) >= 2 and len(meshes) * 2 >= len(names) - len(sidecars)
+
+
+def saved_sampling(inputs: dict[str, Any], data: dict[str, Any], seed: int):
+    """The Sampling of a model's `inputs` (points and normals from its input shape, its align); a checkpoint written
+    before `inputs` kept the alignment has it in its data config (`data`)."""
+    from onn.modalities.mesh.read import Sampling
+
+    points, channels = inputs["input_shape"]
+    return Sampling(int(points), int(channels) == 6, seed, str(inputs.get("align") or data.get("align") or "none"))
+
+
+def _described(settings) -> str:
+    normals = ", normals" if settings.normals else ""
+    return f"data.points={settings.points}{normals}, data.align={settings.align}, seed {settings.seed}"
 
 
 class MeshModality(ClassifierModality):
@@ -105,7 +121,29 @@ class MeshModality(ClassifierModality):
     def datamodule(self, config: ONNConfig, device: str):
         from onn.modalities.mesh.dataset import MeshDataModule
 
-        return MeshDataModule(config.data, config.paths.cache, device, seed=int(config.seed))
+        dm = MeshDataModule(config.data, config.paths.cache, device, seed=int(config.seed))
+        dm.sampling = self._trained_sampling(config)
+        return dm
+
+    def _trained_sampling(self, config: ONNConfig):
+        """With ckpt=, the sampling its model was trained on (points, normals, align, seed), said where the data
+        config's differs (`data=mesh` brings the defaults': 1024 points, no alignment); None without one."""
+        from onn.modalities.mesh.read import sampling
+        from onn.training.classifier import trained_config
+
+        saved = trained_config(config)
+        if saved is None:
+            return None
+        trained = saved_sampling(saved["inputs"], saved["data"], int(saved["inputs"].get("seed", config.seed)))
+        given = sampling(config.data, int(config.seed))
+        if given != trained:
+            log.warning(
+                "ckpt %s: sampling the points as its model was trained (%s), not as the data config says (%s)",
+                config.ckpt,
+                _described(trained),
+                _described(given),
+            )
+        return trained
 
     def network(self, model_cfg: NetworkConfig, inputs: dict[str, Any]):
         from onn.models.zoo.registry import build_zoo
@@ -133,10 +171,18 @@ class MeshModality(ClassifierModality):
 
         return PointAugment(config.data.augment)
 
+    def input_stats(self, config: ONNConfig, dm) -> dict[str, Any]:
+        """data.align, saved in `inputs`: infer and eval turn the shapes as training did."""
+        return {"align": (dm.sampling.align if dm.sampling is not None else str(config.data.align))}
+
     def planned_inputs(self, config: RunConfig) -> dict[str, Any]:
         from onn.modalities.mesh.primitives import BUILTIN, CLASSES
         from onn.modalities.mesh.read import sampling
+        from onn.training.classifier import trained_config
 
+        saved = trained_config(config)
+        if saved is not None:  # the checkpoint's network: what eval, infer and a resumed run build
+            return saved["inputs"]
         data: MeshData = config.data
         settings = sampling(data)
         if data.classes:
@@ -145,14 +191,18 @@ class MeshModality(ClassifierModality):
             classes = [str(i) for i in range(data.num_classes)]
         else:
             classes = list(CLASSES) if data.source == BUILTIN else [str(i) for i in range(10)]
-        return {"classes": classes, "input_shape": [settings.points, settings.channels]}
+        return {"classes": classes, "input_shape": [settings.points, settings.channels], "align": settings.align}
 
     def read_inputs(self, source: Path, inputs: dict[str, Any], config: RunConfig):
-        from onn.modalities.mesh.read import Sampling, read_source
+        """task.input sampled as the model's training data was: its points, normals, alignment and seed."""
+        from onn.modalities.mesh.read import read_source
+        from onn.training.classifier import trained_config
 
-        points, channels = inputs["input_shape"]
         data: MeshData = config.data
-        settings = Sampling(int(points), channels == 6, int(config.seed), data.align)
+        saved = trained_config(config) if "align" not in inputs else None  # a checkpoint from before `align` was kept
+        settings = saved_sampling(
+            inputs, saved["data"] if saved else as_dict(data), int(inputs.get("seed", config.seed))
+        )
         return read_source(
             source, settings, max_bad_fraction=float(data.max_bad_fraction), allow_unlabelled=True, key="task.input"
         )

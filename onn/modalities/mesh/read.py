@@ -1,7 +1,7 @@
 """Meshes and point clouds as fixed-size point sets: read through trimesh, sampled by area, normalised.
 
-Every file becomes `points` surface points (sampled by face area, seeded by the item's name, so a
-source decodes to the same points every time), optionally with their face normals, centred,
+Every file becomes `points` surface points (sampled by face area, seeded by the file's content, so a
+file decodes to the same points every time, wherever it lies), optionally with their face normals, centred,
 optionally turned onto their principal axes (data.align=pca: for shapes that have no common
 orientation), and scaled into the unit sphere: float32 [points, 3] or [points, 6].
 
@@ -12,8 +12,8 @@ point cloud) is taken as points and sampled with replacement; its normals are ze
 
 A file that cannot be used is skipped with its reason, as undecodable images are: unreadable
 (trimesh raises), empty (trimesh reads some broken files as an empty scene without a word), faces
-that point past the vertex list, non-finite vertices, zero surface area. The run fails only when more
-than data.max_bad_fraction of the files are bad.
+that point past the vertex list, non-finite vertices, zero surface area, points that all coincide. The run
+fails only when more than data.max_bad_fraction of the files are bad.
 """
 
 from __future__ import annotations
@@ -152,27 +152,33 @@ def _part(geometry, transform) -> tuple[np.ndarray, np.ndarray | None]:
 
 def sample_points(vertices: np.ndarray, faces: np.ndarray | None, settings: Sampling, name: str) -> np.ndarray:
     """float32 [points, 3 or 6]: surface points sampled by area (a point cloud's points with replacement),
-    seeded by (seed, name), centred and scaled into the unit sphere; normals after the xyz when asked."""
+    seeded by (seed, name), centred and scaled into the unit sphere; normals after the xyz when asked. A shape
+    whose points all coincide is refused: scaled up, the rounding left by centring would become its shape."""
     import trimesh
 
     rng = np.random.default_rng([settings.seed, zlib.crc32(name.encode())])
     n = settings.points
-    if faces is not None:
-        mesh = trimesh.Trimesh(vertices=vertices, faces=faces, process=False, validate=False)
-        area = float(mesh.area)
-        if not np.isfinite(area) or area <= 0:
-            raise MeshError("has zero surface area (every face is degenerate)")
-        xyz, face_index = trimesh.sample.sample_surface(mesh, n, seed=rng)
-        normals = mesh.face_normals[face_index]
-    else:
-        xyz = vertices[rng.choice(len(vertices), n, replace=len(vertices) < n)]
-        normals = np.zeros_like(xyz)
-    xyz = xyz - xyz.mean(axis=0)
-    if settings.align == "pca":
-        turn = principal_axes(xyz)
-        xyz, normals = xyz @ turn, normals @ turn
-    radius = float(np.linalg.norm(xyz, axis=1).max())
-    if radius > 0:
+    with np.errstate(over="ignore", invalid="ignore"):  # coordinates near float64's limit: said below, not warned
+        if faces is not None:
+            mesh = trimesh.Trimesh(vertices=vertices, faces=faces, process=False, validate=False)
+            area = float(mesh.area)
+            if not np.isfinite(area):
+                raise MeshError("its coordinates are too large to sample (its surface area overflows)")
+            if area <= 0:
+                raise MeshError("has zero surface area (every face is degenerate)")
+            xyz, face_index = trimesh.sample.sample_surface(mesh, n, seed=rng)
+            normals = mesh.face_normals[face_index]
+        else:
+            xyz = vertices[rng.choice(len(vertices), n, replace=len(vertices) < n)]
+            normals = np.zeros_like(xyz)
+        extent = float(np.abs(xyz).max())
+        xyz = xyz - xyz.mean(axis=0)
+        if settings.align == "pca" and np.isfinite(xyz).all():
+            turn = principal_axes(xyz)
+            xyz, normals = xyz @ turn, normals @ turn
+        radius = float(np.linalg.norm(xyz, axis=1).max())
+        if radius <= 1e-9 * extent:  # (a NaN radius, from overflow, is refused below)
+            raise MeshError("has no extent (all its points coincide)")
         xyz = xyz / radius
     out = np.concatenate([xyz, normals], axis=1) if settings.normals else xyz
     if not np.isfinite(out).all():  # extreme coordinates (1e308) overflow in the centring
@@ -193,9 +199,22 @@ def principal_axes(xyz: np.ndarray) -> np.ndarray:
 
 
 def decode(source: Path | bytes, name: str, settings: Sampling) -> np.ndarray:
-    """One file (a path, or an archive member's bytes) as its normalised point set; MeshError if unusable."""
+    """One file (a path, or an archive member's bytes) as its normalised point set; MeshError if unusable. Its
+    points are seeded by its content, not its name: a name is relative to the folder given, and the same file
+    read from its class folder, from the folder above or alone would be sampled three ways."""
     vertices, faces = load_geometry(source, os.path.splitext(name)[1])
-    return sample_points(vertices, faces, settings, name)
+    return sample_points(vertices, faces, settings, content_key(source))
+
+
+def content_key(source: Path | bytes) -> str:
+    """The CRC-32 of a file's bytes (read 1 MB at a time) or of an archive member's, in hex."""
+    if isinstance(source, bytes):
+        return f"{zlib.crc32(source):08x}"
+    crc = 0
+    with open(source, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -151,6 +151,7 @@ def _decode_chosen(source: str | bytes, times: list[float], fit: Fit) -> tuple[l
     got: dict[float, np.ndarray] = {}
     with _open(source) as container:
         stream = _stream(container)
+        rate = float(stream.average_rate or stream.guessed_rate or 25)
         for frame in container.decode(stream):
             if frame.pts is None:
                 return _decode_all(source, fit)
@@ -163,7 +164,8 @@ def _decode_chosen(source: str | bytes, times: list[float], fit: Fit) -> tuple[l
         if not got:
             raise BadFile("a video stream with no frame that decodes")
         return _decode_all(source, fit)
-    step = (times[-1] - times[0]) / max(len(times) - 1, 1)
+    # the clip lasts to the end of its last frame: one frame is shown for a frame's time at the stream's rate
+    step = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 1 / rate
     return [got[round(times[i], 6)] for i in chosen], times[-1] - times[0] + step
 
 

@@ -59,9 +59,13 @@ class VideoModality(MediaModality):
             )
 
     def datamodule(self, config: ONNConfig, device: str):
-        from onn.modalities.video.dataset import VideoDataModule
+        from onn.data.media import trained_fit
+        from onn.modalities.video.dataset import READER, VideoDataModule
+        from onn.training.classifier import trained_config
 
-        return VideoDataModule(config.data, config.paths.cache, device, seed=int(config.seed))
+        dm = VideoDataModule(config.data, config.paths.cache, device, seed=int(config.seed))
+        dm.fit = trained_fit(READER, config.data, trained_config(config), config.ckpt)  # with ckpt=, the model's
+        return dm
 
     def network(self, model_cfg: NetworkConfig, inputs: dict[str, Any]):
         from onn.models.video import build_video_classifier
@@ -93,6 +97,11 @@ class VideoModality(MediaModality):
         return {"mean": [0.5] * channels, "std": [0.25] * channels}
 
     def planned_inputs(self, config: RunConfig) -> dict[str, Any]:
+        from onn.training.classifier import trained_config
+
+        saved = trained_config(config)
+        if saved is not None:  # the checkpoint's network: what eval, infer and a resumed run build
+            return saved["inputs"]
         data: VideoData = config.data
         settings = self._settings(data)
         fit = settings["fit"]
