@@ -876,7 +876,7 @@ def test_serve_settings_are_checked_first():
 
     config = compose("task=serve")
     check(config)
-    for key, value in (("port", 70000), ("slots", 0), ("max_tokens", "many"), ("api_key", "")):
+    for key, value in (("port", 70000), ("slots", 0), ("max_tokens", "many"), ("api_key", ""), ("api_key", "clé")):
         with pytest.raises(UserError, match=f"serve.{key}"):
             check(replace(config, serve=replace(config.serve, **{key: value})))  # past Hydra's type checks
     with pytest.raises(Exception, match="serve.max_tokens"):  # a wrong type on the command line: Hydra's message
@@ -902,43 +902,30 @@ def test_a_host_that_is_not_this_machines_is_named_as_the_host_not_the_port():
 
 
 def test_the_web_page_chats_and_classifies_in_a_real_browser(lm, classifier, tmp_path):
-    if not CHROMIUM.exists():
-        pytest.skip("no chromium: apt-get install -y chromium")
-    playwright = pytest.importorskip("playwright.sync_api")
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=str(CHROMIUM),
-            headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
+    with browser_page(lm.url) as page:
+        page.fill("#key", KEY)
+        page.dispatch_event("#key", "change")
+        page.wait_for_selector("#chat-view:not(.hidden)")
+        page.fill("#max-tokens", "24")
+        page.fill("#prompt", "Hello, ONN!")
+        page.click("#send")
+        page.wait_for_function(
+            "document.querySelector('.assistant') && document.querySelector('.assistant').textContent.length > 0"
         )
-        try:
-            page = browser.new_page(viewport={"width": 1000, "height": 700})
-            page.goto(lm.url)
-            page.fill("#key", KEY)
-            page.dispatch_event("#key", "change")
-            page.wait_for_selector("#chat-view:not(.hidden)")
-            page.fill("#max-tokens", "24")
-            page.fill("#prompt", "Hello, ONN!")
-            page.click("#send")
-            page.wait_for_function(
-                "document.querySelector('.assistant') && document.querySelector('.assistant').textContent.length > 0"
-            )
-            page.wait_for_selector("#send:not([disabled])")
-            assert page.text_content(".user") == "Hello, ONN!"
-            chat_shot = tmp_path / "chat.png"
-            page.screenshot(path=str(chat_shot))
+        page.wait_for_selector("#send:not([disabled])")
+        assert page.text_content(".user") == "Hello, ONN!"
+        chat_shot = tmp_path / "chat.png"
+        page.screenshot(path=str(chat_shot))
 
-            page.goto(classifier.url)
-            page.wait_for_selector("#classify-view:not(.hidden)")
-            page.set_input_files("#file", str(classifier.images / "test" / "class2" / "000.png"))
-            page.wait_for_selector("#result:not(.hidden)")
-            label = page.text_content("#top-label")
-            assert label == "class2"
-            assert page.eval_on_selector("#preview", "img => img.complete && img.naturalWidth > 0")
-            shot = tmp_path / "classify.png"
-            page.screenshot(path=str(shot))
-        finally:
-            browser.close()
+        page.goto(classifier.url)
+        page.wait_for_selector("#classify-view:not(.hidden)")
+        page.set_input_files("#file", str(classifier.images / "test" / "class2" / "000.png"))
+        page.wait_for_selector("#result:not(.hidden)")
+        label = page.text_content("#top-label")
+        assert label == "class2"
+        assert page.eval_on_selector("#preview", "img => img.complete && img.naturalWidth > 0")
+        shot = tmp_path / "classify.png"
+        page.screenshot(path=str(shot))
     assert shot.stat().st_size > 1000 and chat_shot.stat().st_size > 1000
     if SCREENSHOT_COPY.parent.exists():
         _side_by_side(chat_shot, shot, SCREENSHOT_COPY)

@@ -43,6 +43,11 @@ def check(config: ONNConfig) -> None:
         raise UserError(f"serve.host={settings.host!r}: give an address to listen on, e.g. 127.0.0.1.")
     if settings.api_key is not None and not (isinstance(settings.api_key, str) and settings.api_key.strip()):
         raise UserError("serve.api_key: give a non-empty string, or null for none.")
+    key = api_key(settings)
+    if key is not None and not (key.isascii() and key.isprintable()):  # a header's bytes never equal its UTF-8
+        raise UserError(
+            "serve.api_key (or ONN_API_KEY) holds a character HTTP headers do not carry: give printable ASCII only."
+        )
 
 
 def api_key(settings: ServeConfig) -> str | None:
