@@ -36,7 +36,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from onn.bench.registry import TASKS as BENCH_TASKS
 from onn.config import ONNConfig, StrategyConfig, as_dict, typed
-from onn.errors import ExportFailed, UserError
+from onn.errors import FailedAfterTraining, UserError, diverged
 from onn.export.settings import check_settings as check_export
 from onn.hardware import failpoints
 from onn.hardware.cluster import is_rank_zero, use_own_gpu
@@ -105,12 +105,14 @@ def run(cfg: DictConfig) -> float | None:
         failpoints.check()
         record.start()
         results = execute(config, run_dir, given_keys(overrides), record.metrics)
+        if (failure := diverged(results)) is not None:
+            raise failure
         record.finish(**results, status="ok")
         if is_rank_zero():
             print(summary(metrics, run_dir), flush=True)
     except UserError as e:
         log.error("%s", e)
-        if isinstance(e, ExportFailed):  # the training's figures stay beside the export's error
+        if isinstance(e, FailedAfterTraining):  # the training's figures stay beside the error
             record.metrics.update(e.metrics)
         _finish_failed(record, str(e))
         if not multirun:  # in a sweep the other jobs go on; the grid shows this one as failed

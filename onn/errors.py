@@ -4,6 +4,7 @@ sentence for a write the disk refuses (full, read-only, not permitted)."""
 from __future__ import annotations
 
 import errno
+import math
 import os
 import re
 import shutil
@@ -14,13 +15,35 @@ class UserError(Exception):
     """A problem with the user's input (a file, a config value); the message says what to do."""
 
 
-class ExportFailed(UserError):
-    """The export at the end of a training run failed: `metrics` are the training's figures, which the run's
-    record keeps beside the error (the checkpoint is written: task=export of it needs no training again)."""
+class FailedAfterTraining(UserError):
+    """A run that trained and then failed: `metrics` are the training's figures, which the run's record keeps
+    beside the error (the checkpoint is written)."""
 
     def __init__(self, message: str, metrics: dict):
         super().__init__(message)
         self.metrics = metrics
+
+
+class ExportFailed(FailedAfterTraining):
+    """The export at the end of a training run failed (task=export of its checkpoint needs no training again)."""
+
+
+class TrainingDiverged(FailedAfterTraining):
+    """Training ended with a loss that is not a number: the weights are unusable, and the run is not `ok`."""
+
+
+def diverged(metrics: dict) -> TrainingDiverged | None:
+    """The error for a training run whose last steps' loss (train/loss_final) is NaN or infinite, which
+    Lightning trains on without a word; None for a run that did not train or ended finite."""
+    final = metrics.get("train/loss_final")  # a run's figures, which only a training task has
+    if not isinstance(final, float) or math.isfinite(final):
+        return None
+    return TrainingDiverged(
+        f"training diverged: the loss of its last steps (train/loss_final) is {final}, so its weights are not "
+        "usable and nothing was exported; lower optim.lr, set optim.clip_grad_norm, or look for NaN or infinite "
+        "values in the data.",
+        metrics,
+    )
 
 
 def write_refused(

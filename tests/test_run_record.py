@@ -296,3 +296,26 @@ def test_a_sweep_is_compared_with_the_finished_jobs_job_by_job(tmp_path):
     for num in (1, 2, 3):  # failed jobs are run again, whatever they were
         (tmp_path / str(num) / "metrics.json").write_text('{"status": "failed"}')
     assert refused("task=plan", "strategy=full,lora", "data.max_length=32,48,64") is None
+
+
+def test_a_run_whose_loss_went_nan_fails_in_one_sentence_exports_nothing_and_writes_strict_json(tmp_path):
+    """A learning rate that blows the weights up trained on in NaN and ended `ok` ("train ok: train/loss_final
+    nan"), exported the NaN weights, and wrote NaN, which no strict JSON reader takes, into metrics.json's loss
+    curve."""
+    import json
+
+    run_dir = tmp_path / "run"
+    done = run_cli(
+        *TRAIN, "optim.lr=1e9", "trainer.max_steps=6", "export=safetensors", f"paths.outputs={tmp_path}",
+        f"hydra.run.dir={run_dir}",
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "training diverged: the loss of its last steps (train/loss_final) is nan" in done.stdout + done.stderr
+
+    def refuse(word: str):
+        raise AssertionError(f"metrics.json holds {word}, which strict JSON readers refuse")
+
+    m = json.loads((run_dir / "metrics.json").read_text(), parse_constant=refuse)
+    assert m["status"] == "failed" and m["error"].startswith("training diverged")
+    assert m["train/loss_initial"] > 0 and None in m["train/loss_curve"]  # the figures stay beside the error
+    assert (run_dir / "checkpoints" / "last.ckpt").exists() and not (run_dir / "export").exists()

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from onn.errors import UserError
+from onn.json_values import strict_json
 
 SKIP_DIRS = frozenset({"__MACOSX"})  # macOS zip resource forks: never data
 csv.field_size_limit(2**31 - 1)  # a CSV field may hold a whole document; csv refuses one over 128 KB by default
@@ -367,4 +368,4 @@ def write_jsonl(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.write(json.dumps(strict_json(row), ensure_ascii=False) + "\n")

@@ -24,7 +24,7 @@ from onn.config import ONNConfig
 from onn.config.convert import typed
 from onn.config.export import ExportSample, OmnyExport, OnnxExport, SafetensorsExport
 from onn.config.model import LanguageModelConfig
-from onn.errors import ExportFailed, UserError, disk_error, write_refused
+from onn.errors import ExportFailed, UserError, disk_error, diverged, write_refused
 from onn.export.model_facts import kv_cache_bytes, model_source, omny_runs
 from onn.export.settings import FORMATS, check_settings
 from onn.models.load import load
@@ -163,6 +163,8 @@ def _export(model, output: Path, sample_input, settings, model_name, tokenizer, 
 def export_after_training(metrics: dict[str, Any], run_dir: Path, export: Callable[[], dict[str, Any]]) -> None:
     """A trained run's export, its figures added to `metrics`. A failure keeps the training's figures
     (ExportFailed carries them to the run's record) and says how to export the checkpoint without training."""
+    if diverged(metrics) is not None:  # NaN weights are no model to hand on; the run says so when it ends (app.run)
+        return
     try:
         metrics.update(export())
     except UserError as e:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import signal
 import socket
@@ -33,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from onn.errors import UserError, write_refused
 from onn.hardware.cluster import is_rank_zero
 from onn.hardware.locks import holder, try_hold
+from onn.json_values import strict_json
 from onn.training import progress
 from onn.training.trainer import REQUEUE_CHECKPOINTS, newest_checkpoint
 
@@ -104,7 +104,7 @@ class RunRecord:
             self.metrics["wall_s"] = round(time.perf_counter() - self.started, 2)
             if self.metrics["status"] == "running":
                 self.metrics["heartbeat"] = time.time()
-            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in self.metrics.items()}
+            clean = strict_json(self.metrics)
             tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
