@@ -328,7 +328,7 @@ def jsonl_objects(text: str, where: str, wanted: str = "an object with fields") 
     """(line number, object) of each non-blank line of JSON lines; a line that is not JSON, or not a JSON
     object, is one sentence naming `where` and the line (`wanted`: what an object there holds)."""
     rows = []
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(text.split("\n"), 1):  # "\n" only: U+2028 or NEL may sit inside a JSON string
         if not line.strip():
             continue
         try:

@@ -312,13 +312,14 @@ def finish_tokenizer(model_cfg: LanguageModelConfig, tokenizer, remote: bool):
 
 
 def _gguf_cache_folder(path: str, cache_dir) -> Path | None:
-    """Where a GGUF file's conversion to safetensors is kept, keyed by its path, size and mtime."""
+    """Where a GGUF file's conversion to safetensors is kept, keyed by its path, size and mtime (and `float32`:
+    conversions kept before were in the first run's dtype, and are not read)."""
     import hashlib
 
     if not cache_dir:
         return None
     stat = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    key = hashlib.sha256(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|float32".encode()).hexdigest()
     return Path(cache_dir) / "gguf" / key[:16]
 
 
@@ -411,9 +412,8 @@ def tokenizer_from(folder: str, remote: bool):
 
 
 def _load_gguf(path: str, dtype, cache_dir=None):
-    """De-quantize a GGUF file with transformers; keep the result as a safetensors folder in the cache."""
-    import shutil
-
+    """De-quantize a GGUF file with transformers; keep the result as a safetensors folder in the cache, in float32
+    (what de-quantizing gives) whatever this run's dtype: a later run in float32 must not read a bf16 run's rounding."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     converted = _gguf_cache_folder(path, cache_dir)
@@ -425,28 +425,40 @@ def _load_gguf(path: str, dtype, cache_dir=None):
         with gguf_parsed_once():
             check_gguf(path)
             model = AutoModelForCausalLM.from_pretrained(
-                folder, gguf_file=name, local_files_only=True, dtype=dtype or "auto"
+                folder,
+                gguf_file=name,
+                local_files_only=True,
+                dtype="float32" if converted is not None else dtype or "auto",
             )
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     except (ValueError, OSError, KeyError, IndexError) as e:
         raise UserError(f"model.source {path} could not be read as GGUF: {e}") from e
     if converted is not None:
-        tmp = converted.with_name(converted.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        # transformers refuses save_pretrained on GGUF-flagged models; the weights are plain
-        # tensors after de-quantization, so write them and a config without the GGUF flag.
-        from safetensors.torch import save_model
-
-        save_model(model, str(tmp / "model.safetensors"))
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        tokenizer.save_pretrained(tmp)
-        (tmp / ".complete").write_text(path)
-        shutil.rmtree(converted, ignore_errors=True)
-        tmp.rename(converted)
+        _save_converted(model, tokenizer, path, converted)
+        if dtype is not None:
+            model = model.to(dtype)
     return model, tokenizer
+
+
+def _save_converted(model, tokenizer, path: str, converted: Path) -> None:
+    """The de-quantized model as a safetensors folder, written whole under a temporary name, then renamed."""
+    import shutil
+
+    from safetensors.torch import save_model
+
+    tmp = converted.with_name(converted.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # transformers refuses save_pretrained on GGUF-flagged models; the weights are plain
+    # tensors after de-quantization, so write them and a config without the GGUF flag.
+    save_model(model, str(tmp / "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(tmp)
+    (tmp / ".complete").write_text(path)
+    shutil.rmtree(converted, ignore_errors=True)
+    tmp.rename(converted)
 
 
 @contextlib.contextmanager

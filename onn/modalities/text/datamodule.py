@@ -49,7 +49,7 @@ def encode_counted(
     tokenizer, prompt: str, answer: str, max_length: int, special_tokens: bool = True
 ) -> tuple[list[int], list[int], int]:
     """`encode`'s ids and labels, and how many tokens the example had before it was cut to max_length."""
-    prompt_ids = tokenizer(prompt, add_special_tokens=special_tokens)["input_ids"] if prompt else _bos(tokenizer)
+    prompt_ids = tokenizer(prompt, add_special_tokens=special_tokens)["input_ids"] if prompt else bos_ids(tokenizer)
     answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     whole = len(prompt_ids) + len(answer_ids)
     answer_ids = answer_ids[: max_length - 1]
@@ -84,7 +84,8 @@ def encode_all(
     return encoded
 
 
-def _bos(tokenizer) -> list[int]:
+def bos_ids(tokenizer) -> list[int]:
+    """BOS, which begins every plain-text sample (and a typed prompt for a model that learned plain text)."""
     return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
 
@@ -173,6 +174,7 @@ class TextDataModule(L.LightningDataModule):
         self.prompter = Prompter(data_cfg, tokenizer)
         self.train_examples: list[tuple[str, str]] = []  # resident data only
         self.val_examples: list[tuple[str, str]] = []
+        self.val_where: list[str] = []  # where each held-out example came from (file and line)
         self.train_records = 0
         self.stream: ShuffledStream | None = None  # streamed data (data.streaming)
 
@@ -187,6 +189,7 @@ class TextDataModule(L.LightningDataModule):
         train, val = load_splits(self.cfg, self.seed)
         self.train_examples = self.prompter.examples(train, "data.source")
         self.val_examples = self.prompter.examples(val, "data.val_source" if self.cfg.val_source else "data.source")
+        self.val_where = val.where
         self.train_records = len(self.train_examples)
         max_length, special = self.cfg.max_length, self.prompter.add_special_tokens
         val_key = "data.val_source" if self.cfg.val_source else "data.source"
@@ -230,6 +233,7 @@ class TextDataModule(L.LightningDataModule):
         sample = [item for item, _ in zip(reader.records(start), range(LAYOUT_SAMPLE))]
         self.prompter.examples(Records([r for _, _, r, _ in sample], [w for _, _, _, w in sample]), "data.source")
         self.val_examples = self.prompter.examples(val, "data.val_source" if cfg.val_source else "data.source")
+        self.val_where = val.where
         max_length, special = cfg.max_length, self.prompter.add_special_tokens
         val_key = "data.val_source" if cfg.val_source else "data.source"
         self.val_set = encode_all(self.tokenizer, self.val_examples, val.where, max_length, special, val_key)

@@ -67,11 +67,25 @@ def read_records(path: str | Path, fmt: str = "auto", key: str = "data.source") 
         records = _read_parquet(path)
     else:
         text = decode(data, path, key)
-        fmt = detect(text, complete=True, csv_named=_csv_named(path)) if fmt == "auto" else fmt
-        records = _READERS[fmt](text, path)
+        records = _read_text(text, path, fmt)
     if not records:
         raise UserError(f"{key} {path} holds no records.")
     return records
+
+
+def _read_text(text: str, path: Path, fmt: str) -> Records:
+    """The records of a text file in `fmt`, or in the format its content shows (auto); a file taken for JSON by its
+    content that is not JSON says how to read it as plain text."""
+    if fmt != "auto":
+        return _READERS[fmt](text, path)
+    fmt = detect(text, complete=True, suffix=path.suffix.lower())
+    try:
+        return _READERS[fmt](text, path)
+    except UserError as e:
+        if fmt not in ("json", "jsonl"):
+            raise
+        hint = f"{str(e).rstrip('.')}; if {path.name} is plain text (one sample a line), set data.format=txt."
+        raise UserError(hint) from None
 
 
 def decode(data: bytes, path: Path, key: str) -> str:
@@ -120,18 +134,17 @@ def detect_format(path: str | Path, key: str = "data.source") -> str:
     text = _decode_head(head)
     if text is None:  # Latin-1 text (the byte, its line, the iconv command) or a binary file: decode says which
         text = decode(head, Path(path), key)
-    return detect(text, complete=len(head) < HEAD_BYTES, csv_named=_csv_named(Path(path)))
+    return detect(text, complete=len(head) < HEAD_BYTES, suffix=Path(path).suffix.lower())
 
 
-def _csv_named(path: Path) -> bool:
-    return path.suffix.lower() == ".csv"
-
-
-def detect(text: str, complete: bool, csv_named: bool = False) -> str:
-    """The format of a text (the whole file when `complete`, else its head); `csv_named`: the file is named .csv,
-    which makes a lone column name on the first line a one-column CSV's header."""
+def detect(text: str, complete: bool, suffix: str = "") -> str:
+    """The format of a text (the whole file when `complete`, else its head); `suffix`: the file's (lower case).
+    Named .csv, a lone column name on the first line is a one-column CSV's header; named .txt, a text that starts
+    with [ or { is JSON only where it parses as JSON (lyrics' "[Verse 1]" line is text)."""
     text = text.lstrip("\ufeff")
     stripped = text.lstrip()
+    if suffix == ".txt" and stripped.startswith(("[", "{")) and not _json_in_txt(stripped, complete):
+        return "txt"
     if stripped.startswith("["):
         return "json"
     if stripped.startswith("{"):
@@ -144,9 +157,23 @@ def detect(text: str, complete: bool, csv_named: bool = False) -> str:
     if complete and _json_scalar(stripped):
         return "json"  # a bare number or string: the JSON reader says it holds no records
     lines = text if complete else text[: text.rfind("\n") + 1]
-    if csv_delimiter(lines) or one_column_csv(lines, csv_named):
+    if csv_delimiter(lines) or one_column_csv(lines, suffix == ".csv"):
         return "csv"
     return "txt"
+
+
+def _json_in_txt(text: str, complete: bool) -> bool:
+    """Whether a .txt file's text that starts with [ or { is JSON after all: its first line is a JSON value (JSON
+    lines, a one-line document), or the whole file parses (a document over several lines)."""
+    return _parses(text.partition("\n")[0]) or (complete and _parses(text))
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return False
+    return True
 
 
 def _json_scalar(text: str) -> bool:
@@ -307,8 +334,11 @@ def _read_parquet(path: Path) -> Records:
 
 
 def _read_txt(text: str, path: Path) -> Records:
+    """One sample a line, split on newlines only, as the streaming reader and an editor split them: U+2028, NEL or
+    a form feed inside a line (str.splitlines() breaks there) belongs to the sample."""
     rows, where = [], []
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(text.split("\n"), 1):
+        line = line.removesuffix("\r")
         if line.strip():
             rows.append({"text": line})
             where.append(f"{path} line {lineno}")
@@ -350,7 +380,7 @@ def sniff_text(path: Path) -> str | None:
     printable = sum(c.isprintable() or c in "\n\r\t" for c in text) / len(text)
     if printable < 0.95:
         return None
-    return f"{detect(text, complete=len(head) < HEAD_BYTES, csv_named=_csv_named(path))} text"
+    return f"{detect(text, complete=len(head) < HEAD_BYTES, suffix=path.suffix.lower())} text"
 
 
 def _decode_head(head: bytes) -> str | None:

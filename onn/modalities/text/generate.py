@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from onn.errors import UserError
-from onn.modalities.text.datamodule import extract, extract_answer
+from onn.modalities.text.datamodule import bos_ids, extract, extract_answer
 from onn.modalities.text.formats import read_records
 from onn.modalities.text.prompts import Prompter
 
@@ -32,10 +32,7 @@ class LanguageModel:
     @property
     def eos_ids(self) -> set[int]:
         """Tokens that end a completion: the tokenizer's end of text and the model's (a chat model's end of turn)."""
-        ids = {self.tokenizer.eos_token_id}
-        config_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        ids.update(config_eos if isinstance(config_eos, list) else [config_eos])
-        return {int(i) for i in ids if i is not None}
+        return set(end_ids(self.model, self.tokenizer))
 
     def new_cache(self):
         from transformers import DynamicCache
@@ -67,6 +64,30 @@ class LanguageModel:
         return out.logits[:, -1, :].float()
 
 
+def end_ids(model, tokenizer) -> list[int]:
+    """Tokens that end a completion, the tokenizer's end of text first, then the model's own (its generation_config:
+    a chat model's end of turn, Gemma's <end_of_turn>): infer and eval stop where serve stops."""
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def prompt_ids(tokenizer, text: str, add_special_tokens: bool = True, bos: bool = False) -> list[int]:
+    """A prompt's token ids as training encoded its kind: with `bos` (a model that learned plain text), BOS and the
+    text's own tokens, as datamodule.encode began every text; else with the tokenizer's special tokens or none."""
+    if bos:
+        return bos_ids(tokenizer) + tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def prompt_batch(tokenizer, texts: list[str], add_special_tokens: bool = True, bos: bool = False):
+    """Prompts tokenized (see prompt_ids) and padded on the tokenizer's padding side, as tensors."""
+    if not bos:
+        return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens)
+    rows = [prompt_ids(tokenizer, text, bos=True) for text in texts]
+    return tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")
+
+
 # model.generate's other warpers and penalties, off: transformers fills what a call leaves unset from the model's
 # generation_config and then its own defaults (top_k=50), while a layer-streamed model and task=serve sample through
 # temperature and top-p alone (engine._pick). The same checkpoint and settings sample from one distribution.
@@ -74,11 +95,11 @@ NO_PENALTIES = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
 ONLY_TEMPERATURE_AND_TOP_P = {"top_k": 0, "min_p": 0.0, "typical_p": 1.0, **NO_PENALTIES}
 
 
-def _sampling(max_new_tokens: int, temperature: float, top_p: float, tokenizer) -> dict[str, Any]:
+def _sampling(max_new_tokens: int, temperature: float, top_p: float, tokenizer, ends: list[int]) -> dict[str, Any]:
     kwargs = {
         "max_new_tokens": max_new_tokens,
         "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
+        "eos_token_id": ends or None,
     }
     if temperature and temperature > 0:
         kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, **ONLY_TEMPERATURE_AND_TOP_P)
@@ -88,23 +109,44 @@ def _sampling(max_new_tokens: int, temperature: float, top_p: float, tokenizer) 
 
 
 def _generate(model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p, streamer=None) -> torch.Tensor:
-    """New tokens for a left-padded batch: layer-streamed when an engine is given, else model.generate."""
-    if engine is not None:
-        on_token = (lambda token: streamer.put(token.cpu())) if streamer is not None else None
-        out = engine.generate(
-            inputs["input_ids"],
-            inputs["attention_mask"],
-            max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id,
-            temperature=temperature,
-            top_p=top_p,
-            on_token=on_token,
-        )
-        if streamer is not None:
-            streamer.end()
-        return out
-    out = model.generate(**inputs, streamer=streamer, **_sampling(max_new_tokens, temperature, top_p, tokenizer))
-    return out[:, inputs["input_ids"].shape[1] :]
+    """New tokens for a left-padded batch: layer-streamed when an engine is given, else model.generate. Each row
+    ends at the first of end_ids (the model's end of turn too), as model.generate and serve end it."""
+    ends = end_ids(model, tokenizer)
+    if engine is None:
+        sampling = _sampling(max_new_tokens, temperature, top_p, tokenizer, ends)
+        out = model.generate(**inputs, streamer=streamer, **sampling)
+        return out[:, inputs["input_ids"].shape[1] :]
+    ended = []  # the engine stops on one end id: a streamed row shows nothing after another
+    on_token = None
+    if streamer is not None:
+
+        def on_token(token: torch.Tensor) -> None:
+            token = token.cpu()
+            if not ended:
+                streamer.put(token)
+            ended.extend(i for i in token.tolist() if i in ends)
+
+    out = engine.generate(
+        inputs["input_ids"],
+        inputs["attention_mask"],
+        max_new_tokens,
+        eos_token_id=ends[0] if ends else None,
+        temperature=temperature,
+        top_p=top_p,
+        on_token=on_token,
+    )
+    if streamer is not None:
+        streamer.end()
+    return _cut_after_end(out, ends, tokenizer.pad_token_id)
+
+
+def _cut_after_end(new: torch.Tensor, ends: list[int], pad: int | None) -> torch.Tensor:
+    """Each row's tokens after its first end id replaced by padding, as model.generate pads a finished row."""
+    if len(ends) < 2 or pad is None:
+        return new
+    is_end = torch.isin(new, torch.tensor(ends, device=new.device))
+    after = (is_end.long().cumsum(1) - is_end.long()) > 0
+    return new.masked_fill(after, pad)
 
 
 @torch.no_grad()
@@ -117,13 +159,15 @@ def stream(
     top_p: float = 1.0,
     engine=None,
     add_special_tokens: bool = True,
+    bos: bool = False,
 ) -> str:
     """Print the completion token by token as it is generated; return it. `add_special_tokens`: as training
-    encoded prompts (Prompter.add_special_tokens: False where a chat template wrote them)."""
+    encoded prompts (Prompter.add_special_tokens: False where a chat template wrote them); `bos`: BOS first, as a
+    model that learned plain text saw every text begin (Prompter.starts_with_bos)."""
     from transformers import TextStreamer
 
     model.eval()
-    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=add_special_tokens).to(_device(model, engine))
+    inputs = prompt_batch(tokenizer, [prompt], add_special_tokens, bos).to(_device(model, engine))
     streamer = TextStreamer(tokenizer, skip_prompt=engine is None, skip_special_tokens=True)
     new = _generate(model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p, streamer)
     return tokenizer.decode(new[0], skip_special_tokens=True)
@@ -140,9 +184,11 @@ def complete(
     batch_size: int = 16,
     engine=None,
     add_special_tokens: bool = True,
+    bos: bool = False,
 ) -> list[str]:
     """Completions for many prompts in left-padded batches (with an engine, every chunk load serves the whole batch).
-    `add_special_tokens`: as training encoded prompts (Prompter.add_special_tokens), so no second BOS."""
+    `add_special_tokens`: as training encoded prompts (Prompter.add_special_tokens), so no second BOS; `bos`: BOS
+    first (Prompter.starts_with_bos)."""
     model.eval()
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -150,8 +196,7 @@ def complete(
     try:
         for i in range(0, len(prompts), batch_size):
             batch = prompts[i : i + batch_size]
-            inputs = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens)
-            inputs = inputs.to(_device(model, engine))
+            inputs = prompt_batch(tokenizer, batch, add_special_tokens, bos).to(_device(model, engine))
             new = _generate(model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p)
             results += tokenizer.batch_decode(new, skip_special_tokens=True)
     finally:
@@ -281,16 +326,17 @@ def check_context(
     max_new_tokens: int,
     add_special_tokens: bool = True,
     auto: bool = False,
+    bos: bool = False,
 ) -> int:
     """Each prompt and its new tokens within the model's context (max_position_embeddings), as task=serve holds
     them: past it, positions the model never learned give text without a word said (transformers only warns).
     Returns the new tokens to generate: max_new_tokens, or for task.max_new_tokens=auto (`auto`) at most what
     the longest prompt leaves of the context, as serve's default length is cut. Prompts are counted as
-    generation encodes them (`add_special_tokens`)."""
+    generation encodes them (`add_special_tokens`, `bos`)."""
     room = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if not isinstance(room, int):
         return max_new_tokens
-    counts = [len(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]) for text in prompts]
+    counts = [len(prompt_ids(tokenizer, text, add_special_tokens, bos)) for text in prompts]
     if auto and counts:
         max_new_tokens = max(1, min(max_new_tokens, room - max(counts)))
     for n, place in zip(counts, where):

@@ -96,6 +96,9 @@ class TextModality(Modality):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 said = "2 (a prompt token and an answer token)" if least == 2 else "1"
                 raise UserError(f"data.{key}={value!r}: give a whole number, {said} or more.")
+        arch = model.architecture or {}
+        key = "max_position_embeddings" if "max_position_embeddings" in arch else "n_positions"
+        check_max_length(config, arch.get(key), f"model.architecture.{key}")
         tbptt = config.task.tbptt_steps if isinstance(config.task, TrainTask) else 0
         if isinstance(tbptt, bool) or not isinstance(tbptt, int) or tbptt < 0:
             raise UserError(f"task.tbptt_steps={tbptt!r}: give a whole number of tokens per chunk, or 0 for none.")
@@ -133,6 +136,20 @@ class TextModality(Modality):
         plan.data_streamed, reason = streaming_choice(config.data)
         plan.reasons.append(reason)
         return plan, spec
+
+
+def check_max_length(config: ONNConfig, positions: object, key: str) -> None:
+    """data.max_length within the model's positions, where a task encodes data to it: past them a model with learned
+    positions (GPT-2) failed with a bare IndexError in its embedding, and a rotary one learned positions it never
+    serves. `key`: where `positions` was read."""
+    max_length = config.data.max_length
+    if config.task.name not in ("train", "eval", "bench", "tune") or type(positions) is not int:
+        return
+    if max_length > positions:
+        raise UserError(
+            f"data.max_length={max_length} is longer than model '{config.model.name}' reads ({key}={positions} "
+            f"positions); set data.max_length={positions} or less."
+        )
 
 
 def check_generation(config: ONNConfig) -> None:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from onn.modalities.text.generate import prompt_ids as encoded_prompt
+
 COLUMNS = 48  # tokens per row of the picture
 MAX_TOKENS = 960  # the picture shows at most this many (20 rows)
 SHOWN = {"\n": "↵", "\t": "→", " ": "·"}
@@ -15,12 +17,12 @@ SHOWN = {"\n": "↵", "\t": "→", " ": "·"}
 
 @torch.no_grad()
 def token_probabilities(
-    model, tokenizer, prompt: str, completion: str, add_special_tokens: bool = True
+    model, tokenizer, prompt: str, completion: str, add_special_tokens: bool = True, bos: bool = False
 ) -> tuple[list[str], list[float], int]:
     """(each token's text, the probability the model gave it after the tokens before it, how many are the
-    prompt's). The first token has no context: its probability is NaN. `add_special_tokens`: the prompt's
-    tokens as generation read them (no second BOS after a chat template's)."""
-    prompt_ids = tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+    prompt's). The first token has no context: its probability is NaN. `add_special_tokens`, `bos`: the prompt's
+    tokens as generation read them (no second BOS after a chat template's; BOS first after plain text)."""
+    prompt_ids = encoded_prompt(tokenizer, prompt, add_special_tokens, bos)
     completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
     ids = torch.tensor([(prompt_ids + completion_ids)[:MAX_TOKENS]], device=next(model.parameters()).device)
     logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()

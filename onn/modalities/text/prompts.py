@@ -20,9 +20,10 @@ or a tab.
 
 Chat template. When the tokenizer has one (instruction and chat models ship one; `data.chat_template:
 auto`), the templated prompt is the user's message and the chat template wraps it; with `false` the
-model gets the templated prompt alone. Plain text never goes through it. Without a chat template, chat
-messages are `role: content` lines; a model that learned them (the checkpoint's prompt_layout) gets a typed
-prompt as the user's line the same way.
+model gets the templated prompt alone. Plain text never goes through it, nor does a prompt for a model that learned
+plain text (the checkpoint's prompt_layout `text`: BOS, then the prompt, as training began every text). Without a
+chat template, chat messages are `role: content` lines; a model that learned them (the checkpoint's prompt_layout)
+gets a typed prompt as the user's line the same way.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def choose_layout(records: Records, fields: TextFields, key: str = "data.source"
         else:
             found = next(((p, answer) for p, a in PAIRS if p in names and p != answer), None)
     else:
-        used = {f for _, f, _, _ in string.Formatter().parse(prompt) if f} if "{" in prompt else {prompt}
+        used = format_fields(prompt, "data.fields.input") if "{" in prompt else {prompt}
         found = next(((prompt, a) for p, a in PAIRS if a in names and a not in used), None)
     if found is None:
         raise UserError(
@@ -94,6 +95,18 @@ def choose_layout(records: Records, fields: TextFields, key: str = "data.source"
             "say which field is which with data.fields.input=NAME data.fields.output=NAME."
         )
     return Layout("pairs" if prompt == answer == "auto" else "fields", *found)
+
+
+def format_fields(spec: str, key: str) -> set[str]:
+    """The fields a format string names; a malformed one (`{instruction: {input}`) is one sentence naming `key`."""
+    try:
+        return {f for _, f, _, _ in string.Formatter().parse(spec) if f}
+    except ValueError as e:
+        raise UserError(not_a_format(key, spec, e)) from None
+
+
+def not_a_format(key: str, spec: str, error: Exception) -> str:
+    return f"{key} {spec!r} is not a format string: {error} (write {{{{ and }}}} for braces)."
 
 
 def _instruction_layout(names: set[str], answer: str) -> Layout | None:
@@ -168,14 +181,22 @@ class Prompter:
         return self.trained_layout or (self.layout.name if self.layout else None)
 
     @property
+    def plain(self) -> bool:
+        """Whether the model learned plain text (BOS, then the text: datamodule.encode): a typed prompt is the start
+        of a text to continue, never a chat template's user turn."""
+        return self.layout_name == "text"
+
+    @property
     def conversational(self) -> bool:
         """Whether a prompt is a user's turn of a conversation: by the chat template, or as `role: content` lines
         where the model learned chat messages without one."""
-        return self.chat or self.layout_name == "messages"
+        return not self.plain and (self.chat or self.layout_name == "messages")
 
     @property
     def prompt_format(self) -> str:
         """What wraps prompts, for metrics.json and the log."""
+        if self.plain:
+            return "data.template (plain text: no chat template)"
         if self.chat:
             return "chat template"
         return "role lines (chat messages without a chat template)" if self.conversational else "data.template"
@@ -183,7 +204,13 @@ class Prompter:
     @property
     def add_special_tokens(self) -> bool:
         """A chat template writes the special tokens the model needs itself (BOS included, where it has one)."""
-        return not self.chat
+        return self.plain or not self.chat
+
+    @property
+    def starts_with_bos(self) -> bool:
+        """A typed prompt for a model that learned plain text starts with BOS, as training started every text
+        (datamodule.encode): the tokenizer's own special tokens may hold none (GPT-2's and SmolLM2's do not)."""
+        return self.plain
 
     def examples(self, records: Records, key: str = "data.source") -> list[tuple[str, str]]:
         """(prompt, answer) per record, by the layout of the file `key` names (a plain-text training file may
@@ -238,9 +265,7 @@ class Prompter:
                 f"its fields are {sorted(fields)[:12]} ({{prompt}} is the mapped prompt)."
             ) from None
         except (ValueError, IndexError) as e:
-            raise UserError(
-                f"data.template {self.template!r} is not a format string: {e} (write {{{{ and }}}} for braces)."
-            ) from None
+            raise UserError(not_a_format("data.template", self.template, e)) from None
         if self.conversational:
             return self.render_messages([{"role": "user", "content": text}])
         return text
@@ -264,6 +289,8 @@ class Prompter:
                 f"{where} has no field '{e.args[0]}' (named in the prompt {spec!r}); "
                 f"its fields are {sorted(record)[:12]}."
             ) from None
+        except (ValueError, IndexError) as e:  # `{instruction: {input}`, or a positional `{0}`
+            raise UserError(not_a_format("data.fields.input", spec, e)) from None
 
     def _text(self, record: dict[str, Any], name: str, where: str, key: str) -> str:
         try:

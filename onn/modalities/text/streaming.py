@@ -19,7 +19,6 @@ tokens are made when a sample is drawn, so nothing but the buffer is held.
 from __future__ import annotations
 
 import csv
-import io
 import json
 import logging
 from collections.abc import Iterator
@@ -119,6 +118,26 @@ class LineReader:
         return row
 
 
+class _Lines:
+    """A binary file's lines from `offset` on, decoded for csv.reader, noting the offset after and the number of
+    the last line handed out, and whether the file has run out."""
+
+    def __init__(self, f, offset: int, line: int, path: Path):
+        self.f, self.offset, self.line, self.path, self.eof = f, offset, line, path, False
+
+    def __iter__(self) -> Iterator[str]:
+        for raw in self.f:
+            self.offset, self.line = self.offset + len(raw), self.line + 1
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(
+                    f"{self.path} line {self.line} is not UTF-8 text (byte 0x{raw[e.start]:02x}); convert the "
+                    "file to UTF-8."
+                ) from None
+        self.eof = True
+
+
 class CsvReader:
     """A CSV with a header; records may span lines (quoted newlines). Position [byte offset, line, row]."""
 
@@ -130,46 +149,35 @@ class CsvReader:
         text = head[bom:].decode("utf-8", "ignore")
         self.delimiter = csv_delimiter(text if len(head) < HEAD_BYTES else text[: text.rfind("\n") + 1]) or ","
         self.header: list[str] = []
-        for _, first, after, last, raw in self._raw(bom, 0):
-            cells = self._cells(raw, first)
+        for _, _, after, last, cells in self._rows(bom, 0):
             if any(c.strip() for c in cells):
                 self.header, self.start = [c.strip() for c in cells], [after, last, 0]
                 break
         if not self.header:
             raise UserError(f"data.source {path} holds no CSV header.")
 
-    def _raw(self, offset: int, line: int) -> Iterator[tuple[int, int, int, int, bytes]]:
-        """(start, first line, offset after, last line, bytes) per record: lines joined while a quote is open."""
+    def _rows(self, offset: int, line: int) -> Iterator[tuple[int, int, int, int, list[str]]]:
+        """(start, first line, offset after, last line, cells) per record, split by csv.reader itself: a quote
+        opens a field only at the field's start (`The 40" model` is one field), as the resident reader reads it."""
         with open(self.path, "rb") as f:
             f.seek(offset)
-            pending, start, first = b"", offset, line + 1
-            for raw in f:
-                if not pending:
-                    start, first = offset, line + 1
-                offset, line = offset + len(raw), line + 1
-                pending += raw
-                if pending.count(b'"') % 2 == 0:
-                    yield start, first, offset, line, pending
-                    pending = b""
-            if pending:
-                raise UserError(
-                    f"{self.path} line {first} opens a quoted field that the file never closes (it ends "
-                    "inside it: a truncated copy?); copy the file again or fix that row."
-                )
-
-    def _cells(self, raw: bytes, line: int) -> list[str]:
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise UserError(
-                f"{self.path} line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x}); convert the file to UTF-8."
-            ) from None
-        return next(csv.reader(io.StringIO(text), delimiter=self.delimiter), [])
+            lines = _Lines(f, offset, line, self.path)
+            reader = csv.reader(lines, delimiter=self.delimiter)
+            try:
+                for cells in reader:  # csv.reader takes no line past the record's last: `lines` is at its end
+                    if lines.eof and cells:  # it asked past the file's last line: a quote is still open
+                        raise UserError(
+                            f"{self.path} line {line + 1} opens a quoted field that the file never closes (it ends "
+                            "inside it: a truncated copy?); copy the file again or fix that row."
+                        )
+                    yield offset, line + 1, lines.offset, lines.line, cells
+                    offset, line = lines.offset, lines.line
+            except csv.Error as e:
+                raise UserError(f"{self.path} line {lines.line} is not valid CSV ({e}); fix that row.") from None
 
     def records(self, at: Ref) -> Iterator[tuple[Ref, Ref, dict[str, Any], str]]:
         offset, line, row = at
-        for start, first, after, last, raw in self._raw(offset, line):
-            cells = self._cells(raw, first)
+        for start, first, after, last, cells in self._rows(offset, line):
             if not any(c.strip() for c in cells):
                 continue
             row += 1
@@ -194,8 +202,8 @@ class CsvReader:
     def fetch(self, refs: list[Ref]) -> list[tuple[dict[str, Any], str]]:
         out = []
         for offset, line, row in refs:
-            _, first, _, _, raw = next(self._raw(offset, line - 1))
-            out.append((self._record(self._cells(raw, first), row, first), self._where(row, first)))
+            _, first, _, _, cells = next(self._rows(offset, line - 1))
+            out.append((self._record(cells, row, first), self._where(row, first)))
         return out
 
     def count(self, at: Ref) -> int:

@@ -32,6 +32,7 @@ from onn.modalities.text.generate import (
     read_prompts,
     stream,
 )
+from onn.modalities.text.modality import check_max_length
 from onn.modalities.text.module import CausalLM, summarize_losses
 from onn.modalities.text.prompts import Prompter
 from onn.models.layers import discover
@@ -238,6 +239,13 @@ def trainer(
     )
 
 
+def check_positions(config: ONNConfig, module: CausalLM) -> None:
+    """data.max_length within the positions of the model as built: a Python builder's, a folder's or a GGUF's
+    config is only known here (TextModality.check read model.architecture's)."""
+    positions = getattr(getattr(module.model, "config", None), "max_position_embeddings", None)
+    check_max_length(config, positions, "its config's max_position_embeddings")
+
+
 def load_weights(module: CausalLM, ckpt: Path) -> None:
     """A checkpoint's trained weights into a freshly built module (its frozen base came from model.source)."""
     check_state(module, state_shapes(ckpt), ckpt, loads_frozen=module.strict_loading)
@@ -292,8 +300,22 @@ def exact_match_after_training(job: Job, fit, module: CausalLM, dm: TextDataModu
     if dm.max_answer_tokens > SHORT_ANSWER_TOKENS:
         log.info("answers run to %d tokens: skipping exact match after training; run task=eval", dm.max_answer_tokens)
         return {}
+    try:
+        new = answer_room(module, dm, tokenizer, samples, dm.max_answer_tokens + 2, auto=True)
+    except UserError as e:  # a held-out prompt fills the context: the trained model is kept, exact match is not run
+        log.warning("skipping exact match after training: %s", e)
+        return {}
     with gathered(module):  # ZeRO-3's partitioned weights, whole for generation
-        return held_out_scores(job, module, dm, tokenizer, samples, dm.max_answer_tokens + 2)
+        return held_out_scores(job, module, dm, tokenizer, samples, new)
+
+
+def answer_room(module: CausalLM, dm: TextDataModule, tokenizer, samples: int, new: int, auto: bool) -> int:
+    """The new tokens exact match generates after the first `samples` held-out prompts: `new`, cut (`auto`) to what
+    the longest prompt leaves of the model's context, as infer cuts task.max_new_tokens=auto; a set length that
+    passes the context is one sentence (generate.check_context)."""
+    prompts = [p for p, _ in dm.val_examples[:samples]]
+    places = [f"held-out {where}" for where in dm.val_where[:samples]]
+    return check_context(module.model, tokenizer, prompts, places, new, dm.prompter.add_special_tokens, auto)
 
 
 def held_out_scores(job: Job, module: CausalLM, dm: TextDataModule, tokenizer, samples: int, new: int):
@@ -321,6 +343,7 @@ def train(job: Job) -> dict[str, Any]:
     early = early_tokenizer(config.model, config.paths.cache)
     dm = datamodule(config, early) if early is not None else None  # a data mistake costs a second, not a store build
     module, tokenizer = build(config, plan)
+    check_positions(config, module)
     trainable = parameter_count(module)  # before fit: FSDP's ranks hold shards of them after it
     check_tbptt(config, module)
     if ckpt is not None:  # before Lightning restores it: a checkpoint of another model is one sentence
@@ -384,14 +407,19 @@ def train(job: Job) -> dict[str, Any]:
 def evaluate(job: Job) -> dict[str, Any]:
     config, plan, ckpt = job.config, job.plan, job.ckpt
     module, tokenizer = build(config, plan)
+    check_positions(config, module)
     if ckpt is not None:
         load_weights(module, ckpt)
     else:
         log.warning("task=eval without ckpt: evaluating the model as loaded from model.source")
     dm = datamodule(config, tokenizer)
+    task = config.task
+    answers = any(p for p, _ in dm.val_examples)
+    if answers:  # checked before the validation pass: a set length past the context is said now
+        new = new_tokens(task, tokenizer, dm.val_examples[: task.max_samples])
+        new = answer_room(module, dm, tokenizer, task.max_samples, new, auto=task.max_new_tokens == "auto")
     trainer(config, plan, job.run_dir, [], loggers=False).validate(module, datamodule=dm, verbose=False)
     loss = module.val_losses[-1]
-    task = config.task
     metrics = {
         "val/loss": loss,
         "val/perplexity": math.exp(min(loss, 50)),
@@ -399,8 +427,7 @@ def evaluate(job: Job) -> dict[str, Any]:
         "params_trainable": sum(p.numel() for p in module.parameters() if p.requires_grad),
     }
     metrics.update(data_metrics(dm))
-    if any(p for p, _ in dm.val_examples):
-        new = new_tokens(task, tokenizer, dm.val_examples[: task.max_samples])
+    if answers:
         metrics.update(held_out_scores(job, module, dm, tokenizer, task.max_samples, new))
     print(
         f"val loss {loss:.4f}  perplexity {metrics['val/perplexity']:.3f}  "
@@ -470,6 +497,7 @@ def infer(job: Job) -> dict[str, Any]:
     config, task = job.config, job.config.task
     if not task.input and not config.prompt:
         raise UserError('task=infer needs prompt="..." or task.input=prompts.jsonl.')
+    output = predictions_path(job) if task.input else None  # checked before the model loads and generates
     lm = language_model(job)
     model, tokenizer, engine, prompter = lm.model, lm.tokenizer, lm.engine, lm.prompter
 
@@ -477,11 +505,13 @@ def infer(job: Job) -> dict[str, Any]:
         return prompter.render(text, row, where) if task.template else text
 
     special = prompter.add_special_tokens if task.template else True  # as training encoded the prompts it wraps
+    bos = prompter.starts_with_bos and task.template  # plain text: BOS first, as training began every text
     gen = {
         "max_new_tokens": new_tokens(task, tokenizer, []),
         "temperature": task.temperature,
         "top_p": task.top_p,
         "add_special_tokens": special,
+        "bos": bos,
     }
     auto = task.max_new_tokens == "auto"
     said = {"infer/prompt_format": prompter.prompt_format if task.template else "none (task.template=false)"}
@@ -489,9 +519,10 @@ def infer(job: Job) -> dict[str, Any]:
         rows = read_prompts(task.input)
         prompts = [wrap(prompt_of(r), r, w) for r, w in zip(rows, rows.where)]
         places = [f"task.input {w}" for w in rows.where]
-        gen["max_new_tokens"] = check_context(model, tokenizer, prompts, places, gen["max_new_tokens"], special, auto)
+        gen["max_new_tokens"] = check_context(
+            model, tokenizer, prompts, places, gen["max_new_tokens"], special, auto, bos
+        )
         completions = complete(model, tokenizer, prompts, engine=engine, **gen)
-        output = Path(task.output or job.run_dir / "predictions.jsonl")
         write_jsonl([{**r, "completion": c} for r, c in zip(rows, completions)], output)
         print(f"wrote {len(rows)} completions to {output}")
         empty = sum(not c.strip() for c in completions)
@@ -509,7 +540,9 @@ def infer(job: Job) -> dict[str, Any]:
             "infer/empty_completions": empty,
         }
     text = wrap(str(config.prompt))
-    gen["max_new_tokens"] = check_context(model, tokenizer, [text], ["prompt"], gen["max_new_tokens"], special, auto)
+    gen["max_new_tokens"] = check_context(
+        model, tokenizer, [text], ["prompt"], gen["max_new_tokens"], special, auto, bos
+    )
     completion = stream(model, tokenizer, text, engine=engine, **gen)
     if not completion.strip():
         log.warning("the completion is empty or blank (%s)", EMPTY_HINT)
@@ -524,10 +557,23 @@ def infer(job: Job) -> dict[str, Any]:
         from onn.modalities.text.picture import token_probabilities, write_picture
 
         picture = job.run_dir / "tokens.png"
-        write_picture(*token_probabilities(model, tokenizer, text, completion, special), picture)
+        write_picture(*token_probabilities(model, tokenizer, text, completion, special, bos), picture)
         print(f"wrote {picture}: each token coloured by the probability the model gave it")
         metrics["infer/picture"] = str(picture)
     return metrics
+
+
+def predictions_path(job: Job) -> Path:
+    """Where task=infer writes its completions: task.output (~ expanded), else predictions.jsonl in the run folder.
+    A folder there is refused now, not after every completion was generated."""
+    task = job.config.task
+    output = Path(task.output).expanduser() if task.output else job.run_dir / "predictions.jsonl"
+    if output.is_dir():
+        raise UserError(
+            f"task.output={task.output} is a folder: give the file to write the completions to, e.g. "
+            f"task.output={output / 'predictions.jsonl'}."
+        )
+    return output
 
 
 def export(job: Job) -> dict[str, Any]:

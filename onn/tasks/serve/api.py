@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from onn.config.task import ServeConfig
 from onn.errors import UserError
+from onn.modalities.text.generate import prompt_ids
 from onn.tasks.serve.batching import Sampling, Scheduler, Sequence
 
 log = logging.getLogger("onn")
@@ -371,7 +372,7 @@ class Server:
             raise ApiError(
                 400, f"the messages do not fit the model's prompt format: {_short(e)}", param="messages"
             ) from None
-        ids = _prompt_ids(lm, text, prompter.add_special_tokens, self.settings, "messages")
+        ids = _prompt_ids(lm, text, prompter.add_special_tokens, self.settings, "messages", prompter.starts_with_bos)
         return await self._generate(request, req, ids, "chat.completion")
 
     async def completions(self, request: Request):
@@ -666,7 +667,8 @@ def _language_model(served, req: Generation, model_name: str):
     return served
 
 
-def _prompt_ids(lm, text: str, special: bool, settings: ServeConfig, param: str) -> list[int]:
+def _prompt_ids(lm, text: str, special: bool, settings: ServeConfig, param: str, bos: bool = False) -> list[int]:
+    """The prompt's token ids as training encoded its kind (`bos`: a model that learned plain text gets BOS first)."""
     limit = settings.max_prompt_tokens
     if len(text) > limit * 64:  # no tokenizer packs more than this into a token: refuse before tokenizing
         raise ApiError(400, f"the prompt is longer than {limit} tokens", param=param, code="context_length_exceeded")
@@ -678,7 +680,7 @@ def _prompt_ids(lm, text: str, special: bool, settings: ServeConfig, param: str)
             f"{param}: the text holds an unpaired surrogate (a lone \\ud800-\\udfff escape); send valid Unicode.",
             param=param,
         ) from None
-    ids = list(lm.tokenizer(text, add_special_tokens=special)["input_ids"])
+    ids = list(prompt_ids(lm.tokenizer, text, special, bos))
     if not ids:
         raise ApiError(400, "the prompt is empty", param=param)
     if len(ids) > limit:
