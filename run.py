@@ -7,7 +7,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from onn.config.registry import compose_problem, group_problem, register, yaml_problem
+from onn.config.registry import compose_problem, expand_home, group_problem, register, yaml_problem
 
 register()  # the config's types (dataclasses only: nothing heavy is imported here)
 
@@ -22,6 +22,7 @@ def other_rank_overrides(argv: list[str]) -> list[str]:
     return ["hydra.output_subdir=null", f"hydra.job.name=rank_{rank}"]
 
 
+sys.argv[1:] = expand_home(sys.argv[1:])  # `data.source=~/shapes`: bash leaves that ~ as it is, and Hydra refuses it
 sys.argv += other_rank_overrides(sys.argv[1:])
 # mistakes Hydra would report as a traceback or in its own terms, each one sentence before Hydra composes
 ARGS, CONF = sys.argv[1:], Path(__file__).resolve().parent / "conf"

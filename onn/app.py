@@ -32,10 +32,11 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from onn.bench.registry import TASKS as BENCH_TASKS
 from onn.config import ONNConfig, StrategyConfig, as_dict, typed
+from onn.config.registry import CONF, recipe_group_problem
 from onn.errors import FailedAfterTraining, UserError, diverged
 from onn.export.settings import check_settings as check_export
 from onn.hardware import failpoints
@@ -79,21 +80,23 @@ def run(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    overrides = list(hydra_cfg.overrides.task)
+    # as written: an override's ${...} is resolved with the config, where a misspelt one is one sentence (to_config)
+    overrides = [str(o) for o in OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)]
+    choices = {str(k): str(v) for k, v in hydra_cfg.runtime.choices.items() if v is not None}
     metrics: dict[str, Any] = {
         "status": "running",
         "error": None,
-        "task": cfg.task.name,
+        "task": _read(cfg, "task.name"),
         **_groups(cfg),
-        "hardware": cfg.hardware.name,
+        "hardware": _read(cfg, "hardware.name"),
     }
     record = RunRecord(run_dir, metrics)
     config: ONNConfig | None = None
     try:
-        if cfg.data.name == "auto":
+        if _read(cfg, "data.name") == "auto":
             cfg = compose_detected(cfg, overrides)
             metrics.update(_groups(cfg))  # what runs, also in the record of a run that fails before it ends
-        config = to_config(cfg)
+        config = to_config(cfg, choices)
         metrics["config_digest"] = config_digest(config)
         done = finished(run_dir, metrics["config_digest"]) if multirun else None
         if done is not None:
@@ -160,9 +163,15 @@ def torch_out_of_memory() -> type:
     return torch.OutOfMemoryError
 
 
-def _groups(cfg: DictConfig) -> dict[str, str]:
+def _groups(cfg: DictConfig) -> dict[str, Any]:
     """The model, data and strategy configs a run composed, as its record names them."""
-    return {"model": cfg.model.name, "data": cfg.data.name, "strategy": cfg.strategy.name}
+    return {group: _read(cfg, f"{group}.name") for group in ("model", "data", "strategy")}
+
+
+def _read(cfg: DictConfig, key: str) -> Any:
+    """cfg's value at `key` for the run's first record; None where it cannot be resolved (a misspelt ${...} there
+    is the run's error, said by to_config, not a traceback before its record exists)."""
+    return OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
 
 
 def _finish_failed(record: RunRecord, error: str) -> None:
@@ -252,6 +261,8 @@ def compose_detected(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     from hydra import compose
 
     given = given_groups(overrides)
+    if OmegaConf.is_missing(cfg.data, "source"):  # as data=text's says it (to_config)
+        raise UserError("data.source has no value: give it on the command line (data.source=...).")
     # a model named on the command line picks between modalities that read the same files (meshes: mesh or graph)
     modality, reason = detect(cfg.data.source, OmegaConf.get_type(cfg.model) if "model" in given else None)
     kept = [
@@ -271,10 +282,12 @@ def compose_detected(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     return compose(config_name="config", overrides=[*chosen, *kept])
 
 
-def to_config(cfg: DictConfig) -> ONNConfig:
+def to_config(cfg: DictConfig, choices: dict[str, str] | None = None) -> ONNConfig:
     """The composed config as ONN's dataclasses (onn/config), every interpolation resolved. A key the
     command line must give (`???`, such as data.source of data=text) is one sentence naming it, and so is a key
-    no dataclass has (Hydra's `+trainer.max_step=3`, which OmegaConf would drop without a word)."""
+    no dataclass has (Hydra's `+trainer.max_step=3`, which OmegaConf would drop without a word), and a `${...}`
+    that names no key. `choices`: the option of each group (Hydra's runtime.choices), which names the recipe and
+    option that clash where a recipe's block is one the option leaves null."""
     unknown = unknown_keys(cfg)
     if unknown:
         key, fields = unknown[0]
@@ -285,8 +298,15 @@ def to_config(cfg: DictConfig) -> ONNConfig:
             "fix its name (docs/config.md lists the groups' keys)."
         )
     try:
-        return OmegaConf.to_object(cfg)
+        config = OmegaConf.to_object(cfg)
+    except InterpolationResolutionError as e:
+        raise UserError(
+            f"{e.full_key}={_written(cfg, e.full_key)}: {str(e).splitlines()[0]}; fix the ${{...}} to name a key of "
+            "the config (docs/config.md lists them)."
+        ) from None
     except MissingMandatoryValue as e:
+        if problem := recipe_group_problem(e.full_key, choices or {}, CONF):
+            raise UserError(problem) from None
         block, task = e.full_key.split(".", 1)[0], cfg.task.name
         owners = TASK_BLOCKS.get(block, ())
         if owners and task not in owners:  # a recipe of that task (recipe=bench_serve) run as another (task=plan)
@@ -296,6 +316,23 @@ def to_config(cfg: DictConfig) -> ONNConfig:
                 f"(~{block} on the command line drops a recipe's), or run that task."
             ) from None
         raise UserError(f"{e.full_key} has no value: give it on the command line ({e.full_key}=...).") from None
+    # the folders ONN writes into, as writable_folder checks them (a YAML's `~/runs`; the command line's is expanded)
+    config.paths.outputs, config.paths.cache = (
+        os.path.expanduser(p) for p in (config.paths.outputs, config.paths.cache)
+    )
+    if config.hardware.cache:
+        config.hardware.cache = os.path.expanduser(config.hardware.cache)
+    return config
+
+
+def _written(cfg: DictConfig, key: str) -> str:
+    """A key's value as the config writes it (`${trainer.max_step}`), unresolved."""
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent, throw_on_resolution_failure=False) if parent else cfg
+    try:
+        return str(node._get_node(leaf)._value())
+    except Exception:  # noqa: BLE001 -- a key under a list or a missing node: the error's own words say enough
+        return "..."
 
 
 def unknown_keys(node: DictConfig, prefix: str = "") -> list[tuple[str, list[str]]]:
@@ -409,6 +446,17 @@ def score_all_given(config: ONNConfig, given: set[str]) -> None:
         config.data.val_source = config.data.source
 
 
+def check_builtin_split(config: ONNConfig, given: set[str]) -> None:
+    """data.val_split given for built-in text data: its generator draws its own held-out problems, and the fraction
+    was ignored without a word (a held-out file, data.val_source, is read)."""
+    source = str(getattr(config.data, "source", None) or "")
+    if "data.val_split" in given and config.data.modality == "text" and source.startswith("builtin:"):
+        raise UserError(
+            f"data.val_split={config.data.val_split}: {source} data has its own held-out split, so it takes no "
+            "fraction; set data.builtin.val_size (the problems held out) instead."
+        )
+
+
 def _data_from_checkpoint(
     config: ONNConfig, saved: dict[str, Any], modality: Modality, ckpt: Path, given: set[str]
 ) -> str:
@@ -487,6 +535,7 @@ def execute(
         ckpt, came = from_checkpoint(config, given or set())
         log.info("checkpoint %s: %s", ckpt, "; ".join(f"{group} from the {where}" for group, where in came.items()))
     score_all_given(config, given or set())
+    check_builtin_split(config, given or set())
     run_dir.mkdir(parents=True, exist_ok=True)
     out = _what_runs(config, ckpt, came)
     if record is not None:  # a run that fails from here on names the model and data it ran, not the defaults'

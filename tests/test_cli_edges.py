@@ -164,17 +164,18 @@ def test_a_key_under_a_block_that_is_null_here_is_one_sentence_naming_the_block(
 
     conf = ROOT / "conf"
     assert compose_problem(["task=plan", "serve.slots=4"], conf) == (
-        "serve.slots=4: serve is null in this config, so it has no slots to set; give the whole block instead, "
-        "e.g. serve={slots: 4}."
+        "serve.slots=4: serve is null in this config, so it has no slots to set; choose an option that gives serve "
+        "(task=serve, task=bench_serve), then set serve.slots=4."
     )
     problem = compose_problem(["data=gsm8k", "data.source=x.jsonl", "data.builtin.train_size=32"], conf)
     assert problem is not None and problem.startswith("data.builtin.train_size=32: data.builtin is null in this")
     problem = compose_problem(["data=diffusion", "data.augment.color_jitter.brightness=0.2"], conf)
-    assert problem is not None and problem.endswith("e.g. data.augment={color_jitter: {brightness: 0.2}}.")
-    # where the block is there, and where the command line gives it whole first, it is Hydra's to compose
+    assert problem is not None and problem.endswith("then set data.augment.color_jitter.brightness=0.2.")
+    # where the block is there, it is Hydra's to compose; a block given whole cannot fill a null one (a traceback)
     assert compose_problem(["data.builtin.train_size=32"], conf) is None
     assert compose_problem(["task=serve", "serve.slots=4"], conf) is None
-    assert compose_problem(["data=gsm8k", "+data.builtin={train_size: 32}", "data.builtin.val_size=8"], conf) is None
+    problem = compose_problem(["data=gsm8k", "+data.builtin={train_size: 32}", "data.builtin.val_size=8"], conf)
+    assert problem is not None and problem.startswith("data.builtin={train_size: 32}: data.builtin is null in this")
 
 
 def test_a_recipe_given_twice_or_as_a_list_is_refused():

@@ -51,7 +51,6 @@ class NetworkConfig(ModelConfig):
     compile: bool = False  # torch.compile the network
     temporal_pool: str = "mean"  # per-frame image networks on video: mean | tconv
     layer_map: LayerMapOverride = field(default_factory=lambda: LayerMapOverride(blocks=None))
-    dtype: str = "float32"
     # file.py:function computing the training (and validation) loss as loss(outputs, labels) -> a scalar tensor;
     # null: cross-entropy (with task.label_smoothing)
     loss: str | None = None
@@ -93,4 +92,3 @@ class DenoiserConfig(ModelConfig):
     beta_schedule: str = MISSING  # linear | scaled_linear | squaredcos_cap_v2 (DDPMScheduler's)
     ema_decay: float = MISSING  # weights sampled from: an exponential moving average of the trained ones; 0: off
     layer_map: LayerMapOverride = field(default_factory=lambda: LayerMapOverride(blocks=None))
-    dtype: str = "float32"

@@ -8,9 +8,12 @@ Hydra's own message (`trainer.max_steps=abc`: "Value 'abc' of type 'str' could n
 app.run turns the composed config into these dataclasses (OmegaConf.to_object) and every layer reads them; a key
 Hydra's `+` added that no dataclass has is one sentence there (app.to_config), as OmegaConf would drop it.
 
-Before Hydra composes, run.py asks for the mistakes Hydra would report as a traceback or in its own terms: a YAML
-file that does not parse (yaml_problem), a group chosen twice (group_problem), a key under a block that is null
-here, and a recipe's task keys under another task (compose_problem).
+Before Hydra composes, run.py expands a leading `~` in the command line's values (expand_home: bash does not in
+`data.source=~/x`, and Hydra's parser refuses it), and asks for the mistakes Hydra would report as a traceback or in
+its own terms: a YAML file that does not parse (yaml_problem), a group chosen twice (group_problem), a key or a whole
+block given for a block that is null here, answered with the options that give it (block_owners), and a recipe's task
+keys under another task (compose_problem). A recipe's block that the option chosen leaves null is app.to_config's
+to say (recipe_group_problem), once the composed config names the key that has no value.
 
 A new key: add the field to its dataclass (type, `MISSING`, a comment saying what it holds), give its value
 in the option's YAML, and read it as an attribute.
@@ -18,11 +21,18 @@ in the option's YAML, and read it as an attribute.
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from onn.config import data, export, model, task
 from onn.config.run import ONNConfig
+
+CONF = Path(__file__).resolve().parents[2] / "conf"  # the config groups run.py composes from
+# a leading `~` or `~user` of a value or of a list's item, followed by a path: `~/shapes`, `"~/r1"`, `a,~/b`
+HOME = re.compile(r"(^|[,\[])([\"']?)(~[\w.-]*)(?=/)")
 
 # The schemas each conf option names in its defaults list: /schema/<group>/<name>
 SCHEMAS: dict[str, dict[str, type]] = {
@@ -55,6 +65,34 @@ def register() -> None:
         for name, schema in schemas.items():
             store.store(group=f"schema/{group}", name=name, node=schema)
     register_local_launcher()
+
+
+def register_resolvers() -> None:
+    """`${onn.env:NAME,DEFAULT}`: an environment variable, or DEFAULT when it is unset or empty (OmegaConf's
+    oc.env takes an empty ONN_CACHE as a folder: the working directory). Registered when onn.config is imported,
+    so that every process that resolves a config (a sweep's job processes too) has it."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("onn.env"):
+        OmegaConf.register_new_resolver("onn.env", _env_or)
+
+
+def _env_or(name: str, default: Any = None) -> Any:
+    return os.environ.get(name) or default
+
+
+def expand_home(argv: list[str]) -> list[str]:
+    """`key=~/path` with `~` expanded, as a shell expands it in `cd ~/path`: bash leaves it in `data.source=~/x`
+    (no variable assignment), and Hydra's parser refuses an unquoted `~` there. A quoted `"~/x"` is expanded too, so
+    that the folder Hydra makes for `hydra.run.dir` is the one ONN checks and locks, not one named `~`."""
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and not arg.startswith("-"):
+            value = os.path.expanduser(value) if value == "~" else value  # `paths.outputs=~`: the home folder
+            arg = f"{key}={HOME.sub(lambda m: m[1] + m[2] + os.path.expanduser(m[3]), value)}"
+        out.append(arg)
+    return out
 
 
 def register_local_launcher() -> None:
@@ -144,7 +182,7 @@ def compose_problem(argv: list[str], conf_dir: Path) -> str | None:
     if any(o.is_sweep_override() for o in overrides):
         return None  # each job of a sweep composes its own config
     optional = {f.name for f in fields(ONNConfig) if f.default is None}  # top-level blocks null by default
-    under = [o for o in overrides if not o.is_delete() and _under_block(o.key_or_group, optional)]
+    under = [o for o in overrides if not o.is_delete() and _under_block(o.key_or_group, optional, o.value())]
     named = {o.key_or_group for o in overrides}
     if not under and not {"recipe", "task"} <= named:
         return None
@@ -155,34 +193,151 @@ def compose_problem(argv: list[str], conf_dir: Path) -> str | None:
         except Exception as e:  # noqa: BLE001 -- anything but a recipe's task key, Hydra says itself
             return _recipe_task_problem(e, overrides, conf_dir)
     for o in under:  # applied as Hydra applies them, in order
+        if (block := _null_block(cfg, o.key_or_group, isinstance(o.value(), dict))) is not None:
+            return _null_block_problem(cfg, o, block, conf_dir)
         try:
             OmegaConf.update(cfg, o.key_or_group, o.value(), merge=True, force_add=o.is_add() or o.is_force_add())
-        except AssertionError:  # OmegaConf's "Unexpected type for root: NoneType"
-            return _null_block_problem(cfg, o)
         except Exception:  # noqa: BLE001 -- a misspelt key or a wrong type: Hydra's message names it
             return None
     return None
 
 
-def _under_block(key: str, optional: set[str]) -> bool:
+def _under_block(key: str, optional: set[str], value: object) -> bool:
     """A key inside a block that can be null: two levels down (data.builtin.train_size), or in a top-level block
-    that is null unless its task sets it (serve.slots)."""
+    that is null unless its task sets it (serve.slots); or a block given whole (`strategy.lora={r: 4}`), which
+    OmegaConf cannot merge into a null one."""
     parts = key.split(".")
-    return parts[0] != "hydra" and (len(parts) > 2 or (len(parts) == 2 and parts[0] in optional))
+    if parts[0] == "hydra":
+        return False
+    if isinstance(value, dict) and (len(parts) > 1 or parts[0] in optional):
+        return True
+    return len(parts) > 2 or (len(parts) == 2 and parts[0] in optional)
 
 
-def _null_block_problem(cfg, override) -> str:
-    """`serve.slots=4: serve is null in this config ...`, with the block written whole as the way to give it."""
+def _null_block(cfg, key: str, whole: bool) -> str | None:
+    """The first block on the way to `key` that is null in cfg (`key` itself when a block is given `whole`): the
+    block OmegaConf cannot set a key in (its AssertionError) nor merge a dict into (its AttributeError)."""
+    from omegaconf import DictConfig
+
+    parts, node = key.split("."), cfg
+    for depth, part in enumerate(parts, start=1):
+        if not isinstance(node, DictConfig) or part not in node:
+            return None  # a misspelt key: Hydra's message names it
+        node = node._get_node(part)
+        last = depth == len(parts)
+        if node._is_none() and (not last or (whole and isinstance(node, DictConfig))):
+            return ".".join(parts[:depth])
+    return None
+
+
+def _null_block_problem(cfg, override, block: str, conf_dir: Path) -> str:
+    """`serve.slots=4: serve is null in this config ...`, naming the options that give the block (task=serve): a block
+    left null cannot be given on the command line, neither key by key nor whole."""
     from omegaconf import OmegaConf
 
-    parts = override.key_or_group.split(".")
-    depth = next(i for i in range(1, len(parts)) if OmegaConf.select(cfg, ".".join(parts[:i])) is None)
-    block, inner = ".".join(parts[:depth]), parts[depth:]
-    whole = "".join(f"{{{p}: " for p in inner) + override.get_value_element_as_str() + "}" * len(inner)
+    given, key, value = override.input_line.lstrip("+"), override.key_or_group, override.value()
+    group = block.split(".")[0]
+    schema = OmegaConf.get_type(cfg[group]) if "." in block else None  # data.builtin: of the data schema in use
+    owners = block_owners(block, conf_dir, schema)
+    sets = " ".join(_leaves(key, value)) if isinstance(value, dict) else f"{key}={override.get_value_element_as_str()}"
+    what = "cannot be given whole on the command line" if key == block else f"has no {key[len(block) + 1 :]} to set"
+    if not owners:
+        return f"{given}: {block} is null in this config, so it {what}, and no config option gives it; drop {given}."
+    named = ", ".join(owners[:4]) + (f" or {len(owners) - 4} more" if len(owners) > 4 else "")
     return (
-        f"{override.input_line.lstrip('+')}: {block} is null in this config, so it has no {'.'.join(inner)} to set; "
-        f"give the whole block instead, e.g. {block}={whole}."
+        f"{given}: {block} is null in this config, so it {what}; choose an option that gives {block} ({named}), "
+        f"then set {sets}."
     )
+
+
+def _leaves(key: str, value: object) -> list[str]:
+    """`strategy.lora={r: 4, alpha: 8}` as the keys it sets: strategy.lora.r=4 strategy.lora.alpha=8."""
+    if not isinstance(value, dict):
+        return [f"{key}={value}"]
+    return [leaf for k, v in value.items() for leaf in _leaves(f"{key}.{k}", v)]
+
+
+def block_owners(block: str, conf_dir: Path, schema: type | None = None) -> list[str]:
+    """The config options that give `block` a value (`strategy.lora`: strategy=lora, strategy=qlora, ...;
+    `serve`: task=serve, task=bench_serve), read from their YAML files; for a block inside a group, only the
+    options of that group whose schema is `schema` (data.builtin of text data: data=math, not data=mesh)."""
+    parts, owners = block.split("."), []
+    for folder in sorted(p for p in conf_dir.iterdir() if p.is_dir() and p.name not in ("hydra", "recipe")):
+        for path in sorted(folder.glob("*.yaml")):
+            values, kind, depth = option_values(path)
+            top = path.read_text().lstrip().startswith("# @package _global_")
+            if not top and (parts[0] != folder.name or (schema is not None and kind not in (None, schema))):
+                continue
+            if _lookup(values, parts if top else parts[1:]) is not None:
+                owners.append((depth, f"{folder.name}={path.stem}"))
+    return [name for _, name in sorted(owners)]  # the options built on no other first (data=image before data=mnist)
+
+
+def option_values(path: Path) -> tuple[dict, type | None, int]:
+    """A config option's values (its YAML over the option of its own group its defaults name: lora over full), the
+    schema its defaults name (`/schema/data/text@_here_`; None: its group's root type), and how many options of its
+    group it is built on."""
+    import yaml
+
+    own = yaml.safe_load(path.read_text()) or {}
+    values, kind, depth = {}, None, 0
+    for entry in own.pop("defaults", None) or []:
+        if not isinstance(entry, str) or entry == "_self_":
+            continue
+        if entry.startswith("/schema/"):
+            group, _, name = entry.removeprefix("/schema/").partition("@")[0].partition("/")
+            kind = SCHEMAS.get(group, {}).get(name)
+        elif "/" not in entry and (path.parent / f"{entry}.yaml").is_file():
+            values, kind, depth = option_values(path.parent / f"{entry}.yaml")
+            depth += 1
+    return _merged(values, own), kind, depth
+
+
+def _merged(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both else value
+    return out
+
+
+def _lookup(values: object, parts: list[str]) -> object:
+    """values[parts[0]][parts[1]]...; None where a part is missing or null."""
+    for part in parts:
+        if not isinstance(values, dict):
+            return None
+        values = values.get(part)
+    return values
+
+
+def recipe_group_problem(key: str, choices: dict[str, str], conf_dir: Path) -> str | None:
+    """A key with no value under a block the chosen option leaves null, which the recipe gave:
+    `recipe=phi4_math_sparse_lora strategy=full` merges the recipe's strategy.lora (r, alpha) into full's null lora,
+    and its target_modules has no value. One sentence naming the recipe and the option; None for any other key."""
+    import yaml
+
+    group, recipe = key.split(".")[0], choices.get("recipe")
+    option = conf_dir / group / f"{choices.get(group)}.yaml"
+    if not recipe or "." not in key or not option.is_file():
+        return None
+    values, parts = option_values(option)[0], key.split(".")[1:]
+    depth = next((i for i in range(1, len(parts)) if _is_null(values, parts[:i])), None)
+    if depth is None:
+        return None
+    block = ".".join([group, *parts[:depth]])
+    defaults = (yaml.safe_load((conf_dir / "recipe" / f"{recipe}.yaml").read_text()) or {}).get("defaults") or []
+    own = next((d[f"override /{group}"] for d in defaults if isinstance(d, dict) and f"override /{group}" in d), None)
+    whose = f"its own {group} ({group}={own})" if own else f"a {group} that gives {block}"
+    return (
+        f"recipe={recipe} sets {block}, which {group}={choices[group]} leaves null, so {key} has no value; run the "
+        f"recipe with {whose}, or copy the recipe and drop its {block} keys."
+    )
+
+
+def _is_null(values: dict, parts: list[str]) -> bool:
+    """values holds parts (a.b) and it is null there."""
+    parent = _lookup(values, parts[:-1]) if len(parts) > 1 else values
+    return isinstance(parent, dict) and parts[-1] in parent and parent[parts[-1]] is None
 
 
 def _recipe_task_problem(error: Exception, overrides: list, conf_dir: Path) -> str | None:
@@ -205,3 +360,6 @@ def _recipe_task_problem(error: Exception, overrides: list, conf_dir: Path) -> s
         f"recipe={recipe} sets {key}, a key of {whose}, and task={task} has no such key; run the recipe with its "
         "own task, or copy the recipe and drop its task.* keys."
     )
+
+
+register_resolvers()  # at import: see register_resolvers

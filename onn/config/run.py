@@ -54,6 +54,8 @@ class TrainerConfig:
     enable_progress_bar: bool = MISSING
     enable_model_summary: bool = False
     deterministic: bool = MISSING
+    # a count of batches (int) or a fraction of them (float, 0 to 1); null: all. Any, as an int must stay an int
+    # (OmegaConf's int | float fails Hydra's merge); onn.training.trainer.check refuses anything else in one sentence
     limit_train_batches: Any = None
     limit_val_batches: Any = None
     limit_test_batches: Any = None

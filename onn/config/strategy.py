@@ -43,11 +43,12 @@ SPARSE_LAYERS = (0, 1, 2, 3, -4, -3, -2, -1)
 
 @dataclass
 class StrategyConfig:
+    """What trains and how is the strategy's name: full, lora, qlora (LoRA on an NF4 base), sparse_lora,
+    linear_probe (a head on frozen features); the planner and the modalities read it, not a key per choice."""
+
     name: str = MISSING
-    trainable: str = MISSING  # full | lora | head
     layers: Any = MISSING  # all, or block indices (negative count from the end)
-    lora: LoraConfig | None = MISSING
-    quantize: str | None = MISSING
+    lora: LoraConfig | None = MISSING  # strategy=lora, qlora, sparse_lora (and auto, which may plan one of them)
     micro_batch: Any = MISSING  # auto | samples per forward pass
     min_micro_batch: int = MISSING
     precision: str = MISSING

@@ -176,6 +176,24 @@ def writable_folder(path: str | os.PathLike, key: str) -> Path:
     return path
 
 
+def literal_folder(path: str, key: str) -> Path:
+    """The folder Hydra writes for hydra.run.dir / hydra.sweep.dir: the path as written. A leading `~` that reaches
+    here (a YAML value, or `${paths.outputs}` set to one) Hydra does not expand: it would make a folder named `~`
+    while a check of the expanded path held another, so it is refused (on the command line ONN expands it first)."""
+    if path.startswith("~"):
+        raise UserError(
+            f"{key}={path}: Hydra does not expand ~ in its run folders (it would make a folder named ~ here); write "
+            "the path in full, or give it on the command line, where ONN expands ~."
+        )
+    return Path(path)
+
+
+def raw(node: Any) -> Any:
+    """Hydra's overrides and sweeper settings as written: an override's `${...}` is a value to compare, not one to
+    resolve here (a misspelt one is the run's own one-sentence error, not this callback's traceback)."""
+    return OmegaConf.to_container(node, resolve=False) if OmegaConf.is_config(node) else node
+
+
 class RunFolder(Callback):
     """Hydra callback: the run (or sweep) folder is checked before Hydra makes it, so that a path that is a
     file ends in one sentence instead of Hydra's traceback. Set in conf/config.yaml."""
@@ -197,7 +215,7 @@ class RunFolder(Callback):
         HydraConfig.instance().set_config(config)  # Hydra sets it only later; ${hydra:runtime.cwd} needs it now
         key = f"hydra.{mode}.dir"
         try:
-            folder = writable_folder(config.hydra[mode].dir, key)
+            folder = writable_folder(literal_folder(str(config.hydra[mode].dir), key), key)
             if is_first_process():  # a run's other ranks share its folder (and its lock)
                 hold_folder(folder, key)
                 if mode == "run":
@@ -256,9 +274,9 @@ def planned_jobs(config: DictConfig) -> list[list[str]] | None:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+    params = [f"{k}={v}" for k, v in (raw(config.hydra.sweeper.get("params")) or {}).items()]
     try:
-        parsed = OverridesParser.create().parse_overrides([*params, *config.hydra.overrides.task])
+        parsed = OverridesParser.create().parse_overrides([*params, *raw(config.hydra.overrides.task)])
         batches = BasicSweeper.split_arguments(parsed, None)
     except Exception:  # noqa: BLE001 - Hydra's own error for the sweep follows, in its words
         return None
@@ -294,7 +312,7 @@ def _job_overrides(job: Path) -> list[str] | None:
         overrides = OmegaConf.load(job / ".hydra" / "overrides.yaml")
     except (OSError, ValueError):
         return None
-    return [str(o) for o in overrides] if OmegaConf.is_list(overrides) else None
+    return [str(o) for o in raw(overrides)] if OmegaConf.is_list(overrides) else None
 
 
 def _other_sweep_config(sweep_dir: Path, config: DictConfig) -> str | None:
@@ -302,10 +320,10 @@ def _other_sweep_config(sweep_dir: Path, config: DictConfig) -> str | None:
     multirun.yaml it saved; None when they are the same, or it saved none."""
     try:
         earlier = OmegaConf.load(sweep_dir / "multirun.yaml").hydra
-        before = (OmegaConf.to_container(earlier.sweeper), [str(o) for o in earlier.overrides.task])
+        before = (raw(earlier.sweeper), [str(o) for o in raw(earlier.overrides.task)])
     except (OSError, ValueError, AttributeError):  # no earlier sweep there (or not Hydra's): nothing to take over
         return None
-    now = (OmegaConf.to_container(config.hydra.sweeper), [str(o) for o in config.hydra.overrides.task])
+    now = (raw(config.hydra.sweeper), [str(o) for o in raw(config.hydra.overrides.task)])
     if before == now:
         return None
     return (

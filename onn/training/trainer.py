@@ -49,6 +49,7 @@ def check(trainer: TrainerConfig, *, trains: bool = True, launches: bool = True)
         raise UserError(
             "trainer.max_steps and trainer.max_epochs are both -1, so training would never end: set one of them."
         )
+    _check_counts(trainer, trains)
     every = trainer.log_every_n_steps
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise UserError(f"trainer.log_every_n_steps={every!r}: give a whole number, 1 or more.")
@@ -69,6 +70,36 @@ def check(trainer: TrainerConfig, *, trains: bool = True, launches: bool = True)
             "trainer.gradient_clip_val at null."
         )
     _check_devices(trainer, launches)
+
+
+def _check_counts(trainer: TrainerConfig, trains: bool) -> None:
+    """The batch limits and validation counts Lightning takes as they are: `limit_train_batches=abc` was its
+    TypeError, `check_val_every_n_epoch=0` a ZeroDivisionError after the data and model were built, and a training
+    run limited to no step (max_steps=0, max_epochs=0, limit_train_batches=0) ended `ok` having trained nothing."""
+    for key in ("limit_train_batches", "limit_val_batches", "limit_test_batches"):
+        value = getattr(trainer, key)
+        count = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        if value is not None and not count and not (isinstance(value, float) and 0 <= value <= 1):
+            raise UserError(
+                f"trainer.{key}={value!r}: give a number of batches (0 or more), a fraction of them from 0.0 to 1.0, "
+                "or null (all)."
+            )
+    every = trainer.check_val_every_n_epoch
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise UserError(
+            f"trainer.check_val_every_n_epoch={every!r}: give a whole number of epochs, 1 or more, or null."
+        )
+    sanity = trainer.num_sanity_val_steps
+    if isinstance(sanity, bool) or not isinstance(sanity, int) or sanity < -1:
+        raise UserError(f"trainer.num_sanity_val_steps={sanity!r}: give a whole number, 0 or more, or -1 (all).")
+    if not trains:
+        return
+    for key in ("max_steps", "max_epochs", "limit_train_batches"):
+        if getattr(trainer, key) == 0:  # 0 and 0.0: Lightning's fit ends before its first step
+            raise UserError(
+                f"trainer.{key}={getattr(trainer, key)}: a training run would take no step; give 1 or more"
+                + (", or -1 (no limit)." if key != "limit_train_batches" else ", a fraction above 0, or null (all).")
+            )
 
 
 def _check_devices(trainer: TrainerConfig, launches: bool) -> None:

@@ -28,11 +28,11 @@ def load_splits(data_cfg: TextData, seed: int) -> tuple[Records, Records]:
         make = BUILTINS[name]
         # Different seeds for the two splits keep validation problems out of training.
         train = make(opts.train_size, seed=seed, max_operand=opts.max_operand, operations=opts.operations)
+        records = Records(train, [f"{source} train item {i}" for i in range(len(train))])
+        if data_cfg.val_source:  # a held-out file given (task=eval ckpt=RUN data.val_source=...) is what is scored
+            return records, read_records(data_cfg.val_source, data_cfg.format, key="data.val_source")
         val = make(opts.val_size, seed=seed + 1_000_003, max_operand=opts.max_operand, operations=opts.operations)
-        return (
-            Records(train, [f"{source} train item {i}" for i in range(len(train))]),
-            Records(val, [f"{source} val item {i}" for i in range(len(val))]),
-        )
+        return records, Records(val, [f"{source} val item {i}" for i in range(len(val))])
 
     fmt = data_cfg.format
     records = read_records(source, fmt)
