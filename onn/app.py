@@ -41,6 +41,7 @@ from onn.errors import FailedAfterTraining, UserError, diverged
 from onn.export.settings import check_settings as check_export
 from onn.hardware import failpoints
 from onn.hardware.cluster import is_rank_zero, use_own_gpu
+from onn.hardware.disk import write_text_atomically
 from onn.hardware.memory import cap_gpu_memory, is_out_of_memory, release_gpu, release_mmap_threshold
 from onn.hardware.profile import Profile, use_threads
 from onn.hardware.profile import resolve as resolve_hardware
@@ -66,6 +67,7 @@ TASK_BLOCKS = {"serve": ("serve", "bench_serve"), "tune": ("tune",)}
 # task.* counts that cut a list (examples[:n]): a negative one would drop the last items without a word
 TASK_COUNTS = ("exact_match_samples", "max_samples")
 SEEDS = 2**32  # numpy's seeds, and Lightning's seed_everything's: 0 to 2**32 - 1
+RUN_DIR = "the run (hydra.run.dir)"  # where to write a run's file the disk refused instead
 
 
 def run(cfg: DictConfig) -> float | None:
@@ -543,7 +545,7 @@ def execute(
     writes = is_rank_zero()  # in a multi-process run, rank 0 alone writes the run's files
     if not task.model:
         if writes:
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(as_dict(config), sort_keys=False))
+            write_text_atomically(run_dir / "config.yaml", yaml.safe_dump(as_dict(config), sort_keys=False), RUN_DIR)
         return {**out, **task.run(Job(config, run_dir, get("text")))}
     modality = get(config.data.modality)
     if task.modalities is not None and modality.name not in task.modalities:
@@ -557,7 +559,7 @@ def execute(
         check_trainer(config.trainer, trains=task.trains or name == "plan", launches=name != "plan")
     modality.check(config)
     if writes:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(as_dict(config), sort_keys=False))
+        write_text_atomically(run_dir / "config.yaml", yaml.safe_dump(as_dict(config), sort_keys=False), RUN_DIR)
     if task.heavy:
         # These tasks import them anyway; importing before planning lets the plan's CPU baseline
         # (the process's resident memory, measured) include them, as the measured peak will.
@@ -569,7 +571,7 @@ def execute(
     # task=tune starts from the planner's own guess; every other task takes a cached tune result
     plan, spec = modality.plan(config, hardware, use_tuned=name != "tune")
     if writes:
-        (run_dir / "plan.yaml").write_text(yaml.safe_dump(plan.as_dict(), sort_keys=False))
+        write_text_atomically(run_dir / "plan.yaml", yaml.safe_dump(plan.as_dict(), sort_keys=False), RUN_DIR)
         print(render(plan), flush=True)
     threads_before = use_threads(plan.threads) if task.heavy else None  # on the cores other processes leave free
     if task.heavy and hardware.accelerator == "cuda" and config.hardware.budget_mb:

@@ -8,8 +8,10 @@ step, during validation, a checkpoint write or a layer store build: wherever the
 the kill left (a `last.ckpt` must load; a half-written one must not be where a resume looks), and resumes:
 `ckpt=<killed run>` when it wrote a checkpoint, else the run from the start. The resumed run must end with the
 whole run's weights (every tensor of its last checkpoint: the model, the optimizer's moments, the step),
-bitwise, or within task.atol where a kernel is not deterministic (said per track), the same loss curve (the
-same samples seen, in the same order) and the same metrics.json keys. A `grid` track kills a sweep mid-job
+bitwise, or within task.atol where a kernel is not deterministic (said per track), the same best checkpoint
+(its step) and the same figures in metrics.json: the loss curve (the same samples seen, in the same order), every
+validation (val/history), the best checkpoint's scores, all but where the run ran and what it measured (paths in
+its own folder read alike; timings, rates and memory left out). A `grid` track kills a sweep mid-job
 and runs the same sweep again: it must finish every job, each with the uninterrupted sweep's weights.
 
 Figures: chaos/trials, chaos/faults (by where the kill fell), chaos/exact, chaos/close, chaos/mismatched,
@@ -37,12 +39,23 @@ from onn.config.task import BenchChaosTask, ChaosTrack
 from onn.errors import UserError
 from onn.hardware import failpoints
 from onn.hardware.profile import cache_file
-from onn.training.checkpoints import load
+from onn.training.checkpoints import load, read_meta
 
 log = logging.getLogger("onn")
 RUN_PY = Path(__file__).resolve().parents[2] / "run.py"
-# keys a resumed run's metrics.json has that the whole run's need not, and the other way round
-RUN_SPECIFIC = {"resumed_from", "from_checkpoint", "wall_s", "heartbeat", "pid", "host"}
+# figures of metrics.json that a resumed run need not share with the whole run: where it resumed from (its config's
+# digest counts ckpt), and where it ran; the measured ones are named by MEASURED, and resource/*
+RUN_SPECIFIC = {
+    "resumed_from",
+    "from_checkpoint",
+    "checkpoint_used",
+    "config_digest",
+    "wall_s",
+    "heartbeat",
+    "pid",
+    "host",
+}
+MEASURED = ("_s", "_mb", "seconds")  # key endings: times, rates (samples_per_s), memory
 
 
 def run(job) -> dict[str, Any]:
@@ -249,7 +262,7 @@ def _runs(folder: Path, sweep: bool) -> list[Path]:
 
 def _final_state(folder: Path, sweep: bool) -> dict[str, Any]:
     """Per run: its last checkpoint's weights and optimizer state (the callbacks' state names the run's own
-    folder), its step, loss curve and metrics keys."""
+    folder) and step, its best checkpoint's step, and the figures of its metrics.json a resumed run must share."""
     out = {}
     for run in _runs(folder, sweep):
         metrics = json.loads((run / "metrics.json").read_text())
@@ -258,13 +271,37 @@ def _final_state(folder: Path, sweep: bool) -> dict[str, Any]:
             last = Path(metrics["resumed_from"])
         saved = load(last)
         state = {"state_dict": saved["state_dict"], "optimizer_states": saved.get("optimizer_states", [])}
+        best = run / "checkpoints" / "best.ckpt"
         out[run.name if sweep else "run"] = {
             "tensors": _tensors(state),
             "step": saved["global_step"],
-            "curve": metrics.get("train/loss_curve"),
-            "keys": set(metrics) - RUN_SPECIFIC,
+            "best_step": read_meta(best).get("global_step") if best.is_dir() else None,
+            "values": run_values(metrics, run),
         }
     return out
+
+
+def run_values(metrics: dict[str, Any], run: Path) -> dict[str, Any]:
+    """The figures of a run's metrics.json that the same run resumed ends with too (its loss curve, validations,
+    best checkpoint's scores, ...): all but the run-specific and measured ones, with the run's own folder in a path
+    read as <run>."""
+    return {
+        key: _in_run(value, str(run))
+        for key, value in metrics.items()
+        if key not in RUN_SPECIFIC and not key.endswith(MEASURED) and not key.startswith("resource/")
+    }
+
+
+def _in_run(value: Any, run: str) -> Any:
+    """`value` with each path into `run` as <run>: the whole run's checkpoint is <run>/checkpoints/last.ckpt, and
+    so is the resumed run's, in its own folder."""
+    if isinstance(value, str):
+        return "<run>" + value.removeprefix(run) if value.startswith(run + "/") else value
+    if isinstance(value, list):
+        return [_in_run(v, run) for v in value]
+    if isinstance(value, dict):
+        return {k: _in_run(v, run) for k, v in value.items()}
+    return value
 
 
 def _tensors(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -280,29 +317,55 @@ def _tensors(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _compare(reference: dict[str, Any], resumed: dict[str, Any], atol: float) -> tuple[str, float | None]:
-    """exact (every tensor bitwise), close (within atol), or mismatched (another tensor set, curve or keys)."""
+    """exact (every tensor and figure the same), close (within atol), or mismatched (another tensor set, step,
+    best checkpoint or figure: a loss curve, a validation record, a score)."""
     if set(reference) != set(resumed):
         return "mismatched", None
     worst = 0.0
     for name, want in reference.items():
         got = resumed[name]
-        if (
-            set(want["tensors"]) != set(got["tensors"])
-            or want["curve"] != got["curve"]
-            or not want["keys"] <= got["keys"]
-        ):
+        if want["step"] != got["step"] or want["best_step"] != got["best_step"]:
             return "mismatched", None
-        for key, a in want["tensors"].items():
-            b = got["tensors"][key]
-            if a.shape != b.shape or a.dtype != b.dtype:
-                return "mismatched", None
-            if a.is_floating_point():
-                worst = max(worst, float((a.double() - b.double()).abs().max()) if a.numel() else 0.0)
-            elif not bool((a == b).all()):
-                return "mismatched", None
+        shared = {key: got["values"][key] for key in want["values"] if key in got["values"]}
+        diffs = (_tensors_differ(want["tensors"], got["tensors"]), _differ(want["values"], shared))
+        if None in diffs:
+            return "mismatched", None
+        worst = max(worst, *diffs)
     if worst == 0.0:
         return "exact", 0.0
     return ("close" if worst <= atol else "mismatched"), worst
+
+
+def _tensors_differ(want: dict[str, Any], got: dict[str, Any]) -> float | None:
+    """The largest difference between two runs' tensors, None where they are not the same set (names, shapes,
+    dtypes) or an integer tensor differs."""
+    if set(want) != set(got):
+        return None
+    worst = 0.0
+    for key, a in want.items():
+        b = got[key]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return None
+        if a.is_floating_point():
+            worst = max(worst, float((a.double() - b.double()).abs().max()) if a.numel() else 0.0)
+        elif not bool((a == b).all()):
+            return None
+    return worst
+
+
+def _differ(a: Any, b: Any) -> float | None:
+    """The largest difference between the numbers of two figures (0.0: the same), None where they differ otherwise
+    (another text, key set, length or kind of value)."""
+    number = (int, float)
+    if isinstance(a, number) and isinstance(b, number) and not isinstance(a, bool) and not isinstance(b, bool):
+        return abs(float(a) - float(b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        parts = [_differ(a[k], b[k]) for k in a] if a.keys() == b.keys() else [None]
+    elif isinstance(a, list) and isinstance(b, list):
+        parts = [_differ(x, y) for x, y in zip(a, b, strict=True)] if len(a) == len(b) else [None]
+    else:
+        return 0.0 if type(a) is type(b) and a == b else None
+    return None if None in parts else max(parts, default=0.0)
 
 
 def _where(folder: Path, sweep: bool) -> str:

@@ -2,11 +2,13 @@
 
 Decoding a folder of JPEGs, WAVs or meshes takes seconds to minutes; the tensors it gives take one
 safetensors read. A cache file is written under a temporary name and renamed into place, so a
-killed run never leaves half of one; a changed source (or setting) gets a new key.
+killed run never leaves half of one; a changed source (or setting) gets a new key. A disk that refuses the
+write (full, read-only) leaves the data uncached, said in one warning: the run goes on with what it decoded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from onn.data.resident import Decoded
+from onn.errors import disk_error, write_refused
 
 log = logging.getLogger("onn")
 
@@ -28,8 +31,6 @@ def cached_decode(
     source: str = "",
 ) -> dict[str, Decoded]:
     """{split: Decoded} from the cache under cache_dir/kind for `key`, or from `decode()` (then cached)."""
-    from safetensors.torch import save_file
-
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     cache = Path(cache_dir) / kind / f"{digest}.safetensors"
     if cache.is_file():
@@ -42,11 +43,32 @@ def cached_decode(
         tensors[f"{name}.inputs"], tensors[f"{name}.labels"] = s.inputs.contiguous(), s.labels.contiguous()
         meta["classes"] = s.classes
         meta["splits"][name] = {"names": s.names, "skipped": s.skipped}
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".tmp{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"onn": json.dumps(meta), "source": source})
-    tmp.replace(cache)  # whole or not at all
+    _write(cache, tensors, {"onn": json.dumps(meta), "source": source}, kind)
     return splits
+
+
+def _write(cache: Path, tensors: dict[str, Any], metadata: dict[str, str], kind: str) -> None:
+    """The decoded tensors into the cache, whole or not at all. A write the disk refuses (full, read-only) leaves
+    no part of the file and is said once: the run goes on with the data it decoded, only uncached."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    tmp = cache.with_suffix(f".tmp{os.getpid()}")
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(tmp), metadata=metadata)
+        tmp.replace(cache)
+    except (OSError, SafetensorError) as e:
+        refused = disk_error(e)
+        if refused is None:
+            raise
+        with contextlib.suppress(OSError):  # its folder may be what could not be made
+            tmp.unlink(missing_ok=True)
+        log.warning(
+            "%s: the decoded data is not cached: %s",
+            kind,
+            write_refused(refused, cache, None, "the cache (paths.cache)"),
+        )
 
 
 def _read(cache: Path, kind: str, source: str) -> dict[str, Decoded] | None:

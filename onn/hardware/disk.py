@@ -11,6 +11,7 @@ written whole or not at all, and one that is damaged reads as absent.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from onn.errors import write_refused
 from onn.hardware.memory import pinned_empty
 
 MB = 1024**2
@@ -26,13 +28,19 @@ ALIGN = 4096  # O_DIRECT wants buffer address, offset and length aligned to the 
 READ_REQUEST = 1024 * MB  # bytes per read call
 
 
-def write_text_atomically(path: Path, text: str) -> None:
+def write_text_atomically(path: Path, text: str, what: str = "it") -> None:
     """Whole or not at all: a run killed mid-write, or two runs writing at once, never leave a cut-short file
-    (each writer has its own temporary name; the last rename wins)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    (each writer has its own temporary name; the last rename wins). A write the disk refuses (full, read-only)
+    removes its temporary file and is one sentence naming `path` (`what`: where to write it instead)."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError as e:
+        with contextlib.suppress(OSError):  # its folder may be what could not be made
+            tmp.unlink(missing_ok=True)
+        raise write_refused(e, path, len(text.encode()), what) from None
 
 
 def read_json(path: Path) -> Any:

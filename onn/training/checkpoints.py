@@ -16,6 +16,8 @@ import logging
 import os
 import shutil
 import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,18 +103,36 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
         if path.exists():
             path.rename(old)
         tmp.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+HELD_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @contextlib.contextmanager
-def _signals_held():
-    """SIGTERM and SIGINT wait until the block ends (then the run's handler stops it as usual)."""
-    held = {signal.SIGTERM, signal.SIGINT}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+def _signals_held() -> Iterator[None]:
+    """SIGTERM and SIGINT that arrive inside the block reach the handlers they were for when it ends (the run's
+    record then stops the run as usual). A signal mask cannot hold them: it is one thread's, so the kernel hands
+    the signal to another thread (the record's heartbeat, torch's pool) and Python still runs the handler in the
+    main thread, between the renames. So the block sets handlers that only note the signal."""
+    previous = {signum: signal.getsignal(signum) for signum in HELD_SIGNALS}
+    if threading.current_thread() is not threading.main_thread() or None in previous.values():
+        yield  # another thread is never interrupted by a handler; None: a handler not set from Python (no way back)
+        return
+    caught: list[tuple[int, Any]] = []
+    for signum in HELD_SIGNALS:
+        signal.signal(signum, lambda number, frame: caught.append((number, frame)))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum, frame in caught:
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, frame)  # the run's handler raises Interrupted here, after the block
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)  # what the signal would have done: end the process
 
 
 def load(path: str | os.PathLike, map_location: Any = None) -> dict[str, Any]:
@@ -347,7 +367,9 @@ class _Refs(dict):
 
 def run_best(callback, ckpt: Path | None, run_dir: Path, monitor: str, mode: str) -> tuple[str | None, float | None]:
     """The whole run's best checkpoint and score (`mode`: min or max of `monitor`). Lightning forgets the best score
-    when a resumed run writes to a new folder, so an earlier run's best.ckpt that beats this run's is copied in."""
+    when a resumed run writes to a new folder, so an earlier run's best.ckpt that this run's does not beat is copied
+    in: Lightning keeps the first of equal scores, and so a tie goes to the earlier run, as in a run never stopped.
+    This run's score is compared as the history records it (5 digits): float32's 0.6 is not the history's 0.6."""
     here = run_dir / "checkpoints"
     path = callback.best_model_path or None
     score = None
@@ -357,12 +379,14 @@ def run_best(callback, ckpt: Path | None, run_dir: Path, monitor: str, mode: str
         history = read_meta(ckpt)["onn"]["history"]  # the run this one resumed from
         earlier = [h[monitor] for h in history if monitor in h]
         old = Path(ckpt).parent / "best.ckpt"
-        better = min if mode == "min" else max
-        if earlier and old.is_dir() and (score is None or better(better(earlier), score) != score):
+        best = (min if mode == "min" else max)(earlier) if earlier else None
+        own = round(score, 5) if score is not None else None
+        beaten = own is not None and best is not None and (own < best if mode == "min" else own > best)
+        if best is not None and old.is_dir() and not beaten:
             target = here / "best.ckpt"
             if old.resolve() != target.resolve():  # resumed into its own folder (a sweep's job), it is there already
                 if target.exists():
                     shutil.rmtree(target)
                 shutil.copytree(old, target)
-            path, score = str(target), float(better(earlier))
+            path, score = str(target), float(best)
     return path, score
