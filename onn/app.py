@@ -37,6 +37,7 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 from onn.bench.registry import TASKS as BENCH_TASKS
 from onn.config import ONNConfig, StrategyConfig, as_dict, typed
 from onn.config.registry import CONF, recipe_group_problem
+from onn.config.task import InferTask
 from onn.errors import FailedAfterTraining, UserError, diverged
 from onn.export.settings import check_settings as check_export
 from onn.hardware import failpoints
@@ -49,7 +50,7 @@ from onn.modalities.base import Job, Modality
 from onn.modalities.registry import detect, get
 from onn.planning.plan import render
 from onn.streaming.quantized import release_tiles
-from onn.tasks.record import Interrupted, RunRecord, writable_folder
+from onn.tasks.record import Interrupted, RunRecord, writable_file, writable_folder
 from onn.tasks.registry import TASKS as RUN_TASKS
 from onn.tasks.registry import Task
 from onn.training import progress
@@ -530,6 +531,8 @@ def execute(
     # a path under a file: one sentence now, not a traceback when first written
     writable_folder(config.paths.outputs, "paths.outputs")
     writable_folder(config.paths.cache, "paths.cache")
+    if isinstance(config.task, InferTask) and config.task.output:  # before the model runs, not after every answer
+        writable_file(config.task.output, "task.output")
     if config.export.name != "none":
         check_export(config.export)  # before hours of training end in a bad key
     ckpt, came = None, {}
@@ -588,6 +591,8 @@ def execute(
             "settings_source": plan.settings_source,  # plan, or tune (a cached task=tune result)
         }
     )
+    if record is not None:  # a run that fails or is stopped from here on names what its plan chose
+        record.update(out)
     return {**out, **_run(task, Job(config, run_dir, modality, hardware, plan, spec, ckpt), threads_before)}
 
 

@@ -261,3 +261,19 @@ def test_an_empty_onn_cache_is_unset(monkeypatch):
     assert config.hardware.cache == f"{ROOT}/outputs/.cache/hardware"
     monkeypatch.setenv("ONN_CACHE", "/elsewhere")
     assert compose().paths.cache == "/elsewhere"
+
+
+@pytest.mark.parametrize("modality", ["model=llama_tiny", "model=v28_cnn data=image"])
+def test_infer_output_a_folder_or_under_a_file_is_one_sentence_before_the_model_runs(tmp_path, modality):
+    """task.output was written only after every item was answered: a folder there, or a file where its folder
+    should be, ended the run in IsADirectoryError or FileExistsError with the answers lost."""
+    from onn.app import execute
+
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    common = ("task=infer", *modality.split(), f"paths.outputs={tmp_path}", f"paths.cache={tmp_path / 'cache'}")
+    with pytest.raises(UserError, match=r"^task\.output=.* is a folder: give the file to write"):
+        execute(compose(*common, f"task.output={tmp_path}"), tmp_path / "run1")
+    with pytest.raises(UserError, match=r"^task\.output=.*afile is a file, so it cannot be a folder"):
+        execute(compose(*common, f"task.output={afile}/predictions.jsonl"), tmp_path / "run2")
+    assert afile.read_text() == "mine"

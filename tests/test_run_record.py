@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import ROOT, read_metrics, run_cli
 
 from onn.bench.grid import collect
@@ -95,6 +96,9 @@ def test_sigterm_ends_a_training_run_as_failed_with_its_step_and_a_whole_checkpo
     )
     saved = load(run_dir / "checkpoints" / "last.ckpt")  # whole: it loads
     assert 4 <= saved["global_step"] <= m["steps"] and "pid" not in m
+    # what the plan chose, also in the record of a run that did not end (it kept strategy=auto's name)
+    plan = yaml.safe_load((run_dir / "plan.yaml").read_text())
+    assert m["strategy"] == plan["strategy"] != "auto" and m["predicted_peak_memory_mb"] > 0
 
 
 @pytest.mark.slow

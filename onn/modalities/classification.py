@@ -430,7 +430,7 @@ def infer(job: Job) -> dict[str, Any]:
         log.warning(
             "task.input names folders the model has no class of (%s): no true label for their rows", sorted(unknown)[:5]
         )
-    output = Path(task.output or job.run_dir / "predictions.jsonl")
+    output = Path(task.output).expanduser() if task.output else job.run_dir / "predictions.jsonl"
     write_jsonl(rows, output)
     picture = output.with_suffix(".png")
     m.picture(torch.stack(shown), predicted_names, true_names, picture, inputs)

@@ -176,6 +176,16 @@ def writable_folder(path: str | os.PathLike, key: str) -> Path:
     return path
 
 
+def writable_file(path: str | os.PathLike, key: str) -> Path:
+    """`path` as a file this run can write when it ends (its folder made when missing): a folder there, or a folder
+    that cannot be made or written, is one sentence now rather than a traceback after the work is done."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise UserError(f"{key}={path} is a folder: give the file to write, e.g. {key}={path / 'predictions.jsonl'}.")
+    writable_folder(path.parent, key)
+    return path
+
+
 def literal_folder(path: str, key: str) -> Path:
     """The folder Hydra writes for hydra.run.dir / hydra.sweep.dir: the path as written. A leading `~` that reaches
     here (a YAML value, or `${paths.outputs}` set to one) Hydra does not expand: it would make a folder named `~`

@@ -148,7 +148,7 @@ def infer(job: Job) -> dict[str, Any]:
             guesses = [classes[int(c)] for c in probs.argmax(dim=1)]
             shown += _shown(chunk, names[start:], guesses, truths, level, PICTURED - len(shown))
     skipped = [s for found in sets.values() for s in found.skipped]
-    output = Path(task.output or job.run_dir / "predictions.jsonl")
+    output = Path(task.output).expanduser() if task.output else job.run_dir / "predictions.jsonl"
     write_jsonl(rows, output)
     picture = output.with_suffix(".png")
     if shown:

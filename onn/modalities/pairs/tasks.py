@@ -301,7 +301,7 @@ def infer(job: Job) -> dict[str, Any]:
     rows, partner_ranks = _ranked(
         (q @ g.T).cpu(), [query_items[i] for i in q_index], query, gallery_items, g_index, top_k
     )
-    output = Path(task.output or job.run_dir / "matches.jsonl")
+    output = Path(task.output).expanduser() if task.output else job.run_dir / "matches.jsonl"
     write_jsonl(rows, output)
     print(f"wrote the top {top_k} of {len(g)} {other} items for {len(rows)} {query} queries to {output}")
     metrics: dict[str, Any] = {
