@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -38,8 +39,9 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")  # one hardware profile for the module's runs
 
 
-def execute(tmp: Path, cache: Path, *overrides: str, name: str = "run") -> dict:
-    """The run `python run.py model=llama_tiny OVERRIDES` makes, in this process."""
+def execute(tmp: Path, cache: Path, *overrides: str, name: str = "run", given: set[str] | None = None) -> dict:
+    """The run `python run.py model=llama_tiny OVERRIDES` makes, in this process (`given`: the keys the command line
+    set, which a run with ckpt= takes over the checkpoint's)."""
     from onn.app import execute as run
 
     cfg = compose(
@@ -53,7 +55,7 @@ def execute(tmp: Path, cache: Path, *overrides: str, name: str = "run") -> dict:
     )
     run_dir = tmp / name
     run_dir.mkdir(parents=True, exist_ok=True)
-    return run(cfg, run_dir)
+    return run(cfg, run_dir, given)
 
 
 # ---- reading files ----------------------------------------------------------------------------------------------
@@ -319,3 +321,99 @@ def test_infer_and_eval_stop_at_the_models_end_of_turn_as_serve_does(tmp_path):
     engine.offload()
     assert generate.complete(model, tok, ["hi", "hi"], max_new_tokens=6, engine=engine) == [ended, ended]
     assert generate.stream(model, tok, "hi", max_new_tokens=6, engine=engine) == ended
+
+
+# ---- resuming a run -----------------------------------------------------------------------------------------------
+
+STREAMED = ("data=text", "data.streaming=true", "data.shuffle_buffer=4", "data.max_length=48", "data.val_split=0.1",
+            "task.validate_before=false", "task.exact_match_samples=0", "checkpoint.every_n_steps=2")  # fmt: skip
+
+
+def write_sums(path: Path, rows: int = 40) -> None:
+    path.write_text("".join(json.dumps({"question": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(rows)))
+
+
+def test_a_streamed_file_edited_since_the_checkpoint_is_one_sentence_on_resume(tmp_path, cache):
+    """A record added at the top of a streamed file between a checkpoint and its resume moved every byte offset the
+    checkpoint's position and shuffle buffer name: the resume failed with "line 13 is not valid JSON" (a line the
+    file holds whole), buried under Lightning's "Please call iter(combined_loader) first" traceback."""
+    source = tmp_path / "sums.jsonl"
+    write_sums(source)
+    original, stat = source.read_bytes(), source.stat()
+    args = (*STREAMED, f"data.source={source}")
+    execute(tmp_path, cache, *args, "trainer.max_steps=2", name="first")
+    source.write_bytes(json.dumps({"question": "1+1=", "answer": "2"}).encode() + b"\n" + original)
+    resume = (*args, f"ckpt={tmp_path / 'first'}", "trainer.max_steps=3")
+    with pytest.raises(UserError, match=r"data.source .*sums.jsonl changed since the checkpoint was written"):
+        execute(tmp_path, cache, *resume, name="edited")
+    with pytest.raises(UserError, match=r"streamed data.source .* resume with data.streaming=true"):
+        execute(tmp_path, cache, *resume, "data.streaming=false", name="resident", given={"data.streaming"})
+    source.write_bytes(original)  # restored as it was: the run goes on
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert execute(tmp_path, cache, *resume, name="restored")["steps"] == 3
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_a_streamed_file_gone_mid_run_is_one_sentence(tmp_path, fmt):
+    """The training file deleted while a streamed run read it: the next epoch's reopening (and a resume's re-read of
+    the shuffle buffer) raised a bare FileNotFoundError from inside the data loader."""
+    from onn.modalities.text.datamodule import TextDataModule
+
+    source = tmp_path / f"sums.{fmt}"
+    rows = [{"question": f"{i}+{i}=", "answer": str(2 * i)} for i in range(40)]
+    if fmt == "jsonl":
+        write_sums(source)
+    elif fmt == "csv":
+        source.write_text("question,answer\n" + "".join(f"{r['question']},{r['answer']}\n" for r in rows))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), source, row_group_size=8)
+    cfg = dataclasses.replace(TEXT, source=str(source), streaming=True, shuffle_buffer=4, batch_size=4, val_split=0.1)
+
+    def loader():
+        dm = TextDataModule(cfg, byte_tokenizer(), cfg.batch_size)
+        dm.setup()
+        return dm.train_dataloader()
+
+    first, resumed = loader(), loader()
+    assert sum(len(b["input_ids"]) for b in first) == 36  # one whole epoch (4 records held out)
+    it = iter(first)
+    next(it)
+    state = first.state_dict()  # mid-epoch: a buffer of records to re-read on resume
+    source.unlink()
+    gone = rf"data.source .*sums.{fmt} can no longer be read \(.*No such file or directory"
+    with pytest.raises(UserError, match=gone):
+        list(first)  # the next epoch opens the file again
+    resumed.load_state_dict(state)
+    with pytest.raises(UserError, match=gone):
+        next(iter(resumed))
+
+
+def test_a_resume_with_nothing_left_to_train_says_so(tmp_path, cache, caplog):
+    """ckpt= a finished run at its own trainer.max_steps said "train ok" and pointed metrics.json's checkpoint at a
+    last.ckpt it never wrote; with a smaller trainer.max_steps, Lightning ignored it without a word. The run folder now
+    holds the checkpoint it resumed, which a later resume trains on from."""
+    import logging
+
+    from onn.training.checkpoints import load
+
+    args = ("data.builtin.train_size=64", "data.builtin.val_size=8", "task.validate_before=false",
+            "task.exact_match_samples=0", "checkpoint.every_n_steps=2")  # fmt: skip
+    execute(tmp_path, cache, *args, "trainer.max_steps=2", name="first")
+    ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    with caplog.at_level(logging.WARNING, logger="onn"):
+        m = execute(tmp_path, cache, *args, f"ckpt={tmp_path / 'first'}", "trainer.max_steps=2", name="same")
+    kept = tmp_path / "same" / "checkpoints" / "last.ckpt"
+    assert m["steps"] == 2 and m["checkpoint"] == str(kept)
+    assert f"nothing left to train: ckpt={ckpt} was written at step 2" in caplog.text
+    first, same = load(ckpt), load(kept)
+    assert same["global_step"] == 2 and all(
+        torch.equal(same["state_dict"][k], v) for k, v in first["state_dict"].items()
+    )
+    assert (
+        execute(tmp_path, cache, *args, f"ckpt={tmp_path / 'same'}", "trainer.max_steps=3", name="more")["steps"] == 3
+    )
+    with pytest.raises(UserError, match=r"trainer.max_steps=1 ends the run before step 2, where ckpt=.* was written"):
+        execute(tmp_path, cache, *args, f"ckpt={tmp_path / 'first'}", "trainer.max_steps=1", name="less")

@@ -12,16 +12,18 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from onn.errors import UserError
-from onn.modalities.text.streaming import Ref
+from onn.modalities.text.streaming import Ref, file_signature
 
 
 class ShuffledStream(IterableDataset):
     """torch IterableDataset over a reader from `start`: `rows` records, a seeded buffer shuffle, each
-    record encoded when drawn. Workers take every n-th record. `epoch` is set by StreamLoader."""
+    record encoded when drawn. Workers take every n-th record. `epoch` is set by StreamLoader. `signature`: the
+    file's size and time when the run began, which a checkpoint's position into it is only valid for."""
 
     def __init__(self, reader, start: Ref, rows: int, buffer: int, seed: int, encode: Callable[[dict, str], Any]):
         self.reader, self.start, self.rows, self.buffer = reader, list(start), rows, max(1, int(buffer))
         self.seed, self.encode, self.epoch = seed, encode, 0
+        self.signature = file_signature(reader.path)
 
     def __iter__(self) -> _Stream:
         info = get_worker_info()
@@ -98,6 +100,26 @@ def batches_per_epoch(rows: int, batch_size: int, num_workers: int) -> int:
     return sum(math.ceil(len(range(w, rows, workers)) / batch_size) for w in range(workers))
 
 
+def check_resume(state: dict[str, Any], dataset: ShuffledStream, num_workers: int) -> None:
+    """A checkpoint's loader state (StreamLoader.state_dict) fits this run's stream: the same data.num_workers, and
+    the same file, unchanged (its positions are byte offsets and row numbers: an edited file would be read from
+    the wrong places, as records the first run never had or as "not valid JSON"). A checkpoint written before ONN
+    saved the file's signature is not checked for it."""
+    workers = state.get("onn_workers")
+    if workers != num_workers:
+        raise UserError(
+            f"the checkpoint's data stream ran with data.num_workers={workers}; resume with the same "
+            f"data.num_workers (not {num_workers})."
+        )
+    saved = state.get("onn_source")
+    if saved is not None and list(saved) != dataset.signature:
+        raise UserError(
+            f"data.source {dataset.reader.path} changed since the checkpoint was written (its size or modification "
+            "time is not the streamed file's; a copy keeps them with cp -p or rsync -a): restore that file, or train "
+            "from the start without ckpt=."
+        )
+
+
 def stream_loader(dataset: ShuffledStream, batch_size: int, collate_fn, num_workers: int, pin_memory: bool):
     """A StatefulDataLoader with an exact length (so Lightning does not fetch a batch ahead, which would
     put the saved position one batch past the last trained one) and an epoch counter in its state."""
@@ -117,16 +139,14 @@ def stream_loader(dataset: ShuffledStream, batch_size: int, collate_fn, num_work
             return super().__iter__()
 
         def state_dict(self) -> dict[str, Any]:
-            return {**super().state_dict(), "onn_epoch": dataset.epoch, "onn_workers": num_workers}
+            own = {"onn_epoch": dataset.epoch, "onn_workers": num_workers, "onn_source": dataset.signature}
+            return {**super().state_dict(), **own}
 
         def load_state_dict(self, state: dict[str, Any]) -> None:
-            state = dict(state)
-            workers, self.next_epoch = state.pop("onn_workers"), state.pop("onn_epoch")
-            if workers != num_workers:
-                raise UserError(
-                    f"the checkpoint's data stream ran with data.num_workers={workers}; resume with the "
-                    f"same data.num_workers (not {num_workers})."
-                )
-            super().load_state_dict(state)
+            check_resume(state, dataset, num_workers)
+            self.next_epoch = state["onn_epoch"]
+            super().load_state_dict(
+                {k: v for k, v in state.items() if k not in ("onn_epoch", "onn_workers", "onn_source")}
+            )
 
     return StreamLoader()

@@ -18,9 +18,11 @@ tokens are made when a sample is drawn, so nothing but the buffer is held.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,26 @@ Ref = list[int]  # where a record starts: [byte offset, line (, row)] or [row] f
 
 
 # ---- readers: a file record by record --------------------------------------------------------------
+
+
+def file_signature(path: Path) -> list[int]:
+    """[size, modification time in ns]: what a checkpoint's stream position is only valid for (byte offsets and
+    row numbers into those bytes)."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns]
+
+
+@contextlib.contextmanager
+def reopened(path: Path) -> Iterator[None]:
+    """The streamed file opened again (each epoch, each resume): gone or unreadable since the run began is one
+    sentence naming data.source, not an OSError from inside the data loader."""
+    try:
+        yield
+    except OSError as e:
+        raise UserError(
+            f"data.source {path} can no longer be read ({e.strerror or e}): it was moved, deleted or made unreadable "
+            "while the run streamed it; put it back and resume with ckpt=<this run>."
+        ) from None
 
 
 def wide_text(path: Path) -> str | None:
@@ -67,7 +89,7 @@ class LineReader:
 
     def records(self, at: Ref) -> Iterator[tuple[Ref, Ref, dict[str, Any], str]]:
         offset, line = at
-        with open(self.path, "rb") as f:
+        with reopened(self.path), open(self.path, "rb") as f:
             f.seek(offset)
             for raw in f:
                 start, offset, line = offset, offset + len(raw), line + 1
@@ -76,7 +98,7 @@ class LineReader:
 
     def fetch(self, refs: list[Ref]) -> list[tuple[dict[str, Any], str]]:
         out = []
-        with open(self.path, "rb") as f:
+        with reopened(self.path), open(self.path, "rb") as f:
             for offset, line in refs:
                 f.seek(offset)
                 out.append((self.parse(f.readline(), line), f"{self.path} line {line}"))
@@ -159,7 +181,7 @@ class CsvReader:
     def _rows(self, offset: int, line: int) -> Iterator[tuple[int, int, int, int, list[str]]]:
         """(start, first line, offset after, last line, cells) per record, split by csv.reader itself: a quote
         opens a field only at the field's start (`The 40" model` is one field), as the resident reader reads it."""
-        with open(self.path, "rb") as f:
+        with reopened(self.path), open(self.path, "rb") as f:
             f.seek(offset)
             lines = _Lines(f, offset, line, self.path)
             reader = csv.reader(lines, delimiter=self.delimiter)
@@ -229,7 +251,8 @@ class ParquetReader:
     def _file(self):
         import pyarrow.parquet as pq
 
-        return pq.ParquetFile(self.path)
+        with reopened(self.path):
+            return pq.ParquetFile(self.path)
 
     def records(self, at: Ref) -> Iterator[tuple[Ref, Ref, dict[str, Any], str]]:
         row = at[0]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ from onn.config.strategy import StreamingConfig
 from onn.config.task import EvalTask, InferTask, TrainTask
 from onn.data.files import write_jsonl
 from onn.dtypes import torch_dtype
-from onn.errors import UserError
+from onn.errors import UserError, write_refused
 from onn.export.write import export_after_training, export_for_run
 from onn.hardware.cluster import compute_device, is_rank_zero
 from onn.hardware.memory import PeakMemory
@@ -35,6 +37,7 @@ from onn.modalities.text.generate import (
 from onn.modalities.text.modality import check_max_length
 from onn.modalities.text.module import CausalLM, summarize_losses
 from onn.modalities.text.prompts import Prompter
+from onn.modalities.text.stream_loader import check_resume
 from onn.models.layers import discover
 from onn.models.load import (
     converted_gguf,
@@ -58,7 +61,7 @@ from onn.streaming.strategy import (
     layer_store,
 )
 from onn.training.callbacks import RandomState, ResourceMonitor, StepCheckpoint, StepClock
-from onn.training.checkpoints import check_state, resumed_optim, saved_config, state_shapes
+from onn.training.checkpoints import check_state, read_meta, resumed_optim, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.distributed import forward_is_collective, gathered, parameter_count
 from onn.training.lora import apply
@@ -290,6 +293,62 @@ def run_steps(config: ONNConfig, dm: TextDataModule) -> int:
     return per_epoch * epochs
 
 
+def check_resumable(config: ONNConfig, dm: TextDataModule, steps: int, ckpt: Path | None) -> int:
+    """The step a resumed run starts at (0 from the start), checked before fit, where Lightning would train nothing
+    without a word (a run that ends before it) or bury the data stream's sentence under its own teardown error ("Please
+    call iter(combined_loader) first"): the streamed file and data.num_workers are the checkpoint's."""
+    if ckpt is None:
+        return 0
+    meta = read_meta(ckpt)
+    done = int(meta.get("global_step") or 0)
+    if steps < done:
+        trainer = config.trainer
+        key = f"trainer.max_steps={trainer.max_steps}"
+        if steps != trainer.max_steps:
+            key = f"trainer.max_epochs={trainer.max_epochs} ({steps} optimizer steps)"
+        raise UserError(
+            f"{key} ends the run before step {done}, where ckpt={ckpt} was written: give trainer.max_steps={done} or "
+            "more to train on from it, or leave out ckpt= to train a new run."
+        )
+    states = meta.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader") or []
+    for state in states:
+        if isinstance(state, dict) and "onn_workers" in state:  # a streamed run's loader (StreamLoader)
+            if dm.stream is None:
+                raise UserError(
+                    f"ckpt={ckpt} streamed data.source (data.streaming) and this run holds it in memory: resume "
+                    "with data.streaming=true."
+                )
+            check_resume(state, dm.stream, dm.cfg.num_workers)
+    return done
+
+
+def keep_resumed(ckpt: Path, step: int, target: Path) -> None:
+    """A resumed run that had nothing left to train (its checkpoint at the step where it ends) says so, and its run
+    folder gets the checkpoint it resumed as its last.ckpt, which is that run's state (the data stream's position
+    included; a save after fit would not hold it): metrics.json's `checkpoint` names a checkpoint that exists. Copied
+    beside and renamed into place, as every checkpoint is written."""
+    log.warning(
+        "nothing left to train: ckpt=%s was written at step %d, where this run ends, and is copied to %s (raise "
+        "trainer.max_steps, or trainer.max_epochs, to train further)",
+        ckpt,
+        step,
+        target,
+    )
+    if target.exists():  # a sweep's job resumed in its own folder: the checkpoint is there already
+        return
+    partial = target.with_name(target.name + ".tmp")
+    try:
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(ckpt, partial)
+        for name in partial.iterdir():  # on the disk before the rename makes them the checkpoint
+            with open(name, "rb") as f:
+                os.fsync(f.fileno())
+        partial.rename(target)
+    except OSError as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise write_refused(e, target, None, "checkpoints (hydra.run.dir)") from None
+
+
 def exact_match_after_training(job: Job, fit, module: CausalLM, dm: TextDataModule, tokenizer, writes: bool):
     """val/exact_match of the trained model on task.exact_match_samples held-out answers; rank 0 answers, or every
     rank where the forward is a collective (else rank 0 would wait for the others)."""
@@ -353,6 +412,7 @@ def train(job: Job) -> dict[str, Any]:
     # template: role lines)
     module.onn_config["prompt_layout"] = dm.prompter.layout_name
     module.max_steps = run_steps(config, dm)
+    done = check_resumable(config, dm, module.max_steps, ckpt)
     config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, max_steps=module.max_steps))
     clock = StepClock()  # RandomState: dropout draws after a resume what it would have drawn
     callbacks = [saves, RandomState(), clock, ResourceMonitor(config.trainer.log_every_n_steps)]
@@ -361,6 +421,7 @@ def train(job: Job) -> dict[str, Any]:
     fit = trainer(config, plan, run_dir, callbacks, steps_per_epoch=dm.steps_per_epoch)
     validated_before = validated_first(config, ckpt)
     module.onn_config["validated_before"] = validated_before  # in every checkpoint: a resumed run reads it
+    writes = is_rank_zero()  # the other processes of a multi-process run trained the same weights
     with PeakMemory(job.device) as peak:
         if ckpt is None and config.task.validate_before:
             fit.validate(module, datamodule=dm, verbose=False)
@@ -368,7 +429,6 @@ def train(job: Job) -> dict[str, Any]:
         fit.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
         if module.val_at_step != fit.global_step:
             fit.validate(module, datamodule=dm, verbose=False)
-    writes = is_rank_zero()  # the other processes of a multi-process run trained the same weights
     if writes and getattr(module.model, "peft_config", None) and config.checkpoint.save_peft_adapter:
         # PEFT's own format: adapter_config.json + safetensors
         module.model.save_pretrained(str(run_dir / "adapter"))
@@ -390,6 +450,8 @@ def train(job: Job) -> dict[str, Any]:
         "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
         "resumed_from": str(ckpt) if ckpt else None,
     }
+    if ckpt is not None and fit.global_step == done and writes:  # nothing trained: no last.ckpt was written here
+        keep_resumed(ckpt, done, run_dir / "checkpoints" / "last.ckpt")
     metrics.update(data_metrics(dm))
     if module.engine is not None:  # what the streaming engine did to its blocks' activations
         metrics["streaming/mlps_sliced"] = module.engine.tiled_mlps
