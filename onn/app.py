@@ -502,7 +502,8 @@ def _hardware(config: ONNConfig, task: Task) -> Profile:
     every GPU, and refused for a task that measures a GPU when there is none (a CPU's plan would refuse it in
     other words: its budget)."""
     use_own_gpu()  # before the profile, the cap and the memory readings act on the current device
-    hardware = resolve_hardware(config.hardware, Path(config.paths.cache), Path(config.paths.outputs))
+    # the disk is measured under paths.cache, where the layer stores are built and read (not paths.outputs)
+    hardware = resolve_hardware(config.hardware, Path(config.paths.cache))
     if hardware.gpus_hidden:
         print(
             f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} hides every GPU: "

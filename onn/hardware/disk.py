@@ -120,22 +120,23 @@ def evict(path: str | os.PathLike) -> None:
 
 def read_mb_s(folder: str | os.PathLike, size_mb: int = 1024) -> float:
     """Cold sequential read bandwidth of the disk under `folder`, as the layer store reads: write a fresh
-    file of `size_mb` (smaller when the disk is nearly full), sync it, drop it from the page cache,
-    read it whole with O_DIRECT into one buffer. A file that large means the disk, not a cache."""
+    file of `size_mb` (at most a twentieth of the free space, down to 1 MB: a floor of 16 MB ended a nearly full
+    disk's run in ENOSPC), sync it, drop it from the page cache, read it whole with O_DIRECT into one buffer. A file
+    that large means the disk, not a cache. A probe the disk refuses even so raises its OSError."""
     import shutil
 
     Path(folder).mkdir(parents=True, exist_ok=True)
-    size_mb = max(16, min(size_mb, int(shutil.disk_usage(folder).free / MB / 20)))
-    chunk = os.urandom(MB) * 16
+    size_mb = max(1, min(size_mb, int(shutil.disk_usage(folder).free / MB / 20)))
+    chunk = os.urandom(MB)
     fd, path = tempfile.mkstemp(dir=folder, prefix=".onn-disk-probe-")
     try:
         with os.fdopen(fd, "wb") as f:
-            for _ in range(size_mb // 16):
+            for _ in range(size_mb):
                 f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         evict(path)
-        size = (size_mb // 16) * 16 * MB
+        size = size_mb * MB
         into = buffer(size)
         start = time.perf_counter()
         read_file(path, into, size)

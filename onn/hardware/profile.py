@@ -20,14 +20,16 @@ What the planner predicts from (CPUs):
                     attention, activation function, residuals, casts), in ns per activation value the
                     planner counts (10h + 4kv + 4i a token): without grad (`forward`), and forward and
                     backward of a frozen block (`train`, as a streamed step recomputes and back-propagates)
-  disk_read_mb_s    cold sequential reads with O_DIRECT of a fresh file of `disk_probe_mb`, as the
-                    layer store reads (onn/hardware/disk.py)
+  disk_read_mb_s    cold sequential reads with O_DIRECT of a fresh file of `disk_probe_mb` under paths.cache,
+                    as the layer store reads there (onn/hardware/disk.py)
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
 import platform
@@ -46,6 +48,7 @@ from onn.hardware.disk import read_json, read_mb_s, write_text_atomically
 from onn.hardware.locks import held
 from onn.hardware.memory import pinned_empty
 
+log = logging.getLogger("onn")
 MB = 1024**2
 PROFILE_KEYS = (
     "name", "accelerator", "device_name", "device_count", "device_memory_mb", "device_memory_free_mb",
@@ -115,8 +118,12 @@ class Profile:
             return None
 
 
-def resolve(hw_cfg: HardwareConfig, cache_dir: str | os.PathLike, probe_dir: str | os.PathLike) -> Profile:
-    """The hardware profile for this run: a preset as written, or this machine measured (cached)."""
+def resolve(
+    hw_cfg: HardwareConfig, cache_dir: str | os.PathLike, probe_dir: str | os.PathLike | None = None
+) -> Profile:
+    """The hardware profile for this run: a preset as written, or this machine measured (cached). `cache_dir`:
+    paths.cache, the disk the layer stores live on, whose read bandwidth the profile measures unless `probe_dir`
+    names another folder (paths.outputs was measured, while the stores were read from another disk)."""
     check_settings(hw_cfg)
     if not hw_cfg.measure:
         preset = as_dict(hw_cfg)
@@ -129,21 +136,50 @@ def resolve(hw_cfg: HardwareConfig, cache_dir: str | os.PathLike, probe_dir: str
         return profile
 
     cache = cache_file(hw_cfg, cache_dir)
-    fingerprint = cache.stem
     profile = None if hw_cfg.refresh else _cached(cache)
     if profile is None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        # one process measures at a time: runs started together (a sweep's jobs, test workers) would each measure
-        # (tens of seconds of every core) on cores the others keep busy; the ones that waited read its profile
-        with held(cache.parent):
-            profile = None if hw_cfg.refresh else _cached(cache)
-            if profile is None:
-                profile = measure(probe_dir, int(hw_cfg.disk_probe_mb))
-                profile.fingerprint = fingerprint
-                write_text_atomically(cache, json.dumps(profile.as_dict(), indent=2))
-                profile.source = "measured"
+        profile = _measured(hw_cfg, cache, probe_dir if probe_dir is not None else cache_dir)
     profile = replace(profile, **now(profile.accelerator, cache_dir))  # what changes from run to run
     profile.budget_mb = hw_cfg.budget_mb
+    return profile
+
+
+def _measured(hw_cfg: HardwareConfig, cache: Path, probe_dir: str | os.PathLike) -> Profile:
+    """This machine measured and saved as `cache`. One process measures at a time: runs started together (a sweep's
+    jobs, test workers) would each measure (tens of seconds of every core) on cores the others keep busy; the ones
+    that waited read its profile. A cache folder that cannot be written (read-only, a path under a file) measures
+    without saving, in one line: a traceback ended the run, and a profile need not be saved to plan with."""
+    with contextlib.ExitStack() as stack:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(held(cache.parent))  # its lock file: this folder takes a new file, or it is refused
+        except OSError as e:
+            _not_saved(cache, e)
+            return _measure_now(hw_cfg, cache, probe_dir)
+        profile = None if hw_cfg.refresh else _cached(cache)
+        if profile is None:
+            profile = _measure_now(hw_cfg, cache, probe_dir)
+            try:
+                write_text_atomically(cache, json.dumps({**profile.as_dict(), "source": None}, indent=2))
+            except (OSError, UserError) as e:  # a full disk (UserError: write_text_atomically's own sentence for it)
+                _not_saved(cache, e)
+        return profile
+
+
+def _not_saved(cache: Path, error: Exception) -> None:
+    log.warning(
+        "hardware.cache (ONN_HARDWARE_CACHE) %s cannot be written (%s): this machine is measured without saving its "
+        "profile, so the next run measures it again; set hardware.cache or ONN_HARDWARE_CACHE to a folder you can "
+        "write",
+        cache.parent,
+        getattr(error, "strerror", None) or error,
+    )
+
+
+def _measure_now(hw_cfg: HardwareConfig, cache: Path, probe_dir: str | os.PathLike) -> Profile:
+    profile = measure(probe_dir, int(hw_cfg.disk_probe_mb))
+    profile.fingerprint = cache.stem
+    profile.source = "measured"
     return profile
 
 
@@ -224,9 +260,19 @@ def now(accelerator: str, folder: str | os.PathLike) -> dict[str, Any]:
         "cpu_busy_cores": round(busy, 2),
         "cpu_runnable_threads": round(runnable, 2),
         "thread_limit": int(limit) if limit and limit.isdigit() and int(limit) > 0 else None,
-        # the user hid every GPU: the run plans for the CPU, and says why
-        "gpus_hidden": accelerator == "cpu" and visible is not None and visible.strip() in ("", "-1"),
+        # the user hid every GPU: the run plans for the CPU, and says why (where there is a GPU to hide)
+        "gpus_hidden": accelerator == "cpu" and visible is not None and visible.strip() in ("", "-1") and has_gpu(),
     }
+
+
+def has_gpu() -> bool:
+    """Whether this machine has an NVIDIA GPU, whatever CUDA_VISIBLE_DEVICES hides from CUDA: the driver's device
+    files and its list of GPUs (Linux)."""
+    try:
+        listed = any(Path("/proc/driver/nvidia/gpus").iterdir())
+    except OSError:
+        listed = False
+    return listed or any(Path("/dev").glob("nvidia[0-9]*"))
 
 
 def cpu_busy_cores(seconds: float = 0.5) -> float:
@@ -483,7 +529,7 @@ def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> Profile:
         "host_memory_available_mb": available_memory_mb(),
         "cpu_cores": usable_cores(),
         "matmul_tflops": round(_matmul_tflops(accelerator), 4) if accelerator != "cuda" else None,
-        "disk_read_mb_s": round(read_mb_s(probe_dir, disk_probe_mb), 1),
+        "disk_read_mb_s": disk_read_mb_s(probe_dir, disk_probe_mb),
         "h2d_mb_s": round(h2d_mb_s(), 1) if accelerator == "cuda" else None,
         "bf16": bool(bf16),
     }
@@ -506,6 +552,19 @@ def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> Profile:
     profile.update(_free_memory(accelerator))
     profile["measure_s"] = round(time.perf_counter() - t0, 2)
     return Profile(**profile)
+
+
+def disk_read_mb_s(probe_dir: str | os.PathLike, size_mb: int) -> float:
+    """The disk's cold read bandwidth under `probe_dir` (disk.read_mb_s), or one sentence where its probe file cannot
+    be written there (a nearly full disk raised ENOSPC)."""
+    try:
+        return round(read_mb_s(probe_dir, size_mb), 1)
+    except OSError as e:
+        raise UserError(
+            f"hardware=auto measures the disk under {probe_dir} (paths.cache, where layer stores are built) by writing "
+            f"a probe file there, which failed ({e.strerror or e}): free some space on that disk, or set paths.cache "
+            "(ONN_CACHE) to a disk with room."
+        ) from None
 
 
 def _free_memory(accelerator: str) -> dict[str, int]:

@@ -34,6 +34,7 @@ which cannot be measured, has its matmul_tflops figure only.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
 from dataclasses import dataclass
@@ -55,6 +56,12 @@ CUDA_CONTEXT_MB = 512
 
 
 HEADROOM = 0.95  # use at most 95% of what is left after the context
+
+
+# What a training run (and task=bench, task=tune) has imported before it plans: task=plan, which imported less,
+# measured a baseline 52 MB below train's (peft and bitsandbytes), and called budgets fitting that train refused.
+# Imported before the baseline is read, whatever the task, so that every task plans from the same one.
+RUN_LIBRARIES = ("lightning", "peft", "transformers")
 
 
 # On CPUs the peak is resident memory, and glibc's heap holds on to the buffers autograd frees
@@ -98,11 +105,25 @@ class Estimate:
     @property
     def peak_mb(self) -> float:
         """Predicted peak the run allocates itself (what torch.cuda.max_memory_allocated reports)."""
-        if self.accumulates:
-            held = self.trainable_mb + self.activations_mb
-        else:
-            held = max(self.trainable_mb, self.activations_mb)
-        return self.weights_mb + self.optimizer_mb + self.workspace_mb + held
+        return step_peak(
+            self.weights_mb,
+            self.trainable_mb,
+            self.optimizer_mb,
+            self.activations_mb,
+            self.workspace_mb,
+            self.accumulates,
+        )
+
+
+def step_peak(
+    weights: float, trainable: float, optimizer: float, activations: float, workspace: float, accumulates: bool
+) -> float:
+    """A step's peak from its parts (any unit), the one formula every fit is judged by: one micro-batch per step holds
+    the larger of its gradients and its saved activations; micro-batches that accumulate hold both (the first one's
+    gradients live through the next one's forward). A streamed setting sized by another formula than the estimate
+    judged it by was refused at budgets above ones that fitted."""
+    held = trainable + activations if accumulates else max(trainable, activations)
+    return weights + optimizer + workspace + held
 
 
 def choose_precision(hw: Profile) -> str:
@@ -117,11 +138,14 @@ def choose_precision(hw: Profile) -> str:
 
 def context_mb(hw: Profile) -> float:
     """What the process holds before any model is built: the CUDA context (measured by the profile; a
-    preset's own figure, or CUDA_CONTEXT_MB), or on CPUs the process's resident memory now."""
+    preset's own figure, or CUDA_CONTEXT_MB), or on CPUs the process's resident memory now, with the libraries
+    every training run has imported by then (RUN_LIBRARIES)."""
     if hw.accelerator == "cuda":
         return float(hw.cuda_context_mb or CUDA_CONTEXT_MB)
     if hw.source == "preset":
         return 600.0  # a preset machine cannot be measured: torch + Python's typical resident size
+    for name in RUN_LIBRARIES:
+        importlib.import_module(name)
     return anon_rss_mb()
 
 
@@ -273,3 +297,28 @@ def compute_s(
     if parts:
         return time_s, (framework + traffic) / share
     return time_s + (framework + traffic) / share
+
+
+def network_compute_s(spec: ModelSpec, hw: Profile, strategy: str, batch: int, dtype: str) -> float:
+    """Predicted time of a classifier network's step (the whole batch, one pass), from the profile as compute_s reads
+    it: the forward FLOPs (the spec's count), three times over for full training (input and weight gradients; a
+    linear probe trains its head only, on features cached once), at the measured matmul rate for the compute dtype on
+    the plan's threads, times the share of the cores they get; plus the saved activations' memory traffic (written
+    in the forward, read in the backward), the optimizer's (28 bytes per trained weight) and
+    the measured framework time per block call and step. The rate is the table's at a row per sample, through a
+    weight of the blocks' mean size: a convolution's product has a row per sample and output position, but its few
+    channels keep it well below a large product's rate (v28's bf16 step ran at a third of the 1,024-row rate)."""
+    threads, share = threads_for(hw) if hw.accelerator == "cpu" else (1, 1.0)
+    full = strategy == "full"
+    trained = spec.params if full else spec.head_params
+    flops = (3 * spec.sample_flops if full else 6 * spec.head_params) * batch
+    layers = max(1, spec.n_blocks)
+    size = math.sqrt(max(sum(spec.block_params) / layers, 1.0))
+    matmul = flops / matmul_rate(hw, dtype, batch, threads, size)
+    # as the spec counts them, in float32: under bf16 autocast v28 saved 77% as many bytes (its norms stay float32)
+    activations = spec.sample_activation_bytes * batch if full else 0.0
+    bandwidth = float(hw.memory_gb_s or 0) * 1e9
+    traffic = (2 * activations + 28 * trained) / bandwidth if bandwidth else 0.0
+    calls = hw.block_call_s or {}
+    framework = calls.get("full", 0.0) * layers + calls.get("step", 0.0) if full else calls.get("step", 0.0)
+    return (matmul + traffic + framework) / share

@@ -34,10 +34,12 @@ from onn.planning.costs import (
     context_mb,
     fits,
     matmul_rate,
+    network_compute_s,
     threads_for,
 )
 from onn.planning.spec import ModelSpec
 from onn.planning.streaming import (
+    CPU_TIE,
     GPU_TIE,
     PRECISE_FIRST,
     STREAMING_CHOICES,
@@ -205,8 +207,7 @@ def make_network_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
             f"WARNING: predicted {est.peak_mb + est.context_mb:,.0f} MB exceeds the {budget_mb(hw):,.0f} MB budget; "
             "lower data.batch_size"
         )
-    tflops = float(hw.matmul_tflops or 1.0)
-    step_flops = spec.sample_flops * batch * (3 if chosen == "full" else 0)
+    step_s = network_compute_s(spec, hw, chosen, batch, compute_dtype_name(hw, precision))
     return Plan(
         strategy=chosen,
         requested=requested,
@@ -217,14 +218,14 @@ def make_network_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
         weights_dtype="float32",
         sequence_length=None,
         predicted_peak_memory_mb=round(est.peak_mb, 1),
-        predicted_step_s=round(step_flops / (tflops * 1e12), 4),
+        predicted_step_s=round(step_s, 4),
         context_mb=round(ctx, 1),
         budget_mb=round(budget_mb(hw), 1),
         sparse_layers=None,
         gradient_checkpointing=False,
         settings_source="plan",
         streaming=None,
-        threads=None,
+        threads=threads_for(hw)[0] if hw.accelerator == "cpu" else None,
         hardware=hardware_summary(hw),
         model={
             **model_summary(spec),
@@ -401,9 +402,8 @@ def estimate(
     ctx = context_mb(hw)
     note = ""
 
-    if strategy == "qlora" and hw.accelerator == "mps":
-        note = "bitsandbytes' 4-bit layers run on CUDA GPUs and CPUs, not on Apple's MPS"
-        return Estimate(strategy, False, micro_batch, 0, 0, 0, 0, 0, ctx, note=note)
+    if why := cannot_run(strategy, hw):
+        return Estimate(strategy, False, micro_batch, 0, 0, 0, 0, 0, ctx, note=why)
     if strategy in ("full", "lora", "qlora") or not streamed:
         adapted = sparse_layers if strategy == "sparse_lora" else list(range(spec.n_blocks))
         weights, trainable, optimizer, extra = weights_and_states(strategy, spec, mixed, frozen_bytes, adapted)
@@ -446,6 +446,13 @@ def estimate(
     )
     est.fits = fits(est, hw)
     return est
+
+
+def cannot_run(strategy: str, hw: Profile) -> str | None:
+    """Why a candidate cannot run on this machine whatever its memory, or None."""
+    if strategy == "qlora" and hw.accelerator == "mps":
+        return "bitsandbytes' 4-bit layers run on CUDA GPUs and CPUs, not on Apple's MPS"
+    return None
 
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")  # Lightning's own names
@@ -666,6 +673,8 @@ def make_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec, use_tuned: bool = Tr
     if spec.kind == "network":
         return make_network_plan(cfg, hw, spec)
     request = PlanRequest.read(cfg, hw, spec)
+    if why := cannot_run(request.requested, hw):  # asked for by name: no plan of it, and no table row of zeros
+        raise UserError(f"strategy={request.requested} cannot run on hardware {hw.name}: {why}; use strategy=lora.")
     estimates = {name: _best_estimate(request, name) for name in CANDIDATES}
     chosen, reasons = _choose(request, estimates)
     _refuse_unfit(request, chosen, estimates[chosen])
@@ -755,7 +764,7 @@ def _resident_reason(r: PlanRequest) -> str:
 
 def _refuse_unfit(r: PlanRequest, chosen: str, est: Estimate) -> None:
     """A streamed plan that cannot fit is one sentence: the disk that cannot hold its store, or the
-    smallest budget that would work."""
+    smallest budget that would work (`est` is then the setting that holds least: streaming.smallest)."""
     if est.streaming is None:
         return
     if est.streaming.refused:
@@ -875,7 +884,9 @@ def _precision(
 
 def streaming_reason(s: StreamingPlan) -> str:
     """Why these streaming settings: their predicted step against the next fastest, and why a faster store,
-    where there is one, was passed over (nf4 costs precision; a store within the tie is less precise)."""
+    where there is one, was passed over (nf4 costs precision; a store within the tie is less precise). Once the
+    model's own blocks are timed (calibrate.py), the others are put on the same basis (on_timed_basis): the timed
+    step set beside the FLOP model's called a store twice as fast "within the tie"."""
     place = "in host memory" if s.store == "cpu" else f"on disk, {s.cache_blocks} block(s) cached in host memory"
     line = (
         f"streaming: {s.store_dtype} store {place}, chunk {s.chunk_size}, edges {s.edges}: predicted "
@@ -884,7 +895,16 @@ def streaming_reason(s: StreamingPlan) -> str:
         + (f", decode {s.predicted_decode_s:.2f} s" if s.predicted_decode_s else "")
         + ")"
     )
-    others = [a for a in s.alternatives if (a["store_dtype"], a["store"]) != (s.store_dtype, s.store)]
+    timed = s.modelled_compute_s is not None and s.predicted_compute_s != s.modelled_compute_s
+    ratio = s.predicted_compute_s / s.modelled_compute_s if timed and s.modelled_compute_s else 1.0
+    others = sorted(
+        (
+            {**a, "predicted_step_s": on_timed_basis(a, ratio)}
+            for a in s.alternatives
+            if (a["store_dtype"], a["store"]) != (s.store_dtype, s.store)
+        ),
+        key=lambda a: a["predicted_step_s"],
+    )
     faster = [a for a in others if a["predicted_step_s"] < s.predicted_step_s]
     if not faster:
         line += ", the fastest that fits"
@@ -898,10 +918,26 @@ def streaming_reason(s: StreamingPlan) -> str:
             f"; the nf4 store {_place(a['store'])} would take {a['predicted_step_s']:.2f} s/step, but nf4 "
             "costs precision and is chosen only when nothing else fits (strategy.streaming.store_dtype=nf4 asks for it)"
         )
+    if timed and a["predicted_step_s"] * (1 + CPU_TIE) < s.predicted_step_s:
+        return line + (
+            f"; the {a['store_dtype']} store {_place(a['store'])} would take {a['predicted_step_s']:.2f} s/step at the "
+            "rate the blocks were timed at: the settings were chosen on the FLOP model's step times, before the "
+            f"timing (strategy.streaming.store_dtype={a['store_dtype']} strategy.streaming.store={a['store']} asks "
+            "for that store)"
+        )
     return line + (
         f"; the {a['store_dtype']} store {_place(a['store'])} would take {a['predicted_step_s']:.2f} s/step, within "
         "the tie of the fastest, where the more precise store, then the one holding least memory, is chosen"
     )
+
+
+def on_timed_basis(alternative: dict[str, Any], ratio: float) -> float:
+    """An alternative's predicted step with its compute scaled by `ratio` (the timed blocks' compute over the FLOP
+    model's) and its reads and decoding as predicted, as calibrate.py puts the chosen setting's step."""
+    if ratio == 1.0 or alternative.get("predicted_compute_s") is None:
+        return alternative["predicted_step_s"]
+    a = alternative
+    return max(a["predicted_io_s"], a["predicted_compute_s"] * ratio + a["predicted_decode_s"])
 
 
 def _moved(s: StreamingPlan) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +30,8 @@ from onn.planning.costs import (
     STREAM_HEAP_OVERHEAD,
     Estimate,
     compute_s,
-    fits,
     matmul_rate,
+    step_peak,
     threads_for,
     token_flops,
 )
@@ -49,6 +50,7 @@ from onn.streaming.schedule import (
 # bound by the host link gains nothing from memory it leaves unused (which other work, or a larger
 # batch, can have).
 GPU_TIE = 0.10
+CPU_TIE = 0.03  # on a CPU, settings within this share of the fastest: the more precise store wins
 PRECISE_FIRST = ("float32", "bfloat16", "float16", "int8", "nf4")  # the tie-break between equally fast stores
 STREAMING_KEYS = (
     "chunk_size",
@@ -120,6 +122,9 @@ class StreamingPlan:
     predicted_step_s: float
     refused: str | None = None  # why no disk store fits, in a sentence
     alternatives: list[dict[str, Any]] = field(default_factory=list)  # the fastest of every other store
+    # the FLOP model's compute, which the alternatives were predicted on: kept when the model's own blocks, timed,
+    # replace predicted_compute_s (onn/modalities/text/calibrate.py), to put the alternatives on the timed basis
+    modelled_compute_s: float | None = None
 
 
 @dataclass
@@ -157,6 +162,11 @@ class StreamShape:
     @property
     def micro_batches(self) -> int:
         return max(1, -(-self.batch_size // self.micro_batch))
+
+    @property
+    def accumulates(self) -> bool:
+        """Several micro-batches per step: their gradients outlive each backward (the estimate's `accumulates`)."""
+        return self.batch_size > self.micro_batch
 
     @property
     def compute_bytes(self) -> int:
@@ -197,8 +207,14 @@ class Setting:
     memory: dict[str, float]
 
 
-def peak(m: dict[str, float]) -> float:
-    return m["weights"] + m["optimizer"] + m["workspace"] + max(m["trainable"], m["activations"])
+def peak(m: dict[str, float], accumulates: bool = False) -> float:
+    """A setting's peak, as the estimate judges it (costs.step_peak)."""
+    return step_peak(m["weights"], m["trainable"], m["optimizer"], m["activations"], m["workspace"], accumulates)
+
+
+def resident(m: dict[str, float]) -> float:
+    """What a setting holds besides a step's gradients and activations: weights, optimizer state, workspace."""
+    return m["weights"] + m["optimizer"] + m["workspace"]
 
 
 def cpu_stream_memory(
@@ -327,7 +343,7 @@ def _cache(s: StreamShape, sd: str, store: str, m: dict[str, float]) -> int:
         return int(s.fixed.cache_blocks or 0) if store == "disk" else 0
     if s.on_gpu:
         return int(min(s.n, s.host_room // max(block_bytes(s.spec, sd))))
-    return int(min(s.n, max(0.0, s.budget - peak(m)) // m["cached_block"]))
+    return int(min(s.n, max(0.0, s.budget - peak(m, s.accumulates)) // m["cached_block"]))
 
 
 def candidates(s: StreamShape, dtypes: list[str]) -> tuple[list[Setting], list[tuple[str, int]]]:
@@ -336,24 +352,16 @@ def candidates(s: StreamShape, dtypes: list[str]) -> tuple[list[Setting], list[t
     found, refused = [], []
     disk_free = s.hw.disk_free_mb
     for sd in s.options("store_dtype", dtypes):
-        files = block_bytes(s.spec, sd)
-        missing = sum(files) - s.present.get(sd, 0)
+        missing = sum(block_bytes(s.spec, sd)) - s.present.get(sd, 0)
         disk_ok = disk_free is None or missing + DISK_RESERVE <= disk_free * MB
-        stores = (["cpu"] if sum(files) <= s.host_room else ["disk"]) if s.on_gpu else ["cpu", "disk"]
-        activations = ["device", "host"] if s.on_gpu else ["device"]
-        for store, edges, act, tiles in itertools.product(
-            s.options("store", stores),
-            s.options("edges", ["resident", "stream"]),
-            s.options("activations", activations),
-            [sliced_count(s, t) for t in s.options("mlp_tiles", mlp_tile_counts(s))],
-        ):
+        for store, edges, act, tiles in layouts(s, sd):
             if store == "disk" and not disk_ok:
                 refused.append((sd, missing))
                 continue
             for chunk in sorted(s.options("chunk_size", chunk_sizes(s.n)), reverse=True):
                 cache = _cache(s, sd, store, stream_memory(s, sd, store, edges, act, chunk, 0, tiles=tiles))
                 m = stream_memory(s, sd, store, edges, act, chunk, cache, tiles=tiles)
-                if peak(m) <= s.budget:
+                if peak(m, s.accumulates) <= s.budget:
                     found.append(
                         Setting(
                             stream_timing(s, m, sd, store, edges, act, chunk, cache),
@@ -367,6 +375,19 @@ def candidates(s: StreamShape, dtypes: list[str]) -> tuple[list[Setting], list[t
                         )
                     )
     return found, refused
+
+
+def layouts(s: StreamShape, sd: str) -> Iterator[tuple[str, str, str, int]]:
+    """Every (store, edges, activations, MLP slices) a store of `sd` may take, as the config leaves them open. On a
+    GPU the store sits in pinned host memory when the host has room for it, else on the disk."""
+    in_host = sum(block_bytes(s.spec, sd)) <= s.host_room
+    stores = (["cpu"] if in_host else ["disk"]) if s.on_gpu else ["cpu", "disk"]
+    return itertools.product(
+        s.options("store", stores),
+        s.options("edges", ["resident", "stream"]),
+        s.options("activations", ["device", "host"] if s.on_gpu else ["device"]),
+        [sliced_count(s, t) for t in s.options("mlp_tiles", mlp_tile_counts(s))],
+    )
 
 
 def mlp_tile_counts(s: StreamShape) -> list[int]:
@@ -391,32 +412,28 @@ def choose(s: StreamShape, found: list[Setting]) -> Setting | None:
     if not usable:
         return None
     fastest = min(f.timing["step"] for f in usable)
-    near = [f for f in usable if f.timing["step"] <= fastest * (1 + (GPU_TIE if s.on_gpu else 0.03))]
+    near = [f for f in usable if f.timing["step"] <= fastest * (1 + (GPU_TIE if s.on_gpu else CPU_TIE))]
     return min(
         near,
-        key=lambda f: (PRECISE_FIRST.index(f.store_dtype), peak(f.memory) if s.on_gpu else f.timing["step"]),
+        key=lambda f: (
+            PRECISE_FIRST.index(f.store_dtype),
+            peak(f.memory, s.accumulates) if s.on_gpu else f.timing["step"],
+        ),
     )
 
 
 def smallest(s: StreamShape, dtypes: list[str]) -> Setting:
-    """When nothing fits: the smallest setting, to report as not fitting."""
-    sd = s.options("store_dtype", dtypes)[-1]
-    store = s.fixed.store or ("cpu" if s.on_gpu else "disk")
-    edges = s.fixed.edges or "stream"
-    activations = s.fixed.activations or ("host" if s.on_gpu else "device")
-    chunk = min(s.options("chunk_size", [1]))
-    tiles = max(sliced_count(s, t) for t in s.options("mlp_tiles", mlp_tile_counts(s)))
-    m = stream_memory(s, sd, store, edges, activations, chunk, 0, tiles=tiles)
-    return Setting(
-        stream_timing(s, m, sd, store, edges, activations, chunk, 0),
-        sd,
-        store,
-        edges,
-        activations,
-        chunk,
-        0,
-        m,
-    )
+    """When nothing fits: the setting that holds the least, with no blocks cached, to report as not fitting. The
+    smallest budget that works is named from it, so a budget of its peak fits it (one of the taken-for-smallest
+    settings, with blocks cached to fill a budget, named a budget that was refused in turn, one MB short)."""
+    sizes = [
+        (stream_memory(s, sd, store, edges, act, chunk, 0, tiles=tiles), sd, store, edges, act, chunk)
+        for sd in s.options("store_dtype", dtypes)
+        for store, edges, act, tiles in layouts(s, sd)
+        for chunk in s.options("chunk_size", chunk_sizes(s.n))
+    ]
+    m, sd, store, edges, act, chunk = min(sizes, key=lambda size: peak(size[0], s.accumulates))
+    return Setting(stream_timing(s, m, sd, store, edges, act, chunk, 0), sd, store, edges, act, chunk, 0, m)
 
 
 def disk_refusal(s: StreamShape, refused: list[tuple[str, int]]) -> str:
@@ -443,7 +460,7 @@ def generation(s: StreamShape, best: Setting) -> dict[str, Any]:
     `generate_batch` sequences (each a KV cache of its prompt and 64 new tokens, and a hidden state). From an
     int8 store's codes a CPU holds no decoded block, only one weight cast at a time for a prefill."""
     spec, m, cb = s.spec, best.memory, s.compute_bytes
-    left = s.budget - peak(m) + max(m["trainable"], m["activations"])
+    left = s.budget - resident(m)
     eval_tokens = s.fixed.eval_tokens
     if eval_tokens is None:
         eval_tokens = max(s.micro_batch * s.seq, min(1_000_000, left // (2 * spec.hidden * cb + 1)))
@@ -469,9 +486,9 @@ def estimate_streaming(s: StreamShape, dtypes: list[str], context_mb: float) -> 
     """The sparse_lora candidate: the chosen streaming setting's memory, with the settings and predictions
     the engine and the plan's reader need under `streaming`."""
     found, refused = candidates(s, dtypes)
-    best = choose(s, found)
-    refusal = disk_refusal(s, refused) if best is None and refused else None
-    best = best or smallest(s, dtypes)
+    chosen = choose(s, found)
+    refusal = disk_refusal(s, refused) if chosen is None and refused else None
+    best = chosen or smallest(s, dtypes)
     t, m = best.timing, best.memory
     streaming = StreamingPlan(
         chunk_size=best.chunk,
@@ -495,6 +512,7 @@ def estimate_streaming(s: StreamShape, dtypes: list[str], context_mb: float) -> 
         predicted_step_s=round(t["step"], 3),
         refused=refusal,
         alternatives=alternatives(found, best),
+        modelled_compute_s=round(t["compute"], 3),
     )
     est = Estimate(
         "sparse_lora",
@@ -509,9 +527,9 @@ def estimate_streaming(s: StreamShape, dtypes: list[str], context_mb: float) -> 
         streaming=streaming,
         note=f"streams {best.chunk} block(s) at a time, frozen weights stored as {best.store_dtype}"
         + (f", each gated MLP in {best.memory['mlp_tiles']} slices" if best.memory["mlp_tiles"] > 1 else ""),
-        accumulates=s.batch_size > s.micro_batch,
+        accumulates=s.accumulates,
     )
-    est.fits = fits(est, s.hw)
+    est.fits = chosen is not None  # candidates judged it against the budget, by the estimate's own formula
     return est
 
 
@@ -528,6 +546,9 @@ def alternatives(found: list[Setting], best: Setting) -> list[dict[str, Any]]:
                 "chunk_size": f.chunk,
                 "cache_blocks": f.cache,
                 "predicted_step_s": round(f.timing["step"], 2),
+                "predicted_io_s": round(f.timing["io"], 3),
+                "predicted_compute_s": round(f.timing["compute"], 3),
+                "predicted_decode_s": round(f.timing["decode"], 3),
             }
     return list(seen.values())
 

@@ -2,10 +2,11 @@
 
 A small model's step is mostly framework time (Python, dispatch, autograd, small elementwise ops), which no FLOP
 count predicts. So the plan times the model's own code: copies of it with 2 and 6 blocks, at the planned micro-batch
-and sequence length, in the planned precision and strategy (full, LoRA, or the streaming engine at the plan's chunk
-size and compute dtype), with the run's weights (model.dtype where it is set: llama_small's float32 edges beside
-bf16 blocks), on the plan's thread count, with a batch padded as the collator pads a run's (a padded row sends
-attention down its masked path: phi4_tiny's 40-block LoRA step 2-6% slower than unpadded). Six blocks less two, over
+and sequence length, in the planned precision and strategy (full, LoRA, QLoRA on the copy's linear layers in NF4 as
+load_4bit quantizes a run's, or the streaming engine at the plan's chunk size and compute dtype), with the run's
+weights (model.dtype where it is set: llama_small's float32 edges beside bf16 blocks), on the plan's thread count,
+with a batch padded as the collator pads a run's (a padded row sends attention down its masked path: phi4_tiny's
+40-block LoRA step 2-6% slower than unpadded). Six blocks less two, over
 four, is one block's share; two blocks less two shares is the rest (embeddings, head, loss, optimizer). The step of
 n blocks is then rest + n x block, divided by the share of a core the plan's threads get now. A small model's timing
 is the median of nine steps (the fastest of nine ran 20-35% under what runs measured; their mean once put a grid's
@@ -18,10 +19,13 @@ onn/bench/suite.py) times them back to back before every fifth of the run's step
 the steps meet. A large block's is the fastest of three (its matmuls, undisturbed: one disturbed step in three put
 Phi-4's at 950 ms per block, where runs took 560). Timings are in CPU time on one thread (which other processes'
 load does not stretch), so a busy machine measures what a quiet one would. Results are cached per machine and
-shapes for MAX_AGE_S: this shared host's speed drifts over the hours (llama_small's grid step was timed at 0.47 s
+shapes for MAX_AGE_S (where hardware.cache can be written: a read-only one is read, and a new timing is used without
+being kept): this shared host's speed drifts over the hours (llama_small's grid step was timed at 0.47 s
 and ran at 0.68 s in a sweep later, on idle cores; timed again, 0.56 s and ran at 0.58 to 0.60 s), so a timing
 older than that is taken again. Large models (whose step is matmuls, which the plan's FLOP model predicts from the
-measured matmul rate) and GPUs keep the FLOP model.
+measured matmul rate) and GPUs keep the FLOP model. QLoRA's step is timed too: its NF4 layers dequantize their
+weights in every forward and backward, through bitsandbytes' per-call work, which the FLOP model of LoRA it would
+otherwise take missed by 2.5-2.8x (phi4_tiny, task=bench).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import statistics
 import time
 from collections.abc import Iterable
@@ -36,10 +41,13 @@ from pathlib import Path
 from typing import Any
 
 from onn.config import ONNConfig, as_dict
+from onn.errors import UserError
 from onn.hardware.disk import read_json, write_text_atomically
 from onn.hardware.profile import Profile
 from onn.modalities.text.tasks import streamed_compute_dtype, weights_dtype
 from onn.planning.plan import Plan, streaming_reason
+
+log = logging.getLogger("onn")
 
 MAX_PARAMS = 50_000_000  # a 6-block copy about this size trains in a second or so
 MAX_AGE_S = 900  # a cached timing older than this is measured again (seconds of work for a small model)
@@ -59,7 +67,7 @@ def refine(
     seconds as each item says when it comes (a run pausing between its steps; see the module's docstring)."""
     if hw.accelerator != "cpu" or hw.source == "preset" or not config.model.architecture:
         return plan
-    if plan.strategy not in ("full", "lora", "sparse_lora"):
+    if plan.strategy not in ("full", "lora", "qlora", "sparse_lora"):
         return plan
     streamed = plan.streaming is not None  # sparse_lora under another Lightning strategy trains resident
     large = is_large(spec)
@@ -178,7 +186,10 @@ def block_times(
         costs = {"block": (six - two) / 4}
         costs["rest"] = two - 2 * costs["block"]
     costs = {k: max(v, 0.0) for k, v in costs.items()}
-    write_text_atomically(cache, json.dumps({"costs": costs, "key": json.loads(key)}))
+    try:  # best effort: a hardware.cache that holds a valid profile may be read-only
+        write_text_atomically(cache, json.dumps({"costs": costs, "key": json.loads(key)}))
+    except (OSError, UserError) as e:  # UserError: the refusal in write_text_atomically's own words
+        log.info("the blocks' timing is used and not kept: %s", e)
     return costs
 
 
@@ -277,6 +288,8 @@ def _copy_step(
     torch.manual_seed(0)
     model = auto_class(arch).from_config(arch)
     model = model.to(weights_dtype(config, plan))  # model.dtype where it is set, as the run loads it
+    if plan.strategy == "qlora":
+        model = _in_nf4(model, weights_dtype(config, plan))
     container = model.get_submodule(blocks_path)
     model = apply(model, plan.strategy, config.strategy, discover(model, blocks_path), adapted)
     # the blocks' path inside the wrapped model, given: a copy of one block is no run to discover
@@ -322,6 +335,34 @@ def _copy_step(
         optimizer.zero_grad(set_to_none=True)
 
     return step
+
+
+def _in_nf4(model, compute_dtype):
+    """The copy with its linear layers in NF4, as onn.models.load.load_4bit loads a run's model for QLoRA: written as a
+    safetensors folder and read back through transformers' BitsAndBytesConfig, on the CPU (the only device timed)."""
+    import tempfile
+
+    import bitsandbytes as bnb
+    from transformers import BitsAndBytesConfig
+
+    from onn.models.load import auto_class
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype
+    )
+    with tempfile.TemporaryDirectory(prefix="onn-nf4-copy-") as folder:
+        model.save_pretrained(folder, safe_serialization=True)
+        model = auto_class(model.config).from_pretrained(
+            folder,
+            local_files_only=True,
+            use_safetensors=True,
+            quantization_config=quantization,
+            device_map={"": "cpu"},
+        )
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False  # as load_4bit: the run's trainable path, not the packed kernel
+    return model
 
 
 def _padded_batch(vocab: int, micro: int, seq: int) -> dict[str, Any]:
