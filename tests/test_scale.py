@@ -474,9 +474,14 @@ def scale_for(*overrides: str, tmp_path: Path) -> dict:
 def test_plan_for_phi4_on_1_8_and_16_a100(tmp_path: Path):
     one, eight, sixteen = (
         scale_for(
-            "model=phi4", "hardware=a100_80gb", f"hardware.count={c}", f"trainer.num_nodes={n}", tmp_path=tmp_path
+            "model=phi4",
+            "hardware=a100_80gb",
+            f"hardware.count={c}",
+            f"trainer.num_nodes={n}",
+            f"data.batch_size={b}",
+            tmp_path=tmp_path,
         )
-        for c, n in ((1, 1), (8, 1), (8, 2))
+        for c, n, b in ((1, 1, 8), (8, 1, 8), (8, 2, 16))  # a global batch each process takes an equal slice of
     )
     for plan in (one, eight, sixteen):
         assert set(plan["options"]) == {"ddp", "deepspeed_zero2", "fsdp", "deepspeed_zero3_offload"}
@@ -542,7 +547,11 @@ def test_the_plan_sizes_the_processes_trainer_devices_starts(tmp_path: Path):
     common = ("model=llama_tiny", "hardware=cpu_16gb", "strategy=ddp", "data.batch_size=8")
     two = scale_for(*common, "trainer.devices=2", tmp_path=tmp_path)
     assert two["devices_per_node"] == 2 and two["per_device_batch"] == 4 and "GB over 2 processes" in two["reason"]
-    assert scale_for(*common, "trainer.devices=[0,1,2]", tmp_path=tmp_path)["devices_per_node"] == 3
+    three = ("model=llama_tiny", "hardware=cpu_16gb", "strategy=ddp", "data.batch_size=9", "trainer.devices=[0,1,2]")
+    assert scale_for(*three, tmp_path=tmp_path)["devices_per_node"] == 3
+    # a global batch the processes cannot share equally: refused as the run refuses it (the plan rounded it up)
+    with pytest.raises(UserError, match=r"^data\.batch_size=8 does not split evenly over 3 processes: give a multi"):
+        scale_for(*common, "trainer.devices=[0,1,2]", tmp_path=tmp_path)
     assert scale_for(*common, "hardware.count=2", tmp_path=tmp_path)["devices_per_node"] == 2  # planned, not run
     with pytest.raises(UserError, match=r"^hardware.count=3 and trainer.devices=2 disagree .*give hardware.count=2"):
         scale_for(*common, "hardware.count=3", "trainer.devices=2", tmp_path=tmp_path)
@@ -606,6 +615,7 @@ def test_plan_table_is_printed(tmp_path: Path):
         "hardware=a100_80gb",
         "hardware.count=8",
         "trainer.num_nodes=2",
+        "data.batch_size=16",
         f"paths.outputs={tmp_path}",
         f"hydra.run.dir={tmp_path / 'plan'}",
     )

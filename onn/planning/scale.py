@@ -81,7 +81,12 @@ def scale_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> dict[str, Any] |
     asked = devices > 1 or lightning.startswith(("ddp", "fsdp", "deepspeed")) or cfg.task.name == "plan"
     if spec.kind != "lm" or not asked:
         return None
-    per_device = -(-int(cfg.data.batch_size) // devices)
+    batch = int(cfg.data.batch_size)
+    if batch % devices:  # as the run refuses it (each process takes an equal slice of every global batch)
+        raise UserError(
+            f"data.batch_size={batch} does not split evenly over {devices} processes: give a multiple of {devices}."
+        )
+    per_device = batch // devices
     precision = choose_precision(hw)
     method = cfg.strategy.name if cfg.strategy.name in FINE_TUNES else "full"
     adapted = (
