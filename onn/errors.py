@@ -60,9 +60,11 @@ def write_refused(
             f"cannot write {path}: the disk is full ({need}{free / 2**20:,.1f} MB are free); "
             f"free some space or write {what} elsewhere."
         )
-    reason = {errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied"}.get(
-        error.errno, error.strerror or str(error)
-    )
+    reason = {
+        errno.EROFS: "the file system is read-only",
+        errno.EACCES: "permission denied",
+        errno.EPERM: "the operation is not permitted (an immutable folder, say: chattr +i)",
+    }.get(error.errno, error.strerror or str(error))
     return UserError(f"cannot write {path}: {reason}; write {what} elsewhere.")
 
 

@@ -34,7 +34,7 @@ def llama(tmp_path_factory):
 
     _, model, sample, path, metrics = export_once("llama", tmp_path_factory)
     graph = onnx.load(str(path))
-    settings = {**SMALL, "nodes": [2.0, 1.5, 3.0]}
+    settings = {**SMALL, "nodes": [2.5, 2.0, 3.0]}
     doc = omny.describe(graph, sample, settings, runs=block_runs(model), kv_cache_bytes=kv_cache_bytes(model))
     return omny.write(graph, doc, tmp_path_factory.mktemp("omny") / "llama.omny"), metrics
 

@@ -1,4 +1,6 @@
-"""`task=bench_omny` (recipe=bench_omny): a model exported as a pipeline of .omny pieces, at its real size.
+"""`task=bench_omny` (recipe=bench_omny): a model exported as a pipeline of .omny pieces, at its real size; or a
+model exported as one .omny (a decoder LM: llama_small), whose memory check is the point: attention's
+[heads, seq, seq] tensors, and what onnxruntime holds beside them, make a decoder block's peak at long sequences.
 
   export    every piece traced, compared with PyTorch in onnxruntime and written with its cut points: seconds,
             file size, cut points, the largest shard of the first plan (the fewest shards that fit a 1.5 GB GPU);
@@ -7,7 +9,7 @@
   memory    each shard of the first plan run alone in a fresh onnxruntime process: peak resident memory above
             the runtime's own context, beside the .omny's estimate (weights + the largest block's activations)
   pipeline  the whole pipeline on a photograph (SAM2, Grounded SAM2) or a page of printed text (OCR), timed
-            task.repeats times (the best is reported), its PNG and JSON beside metrics.json
+            task.repeats times (the best is reported), its PNG and JSON beside metrics.json (not for one graph)
 
 Figures go to metrics.json as omny/* and to bench_omny.md.
 """
@@ -39,12 +41,10 @@ def run(job) -> dict[str, Any]:
         )
     model, tokenizer = load(config.model, cache_dir=config.paths.cache)
     exported = export_for_run(config, model, job.run_dir, tokenizer=tokenizer)
-    if "export/pipeline" not in exported:
-        raise UserError(
-            f"model={config.model.name} is exported as one graph, not a pipeline; bench it with task=export."
-        )
     del model
     gc.collect()
+    if "export/pipeline" not in exported:
+        return _one_graph(Path(exported["export/omny"]), config.model.name, exported, job.run_dir)
     path = Path(exported["export/pipeline"])
     doc = document.read(path)
     metrics: dict[str, Any] = {
@@ -57,6 +57,29 @@ def run(job) -> dict[str, Any]:
         metrics.update(_piece(path.parent / piece["file"], piece["name"], exported["export/pieces"][piece["name"]]))
     metrics.update(_pictures(path, doc["kind"], task, job.run_dir))
     (job.run_dir / "bench_omny.md").write_text(_table(doc, metrics))
+    return metrics
+
+
+def _one_graph(file: Path, name: str, exported: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """A model exported as one .omny (a decoder LM): exported, validated and its shards' memory measured, as a
+    pipeline's piece is; no pictures to run."""
+    from onn.export.omny.format import read_document
+
+    plans = read_document(file)["shard_plans"]["configurations"]
+    largest = [max(s["weight_bytes"] for s in p["detail"]) / 2**20 for p in plans]
+    figures = {
+        "seconds": exported["export/seconds"],
+        "bytes": sum(p.stat().st_size for p in file.parent.glob(file.name + "*")),
+        "cut_points": exported["export/cut_points"],
+        "shard_counts": exported["export/shard_counts"],
+        "largest_shard_mb": round(largest[0], 3) if largest else None,
+        "largest_shard_mb_any_plan": round(max(largest), 3) if largest else None,
+        "max_abs_diff": exported["export/max_abs_diff"],
+    }
+    metrics = {"omny/kind": "model", "omny/file": str(file), "omny/export_s": exported["export/seconds"]}
+    metrics.update(_piece(file, name, figures))
+    doc = {"kind": name, "pieces": [{"name": name}]}
+    (run_dir / "bench_omny.md").write_text(_table(doc, metrics))
     return metrics
 
 
@@ -143,8 +166,10 @@ def _table(doc: dict[str, Any], m: dict[str, Any]) -> str:
             f"{m[f'{k}/largest_shard_mb']} | {pairs} | {m[f'{k}/export_max_abs_diff']:.2g}, "
             f"{m[f'{k}/shards_max_abs_diff']:.2g} | {m[f'{k}/valid']} |"
         )
-    rows.append(
-        f"\n{doc['kind']}: exported in {m['omny/export_s']} s (processes side by side: {m['omny/export_processes']}); "
-        f"{m['omny/seconds_per_picture']} s per picture in onnxruntime ({m['omny/picture']})."
-    )
+    if "omny/picture" in m:  # a pipeline, run on its picture
+        rows.append(
+            f"\n{doc['kind']}: exported in {m['omny/export_s']} s (processes side by side: "
+            f"{m['omny/export_processes']}); {m['omny/seconds_per_picture']} s per picture in onnxruntime "
+            f"({m['omny/picture']})."
+        )
     return "\n".join(rows) + "\n"

@@ -3,7 +3,8 @@ no half folder and an earlier export intact (hf.py's Hugging Face folder and ada
 encoder's towers, a network's safetensors).
 
 Every such folder holds MARKER, and only a folder holding it (or empty, or missing) is replaced: a folder of the
-user's own (a Hugging Face model they downloaded, their notes beside it) is never taken for an earlier export."""
+user's own (a Hugging Face model they downloaded, their notes beside it) is never taken for an earlier export, and
+an export of another kind or model (MARKER's `kind` and `model`) is not replaced by this one."""
 
 from __future__ import annotations
 
@@ -30,31 +31,66 @@ def is_export(folder: Path) -> bool:
         return False
 
 
-def check_replaceable(output: Path) -> None:
-    """Refuse, before anything is written, an `output` that is neither missing, empty nor an earlier export."""
+def replaceable(output: Path) -> bool:
+    """Whether an export may take `output`: missing, an empty folder, or an earlier export."""
+    return not output.exists() or output.is_dir() and (not any(output.iterdir()) or is_export(output))
+
+
+def held(folder: Path) -> tuple[str | None, str | None]:
+    """(kind, model) of the export `folder` holds, as its MARKER says; a pipeline folder written before MARKER
+    existed is a pipeline of the model its pipeline.json names; None where the folder does not say (an earlier ONN
+    wrote no model into MARKER)."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+        return marker.get("kind"), marker.get("model")
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        return "pipeline", json.loads((folder / PIPELINE[0]).read_text())["model"]["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, None
+
+
+def check_replaceable(output: Path, kind: str | None = None, model: str | None = None) -> None:
+    """Refuse, before anything is written, an `output` that is neither missing, empty nor an earlier export; and,
+    given the `kind` and `model` of the export to write, an earlier export of another kind or model (a typo in
+    export.output must not replace another model's export)."""
     output = output.expanduser()
     if not output.parent.is_dir():
         raise UserError(
             f"export output {output}: its folder {output.parent} does not exist; create it or choose another path."
         )
-    if output.exists() and not (output.is_dir() and (not any(output.iterdir()) or is_export(output))):
+    if not replaceable(output):
         raise UserError(
             f"export output {output} exists and is not an earlier export (no {MARKER}, which ONN writes into every "
             "export folder); choose another path or remove it."
         )
+    if kind is None or not output.is_dir():
+        return
+    their_kind, their_model = held(output)
+    if (their_kind or kind) != kind or (model and their_model and their_model != model):
+        theirs = (f"a {their_kind} export" if their_kind else "an export") + (
+            f" of {their_model}" if their_model else ""
+        )
+        ours = f"this {kind} export" + (f" of {model}" if model else "")
+        raise UserError(
+            f"export output {output} holds {theirs}, not {ours}; choose another path or remove that folder."
+        )
 
 
-def stage(output: Path, kind: str, write: Callable[[Path], Any]) -> tuple[Path, Any]:
-    """Run `write` into a temporary sibling of `output` and mark it as a `kind` export; return it (for swap_in)
-    and what `write` returned. `output` may be missing, empty, or an earlier export: anything else is refused first."""
+def stage(output: Path, kind: str, write: Callable[[Path], Any], model: str | None = None) -> tuple[Path, Any]:
+    """Run `write` into a temporary sibling of `output` and mark it as a `kind` export of `model` (its config's
+    name); return it (for swap_in) and what `write` returned. `output` may be missing, empty, or an earlier export
+    of this kind and model: anything else is refused first."""
     output = output.expanduser()
-    check_replaceable(output)
+    check_replaceable(output, kind, model)
     tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         result = write(tmp)
-        (tmp / MARKER).write_text(json.dumps({"written_by": "onn", "kind": kind, "version": _version()}, indent=2))
+        marker = {"written_by": "onn", "kind": kind, "model": model, "version": _version()}
+        (tmp / MARKER).write_text(json.dumps(marker, indent=2))
         return tmp, result
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -79,10 +115,10 @@ def swap_in(tmp: Path, output: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_atomically(output: Path, kind: str, write: Callable[[Path], Any]) -> Any:
-    """`write` into a temporary sibling folder, renamed to `output` (marked as a `kind` export) only when it
-    succeeded."""
-    tmp, result = stage(output, kind, write)
+def write_atomically(output: Path, kind: str, write: Callable[[Path], Any], model: str | None = None) -> Any:
+    """`write` into a temporary sibling folder, renamed to `output` (marked as a `kind` export of `model`) only when
+    it succeeded."""
+    tmp, result = stage(output, kind, write, model)
     swap_in(tmp, output)
     return result
 

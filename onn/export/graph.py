@@ -521,10 +521,21 @@ IN_PLACE = frozenset(
 )
 
 
+# Buffers an op holds only while it runs, beyond its inputs and output, in multiples of its output's bytes.
+# onnxruntime's CPU Where broadcasts the condition with each value into a buffer of its own (UntypedSelect) and
+# merges the two into the output: measured (onnxruntime 1.31, [1, 8, 512, 512] float32 and int64, the run alone as
+# pipelines/measure.py runs a shard), 16 MB beside an 8 MB output. torch.onnx writes every Llama-style attention's
+# softmax as IsNaN -> Where on [batch, heads, seq, seq], so at long sequences it is a decoder block's peak. (A
+# condition smaller than the output with a scalar value makes one buffer smaller: the figure errs high, by at most
+# one output.) Transpose, Expand, Concat, Cast, Gather, Slice, Trilu, LayerNormalization, Softmax, the reductions
+# and the elementwise ops measured none.
+WORKSPACE = {"Where": 2}
+
+
 def activation_peak(g: Graph, nodes: list[int], entering: set[str], leaving: set[str], sizes: dict[str, int]) -> int:
     """Largest sum of tensors alive at once while `nodes` run in graph order: each lives from its
     producer (or the start, for what enters) to its last reader in the piece (or the end, for
-    what leaves). Weights are not activations."""
+    what leaves), and an op's WORKSPACE while it runs. Weights are not activations."""
     order = sorted(nodes)
     step = {n: k for k, n in enumerate(order)}
     last: dict[str, int] = {}
@@ -561,6 +572,12 @@ def activation_peak(g: Graph, nodes: list[int], entering: set[str], leaving: set
         b = sizes.get(t, 0)
         delta[start] += b
         delta[last.get(t, start) + 1] -= b
+    for n in order:
+        node = g.nodes[n]
+        if node.op_type in WORKSPACE and node.output and node.output[0]:
+            held = WORKSPACE[node.op_type] * sizes.get(node.output[0], 0)
+            delta[step[n]] += held
+            delta[step[n] + 1] -= held
     live = peak = 0
     for d in delta:
         live += d

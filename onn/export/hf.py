@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from onn.errors import UserError
-from onn.export.folders import is_export, stage, swap_in, write_atomically
+from onn.export.folders import held, is_export, stage, swap_in, write_atomically
 from onn.models.layers import discover
 from onn.streaming.store import stored_name
 
@@ -35,19 +35,23 @@ BASE_LAYER = "base_layer."
 
 
 def save_folder(
-    model: nn.Module, tokenizer: Any, output: Path, *, engine: Any = None, max_shard_size: str | int = "2GB"
+    model: nn.Module,
+    tokenizer: Any,
+    output: Path,
+    *,
+    engine: Any = None,
+    max_shard_size: str | int = "2GB",
+    model_name: str | None = None,
 ) -> dict[str, Any]:
     """Write `output` as a folder transformers' from_pretrained loads (config, sharded safetensors,
     tokenizer) with LoRA merged. `model` is the trained model (a PeftModel, a transformers model, or
-    ONN's CausalLM module); `engine` is the streaming engine when its blocks live in a layer store."""
+    ONN's CausalLM module); `engine` is the streaming engine when its blocks live in a layer store;
+    `model_name` (its config's name) goes into the folder's onn_export.json."""
     import torch
 
     start = time.perf_counter()
     model, base, engine = _unwrap(model, engine)
-    try:
-        max_bytes = _size(max_shard_size)
-    except ValueError as e:
-        raise UserError(f"export.max_shard_size={max_shard_size!r}: give bytes or a size like 2GB or 500MB.") from e
+    max_bytes = shard_bytes(max_shard_size)
     from transformers import PreTrainedModel
 
     if not isinstance(base, PreTrainedModel):
@@ -84,7 +88,7 @@ def save_folder(
             tokenizer.save_pretrained(str(folder))
         return count
 
-    shards = write_atomically(Path(output), "hf", write)
+    shards = write_atomically(Path(output), "hf", write, model_name)
     output = Path(output)
     files = [p for p in output.iterdir() if p.is_file()]
     total = sum(p.stat().st_size for p in files)
@@ -99,25 +103,34 @@ def save_folder(
     }
 
 
-def save_adapter(model: nn.Module, tokenizer: Any, output: Path) -> dict[str, Any]:
+def save_adapter(model: nn.Module, tokenizer: Any, output: Path, model_name: str | None = None) -> dict[str, Any]:
     """Write the LoRA adapter alone in peft's format (adapter_config.json + adapter_model.safetensors),
     loadable with PeftModel.from_pretrained(base, output)."""
     start = time.perf_counter()
-    write_atomically(Path(output), "adapter", _adapter_writer(model, tokenizer))
+    write_atomically(Path(output), "adapter", _adapter_writer(model, tokenizer), model_name)
     return _adapter_metrics(Path(output), start)
 
 
 def save_export(
-    model: nn.Module, tokenizer: Any, output: Path, *, engine: Any = None, max_shard_size: str | int, adapter: bool
+    model: nn.Module,
+    tokenizer: Any,
+    output: Path,
+    *,
+    engine: Any = None,
+    max_shard_size: str | int,
+    adapter: bool,
+    model_name: str | None = None,
 ) -> dict[str, Any]:
     """The folder (save_folder) and OUTPUT-adapter beside it, replaced together: the adapter is staged before the
     folder is written and swapped in right after it, and an export without one removes an earlier export's, so the
     adapter beside the weights is always the one trained with them."""
     start = time.perf_counter()
-    beside = output.with_name(output.name + "-adapter")
-    staged = stage(beside, "adapter", _adapter_writer(model, tokenizer))[0] if adapter else None
+    beside = adapter_folder(output)
+    staged = stage(beside, "adapter", _adapter_writer(model, tokenizer), model_name)[0] if adapter else None
     try:
-        metrics = save_folder(model, tokenizer, output, engine=engine, max_shard_size=max_shard_size)
+        metrics = save_folder(
+            model, tokenizer, output, engine=engine, max_shard_size=max_shard_size, model_name=model_name
+        )
     except BaseException:
         if staged is not None:
             shutil.rmtree(staged, ignore_errors=True)
@@ -125,10 +138,30 @@ def save_export(
     if staged is not None:
         swap_in(staged, beside)
         metrics.update(_adapter_metrics(beside, start))
-    elif beside.is_dir() and is_export(beside):  # an earlier export's adapter, trained with other weights
-        shutil.rmtree(beside)
+    elif beside.is_dir() and is_export(beside) and _earlier_adapter(beside, model_name):
+        shutil.rmtree(beside)  # an earlier export's adapter of this model, trained with other weights
         log.info("export: removed %s, an earlier export's adapter (this model has none)", beside)
     return metrics
+
+
+def adapter_folder(output: Path) -> Path:
+    """Where export=safetensors puts the adapter alone: OUTPUT-adapter, beside the folder."""
+    return output.with_name(output.name + "-adapter")
+
+
+def _earlier_adapter(folder: Path, model_name: str | None) -> bool:
+    """Whether `folder`, an earlier export, is an adapter of this model (or of one its marker does not name)."""
+    kind, model = held(folder)
+    return kind in ("adapter", None) and (model is None or model_name is None or model == model_name)
+
+
+def shard_bytes(max_shard_size: str | int) -> int:
+    """export.max_shard_size in bytes, as transformers reads it ("2GB", "500MB", 10**9); refused in one sentence
+    (settings.check_settings asks before training)."""
+    try:
+        return _size(max_shard_size)
+    except ValueError as e:
+        raise UserError(f"export.max_shard_size={max_shard_size!r}: give bytes or a size like 2GB or 500MB.") from e
 
 
 def _adapter_writer(model: nn.Module, tokenizer: Any) -> Callable[[Path], None]:

@@ -228,7 +228,7 @@ def output_names(model) -> list[str]:
     model = _unwrap_peft(model, merge=False)
     sample = sample_inputs(model, batch_size=1, sequence_length=4)
     with _eval(model), torch.no_grad():
-        return [name for name, _ in _named_tensors(_call(model, sample))]
+        return [name for name, _ in _named_tensors(call_model(model, sample))]
 
 
 def export_onnx(
@@ -265,7 +265,7 @@ def export_onnx(
     with _eval(model):
         with torch.no_grad():
             try:
-                reference = _named_tensors(_call(model, sample_input))
+                reference = _named_tensors(call_model(model, sample_input))
             except Exception as e:
                 raise UserError(
                     f"{type(model).__name__} fails on the sample input {_shapes(sample_input)}: {_one_line(e)}"
@@ -343,7 +343,7 @@ def _compare(
         raise UserError(_sentence(str(e), output)) from e
     if follow is not None:
         with _eval(model), torch.no_grad(), follow(ort):
-            reference = _named_tensors(_call(model, sample_input))
+            reference = _named_tensors(call_model(model, sample_input))
     diffs = {name: _max_abs_diff(ref, ort[name], sample_input.get("attention_mask")) for name, ref in reference}
     for name, ref in reference:
         finite = ref[ref.isfinite()] if ref.is_floating_point() else ref[:0]
@@ -466,12 +466,12 @@ def _named_outputs(model, input_names: list[str]):
             self.model = model
 
         def forward(self, *tensors):
-            return tuple(t for _, t in _named_tensors(_call(self.model, dict(zip(input_names, tensors)))))
+            return tuple(t for _, t in _named_tensors(call_model(self.model, dict(zip(input_names, tensors)))))
 
     return NamedOutputs().eval()
 
 
-def _call(model, inputs: dict):
+def call_model(model, inputs: dict):
     """HF models by keyword with use_cache=False (the prefill graph: no KV cache outputs); plain modules by position."""
     if _is_hf(model):
         takes_cache = "use_cache" in inspect.signature(model.forward).parameters

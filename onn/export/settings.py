@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from onn.config.export import ExportConfig
+from onn.config.export import ExportConfig, SafetensorsExport
 from onn.errors import UserError
 
 FORMATS = ("safetensors", "onnx", "omny")
+SEVERAL_GRAPHS = ("pipeline", "dual_encoder")  # the exports an onnx or omny export.output may name as a folder
 
 
 def check_settings(export: ExportConfig) -> None:
@@ -16,12 +17,8 @@ def check_settings(export: ExportConfig) -> None:
         return
     if kind not in FORMATS:
         raise UserError(f"export={kind!r} is not one of {', '.join(FORMATS)}.")
-    if kind == "safetensors" and export.output:  # the folder it replaces: refused before training, not after it
-        from pathlib import Path
-
-        from onn.export.folders import check_replaceable
-
-        check_replaceable(Path(export.output))
+    if kind == "safetensors":
+        _check_safetensors(export)
     elif export.output:
         _check_file_output(export.output, kind)
 
@@ -64,12 +61,35 @@ def check_settings(export: ExportConfig) -> None:
             )
 
 
-def _check_file_output(output: str, kind: str) -> None:
-    """export.output of onnx or omny names the file to write: in a folder that exists, and not a folder itself
-    (an earlier export's folder is taken: a pipeline or a dual encoder writes its pieces into DIR/NAME/)."""
+def _check_safetensors(export: SafetensorsExport) -> None:
+    """What export=safetensors refuses when it writes, refused before training instead: a shard size transformers
+    cannot read, and an export.output (or the OUTPUT-adapter folder beside it, where a LoRA model's adapter goes)
+    that is a folder of the user's own."""
     from pathlib import Path
 
-    from onn.export.folders import is_export
+    from onn.export.folders import check_replaceable, replaceable
+    from onn.export.hf import adapter_folder, shard_bytes
+
+    shard_bytes(export.max_shard_size)
+    if not export.output:
+        return
+    output = Path(export.output).expanduser()
+    check_replaceable(output)
+    beside = adapter_folder(output)
+    if export.adapter and not replaceable(beside):
+        raise UserError(
+            f"export.output {output}: a LoRA model's adapter goes beside it to {beside}, which exists and is not an "
+            "earlier export; choose another export.output, remove that folder, or set export.adapter=false."
+        )
+
+
+def _check_file_output(output: str, kind: str) -> None:
+    """export.output of onnx or omny names the file to write: in a folder that exists, not a folder itself (an
+    earlier export's folder is taken: a pipeline or a dual encoder writes its pieces into DIR/NAME/), and for onnx
+    a .onnx file (or DIR/NAME without a suffix: the folder of a model exported as several graphs)."""
+    from pathlib import Path
+
+    from onn.export.folders import held, is_export
 
     path = Path(output).expanduser()
     if not path.parent.is_dir():
@@ -79,6 +99,16 @@ def _check_file_output(output: str, kind: str) -> None:
     if path.is_dir() and not is_export(path):
         raise UserError(
             f"export.output {path} is a folder; name the .{kind} file to write, e.g. {path / ('model.' + kind)}."
+        )
+    other = held(path)[0] if path.is_dir() else None
+    if other not in (None, *SEVERAL_GRAPHS):  # a Hugging Face folder, say: no pipeline or dual encoder replaces it
+        raise UserError(
+            f"export.output {path} holds a {other} export, which an {kind} export would replace; choose another "
+            "export.output."
+        )
+    if kind == "onnx" and path.suffix not in ("", ".onnx") and not is_export(path):
+        raise UserError(
+            f"export.output {path}: an ONNX export is a .onnx file; name it so, e.g. {path.with_suffix('.onnx')}."
         )
 
 

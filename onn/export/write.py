@@ -40,6 +40,8 @@ DEFAULT_LIMITS = (
 )
 
 log = logging.getLogger("onn")
+# the disk's refusals of a write: full, read-only, permission denied, not permitted (an immutable folder: chattr +i)
+REFUSED = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def export_model(
@@ -62,7 +64,7 @@ def export_model(
     if kind not in FORMATS:
         raise UserError(f"export={kind!r} is not one of {', '.join(FORMATS)}.")
     check_settings(settings)
-    output = Path(output)
+    output = Path(output).expanduser()  # a recipe's export.output: ~/exports/model.onnx
     if not output.parent.is_dir():
         raise UserError(
             f"export.output {output}: the folder {output.parent} does not exist; create it or choose another path."
@@ -85,7 +87,7 @@ def refused_write(error: BaseException, output: Path, needed_bytes: int | None =
     full disk the space needed; None for any other error. safetensors' writer says the disk's refusal in its own
     SafetensorError ("I/O error: No space left on device (os error 28)"), read here as the OSError it was."""
     refused = disk_error(error)
-    if refused is None or refused.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES):
+    if refused is None or refused.errno not in REFUSED:
         return None
     return write_refused(refused, output, needed_bytes, "the export (export.output)")
 
@@ -123,7 +125,13 @@ def _export(model, output: Path, sample_input, settings, model_name, tokenizer, 
 
         adapter = bool(settings.adapter and _has_adapter(model))
         return hf.save_export(
-            model, tokenizer, output, engine=engine, max_shard_size=settings.max_shard_size, adapter=adapter
+            model,
+            tokenizer,
+            output,
+            engine=engine,
+            max_shard_size=settings.max_shard_size,
+            adapter=adapter,
+            model_name=model_name,
         )
     if sample_input is None:
         raise UserError(f"export={kind} traces the model on a sample input; pass sample_input (named tensors).")
@@ -187,12 +195,20 @@ def export_for_run(
     settings: SafetensorsExport | OnnxExport | OmnyExport = config.export
     kind = settings.name
     default = {"safetensors": "hf", "onnx": "model.onnx", "omny": "model.omny"}[kind]
-    output = Path(settings.output or Path(run_dir) / "export" / default)
+    # expanded here, as settings.py expands it before training: a recipe's export.output may start with ~
+    output = Path(settings.output).expanduser() if settings.output else Path(run_dir) / "export" / default
     if not settings.output:
         output.parent.mkdir(parents=True, exist_ok=True)
     plain = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's wrapper
     if kind != "safetensors" and (pipeline := _pipeline(config, plain)) is not None:
-        return _export_pipeline(config, pipeline, plain, pipeline_folder(settings.output, output), tokenizer)
+        folder = pipeline_folder(settings.output, output)
+        try:
+            return _export_pipeline(config, pipeline, plain, folder, tokenizer)
+        except (OSError, SafetensorError) as e:  # a full disk, or a folder that does not permit the write
+            refused = refused_write(e, folder)
+            if refused is None:
+                raise
+            raise refused from None
     if sample is None and kind != "safetensors":
         shape: ExportSample = settings.sample
         sample = sample_inputs(plain, shape.batch_size, shape.sequence_length, shape.image_size, seed=config.seed)

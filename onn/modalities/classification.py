@@ -536,7 +536,8 @@ def export_module(m: ClassifierModality, config: ONNConfig, module: Classifier, 
         if not settings.output:
             folder.parent.mkdir(parents=True, exist_ok=True)
         try:
-            write_atomically(folder, "network", write)  # an earlier export's folder only, replaced whole
+            # an earlier export's folder (of this model) only, replaced whole
+            write_atomically(folder, "network", write, config.model.name)
         except (OSError, SafetensorError) as e:  # a full or read-only disk: the earlier export stays as it was
             refused = refused_write(e, folder, weight_bytes(network))
             if refused is None:

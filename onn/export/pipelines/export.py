@@ -25,8 +25,9 @@ import psutil
 
 from onn.config.export import OmnyExport, OnnxExport
 from onn.errors import UserError
-from onn.export.folders import write_atomically
+from onn.export.folders import check_replaceable, write_atomically
 from onn.export.graph import fold_constants
+from onn.export.onnx_export import call_model
 from onn.export.pipelines import document
 from onn.export.pipelines.registry import Piece, Pipeline
 from onn.hardware.profile import cpu_busy_cores
@@ -75,7 +76,7 @@ def export_pipeline(
         document.write(staged, doc)
         return per_piece
 
-    per_piece = write_atomically(folder, "pipeline", write)
+    per_piece = write_atomically(folder, "pipeline", write, model_name)
     return {
         "export/pipeline": str(folder / "pipeline.json"),
         "export/pieces": per_piece,
@@ -86,7 +87,9 @@ def export_pipeline(
 
 
 def _check_replaceable(folder: Path, kind: str, model_name: str) -> None:
-    """Before anything is traced: a folder holding another pipeline (another kind or model) is not replaced."""
+    """Before anything is traced: a folder of the user's own, another export (a Hugging Face folder, as its
+    onn_export.json says) or another pipeline (another kind or model) is not replaced."""
+    check_replaceable(folder, "pipeline", model_name)
     path = folder / "pipeline.json"
     if not path.is_file():
         return  # missing or empty, or not an export at all (write_atomically refuses that one)
@@ -202,6 +205,7 @@ def export_piece(
                 bounds=piece.bounds,
                 follow=piece.follow,
             )
+        source = {**source, "parameters": _read_parameters(piece.module, piece.sample)}
         # what computes from weights alone (a tied head's transpose, SAM2's interpolated position table) is folded
         # into weights, as onnxruntime does when it loads the graph: held once, not counted as activations
         graph, _ = fold_constants(onnx.load(str(traced)))
@@ -245,13 +249,30 @@ def _plain(signatures: list[dict]) -> list[dict]:
 
 
 def _source(piece: Piece, model_name: str) -> dict[str, Any]:
-    params = sum(p.numel() for p in {id(p): p for p in piece.module.parameters()}.values())
-    return {
-        "name": f"{model_name}/{piece.name}",
-        "framework": "pytorch",
-        "class": type(piece.module).__name__,
-        "parameters": params,
-    }
+    """The piece's .omny `source`; export_piece counts its parameters once it is traced (_read_parameters)."""
+    return {"name": f"{model_name}/{piece.name}", "framework": "pytorch", "class": type(piece.module).__name__}
+
+
+def _read_parameters(module: torch.nn.Module, sample: dict[str, Any]) -> int:
+    """The parameters the piece's forward reads on its sample (shared ones once): a piece wraps the whole model
+    (TrOCR's encoder and decoder both hold it) but reads only its own part. Every op that reads a parameter (a
+    linear, an embedding, a transpose of a tied head) is a torch function call taking it, which a mode sees; the
+    traced graph cannot say, as torch.onnx folds transposed weights into initializers of its own names."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_leaves
+
+    held = {id(p): p for p in module.parameters()}
+    read: dict[int, torch.nn.Parameter] = {}
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            read.update((id(t), held[id(t)]) for t in tree_leaves((args, kwargs)) if id(t) in held)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), _checks_off(), Reads():
+        call_model(module, sample)  # as export_onnx calls it
+    return sum(p.numel() for p in read.values())
 
 
 def _save_tokenizer(tokenizer, folder: Path) -> str | None:

@@ -279,7 +279,8 @@ def export_module(config: ONNConfig, module: DiffusionModule, run_dir: Path) -> 
         folder = Path(config.export.output or run_dir / "export" / "safetensors").expanduser()
         if not config.export.output:
             folder.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(folder, "denoiser", write)  # an earlier export's folder only, replaced whole
+        # an earlier export's folder (of this model) only, replaced whole
+        write_atomically(folder, "denoiser", write, config.model.name)
         return {"export/format": "safetensors", "export/path": str(folder)}
     batch = int(config.export.sample.batch_size)
     generator = torch.Generator().manual_seed(int(config.seed))

@@ -389,9 +389,11 @@ def export_module(config: ONNConfig, module: DualEncoder, run_dir: Path) -> dict
             save_model(module, str(staged / "model.safetensors"), metadata={"format": "pt"})
             (staged / "config.json").write_text(json.dumps(module.onn_config, indent=2, default=str))
 
-        write_atomically(folder, "dual_encoder", write)
+        write_atomically(folder, "dual_encoder", write, config.model.name)
         return {"export/format": "safetensors", "export/path": str(folder)}
-    return write_atomically(folder, "dual_encoder", lambda staged: _export_towers(config, module, staged, folder))
+    return write_atomically(
+        folder, "dual_encoder", lambda staged: _export_towers(config, module, staged, folder), config.model.name
+    )
 
 
 def _export_towers(config: ONNConfig, module: DualEncoder, staged: Path, folder: Path) -> dict[str, Any]:
