@@ -269,22 +269,14 @@ def _copy_step(
 
     from onn.dtypes import torch_dtype
     from onn.models.layers import discover
-    from onn.models.load import architecture, auto_class, meta_model
+    from onn.models.load import auto_class, meta_model
     from onn.streaming.engine import StreamingEngine
     from onn.streaming.store import LayerStore
     from onn.training.lora import apply
 
     # the blocks' path from the whole model (one block alone is no run of repeated blocks to discover)
     blocks_path = discover(meta_model(config.model), config.model.layer_map.blocks).blocks_path
-    arch = architecture(config.model)
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        if hasattr(arch, key):
-            setattr(arch, key, blocks)
-    if vocab is not None:
-        arch.vocab_size = vocab
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if isinstance(getattr(arch, key, None), int) and getattr(arch, key) >= vocab:
-                setattr(arch, key, vocab - 1)
+    arch = _copy_architecture(config, blocks, vocab)
     torch.manual_seed(0)
     model = auto_class(arch).from_config(arch)
     model = model.to(weights_dtype(config, plan))  # model.dtype where it is set, as the run loads it
@@ -335,6 +327,22 @@ def _copy_step(
         optimizer.zero_grad(set_to_none=True)
 
     return step
+
+
+def _copy_architecture(config: ONNConfig, blocks: int, vocab: int | None):
+    """The model's architecture with `blocks` blocks (and `vocab` tokens, its special ids kept inside it)."""
+    from onn.models.load import architecture
+
+    arch = architecture(config.model)
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if hasattr(arch, key):
+            setattr(arch, key, blocks)
+    if vocab is not None:
+        arch.vocab_size = vocab
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if isinstance(getattr(arch, key, None), int) and getattr(arch, key) >= vocab:
+                setattr(arch, key, vocab - 1)
+    return arch
 
 
 def _in_nf4(model, compute_dtype):
