@@ -117,6 +117,48 @@ def compose(*overrides: str, root: Path | None = None) -> ONNConfig:
     return to_config(cfg)
 
 
+def execute_run(tmp: Path, cache: Path, *overrides: str, name: str = "run", given: set[str] | None = None) -> dict:
+    """The run `python run.py model=llama_tiny OVERRIDES` makes, in this process, in `tmp/name` with its hardware
+    profile in `cache` (`given`: the keys the command line set, which a run with ckpt= takes over the checkpoint's;
+    a later override wins, model= and hardware= included)."""
+    from onn.app import execute
+
+    cfg = compose(
+        "model=llama_tiny",
+        MODALITY_HARDWARE,
+        "tracking=none",
+        "trainer.enable_progress_bar=false",
+        f"paths.outputs={tmp / 'outputs'}",
+        f"paths.cache={cache}",
+        *overrides,
+    )
+    run_dir = tmp / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return execute(cfg, run_dir, given)
+
+
+def tiny_llama(**config: object):
+    """A random-init two-layer Llama of a few thousand parameters (transformers' LlamaForCausalLM, in eval mode);
+    `config` overrides its LlamaConfig's values."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    values = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return tf.LlamaForCausalLM(tf.LlamaConfig(**{**values, **config})).eval()
+
+
 def run_cli(
     *args: str, cwd: Path | None = None, timeout: int = 600, python_warnings: str = "ignore"
 ) -> subprocess.CompletedProcess:

@@ -15,29 +15,12 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import compose
+from conftest import compose, tiny_llama
 
 from onn.errors import UserError
 from onn.export.folders import MARKER, write_atomically
 
 LIMITS = {"max_shard_size_mb": 2.0, "min_vram_mb": 8.0, "headroom_mb": 0.5}
-
-
-def tiny_llama():
-    """A two-layer Llama of a few thousand parameters: a transformers model export=safetensors writes."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
-    return tf.LlamaForCausalLM(config).eval()
 
 
 class _TwoHeads(torch.nn.Module):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import tiny_llama
 
 from onn.errors import UserError
 from onn.export.onnx_export import (
@@ -38,19 +39,7 @@ def build(name: str):
 
     torch.manual_seed(0)
     if name == "llama":
-        config = tf.LlamaConfig(
-            vocab_size=128,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        )
-        return tf.LlamaForCausalLM(config).eval()
+        return tiny_llama()
     if name == "phi4_tiny":
         from onn.config import typed
         from onn.config.model import LanguageModelConfig

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import compose
+from conftest import compose, execute_run
 
 from onn.config.data import TextData, TextFields
 from onn.errors import UserError
@@ -53,19 +53,7 @@ def cache(tmp_path_factory) -> Path:
 
 
 def run(tmp: Path, cache: Path, *overrides: str, name: str = "run") -> dict:
-    from onn.app import execute
-
-    cfg = compose(
-        "model=llama_tiny",
-        "tracking=none",
-        "trainer.enable_progress_bar=false",
-        f"paths.outputs={tmp / 'outputs'}",
-        f"paths.cache={cache}",
-        *overrides,
-    )
-    run_dir = tmp / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return execute(cfg, run_dir)
+    return execute_run(tmp, cache, "hardware=auto", *overrides, name=name)  # planned for the machine, as run.py
 
 
 def alpaca(path: Path, n: int = 30) -> Path:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MODALITY_HARDWARE, compose
+from conftest import compose, execute_run
+from conftest import tiny_llama as conftest_llama
 
 from onn.config.data import TextFields
 from onn.errors import UserError
@@ -39,23 +40,7 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")  # one hardware profile for the module's runs
 
 
-def execute(tmp: Path, cache: Path, *overrides: str, name: str = "run", given: set[str] | None = None) -> dict:
-    """The run `python run.py model=llama_tiny OVERRIDES` makes, in this process (`given`: the keys the command line
-    set, which a run with ckpt= takes over the checkpoint's)."""
-    from onn.app import execute as run
-
-    cfg = compose(
-        "model=llama_tiny",
-        MODALITY_HARDWARE,
-        "tracking=none",
-        "trainer.enable_progress_bar=false",
-        f"paths.outputs={tmp / 'outputs'}",
-        f"paths.cache={cache}",
-        *overrides,
-    )
-    run_dir = tmp / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run(cfg, run_dir, given)
+execute = execute_run
 
 
 # ---- reading files ----------------------------------------------------------------------------------------------
@@ -196,13 +181,18 @@ def test_a_gguf_converted_in_bfloat16_serves_a_later_float32_load_its_own_weight
 
 
 def tiny_llama(max_position_embeddings: int = 64):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=320, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_position_embeddings,
-                         bos_token_id=256, eos_token_id=257, pad_token_id=258)  # fmt: skip
-    return LlamaForCausalLM(config).eval()
+    """The byte tokenizer's Llama: its special ids are the tokenizer's."""
+    return conftest_llama(
+        vocab_size=320,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+    )
 
 
 def test_a_model_trained_on_plain_text_is_prompted_as_it_was_trained():
