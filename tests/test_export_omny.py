@@ -531,6 +531,75 @@ def test_enrich_refuses_a_dim_the_graph_does_not_name(tmp_path, capsys):
     assert omny.read_document(out)["inputs"][0]["sample"]["shape"] == [3, 32]
 
 
+def _learned_positions(path: Path, positions: int) -> Path:
+    """A foreign text graph with a learned position table of `positions` rows (as CLIP's text tower has 77): token
+    and position embeddings added, then two weighted layers. Its position ids are a constant row sliced to the
+    sequence's length, as torch traces CLIP's: a longer sequence gets fewer positions than tokens, and the Add fails."""
+    rng = np.random.default_rng(0)
+
+    def weight(name: str, *shape: int) -> onnx.TensorProto:
+        return helper.make_tensor(name, TensorProto.FLOAT, shape, rng.standard_normal(shape).astype(np.float32).ravel())
+
+    def const(name: str, value: int) -> onnx.TensorProto:
+        return helper.make_tensor(name, TensorProto.INT64, [1], [value])
+
+    ids = helper.make_tensor("position_ids", TensorProto.INT64, [1, positions], list(range(positions)))
+
+    nodes = [
+        helper.make_node("Gather", ["tokens", "ids"], ["tok"]),
+        helper.make_node("Shape", ["ids"], ["shape"], start=1),
+        helper.make_node(
+            "Slice", ["position_ids", "zero", "shape", "one", "one"], ["places"]
+        ),  # as torch traces ids[:, :n]
+        helper.make_node("Gather", ["positions", "places"], ["pos"]),
+        helper.make_node("Add", ["tok", "pos"], ["h0"]),
+        helper.make_node("MatMul", ["h0", "w1"], ["m1"]),
+        helper.make_node("Relu", ["m1"], ["h1"]),
+        helper.make_node("MatMul", ["h1", "w2"], ["out"]),
+    ]
+    weights = [weight("tokens", 64, 8), weight("positions", positions, 8), weight("w1", 8, 8), weight("w2", 8, 8)]
+    graph = helper.make_graph(
+        nodes,
+        "learned_positions",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "sequence"])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", "sequence", 8])],
+        [*weights, ids, const("zero", 0), const("one", 1)],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
+    return path
+
+
+def test_enrich_takes_the_reference_length_of_a_model_with_fewer_positions(tmp_path, capsys):
+    """A text graph with fewer positions than the reference length's default of 128 (CLIP's text tower has 77)
+    could not be enriched: the reference shapes did not run, and the error named export.reference_sequence_length,
+    a key of run.py's, which the command line has no way to set."""
+    src = _learned_positions(tmp_path / "text.onnx", positions=16)
+    out = str(tmp_path / "text.omny")
+    assert omny_cli.main(["enrich", str(src), out, "--dim", "sequence=8"]) == 2
+    said = capsys.readouterr().err
+    assert "--reference-length for python -m onn.export.omny enrich" in said and "Traceback" not in said
+    assert not Path(out).exists()
+    assert omny_cli.main(["enrich", str(src), out, "--dim", "sequence=8", "--reference-length", "0"]) == 2
+    assert "--reference-length 0: give a whole number of tokens, 1 or more." in capsys.readouterr().err
+    assert omny_cli.main(["enrich", str(src), out, "--dim", "sequence=8", "--reference-length", "16"]) == 0
+    doc = omny.read_document(out)
+    assert doc["reference"]["input_shapes"] == {"ids": [1, 16]}
+    assert doc["inputs"][0]["sample"]["shape"] == [1, 8]
+    assert doc["cut_points"][0]["bytes_per_sample"] == 16 * 8 * 4  # a hidden state at the reference length
+    assert omny.validate(out, echo=lambda *_: None)
+    newer = onnx.load(str(src))
+    newer.ir_version = onnx.IR_VERSION  # the newest onnx writes, which onnxruntime may not read yet
+    onnx.save(newer, tmp_path / "newer.onnx")
+    import onnxruntime as ort
+
+    try:
+        ort.InferenceSession(str(tmp_path / "newer.onnx"), providers=["CPUExecutionProvider"])
+    except Exception:  # as with onnx 1.23's IR 14 and onnxruntime 1.31: enrich ended in onnxruntime's traceback
+        assert omny_cli.main(["enrich", str(tmp_path / "newer.onnx"), str(tmp_path / "newer.omny")]) == 2
+        said = capsys.readouterr().err
+        assert "cannot load the graph (Unsupported model IR version" in said and "Traceback" not in said
+
+
 def _tampered(good: Path, tmp_path: Path, name: str, change) -> Path:
     """A copy of the .omny file `good` whose document `change` edited (in place)."""
     model = onnx.load(str(good))

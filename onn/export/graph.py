@@ -461,14 +461,21 @@ def _measured_sizes(
             feeds[i.name] = rng.standard_normal(shape).astype(dtype)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every tensor
-    session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    try:
+        session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as e:  # a graph newer than this onnxruntime (its IR version or opset), or one it cannot build
+        raise UserError(
+            f"onnxruntime {ort.__version__} cannot load the graph ({str(e).rsplit(') ', 1)[-1][:160]}); export it at an "
+            "IR version and opset this onnxruntime supports, or upgrade onnxruntime."
+        ) from None
     wanted = [o.name for o in session.get_outputs() if o.name in names]
     try:
         results = session.run(wanted, feeds)
     except Exception as e:  # onnxruntime raises its own Fail/InvalidArgument types
         raise UserError(
             f"the graph does not run at the reference shapes {input_shapes} ({str(e).splitlines()[0][:160]}); "
-            "set export.reference_sequence_length within the model's longest sequence."
+            "set the reference length within the model's longest sequence (export.reference_sequence_length in a "
+            "run, --reference-length for python -m onn.export.omny enrich)."
         ) from None
     return {n: int(v.nbytes) for n, v in zip(wanted, results)}
 

@@ -4,6 +4,7 @@ python -m onn.export.omny inspect FILE                 # cut points, per-block m
 python -m onn.export.omny validate FILE|PIPELINE.json  # split at every plan's cuts, run the shards, compare;
                                                        # a pipeline: its pieces connect, and each validates
 python -m onn.export.omny enrich IN.onnx OUT.omny      # a .omny of an ONNX file made elsewhere
+                          [--dim NAME=SIZE] [--reference-length TOKENS]
 python -m onn.export.omny run PIPELINE.json IMAGE [--text "a cat."] [--points X,Y ...]
                                                        # a pipeline end to end in onnxruntime, drawn as a PNG
 """
@@ -14,7 +15,7 @@ import sys
 from typing import Any
 
 from onn.errors import UserError
-from onn.export.omny.format import SAMPLE_DIM, enrich_onnx, inspect_omny, validate
+from onn.export.omny.format import DEFAULTS, SAMPLE_DIM, enrich_onnx, inspect_omny, validate
 from onn.export.pipelines import Request, run_pipeline, validate_pipeline
 
 
@@ -42,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the size of a named input dimension in the made sample (default: 1 for the first, "
         f"{SAMPLE_DIM} for others)",
     )
+    enrich.add_argument(
+        "--reference-length",
+        type=int,
+        metavar="TOKENS",
+        help="the sequence length per-sample memory is given at (default: "
+        f"{DEFAULTS['reference_sequence_length']}; at most the model's longest, e.g. 77 for CLIP's text encoder)",
+    )
     run = sub.add_parser("run", help="run a pipeline end to end in onnxruntime and draw what it found")
     run.add_argument("file", help="the pipeline.json an export wrote")
     run.add_argument("image", help="the picture (a photograph, a page of text)")
@@ -58,9 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             print(inspect_omny(args.file).summary())
             return 0
         if args.command == "enrich":
-            written = enrich_onnx(
-                args.file, args.output, _read_sample(args.sample) if args.sample else None, dims=_read_dims(args.dim)
-            )
+            sample = _read_sample(args.sample) if args.sample else None
+            written = enrich_onnx(args.file, args.output, sample, _settings(args), dims=_read_dims(args.dim))
             print(inspect_omny(written).summary())
             return 0
         if args.file.endswith(".json"):
@@ -83,6 +90,15 @@ def _run(args) -> int:
     result = run_pipeline(pipeline, Request(image, output, args.text, [_point(p) for p in args.points]))
     print(f"wrote {result['png']} and {result['json']}")
     return 0
+
+
+def _settings(args) -> dict[str, Any] | None:
+    """enrich's settings from its options: the reference length, when given."""
+    if args.reference_length is None:
+        return None
+    if args.reference_length < 1:
+        raise UserError(f"--reference-length {args.reference_length}: give a whole number of tokens, 1 or more.")
+    return {"reference_sequence_length": args.reference_length}
 
 
 def _point(text: str) -> tuple[float, float]:
