@@ -14,6 +14,20 @@ from pathlib import Path
 class UserError(Exception):
     """A problem with the user's input (a file, a config value); the message says what to do."""
 
+    def __init__(self, message: str = "", *args: object) -> None:
+        super().__init__(self._from_worker(message), *args)
+
+    def _from_worker(self, message: str) -> str:
+        """The sentence a DataLoader worker raised. torch re-raises a worker's error in the main process as
+        `type(error)(f"Caught UserError in DataLoader worker process 0.\nOriginal Traceback ...")`: the worker's
+        whole traceback, which app.run would print as the one line a user reads."""
+        if not (isinstance(message, str) and message.startswith("Caught ") and "\nOriginal Traceback" in message):
+            return message
+        head, _, rest = message.partition("\n")
+        _, found, sentence = rest.rpartition(f"\n{type(self).__module__}.{type(self).__qualname__}: ")
+        where = head.removeprefix(f"Caught {type(self).__name__} ").rstrip(".")
+        return f"{sentence.strip()} ({where})" if found else message
+
 
 class FailedAfterTraining(UserError):
     """A run that trained and then failed: `metrics` are the training's figures, which the run's record keeps

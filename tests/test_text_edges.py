@@ -407,3 +407,20 @@ def test_a_resume_with_nothing_left_to_train_says_so(tmp_path, cache, caplog):
     )
     with pytest.raises(UserError, match=r"trainer.max_steps=1 ends the run before step 2, where ckpt=.* was written"):
         execute(tmp_path, cache, *args, f"ckpt={tmp_path / 'first'}", "trainer.max_steps=1", name="less")
+
+
+def test_a_bad_line_read_by_a_dataloader_worker_is_the_readers_sentence(tmp_path, cache):
+    """With data.num_workers above 0, the streaming reader runs in a DataLoader worker, and torch re-raises its
+    error in the run as "Caught UserError in DataLoader worker process 0. Original Traceback ...": the worker's
+    whole traceback was the one line app.run prints."""
+    source = tmp_path / "sums.jsonl"
+    write_sums(source, rows=260)
+    lines = source.read_text().splitlines(keepends=True)
+    # past the 26 held-out records and the layout's sample of 200, which the run reads itself: a worker's line
+    source.write_text("".join(lines[:239]) + '{"question": "239+239=", "answer": \n' + "".join(lines[240:]))
+    args = (*STREAMED, f"data.source={source}", "data.num_workers=1", "trainer.max_steps=40")
+    with pytest.raises(UserError) as raised:
+        execute(tmp_path, cache, *args)
+    said = str(raised.value)
+    assert said.startswith(f"{source} line 240 is not valid JSON (") and "Traceback" not in said
+    assert said.endswith("(in DataLoader worker process 0)") and "\n" not in said
