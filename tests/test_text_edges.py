@@ -292,7 +292,8 @@ def test_infer_refuses_a_folder_for_its_output_before_generating(tmp_path, cache
 
 def test_infer_and_eval_stop_at_the_models_end_of_turn_as_serve_does(tmp_path):
     """A chat model's end of turn is in its generation_config (Gemma's <end_of_turn>); serve stopped there, infer and
-    eval went on past it with the tokenizer's end of text alone (also when the model is layer-streamed)."""
+    eval went on past it with the tokenizer's end of text alone (also when the model is layer-streamed, whose engine
+    then cut the output there but decoded every token up to max_new_tokens)."""
     from onn.models.layers import discover
     from onn.streaming.engine import StreamingEngine
     from onn.streaming.store import LayerStore
@@ -309,8 +310,12 @@ def test_infer_and_eval_stop_at_the_models_end_of_turn_as_serve_does(tmp_path):
     model.requires_grad_(False)  # the engine streams frozen weights
     engine = StreamingEngine(model, discover(model), LayerStore("cpu", "float32"), 1)
     engine.offload()
+    steps = []
+    decode_step = engine.decode_step
+    engine.decode_step = lambda *args, **kwargs: steps.append(1) or decode_step(*args, **kwargs)
     assert generate.complete(model, tok, ["hi", "hi"], max_new_tokens=6, engine=engine) == [ended, ended]
     assert generate.stream(model, tok, "hi", max_new_tokens=6, engine=engine) == ended
+    assert len(steps) == 2  # one token each: the engine stops at the end of turn, not at the tokenizer's end alone
 
 
 # ---- resuming a run -----------------------------------------------------------------------------------------------

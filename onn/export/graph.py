@@ -464,9 +464,10 @@ def _measured_sizes(
     try:
         session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
     except Exception as e:  # a graph newer than this onnxruntime (its IR version or opset), or one it cannot build
+        said = str(e).rsplit(") ", 1)[-1][:160]  # onnxruntime's reason, after the C++ signature it names
         raise UserError(
-            f"onnxruntime {ort.__version__} cannot load the graph ({str(e).rsplit(') ', 1)[-1][:160]}); export it at an "
-            "IR version and opset this onnxruntime supports, or upgrade onnxruntime."
+            f"onnxruntime {ort.__version__} cannot load the graph ({said}); export it at an IR version and opset "
+            "this onnxruntime supports, or upgrade onnxruntime."
         ) from None
     wanted = [o.name for o in session.get_outputs() if o.name in names]
     try:

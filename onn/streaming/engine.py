@@ -955,34 +955,38 @@ class StreamingEngine:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         max_new_tokens: int,
-        eos_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = None,
         temperature: float = 0.0,
         top_p: float = 1.0,
         on_token=None,
     ) -> torch.Tensor:
         """Batched generation with a KV cache: every chunk load serves every sequence, per token.
-        Prompts are left-padded; returns the new tokens (batch x steps)."""
+        Prompts are left-padded; returns the new tokens (batch x steps). A row ends at any of the end ids
+        (`eos_token_id`, one or a list as transformers takes it) and repeats the first after it; generation stops
+        when every row has ended."""
         from transformers import DynamicCache
 
         config = getattr(self.model, "config", None)
         cache = DynamicCache(config=config) if config is not None else DynamicCache()
         ids, mask = input_ids.to(self.device), attention_mask.to(self.device)
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.device)
+        listed = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        ends = torch.tensor(listed, dtype=torch.long, device=self.device)
         new_tokens = []
         step_ids = ids
         for step in range(max_new_tokens):
             position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
             logits = self.decode_step(step_ids, mask, position_ids, cache, last=step == max_new_tokens - 1)
             token = _pick(logits, temperature, top_p)
-            if eos_token_id is not None:
-                token = torch.where(done, torch.full_like(token, eos_token_id), token)
-                done |= token == eos_token_id
+            if listed:
+                token = torch.where(done, ends[0], token)
+                done |= torch.isin(token, ends)
             new_tokens.append(token)
             if on_token is not None:
                 on_token(token)
             step_ids = token[:, None]
             mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
-            if eos_token_id is not None and bool(done.all()):
+            if listed and bool(done.all()):
                 break
         return torch.stack(new_tokens, dim=1)
 

@@ -116,7 +116,7 @@ def _generate(model, engine, tokenizer, inputs, max_new_tokens, temperature, top
         sampling = _sampling(max_new_tokens, temperature, top_p, tokenizer, ends)
         out = model.generate(**inputs, streamer=streamer, **sampling)
         return out[:, inputs["input_ids"].shape[1] :]
-    ended = []  # the engine stops on one end id: a streamed row shows nothing after another
+    ended = []  # a streamed row shows nothing after its end id (the engine repeats the first for a finished row)
     on_token = None
     if streamer is not None:
 
@@ -130,7 +130,7 @@ def _generate(model, engine, tokenizer, inputs, max_new_tokens, temperature, top
         inputs["input_ids"],
         inputs["attention_mask"],
         max_new_tokens,
-        eos_token_id=ends[0] if ends else None,
+        eos_token_id=ends or None,
         temperature=temperature,
         top_p=top_p,
         on_token=on_token,
