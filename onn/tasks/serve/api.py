@@ -696,7 +696,8 @@ def _prompt_ids(lm, text: str, special: bool, settings: ServeConfig, param: str,
 def _refuse_unimplemented(req: Generation) -> None:
     for name, missing in UNIMPLEMENTED.items():
         value = getattr(req, name, None)  # declared, or one of the body's extra fields
-        if value not in NEUTRAL and value != NEUTRAL_OWN.get(name):
+        asks_logprobs = name == "logprobs" and type(value) is int  # /v1/completions' 0 asks for the chosen tokens'
+        if asks_logprobs or (value not in NEUTRAL and value != NEUTRAL_OWN.get(name)):
             raise ApiError(
                 400,
                 f"{name}: this server {missing}; leave {name} out.",

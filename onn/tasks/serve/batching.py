@@ -177,11 +177,10 @@ class Scheduler:
         seq.tokens.append(token)
         self.generated += 1
         text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
-        for stop in seq.sampling.stop:
-            at = text.find(stop)
-            if at >= 0:
-                seq.text = text[:at]
-                return self._finish(seq, "stop")
+        found = [at for at in (text.find(stop) for stop in seq.sampling.stop) if at >= 0]
+        if found:  # the text ends where the first of them begins, whichever the request listed first
+            seq.text = text[: min(found)]
+            return self._finish(seq, "stop")
         seq.text = text
         if len(seq.tokens) >= seq.sampling.max_tokens:
             return self._finish(seq, "length")
@@ -189,7 +188,7 @@ class Scheduler:
         ready = len(text.rstrip("\ufffd"))
         for stop in seq.sampling.stop:
             for k in range(min(len(stop) - 1, ready), 0, -1):
-                if text[:ready].endswith(stop[:k]):
+                if text.endswith(stop[:k], 0, ready):  # no copy of the text per k
                     ready -= k
                     break
         # every token is an event, also one whose text waits (the client sees the pace; OpenAI's "content": "")
@@ -215,6 +214,10 @@ class Scheduler:
             return
         index = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
         mask = self.mask.index_select(0, index)
+        if not self.plain:  # a sliding window's layer holds its last columns alone: the rows go, every column stays
+            self.mask = mask
+            _edit_cache(self.cache, lambda t: t.index_select(0, index.to(t.device)))
+            return
         columns = mask.any(dim=0).nonzero()[:, 0]
         self.mask = mask.index_select(1, columns)
         _edit_cache(self.cache, lambda t: t.index_select(0, index.to(t.device)).index_select(2, columns.to(t.device)))
@@ -231,27 +234,38 @@ def _pick(logits: torch.Tensor, rows: list[Sequence]) -> list[int | None]:
     """Each row's next token, read back in one copy (each read of a GPU value waits for it): greedy at a
     temperature under MIN_TEMPERATURE or top_p 0 (a nucleus of the likeliest token alone), else sampled through
     transformers' temperature and top-p warpers (as model.generate), with the request's own generator when it
-    gave a seed. A row whose draw fails gets None and its error event; the others go on."""
-    picks, failed = logits.argmax(-1), set()
+    gave a seed. A row whose distribution holds inf or NaN gets None and its error event; the others go on."""
+    picks, drawable = logits.argmax(-1), torch.ones(len(rows), dtype=torch.long, device=logits.device)
     for i, seq in enumerate(rows):
         if seq.sampling.temperature >= MIN_TEMPERATURE and seq.sampling.top_p:
-            try:
-                picks[i] = _sample(logits[i], seq.sampling, seq.generator)
-            except RuntimeError as e:  # logits with inf or NaN: this row's problem, not the batch's
-                log.warning("serve: sampling a row failed: %s", e)
-                _send(seq, {"finish": "error", "error": f"{type(e).__name__}: {e}"})
-                failed.add(i)
-    return [None if i in failed else token for i, token in enumerate(picks.tolist())]
+            picks[i], drawable[i] = _sample(logits[i], seq.sampling, seq.generator)
+    tokens, valid = torch.stack([picks, drawable]).tolist()
+    out: list[int | None] = []
+    for seq, token, ok in zip(rows, tokens, valid):
+        if not ok:  # logits with inf or NaN: this row's problem, not the batch's
+            log.warning("serve: sampling a row failed: its probabilities hold inf or NaN")
+            _send(seq, {"finish": "error", "error": "the model's probabilities hold inf or NaN"})
+        out.append(token if ok else None)
+    return out
 
 
-def _sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+def _sample(
+    logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row's draw, and whether its probabilities can be drawn from (finite, not all zero), both on the device:
+    torch.multinomial reads the probabilities back twice to check them, two waits per sampled row and step on a GPU.
+    The draw is multinomial's own for one sample (argmax of the probabilities over exponential noise): the same
+    token for the same generator."""
     from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
     scores = logits.float()[None]  # in float32 from the top logit down: a small temperature cannot overflow
     scores = TemperatureLogitsWarper(sampling.temperature)(None, scores - scores.max())
     if sampling.top_p < 1.0:
         scores = TopPLogitsWarper(sampling.top_p)(None, scores)
-    return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[0, 0]
+    probs = torch.softmax(scores, dim=-1)[0]
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    drawable = torch.isfinite(probs).all() & (probs.sum() > 0)
+    return (probs / noise).argmax(), drawable
 
 
 def _layers(cache) -> list:
