@@ -66,7 +66,7 @@ def build_classifier(model_cfg: NetworkConfig, in_channels: int, num_classes: in
             **kwargs,
         )
     elif kind == "timm":
-        model = _timm(name, source, in_channels, num_classes, kwargs)
+        model = _timm(name, source, in_channels, num_classes, image_size, kwargs)
     elif ".py:" in source:
         model = _user_network(source, kwargs, in_channels=in_channels, num_classes=num_classes, image_size=image_size)
     else:
@@ -132,7 +132,9 @@ def _user_network(source: str, kwargs: dict[str, Any], **data: Any) -> nn.Module
     return model
 
 
-def _timm(name: str, source: str, in_channels: int, num_classes: int, kwargs: dict[str, Any]) -> nn.Module:
+def _timm(
+    name: str, source: str, in_channels: int, num_classes: int, image_size: list[int], kwargs: dict[str, Any]
+) -> nn.Module:
     import timm
 
     if not timm.is_model(name):
@@ -146,8 +148,20 @@ def _timm(name: str, source: str, in_channels: int, num_classes: int, kwargs: di
         pretrained=False,
         num_classes=num_classes,
         in_chans=in_channels,
+        **_fixed_size(name, image_size, kwargs),
         **kwargs,
     )
+
+
+def _fixed_size(name: str, image_size: list[int], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """img_size for a timm model built for one input size (ViT, DeiT, Swin, ...): built for ImageNet's 224 px, its
+    first forward on the data's size fails an assertion. Empty where model.kwargs sets img_size itself."""
+    from timm.models import get_pretrained_cfg
+
+    cfg = get_pretrained_cfg(name)
+    if "img_size" in kwargs or cfg is None or not cfg.fixed_input_size:
+        return {}
+    return {} if list(cfg.input_size[1:]) == list(image_size) else {"img_size": tuple(image_size)}
 
 
 def _small_input(value: Any, image_size: list[int]) -> bool:
@@ -263,9 +277,8 @@ def _fit_shapes(model: nn.Module, state: dict, heads: tuple, first_conv: str | N
     """The state's tensors whose shape differs from the model's, made to fit where that is meant: a head of
     another number of classes keeps its fresh init, the first conv is adapted to the channel count, a layer
     model.small_input changed collapses its kernel (ConvMlp for a 1 px map) or keeps a fresh init. Returns the
-    keys of the wrong shapes, those left fresh, and the wrong ones' shapes said."""
-    from timm.models import adapt_input_conv
-
+    keys of the wrong shapes, those left fresh, and the wrong ones' shapes said. A ViT's position embeddings are
+    interpolated to its grid of patches, as timm does for pretrained weights at another img_size."""
     own = model.state_dict()
     wrong, fresh, shapes = [], [], {}
     for key, value in list(state.items()):
@@ -277,7 +290,9 @@ def _fit_shapes(model: nn.Module, state: dict, heads: tuple, first_conv: str | N
         elif (
             key == f"{first_conv}.weight" and value.shape[0] == target.shape[0] and value.shape[2:] == target.shape[2:]
         ):
-            state[key] = adapt_input_conv(target.shape[1], value, base_chans=value.shape[1])
+            state[key] = _adapted_first_conv(target.shape[1], value)
+        elif key == "pos_embed" and (resampled := _resampled_pos_embed(model, value)).shape == target.shape:
+            state[key] = resampled  # a ViT's weights of 224 px for the data's size
         elif (
             _under(key, changed)
             and value.dim() == 4
@@ -293,6 +308,28 @@ def _fit_shapes(model: nn.Module, state: dict, heads: tuple, first_conv: str | N
             wrong.append(key)
             shapes[key] = f"{key} {tuple(value.shape)} vs {tuple(target.shape)}"
     return wrong, fresh, shapes
+
+
+def _adapted_first_conv(channels: int, weight):
+    """timm's adapt_input_conv (a grey model's first conv sums the RGB kernels), for a 3-D conv too: a video ResNet's
+    Kinetics weights for greyscale clips (timm's takes 4-D weights only)."""
+    from timm.models import adapt_input_conv
+
+    flat = weight.flatten(3) if weight.dim() == 5 else weight  # [O, I, T, H*W]: adapted over I alone
+    adapted = adapt_input_conv(channels, flat, base_chans=weight.shape[1])
+    return adapted.view(adapted.shape[0], channels, *weight.shape[2:])
+
+
+def _resampled_pos_embed(model: nn.Module, value):
+    """ViT position embeddings [1, tokens, dim] interpolated to the model's grid of patches (unchanged where the
+    model has no such grid)."""
+    from timm.layers import resample_abs_pos_embed
+
+    grid = getattr(getattr(model, "patch_embed", None), "grid_size", None)
+    if grid is None or value.dim() != 3:
+        return value
+    prefix = 0 if getattr(model, "no_embed_class", False) else int(getattr(model, "num_prefix_tokens", 1))
+    return resample_abs_pos_embed(value, list(grid), num_prefix_tokens=prefix, verbose=False)
 
 
 def _get(model: nn.Module, name: str) -> nn.Module | None:

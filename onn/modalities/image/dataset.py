@@ -9,6 +9,8 @@ over data.resident_max_mb is streamed instead.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -20,6 +22,9 @@ from onn.data.resident import ClassificationData, Decoded
 from onn.modalities.image.formats import list_items, read_splits, source_digest
 
 STREAM_SETTINGS = ("channels", "image_size", "resize")
+STATS_ELEMENTS = 1 << 22  # pixel values per chunk when measuring mean/std: 32 MB in float64, whatever the image size
+
+log = logging.getLogger("onn")
 
 
 def decode_settings(data: ImageData) -> dict[str, Any]:
@@ -31,6 +36,29 @@ def decode_settings(data: ImageData) -> dict[str, Any]:
         "max_bad_fraction": float(data.max_bad_fraction),
         "num_classes": data.num_classes if isinstance(data.num_classes, int) else None,
     }
+
+
+def as_trained(data: ImageData, saved: dict[str, Any] | None, ckpt: str | None) -> ImageData:
+    """The data config that decodes images as the checkpoint's model was trained (`saved`: its run config, None
+    without one): its channels and image size, another size resized as task=infer does. A colour data.source given to
+    evaluate a greyscale model was decoded in colour, and the first batch a conv's raw channel error."""
+    if saved is None:
+        return data
+    inputs = saved["inputs"]
+    channels, height, width = (int(v) for v in inputs.get("input_shape") or inputs["image_shape"])
+    size = [height, width]
+    if data.channels not in ("auto", channels) or (data.image_size is not None and list(data.image_size) != size):
+        log.warning(
+            "ckpt %s: decoding the images as its model was trained (channels %d, image_size %s), not as the data "
+            "config says (channels %s, image_size %s)",
+            ckpt,
+            channels,
+            size,
+            data.channels,
+            data.image_size,
+        )
+    resize = data.resize if data.resize != "error" else "resize"
+    return dataclasses.replace(data, channels=channels, image_size=size, resize=resize)
 
 
 def read_cached(
@@ -101,7 +129,9 @@ def input_stats(config: ONNConfig, dm: ImageDataModule) -> tuple[list[float], li
     picks = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))[:10_000].to(images.device)
     total = torch.zeros(images.shape[1], dtype=torch.float64, device=images.device)
     squares, count = torch.zeros_like(total), 0
-    for chunk in picks.split(500):  # float64 sums over chunks: no float copy of the whole sample
+    # 500 photos of 512 px in float64 were 3 GB a copy: chunks of a fixed size in values
+    rows = max(1, STATS_ELEMENTS // max(1, images.shape[1:].numel()))
+    for chunk in picks.split(rows):  # float64 sums over chunks: no float copy of the whole sample
         x = images[chunk].to(torch.float64).transpose(0, 1).flatten(1) / 255
         total += x.sum(1)
         squares += (x * x).sum(1)

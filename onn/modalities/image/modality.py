@@ -30,6 +30,7 @@ class ImageModality(ClassifierModality):
         from onn.data.files import read_head
         from onn.errors import UserError
         from onn.modalities.image.formats import detect_format, image_kind
+        from onn.modalities.image.formats.csvfile import TABLE_SUFFIXES
 
         if path.is_file():
             head = read_head(path, 4096)
@@ -51,8 +52,9 @@ class ImageModality(ClassifierModality):
                     or (pa.types.is_struct(f.type) and any(pa.types.is_binary(c.type) for c in f.type))
                 ]
                 return f"a parquet table with image bytes ({', '.join(binary[:2])})" if binary else None
-            if path.suffix.lower() in (".csv", ".tsv", ".jsonl", ".json", ".txt"):
-                # tables: image data only when their first row names an image file (text tables are text data)
+            if path.suffix.lower() in TABLE_SUFFIXES:
+                # tables the csv reader reads: image data only when their first row names an image file (text
+                # tables are text data)
                 lines = head.decode("utf-8", "replace").splitlines()
                 row = lines[1] if len(lines) > 1 else ""
                 return "a table of image paths and labels" if any(s in row.lower() for s in IMAGE_SUFFIXES) else None
@@ -76,9 +78,11 @@ class ImageModality(ClassifierModality):
             raise UserError(f"data.image_size={size}: give [height, width] in pixels, each 1 or more (or null).")
 
     def datamodule(self, config: ONNConfig, device: str):
-        from onn.modalities.image.dataset import ImageDataModule
+        from onn.modalities.image.dataset import ImageDataModule, as_trained
+        from onn.training.classifier import trained_config
 
-        return ImageDataModule(config.data, config.paths.cache, device, seed=int(config.seed))
+        data = as_trained(config.data, trained_config(config), config.ckpt)  # with ckpt=, as the model was trained
+        return ImageDataModule(data, config.paths.cache, device, seed=int(config.seed))
 
     def network(self, model_cfg: NetworkConfig, inputs: dict[str, Any]):
         from onn.models.vision import build_classifier

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from onn.config import as_dict
-from onn.config.data import VideoData
+from onn.config.data import VideoData, VideoMotion
 from onn.errors import UserError
 
 DIRECTIONS = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}
@@ -44,24 +44,39 @@ def generated(source: str, data_cfg: VideoData, cache_dir: str | os.PathLike) ->
     folder = Path(cache_dir) / "builtin" / f"motion-{digest}"
     if (folder / ".done").is_file():
         return folder
+    import av
+
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    for split, count, seed in (
-        ("train", motion.train_per_class, motion.seed),
-        ("test", motion.test_per_class, motion.seed + 1_000_003),
-    ):
-        rng = np.random.default_rng(seed)
-        for label in DIRECTIONS:
-            (tmp / split / label).mkdir(parents=True)
-            for i in range(count):
-                clip = moving_square(rng, label, motion.frames, motion.size)
-                write_clip(tmp / split / label / f"{i:03d}.mp4", clip, motion.fps, motion.codec)
+    try:
+        _write_clips(tmp, motion)
+    except (ValueError, av.FFmpegError) as e:  # UnknownCodecError; ExternalError for a size the encoder refuses
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(
+            f"data.motion.codec={motion.codec} could not encode {motion.size}x{motion.size} clips ({e}); give an "
+            "encoder PyAV has (libx264, mpeg4, libvpx-vp9, ...) and an even data.motion.size (H.264 and the "
+            "others store colour at half resolution)."
+        ) from None
     (tmp / ".done").write_text("")
     if folder.exists():  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         tmp.rename(folder)
     return folder
+
+
+def _write_clips(folder: Path, motion: VideoMotion) -> None:
+    """The train and test clips of every direction, as files under folder/SPLIT/DIRECTION/."""
+    for split, count, seed in (
+        ("train", motion.train_per_class, motion.seed),
+        ("test", motion.test_per_class, motion.seed + 1_000_003),
+    ):
+        rng = np.random.default_rng(seed)
+        for label in DIRECTIONS:
+            (folder / split / label).mkdir(parents=True)
+            for i in range(count):
+                clip = moving_square(rng, label, motion.frames, motion.size)
+                write_clip(folder / split / label / f"{i:03d}.mp4", clip, motion.fps, motion.codec)
 
 
 def moving_square(rng: np.random.Generator, direction: str, frames: int, size: int) -> np.ndarray:

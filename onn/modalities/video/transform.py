@@ -18,6 +18,7 @@ from onn.errors import UserError
 from onn.modalities.image.augment import BatchAugment
 
 SAMPLING = ("uniform", "random")
+STATS_ELEMENTS = 1 << 22  # pixel values per chunk when measuring mean/std: 32 MB in float64, whatever the clip size
 
 
 class ClipTransform:
@@ -69,7 +70,9 @@ def measure_stats(clips: torch.Tensor) -> tuple[list[float], list[float]]:
     picks = torch.randperm(len(clips), generator=torch.Generator().manual_seed(0))[:500].to(clips.device)
     total = torch.zeros(clips.shape[1], dtype=torch.float64, device=clips.device)
     squares, count = torch.zeros_like(total), 0
-    for chunk in picks.split(50):
+    # 50 clips of 16 x 224 px in float64 were 1 GB a copy: chunks of a fixed size in values
+    rows = max(1, STATS_ELEMENTS // max(1, clips.shape[1:].numel()))
+    for chunk in picks.split(rows):
         x = clips[chunk].to(torch.float64).transpose(0, 1).flatten(1) / 255
         total += x.sum(1)
         squares += (x * x).sum(1)

@@ -1,5 +1,5 @@
-"""csv: path,label rows (header optional; comma, tab or semicolon), image paths relative to the csv file.
-A folder holding train.csv / test.csv / val.csv gives one split per file."""
+"""csv: path,label rows (header optional; comma, tab or semicolon, and spaces in a .txt list), image paths relative
+to the csv file. A folder holding train.csv / test.csv / val.csv gives one split per file."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from onn.modalities.image.formats.common import (
 
 _PATH_HEADERS = ("path", "file", "filename", "file_name", "filepath", "image", "image_path", "img")
 _LABEL_HEADERS = ("label", "labels", "class", "class_name", "target", "category", "y")
+TABLE_SUFFIXES = (".csv", ".tsv", ".txt")  # a .txt list is "path label" lines (ImageNet's val.txt, Caltech's lists)
 
 
 def is_int(s: str) -> bool:
@@ -36,7 +37,7 @@ def csv_rows(path: Path, key: str, labelled: bool = True) -> list[tuple[int, str
         raise UserError(f"{key} {path} is not a UTF-8 text csv: {e}") from e
     sample = "\n".join(text.splitlines()[:20])
     try:
-        dialect = csv.Sniffer().sniff(sample, delimiters=",\t;")
+        dialect = csv.Sniffer().sniff(sample, delimiters=",\t;" + (" " if path.suffix.lower() == ".txt" else ""))
     except csv.Error:
         dialect = csv.excel_tab if path.suffix.lower() == ".tsv" else csv.excel
     rows = [(n, r) for n, r in enumerate(csv.reader(io.StringIO(text), dialect), 1) if any(c.strip() for c in r)]

@@ -144,6 +144,8 @@ def _convert(img, channels: int | str):
     """To mode L (gray images under auto, or channels=1: ITU-R 601 luma) or RGB."""
     if channels == 1 or (channels == "auto" and img.mode in GRAY_MODES):
         return _to_l(img)
+    if img.mode in ("I", "F") or img.mode.startswith("I;16"):
+        return _to_l(img).convert("RGB")  # PIL's own convert clips 16-bit and float samples to white or black
     return img if img.mode == "RGB" else img.convert("RGB")
 
 

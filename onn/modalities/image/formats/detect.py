@@ -19,6 +19,7 @@ from onn.modalities.image.formats.common import (
     refuse_pickled,
     split_of,
 )
+from onn.modalities.image.formats.csvfile import TABLE_SUFFIXES
 from onn.modalities.image.formats.folder import image_files
 from onn.modalities.image.formats.idx import is_idx_name
 from onn.modalities.image.formats.stl10_binary import STL_BIN
@@ -90,7 +91,7 @@ def _detect_file(path: Path, key: str) -> str:
     kind = name_kind(name)
     if kind in ("cifar_binary", "stl10_binary"):
         return kind
-    if name.endswith((".csv", ".tsv")):
+    if name.endswith(TABLE_SUFFIXES):
         return "csv"
     if kind == "image":
         return "image"

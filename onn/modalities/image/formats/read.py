@@ -35,7 +35,7 @@ from onn.modalities.image.formats.common import (
     log,
     options,
 )
-from onn.modalities.image.formats.csvfile import csv_path, csv_rows, list_csv, split_tables
+from onn.modalities.image.formats.csvfile import TABLE_SUFFIXES, csv_path, csv_rows, list_csv, split_tables
 from onn.modalities.image.formats.decode import ItemList, array_split, decode_split, strict_pil
 from onn.modalities.image.formats.detect import detect
 from onn.modalities.image.formats.folder import list_tree
@@ -54,7 +54,7 @@ def source_digest(source: str | Path, fmt: str = "auto") -> str:
         for table in split_tables(path).values():
             _table_digest(h, table)
         return h.hexdigest()
-    if path.is_dir() or path.suffix.lower() not in (".csv", ".tsv"):
+    if path.is_dir() or path.suffix.lower() not in TABLE_SUFFIXES:
         return content_digest(path)
     h = hashlib.sha256()
     _table_digest(h, path)
