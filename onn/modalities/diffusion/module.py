@@ -41,6 +41,8 @@ class Denoiser(nn.Module):
         self.network, self.architecture = network, architecture
 
     def forward(self, sample: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        # in the weights' dtype: under strategy.precision=bf16-true (or 16-true) they are bf16, the noisy images not
+        sample = sample.to(self.network.dtype)
         if self.architecture == "dit":
             classes = torch.zeros(sample.shape[0], dtype=torch.long, device=sample.device)
             return self.network(sample, timestep=timestep, class_labels=classes).sample
@@ -199,7 +201,8 @@ class DiffusionModule(EpochRecord, ONNModule):
         x0 = to_model_range(images)
         steps = self.scheduler.config.num_train_timesteps
         t = torch.randint(0, steps, (x0.shape[0],), device=x0.device, generator=generator)
-        noise = torch.randn(x0.shape, device=x0.device, generator=generator)
+        # float32 named: under bf16-true Lightning makes bf16 the default dtype, and a bf16 target fails the backward
+        noise = torch.randn(x0.shape, dtype=x0.dtype, device=x0.device, generator=generator)
         return {"sample": self.scheduler.add_noise(x0, noise, t), "timestep": t, "noise": noise}
 
     def loss(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

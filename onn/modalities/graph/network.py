@@ -104,8 +104,8 @@ class GraphNetwork(nn.Module):
         if self.level == "graph":
             # in float32: under bf16 autocast on a GPU the mean's node count is summed in bf16, whose step at 256
             # is 2, so a graph of 2,000 nodes would be averaged over 256 (a CPU's scatter sums in float32)
-            with torch.autocast(x.device.type, enabled=False):
-                x = torch.cat([pool(kind)(x.float(), batch, graphs) for kind in self.pooling], dim=1)
+            with torch.autocast(x.device.type, enabled=False):  # (then back in the blocks' dtype, the head's)
+                x = torch.cat([pool(kind)(x.float(), batch, graphs) for kind in self.pooling], dim=1).to(x.dtype)
         return self.head(x)
 
 

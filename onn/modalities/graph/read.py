@@ -3,8 +3,10 @@
 One graph per file, its class from its folder (CLASS/FILE, train/CLASS/FILE, ...: the mesh modality's layouts,
 onn/modalities/mesh/read.py's `place`), or a .zip/.tar of that layout:
 
-  NAME.edges / NAME.edgelist   `SRC DST` a line (0-based node numbers), `# ...` comments, an optional
-                               `nodes N` line; undirected; every node's one feature is 1
+  NAME.edges / NAME.edgelist   `SRC DST` a line (0-based node numbers, apart by spaces, tabs or a comma),
+                               `# ...` comments, an optional `nodes N` line; undirected; every node's one
+                               feature is 1. What follows a line's two numbers (a weight, or the `{}` of
+                               attributes networkx's write_edgelist adds) is not read
   NAME.safetensors             x [nodes, features] (optional: ones), edge_index [2, edges], optional y
   NAME.obj, .ply, .stl, ...    a mesh through trimesh: vertices (merged where they coincide) are the nodes,
                                the faces' edges the edges, positions centred and scaled into the unit sphere
@@ -103,14 +105,14 @@ def read_edge_list(text: str, max_nodes: int):
     """An edge-list file's text as a graph (see the module's docstring)."""
     pairs, nodes = [], None
     for number, line in enumerate(text.splitlines(), 1):
-        words = line.split("#", 1)[0].split()
+        words = line.split("#", 1)[0].replace(",", " ").split(maxsplit=2)
         if not words:
             continue
         try:
             if words[0].lower() == "nodes" and len(words) == 2:
                 nodes = int(words[1])
                 continue
-            if len(words) != 2:
+            if len(words) < 2:
                 raise ValueError
             pairs.append((int(words[0]), int(words[1])))
         except ValueError:
@@ -142,6 +144,7 @@ def mesh_graph(vertices: np.ndarray, faces: np.ndarray | None, align: str, max_n
     """A mesh's vertex-edge graph (vertices merged where they coincide), positions normalised as node features."""
     import trimesh
 
+    vertices = unit_box(vertices)
     if faces is not None:
         mesh = trimesh.Trimesh(vertices=vertices, faces=faces, process=True, validate=False)
         vertices, edges = np.asarray(mesh.vertices), np.asarray(mesh.edges_unique)
@@ -155,6 +158,21 @@ def mesh_graph(vertices: np.ndarray, faces: np.ndarray | None, align: str, max_n
         xyz = xyz / radius
     edge_index = torch.from_numpy(np.ascontiguousarray(edges.T, dtype=np.int64)).reshape(2, -1)
     return make_graph(torch.from_numpy(xyz.astype(np.float32)), edge_index, None, max_nodes)
+
+
+def unit_box(vertices: np.ndarray) -> np.ndarray:
+    """The vertices moved and scaled into a box of side 1 (non-finite ones left so, for trimesh to drop). trimesh
+    merges vertices closer than 1e-8 and rounds them to integers of that step: in a file's own units, a shape of
+    1e-9 metres became one node, and one of 1e12 overflowed the rounding into a handful."""
+    finite = vertices[np.isfinite(vertices).all(axis=1)]
+    if not len(finite):
+        return vertices
+    low, high = finite.min(axis=0), finite.max(axis=0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        centre, side = low / 2 + high / 2, float((high - low).max())
+    if not np.isfinite(side):
+        raise GraphError("its coordinates are too large to normalise")
+    return (vertices - centre) / side if side > 0 else vertices - centre
 
 
 def nearest_neighbours(points: np.ndarray) -> np.ndarray:
@@ -185,6 +203,15 @@ def decode(payload: Path | bytes, name: str, align: str, max_nodes: int, level: 
     except UnicodeDecodeError as e:
         raise GraphError(f"is not UTF-8 text (byte {e.start}); an edge list is `SRC DST` lines") from e
     return read_edge_list(text, max_nodes)
+
+
+def class_number(y: torch.Tensor, allow_unlabelled: bool) -> int | None:
+    """A graph file's y as its class: one whole number. None for anything else (a regression target, a label per
+    node), which read as a class would train on a number the user did not mean; -1 (unknown) where labels are
+    optional, as for task=infer's files."""
+    if y.numel() == 1 and not (y.is_floating_point() or y.is_complex()):
+        return int(y.view(-1)[0])
+    return -1 if allow_unlabelled else None
 
 
 def graph_entries(path: Path, key: str, refused: list[str]) -> Iterator[tuple[str, Path | bytes]]:
@@ -237,14 +264,21 @@ def read_source(
     short = unwrap(names) if path.is_dir() or archive_kind(path) else names
     placed = [place(n) for n in short]
     folders = sorted({c for _, c in placed if c is not None})
-    numbered = sorted({int(g.y.view(-1)[0]) for g, (_, c) in zip(graphs, placed) if c is None and "y" in g})
-    classes = folders or [str(i) for i in range(max(numbered, default=-1) + 1)]
+    given = {} if folders else {n: class_number(g.y, allow_unlabelled) for g, n in zip(graphs, names) if "y" in g}
+    unusable = next((n for n, number in given.items() if number is None), None)
+    if unusable is not None:
+        y = graphs[names.index(unusable)].y
+        raise UserError(
+            f"{key} {path}: {unusable}'s y is {str(y.dtype).removeprefix('torch.')} of shape {list(y.shape)}, not one "
+            "class number: save one whole number y (int64) per graph file, or set data.level=node for a label per node."
+        )
+    classes = folders or [str(i) for i in range(max(given.values(), default=-1) + 1)]
     found: dict[str, Graphs] = {}
     for graph, name, (split, folder) in zip(graphs, names, placed):
         if folder is not None:
             label = classes.index(folder)
-        elif "y" in graph and not folders:
-            label = int(graph.y.view(-1)[0])
+        elif name in given:
+            label = given[name]
         elif allow_unlabelled or level == "node":
             label = -1
         else:

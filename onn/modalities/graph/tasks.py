@@ -61,10 +61,11 @@ class GraphClassifier(Classifier):
         return int(batch.nodes.numel()) if "nodes" in batch else batch.num_graphs
 
     def forward(self, batch) -> torch.Tensor:
+        x = batch.x.to(self.dtype)  # the weights' dtype: bf16 under strategy.precision=bf16-true, the files' float32
         if self.model.level == "graph":  # the graph count from the host: pooling reads no value from the device
-            logits = self.model(batch.x, batch.edge_index, batch.batch, batch.num_graphs)
+            logits = self.model(x, batch.edge_index, batch.batch, batch.num_graphs)
         else:
-            logits = self.model(batch.x, batch.edge_index)
+            logits = self.model(x, batch.edge_index)
         return logits.index_select(0, batch.nodes) if "nodes" in batch else logits
 
 

@@ -105,6 +105,17 @@ def named_files_digest(listing: Listing) -> str:
     return h.hexdigest()
 
 
+def file_groups(listing: Listing, pairs: list[int]) -> list[int]:
+    """Per pair (listing indices `pairs`), a number shared by the pairs that name the same file (a metadata file's
+    rows with one file_name and several captions); -1 for a pair whose files no other pair names."""
+    keys = [tuple(e.name for e in (listing.entries[m][i] for m in listing.modalities) if e.text is None) for i in pairs]
+    counts: dict[tuple, int] = {}
+    for key in keys:
+        counts[key] = counts.get(key, 0) + 1
+    numbers = {key: n for n, key in enumerate(k for k, c in counts.items() if c > 1)}
+    return [numbers.get(key, -1) for key in keys]
+
+
 class PairData(L.LightningDataModule):
     """The held-out split and the training pairs of a paired source, resident on `device`.
 
@@ -125,6 +136,7 @@ class PairData(L.LightningDataModule):
         self.listing: Listing | None = None
         self.splits: dict[str, Split] = {}
         self.skipped: list[str] = []
+        self.val_groups: torch.Tensor | None = None  # per held-out pair, a number it shares with those of its file
 
     @property
     def names(self) -> list[str]:
@@ -160,7 +172,7 @@ class PairData(L.LightningDataModule):
         )
         self.skipped = [s for d in decoded.values() for s in d.skipped]
         a, b = (decoded[n] for n in self.names)
-        splits = self._split(Split(a.inputs, b.inputs, a.names))
+        splits = self._split(Split(a.inputs, b.inputs, a.names), file_groups(listing, a.labels.tolist()))
         self.splits = {k: Split(v.inputs.to(self.device), v.labels.to(self.device), v.names) for k, v in splits.items()}
         log.info(
             "pairs: %d training and %d held-out %s pairs on %s",
@@ -170,10 +182,13 @@ class PairData(L.LightningDataModule):
             self.device,
         )
 
-    def _split(self, pairs: Split) -> dict[str, Split]:
-        """{train, val}: a seeded data.val_split of the pairs held out, or all of them (whole)."""
+    def _split(self, pairs: Split, groups: list[int]) -> dict[str, Split]:
+        """{train, val}: a seeded data.val_split of the pairs held out, or all of them (whole). Pairs that share a file
+        (an image on five metadata rows, one a caption) are held out together: split apart, the held-out figures
+        would be on images the model trained on. Pairs of their own file each are split as before."""
         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(self.seed))
         if self.whole:
+            self.val_groups = torch.tensor([g if g >= 0 else len(groups) + i for i, g in enumerate(groups)])
             return {"train": pairs.subset(order[:0]), "val": pairs}
         fraction = self.cfg.val_split
         if not 0 < fraction < 1:
@@ -181,7 +196,23 @@ class PairData(L.LightningDataModule):
                 f"data.val_split must be between 0 and 1 (got {fraction}): the held-out pairs measure retrieval."
             )
         n_val = min(max(2, round(len(pairs) * fraction)), len(pairs) - 2)
-        return {"train": pairs.subset(order[n_val:]), "val": pairs.subset(order[:n_val])}
+        members: dict[int, list[int]] = {}
+        for i, group in enumerate(groups):
+            members.setdefault(group, []).append(i)
+        held: set[int] = set()
+        for i in order.tolist():  # whole groups, in the seeded order, until n_val pairs are held out
+            if len(held) >= n_val:
+                break
+            held.update(members[groups[i]] if groups[i] >= 0 else [i])
+        val = torch.tensor([i for i in order.tolist() if i in held], dtype=torch.long)
+        train = torch.tensor([i for i in order.tolist() if i not in held], dtype=torch.long)
+        if len(train) < 2:
+            raise UserError(
+                f"data.source {self.cfg.source}: its {len(pairs)} pairs share so few files that holding out "
+                f"data.val_split={fraction} of them leaves {len(train)} to train on; add pairs or lower data.val_split."
+            )
+        self.val_groups = torch.tensor([groups[i] if groups[i] >= 0 else len(groups) + i for i in val.tolist()])
+        return {"train": pairs.subset(train), "val": pairs.subset(val)}
 
     def train_dataloader(self):
         # a contrastive batch of one pair teaches nothing

@@ -32,32 +32,43 @@ KS = (1, 5)
 MONITOR = "val/recall@1"  # the mean of both directions' recall@1: picks checkpoints/best.ckpt
 
 
-def ranks(similarity: torch.Tensor, partners: torch.Tensor | None = None) -> torch.Tensor:
+def ranks(
+    similarity: torch.Tensor, partners: torch.Tensor | None = None, same: torch.Tensor | None = None
+) -> torch.Tensor:
     """Where each row's partner (column partners[i], else column i) ranks among the row's columns, 0 = first;
     ties go to the lower column index, so alike scores rank a partner by its place, not first. Validation and
-    task=infer's partner_rank both rank by this rule."""
+    task=infer's partner_rank both rank by this rule. `same` [rows, columns]: the columns that are as right as the
+    partner (the other captions of its image); the best scored of them stands for it, and none of them counts."""
     rows = torch.arange(similarity.shape[0], device=similarity.device)
     partners = rows if partners is None else partners.to(similarity.device)
+    if same is not None:  # the best of the partner's group, the lowest column of equal scores
+        partners = similarity.masked_fill(~same, float("-inf")).argmax(1)
     right = similarity[rows, partners].unsqueeze(1)
     index = torch.arange(similarity.shape[1], device=similarity.device)
     ahead = (similarity > right) | ((similarity == right) & (index.unsqueeze(0) < partners.unsqueeze(1)))
-    return ahead.sum(1)
+    return (ahead if same is None else ahead & ~same).sum(1)
 
 
-def retrieval_metrics(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str], prefix: str) -> dict[str, float]:
-    """recall@k of both directions and their mean, for aligned normalised embeddings a [n, d] and b [n, d]."""
+def retrieval_metrics(
+    a: torch.Tensor, b: torch.Tensor, names: tuple[str, str], prefix: str, groups: torch.Tensor | None = None
+) -> dict[str, float]:
+    """recall@k of both directions and their mean, for aligned normalised embeddings a [n, d] and b [n, d].
+    `groups` [n]: pairs of one group share a file (an image with several captions), so any caption of the image
+    retrieved is right, as COCO's and Flickr30k's retrieval is scored; without, only the pair's own partner is."""
     similarity = a.float() @ b.float().T
+    same = None if groups is None else groups.unsqueeze(1) == groups.unsqueeze(0)
     out: dict[str, float] = {}
     for direction, sim in (
         (f"{names[0]}_to_{names[1]}", similarity),
         (f"{names[1]}_to_{names[0]}", similarity.T),
     ):
-        rank = ranks(sim)
+        rank = ranks(sim, same=same)
         for k in KS:
             out[f"{prefix}/recall@{k}/{direction}"] = float((rank < k).float().mean())
     for k in KS:
         out[f"{prefix}/recall@{k}"] = sum(v for key, v in out.items() if key.startswith(f"{prefix}/recall@{k}/")) / 2
-    out[f"{prefix}/recall@1_chance"] = 1 / similarity.shape[0]
+    right = 1.0 if same is None else float(same.sum(1).float().mean())  # the items a random pick may hit
+    out[f"{prefix}/recall@1_chance"] = right / similarity.shape[0]
     return out
 
 
@@ -90,6 +101,7 @@ class DualEncoder(EpochRecord, ONNModule):
         self.train_losses: list[torch.Tensor] = []
         self.history: list[dict[str, float]] = []
         self._held_out: dict[str, list[torch.Tensor]] = {n: [] for n in self.names}
+        self.held_out_groups: torch.Tensor | None = None  # per held-out pair, its file's group (PairData.val_groups)
         self.last_metrics: dict[str, float] = {}
 
     # -- embedding ------------------------------------------------------------------------------------
@@ -122,7 +134,8 @@ class DualEncoder(EpochRecord, ONNModule):
     def on_validation_epoch_end(self) -> None:
         a, b = (torch.cat(self._held_out[n]) for n in self.names)
         self._held_out = {n: [] for n in self.names}
-        figures = retrieval_metrics(a, b, self.names, "val")
+        groups = self.held_out_groups  # (the first rows only in Lightning's sanity check)
+        figures = retrieval_metrics(a, b, self.names, "val", None if groups is None else groups[: len(a)].to(a.device))
         with torch.no_grad():
             figures["val/loss"] = float(self.loss(a, b))
         self.last_metrics = figures

@@ -163,6 +163,7 @@ def train(job: Job) -> dict[str, Any]:
     dm = PairData(config, sides, job.device)
     dm.setup()
     module = build(config, sides, plan_.strategy)
+    module.held_out_groups = dm.val_groups
     callbacks = _callbacks(config, run_dir)
     clock = next(c for c in callbacks if isinstance(c, StepClock))
     steps_per_epoch = len(dm.train_dataloader())
@@ -216,6 +217,7 @@ def evaluate(job: Job) -> dict[str, Any]:
     run = replace(config, seed=int(saved["seed"]), data=replace(data, modalities=list(module.names)))
     dm = PairData(run, sides_of(config, job.ckpt), job.device, whole=bool(given))
     dm.setup()
+    module.held_out_groups = dm.val_groups
     trainer = build_trainer(config, job.plan, job.run_dir, [], loggers=False, steps_per_epoch=1)
     trainer.validate(module, datamodule=dm, verbose=False)
     metrics = {
