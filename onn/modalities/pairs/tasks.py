@@ -171,7 +171,7 @@ def train(job: Job) -> dict[str, Any]:
     module.optimizer_steps = optimizer_steps(trainer, steps_per_epoch)
     with PeakMemory(job.device) as peak:
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
-        trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"))
+        trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"), weights_only=False)  # said: no log line
     best, _ = run_best(trainer.checkpoint_callback, ckpt, run_dir, MONITOR, "max")  # the whole run's, resumed too
     metrics: dict[str, Any] = {
         **data_metrics(dm),
