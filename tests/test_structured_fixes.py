@@ -96,6 +96,19 @@ def test_a_graph_network_trains_in_bf16_true(tmp_path):
 
 
 @pytest.mark.modalities
+def test_a_point_cloud_classifier_trains_in_bf16_true(tmp_path):
+    """The classifiers' shared prepare (onn/training/classifier.py) handed PointNet the augmentation's float32 points
+    against bf16 weights: `expected scalar type Float but found BFloat16` at the first step."""
+    folder = write_scaled_spheres(tmp_path / "meshes", (1.0, 2.0, 3.0, 4.0, 5.0))
+    metrics = run(
+        tmp_path,
+        *("data=mesh", "model=pointnet", f"data.source={folder}", "strategy.precision=bf16-true", "data.points=64"),
+        *("data.batch_size=4", "trainer.max_epochs=2"),
+    )
+    assert metrics["steps"] == 4 and np.isfinite(metrics["train/loss_final"])
+
+
+@pytest.mark.modalities
 def test_a_denoiser_trains_and_samples_in_bf16_true(tmp_path):
     """Under bf16-true the noisy images (float32) met bf16 weights, and the noise, drawn in Lightning's default
     dtype (bf16 there), failed the loss's backward against the float32 prediction."""

@@ -429,3 +429,14 @@ def test_a_bad_line_read_by_a_dataloader_worker_is_the_readers_sentence(tmp_path
     said = str(raised.value)
     assert said.startswith(f"{source} line 240 is not valid JSON (") and "Traceback" not in said
     assert said.endswith("(in DataLoader worker process 0)") and "\n" not in said
+
+
+def test_a_tokenizer_without_an_end_of_sequence_token_is_one_sentence():
+    """Every answer ends in the tokenizer's eos id: a tokenizer with a pad token and none (a tokenizer folder's)
+    gave [..., None], a TypeError in the collate once training began."""
+    from onn.modalities.text.datamodule import encode
+
+    tok = byte_tokenizer()
+    tok.eos_token = None
+    with pytest.raises(UserError, match="has no end-of-sequence token, which ends every answer: give it an eos_token"):
+        encode(tok, "1+1=", "2", 32)

@@ -59,6 +59,7 @@ from onn.training.classifier import (
     LinearProbe,
     adapt_norm_note,
     evaluation_autocast,
+    in_float32,
     mean_loss,
     save_confusion,
 )
@@ -588,8 +589,12 @@ class SideEncoder(nn.Module):
         self.transform, self.network = transform, network
 
     def prepare(self, x: torch.Tensor, train: bool) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):  # the transform runs in fp32, as the Classifier's does
-            return self.transform(x, train=train) if self.transform is not None else x
+        if x.is_floating_point():  # in bf16 under bf16-true, as Lightning casts a float batch
+            x = x.float()
+        with in_float32(x):  # the transform runs in fp32, as the Classifier's does
+            x = self.transform(x, train=train) if self.transform is not None else x
+        weights = next(self.network.parameters(), None)  # bf16 under strategy.precision=bf16-true
+        return x.to(weights.dtype) if weights is not None and x.is_floating_point() else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(self.prepare(x, train=self.training))

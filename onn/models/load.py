@@ -188,13 +188,17 @@ def load_4bit(model_cfg: LanguageModelConfig, compute_dtype, cache_dir: str | os
         folder = expand(model_cfg.source) if kind == "folder" else hub_folder(model_cfg.source)
         refuse_pickle_folder(folder)
         tokenizer = tokenizer_from(folder, remote)
-    else:
+    else:  # the source's own tokenizer (a GGUF's, a builder's) is kept beside the weights: a later run reads both
         folder = Path(cache_dir) / "nf4" / model_fingerprint(model_cfg)
         if not (folder / ".complete").is_file():
             model, tokenizer = load(model_cfg, dtype=torch.float32, cache_dir=cache_dir)
             model.save_pretrained(folder, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(folder)
             (folder / ".complete").write_text("")
             del model
+        else:
+            tokenizer = tokenizer_from(str(folder), remote)
         folder = str(folder)
     quantization = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype
@@ -308,6 +312,12 @@ def finish_tokenizer(model_cfg: LanguageModelConfig, tokenizer, remote: bool):
         )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.pad_token is None:  # the batches' padding (a Collator's torch.full of None) had no id to pad with
+        raise UserError(
+            f"the tokenizer of model '{model_cfg.name}' ({tok_cfg or model_cfg.source}) has neither a pad token nor an "
+            "end-of-sequence token: give it an eos_token (its tokenizer_config.json), or set model.tokenizer to "
+            "another (`byte`, `wordpiece` or a folder)."
+        )
     return tokenizer
 
 

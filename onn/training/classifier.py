@@ -10,8 +10,9 @@ from the layer store with ClassifierObjective.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,20 @@ from onn.training.record import EpochRecord, log_train_loss
 
 LOOP = "epochs"
 log = logging.getLogger("onn")
+
+
+@contextlib.contextmanager
+def in_float32(batch: torch.Tensor) -> Iterator[None]:
+    """A transform's context: autocast off and float32 the default dtype. Under strategy.precision=bf16-true
+    Lightning makes bf16 the default inside a step, so an augmentation's random draws (a rotation, noise) came out
+    in bf16 beside its float32 inputs."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.autocast(batch.device.type, enabled=False):
+            yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 class ClassifierObjective(Objective):
@@ -133,9 +148,12 @@ class Classifier(EpochRecord, ONNModule):
     # -- the steps ------------------------------------------------------------------------------------
     def prepare(self, batch_x: torch.Tensor, train: bool) -> torch.Tensor:
         if self.inputs == "features":
-            return batch_x.float()
-        with torch.autocast(batch_x.device.type, enabled=False):  # the transform runs in fp32; the model in autocast
+            return batch_x.to(self.dtype)
+        if batch_x.is_floating_point():  # points in bf16 under bf16-true, as Lightning casts a float batch
+            batch_x = batch_x.float()
+        with in_float32(batch_x):  # the transform runs in fp32; the model in autocast
             x = self.transform(batch_x, train=train) if self.transform is not None else batch_x.float()
+        x = x.to(self.dtype)  # the weights' dtype: bf16 under strategy.precision=bf16-true, not the transform's float32
         return x.contiguous(memory_format=torch.channels_last) if self.channels_last and x.dim() == 4 else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -90,10 +90,7 @@ def make_schedule(optimizer, optim: OptimConfig, total_steps: int, monitor: str,
         scheduler = get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)
         return {"scheduler": scheduler, "interval": "step"}
     if schedule == "onecycle":
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=float(optim.lr), total_steps=total, pct_start=float(optim.pct_start)
-        )
-        return {"scheduler": scheduler, "interval": "step"}
+        return {"scheduler": one_cycle(optimizer, float(optim.lr), total, float(optim.pct_start)), "interval": "step"}
     if schedule == "step":
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=int(optim.step_size), gamma=float(optim.gamma))
         return {"scheduler": scheduler, "interval": "epoch"}
@@ -101,6 +98,30 @@ def make_schedule(optimizer, optim: OptimConfig, total_steps: int, monitor: str,
         optimizer, mode=monitor_mode(monitor), factor=float(optim.gamma), patience=int(optim.patience)
     )
     return {"scheduler": scheduler, "interval": "epoch", "monitor": monitor, "strict": False}
+
+
+def one_cycle(optimizer, lr: float, total: int, pct_start: float):
+    """torch's OneCycleLR over this run's `total` steps, peaking at `lr` after `pct_start` of them.
+
+    Two of its edges are taken off: its warm-up spans pct_start x total - 1 steps and it divides by that span, so a
+    warm-up of exactly one step (4 steps at pct_start=0.25) was a ZeroDivisionError; that warm-up ends at the first
+    step instead. And its state holds the length it was built for, so a run resumed with a larger trainer.max_steps
+    or max_epochs stepped past it ("Tried to step 7 times"): a resumed one keeps this run's length, as the other
+    schedules do (their length is not in their state), and sets the rate of its step along it (Lightning restores
+    the optimizer's, the saved run's rate, first)."""
+    import torch
+
+    class OneCycle(torch.optim.lr_scheduler.OneCycleLR):
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            length = {"total_steps": self.total_steps, "_schedule_phases": self._schedule_phases}
+            super().load_state_dict(state_dict)
+            self.__dict__.update(length)
+            self.last_epoch -= 1
+            self.step()  # the same step again, along this length: its rate and momentum into the optimizer
+
+    if pct_start * total - 1 == 0:
+        pct_start *= 1 - 1e-6
+    return OneCycle(optimizer, max_lr=lr, total_steps=total, pct_start=pct_start)
 
 
 def monitor_mode(monitor: str) -> str:

@@ -59,9 +59,12 @@ def check(trainer: TrainerConfig, *, trains: bool = True, launches: bool = True)
             "or null for none."
         )
     interval = trainer.val_check_interval
-    if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
+    number = not isinstance(interval, bool) and isinstance(interval, int | float)
+    # a fraction above 1.0 was Lightning's MisconfigurationException once the data and model were built
+    if not number or interval <= 0 or (isinstance(interval, float) and interval > 1):
         raise UserError(
-            f"trainer.val_check_interval={interval!r}: give a number of steps, or a fraction of an epoch above 0."
+            f"trainer.val_check_interval={interval!r}: give a number of steps, or a fraction of an epoch above 0 and "
+            "at most 1.0."
         )
     if trainer.gradient_clip_val is not None:  # Lightning's clipping refuses manual optimization, and ONN's own clips
         raise UserError(
@@ -435,7 +438,8 @@ def _validation_schedule(config: ONNConfig, steps_per_epoch: int | None) -> dict
     trainer = config.trainer
     interval = trainer.val_check_interval
     if isinstance(interval, int) and not isinstance(interval, bool):
-        limits = [n for n in (trainer.max_steps, steps_per_epoch) if isinstance(n, int) and n > 0]
+        batches = None if steps_per_epoch is None else limited_batches(steps_per_epoch, trainer.limit_train_batches)
+        limits = [n for n in (trainer.max_steps, batches) if isinstance(n, int) and n > 0]
         return {"val_check_interval": min([interval, *limits])}
     if config.data.modality == "text":
         raise UserError(
@@ -515,14 +519,31 @@ def share_console_with_hydra() -> None:
         logger.propagate = True
 
 
+def limited_batches(batches: int, limit: int | float | None) -> int:
+    """The training batches of an epoch of `batches` that Lightning runs under trainer.limit_train_batches (a count,
+    or a fraction of them; None: all). A fraction that leaves none is one sentence: Lightning refused it in fit."""
+    if limit is None or isinstance(limit, bool):
+        return batches
+    kept = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+    if batches and not kept and limit > 0:
+        raise UserError(
+            f"trainer.limit_train_batches={limit} of the {batches} training batches an epoch has is less than one "
+            f"batch: give at least {1 / batches:.3g}, or a number of batches."
+        )
+    return kept
+
+
 def optimizer_steps(trainer, steps_per_epoch: int) -> int | None:
     """What Trainer.estimated_stepping_batches gives, for a schedule, without setting up the training data:
     asked in configure_optimizers it sets the data up before a resumed run's loop state is restored, and
     Lightning then never gives a stateful loader its position back (a run killed mid-epoch would start that
-    epoch over). None with several processes, whose share of an epoch Lightning's own figure knows."""
+    epoch over). `steps_per_epoch`: the training loader's batches, of which trainer.limit_train_batches keeps
+    some (the schedule ended where the whole epochs would have: a cosine stopped at 3/4 of its rate). None with
+    several processes, whose share of an epoch Lightning's own figure knows."""
+    batches = limited_batches(steps_per_epoch, trainer.limit_train_batches)
     if trainer.world_size > 1:
         return None
-    per_epoch = math.ceil(steps_per_epoch / max(1, trainer.accumulate_grad_batches))
+    per_epoch = math.ceil(batches / max(1, trainer.accumulate_grad_batches))
     limits = [trainer.max_steps] if trainer.max_steps and trainer.max_steps > 0 else []
     if trainer.max_epochs is not None and trainer.max_epochs > 0:
         limits.append(per_epoch * trainer.max_epochs)

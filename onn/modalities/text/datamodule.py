@@ -49,6 +49,11 @@ def encode_counted(
     tokenizer, prompt: str, answer: str, max_length: int, special_tokens: bool = True
 ) -> tuple[list[int], list[int], int]:
     """`encode`'s ids and labels, and how many tokens the example had before it was cut to max_length."""
+    if tokenizer.eos_token_id is None:  # each answer ends in it: [..., None] was torch.tensor's TypeError in collate
+        raise UserError(
+            f"the tokenizer ({type(tokenizer).__name__}) has no end-of-sequence token, which ends every answer: give "
+            "it an eos_token (its tokenizer_config.json), or set model.tokenizer to another (`byte` or a folder)."
+        )
     prompt_ids = tokenizer(prompt, add_special_tokens=special_tokens)["input_ids"] if prompt else bos_ids(tokenizer)
     answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     whole = len(prompt_ids) + len(answer_ids)
