@@ -514,12 +514,18 @@ def _child(job, name: str, overrides: list[str]) -> dict[str, Any]:
         return {"status": "failed", "error": f"{name} ran past {CHILD_TIMEOUT_S} s and was stopped; see {name}.log"}
     (job.run_dir / f"{name}.log").write_text(proc.stdout + proc.stderr)
     try:
-        return json.loads((folder / "metrics.json").read_text())
+        ran = json.loads((folder / "metrics.json").read_text())
     except (OSError, ValueError):
         return {
             "status": "failed",
             "error": f"{name} left no metrics.json (exit {proc.returncode}); see {name}.log",
         }
+    if ran["status"] == "running":  # it ended without its last record: killed (the OOM killer, a signal)
+        return {
+            "status": "crashed",
+            "error": f"{name} stopped without its last record (exit {proc.returncode}: killed?); see {name}.log",
+        }
+    return ran
 
 
 def _text(output: bytes | str | None) -> str:

@@ -1,21 +1,23 @@
 """`task=bench_overhead`: what ONN's language-model runner costs a step, against a plain PyTorch loop.
 
 Both train the same model (the run's model, strategy and precision as planned) on the same batches from
-the same data module, with the same optimizer, schedule and gradient clipping, for `task.warmup` steps and
-then `task.steps` timed ones:
+the same data module, with the same optimizer, schedule (over `task.warmup` + `task.steps` steps) and gradient
+clipping, for `task.warmup` steps and then `task.steps` timed ones:
 
-  plain   model(**batch).loss.backward(), the optimizer's step and zero_grad, in a loop: nanoGPT's step
+  plain   model(**batch).loss.backward(), the optimizer's step and zero_grad, in a loop: nanoGPT's step, at the
+          precision Lightning runs (-mixed autocasts, 16-mixed with a GradScaler; -true casts the weights)
   onn     a run's path: the Lightning Trainer and the CausalLM module with a run's callbacks (step clock,
           resource monitor, checkpoint, progress)
 
 `overhead/ratio` = ONN's steps per second / the plain loop's, the median of `task.repeats` rounds (each
 times both sides, in alternating order: a slow spell of a shared machine hits both). Steps are timed from
 one step's start to the next (the device synchronised at each stamp), so data loading counts on both sides.
+`overhead/max_loss_gap` is the largest difference between the two sides' losses, step by step, in the first
+round: 0 (or a GPU's float noise) when both did the same work.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -52,11 +54,14 @@ def run(job) -> dict[str, Any]:
         )
     steps, warmup = task.steps, task.warmup
     rounds: dict[str, list[float]] = {"plain": [], "onn": []}
+    losses: dict[str, list[float]] = {}  # each side's, first round
     for round_ in range(task.repeats):
         sides = [("plain", lambda: _plain(job, steps, warmup)), ("onn", lambda: _onn(job, steps, warmup))]
         for name, measure in sides if round_ % 2 == 0 else sides[::-1]:
             L.seed_everything(config.seed, verbose=False)
-            rounds[name].append(measure())
+            rate, side_losses = measure()
+            rounds[name].append(rate)
+            losses.setdefault(name, side_losses)
     ratios = sorted(o / p for o, p in zip(rounds["onn"], rounds["plain"]))
     metrics = {
         "overhead/ratio": round(ratios[len(ratios) // 2], 4),
@@ -64,6 +69,7 @@ def run(job) -> dict[str, Any]:
         "overhead/plain_steps_per_s": round(max(rounds["plain"]), 2),
         "overhead/rounds": {k: [round(x, 2) for x in v] for k, v in rounds.items()},
         "overhead/timed_steps": steps,
+        "overhead/max_loss_gap": max(abs(p - o) for p, o in zip(losses["plain"], losses["onn"])),
         "overhead/device": str(job.device),
     }
     print(
@@ -84,41 +90,64 @@ def _rate(stamps: list[float], warmup: int, steps: int) -> float:
     return steps / (stamps[warmup + steps] - stamps[warmup])
 
 
-def _plain(job, steps: int, warmup: int) -> float:
-    """nanoGPT's loop on the module the plan builds: steps per second after `warmup`."""
+def _plain_precision(precision: str) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(the weights' dtype, the autocast dtype) of Lightning's `precision` (or its alias: 16, bf16, 32, 64), as its
+    plugin runs a step: -true converts the module and autocasts nothing, -mixed autocasts over the built weights."""
+    kind, _, mode = str(precision).partition("-")
+    dtype = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}.get(kind)
+    if mode == "true" or kind == "64":
+        return dtype, None
+    return None, dtype
+
+
+def _plain(job, steps: int, warmup: int) -> tuple[float, list[float]]:
+    """nanoGPT's loop on the module the plan builds, at the Trainer's precision: steps per second after `warmup`,
+    and each step's loss (read after the steps)."""
     from onn.modalities.text.tasks import build, datamodule
     from onn.training.optim import make_optimizer, make_schedule
 
     config, plan = job.config, job.plan
     device = torch.device(job.device)
     module, tokenizer = build(config, plan)
+    weights, half = _plain_precision(_precision(config, plan))
     model = module.model.to(device).train()
+    if weights is not None:  # bf16-true, 16-true, 64-true: Lightning trains the converted weights
+        model.to(weights)
     loader = datamodule(config, tokenizer).train_dataloader()
     optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], config.optim)
     scheduler = make_schedule(optimizer, config.optim, warmup + steps, "val/loss", epochs=False)["scheduler"]
     clip = config.optim.clip_grad_norm
-    half = {"bf16": torch.bfloat16, "16": torch.float16}.get(plan.precision.split("-")[0])
+    scaler = torch.amp.GradScaler(device.type, enabled=half is torch.float16)  # as Lightning's 16-mixed scales
     stamps: list[float] = []
+    losses: list[torch.Tensor] = []
     for batch in epochs(loader, warmup + steps + 1):  # as many epochs as the steps take, as the Trainer runs
         _sync(device)
         stamps.append(time.perf_counter())
         if len(stamps) > warmup + steps:
             break
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        autocast = torch.autocast(device.type, dtype=half) if half else contextlib.nullcontext()
-        with autocast:
+        with torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None):
             loss = model(**batch).loss
-        loss.backward()
-        if clip > 0:
+        scaler.scale(loss).backward()
+        if clip > 0:  # after the unscale, as Lightning clips
+            scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-    return _rate(stamps, warmup, steps)
+        losses.append(loss.detach())
+    return _rate(stamps, warmup, steps), [float(x) for x in losses]
 
 
-def _onn(job, steps: int, warmup: int) -> float:
-    """A run's path: Trainer, CausalLM and a run's callbacks; steps per second after `warmup`."""
+def _precision(config, plan) -> str:
+    """What ONN's Trainer runs with: trainer.precision, or where it is auto the plan's."""
+    precision = config.trainer.precision
+    return plan.precision if precision in (None, "auto") else str(precision)
+
+
+def _onn(job, steps: int, warmup: int) -> tuple[float, list[float]]:
+    """A run's path: Trainer, CausalLM and a run's callbacks; steps per second after `warmup`, and each step's loss."""
     import lightning as L
 
     from onn.modalities.text.tasks import build, datamodule, trainer
@@ -137,7 +166,11 @@ def _onn(job, steps: int, warmup: int) -> float:
             _sync(device)
             stamps.append(time.perf_counter())
 
-    module, tokenizer = build(config, plan)
+    run_trainer = dataclasses.replace(
+        config.trainer, max_steps=warmup + steps, limit_val_batches=0, num_sanity_val_steps=0
+    )
+    run_config = dataclasses.replace(config, trainer=run_trainer)
+    module, tokenizer = build(run_config, plan)  # its schedule spans the run's steps, as the plain loop's does
     dm = datamodule(config, tokenizer)
     folder = job.run_dir / "onn_side"
     # the stamps first: the end of training is stamped before the checkpoint is written
@@ -147,11 +180,7 @@ def _onn(job, steps: int, warmup: int) -> float:
         StepClock(),
         ResourceMonitor(config.trainer.log_every_n_steps),
     ]
-    run_trainer = dataclasses.replace(
-        config.trainer, max_steps=warmup + steps, limit_val_batches=0, num_sanity_val_steps=0
-    )
-    run_config = dataclasses.replace(config, trainer=run_trainer)
     fit = trainer(run_config, plan, folder, callbacks, steps_per_epoch=dm.steps_per_epoch)
     module.train()
     fit.fit(module, datamodule=dm)
-    return _rate(stamps, warmup, steps)
+    return _rate(stamps, warmup, steps), list(module.train_losses)

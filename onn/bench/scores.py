@@ -22,7 +22,8 @@ MAX_RELABELLINGS = 20_000
 
 
 def learned(losses: list[float], alpha: float = 0.05) -> tuple[bool, float | None]:
-    """(learned, p) for a run's per-step losses; (False, None) with fewer than 10 steps.
+    """(learned, p) for a run's per-step losses; (False, None) with fewer than 10 steps, or where the fifths
+    compared hold a loss that is not finite (a run that diverged): scipy gives a NaN statistic a p of 0.
 
     scipy's permutation test of the first fifth's mean against the last fifth's, one-sided: every
     relabelling when there are at most MAX_RELABELLINGS, else that many seeded draws."""
@@ -32,7 +33,9 @@ def learned(losses: list[float], alpha: float = 0.05) -> tuple[bool, float | Non
     fifth = len(losses) // 5
     if fifth < 2:
         return False, None
-    first, last = np.asarray(losses[:fifth]), np.asarray(losses[-fifth:])
+    first, last = np.asarray(losses[:fifth], dtype=float), np.asarray(losses[-fifth:], dtype=float)
+    if not (np.isfinite(first).all() and np.isfinite(last).all()):
+        return False, None
     result = permutation_test(
         (first, last),
         lambda a, b, axis: a.mean(axis=axis) - b.mean(axis=axis),
