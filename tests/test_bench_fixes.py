@@ -105,3 +105,15 @@ def test_a_child_run_killed_without_a_record_is_named_so_and_leaves_bench_gpus_f
     assert json.loads(record.read_text())["status"] == "running"  # what the killed run left
     assert ran["status"] != "ok" and "endless" in ran["error"]
     assert _figures(ran, {"gpu/default_job_ratio": "overhead/ratio"}) == {"gpu/default_job_ratio": None}
+
+
+def test_accelerate_is_not_measured_where_the_budget_leaves_it_no_gpu_memory():
+    """bench_gpu gives accelerate the budget less the CUDA context and 1 GB: at hardware.budget_mb=1536 with a 742 MB
+    context (the H200's) that was -230 MB, so accelerate placed every layer on the host and failed on the inputs
+    sent to the GPU. The figure says why it is missing instead; nothing is built before."""
+    from onn.bench.gpu import _accelerate
+
+    plan = SimpleNamespace(budget_mb=1536.0, context_mb=742.0)
+    job = SimpleNamespace(plan=plan, config=SimpleNamespace(task=SimpleNamespace(gen_tokens=8)))
+    said = _accelerate(job, {}, None, [], {})["gpu/vs_accelerate"]
+    assert said == "not measured: hardware.budget_mb=1536 leaves accelerate no GPU memory beside the context and 1 GB"

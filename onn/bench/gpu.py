@@ -386,6 +386,10 @@ def _accelerate(
     from onn.models.load import architecture, auto_class
 
     config, plan, tokens = job.config, job.plan, job.config.task.gen_tokens
+    gpu_mb = int(plan.budget_mb - plan.context_mb - 1024)
+    if gpu_mb <= 0:  # accelerate would place nothing on the GPU, and fail on the inputs given there
+        said = f"hardware.budget_mb={plan.budget_mb:g} leaves accelerate no GPU memory beside the context and 1 GB"
+        return {"gpu/vs_accelerate": f"not measured: {said}"}
     dtype = getattr(torch, plan.streaming.compute_dtype)
     arch = architecture(config.model)
     with init_empty_weights(include_buffers=False):
@@ -399,16 +403,15 @@ def _accelerate(
     # docs ask for headroom): the allocator's cap is lifted for it, max_memory keeps the budget less the
     # context and 1 GB for those, and its peak is reported beside
     torch.cuda.set_per_process_memory_fraction(1.0)
-    gpu_mb = int(plan.budget_mb - plan.context_mb - 1024)
     host_mb = int(job.hardware.host_memory_available_mb * 0.9)
     device_map = infer_auto_device_map(
         model,
-        max_memory={0: f"{gpu_mb}MiB", "cpu": f"{host_mb}MiB"},
+        max_memory={torch.cuda.current_device(): f"{gpu_mb}MiB", "cpu": f"{host_mb}MiB"},
         no_split_module_classes=model._no_split_modules,
         dtype=dtype,
     )
     model = dispatch_model(model, device_map=device_map).eval()
-    on_gpu = sum(1 for where in device_map.values() if where == 0)
+    on_gpu = sum(1 for where in device_map.values() if where == torch.cuda.current_device())
 
     class Stamps:  # a generation streamer: put() per new token (the first call is the prompt)
         def __init__(self, on_token):
@@ -425,8 +428,8 @@ def _accelerate(
     def generate(ids, mask, on_token):
         with torch.no_grad():
             model.generate(
-                input_ids=ids.to(0),
-                attention_mask=mask.to(0),
+                input_ids=ids.to(torch.cuda.current_device()),
+                attention_mask=mask.to(torch.cuda.current_device()),
                 max_new_tokens=tokens,
                 min_new_tokens=tokens,
                 do_sample=False,
