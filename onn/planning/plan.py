@@ -1002,7 +1002,7 @@ def _with_tuned(plan: Plan, cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Pla
 
 
 def _weights_dtype(strategy: str, precision: str, hw: Profile) -> str:
-    if strategy == "full" or precision == "32-true":
+    if strategy == "full" or precision in ("32-true", "64-true"):  # 64-true: Lightning casts float32 up, not float16
         return "float32"
     if precision.startswith("bf16"):
         return "bfloat16"

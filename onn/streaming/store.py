@@ -1,11 +1,11 @@
 """The layer store: frozen block weights kept off the compute device, one block at a time.
 
 `disk`: one safetensors file per block in a folder keyed by the model's fingerprint, each with a
-`.done` marker that records the file's size and the store's format; a block whose file or marker is missing or whose
-size or format disagrees is rebuilt, never used. A block file is written to a temporary name, synced,
-renamed, and only then marked, so a build killed at any moment leaves whole blocks (reused) and
-at most one unmarked file (rebuilt). `cpu`: the same tensors held in host memory (pinned when a
-GPU will read them).
+`.done` marker that records the file's size and the store's format (and, for weights written from memory, their
+digest); a block whose file or marker is missing or whose size, format or digest disagrees is rebuilt, never
+used. A block file is written to a temporary name, synced, renamed, and only then marked, so a build killed at
+any moment leaves whole blocks (reused) and at most one unmarked file (rebuilt). `cpu`: the same tensors held in
+host memory (pinned when a GPU will read them).
 
 Reads from disk are whole files, straight into a buffer the caller reuses, with O_DIRECT where the
 file system allows it: the disk's DMA fills the buffer, the page cache is neither used nor filled
@@ -22,6 +22,7 @@ in the quantized stores.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -108,10 +109,20 @@ class LayerStore:
                 return False
             if shapes is not None and (recorded["shapes"] != shapes or recorded["dtype"] != self.dtype):
                 return False
-            self._layouts[index] = read_layout(path)
+            layout = read_layout(path)
+            if shapes is not None and not self._holds(layout, shapes):
+                return False
+            self._layouts[index] = layout
         except (OSError, ValueError, KeyError, TypeError, OverflowError, struct.error):  # damaged: rebuilt
             return False
         return True
+
+    def _holds(self, layout: Layout, shapes: dict[str, list[int]]) -> bool:
+        """Whether a block file holds each weight in its shape (nf4 packs its codes: their shape is the file's
+        `name.shape`). An int8 store written before codes kept their weight's shape holds a convolution's as rows."""
+        if self.dtype == "nf4":
+            return all(name in layout.tensors for name in shapes)
+        return all(name in layout.tensors and layout.tensors[name][1] == shape for name, shape in shapes.items())
 
     @contextlib.contextmanager
     def building(self) -> Iterator[None]:
@@ -153,12 +164,25 @@ class LayerStore:
         return UserError(f"the layer store folder {folder} cannot be used: {error.strerror or error}; {elsewhere}.")
 
     def fill(self, blocks: dict[int | str, dict[str, torch.Tensor]]) -> None:
-        """Store each block's frozen tensors (disk: only blocks without a complete file are written)."""
+        """Store each block's frozen tensors (disk: only blocks without a complete file of these same values are
+        written). The weights are in memory here, so a block file is reused only when its marker records their
+        digest: the folder's key (model.source's stat, its architecture and dtype) does not see weights a Python
+        builder draws from the run's seed or reads from another file, and another run's values were used silently."""
         shapes = {i: {n: list(t.shape) for n, t in tensors.items()} for i, tensors in blocks.items()}
+        digests = {i: digest(tensors) for i, tensors in blocks.items()} if self.kind == "disk" else {}
         self.rebuilt = []
         with self.building():
-            for i in self.missing(shapes):
-                self.write(i, blocks[i])
+            missing = self.missing(shapes)
+            for i in blocks:
+                if i in missing or self._recorded_digest(i) != digests[i]:
+                    self.write(i, blocks[i], digests.get(i))
+
+    def _recorded_digest(self, index: int | str) -> str | None:
+        """The digest of the values a complete block file was written from (None: written without one)."""
+        try:
+            return json.loads(self._marker(index).read_text()).get("digest")
+        except (OSError, ValueError, AttributeError):
+            return None
 
     def missing(self, shapes: dict[int | str, dict[str, list[int]]]) -> list[int | str]:
         """The blocks that must be written (all of them in memory; on disk those without a complete
@@ -185,8 +209,9 @@ class LayerStore:
             )
         return missing
 
-    def write(self, index: int | str, tensors: dict[str, torch.Tensor]) -> None:
-        """Store one block (atomically on disk: synced, renamed, and the marker written last)."""
+    def write(self, index: int | str, tensors: dict[str, torch.Tensor], values: str | None = None) -> None:
+        """Store one block (atomically on disk: synced, renamed, and the marker written last); `values`: the
+        tensors' `digest`, recorded in the marker when given."""
         self.rebuilt.append(index)
         encoded = self.encode(tensors)
         if self.kind == "cpu":
@@ -206,6 +231,8 @@ class LayerStore:
         shapes = {n: list(t.shape) for n, t in tensors.items()}
         size = path.stat().st_size
         marker = {"bytes": size, "shapes": shapes, "dtype": self.dtype, "format": STORE_FORMAT}
+        if values is not None:
+            marker["digest"] = values
         self._marker(index).write_text(json.dumps(marker))
         self._layouts[index] = read_layout(path)
         if self.progress is not None:
@@ -398,6 +425,16 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     evict(path)
 
 
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    """A block's values, as a short hash of each tensor's name, dtype, shape and bytes (one pass over memory)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{list(t.shape)};".encode())
+        h.update(memoryview(t.view(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
 def stored_bytes(shapes: dict[str, list[int]], dtype: str) -> int:
     """A block's file size in a store of `dtype` (header aside): small tensors stay float32 when quantized."""
     total = 0
@@ -410,18 +447,19 @@ def stored_bytes(shapes: dict[str, list[int]], dtype: str) -> int:
 
 def quantize_int8(t: torch.Tensor, rows_at_once: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 with one fp32 scale per row (per output channel of a weight): codes shaped as the
-    tensor, scales shaped [rows, 1]. Per-row scales let the engine compute with the cast codes and scale
-    the layer's output instead, so decoding is one cast. Rows are quantized `rows_at_once` at a time, on the
-    tensor's device, so the float32 temporaries stay small beside a large weight."""
-    t = t.reshape(t.shape[0], -1)
-    codes = torch.empty(t.shape, dtype=torch.int8, device=t.device)
-    scale = torch.empty(t.shape[0], 1, dtype=torch.float32, device=t.device)
-    for a in range(0, t.shape[0], rows_at_once):
-        part = t[a : a + rows_at_once].float()
+    tensor, scales shaped [rows, 1, ...] (one 1 per further dimension, so they broadcast over a convolution's
+    kernel too). Per-row scales let the engine compute with the cast codes and scale the layer's output
+    instead, so decoding is one cast. Rows are quantized `rows_at_once` at a time, on the tensor's device, so
+    the float32 temporaries stay small beside a large weight."""
+    shape, rows = t.shape, t.reshape(t.shape[0], -1)
+    codes = torch.empty(rows.shape, dtype=torch.int8, device=t.device)
+    scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=t.device)
+    for a in range(0, rows.shape[0], rows_at_once):
+        part = rows[a : a + rows_at_once].float()
         s = part.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
         codes[a : a + rows_at_once] = (part / s).round_().clamp_(-127, 127)
         scale[a : a + rows_at_once] = s
-    return codes, scale
+    return codes.view(shape), scale.view(shape[0], *[1] * (len(shape) - 1))
 
 
 def dequantize_int8(

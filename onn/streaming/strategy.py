@@ -108,6 +108,9 @@ class Streams:
     def setup(self, trainer) -> None:
         module = self.lightning_module
         if self.engine is None:
+            # a `-true` precision (bf16-true, 64-true) casts the model in super().setup: cast it before the engine
+            # takes its compute dtype from the blocks' weights, or the frozen weights decode in the model's old dtype
+            self.model = self.precision_plugin.convert_module(self.model)
             # the store the model was loaded into (a host-memory store holds its blocks already)
             store = module.store or layer_store(self.settings, self.store_root, self.root_device)
             self.engine = build_engine(
