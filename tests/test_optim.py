@@ -110,6 +110,7 @@ def test_a_resumed_optimizer_steps_at_the_rate_its_schedule_had_reached(tmp_path
     states = load(tmp_path / "last.ckpt")["lr_schedulers"]
     optimizer, scheduler = built()
     scheduler.load_state_dict(states[0])  # what Lightning restores
-    assert [g["lr"] for g in optimizer.param_groups] != reached
+    if schedule == "plateau":  # transformers' schedules set their step's rate as they load (follows_this_run)
+        assert [g["lr"] for g in optimizer.param_groups] != reached
     restore_learning_rates([LRSchedulerConfig(scheduler)], states)
     assert [g["lr"] for g in optimizer.param_groups] == pytest.approx(reached) and reached[0] < optim.lr

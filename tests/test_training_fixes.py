@@ -202,3 +202,56 @@ def test_a_tokenizer_with_neither_pad_nor_eos_token_is_one_sentence(tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=bare).save_pretrained(tmp_path / "tokenizer")
     with pytest.raises(UserError, match=r"has neither a pad token nor an end-of-sequence token: give it an eos_token"):
         execute_run(tmp_path, tmp_path / "cache", "trainer.max_steps=2", f"model.tokenizer={tmp_path / 'tokenizer'}")
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_a_schedule_resumed_for_more_steps_sets_this_runs_rate_at_its_first_step(schedule):
+    """A 2-step run resumed with max_steps=4: the schedule stretches to 4 steps (its state holds no length), but
+    Lightning restores the optimizer first, with the 2-step run's rate (its warm-up over, the full rate), and the
+    first resumed step trained at it where the 4-step schedule is half way up its warm-up."""
+    from onn.training.optim import make_schedule
+
+    optim = compose("optim.warmup_steps=100", f"optim.schedule={schedule}").optim
+
+    def scheduled(total: int):
+        weight = torch.nn.Parameter(torch.zeros(2))
+        optimizer = torch.optim.AdamW([weight], lr=0.004)
+        return optimizer, make_schedule(optimizer, optim, total, "val/loss")["scheduler"]
+
+    short, short_schedule = scheduled(2)
+    for _ in range(2):
+        short.step()
+        short_schedule.step()
+    longer, longer_schedule = scheduled(4)
+    longer.load_state_dict(short.state_dict())  # Lightning's order: the optimizer, then its schedule
+    longer_schedule.load_state_dict(short_schedule.state_dict())
+    unbroken, unbroken_schedule = scheduled(4)
+    for _ in range(2):
+        unbroken.step()
+        unbroken_schedule.step()
+    assert longer.param_groups[0]["lr"] == unbroken.param_groups[0]["lr"] == pytest.approx(0.002)
+    longer.step()
+    longer_schedule.step()
+    unbroken.step()
+    unbroken_schedule.step()
+    assert longer.param_groups[0]["lr"] == unbroken.param_groups[0]["lr"]
+
+
+def test_a_resumed_run_draws_the_dropout_masks_of_the_unbroken_one(tmp_path):
+    """Each iterator a DataLoader starts drew its base seed from torch's global generator, which LoRA's dropout draws
+    from too: the resumed run starts a training iterator the unbroken run did not (and the shorter run validated
+    where the unbroken one did not), so from the first resumed step the masks, and the losses, were others."""
+    args = ("strategy=lora", "strategy.lora.dropout=0.1", "optim.schedule=constant", "optim.warmup_steps=0",
+            "data=math", "data.max_length=32", "task.exact_match_samples=0", "task.validate_before=false")  # fmt: skip
+    whole = execute_run(tmp_path, tmp_path / "cache", *args, "trainer.max_steps=3", name="whole")
+    execute_run(tmp_path, tmp_path / "cache", *args, "trainer.max_steps=2", name="first")
+    resumed = execute_run(
+        tmp_path,
+        tmp_path / "cache",
+        *args,
+        "trainer.max_steps=3",
+        f"ckpt={tmp_path / 'first' / 'checkpoints' / 'last.ckpt'}",
+        name="resumed",
+        given={"trainer.max_steps", "ckpt"},
+    )
+    assert resumed["train/loss_curve"] == whole["train/loss_curve"]

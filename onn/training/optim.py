@@ -88,7 +88,7 @@ def make_schedule(optimizer, optim: OptimConfig, total_steps: int, monitor: str,
         kind = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[schedule]
         warmup = min(int(optim.warmup_steps), total)
         scheduler = get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)
-        return {"scheduler": scheduler, "interval": "step"}
+        return {"scheduler": follows_this_run(scheduler), "interval": "step"}
     if schedule == "onecycle":
         return {"scheduler": one_cycle(optimizer, float(optim.lr), total, float(optim.pct_start)), "interval": "step"}
     if schedule == "step":
@@ -98,6 +98,22 @@ def make_schedule(optimizer, optim: OptimConfig, total_steps: int, monitor: str,
         optimizer, mode=monitor_mode(monitor), factor=float(optim.gamma), patience=int(optim.patience)
     )
     return {"scheduler": scheduler, "interval": "epoch", "monitor": monitor, "strict": False}
+
+
+def follows_this_run(scheduler):
+    """transformers' schedule (a LambdaLR over this run's length) that, resumed, sets the rate of its step along this
+    run's length. Its state holds no length, so a run resumed with a larger trainer.max_steps stretches the schedule,
+    but Lightning restores the optimizer first, with the saved run's rate, and the first resumed step trained at it
+    (a warm-up of 2 steps ended at the full rate where the longer run's was half way)."""
+    import torch
+
+    class FollowsThisRun(torch.optim.lr_scheduler.LambdaLR):
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            super().load_state_dict(state_dict)
+            self.last_epoch -= 1
+            self.step()  # the same step again: its rate along this run's length into the optimizer
+
+    return FollowsThisRun(scheduler.optimizer, scheduler.lr_lambdas)
 
 
 def one_cycle(optimizer, lr: float, total: int, pct_start: float):

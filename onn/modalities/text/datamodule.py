@@ -28,7 +28,7 @@ from onn.errors import UserError
 from onn.modalities.text.formats import Records, read_records
 from onn.modalities.text.prompts import Prompter
 from onn.modalities.text.sources import load_splits
-from onn.modalities.text.stream_loader import ShuffledStream, batches_per_epoch, stream_loader
+from onn.modalities.text.stream_loader import ShuffledStream, batches_per_epoch, own_generator, stream_loader
 from onn.modalities.text.streaming import VAL_MAX, open_reader, streaming_choice
 
 log = logging.getLogger("onn")
@@ -320,6 +320,7 @@ class TextDataModule(L.LightningDataModule):
             collate_fn=collate,
             num_workers=self.cfg.num_workers,
             pin_memory=self._pins(),
+            generator=own_generator(self.seed),
         )
 
     def val_dataloader(self) -> DataLoader:
@@ -331,6 +332,7 @@ class TextDataModule(L.LightningDataModule):
             collate_fn=Collator(self.tokenizer.pad_token_id),
             # a layer-streamed model's held-out batches stay on the host (transfer_batch_to_device)
             pin_memory=self._pins() and self.trainer.lightning_module.engine is None,
+            generator=own_generator(self.seed),
         )
 
     @property

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -120,6 +121,13 @@ def check_resume(state: dict[str, Any], dataset: ShuffledStream, num_workers: in
         )
 
 
+def own_generator(seed: int) -> torch.Generator:
+    """A loader's own generator: each iterator a DataLoader starts draws its workers' base seed from it, and without
+    one from torch's global generator, which dropout draws from too. A resumed run starts an iterator the unbroken
+    run did not (and a run validating where the other did not, another), so its dropout masks came out otherwise."""
+    return torch.Generator().manual_seed(int(seed))
+
+
 def stream_loader(dataset: ShuffledStream, batch_size: int, collate_fn, num_workers: int, pin_memory: bool):
     """A StatefulDataLoader with an exact length (so Lightning does not fetch a batch ahead, which would
     put the saved position one batch past the last trained one) and an epoch counter in its state."""
@@ -127,7 +135,12 @@ def stream_loader(dataset: ShuffledStream, batch_size: int, collate_fn, num_work
     class StreamLoader(StatefulDataLoader):
         def __init__(self):
             super().__init__(
-                dataset, batch_size=batch_size, collate_fn=collate_fn, num_workers=num_workers, pin_memory=pin_memory
+                dataset,
+                batch_size=batch_size,
+                collate_fn=collate_fn,
+                num_workers=num_workers,
+                pin_memory=pin_memory,
+                generator=own_generator(dataset.seed),
             )
             self.next_epoch = 0
 
