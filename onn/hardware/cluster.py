@@ -18,25 +18,33 @@ RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID
 LAUNCHED_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID")
 
 
+def rank_variable(name: str) -> int | None:
+    """A launcher's rank variable as a number, or None where it is unset or holds no rank: empty, or -1, which
+    Hugging Face's scripts and some images export to say "not distributed" (read as a rank, a run alone wrote
+    none of its files, and a stray value such as "1 " ended the run in a traceback)."""
+    value = os.getenv(name, "").strip()
+    return int(value) if value.isdigit() else None
+
+
 def rank() -> int:
     """This process's global rank as its launcher gave it (0 when it runs alone or is the first)."""
     for name in ("RANK", "SLURM_PROCID"):
-        if os.getenv(name, "").isdigit():
-            return int(os.environ[name])
-    local, node = int(os.getenv("LOCAL_RANK") or 0), int(os.getenv("NODE_RANK") or 0)
+        if (value := rank_variable(name)) is not None:
+            return value
+    local, node = rank_variable("LOCAL_RANK") or 0, rank_variable("NODE_RANK") or 0
     return local if node == 0 else max(1, node * 1000 + local)  # node > 0: not rank 0, number unknown here
 
 
 def is_rank_zero() -> bool:
     """True in the one process that writes the run's record, config, plan, adapters and exports."""
-    return all((os.getenv(name) or "0") == "0" for name in RANK_VARIABLES)
+    return all(rank_variable(name) in (None, 0) for name in RANK_VARIABLES)
 
 
 def local_rank() -> int:
     """This process's rank on its node (0 when it runs alone): which of the node's GPUs is its own."""
     for name in ("LOCAL_RANK", "SLURM_LOCALID"):
-        if os.getenv(name, "").isdigit():
-            return int(os.environ[name])
+        if (value := rank_variable(name)) is not None:
+            return value
     return 0
 
 
@@ -83,4 +91,4 @@ def use_own_gpu() -> None:
 
 def launched() -> bool:
     """True in a process a launcher started as one rank of several (its peers are already on their way)."""
-    return any(name in os.environ for name in LAUNCHED_VARIABLES)
+    return any(rank_variable(name) is not None for name in LAUNCHED_VARIABLES)

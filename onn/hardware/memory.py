@@ -87,7 +87,14 @@ def is_out_of_memory(error: BaseException) -> bool:
 def cap_gpu_memory(mb: float) -> None:
     """Hold PyTorch's CUDA allocator to `mb` (hardware.budget_mb less the context): a run planned for a
     smaller card than this one allocates as that card would let it, and an allocation beyond it is an
-    out-of-memory error (which the training step's back-off handles) rather than a quiet overshoot."""
+    out-of-memory error (which the training step's back-off handles) rather than a quiet overshoot. A budget the
+    context alone fills is one sentence: a cap of nothing failed every allocation, and the back-off with them."""
+    if mb <= 0:
+        raise UserError(
+            f"hardware.budget_mb is {-mb:,.0f} MB short of the CUDA context this process holds beside its tensors "
+            "(plan.yaml's context_mb), which leaves PyTorch nothing to allocate: give a budget above the context, or "
+            "null for the whole GPU."
+        )
     import torch
 
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
@@ -139,9 +146,21 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
             "strategy.streaming.cache_blocks=N)."
         ) from None
     # the storage object lives as long as any tensor views it
-    unregister = weakref.finalize(raw.untyped_storage(), pins.unpin_memory, start)
+    unregister = weakref.finalize(raw.untyped_storage(), _unpin, start)
     unregister.atexit = False  # at exit the CUDA context may be gone before the storage
     return raw[offset : offset + nbytes]
+
+
+def _unpin(start: int) -> None:
+    """Unregister what pinned_empty registered at `start`. A CUDA context that failed (a device-side assert is
+    sticky) refuses every call: the run reports that error once, where torch's own unpin raised an AssertionError
+    that Python printed as a traceback for every freed buffer (a layer store frees one per tensor)."""
+    from torch.cuda import _pin_memory_utils as pins
+
+    try:
+        pins.unpin_memory(start)
+    except (AssertionError, RuntimeError) as error:
+        log.debug("page-locked host memory was not unregistered: %s", error)
 
 
 def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:

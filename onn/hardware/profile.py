@@ -36,7 +36,7 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import psutil
@@ -419,69 +419,98 @@ def use_threads(threads: int | None) -> int | None:
     return before
 
 
-CGROUP = Path("/sys/fs/cgroup")  # this process's cgroup (v2) as a container sees it; v1 keeps its own folders
+CGROUP = Path("/sys/fs/cgroup")  # the cgroups (v2) as this process sees them; v1 keeps a folder per controller
+OWN_CGROUP = Path("/proc/self/cgroup")  # which cgroup of each hierarchy this process is in
 
 
 def usable_cores() -> int:
     """The cores this process may run on: its CPU affinity (taskset), under a cgroup's CPU quota where one is set
     (a container's --cpus), which the scheduler would otherwise enforce by stalling every thread."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    quota, period = (
-        _cgroup_value("cpu.max", "cpu/cpu.cfs_quota_us"),
-        _cgroup_value("cpu.max", "cpu/cpu.cfs_period_us", 1),
-    )
-    if quota is not None and period:
-        cores = min(cores, max(1, math.ceil(quota / period)))
+    found = _cgroup_limit("cpu.max", "cpu/cpu.cfs_quota_us")
+    if found is not None:
+        quota, folder, v2 = found
+        period = _number(folder / "cpu.max", 1) if v2 else _number(folder / "cpu.cfs_period_us")
+        if period:
+            cores = min(cores, max(1, math.ceil(quota / period)))
     return cores
 
 
 def host_memory_mb() -> int:
-    """The host's memory, or a cgroup's memory limit where it is lower (a container's --memory)."""
-    limit = _cgroup_value("memory.max", "memory/memory.limit_in_bytes")
+    """The host's memory, or a cgroup's memory limit where it is lower (a container's --memory, a SLURM job's
+    --mem)."""
+    found = _cgroup_limit("memory.max", "memory/memory.limit_in_bytes")
     total = psutil.virtual_memory().total
-    return int(min(total, limit if limit is not None else total) // MB)
+    return int(min(total, found[0] if found is not None else total) // MB)
 
 
 def available_memory_mb() -> int:
     """Memory available now: the host's, or what a cgroup's limit leaves beside its usage where that is less (past
     it the kernel's OOM killer ends the run, with no out-of-memory error to back off from)."""
     available = psutil.virtual_memory().available
-    limit = _cgroup_value("memory.max", "memory/memory.limit_in_bytes")
-    if limit is not None:
-        used = _cgroup_value("memory.current", "memory/memory.usage_in_bytes") or 0
-        used -= _reclaimable(("memory.stat", "inactive_file"), ("memory/memory.stat", "total_inactive_file"))
+    found = _cgroup_limit("memory.max", "memory/memory.limit_in_bytes")
+    if found is not None:
+        limit, folder, v2 = found
+        used = _number(folder / ("memory.current" if v2 else "memory.usage_in_bytes")) or 0
+        used -= _reclaimable(folder / "memory.stat", "inactive_file" if v2 else "total_inactive_file")
         available = min(available, max(0, limit - used))
     return int(available // MB)
 
 
-def _reclaimable(*sources: tuple[str, str]) -> int:
-    """The cgroup's inactive file cache (the kernel reclaims it before it kills), which its usage counts: the
-    first of `sources` ((file, key) of memory.stat, v2's then v1's) that has it, as `docker stats` reads it."""
-    for name, key in sources:
-        try:
-            lines = (CGROUP / name).read_text().splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            field, _, value = line.partition(" ")
-            if field == key and value.strip().isdigit():
-                return int(value)
+def _reclaimable(stat: Path, key: str) -> int:
+    """The cgroup's inactive file cache (the kernel reclaims it before it kills), which its usage counts: `key` of
+    its memory.stat (v2's inactive_file, v1's total_inactive_file), as `docker stats` reads it."""
+    try:
+        lines = stat.read_text().splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        field, _, value = line.partition(" ")
+        if field == key and value.strip().isdigit():
+            return int(value)
     return 0
 
 
-def _cgroup_value(v2: str, v1: str, field: int = 0) -> int | None:
-    """A number from a cgroup file (v2's, else v1's; `field`: which of v2's space-separated values), or None where
-    there is none or it says there is no limit ("max", v1's huge "unlimited")."""
-    for name, index in ((v2, field), (v1, 0)):
-        try:
-            parts = (CGROUP / name).read_text().split()
-        except OSError:
-            continue
-        value = parts[index] if index < len(parts) else ""
-        if not value.lstrip("-").isdigit() or int(value) < 0 or int(value) >= 2**60:
-            return None
-        return int(value)
+def _cgroup_folders(v1_controller: str) -> list[tuple[Path, bool]]:
+    """The folders of the cgroups that hold this process, innermost first, each with whether it is v2's: its own
+    cgroup (OWN_CGROUP) and each above it up to the root, v2's, then v1's `v1_controller`'s. A container's
+    namespace makes its own cgroup the root; without one (a SLURM job's --mem, a systemd slice's MemoryMax) the
+    limit is in the own cgroup's folder, which reading the root alone missed: the plan took the whole node's
+    memory, and the kernel's OOM killer ended the run."""
+    own: dict[str, str] = {}
+    try:
+        for line in OWN_CGROUP.read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            own.update({name: path for name in (controllers.split(",") if controllers else [""])})
+    except (OSError, ValueError):
+        pass
+    folders = []
+    for base, key, v2 in ((CGROUP, "", True), (CGROUP / v1_controller, v1_controller, False)):
+        inner = PurePosixPath("/", own.get(key, "/")).relative_to("/")
+        folders += [(base / folder, v2) for folder in (inner, *inner.parents)]
+    return folders
+
+
+def _cgroup_limit(v2: str, v1: str, field: int = 0) -> tuple[int, Path, bool] | None:
+    """The innermost limit set on this process's cgroups: a number from file `v2` (its `field`-th value) or `v1`
+    ("controller/file"), the folder that holds it and whether that is v2's; None where none sets one ("max", v1's
+    -1 or huge "unlimited")."""
+    controller, _, v1_file = v1.partition("/")
+    for folder, is_v2 in _cgroup_folders(controller):
+        value = _number(folder / v2, field) if is_v2 else _number(folder / v1_file)
+        if value is not None and value < 2**60:
+            return value, folder, is_v2
     return None
+
+
+def _number(path: Path, field: int = 0) -> int | None:
+    """The `field`-th space-separated value of a cgroup file as a whole number, or None (no file, "max", -1)."""
+    try:
+        parts = path.read_text().split()
+    except OSError:
+        return None
+    value = parts[field] if field < len(parts) else ""
+    return int(value) if value.isdigit() else None
 
 
 def machine_fingerprint() -> str:

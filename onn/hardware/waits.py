@@ -20,8 +20,27 @@ READ_VALUES = frozenset(
         aten._unique2.default,
         aten.unique_dim.default,
         aten.unique_consecutive.default,
+        aten.equal.default,  # a bool on the host, as torch.allclose's
+        aten.allclose.default,
     }
 )
+# ops that write through indices: a boolean mask among them is turned into positions (nonzero) first
+INDEX_PUT = frozenset({aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default})
+
+
+def _by_mask(indices) -> bool:
+    """Whether an index list holds a boolean mask, whose positions the op counts on the host."""
+    return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
+
+
+def _fills_by_mask(args: tuple, kwargs: dict) -> bool:
+    """index_put_'s own shortcut to masked_fill_, which waits for nothing: one mask on the tensor's device, one
+    value on the host (as `x[mask] = 0.0` gives it on a GPU), not accumulated."""
+    target, indices, values = args[:3]
+    accumulate = kwargs.get("accumulate", args[3] if len(args) > 3 else False)
+    masks = [i for i in indices if i is not None]
+    one_mask = len(masks) == 1 and masks[0].device == target.device
+    return not accumulate and one_mask and values.numel() == 1 and values.device.type == "cpu"
 
 
 def makes_the_host_wait(func, args: tuple, kwargs: dict, on_cpu: bool) -> bool:
@@ -36,7 +55,11 @@ def makes_the_host_wait(func, args: tuple, kwargs: dict, on_cpu: bool) -> bool:
     if func in READ_VALUES:
         return on_device(args[0])
     if func is aten.index.Tensor:  # a boolean mask's indexing is sized by the mask
-        return on_device(args[0]) and any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+        return on_device(args[0]) and _by_mask(args[1])
+    if func in INDEX_PUT:  # x[mask] = values: the mask's positions first, unless it is a masked fill
+        return on_device(args[0]) and _by_mask(args[1]) and not _fills_by_mask(args, kwargs)
+    if func is aten.repeat_interleave.Tensor:  # sized by the repeats' sum, unless output_size gives it
+        return on_device(args[0]) and kwargs.get("output_size") is None
     blocking = not kwargs.get("non_blocking", args[2] if func is aten.copy_.default and len(args) > 2 else False)
     if func is aten._to_copy.default:
         to = kwargs.get("device")

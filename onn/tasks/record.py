@@ -30,7 +30,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from onn.errors import UserError, write_refused
-from onn.hardware.cluster import is_rank_zero
+from onn.hardware.cluster import is_rank_zero, rank_variable
 from onn.hardware.locks import holder, try_hold
 from onn.json_values import strict_json
 from onn.training import progress
@@ -456,7 +456,7 @@ _HELD: list[int] = []  # the run folder's lock, held until the process exits
 
 def is_first_process() -> bool:
     """Not one of the processes torchrun, srun or Lightning's launcher start for a run's other ranks."""
-    return all(os.environ.get(v, "0") == "0" for v in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
+    return all(rank_variable(v) in (None, 0) for v in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
 
 
 def hold_folder(folder: Path, key: str) -> None:
