@@ -757,7 +757,8 @@ def test_an_upload_that_is_no_image_is_named_so_without_a_data_sets_advice(class
     for task.input came through (its dataset formats, "or set data.max_bad_fraction")."""
     with client(classifier, key=None) as http:
         for name, data, reason in (
-            ("notes.txt", b"just some text\n", "cannot tell its format"),
+            ("notes.md", b"just some text\n", "cannot tell its format"),
+            ("notes.txt", b"just some text\n", "holds a header but no rows"),  # a .txt is read as a list of images
             ("photo.jpg", bytes(random.Random(0).randrange(256) for _ in range(2000)), "not an image"),
         ):
             response = http.post("/v1/classify", files={"file": (name, data, "application/octet-stream")})
