@@ -14,7 +14,7 @@ import torch
 from onn.hardware import cluster
 from onn.hardware.waits import DeviceOps
 from onn.tasks.record import is_first_process
-from tests.conftest import ROOT, read_metrics, run_cli
+from tests.conftest import ROOT
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -104,32 +104,6 @@ def test_rank_variables_still_name_a_launched_rank(monkeypatch: pytest.MonkeyPat
     assert cluster.rank() == 2001
     assert cluster.local_rank() == 1
     assert cluster.launched()
-
-
-@pytest.mark.slow
-def test_a_run_with_local_rank_minus_one_writes_its_files(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, outputs: Path
-) -> None:
-    """The whole run with LOCAL_RANK=-1 in its environment: it trained and exited 0 without metrics.json, config
-    or plan, as if another rank wrote them."""
-    for name in cluster.RANK_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("LOCAL_RANK", "-1")
-    run_dir = tmp_path / "run"
-    proc = run_cli(
-        "model=llama_tiny",
-        "hardware=cpu_16gb",
-        "tracking=none",
-        "trainer.max_steps=2",
-        "trainer.enable_progress_bar=false",
-        f"paths.outputs={outputs}",
-        f"paths.cache={tmp_path / 'cache'}",
-        f"hydra.run.dir={run_dir}",
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert read_metrics(run_dir)["status"] == "ok"
-    assert (run_dir / "plan.yaml").exists()
 
 
 def _own_cgroup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lines: str) -> Path:
