@@ -1046,13 +1046,13 @@ def test_the_classify_page_shows_only_the_current_files_labels(classifier, tmp_p
 
     tiff = tmp_path / "scan.tif"
     Image.open(classifier.images / "test" / "class2" / "000.png").save(tiff)
-    (tmp_path / "notes.txt").write_text("just some text\n")
+    (tmp_path / "notes.md").write_text("just some text\n")
     done = "!document.querySelector('#status').textContent.startsWith('classifying')"
     with browser_page(classifier.url) as page:
         page.wait_for_selector("#classify-view:not(.hidden)")
         page.set_input_files("#file", str(classifier.images / "test" / "class1" / "000.png"))
         page.wait_for_selector("#result:not(.hidden)")
-        page.set_input_files("#file", str(tmp_path / "notes.txt"))
+        page.set_input_files("#file", str(tmp_path / "notes.md"))
         page.wait_for_function(done)
         assert "cannot tell its format" in page.text_content("#status") and not page.is_visible("#result")
         page.set_input_files("#file", str(tiff))
