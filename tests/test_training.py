@@ -12,8 +12,7 @@ import weakref
 import lightning as L
 import pytest
 import torch
-from conftest import compose
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import compose, tiny_llama
 
 from onn.errors import UserError
 from onn.modalities.text.module import CausalLM
@@ -23,18 +22,8 @@ OPTIM = compose("optim.name=sgd", "optim.lr=0.1", "optim.schedule=constant", "op
 
 
 def tiny_module(micro_batch: int, min_micro_batch: int = 1) -> CausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
     return CausalLM(
-        LlamaForCausalLM(config),
+        tiny_llama(vocab_size=64),
         OPTIM,
         max_steps=3,
         onn_config={},

@@ -10,9 +10,8 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import compose, execute_run
+from conftest import compose, execute_run, tiny_llama
 from test_vision_train import make_images
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from onn.errors import UserError
 from onn.modalities.text.module import CausalLM
@@ -21,18 +20,8 @@ from onn.training.checkpoint_io import SafetensorsCheckpointIO
 
 def one_cycle_module(max_steps: int) -> CausalLM:
     """A tiny causal LM whose schedule is optim.schedule=onecycle (pct_start 0.25) over `max_steps` steps."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
     optim = compose("optim.schedule=onecycle", "optim.pct_start=0.25", "optim.lr=0.01").optim
-    return CausalLM(LlamaForCausalLM(config), optim, max_steps, onn_config={}, micro_batch=4)
+    return CausalLM(tiny_llama(vocab_size=64), optim, max_steps, onn_config={}, micro_batch=4)
 
 
 def token_batches(steps: int) -> torch.utils.data.DataLoader:
