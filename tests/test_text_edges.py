@@ -440,3 +440,24 @@ def test_a_tokenizer_without_an_end_of_sequence_token_is_one_sentence():
     tok.eos_token = None
     with pytest.raises(UserError, match="has no end-of-sequence token, which ends every answer: give it an eos_token"):
         encode(tok, "1+1=", "2", 32)
+
+
+def test_epochs_cut_by_limit_train_batches_end_the_schedule_with_the_run(tmp_path, cache):
+    """max_epochs=1 with limit_train_batches=3 trains 3 steps: the cosine schedule spanned the whole epoch's batches
+    and the run ended at the start of its decay (the rate barely down from optim.lr)."""
+    from onn.training.checkpoints import load
+
+    args = ("trainer.max_epochs=1", "trainer.max_steps=-1", "trainer.limit_train_batches=3", "optim.schedule=cosine")
+    metrics = execute_run(tmp_path, cache, *args, "optim.warmup_steps=0")
+    assert metrics["steps"] == 3
+    saved = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert saved["lr_schedulers"][0]["_last_lr"] == pytest.approx([0.0], abs=1e-9)  # cosine's end
+
+
+def test_a_fraction_of_a_language_models_batches_is_one_sentence():
+    """Lightning takes no fraction of a stream's batches: it was a MisconfigurationException out of fit."""
+    from onn.modalities.registry import get
+
+    with pytest.raises(UserError, match=r"trainer.limit_train_batches=0.5: .*a number of batches"):
+        get("text").check(compose("model=llama_tiny", "trainer.limit_train_batches=0.5"))
+    get("text").check(compose("model=llama_tiny", "trainer.limit_train_batches=1.0"))

@@ -103,6 +103,12 @@ class TextModality(Modality):
         if isinstance(tbptt, bool) or not isinstance(tbptt, int) or tbptt < 0:
             raise UserError(f"task.tbptt_steps={tbptt!r}: give a whole number of tokens per chunk, or 0 for none.")
         check_generation(config)
+        limit = config.trainer.limit_train_batches
+        if isinstance(limit, float) and limit != 1.0:
+            raise UserError(
+                f"trainer.limit_train_batches={limit}: a language model's training data is a stream with no length "
+                "Lightning can take a fraction of; give a number of batches (a whole number), or null for all."
+            )
         steps, by_epochs = config.trainer.max_steps, config.task.name == "train" and config.trainer.max_epochs >= 1
         if config.task.name in ("train", "bench", "tune") and steps < 1 and not (steps == -1 and by_epochs):
             raise UserError(

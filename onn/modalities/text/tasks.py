@@ -65,7 +65,7 @@ from onn.training.checkpoints import check_state, read_meta, resumed_optim, save
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.distributed import forward_is_collective, gathered, parameter_count
 from onn.training.lora import apply
-from onn.training.trainer import build_trainer, processes_per_node
+from onn.training.trainer import build_trainer, limited_batches, processes_per_node
 
 log = logging.getLogger("onn")
 SHORT_ANSWER_TOKENS = 32  # exact match after training only where generating answers is cheap
@@ -272,13 +272,15 @@ def early_tokenizer(model_cfg: LanguageModelConfig, cache_dir) -> Any | None:
 
 def run_steps(config: ONNConfig, dm: TextDataModule) -> int:
     """The optimizer steps this run trains, which its schedule is sized for: trainer.max_steps, or fewer where
-    trainer.max_epochs ends the run first (an epoch: one pass over the training records in global batches).
+    trainer.max_epochs ends the run first (an epoch: one pass over the training records in global batches, or
+    trainer.limit_train_batches of them).
     Lightning ends a streamed run's epochs itself; resident data is one endless shuffled stream, whose epochs
     only this count ends."""
     steps, epochs = config.trainer.max_steps, config.trainer.max_epochs
     if epochs < 1:
         return steps
     per_epoch = dm.steps_per_epoch or math.ceil(dm.train_records / dm.batch_size)
+    per_epoch = limited_batches(per_epoch, config.trainer.limit_train_batches)  # Lightning ends each epoch there
     if 0 < steps <= per_epoch * epochs:
         return steps
     log.info(
