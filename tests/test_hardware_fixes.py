@@ -197,3 +197,19 @@ def test_pinned_buffers_freed_after_a_cuda_error_print_no_traceback() -> None:
     )
     assert "freed" in proc.stdout, proc.stdout + proc.stderr
     assert "Exception ignored" not in proc.stderr and "Unpinning" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("major, fast", [(7, False), (8, True)])
+def test_a_gpu_that_only_emulates_bf16_is_profiled_without_it(monkeypatch, major: int, fast: bool) -> None:
+    """A Turing card (GTX 1650, T4: compute capability 7.x) runs bf16 by emulation, which torch's
+    is_bf16_supported() counts as support: the measured profile said bf16, and the plan chose bf16-mixed there."""
+    from types import SimpleNamespace
+
+    from onn.hardware.profile import cuda_has_bf16
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(major=major))
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)  # emulation works
+    assert cuda_has_bf16() is fast

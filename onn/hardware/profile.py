@@ -58,7 +58,7 @@ PROFILE_KEYS = (
 MATMUL_ROWS = (1, 16, 128, 1024)
 MATMUL_SIZES = (256, 4096)
 GPU_MATMUL_ROWS = (1, 16, 128, 1024, 8192)  # a token at a time up to a large micro-batch's tokens
-VERSION = 8  # what `measure` records; a cached profile of another version is measured again
+VERSION = 9  # what `measure` records; a cached profile of another version is measured again
 # A profile measured on busy cores is measured again once they are free, but not sooner than this after the last
 # measurement: on a machine that is busy in bursts (a test suite, a sweep) every quiet moment would measure again.
 REMEASURE_BUSY_AFTER_S = 1800.0
@@ -531,6 +531,15 @@ def machine_fingerprint() -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
+def cuda_has_bf16() -> bool:
+    """bf16 the current GPU computes in its own units (Ampere and later, ROCm). torch's is_bf16_supported() also says
+    yes to a card that only emulates it (a GTX 1650, a T4), where the plan then chose bf16-mixed at a fraction of
+    16-mixed's speed, against the gtx1650_4gb preset's `bf16: false`."""
+    import torch
+
+    return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> Profile:
     """Measure accelerator, memory, cores, matmul throughput and disk / host-to-device bandwidth."""
     import torch
@@ -540,7 +549,7 @@ def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> Profile:
         accelerator, count = "cuda", torch.cuda.device_count()
         props = torch.cuda.get_device_properties(torch.cuda.current_device())  # this rank's GPU
         name, total_mb = props.name, props.total_memory // MB
-        bf16 = torch.cuda.is_bf16_supported()
+        bf16 = cuda_has_bf16()
     elif getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
         accelerator, count, name = "mps", 1, f"Apple {platform.processor() or 'GPU'}"
         total_mb, bf16 = host_memory_mb(), False
