@@ -313,3 +313,47 @@ def test_the_moving_average_is_torchs_and_reads_nothing_back_from_the_device():
     assert int(resumed.n_averaged) == 7 and resumed.updates == 7
     for mine, theirs in zip(resumed.module.parameters(), torchs.module.parameters()):
         torch.testing.assert_close(mine, theirs)
+
+
+class _Shrink(torch.nn.Module):
+    """A denoiser of one weight that uses its timesteps, as a U-Net's embedding does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(0.1))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return x * self.scale + t.float().view(-1, 1, 1, 1) / 1000
+
+
+class _DeviceCopies(torch.overrides.TorchFunctionMode):
+    """Counts Tensor.to calls that name a device: each one a blocking copy from the host on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and any(isinstance(a, (torch.device, str)) for a in (*args[1:], *kwargs.values())):
+            self.copies += 1
+        return func(*args, **kwargs)
+
+
+def test_drawing_copies_to_the_device_once_per_batch_not_once_per_step():
+    """The timestep went to the device at every denoising step: on a GPU a blocking copy, so the host waited for
+    the GPU each step. The copies to the device are now the same for 2 steps and for 8."""
+    from diffusers import DDIMScheduler
+
+    from onn.modalities.diffusion.sample import draw
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    copies, images = [], []
+    for steps in (2, 8):
+        scheduler = DDIMScheduler(num_train_timesteps=100)
+        scheduler.set_timesteps(steps)
+        with _DeviceCopies() as counted:
+            images.append(draw(_Shrink(), scheduler, 3, [1, 4, 4], seed=0, device=device))
+        copies.append(counted.copies)
+    assert copies[0] == copies[1], f"copies to the device for 2 and 8 steps: {copies}"
+    assert images[0].shape == (3, 1, 4, 4) and images[0].dtype == torch.uint8

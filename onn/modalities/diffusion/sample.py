@@ -38,15 +38,17 @@ def draw(
     batch: int = 256,
 ) -> torch.Tensor:
     """`count` uint8 images [count, *shape]: noise from `seed` (on the CPU, so every device draws the same),
-    denoised step by step with the scheduler."""
+    denoised step by step with the scheduler. The timesteps go to the device once: a CPU step copied there each
+    step was a blocking copy, and the host waited for the GPU at every step."""
     denoiser = denoiser.to(device).eval()
     generator = torch.Generator().manual_seed(int(seed))
+    on_device = scheduler.timesteps.to(device)
     out = []
     for start in range(0, count, batch):
         n = min(batch, count - start)
         x = torch.randn(n, *shape, generator=generator).to(device)
-        for t in scheduler.timesteps:
-            noise = denoiser(x, t.expand(n).to(device))
+        for t, step in zip(scheduler.timesteps, on_device):
+            noise = denoiser(x, step.expand(n))
             x = scheduler.step(noise, t, x, generator=generator).prev_sample
         out.append(to_pixels(x).cpu())
     return torch.cat(out) if out else torch.zeros(0, *shape, dtype=torch.uint8)
