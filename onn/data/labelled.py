@@ -17,10 +17,13 @@ that are absolute or climb out with '..' are refused and named.
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
 import re
+import threading
+import unicodedata
 import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -47,6 +50,7 @@ SIDECARS = frozenset(
 )
 MANIFESTS = ("metadata.csv", "metadata.jsonl")
 FILE_COLUMNS = ("file_name", "filename", "file", "path")
+KEPT_OPEN = 8  # zip archives whose handles ZipSource keeps open
 
 
 class PathSource:
@@ -70,18 +74,40 @@ class BytesSource:
 
 
 class ZipSource:
-    """A zip member, read when needed; one handle per archive and process (DataLoader workers reopen theirs)."""
+    """A zip member, read when needed, through a handle per archive and process (DataLoader workers open their own).
 
-    _handles: dict[tuple[int, str], zipfile.ZipFile] = {}
+    A handle serves its archive while the file is unchanged: one replaced at the same path is opened again (the old
+    handle read the old file's members). The last KEPT_OPEN archives keep theirs; an older one is let go and closes
+    when no read still holds it, so a server decoding zip uploads does not keep every one of them open. A member the
+    archive holds damaged (a bad CRC, a cut-off download, an encrypted one) is an OSError naming why, which readers
+    skip, count and name as they do an unreadable file: zipfile's own error was a bare traceback."""
+
+    _handles: dict[tuple[int, str], tuple[tuple[int, int, int], zipfile.ZipFile]] = {}
+    _lock = threading.Lock()
 
     def __init__(self, archive: Path, member: str):
         self.archive, self.member = archive, member
 
     def open(self) -> IO[bytes]:
-        key = (os.getpid(), str(self.archive))
-        if key not in self._handles:
-            self._handles[key] = zipfile.ZipFile(self.archive)
-        return io.BytesIO(self._handles[key].read(self.member))
+        try:
+            return io.BytesIO(self._handle().read(self.member))
+        except OSError:
+            raise
+        except ARCHIVE_ERRORS as e:
+            raise OSError(errno.EIO, f"a damaged member of {self.archive.name}: {e}") from e
+
+    def _handle(self) -> zipfile.ZipFile:
+        st = os.stat(self.archive)
+        key, version = (os.getpid(), str(self.archive)), (st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._lock:
+            held = self._handles.get(key)
+            if held is None or held[0] != version:
+                held = (version, zipfile.ZipFile(self.archive))
+                self._handles.pop(key, None)
+                self._handles[key] = held
+                while len(self._handles) > KEPT_OPEN:  # the oldest let go (closed once no read holds it)
+                    del self._handles[next(iter(self._handles))]
+            return held[1]
 
 
 class TarSource:
@@ -116,6 +142,12 @@ class Listing:
 
 def extension(name: str) -> str:
     return os.path.splitext(name)[1].lower()
+
+
+def same_text(name: str) -> str:
+    """A name in Unicode NFC: macOS writes "é" in file names as e + a combining accent (NFD), where a typed manifest
+    or data.classes holds the one character; compared as written, the two never matched."""
+    return unicodedata.normalize("NFC", name)
 
 
 def sort_classes(names: Iterable[str]) -> list[str]:
@@ -163,6 +195,8 @@ def list_labelled(
         labelled = _folder_labels(media, key, path, allow_unlabelled)
     else:
         labelled = _regex_labels(media, mode, key)
+    for m in labelled:  # a class is one name however its folder or manifest spells its characters
+        m.label = same_text(m.label) if m.label is not None else None
     if not allow_unlabelled:
         missing = [m.name for m in labelled if m.label is None]
         if missing:
@@ -289,16 +323,16 @@ def _manifest_labels(
                 raise UserError(
                     f"{key}: {name} line {n} has no {column!r} column (it has {', '.join(row)}); set data.label_column."
                 )
-            target = folder + str(file).replace("\\", "/").lstrip("./")
+            target = same_text(folder + str(file).replace("\\", "/").lstrip("./"))
             value = row[column]
             labels[target] = None if value in (None, "") else str(value)
     out, skip = [], _strip_wrapper(list(media))
     for name, src in media.items():
-        if name in labels:
-            out.append(MediaFile(name, labels[name], _split(name.split("/")[skip:]), src))
-    listed = set(media)
+        if same_text(name) in labels:
+            out.append(MediaFile(name, labels[same_text(name)], _split(name.split("/")[skip:]), src))
+    listed = {same_text(name) for name in media}
     refused += [f"{t}: named in the manifest but not in {path}" for t in labels if t not in listed]
-    left = [n for n in media if n not in labels]
+    left = [n for n in media if same_text(n) not in labels]
     if left:
         log.warning(
             "%s %s: %d files are not in the manifest and are left out, e.g. %s",

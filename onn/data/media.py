@@ -226,7 +226,7 @@ class ListedItems:
         try:
             return stored(self._load(f.source.open())[0], self._dtype, self._bad)
         except (self._bad, OSError) as e:
-            log.warning("skipped %s: %s", f.name, e)
+            log.warning("skipped %s: %s", f.name, getattr(e, "strerror", None) or e)
             return None
 
 

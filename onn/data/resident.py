@@ -28,6 +28,7 @@ from onn.errors import UserError
 
 log = logging.getLogger("onn")
 MB = 1024**2
+SIZED_TRIES = 32  # items tried for one that decodes, to size a dataset by (ClassificationData.item_mb)
 
 
 @dataclass
@@ -371,6 +372,21 @@ def held_out_by_name(sets: dict[str, Decoded], split: str, pattern: str) -> dict
     return {**sets, name: take(~mask, source.skipped), split: take(mask, [])}
 
 
+def untrained_classes(classes: list[str], splits: dict[str, Split]) -> None:
+    """Name, in one warning, the classes that val or test hold and training does not (a class folder only under test/,
+    or a val_source's): the model never learns them, and every one of their items is scored wrong."""
+    trained = set(splits["train"].labels.tolist())
+    scored = {int(c): k for k, v in splits.items() if k != "train" for c in v.labels.unique().tolist()}
+    missing = sorted(set(scored) - trained)
+    if missing:
+        log.warning(
+            "data: the training data has no item of the class(es) %s, which %s hold(s): the model never learns them; "
+            "add training items of them",
+            ", ".join(classes[c] for c in missing[:10]),
+            " and ".join(sorted({scored[c] for c in missing})),
+        )
+
+
 def memory_budget_mb(device: torch.device) -> float:
     """Half of the free device memory, or a third of the available host memory."""
     if device.type == "cuda":
@@ -412,8 +428,13 @@ class ClassificationData(L.LightningDataModule):
         raise UserError(f"data.source {source}: this data cannot be streamed; set data.resident=true.")
 
     def item_mb(self, items: Items) -> float:
-        sample = items.load(0)
-        return sample.numel() * sample.element_size() / MB if sample is not None else 0.0
+        """The decoded size of one item: the first of the first few that decode. An undecodable first item sized the
+        whole dataset as 0 MB, and a folder far over data.resident_max_mb was decoded into memory whole."""
+        for i in range(min(len(items), SIZED_TRIES)):
+            sample = items.load(i)
+            if sample is not None:
+                return sample.numel() * sample.element_size() / MB
+        return 0.0
 
     # -- what the model needs to know -------------------------------------------------------------
     @property
@@ -501,6 +522,7 @@ class ClassificationData(L.LightningDataModule):
             splits["train"] = splits.pop("all")
         if "val" not in splits:
             splits["train"], splits["val"] = self._hold_out(splits["train"])
+        untrained_classes(self.classes, splits)
         shapes = {k: tuple(v.inputs.shape[1:]) for k, v in splits.items()}
         if len(set(shapes.values())) > 1:
             raise UserError(f"data.source={source}: splits have different shapes {shapes}; {self.same_shape_hint}.")
