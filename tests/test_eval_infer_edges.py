@@ -53,6 +53,9 @@ def test_eval_scores_another_folder_by_class_name_and_on_the_checkpoints_split(t
     with pytest.raises(UserError, match=r"data\.source has the classes \['class3'\], which ckpt .* never learned"):
         scored(tmp_path, run_dir, f"data.source={fewer}", name="more")
     own = scored(tmp_path, run_dir, f"data.source={images}", name="own")
+    reorder = ("data=image", f"data.source={images}", "data.classes=[class2,class0,class1]")
+    reordered = scored(tmp_path, run_dir, *reorder, name="re")
+    assert reordered["val/acc"] == pytest.approx(own["val/acc"])  # by position: about 1/3
     again = scored(tmp_path, run_dir, f"data.source={images}", "seed=5", name="seed5")
     assert own["val/loss"] == pytest.approx(again["val/loss"], abs=1e-6)  # the checkpoint's split, whatever the seed
 

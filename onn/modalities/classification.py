@@ -357,14 +357,16 @@ def evaluate(job: Job) -> dict[str, Any]:
 def trained_data(m: ClassifierModality, config: ONNConfig, ckpt: Path, device: str) -> ClassificationData:
     """The data a checkpoint is scored on: the validation split its training held out (its seed), and labels by
     class name, in the checkpoint's order (a data.source of fewer classes, or in another order, was scored by
-    position). A class the model never learned is one sentence."""
+    position, and so was a data.classes listing the checkpoint's classes in another order). A class the model never
+    learned is one sentence."""
     inputs = saved_inputs(ckpt)
     known = [str(c) for c in inputs["classes"]]
     config = dataclasses.replace(config, seed=int(inputs["seed"]))
     dm = m.datamodule(config, device)
     dm.min_classes = 1  # the checkpoint knows the classes: a folder of one of them is scored too
     dm.setup()
-    if dm.classes == known or config.data.classes:
+    reordered = sorted(dm.classes) == sorted(known)  # data.classes naming the checkpoint's classes in another order
+    if dm.classes == known or (config.data.classes and not reordered):
         return dm
     unknown = [c for c in dm.classes if c not in known]
     if unknown and not numbered(dm.classes):
