@@ -122,6 +122,19 @@ def test_a_held_out_class_the_training_split_lacks_is_refused(tmp_path):
     assert read_splits(tmp_path, allow_unlabelled=True)["test"].classes == ["a", "b", "bb"]  # task.input: no truth
 
 
+def test_a_class_folder_written_decomposed_is_the_class_typed_composed(tmp_path):
+    """macOS writes "café" as "cafe" + a combining accent (NFD), in folders and in the zips it makes; a test split
+    made elsewhere holds "café" composed (NFC). The two were two classes, and the held-out one refused."""
+    import unicodedata
+
+    nfd = unicodedata.normalize("NFD", "café")
+    write_tree(tmp_path, {**tree("train/", [nfd, "thé"], 2), **tree("test/", ["café"], 1)})
+    for read in (read_splits, list_items):
+        splits = read(tmp_path)
+        assert splits["train"].classes == ["café", "thé"] == splits["test"].classes
+        assert unicodedata.is_normalized("NFC", splits["train"].classes[0])
+
+
 @pytest.mark.parametrize(
     "name,prefix", [("ds.zip", ""), ("ds.tar", "./"), ("ds.tar.gz", "cifar10/"), ("ds.tgz", "wrap/")]
 )

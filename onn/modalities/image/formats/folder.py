@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from onn.data.files import ARCHIVE_ERRORS, archive_kind, is_hidden, iter_members, read_head, walk_files
+from onn.data.labelled import same_text
 from onn.errors import UserError
 from onn.modalities.image.formats.common import (
     HELP,
@@ -161,7 +162,8 @@ def _tree_layout(names: list[str], where: str, allow_unlabelled: bool, key: str)
             groups.setdefault(SPLITS[p[0].lower()], []).append(i)
     out: dict[str, list[tuple[int, str | None]]] = {}
     for split, idx in groups.items():
-        labelled = [(i, parts[i][depth]) for i in idx if len(parts[i]) >= depth + 2]
+        # a class is one name however its folder spells its characters (macOS writes "é" decomposed: same_text)
+        labelled = [(i, same_text(parts[i][depth])) for i in idx if len(parts[i]) >= depth + 2]
         if labelled:
             out[split] = labelled
         elif allow_unlabelled:
