@@ -194,9 +194,10 @@ def test_linear_probe_trains_the_head_on_cached_features(images, tmp_path):
 
 def test_linear_probe_features_are_computed_again_when_the_images_change(tmp_path):
     """The features' cache was keyed by the items' names: test images overwritten under the same names (the
-    decoded cache rebuilt) were scored on the old images' features."""
+    decoded cache rebuilt) were scored on the old images' features. A damaged cache file was a SafetensorError
+    traceback in every later run: it is computed again."""
     from PIL import Image
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
     from onn.modalities import classification, get
     from onn.models.zoo.registry import build_zoo
@@ -221,6 +222,10 @@ def test_linear_probe_features_are_computed_again_when_the_images_change(tmp_pat
         Image.new("RGB", (8, 8)).save(path)
     after = test_features()
     assert torch.equal(after[0], after[-1]) and not torch.equal(before, after)  # every test image black now
+    cached = max((tmp_path / "cache" / "features").glob("*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
+    cached.write_bytes(cached.read_bytes()[:100])  # a copy cut short, a full disk's leftovers: a SafetensorError
+    assert torch.equal(test_features(), after)  # computed again, and the cache file whole again
+    assert torch.equal(load_file(cached)["test"], after)
 
 
 def test_streamed_fallback_trains_like_resident(images, tmp_path):

@@ -47,6 +47,29 @@ def cached_decode(
     return splits
 
 
+def cached_tensors(
+    kind: str, cache: Path, compute: Callable[[], dict[str, Any]], device: str = "cpu"
+) -> dict[str, Any]:
+    """Tensors from the cache file `cache`, or from `compute()` (then cached). A damaged file (truncated, emptied,
+    overwritten) is computed again and replaced, where every later run would fail on it; a write the disk refuses
+    leaves them uncached, said once (_write)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if cache.is_file():
+        try:
+            tensors = load_file(str(cache), device=device)
+        except (SafetensorError, OSError) as e:
+            log.warning("%s: the cache %s is damaged (%s); computing it again", kind, cache, e)
+            cache.unlink(missing_ok=True)
+        else:
+            log.info("%s: from the cache %s", kind, cache)
+            return tensors
+    tensors = compute()
+    _write(cache, {k: v.cpu().contiguous() for k, v in tensors.items()}, {}, kind)
+    return tensors
+
+
 def _write(cache: Path, tensors: dict[str, Any], metadata: dict[str, str], kind: str) -> None:
     """The decoded tensors into the cache, whole or not at all. A write the disk refuses (full, read-only) leaves
     no part of the file and is said once: the run goes on with the data it decoded, only uncached."""

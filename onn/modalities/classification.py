@@ -38,6 +38,7 @@ from onn.config.model import NetworkConfig
 from onn.config.run import PairSideConfig
 from onn.config.strategy import StrategyConfig
 from onn.config.task import InferTask, TrainTask
+from onn.data.cache import cached_tensors
 from onn.data.files import write_jsonl
 from onn.data.resident import ClassificationData, ResidentBatches, Split, numbered
 from onn.errors import UserError
@@ -666,8 +667,6 @@ def saved_inputs(ckpt: Path) -> dict[str, Any]:
 
 def features(module: Classifier, dm: ClassificationData, config: ONNConfig) -> ClassificationData:
     """The same datamodule serving backbone features for every split, computed once and cached (safetensors)."""
-    from safetensors.torch import load_file, save_file
-
     if dm.streamed:
         raise UserError("strategy=linear_probe needs the dataset resident in memory; set data.resident=true.")
     probe = module.model
@@ -688,29 +687,26 @@ def features(module: Classifier, dm: ClassificationData, config: ONNConfig) -> C
         default=str,
     )
     cache = Path(config.paths.cache) / "features" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
-    if cache.is_file():
-        saved = load_file(str(cache), device=str(dm.device))
-        log.info("linear probe: features from the cache %s", cache)
-    else:
-        saved = {}
+
+    @torch.no_grad()
+    def compute() -> dict[str, torch.Tensor]:
         backbone = probe.backbone.to(dm.device).eval()
-        with torch.no_grad():
-            for name, split in dm.splits.items():
-                chunks = [
-                    backbone(module.prepare(x, train=False)).float().flatten(1)
-                    for x, _ in ResidentBatches(split, dm.eval_batch_size, shuffle=False)
-                ]
-                saved[name] = torch.cat(chunks)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        save_file({k: v.cpu().contiguous() for k, v in saved.items()}, str(tmp))
-        tmp.replace(cache)
+        saved = {}
+        for name, split in dm.splits.items():
+            chunks = [
+                backbone(module.prepare(x, train=False)).float().flatten(1)
+                for x, _ in ResidentBatches(split, dm.eval_batch_size, shuffle=False)
+            ]
+            saved[name] = torch.cat(chunks)
         log.info(
-            "linear probe: %d-wide features of %d items cached to %s",
+            "linear probe: %d-wide features of %d items, cached to %s",
             next(iter(saved.values())).shape[1],
             sum(len(v) for v in saved.values()),
             cache,
         )
+        return saved
+
+    saved = cached_tensors("linear probe features", cache, compute, str(dm.device))
     dm.splits = {k: Split(saved[k], v.labels, v.names) for k, v in dm.splits.items()}
     return dm
 
