@@ -140,7 +140,7 @@ def test_cached_blocks_spread_first_over_the_blocks_read_twice():
 def test_killed_build_resumes_and_never_uses_a_half_written_block(tmp_path, monkeypatch):
     from onn.streaming.loader import load_into_store
 
-    arch = {"model_type": "phi3", **ARCH["phi3"]}
+    arch = {"model_type": "phi3", **ARCH["phi3"], "vocab_size": 259}  # llama_tiny's byte tokenizer: ids to 258
     source = compose("model=llama_tiny").model
     source = dataclasses.replace(source, name="t", architecture=arch)
     clean = LayerStore("disk", "float32", folder=tmp_path / "clean")

@@ -1073,7 +1073,8 @@ def test_a_model_loads_block_by_block_into_the_store(tmp_path, monkeypatch):
     from onn.streaming.loader import load_into_store
 
     torch.manual_seed(0)
-    full = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **ARCH["llama"]))
+    arch = {**ARCH["llama"], "vocab_size": 259}  # llama_tiny's byte tokenizer gives ids up to 258
+    full = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **arch))
     full.save_pretrained(tmp_path / "hf")
     store = LayerStore("disk", "float32", folder=tmp_path / "store")
     built, in_memory = [], []  # blocks holding real weights whenever one is written: one at a time

@@ -96,7 +96,23 @@ def architecture(model_cfg: LanguageModelConfig):
         raise UserError(f"model.architecture of '{model_cfg.name}' needs a model_type (e.g. llama, phi3, gpt2).")
     config = AutoConfig.for_model(model_type, **arch)
     check_architecture_keys(config, arch)
+    check_token_ids(config, arch)
     return config
+
+
+def check_token_ids(config, arch: dict) -> None:
+    """The special token ids model.architecture gives are rows of its vocabulary: a pad id past it failed on an
+    assertion inside nn.Embedding, and an eos or bos id past it at the first batch (on a GPU, a device-side assert)."""
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int):
+        return
+    for key, value in arch.items():
+        ids = [value] if isinstance(value, int) else value if isinstance(value, list | tuple) else []
+        if key.endswith("_token_id") and any(isinstance(i, int) and i >= vocab for i in ids):
+            raise UserError(
+                f"model.architecture.{key}={value} is past the vocabulary (vocab_size={vocab}: ids 0 to {vocab - 1}); "
+                f"give ids below {vocab}, or a larger model.architecture.vocab_size."
+            )
 
 
 def check_architecture_keys(config, arch: dict) -> None:
@@ -152,27 +168,86 @@ def load(model_cfg: LanguageModelConfig, dtype=None, cache_dir: str | os.PathLik
         model = _load_safetensors_file(model_cfg, expand(source))
     else:
         folder = expand(source) if kind == "folder" else hub_folder(source)
-        refuse_pickle_folder(folder)
-        config = read_config(folder, remote)
-        try:
-            model = auto_class(config).from_pretrained(
-                folder,
-                local_files_only=True,
-                use_safetensors=True,
-                trust_remote_code=remote,
-                dtype=dtype or "auto",
-            )
-        except RuntimeError as e:  # transformers prints a table of mismatched tensors, then raises
-            if "mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
-                raise
-            raise UserError(
-                f"model.source {folder}: its weights do not have the shapes its config.json describes "
-                "(see the table above); the folder mixes two models' files."
-            ) from None
-        tokenizer = tokenizer_from(folder, remote)
+        model, tokenizer = _load_folder(folder, dtype, remote), tokenizer_from(folder, remote)
     if dtype is not None:
         model = model.to(dtype)
-    return model, finish_tokenizer(model_cfg, tokenizer, remote)
+    tokenizer = finish_tokenizer(model_cfg, tokenizer, remote)
+    check_vocabulary(model_cfg, model, tokenizer)
+    return model, tokenizer
+
+
+def _load_folder(folder: str, dtype, remote: bool):
+    """A Hugging Face folder's model. Weights its config describes but its files lack are refused (transformers
+    would print a table and train them from a random init), as are wrong shapes and shards its index names
+    that are not there."""
+    import transformers
+
+    refuse_pickle_folder(folder)
+    check_shards(folder)
+    config = read_config(folder, remote)
+    auto = auto_class(config)
+    try:
+        model, info = auto.from_pretrained(
+            folder,
+            local_files_only=True,
+            use_safetensors=True,
+            trust_remote_code=remote,
+            dtype=dtype or "auto",
+            output_loading_info=True,
+        )
+    except RuntimeError as e:  # transformers prints a table of mismatched tensors, then raises
+        if "mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
+            raise
+        raise UserError(
+            f"model.source {folder}: its weights do not have the shapes its config.json describes "
+            "(see the table above); the folder mixes two models' files."
+        ) from None
+    missing = sorted(info["missing_keys"])
+    if missing and auto is transformers.AutoModelForCausalLM:  # (a composite model's heads may start fresh)
+        raise UserError(
+            f"model.source {folder}: its weights lack {len(missing)} tensors its config.json describes "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); the folder mixes two models' files "
+            "or misses some of them."
+        )
+    return model
+
+
+def check_shards(folder: str) -> None:
+    """Every shard a folder's model.safetensors.index.json names is in the folder (a missing one was a bare
+    FileNotFoundError from inside transformers)."""
+    index = Path(folder) / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"model.source {index} is not a readable shard index (no weight_map): {e}.") from None
+    absent = [s for s in shards if not (Path(folder) / s).is_file()]
+    if absent:
+        raise UserError(
+            f"model.source {folder}: {index.name} names {len(shards)} shards and {len(absent)} are not in the "
+            f"folder ({', '.join(absent[:2])}{', ...' if len(absent) > 2 else ''}); copy every shard of the model."
+        )
+
+
+def check_vocabulary(model_cfg: LanguageModelConfig, model, tokenizer) -> None:
+    """The tokenizer's ids all have an embedding row: past it, an id failed inside the embedding (an IndexError on
+    a CPU, a device-side assert that ends the process on a GPU). Checked where ONN put the two together (a random
+    init, a bare .safetensors file, or model.tokenizer given); a source's own pair is its author's."""
+    chosen = model_cfg.tokenizer or source_kind(model_cfg.source) in ("random", "safetensors")
+    if tokenizer is None or not chosen:
+        return
+    try:
+        rows = model.get_input_embeddings().num_embeddings
+    except (AttributeError, NotImplementedError):  # no token embedding to check (a user's own module)
+        return
+    ids = max(tokenizer.get_vocab().values()) + 1  # (not len(tokenizer): a vocabulary's ids may leave gaps)
+    if not isinstance(rows, int) or ids <= rows:
+        return
+    raise UserError(
+        f"model '{model_cfg.name}': its tokenizer ({model_cfg.tokenizer or model_cfg.source}) gives ids up to "
+        f"{ids - 1} and the model embeds {rows}; set model.architecture.vocab_size to {ids} or more."
+    )
 
 
 def load_4bit(model_cfg: LanguageModelConfig, compute_dtype, cache_dir: str | os.PathLike, device: str = "cpu"):
@@ -187,6 +262,7 @@ def load_4bit(model_cfg: LanguageModelConfig, compute_dtype, cache_dir: str | os
     if kind in ("folder", "hub"):
         folder = expand(model_cfg.source) if kind == "folder" else hub_folder(model_cfg.source)
         refuse_pickle_folder(folder)
+        check_shards(folder)
         tokenizer = tokenizer_from(folder, remote)
     else:  # the source's own tokenizer (a GGUF's, a builder's) is kept beside the weights: a later run reads both
         folder = Path(cache_dir) / "nf4" / model_fingerprint(model_cfg)
@@ -535,16 +611,18 @@ def _load_safetensors_file(model_cfg: LanguageModelConfig, path: str):
             f"model.source {path} does not match model.architecture: wrong shapes {', '.join(wrong[:2])}"
             f"{' ...' if len(wrong) > 2 else ''}; give the architecture these weights were trained with."
         )
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {k for k in missing if "lm_head" in k and getattr(config, "tie_word_embeddings", False)}
-    missing = [k for k in missing if k not in tied]
+    missing_keys, unexpected = model.load_state_dict(state, strict=False)
+    # A tied pair is one tensor saved under either name (safetensors' save_model keeps lm_head.weight, a Hugging Face
+    # save the embedding's): transformers ties them either way round and takes the one saved off `missing`.
+    missing = set(missing_keys)
+    model.tie_weights(missing_keys=missing)
+    missing = sorted(missing)
     if missing or unexpected:
         raise UserError(
             f"model.source {path} does not match model.architecture: "
             f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
             f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}."
         )
-    model.tie_weights()
     return model
 
 

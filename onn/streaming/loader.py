@@ -20,6 +20,7 @@ from onn.models.load import (
     architecture,
     auto_class,
     block_seed,
+    check_vocabulary,
     converted_gguf,
     draw_random,
     edge_seed,
@@ -145,7 +146,9 @@ def load_into_store(
         _write_blocks(layer_map, store, materialise, INIT_SEED, dtype)
         _materialise_edges(model, layer_map, materialise, INIT_SEED)
     model.tie_weights()
-    return model, finish_tokenizer(model_cfg, source.tokenizer, remote)
+    tokenizer = finish_tokenizer(model_cfg, source.tokenizer, remote)
+    check_vocabulary(model_cfg, model, tokenizer)  # as load() checks a resident model
+    return model, tokenizer
 
 
 def _write_blocks(layer_map, store, materialise: Materialiser, seed: int, dtype) -> None:

@@ -133,6 +133,7 @@ class RecurrentLMForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "recurrent_lm"
     main_input_name = "input_ids"
     _no_split_modules = ["RecurrentBlock"]
+    _tied_weights_keys = {"head.weight": "embed.weight"}  # one matrix for both with tie_word_embeddings: true
     carries_state = True  # past_key_values is a recurrent state: CausalLM may truncate backpropagation through it
 
     def __init__(self, config: RecurrentLMConfig):
@@ -151,8 +152,15 @@ class RecurrentLMForCausalLM(PreTrainedModel, GenerationMixin):
         return 2 if self.config.cell == "lstm" else 1
 
     def _init_weights(self, module: nn.Module) -> None:
-        """PyTorch's own initialisation of each layer (an LSTM's uniform weights, not transformers' normal ones)."""
-        if module is not self and hasattr(module, "reset_parameters"):
+        """PyTorch's own initialisation of each layer (an LSTM's uniform weights, not transformers' normal ones). An
+        embedding the head shares (tie_word_embeddings) is drawn at 1/sqrt(width), not nn.Embedding's 1: as the head's
+        matrix that gave logits of ~sqrt(width) and a first loss of 30 where 5.6 is chance; the head keeps it."""
+        tied = self.config.tie_word_embeddings
+        if tied and module is self.embed:
+            nn.init.normal_(module.weight, std=self.config.hidden_size**-0.5)
+        elif tied and module is self.head:
+            nn.init.zeros_(module.bias)
+        elif module is not self and hasattr(module, "reset_parameters"):
             module.reset_parameters()
 
     def get_input_embeddings(self) -> nn.Embedding:

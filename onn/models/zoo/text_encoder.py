@@ -31,6 +31,8 @@ class TextEncoder(nn.Module):
         pad_id: int = PAD_ID,
     ):
         super().__init__()
+        if heads < 1 or width % heads:  # (nn.MultiheadAttention's own check is a bare assertion)
+            raise ValueError(f"width={width} must split evenly into heads={heads}: give heads that divide width")
         self.pad_id = pad_id
         self.embed = nn.Embedding(vocab_size, width, padding_idx=pad_id)
         self.position = nn.Parameter(torch.randn(max_length, width) * 0.02)
