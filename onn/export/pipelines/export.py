@@ -54,6 +54,7 @@ def export_pipeline(
     replaces `folder` whole once every piece is done: a failed export leaves an earlier one as it was."""
     started = time.perf_counter()
     _check_replaceable(folder, pipeline.kind, model_name)
+    models = [_traceable(m) for m in models]
     pieces = pipeline.pieces(*models, side=side)
     processes = export_processes(pieces)
 
@@ -104,6 +105,19 @@ def _check_replaceable(folder: Path, kind: str, model_name: str) -> None:
             f"export.output: {folder} already holds {what}, not this {kind} pipeline of {model_name}; "
             "choose another export.output or remove that folder."
         )
+
+
+def _traceable(model: torch.nn.Module) -> torch.nn.Module:
+    """The model on the CPU in float32, moved in place (a copy would double what the export holds): the pieces'
+    samples and the runtime's feeds are float32 numpy, and onnxruntime's CPU provider, which checks each piece,
+    has no bf16 convolution or matmul. A model loaded in bf16 or fp16 (model.dtype), or left on a GPU, was traced
+    as it was and failed in onnxruntime's checker."""
+    import torch
+
+    held = [*model.parameters(), *model.buffers()]
+    if all(t.device.type == "cpu" and (not t.is_floating_point() or t.dtype == torch.float32) for t in held):
+        return model
+    return model.to("cpu", torch.float32)
 
 
 # What one more process exporting a piece beside the others must find free. Measured (ru_maxrss above the

@@ -14,6 +14,7 @@ so the piece also returns the proposals it chose, and its export check makes PyT
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from onn.export.pipelines.runtime import Pieces, Request, finish
 
 SPECIAL_IDS = [101, 102, 1012, 1029]  # [CLS] [SEP] . ? in BERT's vocabulary: phrases lie between them
 CHOICE_RTOL = 1e-3  # how far below PyTorch's k-th best score a proposal onnxruntime chose may score (x largest)
+_SWIN_BLOCK = re.compile(r"encoder\.layers\.\d+\.blocks\.\d+$")  # a block of one of Swin's stages
 SIDE = 800  # the detector's square canvas when export.sample.image_size gives none (its processor's shorter edge)
 INPUTS = (
     "pixel_values",
@@ -173,10 +175,17 @@ def pieces(model, segmenter=None, side: int | None = None) -> list[Piece]:
     }
     text = {n: {1: "sequence"} for n in ("input_ids", "attention_mask", "token_type_ids", "position_ids")}
     text["text_self_attention_masks"] = {1: "sequence", 2: "sequence"}
-    runs = [
+    # in the order forward runs them: BERT's layers (two thirds of Grounding DINO-T's weights), Swin's blocks,
+    # then the fusion encoder's and the decoder's layers
+    bert = [f"model.model.text_backbone.encoder.layer.{i}" for i in range(len(model.model.text_backbone.encoder.layer))]
+    swin = [
+        f"model.model.backbone.{name}" for name, _ in model.model.backbone.named_modules() if _SWIN_BLOCK.search(name)
+    ]
+    fusion = [
         [f"model.model.{part}.layers.{i}" for i in range(len(getattr(model.model, part).layers))]
         for part in ("encoder", "decoder")
     ]
+    runs = [bert, swin, *fusion]
     module = _detector()(model).eval()
     detector = Piece(
         "detector",
@@ -225,9 +234,8 @@ def detect(pieces_: Pieces, image, text: str | None, s: dict, tokenizer) -> list
     out = pieces_.run("detector", feeds)
     probs = 1 / (1 + np.exp(-out["logits"][0, :, : ids.shape[1]]))
     scores = probs.max(-1)
-    order = [q for q in np.argsort(-scores) if scores[q] > s["box_threshold"]][: s["max_boxes"]] or [
-        int(scores.argmax())
-    ]
+    # nothing above box_threshold is nothing found (as transformers' post-processing says), not the best guess
+    order = [q for q in np.argsort(-scores) if scores[q] > s["box_threshold"]][: s["max_boxes"]]
     found = []
     for q in order:
         cx, cy, w, h = out["pred_boxes"][0, q]
@@ -268,7 +276,8 @@ def run_grounded(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict
     clipped = [
         [(min(max(x, 0), image.width - 1), min(max(y, 0), image.height - 1), k) for x, y, k in p] for p in prompts
     ]
-    masks, scores = sam2.segment(pieces_, image, clipped, doc["settings"]["segmenter"])
+    # no box found: nothing for SAM2 to segment (its decoder takes one prompt at least)
+    masks, scores = sam2.segment(pieces_, image, clipped, doc["settings"]["segmenter"]) if clipped else ([], [])
     boxes = [(f["box"], f"{f['phrase']} {f['score']:.2f}") for f in found]
     picture = images.annotate(images.overlay(image, masks), boxes=boxes)
     for f, m, s in zip(found, masks, scores):

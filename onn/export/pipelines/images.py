@@ -19,8 +19,8 @@ CONVERTIBLE = {"RGB", "RGBA", "L", "LA", "P", "PA", "CMYK", "YCbCr", "1", "I;16"
 
 def load_rgb(path: str | Path):
     """The image at `path` as an RGB PIL image, upright as its EXIF orientation says (a phone's photograph is
-    stored sideways); a file PIL cannot read, one over PIL's pixel limit, or a mode without one RGB reading, is
-    one sentence."""
+    stored sideways), transparency laid on white; a file PIL cannot read, one over PIL's pixel limit, or a mode
+    without one RGB reading, is one sentence."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     path = Path(path)
@@ -44,7 +44,19 @@ def load_rgb(path: str | Path):
         )
     if image.mode == "I;16":
         image = image.point(lambda v: v / 256).convert("L")
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        return _on_white(image)
     return image.convert("RGB")
+
+
+def _on_white(image):
+    """A picture with transparency laid on white, as a page prints and a viewer shows it: dropping the alpha
+    channel keeps the colour the hidden pixels happen to hold, and black text on a transparent PNG (whose hidden
+    pixels are 0, 0, 0) became a black page."""
+    from PIL import Image
+
+    white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
 
 
 def normalised(image, size: tuple[int, int], mean: list[float], std: list[float]) -> np.ndarray:
