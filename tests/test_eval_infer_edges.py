@@ -234,3 +234,30 @@ def test_eval_of_streamed_images_scores_all_of_the_data_source_it_is_given(train
     resident = scored(tmp_path, run_dir, *given, "data.resident=true", name="resident")
     streamed = scored(tmp_path, run_dir, *given, "data.resident=false", "data.num_workers=0", name="streamed")
     assert streamed["val/loss"] == pytest.approx(resident["val/loss"], abs=1e-5) and streamed["val/acc"] > 0.9
+
+
+def test_a_multimodal_models_context_is_its_text_configs():
+    """Gemma 3's config holds max_position_embeddings in its text_config, its top level none: prompts past the
+    context went unchecked in infer and serve, and data.max_length past it in training."""
+    import transformers as tf
+    from conftest import compose
+
+    from onn.modalities.registry import get
+    from onn.modalities.text.generate import check_context
+    from onn.models.load import context_length
+
+    text = dict(max_position_embeddings=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    text |= dict(num_key_value_heads=1, head_dim=8, intermediate_size=32, vocab_size=300)
+    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28)
+    model = SimpleNamespace(config=tf.Gemma3Config(text_config=text, vision_config={**vision, "patch_size": 14}))
+    assert context_length(model) == 32 and context_length(SimpleNamespace(config=tf.GPT2Config(n_positions=64))) == 64
+
+    def tokenizer(prompt, add_special_tokens=True):
+        return {"input_ids": prompt.split()}
+
+    with pytest.raises(UserError, match=r"the prompt's 25 tokens and task\.max_new_tokens=8 pass .* 32 tokens"):
+        check_context(model, tokenizer, ["a " * 25], ["prompt"], 8)
+    nested = compose("model=llama_tiny", "data=text", "data.source=a.jsonl", "data.max_length=64")
+    nested.model.architecture = {"model_type": "gemma3", "text_config": {"max_position_embeddings": 32}}
+    with pytest.raises(UserError, match=r"data\.max_length=64 .*text_config\.max_position_embeddings=32"):
+        get("text").check(nested)

@@ -100,6 +100,16 @@ def architecture(model_cfg: LanguageModelConfig):
     return config
 
 
+def context_length(model) -> int | None:
+    """The positions a language model learned (max_position_embeddings; GPT-2's n_positions is read by that name),
+    from its text config: a multimodal model (Gemma 3, Llava) holds them in config.text_config, and its top-level
+    config has none, so prompts past them went unchecked."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    room = getattr(text, "max_position_embeddings", None)
+    return room if isinstance(room, int) and not isinstance(room, bool) else None
+
+
 def check_token_ids(config, arch: dict) -> None:
     """The special token ids model.architecture gives are rows of its vocabulary: a pad id past it failed on an
     assertion inside nn.Embedding, and an eos or bos id past it at the first batch (on a GPU, a device-side assert)."""

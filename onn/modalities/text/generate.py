@@ -12,6 +12,7 @@ from onn.errors import UserError
 from onn.modalities.text.datamodule import bos_ids, extract, extract_answer
 from onn.modalities.text.formats import read_records
 from onn.modalities.text.prompts import Prompter
+from onn.models.load import context_length
 
 log = logging.getLogger("onn")
 
@@ -333,8 +334,8 @@ def check_context(
     Returns the new tokens to generate: max_new_tokens, or for task.max_new_tokens=auto (`auto`) at most what
     the longest prompt leaves of the context, as serve's default length is cut. Prompts are counted as
     generation encodes them (`add_special_tokens`, `bos`)."""
-    room = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if not isinstance(room, int):
+    room = context_length(model)
+    if room is None:
         return max_new_tokens
     counts = [len(prompt_ids(tokenizer, text, add_special_tokens, bos)) for text in prompts]
     if auto and counts:

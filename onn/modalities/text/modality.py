@@ -96,9 +96,11 @@ class TextModality(Modality):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 said = "2 (a prompt token and an answer token)" if least == 2 else "1"
                 raise UserError(f"data.{key}={value!r}: give a whole number, {said} or more.")
-        arch = model.architecture or {}
+        arch, where = model.architecture or {}, "model.architecture"
+        if isinstance(arch.get("text_config"), dict):  # a multimodal model's positions are its text config's
+            arch, where = arch["text_config"], "model.architecture.text_config"
         key = "max_position_embeddings" if "max_position_embeddings" in arch else "n_positions"
-        check_max_length(config, arch.get(key), f"model.architecture.{key}")
+        check_max_length(config, arch.get(key), f"{where}.{key}")
         tbptt = config.task.tbptt_steps if isinstance(config.task, TrainTask) else 0
         if isinstance(tbptt, bool) or not isinstance(tbptt, int) or tbptt < 0:
             raise UserError(f"task.tbptt_steps={tbptt!r}: give a whole number of tokens per chunk, or 0 for none.")

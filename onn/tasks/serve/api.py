@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from onn.config.task import ServeConfig
 from onn.errors import UserError
 from onn.modalities.text.generate import prompt_ids
+from onn.models.load import context_length
 from onn.tasks.serve.batching import Sampling, Scheduler, Sequence
 
 log = logging.getLogger("onn")
@@ -746,8 +747,7 @@ def _sampling(req: Generation, settings: ServeConfig, wanted: int) -> Sampling:
 
 
 def _context(lm) -> int | None:
-    config = getattr(lm.model, "config", None)
-    return getattr(config, "max_position_embeddings", None)
+    return context_length(lm.model)
 
 
 def _usage(finish: dict[str, Any]) -> dict[str, int]:
