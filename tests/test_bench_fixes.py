@@ -74,6 +74,27 @@ def test_the_runner_overhead_benchs_plain_loop_trains_what_onns_trainer_trains(p
     assert plain == pytest.approx(onn, abs=1e-6), (plain, onn)
 
 
+def test_the_runner_overhead_bench_waits_for_the_device_at_its_timed_windows_ends_only(tmp_path, monkeypatch):
+    """Each side's stamps waited for the GPU at every step: neither could queue its next step while the GPU ran
+    this one, and each side's host time (Lightning's loop on ONN's) added to its steps one for one. The waits
+    are now the timed window's start and end, whatever the number of steps."""
+    from onn.bench import overhead, vision
+
+    waits: list[str] = []
+    for module in (vision, overhead):  # every name a stamp waits through, counted on any device
+        for name in ("synchronize", "_sync"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, lambda device: waits.append(str(device)))
+    job = _job(tmp_path, "task=bench_overhead", "strategy=full", "data.builtin.train_size=64", "data.max_length=32")
+    counts = {}
+    for side, measure in (("plain", overhead._plain), ("onn", overhead._onn)):
+        for steps in (2, 5):
+            waits.clear()
+            measure(job, steps=steps, warmup=1)
+            counts[side, steps] = len(waits)
+    assert counts["plain", 2] == counts["plain", 5] == 2 and counts["onn", 2] == counts["onn", 5] == 2, counts
+
+
 @pytest.mark.slow
 def test_a_child_run_killed_without_a_record_is_named_so_and_leaves_bench_gpus_figures_empty(tmp_path):
     """bench_gpu's overhead runs are run.py processes of their own. One killed without a word (the OOM killer,

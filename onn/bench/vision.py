@@ -194,7 +194,7 @@ def _plain_loop(config: ONNConfig, plan, inputs, dm, steps: int, warmup: int, lo
     stamps: list[float] = []
     rows: list[int] = []
     for images, labels in epochs(dm.train_dataloader() if from_resident else loader, warmup + steps + 1):
-        _stamp(stamps, device, warmup, steps)
+        stamp(stamps, device, warmup, steps)
         if len(stamps) > warmup + steps:
             break
         rows.append(len(labels))
@@ -241,18 +241,18 @@ def samples_per_s(stamps: list[float], rows: list[int], warmup: int, steps: int)
     return sum(rows[warmup : warmup + steps]) / (stamps[warmup + steps] - stamps[warmup])
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     """CUDA runs asynchronously: a time stamp must wait for the work queued before it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _stamp(stamps: list[float], device: torch.device, warmup: int, steps: int) -> None:
+def stamp(stamps: list[float], device: torch.device, warmup: int, steps: int) -> None:
     """The start of an iteration. Only the timed window's two ends wait for the device: a stamp that waited
     at every step would stop either side from queueing the next step while the GPU runs this one, and add
     each side's host time to its steps one for one (the window holds all of both anyway)."""
     if len(stamps) in (warmup, warmup + steps):
-        _sync(device)
+        synchronize(device)
     stamps.append(time.perf_counter())
 
 
@@ -266,11 +266,11 @@ class _Stamps:
 
         class Callback(L.Callback):
             def on_train_batch_start(cb, trainer, pl_module, batch, batch_idx):  # noqa: N805
-                _stamp(self.stamps, pl_module.device, self.warmup, self.steps)
+                stamp(self.stamps, pl_module.device, self.warmup, self.steps)
                 self.rows.append(batch_rows(batch))
 
             def on_train_end(cb, trainer, pl_module):  # noqa: N805
-                _sync(pl_module.device)
+                synchronize(pl_module.device)
                 self.stamps.append(time.perf_counter())
 
         self.stamps: list[float] = []
@@ -372,7 +372,7 @@ def _pipeline_only(loader, steps: int, warmup: int, augment, device: torch.devic
     stamps: list[float] = []
     rows: list[int] = []
     for images, _ in epochs(loader, warmup + steps + 1):
-        _stamp(stamps, device, warmup, steps)
+        stamp(stamps, device, warmup, steps)
         if len(stamps) > warmup + steps:
             break
         rows.append(len(images))
