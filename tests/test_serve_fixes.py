@@ -147,3 +147,43 @@ def test_completions_logprobs_zero_is_refused_not_ignored(lm):
         assert response.json()["error"]["code"] == "unsupported_parameter"
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": False}
         assert http.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def _tokenizers(lm) -> list:
+    """The served model's byte tokenizer, and SmolLM2's (a BPE with byte fallback) where it has been fetched."""
+    from pathlib import Path
+
+    found = [lm.app.state.scheduler.tokenizer]
+    gguf = Path.home() / ".cache/onn/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+    if gguf.exists():
+        from transformers import AutoTokenizer
+
+        found.append(AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
+    return found
+
+
+def test_a_streamed_completion_decodes_only_its_new_tokens_and_reads_as_the_whole_decode(lm, monkeypatch):
+    """Each token decoded the whole completion again (n^2 / 2 token decodes for n tokens: 1 ms a step and row at
+    4,000). The text is now the last few tokens decoded with their context, and reads, token by token, as the
+    whole completion decoded: spaces, accents, CJK and an emoji split over several tokens included."""
+    from onn.tasks.serve.batching import Sampling, Sequence
+
+    scheduler = lm.app.state.scheduler
+    words = "Hello  world, café naïve 東京 🙂 done.\n  x" * 8
+    for tokenizer in _tokenizers(lm):
+        widths: list[int] = []
+        decode = tokenizer.decode
+
+        def counted(ids, widths=widths, decode=decode, **kw):
+            widths.append(len(ids))
+            return decode(ids, **kw)
+
+        monkeypatch.setattr(scheduler, "tokenizer", SimpleNamespace(decode=counted))
+        ids = tokenizer(words, add_special_tokens=False)["input_ids"]
+        seq = Sequence([], Sampling(len(ids)), emit=lambda event: None)
+        for n, token in enumerate(ids, 1):
+            seq.tokens.append(token)
+            text = scheduler._decode(seq)
+            whole = decode(ids[:n], skip_special_tokens=True)
+            assert text.rstrip("\ufffd") == whole.rstrip("\ufffd"), (type(tokenizer).__name__, n)
+        assert text == decode(ids, skip_special_tokens=True) and max(widths) <= 8, max(widths)

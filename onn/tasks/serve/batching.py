@@ -51,6 +51,9 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # the completion so far (stop strings cut off)
     sent: int = 0  # characters of `text` emitted
+    decoded: str = ""  # the text of tokens[:read_offset]: whole characters only (see Scheduler._decode)
+    prefix_offset: int = 0  # the tokens decoded again before the new ones, for their context
+    read_offset: int = 0
     submitted: float = field(default_factory=time.perf_counter)
     generator: torch.Generator | None = None
 
@@ -176,8 +179,10 @@ class Scheduler:
             return self._finish(seq, "stop")
         seq.tokens.append(token)
         self.generated += 1
-        text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
-        found = [at for at in (text.find(stop) for stop in seq.sampling.stop) if at >= 0]
+        searched = len(seq.decoded)  # held no stop string at the last token
+        text = self._decode(seq)
+        stops = seq.sampling.stop
+        found = [at for at in (text.find(stop, max(0, searched - len(stop) + 1)) for stop in stops) if at >= 0]
         if found:  # the text ends where the first of them begins, whichever the request listed first
             seq.text = text[: min(found)]
             return self._finish(seq, "stop")
@@ -195,6 +200,21 @@ class Scheduler:
         _send(seq, {"text": text[seq.sent : ready] if ready > seq.sent else ""})
         seq.sent = max(seq.sent, ready)
         return False
+
+    def _decode(self, seq: Sequence) -> str:
+        """The completion's text, decoding only the tokens since the last whole character with the few before them
+        (their context: a tokenizer's leading space, a byte sequence's start), as TGI and vLLM stream. Decoding
+        every token so far at each step cost a completion of n tokens n^2 / 2 token decodes (1 ms a step at 4,000
+        tokens, per row). An unfinished character is kept in the text as U+FFFD until its last byte comes."""
+        decode = self.tokenizer.decode
+        before = decode(seq.tokens[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
+        now = decode(seq.tokens[seq.prefix_offset :], skip_special_tokens=True)
+        new = now[len(before) :]
+        if now.endswith("\ufffd"):
+            return seq.decoded + new
+        seq.decoded += new
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(seq.tokens)
+        return seq.decoded
 
     def _finish(self, seq: Sequence, reason: str) -> bool:
         if len(seq.text) > seq.sent:
