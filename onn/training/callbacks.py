@@ -312,7 +312,12 @@ class ResourceMonitor(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step % self.every_n_steps or not trainer.loggers:
             return
-        pl_module.log_dict(self.read(pl_module.device), on_step=True, on_epoch=False)
+        import torch
+
+        # host tensors: Lightning makes a logged number a tensor on the module's device, on a GPU a blocking copy
+        # each, which waits for the step's backward and optimizer the host has just queued
+        figures = {name: torch.tensor(float(value)) for name, value in self.read(pl_module.device).items()}
+        pl_module.log_dict(figures, on_step=True, on_epoch=False)
 
     @staticmethod
     def read(device) -> dict[str, float]:

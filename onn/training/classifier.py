@@ -61,7 +61,9 @@ class ClassifierObjective(Objective):
         return {"x": batch["x"]}
 
     def loss(self, output: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
-        return mixed_loss(self._loss, output, batch["y"], batch.get("y_mixed"), batch.get("weight"))
+        """In float32: under strategy.precision=bf16-true the logits are bf16, and a cross-entropy of bf16 logits
+        is a bf16 loss (train/loss rounded to 3 digits), as the evaluation's float32 loss is not."""
+        return mixed_loss(self._loss, output.float(), batch["y"], batch.get("y_mixed"), batch.get("weight"))
 
     def weight(self, batch: dict[str, Any]) -> int:
         return int(batch["x"].shape[0])
@@ -188,13 +190,14 @@ class Classifier(EpochRecord, ONNModule):
         targets, which a model.loss of class labels cannot take."""
         if not self.mixup:
             return {"x": x, "y": labels}
-        alpha = torch.tensor(self.mixup)
+        # float32 named: under bf16-true Lightning makes bf16 the default dtype, which Beta cannot sample from
+        alpha = torch.tensor(self.mixup, dtype=torch.float32)
         weight = float(torch.distributions.Beta(alpha, alpha).sample())  # drawn on the host: no copy to wait for
         return {
             "x": weight * x + (1 - weight) * x.flip(0),
             "y": labels,
             "y_mixed": labels.flip(0),
-            "weight": torch.full(labels.shape, weight, device=x.device),
+            "weight": torch.full(labels.shape, weight, dtype=torch.float32, device=x.device),
         }
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:

@@ -113,7 +113,11 @@ class DualEncoder(EpochRecord, ONNModule):
         return self.logit_scale.clamp(max=self.max_log_scale).exp()
 
     def loss(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        logits = self.scale() * a @ b.T
+        """CLIP's symmetric cross-entropy over the similarities of unit embeddings a and b, in float32: bf16-mixed's
+        autocast would take the matmul to bf16, whose similarities near 1 are 0.004 apart (0.4 in a logit at
+        max_logit_scale 100), and the training loss would not be the float32 one validation reports."""
+        with torch.autocast(a.device.type, enabled=False):
+            logits = self.scale().float() * a.float() @ b.float().T
         target = torch.arange(a.shape[0], device=a.device)
         return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
 
