@@ -97,3 +97,29 @@ def test_a_resident_loader_saved_at_an_epochs_end_resumes_at_the_next_epochs_sta
     later = ResidentBatches(_split(), batch_size=4, shuffle=True, seed=7, epoch_of=lambda: 2)
     later.load_state_dict({"epoch": 1, "taken": 5})
     assert [x.flatten().tolist() for x, _ in later] == epochs[2]
+
+
+def test_a_graph_loaders_restored_place_holds_for_its_own_epoch_only():
+    """GraphBatches restored its place without ResidentBatches' epoch check: a place saved 5 batches into epoch 1
+    skipped 5 of epoch 2's batches when the run resumed there."""
+    from torch_geometric.data import Data
+
+    from onn.modalities.graph.dataset import GraphBatches, GraphSplit
+
+    graphs = [
+        Data(x=torch.full((2, 1), float(i)), edge_index=torch.tensor([[0], [1]]), y=torch.tensor([i]))
+        for i in range(20)
+    ]
+    split = GraphSplit(graphs, [str(i) for i in range(20)])
+
+    def firsts(loader) -> list[list[float]]:
+        return [batch.x[::2, 0].tolist() for batch, _ in loader]
+
+    whole = GraphBatches(split, batch_size=4, shuffle=True, seed=7)
+    epochs = [firsts(whole) for _ in range(3)]
+    later = GraphBatches(split, batch_size=4, shuffle=True, seed=7, epoch_of=lambda: 2)
+    later.load_state_dict({"epoch": 1, "taken": 3})
+    assert firsts(later) == epochs[2]
+    same = GraphBatches(split, batch_size=4, shuffle=True, seed=7, epoch_of=lambda: 1)
+    same.load_state_dict({"epoch": 1, "taken": 3})
+    assert firsts(same) == epochs[1][3:]

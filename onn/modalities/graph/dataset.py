@@ -74,7 +74,9 @@ class GraphBatches(ResidentBatches):
         graphs = self.split.graphs
         if self.epoch_of is not None:
             self.epoch = self.epoch_of()
-        self._current, self._taken, self._skip = self.epoch, self._skip, 0
+        # a restored place holds for the epoch it was saved in only, as ResidentBatches' does
+        skip = self._skip if self.epoch == self._skip_epoch else 0
+        self._current, self._taken, self._skip = self.epoch, skip, 0
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
             batches = self._batches(torch.randperm(len(self.split), generator=generator))
