@@ -121,6 +121,10 @@ def test_data_auto_reads_graph_folders_and_meshes_as_graphs_for_a_graph_model(tm
             ["data.source=builtin:communities", "data.level=node", "task.adapt_norm=true"],
             "a node-level graph's test nodes share one graph with its training nodes: set task.adapt_norm=false",
         ),
+        (
+            ["data.source=builtin:communities", "data.level=node", "data.val_source=other.safetensors"],
+            "data.val_source=other.safetensors: data.level=node holds out nodes of the one data.source graph",
+        ),
     ],
 )
 def test_settings_that_cannot_work_are_one_sentence_before_anything_runs(overrides, sentence):

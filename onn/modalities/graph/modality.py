@@ -89,6 +89,12 @@ class GraphModality(ClassifierModality):
                 "task.adapt_norm=true measures the norms again on the test data, but a node-level graph's test "
                 "nodes share one graph with its training nodes: set task.adapt_norm=false."
             )
+        for key in ("val_source", "test_source") if data.level == "node" else ():  # (read nowhere: ignored)
+            if getattr(data, key):
+                raise UserError(
+                    f"data.{key}={getattr(data, key)}: data.level=node holds out nodes of the one data.source graph "
+                    f"(its val_mask / test_mask, or data.val_split); remove data.{key}, or use data.level=graph."
+                )
         if data.batch_groups:
             raise UserError("data.batch_groups does not apply to graphs; set data.batch_groups=null.")
         if config.export.name == "omny":  # refused before training, not after it
