@@ -122,6 +122,27 @@ def test_pairs_from_metadata_jsonl_and_csv(shapes, tmp_path):
         find_pairs(folder)
 
 
+def test_files_with_a_label_column_are_classification_data_not_pairs(tmp_path):
+    """An audiofolder-style manifest (file_name + label "dog"/"cat") was taken by data=auto for audio-text pairs,
+    its class names as captions: a dual encoder trained where a classifier was meant. A label column is a class;
+    data.text_column=label still pairs the files with their class names."""
+    import numpy as np
+    import soundfile as sf
+
+    from onn.modalities.registry import detect
+
+    rows = []
+    for i in range(8):
+        wave = np.sin(np.arange(4000) * (0.05 if i % 2 else 0.2)).astype(np.float32)
+        sf.write(tmp_path / f"clip{i}.wav", wave, 8000)
+        rows.append({"file_name": f"clip{i}.wav", "label": "dog" if i % 2 else "cat"})
+    (tmp_path / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert detect(tmp_path)[0].name == "audio"
+    with pytest.raises(UserError, match=r"or set data\.text_column=label to pair each file with its class name"):
+        find_pairs(tmp_path)
+    assert find_pairs(tmp_path, text_column="label").complete == 8
+
+
 def test_data_auto_says_what_pairs_it_found(shapes, tmp_path):
     from onn.modalities import detect
 

@@ -48,6 +48,9 @@ SNIFF_FILES = 20_000  # data=auto looks at this many files at most
 SNIFF_BYTES = 1 << 16  # and at most this much of a metadata file
 EXAMPLE_BYTES = 64 << 20  # a shard member read to learn its suffix's modality
 NAMED = 5  # orphans named in a summary
+# a class, not a caption (Hugging Face's audiofolder/imagefolder classification manifests): a folder of files with
+# these beside file_name is classification data, which data=auto took for file-text pairs
+LABEL_COLUMNS = ("label", "labels")
 LAYOUT = (
     "pairs of files that share a name up to the extension (0001.jpg + 0001.txt), in folders or .tar shards, "
     "or a metadata.jsonl/metadata.csv with file_name and a caption column"
@@ -364,14 +367,21 @@ def _text_column(rows, columns: list[str], file_columns: list[str], wanted: str,
         c
         for c in columns
         if c not in file_columns
+        and c.lower() not in LABEL_COLUMNS
         and any(isinstance(r.get(c), str) and r[c].strip() and not _looks_numeric(r[c]) for _, _, r in rows)
     ]
     for name in ("text", "caption", "description", "transcription", "sentence"):
         if name in texts:
             return name
     if not texts:
+        labels = [c for c in columns if c.lower() in LABEL_COLUMNS]
         raise UserError(
-            f'{where} has no text column to pair with file_name (columns: {", ".join(columns)}); add one, e.g. "text".'
+            f'{where} has no text column to pair with file_name (columns: {", ".join(columns)}); add one, e.g. "text"'
+            + (
+                f", or set data.text_column={labels[0]} to pair each file with its class name as text."
+                if labels
+                else "."
+            )
         )
     return texts[0]
 
