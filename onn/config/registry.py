@@ -181,6 +181,8 @@ def compose_problem(argv: list[str], conf_dir: Path) -> str | None:
         return None
     if any(o.is_sweep_override() for o in overrides):
         return None  # each job of a sweep composes its own config
+    if problem := _checkpoint_data_problem(overrides, conf_dir):
+        return problem
     optional = {f.name for f in fields(ONNConfig) if f.default is None}  # top-level blocks null by default
     under = [o for o in overrides if not o.is_delete() and _under_block(o.key_or_group, optional, o.value())]
     named = {o.key_or_group for o in overrides}
@@ -199,6 +201,36 @@ def compose_problem(argv: list[str], conf_dir: Path) -> str | None:
             OmegaConf.update(cfg, o.key_or_group, o.value(), merge=True, force_add=o.is_add() or o.is_force_add())
         except Exception:  # noqa: BLE001 -- a misspelt key or a wrong type: Hydra's message names it
             return None
+    return None
+
+
+def _checkpoint_data_problem(overrides: list, conf_dir: Path) -> str | None:
+    """`ckpt=RUN data.KEY=...` without data=NAME: Hydra checks data.KEY against the data config the defaults list
+    chooses (conf/config.yaml's data=math, text) before the checkpoint's own data config is read, so a key of an
+    image checkpoint's data (`data.test_source`) was refused as "Key 'test_source' not in 'TextData'"."""
+    from hydra import compose, initialize_config_dir
+
+    named = {o.key_or_group for o in overrides}
+    ckpt = next((o for o in overrides if o.key_or_group == "ckpt"), None)
+    data_keys = [o for o in overrides if o.key_or_group.startswith("data.")]
+    if ckpt is None or ckpt.value() in (None, "null") or "data" in named or not data_keys:
+        return None
+    rest = [o.input_line for o in overrides if o not in data_keys and not o.key_or_group.startswith("hydra")]
+    with initialize_config_dir(config_dir=str(conf_dir.resolve()), version_base="1.3"):
+        try:
+            cfg = compose("config", overrides=rest)
+        except Exception:  # noqa: BLE001 -- another mistake: Hydra says it
+            return None
+    for o in data_keys:
+        key = o.key_or_group.split(".")[1]
+        if key not in cfg.data:
+            given = o.input_line.lstrip("+")
+            return (
+                f"{given}: with ckpt= and no data=NAME, Hydra checks data keys against the default data="
+                f"{cfg.data.name} ({cfg.data.modality} data, no {key}) before the checkpoint's own data config is "
+                f"read; name the checkpoint's data config too (data=NAME data.source=PATH, as its run's config.yaml "
+                f"says), then {given}."
+            )
     return None
 
 

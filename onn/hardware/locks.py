@@ -2,17 +2,27 @@
 exits, however it exits (kill -9 included), so a dead holder never blocks the next run and no stale-lock
 guess is needed. Run folders take it without waiting (a second run into the same folder is refused); a
 layer store's build waits for it (a second build finds the blocks the first wrote).
+
+A file system without locks (NFS mounted `nolock`, some FUSE and SMB mounts: flock raises ENOLCK, EOPNOTSUPP or
+ENOSYS) gets no lock: the run goes on, said once per folder, and a second run there is not kept out.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 LOCK_NAME = ".onn.lock"
+# what flock raises where the file system has no locks, as opposed to a lock another process holds
+NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}
+
+log = logging.getLogger("onn")
+_unlocked_said: set[str] = set()  # the lock files already said to be unsupported, each said once
 
 
 def try_hold(folder: str | os.PathLike) -> int | None:
@@ -20,13 +30,38 @@ def try_hold(folder: str | os.PathLike) -> int | None:
     holds it now; the holder's pid is written into the lock file for the message that names it."""
     fd = os.open(Path(folder) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, Path(folder) / LOCK_NAME)
     except BlockingIOError:
         os.close(fd)
         return None
+    except OSError:
+        os.close(fd)
+        raise
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
     return fd
+
+
+def _flock(fd: int, operation: int, path: Path) -> None:
+    """flock, or nothing where the file system has no locks (said once for `path`); BlockingIOError when another
+    process holds the lock and `operation` does not wait, any other OSError as flock raised it."""
+    try:
+        fcntl.flock(fd, operation)
+    except BlockingIOError:
+        raise
+    except OSError as e:
+        if e.errno not in NO_LOCKS:
+            raise
+        if str(path) not in _unlocked_said:
+            _unlocked_said.add(str(path))
+            log.warning(
+                "%s cannot be locked (%s: the file system has no file locks, e.g. NFS mounted nolock): going on "
+                "without the lock, so another run or layer store build in %s at the same time is not kept out; "
+                "set paths.outputs and paths.cache (ONN_CACHE) to a local disk to have it.",
+                path,
+                e.strerror or errno.errorcode.get(e.errno, e.errno),
+                path.parent,
+            )
 
 
 def holder(folder: str | os.PathLike) -> str:
@@ -38,7 +73,7 @@ def holder(folder: str | os.PathLike) -> str:
 
 
 @contextlib.contextmanager
-def held(folder: str | os.PathLike, on_wait=None) -> Iterator[None]:
+def held(folder: str | os.PathLike, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
     """`folder`'s lock for the block, waiting for another holder to finish first (`on_wait()` is called once
     before waiting)."""
     fd = try_hold(folder)
@@ -46,7 +81,11 @@ def held(folder: str | os.PathLike, on_wait=None) -> Iterator[None]:
         if on_wait is not None:
             on_wait()
         fd = os.open(Path(folder) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            _flock(fd, fcntl.LOCK_EX, Path(folder) / LOCK_NAME)
+        except OSError:
+            os.close(fd)
+            raise
     try:
         yield
     finally:

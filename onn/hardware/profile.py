@@ -514,7 +514,9 @@ def _number(path: Path, field: int = 0) -> int | None:
 
 
 def machine_fingerprint() -> str:
-    """Changes when the hardware or the torch build changes, not from run to run."""
+    """Changes when the hardware or the torch build changes, not from run to run. On a node of GPUs of several
+    models it names the current GPU's too: the profile measures that one (its memory, bf16, matmul rates), and a
+    rank on a T4 read the profile an A100's rank had measured (80 GB, bf16) and planned with it."""
     import torch
 
     parts = [
@@ -527,7 +529,10 @@ def machine_fingerprint() -> str:
     ]
     parts.append(torch.__version__)
     if torch.cuda.is_available():
-        parts += [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        parts += names
+        if len(set(names)) > 1:  # GPUs of several models: the profile measures the current one (this rank's)
+            parts.append(f"current {names[torch.cuda.current_device()]}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

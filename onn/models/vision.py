@@ -13,9 +13,11 @@ from __future__ import annotations
 import difflib
 import logging
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from onn.config.model import GraphNetworkConfig, NetworkConfig
@@ -278,7 +280,8 @@ def _fit_shapes(model: nn.Module, state: dict, heads: tuple, first_conv: str | N
     another number of classes keeps its fresh init, the first conv is adapted to the channel count, a layer
     model.small_input changed collapses its kernel (ConvMlp for a 1 px map) or keeps a fresh init. Returns the
     keys of the wrong shapes, those left fresh, and the wrong ones' shapes said. A ViT's position embeddings are
-    interpolated to its grid of patches, as timm does for pretrained weights at another img_size."""
+    interpolated to its grid of patches, and a Swin's relative position bias tables to its windows, as timm does for
+    pretrained weights at another img_size."""
     own = model.state_dict()
     wrong, fresh, shapes = [], [], {}
     for key, value in list(state.items()):
@@ -293,6 +296,8 @@ def _fit_shapes(model: nn.Module, state: dict, heads: tuple, first_conv: str | N
             state[key] = _adapted_first_conv(target.shape[1], value)
         elif key == "pos_embed" and (resampled := _resampled_pos_embed(model, value)).shape == target.shape:
             state[key] = resampled  # a ViT's weights of 224 px for the data's size
+        elif (resized := _resized_rel_pos_bias(model, key, value, target.shape)) is not None:
+            state[key] = resized  # a Swin's table of 7 x 7 windows for the smaller window of a small feature map
         elif (
             _under(key, changed)
             and value.dim() == 4
@@ -330,6 +335,22 @@ def _resampled_pos_embed(model: nn.Module, value):
         return value
     prefix = 0 if getattr(model, "no_embed_class", False) else int(getattr(model, "num_prefix_tokens", 1))
     return resample_abs_pos_embed(value, list(grid), num_prefix_tokens=prefix, verbose=False)
+
+
+def _resized_rel_pos_bias(model: nn.Module, key: str, value: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+    """A windowed attention's relative position bias table [(2h-1)(2w-1), heads] (Swin) resampled to the window its
+    module has, or None where `key` is no such table. timm shrinks a Swin's 7 x 7 window to a feature map smaller
+    than it (the last stages at 64-112 px), so ImageNet weights of 224 px were refused as of the wrong shape."""
+    from timm.layers import resize_rel_pos_bias_table, to_2tuple
+
+    owner = _get(model, key.rpartition(".")[0]) if key.endswith(".relative_position_bias_table") else None
+    window = getattr(owner, "window_size", None)
+    if window is None or value.dim() != 2 or len(shape) != 2 or value.shape[1] != shape[1]:
+        return None
+    with warnings.catch_warnings():  # timm's interpolation, without scipy, warns of torch indexing notes
+        warnings.simplefilter("ignore", UserWarning)
+        resized = resize_rel_pos_bias_table(value.float(), to_2tuple(window), tuple(shape))
+    return resized.to(value.dtype) if tuple(resized.shape) == tuple(shape) else None
 
 
 def _get(model: nn.Module, name: str) -> nn.Module | None:

@@ -7,15 +7,57 @@ any timm model (onn/models/vision.py), augmentation on the device, and a grid of
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from onn.config import ONNConfig
 from onn.config.data import ImageData
 from onn.config.model import NetworkConfig
+from onn.hardware.profile import Profile
 from onn.modalities.base import ClassifierModality, RunConfig
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+ASSUMED_SIZE = [32, 32]  # a plan's image size where data.image_size is null and there is no data to read
+
+
+@dataclass(frozen=True)
+class FirstImage:
+    """What the data's first image says of the inputs a null data.image_size trains on."""
+
+    name: str  # the item read
+    size: list[int]  # [H, W]
+    channels: int  # as channels=auto decodes the data (1 when its first images are all grey, else 3)
+    classes: int  # the classes its listing found
+
+
+def first_image(data: ImageData) -> FirstImage | None:
+    """The data's first decodable image, listed and decoded as training reads it item by item; None where there is
+    no data to read (data.source null, built-in or not on this machine: task=plan for data one does not have). A
+    source that is there but cannot be read is the UserError training would end with."""
+    source = str(data.source or "")
+    if not source or source.startswith("builtin:") or not Path(source).expanduser().exists():
+        return None
+    key = (source, data.format or "auto", str(data.channels), Path(source).expanduser().stat().st_mtime_ns)
+    return _first_image(*key)
+
+
+@functools.lru_cache(maxsize=4)
+def _first_image(source: str, fmt: str, channels: str, _mtime_ns: int) -> FirstImage | None:
+    """first_image, read once per source (the plan reads it for its inputs and again for its reasons)."""
+    from onn.modalities.image.formats import list_items
+
+    splits = list_items(Path(source).expanduser(), fmt)
+    for items in splits.values():
+        items.configure(channels=int(channels) if channels.isdigit() else "auto")
+        for i in range(min(len(items), 16)):
+            image = items.load(i)
+            if image is not None:
+                return FirstImage(
+                    items.names[i], [int(v) for v in image.shape[1:]], int(image.shape[0]), len(items.classes)
+                )
+    return None
 
 
 class ImageModality(ClassifierModality):
@@ -106,13 +148,32 @@ class ImageModality(ClassifierModality):
         return {"mean": [0.5] * channels, "std": [0.5] * channels}
 
     def planned_inputs(self, config: RunConfig) -> dict[str, Any]:
-        """From the config alone (task=plan, a pair's side): its image_size (32 px when null), channels (3
-        when auto) and num_classes (10 when auto)."""
+        """From the config (task=plan, export without a checkpoint, a pair's side): data.image_size, channels and
+        num_classes; where image_size is null, the images' own size (and channels and classes where auto) as the
+        data's first image has it, or 32 px (3 channels, 10 classes) where there is no data.source to read."""
         data: ImageData = config.data
-        size = [int(v) for v in data.image_size] if data.image_size else [32, 32]
-        channels = data.channels if isinstance(data.channels, int) else 3
-        classes = data.num_classes if isinstance(data.num_classes, int) else 10
+        found = None if data.image_size else first_image(data)
+        size = [int(v) for v in data.image_size] if data.image_size else found.size if found else ASSUMED_SIZE
+        channels = data.channels if isinstance(data.channels, int) else found.channels if found else 3
+        classes = data.num_classes if isinstance(data.num_classes, int) else found.classes if found else 10
         return {"classes": [str(i) for i in range(classes)], "input_shape": [channels, *size]}
+
+    def plan(self, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
+        """The shared classifier plan, saying where a null data.image_size's size came from: memory and step time
+        grow with the pixels (a folder of 224 px images planned as 32 px ones: 1.7 GB for ResNet-18's batch of 128,
+        where it takes 7.1 GB)."""
+        plan, spec = super().plan(config, hardware, use_tuned)
+        data: ImageData = config.data
+        if not data.image_size:
+            found = first_image(data)
+            plan.reasons.append(
+                f"images of {found.size[0]}x{found.size[1]} px, as {found.name} in data.source has them "
+                "(data.image_size is null: the images' own size)"
+                if found
+                else f"images of {ASSUMED_SIZE[0]}x{ASSUMED_SIZE[1]} px assumed: data.image_size is null and there is "
+                "no data.source on this machine to read; set data.image_size=[H,W] to plan for your images"
+            )
+        return plan, spec
 
     def read_inputs(self, source: Path, inputs: dict[str, Any], config: RunConfig):
         from onn.data.resident import Decoded
