@@ -398,6 +398,26 @@ def test_bench_vision_counts_the_rows_each_timed_step_had():
     assert samples_per_s([10.0, 11.0, 12.5, 13.0], [16, 16, 5], warmup=1, steps=2) == 21 / 2
 
 
+def test_bench_visions_plain_loop_trains_bf16_weights_under_bf16_true(images, tmp_path, monkeypatch):
+    """Under strategy.precision=bf16-true Lightning trains the converted bf16 weights on bf16 inputs; the plain
+    loop autocast float32 weights instead, another work than ONN's side (bench_overhead's plain loop had the same
+    mismatch, fixed before)."""
+    from onn.bench import vision
+    from onn.modalities import classification, get
+
+    built = []
+    plain_model = vision._plain_model
+    monkeypatch.setattr(vision, "_plain_model", lambda *a: built.append(plain_model(*a)) or built[-1])
+    image = get("image")
+    sizes = ["data.image_size=[16,16]", "data.batch_size=16", "strategy.precision=bf16-true", "model.compile=false"]
+    cfg = compose("recipe=bench_vision", f"data.source={images}", *sizes, f"paths.cache={tmp_path}")
+    dm = classification.setup_data(image, cfg, "cpu")
+    inputs = classification.data_inputs(image, cfg, dm)
+    plan, _ = image.plan(cfg, resolve(cfg.hardware, tmp_path, tmp_path))
+    assert vision._plain_loop(cfg, plan, inputs, dm, steps=2, warmup=1) > 0
+    assert {p.dtype for p in built[0].parameters()} == {torch.bfloat16}
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_bench_visions_plain_loop_compiles_its_model_as_onns_side_does(compiled):
     """model.compile: both sides of the runner's overhead train the compiled network, or neither does."""

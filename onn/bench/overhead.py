@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from onn.bench.vision import epochs, stamp, synchronize
+from onn.bench.vision import epochs, plain_precision, stamp, synchronize, trainer_precision
 from onn.config import ONNConfig
 from onn.config.task import BenchOverheadTask
 from onn.errors import UserError
@@ -88,16 +88,6 @@ def _rate(stamps: list[float], warmup: int, steps: int) -> float:
     return steps / (stamps[warmup + steps] - stamps[warmup])
 
 
-def _plain_precision(precision: str) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """(the weights' dtype, the autocast dtype) of Lightning's `precision` (or its alias: 16, bf16, 32, 64), as its
-    plugin runs a step: -true converts the module and autocasts nothing, -mixed autocasts over the built weights."""
-    kind, _, mode = str(precision).partition("-")
-    dtype = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}.get(kind)
-    if mode == "true" or kind == "64":
-        return dtype, None
-    return None, dtype
-
-
 def _plain(job, steps: int, warmup: int) -> tuple[float, list[float]]:
     """nanoGPT's loop on the module the plan builds, at the Trainer's precision: steps per second after `warmup`,
     and each step's loss (read after the steps)."""
@@ -107,7 +97,7 @@ def _plain(job, steps: int, warmup: int) -> tuple[float, list[float]]:
     config, plan = job.config, job.plan
     device = torch.device(job.device)
     module, tokenizer = build(config, plan)
-    weights, half = _plain_precision(_precision(config, plan))
+    weights, half = plain_precision(trainer_precision(config, plan))
     model = module.model.to(device).train()
     if weights is not None:  # bf16-true, 16-true, 64-true: Lightning trains the converted weights
         model.to(weights)
@@ -135,12 +125,6 @@ def _plain(job, steps: int, warmup: int) -> tuple[float, list[float]]:
         scheduler.step()
         losses.append(loss.detach())
     return _rate(stamps, warmup, steps), [float(x) for x in losses]
-
-
-def _precision(config, plan) -> str:
-    """What ONN's Trainer runs with: trainer.precision, or where it is auto the plan's."""
-    precision = config.trainer.precision
-    return plan.precision if precision in (None, "auto") else str(precision)
 
 
 def _onn(job, steps: int, warmup: int) -> tuple[float, list[float]]:

@@ -187,8 +187,9 @@ def _plain_loop(config: ONNConfig, plan, inputs, dm, steps: int, warmup: int, lo
     augment = _augment(config, inputs)
     channels_last = config.model.channels_last
     smoothing = config.task.label_smoothing
-    precision = _precision(config, plan)
-    half = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else None
+    weights, half = plain_precision(trainer_precision(config, plan))
+    if weights is not None:  # bf16-true, 16-true, 64-true: Lightning trains the converted weights on converted inputs
+        model.to(weights)
     scaler = torch.amp.GradScaler(device.type, enabled=half is torch.float16)  # Lightning's 16-mixed scales too
     from_resident = loader is None
     stamps: list[float] = []
@@ -202,8 +203,9 @@ def _plain_loop(config: ONNConfig, plan, inputs, dm, steps: int, warmup: int, lo
         x = augment(images, train=True) if from_resident else images  # the standard pipeline augmented per sample
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
+        x = x if weights is None else x.to(weights)
         with torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None):
-            loss = F.cross_entropy(model(x), labels, label_smoothing=smoothing)
+            loss = F.cross_entropy(model(x).float(), labels, label_smoothing=smoothing)  # as ONN's, in float32
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         if clip > 0:  # the same work as ONN's step, which clips by optim.clip_grad_norm
@@ -341,7 +343,7 @@ def _bare_lightning(config: ONNConfig, plan, inputs, dm, run_dir: Path, steps: i
         max_steps=warmup + steps,
         accelerator=device.type,
         devices=[device.index or 0] if device.type == "cuda" else 1,
-        precision=_precision(config, plan),
+        precision=trainer_precision(config, plan),
         gradient_clip_val=config.optim.clip_grad_norm or None,
         logger=False,
         enable_checkpointing=False,
@@ -355,7 +357,17 @@ def _bare_lightning(config: ONNConfig, plan, inputs, dm, run_dir: Path, steps: i
     return samples_per_s(stamps.stamps, stamps.rows, warmup, steps)
 
 
-def _precision(config: ONNConfig, plan) -> str:
+def plain_precision(precision: str) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(the weights' dtype, the autocast dtype) of Lightning's `precision` (or its alias: 16, bf16, 32, 64), as its
+    plugin runs a step: -true converts the module and autocasts nothing, -mixed autocasts over the built weights."""
+    kind, _, mode = str(precision).partition("-")
+    dtype = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}.get(kind)
+    if mode == "true" or kind == "64":
+        return dtype, None
+    return None, dtype
+
+
+def trainer_precision(config: ONNConfig, plan) -> str:
     """What ONN's Trainer runs with: trainer.precision, or where it is auto the plan's."""
     precision = config.trainer.precision
     return plan.precision if precision in (None, "auto") else str(precision)
