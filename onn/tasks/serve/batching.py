@@ -51,8 +51,9 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # the completion so far (stop strings cut off)
     sent: int = 0  # characters of `text` emitted
-    decoded: str = ""  # the text of tokens[:read_offset]: whole characters only (see Scheduler._decode)
-    prefix_offset: int = 0  # the tokens decoded again before the new ones, for their context
+    text_ids: list[int] = field(default_factory=list)  # the tokens that are text: no special tokens
+    decoded: str = ""  # the text of text_ids[:read_offset]: whole characters only (see Scheduler._decode)
+    prefix_offset: int = 0  # the text ids decoded again before the new ones, for their context
     read_offset: int = 0
     submitted: float = field(default_factory=time.perf_counter)
     generator: torch.Generator | None = None
@@ -69,6 +70,7 @@ class Scheduler:
         self.lm, self.slots = lm, slots
         self.tokenizer = lm.tokenizer
         self.eos = lm.eos_ids
+        self.special = special_ids(self.tokenizer)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos, default=0)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.active: list[Sequence] = []
@@ -178,6 +180,8 @@ class Scheduler:
         if token in self.eos:
             return self._finish(seq, "stop")
         seq.tokens.append(token)
+        if token not in self.special:
+            seq.text_ids.append(token)
         self.generated += 1
         searched = len(seq.decoded)  # held no stop string at the last token
         text = self._decode(seq)
@@ -202,18 +206,21 @@ class Scheduler:
         return False
 
     def _decode(self, seq: Sequence) -> str:
-        """The completion's text, decoding only the tokens since the last whole character with the few before them
+        """The completion's text, decoding only the text ids since the last whole character with the few before them
         (their context: a tokenizer's leading space, a byte sequence's start), as TGI and vLLM stream. Decoding
         every token so far at each step cost a completion of n tokens n^2 / 2 token decodes (1 ms a step at 4,000
-        tokens, per row). An unfinished character is kept in the text as U+FFFD until its last byte comes."""
-        decode = self.tokenizer.decode
-        before = decode(seq.tokens[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
-        now = decode(seq.tokens[seq.prefix_offset :], skip_special_tokens=True)
+        tokens, per row). Special tokens are left out before decoding, as vLLM does: as the context they decode to
+        nothing, and a tokenizer that strips a leading space (Llama 2's, Mistral's) dropped the next word's. An
+        unfinished character is kept in the text as U+FFFD until its last byte comes."""
+        decode, ids = self.tokenizer.decode, seq.text_ids
+        before = decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
+        now = decode(ids[seq.prefix_offset :], skip_special_tokens=True)
         new = now[len(before) :]
         if now.endswith("\ufffd"):
             return seq.decoded + new
-        seq.decoded += new
-        seq.prefix_offset, seq.read_offset = seq.read_offset, len(seq.tokens)
+        if len(ids) > seq.read_offset:  # (a special token adds no text id: the context stays where it was)
+            seq.decoded += new
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
         return seq.decoded
 
     def _finish(self, seq: Sequence, reason: str) -> bool:
@@ -241,6 +248,15 @@ class Scheduler:
         columns = mask.any(dim=0).nonzero()[:, 0]
         self.mask = mask.index_select(1, columns)
         _edit_cache(self.cache, lambda t: t.index_select(0, index.to(t.device)).index_select(2, columns.to(t.device)))
+
+
+def special_ids(tokenizer) -> set[int]:
+    """The ids decode(skip_special_tokens=True) leaves out: the named special tokens (bos, eos, pad, ...) and every
+    added token marked special (a chat template's <|im_start|>, a tool call's marker)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return set(getattr(tokenizer, "all_special_ids", [])) | {
+        i for i, t in added.items() if getattr(t, "special", False)
+    }
 
 
 def _send(seq: Sequence, event: dict[str, Any]) -> None:
