@@ -48,6 +48,9 @@ def test_eval_scores_another_folder_by_class_name_and_on_the_checkpoints_split(t
         shutil.copytree(images / "test" / c, fewer / c)
     few = scored(tmp_path, run_dir, f"data.source={fewer}", "data.val_split=0.5", name="few")
     assert few["val/acc"] > 0.9  # by position, about 0: the model's class1 is the folder's label 0
+    for named in ("[class1,class2]", "[class2,class1]"):  # some of its classes, named: by name too (0.0, 0.5)
+        given = ("data=image", f"data.source={fewer}", "data.val_split=0.5", f"data.classes={named}")
+        assert scored(tmp_path, run_dir, *given, name=f"few{named}")["val/acc"] == pytest.approx(few["val/acc"])
     (fewer / "class3").mkdir()
     shutil.copy(next((images / "test" / "class0").iterdir()), fewer / "class3" / "x.png")
     with pytest.raises(UserError, match=r"data\.source has the classes \['class3'\], which ckpt .* never learned"):

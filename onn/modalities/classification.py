@@ -40,6 +40,7 @@ from onn.config.strategy import StrategyConfig
 from onn.config.task import InferTask, TrainTask
 from onn.data.cache import cached_tensors
 from onn.data.files import write_jsonl
+from onn.data.labelled import same_text
 from onn.data.resident import ClassificationData, ResidentBatches, Split, numbered
 from onn.errors import UserError
 from onn.export.write import export_after_training, export_for_run, refused_write, weight_bytes
@@ -358,16 +359,16 @@ def evaluate(job: Job) -> dict[str, Any]:
 def trained_data(m: ClassifierModality, config: ONNConfig, ckpt: Path, device: str) -> ClassificationData:
     """The data a checkpoint is scored on: the validation split its training held out (its seed), and labels by
     class name, in the checkpoint's order (a data.source of fewer classes, or in another order, was scored by
-    position, and so was a data.classes listing the checkpoint's classes in another order). A class the model never
-    learned is one sentence."""
+    position, and so was a data.classes listing the checkpoint's classes, or some of them, in another order). A
+    class the model never learned is one sentence."""
     inputs = saved_inputs(ckpt)
-    known = [str(c) for c in inputs["classes"]]
+    known = [same_text(str(c)) for c in inputs["classes"]]  # (one trained before names were NFC: as data names them)
     config = dataclasses.replace(config, seed=int(inputs["seed"]))
     dm = m.datamodule(config, device)
     dm.min_classes = 1  # the checkpoint knows the classes: a folder of one of them is scored too
     dm.setup()
-    reordered = sorted(dm.classes) == sorted(known)  # data.classes naming the checkpoint's classes in another order
-    if dm.classes == known or (config.data.classes and not reordered):
+    named = set(dm.classes) <= set(known)  # data.classes naming some of the checkpoint's classes, in any order
+    if dm.classes == known or (config.data.classes and not named):
         return dm
     unknown = [c for c in dm.classes if c not in known]
     if unknown and not numbered(dm.classes):
@@ -397,7 +398,8 @@ def infer(job: Job) -> dict[str, Any]:
     device = torch.device(job.device)
     model = module.to(device).eval()
     rows, shown, predicted_names, true_names, correct, known = [], [], [], [], 0, 0
-    classes, unknown = inputs["classes"], set()
+    classes = [same_text(c) if isinstance(c, str) else c for c in inputs["classes"]]  # as the data names them: NFC
+    unknown = set()
     batch = eval_batch(config.data)
     for split, decoded in sets.items():
         for start in range(0, len(decoded.labels), batch):
