@@ -141,6 +141,14 @@ def test_files_with_a_label_column_are_classification_data_not_pairs(tmp_path):
     with pytest.raises(UserError, match=r"or set data\.text_column=label to pair each file with its class name"):
         find_pairs(tmp_path)
     assert find_pairs(tmp_path, text_column="label").complete == 8
+    for row in rows:  # another text column beside the label (a speaker's id) is no caption either
+        row["speaker_id"] = "a0f9c2"
+    (tmp_path / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert detect(tmp_path)[0].name == "audio"
+    for row in rows:  # a caption named as one still pairs
+        row["caption"] = "a dog barking"
+    (tmp_path / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert find_pairs(tmp_path).how == "metadata.jsonl (file_name + caption)"
 
 
 def test_data_auto_says_what_pairs_it_found(shapes, tmp_path):

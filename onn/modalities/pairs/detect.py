@@ -51,6 +51,7 @@ NAMED = 5  # orphans named in a summary
 # a class, not a caption (Hugging Face's audiofolder/imagefolder classification manifests): a folder of files with
 # these beside file_name is classification data, which data=auto took for file-text pairs
 LABEL_COLUMNS = ("label", "labels")
+CAPTION_COLUMNS = ("text", "caption", "description", "transcription", "sentence")  # preferred, in this order
 LAYOUT = (
     "pairs of files that share a name up to the extension (0001.jpg + 0001.txt), in folders or .tar shards, "
     "or a metadata.jsonl/metadata.csv with file_name and a caption column"
@@ -370,11 +371,13 @@ def _text_column(rows, columns: list[str], file_columns: list[str], wanted: str,
         and c.lower() not in LABEL_COLUMNS
         and any(isinstance(r.get(c), str) and r[c].strip() and not _looks_numeric(r[c]) for _, _, r in rows)
     ]
-    for name in ("text", "caption", "description", "transcription", "sentence"):
+    for name in CAPTION_COLUMNS:
         if name in texts:
             return name
+    labels = [c for c in columns if c.lower() in LABEL_COLUMNS]
+    if labels:  # classification data, whatever else it holds (a speaker id): captions only where named as such
+        texts = []
     if not texts:
-        labels = [c for c in columns if c.lower() in LABEL_COLUMNS]
         raise UserError(
             f'{where} has no text column to pair with file_name (columns: {", ".join(columns)}); add one, e.g. "text"'
             + (
