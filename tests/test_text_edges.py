@@ -461,3 +461,4 @@ def test_a_fraction_of_a_language_models_batches_is_one_sentence():
     with pytest.raises(UserError, match=r"trainer.limit_train_batches=0.5: .*a number of batches"):
         get("text").check(compose("model=llama_tiny", "trainer.limit_train_batches=0.5"))
     get("text").check(compose("model=llama_tiny", "trainer.limit_train_batches=1.0"))
+    get("text").check(compose("model=llama_tiny", "task=infer", "trainer.limit_train_batches=0.5"))  # no training

@@ -106,7 +106,8 @@ class TextModality(Modality):
             raise UserError(f"task.tbptt_steps={tbptt!r}: give a whole number of tokens per chunk, or 0 for none.")
         check_generation(config)
         limit = config.trainer.limit_train_batches
-        if isinstance(limit, float) and limit != 1.0:
+        trains = config.task.name in ("train", "bench", "tune")
+        if trains and isinstance(limit, float) and limit != 1.0:
             raise UserError(
                 f"trainer.limit_train_batches={limit}: a language model's training data is a stream with no length "
                 "Lightning can take a fraction of; give a number of batches (a whole number), or null for all."
