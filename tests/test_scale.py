@@ -411,14 +411,13 @@ def main(cfg):
     x = int(cfg.x)
     start = time.time()
     (out.parent / f"started_{x}").touch()
-    if x % 2:  # the first job of each pair waits for the second to start (a launcher running two at a time starts
-        # it now; a slow machine's imports can take seconds), then ends last
-        partner = out.parent / f"started_{x + 1}"
-        while not partner.exists() and time.time() - start < 60:
-            time.sleep(0.05)
-        time.sleep(2.5)
-    else:
-        time.sleep(0.2)
+    # each job of a pair waits for the other to start (a launcher running two at a time starts both now, but a
+    # loaded machine's imports can take seconds, and the second-started one had ended before the first began);
+    # the first ends last
+    partner = out.parent / f"started_{x + 1 if x % 2 else x - 1}"
+    while not partner.exists() and time.time() - start < 60:
+        time.sleep(0.05)
+    time.sleep(2.5 if x % 2 else 0.2)
     (out / "metrics.json").write_text(json.dumps({"status": "ok", "error": None, "model": "m", "strategy": f"s{x}",
         "bench/samples_per_s": 10.0 * x, "bench/peak_memory_mb": 100.0 + x, "score/overall": float(x),
         "start": start, "end": time.time()}))
