@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import compose
+from test_omny_pipelines import _photo
 
 from onn.config.convert import typed
 from onn.config.model import LanguageModelConfig
@@ -42,17 +43,6 @@ def _page(path: Path, background: tuple[int, ...], mode: str = "RGBA") -> Path:
     for k, line in enumerate(("The first line", "a second one", "and the third.")):
         draw.text((30, 30 + 90 * k), line, fill=ink, font=ImageFont.load_default(size=30))
     page.save(path)
-    return path
-
-
-def _photo(folder: Path) -> Path:
-    from PIL import Image
-
-    pixels = np.zeros((300, 400, 3), np.uint8)
-    pixels[:] = (120, 160, 200)
-    pixels[100:220, 150:300] = (200, 60, 40)
-    path = folder / "photo.jpg"
-    Image.fromarray(pixels).save(path)
     return path
 
 

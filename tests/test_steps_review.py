@@ -10,22 +10,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from conftest import compose
+from test_training import watched_trainer
 
 from onn.hardware.waits import DeviceOps
-
-
-def quiet_trainer(max_steps: int, precision: str = "32-true", **kwargs) -> L.Trainer:
-    """A CPU Trainer a dispatch mode can watch (no inference mode, as ONN's), with nothing that reads the loss."""
-    settings = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    return L.Trainer(
-        max_steps=max_steps,
-        accelerator="cpu",
-        devices=1,
-        precision=precision,
-        inference_mode=False,
-        num_sanity_val_steps=0,
-        **{**settings, **kwargs},
-    )
 
 
 def point_batches(steps: int = 3, rows: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -70,7 +57,7 @@ def test_mixup_trains_under_bf16_true_with_its_weight_in_float32():
         return batch
 
     module.mixed_batch = kept
-    quiet_trainer(3, "bf16-true").fit(module, train_dataloaders=torch.utils.data.DataLoader(point_batches(), None))
+    watched_trainer(3, "bf16-true").fit(module, train_dataloaders=torch.utils.data.DataLoader(point_batches(), None))
     assert len(module.train_losses) == 3 and all(math.isfinite(float(x)) for x in module.train_losses)
     assert all(w.dtype == torch.float32 and 0 <= float(w[0]) <= 1 for w in weights)
     assert next(module.model.parameters()).dtype == torch.bfloat16  # the network did train in bf16
@@ -95,7 +82,7 @@ def test_a_classifiers_training_loss_is_float32_under_bf16_true_and_waits_for_no
             wanted.append(F.cross_entropy(logits.float(), labels))
 
     counter = counted_steps(module)
-    trainer = quiet_trainer(3, "bf16-true", callbacks=[Expected()])
+    trainer = watched_trainer(3, "bf16-true", callbacks=[Expected()])
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(point_batches(), None))
     assert counter.waits == 0 and counter.ops > 0
     assert [x.dtype for x in module.train_losses] == [torch.float32] * 3
@@ -131,7 +118,7 @@ def test_the_dual_encoders_loss_is_float32_under_bf16_mixed_and_waits_for_nothin
                 wanted.append((F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2)
 
     counter = counted_steps(module)
-    trainer = quiet_trainer(3, "bf16-mixed", callbacks=[Expected()])
+    trainer = watched_trainer(3, "bf16-mixed", callbacks=[Expected()])
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, None))
     assert counter.waits == 0 and counter.ops > 0
     for got, want in zip(module.train_losses, wanted, strict=True):
@@ -172,7 +159,7 @@ def test_the_resource_monitor_logs_its_figures_without_a_copy_to_the_device(tmp_
             counter.__exit__(None, None, None)
 
     module = point_classifier()
-    trainer = quiet_trainer(
+    trainer = watched_trainer(
         4,
         logger=CSVLogger(tmp_path, name="csv", version=""),
         callbacks=[Start(), ResourceMonitor(every_n_steps=2), Stop()],  # Lightning calls them in this order

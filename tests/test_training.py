@@ -190,17 +190,17 @@ def test_validation_ignores_micro_batches_without_targets():
     assert math.isfinite(losses[1]) and losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 
-def watched_trainer(max_steps: int = -1) -> L.Trainer:
-    """A quiet CPU Trainer a dispatch mode can watch: no inference mode, as ONN's (see device_waits)."""
+def watched_trainer(max_steps: int = -1, precision: str = "32-true", **kwargs) -> L.Trainer:
+    """A quiet CPU Trainer a dispatch mode can watch: no inference mode, as ONN's (see device_waits); `kwargs` are
+    more Trainer arguments, or others than these."""
+    settings = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     return L.Trainer(
         max_steps=max_steps,
         accelerator="cpu",
         devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        precision=precision,
         inference_mode=False,
+        **{**settings, **kwargs},
     )
 
 
