@@ -6,6 +6,7 @@ Sources (model.source):
   path/to/folder                a Hugging Face folder (config.json + *.safetensors)
   path/to/model.gguf            a GGUF file (transformers de-quantizes it; needs `gguf`)
   path/to/model.safetensors     weights for the architecture in the model config
+  path/to/folder/model-00001-of-00003.safetensors (or model.safetensors beside config.json): its folder
   path/to/file.py:function      a Python builder returning an nn.Module (or (module, tokenizer))
 """
 
@@ -17,6 +18,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +36,7 @@ WEIGHT_FILES = ("*.safetensors", "*.gguf", "config.json")  # what a folder sourc
 # or not the class declares them: model.architecture may give them to any model type
 GENERIC_CONFIG_KEYS = {"tie_word_embeddings", "is_decoder", "add_cross_attention", "cross_attention_hidden_size",
                        "tokenizer_class", "prefix"}  # fmt: skip
+SHARD_NAME = re.compile(r"-\d+-of-(\d+)\.safetensors$")  # transformers' name for one file of a sharded model
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".joblib")
 CONVERT_HINT = (
     "ONN loads safetensors only (pickle files can run code when loaded). Convert it once on a machine you trust: "
@@ -60,7 +63,7 @@ def source_kind(source: str | None) -> str:
                 f"model.source {src} does not exist; check the path (for SmolLM2 run "
                 "../shared/scripts/fetch-smollm2.sh)."
             )
-        return path.suffix.lower().lstrip(".")
+        return "folder" if weights_folder(path) else path.suffix.lower().lstrip(".")
     if path.is_dir():
         return "folder"
     if src.startswith((".", "/", "~")) or src.count("/") != 1:
@@ -187,23 +190,27 @@ def load(model_cfg: LanguageModelConfig, dtype=None, cache_dir: str | os.PathLik
 
 
 def _load_folder(folder: str, dtype, remote: bool):
-    """A Hugging Face folder's model. Weights its config describes but its files lack are refused (transformers
-    would print a table and train them from a random init), as are wrong shapes and shards its index names
-    that are not there."""
-    import transformers
-
+    """A Hugging Face folder's model, read whole and checked (`from_pretrained_whole`)."""
     refuse_pickle_folder(folder)
     check_shards(folder)
     config = read_config(folder, remote)
-    auto = auto_class(config)
+    return from_pretrained_whole(auto_class(config), folder, remote, dtype=dtype or "auto")
+
+
+def from_pretrained_whole(auto: type, folder: str, remote: bool, **options):
+    """`auto.from_pretrained(folder)`, offline and from safetensors only. Weights its config describes but its files
+    lack are refused (transformers would print a table and train them from a random init), as are wrong shapes: the
+    one rule for a resident model and a QLoRA base (load_4bit), which loaded a partial folder half random."""
+    import transformers
+
     try:
         model, info = auto.from_pretrained(
             folder,
             local_files_only=True,
             use_safetensors=True,
             trust_remote_code=remote,
-            dtype=dtype or "auto",
             output_loading_info=True,
+            **options,
         )
     except RuntimeError as e:  # transformers prints a table of mismatched tensors, then raises
         if "mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
@@ -227,6 +234,7 @@ def check_shards(folder: str) -> None:
     FileNotFoundError from inside transformers)."""
     index = Path(folder) / "model.safetensors.index.json"
     if not index.is_file():
+        check_unindexed_shards(folder)
         return
     try:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -238,6 +246,22 @@ def check_shards(folder: str) -> None:
             f"model.source {folder}: {index.name} names {len(shards)} shards and {len(absent)} are not in the "
             f"folder ({', '.join(absent[:2])}{', ...' if len(absent) > 2 else ''}); copy every shard of the model."
         )
+
+
+def check_unindexed_shards(folder: str) -> None:
+    """Shards (model-00001-of-00003.safetensors) without the index that names them: transformers looked for
+    model.safetensors and raised a bare OSError; say which files are there, which are not, and what to copy."""
+    if (Path(folder) / "model.safetensors").is_file():
+        return
+    shards = sorted(f.name for f in Path(folder).glob("*.safetensors") if SHARD_NAME.search(f.name))
+    if not shards:
+        return
+    total = int(SHARD_NAME.search(shards[0]).group(1))
+    absent = f" and {total - len(shards)} of the {total} shards" if len(shards) < total else ""
+    raise UserError(
+        f"model.source {folder} holds {len(shards)} shard(s) of a sharded model ({shards[0]}, ...) but lacks "
+        f"model.safetensors.index.json{absent}; copy the model's whole folder."
+    )
 
 
 def check_vocabulary(model_cfg: LanguageModelConfig, model, tokenizer) -> None:
@@ -289,11 +313,10 @@ def load_4bit(model_cfg: LanguageModelConfig, compute_dtype, cache_dir: str | os
     quantization = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype
     )
-    model = auto_class(read_config(folder, remote)).from_pretrained(
+    model = from_pretrained_whole(
+        auto_class(read_config(folder, remote)),
         folder,
-        local_files_only=True,
-        use_safetensors=True,
-        trust_remote_code=remote,
+        remote,
         quantization_config=quantization,
         device_map={"": device},
     )
@@ -458,7 +481,22 @@ def register_zoo_models() -> None:
 
 
 def expand(path: str) -> str:
-    return os.path.expanduser(str(path))
+    """`path` with ~ expanded; a Hugging Face folder's own weights file (`weights_folder`) is its folder."""
+    full = os.path.expanduser(str(path))
+    folder = weights_folder(Path(full))
+    return str(folder) if folder else full
+
+
+def weights_folder(path: Path) -> Path | None:
+    """The Hugging Face folder `path` is the weights of, when model.source names a file of one: a shard
+    (model-00001-of-00003.safetensors), which is never a whole model, or the model.safetensors that has its
+    config.json beside it. A Hugging Face user means the model the folder holds; read alone, a shard was refused
+    as missing most of its tensors, and model.safetensors asked for a model.architecture its folder already gives."""
+    if path.suffix != ".safetensors" or not path.is_file():
+        return None
+    if SHARD_NAME.search(path.name) or (path.name == "model.safetensors" and (path.parent / "config.json").is_file()):
+        return path.parent
+    return None
 
 
 def hub_folder(repo_id: str) -> str:

@@ -158,12 +158,17 @@ class Packing:
 def in_float32(rnn: nn.Module, x: torch.Tensor):
     """`x` as `rnn` takes it: on CUDA, where its weights are float32, in float32 with autocast off. Under autocast
     PyTorch casts cuDNN's RNNs to float16 whatever autocast's dtype (its AutocastRNN), and a bf16-mixed run scales
-    no loss, so a float16 recurrence's small gradients would flush to zero. Elsewhere (a CPU; weights streamed in
-    the compute dtype), as it comes."""
-    if x.device.type != "cuda" or any(p.dtype != torch.float32 for p in rnn.parameters()):
+    no loss, so a float16 recurrence's small gradients would flush to zero. Likewise on a CPU under float16
+    autocast, where oneDNN has no float16 LSTM (`could not create a primitive descriptor`). Elsewhere (a CPU in
+    float32 or bfloat16; weights streamed in the compute dtype), as it comes."""
+    device = x.device.type
+    float16_cpu = (
+        device == "cpu" and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
+    )
+    if (device != "cuda" and not float16_cpu) or any(p.dtype != torch.float32 for p in rnn.parameters()):
         yield x
         return
-    with torch.autocast("cuda", enabled=False):
+    with torch.autocast(device, enabled=False):
         yield x.float()
 
 
