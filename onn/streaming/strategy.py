@@ -175,17 +175,27 @@ class LayerStreamingDDPStrategy(Streams, DDPStrategy):
                 torch.distributed.broadcast(p.data, src=0)
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
-        """The adapters' gradients summed over the ranks, in one all-reduce, before clipping and the step."""
-        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        if params:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            used = torch.tensor([float(p.grad is not None) for p in params], device=grads[0].device)
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
-            torch.distributed.all_reduce(used, op=torch.distributed.ReduceOp.MAX)
-            offset = 0
-            for p, g, was_used in zip(params, grads, used.tolist()):
-                # a weight no rank touched keeps no gradient, as in one process (AdamW then skips it)
-                p.grad = flat[offset : offset + g.numel()].view_as(g).clone() if was_used else None
-                offset += g.numel()
+        """The adapters' gradients summed over the ranks (sum_gradients) before clipping and the step."""
+        sum_gradients([p for p in self.lightning_module.parameters() if p.requires_grad])
         return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+
+def sum_gradients(params: list[torch.nn.Parameter]) -> None:
+    """`params`' gradients summed over the ranks in one all-reduce. Which weights each rank used rides in it too (a 0/1
+    per weight, summed), copied from pinned memory; a rank reads the sums back only where it left a weight untouched
+    itself (else each is 1 or more): reading them at every step made the host wait for the GPU at every step."""
+    if not params:
+        return
+    local = [p.grad is not None for p in params]
+    grads = [p.grad if used else torch.zeros_like(p) for p, used in zip(params, local)]
+    device = grads[0].device
+    flags = torch.tensor(local, dtype=grads[0].dtype)  # small counts: exact in any float dtype
+    flags = (flags.pin_memory() if device.type == "cuda" else flags).to(device, non_blocking=True)
+    flat = torch.cat([g.reshape(-1) for g in grads] + [flags])
+    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+    used_anywhere = local if all(local) else (flat[-len(params) :] > 0).tolist()
+    offset = 0
+    for p, g, was_used in zip(params, grads, used_anywhere):
+        # a weight no rank touched keeps no gradient, as in one process (AdamW then skips it)
+        p.grad = flat[offset : offset + g.numel()].view_as(g).clone() if was_used else None
+        offset += g.numel()

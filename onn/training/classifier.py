@@ -259,22 +259,46 @@ class Classifier(EpochRecord, ONNModule):
         """AdaBN (Li et al., 2016): measure every BatchNorm's statistics again on `batches` (their inputs
         only, never their labels), as the mean over all of them. A new speaker, microphone or camera shifts
         the features' statistics away from the training data's; normalising by the new data's own undoes
-        that shift. Returns the samples seen."""
+        that shift. Returns the samples measured.
+
+        The k-th batch goes in at momentum 1/k: torch's own cumulative average (momentum None) reads its batch
+        count back from the device at every norm of every batch. A batch of one sample is left out (said once):
+        its variance holds nothing of how samples differ, and a norm with one value per channel (a 1x1 feature
+        map, pooled features) refuses it. With no batch of two or more the trained statistics stay."""
         norms = [m for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         if not norms:
             return 0
         saved = [(m.momentum, m.training) for m in norms]
-        for m in norms:
-            m.reset_running_stats()
-            m.momentum = None  # a cumulative average over the batches, not an exponential one
-            m.train()
-        seen = 0
-        for x, _ in batches:
-            self.logits(self.prepare(x.to(self.device), train=False))
-            seen += self.samples(x)
-        for m, (momentum, training) in zip(norms, saved):
-            m.momentum = momentum
-            m.train(training)
+        measured = seen = left_out = 0
+        try:
+            for x, _ in batches:
+                samples = self.samples(x)
+                if samples < 2:
+                    left_out += samples
+                    continue
+                if not measured:  # reset only once there is something to measure
+                    for m in norms:
+                        m.reset_running_stats()
+                        m.train()
+                measured += 1
+                for m in norms:
+                    m.momentum = 1 / measured
+                self.logits(self.prepare(to_device(x, self.device), train=False))
+                seen += samples
+        finally:
+            for m, (momentum, training) in zip(norms, saved):
+                m.momentum = momentum
+                m.train(training)
+        if left_out:
+            kept = (
+                ""
+                if measured
+                else "; no batch held two or more, so the trained statistics are kept (set data.eval_batch_size to "
+                "2 or more to measure them)"
+            )
+            log.warning(
+                "task.adapt_norm: %d sample(s) in batches of one left out of AdaBN's statistics%s", left_out, kept
+            )
         return seen
 
     def on_validation_epoch_end(self) -> None:
@@ -345,6 +369,15 @@ class Classifier(EpochRecord, ONNModule):
         if self.inputs == "features":
             strict = False  # checkpoints hold the head only
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def to_device(x, device: torch.device):
+    """A batch (a tensor, or a torch_geometric Batch) on `device` without the host waiting for the GPU: a copy to it
+    from pageable host memory waits for every kernel queued there, one from pinned memory (a DataLoader's
+    pin_memory, or pinned here; pinned memory pins as itself) is queued behind them."""
+    if device.type == "cuda" and not x.is_cuda:
+        x = x.pin_memory()
+    return x.to(device, non_blocking=True)
 
 
 def trained_config(config) -> dict[str, Any] | None:

@@ -127,7 +127,9 @@ class DualEncoder(EpochRecord, ONNModule):
         loss = self.loss(self.embed(self.names[0], x_a), self.embed(self.names[1], x_b))
         self.train_losses.append(loss.detach())
         if log_train_loss(self, loss, x_a.shape[0]):
-            temperature = float(1 / self.scale().detach())
+            # logged on the device, read by the loggers after the step: a float() here was a second wait for the GPU
+            # inside the step (beside the loss's), and Lightning copied the number back to the device, blocking
+            temperature = 1 / self.scale().detach()
             self.log("train/temperature", temperature, on_step=True, on_epoch=False, batch_size=x_a.shape[0])
         return loss
 

@@ -40,7 +40,7 @@ from onn.planning.spec import network_spec
 from onn.training.callbacks import StepClock, run_callbacks
 from onn.training.checkpoints import check_state, resumed_optim, run_best, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
-from onn.training.classifier import mean_loss
+from onn.training.classifier import mean_loss, to_device
 from onn.training.trainer import build_trainer, optimizer_steps
 
 log = logging.getLogger("onn")
@@ -249,11 +249,12 @@ def files_of(path: Path, key: str) -> dict[str, list[Path]]:
 
 
 def embed_all(module: DualEncoder, name: str, side: PairSide, items: list, device: torch.device, batch: int):
-    """Unit embeddings of the items that decode, their positions, and the skips."""
+    """Unit embeddings of the items that decode, their positions, and the skips. Each batch goes to the device
+    from pinned memory (to_device), so the host queues the next while the GPU embeds this one."""
     stored, index, bad = side.read(items)
     skipped = [f"{_label(items[i])}: {reason}" for i, reason in bad]
     with torch.no_grad():
-        chunks = [module.embed(name, stored[i : i + batch].to(device)) for i in range(0, len(stored), batch)]
+        chunks = [module.embed(name, to_device(stored[i : i + batch], device)) for i in range(0, len(stored), batch)]
     dim = module.projections[name].out_features
     return (torch.cat(chunks) if chunks else torch.zeros(0, dim, device=device)), index, skipped
 
