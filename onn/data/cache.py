@@ -13,6 +13,8 @@ import hashlib
 import json
 import logging
 import os
+import threading
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -76,22 +78,30 @@ def _write(cache: Path, tensors: dict[str, Any], metadata: dict[str, str], kind:
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    tmp = cache.with_suffix(f".tmp{os.getpid()}")
+    tmp = temporary_beside(cache)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(tmp), metadata=metadata)
-        tmp.replace(cache)
+        os.replace(tmp, cache)
     except (OSError, SafetensorError) as e:
         refused = disk_error(e)
         if refused is None:
             raise
-        with contextlib.suppress(OSError):  # its folder may be what could not be made
-            tmp.unlink(missing_ok=True)
         log.warning(
             "%s: the decoded data is not cached: %s",
             kind,
             write_refused(refused, cache, None, "the cache (paths.cache)"),
         )
+    finally:
+        with contextlib.suppress(OSError):  # its folder may be what could not be made
+            tmp.unlink(missing_ok=True)
+
+
+def temporary_beside(path: Path) -> Path:
+    """A name for a file written beside `path` and then renamed onto it, used by no other writer: two threads of a
+    process (Hydra's joblib launcher, two Trainers) and two machines sharing a cache folder over NFS, with the same
+    pid, wrote one NAME.tmpPID at once, and one renamed it away from under the other or read it half-written."""
+    return path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex}.tmp")
 
 
 def _read(cache: Path, kind: str, source: str) -> dict[str, Decoded] | None:

@@ -31,6 +31,7 @@ from onn.json_values import strict_json
 SKIP_DIRS = frozenset({"__MACOSX"})  # macOS zip resource forks: never data
 csv.field_size_limit(2**31 - 1)  # a CSV field may hold a whole document; csv refuses one over 128 KB by default
 ARCHIVE_KINDS = ("zip", "tar", "targz")
+HASHED_BYTES = 16 * 2**20  # a file up to this size is keyed by its bytes, a larger one by its size and mtime
 # What a damaged archive raises while it is listed or read (gzip.BadGzipFile is an OSError); zipfile raises
 # RuntimeError for an encrypted member and NotImplementedError for a compression method it lacks.
 ARCHIVE_ERRORS = (
@@ -305,14 +306,21 @@ def update_hash(h: Any, path: str | os.PathLike[str]) -> None:
 def content_digest(path: str | os.PathLike[str]) -> str:
     """A sha256 hex digest that changes when the content does, to key caches of decoded data.
 
-    A file: over its bytes. A folder: over (relative name, size, mtime_ns) of every file walk_files lists,
-    sorted, since reading every byte of 60,000 small files takes too long.
+    A folder: over (relative name, size, mtime_ns) of every file walk_files lists, sorted, since reading every byte
+    of 60,000 small files takes too long. A file of up to HASHED_BYTES (a metadata.csv, an IDX file): over its
+    bytes, which takes milliseconds and sees a rewrite that kept its size within a coarse clock tick (FAT's 2 s,
+    HFS+'s 1 s). A larger file (a zip or tar.gz of the dataset): over its resolved path, size and mtime_ns, as a
+    folder's files are keyed: hashing a 50 GB archive read it end to end before every run began.
     """
     h = hashlib.sha256()
     if os.path.isdir(path):
         for rel, full in sorted(walk_files(path)):
             st = full.stat()
             h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        return h.hexdigest()
+    st = os.stat(path)
+    if stat.S_ISREG(st.st_mode) and st.st_size > HASHED_BYTES:
+        h.update(f"file\0{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
     else:
         update_hash(h, path)
     return h.hexdigest()

@@ -17,9 +17,10 @@ import torch
 
 from onn.config.data import LabelledFiles
 from onn.data.cache import cached_decode
-from onn.data.files import content_digest, existing_source
+from onn.data.files import archive_kind, content_digest, existing_source
 from onn.data.labelled import Listing, MediaFile, check_bad, list_labelled, report_left_out
 from onn.data.resident import ClassificationData, Decoded
+from onn.errors import UserError
 
 log = logging.getLogger("onn")
 
@@ -129,8 +130,16 @@ class MediaReader:
 
     def items(self, source: str, data_cfg: LabelledFiles, cache_dir, fit=None) -> dict[str, ListedItems]:
         """Each split, decoded item by item (the streamed fallback); the files the listing refused go with the
-        first, so they are counted with the undecodable ones as a resident read counts them."""
-        found = self.listing(self.resolve(source, data_cfg, cache_dir), data_cfg, "data.source")
+        first, so they are counted with the undecodable ones as a resident read counts them. A compressed tar is
+        refused (so data.resident=auto decodes it whole, through the cache): listing one read every member into
+        memory, before every run (its decoded cache there or not), and then streamed from those bytes in memory."""
+        path = self.resolve(source, data_cfg, cache_dir)
+        if archive_kind(path) == "targz":
+            raise UserError(
+                f"data.source {path} is a compressed tar, which has no random access: streaming needs an uncompressed "
+                ".tar, a .zip or a folder; unpack it or recompress it as .tar, or set data.resident=true."
+            )
+        found = self.listing(path, data_cfg, "data.source")
         loader = functools.partial(self.load, fit=fit or self.settings(data_cfg))
         return {
             split: ListedItems(files, found.classes, loader, self.bad, self.dtype, found.refused if k == 0 else [])

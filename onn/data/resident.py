@@ -372,19 +372,20 @@ def held_out_by_name(sets: dict[str, Decoded], split: str, pattern: str) -> dict
     return {**sets, name: take(~mask, source.skipped), split: take(mask, [])}
 
 
-def untrained_classes(classes: list[str], splits: dict[str, Split]) -> None:
-    """Name, in one warning, the classes that val or test hold and training does not (a class folder only under test/,
-    or a val_source's): the model never learns them, and every one of their items is scored wrong."""
-    trained = set(splits["train"].labels.tolist())
-    scored = {int(c): k for k, v in splits.items() if k != "train" for c in v.labels.unique().tolist()}
+def untrained_classes(classes: list[str], labels: dict[str, torch.Tensor]) -> str | None:
+    """The warning naming the classes that val or test hold and training does not (a class folder only under test/,
+    or a val_source's): the model never learns them, and every one of their items is scored wrong. None when there
+    are none. `labels`: each split's labels, train's among them."""
+    trained = set(labels["train"].tolist())
+    scored = {int(c): k for k, v in labels.items() if k != "train" for c in v.unique().tolist()}
     missing = sorted(set(scored) - trained)
-    if missing:
-        log.warning(
-            "data: the training data has no item of the class(es) %s, which %s hold(s): the model never learns them; "
-            "add training items of them",
-            ", ".join(classes[c] for c in missing[:10]),
-            " and ".join(sorted({scored[c] for c in missing})),
-        )
+    if not missing:
+        return None
+    return (
+        f"data: the training data has no item of the class(es) {', '.join(classes[c] for c in missing[:10])}, which "
+        f"{' and '.join(sorted({scored[c] for c in missing}))} hold(s): the model never learns them; add training "
+        "items of them"
+    )
 
 
 def memory_budget_mb(device: torch.device) -> float:
@@ -419,6 +420,7 @@ class ClassificationData(L.LightningDataModule):
         self.classes: list[str] = []
         self.streamed: dict[str, tuple[Items, list[int]]] | None = None
         self.skipped: list[str] = []
+        self.untrained: str | None = None  # said when training starts (train_dataloader): eval trains nothing
 
     # -- what a modality supplies ---------------------------------------------------------------
     def read(self, source: str, key: str) -> dict[str, Decoded]:
@@ -522,7 +524,7 @@ class ClassificationData(L.LightningDataModule):
             splits["train"] = splits.pop("all")
         if "val" not in splits:
             splits["train"], splits["val"] = self._hold_out(splits["train"])
-        untrained_classes(self.classes, splits)
+        self.untrained = untrained_classes(self.classes, {k: v.labels for k, v in splits.items()})
         shapes = {k: tuple(v.inputs.shape[1:]) for k, v in splits.items()}
         if len(set(shapes.values())) > 1:
             raise UserError(f"data.source={source}: splits have different shapes {shapes}; {self.same_shape_hint}.")
@@ -577,6 +579,9 @@ class ClassificationData(L.LightningDataModule):
         self.streamed["train"] = (train, index)
         if "test" in good:
             self.streamed["test"] = (items["test"], good["test"])
+        self.untrained = untrained_classes(
+            self.classes, {k: torch.as_tensor(v.labels)[kept] for k, (v, kept) in self.streamed.items()}
+        )
 
     def _decodable(self, items: dict[str, Items], source: str) -> dict[str, list[int]]:
         """{split: the indices of its items that decode}, splits of which none does left out. Each item is decoded
@@ -647,6 +652,9 @@ class ClassificationData(L.LightningDataModule):
 
     # -- loaders ----------------------------------------------------------------------------------
     def train_dataloader(self):
+        if self.untrained:  # said once, by the task that trains (task=eval scores a model trained elsewhere)
+            log.warning(self.untrained)
+            self.untrained = None
         if self.streamed:
             if self.cfg.batch_groups:
                 raise UserError(

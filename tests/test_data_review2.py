@@ -1,0 +1,185 @@
+"""The shared data layer (onn/data) as a second review found it: the decoded cache written through one temporary
+name per process (two threads of one process took each other's file), a dataset archive read end to end to key its
+cache before every run, and the "classes the model never learns" warning given at task=eval, which trains nothing."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MODALITY_HARDWARE, compose
+from test_data_review import AUDIO, wav_bytes
+
+UNTRAINED = "the model never learns them"
+
+
+def test_threads_writing_one_decoded_cache_at_once_each_keep_it(tmp_path, caplog):
+    """Two Trainers in one process (Hydra's joblib launcher runs jobs as threads) decoding one dataset wrote one
+    NAME.tmpPID: one renamed it away from under the other, which said "the decoded data is not cached: ... No such
+    file or directory; write the cache elsewhere" (or read it half-written). Each writer has a name of its own."""
+    from onn.data.cache import cached_decode
+    from onn.data.resident import Decoded
+
+    inputs = torch.randint(0, 256, (4, 1 << 20), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    rounds, threads, failures = 20, 4, []
+
+    def clear() -> None:  # between rounds: each round, every thread decodes and writes
+        for path in (tmp_path / "images").glob("*"):
+            path.unlink()
+
+    start, decoded = threading.Barrier(threads, action=clear, timeout=60), threading.Barrier(threads, timeout=60)
+
+    def decode() -> dict[str, Decoded]:
+        decoded.wait()  # the threads' decoding ends together, as two runs' of one dataset do
+        return {"all": Decoded(inputs, torch.tensor([0, 1, 0, 1]), ["a", "b"], ["w", "x", "y", "z"])}
+
+    def work() -> None:
+        try:
+            for _ in range(rounds):
+                start.wait()
+                assert cached_decode("images", {"k": 1}, tmp_path, decode, "src")["all"].names == ["w", "x", "y", "z"]
+        except Exception as e:  # the test's thread says what went wrong
+            failures.append(repr(e))
+
+    with caplog.at_level(logging.WARNING, logger="onn"):
+        workers = [threading.Thread(target=work) for _ in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    assert failures == []
+    assert [
+        r.getMessage() for r in caplog.records if "not cached" in r.getMessage() or "damaged" in r.getMessage()
+    ] == []
+    (cache,) = (tmp_path / "images").iterdir()  # the cache, and no temporary file left beside it
+    assert cache.suffix == ".safetensors"
+    assert torch.equal(cached_decode("images", {"k": 1}, tmp_path, lambda: {}, "src")["all"].inputs, inputs)
+
+
+def bytes_read() -> int:
+    """The bytes this process has read through read(2) so far (Linux's /proc/self/io rchar)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").is_file(), reason="counts reads with Linux's /proc/self/io")
+def test_a_large_dataset_archive_is_keyed_without_reading_it_through(tmp_path):
+    """The decoded cache's key of a zip or tar.gz data source was the sha256 of all its bytes: a 50 GB archive was
+    read end to end before every run, its decoded cache found or not. A large file is keyed as a folder's files are,
+    by size and mtime (and its path); a small one (a metadata.csv) still by its bytes."""
+    from onn.data.files import HASHED_BYTES, content_digest
+    from onn.modalities.image.formats import source_digest
+
+    archive = tmp_path / "photos.zip"
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("cat/0.raw", os.urandom(HASHED_BYTES + (1 << 20)))
+    before = bytes_read()
+    digest = content_digest(archive)
+    assert source_digest(archive) == digest  # the image reader's key goes through it
+    assert bytes_read() - before < HASHED_BYTES // 4  # the archive's bytes were read, twice
+    assert content_digest(archive) == digest and len(digest) == 64
+    st = archive.stat()
+    os.utime(archive, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a new download of it: decoded again
+    assert content_digest(archive) != digest
+    with archive.open("ab") as f:
+        f.write(b"\0")
+    os.utime(archive, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert content_digest(archive) != digest
+    small = tmp_path / "metadata.csv"
+    small.write_text("file_name,label\na.wav,0\n")
+    first = content_digest(small)
+    st = small.stat()
+    small.write_text("file_name,label\na.wav,1\n")  # same size, and the mtime put back: its bytes tell
+    os.utime(small, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert content_digest(small) != first
+
+
+def split_folders(root: Path) -> Path:
+    """train/ of the classes low and high, test/ of low, high and mid: mid is never trained on."""
+    for split, classes in (("train", ("low", "high")), ("test", ("low", "high", "mid"))):
+        for c, freq in (("low", 300), ("high", 900), ("mid", 600)):
+            if c in classes:
+                (root / split / c).mkdir(parents=True)
+                for i in range(4):
+                    (root / split / c / f"{i}.wav").write_bytes(wav_bytes(freq + 10 * i))
+    return root
+
+
+def untrained_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if UNTRAINED in r.getMessage()]
+
+
+def test_eval_does_not_warn_of_classes_the_model_never_learns(tmp_path, caplog):
+    """task=eval of a source whose test/ holds a class its train/ does not said "the training data has no item of
+    the class(es) mid, which val hold(s): the model never learns them": eval trains nothing (a checkpoint's model
+    learned from its own data). The warning is given when training starts, once, resident or streamed."""
+    from onn.app import execute, given_keys
+    from onn.modalities import classification, get
+
+    source = split_folders(tmp_path / "sounds")
+    common = (*AUDIO, MODALITY_HARDWARE, "tracking=none", "trainer.enable_progress_bar=false")
+    common += (f"paths.outputs={tmp_path / 'outputs'}", f"paths.cache={tmp_path / 'cache'}")
+    given = ["task=eval", "data=audio", f"data.source={source}"]
+    (tmp_path / "eval").mkdir()
+    with caplog.at_level(logging.WARNING, logger="onn"):
+        assert "val/acc" in execute(compose(*common, *given, root=tmp_path), tmp_path / "eval", given_keys(given))
+    assert untrained_warnings(caplog) == []
+
+    for resident in ("true", "false"):
+        caplog.clear()
+        config = compose(*common, f"data.source={source}", f"data.resident={resident}", root=tmp_path)
+        with caplog.at_level(logging.WARNING, logger="onn"):
+            data = classification.setup_data(get("audio"), config, "cpu")
+            assert untrained_warnings(caplog) == []  # set up, nothing trained yet
+            data.train_dataloader()
+            data.train_dataloader()  # the train task sizes its epoch with it, then Lightning's fit asks again
+        assert untrained_warnings(caplog) == [
+            "data: the training data has no item of the class(es) mid, which test hold(s): the model never learns "
+            "them; add training items of them"
+        ], resident
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").is_file(), reason="counts reads with Linux's /proc/self/io")
+def test_a_compressed_tar_of_sounds_is_not_read_whole_to_size_it_at_every_run(tmp_path):
+    """data.resident=auto listed a .tar.gz of audio to size its decoded data: every member read into memory, at every
+    run, its decoded cache there or not; over the budget, it was then "streamed" from those bytes in memory. A
+    compressed tar, which has no random access, is decoded whole through the cache (as images' are), and streaming
+    one is one sentence."""
+    import io
+    import tarfile
+
+    import numpy as np
+    import soundfile as sf
+
+    from onn.data.files import HASHED_BYTES
+    from onn.errors import UserError
+    from onn.modalities import classification, get
+
+    archive, noise = tmp_path / "sounds.tar.gz", np.random.default_rng(0)
+    with tarfile.open(archive, "w:gz", compresslevel=1) as tf:
+        for i in range(100):
+            wav = io.BytesIO()
+            sf.write(wav, noise.uniform(-0.5, 0.5, 8000 * 12).astype(np.float32), 8000, format="WAV")
+            info = tarfile.TarInfo(f"{'ab'[i % 2]}/{i}.wav")
+            info.size = len(wav.getvalue())
+            tf.addfile(info, io.BytesIO(wav.getvalue()))
+    assert archive.stat().st_size > HASHED_BYTES  # the premise: keyed by its size and mtime, not its bytes
+
+    def setup(*overrides: str):
+        config = compose(*AUDIO, f"data.source={archive}", f"paths.cache={tmp_path / 'cache'}", *overrides)
+        return classification.setup_data(get("audio"), config, "cpu")
+
+    assert len(setup().splits["train"]) == 90  # decoded, and cached
+    before = bytes_read()
+    again = setup()
+    assert bytes_read() - before < archive.stat().st_size // 4  # from the cache: the archive was read whole
+    assert again.streamed is None and len(again.splits["train"]) == 90
+    with pytest.raises(UserError, match=r"^data\.source .*sounds\.tar\.gz is a compressed tar, which has no random"):
+        setup("data.resident=false")
