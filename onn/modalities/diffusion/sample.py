@@ -37,11 +37,13 @@ def draw(
     device: torch.device,
     batch: int = 256,
 ) -> torch.Tensor:
-    """`count` uint8 images [count, *shape]: noise from `seed` (on the CPU, so every device draws the same),
-    denoised step by step with the scheduler. The timesteps go to the device once: a CPU step copied there each
-    step was a blocking copy, and the host waited for the GPU at every step."""
+    """`count` uint8 images [count, *shape]: starting noise from `seed` (on the CPU, so every device starts from the
+    same), denoised step by step with the scheduler. DDPM's noise of each step comes from a generator on the device
+    (seeded from `seed`: the same images on the same device): drawn on the CPU, it was a blocking copy to the device
+    at every step, as a CPU timestep was (the timesteps go to the device once)."""
     denoiser = denoiser.to(device).eval()
     generator = torch.Generator().manual_seed(int(seed))
+    step_noise = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (), generator=generator)))
     on_device = scheduler.timesteps.to(device)
     out = []
     for start in range(0, count, batch):
@@ -49,7 +51,7 @@ def draw(
         x = torch.randn(n, *shape, generator=generator).to(device)
         for t, step in zip(scheduler.timesteps, on_device):
             noise = denoiser(x, step.expand(n))
-            x = scheduler.step(noise, t, x, generator=generator).prev_sample
+            x = scheduler.step(noise, t, x, generator=step_noise).prev_sample
         out.append(to_pixels(x).cpu())
     return torch.cat(out) if out else torch.zeros(0, *shape, dtype=torch.uint8)
 

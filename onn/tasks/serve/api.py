@@ -42,7 +42,7 @@ log = logging.getLogger("onn")
 OPEN_PATHS = ("/health", "/", "/favicon.ico")  # no key needed: the page holds no model data, and asks for the key
 UPLOAD_OVERHEAD = 64 * 1024  # multipart boundaries and headers around an upload
 MAX_SEED = 2**63 - 1
-UNIMPLEMENTED = {  # OpenAI's fields this server does not compute: refused, not silently ignored
+UNIMPLEMENTED = {  # fields this server does not compute: refused, not silently ignored
     "logprobs": "returns no log-probabilities",
     "top_logprobs": "returns no log-probabilities",
     "echo": "does not echo the prompt",
@@ -65,6 +65,38 @@ UNIMPLEMENTED = {  # OpenAI's fields this server does not compute: refused, not 
     "repeat_penalty": "applies no repetition penalty",
     "min_tokens": "has no minimum length (max_tokens is honoured)",
     "ignore_eos": "always stops at the end-of-sequence token",
+    # other servers' fields that OpenAI clients send (vLLM's, llama.cpp's): each would change the answer
+    "guided_json": "has no JSON mode or structured output",
+    "guided_regex": "has no structured output",
+    "guided_choice": "has no structured output",
+    "guided_grammar": "has no grammar-constrained output",
+    "structured_outputs": "has no structured output",
+    "grammar": "has no grammar-constrained output",
+    "json_schema": "has no JSON mode or structured output",
+    "stop_token_ids": "stops at the end-of-sequence token and the stop strings only",
+    "bad_words": "bans no words",
+    "allowed_token_ids": "restricts no tokens",
+    "use_beam_search": "does no beam search",
+    "length_penalty": "does no beam search",
+    "include_stop_str_in_output": "leaves the stop string out of the text",
+    "skip_special_tokens": "always leaves special tokens out of the text",
+    "prompt_logprobs": "returns no log-probabilities",
+    "n_probs": "returns no log-probabilities",
+    "return_tokens_as_token_ids": "returns text, not token ids",
+    "truncate_prompt_tokens": "truncates no prompt (one over serve.max_prompt_tokens is refused)",
+    "add_generation_prompt": "always ends the chat with the assistant's turn",
+    "continue_final_message": "answers the last message rather than continuing it",
+    "chat_template": "uses the model's own prompt format",
+    "chat_template_kwargs": "passes nothing to the chat template",
+    "n_predict": "takes the length as max_tokens",
+    "max_new_tokens": "takes the length as max_tokens",
+    "num_return_sequences": "generates one completion per request",
+    "mirostat": "applies no Mirostat sampling (temperature and top_p are honoured)",
+    "tfs_z": "applies no tail-free sampling (temperature and top_p are honoured)",
+    "dynatemp_range": "applies no dynamic temperature (temperature is honoured)",
+    "xtc_probability": "applies no XTC sampling (temperature and top_p are honoured)",
+    "dry_multiplier": "applies no DRY repetition penalty",
+    "samplers": "has no sampler chain to order (temperature and top_p are honoured)",
 }
 NEUTRAL = (None, False, 0, {}, [])  # a value of those fields that asks for nothing this server lacks
 NEUTRAL_OWN = {
@@ -76,7 +108,11 @@ NEUTRAL_OWN = {
     "typical_p": 1,
     "repetition_penalty": 1,
     "repeat_penalty": 1,
+    "length_penalty": 1,
+    "num_return_sequences": 1,
+    "tfs_z": 1,
 }
+TRUE_BY_DEFAULT = ("skip_special_tokens", "add_generation_prompt")  # false asks for something: only true is neutral
 UNION_MEMBER = re.compile(r"str|int|bool|float|list\[.+\]")  # pydantic's name for one type of a field of several
 SEVERAL_TYPES = {  # such a field's error: what it takes, in one sentence (pydantic says why each type did not fit)
     "content": 'give a string, or a list of text parts {"type": "text", "text": ...}; this server takes no image, '
@@ -430,7 +466,7 @@ class Server:
         finally:
             watcher.cancel()
         if finish["finish"] == "error":
-            raise ApiError(503, f"generation failed: {finish['error']}", "server_error", code="generation_failed")
+            raise ApiError(503, f"generation failed: {finish['error']}", "server_error", code=_error_code(finish))
         self.stats.add(requests=1)
         content = "".join(text)
         choice = (
@@ -482,7 +518,7 @@ class Server:
                 if event["finish"] == "error":
                     failed = True
                     yield _sse(
-                        error_body(f"generation failed: {event['error']}", "server_error", code="generation_failed")
+                        error_body(f"generation failed: {event['error']}", "server_error", code=_error_code(event))
                     )
                     break
                 yield chunk({}, "", event["finish"])
@@ -698,7 +734,11 @@ def _refuse_unimplemented(req: Generation) -> None:
     for name, missing in UNIMPLEMENTED.items():
         value = getattr(req, name, None)  # declared, or one of the body's extra fields
         asks_logprobs = name == "logprobs" and type(value) is int  # /v1/completions' 0 asks for the chosen tokens'
-        if asks_logprobs or (value not in NEUTRAL and value != NEUTRAL_OWN.get(name)):
+        if name in TRUE_BY_DEFAULT:
+            neutral = value is None or value is True
+        else:
+            neutral = value in NEUTRAL or value == NEUTRAL_OWN.get(name)
+        if asks_logprobs or not neutral:
             raise ApiError(
                 400,
                 f"{name}: this server {missing}; leave {name} out.",
@@ -748,6 +788,12 @@ def _sampling(req: Generation, settings: ServeConfig, wanted: int) -> Sampling:
 
 def _context(lm) -> int | None:
     return context_length(lm.model)
+
+
+def _error_code(finish: dict[str, Any]) -> str:
+    """An error event's code: out_of_memory (this request did not fit beside the others; they went on), else
+    generation_failed."""
+    return finish.get("code") or "generation_failed"
 
 
 def _usage(finish: dict[str, Any]) -> dict[str, int]:

@@ -8,6 +8,10 @@ step), and columns of the KV cache that no row attends to any more are dropped.
 
 Positions come from the attention mask (cumsum), so a row's position ids and rotary embeddings are those
 it would have alone; with temperature 0 a request gets the tokens it would get alone.
+
+A step that runs out of device memory is undone (the cache as it was: its forward replaces the cache's tensors,
+never writes into them) and costs one request at most: newcomers that joined together wait and join one by one,
+one that does not fit alone ends with an out-of-memory error, and without newcomers the row admitted last does.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ import torch
 
 log = logging.getLogger("onn")
 SHUTTING_DOWN = "the server is shutting down"
+OUT_OF_MEMORY = (
+    "the model ran out of device memory on this request beside the others in flight; send a shorter prompt or "
+    "fewer max_tokens, or try again later"
+)
 MIN_TEMPERATURE = 1e-4  # below it a request is greedy: its distribution is the top token's alone anyway
 
 
@@ -79,6 +87,7 @@ class Scheduler:
         self.lock = threading.Condition()
         self.stopping = False
         self.plain = True  # the cache holds one column per position in every layer (see _step)
+        self.one_by_one = False  # after a step out of device memory: newcomers join one a step until none wait
         self.steps = 0
         self.widest = 0  # most rows one step has served
         self.generated = 0  # completion tokens of every request, also one whose client left or that Ctrl-C ended
@@ -117,6 +126,9 @@ class Scheduler:
                 # a cache that is not one plain column per position (sliding windows) is never re-laid: new
                 # sequences wait for the batch to finish (admission in waves)
                 room = self.slots if self.plain or not self.active else 0
+                self.one_by_one = self.one_by_one and bool(self.waiting)
+                if self.one_by_one:
+                    room = min(room, len(self.active) + 1)
                 while self.waiting and len(self.active) + len(joining) < room:
                     seq = self.waiting.popleft()
                     if not seq.cancelled.is_set():
@@ -125,7 +137,7 @@ class Scheduler:
                 self._step(joining)
             except Exception as e:  # a failed step ends its requests with an error; the server goes on
                 log.exception("serve: a decode step failed")
-                for seq in [*self.active, *joining]:
+                for seq in dict.fromkeys([*self.active, *joining]):  # (the newcomers may be active already)
                     _send(seq, {"finish": "error", "error": f"{type(e).__name__}: {e}"})
                 self.active, self.cache, self.mask = [], None, None
                 if self.lm.engine is not None:
@@ -141,6 +153,25 @@ class Scheduler:
             self._keep([i for i in range(len(self.active)) if i not in set(gone)])
         if not self.active and not joining:
             return
+        rows, mask, cache = list(self.active), self.mask, _cache_state(self.cache)
+        try:
+            logits = self._forward(joining)
+        except torch.OutOfMemoryError:
+            self.active, self.mask = rows, mask
+            self.cache = _restored(self.cache, cache)
+            if self.lm.engine is not None:
+                self.lm.engine.reset()
+            self._shed(joining)
+            return
+        self.steps += 1
+        self.widest = max(self.widest, len(self.active))
+        tokens = _pick(logits, self.active)  # None: the row failed, and was told
+        finished = [i for i, seq in enumerate(self.active) if tokens[i] is None or self._advance(seq, tokens[i])]
+        if finished:
+            self._keep([i for i in range(len(self.active)) if i not in set(finished)])
+
+    def _forward(self, joining: list[Sequence]) -> torch.Tensor:
+        """The running rows' next token and the newcomers' prompts in one forward: the last position's logits."""
         device = self.lm.device
         width = max((len(s.prompt_ids) for s in joining), default=1)
         rows_ids, rows_mask = [], []
@@ -168,12 +199,23 @@ class Scheduler:
         self.active += joining
         logits = self.lm.step(ids, mask, position_ids, self.cache)
         self.mask = mask
-        self.steps += 1
-        self.widest = max(self.widest, len(self.active))
-        tokens = _pick(logits, self.active)  # None: the row failed, and was told
-        finished = [i for i, seq in enumerate(self.active) if tokens[i] is None or self._advance(seq, tokens[i])]
-        if finished:
-            self._keep([i for i in range(len(self.active)) if i not in set(finished)])
+        return logits
+
+    def _shed(self, joining: list[Sequence]) -> None:
+        """After a step out of device memory (the batch back as it was before it): newcomers that joined together
+        go back to the queue's front and join one by one; a lone newcomer, or without one the row admitted last,
+        ends with an out-of-memory error while the others go on."""
+        if len(joining) > 1:
+            log.warning("serve: out of device memory admitting %d requests: they join one by one", len(joining))
+            with self.lock:
+                self.waiting.extendleft(reversed(joining))
+                self.one_by_one = True
+            return
+        log.warning("serve: out of device memory: one request ends with an error, the others go on")
+        ended = joining[0] if joining else self.active[-1]
+        _send(ended, {"finish": "error", "error": OUT_OF_MEMORY, "code": "out_of_memory"})
+        if not joining:
+            self._keep(list(range(len(self.active) - 1)))
 
     def _advance(self, seq: Sequence, token: int) -> bool:
         """The row's next token: emit its text; True when the sequence is done."""
@@ -302,6 +344,23 @@ def _sample(
     noise = torch.empty_like(probs).exponential_(1, generator=generator)
     drawable = torch.isfinite(probs).all() & (probs.sum() > 0)
     return (probs / noise).argmax(), drawable
+
+
+def _cache_state(cache) -> list[tuple[Any, dict[str, Any]]] | None:
+    """Each cache layer with its attributes (keys, values, lengths): a forward replaces them (torch.cat) and
+    never writes into their tensors, so putting them back undoes a step that failed midway."""
+    return None if cache is None else [(layer, dict(vars(layer))) for layer in cache.layers]
+
+
+def _restored(cache, state: list[tuple[Any, dict[str, Any]]] | None):
+    """The cache as `_cache_state` saw it (None: there was none)."""
+    if state is None:
+        return None
+    cache.layers[:] = [layer for layer, _ in state]
+    for layer, attributes in state:
+        vars(layer).clear()
+        vars(layer).update(attributes)
+    return cache
 
 
 def _layers(cache) -> list:
