@@ -5,11 +5,24 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from onn.config.registry import compose_problem, expand_home, group_problem, register, yaml_problem
 
 register()  # the config's types (dataclasses only: nothing heavy is imported here)
+
+
+def checkpoint_name(group: str, *, _root_: DictConfig) -> str:
+    """`${onn.ckpt:model}` in hydra.run.dir: the model (or strategy) the run runs. With ckpt= that is the
+    checkpoint's (onn.app reads it: imported only then, so a plain run and `--help` stay fast)."""
+    if _root_.ckpt is None:
+        return str(_root_[group].name)
+    from onn.app import checkpoint_name as name
+
+    return name(group, _root_=_root_)
+
+
+OmegaConf.register_new_resolver("onn.ckpt", checkpoint_name)
 
 
 def other_rank_overrides(argv: list[str]) -> list[str]:

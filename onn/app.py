@@ -36,9 +36,11 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from onn.bench.registry import TASKS as BENCH_TASKS
 from onn.config import ONNConfig, StrategyConfig, as_dict, typed
+from onn.config.model import GraphNetworkConfig, NetworkConfig
 from onn.config.registry import CONF, recipe_group_problem
 from onn.config.task import InferTask
 from onn.errors import FailedAfterTraining, UserError, diverged
+from onn.export.settings import check_graph_output
 from onn.export.settings import check_settings as check_export
 from onn.hardware import failpoints
 from onn.hardware.cluster import is_rank_zero, use_own_gpu
@@ -99,6 +101,7 @@ def run(cfg: DictConfig) -> float | None:
         if _read(cfg, "data.name") == "auto":
             cfg = compose_detected(cfg, overrides)
             metrics.update(_groups(cfg))  # what runs, also in the record of a run that fails before it ends
+        name_after_checkpoint(cfg, given_keys(overrides))
         config = to_config(cfg, choices)
         metrics["config_digest"] = config_digest(config)
         done = finished(run_dir, metrics["config_digest"]) if multirun else None
@@ -256,6 +259,38 @@ def given_keys(overrides: list[str]) -> set[str]:
 def given_groups(overrides: list[str]) -> set[str]:
     """The config groups the command line chose or changed (`data=x`, `data.source=y`, `+model.z=1`)."""
     return {key.split(".", 1)[0] for key in given_keys(overrides)}
+
+
+def name_after_checkpoint(cfg: DictConfig, given: set[str]) -> None:
+    """ckpt=: the model and strategy are the checkpoint's (from_checkpoint), and so is the data unless the command line
+    names a data config. Their names in the composed config become the checkpoint's before it is resolved, so that
+    what interpolates them (the Aim experiment `${model.name}-${data.name}`, a recipe's key) names what runs, not
+    conf/config.yaml's default model."""
+    ckpt, outputs = _read(cfg, "ckpt"), _read(cfg, "paths.outputs")
+    if not ckpt or outputs is None:
+        return
+    for group, name in checkpoint_names(str(ckpt), str(outputs)).items():
+        if group != "data" or "data" not in given:
+            cfg[group].name = name
+
+
+def checkpoint_names(ckpt: str, outputs: str) -> dict[str, str]:
+    """{group: name} of the model, strategy and data configs the run config in checkpoint `ckpt` names; {} for one
+    that cannot be read, which from_checkpoint says in one sentence when the run reads it."""
+    try:
+        saved = saved_config(resolve_checkpoint(ckpt, os.path.expanduser(outputs)))
+    except UserError:
+        return {}
+    blocks = {group: saved.get(group) for group in ("model", "strategy", "data")}  # {} for another tool's checkpoint
+    return {g: b["name"] for g, b in blocks.items() if isinstance(b, dict) and isinstance(b.get("name"), str)}
+
+
+def checkpoint_name(group: str, *, _root_: DictConfig) -> str:
+    """`${onn.ckpt:model}`: the name of the model (or strategy) a run runs, for hydra.run.dir to name its folder by:
+    with ckpt= the checkpoint's, else the composed config's."""
+    ckpt, outputs = _read(_root_, "ckpt"), _read(_root_, "paths.outputs")
+    names = checkpoint_names(str(ckpt), str(outputs)) if ckpt and outputs is not None else {}
+    return str(names.get(group, _read(_root_, f"{group}.name")))
 
 
 def compose_detected(cfg: DictConfig, overrides: list[str]) -> DictConfig:
@@ -558,6 +593,7 @@ def execute(
             f"and data={config.data.name} is {modality.name} "
             f"data{'; for image classifiers use recipe=bench_vision' if name in ('bench', 'tune') else ''}."
         )
+    check_graph_output(config.export, several_graphs(config, modality))  # before training, not after it
     if task.heavy or name == "plan":  # a plan is the plan of the training these settings would run
         check_optim(config.optim)
         check_trainer(config.trainer, trains=task.trains or name == "plan", launches=name != "plan")
@@ -595,6 +631,17 @@ def execute(
     if record is not None:  # a run that fails or is stopped from here on names what its plan chose
         record.update(out)
     return {**out, **_run(task, Job(config, run_dir, modality, hardware, plan, spec, ckpt), threads_before)}
+
+
+def several_graphs(config: ONNConfig, modality: Modality) -> bool | None:
+    """Whether the model exports as several ONNX graphs (a dual encoder's towers) or one (a classifier network of
+    images, audio, video or meshes); None where only the built model tells (a language model may be a pipeline:
+    SAM2, TrOCR; a graph network and a denoiser export their own way)."""
+    if modality.name == "pairs":
+        return True
+    if isinstance(config.model, NetworkConfig) and not isinstance(config.model, GraphNetworkConfig):
+        return False
+    return None
 
 
 def _what_runs(config: ONNConfig, ckpt: Path | None, came: dict[str, str]) -> dict[str, Any]:

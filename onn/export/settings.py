@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from onn.config.export import ExportConfig, SafetensorsExport
 from onn.errors import UserError
+from onn.export.folders import MARKER, check_replaceable, held, is_export, replaceable
+from onn.export.hf import adapter_folder, shard_bytes
 
 FORMATS = ("safetensors", "onnx", "omny")
 SEVERAL_GRAPHS = ("pipeline", "dual_encoder")  # the exports an onnx or omny export.output may name as a folder
@@ -61,15 +65,35 @@ def check_settings(export: ExportConfig) -> None:
             )
 
 
+def check_graph_output(export: ExportConfig, several_graphs: bool | None) -> None:
+    """export.output of onnx or omny once the model to export is known (app: after ckpt=, before training). A model
+    exported as one graph writes the file DIR/NAME.onnx, which a name without .onnx cannot be; one exported as several
+    (a dual encoder's towers) writes the folder DIR/NAME/, which a file or a folder of the user's own there would
+    refuse. Either was said only when the export ran, after training. `several_graphs` None: only the built model
+    tells (a language model may be a pipeline)."""
+    if export.name not in ("onnx", "omny") or not export.output or several_graphs is None:
+        return
+    path = Path(export.output).expanduser()
+    if not several_graphs:
+        if export.name == "onnx" and path.suffix != ".onnx":
+            raise UserError(
+                f"export.output {path}: this model exports as one ONNX graph, a .onnx file; name it so, e.g. "
+                f"export.output={path.with_suffix('.onnx')}."
+            )
+        return
+    folder = path.with_suffix("") if path.suffix in (".onnx", ".omny") else path
+    if not replaceable(folder):
+        what = "a file" if folder.is_file() else f"a folder that is not an earlier export (no {MARKER})"
+        raise UserError(
+            f"export.output {path}: this model exports as several graphs into the folder {folder}, where {what} is; "
+            "choose another export.output, or move that away."
+        )
+
+
 def _check_safetensors(export: SafetensorsExport) -> None:
     """What export=safetensors refuses when it writes, refused before training instead: a shard size transformers
     cannot read, and an export.output (or the OUTPUT-adapter folder beside it, where a LoRA model's adapter goes)
     that is a folder of the user's own."""
-    from pathlib import Path
-
-    from onn.export.folders import check_replaceable, replaceable
-    from onn.export.hf import adapter_folder, shard_bytes
-
     shard_bytes(export.max_shard_size)
     if not export.output:
         return
@@ -87,10 +111,6 @@ def _check_file_output(output: str, kind: str) -> None:
     """export.output of onnx or omny names the file to write: in a folder that exists, not a folder itself (an
     earlier export's folder is taken: a pipeline or a dual encoder writes its pieces into DIR/NAME/), and for onnx
     a .onnx file (or DIR/NAME without a suffix: the folder of a model exported as several graphs)."""
-    from pathlib import Path
-
-    from onn.export.folders import held, is_export
-
     path = Path(output).expanduser()
     if not path.parent.is_dir():
         raise UserError(

@@ -29,7 +29,7 @@ class FirstImage:
     name: str  # the item read
     size: list[int]  # [H, W]
     channels: int  # as channels=auto decodes the data (1 when its first images are all grey, else 3)
-    classes: int  # the classes its listing found
+    classes: int | None  # the classes its listing found; None where only the first image was read (a .tar.gz)
 
 
 def first_image(data: ImageData) -> FirstImage | None:
@@ -46,9 +46,13 @@ def first_image(data: ImageData) -> FirstImage | None:
 @functools.lru_cache(maxsize=4)
 def _first_image(source: str, fmt: str, channels: str, _mtime_ns: int) -> FirstImage | None:
     """first_image, read once per source (the plan reads it for its inputs and again for its reasons)."""
-    from onn.modalities.image.formats import list_items
+    from onn.data.files import archive_kind
+    from onn.modalities.image.formats import detect_format, list_items
 
-    splits = list_items(Path(source).expanduser(), fmt)
+    path = Path(source).expanduser()
+    if fmt in ("auto", "archive") and archive_kind(path) == "targz" and detect_format(path) == "archive":
+        return _first_streamed_image(path, channels)
+    splits = list_items(path, fmt)
     for items in splits.values():
         items.configure(channels=int(channels) if channels.isdigit() else "auto")
         for i in range(min(len(items), 16)):
@@ -57,6 +61,49 @@ def _first_image(source: str, fmt: str, channels: str, _mtime_ns: int) -> FirstI
                 return FirstImage(
                     items.names[i], [int(v) for v in image.shape[1:]], int(image.shape[0]), len(items.classes)
                 )
+    return None
+
+
+def trained_inputs(config: RunConfig) -> dict[str, Any] | None:
+    """With ckpt=, the classes and input shape the checkpoint's model was trained on, which eval, infer, export and a
+    resumed run decode every image to (dataset.as_trained), whatever data.image_size says: the plan sizes that
+    network, not one built for data.image_size. None without a checkpoint."""
+    from onn.training.classifier import trained_config
+
+    saved = trained_config(config)
+    if saved is None:
+        return None
+    inputs = saved["inputs"]
+    shape = inputs.get("input_shape") or inputs["image_shape"]  # image_shape: as an earlier ONN saved it
+    return {"classes": [str(c) for c in inputs["classes"]], "input_shape": [int(v) for v in shape]}
+
+
+def _first_streamed_image(path: Path, channels: str) -> FirstImage | None:
+    """A compressed tar's first decodable image member: the archive is read front to back and no further than that
+    image (list_items refuses a .tar.gz, which has no random access; reading all of it would decompress the whole
+    archive for one image's size). Its classes are not counted: that would take the whole archive."""
+    from onn.data.files import ARCHIVE_ERRORS, is_hidden, iter_members
+    from onn.errors import UserError
+    from onn.modalities.image.formats.common import is_image_name
+    from onn.modalities.image.formats.decode import decode, strict_pil
+
+    members = iter_members(path, "targz")
+    try:
+        for tried, member in enumerate(
+            m for m in members if m.name and not is_hidden(m.name) and is_image_name(m.name)
+        ):
+            if tried == 16:  # as list_items' first images: a source whose first 16 do not decode has none to plan by
+                return None
+            with member.open() as f, strict_pil():
+                try:
+                    image = decode(f.read(), int(channels) if channels.isdigit() else "auto", member.name)
+                except Exception:  # noqa: BLE001 -- PIL raises many types for a damaged image: try the next one
+                    continue
+            return FirstImage(member.name, [int(v) for v in image.shape[:2]], 1 if image.ndim == 2 else 3, None)
+    except ARCHIVE_ERRORS as e:
+        raise UserError(f"data.source {path} is not a readable archive: {e}") from e
+    finally:
+        members.close()  # the archive's file, closed now rather than when the generator is collected
     return None
 
 
@@ -151,11 +198,13 @@ class ImageModality(ClassifierModality):
         """From the config (task=plan, export without a checkpoint, a pair's side): data.image_size, channels and
         num_classes; where image_size is null, the images' own size (and channels and classes where auto) as the
         data's first image has it, or 32 px (3 channels, 10 classes) where there is no data.source to read."""
+        if (trained := trained_inputs(config)) is not None:
+            return trained
         data: ImageData = config.data
         found = None if data.image_size else first_image(data)
         size = [int(v) for v in data.image_size] if data.image_size else found.size if found else ASSUMED_SIZE
         channels = data.channels if isinstance(data.channels, int) else found.channels if found else 3
-        classes = data.num_classes if isinstance(data.num_classes, int) else found.classes if found else 10
+        classes = data.num_classes if isinstance(data.num_classes, int) else (found and found.classes) or 10
         return {"classes": [str(i) for i in range(classes)], "input_shape": [channels, *size]}
 
     def plan(self, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
@@ -164,7 +213,13 @@ class ImageModality(ClassifierModality):
         where it takes 7.1 GB)."""
         plan, spec = super().plan(config, hardware, use_tuned)
         data: ImageData = config.data
-        if not data.image_size:
+        if (trained := trained_inputs(config)) is not None:
+            height, width = trained["input_shape"][1:]
+            plan.reasons.append(
+                f"images of {height}x{width} px, as the checkpoint's model was trained (ckpt=: images of another size "
+                "are resized to it)"
+            )
+        elif not data.image_size:
             found = first_image(data)
             plan.reasons.append(
                 f"images of {found.size[0]}x{found.size[1]} px, as {found.name} in data.source has them "
