@@ -25,7 +25,8 @@ from typing import Any
 from onn.config.task import BenchOmnyTask
 from onn.errors import UserError
 from onn.export.omny.format import validate
-from onn.export.pipelines import Request, document, run_pipeline
+from onn.export.pipelines import Request, document, images, run_pipeline
+from onn.export.pipelines.export import largest_shards_mb
 from onn.export.pipelines.measure import shard_peaks
 from onn.export.write import export_for_run
 from onn.models.load import load
@@ -65,15 +66,12 @@ def _one_graph(file: Path, name: str, exported: dict[str, Any], run_dir: Path) -
     pipeline's piece is; no pictures to run."""
     from onn.export.omny.format import read_document
 
-    plans = read_document(file)["shard_plans"]["configurations"]
-    largest = [max(s["weight_bytes"] for s in p["detail"]) / 2**20 for p in plans]
     figures = {
         "seconds": exported["export/seconds"],
         "bytes": sum(p.stat().st_size for p in file.parent.glob(file.name + "*")),
         "cut_points": exported["export/cut_points"],
         "shard_counts": exported["export/shard_counts"],
-        "largest_shard_mb": round(largest[0], 3) if largest else None,
-        "largest_shard_mb_any_plan": round(max(largest), 3) if largest else None,
+        **largest_shards_mb(read_document(file)),
         "max_abs_diff": exported["export/max_abs_diff"],
     }
     metrics = {"omny/kind": "model", "omny/file": str(file), "omny/export_s": exported["export/seconds"]}
@@ -111,7 +109,9 @@ def _pictures(path: Path, kind: str, task: BenchOmnyTask, run_dir: Path) -> dict
     if picture is None:
         picture = run_dir / ("page.png" if kind == "trocr" else "photo.jpg")
         (rendered_page() if kind == "trocr" else Image.open(sample_photo())).save(picture)
-    width, height = Image.open(picture).size
+    # the points are fractions of the picture as the pipeline reads it: upright, as its EXIF orientation says (a
+    # phone's photograph is stored sideways, its width and height swapped)
+    width, height = images.load_rgb(picture).size
     points = [(x * width, y * height) for x, y in task.points] if kind == "sam2" else []
     text = task.text if kind in ("grounding_dino", "grounded_sam2") else None
     times, result = [], {}

@@ -240,22 +240,30 @@ def export_piece(
         else:
             for f in Path(tmp).iterdir():
                 os.replace(f, folder / f.name)
-    plans = doc["shard_plans"]["configurations"]
     figures = {
         "file": str(output),
         "seconds": round(time.perf_counter() - started, 3),
         "bytes": sum(p.stat().st_size for p in folder.glob(output.name + "*")),
         "cut_points": len(doc["cut_points"]),
         "blocks": len(doc["blocks"]),
-        "largest_shard_mb": round(max(s["weight_bytes"] for s in plans[0]["detail"]) / 2**20, 3) if plans else None,
-        "largest_shard_mb_any_plan": round(max(s["weight_bytes"] for p in plans for s in p["detail"]) / 2**20, 3)
-        if plans
-        else None,
+        **largest_shards_mb(doc),
         "shard_counts": doc["shard_plans"]["allowed_counts"],
         "max_abs_diff": checked["export/max_abs_diff"],
     }
     signature = {"inputs": _plain(doc["inputs"]), "outputs": _plain(doc["outputs"])}
     return output, figures, signature
+
+
+def largest_shards_mb(doc: dict[str, Any]) -> dict[str, float | None]:
+    """A .omny's largest shard by the weights it stores (what max_shard_size_mb limits), in MB: in its first plan
+    (the fewest shards) and in any plan; None where it has no plan. The one definition the export's figures and
+    task=bench_omny's report."""
+    plans = doc["shard_plans"]["configurations"]
+    largest = [max(s["weight_bytes"] for s in p["detail"]) / 2**20 for p in plans]
+    return {
+        "largest_shard_mb": round(largest[0], 3) if largest else None,
+        "largest_shard_mb_any_plan": round(max(largest), 3) if largest else None,
+    }
 
 
 def _plain(signatures: list[dict]) -> list[dict]:

@@ -63,9 +63,14 @@ def shard_peaks(path: str | Path, seed: int = 0) -> list[dict[str, Any]]:
     from onn.export.omny.format import read_document
     from onn.export.onnx_export import run_onnx
 
-    model = onnx.load(str(path))
-    doc = read_document(model, where=str(path))
+    doc = read_document(path)  # a missing file, a folder or a file without a .omny document: one sentence
+    if not doc["shard_plans"]["configurations"]:
+        raise UserError(
+            f"{path} has no shard plans (its shard_plans.configurations is empty), so it has no shard to measure; "
+            "re-export it with task=export export=omny."
+        )
     plan = doc["shard_plans"]["configurations"][0]
+    model = onnx.load(str(path))
     headroom = doc["shard_plans"]["headroom_mb"]
     env, extractor, out = reference_feeds(doc, seed), Extractor(model), []
     with tempfile.TemporaryDirectory(prefix="onn-shards-") as tmp:

@@ -133,24 +133,24 @@ def lines(gray: np.ndarray) -> list[tuple[int, int, int, int]]:
 
 
 def read_line(pieces_: Pieces, crop, s: dict) -> list[int]:
-    """Greedy decoding: the line encoded once, then one token a step with the keys and values carried over."""
-    encoded = pieces_.run(
-        "encoder", {"pixel_values": images.normalised(crop, (s["image_size"],) * 2, s["mean"], s["std"])}
-    )
+    """Greedy decoding: the line encoded once, then one token a step with the keys and values carried over. The
+    line's features and the keys and values stay where the sessions compute them (a GPU under CUDA): what a step
+    reads back to the host is its logits, which the next token is chosen from."""
+    pixels = images.normalised(crop, (s["image_size"],) * 2, s["mean"], s["std"])
+    features = pieces_.run("encoder", {"pixel_values": pixels}, keep={"line_features"})["line_features"]
+    presents = [f"present.{i}.{kv}" for i in range(s["layers"]) for kv in ("key", "value")]
     past = {
-        f"past.{i}.{kv}": np.zeros((1, s["heads"], 0, s["head_dim"]), np.float32)
-        for i in range(s["layers"])
-        for kv in ("key", "value")
+        f"past.{name[len('present.') :]}": np.zeros((1, s["heads"], 0, s["head_dim"]), np.float32) for name in presents
     }
     token, tokens = s["start_token"], []
     for _ in range(s["max_new_tokens"]):
         ids = np.asarray([[token]], np.int64)
-        out = pieces_.run("decoder", {"input_ids": ids, "encoder_hidden_states": encoded["line_features"], **past})
+        out = pieces_.run("decoder", {"input_ids": ids, "encoder_hidden_states": features, **past}, keep=presents)
         token = int(out["logits"][0, -1].argmax())
         if token == s["eos_token"]:
             break
         tokens.append(token)
-        past = {f"past.{k[len('present.') :]}": v for k, v in out.items() if k.startswith("present.")}
+        past = {f"past.{name[len('present.') :]}": out[name] for name in presents}
     return tokens
 
 

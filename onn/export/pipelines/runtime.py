@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,29 @@ class Pieces:
 
         return Tokenizer.from_file(str(self.tokenizer_file)) if self.tokenizer_file else None
 
-    def run(self, name: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(self, name: str, feeds: dict[str, Any], keep: Collection[str] = ()) -> dict[str, Any]:
+        """The piece's outputs: those named in `keep` as onnxruntime OrtValues left where the session computed
+        them (its GPU under CUDA), to be fed to a later run as they are; the rest as numpy. A feed is numpy or
+        such an OrtValue. A decoder's keys and values go round once per token: read back to the host and fed
+        again, every step copied them both ways."""
+        import onnxruntime as ort
+
+        session = self._session(name)
+        binding = session.io_binding()
+        for key, value in feeds.items():
+            if isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(key, value)
+            else:
+                binding.bind_cpu_input(key, np.require(value, requirements="C"))
+        device, index = _device(session)
+        names = [o.name for o in session.get_outputs()]
+        for output in names:
+            binding.bind_output(output, *((device, index) if output in keep else ("cpu", 0)))
+        session.run_with_iobinding(binding)
+        values = binding.get_outputs()
+        return {n: v if n in keep else v.numpy() for n, v in zip(names, values)}
+
+    def _session(self, name: str):
         import onnxruntime as ort
 
         if name not in self.sessions:
@@ -54,9 +77,13 @@ class Pieces:
             wanted = ("CUDAExecutionProvider", "CPUExecutionProvider")
             providers = [p for p in wanted if p in ort.get_available_providers()]
             self.sessions[name] = ort.InferenceSession(str(self.files[name]), options, providers=providers)
-        session = self.sessions[name]
-        names = [o.name for o in session.get_outputs()]
-        return dict(zip(names, session.run(names, feeds)))
+        return self.sessions[name]
+
+
+def _device(session) -> tuple[str, int]:
+    """Where the session computes: the CUDA device it was given (its device_id), or the CPU."""
+    cuda = session.get_provider_options().get("CUDAExecutionProvider")
+    return ("cuda", int(cuda["device_id"])) if cuda is not None else ("cpu", 0)
 
 
 def check_output(request: Request, keep: list[Path]) -> None:

@@ -92,9 +92,11 @@ def settings(sam, side: int | None = None) -> dict[str, Any]:
 
 def segment(pieces_: Pieces, image, prompts: list[list[tuple[float, float, int]]], s: dict):
     """Masks (image-sized booleans) and scores for prompts given in the image's pixels: one list of (x, y,
-    label) per object. The image is encoded once; every prompt goes to the decoder in one batch."""
+    label) per object. The image is encoded once; every prompt goes to the decoder in one batch. The image's
+    features stay where the encoder computed them (a GPU under CUDA), the decoder's input as they are."""
     side = s["image_size"]
-    features = pieces_.run("image_encoder", {"pixel_values": images.normalised(image, (side, side), **_ms(s))})
+    pixels = images.normalised(image, (side, side), **_ms(s))
+    features = pieces_.run("image_encoder", {"pixel_values": pixels}, keep=FEATURES)
     width, height = image.size
     longest = max(len(p) for p in prompts)
     points = np.zeros((1, len(prompts), longest, 2), np.float32)
