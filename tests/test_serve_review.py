@@ -204,6 +204,23 @@ def test_ddpm_images_are_the_seeds_on_this_device():
     assert not torch.equal(images, ddpm_images(8, seed=1, device=device))
 
 
+def test_ddim_images_start_from_the_seeds_own_noise():
+    """DDPM's step-noise seed is derived from task.seed without drawing from the starting noise's generator: DDIM's
+    images are those of the seed's first draw denoised (a draw before it changed every seed's samples)."""
+    from diffusers import DDIMScheduler
+
+    from onn.modalities.diffusion.module import to_pixels
+    from onn.modalities.diffusion.sample import draw
+
+    scheduler = DDIMScheduler(num_train_timesteps=20)
+    scheduler.set_timesteps(5)
+    x = torch.randn(3, 1, 4, 4, generator=torch.Generator().manual_seed(7))
+    for t in scheduler.timesteps:
+        x = scheduler.step(Shrink()(x, t.expand(3)), t, x).prev_sample
+    drawn = draw(Shrink(), scheduler, 3, [1, 4, 4], seed=7, device=torch.device("cpu"))
+    assert torch.equal(drawn, to_pixels(x))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_the_gpu_ddpm_waits_for_the_device_as_often_for_2_steps_as_for_8():

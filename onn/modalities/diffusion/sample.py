@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -43,7 +44,7 @@ def draw(
     at every step, as a CPU timestep was (the timesteps go to the device once)."""
     denoiser = denoiser.to(device).eval()
     generator = torch.Generator().manual_seed(int(seed))
-    step_noise = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (), generator=generator)))
+    step_noise = torch.Generator(device=device).manual_seed(step_seed(int(seed)))
     on_device = scheduler.timesteps.to(device)
     out = []
     for start in range(0, count, batch):
@@ -63,3 +64,10 @@ def write_sample_grid(images: torch.Tensor, path: Path, captions: list[str] | No
     shown = images[:MAX_IMAGES]
     labels = captions[: len(shown)] if captions is not None else [""] * len(shown)
     write_grid(shown, labels, [None] * len(shown), path, columns=8, scale=3)
+
+
+def step_seed(seed: int) -> int:
+    """The seed of DDPM's per-step noise, derived from `seed` without drawing from the starting noise's generator
+    (a draw there would change every seed's samples, DDIM's too) and unlike it (the same seed would make the first
+    step's noise the starting noise on a CPU)."""
+    return int.from_bytes(hashlib.sha256(f"onn-ddpm-step-noise:{seed}".encode()).digest()[:8], "little") >> 1
