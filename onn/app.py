@@ -36,7 +36,6 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from onn.bench.registry import TASKS as BENCH_TASKS
 from onn.config import ONNConfig, StrategyConfig, as_dict, typed
-from onn.config.model import GraphNetworkConfig, NetworkConfig
 from onn.config.registry import CONF, recipe_group_problem
 from onn.config.task import InferTask
 from onn.errors import FailedAfterTraining, UserError, diverged
@@ -593,7 +592,7 @@ def execute(
             f"and data={config.data.name} is {modality.name} "
             f"data{'; for image classifiers use recipe=bench_vision' if name in ('bench', 'tune') else ''}."
         )
-    check_graph_output(config.export, several_graphs(config, modality))  # before training, not after it
+    check_graph_output(config.export, modality.several_graphs)  # before training, not after it
     if task.heavy or name == "plan":  # a plan is the plan of the training these settings would run
         check_optim(config.optim)
         check_trainer(config.trainer, trains=task.trains or name == "plan", launches=name != "plan")
@@ -631,17 +630,6 @@ def execute(
     if record is not None:  # a run that fails or is stopped from here on names what its plan chose
         record.update(out)
     return {**out, **_run(task, Job(config, run_dir, modality, hardware, plan, spec, ckpt), threads_before)}
-
-
-def several_graphs(config: ONNConfig, modality: Modality) -> bool | None:
-    """Whether the model exports as several ONNX graphs (a dual encoder's towers) or one (a classifier network of
-    images, audio, video or meshes); None where only the built model tells (a language model may be a pipeline:
-    SAM2, TrOCR; a graph network and a denoiser export their own way)."""
-    if modality.name == "pairs":
-        return True
-    if isinstance(config.model, NetworkConfig) and not isinstance(config.model, GraphNetworkConfig):
-        return False
-    return None
 
 
 def _what_runs(config: ONNConfig, ckpt: Path | None, came: dict[str, str]) -> dict[str, Any]:

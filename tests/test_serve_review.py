@@ -195,8 +195,8 @@ def ddpm_images(steps: int, seed: int, device: torch.device) -> torch.Tensor:
 
 
 def test_ddpm_images_are_the_seeds_on_this_device():
-    """DDPM's noise of each step comes from a generator of the device's own, seeded from task.seed: the same seed
-    draws the same images, another seed other ones."""
+    """With its step noise drawn on the device, DDPM stays reproducible: the same seed draws the same images, another
+    seed other ones (where the noise is drawn is checked on a GPU, by the waits below)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     images = ddpm_images(8, seed=0, device=device)
     assert images.shape == (3, 1, 4, 4) and images.dtype == torch.uint8

@@ -68,6 +68,9 @@ class Modality:
     description: str = ""  # one line for messages ("prompt/answer text", "image classification")
     data_schema: type[DataConfig] = DataConfig  # its conf/data options' type (onn/config/data.py)
     model_schema: type[ModelConfig] = ModelConfig  # the type of the models it trains (onn/config/model.py)
+    # export=onnx's graphs: one (False: a DIR/NAME.onnx file), several (True: the folder DIR/NAME/), or None where
+    # only the built model tells (a language model may be a pipeline); app checks export.output by it before training
+    several_graphs: bool | None = None
     sniff_priority: int = 0  # data=auto asks higher first: specific modalities before text, which reads any UTF-8
     builtins: tuple[
         str, ...
@@ -159,6 +162,7 @@ class ClassifierModality(Modality):
     (onn/modalities/classification.py, imported when a classifier first runs: it brings Lightning)."""
 
     model_schema = NetworkConfig
+    several_graphs = False  # one network, one graph
     stored_dtype: str = "float32"  # the dtype its datasets hold inputs in (uint8 pixels, float16 samples, ...)
 
     def datamodule(self, config: ONNConfig, device: str):

@@ -39,6 +39,7 @@ class GraphModality(ClassifierModality):
     default_model = "gin"
     description = "graph and node classification (edge lists, graph tensors, meshes as graphs)"
     builtins = ("communities",)
+    several_graphs = None  # a graph network exports its own way
     # asked after the mesh modality (a folder of meshes is its, unless the command line names a graph model) and,
     # registered before text, ahead of the text sniffer that reads any UTF-8 file (an edge list is UTF-8)
     sniff_priority = -1

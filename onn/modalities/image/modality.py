@@ -15,6 +15,8 @@ from typing import Any
 from onn.config import ONNConfig
 from onn.config.data import ImageData
 from onn.config.model import NetworkConfig
+from onn.data.files import ARCHIVE_ERRORS, archive_kind, is_hidden, iter_members, read_head
+from onn.errors import UserError
 from onn.hardware.profile import Profile
 from onn.modalities.base import ClassifierModality, RunConfig
 
@@ -46,7 +48,6 @@ def first_image(data: ImageData) -> FirstImage | None:
 @functools.lru_cache(maxsize=4)
 def _first_image(source: str, fmt: str, channels: str, _mtime_ns: int) -> FirstImage | None:
     """first_image, read once per source (the plan reads it for its inputs and again for its reasons)."""
-    from onn.data.files import archive_kind
     from onn.modalities.image.formats import detect_format, list_items
 
     path = Path(source).expanduser()
@@ -82,8 +83,6 @@ def _first_streamed_image(path: Path, channels: str) -> FirstImage | None:
     """A compressed tar's first decodable image member: the archive is read front to back and no further than that
     image (list_items refuses a .tar.gz, which has no random access; reading all of it would decompress the whole
     archive for one image's size). Its classes are not counted: that would take the whole archive."""
-    from onn.data.files import ARCHIVE_ERRORS, is_hidden, iter_members
-    from onn.errors import UserError
     from onn.modalities.image.formats.common import is_image_name
     from onn.modalities.image.formats.decode import decode, strict_pil
 
@@ -116,8 +115,6 @@ class ImageModality(ClassifierModality):
     stored_dtype = "uint8"
 
     def sniff(self, path: Path) -> str | None:
-        from onn.data.files import read_head
-        from onn.errors import UserError
         from onn.modalities.image.formats import detect_format, image_kind
         from onn.modalities.image.formats.csvfile import TABLE_SUFFIXES
 
@@ -162,8 +159,6 @@ class ImageModality(ClassifierModality):
         BatchAugment(data.augment, [0.5], [0.5])  # the augmentation's values, checked now
         size = data.image_size
         if size is not None and (len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size)):
-            from onn.errors import UserError
-
             raise UserError(f"data.image_size={size}: give [height, width] in pixels, each 1 or more (or null).")
 
     def datamodule(self, config: ONNConfig, device: str):

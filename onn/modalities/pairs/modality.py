@@ -29,6 +29,7 @@ class PairsModality(Modality):
     default_data = "pairs"
     default_model = "dual_encoder"
     description = "paired data (a dual encoder of two modalities)"
+    several_graphs = True  # one per side
     sniff_priority = 10  # a folder of pairs also holds images (or meshes, or text): pairs are the more specific reading
 
     def sniff(self, path: Path) -> str | None:
