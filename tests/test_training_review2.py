@@ -75,9 +75,26 @@ def test_adabn_leaves_out_a_last_batch_of_one_sample_and_says_so(caplog):
     trained = {k: v.clone() for k, v in network.state_dict().items()}
     with caplog.at_level(logging.WARNING, logger="onn"):
         assert module.adapt_batch_norm(image_batches([1, 1])) == 0
-    assert "the trained statistics are kept (set data.eval_batch_size to 2 or more" in caplog.text
+    assert "no batch was measured, so the trained statistics are kept (set data.eval_batch_size to 2" in caplog.text
     for key, value in network.state_dict().items():
         assert torch.equal(value, trained[key]), key
+
+
+def test_adabn_measures_batches_of_one_that_its_norms_take():
+    """data.eval_batch_size=1 (large images on a small GPU): a BatchNorm2d over an 8x8 map takes a batch of one in
+    training mode, so each is measured; only a norm with one value per channel refuses one (the first test)."""
+    from onn.training.classifier import Classifier
+
+    torch.manual_seed(0)
+    network = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.Linear(256, 2)
+    ).eval()
+    module = Classifier(network, ["a", "b"], OPTIM, {})
+    batches = image_batches([1, 1, 1])
+    assert module.adapt_batch_norm(batches) == 3
+    conv = network[0]
+    means = torch.stack([conv(x).mean(dim=(0, 2, 3)) for x, _ in batches]).mean(0)
+    assert torch.allclose(network[1].running_mean, means, atol=1e-5)
 
 
 def test_a_dual_encoders_logging_step_reads_only_its_loss(tmp_path):

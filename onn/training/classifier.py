@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -248,7 +249,9 @@ class Classifier(EpochRecord, ONNModule):
             for k, v in self.model.state_dict().items()
             if k.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")
         }
-        self.adapt_batch_norm(batches)
+        # under the evaluation's precision (bf16-mixed: autocast): the norms measure the inputs they will normalise
+        with self.trainer.precision_plugin.forward_context():
+            self.adapt_batch_norm(batches)
 
     def samples(self, inputs) -> int:
         """The samples in a batch's inputs (a graph batch counts its graphs)."""
@@ -262,9 +265,14 @@ class Classifier(EpochRecord, ONNModule):
         that shift. Returns the samples measured.
 
         The k-th batch goes in at momentum 1/k: torch's own cumulative average (momentum None) reads its batch
-        count back from the device at every norm of every batch. A batch of one sample is left out (said once):
-        its variance holds nothing of how samples differ, and a norm with one value per channel (a 1x1 feature
-        map, pooled features) refuses it. With no batch of two or more the trained statistics stay."""
+        count back from the device at every norm of every batch. A batch that a norm refuses in training mode (one
+        value per channel: a batch of one sample whose features are pooled to 1x1) is left out, said once, its
+        norms put back as they were; a batch of one an HxW map normalises is measured. With no batch measured the
+        trained statistics stay.
+
+        Under DDP each rank measures its own share of the batches; the ranks' statistics are then combined
+        (combine_over_ranks), so that every rank evaluates, and rank 0 saves, the same model. Returns the samples
+        measured by all ranks."""
         norms = [m for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         if not norms:
             return 0
@@ -273,31 +281,40 @@ class Classifier(EpochRecord, ONNModule):
         try:
             for x, _ in batches:
                 samples = self.samples(x)
-                if samples < 2:
-                    left_out += samples
-                    continue
+                before = norm_buffers(norms) if samples < 2 else None  # only a batch of one can be refused
                 if not measured:  # reset only once there is something to measure
                     for m in norms:
                         m.reset_running_stats()
                         m.train()
-                measured += 1
                 for m in norms:
-                    m.momentum = 1 / measured
-                self.logits(self.prepare(to_device(x, self.device), train=False))
+                    m.momentum = 1 / (measured + 1)
+                try:
+                    self.logits(self.prepare(to_device(x, self.device), train=False))
+                except ValueError as e:  # raised from the batch's shape, before the refusing norm updates
+                    if before is None or "Expected more than 1 value per channel" not in str(e):
+                        raise
+                    restore_norm_buffers(norms, before)  # the norms before it had measured the batch
+                    left_out += samples
+                    continue
+                measured += 1
                 seen += samples
         finally:
             for m, (momentum, training) in zip(norms, saved):
                 m.momentum = momentum
                 m.train(training)
+        measured, seen = combine_over_ranks(norms, measured, seen)
         if left_out:
             kept = (
                 ""
                 if measured
-                else "; no batch held two or more, so the trained statistics are kept (set data.eval_batch_size to "
+                else "; no batch was measured, so the trained statistics are kept (set data.eval_batch_size to "
                 "2 or more to measure them)"
             )
             log.warning(
-                "task.adapt_norm: %d sample(s) in batches of one left out of AdaBN's statistics%s", left_out, kept
+                "task.adapt_norm: %d sample(s) in batches of one left out of AdaBN's statistics (a norm sees one value "
+                "per channel in them)%s",
+                left_out,
+                kept,
             )
         return seen
 
@@ -369,6 +386,43 @@ class Classifier(EpochRecord, ONNModule):
         if self.inputs == "features":
             strict = False  # checkpoints hold the head only
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def norm_buffers(norms: list[nn.Module]) -> list[dict[str, torch.Tensor]]:
+    """Copies of the norms' running statistics and batch counts, on their device (nothing read to the host)."""
+    return [{k: v.clone() for k, v in m.named_buffers(recurse=False)} for m in norms]
+
+
+def restore_norm_buffers(norms: list[nn.Module], copies: list[dict[str, torch.Tensor]]) -> None:
+    """The norms' buffers as norm_buffers copied them."""
+    for m, buffers in zip(norms, copies):
+        for k, v in m.named_buffers(recurse=False):
+            v.copy_(buffers[k])
+
+
+def combine_over_ranks(norms: list[nn.Module], measured: int, seen: int) -> tuple[int, int]:
+    """Every rank's norms at the statistics of all ranks' batches, as one process measuring them all has them: the
+    mean of the ranks' statistics (each already the mean over its batches) weighted by the batches each measured.
+    A rank that measured none adds nothing; with none measured anywhere the trained statistics stay. Returns the
+    batches and samples measured over all ranks (this rank's own without a process group of two or more)."""
+    tracked = [m for m in norms if m.running_mean is not None]
+    if not tracked or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return measured, seen
+    stats = [s for m in tracked for s in (m.running_mean, m.running_var)]
+    device = stats[0].device
+    counts = torch.tensor([measured, seen], dtype=torch.float64, device=device)
+    weighted = torch.cat([s.to(torch.float64).flatten() * measured for s in stats])
+    flat = torch.cat([counts, weighted])
+    dist.all_reduce(flat)  # one collective; a rank that measured no batch holds its trained statistics times 0
+    total, samples = (int(v) for v in flat[:2].tolist())  # read once per AdaBN run
+    if total:
+        offset = 2
+        for s in stats:
+            s.copy_((flat[offset : offset + s.numel()] / total).view_as(s))
+            offset += s.numel()
+        for m in tracked:
+            m.num_batches_tracked.fill_(total)
+    return total, samples
 
 
 def to_device(x, device: torch.device):

@@ -29,6 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
 
@@ -88,8 +89,7 @@ class ShardedDeepSpeed(DeepSpeedStrategy):
         stays out: DeepSpeed partitions it in objects safetensors cannot hold, so a resumed run starts its
         moments afresh."""
         filepath = self.broadcast(filepath)
-        with gathered(self.lightning_module):
-            state = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+        state = whole_state_dict(self.lightning_module, keep=self.is_global_zero)
         kept = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint({**kept, "state_dict": state}, filepath)
@@ -114,6 +114,28 @@ class ShardedDeepSpeed(DeepSpeedStrategy):
             optimizer.refresh_fp32_params()
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             restore_learning_rates(self.lr_scheduler_configs, checkpoint["lr_schedulers"])
+
+
+def whole_state_dict(module, keep: bool) -> dict[str, torch.Tensor]:
+    """The module's state dict with every weight whole, copied to the host only where `keep` (the rank that writes
+    it): each rank's copy of a 14B model would be 28 GB of host memory per GPU. Under ZeRO-3 every rank takes part
+    in gathering each weight, one at a time, so no device holds the whole model at once (DeepSpeed's own
+    `_zero3_consolidated_16bit_state_dict` gathers layer by layer likewise)."""
+    whole: dict[str, torch.Tensor] = {}
+    for key, value in module.state_dict(keep_vars=True).items():  # the parameters themselves: ZeRO-3's partitioned
+        with _gathered_one(value):
+            if keep:  # a copy even on a CPU: the gathered storage is DeepSpeed's to free or reuse
+                whole[key] = value.detach().to("cpu", copy=True)
+    return whole
+
+
+def _gathered_one(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """One ZeRO-3 parameter whole for the body (a collective: every rank enters it); anything else as it is."""
+    if not hasattr(tensor, "ds_numel"):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([tensor], modifier_rank=None)
 
 
 def restore_learning_rates(schedulers: list, states: list[dict[str, Any]]) -> None:
@@ -187,7 +209,7 @@ def forward_module(module):
 
 @contextlib.contextmanager
 def gathered(module):
-    """Every weight whole for the body (a checkpoint, greedy answers after training), on every rank: ZeRO-3
+    """Every weight whole for the body (greedy answers after training), on every rank: ZeRO-3
     partitions them over the ranks, and between its own forwards FSDP leaves each parameter a view of this
     rank's shard (transformers' generate calls the wrapped model's forward, past FSDP's gather: "'weight' must be
     2-D"). One process, or neither strategy: nothing to do."""
