@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import csv
 import errno
+import functools
 import hashlib
 import io
 import itertools
 import json
 import lzma
 import os
+import posixpath
 import stat
 import tarfile
 import zipfile
@@ -227,10 +229,12 @@ class Member:
     size: int
     offset: int | None  # where its bytes start in an uncompressed tar (random access), else None
     open: Callable[[], IO[bytes]] = field(repr=False, compare=False)  # valid until the next member is taken
+    is_link: bool = False  # a tar's hard or symbolic link, read as the member it leads to (see tar_links)
 
 
 def iter_members(path: str | os.PathLike[str], kind: str | None = None) -> Iterator[Member]:
-    """The regular-file members of a zip or tar (of ARCHIVE_KINDS), in stored order, in one pass.
+    """The regular-file members of a zip or tar (of ARCHIVE_KINDS), in stored order, in one pass; then a tar's
+    links to such members, under the links' own names (see tar_links).
 
     A compressed tar is streamed, so a member's open() works only until the iterator moves on; read what
     is needed right away. Listing a damaged archive raises one of ARCHIVE_ERRORS.
@@ -250,16 +254,107 @@ def iter_members(path: str | os.PathLike[str], kind: str | None = None) -> Itera
                         lambda info=info: zf.open(info),
                     )
         return
+    files: dict[str, tarfile.TarInfo] = {}  # clean name -> regular member (the last of a name, as tar extracts)
+    links: list[tarfile.TarInfo] = []
     with open_regular(path) as f, tarfile.open(fileobj=f, mode="r:" if kind == "tar" else "r|*") as tf:
         for m in tf:
-            if m.isfile():
-                yield Member(
-                    *_checked(m.name),
-                    m.name,
-                    m.size,
-                    m.offset_data if kind == "tar" else None,
-                    lambda m=m: tf.extractfile(m),
+            if m.islnk() or m.issym():
+                links.append(m)
+            elif m.isfile():
+                name, problem = _checked(m.name)
+                if name is not None:
+                    files[name] = m
+                offset = m.offset_data if kind == "tar" else None
+                yield Member(name, problem, m.name, m.size, offset, lambda m=m: tf.extractfile(m))
+        found, refused = tar_links(links, files)
+        yield from refused
+        if kind == "tar":  # random access: a link reads its target's bytes where they are
+            for name, link, target in found:
+                opener = functools.partial(tf.extractfile, target)
+                yield Member(name, None, link.name, target.size, target.offset_data, opener, is_link=True)
+    if kind == "targz" and found:
+        yield from _streamed_links(path, found)
+
+
+MAX_LINK_HOPS = 40  # links followed for one name, as Linux's limit on symbolic links in one path
+Linked = tuple[str, tarfile.TarInfo, tarfile.TarInfo]  # (the link's clean name, the link, the file it leads to)
+
+
+def tar_links(links: list[tarfile.TarInfo], files: dict[str, tarfile.TarInfo]) -> tuple[list[Linked], list[Member]]:
+    """Each hard or symbolic link of a tar that leads to a regular member (through other links too), and a refused
+    Member for each that leads outside the archive (an absolute target, or '..' past its top), into a loop, or to
+    nothing it holds: as tarfile's data filter, never followed onto this machine's files. A link to a folder of the
+    archive is passed over: that folder's files are listed under their own names, as walk_files lists a folder
+    reached twice once."""
+    if not links:
+        return [], []
+    targets = {name: link for link in links if (name := _checked(link.name)[0]) is not None}
+    folders = {name.rsplit("/", k)[0] for name in files for k in range(1, name.count("/") + 1)} | {""}
+    found: list[Linked] = []
+    refused: list[Member] = []
+    for link in links:
+        name, problem = _checked(link.name)
+        if name is not None:
+            try:
+                end = _follow(name, targets)
+            except UnsafeMemberNameError as e:
+                problem = (
+                    f"a link to {link.linkname}, which {e}, not read (pack it with tar -h: what it leads to is stored)"
                 )
+            else:
+                if end in files:
+                    found.append((name, link, files[end]))
+                    continue
+                if end in folders:
+                    continue
+                problem = f"a link to {link.linkname}, which the archive does not hold, not read"
+        refused.append(Member(None, problem, link.name, 0, None, _unreadable, is_link=True))
+    return found, refused
+
+
+def _follow(name: str, links: dict[str, tarfile.TarInfo]) -> str:
+    """A clean name with every link along it replaced by where it leads (a link inside a linked folder too).
+    UnsafeMemberNameError when that leads outside the archive or around a loop."""
+    for _ in range(MAX_LINK_HOPS):
+        parts = name.split("/")
+        heads = ("/".join(parts[:i]) for i in range(len(parts), 0, -1))
+        head = next((h for h in heads if h in links), None)
+        if head is None:
+            return name
+        link = links[head]
+        target = link.linkname.replace("\\", "/")
+        if target.startswith("/") or (len(target) > 1 and target[1] == ":" and target[0].isalpha()):
+            raise UnsafeMemberNameError("leads outside the archive")
+        # a hard link names its target from the archive's top, a symbolic link from its own folder (as tarfile reads)
+        base = "" if link.islnk() else posixpath.dirname(head)
+        name = posixpath.normpath(posixpath.join(base, target, name[len(head) + 1 :]))
+        if name == ".." or name.startswith("../"):
+            raise UnsafeMemberNameError("leads outside the archive")
+        name = "" if name == "." else name
+    raise UnsafeMemberNameError("is a loop of links")
+
+
+def _streamed_links(path: str | os.PathLike[str], found: list[Linked]) -> Iterator[Member]:
+    """The links of a compressed tar, read in a second pass over it: their targets' bytes went by in the first."""
+    wanted: dict[int, list[tuple[str, tarfile.TarInfo]]] = {}  # a target's header offset -> the links to it
+    for name, link, target in found:
+        wanted.setdefault(target.offset, []).append((name, link))
+    with open_regular(path) as f, tarfile.open(fileobj=f, mode="r|*") as tf:
+        for m in tf:
+            if m.offset in wanted and m.isfile():
+                data = tf.extractfile(m).read()
+                for name, link in wanted[m.offset]:
+                    yield Member(name, None, link.name, len(data), None, lambda d=data: io.BytesIO(d), is_link=True)
+
+
+def _unreadable() -> IO[bytes]:
+    raise OSError(errno.ENOENT, "a link that leads to no member of its archive")
+
+
+def reported(member: Member, wanted: Callable[[str], bool]) -> bool:
+    """Whether a refused member (name None) is one to report: a name `wanted` takes, or a link without an
+    extension, which may be a folder of such files (a class folder packed as a link to outside the archive)."""
+    return wanted(member.raw) or (member.is_link and not posixpath.splitext(member.raw.rstrip("/"))[1])
 
 
 def wanted_members(
@@ -270,7 +365,7 @@ def wanted_members(
     is added to `refused` as "name: why", for the caller's report. Raises ARCHIVE_ERRORS as iter_members does."""
     for member in iter_members(path, kind):
         if member.name is None:
-            if wanted(member.raw):
+            if reported(member, wanted):
                 refused.append(f"{member.raw}: {member.problem}")
         elif not is_hidden(member.name) and wanted(member.name):
             with member.open() as f:

@@ -21,6 +21,7 @@ import errno
 import io
 import logging
 import os
+import posixpath
 import re
 import threading
 import unicodedata
@@ -38,6 +39,7 @@ from onn.data.files import (
     is_hidden,
     iter_members,
     jsonl_objects,
+    reported,
     walk_files,
 )
 from onn.errors import UserError
@@ -225,11 +227,12 @@ def _files(path: Path, suffixes: frozenset[str], key: str):
     try:
         for member in iter_members(path, kind):
             if member.name is None:
-                refused.append(f"{member.raw}: {member.problem}")
+                if reported(member, lambda raw: _listed(raw, suffixes)):
+                    refused.append(f"{member.raw}: {member.problem}")
                 continue
             if is_hidden(member.name):
                 continue
-            wanted = extension(member.name) in suffixes or member.name.rsplit("/", 1)[-1].lower() in MANIFESTS
+            wanted = _listed(member.name, suffixes)
             if kind == "zip":
                 files[member.name] = ZipSource(path, member.raw)
             elif kind == "tar":
@@ -240,6 +243,11 @@ def _files(path: Path, suffixes: frozenset[str], key: str):
     except ARCHIVE_ERRORS as e:
         raise UserError(f"{key} {path} is not a readable archive: {e}") from e
     return files, unknown, refused
+
+
+def _listed(name: str, suffixes: frozenset[str]) -> bool:
+    """Whether a file is one a listing reads: a media file or a manifest."""
+    return extension(name) in suffixes or name.rsplit("/", 1)[-1].lower() in MANIFESTS
 
 
 def _strip_wrapper(names: list[str]) -> int:
@@ -323,7 +331,7 @@ def _manifest_labels(
                 raise UserError(
                     f"{key}: {name} line {n} has no {column!r} column (it has {', '.join(row)}); set data.label_column."
                 )
-            target = same_text(folder + str(file).replace("\\", "/").lstrip("./"))
+            target = same_text(_manifest_target(folder, str(file), f"{key}: {name} line {n}"))
             value = row[column]
             labels[target] = None if value in (None, "") else str(value)
     out, skip = [], _strip_wrapper(list(media))
@@ -344,6 +352,18 @@ def _manifest_labels(
     if not out:
         raise UserError(f"{key} {path}: the manifest names none of the files beside it; check its file_name column.")
     return out
+
+
+def _manifest_target(folder: str, file: str, where: str) -> str:
+    """A manifest's file_name as a name in the source: relative to the manifest's folder, "./" and "a/../" resolved
+    as paths (".hidden/x.wav" stays hidden). A name that leads out of the source is one sentence naming the line."""
+    joined = posixpath.normpath(posixpath.join(folder, file.replace("\\", "/")))
+    if file.startswith(("/", "\\")) or joined == ".." or joined.startswith("../"):
+        raise UserError(
+            f"{where} has file_name {file!r}, which leads out of data.source; name each file relative to the "
+            "manifest's folder, inside data.source."
+        )
+    return joined
 
 
 def report_left_out(listing: Listing, path: str, key: str, kind: str) -> None:

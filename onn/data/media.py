@@ -19,7 +19,7 @@ from onn.config.data import LabelledFiles
 from onn.data.cache import cached_decode
 from onn.data.files import archive_kind, content_digest, existing_source
 from onn.data.labelled import Listing, MediaFile, check_bad, list_labelled, report_left_out
-from onn.data.resident import ClassificationData, Decoded
+from onn.data.resident import ClassificationData, Decoded, Undecodable
 from onn.errors import UserError
 
 log = logging.getLogger("onn")
@@ -231,12 +231,23 @@ class ListedItems:
         return len(self.files)
 
     def load(self, i: int) -> torch.Tensor | None:
-        f = self.files[i]
+        """Item i decoded, or None when it does not decode (check(i) says why)."""
+        found = self._decode(i)
+        return None if isinstance(found, Undecodable) else found
+
+    def check(self, i: int) -> bool | Undecodable:
+        """True when item i decodes, else why not: for the pass over every streamed item up front
+        (ClassificationData._decodable), which names the skipped items in one warning, not one line each."""
+        found = self._decode(i)
+        return found if isinstance(found, Undecodable) else True
+
+    def _decode(self, i: int) -> torch.Tensor | Undecodable:
         try:
-            return stored(self._load(f.source.open())[0], self._dtype, self._bad)
-        except (self._bad, OSError) as e:
-            log.warning("skipped %s: %s", f.name, getattr(e, "strerror", None) or e)
-            return None
+            return stored(self._load(self.files[i].source.open())[0], self._dtype, self._bad)
+        except self._bad as e:
+            return Undecodable(str(e))
+        except OSError as e:  # unreadable (permissions, a file that vanished), as decode_listing says it
+            return Undecodable(f"cannot be read ({e.strerror or e})")
 
 
 class MediaDataModule(ClassificationData):

@@ -238,10 +238,23 @@ class JoinedItems:
         return items.load(i)
 
 
+@dataclass(frozen=True)
+class Undecodable:
+    """What an item's check gives when it does not decode: why, for the one warning that names the skipped items."""
+
+    why: str
+
+
+def decoded(found: Any) -> bool:
+    """Whether a check's result (Decodes) is of an item that decodes."""
+    return found is not None and not isinstance(found, Undecodable)
+
+
 class Decodes(torch.utils.data.Dataset):
     """What each (split, index) item decodes to, None when it does not: one pass over streamed data in the loader's
     workers, so a corrupt item is skipped and counted up front as a resident read does, not met in an epoch. Items
-    with a `check(i)` say what it found (an image's channels); the others, True."""
+    with a `check(i)` say what it found (an image's channels) or, for one that does not decode, None or why
+    (Undecodable); the others, True or None."""
 
     def __init__(self, items: dict[str, Items], pairs: list[tuple[str, int]]):
         self.items, self.pairs = items, pairs
@@ -594,15 +607,16 @@ class ClassificationData(L.LightningDataModule):
             Decodes(items, pairs), batch_size=64, num_workers=int(self.cfg.num_workers), collate_fn=list
         )
         decodes = [found for batch in loader for found in batch]
-        self.checked(items, [found for found in decodes if found is not None])
+        self.checked(items, [found for found in decodes if decoded(found)])
         refused = [s for listed in items.values() for s in getattr(listed, "refused", [])]
-        skipped = refused + [items[split].names[i] for (split, i), ok in zip(pairs, decodes) if ok is None]
+        failed = [(items[split].names[i], found) for (split, i), found in zip(pairs, decodes) if not decoded(found)]
+        said = [name + (f": {found.why}" if isinstance(found, Undecodable) else "") for name, found in failed]
         total = len(refused) + len(pairs)
-        check_bad(skipped, total, float(self.cfg.max_bad_fraction), source, "data.source", self.item_kind)
-        self.skipped = skipped
+        check_bad(refused + said, total, float(self.cfg.max_bad_fraction), source, "data.source", self.item_kind)
+        self.skipped = refused + [name for name, _ in failed]
         good: dict[str, list[int]] = {}
-        for (split, i), ok in zip(pairs, decodes):
-            if ok is not None:
+        for (split, i), found in zip(pairs, decodes):
+            if decoded(found):
                 good.setdefault(split, []).append(i)
         return good
 

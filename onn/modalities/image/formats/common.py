@@ -245,23 +245,6 @@ def finish_classes(listing: Listing, num_classes: int | None, key: str) -> list[
     return classes
 
 
-def check_held_out_classes(listing: Listing, where: Path, key: str) -> None:
-    """Refuse a val or test split with a class the train split lacks, as a separate data.test_source of it is: a
-    misspelt folder (test/automobil) was one more class that nothing trained on. For folders and csv tables, whose
-    classes are the labels found (a list the data ships, as CIFAR's, may name classes a small train lacks)."""
-    train = listing.splits.get("train")
-    if train is None or not listing.classes:
-        return
-    known = set(train.labels.tolist())
-    for name, split in listing.splits.items():
-        extra = sorted({listing.classes[i] for i in set(split.labels.tolist()) - known if i >= 0})
-        if extra:
-            raise UserError(
-                f"{key} {where} ({name} split) has classes the training data does not: {extra[:5]}; "
-                "use the same class names."
-            )
-
-
 def mixed_sizes(a: str, a_hw: tuple[int, int], b: str, b_hw: tuple[int, int]) -> str:
     return (
         f"images have different sizes: {a} is {a_hw[0]}x{a_hw[1]} but {b} is {b_hw[0]}x{b_hw[1]} (HxW); set "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from onn.data.files import ARCHIVE_ERRORS, archive_kind, is_hidden, iter_members, read_head, walk_files
+from onn.data.files import ARCHIVE_ERRORS, archive_kind, is_hidden, iter_members, read_head, reported, walk_files
 from onn.data.labelled import same_text
 from onn.errors import UserError
 from onn.modalities.image.formats.common import (
@@ -28,7 +28,6 @@ from onn.modalities.image.formats.common import (
     Split,
     TarFetch,
     ZipFetch,
-    check_held_out_classes,
     image_kind,
     is_image_name,
     needs_sniffing,
@@ -83,10 +82,8 @@ def list_tree(path: Path, key: str, allow_unlabelled: bool, stream: bool) -> Lis
         idx = [i for i, _ in entries]
         labels = np.array([index[c] if c is not None else -1 for _, c in entries], np.int64)
         splits[split] = Split([names[i] for i in idx], labels, make(idx))
-    listing = Listing(splits, classes, rejected)
-    if not allow_unlabelled:  # (task.input: a folder the model has no class of is a row with no truth)
-        check_held_out_classes(listing, path, key)
-    return listing
+    # (a val/ or test/ class that train/ lacks is said when training starts: task=eval scores by the checkpoint's)
+    return Listing(splits, classes, rejected)
 
 
 def _archive_images(path: Path, kind: str, stream: bool, key: str):
@@ -103,7 +100,7 @@ def _archive_images(path: Path, kind: str, stream: bool, key: str):
     rejected: list[str] = []
     for m in iter_members(path, kind):
         if m.name is None:
-            if is_image_name(m.raw):
+            if reported(m, is_image_name):
                 rejected.append(f"{m.raw}: {m.problem}")
             continue
         if is_hidden(m.name):
