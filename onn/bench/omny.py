@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from onn.config import ONNConfig
 from onn.config.task import BenchOmnyTask
 from onn.errors import UserError
 from onn.export.omny.format import validate
@@ -34,12 +35,20 @@ from onn.models.load import load
 log = logging.getLogger("onn")
 
 
-def run(job) -> dict[str, Any]:
-    config, task = job.config, job.config.task
+def check_settings(config: ONNConfig) -> None:
+    """task.* and export in one sentence before the export's minutes: a pipeline run no times would have no figure."""
+    task: BenchOmnyTask = config.task
+    if task.repeats < 1:
+        raise UserError(f"task.repeats={task.repeats!r}: give a whole number, 1 or more.")
     if config.export.name != "omny":
         raise UserError(
             f"task=bench_omny measures .omny pipelines; set export=omny (it is export={config.export.name})."
         )
+
+
+def run(job) -> dict[str, Any]:
+    config, task = job.config, job.config.task
+    check_settings(config)
     model, tokenizer = load(config.model, cache_dir=config.paths.cache)
     exported = export_for_run(config, model, job.run_dir, tokenizer=tokenizer)
     del model
@@ -115,7 +124,7 @@ def _pictures(path: Path, kind: str, task: BenchOmnyTask, run_dir: Path) -> dict
     points = [(x * width, y * height) for x, y in task.points] if kind == "sam2" else []
     text = task.text if kind in ("grounding_dino", "grounded_sam2") else None
     times, result = [], {}
-    for _ in range(max(1, task.repeats)):
+    for _ in range(task.repeats):
         started = time.perf_counter()
         result = run_pipeline(path, Request(picture, run_dir / f"{kind}.png", text, points))
         times.append(time.perf_counter() - started)

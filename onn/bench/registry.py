@@ -138,6 +138,12 @@ def _bench_omny(job: Job) -> dict[str, Any]:
     return omny.run(job)
 
 
+def _check_omny(config: ONNConfig) -> None:
+    from onn.bench import omny
+
+    omny.check_settings(config)
+
+
 def _bench_chaos(job: Job) -> dict[str, Any]:
     from onn.bench import chaos
 
@@ -190,7 +196,7 @@ TASKS: dict[str, Task] = {
     "bench_giant": Task(_bench_giant, check=_check_giant, modalities=TEXT),
     "bench_serve": Task(_bench_serve, check=_check_serve, modalities=TEXT),
     "bench_shard_plan": Task(_bench_shard_plan, check=_check_shard_plan, model=False, heavy=False),
-    "bench_omny": Task(_bench_omny, modalities=TEXT),
+    "bench_omny": Task(_bench_omny, check=_check_omny, modalities=TEXT),
     "bench_chaos": Task(_bench_chaos, model=False, heavy=False),
     "bench_overhead": Task(_bench_overhead, check=_check_overhead, modalities=TEXT),
     "bench_gpu": Task(_bench_gpu, check=_check_gpu, modalities=TEXT, gpu=True),

@@ -268,7 +268,7 @@ def train(job: Job) -> dict[str, Any]:
     module.optimizer_steps = optimizer_steps(trainer, steps_per_epoch)
     with PeakMemory(job.device) as peak:
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
-        trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"))  # the final state, also mid-epoch
+        trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"), weights_only=False)  # the final state
     monitor = config.task.monitor
     best, best_score = run_best(trainer.checkpoint_callback, ckpt, run_dir, monitor, monitor_mode(monitor))
     metrics: dict[str, Any] = {

@@ -15,6 +15,7 @@ heartbeat older than STALE_S. The benchmark grid shows it as crashed and a resum
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import hydra.core.utils
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -211,9 +213,11 @@ class RunFolder(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         resume_requeued(config)
         self._check(config, "run")
+        write_hydra_files_whole("hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config, "sweep")
+        write_hydra_files_whole("hydra.sweep.dir")
         if problem := other_sweep(Path(config.hydra.sweep.dir), config):
             print(f"error: {problem}", file=sys.stderr, flush=True)
             raise SystemExit(1)
@@ -233,6 +237,35 @@ class RunFolder(Callback):
         except UserError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
+
+
+def write_hydra_files_whole(key: str) -> None:
+    """Hydra writes a job's .hydra/ (config.yaml, hydra.yaml, overrides.yaml) itself, after its folder is made and
+    before any callback of the job, with a plain open(): a full disk left a cut-short file (which a resumed sweep
+    reads back as the job's overrides) and Hydra's traceback. It offers no hook there, so its writer is replaced by
+    one that writes each file whole or not at all and says in one sentence what the disk refused. Hydra 1.3's
+    private writer (requirements.lock pins it); a Hydra without it keeps its own."""
+    if not hasattr(hydra.core.utils, "_save_config"):
+        return
+    hydra.core.utils._save_config = functools.partial(_save_config_whole, key=key)
+
+
+def _save_config_whole(cfg: Any, filename: str, output_dir: Path, key: str) -> None:
+    """Hydra's _save_config(cfg, filename, output_dir): the YAML in UTF-8 (as Hydra writes it) through a temporary
+    file renamed into place; a refused write ends the run with one sentence naming the file (and, for a full disk,
+    the space free)."""
+    path = Path(output_dir) / filename
+    data = OmegaConf.to_yaml(cfg).encode("utf-8")
+    tmp = path.with_name(f".{filename}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):  # its folder may be what could not be made
+            tmp.unlink(missing_ok=True)
+        print(f"error: {write_refused(e, path, len(data), f'the run ({key})')}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 class SweepStatus(Callback):

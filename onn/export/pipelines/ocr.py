@@ -1,21 +1,26 @@
 """TrOCR as the runtime uses it: an image encoder (one text line in, its features out) and an autoregressive
 decoder whose self-attention keys and values of the tokens so far are explicit inputs and outputs
 (past.N.key -> present.N.key), so each step computes one token. A page is cut into its lines first (`lines`:
-rows of ink between blank rows) and each line is read greedily."""
+rows of ink between blank rows) and each line is read greedily, until its end-of-text token or settings.max_new_tokens
+(pipeline.json); a line that reaches that limit is cut there, and the answer says so."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 
+from onn.errors import UserError
 from onn.export.pipelines import images
 from onn.export.pipelines.registry import Piece, Pipeline, register
 from onn.export.pipelines.runtime import Pieces, Request, finish
 from onn.models.layers import discover
 
 HALF = {"mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5]}  # TrOCR's image processor
-MAX_NEW_TOKENS = 32
+MAX_NEW_TOKENS = 128  # tokens read per text line at most (a long printed line is some 60): pipeline.json records it
+
+log = logging.getLogger("onn")
 
 
 def _modules(layers: int):
@@ -104,7 +109,8 @@ def settings(model, side: int | None = None) -> dict[str, Any]:
         "head_dim": head_dim,
         "start_token": model.config.decoder_start_token_id,
         "eos_token": model.config.decoder.eos_token_id,
-        "max_new_tokens": MAX_NEW_TOKENS,
+        # the decoder's position table bounds a line: a step at position `longest` would read past it
+        "max_new_tokens": min(MAX_NEW_TOKENS, model.config.decoder.max_position_embeddings - 2),
     }
 
 
@@ -155,6 +161,7 @@ def read_line(pieces_: Pieces, crop, s: dict) -> list[int]:
 
 
 def run(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict[str, Any]:
+    limit = _max_new_tokens(doc["settings"])
     image = images.load_rgb(request.image)
     tokenizer = pieces_.tokenizer()
     found = []
@@ -162,12 +169,29 @@ def run(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict[str, Any
         ids = read_line(pieces_, image.crop(box), doc["settings"])
         known = [t for t in ids if tokenizer is None or t < tokenizer.get_vocab_size()]
         text = tokenizer.decode(known, skip_special_tokens=True) if tokenizer is not None else " ".join(map(str, ids))
-        found.append({"box": list(box), "text": text, "token_ids": ids})
+        cut = len(ids) >= limit  # no end-of-text token within the limit: the rest of the line is unread
+        found.append({"box": list(box), "text": text, "token_ids": ids, "cut_at_max_new_tokens": cut})
+    if cut_lines := [str(i + 1) for i, f in enumerate(found) if f["cut_at_max_new_tokens"]]:
+        log.warning(
+            "OCR: line(s) %s reached settings.max_new_tokens=%d (pipeline.json) and are cut there; raise it in that "
+            "file to read longer lines.",
+            ", ".join(cut_lines),
+            limit,
+        )
     labels = [f["text"][:40] or f"(no text: ids {' '.join(map(str, f['token_ids'][:4]))} ...)" for f in found]
     picture = images.annotate(image, boxes=[(f["box"], label) for f, label in zip(found, labels)])
     result = finish(request, picture, {"lines": found, "text": "\n".join(f["text"] for f in found)})
     print(result["text"])
     return result
+
+
+def _max_new_tokens(settings: dict[str, Any]) -> int:
+    """settings.max_new_tokens as a count of tokens: a value edited into pipeline.json that is not one is one
+    sentence, not a line read to no length (0) or onnxruntime's error (a string)."""
+    value = settings["max_new_tokens"]
+    if type(value) is not int or value < 1:
+        raise UserError(f"pipeline.json: settings.max_new_tokens={value!r}: give a whole number, 1 or more.")
+    return value
 
 
 PIPELINE = register(

@@ -54,6 +54,7 @@ UNIMPLEMENTED = {  # fields this server does not compute: refused, not silently 
     "tool_choice": "calls no tools",
     "functions": "calls no functions",
     "function_call": "calls no functions",
+    "n": "generates one completion per request",
     "best_of": "generates one completion per request",
     "suffix": "inserts no text after the completion",
     "modalities": "answers in text only",
@@ -102,6 +103,7 @@ NEUTRAL = (None, False, 0, {}, [])  # a value of those fields that asks for noth
 NEUTRAL_OWN = {
     "response_format": {"type": "text"},
     "tool_choice": "none",
+    "n": 1,
     "best_of": 1,
     "modalities": ["text"],
     "top_k": -1,
@@ -184,7 +186,7 @@ class Generation(BaseModel):
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)  # 0: only the likeliest token
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    n: int | None = Field(default=None, ge=1, le=1)
+    n: int | None = Field(default=None, ge=1)  # more than 1: refused in words (UNIMPLEMENTED)
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
