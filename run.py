@@ -22,7 +22,8 @@ def checkpoint_name(group: str, *, _root_: DictConfig) -> str:
     return name(group, _root_=_root_)
 
 
-OmegaConf.register_new_resolver("onn.ckpt", checkpoint_name)
+# replace: a bench child or a test's forked interpreter may run run.py twice in one process
+OmegaConf.register_new_resolver("onn.ckpt", checkpoint_name, replace=True)
 
 
 def other_rank_overrides(argv: list[str]) -> list[str]:
