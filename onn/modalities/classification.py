@@ -304,6 +304,14 @@ def train(job: Job) -> dict[str, Any]:
     if config.export.name != "none":  # a streamed network exports from its checkpoint, resident
         tested = Path(best) if best else run_dir / "checkpoints" / "last.ckpt"
         exported = module if module.engine is None else load_trained(m, config, plan, tested)
+        if module.engine is not None and module.engine.store.dtype != "float32":
+            metrics["export/frozen_weights"] = "float32"  # rebuilt from the seed: not the store the figures are of
+            log.warning(
+                "export: the blocks' frozen weights are rebuilt at float32; training and its %s figures used them "
+                "as stored (%s)",
+                stage,
+                module.engine.store.dtype,
+            )
         export_after_training(metrics, run_dir, lambda: export_module(m, config, exported, run_dir))
     return metrics
 

@@ -32,7 +32,7 @@ from onn.errors import UserError
 from onn.hardware.memory import hold_mmap_threshold, return_large_frees_to_os, trim_heap
 from onn.hardware.profile import CoreWatch
 from onn.models.layers import LayerMap
-from onn.streaming.quantized import EmptyEmbedding, Scratch, StoredEmbedding, linear_forward
+from onn.streaming.quantized import EmptyEmbedding, Scratch, StoredEmbedding, linear_forward, looks_up_ids
 from onn.streaming.recompute_norms import recompute_norms
 from onn.streaming.schedule import cached_blocks, computes_from_codes
 from onn.streaming.store import LayerStore, buffer, stored_name
@@ -231,11 +231,24 @@ class StreamingEngine:
             else []
         )
         self._edge_phases = _edge_phases(model, self.map, self.edges)
-        self._embeddings = {
+        embeddings = {
             path: module
             for path, module in model.named_modules()
             if isinstance(module, nn.Embedding) and f"{path}.weight" in self._edge_phases["prefix"]
         }
+        self._embeddings = {path: m for path, m in embeddings.items() if looks_up_ids(m, self.store.dtype)}
+        # an embedding no stored table stands in for (OPT's positions, from the attention mask; nf4 rows that
+        # straddle its blocks) takes its whole table in the prefix, and again in the suffix, which computes it again
+        whole = {f"{path}.weight" for path in embeddings.keys() - self._embeddings.keys()}
+        self._edge_phases["suffix"] |= whole
+        # int8 weights the edges compute from as codes: their linears' (a head tied to a table decoded whole
+        # is decoded whole too); any other (a table, a convolution) is de-quantized, or it computed from codes
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._edge_codes = {
+            names[id(m.weight)]
+            for m in model.modules()
+            if isinstance(m, nn.Linear) and names.get(id(m.weight)) in self.edges
+        } - whole
 
     def _prepare_linears(self) -> None:
         """The frozen linears of the blocks (and the streamed head). With an int8 store each computes from the
@@ -373,7 +386,9 @@ class StreamingEngine:
             # and generated token) where the host tensors stay as they are: a memory store's; a disk store's
             # edge buffer is read into again at the next phase
             queued = self.device.type == "cuda" and self.store.kind == "cpu"
-            decoded = self.store.decode(subset, self.device, self.compute_dtype, queued, scales=scales, codes=codes)
+            decoded = self.store.decode(
+                subset, self.device, self.compute_dtype, queued, scales=scales, codes=codes, scaled=self._edge_codes
+            )
             self._set_edges(decoded, scales)
         self.times.load_s += time.perf_counter() - start
         self.times.io_s += time.perf_counter() - start

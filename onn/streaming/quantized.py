@@ -15,12 +15,17 @@ vocabulary-sized table, so only those rows cross to the device.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
+from onn.dtypes import QUANTIZED_BLOCK
 from onn.hardware.cast import cast_scaled, fused_scale
 from onn.streaming.schedule import CAST_TILE_VALUES, CODES_MAX_ROWS
+from onn.streaming.store import dequantize_nf4
 
 _TILES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -123,25 +128,62 @@ def linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out if module.bias is None else out + module.bias.to(out.dtype)
 
 
+def looks_up_ids(module: nn.Embedding, store_dtype: str) -> bool:
+    """Whether a stored table can stand in for the embedding (StoredEmbedding): its forward takes the ids alone,
+    nn.Embedding's or a subclass's (Gemma's, which scales the rows), not OPT's positions (from the attention mask);
+    and each of its rows is stored on its own: nf4 quantizes runs of 64 values, which a row of another width
+    straddles."""
+    if store_dtype == "nf4" and module.embedding_dim % QUANTIZED_BLOCK["nf4"]:
+        return False
+    forward = type(module).forward
+    if forward is nn.Embedding.forward:
+        return True
+    arguments = list(inspect.signature(forward).parameters.values())[1:]
+    return len(arguments) == 1 and arguments[0].name in ("input", "input_ids")
+
+
 class StoredEmbedding(nn.Module):
     """Stands in for a streamed nn.Embedding while the prefix runs: the rows the ids name are gathered from
     the stored table in host memory (int8 codes and their row scales, or a float table) and only they cross
-    to the device, in the compute dtype. The lookup is the de-quantized table's, value for value."""
+    to the device, in the compute dtype. The lookup is the de-quantized table's, value for value. A subclass's
+    own forward (Gemma's scales the rows by the square root of the width) runs on a table of just those rows."""
 
     def __init__(
         self, module: nn.Embedding, stored: dict[str, torch.Tensor], name: str, device: torch.device, dtype: torch.dtype
     ):
         super().__init__()
-        self.table, self.scale = stored[name], stored.get(f"{name}.scale")
-        self.device, self.dtype = device, dtype
+        self.table, self.scale, self.absmax = stored[name], stored.get(f"{name}.scale"), stored.get(f"{name}.absmax")
+        self.device, self.dtype, self.width = device, dtype, module.embedding_dim
+        if self.absmax is not None:  # nf4: a row is a run of packed bytes (two values each) and of 64-value blocks
+            self.table = self.table.view(module.num_embeddings, -1)
+            self.absmax = self.absmax.view(module.num_embeddings, -1)
         self.padding_idx = module.padding_idx
+        # held outside the module tree: the stand-in replaces the module, and must not list it as its own
+        self._own_forward = None if type(module).forward is nn.Embedding.forward else (module,)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        host = ids.to("cpu")
+    def _rows(self, host: torch.Tensor) -> torch.Tensor:
+        if self.absmax is not None:
+            ids = host.reshape(-1)
+            codes = self.table[ids].to(self.device, non_blocking=True).view(-1, 1)
+            absmax = self.absmax[ids].to(self.device, non_blocking=True).view(-1)
+            return dequantize_nf4(codes, absmax, [ids.numel(), self.width], self.dtype).view(*host.shape, self.width)
         rows = F.embedding(host, self.table).to(self.device, non_blocking=True).to(self.dtype)
         if self.scale is not None:
             rows = rows * F.embedding(host, self.scale).to(self.device, non_blocking=True).to(self.dtype)
         return rows
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        host = ids.to("cpu")
+        if self._own_forward is None:
+            return self._rows(host)
+        unique, where = host.unique(return_inverse=True)
+        (module,) = self._own_forward
+        # only a gradient reads the padding row, and the ids are renumbered: a padding id past them is refused
+        padding, module.padding_idx = module.padding_idx, None
+        try:
+            return functional_call(module, {"weight": self._rows(unique)}, (where.to(self.device, non_blocking=True),))
+        finally:
+            module.padding_idx = padding
 
 
 class EmptyEmbedding(nn.Module):

@@ -301,26 +301,10 @@ class LayerStore:
                     decoded[name] = dequantize_int8(t, scale, dtype, target)
                 continue
             if f"{name}.absmax" in stored:  # into the compute dtype at once: a float32 copy would be in flight too
-                t = self._dequantize_nf4(
-                    t, stored[f"{name}.absmax"].to(device, non_blocking=non_blocking), stored[f"{name}.shape"], dtype
-                )
+                shape = stored[f"{name}.shape"].tolist()
+                t = dequantize_nf4(t, stored[f"{name}.absmax"].to(device, non_blocking=non_blocking), shape, dtype)
             decoded[name] = _into(target, t, dtype)
         return decoded
-
-    def _dequantize_nf4(
-        self, codes: torch.Tensor, absmax: torch.Tensor, shape: torch.Tensor, dtype: torch.dtype
-    ) -> torch.Tensor:
-        import bitsandbytes.functional as bnb
-
-        state = bnb.QuantState(
-            absmax=absmax,
-            shape=torch.Size(shape.tolist()),
-            dtype=dtype,
-            blocksize=QUANTIZED_BLOCK["nf4"],
-            quant_type="nf4",
-            code=bnb.get_4bit_type("nf4", device=codes.device),
-        )
-        return bnb.dequantize_4bit(codes, quant_state=state)
 
     def file_bytes(self, index: int | str) -> int:
         """The size of a block's file (what one read moves), from its verified layout."""
@@ -460,6 +444,21 @@ def quantize_int8(t: torch.Tensor, rows_at_once: int = 8192) -> tuple[torch.Tens
         codes[a : a + rows_at_once] = (part / s).round_().clamp_(-127, 127)
         scale[a : a + rows_at_once] = s
     return codes.view(shape), scale.view(shape[0], *[1] * (len(shape) - 1))
+
+
+def dequantize_nf4(codes: torch.Tensor, absmax: torch.Tensor, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """bitsandbytes' nf4 codes (two values a byte) and their blocks' absmax as a tensor of `shape` in `dtype`."""
+    import bitsandbytes.functional as bnb
+
+    state = bnb.QuantState(
+        absmax=absmax,
+        shape=torch.Size(shape),
+        dtype=dtype,
+        blocksize=QUANTIZED_BLOCK["nf4"],
+        quant_type="nf4",
+        code=bnb.get_4bit_type("nf4", device=codes.device),
+    )
+    return bnb.dequantize_4bit(codes, quant_state=state)
 
 
 def dequantize_int8(

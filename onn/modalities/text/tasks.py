@@ -99,6 +99,9 @@ def build(config: ONNConfig, plan: Plan) -> tuple[CausalLM, Any]:
     strategy = dataclasses.replace(config.strategy, name=plan.strategy, micro_batch=plan.micro_batch)
     if plan.sparse_layers is not None:
         strategy.layers = plan.sparse_layers
+    if settings:  # the base the adapters trained on: eval, infer and export of the checkpoint stream the same one
+        streaming = strategy.streaming or StreamingConfig()
+        strategy.streaming = dataclasses.replace(streaming, store_dtype=settings.store_dtype)
     # plain dicts: a checkpoint holds data, and app.from_checkpoint types them again
     saved = {
         "model": as_dict(model_cfg),
@@ -459,6 +462,8 @@ def train(job: Job) -> dict[str, Any]:
         metrics["streaming/mlps_sliced"] = module.engine.tiled_mlps
         metrics["streaming/norms_recomputed"] = module.engine.recomputed_norms
         metrics["streaming/dropout_replayed"] = module.engine.dropout
+        # the frozen weights the losses (and an export) are of: a lossy store's, not model.source's
+        metrics["streaming/store_dtype"] = module.engine.store.dtype
     metrics.update(exact_match_after_training(job, fit, module, dm, tokenizer, writes))
     if writes and config.export.name != "none":
         model, engine = module.model, module.engine
