@@ -40,6 +40,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from onn.config.run import OptimConfig
 from onn.hardware.memory import anon_rss_mb
 from onn.hardware.profile import Profile
 from onn.planning.spec import ModelSpec
@@ -299,15 +300,47 @@ def compute_s(
     return time_s + (framework + traffic) / share
 
 
-def network_compute_s(spec: ModelSpec, hw: Profile, strategy: str, batch: int, dtype: str) -> float:
+def optimizer_bytes_per_weight(optim: OptimConfig) -> int:
+    """Bytes the configured optimizer's step reads and writes per trained weight: torch.optim's own step, as
+    onn.training.optim.make_optimizer builds it, counted on a meta weight (its second step: the first makes the
+    state). Not AdamW's 28 of a fused kernel: the unfused step reads and writes each tensor once per operation
+    (AdamW 84 bytes a weight, SGD with Nesterov momentum and weight decay 56)."""
+    import torch
+
+    from onn.planning.spec import OpBytes
+
+    weight = torch.nn.Parameter(torch.empty(1 << 20, device="meta"))  # the step count's own bytes round away
+    weight.grad = torch.empty_like(weight)
+    # the settings' shape, not their values (which every task but train, tune and plan leaves unchecked): what runs
+    # depends only on whether there is momentum, Nesterov's and weight decay
+    decay = 0.1 if optim.weight_decay else 0.0
+    if optim.name == "adamw":
+        step = torch.optim.AdamW([weight], lr=1e-3, weight_decay=decay)
+    else:
+        momentum = 0.9 if optim.momentum else 0.0
+        step = torch.optim.SGD(
+            [weight], lr=0.1, momentum=momentum, weight_decay=decay, nesterov=optim.nesterov and bool(momentum)
+        )
+    step.step()
+    counter = OpBytes()
+    with counter.mode:
+        step.step()
+    return round(counter.total / weight.numel())
+
+
+def network_compute_s(
+    spec: ModelSpec, hw: Profile, strategy: str, batch: int, dtype: str, optimizer_bytes: int
+) -> float:
     """Predicted time of a classifier network's step (the whole batch, one pass), from the profile as compute_s reads
     it: the forward FLOPs (the spec's count), three times over for full training (input and weight gradients; a
     linear probe trains its head only, on features cached once), at the measured matmul rate for the compute dtype on
-    the plan's threads, times the share of the cores they get; plus the saved activations' memory traffic (written
-    in the forward, read in the backward), the optimizer's (28 bytes per trained weight) and
-    the measured framework time per block call and step. The rate is the table's at a row per sample, through a
-    weight of the blocks' mean size: a convolution's product has a row per sample and output position, but its few
-    channels keep it well below a large product's rate (v28's bf16 step ran at a third of the 1,024-row rate)."""
+    the plan's threads, times the share of the cores they get; plus the memory traffic at the measured bandwidth of
+    the step's memory-bound ops (norms, activations, pooling and their backward: the spec's count, op by op; where it
+    has none, the saved activations written in the forward and read in the backward) and of the optimizer
+    (`optimizer_bytes` per trained weight: optimizer_bytes_per_weight); and the measured framework time per block
+    call and step. The rate is the table's at a row per sample, through a weight of the blocks' mean size: a
+    convolution's product has a row per sample and output position, but its few channels keep it well below a large
+    product's rate (v28's bf16 step ran at a third of the 1,024-row rate)."""
     threads, share = threads_for(hw) if hw.accelerator == "cpu" else (1, 1.0)
     full = strategy == "full"
     trained = spec.params if full else spec.head_params
@@ -316,9 +349,10 @@ def network_compute_s(spec: ModelSpec, hw: Profile, strategy: str, batch: int, d
     size = math.sqrt(max(sum(spec.block_params) / layers, 1.0))
     matmul = flops / matmul_rate(hw, dtype, batch, threads, size)
     # as the spec counts them, in float32: under bf16 autocast v28 saved 77% as many bytes (its norms stay float32)
-    activations = spec.sample_activation_bytes * batch if full else 0.0
+    per_sample = spec.sample_step_bytes or 2 * spec.sample_activation_bytes
+    activations = per_sample * batch if full else 0.0
     bandwidth = float(hw.memory_gb_s or 0) * 1e9
-    traffic = (2 * activations + 28 * trained) / bandwidth if bandwidth else 0.0
+    traffic = (activations + optimizer_bytes * trained) / bandwidth if bandwidth else 0.0
     calls = hw.block_call_s or {}
     framework = calls.get("full", 0.0) * layers + calls.get("step", 0.0) if full else calls.get("step", 0.0)
     return (matmul + traffic + framework) / share

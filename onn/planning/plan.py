@@ -35,6 +35,7 @@ from onn.planning.costs import (
     fits,
     matmul_rate,
     network_compute_s,
+    optimizer_bytes_per_weight,
     threads_for,
 )
 from onn.planning.spec import ModelSpec
@@ -207,7 +208,8 @@ def make_network_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
             f"WARNING: predicted {est.peak_mb + est.context_mb:,.0f} MB exceeds the {budget_mb(hw):,.0f} MB budget; "
             "lower data.batch_size"
         )
-    step_s = network_compute_s(spec, hw, chosen, batch, compute_dtype_name(hw, precision))
+    dtype, moved = compute_dtype_name(hw, precision), optimizer_bytes_per_weight(cfg.optim)
+    step_s = network_compute_s(spec, hw, chosen, batch, dtype, moved)
     return Plan(
         strategy=chosen,
         requested=requested,
@@ -231,6 +233,7 @@ def make_network_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
             **model_summary(spec),
             "flops_per_sample": spec.sample_flops,
             "activation_bytes_per_sample": spec.sample_activation_bytes,
+            "step_bytes_per_sample": spec.sample_step_bytes,
         },
         candidates=candidate_table(estimates),
     )
