@@ -150,6 +150,11 @@ def test_early_stopping_and_schedules(images, tmp_path):
         "optim.schedule=constant",
     )
     assert metrics["epochs"] < 10  # nothing improves at lr 0: stopped after patience + 1 validations
+    # max_steps ends the first epoch before any validation: early stopping has nothing to check yet (a RuntimeError)
+    cut, _ = run(
+        tmp_path, f"data.source={images}", "task.early_stopping={patience: 1}", "trainer.max_steps=2", name="cut"
+    )
+    assert cut["steps"] == 2
     for schedule in ("step", "plateau", "onecycle", "linear"):
         metrics, _ = run(
             tmp_path,

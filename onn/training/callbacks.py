@@ -157,8 +157,11 @@ def run_callbacks(config: ONNConfig, run_dir: Path, monitor: str, mode: str) -> 
     callbacks = [*checkpoints, StepClock(), ResourceMonitor(int(config.trainer.log_every_n_steps)), NextEpochAfterFit()]
     stop = config.task.early_stopping
     if stop.patience > 0:
+        # checked after each validation only: at a training epoch's end that max_steps cut short, no validation had
+        # logged `monitor` yet, and Lightning's own default check there ended the run in a RuntimeError
+        patience, delta = int(stop.patience), float(stop.min_delta)
         callbacks.append(
-            EarlyStopping(monitor=monitor, mode=mode, patience=int(stop.patience), min_delta=float(stop.min_delta))
+            EarlyStopping(monitor, mode=mode, patience=patience, min_delta=delta, check_on_train_epoch_end=False)
         )
     return callbacks
 
