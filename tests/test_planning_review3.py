@@ -76,3 +76,20 @@ def test_the_step_bytes_are_per_sample_and_scale_with_the_activations_not_the_we
     small, large = counted(16, 8), counted(32, 8)  # 32 x 32 is four times the pixels of 16 x 16
     assert small > 0 and abs(large / small - 4) < 0.05
     assert abs(counted(16, 16) / small - 2) < 0.05  # twice the channels, twice the activations
+
+
+def test_a_dual_encoders_step_counts_both_towers_traffic(tmp_path):
+    """The two-tower spec was tower a's with its sums replaced: tower b's norms and activations were left out."""
+    from onn.modalities.pairs.tasks import sides_of
+
+    cfg = compose(
+        "data=pairs", "data.modalities=[image,audio]", "model=dual_encoder", "hardware=cpu_16gb", root=tmp_path
+    )
+    _, spec = get("pairs").plan(cfg, resolve(cfg.hardware, tmp_path / "cache", tmp_path))
+    towers = []
+    for name, side in sides_of(cfg).items():
+        with torch.device("meta"):
+            tower = side.encoder(cfg.model.feature_dim)
+        towers.append(network_spec(tower.network, tower.prepare(side.sample(1), train=False).to("meta"), name, False))
+    assert all(t.sample_step_bytes > 0 for t in towers)
+    assert spec.sample_step_bytes == sum(t.sample_step_bytes for t in towers)

@@ -54,6 +54,7 @@ from onn.planning.plan import STREAMING_LIGHTNING
 log = logging.getLogger("onn")
 
 MB = 1024**2
+GB = 1e9  # bandwidths and bytes moved in decimal gigabytes, as NVIDIA quotes its links' (PCIe, NVLink) figures
 SEED_MS_PER_SAMPLE = 490  # the seeds' Phi-4 on a 4 GB GTX 1650, batch 128
 CHILD_TIMEOUT_S = 300  # a child run (the default job's or the image runner's overhead) takes 1-2 minutes on an H200
 
@@ -95,6 +96,16 @@ def run(job) -> dict[str, Any]:
     out["gpu/wall_s"] = round(time.perf_counter() - started, 1)
     _write(job, out)
     return out
+
+
+def link_figures(copied_bytes: float, link_bytes_s: float, profile_mb_s: float | None) -> dict[str, float]:
+    """The host link's figures in the units their names say: GB (1e9 bytes), not GiB; the profile's h2d_mb_s is in
+    MB of 2**20 bytes (onn/hardware/profile.py), as the planner reads it."""
+    return {
+        "gpu/copied_gb_per_step": round(copied_bytes / GB, 3),
+        "gpu/h2d_gb_s": round(link_bytes_s / GB, 2),
+        "gpu/h2d_gb_s_profile": round(float(profile_mb_s or 0) * MB / GB, 2),
+    }
 
 
 def _train(job) -> tuple[Any, Any, dict[str, Any]]:
@@ -156,9 +167,7 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
         # the engine's host clocks, timed steps: its waits for loads (which wait for queued kernels too), the rest
         "gpu/io_wait_host_s": round(statistics.mean(clock.io_s[timed]), 4),
         "gpu/compute_host_s": round(statistics.mean(clock.compute_s[timed]), 4),
-        "gpu/copied_gb_per_step": round(copied / 2**30, 3),
-        "gpu/h2d_gb_s": round(link / 2**30, 2),
-        "gpu/h2d_gb_s_profile": round(float(job.hardware.h2d_mb_s or 0) / 1024, 2),
+        **link_figures(copied, link, job.hardware.h2d_mb_s),
         "gpu/flops_per_step": flops,
         "gpu/matmul_tflops": round(rate / 1e12, 1),
         "gpu/limit_s": round(limit, 4),

@@ -62,7 +62,14 @@ class _Trials:
         return row
 
     def usable(self, row: dict[str, Any]) -> bool:
-        return row["status"] == "ok" and row["peak_growth_mb"] <= self.job.plan.budget_mb
+        """A trial that ran and whose measured growth fits what the budget leaves beside the context (the process's
+        baseline, or the CUDA context): the growth is measured above it, and the whole budget let any trial pass."""
+        return row["status"] == "ok" and row["peak_growth_mb"] <= headroom_mb(self.job.plan)
+
+
+def headroom_mb(plan: Plan) -> float:
+    """The budget less the context: what a trial's growth may reach (the plan sizes the same share)."""
+    return plan.budget_mb - plan.context_mb
 
 
 def check_settings(config: ONNConfig) -> None:
@@ -112,7 +119,8 @@ def run(job) -> dict[str, Any]:
         )
         (run_dir / "tune.md").write_text(table + "\n")
         raise UserError(
-            f"task=tune: no setting of {plan.strategy} ran within the {plan.budget_mb:,.0f} MB budget; "
+            f"task=tune: no setting of {plan.strategy} ran within the {headroom_mb(plan):,.0f} MB the budget leaves "
+            f"beside the {plan.context_mb:,.0f} MB context (the planner's own: {_outcome(trials.rows[0])}); "
             f"see {run_dir / 'tune.md'}."
         )
     result = _confirmed(trials, best, guess, tune)
@@ -124,7 +132,9 @@ def _confirmed(trials: _Trials, best: dict[str, Any], guess: dict[str, Any], tun
     """The best trial against the planner's guess head to head, alternating (drift hits both alike); a
     gain that does not hold up, or a round that fails (out of memory, ...), keeps the guess."""
     plan_row = trials.rows[0]
-    plan_sps, best_sps = _samples_per_s(plan_row), best["samples_per_s"]
+    # a guess over the budget is no baseline: a speedup over it would credit the tuner with the budget's cut
+    plan_sps = _samples_per_s(plan_row) if trials.usable(plan_row) else None
+    best_sps = best["samples_per_s"]
     head_to_head = None
     if best is not plan_row and trials.usable(plan_row):
         rounds: dict[str, list] = {"plan": [], "candidate": []}
@@ -157,6 +167,11 @@ def _confirmed(trials: _Trials, best: dict[str, Any], guess: dict[str, Any], tun
         "head_to_head": head_to_head,
         "tuned_at": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+
+
+def _outcome(row: dict[str, Any]) -> str:
+    """A trial's status, with its growth where it ran: why it was not used, in a few words."""
+    return f"grew {row['peak_growth_mb']:,.1f} MB" if row["status"] == "ok" else row["status"]
 
 
 def _samples_per_s(row: dict[str, Any]) -> float | None:
@@ -264,7 +279,10 @@ def _table(result: dict[str, Any]) -> str:
         lines += ["", "no setting ran within the memory budget"]
         return "\n".join(lines)
     duel = result["head_to_head"]
-    if duel is None:
+    plan_row = result["trials"][0]
+    if result["plan_samples_per_s"] is None:
+        how = f"it did not run within the budget: {_outcome(plan_row)}"
+    elif duel is None:
         how = "no trial beat it"
     else:
         kept = "kept" if result["settings"] == result["plan_settings"] else "beaten"

@@ -4,11 +4,16 @@ set of blocks (sparse_lora)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from onn.config.strategy import StrategyConfig
 from onn.errors import UserError
 from onn.models.layers import LayerMap
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 
 def apply(
@@ -62,4 +67,35 @@ def apply(
     try:
         return get_peft_model(model, config)
     except ValueError as e:
-        raise UserError(f"strategy.lora: peft could not place adapters on {type(model).__name__}: {e}") from e
+        raise UserError(_placement_error(model, config, lora.target_modules, e)) from e
+
+
+def _placement_error(model: nn.Module, config: LoraConfig, target: object, error: ValueError) -> str:
+    """One sentence for adapters peft would not place: what strategy.lora.target_modules matched (peft's own
+    matcher, with the layers it was given) and a few of the model's linear layers to name instead. peft's message
+    lists the matched module itself (a whole MLP printed) or its supported types over several lines."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    matched = [(name, m) for name, m in model.named_modules() if name and check_target_module_exists(config, name)]
+    linears = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _adaptable(m)})
+    choices = ", ".join(linears[:8]) + (", ..." if len(linears) > 8 else "")
+    kind = type(model).__name__
+    others = [f"{name} ({type(m).__name__})" for name, m in matched if not _adaptable(m)]
+    if not config.target_modules:
+        found = "is empty"
+    elif not matched:
+        found = f"matches no module of {kind}" + (
+            " in the layers strategy.layers picks" if config.layers_to_transform else ""
+        )
+        found += " (a string is a regular expression over whole module names)" if isinstance(target, str) else ""
+    elif others:
+        found = f"matches {len(others)} modules of {kind} that are not linear layers (e.g. {others[0]})"
+    else:  # it matched what peft adapts: another problem, in peft's first line
+        found = f"could not be adapted on {kind} ({str(error).splitlines()[0][:200]})"
+    advice = f"give a list of the names of its linear layers, e.g. [{choices}], or all-linear"
+    return f"strategy.lora.target_modules={target!r} {found}: {advice}."
+
+
+def _adaptable(module: nn.Module) -> bool:
+    """A layer LoRA adapts here: a linear one (transformers' Conv1D is GPT-2's)."""
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"

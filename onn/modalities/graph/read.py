@@ -141,7 +141,8 @@ def read_tensors(payload: bytes, max_nodes: int, level: str):
 
 
 def mesh_graph(vertices: np.ndarray, faces: np.ndarray | None, align: str, max_nodes: int):
-    """A mesh's vertex-edge graph (vertices merged where they coincide), positions normalised as node features."""
+    """A mesh's vertex-edge graph (vertices merged where they coincide), positions normalised as node features and
+    as torch_geometric's `pos`."""
     import trimesh
 
     vertices = unit_box(vertices)
@@ -157,7 +158,9 @@ def mesh_graph(vertices: np.ndarray, faces: np.ndarray | None, align: str, max_n
     if radius > 0:
         xyz = xyz / radius
     edge_index = torch.from_numpy(np.ascontiguousarray(edges.T, dtype=np.int64)).reshape(2, -1)
-    return make_graph(torch.from_numpy(xyz.astype(np.float32)), edge_index, None, max_nodes)
+    graph = make_graph(torch.from_numpy(xyz.astype(np.float32)), edge_index, None, max_nodes)
+    graph.pos = graph.x.clone()  # its features are its positions: the infer picture draws it at them (picture.layout)
+    return graph
 
 
 def unit_box(vertices: np.ndarray) -> np.ndarray:

@@ -44,6 +44,7 @@ from onn.training.classifier import mean_loss, to_device
 from onn.training.trainer import build_trainer, optimizer_steps
 
 log = logging.getLogger("onn")
+READ_CHUNK = 1024  # gallery items decoded at a time by embed_all: 1,024 pictures of 224 px are 150 MB of pixels
 
 
 def modalities(config: ONNConfig) -> tuple[str, str]:
@@ -106,6 +107,8 @@ def plan(modality, config: ONNConfig, hardware: Profile, use_tuned: bool = True)
         specs.append(network_spec(tower.network, x, name, pretrained=False))
     a, b = specs
     dim = config.model.embed_dim
+    # both towers' memory-bound traffic, or none where one could not be counted (the planner then falls back)
+    step_bytes = a.sample_step_bytes + b.sample_step_bytes if a.sample_step_bytes and b.sample_step_bytes else 0
     spec = replace(
         a,
         name=f"{config.model.name} ({' + '.join(sides)})",
@@ -118,6 +121,7 @@ def plan(modality, config: ONNConfig, hardware: Profile, use_tuned: bool = True)
         layer_map=f"{a.name}: {a.layer_map}; {b.name}: {b.layer_map}",
         sample_activation_bytes=a.sample_activation_bytes + b.sample_activation_bytes,
         sample_flops=a.sample_flops + b.sample_flops,
+        sample_step_bytes=step_bytes,
         head_params=0,
     )
     return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
@@ -248,15 +252,34 @@ def files_of(path: Path, key: str) -> dict[str, list[Path]]:
     return out
 
 
-def embed_all(module: DualEncoder, name: str, side: PairSide, items: list, device: torch.device, batch: int):
-    """Unit embeddings of the items that decode, their positions, and the skips. Each batch goes to the device
-    from pinned memory (to_device), so the host queues the next while the GPU embeds this one."""
-    stored, index, bad = side.read(items)
-    skipped = [f"{_label(items[i])}: {reason}" for i, reason in bad]
-    with torch.no_grad():
-        chunks = [module.embed(name, to_device(stored[i : i + batch], device)) for i in range(0, len(stored), batch)]
+def embed_all(
+    module: DualEncoder,
+    name: str,
+    side: PairSide,
+    items: list,
+    device: torch.device,
+    batch: int,
+    chunk: int = READ_CHUNK,
+) -> tuple[torch.Tensor, list[int], list[str]]:
+    """Unit embeddings of the items that decode, their positions, and the skips. The items are decoded `chunk` at
+    a time (rounded to whole batches), so a gallery of 100,000 pictures holds one chunk's pixels on the host, not
+    all of them. Each batch goes to the device from pinned memory (to_device), so the host queues the next while
+    the GPU embeds this one. The chunks are of even sizes (in whole batches), not full ones and a short rest: a
+    side's read refuses a set of which nothing decodes, as a rest of one unreadable picture would be."""
+    count = max(1, -(-len(items) // chunk))
+    even = max(1, -(-len(items) // count))
+    chunk = -(-even // batch) * batch
+    embedded, index, skipped = [], [], []
+    for start in range(0, len(items), chunk):
+        stored, placed, bad = side.read(items[start : start + chunk])
+        index += [start + i for i in placed]
+        skipped += [f"{_label(items[start + i])}: {reason}" for i, reason in bad]
+        with torch.no_grad():
+            embedded += [
+                module.embed(name, to_device(stored[i : i + batch], device)) for i in range(0, len(stored), batch)
+            ]
     dim = module.projections[name].out_features
-    return (torch.cat(chunks) if chunks else torch.zeros(0, dim, device=device)), index, skipped
+    return (torch.cat(embedded) if embedded else torch.zeros(0, dim, device=device)), index, skipped
 
 
 def infer(job: Job) -> dict[str, Any]:

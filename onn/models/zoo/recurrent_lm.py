@@ -186,12 +186,13 @@ class RecurrentLMForCausalLM(PreTrainedModel, GenerationMixin):
         """`past_key_values`: the state the previous tokens left (None: zeros); returned when use_cache. Loss
         arguments (labels, or shift_labels: each position's next token, already shifted) go to transformers'
         causal-LM loss, with num_items_in_batch when the caller sums chunks' losses."""
+        padded = attention_mask is not None and input_ids.shape[1] > 1  # known on the host (see _packs)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         index, lengths = compaction(attention_mask)
         moved = torch.zeros_like(input_ids).scatter(1, index, input_ids)  # each row's tokens first
         x = self.dropout(self.embed(moved))
-        per_layer, packed = self.state_size, self._packs(use_cache, lengths, input_ids.shape[1])
+        per_layer, packed = self.state_size, self._packs(use_cache, padded, lengths, input_ids.shape[1])
         states = []
         for i, layer in enumerate(self.layers):
             state = None if past_key_values is None else past_key_values[i * per_layer : (i + 1) * per_layer]
@@ -209,12 +210,15 @@ class RecurrentLMForCausalLM(PreTrainedModel, GenerationMixin):
             )
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=tuple(states) if use_cache else None)
 
-    def _packs(self, use_cache: bool | None, lengths: torch.Tensor, width: int) -> bool:
+    def _packs(self, use_cache: bool | None, padded: bool, lengths: torch.Tensor, width: int) -> bool:
         """Whether the recurrences run over packed sequences: only where rows shorter than the batch must each end in
         their own last token's state, to go on from it (generation's prompts). Training does not need that: a row
         that ends inside a chunk of truncated backpropagation has no tokens after it. On a CPU a packed LSTM's
-        step takes 4-6x as long as the padded batch's (docs/recurrent.md), for the same outputs at the tokens."""
-        if not use_cache or self.training or torch.compiler.is_exporting() or lengths.is_meta:
+        step takes 4-6x as long as the padded batch's (docs/recurrent.md), for the same outputs at the tokens.
+        `padded`: a mask was given over more than one column. Without one no row is short; over one column (each
+        generated token) a row without its token keeps its state (RecurrentBlock), so neither needs packing, and
+        deciding so on the host spares generation a read of the device (a wait for its kernels) per new token."""
+        if not use_cache or not padded or self.training or torch.compiler.is_exporting() or lengths.is_meta:
             return False
         return bool((lengths < width).any())
 
