@@ -93,3 +93,36 @@ def test_a_dual_encoders_step_counts_both_towers_traffic(tmp_path):
         towers.append(network_spec(tower.network, tower.prepare(side.sample(1), train=False).to("meta"), name, False))
     assert all(t.sample_step_bytes > 0 for t in towers)
     assert spec.sample_step_bytes == sum(t.sample_step_bytes for t in towers)
+
+
+class TupleOut(nn.Module):
+    """A network whose forward returns a tuple (a user's builder, torchvision's Inception in training)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten())
+        self.head = nn.Linear(8 * 8 * 8, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.body(x)
+        return self.head(features), features
+
+
+def test_a_network_that_returns_a_tuple_counts_its_backward_and_a_recurrent_one_falls_back(tmp_path):
+    """step_bytes ran no backward for an output that is not a tensor, yet kept the forward's count; a recurrent
+    network's meta backward stepped through every frame in Python (task=plan of audio_lstm took seconds more)."""
+    from onn.planning.spec import OpBytes, step_bytes
+
+    with torch.device("meta"):
+        model, sample = TupleOut(), torch.empty(1, 3, 8, 8)
+    forward_only = []
+    for batch in (1, 2):
+        counter = OpBytes()
+        with counter.mode, torch.no_grad():
+            model.train()(torch.cat([sample] * batch))
+        forward_only.append(counter.total)
+    assert step_bytes(model, sample) > 1.5 * (forward_only[1] - forward_only[0])  # the backward's reads and writes
+
+    cfg = compose("recipe=fsdd_lstm", "hardware=cpu_16gb", root=tmp_path)
+    _, spec = get("audio").plan(cfg, resolve(cfg.hardware, tmp_path / "cache", tmp_path))
+    assert spec.recurrent_blocks and spec.sample_step_bytes == 0  # the saved activations stand in

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 from onn.config.run import OptimConfig
 from onn.hardware.memory import anon_rss_mb
 from onn.hardware.profile import Profile
-from onn.planning.spec import ModelSpec
+from onn.planning.spec import ModelSpec, OpBytes
 
 if TYPE_CHECKING:
     from onn.planning.streaming import StreamingPlan  # streaming.py imports this module
@@ -306,8 +306,6 @@ def optimizer_bytes_per_weight(optim: OptimConfig) -> int:
     state). Not AdamW's 28 of a fused kernel: the unfused step reads and writes each tensor once per operation
     (AdamW 84 bytes a weight, SGD with Nesterov momentum and weight decay 56)."""
     import torch
-
-    from onn.planning.spec import OpBytes
 
     weight = torch.nn.Parameter(torch.empty(1 << 20, device="meta"))  # the step count's own bytes round away
     weight.grad = torch.empty_like(weight)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -18,6 +19,8 @@ from onn.errors import UserError
 from onn.hardware.disk import read_json, write_text_atomically
 from onn.models.layers import discover, gated_mlps
 from onn.models.load import is_pretrained, meta_model
+
+log = logging.getLogger("onn")
 
 
 @dataclass
@@ -154,6 +157,7 @@ def network_spec(
     else:
         blocks, prefix, suffix, described = [], 0, 0, "no repeated blocks"
     in_blocks = {id(p) for b in (lmap.blocks if lmap is not None else []) for p in b.parameters()}
+    recurrent = any(isinstance(m, RNNBase) for b in (lmap.blocks if lmap is not None else []) for m in b.modules())
     params = sum(p.numel() for p in model.parameters())
     return ModelSpec(
         name=name,
@@ -175,14 +179,12 @@ def network_spec(
         kind="network",
         sample_activation_bytes=saved,
         sample_flops=flops,
-        sample_step_bytes=step_bytes(model, sample),
+        sample_step_bytes=0 if recurrent else step_bytes(model, sample),
         head_params=head_params,
         block_activation_bytes=inside,
         boundary_bytes=boundary,
         edge_trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in in_blocks),
-        recurrent_blocks=any(
-            isinstance(m, RNNBase) for b in (lmap.blocks if lmap is not None else []) for m in b.modules()
-        ),
+        recurrent_blocks=recurrent,
         conv3d=any(isinstance(m, Conv3d) for m in model.modules()),
     )
 
@@ -262,9 +264,12 @@ def step_bytes(model, sample) -> int:
     """What a training step's memory-bound ops read and write per sample: a forward and backward on the meta device
     of a batch of 2 less one of 1 (what the weights' own tensors cost is per step, not per sample). Norms, activations
     and pooling read and write every activation and its gradient several times over, where the bytes autograd saves
-    count each once: v28's step moves 1.8x those saved bytes twice over. 0 where the network's backward has no meta
-    kernel (the planner then counts the saved bytes)."""
+    count each once: v28's step moves 1.8x those saved bytes twice over. 0 where it cannot be counted (no meta
+    kernel for an op, an output with nothing to backpropagate): the planner then counts the saved bytes. A
+    recurrent network is not counted (network_spec): its meta backward steps through every frame in Python, seconds
+    of task=plan."""
     import torch
+    from torch.utils._pytree import tree_leaves
 
     inputs = sample if isinstance(sample, tuple) else (sample,)
 
@@ -272,14 +277,21 @@ def step_bytes(model, sample) -> int:
         counter = OpBytes()
         with counter.mode, one_sample_norms(model.train()):
             output = model(*[torch.cat([t] * batch) for t in inputs])
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                output.float().sum().backward()
+            # a tuple, dict or ModelOutput too: every tensor of it that carries a gradient
+            outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not outputs:
+                return 0
+            sum(t.float().sum() for t in outputs).backward()
         model.zero_grad(set_to_none=True)
         return counter.total
 
     try:
-        return max(0, count(2) - count(1))
-    except (NotImplementedError, RuntimeError):  # an op (a scatter of a graph network, say) without a meta kernel
+        one = count(1)
+        return max(0, count(2) - one) if one else 0
+    except Exception as e:  # noqa: BLE001 -- an estimate never ends a plan (an op without a meta kernel, say)
+        log.debug(
+            "plan: a step's memory traffic not counted (%s: %s); the saved activations stand in", type(e).__name__, e
+        )
         return 0
 
 

@@ -244,7 +244,8 @@ def write_hydra_files_whole(key: str) -> None:
     before any callback of the job, with a plain open(): a full disk left a cut-short file (which a resumed sweep
     reads back as the job's overrides) and Hydra's traceback. It offers no hook there, so its writer is replaced by
     one that writes each file whole or not at all and says in one sentence what the disk refused. Hydra 1.3's
-    private writer (requirements.lock pins it); a Hydra without it keeps its own."""
+    private writer (requirements.lock pins it); a Hydra without it keeps its own. In this process only: jobs that a
+    launcher starts elsewhere (submitit) write with Hydra's, as does multirun.yaml, and a refusal ends a sweep."""
     if not hasattr(hydra.core.utils, "_save_config"):
         return
     hydra.core.utils._save_config = functools.partial(_save_config_whole, key=key)
