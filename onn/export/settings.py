@@ -7,7 +7,6 @@ from pathlib import Path
 from onn.config.export import ExportConfig, SafetensorsExport
 from onn.errors import UserError
 from onn.export.folders import MARKER, check_replaceable, held, is_export, replaceable
-from onn.export.hf import adapter_folder, shard_bytes
 
 FORMATS = ("safetensors", "onnx", "omny")
 SEVERAL_GRAPHS = ("pipeline", "dual_encoder")  # the exports an onnx or omny export.output may name as a folder
@@ -94,6 +93,8 @@ def _check_safetensors(export: SafetensorsExport) -> None:
     """What export=safetensors refuses when it writes, refused before training instead: a shard size transformers
     cannot read, and an export.output (or the OUTPUT-adapter folder beside it, where a LoRA model's adapter goes)
     that is a folder of the user's own."""
+    from onn.export.hf import adapter_folder, shard_bytes  # brings torch: onn.export's shard planner runs without it
+
     shard_bytes(export.max_shard_size)
     if not export.output:
         return
