@@ -10,19 +10,12 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import test_serve_fixes
 import torch
-from test_serve import KEY, MODEL, client, serve_job, start
+from test_serve import MODEL, client
 
+lm = test_serve_fixes.lm  # the served tiny Llama fixture (random init, byte tokenizer, a key), one per module
 LONG = "x" * 150  # a prompt whose prefill runs out of device memory (see out_of_memory_on_wide_steps)
-
-
-@pytest.fixture(scope="module")
-def lm(tmp_path_factory):
-    """A random-init tiny Llama (byte tokenizer), resident, with a key."""
-    with start(
-        serve_job(tmp_path_factory.mktemp("serve"), f"model={MODEL}", "strategy=full", f"serve.api_key={KEY}")
-    ) as running:
-        yield running
 
 
 def complete(http, prompt: str, max_tokens: int = 20):
