@@ -180,6 +180,7 @@ def test_audio_lstm_trains_evaluates_infers_and_exports(tmp_path):
     assert metrics["train/loss_final"] < metrics["train/loss_initial"]
     assert metrics["test/acc"] > 0.5  # three tones, chance 1/3
     assert metrics["export/max_abs_diff"] < 1e-4
+    assert "export/frozen_weights" not in metrics  # a float32 store: the export holds the weights that trained
     ckpt = str(tmp_path / "train" / "checkpoints" / "best.ckpt")
     evaluated = execute(compose(*common, "task=eval", f"ckpt={ckpt}"), tmp_path / "eval")
     assert evaluated["test/acc"] == pytest.approx(metrics["test/acc"], abs=1e-6)
@@ -271,6 +272,35 @@ def test_an_lstm_stack_streams_through_the_runner_and_its_checkpoint_evaluates_r
     val_losses = [h["val/loss"] for h in metrics["val/history"]]
     assert val_losses[-1] < val_losses[0] - 0.1  # the same held-out clips at every epoch: the loss fell
     assert metrics["export/max_abs_diff"] < 1e-4
+    assert "export/frozen_weights" not in metrics  # a float32 store: the export holds the weights that trained
     ckpt = str(tmp_path / "train" / "checkpoints" / "best.ckpt")
     evaluated = execute(compose(*common, "task=eval", "task.adapt_norm=true", f"ckpt={ckpt}"), tmp_path / "eval")
     assert evaluated["test/acc"] == pytest.approx(metrics["test/acc"], abs=1e-6)  # AdaBN streamed and resident
+
+
+@SLOW
+def test_a_network_streamed_from_an_int8_store_says_its_export_is_rebuilt_at_float32(tmp_path, caplog):
+    """Training and its figures used the int8 store's weights; the export is built again from the seed at float32,
+    so the run says so in one warning and in metrics.json (export/frozen_weights), and still exports."""
+    from onn.app import execute
+
+    data = make_tones(tmp_path / "tones", per_class=4)
+    cfg = compose(
+        "recipe=fsdd_lstm",
+        *("tracking=none", f"paths.outputs={tmp_path / 'outputs'}", f"paths.cache={tmp_path / 'cache'}"),
+        *(f"data.source={data}", "data.label_from='^([a-z]+)_'", "data.classes=null", "data.test_pattern=_bob_"),
+        *("data.clip_seconds=0.4", "data.batch_size=8", "data.val_split=0.2", "data.features.top_db=50"),
+        *(
+            "model.kwargs.hidden=12",
+            "model.kwargs.layers=2",
+            "model.kwargs.conv_widths=[8,16]",
+            "model.kwargs.dropout=0",
+        ),
+        *("strategy=sparse_lora", "strategy.layers=all", "strategy.streaming.store=cpu"),
+        *("strategy.streaming.store_dtype=int8", "strategy.streaming.chunk_size=1", "trainer.max_epochs=1"),
+        "export=onnx",
+    )
+    metrics = execute(cfg, tmp_path / "train")
+    assert metrics["export/frozen_weights"] == "float32"
+    assert any("rebuilt at float32" in r.getMessage() and "int8" in r.getMessage() for r in caplog.records)
+    assert list((tmp_path / "train").rglob("*.onnx"))
