@@ -98,6 +98,8 @@ UNIMPLEMENTED = {  # fields this server does not compute: refused, not silently 
     "xtc_probability": "applies no XTC sampling (temperature and top_p are honoured)",
     "dry_multiplier": "applies no DRY repetition penalty",
     "samplers": "has no sampler chain to order (temperature and top_p are honoured)",
+    "web_search_options": "searches no web",
+    "reasoning_effort": "has no reasoning to set an effort for",
 }
 NEUTRAL = (None, False, 0, {}, [])  # a value of those fields that asks for nothing this server lacks
 NEUTRAL_OWN = {
@@ -113,8 +115,10 @@ NEUTRAL_OWN = {
     "length_penalty": 1,
     "num_return_sequences": 1,
     "tfs_z": 1,
+    "reasoning_effort": "none",
 }
 TRUE_BY_DEFAULT = ("skip_special_tokens", "add_generation_prompt")  # false asks for something: only true is neutral
+ASKS_WHEN_GIVEN = ("web_search_options",)  # {} asks for a search with OpenAI's defaults: only null is neutral
 UNION_MEMBER = re.compile(r"str|int|bool|float|list\[.+\]")  # pydantic's name for one type of a field of several
 SEVERAL_TYPES = {  # such a field's error: what it takes, in one sentence (pydantic says why each type did not fit)
     "content": 'give a string, or a list of text parts {"type": "text", "text": ...}; this server takes no image, '
@@ -738,6 +742,8 @@ def _refuse_unimplemented(req: Generation) -> None:
         asks_logprobs = name == "logprobs" and type(value) is int  # /v1/completions' 0 asks for the chosen tokens'
         if name in TRUE_BY_DEFAULT:
             neutral = value is None or value is True
+        elif name in ASKS_WHEN_GIVEN:
+            neutral = value is None
         else:
             neutral = value in NEUTRAL or value == NEUTRAL_OWN.get(name)
         if asks_logprobs or not neutral:
@@ -747,6 +753,12 @@ def _refuse_unimplemented(req: Generation) -> None:
                 param=name,
                 code="unsupported_parameter",
             )
+    if req.stream_options is not None and not req.stream:  # OpenAI's 400: usage is then in the answer anyway
+        raise ApiError(
+            400,
+            "stream_options: only allowed when stream is true; set stream to true or leave stream_options out.",
+            param="stream_options",
+        )
 
 
 def _max_tokens(req: Generation, settings: ServeConfig, room: int | None, ids: list[int], param: str) -> int:
@@ -754,15 +766,15 @@ def _max_tokens(req: Generation, settings: ServeConfig, room: int | None, ids: l
     prompt leaves (a client that asked for no length is not refused for one)."""
     given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"  # as the client named it
     most, asked = settings.max_tokens, getattr(req, given)
+    left = most if room is None else room - len(ids)
+    if left < 1:  # the prompt's fault whatever length was asked for: fewer max_tokens would not help
+        raise ApiError(
+            400,
+            f"the prompt's {len(ids)} tokens fill the model's context of {room} tokens; shorten the {param}.",
+            param=param,
+            code="context_length_exceeded",
+        )
     if asked is None:
-        left = most if room is None else room - len(ids)
-        if left < 1:
-            raise ApiError(
-                400,
-                f"the prompt's {len(ids)} tokens fill the model's context of {room} tokens; shorten the {param}.",
-                param=param,
-                code="context_length_exceeded",
-            )
         return min(settings.default_max_tokens, most, left)
     if asked > most:
         raise ApiError(
@@ -773,7 +785,8 @@ def _max_tokens(req: Generation, settings: ServeConfig, room: int | None, ids: l
     if room is not None and len(ids) + asked > room:
         raise ApiError(
             400,
-            f"the prompt's {len(ids)} tokens and {given} {asked} pass the model's context of {room} tokens",
+            f"the prompt's {len(ids)} tokens and {given} {asked} pass the model's context of {room} tokens; ask for "
+            f"at most {left} or shorten the {param}.",
             param=given,
             code="context_length_exceeded",
         )

@@ -10,8 +10,10 @@ Positions come from the attention mask (cumsum), so a row's position ids and rot
 it would have alone; with temperature 0 a request gets the tokens it would get alone.
 
 A step that runs out of device memory is undone (the cache as it was: its forward replaces the cache's tensors,
-never writes into them) and costs one request at most: newcomers that joined together wait and join one by one,
-one that does not fit alone ends with an out-of-memory error, and without newcomers the row admitted last does.
+never writes into them) and costs one request at most: newcomers that joined together wait and join one by one;
+a lone newcomer waits at the queue's front until fewer rows run (as vLLM and TGI requeue it), and ends with an
+out-of-memory error only when it does not fit with no other row running; without newcomers the row admitted last
+ends with that error.
 """
 
 from __future__ import annotations
@@ -29,8 +31,7 @@ import torch
 log = logging.getLogger("onn")
 SHUTTING_DOWN = "the server is shutting down"
 OUT_OF_MEMORY = (
-    "the model ran out of device memory on this request beside the others in flight; send a shorter prompt or "
-    "fewer max_tokens, or try again later"
+    "the model ran out of device memory on this request; send a shorter prompt or fewer max_tokens, or try again later"
 )
 MIN_TEMPERATURE = 1e-4  # below it a request is greedy: its distribution is the top token's alone anyway
 
@@ -88,6 +89,8 @@ class Scheduler:
         self.stopping = False
         self.plain = True  # the cache holds one column per position in every layer (see _step)
         self.one_by_one = False  # after a step out of device memory: newcomers join one a step until none wait
+        self.held: Sequence | None = None  # a newcomer out of device memory beside running rows, first in the queue:
+        self.held_beside = 0  # no newcomer joins until fewer rows than this run
         self.steps = 0
         self.widest = 0  # most rows one step has served
         self.generated = 0  # completion tokens of every request, also one whose client left or that Ctrl-C ended
@@ -129,6 +132,8 @@ class Scheduler:
                 self.one_by_one = self.one_by_one and bool(self.waiting)
                 if self.one_by_one:
                     room = min(room, len(self.active) + 1)
+                if self._holding():
+                    room = len(self.active)
                 while self.waiting and len(self.active) + len(joining) < room:
                     seq = self.waiting.popleft()
                     if not seq.cancelled.is_set():
@@ -146,6 +151,12 @@ class Scheduler:
             _send(seq, {"finish": "error", "error": SHUTTING_DOWN})
         if self.lm.engine is not None:
             self.lm.engine.close()
+
+    def _holding(self) -> bool:
+        """Whether the newcomer that ran out of device memory still waits for fewer rows (its client may have left)."""
+        if self.held is not None and (self.held.cancelled.is_set() or len(self.active) < self.held_beside):
+            self.held = None
+        return self.held is not None
 
     def _step(self, joining: list[Sequence]) -> None:
         gone = [i for i, s in enumerate(self.active) if s.cancelled.is_set()]
@@ -203,13 +214,19 @@ class Scheduler:
 
     def _shed(self, joining: list[Sequence]) -> None:
         """After a step out of device memory (the batch back as it was before it): newcomers that joined together
-        go back to the queue's front and join one by one; a lone newcomer, or without one the row admitted last,
-        ends with an out-of-memory error while the others go on."""
-        if len(joining) > 1:
-            log.warning("serve: out of device memory admitting %d requests: they join one by one", len(joining))
+        go back to the queue's front and join one by one; a lone newcomer beside running rows goes back to the
+        front and waits until fewer rows run; a lone newcomer with no other row running, or without one the row
+        admitted last, ends with an out-of-memory error while the others go on."""
+        if len(joining) > 1 or (joining and self.active):
             with self.lock:
                 self.waiting.extendleft(reversed(joining))
                 self.one_by_one = True
+                if len(joining) == 1:
+                    self.held, self.held_beside = joining[0], len(self.active)
+            if len(joining) > 1:
+                log.warning("serve: out of device memory admitting %d requests: they join one by one", len(joining))
+            else:
+                log.warning("serve: out of device memory admitting a request beside %d: it waits", len(self.active))
             return
         log.warning("serve: out of device memory: one request ends with an error, the others go on")
         ended = joining[0] if joining else self.active[-1]
