@@ -225,85 +225,173 @@ class Member:
 
     name: str | None  # clean_member_name of raw; None when that refused it, and problem says why
     problem: str | None  # e.g. "an absolute path, not read"
-    raw: str  # the name as stored (what zipfile reads it by, and what messages show)
+    raw: str  # the name as stored (what zipfile reads it by: a zip link's target's; what messages show)
     size: int
     offset: int | None  # where its bytes start in an uncompressed tar (random access), else None
     open: Callable[[], IO[bytes]] = field(repr=False, compare=False)  # valid until the next member is taken
-    is_link: bool = False  # a tar's hard or symbolic link, read as the member it leads to (see tar_links)
+    is_link: bool = False  # an archive's hard or symbolic link, read as the member it leads to (see tar_links)
 
 
 def iter_members(path: str | os.PathLike[str], kind: str | None = None) -> Iterator[Member]:
-    """The regular-file members of a zip or tar (of ARCHIVE_KINDS), in stored order, in one pass; then a tar's
-    links to such members, under the links' own names (see tar_links).
+    """The regular-file members of a zip or tar (of ARCHIVE_KINDS), in stored order, in one pass; then its links to
+    such members, under the links' own names (see tar_links; a zip's symbolic links are zip -y's).
 
-    A compressed tar is streamed, so a member's open() works only until the iterator moves on; read what
-    is needed right away. Listing a damaged archive raises one of ARCHIVE_ERRORS.
+    A name stored twice is its last entry, as tar extracts it and as zipfile and tarfile.getmember read it. A
+    compressed tar is streamed, so a member's open() works only until the iterator moves on; read what is needed
+    right away. There an entry is yielded before a later one of its name is known: that one comes after it. Listing
+    a damaged archive raises one of ARCHIVE_ERRORS.
     """
     kind = kind or archive_kind(path)
     if kind not in ARCHIVE_KINDS:
         raise ValueError(f"{path} is not a zip or tar archive")
     if kind == "zip":
-        with open_regular(path) as f, zipfile.ZipFile(f) as zf:
-            for info in zf.infolist():
-                if not info.is_dir():
-                    yield Member(
-                        *_checked(zip_name(info)),
-                        info.filename,
-                        info.file_size,
-                        None,
-                        lambda info=info: zf.open(info),
-                    )
-        return
-    files: dict[str, tarfile.TarInfo] = {}  # clean name -> regular member (the last of a name, as tar extracts)
-    links: list[tarfile.TarInfo] = []
+        yield from _zip_members(path)
+    else:
+        yield from _tar_members(path, kind)
+
+
+MAX_LINK_HOPS = 40  # links followed for one name, as Linux's limit on symbolic links in one path
+MAX_LINK_TARGET = 4096  # bytes of a zip link's target read (Linux's PATH_MAX): a longer one leads nowhere it holds
+ZIP_REPACK = "zip it without -y: what it leads to is stored"
+TAR_REPACK = "pack it with tar -h: what it leads to is stored"
+Linked = tuple[str, tarfile.TarInfo, Any]  # (the link's clean name, the link, the TarInfo or ZipInfo it leads to)
+
+
+def _zip_members(path: str | os.PathLike[str]) -> Iterator[Member]:
+    """A zip's members. Info-ZIP's `zip -y` stores a symbolic link as a member whose bytes are its target, marked
+    S_IFLNK in the high bits of external_attr: read as bytes, it was a file holding a path, counted undecodable. A
+    link is read as tar's are; a found one's raw is its target's stored name, what zipfile reads it by."""
+    with open_regular(path) as f, zipfile.ZipFile(f) as zf:
+        files: dict[str, zipfile.ZipInfo] = {}
+        links: list[tarfile.TarInfo] = []
+        for info in zf.infolist():
+            if info.is_dir():
+                continue
+            if stat.S_ISLNK(info.external_attr >> 16):
+                links.append(_zip_link(zf, info))
+                continue
+            name, problem = _checked(zip_name(info))
+            if name is not None:
+                files[name] = info
+            yield Member(name, problem, info.filename, info.file_size, None, functools.partial(zf.open, info))
+        found, refused = tar_links(links, files, {}, ZIP_REPACK)
+        yield from refused
+        for name, _, target in found:
+            opener = functools.partial(zf.open, target)
+            yield Member(name, None, target.filename, target.file_size, None, opener, is_link=True)
+
+
+def _zip_link(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> tarfile.TarInfo:
+    """A zip's symbolic link as the tar link it would be (its bytes are the path it leads to)."""
+    link = tarfile.TarInfo(zip_name(info))
+    with zf.open(info) as f:
+        link.type, link.linkname = tarfile.SYMTYPE, f.read(MAX_LINK_TARGET).decode("utf-8", "replace")
+    return link
+
+
+@dataclass
+class _TarIndex:
+    """A tar's entries by clean name as tar extracts them: the last entry of a name is the one. A hard link leads to
+    the file its target named when the link was stored (as tarfile finds it): `tar cf x.tar d d` stores d/a twice,
+    the second time as a hard link to d/a, which read as a link to itself, a loop."""
+
+    files: dict[str, tarfile.TarInfo] = field(default_factory=dict)  # clean name -> regular member
+    last_links: dict[str, tarfile.TarInfo] = field(default_factory=dict)  # clean name -> link
+    links: list[tarfile.TarInfo] = field(default_factory=list)  # every link, in stored order
+    hard_targets: dict[tarfile.TarInfo, tarfile.TarInfo] = field(default_factory=dict)  # hard link -> file then
+
+    def add(self, m: tarfile.TarInfo) -> None:
+        name = _checked(m.name)[0]
+        if m.isfile() and name is not None:
+            self.last_links.pop(name, None)
+            self.files[name] = m
+        elif m.islnk() or m.issym():
+            self.links.append(m)
+            target = self.files.get(_checked(m.linkname)[0] or "") if m.islnk() else None
+            if target is not None:
+                self.hard_targets[m] = target
+            if name is not None:
+                self.files.pop(name, None)
+                self.last_links[name] = m
+
+    def is_last(self, m: tarfile.TarInfo) -> bool:
+        """Whether an entry is the last of its name (one whose name is refused is always listed, to be reported)."""
+        name = _checked(m.name)[0]
+        return name is None or (self.files.get(name) or self.last_links.get(name)) is m
+
+    def final_links(self) -> list[tarfile.TarInfo]:
+        return [m for m in self.links if self.is_last(m)]
+
+
+def _tar_members(path: str | os.PathLike[str], kind: str) -> Iterator[Member]:
+    """A tar's members (see iter_members). An uncompressed tar's headers are read first (random access, no member's
+    bytes), so only the last entry of a name is yielded; a compressed one yields each as it streams by."""
+    index = _TarIndex()
     with open_regular(path) as f, tarfile.open(fileobj=f, mode="r:" if kind == "tar" else "r|*") as tf:
-        for m in tf:
-            if m.islnk() or m.issym():
-                links.append(m)
-            elif m.isfile():
-                name, problem = _checked(m.name)
-                if name is not None:
-                    files[name] = m
+        headers, damage = _headers(tf, index) if kind == "tar" else (tf, None)
+        for m in headers:
+            if kind == "targz":
+                index.add(m)
+            if m.isfile() and (kind == "targz" or index.is_last(m)):
                 offset = m.offset_data if kind == "tar" else None
-                yield Member(name, problem, m.name, m.size, offset, lambda m=m: tf.extractfile(m))
-        found, refused = tar_links(links, files)
+                yield Member(*_checked(m.name), m.name, m.size, offset, functools.partial(tf.extractfile, m))
+        if damage is not None:
+            raise damage
+        found, refused = tar_links(index.final_links(), index.files, index.hard_targets, TAR_REPACK)
         yield from refused
         if kind == "tar":  # random access: a link reads its target's bytes where they are
             for name, link, target in found:
                 opener = functools.partial(tf.extractfile, target)
                 yield Member(name, None, link.name, target.size, target.offset_data, opener, is_link=True)
-    if kind == "targz" and found:
-        yield from _streamed_links(path, found)
+    if kind == "targz":  # a link to the file of its own name that went by (tar cf x.tgz d d) was read there
+        again = [(name, link, target) for name, link, target in found if _checked(target.name)[0] != name]
+        if again:
+            yield from _streamed_links(path, again)
 
 
-MAX_LINK_HOPS = 40  # links followed for one name, as Linux's limit on symbolic links in one path
-Linked = tuple[str, tarfile.TarInfo, tarfile.TarInfo]  # (the link's clean name, the link, the file it leads to)
+def _headers(tf: tarfile.TarFile, index: _TarIndex) -> tuple[list[tarfile.TarInfo], Exception | None]:
+    """An uncompressed tar's headers, read ahead (no member's bytes), each added to index, and the error that ended
+    them early if one did: the members before the damage are still listed, as a streamed tar's are."""
+    headers: list[tarfile.TarInfo] = []
+    try:
+        for m in tf:
+            index.add(m)
+            headers.append(m)
+    except ARCHIVE_ERRORS as e:
+        return headers, e
+    return headers, None
 
 
-def tar_links(links: list[tarfile.TarInfo], files: dict[str, tarfile.TarInfo]) -> tuple[list[Linked], list[Member]]:
-    """Each hard or symbolic link of a tar that leads to a regular member (through other links too), and a refused
-    Member for each that leads outside the archive (an absolute target, or '..' past its top), into a loop, or to
-    nothing it holds: as tarfile's data filter, never followed onto this machine's files. A link to a folder of the
-    archive is passed over: that folder's files are listed under their own names, as walk_files lists a folder
-    reached twice once."""
+def tar_links(
+    links: list[tarfile.TarInfo],
+    files: dict[str, Any],
+    hard_targets: dict[tarfile.TarInfo, tarfile.TarInfo],
+    repack: str,
+) -> tuple[list[Linked], list[Member]]:
+    """Each hard or symbolic link of a tar (or zip) that leads to a regular member (through other links too), and a
+    refused Member for each that leads outside the archive (an absolute target, or '..' past its top), into a loop,
+    or to nothing it holds: as tarfile's data filter, never followed onto this machine's files. A link to a folder of
+    the archive is passed over: that folder's files are listed under their own names, as walk_files lists a folder
+    reached twice once. `hard_targets`: hard links already bound to a file (see _TarIndex); `repack` is what the
+    message of a link out of the archive tells the user to do."""
     if not links:
         return [], []
-    targets = {name: link for link in links if (name := _checked(link.name)[0]) is not None}
-    folders = {name.rsplit("/", k)[0] for name in files for k in range(1, name.count("/") + 1)} | {""}
+    bound = {name: hard_targets[link] for link in links if (name := _checked(link.name)[0]) and link in hard_targets}
+    targets = {name: link for link in links if (name := _checked(link.name)[0]) is not None and name not in bound}
+    readable = files | bound
+    folders = {name.rsplit("/", k)[0] for name in readable for k in range(1, name.count("/") + 1)} | {""}
     found: list[Linked] = []
     refused: list[Member] = []
     for link in links:
         name, problem = _checked(link.name)
         if name is not None:
             try:
-                end = _follow(name, targets)
+                end = name if name in bound else _follow(name, targets)
             except UnsafeMemberNameError as e:
-                problem = (
-                    f"a link to {link.linkname}, which {e}, not read (pack it with tar -h: what it leads to is stored)"
-                )
+                problem = f"a link to {link.linkname}, which {e}, not read ({repack})"
             else:
-                if end in files:
-                    found.append((name, link, files[end]))
+                if end in readable:
+                    found.append((name, link, readable[end]))
                     continue
                 if end in folders:
                     continue
@@ -335,16 +423,20 @@ def _follow(name: str, links: dict[str, tarfile.TarInfo]) -> str:
 
 
 def _streamed_links(path: str | os.PathLike[str], found: list[Linked]) -> Iterator[Member]:
-    """The links of a compressed tar, read in a second pass over it: their targets' bytes went by in the first."""
+    """The links of a compressed tar, read in a second pass over it: their targets' bytes went by in the first. The
+    pass ends at the last target: a gzip stream has no random access, so what comes before it is decompressed again."""
     wanted: dict[int, list[tuple[str, tarfile.TarInfo]]] = {}  # a target's header offset -> the links to it
     for name, link, target in found:
         wanted.setdefault(target.offset, []).append((name, link))
+    last = max(wanted)
     with open_regular(path) as f, tarfile.open(fileobj=f, mode="r|*") as tf:
         for m in tf:
             if m.offset in wanted and m.isfile():
                 data = tf.extractfile(m).read()
                 for name, link in wanted[m.offset]:
                     yield Member(name, None, link.name, len(data), None, lambda d=data: io.BytesIO(d), is_link=True)
+            if m.offset >= last:
+                return
 
 
 def _unreadable() -> IO[bytes]:
