@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -277,27 +278,9 @@ class Classifier(EpochRecord, ONNModule):
         if not norms:
             return 0
         saved = [(m.momentum, m.training) for m in norms]
-        measured = seen = left_out = 0
         try:
-            for x, _ in batches:
-                samples = self.samples(x)
-                before = norm_buffers(norms) if samples < 2 else None  # only a batch of one can be refused
-                if not measured:  # reset only once there is something to measure
-                    for m in norms:
-                        m.reset_running_stats()
-                        m.train()
-                for m in norms:
-                    m.momentum = 1 / (measured + 1)
-                try:
-                    self.logits(self.prepare(to_device(x, self.device), train=False))
-                except ValueError as e:  # raised from the batch's shape, before the refusing norm updates
-                    if before is None or "Expected more than 1 value per channel" not in str(e):
-                        raise
-                    restore_norm_buffers(norms, before)  # the norms before it had measured the batch
-                    left_out += samples
-                    continue
-                measured += 1
-                seen += samples
+            with measured_on_this_rank(norms):
+                measured, seen, left_out = self._measure(norms, batches)
         finally:
             for m, (momentum, training) in zip(norms, saved):
                 m.momentum = momentum
@@ -317,6 +300,31 @@ class Classifier(EpochRecord, ONNModule):
                 kept,
             )
         return seen
+
+    def _measure(self, norms: list[nn.Module], batches) -> tuple[int, int, int]:
+        """adapt_batch_norm's pass over `batches`: the norms' statistics of this rank's batches, in training mode at
+        momentum 1/k. Returns the batches measured, their samples, and the samples left out (batches of one)."""
+        measured = seen = left_out = 0
+        for x, _ in batches:
+            samples = self.samples(x)
+            before = norm_buffers(norms) if samples < 2 else None  # only a batch of one can be refused
+            if not measured:  # reset only once there is something to measure
+                for m in norms:
+                    m.reset_running_stats()
+                    m.train()
+            for m in norms:
+                m.momentum = 1 / (measured + 1)
+            try:
+                self.logits(self.prepare(to_device(x, self.device), train=False))
+            except ValueError as e:  # raised from the batch's shape, before the refusing norm updates
+                if before is None or "Expected more than 1 value per channel" not in str(e):
+                    raise
+                restore_norm_buffers(norms, before)  # the norms before it had measured the batch
+                left_out += samples
+                continue
+            measured += 1
+            seen += samples
+        return measured, seen, left_out
 
     def on_validation_epoch_end(self) -> None:
         self._epoch_end("val")
@@ -398,6 +406,22 @@ def restore_norm_buffers(norms: list[nn.Module], copies: list[dict[str, torch.Te
     for m, buffers in zip(norms, copies):
         for k, v in m.named_buffers(recurse=False):
             v.copy_(buffers[k])
+
+
+@contextlib.contextmanager
+def measured_on_this_rank(norms: list[nn.Module]) -> Iterator[None]:
+    """The norms' SyncBatchNorms normalising by this rank's batch alone (plain batch norm) for the body. In training
+    mode a SyncBatchNorm's forward is a collective, so AdaBN's ranks, whose shares may differ by a batch (and which
+    leave out batches of one on their own), would wait on each other for ever on a GPU, and a CPU refuses it
+    (ValueError); each rank measures its own batches and combine_over_ranks combines them in one collective."""
+    synced = [m for m in norms if isinstance(m, nn.SyncBatchNorm)]
+    for m in synced:
+        m.forward = types.MethodType(nn.modules.batchnorm._BatchNorm.forward, m)
+    try:
+        yield
+    finally:
+        for m in synced:
+            del m.forward
 
 
 def combine_over_ranks(norms: list[nn.Module], measured: int, seen: int) -> tuple[int, int]:

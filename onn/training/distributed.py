@@ -16,6 +16,7 @@ What ONN adds to Lightning's own:
     weights gathered whole (DeepSpeed's own format is pickles), its partitioned optimizer state left out (a
     resumed run starts its moments afresh, at the learning rates its schedule had reached, and its float32
     master weights rebuilt from the saved bf16 ones under bf16-mixed);
+  - under DDP, each validation and test sample scored once (`EvaluatedOnceDDP`): Lightning's sampler repeats some;
   - the process group destroyed when the run ends (`end_distributed`), so NCCL has nothing to warn about;
   - under SLURM, the checkpoint Lightning's auto-requeue saved becomes last.ckpt when fit ends, if it is the newest
     (`RequeueCheckpoint`).
@@ -31,7 +32,8 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, Strategy
+from lightning.pytorch.trainer.states import RunningStage
 
 from onn.config import ONNConfig
 from onn.errors import UserError
@@ -162,6 +164,45 @@ def sharded_strategy(
     if "offload_optimizer" in strategy.config.get("zero_optimization", {}):
         strategy.config["zero_force_ds_cpu_optimizer"] = False
     return strategy
+
+
+EVALUATIONS = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
+
+
+class EvaluatedOnceDDP(DDPStrategy):
+    """Lightning's DDP with each validation and test sample scored once. Lightning's DistributedSampler pads a split
+    to a multiple of the ranks by repeating its first samples, so 21 test samples on 2 ranks counted one twice and
+    the figures were not one process's on the same data. Evaluations shard without repeats instead (Lightning's
+    UnrepeatedDistributedSampler, its own choice for predict): a rank may run one batch fewer, which no evaluation
+    step waits on, since the figures are torchmetrics states reduced once at the end."""
+
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        stage = self.lightning_module.trainer.state.stage
+        return evaluated_once(dataloader, stage) if stage in EVALUATIONS else dataloader
+
+
+def evaluated_once(dataloader: object, stage: RunningStage) -> object:
+    """`dataloader` with Lightning's padding DistributedSampler swapped for one that repeats nothing. A split with
+    fewer samples than ranks keeps the padding: DDP's first forward of an evaluation syncs buffers, a collective
+    that a rank without a batch would never join."""
+    from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+    from lightning.pytorch.utilities.data import _update_dataloader
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = getattr(dataloader, "sampler", None)
+    if not isinstance(dataloader, DataLoader) or type(sampler) is not DistributedSampler:
+        return dataloader  # not Lightning's padding sampler (an iterable of batches, a data module's own sharding)
+    if len(sampler.dataset) < sampler.num_replicas:
+        return dataloader
+    once = UnrepeatedDistributedSampler(
+        sampler.dataset,
+        num_replicas=sampler.num_replicas,
+        rank=sampler.rank,
+        shuffle=sampler.shuffle,
+        seed=sampler.seed,
+    )
+    return _update_dataloader(dataloader, once, mode=stage)
 
 
 def clip_gradients(module, optimizer, max_norm: float) -> None:

@@ -265,7 +265,12 @@ def data_parallel(name: str, config: ONNConfig, accelerator: str):
         from onn.training.distributed import sharded_strategy
 
         return sharded_strategy(name, entry, config, world_size(config), timeout)
-    return entry["strategy"](**entry["init_params"], timeout=timeout)
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from onn.training.distributed import EvaluatedOnceDDP
+
+    strategy = EvaluatedOnceDDP if entry["strategy"] is DDPStrategy else entry["strategy"]
+    return strategy(**entry["init_params"], timeout=timeout)
 
 
 def check_lightning(name: str) -> None:
