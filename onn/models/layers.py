@@ -220,30 +220,83 @@ def _same_type_runs(module: nn.Module) -> list[list[str]]:
 
 
 def _assemble(model: nn.Module, blocks_path: str, names: list[str]) -> LayerMap:
-    """Split the rest of the module tree into what is registered before the blocks and after them."""
+    """Split the rest of the module tree into what runs before the blocks and after them."""
     container = model.get_submodule(blocks_path) if blocks_path else model
     blocks = [container.get_submodule(n) for n in names]
     prefix, suffix = [], []
-    # Walk from the container up to the root: at each level, siblings registered before the
-    # branch that leads to the blocks run before them, and those after run after them.
+    # Walk from the container up to the root: at each level, the siblings of the branch that leads to the blocks
+    # run before them or after them (_split_siblings).
     path = blocks_path.split(".") if blocks_path else []
     level_names = names
     for depth in range(len(path), -1, -1):
         parent = model.get_submodule(".".join(path[:depth])) if depth else model
-        base = ".".join(path[:depth])
-        inside = set(level_names)
-        before, after, seen = [], [], False
-        for name, child in parent.named_children():
-            if name in inside:
-                seen = True
-                continue
-            full = f"{base}.{name}" if base else name
-            (after if seen else before).append((full, child))
+        before, after = _split_siblings(parent, ".".join(path[:depth]), set(level_names))
         prefix = before + prefix
         suffix = suffix + after
         if depth:
             level_names = [path[depth - 1]]
     return LayerMap(blocks_path, list(names), blocks, prefix, suffix)
+
+
+def _split_siblings(
+    parent: nn.Module, base: str, inside: set[str]
+) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
+    """`parent`'s children other than `inside` (the branch that leads to the blocks), as (those before the blocks,
+    those after). A child goes by where it is registered, unless the parent's forward uses it only after its last
+    use of the branch (OPT's decoder registers its final norm and output projection before its layers, and runs
+    them after), or only before its first use (Llama's rotary embedding, registered after the layers)."""
+    uses = _uses_in_forward(type(parent).forward)
+    branch = [span for name in inside for span in uses.get(name, [])]
+    before, after, late, early, seen = [], [], [], [], False
+    for name, child in parent.named_children():
+        if name in inside:
+            seen = True
+            continue
+        entry = ((f"{base}.{name}" if base else name), child)
+        spans = uses.get(name)
+        if branch and spans and not seen and min(s for s, _ in spans) > max(e for _, e in branch):
+            late.append((min(spans), entry))
+        elif branch and spans and seen and max(e for _, e in spans) < min(s for s, _ in branch):
+            early.append((min(spans), entry))
+        else:
+            (after if seen else before).append(entry)
+    in_order = lambda moved: [entry for _, entry in sorted(moved, key=lambda m: m[0])]  # noqa: E731
+    return before + in_order(early), in_order(late) + after
+
+
+@functools.cache
+def _uses_in_forward(forward) -> dict[str, list[tuple[tuple[int, int], tuple[int, int]]]]:
+    """Where a forward uses each `self.NAME`, as (start, end) source positions in the order they run: a called
+    attribute runs at the end of its call (in `self.head(self.norm(x))` the norm runs first), the list a loop
+    walks over lasts to the loop's end (what the loop's body calls runs among its items), any other is read where
+    it stands. Empty where the forward has no Python source (a container's): registration order then stands."""
+    import ast
+    import inspect
+    import textwrap
+
+    function = inspect.unwrap(forward)  # past transformers' decorators, which wrap it
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    definition = tree.body[0] if tree.body else None
+    if not isinstance(definition, ast.FunctionDef | ast.AsyncFunctionDef) or not definition.args.args:
+        return {}
+    me = definition.args.args[0].arg
+    called: dict[int, tuple[int, int]] = {}  # id(attribute) -> the end of its call
+    looped: dict[int, tuple[int, int]] = {}  # id(node in a loop's iterable or test) -> the end of the loop
+    for node in ast.walk(definition):
+        if isinstance(node, ast.Call):
+            called[id(node.func)] = (node.end_lineno, node.end_col_offset)
+        elif isinstance(node, ast.For | ast.AsyncFor | ast.While):
+            walked = node.test if isinstance(node, ast.While) else node.iter
+            looped.update({id(inner): (node.end_lineno, node.end_col_offset) for inner in ast.walk(walked)})
+    uses: dict[str, list[tuple[tuple[int, int], tuple[int, int]]]] = {}
+    for node in ast.walk(definition):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == me:
+            start = called.get(id(node), (node.lineno, node.col_offset))
+            uses.setdefault(node.attr, []).append((start, looped.get(id(node), start)))
+    return uses
 
 
 def _count(module: nn.Module) -> int:

@@ -240,7 +240,9 @@ class StreamingEngine:
         # an embedding no stored table stands in for (OPT's positions, from the attention mask; nf4 rows that
         # straddle its blocks) takes its whole table in the prefix, and again in the suffix, which computes it again
         whole = {f"{path}.weight" for path in embeddings.keys() - self._embeddings.keys()}
-        self._edge_phases["suffix"] |= whole
+        # so does every other weight the prefix computes with (BLOOM's embedding norm, OPT's input projection): the
+        # suffix runs the model's forward from its start, and only a stored table's embedding has a stand-in there
+        self._edge_phases["suffix"] |= self._edge_phases["prefix"] - {f"{path}.weight" for path in self._embeddings}
         # int8 weights the edges compute from as codes: their linears' (a head tied to a table decoded whole
         # is decoded whole too); any other (a table, a convolution) is de-quantized, or it computed from codes
         names = {id(p): n for n, p in model.named_parameters()}
@@ -550,15 +552,17 @@ class StreamingEngine:
                 entry = None
                 raise
             self.times.io_s += time.perf_counter() - start
+            # the engine's GPU's stream, named: the current device may be another GPU (the main thread's cuda:0)
+            computing = torch.cuda.current_stream(self.device) if self._copy_stream is not None else None
             for i, (tensors, scales) in chunk.items():
                 params = {stored_name(n): p for n, p in self.map.blocks[i].named_parameters()}
                 for name, t in tensors.items():
                     if self._copy_stream is not None:  # made on the copy stream, used on this one
-                        t.record_stream(torch.cuda.current_stream())
+                        t.record_stream(computing)
                     params[name].data = t
                 for name, scale in scales.items():
                     if self._copy_stream is not None:  # made on the copy stream too: its memory must outlive the use
-                        scale.record_stream(torch.cuda.current_stream())
+                        scale.record_stream(computing)
                     self._linears[i][name]._onn_scale = scale
             self._resident, self._resident_slot = c, slot
             self.times.loads += 1
@@ -605,7 +609,7 @@ class StreamingEngine:
             self._resident, self._resident_slot = None, None
             if self._copy_stream is not None:
                 self._released = torch.cuda.Event()
-                self._released.record()
+                self._released.record(torch.cuda.current_stream(self.device))  # the engine's GPU, not the current one
 
     # -- around the blocks ---------------------------------------------------------------------
     @contextlib.contextmanager
