@@ -52,7 +52,7 @@ def test_a_networks_step_counts_what_its_norms_and_activations_read_and_write(tm
     assert spec.sample_step_bytes > 1.5 * 2 * spec.sample_activation_bytes
     assert plan.model["step_bytes_per_sample"] == spec.sample_step_bytes
     traffic = _traffic_s(tmp_path, "optim.name=sgd", "optim.momentum=0", "optim.nesterov=false", "optim.weight_decay=0")
-    expected = (spec.sample_step_bytes * plan.micro_batch + 12 * spec.params) / 1e9
+    expected = ((spec.sample_step_bytes + spec.sample_transform_bytes) * plan.micro_batch + 12 * spec.params) / 1e9
     assert abs(traffic - expected) < 2e-4
 
 

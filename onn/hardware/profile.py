@@ -16,6 +16,9 @@ What the planner predicts from (CPUs):
                     blocks (the difference, so embeddings, loss and the rest cancel), and `step` the rest
   memory_gb_s       one thread copying a large buffer (bytes read + written per second)
   decode_gvalues_s  one thread turning stored values into compute values: {"int8->bfloat16": ...}
+  norm_gb_s         {threads: GB/s} of a BatchNorm, LeakyReLU and max pool forward and backward over 16 MB, in
+                    bytes as the planner counts a classifier network's memory-bound ops (OpBytes), on one
+                    thread and on every core
   activation_ns     GPUs: a bf16 decoder block's kernels besides its matmuls (norms, rotary embedding,
                     attention, activation function, residuals, casts), in ns per activation value the
                     planner counts (10h + 4kv + 4i a token): without grad (`forward`), and forward and
@@ -58,7 +61,7 @@ PROFILE_KEYS = (
 MATMUL_ROWS = (1, 16, 128, 1024)
 MATMUL_SIZES = (256, 4096)
 GPU_MATMUL_ROWS = (1, 16, 128, 1024, 8192)  # a token at a time up to a large micro-batch's tokens
-VERSION = 9  # what `measure` records; a cached profile of another version is measured again
+VERSION = 10  # what `measure` records; a cached profile of another version is measured again
 # A profile measured on busy cores is measured again once they are free, but not sooner than this after the last
 # measurement: on a machine that is busy in bursts (a test suite, a sweep) every quiet moment would measure again.
 REMEASURE_BUSY_AFTER_S = 1800.0
@@ -85,6 +88,7 @@ class Profile:
     matmul_gflops: dict[str, Any] | None = None  # {size: {dtype: {threads: {rows: GFLOP/s}}}}
     block_call_s: dict[str, float] | None = None  # framework time per decoder block and call
     memory_gb_s: float | None = None  # one thread's (or the GPU's) copy bandwidth
+    norm_gb_s: dict[str, float] | None = None  # CPUs: {threads: GB/s} of norms, activations, pooling (norm_gb_s())
     decode_gvalues_s: dict[str, float] | None = None  # {"int8->bfloat16": G values/s, ...}
     activation_ns: dict[str, float] | None = None  # GPUs: a block's time besides matmuls, per activation value
     cuda_context_mb: float | None = None  # the CUDA context's own memory
@@ -586,6 +590,7 @@ def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> Profile:
         best = max(max(rates.values()) for rates in profile["matmul_gflops"]["4096"]["float32"].values())
         profile["matmul_tflops"] = round(best / 1000, 4)
         profile["memory_gb_s"], profile["decode_gvalues_s"] = memory_rates()
+        profile["norm_gb_s"] = norm_gb_s(profile["cpu_cores"])
     profile["block_call_s"] = block_call_s("cuda" if accelerator == "cuda" else "cpu")
     if accelerator == "cuda":  # after every kind of work above: the context holds the kernels a run loads
         profile["cuda_context_mb"] = round(cuda_context_mb(), 1)
@@ -794,6 +799,68 @@ def block_call_s(device: str = "cpu", repeats: int = 9) -> dict[str, float]:
     out = {k: round(max(large[k] - small[k], 0.0) / 8, 6) for k in small}
     out["step"] = round(max(small["full"] - 2 * out["full"], 0.0), 6)
     return out
+
+
+class OpBytes:
+    """Bytes the ops run under it read and write (every tensor argument and result), the matmuls and convolutions
+    aside (their time is their FLOPs at the measured matmul rate), and views and allocations (no traffic)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.flop_counter import flop_registry
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                counter.add(func, (args, kwargs, out), flop_registry)
+                return out
+
+        self.total = 0
+        self.mode = Mode()
+
+    def add(self, func, tensors, flop_registry) -> None:
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        name = func.overloadpacket.__name__
+        if func.is_view or func.overloadpacket in flop_registry or name.startswith(("empty", "new_empty")):
+            return
+        self.total += sum(t.numel() * t.element_size() for t in tree_leaves(tensors) if isinstance(t, torch.Tensor))
+
+
+NORM_PROBE_SHAPE = (16, 64, 64, 64)  # 16 MB of float32: past a core's cache, as a training batch's activations are
+
+
+def norm_gb_s(cores: int) -> dict[str, float]:
+    """{threads: GB/s} of a convolution block's memory-bound ops, a BatchNorm, a LeakyReLU and a 2 x 2 max pool,
+    forward and backward, on one thread and on every core, in bytes as the planner counts a network's (OpBytes:
+    every tensor each op reads and writes). Such ops pass over their tensors several times and compute per value:
+    at the copy bandwidth (memory_gb_s) a classifier's step was predicted 1.3-2x too fast on one thread."""
+    import torch
+
+    before = torch.get_num_threads()
+    x = torch.randn(NORM_PROBE_SHAPE, requires_grad=True)
+    norm = torch.nn.BatchNorm2d(NORM_PROBE_SHAPE[1])
+    block = torch.nn.Sequential(norm, torch.nn.LeakyReLU(0.1), torch.nn.MaxPool2d(2))
+    grad = torch.ones(block(x).shape)
+
+    def step() -> None:
+        torch.autograd.grad(block(x), [x, norm.weight, norm.bias], grad)
+
+    counter = OpBytes()
+    with counter.mode:
+        step()
+    rates = {}
+    try:
+        for threads in sorted({1, cores}):
+            torch.set_num_threads(threads)
+            clock = time.process_time if threads == 1 else time.perf_counter
+            rates[str(threads)] = round(_best_rate(counter.total, step, trials=2, clock=clock) / 1e9, 2)
+    finally:
+        torch.set_num_threads(before)
+    return rates
 
 
 def memory_rates() -> tuple[float, dict[str, float]]:

@@ -50,7 +50,7 @@ from onn.modalities.base import ClassifierModality, Job
 from onn.models.load import user_function
 from onn.models.vision import feature_extractor, feature_width
 from onn.planning.plan import Plan, make_plan
-from onn.planning.spec import network_spec
+from onn.planning.spec import network_spec, transform_bytes
 from onn.streaming.seeded import draw, empty_network
 from onn.streaming.store import LayerStore
 from onn.training.callbacks import StepClock, run_callbacks
@@ -85,9 +85,11 @@ def plan(m: ClassifierModality, config: ONNConfig, hardware: Profile, use_tuned:
     if config.strategy.name == "sparse_lora":
         streamed_trainable(network, config)
     transform = m.transform(config, {**inputs, **m.neutral_stats(inputs)})
+    moved = 0
     if transform is not None:  # the network's input is the transform's output (e.g. a spectrogram)
         stored = torch.zeros(1, *inputs["input_shape"], dtype=getattr(torch, m.stored_dtype))
         sample = transform(stored, train=False).to("meta")
+        moved = transform_bytes(transform, stored)  # run on every training batch, augmentation included
     spec = network_spec(
         network,
         sample,
@@ -95,6 +97,7 @@ def plan(m: ClassifierModality, config: ONNConfig, hardware: Profile, use_tuned:
         pretrained=bool(model_cfg.weights),
         head_params=head_params(network, len(inputs["classes"])),
         blocks_path=model_cfg.layer_map.blocks,
+        transform_bytes=moved,
     )
     return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
 

@@ -300,6 +300,19 @@ def compute_s(
     return time_s + (framework + traffic) / share
 
 
+def norm_rate(hw: Profile, threads: int) -> float:
+    """Bytes per second, as OpBytes counts them, of a network's norms, activations and pooling on `threads` threads:
+    the profile's measured rates (linear in threads between those measured), or 0 where it has none (a preset, a
+    GPU, an older profile): the copy bandwidth then stands in."""
+    rates = {int(t): float(r) for t, r in (hw.norm_gb_s or {}).items()}
+    if not rates:
+        return 0.0
+    lo = max((t for t in rates if t <= threads), default=min(rates))
+    hi = min((t for t in rates if t >= threads), default=max(rates))
+    rate = rates[lo] if lo == hi else rates[lo] + (threads - lo) / (hi - lo) * (rates[hi] - rates[lo])
+    return max(rate, rates.get(1, 0.0)) * 1e9  # more threads never run slower than one (a busy moment's table)
+
+
 def optimizer_bytes_per_weight(optim: OptimConfig) -> int:
     """Bytes the configured optimizer's step reads and writes per trained weight: torch.optim's own step, as
     onn.training.optim.make_optimizer builds it, counted on a meta weight (its second step: the first makes the
@@ -334,8 +347,9 @@ def network_compute_s(
     linear probe trains its head only, on features cached once), at the measured matmul rate for the compute dtype on
     the plan's threads, times the share of the cores they get; plus the memory traffic at the measured bandwidth of
     the step's memory-bound ops (norms, activations, pooling and their backward: the spec's count, op by op; where it
-    has none, the saved activations written in the forward and read in the backward) and of the optimizer
-    (`optimizer_bytes` per trained weight: optimizer_bytes_per_weight); and the measured framework time per block
+    has none, the saved activations written in the forward and read in the backward), the counted ones at the rate the
+    profile measured such ops run at (norm_rate), the rest and the optimizer's (`optimizer_bytes` per trained weight:
+    optimizer_bytes_per_weight) at the measured copy bandwidth; and the measured framework time per block
     call and step. The rate is the table's at a row per sample, through a weight of the blocks' mean size: a
     convolution's product has a row per sample and output position, but its few channels keep it well below a large
     product's rate (v28's bf16 step ran at a third of the 1,024-row rate)."""
@@ -347,10 +361,12 @@ def network_compute_s(
     size = math.sqrt(max(sum(spec.block_params) / layers, 1.0))
     matmul = flops / matmul_rate(hw, dtype, batch, threads, size)
     # as the spec counts them, in float32: under bf16 autocast v28 saved 77% as many bytes (its norms stay float32)
-    per_sample = spec.sample_step_bytes or 2 * spec.sample_activation_bytes
-    activations = per_sample * batch if full else 0.0
+    per_sample = (spec.sample_step_bytes or 2 * spec.sample_activation_bytes) + spec.sample_transform_bytes
+    activations = per_sample * batch if full else 0.0  # (a probe's features are transformed and cached once)
     bandwidth = float(hw.memory_gb_s or 0) * 1e9
-    traffic = (activations + optimizer_bytes * trained) / bandwidth if bandwidth else 0.0
+    activation_rate = (norm_rate(hw, threads) if spec.sample_step_bytes else 0.0) or bandwidth
+    traffic = optimizer_bytes * trained / bandwidth if bandwidth else 0.0
+    traffic += activations / activation_rate if activation_rate else 0.0
     calls = hw.block_call_s or {}
     framework = calls.get("full", 0.0) * layers + calls.get("step", 0.0) if full else calls.get("step", 0.0)
     return (matmul + traffic + framework) / share

@@ -234,6 +234,7 @@ def make_network_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
             "flops_per_sample": spec.sample_flops,
             "activation_bytes_per_sample": spec.sample_activation_bytes,
             "step_bytes_per_sample": spec.sample_step_bytes,
+            "transform_bytes_per_sample": spec.sample_transform_bytes,
         },
         candidates=candidate_table(estimates),
     )

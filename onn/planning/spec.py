@@ -8,19 +8,24 @@ the bytes autograd keeps, counted during a forward pass on the meta device.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any, TypeVar
 
 from onn.config.model import LanguageModelConfig
 from onn.errors import UserError
 from onn.hardware.disk import read_json, write_text_atomically
+from onn.hardware.profile import OpBytes
 from onn.models.layers import discover, gated_mlps
 from onn.models.load import is_pretrained, meta_model
 
 log = logging.getLogger("onn")
+T = TypeVar("T")
 
 
 @dataclass
@@ -46,6 +51,9 @@ class ModelSpec:
     # networks: what a training step's memory-bound ops (norms, activations, pooling, their backward) read and write
     # per sample, counted op by op on meta (fp32); 0 where it could not be counted
     sample_step_bytes: int = 0
+    # networks: what the device-side transform of a training batch (image augmentation and normalisation, audio
+    # features) reads and writes per sample, counted as sample_step_bytes is (transform_bytes)
+    sample_transform_bytes: int = 0
     head_params: int = 0  # networks: the classifier head, what a linear probe trains
     block_activation_bytes: list[int] | None = None  # networks: what autograd keeps per sample inside each block
     boundary_bytes: int = 0  # networks: a block's input per sample (what layer streaming keeps per chunk)
@@ -131,13 +139,19 @@ def _measure_spec(model_cfg: LanguageModelConfig, lora_rank: int) -> ModelSpec:
 
 
 def network_spec(
-    model, sample, name: str, pretrained: bool, head_params: int = 0, blocks_path: str | None = None
+    model,
+    sample,
+    name: str,
+    pretrained: bool,
+    head_params: int = 0,
+    blocks_path: str | None = None,
+    transform_bytes: int = 0,
 ) -> ModelSpec:
     """A network's sizes for one sample: parameters, and the forward FLOPs and the bytes autograd saves
     for backward, both counted during one forward pass on the meta device (nothing is allocated).
     `model` is built on the meta device and `sample` is a meta tensor of one sample's batch of 1 (or a tuple of
     them, for a model of several inputs: a denoiser's image and timestep); `head_params` is what a linear probe
-    would train."""
+    would train; `transform_bytes`: what the training batches' transform moves per sample (transform_bytes())."""
 
     from torch.nn import Conv3d, RNNBase
 
@@ -180,6 +194,7 @@ def network_spec(
         sample_activation_bytes=saved,
         sample_flops=flops,
         sample_step_bytes=0 if recurrent else step_bytes(model, sample),
+        sample_transform_bytes=transform_bytes,
         head_params=head_params,
         block_activation_bytes=inside,
         boundary_bytes=boundary,
@@ -195,7 +210,7 @@ def _saved_bytes(model, sample, blocks: list) -> tuple[int, list[int], int, int]
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    saved, inside, boundary = 0, [0] * len(blocks), []
+    saved, inside, boundary = 0, [0] * len(blocks), []  # (forward() below sets them afresh)
     current: list[int] = []  # the block being run (hooks below)
 
     def pack(t: torch.Tensor):
@@ -218,46 +233,24 @@ def _saved_bytes(model, sample, blocks: list) -> tuple[int, list[int], int, int]
     def leave(module, args, output) -> None:
         current.pop()
 
-    handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
-    handles += [b.register_forward_hook(leave) for b in blocks]
     inputs = [t.requires_grad_(False) for t in (sample if isinstance(sample, tuple) else (sample,))]
-    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-    try:
-        with hooks, FlopCounterMode(display=False) as flops, one_sample_norms(model.train()):
-            model(*inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    return saved, inside, boundary[0] if boundary else 0, int(flops.get_total_flops())
 
+    def forward() -> int:
+        nonlocal saved
+        saved, inside[:], current[:], boundary[:] = 0, [0] * len(blocks), [], []
+        handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
+        handles += [b.register_forward_hook(leave) for b in blocks]
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        try:
+            with hooks, FlopCounterMode(display=False) as flops, one_sample_norms(model.train()):
+                model(*inputs)
+        finally:
+            for h in handles:
+                h.remove()
+        return int(flops.get_total_flops())
 
-class OpBytes:
-    """Bytes the ops run under it read and write (every tensor argument and result), the matmuls and convolutions
-    aside (their time is their FLOPs at the measured matmul rate), and views and allocations (no traffic)."""
-
-    def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils.flop_counter import flop_registry
-
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                counter.add(func, (args, kwargs, out), flop_registry)
-                return out
-
-        self.total = 0
-        self.mode = Mode()
-
-    def add(self, func, tensors, flop_registry) -> None:
-        import torch
-        from torch.utils._pytree import tree_leaves
-
-        name = func.overloadpacket.__name__
-        if func.is_view or func.overloadpacket in flop_registry or name.startswith(("empty", "new_empty")):
-            return
-        self.total += sum(t.numel() * t.element_size() for t in tree_leaves(tensors) if isinstance(t, torch.Tensor))
+    flops = on_one_thread(forward, model, inputs)
+    return saved, inside, boundary[0] if boundary else 0, flops
 
 
 def step_bytes(model, sample) -> int:
@@ -275,24 +268,69 @@ def step_bytes(model, sample) -> int:
 
     def count(batch: int) -> int:
         counter = OpBytes()
-        with counter.mode, one_sample_norms(model.train()):
-            output = model(*[torch.cat([t] * batch) for t in inputs])
-            # a tuple, dict or ModelOutput too: every tensor of it that carries a gradient
-            outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if not outputs:
-                return 0
-            sum(t.float().sum() for t in outputs).backward()
-        model.zero_grad(set_to_none=True)
+        try:
+            with counter.mode, one_sample_norms(model.train()):
+                output = model(*[torch.cat([t] * batch) for t in inputs])
+                # a tuple, dict or ModelOutput too: every tensor of it that carries a gradient
+                outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if not outputs:
+                    return 0
+                sum(t.float().sum() for t in outputs).backward()
+        finally:
+            model.zero_grad(set_to_none=True)
         return counter.total
 
-    try:
+    def both() -> int:
         one = count(1)
         return max(0, count(2) - one) if one else 0
+
+    try:
+        return on_one_thread(both, model, inputs)
     except Exception as e:  # noqa: BLE001 -- an estimate never ends a plan (an op without a meta kernel, say)
         log.debug(
             "plan: a step's memory traffic not counted (%s: %s); the saved activations stand in", type(e).__name__, e
         )
         return 0
+
+
+def transform_bytes(transform: Callable[..., Any], stored: Any) -> int:
+    """What the device-side transform of a training batch (an image batch's crop, flip and normalisation; audio's
+    features and augmentation) reads and writes per sample, counted as step_bytes counts a network's ops: a batch of 4
+    less one of 2, run for real on `stored` (one stored sample: kilobytes), the random generator's state restored
+    after. It runs at every training step beside the network, and was left out of the planned step. 0 where it
+    cannot be counted."""
+    import torch
+
+    def count(batch: int) -> int:
+        counter, stored_batch = OpBytes(), torch.cat([stored] * batch)  # (the batch arrives made)
+        with counter.mode:
+            transform(stored_batch, train=True)
+        return counter.total
+
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return max(0, count(4) - count(2)) // 2  # (a batch of one can take another path: a 1-image layout)
+    except Exception as e:  # noqa: BLE001 -- an estimate never ends a plan
+        log.debug("plan: the batch transform's memory traffic not counted (%s: %s)", type(e).__name__, e)
+        return 0
+
+
+def on_one_thread(measure: Callable[[], T], model, inputs) -> T:
+    """`measure()` (a forward, or a forward and backward, that counts shapes and bytes) on one thread where the model
+    or its input holds real tensors: a graph network is built for real (its forward runs on no meta device) and
+    counted on its plan graph, whose tiny ops torch split over every core; on a busy 2-core machine each waited for
+    the other thread, and the count took 1.2-2.8 s of task=plan, 0.1 s on one thread (the same figures: the same
+    run). Fake tensors (no arithmetic) took 0.5 s of Python. A meta model computes nothing and runs as it is."""
+    import torch
+
+    if all(t.is_meta for t in itertools.chain(model.parameters(), model.buffers(), inputs)):
+        return measure()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure()
+    finally:
+        torch.set_num_threads(before)
 
 
 @contextmanager
