@@ -340,6 +340,24 @@ def tone_ckpt(tmp_path_factory) -> tuple[Path, Path]:
     return data, root / "train" / "checkpoints" / "last.ckpt"
 
 
+def test_a_run_with_validation_off_and_no_test_split_ends_ok_and_says_nothing_was_scored(tmp_path, caplog):
+    """trainer.limit_val_batches=0 without a test split: nothing held out is scored, so there is no confusion matrix
+    to draw (a KeyError ended the finished run), and the run says so in one line."""
+    from onn.app import execute
+
+    data = make_tones(tmp_path / "tones", per_class=3)
+    cfg = compose(
+        *tone_run(tmp_path),
+        *TONE_DATA,
+        f"data.source={data}",
+        *("data.sample_rate=8000", "data.test_pattern=null", "data.batch_size=4", "trainer.max_epochs=1"),
+        *("model=audio_cnn", "+model.kwargs.widths=[8,16]", "trainer.limit_val_batches=0"),
+    )
+    metrics = execute(cfg, tmp_path / "train")
+    assert metrics["steps"] > 0 and "confusion_matrix" not in metrics and metrics["val/history"] == []
+    assert "no val batches were scored (trainer.limit_val_batches)" in caplog.text
+
+
 def eval_of(root: Path, ckpt: Path, *given: str) -> dict:
     from onn.app import execute, given_keys
 

@@ -300,10 +300,15 @@ def train(job: Job) -> dict[str, Any]:
     else:
         trainer.validate(module, datamodule=dm, ckpt_path=best or None, verbose=False)
     metrics.update({k: round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith(f"{stage}/")})
-    picture = run_dir / f"confusion_{stage}.png"
-    save_confusion(module.confusion[stage], module.classes, picture)
-    metrics["confusion_matrix"] = str(picture)
-    log.info("%s accuracy %.4f (best checkpoint %s)", stage, metrics.get(f"{stage}/acc", float("nan")), best)
+    if stage in module.confusion:
+        picture = run_dir / f"confusion_{stage}.png"
+        save_confusion(module.confusion[stage], module.classes, picture)
+        metrics["confusion_matrix"] = str(picture)
+        log.info("%s accuracy %.4f (best checkpoint %s)", stage, metrics.get(f"{stage}/acc", float("nan")), best)
+    else:  # trainer.limit_val_batches=0 (or limit_test_batches=0): nothing held out was scored
+        log.warning(
+            "no %s batches were scored (trainer.limit_%s_batches): the run has no %s figures", stage, stage, stage
+        )
     if config.export.name != "none":  # a streamed network exports from its checkpoint, resident
         tested = Path(best) if best else run_dir / "checkpoints" / "last.ckpt"
         exported = module if module.engine is None else load_trained(m, config, plan, tested)
