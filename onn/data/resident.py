@@ -76,7 +76,13 @@ class ResidentBatches:
     The permutation of epoch e is drawn from seed + e, so a resumed run sees the same order. `groups`: the
     group of each sample (e.g. its speaker); each training batch then holds samples of one group only, and
     drop_last drops the remainder of a group that filled a batch (a smaller group is one short batch: dropped,
-    it would never be trained on)."""
+    it would never be trained on).
+
+    Under DDP (`world` processes, this one `rank`) the data is shared out as Lightning's DistributedSampler shares a
+    DataLoader's (the streamed path): in training each process takes every world-th sample of the epoch's order,
+    padded to equal shares so that every process runs as many steps (each step is a collective), in batches of
+    batch_size (grouped: every world-th batch); an evaluation split (shuffle false) is cut into contiguous shares,
+    each sample scored by one process (EvaluatedOnceDDP), a split smaller than the processes padded so each has one."""
 
     def __init__(
         self,
@@ -87,25 +93,53 @@ class ResidentBatches:
         drop_last: bool = False,
         groups: list[str] | None = None,
         epoch_of: Callable[[], int] | None = None,
+        rank: int = 0,
+        world: int = 1,
     ):
         self.split, self.batch_size, self.shuffle, self.seed = split, batch_size, shuffle, seed
+        self.rank, self.world = rank, world
         self.epoch_of = epoch_of  # the trainer's epoch, read when an epoch starts (a resumed run's is restored late)
-        self.drop_last = drop_last and len(split) >= batch_size
         self.groups = groups
+        # a split (or this process's share of it) smaller than a batch is one short batch
+        self.drop_last = drop_last and (len(split) if groups is not None else self._share_size()) >= batch_size
         self.epoch = 0  # the next iteration's epoch
         self._current, self._taken, self._skip = 0, 0, 0  # the epoch being iterated, its batches given, to skip
         self._skip_epoch = 0  # the epoch that _skip belongs to
 
     def __len__(self) -> int:
         if self.groups is not None:
-            return len(self._batches(torch.arange(len(self.split))))
-        n = len(self.split)
+            return -(-len(self._batches(torch.arange(len(self.split)))) // self.world)
+        n = self._share_size()
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
+    def _share_size(self) -> int:
+        """This process's samples of the split (without groups): an equal share in training, else its own."""
+        if self.shuffle:
+            return -(-len(self.split) // self.world)
+        start, end = self._evaluated_share()
+        return end - start
+
+    def _evaluated_share(self) -> tuple[int, int]:
+        """[start, end) of this process's contiguous share of an evaluation split, each sample in one share only."""
+        n = len(self.split)
+        if n and n < self.world:  # every process needs a batch: DDP's first evaluation forward syncs its buffers
+            return self.rank % n, self.rank % n + 1
+        return self.rank * n // self.world, (self.rank + 1) * n // self.world
+
+    def _trained_share(self, order: torch.Tensor) -> torch.Tensor:
+        """This process's samples of an epoch's `order`: every world-th, the order padded by its first samples to
+        equal shares (DistributedSampler's)."""
+        if self.world == 1 or not len(order):
+            return order
+        total = -(-len(order) // self.world) * self.world
+        padded = order.repeat(-(-total // len(order)))[:total]
+        return padded[self.rank :: self.world]
+
     def _batches(self, order: torch.Tensor) -> list[torch.Tensor]:
-        """`order` cut into batches: in turn, or within each group (in order of first appearance)."""
+        """`order` cut into batches: this process's share in turn, or every process's within each group (in order
+        of first appearance; _shared picks this process's)."""
         if self.groups is None:
-            return list(order[: len(self) * self.batch_size].split(self.batch_size))
+            return list(self._trained_share(order)[: len(self) * self.batch_size].split(self.batch_size))
         members: dict[str, list[int]] = {}
         for i in order.tolist():
             members.setdefault(self.groups[i], []).append(i)
@@ -116,6 +150,13 @@ class ResidentBatches:
             out += [torch.tensor(index[b * self.batch_size : (b + 1) * self.batch_size]) for b in range(full)]
         return out
 
+    def _shared(self, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every world-th of all processes' grouped `batches`, the list padded by its first batches to equal shares."""
+        if self.world == 1 or not batches:
+            return batches
+        count = -(-len(batches) // self.world)
+        return [batches[(i * self.world + self.rank) % len(batches)] for i in range(count)]
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         inputs, labels = self.split.inputs, self.split.labels
         if self.epoch_of is not None:
@@ -124,15 +165,16 @@ class ResidentBatches:
         skip = self._skip if self.epoch == self._skip_epoch else 0
         self._current, self._taken, self._skip = self.epoch, skip, 0
         if not self.shuffle:
+            start, end = self._evaluated_share()
             for i in range(self._taken, len(self)):
-                window = slice(i * self.batch_size, (i + 1) * self.batch_size)
+                window = slice(start + i * self.batch_size, min(start + (i + 1) * self.batch_size, end))
                 self._taken += 1
                 yield inputs[window], labels[window]
             return
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         batches = self._batches(torch.randperm(len(self.split), generator=generator))
-        if self.groups is not None:  # the groups' batches interleaved at random
-            batches = [batches[b] for b in torch.randperm(len(batches), generator=generator).tolist()]
+        if self.groups is not None:  # the groups' batches interleaved at random, then shared out
+            batches = self._shared([batches[b] for b in torch.randperm(len(batches), generator=generator).tolist()])
         self.epoch += 1
         batches = batches[self._taken :]  # a run resumed mid-epoch goes on from its next batch
         # the epoch's order goes to the device in one copy: a copy per batch would make the host wait for the
@@ -678,7 +720,8 @@ class ClassificationData(L.LightningDataModule):
                 )
             return self._loader("train", shuffle=True)
         train = self.splits["train"]
-        loader = ResidentBatches(
+        rank, world = self._ranks()
+        return ResidentBatches(
             train,
             self.batch_size,
             shuffle=True,
@@ -687,20 +730,30 @@ class ClassificationData(L.LightningDataModule):
             groups=batch_groups(train.names, self.cfg.batch_groups),
             # resumed runs continue the epoch sequence: the trainer's epoch is restored after this is called
             epoch_of=(lambda: self.trainer.current_epoch) if self.trainer is not None else None,
+            rank=rank,
+            world=world,
         )
-        return loader
 
     def val_dataloader(self):
         if self.streamed:
             return self._loader("val", shuffle=False)
-        return ResidentBatches(self.splits["val"], self.eval_batch_size, shuffle=False)
+        return self._evaluated("val")
 
     def test_dataloader(self):
         if self.streamed:
             return self._loader("test", shuffle=False) if "test" in self.streamed else []
-        return (
-            ResidentBatches(self.splits["test"], self.eval_batch_size, shuffle=False) if "test" in self.splits else []
-        )
+        return self._evaluated("test") if "test" in self.splits else []
+
+    def _evaluated(self, split: str) -> ResidentBatches:
+        """A held-out split's batches: under DDP this process's share of them, as EvaluatedOnceDDP gives a loader's."""
+        rank, world = self._ranks()
+        return ResidentBatches(self.splits[split], self.eval_batch_size, shuffle=False, rank=rank, world=world)
+
+    def _ranks(self) -> tuple[int, int]:
+        """(this process's rank, the processes): resident batches are no DataLoader, so Lightning gives them no
+        DistributedSampler and they share themselves out. (0, 1) before a trainer exists."""
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
     def has_test(self) -> bool:
         return "test" in (self.streamed or self.splits)
@@ -710,6 +763,7 @@ class ClassificationData(L.LightningDataModule):
 
         items, index = self.streamed[split]
         workers = int(self.cfg.num_workers)
+        share = -(-len(index) // self._ranks()[1])  # this process's samples under Lightning's DistributedSampler
         # training: stateful, so Lightning keeps the shuffle's position in the checkpoint and a resumed epoch goes
         # on where it stopped (exact with workers; with num_workers=0 the later epochs shuffle differently)
         loader = StatefulDataLoader if shuffle else torch.utils.data.DataLoader
@@ -717,7 +771,7 @@ class ClassificationData(L.LightningDataModule):
             StreamedItems(items, index),
             batch_size=self.batch_size if shuffle else self.eval_batch_size,
             shuffle=shuffle,
-            drop_last=shuffle and len(index) >= self.batch_size,  # a split smaller than a batch is one batch
+            drop_last=shuffle and share >= self.batch_size,  # a share smaller than a batch is one batch
             num_workers=workers,
             persistent_workers=workers > 0,
             pin_memory=self.device.type == "cuda",

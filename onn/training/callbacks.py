@@ -246,8 +246,8 @@ class StepClock(L.Callback):
         engine = getattr(pl_module, "engine", None)
         if engine is not None:
             self._engine_t0 = (engine.times.io_s, engine.times.compute_s, engine.times.copied_bytes)
-        # this process's share of the step: the processes train equal shares (a sampler's or the global batch's
-        # slices), so the step trained the world's
+        # this process's share of the step: the processes train equal shares (a sampler's, resident batches' own, or
+        # the global batch's slices), so the step trained the world's
         self.rows.append(batch_rows(batch) * trainer.world_size)
         if isinstance(batch, dict):  # token batches; image batches are (images, labels)
             self._tokens.append(batch["attention_mask"].sum())

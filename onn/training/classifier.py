@@ -11,6 +11,7 @@ from the layer store with ClassifierObjective.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import types
 from collections.abc import Callable, Iterator
@@ -261,31 +262,38 @@ class Classifier(EpochRecord, ONNModule):
     @torch.no_grad()
     def adapt_batch_norm(self, batches) -> int:
         """AdaBN (Li et al., 2016): measure every BatchNorm's statistics again on `batches` (their inputs
-        only, never their labels), as the mean over all of them. A new speaker, microphone or camera shifts
+        only, never their labels), as those of all the samples measured. A new speaker, microphone or camera shifts
         the features' statistics away from the training data's; normalising by the new data's own undoes
         that shift. Returns the samples measured.
 
-        The k-th batch goes in at momentum 1/k: torch's own cumulative average (momentum None) reads its batch
-        count back from the device at every norm of every batch. A batch that a norm refuses in training mode (one
-        value per channel: a batch of one sample whose features are pooled to 1x1) is left out, said once, its
-        norms put back as they were; a batch of one an HxW map normalises is measured. With no batch measured the
-        trained statistics stay.
+        Each norm's inputs are accumulated (NormInputs: per-channel count, mean and squared deviations) as the
+        batches pass in training mode, and set as its running mean and (unbiased, as torch keeps it) variance at the
+        end: a mean of the batches' variances left out the spread of their means, far too small on class-sorted
+        test data. Nothing is read to the host per batch. A batch that a norm refuses in training mode (one value
+        per channel: a batch of one sample whose features are pooled to 1x1) is left out, said once; a batch of one
+        an HxW map normalises is measured. With no batch measured the trained statistics stay.
 
-        Under DDP each rank measures its own share of the batches; the ranks' statistics are then combined
+        Under DDP each rank measures its own share of the batches; the ranks' accumulations are then combined
         (combine_over_ranks), so that every rank evaluates, and rank 0 saves, the same model. Returns the samples
         measured by all ranks."""
         norms = [m for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         if not norms:
             return 0
         saved = [(m.momentum, m.training) for m in norms]
+        inputs = NormInputs([m for m in norms if m.running_mean is not None])
+        trained = norm_buffers(inputs.norms)
         try:
-            with measured_on_this_rank(norms):
-                measured, seen, left_out = self._measure(norms, batches)
+            for m in norms:  # the batches normalised by their own statistics; the running ones left as they are
+                m.train()
+                m.momentum = 0.0  # not None: torch's cumulative average reads its batch count back at every forward
+            with measured_on_this_rank(norms), inputs.hooked():
+                measured, seen, left_out = self._measure(inputs, batches)
         finally:
             for m, (momentum, training) in zip(norms, saved):
                 m.momentum = momentum
                 m.train(training)
-        measured, seen = combine_over_ranks(norms, measured, seen)
+            restore_norm_buffers(inputs.norms, trained)  # their batch counts went up
+        measured, seen = combine_over_ranks(inputs, measured, seen)
         if left_out:
             kept = (
                 ""
@@ -301,27 +309,21 @@ class Classifier(EpochRecord, ONNModule):
             )
         return seen
 
-    def _measure(self, norms: list[nn.Module], batches) -> tuple[int, int, int]:
-        """adapt_batch_norm's pass over `batches`: the norms' statistics of this rank's batches, in training mode at
-        momentum 1/k. Returns the batches measured, their samples, and the samples left out (batches of one)."""
+    def _measure(self, inputs: NormInputs, batches) -> tuple[int, int, int]:
+        """adapt_batch_norm's pass over `batches`, the norms' inputs accumulated in `inputs`. Returns the batches
+        measured, their samples, and the samples left out (batches of one)."""
         measured = seen = left_out = 0
         for x, _ in batches:
             samples = self.samples(x)
-            before = norm_buffers(norms) if samples < 2 else None  # only a batch of one can be refused
-            if not measured:  # reset only once there is something to measure
-                for m in norms:
-                    m.reset_running_stats()
-                    m.train()
-            for m in norms:
-                m.momentum = 1 / (measured + 1)
             try:
                 self.logits(self.prepare(to_device(x, self.device), train=False))
-            except ValueError as e:  # raised from the batch's shape, before the refusing norm updates
-                if before is None or "Expected more than 1 value per channel" not in str(e):
+            except ValueError as e:  # raised from the batch's shape, by the refusing norm
+                if samples >= 2 or "Expected more than 1 value per channel" not in str(e):
                     raise
-                restore_norm_buffers(norms, before)  # the norms before it had measured the batch
+                inputs.drop()  # the norms before it had measured the batch
                 left_out += samples
                 continue
+            inputs.keep()
             measured += 1
             seen += samples
         return measured, seen, left_out
@@ -424,29 +426,113 @@ def measured_on_this_rank(norms: list[nn.Module]) -> Iterator[None]:
             del m.forward
 
 
-def combine_over_ranks(norms: list[nn.Module], measured: int, seen: int) -> tuple[int, int]:
-    """Every rank's norms at the statistics of all ranks' batches, as one process measuring them all has them: the
-    mean of the ranks' statistics (each already the mean over its batches) weighted by the batches each measured.
-    A rank that measured none adds nothing; with none measured anywhere the trained statistics stay. Returns the
-    batches and samples measured over all ranks (this rank's own without a process group of two or more)."""
-    tracked = [m for m in norms if m.running_mean is not None]
-    if not tracked or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return measured, seen
-    stats = [s for m in tracked for s in (m.running_mean, m.running_var)]
-    device = stats[0].device
-    counts = torch.tensor([measured, seen], dtype=torch.float64, device=device)
-    weighted = torch.cat([s.to(torch.float64).flatten() * measured for s in stats])
-    flat = torch.cat([counts, weighted])
-    dist.all_reduce(flat)  # one collective; a rank that measured no batch holds its trained statistics times 0
-    total, samples = (int(v) for v in flat[:2].tolist())  # read once per AdaBN run
-    if total:
-        offset = 2
-        for s in stats:
-            s.copy_((flat[offset : offset + s.numel()] / total).view_as(s))
-            offset += s.numel()
-        for m in tracked:
-            m.num_batches_tracked.fill_(total)
-    return total, samples
+@dataclasses.dataclass
+class Moments:
+    """Per channel: how many values (`count`, the same for every channel), their mean and the sum of their squared
+    deviations from it (`m2`)."""
+
+    count: int
+    mean: torch.Tensor
+    m2: torch.Tensor
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> Moments:
+        """The moments of a norm's input [N, C, ...] over every dimension but the channels', in float64 (float32 on
+        Apple's MPS, which has none)."""
+        dims = [0, *range(2, x.dim())]
+        var, mean = torch.var_mean(x.float(), dim=dims, correction=0)
+        dtype = torch.float32 if x.device.type == "mps" else torch.float64
+        count = x.numel() // x.shape[1]
+        return cls(count, mean.to(dtype), var.to(dtype) * count)
+
+    @classmethod
+    def none(cls, norm: nn.Module) -> Moments:
+        """The moments of no value, for a norm that measured none."""
+        return cls(0, torch.zeros_like(norm.running_mean), torch.zeros_like(norm.running_mean))
+
+    def merged(self, other: Moments | None) -> Moments:
+        """The moments of both sets of values (Chan et al.'s pairwise formula): M2 gains the spread of the two
+        means, which a mean of the sets' variances leaves out."""
+        if other is None:
+            return self
+        count = self.count + other.count
+        delta = other.mean - self.mean
+        mean = self.mean + delta * (other.count / count)
+        return Moments(count, mean, self.m2 + other.m2 + delta.square() * (self.count * other.count / count))
+
+
+class NormInputs:
+    """The moments of every input each of `norms` normalised while hooked (a forward pre-hook per norm): a batch's
+    join the measured ones once its whole forward ran (keep), and are dropped when a later norm refuses the batch."""
+
+    def __init__(self, norms: list[nn.Module]):
+        self.norms = norms
+        self.measured: list[Moments | None] = [None] * len(norms)
+        self._batch: list[Moments | None] = [None] * len(norms)
+
+    @contextlib.contextmanager
+    def hooked(self) -> Iterator[None]:
+        handles = [m.register_forward_pre_hook(self._hook(i)) for i, m in enumerate(self.norms)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _hook(self, i: int) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        def measure(norm: nn.Module, args: tuple[Any, ...]) -> None:
+            self._batch[i] = Moments.of(args[0]).merged(self._batch[i])
+
+        return measure
+
+    def keep(self) -> None:
+        self.measured = [m if b is None else b.merged(m) for m, b in zip(self.measured, self._batch)]
+        self.drop()
+
+    def drop(self) -> None:
+        self._batch = [None] * len(self.norms)
+
+    def set_norms(self, batches: int) -> None:
+        """Each measured norm's running mean and unbiased running variance those of all it measured."""
+        for norm, moments in zip(self.norms, self.measured):
+            if moments is None or not moments.count:
+                continue
+            norm.running_mean.copy_(moments.mean)
+            norm.running_var.copy_(moments.m2 / max(moments.count - 1, 1))
+            if norm.num_batches_tracked is not None:
+                norm.num_batches_tracked.fill_(batches)
+
+
+def combine_over_ranks(inputs: NormInputs, measured: int, seen: int) -> tuple[int, int]:
+    """Every rank's norms set to the statistics of all ranks' batches, as one process measuring them all has them:
+    the ranks' counts, sums and sums of squares (about zero, in float64) added in one collective. A rank that
+    measured none adds nothing; with none measured anywhere the trained statistics stay. Returns the batches and
+    samples measured over all ranks (this rank's own without a process group of two or more)."""
+    if inputs.norms and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        measured, seen = _summed_over_ranks(inputs, measured, seen)
+    if measured:
+        inputs.set_norms(measured)
+    return measured, seen
+
+
+def _summed_over_ranks(inputs: NormInputs, measured: int, seen: int) -> tuple[int, int]:
+    """combine_over_ranks' collective: `inputs` become the moments of every rank's, and the batches and samples
+    measured are summed. Read to the host once: the counts."""
+    device = inputs.norms[0].running_mean.device
+    found = [m if m is not None else Moments.none(n) for n, m in zip(inputs.norms, inputs.measured)]
+    counts = torch.tensor([measured, seen, *(m.count for m in found)], dtype=torch.float64)
+    sums = [m.mean.to(device, torch.float64) * m.count for m in found]
+    squares = [m.m2.to(device, torch.float64) + s * m.mean.to(device, torch.float64) for m, s in zip(found, sums)]
+    flat = torch.cat([counts.to(device), *sums, *squares])
+    dist.all_reduce(flat)  # one collective
+    numbers = [int(v) for v in flat[: len(counts)].tolist()]
+    widths = [len(s) for s in sums]
+    summed = flat[len(counts) :].split(widths + widths)
+    for i, count in enumerate(numbers[2:]):
+        mean = summed[i] / max(count, 1)
+        m2 = (summed[len(found) + i] - mean.square() * count).clamp_min(0)
+        inputs.measured[i] = Moments(count, mean, m2) if count else None
+    return numbers[0], numbers[1]
 
 
 def to_device(x, device: torch.device):
