@@ -423,3 +423,26 @@ def test_a_failed_re_export_leaves_the_earlier_towers_together(shapes, tiny, tmp
         run(tmp_path, "task=export", "export=onnx", f"ckpt={second}", f"export.output={towers}", name="export2")
     assert {p.name: p.read_bytes() for p in towers.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no staged folder left
+
+
+def test_infer_on_a_query_that_does_not_decode_names_the_users_file(shapes, tiny, tmp_path, caplog):
+    """A picture query of which nothing decodes: the sentence names the user's file, not the folder of links the
+    side reads it through (/tmp/onn-pairs-...), with data.max_bad_fraction advice that cannot help."""
+    run_dir, _ = tiny
+    queries, gallery = tmp_path / "queries", tmp_path / "gallery"
+    queries.mkdir()
+    gallery.mkdir()
+    (queries / "bad.png").write_bytes(b"not a picture")
+    for i in range(3):
+        shutil.copy(shapes / f"{i:04d}.txt", gallery / f"{i:04d}.txt")
+    with pytest.raises(UserError, match="no query or no gallery item could be read") as refused:
+        run(
+            tmp_path,
+            MODALITY_HARDWARE,
+            "task=infer",
+            f"ckpt={run_dir}",
+            f"task.input={queries}",
+            f"task.gallery={gallery}",
+        )
+    assert "bad.png: not a readable image file" in caplog.text
+    assert "onn-pairs-" not in caplog.text + str(refused.value)

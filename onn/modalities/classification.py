@@ -638,7 +638,10 @@ class ClassifierSide:
         with tempfile.TemporaryDirectory(prefix="onn-pairs-") as stage:
             for i, path in enumerate(items):
                 os.symlink(Path(path).resolve(), Path(stage) / f"{i:07d}{Path(path).suffix.lower()}")
-            sets = self.m.read_inputs(Path(stage), self.inputs, self.config)
+            try:
+                sets = self.m.read_inputs(Path(stage), self.inputs, self.config)
+            except UserError:  # nothing of the set decodes: each item a skip named by its own file, not the stage's
+                return self.sample(0), [], [(i, f"not a readable {self.name} file") for i in range(len(items))]
         tensors, index, skipped = [], [], []
         for decoded in sets.values():
             tensors.append(decoded.inputs)

@@ -105,7 +105,10 @@ def write_primitives(
 
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (2, 3):
-        sys.exit("usage: python -m onn.modalities.mesh.primitives OUT_FOLDER [PER_CLASS]")
+    usage = (
+        "usage: python -m onn.modalities.mesh.primitives OUT_FOLDER [PER_CLASS] (PER_CLASS: a whole number, 1 or more)"
+    )
+    if len(sys.argv) not in (2, 3) or (len(sys.argv) == 3 and not (sys.argv[2].isdigit() and int(sys.argv[2]) > 0)):
+        sys.exit(usage)
     out = write_primitives(sys.argv[1], int(sys.argv[2]) if len(sys.argv) == 3 else 20)
     print(f"wrote {len(CLASSES)} classes of primitives to {out}")

@@ -85,7 +85,8 @@ def write_primitives(
 
 if __name__ == "__main__":
     kinds = {"shapes": write_shapes, "primitives": write_primitives}
-    if len(sys.argv) not in (3, 4) or sys.argv[1] not in kinds:
-        sys.exit("usage: python -m onn.modalities.pairs.demo shapes|primitives OUT_FOLDER [COUNT]")
+    count_ok = len(sys.argv) != 4 or (sys.argv[3].isdigit() and int(sys.argv[3]) > 0)
+    if len(sys.argv) not in (3, 4) or sys.argv[1] not in kinds or not count_ok:
+        sys.exit("usage: python -m onn.modalities.pairs.demo shapes|primitives OUT_FOLDER [COUNT] (COUNT: 1 or more)")
     out = kinds[sys.argv[1]](sys.argv[2], int(sys.argv[3]) if len(sys.argv) == 4 else 200)
     print(f"wrote {sys.argv[1]} pairs to {out}")
