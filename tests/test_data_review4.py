@@ -8,6 +8,7 @@ import io
 import os
 import stat
 import tarfile
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -112,6 +113,25 @@ def test_a_tar_name_stored_twice_is_its_last_entry(tmp_path, mode, order):
     assert {name: got[-1] for name, got in read.items()} == {"ds/a.png": a, "ds/b.png": b"bee", "ds/c.png": a}
     if mode == "w":  # random access: each name once (a compressed tar streams an entry before it knows a later one)
         assert all(len(got) == 1 for got in read.values())
+
+
+@pytest.mark.parametrize("order", ["file then link", "link then file"])
+def test_a_zip_name_stored_twice_is_its_last_entry(tmp_path, order):
+    """zipfile reads a name stored twice as its later entry; the zip listing yielded every regular entry and then
+    the links found, so a link stored before a file of its name was read after it, and won."""
+    archive = tmp_path / "ds.zip"
+    with warnings.catch_warnings(), zipfile.ZipFile(archive, "w") as zf:
+        warnings.simplefilter("ignore")  # zipfile warns of the duplicate name it is asked to write
+        zf.writestr("ds/b.png", b"bee")
+        if order == "file then link":
+            zf.writestr("ds/a.png", b"old")
+            add_zip_link(zf, "ds/a.png", "b.png")
+        else:
+            add_zip_link(zf, "ds/a.png", "b.png")
+            zf.writestr("ds/a.png", b"new")
+    read, refused = read_all(archive)
+    a = b"bee" if order == "file then link" else b"new"
+    assert refused == {} and read == {"ds/a.png": [a], "ds/b.png": [b"bee"]}
 
 
 @pytest.mark.parametrize("mode", ["w", "w:gz"])

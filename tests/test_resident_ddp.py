@@ -89,6 +89,22 @@ def test_adabn_measures_the_whole_test_sets_statistics_on_class_sorted_batches()
     assert not norm.training and norm.momentum == 0.1 and int(norm.num_batches_tracked) == 6
 
 
+def test_adabn_passes_over_an_empty_batch():
+    """A BatchNorm in training mode takes a batch of no sample, whose moments are NaN: merged, they made every
+    norm's statistics NaN. An empty batch measures nothing."""
+    from onn.training.classifier import Classifier
+
+    torch.manual_seed(2)
+    x = torch.randn(8, 3, 6, 6) * 3 + 1
+    labels = torch.zeros(8, dtype=torch.long)
+    network = norm_first_cnn(3).eval()
+    module = Classifier(network, ["a", "b", "c"], OPTIM, {})
+    batches = [(x[:4], labels[:4]), (x[:0], labels[:0]), (x[4:], labels[4:])]
+    assert module.adapt_batch_norm(batches) == 8
+    torch.testing.assert_close(network[0].running_mean, x.mean((0, 2, 3)))
+    torch.testing.assert_close(network[0].running_var, x.var((0, 2, 3)))
+
+
 _RESIDENT_RANK = """
 import json, sys
 import lightning as L

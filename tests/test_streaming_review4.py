@@ -129,6 +129,39 @@ def test_a_module_registered_after_the_blocks_and_run_before_them_is_in_the_pref
     assert [n for n, _ in llama.suffix] == ["model.norm", "lm_head"]
 
 
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ff = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ff(x)
+
+
+class _ClosureNet(nn.Module):
+    """A head and norm registered after the blocks, reached through an alias and a lambda made before the loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.layers = nn.Linear(4, 8), nn.ModuleList([_Block(), _Block()])
+        self.norm, self.head = nn.LayerNorm(8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        head = self.head
+        finish = lambda h: head(self.norm(h))  # noqa: E731 -- the shape under test
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return finish(x)
+
+
+def test_a_module_reached_through_an_alias_or_a_lambda_keeps_its_registered_side():
+    """Where a module stands in the source is not when it runs when an alias or a lambda reaches it: the head and
+    norm read before the loop went to the prefix (frozen under sparse_lora, loaded in the prefix phase)."""
+    layer_map = discover(_ClosureNet())
+    assert [n for n, _ in layer_map.prefix] == ["embed"] and [n for n, _ in layer_map.suffix] == ["norm", "head"]
+
+
 def with_lora(build, targets: list[str]) -> nn.Module:
     """The model with random LoRA adapters (every adapter has a gradient), in train mode (its builder drops nothing)."""
     torch.manual_seed(0)

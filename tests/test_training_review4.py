@@ -78,6 +78,32 @@ def test_task_eval_under_ddp_gives_one_processs_figures(tmp_path: Path):
         assert two[key] == pytest.approx(one[key], rel=1e-4), key
 
 
+@pytest.mark.slow  # a short training, then task=eval by two processes twice (Lightning's launcher): ~80 s
+def test_a_fraction_of_the_test_batches_under_ddp_ends_on_every_rank(tmp_path: Path):
+    """21 test images in batches of 5 over 2 ranks: shares of 11 and 10, 3 batches and 2. With
+    trainer.limit_test_batches=0.4 Lightning keeps int(3 x 0.4) = 1 and int(2 x 0.4) = 0, refused on rank 1 while
+    rank 0 waited in DDP's collectives; such an evaluation keeps shares of equal length, streamed or resident."""
+    from onn.app import execute
+
+    images = make_images(tmp_path / "images", train=6, test=7)
+    common = (
+        *("model=v28_cnn", "data=image", f"data.source={images}", "hardware=cpu_16gb", "tracking=none"),
+        *("trainer.enable_progress_bar=false", f"paths.outputs={tmp_path / 'outputs'}"),
+        *(f"paths.cache={tmp_path / 'cache'}", "data.eval_batch_size=5", "data.val_split=0.25"),
+    )
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    execute(compose(*common, "data.batch_size=8", "trainer.max_epochs=1"), trained)
+    for resident in ("false", "true"):
+        run_dir = tmp_path / f"eval_{resident}"
+        evaluated = run_cli(
+            *common, "task=eval", f"ckpt={trained}", f"data.resident={resident}", "trainer.devices=2",
+            "trainer.limit_test_batches=0.4", "strategy.timeout_s=60", f"hydra.run.dir={run_dir}", timeout=300,
+        )  # fmt: skip
+        assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+        assert read_metrics(run_dir)["status"] == "ok"
+
+
 _ADABN_TEST_RANK = """
 import json, sys
 import lightning as L

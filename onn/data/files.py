@@ -260,13 +260,16 @@ Linked = tuple[str, tarfile.TarInfo, Any]  # (the link's clean name, the link, t
 def _zip_members(path: str | os.PathLike[str]) -> Iterator[Member]:
     """A zip's members. Info-ZIP's `zip -y` stores a symbolic link as a member whose bytes are its target, marked
     S_IFLNK in the high bits of external_attr: read as bytes, it was a file holding a path, counted undecodable. A
-    link is read as tar's are; a found one's raw is its target's stored name, what zipfile reads it by."""
+    link is read as tar's are; a found one's raw is its target's stored name, what zipfile reads it by. A name
+    stored twice is its last entry, a file or a link."""
     with open_regular(path) as f, zipfile.ZipFile(f) as zf:
         files: dict[str, zipfile.ZipInfo] = {}
         links: list[tarfile.TarInfo] = []
-        for info in zf.infolist():
-            if info.is_dir():
-                continue
+        entries = [info for info in zf.infolist() if not info.is_dir()]
+        last = {name: info for info in entries if (name := _checked(zip_name(info))[0]) is not None}
+        for info in entries:
+            if (name := _checked(zip_name(info))[0]) is not None and last[name] is not info:
+                continue  # a later entry of its name stands
             if stat.S_ISLNK(info.external_attr >> 16):
                 links.append(_zip_link(zf, info))
                 continue

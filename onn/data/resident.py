@@ -745,8 +745,14 @@ class ClassificationData(L.LightningDataModule):
         return self._evaluated("test") if "test" in self.splits else []
 
     def _evaluated(self, split: str) -> ResidentBatches:
-        """A held-out split's batches: under DDP this process's share of them, as EvaluatedOnceDDP gives a loader's."""
+        """A held-out split's batches: under DDP this process's share of them, as EvaluatedOnceDDP gives a loader's.
+        Under a fraction of the batches (trainer.limit_val_batches=0.4) every process scores the whole split:
+        Lightning keeps int(batches x fraction) on each, and shares a batch apart could keep 1 and 0 (one process
+        raising while the others wait)."""
         rank, world = self._ranks()
+        limit = getattr(self.trainer, f"limit_{split}_batches") if world > 1 else None
+        if isinstance(limit, float) and 0 < limit < 1:
+            rank, world = 0, 1
         return ResidentBatches(self.splits[split], self.eval_batch_size, shuffle=False, rank=rank, world=world)
 
     def _ranks(self) -> tuple[int, int]:

@@ -11,7 +11,10 @@ then the longest. A model config can name the blocks explicitly instead
 
 from __future__ import annotations
 
+import ast
 import functools
+import inspect
+import textwrap
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -268,12 +271,10 @@ def _split_siblings(
 def _uses_in_forward(forward) -> dict[str, list[tuple[tuple[int, int], tuple[int, int]]]]:
     """Where a forward uses each `self.NAME`, as (start, end) source positions in the order they run: a called
     attribute runs at the end of its call (in `self.head(self.norm(x))` the norm runs first), the list a loop
-    walks over lasts to the loop's end (what the loop's body calls runs among its items), any other is read where
-    it stands. Empty where the forward has no Python source (a container's): registration order then stands."""
-    import ast
-    import inspect
-    import textwrap
-
+    walks over lasts to the loop's end (what the loop's body calls runs among its items); a presence check (`if
+    self.norm is not None`) runs nothing. A name also used where its place in the source is not when it runs
+    (inside a lambda or nested function, or read otherwise: `head = self.head` before the loop) is left out, as is
+    everything where the forward has no Python source (a container's): registration order then stands."""
     function = inspect.unwrap(forward)  # past transformers' decorators, which wrap it
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
@@ -291,12 +292,30 @@ def _uses_in_forward(forward) -> dict[str, list[tuple[tuple[int, int], tuple[int
         elif isinstance(node, ast.For | ast.AsyncFor | ast.While):
             walked = node.test if isinstance(node, ast.While) else node.iter
             looped.update({id(inner): (node.end_lineno, node.end_col_offset) for inner in ast.walk(walked)})
+    nested = {  # what runs when a lambda or inner function is called, not where it stands
+        id(inner)
+        for node in ast.walk(definition)
+        if node is not definition and isinstance(node, ast.Lambda | ast.FunctionDef | ast.AsyncFunctionDef)
+        for inner in ast.walk(node)
+    }
+    checks = {  # `if self.norm is not None:`: a presence check, which runs nothing
+        id(child)
+        for node in ast.walk(definition)
+        if isinstance(node, ast.Compare | ast.BoolOp | ast.UnaryOp | ast.If | ast.IfExp | ast.While | ast.Assert)
+        for child in ast.iter_child_nodes(node)
+    }
     uses: dict[str, list[tuple[tuple[int, int], tuple[int, int]]]] = {}
+    unplaced: set[str] = set()
     for node in ast.walk(definition):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == me:
+            runs = id(node) in called or id(node) in looped
+            if id(node) in nested or not (runs or id(node) in checks):
+                unplaced.add(node.attr)
+            if not runs:
+                continue
             start = called.get(id(node), (node.lineno, node.col_offset))
             uses.setdefault(node.attr, []).append((start, looped.get(id(node), start)))
-    return uses
+    return {name: spans for name, spans in uses.items() if name not in unplaced}
 
 
 def _count(module: nn.Module) -> int:

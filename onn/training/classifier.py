@@ -315,6 +315,8 @@ class Classifier(EpochRecord, ONNModule):
         measured = seen = left_out = 0
         for x, _ in batches:
             samples = self.samples(x)
+            if not samples:
+                continue
             try:
                 self.logits(self.prepare(to_device(x, self.device), train=False))
             except ValueError as e:  # raised from the batch's shape, by the refusing norm
@@ -453,8 +455,10 @@ class Moments:
     def merged(self, other: Moments | None) -> Moments:
         """The moments of both sets of values (Chan et al.'s pairwise formula): M2 gains the spread of the two
         means, which a mean of the sets' variances leaves out."""
-        if other is None:
+        if other is None or not other.count:
             return self
+        if not self.count:
+            return other
         count = self.count + other.count
         delta = other.mean - self.mean
         mean = self.mean + delta * (other.count / count)
@@ -481,7 +485,8 @@ class NormInputs:
 
     def _hook(self, i: int) -> Callable[[nn.Module, tuple[Any, ...]], None]:
         def measure(norm: nn.Module, args: tuple[Any, ...]) -> None:
-            self._batch[i] = Moments.of(args[0]).merged(self._batch[i])
+            if args[0].numel():  # a norm in training mode takes an empty batch: its moments are NaN
+                self._batch[i] = Moments.of(args[0]).merged(self._batch[i])
 
         return measure
 

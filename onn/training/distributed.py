@@ -178,8 +178,20 @@ class EvaluatedOnceDDP(DDPStrategy):
 
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
-        stage = self.lightning_module.trainer.state.stage
-        return evaluated_once(dataloader, stage) if stage in EVALUATIONS else dataloader
+        trainer = self.lightning_module.trainer
+        stage = trainer.state.stage
+        if stage not in EVALUATIONS or limited_by_fraction(trainer, stage):
+            return dataloader
+        return evaluated_once(dataloader, stage)
+
+
+def limited_by_fraction(trainer, stage: RunningStage) -> bool:
+    """Whether an evaluation keeps a fraction of its batches (trainer.limit_val_batches=0.4): Lightning keeps
+    int(batches x fraction) on each rank and refuses 0, so ranks whose shares differ by a batch could keep 1 and 0,
+    one rank raising while the others wait in DDP's buffer sync. Such an evaluation keeps Lightning's shares of
+    equal length (a few samples repeated)."""
+    limit = trainer.limit_test_batches if stage == RunningStage.TESTING else trainer.limit_val_batches
+    return isinstance(limit, float) and 0 < limit < 1
 
 
 def evaluated_once(dataloader: object, stage: RunningStage) -> object:
