@@ -227,7 +227,25 @@ def merged_model(model: nn.Module, engine: Any = None) -> nn.Module:
         raise RuntimeError(
             f"merged weights do not fit {type(plain).__name__}: unexpected {unexpected[:3]}, empty {empty[:3]}"
         )
+    _unpack_4bit(plain)
     return plain.eval()
+
+
+def _unpack_4bit(model: nn.Module) -> None:
+    """QLoRA's 4-bit linears (in merged_model's copy) as plain nn.Linear layers holding the de-quantized, merged
+    weights put in place of their packed codes: bitsandbytes' own forward reads the codes, and fails on a dense
+    weight; and the copy no longer marked quantized, which transformers' `.to(dtype)` refuses."""
+    import torch
+
+    for key, packed in _packed_4bit(model).items():
+        linear = torch.nn.Linear(packed.in_features, packed.out_features, bias=packed.bias is not None, device="meta")
+        linear.weight = torch.nn.Parameter(packed.weight.data, requires_grad=False)
+        if packed.bias is not None:
+            linear.bias = torch.nn.Parameter(packed.bias.data, requires_grad=False)
+        model.set_submodule(key.removesuffix(".weight"), linear)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:  # transformers refuses to cast a model it loaded quantized: the ONNX export casts it
+        quantizer.remove_quantization_config(model)
 
 
 # -- the merged weights, a group at a time -------------------------------------------------------

@@ -15,6 +15,7 @@ import copy
 import functools
 import importlib
 import inspect
+import itertools
 import logging
 import os
 import shutil
@@ -247,7 +248,8 @@ def export_onnx(
     export never damages an earlier file. `axes` names each input's dynamic axes ({"input_points": {1:
     "prompts"}}) instead of the shared batch and sequence axes, `bounds` an axis's (min, max) where the model
     needs one: the pieces of a pipeline (pipelines/). `follow(onnxruntime's outputs)` is a context in which the
-    model takes onnxruntime's discrete choices (a top-k over near-tied scores), for the comparison."""
+    model takes onnxruntime's discrete choices (a top-k over near-tied scores), for the comparison. A model on a
+    GPU, or in bf16, is moved to the CPU in float32 first, in place (`traceable`)."""
     import torch
 
     started = time.perf_counter()
@@ -259,6 +261,7 @@ def export_onnx(
         raise UserError(f"the folder of the ONNX export path {output} does not exist; create it first.")
     model = _unwrap_peft(model, merge=True)
     _check_sample(model, sample_input, dynamic and axes is None, batched=axes is None)
+    model, sample_input = traceable(model, sample_input)
     input_names = list(sample_input)
     tensors = tuple(sample_input.values())
 
@@ -301,6 +304,24 @@ def export_onnx(
         "export/max_abs_diff": max(diffs.values()),
         "export/max_abs_diff_per_output": diffs,
         "export/seconds": round(time.perf_counter() - started, 3),
+    }
+
+
+def traceable(model, sample: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The model and its sample as ONNX traces them: on the CPU, in float32 (the model moved there in place: a
+    copy of a large model would double what the export holds). A run on a GPU leaves its model on the device
+    (after answering) and in bf16 (strategy.precision=bf16-true; a streamed model's blocks merge in the compute
+    dtype, beside float32 edges), and onnxruntime's CPU provider, which checks the export, has no bf16 matmul."""
+    import torch
+
+    def ready(t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and (not t.is_floating_point() or t.dtype == torch.float32)
+
+    if not all(ready(t) for t in itertools.chain(model.parameters(), model.buffers())):
+        model = model.to("cpu", torch.float32)
+    return model, {
+        k: v.to("cpu", torch.float32 if v.is_floating_point() else v.dtype) if torch.is_tensor(v) else v
+        for k, v in sample.items()
     }
 
 

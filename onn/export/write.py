@@ -99,24 +99,6 @@ def weight_bytes(model) -> int | None:
     return sum(t.numel() * t.element_size() for t in tensors.values()) or None
 
 
-def _traceable(model, sample: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """The model and its sample as ONNX traces them: on the CPU, in float32 (the model moved there in place: a
-    copy of a large model would double what the export holds). A run on a GPU leaves its model on the device
-    (after answering) and in bf16 (a streamed model's blocks merge in the compute dtype, beside float32 edges),
-    and onnxruntime's CPU provider, which checks the export, has no bf16 matmul."""
-    import torch
-
-    def traceable(t: torch.Tensor) -> bool:
-        return t.device.type == "cpu" and (not t.is_floating_point() or t.dtype == torch.float32)
-
-    if not all(traceable(t) for t in itertools.chain(model.parameters(), model.buffers())):
-        model = model.to("cpu", torch.float32)
-    return model, {
-        k: v.to("cpu", torch.float32 if v.is_floating_point() else v.dtype) if torch.is_tensor(v) else v
-        for k, v in sample.items()
-    }
-
-
 def _export(model, output: Path, sample_input, settings, model_name, tokenizer, engine) -> dict[str, Any]:
     """export_model's writing, once its settings and folder are checked."""
     kind = settings.name
@@ -139,8 +121,9 @@ def _export(model, output: Path, sample_input, settings, model_name, tokenizer, 
         from onn.export.hf import merged_model
 
         model = merged_model(model, engine)  # ONNX holds the whole graph: one resident, merged model
-    model, sample_input = _traceable(model, sample_input)
-    from onn.export.onnx_export import export_onnx
+    from onn.export.onnx_export import export_onnx, traceable
+
+    model, sample_input = traceable(model, sample_input)  # (export_onnx does it too; omny.describe reads the sample)
 
     opset, atol = settings.opset, settings.atol
     if kind == "onnx":

@@ -582,7 +582,7 @@ def export_module(m: ClassifierModality, config: ONNConfig, module: Classifier, 
     generator = torch.Generator().manual_seed(int(config.seed))
     if dtype == torch.uint8:  # pixels of every value check the graph better than zeros
         stored = torch.randint(0, 256, shape, dtype=dtype, generator=generator)
-    else:  # float32: an audio run stores float16 samples, and onnxruntime takes float32 ones (write._traceable)
+    else:  # float32: an audio run stores float16 samples, and onnxruntime takes float32 ones (onnx_export.traceable)
         stored = torch.randn(shape, generator=generator)
     return export_for_run(config, graph, run_dir, {"input": stored})
 

@@ -354,6 +354,13 @@ def _check_sample(g: G.Graph, sample_input: dict[str, Any]) -> dict[str, dict[st
         want = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
         if len(want) != value.ndim or any(isinstance(w, int) and w != v for w, v in zip(want, value.shape)):
             raise UserError(f"sample input '{name}' has shape {list(value.shape)}, but the graph expects {want}.")
+        takes = onnx.helper.tensor_dtype_to_np_dtype(declared[name].type.tensor_type.elem_type)
+        if (np.dtype(takes).kind in "iub") != (value.dtype.kind in "iub"):  # integers (or booleans) or not
+            # float ids (numpy's default dtype) would be recorded without their range, and validate fed garbage
+            raise UserError(
+                f"sample input '{name}' is {value.dtype}, but the graph takes {takes}; give it as {takes} "
+                f"(e.g. np.asarray(x, np.{takes}))."
+            )
         entry: dict[str, Any] = {"shape": list(value.shape)}
         if np.issubdtype(value.dtype, np.integer) or value.dtype == bool:
             entry.update(low=int(value.min()), high=int(value.max()) + 1)
