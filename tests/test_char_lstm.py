@@ -262,6 +262,7 @@ def test_a_one_layer_lm_trains_and_bad_architecture_keys_are_one_sentence(tmp_pa
             execute(tiny_recipe(tmp_path, f"model.architecture.{key}={value}", MODALITY_HARDWARE), tmp_path / key)
 
 
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_an_omny_of_a_recurrent_lm_validates_every_plan(tmp_path):
     """An LSTM's Scan body reads the layer's weights from the graph around it. onnx's extractor follows node inputs
     only, so every shard of char_lstm's .omny lost them and validate called the export INVALID (1 shard too)."""

@@ -112,6 +112,7 @@ def test_a_record_that_cannot_make_its_folder_is_one_sentence(tmp_path):
         RunRecord(tmp_path / "taken" / "run", {"status": "ok"}).write()
 
 
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_a_sweep_with_a_failed_job_exits_1_and_names_it(tmp_path):
     """Each job fails on its own and the sweep goes on, but the sweep exited 0 with a job failed."""
     done = run_cli(

@@ -340,6 +340,7 @@ def test_an_opset_the_export_cannot_keep_is_refused_before_anything_loads():
             check_settings(replace(base, sample=replace(base.sample, **{key: 1})))
 
 
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_an_opset_torch_cannot_write_or_onnxruntime_cannot_run_names_export_opset(tmp_path):
     """A graph torch.onnx's version converter cannot take to the opset asked for is refused (torch wrote opset 18
     instead, saying so only in a logged traceback); a converted graph that fails its check names export.opset and

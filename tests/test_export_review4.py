@@ -16,6 +16,7 @@ def onnx_settings() -> OnnxExport:
     return OnnxExport(name="onnx", output=None, opset=18, atol=1e-4, sample=ExportSample(2, 8, None))
 
 
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_a_qlora_model_exports_to_onnx_with_its_merged_dequantized_weights(tmp_path):
     """QLoRA's base holds bitsandbytes' packed 4-bit linears, whose forward cannot run on the dense merged weight
     the export puts in their place (an AssertionError), and transformers refuses to cast a model it loaded
@@ -59,6 +60,7 @@ def test_a_graph_network_trained_in_bf16_exports_to_onnx(tmp_path):
     assert logits.shape == (1, 2) and np.isfinite(logits).all()
 
 
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_enrich_refuses_a_float_sample_for_token_ids(tmp_path, capsys):
     """numpy's default dtype is float64: `np.ones((1, 5))` saved as input_ids was taken, the document recorded the
     ids without their value range, and validate then fed the graph ids of -1, 0 and 1. It is refused, naming the

@@ -292,6 +292,7 @@ def test_threads_follow_the_free_cores_and_the_plan_says_so(tmp_path):
     assert busy.predicted_step_s > quiet.predicted_step_s
 
 
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_settings_and_data_are_checked_before_the_store_is_built(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input": "1+1", "output": "2"}\nnot json\n')
@@ -389,6 +390,7 @@ def test_a_gguf_file_loads_block_by_block_into_the_store(tmp_path):
     torch.testing.assert_close(engine.loss([batch])[0], want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_large_models_time_copies_of_one_and_two_of_their_own_blocks(tmp_path):
     """A copy of one block is no run of blocks to discover: its layer map must come from the whole model
     (once, a one-block copy streamed an MLP's linears as if they were blocks and crashed)."""

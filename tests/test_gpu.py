@@ -543,6 +543,7 @@ def test_a_checkpoint_trained_on_the_gpu_evaluates_on_a_cpu_and_says_so(tmp_path
     assert plan["hardware"]["accelerator"] == "cpu" and read_metrics(tmp_path / "eval")["status"] == "ok"
 
 
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_bench_gpu_without_a_visible_gpu_says_so_before_planning(tmp_path):
     """recipe=bench_gpu with no GPU visible (CUDA_VISIBLE_DEVICES=, on any machine): one sentence saying the task
     measures a CUDA GPU. It was planned for the CPU first, whose plan refused Phi-4's 4 GB budget as too small for

@@ -294,6 +294,25 @@ def train(job: Job) -> dict[str, Any]:
     }
     if monitor != "val/acc":  # every classifier's record has val/acc_best (the grids read it) beside its monitor's
         metrics["val/acc_best"] = max((h["val/acc"] for h in module.history), default=None)
+    stage = tested_after_training(trainer, module, dm, best, metrics, run_dir)
+    if config.export.name != "none":  # a streamed network exports from its checkpoint, resident
+        tested = Path(best) if best else run_dir / "checkpoints" / "last.ckpt"
+        exported = module if module.engine is None else load_trained(m, config, plan, tested)
+        if module.engine is not None and module.engine.store.dtype != "float32":
+            metrics["export/frozen_weights"] = "float32"  # rebuilt from the seed: not the store the figures are of
+            log.warning(
+                "export: the blocks' frozen weights are rebuilt at float32; training and its %s figures used them "
+                "as stored (%s)",
+                stage,
+                module.engine.store.dtype,
+            )
+        export_after_training(metrics, run_dir, lambda: export_module(m, config, exported, run_dir))
+    return metrics
+
+
+def tested_after_training(trainer, module: Classifier, dm, best: str | None, metrics: dict, run_dir: Path) -> str:
+    """The best checkpoint scored on the test split, or without one the validation split, into `metrics`, with its
+    confusion matrix drawn. Returns the split's name."""
     stage = "test" if dm.has_test() else "val"
     if stage == "test":
         trainer.test(module, datamodule=dm, ckpt_path=best or None, verbose=False)
@@ -309,19 +328,7 @@ def train(job: Job) -> dict[str, Any]:
         log.warning(
             "no %s batches were scored (trainer.limit_%s_batches): the run has no %s figures", stage, stage, stage
         )
-    if config.export.name != "none":  # a streamed network exports from its checkpoint, resident
-        tested = Path(best) if best else run_dir / "checkpoints" / "last.ckpt"
-        exported = module if module.engine is None else load_trained(m, config, plan, tested)
-        if module.engine is not None and module.engine.store.dtype != "float32":
-            metrics["export/frozen_weights"] = "float32"  # rebuilt from the seed: not the store the figures are of
-            log.warning(
-                "export: the blocks' frozen weights are rebuilt at float32; training and its %s figures used them "
-                "as stored (%s)",
-                stage,
-                module.engine.store.dtype,
-            )
-        export_after_training(metrics, run_dir, lambda: export_module(m, config, exported, run_dir))
-    return metrics
+    return stage
 
 
 def load_trained(m: ClassifierModality, config: ONNConfig, plan: Plan, ckpt: Path) -> Classifier:
