@@ -135,6 +135,7 @@ def test_the_scanned_recurrence_is_torchs_own(cell):
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_the_exported_lm_reads_texts_of_any_length(tmp_path, cell):
     """Traced with 6 tokens, the ONNX graph (each recurrence an ONNX Scan) reads 1, 6 and 23 tokens, a padded row
     among them, as PyTorch does: torch.export on its own unrolls nn.LSTM and fixes the length it traced."""

@@ -123,6 +123,7 @@ def test_a_sweep_with_a_failed_job_exits_1_and_names_it(tmp_path):
     assert '"status": "ok"' in (tmp_path / "sweep" / "0" / "metrics.json").read_text()
 
 
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_a_sweep_into_a_folder_of_another_sweeps_finished_jobs_is_refused_before_it_writes(tmp_path):
     """A sweep run into the folder of another sweep took over its job folders (0, 1, ...): .hydra/ and the finished
     jobs' metrics.json were overwritten."""

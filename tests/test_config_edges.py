@@ -58,6 +58,7 @@ def test_a_key_or_block_under_a_null_block_names_the_option_that_gives_it_and_th
     assert OmegaConf.select(OmegaConf.create(as_dict(compose(*advised))), key) == value
 
 
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_a_block_given_whole_for_a_null_block_is_one_sentence_on_the_command_line():
     done = run_cli("strategy=full", "strategy.lora={r: 4}", "task=plan")
     assert done.returncode == 1 and "Traceback" not in done.stderr

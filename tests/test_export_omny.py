@@ -387,6 +387,7 @@ def _omny_settings(**limits):
     )  # fmt: skip
 
 
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_a_tied_embedding_counts_once_in_a_shard_that_holds_both_its_readers(tmp_path):
     """The prefix's table is the head's matrix: each block's weight_bytes counts it, a shard holding both stores it
     once, and the plans hold that, the figure validate checks, to the limit."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import runpy
 import sys
 
@@ -22,6 +23,6 @@ def test_demo_writers_refuse_a_count_that_is_not_a_number_with_their_usage(tmp_p
     out = tmp_path / "out"
     monkeypatch.setattr(sys, "argv", [module, *[str(out) if a == "OUT" else a for a in args]])
     with pytest.raises(SystemExit) as ended:  # `python -m MODULE ARGS`, in this interpreter (its imports are warm)
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        runpy.run_path(importlib.util.find_spec(module).origin, run_name="__main__")
     assert str(ended.value.code).startswith("usage: python -m " + module)  # sys.exit(message): printed, exit 1
     assert not out.exists()

@@ -252,6 +252,7 @@ def test_a_requeued_slurm_job_resumes_from_the_checkpoint_its_signal_saved(tmp_p
     )
 
 
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_a_sweep_of_other_sweeper_params_into_a_folder_of_finished_jobs_is_refused(tmp_path):
     """A sweep whose jobs differed only in hydra.sweeper.params (a recipe's sweep, `hydra.sweeper.params.strategy=`)
     passed the guard, which compared the command line's task overrides alone, and replaced the finished jobs."""

@@ -178,6 +178,7 @@ def page_faults_reallocating(mb: int = 1, times: int = 40) -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="glibc's malloc settings: Linux")
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_a_held_mmap_threshold_is_released_for_what_runs_next():
     """A streamed run holds glibc's mmap threshold low for its whole process; the runner releases it when the run
     ends, or a CNN trained next in the same process (a test worker, a notebook) mapped every activation anew. In a
@@ -196,6 +197,7 @@ def test_a_held_mmap_threshold_is_released_for_what_runs_next():
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="glibc's malloc settings: Linux")
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_building_a_model_into_the_store_leaves_the_steps_activations_in_the_heap():
     """A language model's build into the layer store holds glibc's mmap threshold at 1 MiB (its blocks' weights
     come and go) and lets it go after: held on, every activation of a MiB or more was mapped anew at each
