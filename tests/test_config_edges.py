@@ -205,6 +205,7 @@ def test_tilde_in_a_command_line_value_is_the_home_folder():
     assert expand_home(kept) == kept
 
 
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_a_quoted_tilde_run_folder_is_the_folder_onn_checks_and_locks(tmp_path, monkeypatch):
     """`'hydra.run.dir="~/r1"'`: ONN checked and locked $HOME/r1 while Hydra wrote ./~/r1, so a second run
     replaced an earlier training record there unprotected."""

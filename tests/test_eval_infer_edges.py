@@ -39,6 +39,7 @@ def scored(tmp: Path, run_dir: Path, *overrides: str, name: str) -> dict:
     return execute(cfg, tmp / name, given_keys(list(overrides)))
 
 
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_eval_scores_another_folder_by_class_name_and_on_the_checkpoints_split(trained, tmp_path):
     """A data.source of class1 and class2 only was labelled 0 and 1 and scored against class0 and class1: val/acc
     0.0. A class the model never learned crashed torch's loss; the split was drawn by the command line's seed."""

@@ -467,6 +467,7 @@ def test_gcns_own_self_loops_convolve_as_torch_geometrics():
     torch.testing.assert_close(block(x, edges), torch.relu(reference(x, edges)))
 
 
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_plan_sizes_onns_graph_network_by_its_blocks(tmp_path):
     """data=auto on a folder of meshes with a graph model named: graph data, planned by the network's blocks."""
     from conftest import run_cli

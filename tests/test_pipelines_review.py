@@ -59,6 +59,7 @@ def test_black_print_on_a_transparent_page_is_read_on_white(tmp_path):
         assert len(lines(np.asarray(picture.convert("L"), np.float32))) == 3, name
 
 
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_a_pipeline_loaded_in_bfloat16_exports_in_float32_and_reads_a_page(tmp_path):
     """model.dtype=bfloat16 (or a model left in bf16 by training on a GPU) was traced as it was: onnxruntime's
     checker refused its bf16 convolution. The pieces are exported in float32, as the runtime feeds them."""

@@ -189,6 +189,7 @@ def test_a_damaged_profile_cache_is_measured_again(tmp_path, monkeypatch):
     assert not list(cache.parent.glob("*.tmp"))  # no temporary file left beside it
 
 
+@pytest.mark.slow  # moved to the slow tier: the fast suite stays under 10 minutes on 2 cores
 def test_measured_profile_is_cached(tmp_path):
     # its own cache folder, not the session's (conftest): this profile is measured here
     auto = compose("hardware=auto", "hardware.disk_probe_mb=16", f"hardware.cache={tmp_path / 'hardware'}").hardware
