@@ -56,12 +56,14 @@ def out_of_memory_on_wide_steps(model: torch.nn.Module, width: int) -> torch.uti
     return model.model.layers[-1].register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def held_until(scheduler, released: threading.Event) -> torch.utils.hooks.RemovableHandle:
-    """A step of a row that has decoded two tokens waits for `released`: requests sent meanwhile join the batch
-    together, beside a row that is decoding."""
+def held_until(scheduler, released: threading.Event, holding: threading.Event) -> torch.utils.hooks.RemovableHandle:
+    """A step of a row that has decoded two tokens waits for `released`, having set `holding`: requests sent once
+    `holding` is set wait in the queue and join the batch together, beside a row that is decoding. (Sent as soon
+    as the row had two tokens, before its next step began, a busy machine let the scheduler take them in first.)"""
 
     def hook(module, args):
         if decoding(scheduler):
+            holding.set()
             released.wait(60)
 
     return scheduler.lm.model.model.layers[0].register_forward_pre_hook(hook)
@@ -82,12 +84,12 @@ def test_a_prompt_out_of_device_memory_ends_alone_and_the_batch_goes_on(lm, hook
     scheduler = lm.app.state.scheduler
     with client(lm) as http:
         running_alone, joined_alone = text_of(complete(http, "hello", 30)), text_of(complete(http, "ab", 8))
-        released = threading.Event()
-        hooks += [out_of_memory_on_wide_steps(scheduler.lm.model, len(LONG)), held_until(scheduler, released)]
+        released, holding = threading.Event(), threading.Event()
+        hooks += [out_of_memory_on_wide_steps(scheduler.lm.model, len(LONG)), held_until(scheduler, released, holding)]
         wait_until(lambda: not scheduler.active, "the last answer's row to leave")
         with ThreadPoolExecutor(3) as pool:
             running = pool.submit(complete, http, "hello", 30)
-            wait_until(lambda: decoding(scheduler), "the first request to decode")
+            wait_until(holding.is_set, "the first request to decode and be held")
             too_long = pool.submit(complete, http, LONG, 4)
             joined = pool.submit(complete, http, "ab", 8)
             wait_until(lambda: len(scheduler.waiting) == 2, "both newcomers to wait")
@@ -108,19 +110,19 @@ def test_a_decode_step_out_of_device_memory_ends_only_the_youngest_row(lm, hooks
     scheduler = lm.app.state.scheduler
     with client(lm) as http:
         alone = text_of(complete(http, "hello", 30))
-        released, failed = threading.Event(), []
+        released, holding, failed = threading.Event(), threading.Event(), []
 
         def once_both_decode(module, args):  # one decode step of both rows runs out of memory, once
             if released.is_set() and not failed and args[0].shape[:2] == (2, 1):
                 failed.append(True)
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-        hooks += [held_until(scheduler, released)]
+        hooks += [held_until(scheduler, released, holding)]
         hooks += [scheduler.lm.model.model.layers[-1].register_forward_pre_hook(once_both_decode)]
         wait_until(lambda: not scheduler.active, "the last answer's row to leave")
         with ThreadPoolExecutor(2) as pool:
             older = pool.submit(complete, http, "hello", 30)
-            wait_until(lambda: decoding(scheduler), "the first request to decode")
+            wait_until(holding.is_set, "the first request to decode and be held")
             younger = pool.submit(complete, http, "ab", 8)
             wait_until(lambda: in_flight(scheduler) == 2, "the second request to wait")
             released.set()

@@ -12,7 +12,7 @@ import test_serve_fixes
 import test_serve_review
 import torch
 from test_serve import MODEL, client
-from test_serve_review import complete, decoding, held_until, text_of, wait_until
+from test_serve_review import complete, held_until, text_of, wait_until
 
 lm = test_serve_fixes.lm  # the served tiny Llama fixture (random init, byte tokenizer, a key), one per module
 hooks = test_serve_review.hooks
@@ -38,12 +38,12 @@ def test_a_newcomer_out_of_memory_beside_a_running_row_waits_and_is_served_once_
     scheduler = lm.app.state.scheduler
     with client(lm) as http:
         running_alone, wide_alone = text_of(complete(http, "hello", 30)), text_of(complete(http, WIDE, 8))
-        released = threading.Event()
-        hooks += [out_of_memory_beside_others(scheduler.lm.model, len(WIDE)), held_until(scheduler, released)]
+        released, holding = threading.Event(), threading.Event()
+        hooks += [out_of_memory_beside_others(scheduler.lm.model, len(WIDE)), held_until(scheduler, released, holding)]
         wait_until(lambda: not scheduler.active, "the last answer's row to leave")
         with ThreadPoolExecutor(2) as pool:
             running = pool.submit(complete, http, "hello", 30)
-            wait_until(lambda: decoding(scheduler), "the first request to decode")
+            wait_until(holding.is_set, "the first request to decode and be held")
             newcomer = pool.submit(complete, http, WIDE, 8)
             wait_until(lambda: len(scheduler.waiting) == 1, "the newcomer to wait")
             released.set()
