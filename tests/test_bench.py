@@ -94,8 +94,10 @@ def test_bench_grid_records_a_failed_job_and_resumes_only_missing_jobs(outputs):
         ):
             assert m[key] is not None, key
         assert 0 <= m["bench/quality"] <= 1 and len(m["bench/loss_curve"]) == 12
-        # llama_tiny's blocks are timed between the run's steps: before timed steps 0, 5 and 10 of 11
-        assert m["bench/timing_windows"] == 3 and 0.5 < m["bench/cpu_share_measured"] <= 1.05
+        # llama_tiny's blocks are timed between the run's steps: before timed steps 0, 5 and 10 of 11.
+        # The CPU share is a fraction of the planned threads; how large a fraction depends on the test
+        # workers running beside it (0.42 was seen under the slow tier), so only its range is checked.
+        assert m["bench/timing_windows"] == 3 and 0.1 < m["bench/cpu_share_measured"] <= 1.05
         assert m["bench/samples_per_s"] == pytest.approx(8 / m["bench/step_s"], rel=5e-3)  # step_s is rounded to 0.1 ms
     assert sparse["bench/io_s"] is not None and sparse["bench/compute_s"] > 0  # streaming splits its step
     for strategy in ("full", "sparse_lora"):
