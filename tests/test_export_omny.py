@@ -165,6 +165,17 @@ def test_enrich_onnx_finds_cut_points_in_a_foreign_graph(tmp_path):
     assert omny.validate(out, echo=lambda *_: None)
 
 
+def test_a_small_omny_written_over_a_large_one_leaves_no_weights_file_of_the_old_one(tmp_path):
+    """A .omny above 1.75 GiB keeps its weights in NAME.omny.data beside it; a smaller export to the same name
+    stores them inside, and the old weights file (which nothing reads any more) goes with it."""
+    src = _foreign_mlp(tmp_path / "mlp.onnx", layers=2)
+    stale = tmp_path / "mlp.omny.data"
+    stale.write_bytes(b"\0" * 4096)  # what the earlier, larger export left
+    sample = {"x": np.zeros((3, 32), dtype=np.float32)}
+    out = omny.enrich_onnx(src, tmp_path / "mlp.omny", sample)
+    assert not stale.exists() and omny.validate(out, echo=lambda *_: None)
+
+
 def test_enrich_command_folds_computed_weights_into_the_folded_files_blocks(tmp_path, monkeypatch, capsys):
     """onnx's light_* models build their weights with ConstantOfShape: enrich folds them first (issue 14,
     item 5) and finds the blocks it finds on the file onnxruntime folded; the sample comes from the graph."""

@@ -480,9 +480,11 @@ def write(model: onnx.ModelProto, doc: dict[str, Any], output: str | Path) -> Pa
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.") as tmp:
         written = Path(tmp) / output.name
         onnx.save_model(model, str(written), save_as_external_data=large, location=output.name + ".data")
-        data = written.with_name(output.name + ".data")
+        data, beside = written.with_name(output.name + ".data"), output.with_name(output.name + ".data")
         if data.exists():
-            os.replace(data, output.with_name(output.name + ".data"))
+            os.replace(data, beside)
+        elif beside.is_file():  # an earlier, larger export's weights: the new file does not read them
+            beside.unlink()
         os.replace(written, output)
     return output
 
