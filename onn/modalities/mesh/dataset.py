@@ -21,7 +21,8 @@ from onn.errors import UserError
 from onn.modalities.mesh.primitives import BUILTIN, builtin_splits
 from onn.modalities.mesh.read import HELP, Sampling, read_source, sampling
 
-READER_VERSION = 2  # files' points seeded by their content, coincident points refused: caches of before are stale
+# 3: mirrored scene parts' normals point outwards, a point cloud's NaN points are dropped: caches of before are stale
+READER_VERSION = 3
 
 
 def read_cached(

@@ -26,17 +26,31 @@ DATA_KWARGS = ("in_channels", "num_classes", "num_points")
 POINT_NETWORKS = ("zoo:pointnet",)  # the zoo's networks that take [batch, points, channels]
 
 
-# A textured OBJ's material file and texture pictures, beside it in its folder: a mesh's parts, not other data
-SIDECARS = (".mtl", ".png", ".jpg", ".jpeg", ".tga", ".bmp", ".tif", ".tiff")
+# A mesh's own files beside it in its folder: a textured OBJ's material and pictures, a glTF's buffers, and
+# ShapeNet's per-shape metadata and voxel forms (models/model_normalized.{obj,mtl,json,solid.binvox})
+TEXTURES = (".png", ".jpg", ".jpeg", ".tga", ".bmp", ".tif", ".tiff")
+SIDECARS = (".mtl", ".bin", ".json", ".binvox", *TEXTURES)
+# Folders of textures beside a mesh's folder (ShapeNet: MODEL/models/*.obj and MODEL/images/*.jpg)
+TEXTURE_FOLDERS = ("images", "textures", "texture", "materials")
 
 
 def mostly_meshes(names: list[str], meshes: list[str]) -> bool:
     """Two or more meshes, and at least half of the files that are not their sidecars (SIDECARS in a folder that
-    holds a mesh: shapes of .obj + .mtl + .png are meshes, not pictures with captions)."""
+    holds a mesh, TEXTURES in a texture folder beside it: shapes of .obj + .mtl + .png are meshes, not pictures
+    with captions, and ShapeNet's shapes with their textures are meshes, not a picture folder)."""
     folders = {posixpath.dirname(n) for n in meshes}
+    shapes = {posixpath.dirname(f) for f in folders}
     others = [n for n in names if n not in meshes]
-    sidecars = [n for n in others if posixpath.splitext(n)[1].lower() in SIDECARS and posixpath.dirname(n) in folders]
-    return len(meshes) >= 2 and len(meshes) * 2 >= len(names) - len(sidecars)
+    return len(meshes) >= 2 and len(meshes) * 2 >= len(names) - sum(_sidecar(n, folders, shapes) for n in others)
+
+
+def _sidecar(name: str, folders: set[str], shapes: set[str]) -> bool:
+    """Whether `name` is a mesh's own file: a sidecar in a mesh's folder, or a texture in a texture folder beside it."""
+    folder, suffix = posixpath.dirname(name), posixpath.splitext(name)[1].lower()
+    if folder in folders:
+        return suffix in SIDECARS
+    beside = posixpath.basename(folder).lower() in TEXTURE_FOLDERS and posixpath.dirname(folder) in shapes
+    return beside and suffix in TEXTURES
 
 
 def saved_sampling(inputs: dict[str, Any], data: dict[str, Any], seed: int):
