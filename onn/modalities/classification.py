@@ -67,7 +67,7 @@ from onn.training.classifier import (
 )
 from onn.training.distributed import parameter_count
 from onn.training.optim import monitor_mode
-from onn.training.trainer import build_trainer, optimizer_steps, streaming_store, streaming_strategy
+from onn.training.trainer import build_trainer, optimizer_steps, processes, streaming_store, streaming_strategy
 
 log = logging.getLogger("onn")
 TOP_K = 5
@@ -239,6 +239,22 @@ def setup_data(m: ClassifierModality, config: ONNConfig, device: str) -> Classif
     return dm
 
 
+def process_batches(loader: ResidentBatches | torch.utils.data.DataLoader, world: int) -> int:
+    """The training batches each of `world` processes takes in an epoch, counted before the trainer exists (the
+    data module's own loader is then one process's view of all the data): Lightning caps the validation interval
+    at a process's batches, and the schedule's length counts them. Resident batches share themselves out
+    (ResidentBatches); a DataLoader gets DistributedSampler's padded share, drop_last only for a share of a batch
+    or more (ClassificationData._loader)."""
+    if world == 1:
+        return len(loader)
+    if isinstance(loader, ResidentBatches):  # equal shares: rank 0's count is every process's
+        split, batch, groups = loader.split, loader.batch_size, loader.groups
+        return len(ResidentBatches(split, batch, True, drop_last=loader.drop_last, groups=groups, world=world))
+    share = -(-len(loader.dataset) // world)
+    batch = int(loader.batch_size)
+    return share // batch if loader.drop_last and share >= batch else -(-share // batch)
+
+
 def train(job: Job) -> dict[str, Any]:
     m = job.modality
     config, plan, run_dir, ckpt = job.config, job.plan, job.run_dir, job.ckpt
@@ -260,13 +276,14 @@ def train(job: Job) -> dict[str, Any]:
     # weights are in the layer store, which the plan's count holds
     total = job.spec.params if store is not None else parameter_count(module.model, trainable=False)
     clock = next(c for c in callbacks if isinstance(c, StepClock))
-    steps_per_epoch = len(dm.train_dataloader())
+    streaming = streaming_strategy(config, plan, run_dir, job.device, module.objective())
+    # one process's batches: under DDP each takes its share of the epoch (the streaming strategy runs one process)
+    steps_per_epoch = process_batches(dm.train_dataloader(), 1 if streaming is not None else processes(config))
     if not steps_per_epoch:  # Lightning would end "ok" having trained nothing, and the untrained model be tested
         raise UserError(
             f"data.source gives no training batch (data.batch_size={dm.batch_size}): nothing would train; "
             "add training data or lower data.batch_size."
         )
-    streaming = streaming_strategy(config, plan, run_dir, job.device, module.objective())
     trainer = build_trainer(config, plan, run_dir, callbacks, strategy=streaming, steps_per_epoch=steps_per_epoch)
     module.optimizer_steps = optimizer_steps(trainer, steps_per_epoch)
     with PeakMemory(job.device) as peak:

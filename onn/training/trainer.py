@@ -303,7 +303,7 @@ def world_size(config: ONNConfig) -> int:
     return per_node * int(config.trainer.num_nodes)
 
 
-def _processes(config: ONNConfig) -> int:
+def processes(config: ONNConfig) -> int:
     """The processes a run under Lightning's strategy `auto` has: those its launcher started (torchrun's WORLD_SIZE),
     else trainer.devices (auto: the one build_trainer gives Lightning) x trainer.num_nodes."""
     world = os.getenv("WORLD_SIZE", "")
@@ -400,7 +400,7 @@ def build_trainer(
         kwargs["devices"] = 1
     if isinstance(strategy, str):
         check_lightning(strategy)
-    if strategy == "auto" and _processes(config) > 1:
+    if strategy == "auto" and processes(config) > 1:
         strategy = "ddp"  # what Lightning picks for several processes, here with strategy.timeout_s (its own: 30 min)
     if isinstance(strategy, str):
         strategy = data_parallel(strategy, config, kwargs["accelerator"]) or strategy

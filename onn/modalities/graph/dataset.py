@@ -67,8 +67,21 @@ def as_batch(graphs: list) -> tuple:
     return batch, batch.y.view(-1)
 
 
+def evaluated_nodes(n: int, rank: int, world: int) -> tuple[int, int]:
+    """[start, end) of this process's contiguous share of a node-level evaluation split's n nodes, each node scored
+    by one process; fewer nodes than processes: one each (ResidentBatches._evaluated_share's rule)."""
+    if n and n < world:  # every process needs a batch: DDP's first evaluation forward syncs its buffers
+        return rank % n, rank % n + 1
+    return rank * n // world, (rank + 1) * n // world
+
+
 class GraphBatches(ResidentBatches):
-    """ResidentBatches' seeded order and resumable position, over graphs collated by torch_geometric."""
+    """ResidentBatches' seeded order and resumable position, over graphs collated by torch_geometric.
+
+    Under DDP, graph-level splits are shared out as ResidentBatches shares samples. A node-level split is one graph:
+    every process trains on the whole of it (each must convolve every node for any node's logits, so a share of
+    the training nodes' loss would save no work, and DDP's mean of the alike gradients is one process's), and an
+    evaluation split's nodes are cut into contiguous shares, each node scored by one process."""
 
     def __iter__(self) -> Iterator[tuple]:
         graphs = self.split.graphs
@@ -82,10 +95,21 @@ class GraphBatches(ResidentBatches):
             batches = self._batches(torch.randperm(len(self.split), generator=generator))
             self.epoch += 1
         else:
-            batches = list(torch.arange(len(self.split)).split(self.batch_size))
+            start, end = self._evaluated_share()
+            batches = list(torch.arange(start, end).split(self.batch_size))
         for index in batches[self._taken :]:
             self._taken += 1
-            yield self.split.resident or as_batch([graphs[i] for i in index.tolist()])
+            yield self._resident() if self.split.resident is not None else as_batch([graphs[i] for i in index.tolist()])
+
+    def _resident(self) -> tuple:
+        """A node-level split's one batch: whole in training, this process's share of the nodes in evaluation."""
+        batch, labels = self.split.resident
+        if self.shuffle or self.world == 1:
+            return batch, labels
+        start, end = evaluated_nodes(len(labels), self.rank, self.world)
+        shared = copy.copy(batch)  # the share's nodes beside the graph's shared tensors
+        shared.nodes = batch.nodes[start:end]
+        return shared, labels[start:end]
 
 
 class GraphDataModule(L.LightningDataModule):
@@ -263,6 +287,7 @@ class GraphDataModule(L.LightningDataModule):
 
     # -- loaders ----------------------------------------------------------------------------------
     def train_dataloader(self):
+        rank, world = self._ranks()
         return GraphBatches(
             self.splits["train"],
             self.batch_size,
@@ -270,13 +295,31 @@ class GraphDataModule(L.LightningDataModule):
             seed=self.seed,
             drop_last=self.cfg.level == "graph",
             epoch_of=(lambda: self.trainer.current_epoch) if self.trainer is not None else None,
+            rank=rank,
+            world=world,
         )
 
     def val_dataloader(self):
-        return GraphBatches(self.splits["val"], self.eval_batch_size, shuffle=False)
+        return self._evaluated("val")
 
     def test_dataloader(self):
-        return GraphBatches(self.splits["test"], self.eval_batch_size, shuffle=False) if self.has_test() else []
+        return self._evaluated("test") if self.has_test() else []
+
+    def _evaluated(self, split: str) -> GraphBatches:
+        """A held-out split's batches: under DDP this process's share (graphs, or a node-level split's nodes), each
+        scored once, as ClassificationData._evaluated gives; whole on every process under a fraction of the batches
+        (trainer.limit_val_batches=0.4), whose count Lightning keeps per process."""
+        rank, world = self._ranks()
+        limit = getattr(self.trainer, f"limit_{split}_batches") if world > 1 else None
+        if isinstance(limit, float) and 0 < limit < 1:
+            rank, world = 0, 1
+        return GraphBatches(self.splits[split], self.eval_batch_size, shuffle=False, rank=rank, world=world)
+
+    def _ranks(self) -> tuple[int, int]:
+        """(this process's rank, the processes): graph batches are no DataLoader, so Lightning gives them no
+        DistributedSampler and they share themselves out. (0, 1) before a trainer exists."""
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
     def has_test(self) -> bool:
         return "test" in self.splits

@@ -26,6 +26,7 @@ from onn.data.resident import Decoded, ResidentBatches, Split
 from onn.errors import UserError
 from onn.modalities.base import PairSide
 from onn.modalities.pairs.detect import Entry, Listing, find_pairs
+from onn.training.trainer import processes
 
 log = logging.getLogger("onn")
 MIN_PAIRS = 4  # two to train on, two to hold out
@@ -137,6 +138,7 @@ class PairData(L.LightningDataModule):
         self.splits: dict[str, Split] = {}
         self.skipped: list[str] = []
         self.val_groups: torch.Tensor | None = None  # per held-out pair, a number it shares with those of its file
+        self.planned_world = processes(config)  # the processes the trainer will run (Lightning's world size)
 
     @property
     def names(self) -> list[str]:
@@ -215,14 +217,31 @@ class PairData(L.LightningDataModule):
         return {"train": pairs.subset(train), "val": pairs.subset(val)}
 
     def train_dataloader(self):
+        rank, world = self._ranks()
         # a contrastive batch of one pair teaches nothing
-        drop_last = len(self.splits["train"]) > self.batch_size
+        drop_last = -(-len(self.splits["train"]) // world) > self.batch_size
         loader = ResidentBatches(
-            self.splits["train"], self.batch_size, shuffle=True, seed=self.seed, drop_last=drop_last
+            self.splits["train"],
+            self.batch_size,
+            shuffle=True,
+            seed=self.seed,
+            drop_last=drop_last,
+            rank=rank,
+            world=world,
         )
         if self.trainer is not None:
             loader.epoch = self.trainer.current_epoch  # resumed runs continue the epoch sequence
         return loader
 
     def val_dataloader(self):
+        # whole on every process, not shared out: recall@k ranks each held-out query against the whole held-out
+        # gallery, so each process embeds every held-out pair and logs the one-process figures
         return ResidentBatches(self.splits["val"], self.eval_batch_size, shuffle=False)
+
+    def _ranks(self) -> tuple[int, int]:
+        """(this process's rank, the processes): resident batches are no DataLoader, so Lightning gives them no
+        DistributedSampler and the training pairs share themselves out. Before the trainer exists, rank 0 of the
+        processes the config starts: the training batches counted then (the val_check_interval cap, the
+        schedule's length) are one process's share, as every process's is."""
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, self.planned_world)

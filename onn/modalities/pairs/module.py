@@ -145,8 +145,10 @@ class DualEncoder(EpochRecord, ONNModule):
         with torch.no_grad():
             figures["val/loss"] = float(self.loss(a, b))
         self.last_metrics = figures
-        self.log_dict({k: v for k, v in figures.items() if k != MONITOR and not k.endswith("chance")})
-        self.log(MONITOR, figures[MONITOR], prog_bar=True)
+        # under DDP every process ranked the whole held-out set (PairData.val_dataloader): the figures are alike on
+        # each, so their mean over the processes (sync_dist) is the one-process figure Lightning asks for
+        self.log_dict({k: v for k, v in figures.items() if k != MONITOR and not k.endswith("chance")}, sync_dist=True)
+        self.log(MONITOR, figures[MONITOR], prog_bar=True, sync_dist=True)
         if not self.trainer.sanity_checking:
             self.record_epoch(figures, [k for k in figures if not k.endswith("chance")])
 
