@@ -21,7 +21,11 @@ from onn.modalities.graph.read import Graphs, mesh_graph
 PRIMITIVES = "builtin:primitives"
 COMMUNITIES = "builtin:communities"
 BUILTINS = (PRIMITIVES, COMMUNITIES)
-INSIDE, BETWEEN = 0.05, 0.01  # edge probabilities within and between communities (builtin.nodes = 600: degree ~9)
+INSIDE, BETWEEN = 0.05, 0.01  # edge probabilities within and between communities (builtin.nodes = 600: degree ~12)
+# builtin:primitives' graphs on average: the nodes and (two-way) edges of its six shapes, one of each class, as
+# primitive_graphs makes them (box 8/36, capsule 2,050/12,288, cone 34/192, cylinder 66/384, sphere 642/3,840, torus
+# 1,024/6,144: trimesh.creation's fixed sections, whatever the random proportions). What task=plan sizes a graph on.
+PRIMITIVE_NODES, PRIMITIVE_EDGES = 638, 3814
 
 
 def _count(builtin: GraphBuiltin, key: str, least: int) -> int:
@@ -29,6 +33,21 @@ def _count(builtin: GraphBuiltin, key: str, least: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise UserError(f"data.builtin.{key}={value!r}: give a whole number, {least} or more.")
     return value
+
+
+def builtin_size(source: str, builtin: GraphBuiltin | None) -> tuple[int, int] | None:
+    """(nodes, edges) of a generated set's typical graph from the config alone, nothing generated: the planner's
+    sample. builtin:communities' one graph has data.builtin.nodes nodes and, in expectation, every pair of nodes
+    joined (both ways) with its blocks' probability; None where data.builtin is not given."""
+    if source == PRIMITIVES:
+        return PRIMITIVE_NODES, PRIMITIVE_EDGES
+    if source != COMMUNITIES or builtin is None:
+        return None
+    nodes, k = _count(builtin, "nodes", 4), _count(builtin, "communities", 2)
+    sizes = [nodes // k + (1 if i < nodes % k else 0) for i in range(k)]
+    inside = sum(n * (n - 1) for n in sizes)
+    between = nodes * nodes - sum(n * n for n in sizes)
+    return nodes, round(INSIDE * inside + BETWEEN * between)
 
 
 def primitive_graphs(builtin: GraphBuiltin, align: str, max_nodes: int, seed: int) -> dict[str, Graphs]:

@@ -28,7 +28,6 @@ CONVS = ("gcn", "sage", "gin", "gat")  # model.source: pyg:NAME
 POOLS = ("mean", "max", "sum")  # model.pooling
 NORMS = ("batch", "none")  # model.norm
 SNIFF_FILES = 2000  # file names looked at when deciding whether a folder holds graphs
-HEADER_BYTES = 64 * 1024  # a .safetensors file's JSON header read to see whether it holds edge_index
 
 
 class GraphModality(ClassifierModality):
@@ -198,14 +197,7 @@ class GraphModality(ClassifierModality):
 
 
 def _holds_edges(path: Path) -> bool:
-    """Whether a .safetensors file's header names an edge_index tensor (its first HEADER_BYTES only)."""
-    import json
-    import struct
+    """Whether a .safetensors file's header names an edge_index tensor (read.HEADER_BYTES of it at most)."""
+    from onn.modalities.graph.read import tensor_shapes
 
-    try:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = f.read(min(size, HEADER_BYTES))
-        return size <= HEADER_BYTES and "edge_index" in json.loads(header)
-    except (OSError, ValueError, struct.error):
-        return False
+    return "edge_index" in (tensor_shapes(path) or {})

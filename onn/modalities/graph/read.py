@@ -20,7 +20,11 @@ images and meshes are; the run fails only when more than data.max_bad_fraction o
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
+import re
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +41,9 @@ EDGE_SUFFIXES = (".edges", ".edgelist")
 TENSOR_SUFFIXES = (".safetensors",)
 GRAPH_SUFFIXES = EDGE_SUFFIXES + TENSOR_SUFFIXES
 NEIGHBOURS = 6  # a point cloud's points are joined to this many nearest ones
+HEADER_BYTES = 64 * 1024  # the most of a .safetensors file's JSON header read for its tensors' shapes
+PAIR_LINE = re.compile(rb"^[ \t]*(\d+)[ \t,]+(\d+)", re.M)  # an edge list's `SRC DST` line
+NODES_LINE = re.compile(rb"^[ \t]*nodes[ \t]+(\d+)[ \t\r]*$", re.M | re.I)  # its `nodes N` line
 HELP = (
     f"expected graph files ({', '.join(GRAPH_SUFFIXES)}, or meshes: {', '.join(MESH_SUFFIXES)}) in class folders: "
     "CLASS/FILE, train/CLASS/FILE + test/CLASS/FILE, or a .zip/.tar of that layout (see conf/data/graph.yaml)"
@@ -206,6 +213,72 @@ def decode(payload: Path | bytes, name: str, align: str, max_nodes: int, level: 
     except UnicodeDecodeError as e:
         raise GraphError(f"is not UTF-8 text (byte {e.start}); an edge list is `SRC DST` lines") from e
     return read_edge_list(text, max_nodes)
+
+
+def tensor_shapes(path: Path) -> dict[str, list[int]] | None:
+    """A .safetensors file's tensors' shapes, from its JSON header alone (at most HEADER_BYTES of it); None where the
+    header cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > HEADER_BYTES:
+                return None
+            header = json.loads(f.read(size))
+        return {k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    except (OSError, ValueError, struct.error, TypeError, KeyError, AttributeError):
+        return None
+
+
+def file_size(path: Path) -> tuple[int, int] | None:
+    """A graph file's (nodes, edges) as the reader makes it, without decoding it, for the planner: a .safetensors
+    file's x and edge_index shapes from its header (edges as listed: PyG's edge_index lists both directions; no x:
+    the length of a node-level y or mask, else half the edges), an edge list's `SRC DST` lines counted twice (the
+    reader makes each two-way) and its `nodes N` line or largest node number. None for a mesh or a file that does
+    not say."""
+    suffix = path.suffix.lower()
+    if suffix in TENSOR_SUFFIXES:
+        shapes = tensor_shapes(path)
+        edges = (shapes or {}).get("edge_index")
+        if not edges or len(edges) != 2:
+            return None
+        if shapes.get("x"):
+            return (shapes["x"][0], edges[1]) if shapes["x"][0] > 0 else None
+        rows = [shapes[k][0] for k in ("y", "train_mask") if len(shapes.get(k, [])) == 1 and shapes[k][0] > 1]
+        return (rows[0] if rows else max(1, edges[1] // 2)), edges[1]
+    if suffix not in EDGE_SUFFIXES:
+        return None
+    try:
+        text = path.read_bytes()
+    except OSError:
+        return None
+    pairs = PAIR_LINE.findall(text)
+    given = NODES_LINE.search(text)
+    nodes = int(given[1]) if given else max((max(int(a), int(b)) for a, b in pairs), default=-1) + 1
+    return (nodes, 2 * len(pairs)) if nodes > 0 else None
+
+
+def source_sizes(source: str | os.PathLike, files: int, listed: int, budget: int) -> list[tuple[int, int]]:
+    """(nodes, edges) of at most `files` graph files of a file or folder (file_size), spread evenly over its first
+    `listed` graph files, reading at most `budget` bytes of edge lists after the first: the planner's sample of the
+    data, bounded however large the source. Nothing for an archive, nor for a mesh or a file that does not say."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        paths = [path]
+    elif path.is_dir():
+        paths = [full for rel, full in itertools.islice(walk_files(path), listed) if is_graph_name(rel)]
+        paths = paths[:: max(1, -(-len(paths) // files))]
+    else:
+        return []
+    sizes, spent = [], 0
+    for full in paths:
+        if spent > budget:
+            break
+        size = file_size(full)
+        if size is not None:
+            sizes.append(size)
+        if full.suffix.lower() in EDGE_SUFFIXES:
+            spent += full.stat().st_size
+    return sizes
 
 
 def class_number(y: torch.Tensor, allow_unlabelled: bool) -> int | None:

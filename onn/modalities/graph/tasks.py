@@ -3,8 +3,10 @@
 train and eval are the shared ones, run with GraphClassifier (a Classifier whose batches are torch_geometric
 Batches) on the GraphDataModule. What differs is here:
 
-  plan    the network (with ckpt, the checkpoint's) sized on one graph of PLAN_NODES nodes (PLAN_DEGREE edges a
-          node)
+  plan    the network (with ckpt, the checkpoint's) sized on a graph of the data's size, read without decoding it
+          (plan_sample): a generated set's from data.builtin, a graph file's or the mean of a folder's (headers and
+          edge-list lines); a level=node step is its one graph. PLAN_NODES nodes (PLAN_DEGREE edges a node) only
+          where nothing can be known (an archive, meshes); the plan's reasons say which
   infer   predictions.jsonl (one row a graph, or a node for level=node) and a PNG of the predicted classes
           drawn on the graphs; files that are no usable graph are skipped, each with its reason
   export  ONNX of one graph per call: inputs x [nodes, features] and edge_index [2, edges] as a file lists them
@@ -15,7 +17,10 @@ Batches) on the GraphDataModule. What differs is here:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +28,7 @@ import torch
 from torch import nn
 
 from onn.config import ONNConfig
-from onn.config.data import eval_batch
+from onn.config.data import GraphData, eval_batch
 from onn.config.export import OnnxExport, SafetensorsExport
 from onn.config.model import GraphNetworkConfig
 from onn.config.task import InferTask
@@ -35,13 +40,18 @@ from onn.modalities.base import ClassifierModality, Job
 from onn.modalities.classification import evaluate, export, load_trained, saved_inputs, train
 from onn.modalities.graph.dataset import as_batch
 from onn.planning.plan import make_plan
-from onn.planning.spec import network_spec
+from onn.planning.spec import ModelSpec, network_spec
 from onn.training.checkpoints import resolve as resolve_checkpoint
 from onn.training.classifier import Classifier
 
 __all__ = ["GraphClassifier", "evaluate", "export", "infer", "plan", "train"]
 log = logging.getLogger("onn")
-PLAN_NODES, PLAN_DEGREE = 1024, 6  # the graph task=plan sizes a network on
+PLAN_NODES, PLAN_DEGREE = 1024, 6  # the graph task=plan sizes a network on where the data's size cannot be known
+SIZED_FILES, LISTED = 256, 20_000  # graph files whose sizes a plan reads, spread over a folder's first LISTED files
+SIZED_BYTES = 64 * 2**20  # edge-list text a plan reads at most (after the first file)
+# the largest graph a plan runs the network on (one thread); a larger one is sized on a copy scaled down to this, its
+# counts scaled back up: a message-passing network's activations and FLOPs grow with its nodes and edges
+RUN_NODES, RUN_EDGES = 2048, 16_384
 TOP_K = 5
 PICTURED = 16  # graphs drawn in infer's picture
 
@@ -82,24 +92,90 @@ class OneGraph(nn.Module):
 
 def plan_graph(nodes: int, degree: int) -> torch.Tensor:
     """edge_index of a ring with chords: every node joined to the next degree/2 (both directions)."""
-    source = torch.arange(nodes).repeat_interleave(degree // 2)
-    target = (source + torch.arange(1, degree // 2 + 1).repeat(nodes)) % nodes
+    return sized_graph(nodes, nodes * degree)
+
+
+def sized_graph(nodes: int, edges: int) -> torch.Tensor:
+    """edge_index of about `edges` directed edges (rounded up to pairs, both directions) among `nodes` nodes: each
+    node joined to the next, then the one after, and so on until there are enough."""
+    pair = torch.arange(-(-edges // 2))
+    source = pair % nodes
+    target = (source + 1 + pair // nodes) % nodes
     return torch.cat([torch.stack([source, target]), torch.stack([target, source])], dim=1)
 
 
+@dataclass(frozen=True)
+class PlanSample:
+    """The graph a plan sizes one training sample on, and what its size was taken from (said in the plan)."""
+
+    nodes: int
+    edges: int
+    source: str
+
+
+def plan_sample(data: GraphData) -> PlanSample:
+    """The size of a graph of the data the config names, read without decoding it (the plan comes before the data
+    is read, and stays fast): a generated set's from data.builtin, else the mean of a file's or folder's graph files
+    (read.source_sizes); PLAN_NODES nodes, PLAN_DEGREE edges a node, where nothing can be known."""
+    from onn.modalities.graph.builtin import BUILTINS, builtin_size
+    from onn.modalities.graph.read import source_sizes
+
+    source = str(data.source) if data.source else ""
+    if source in BUILTINS:
+        size = builtin_size(source, data.builtin)
+        if size is not None:
+            return PlanSample(*size, f"{source}'s graphs as data.builtin configures them")
+    elif source and not source.startswith("builtin:"):
+        sizes = source_sizes(source, SIZED_FILES, LISTED, SIZED_BYTES)
+        if sizes:
+            nodes = math.ceil(sum(n for n, _ in sizes) / len(sizes))
+            edges = math.ceil(sum(e for _, e in sizes) / len(sizes))
+            return PlanSample(nodes, edges, f"the mean of {len(sizes)} graph files' sizes in data.source (not decoded)")
+    why = "data.source is not set" if not source else "no file of data.source says its size unread (meshes, an archive)"
+    return PlanSample(PLAN_NODES, PLAN_NODES * PLAN_DEGREE, f"a stand-in: {why}")
+
+
 def plan(m: ClassifierModality, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
+    """The plan of a graph network on a sample of the data's size (plan_sample): its activations and FLOPs grow with
+    the graph's nodes and edges, so a fixed stand-in graph mispredicted the run by the data's size over it."""
     inputs = planned_inputs(m, config)
     model_cfg: GraphNetworkConfig = config.model
     network = m.network(model_cfg, inputs)  # small: built for real, the graph's index ops have no meta kernels
     blocks = model_cfg.layer_map.blocks
+    sample = plan_sample(config.data)
+    scale = max(1.0, sample.nodes / RUN_NODES, sample.edges / RUN_EDGES)
+    nodes, edges = max(1, round(sample.nodes / scale)), round(sample.edges / scale)
     spec = network_spec(
-        OneGraph(network, plan_graph(PLAN_NODES, PLAN_DEGREE)),
-        torch.zeros(PLAN_NODES, *inputs["input_shape"]),
+        OneGraph(network, sized_graph(nodes, edges)),
+        torch.zeros(nodes, *inputs["input_shape"]),
         str(model_cfg.name),
         pretrained=bool(model_cfg.weights),
         blocks_path=f"network.{blocks}" if blocks else None,
     )
-    return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
+    spec = scaled(spec, scale)
+    said = f"sized on a graph of {sample.nodes:,} nodes and {sample.edges:,} edges: {sample.source}"
+    if inputs["level"] == "node":  # a step is the one graph, whatever data.batch_size says
+        config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=1))
+        said += "; data.level=node: a step is that one graph"
+    log.info("plan: %s", said)
+    made = make_plan(config, hardware, spec, use_tuned=use_tuned)
+    made.reasons.append(said)
+    return made, spec
+
+
+def scaled(spec: ModelSpec, scale: float) -> ModelSpec:
+    """A spec counted on a graph `scale` times smaller, as the full graph's: its per-sample figures grow with it."""
+    if scale == 1:
+        return spec
+    inside = [round(b * scale) for b in spec.block_activation_bytes] if spec.block_activation_bytes else None
+    return dataclasses.replace(
+        spec,
+        sample_activation_bytes=round(spec.sample_activation_bytes * scale),
+        sample_flops=round(spec.sample_flops * scale),
+        sample_step_bytes=round(spec.sample_step_bytes * scale),
+        block_activation_bytes=inside,
+        boundary_bytes=round(spec.boundary_bytes * scale),
+    )
 
 
 def planned_inputs(m: ClassifierModality, config: ONNConfig) -> dict[str, Any]:
