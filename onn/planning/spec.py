@@ -217,9 +217,12 @@ def _saved_bytes(model, sample, blocks: list) -> tuple[int, list[int], int, int]
         nonlocal saved
         # a parameter, or a view of one (a recurrence saves its weight's transpose at every step), is no new memory
         if not isinstance(t, torch.nn.Parameter) and not isinstance(t._base, torch.nn.Parameter):
-            saved += t.numel() * t.element_size()
+            # an expanded view holds its storage, not its numel: torch_geometric's scatter saves each layer's edge
+            # index broadcast to [edges, width] (stride 0), 8 x width bytes an edge counted where 8 are held
+            held = min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+            saved += held
             if current:
-                inside[current[-1]] += t.numel() * t.element_size()
+                inside[current[-1]] += held
         return t
 
     def enter(i: int):
