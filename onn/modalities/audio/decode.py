@@ -10,6 +10,7 @@ caller skips it and counts it against data.max_bad_fraction.
 from __future__ import annotations
 
 import io
+import itertools
 import math
 from dataclasses import dataclass
 from typing import IO
@@ -96,22 +97,44 @@ def fit_settings(data_cfg: AudioData) -> Fit:
     return Fit(rate, channels, samples)
 
 
-def decode_audio(source: str | IO[bytes]) -> tuple[np.ndarray, int]:
-    """(float32 [channels, samples] in [-1, 1], sample rate) of a file path or a binary file object. A float file
-    whose samples reach past float16's largest value (65504) is scaled to a peak of 1, its sound kept."""
+RESAMPLER_MARGIN = 16  # per sample of the lower rate, input read past each end of a window (torchaudio's reaches 7)
+
+
+def resampled_length(total: int, rate: int, new_rate: int) -> int:
+    """How many samples torchaudio's resampler makes of `total` at `rate`."""
+    return -(-total * new_rate // rate)
+
+
+def window(total: int, rate: int, fit: Fit | None) -> tuple[int, int]:
+    """(first sample, count) of a `total`-sample recording at `rate` that fit_waveform's centred clip is cut from:
+    (0, total) where it starts at the beginning. It starts on a whole resampler period (rate / gcd) and reaches
+    past the clip by the resampler's filter, so its resampled clip is the whole recording's."""
+    if fit is None:
+        return 0, total
+    new = fit.sample_rate
+    step = rate // math.gcd(rate, new)
+    margin = step + RESAMPLER_MARGIN * math.ceil(rate / min(rate, new))
+    first = (resampled_length(total, rate, new) - fit.samples) // 2  # the clip's first sample, resampled
+    start = max(0, first * rate // new - margin) // step * step
+    end = min(total, -(-(first + fit.samples) * rate // new) + margin)
+    if first < 0 or start == 0:  # (a window always starts past 0: start 0 means the whole recording)
+        return 0, total
+    return start, end - start
+
+
+def decode_audio(source: str | IO[bytes], fit: Fit | None = None) -> tuple[np.ndarray, int, int, int]:
+    """(float32 [channels, samples] in [-1, 1], sample rate, the first sample's index, the recording's length in
+    samples) of a file path or a binary file object. With `fit`, only the window of a long recording that its
+    centred clip is cut from is decoded (an hour of 48 kHz stereo would be 1.4 GB of float32 per decoding thread).
+    A float file whose samples reach past float16's largest value (65504) is scaled to a peak of 1."""
     import soundfile as sf
 
     source = nonempty(source)
-    if isinstance(source, bytes):
-        source = io.BytesIO(source)
     try:
-        wave, rate = sf.read(source, dtype="float32", always_2d=True)
-        wave = wave.T
+        wave, rate, start, total = _decode_soundfile(source, fit)
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as first:
-        if not isinstance(source, str):
-            source.seek(0)
         try:
-            wave, rate = _decode_ffmpeg(source)
+            wave, rate, start, total = _decode_ffmpeg(source, fit)
         except BadFile:
             raise
         except Exception as e:  # PyAV raises FFmpegError subclasses, and ValueError/OSError for odd inputs
@@ -125,31 +148,68 @@ def decode_audio(source: str | IO[bytes]) -> tuple[np.ndarray, int]:
     peak = float(np.abs(wave).max())
     if peak > FLOAT16_MAX:  # a float file far outside ±1: the float16 store would hold infinities, the loss NaN
         wave = wave / peak
-    return np.ascontiguousarray(wave), int(rate)
+    return np.ascontiguousarray(wave), int(rate), start, total
 
 
-def _decode_ffmpeg(source: str | IO[bytes]) -> tuple[np.ndarray, int]:
+def _opened(source: str | bytes) -> str | IO[bytes]:
+    return source if isinstance(source, str) else io.BytesIO(source)
+
+
+def _decode_soundfile(source: str | bytes, fit: Fit | None) -> tuple[np.ndarray, int, int, int]:
+    """(samples, rate, the first one's index, the recording's length) through libsndfile: the window `fit` needs."""
+    import soundfile as sf
+
+    with sf.SoundFile(_opened(source)) as f:
+        rate, total = f.samplerate, f.frames
+        start, count = window(total, rate, fit)
+        if start and not f.seekable():
+            start, count = 0, -1
+        f.seek(start)
+        wave = f.read(count, dtype="float32", always_2d=True).T
+    if start and wave.shape[1] < count:  # the header promised more than the file holds: read it whole
+        return _decode_soundfile(source, None)
+    return wave, rate, start, total if start else wave.shape[1]
+
+
+def _decode_ffmpeg(source: str | bytes, fit: Fit | None) -> tuple[np.ndarray, int, int, int]:
+    """(samples, rate, the first one's index, the recording's length) through PyAV: decoded from the start, kept
+    from the window `fit` needs and stopped after it where the stream says how long it is."""
     import av
 
-    with av.open(source) as container:
+    with av.open(_opened(source)) as container:
         if not container.streams.audio:
             raise BadFile("no audio stream" + (" (a video without sound)" if container.streams.video else ""))
         stream = container.streams.audio[0]
         rate = stream.rate or stream.codec_context.sample_rate
         if not rate:
             raise BadFile("an audio stream without a sample rate")
+        said = round(float(stream.duration * stream.time_base) * rate) if stream.duration and stream.time_base else 0
+        start, count = window(said, rate, fit)
+        end = start + count if start else None
         resampler = av.AudioResampler(format="fltp", layout=stream.layout.name if stream.layout else None, rate=rate)
-        chunks = [out.to_ndarray() for frame in container.decode(stream) for out in resampler.resample(frame)]
-        chunks += [out.to_ndarray() for out in resampler.resample(None)]
+        chunks, position = [], 0
+        for frame in itertools.chain(container.decode(stream), [None]):  # None: the resampler's last samples
+            for out in resampler.resample(frame):
+                array = out.to_ndarray()
+                if end is None:
+                    chunks.append(array)
+                elif position < end and position + array.shape[1] > start:
+                    chunks.append(array[:, max(0, start - position) : end - position])
+                position += array.shape[1]
+            if end is not None and position >= end:
+                break
+    if end is not None and position < end:  # the stream said it lasts longer than it does: decode it whole
+        return _decode_ffmpeg(source, None)
     if not chunks:
         raise BadFile("an audio stream with no samples")
-    return np.concatenate(chunks, axis=1).astype(np.float32, copy=False), int(rate)
+    wave = np.concatenate(chunks, axis=1).astype(np.float32, copy=False)
+    return wave, int(rate), start, said if end is not None else wave.shape[1]
 
 
-def fit_waveform(wave: np.ndarray, rate: int, fit: Fit) -> torch.Tensor:
+def fit_waveform(wave: np.ndarray, rate: int, fit: Fit, start: int = 0, total: int | None = None) -> torch.Tensor:
     """float32 [channels, samples] at `rate` -> float32 [fit.channels, fit.samples] at fit.sample_rate:
     resampled with torchaudio's windowed-sinc resampler, mixed down or channel-matched, centre-cropped or
-    padded with silence on both sides."""
+    padded with silence on both sides. `wave` may be the window (`start`) of a `total`-sample recording."""
     x = torch.from_numpy(wave)
     have = x.shape[0]
     if fit.channels == 1:
@@ -164,17 +224,18 @@ def fit_waveform(wave: np.ndarray, rate: int, fit: Fit) -> torch.Tensor:
         import torchaudio.functional as AF
 
         x = AF.resample(x.contiguous(), rate, fit.sample_rate)
-    n = x.shape[1]
+    n = resampled_length(total, rate, fit.sample_rate) if start else x.shape[1]  # the whole recording's, resampled
     if n >= fit.samples:
-        start = (n - fit.samples) // 2
-        return x[:, start : start + fit.samples].contiguous()
+        first = (n - fit.samples) // 2 - start * fit.sample_rate // rate  # (a window starts on a whole period)
+        return x[:, first : first + fit.samples].contiguous()
+    n = x.shape[1]
     out = torch.zeros(fit.channels, fit.samples)
-    start = (fit.samples - n) // 2
-    out[:, start : start + n] = x
+    first = (fit.samples - n) // 2
+    out[:, first : first + n] = x
     return out
 
 
 def load(source: str | IO[bytes], fit: Fit) -> tuple[torch.Tensor, float]:
     """One file decoded and fitted, and its duration in seconds (for throughput figures)."""
-    wave, rate = decode_audio(source)
-    return fit_waveform(wave, rate, fit), wave.shape[1] / rate
+    wave, rate, start, total = decode_audio(source, fit)
+    return fit_waveform(wave, rate, fit, start, total), total / rate

@@ -10,7 +10,7 @@ SpecAugment-style augmentation on the batch (features.py), ONN's audio CNN or an
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from onn.config import ONNConfig
 from onn.config.data import AudioData
@@ -20,7 +20,22 @@ from onn.errors import UserError
 from onn.modalities.audio.decode import SUFFIXES
 from onn.modalities.base import MediaModality, RunConfig
 
+if TYPE_CHECKING:
+    import torch
+
 SILENCE_READERS = frozenset({"audio_rnn"})  # zoo networks that find each clip's sound by its silent floor
+STREAMED_STATS_ITEMS = 256  # training recordings a streamed dataset's normalize=dataset statistics are measured on
+
+
+def streamed_sample(dm) -> torch.Tensor:
+    """Up to STREAMED_STATS_ITEMS of a streamed dataset's training waveforms (a seeded pick, the same on every
+    rank), decoded here: normalize=dataset measures its statistics on them, as on a resident store's."""
+    import torch
+
+    items, index = dm.streamed["train"]
+    picks = torch.randperm(len(index), generator=torch.Generator().manual_seed(0))[:STREAMED_STATS_ITEMS]
+    waves = [items.load(index[int(i)]) for i in picks]
+    return torch.stack([w for w in waves if w is not None])
 
 
 class AudioModality(MediaModality):
@@ -88,8 +103,9 @@ class AudioModality(MediaModality):
 
         settings = self._settings(config.data)
         mean, std = 0.0, 1.0
-        if settings["features"]["normalize"] == "dataset" and not dm.streamed:
-            mean, std = measure_stats(LogMel(settings["features"], None), dm.splits["train"].inputs)
+        if settings["features"]["normalize"] == "dataset":
+            waves = streamed_sample(dm) if dm.streamed else dm.splits["train"].inputs
+            mean, std = measure_stats(LogMel(settings["features"], None), waves)
         return {**settings, "mean": mean, "std": std}
 
     def neutral_stats(self, inputs: dict[str, Any]) -> dict[str, Any]:
