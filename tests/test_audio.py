@@ -283,6 +283,12 @@ def test_train_held_out_pattern_eval_infer_and_export(tmp_path):
 
     dims = [d.dim_value for d in onnx.load(metrics["export/onnx"]).graph.input[0].type.tensor_type.shape.dim]
     assert dims[1:] == [1, 3200]  # the stored samples (0.4 s at 8 kHz): the graph computes the log-mel itself
+    import onnxruntime as ort
+
+    # what to feed it and what its outputs mean travel in the file: resampling to 8 kHz happens outside the graph
+    meta = ort.InferenceSession(metrics["export/onnx"]).get_modelmeta().custom_metadata_map
+    assert sorted(json.loads(meta["onn.classes"])) == ["high", "low", "mid"]
+    assert json.loads(meta["onn.inputs"])["classes"] == json.loads(meta["onn.classes"])
     ckpt = str(tmp_path / "train" / "checkpoints" / "best.ckpt")
     # the recipe's AdaBN (task.adapt_norm) again, for the test only
     evaluated = compose(*common, "task=eval", f"ckpt={ckpt}", "task.adapt_norm=true")

@@ -307,6 +307,21 @@ def export_onnx(
     }
 
 
+def set_metadata(output: Path, props: dict[str, str], doc: str | None = None) -> None:
+    """Key/value metadata (and a doc_string) set in an exported ONNX or .omny file, where Netron and onnxruntime's
+    modelmeta show them to whoever runs it; the file's other metadata (a .omny's document) stays, and weights in a
+    .data file beside it stay there. Written beside the file, then swapped in."""
+    import onnx
+
+    model = onnx.load(str(output), load_external_data=False)
+    if doc is not None:
+        model.doc_string = doc
+    onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, **props})
+    staged = output.with_name(f".{output.name}.described")
+    onnx.save(model, str(staged))
+    os.replace(staged, output)
+
+
 def traceable(model, sample: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The model and its sample as ONNX traces them: on the CPU, in float32 (the model moved there in place: a
     copy of a large model would double what the export holds). A run on a GPU leaves its model on the device

@@ -608,7 +608,23 @@ def export_module(m: ClassifierModality, config: ONNConfig, module: Classifier, 
         stored = torch.randint(0, 256, shape, dtype=dtype, generator=generator)
     else:  # float32: an audio run stores float16 samples, and onnxruntime takes float32 ones (onnx_export.traceable)
         stored = torch.randn(shape, generator=generator)
-    return export_for_run(config, graph, run_dir, {"input": stored})
+    metrics = export_for_run(config, graph, run_dir, {"input": stored})
+    describe(m, inputs, Path(metrics["export/onnx"]), shape, dtype)
+    return metrics
+
+
+def describe(m: ClassifierModality, inputs: dict[str, Any], output: Path, shape: list[int], dtype) -> None:
+    """What an exported classifier takes and gives, in the file's metadata (`onn.classes`, `onn.inputs`: the
+    settings its data was stored with, the sample rate and clip length of audio among them) and doc_string: a
+    user of model.onnx needs the class names and what to feed it, and resampling or decoding is outside the graph."""
+    from onn.export.onnx_export import set_metadata
+
+    classes = [str(c) for c in inputs["classes"]]
+    doc = (
+        f"input: {str(dtype).removeprefix('torch.')} {['batch', *shape[1:]]}, a batch of {m.name} data as ONN stores "
+        f"it (onn.inputs holds its settings); output: logits [batch, {len(classes)}] over onn.classes."
+    )
+    set_metadata(output, {"onn.classes": json.dumps(classes), "onn.inputs": json.dumps(inputs)}, doc)
 
 
 class StoredBatchClassifier(nn.Module):

@@ -18,6 +18,7 @@ Batches) on the GraphDataModule. What differs is here:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 from dataclasses import dataclass
@@ -331,11 +332,10 @@ def export_network(m: ClassifierModality, config: ONNConfig, module: Classifier,
 
 
 def describe_inputs(output: Path, inputs: dict[str, Any]) -> None:
-    """What the exported graph takes, in its doc_string and metadata_props (`onn.inputs`): a reader of model.onnx
-    learns it from the file, as Netron and onnxruntime's modelmeta show it. Written beside it, then swapped in."""
-    import os
-
-    import onnx
+    """What the exported graph takes, in its doc_string and metadata_props (`onn.inputs`, and `onn.classes` as every
+    classifier's export writes them): a reader of model.onnx learns it from the file, as Netron and onnxruntime's
+    modelmeta show it."""
+    from onn.export.onnx_export import set_metadata
 
     features = int(inputs["input_shape"][0])
     per = "a row of logits per node" if inputs["level"] == "node" else "one row of logits for the graph"
@@ -346,9 +346,4 @@ def describe_inputs(output: Path, inputs: dict[str, Any]) -> None:
         "drops self-loops and repeats, as task=infer reads the file. Output: " + per + f" over the classes "
         f"{', '.join(map(str, inputs['classes']))}."
     )
-    model = onnx.load(str(output), load_external_data=False)  # weights in a .data file beside it stay there
-    model.doc_string = text
-    onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, "onn.inputs": text})
-    staged = output.with_name(f".{output.name}.described")
-    onnx.save(model, str(staged))
-    os.replace(staged, output)
+    set_metadata(output, {"onn.inputs": text, "onn.classes": json.dumps([str(c) for c in inputs["classes"]])}, text)
