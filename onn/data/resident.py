@@ -262,6 +262,48 @@ class StreamedItems(torch.utils.data.Dataset):
         return item, int(self.items.labels[j])
 
 
+class EpochShuffle(torch.utils.data.Sampler[int]):
+    """The streamed training order: epoch e is a permutation of range(size) drawn from seed + e, as ResidentBatches'
+    is, so a resumed run sees the unbroken run's order with any data.num_workers (a loader's own shuffle drew from one
+    generator that each new iterator also drew from, and a resumed run, starting other iterators, shuffled
+    otherwise). The epoch is the trainer's, `epoch_of()` read when an iteration starts: Lightning starts a run's first
+    iterator before it calls set_epoch, and a loader with workers draws its first batches' indices then (a resumed run
+    took epoch 0's order for its first epoch). An iteration moves no epoch on. StatefulDataLoader keeps state_dict
+    (the epoch and the samples given of it) in the loader's, which Lightning keeps in checkpoints. Under DDP Lightning
+    puts its DistributedSampler in this one's place."""
+
+    def __init__(self, size: int, seed: int, epoch_of: Callable[[], int] | None = None):
+        self.size, self.seed, self.epoch_of = size, seed, epoch_of
+        self.epoch = 0  # the trainer's epoch (set_epoch, or epoch_of)
+        self._current, self._given = 0, 0  # the epoch being iterated, its samples given
+        self._skip_epoch, self._skip = 0, 0  # a restored place: the samples of that epoch already trained on
+
+    def __len__(self) -> int:
+        return self.size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if self.epoch_of is not None:
+            self.epoch = self.epoch_of()
+        # a restored place holds for the epoch it was saved in only (a later epoch starts at its first sample)
+        skip = self._skip if self.epoch == self._skip_epoch else 0
+        self._current, self._given, self._skip = self.epoch, skip, 0
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self._current))
+        for i in order[skip:].tolist():
+            self._given += 1
+            yield i
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._current, "given": self._given}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """The place to go on from; the epoch itself is the trainer's (epoch_of, set_epoch), which this place may not
+        be in: a run saved at the end of its epoch goes on with the next one whole."""
+        self._skip_epoch, self._skip = int(state["epoch"]), int(state["given"])
+
+
 class JoinedItems:
     """Several splits' items as one Items (those of each that decode): task=eval streams all of a data.source the
     command line gives as its val split, as every_split joins a resident read's."""
@@ -761,6 +803,13 @@ class ClassificationData(L.LightningDataModule):
         trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
+    def _fit_epoch(self) -> int:
+        """The epoch training is in or about to start, as Lightning gives a sampler's set_epoch (its fit loop's count of
+        epochs processed): trainer.current_epoch counts completed ones, and a run restored at an epoch's end is still in
+        it by that count. 0 outside a trainer."""
+        trainer = self.trainer
+        return trainer.fit_loop.epoch_progress.current.processed if trainer is not None else 0
+
     def has_test(self) -> bool:
         return "test" in (self.streamed or self.splits)
 
@@ -770,13 +819,13 @@ class ClassificationData(L.LightningDataModule):
         items, index = self.streamed[split]
         workers = int(self.cfg.num_workers)
         share = -(-len(index) // self._ranks()[1])  # this process's samples under Lightning's DistributedSampler
-        # training: stateful, so Lightning keeps the shuffle's position in the checkpoint and a resumed epoch goes
-        # on where it stopped (exact with workers; with num_workers=0 the later epochs shuffle differently)
+        # training: stateful, so Lightning keeps the shuffle's place in the checkpoint and a resumed run goes on
+        # where it stopped, in the unbroken run's order (EpochShuffle)
         loader = StatefulDataLoader if shuffle else torch.utils.data.DataLoader
         return loader(
             StreamedItems(items, index),
             batch_size=self.batch_size if shuffle else self.eval_batch_size,
-            shuffle=shuffle,
+            sampler=EpochShuffle(len(index), self.seed, self._fit_epoch) if shuffle else None,
             drop_last=shuffle and share >= self.batch_size,  # a share smaller than a batch is one batch
             num_workers=workers,
             persistent_workers=workers > 0,
