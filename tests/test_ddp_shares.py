@@ -257,3 +257,15 @@ def test_two_processes_validate_at_the_end_of_their_share_of_an_epoch(tmp_path: 
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["status"] == "ok" and metrics["steps"] == 3
     assert [h["step"] for h in metrics["val/history"]] == [3] and metrics["checkpoint_best"]
+
+
+def test_a_multi_device_strategy_on_automatic_devices_counts_every_visible_gpu(monkeypatch):
+    """strategy=ddp (fsdp, deepspeed) with trainer.devices=auto starts a process per visible GPU (build_trainer leaves
+    Lightning its `auto`): counted before the trainer exists as one process, a 4-GPU node's classifier capped its
+    validation interval at all the data's batches, four times a process's, and a one-epoch run never validated."""
+    from onn.training.trainer import processes
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # a 4-GPU node, as Lightning's `auto` would count it
+    assert processes(compose("data=image", "strategy=ddp", "trainer.devices=auto")) == 4
+    assert processes(compose("data=image", "strategy=ddp", "trainer.devices=auto", "trainer.num_nodes=2")) == 8
+    assert processes(compose("data=image", "strategy=full", "trainer.devices=auto")) == 1  # one process, one device

@@ -304,12 +304,17 @@ def world_size(config: ONNConfig) -> int:
 
 
 def processes(config: ONNConfig) -> int:
-    """The processes a run under Lightning's strategy `auto` has: those its launcher started (torchrun's WORLD_SIZE),
-    else trainer.devices (auto: the one build_trainer gives Lightning) x trainer.num_nodes."""
+    """The processes a run has, known before its Trainer exists: those its launcher started (torchrun's WORLD_SIZE),
+    else trainer.devices x trainer.num_nodes, where devices=auto is what build_trainer gives Lightning: every GPU
+    visible under a multi-device strategy (ddp, fsdp, deepspeed), else one."""
     world = os.getenv("WORLD_SIZE", "")
     if launched() and world.isdigit():
         return int(world)
-    return world_size(config) if config.trainer.devices not in (None, "auto") else int(config.trainer.num_nodes)
+    lightning = config.strategy.lightning
+    spread = isinstance(lightning, str) and lightning.startswith(MULTI_DEVICE)
+    if config.trainer.devices not in (None, "auto") or spread:
+        return world_size(config)
+    return int(config.trainer.num_nodes)
 
 
 def warn_oversubscribed(kwargs: dict[str, Any]) -> None:
