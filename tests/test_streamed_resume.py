@@ -115,3 +115,45 @@ def test_a_streamed_run_resumed_after_its_first_epoch_validates_as_the_unbroken_
     assert whole["resident"] is False and resumed["resumed_from"]
     assert [h["epoch"] for h in resumed["val/history"]] == [0, 1, 2]
     assert resumed["val/history"] == whole["val/history"]
+
+
+def _place(workers: int, shuffle: bool) -> dict:
+    """A streamed loader's saved place after one batch: EpochShuffle's (shuffle false), or a loader shuffling with
+    torchdata's RandomSampler, as ONN's did before EpochShuffle (shuffle true)."""
+    import torch
+
+    from onn.data.resident import EpochShuffle, StreamedLoader
+
+    sampler = None if shuffle else EpochShuffle(12, 0)
+    loader = StreamedLoader(list(range(12)), batch_size=2, shuffle=shuffle, sampler=sampler, num_workers=workers)
+    next(iter(loader))
+    state = loader.state_dict()
+    assert torch.is_tensor(next(iter(loader)))  # (the place is a copy: the loader goes on)
+    return state
+
+
+def test_a_place_another_loader_kept_is_one_sentence_or_a_fresh_epoch(caplog):
+    """torchdata asserted, with no message, on a checkpoint of another data.num_workers, and on one of an earlier ONN
+    (its RandomSampler's place): the first is refused naming the key, the second trains its epoch from the start."""
+    from onn.data.resident import EpochShuffle, StreamedLoader
+    from onn.errors import UserError
+
+    def fresh(workers: int) -> StreamedLoader:
+        return StreamedLoader(list(range(12)), batch_size=2, sampler=EpochShuffle(12, 0), num_workers=workers)
+
+    for saved, now in ((0, 1), (1, 0), (1, 2)):
+        loader = fresh(now)
+        with pytest.raises(UserError) as e:
+            loader.load_state_dict(_place(saved, shuffle=False))
+        assert str(e.value) == (
+            f"the checkpoint's streamed data ran with data.num_workers={saved}; resume with the same "
+            f"data.num_workers (not {now})."
+        )
+    for workers in (0, 1):
+        loader = fresh(workers)
+        loader.load_state_dict(_place(workers, shuffle=True))
+        assert sorted(int(i) for batch in loader for i in batch) == list(range(12))  # the whole epoch, no assertion
+        assert "trains from its first batch again" in caplog.text
+    loader = fresh(0)
+    loader.load_state_dict(_place(0, shuffle=False))  # its own place: goes on after the first batch
+    assert len([int(i) for batch in loader for i in batch]) == 10

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import lightning as L
 import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from onn.config.data import LabelledFiles, SplitData, eval_batch
 from onn.data.labelled import check_bad
@@ -270,7 +271,7 @@ class EpochShuffle(torch.utils.data.Sampler[int]):
     iterator before it calls set_epoch, and a loader with workers draws its first batches' indices then (a resumed run
     took epoch 0's order for its first epoch). An iteration moves no epoch on. StatefulDataLoader keeps state_dict
     (the epoch and the samples given of it) in the loader's, which Lightning keeps in checkpoints. Under DDP Lightning
-    puts its DistributedSampler in this one's place."""
+    wraps it (DistributedSamplerWrapper): every process draws the same order and takes every world-th sample of it."""
 
     def __init__(self, size: int, seed: int, epoch_of: Callable[[], int] | None = None):
         self.size, self.seed, self.epoch_of = size, seed, epoch_of
@@ -302,6 +303,30 @@ class EpochShuffle(torch.utils.data.Sampler[int]):
         """The place to go on from; the epoch itself is the trainer's (epoch_of, set_epoch), which this place may not
         be in: a run saved at the end of its epoch goes on with the next one whole."""
         self._skip_epoch, self._skip = int(state["epoch"]), int(state["given"])
+
+
+class StreamedLoader(StatefulDataLoader):
+    """The streamed training loader: torchdata's StatefulDataLoader, whose place Lightning keeps in checkpoints,
+    refusing in one sentence a place it cannot restore. torchdata asserted with no message when a checkpoint's loader
+    ran with another data.num_workers, or kept the place of the shuffle before EpochShuffle (an earlier ONN's)."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        snapshot = state_dict.get("_snapshot")  # present where the loader had workers
+        main = snapshot["_main_snapshot"] if snapshot else state_dict
+        workers = int(main["_num_workers"]) if snapshot else 0
+        if state_dict and workers != self.num_workers:
+            raise UserError(
+                f"the checkpoint's streamed data ran with data.num_workers={workers}; resume with the same "
+                f"data.num_workers (not {self.num_workers})."
+            )
+        place = (main.get("_sampler_iter_state") or {}).get("sampler_iter_state") or {}
+        if "generator" in place:  # torchdata's RandomSampler: an order EpochShuffle does not draw
+            log.warning(
+                "resume: the checkpoint's place in the streamed data was kept by an earlier ONN, whose shuffle this "
+                "one does not draw; the epoch it was saved in trains from its first batch again"
+            )
+            return
+        super().load_state_dict(state_dict)
 
 
 class JoinedItems:
@@ -814,14 +839,12 @@ class ClassificationData(L.LightningDataModule):
         return "test" in (self.streamed or self.splits)
 
     def _loader(self, split: str, shuffle: bool):
-        from torchdata.stateful_dataloader import StatefulDataLoader
-
         items, index = self.streamed[split]
         workers = int(self.cfg.num_workers)
         share = -(-len(index) // self._ranks()[1])  # this process's samples under Lightning's DistributedSampler
         # training: stateful, so Lightning keeps the shuffle's place in the checkpoint and a resumed run goes on
         # where it stopped, in the unbroken run's order (EpochShuffle)
-        loader = StatefulDataLoader if shuffle else torch.utils.data.DataLoader
+        loader = StreamedLoader if shuffle else torch.utils.data.DataLoader
         return loader(
             StreamedItems(items, index),
             batch_size=self.batch_size if shuffle else self.eval_batch_size,
