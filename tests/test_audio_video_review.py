@@ -114,3 +114,27 @@ def test_streamed_audio_with_dataset_normalisation_measures_the_training_data(tm
     saved = classification.saved_inputs(tmp_path / "streamed" / "checkpoints" / "last.ckpt")
     assert saved["mean"] == pytest.approx(measured["mean"], abs=0.01)
     assert saved["std"] == pytest.approx(measured["std"], abs=0.01)
+
+
+def test_streamed_statistics_over_recordings_that_no_longer_decode_are_one_sentence(tmp_path):
+    """Every recording picked to measure a streamed dataset's statistics broken after the run's check that each
+    decodes: torch.stack of nothing raised a RuntimeError; now one sentence naming the key and what to do."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import compose
+    from test_audio import make_tones
+
+    from onn.errors import UserError
+    from onn.modalities import classification, get
+
+    data = make_tones(tmp_path / "tones", per_class=2)
+    config = compose(
+        *("data=audio", "model=audio_cnn", f"data.source={data}", "data.label_from='^([a-z]+)_'"),
+        *("data.features.normalize=dataset", "data.resident=false", f"paths.cache={tmp_path / 'cache'}"),
+    )
+    dm = classification.setup_data(get("audio"), config, "cpu")
+    for wav in data.glob("*.wav"):
+        wav.write_bytes(b"")
+    with pytest.raises(UserError, match=r"data.features.normalize=dataset: none of the \d+ training recordings"):
+        get("audio").input_stats(config, dm)

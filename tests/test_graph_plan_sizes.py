@@ -59,7 +59,7 @@ def test_folders_of_small_and_of_large_graphs_plan_apart_by_their_sizes(tmp_path
     as two edges) and their `nodes N` line; an archive, which cannot be sized unread, plans on the stand-in."""
     small = planned(tmp_path, f"data.source={write_graphs(tmp_path / 'small', 6, 40, 4)}")
     large = planned(tmp_path, f"data.source={write_graphs(tmp_path / 'large', 6, 20_000, 4)}")
-    assert said(small).startswith("sized on a graph of 40 nodes and 160 edges: the mean of 6 graph files")
+    assert said(small).startswith("sized on a graph of 40 nodes and 160 edges: 6 graph files of data.source")
     assert said(large).startswith("sized on a graph of 20,000 nodes and 80,000 edges")
     for key in ("activation_bytes_per_sample", "flops_per_sample"):
         assert large.model[key] / small.model[key] == pytest.approx(500, rel=0.1), key
@@ -72,7 +72,8 @@ def test_folders_of_small_and_of_large_graphs_plan_apart_by_their_sizes(tmp_path
         (tmp_path / "edges" / "ab"[i % 2]).mkdir(parents=True, exist_ok=True)
         (tmp_path / "edges" / "ab"[i % 2] / f"{i}.edges").write_text("\n".join(lines) + "\n")
     edges = planned(tmp_path, f"data.source={tmp_path / 'edges'}")
-    assert said(edges).startswith("sized on a graph of 40 nodes and 60 edges: the mean of 4 graph files")
+    # two lists of 30 nodes and two of 50: a batch of 32 graphs of 40 holding one of 50, 41 a graph
+    assert said(edges).startswith("sized on a graph of 41 nodes and 60 edges: 4 graph files of data.source")
 
     archive = shutil.make_archive(str(tmp_path / "small"), "zip", tmp_path / "small")
     stand_in = planned(tmp_path, f"data.source={archive}")
@@ -91,7 +92,7 @@ def test_a_node_level_graph_plans_as_the_one_graph_a_step_holds(tmp_path):
         plans.append(planned(tmp_path, f"data.source={file}", "data.level=node"))
     one, two = plans
     assert said(one) == (
-        "sized on a graph of 5,000 nodes and 20,000 edges: the mean of 1 graph files' sizes in data.source (not "
+        "sized on a graph of 5,000 nodes and 20,000 edges: data.source's one graph file (its header or lines, not "
         "decoded); data.level=node: a step is that one graph"
     )
     assert one.micro_batch == 1 and one.candidates["full"]["micro_batch"] == 1
@@ -165,3 +166,30 @@ def test_a_graph_runs_predicted_memory_is_near_what_it_measured(tmp_path):
     assert (
         runs["large"][1]["candidates"]["full"]["activations_mb"] > 200
     )  # the comparison is of the activations (282 MB)
+
+
+def test_a_folder_with_one_large_graph_plans_for_the_batch_that_holds_it(tmp_path):
+    """Memory peaks at the batch that holds the largest graph: planned on the mean alone, a folder of 40-node graphs
+    with one of 4,000 fitted a batch that ran out of memory once that graph came."""
+    folder = write_graphs(tmp_path / "graphs", 7, 40, 4)
+    write_graphs(tmp_path / "one", 1, 4_000, 4)
+    shutil.copy(tmp_path / "one" / "a" / "000.safetensors", folder / "a" / "big.safetensors")
+    plan = planned(tmp_path, f"data.source={folder}", "data.batch_size=8")
+    # the mean (535 nodes, 2,140 edges) for 7 of a batch of 8, the largest for one: (535 x 7 + 4,000) / 8
+    assert said(plan).startswith("sized on a graph of 969 nodes and 3,873 edges: 8 graph files")
+
+
+def test_a_long_edge_list_is_sized_from_its_head_and_tail(tmp_path):
+    """An edge list over 8 MB is not read whole by the plan (a 1 GB list took minutes and gigabytes): its lines are
+    counted in its first 8 MB and scaled by its size, and its largest node number is looked for at its end too."""
+    from onn.modalities.graph.read import EDGE_HEAD_BYTES, file_size
+
+    path = tmp_path / "big.edges"
+    nodes = 1_200_000
+    with open(path, "w") as f:
+        f.writelines(f"{i} {i + 1}\n" for i in range(nodes - 1))  # a path, numbered in order: the largest last
+    assert path.stat().st_size > EDGE_HEAD_BYTES
+    counted_nodes, counted_edges = file_size(path)
+    assert counted_nodes == nodes
+    # (the head's lines, of smaller numbers, are shorter than the file's: a little over, 3.7% here)
+    assert 2 * (nodes - 1) <= counted_edges <= 1.05 * 2 * (nodes - 1)

@@ -142,3 +142,23 @@ def test_a_saved_expanded_view_counts_the_storage_it_holds():
     spec = network_spec(_ScatterRows(width), torch.zeros(rows, width), "scatter", pretrained=False)
     linear_input, index = rows * width * 4, rows * 8  # what the linear layer and the scatter save
     assert spec.sample_activation_bytes == linear_input + index
+
+
+class _SparseAdjacency(torch.nn.Module):
+    """A graph convolution over a sparse adjacency (torch.sparse.mm): autograd saves the sparse matrix."""
+
+    def __init__(self, nodes: int, width: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+        ring = torch.arange(nodes)
+        index = torch.stack([ring, (ring + 1) % nodes])
+        self.register_buffer("adjacency", torch.sparse_coo_tensor(index, torch.ones(nodes), (nodes, nodes)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(self.adjacency, self.linear(x))
+
+
+def test_a_saved_sparse_tensor_is_counted_without_a_storage():
+    """A sparse tensor has no storage to ask for its bytes: the plan of a network saving one ended in a traceback."""
+    spec = network_spec(_SparseAdjacency(64, 16), torch.zeros(64, 16), "sparse", pretrained=False)
+    assert spec.sample_activation_bytes >= 64 * 16 * 4  # at least the linear layer's input

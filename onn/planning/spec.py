@@ -219,7 +219,9 @@ def _saved_bytes(model, sample, blocks: list) -> tuple[int, list[int], int, int]
         if not isinstance(t, torch.nn.Parameter) and not isinstance(t._base, torch.nn.Parameter):
             # an expanded view holds its storage, not its numel: torch_geometric's scatter saves each layer's edge
             # index broadcast to [edges, width] (stride 0), 8 x width bytes an edge counted where 8 are held
-            held = min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+            held = t.numel() * t.element_size()
+            if t.layout == torch.strided:  # (a sparse tensor has no storage to ask)
+                held = min(held, t.untyped_storage().nbytes())
             saved += held
             if current:
                 inside[current[-1]] += held

@@ -483,9 +483,9 @@ def write(model: onnx.ModelProto, doc: dict[str, Any], output: str | Path) -> Pa
         data, beside = written.with_name(output.name + ".data"), output.with_name(output.name + ".data")
         if data.exists():
             os.replace(data, beside)
-        elif beside.is_file():  # an earlier, larger export's weights: the new file does not read them
-            beside.unlink()
         os.replace(written, output)
+        if not large and beside.is_file():  # an earlier, larger export's weights, which the new file does not read
+            beside.unlink()
     return output
 
 

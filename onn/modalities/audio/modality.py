@@ -34,8 +34,13 @@ def streamed_sample(dm) -> torch.Tensor:
 
     items, index = dm.streamed["train"]
     picks = torch.randperm(len(index), generator=torch.Generator().manual_seed(0))[:STREAMED_STATS_ITEMS]
-    waves = [items.load(index[int(i)]) for i in picks]
-    return torch.stack([w for w in waves if w is not None])
+    waves = [w for w in (items.load(index[int(i)]) for i in picks) if w is not None]  # None: it decodes no more
+    if not waves:
+        raise UserError(
+            f"data.features.normalize=dataset: none of the {len(picks)} training recordings of data.source picked to "
+            "measure its statistics decodes any more; restore the files, or set data.features.normalize=instance."
+        )
+    return torch.stack(waves)
 
 
 class AudioModality(MediaModality):

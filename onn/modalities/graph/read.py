@@ -42,6 +42,7 @@ TENSOR_SUFFIXES = (".safetensors",)
 GRAPH_SUFFIXES = EDGE_SUFFIXES + TENSOR_SUFFIXES
 NEIGHBOURS = 6  # a point cloud's points are joined to this many nearest ones
 HEADER_BYTES = 64 * 1024  # the most of a .safetensors file's JSON header read for its tensors' shapes
+EDGE_HEAD_BYTES = 8 * 2**20  # an edge list's head a plan reads; a longer list is sized by its head's lines a byte
 PAIR_LINE = re.compile(rb"^[ \t]*(\d+)[ \t,]+(\d+)", re.M)  # an edge list's `SRC DST` line
 NODES_LINE = re.compile(rb"^[ \t]*nodes[ \t]+(\d+)[ \t\r]*$", re.M | re.I)  # its `nodes N` line
 HELP = (
@@ -233,7 +234,8 @@ def file_size(path: Path) -> tuple[int, int] | None:
     """A graph file's (nodes, edges) as the reader makes it, without decoding it, for the planner: a .safetensors
     file's x and edge_index shapes from its header (edges as listed: PyG's edge_index lists both directions; no x:
     the length of a node-level y or mask, else half the edges), an edge list's `SRC DST` lines counted twice (the
-    reader makes each two-way) and its `nodes N` line or largest node number. None for a mesh or a file that does
+    reader makes each two-way) and its `nodes N` line or largest node number; a list over EDGE_HEAD_BYTES by its
+    head's lines scaled by its size, its largest number from its head and tail. None for a mesh or a file that does
     not say."""
     suffix = path.suffix.lower()
     if suffix in TENSOR_SUFFIXES:
@@ -248,13 +250,19 @@ def file_size(path: Path) -> tuple[int, int] | None:
     if suffix not in EDGE_SUFFIXES:
         return None
     try:
-        text = path.read_bytes()
+        with open(path, "rb") as f:
+            text, tail, total = f.read(EDGE_HEAD_BYTES + 1), b"", os.fstat(f.fileno()).st_size
+            if len(text) > EDGE_HEAD_BYTES:  # a long list: its lines counted in its head, scaled by the file's size
+                text = text[: text.rfind(b"\n") + 1]
+                f.seek(max(len(text), total - EDGE_HEAD_BYTES // 8))
+                tail = f.read()  # a list sorted by node holds its largest numbers last
     except OSError:
         return None
     pairs = PAIR_LINE.findall(text)
     given = NODES_LINE.search(text)
-    nodes = int(given[1]) if given else max((max(int(a), int(b)) for a, b in pairs), default=-1) + 1
-    return (nodes, 2 * len(pairs)) if nodes > 0 else None
+    largest = max((max(int(a), int(b)) for a, b in pairs + PAIR_LINE.findall(tail)), default=-1)
+    nodes = int(given[1]) if given else largest + 1
+    return (nodes, round(2 * len(pairs) * total / max(1, len(text)))) if nodes > 0 else None
 
 
 def source_sizes(source: str | os.PathLike, files: int, listed: int, budget: int) -> list[tuple[int, int]]:
@@ -277,7 +285,7 @@ def source_sizes(source: str | os.PathLike, files: int, listed: int, budget: int
         if size is not None:
             sizes.append(size)
         if full.suffix.lower() in EDGE_SUFFIXES:
-            spent += full.stat().st_size
+            spent += min(full.stat().st_size, EDGE_HEAD_BYTES)
     return sizes
 
 

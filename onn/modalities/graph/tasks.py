@@ -4,7 +4,7 @@ train and eval are the shared ones, run with GraphClassifier (a Classifier whose
 Batches) on the GraphDataModule. What differs is here:
 
   plan    the network (with ckpt, the checkpoint's) sized on a graph of the data's size, read without decoding it
-          (plan_sample): a generated set's from data.builtin, a graph file's or the mean of a folder's (headers and
+          (plan_sample): a generated set's from data.builtin, a graph file's or a batch of a folder's (headers and
           edge-list lines); a level=node step is its one graph. PLAN_NODES nodes (PLAN_DEGREE edges a node) only
           where nothing can be known (an archive, meshes); the plan's reasons say which
   infer   predictions.jsonl (one row a graph, or a node for level=node) and a PNG of the predicted classes
@@ -116,8 +116,8 @@ class PlanSample:
 
 def plan_sample(data: GraphData) -> PlanSample:
     """The size of a graph of the data the config names, read without decoding it (the plan comes before the data
-    is read, and stays fast): a generated set's from data.builtin, else the mean of a file's or folder's graph files
-    (read.source_sizes); PLAN_NODES nodes, PLAN_DEGREE edges a node, where nothing can be known."""
+    is read, and stays fast): a generated set's from data.builtin, else a batch's share of a file's or folder's graph
+    files (read.source_sizes; _batch_share); PLAN_NODES nodes, PLAN_DEGREE edges a node, where nothing can be known."""
     from onn.modalities.graph.builtin import BUILTINS, builtin_size
     from onn.modalities.graph.read import source_sizes
 
@@ -129,11 +129,23 @@ def plan_sample(data: GraphData) -> PlanSample:
     elif source and not source.startswith("builtin:"):
         sizes = source_sizes(source, SIZED_FILES, LISTED, SIZED_BYTES)
         if sizes:
-            nodes = math.ceil(sum(n for n, _ in sizes) / len(sizes))
-            edges = math.ceil(sum(e for _, e in sizes) / len(sizes))
-            return PlanSample(nodes, edges, f"the mean of {len(sizes)} graph files' sizes in data.source (not decoded)")
+            batch = max(1, int(data.batch_size))
+            nodes, edges = (_batch_share([size[k] for size in sizes], batch) for k in (0, 1))
+            said = (
+                "data.source's one graph file (its header or lines, not decoded)"
+                if len(sizes) == 1
+                else f"{len(sizes)} graph files of data.source (headers or lines, not decoded): a batch of their mean "
+                "size that holds the largest"
+            )
+            return PlanSample(nodes, edges, said)
     why = "data.source is not set" if not source else "no file of data.source says its size unread (meshes, an archive)"
     return PlanSample(PLAN_NODES, PLAN_NODES * PLAN_DEGREE, f"a stand-in: {why}")
+
+
+def _batch_share(sizes: list[int], batch: int) -> int:
+    """One sample's share of a batch that holds the largest graph among mean-sized ones: memory peaks at the batch
+    that holds the largest, which a plan on the mean would not fit (a folder of small graphs and one large)."""
+    return math.ceil((sum(sizes) / len(sizes) * (batch - 1) + max(sizes)) / batch)
 
 
 def plan(m: ClassifierModality, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
