@@ -60,8 +60,8 @@ def source_kind(source: str | None) -> str:
     if path.suffix.lower() in (".gguf", ".safetensors"):
         if not path.is_file():
             raise UserError(
-                f"model.source {src} does not exist; check the path (for SmolLM2 run "
-                "../shared/scripts/fetch-smollm2.sh)."
+                f"model.source {src} does not exist; check the path (SmolLM2's GGUF: docs/models.md says where "
+                "to get it)."
             )
         return "folder" if weights_folder(path) else path.suffix.lower().lstrip(".")
     if path.is_dir():
