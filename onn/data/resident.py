@@ -189,7 +189,10 @@ class ResidentBatches:
     def state_dict(self) -> dict[str, int]:
         """Where the epoch being iterated stands; Lightning keeps it in checkpoints, so a run killed mid-epoch
         resumes with the same order from the batch after the last one it trained on. An epoch given whole is the
-        next epoch's start: a run resumed from its end (with more trainer.max_epochs) trains that next epoch whole."""
+        next epoch's start: a run resumed from its end (with more trainer.max_epochs) trains that next epoch whole. A
+        restored place not yet gone on from (a resumed run with nothing left to train) is saved as it was restored."""
+        if self._skip:
+            return {"epoch": self._skip_epoch, "taken": self._skip}
         if self._taken >= len(self):
             return {"epoch": self._current + 1, "taken": 0}
         return {"epoch": self._current, "taken": self._taken}
@@ -297,6 +300,10 @@ class EpochShuffle(torch.utils.data.Sampler[int]):
             yield i
 
     def state_dict(self) -> dict[str, int]:
+        """Where the epoch being iterated stands; a restored place not yet gone on from (a resumed run with nothing
+        left to train) as it was restored, so that the run's final checkpoint keeps it."""
+        if self._skip:
+            return {"epoch": self._skip_epoch, "given": self._skip}
         return {"epoch": self._current, "given": self._given}
 
     def load_state_dict(self, state: dict[str, int]) -> None:

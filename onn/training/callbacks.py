@@ -82,11 +82,15 @@ class RandomState(L.Callback):
     drawn had it never stopped. Lightning keeps a callback's state_dict in the checkpoint."""
 
     def state_dict(self) -> dict[str, Any]:
+        """The generators' states now; a restored state not yet set (a resumed run that had nothing left to train
+        never started training) as it was restored, so that its final checkpoint keeps the stopped run's draws."""
         import random
 
         import numpy as np
         import torch
 
+        if self._restored is not None:
+            return self._restored
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
         version, values, python_gauss = random.getstate()
         return {
@@ -149,7 +153,7 @@ def epoch_checkpoints(run_dir: Path, monitor: str, mode: str, every_n_steps: int
 
 def run_callbacks(config: ONNConfig, run_dir: Path, monitor: str, mode: str) -> list[L.Callback]:
     """An epoch-based run's callbacks: its checkpoints (epoch_checkpoints), the step clock, the resource monitor,
-    a finished run's resume at its next epoch (NextEpochAfterFit), and early stopping on `monitor` when
+    a stopped run's resume where it stopped (NextEpochAfterFit), and early stopping on `monitor` when
     task.early_stopping.patience is set."""
     from lightning.pytorch.callbacks import EarlyStopping
 
@@ -167,19 +171,32 @@ def run_callbacks(config: ONNConfig, run_dir: Path, monitor: str, mode: str) -> 
 
 
 class NextEpochAfterFit(L.Callback):
-    """A checkpoint written after fit ended at an epoch's end (last.ckpt) resumes at the next epoch's first batch.
+    """A checkpoint written after fit ended resumes where the run that never stopped would be: at the next epoch's
+    first batch when fit ended at an epoch's end, at the interrupted epoch's next batch when it ended within one.
+
     With trainer.max_steps set, Lightning restores every checkpoint as a restart inside the epoch it was saved in:
     the first epoch a larger trainer.max_epochs adds took the finished epoch's batch counters as its own and ended
-    without training (Lightning resets them at an epoch's start only when it is not restarting)."""
+    without training (Lightning resets them at an epoch's start only when it is not restarting). And when
+    trainer.max_steps ended fit within an epoch, Lightning counted that epoch processed (and completed) all the
+    same: a resumed run started the next epoch with the interrupted one's batch count, so it trained that epoch
+    short, from the next epoch's order, and never trained the interrupted epoch's remaining batches."""
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         loop = checkpoint.get("loops", {}).get("fit_loop", {})
         epochs, batches = loop.get("epoch_progress"), loop.get("epoch_loop.batch_progress")
-        if not epochs or not batches or not batches.get("is_last_batch"):
+        if not epochs or not batches:
             return
-        if len(set(epochs["current"].values())) == 1:  # its last epoch completed: fit had ended
-            batches["current"] = dict.fromkeys(batches["current"], 0)
-            batches["is_last_batch"] = False
+        if batches.get("is_last_batch"):
+            if len(set(epochs["current"].values())) == 1:  # its last epoch completed: fit had ended
+                batches["current"] = dict.fromkeys(batches["current"], 0)
+                batches["is_last_batch"] = False
+        elif batches["current"]["ready"] and epochs["total"]["processed"] == epochs["total"]["started"]:
+            # an epoch ended before its last batch (saved at that epoch's end or after fit): still unfinished, as a
+            # checkpoint saved after one of its batches has it, so that Lightning restarts inside it
+            if 0 <= trainer.max_steps <= checkpoint.get("global_step", 0):
+                return  # nothing left to train: the run records the epochs the stopped run counted
+            for counts in (epochs["total"], epochs["current"]):
+                counts["processed"] = counts["completed"] = counts["started"] - 1
 
 
 class Progress(L.Callback):
