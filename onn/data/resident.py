@@ -272,7 +272,8 @@ class EpochShuffle(torch.utils.data.Sampler[int]):
     generator that each new iterator also drew from, and a resumed run, starting other iterators, shuffled
     otherwise). The epoch is the trainer's, `epoch_of()` read when an iteration starts: Lightning starts a run's first
     iterator before it calls set_epoch, and a loader with workers draws its first batches' indices then (a resumed run
-    took epoch 0's order for its first epoch). An iteration moves no epoch on. StatefulDataLoader keeps state_dict
+    took epoch 0's order for its first epoch). Without a trainer (epoch_of None) each iteration is the next epoch, as
+    a DataLoader's shuffle is and as ResidentBatches' is. StatefulDataLoader keeps state_dict
     (the epoch and the samples given of it) in the loader's, which Lightning keeps in checkpoints. Under DDP Lightning
     wraps it (DistributedSamplerWrapper): every process draws the same order and takes every world-th sample of it."""
 
@@ -295,6 +296,8 @@ class EpochShuffle(torch.utils.data.Sampler[int]):
         skip = self._skip if self.epoch == self._skip_epoch else 0
         self._current, self._given, self._skip = self.epoch, skip, 0
         order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self._current))
+        if self.epoch_of is None:
+            self.epoch += 1
         for i in order[skip:].tolist():
             self._given += 1
             yield i
@@ -838,9 +841,8 @@ class ClassificationData(L.LightningDataModule):
     def _fit_epoch(self) -> int:
         """The epoch training is in or about to start, as Lightning gives a sampler's set_epoch (its fit loop's count of
         epochs processed): trainer.current_epoch counts completed ones, and a run restored at an epoch's end is still in
-        it by that count. 0 outside a trainer."""
-        trainer = self.trainer
-        return trainer.fit_loop.epoch_progress.current.processed if trainer is not None else 0
+        it by that count."""
+        return self.trainer.fit_loop.epoch_progress.current.processed
 
     def has_test(self) -> bool:
         return "test" in (self.streamed or self.splits)
@@ -852,10 +854,11 @@ class ClassificationData(L.LightningDataModule):
         # training: stateful, so Lightning keeps the shuffle's place in the checkpoint and a resumed run goes on
         # where it stopped, in the unbroken run's order (EpochShuffle)
         loader = StreamedLoader if shuffle else torch.utils.data.DataLoader
+        epoch_of = self._fit_epoch if self.trainer is not None else None  # without one, each pass is the next epoch
         return loader(
             StreamedItems(items, index),
             batch_size=self.batch_size if shuffle else self.eval_batch_size,
-            sampler=EpochShuffle(len(index), self.seed, self._fit_epoch) if shuffle else None,
+            sampler=EpochShuffle(len(index), self.seed, epoch_of) if shuffle else None,
             drop_last=shuffle and share >= self.batch_size,  # a share smaller than a batch is one batch
             num_workers=workers,
             persistent_workers=workers > 0,
