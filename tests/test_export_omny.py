@@ -275,6 +275,7 @@ def test_format_spec_holds_the_schema_the_code_validates_against():
         assert f"`{field}`" in spec, f"FORMAT_SPEC.md does not describe {field}"
 
 
+@pytest.mark.slow  # ~25 s of runs through the app: the fast suite stays under 10 minutes on 2 cores
 def test_task_export_through_the_app(outputs):
     """`python run.py task=export export=omny ...`, in-process: the app plans, builds the model,
     exports and returns the export/* metrics; without a format it stops in one sentence."""

@@ -185,6 +185,7 @@ def test_grounded_sam2_counts_the_parameters_of_both_its_models(tmp_path):
     assert params("grounded_sam2_mini") == params("grounding_dino_mini") + params("sam2_mini") > 200_000
 
 
+@pytest.mark.slow  # ~25 s of runs through the app: the fast suite stays under 10 minutes on 2 cores
 def test_val_loss_initial_is_null_when_no_validation_ran_before_training(tmp_path):
     """With task.validate_before=false, val/loss_initial was the first validation during training (the same
     number as val/loss_final in a short run), though it says "before training"."""
