@@ -315,6 +315,21 @@ class EpochShuffle(torch.utils.data.Sampler[int]):
         self._skip_epoch, self._skip = int(state["epoch"]), int(state["given"])
 
 
+def trainer_ranks(trainer) -> tuple[int, int]:
+    """(this process's rank, the processes): data held in memory is no DataLoader, so Lightning gives it no
+    DistributedSampler and it shares itself out (ResidentBatches and its kin). (0, 1) before a trainer exists."""
+    return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+
+def evaluated_ranks(trainer, split: str) -> tuple[int, int]:
+    """trainer_ranks for a held-out split, each sample scored by one process as EvaluatedOnceDDP gives a loader's;
+    (0, 1) under a fraction of the batches (trainer.limit_val_batches=0.4): Lightning keeps int(batches x fraction)
+    on each process, and shares a batch apart could keep 1 and 0 (one process raising while the others wait)."""
+    rank, world = trainer_ranks(trainer)
+    limit = getattr(trainer, f"limit_{split}_batches") if world > 1 else None
+    return (0, 1) if isinstance(limit, float) and 0 < limit < 1 else (rank, world)
+
+
 class StreamedLoader(StatefulDataLoader):
     """The streamed training loader: torchdata's StatefulDataLoader, whose place Lightning keeps in checkpoints,
     refusing in one sentence a place it cannot restore. torchdata asserted with no message when a checkpoint's loader
@@ -822,21 +837,12 @@ class ClassificationData(L.LightningDataModule):
         return self._evaluated("test") if "test" in self.splits else []
 
     def _evaluated(self, split: str) -> ResidentBatches:
-        """A held-out split's batches: under DDP this process's share of them, as EvaluatedOnceDDP gives a loader's.
-        Under a fraction of the batches (trainer.limit_val_batches=0.4) every process scores the whole split:
-        Lightning keeps int(batches x fraction) on each, and shares a batch apart could keep 1 and 0 (one process
-        raising while the others wait)."""
-        rank, world = self._ranks()
-        limit = getattr(self.trainer, f"limit_{split}_batches") if world > 1 else None
-        if isinstance(limit, float) and 0 < limit < 1:
-            rank, world = 0, 1
+        """A held-out split's batches: under DDP this process's share of them (evaluated_ranks)."""
+        rank, world = evaluated_ranks(self.trainer, split)
         return ResidentBatches(self.splits[split], self.eval_batch_size, shuffle=False, rank=rank, world=world)
 
     def _ranks(self) -> tuple[int, int]:
-        """(this process's rank, the processes): resident batches are no DataLoader, so Lightning gives them no
-        DistributedSampler and they share themselves out. (0, 1) before a trainer exists."""
-        trainer = self.trainer
-        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        return trainer_ranks(self.trainer)
 
     def _fit_epoch(self) -> int:
         """The epoch training is in or about to start, as Lightning gives a sampler's set_epoch (its fit loop's count of

@@ -20,7 +20,7 @@ import lightning as L
 import torch
 
 from onn.config.data import GraphData
-from onn.data.resident import ResidentBatches, class_order, relabelled, split_of
+from onn.data.resident import ResidentBatches, class_order, evaluated_ranks, relabelled, split_of, trainer_ranks
 from onn.errors import UserError
 from onn.modalities.graph.builtin import COMMUNITIES, PRIMITIVES, communities, primitive_graphs
 from onn.modalities.graph.read import HELP, Graphs, read_source
@@ -287,7 +287,7 @@ class GraphDataModule(L.LightningDataModule):
 
     # -- loaders ----------------------------------------------------------------------------------
     def train_dataloader(self):
-        rank, world = self._ranks()
+        rank, world = trainer_ranks(self.trainer)
         return GraphBatches(
             self.splits["train"],
             self.batch_size,
@@ -309,17 +309,8 @@ class GraphDataModule(L.LightningDataModule):
         """A held-out split's batches: under DDP this process's share (graphs, or a node-level split's nodes), each
         scored once, as ClassificationData._evaluated gives; whole on every process under a fraction of the batches
         (trainer.limit_val_batches=0.4), whose count Lightning keeps per process."""
-        rank, world = self._ranks()
-        limit = getattr(self.trainer, f"limit_{split}_batches") if world > 1 else None
-        if isinstance(limit, float) and 0 < limit < 1:
-            rank, world = 0, 1
+        rank, world = evaluated_ranks(self.trainer, split)
         return GraphBatches(self.splits[split], self.eval_batch_size, shuffle=False, rank=rank, world=world)
-
-    def _ranks(self) -> tuple[int, int]:
-        """(this process's rank, the processes): graph batches are no DataLoader, so Lightning gives them no
-        DistributedSampler and they share themselves out. (0, 1) before a trainer exists."""
-        trainer = self.trainer
-        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
     def has_test(self) -> bool:
         return "test" in self.splits
