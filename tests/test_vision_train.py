@@ -278,6 +278,31 @@ def test_resident_batches_are_seeded_shuffles_of_every_sample():
     assert [len(y) for _, y in plain] == [16, 16, 16, 2]
 
 
+def test_no_two_seeds_share_an_epoch_order():
+    """Seed 1's first epoch is not seed 0's second (their generators were seeded with seed + epoch), in every
+    shuffle ONN draws: resident batches, the streamed sampler and text's endless order."""
+    from onn.data.resident import EpochShuffle, ResidentBatches, Split
+    from onn.modalities.text.datamodule import ResumableShuffle
+
+    split = Split(torch.arange(40).view(40, 1), torch.arange(40), [str(i) for i in range(40)])
+
+    def resident(seed: int) -> list[list[int]]:
+        loader = ResidentBatches(split, 40, shuffle=True, seed=seed)
+        return [next(iter(loader))[0].flatten().tolist() for _ in range(2)]
+
+    def streamed(seed: int) -> list[list[int]]:
+        sampler = EpochShuffle(40, seed)
+        return [list(sampler) for _ in range(2)]
+
+    def text(seed: int) -> list[list[int]]:
+        order = iter(ResumableShuffle(40, seed, start=lambda: 0))
+        return [[next(order) for _ in range(40)] for _ in range(2)]
+
+    for epochs in (resident, streamed, text):
+        seed0, seed1 = epochs(0), epochs(1)
+        assert seed0[0] != seed0[1] and seed1[0] != seed0[1] and seed1[1] != seed0[0], epochs.__name__
+
+
 def test_batch_groups_put_one_group_in_each_training_batch():
     """data.batch_groups: a regex on the file names; every training batch holds one speaker's samples,
     the groups' batches come interleaved and seeded, and each group's leftover short of a batch waits."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import lightning as L
+import numpy as np
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -30,6 +31,13 @@ from onn.errors import UserError
 log = logging.getLogger("onn")
 MB = 1024**2
 SIZED_TRIES = 32  # items tried for one that decodes, to size a dataset by (ClassificationData.item_mb)
+
+
+def epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    """The generator of one epoch's shuffle: (seed, epoch) mixed by numpy's SeedSequence, so that no two pairs share
+    an order (a generator seeded with seed + epoch gave seed 1's first epoch seed 0's second, and a sweep over
+    seeds trained its runs on shifted copies of one sequence of orders)."""
+    return torch.Generator().manual_seed(int(np.random.SeedSequence([int(seed), int(epoch)]).generate_state(1)[0]))
 
 
 @dataclass
@@ -74,8 +82,8 @@ class Items(Protocol):
 class ResidentBatches:
     """Batches sliced from device-resident tensors by a seeded shuffled index, one epoch per iteration.
 
-    The permutation of epoch e is drawn from seed + e, so a resumed run sees the same order. `groups`: the
-    group of each sample (e.g. its speaker); each training batch then holds samples of one group only, and
+    The permutation of epoch e is drawn from (seed, e) by epoch_generator, so a resumed run sees the same order.
+    `groups`: the group of each sample (e.g. its speaker); each training batch then holds samples of one group only, and
     drop_last drops the remainder of a group that filled a batch (a smaller group is one short batch: dropped,
     it would never be trained on).
 
@@ -172,7 +180,7 @@ class ResidentBatches:
                 self._taken += 1
                 yield inputs[window], labels[window]
             return
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        generator = epoch_generator(self.seed, self.epoch)
         batches = self._batches(torch.randperm(len(self.split), generator=generator))
         if self.groups is not None:  # the groups' batches interleaved at random, then shared out
             batches = self._shared([batches[b] for b in torch.randperm(len(batches), generator=generator).tolist()])
@@ -267,7 +275,7 @@ class StreamedItems(torch.utils.data.Dataset):
 
 
 class EpochShuffle(torch.utils.data.Sampler[int]):
-    """The streamed training order: epoch e is a permutation of range(size) drawn from seed + e, as ResidentBatches'
+    """The streamed training order: epoch e is a permutation of range(size) drawn from (seed, e), as ResidentBatches'
     is, so a resumed run sees the unbroken run's order with any data.num_workers (a loader's own shuffle drew from one
     generator that each new iterator also drew from, and a resumed run, starting other iterators, shuffled
     otherwise). The epoch is the trainer's, `epoch_of()` read when an iteration starts: Lightning starts a run's first
@@ -295,7 +303,7 @@ class EpochShuffle(torch.utils.data.Sampler[int]):
         # a restored place holds for the epoch it was saved in only (a later epoch starts at its first sample)
         skip = self._skip if self.epoch == self._skip_epoch else 0
         self._current, self._given, self._skip = self.epoch, skip, 0
-        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self._current))
+        order = torch.randperm(self.size, generator=epoch_generator(self.seed, self._current))
         if self.epoch_of is None:
             self.epoch += 1
         for i in order[skip:].tolist():

@@ -20,7 +20,15 @@ import lightning as L
 import torch
 
 from onn.config.data import GraphData
-from onn.data.resident import ResidentBatches, class_order, evaluated_ranks, relabelled, split_of, trainer_ranks
+from onn.data.resident import (
+    ResidentBatches,
+    class_order,
+    epoch_generator,
+    evaluated_ranks,
+    relabelled,
+    split_of,
+    trainer_ranks,
+)
 from onn.errors import UserError
 from onn.modalities.graph.builtin import COMMUNITIES, PRIMITIVES, communities, primitive_graphs
 from onn.modalities.graph.read import HELP, Graphs, read_source
@@ -91,7 +99,7 @@ class GraphBatches(ResidentBatches):
         skip = self._skip if self.epoch == self._skip_epoch else 0
         self._current, self._taken, self._skip = self.epoch, skip, 0
         if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            generator = epoch_generator(self.seed, self.epoch)
             batches = self._batches(torch.randperm(len(self.split), generator=generator))
             self.epoch += 1
         else:

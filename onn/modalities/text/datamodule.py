@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from onn.config.data import TextData
+from onn.data.resident import epoch_generator
 from onn.errors import UserError
 from onn.modalities.text.formats import Records, read_records
 from onn.modalities.text.prompts import Prompter
@@ -152,7 +153,7 @@ class ResumableShuffle(Sampler[int]):
         position = self.start()
         epoch, offset = divmod(position, self.n)
         while True:
-            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+            order = torch.randperm(self.n, generator=epoch_generator(self.seed, epoch)).tolist()
             yield from order[offset:]
             epoch, offset = epoch + 1, 0
 
