@@ -330,6 +330,26 @@ def test_data_auto_finds_audio_and_video_folders(tmp_path):
     assert detect(tmp_path / "clips" / "a" / "1.webm")[0].name == "video"
 
 
+def test_data_auto_tells_mpeg_transport_streams_from_typescript(tmp_path):
+    """.ts is both an MPEG transport stream and a TypeScript source file: a folder of TypeScript was sniffed as
+    video by its suffix (and failed to decode); the packets' sync bytes now decide, and a transport stream is video."""
+    from onn.modalities import detect
+    from onn.modalities.video.builtin import write_clip
+
+    (tmp_path / "clips" / "a").mkdir(parents=True)
+    write_clip(tmp_path / "clips" / "a" / "1.ts", ramp(2, 16, 16), 2, "mpeg4")
+    assert detect(tmp_path / "clips")[0].name == "video"
+    assert detect(tmp_path / "clips" / "a" / "1.ts")[0].name == "video"
+    (tmp_path / "web" / "src").mkdir(parents=True)
+    for name in ("app", "index", "util"):
+        (tmp_path / "web" / "src" / f"{name}.ts").write_text(
+            f"export const {name} = (x: number): number => x + 1;\n" * 20
+        )
+    with pytest.raises(UserError, match="no modality recognises what it holds"):
+        detect(tmp_path / "web")
+    assert detect(tmp_path / "web" / "src" / "app.ts")[0].name == "text"  # one file of text, as a .txt is
+
+
 def test_data_auto_finds_audio_and_video_in_archives(tmp_path):
     """A .zip or .tar (compressed too) of class folders of sounds or clips, which data=audio and data=video read,
     was "no modality recognises what it holds" for data=auto."""

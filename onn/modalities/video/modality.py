@@ -17,10 +17,24 @@ from typing import Any
 from onn.config import ONNConfig
 from onn.config.data import VideoData
 from onn.config.model import NetworkConfig
+from onn.data.files import archive_kind, walk_files
 from onn.data.labelled import sniff_files
 from onn.errors import UserError
 from onn.modalities.base import MediaModality, RunConfig
 from onn.modalities.video.decode import SUFFIXES
+
+TRANSPORT_PACKET = 188  # an MPEG transport stream is 188-byte packets, each opening with the sync byte 0x47
+
+
+def _transport_streams(path: Path) -> bool:
+    """Whether the first .ts file at `path` (a file or a folder) is an MPEG transport stream rather than TypeScript
+    source, which shares the suffix: its first two packets open with the sync byte. Archives keep the names' vote."""
+    first = path if path.is_file() else next((p for _, p in walk_files(path) if p.suffix.lower() == ".ts"), None)
+    if first is None or archive_kind(first) is not None:
+        return True
+    with open(first, "rb") as f:
+        head = f.read(TRANSPORT_PACKET + 1)
+    return head[:1] == b"\x47" and (len(head) <= TRANSPORT_PACKET or head[TRANSPORT_PACKET] == 0x47)
 
 
 class VideoModality(MediaModality):
@@ -35,7 +49,10 @@ class VideoModality(MediaModality):
     sniff_priority = 1  # file extensions say it: asked before the image sniffer reads magic bytes
 
     def sniff(self, path: Path) -> str | None:
-        return sniff_files(path, SUFFIXES, "video", "a video file")
+        found = sniff_files(path, SUFFIXES, "video", "a video file")
+        if found is None or sniff_files(path, SUFFIXES - {".ts"}, "video", "a video file") is not None:
+            return found
+        return found if _transport_streams(path) else None  # the vote hung on .ts files: video, or TypeScript?
 
     def check(self, config: ONNConfig) -> None:
         from onn.modalities.video.decode import fit_settings
