@@ -314,6 +314,36 @@ def test_motion_run_trains_infers_and_exports(tmp_path):
     assert Image.open(out["infer/picture"]).size[0] >= 8 * 16  # 8 frames side by side per clip
 
 
+@pytest.mark.parametrize("codec, container", [("libx264", "mp4"), ("libvpx-vp9", "webm"), ("mpeg4", "ts")])
+def test_a_long_clip_is_sampled_by_seeking_to_keyframes_not_by_decoding_every_frame(
+    tmp_path, monkeypatch, codec, container
+):
+    """16 frames of 240 with a keyframe every 12: the frames decoded are those of the groups of pictures that hold
+    the chosen ones, and the clip is the one decoding every frame gives."""
+    from onn.modalities.video import decode
+
+    frames = np.zeros((240, 32, 32, 3), np.uint8)
+    frames[:, :, :, 0] = np.arange(240)[:, None, None]  # each frame's red level says which it is
+    path = tmp_path / f"long.{container}"
+    from onn.modalities.video.builtin import write_clip
+
+    write_clip(path, frames, 24, codec, gop_size=12)
+    seen, original = [], decode.decoded_frames
+
+    def counted(container, stream):
+        for frame in original(container, stream):
+            seen.append(frame.pts)
+            yield frame
+
+    fit = decode.Fit(16, 3, (32, 32), "resize")
+    monkeypatch.setattr(decode, "decoded_frames", counted)
+    clip, duration = decode.decode_video(str(path), fit)
+    everything, _ = decode._decode_all(str(path), fit)
+    assert torch.equal(clip, torch.from_numpy(np.stack(everything).transpose(3, 0, 1, 2).copy()))
+    assert abs(duration - 10.0) < 1e-2  # webm keeps milliseconds
+    assert 16 <= len(seen) <= 16 * 12, len(seen)  # at most each chosen frame's group of pictures up to it, of 240
+
+
 def test_data_auto_finds_audio_and_video_folders(tmp_path):
     import soundfile as sf
 

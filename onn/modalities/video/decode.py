@@ -3,16 +3,19 @@
 PyAV (its wheel bundles FFmpeg: h264, h265, vp8/vp9, av1 through dav1d, mpeg4, mjpeg, prores, ffv1; mp4,
 mov, avi, mkv, webm, ...) decodes; torchvision 0.26 no longer has a video reader. Frames are picked by
 their presentation time, not their index, so variable frame rates sample the clip evenly: a first pass
-reads the packets' timestamps (no decoding), the frame shown at each of T evenly spaced times is chosen,
-and a second pass decodes up to the last one, converting only the chosen frames. Rotation metadata
-(phones' portrait clips) is applied, 10-bit streams are converted to 8-bit RGB, and odd frame sizes are
-scaled by FFmpeg's swscale. A file FFmpeg cannot open, with no video stream, or with no frame that
+reads the packets' timestamps and keyframes (no decoding), the frame shown at each of T evenly spaced times is
+chosen, and a second pass seeks to the keyframe before each chosen frame that lies past one and decodes from
+there, converting only the chosen frames (a long film decodes a few groups of pictures, not every frame).
+Rotation metadata (phones' portrait clips) is applied, 10-bit streams are converted to 8-bit RGB, and odd frame
+sizes are scaled by FFmpeg's swscale. A file FFmpeg cannot open, with no video stream, or with no frame that
 decodes is a `BadFile` naming why; the caller skips it and counts it against data.max_bad_fraction.
 """
 
 from __future__ import annotations
 
+import bisect
 import io
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO
 
@@ -98,9 +101,9 @@ def decode_video(source: str | IO[bytes], fit: Fit) -> tuple[torch.Tensor, float
     """(uint8 [C, T, H, W], the clip's duration in seconds) of a file path or a binary file object."""
     source = nonempty(source)
     try:
-        times = _timestamps(source)
-        if times is not None:
-            frames, duration = _decode_chosen(source, times, fit)
+        timing = _timestamps(source)
+        if timing is not None:
+            frames, duration = _decode_chosen(source, timing, fit)
         else:
             frames, duration = _decode_all(source, fit)
     except BadFile:
@@ -119,22 +122,32 @@ def _stream(container):
     return stream
 
 
-def _timestamps(source: str | bytes) -> list[float] | None:
-    """Every frame's presentation time (seconds, sorted) from the packets, without decoding; None when the
-    container does not give every packet one (then frames are timed as they decode)."""
+@dataclass(frozen=True)
+class Timing:
+    """A stream's frame times from its packets (seconds, sorted), and those of its keyframes (where a seek lands)."""
+
+    times: list[float]
+    keyframes: list[float]
+
+
+def _timestamps(source: str | bytes) -> Timing | None:
+    """Every frame's presentation time from the packets, without decoding; None when the container does not give
+    every packet one (then frames are timed as they decode)."""
     with _open(source) as container:
         stream = _stream(container)
         base = stream.time_base
-        times = []
+        times, keyframes = [], []
         for packet in container.demux(stream):
             if packet.size == 0:
                 continue  # the flush packet at the end
             if packet.pts is None or base is None:
                 return None
             times.append(float(packet.pts * base))
+            if packet.is_keyframe:
+                keyframes.append(times[-1])
     if not times:
         raise BadFile("a video stream with no frames")
-    return sorted(set(times))
+    return Timing(sorted(set(times)), sorted(set(keyframes)))
 
 
 def pick(times: list[float], count: int) -> list[int]:
@@ -144,29 +157,63 @@ def pick(times: list[float], count: int) -> list[int]:
     return np.clip(np.searchsorted(t, targets + 1e-9, side="right") - 1, 0, len(t) - 1).tolist()
 
 
-def _decode_chosen(source: str | bytes, times: list[float], fit: Fit) -> tuple[list[np.ndarray], float]:
+def _decode_chosen(source: str | bytes, timing: Timing, fit: Fit) -> tuple[list[np.ndarray], float]:
+    times = timing.times
     chosen = pick(times, fit.frames)
-    wanted = {round(times[i], 6) for i in chosen}
-    last = max(times[i] for i in chosen)
-    got: dict[float, np.ndarray] = {}
     with _open(source) as container:
         stream = _stream(container)
+        got = _seek_and_decode(container, stream, sorted({round(times[i], 6) for i in chosen}), timing, fit)
         rate = float(stream.average_rate or stream.guessed_rate or 25)
-        for frame in container.decode(stream):
-            if frame.pts is None:
-                return _decode_all(source, fit)
-            t = round(float(frame.time), 6)
-            if t in wanted and t not in got:
-                got[t] = convert(frame, fit)
-            if t >= last and len(got) == len(wanted):
-                break
-    if len(got) < len(wanted):  # a damaged stream: frames its packets promised did not decode
-        if not got:
-            raise BadFile("a video stream with no frame that decodes")
+    if got is None:  # a damaged stream (frames its packets promised did not decode), or a seek that missed
         return _decode_all(source, fit)
     # the clip lasts to the end of its last frame: one frame is shown for a frame's time at the stream's rate
     step = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 1 / rate
     return [got[round(times[i], 6)] for i in chosen], times[-1] - times[0] + step
+
+
+def _seek_and_decode(
+    container, stream, wanted: list[float], timing: Timing, fit: Fit
+) -> dict[float, np.ndarray] | None:
+    """The frames shown at the `wanted` times (sorted), converted, or None when one cannot be reached. A keyframe
+    between the frame last decoded and the next one wanted is sought to rather than decoded up to: 16 frames of a
+    long film decode a few groups of pictures each, not the whole film. A seek that lands past its target (a
+    container whose index is wrong) gives None, and the caller decodes every frame instead."""
+    got: dict[float, np.ndarray] = {}
+    frames, position = None, -np.inf  # the decoding iterator, and the time of the frame it gave last
+    for target in wanted:
+        if target in got:
+            continue
+        key = _keyframe_before(timing.keyframes, target)
+        seek = key is not None and key > max(position, timing.times[0])
+        if frames is None or seek:
+            if seek:
+                container.seek(round(key / stream.time_base), stream=stream)  # lands on a keyframe at or before it
+            frames, position = decoded_frames(container, stream), -np.inf
+        for frame in frames:
+            if frame.pts is None:
+                return None
+            t = round(float(frame.time), 6)
+            if position == -np.inf and t > target + 1e-6:
+                return None  # the seek landed past the frame wanted
+            position = t
+            if t in wanted and t not in got:
+                got[t] = convert(frame, fit)
+            if t >= target:
+                break
+        if target not in got:
+            return None
+    return got
+
+
+def _keyframe_before(keyframes: list[float], target: float) -> float | None:
+    """The last keyframe at or before `target` (None when the packets marked none)."""
+    index = bisect.bisect_right(keyframes, target + 1e-6) - 1
+    return keyframes[index] if index >= 0 else None
+
+
+def decoded_frames(container, stream) -> Iterator:
+    """The stream's frames from the container's position (a test counts them: the point of seeking is fewer)."""
+    return container.decode(stream)
 
 
 def _decode_all(source: str | bytes, fit: Fit) -> tuple[list[np.ndarray], float]:
