@@ -13,6 +13,7 @@ see exactly what one process would, and the held-out set is split between them.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -181,6 +182,7 @@ class TextDataModule(L.LightningDataModule):
         self.train_examples: list[tuple[str, str]] = []  # resident data only
         self.val_examples: list[tuple[str, str]] = []
         self.val_where: list[str] = []  # where each held-out example came from (file and line)
+        self.train_where: list[str] = []
         self.train_records = 0
         self.stream: ShuffledStream | None = None  # streamed data (data.streaming)
 
@@ -195,14 +197,20 @@ class TextDataModule(L.LightningDataModule):
         train, val = load_splits(self.cfg, self.seed)
         self.train_examples = self.prompter.examples(train, "data.source")
         self.val_examples = self.prompter.examples(val, "data.val_source" if self.cfg.val_source else "data.source")
-        self.val_where = val.where
+        self.val_where, self.train_where = val.where, train.where
         self.train_records = len(self.train_examples)
         max_length, special = self.cfg.max_length, self.prompter.add_special_tokens
         val_key = "data.val_source" if self.cfg.val_source else "data.source"
-        self.train_set = encode_all(
-            self.tokenizer, self.train_examples, train.where, max_length, special, "data.source"
-        )
         self.val_set = encode_all(self.tokenizer, self.val_examples, val.where, max_length, special, val_key)
+
+    @functools.cached_property
+    def train_set(self) -> list[tuple[list[int], list[int]]]:
+        """The training examples encoded when a loader first asks: task=eval reads the held-out ones only (an eval
+        of data.source=FILE, which is also the held-out file, encoded the file twice and warned of its long
+        records twice)."""
+        cfg = self.cfg
+        special = self.prompter.add_special_tokens
+        return encode_all(self.tokenizer, self.train_examples, self.train_where, cfg.max_length, special, "data.source")
 
     def _setup_streamed(self) -> None:
         """The file read in order: the first records are the validation split (at most VAL_MAX, held in
