@@ -466,7 +466,8 @@ def test_a_fraction_of_a_language_models_batches_is_one_sentence():
 
 def test_an_eval_of_a_source_encodes_it_once(tmp_path, caplog):
     """task=eval data.source=FILE scores all of FILE (data.val_source is set to it); the data module encoded FILE
-    once more as training data, which eval never reads, and warned of its long records twice."""
+    once more as training data, which eval never reads, and warned of its long records twice. Eval sets it up for
+    validation (as Lightning's trainer.validate does)."""
     from onn.modalities.text.datamodule import TextDataModule
 
     source = tmp_path / "test.jsonl"
@@ -475,7 +476,7 @@ def test_an_eval_of_a_source_encodes_it_once(tmp_path, caplog):
     data = compose("data=text", f"data.source={source}", f"data.val_source={source}", "data.max_length=64").data
     dm = TextDataModule(data, byte_tokenizer(), 4)
     with caplog.at_level("WARNING", logger="onn"):
-        dm.setup()
+        dm.setup("validate")
     long_records = [r.getMessage() for r in caplog.records if "longer than data.max_length" in r.getMessage()]
     assert len(long_records) == 1 and "data.val_source" in long_records[0]
     assert len(dm.val_set) == 10 and len(next(iter(dm.train_dataloader()))["input_ids"]) == 4  # training still reads it

@@ -13,7 +13,6 @@ see exactly what one process would, and the held-out set is split between them.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import re
@@ -183,6 +182,7 @@ class TextDataModule(L.LightningDataModule):
         self.val_examples: list[tuple[str, str]] = []
         self.val_where: list[str] = []  # where each held-out example came from (file and line)
         self.train_where: list[str] = []
+        self.train_set: list[tuple[list[int], list[int]]] | None = None  # encoded by setup, or when a loader asks
         self.train_records = 0
         self.stream: ShuffledStream | None = None  # streamed data (data.streaming)
 
@@ -202,15 +202,20 @@ class TextDataModule(L.LightningDataModule):
         max_length, special = self.cfg.max_length, self.prompter.add_special_tokens
         val_key = "data.val_source" if self.cfg.val_source else "data.source"
         self.val_set = encode_all(self.tokenizer, self.val_examples, val.where, max_length, special, val_key)
+        if stage != "validate":  # training reads them: their long records are said now, before the run starts
+            self._encoded_train()
 
-    @functools.cached_property
-    def train_set(self) -> list[tuple[list[int], list[int]]]:
-        """The training examples encoded when a loader first asks: task=eval reads the held-out ones only (an eval
-        of data.source=FILE, which is also the held-out file, encoded the file twice and warned of its long
-        records twice)."""
-        cfg = self.cfg
-        special = self.prompter.add_special_tokens
-        return encode_all(self.tokenizer, self.train_examples, self.train_where, cfg.max_length, special, "data.source")
+    def _encoded_train(self) -> list[tuple[list[int], list[int]]]:
+        """The training examples encoded; setup("validate") (task=eval) leaves them for a loader that asks. An eval
+        of data.source=FILE, which is also its held-out file, encoded FILE twice and warned of its long records
+        twice."""
+        if self.train_set is None:
+            cfg, special = self.cfg, self.prompter.add_special_tokens
+            where = self.train_where
+            self.train_set = encode_all(
+                self.tokenizer, self.train_examples, where, cfg.max_length, special, "data.source"
+            )
+        return self.train_set
 
     def _setup_streamed(self) -> None:
         """The file read in order: the first records are the validation split (at most VAL_MAX, held in
@@ -319,11 +324,12 @@ class TextDataModule(L.LightningDataModule):
                     "data.streaming runs in one process for now: set data.streaming=false, or trainer.devices=1."
                 )
             return stream_loader(self.stream, self.batch_size, collate, self.cfg.num_workers, self._pins())
-        sampler = ResumableShuffle(len(self.train_set), self.seed, self._start_sample)
+        train_set = self._encoded_train()
+        sampler = ResumableShuffle(len(train_set), self.seed, self._start_sample)
         if world > 1:
             sampler = RankSlice(sampler, self.batch_size, rank, world)
         return DataLoader(
-            self.train_set,
+            train_set,
             batch_size=self.batch_size // world,
             sampler=sampler,
             collate_fn=collate,

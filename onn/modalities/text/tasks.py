@@ -204,10 +204,10 @@ def store_root(config: ONNConfig) -> Path:
     return Path(config.paths.cache) / "stores" / model_fingerprint(config.model)
 
 
-def datamodule(config: ONNConfig, tokenizer) -> TextDataModule:
+def datamodule(config: ONNConfig, tokenizer, stage: str = "fit") -> TextDataModule:
     # Whole macro-batches: the module splits them into micro-batches itself.
     dm = TextDataModule(config.data, tokenizer, config.data.batch_size, seed=config.seed)
-    dm.setup()
+    dm.setup(stage)
     return dm
 
 
@@ -481,7 +481,7 @@ def evaluate(job: Job) -> dict[str, Any]:
         load_weights(module, ckpt)
     else:
         log.warning("task=eval without ckpt: evaluating the model as loaded from model.source")
-    dm = datamodule(config, tokenizer)
+    dm = datamodule(config, tokenizer, stage="validate")
     task = config.task
     answers = any(p for p, _ in dm.val_examples)
     if answers:  # checked before the validation pass: a set length past the context is said now
