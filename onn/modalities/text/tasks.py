@@ -93,8 +93,8 @@ def build(config: ONNConfig, plan: Plan) -> tuple[CausalLM, Any]:
     model, tokenizer = loaded or load(model_cfg, dtype=dtype, cache_dir=cache)
     layer_map = discover(model, model_cfg.layer_map.blocks)
     model = apply(model, plan.strategy, config.strategy, layer_map, plan.sparse_layers)
-    if plan.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if plan.gradient_checkpointing:
+        checkpoint_activations(model)
     # Save what rebuilds this exact model into every checkpoint: the planned strategy, not "auto".
     strategy = dataclasses.replace(config.strategy, name=plan.strategy, micro_batch=plan.micro_batch)
     if plan.sparse_layers is not None:
@@ -120,6 +120,16 @@ def build(config: ONNConfig, plan: Plan) -> tuple[CausalLM, Any]:
     )
     module.store = store
     return module, tokenizer
+
+
+def checkpoint_activations(model) -> None:
+    """Each block recomputed in the backward: transformers 5's activation_checkpointing_enable, or on older ones
+    gradient_checkpointing_enable, which transformers 5 keeps as an alias that prints a FutureWarning every run."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def validated_first(config: ONNConfig, ckpt: Path | None) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from onn.errors import UserError
@@ -86,9 +87,10 @@ def compaction(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return torch.where(mask.bool(), token_slot, pad_slot), lengths
 
 
-class RecurrentBlock(nn.Module):
+class RecurrentBlock(GradientCheckpointingLayer):
     """One layer of the stack: an LSTM or GRU over each row's tokens, dropout, and a residual connection.
-    [B, T, H] (tokens first, `lengths` of them per row) and the layer's state in -> [B, T, H] and its state out."""
+    [B, T, H] (tokens first, `lengths` of them per row) and the layer's state in -> [B, T, H] and its state out.
+    A GradientCheckpointingLayer: with strategy.gradient_checkpointing its forward is recomputed in the backward."""
 
     def __init__(self, hidden: int, cell: str, dropout: float):
         super().__init__()
@@ -133,6 +135,7 @@ class RecurrentLMForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "recurrent_lm"
     main_input_name = "input_ids"
     _no_split_modules = ["RecurrentBlock"]
+    supports_gradient_checkpointing = True  # each RecurrentBlock recomputed in the backward (strategy key)
     _tied_weights_keys = {"head.weight": "embed.weight"}  # one matrix for both with tie_word_embeddings: true
     carries_state = True  # past_key_values is a recurrent state: CausalLM may truncate backpropagation through it
 
@@ -243,6 +246,11 @@ class RecurrentLMForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # its state is its own (past_key_values above), not a KV cache
+
+    def _reorder_cache(self, past_key_values: tuple[torch.Tensor, ...], beam_idx: torch.Tensor) -> tuple:
+        """Each row's state taken from the beam it now continues: beam search (num_beams > 1) calls this after
+        every step, and without it transformers refused to reorder the state after the first token."""
+        return tuple(s.index_select(0, beam_idx.to(s.device)) for s in past_key_values)
 
 
 def register_auto() -> None:
