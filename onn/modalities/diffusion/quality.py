@@ -28,6 +28,7 @@ from onn.config import ONNConfig, typed
 from onn.config.data import ImageData
 from onn.config.model import NetworkConfig
 from onn.config.task import TrainTask
+from onn.data.resident import StreamedItems
 from onn.errors import UserError
 from onn.modalities.base import Job
 from onn.modalities.diffusion.sample import write_sample_grid
@@ -118,10 +119,16 @@ def same_source(a: str, b: str | None) -> bool:
 
 def real_images(dm, count: int, seed: int) -> torch.Tensor:
     """`count` held-out real images drawn at random with `seed` (every one when it holds fewer): the first ones
-    may all be one class, since many sources list their images class by class."""
-    images = dm.splits["val"].inputs.cpu()
-    pick = torch.randperm(len(images), generator=torch.Generator().manual_seed(int(seed)))[:count]
-    return images[pick]
+    may all be one class, since many sources list their images class by class. Streamed data (too big to hold, or
+    data.resident=false) has no resident split: its picks are decoded one by one."""
+    generator = torch.Generator().manual_seed(int(seed))
+    if dm.streamed:
+        held = StreamedItems(*dm.streamed["val"])
+        pick = torch.randperm(len(held), generator=generator)[:count]
+        return torch.stack([held[int(i)][0] for i in pick])
+    images = dm.splits["val"].inputs
+    pick = torch.randperm(len(images), generator=generator)[:count]
+    return images[pick.to(images.device)].cpu()  # the picks only leave the device, not the whole split
 
 
 def evaluate(job: Job) -> dict[str, Any]:
@@ -136,8 +143,9 @@ def evaluate(job: Job) -> dict[str, Any]:
         log.warning("task=eval without ckpt: judging a random-weights denoiser (the baseline a trained one must beat)")
     if job.ckpt is not None:
         module = load_trained(config, job.ckpt)
-        config = held_out(config, saved_config(job.ckpt, "diffusion"))
-        dm = datamodule(config, job.device)
+        trained = saved_config(job.ckpt, "diffusion")
+        config = held_out(config, trained)
+        dm = datamodule(config, job.device, trained)
     else:
         dm = datamodule(config, job.device)
         module = build(config, {"input_shape": list(dm.input_shape), "classes": dm.classes, "seed": config.seed})

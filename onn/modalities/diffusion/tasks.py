@@ -33,6 +33,8 @@ from onn.hardware.profile import Profile
 from onn.modalities.base import Job
 from onn.modalities.diffusion.module import MONITOR, DiffusionModule, NoisePrediction, build_denoiser
 from onn.modalities.diffusion.sample import draw, sampling_scheduler, write_sample_grid
+from onn.modalities.image.dataset import ImageDataModule, as_trained
+from onn.modalities.image.modality import first_image, trained_inputs
 from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
 from onn.streaming import seeded
@@ -47,11 +49,17 @@ log = logging.getLogger("onn")
 
 
 def planned_shape(config: ONNConfig) -> list[int]:
-    """[channels, height, width] from the config alone: data.image_size (32 px when null), data.channels (1 when
-    auto)."""
+    """[channels, height, width] the denoiser is planned for (and built for by task=export without a checkpoint):
+    with ckpt= the checkpoint's; else data.image_size and data.channels, or where image_size is null as the data's
+    first image has them (32 px, 1 channel where there is no data to read). A folder of 256 px images was planned as
+    32 px ones: memory and step time predicted for 64 times fewer pixels."""
+    if (trained := trained_inputs(config)) is not None:
+        return [int(v) for v in trained["input_shape"]]
     data: ImageData = config.data
-    size = [int(v) for v in data.image_size] if data.image_size else [32, 32]
-    return [data.channels if isinstance(data.channels, int) else 1, *size]
+    found = None if data.image_size else first_image(data)  # (a size given may resize images of mixed sizes)
+    size = [int(v) for v in data.image_size] if data.image_size else found.size if found else [32, 32]
+    channels = data.channels if isinstance(data.channels, int) else found.channels if found else 1
+    return [int(channels), *[int(v) for v in size]]
 
 
 def plan(modality, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
@@ -149,11 +157,12 @@ def load_trained(config: ONNConfig, ckpt: Path) -> DiffusionModule:
     return module
 
 
-def datamodule(config: ONNConfig, device: str):
-    """The image modality's datamodule (its readers, cache, resident splits); the labels go unused."""
-    from onn.modalities.image.dataset import ImageDataModule
-
-    dm = ImageDataModule(config.data, config.paths.cache, device, seed=int(config.seed))
+def datamodule(config: ONNConfig, device: str, trained: dict[str, Any] | None = None):
+    """The image modality's datamodule (its readers, cache, resident splits); the labels go unused. With `trained`
+    (the run config of the checkpoint the denoiser comes from) the images are decoded to its channels and size: a
+    colour folder given to resume or evaluate a greyscale denoiser failed in its first convolution."""
+    data = as_trained(config.data, trained, str(config.ckpt) if trained else None)
+    dm = ImageDataModule(data, config.paths.cache, device, seed=int(config.seed))
     dm.setup()
     return dm
 
@@ -167,7 +176,7 @@ def train(job: Job) -> dict[str, Any]:
     saved = saved_config(ckpt, "diffusion") if ckpt is not None else None
     if saved:  # a resumed run keeps the validation split it started with, and the optimizer its state belongs to
         config = dataclasses.replace(config, seed=int(saved["inputs"]["seed"]), optim=resumed_optim(config.optim, ckpt))
-    dm = datamodule(config, job.device)
+    dm = datamodule(config, job.device, saved or None)
     fresh = {"input_shape": list(dm.input_shape), "classes": dm.classes, "seed": int(config.seed)}
     inputs = saved["inputs"] if saved else fresh
     if job.plan.strategy == "sparse_lora":  # before the weights are built: as planned, the heap keeps no activations
