@@ -373,7 +373,7 @@ class Server:
         """Liveness, and the batch's occupancy: rows decoding now and requests queued (both 0 when idle)."""
         out = {"status": "ok", "kind": "classifier" if self.classifier else "language model"}
         if self.scheduler is not None:
-            out.update(active=len(self.scheduler.active), waiting=len(self.scheduler.waiting))
+            out.update(active=len(self.scheduler.active), waiting=self.scheduler.queued())
         return out
 
     async def index(self):
@@ -431,7 +431,7 @@ class Server:
         _refuse_unimplemented(req)
         param = "messages" if kind == "chat.completion" else "prompt"
         sampling = _sampling(req, self.settings, _max_tokens(req, self.settings, _context(self.served), ids, param))
-        if len(self.scheduler.waiting) >= self.settings.max_waiting:
+        if self.scheduler.queued() >= self.settings.max_waiting:  # a client that left holds no place
             raise ApiError(
                 429, "too many requests are waiting; try again shortly", "rate_limit_error", code="rate_limit_exceeded"
             )

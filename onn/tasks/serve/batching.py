@@ -10,10 +10,16 @@ Positions come from the attention mask (cumsum), so a row's position ids and rot
 it would have alone; with temperature 0 a request gets the tokens it would get alone.
 
 A step that runs out of device memory is undone (the cache as it was: its forward replaces the cache's tensors,
-never writes into them) and costs one request at most: newcomers that joined together wait and join one by one;
-a lone newcomer waits at the queue's front until fewer rows run (as vLLM and TGI requeue it), and ends with an
-out-of-memory error only when it does not fit with no other row running; without newcomers the row admitted last
-ends with that error.
+never writes into them) and costs one request at most: newcomers that joined together go back to the queue's front
+and join one by one (the requests behind them join together again once they have); a lone newcomer waits at the
+queue's front until fewer rows run (as vLLM and TGI requeue it), and ends with an out-of-memory error only when it
+does not fit with no other row running; without newcomers the row admitted last ends with that error.
+
+Admission is first come, first served: while a lone newcomer waits for fewer rows, the requests behind it wait too,
+even a smaller one that would fit. The slot it waits for is the next one a finishing row frees; a request behind it
+admitted there would take that slot, and under steady load every later one too, so it would never join (vLLM's and
+TGI's schedulers stop at the first waiting request that does not fit, for the same reason). The wait is bounded: a
+running row ends within its max_tokens.
 """
 
 from __future__ import annotations
@@ -47,11 +53,12 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """One request's completion. `emit` gets one {"text": delta} event per token (the delta may be empty while
     an incomplete character or a possible stop string waits), then one {"finish": reason, ...}; it is called on
-    the scheduler's thread and must not block."""
+    the scheduler's thread and must not block. Compared and hashed by identity: two requests for the same text
+    are two requests (a failed step's handler collects them in a dict)."""
 
     prompt_ids: list[int]
     sampling: Sampling
@@ -66,6 +73,7 @@ class Sequence:
     read_offset: int = 0
     submitted: float = field(default_factory=time.perf_counter)
     generator: torch.Generator | None = None
+    requeued: bool = False  # sent back to the queue by a step out of device memory: it joins alone
 
     def cancel(self) -> None:
         """The client went away: the row leaves the batch at the next step."""
@@ -88,7 +96,6 @@ class Scheduler:
         self.lock = threading.Condition()
         self.stopping = False
         self.plain = True  # the cache holds one column per position in every layer (see _step)
-        self.one_by_one = False  # after a step out of device memory: newcomers join one a step until none wait
         self.held: Sequence | None = None  # a newcomer out of device memory beside running rows, first in the queue:
         self.held_beside = 0  # no newcomer joins until fewer rows than this run
         self.steps = 0
@@ -105,6 +112,17 @@ class Scheduler:
                 return
             self.waiting.append(seq)
             self.lock.notify()
+
+    def queued(self) -> int:
+        """Requests waiting for a slot whose client is still there. One that left is dropped from the queue here:
+        the loop takes waiting requests only into a free slot, so behind a full batch they stayed, and the 429 of
+        serve.max_waiting and /health counted them."""
+        with self.lock:
+            if any(seq.cancelled.is_set() for seq in self.waiting):
+                live = [seq for seq in self.waiting if not seq.cancelled.is_set()]
+                self.waiting.clear()
+                self.waiting.extend(live)
+            return len(self.waiting)
 
     def stop(self) -> None:
         """Stop after the current step: every sequence still decoding or waiting ends with an error event. It
@@ -129,10 +147,9 @@ class Scheduler:
                 # a cache that is not one plain column per position (sliding windows) is never re-laid: new
                 # sequences wait for the batch to finish (admission in waves)
                 room = self.slots if self.plain or not self.active else 0
-                self.one_by_one = self.one_by_one and bool(self.waiting)
-                if self.one_by_one:
+                if self.waiting and self.waiting[0].requeued:  # sent back by a step out of memory: one joins
                     room = min(room, len(self.active) + 1)
-                if self._holding():
+                if self._holding():  # first come, first served: nobody passes it (see the module's docstring)
                     room = len(self.active)
                 while self.waiting and len(self.active) + len(joining) < room:
                     seq = self.waiting.popleft()
@@ -214,13 +231,15 @@ class Scheduler:
 
     def _shed(self, joining: list[Sequence]) -> None:
         """After a step out of device memory (the batch back as it was before it): newcomers that joined together
-        go back to the queue's front and join one by one; a lone newcomer beside running rows goes back to the
-        front and waits until fewer rows run; a lone newcomer with no other row running, or without one the row
-        admitted last, ends with an out-of-memory error while the others go on."""
+        go back to the queue's front and join one by one (requests that came later join together again); a lone
+        newcomer beside running rows goes back to the front and waits until fewer rows run; a lone newcomer with no
+        other row running, or without one the row admitted last, ends with an out-of-memory error while the others
+        go on."""
         if len(joining) > 1 or (joining and self.active):
             with self.lock:
                 self.waiting.extendleft(reversed(joining))
-                self.one_by_one = True
+                for seq in joining:
+                    seq.requeued = True
                 if len(joining) == 1:
                     self.held, self.held_beside = joining[0], len(self.active)
             if len(joining) > 1:
