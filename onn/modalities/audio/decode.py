@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO
 
@@ -187,8 +188,9 @@ def _decode_ffmpeg(source: str | bytes, fit: Fit | None) -> tuple[np.ndarray, in
         start, count = window(said, rate, fit)
         end = start + count if start else None
         resampler = av.AudioResampler(format="fltp", layout=stream.layout.name if stream.layout else None, rate=rate)
-        chunks, position = [], 0
-        for frame in itertools.chain(container.decode(stream), [None]):  # None: the resampler's last samples
+        chunks, position, packets = [], 0, Packets()
+        # None: the resampler's last samples
+        for frame in itertools.chain(_decoded(container, stream, packets), [None]):
             for out in resampler.resample(frame):
                 array = out.to_ndarray()
                 if end is None:
@@ -198,12 +200,39 @@ def _decode_ffmpeg(source: str | bytes, fit: Fit | None) -> tuple[np.ndarray, in
                 position += array.shape[1]
             if end is not None and position >= end:
                 break
+    if packets.damaged > packets.decoded:
+        raise BadFile(
+            f"mostly damaged audio ({packets.damaged} of {packets.damaged + packets.decoded} packets do not decode)"
+        )
     if end is not None and position < end:  # the stream said it lasts longer than it does: decode it whole
         return _decode_ffmpeg(source, None)
     if not chunks:
         raise BadFile("an audio stream with no samples")
     wave = np.concatenate(chunks, axis=1).astype(np.float32, copy=False)
     return wave, int(rate), start, said if end is not None else wave.shape[1]
+
+
+@dataclass
+class Packets:
+    """How many of a stream's packets decoded, and how many did not (a damaged stretch of the file)."""
+
+    decoded: int = 0
+    damaged: int = 0
+
+
+def _decoded(container, stream, packets: Packets) -> Iterator:
+    """The stream's frames. A packet that does not decode is skipped, as FFmpeg's command line skips it: one
+    damaged stretch (a flipped byte, a bad download block) cost the whole recording."""
+    import av
+
+    for packet in container.demux(stream):
+        try:
+            frames = packet.decode()
+        except av.FFmpegError:
+            packets.damaged += 1
+            continue
+        packets.decoded += packet.size > 0
+        yield from frames
 
 
 def fit_waveform(wave: np.ndarray, rate: int, fit: Fit, start: int = 0, total: int | None = None) -> torch.Tensor:

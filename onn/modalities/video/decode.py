@@ -124,30 +124,35 @@ def _stream(container):
 
 @dataclass(frozen=True)
 class Timing:
-    """A stream's frame times from its packets (seconds, sorted), and those of its keyframes (where a seek lands)."""
+    """A stream's frame times from its packets (seconds, sorted), those of its keyframes (where a seek lands), and
+    each keyframe's seek timestamps in stream units: its pts, then its dts where that differs. Matroska indexes
+    keyframes by pts; MPEG-TS/PS have no index, and FFmpeg's binary search there lands on the packet of the dts
+    asked for, so with B-frames only the dts lands on the keyframe itself."""
 
     times: list[float]
     keyframes: list[float]
+    seek_at: dict[float, tuple[int, ...]]
 
 
 def _timestamps(source: str | bytes) -> Timing | None:
-    """Every frame's presentation time from the packets, without decoding; None when the container does not give
-    every packet one (then frames are timed as they decode)."""
+    """Every shown frame's presentation time from the packets, without decoding; None when the container does not
+    give every packet one (then frames are timed as they decode). A packet an edit list cuts (a clip trimmed without
+    re-encoding starts between keyframes) is decoded for the frames after it but never shown, so it is no frame."""
     with _open(source) as container:
         stream = _stream(container)
         base = stream.time_base
-        times, keyframes = [], []
+        times, seek_at = [], {}
         for packet in container.demux(stream):
-            if packet.size == 0:
-                continue  # the flush packet at the end
+            if packet.size == 0 or packet.is_discard:
+                continue  # the flush packet at the end, or a frame the edit list cuts
             if packet.pts is None or base is None:
                 return None
             times.append(float(packet.pts * base))
             if packet.is_keyframe:
-                keyframes.append(times[-1])
+                seek_at[times[-1]] = tuple(dict.fromkeys(t for t in (packet.pts, packet.dts) if t is not None))
     if not times:
         raise BadFile("a video stream with no frames")
-    return Timing(sorted(set(times)), sorted(set(keyframes)))
+    return Timing(sorted(set(times)), sorted(seek_at), seek_at)
 
 
 def pick(times: list[float], count: int) -> list[int]:
@@ -176,33 +181,48 @@ def _seek_and_decode(
 ) -> dict[float, np.ndarray] | None:
     """The frames shown at the `wanted` times (sorted), converted, or None when one cannot be reached. A keyframe
     between the frame last decoded and the next one wanted is sought to rather than decoded up to: 16 frames of a
-    long film decode a few groups of pictures each, not the whole film. A seek that lands past its target (a
-    container whose index is wrong) gives None, and the caller decodes every frame instead."""
+    long film decode a few groups of pictures each, not the whole film. A seek tries the keyframe's pts, then its
+    dts (the one that worked is tried first from then on); where neither reaches the frame the caller decodes
+    every frame instead."""
     got: dict[float, np.ndarray] = {}
-    frames, position = None, -np.inf  # the decoding iterator, and the time of the frame it gave last
+    frames, position, dts_first = None, -np.inf, False  # the decoding iterator, the time of its last frame
     for target in wanted:
         if target in got:
             continue
         key = _keyframe_before(timing.keyframes, target)
-        seek = key is not None and key > max(position, timing.times[0])
-        if frames is None or seek:
-            if seek:
-                container.seek(round(key / stream.time_base), stream=stream)  # lands on a keyframe at or before it
-            frames, position = decoded_frames(container, stream), -np.inf
-        for frame in frames:
-            if frame.pts is None:
-                return None
-            t = round(float(frame.time), 6)
-            if position == -np.inf and t > target + 1e-6:
-                return None  # the seek landed past the frame wanted
-            position = t
-            if t in wanted and t not in got:
-                got[t] = convert(frame, fit)
-            if t >= target:
-                break
+        if key is None or key <= max(position, timing.times[0]):  # decoding on (or from the start) reaches it
+            frames = frames or decoded_frames(container, stream)
+            position = _decode_to(frames, target, wanted, got, fit, sought=False)
+        else:
+            tries = timing.seek_at[key]
+            for offset in reversed(tries) if dts_first else tries:
+                container.seek(offset, stream=stream)  # lands on a keyframe at or before it, where the index is right
+                frames = decoded_frames(container, stream)
+                position = _decode_to(frames, target, wanted, got, fit, sought=True)
+                if target in got:
+                    dts_first = offset == tries[-1] != tries[0]
+                    break
         if target not in got:
             return None
     return got
+
+
+def _decode_to(frames: Iterator, target: float, wanted: list[float], got: dict, fit: Fit, sought: bool) -> float:
+    """Decodes on to the frame shown at `target`, converting the wanted ones on the way into `got`; the time of the
+    last frame decoded. After a seek a frame counts only once a keyframe at or before the target has decoded: the
+    frames before it are the leading pictures of an open group of pictures or a seek that landed between
+    keyframes (MPEG-TS), decoded from references the decoder never saw (garbage under the right timestamp)."""
+    trusted, position = not sought, -np.inf
+    for frame in frames:
+        if frame.pts is None:
+            break
+        position = round(float(frame.time), 6)
+        trusted = trusted or (frame.key_frame and position <= target + 1e-6)
+        if trusted and position in wanted and position not in got:
+            got[position] = convert(frame, fit)
+        if position >= target:
+            break
+    return position
 
 
 def _keyframe_before(keyframes: list[float], target: float) -> float | None:
