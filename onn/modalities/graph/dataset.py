@@ -223,7 +223,8 @@ class GraphDataModule(L.LightningDataModule):
             if len(graphs) != 1 or "node_y" not in graphs[0][0]:
                 raise UserError(
                     f"data.source {source}: data.level=node reads one .safetensors graph with y [nodes] "
-                    f"(and optional train_mask/val_mask/test_mask); it holds {len(graphs)} graphs."
+                    "(and optional train_mask/val_mask/test_mask); "
+                    + (f"it holds {len(graphs)} graphs." if len(graphs) != 1 else f"{graphs[0][1]} holds no y.")
                 )
             ((graph, name),) = graphs
             graph.y = node_labels(graph.node_y, f"{name} in data.source")

@@ -65,6 +65,11 @@ class GraphBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            # neighbours summed in float32: GIN and SAGE sum (average) the block's input, in bf16 after a block
+            # without a norm, and a GPU's scatter adds each message in bf16, whose step at 256 is 2: a node of
+            # 1,000 neighbours summed ones to 256 (a CPU's scatter sums in float32)
+            x = x.float()
         if self.kind in ("gcn", "gat"):  # every node convolves (attends to) itself too
             loops = torch.arange(x.shape[0], device=x.device).unsqueeze(0).expand(2, -1)
             edge_index = torch.cat([edge_index, loops], dim=1)

@@ -41,6 +41,7 @@ EDGE_SUFFIXES = (".edges", ".edgelist")
 TENSOR_SUFFIXES = (".safetensors",)
 GRAPH_SUFFIXES = EDGE_SUFFIXES + TENSOR_SUFFIXES
 NEIGHBOURS = 6  # a point cloud's points are joined to this many nearest ones
+INT64_MAX = 2**63 - 1  # the largest node number an edge_index (int64) holds
 HEADER_BYTES = 64 * 1024  # the most of a .safetensors file's JSON header read for its tensors' shapes
 EDGE_HEAD_BYTES = 8 * 2**20  # an edge list's head a plan reads; a longer list is sized by its head's lines a byte
 PAIR_LINE = re.compile(rb"^[ \t]*(\d+)[ \t,]+(\d+)", re.M)  # an edge list's `SRC DST` line
@@ -85,7 +86,13 @@ def make_graph(x: torch.Tensor | None, edge_index: torch.Tensor, nodes: int | No
 
     if edge_index.dim() != 2 or edge_index.shape[0] != 2:
         raise GraphError(f"its edge_index has shape {list(edge_index.shape)}, not [2, edges]")
+    if edge_index.is_floating_point() and not torch.equal(edge_index, edge_index.round()):
+        raise GraphError(
+            f"its edge_index is {str(edge_index.dtype).removeprefix('torch.')} with fractional node numbers"
+        )
     edge_index = edge_index.long()
+    if x is not None and (x.dim() == 0 or (x.dim() > 1 and x.shape[1:].numel() == 0)):
+        raise GraphError(f"its x has shape {list(x.shape)}, not [nodes, features] with one feature or more")
     if x is not None:
         n = int(x.shape[0])
     elif nodes is not None:
@@ -94,6 +101,11 @@ def make_graph(x: torch.Tensor | None, edge_index: torch.Tensor, nodes: int | No
         n = int(edge_index.max()) + 1 if edge_index.numel() else 0
     if n == 0:
         raise GraphError("holds no nodes (an empty graph)")
+    if n > max_nodes and x is None and nodes is None:  # ids, not a count: a user's own ids want renumbering
+        raise GraphError(
+            f"numbers a node {n - 1}, so has {n} nodes (numbered 0..{n - 1}), more than data.max_nodes={max_nodes}: "
+            "renumber its nodes 0..nodes-1, or raise data.max_nodes for a graph this large"
+        )
     if n > max_nodes:
         raise GraphError(f"has {n} nodes, more than data.max_nodes={max_nodes}")
     if edge_index.numel() and (int(edge_index.min()) < 0 or int(edge_index.max()) >= n):
@@ -122,9 +134,14 @@ def read_edge_list(text: str, max_nodes: int):
                 continue
             if len(words) < 2:
                 raise ValueError
-            pairs.append((int(words[0]), int(words[1])))
+            pair = (int(words[0]), int(words[1]))
         except ValueError:
             raise GraphError(f"line {number} is {line.strip()[:60]!r}, not `SRC DST` (two node numbers)") from None
+        if max(map(abs, pair)) > INT64_MAX:  # past int64: torch.tensor cannot hold it
+            raise GraphError(f"line {number} numbers a node {max(pair, key=abs)}: nodes are numbered 0..nodes-1")
+        pairs.append(pair)
+    if nodes is not None and nodes < 0:
+        raise GraphError(f"its `nodes {nodes}` line gives a negative count of nodes")
     edge_index = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).t()
     return make_graph(None, edge_index, nodes, max_nodes)
 
@@ -139,9 +156,14 @@ def read_tensors(payload: bytes, max_nodes: int, level: str):
         raise GraphError(f"unreadable as safetensors ({type(e).__name__}: {str(e)[:120]})") from e
     if "edge_index" not in tensors:
         raise GraphError(f"holds no edge_index tensor (it has {', '.join(sorted(tensors)) or 'none'})")
-    graph = make_graph(tensors.get("x"), tensors["edge_index"], None, max_nodes)  # no x: every node's feature is 1
-    for key in ("y", "train_mask", "val_mask", "test_mask"):
-        if key in tensors:  # a node-level graph's y is its nodes' labels: node_y, apart from a graph's class y
+    # no x: every node's feature is 1, and a node-level y says how many nodes there are (the last may have no edge)
+    nodes = tensors["y"].numel() if level == "node" and "x" not in tensors and "y" in tensors else None
+    graph = make_graph(tensors.get("x"), tensors["edge_index"], nodes, max_nodes)
+    # a graph's class y, or a node-level graph's labels (node_y) and masks; a graph-level file's masks are not
+    # read: kept on some graphs of a folder and not others, they would fail the collation of a batch of them
+    kept = ("y", "train_mask", "val_mask", "test_mask") if level == "node" else ("y",)
+    for key in kept:
+        if key in tensors:
             graph["node_y" if key == "y" and level == "node" else key] = tensors[key]
     if level == "node" and "y" in tensors and tensors["y"].numel() != graph.num_nodes:
         raise GraphError(f"has y of {tensors['y'].numel()} labels for its {graph.num_nodes} nodes (level=node)")
@@ -210,7 +232,7 @@ def decode(payload: Path | bytes, name: str, align: str, max_nodes: int, level: 
     if suffix in TENSOR_SUFFIXES:
         return read_tensors(data, max_nodes, level)
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # (a byte-order mark, as Windows editors and Excel write, is no text)
     except UnicodeDecodeError as e:
         raise GraphError(f"is not UTF-8 text (byte {e.start}); an edge list is `SRC DST` lines") from e
     return read_edge_list(text, max_nodes)
@@ -345,6 +367,9 @@ def read_source(
     if not total:
         raise UserError(f"{key} {path}: found no graph files; {HELP}.")
     check_bad(skipped, total, max_bad_fraction, path, key, "graph files", "cannot be used")
+    if not all("pos" in graph for graph in graphs):  # a mesh's, beside other graphs: a batch needs every graph's keys
+        for graph in graphs:
+            graph.pop("pos", None)
     short = unwrap(names) if path.is_dir() or archive_kind(path) else names
     placed = [place(n) for n in short]
     folders = sorted({c for _, c in placed if c is not None})
