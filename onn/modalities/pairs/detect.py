@@ -304,17 +304,22 @@ def _from_metadata(
     samples: list[tuple[str, dict[str, Entry]]] = []  # (key, column -> entry)
     named: set[Path] = set()
     orphans_by_column: dict[str, list[str]] = {c: [] for c in columns_used}
+    absent: list[str] = []  # "metadata.jsonl line 3: images/3.png does not exist", of each named file not found
     for meta, number, row in rows:
         label = f"{meta.relative_to(root) if meta.is_relative_to(root) else meta.name} line {number}"
         sample: dict[str, Entry] = {}
+        why: dict[str, str] = {}  # per column without an entry: why not
         for column in columns_used:
             value = row.get(column)
             if column in file_columns:
                 entry = _file_entry(meta.parent, value, root)
-                if entry is not None:
+                if isinstance(entry, Entry):
                     named.add(entry.path.resolve())
                     examples.setdefault(_suffix(entry.name), entry.path)
                     sample[column] = entry
+                elif entry is not None:
+                    why[column] = f"its {column} is missing: {value.strip()} {entry}"
+                    absent.append(f"{label}: {value.strip()} {entry}")
             elif isinstance(value, str) and value.strip():
                 sample[column] = Entry(f"{label} ({column})", text=value)
         if len(sample) == 2:
@@ -322,7 +327,12 @@ def _from_metadata(
         else:
             for column, entry in sample.items():
                 missing = next(c for c in columns_used if c not in sample)
-                orphans_by_column[column].append(f"{entry.name} (its {missing} is missing)")
+                orphans_by_column[column].append(f"{entry.name} ({why.get(missing, f'its {missing} is missing')})")
+    if not samples and absent:  # every row's file is absent: a folder moved, or paths relative to another place
+        raise UnreadableMetadata(
+            f"{key}: none of the {len(absent)} files {where} names is there (e.g. {absent[0]}); file_name paths are "
+            f"relative to the metadata file's folder ({metas[0].parent}): fix them or move the files there."
+        )
     kinds = {c: _column_modality(c, file_columns, samples, examples) for c in columns_used}
     pair = wanted or (kinds[columns_used[0]], kinds[columns_used[1]])
     if set(pair) != set(kinds.values()):
@@ -345,17 +355,18 @@ def _from_metadata(
     return listing
 
 
-def _file_entry(folder: Path, value: Any, root: Path) -> Entry | None:
-    """The Entry of a file_name value (relative to the metadata's folder), or None when it is missing."""
+def _file_entry(folder: Path, value: Any, root: Path) -> Entry | str | None:
+    """The Entry of a file_name value (relative to the metadata's folder); None for a row without one; for a file
+    named but not there, why not ("does not exist", "is an absolute path, not read"), for the user's message."""
     if not isinstance(value, str) or not value.strip():
         return None
     try:
         rel = clean_member_name(value.strip())
-    except UnsafeMemberNameError:
-        return None  # an absolute or '..' path is never followed
+    except UnsafeMemberNameError as e:
+        return f"is {e}"  # an absolute or '..' path is never followed
     path = folder / rel
     if not path.is_file():
-        return None
+        return "does not exist"
     return Entry(str(path.relative_to(root)) if path.is_relative_to(root) else rel, path=path)
 
 

@@ -13,6 +13,7 @@ the zoo's small byte-level text encoder (onn/models/zoo/text_encoder.py).
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -26,6 +27,7 @@ from onn.errors import UserError
 from onn.modalities.base import Modality, PairSide
 from onn.modalities.registry import REGISTRY
 
+log = logging.getLogger("onn")
 TEXT = "text"
 TEXT_SUFFIXES = (".txt",)
 CONF = Path(__file__).resolve().parents[3] / "conf"
@@ -176,6 +178,7 @@ class TextSide:
                 continue
             texts.append(text)
             index.append(i)
+        self.say_cut(texts)
         tokenizer = self.tokenizer()
         ids = (
             tokenizer(
@@ -185,6 +188,23 @@ class TextSide:
             else []
         )
         return torch.tensor(ids, dtype=torch.long).reshape(len(texts), self.max_length), index, skipped
+
+    def say_cut(self, texts: list[str]) -> None:
+        """Warn of the texts the tokenizer cuts at max_length bytes: a caption's end ("... on the left") may be what
+        tells it apart, and a cut one trains and ranks as its first max_length bytes without a word."""
+        sizes = [len(t.encode("utf-8")) for t in texts]
+        cut = [i for i, size in enumerate(sizes) if size > self.max_length]
+        if cut:
+            longest = max(cut, key=lambda i: sizes[i])
+            log.warning(
+                "captions: %d of %d are longer than data.sides.text.max_length=%d bytes and are cut there (the "
+                "longest, %d bytes: %r); a dual encoder trained with a larger max_length keeps them whole",
+                len(cut),
+                len(texts),
+                self.max_length,
+                sizes[longest],
+                texts[longest][:80],
+            )
 
     @staticmethod
     def tokenizer():

@@ -12,6 +12,7 @@ export  safetensors (the whole dual encoder + config.json), or each tower to ONN
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import replace
@@ -40,7 +41,7 @@ from onn.planning.spec import network_spec
 from onn.training.callbacks import StepClock, run_callbacks
 from onn.training.checkpoints import check_state, resumed_optim, run_best, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
-from onn.training.classifier import mean_loss, to_device
+from onn.training.classifier import evaluation_autocast, mean_loss, to_device
 from onn.training.trainer import build_trainer, optimizer_steps
 
 log = logging.getLogger("onn")
@@ -237,19 +238,44 @@ def evaluate(job: Job) -> dict[str, Any]:
 # infer: a query against a gallery
 
 
-def files_of(path: Path, key: str) -> dict[str, list[Path]]:
-    """The files of a file or folder by modality (as the registered sniffers see their suffixes)."""
+def files_of(path: Path, key: str) -> dict[str, list[tuple[str, Path]]]:
+    """The files of a file or folder by modality (as the registered sniffers see their suffixes), each with its name
+    under the folder (a1/0001.png: matches.jsonl names it so, beside a2/0001.png)."""
     path = existing_source(path, key)
     found = [(rel, full) for rel, full in walk_files(path)] if path.is_dir() else [(path.name, path)]
     kinds: dict[str, str | None] = {}
-    out: dict[str, list[Path]] = {}
-    for _, full in sorted(found):
+    out: dict[str, list[tuple[str, Path]]] = {}
+    for rel, full in sorted(found):
         suffix = full.suffix.lower()
         if suffix not in kinds:
             kinds[suffix] = modality_of(suffix, full)
         if kinds[suffix] is not None:
-            out.setdefault(kinds[suffix], []).append(full)
+            out.setdefault(kinds[suffix], []).append((rel, full))
     return out
+
+
+def partners_of(queries: list[tuple[str, Path | str]], gallery: list[tuple[str, Path]]) -> dict[int, int]:
+    """{query position: its partner's gallery position} for the file queries whose partner the gallery holds: the
+    file of the query's stem in the same folder (the pairs convention), else of its name's stem under the two
+    folders (a copied tree: queries/a/0001.png, gallery/a/0001.txt), else of its bare stem when one gallery file
+    has it. A bare stem that several subfolders share names no partner rather than a wrong one."""
+    beside: dict[Path, int] = {}
+    under: dict[str, int] = {}
+    stems: dict[str, list[int]] = {}
+    for j, (rel, full) in enumerate(gallery):
+        beside.setdefault(full.resolve().with_suffix(""), j)
+        under.setdefault(str(Path(rel).with_suffix("")), j)
+        stems.setdefault(Path(rel).stem, []).append(j)
+    partners = {}
+    for r, (rel, item) in enumerate(queries):
+        if not isinstance(item, Path):  # a prompt has no partner
+            continue
+        only = stems.get(Path(rel).stem, [])
+        found = [beside.get(item.resolve().with_suffix("")), under.get(str(Path(rel).with_suffix("")))]
+        found = [j for j in (*found, only[0] if len(only) == 1 else None) if j is not None]
+        if found:
+            partners[r] = found[0]
+    return partners
 
 
 def embed_all(
@@ -260,12 +286,14 @@ def embed_all(
     device: torch.device,
     batch: int,
     chunk: int = READ_CHUNK,
+    autocast: contextlib.AbstractContextManager | None = None,
 ) -> tuple[torch.Tensor, list[int], list[str]]:
     """Unit embeddings of the items that decode, their positions, and the skips. The items are decoded `chunk` at
     a time (rounded to whole batches), so a gallery of 100,000 pictures holds one chunk's pixels on the host, not
     all of them. Each batch goes to the device from pinned memory (to_device), so the host queues the next while
     the GPU embeds this one. The chunks are of even sizes (in whole batches), not full ones and a short rest: a
-    side's read refuses a set of which nothing decodes, as a rest of one unreadable picture would be."""
+    side's read refuses a set of which nothing decodes, as a rest of one unreadable picture would be. `autocast`:
+    the mixed precision validation embeds under (evaluation_autocast), around the network only, not the reading."""
     count = max(1, -(-len(items) // chunk))
     even = max(1, -(-len(items) // count))
     chunk = -(-even // batch) * batch
@@ -274,10 +302,10 @@ def embed_all(
         stored, placed, bad = side.read(items[start : start + chunk])
         index += [start + i for i in placed]
         skipped += [f"{_label(items[start + i])}: {reason}" for i, reason in bad]
-        with torch.no_grad():
-            embedded += [
-                module.embed(name, to_device(stored[i : i + batch], device)) for i in range(0, len(stored), batch)
-            ]
+        for i in range(0, len(stored), batch):
+            x = to_device(stored[i : i + batch], device)
+            with torch.no_grad(), autocast or contextlib.nullcontext():
+                embedded.append(module.embed(name, x))
     dim = module.projections[name].out_features
     return (torch.cat(embedded) if embedded else torch.zeros(0, dim, device=device)), index, skipped
 
@@ -301,32 +329,40 @@ def infer(job: Job) -> dict[str, Any]:
         if not queries:
             raise UserError(f"task.input={task.input} holds no {' or '.join(names)} files this dual encoder reads.")
         query = max(queries, key=lambda m: len(queries[m]))
-        query_items: list = queries[query]
+        query_files: list[tuple[str, Path | str]] = list(queries[query])
     elif config.prompt and TEXT in names:
-        query, query_items = TEXT, [str(config.prompt)]
+        query, query_files = TEXT, [(str(config.prompt), str(config.prompt))]
     else:
         raise UserError(
             f"task=infer needs a query: task.input=FILE|FOLDER of {' or '.join(names)} files"
             f"{', or prompt=... (this model has a text side)' if TEXT in names else ''}."
         )
     other = next(n for n in names if n != query)
-    gallery_items = files_of(Path(task.gallery).expanduser(), "task.gallery").get(other, [])
-    if not gallery_items:
+    gallery = files_of(Path(task.gallery).expanduser(), "task.gallery").get(other, [])
+    if not gallery:
         raise UserError(f"task.gallery={task.gallery} holds no {other} files to rank against the {query} queries.")
     device = torch.device(job.device)
     module = module.to(device).eval()
     batch = eval_batch(config.data)
-    q, q_index, q_skipped = embed_all(module, query, sides[query], query_items, device, batch)
-    g, g_index, g_skipped = embed_all(module, other, sides[other], gallery_items, device, batch)
+    # under the plan's mixed precision, as validation embeds the held-out pairs: a bf16 tower puts close calls
+    # otherwise than float32 would, and infer's ranks and recall would not be task=eval's
+    mixed = evaluation_autocast(config, job.plan, device)
+    q, q_index, q_skipped = embed_all(
+        module, query, sides[query], [f for _, f in query_files], device, batch, autocast=mixed
+    )
+    g, g_index, g_skipped = embed_all(
+        module, other, sides[other], [f for _, f in gallery], device, batch, autocast=mixed
+    )
     for skipped in (q_skipped, g_skipped):
         if skipped:
             log.warning("infer: %d items could not be read and are left out: %s", len(skipped), "; ".join(skipped[:3]))
     if not len(q) or not len(g):
         raise UserError("task=infer: no query or no gallery item could be read (see the warnings above).")
     top_k = min(task.top_k, len(g))
-    rows, partner_ranks = _ranked(
-        (q @ g.T).cpu(), [query_items[i] for i in q_index], query, gallery_items, g_index, top_k
-    )
+    column = {i: c for c, i in enumerate(g_index)}  # a gallery file's column among those that decoded
+    partners = {r: column[j] for r, j in partners_of([query_files[i] for i in q_index], gallery).items() if j in column}
+    asked = [query_files[i][0] for i in q_index]
+    rows, partner_ranks = _ranked((q @ g.T).cpu(), asked, query, [gallery[i][0] for i in g_index], partners, top_k)
     output = Path(task.output).expanduser() if task.output else job.run_dir / "matches.jsonl"
     write_jsonl(rows, output)
     print(f"wrote the top {top_k} of {len(g)} {other} items for {len(rows)} {query} queries to {output}")
@@ -341,31 +377,27 @@ def infer(job: Job) -> dict[str, Any]:
 
 
 def _ranked(
-    scores: torch.Tensor, queries: list, modality: str, gallery: list, g_index: list[int], top_k: int
+    scores: torch.Tensor, queries: list[str], modality: str, gallery: list[str], partners: dict[int, int], top_k: int
 ) -> tuple[list[dict[str, Any]], torch.Tensor]:
-    """matches.jsonl's rows (each query's top_k gallery items) and the ranks of the partners the gallery holds (a
-    file of the query's stem). Equal scores go to the lower gallery index, in the matches and the ranks alike, as
+    """matches.jsonl's rows (each query's top_k gallery items, by their names) and the ranks of the partners the
+    gallery holds (partners_of). Equal scores go to the lower gallery index, in the matches and the ranks alike, as
     validation breaks them (module.ranks): a gallery of alike items ranks a partner by its place, not first."""
     order = scores.sort(dim=1, descending=True, stable=True)
-    names = [Path(gallery[i]).name for i in g_index]
-    stems = {Path(n).stem: j for j, n in enumerate(names)}
-    partners = {r: stems.get(Path(item).stem) for r, item in enumerate(queries) if isinstance(item, Path)}
-    partners = {r: j for r, j in partners.items() if j is not None}
     known = torch.tensor(list(partners), dtype=torch.long)
     placed = ranks(scores[known], torch.tensor(list(partners.values()), dtype=torch.long)).tolist()
     place = dict(zip(partners, placed))
     rows = []
-    for r, item in enumerate(queries):
+    for r, name in enumerate(queries):
         row = {
-            "query": _label(item),
+            "query": name,
             "modality": modality,
             "matches": [
-                {"name": names[int(j)], "score": round(float(v), 5)}
+                {"name": gallery[int(j)], "score": round(float(v), 5)}
                 for v, j in zip(order.values[r, :top_k], order.indices[r, :top_k])
             ],
         }
         if r in partners:  # the gallery holds the query's partner (same stem): where does it rank?
-            row["partner"], row["partner_rank"] = names[partners[r]], place[r] + 1
+            row["partner"], row["partner_rank"] = gallery[partners[r]], place[r] + 1
         rows.append(row)
     return rows, torch.tensor(placed, dtype=torch.long)
 
