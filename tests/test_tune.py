@@ -166,3 +166,29 @@ def test_a_tuned_result_is_used_by_every_strategy_that_plans_what_it_tuned(tmp_p
     )
     other_blocks = compose(*base, "strategy=sparse_lora", "strategy.layers=[0,-1]", root=tmp_path)
     assert cache_path(sparse, hw, "sparse_lora", 40) != cache_path(other_blocks, hw, "sparse_lora", 40)
+
+
+@pytest.mark.parametrize("written", [{}, {"settings": {"store_dtype": "fp3"}}])
+def test_a_damaged_or_stale_tune_result_is_passed_over_not_fatal(tmp_path, caplog, written):
+    """A cached task=tune file without settings ended every later plan in KeyError: 'settings'; one holding a value
+    this version refuses (a store dtype an older one wrote) blamed strategy.streaming.store_dtype, a key the user
+    never set. The planner's own settings stand, and the plan or the log says why."""
+    from conftest import compose
+
+    from onn.hardware.profile import resolve
+    from onn.planning.plan import make_plan
+    from onn.planning.spec import model_spec
+    from onn.planning.tuned import cache_path
+
+    cfg = compose("task=plan", "hardware=cpu_16gb", *TINY, f"paths.cache={tmp_path / 'cache'}", root=tmp_path)
+    hw = resolve(cfg.hardware, tmp_path / "cache", tmp_path)
+    spec = model_spec(cfg.model, 8, cache_dir=cfg.paths.cache)
+    guess = make_plan(cfg, hw, spec)
+    path = cache_path(cfg, hw, guess.strategy, guess.sequence_length)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(written))
+    with caplog.at_level("WARNING", logger="onn"):
+        plan = make_plan(cfg, hw, spec)
+    assert plan.settings_source == "plan" and plan.micro_batch == guess.micro_batch
+    said = [r.getMessage() for r in caplog.records] + plan.reasons
+    assert any(str(path) in line for line in said), said

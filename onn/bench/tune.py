@@ -4,7 +4,10 @@ Searched: chunk_size x micro-batch x store_dtype for layer streaming; micro-batc
 checkpointing for the other strategies. The first trial is the planner's own guess; then one
 setting at a time is varied around the best so far (micro-batch, then chunk size, then store
 dtype), skipping what the planner predicts will not fit, until the axes are done or
-`tune.time_budget_s` is spent. A trial is the `task=bench` protocol, shortened (onn/bench/suite.py).
+`tune.time_budget_s` is spent. A trial is the `task=bench` protocol, shortened (onn/bench/suite.py), in a process of
+its own: one that runs out of memory (a MemoryError, CUDA's OutOfMemoryError, or the kernel's OOM killer) or fails
+is recorded and the search goes on, unless it is the planner's own guess that fails (a data or model error no
+neighbour mends: one sentence).
 The fastest trial whose measured peak fits the budget wins; if it is not the planner's guess, the
 two are measured again head to head, alternating, and `tune/speedup_over_plan` is their ratio.
 
@@ -19,12 +22,17 @@ import copy
 import dataclasses
 import json
 import logging
+import signal
+import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
+from onn.bench import child
 from onn.bench.suite import fixed_streaming, measure
-from onn.config import ONNConfig
+from onn.config import ONNConfig, as_dict
 from onn.config.task import BenchTask, TuneConfig
 from onn.errors import UserError
 from onn.hardware.disk import write_text_atomically
@@ -34,6 +42,7 @@ from onn.planning.streaming import chunk_sizes, store_dtypes
 from onn.planning.tuned import cache_path
 
 log = logging.getLogger("onn")
+TRIAL_LOG = "trial.log"  # a trial's output, in its folder: the traceback of one that failed
 
 
 class _Trials:
@@ -95,6 +104,8 @@ def run(job) -> dict[str, Any]:
     started = time.perf_counter()
     trials = _Trials(job, tune, streaming)
     best = trials(guess)
+    if best["status"].startswith("failed"):
+        raise UserError(f"task=tune stopped at the planner's own settings {guess}, which {best['status']}")
     if not trials.usable(best):
         log.warning("tune: the planner's own settings did not run within budget (%s)", best["status"])
     for axis, values in axes.items():  # one axis at a time, from the best so far, within the time budget
@@ -219,13 +230,13 @@ def _with_settings(config: ONNConfig, settings: dict[str, Any], streaming: bool)
 
 
 def _time(config: ONNConfig, plan: Plan, run_dir: Path, tune: TuneConfig) -> dict[str, Any]:
-    """One trial: the bench protocol with a few steps, in this process (`measure` reads the task's protocol;
-    a trial scores no answers and runs no learning test)."""
-    warmup, steps = tune.warmup_steps, tune.steps
+    """One trial: the bench protocol with a few steps, in a process of its own (a trial scores no answers and runs
+    no learning test). Its own process: the OOM killer ends the trial, not the search, and no trial's memory is
+    left to the next one's reading. Its output goes to run_dir/TRIAL_LOG."""
     protocol = BenchTask(
         name="tune",
-        warmup_steps=warmup,
-        steps=steps,
+        warmup_steps=tune.warmup_steps,
+        steps=tune.steps,
         val_batches=1,
         quality="loss_fall",
         exact_match_samples=0,
@@ -233,20 +244,37 @@ def _time(config: ONNConfig, plan: Plan, run_dir: Path, tune: TuneConfig) -> dic
     )
     config = dataclasses.replace(config, task=protocol)
     run_dir.mkdir(parents=True, exist_ok=True)
-    # Lightning's per-fit banner, once per trial, drowns the table
-    quiet = logging.getLogger("lightning.pytorch")
-    level = quiet.level
-    quiet.setLevel(logging.WARNING)
+    log_file = run_dir / TRIAL_LOG
+    log_file.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        request = {"config": as_dict(config), "plan": plan.as_dict(), "run_dir": str(run_dir), "result": str(result)}
+        proc = child.start("onn.bench.tune", [], log_file, json.dumps(request))
+        proc.join()
+        if result.is_file():
+            return json.loads(result.read_text())
+    if proc.exitcode == -signal.SIGKILL:  # what the kernel's OOM killer sends
+        return {"status": f"out of memory (its process was killed by SIGKILL; see {log_file})"}
+    if proc.exitcode < 0:
+        return {"status": f"failed: its process was killed by {signal.Signals(-proc.exitcode).name}; see {log_file}"}
+    lines = [line for line in log_file.read_text(errors="replace").splitlines() if line.strip()]
+    return {"status": f"failed: {lines[-1] if lines else f'exit code {proc.exitcode}'}; see {log_file}"}
+
+
+def _trial_outcome(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
+    """The trial's figures, or why it has none: out of memory (a setting that does not fit), or failed with the
+    error in its own words (its traceback is in the trial's log)."""
+    warmup = config.task.warmup_steps
     try:
         raw = measure(config, plan, run_dir)
     except UserError as e:
         return {"status": f"failed: {e}"}
-    except Exception as e:  # noqa: BLE001 - out of memory outside a training step (validation, build)
-        if not is_out_of_memory(e):
-            raise
-        return {"status": "out of memory"}
-    finally:
-        quiet.setLevel(level)
+    except Exception as e:  # noqa: BLE001 - any error is this trial's outcome, told in the table
+        if isinstance(e, MemoryError) or is_out_of_memory(e):
+            return {"status": "out of memory"}
+        traceback.print_exc()
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        return {"status": f"failed: {type(e).__name__}: {first_line}; see {run_dir / TRIAL_LOG}"}
     if raw["oom_backoffs"]:
         return {"status": "out of memory"}
     timed = raw["step_s"][warmup:]
@@ -257,12 +285,28 @@ def _time(config: ONNConfig, plan: Plan, run_dir: Path, tune: TuneConfig) -> dic
     }
 
 
+def _main() -> None:
+    """A trial's process (`_time`): a JSON request on stdin, its outcome to request['result']."""
+    request = json.loads(sys.stdin.read())
+    # Everything a run imports, imported before the baseline is read: it belongs to the process, not the model.
+    import lightning  # noqa: F401
+    import peft  # noqa: F401
+    import transformers  # noqa: F401
+
+    import onn.modalities.text.tasks  # noqa: F401
+
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    config = child.config_from_dict(request["config"], BenchTask, "task=tune's trial process")
+    outcome = _trial_outcome(config, Plan.from_dict(request["plan"]), Path(request["run_dir"]))
+    Path(request["result"]).write_text(json.dumps(outcome))
+
+
 def _table(result: dict[str, Any]) -> str:
     keys = list(result["plan_settings"])
     lines = [
         f"# task=tune: {result['strategy']}, sequence length {result['sequence_length']}",
         "",
-        "| # | " + " | ".join(keys) + " | samples/s | RSS growth MB (measured) | predicted MB | status |",
+        "| # | " + " | ".join(keys) + " | samples/s | growth MB (measured) | predicted MB | status |",
         "|---|" + "---|" * len(keys) + "--:|--:|--:|---|",
     ]
     for i, t in enumerate(result["trials"]):
@@ -295,8 +339,11 @@ def _table(result: dict[str, Any]) -> str:
         f"best: {result['settings']} at {result['samples_per_s']} samples/s; "
         f"the planner's guess {result['plan_settings']} "
         f"at {result['plan_samples_per_s']} samples/s ({how}): speedup over plan {result['speedup_over_plan']}",
-        "RSS growth is measured in this one process, trial after trial: the first trial also pays for first use "
-        "(lazy imports, thread pools), later ones reuse memory freed before them. "
-        "It only screens out settings far over budget.",
+        "Growth is each trial's peak in its own process above what that process held before building the model "
+        "(resident memory on a CPU, allocated memory on a GPU), beside the planner's prediction of the same.",
     ]
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    _main()

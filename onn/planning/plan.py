@@ -987,7 +987,13 @@ def _with_tuned(plan: Plan, cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Pla
             taken[key] = value
     if not taken:
         return plan
-    tuned_plan = make_plan(config, hw, spec, use_tuned=False)
+    try:
+        tuned_plan = make_plan(config, hw, spec, use_tuned=False)
+    except UserError as e:  # a value an older version wrote (a store dtype since renamed): the file's, not the user's
+        plan.reasons.append(
+            f"task=tune's settings {taken} ({tuned['path']}) are refused ({e}): using the planner's own"
+        )
+        return plan
     if tuned_plan.strategy != plan.strategy or not tuned_plan.candidates[plan.strategy]["fits"]:
         plan.reasons.append(f"task=tune's settings {taken} ({tuned['path']}) no longer fit: using the planner's own")
         return plan
@@ -998,8 +1004,12 @@ def _with_tuned(plan: Plan, cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Pla
     }
     tuned_plan.reasons = [
         f"settings {taken} from task=tune ({tuned['path']}, {tuned.get('tuned_at')}): "
-        f"measured {tuned.get('samples_per_s')} "
-        f"samples/s against {tuned.get('plan_samples_per_s')} for the planner's guess",
+        f"measured {tuned.get('samples_per_s')} samples/s against "
+        + (
+            f"{tuned['plan_samples_per_s']} for the planner's guess"
+            if tuned.get("plan_samples_per_s") is not None
+            else "the planner's guess, which did not fit"
+        ),
         *tuned_plan.reasons,  # the reasons of the settings used: the planner's own guess's said another chunk size
     ]
     return tuned_plan

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from onn.hardware.profile import Profile
 from onn.models.load import model_fingerprint
 
 ADAPTERS = ("lora", "qlora", "sparse_lora")  # the planned strategies that train LoRA adapters
+log = logging.getLogger("onn")
 STREAMS = ("auto", "streaming")  # strategy.lightning values under which sparse_lora streams (as the plan reads them)
 
 
@@ -66,5 +68,8 @@ def lookup(config: ONNConfig, hw: Profile, strategy: str, seq: int) -> dict[str,
     try:
         result = json.loads(path.read_text())
     except (OSError, ValueError):
+        return None
+    if not isinstance(result, dict) or not isinstance(result.get("settings"), dict):  # not a file task=tune wrote
+        log.warning("%s holds no task=tune result (no settings): ignored; run task=tune again to replace it", path)
         return None
     return {**result, "path": str(path)}
