@@ -10,7 +10,8 @@
   overhead    the default job (`python run.py`'s model and data) against a plain PyTorch loop, and
               recipe=bench_vision's image runner against its plain loop (with the device ops and the waits
               for the GPU each side's step asks for, counted, and a bare LightningModule's own overhead: what
-              Lightning's loop costs by itself), each in a run of its own
+              Lightning's loop costs by itself), each in a run of its own, stopped where it would take the
+              recipe past task.time_limit_s (8 minutes: issue 30's bound)
 
 Figures go to metrics.json as gpu/* and to bench_gpu.md beside it. The step's limit is
 
@@ -57,11 +58,12 @@ MB = 1024**2
 GB = 1e9  # bandwidths and bytes moved in decimal gigabytes, as NVIDIA quotes its links' (PCIe, NVLink) figures
 SEED_MS_PER_SAMPLE = 490  # the seeds' Phi-4 on a 4 GB GTX 1650, batch 128
 CHILD_TIMEOUT_S = 300  # a child run (the default job's or the image runner's overhead) takes 1-2 minutes on an H200
+LEAST_CHILD_S = 60  # a child run starts a process, plans and times its rounds: with less time it is not started
 
 
 def check_settings(config: ONNConfig) -> None:
     task: BenchGpuTask = config.task
-    for key, least in (("steps", 2), ("gen_batch", 1), ("gen_tokens", 2)):
+    for key, least in (("steps", 2), ("gen_batch", 1), ("gen_tokens", 2), ("time_limit_s", 1)):
         if getattr(task, key) < least:
             raise UserError(f"task.{key}={getattr(task, key)!r}: give a whole number, {least} or more.")
     if config.strategy.name != "sparse_lora" or config.strategy.lightning not in STREAMING_LIGHTNING:
@@ -459,39 +461,46 @@ def _accelerate(
     }
 
 
+# bench_gpu's names for each child run's figures (ours: theirs)
+OVERHEAD_FIGURES = {
+    "gpu/default_job_ratio": "overhead/ratio",
+    "gpu/default_job_steps_per_s": "overhead/onn_steps_per_s",
+    "gpu/plain_loop_steps_per_s": "overhead/plain_steps_per_s",
+}
+VISION_FIGURES = {
+    "gpu/vision_runner_overhead": "vision/runner_overhead",
+    "gpu/vision_lightning_floor": "vision/lightning_floor",
+    "gpu/vision_onn_samples_per_s": "vision/onn_samples_per_s",
+    "gpu/vision_plain_samples_per_s": "vision/plain_samples_per_s",
+}
+
+
 def _overheads(job) -> dict[str, Any]:
-    """The default job against a plain loop, and bench_vision's runner overhead, each a run of its own."""
+    """The default job against a plain loop, and bench_vision's runner overhead, each a run of its own, within what
+    is left of task.time_limit_s (from the process's start): each child may take its share of that (at most
+    CHILD_TIMEOUT_S), the first's unused time going to the next; one whose share is under LEAST_CHILD_S is not
+    started, and its figure says so. Two children of CHILD_TIMEOUT_S each took the recipe past its 8 minutes."""
+    import psutil
+
     task: BenchGpuTask = job.config.task
-    out = {}
-    ran = _child(job, "overhead", ["task=bench_overhead", "tracking=none"])
-    out.update(
-        _figures(
-            ran,
-            {
-                "gpu/default_job_ratio": "overhead/ratio",
-                "gpu/default_job_steps_per_s": "overhead/onn_steps_per_s",
-                "gpu/plain_loop_steps_per_s": "overhead/plain_steps_per_s",
-            },
-        )
-    )
+    deadline = psutil.Process().create_time() + task.time_limit_s
     source = Path(str(task.vision_source)).expanduser()
+    children = [("overhead", ["task=bench_overhead", "tracking=none"], OVERHEAD_FIGURES)]
     if source.exists():
-        ran = _child(job, "vision", ["recipe=bench_vision", f"data.source={source}"])
-        out.update(
-            _figures(
-                ran,
-                {
-                    "gpu/vision_runner_overhead": "vision/runner_overhead",
-                    "gpu/vision_lightning_floor": "vision/lightning_floor",
-                    "gpu/vision_onn_samples_per_s": "vision/onn_samples_per_s",
-                    "gpu/vision_plain_samples_per_s": "vision/plain_samples_per_s",
-                },
-            )
-        )
-        for name in ("device_ops_per_step", "host_waits_per_step"):  # per side, each a figure of bench_gpu.md
-            sides = ran.get(f"vision/{name}") or {}  # absent when the child failed or compiled its model
-            out.update({f"gpu/vision_{name}_{side}": n for side, n in sides.items()})
-    else:
+        children.append(("vision", ["recipe=bench_vision", f"data.source={source}"], VISION_FIGURES))
+    out = {}
+    for i, (name, overrides, names) in enumerate(children):
+        limit_s = min(CHILD_TIMEOUT_S, (deadline - time.time()) / (len(children) - i))
+        if limit_s < LEAST_CHILD_S:
+            said = f"not measured: less than {LEAST_CHILD_S} s of task.time_limit_s={task.time_limit_s} was left for it"
+            out.update({**dict.fromkeys(names), next(iter(names)): said})
+            continue
+        ran = _child(job, name, overrides, limit_s)
+        out.update(_figures(ran, names))
+        for count in ("device_ops_per_step", "host_waits_per_step") if name == "vision" else ():
+            sides = ran.get(f"vision/{count}") or {}  # absent when the child failed or compiled its model
+            out.update({f"gpu/vision_{count}_{side}": n for side, n in sides.items()})  # each a figure of bench_gpu.md
+    if not source.exists():
         out["gpu/vision_runner_overhead"] = f"not measured: task.vision_source {source} does not exist"
     return out
 
@@ -504,8 +513,8 @@ def _figures(ran: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
     return {ours: ran[theirs] for ours, theirs in names.items()}
 
 
-def _child(job, name: str, overrides: list[str]) -> dict[str, Any]:
-    """A run.py of its own (its own process, config and GPU memory); its metrics.json."""
+def _child(job, name: str, overrides: list[str], limit_s: float = CHILD_TIMEOUT_S) -> dict[str, Any]:
+    """A run.py of its own (its own process, config and GPU memory), stopped after `limit_s`; its metrics.json."""
     folder = job.run_dir / name
     paths = job.config.paths
     root = Path(paths.root)
@@ -518,12 +527,10 @@ def _child(job, name: str, overrides: list[str]) -> dict[str, Any]:
         f"paths.cache={paths.cache}",
     ]
     try:
-        proc = subprocess.run(
-            command, cwd=root, env=os.environ.copy(), capture_output=True, text=True, timeout=CHILD_TIMEOUT_S
-        )
+        proc = subprocess.run(command, cwd=root, env=os.environ.copy(), capture_output=True, text=True, timeout=limit_s)
     except subprocess.TimeoutExpired as stopped:
         (job.run_dir / f"{name}.log").write_text(_text(stopped.stdout) + _text(stopped.stderr))
-        return {"status": "failed", "error": f"{name} ran past {CHILD_TIMEOUT_S} s and was stopped; see {name}.log"}
+        return {"status": "failed", "error": f"{name} ran past its {limit_s:.0f} s and was stopped; see {name}.log"}
     (job.run_dir / f"{name}.log").write_text(proc.stdout + proc.stderr)
     try:
         ran = json.loads((folder / "metrics.json").read_text())

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from onn.bench.vision import epochs, plain_precision, stamp, synchronize, trainer_precision
+from onn.bench.vision import epochs, median_ratio, plain_precision, stamp, synchronize, trainer_precision
 from onn.config import ONNConfig
 from onn.config.task import BenchOverheadTask
 from onn.errors import UserError
@@ -65,9 +65,8 @@ def run(job) -> dict[str, Any]:
             rate, side_losses = measure()
             rounds[name].append(rate)
             losses.setdefault(name, side_losses)
-    ratios = sorted(o / p for o, p in zip(rounds["onn"], rounds["plain"]))
     metrics = {
-        "overhead/ratio": round(ratios[len(ratios) // 2], 4),
+        "overhead/ratio": round(median_ratio(rounds["onn"], rounds["plain"]), 4),
         "overhead/onn_steps_per_s": round(max(rounds["onn"]), 2),
         "overhead/plain_steps_per_s": round(max(rounds["plain"]), 2),
         "overhead/rounds": {k: [round(x, 2) for x in v] for k, v in rounds.items()},

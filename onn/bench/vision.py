@@ -36,9 +36,10 @@ import gc
 import io
 import logging
 import math
+import statistics
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,34 @@ def _device_ops(train, device: torch.device, per_epoch: int) -> dict[str, float]
     return {"ops": (runs[1].ops - runs[0].ops) / steps, "waits": (runs[1].waits - runs[0].waits) / steps}
 
 
+def _loss_function(config: ONNConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss ONN's classifier trains with (onn/training/classifier.py): the user's model.loss, or cross-entropy
+    with task.label_smoothing."""
+    from onn.models.load import user_function
+
+    if config.model.loss:
+        return user_function(config.model.loss, "model.loss")
+    smoothing = float(config.task.label_smoothing)
+    return lambda logits, labels: F.cross_entropy(logits, labels, label_smoothing=smoothing)
+
+
+def _mixup(x: torch.Tensor, labels: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """task.mixup as ONN's classifier mixes a batch (Classifier.mixed_batch), written as a plain loop would: the
+    batch blended with itself reversed by one weight from Beta(alpha, alpha), drawn on the host; the reversed
+    labels and the weight beside it. Without it ONN's side alone mixed, and its mixing counted as runner overhead."""
+    if not alpha:
+        return x, None, 1.0
+    concentration = torch.tensor(alpha, dtype=torch.float32)
+    weight = float(torch.distributions.Beta(concentration, concentration).sample())
+    return weight * x + (1 - weight) * x.flip(0), labels.flip(0), weight
+
+
+def _blended(loss_of, logits: torch.Tensor, labels: torch.Tensor, mixed: torch.Tensor | None, weight: float):
+    """The loss against the labels, or for a mixed batch the same blend of the losses against both labels."""
+    loss = loss_of(logits, labels)
+    return loss if mixed is None else weight * loss + (1 - weight) * loss_of(logits, mixed)
+
+
 def _augment(config: ONNConfig, inputs: dict[str, Any]):
     from onn.modalities.image.augment import BatchAugment
 
@@ -178,6 +207,7 @@ def _plain_loop(config: ONNConfig, plan, inputs, dm, steps: int, warmup: int, lo
     """The hand-written loop: samples/s over `steps` iterations after `warmup` ones."""
     device = dm.device
     model = _plain_model(config, inputs, device).train()
+    from onn.modalities.classification import mixup_alpha
     from onn.training.optim import make_optimizer, make_schedule
 
     optimizer = make_optimizer(model.parameters(), config.optim)
@@ -186,7 +216,7 @@ def _plain_loop(config: ONNConfig, plan, inputs, dm, steps: int, warmup: int, lo
     clip = config.optim.clip_grad_norm
     augment = _augment(config, inputs)
     channels_last = config.model.channels_last
-    smoothing = config.task.label_smoothing
+    loss_of, alpha = _loss_function(config), mixup_alpha(config.task)
     weights, half = plain_precision(trainer_precision(config, plan))
     if weights is not None:  # bf16-true, 16-true, 64-true: Lightning trains the converted weights on converted inputs
         model.to(weights)
@@ -203,9 +233,9 @@ def _plain_loop(config: ONNConfig, plan, inputs, dm, steps: int, warmup: int, lo
         x = augment(images, train=True) if from_resident else images  # the standard pipeline augmented per sample
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        x = x if weights is None else x.to(weights)
+        x, mixed, weight = _mixup(x if weights is None else x.to(weights), labels, alpha)
         with torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None):
-            loss = F.cross_entropy(model(x).float(), labels, label_smoothing=smoothing)  # as ONN's, in float32
+            loss = _blended(loss_of, model(x).float(), labels, mixed, weight)  # as ONN's, in float32
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         if clip > 0:  # the same work as ONN's step, which clips by optim.clip_grad_norm
@@ -314,10 +344,11 @@ def _bare_lightning(config: ONNConfig, plan, inputs, dm, run_dir: Path, steps: i
     ONN's and no logger, checkpoint, progress bar or summary."""
     import lightning as L
 
+    from onn.modalities.classification import mixup_alpha
     from onn.training.optim import make_optimizer, make_schedule
 
     device, model, augment = dm.device, _plain_model(config, inputs, dm.device).train(), _augment(config, inputs)
-    channels_last, smoothing = config.model.channels_last, config.task.label_smoothing
+    channels_last, loss_of, alpha = config.model.channels_last, _loss_function(config), mixup_alpha(config.task)
 
     class Bare(L.LightningModule):
         def __init__(self):
@@ -328,8 +359,10 @@ def _bare_lightning(config: ONNConfig, plan, inputs, dm, run_dir: Path, steps: i
             images, labels = batch
             with torch.autocast(device.type, enabled=False):  # augmented in float32, as both other sides do
                 x = augment(images, train=True)
+            x = x.to(self.dtype)  # the weights': bf16 under bf16-true, as ONN's classifier prepares its input
             x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
-            return F.cross_entropy(self.model(x), labels, label_smoothing=smoothing)
+            x, mixed, weight = _mixup(x, labels, alpha)
+            return _blended(loss_of, self.model(x).float(), labels, mixed, weight)
 
         def configure_optimizers(self):
             optimizer = make_optimizer(self.model.parameters(), config.optim)
@@ -373,10 +406,16 @@ def trainer_precision(config: ONNConfig, plan) -> str:
     return plan.precision if precision in (None, "auto") else str(precision)
 
 
+def median_ratio(tops: list[float], bottoms: list[float]) -> float:
+    """The median of the rounds' top / bottom (a rate each, paired by round: a noisy neighbour slows a round's sides
+    alike). Of an even number of rounds, the mean of the middle two: the upper one alone made two rounds' ratio
+    their larger."""
+    return statistics.median(t / b for t, b in zip(tops, bottoms))
+
+
 def _median_ratio(plain: list[float], other: list[float]) -> float:
-    """The median round's plain / other - 1 (samples/s each): a noisy neighbour slows a round's sides alike."""
-    paired = sorted(p / o for p, o in zip(plain, other))
-    return round(paired[len(paired) // 2] - 1, 4)
+    """The median round's plain / other - 1 (samples/s each)."""
+    return round(median_ratio(plain, other) - 1, 4)
 
 
 def _pipeline_only(loader, steps: int, warmup: int, augment, device: torch.device) -> float:

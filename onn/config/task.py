@@ -99,6 +99,7 @@ class BenchGpuTask(TrainTask):
     gen_tokens: int = MISSING
     accelerate: bool = MISSING
     overhead: bool = MISSING
+    time_limit_s: int = MISSING
     vision_source: str | None = MISSING
 
 
