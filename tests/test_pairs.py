@@ -285,7 +285,7 @@ def test_mesh_image_pairs_train_to_5x_chance(tmp_path):
         tmp_path,
         f"data.source={folder}",
         "data.batch_size=24",
-        "trainer.max_epochs=8",
+        "trainer.max_epochs=12",  # 8 left recall@1 at 4.5x chance with one seed's batch orders (0.15 vs 0.167)
         "data.sides.image.image_size=[24,24]",
         "+data.sides.mesh.augment={rotate: none, scale: [0.9, 1.1], jitter: 0.01}",
         "data.sides.mesh.points=128",
