@@ -77,3 +77,7 @@ def test_the_plan_sizes_the_images_of_the_folder_when_image_size_is_null(tmp_pat
         get("diffusion").plan(cfg, resolve(cfg.hardware, str(tmp_path), str(tmp_path)))[1] for cfg in (found, told)
     ]
     assert specs[0].sample_flops == specs[1].sample_flops > 0
+    sized = compose(*common, "data.image_size=[16,16]")  # a size given, channels auto: the images' 3 channels
+    assert get("diffusion").plan(sized, resolve(sized.hardware, str(tmp_path), str(tmp_path)))[1].sample_flops == (
+        specs[1].sample_flops
+    )

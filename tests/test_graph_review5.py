@@ -126,6 +126,18 @@ def test_a_node_level_file_without_x_has_as_many_nodes_as_labels(tmp_path):
     assert graph.num_nodes == 40 and graph.x.shape == (40, 1) and torch.equal(graph.y, y)
 
 
+def test_a_node_level_file_whose_y_is_shorter_than_its_nodes_says_so():
+    """A y shorter than the nodes the edges name (a graph's one class, or labels of some nodes) is named as such: with
+    y setting the node count, it read as an edge pointing past the file's nodes."""
+    from safetensors.torch import save
+
+    from onn.modalities.graph.read import GraphError, read_tensors
+
+    payload = save({"edge_index": torch.tensor(ring(36)).t().contiguous(), "y": torch.tensor([1])})
+    with pytest.raises(GraphError, match=r"has y of 1 labels for its 36 nodes \(level=node\)"):
+        read_tensors(payload, 10_000, "node")
+
+
 @pytest.mark.parametrize("conv", ["gin", "sage"])
 def test_message_passing_sums_in_float32_under_bf16_autocast(conv):
     """After a first block the nodes' features are bf16 under bf16-mixed (BatchNorm keeps its input's dtype), and

@@ -184,3 +184,5 @@ def test_captions_cut_at_max_length_bytes_are_said(tmp_path, caplog):
     assert ids.shape == (3, 16) and index == [0, 1, 2] and not skipped
     assert "captions: 2 of 3 are longer than data.sides.text.max_length=16 bytes and are cut there" in caplog.text
     assert "the longest, 24 bytes:" in caplog.text
+    side.read(captions)  # a second read (infer's next chunk of a gallery): said once, not once a chunk
+    assert caplog.text.count("are longer than data.sides.text.max_length") == 1

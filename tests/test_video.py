@@ -336,9 +336,10 @@ def test_a_long_clip_is_sampled_by_seeking_to_keyframes_not_by_decoding_every_fr
             yield frame
 
     fit = decode.Fit(16, 3, (32, 32), "resize")
-    monkeypatch.setattr(decode, "decoded_frames", counted)
-    clip, duration = decode.decode_video(str(path), fit)
     everything, _ = decode._decode_all(str(path), fit)
+    monkeypatch.setattr(decode, "decoded_frames", counted)
+    monkeypatch.setattr(decode, "_decode_all", None)  # no falling back to decoding every frame unseen
+    clip, duration = decode.decode_video(str(path), fit)
     assert torch.equal(clip, torch.from_numpy(np.stack(everything).transpose(3, 0, 1, 2).copy()))
     assert abs(duration - 10.0) < 1e-2  # webm keeps milliseconds
     assert 16 <= len(seen) <= 16 * 12, len(seen)  # at most each chosen frame's group of pictures up to it, of 240
@@ -370,6 +371,10 @@ def test_data_auto_tells_mpeg_transport_streams_from_typescript(tmp_path):
     write_clip(tmp_path / "clips" / "a" / "1.ts", ramp(2, 16, 16), 2, "mpeg4")
     assert detect(tmp_path / "clips")[0].name == "video"
     assert detect(tmp_path / "clips" / "a" / "1.ts")[0].name == "video"
+    cut = tmp_path / "cut" / "a" / "1.ts"  # a capture cut at an arbitrary byte: its first packet is a partial one
+    cut.parent.mkdir(parents=True)
+    cut.write_bytes((tmp_path / "clips" / "a" / "1.ts").read_bytes()[100:])
+    assert detect(tmp_path / "cut")[0].name == "video"
     (tmp_path / "web" / "src").mkdir(parents=True)
     for name in ("app", "index", "util"):
         (tmp_path / "web" / "src" / f"{name}.ts").write_text(

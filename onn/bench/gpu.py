@@ -490,7 +490,9 @@ def _overheads(job) -> dict[str, Any]:
         children.append(("vision", ["recipe=bench_vision", f"data.source={source}"], VISION_FIGURES))
     out = {}
     for i, (name, overrides, names) in enumerate(children):
-        limit_s = min(CHILD_TIMEOUT_S, (deadline - time.time()) / (len(children) - i))
+        left = deadline - time.time()
+        # an even share of what is left, but at least LEAST_CHILD_S where that is left: of 100 s, one runs
+        limit_s = min(CHILD_TIMEOUT_S, max(left / (len(children) - i), min(left, LEAST_CHILD_S)))
         if limit_s < LEAST_CHILD_S:
             said = f"not measured: less than {LEAST_CHILD_S} s of task.time_limit_s={task.time_limit_s} was left for it"
             out.update({**dict.fromkeys(names), next(iter(names)): said})

@@ -43,6 +43,7 @@ from onn.planning.tuned import cache_path
 
 log = logging.getLogger("onn")
 TRIAL_LOG = "trial.log"  # a trial's output, in its folder: the traceback of one that failed
+TRIAL_LEAST_LIMIT_S = 600  # a trial's time at most: twice tune.time_budget_s, and never less than this
 
 
 class _Trials:
@@ -250,7 +251,12 @@ def _time(config: ONNConfig, plan: Plan, run_dir: Path, tune: TuneConfig) -> dic
         result = Path(tmp) / "result.json"
         request = {"config": as_dict(config), "plan": plan.as_dict(), "run_dir": str(run_dir), "result": str(result)}
         proc = child.start("onn.bench.tune", [], log_file, json.dumps(request))
-        proc.join()
+        limit_s = max(TRIAL_LEAST_LIMIT_S, 2 * tune.time_budget_s)
+        proc.join(limit_s)
+        if proc.is_alive():  # a hung trial (a stuck loader, a deadlock) would hold the search past its budget
+            proc.kill()
+            proc.join()
+            return {"status": f"failed: it ran past {limit_s:.0f} s and was stopped; see {log_file}"}
         if result.is_file():
             return json.loads(result.read_text())
     if proc.exitcode == -signal.SIGKILL:  # what the kernel's OOM killer sends

@@ -50,13 +50,15 @@ log = logging.getLogger("onn")
 
 def planned_shape(config: ONNConfig) -> list[int]:
     """[channels, height, width] the denoiser is planned for (and built for by task=export without a checkpoint):
-    with ckpt= the checkpoint's; else data.image_size and data.channels, or where image_size is null as the data's
-    first image has them (32 px, 1 channel where there is no data to read). A folder of 256 px images was planned as
-    32 px ones: memory and step time predicted for 64 times fewer pixels."""
+    with ckpt= the checkpoint's; else data.image_size and data.channels, or as the data's first image has them where
+    image_size is null or channels auto (32 px, 1 channel where there is no data to read). A folder of 256 px images
+    was planned as 32 px ones: memory and step time predicted for 64 times fewer pixels."""
     if (trained := trained_inputs(config)) is not None:
         return [int(v) for v in trained["input_shape"]]
     data: ImageData = config.data
-    found = None if data.image_size else first_image(data)  # (a size given may resize images of mixed sizes)
+    # the first image read where the size or the channels are the data's own (its size unread where one is given:
+    # data.resize may bring images of mixed sizes to it)
+    found = None if data.image_size and isinstance(data.channels, int) else first_image(data)
     size = [int(v) for v in data.image_size] if data.image_size else found.size if found else [32, 32]
     channels = data.channels if isinstance(data.channels, int) else found.channels if found else 1
     return [int(channels), *[int(v) for v in size]]

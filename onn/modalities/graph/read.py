@@ -156,8 +156,13 @@ def read_tensors(payload: bytes, max_nodes: int, level: str):
         raise GraphError(f"unreadable as safetensors ({type(e).__name__}: {str(e)[:120]})") from e
     if "edge_index" not in tensors:
         raise GraphError(f"holds no edge_index tensor (it has {', '.join(sorted(tensors)) or 'none'})")
-    # no x: every node's feature is 1, and a node-level y says how many nodes there are (the last may have no edge)
-    nodes = tensors["y"].numel() if level == "node" and "x" not in tensors and "y" in tensors else None
+    # no x: every node's feature is 1, and a node-level y says how many nodes there are (the last may have no edge);
+    # a y shorter than the edges' nodes is left to the label count's check below, which names it
+    nodes = None
+    if level == "node" and "x" not in tensors and "y" in tensors:
+        edges = tensors["edge_index"]
+        named = int(edges.max()) + 1 if edges.numel() else 0
+        nodes = tensors["y"].numel() if tensors["y"].numel() >= named else None
     graph = make_graph(tensors.get("x"), tensors["edge_index"], nodes, max_nodes)
     # a graph's class y, or a node-level graph's labels (node_y) and masks; a graph-level file's masks are not
     # read: kept on some graphs of a folder and not others, they would fail the collation of a batch of them

@@ -149,6 +149,7 @@ class TextSide:
     def __init__(self, config: PairSideConfig):
         self.config = config
         self.max_length = config.data.max_length
+        self.cut_said = False  # the cut captions are said once per side (infer reads a gallery a chunk at a time)
         if isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 1:
             raise UserError(
                 f"data.sides.text.max_length={self.max_length!r}: give the bytes kept of each text, 1 or more."
@@ -191,10 +192,12 @@ class TextSide:
 
     def say_cut(self, texts: list[str]) -> None:
         """Warn of the texts the tokenizer cuts at max_length bytes: a caption's end ("... on the left") may be what
-        tells it apart, and a cut one trains and ranks as its first max_length bytes without a word."""
+        tells it apart, and a cut one trains and ranks as its first max_length bytes without a word. Said for the
+        first read that cuts any (a 100,000-caption gallery is read in a hundred chunks)."""
         sizes = [len(t.encode("utf-8")) for t in texts]
         cut = [i for i, size in enumerate(sizes) if size > self.max_length]
-        if cut:
+        if cut and not self.cut_said:
+            self.cut_said = True
             longest = max(cut, key=lambda i: sizes[i])
             log.warning(
                 "captions: %d of %d are longer than data.sides.text.max_length=%d bytes and are cut there (the "

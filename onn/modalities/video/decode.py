@@ -14,6 +14,7 @@ decodes is a `BadFile` naming why; the caller skips it and counts it against dat
 from __future__ import annotations
 
 import bisect
+import contextlib
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -165,11 +166,16 @@ def pick(times: list[float], count: int) -> list[int]:
 def _decode_chosen(source: str | bytes, timing: Timing, fit: Fit) -> tuple[list[np.ndarray], float]:
     times = timing.times
     chosen = pick(times, fit.frames)
+    wanted = sorted({round(times[i], 6) for i in chosen})
     with _open(source) as container:
         stream = _stream(container)
-        got = _seek_and_decode(container, stream, sorted({round(times[i], 6) for i in chosen}), timing, fit)
+        got = _seek_and_decode(container, stream, wanted, timing, fit)
         rate = float(stream.average_rate or stream.guessed_rate or 25)
-    if got is None:  # a damaged stream (frames its packets promised did not decode), or a seek that missed
+    if got is None:  # a seek that missed: one pass from the start, converting the chosen frames only
+        got = {}
+        with _open(source) as container, contextlib.suppress(Exception):  # damage: _decode_all keeps what decodes
+            _decode_to(decoded_frames(container, _stream(container)), wanted[-1], wanted, got, fit, sought=False)
+    if len(got) < len(wanted):  # a damaged stream: frames its packets promised did not decode
         return _decode_all(source, fit)
     # the clip lasts to the end of its last frame: one frame is shown for a frame's time at the stream's rate
     step = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 1 / rate

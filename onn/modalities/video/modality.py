@@ -23,18 +23,29 @@ from onn.errors import UserError
 from onn.modalities.base import MediaModality, RunConfig
 from onn.modalities.video.decode import SUFFIXES
 
-TRANSPORT_PACKET = 188  # an MPEG transport stream is 188-byte packets, each opening with the sync byte 0x47
+TRANSPORT_PACKETS = (188, 192)  # MPEG-TS packets (192: M2TS/AVCHD, a timecode before each), opening with byte 0x47
 
 
 def _transport_streams(path: Path) -> bool:
     """Whether the first .ts file at `path` (a file or a folder) is an MPEG transport stream rather than TypeScript
-    source, which shares the suffix: its first two packets open with the sync byte. Archives keep the names' vote."""
+    source, which shares the suffix: three packets in a row open with the sync byte, from any offset in the first
+    packet (a capture cut at an arbitrary byte starts mid-packet). Archives keep the names' vote, and so does a file
+    that cannot be read (the decoder then says why)."""
     first = path if path.is_file() else next((p for _, p in walk_files(path) if p.suffix.lower() == ".ts"), None)
     if first is None or archive_kind(first) is not None:
         return True
-    with open(first, "rb") as f:
-        head = f.read(TRANSPORT_PACKET + 1)
-    return head[:1] == b"\x47" and (len(head) <= TRANSPORT_PACKET or head[TRANSPORT_PACKET] == 0x47)
+    try:
+        with open(first, "rb") as f:
+            head = f.read(3 * max(TRANSPORT_PACKETS) + max(TRANSPORT_PACKETS))
+    except OSError:
+        return True
+    if len(head) < 3 * min(TRANSPORT_PACKETS):  # a clip shorter than three packets: one sync byte says it
+        return head[:1] == b"\x47"
+    return any(
+        all(start + i * size < len(head) and head[start + i * size] == 0x47 for i in range(3))
+        for size in TRANSPORT_PACKETS
+        for start in range(size)
+    )
 
 
 class VideoModality(MediaModality):
