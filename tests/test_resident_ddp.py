@@ -15,7 +15,7 @@ from conftest import compose
 from test_distributed_review import two_ranks
 from test_vision_train import make_images
 
-from onn.data.resident import ResidentBatches, Split
+from onn.data.resident import ResidentBatches, Split, epoch_generator
 
 OPTIM = compose("optim.name=sgd", "optim.lr=0.05", "optim.schedule=constant", "optim.warmup_steps=0").optim
 
@@ -34,7 +34,7 @@ def test_ranks_train_equal_shares_of_the_epoch_and_score_each_sample_once():
     trained = [[b.tolist() for _, b in loader] for loader in ranks]
     assert [len(loader) for loader in ranks] == [len(t) for t in trained] == [11 // batch] * 2
     assert all(len(b) == batch for t in trained for b in t)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(3)).tolist() + [-1]  # padded to 22
+    order = torch.randperm(n, generator=epoch_generator(3, 0)).tolist() + [-1]  # padded to 22
     shares = [order[0:8:2], order[1:8:2], order[8:16:2], order[9:16:2]]
     assert trained == [[shares[0], shares[2]], [shares[1], shares[3]]]
 

@@ -102,7 +102,10 @@ def test_train_eval_infer(outputs, tmp_path):
         )
     )
     completion = read_metrics(outputs / "infer_one")["infer/completion"]
-    assert completion.strip() and completion.strip() in proc.stdout  # streamed to the terminal
+    if completion.strip():  # streamed to the terminal
+        assert completion.strip() in proc.stdout
+    else:  # a tiny model may end its answer at once (which batches of 400 problems it saw decides): said so
+        assert "the completion is empty or blank" in proc.stdout + proc.stderr
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "What is 1 + 1?", "id": 1}\n{"prompt": "What is 3 * 3?", "id": 2}\n')
     ok(

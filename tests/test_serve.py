@@ -718,7 +718,7 @@ def classifier(tmp_path_factory):
         tmp,
         f"data.source={images}",
         "trainer.max_epochs=6",
-        "optim.lr=0.2",
+        "optim.lr=0.1",  # 0.2 diverged to NaN weights with some batch orders
         "data.batch_size=8",
         "hardware=cpu_16gb",
     )  # learns the stripes: test accuracy 1.0

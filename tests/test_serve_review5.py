@@ -137,3 +137,20 @@ def test_requests_after_the_ones_an_out_of_memory_step_sent_back_join_together_a
     later_width, wide_width = (len(scheduler.lm.tokenizer(text)["input_ids"]) for text in (LATER, WIDE))
     assert later_width not in (1, wide_width)
     assert widths.count(later_width) == 1  # one prefill step for the three (one each before)
+
+
+def test_a_classifier_whose_weights_diverged_answers_in_one_sentence(tmp_path):
+    """A checkpoint of a run that diverged (NaN weights) gives NaN probabilities, and JSON has no NaN: /v1/classify
+    answered a 500 "internal error: Out of range float values are not JSON compliant". It says what happened."""
+    from test_vision_train import make_images, run
+
+    threads = torch.get_num_threads()
+    images = make_images(tmp_path / "images", train=4, test=1)
+    _, run_dir = run(tmp_path, f"data.source={images}", "trainer.max_epochs=2", "optim.lr=1e6", "hardware=cpu_16gb")
+    torch.set_num_threads(threads)
+    job = serve_job(tmp_path, "model=v28_cnn", "data=image", f"data.source={images}", ckpt=run_dir)
+    with start(job) as running, client(running, key=None) as http:
+        picture = images / "test" / "class1" / "000.png"
+        response = http.post("/v1/classify", files={"file": ("x.png", picture.read_bytes(), "image/png")})
+        assert response.status_code == 500 and response.json()["error"]["code"] == "model_diverged", response.text
+        assert "weights diverged in training" in response.json()["error"]["message"]

@@ -14,6 +14,7 @@ export  the denoiser (noisy image + timestep -> predicted noise) as ONNX, checke
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from pathlib import Path
@@ -56,9 +57,14 @@ def planned_shape(config: ONNConfig) -> list[int]:
     if (trained := trained_inputs(config)) is not None:
         return [int(v) for v in trained["input_shape"]]
     data: ImageData = config.data
-    # the first image read where the size or the channels are the data's own (its size unread where one is given:
-    # data.resize may bring images of mixed sizes to it)
-    found = None if data.image_size and isinstance(data.channels, int) else first_image(data)
+    # the first image read where the size or the channels are the data's own; with a size given, only for its
+    # channels, and not where the images' mixed sizes (which data.resize brings to that size) stop the read
+    found = None
+    if not data.image_size:
+        found = first_image(data)
+    elif not isinstance(data.channels, int):
+        with contextlib.suppress(UserError):
+            found = first_image(data)
     size = [int(v) for v in data.image_size] if data.image_size else found.size if found else [32, 32]
     channels = data.channels if isinstance(data.channels, int) else found.channels if found else 1
     return [int(channels), *[int(v) for v in size]]

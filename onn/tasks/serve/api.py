@@ -12,6 +12,7 @@ import asyncio
 import base64
 import json
 import logging
+import math
 import re
 import secrets
 import string
@@ -626,6 +627,14 @@ def _run_classifier(served, data: bytes, filename: str, top_k: int, picture: boo
                 raise ApiError(
                     400, f"the file could not be decoded: {_short(e)}", param="file", code="unreadable_file"
                 ) from None
+            if not all(math.isfinite(p) for _, p in labels):  # JSON has no NaN: a 500 "internal error" said less
+                raise ApiError(
+                    500,
+                    "the model's probabilities are not finite numbers (NaN): its weights diverged in training; "
+                    "serve a checkpoint from before that, or train again with a lower optim.lr.",
+                    "server_error",
+                    code="model_diverged",
+                )
             image = None
             if picture:
                 png = Path(folder) / "picture.png"
