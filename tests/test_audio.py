@@ -276,7 +276,9 @@ def test_train_held_out_pattern_eval_infer_and_export(tmp_path):
     )
     metrics = execute(cfg, tmp_path / "train")
     assert metrics["modality"] == "audio" and metrics["resident"] is True
-    assert metrics["train/loss_final"] < metrics["train/loss_initial"]
+    # learned: the held-out loss fell (the first training batch's loss, of 4 samples, is too noisy a baseline)
+    history = [h["val/loss"] for h in metrics["val/history"]]
+    assert history[-1] < history[0], history
     assert metrics["test/acc"] > 0.5  # three tones, chance 1/3; bob's never heard
     assert metrics["export/max_abs_diff"] < 1e-3
     import onnx
