@@ -235,6 +235,9 @@ def test_a_requeued_slurm_job_resumes_from_the_checkpoint_its_signal_saved(tmp_p
     wait_for(lambda: checkpoint_step(run_dir) >= 2, first)  # training, Lightning's signal handlers set
     first.send_signal(signal.SIGUSR1)
     wait_for(lambda: (run_dir / "hpc_ckpt_1.ckpt" / "meta.json").is_file(), first)
+    # Lightning saves, then requeues: SLURM's SIGTERM comes minutes later, here once the requeue is recorded (on a
+    # loaded machine it came between the two, and the call was never made)
+    wait_for(lambda: calls.is_file() and bool(calls.read_text().strip()), first)
     first.send_signal(signal.SIGTERM)
     assert first.wait(60) == 128 + signal.SIGTERM
     saved = read_meta(run_dir / "hpc_ckpt_1.ckpt")["global_step"]
