@@ -172,8 +172,9 @@ def test_early_stopping_and_schedules(images, tmp_path):
 def test_mixup_blends_the_training_batches_through_the_runner(images, tmp_path):
     plain, _ = run(tmp_path, f"data.source={images}", "trainer.max_epochs=1", name="plain")
     mixed, _ = run(tmp_path, f"data.source={images}", "task.mixup=0.4", name="mixed")
-    # the same seed, model and first batch: only the blend (and its blended loss) tells the first steps apart
-    assert abs(mixed["train/loss_initial"] - plain["train/loss_initial"]) > 1e-3
+    # the same seed, model and first batch: without the blend the first losses are the same to the bit, and an
+    # untrained net's loss is near ln(3) either way (the blend moved it by 0.00099 on an AMD EPYC)
+    assert abs(mixed["train/loss_initial"] - plain["train/loss_initial"]) > 1e-6
     assert mixed["train/loss_final"] < mixed["train/loss_initial"]  # the blended loss falls
 
 
