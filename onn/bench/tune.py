@@ -13,7 +13,9 @@ two are measured again head to head, alternating, and `tune/speedup_over_plan` i
 
 The result is cached under paths.cache/tune, keyed by (hardware fingerprint, model fingerprint,
 strategy, sequence length, batch size, and the strategy's precision, layers, LoRA and Lightning
-strategy); afterwards the plan takes `auto` settings from it and says so.
+strategy); afterwards the plan takes `auto` settings from it and says so. The hardware is the machine the trials
+ran on (onn/planning/tuned.py): with a preset, this machine beside the preset's figures, and the result says its
+speeds are this machine's (`measured_on`, `planned_for`), not the preset's.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from onn.hardware.disk import write_text_atomically
 from onn.hardware.memory import is_out_of_memory
 from onn.planning.plan import Plan, make_plan, micro_batch_sizes
 from onn.planning.streaming import chunk_sizes, store_dtypes
-from onn.planning.tuned import cache_path
+from onn.planning.tuned import cache_path, measured_on
 
 log = logging.getLogger("onn")
 TRIAL_LOG = "trial.log"  # a trial's output, in its folder: the traceback of one that failed
@@ -192,8 +194,11 @@ def _samples_per_s(row: dict[str, Any]) -> float | None:
 
 
 def _save(job, result: dict[str, Any], trial_count: int) -> dict[str, Any]:
-    """The result into the tuner's cache (later runs take it) and tune.md; the run's figures."""
-    path = cache_path(job.config, job.hardware, result["strategy"], result["sequence_length"])
+    """The result into the tuner's cache (later runs take it) and tune.md; the run's figures. It names the machine
+    its trials ran on and, under a preset, the preset that sized them: the speeds are this machine's."""
+    hw = job.hardware
+    result = {**result, "measured_on": measured_on(hw), "planned_for": None if hw.fingerprint else hw.name}
+    path = cache_path(job.config, hw, result["strategy"], result["sequence_length"])
     write_text_atomically(path, json.dumps(result, indent=2))
     table = _table(result)
     (job.run_dir / "tune.md").write_text(table + "\n")
@@ -207,6 +212,8 @@ def _save(job, result: dict[str, Any], trial_count: int) -> dict[str, Any]:
         "tune/trials": trial_count,
         "tune/time_s": result["time_s"],
         "tune/cache": str(path),
+        "tune/measured_on": result["measured_on"],
+        "tune/planned_for": result["planned_for"],
     }
 
 
@@ -348,6 +355,12 @@ def _table(result: dict[str, Any]) -> str:
         "Growth is each trial's peak in its own process above what that process held before building the model "
         "(resident memory on a CPU, allocated memory on a GPU), beside the planner's prediction of the same.",
     ]
+    if result.get("planned_for"):
+        preset = result["planned_for"]
+        lines.append(
+            f"Measured on this machine ({result['measured_on']}) with the trials sized by hardware={preset}'s "
+            f"figures: the speeds are this machine's, not a {preset}'s."
+        )
     return "\n".join(lines)
 
 

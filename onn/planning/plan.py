@@ -999,12 +999,11 @@ def _with_tuned(plan: Plan, cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Pla
         return plan
     tuned_plan.requested = plan.requested
     tuned_plan.settings_source = "tune"
-    tuned_plan.tuned = {
-        k: tuned.get(k) for k in ("path", "tuned_at", "samples_per_s", "plan_samples_per_s", "speedup_over_plan")
-    }
+    keys = ("path", "tuned_at", "samples_per_s", "plan_samples_per_s", "speedup_over_plan", "measured_where")
+    tuned_plan.tuned = {k: tuned.get(k) for k in keys}
     tuned_plan.reasons = [
         f"settings {taken} from task=tune ({tuned['path']}, {tuned.get('tuned_at')}): "
-        f"measured {tuned.get('samples_per_s')} samples/s against "
+        f"measured {tuned.get('samples_per_s')} samples/s on {tuned.get('measured_where')} against "
         + (
             f"{tuned['plan_samples_per_s']} for the planner's guess"
             if tuned.get("plan_samples_per_s") is not None

@@ -7,6 +7,12 @@ length and the batch size, and the streaming settings the tuner does not vary (t
 activations, cached blocks, MLP slices, prefetch): a result measured with the store in host memory says nothing of
 one on disk.
 
+The machine is the one the trials ran on: a measured profile's fingerprint, or, for a preset (a machine described,
+not measured: its figures are the same on every machine), this machine's fingerprint beside the preset's figures.
+A result tuned with hardware=gtx1650_4gb on one machine is that machine's speed under the preset's memory, so
+another machine sharing paths.cache with the same preset does not take it, and its speeds are said to be this
+machine's, not the preset's (`measured_where`).
+
 The key is the planned strategy's, not the configured block's: strategy=auto planned as a full fine-tune runs what
 strategy=full runs, though its block names LoRA settings (which a full fine-tune never reads), so both take one
 result. Only what the planned strategy reads is keyed: LoRA for the adapter strategies, layers and streaming for
@@ -24,7 +30,7 @@ from typing import Any
 
 from onn.config import ONNConfig, StreamingConfig, as_dict
 from onn.config.strategy import SPARSE_LAYERS
-from onn.hardware.profile import Profile
+from onn.hardware.profile import PROFILE_KEYS, Profile, machine_fingerprint
 from onn.models.load import model_fingerprint
 
 ADAPTERS = ("lora", "qlora", "sparse_lora")  # the planned strategies that train LoRA adapters
@@ -34,12 +40,11 @@ STREAMS = ("auto", "streaming")  # strategy.lightning values under which sparse_
 
 def cache_path(config: ONNConfig, hw: Profile, strategy: str, seq: int) -> Path:
     """The result file of the planned `strategy` at sequence length `seq` for this config and machine."""
-    machine = hw.fingerprint or f"preset:{hw.name}"
     chosen = config.strategy
     sparse = strategy == "sparse_lora"
     streams = sparse and chosen.lightning in STREAMS
     key = {
-        "hardware": machine,
+        "hardware": _machine_key(hw),
         "model": model_fingerprint(config.model),
         "strategy": strategy,
         "sequence_length": seq,
@@ -54,6 +59,28 @@ def cache_path(config: ONNConfig, hw: Profile, strategy: str, seq: int) -> Path:
     return Path(config.paths.cache) / "tune" / f"{digest}.json"
 
 
+def measured_on(hw: Profile) -> str:
+    """The fingerprint of the machine a tuning result is measured on: a measured profile's own, else (a preset) this
+    machine's, where task=tune's trials run whatever machine the preset describes."""
+    return hw.fingerprint or machine_fingerprint()
+
+
+def _machine_key(hw: Profile) -> str | dict[str, Any]:
+    """A measured machine keys by its fingerprint alone (as results were always keyed); a preset by the machine the
+    trials ran on and the preset's figures, which sized them (its name alone was the same on every machine)."""
+    if hw.fingerprint:
+        return hw.fingerprint
+    return {"measured_on": measured_on(hw), "preset": {k: getattr(hw, k) for k in PROFILE_KEYS}}
+
+
+def measured_where(hw: Profile) -> str:
+    """Where a tuning result's speeds were measured, in words: a preset's plan must not present this machine's
+    figures as its own."""
+    if hw.fingerprint:
+        return "this machine"
+    return f"this machine ({measured_on(hw)}, not a {hw.name}: the preset only sized its trials)"
+
+
 # what task=tune varies (its result's settings), and what a training step does not read
 NOT_KEYED = ("chunk_size", "store_dtype", "eval_tokens")
 
@@ -63,7 +90,10 @@ def _fixed_streaming(streaming) -> dict[str, Any] | None:
 
 
 def lookup(config: ONNConfig, hw: Profile, strategy: str, seq: int) -> dict[str, Any] | None:
-    """The cached tuning result for this machine, model, strategy and sequence length, if any."""
+    """The cached tuning result for this machine, model, strategy and sequence length, if any, with `measured_where`:
+    where its speeds were measured, in words."""
+    if not (Path(config.paths.cache) / "tune").is_dir():  # nothing tuned: no need to identify this machine
+        return None
     path = cache_path(config, hw, strategy, seq)
     try:
         result = json.loads(path.read_text())
@@ -72,4 +102,4 @@ def lookup(config: ONNConfig, hw: Profile, strategy: str, seq: int) -> dict[str,
     if not isinstance(result, dict) or not isinstance(result.get("settings"), dict):  # not a file task=tune wrote
         log.warning("%s holds no task=tune result (no settings): ignored; run task=tune again to replace it", path)
         return None
-    return {**result, "path": str(path)}
+    return {**result, "path": str(path), "measured_where": measured_where(hw)}
