@@ -26,20 +26,22 @@ def test_an_edge_list_saved_with_a_byte_order_mark_reads_as_its_edges(tmp_path):
 
 
 def test_node_numbers_past_int64_or_max_nodes_are_a_skip_that_says_so(tmp_path):
-    """A 20-digit id (a hash) was a raw OverflowError from torch.tensor that stopped the run; an id past
-    data.max_nodes says it is a node number, what the user can renumber."""
+    """A 20-digit id (a hash) was a raw OverflowError from torch.tensor that stopped the run; a `nodes N` past
+    data.max_nodes says so. Ids are names (renumbered in increasing order): a sparse id is no count of nodes."""
     for i in range(20):
         write_edges(tmp_path / "ring" / f"{i}.edges", ring(5))
     (tmp_path / "ring" / "hash.edges").write_text("0 1\n98765432109876543210 2\n")
-    (tmp_path / "ring" / "sparse.edges").write_text("0 1\n5000000000 2\n")
+    (tmp_path / "ring" / "sparse.edges").write_text("0 1\n5000000000 2\n")  # four nodes
+    (tmp_path / "ring" / "large.edges").write_text("nodes 5000000001\n0 1\n")
     (tmp_path / "ring" / "negative.edges").write_text("nodes -3\n")  # was a RuntimeError from torch.ones(-3, 1)
     found = read_source(tmp_path, align="none", max_nodes=100, max_bad_fraction=0.3)
     assert sorted(found["all"].skipped) == [
-        "ring/hash.edges: line 2 numbers a node 98765432109876543210: nodes are numbered 0..nodes-1",
+        "ring/hash.edges: line 2 numbers a node 98765432109876543210: node ids are whole numbers up to "
+        "9223372036854775807 (int64); renumber its nodes",
+        "ring/large.edges: has 5000000001 nodes, more than data.max_nodes=100",
         "ring/negative.edges: its `nodes -3` line gives a negative count of nodes",
-        "ring/sparse.edges: numbers a node 5000000000, so has 5000000001 nodes (numbered 0..5000000000), more than "
-        "data.max_nodes=100: renumber its nodes 0..nodes-1, or raise data.max_nodes for a graph this large",
     ]
+    assert found["all"].graphs[found["all"].names.index("ring/sparse.edges")].num_nodes == 4
     with pytest.raises(UserError, match=r"hash.edges: line 2 numbers a node 98765432109876543210"):
         read_source(tmp_path / "ring" / "hash.edges", align="none", max_nodes=100, max_bad_fraction=0.05)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 from onn.modalities.graph.modality import CONVS
 
@@ -65,15 +66,30 @@ class GraphBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled(x.device.type):
-            # neighbours summed in float32: GIN and SAGE sum (average) the block's input, in bf16 after a block
-            # without a norm, and a GPU's scatter adds each message in bf16, whose step at 256 is 2: a node of
-            # 1,000 neighbours summed ones to 256 (a CPU's scatter sums in float32)
-            x = x.float()
         if self.kind in ("gcn", "gat"):  # every node convolves (attends to) itself too
             loops = torch.arange(x.shape[0], device=x.device).unsqueeze(0).expand(2, -1)
             edge_index = torch.cat([edge_index, loops], dim=1)
-        return self.dropout(torch.relu(self.norm(self.conv(x, edge_index))))
+        # neighbours summed in float32: a GPU's scatter adds each message in the messages' dtype, and bf16's step at
+        # 256 is 2, so a node of 1,000 neighbours summed ones to 256 (a CPU's scatter sums in float32). Under
+        # autocast GIN and SAGE sum (average) the block's input, in bf16 after a block without a norm: it goes in
+        # as float32. Under bf16-true (16-true) the weights are bf16 too, and GCN's degrees, GAT's softmax and every
+        # message would be summed in bf16: the convolution runs on float32 copies of its weights, its output back
+        # in bf16 for the norm (as the pools do)
+        if torch.is_autocast_enabled(x.device.type):
+            out = self.conv(x.float(), edge_index)
+        elif x.dtype in (torch.bfloat16, torch.float16):
+            out = in_float32(self.conv, x, edge_index).to(x.dtype)
+        else:
+            out = self.conv(x, edge_index)
+        return self.dropout(torch.relu(self.norm(out)))
+
+
+def in_float32(module: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
+    """module(*inputs) computed in float32 whatever the dtype of its weights (gradients reach them through the
+    casts): floating inputs, parameters and buffers as float32 copies."""
+    state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    state = {name: t.float() if t.is_floating_point() else t for name, t in state.items()}
+    return functional_call(module, state, tuple(t.float() if t.is_floating_point() else t for t in inputs))
 
 
 class GraphNetwork(nn.Module):

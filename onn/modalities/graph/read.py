@@ -3,11 +3,18 @@
 One graph per file, its class from its folder (CLASS/FILE, train/CLASS/FILE, ...: the mesh modality's layouts,
 onn/modalities/mesh/read.py's `place`), or a .zip/.tar of that layout:
 
-  NAME.edges / NAME.edgelist   `SRC DST` a line (0-based node numbers, apart by spaces, tabs or a comma),
-                               `# ...` comments, an optional `nodes N` line; undirected; every node's one
-                               feature is 1. What follows a line's two numbers (a weight, or the `{}` of
-                               attributes networkx's write_edgelist adds) is not read
-  NAME.safetensors             x [nodes, features] (optional: ones), edge_index [2, edges], optional y
+  NAME.edges / NAME.edgelist   `SRC DST` a line: two whole numbers apart by spaces, tabs or a comma (what follows
+                               them, a weight or the `{}` of attributes networkx's write_edgelist adds, is not
+                               read); `# ...` comments; a first line of column names (`source,target`, `src dst`:
+                               a line that starts with a word, as CSV exporters write) is skipped. The numbers are
+                               node ids, as networkx's read_edgelist takes them: the nodes are the ids the edges
+                               name, numbered in increasing order (SNAP's ids 1..N are nodes 0..N-1; an id that no
+                               edge names is no node). A `nodes N` line makes them positions instead: nodes
+                               0..N-1, those that no edge names left alone. Undirected; every node's one feature
+                               is 1. The plan's size estimate (file_size) reads the lines by the same rule
+                               (edge_lines)
+  NAME.safetensors             x [nodes, features] (optional: ones), edge_index [2, edges] (positions 0..nodes-1,
+                               as torch_geometric's), optional y
   NAME.obj, .ply, .stl, ...    a mesh through trimesh: vertices (merged where they coincide) are the nodes,
                                the faces' edges the edges, positions centred and scaled into the unit sphere
                                (turned onto their principal axes with align=pca); a point cloud's points are
@@ -44,8 +51,15 @@ NEIGHBOURS = 6  # a point cloud's points are joined to this many nearest ones
 INT64_MAX = 2**63 - 1  # the largest node number an edge_index (int64) holds
 HEADER_BYTES = 64 * 1024  # the most of a .safetensors file's JSON header read for its tensors' shapes
 EDGE_HEAD_BYTES = 8 * 2**20  # an edge list's head a plan reads; a longer list is sized by its head's lines a byte
-PAIR_LINE = re.compile(rb"^[ \t]*(\d+)[ \t,]+(\d+)", re.M)  # an edge list's `SRC DST` line
-NODES_LINE = re.compile(rb"^[ \t]*nodes[ \t]+(\d+)[ \t\r]*$", re.M | re.I)  # its `nodes N` line
+# an edge list's lines (line ends made `\n`), read by these alone, by the reader and the plan's estimate alike:
+PAIR_LINE = re.compile(rb"^[ \t]*(\d+)[ \t,]+(\d+)(?=[ \t,#]|$)", re.M)  # `SRC DST`, then anything after a gap
+NODES_LINE = re.compile(rb"^[ \t]*nodes[ \t]+(-?\d+)[ \t]*(?=#|$)", re.M | re.I)  # `nodes N`
+CONTENT_LINE = re.compile(rb"^[ \t]*[^ \t\n#].*$", re.M)  # neither blank nor a comment
+OTHER_LINE = re.compile(  # a content line that is no pair and no `nodes N`: refused, but for a header
+    rb"^(?![ \t]*(?:#|$)|" + PAIR_LINE.pattern[1:] + rb"|" + NODES_LINE.pattern[1:] + rb").+$", re.M | re.I
+)
+HEADER_LINE = re.compile(rb"[ \t]*(?!nodes\b)[^\d\s#,.+-]", re.I)  # a first line that starts with a word (not `nodes`)
+BOM = b"\xef\xbb\xbf"  # the byte-order mark Notepad and Excel write before UTF-8 text
 HELP = (
     f"expected graph files ({', '.join(GRAPH_SUFFIXES)}, or meshes: {', '.join(MESH_SUFFIXES)}) in class folders: "
     "CLASS/FILE, train/CLASS/FILE + test/CLASS/FILE, or a .zip/.tar of that layout (see conf/data/graph.yaml)"
@@ -86,6 +100,8 @@ def make_graph(x: torch.Tensor | None, edge_index: torch.Tensor, nodes: int | No
 
     if edge_index.dim() != 2 or edge_index.shape[0] != 2:
         raise GraphError(f"its edge_index has shape {list(edge_index.shape)}, not [2, edges]")
+    if edge_index.is_floating_point() and not torch.isfinite(edge_index).all():  # (.long() made inf a number)
+        raise GraphError(f"its edge_index is {str(edge_index.dtype).removeprefix('torch.')} with non-finite entries")
     if edge_index.is_floating_point() and not torch.equal(edge_index, edge_index.round()):
         raise GraphError(
             f"its edge_index is {str(edge_index.dtype).removeprefix('torch.')} with fractional node numbers"
@@ -121,29 +137,68 @@ def make_graph(x: torch.Tensor | None, edge_index: torch.Tensor, nodes: int | No
     return Data(x=x, edge_index=to_undirected(edge_index, num_nodes=n))
 
 
-def read_edge_list(text: str, max_nodes: int):
-    """An edge-list file's text as a graph (see the module's docstring)."""
-    pairs, nodes = [], None
-    for number, line in enumerate(text.splitlines(), 1):
-        words = line.split("#", 1)[0].replace(",", " ").split(maxsplit=2)
-        if not words:
-            continue
-        try:
-            if words[0].lower() == "nodes" and len(words) == 2:
-                nodes = int(words[1])
-                continue
-            if len(words) < 2:
-                raise ValueError
-            pair = (int(words[0]), int(words[1]))
-        except ValueError:
-            raise GraphError(f"line {number} is {line.strip()[:60]!r}, not `SRC DST` (two node numbers)") from None
-        if max(map(abs, pair)) > INT64_MAX:  # past int64: torch.tensor cannot hold it
-            raise GraphError(f"line {number} numbers a node {max(pair, key=abs)}: nodes are numbered 0..nodes-1")
-        pairs.append(pair)
+@dataclass
+class EdgeLines:
+    """An edge list's `SRC DST` pairs and its `nodes N` (None: none given, so the ids are names, not positions)."""
+
+    pairs: list[tuple[int, int]]
+    nodes: int | None
+
+
+def line_ends(data: bytes) -> bytes:
+    """Text with its line ends made `\\n` (Windows' `\\r\\n`, old Macs' `\\r`), as the line patterns read them."""
+    return data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
+
+def edge_lines(data: bytes) -> EdgeLines:
+    """An edge list's lines, by one rule for the reader and the plan's estimate (which sizes a file the reader
+    reads, and none it skips): a header (the first content line, if it starts with a word) is skipped, and any other
+    line that is no pair, `nodes N`, comment or blank is refused with its number; GraphError says why."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GraphError(f"is not UTF-8 text (byte {e.start}); an edge list is `SRC DST` lines") from e
+    text = line_ends(data.removeprefix(BOM))
+    start, first = 0, CONTENT_LINE.search(text)
+    if first and OTHER_LINE.match(text, first.start()) and HEADER_LINE.match(first[0]):
+        start = first.end()  # column names (`source,target`), as CSV exporters write them first
+    other = OTHER_LINE.search(text, start)
+    if other:
+        shown = other[0].decode("utf-8").strip()[:60]
+        raise GraphError(f"line {line_of(text, other.start())} is {shown!r}, not `SRC DST` (two node numbers)")
+    counts = list(NODES_LINE.finditer(text))
+    if len(counts) > 1:
+        raise GraphError(f"line {line_of(text, counts[1].start())} is a second `nodes N` line: give the count once")
+    nodes = int(counts[0][1]) if counts else None
     if nodes is not None and nodes < 0:
         raise GraphError(f"its `nodes {nodes}` line gives a negative count of nodes")
-    edge_index = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).t()
-    return make_graph(None, edge_index, nodes, max_nodes)
+    pairs = [(int(a), int(b)) for a, b in PAIR_LINE.findall(text)]
+    if pairs and max(map(max, pairs)) > INT64_MAX:  # past int64: torch.tensor cannot hold it
+        big = next(m for m in PAIR_LINE.finditer(text) if max(int(m[1]), int(m[2])) > INT64_MAX)
+        raise GraphError(
+            f"line {line_of(text, big.start())} numbers a node {max(int(big[1]), int(big[2]))}: node ids are whole "
+            f"numbers up to {INT64_MAX} (int64); renumber its nodes"
+        )
+    return EdgeLines(pairs, nodes)
+
+
+def line_of(text: bytes, offset: int) -> int:
+    return text.count(b"\n", 0, offset) + 1
+
+
+def read_edge_list(data: bytes, max_nodes: int, level: str = "graph"):
+    """An edge-list file as a graph (see the module's docstring): its ids renumbered 0..N-1 in increasing order,
+    or with a `nodes N` line taken as positions. At level=node the file's ids are kept (node_ids) for infer to name
+    each node's row by: a node-level label or prediction belongs to the id the file gave it, not to its position."""
+    lines = edge_lines(data)
+    edge_index = torch.tensor(lines.pairs, dtype=torch.long).reshape(-1, 2).t()
+    if lines.nodes is not None:
+        return make_graph(None, edge_index, lines.nodes, max_nodes)
+    ids, edge_index = torch.unique(edge_index, sorted=True, return_inverse=True)
+    graph = make_graph(None, edge_index, len(ids), max_nodes)
+    if level == "node":
+        graph.node_ids = ids
+    return graph
 
 
 def read_tensors(payload: bytes, max_nodes: int, level: str):
@@ -161,7 +216,8 @@ def read_tensors(payload: bytes, max_nodes: int, level: str):
     nodes = None
     if level == "node" and "x" not in tensors and "y" in tensors:
         edges = tensors["edge_index"]
-        named = int(edges.max()) + 1 if edges.numel() else 0
+        finite = not edges.is_floating_point() or bool(torch.isfinite(edges).all())  # (else make_graph says why)
+        named = int(edges.max()) + 1 if edges.numel() and finite else 0
         nodes = tensors["y"].numel() if tensors["y"].numel() >= named else None
     graph = make_graph(tensors.get("x"), tensors["edge_index"], nodes, max_nodes)
     # a graph's class y, or a node-level graph's labels (node_y) and masks; a graph-level file's masks are not
@@ -236,11 +292,7 @@ def decode(payload: Path | bytes, name: str, align: str, max_nodes: int, level: 
     data = payload if isinstance(payload, bytes) else Path(payload).read_bytes()
     if suffix in TENSOR_SUFFIXES:
         return read_tensors(data, max_nodes, level)
-    try:
-        text = data.decode("utf-8-sig")  # (a byte-order mark, as Windows editors and Excel write, is no text)
-    except UnicodeDecodeError as e:
-        raise GraphError(f"is not UTF-8 text (byte {e.start}); an edge list is `SRC DST` lines") from e
-    return read_edge_list(text, max_nodes)
+    return read_edge_list(data, max_nodes, level)
 
 
 def tensor_shapes(path: Path) -> dict[str, list[int]] | None:
@@ -260,10 +312,10 @@ def tensor_shapes(path: Path) -> dict[str, list[int]] | None:
 def file_size(path: Path) -> tuple[int, int] | None:
     """A graph file's (nodes, edges) as the reader makes it, without decoding it, for the planner: a .safetensors
     file's x and edge_index shapes from its header (edges as listed: PyG's edge_index lists both directions; no x:
-    the length of a node-level y or mask, else half the edges), an edge list's `SRC DST` lines counted twice (the
-    reader makes each two-way) and its `nodes N` line or largest node number; a list over EDGE_HEAD_BYTES by its
-    head's lines scaled by its size, its largest number from its head and tail. None for a mesh or a file that does
-    not say."""
+    the length of a node-level y or mask, else half the edges), an edge list's `SRC DST` lines (edge_lines, the
+    reader's rule) counted twice (the reader makes each two-way) and its `nodes N` line or its distinct ids; a list
+    over EDGE_HEAD_BYTES by its head's lines and ids scaled by its size, the ids at most the span of those in its
+    head and tail. None for a mesh, a file the reader would skip, or one that does not say."""
     suffix = path.suffix.lower()
     if suffix in TENSOR_SUFFIXES:
         shapes = tensor_shapes(path)
@@ -285,11 +337,18 @@ def file_size(path: Path) -> tuple[int, int] | None:
                 tail = f.read()  # a list sorted by node holds its largest numbers last
     except OSError:
         return None
-    pairs = PAIR_LINE.findall(text)
-    given = NODES_LINE.search(text)
-    largest = max((max(int(a), int(b)) for a, b in pairs + PAIR_LINE.findall(tail)), default=-1)
-    nodes = int(given[1]) if given else largest + 1
-    return (nodes, round(2 * len(pairs) * total / max(1, len(text)))) if nodes > 0 else None
+    try:
+        head = edge_lines(text)
+    except GraphError:
+        return None  # a file the reader skips
+    scale = total / max(1, len(text))
+    if head.nodes is not None:
+        nodes = head.nodes
+    else:  # the distinct ids: counted in a whole file, scaled from a long one's head, at most its span of ids
+        named = {i for pair in head.pairs for i in pair}
+        ends = named.union(int(i) for pair in PAIR_LINE.findall(line_ends(tail).partition(b"\n")[2]) for i in pair)
+        nodes = min(max(ends) - min(ends) + 1, round(len(named) * scale)) if named else 0
+    return (nodes, round(2 * len(head.pairs) * scale)) if nodes > 0 else None
 
 
 def source_sizes(source: str | os.PathLike, files: int, listed: int, budget: int) -> list[tuple[int, int]]:

@@ -230,7 +230,7 @@ def infer(job: Job) -> dict[str, Any]:
             with torch.no_grad():
                 probs = torch.softmax(model(batch.to(model.device)).float(), dim=1).cpu()
             truths = _truths(chunk, found.classes, classes, level)
-            items = [f"{names[start]}#node{i}" for i in range(len(probs))] if level == "node" else names[start:]
+            items = _node_items(chunk[0], names[start]) if level == "node" else names[start:]
             for i, (item, truth) in enumerate(zip(items, truths)):
                 rows.append(_row(item, probs[i], classes, truth))
                 known += truth is not None
@@ -270,6 +270,13 @@ def _fitting(found, width: int) -> tuple[list, list[str], list[str]]:
             misfits.append(f"{name}: its nodes have {graph.num_node_features} features, the model takes {width}")
     found.skipped += misfits
     return graphs, names, misfits
+
+
+def _node_items(graph, name: str) -> list[str]:
+    """A node-level graph's rows, NAME#nodeID: the id its file gave the node (an edge list's, which the reader
+    renumbers: read.read_edge_list's node_ids), else its position."""
+    ids = graph.node_ids.tolist() if "node_ids" in graph else range(graph.num_nodes)
+    return [f"{name}#node{i}" for i in ids]
 
 
 def _truths(graphs: list, found: list[str], classes: list[str], level: str) -> list[str | None]:
@@ -353,7 +360,8 @@ def describe_inputs(output: Path, inputs: dict[str, Any]) -> None:
     per = "a row of logits per node" if inputs["level"] == "node" else "one row of logits for the graph"
     text = (
         f"One graph per call. x: float32 [nodes, {features}], each node's features as ONN's reader makes them (an "
-        "edge list's nodes: one feature, 1). edge_index: int64 [2, edges], node numbers 0..nodes-1, as the file "
+        "edge list's nodes: one feature, 1). edge_index: int64 [2, edges], node numbers 0..nodes-1 (an edge list's "
+        "ids renumbered as ONN's reader does: in increasing order, unless it has a `nodes N` line), as the file "
         "lists them: one direction or both, self-loops and repeats allowed; the model makes every edge two-way, "
         "drops self-loops and repeats, as task=infer reads the file. Output: " + per + f" over the classes "
         f"{', '.join(map(str, inputs['classes']))}."
