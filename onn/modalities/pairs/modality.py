@@ -76,6 +76,7 @@ class PairsModality(Modality):
             )
         if data.batch_size < 2:
             raise UserError(f"data.batch_size={data.batch_size!r}: a contrastive batch needs 2 pairs or more.")
+        check_numbers(data, config.task.name)
         if config.strategy.name not in ("auto", "full"):
             raise UserError(f"strategy={config.strategy.name}: a dual encoder trains with strategy=full (or auto).")
         if config.export.name == "omny":
@@ -86,3 +87,21 @@ class PairsModality(Modality):
             raise UserError(
                 f"task.top_k={config.task.top_k!r}: give the number of matches to keep per query, 1 or more."
             )
+
+
+def check_numbers(data: PairsData, task: str) -> None:
+    """The fractions and the evaluation batch, before the pairs are decoded: a data.val_split outside (0, 1) was
+    said once every pair had been read, a negative data.max_bad_fraction failed a source of readable pairs as "0 of
+    12 pairs cannot be read", and a data.eval_batch_size below 1 embedded nothing (a gallery "could not be read")."""
+    if task == "train" and not 0 < data.val_split < 1:
+        raise UserError(
+            f"data.val_split={data.val_split!r}: give the fraction of the pairs held out to measure retrieval, "
+            "above 0 and below 1."
+        )
+    if not 0 <= data.max_bad_fraction <= 1:
+        raise UserError(f"data.max_bad_fraction={data.max_bad_fraction!r}: give a fraction from 0 to 1.")
+    if data.eval_batch_size is not None and data.eval_batch_size < 1:
+        raise UserError(
+            f"data.eval_batch_size={data.eval_batch_size!r}: give a number of pairs, 1 or more (or null: twice "
+            "data.batch_size)."
+        )

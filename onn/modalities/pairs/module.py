@@ -9,6 +9,8 @@ the batch, and the other way round.
 Validation embeds every held-out pair and measures recall@1 and recall@5 in both directions over the
 whole held-out set: the share of queries whose partner ranks within the first k. Ties go to the
 earlier item, so a collapsed model that embeds everything alike scores chance (1 / pairs), not 1.
+The scores are made a block of rows at a time (block_rows: a share of the plan's memory), so 30,000
+held-out pairs do not hold 30,000 x 30,000 scores and their masks at once.
 """
 
 from __future__ import annotations
@@ -30,6 +32,17 @@ from onn.training.record import EpochRecord, log_train_loss
 LOOP = "pairs"
 KS = (1, 5)
 MONITOR = "val/recall@1"  # the mean of both directions' recall@1: picks checkpoints/best.ckpt
+# device bytes per query-item score while ranking: the float32 score and the masks and counts made of it (ranks,
+# top_matches: about 16), with the allocator's margin
+SCORE_BYTES = 24
+SCORE_SHARE = 0.25  # of the memory the plan leaves the run: what one block of scores may take, the rest the towers'
+
+
+def block_rows(columns: int, budget_bytes: float) -> int:
+    """How many rows of scores against `columns` items are made at once: SCORE_SHARE of `budget_bytes`, at least
+    one row. 100,000 queries against 100,000 items are 40 GB of float32 scores at once, and twice that with the
+    masks ranking makes of them."""
+    return max(1, int(SCORE_SHARE * budget_bytes) // (max(1, columns) * SCORE_BYTES))
 
 
 def ranks(
@@ -46,30 +59,64 @@ def ranks(
     right = similarity[rows, partners].unsqueeze(1)
     index = torch.arange(similarity.shape[1], device=similarity.device)
     ahead = (similarity > right) | ((similarity == right) & (index.unsqueeze(0) < partners.unsqueeze(1)))
-    return (ahead if same is None else ahead & ~same).sum(1)
+    rank = (ahead if same is None else ahead & ~same).sum(1)
+    # a partner scored NaN (a diverged model) compares below nothing and ranked first: such a model scored
+    # recall@1 1.0 and became best.ckpt. It is found nowhere.
+    return rank.masked_fill(right.squeeze(1).isnan(), similarity.shape[1])
+
+
+def partner_ranks(
+    a: torch.Tensor, b: torch.Tensor, rows: int, groups: torch.Tensor | None = None, backward: bool = False
+) -> torch.Tensor:
+    """ranks() of each row of a among b's rows (backward: of each row of b among a's), from the scores a @ b.T made
+    `rows` rows at a time (backward: columns, read as rows), never whole. One block is the one matrix of before."""
+    n = len(b) if backward else len(a)
+    out = []
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        block = (a @ b[start:stop].T).T if backward else a[start:stop] @ b.T
+        same = None if groups is None else groups[start:stop].unsqueeze(1) == groups.unsqueeze(0)
+        out.append(ranks(block, torch.arange(start, stop, device=block.device), same))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=a.device)
 
 
 def retrieval_metrics(
-    a: torch.Tensor, b: torch.Tensor, names: tuple[str, str], prefix: str, groups: torch.Tensor | None = None
+    a: torch.Tensor,
+    b: torch.Tensor,
+    names: tuple[str, str],
+    prefix: str,
+    groups: torch.Tensor | None = None,
+    rows: int | None = None,
 ) -> dict[str, float]:
     """recall@k of both directions and their mean, for aligned normalised embeddings a [n, d] and b [n, d].
     `groups` [n]: pairs of one group share a file (an image with several captions), so any caption of the image
-    retrieved is right, as COCO's and Flickr30k's retrieval is scored; without, only the pair's own partner is."""
-    similarity = a.float() @ b.float().T
-    same = None if groups is None else groups.unsqueeze(1) == groups.unsqueeze(0)
+    retrieved is right, as COCO's and Flickr30k's retrieval is scored; without, only the pair's own partner is.
+    `rows`: the scores are made that many rows at a time (block_rows); None: all at once."""
+    a, b = a.float(), b.float()
+    rows = rows or max(1, len(a))
     out: dict[str, float] = {}
-    for direction, sim in (
-        (f"{names[0]}_to_{names[1]}", similarity),
-        (f"{names[1]}_to_{names[0]}", similarity.T),
-    ):
-        rank = ranks(sim, same=same)
+    for direction, backward in ((f"{names[0]}_to_{names[1]}", False), (f"{names[1]}_to_{names[0]}", True)):
+        rank = partner_ranks(a, b, rows, groups, backward)
         for k in KS:
             out[f"{prefix}/recall@{k}/{direction}"] = float((rank < k).float().mean())
     for k in KS:
         out[f"{prefix}/recall@{k}"] = sum(v for key, v in out.items() if key.startswith(f"{prefix}/recall@{k}/")) / 2
-    right = 1.0 if same is None else float(same.sum(1).float().mean())  # the items a random pick may hit
-    out[f"{prefix}/recall@1_chance"] = right / similarity.shape[0]
+    right = 1.0  # the items a random pick may hit: the pair's partner, or every item of its group
+    if groups is not None:
+        _, group, sizes = groups.unique(return_inverse=True, return_counts=True)
+        right = float(sizes[group].float().mean())
+    out[f"{prefix}/recall@1_chance"] = right / len(a)
     return out
+
+
+def contrastive_loss(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """CLIP's symmetric cross-entropy of float32 unit embeddings a and b, the logits (scale * a) @ b.T made `rows`
+    rows (then columns) at a time: each row's and each column's log-sum-exp less its partner's logit, averaged."""
+    a = scale * a
+    partner = (a * b).sum(1)
+    by_row = [torch.logsumexp(a[s : s + rows] @ b.T, 1) for s in range(0, len(a), rows)]
+    by_column = [torch.logsumexp(a @ b[s : s + rows].T, 0) for s in range(0, len(b), rows)]
+    return ((torch.cat(by_row) - partner).mean() + (torch.cat(by_column) - partner).mean()) / 2
 
 
 class DualEncoder(EpochRecord, ONNModule):
@@ -102,6 +149,7 @@ class DualEncoder(EpochRecord, ONNModule):
         self.history: list[dict[str, float]] = []
         self._held_out: dict[str, list[torch.Tensor]] = {n: [] for n in self.names}
         self.held_out_groups: torch.Tensor | None = None  # per held-out pair, its file's group (PairData.val_groups)
+        self.score_budget: float | None = None  # bytes the plan leaves the run (block_rows); None: one block
         self.last_metrics: dict[str, float] = {}
 
     # -- embedding ------------------------------------------------------------------------------------
@@ -112,11 +160,14 @@ class DualEncoder(EpochRecord, ONNModule):
     def scale(self) -> torch.Tensor:
         return self.logit_scale.clamp(max=self.max_log_scale).exp()
 
-    def loss(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def loss(self, a: torch.Tensor, b: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """CLIP's symmetric cross-entropy over the similarities of unit embeddings a and b, in float32: bf16-mixed's
         autocast would take the matmul to bf16, whose similarities near 1 are 0.004 apart (0.4 in a logit at
-        max_logit_scale 100), and the training loss would not be the float32 one validation reports."""
+        max_logit_scale 100), and the training loss would not be the float32 one validation reports. `rows` below
+        the pairs: the logits made that many rows at a time (contrastive_loss), as validation's whole set is."""
         with torch.autocast(a.device.type, enabled=False):
+            if rows is not None and rows < len(a):
+                return contrastive_loss(a.float(), b.float(), self.scale().float(), rows)
             logits = self.scale().float() * a.float() @ b.float().T
         target = torch.arange(a.shape[0], device=a.device)
         return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
@@ -141,9 +192,11 @@ class DualEncoder(EpochRecord, ONNModule):
         a, b = (torch.cat(self._held_out[n]) for n in self.names)
         self._held_out = {n: [] for n in self.names}
         groups = self.held_out_groups  # (the first rows only in Lightning's sanity check)
-        figures = retrieval_metrics(a, b, self.names, "val", None if groups is None else groups[: len(a)].to(a.device))
+        groups = None if groups is None else groups[: len(a)].to(a.device)
+        rows = None if self.score_budget is None else block_rows(len(b), self.score_budget)
+        figures = retrieval_metrics(a, b, self.names, "val", groups, rows)
         with torch.no_grad():
-            figures["val/loss"] = float(self.loss(a, b))
+            figures["val/loss"] = float(self.loss(a, b, rows))
         self.last_metrics = figures
         # under DDP every process ranked the whole held-out set (PairData.val_dataloader): the figures are alike on
         # each, so their mean over the processes (sync_dist) is the one-process figure Lightning asks for

@@ -5,9 +5,12 @@ train   epochs over the resident pairs; retrieval recall on the held-out pairs e
         best.ckpt by val/recall@1 beside last.ckpt; resume with the history
 eval    the retrieval recall of a checkpoint on its own held-out pairs, or on every pair of a data.source given now
 infer   a query (task.input: a file or folder, or prompt="..." for text) against task.gallery, a
-        folder of the other side: the ranked matches as JSONL
+        folder of the other side: the ranked matches as JSONL, scored a block of queries at a time
 export  safetensors (the whole dual encoder + config.json), or each tower to ONNX (stored batch ->
         unit embedding), checked in onnxruntime
+
+In a multi-process run (trainer.devices=2, torchrun) every process trains and validates, and rank 0 alone writes
+what the run leaves (matches.jsonl, exports, the best checkpoint a resumed run copies in).
 """
 
 from __future__ import annotations
@@ -29,14 +32,16 @@ from onn.config.task import InferTask
 from onn.data.files import existing_source, walk_files, write_jsonl
 from onn.errors import UserError
 from onn.export.write import export_after_training
+from onn.hardware.cluster import is_rank_zero
 from onn.hardware.memory import PeakMemory
 from onn.hardware.profile import Profile
 from onn.modalities.base import Job, PairSide
 from onn.modalities.pairs.data import PairData
 from onn.modalities.pairs.detect import SNIFF_FILES, find_pairs
-from onn.modalities.pairs.module import KS, MONITOR, DualEncoder, ranks
+from onn.modalities.pairs.module import KS, MONITOR, DualEncoder, block_rows, ranks
 from onn.modalities.pairs.sides import TEXT, build_side, modality_of, saved_side, side_config
-from onn.planning.plan import make_plan
+from onn.planning.costs import MB
+from onn.planning.plan import Plan, make_plan
 from onn.planning.spec import network_spec
 from onn.training.callbacks import StepClock, run_callbacks
 from onn.training.checkpoints import check_state, resumed_optim, run_best, saved_config, state_shapes
@@ -145,6 +150,11 @@ def _callbacks(config: ONNConfig, run_dir: Path) -> list:
     return run_callbacks(config, run_dir, MONITOR, "max")
 
 
+def score_budget(plan: Plan) -> float:
+    """Bytes of the plan's memory budget its context leaves: what blocks of scores are sized from (block_rows)."""
+    return (plan.budget_mb - plan.context_mb) * MB
+
+
 def data_metrics(dm: PairData) -> dict[str, Any]:
     listing = dm.listing
     return {
@@ -169,6 +179,7 @@ def train(job: Job) -> dict[str, Any]:
     dm.setup()
     module = build(config, sides, plan_.strategy)
     module.held_out_groups = dm.val_groups
+    module.score_budget = score_budget(plan_)
     callbacks = _callbacks(config, run_dir)
     clock = next(c for c in callbacks if isinstance(c, StepClock))
     steps_per_epoch = len(dm.train_dataloader())
@@ -177,7 +188,11 @@ def train(job: Job) -> dict[str, Any]:
     with PeakMemory(job.device) as peak:
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
         trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"), weights_only=False)  # said: no log line
-    best, _ = run_best(trainer.checkpoint_callback, ckpt, run_dir, MONITOR, "max")  # the whole run's, resumed too
+    # the whole run's, resumed too: rank 0 copies a resumed run's earlier best.ckpt in, and every rank validates it
+    # once that is done (the broadcast waits for rank 0)
+    writes = is_rank_zero()
+    best = run_best(trainer.checkpoint_callback, ckpt, run_dir, MONITOR, "max")[0] if writes else None
+    best = trainer.strategy.broadcast(best)
     metrics: dict[str, Any] = {
         **data_metrics(dm),
         "epochs": trainer.current_epoch,
@@ -202,7 +217,7 @@ def train(job: Job) -> dict[str, Any]:
         metrics["val/recall@1_chance"],
         metrics["val/recall@5"],
     )
-    if config.export.name != "none":
+    if writes and config.export.name != "none":
         export_after_training(metrics, run_dir, lambda: export_module(config, module, run_dir))
     return metrics
 
@@ -223,6 +238,7 @@ def evaluate(job: Job) -> dict[str, Any]:
     dm = PairData(run, sides_of(config, job.ckpt), job.device, whole=bool(given))
     dm.setup()
     module.held_out_groups = dm.val_groups
+    module.score_budget = score_budget(job.plan)
     trainer = build_trainer(config, job.plan, job.run_dir, [], loggers=False, steps_per_epoch=1)
     trainer.validate(module, datamodule=dm, verbose=False)
     metrics = {
@@ -230,7 +246,8 @@ def evaluate(job: Job) -> dict[str, Any]:
         **data_metrics(dm),
         **{k: round(v, 5) for k, v in module.last_metrics.items()},
     }
-    print("  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
+    if is_rank_zero():
+        print("  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
     return metrics
 
 
@@ -358,14 +375,22 @@ def infer(job: Job) -> dict[str, Any]:
             log.warning("infer: %d items could not be read and are left out: %s", len(skipped), "; ".join(skipped[:3]))
     if not len(q) or not len(g):
         raise UserError("task=infer: no query or no gallery item could be read (see the warnings above).")
+    if not bool(torch.isfinite(q).all() & torch.isfinite(g).all()):
+        raise UserError(
+            f"ckpt {job.ckpt}: the dual encoder embeds some items as NaN or inf (its weights diverged, or overflow "
+            "under mixed precision), so no ranking means anything; use an earlier checkpoint or strategy.precision="
+            "32-true."
+        )
     top_k = min(task.top_k, len(g))
     column = {i: c for c, i in enumerate(g_index)}  # a gallery file's column among those that decoded
     partners = {r: column[j] for r, j in partners_of([query_files[i] for i in q_index], gallery).items() if j in column}
     asked = [query_files[i][0] for i in q_index]
-    rows, partner_ranks = _ranked((q @ g.T).cpu(), asked, query, [gallery[i][0] for i in g_index], partners, top_k)
+    scores, columns, partner_ranks = ranked(q, g, partners, top_k, block_rows(len(g), score_budget(job.plan)))
+    rows = matches(scores, columns, partner_ranks, asked, query, [gallery[i][0] for i in g_index], partners)
     output = Path(task.output).expanduser() if task.output else job.run_dir / "matches.jsonl"
-    write_jsonl(rows, output)
-    print(f"wrote the top {top_k} of {len(g)} {other} items for {len(rows)} {query} queries to {output}")
+    if is_rank_zero():  # every process of a torchrun launch ranks alike: one writes
+        write_jsonl(rows, output)
+        print(f"wrote the top {top_k} of {len(g)} {other} items for {len(rows)} {query} queries to {output}")
     metrics: dict[str, Any] = {
         "infer/queries": len(rows),
         "infer/gallery": len(g),
@@ -376,30 +401,64 @@ def infer(job: Job) -> dict[str, Any]:
     return metrics
 
 
-def _ranked(
-    scores: torch.Tensor, queries: list[str], modality: str, gallery: list[str], partners: dict[int, int], top_k: int
-) -> tuple[list[dict[str, Any]], torch.Tensor]:
-    """matches.jsonl's rows (each query's top_k gallery items, by their names) and the ranks of the partners the
-    gallery holds (partners_of). Equal scores go to the lower gallery index, in the matches and the ranks alike, as
-    validation breaks them (module.ranks): a gallery of alike items ranks a partner by its place, not first."""
-    order = scores.sort(dim=1, descending=True, stable=True)
-    known = torch.tensor(list(partners), dtype=torch.long)
-    placed = ranks(scores[known], torch.tensor(list(partners.values()), dtype=torch.long)).tolist()
-    place = dict(zip(partners, placed))
+def top_matches(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k highest scores and their columns, best first and equal scores in column order: a stable
+    descending sort's first k, as validation breaks ties (module.ranks). torch.topk finds the k-th score; its own
+    order among equal scores is unspecified, so the columns tied at the k-th score are taken in column order."""
+    kth = scores.topk(k, dim=1).values[:, -1:]
+    above, tied = scores > kth, scores == kth
+    room = k - above.sum(1, keepdim=True)  # the places the tied columns fill, the first of them in column order
+    chosen = above | (tied & (tied.cumsum(1, dtype=torch.int32) <= room))
+    picked = chosen.nonzero()[:, 1].view(len(scores), k)  # k a row, in column order
+    values = scores.gather(1, picked)
+    order = values.sort(dim=1, descending=True, stable=True).indices
+    return values.gather(1, order), picked.gather(1, order)
+
+
+def ranked(
+    q: torch.Tensor, g: torch.Tensor, partners: dict[int, int], top_k: int, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each query's top_k gallery columns with their scores, and the ranks of the partners the gallery holds (by
+    query, in query order), from the scores q @ g.T made `rows` queries at a time (block_rows): 100,000 queries
+    against 100,000 items are 40 GB of scores at once. On the host once, at the end."""
+    partner = torch.full((len(q),), -1, dtype=torch.long)
+    partner[torch.tensor(list(partners), dtype=torch.long)] = torch.tensor(list(partners.values()), dtype=torch.long)
+    partner = partner.to(q.device)
+    values, columns, placed = [], [], []
+    for start in range(0, len(q), rows):
+        scores = q[start : start + rows] @ g.T
+        best, picked = top_matches(scores, top_k)
+        values.append(best)
+        columns.append(picked)
+        known = partner[start : start + rows] >= 0
+        placed.append(ranks(scores[known], partner[start : start + rows][known]))
+    return torch.cat(values).cpu(), torch.cat(columns).cpu(), torch.cat(placed).cpu()
+
+
+def matches(
+    scores: torch.Tensor,
+    columns: torch.Tensor,
+    partner_ranks: torch.Tensor,
+    queries: list[str],
+    modality: str,
+    gallery: list[str],
+    partners: dict[int, int],
+) -> list[dict[str, Any]]:
+    """matches.jsonl's rows: each query's top gallery items by their names (ranked), and where the gallery holds the
+    query's partner (partners_of), its place. Equal scores go to the lower gallery index, in the matches and the
+    ranks alike: a gallery of alike items ranks a partner by its place, not first."""
+    place = dict(zip(sorted(partners), partner_ranks.tolist()))
     rows = []
-    for r, name in enumerate(queries):
+    for r, (name, values, picked) in enumerate(zip(queries, scores.tolist(), columns.tolist())):
         row = {
             "query": name,
             "modality": modality,
-            "matches": [
-                {"name": gallery[int(j)], "score": round(float(v), 5)}
-                for v, j in zip(order.values[r, :top_k], order.indices[r, :top_k])
-            ],
+            "matches": [{"name": gallery[j], "score": round(v, 5)} for v, j in zip(values, picked)],
         }
         if r in partners:  # the gallery holds the query's partner (same stem): where does it rank?
             row["partner"], row["partner_rank"] = gallery[partners[r]], place[r] + 1
         rows.append(row)
-    return rows, torch.tensor(placed, dtype=torch.long)
+    return rows
 
 
 def _label(item: Path | str) -> str:
@@ -424,6 +483,8 @@ class Tower(torch.nn.Module):
 def export(job: Job) -> dict[str, Any]:
     if job.ckpt is None:
         raise UserError("task=export on paired data needs ckpt=RUN_DIR (a trained dual encoder).")
+    if not is_rank_zero():  # the other processes of a torchrun launch: rank 0 writes the one export
+        return {}
     return export_module(job.config, load_trained(job.config, job.ckpt), job.run_dir)
 
 
