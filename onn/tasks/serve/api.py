@@ -248,10 +248,9 @@ class Guard:
                 return await response(scope, receive, send)
         limit = self.max_upload + UPLOAD_OVERHEAD if scope["path"] == "/v1/classify" else self.max_body
         length = headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            status, what = (
-                (413, f"the request body is over {limit} bytes") if length.isdigit() else (400, "a bad Content-Length")
-            )
+        number = length is not None and length.isascii() and length.isdigit()  # ("²".isdigit(): int() refuses it)
+        if length is not None and (not number or int(length) > limit):
+            status, what = (413, f"the request body is over {limit} bytes") if number else (400, "a bad Content-Length")
             self.stats.add(refused=1)
             return await error_response(status, what, code="request_too_large" if status == 413 else None)(
                 scope, receive, send
@@ -355,6 +354,7 @@ def _answer_errors(app: FastAPI, stats: Stats) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
         log.exception("serve: %s %s failed", request.method, request.url.path)
+        stats.add(refused=1)  # an error answered, as every other
         return error_response(500, f"internal error: {_short(e)}", "server_error")
 
 
@@ -375,6 +375,9 @@ class Server:
         out = {"status": "ok", "kind": "classifier" if self.classifier else "language model"}
         if self.scheduler is not None:
             out.update(active=len(self.scheduler.active), waiting=self.scheduler.queued())
+            trouble = self.scheduler.trouble()
+            if trouble is not None:  # a load balancer's probe sees it: a 503 while requests would get one
+                return JSONResponse({**out, "status": "unavailable", "error": trouble}, status_code=503)
         return out
 
     async def index(self):
@@ -473,7 +476,9 @@ class Server:
         finally:
             watcher.cancel()
         if finish["finish"] == "error":
-            raise ApiError(503, f"generation failed: {finish['error']}", "server_error", code=_error_code(finish))
+            code = _error_code(finish)
+            status = 500 if code == "model_diverged" else 503  # the checkpoint's fault, as /v1/classify's 500
+            raise ApiError(status, f"generation failed: {finish['error']}", "server_error", code=code)
         self.stats.add(requests=1)
         content = "".join(text)
         choice = (
@@ -815,8 +820,9 @@ def _context(lm) -> int | None:
 
 
 def _error_code(finish: dict[str, Any]) -> str:
-    """An error event's code: out_of_memory (this request did not fit beside the others; they went on), else
-    generation_failed."""
+    """An error event's code: out_of_memory (this request did not fit beside the others; they went on),
+    model_diverged (the model's scores for it were NaN or inf), model_unavailable (the engine could not be reset after
+    a failed step), else generation_failed."""
     return finish.get("code") or "generation_failed"
 
 

@@ -39,6 +39,11 @@ SHUTTING_DOWN = "the server is shutting down"
 OUT_OF_MEMORY = (
     "the model ran out of device memory on this request; send a shorter prompt or fewer max_tokens, or try again later"
 )
+DIVERGED = (
+    "the model's next-token scores are not finite numbers (NaN or inf): its weights diverged in training, or its "
+    "precision overflowed; serve a checkpoint from before that, or train again with a lower optim.lr"
+)
+UNAVAILABLE = "the model could not be reset after a failed step ({}); restart the server"
 MIN_TEMPERATURE = 1e-4  # below it a request is greedy: its distribution is the top token's alone anyway
 
 
@@ -67,6 +72,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # the completion so far (stop strings cut off)
     sent: int = 0  # characters of `text` emitted
+    searched: int = 0  # characters of `text` matched against the stop strings (none of them is in there)
     text_ids: list[int] = field(default_factory=list)  # the tokens that are text: no special tokens
     decoded: str = ""  # the text of text_ids[:read_offset]: whole characters only (see Scheduler._decode)
     prefix_offset: int = 0  # the text ids decoded again before the new ones, for their context
@@ -98,6 +104,7 @@ class Scheduler:
         self.plain = True  # the cache holds one column per position in every layer (see _step)
         self.held: Sequence | None = None  # a newcomer out of device memory beside running rows, first in the queue:
         self.held_beside = 0  # no newcomer joins until fewer rows than this run
+        self.broken: str | None = None  # why the engine's reset after a failed step failed (tried again each step)
         self.steps = 0
         self.widest = 0  # most rows one step has served
         self.generated = 0  # completion tokens of every request, also one whose client left or that Ctrl-C ended
@@ -124,6 +131,12 @@ class Scheduler:
                 self.waiting.extend(live)
             return len(self.waiting)
 
+    def trouble(self) -> str | None:
+        """Why requests cannot be served now (the engine not reset after a failed step, the loop stopped), or None."""
+        if self.broken is not None:
+            return UNAVAILABLE.format(self.broken)
+        return SHUTTING_DOWN if self.stopping or not self.thread.is_alive() else None
+
     def stop(self) -> None:
         """Stop after the current step: every sequence still decoding or waiting ends with an error event. It
         does not wait, so a signal handler on the event loop's thread may call it."""
@@ -137,37 +150,76 @@ class Scheduler:
 
     # -- the thread ----------------------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
+        """Admit, step, repeat until stop(). However it ends (a bug in it too), every request it holds is told and
+        later ones are refused at once: none waits for a thread that is gone."""
+        try:
+            while self._turn():
+                pass
+        except Exception:
+            log.exception("serve: the decode loop failed")
+        finally:
             with self.lock:
-                while not self.stopping and not self.waiting and not self.active:
-                    self.lock.wait()
-                if self.stopping:
-                    break
-                joining = []
-                # a cache that is not one plain column per position (sliding windows) is never re-laid: new
-                # sequences wait for the batch to finish (admission in waves)
-                room = self.slots if self.plain or not self.active else 0
-                if self.waiting and self.waiting[0].requeued:  # sent back by a step out of memory: one joins
-                    room = min(room, len(self.active) + 1)
-                if self._holding():  # first come, first served: nobody passes it (see the module's docstring)
-                    room = len(self.active)
-                while self.waiting and len(self.active) + len(joining) < room:
-                    seq = self.waiting.popleft()
-                    if not seq.cancelled.is_set():
-                        joining.append(seq)
-            try:
-                self._step(joining)
-            except Exception as e:  # a failed step ends its requests with an error; the server goes on
-                log.exception("serve: a decode step failed")
-                for seq in dict.fromkeys([*self.active, *joining]):  # (the newcomers may be active already)
-                    _send(seq, {"finish": "error", "error": f"{type(e).__name__}: {e}"})
-                self.active, self.cache, self.mask = [], None, None
-                if self.lm.engine is not None:
-                    self.lm.engine.reset()
-        for seq in [*self.active, *self.waiting]:
-            _send(seq, {"finish": "error", "error": SHUTTING_DOWN})
-        if self.lm.engine is not None:
-            self.lm.engine.close()
+                self.stopping = True
+                left = [*self.active, *self.waiting]
+            for seq in left:
+                _send(seq, {"finish": "error", "error": SHUTTING_DOWN})
+            if self.lm.engine is not None:
+                try:
+                    self.lm.engine.close()
+                except Exception as e:  # a load that failed with the step before: the server is stopping anyway
+                    log.warning("serve: closing the layer-streaming engine failed: %s: %s", type(e).__name__, e)
+
+    def _turn(self) -> bool:
+        """One step for the running rows and those that join now; False once stop() was called."""
+        with self.lock:
+            while not self.stopping and not self.waiting and not self.active:
+                self.lock.wait()
+            if self.stopping:
+                return False
+            joining = []
+            # a cache that is not one plain column per position (sliding windows) is never re-laid: new
+            # sequences wait for the batch to finish (admission in waves)
+            room = self.slots if self.plain or not self.active else 0
+            if self.waiting and self.waiting[0].requeued:  # sent back by a step out of memory: one joins
+                room = min(room, len(self.active) + 1)
+            if self._holding():  # first come, first served: nobody passes it (see the module's docstring)
+                room = len(self.active)
+            while self.waiting and len(self.active) + len(joining) < room:
+                seq = self.waiting.popleft()
+                if not seq.cancelled.is_set():
+                    joining.append(seq)
+        if self.broken is not None and not self._reset():  # still not reset: no step can be trusted
+            self._end_all(
+                joining, {"finish": "error", "error": UNAVAILABLE.format(self.broken), "code": "model_unavailable"}
+            )
+            return True
+        try:
+            self._step(joining)
+        except Exception as e:  # a failed step ends its requests with its error; the server goes on
+            log.exception("serve: a decode step failed")
+            self._reset()  # first: a client told of the error finds /health as the next request will
+            self._end_all(joining, {"finish": "error", "error": f"{type(e).__name__}: {e}"})
+        return True
+
+    def _end_all(self, joining: list[Sequence], event: dict[str, Any]) -> None:
+        """End every running row and newcomer with `event`: the batch and its cache are dropped."""
+        for seq in dict.fromkeys([*self.active, *joining]):  # (the newcomers may be active already)
+            _send(seq, event)
+        self.active, self.cache, self.mask = [], None, None
+
+    def _reset(self) -> bool:
+        """Drop the layer-streaming engine's state after a failed step. A reset that fails too (a CUDA error leaves
+        the device unusable) is logged, not told to the requests the step failed (they have its first error), and
+        tried again before the next step: until one succeeds, requests end with UNAVAILABLE and /health says so."""
+        try:
+            if self.lm.engine is not None:
+                self.lm.engine.reset()
+        except Exception as e:
+            log.exception("serve: the layer-streaming engine could not be reset after a failed step")
+            self.broken = f"{type(e).__name__}: {e}"
+            return False
+        self.broken = None
+        return True
 
     def _holding(self) -> bool:
         """Whether the newcomer that ran out of device memory still waits for fewer rows (its client may have left)."""
@@ -187,8 +239,7 @@ class Scheduler:
         except torch.OutOfMemoryError:
             self.active, self.mask = rows, mask
             self.cache = _restored(self.cache, cache)
-            if self.lm.engine is not None:
-                self.lm.engine.reset()
+            self._reset()  # (one that fails is tried again before the next step: the requests hear of memory)
             self._shed(joining)
             return
         self.steps += 1
@@ -256,23 +307,24 @@ class Scheduler:
     def _advance(self, seq: Sequence, token: int) -> bool:
         """The row's next token: emit its text; True when the sequence is done."""
         if token in self.eos:
+            self._cut_at_stop(seq, len(seq.text))  # the text is whole now: an unfinished last character too
             return self._finish(seq, "stop")
         seq.tokens.append(token)
         if token not in self.special:
             seq.text_ids.append(token)
         self.generated += 1
-        searched = len(seq.decoded)  # held no stop string at the last token
-        text = self._decode(seq)
-        stops = seq.sampling.stop
-        found = [at for at in (text.find(stop, max(0, searched - len(stop) + 1)) for stop in stops) if at >= 0]
-        if found:  # the text ends where the first of them begins, whichever the request listed first
-            seq.text = text[: min(found)]
+        seq.text = self._decode(seq)
+        last = len(seq.tokens) >= seq.sampling.max_tokens
+        # a character still arriving shows as U+FFFD (see _decode): the stop strings are matched up to it (stop="\ufffd"
+        # ended the text at the first byte of every accented letter), and over it once the next token has settled it
+        # or the completion ends with it (a real U+FFFD, as the whole decode has it, stops)
+        settled = len(seq.text) if last else len(seq.text.rstrip("\ufffd"))
+        if self._cut_at_stop(seq, settled):
             return self._finish(seq, "stop")
-        seq.text = text
-        if len(seq.tokens) >= seq.sampling.max_tokens:
+        if last:
             return self._finish(seq, "length")
         # hold back an incomplete character and what could be the start of a stop string
-        ready = len(text.rstrip("\ufffd"))
+        text, ready = seq.text, settled
         for stop in seq.sampling.stop:
             for k in range(min(len(stop) - 1, ready), 0, -1):
                 if text.endswith(stop[:k], 0, ready):  # no copy of the text per k
@@ -282,6 +334,21 @@ class Scheduler:
         _send(seq, {"text": text[seq.sent : ready] if ready > seq.sent else ""})
         seq.sent = max(seq.sent, ready)
         return False
+
+    def _cut_at_stop(self, seq: Sequence, end: int) -> bool:
+        """Whether a stop string is in the text's first `end` characters: the text then ends where the first of them
+        begins, whichever the request listed first. Each character is searched once (the last searched
+        characters again, as the start of a stop string the new ones complete)."""
+        text, searched = seq.text, seq.searched
+        found = [
+            at
+            for at in (text.find(stop, max(0, searched - len(stop) + 1), end) for stop in seq.sampling.stop)
+            if at >= 0
+        ]
+        seq.searched = max(searched, end)
+        if found:
+            seq.text = text[: min(found)]
+        return bool(found)
 
     def _decode(self, seq: Sequence) -> str:
         """The completion's text, decoding only the text ids since the last whole character with the few before them
@@ -348,17 +415,21 @@ def _pick(logits: torch.Tensor, rows: list[Sequence]) -> list[int | None]:
     """Each row's next token, read back in one copy (each read of a GPU value waits for it): greedy at a
     temperature under MIN_TEMPERATURE or top_p 0 (a nucleus of the likeliest token alone), else sampled through
     transformers' temperature and top-p warpers (as model.generate), with the request's own generator when it
-    gave a seed. A row whose distribution holds inf or NaN gets None and its error event; the others go on."""
-    picks, drawable = logits.argmax(-1), torch.ones(len(rows), dtype=torch.long, device=logits.device)
+    gave a seed. A row whose scores hold NaN or +inf (a diverged checkpoint, a half-precision overflow), or none
+    above -inf, gets None and its model_diverged event, greedy or sampled (argmax picked token 0 of an all-NaN
+    row, silently); the others go on."""
+    picks = logits.argmax(-1)
+    drawable = torch.isfinite(logits.amax(-1))  # NaN propagates to the max; -inf scores beside a finite one are fine
     for i, seq in enumerate(rows):
         if seq.sampling.temperature >= MIN_TEMPERATURE and seq.sampling.top_p:
-            picks[i], drawable[i] = _sample(logits[i], seq.sampling, seq.generator)
-    tokens, valid = torch.stack([picks, drawable]).tolist()
+            picks[i], sampled = _sample(logits[i], seq.sampling, seq.generator)
+            drawable[i] &= sampled
+    tokens, valid = torch.stack([picks, drawable.long()]).tolist()
     out: list[int | None] = []
     for seq, token, ok in zip(rows, tokens, valid):
-        if not ok:  # logits with inf or NaN: this row's problem, not the batch's
-            log.warning("serve: sampling a row failed: its probabilities hold inf or NaN")
-            _send(seq, {"finish": "error", "error": "the model's probabilities hold inf or NaN"})
+        if not ok:  # this row's problem, not the batch's
+            log.warning("serve: a row's next-token scores hold NaN or inf: it ends with an error, the others go on")
+            _send(seq, {"finish": "error", "error": DIVERGED, "code": "model_diverged"})
         out.append(token if ok else None)
     return out
 
