@@ -44,6 +44,7 @@ from onn.data.labelled import same_text
 from onn.data.resident import ClassificationData, ResidentBatches, Split, numbered
 from onn.errors import UserError
 from onn.export.write import export_after_training, export_for_run, refused_write, weight_bytes
+from onn.hardware.cluster import is_rank_zero
 from onn.hardware.memory import PeakMemory
 from onn.hardware.profile import Profile
 from onn.modalities.base import ClassifierModality, Job
@@ -290,7 +291,10 @@ def train(job: Job) -> dict[str, Any]:
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
         trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"), weights_only=False)  # the final state
     monitor = config.task.monitor
-    best, best_score = run_best(trainer.checkpoint_callback, ckpt, run_dir, monitor, monitor_mode(monitor))
+    writes = is_rank_zero()  # the other processes of a multi-process run trained the same weights
+    # rank 0 copies a resumed run's earlier best.ckpt in; every rank tests it once that is done (the broadcast waits)
+    found = run_best(trainer.checkpoint_callback, ckpt, run_dir, monitor, monitor_mode(monitor)) if writes else None
+    best, best_score = trainer.strategy.broadcast(found)
     metrics: dict[str, Any] = {
         "epochs": trainer.current_epoch,
         "steps": trainer.global_step,
@@ -311,8 +315,8 @@ def train(job: Job) -> dict[str, Any]:
     }
     if monitor != "val/acc":  # every classifier's record has val/acc_best (the grids read it) beside its monitor's
         metrics["val/acc_best"] = max((h["val/acc"] for h in module.history), default=None)
-    stage = tested_after_training(trainer, module, dm, best, metrics, run_dir)
-    if config.export.name != "none":  # a streamed network exports from its checkpoint, resident
+    stage = tested_after_training(trainer, module, dm, best, metrics, run_dir, writes)
+    if writes and config.export.name != "none":  # a streamed network exports from its checkpoint, resident
         tested = Path(best) if best else run_dir / "checkpoints" / "last.ckpt"
         exported = module if module.engine is None else load_trained(m, config, plan, tested)
         if module.engine is not None and module.engine.store.dtype != "float32":
@@ -327,9 +331,13 @@ def train(job: Job) -> dict[str, Any]:
     return metrics
 
 
-def tested_after_training(trainer, module: Classifier, dm, best: str | None, metrics: dict, run_dir: Path) -> str:
+def tested_after_training(
+    trainer, module: Classifier, dm, best: str | None, metrics: dict, run_dir: Path, writes: bool
+) -> str:
     """The best checkpoint scored on the test split, or without one the validation split, into `metrics`, with its
-    confusion matrix drawn. Returns the split's name."""
+    confusion matrix drawn where `writes`. Every process of a multi-process run scores (the test is a collective)
+    and reports the same figures; rank 0 alone draws the picture, which every rank wrote to one path at once.
+    Returns the split's name."""
     stage = "test" if dm.has_test() else "val"
     if stage == "test":
         trainer.test(module, datamodule=dm, ckpt_path=best or None, verbose=False)
@@ -338,7 +346,8 @@ def tested_after_training(trainer, module: Classifier, dm, best: str | None, met
     metrics.update({k: round(float(v), 5) for k, v in trainer.callback_metrics.items() if k.startswith(f"{stage}/")})
     if stage in module.confusion:
         picture = run_dir / f"confusion_{stage}.png"
-        save_confusion(module.confusion[stage], module.classes, picture)
+        if writes:
+            save_confusion(module.confusion[stage], module.classes, picture)
         metrics["confusion_matrix"] = str(picture)
         log.info("%s accuracy %.4f (best checkpoint %s)", stage, metrics.get(f"{stage}/acc", float("nan")), best)
     else:  # trainer.limit_val_batches=0 (or limit_test_batches=0): nothing held out was scored
@@ -420,7 +429,9 @@ def trained_data(m: ClassifierModality, config: ONNConfig, ckpt: Path, device: s
 
 
 def infer(job: Job) -> dict[str, Any]:
-    """Predict the classes of task.input (one file, a folder or an archive): predictions.jsonl and a PNG."""
+    """Predict the classes of task.input (one file, a folder or an archive): predictions.jsonl and a PNG, written by
+    rank 0 alone where a launcher (torchrun, srun) runs the command in several processes; each predicts, and
+    reports the same figures."""
     m = job.modality
     config = job.config
     task: InferTask = config.task
@@ -477,10 +488,11 @@ def infer(job: Job) -> dict[str, Any]:
             "task.input names folders the model has no class of (%s): no true label for their rows", sorted(unknown)[:5]
         )
     output = Path(task.output).expanduser() if task.output else job.run_dir / "predictions.jsonl"
-    write_jsonl(rows, output)
     picture = output.with_suffix(".png")
-    m.picture(torch.stack(shown), predicted_names, true_names, picture, inputs)
-    print(f"wrote {len(rows)} predictions to {output} and a picture of the first {len(shown)} to {picture}")
+    if is_rank_zero():
+        write_jsonl(rows, output)
+        m.picture(torch.stack(shown), predicted_names, true_names, picture, inputs)
+        print(f"wrote {len(rows)} predictions to {output} and a picture of the first {len(shown)} to {picture}")
     metrics = {
         "infer/items": len(rows),
         "infer/output": str(output),
@@ -560,7 +572,10 @@ def export(job: Job) -> dict[str, Any]:
 def export_module(m: ClassifierModality, config: ONNConfig, module: Classifier, run_dir: Path) -> dict[str, Any]:
     """safetensors: the network's state dict plus what rebuilds it (config.json; model.weights loads it, and its
     mean/std); onnx / omny: the network behind its evaluation transform (StoredBatchClassifier), a graph whose
-    `input` is a batch as the data module stores it."""
+    `input` is a batch as the data module stores it. Rank 0 alone writes it (and gives its figures) where a launcher
+    runs the command in several processes: each wrote the same folder at once, and one read another's half file."""
+    if not is_rank_zero():
+        return {}
     own = m.export_network(config, module, run_dir)
     if own is not None:
         return own

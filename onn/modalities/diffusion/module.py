@@ -58,6 +58,9 @@ class MovingAverage(AveragedModel):
 
     def __init__(self, model: nn.Module, decay: float):
         super().__init__(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+        # averaged, never given a gradient: DDP took the copy's parameters for trained ones no loss used, and refused
+        # every step of a multi-process run
+        self.requires_grad_(False)
         self.updates: int | None = 0  # n_averaged, on the host; None after a load, until read
         self.register_load_state_dict_post_hook(_count_unread)
 

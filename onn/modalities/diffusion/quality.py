@@ -30,6 +30,7 @@ from onn.config.model import NetworkConfig
 from onn.config.task import TrainTask
 from onn.data.resident import StreamedItems
 from onn.errors import UserError
+from onn.hardware.cluster import is_rank_zero
 from onn.modalities.base import Job
 from onn.modalities.diffusion.sample import write_sample_grid
 from onn.modalities.diffusion.tasks import build, datamodule, draw_samples, load_trained
@@ -165,7 +166,8 @@ def evaluate(job: Job) -> dict[str, Any]:
     real = judged(classifier, real_images(dm, len(images), task.seed), float(task.confidence), device)
     picture = job.run_dir / "samples.png"
     captions = [f"{c}: {float(p):.2f}" for c, p in zip(figures["labels"], figures["top"])]
-    write_sample_grid(images, picture, captions)
+    if is_rank_zero():  # every process of a multi-process run judges the same samples; one draws the picture
+        write_sample_grid(images, picture, captions)
     metrics: dict[str, Any] = {
         "checkpoint": str(job.ckpt) if job.ckpt else None,
         "classifier": task.classifier,

@@ -29,12 +29,14 @@ from onn.config.strategy import StrategyConfig
 from onn.config.task import TrainTask
 from onn.errors import UserError
 from onn.export.write import export_after_training
+from onn.hardware.cluster import is_rank_zero
 from onn.hardware.memory import PeakMemory, hold_mmap_threshold
 from onn.hardware.profile import Profile
 from onn.modalities.base import Job
 from onn.modalities.diffusion.module import MONITOR, DiffusionModule, NoisePrediction, build_denoiser
 from onn.modalities.diffusion.sample import draw, sampling_scheduler, write_sample_grid
 from onn.modalities.image.dataset import ImageDataModule, as_trained
+from onn.modalities.image.formats import list_items
 from onn.modalities.image.modality import first_image, trained_inputs
 from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
@@ -51,23 +53,36 @@ log = logging.getLogger("onn")
 
 def planned_shape(config: ONNConfig) -> list[int]:
     """[channels, height, width] the denoiser is planned for (and built for by task=export without a checkpoint):
-    with ckpt= the checkpoint's; else data.image_size and data.channels, or as the data's first image has them where
-    image_size is null or channels auto (32 px, 1 channel where there is no data to read). A folder of 256 px images
-    was planned as 32 px ones: memory and step time predicted for 64 times fewer pixels."""
+    with ckpt= the checkpoint's; else data.image_size and data.channels, or as the data's first images have them
+    where image_size is null or channels auto (32 px, 1 channel where there is no data to read). A folder of 256 px
+    images was planned as 32 px ones: memory and step time predicted for 64 times fewer pixels."""
     if (trained := trained_inputs(config)) is not None:
         return [int(v) for v in trained["input_shape"]]
     data: ImageData = config.data
-    # the first image read where the size or the channels are the data's own; with a size given, only for its
-    # channels, and not where the images' mixed sizes (which data.resize brings to that size) stop the read
-    found = None
-    if not data.image_size:
-        found = first_image(data)
-    elif not isinstance(data.channels, int):
-        with contextlib.suppress(UserError):
-            found = first_image(data)
-    size = [int(v) for v in data.image_size] if data.image_size else found.size if found else [32, 32]
+    if data.image_size:
+        channels = data.channels if isinstance(data.channels, int) else sized_channels(data)
+        return [int(channels or 1), *[int(v) for v in data.image_size]]
+    found = first_image(data)
     channels = data.channels if isinstance(data.channels, int) else found.channels if found else 1
-    return [int(channels), *[int(v) for v in size]]
+    return [int(channels), *(found.size if found else [32, 32])]
+
+
+def sized_channels(data: ImageData) -> int | None:
+    """The channels data.channels=auto decodes the images to, as the data module decides them (1 where its first
+    images are all grey, else 3), where data.image_size is given; None where nothing can be read (no data here, or a
+    read training refuses in its own sentence). first_image reads the images at their own sizes and refuses sizes
+    that differ: a folder of RGB images of mixed sizes, which data.resize brings to data.image_size, was planned as
+    1 channel while the run decoded 3. Such a folder is read as training reads it, at data.image_size."""
+    with contextlib.suppress(UserError):  # raised where the first images' sizes differ: read again below, resized
+        found = first_image(data)
+        return found.channels if found else None
+    try:
+        splits = list_items(Path(str(data.source)).expanduser(), data.format or "auto")
+        # the data module's rule: grey in one split and colour in another is colour
+        decoded = [items.configure("auto", list(data.image_size), data.resize).channels for items in splits.values()]
+    except UserError:  # data.resize=error and an image of another size: training stops with that sentence
+        return None
+    return max((c for c in decoded if isinstance(c, int)), default=None)
 
 
 def plan(modality, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
@@ -205,6 +220,9 @@ def train(job: Job) -> dict[str, Any]:
     with PeakMemory(job.device) as peak:
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
         trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"), weights_only=False)  # said: no log line
+    writes = is_rank_zero()  # the other processes of a multi-process run trained the same weights
+    # rank 0 copies a resumed run's earlier best.ckpt in, the others take its path (the broadcast waits for it)
+    best = run_best(trainer.checkpoint_callback, ckpt, run_dir, MONITOR, "min")[0] if writes else None
     metrics: dict[str, Any] = {
         "epochs": trainer.current_epoch,
         "steps": trainer.global_step,
@@ -216,7 +234,7 @@ def train(job: Job) -> dict[str, Any]:
         "peak_memory_mb": round(peak.peak_mb, 1),
         "params_total": sum(p.numel() for p in module.denoiser.parameters()),
         "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
-        "checkpoint_best": run_best(trainer.checkpoint_callback, ckpt, run_dir, MONITOR, "min")[0],
+        "checkpoint_best": trainer.strategy.broadcast(best),
         "resumed_from": str(ckpt) if ckpt else None,
         "items_skipped": len(dm.skipped),
     }
@@ -225,23 +243,27 @@ def train(job: Job) -> dict[str, Any]:
         module = load_trained(config, run_dir / "checkpoints" / "last.ckpt")
         metrics["streaming"] = {"chunk_size": job.plan.streaming.chunk_size, "store": job.plan.streaming.store}
     metrics.update(sample_grid(config, module, run_dir, torch.device(job.device)))
-    if config.export.name != "none":
+    if writes and config.export.name != "none":
         export_after_training(metrics, run_dir, lambda: export_module(config, module, run_dir))
     return metrics
 
 
 def sample_grid(config: ONNConfig, module: DiffusionModule, run_dir: Path, device: torch.device) -> dict[str, Any]:
     """task.samples images drawn as task.sampler, task.sample_steps and task.seed say: samples.png (a grid) and
-    samples.safetensors (every image, uint8)."""
+    samples.safetensors (every image, uint8). In a multi-process run rank 0 alone draws and writes them (every rank
+    wrote the same files at once; drawing is no collective) and every rank gives the same figures."""
     from safetensors.torch import save_file
 
-    images = draw_samples(config, module, device)
+    task: TrainTask = config.task
     picture = run_dir / "samples.png"
+    metrics = {"samples/picture": str(picture), "samples/count": task.samples, "samples/seed": task.seed}
+    if not is_rank_zero():  # (draw_samples gives task.samples images)
+        return metrics
+    images = draw_samples(config, module, device)
     write_sample_grid(images, picture)
     save_file({"images": images.contiguous()}, str(run_dir / "samples.safetensors"))
-    task: TrainTask = config.task
     log.info("%d samples (%s, seed %d) in %s", len(images), task.sampler, task.seed, picture)
-    return {"samples/picture": str(picture), "samples/count": len(images), "samples/seed": task.seed}
+    return metrics
 
 
 def draw_samples(config: ONNConfig, module: DiffusionModule, device: torch.device) -> torch.Tensor:
@@ -261,7 +283,8 @@ def infer(job: Job) -> dict[str, Any]:
         raise UserError("task=infer on diffusion data needs ckpt=RUN_DIR (a trained denoiser) to draw images from.")
     module = load_trained(job.config, job.ckpt)
     metrics = sample_grid(job.config, module, job.run_dir, torch.device(job.device))
-    print(f"wrote {metrics['samples/count']} samples: {metrics['samples/picture']}")
+    if is_rank_zero():  # (the one process that wrote them)
+        print(f"wrote {metrics['samples/count']} samples: {metrics['samples/picture']}")
     return metrics
 
 
@@ -276,11 +299,14 @@ def export(job: Job) -> dict[str, Any]:
 
 def export_module(config: ONNConfig, module: DiffusionModule, run_dir: Path) -> dict[str, Any]:
     """The sampling denoiser as ONNX (inputs `sample` [batch, C, H, W] and `timestep` [batch] int64; output the
-    predicted noise), checked against PyTorch in onnxruntime; or its state dict as safetensors."""
+    predicted noise), checked against PyTorch in onnxruntime; or its state dict as safetensors. Rank 0 alone writes
+    it where a launcher runs the command in several processes (each wrote the same folder at once)."""
     from onn.export.write import export_for_run
 
     if config.export.name not in ("onnx", "safetensors"):
         raise UserError(f"export={config.export.name}: a diffusion denoiser exports onnx or safetensors.")
+    if not is_rank_zero():
+        return {}
     denoiser = module.sampling_denoiser().cpu().eval()
     if config.export.name == "safetensors":
         import json

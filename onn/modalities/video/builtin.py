@@ -58,10 +58,14 @@ def generated(source: str, data_cfg: VideoData, cache_dir: str | os.PathLike) ->
             "others store colour at half resolution)."
         ) from None
     (tmp / ".done").write_text("")
-    if folder.exists():  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
+    try:
         tmp.rename(folder)
+    except OSError:  # another process (a rank of the same run) put its clips there first: the same clips
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (folder / ".done").is_file():
+            raise UserError(
+                f"the cache folder {folder} holds no .done (ONN did not finish writing it); remove it and run again."
+            ) from None
     return folder
 
 
