@@ -562,8 +562,16 @@ def csv_objects(text: str, where: str) -> list[tuple[int, dict[str, Any]]]:
 
 
 def write_jsonl(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
-    """One JSON object per line (predictions, completions), UTF-8, the folder made if needed."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(strict_json(row), ensure_ascii=False) + "\n")
+    """One JSON object per line (predictions, completions), UTF-8, the folder made if needed. Written beside and
+    renamed into place: a write that fails (a full disk, a stopped run) leaves an earlier file of that name whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(strict_json(row), ensure_ascii=False) + "\n")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

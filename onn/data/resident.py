@@ -663,6 +663,8 @@ class ClassificationData(L.LightningDataModule):
         for split, pattern in self._patterns().items():
             sets = held_out_by_name(sets, split, pattern)
         train = split_of(sets, "train", fallback=False)
+        if train is None and str(self.cfg.val_source or "") == source:  # task=eval of a folder of test/ alone
+            train = sets["train"] = sets["val"]  # (its classes and shape, as a source without split folders gives)
         if train is None:
             raise UserError(f"data.source={source} has no training data (found splits: {', '.join(sets)}).")
         self.classes = class_order(train.classes, self.cfg)
@@ -714,6 +716,8 @@ class ClassificationData(L.LightningDataModule):
         items = self.list_items(source)
         good = self._decodable(items, source)
         name = next((n for n in ("train", "all") if good.get(n)), None)
+        if name is None and scores_all:  # task=eval of a folder of test/ alone: all of it is val
+            name = next(iter(good), None)
         if name is None:
             raise UserError(f"data.source={source} has no training data (found splits: {', '.join(items)}).")
         train = items[name]

@@ -68,6 +68,8 @@ def save_folder(
         )
     from transformers.core_model_loading import revert_weight_conversion
 
+    untied = _untied(base)
+
     def write(folder: Path) -> int:
         shards = _Shards(folder, max_bytes)
         with torch.no_grad():
@@ -81,6 +83,8 @@ def save_folder(
             del config.quantization_config
         config.dtype = str(engine.compute_dtype if engine is not None else base.dtype).removeprefix("torch.")
         config.architectures = [type(base).__name__]
+        if untied:
+            _untie(config, untied)
         config.save_pretrained(folder)
         if base.can_generate() and getattr(base, "generation_config", None) is not None:
             copy.deepcopy(base.generation_config).save_pretrained(folder)
@@ -142,6 +146,81 @@ def save_export(
         shutil.rmtree(beside)  # an earlier export's adapter of this model, trained with other weights
         log.info("export: removed %s, an earlier export's adapter (this model has none)", beside)
     return metrics
+
+
+def save_network(network: nn.Module, folder: Path, onn_config: dict[str, Any]) -> None:
+    """A classifier network's export into `folder`: model.safetensors, written by safetensors' save_model (a weight two
+    layers share is stored once, where save_file refuses shared memory), in the network's own names (a torch.compile'd
+    network's `_orig_mod.` prefix fitted nothing that loads it), and config.json (network_config)."""
+    from safetensors.torch import save_model
+
+    network = getattr(network, "_orig_mod", network)
+    save_model(network, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    text = json.dumps(network_config(network, onn_config), indent=2, default=str)
+    (folder / "config.json").write_text(text + "\n")
+
+
+def network_config(network: nn.Module, onn_config: dict[str, Any]) -> dict[str, Any]:
+    """config.json of a classifier network's export: what rebuilds it in ONN (`onn_config`: model, inputs, modality),
+    the label names in the logits' order as Hugging Face (id2label, label2id) and timm (label_names, num_classes) keep
+    them, the weights' dtype, and for an image network timm builds again by its name, timm's own keys, so that
+    timm.create_model("local-dir:FOLDER", pretrained=True) loads it and timm's data config normalises as training
+    did."""
+    classes = [str(c) for c in onn_config["inputs"]["classes"]]
+    config = {
+        **onn_config,
+        "num_classes": len(classes),
+        "label_names": classes,
+        "id2label": {str(i): c for i, c in enumerate(classes)},
+        "label2id": {c: i for i, c in enumerate(classes)},
+    }
+    dtype = next((p.dtype for p in network.parameters() if p.is_floating_point()), None)
+    if dtype is not None:
+        config["dtype"] = str(dtype).removeprefix("torch.")
+    if onn_config.get("modality") == "image":
+        config.update(_timm_config(network, onn_config["inputs"]))
+    return config
+
+
+def _timm_config(network: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+    """timm's keys of its config.json for `network`, with ONN's input size and mean/std (crop_pct 1: ONN brings the
+    whole picture to its size); {} for a network timm would not build again from them: not timm's, or one whose
+    layers ONN changed (model.small_input), which timm.create_model would build with other shapes."""
+    architecture = (getattr(network, "pretrained_cfg", None) or {}).get("architecture")
+    if not architecture:
+        return {}
+    import timm
+    import torch
+
+    try:
+        from timm.models import get_model_args
+
+        args = get_model_args(network, {})
+        json.dumps(args)
+        with torch.device("meta"):
+            rebuilt = timm.create_model(architecture, pretrained=False, **args)
+    except Exception:  # noqa: BLE001 -- an older timm, arguments it cannot write or take back: timm cannot rebuild it
+        return {}
+    shapes = {k: tuple(v.shape) for k, v in network.state_dict().items()}
+    if shapes != {k: tuple(v.shape) for k, v in rebuilt.state_dict().items()}:
+        return {}
+    cfg = network.pretrained_cfg
+    pretrained = {k: cfg[k] for k in ("first_conv", "classifier", "fixed_input_size") if k in cfg}
+    pretrained.update(
+        input_size=[int(v) for v in inputs["input_shape"]],
+        num_classes=int(network.num_classes),
+        crop_pct=1.0,
+        crop_mode="center",
+        interpolation="bilinear",
+        mean=[float(v) for v in inputs["mean"]],
+        std=[float(v) for v in inputs["std"]],
+    )
+    return {
+        "architecture": architecture,
+        "num_features": int(network.num_features),
+        "model_args": args,
+        "pretrained_cfg": pretrained,
+    }
 
 
 def adapter_folder(output: Path) -> Path:
@@ -220,6 +299,8 @@ def merged_model(model: nn.Module, engine: Any = None) -> nn.Module:
             module._buffers[attr] = tensor
         else:
             unexpected.append(name)
+    if _untied(base):  # (the copy's own config: the live model stays tied)
+        _untie(plain.config)
     if hasattr(plain, "tie_weights"):
         plain.tie_weights()
     empty = [n for n, p in plain.named_parameters() if p.numel() == 0]
@@ -253,13 +334,12 @@ def _merged_groups(model, base, engine) -> Iterator[dict[str, torch.Tensor]]:
     """The merged weights in the base model's own names (no peft prefixes, `base_layer` or lora_
     tensors), on the CPU: the weights before the blocks, then each block, then those after."""
     import torch
-    from peft.tuners.lora import LoraLayer
 
     state = base.state_dict(keep_vars=True)
     for key in getattr(base, "_keys_to_ignore_on_save", None) or []:
         state.pop(key, None)
-    _drop_tied(base, state)
-    lora = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    lora = _lora_layers(base)
+    _drop_tied(base, state, lora)
     names = {id(m): name for name, m in base.named_modules()}
     layer_map = engine.map if engine is not None else _layer_map(base)
     prefixes = [names[id(b)] for b in layer_map.blocks] if layer_map is not None else []
@@ -372,19 +452,54 @@ def _owner(key: str, lora: dict[str, Any]) -> str | None:
     return None
 
 
-def _drop_tied(base, state: dict[str, Any]) -> None:
-    """Leave out what save_pretrained leaves out: the tied copies (lm_head.weight when the
-    embeddings are tied), which from_pretrained ties again."""
+def _drop_tied(base, state: dict[str, Any], lora: dict[str, Any]) -> set[str]:
+    """Leave out what save_pretrained leaves out: the tied copies (lm_head.weight when the embeddings are tied),
+    which from_pretrained ties again. A LoRA layer's base weight tied to another (an adapter on a tied lm_head or
+    embedding) stays: merged, it is no longer the other's, as in the live model, where the adapter changes one of the
+    two alone. Returns those keys (the folder is then untied: _untie)."""
     tied = getattr(base, "all_tied_weights_keys", None) or {}
     for target, source in tied.items():
         if target in state and source in state and state[target] is state[source]:
             del state[target]
-    seen: set[int] = set()
-    for key in list(state):  # anything else shared: keep the first name
-        if id(state[key]) in seen:
+    sharing: dict[int, list[str]] = {}
+    for key in state:
+        sharing.setdefault(id(state[key]), []).append(key)
+    kept: set[str] = set()
+    for keys in sharing.values():
+        adapted = [k for k in keys if _adapted_base(k, lora)]
+        plain = [k for k in keys if k not in adapted]
+        for key in plain[1:]:  # anything else shared: keep the first name
             del state[key]
-        else:
-            seen.add(id(state[key]))
+        if len(keys) > 1:
+            kept.update(adapted)
+    return kept
+
+
+def _adapted_base(key: str, lora: dict[str, Any]) -> bool:
+    """Whether a state-dict key is a LoRA layer's base weight or bias (what the merge changes)."""
+    owner = _owner(key, lora)
+    return owner is not None and key[len(owner) + 1 :].startswith(BASE_LAYER)
+
+
+def _lora_layers(base) -> dict[str, Any]:
+    from peft.tuners.lora import LoraLayer
+
+    return {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+
+
+def _untied(base) -> set[str]:
+    """The LoRA base weights of `base` tied to another weight (see _drop_tied), which the export writes apart."""
+    return _drop_tied(base, base.state_dict(keep_vars=True), _lora_layers(base))
+
+
+def _untie(config, keys: set[str] = frozenset()) -> None:
+    """A config that no longer ties the output embeddings to the input ones: the merged folder holds both (an
+    adapter trained one of them), and from_pretrained would tie them again, dropping what the adapter learned."""
+    for part in {id(c): c for c in (config, config.get_text_config(decoder=True))}.values():
+        if getattr(part, "tie_word_embeddings", False):
+            part.tie_word_embeddings = False
+    if keys:
+        log.info("export: %s trained apart from the weight it was tied to: written untied", ", ".join(sorted(keys)))
 
 
 def _layer_map(base):

@@ -43,6 +43,7 @@ from onn.data.files import write_jsonl
 from onn.data.labelled import same_text
 from onn.data.resident import ClassificationData, ResidentBatches, Split, numbered
 from onn.errors import UserError
+from onn.export.hf import save_network
 from onn.export.write import export_after_training, export_for_run, refused_write, weight_bytes
 from onn.hardware.cluster import is_rank_zero
 from onn.hardware.memory import PeakMemory
@@ -583,15 +584,10 @@ def export_module(m: ClassifierModality, config: ONNConfig, module: Classifier, 
     network = module.model.eval()
     inputs = module.onn_config["inputs"]
     if isinstance(settings, SafetensorsExport):
-        from safetensors.torch import save_model
-
         from onn.export.folders import write_atomically
 
-        def write(folder: Path) -> None:
-            save_model(network, str(folder / "model.safetensors"), metadata={"format": "pt"})
-            (folder / "config.json").write_text(
-                json.dumps({"model": as_dict(config.model), "inputs": inputs, "modality": m.name}, indent=2)
-            )
+        def write(folder: Path) -> None:  # the weights, and a config.json ONN, timm and HF's label maps read
+            save_network(network, folder, {"model": as_dict(config.model), "inputs": inputs, "modality": m.name})
 
         folder = Path(settings.output or run_dir / "export" / "safetensors").expanduser()
         if not settings.output:

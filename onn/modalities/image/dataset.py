@@ -19,6 +19,7 @@ from onn.config.data import ImageData
 from onn.data.cache import cached_decode
 from onn.data.files import existing_source
 from onn.data.resident import ClassificationData, Decoded
+from onn.errors import UserError
 from onn.modalities.image.formats import list_items, read_splits, source_digest
 
 STREAM_SETTINGS = ("channels", "image_size", "resize")
@@ -116,12 +117,30 @@ class ImageDataModule(ClassificationData):
 
 
 def input_stats(config: ONNConfig, dm: ImageDataModule) -> tuple[list[float], list[float]]:
-    """data.mean / data.std, or measured on the training images when `auto` (0.5 for streamed data)."""
+    """data.mean / data.std: each as given (one number, or one per channel), or measured on the training images
+    where `auto` (0.5 for streamed data). A mean given beside std=auto was replaced by the measured one."""
+    mean, std = given_stat(config.data.mean, "data.mean"), given_stat(config.data.std, "data.std")
+    if mean is not None and std is not None:
+        return mean, std
+    measured = measured_stats(dm)
+    return mean or measured[0], std or measured[1]
+
+
+def given_stat(value: Any, key: str) -> list[float] | None:
+    """A data.mean or data.std value as a list of numbers; None for auto (or null)."""
+    if value is None or value == "auto":
+        return None
+    values = value if isinstance(value, list | tuple) else [value]
+    try:
+        return [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise UserError(f"{key}={value!r}: give auto, one number, or one number per channel.") from None
+
+
+def measured_stats(dm: ImageDataModule) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std of (up to 10,000 of) the training images in [0, 1]; 0.5 for streamed data."""
     import torch
 
-    mean, std = config.data.mean, config.data.std
-    if mean not in (None, "auto") and std not in (None, "auto"):
-        return [float(m) for m in mean], [float(s) for s in std]
     if dm.streamed:
         channels = dm.input_shape[0]
         return [0.5] * channels, [0.5] * channels
