@@ -51,6 +51,19 @@ def test_an_edge_list_numbered_from_one_has_its_n_nodes_and_pools_as_its_zero_ba
         assert file_size(path) == size, path.name
 
 
+def test_a_source_whose_lists_are_renumbered_says_how_many_once(tmp_path, caplog):
+    """Ids were positions before (a gap or a missing node 0 an edgeless node): a source whose lists change under the
+    new rule says so in one line, and the mark it counts by does not reach the graphs (a batch would collate it)."""
+    for i, text in enumerate(("1 2\n2 3\n", "0 1\n1 2\n", "0 1\n5 6\n")):  # from 1, 0..N-1, with a gap
+        written(tmp_path / "src" / "a" / f"{i}.edges", text)
+        written(tmp_path / "src" / "b" / f"{i}.edges", text)
+    with caplog.at_level("INFO", logger="onn.modalities.graph.read"):
+        found = read_source(tmp_path / "src", align="none", max_nodes=100, max_bad_fraction=0.0)
+    said = [r.getMessage() for r in caplog.records if "renumbered" in r.getMessage()]
+    assert len(said) == 1 and "4 of 6 edge lists" in said[0] and "`nodes N`" in said[0], said
+    assert not any("renumbered" in graph for split in found.values() for graph in split.graphs)
+
+
 @pytest.mark.slow  # (about 15 s: a node-level training run and an inference)
 def test_node_level_predictions_on_an_edge_list_are_named_by_the_files_node_ids(tmp_path):
     """task=infer at data.level=node names a row NAME#nodeID: the id the file gave the node. A list numbered 1..N

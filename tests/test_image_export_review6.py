@@ -68,6 +68,40 @@ def test_an_adapter_on_a_tied_weight_is_exported_untied_and_computes_what_onn_do
     assert model.get_base_model().config.tie_word_embeddings  # the live model is left as it was
 
 
+def test_an_adapter_on_blocks_that_share_weights_keeps_the_heads_tie(tmp_path):
+    """Two blocks sharing one module (ALBERT's, Zamba2's shared block) with LoRA on it, the head tied to the
+    embeddings: the shared block's two names counted as an adapted weight tied to another, so the folder was untied
+    while lm_head.weight, a tied copy, was left out: from_pretrained drew the head at random."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from onn.export.hf import save_folder
+    from onn.models.tokenizer import byte_tokenizer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=259,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    base = LlamaForCausalLM(config)
+    base.model.layers[1] = base.model.layers[0]  # one block, run twice
+    model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).eval()
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.1)
+    save_folder(model, byte_tokenizer(), tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is True
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()  # (its second block: a Llama's own)
+    embeddings = model.get_base_model().model.embed_tokens.weight
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    torch.testing.assert_close(loaded.lm_head.weight, embeddings, atol=0, rtol=0)
+
+
 def timm_network(*overrides: str, classes: int = 3, size: tuple[int, int] = (32, 32)):
     from onn.models.vision import build_classifier
 
@@ -180,9 +214,11 @@ def test_a_given_mean_or_std_is_kept_beside_a_measured_one_and_a_single_number_i
     assert stats() == ([0.2, 0.4, 0.2], [0.001] * 3)
     assert stats("data.mean=[0.5,0.5,0.5]") == ([0.5, 0.5, 0.5], [0.001] * 3)
     assert stats("data.std=[0.3,0.3,0.3]") == ([0.2, 0.4, 0.2], [0.3, 0.3, 0.3])
-    assert stats("data.mean=0.5", "data.std=0.25") == ([0.5], [0.25])
-    with pytest.raises(UserError, match=r"^data\.mean='dark': give auto, one number, or one number per channel"):
+    assert stats("data.mean=0.5", "data.std=0.25") == ([0.5] * 3, [0.25] * 3)  # one number: every channel's
+    with pytest.raises(UserError, match=r"^data\.mean='dark': give auto, one number, or 3 numbers"):
         stats("data.mean=dark")
+    with pytest.raises(UserError, match=r"^data\.std=\[0\.2, 0\.3\]: give auto, one number, or 3 numbers"):
+        stats("data.std=[0.2,0.3]")  # two numbers for three channels broadcast nowhere
 
 
 # --- real CIFAR-10 JPEGs --------------------------------------------------------------------------------------

@@ -210,6 +210,21 @@ def test_an_engine_that_cannot_be_reset_refuses_requests_with_a_503_and_health_s
         assert http.get("/health").status_code == 200
 
 
+def test_an_idle_server_retries_a_failed_reset_without_a_request(lm, monkeypatch):
+    """/health's 503 keeps a load balancer's requests away, and the reset was retried only before a request's step:
+    an idle server stayed unavailable for good. It retries every RESET_RETRY_S by itself."""
+    from onn.tasks.serve import batching
+
+    monkeypatch.setattr(batching, "RESET_RETRY_S", 0.05)
+    scheduler = lm.app.state.scheduler
+    with client(lm) as http:
+        failing_engine(lm, monkeypatch, RuntimeError(ILLEGAL), failing=10**6)
+        assert post(http, "ab").status_code == 503
+        assert http.get("/health").status_code == 503
+        monkeypatch.setattr(scheduler.lm, "engine", None)  # the device is back, and no request comes
+        wait_until(lambda: http.get("/health").status_code == 200, "an idle server to try the reset again")
+
+
 def test_a_decode_loop_that_dies_tells_its_requests_and_refuses_later_ones(lm):
     """A loop that raised outside a step (a bug) left every request it held, and every later one, waiting for good.
     Now they end with an error, and a later request is told at once."""

@@ -464,13 +464,16 @@ def _drop_tied(base, state: dict[str, Any], lora: dict[str, Any]) -> set[str]:
     sharing: dict[int, list[str]] = {}
     for key in state:
         sharing.setdefault(id(state[key]), []).append(key)
+    tied_names = set(tied) | set(tied.values())
     kept: set[str] = set()
     for keys in sharing.values():
         adapted = [k for k in keys if _adapted_base(k, lora)]
         plain = [k for k in keys if k not in adapted]
         for key in plain[1:]:  # anything else shared: keep the first name
             del state[key]
-        if len(keys) > 1:
+        # only a tie the config states (the output embeddings to the input ones) is undone by _untie: blocks that
+        # share weights (ALBERT's, Zamba2's shared block) keep their tie, and their head its tie to the embeddings
+        if len(keys) > 1 and any(k.replace(BASE_LAYER, "") in tied_names for k in keys):
             kept.update(adapted)
     return kept
 

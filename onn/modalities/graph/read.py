@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import re
 import struct
@@ -43,6 +44,8 @@ from onn.data.files import ARCHIVE_ERRORS, archive_kind, existing_source, walk_f
 from onn.data.labelled import check_bad
 from onn.errors import UserError
 from onn.modalities.mesh.read import MESH_SUFFIXES, MeshError, load_geometry, place, principal_axes, unwrap
+
+log = logging.getLogger(__name__)
 
 EDGE_SUFFIXES = (".edges", ".edgelist")
 TENSOR_SUFFIXES = (".safetensors",)
@@ -198,6 +201,8 @@ def read_edge_list(data: bytes, max_nodes: int, level: str = "graph"):
     graph = make_graph(None, edge_index, len(ids), max_nodes)
     if level == "node":
         graph.node_ids = ids
+    if len(ids) and int(ids[-1]) != len(ids) - 1:  # from 1, or with gaps: read_source says how many, once
+        graph.renumbered = True
     return graph
 
 
@@ -430,6 +435,16 @@ def read_source(
     skipped += refused
     if not total:
         raise UserError(f"{key} {path}: found no graph files; {HELP}.")
+    renumbered = sum(bool(graph.pop("renumbered", False)) for graph in graphs)
+    if renumbered:  # said: ids were read as positions before (a gap or a missing node 0 was an edgeless node)
+        log.info(
+            "%s %s: %d of %d edge lists number their nodes other than 0..N-1 (from 1, or with gaps): their ids are "
+            "names, renumbered in increasing order; a `nodes N` line keeps ids as positions (edgeless nodes included)",
+            key,
+            path,
+            renumbered,
+            len(graphs),
+        )
     check_bad(skipped, total, max_bad_fraction, path, key, "graph files", "cannot be used")
     if not all("pos" in graph for graph in graphs):  # a mesh's, beside other graphs: a batch needs every graph's keys
         for graph in graphs:

@@ -119,22 +119,32 @@ class ImageDataModule(ClassificationData):
 def input_stats(config: ONNConfig, dm: ImageDataModule) -> tuple[list[float], list[float]]:
     """data.mean / data.std: each as given (one number, or one per channel), or measured on the training images
     where `auto` (0.5 for streamed data). A mean given beside std=auto was replaced by the measured one."""
-    mean, std = given_stat(config.data.mean, "data.mean"), given_stat(config.data.std, "data.std")
+    channels = dm.input_shape[0]
+    mean, std = given_stat(config.data.mean, "data.mean", channels), given_stat(config.data.std, "data.std", channels)
     if mean is not None and std is not None:
         return mean, std
     measured = measured_stats(dm)
     return mean or measured[0], std or measured[1]
 
 
-def given_stat(value: Any, key: str) -> list[float] | None:
-    """A data.mean or data.std value as a list of numbers; None for auto (or null)."""
+def given_stat(value: Any, key: str, channels: int) -> list[float] | None:
+    """A data.mean or data.std value as one number per channel (one number given: every channel's); None for auto
+    (or null). The normalisation broadcasts one number, but an export's config (timm's mean/std) wants one per
+    channel, and a count that is neither broadcast to a wrong shape or failed mid-run."""
     if value is None or value == "auto":
         return None
-    values = value if isinstance(value, list | tuple) else [value]
+    values = list(value) if isinstance(value, list | tuple) else [value]
     try:
-        return [float(v) for v in values]
+        numbers = [float(v) for v in values]
     except (TypeError, ValueError):
-        raise UserError(f"{key}={value!r}: give auto, one number, or one number per channel.") from None
+        numbers = []
+    if len(numbers) == 1:
+        numbers *= channels
+    if len(numbers) != channels:
+        raise UserError(
+            f"{key}={value!r}: give auto, one number, or {channels} numbers (one per channel of the images)."
+        )
+    return numbers
 
 
 def measured_stats(dm: ImageDataModule) -> tuple[list[float], list[float]]:

@@ -44,6 +44,7 @@ DIVERGED = (
     "precision overflowed; serve a checkpoint from before that, or train again with a lower optim.lr"
 )
 UNAVAILABLE = "the model could not be reset after a failed step ({}); restart the server"
+RESET_RETRY_S = 5.0  # how often an idle server whose engine could not be reset tries again
 MIN_TEMPERATURE = 1e-4  # below it a request is greedy: its distribution is the top token's alone anyway
 
 
@@ -173,7 +174,11 @@ class Scheduler:
         """One step for the running rows and those that join now; False once stop() was called."""
         with self.lock:
             while not self.stopping and not self.waiting and not self.active:
-                self.lock.wait()
+                # broken: the reset is retried every RESET_RETRY_S without a request, or an idle server whose /health
+                # said 503 (which keeps a load balancer's traffic away) would never try again
+                self.lock.wait(RESET_RETRY_S if self.broken is not None else None)
+                if self.broken is not None:
+                    break
             if self.stopping:
                 return False
             joining = []
