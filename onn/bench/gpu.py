@@ -18,6 +18,8 @@ Figures go to metrics.json as gpu/* and to bench_gpu.md beside it. The step's li
     limit_s = max(bytes copied host-to-device per step / pinned bandwidth now,
                   matmul FLOPs per step / bf16 matmul rate now (the largest block weight at the step's rows))
 
+(the FLOPs and the rate at the samples and width the timed steps' batches held, not data.max_length)
+
 and limit_efficiency = limit_s / step_s. io_s and compute_s are the GPU's own busy times in the profiled step
 (onn/bench/timeline.py): copying over the host link, and everything else; overlap_s is both at once, and
 copies_hidden the share of the copying done under compute (the engine's host clocks, io_wait_host_s and
@@ -36,6 +38,7 @@ import itertools
 import json
 import logging
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -50,6 +53,7 @@ from onn.bench.timeline import gpu_timeline
 from onn.config import ONNConfig
 from onn.config.task import BenchGpuTask
 from onn.errors import UserError
+from onn.planning.costs import streaming_step_flops
 from onn.planning.plan import STREAMING_LIGHTNING
 
 log = logging.getLogger("onn")
@@ -116,7 +120,6 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     from onn.hardware.cast import fused_scale
     from onn.hardware.profile import h2d_mb_s
     from onn.modalities.text.tasks import build, datamodule, trainer
-    from onn.planning.costs import streaming_step_flops
     from onn.training.callbacks import StepClock
 
     config, plan, spec = job.config, job.plan, job.spec
@@ -136,9 +139,9 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     timed = slice(1, steps)  # the first step loads kernels and the first chunks; the last is profiled
     step_s = statistics.mean(clock.step_s[timed])
     copied = statistics.mean(clock.copied_bytes[timed])
-    batch, seq = config.data.batch_size, int(plan.sequence_length)
-    flops = streaming_step_flops(spec, seq, batch, plan.sparse_layers)
-    rate = _matmul_rate(job)
+    batch = config.data.batch_size
+    flops = step_flops(spec, plan, clock.rows[timed], clock.widths[timed])
+    rate = _matmul_rate(job, max(clock.widths[timed]))
     link = h2d_mb_s() * MB
     limit = max(copied / link, flops / rate)
     s = plan.streaming
@@ -187,6 +190,14 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
         "gpu/fused_cast": fused_scale(torch.device("cuda")),
     }
     return module, tokenizer, out
+
+
+def step_flops(spec, plan, rows: list[int], widths: list[int]) -> float:
+    """Matmul FLOPs of the measured steps (their mean), each at the samples and width its batch held: the data's
+    samples after packing or truncation, padded to the batch's longest, not plan.sequence_length (data.max_length,
+    only their cap): a limit counted there measured the GPU against work the steps never had."""
+    per_step = (streaming_step_flops(spec, w, r, plan.sparse_layers) for r, w in zip(rows, widths, strict=True))
+    return statistics.mean(per_step)
 
 
 def _fit_measured(fit, module, dm) -> tuple[float, float, int]:
@@ -280,8 +291,9 @@ class _StepProbe:
         return Probe()
 
 
-def _matmul_rate(job) -> float:
-    """The bf16 matmul rate now for the model's largest block weight at a micro-batch's rows (FLOP/s)."""
+def _matmul_rate(job, width: int) -> float:
+    """The bf16 matmul rate now for the model's largest block weight at a micro-batch's rows (FLOP/s), each row
+    `width` tokens as the measured steps' batches held them."""
     from onn.hardware.profile import gpu_seconds
     from onn.models.layers import discover
     from onn.models.load import meta_model
@@ -291,7 +303,7 @@ def _matmul_rate(job) -> float:
         (m.weight.shape for m in block.modules() if isinstance(m, torch.nn.Linear)), key=lambda s: s.numel()
     )
     dtype = getattr(torch, job.plan.streaming.compute_dtype)
-    rows = int(job.plan.micro_batch) * int(job.plan.sequence_length)
+    rows = int(job.plan.micro_batch) * width
     weight = torch.randn(out_features, in_features, device=job.device, dtype=dtype)
     x = torch.randn(rows, in_features, device=job.device, dtype=dtype)
     seconds = gpu_seconds(lambda: torch.nn.functional.linear(x, weight), trials=7, min_s=0.05)
@@ -477,9 +489,8 @@ VISION_FIGURES = {
 
 def _overheads(job) -> dict[str, Any]:
     """The default job against a plain loop, and bench_vision's runner overhead, each a run of its own, within what
-    is left of task.time_limit_s (from the process's start): each child may take its share of that (at most
-    CHILD_TIMEOUT_S), the first's unused time going to the next; one whose share is under LEAST_CHILD_S is not
-    started, and its figure says so. Two children of CHILD_TIMEOUT_S each took the recipe past its 8 minutes."""
+    is left of task.time_limit_s (from the process's start). Two children of CHILD_TIMEOUT_S each took the recipe
+    past its 8 minutes."""
     import psutil
 
     task: BenchGpuTask = job.config.task
@@ -488,23 +499,50 @@ def _overheads(job) -> dict[str, Any]:
     children = [("overhead", ["task=bench_overhead", "tracking=none"], OVERHEAD_FIGURES)]
     if source.exists():
         children.append(("vision", ["recipe=bench_vision", f"data.source={source}"], VISION_FIGURES))
-    out = {}
-    for i, (name, overrides, names) in enumerate(children):
-        left = deadline - time.time()
-        # an even share of what is left, but at least LEAST_CHILD_S where that is left: of 100 s, one runs
-        limit_s = min(CHILD_TIMEOUT_S, max(left / (len(children) - i), min(left, LEAST_CHILD_S)))
-        if limit_s < LEAST_CHILD_S:
-            said = f"not measured: less than {LEAST_CHILD_S} s of task.time_limit_s={task.time_limit_s} was left for it"
-            out.update({**dict.fromkeys(names), next(iter(names)): said})
-            continue
-        ran = _child(job, name, overrides, limit_s)
-        out.update(_figures(ran, names))
-        for count in ("device_ops_per_step", "host_waits_per_step") if name == "vision" else ():
-            sides = ran.get(f"vision/{count}") or {}  # absent when the child failed or compiled its model
-            out.update({f"gpu/vision_{count}_{side}": n for side, n in sides.items()})  # each a figure of bench_gpu.md
+    out = _run_children(job, children, deadline)
     if not source.exists():
         out["gpu/vision_runner_overhead"] = f"not measured: task.vision_source {source} does not exist"
     return out
+
+
+def child_limit_s(
+    left: float, children: int, least_s: float = LEAST_CHILD_S, most_s: float = CHILD_TIMEOUT_S
+) -> float | None:
+    """The seconds a child may run of the `left` ones, `children` (it included) still to run: an even share, but
+    at least `least_s` where that is left (of 100 s, one runs) and at most `most_s`; None (not started) where less
+    than `least_s` is left."""
+    limit_s = min(most_s, max(left / children, min(left, least_s)))
+    return limit_s if limit_s >= least_s else None
+
+
+def _run_children(
+    job,
+    children: list[tuple[str, list[str], dict[str, str]]],
+    deadline: float,
+    least_s: float = LEAST_CHILD_S,
+    most_s: float = CHILD_TIMEOUT_S,
+) -> dict[str, Any]:
+    """Each child (name, overrides, its figures' names) in turn until `deadline` (time.time()'s clock), each for
+    child_limit_s of what is left, so a child's unused time goes to the next: their figures, and for one not
+    started, or stopped at its limit, or failed, a first figure that says so."""
+    out = {}
+    for i, (name, overrides, names) in enumerate(children):
+        limit_s = child_limit_s(deadline - time.time(), len(children) - i, least_s, most_s)
+        if limit_s is None:
+            time_limit_s = job.config.task.time_limit_s
+            out.update(_missing(names, f"less than {least_s:g} s of task.time_limit_s={time_limit_s} was left for it"))
+            continue
+        ran = _child(job, name, overrides, limit_s)
+        out.update(_figures(ran, names) if ran["status"] == "ok" else _missing(names, ran["error"]))
+        for count in ("device_ops_per_step", "host_waits_per_step") if name == "vision" else ():
+            sides = ran.get(f"vision/{count}") or {}  # absent when the child failed or compiled its model
+            out.update({f"gpu/vision_{count}_{side}": n for side, n in sides.items()})  # each a figure of bench_gpu.md
+    return out
+
+
+def _missing(names: dict[str, str], why: str) -> dict[str, Any]:
+    """A child's figures where it measured nothing: the first says why, the others are None."""
+    return {**dict.fromkeys(names), next(iter(names)): f"not measured: {why}"}
 
 
 def _figures(ran: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
@@ -516,7 +554,8 @@ def _figures(ran: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
 
 
 def _child(job, name: str, overrides: list[str], limit_s: float = CHILD_TIMEOUT_S) -> dict[str, Any]:
-    """A run.py of its own (its own process, config and GPU memory), stopped after `limit_s`; its metrics.json."""
+    """A run.py of its own (its own process, config and GPU memory), its output in NAME.log, stopped with all it
+    started after `limit_s`; its metrics.json."""
     folder = job.run_dir / name
     paths = job.config.paths
     root = Path(paths.root)
@@ -528,12 +567,14 @@ def _child(job, name: str, overrides: list[str], limit_s: float = CHILD_TIMEOUT_
         f"paths.outputs={paths.outputs}",
         f"paths.cache={paths.cache}",
     ]
-    try:
-        proc = subprocess.run(command, cwd=root, env=os.environ.copy(), capture_output=True, text=True, timeout=limit_s)
-    except subprocess.TimeoutExpired as stopped:
-        (job.run_dir / f"{name}.log").write_text(_text(stopped.stdout) + _text(stopped.stderr))
-        return {"status": "failed", "error": f"{name} ran past its {limit_s:.0f} s and was stopped; see {name}.log"}
-    (job.run_dir / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    with (job.run_dir / f"{name}.log").open("w") as output:
+        # a session of its own: a stop reaches every process it started (DataLoader and compile workers)
+        proc = subprocess.Popen(
+            command, cwd=root, env=os.environ.copy(), stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        if not _waited(proc, limit_s):
+            log.warning("bench_gpu: %s ran past its %.0f s and was stopped", name, limit_s)
+            return {"status": "failed", "error": f"{name} ran past its {limit_s:.0f} s and was stopped; see {name}.log"}
     try:
         ran = json.loads((folder / "metrics.json").read_text())
     except (OSError, ValueError):
@@ -549,9 +590,19 @@ def _child(job, name: str, overrides: list[str], limit_s: float = CHILD_TIMEOUT_
     return ran
 
 
-def _text(output: bytes | str | None) -> str:
-    """What a stopped subprocess had written (bytes even when it was asked for text)."""
-    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+def _waited(proc: subprocess.Popen, limit_s: float) -> bool:
+    """Whether `proc` (a session leader) ended within `limit_s`. If not, or if this process is interrupted while
+    waiting, its whole session is killed: subprocess's own timeout killed the leader alone, and what it had started
+    ran on, orphaned."""
+    try:
+        proc.wait(timeout=limit_s)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+    finally:
+        if proc.returncode is None:  # not yet reaped: its pid, and so its session's id, is still its own
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _write(job, out: dict[str, Any]) -> None:

@@ -14,7 +14,8 @@ times both sides, in alternating order: a slow spell of a shared machine hits bo
 the first timed step's start to the last one's end, the device synchronised at those two stamps only: a wait at
 every step kept either side from queueing its next step while the GPU ran this one, and added each side's host
 time to its steps one for one (ONN's Lightning loop showed 0.134 of overhead that way on an H200). Data loading
-counts on both sides.
+counts on both sides; the garbage one side leaves (a Trainer, its loaders) is collected before the next side
+starts, not inside its window.
 `overhead/max_loss_gap` is the largest difference between the two sides' losses, step by step, in the first
 round: 0 (or a GPU's float noise) when both did the same work.
 """
@@ -22,6 +23,7 @@ round: 0 (or a GPU's float noise) when both did the same work.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from typing import Any
 
@@ -61,6 +63,7 @@ def run(job) -> dict[str, Any]:
     for round_ in range(task.repeats):
         sides = [("plain", lambda: _plain(job, steps, warmup)), ("onn", lambda: _onn(job, steps, warmup))]
         for name, measure in sides if round_ % 2 == 0 else sides[::-1]:
+            settle(job.device)
             L.seed_everything(config.seed, verbose=False)
             rate, side_losses = measure()
             rounds[name].append(rate)
@@ -81,6 +84,17 @@ def run(job) -> dict[str, Any]:
         flush=True,
     )
     return metrics
+
+
+def settle(device: str | torch.device) -> None:
+    """Free what the last side left before the next one starts, outside both timed windows: a Trainer, its module
+    and loaders hold reference cycles that only the collector frees, which it did inside the next side's window (on
+    its time and, with the allocator's cache, its GPU memory)."""
+    gc.collect()
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def _rate(stamps: list[float], warmup: int, steps: int) -> float:
