@@ -172,9 +172,26 @@ def _decode_soundfile(source: str | bytes, fit: Fit | None) -> tuple[np.ndarray,
     return wave, rate, start, total if start else wave.shape[1]
 
 
-def _decode_ffmpeg(source: str | bytes, fit: Fit | None) -> tuple[np.ndarray, int, int, int]:
-    """(samples, rate, the first one's index, the recording's length) through PyAV: decoded from the start, kept
-    from the window `fit` needs and stopped after it where the stream says how long it is."""
+@dataclass
+class Packets:
+    """How many of a stream's packets decoded, and how many did not (a damaged stretch of the file)."""
+
+    decoded: int = 0
+    damaged: int = 0
+
+
+# kept either side of a window placed from an estimated duration: an estimate up to half a second off (the window
+# moves by half the error) is cut from one pass, one further off is decoded again at the decoded length
+ESTIMATE_SLACK_SECONDS = 0.25
+
+
+def _decode_ffmpeg(source: str | bytes, fit: Fit | None, known: int | None = None) -> tuple[np.ndarray, int, int, int]:
+    """(samples, rate, the first one's index, the recording's length) through PyAV: the window `fit` needs.
+    A stream's duration is often an estimate (ADTS AAC and MP3 without a Xing header: from the bitrate; Ogg: from
+    its last page), tens of ms off, which would move the centred window off the centre of the decoded recording.
+    So the stream is decoded to its end for its true length, keeping the estimated window and a quarter second either
+    side; the window the true length places is cut from that, or (an estimate off by more) decoded again once
+    the length is `known`."""
     import av
 
     with av.open(_opened(source)) as container:
@@ -185,39 +202,50 @@ def _decode_ffmpeg(source: str | bytes, fit: Fit | None) -> tuple[np.ndarray, in
         if not rate:
             raise BadFile("an audio stream without a sample rate")
         said = round(float(stream.duration * stream.time_base) * rate) if stream.duration and stream.time_base else 0
-        start, count = window(said, rate, fit)
-        end = start + count if start else None
-        resampler = av.AudioResampler(format="fltp", layout=stream.layout.name if stream.layout else None, rate=rate)
-        chunks, position, packets = [], 0, Packets()
-        # None: the resampler's last samples
-        for frame in itertools.chain(_decoded(container, stream, packets), [None]):
-            for out in resampler.resample(frame):
-                array = out.to_ndarray()
-                if end is None:
-                    chunks.append(array)
-                elif position < end and position + array.shape[1] > start:
-                    chunks.append(array[:, max(0, start - position) : end - position])
-                position += array.shape[1]
-            if end is not None and position >= end:
-                break
+        start, count = window(known or said, rate, fit)
+        slack = 0 if known or not start else round(ESTIMATE_SLACK_SECONDS * rate)
+        first, end = (max(0, start - slack), start + count + slack) if start else (0, None)
+        packets = Packets()
+        chunks, total = _kept_samples(container, stream, packets, rate, first, end, stop=known is not None)
     if packets.damaged > packets.decoded:
         raise BadFile(
             f"mostly damaged audio ({packets.damaged} of {packets.damaged + packets.decoded} packets do not decode)"
         )
-    if end is not None and position < end:  # the stream said it lasts longer than it does: decode it whole
-        return _decode_ffmpeg(source, None)
+    if end is not None:
+        start, count = window(known or total, rate, fit)
+        if start == 0:  # shorter than it said: the whole recording is the window
+            return _decode_ffmpeg(source, None)
+        kept = sum(chunk.shape[1] for chunk in chunks)
+        if known is None and not first <= start <= start + count <= first + kept:
+            return _decode_ffmpeg(source, fit, known=total)  # an estimate off by more than the slack
     if not chunks:
         raise BadFile("an audio stream with no samples")
     wave = np.concatenate(chunks, axis=1).astype(np.float32, copy=False)
-    return wave, int(rate), start, said if end is not None else wave.shape[1]
+    if end is None:
+        return wave, int(rate), 0, wave.shape[1]
+    return wave[:, start - first : start - first + count], int(rate), start, known or total
 
 
-@dataclass
-class Packets:
-    """How many of a stream's packets decoded, and how many did not (a damaged stretch of the file)."""
+def _kept_samples(
+    container, stream, packets: Packets, rate: int, first: int, end: int | None, stop: bool
+) -> tuple[list, int]:
+    """The decoded samples from `first` to `end` (None: to the stream's end), as chunks, and how many samples the
+    stream held (decoded to its end unless `stop`: then the count where decoding stopped, past `end`)."""
+    import av
 
-    decoded: int = 0
-    damaged: int = 0
+    resampler = av.AudioResampler(format="fltp", layout=stream.layout.name if stream.layout else None, rate=rate)
+    chunks, position = [], 0
+    for frame in itertools.chain(_decoded(container, stream, packets), [None]):  # None: the resampler's last samples
+        for out in resampler.resample(frame):
+            array = out.to_ndarray()
+            if end is None:
+                chunks.append(array)
+            elif position < end and position + array.shape[1] > first:
+                chunks.append(array[:, max(0, first - position) : end - position])
+            position += array.shape[1]
+        if stop and end is not None and position >= end:
+            break
+    return chunks, position
 
 
 def _decoded(container, stream, packets: Packets) -> Iterator:

@@ -5,7 +5,8 @@ mov, avi, mkv, webm, ...) decodes; torchvision 0.26 no longer has a video reader
 their presentation time, not their index, so variable frame rates sample the clip evenly: a first pass
 reads the packets' timestamps and keyframes (no decoding), the frame shown at each of T evenly spaced times is
 chosen, and a second pass seeks to the keyframe before each chosen frame that lies past one and decodes from
-there, converting only the chosen frames (a long film decodes a few groups of pictures, not every frame).
+there, converting only the chosen frames (a long film decodes a few groups of pictures, not every frame; MPEG-PS,
+whose frames FFmpeg mistimes after a seek, is read in one pass that converts only the chosen frames).
 Rotation metadata (phones' portrait clips) is applied, 10-bit streams are converted to 8-bit RGB, and odd frame
 sizes are scaled by FFmpeg's swscale. A file FFmpeg cannot open, with no video stream, or with no frame that
 decodes is a `BadFile` naming why; the caller skips it and counts it against data.max_bad_fraction.
@@ -133,6 +134,14 @@ class Timing:
     times: list[float]
     keyframes: list[float]
     seek_at: dict[float, tuple[int, ...]]
+    seekable: bool = True  # False for MPEG-PS: see UNSEEKABLE
+
+
+# Demuxers whose seeks cannot be trusted. MPEG-PS (.mpg, .mpeg, .vob) packs several frames into one PES packet and
+# FFmpeg's parser times the frames between PES timestamps by interpolation; after a seek it interpolates at the wrong
+# rate (half a frame apart), so no frame decoded after a seek is reliably the one wanted. These are read in one pass
+# instead, converting only the chosen frames.
+UNSEEKABLE = frozenset({"mpeg"})
 
 
 def _timestamps(source: str | bytes) -> Timing | None:
@@ -151,9 +160,10 @@ def _timestamps(source: str | bytes) -> Timing | None:
             times.append(float(packet.pts * base))
             if packet.is_keyframe:
                 seek_at[times[-1]] = tuple(dict.fromkeys(t for t in (packet.pts, packet.dts) if t is not None))
+        seekable = container.format.name not in UNSEEKABLE
     if not times:
         raise BadFile("a video stream with no frames")
-    return Timing(sorted(set(times)), sorted(seek_at), seek_at)
+    return Timing(sorted(set(times)), sorted(seek_at), seek_at, seekable)
 
 
 def pick(times: list[float], count: int) -> list[int]:
@@ -169,9 +179,9 @@ def _decode_chosen(source: str | bytes, timing: Timing, fit: Fit) -> tuple[list[
     wanted = sorted({round(times[i], 6) for i in chosen})
     with _open(source) as container:
         stream = _stream(container)
-        got = _seek_and_decode(container, stream, wanted, timing, fit)
+        got = _seek_and_decode(container, stream, wanted, timing, fit) if timing.seekable else None
         rate = float(stream.average_rate or stream.guessed_rate or 25)
-    if got is None:  # a seek that missed: one pass from the start, converting the chosen frames only
+    if got is None:  # a seek that missed (or no seeking): one pass from the start, converting the chosen frames only
         got = {}
         with _open(source) as container, contextlib.suppress(Exception):  # damage: _decode_all keeps what decodes
             _decode_to(decoded_frames(container, _stream(container)), wanted[-1], wanted, got, fit, sought=False)
@@ -243,24 +253,40 @@ def decoded_frames(container, stream) -> Iterator:
 
 
 def _decode_all(source: str | bytes, fit: Fit) -> tuple[list[np.ndarray], float]:
-    """Every frame decoded and converted, timed by its own timestamp (or its index at the stream's rate)."""
-    frames, times = [], []
+    """The chosen frames of a stream timed only as it decodes (packets without timestamps, or damage): a first
+    pass decodes every frame for its time (its own timestamp, or its index at the stream's rate) and keeps none, a
+    second converts only the chosen ones. Twice the decoding, but a long clip is never held whole in memory."""
+    times, rate = _decoded_times(source)
+    order = np.argsort(times, kind="stable")  # decode order -> presentation order
+    ordered = [times[i] for i in order]
+    chosen = [int(order[i]) for i in pick(ordered, fit.frames)]  # decode-order indices, in presentation order
+    wanted, got = set(chosen), {}
+    with _open(source) as container, contextlib.suppress(Exception):  # damage: the first pass stopped there too
+        for i, frame in enumerate(decoded_frames(container, _stream(container))):
+            if i in wanted:
+                got[i] = convert(frame, fit)
+            if len(got) == len(wanted):
+                break
+    if len(got) < len(wanted):
+        raise BadFile("a video stream that decodes differently twice (frames the first pass read did not decode)")
+    return [got[i] for i in chosen], ordered[-1] - ordered[0] + 1 / rate
+
+
+def _decoded_times(source: str | bytes) -> tuple[list[float], float]:
+    """Every frame's time in decode order (a truncated stream: those before the damage), and the stream's rate."""
+    times = []
     with _open(source) as container:
         stream = _stream(container)
         rate = float(stream.average_rate or stream.guessed_rate or 25)
         try:
-            for i, frame in enumerate(container.decode(stream)):
-                frames.append(convert(frame, fit))
+            for i, frame in enumerate(decoded_frames(container, stream)):
                 times.append(float(frame.time) if frame.time is not None else i / rate)
         except Exception:  # a truncated stream: keep the frames before the damage
-            if not frames:
+            if not times:
                 raise
-    if not frames:
+    if not times:
         raise BadFile("a video stream with no frame that decodes")
-    order = np.argsort(times, kind="stable")
-    times = [times[i] for i in order]
-    frames = [frames[i] for i in order]
-    return [frames[i] for i in pick(times, fit.frames)], times[-1] - times[0] + 1 / rate
+    return times, rate
 
 
 def convert(frame, fit: Fit) -> np.ndarray:

@@ -127,14 +127,21 @@ def _jpeg(data: bytes, channels: int | str) -> np.ndarray | None:
     return None  # CMYK: Pillow converts it
 
 
+# Pillow reads a 16-bit grey+alpha PNG as RGBA (three equal channels), which would count it as colour
+GREY_ALPHA_16 = ("LA;16B", "LA;16")
+
+
 def _open_raw(data: bytes):
     """The picture as a viewer shows it: turned by its EXIF orientation (a phone's portrait photo is stored
-    sideways)."""
+    sideways). A 16-bit grey+alpha picture is mode LA, as an 8-bit one is."""
     from PIL import Image, ImageOps
 
     _register_plugins()
     img = Image.open(io.BytesIO(data))
+    grey_alpha = img.mode == "RGBA" and any(len(tile) > 3 and tile[3] in GREY_ALPHA_16 for tile in img.tile)
     img.load()
+    if grey_alpha:
+        img = img.convert("LA")  # exact: the three channels are equal
     if img.getexif().get(0x0112, 1) != 1:
         img = ImageOps.exif_transpose(img)
     return img
