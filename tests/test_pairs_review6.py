@@ -211,7 +211,7 @@ def test_a_diverged_models_nan_embeddings_retrieve_nothing():
 
 def test_infer_with_a_checkpoint_that_embeds_nan_says_so(trained, tmp_path):
     """A checkpoint whose weights diverged (NaN) ranked its gallery by NaN scores and wrote them as matches without
-    a word; it is one sentence naming the checkpoint."""
+    a word; it is one sentence naming the checkpoint and a NaN weight, said before anything is embedded."""
     from safetensors.torch import load_file, save_file
 
     run_dir, shapes = trained
@@ -221,7 +221,7 @@ def test_infer_with_a_checkpoint_that_embeds_nan_says_so(trained, tmp_path):
         poisoned = {k: torch.full_like(v, float("nan")) if "projections." in k else v for k, v in weights.items()}
         assert poisoned.keys() == weights.keys() and any("projections." in k for k in weights)
         save_file(poisoned, str(tensors))
-    with pytest.raises(UserError, match=r"^ckpt .*diverged.*: the dual encoder embeds some items as NaN or inf"):
+    with pytest.raises(UserError, match=r"^ckpt .*diverged.* cannot be used for task=infer: its weight projections\."):
         run(tmp_path, "task=infer", f"ckpt={diverged}", f"task.gallery={shapes}", "prompt=a red square")
 
 

@@ -56,7 +56,7 @@ from onn.planning.spec import network_spec, transform_bytes
 from onn.streaming.seeded import draw, empty_network
 from onn.streaming.store import LayerStore
 from onn.training.callbacks import StepClock, run_callbacks
-from onn.training.checkpoints import check_state, resumed_optim, run_best, saved_config, state_shapes
+from onn.training.checkpoints import check_finite, check_state, resumed_optim, run_best, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.classifier import (
     Classifier,
@@ -319,7 +319,8 @@ def train(job: Job) -> dict[str, Any]:
     stage = tested_after_training(trainer, module, dm, best, metrics, run_dir, writes)
     if writes and config.export.name != "none":  # a streamed network exports from its checkpoint, resident
         tested = Path(best) if best else run_dir / "checkpoints" / "last.ckpt"
-        exported = module if module.engine is None else load_trained(m, config, plan, tested)
+        # unchecked: a diverged run exports nothing (export_after_training) and says so as it ends
+        exported = module if module.engine is None else load_trained(m, config, plan, tested, checked=False)
         if module.engine is not None and module.engine.store.dtype != "float32":
             metrics["export/frozen_weights"] = "float32"  # rebuilt from the seed: not the store the figures are of
             log.warning(
@@ -358,9 +359,12 @@ def tested_after_training(
     return stage
 
 
-def load_trained(m: ClassifierModality, config: ONNConfig, plan: Plan, ckpt: Path) -> Classifier:
+def load_trained(m: ClassifierModality, config: ONNConfig, plan: Plan, ckpt: Path, checked: bool = True) -> Classifier:
     """The classifier with the checkpoint's weights. A streamed run's checkpoint holds what trained (and the
-    buffers): the frozen weights are its seed's, built again with its strategy."""
+    buffers): the frozen weights are its seed's, built again with its strategy, all resident. `checked`: weights
+    that hold NaN or inf are refused for config.task (eval, infer, export; a diffusion run's judge): a diverged
+    checkpoint's predictions would all be NaN. Unchecked for the training's own export and for serve, whose
+    startup checks every served model."""
     inputs, saved = saved_inputs(ckpt), saved_config(ckpt)["strategy"]
     if saved["name"] == "sparse_lora":
         strategy = typed(StrategyConfig, saved, f"ckpt {ckpt}: strategy")
@@ -377,6 +381,8 @@ def load_trained(m: ClassifierModality, config: ONNConfig, plan: Plan, ckpt: Pat
         raise UserError(
             f"ckpt {ckpt} does not match the model it names: missing {missing[:3]}, unexpected {unexpected[:3]}."
         )
+    if checked:
+        check_finite(module, f"ckpt {ckpt}", config.task.name)
     return module
 
 
@@ -555,7 +561,8 @@ def serving(job: Job) -> Predictor:
     m = job.modality
     if job.ckpt is None:
         raise UserError(f"task=serve on {m.name} data needs ckpt=RUN_DIR (a trained classifier) to know its classes.")
-    return Predictor(m, job.config, load_trained(m, job.config, job.plan, job.ckpt), torch.device(job.device), job.plan)
+    module = load_trained(m, job.config, job.plan, job.ckpt, checked=False)  # serve's startup checks it
+    return Predictor(m, job.config, module, torch.device(job.device), job.plan)
 
 
 def export(job: Job) -> dict[str, Any]:

@@ -353,6 +353,33 @@ def check_state(
         )
 
 
+def check_finite(network: torch.nn.Module, where: str, task: str) -> None:
+    """UserError naming `where` (`ckpt PATH`, or `model.source X`) and its first weight that holds NaN or inf: a
+    diverged checkpoint gives NaN predictions, null scores, samples or an export full of NaN, or fails every request
+    (task=serve), so it is refused before any of that is written. One max and one min per weight, no copy of it,
+    read back once per device. Only what is resident is read: a layer-streamed model's frozen blocks live in its
+    store (empty placeholders here), which holds model.source's weights, never what a checkpoint trained."""
+    floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    flags: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    with torch.no_grad():
+        for name, p in network.named_parameters():
+            if p.dtype in floats and p.numel() and not p.is_meta:  # (quantized codes, placeholders: nothing to read)
+                finite = torch.isfinite(p.amax()) & torch.isfinite(p.amin())  # NaN propagates to both
+                flags.setdefault(p.device, []).append((name, finite))
+    for named in flags.values():
+        ok = torch.stack([finite for _, finite in named]).tolist()
+        bad = next((name for (name, _), fine in zip(named, ok) if not fine), None)
+        if bad is not None:
+            serve = task == "serve"
+            use = "be served" if serve else f"be used for task={task}"
+            outcome = "every answer would fail" if serve else "all it would give is NaN"
+            raise UserError(
+                f"{where} cannot {use}: its weight {bad} holds NaN or inf (the training diverged, or the file is "
+                f"damaged), so {outcome}; use a checkpoint from before that (ckpt=RUN_DIR/checkpoints/best.ckpt, "
+                "kept at the run's best score), or train again with a lower optim.lr."
+            )
+
+
 class _NoTensors(dict):
     def __missing__(self, key: str) -> None:
         return None

@@ -43,7 +43,7 @@ from onn.planning.spec import network_spec
 from onn.streaming import seeded
 from onn.streaming.store import LayerStore
 from onn.training.callbacks import StepClock, run_callbacks
-from onn.training.checkpoints import check_state, resumed_optim, run_best, saved_config, state_shapes
+from onn.training.checkpoints import check_finite, check_state, resumed_optim, run_best, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.classifier import mean_loss
 from onn.training.trainer import build_trainer, optimizer_steps, streaming_store, streaming_strategy
@@ -159,8 +159,11 @@ def build(config: ONNConfig, inputs: dict[str, Any], store: LayerStore | None = 
     return module
 
 
-def load_trained(config: ONNConfig, ckpt: Path) -> DiffusionModule:
-    """The module of the checkpoint's model with its weights (and its moving average)."""
+def load_trained(config: ONNConfig, ckpt: Path, checked: bool = True) -> DiffusionModule:
+    """The module of the checkpoint's model with its weights (and its moving average), all resident (a streamed
+    run's frozen blocks are drawn again from its seed). `checked`: weights that hold NaN or inf are refused for
+    config.task (infer, eval, export), whose samples would all be NaN; the training's own sampling is unchecked (a
+    diverged run says so as it ends)."""
     saved = saved_config(ckpt, "diffusion")
     model = typed(DenoiserConfig, saved["model"], f"ckpt {ckpt}: model")
     strategy = typed(StrategyConfig, saved["strategy"], f"ckpt {ckpt}: strategy")
@@ -175,6 +178,8 @@ def load_trained(config: ONNConfig, ckpt: Path) -> DiffusionModule:
         raise UserError(
             f"ckpt {ckpt} does not match the denoiser it names: missing {missing[:3]}, unexpected {unexpected[:3]}."
         )
+    if checked:  # the denoiser and its moving average, by the checkpoint's names (before adapters merge)
+        check_finite(module, f"ckpt {ckpt}", config.task.name)
     if strategy.name == "sparse_lora":  # the adapters merged into their layers: a plain denoiser again
         module.denoiser = module.denoiser.merge_and_unload()
     return module
@@ -240,7 +245,7 @@ def train(job: Job) -> dict[str, Any]:
     }
     if module.engine is not None:  # samples and exports from the checkpoint's weights, resident (docs/streaming.md)
         module.engine.close()
-        module = load_trained(config, run_dir / "checkpoints" / "last.ckpt")
+        module = load_trained(config, run_dir / "checkpoints" / "last.ckpt", checked=False)
         metrics["streaming"] = {"chunk_size": job.plan.streaming.chunk_size, "store": job.plan.streaming.store}
     metrics.update(sample_grid(config, module, run_dir, torch.device(job.device)))
     if writes and config.export.name != "none":

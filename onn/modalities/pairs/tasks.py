@@ -44,7 +44,7 @@ from onn.planning.costs import MB
 from onn.planning.plan import Plan, make_plan
 from onn.planning.spec import network_spec
 from onn.training.callbacks import StepClock, run_callbacks
-from onn.training.checkpoints import check_state, resumed_optim, run_best, saved_config, state_shapes
+from onn.training.checkpoints import check_finite, check_state, resumed_optim, run_best, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.classifier import evaluation_autocast, mean_loss, to_device
 from onn.training.trainer import build_trainer, optimizer_steps
@@ -134,6 +134,8 @@ def plan(modality, config: ONNConfig, hardware: Profile, use_tuned: bool = True)
 
 
 def load_trained(config: ONNConfig, ckpt: Path) -> DualEncoder:
+    """The dual encoder of the checkpoint, for task=eval, infer and export (training resumes through Lightning):
+    weights that hold NaN or inf are refused here, before any item is embedded as NaN."""
     saved = saved_config(ckpt, "pairs")
     model = typed(DualEncoderConfig, saved["model"], f"ckpt {ckpt}: model")
     module = build(replace(config, model=model), sides_of(config, ckpt))
@@ -143,6 +145,7 @@ def load_trained(config: ONNConfig, ckpt: Path) -> DualEncoder:
         raise UserError(
             f"ckpt {ckpt} does not match the dual encoder it names: missing {missing[:3]}, unexpected {unexpected[:3]}."
         )
+    check_finite(module, f"ckpt {ckpt}", config.task.name)
     return module
 
 

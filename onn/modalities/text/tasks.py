@@ -61,7 +61,7 @@ from onn.streaming.strategy import (
     layer_store,
 )
 from onn.training.callbacks import RandomState, ResourceMonitor, StepCheckpoint, StepClock
-from onn.training.checkpoints import check_state, read_meta, resumed_optim, saved_config, state_shapes
+from onn.training.checkpoints import check_finite, check_state, read_meta, resumed_optim, saved_config, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.distributed import forward_is_collective, gathered, parameter_count
 from onn.training.lora import apply
@@ -262,10 +262,15 @@ def check_positions(config: ONNConfig, module: CausalLM) -> None:
     check_max_length(config, positions, "its config's max_position_embeddings")
 
 
-def load_weights(module: CausalLM, ckpt: Path) -> None:
-    """A checkpoint's trained weights into a freshly built module (its frozen base came from model.source)."""
+def load_weights(module: CausalLM, ckpt: Path, task: str | None) -> None:
+    """A checkpoint's trained weights into a freshly built module (its frozen base came from model.source). With
+    `task` (eval, infer, export) weights that hold NaN or inf are refused: every token's scores would be NaN. None:
+    the caller checks (serve's startup). Training resumes through Lightning, not here. A layer-streamed model's
+    frozen blocks are in its store, not read here: the checkpoint's own weights (adapters, head) are resident."""
     check_state(module, state_shapes(ckpt), ckpt, loads_frozen=module.strict_loading)
     module.load_state_dict(load_checkpoint(ckpt)["state_dict"], strict=False)
+    if task is not None:
+        check_finite(module, f"ckpt {ckpt}", task)
 
 
 def early_tokenizer(model_cfg: LanguageModelConfig, cache_dir) -> Any | None:
@@ -488,7 +493,7 @@ def evaluate(job: Job) -> dict[str, Any]:
     module, tokenizer = build(config, plan)
     check_positions(config, module)
     if ckpt is not None:
-        load_weights(module, ckpt)
+        load_weights(module, ckpt, config.task.name)
     else:
         log.warning("task=eval without ckpt: evaluating the model as loaded from model.source")
     dm = datamodule(config, tokenizer, stage="validate")
@@ -544,14 +549,14 @@ def data_metrics(dm: TextDataModule) -> dict[str, Any]:
     }
 
 
-def language_model(job: Job) -> LanguageModel:
-    """The model ready to generate, as task=infer and task=serve use it: the checkpoint's weights, layer-streamed
-    when the plan streams (each chunk load then serves every sequence, per token), and the prompt format the
-    model was trained with (or its chat template)."""
+def language_model(job: Job, checked: bool = True) -> LanguageModel:
+    """The model ready to generate, as task=infer and task=serve use it: the checkpoint's weights (`checked`: refused
+    when they hold NaN or inf), layer-streamed when the plan streams (each chunk load then serves every sequence,
+    per token), and the prompt format the model was trained with (or its chat template)."""
     config, plan = job.config, job.plan
     module, tokenizer = build(config, plan)
     if job.ckpt is not None:
-        load_weights(module, job.ckpt)
+        load_weights(module, job.ckpt, config.task.name if checked else None)
     model, engine = module.model, None
     if settings := streaming_settings(config, plan, generate=True):
         engine = build_engine(model, settings, module.store, job.device, micro_batch=None)
@@ -563,7 +568,7 @@ def language_model(job: Job) -> LanguageModel:
 
 def serving(job: Job) -> LanguageModel:
     """What task=serve answers with: language_model's model, whose KV cache continuous batching shares out."""
-    lm = language_model(job)
+    lm = language_model(job, checked=False)  # serve's startup checks every served model, ckpt or model.source
     if getattr(lm.model, "carries_state", False):
         raise UserError(
             f"task=serve decodes requests together through a KV cache, and model '{job.config.model.name}' is "
@@ -663,7 +668,7 @@ def export(job: Job) -> dict[str, Any]:
         model, tokenizer = load(config.model, dtype=weights_dtype(config, plan), cache_dir=config.paths.cache)
         return export_for_run(config, model, job.run_dir, tokenizer=tokenizer)
     module, tokenizer = build(config, plan)
-    load_weights(module, job.ckpt)
+    load_weights(module, job.ckpt, config.task.name)
     engine = None
     if settings := streaming_settings(config, plan):
         settings.mlp_tiles = 1  # the exported graph computes each MLP whole

@@ -20,6 +20,7 @@ from onn.config import ONNConfig
 from onn.config.task import ServeConfig
 from onn.errors import UserError
 from onn.modalities.base import Job
+from onn.training.checkpoints import check_finite
 
 log = logging.getLogger("onn")
 WHOLE = ("port", "slots", "max_waiting", "max_body_bytes", "max_prompt_tokens", "max_tokens", "default_max_tokens",
@@ -88,32 +89,9 @@ def build_app(job: Job):
 
     served = job.modality.serving(job)
     where = f"ckpt {job.ckpt}" if job.ckpt is not None else f"model.source {job.config.model.source}"
-    check_finite(served.module if hasattr(served, "classify") else served.model, where)
+    # every served model, a checkpoint's or model.source's: the modalities' serving hooks leave it to this check
+    check_finite(served.module if hasattr(served, "classify") else served.model, where, "serve")
     return create_app(served, job.config.serve, model_name(job.config), api_key(job.config.serve))
-
-
-def check_finite(network, where: str) -> None:
-    """UserError naming `where` (the checkpoint) when a weight holds NaN or inf: every request would fail (a NaN
-    answer). One max and one min per weight, no copy of it, read back once per device. A layer-streamed model's
-    blocks are in its store (empty here), so their weights are not read: a NaN there fails each request alone."""
-    import torch
-
-    floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-    flags: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-    with torch.no_grad():
-        for name, p in network.named_parameters():
-            if p.dtype in floats and p.numel() and not p.is_meta:  # (quantized codes, placeholders: nothing to read)
-                finite = torch.isfinite(p.amax()) & torch.isfinite(p.amin())  # NaN propagates to both
-                flags.setdefault(p.device, []).append((name, finite))
-    for named in flags.values():
-        ok = torch.stack([finite for _, finite in named]).tolist()
-        bad = next((name for (name, _), fine in zip(named, ok) if not fine), None)
-        if bad is not None:
-            raise UserError(
-                f"{where} cannot be served: its weight {bad} holds NaN or inf (the training diverged, or the file is "
-                "damaged), so every answer would fail; serve a checkpoint from before that, or train again with a "
-                "lower optim.lr."
-            )
 
 
 def run(job: Job) -> dict[str, Any]:
