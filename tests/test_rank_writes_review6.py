@@ -272,3 +272,35 @@ def test_a_process_other_than_rank_zero_draws_and_exports_nothing(tmp_path: Path
         **other, "samples/picture": str(tmp_path / "zero" / "samples.png")
     }  # fmt: skip
     assert (tmp_path / "zero" / "samples.png").is_file() and (tmp_path / "zero" / "samples.safetensors").is_file()
+
+
+def test_a_best_checkpoint_rank_zero_cannot_take_fails_every_rank_not_only_its_own(tmp_path):
+    """run_best runs on rank 0 alone (it copies a resumed run's best.ckpt in): when it failed there (a damaged
+    earlier checkpoint), rank 0 raised before the broadcast and every other rank waited in it for good. The failure
+    now rides the broadcast: rank 0 raises its own error, the others one naming it."""
+    from types import SimpleNamespace
+
+    from onn.training.checkpoints import shared_best
+
+    damaged = tmp_path / "earlier" / "checkpoints" / "last.ckpt"
+    damaged.mkdir(parents=True)  # a checkpoint folder with nothing readable in it
+    sent: list = []
+
+    def broadcast(obj):  # rank 0's side records what it sends; rank 1's receives it
+        if not sent:
+            sent.append(obj)
+        return sent[0]
+
+    callback = SimpleNamespace(best_model_path="", best_model_score=None)
+    rank0 = SimpleNamespace(
+        is_global_zero=True, checkpoint_callback=callback, strategy=SimpleNamespace(broadcast=broadcast)
+    )
+    with pytest.raises(Exception) as raised:
+        shared_best(rank0, damaged, tmp_path / "run", "val/acc", "max")
+    assert sent and sent[0][1] is not None  # its failure was broadcast before it raised
+    rank1 = SimpleNamespace(
+        is_global_zero=False, checkpoint_callback=callback, strategy=SimpleNamespace(broadcast=broadcast)
+    )
+    with pytest.raises(Exception, match="rank 0 could not take the run's best checkpoint") as other:
+        shared_best(rank1, damaged, tmp_path / "run", "val/acc", "max")
+    assert type(other.value).__name__ in {"UserError", "RuntimeError"} and str(raised.value) in str(other.value)

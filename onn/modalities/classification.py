@@ -56,7 +56,7 @@ from onn.planning.spec import network_spec, transform_bytes
 from onn.streaming.seeded import draw, empty_network
 from onn.streaming.store import LayerStore
 from onn.training.callbacks import StepClock, run_callbacks
-from onn.training.checkpoints import check_finite, check_state, resumed_optim, run_best, saved_config, state_shapes
+from onn.training.checkpoints import check_finite, check_state, resumed_optim, saved_config, shared_best, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.classifier import (
     Classifier,
@@ -293,9 +293,7 @@ def train(job: Job) -> dict[str, Any]:
         trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"), weights_only=False)  # the final state
     monitor = config.task.monitor
     writes = is_rank_zero()  # the other processes of a multi-process run trained the same weights
-    # rank 0 copies a resumed run's earlier best.ckpt in; every rank tests it once that is done (the broadcast waits)
-    found = run_best(trainer.checkpoint_callback, ckpt, run_dir, monitor, monitor_mode(monitor)) if writes else None
-    best, best_score = trainer.strategy.broadcast(found)
+    best, best_score = shared_best(trainer, ckpt, run_dir, monitor, monitor_mode(monitor))  # every rank tests it
     metrics: dict[str, Any] = {
         "epochs": trainer.current_epoch,
         "steps": trainer.global_step,

@@ -392,6 +392,26 @@ class _Refs(dict):
         return key
 
 
+def shared_best(trainer, ckpt: Path | None, run_dir: Path, monitor: str, mode: str) -> tuple[str | None, float | None]:
+    """run_best on rank 0 alone, its result handed to every rank by the strategy's broadcast: it copies a resumed
+    run's best.ckpt in, which every rank copying at once raced, and a rank could test a half-copied one. Its failure
+    (a damaged earlier checkpoint, a full disk) reaches every rank through the broadcast too: raised on rank 0 alone,
+    the others would wait in the broadcast for good."""
+    found, failure, raised = None, None, None
+    if trainer.is_global_zero:
+        try:
+            found = run_best(trainer.checkpoint_callback, ckpt, run_dir, monitor, mode)
+        except Exception as e:  # every rank raises it, below
+            failure, raised = (isinstance(e, UserError), f"{type(e).__name__}: {e}"), e
+    found, failure = trainer.strategy.broadcast((found, failure))
+    if raised is not None:
+        raise raised
+    if failure is not None:
+        user, message = failure
+        raise (UserError if user else RuntimeError)(f"rank 0 could not take the run's best checkpoint: {message}")
+    return found
+
+
 def run_best(callback, ckpt: Path | None, run_dir: Path, monitor: str, mode: str) -> tuple[str | None, float | None]:
     """The whole run's best checkpoint and score (`mode`: min or max of `monitor`). Lightning forgets the best score
     when a resumed run writes to a new folder, so an earlier run's best.ckpt that this run's does not beat is copied

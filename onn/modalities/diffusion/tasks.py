@@ -43,7 +43,7 @@ from onn.planning.spec import network_spec
 from onn.streaming import seeded
 from onn.streaming.store import LayerStore
 from onn.training.callbacks import StepClock, run_callbacks
-from onn.training.checkpoints import check_finite, check_state, resumed_optim, run_best, saved_config, state_shapes
+from onn.training.checkpoints import check_finite, check_state, resumed_optim, saved_config, shared_best, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.classifier import mean_loss
 from onn.training.trainer import build_trainer, optimizer_steps, streaming_store, streaming_strategy
@@ -226,8 +226,7 @@ def train(job: Job) -> dict[str, Any]:
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
         trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"), weights_only=False)  # said: no log line
     writes = is_rank_zero()  # the other processes of a multi-process run trained the same weights
-    # rank 0 copies a resumed run's earlier best.ckpt in, the others take its path (the broadcast waits for it)
-    best = run_best(trainer.checkpoint_callback, ckpt, run_dir, MONITOR, "min")[0] if writes else None
+    best = shared_best(trainer, ckpt, run_dir, MONITOR, "min")[0]  # rank 0 copies a resumed run's in
     metrics: dict[str, Any] = {
         "epochs": trainer.current_epoch,
         "steps": trainer.global_step,
@@ -239,7 +238,7 @@ def train(job: Job) -> dict[str, Any]:
         "peak_memory_mb": round(peak.peak_mb, 1),
         "params_total": sum(p.numel() for p in module.denoiser.parameters()),
         "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
-        "checkpoint_best": trainer.strategy.broadcast(best),
+        "checkpoint_best": best,
         "resumed_from": str(ckpt) if ckpt else None,
         "items_skipped": len(dm.skipped),
     }

@@ -44,7 +44,7 @@ from onn.planning.costs import MB
 from onn.planning.plan import Plan, make_plan
 from onn.planning.spec import network_spec
 from onn.training.callbacks import StepClock, run_callbacks
-from onn.training.checkpoints import check_finite, check_state, resumed_optim, run_best, saved_config, state_shapes
+from onn.training.checkpoints import check_finite, check_state, resumed_optim, saved_config, shared_best, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.classifier import evaluation_autocast, mean_loss, to_device
 from onn.training.trainer import build_trainer, optimizer_steps
@@ -194,8 +194,7 @@ def train(job: Job) -> dict[str, Any]:
     # the whole run's, resumed too: rank 0 copies a resumed run's earlier best.ckpt in, and every rank validates it
     # once that is done (the broadcast waits for rank 0)
     writes = is_rank_zero()
-    best = run_best(trainer.checkpoint_callback, ckpt, run_dir, MONITOR, "max")[0] if writes else None
-    best = trainer.strategy.broadcast(best)
+    best = shared_best(trainer, ckpt, run_dir, MONITOR, "max")[0]
     metrics: dict[str, Any] = {
         **data_metrics(dm),
         "epochs": trainer.current_epoch,
