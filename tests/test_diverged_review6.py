@@ -51,6 +51,12 @@ def test_the_shared_check_reads_what_is_resident_and_says_the_task():
         check_finite(network, "ckpt a.ckpt", "export")
     with pytest.raises(UserError, match=r"^model.source m cannot be served: its weight 1.bias .*every answer would"):
         check_finite(network, "model.source m", "serve")
+    normed = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    normed.register_buffer("mask", torch.full((2, 2), float("-inf")))  # a mask's -inf is no divergence
+    check_finite(normed, "ckpt b.ckpt", "infer")
+    normed[1].running_var[0] = float("nan")  # a diverged norm's statistics predict NaN however finite its weights
+    with pytest.raises(UserError, match=r"^ckpt b.ckpt cannot be used for task=infer: its weight 1.running_var"):
+        check_finite(normed, "ckpt b.ckpt", "infer")
 
 
 # -- a classifier (v28 on generated images) -------------------------------------------------------------------------

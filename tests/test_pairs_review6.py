@@ -263,6 +263,7 @@ import torch.distributed as dist
 from conftest import compose
 from onn.app import execute
 from onn.modalities.pairs import tasks
+from onn.training import checkpoints
 
 rank, source, folder = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 calls = []
@@ -276,7 +277,7 @@ def spied(name, real):
 
 
 tasks.export_module = spied("export", tasks.export_module)  # what writes export/
-tasks.run_best = spied("run_best", tasks.run_best)  # what copies a resumed run's best.ckpt in
+checkpoints.run_best = spied("run_best", checkpoints.run_best)  # what copies a resumed run's best.ckpt in
 config = compose(
     "data=pairs", "model=dual_encoder", "hardware=cpu_16gb", "tracking=none", "trainer.enable_progress_bar=false",
     f"data.source={source}", f"paths.cache={folder / 'cache'}", f"paths.outputs={folder / 'outputs'}",

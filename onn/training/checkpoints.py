@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from onn.config import OptimConfig, as_dict, typed
 from onn.errors import UserError, disk_error, write_refused
 from onn.hardware import failpoints
+from onn.hardware.cluster import is_rank_zero
 
 log = logging.getLogger("onn")
 TENSORS, META = "model.safetensors", "meta.json"
@@ -361,11 +362,16 @@ def check_finite(network: torch.nn.Module, where: str, task: str) -> None:
     store (empty placeholders here), which holds model.source's weights, never what a checkpoint trained."""
     floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     flags: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    # buffers are read for NaN alone: a diverged BatchNorm's running_var predicts NaN, but a mask may hold -inf
+    tensors = [(n, t, True) for n, t in network.named_parameters()] + [
+        (n, t, False) for n, t in network.named_buffers()
+    ]
     with torch.no_grad():
-        for name, p in network.named_parameters():
-            if p.dtype in floats and p.numel() and not p.is_meta:  # (quantized codes, placeholders: nothing to read)
-                finite = torch.isfinite(p.amax()) & torch.isfinite(p.amin())  # NaN propagates to both
-                flags.setdefault(p.device, []).append((name, finite))
+        for name, t, weight in tensors:
+            if t.dtype in floats and t.numel() and not t.is_meta:  # (quantized codes, placeholders: nothing to read)
+                high, low = t.amax(), t.amin()  # NaN propagates to both
+                fine = torch.isfinite(high) & torch.isfinite(low) if weight else ~(high.isnan() | low.isnan())
+                flags.setdefault(t.device, []).append((name, fine))
     for named in flags.values():
         ok = torch.stack([finite for _, finite in named]).tolist()
         bad = next((name for (name, _), fine in zip(named, ok) if not fine), None)
@@ -397,8 +403,8 @@ def shared_best(trainer, ckpt: Path | None, run_dir: Path, monitor: str, mode: s
     run's best.ckpt in, which every rank copying at once raced, and a rank could test a half-copied one. Its failure
     (a damaged earlier checkpoint, a full disk) reaches every rank through the broadcast too: raised on rank 0 alone,
     the others would wait in the broadcast for good."""
-    found, failure, raised = None, None, None
-    if trainer.is_global_zero:
+    found, failure, raised = (None, None), None, None
+    if trainer.is_global_zero and is_rank_zero():  # (a single-device strategy under a launcher: every rank is "zero")
         try:
             found = run_best(trainer.checkpoint_callback, ckpt, run_dir, monitor, mode)
         except Exception as e:  # every rank raises it, below

@@ -220,8 +220,10 @@ class Scheduler:
             if self.lm.engine is not None:
                 self.lm.engine.reset()
         except Exception as e:
-            log.exception("serve: the layer-streaming engine could not be reset after a failed step")
-            self.broken = f"{type(e).__name__}: {e}"
+            said = f"{type(e).__name__}: {e}"
+            if said != self.broken:  # retried every RESET_RETRY_S while idle: the same failure's traceback once
+                log.exception("serve: the layer-streaming engine could not be reset after a failed step")
+            self.broken = said
             return False
         self.broken = None
         return True
