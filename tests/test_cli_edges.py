@@ -62,6 +62,7 @@ def test_lightnings_precision_aliases_and_device_lists_pass():
         check(compose(override).trainer)
 
 
+@pytest.mark.slow  # (30 to 45 s on 2 cores: three text plans on this machine, each measuring what it plans from)
 def test_device_counts_layers_and_checkpointing_of_the_wrong_kind_are_one_sentence(tmp_path):
     """hardware.count=0 divided by zero in the multi-device plan; `strategy.layers=abc` said "block index 'a' is
     out of range"; `strategy.gradient_checkpointing=maybe` was read as off."""

@@ -222,6 +222,7 @@ def test_a_gpu_plan_streams_phi4_from_pinned_host_memory_within_the_budget():
     assert s.store == "disk" and 0 < s.cache_blocks < 40
 
 
+@pytest.mark.slow  # (25 to 35 s on 2 cores: a Phi-3 block's recompute and backward tracked at several slicings)
 def test_a_gpu_plan_counts_a_sliced_mlp_as_tracked_down_to_the_backwards_tail():
     """A block's recompute and backward with its gated MLP in slices peaks at a slice (its activations and weights
     cast) until the slices are narrow, then at the backward's tail past them (the recomputed norms' float32 copies
