@@ -24,8 +24,9 @@ SMALL = (
 )
 
 
-def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
-    """The run `python run.py data=pairs model=dual_encoder OVERRIDES` makes, in tmp/name."""
+def run(tmp: Path, *overrides: str, name: str = "run", fixed: tuple[str, ...] = ()) -> tuple[dict, Path]:
+    """The run `python run.py data=pairs model=dual_encoder OVERRIDES` makes, in tmp/name. `fixed` settings are
+    composed before the overrides but not counted as the user's (the plan may still choose them)."""
     from onn.app import execute, given_keys
 
     cfg = compose(
@@ -40,6 +41,7 @@ def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
         "trainer.max_epochs=1",
         "trainer.val_check_interval=1.0",
         "optim.warmup_steps=5",
+        *fixed,
         *overrides,
     )
     run_dir = tmp / name

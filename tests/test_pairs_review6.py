@@ -11,42 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import MODALITY_HARDWARE, compose
+from conftest import compose
+from test_pairs_review5 import SMALL
+from test_pairs_review5 import run as pairs_run
 
 from onn.errors import UserError
 from onn.modalities.pairs.demo import write_shapes
 
-SMALL = (
-    "data.sides.image.image_size=[16,16]",
-    "data.sides.text.max_length=32",
-    "model.feature_dim=16",
-    "model.embed_dim=8",
-)
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
 def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
-    """The run `python run.py data=pairs model=dual_encoder OVERRIDES` makes, in tmp/name."""
-    from onn.app import execute, given_keys
-
-    cfg = compose(
-        "data=pairs",
-        "model=dual_encoder",
-        MODALITY_HARDWARE,
-        "tracking=none",
-        "trainer.enable_progress_bar=false",
-        f"paths.outputs={tmp / 'outputs'}",
-        f"paths.cache={tmp / 'cache'}",
-        "trainer.max_steps=-1",
-        "trainer.max_epochs=1",
-        "trainer.val_check_interval=1.0",
-        "optim.warmup_steps=5",
-        "strategy.precision=32-true",
-        *overrides,
-    )
-    run_dir = tmp / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return execute(cfg, run_dir, given_keys(list(overrides))), run_dir
+    """The run `python run.py data=pairs model=dual_encoder OVERRIDES` makes in float32, in tmp/name."""
+    return pairs_run(tmp, *overrides, name=name, fixed=("strategy.precision=32-true",))
 
 
 @pytest.fixture(scope="module")
