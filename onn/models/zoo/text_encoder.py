@@ -63,16 +63,12 @@ class TextEncoder(nn.Module):
             )
         keep = ids != self.pad_id  # [B, L]; a text has at least one token (empty texts are skipped when read)
         x = self.embed(ids) + self.position[: ids.shape[1]]
-        # padding as an additive float mask (not a bool key_padding_mask): the fast path and its nested
-        # tensors stay off, so training, evaluation and the exported graph compute the same thing
-        mask = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill(~keep, float("-inf"))[:, None, :]
-        mask = (
-            mask.expand(-1, ids.shape[1], -1).repeat_interleave(self.blocks[0].self_attn.num_heads, dim=0)
-            if self.blocks
-            else mask
-        )
+        # padding as an additive float mask on the keys: attention broadcasts it as [B * heads, 1, L] (a
+        # [B * heads, L, L] copy would take 1 GB at batch 256 and 512 tokens), and a float mask keeps the
+        # same arithmetic in training, evaluation and the exported graph
+        padding = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill(~keep, float("-inf"))
         for block in self.blocks:
-            x = block(x, src_mask=mask)
+            x = block(x, src_key_padding_mask=padding)
         weights = keep.unsqueeze(-1).to(x.dtype)
         pooled = (self.norm(x) * weights).sum(1) / weights.sum(1).clamp_min(1)
         return self.head(pooled)
