@@ -158,6 +158,11 @@ def discover(model: nn.Module, blocks_path: str | None = None) -> LayerMap:
                 f"model.layer_map.blocks: '{blocks_path}' is not a submodule of {type(model).__name__}."
             ) from e
         names = [n for n, _ in container.named_children()]
+        if not names or not any(True for _ in container.parameters()):  # (an empty map failed on its first block)
+            raise UserError(
+                f"model.layer_map.blocks: '{blocks_path}' ({type(container).__name__}) holds no blocks with weights; "
+                "name the list that holds the repeated blocks (such as model.layers), or null to discover it."
+            )
         return _assemble(model, blocks_path, names)
 
     best = None  # (key, path, names)

@@ -23,6 +23,8 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from hydra.utils import to_absolute_path
+
 from onn.config.model import LanguageModelConfig
 from onn.errors import UserError
 from onn.models.layers import discover
@@ -52,7 +54,7 @@ def source_kind(source: str | None) -> str:
     src = str(source)
     if ".py:" in src:
         return "python"
-    path = Path(src).expanduser()
+    path = Path(local_path(src))
     if path.suffix.lower() in PICKLE_SUFFIXES:
         raise UserError(
             f"model.source {src} is a pickle checkpoint. " + CONVERT_HINT.format(p=src, stem=path.with_suffix(""))
@@ -82,21 +84,27 @@ def is_pretrained(model_cfg: LanguageModelConfig) -> bool:
 def architecture(model_cfg: LanguageModelConfig):
     """The transformers config of the model, from the model YAML (no weights needed)."""
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     register_zoo_models()
     arch = dict(model_cfg.architecture or {})  # a copy: model_type is taken out of it
     if not arch:
         kind = source_kind(model_cfg.source)
         if kind == "folder":
-            return AutoConfig.from_pretrained(expand(model_cfg.source), trust_remote_code=model_cfg.trust_remote_code)
+            return read_config(expand(model_cfg.source), model_cfg.trust_remote_code)
         if kind == "hub":
-            return AutoConfig.from_pretrained(
-                hub_folder(model_cfg.source), trust_remote_code=model_cfg.trust_remote_code
-            )
+            return read_config(hub_folder(model_cfg.source), model_cfg.trust_remote_code)
         return None
     model_type = arch.pop("model_type", None)
     if model_type is None:
         raise UserError(f"model.architecture of '{model_cfg.name}' needs a model_type (e.g. llama, phi3, gpt2).")
+    if model_type not in CONFIG_MAPPING:  # transformers' own error listed all 400 model types on one line
+        close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=1)
+        raise UserError(
+            f"model.architecture.model_type={model_type} of '{model_cfg.name}' is not a model type transformers "
+            f"knows{f' (did you mean {close[0]}?)' if close else ''}; give one of its model types (llama, phi3, gpt2, "
+            "...), or upgrade transformers for a newer model."
+        )
     config = AutoConfig.for_model(model_type, **arch)
     check_architecture_keys(config, arch)
     check_token_ids(config, arch)
@@ -191,10 +199,39 @@ def load(model_cfg: LanguageModelConfig, dtype=None, cache_dir: str | os.PathLik
 
 def _load_folder(folder: str, dtype, remote: bool):
     """A Hugging Face folder's model, read whole and checked (`from_pretrained_whole`)."""
+    config = checked_folder(folder, remote)
+    return from_pretrained_whole(auto_class(config), folder, remote, dtype=dtype or "auto")
+
+
+def checked_folder(folder: str, remote: bool):
+    """The config of a Hugging Face folder whose weights transformers will read as safetensors, all there and
+    whole: the checks before any from_pretrained of a folder."""
     refuse_pickle_folder(folder)
     check_shards(folder)
     config = read_config(folder, remote)
-    return from_pretrained_whole(auto_class(config), folder, remote, dtype=dtype or "auto")
+    refuse_named_pickles(folder, config)
+    return config
+
+
+def refuse_named_pickles(folder: str, config) -> None:
+    """Pickle files transformers reads even with use_safetensors=True, beside the folder's safetensors: the weights
+    file config.json names (`transformers_weights`, which may be adapter_model.bin) and the adapter of a folder
+    with adapter_config.json (peft's adapter_model.bin, when there is no adapter_model.safetensors)."""
+    named = getattr(config, "transformers_weights", None)  # (transformers reads it so, off any config)
+    if named is not None and not str(named).endswith((".safetensors", ".safetensors.index.json")):
+        raise UserError(
+            f"model.source {Path(folder) / 'config.json'} names its weights file {named} (transformers_weights), "
+            "not safetensors. " + CONVERT_HINT.format(p=Path(folder) / named, stem=Path(folder) / Path(named).stem)
+        )
+    adapter, folder_path = Path(folder) / "adapter_model.bin", Path(folder)
+    peft_reads = (folder_path / "adapter_config.json").is_file() and not (
+        folder_path / "adapter_model.safetensors"
+    ).is_file()
+    if peft_reads and adapter.is_file():
+        raise UserError(
+            f"model.source {folder} holds a pickle adapter (adapter_model.bin) that transformers applies on load. "
+            + CONVERT_HINT.format(p=adapter, stem=adapter.with_suffix(""))
+        )
 
 
 def from_pretrained_whole(auto: type, folder: str, remote: bool, **options):
@@ -231,10 +268,11 @@ def from_pretrained_whole(auto: type, folder: str, remote: bool, **options):
 
 def check_shards(folder: str) -> None:
     """Every shard a folder's model.safetensors.index.json names is in the folder (a missing one was a bare
-    FileNotFoundError from inside transformers)."""
+    FileNotFoundError from inside transformers), and each weights file is whole (`check_whole`)."""
     index = Path(folder) / "model.safetensors.index.json"
     if not index.is_file():
         check_unindexed_shards(folder)
+        check_whole([Path(folder) / "model.safetensors"])
         return
     try:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -246,6 +284,24 @@ def check_shards(folder: str) -> None:
             f"model.source {folder}: {index.name} names {len(shards)} shards and {len(absent)} are not in the "
             f"folder ({', '.join(absent[:2])}{', ...' if len(absent) > 2 else ''}); copy every shard of the model."
         )
+    check_whole([Path(folder) / shard for shard in shards])
+
+
+def check_whole(files: list[Path]) -> None:
+    """Each safetensors file that is there opens: its header reads and its tensors lie inside it. A truncated or
+    corrupt shard (an interrupted copy) was a bare SafetensorError from inside transformers."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in files:
+        if not file.is_file():
+            continue
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise UserError(
+                f"model.source {file} is not a readable safetensors file (truncated or corrupt? {e}); copy it again."
+            ) from None
 
 
 def check_unindexed_shards(folder: str) -> None:
@@ -253,9 +309,14 @@ def check_unindexed_shards(folder: str) -> None:
     model.safetensors and raised a bare OSError; say which files are there, which are not, and what to copy."""
     if (Path(folder) / "model.safetensors").is_file():
         return
-    shards = sorted(f.name for f in Path(folder).glob("*.safetensors") if SHARD_NAME.search(f.name))
-    if not shards:
-        return
+    found = sorted(f.name for f in Path(folder).glob("*.safetensors"))
+    shards = [name for name in found if SHARD_NAME.search(name)]
+    if found and not shards:  # (Mistral's consolidated.safetensors, an adapter's: transformers raised a bare OSError)
+        raise UserError(
+            f"model.source {folder} has no model.safetensors (nor a shard index), only {', '.join(found[:2])}; "
+            "give the folder of a transformers model (save_pretrained writes model.safetensors), or one file as "
+            "model.source with model.architecture."
+        )
     total = int(SHARD_NAME.search(shards[0]).group(1))
     absent = f" and {total - len(shards)} of the {total} shards" if len(shards) < total else ""
     raise UserError(
@@ -295,8 +356,7 @@ def load_4bit(model_cfg: LanguageModelConfig, compute_dtype, cache_dir: str | os
     tokenizer = None
     if kind in ("folder", "hub"):
         folder = expand(model_cfg.source) if kind == "folder" else hub_folder(model_cfg.source)
-        refuse_pickle_folder(folder)
-        check_shards(folder)
+        checked_folder(folder, remote)
         tokenizer = tokenizer_from(folder, remote)
     else:  # the source's own tokenizer (a GGUF's, a builder's) is kept beside the weights: a later run reads both
         folder = Path(cache_dir) / "nf4" / model_fingerprint(model_cfg)
@@ -414,6 +474,14 @@ def finish_tokenizer(model_cfg: LanguageModelConfig, tokenizer, remote: bool):
         tokenizer = wordpiece_tokenizer()
     elif tok_cfg:
         tokenizer = tokenizer_from(expand(tok_cfg), remote)
+        if tokenizer is None:  # (it said the model had no tokenizer, and to set the key the user had set)
+            where = (
+                "the folder holds none" if Path(expand(tok_cfg)).is_dir() else "no such folder, nor hub id in the cache"
+            )
+            raise UserError(
+                f"model.tokenizer={tok_cfg} loads no tokenizer ({where}); give a folder with tokenizer.json or "
+                "tokenizer_config.json (a hub id must be in the local cache), `byte` or `wordpiece`."
+            )
     if tokenizer is None:
         raise UserError(
             f"model '{model_cfg.name}' has no tokenizer; "
@@ -481,10 +549,16 @@ def register_zoo_models() -> None:
 
 
 def expand(path: str) -> str:
-    """`path` with ~ expanded; a Hugging Face folder's own weights file (`weights_folder`) is its folder."""
-    full = os.path.expanduser(str(path))
+    """`path` as `local_path` reads it; a Hugging Face folder's own weights file (`weights_folder`) is its folder."""
+    full = local_path(path)
     folder = weights_folder(Path(full))
     return str(folder) if folder else full
+
+
+def local_path(path: str) -> str:
+    """`path` with ~ expanded, and a relative path taken from where `python run.py` was started: under
+    hydra.job.chdir=true the run works in its run folder, where `model.source=models/x.gguf` did not exist."""
+    return to_absolute_path(os.path.expanduser(str(path)))
 
 
 def weights_folder(path: Path) -> Path | None:
@@ -515,12 +589,39 @@ def hub_folder(repo_id: str) -> str:
 
 
 def read_config(folder: str, remote: bool):
+    """The folder's config.json as its transformers config; one that transformers cannot read (not JSON, no
+    model_type, a model type it does not know) is one sentence, where it was a bare ValueError or OSError."""
     from transformers import AutoConfig
 
     register_zoo_models()
-    if not (Path(folder) / "config.json").is_file():
+    path = Path(folder) / "config.json"
+    if not path.is_file():
         raise UserError(f"model.source {folder} has no config.json; a Hugging Face model folder needs one.")
-    return AutoConfig.from_pretrained(folder, trust_remote_code=remote)
+    try:
+        return AutoConfig.from_pretrained(folder, trust_remote_code=remote)
+    except (ValueError, OSError, KeyError) as e:
+        raise UserError(config_problem(path, e)) from None
+
+
+def config_problem(path: Path, error: Exception) -> str:
+    """Why transformers could not read the config.json at `path`, and what to do, in one sentence."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        model_type = json.loads(path.read_text()).get("model_type")  # (a user's file, not ONN's config)
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        return f"model.source {path} is not a JSON object ({e}); copy the model's config.json again."
+    if model_type is None:
+        return f"model.source {path} has no model_type; a transformers config.json names one (llama, phi3, ...)."
+    if model_type not in CONFIG_MAPPING:
+        return (
+            f"model.source {path} names model_type '{model_type}', which transformers {transformers.__version__} "
+            "does not know; upgrade transformers, or set model.trust_remote_code=true if the folder ships its own "
+            "modeling code you trust."
+        )
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"model.source {path} cannot be read by transformers: {first_line}"
 
 
 def refuse_pickle_folder(folder: str) -> None:

@@ -20,6 +20,7 @@ from onn.models.load import (
     architecture,
     auto_class,
     block_seed,
+    check_shards,
     check_vocabulary,
     converted_gguf,
     draw_random,
@@ -65,6 +66,7 @@ class Source:
             return None
         folder = {"folder": expand, "hub": hub_folder}.get(kind, lambda s: converted_gguf(s, cache_dir))(source)
         refuse_pickle_folder(folder)
+        check_shards(folder)  # a missing or truncated shard: one sentence, not a SafetensorError in _indexed
         files = sorted(str(f) for f in Path(folder).glob("*.safetensors"))
         return cls(read_config(folder, remote), files, tokenizer=tokenizer_from(folder, remote))._indexed()
 
