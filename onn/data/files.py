@@ -375,16 +375,19 @@ def tar_links(
     refused Member for each that leads outside the archive (an absolute target, or '..' past its top), into a loop,
     or to nothing it holds: as tarfile's data filter, never followed onto this machine's files. A link to a folder of
     the archive is passed over: that folder's files are listed under their own names, as walk_files lists a folder
-    reached twice once. `hard_targets`: hard links already bound to a file (see _TarIndex); `repack` is what the
-    message of a link out of the archive tells the user to do."""
+    reached twice once; a hidden folder's are listed under the link's name (see _hidden_folders). `hard_targets`:
+    hard links already bound to a file (see _TarIndex); `repack` is what the message of a link out of the archive
+    tells the user to do."""
     if not links:
         return [], []
     bound = {name: hard_targets[link] for link in links if (name := _checked(link.name)[0]) and link in hard_targets}
     targets = {name: link for link in links if (name := _checked(link.name)[0]) is not None and name not in bound}
     readable = files | bound
-    folders = {name.rsplit("/", k)[0] for name in readable for k in range(1, name.count("/") + 1)} | {""}
+    # a folder holding only links (a Hugging Face snapshot's files link into blobs/) is a folder of the archive too
+    folders = {name.rsplit("/", k)[0] for name in (*readable, *targets) for k in range(1, name.count("/") + 1)} | {""}
     found: list[Linked] = []
     refused: list[Member] = []
+    into_hidden: list[tuple[str, tarfile.TarInfo, str]] = []  # (link's name, link, the hidden folder it leads to)
     for link in links:
         name, problem = _checked(link.name)
         if name is not None:
@@ -397,10 +400,40 @@ def tar_links(
                     found.append((name, link, readable[end]))
                     continue
                 if end in folders:
+                    if is_hidden(end) and not is_hidden(name):
+                        into_hidden.append((name, link, end))
                     continue
                 problem = f"a link to {link.linkname}, which the archive does not hold, not read"
         refused.append(Member(None, problem, link.name, 0, None, _unreadable, is_link=True))
-    return found, refused
+    return found + _hidden_folders(into_hidden, readable, targets), refused
+
+
+def _hidden_folders(
+    into_hidden: list[tuple[str, tarfile.TarInfo, str]], readable: dict[str, Any], targets: dict[str, tarfile.TarInfo]
+) -> list[Linked]:
+    """The files of each hidden folder a visible link leads to, under the link's name ("cat" -> ".store/cat" lists
+    .store/cat/1.png as cat/1.png). On disk walk_files reads them so, and never by their hidden names; the archive's
+    listing passed them over, so a class folder linked into a .dvc or .cache store was read from a folder and lost
+    from its tar. Each folder once, by the first link to it by name, as walk_files walks a folder reached twice."""
+    found: list[Linked] = []
+    taken: list[str] = []
+    for name, link, end in sorted(into_hidden, key=lambda entry: entry[0]):
+        if any(_within(end, other) or _within(other, end) for other in taken):
+            continue
+        taken.append(end)
+        prefix = f"{end}/"
+        for inner in sorted(n for n in (*readable, *targets) if n.startswith(prefix)):
+            try:
+                file = inner if inner in readable else _follow(inner, targets)
+            except UnsafeMemberNameError:
+                continue  # a link in it that leads out of the archive: not read, and hidden where it is stored
+            if file in readable:
+                found.append((f"{name}/{inner[len(prefix) :]}", link, readable[file]))
+    return found
+
+
+def _within(name: str, folder: str) -> bool:
+    return name == folder or name.startswith(f"{folder}/")
 
 
 def _follow(name: str, links: dict[str, tarfile.TarInfo]) -> str:
@@ -448,7 +481,12 @@ def _unreadable() -> IO[bytes]:
 
 def reported(member: Member, wanted: Callable[[str], bool]) -> bool:
     """Whether a refused member (name None) is one to report: a name `wanted` takes, or a link without an
-    extension, which may be a folder of such files (a class folder packed as a link to outside the archive)."""
+    extension, which may be a folder of such files (a class folder packed as a link to outside the archive). A
+    hidden one is not, as walk_files never looks at it on disk: a packed .venv's bin/python -> /usr/bin/python3
+    was counted as an undecodable file of the dataset."""
+    parts = member.raw.replace("\\", "/").split("/")
+    if is_hidden("/".join(p for p in parts if p not in ("", ".", ".."))):
+        return False
     return wanted(member.raw) or (member.is_link and not posixpath.splitext(member.raw.rstrip("/"))[1])
 
 
@@ -457,7 +495,9 @@ def wanted_members(
 ) -> Iterator[tuple[str, bytes]]:
     """(clean name, bytes) of each archive member whose name `wanted` takes, hidden ones (a Mac zip's
     __MACOSX/._x copies, .DS_Store) left out. A wanted member whose name cannot be used (absolute, or with '..')
-    is added to `refused` as "name: why", for the caller's report. Raises ARCHIVE_ERRORS as iter_members does."""
+    is added to `refused` as "name: why", for the caller's report. Raises ARCHIVE_ERRORS as iter_members does.
+    A compressed tar is read in one pass, so a name stored twice comes once per entry, the later last: a caller
+    keeps the last one it is given, as tar extracts it, rather than this holding the archive's bytes."""
     for member in iter_members(path, kind):
         if member.name is None:
             if reported(member, wanted):
@@ -496,21 +536,23 @@ def update_hash(h: Any, path: str | os.PathLike[str]) -> None:
 def content_digest(path: str | os.PathLike[str]) -> str:
     """A sha256 hex digest that changes when the content does, to key caches of decoded data.
 
-    A folder: over (relative name, size, mtime_ns) of every file walk_files lists, sorted, since reading every byte
-    of 60,000 small files takes too long. A file of up to HASHED_BYTES (a metadata.csv, an IDX file): over its
-    bytes, which takes milliseconds and sees a rewrite that kept its size within a coarse clock tick (FAT's 2 s,
-    HFS+'s 1 s). A larger file (a zip or tar.gz of the dataset): over its resolved path, size and mtime_ns, as a
-    folder's files are keyed: hashing a 50 GB archive read it end to end before every run began.
+    A folder: over (relative name, size, mtime_ns, ctime_ns) of every file walk_files lists, sorted, since reading
+    every byte of 60,000 small files takes too long. A file of up to HASHED_BYTES (a metadata.csv, an IDX file):
+    over its bytes, which takes milliseconds and sees a rewrite that kept its size within a coarse clock tick (FAT's
+    2 s, HFS+'s 1 s). A larger file (a zip or tar.gz of the dataset): over its resolved path, size, mtime_ns and
+    ctime_ns, as a folder's files are keyed: hashing a 50 GB archive read it end to end before every run began. The
+    change time is one no tool sets back: `rsync -c`, `cp -p` or a script that restores the mtime left a rewritten
+    file of the same size keyed as before, and its stale decoded cache was read.
     """
     h = hashlib.sha256()
     if os.path.isdir(path):
         for rel, full in sorted(walk_files(path)):
             st = full.stat()
-            h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n".encode())
         return h.hexdigest()
     st = os.stat(path)
     if stat.S_ISREG(st.st_mode) and st.st_size > HASHED_BYTES:
-        h.update(f"file\0{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        h.update(f"file\0{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}".encode())
     else:
         update_hash(h, path)
     return h.hexdigest()

@@ -423,16 +423,17 @@ def read_source(
     """Every split of a graph source: {train, val, test} as its folders say, else {all}. A graph's class is its
     folder's name, or (in no class folder) the number in its y."""
     path = existing_source(source, key, HELP)
-    names, graphs, skipped, refused, total = [], [], [], [], 0
+    refused: list[str] = []
+    outcomes: dict[str, object] = {}  # a Data or its GraphError; a .tar.gz's name stored twice: its last entry
     for name, payload in graph_entries(path, key, refused):
-        total += 1
         try:
-            graphs.append(decode(payload, name, align, max_nodes, level))
-            names.append(name)
+            outcomes[name] = decode(payload, name, align, max_nodes, level)
         except GraphError as e:
-            skipped.append(f"{name}: {e}")
-    total += len(refused)
-    skipped += refused
+            outcomes[name] = e
+    names = [name for name, outcome in outcomes.items() if not isinstance(outcome, GraphError)]
+    graphs = [outcomes[name] for name in names]
+    skipped = [f"{name}: {e}" for name, e in outcomes.items() if isinstance(e, GraphError)] + refused
+    total = len(outcomes) + len(refused)
     if not total:
         raise UserError(f"{key} {path}: found no graph files; {HELP}.")
     renumbered = sum(bool(graph.pop("renumbered", False)) for graph in graphs)

@@ -98,6 +98,7 @@ def _archive_images(path: Path, kind: str, stream: bool, key: str):
     where: list[tuple[str, int | None, int]] = []  # (stored name, tar offset, size)
     blobs: list[bytes | None] = []  # a compressed tar's images, read in its one pass
     rejected: list[str] = []
+    at: dict[str, int] = {}  # a name's place in names: a .tar.gz yields a name stored twice once per entry
     for m in iter_members(path, kind):
         if m.name is None:
             if reported(m, is_image_name):
@@ -118,6 +119,10 @@ def _archive_images(path: Path, kind: str, stream: bool, key: str):
         elif kind == "targz":
             with m.open() as f:
                 data = f.read()
+        if m.name in at:  # its later entry stands, as tar extracts it (see iter_members); counted once
+            where[at[m.name]], blobs[at[m.name]] = (m.raw, m.offset, m.size), data
+            continue
+        at[m.name] = len(names)
         names.append(m.name)
         where.append((m.raw, m.offset, m.size))
         blobs.append(data)
