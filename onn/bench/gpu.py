@@ -18,10 +18,13 @@ Figures go to metrics.json as gpu/* and to bench_gpu.md beside it. The step's li
     limit_s = max(bytes copied host-to-device per step / pinned bandwidth now,
                   matmul FLOPs per step / bf16 matmul rate now (the largest block weight at the step's rows))
 
-(the FLOPs and the rate at the samples and width the timed steps' batches held, not data.max_length)
+for each timed step, their mean (the FLOPs at the samples and width the step's batch held, not data.max_length,
+and the rate at the rows its micro-batches held), and limit_efficiency = limit_s / step_s. With several processes
+every figure of the steps is one GPU's: its share of each batch (data.batch_size is the global batch), its
+copies, its FLOPs against its own rate, its tokens and its time per sample.
 
-and limit_efficiency = limit_s / step_s. io_s and compute_s are the GPU's own busy times in the profiled step
-(onn/bench/timeline.py): copying over the host link, and everything else; overlap_s is both at once, and
+io_s and compute_s are the GPU's own busy times in the profiled step (onn/bench/timeline.py): copying over the
+host link, and everything else; overlap_s is both at once, and
 copies_hidden the share of the copying done under compute (the engine's host clocks, io_wait_host_s and
 compute_host_s, count a load's wait for the kernels queued before its copy as I/O). The seed's figure for
 Phi-4 on a GTX 1650 (490 ms per sample at batch 128) stands beside ms_per_sample. alloc_retries counts the times
@@ -33,6 +36,7 @@ and matmuls say.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import itertools
 import json
@@ -44,6 +48,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -139,20 +144,18 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     timed = slice(1, steps)  # the first step loads kernels and the first chunks; the last is profiled
     step_s = statistics.mean(clock.step_s[timed])
     copied = statistics.mean(clock.copied_bytes[timed])
-    batch = config.data.batch_size
-    flops = step_flops(spec, plan, clock.rows[timed], clock.widths[timed])
-    rate = _matmul_rate(job, max(clock.widths[timed]))
     link = h2d_mb_s() * MB
-    limit = max(copied / link, flops / rate)
+    micro = micro_batches_held(module.micro_batch, module.oom_backoffs, len(clock.step_s))
+    rates = functools.cache(lambda rows: _matmul_rate(job, rows))
+    figures = step_figures(spec, plan, clock, timed, fit.world_size, micro, link, rates)
     s = plan.streaming
     predicted_peak, predicted_context = plan.predicted_peak_memory_mb, plan.context_mb
-    tokens = statistics.mean(clock.tokens[timed])
     out = {
         **_settings(plan),
         "gpu/build_s": round(build_s, 1),
         "gpu/steps": len(clock.step_s),
         "gpu/timed_steps": len(clock.step_s[timed]),
-        "gpu/batch_size": batch,
+        "gpu/batch_size": config.data.batch_size,
         "gpu/peak_allocated_mb": round(peak, 1),
         "gpu/process_gpu_mb": round(process, 1),
         "gpu/context_mb": round(context, 1),
@@ -173,13 +176,7 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
         "gpu/io_wait_host_s": round(statistics.mean(clock.io_s[timed]), 4),
         "gpu/compute_host_s": round(statistics.mean(clock.compute_s[timed]), 4),
         **link_figures(copied, link, job.hardware.h2d_mb_s),
-        "gpu/flops_per_step": flops,
-        "gpu/matmul_tflops": round(rate / 1e12, 1),
-        "gpu/limit_s": round(limit, 4),
-        "gpu/limit_efficiency": round(limit / step_s, 4),
-        "gpu/limit_bound": "host link" if copied / link >= flops / rate else "matmuls",
-        "gpu/ms_per_sample": round(step_s / batch * 1000, 3),
-        "gpu/tokens_per_s": round(tokens / step_s, 1),
+        **figures,
         "gpu/loss_first": round(module.train_losses[0], 4),
         "gpu/loss_last": round(module.train_losses[-1], 4),
         "gpu/loss_curve": [round(x, 4) for x in module.train_losses],
@@ -190,6 +187,64 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
         "gpu/fused_cast": fused_scale(torch.device("cuda")),
     }
     return module, tokenizer, out
+
+
+def step_figures(
+    spec,
+    plan,
+    clock,
+    timed: slice,
+    world_size: int,
+    micro_batches: list[int | None],
+    link_bytes_s: float,
+    rate_at: Callable[[int], float],
+) -> dict[str, Any]:
+    """The timed steps' speed against their limit, one GPU's: StepClock's rows are every process's samples (each
+    process's share x world_size), while the copies, the matmul rate (`rate_at(rows)`, FLOP/s at a micro-batch's
+    rows x width) and the tokens are this process's. Each step's limit is its own copies' or matmuls' time, the
+    larger (a step bound by its copies and one by its matmuls do not share a bound), and their mean is set against
+    the mean step: per sample and per token over the samples and tokens the steps held, not data.batch_size."""
+    step_s = statistics.mean(clock.step_s[timed])
+    rows = [n // world_size for n in clock.rows[timed]]
+    widths = clock.widths[timed]
+    link_s = [n / link_bytes_s for n in clock.copied_bytes[timed]]
+    matmul_s = [
+        _matmul_seconds(spec, plan, n, width, micro, rate_at)
+        for n, width, micro in zip(rows, widths, micro_batches[timed], strict=True)
+    ]
+    flops = step_flops(spec, plan, rows, widths)
+    limit = statistics.mean(max(copies, matmuls) for copies, matmuls in zip(link_s, matmul_s, strict=True))
+    return {
+        "gpu/processes": world_size,
+        "gpu/samples_per_step": statistics.mean(rows),
+        "gpu/flops_per_step": flops,
+        "gpu/matmul_tflops": round(flops * len(rows) / sum(matmul_s) / 1e12, 1),
+        "gpu/limit_s": round(limit, 4),
+        "gpu/limit_efficiency": round(limit / step_s, 4),
+        "gpu/limit_bound": "host link" if sum(link_s) >= sum(matmul_s) else "matmuls",
+        "gpu/ms_per_sample": round(step_s / statistics.mean(rows) * 1000, 3),
+        "gpu/tokens_per_s": round(statistics.mean(clock.tokens[timed]) / step_s, 1),
+    }
+
+
+def _matmul_seconds(
+    spec, plan, rows: int, width: int, micro_batch: int | None, rate_at: Callable[[int], float]
+) -> float:
+    """A step's matmul time at the rate of each micro-batch it ran (`micro_batch` samples, the last one the rest):
+    the rate of a few rows is well below that of many."""
+    size = min(micro_batch or rows, rows)
+    sizes = [size] * (rows // size) + ([rows % size] if rows % size else [])
+    return sum(streaming_step_flops(spec, width, n, plan.sparse_layers) / rate_at(n * width) for n in sizes)
+
+
+def micro_batches_held(last: int | None, backoffs: list[dict[str, int]], steps: int) -> list[int | None]:
+    """The micro-batch each of `steps` steps ran at: the module's `last` one, or where an out-of-memory back-off
+    halved it (TextModule.oom_backoffs: its step, from, to), the one before up to that step."""
+    held = []
+    for step in range(steps):
+        before = [b["to"] for b in backoffs if b["step"] <= step]
+        held.append(before[-1] if before else backoffs[0]["from"] if backoffs else last)
+    return held
 
 
 def step_flops(spec, plan, rows: list[int], widths: list[int]) -> float:
@@ -291,9 +346,9 @@ class _StepProbe:
         return Probe()
 
 
-def _matmul_rate(job, width: int) -> float:
-    """The bf16 matmul rate now for the model's largest block weight at a micro-batch's rows (FLOP/s), each row
-    `width` tokens as the measured steps' batches held them."""
+def _matmul_rate(job, rows: int) -> float:
+    """The bf16 matmul rate now for the model's largest block weight at a micro-batch's `rows` (FLOP/s): its
+    samples x the width its batch held."""
     from onn.hardware.profile import gpu_seconds
     from onn.models.layers import discover
     from onn.models.load import meta_model
@@ -303,7 +358,6 @@ def _matmul_rate(job, width: int) -> float:
         (m.weight.shape for m in block.modules() if isinstance(m, torch.nn.Linear)), key=lambda s: s.numel()
     )
     dtype = getattr(torch, job.plan.streaming.compute_dtype)
-    rows = int(job.plan.micro_batch) * width
     weight = torch.randn(out_features, in_features, device=job.device, dtype=dtype)
     x = torch.randn(rows, in_features, device=job.device, dtype=dtype)
     seconds = gpu_seconds(lambda: torch.nn.functional.linear(x, weight), trials=7, min_s=0.05)

@@ -14,6 +14,7 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import IO
 
 import numpy as np
@@ -184,6 +185,37 @@ class Packets:
 # moves by half the error) is cut from one pass, one further off is decoded again at the decoded length
 ESTIMATE_SLACK_SECONDS = 0.25
 
+# FFmpeg's demuxers that stamp every audio packet from an index, exactly (MP4/M4A/MOV: their sample tables)
+STAMPED_DEMUXERS = frozenset({"mov"})
+LAST_FRAMES_SECONDS = 1.0  # how far before the end the length's probe seeks
+
+
+def _stamped_length(source: str | bytes, rate: int) -> int | None:
+    """The samples a whole decode gives, from the frames' timestamps where the container stamps them in samples
+    (STAMPED_DEMUXERS, time base 1 / rate): the last frame's end less the first frame's start, its codec's priming
+    that an edit list drops and its last frame's padding counted as decoding counts them (its duration counts
+    neither: an M4A's AAC said 1,024 samples more or up to 1,023 fewer). Read from the first frame and, after a
+    seek, the last second's frames; None where they are not so stamped or none decode there (a file cut short)."""
+    import av
+
+    with av.open(_opened(source)) as container:
+        stream = container.streams.audio[0]
+        names = set(container.format.name.split(","))
+        if names.isdisjoint(STAMPED_DEMUXERS) or stream.time_base != Fraction(1, rate) or not stream.duration:
+            return None
+        begin, last = stream.start_time or 0, None
+        try:  # a file that will not seek is decoded to its end instead, as before
+            first = next(_decoded(container, stream, Packets()), None)
+            container.seek(max(begin, begin + stream.duration - round(LAST_FRAMES_SECONDS * rate)), stream=stream)
+            for last in _decoded(container, stream, Packets()):  # noqa: B007 - the last one is wanted
+                pass
+        except av.FFmpegError:
+            return None
+    frames = (first, last)
+    if any(f is None or f.pts is None or f.sample_rate != rate for f in frames):
+        return None
+    return last.pts + last.samples - first.pts
+
 
 def _decode_ffmpeg(source: str | bytes, fit: Fit | None, known: int | None = None) -> tuple[np.ndarray, int, int, int]:
     """(samples, rate, the first one's index, the recording's length) through PyAV: the window `fit` needs.
@@ -191,7 +223,8 @@ def _decode_ffmpeg(source: str | bytes, fit: Fit | None, known: int | None = Non
     its last page), tens of ms off, which would move the centred window off the centre of the decoded recording.
     So the stream is decoded to its end for its true length, keeping the estimated window and a quarter second either
     side; the window the true length places is cut from that, or (an estimate off by more) decoded again once
-    the length is `known`."""
+    the length is `known`. Where the frames' timestamps give it exactly (_stamped_length: MP4, M4A, MOV), it is
+    `known` at once and decoding stops after the window (an hour's M4A was decoded whole for its centre seconds)."""
     import av
 
     with av.open(_opened(source)) as container:
@@ -202,6 +235,8 @@ def _decode_ffmpeg(source: str | bytes, fit: Fit | None, known: int | None = Non
         if not rate:
             raise BadFile("an audio stream without a sample rate")
         said = round(float(stream.duration * stream.time_base) * rate) if stream.duration and stream.time_base else 0
+        if known is None and window(said, rate, fit)[0]:
+            known = _stamped_length(source, rate)
         start, count = window(known or said, rate, fit)
         slack = 0 if known or not start else round(ESTIMATE_SLACK_SECONDS * rate)
         first, end = (max(0, start - slack), start + count + slack) if start else (0, None)
@@ -211,6 +246,8 @@ def _decode_ffmpeg(source: str | bytes, fit: Fit | None, known: int | None = Non
         raise BadFile(
             f"mostly damaged audio ({packets.damaged} of {packets.damaged + packets.decoded} packets do not decode)"
         )
+    if known and end is not None and 0 < total < end:  # stopped short of the length it said: window the decoded one
+        return _decode_ffmpeg(source, fit, known=total)
     if end is not None:
         start, count = window(known or total, rate, fit)
         if start == 0:  # shorter than it said: the whole recording is the window
