@@ -6,6 +6,7 @@ labels that are empty or given twice taken without a word."""
 
 from __future__ import annotations
 
+import io
 import os
 import tarfile
 import time
@@ -171,3 +172,28 @@ def test_a_manifest_that_labels_a_file_twice_differently_is_one_sentence(tmp_pat
     (folder / "metadata.csv").write_text(rows + "2.wav,dog\n")
     with pytest.raises(UserError, match=r"metadata\.csv line 5 labels 2\.wav 'dog', which an earlier row labels 'cat'"):
         list_labelled(folder, WAV, kind="audio")
+
+
+def test_a_compressed_tar_image_stored_twice_is_one_image_its_last_entry(tmp_path):
+    """The image reader appended both entries of a name a .tar.gz stores twice: 7 images for 6, the replaced one
+    trained on too."""
+    from PIL import Image
+
+    from onn.modalities.image.formats.folder import list_tree
+
+    def png(colour: tuple[int, int, int]) -> bytes:
+        out = io.BytesIO()
+        Image.new("RGB", (4, 4), colour).save(out, format="PNG")
+        return out.getvalue()
+
+    archive = tmp_path / "images.tar.gz"
+    with tarfile.open(archive, "w:gz") as tf:
+        add_file(tf, "cat/0.png", png((255, 0, 0)))
+        for c, colour in (("cat", (0, 0, 255)), ("dog", (0, 255, 0))):
+            for i in range(3):
+                add_file(tf, f"{c}/{i}.png", png(colour))
+    listing = list_tree(archive, "data.source", allow_unlabelled=False, stream=False)
+    (split,) = listing.splits.values()
+    assert sorted(split.names) == [f"{c}/{i}.png" for c in ("cat", "dog") for i in range(3)]
+    first_cat = split.fetch.get(split.names.index("cat/0.png"))
+    assert Image.open(io.BytesIO(first_cat)).getpixel((0, 0)) == (0, 0, 255)
