@@ -133,6 +133,7 @@ def test_a_layer_map_override_naming_no_blocks_is_refused():
     assert discover(model, "model.layers").block_paths == ["model.layers.0", "model.layers.1"]
 
 
+@pytest.mark.slow  # a run.py process: 20-25 s on 2 cores
 def test_a_relative_model_source_is_read_from_where_run_py_started_under_hydra_chdir(tmp_path):
     """hydra.job.chdir=true runs the job in its run folder: model.source=hf (a folder beside the user) was looked
     for there, and the plan said it did not exist."""
