@@ -197,3 +197,21 @@ def test_a_compressed_tar_image_stored_twice_is_one_image_its_last_entry(tmp_pat
     assert sorted(split.names) == [f"{c}/{i}.png" for c in ("cat", "dog") for i in range(3)]
     first_cat = split.fetch.get(split.names.index("cat/0.png"))
     assert Image.open(io.BytesIO(first_cat)).getpixel((0, 0)) == (0, 0, 255)
+
+
+def test_a_compressed_tar_mesh_stored_twice_is_one_mesh_its_last_entry(tmp_path):
+    """The mesh reader took both entries of a name a .tar.gz stores twice: a replaced broken file refused the run
+    at data.max_bad_fraction=0, and a replaced good one was trained on beside its new version."""
+    from onn.modalities.mesh.read import Sampling, read_source
+
+    tetrahedron = b"OFF\n4 4 0\n0 0 0\n1 0 0\n0 1 0\n0 0 1\n3 0 1 2\n3 0 1 3\n3 0 2 3\n3 1 2 3\n"
+    archive = tmp_path / "meshes.tar.gz"
+    with tarfile.open(archive, "w:gz") as tf:
+        add_file(tf, "shapes/a/0.off", b"OFF\n4 1 0\nbroken")
+        for c in ("a", "b"):
+            for i in range(3):
+                add_file(tf, f"shapes/{c}/{i}.off", tetrahedron)
+    found = read_source(archive, Sampling(points=16, normals=False), max_bad_fraction=0.0)
+    assert {k: (sorted(v.names), v.classes) for k, v in found.items()} == {
+        "all": (sorted(f"shapes/{c}/{i}.off" for c in "ab" for i in range(3)), ["a", "b"])
+    }

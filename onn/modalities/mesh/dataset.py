@@ -21,8 +21,9 @@ from onn.errors import UserError
 from onn.modalities.mesh.primitives import BUILTIN, builtin_splits
 from onn.modalities.mesh.read import HELP, Sampling, read_source, sampling
 
-# 3: mirrored scene parts' normals point outwards, a point cloud's NaN points are dropped: caches of before are stale
-READER_VERSION = 3
+# 3: mirrored scene parts' normals point outwards, a point cloud's NaN points are dropped; 4: an OBJ's relative
+# indices count back from the vertices before them, not from the file's end: caches of before are stale
+READER_VERSION = 4
 
 
 def read_cached(

@@ -9,11 +9,13 @@ Geometry only: `trimesh.load(..., force=None, process=False)`, and a scene's par
 graph places them and concatenated with numpy. trimesh's own concatenation merges the parts' visuals
 too (textures: slow, and it needs PIL or scipy for some files). A file holding only points (a PLY
 point cloud) is taken as its finite points (a depth scan writes NaN for the pixels it did not measure) and
-sampled with replacement; its normals are zeros.
+sampled with replacement; its normals are zeros. An OBJ's relative indices are made absolute first (trimesh
+counts them back from the file's last vertex, not from the vertices before the face). Faces flat up to the
+files' rounding are not sampled (face_weights).
 
 A file that cannot be used is skipped with its reason, as undecodable images are: unreadable
 (trimesh raises), empty (trimesh reads some broken files as an empty scene without a word), faces
-that point past the vertex list, non-finite vertices, zero surface area, points that all coincide. The run
+that point past their part's vertex list, non-finite vertices, zero surface area, points that all coincide. The run
 fails only when more than data.max_bad_fraction of the files are bad.
 """
 
@@ -22,10 +24,12 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -36,6 +40,9 @@ from onn.data.labelled import check_bad
 from onn.data.resident import Decoded
 from onn.errors import UserError
 
+if TYPE_CHECKING:
+    import trimesh
+
 log = logging.getLogger("onn")
 
 # What trimesh reads without extra packages: meshes (OBJ, PLY, STL ascii and binary, OFF, glTF) and
@@ -44,6 +51,8 @@ ALIGNMENTS = ("none", "pca")
 MESH_SUFFIXES = (".obj", ".ply", ".stl", ".off", ".glb", ".gltf", ".xyz")
 SPLITS = {"train": "train", "test": "test", "val": "val", "valid": "val", "validation": "val"}
 LAYOUT = "CLASS/FILE (e.g. chair/0001.obj), train/CLASS/FILE + test/CLASS/FILE, or CLASS/train/FILE + CLASS/test/FILE"
+# A face line with a relative index (f -3 -2 -1, f 1/-1/2): counted back from the vertices read so far
+RELATIVE_FACE = re.compile(rb"^[ \t]*f[ \t][^\n#]*[ \t/]-[0-9]", re.MULTILINE)
 HELP = f"expected mesh files ({', '.join(MESH_SUFFIXES)}) in class folders: {LAYOUT}, or a .zip/.tar of that layout"
 
 
@@ -101,6 +110,10 @@ def load_geometry(source: Path | bytes, suffix: str) -> tuple[np.ndarray, np.nda
     file_type = suffix.lower().lstrip(".")
     if (len(source) if isinstance(source, bytes) else os.stat(source).st_size) == 0:
         raise MeshError("is an empty file (0 bytes)")
+    if file_type == "obj":
+        text = source if isinstance(source, bytes) else Path(source).read_bytes()
+        if RELATIVE_FACE.search(text):
+            source = absolute_obj_indices(text)
     try:
         if isinstance(source, bytes):
             loaded = trimesh.load(io.BytesIO(source), file_type=file_type, force=None, process=False)
@@ -117,6 +130,10 @@ def load_geometry(source: Path | bytes, suffix: str) -> tuple[np.ndarray, np.nda
     else:
         parts.append(_part(loaded, None))
     meshes = [(v, f) for v, f in parts if f is not None and len(f)]
+    for v, f in meshes:  # each part on its own: past its end are the next part's vertices, a wrong shape
+        if f.min() < 0 or f.max() >= len(v):
+            whose = "one part's" if len(meshes) > 1 else "its"
+            raise MeshError(f"faces point past {whose} {len(v)} vertices (a damaged file)")
     if meshes:
         vertices, faces, offset = [], [], 0
         for v, f in meshes:
@@ -124,8 +141,6 @@ def load_geometry(source: Path | bytes, suffix: str) -> tuple[np.ndarray, np.nda
             faces.append(f + offset)
             offset += len(v)
         v, f = np.concatenate(vertices), np.concatenate(faces)
-        if f.min() < 0 or f.max() >= len(v):
-            raise MeshError(f"faces point past its {len(v)} vertices (a damaged file)")
         used = np.zeros(len(v), dtype=bool)  # a mask, not np.unique: that sort took 20 s on a 5M-face file
         used[f.ravel()] = True
         bad = used & ~np.isfinite(v).all(axis=1)
@@ -140,6 +155,38 @@ def load_geometry(source: Path | bytes, suffix: str) -> tuple[np.ndarray, np.nda
     if not finite.any():
         raise MeshError(f"none of its {len(p)} points is finite (NaN or inf)")
     return p[finite], None
+
+
+def absolute_obj_indices(text: bytes) -> bytes:
+    """An OBJ's face lines with their relative (negative) indices made absolute. -1 is the last vertex read so far;
+    trimesh counts back from the file's last vertex, which put every object but the last on another's vertices."""
+    counts = {b"v": 0, b"vt": 0, b"vn": 0}
+    lines = text.split(b"\n")
+    for number, line in enumerate(lines):
+        words = line.split(b"#", 1)[0].split()
+        if not words:
+            continue
+        if words[0] in counts:
+            counts[words[0]] += 1
+        elif words[0] == b"f" and b"-" in line:
+            corners = [_absolute_corner(corner, counts, number + 1) for corner in words[1:]]
+            lines[number] = b" ".join([b"f", *corners])
+    return b"\n".join(lines)
+
+
+def _absolute_corner(corner: bytes, counts: dict[bytes, int], line: int) -> bytes:
+    """One face corner (v, v/vt, v//vn or v/vt/vn) with its negative indices counted back from `counts`."""
+    fields = corner.split(b"/")
+    for i, kind in enumerate((b"v", b"vt", b"vn")[: len(fields)]):
+        if fields[i].startswith(b"-") and fields[i][1:].isdigit():
+            index = counts[kind] + int(fields[i]) + 1
+            if index < 1:
+                raise MeshError(
+                    f"line {line}: a face refers to {kind.decode()} {int(fields[i])}, with only {counts[kind]} "
+                    "before it (a damaged file)"
+                )
+            fields[i] = str(index).encode()
+    return b"/".join(fields)
 
 
 def _part(geometry, transform) -> tuple[np.ndarray, np.ndarray | None]:
@@ -165,32 +212,49 @@ def sample_points(vertices: np.ndarray, faces: np.ndarray | None, settings: Samp
 
     rng = np.random.default_rng([settings.seed, zlib.crc32(name.encode())])
     n = settings.points
-    with np.errstate(over="ignore", invalid="ignore"):  # coordinates near float64's limit: said below, not warned
-        if faces is not None:
-            mesh = trimesh.Trimesh(vertices=vertices, faces=faces, process=False, validate=False)
-            area = float(mesh.area)
-            if not np.isfinite(area):
-                raise MeshError("its coordinates are too large to sample (its surface area overflows)")
-            if area <= 0:
-                raise MeshError("has zero surface area (every face is degenerate)")
-            xyz, face_index = trimesh.sample.sample_surface(mesh, n, seed=rng)
-            normals = mesh.face_normals[face_index]
-        else:
-            xyz = vertices[rng.choice(len(vertices), n, replace=len(vertices) < n)]
-            normals = np.zeros_like(xyz)
-        extent = float(np.abs(xyz).max())
-        xyz = xyz - xyz.mean(axis=0)
-        if settings.align == "pca" and np.isfinite(xyz).all():
-            turn = principal_axes(xyz)
-            xyz, normals = xyz @ turn, normals @ turn
-        radius = float(np.linalg.norm(xyz, axis=1).max())
-        if radius <= 1e-9 * extent:  # (a NaN radius, from overflow, is refused below)
-            raise MeshError("has no extent (all its points coincide)")
-        xyz = xyz / radius
+    if faces is not None:
+        mesh = trimesh.Trimesh(vertices=vertices, faces=faces, process=False, validate=False)
+        weight, unit_normals = face_weights(mesh)
+        xyz, face_index = trimesh.sample.sample_surface(mesh, n, face_weight=weight, seed=rng)
+        normals = unit_normals[face_index]
+    else:
+        xyz = vertices[rng.choice(len(vertices), n, replace=len(vertices) < n)]
+        normals = np.zeros_like(xyz)
+    extent = float(np.abs(xyz).max())
+    if not 0 < extent < np.inf:
+        raise MeshError("has no extent (all its points coincide)")
+    xyz = xyz / extent  # into [-1, 1] first: squares of coordinates past 1e154 overflow (a radius of inf, PCA's NaN)
+    xyz = xyz - xyz.mean(axis=0)
+    if settings.align == "pca":
+        turn = principal_axes(xyz)
+        xyz, normals = xyz @ turn, normals @ turn
+    radius = float(np.linalg.norm(xyz, axis=1).max())
+    if radius <= 1e-9:
+        raise MeshError("has no extent (all its points coincide)")
+    xyz = xyz / radius
     out = np.concatenate([xyz, normals], axis=1) if settings.normals else xyz
-    if not np.isfinite(out).all():  # extreme coordinates (1e308) overflow in the centring
-        raise MeshError("its coordinates are too large to normalise")
     return out.astype(np.float32)
+
+
+def face_weights(mesh: trimesh.Trimesh) -> tuple[np.ndarray, np.ndarray]:
+    """(sampling weight [F], unit normal [F, 3]) of every face: its area and its normal, or 0 and zeros where it is
+    flat, narrower than a millionth of the shape (collinear corners, off by the rounding of the file's floats: a mesh
+    of only such faces was sampled as a line with made-up normals). trimesh's face_normals are zeros below an absolute
+    area (1e-13), so a shape drawn in small units had no normals at all; the cross products have them at any scale."""
+    with np.errstate(over="ignore", invalid="ignore"):  # coordinates near float64's limit: said below, not warned
+        area = mesh.area_faces
+        if not np.isfinite(area.sum()):
+            raise MeshError("its coordinates are too large to sample (its surface area overflows)")
+        corners = mesh.triangles
+        size = float(np.linalg.norm(np.ptp(corners.reshape(-1, 3), axis=0)))
+        longest = np.linalg.norm(corners - np.roll(corners, 1, axis=1), axis=2).max(axis=1)
+        flat = 2 * area <= 1e-6 * size * longest  # the face's height, 2 * area / longest edge, within 1e-6 of the size
+    if flat.all():
+        raise MeshError("has zero surface area (every face is degenerate)")
+    cross = mesh.triangles_cross
+    unit = np.zeros_like(cross)
+    unit[~flat] = cross[~flat] / np.linalg.norm(cross[~flat], axis=1, keepdims=True)
+    return np.where(flat, 0.0, area), unit
 
 
 def principal_axes(xyz: np.ndarray) -> np.ndarray:
@@ -277,20 +341,17 @@ def read_source(
 ) -> dict[str, Decoded]:
     """Every split of a mesh source, decoded: {train, val, test} as its folders say, else {all}."""
     path = existing_source(source, key, HELP)
-    names: list[str] = []
-    arrays: list[np.ndarray] = []
-    skipped: list[str] = []
     refused: list[str] = []
-    total = 0
+    outcomes: dict[str, np.ndarray | MeshError] = {}  # a .tar.gz's name stored twice: its last entry, once
     for name, payload in entries(path, key, refused):
-        total += 1
         try:
-            arrays.append(decode(payload, name, settings))
-            names.append(name)
+            outcomes[name] = decode(payload, name, settings)
         except MeshError as e:
-            skipped.append(f"{name}: {e}")
-    total += len(refused)
-    skipped += refused
+            outcomes[name] = e
+    names = [name for name, outcome in outcomes.items() if not isinstance(outcome, MeshError)]
+    arrays = [outcomes[name] for name in names]
+    skipped = [f"{name}: {e}" for name, e in outcomes.items() if isinstance(e, MeshError)] + refused
+    total = len(outcomes) + len(refused)
     if not total:
         raise UserError(f"{key} {path}: found no mesh files; {HELP}.")
     check_bad(skipped, total, max_bad_fraction, path, key, "mesh files", "cannot be used")

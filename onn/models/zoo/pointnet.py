@@ -35,8 +35,9 @@ class PointPool(nn.Module):
     """[batch, channels, points] -> [batch, channels x len(pooling)]: max and/or mean over the points,
     symmetric functions, so the order of the points does not matter."""
 
-    def __init__(self, pooling: tuple[str, ...]):
+    def __init__(self, pooling: tuple[str, ...] | str):
         super().__init__()
+        pooling = (pooling,) if isinstance(pooling, str) else tuple(pooling)  # `pooling: mean` names one, not 4 letters
         if not pooling or set(pooling) - set(POOLS):
             raise UserError(f"zoo:pointnet: pooling {list(pooling)} must name one or more of {', '.join(POOLS)}.")
         self.pooling = tuple(pooling)
@@ -57,7 +58,7 @@ class PointNet(nn.Module):
         widths: tuple[int, ...] = (64, 128, 256),
         hidden: tuple[int, ...] = (128,),
         dropout: float = 0.3,
-        pooling: tuple[str, ...] = ("max",),
+        pooling: tuple[str, ...] | str = ("max",),
     ):
         super().__init__()
         blocks, channels = [], in_channels
