@@ -211,7 +211,15 @@ class LayerStore:
 
     def write(self, index: int | str, tensors: dict[str, torch.Tensor], values: str | None = None) -> None:
         """Store one block (atomically on disk: synced, renamed, and the marker written last); `values`: the
-        tensors' `digest`, recorded in the marker when given."""
+        tensors' `digest`, recorded in the marker when given. Weights holding NaN or inf are refused here, where they
+        are in memory anyway: a server or a run would otherwise find them only when a request or a step reaches them."""
+        bad = non_finite(tensors)
+        if bad is not None:
+            raise UserError(
+                f"the model's frozen weight {bad} (block {index} of the layer store) holds NaN or inf: model.source is "
+                "damaged, or was saved from a training that diverged, so every output would be NaN; use another copy "
+                "of the model."
+            )
         self.rebuilt.append(index)
         encoded = self.encode(tensors)
         if self.kind == "cpu":
@@ -407,6 +415,16 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         f.flush()
         os.fsync(f.fileno())
     evict(path)
+
+
+def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor holding NaN or inf, or None: one max and one min each, read back
+    in one copy (training's check_finite does the same for a module, a layer above this one)."""
+    floats = [(name, t) for name, t in tensors.items() if t.is_floating_point() and t.numel()]
+    if not floats:
+        return None
+    finite = torch.stack([(torch.isfinite(t.amax()) & torch.isfinite(t.amin())).cpu() for _, t in floats]).tolist()
+    return next((name for (name, _), ok in zip(floats, finite) if not ok), None)
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:

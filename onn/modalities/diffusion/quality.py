@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,30 +35,46 @@ from onn.hardware.cluster import is_rank_zero
 from onn.modalities.base import Job
 from onn.modalities.diffusion.sample import write_sample_grid
 from onn.modalities.diffusion.tasks import build, datamodule, draw_samples, load_trained
-from onn.training.checkpoints import saved_config
+from onn.training.checkpoints import check_finite, resolve, saved_config
 from onn.training.trainer import build_trainer
 
 log = logging.getLogger("onn")
+CKPT_KEY = re.compile(r"(?<![\w./\\-])ckpt=")  # the key `ckpt=`, not a path's "best.ckpt=" or "runs/ckpt="
 
 
 def load_classifier(config: ONNConfig, plan, path: str):
-    """The ONN image classifier at `path` (a run dir, checkpoints dir or .ckpt), rebuilt from its own config."""
+    """The ONN image classifier at `path` (task.classifier: a run dir, checkpoints dir or .ckpt), rebuilt from its
+    own config. Every refusal names task.classifier: the checkpoint loaders' own say `ckpt`, the denoiser's key."""
     from onn.modalities import get
     from onn.modalities.classification import load_trained as load_classifier_ckpt
-    from onn.training.checkpoints import resolve
 
-    ckpt = resolve(path, config.paths.outputs)
-    saved = saved_config(ckpt)
-    if saved.get("modality") != "image":  # ({} for another tool's checkpoint)
-        raise UserError(
-            f"task.classifier={path} is not an ONN image classifier's checkpoint (train one with data=...)."
+    try:
+        ckpt = resolve(path, config.paths.outputs)
+        saved = saved_config(ckpt)
+        if saved.get("modality") != "image":  # ({} for another tool's checkpoint)
+            raise UserError(
+                f"task.classifier={path} is not an ONN image classifier's checkpoint (train one with data=...)."
+            )
+        run = dataclasses.replace(
+            config,
+            model=typed(NetworkConfig, saved["model"], f"task.classifier {ckpt}: model"),
+            data=typed(ImageData, saved["data"], f"task.classifier {ckpt}: data"),
         )
-    run = dataclasses.replace(
-        config,
-        model=typed(NetworkConfig, saved["model"], f"task.classifier {ckpt}: model"),
-        data=typed(ImageData, saved["data"], f"task.classifier {ckpt}: data"),
-    )
-    return load_classifier_ckpt(get("image"), run, dataclasses.replace(plan, strategy="full"), ckpt)
+        plan = dataclasses.replace(plan, strategy="full")
+        classifier = load_classifier_ckpt(get("image"), run, plan, ckpt, checked=False)
+        check_finite(classifier, f"task.classifier={path}", "eval")
+    except UserError as e:
+        raise UserError(as_classifier_key(str(e), path)) from None
+    return classifier
+
+
+def as_classifier_key(said: str, path: str) -> str:
+    """A checkpoint loader's refusal of the judge, in the key the user set: its `ckpt=...` (the path, or the advice
+    ckpt=PATH) becomes `task.classifier=...`, and one that names no key starts with task.classifier=PATH."""
+    said = CKPT_KEY.sub("task.classifier=", said)
+    if said.startswith("task.classifier"):
+        return said
+    return f"task.classifier={path}: " + re.sub(r"^ckpt ", "checkpoint ", said)
 
 
 @torch.no_grad()
@@ -140,6 +157,7 @@ def evaluate(job: Job) -> dict[str, Any]:
             "task=eval on diffusion data needs task.classifier=RUN_DIR: an ONN image classifier trained on the same "
             "data (e.g. python run.py model=v28_cnn data=mnist ...), which labels the samples."
         )
+    classifier = load_classifier(config, job.plan, task.classifier)  # a wrong path: refused before the data loads
     if job.ckpt is None:
         log.warning("task=eval without ckpt: judging a random-weights denoiser (the baseline a trained one must beat)")
     if job.ckpt is not None:
@@ -150,7 +168,6 @@ def evaluate(job: Job) -> dict[str, Any]:
     else:
         dm = datamodule(config, job.device)
         module = build(config, {"input_shape": list(dm.input_shape), "classes": dm.classes, "seed": config.seed})
-    classifier = load_classifier(config, job.plan, task.classifier)
     expected = list(classifier.onn_config["inputs"]["input_shape"])
     shape = list(module.onn_config["inputs"]["input_shape"])
     if expected != shape:

@@ -219,7 +219,8 @@ class ClassifyForm(BaseModel):
 # -- the guard -----------------------------------------------------------------------------------------
 class Guard:
     """Key and body size, before any route: 401 without the key (every path but OPEN_PATHS), 413 for a body
-    over the limit (read to its end at most that far; the route then gets it from memory)."""
+    over the limit (read to its end at most that far; the route then gets it from memory). A route's bug is
+    answered here too, and logged once."""
 
     def __init__(self, app, api_key: str | None, max_body: int, max_upload: int, stats: Stats):
         self.app, self.api_key, self.max_body, self.max_upload, self.stats = (
@@ -233,6 +234,35 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        started: dict[str, Any] = {}  # the response's start message, once sent
+
+        async def watched(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                started.update(message)
+            await send(message)
+
+        try:
+            await self._guarded(scope, receive, watched)
+        except Exception as e:
+            await self._answer_bug(e, scope, receive, send, started)
+
+    async def _answer_bug(self, error: Exception, scope, receive, send, started: dict[str, Any]) -> None:
+        """A bug's one log record and its answer: a 500 with OpenAI's error object, or in a stream already under way
+        its error event and [DONE]. Left to Starlette, its ServerErrorMiddleware answers with the app's handler and
+        raises the error again for uvicorn, which logs it a second time."""
+        self.stats.add(refused=1)  # an error answered, as every other
+        said = f"internal error: {_short(error)}"
+        if not started:
+            log.exception("serve: %s %s failed", scope["method"], scope["path"])
+            return await error_response(500, said, "server_error")(scope, receive, send)
+        sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in started["headers"])
+        if not sse:  # a body half sent cannot be ended well: uvicorn logs the error (once) and closes the connection
+            raise error
+        log.exception("serve: %s %s failed mid-stream", scope["method"], scope["path"])
+        end = _sse(error_body(said, "server_error")) + "data: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": end.encode(), "more_body": False})
+
+    async def _guarded(self, scope, receive, send) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if self.api_key and scope["path"] not in OPEN_PATHS:
             given = headers.get("authorization", "")
@@ -329,8 +359,7 @@ def create_app(served: Any, settings: ServeConfig, model_name: str, api_key: str
 
 
 def _answer_errors(app: FastAPI, stats: Stats) -> None:
-    """Every error as the OpenAI API answers one: a JSON body naming the problem (and a 500 for a bug, said,
-    logged, and the server goes on)."""
+    """Every error as the OpenAI API answers one: a JSON body naming the problem (a bug's 500 is the Guard's)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
@@ -350,12 +379,6 @@ def _answer_errors(app: FastAPI, stats: Stats) -> None:
         stats.add(refused=1)
         first = next(iter(e.errors()), {"msg": "invalid request", "loc": ()})
         return error_response(400, first["msg"], param=".".join(map(str, first["loc"])))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception):
-        log.exception("serve: %s %s failed", request.method, request.url.path)
-        stats.add(refused=1)  # an error answered, as every other
-        return error_response(500, f"internal error: {_short(e)}", "server_error")
 
 
 class Server:
@@ -518,7 +541,7 @@ class Server:
             }
             return _sse(body)
 
-        failed = False
+        outcome = "requests"  # a client that left midway was answered
         try:
             if chat:
                 yield chunk({"role": "assistant", "content": ""}, None, None)
@@ -528,7 +551,7 @@ class Server:
                     yield chunk({"content": event["text"]}, event["text"], None)
                     continue
                 if event["finish"] == "error":
-                    failed = True
+                    outcome = "refused"
                     yield _sse(
                         error_body(f"generation failed: {event['error']}", "server_error", code=_error_code(event))
                     )
@@ -547,8 +570,12 @@ class Server:
                     )
                 break
             yield "data: [DONE]\n\n"
+        except Exception:
+            outcome = None  # a bug: the Guard answers it, and counts it
+            raise
         finally:
-            self.stats.add(**{"refused" if failed else "requests": 1})  # a client that left midway was answered
+            if outcome is not None:
+                self.stats.add(**{outcome: 1})
             seq.cancel()  # the client went away (or the stream ended): the row leaves the batch
 
     async def classify(self, request: Request):
