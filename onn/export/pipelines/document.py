@@ -85,6 +85,11 @@ def write(folder: Path, doc: dict[str, Any]) -> Path:
 
 def read(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise UserError(
+            f"{path} is a folder, not a pipeline document; give the pipeline.json an export wrote, e.g. "
+            f"{path / 'pipeline.json'}."
+        )
     if not path.is_file():
         raise UserError(f"{path} does not exist; export a pipeline with task=export export=omny first.")
     try:

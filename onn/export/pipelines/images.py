@@ -3,7 +3,9 @@ normalised for a piece, and the results drawn over it as a PNG."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -12,18 +14,44 @@ import numpy as np
 from onn.errors import UserError
 
 COLOURS = [(230, 25, 75), (60, 180, 75), (0, 130, 200), (245, 130, 48), (145, 30, 180), (70, 240, 240)]
-# Modes that hold colour or grey levels PIL converts to RGB; others (32-bit integer, float) need a choice we leave
-# to the user.
-CONVERTIBLE = {"RGB", "RGBA", "L", "LA", "P", "PA", "CMYK", "YCbCr", "1", "I;16", "RGBX", "LAB", "HSV"}
+# Modes that hold colour or grey levels PIL converts to RGB (16-bit grey, I;16*, is scaled to 8 bits first); others
+# (32-bit integer, float) need a choice we leave to the user.
+CONVERTIBLE = {"RGB", "RGBA", "L", "LA", "P", "PA", "CMYK", "YCbCr", "1", "RGBX", "LAB", "HSV"}
 
 
 def load_rgb(path: str | Path):
     """The image at `path` as an RGB PIL image, upright as its EXIF orientation says (a phone's photograph is
-    stored sideways), transparency laid on white; a file PIL cannot read, one over PIL's pixel limit, or a mode
-    without one RGB reading, is one sentence."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    stored sideways), transparency laid on white; a file PIL cannot read, one over PIL's pixel limit, a mode
+    without one RGB reading, or a document of several pages (load_pages reads those), is one sentence."""
+    image = _open(path)
+    pages = _pages(image)
+    if len(pages) > 1:
+        raise UserError(
+            f"image {path} is a document of {len(pages)} pages and this pipeline reads one picture; save the page "
+            "to read as a file of its own (the OCR pipeline reads every page)."
+        )
+    image.seek(pages[0])
+    return _rgb(image, path)
+
+
+def load_pages(path: str | Path) -> list:
+    """Every page of a multi-page TIFF (a scanned document; its reduced-resolution previews are not pages) as
+    load_rgb reads a picture; any other picture as its one page. Reading only the first was a silent loss."""
+    image = _open(path)
+    pages = []
+    for index in _pages(image):
+        image.seek(index)
+        pages.append(_rgb(image, path))  # a new image: exif_transpose and convert copy the frame
+    return pages
+
+
+def _open(path: str | Path):
+    """The picture at `path`, loaded (its first frame); what PIL cannot open is one sentence."""
+    from PIL import Image, UnidentifiedImageError
 
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"image {path} is a folder; give the picture file in it.")
     if not path.is_file():
         raise UserError(f"image {path} does not exist.")
     try:
@@ -36,14 +64,37 @@ def load_rgb(path: str | Path):
         ) from None
     except (UnidentifiedImageError, OSError) as e:
         raise UserError(f"image {path} cannot be read as a picture ({e}); give a PNG, JPEG or other image.") from None
-    image = ImageOps.exif_transpose(image)
-    if image.mode not in CONVERTIBLE:
+    return image
+
+
+def _pages(image) -> list[int]:
+    """The frame indices that are pages: a TIFF's full-resolution images (NewSubfileType without its
+    reduced-resolution bit); any other format's first frame alone (a GIF's frames are an animation, an MPO's
+    second a camera's preview)."""
+    if image.format != "TIFF" or getattr(image, "n_frames", 1) == 1:
+        return [0]
+    pages = []
+    for index in range(image.n_frames):
+        image.seek(index)
+        if not int(image.tag_v2.get(254, 0)) & 1:  # NewSubfileType bit 0: a reduced-resolution preview
+            pages.append(index)
+    image.seek(0)
+    return pages or [0]
+
+
+def _rgb(image, path: str | Path):
+    """One loaded picture as RGB: upright, 16-bit grey scaled to 8, transparency on white."""
+    from PIL import Image, ImageOps
+
+    with contextlib.suppress(SyntaxError, struct.error):  # a PNG's or WebP's EXIF PIL cannot parse: no orientation
+        image = ImageOps.exif_transpose(image)
+    if image.mode not in CONVERTIBLE and not image.mode.startswith("I;16"):
         raise UserError(
             f"image {path} is in mode {image.mode} ({'x'.join(map(str, image.size))}), which has no one RGB "
             "reading; convert it to an 8-bit RGB or grey image first."
         )
-    if image.mode == "I;16":
-        image = image.point(lambda v: v / 256).convert("L")
+    if image.mode.startswith("I;16"):  # I;16, and I;16B (a big-endian TIFF's), I;16L, I;16N
+        image = Image.fromarray((np.asarray(image).astype(np.uint32) >> 8).astype(np.uint8))
     if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
         return _on_white(image)
     return image.convert("RGB")
@@ -107,6 +158,20 @@ def annotate(image, boxes: list[tuple[list[float], str]] = (), points: list[tupl
         r = max(3, image.width // 150)
         draw.ellipse((x - r, y - r, x + r, y + r), fill=(255, 255, 0), outline=(0, 0, 0))
     return image
+
+
+def stacked(pictures: list):
+    """The pictures one below the other on white (a document's pages drawn as one PNG); one picture as it is."""
+    from PIL import Image
+
+    if len(pictures) == 1:
+        return pictures[0]
+    sheet = Image.new("RGB", (max(p.width for p in pictures), sum(p.height for p in pictures)), (255, 255, 255))
+    top = 0
+    for picture in pictures:
+        sheet.paste(picture, (0, top))
+        top += picture.height
+    return sheet
 
 
 def upsampled(logits: np.ndarray, size: tuple[int, int]) -> np.ndarray:

@@ -161,16 +161,17 @@ def read_line(pieces_: Pieces, crop, s: dict) -> list[int]:
 
 
 def run(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict[str, Any]:
+    """Every page's lines, top to bottom, page after page (a multi-page TIFF is a scanned document); the picture
+    is the pages one below the other with their lines boxed."""
     limit = _max_new_tokens(doc["settings"])
-    image = images.load_rgb(request.image)
+    pages = images.load_pages(request.image)
     tokenizer = pieces_.tokenizer()
-    found = []
-    for box in lines(np.asarray(image.convert("L"), np.float32)):
-        ids = read_line(pieces_, image.crop(box), doc["settings"])
-        known = [t for t in ids if tokenizer is None or t < tokenizer.get_vocab_size()]
-        text = tokenizer.decode(known, skip_special_tokens=True) if tokenizer is not None else " ".join(map(str, ids))
-        cut = len(ids) >= limit  # no end-of-text token within the limit: the rest of the line is unread
-        found.append({"box": list(box), "text": text, "token_ids": ids, "cut_at_max_new_tokens": cut})
+    found, pictures = [], []
+    for number, page in enumerate(pages, 1):
+        read = [_read(pieces_, page, box, doc["settings"], tokenizer) | {"page": number} for box in _lines(page)]
+        labels = [f["text"][:40] or f"(no text: ids {' '.join(map(str, f['token_ids'][:4]))} ...)" for f in read]
+        pictures.append(images.annotate(page, boxes=[(f["box"], label) for f, label in zip(read, labels)]))
+        found += read
     if cut_lines := [str(i + 1) for i, f in enumerate(found) if f["cut_at_max_new_tokens"]]:
         log.warning(
             "OCR: line(s) %s reached settings.max_new_tokens=%d (pipeline.json) and are cut there; raise it in that "
@@ -178,11 +179,23 @@ def run(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict[str, Any
             ", ".join(cut_lines),
             limit,
         )
-    labels = [f["text"][:40] or f"(no text: ids {' '.join(map(str, f['token_ids'][:4]))} ...)" for f in found]
-    picture = images.annotate(image, boxes=[(f["box"], label) for f, label in zip(found, labels)])
-    result = finish(request, picture, {"lines": found, "text": "\n".join(f["text"] for f in found)})
+    findings = {"pages": len(pages), "lines": found, "text": "\n".join(f["text"] for f in found)}
+    result = finish(request, images.stacked(pictures), findings)
     print(result["text"])
     return result
+
+
+def _lines(page) -> list[tuple[int, int, int, int]]:
+    return lines(np.asarray(page.convert("L"), np.float32))
+
+
+def _read(pieces_: Pieces, page, box: tuple[int, int, int, int], s: dict, tokenizer) -> dict[str, Any]:
+    """One line of a page read: its box, text and token ids, and whether settings.max_new_tokens cut it."""
+    ids = read_line(pieces_, page.crop(box), s)
+    known = [t for t in ids if tokenizer is None or t < tokenizer.get_vocab_size()]
+    text = tokenizer.decode(known, skip_special_tokens=True) if tokenizer is not None else " ".join(map(str, ids))
+    # no end-of-text token within the limit: the rest of the line is unread
+    return {"box": list(box), "text": text, "token_ids": ids, "cut_at_max_new_tokens": len(ids) >= s["max_new_tokens"]}
 
 
 def _max_new_tokens(settings: dict[str, Any]) -> int:

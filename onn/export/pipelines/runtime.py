@@ -38,7 +38,15 @@ class Pieces:
         """The pipeline's tokenizer.json (the `tokenizers` library reads it), or None when it has none."""
         from tokenizers import Tokenizer
 
-        return Tokenizer.from_file(str(self.tokenizer_file)) if self.tokenizer_file else None
+        if self.tokenizer_file is None:
+            return None
+        try:
+            return Tokenizer.from_file(str(self.tokenizer_file))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a file cut short or edited
+            raise UserError(
+                f"{self.tokenizer_file} cannot be read as a tokenizer ({' '.join(str(e).split())[:200]}); put back "
+                "the file the export wrote or re-export the pipeline."
+            ) from None
 
     def run(self, name: str, feeds: dict[str, Any], keep: Collection[str] = ()) -> dict[str, Any]:
         """The piece's outputs: those named in `keep` as onnxruntime OrtValues left where the session computed
@@ -58,7 +66,10 @@ class Pieces:
         names = [o.name for o in session.get_outputs()]
         for output in names:
             binding.bind_output(output, *((device, index) if output in keep else ("cpu", 0)))
-        session.run_with_iobinding(binding)
+        try:
+            session.run_with_iobinding(binding)
+        except Exception as e:  # onnxruntime's own error types: a feed of a shape the piece does not take, no memory
+            raise self._failed(name, "run", e, feeds) from None
         values = binding.get_outputs()
         return {n: v if n in keep else v.numpy() for n, v in zip(names, values)}
 
@@ -76,8 +87,21 @@ class Pieces:
             options.enable_cpu_mem_arena = False
             wanted = ("CUDAExecutionProvider", "CPUExecutionProvider")
             providers = [p for p in wanted if p in ort.get_available_providers()]
-            self.sessions[name] = ort.InferenceSession(str(self.files[name]), options, providers=providers)
+            try:
+                self.sessions[name] = ort.InferenceSession(str(self.files[name]), options, providers=providers)
+            except Exception as e:  # a piece file (or its weights beside it) cut short or damaged since export
+                raise self._failed(name, "load", e) from None
         return self.sessions[name]
+
+    def _failed(self, name: str, doing: str, error: Exception, feeds: dict[str, Any] | None = None) -> UserError:
+        """onnxruntime's error as one sentence naming the piece's file, the shapes it was fed, and what to do."""
+        shapes = {k: list(v.shape()) if callable(v.shape) else list(v.shape) for k, v in (feeds or {}).items()}
+        fed = f" on inputs {shapes}" if shapes else ""
+        message = " ".join(str(error).split())[:300]
+        return UserError(
+            f"pipeline piece {name} ({self.files[name]}): onnxruntime cannot {doing} it{fed} ({message}); if "
+            "pipeline.json's settings were edited, restore them, else re-export the pipeline."
+        )
 
 
 def _device(session) -> tuple[str, int]:
