@@ -15,12 +15,13 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from onn.data.resident import Decoded
 from onn.errors import disk_error, write_refused
+from onn.hardware.locks import held
 
 log = logging.getLogger("onn")
 
@@ -32,21 +33,47 @@ def cached_decode(
     decode: Callable[[], dict[str, Decoded]],
     source: str = "",
 ) -> dict[str, Decoded]:
-    """{split: Decoded} from the cache under cache_dir/kind for `key`, or from `decode()` (then cached)."""
+    """{split: Decoded} from the cache under cache_dir/kind for `key`, or from `decode()` (then cached). One
+    process decodes a source at a time: the ranks of a multi-process run and a sweep's parallel jobs on one
+    dataset each decoded it whole at once (N times the work on the same cores); the others wait, then read what
+    the first one cached."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     cache = Path(cache_dir) / kind / f"{digest}.safetensors"
-    if cache.is_file():
-        cached = _read(cache, kind, source)
+    cached = _read(cache, kind, source) if cache.is_file() else None
+    if cached is not None:
+        return cached
+    with _one_decoder(cache, kind, source):
+        cached = _read(cache, kind, source) if cache.is_file() else None  # another process decoded it meanwhile
         if cached is not None:
             return cached
-    splits = decode()
-    tensors, meta = {}, {"classes": None, "splits": {}}
-    for name, s in splits.items():
-        tensors[f"{name}.inputs"], tensors[f"{name}.labels"] = s.inputs.contiguous(), s.labels.contiguous()
-        meta["classes"] = s.classes
-        meta["splits"][name] = {"names": s.names, "skipped": s.skipped}
-    _write(cache, tensors, {"onn": json.dumps(meta), "source": source}, kind)
+        splits = decode()
+        tensors, meta = {}, {"classes": None, "splits": {}}
+        for name, s in splits.items():
+            tensors[f"{name}.inputs"], tensors[f"{name}.labels"] = s.inputs.contiguous(), s.labels.contiguous()
+            meta["classes"] = s.classes
+            meta["splits"][name] = {"names": s.names, "skipped": s.skipped}
+        _write(cache, tensors, {"onn": json.dumps(meta), "source": source}, kind)
     return splits
+
+
+@contextlib.contextmanager
+def _one_decoder(cache: Path, kind: str, source: str) -> Iterator[None]:
+    """The lock of one cache entry (.DIGEST.lock beside it) for the block, waiting for a process that holds it. A
+    cache folder the disk refuses (read-only, full) goes without: the run decodes, and _write says it is uncached."""
+    with contextlib.ExitStack() as stack:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(
+                held(
+                    cache.parent,
+                    lambda: log.info("%s: another process is decoding %s; waiting to read its cache", kind, source),
+                    name=f".{cache.stem}.lock",
+                )
+            )
+        except OSError as e:
+            if disk_error(e) is None:
+                raise
+        yield
 
 
 def cached_tensors(

@@ -25,12 +25,13 @@ log = logging.getLogger("onn")
 _unlocked_said: set[str] = set()  # the lock files already said to be unsupported, each said once
 
 
-def try_hold(folder: str | os.PathLike) -> int | None:
-    """Hold `folder`'s lock for the rest of this process (its file descriptor), or None if another process
-    holds it now; the holder's pid is written into the lock file for the message that names it."""
-    fd = os.open(Path(folder) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+def try_hold(folder: str | os.PathLike, name: str = LOCK_NAME) -> int | None:
+    """Hold `folder`'s lock (the lock file `name` in it) for the rest of this process (its file descriptor), or
+    None if another process holds it now; the holder's pid is written into the lock file for the message that
+    names it."""
+    fd = os.open(Path(folder) / name, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, Path(folder) / LOCK_NAME)
+        _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, Path(folder) / name)
     except BlockingIOError:
         os.close(fd)
         return None
@@ -73,16 +74,16 @@ def holder(folder: str | os.PathLike) -> str:
 
 
 @contextlib.contextmanager
-def held(folder: str | os.PathLike, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
-    """`folder`'s lock for the block, waiting for another holder to finish first (`on_wait()` is called once
-    before waiting)."""
-    fd = try_hold(folder)
+def held(folder: str | os.PathLike, on_wait: Callable[[], None] | None = None, name: str = LOCK_NAME) -> Iterator[None]:
+    """`folder`'s lock (the lock file `name` in it) for the block, waiting for another holder to finish first
+    (`on_wait()` is called once before waiting)."""
+    fd = try_hold(folder, name)
     if fd is None:
         if on_wait is not None:
             on_wait()
-        fd = os.open(Path(folder) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(Path(folder) / name, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            _flock(fd, fcntl.LOCK_EX, Path(folder) / LOCK_NAME)
+            _flock(fd, fcntl.LOCK_EX, Path(folder) / name)
         except OSError:
             os.close(fd)
             raise
