@@ -227,6 +227,7 @@ def test_a_tilde_run_folder_hydra_would_take_literally_is_refused():
         literal_folder("~/s", "hydra.sweep.dir")
 
 
+@pytest.mark.slow  # 18-31 s on 2 cores (ci133)
 def test_a_recipe_whose_block_the_chosen_option_leaves_null_names_both(tmp_path):
     """recipe=phi4_math_sparse_lora strategy=full said "strategy.lora.target_modules has no value: give it on the
     command line", which would only add a LoRA block that strategy=full never reads."""

@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import GRID_SWEEP_CONFIG, ROOT
 
@@ -244,6 +245,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow  # 18-31 s on 2 cores (ci133)
 def test_callback_after_real_multirun(tmp_path):
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "config.yaml").write_text(GRID_SWEEP_CONFIG)

@@ -420,6 +420,7 @@ def test_grounded_sam2_exports_validates_matches_pytorch_and_runs(tmp_path):
     _bad_input_is_one_sentence(grounded, photo, tmp_path)
 
 
+@pytest.mark.slow  # 18-31 s on 2 cores (ci133)
 def test_trocr_exports_validates_decodes_as_generate_and_reads_a_page(tmp_path):
     trocr = _trocr(tmp_path / "run")
     _splits_and_connects(trocr)

@@ -477,6 +477,7 @@ def test_lightnings_hook_names_are_set_without_nn_modules_setattr():
     assert [c for c in found if not issubclass(c, ONNModule)] == []
 
 
+@pytest.mark.slow  # 18-31 s on 2 cores (ci133)
 def test_onns_trainer_wraps_no_hook_in_a_profiler_unless_trainer_profiler_names_one(tmp_path):
     """Lightning's default profiler records nothing, yet wraps every hook in its generator-based context (17 a
     step, and each callback's). ONN's Trainer hands back one shared empty context instead: in four steps no hook

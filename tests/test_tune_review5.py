@@ -94,6 +94,7 @@ def test_trials_out_of_memory_killed_or_failing_are_recorded_and_the_search_goes
     assert "| out of memory |" in table and "failed: ValueError" in table
 
 
+@pytest.mark.slow  # 18-31 s on 2 cores (ci133)
 def test_a_failing_guess_stops_the_search_in_one_sentence(tmp_path):
     """The planner's own settings failed with an error no other micro-batch mends: a raw traceback, where the user
     needs the settings and the error in one line (and no neighbours tried in vain)."""

@@ -71,6 +71,7 @@ def test_a_track_with_its_own_cache_reads_the_benchs_hardware_profile(tmp_path):
     assert resolve(track, tmp_path / "cache", tmp_path).source.startswith("cache")
 
 
+@pytest.mark.slow  # 18-31 s on 2 cores (ci133)
 def test_a_mistyped_failpoint_is_one_sentence_before_the_run(tmp_path, monkeypatch):
     """ONN_FAILPOINT=checkpoint_write:x failed the run at its first checkpoint (int("x") inside the save, the run
     lost); an unknown point or a count of 0 never fired, without a word. A track's failpoints are checked too."""
