@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,7 @@ def run(cfg: DictConfig) -> float | None:
         "hardware": _read(cfg, "hardware.name"),
     }
     record = RunRecord(run_dir, metrics)
+    progress.reset()  # a multirun's jobs share this process: no job's record shows the previous job's last step
     config: ONNConfig | None = None
     try:
         if _read(cfg, "data.name") == "auto":
@@ -337,10 +339,13 @@ def to_config(cfg: DictConfig, choices: dict[str, str] | None = None) -> ONNConf
     try:
         config = OmegaConf.to_object(cfg)
     except InterpolationResolutionError as e:
-        raise UserError(
-            f"{e.full_key}={_written(cfg, e.full_key)}: {str(e).splitlines()[0]}; fix the ${{...}} to name a key of "
-            "the config (docs/config.md lists them)."
-        ) from None
+        unset = re.search(r"Environment variable '([^']+)' not found", str(e))
+        advice = (
+            f"set {unset[1]} in the environment, or give a default (${{oc.env:{unset[1]},DEFAULT}})"
+            if unset
+            else "fix the ${...} to name a key of the config (docs/config.md lists them)"
+        )
+        raise UserError(f"{e.full_key}={_written(cfg, e.full_key)}: {str(e).splitlines()[0]}; {advice}.") from None
     except MissingMandatoryValue as e:
         if problem := recipe_group_problem(e.full_key, choices or {}, CONF):
             raise UserError(problem) from None

@@ -10,10 +10,12 @@ Hydra's `+` added that no dataclass has is one sentence there (app.to_config), a
 
 Before Hydra composes, run.py expands a leading `~` in the command line's values (expand_home: bash does not in
 `data.source=~/x`, and Hydra's parser refuses it), and asks for the mistakes Hydra would report as a traceback or in
-its own terms: a YAML file that does not parse (yaml_problem), a group chosen twice (group_problem), a key or a whole
-block given for a block that is null here, answered with the options that give it (block_owners), and a recipe's task
-keys under another task (compose_problem). A recipe's block that the option chosen leaves null is app.to_config's
-to say (recipe_group_problem), once the composed config names the key that has no value.
+its own terms: a YAML file that does not parse or holds a key twice (yaml_problem), a group chosen twice or an
+option it does not have (group_problem: `model=lama_small`, naming the closest), a misspelt key (`trainer.max_epoch=3`,
+naming the closest: compose_problem), a key or a whole block given for a block that is null here, answered with
+the options that give it (block_owners), and a recipe's task keys under another task (compose_problem). A recipe's
+block that the option chosen leaves null is app.to_config's to say (recipe_group_problem), once the composed config
+names the key that has no value.
 
 A new key: add the field to its dataclass (type, `MISSING`, a comment saying what it holds), give its value
 in the option's YAML, and read it as an attribute.
@@ -21,13 +23,14 @@ in the option's YAML, and read it as an attribute.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from onn.config import data, export, model, task
+from onn.config import data, export, hardware, model, run, strategy, task
 from onn.config.run import ONNConfig
 
 CONF = Path(__file__).resolve().parents[2] / "conf"  # the config groups run.py composes from
@@ -52,6 +55,15 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "export": {"none": export.ExportConfig, "safetensors": export.SafetensorsExport, "onnx": export.OnnxExport,
                "omny": export.OmnyExport},
 }  # fmt: skip
+# Every key name a dataclass of ONN's config has: a command line's key with a part that is none of them is misspelt,
+# or a key of a free-form block (model.kwargs.widths), which compose_problem composes to tell apart
+FIELD_NAMES = frozenset(
+    f.name
+    for module in (data, export, hardware, model, run, strategy, task)
+    for kind in vars(module).values()
+    if isinstance(kind, type) and is_dataclass(kind)
+    for f in fields(kind)
+)
 
 
 def register() -> None:
@@ -125,8 +137,10 @@ def register_local_launcher() -> None:
 
 def yaml_problem(argv: list[str], conf_dir: Path) -> str | None:
     """The first YAML file the command line picks (`recipe=NAME`, `model=a,b`, ...) that does not parse, as one
-    sentence naming its line; Hydra would print its YAML parser's traceback. None when each parses."""
+    sentence naming its line; Hydra would print its YAML parser's traceback. A key given twice in one mapping is
+    refused too, as Hydra's loader (OmegaConf's) refuses it. None when each parses."""
     import yaml
+    from omegaconf import OmegaConf
 
     for arg in argv:
         group, _, names = arg.lstrip("+~").partition("=")
@@ -137,19 +151,22 @@ def yaml_problem(argv: list[str], conf_dir: Path) -> str | None:
             if not path.is_file():
                 continue  # Hydra names the options a misspelt one could be
             try:
-                yaml.safe_load(path.read_text())
+                OmegaConf.load(path)  # Hydra's loader: PyYAML's safe_load keeps the last of a duplicate key
             except yaml.YAMLError as e:
                 mark = getattr(e, "problem_mark", None)
                 where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
                 problem = getattr(e, "problem", None) or str(e).splitlines()[0]
                 return f"{path.resolve()}{where}: {problem}; fix the YAML there."
+            except Exception:  # noqa: BLE001 -- YAML that parses but is no config (a bare number): Hydra says so
+                continue
     return None
 
 
 def group_problem(argv: list[str], conf_dir: Path) -> str | None:
     """A config group the command line chooses twice (`recipe=a recipe=b`: Hydra keeps the last without a word) or
-    as a list (`recipe=[a,b]`: Hydra merges both options into one), as one sentence; None when each is chosen once."""
-    groups = {p.name for p in conf_dir.iterdir() if p.is_dir()}
+    as a list (`recipe=[a,b]`: Hydra merges both options into one), or an option it does not have, as one sentence;
+    None when each is chosen once, and is there."""
+    groups = {p.name for p in conf_dir.iterdir() if p.is_dir() and p.name != "hydra"}
     chosen: dict[str, str] = {}
     for arg in argv:
         group, _, value = arg.lstrip("+~").partition("=")
@@ -158,17 +175,35 @@ def group_problem(argv: list[str], conf_dir: Path) -> str | None:
         advice = "copy one and add the other's keys" if group == "recipe" else f"give one {group}"
         if value.lstrip().startswith("["):
             return f"{arg}: a run takes one {group}, not a list; {advice}."
+        if problem := missing_option(arg, conf_dir / group, value):
+            return problem
         if chosen.setdefault(group, value) != value:
             return f"{group} is given twice ({chosen[group]}, {value}); a run takes one {group}: {advice}."
     return None
 
 
+def missing_option(arg: str, folder: Path, value: str) -> str | None:
+    """`model=lama_small` (or one name of a sweep's `model=a,b`) that is no file of the group's folder, naming the
+    closest option: Hydra lists every option of the group (40 models) and leaves the one meant to be found."""
+    if "(" in value or "$" in value:
+        return None  # glob(*), choice(a,b), an interpolation: Hydra's to expand
+    options = sorted(p.stem for p in folder.glob("*.yaml"))
+    for name in (n.strip().strip("'\"") for n in value.split(",")):
+        if name in ("", "null") or (folder / f"{name}.yaml").is_file():
+            continue
+        close = difflib.get_close_matches(name, options, n=1)
+        hint = f" (did you mean {folder.name}={close[0]}?)" if close else ""
+        return f"{arg}: conf/{folder.name} has no option {name}{hint}; give one of {', '.join(options)}."
+    return None
+
+
 def compose_problem(argv: list[str], conf_dir: Path) -> str | None:
-    """Two mistakes Hydra's composition reports in its own terms, as one sentence: a key set under a block that is
+    """Three mistakes Hydra's composition reports in its own terms, as one sentence: a key set under a block that is
     null in this config (`serve.slots=4` with no task=serve to give `serve`, `data.builtin.train_size=32` of
-    data=gsm8k: OmegaConf's AssertionError, a 23-line traceback), and a recipe's task.* key that the task given on
-    the command line lacks (`recipe=bench_chaos task=plan`: "Key 'tracks' not in 'TrainTask'"). It composes only
-    for a command line that could hold one; None for anything else (Hydra says it)."""
+    data=gsm8k: OmegaConf's AssertionError, a 23-line traceback), a recipe's task.* key that the task given on
+    the command line lacks (`recipe=bench_chaos task=plan`: "Key 'tracks' not in 'TrainTask'"), and a misspelt key
+    (`trainer.max_epoch=3`, named with the closest key). It composes only for a command line that could hold one;
+    None for anything else (Hydra says it)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
@@ -185,15 +220,21 @@ def compose_problem(argv: list[str], conf_dir: Path) -> str | None:
         return problem
     optional = {f.name for f in fields(ONNConfig) if f.default is None}  # top-level blocks null by default
     under = [o for o in overrides if not o.is_delete() and _under_block(o.key_or_group, optional, o.value())]
+    groups = {p.name for p in conf_dir.iterdir() if p.is_dir()}
+    suspects = [o for o in overrides if _unknown_name(o, groups)]  # trainer.max_epoch=3
     named = {o.key_or_group for o in overrides}
-    if not under and not {"recipe", "task"} <= named:
+    if not under and not suspects and not {"recipe", "task"} <= named:
         return None
-    rest = [o.input_line for o in overrides if o not in under and not o.key_or_group.startswith("hydra")]
+    skip = [*under, *suspects]
+    rest = [o.input_line for o in overrides if o not in skip and not o.key_or_group.startswith("hydra")]
     with initialize_config_dir(config_dir=str(conf_dir.resolve()), version_base="1.3"):
         try:
             cfg = compose("config", overrides=rest)
         except Exception as e:  # noqa: BLE001 -- anything but a recipe's task key, Hydra says itself
             return _recipe_task_problem(e, overrides, conf_dir)
+    for o in suspects:
+        if problem := _misspelt_key_problem(cfg, o):
+            return problem
     for o in under:  # applied as Hydra applies them, in order
         if (block := _null_block(cfg, o.key_or_group, isinstance(o.value(), dict))) is not None:
             return _null_block_problem(cfg, o, block, conf_dir)
@@ -201,6 +242,40 @@ def compose_problem(argv: list[str], conf_dir: Path) -> str | None:
             OmegaConf.update(cfg, o.key_or_group, o.value(), merge=True, force_add=o.is_add() or o.is_force_add())
         except Exception:  # noqa: BLE001 -- a misspelt key or a wrong type: Hydra's message names it
             return None
+    return None
+
+
+def _unknown_name(override: Any, groups: set[str]) -> bool:
+    """A plain `key=value` with a part that no dataclass of the config has as a field (`trainer.max_epoch=3`): a
+    misspelt key, or one inside a free-form block (model.kwargs.widths), which _misspelt_key_problem tells apart."""
+    key = override.key_or_group
+    if override.is_add() or override.is_force_add() or override.is_delete() or override.package is not None:
+        return False  # `+`/`++` keys: app.to_config names one no dataclass has; `~key`: Hydra names a missing one
+    if key in groups or key.split(".")[0] == "hydra" or "/" in key:
+        return False
+    return any(part not in FIELD_NAMES for part in key.split("."))
+
+
+def _misspelt_key_problem(cfg: Any, override: Any) -> str | None:
+    """`trainer.max_epoch=3`, which Hydra answers with "To append to your config use +trainer.max_epoch=3": a key
+    nothing reads. One sentence naming the closest key of its block instead; None where the key is there, or inside
+    a free-form block (model.kwargs) or a null one (the null-block check's to say)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    node, path = cfg, []
+    for part in override.key_or_group.split("."):
+        kind = OmegaConf.get_type(node) if isinstance(node, DictConfig) and not node._is_none() else None
+        if kind is None or not is_dataclass(kind) or node._is_missing():
+            return None
+        names = [f.name for f in fields(kind)]
+        if part not in names:
+            close = difflib.get_close_matches(part, names, n=1)
+            hint = f" (did you mean {'.'.join([*path, close[0]])}?)" if close else ""
+            return (
+                f"{override.input_line}: {override.key_or_group} is not a key of ONN's config{hint}; fix its name "
+                "(docs/config.md lists the groups' keys)."
+            )
+        node, path = node._get_node(part), [*path, part]
     return None
 
 

@@ -37,6 +37,15 @@ def check(optim: OptimConfig) -> None:
         raise UserError(f"optim.momentum={optim.momentum!r}: give a number 0 or more.")
     if not (_number(optim.gamma) and 0 <= optim.gamma <= 1):
         raise UserError(f"optim.gamma={optim.gamma!r}: give a number from 0 to 1 (the factor lr is multiplied by).")
+    if optim.schedule == "plateau" and optim.gamma == 1:  # torch's ReduceLROnPlateau: "Factor should be < 1.0."
+        raise UserError(
+            "optim.gamma=1 with optim.schedule=plateau would never lower the rate: give a factor below 1 (e.g. 0.1), "
+            "or optim.schedule=constant."
+        )
+    if optim.name == "sgd" and optim.nesterov and optim.momentum == 0:  # torch's SGD refused it with a ValueError
+        raise UserError(
+            "optim.nesterov=true needs a momentum: give optim.momentum above 0 (e.g. 0.9), or nesterov=false."
+        )
     if not (_number(optim.pct_start) and 0 < optim.pct_start < 1):
         raise UserError(f"optim.pct_start={optim.pct_start!r}: give a number above 0 and below 1.")
     for key, value in (
@@ -59,6 +68,12 @@ def make_optimizer(params, optim: OptimConfig):
     import torch
 
     check(optim)
+    params = list(params)
+    if not params:  # torch's ValueError "optimizer got an empty parameter list", raised from inside Lightning's fit
+        raise UserError(
+            "the model has no trainable parameter (every weight is frozen), so there is nothing to train: choose a "
+            "strategy that trains some (strategy=full, or lora/sparse_lora with adapters on the model's layers)."
+        )
     lr, decay = float(optim.lr), float(optim.weight_decay)
     if optim.name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=decay, betas=tuple(optim.betas))

@@ -17,3 +17,10 @@ def reached(step: int) -> None:
 def last_step() -> int | None:
     """The last optimizer step a training loop of this process finished, or None before the first."""
     return _last_step
+
+
+def reset() -> None:
+    """A new run starts in this process (each job of a Hydra multirun runs in the same one): no step reached yet, so
+    that its record never shows the previous job's last step."""
+    global _last_step
+    _last_step = None
