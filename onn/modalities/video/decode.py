@@ -7,9 +7,11 @@ reads the packets' timestamps and keyframes (no decoding), the frame shown at ea
 chosen, and a second pass seeks to the keyframe before each chosen frame that lies past one and decodes from
 there, converting only the chosen frames (a long film decodes a few groups of pictures, not every frame; MPEG-PS,
 whose frames FFmpeg mistimes after a seek, is read in one pass that converts only the chosen frames).
-Rotation metadata (phones' portrait clips) is applied, 10-bit streams are converted to 8-bit RGB, and odd frame
-sizes are scaled by FFmpeg's swscale. A file FFmpeg cannot open, with no video stream, or with no frame that
-decodes is a `BadFile` naming why; the caller skips it and counts it against data.max_bad_fraction.
+The display matrix is applied as FFmpeg's own tools apply it (phones' portrait clips turned upright, a mirrored clip
+flipped), 10-bit streams are converted to 8-bit RGB, and odd frame sizes are scaled by FFmpeg's swscale. A clip of
+fewer frames than asked repeats frames (each time takes the frame shown then). A file FFmpeg cannot open, with no
+video stream (cover art is none), or with no frame that decodes is a `BadFile` naming why; the caller skips it and
+counts it against data.max_bad_fraction.
 """
 
 from __future__ import annotations
@@ -117,9 +119,18 @@ def decode_video(source: str | IO[bytes], fit: Fit) -> tuple[torch.Tensor, float
 
 
 def _stream(container):
-    if not container.streams.video:
-        raise BadFile("no video stream" + (" (an audio-only file)" if container.streams.audio else ""))
-    stream = container.streams.video[0]
+    """The first video stream that is footage. Cover art (an attached picture: a song's album cover, the thumbnail
+    an mp4 or mkv carries) is a video stream of one still to FFmpeg, never the clip: a file with nothing else has
+    no video stream."""
+    from av.stream import Disposition
+
+    footage = [s for s in container.streams.video if not s.disposition & Disposition.attached_pic]
+    if not footage:
+        cover = " with cover art" if container.streams.video else ""
+        if container.streams.audio:
+            raise BadFile(f"no video stream (an audio-only file{cover})")
+        raise BadFile("no video stream" + (" (only a cover picture)" if cover else ""))
+    stream = footage[0]
     stream.thread_type = "AUTO"
     return stream
 
@@ -147,23 +158,30 @@ UNSEEKABLE = frozenset({"mpeg"})
 def _timestamps(source: str | bytes) -> Timing | None:
     """Every shown frame's presentation time from the packets, without decoding; None when the container does not
     give every packet one (then frames are timed as they decode). A packet an edit list cuts (a clip trimmed without
-    re-encoding starts between keyframes) is decoded for the frames after it but never shown, so it is no frame."""
+    re-encoding starts between keyframes) is decoded for the frames after it but never shown, so it is no frame.
+    Nor is one shown before the first keyframe: a transport or program stream cut mid-GOP (a broadcast capture)
+    opens with frames whose references were cut off, which decode to garbage or not at all."""
     with _open(source) as container:
         stream = _stream(container)
         base = stream.time_base
-        times, seek_at = [], {}
+        times, seek_at, first_key = [], {}, None
         for packet in container.demux(stream):
-            if packet.size == 0 or packet.is_discard:
-                continue  # the flush packet at the end, or a frame the edit list cuts
+            if packet.size == 0:
+                continue  # the flush packet at the end
             if packet.pts is None or base is None:
                 return None
+            if packet.is_keyframe and first_key is None:
+                first_key = float(packet.pts * base)
+            if packet.is_discard:
+                continue  # a frame the edit list cuts
             times.append(float(packet.pts * base))
             if packet.is_keyframe:
                 seek_at[times[-1]] = tuple(dict.fromkeys(t for t in (packet.pts, packet.dts) if t is not None))
         seekable = container.format.name not in UNSEEKABLE
-    if not times:
+    shown = sorted({t for t in times if first_key is None or t >= first_key})
+    if not shown:
         raise BadFile("a video stream with no frames")
-    return Timing(sorted(set(times)), sorted(seek_at), seek_at, seekable)
+    return Timing(shown, sorted(seek_at), seek_at, seekable)
 
 
 def pick(times: list[float], count: int) -> list[int]:
@@ -290,25 +308,62 @@ def _decoded_times(source: str | bytes) -> tuple[list[float], float]:
 
 
 def convert(frame, fit: Fit) -> np.ndarray:
-    """One decoded frame as uint8 [H, W, C] upright (rotation metadata applied) at fit.size."""
-    quarter = round((frame.rotation or 0) / 90) % 4  # counter-clockwise quarter turns that make it upright
+    """One decoded frame as uint8 [H, W, C] upright (its display matrix applied) at fit.size."""
+    matrix = _display_matrix(frame)
+    turned = matrix is not None and _quarter_turns(matrix) % 2 == 1  # shown with its width and height swapped
     height, width = fit.size
-    shown_w, shown_h = (frame.height, frame.width) if quarter % 2 else (frame.width, frame.height)
+    shown_w, shown_h = (frame.height, frame.width) if turned else (frame.width, frame.height)
     if fit.resize == "center_crop":
         scale = max(height / shown_h, width / shown_w)
         out_w, out_h = max(width, round(shown_w * scale)), max(height, round(shown_h * scale))
     else:
         out_w, out_h = width, height
-    if quarter % 2:  # scale in the stored orientation, then turn
+    if turned:  # scale in the stored orientation, then turn
         out_w, out_h = out_h, out_w
     array = frame.to_ndarray(format="rgb24" if fit.channels == 3 else "gray", width=out_w, height=out_h)
     if array.ndim == 2:
         array = array[:, :, None]
-    if quarter:
-        array = np.rot90(array, k=quarter)
+    if matrix is not None:
+        array = _upright(array, matrix)
     h, w = array.shape[:2]
     top, left = (h - height) // 2, (w - width) // 2
     return np.ascontiguousarray(array[top : top + height, left : left + width])
+
+
+def _display_matrix(frame) -> np.ndarray | None:
+    """The frame's display matrix (FFmpeg's 3x3, row by row, 16.16 fixed point), or None when it has none or one
+    that shows nothing (a zero scale)."""
+    try:
+        side = frame.side_data.get("DISPLAYMATRIX")
+    except ValueError:  # side data of a kind newer than PyAV's list of them: the rotation alone, without mirroring
+        turn = np.radians(-frame.rotation)
+        return np.array([np.cos(turn), np.sin(turn), 0, -np.sin(turn), np.cos(turn), 0, 0, 0, 1]) if turn else None
+    if side is None:
+        return None
+    matrix = np.frombuffer(bytes(side), np.int32)[:9].astype(np.float64)
+    return matrix if np.hypot(matrix[0], matrix[3]) > 0 and np.hypot(matrix[1], matrix[4]) > 0 else None
+
+
+def _quarter_turns(matrix: np.ndarray) -> int:
+    """The matrix's rotation in clockwise quarter turns, 0 to 3: FFmpeg's get_rotation (fftools) to the nearest
+    quarter (phones write exact ones)."""
+    a, b, c, d = matrix[[0, 1, 3, 4]]
+    theta = np.degrees(np.arctan2(b / np.hypot(b, d), a / np.hypot(a, c)))
+    return round(theta / 90) % 4
+
+
+def _upright(array: np.ndarray, matrix: np.ndarray) -> np.ndarray:
+    """[H, W, C] shown as FFmpeg's own tools show it (fftools' autorotate): a quarter turn, or a transpose where the
+    matrix also mirrors; a mirror left-right or upside down (a front camera, `ffmpeg -display_hflip`) is a flip, not
+    a half turn. frame.rotation alone, which a mirror turns into +-180 degrees, showed those upside down."""
+    quarter, mirrored_turn, flips_x, flips_y = _quarter_turns(matrix), matrix[3], matrix[0] < 0, matrix[4] < 0
+    if quarter == 1:  # 90 clockwise: transpose=clock, or cclock_flip (a plain transpose) when mirrored
+        return array.transpose(1, 0, 2) if mirrored_turn > 0 else np.rot90(array, k=-1)
+    if quarter == 3:  # 270 clockwise: transpose=cclock, or clock_flip (the anti-transpose) when mirrored
+        return array[::-1, ::-1].transpose(1, 0, 2) if mirrored_turn < 0 else np.rot90(array, k=1)
+    if quarter == 2 and flips_x:
+        array = array[:, ::-1]
+    return array[::-1] if flips_y else array
 
 
 def load(source: str | IO[bytes], fit: Fit) -> tuple[torch.Tensor, float]:
