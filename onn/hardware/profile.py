@@ -30,6 +30,7 @@ What the planner predicts from (CPUs):
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -40,7 +41,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path, PurePosixPath
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import psutil
 
@@ -112,14 +114,40 @@ class Profile:
 
     @classmethod
     def from_cache(cls, values: dict[str, Any]) -> Profile | None:
-        """A cached profile read back, or None when its fields are not this version's (measure it again)."""
+        """A cached profile read back, or None when its fields are not this version's or not of their types (measure
+        it again): a hand-edited value ("cpu_cores": "two", a rate of "fast") passed here and failed in the planner,
+        or in every later run's check of the cache, with a traceback until someone deleted the file."""
         names = {f.name for f in fields(cls)}
         if values.get("version") != VERSION or set(values) - names:
             return None
         try:
-            return cls(**values)
+            profile = cls(**values)
         except TypeError:  # a field without a default is missing
             return None
+        hints = get_type_hints(cls)
+        if profile.accelerator not in ACCELERATORS or not all(_of_type(values[k], hints[k]) for k in values):
+            return None
+        return profile
+
+
+def _of_type(value: Any, hint: Any) -> bool:
+    """Whether a cached value is of its field's type (`hint`: str, int, float, bool, a dict of numbers, or a union of
+    them with None); a number is finite and not below 0, a dict's values (nested dicts too) are such numbers."""
+    if get_origin(hint) in (Union, UnionType):
+        return any(_of_type(value, option) for option in get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint in (int, float):
+        number = isinstance(value, int if hint is int else int | float) and not isinstance(value, bool)
+        return number and math.isfinite(value) and value >= 0
+    if get_origin(hint) is dict:
+        return isinstance(value, dict) and all(
+            isinstance(k, str) and _of_type(v, dict[str, Any] if isinstance(v, dict) else float)
+            for k, v in value.items()
+        )
+    return isinstance(value, hint)
 
 
 def resolve(
@@ -247,36 +275,62 @@ def _measure_again(profile: Profile, cache: Path) -> bool:
 
 
 def now(accelerator: str, folder: str | os.PathLike) -> dict[str, Any]:
-    """Free memory, free disk under `folder`, the cores other processes keep busy, and a thread limit
-    the user set (OMP_NUM_THREADS): what changes between runs on one machine."""
+    """Free memory, free disk under `folder` (or the nearest folder above it that exists), the cores other processes
+    keep busy, and a thread limit the user set (OMP_NUM_THREADS): what changes between runs on one machine."""
     import shutil
 
-    Path(folder).mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):  # a folder that cannot be made (read-only, under a file) fails where it is used
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    disk = next(p for p in (Path(folder).absolute(), *Path(folder).absolute().parents) if p.exists())
     limit = os.getenv("OMP_NUM_THREADS")
+    thread_limit = int(limit) if limit and limit.isdigit() and int(limit) > 0 else None
     busy, runnable = cpu_load()
     cores = usable_cores()
     visible = os.getenv("CUDA_VISIBLE_DEVICES")
     threads = max(1, min(cores, int(cores - busy + 0.5)))
+    share = cpu_share(threads, 1.0) if busy >= 0.25 else 1.0
     return {
-        "cpu_share": round(cpu_share(threads, 1.0), 3) if busy >= 0.25 else 1.0,
+        "cpu_share": round(min(share, quota_share(min(threads, thread_limit or threads))), 3),
         **_free_memory(accelerator),
-        "disk_free_mb": int(shutil.disk_usage(folder).free // MB),
+        "disk_free_mb": int(shutil.disk_usage(disk).free // MB),
         "cpu_busy_cores": round(busy, 2),
         "cpu_runnable_threads": round(runnable, 2),
-        "thread_limit": int(limit) if limit and limit.isdigit() and int(limit) > 0 else None,
+        "thread_limit": thread_limit,
         # the user hid every GPU: the run plans for the CPU, and says why (where there is a GPU to hide)
-        "gpus_hidden": accelerator == "cpu" and visible is not None and visible.strip() in ("", "-1") and has_gpu(),
+        "gpus_hidden": accelerator == "cpu" and visible is not None and hides_every_gpu(visible, gpu_count()),
     }
 
 
-def has_gpu() -> bool:
-    """Whether this machine has an NVIDIA GPU, whatever CUDA_VISIBLE_DEVICES hides from CUDA: the driver's device
-    files and its list of GPUs (Linux)."""
+def quota_share(threads: int) -> float:
+    """The share of a core each of `threads` busy threads gets under a cgroup's CPU quota: 2 threads under
+    `--cpus=1.5` get 0.75 each, 1 under `--cpus=0.5` half of one (1 where the quota leaves every thread a core). The
+    rates are the best of trials shorter than the quota's period (100 ms), which a throttled thread never sees."""
+    quota = cpu_quota()
+    return 1.0 if quota is None else min(1.0, quota / threads)
+
+
+def hides_every_gpu(visible: str, gpus: int) -> bool:
+    """Whether CUDA_VISIBLE_DEVICES=`visible` leaves CUDA none of this machine's `gpus` NVIDIA GPUs: CUDA reads its
+    list up to the first entry that names no GPU, so "", "-1", SLURM's "NoDevFiles" or an index past the last GPU
+    ("7" on a machine of 2) as the first hide every one. A GPU's UUID (GPU-..., MIG-...) is taken to name one."""
+    first = visible.split(",", 1)[0].strip()
+    if gpus == 0 or first.startswith(("GPU-", "MIG-")):
+        return False
+    return not (first.isdigit() and int(first) < gpus)
+
+
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # the NVIDIA driver's folder per GPU (Linux)
+DEVICES = Path("/dev")  # where the driver's device files /dev/nvidia0, /dev/nvidia1, ... are
+
+
+def gpu_count() -> int:
+    """This machine's NVIDIA GPUs, whatever CUDA_VISIBLE_DEVICES hides from CUDA: the driver's list of GPUs, else
+    its device files (Linux; 0 elsewhere)."""
     try:
-        listed = any(Path("/proc/driver/nvidia/gpus").iterdir())
+        listed = len(list(NVIDIA_GPUS.iterdir()))
     except OSError:
-        listed = False
-    return listed or any(Path("/dev").glob("nvidia[0-9]*"))
+        listed = 0
+    return listed or len([f for f in DEVICES.glob("nvidia[0-9]*") if f.name[6:].isdigit()])
 
 
 def cpu_busy_cores(seconds: float = 0.5) -> float:
@@ -284,14 +338,44 @@ def cpu_busy_cores(seconds: float = 0.5) -> float:
     return cpu_load(seconds)[0]
 
 
+PROC_STAT = Path("/proc/stat")  # the kernel's CPU time counters, the whole machine's and each CPU's
+
+
 def steal_s() -> float | None:
     """CPU time the hypervisor has taken from this virtual machine's cores since boot (steal), in seconds summed
     over the cores; None where the kernel does not say (not Linux, or no steal column in /proc/stat)."""
     try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        fields = PROC_STAT.read_text().split("\n", 1)[0].split()[1:]
         return float(fields[7]) / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
     except (OSError, ValueError, IndexError):
         return None
+
+
+def own_cpus() -> set[int] | None:
+    """The CPUs this process may run on where they are fewer than the machine's (taskset, a container's or a SLURM
+    job's cpuset), else None (every CPU)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = os.sched_getaffinity(0)
+    return cpus if len(cpus) < (os.cpu_count() or 0) else None
+
+
+def cpu_ticks(stat: str, cpus: set[int] | None = None) -> tuple[float, float]:
+    """(busy, all) CPU time since boot in /proc/stat's `stat`, in ticks: of the CPUs in `cpus` (their own lines), or
+    of the whole machine (None, or a /proc/stat that lists other CPUs than `cpus`, as LXCFS's renumbered one does).
+    Other processes busy on CPUs this one may not use take no core from it: counted as a share of the whole machine,
+    62 busy CPUs of a 64-CPU node read as 1.9 of the 2 idle ones a job is pinned to, which then ran one thread."""
+    lines = stat.splitlines()
+    names = {f"cpu{cpu}" for cpu in cpus or ()}
+    rows = [line for line in lines if line.split(" ", 1)[0] in names]
+    if not rows or len(rows) < len(names):
+        rows = lines[:1]  # the first line sums every CPU's
+    busy = total = 0.0
+    for row in rows:
+        fields = [float(x) for x in row.split()[1:9]]  # user nice system idle iowait irq softirq steal
+        total += sum(fields)
+        busy += sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0.0)  # less idle and iowait
+    return busy, total
 
 
 def cpu_load(seconds: float = 0.5) -> tuple[float, float]:
@@ -300,12 +384,12 @@ def cpu_load(seconds: float = 0.5) -> tuple[float, float]:
     says how a fair scheduler will share the cores once they are all busy. Linux only (/proc/stat);
     elsewhere (0, 0)."""
 
+    cpus = own_cpus()
+
     def read() -> tuple[float, float, int]:
-        text = Path("/proc/stat").read_text()
-        fields = [float(x) for x in text.split("\n", 1)[0].split()[1:]]
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+        text = PROC_STAT.read_text()
         running = next(int(line.split()[1]) for line in text.splitlines() if line.startswith("procs_running"))
-        return sum(fields[:8]) - idle, sum(fields[:8]), running
+        return (*cpu_ticks(text, cpus), running)
 
     try:
         own0, (busy0, all0, _) = time.process_time(), read()
@@ -320,9 +404,9 @@ def cpu_load(seconds: float = 0.5) -> tuple[float, float]:
     ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     cores = usable_cores()
     elapsed = time.perf_counter() - start
-    total_cores = (all1 - all0) / ticks / elapsed  # every core of the machine, busy or idle
+    total_cores = (all1 - all0) / ticks / elapsed  # the CPUs counted (cpu_ticks), busy or idle
     busy = (busy1 - busy0) / ticks / elapsed - (own1 - own0) / elapsed
-    # scaled to the cores this process may use (the machine may have more than its affinity allows)
+    # scaled to the cores this process may use (a CPU quota may give it fewer than the CPUs it may run on)
     busy = max(0.0, busy * cores / max(total_cores, 1e-9))
     return busy, max(busy, runnable / max(samples, 1))
 
@@ -365,19 +449,17 @@ class CoreWatch:
 
     def __init__(self, threads: int, every_s: float = 2.0):
         self.most, self.every_s = max(1, int(threads)), every_s
-        self.cores = usable_cores()
+        self.cores, self.cpus = usable_cores(), own_cpus()
         self.ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self.last = self._read()
         self.threads = self.most
 
-    @staticmethod
-    def _read() -> tuple[float, float, float, float] | None:
+    def _read(self) -> tuple[float, float, float, float] | None:
         try:
-            fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        except (OSError, ValueError):
+            busy, total = cpu_ticks(PROC_STAT.read_text(), self.cpus)
+        except (OSError, ValueError, IndexError):
             return None
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
-        return sum(fields[:8]) - idle, sum(fields[:8]), time.process_time(), time.perf_counter()
+        return busy, total, time.process_time(), time.perf_counter()
 
     def restart(self) -> None:
         """Count from now: what the machine did before (another process's turn while this one waited for it) is
@@ -431,30 +513,35 @@ def usable_cores() -> int:
     """The cores this process may run on: its CPU affinity (taskset), under a cgroup's CPU quota where one is set
     (a container's --cpus), which the scheduler would otherwise enforce by stalling every thread."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    found = _cgroup_limit("cpu.max", "cpu/cpu.cfs_quota_us")
-    if found is not None:
-        quota, folder, v2 = found
+    quota = cpu_quota()
+    return cores if quota is None else min(cores, max(1, math.ceil(quota)))
+
+
+def cpu_quota() -> float | None:
+    """The CPUs' worth of time a cgroup's quota lets this process use (`--cpus=1.5`: 1.5), the lowest set on any of
+    its cgroups (a parent's quota holds every cgroup under it); None where none sets one."""
+    quotas = []
+    for quota, folder, v2 in _cgroup_limits("cpu.max", "cpu/cpu.cfs_quota_us"):
         period = _number(folder / "cpu.max", 1) if v2 else _number(folder / "cpu.cfs_period_us")
         if period:
-            cores = min(cores, max(1, math.ceil(quota / period)))
-    return cores
+            quotas.append(quota / period)
+    return min(quotas, default=None)
 
 
 def host_memory_mb() -> int:
     """The host's memory, or a cgroup's memory limit where it is lower (a container's --memory, a SLURM job's
-    --mem)."""
-    found = _cgroup_limit("memory.max", "memory/memory.limit_in_bytes")
-    total = psutil.virtual_memory().total
-    return int(min(total, found[0] if found is not None else total) // MB)
+    --mem): the lowest set on any of this process's cgroups, since the kernel holds a cgroup to its parents' limits
+    too (a systemd slice's MemoryMax above a scope that sets a higher one)."""
+    limits = [limit for limit, _, _ in _cgroup_limits("memory.max", "memory/memory.limit_in_bytes")]
+    return int(min([psutil.virtual_memory().total, *limits]) // MB)
 
 
 def available_memory_mb() -> int:
-    """Memory available now: the host's, or what a cgroup's limit leaves beside its usage where that is less (past
-    it the kernel's OOM killer ends the run, with no out-of-memory error to back off from)."""
+    """Memory available now: the host's, or what a cgroup's limit leaves beside its usage where that is less, for
+    each limited cgroup that holds this process (past any of them the kernel's OOM killer ends the run, with no
+    out-of-memory error to back off from)."""
     available = psutil.virtual_memory().available
-    found = _cgroup_limit("memory.max", "memory/memory.limit_in_bytes")
-    if found is not None:
-        limit, folder, v2 = found
+    for limit, folder, v2 in _cgroup_limits("memory.max", "memory/memory.limit_in_bytes"):
         used = _number(folder / ("memory.current" if v2 else "memory.usage_in_bytes")) or 0
         used -= _reclaimable(folder / "memory.stat", "inactive_file" if v2 else "total_inactive_file")
         available = min(available, max(0, limit - used))
@@ -495,16 +582,18 @@ def _cgroup_folders(v1_controller: str) -> list[tuple[Path, bool]]:
     return folders
 
 
-def _cgroup_limit(v2: str, v1: str, field: int = 0) -> tuple[int, Path, bool] | None:
-    """The innermost limit set on this process's cgroups: a number from file `v2` (its `field`-th value) or `v1`
-    ("controller/file"), the folder that holds it and whether that is v2's; None where none sets one ("max", v1's
-    -1 or huge "unlimited")."""
+def _cgroup_limits(v2: str, v1: str, field: int = 0) -> list[tuple[int, Path, bool]]:
+    """Every limit set on this process's cgroups, innermost first: a number from file `v2` (its `field`-th value) or
+    `v1` ("controller/file"), the folder that holds it and whether that is v2's; none where none sets one ("max",
+    v1's -1 or huge "unlimited"). The kernel enforces each of them, so the lowest is what this process gets: the
+    innermost alone would take a scope's 8 GB for the 4 GB its slice allows."""
     controller, _, v1_file = v1.partition("/")
+    limits = []
     for folder, is_v2 in _cgroup_folders(controller):
         value = _number(folder / v2, field) if is_v2 else _number(folder / v1_file)
         if value is not None and value < 2**60:
-            return value, folder, is_v2
-    return None
+            limits.append((value, folder, is_v2))
+    return limits
 
 
 def _number(path: Path, field: int = 0) -> int | None:
@@ -602,16 +691,23 @@ def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> Profile:
     return Profile(**profile)
 
 
+PROBE_MEMORY_SHARE = 4  # the disk probe's read buffer takes at most 1/4 of the memory available
+
+
 def disk_read_mb_s(probe_dir: str | os.PathLike, size_mb: int) -> float:
     """The disk's cold read bandwidth under `probe_dir` (disk.read_mb_s), or one sentence where its probe file cannot
-    be written there (a nearly full disk raised ENOSPC)."""
+    be written there: a nearly full disk (ENOSPC) is told to free space, a folder that cannot be written (read-only,
+    under a file) to move paths.cache. The probe is read whole into memory, so it takes at most a quarter of the
+    memory available: in a container of 1 GB, a probe of 1 GB had the OOM killer end the run while it was profiled."""
+    size_mb = max(1, min(size_mb, available_memory_mb() // PROBE_MEMORY_SHARE))
     try:
         return round(read_mb_s(probe_dir, size_mb), 1)
     except OSError as e:
+        fix = "free some space on that disk, or set" if e.errno == errno.ENOSPC else "set"
         raise UserError(
             f"hardware=auto measures the disk under {probe_dir} (paths.cache, where layer stores are built) by writing "
-            f"a probe file there, which failed ({e.strerror or e}): free some space on that disk, or set paths.cache "
-            "(ONN_CACHE) to a disk with room."
+            f"a probe file there, which failed ({e.strerror or e}): {fix} paths.cache (ONN_CACHE) to a folder you can "
+            "write on a disk with room."
         ) from None
 
 

@@ -184,7 +184,7 @@ def threads_for(hw: Profile) -> tuple[int, float]:
     threads = max(1, min(cores, math.floor(cores - busy + 0.5)))
     if hw.thread_limit:
         threads = min(threads, int(hw.thread_limit))
-    share = float(hw.cpu_share or 1.0) if busy >= 0.25 else 1.0
+    share = float(hw.cpu_share or 1.0)  # 1 unless the cores are busy or a CPU quota (--cpus=1.5) throttles them
     return threads, share
 
 
@@ -224,11 +224,19 @@ def matmul_rate(hw: Profile, dtype: str, rows: float, threads: int, size: float 
 
 
 def token_flops(spec: ModelSpec, seq: int) -> tuple[list[int], int]:
-    """Forward matmul FLOPs per token: each block's (2 per weight, plus attention's 4 x seq x hidden),
-    and the head's."""
-    linear = spec.linear_params_per_block or spec.block_params
-    per_block = [2 * p + 4 * seq * spec.hidden for p in linear]
+    """Forward matmul FLOPs per token: each block's (2 per weight a token multiplies through: a mixture of experts'
+    routed experts only; plus attention's 4 x seq x the query heads' width), and the head's."""
+    weights = spec.token_weights_per_block or spec.linear_params_per_block or spec.block_params
+    per_block = [2 * p + 4 * seq * (spec.attention_dim or spec.hidden) for p in weights]
     return per_block, 2 * spec.vocab * spec.hidden if spec.vocab else 2 * spec.suffix_params
+
+
+def layer_activation_elements(spec: ModelSpec) -> int:
+    """Elements autograd keeps per token and block (the module docstring's 10h + 4kv + 4i), with the four of the ten
+    that are query-wide (q before and after rotary, the attention output and its projection's input) at the query
+    heads' width: Qwen3's and Gemma's exceed hidden."""
+    query = spec.attention_dim or spec.hidden
+    return 6 * spec.hidden + 4 * query + 4 * spec.kv_dim + 4 * spec.intermediate
 
 
 def streaming_step_flops(spec: ModelSpec, seq: int, batch_size: int, trainable_layers: list[int]) -> float:
@@ -277,7 +285,7 @@ def compute_s(
 
     calls = hw.block_call_s or {}
     half = dtype != "float32"
-    act_bytes = (10 * spec.hidden + 4 * spec.kv_dim + 4 * spec.intermediate) * tokens * (2 if half else 4)
+    act_bytes = layer_activation_elements(spec) * tokens * (2 if half else 4)
     if strategy == "full":
         time_s = matmul(3 * forward + 3 * head * tokens, rows)
         framework = calls.get("full", 0.0) * n * micro_batches

@@ -33,6 +33,7 @@ from onn.planning.costs import (
     compute_s,
     context_mb,
     fits,
+    layer_activation_elements,
     matmul_rate,
     network_compute_s,
     optimizer_bytes_per_weight,
@@ -397,7 +398,7 @@ def estimate(
     mixed = precision.endswith("mixed")
     act_bytes = 2 if (mixed or precision.startswith(("bf16", "16"))) else 4
     frozen_bytes = frozen_weight_bytes(hw, precision)
-    per_token_layer = 10 * spec.hidden + 4 * spec.kv_dim + 4 * spec.intermediate
+    per_token_layer = layer_activation_elements(spec)
     # autograd keeps what the blocks from the lowest adapted one up need for their input gradients
     with_grad = spec.n_blocks - (min(sparse_layers, default=0) if strategy == "sparse_lora" else 0)
     kept_layers = spec.hidden * with_grad + per_token_layer if checkpointing else per_token_layer * with_grad

@@ -63,6 +63,10 @@ class ModelSpec:
     )
     gated_mlp: bool = False  # the blocks have a gated MLP, which streaming may compute a slice at a time
     conv3d: bool = False  # networks: holds a 3-D convolution, which the plan keeps out of bf16 on CPUs
+    # language models: the weights a token multiplies through in each block (a mixture of experts' top-k experts,
+    # not all of them); [] where not counted: the linear layers stand in
+    token_weights_per_block: list[int] | None = None
+    attention_dim: int = 0  # language models: query heads x head_dim (Gemma's and Qwen3's exceed hidden); 0: hidden
 
     @property
     def n_blocks(self) -> int:
@@ -101,41 +105,109 @@ def _spec_cache_path(model_cfg: LanguageModelConfig, lora_rank: int, cache_dir: 
 
 
 def _measure_spec(model_cfg: LanguageModelConfig, lora_rank: int) -> ModelSpec:
-    from torch import nn
-
     model = meta_model(model_cfg)
     lmap = discover(model, model_cfg.layer_map.blocks)
-    config = getattr(model, "config", None)
-
-    def linear_sizes(block):
-        return [(m.in_features, m.out_features) for m in block.modules() if isinstance(m, nn.Linear)]
-
+    config = _language_config(getattr(model, "config", None))
     hidden = _cfg_int(config, "hidden_size", "n_embd", "d_model", default=0)
     heads = _cfg_int(config, "num_attention_heads", "n_head", default=1)
-    kv_heads = _cfg_int(config, "num_key_value_heads", default=heads)
     head_dim = _cfg_int(config, "head_dim", default=hidden // max(heads, 1))
-    intermediate = _cfg_int(config, "intermediate_size", "n_inner", default=4 * hidden) or 4 * hidden
+    experts = [_experts_of(b) for b in lmap.blocks]
+    # a config may name experts per token on a dense model (Qwen2-MoE with num_experts=0): only routed blocks count
+    routed = _cfg_int(config, "num_experts_per_tok", default=0) if any(experts) else 0
     seen, params = set(), 0
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))
             params += p.numel()
+    linear = [[size for m in b.modules() if (size := _linear_size(m))] for b in lmap.blocks]
     return ModelSpec(
         name=str(model_cfg.name),
         params=params,
         block_params=lmap.block_params(),
         prefix_params=lmap.prefix_params(),
         suffix_params=lmap.suffix_params(),
-        lora_params_per_block=[lora_rank * sum(i + o for i, o in linear_sizes(b)) for b in lmap.blocks],
-        linear_params_per_block=[sum(i * o for i, o in linear_sizes(b)) for b in lmap.blocks],
+        lora_params_per_block=[lora_rank * sum(i + o for i, o in sizes) for sizes in linear],
+        linear_params_per_block=[sum(i * o for i, o in sizes) for sizes in linear],
         hidden=hidden,
-        intermediate=intermediate,
-        kv_dim=kv_heads * head_dim,
+        intermediate=_mlp_width(config, hidden, routed),
+        kv_dim=_kv_heads(config, heads) * head_dim,
         vocab=_cfg_int(config, "vocab_size", default=0),
         layer_map=lmap.describe(),
         pretrained=is_pretrained(model_cfg),
         gated_mlp=bool(gated_mlps(lmap.blocks[0])),
+        token_weights_per_block=[
+            _token_weights(b, found, routed, _cfg_int(config, *EXPERT_COUNTS, default=0))
+            for b, found in zip(lmap.blocks, experts, strict=True)
+        ],
+        attention_dim=heads * head_dim,
     )
+
+
+# the config keys of a mixture of experts' routed expert count: Mixtral, PhiMoE | Qwen-MoE, OLMoE | DeepSeek
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _language_config(config):
+    """The config that holds the language model's sizes: a multimodal model's `text_config` (Gemma 3, Llava) where
+    the top level names no width, else the config itself."""
+    if _cfg_int(config, "hidden_size", "n_embd", "d_model", default=0) == 0 and hasattr(config, "text_config"):
+        return config.text_config
+    return config
+
+
+def _linear_size(module) -> tuple[int, int] | None:
+    """(in, out) features of a linear layer: nn.Linear, or transformers' Conv1D (GPT-2's, weight stored [in, out]),
+    which LoRA adapts and bitsandbytes quantizes as it does nn.Linear; None for any other module."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, Conv1D):
+        return module.weight.shape[0], module.weight.shape[1]
+    return None
+
+
+def _experts_of(block) -> list:
+    """The routed experts of a mixture-of-experts block (transformers names them `experts`: a module of stacked
+    expert weights, or a ModuleList of expert MLPs), outermost only; [] for a dense block."""
+    named = [(name, m) for name, m in block.named_modules() if name.rsplit(".", 1)[-1] == "experts"]
+    return [m for name, m in named if not any(name.startswith(outer + ".") for outer, _ in named)]
+
+
+def _token_weights(block, experts: list, routed: int, count: int) -> int:
+    """The weights each token multiplies through in `block`: its linear layers outside the routed experts, and of
+    the experts' weights the share a token is routed to (`routed` of `count` experts). A mixture of experts holds
+    every expert in memory but computes only the top-k of them per token."""
+    inside = {id(m) for e in experts for m in e.modules()}
+    sizes = [_linear_size(m) for m in block.modules() if id(m) not in inside]
+    dense = sum(size[0] * size[1] for size in sizes if size)
+    active = 0
+    for e in experts:
+        total = getattr(e, "num_experts", None) or (len(e) if hasattr(e, "__len__") else 0) or count
+        held = sum(p.numel() for p in e.parameters())
+        active += held * routed // total if total and routed else held
+    return dense + active
+
+
+def _mlp_width(config, hidden: int, routed: int) -> int:
+    """The MLP width each token computes (what its activations hold): the dense MLP's (GPT-2's n_inner, OPT's ffn_dim,
+    Falcon's ffn_hidden_size; 4 x hidden where none is given), or of a mixture of experts the `routed` experts'
+    and the shared experts' (Qwen2-MoE's shared expert, DeepSeek's n_shared_experts)."""
+    dense = _cfg_int(config, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", default=4 * hidden)
+    if not routed:
+        return dense
+    expert = _cfg_int(config, "moe_intermediate_size", default=dense)
+    shared = _cfg_int(config, "shared_expert_intermediate_size", default=0)
+    return routed * expert + (shared or _cfg_int(config, "n_shared_experts", default=0) * expert)
+
+
+def _kv_heads(config, heads: int) -> int:
+    """Key and value heads: grouped-query attention's (num_key_value_heads; Falcon's num_kv_heads), one where the
+    config asks for multi-query attention the old way (Falcon-7B's and GPT-BigCode's multi_query), else every head."""
+    if getattr(config, "multi_query", None) is True and not getattr(config, "new_decoder_architecture", False):
+        return 1
+    return _cfg_int(config, "num_key_value_heads", "num_kv_heads", default=heads)
 
 
 def network_spec(

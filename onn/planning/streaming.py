@@ -30,6 +30,7 @@ from onn.planning.costs import (
     STREAM_HEAP_OVERHEAD,
     Estimate,
     compute_s,
+    layer_activation_elements,
     matmul_rate,
     step_peak,
     threads_for,
@@ -732,7 +733,7 @@ def gpu_stream_compute(s: StreamShape, sd: str, chunk: int, suffix_rows: int, ti
     # the kernels around the matmuls (norms, rotary embedding, attention, activations, residuals) at the
     # profile's measured time per activation value
     elementwise = hw.activation_ns or {}
-    values = (10 * spec.hidden + 4 * spec.kv_dim + 4 * spec.intermediate) * tokens * 1e-9
+    values = layer_activation_elements(spec) * tokens * 1e-9
     again = tiles > 1  # the MLP's forward once more in the backward
     mlp_flops, mlp_values = 6 * spec.hidden * spec.intermediate * again, 4 * spec.intermediate * tokens * 1e-9 * again
     # the GPU's kernels and the host's launching of them (the measured framework time per block call) overlap:

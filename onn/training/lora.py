@@ -44,7 +44,7 @@ def apply(
     layers = sparse_layers if strategy == "sparse_lora" else None
     target = lora.target_modules
     if target == "all-linear":  # peft needs explicit names to combine with layers_to_transform
-        linears = [name for name, m in layer_map.blocks[0].named_modules() if isinstance(m, nn.Linear)]
+        linears = [name for name, m in layer_map.blocks[0].named_modules() if _adaptable(m)]
         if not linears:
             raise UserError(
                 f"strategy={strategy}: the blocks of {type(model).__name__} ({type(layer_map.blocks[0]).__name__}) "
@@ -53,7 +53,7 @@ def apply(
         last = {name.rsplit(".", 1)[-1] for name in linears}
         # the last names, unless one also names a module that is not a linear (a DiT's `ff.net.0`, an activation,
         # beside `attn1.to_out.0`): then the linears' paths within the block
-        others = {n.rsplit(".", 1)[-1] for n, m in layer_map.blocks[0].named_modules() if not isinstance(m, nn.Linear)}
+        others = {n.rsplit(".", 1)[-1] for n, m in layer_map.blocks[0].named_modules() if not _adaptable(m)}
         target = sorted(linears if last & others else last)
     config = LoraConfig(
         r=lora.r,

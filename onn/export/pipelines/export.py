@@ -21,8 +21,6 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import psutil
-
 from onn.config.export import OmnyExport, OnnxExport
 from onn.errors import UserError
 from onn.export.folders import check_replaceable, write_atomically
@@ -30,7 +28,7 @@ from onn.export.graph import fold_constants
 from onn.export.onnx_export import call_model
 from onn.export.pipelines import document
 from onn.export.pipelines.registry import Piece, Pipeline
-from onn.hardware.profile import cpu_busy_cores
+from onn.hardware.profile import available_memory_mb, cpu_busy_cores, usable_cores
 
 if TYPE_CHECKING:
     import torch
@@ -134,10 +132,10 @@ def export_processes(pieces: list[Piece]) -> int:
     it). 1 (this process) where forking cannot be trusted (can_fork)."""
     if len(pieces) < 2 or not can_fork():
         return 1
-    free_cores = int(len(os.sched_getaffinity(0)) - cpu_busy_cores(0.3) + 0.5)
+    free_cores = int(usable_cores() - cpu_busy_cores(0.3) + 0.5)
     largest = max(_weight_bytes(p.module) for p in pieces)
     per_process = WEIGHT_COPIES_WHILE_EXPORTING * largest + TRACER_MB * 2**20
-    fits = int(psutil.virtual_memory().available // per_process)
+    fits = int(available_memory_mb() * 2**20 // per_process)
     return max(1, min(len(pieces), free_cores, fits))
 
 
