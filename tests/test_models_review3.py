@@ -7,6 +7,7 @@ hydra.job.chdir=true."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from conftest import compose, run_cli, tiny_llama
 
 from onn.errors import UserError
 from onn.models.layers import discover
-from onn.models.load import architecture, load
+from onn.models.load import architecture, finish_tokenizer, load
 from onn.models.tokenizer import byte_tokenizer
 
 
@@ -142,3 +143,22 @@ def test_a_relative_model_source_is_read_from_where_run_py_started_under_hydra_c
     done = run_cli("task=plan", "model=llama_tiny", "model.source=hf", *overrides, "hydra.job.chdir=true", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "2 x LlamaDecoderLayer" in done.stdout + done.stderr
+
+
+def test_a_hub_id_model_tokenizer_in_the_local_cache_loads(tmp_path, monkeypatch):
+    """model.tokenizer=org/name names a hub id: read as a path under the working directory (to_absolute_path), it
+    was refused as "no such folder, nor hub id in the cache" with the tokenizer in the cache."""
+    import huggingface_hub.constants
+
+    repo = tmp_path / "hub" / "models--someorg--sometok"
+    snapshot = repo / "snapshots" / "abc123"
+    byte_tokenizer().save_pretrained(snapshot)
+    (snapshot / "config.json").write_text('{"model_type": "llama"}')
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    model_cfg = replace(compose("model=llama_tiny").model, tokenizer="someorg/sometok")
+    tokenizer = finish_tokenizer(model_cfg, None, False)
+    assert tokenizer("ab")["input_ids"][-2:] == byte_tokenizer()("ab")["input_ids"][-2:]

@@ -473,11 +473,10 @@ def finish_tokenizer(model_cfg: LanguageModelConfig, tokenizer, remote: bool):
     elif tok_cfg == "wordpiece":
         tokenizer = wordpiece_tokenizer()
     elif tok_cfg:
-        tokenizer = tokenizer_from(expand(tok_cfg), remote)
+        local = expand(tok_cfg)  # a folder where it exists, else a hub id as given (not a path under the cwd)
+        tokenizer = tokenizer_from(local if Path(local).exists() else str(tok_cfg), remote)
         if tokenizer is None:  # (it said the model had no tokenizer, and to set the key the user had set)
-            where = (
-                "the folder holds none" if Path(expand(tok_cfg)).is_dir() else "no such folder, nor hub id in the cache"
-            )
+            where = "the folder holds none" if Path(local).is_dir() else "no such folder, nor hub id in the cache"
             raise UserError(
                 f"model.tokenizer={tok_cfg} loads no tokenizer ({where}); give a folder with tokenizer.json or "
                 "tokenizer_config.json (a hub id must be in the local cache), `byte` or `wordpiece`."
@@ -621,7 +620,10 @@ def config_problem(path: Path, error: Exception) -> str:
             "modeling code you trust."
         )
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return f"model.source {path} cannot be read by transformers: {first_line}"
+    return (
+        f"model.source {path} cannot be read by transformers {transformers.__version__} ({first_line}); copy the "
+        "model's config.json again, or upgrade transformers if the model is newer."
+    )
 
 
 def refuse_pickle_folder(folder: str) -> None:
