@@ -536,23 +536,23 @@ def update_hash(h: Any, path: str | os.PathLike[str]) -> None:
 def content_digest(path: str | os.PathLike[str]) -> str:
     """A sha256 hex digest that changes when the content does, to key caches of decoded data.
 
-    A folder: over (relative name, size, mtime_ns, ctime_ns) of every file walk_files lists, sorted, since reading
-    every byte of 60,000 small files takes too long. A file of up to HASHED_BYTES (a metadata.csv, an IDX file):
-    over its bytes, which takes milliseconds and sees a rewrite that kept its size within a coarse clock tick (FAT's
-    2 s, HFS+'s 1 s). A larger file (a zip or tar.gz of the dataset): over its resolved path, size, mtime_ns and
-    ctime_ns, as a folder's files are keyed: hashing a 50 GB archive read it end to end before every run began. The
-    change time is one no tool sets back: `rsync -c`, `cp -p` or a script that restores the mtime left a rewritten
-    file of the same size keyed as before, and its stale decoded cache was read.
+    A folder: over (relative name, size, mtime_ns) of every file walk_files lists, sorted, since reading every byte
+    of 60,000 small files takes too long. A file of up to HASHED_BYTES (a metadata.csv, an IDX file): over its
+    bytes, which takes milliseconds and sees a rewrite that kept its size within a coarse clock tick (FAT's 2 s,
+    HFS+'s 1 s). A larger file (a zip or tar.gz of the dataset): over its resolved path, size and mtime_ns, as a
+    folder's files are keyed: hashing a 50 GB archive read it end to end before every run began. Not the change
+    time, which every copy sets: a dataset copied to each job's scratch with its mtimes kept (cp -a, rsync -a)
+    shares one cache entry, at the price of not seeing a rewrite of the same size whose mtime was put back.
     """
     h = hashlib.sha256()
     if os.path.isdir(path):
         for rel, full in sorted(walk_files(path)):
             st = full.stat()
-            h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n".encode())
+            h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
         return h.hexdigest()
     st = os.stat(path)
     if stat.S_ISREG(st.st_mode) and st.st_size > HASHED_BYTES:
-        h.update(f"file\0{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}".encode())
+        h.update(f"file\0{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
     else:
         update_hash(h, path)
     return h.hexdigest()
