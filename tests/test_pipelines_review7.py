@@ -153,3 +153,19 @@ def test_a_tokenizer_file_cut_short_is_one_sentence(tmp_path):
     (tmp_path / "tokenizer.json").write_text(text[: len(text) // 2])
     with pytest.raises(UserError, match=r"tokenizer.json cannot be read as a tokenizer .*re-export the pipeline\.$"):
         Pieces(doc, tmp_path).tokenizer()
+
+
+def test_a_later_page_over_the_pixel_limit_is_refused_as_the_first_is(tmp_path, monkeypatch):
+    """PIL checks its decompression-bomb limit when it opens a file, on the first frame: a TIFF whose first page is
+    small and whose second is huge read the second whole."""
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    small, large = Image.new("L", (10, 10), 255), Image.new("L", (200, 200), 255)
+    scan = tmp_path / "scan.tif"
+    small.save(scan, save_all=True, append_images=[large])
+    with pytest.raises(UserError, match=r"scan.tif has more pixels than PIL opens \(2,000 at most"):
+        load_pages(scan)
+    large.save(tmp_path / "one.tif")
+    with pytest.raises(UserError, match=r"one.tif has more pixels than PIL opens \(2,000 at most"):
+        load_pages(tmp_path / "one.tif")

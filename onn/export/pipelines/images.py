@@ -23,26 +23,42 @@ def load_rgb(path: str | Path):
     """The image at `path` as an RGB PIL image, upright as its EXIF orientation says (a phone's photograph is
     stored sideways), transparency laid on white; a file PIL cannot read, one over PIL's pixel limit, a mode
     without one RGB reading, or a document of several pages (load_pages reads those), is one sentence."""
-    image = _open(path)
-    pages = _pages(image)
-    if len(pages) > 1:
-        raise UserError(
-            f"image {path} is a document of {len(pages)} pages and this pipeline reads one picture; save the page "
-            "to read as a file of its own (the OCR pipeline reads every page)."
-        )
-    image.seek(pages[0])
-    return _rgb(image, path)
+    with _open(path) as image:
+        pages = _pages(image)
+        if len(pages) > 1:
+            raise UserError(
+                f"image {path} is a document of {len(pages)} pages and this pipeline reads one picture; save the "
+                "page to read as a file of its own (the OCR pipeline reads every page)."
+            )
+        return _page(image, pages[0], path)
 
 
 def load_pages(path: str | Path) -> list:
     """Every page of a multi-page TIFF (a scanned document; its reduced-resolution previews are not pages) as
     load_rgb reads a picture; any other picture as its one page. Reading only the first was a silent loss."""
-    image = _open(path)
-    pages = []
-    for index in _pages(image):
-        image.seek(index)
-        pages.append(_rgb(image, path))  # a new image: exif_transpose and convert copy the frame
-    return pages
+    with _open(path) as image:
+        return [_page(image, index, path) for index in _pages(image)]
+
+
+def _page(image, index: int, path: str | Path):
+    """Frame `index` of an opened picture, as load_rgb reads it (a new image: exif_transpose and convert copy the
+    frame). PIL checks its pixel limit when it opens a file, on the first frame: a later page is checked here."""
+    from PIL import Image
+
+    image.seek(index)
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is not None and image.width * image.height > 2 * limit:
+        raise UserError(_too_many_pixels(path))
+    return _rgb(image, path)
+
+
+def _too_many_pixels(path: str | Path) -> str:
+    from PIL import Image
+
+    return (
+        f"image {path} has more pixels than PIL opens ({2 * Image.MAX_IMAGE_PIXELS:,} at most, its guard against "
+        "decompression bombs); scale it down first."
+    )
 
 
 def _open(path: str | Path):
@@ -58,10 +74,7 @@ def _open(path: str | Path):
         image = Image.open(path)
         image.load()
     except Image.DecompressionBombError:
-        raise UserError(
-            f"image {path} has more pixels than PIL opens ({2 * Image.MAX_IMAGE_PIXELS:,} at most, its guard against "
-            "decompression bombs); scale it down first."
-        ) from None
+        raise UserError(_too_many_pixels(path)) from None
     except (UnidentifiedImageError, OSError) as e:
         raise UserError(f"image {path} cannot be read as a picture ({e}); give a PNG, JPEG or other image.") from None
     return image
