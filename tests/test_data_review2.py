@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -239,3 +240,77 @@ def test_a_compressed_tar_of_sounds_is_not_read_whole_to_size_it_at_every_run(tm
     assert again.streamed is None and len(again.splits["train"]) == 90
     with pytest.raises(UserError, match=r"^data\.source .*sounds\.tar\.gz is a compressed tar, which has no random"):
         setup("data.resident=false")
+
+
+def test_a_run_that_waited_for_a_decode_that_left_no_cache_decodes_without_the_lock(tmp_path):
+    """A decode whose cache the disk refused leaves the others nothing to read: each then decoded in turn under the
+    lock, the ranks of a run one after another (N times the wall time, past a process group's timeout). A run that
+    waited and finds no cache decodes beside the others, the lock let go."""
+    import fcntl
+
+    from test_faults import files_limited_to
+
+    from onn.data.cache import cached_decode
+    from onn.data.resident import Decoded
+
+    calls, lock_free, waiting = [], [], Waiting()
+
+    def decode() -> dict[str, Decoded]:
+        calls.append(threading.get_ident())
+        if len(calls) == 1:  # the first: until the second waits for it
+            with waiting.changed:
+                waiting.changed.wait_for(lambda: waiting.count >= 1, timeout=30)
+        else:  # the second: is the entry's lock free while it decodes?
+            (lock,) = (tmp_path / "images").glob(".*.lock")
+            with open(lock, "a") as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    lock_free.append(True)
+                except BlockingIOError:
+                    lock_free.append(False)
+        return {"all": Decoded(torch.zeros(4, 65536), torch.tensor([0, 1, 0, 1]), ["a", "b"], list("wxyz"))}
+
+    onn_log = logging.getLogger("onn")
+    onn_log.addHandler(waiting)
+    level = onn_log.level
+    onn_log.setLevel(logging.INFO)
+    try:
+        with files_limited_to(64 * 1024):  # the cache (1 MB) is refused: the first leaves none
+            workers = [threading.Thread(target=cached_decode, args=("images", {"k": 1}, tmp_path, decode, "src"))]
+            workers[0].start()
+            while not calls:
+                time.sleep(0.01)
+            workers.append(threading.Thread(target=cached_decode, args=("images", {"k": 1}, tmp_path, decode, "src")))
+            workers[1].start()
+            for worker in workers:
+                worker.join()
+    finally:
+        onn_log.removeHandler(waiting)
+        onn_log.setLevel(level)
+    assert len(calls) == 2 and waiting.count == 1 and lock_free == [True]
+
+
+def test_a_child_forked_while_a_lock_is_held_does_not_keep_it(tmp_path):
+    """A flock lock lasts while any descriptor of it is open, and a forked child (a DataLoader worker of another
+    job's thread) shares its parent's: a decode's lock stayed held until the child ended. The child closes its copy."""
+    import fcntl
+
+    from onn.hardware.locks import held
+
+    go_on_read, go_on_write = os.pipe()
+    with held(tmp_path, name=".entry.lock"):
+        child = os.fork()
+        if child == 0:  # the child: alive until the parent has tried the lock
+            os.read(go_on_read, 1)
+            os._exit(0)
+    try:
+        with open(tmp_path / ".entry.lock", "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                free = True
+            except BlockingIOError:
+                free = False
+    finally:
+        os.write(go_on_write, b"x")
+        os.waitpid(child, 0)
+    assert free

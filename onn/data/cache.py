@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +42,13 @@ def cached_decode(
     cached = _read(cache, kind, source) if cache.is_file() else None
     if cached is not None:
         return cached
-    with _one_decoder(cache, kind, source):
+    with contextlib.ExitStack() as lock:
+        waited = _take_decode_lock(lock, cache, kind, source)
         cached = _read(cache, kind, source) if cache.is_file() else None  # another process decoded it meanwhile
         if cached is not None:
             return cached
+        if waited:  # the one before left no cache (its write refused, or it failed): decode beside the others
+            lock.close()
         splits = decode()
         tensors, meta = {}, {"classes": None, "splits": {}}
         for name, s in splits.items():
@@ -56,24 +59,23 @@ def cached_decode(
     return splits
 
 
-@contextlib.contextmanager
-def _one_decoder(cache: Path, kind: str, source: str) -> Iterator[None]:
-    """The lock of one cache entry (.DIGEST.lock beside it) for the block, waiting for a process that holds it. A
-    cache folder the disk refuses (read-only, full) goes without: the run decodes, and _write says it is uncached."""
-    with contextlib.ExitStack() as stack:
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            stack.enter_context(
-                held(
-                    cache.parent,
-                    lambda: log.info("%s: another process is decoding %s; waiting to read its cache", kind, source),
-                    name=f".{cache.stem}.lock",
-                )
-            )
-        except OSError as e:
-            if disk_error(e) is None:
-                raise
-        yield
+def _take_decode_lock(lock: contextlib.ExitStack, cache: Path, kind: str, source: str) -> bool:
+    """Enter the lock of one cache entry (.DIGEST.lock beside it) into `lock`, waiting for a process that holds it;
+    whether it waited. A cache folder the disk refuses (read-only, full) goes without: the run decodes, and
+    _write says it is uncached."""
+    waited = []
+
+    def waiting() -> None:
+        waited.append(True)
+        log.info("%s: another process is decoding %s; waiting to read its cache", kind, source)
+
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        lock.enter_context(held(cache.parent, waiting, name=f".{cache.stem}.lock"))
+    except OSError as e:
+        if disk_error(e) is None:
+            raise
+    return bool(waited)
 
 
 def cached_tensors(

@@ -23,6 +23,20 @@ NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}
 
 log = logging.getLogger("onn")
 _unlocked_said: set[str] = set()  # the lock files already said to be unsupported, each said once
+_open_locks: set[int] = set()  # this process's lock descriptors, which a forked child closes (_close_in_child)
+
+
+def _close_in_child() -> None:
+    """A forked child (a DataLoader worker) shares its parent's open lock files, and a flock lock lasts while any
+    descriptor of it is open: a child forked while a decode held its lock kept it until the child ended. The
+    child closes its copies; the parent's hold is unchanged."""
+    for fd in _open_locks:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _open_locks.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 def try_hold(folder: str | os.PathLike, name: str = LOCK_NAME) -> int | None:
@@ -40,6 +54,7 @@ def try_hold(folder: str | os.PathLike, name: str = LOCK_NAME) -> int | None:
         raise
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
+    _open_locks.add(fd)
     return fd
 
 
@@ -87,7 +102,9 @@ def held(folder: str | os.PathLike, on_wait: Callable[[], None] | None = None, n
         except OSError:
             os.close(fd)
             raise
+        _open_locks.add(fd)
     try:
         yield
     finally:
+        _open_locks.discard(fd)
         os.close(fd)  # closing the descriptor releases the lock
