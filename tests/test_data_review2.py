@@ -298,11 +298,16 @@ def test_a_child_forked_while_a_lock_is_held_does_not_keep_it(tmp_path):
     from onn.hardware.locks import held
 
     go_on_read, go_on_write = os.pipe()
+    ready_read, ready_write = os.pipe()
     with held(tmp_path, name=".entry.lock"):
         child = os.fork()
-        if child == 0:  # the child: alive until the parent has tried the lock
-            os.read(go_on_read, 1)
-            os._exit(0)
+        if child == 0:  # the child: running (its fork handlers done), alive until the parent has tried the lock
+            try:
+                os.write(ready_write, b"r")
+                os.read(go_on_read, 1)
+            finally:
+                os._exit(0)
+    os.read(ready_read, 1)
     try:
         with open(tmp_path / ".entry.lock", "a") as f:
             try:
@@ -314,3 +319,32 @@ def test_a_child_forked_while_a_lock_is_held_does_not_keep_it(tmp_path):
         os.write(go_on_write, b"x")
         os.waitpid(child, 0)
     assert free
+
+
+def test_a_forked_child_closes_no_descriptor_that_is_not_a_lock_any_more(tmp_path):
+    """A holder may close try_hold's descriptor itself, and its number then names another file: here the pipe a
+    forked child writes its figure to (as the profile's cpu_share does). The child closed it as a lock, failed, and
+    ran on in the parent's code (a test run hung in ci134)."""
+    from onn.hardware.locks import try_hold
+
+    fd = try_hold(tmp_path)
+    os.close(fd)  # as tests/chaos/test_concurrent_runs.py does
+    r, w = os.pipe()
+    if r == fd:  # the write end takes the lock's old number
+        r, old = os.dup(r), r
+        os.close(old)
+    if w != fd:
+        os.dup2(w, fd)
+        os.close(w)
+        w = fd
+    child = os.fork()
+    if child == 0:
+        try:
+            os.write(w, b"ok")
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        said = f.read()
+    os.waitpid(child, 0)
+    assert said == b"ok"

@@ -23,16 +23,26 @@ NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}
 
 log = logging.getLogger("onn")
 _unlocked_said: set[str] = set()  # the lock files already said to be unsupported, each said once
-_open_locks: set[int] = set()  # this process's lock descriptors, which a forked child closes (_close_in_child)
+# this process's lock descriptors and the file each is open on, which a forked child closes (_close_in_child)
+_open_locks: dict[int, tuple[int, int]] = {}
+
+
+def _opened(fd: int) -> None:
+    st = os.fstat(fd)
+    _open_locks[fd] = (st.st_dev, st.st_ino)
 
 
 def _close_in_child() -> None:
     """A forked child (a DataLoader worker) shares its parent's open lock files, and a flock lock lasts while any
     descriptor of it is open: a child forked while a decode held its lock kept it until the child ended. The
-    child closes its copies; the parent's hold is unchanged."""
-    for fd in _open_locks:
+    child closes its copies; the parent's hold is unchanged. Only a descriptor still open on its lock file is
+    closed: one its holder closed itself (os.close on try_hold's) may since name another file, such as the pipe
+    the child was forked to write to."""
+    for fd, file in list(_open_locks.items()):
         with contextlib.suppress(OSError):
-            os.close(fd)
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == file:
+                os.close(fd)
     _open_locks.clear()
 
 
@@ -54,7 +64,7 @@ def try_hold(folder: str | os.PathLike, name: str = LOCK_NAME) -> int | None:
         raise
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
-    _open_locks.add(fd)
+    _opened(fd)
     return fd
 
 
@@ -102,9 +112,9 @@ def held(folder: str | os.PathLike, on_wait: Callable[[], None] | None = None, n
         except OSError:
             os.close(fd)
             raise
-        _open_locks.add(fd)
+        _opened(fd)
     try:
         yield
     finally:
-        _open_locks.discard(fd)
+        _open_locks.pop(fd, None)
         os.close(fd)  # closing the descriptor releases the lock

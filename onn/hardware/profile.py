@@ -423,12 +423,14 @@ def cpu_share(threads: int, seconds: float = 0.3) -> float:
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: spin, report, leave without running any cleanup of the parent's
-            os.close(r)
-            start, cpu0 = time.perf_counter(), time.process_time()
-            while time.perf_counter() - start < seconds:
-                pass
-            os.write(w, f"{(time.process_time() - cpu0) / (time.perf_counter() - start)}".encode())
-            os._exit(0)
+            try:  # (and never return into the parent's stack: an error here ran the rest of a test run twice)
+                os.close(r)
+                start, cpu0 = time.perf_counter(), time.process_time()
+                while time.perf_counter() - start < seconds:
+                    pass
+                os.write(w, f"{(time.process_time() - cpu0) / (time.perf_counter() - start)}".encode())
+            finally:
+                os._exit(0)
         os.close(w)
         readers.append(r)
         pids.append(pid)
