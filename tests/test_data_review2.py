@@ -4,6 +4,7 @@ cache before every run, and the "classes the model never learns" warning given a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -348,3 +349,95 @@ def test_a_forked_child_closes_no_descriptor_that_is_not_a_lock_any_more(tmp_pat
         said = f.read()
     os.waitpid(child, 0)
     assert said == b"ok"
+
+
+def test_a_child_forked_while_a_thread_waits_for_a_lock_does_not_keep_it(tmp_path):
+    """A thread waiting in held() has its lock file open before it holds the lock: a child forked then (another
+    job's DataLoader worker) shares that descriptor, and closing it in the parent left the lock held while the
+    child lived. held() unlocks before it closes, which releases every copy."""
+    import fcntl
+
+    from onn.hardware.locks import held
+
+    lock = tmp_path / ".entry.lock"
+    holder = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    waiting = threading.Event()
+
+    def wait_for_it() -> None:
+        with held(tmp_path, waiting.set, name=".entry.lock"):
+            pass
+
+    thread = threading.Thread(target=wait_for_it)
+    thread.start()
+    waiting.wait(30)
+    time.sleep(0.2)  # the thread opens the file and waits in flock
+    go_on_read, go_on_write = os.pipe()
+    child = os.fork()
+    if child == 0:  # alive until the parent has tried the lock
+        try:
+            os.read(go_on_read, 1)
+        finally:
+            os._exit(0)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_UN)  # the first holder ends (the child's copy of it too): the thread takes
+        os.close(holder)  # the lock, and leaves its block
+        thread.join(30)
+        with open(lock, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                free = True
+            except BlockingIOError:
+                free = False
+    finally:
+        os.write(go_on_write, b"x")
+        os.waitpid(child, 0)
+    assert not thread.is_alive() and free
+
+
+def test_a_run_that_waited_for_a_decode_that_failed_decodes_alone(tmp_path):
+    """A first decode that failed (killed, out of memory perhaps) leaves no mark, unlike one whose write the disk
+    refused: the next decodes under the lock, the others waiting again, not all of them at once."""
+    import fcntl
+
+    from onn.data.cache import cached_decode
+    from onn.data.resident import Decoded
+
+    calls, lock_free, waiting = [], [], Waiting()
+
+    def decode() -> dict[str, Decoded]:
+        calls.append(threading.get_ident())
+        if len(calls) == 1:  # the first: until the second waits for it, then it fails
+            with waiting.changed:
+                waiting.changed.wait_for(lambda: waiting.count >= 1, timeout=30)
+            raise MemoryError("the first decode ran out of memory")
+        (lock,) = (tmp_path / "images").glob(".*.lock")
+        with open(lock, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                lock_free.append(True)
+            except BlockingIOError:
+                lock_free.append(False)
+        return {"all": Decoded(torch.zeros(4, 2), torch.tensor([0, 1, 0, 1]), ["a", "b"], list("wxyz"))}
+
+    def first() -> None:
+        with contextlib.suppress(MemoryError):
+            cached_decode("images", {"k": 1}, tmp_path, decode, "src")
+
+    onn_log = logging.getLogger("onn")
+    onn_log.addHandler(waiting)
+    level = onn_log.level
+    onn_log.setLevel(logging.INFO)
+    try:
+        workers = [threading.Thread(target=first)]
+        workers[0].start()
+        while not calls:
+            time.sleep(0.01)
+        workers.append(threading.Thread(target=cached_decode, args=("images", {"k": 1}, tmp_path, decode, "src")))
+        workers[1].start()
+        for worker in workers:
+            worker.join()
+    finally:
+        onn_log.removeHandler(waiting)
+        onn_log.setLevel(level)
+    assert len(calls) == 2 and lock_free == [False]

@@ -133,3 +133,31 @@ def test_a_transport_stream_cut_mid_gop_starts_at_its_first_keyframe(tmp_path, m
     clip, _ = load(str(cut), Fit(8, 3, (8, 8), "resize"))
     assert np.array_equal(clip.numpy(), _shown_from_the_first_keyframe(cut, 8))
     assert len(decoded) < 230, len(decoded)  # not every frame, let alone twice
+
+
+def test_a_video_cache_of_the_decoder_before_these_fixes_is_not_read(tmp_path):
+    """A mirrored clip, cover art and a cut transport stream decode to other tensors than before: a cache the
+    reader of before wrote (version 1) must be decoded again, not read, or a run trains on the old clips."""
+    import dataclasses
+
+    from conftest import compose
+
+    from onn.modalities.video.builtin import moving_square, write_clip
+    from onn.modalities.video.dataset import READER
+
+    rng = np.random.default_rng(0)
+    for label in ("left", "right"):
+        (tmp_path / "clips" / label).mkdir(parents=True)
+        for i in range(2):
+            write_clip(tmp_path / "clips" / label / f"{i}.mp4", moving_square(rng, label, 6, 24), 6)
+    cfg = dataclasses.replace(compose("data=video").data, source=str(tmp_path / "clips"))
+    loads = []
+
+    def counted(*args, **kwargs):
+        loads.append(1)
+        return READER.load(*args, **kwargs)
+
+    before = dataclasses.replace(READER, version=1)
+    before.read_cached(cfg.source, cfg, tmp_path / "cache")
+    dataclasses.replace(READER, load=counted).read_cached(cfg.source, cfg, tmp_path / "cache")
+    assert len(loads) == 4  # every clip decoded again

@@ -47,15 +47,21 @@ def cached_decode(
         cached = _read(cache, kind, source) if cache.is_file() else None  # another process decoded it meanwhile
         if cached is not None:
             return cached
-        if waited:  # the one before left no cache (its write refused, or it failed): decode beside the others
-            lock.close()
+        uncached = cache.with_name(f".{cache.stem}.uncached")  # the disk refused a decoder's write of this entry
+        if waited and uncached.exists():  # so the others decode beside each other, not in turn under the lock (one
+            lock.close()  # that failed or was killed, its memory perhaps, leaves no mark: the next decodes alone)
         splits = decode()
         tensors, meta = {}, {"classes": None, "splits": {}}
         for name, s in splits.items():
             tensors[f"{name}.inputs"], tensors[f"{name}.labels"] = s.inputs.contiguous(), s.labels.contiguous()
             meta["classes"] = s.classes
             meta["splits"][name] = {"names": s.names, "skipped": s.skipped}
-        _write(cache, tensors, {"onn": json.dumps(meta), "source": source}, kind)
+        written = _write(cache, tensors, {"onn": json.dumps(meta), "source": source}, kind)
+        with contextlib.suppress(OSError):
+            if written:
+                uncached.unlink(missing_ok=True)
+            else:
+                uncached.touch()
     return splits
 
 
@@ -101,9 +107,10 @@ def cached_tensors(
     return tensors
 
 
-def _write(cache: Path, tensors: dict[str, Any], metadata: dict[str, str], kind: str) -> None:
-    """The decoded tensors into the cache, whole or not at all. A write the disk refuses (full, read-only) leaves
-    no part of the file and is said once: the run goes on with the data it decoded, only uncached."""
+def _write(cache: Path, tensors: dict[str, Any], metadata: dict[str, str], kind: str) -> bool:
+    """The decoded tensors into the cache, whole or not at all; whether they were written. A write the disk
+    refuses (full, read-only) leaves no part of the file and is said once: the run goes on with the data it
+    decoded, only uncached."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -112,6 +119,7 @@ def _write(cache: Path, tensors: dict[str, Any], metadata: dict[str, str], kind:
         cache.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(tmp), metadata=metadata)
         os.replace(tmp, cache)
+        return True
     except (OSError, SafetensorError) as e:
         refused = disk_error(e)
         if refused is None:
@@ -121,6 +129,7 @@ def _write(cache: Path, tensors: dict[str, Any], metadata: dict[str, str], kind:
             kind,
             write_refused(refused, cache, None, "the cache (paths.cache)"),
         )
+        return False
     finally:
         with contextlib.suppress(OSError):  # its folder may be what could not be made
             tmp.unlink(missing_ok=True)

@@ -117,4 +117,6 @@ def held(folder: str | os.PathLike, on_wait: Callable[[], None] | None = None, n
         yield
     finally:
         _open_locks.pop(fd, None)
-        os.close(fd)  # closing the descriptor releases the lock
+        with contextlib.suppress(OSError):  # for every copy: one a child forked while this waited shares it
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)

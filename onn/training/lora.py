@@ -98,4 +98,6 @@ def _placement_error(model: nn.Module, config: LoraConfig, target: object, error
 
 def _adaptable(module: nn.Module) -> bool:
     """A layer LoRA adapts here: a linear one (transformers' Conv1D is GPT-2's)."""
-    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, nn.Linear | Conv1D)

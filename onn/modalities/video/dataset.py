@@ -35,7 +35,8 @@ def fit_of(inputs: dict[str, Any]) -> Fit:
     return Fit(**{**inputs["fit"], "size": tuple(inputs["fit"]["size"])})
 
 
-READER = MediaReader("video", SUFFIXES, load, fit_settings, fit_of, BadFile, DTYPE, HINT, resolve)
+# version 2: mirrored display matrices, cover art and transport streams cut mid-GOP decode to other clips (a512600)
+READER = MediaReader("video", SUFFIXES, load, fit_settings, fit_of, BadFile, DTYPE, HINT, resolve, version=2)
 
 
 class VideoDataModule(MediaDataModule):
