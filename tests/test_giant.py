@@ -267,10 +267,14 @@ def test_threads_follow_the_free_cores_and_the_plan_says_so(tmp_path):
     from onn.hardware.profile import Profile
     from onn.planning.costs import threads_for
 
-    assert threads_for(Profile(name="cpu", accelerator="cpu", cpu_cores=2, cpu_busy_cores=0.1, cpu_share=0.9)) == (
+    assert threads_for(Profile(name="cpu", accelerator="cpu", cpu_cores=2, cpu_busy_cores=0.1, cpu_share=1.0)) == (
         2,
         1.0,
-    )  # quiet: noise
+    )  # quiet: the profile writes a share of 1 (a share timed on quiet cores is noise)
+    assert threads_for(Profile(name="cpu", accelerator="cpu", cpu_cores=2, cpu_busy_cores=0.0, cpu_share=0.75)) == (
+        2,
+        0.75,
+    )  # quiet cores under a CPU quota (--cpus=1.5): the profile's quota share
     assert threads_for(Profile(name="cpu", accelerator="cpu", cpu_cores=2, cpu_busy_cores=1.0, cpu_share=1.0)) == (
         1,
         1.0,
