@@ -240,6 +240,7 @@ def test_a_recipe_whose_block_the_chosen_option_leaves_null_names_both(tmp_path)
     ) in done.stdout  # the run's log
 
 
+@pytest.mark.slow  # 14-28 s on 2 cores (ci133, ci135)
 def test_a_misspelt_interpolation_is_one_sentence_and_a_failed_record(tmp_path):
     """'trainer.val_check_interval=${trainer.max_step}' was a traceback from reading Hydra's overrides, with no
     metrics.json."""

@@ -57,6 +57,7 @@ def _file_size_limit(limit: int):
     return limited
 
 
+@pytest.mark.slow  # 14-28 s on 2 cores (ci133, ci135)
 def test_a_refused_write_of_hydras_files_is_one_sentence_and_leaves_no_cut_file(tmp_path):
     """Hydra wrote .hydra/config.yaml with a plain open(): a refused write left the file cut short and ended in
     Hydra's traceback. Now each file is written whole or not at all and the refusal is one sentence naming it."""

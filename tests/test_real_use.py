@@ -94,6 +94,7 @@ def test_null_answers_are_named_by_line(tmp_path):
         Prompter(FIELDS, byte_tokenizer()).examples(records)
 
 
+@pytest.mark.slow  # 14-28 s on 2 cores (ci133, ci135)
 def test_settings_that_silently_did_the_wrong_thing_are_refused(tmp_path, cache):
     source = write_jsonl(tmp_path / "d.jsonl", qa_rows())
     for override, said in [

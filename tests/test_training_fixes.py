@@ -226,6 +226,7 @@ def test_a_schedule_resumed_for_more_steps_sets_this_runs_rate_at_its_first_step
     assert longer.param_groups[0]["lr"] == unbroken.param_groups[0]["lr"]
 
 
+@pytest.mark.slow  # 14-28 s on 2 cores (ci133, ci135)
 def test_a_resumed_run_draws_the_dropout_masks_of_the_unbroken_one(tmp_path):
     """Each iterator a DataLoader starts drew its base seed from torch's global generator, which LoRA's dropout draws
     from too: the resumed run starts a training iterator the unbroken run did not (and the shorter run validated
