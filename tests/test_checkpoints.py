@@ -164,6 +164,7 @@ def test_a_failed_runs_record_keeps_the_last_step_it_reached(tmp_path, monkeypat
     assert saved["status"] == "failed" and saved["steps"] == 3
 
 
+@pytest.mark.slow  # 22-32 s on 2 cores (ci136)
 def test_a_run_given_ckpt_does_not_write_into_another_runs_folder(tmp_path):
     """ckpt= turned the run folder's check off, whatever the task and whatever folder it named: an eval of a run's
     checkpoint into that run's own folder (its data.source missing) replaced the training's metrics.json, config.yaml

@@ -216,6 +216,7 @@ def test_a_recipe_run_as_another_task_names_the_task_its_keys_belong_to():
     assert compose("recipe=bench_serve", "task=plan", "~serve").serve is None  # what the sentence says to do
 
 
+@pytest.mark.slow  # 22-32 s on 2 cores (ci136)
 def test_the_command_lines_compose_mistakes_are_one_sentence_before_hydra(tmp_path):
     """run.py asks registry's checks before Hydra composes: each is `error: ...` and exit 1, no traceback."""
     where = (f"paths.outputs={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}")

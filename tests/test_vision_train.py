@@ -140,6 +140,7 @@ def test_val_acc_best_is_recorded_whatever_the_monitor(images, tmp_path):
     assert metrics["val/loss_best"] == pytest.approx(min(h["val/loss"] for h in metrics["val/history"]), abs=1e-5)
 
 
+@pytest.mark.slow  # 22-32 s on 2 cores (ci136)
 def test_early_stopping_and_schedules(images, tmp_path):
     metrics, _ = run(
         tmp_path,
