@@ -77,6 +77,17 @@ class Waiting(logging.Handler):
         super().__init__()
         self.count, self.changed = 0, threading.Condition()
 
+    def __enter__(self) -> Waiting:
+        """Listening to the "onn" logger at INFO for the block."""
+        self.logger, self.level = logging.getLogger("onn"), logging.getLogger("onn").level
+        self.logger.addHandler(self)
+        self.logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level)
+
     def emit(self, record: logging.LogRecord) -> None:
         if "waiting to read its cache" in record.getMessage():
             with self.changed:
@@ -102,19 +113,12 @@ def test_one_of_the_runs_decoding_one_dataset_at_once_decodes_it(tmp_path):
     def work() -> None:
         results.append(cached_decode("images", {"k": 1}, tmp_path, decode, "src")["all"].names)
 
-    onn_log = logging.getLogger("onn")
-    onn_log.addHandler(waiting)
-    level = onn_log.level
-    onn_log.setLevel(logging.INFO)
-    try:
+    with waiting:
         workers = [threading.Thread(target=work) for _ in range(threads)]
         for worker in workers:
             worker.start()
         for worker in workers:
             worker.join()
-    finally:
-        onn_log.removeHandler(waiting)
-        onn_log.setLevel(level)
     assert len(calls) == 1 and waiting.count == threads - 1
     assert results == [list("wxyz")] * threads
 
@@ -271,23 +275,15 @@ def test_a_run_that_waited_for_a_decode_that_left_no_cache_decodes_without_the_l
                     lock_free.append(False)
         return {"all": Decoded(torch.zeros(4, 65536), torch.tensor([0, 1, 0, 1]), ["a", "b"], list("wxyz"))}
 
-    onn_log = logging.getLogger("onn")
-    onn_log.addHandler(waiting)
-    level = onn_log.level
-    onn_log.setLevel(logging.INFO)
-    try:
-        with files_limited_to(64 * 1024):  # the cache (1 MB) is refused: the first leaves none
-            workers = [threading.Thread(target=cached_decode, args=("images", {"k": 1}, tmp_path, decode, "src"))]
-            workers[0].start()
-            while not calls:
-                time.sleep(0.01)
-            workers.append(threading.Thread(target=cached_decode, args=("images", {"k": 1}, tmp_path, decode, "src")))
-            workers[1].start()
-            for worker in workers:
-                worker.join()
-    finally:
-        onn_log.removeHandler(waiting)
-        onn_log.setLevel(level)
+    with waiting, files_limited_to(64 * 1024):  # the cache (1 MB) is refused: the first leaves none
+        workers = [threading.Thread(target=cached_decode, args=("images", {"k": 1}, tmp_path, decode, "src"))]
+        workers[0].start()
+        while not calls:
+            time.sleep(0.01)
+        workers.append(threading.Thread(target=cached_decode, args=("images", {"k": 1}, tmp_path, decode, "src")))
+        workers[1].start()
+        for worker in workers:
+            worker.join()
     assert len(calls) == 2 and waiting.count == 1 and lock_free == [True]
 
 
@@ -424,11 +420,7 @@ def test_a_run_that_waited_for_a_decode_that_failed_decodes_alone(tmp_path):
         with contextlib.suppress(MemoryError):
             cached_decode("images", {"k": 1}, tmp_path, decode, "src")
 
-    onn_log = logging.getLogger("onn")
-    onn_log.addHandler(waiting)
-    level = onn_log.level
-    onn_log.setLevel(logging.INFO)
-    try:
+    with waiting:
         workers = [threading.Thread(target=first)]
         workers[0].start()
         while not calls:
@@ -437,7 +429,4 @@ def test_a_run_that_waited_for_a_decode_that_failed_decodes_alone(tmp_path):
         workers[1].start()
         for worker in workers:
             worker.join()
-    finally:
-        onn_log.removeHandler(waiting)
-        onn_log.setLevel(level)
     assert len(calls) == 2 and lock_free == [False]
