@@ -104,12 +104,14 @@ def extract_answer(text: str, pattern: str | None, last_number: bool = False) ->
 
 
 def extract(text: str, pattern: str | None, last_number: bool = False) -> tuple[str, str]:
-    """(answer, how it was found). With a pattern, its group 1 ("pattern"); where the pattern is not found and
-    `last_number`, the last number in the text ("last number", lm-evaluation-harness' flexible extract);
-    without a pattern, the first line ("first line"). Numbers are normalised: 1,200 -> 1200, 7.0 -> 7."""
+    """(answer, how it was found). With a pattern, its group 1 ("pattern") at the first match where group 1 took
+    part (an optional group, or one side of `a|b`, may not: its None was an AttributeError after the whole
+    evaluation); where the pattern is not found and `last_number`, the last number in the text ("last number",
+    lm-evaluation-harness' flexible extract); without a pattern, the first line ("first line"). Numbers are
+    normalised: 1,200 -> 1200, 7.0 -> 7."""
     how = "first line"
     if pattern:
-        match = re.search(pattern, text)
+        match = next((m for m in re.finditer(pattern, text) if m.group(1) is not None), None)
         if match:
             text, how = match.group(1), "pattern"
         elif last_number and (numbers := NUMBER.findall(text)):

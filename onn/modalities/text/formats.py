@@ -21,14 +21,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from onn.data.files import existing_source, json_type, jsonl_objects, read_file, read_head
+from onn.data.files import existing_source, json_type, jsonl_objects, open_regular, read_file, read_head
 from onn.errors import UserError
 
 FORMATS = ("jsonl", "json", "csv", "parquet", "txt")
 HEAD_BYTES = 65536  # what format detection reads
+FIRST_LINE_MAX = 64 * 1024**2  # a first line cut by HEAD_BYTES is read on to its end, up to this (a JSON record)
 DELIMITERS = ",\t;|"
 # A CSV header cell: a column name (letters, digits, spaces, _ . - ( ) /), not a sentence
-COLUMN_NAME = re.compile(r"[^\W\d][\w .\-()/]{0,63}")
+COLUMN_NAME = re.compile(r"[^\W\d][\w .\-()/]{0,63}|Unnamed: \d+")  # the last: pandas' name for an unnamed column
 QUOTED = re.compile(r'"(?:[^"]|"")*"', re.S)  # one CSV field in quotes (a quote inside doubled)
 BOMS = (  # UTF-32's little-endian mark starts like UTF-16's: check it first
     (codecs.BOM_UTF32_LE, "utf-32"),
@@ -131,10 +132,24 @@ def detect_format(path: str | Path, key: str = "data.source") -> str:
     head = read_head(path, HEAD_BYTES)
     if head[:4] == b"PAR1":
         return "parquet"
+    complete = len(head) < HEAD_BYTES
+    start = head.lstrip(codecs.BOM_UTF8 + b" \t\r\n")
+    if not complete and start.startswith(b"{") and b"\n" not in start:  # a JSON object cut before its line ends
+        head, complete = _through_first_line(path)
     text = _decode_head(head)
     if text is None:  # Latin-1 text (the byte, its line, the iconv command) or a binary file: decode says which
         text = decode(head, Path(path), key)
-    return detect(text, complete=len(head) < HEAD_BYTES, suffix=Path(path).suffix.lower())
+    return detect(text, complete=complete, suffix=Path(path).suffix.lower())
+
+
+def _through_first_line(path: str | Path) -> tuple[bytes, bool]:
+    """(the file's first line whole and HEAD_BYTES after it, whether that is the whole file). A JSON lines file whose
+    first record passes HEAD_BYTES (a long document) was taken for one JSON document: data.streaming=true refused
+    it and auto held it in memory."""
+    with open_regular(path) as f:
+        line = f.readline(FIRST_LINE_MAX)
+        after = f.read(HEAD_BYTES)
+        return line + after, len(after) < HEAD_BYTES
 
 
 def detect(text: str, complete: bool, suffix: str = "") -> str:
@@ -197,12 +212,21 @@ def csv_delimiter(text: str) -> str | None:
         rows = rows[:51]
         if len(rows) < 2:
             continue
-        header = [c.strip() for c in rows[0]]
+        header = header_names(rows[0])
         if len(header) < 2 or len(set(header)) < len(header) or not all(COLUMN_NAME.fullmatch(c) for c in header):
             continue
         if sum(len(r) == len(header) for r in rows[1:]) >= 0.5 * (len(rows) - 1):
             return delimiter
     return None
+
+
+def header_names(cells: list[str]) -> list[str]:
+    """A CSV header's column names; an empty first one is pandas' index (to_csv without index=False) and is named
+    as pandas reads it back, `Unnamed: 0`: the header failed as column names and the table was read as plain text."""
+    names = [c.strip() for c in cells]
+    if len(names) > 1 and not names[0]:
+        names[0] = "Unnamed: 0"
+    return names
 
 
 def one_column_csv(text: str, csv_named: bool) -> bool:
@@ -303,7 +327,7 @@ def _read_csv(text: str, path: Path) -> Records:
         if not any(c.strip() for c in cells):
             continue
         if header is None:
-            header = [c.strip() for c in cells]
+            header = header_names(cells)
             continue
         row_no += 1
         if len(cells) != len(header):

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from onn.modalities.text.generate import prompt_ids as encoded_prompt
+from onn.models.load import context_length
 
 COLUMNS = 48  # tokens per row of the picture
 MAX_TOKENS = 960  # the picture shows at most this many (20 rows)
@@ -21,10 +22,13 @@ def token_probabilities(
 ) -> tuple[list[str], list[float], int]:
     """(each token's text, the probability the model gave it after the tokens before it, how many are the
     prompt's). The first token has no context: its probability is NaN. `add_special_tokens`, `bos`: the prompt's
-    tokens as generation read them (no second BOS after a chat template's; BOS first after plain text)."""
+    tokens as generation read them (no second BOS after a chat template's; BOS first after plain text). At most the
+    model's context: the completion's text tokenized again can be longer than what was generated (a byte that is no
+    UTF-8 decodes to U+FFFD, three bytes), which learned positions (GPT-2's) met with an IndexError."""
     prompt_ids = encoded_prompt(tokenizer, prompt, add_special_tokens, bos)
     completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
-    ids = torch.tensor([(prompt_ids + completion_ids)[:MAX_TOKENS]], device=next(model.parameters()).device)
+    shown = min(MAX_TOKENS, context_length(model) or MAX_TOKENS)
+    ids = torch.tensor([(prompt_ids + completion_ids)[:shown]], device=next(model.parameters()).device)
     logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
     chosen = logits[:-1].softmax(-1).gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1)
     probabilities = [float("nan")] + chosen.tolist()

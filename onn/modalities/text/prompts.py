@@ -11,7 +11,7 @@ is a format string over fields (`"{instruction}\\n\\n{input}"`); `data.fields.ou
     alpaca        instruction (+ input when not empty) -> output
     dolly         instruction (+ context) -> response
     pairs         prompt/completion, prompt/response, question/answer, query/response, input/output, ...
-    text          {"text": ...} only: plain text, loss on every token
+    text          {"text": ...}, alone or beside metadata (no answer field): plain text, loss on every token
 
 Template. `data.template` is a format string over every field of the record by its own name, plus
 `{prompt}` (the mapped prompt); `{input}` is the record's own `input` field, or the prompt when the record
@@ -43,6 +43,7 @@ log = logging.getLogger("onn")
 PAIRS = (("prompt", "completion"), ("prompt", "response"), ("prompt", "answer"), ("prompt", "output"),
          ("question", "answer"), ("query", "response"), ("query", "answer"), ("instruction", "response"),
          ("instruction", "output"), ("input", "output"), ("input", "target"), ("source", "target"))  # fmt: skip
+ANSWERS = {a for _, a in PAIRS}  # a field of these beside `text` is an answer to map, not plain text's metadata
 INSTRUCTION_LAYOUTS = {"alpaca": ("output", "input"), "dolly": ("response", "context")}  # (answer, its input)
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
          "model": "assistant", "system": "system", "tool": "tool"}  # fmt: skip
@@ -89,6 +90,8 @@ def choose_layout(records: Records, fields: TextFields, key: str = "data.source"
     else:
         used = format_fields(prompt, "data.fields.input") if "{" in prompt else {prompt}
         found = next(((prompt, a) for p, a in PAIRS if a in names and a not in used), None)
+    if found is None and prompt == answer == "auto" and "text" in names and not names & ANSWERS:
+        return Layout("text", None, None)  # a corpus's text beside its metadata (C4's url, the Pile's meta)
     if found is None:
         raise UserError(
             f"{key}: its records have the fields {sorted(names)[:12]}, which are no prompt/answer layout ONN knows; "
@@ -247,7 +250,7 @@ class Prompter:
         if layout.name == "messages":
             messages = self._messages(record, where, layout.conversation)
             return (self.render_messages(messages[:-1]), messages[-1]["content"]), False
-        prompt = self._prompt(record, where, layout.prompt)
+        prompt = self._prompt(record, where, layout)
         answer = self._text(record, layout.answer, where, "data.fields.output")
         return (self.render(prompt, record, where), answer), not prompt.strip()
 
@@ -276,12 +279,13 @@ class Prompter:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
 
-    def _prompt(self, record: dict[str, Any], where: str, spec: str) -> str:
+    def _prompt(self, record: dict[str, Any], where: str, layout: Layout) -> str:
+        spec = layout.prompt
         if "{" not in spec:
             return self._text(record, spec, where, "data.fields.input")
-        values = {
-            k: ("" if is_missing(v) else v) for k, v in record.items()
-        }  # an absent optional part (Alpaca's input)
+        values = {k: ("" if is_missing(v) else v) for k, v in record.items()}  # a null optional part (Alpaca's input)
+        if layout.name in INSTRUCTION_LAYOUTS:  # Alpaca's input (Dolly's context) left out of a record: empty too
+            values.setdefault(INSTRUCTION_LAYOUTS[layout.name][1], "")
         try:
             return FORMATTER.vformat(unescape(spec), (), values).strip()
         except KeyError as e:

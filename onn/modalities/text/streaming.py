@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 
 from onn.config.data import TextData
-from onn.data.files import existing_source, read_head
+from onn.data.files import existing_source, json_type, read_head
 from onn.errors import UserError
-from onn.modalities.text.formats import BOMS, HEAD_BYTES, csv_delimiter, detect_format
+from onn.modalities.text.formats import BOMS, HEAD_BYTES, csv_delimiter, detect_format, header_names
 
 log = logging.getLogger("onn")
 MB = 1024**2
@@ -136,7 +136,7 @@ class LineReader:
                 ) from None
             raise UserError(f"{self.path} line {line} is not valid JSON ({e.msg} at column {e.colno}).") from None
         if not isinstance(row, dict):
-            raise UserError(f"{self.path} line {line} is a JSON {type(row).__name__}, not an object with fields.")
+            raise UserError(f"{self.path} line {line} is a JSON {json_type(row)}, not an object with fields.")
         return row
 
 
@@ -173,7 +173,7 @@ class CsvReader:
         self.header: list[str] = []
         for _, _, after, last, cells in self._rows(bom, 0):
             if any(c.strip() for c in cells):
-                self.header, self.start = [c.strip() for c in cells], [after, last, 0]
+                self.header, self.start = header_names(cells), [after, last, 0]
                 break
         if not self.header:
             raise UserError(f"data.source {path} holds no CSV header.")
