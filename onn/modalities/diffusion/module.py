@@ -101,8 +101,12 @@ def build_denoiser(model_cfg: DenoiserConfig, channels: int, size: list[int]) ->
             network = DiTTransformer2DModel(
                 sample_size=height, in_channels=channels, out_channels=channels, num_embeds_ada_norm=1, **kwargs
             )
-    except (TypeError, ValueError) as e:  # an unknown or inconsistent constructor argument: diffusers says which
+    # an unknown or inconsistent constructor argument: diffusers says which (a DiT's norm_type other than
+    # ada_norm_zero is a NotImplementedError)
+    except (TypeError, ValueError, NotImplementedError) as e:
         raise UserError(f"model.kwargs do not build a {model_cfg.architecture}: {e}") from e
+    if model_cfg.architecture == "unet":
+        check_unet_conditioning(network, int(model_cfg.train_timesteps))
     check_size(network, model_cfg.architecture, height, width)
     from diffusers.models.embeddings import LabelEmbedding
 
@@ -112,6 +116,30 @@ def build_denoiser(model_cfg: DenoiserConfig, channels: int, size: list[int]) ->
         if isinstance(module, LabelEmbedding):
             module.dropout_prob = 0.0
     return Denoiser(network, model_cfg.architecture)
+
+
+def check_unet_conditioning(network: nn.Module, train_timesteps: int) -> None:
+    """Refuse a UNet the noise-prediction loop cannot feed, before the data loads and the first step fails in
+    diffusers: a class-conditional one needs class labels (the Denoiser gives none: it generates unconditionally),
+    a Fourier time embedding takes the log of its timestep, infinite at DDPM's timestep 0 (a NaN loss), and a
+    learned one has a row per timestep (an index past its table: on a GPU, a device-side assert)."""
+    config = network.config
+    if config.class_embed_type is not None or config.num_class_embeds is not None:
+        raise UserError(
+            f"model.kwargs builds a class-conditional unet (class_embed_type={config.class_embed_type}, "
+            f"num_class_embeds={config.num_class_embeds}), and ONN's denoiser is unconditional (it is given no "
+            "labels): remove those keys from model.kwargs."
+        )
+    if config.time_embedding_type == "fourier":
+        raise UserError(
+            "model.kwargs.time_embedding_type=fourier embeds the log of a score model's noise level, and DDPM's "
+            "timesteps start at 0 (log 0: a NaN loss): use time_embedding_type=positional (the default)."
+        )
+    if config.time_embedding_type == "learned" and (config.num_train_timesteps or 0) < train_timesteps:
+        raise UserError(
+            f"model.kwargs.num_train_timesteps={config.num_train_timesteps}: a learned time embedding needs a row "
+            f"for each of model.train_timesteps={train_timesteps} timesteps; set it to {train_timesteps}."
+        )
 
 
 def check_size(network: nn.Module, architecture: str, height: int, width: int) -> None:

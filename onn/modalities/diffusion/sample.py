@@ -17,14 +17,20 @@ SAMPLERS = ("ddim", "ddpm")
 
 def sampling_scheduler(model_cfg: DenoiserConfig, sampler: str, steps: int):
     """DDIMScheduler (deterministic, `steps` of the training schedule) or DDPMScheduler (every timestep),
-    on the noise schedule the model was trained with."""
+    on the noise schedule the model was trained with. DDIM's steps are spaced from the schedule's last timestep
+    down ("trailing", Lin et al. 2023): diffusers' default ("leading") starts at 0 for one step and at T/2 for two,
+    so the starting noise was denoised as if it were an almost clean image and came back as noise."""
     from diffusers import DDIMScheduler, DDPMScheduler
 
     if sampler not in SAMPLERS:
         raise UserError(f"task.sampler={sampler!r}: use one of {', '.join(SAMPLERS)}.")
-    kind = DDIMScheduler if sampler == "ddim" else DDPMScheduler
-    scheduler = kind(num_train_timesteps=int(model_cfg.train_timesteps), beta_schedule=model_cfg.beta_schedule)
-    scheduler.set_timesteps(steps if sampler == "ddim" else int(model_cfg.train_timesteps))
+    schedule = {"num_train_timesteps": int(model_cfg.train_timesteps), "beta_schedule": model_cfg.beta_schedule}
+    if sampler == "ddim":
+        scheduler = DDIMScheduler(**schedule, timestep_spacing="trailing")
+        scheduler.set_timesteps(steps)
+    else:
+        scheduler = DDPMScheduler(**schedule)
+        scheduler.set_timesteps(int(model_cfg.train_timesteps))
     return scheduler
 
 
