@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError, MissingMandatoryValue
 
 from onn.bench.registry import TASKS as BENCH_TASKS
 from onn.config import ONNConfig, StrategyConfig, as_dict, typed
@@ -110,7 +111,7 @@ def run(cfg: DictConfig) -> float | None:
             log.info("%s: already finished for this config; not run again", run_dir)
             return _objective(config.sweep_objective, done)
         if multirun:
-            resume_job(config, run_dir, metrics["config_digest"])
+            resume_job(config, run_dir, metrics)
         check_launch(config, multirun)
         failpoints.check()
         record.start()
@@ -318,7 +319,30 @@ def compose_detected(cfg: DictConfig, overrides: list[str]) -> DictConfig:
         f"data=auto: {cfg.data.source} holds {reason}: {modality.description}, so {' '.join(chosen)}",
         flush=True,
     )
-    return compose(config_name="config", overrides=[*chosen, *kept])
+    try:
+        return compose(config_name="config", overrides=[*chosen, *kept])
+    except ConfigCompositionException as e:
+        raise UserError(detected_compose_problem(e, chosen)) from None
+
+
+def detected_compose_problem(error: ConfigCompositionException, chosen: list[str]) -> str:
+    """One sentence for a command line that does not compose with the config data=auto chose: Hydra's own message
+    for a misspelt `+data.KEY` told the user to write `+data.KEY`, which they had."""
+    cause = error.__cause__
+    kind = getattr(cause, "object_type", None)
+    key, full_key = getattr(cause, "key", None), getattr(cause, "full_key", None)
+    if isinstance(cause, ConfigAttributeError | ConfigKeyError) and dataclasses.is_dataclass(kind) and key:
+        close = difflib.get_close_matches(str(key), [f.name for f in dataclasses.fields(kind)], n=1)
+        hint = f" (did you mean {full_key.rsplit('.', 1)[0]}.{close[0]}?)" if close and "." in full_key else ""
+        return (
+            f"+{full_key}: {chosen[0]}, which data=auto chose, has no key {key}{hint}; fix its name "
+            "(docs/config.md lists the groups' keys)."
+        )
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (
+        f"data=auto chose {' '.join(chosen)}, and the command line does not fit it ({first.rstrip('.')}); fix that "
+        "override, or name the data config with data=NAME."
+    )
 
 
 def to_config(cfg: DictConfig, choices: dict[str, str] | None = None) -> ONNConfig:
@@ -408,11 +432,14 @@ def finished(run_dir: Path, digest: str) -> dict[str, Any] | None:
     return metrics if done else None
 
 
-def resume_job(config: ONNConfig, run_dir: Path, digest: str) -> None:
+def resume_job(config: ONNConfig, run_dir: Path, metrics: dict[str, Any]) -> None:
     """A sweep's training job run again (the sweep resumed after a kill, or after it failed) whose folder holds the
     checkpoints its earlier run of this config left: it resumes from the newest (ckpt=THAT, said in its record), as a
     requeued SLURM job does (onn/tasks/record.resume_requeued), instead of training from step 0 over them. Checkpoints
-    of a run of another config are refused: this job would replace them."""
+    of a run of another config are refused: this job would replace them. The refused job's failed record (`metrics`)
+    keeps the config_digest of the config the checkpoints are of: with this job's, the same sweep run again resumed
+    this config from the other config's checkpoints."""
+    digest = metrics["config_digest"]
     task = TASKS.get(config.task.name)
     newest = newest_checkpoint(run_dir) if task is not None and task.trains else None
     if newest is None:
@@ -422,6 +449,7 @@ def resume_job(config: ONNConfig, run_dir: Path, digest: str) -> None:
     except (OSError, ValueError, AttributeError):
         earlier = None
     if earlier != digest:
+        metrics["config_digest"] = earlier  # what the folder's checkpoints are of: that config alone resumes them
         raise UserError(
             f"job folder {run_dir} holds the checkpoints ({newest.name}) of a run of another config, which this job "
             "would replace: give another hydra.sweep.dir, or move that folder away."

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra.core.utils
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -224,8 +225,6 @@ class RunFolder(Callback):
 
     @staticmethod
     def _check(config: DictConfig, mode: str) -> None:
-        from hydra.core.hydra_config import HydraConfig
-
         HydraConfig.instance().set_config(config)  # Hydra sets it only later; ${hydra:runtime.cwd} needs it now
         key = f"hydra.{mode}.dir"
         try:
@@ -245,16 +244,22 @@ def write_hydra_files_whole(key: str) -> None:
     reads back as the job's overrides) and Hydra's traceback. It offers no hook there, so its writer is replaced by
     one that writes each file whole or not at all and says in one sentence what the disk refused. Hydra 1.3's
     private writer (requirements.lock pins it); a Hydra without it keeps its own. In this process only: jobs that a
-    launcher starts elsewhere (submitit) write with Hydra's, as does multirun.yaml, and a refusal ends a sweep."""
+    launcher starts elsewhere (submitit) write with Hydra's, as does multirun.yaml, and a refusal ends a sweep.
+    In a sweep it is also the first thing each job writes: a job whose folder an earlier job of the sweep wrote into
+    (a hydra.sweep.subdir that does not differ from job to job) ends the sweep there, before it writes anything."""
     if not hasattr(hydra.core.utils, "_save_config"):
         return
-    hydra.core.utils._save_config = functools.partial(_save_config_whole, key=key)
+    jobs: dict[Path, int] | None = {} if key == "hydra.sweep.dir" else None
+    hydra.core.utils._save_config = functools.partial(_save_config_whole, key=key, jobs=jobs)
 
 
-def _save_config_whole(cfg: Any, filename: str, output_dir: Path, key: str) -> None:
+def _save_config_whole(cfg: Any, filename: str, output_dir: Path, key: str, jobs: dict[Path, int] | None) -> None:
     """Hydra's _save_config(cfg, filename, output_dir): the YAML in UTF-8 (as Hydra writes it) through a temporary
     file renamed into place; a refused write ends the run with one sentence naming the file (and, for a full disk,
-    the space free)."""
+    the space free). `jobs`: in a sweep, the folder of each job so far (its number), which config.yaml, a job's
+    first file, claims."""
+    if jobs is not None and filename == "config.yaml":
+        claim_job_folder(jobs)
     path = Path(output_dir) / filename
     data = OmegaConf.to_yaml(cfg).encode("utf-8")
     tmp = path.with_name(f".{filename}.{os.getpid()}.tmp")
@@ -267,6 +272,24 @@ def _save_config_whole(cfg: Any, filename: str, output_dir: Path, key: str) -> N
             tmp.unlink(missing_ok=True)
         print(f"error: {write_refused(e, path, len(data), f'the run ({key})')}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+
+
+def claim_job_folder(jobs: dict[Path, int]) -> None:
+    """The current job's folder for this sweep (`jobs`: each folder its earlier jobs took, by job number); one that
+    an earlier job took ends the sweep in one sentence: this job would replace that one's .hydra/, config,
+    metrics.json and checkpoints, and a training job would be refused its checkpoints after overwriting its record."""
+    job = HydraConfig.get()
+    folder = Path(job.runtime.output_dir).resolve()
+    if folder in jobs:
+        print(
+            f"error: hydra.sweep.subdir={job.sweep.subdir} gives job {job.job.num} the folder {folder}, where job "
+            f"{jobs[folder]} of this sweep wrote its record, which it would replace: make hydra.sweep.subdir differ "
+            "from job to job (its default, ${hydra.job.num}, does).",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(1)
+    jobs[folder] = job.job.num
 
 
 class SweepStatus(Callback):
@@ -474,8 +497,6 @@ def resume_requeued(config: DictConfig) -> None:
     restarts = os.environ.get("SLURM_RESTART_COUNT", "")
     if config.ckpt or not restarts.isdigit() or int(restarts) < 1:
         return
-    from hydra.core.hydra_config import HydraConfig
-
     HydraConfig.instance().set_config(config)  # Hydra sets it only later; ${hydra:runtime.cwd} needs it now
     newest = newest_checkpoint(Path(config.hydra.run.dir))
     if newest is None:  # requeued before its first checkpoint: it starts over

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -190,14 +191,9 @@ def resolve(ckpt: str, outputs: str | os.PathLike) -> Path:
             raise UserError(f"ckpt=last: no checkpoint under {outputs}; train first, or give ckpt=PATH.")
         return max(found, key=lambda p: (p / META).stat().st_mtime)
     path = Path(str(ckpt)).expanduser()
-    for candidate in (
-        path,
-        path / "checkpoints" / "last.ckpt",
-        path / "last.ckpt",
-        path.with_name(path.name + ".ckpt"),
-    ):
+    for candidate in (path, path / "checkpoints" / "last.ckpt", path / "last.ckpt", *_renamed(path, ".ckpt")):
         # NAME.ckpt.old alone: a save killed (SIGKILL) between its two renames left the previous checkpoint there
-        for found in (candidate, candidate.with_name(candidate.name + ".old")):
+        for found in (candidate, *_renamed(candidate, ".old")):
             if (found / META).is_file():
                 return found
     if path.suffix in (".pt", ".bin", ".pth", ".pkl") or path.is_file():
@@ -208,6 +204,12 @@ def resolve(ckpt: str, outputs: str | os.PathLike) -> Path:
     raise UserError(
         f"ckpt={ckpt}: no ONN checkpoint there (looked for {META} in it, its checkpoints/last.ckpt and last.ckpt)."
     )
+
+
+def _renamed(path: Path, suffix: str) -> list[Path]:
+    """`path` with `suffix` added to its name; none for `.` (the run folder a user stands in) and `/`, which have no
+    name (pathlib's with_name raised ValueError for them)."""
+    return [path.with_name(path.name + suffix)] if path.name else []
 
 
 def whole_last(folder: Path) -> Path | None:
@@ -430,7 +432,8 @@ def run_best(callback, ckpt: Path | None, run_dir: Path, monitor: str, mode: str
         score = float(callback.best_model_score)
     if ckpt is not None:
         history = read_meta(ckpt)["onn"]["history"]  # the run this one resumed from
-        earlier = [h[monitor] for h in history if monitor in h]
+        # a NaN score is never the best, as Lightning ranks it (min and max of a list that holds one are not)
+        earlier = [h[monitor] for h in history if monitor in h and not math.isnan(h[monitor])]
         old = Path(ckpt).parent / "best.ckpt"
         best = (min if mode == "min" else max)(earlier) if earlier else None
         own = round(score, 5) if score is not None else None
