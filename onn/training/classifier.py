@@ -34,6 +34,7 @@ from onn.training.record import EpochRecord, log_train_loss
 
 LOOP = "epochs"
 log = logging.getLogger("onn")
+MONITORED = ("val/acc", "val/acc_top5", "val/loss", "train/loss")  # the figures a classifier logs (task.monitor)
 
 
 @contextlib.contextmanager
@@ -111,6 +112,11 @@ class Classifier(EpochRecord, ONNModule):
         super().__init__()
         from torchmetrics.classification import MulticlassAccuracy
 
+        if monitor not in MONITORED:  # Lightning's checkpoint refused it with a traceback after the first epoch
+            raise UserError(
+                f"task.monitor={monitor!r} is not a figure {self.describes} logs, so no checkpoint could be picked "
+                f"by it: give one of {', '.join(MONITORED)}."
+            )
         self.model = model
         self.classes = list(classes)
         self.optim = optim

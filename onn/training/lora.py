@@ -31,7 +31,14 @@ def apply(
             p.requires_grad_(True)
         return model
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
+    if any(isinstance(m, BaseTunerLayer) for m in model.modules()):  # peft warned, then initialised them afresh
+        raise UserError(
+            f"strategy={strategy}: the model ({type(model).__name__}) already carries peft adapters (model.source "
+            "holds an adapter, which transformers loads onto its base), and LoRA would replace them with new ones: "
+            "give model.source the base model, or the adapter merged into it (peft's merge_and_unload)."
+        )
     if strategy == "qlora":  # a 4-bit base from onn.models.load.load_4bit: norms in fp32, inputs that carry grad
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
@@ -64,10 +71,27 @@ def apply(
         layers_pattern=layer_map.layers_pattern if layers is not None else None,
         task_type=task_type,
     )
+    kind, choices = type(model).__name__, ", ".join(_linear_names(model))  # before peft adds its own linears
     try:
-        return get_peft_model(model, config)
+        adapted = get_peft_model(model, config)
     except ValueError as e:
         raise UserError(_placement_error(model, config, lora.target_modules, e)) from e
+    if not isinstance(target, str):  # a regular expression over whole names: peft's own check (nothing matched)
+        _check_every_name_matched(adapted.targeted_module_names, list(target), kind, choices, strategy)
+    return adapted
+
+
+def _check_every_name_matched(targeted: list[str], target: list[str], kind: str, choices: str, strategy: str) -> None:
+    """Each name of a list of target modules adapted something: peft adapts what the others match and passes over
+    a misspelt one without a word ([q_proj, v_prj] trained q_proj alone). `kind`, `choices`: the model's class and
+    linear layers' names, for the message."""
+    missing = [t for t in target if not any(n == t or n.endswith(f".{t}") for n in targeted)]
+    if missing:
+        where = " in the layers strategy.layers picks" if strategy == "sparse_lora" else ""
+        raise UserError(
+            f"strategy.lora.target_modules={target!r}: {', '.join(missing)} matches no linear layer of "
+            f"{kind}{where}, so only the others would train: correct or remove it, e.g. [{choices}], or all-linear."
+        )
 
 
 def _placement_error(model: nn.Module, config: LoraConfig, target: object, error: ValueError) -> str:
@@ -77,8 +101,7 @@ def _placement_error(model: nn.Module, config: LoraConfig, target: object, error
     from peft.tuners.tuners_utils import check_target_module_exists
 
     matched = [(name, m) for name, m in model.named_modules() if name and check_target_module_exists(config, name)]
-    linears = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _adaptable(m)})
-    choices = ", ".join(linears[:8]) + (", ..." if len(linears) > 8 else "")
+    choices = ", ".join(_linear_names(model))
     kind = type(model).__name__
     others = [f"{name} ({type(m).__name__})" for name, m in matched if not _adaptable(m)]
     if not config.target_modules:
@@ -94,6 +117,12 @@ def _placement_error(model: nn.Module, config: LoraConfig, target: object, error
         found = f"could not be adapted on {kind} ({str(error).splitlines()[0][:200]})"
     advice = f"give a list of the names of its linear layers, e.g. [{choices}], or all-linear"
     return f"strategy.lora.target_modules={target!r} {found}: {advice}."
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    """The last names of the model's linear layers, the first 8 (then "...")."""
+    linears = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _adaptable(m)})
+    return linears[:8] + (["..."] if len(linears) > 8 else [])
 
 
 def _adaptable(module: nn.Module) -> bool:

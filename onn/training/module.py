@@ -1,10 +1,13 @@
-"""The base of ONN's LightningModules: a LightningModule whose per-hook bookkeeping skips nn.Module's __setattr__."""
+"""The base of ONN's LightningModules: a LightningModule whose per-hook bookkeeping skips nn.Module's __setattr__,
+and which notes its parameters' shapes before a strategy shards them."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import lightning as L
+
+from onn.training.optim import BUILT_SHAPE, built_shape
 
 
 class ONNModule(L.LightningModule):
@@ -18,3 +21,10 @@ class ONNModule(L.LightningModule):
             object.__setattr__(self, name, value)
         else:
             super().__setattr__(name, value)
+
+    def setup(self, stage: str) -> None:
+        """Each parameter's shape as built, noted on it before a strategy shards it: FSDP over several processes
+        makes each a 1-D view of its shard before configure_optimizers, where weight decay goes to matrices only
+        (onn.training.optim.decay_groups)."""
+        for param in self.parameters():
+            setattr(param, BUILT_SHAPE, built_shape(param))

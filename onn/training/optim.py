@@ -74,12 +74,36 @@ def make_optimizer(params, optim: OptimConfig):
             "the model has no trainable parameter (every weight is frozen), so there is nothing to train: choose a "
             "strategy that trains some (strategy=full, or lora/sparse_lora with adapters on the model's layers)."
         )
-    lr, decay = float(optim.lr), float(optim.weight_decay)
+    lr, groups = float(optim.lr), decay_groups(params, float(optim.weight_decay))
     if optim.name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=decay, betas=tuple(optim.betas))
-    return torch.optim.SGD(
-        params, lr=lr, momentum=float(optim.momentum), weight_decay=decay, nesterov=bool(optim.nesterov)
-    )
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(optim.betas))
+    return torch.optim.SGD(groups, lr=lr, momentum=float(optim.momentum), nesterov=bool(optim.nesterov))
+
+
+BUILT_SHAPE = "onn_built_shape"  # a parameter's shape as built, noted before a strategy shards it (ONNModule.setup)
+
+
+def built_shape(param) -> tuple[int, ...]:
+    """A parameter's shape as the model built it: FSDP over several processes leaves each a 1-D view of its shard,
+    and DeepSpeed's ZeRO-3 an empty one (keeping the shape in ds_shape)."""
+    for name in (BUILT_SHAPE, "ds_shape"):
+        shape = getattr(param, name, None)
+        if shape is not None:
+            return tuple(shape)
+    return tuple(param.shape)
+
+
+def decay_groups(params: list, weight_decay: float) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups: weight decay on matrices and larger (linear, convolution and embedding
+    weights), none on biases, norms' scales and shifts, or scalars (a CLIP logit_scale), whose decay pulls them
+    to 0 rather than regularising: timm's rule (param_groups_weight_decay), which Hugging Face's Trainer keeps too
+    (get_decay_parameter_names: no biases, no norms). Without decay, one group (as runs before this rule had)."""
+    if not weight_decay:
+        return [{"params": params, "weight_decay": 0.0}]
+    decayed = [p for p in params if len(built_shape(p)) >= 2]
+    kept = [p for p in params if len(built_shape(p)) < 2]
+    groups = [{"params": decayed, "weight_decay": weight_decay}, {"params": kept, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
 
 
 def make_schedule(optimizer, optim: OptimConfig, total_steps: int, monitor: str, epochs: bool = True) -> dict[str, Any]:
