@@ -32,7 +32,14 @@ from onn.errors import UserError
 from onn.hardware.memory import hold_mmap_threshold, return_large_frees_to_os, trim_heap
 from onn.hardware.profile import CoreWatch
 from onn.models.layers import LayerMap
-from onn.streaming.quantized import EmptyEmbedding, Scratch, StoredEmbedding, linear_forward, looks_up_ids
+from onn.streaming.quantized import (
+    EmptyEmbedding,
+    Scratch,
+    StoredEmbedding,
+    linear_forward,
+    looks_up_ids,
+    scales_the_product,
+)
 from onn.streaming.recompute_norms import recompute_norms
 from onn.streaming.schedule import cached_blocks, computes_from_codes
 from onn.streaming.store import LayerStore, buffer, stored_name
@@ -188,6 +195,16 @@ class StreamingEngine:
         # the random state each chunk of each micro-batch starts from, and fuses no micro-batches (one draw for a
         # fused batch is not the draws of its parts); the recompute starts from the same state.
         self.dropout = any(_draws_masks(m) for block in self.map.blocks for m in block.modules())
+        # BatchNorms before and in the blocks: in training each micro-batch is normalised by its own statistics (no
+        # fused runs, whose statistics would be the run's) and their running statistics move once per micro-batch,
+        # as the resident model's do; the suffix (which runs the model's forward, its prefix included, again) and a
+        # chunk's recompute normalise by the batch's statistics and leave the running ones (_statistics_kept)
+        outside = [module for _, module in self.map.prefix]
+        self._batch_norms = [
+            m
+            for m in dict.fromkeys(m for module in [*outside, *self.map.blocks] for m in module.modules())
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+        ]
         self._random_states: dict[tuple[int, int], tuple] = {}
         self._start_state()
 
@@ -255,9 +272,10 @@ class StreamingEngine:
     def _prepare_linears(self) -> None:
         """The frozen linears of the blocks (and the streamed head). With an int8 store each computes from the
         codes installed in it and scales its output by their row scales (linear_forward), so decoding is at
-        most one cast. Decoded weights: freed buffers their size go back to the OS, smaller ones (activations)
-        stay in the heap; a zero-copy stream decodes nothing, and a fixed threshold would only send a small
-        model's activations (larger than its weights) through mmap: llama_small's step ran 35% slower."""
+        most one cast (in float16, whose range the unscaled output can pass, the loader scales the weight).
+        Decoded weights: freed buffers their size go back to the OS, smaller ones (activations) stay in the heap;
+        a zero-copy stream decodes nothing, and a fixed threshold would only send a small model's activations
+        (larger than its weights) through mmap: llama_small's step ran 35% slower."""
         self._linears = [
             {
                 stored_name(f"{name}.weight"): m
@@ -466,7 +484,9 @@ class StreamingEngine:
         try:
             for pos, i in enumerate(self.chunks[c]):
                 stored = self._stored(i, slot, pos)
-                scales = {} if self.store.dtype == "int8" else None
+                # a linear's int8 weight cast by the loader is scaled here in float16 (scales_the_product)
+                scaled = self._codes_direct or scales_the_product(self.compute_dtype)
+                scales = {} if self.store.dtype == "int8" and scaled else None
                 linears = self._linears[i]  # their int8 weights scale the output; others (an LSTM's) decode whole
                 if self._copy_stream is not None:
                     if after is not None:  # read from the host already; the device memory is the released chunk's
@@ -672,13 +692,26 @@ class StreamingEngine:
             if any(not p.requires_grad for p in module.parameters(recurse=False))
         ]
         try:
-            with self._edges_loaded("suffix"):
+            with self._edges_loaded("suffix"), self._statistics_kept():
                 yield
         finally:
             for h in handles:
                 h.remove()
             for p in borrowed:
                 p.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+
+    @contextlib.contextmanager
+    def _statistics_kept(self):
+        """The BatchNorms before and in the blocks that train normalise by the batch's statistics and leave their
+        running statistics as they are, for a pass that runs them again on a micro-batch the forward measured."""
+        measuring = [m for m in self._batch_norms if m.training]
+        for m in measuring:
+            m.track_running_stats = False
+        try:
+            yield
+        finally:
+            for m in measuring:
+                m.track_running_stats = True
 
     def _run_chunk(self, c: int, hidden: torch.Tensor, inputs: BlockInputs, random_state=None) -> torch.Tensor:
         """Chunk c's blocks on `hidden`; drawing from `random_state` when given (the masks a run from it drew)."""
@@ -741,7 +774,8 @@ class StreamingEngine:
         dropout, each kept chunk's random state per micro-batch is recorded for its recompute (see __init__)."""
         record = keep_from is not None and self.dropout and self.model.training
         self._random_states = {}
-        fuse = fuse and not record
+        measuring = self.model.training and any(m.training for m in self._batch_norms)
+        fuse = fuse and not record and not measuring
         groups = self._groups(micro_batches) if fuse else [[m] for m in range(len(micro_batches))]
         n = len(self.chunks)
         self._use_codes(False)
@@ -858,7 +892,7 @@ class StreamingEngine:
             start = time.perf_counter()
             for m in range(len(grads)):
                 x = kept[c][m].to(self.device, non_blocking=True).detach().requires_grad_(c > self.lowest_chunk)
-                with torch.enable_grad():
+                with torch.enable_grad(), self._statistics_kept():
                     y = self._run_chunk(c, x, inputs[m], self._random_states.pop((c, m), None))
                 y.backward(grads[m])
                 grads[m] = x.grad

@@ -54,17 +54,26 @@ def _tiles(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, scaled:
         yield a, cast_scaled(part, scale[a : a + step], tile) if scaled else tile.copy_(part)
 
 
+def scales_the_product(dtype: torch.dtype) -> bool:
+    """Whether an int8 weight's row scales may multiply its layer's output rather than its codes. x Qᵀ is x Wᵀ over
+    each row's scale (127 over the row's largest value: thousands for a row of small weights), so in float16, whose
+    range ends at 65,504, it overflows where x Wᵀ does not (an output of 30 from a row whose largest weight is 0.05
+    is 76,200 before its scale): a float16 weight is scaled before its product. bfloat16 has float32's range."""
+    return dtype != torch.float16
+
+
 class CastMatmul(torch.autograd.Function):
     """x (Q s)ᵀ for int8 codes Q [out, in] and row scales s [out], differentiable in x only: the codes are
     cast to x's compute dtype a tile of output rows at a time, in the forward and again in the backward.
     Where the device fuses the scale into the cast (onn/hardware/cast.py) each tile is Q s; elsewhere the
-    tile is Q and the product is scaled (fewer values than the weight when the rows are few)."""
+    tile is Q and the product is scaled (fewer values than the weight when the rows are few), except in float16
+    (scales_the_product)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(codes, scale)
         ctx.x_dtype = x.dtype
-        ctx.scaled = fused_scale(codes.device)
+        ctx.scaled = fused_scale(codes.device) or not scales_the_product(scale.dtype)
         rows = x.reshape(-1, x.shape[-1]).to(scale.dtype)
         # each tile's product is a plain contiguous matmul (what F.linear runs), copied into its columns
         # after: cuBLAS picks its slow kernels for products written into strided slices
@@ -109,8 +118,8 @@ def linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A frozen linear of an int8 store: x Qᵀ times the row scales s is x Wᵀ. The weight installed is either
     the codes cast to the compute dtype by the loader (a plain matmul, scaled after) or the stored int8
     codes: on a GPU (or wherever a gradient is needed) through CastMatmul; on a CPU a few rows through torch's
-    weight-only int8 matmul (which scales itself), more rows through a cast into the scratch buffer. The bias, if
-    any, is added after."""
+    weight-only int8 matmul (which scales itself), more rows through a cast into the scratch buffer (scaled there in
+    float16: scales_the_product). The bias, if any, is added after."""
     scale = module._onn_scale
     if scale is None:  # weights installed whole (de-quantized, or no store yet)
         return F.linear(x, module.weight, module.bias)
@@ -124,6 +133,9 @@ def linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             out = torch._weight_int8pack_mm(rows.contiguous(), weight, scale).view(*x.shape[:-1], -1)
             return out if module.bias is None else out + module.bias.to(out.dtype)
         x, weight = rows.view(*x.shape[:-1], -1), module._onn_scratch.cast(weight, scale.dtype)
+        if not scales_the_product(scale.dtype):  # the scratch is this call's own: scaled in place
+            bias = None if module.bias is None else module.bias.to(x.dtype)
+            return F.linear(x, weight.mul_(scale[:, None]), bias)
     out = F.linear(x, weight) * scale
     return out if module.bias is None else out + module.bias.to(out.dtype)
 
