@@ -28,7 +28,8 @@ def check_settings(export: ExportConfig) -> None:
     def number(key: str, minimum: float, strict: bool = True, whole: bool = False) -> None:
         value = getattr(export, key)
         kind_ok = isinstance(value, int) if whole else isinstance(value, int | float)
-        if isinstance(value, bool) or not kind_ok or value < minimum or (strict and value == minimum):
+        above = kind_ok and (value > minimum if strict else value >= minimum)  # False for NaN, which passes `<`
+        if isinstance(value, bool) or not above:
             what = "a whole number" if whole else "a number"
             bound = f"above {minimum:g}" if strict else f"{minimum:g} or more"
             raise UserError(f"export.{key}={value!r}: give {what} {bound}.")

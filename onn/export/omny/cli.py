@@ -5,6 +5,7 @@ python -m onn.export.omny validate FILE|PIPELINE.json  # split at every plan's c
                                                        # a pipeline: its pieces connect, and each validates
 python -m onn.export.omny enrich IN.onnx OUT.omny      # a .omny of an ONNX file made elsewhere
                           [--dim NAME=SIZE] [--reference-length TOKENS]
+                          [--max-shard-size-mb MB] [--min-vram-mb MB] [--headroom-mb MB]
 python -m onn.export.omny run PIPELINE.json IMAGE [--text "a cat."] [--points X,Y ...]
                                                        # a pipeline end to end in onnxruntime, drawn as a PNG
 """
@@ -17,6 +18,13 @@ from typing import Any
 from onn.errors import UserError
 from onn.export.omny.format import DEFAULTS, SAMPLE_DIM, enrich_onnx, inspect_omny, validate
 from onn.export.pipelines import Request, run_pipeline, validate_pipeline
+
+# enrich's shard limits: the export group's keys, which the planner's messages name, and the options that set them
+LIMIT_OPTIONS = {
+    "max_shard_size_mb": "--max-shard-size-mb",
+    "min_vram_mb": "--min-vram-mb",
+    "headroom_mb": "--headroom-mb",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the sequence length per-sample memory is given at (default: "
         f"{DEFAULTS['reference_sequence_length']}; at most the model's longest, e.g. 77 for CLIP's text encoder)",
     )
+    for key, option in LIMIT_OPTIONS.items():
+        enrich.add_argument(
+            option, type=float, metavar="MB", help=f"export.{key} of the shard plans (default: {DEFAULTS[key]:g})"
+        )
     run = sub.add_parser("run", help="run a pipeline end to end in onnxruntime and draw what it found")
     run.add_argument("file", help="the pipeline.json an export wrote")
     run.add_argument("image", help="the picture (a photograph, a page of text)")
@@ -66,10 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             print(inspect_omny(args.file).summary())
             return 0
         if args.command == "enrich":
-            sample = _read_sample(args.sample) if args.sample else None
-            written = enrich_onnx(args.file, args.output, sample, _settings(args), dims=_read_dims(args.dim))
-            print(inspect_omny(written).summary())
-            return 0
+            return _enrich(args)
         if args.file.endswith(".json"):
             return 0 if validate_pipeline(args.file, atol=args.atol) else 1
         return 0 if validate(args.file, atol=args.atol) else 1
@@ -92,13 +101,29 @@ def _run(args) -> int:
     return 0
 
 
+def _enrich(args) -> int:
+    """enrich, its messages naming the options that set the shard limits (the planner names the export group's keys,
+    which a command line has not)."""
+    sample = _read_sample(args.sample) if args.sample else None
+    try:
+        written = enrich_onnx(args.file, args.output, sample, _settings(args), dims=_read_dims(args.dim))
+    except UserError as e:
+        message = str(e)
+        for key, option in LIMIT_OPTIONS.items():
+            message = message.replace(f"export.{key}", option)
+        raise UserError(message) from None
+    print(inspect_omny(written).summary())
+    return 0
+
+
 def _settings(args) -> dict[str, Any] | None:
-    """enrich's settings from its options: the reference length, when given."""
-    if args.reference_length is None:
-        return None
-    if args.reference_length < 1:
-        raise UserError(f"--reference-length {args.reference_length}: give a whole number of tokens, 1 or more.")
-    return {"reference_sequence_length": args.reference_length}
+    """enrich's settings from its options: the reference length and the shard limits given."""
+    settings: dict[str, Any] = {key: getattr(args, key) for key in LIMIT_OPTIONS if getattr(args, key) is not None}
+    if args.reference_length is not None:
+        if args.reference_length < 1:
+            raise UserError(f"--reference-length {args.reference_length}: give a whole number of tokens, 1 or more.")
+        settings["reference_sequence_length"] = args.reference_length
+    return settings or None
 
 
 def _point(text: str) -> tuple[float, float]:

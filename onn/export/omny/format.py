@@ -670,7 +670,7 @@ def validate(
     if missing := unknown_tensors(model, doc):
         echo(f"{path}: the document names tensors the graph does not have: {', '.join(missing[:4])}")
         echo(f"{path}: INVALID")
-        return False
+        return Validation(False, 0.0)  # no shard ran
     feeds = {k: _numpy(v) for k, v in (sample_input or sample_feeds(doc)).items()}
     whole = run_onnx(str(path), feeds)  # from the file: a model over 2 GB cannot be serialised again
     extractor = subgraph_extractor(model)
