@@ -141,6 +141,7 @@ def test_the_plan_says_a_unet_cannot_stream_and_finds_the_dit_blocks():
     assert any("strategy.streaming.mlp_tiles=2 does not apply" in r for r in plan.reasons)
 
 
+@pytest.mark.slow  # 12-32 s in ci137's fast suite, which took 646 s
 def test_a_dit_trains_a_few_steps(images, tmp_path, capfd, caplog):
     metrics, _ = run(tmp_path, *TINY_DIT, f"data.source={images}", "trainer.max_steps=8", "task.samples=2")
     assert metrics["train/loss_final"] < metrics["train/loss_initial"]

@@ -86,6 +86,7 @@ def test_optuna_runs_two_real_trials_and_reports_the_best_lr(outputs):
 PLAN_SEARCH = ("recipe=optuna_lr", "task=plan", "hardware=cpu_16gb", "model=llama_tiny")  # trials that only plan
 
 
+@pytest.mark.slow  # 12-32 s in ci137's fast suite, which took 646 s
 def test_an_optuna_search_whose_trials_all_failed_ends_in_one_line(tmp_path):
     """Every trial of a mistyped setting failed in one sentence each, then the sweeper asked Optuna for the best
     trial and the search ended in Optuna's traceback ("No trials are completed yet"), without the sweep's summary."""

@@ -296,6 +296,7 @@ def test_weights_of_the_wrong_shape_or_truncated(tmp_path, cache):
         )
 
 
+@pytest.mark.slow  # 12-32 s in ci137's fast suite, which took 646 s
 def test_damaged_checkpoints_are_one_sentence(tmp_path, cache):
     m = execute(tmp_path, cache, f"data.source={write_jsonl(tmp_path / 'd.jsonl', qa_rows())}")
     good = Path(m["checkpoint"])

@@ -88,6 +88,7 @@ def test_a_sweep_job_refused_another_configs_checkpoints_is_refused_again_when_r
     assert load(job / "checkpoints" / "last.ckpt")["global_step"] == 3  # never trained over
 
 
+@pytest.mark.slow  # a sweep of two jobs: 38 s on two busy cores
 def test_a_sweep_whose_jobs_share_one_folder_ends_before_the_second_overwrites_the_first(tmp_path: Path):
     """hydra.sweep.subdir that is the same for every job: each job wrote its .hydra/, config.yaml, plan and
     metrics.json over the one before, and the sweep ended `ok` with one record for two jobs."""

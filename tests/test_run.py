@@ -122,6 +122,7 @@ def test_train_eval_infer(outputs, tmp_path):
     assert [r["id"] for r in rows] == [1, 2] and all("completion" in r for r in rows)
 
 
+@pytest.mark.slow  # 12-32 s in ci137's fast suite, which took 646 s
 def test_sparse_lora_trains_only_its_layers_and_peft_loads_the_adapter(outputs):
     run_dir = outputs / "sparse"
     ok(
@@ -249,6 +250,7 @@ def test_recipe_and_plan_from_any_directory(tmp_path):
     assert len(plans) == 1 and json.loads((plans[0].parent / "metrics.json").read_text())["status"] == "ok"
 
 
+@pytest.mark.slow  # 12-32 s in ci137's fast suite, which took 646 s
 def test_bad_input_is_one_clear_line_and_keeps_earlier_runs(tmp_path, outputs):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input": "1+1", "output": "2"}\nnot json\n')

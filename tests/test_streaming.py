@@ -854,6 +854,7 @@ def _tensor_starts(path) -> dict[str, int]:
     return {n: 8 + length + t["data_offsets"][0] for n, t in header.items() if n != "__metadata__"}
 
 
+@pytest.mark.slow  # 12-32 s in ci137's fast suite, which took 646 s
 def test_generating_in_bf16_from_int8_codes_survives_a_header_of_any_length(tmp_path):
     """torch's weight-only int8 matmul (a few rows from an int8 store's codes, on a CPU) segfaults on codes that
     are not 16-byte aligned, and the codes are views of the block file read: this model's header length left its

@@ -90,6 +90,7 @@ def test_train_learns_keeps_best_and_tests_it(images, tmp_path):
     assert "val/confusion_matrix" in tags["images"] and "val/acc" in tags["scalars"]
 
 
+@pytest.mark.slow  # 12-32 s in ci137's fast suite, which took 646 s
 @pytest.mark.modalities
 def test_resume_infer_and_eval(images, tmp_path):
     first, run_dir = run(tmp_path, f"data.source={images}", "trainer.max_epochs=2")
@@ -504,6 +505,7 @@ def test_corrupt_images_are_skipped_and_counted_in_a_run(tmp_path, caplog):
     assert "broken.png" in caplog.text
 
 
+@pytest.mark.slow  # 12-32 s in ci137's fast suite, which took 646 s
 def test_idx_files_train_a_one_channel_model_and_export(tmp_path):
     """Fashion-MNIST's layout (gzipped IDX, 28x28 greyscale) through the recipe, then ONNX and safetensors."""
     import gzip
