@@ -211,3 +211,25 @@ def test_a_stack_whose_chunks_do_not_divide_its_blocks_keeps_its_statistics(tmp_
     batches = [{"x": torch.randn(n, 8, generator=g), "y": torch.randint(0, 5, (n,), generator=g)} for n in (6, 6, 3)]
     streamed = resident_and_streamed_step(resident, batches, chunk_size, tmp_path)
     assert_same_step(resident, streamed)
+
+
+def test_batch_norms_without_running_statistics_normalise_each_micro_batch_by_its_own(tmp_path):
+    """A BatchNorm built with track_running_stats=False normalises by the batch's statistics in training and in
+    evaluation alike; it was left out of the check, so two micro-batches of one shape still ran fused and each was
+    normalised by both's statistics (a gradient 0.2 off the resident step's)."""
+    torch.manual_seed(0)
+    resident = NormedStack()
+    for m in resident.modules():
+        if isinstance(m, nn.BatchNorm1d):
+            m.track_running_stats, m.running_mean, m.running_var, m.num_batches_tracked = False, None, None, None
+    for name, p in resident.named_parameters():
+        p.requires_grad_(name.startswith("head") or (name.startswith("blocks") and name.split(".")[2] == "1"))
+    g = torch.Generator().manual_seed(2)
+    batches = [
+        {"x": torch.randn(6, 8, generator=g) * 3 + i, "y": torch.randint(0, 5, (6,), generator=g)} for i in (0, 1)
+    ]
+    streamed = resident_and_streamed_step(resident, batches, 2, tmp_path)
+    want = {n: p.grad for n, p in resident.named_parameters() if p.requires_grad}
+    got = {n: p.grad for n, p in streamed.named_parameters() if p.requires_grad}
+    assert want.keys() == got.keys() and want
+    assert max(float((want[n] - got[n]).abs().max()) for n in want) <= TOLERANCE

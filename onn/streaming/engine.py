@@ -195,15 +195,16 @@ class StreamingEngine:
         # the random state each chunk of each micro-batch starts from, and fuses no micro-batches (one draw for a
         # fused batch is not the draws of its parts); the recompute starts from the same state.
         self.dropout = any(_draws_masks(m) for block in self.map.blocks for m in block.modules())
-        # BatchNorms before and in the blocks: in training each micro-batch is normalised by its own statistics (no
-        # fused runs, whose statistics would be the run's) and their running statistics move once per micro-batch,
-        # as the resident model's do; the suffix (which runs the model's forward, its prefix included, again) and a
-        # chunk's recompute normalise by the batch's statistics and leave the running ones (_statistics_kept)
+        # BatchNorms before and in the blocks: where one normalises by the batch's statistics (in training, or
+        # always without running statistics) each micro-batch is normalised by its own (no fused runs, whose
+        # statistics would be the run's) and running statistics move once per micro-batch, as the resident model's
+        # do; the suffix (which runs the model's forward, its prefix included, again) and a chunk's recompute
+        # normalise by the batch's statistics and leave the running ones (_statistics_kept)
         outside = [module for _, module in self.map.prefix]
         self._batch_norms = [
             m
             for m in dict.fromkeys(m for module in [*outside, *self.map.blocks] for m in module.modules())
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
         ]
         self._random_states: dict[tuple[int, int], tuple] = {}
         self._start_state()
@@ -704,7 +705,7 @@ class StreamingEngine:
     def _statistics_kept(self):
         """The BatchNorms before and in the blocks that train normalise by the batch's statistics and leave their
         running statistics as they are, for a pass that runs them again on a micro-batch the forward measured."""
-        measuring = [m for m in self._batch_norms if m.training]
+        measuring = [m for m in self._batch_norms if m.training and m.track_running_stats]
         for m in measuring:
             m.track_running_stats = False
         try:
@@ -774,7 +775,7 @@ class StreamingEngine:
         dropout, each kept chunk's random state per micro-batch is recorded for its recompute (see __init__)."""
         record = keep_from is not None and self.dropout and self.model.training
         self._random_states = {}
-        measuring = self.model.training and any(m.training for m in self._batch_norms)
+        measuring = any(m.training or not m.track_running_stats for m in self._batch_norms)
         fuse = fuse and not record and not measuring
         groups = self._groups(micro_batches) if fuse else [[m] for m in range(len(micro_batches))]
         n = len(self.chunks)
