@@ -5,6 +5,7 @@ names a figure it never logs."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import lightning as L
@@ -14,6 +15,8 @@ from conftest import MODALITY_HARDWARE, compose, tiny_llama
 from test_vision_train import make_images
 
 from onn.errors import UserError
+from onn.models.layers import discover
+from onn.training.lora import apply
 from onn.training.module import ONNModule
 from onn.training.optim import make_optimizer
 
@@ -126,9 +129,6 @@ def test_lora_on_a_model_that_already_carries_adapters_is_one_sentence():
     here add_adapter): peft warned "a second time", then initialised the adapters afresh over the loaded ones."""
     from peft import LoraConfig
 
-    from onn.models.layers import discover
-    from onn.training.lora import apply
-
     model = tiny_llama()
     model.add_adapter(LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     with pytest.raises(
@@ -141,10 +141,6 @@ def test_lora_on_a_model_that_already_carries_adapters_is_one_sentence():
 def test_a_misspelt_name_among_lora_targets_is_one_sentence(strategy, layers):
     """strategy.lora.target_modules=[q_proj, v_prj]: peft adapted q_proj and passed over v_prj without a word, so
     the run trained half the adapters it was asked for."""
-    import dataclasses
-
-    from onn.models.layers import discover
-    from onn.training.lora import apply
 
     model = tiny_llama()
     cfg = compose("strategy=lora").strategy
@@ -154,4 +150,39 @@ def test_a_misspelt_name_among_lora_targets_is_one_sentence(strategy, layers):
     model = tiny_llama()  # the names right: every one adapted, in the layers given
     cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, target_modules=["q_proj", "v_proj"]))
     adapted = apply(model, strategy, cfg, discover(model), layers)
+    assert {n.rsplit(".", 1)[-1] for n in adapted.targeted_module_names} == {"q_proj", "v_proj"}
+
+
+class RoutedBlock(torch.nn.Module):
+    """Two projections, and in some blocks a router (a MoE's, in its sparse layers only)."""
+
+    def __init__(self, routed: bool):
+        super().__init__()
+        self.q_proj, self.v_proj = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.router = torch.nn.Linear(8, 2) if routed else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.v_proj(self.q_proj(x))
+
+
+class RoutedNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 8)
+        self.layers = torch.nn.ModuleList(RoutedBlock(i == 0) for i in range(4))
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers:
+            x = block(x)
+        return self.head(x)
+
+
+def test_all_linear_adapts_the_linears_of_the_layers_it_trains_when_block_0_holds_more():
+    """all-linear is expanded from block 0's linears; a router there but not in the layer trained was refused as a
+    misspelt name the user never wrote."""
+    cfg = compose("strategy=sparse_lora").strategy
+    cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, target_modules="all-linear"))
+    model = RoutedNet()
+    adapted = apply(model, "sparse_lora", cfg, discover(model), [2], task_type=None)
     assert {n.rsplit(".", 1)[-1] for n in adapted.targeted_module_names} == {"q_proj", "v_proj"}

@@ -76,7 +76,9 @@ def apply(
         adapted = get_peft_model(model, config)
     except ValueError as e:
         raise UserError(_placement_error(model, config, lora.target_modules, e)) from e
-    if not isinstance(target, str):  # a regular expression over whole names: peft's own check (nothing matched)
+    # a list the user wrote; all-linear's list is of block 0's linears, which blocks of another kind (a MoE's
+    # router in some blocks only) may lack, and a string is a regular expression (peft's own check: nothing matched)
+    if not isinstance(lora.target_modules, str):
         _check_every_name_matched(adapted.targeted_module_names, list(target), kind, choices, strategy)
     return adapted
 
