@@ -8,6 +8,7 @@ import csv
 import dataclasses
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,10 @@ from conftest import SHARED_DATA, compose, execute_run
 from onn.config.data import TextFields
 from onn.errors import UserError
 from onn.modalities.text.datamodule import IGNORE, TextDataModule, extract
-from onn.modalities.text.formats import read_records
+from onn.modalities.text.formats import detect_format, read_records
 from onn.modalities.text.generate import readable_references
 from onn.modalities.text.picture import token_probabilities, write_picture
-from onn.modalities.text.prompts import Prompter
+from onn.modalities.text.prompts import Prompter, choose_layout
 from onn.modalities.text.streaming import LineReader, open_reader, streaming_choice
 from onn.models.tokenizer import byte_tokenizer
 
@@ -181,3 +182,23 @@ def test_the_token_picture_stays_within_the_models_learned_positions(tmp_path):
     assert all(0 <= p <= 1 for p in probabilities[1:])
     write_picture(texts, probabilities, prompt_tokens, tmp_path / "tokens.png")
     assert (tmp_path / "tokens.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("extra", ["label", "summary", "translation"])
+def test_text_beside_another_text_field_is_refused_not_trained_as_plain_text(extra):
+    """{text, label} or {text, summary} were taken for a corpus with metadata: the label or summary was dropped
+    and the text trained alone. Text beside a field of text that is no metadata asks for data.fields."""
+    records = [{"text": f"an article {i}", extra: f"its {extra} {i}"} for i in range(4)]
+    with pytest.raises(UserError, match=re.escape(f"fields {sorted([extra, 'text'])}, which are no prompt/answer")):
+        choose_layout(records, TextFields("auto", "auto"))
+    numbered = [{"text": f"an article {i}", "score": 0.5 + i, "tags": ["a"]} for i in range(4)]  # values never text
+    assert choose_layout(numbered, TextFields("auto", "auto")).name == "text"
+
+
+@pytest.mark.parametrize("lines", [["\tfor i in range(10):", "\t\tprint(i)", "\treturn i"], ["\tThe woods", "\tBut I"]])
+def test_lines_that_start_with_a_tab_are_text_not_a_table(tmp_path, lines):
+    """An empty first header cell is pandas' index column only where every row holds a value there: a poem or
+    code whose lines each start with a tab was read as a tab-separated table with an `Unnamed: 0` column."""
+    path = tmp_path / "indented.txt"
+    path.write_text("\n".join(lines) + "\n")
+    assert detect_format(path) == "txt"

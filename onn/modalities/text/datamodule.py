@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import lightning as L
@@ -39,38 +39,52 @@ LAYOUT_SAMPLE = 200  # streamed data: the layout (data.fields: auto) is recognis
 
 
 def encode(
-    tokenizer, prompt: str, answer: str, max_length: int, special_tokens: bool = True
+    tokenizer, prompt: str, answer: str, max_length: int, special_tokens: bool = True, answer_end: Sequence[int] = ()
 ) -> tuple[list[int], list[int]]:
     """Token ids and labels (prompt positions ignored), truncated from the prompt's left so the answer survives.
-    `special_tokens`: add the tokenizer's own (BOS); off for a chat-templated prompt, which carries its own."""
-    return encode_counted(tokenizer, prompt, answer, max_length, special_tokens)[:2]
+    `special_tokens`: add the tokenizer's own (BOS); off for a chat-templated prompt, which carries its own.
+    `answer_end`: the tokens that end the answer (Prompter.answer_end: what a chat template writes after an
+    assistant's turn); empty: the tokenizer's EOS."""
+    return encode_counted(tokenizer, prompt, answer, max_length, special_tokens, answer_end)[:2]
 
 
 def encode_counted(
-    tokenizer, prompt: str, answer: str, max_length: int, special_tokens: bool = True
+    tokenizer, prompt: str, answer: str, max_length: int, special_tokens: bool = True, answer_end: Sequence[int] = ()
 ) -> tuple[list[int], list[int], int]:
     """`encode`'s ids and labels, and how many tokens the example had before it was cut to max_length."""
-    if tokenizer.eos_token_id is None:  # each answer ends in it: [..., None] was torch.tensor's TypeError in collate
-        raise UserError(
-            f"the tokenizer ({type(tokenizer).__name__}) has no end-of-sequence token, which ends every answer: give "
-            "it an eos_token (its tokenizer_config.json), or set model.tokenizer to another (`byte` or a folder)."
-        )
     prompt_ids = tokenizer(prompt, add_special_tokens=special_tokens)["input_ids"] if prompt else bos_ids(tokenizer)
-    answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    end = list(answer_end) or [end_of_text(tokenizer)]
+    answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + end
     whole = len(prompt_ids) + len(answer_ids)
     answer_ids = answer_ids[: max_length - 1]
     prompt_ids = prompt_ids[max(0, len(prompt_ids) + len(answer_ids) - max_length) :]
     return prompt_ids + answer_ids, [IGNORE] * len(prompt_ids) + answer_ids, whole
 
 
+def end_of_text(tokenizer) -> int:
+    """The tokenizer's EOS, which ends an answer that no chat template ends."""
+    if tokenizer.eos_token_id is None:  # [..., None] was torch.tensor's TypeError in collate
+        raise UserError(
+            f"the tokenizer ({type(tokenizer).__name__}) has no end-of-sequence token, which ends every answer: give "
+            "it an eos_token (its tokenizer_config.json), or set model.tokenizer to another (`byte` or a folder)."
+        )
+    return tokenizer.eos_token_id
+
+
 def encode_all(
-    tokenizer, examples: list[tuple[str, str]], where: list[str], max_length: int, special_tokens: bool, key: str
+    tokenizer,
+    examples: list[tuple[str, str]],
+    where: list[str],
+    max_length: int,
+    special_tokens: bool,
+    key: str,
+    answer_end: Sequence[int] = (),
 ) -> list[tuple[list[int], list[int]]]:
     """Every example encoded; those longer than max_length (cut as `encode` cuts them) are said in one warning,
     with the longest and where it is."""
     encoded, cut, longest = [], 0, (0, "")
     for (prompt, answer), place in zip(examples, where):
-        ids, labels, whole = encode_counted(tokenizer, prompt, answer, max_length, special_tokens)
+        ids, labels, whole = encode_counted(tokenizer, prompt, answer, max_length, special_tokens, answer_end)
         encoded.append((ids, labels))
         cut += whole > max_length
         longest = max(longest, (whole, place))
@@ -187,6 +201,7 @@ class TextDataModule(L.LightningDataModule):
         self.train_set: list[tuple[list[int], list[int]]] | None = None  # encoded by setup, or when a loader asks
         self.train_records = 0
         self.stream: ShuffledStream | None = None  # streamed data (data.streaming)
+        self.cut_said = False  # whether a streamed record cut to data.max_length has been said
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_examples or self.stream is not None:
@@ -203,7 +218,9 @@ class TextDataModule(L.LightningDataModule):
         self.train_records = len(self.train_examples)
         max_length, special = self.cfg.max_length, self.prompter.add_special_tokens
         val_key = "data.val_source" if self.cfg.val_source else "data.source"
-        self.val_set = encode_all(self.tokenizer, self.val_examples, val.where, max_length, special, val_key)
+        self.val_set = encode_all(
+            self.tokenizer, self.val_examples, val.where, max_length, special, val_key, self.prompter.answer_end
+        )
         if stage != "validate":  # training reads them: their long records are said now, before the run starts
             self._encoded_train()
 
@@ -215,7 +232,13 @@ class TextDataModule(L.LightningDataModule):
             cfg, special = self.cfg, self.prompter.add_special_tokens
             where = self.train_where
             self.train_set = encode_all(
-                self.tokenizer, self.train_examples, where, cfg.max_length, special, "data.source"
+                self.tokenizer,
+                self.train_examples,
+                where,
+                cfg.max_length,
+                special,
+                "data.source",
+                self.prompter.answer_end,
             )
         return self.train_set
 
@@ -257,7 +280,9 @@ class TextDataModule(L.LightningDataModule):
         self.val_where = val.where
         max_length, special = cfg.max_length, self.prompter.add_special_tokens
         val_key = "data.val_source" if cfg.val_source else "data.source"
-        self.val_set = encode_all(self.tokenizer, self.val_examples, val.where, max_length, special, val_key)
+        self.val_set = encode_all(
+            self.tokenizer, self.val_examples, val.where, max_length, special, val_key, self.prompter.answer_end
+        )
         self.train_records = rows
         self.stream = ShuffledStream(reader, start, rows, cfg.shuffle_buffer, self.seed, self._encode)
         log.info(
@@ -269,8 +294,23 @@ class TextDataModule(L.LightningDataModule):
         )
 
     def _encode(self, record: dict[str, Any], where: str) -> tuple[list[int], list[int]]:
-        prompt, answer = self.prompter.example(record, where)
-        return encode(self.tokenizer, prompt, answer, self.cfg.max_length, self.prompter.add_special_tokens)
+        """A streamed record's tokens, cut to data.max_length as a held record is; the first one cut is said once
+        (in each loader worker): a streamed file has no pass that counts them, and was cut without a word."""
+        prompter, max_length = self.prompter, self.cfg.max_length
+        prompt, answer = prompter.example(record, where)
+        special, end = prompter.add_special_tokens, prompter.answer_end
+        ids, labels, whole = encode_counted(self.tokenizer, prompt, answer, max_length, special, end)
+        if whole > max_length and not self.cut_said:
+            self.cut_said = True
+            log.warning(
+                "data: %s has %d tokens, more than data.max_length=%d: it and every streamed record this long is "
+                "cut, its prompt from the left, then its answer's end (said once). Raise data.max_length to keep "
+                "them whole.",
+                where,
+                whole,
+                max_length,
+            )
+        return ids, labels
 
     @property
     def steps_per_epoch(self) -> int | None:

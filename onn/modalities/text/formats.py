@@ -215,6 +215,8 @@ def csv_delimiter(text: str) -> str | None:
         header = header_names(rows[0])
         if len(header) < 2 or len(set(header)) < len(header) or not all(COLUMN_NAME.fullmatch(c) for c in header):
             continue
+        if not rows[0][0].strip() and not all(r[0].strip() for r in rows[1:]):
+            continue  # an index column holds a value on every row; lines that start with a tab (a poem) are text
         if sum(len(r) == len(header) for r in rows[1:]) >= 0.5 * (len(rows) - 1):
             return delimiter
     return None

@@ -11,7 +11,7 @@ import torch
 from onn.errors import UserError
 from onn.modalities.text.datamodule import bos_ids, extract, extract_answer
 from onn.modalities.text.formats import read_records
-from onn.modalities.text.prompts import Prompter
+from onn.modalities.text.prompts import Prompter, turn_end_ids
 from onn.models.load import context_length
 
 log = logging.getLogger("onn")
@@ -67,9 +67,12 @@ class LanguageModel:
 
 def end_ids(model, tokenizer) -> list[int]:
     """Tokens that end a completion, the tokenizer's end of text first, then the model's own (its generation_config:
-    a chat model's end of turn, Gemma's <end_of_turn>): infer and eval stop where serve stops."""
+    a chat model's end of turn, Gemma's <end_of_turn>), then what the tokenizer's chat template ends an assistant's
+    turn with (Llama 3's <|eot_id|> beside a base model's <|end_of_text|>: training ends answers with it,
+    Prompter.answer_end): infer and eval stop where serve stops."""
     config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = [tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])]
+    turn = turn_end_ids(tokenizer)[:1]
+    ids = [tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos]), *turn]
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 

@@ -11,7 +11,7 @@ is a format string over fields (`"{instruction}\\n\\n{input}"`); `data.fields.ou
     alpaca        instruction (+ input when not empty) -> output
     dolly         instruction (+ context) -> response
     pairs         prompt/completion, prompt/response, question/answer, query/response, input/output, ...
-    text          {"text": ...}, alone or beside metadata (no answer field): plain text, loss on every token
+    text          {"text": ...}, alone or beside metadata (url, meta, id, ... or values never text): plain text
 
 Template. `data.template` is a format string over every field of the record by its own name, plus
 `{prompt}` (the mapped prompt); `{input}` is the record's own `input` field, or the prompt when the record
@@ -43,12 +43,15 @@ log = logging.getLogger("onn")
 PAIRS = (("prompt", "completion"), ("prompt", "response"), ("prompt", "answer"), ("prompt", "output"),
          ("question", "answer"), ("query", "response"), ("query", "answer"), ("instruction", "response"),
          ("instruction", "output"), ("input", "output"), ("input", "target"), ("source", "target"))  # fmt: skip
-ANSWERS = {a for _, a in PAIRS}  # a field of these beside `text` is an answer to map, not plain text's metadata
+# what corpora name the fields that describe their text (C4, the Pile, RedPajama, FineWeb, Dolma)
+METADATA = {"id", "url", "timestamp", "meta", "metadata", "source", "date", "dump", "file_path", "language",
+            "language_score", "token_count", "added", "created", "version", "license", "domain", "lang"}  # fmt: skip
 INSTRUCTION_LAYOUTS = {"alpaca": ("output", "input"), "dolly": ("response", "context")}  # (answer, its input)
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
          "model": "assistant", "system": "system", "tool": "tool"}  # fmt: skip
 EMPTY_REFUSED = 0.5  # a mapped prompt empty in more than this share of records is a wrong mapping
 EMPTY_WARNED = 0.05
+ANSWER_SENTINEL = "ONNANSWER7f3a"  # an assistant's content that no template trims or rewrites
 
 
 @dataclass
@@ -90,7 +93,12 @@ def choose_layout(records: Records, fields: TextFields, key: str = "data.source"
     else:
         used = format_fields(prompt, "data.fields.input") if "{" in prompt else {prompt}
         found = next(((prompt, a) for p, a in PAIRS if a in names and a not in used), None)
-    if found is None and prompt == answer == "auto" and "text" in names and not names & ANSWERS:
+    if (
+        found is None
+        and prompt == answer == "auto"
+        and "text" in names
+        and is_metadata(records[:200], names - {"text"})
+    ):
         return Layout("text", None, None)  # a corpus's text beside its metadata (C4's url, the Pile's meta)
     if found is None:
         raise UserError(
@@ -98,6 +106,15 @@ def choose_layout(records: Records, fields: TextFields, key: str = "data.source"
             "say which field is which with data.fields.input=NAME data.fields.output=NAME."
         )
     return Layout("pairs" if prompt == answer == "auto" else "fields", *found)
+
+
+def is_metadata(records: Records, names: set[str]) -> bool:
+    """Whether the fields beside a corpus's `text` describe it rather than pair with it: names corpora use for
+    their metadata (C4's url and timestamp, the Pile's meta, FineWeb's id, dump, language_score...), or values that
+    are never text. A label, summary or translation beside `text` is an answer to map (data.fields), not metadata."""
+    return all(
+        name in METADATA or all(not isinstance(r.get(name), str) for r in records) for name in names
+    )  # fmt: skip
 
 
 def format_fields(spec: str, key: str) -> set[str]:
@@ -114,10 +131,12 @@ def not_a_format(key: str, spec: str, error: Exception) -> str:
 
 def _instruction_layout(names: set[str], answer: str) -> Layout | None:
     """Alpaca's or Dolly's layout where the records have its fields and data.fields.output is auto or names its
-    answer: their prompt is the instruction with its input (context), which a pair of fields would drop."""
+    answer: their prompt is the instruction with its input (context), which a pair of fields would drop. The input
+    is in the prompt whether or not the records looked at have one (a streamed file's first 200 may all leave it
+    out): where a record has none, the prompt is its instruction (Prompter._prompt)."""
     for name, (output, extra) in INSTRUCTION_LAYOUTS.items():
         if {"instruction", output} <= names and answer in ("auto", output):
-            return Layout(name, f"{{instruction}}\n\n{{{extra}}}" if extra in names else "instruction", output)
+            return Layout(name, f"{{instruction}}\n\n{{{extra}}}", output)
     return None
 
 
@@ -165,6 +184,38 @@ def chat_in_use(data_cfg: TextData, tokenizer) -> bool:
     return has and setting in ("auto", True)
 
 
+def turn_end(tokenizer) -> str:
+    """What the tokenizer's chat template writes after an assistant's message (Gemma's "<end_of_turn>\\n", Llama 3's
+    "<|eot_id|>", ChatML's "<|im_end|>\\n"), found by rendering a conversation whose answer is a sentinel: "" without a
+    chat template, or where it writes nothing there."""
+    if not getattr(tokenizer, "chat_template", None):
+        return ""
+    from jinja2 import TemplateError  # what apply_chat_template needs anyway; ONN runs without it otherwise
+
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ANSWER_SENTINEL}]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    except TemplateError:  # a template that refuses a plain user/assistant pair: nothing to learn from it
+        return ""
+    at = text.rfind(ANSWER_SENTINEL)
+    return text[at + len(ANSWER_SENTINEL) :] if at >= 0 else ""
+
+
+def turn_end_ids(tokenizer) -> list[int]:
+    """The tokens of `turn_end` where its first is a special token (the one generation stops at); [] where the
+    template ends a turn in plain text (ChatML on a byte tokenizer spells "<|im_end|>" in bytes) or not at all."""
+    end = turn_end(tokenizer)
+    ids = tokenizer(end, add_special_tokens=False)["input_ids"] if end else []
+    return ids if ids and ids[0] in special_ids(tokenizer) else []
+
+
+def special_ids(tokenizer) -> set[int]:
+    """The named special tokens (bos, eos, pad, ...) and every added token marked special (<end_of_turn>, <|eot_id|>:
+    Llama 3 names neither among its special tokens)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
+
+
 class Prompter:
     """Turns records (or a typed prompt) into the text the model sees, the same way in every task."""
 
@@ -177,6 +228,7 @@ class Prompter:
         self.layouts: dict[str, Layout] = {}  # each file's own (data.source, data.val_source): they may differ
         self.layout: Layout | None = None  # the first chosen: the training data's
         self.trained_layout = trained_layout
+        self._turn_end: list[int] | None = None  # answer_end's tokens, found once
 
     @property
     def layout_name(self) -> str | None:
@@ -208,6 +260,18 @@ class Prompter:
     def add_special_tokens(self) -> bool:
         """A chat template writes the special tokens the model needs itself (BOS included, where it has one)."""
         return self.plain or not self.chat
+
+    @property
+    def answer_end(self) -> list[int]:
+        """The tokens that end every training answer where prompts go through the chat template: what it writes
+        after an assistant's turn (Gemma's <end_of_turn> and newline, not <eos>), as TRL's SFT trains a chat model
+        and as generation stops (generate.end_ids); [] elsewhere, and where the template writes no special token
+        there: the tokenizer's EOS (datamodule.encode)."""
+        if not self.chat or self.plain:
+            return []
+        if self._turn_end is None:
+            self._turn_end = turn_end_ids(self.tokenizer)
+        return self._turn_end
 
     @property
     def starts_with_bos(self) -> bool:

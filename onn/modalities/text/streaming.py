@@ -79,6 +79,12 @@ def refuse_wide(path: Path) -> None:
         )
 
 
+def blank(raw: bytes) -> bool:
+    """A line of whitespace only, by str.strip as the resident readers judge it: a line of NBSP or U+3000 (which
+    bytes.strip keeps) is no sample. Bytes that are not UTF-8 are not blank: parsing names them."""
+    return not raw.decode("utf-8", "replace").strip()
+
+
 class LineReader:
     """JSON lines (one object a line) or plain text (one sample a line); position [byte offset, line]."""
 
@@ -93,7 +99,7 @@ class LineReader:
             f.seek(offset)
             for raw in f:
                 start, offset, line = offset, offset + len(raw), line + 1
-                if raw.strip():
+                if not blank(raw):
                     yield [start, line], [offset, line], self.parse(raw, line), f"{self.path} line {line}"
 
     def fetch(self, refs: list[Ref]) -> list[tuple[dict[str, Any], str]]:
@@ -111,7 +117,7 @@ class LineReader:
             f.seek(at[0])
             for raw in f:
                 line += 1
-                if raw.strip():
+                if not blank(raw):
                     n, last = n + 1, raw
         if last and not last.endswith(b"\n"):
             self.parse(last, line)
@@ -124,8 +130,8 @@ class LineReader:
             raise UserError(
                 f"{self.path} line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x}); convert the file to UTF-8."
             ) from None
-        if self.fmt == "txt":
-            return {"text": text.rstrip("\r\n")}
+        if self.fmt == "txt":  # the line less its newline and a \r before it, as the resident reader splits it
+            return {"text": text.removesuffix("\n").removesuffix("\r")}
         try:
             row = json.loads(text)
         except json.JSONDecodeError as e:
