@@ -8,6 +8,7 @@ an export of another kind or model (MARKER's `kind` and `model`) is not replaced
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -89,7 +90,7 @@ def stage(output: Path, kind: str, write: Callable[[Path], Any], model: str | No
     tmp.mkdir()
     try:
         result = write(tmp)
-        marker = {"written_by": "onn", "kind": kind, "model": model, "version": _version()}
+        marker = {"written_by": "onn", "kind": kind, "model": model, "version": onn_version()}
         (tmp / MARKER).write_text(json.dumps(marker, indent=2))
         return tmp, result
     except BaseException:
@@ -123,10 +124,9 @@ def write_atomically(output: Path, kind: str, write: Callable[[Path], Any], mode
     return result
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
+def onn_version() -> str:
+    """ONN's version as pip installed it; "unknown" for a checkout used without `pip install -e`."""
     try:
-        return version("onn")
-    except PackageNotFoundError:
+        return importlib.metadata.version("onn")
+    except importlib.metadata.PackageNotFoundError:
         return "unknown"

@@ -3,6 +3,7 @@ the KV-cache bytes per token of each decoder block, and its source (name, class,
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from onn.errors import UserError
@@ -49,3 +50,10 @@ def model_source(model, model_name: str | None) -> dict[str, Any]:
         "class": type(model).__name__,
         "parameters": params,
     }
+
+
+def weight_bytes(model) -> int | None:
+    """What the model's weights take as they are held (parameters and buffers, shared ones once): about what its
+    export writes; None for a model that holds none (its weights in a layer store, or on the meta device)."""
+    tensors = {id(t): t for t in itertools.chain(model.parameters(), model.buffers()) if not t.is_meta}
+    return sum(t.numel() * t.element_size() for t in tensors.values()) or None

@@ -18,13 +18,17 @@ import inspect
 import itertools
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from onn.errors import UserError
+from onn.export.model_facts import weight_bytes
+from onn.hardware import failpoints
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -34,6 +38,8 @@ if TYPE_CHECKING:
     import torch
 
 TORCH_OPSET = 18  # the opset torch.onnx's dynamo exporter writes; others are converted from it
+# weights above this go to a file beside the graph (torch.onnx's own threshold; protobuf holds at most 2 GiB)
+EXTERNAL_DATA_BYTES = 1536 * 2**20
 TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 IMAGE_INPUTS = ("pixel_values",)
 # ModelOutput fields that are not results: caches and per-layer extras (the prefill graph returns none of them).
@@ -223,11 +229,13 @@ def newest_opset() -> int:
 
 
 def output_names(model) -> list[str]:
-    """The output names export_onnx gives `model`: it runs the model once on a one-row sample to see them."""
+    """The output names export_onnx gives `model`: it runs the model once on a one-row sample to see them, on the
+    device the model is on (a GPU, or the meta device of a model built without weights)."""
     import torch
 
     model = _unwrap_peft(model, merge=False)
-    sample = sample_inputs(model, batch_size=1, sequence_length=4)
+    device = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
+    sample = {k: v.to(device) for k, v in sample_inputs(model, batch_size=1, sequence_length=4).items()}
     with _eval(model), torch.no_grad():
         return [name for name, _ in _named_tensors(call_model(model, sample))]
 
@@ -259,6 +267,10 @@ def export_onnx(
         raise UserError(f"ONNX export path {output} must end in .onnx.")
     if not output.parent.is_dir():
         raise UserError(f"the folder of the ONNX export path {output} does not exist; create it first.")
+    if output.is_dir():  # refused before the trace, not by the rename after it
+        raise UserError(
+            f"ONNX export path {output} is a folder; name the .onnx file to write, e.g. {output / 'model.onnx'}."
+        )
     model = _unwrap_peft(model, merge=True)
     _check_sample(model, sample_input, dynamic and axes is None, batched=axes is None)
     model, sample_input = traceable(model, sample_input)
@@ -283,9 +295,9 @@ def export_onnx(
 
     folder = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
     try:
-        written = folder / output.name
+        written = folder / staged_name(output)  # torch.onnx names the weights file after it: WRITTEN.data
         compared = (model, written, output, sample_input, reference)
-        program.save(written)  # weights go to an external .data file above torch's 1.5 GB threshold
+        program.save(written, external_data=(weight_bytes(model) or 0) > EXTERNAL_DATA_BYTES)
         graph = program.model.graph
         result = {
             "export/onnx": str(output),
@@ -296,7 +308,7 @@ def export_onnx(
         }
         del program
         diffs = _verify(model, written, output, opset, lambda: _compare(*compared, atol, follow))
-        _move_into_place(folder, output)
+        move_into_place(written, output)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return {
@@ -670,14 +682,41 @@ def _max_abs_diff(reference, got, attention_mask=None) -> float:
     return float(np.nan_to_num(diff, nan=np.inf).max())
 
 
-def _move_into_place(folder: Path, output: Path) -> None:
-    """Weights file first, .onnx last; a stale weights file of an earlier, larger export is removed."""
-    files = sorted(folder.iterdir(), key=lambda f: f.name == output.name)
-    for f in files:
-        os.replace(f, output.parent / f.name)
-    stale = output.parent / f"{output.name}.data"
-    if not any(f.name == stale.name for f in files) and stale.is_file():
-        stale.unlink()
+def staged_name(output: Path) -> str:
+    """A name for an export's graph while it is staged, unique to this export: its weights file is that name +
+    `.data` (OUTPUT.NAME.<12 hex digits>.data), which no earlier export used, so the graph renamed into place
+    reads its own weights, never an earlier export's."""
+    return f"{output.name}.{uuid.uuid4().hex[:12]}"
+
+
+def move_into_place(graph: Path, output: Path) -> None:
+    """Move a staged export (`graph` and the weights files beside it) to `output`: the weights first, under names of
+    their own, then the graph in one rename, then the earlier export's weights. Stopped at any point, `output` is
+    the earlier graph beside its weights or the new one beside its own, never one graph beside the other's weights."""
+    weights = [f.name for f in graph.parent.iterdir() if f != graph]
+    for name in weights:
+        os.replace(graph.parent / name, output.parent / name)
+    failpoints.reached("export_write")
+    os.replace(graph, output)
+    for stale in earlier_weights(output, keep=set(weights)):
+        stale.unlink(missing_ok=True)
+
+
+def weights_files(path: Path) -> list[Path]:
+    """The files beside an ONNX graph that hold its weights (ONNX external data), as its tensors name them."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
+
+    model = onnx.load(str(path), load_external_data=False)
+    named = {ExternalDataInfo(t).location for t in _get_all_tensors(model) if uses_external_data(t)}
+    return sorted(path.parent / name for name in named)
+
+
+def earlier_weights(output: Path, keep: set[str]) -> list[Path]:
+    """The weights files earlier exports to `output` wrote beside it (OUTPUT.NAME.data before exports named their
+    own, OUTPUT.NAME.<12 hex digits>.data since; a stopped export's too), but those named in `keep`."""
+    pattern = re.compile(re.escape(output.name) + r"(\.[0-9a-f]{12})?\.data")
+    return [f for f in output.parent.iterdir() if pattern.fullmatch(f.name) and f.name not in keep and f.is_file()]
 
 
 def _shapes(sample: dict) -> dict[str, list[int]]:

@@ -11,7 +11,6 @@ ONNX with cut points, per-block memory and shard plans; see FORMAT_SPEC.md).
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import tempfile
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from onn.config.convert import typed
 from onn.config.export import ExportSample, OmnyExport, OnnxExport, SafetensorsExport
 from onn.config.model import LanguageModelConfig
 from onn.errors import ExportFailed, UserError, disk_error, diverged, write_refused
-from onn.export.model_facts import kv_cache_bytes, model_source, omny_runs
+from onn.export.model_facts import kv_cache_bytes, model_source, omny_runs, weight_bytes
 from onn.export.settings import FORMATS, check_settings
 from onn.models.load import load
 
@@ -90,13 +89,6 @@ def refused_write(error: BaseException, output: Path, needed_bytes: int | None =
     if refused is None or refused.errno not in REFUSED:
         return None
     return write_refused(refused, output, needed_bytes, "the export (export.output)")
-
-
-def weight_bytes(model) -> int | None:
-    """What the model's weights take as they are held (parameters and buffers, shared ones once): about what its
-    export writes; None for a model that holds none (its weights in a layer store, or on the meta device)."""
-    tensors = {id(t): t for t in itertools.chain(model.parameters(), model.buffers()) if not t.is_meta}
-    return sum(t.numel() * t.element_size() for t in tensors.values()) or None
 
 
 def _export(model, output: Path, sample_input, settings, model_name, tokenizer, engine) -> dict[str, Any]:

@@ -4,7 +4,8 @@ moment. Random kill times rarely land inside a short window (a checkpoint's rena
 write); a named point lands there every time. Unset, a point costs one dictionary lookup.
 
 Points: checkpoint_write (the new checkpoint written beside the old, before the renames), store_write (a layer
-store block written to its temporary file, before the rename that makes it whole).
+store block written to its temporary file, before the rename that makes it whole), export_write (an ONNX or .omny
+export's weights file moved beside the earlier export, before the rename of its graph).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import signal
 
 from onn.errors import UserError
 
-POINTS = ("checkpoint_write", "store_write")
+POINTS = ("checkpoint_write", "store_write", "export_write")
 _counts: dict[str, int] = {}
 
 

@@ -11,7 +11,6 @@ onnxruntime and compares their result with the whole model's.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from dataclasses import dataclass
 from functools import cache
@@ -23,6 +22,8 @@ import onnx
 from onn.errors import UserError
 from onn.export import graph as G
 from onn.export import shards
+from onn.export.folders import onn_version
+from onn.export.onnx_export import check_onnx, move_into_place, run_onnx, staged_name
 
 FORMAT_VERSION = "1.1"
 METADATA_KEY = "onn.omny"
@@ -37,6 +38,7 @@ DEFAULTS = {
     "max_configs": 8,
     "reference_sequence_length": 128,
 }
+EXTERNAL_DATA_BYTES = 2**31 - 2**28  # protobuf holds at most 2 GiB: weights above this go to a file beside the graph
 SAMPLE_DIM = 8  # enrich: a named input dimension other than the first, when the command line gives no size
 
 
@@ -451,7 +453,7 @@ def _role(index: int, count: int, name: str, block_of: dict) -> str:
 def _exporter() -> dict[str, str]:
     from importlib.metadata import version
 
-    return {"name": "onn", "version": version("onn"), "onnx": onnx.__version__, "torch": version("torch")}
+    return {"name": "onn", "version": onn_version(), "onnx": onnx.__version__, "torch": version("torch")}
 
 
 # --- writing and reading --------------------------------------------------------------------------
@@ -468,7 +470,8 @@ def _check_output(output: Path) -> None:
 
 
 def write(model: onnx.ModelProto, doc: dict[str, Any], output: str | Path) -> Path:
-    """The model with its document in metadata_props, written beside `output` then renamed into place."""
+    """The model with its document in metadata_props, written beside `output` then moved into place (a weights
+    file of its own first, the graph last: onnx_export.move_into_place)."""
     output = Path(output)
     _check_output(output)
     check_document(doc, str(output))
@@ -476,16 +479,11 @@ def write(model: onnx.ModelProto, doc: dict[str, Any], output: str | Path) -> Pa
     props[METADATA_KEY] = json.dumps(doc, separators=(",", ":"))
     onnx.helper.set_model_props(model, props)
     stored = sum(G.tensor_bytes(t) for t in model.graph.initializer)
-    large = stored > 2**31 - 2**28  # protobuf cannot hold 2 GiB: the weights go beside the file
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.") as tmp:
-        written = Path(tmp) / output.name
-        onnx.save_model(model, str(written), save_as_external_data=large, location=output.name + ".data")
-        data, beside = written.with_name(output.name + ".data"), output.with_name(output.name + ".data")
-        if data.exists():
-            os.replace(data, beside)
-        os.replace(written, output)
-        if not large and beside.is_file():  # an earlier, larger export's weights, which the new file does not read
-            beside.unlink()
+        written = Path(tmp) / staged_name(output)  # its weights file, when it has one, is named after it
+        large = stored > EXTERNAL_DATA_BYTES
+        onnx.save_model(model, str(written), save_as_external_data=large, location=written.name + ".data")
+        move_into_place(written, output)
     return output
 
 
@@ -521,8 +519,8 @@ def read_document(source: str | Path | onnx.ModelProto, where: str | None = None
 
 
 def _load(path: str | Path, weights: bool = True) -> onnx.ModelProto:
-    from onn.export.onnx_export import check_onnx
-
+    """The ONNX file at `path`, held to onnx.checker; without `weights`, its graph and metadata alone, read whether
+    or not its weights file is there (onnx.checker would look for it)."""
     path = Path(path)
     if path.is_dir():
         inside = sorted(p.name for p in path.iterdir() if p.suffix in (".omny", ".onnx") or p.name == "pipeline.json")
@@ -530,7 +528,12 @@ def _load(path: str | Path, weights: bool = True) -> onnx.ModelProto:
         raise UserError(f"{path} is a folder, not an ONNX file; name the file in it{hint}.")
     if not path.is_file():
         raise UserError(f"{path} does not exist.")
-    return check_onnx(path, load_external_data=weights)
+    if weights:
+        return check_onnx(path)
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError: not an ONNX file
+        raise UserError(f"{path} is not a readable ONNX file ({type(e).__name__}: {e}); re-export it.") from None
 
 
 # --- inspect ----------------------------------------------------------------------------------------
@@ -663,14 +666,12 @@ def validate(
 ) -> Validation:
     """Cut the model at every plan's boundaries, run the shards in sequence, compare with the whole
     model; check each shard's weights against the document. True when all of it holds."""
-    from onn.export.onnx_export import run_onnx
-
     model = _load(path)
     doc = read_document(model, where=str(path))
     if missing := unknown_tensors(model, doc):
         echo(f"{path}: the document names tensors the graph does not have: {', '.join(missing[:4])}")
         echo(f"{path}: INVALID")
-        return Validation(False, 0.0)  # no shard ran
+        return Validation(False, float("nan"))  # no shard ran: no difference was measured
     feeds = {k: _numpy(v) for k, v in (sample_input or sample_feeds(doc)).items()}
     whole = run_onnx(str(path), feeds)  # from the file: a model over 2 GB cannot be serialised again
     extractor = subgraph_extractor(model)

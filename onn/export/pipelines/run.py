@@ -8,6 +8,7 @@ from typing import Any
 
 from onn.errors import UserError
 from onn.export.omny.format import validate
+from onn.export.onnx_export import weights_files
 from onn.export.pipelines import document
 from onn.export.pipelines.registry import Pipeline, get
 from onn.export.pipelines.runtime import Pieces, Request, check_output
@@ -19,7 +20,9 @@ def run_pipeline(path: str | Path, request: Request) -> dict[str, Any]:
     pipeline = get(doc["kind"], str(path))
     _check_prompts(pipeline, request)
     files = [p["file"] for p in doc["pieces"]]
-    read = [path, request.image, *(path.parent / f for f in files), *(path.parent / f"{f}.data" for f in files)]
+    pieces = [path.parent / f for f in files]
+    weights = [w for piece in pieces if piece.is_file() for w in weights_files(piece)]  # each export's own name
+    read = [path, request.image, *pieces, *weights]
     check_output(request, read + ([path.parent / doc["tokenizer"]] if doc.get("tokenizer") else []))
     return pipeline.run(doc, Pieces(doc, path.parent), request)
 
