@@ -64,7 +64,6 @@ from onn.training.classifier import (
     adapt_norm_note,
     evaluation_autocast,
     in_float32,
-    mean_loss,
     save_confusion,
 )
 from onn.training.distributed import parameter_count
@@ -298,7 +297,7 @@ def train(job: Job) -> dict[str, Any]:
         "epochs": trainer.current_epoch,
         "steps": trainer.global_step,
         "train/loss_initial": float(module.train_losses[0]) if module.train_losses else None,
-        "train/loss_final": mean_loss(module.train_losses[-20:]),
+        "train/loss_final": module.final_loss(),
         f"{monitor}_best": round(best_score, 5) if best_score is not None else None,
         "val/history": module.history,
         "val/acc_final": module.history[-1]["val/acc"] if module.history else None,

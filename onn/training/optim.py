@@ -76,8 +76,31 @@ def make_optimizer(params, optim: OptimConfig):
         )
     lr, groups = float(optim.lr), decay_groups(params, float(optim.weight_decay))
     if optim.name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=tuple(optim.betas))
-    return torch.optim.SGD(groups, lr=lr, momentum=float(optim.momentum), nesterov=bool(optim.nesterov))
+        optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(optim.betas))
+    else:
+        optimizer = torch.optim.SGD(groups, lr=lr, momentum=float(optim.momentum), nesterov=bool(optim.nesterov))
+    optimizer.register_load_state_dict_pre_hook(regrouped(params))
+    return optimizer
+
+
+def regrouped(params: list):
+    """torch's load_state_dict pre-hook that gives a checkpoint saved with other parameter groups to this optimizer's:
+    a run saved before weight decay left biases and norms (one group) resumed into two, and one saved with decay
+    resumed with optim.weight_decay=0. torch matches the saved groups to the current ones by count and size, and
+    refused the other grouping with a ValueError; each parameter's saved state (momenta, step) is the same tensor
+    whichever group holds it, found by the parameters' order in each grouping (decay_groups)."""
+
+    def hook(optimizer, state_dict: dict[str, Any]) -> dict[str, Any] | None:
+        saved, groups = state_dict["param_groups"], optimizer.param_groups
+        if len(saved) == len(groups) or len(saved) > 2 or sum(len(g["params"]) for g in saved) != len(params):
+            return None  # torch's own matching (and, for another model, its own refusal)
+        order = params if len(saved) == 1 else [p for group in decay_groups(params, 1.0) for p in group["params"]]
+        ids = dict(zip(map(id, order), (i for group in saved for i in group["params"]), strict=True))
+        settings = [{**saved[0], "params": [ids[id(p)] for p in g["params"]], "weight_decay": g["weight_decay"]}
+                    for g in groups]  # fmt: skip
+        return {**state_dict, "param_groups": settings}
+
+    return hook
 
 
 BUILT_SHAPE = "onn_built_shape"  # a parameter's shape as built, noted before a strategy shards it (ONNModule.setup)
@@ -109,13 +132,14 @@ def decay_groups(params: list, weight_decay: float) -> list[dict[str, Any]]:
 def make_schedule(optimizer, optim: OptimConfig, total_steps: int, monitor: str, epochs: bool = True) -> dict[str, Any]:
     """Lightning's lr_scheduler config for optim.schedule over a run of `total_steps` optimizer steps.
 
-    Warm-up is clamped to the run's length. `monitor` is the metric the plateau schedule watches
-    (task.monitor); `epochs` is False for runs that stream without epochs, where the per-epoch
-    schedules never step."""
+    Warm-up (every schedule's but onecycle's, which warms up over pct_start) is clamped to the run's length.
+    `monitor` is the metric the plateau schedule watches (task.monitor); `epochs` is False for runs that stream
+    without epochs, where the per-epoch schedules never step."""
     import torch
 
     check(optim)
     schedule, total = optim.schedule, max(int(total_steps), 1)
+    warmup = min(int(optim.warmup_steps), total)
     if schedule in EPOCH_SCHEDULES and not epochs:
         raise UserError(
             f"optim.schedule={schedule} steps once per epoch, and this run streams its data without epochs; "
@@ -125,18 +149,67 @@ def make_schedule(optimizer, optim: OptimConfig, total_steps: int, monitor: str,
         from transformers import get_scheduler
 
         kind = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[schedule]
-        warmup = min(int(optim.warmup_steps), total)
         scheduler = get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)
         return {"scheduler": follows_this_run(scheduler), "interval": "step"}
     if schedule == "onecycle":
         return {"scheduler": one_cycle(optimizer, float(optim.lr), total, float(optim.pct_start)), "interval": "step"}
     if schedule == "step":
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=int(optim.step_size), gamma=float(optim.gamma))
-        return {"scheduler": scheduler, "interval": "epoch"}
-    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
-        optimizer, mode=monitor_mode(monitor), factor=float(optim.gamma), patience=int(optim.patience)
-    )
+        step = per_epoch(torch.optim.lr_scheduler.StepLR, warmup)
+        return {
+            "scheduler": step(optimizer, step_size=int(optim.step_size), gamma=float(optim.gamma)),
+            "interval": "epoch",
+        }
+    plateau = per_epoch(torch.optim.lr_scheduler.ReduceLROnPlateau, warmup)
+    scheduler = plateau(optimizer, mode=monitor_mode(monitor), factor=float(optim.gamma), patience=int(optim.patience))
     return {"scheduler": scheduler, "interval": "epoch", "monitor": monitor, "strict": False}
+
+
+PER_GROUP = ("base_lrs", "_last_lr", "min_lrs")  # a schedule's state that holds one value per parameter group
+
+
+def widened(state: dict[str, Any], groups: int) -> dict[str, Any]:
+    """A schedule's saved state for an optimizer of `groups` parameter groups: one saved with a single group (before
+    weight decay left biases and norms, see regrouped) has its one rate repeated for each group; torch zips the
+    lists with the groups, and the second group's rate never moved again."""
+    return {
+        key: value * groups if key in PER_GROUP and isinstance(value, list) and len(value) == 1 else value
+        for key, value in state.items()
+    }
+
+
+def per_epoch(schedule: type, warmup_steps: int) -> type:
+    """torch's per-epoch `schedule` (StepLR, ReduceLROnPlateau), after a warm-up of `warmup_steps` optimizer steps.
+
+    Lightning steps one schedule per interval and torch's SequentialLR takes neither a plateau nor two intervals, so
+    the warm-up is torch's LinearLR stepped after each optimizer step (the optimizer's step hook). Both scale the
+    rate the optimizer holds, so the epoch schedule's factor multiplies the warm-up's. Its state is saved inside
+    the schedule's; `_last_lr` is the optimizer's rate, which a warm-up moves between the epoch's steps."""
+    import torch
+
+    class PerEpoch(schedule):
+        def __init__(self, optimizer, **settings: Any):
+            super().__init__(optimizer, **settings)
+            self.warmup = None
+            if warmup_steps:
+                self.warmup = torch.optim.lr_scheduler.LinearLR(
+                    optimizer, start_factor=1 / (warmup_steps + 1), total_iters=warmup_steps
+                )
+                optimizer.register_step_post_hook(lambda *_: self.warmup.step())
+
+        def state_dict(self) -> dict[str, Any]:
+            state = {key: value for key, value in super().state_dict().items() if key != "warmup"}
+            state["_last_lr"] = [group["lr"] for group in self.optimizer.param_groups]
+            return {**state, "warmup": self.warmup.state_dict()} if self.warmup else state
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            groups = len(self.optimizer.param_groups)
+            super().load_state_dict(widened({k: v for k, v in state_dict.items() if k != "warmup"}, groups))
+            if self.warmup and "warmup" in state_dict:
+                self.warmup.load_state_dict(widened(state_dict["warmup"], groups))
+            elif self.warmup:  # saved without a warm-up (before it was applied): the run goes on at its rate
+                self.warmup.last_epoch = self.warmup.total_iters
+
+    return PerEpoch
 
 
 def follows_this_run(scheduler):
@@ -148,7 +221,7 @@ def follows_this_run(scheduler):
 
     class FollowsThisRun(torch.optim.lr_scheduler.LambdaLR):
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-            super().load_state_dict(state_dict)
+            super().load_state_dict(widened(state_dict, len(self.optimizer.param_groups)))
             self.last_epoch -= 1
             self.step()  # the same step again: its rate along this run's length into the optimizer
 
@@ -169,7 +242,7 @@ def one_cycle(optimizer, lr: float, total: int, pct_start: float):
     class OneCycle(torch.optim.lr_scheduler.OneCycleLR):
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
             length = {"total_steps": self.total_steps, "_schedule_phases": self._schedule_phases}
-            super().load_state_dict(state_dict)
+            super().load_state_dict(widened(state_dict, len(self.optimizer.param_groups)))
             self.__dict__.update(length)
             self.last_epoch -= 1
             self.step()  # the same step again, along this length: its rate and momentum into the optimizer

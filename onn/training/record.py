@@ -9,7 +9,7 @@ import lightning as L
 import torch
 
 from onn.errors import UserError
-from onn.training.callbacks import logs_now
+from onn.training.callbacks import batch_rows, logs_now
 
 log = logging.getLogger("onn")
 
@@ -20,7 +20,8 @@ class EpochRecord:
     training; saving reads them once and keeps host scalars after, so later steps never sync for them.
 
     The module sets `loop` and `describes` (what writes checkpoints of that loop, for the refusal) and
-    the attributes `onn_config`, `history` and `train_losses`."""
+    the attributes `onn_config`, `history` and `train_losses`; `train_rows` (each step's samples, beside its loss)
+    is kept here."""
 
     loop: str
     describes: str
@@ -29,6 +30,27 @@ class EpochRecord:
     onn_config: dict[str, Any]
     history: list[dict[str, float]]
     train_losses: list[torch.Tensor]
+    train_rows: list[int | None]
+
+    def setup(self, stage: str) -> None:
+        """Each step's samples, one beside each loss kept (unknown for steps whose samples were not seen)."""
+        super().setup(stage)
+        kept = getattr(self, "train_rows", [])[: len(self.train_losses)]
+        self.train_rows = kept + [None] * (len(self.train_losses) - len(kept))
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.train_rows.append(batch_rows(batch))
+
+    def final_loss(self, steps: int = 20) -> float | None:
+        """train/loss_final: the mean loss per sample over the last `steps` steps, each step's mean loss weighted by
+        its samples (an epoch's short last batch counts for its samples, not as a whole batch); a plain mean of the
+        steps' losses where a step's samples are unknown (a checkpoint saved before they were kept)."""
+        losses, rows = [float(x) for x in self.train_losses[-steps:]], self.train_rows[-steps:]
+        if not losses:
+            return None
+        if len(rows) != len(losses) or None in rows or not sum(rows):
+            return sum(losses) / len(losses)
+        return sum(loss * n for loss, n in zip(losses, rows, strict=True)) / sum(rows)
 
     def record_epoch(self, figures: dict[str, Any], shown: list[str]) -> None:
         """An epoch's validation figures into the history (the report and resume read it) and the log
@@ -50,6 +72,7 @@ class EpochRecord:
             "config": self.onn_config,
             "history": self.history,
             "train_losses": losses,
+            "train_rows": [-1 if n is None else n for n in self.train_rows],
         }
         self.train_losses = [torch.tensor(x) for x in losses]  # on the host now: the next save reads none of them
 
@@ -59,6 +82,10 @@ class EpochRecord:
         onn = checkpoint["onn"]
         self.history = list(onn["history"])
         self.train_losses = [torch.tensor(x) for x in onn["train_losses"]]
+        saved = (
+            onn["train_rows"] if "train_rows" in onn else [-1] * len(self.train_losses)
+        )  # none before they were kept
+        self.train_rows = [None if n < 0 else int(n) for n in saved]
 
 
 def log_train_loss(module: L.LightningModule, loss: torch.Tensor, batch_size: int) -> bool:

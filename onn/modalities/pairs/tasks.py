@@ -46,7 +46,7 @@ from onn.planning.spec import network_spec
 from onn.training.callbacks import StepClock, run_callbacks
 from onn.training.checkpoints import check_finite, check_state, resumed_optim, saved_config, shared_best, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
-from onn.training.classifier import evaluation_autocast, mean_loss, to_device
+from onn.training.classifier import evaluation_autocast, to_device
 from onn.training.trainer import build_trainer, optimizer_steps
 
 log = logging.getLogger("onn")
@@ -200,7 +200,7 @@ def train(job: Job) -> dict[str, Any]:
         "epochs": trainer.current_epoch,
         "steps": trainer.global_step,
         "train/loss_initial": float(module.train_losses[0]) if module.train_losses else None,
-        "train/loss_final": mean_loss(module.train_losses[-20:]),
+        "train/loss_final": module.final_loss(),
         "val/history": module.history,
         "samples_per_s": clock.samples_per_s(skip=min(2, len(clock.step_s) - 1)),
         "peak_memory_mb": round(peak.peak_mb, 1),
