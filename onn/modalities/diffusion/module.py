@@ -4,11 +4,14 @@ Training is DDPM's (Ho et al. 2020): a batch of images scaled to [-1, 1], a rand
 noise added by the diffusers DDPMScheduler (`add_noise`), and the mean squared error between that noise
 and the denoiser's prediction of it. Validation scores the same loss on held-out images with noise and
 timesteps drawn from a fixed seed, so epochs compare. An exponential moving average of the weights
-(torch.optim.swa_utils.AveragedModel's, updated without waiting for the GPU) is what samples are drawn from.
+(torch.optim.swa_utils.AveragedModel's, updated without waiting for the GPU, kept in float32 whatever
+strategy.precision) is what samples are drawn from, what the held-out loss measures and what is exported.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,10 +57,13 @@ class MovingAverage(AveragedModel):
     `n_averaged`, so checkpoints keep their keys), updated without reading its count from the device.
     AveragedModel tests `n_averaged` twice an update, and on a GPU each test waits for every kernel queued,
     so the host could never queue a step while the GPU runs the one before. Here the count is mirrored on
-    the host, read from the device once after a checkpoint loads into it."""
+    the host, read from the device once after a checkpoint loads into it. The average stays in float32 when the
+    model is cast (strategy.precision=bf16-true casts the whole LightningModule): in bf16 an update of
+    (1 - decay) x the difference is mostly rounded away, and the average stayed near the first weights."""
 
     def __init__(self, model: nn.Module, decay: float):
         super().__init__(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+        self.module.float()
         # averaged, never given a gradient: DDP took the copy's parameters for trained ones no loss used, and refused
         # every step of a multi-process run
         self.requires_grad_(False)
@@ -72,12 +78,24 @@ class MovingAverage(AveragedModel):
         pairs = list(zip(mine, [*model.parameters(), *model.buffers()], strict=True))
         floats = [(averaged, current) for averaged, current in pairs if averaged.is_floating_point()]
         if self.updates > 0 and floats:  # the first update copies, as AveragedModel's does
-            self.multi_avg_fn([a for a, _ in floats], [c for _, c in floats], self.n_averaged)
+            # the model's bf16 weights in the average's float32 (torch's lerp takes one dtype)
+            self.multi_avg_fn([a for a, _ in floats], [c.to(a.dtype) for a, c in floats], self.n_averaged)
         for averaged, current in pairs:
             if self.updates == 0 or not averaged.is_floating_point():  # counts follow the model
                 averaged.copy_(current)
         self.n_averaged += 1
         self.updates += 1
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MovingAverage:
+        """Moves (`.to(device)`) apply; casts (`.to(dtype)`, `.half()`) leave the floats in their own dtype."""
+
+        def moved_only(tensor: torch.Tensor) -> torch.Tensor:
+            applied = fn(tensor)
+            if tensor.is_floating_point() and applied.dtype != tensor.dtype:
+                return tensor.to(device=applied.device)
+            return applied
+
+        return super()._apply(moved_only, recurse)
 
 
 def _count_unread(module: MovingAverage, incompatible_keys) -> None:
@@ -210,6 +228,7 @@ class DiffusionModule(EpochRecord, ONNModule):
         self.history: list[dict[str, float]] = []
         self._val: list[torch.Tensor] = []  # held-out loss x batch size, per batch
         self._val_count = 0
+        self._validated: nn.Module | None = None  # the sampling denoiser, for one validation
         self._generator: torch.Generator | None = None
         self.last_metrics: dict[str, float] = {}
         self.engine = None  # set by LayerStreamingStrategy: the blocks' frozen weights stream from a layer store
@@ -222,9 +241,17 @@ class DiffusionModule(EpochRecord, ONNModule):
         """What the layer-streaming strategy streams."""
         return self.denoiser
 
-    def sampling_denoiser(self) -> nn.Module:
-        """What samples are drawn from: the moving average of the weights, or the weights themselves."""
+    def averaged_denoiser(self) -> nn.Module:
+        """The weights samples come from, as kept (what is exported): the moving average of the weights (float32),
+        or the weights themselves (model.ema_decay=0)."""
         return self.ema.module if self.ema is not None else self.denoiser
+
+    def sampling_denoiser(self) -> nn.Module:
+        """What samples are drawn from and val/loss measures: averaged_denoiser in the dtype the weights compute in
+        (a bf16 copy of the float32 average under strategy.precision=bf16-true)."""
+        averaged = self.averaged_denoiser()
+        dtype = next(self.denoiser.parameters()).dtype
+        return averaged if next(averaged.parameters()).dtype == dtype else copy.deepcopy(averaged).to(dtype)
 
     def noisy(self, images: torch.Tensor, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
         """A batch of uint8 images as DDPM trains on it: a random timestep per image, the noise drawn, the noisy
@@ -236,9 +263,12 @@ class DiffusionModule(EpochRecord, ONNModule):
         noise = torch.randn(x0.shape, dtype=x0.dtype, device=x0.device, generator=generator)
         return {"sample": self.scheduler.add_noise(x0, noise, t), "timestep": t, "noise": noise}
 
-    def loss(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """DDPM's noise-prediction loss of a batch of uint8 images. Layer-streamed, the forward and the loss's
-        backward to the last block run here and the blocks' backward in the strategy's `backward`."""
+    def loss(
+        self, images: torch.Tensor, generator: torch.Generator | None = None, denoiser: nn.Module | None = None
+    ) -> torch.Tensor:
+        """DDPM's noise-prediction loss of a batch of uint8 images, of `denoiser` (the trained weights when None).
+        Layer-streamed (never with a moving average), the forward and the loss's backward to the last block run
+        here and the blocks' backward in the strategy's `backward`."""
         batch = self.noisy(images, generator)
         if self.engine is not None:
             pieces = self.engine.split(batch)
@@ -246,7 +276,8 @@ class DiffusionModule(EpochRecord, ONNModule):
                 return self.engine.forward_train(pieces, loss_scale=self.trainer.strategy.loss_scale())
             weights = [p["sample"].shape[0] / images.shape[0] for p in pieces]
             return sum(loss * w for loss, w in zip(self.engine.loss(pieces), weights))
-        return F.mse_loss(self.denoiser(batch["sample"], batch["timestep"]).float(), batch["noise"])
+        denoiser = self.denoiser if denoiser is None else denoiser
+        return F.mse_loss(denoiser(batch["sample"], batch["timestep"]).float(), batch["noise"])
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images, _ = batch
@@ -265,13 +296,15 @@ class DiffusionModule(EpochRecord, ONNModule):
     def on_validation_epoch_start(self) -> None:
         self._generator = torch.Generator(device=self.device).manual_seed(VAL_SEED)
         self._val, self._val_count = [], 0
+        self._validated = self.sampling_denoiser()  # val/loss is the sampled model's, as task=eval's samples are
 
     def validation_step(self, batch, batch_idx: int) -> None:
         images, _ = batch
-        self._val.append(self.loss(images, self._generator).detach() * images.shape[0])
+        self._val.append(self.loss(images, self._generator, self._validated).detach() * images.shape[0])
         self._val_count += images.shape[0]
 
     def on_validation_epoch_end(self) -> None:
+        self._validated = None
         figures = {MONITOR: float(torch.stack(self._val).sum()) / max(self._val_count, 1)}
         self.last_metrics = figures
         self.log(MONITOR, figures[MONITOR], prog_bar=True)

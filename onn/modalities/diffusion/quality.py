@@ -11,8 +11,10 @@ labels task.samples images drawn from task.seed, and the figures are:
                     of classes when each is confidently one class and the classes are used evenly
 
 The same figures for as many held-out real images (the ceiling the classifier allows), drawn at random with
-task.seed, are reported beside them. Held out means never trained on: given the very data.source the checkpoint
-trained on, the figures are on the run's own held-out split of it, not on the whole source.
+task.seed, are reported beside them, and val/loss: the held-out noise-prediction loss of the weights the samples
+come from (the moving average where model.ema_decay > 0), named in `weights`. Held out means never trained on:
+given the very data.source the checkpoint trained on, the figures are on the run's own held-out split of it, not
+on the whole source.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from onn.data.resident import StreamedItems
 from onn.errors import UserError
 from onn.hardware.cluster import is_rank_zero
 from onn.modalities.base import Job
+from onn.modalities.diffusion.module import DiffusionModule
 from onn.modalities.diffusion.sample import write_sample_grid
 from onn.modalities.diffusion.tasks import build, datamodule, draw_samples, load_trained
 from onn.training.checkpoints import check_finite, resolve, saved_config
@@ -149,6 +152,13 @@ def real_images(dm, count: int, seed: int) -> torch.Tensor:
     return images[pick.to(images.device)].cpu()  # the picks only leave the device, not the whole split
 
 
+def judged_weights(module: DiffusionModule) -> str:
+    """The weights one eval report describes: those samples are drawn from, whose held-out loss val/loss is."""
+    if module.ema is None:
+        return "trained weights (model.ema_decay=0)"
+    return f"moving average of the weights (model.ema_decay={module.ema_decay})"
+
+
 def evaluate(job: Job) -> dict[str, Any]:
     config = job.config
     task: TrainTask = config.task
@@ -188,6 +198,7 @@ def evaluate(job: Job) -> dict[str, Any]:
     metrics: dict[str, Any] = {
         "checkpoint": str(job.ckpt) if job.ckpt else None,
         "classifier": task.classifier,
+        "weights": judged_weights(module),  # what val/loss and the samples both measure
         **{f"val/{k.split('/')[-1]}": round(v, 5) for k, v in module.last_metrics.items()},
         "samples/count": len(images),
         "samples/sampler": f"{task.sampler} ({task.sample_steps} steps)" if task.sampler == "ddim" else task.sampler,

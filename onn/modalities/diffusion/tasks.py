@@ -45,7 +45,6 @@ from onn.streaming.store import LayerStore
 from onn.training.callbacks import StepClock, run_callbacks
 from onn.training.checkpoints import check_finite, check_state, resumed_optim, saved_config, shared_best, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
-from onn.training.classifier import mean_loss
 from onn.training.trainer import build_trainer, optimizer_steps, streaming_store, streaming_strategy
 
 log = logging.getLogger("onn")
@@ -231,7 +230,7 @@ def train(job: Job) -> dict[str, Any]:
         "epochs": trainer.current_epoch,
         "steps": trainer.global_step,
         "train/loss_initial": float(module.train_losses[0]) if module.train_losses else None,
-        "train/loss_final": mean_loss(module.train_losses[-20:]),
+        "train/loss_final": module.final_loss(),
         "val/history": module.history,
         "val/loss_final": module.history[-1][MONITOR] if module.history else None,
         "samples_per_s": clock.samples_per_s(skip=min(2, len(clock.step_s) - 1)),
@@ -302,7 +301,7 @@ def export(job: Job) -> dict[str, Any]:
 
 
 def export_module(config: ONNConfig, module: DiffusionModule, run_dir: Path) -> dict[str, Any]:
-    """The sampling denoiser as ONNX (inputs `sample` [batch, C, H, W] and `timestep` [batch] int64; output the
+    """The averaged denoiser as ONNX (inputs `sample` [batch, C, H, W] and `timestep` [batch] int64; output the
     predicted noise), checked against PyTorch in onnxruntime; or its state dict as safetensors. Rank 0 alone writes
     it where a launcher runs the command in several processes (each wrote the same folder at once)."""
     from onn.export.write import export_for_run
@@ -311,7 +310,7 @@ def export_module(config: ONNConfig, module: DiffusionModule, run_dir: Path) -> 
         raise UserError(f"export={config.export.name}: a diffusion denoiser exports onnx or safetensors.")
     if not is_rank_zero():
         return {}
-    denoiser = module.sampling_denoiser().cpu().eval()
+    denoiser = module.averaged_denoiser().cpu().eval()  # the float32 average, not a bf16 copy of it
     if config.export.name == "safetensors":
         import json
 
