@@ -228,7 +228,18 @@ def token_flops(spec: ModelSpec, seq: int) -> tuple[list[int], int]:
     routed experts only; plus attention's 4 x seq x the query heads' width), and the head's."""
     weights = spec.token_weights_per_block or spec.linear_params_per_block or spec.block_params
     per_block = [2 * p + 4 * seq * (spec.attention_dim or spec.hidden) for p in weights]
-    return per_block, 2 * spec.vocab * spec.hidden if spec.vocab else 2 * spec.suffix_params
+    return per_block, 2 * (spec.head_weights or spec.vocab * spec.hidden) if spec.vocab else 2 * spec.suffix_params
+
+
+def kv_cache_elements(spec: ModelSpec, length: int) -> int:
+    """Elements one sequence of `length` tokens holds in the KV cache, summed over the blocks: each block's width
+    per token (kv_cache_per_block: a latent attention's compressed latent, not every head's keys and values) over
+    the tokens it keeps (a sliding window's at most)."""
+    widths = spec.kv_cache_per_block or [2 * spec.kv_dim] * spec.n_blocks
+    windows = spec.kv_window_per_block or [0] * len(widths)
+    return sum(
+        width * (min(window, length) if window else length) for width, window in zip(widths, windows, strict=True)
+    )
 
 
 def layer_activation_elements(spec: ModelSpec) -> int:

@@ -66,7 +66,14 @@ class ModelSpec:
     # language models: the weights a token multiplies through in each block (a mixture of experts' top-k experts,
     # not all of them); [] where not counted: the linear layers stand in
     token_weights_per_block: list[int] | None = None
-    attention_dim: int = 0  # language models: query heads x head_dim (Gemma's and Qwen3's exceed hidden); 0: hidden
+    # language models: query heads x head_dim (Gemma's and Qwen3's exceed hidden; multi-head latent attention's: the
+    # mean of its query-key and value head widths); 0: hidden
+    attention_dim: int = 0
+    # language models: what each block's KV cache holds per token (elements), and the tokens it keeps at most (a
+    # sliding window's; 0: every token); None: 2 x kv_dim in every block, over every token
+    kv_cache_per_block: list[int] | None = None
+    kv_window_per_block: list[int] | None = None
+    head_weights: int = 0  # language models: the weights a token multiplies through after the blocks; 0: vocab x hidden
 
     @property
     def n_blocks(self) -> int:
@@ -111,6 +118,8 @@ def _measure_spec(model_cfg: LanguageModelConfig, lora_rank: int) -> ModelSpec:
     hidden = _cfg_int(config, "hidden_size", "n_embd", "d_model", default=0)
     heads = _cfg_int(config, "num_attention_heads", "n_head", default=1)
     head_dim = _cfg_int(config, "head_dim", default=hidden // max(heads, 1))
+    attention_dim = _attention_width(config, heads, head_dim)
+    kv_dim = _kv_activation_width(config, heads, head_dim, attention_dim)
     experts = [_experts_of(b) for b in lmap.blocks]
     # a config may name experts per token on a dense model (Qwen2-MoE with num_experts=0): only routed blocks count
     routed = _cfg_int(config, "num_experts_per_tok", default=0) if any(experts) else 0
@@ -130,7 +139,7 @@ def _measure_spec(model_cfg: LanguageModelConfig, lora_rank: int) -> ModelSpec:
         linear_params_per_block=[sum(i * o for i, o in sizes) for sizes in linear],
         hidden=hidden,
         intermediate=_mlp_width(config, hidden, routed),
-        kv_dim=_kv_heads(config, heads) * head_dim,
+        kv_dim=kv_dim,
         vocab=_cfg_int(config, "vocab_size", default=0),
         layer_map=lmap.describe(),
         pretrained=is_pretrained(model_cfg),
@@ -139,7 +148,10 @@ def _measure_spec(model_cfg: LanguageModelConfig, lora_rank: int) -> ModelSpec:
             _token_weights(b, found, routed, _cfg_int(config, *EXPERT_COUNTS, default=0))
             for b, found in zip(lmap.blocks, experts, strict=True)
         ],
-        attention_dim=heads * head_dim,
+        attention_dim=attention_dim,
+        kv_cache_per_block=[_kv_cache_width(config, heads, head_dim)] * len(lmap.blocks),
+        kv_window_per_block=_kv_windows(config, len(lmap.blocks)),
+        head_weights=_head_weights(config, hidden),
     )
 
 
@@ -182,6 +194,11 @@ def _token_weights(block, experts: list, routed: int, count: int) -> int:
     inside = {id(m) for e in experts for m in e.modules()}
     sizes = [_linear_size(m) for m in block.modules() if id(m) not in inside]
     dense = sum(size[0] * size[1] for size in sizes if size)
+    # a router's weight (Mixtral's, OLMoE's, DeepSeek's `gate`) is a matrix each token multiplies through too, held
+    # as a parameter of its own module, not a linear layer's
+    in_linear = {id(p) for m in block.modules() if id(m) not in inside and _linear_size(m) for p in m.parameters()}
+    counted = in_linear | {id(p) for e in experts for p in e.parameters()}
+    dense += sum(p.numel() for p in block.parameters() if p.dim() == 2 and id(p) not in counted)
     active = 0
     for e in experts:
         total = getattr(e, "num_experts", None) or (len(e) if hasattr(e, "__len__") else 0) or count
@@ -200,6 +217,67 @@ def _mlp_width(config, hidden: int, routed: int) -> int:
     expert = _cfg_int(config, "moe_intermediate_size", default=dense)
     shared = _cfg_int(config, "shared_expert_intermediate_size", default=0)
     return routed * expert + (shared or _cfg_int(config, "n_shared_experts", default=0) * expert)
+
+
+def _latent_attention(config) -> bool:
+    """Multi-head latent attention (DeepSeek-V2 and V3): keys and values compressed to a latent of kv_lora_rank."""
+    return _cfg_int(config, "kv_lora_rank", default=0) > 0
+
+
+def _attention_width(config, heads: int, head_dim: int) -> int:
+    """The width attention's products run at per token: query heads x head_dim, or for multi-head latent attention the
+    mean of its query-key heads' (qk_nope_head_dim + qk_rope_head_dim) and value heads' (v_head_dim) widths, whose
+    config's head_dim names its rotary part only."""
+    if not _latent_attention(config):
+        return heads * head_dim
+    query_key = _cfg_int(config, "qk_nope_head_dim", default=0) + _cfg_int(config, "qk_rope_head_dim", default=0)
+    return heads * (query_key + _cfg_int(config, "v_head_dim", default=head_dim)) // 2
+
+
+def _kv_activation_width(config, heads: int, head_dim: int, attention_dim: int) -> int:
+    """The key and value width the activations are sized by (each kept four times: ModelSpec.kv_dim). Multi-head latent
+    attention expands its keys and values to every query head (attention_dim), and keeps its query and key-value
+    latents as often (a projection's output, its norm's input and output, the next projection's input)."""
+    if not _latent_attention(config):
+        return _kv_heads(config, heads) * head_dim
+    latents = _cfg_int(config, "q_lora_rank", default=0) + _cfg_int(config, "kv_lora_rank", default=0)
+    return attention_dim + latents
+
+
+def _kv_cache_width(config, heads: int, head_dim: int) -> int:
+    """Elements a block's KV cache holds per token, as transformers caches them: multi-head latent attention's
+    compressed latent and rotary key (kv_lora_rank + qk_rope_head_dim); Falcon's new decoder architecture's keys and
+    values broadcast to every query head before they are cached; else keys and values of every KV head."""
+    if _latent_attention(config):
+        return _cfg_int(config, "kv_lora_rank", default=0) + _cfg_int(config, "qk_rope_head_dim", default=0)
+    if getattr(config, "new_decoder_architecture", False):
+        return 2 * heads * head_dim
+    return 2 * _kv_heads(config, heads) * head_dim
+
+
+def _kv_windows(config, n_blocks: int) -> list[int]:
+    """The tokens each block's KV cache keeps (0: every one), by transformers' rule: a block whose layer_types entry
+    is sliding_attention keeps the last sliding_window; without layer_types (Mistral), every block does where the
+    config names a sliding_window."""
+    window = _cfg_int(config, "sliding_window", default=0)
+    types = getattr(config, "layer_types", None)
+    if not window:
+        return [0] * n_blocks
+    if types is None:
+        return [window] * n_blocks
+    if len(types) != n_blocks:  # a LayerMap of other blocks than the config's layers: no window assumed
+        return [0] * n_blocks
+    return [window if kind == "sliding_attention" else 0 for kind in types]
+
+
+def _head_weights(config, hidden: int) -> int:
+    """The weights a token multiplies through after the blocks: the vocabulary's projection, and OPT's projections
+    to and from a word_embed_proj_dim narrower than hidden (OPT-350m's), which its head reads instead of hidden."""
+    vocab = _cfg_int(config, "vocab_size", default=0)
+    projected = _cfg_int(config, "word_embed_proj_dim", default=hidden)
+    if projected == hidden:
+        return vocab * hidden
+    return vocab * projected + 2 * hidden * projected
 
 
 def _kv_heads(config, heads: int) -> int:
