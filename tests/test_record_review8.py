@@ -135,3 +135,25 @@ def test_a_misspelt_data_key_of_a_data_auto_run_is_one_sentence_naming_the_neare
     assert "To append to your config" not in proc.stdout + proc.stderr
     m = read_metrics(run)
     assert m["status"] == "failed" and m["error"].startswith(said)
+
+
+@pytest.mark.slow  # a sweep of three jobs
+def test_a_shared_folder_is_refused_to_another_config_only_and_named_as_written(tmp_path: Path):
+    """A value listed twice gives two jobs of one config one folder: the second finds the first's record (it was
+    refused as a job that would replace it). The refusal names the subdir as written, not its resolved value."""
+    sweep = tmp_path / "sweep"
+    proc = run_cli(
+        "-m",
+        "task=plan",
+        "model=llama_tiny",
+        "hardware=cpu_16gb",
+        "tracking=none",
+        "optim.lr=0.001,0.001,0.0002",
+        "hydra.sweep.subdir=${hydra.job.name}",
+        f"hydra.sweep.dir={sweep}",
+        f"paths.outputs={tmp_path / 'outputs'}",
+    )
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    said = proc.stderr.replace("\n", " ")
+    assert "hydra.sweep.subdir=${hydra.job.name} gives job 2 the folder" in said and "where job 0" in said, said
+    assert "gives job 1" not in said

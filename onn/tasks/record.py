@@ -245,23 +245,26 @@ def write_hydra_files_whole(key: str) -> None:
     one that writes each file whole or not at all and says in one sentence what the disk refused. Hydra 1.3's
     private writer (requirements.lock pins it); a Hydra without it keeps its own. In this process only: jobs that a
     launcher starts elsewhere (submitit) write with Hydra's, as does multirun.yaml, and a refusal ends a sweep.
-    In a sweep it is also the first thing each job writes: a job whose folder an earlier job of the sweep wrote into
-    (a hydra.sweep.subdir that does not differ from job to job) ends the sweep there, before it writes anything."""
+    In a sweep it is also the first thing each job writes: a job of another config whose folder an earlier job of
+    the sweep wrote into (a hydra.sweep.subdir that does not differ from job to job) ends the sweep there, before it
+    writes anything. Jobs a launcher runs in other processes are not seen."""
     if not hasattr(hydra.core.utils, "_save_config"):
         return
-    jobs: dict[Path, int] | None = {} if key == "hydra.sweep.dir" else None
+    jobs: dict[Path, tuple[int, str]] | None = {} if key == "hydra.sweep.dir" else None
     hydra.core.utils._save_config = functools.partial(_save_config_whole, key=key, jobs=jobs)
 
 
-def _save_config_whole(cfg: Any, filename: str, output_dir: Path, key: str, jobs: dict[Path, int] | None) -> None:
+def _save_config_whole(
+    cfg: Any, filename: str, output_dir: Path, key: str, jobs: dict[Path, tuple[int, str]] | None
+) -> None:
     """Hydra's _save_config(cfg, filename, output_dir): the YAML in UTF-8 (as Hydra writes it) through a temporary
     file renamed into place; a refused write ends the run with one sentence naming the file (and, for a full disk,
-    the space free). `jobs`: in a sweep, the folder of each job so far (its number), which config.yaml, a job's
-    first file, claims."""
-    if jobs is not None and filename == "config.yaml":
-        claim_job_folder(jobs)
-    path = Path(output_dir) / filename
+    the space free). `jobs`: in a sweep, the folder of each job so far (its number and config), which config.yaml,
+    a job's first file, claims."""
     data = OmegaConf.to_yaml(cfg).encode("utf-8")
+    if jobs is not None and filename == "config.yaml":
+        claim_job_folder(jobs, data.decode("utf-8"))
+    path = Path(output_dir) / filename
     tmp = path.with_name(f".{filename}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -274,22 +277,24 @@ def _save_config_whole(cfg: Any, filename: str, output_dir: Path, key: str, jobs
         raise SystemExit(1) from None
 
 
-def claim_job_folder(jobs: dict[Path, int]) -> None:
-    """The current job's folder for this sweep (`jobs`: each folder its earlier jobs took, by job number); one that
-    an earlier job took ends the sweep in one sentence: this job would replace that one's .hydra/, config,
-    metrics.json and checkpoints, and a training job would be refused its checkpoints after overwriting its record."""
+def claim_job_folder(jobs: dict[Path, tuple[int, str]], config: str) -> None:
+    """The current job's folder for this sweep (`jobs`: each folder its earlier jobs took, by job number and config
+    YAML); one that an earlier job of another config took ends the sweep in one sentence: this job would replace
+    that one's .hydra/, config, metrics.json and checkpoints. A job of the same config (a sweep that lists a value
+    twice, an Optuna trial drawn again) finds that job's record and is not run again (onn.app.run)."""
     job = HydraConfig.get()
     folder = Path(job.runtime.output_dir).resolve()
-    if folder in jobs:
+    if folder in jobs and jobs[folder][1] != config:
+        subdir = OmegaConf.to_container(job.sweep, resolve=False)["subdir"]  # as the user wrote it
         print(
-            f"error: hydra.sweep.subdir={job.sweep.subdir} gives job {job.job.num} the folder {folder}, where job "
-            f"{jobs[folder]} of this sweep wrote its record, which it would replace: make hydra.sweep.subdir differ "
-            "from job to job (its default, ${hydra.job.num}, does).",
+            f"error: hydra.sweep.subdir={subdir} gives job {job.job.num} the folder {folder}, where job "
+            f"{jobs[folder][0]} of this sweep, of another config, wrote its record, which it would replace: make "
+            "hydra.sweep.subdir differ from job to job (its default, ${hydra.job.num}, does).",
             file=sys.stderr,
             flush=True,
         )
         raise SystemExit(1)
-    jobs[folder] = job.job.num
+    jobs.setdefault(folder, (job.job.num, config))
 
 
 class SweepStatus(Callback):
