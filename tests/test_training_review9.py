@@ -12,6 +12,7 @@ import torch
 from conftest import compose
 
 from onn.training import optim as onn_optim
+from onn.training.callbacks import StepCheckpoint
 from onn.training.checkpoint_io import SafetensorsCheckpointIO
 from onn.training.checkpoints import load
 from onn.training.classifier import Classifier
@@ -34,7 +35,8 @@ def classifier(*overrides: str) -> Classifier:
 def trainer(max_steps: int, *callbacks: L.Callback, max_epochs: int = -1) -> L.Trainer:
     return L.Trainer(
         max_steps=max_steps, max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False,
-        callbacks=list(callbacks), enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=list(callbacks), enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, L.pytorch.callbacks.Checkpoint) for c in callbacks),
         plugins=[SafetensorsCheckpointIO()],
     )  # fmt: skip
 
@@ -139,3 +141,27 @@ def test_the_final_loss_weights_each_step_by_its_samples():
         whole = float(torch.nn.functional.cross_entropy(module.model(x), y))
     assert module.train_rows == [4, 4, 2]
     assert module.final_loss() == pytest.approx(whole, rel=1e-5)
+
+
+def test_a_step_checkpoint_holds_each_loss_beside_its_samples(tmp_path):
+    """StepCheckpoint saves in its batch-end hook, which Lightning calls before the module's: the samples were
+    recorded there, so a checkpoint at step 4 held 4 losses and 3 sample counts, and the resumed run weighted
+    every later step by the step before it."""
+    settings = ("optim.schedule=constant", "optim.warmup_steps=0")
+    saved = classifier(*settings)
+    trainer(4, StepCheckpoint(tmp_path, 4)).fit(saved, train_dataloaders=data(10, 4))  # step 4: mid-epoch
+    onn = load(tmp_path / "last.ckpt")["onn"]
+    assert onn["train_rows"] == [4, 4, 2, 4] and len(onn["train_losses"]) == 4
+    resumed, seen = classifier(*settings), Batches()
+    trainer(9, seen).fit(resumed, train_dataloaders=data(10, 4), ckpt_path=tmp_path / "last.ckpt")
+    assert len(resumed.train_losses) == 9 and resumed.train_rows == [4, 4, 2, 4, *seen.sizes]
+
+
+class Batches(L.Callback):
+    """The samples of each batch trained."""
+
+    def __init__(self):
+        self.sizes: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.sizes.append(len(batch[0]))

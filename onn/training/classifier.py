@@ -187,7 +187,7 @@ class Classifier(EpochRecord, ONNModule):
             loss = self.engine.forward_train(self.engine.split(batch), loss_scale=self.trainer.strategy.loss_scale())
         else:
             loss = self.objective().loss(self(batch["x"]), batch)
-        self.train_losses.append(loss.detach())
+        self.record_step(loss, batch)
         log_train_loss(self, loss, labels.shape[0])
         return loss
 
@@ -610,12 +610,6 @@ def mixed_loss(
         return loss(logits, labels)
     weight = weight.reshape(-1)[0]  # one weight per batch: each micro-batch carries it per sample
     return weight * loss(logits, labels) + (1 - weight) * loss(logits, mixed)
-
-
-def mean_loss(losses: list[torch.Tensor]) -> float | None:
-    """The mean of per-step losses kept as tensors (on the device while training, on the CPU after a
-    checkpoint): read once, wherever each lies."""
-    return sum(float(x) for x in losses) / len(losses) if losses else None
 
 
 def confusion_figure(matrix: torch.Tensor, classes: list[str]):

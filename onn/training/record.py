@@ -35,10 +35,12 @@ class EpochRecord:
     def setup(self, stage: str) -> None:
         """Each step's samples, one beside each loss kept (unknown for steps whose samples were not seen)."""
         super().setup(stage)
-        kept = getattr(self, "train_rows", [])[: len(self.train_losses)]
-        self.train_rows = kept + [None] * (len(self.train_losses) - len(kept))
+        self.train_rows = _beside(getattr(self, "train_rows", []), len(self.train_losses))
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def record_step(self, loss: torch.Tensor, batch: Any) -> None:
+        """A training step's loss (detached, read at the end) and its samples, together: a checkpoint a callback
+        saves at this step's end holds both (the module's own batch-end hook runs after the callbacks')."""
+        self.train_losses.append(loss.detach())
         self.train_rows.append(batch_rows(batch))
 
     def final_loss(self, steps: int = 20) -> float | None:
@@ -82,10 +84,14 @@ class EpochRecord:
         onn = checkpoint["onn"]
         self.history = list(onn["history"])
         self.train_losses = [torch.tensor(x) for x in onn["train_losses"]]
-        saved = (
-            onn["train_rows"] if "train_rows" in onn else [-1] * len(self.train_losses)
-        )  # none before they were kept
-        self.train_rows = [None if n < 0 else int(n) for n in saved]
+        saved = onn.get("train_rows", [])  # a checkpoint saved before they were kept has none
+        self.train_rows = _beside([None if n < 0 else int(n) for n in saved], len(self.train_losses))
+
+
+def _beside(rows: list[int | None], losses: int) -> list[int | None]:
+    """Samples per step, as many as the losses kept: unknown (None) where a step's samples were not recorded."""
+    kept = rows[:losses]
+    return kept + [None] * (losses - len(kept))
 
 
 def log_train_loss(module: L.LightningModule, loss: torch.Tensor, batch_size: int) -> bool:

@@ -282,7 +282,7 @@ class DiffusionModule(EpochRecord, ONNModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images, _ = batch
         loss = self.loss(images)
-        self.train_losses.append(loss.detach())
+        self.record_step(loss, batch)
         log_train_loss(self, loss, images.shape[0])
         return loss
 

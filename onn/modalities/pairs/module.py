@@ -176,7 +176,7 @@ class DualEncoder(EpochRecord, ONNModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x_a, x_b = batch
         loss = self.loss(self.embed(self.names[0], x_a), self.embed(self.names[1], x_b))
-        self.train_losses.append(loss.detach())
+        self.record_step(loss, batch)
         if log_train_loss(self, loss, x_a.shape[0]):
             # logged on the device, read by the loggers after the step: a float() here was a second wait for the GPU
             # inside the step (beside the loss's), and Lightning copied the number back to the device, blocking
