@@ -191,8 +191,8 @@ def test_text_beside_another_text_field_is_refused_not_trained_as_plain_text(ext
     records = [{"text": f"an article {i}", extra: f"its {extra} {i}"} for i in range(4)]
     with pytest.raises(UserError, match=re.escape(f"fields {sorted([extra, 'text'])}, which are no prompt/answer")):
         choose_layout(records, TextFields("auto", "auto"))
-    numbered = [{"text": f"an article {i}", "score": 0.5 + i, "tags": ["a"]} for i in range(4)]  # values never text
-    assert choose_layout(numbered, TextFields("auto", "auto")).name == "text"
+    wiki = [{"id": str(i), "url": f"https://w/{i}", "title": f"Page {i}", "text": f"an article {i}"} for i in range(4)]
+    assert choose_layout(wiki, TextFields("auto", "auto")).name == "text"  # a title describes its text
 
 
 @pytest.mark.parametrize("lines", [["\tfor i in range(10):", "\t\tprint(i)", "\treturn i"], ["\tThe woods", "\tBut I"]])

@@ -17,7 +17,7 @@ from onn.config.data import TextFields
 from onn.modalities.text import generate
 from onn.modalities.text.datamodule import IGNORE, TextDataModule
 from onn.modalities.text.formats import read_records
-from onn.modalities.text.prompts import Prompter
+from onn.modalities.text.prompts import Prompter, turn_end, turn_end_ids
 from onn.modalities.text.streaming import open_reader
 from onn.models.tokenizer import byte_tokenizer
 
@@ -104,10 +104,12 @@ def test_a_gemma_answer_ends_with_end_of_turn_not_eos(tmp_path):
     streamed.setup()  # a streamed record is encoded record by record: the same end
     record, where = {"question": "What is 9 plus 9?", "answer": "18"}, "qa.jsonl line 9"
     assert [t for t in streamed._encode(record, where)[1] if t != IGNORE] == [*b"18", end_of_turn, ord("\n")]
-    # a template that writes nothing after the turn, or only plain text (ChatML on a byte tokenizer): EOS, as before
-    for template in ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "{{ messages[0]['content'] }}<|im_end|>"):
+    # a template that writes nothing after the turn, or only plain text (ChatML spelt in bytes): EOS, as before
+    chatml = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    for template, after in (("{% for m in messages %}{{ m['content'] }}{% endfor %}", ""), (chatml, "<|im_end|>\n")):
         plain = byte_tokenizer()
         plain.chat_template = template
+        assert turn_end(plain) == after and turn_end_ids(plain) == []  # found, and not a special token
         assert Prompter(data, plain).examples(read_records(data.source))  # the layout is chosen
         fallback = TextDataModule(data, plain, batch_size=2)
         fallback.setup()

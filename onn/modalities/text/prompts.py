@@ -43,9 +43,10 @@ log = logging.getLogger("onn")
 PAIRS = (("prompt", "completion"), ("prompt", "response"), ("prompt", "answer"), ("prompt", "output"),
          ("question", "answer"), ("query", "response"), ("query", "answer"), ("instruction", "response"),
          ("instruction", "output"), ("input", "output"), ("input", "target"), ("source", "target"))  # fmt: skip
-# what corpora name the fields that describe their text (C4, the Pile, RedPajama, FineWeb, Dolma)
-METADATA = {"id", "url", "timestamp", "meta", "metadata", "source", "date", "dump", "file_path", "language",
-            "language_score", "token_count", "added", "created", "version", "license", "domain", "lang"}  # fmt: skip
+# fields that pair with a `text` (a label, a summary, a pair's prompt or answer) rather than describe it (C4's url,
+# the Pile's meta, Wikipedia's title): text beside one of these asks for data.fields (Dolma's `source` describes)
+PAIRED = ({name for pair in PAIRS for name in pair} - {"source"}) | {"label", "labels", "summary", "translation",
+          "highlights", "class", "category", "sentiment"}  # fmt: skip
 INSTRUCTION_LAYOUTS = {"alpaca": ("output", "input"), "dolly": ("response", "context")}  # (answer, its input)
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
          "model": "assistant", "system": "system", "tool": "tool"}  # fmt: skip
@@ -93,12 +94,7 @@ def choose_layout(records: Records, fields: TextFields, key: str = "data.source"
     else:
         used = format_fields(prompt, "data.fields.input") if "{" in prompt else {prompt}
         found = next(((prompt, a) for p, a in PAIRS if a in names and a not in used), None)
-    if (
-        found is None
-        and prompt == answer == "auto"
-        and "text" in names
-        and is_metadata(records[:200], names - {"text"})
-    ):
+    if found is None and prompt == answer == "auto" and "text" in names and describes_text(names - {"text"}):
         return Layout("text", None, None)  # a corpus's text beside its metadata (C4's url, the Pile's meta)
     if found is None:
         raise UserError(
@@ -108,13 +104,11 @@ def choose_layout(records: Records, fields: TextFields, key: str = "data.source"
     return Layout("pairs" if prompt == answer == "auto" else "fields", *found)
 
 
-def is_metadata(records: Records, names: set[str]) -> bool:
-    """Whether the fields beside a corpus's `text` describe it rather than pair with it: names corpora use for
-    their metadata (C4's url and timestamp, the Pile's meta, FineWeb's id, dump, language_score...), or values that
-    are never text. A label, summary or translation beside `text` is an answer to map (data.fields), not metadata."""
-    return all(
-        name in METADATA or all(not isinstance(r.get(name), str) for r in records) for name in names
-    )  # fmt: skip
+def describes_text(names: set[str]) -> bool:
+    """Whether the fields beside a corpus's `text` describe it (C4's url and timestamp, the Pile's meta, FineWeb's
+    id and dump, Wikipedia's title) rather than pair with it: a label, a summary or a pair's prompt or answer beside
+    `text` is something to map with data.fields, not metadata to leave out."""
+    return not names & PAIRED
 
 
 def format_fields(spec: str, key: str) -> set[str]:
