@@ -95,3 +95,12 @@ def test_a_class_conditional_unet_is_refused_before_training(tmp_path: Path):
     with pytest.raises(UserError, match="class-conditional unet"):
         run(tmp_path, *TINY_UNET, "++model.kwargs.num_class_embeds=2", f"data.source={images}")
     assert not list(tmp_path.glob("run/checkpoints/*.ckpt"))
+
+
+def test_a_float32_moving_average_under_fsdp_in_half_precision_is_refused_before_training(tmp_path: Path):
+    """FSDP flattens the whole module, the float32 moving average beside the bf16 weights, and refuses mixed dtypes
+    at setup (its ValueError) once the data has loaded."""
+    images = write_images(tmp_path / "pictures")
+    with pytest.raises(UserError, match=r"strategy.lightning=fsdp and strategy.precision=bf16-true: the moving"):
+        run(tmp_path, *TINY_UNET, "strategy.lightning=fsdp", "strategy.precision=bf16-true", f"data.source={images}")
+    assert not list(tmp_path.glob("run/checkpoints/*.ckpt"))

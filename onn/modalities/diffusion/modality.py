@@ -51,6 +51,12 @@ class DiffusionModality(Modality):
                 f"model.ema_decay={model.ema_decay}: a streamed denoiser keeps no moving average of its weights (the "
                 "frozen ones live in the layer store): set model.ema_decay=0 with strategy=sparse_lora."
             )
+        if model.ema_decay and config.strategy.lightning == "fsdp" and str(config.strategy.precision).endswith("-true"):
+            raise UserError(  # FSDP flattens the module, moving average included, and refuses mixed dtypes
+                f"model.ema_decay={model.ema_decay} with strategy.lightning=fsdp and strategy.precision="
+                f"{config.strategy.precision}: the moving average stays float32 beside the half-precision weights, "
+                "which FSDP cannot flatten together; use strategy.precision=bf16-mixed, or model.ema_decay=0."
+            )
         if not 0 <= model.ema_decay < 1:
             raise UserError(f"model.ema_decay={model.ema_decay!r}: give a number in [0, 1) (0: no moving average).")
         if model.beta_schedule not in BETA_SCHEDULES:
