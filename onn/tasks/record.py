@@ -31,6 +31,7 @@ import hydra.core.utils
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from onn.errors import UserError, write_refused
 from onn.hardware.cluster import is_rank_zero, rank_variable
@@ -263,7 +264,7 @@ def _save_config_whole(
     a job's first file, claims."""
     data = OmegaConf.to_yaml(cfg).encode("utf-8")
     if jobs is not None and filename == "config.yaml":
-        claim_job_folder(jobs, data.decode("utf-8"))
+        claim_job_folder(jobs, computed(cfg))
     path = Path(output_dir) / filename
     tmp = path.with_name(f".{filename}.{os.getpid()}.tmp")
     try:
@@ -277,9 +278,19 @@ def _save_config_whole(
         raise SystemExit(1) from None
 
 
+def computed(cfg: DictConfig) -> str:
+    """What a job computes, as onn.app.config_digest sees it: its config resolved, less the paths that say where it
+    runs (written unresolved where a value cannot be resolved yet: app's check then says it in one sentence)."""
+    try:
+        values = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException:
+        values = OmegaConf.to_container(cfg, resolve=False)
+    return json.dumps({k: v for k, v in values.items() if k != "paths"}, sort_keys=True, default=str)
+
+
 def claim_job_folder(jobs: dict[Path, tuple[int, str]], config: str) -> None:
-    """The current job's folder for this sweep (`jobs`: each folder its earlier jobs took, by job number and config
-    YAML); one that an earlier job of another config took ends the sweep in one sentence: this job would replace
+    """The current job's folder for this sweep (`jobs`: each folder its earlier jobs took, by job number and what
+    it computes); one that an earlier job of another config took ends the sweep in one sentence: this job would replace
     that one's .hydra/, config, metrics.json and checkpoints. A job of the same config (a sweep that lists a value
     twice, an Optuna trial drawn again) finds that job's record and is not run again (onn.app.run)."""
     job = HydraConfig.get()
