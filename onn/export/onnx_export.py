@@ -18,7 +18,6 @@ import inspect
 import itertools
 import logging
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -691,15 +690,31 @@ def staged_name(output: Path) -> str:
 
 def move_into_place(graph: Path, output: Path) -> None:
     """Move a staged export (`graph` and the weights files beside it) to `output`: the weights first, under names of
-    their own, then the graph in one rename, then the earlier export's weights. Stopped at any point, `output` is
-    the earlier graph beside its weights or the new one beside its own, never one graph beside the other's weights."""
+    their own, then the graph in one rename, then the weights the replaced graph named. Stopped at any point,
+    `output` is the earlier graph beside its weights or the new one beside its own, never one graph beside the
+    other's weights; another export's weights beside it (one writing the same path at once) are left alone."""
     weights = [f.name for f in graph.parent.iterdir() if f != graph]
+    replaced = replaced_weights(output)
     for name in weights:
         os.replace(graph.parent / name, output.parent / name)
     failpoints.reached("export_write")
     os.replace(graph, output)
-    for stale in earlier_weights(output, keep=set(weights)):
-        stale.unlink(missing_ok=True)
+    for stale in replaced:
+        if stale.name not in weights:
+            stale.unlink(missing_ok=True)
+
+
+def replaced_weights(output: Path) -> list[Path]:
+    """The weights files the graph at `output` names, which an export over it leaves behind: none where there is no
+    graph there, or one ONNX cannot read (its files, if any, are not known to be its)."""
+    from google.protobuf.message import DecodeError
+
+    if not output.is_file():
+        return []
+    try:
+        return weights_files(output)
+    except (DecodeError, OSError, ValueError):
+        return []
 
 
 def weights_files(path: Path) -> list[Path]:
@@ -710,13 +725,6 @@ def weights_files(path: Path) -> list[Path]:
     model = onnx.load(str(path), load_external_data=False)
     named = {ExternalDataInfo(t).location for t in _get_all_tensors(model) if uses_external_data(t)}
     return sorted(path.parent / name for name in named)
-
-
-def earlier_weights(output: Path, keep: set[str]) -> list[Path]:
-    """The weights files earlier exports to `output` wrote beside it (OUTPUT.NAME.data before exports named their
-    own, OUTPUT.NAME.<12 hex digits>.data since; a stopped export's too), but those named in `keep`."""
-    pattern = re.compile(re.escape(output.name) + r"(\.[0-9a-f]{12})?\.data")
-    return [f for f in output.parent.iterdir() if pattern.fullmatch(f.name) and f.name not in keep and f.is_file()]
 
 
 def _shapes(sample: dict) -> dict[str, list[int]]:

@@ -3,12 +3,12 @@ piece splits where its .omny says."""
 
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 from typing import Any
 
 from onn.errors import UserError
 from onn.export.omny.format import validate
-from onn.export.onnx_export import weights_files
 from onn.export.pipelines import document
 from onn.export.pipelines.registry import Pipeline, get
 from onn.export.pipelines.runtime import Pieces, Request, check_output
@@ -21,7 +21,9 @@ def run_pipeline(path: str | Path, request: Request) -> dict[str, Any]:
     _check_prompts(pipeline, request)
     files = [p["file"] for p in doc["pieces"]]
     pieces = [path.parent / f for f in files]
-    weights = [w for piece in pieces if piece.is_file() for w in weights_files(piece)]  # each export's own name
+    # each piece's weights files, by the names exports give them (NAME.data, NAME.<12 hex>.data): reading each
+    # graph for them would parse every piece, up to 1.5 GiB of inline weights, before onnxruntime loads it again
+    weights = [w for piece in pieces for w in piece.parent.glob(f"{glob.escape(piece.name)}*.data")]
     read = [path, request.image, *pieces, *weights]
     check_output(request, read + ([path.parent / doc["tokenizer"]] if doc.get("tokenizer") else []))
     return pipeline.run(doc, Pieces(doc, path.parent), request)
