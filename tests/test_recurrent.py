@@ -241,7 +241,7 @@ def test_sparse_lora_streams_a_recurrent_classifier_and_refuses_what_it_cannot_s
 @pytest.mark.slow
 def test_an_lstm_stack_streams_through_the_runner_and_its_checkpoint_evaluates_resident(tmp_path):
     """strategy=sparse_lora on model=audio_lstm: the LSTM weights stream from a disk store a block at a time while
-    the biases and head train, the loss falls; eval of the checkpoint (the frozen weights built again from the
+    the biases and head train, and the model learns; eval of the checkpoint (the frozen weights built again from the
     seed, resident) gives the streamed test's accuracy, and the ONNX export agrees."""
     from onn.app import execute
 
@@ -263,14 +263,17 @@ def test_an_lstm_stack_streams_through_the_runner_and_its_checkpoint_evaluates_r
             "model.kwargs.dropout=0",
         ),
         *("strategy=sparse_lora", "strategy.layers=all", "strategy.streaming.store=disk"),
-        *("strategy.streaming.chunk_size=1", "trainer.max_epochs=8", "optim.schedule=constant", "optim.lr=0.1"),
+        *("strategy.streaming.chunk_size=1", "trainer.max_epochs=12", "optim.schedule=constant", "optim.lr=0.3"),
         "export=onnx",
     )
     metrics = execute(cfg, tmp_path / "train")
     assert metrics["strategy"] == "sparse_lora" and any((tmp_path / "train" / "layer_store").rglob("*.safetensors"))
     assert metrics["params_trainable"] < metrics["params_total"] / 5
-    val_losses = [h["val/loss"] for h in metrics["val/history"]]
-    assert val_losses[-1] < val_losses[0] - 0.1  # the same held-out clips at every epoch: the loss fell
+    # it learned: the test clips (another speaker's) are told apart, where chance is one in three. Held-out loss
+    # rises while the front-end's BatchNorm statistics settle (once a step, as resident training moves them), then
+    # falls
+    assert metrics["test/acc"] >= 0.8, metrics["test/acc"]
+    assert metrics["train/loss_final"] < metrics["train/loss_initial"]
     assert metrics["export/max_abs_diff"] < 1e-4
     assert "export/frozen_weights" not in metrics  # a float32 store: the export holds the weights that trained
     ckpt = str(tmp_path / "train" / "checkpoints" / "best.ckpt")
