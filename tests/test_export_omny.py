@@ -166,11 +166,18 @@ def test_enrich_onnx_finds_cut_points_in_a_foreign_graph(tmp_path):
 
 
 def test_a_small_omny_written_over_a_large_one_leaves_no_weights_file_of_the_old_one(tmp_path):
-    """A .omny above 1.75 GiB keeps its weights in NAME.omny.data beside it; a smaller export to the same name
-    stores them inside, and the old weights file (which nothing reads any more) goes with it."""
+    """A .omny above 1.75 GiB keeps its weights in a file beside it that its graph names (NAME.omny.data before
+    exports named their own); a smaller export to the same name stores them inside, and the weights file the
+    replaced graph named (which nothing reads any more) goes with it."""
     src = _foreign_mlp(tmp_path / "mlp.onnx", layers=2)
     stale = tmp_path / "mlp.omny.data"
-    stale.write_bytes(b"\0" * 4096)  # what the earlier, larger export left
+    earlier = onnx.load(str(src))  # what the earlier, larger export left: a graph naming its weights file
+    for tensor in earlier.graph.initializer:  # as raw bytes, which ONNX's external data holds
+        tensor.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor), tensor.name))
+    onnx.save_model(
+        earlier, str(tmp_path / "mlp.omny"), save_as_external_data=True, location=stale.name, size_threshold=0
+    )
+    assert stale.exists()
     sample = {"x": np.zeros((3, 32), dtype=np.float32)}
     out = omny.enrich_onnx(src, tmp_path / "mlp.omny", sample)
     assert not stale.exists() and omny.validate(out, echo=lambda *_: None)
