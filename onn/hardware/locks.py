@@ -53,7 +53,7 @@ def try_hold(folder: str | os.PathLike, name: str = LOCK_NAME) -> int | None:
     """Hold `folder`'s lock (the lock file `name` in it) for the rest of this process (its file descriptor), or
     None if another process holds it now; the holder's pid is written into the lock file for the message that
     names it."""
-    fd = os.open(Path(folder) / name, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open(Path(folder) / name)
     try:
         _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, Path(folder) / name)
     except BlockingIOError:
@@ -62,10 +62,31 @@ def try_hold(folder: str | os.PathLike, name: str = LOCK_NAME) -> int | None:
     except OSError:
         os.close(fd)
         raise
-    os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
+    _write_pid(fd)
     _opened(fd)
     return fd
+
+
+def _open(path: Path) -> int:
+    """The lock file's descriptor, the file made where missing with the mode the umask leaves (a team's shared cache
+    under umask 002 lets the group lock it too: a fixed 0o644 left another user's run refused with "Permission
+    denied" in a folder it may write). A lock file this process may only read (another user's, a read-only mount) is
+    opened read-only: flock locks through any descriptor."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EROFS) or not path.is_file():
+            raise
+    return os.open(path, os.O_RDONLY)
+
+
+def _write_pid(fd: int) -> None:
+    """The holder's pid, for the message that names it (`holder`). A disk that refuses even these bytes (full, or a
+    read-only lock file) leaves the lock held without it: raising here left the lock held by a descriptor nothing
+    closed, and the next run in this process (a sweep's job) waited for it forever."""
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
 
 
 def _flock(fd: int, operation: int, path: Path) -> None:
@@ -106,7 +127,7 @@ def held(folder: str | os.PathLike, on_wait: Callable[[], None] | None = None, n
     if fd is None:
         if on_wait is not None:
             on_wait()
-        fd = os.open(Path(folder) / name, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open(Path(folder) / name)
         try:
             _flock(fd, fcntl.LOCK_EX, Path(folder) / name)
         except OSError:

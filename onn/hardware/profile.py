@@ -234,6 +234,11 @@ def check_settings(hw_cfg: HardwareConfig) -> None:
             )
     given = {k: getattr(hw_cfg, k) for k in PROFILE_KEYS if k != "name" and getattr(hw_cfg, k) is not None}
     if hw_cfg.measure:
+        if hw_cfg.disk_probe_mb < 1:  # a probe of 1 MB instead: its latency, cached as this disk's bandwidth
+            raise UserError(
+                f"hardware.disk_probe_mb={hw_cfg.disk_probe_mb}: give the probe file's size in MB, 1 or more (1024 "
+                "measures the disk rather than its cache)."
+            )
         if given:
             key, value = next(iter(given.items()))
             raise UserError(
