@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -32,14 +33,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from onn.bench import chaos_serve, child
+import torch
+
+from onn.bench import chaos_data, chaos_serve, child
 from onn.bench.chaos_data import generate
 from onn.config import ONNConfig
-from onn.config.task import BenchChaosTask, ChaosTrack
+from onn.config.task import BenchChaosTask, ChaosServer, ChaosTrack
 from onn.errors import UserError
 from onn.hardware import failpoints
 from onn.hardware.profile import cache_file
-from onn.training.checkpoints import load, read_meta
+from onn.training.checkpoints import load, read_meta, whole_last
 
 log = logging.getLogger("onn")
 RUN_PY = Path(__file__).resolve().parents[2] / "run.py"
@@ -92,10 +95,17 @@ def trial_shares(task: BenchChaosTask) -> dict[str, int]:
 
 
 def check_settings(task: BenchChaosTask) -> None:
+    """Every setting that cannot work, refused before the first run: found at its track's turn (a data kind) or
+    in the server part, it failed the bench after every earlier track had run (minutes), a zero clients as
+    ThreadPoolExecutor's traceback."""
     if task.trials < 0 or (task.trials and not task.tracks) or (not task.trials and task.server is None):
         raise UserError(
             "give task.trials (1 or more) and task.tracks to kill runs, or task.server to load a server, or both."
         )
+    shares = ("failpoint_share", "after_first_checkpoint", "kill_from", "kill_to")
+    _check_shares("task", {key: getattr(task, key) for key in shares})
+    if task.atol < 0 or task.timeout_s <= 0:
+        raise UserError(f"task.atol={task.atol:g} and task.timeout_s={task.timeout_s:g}: give 0 or more and above 0.")
     for name, track in task.tracks.items():
         if not track.overrides:
             raise UserError(f"task.tracks.{name}.overrides is empty: give the run.py overrides of a short run.")
@@ -104,6 +114,30 @@ def check_settings(task: BenchChaosTask) -> None:
                 f"task.tracks.{name}.failpoints names {', '.join(unknown)}: "
                 f"the points are {', '.join(failpoints.POINTS)}."
             )
+        if track.data is not None and track.data not in chaos_data.WRITERS:
+            raise UserError(
+                f"task.tracks.{name}.data={track.data}: give one of {', '.join(chaos_data.WRITERS)}, or null."
+            )
+    if task.server is not None:
+        _check_server(task.server)
+
+
+def _check_shares(where: str, shares: dict[str, float]) -> None:
+    for key, share in shares.items():
+        if not 0.0 <= share <= 1.0:
+            raise UserError(f"{where}.{key}={share:g}: a share, give a number from 0 to 1.")
+
+
+def _check_server(server: ChaosServer) -> None:
+    _check_shares("task.server", {"drop_share": server.drop_share, "malformed_share": server.malformed_share})
+    if server.drop_share + server.malformed_share > 1.0:
+        raise UserError(
+            f"task.server.drop_share={server.drop_share:g} and malformed_share={server.malformed_share:g} add up "
+            "to more than 1: the rest of the requests are the ones answered; lower one of them."
+        )
+    for key, least in {"requests": 0, "more_requests": 0, "clients": 1, "max_tokens": 1}.items():
+        if getattr(server, key) < least:
+            raise UserError(f"task.server.{key}={getattr(server, key)}: give {least} or more.")
 
 
 def _track(
@@ -166,7 +200,8 @@ def _trial(
         resumed, extra = killed, []
     else:
         resumed = folder / "resumed"
-        extra = [f"ckpt={killed}"] if (killed / "checkpoints" / "last.ckpt").is_dir() else []
+        # last.ckpt, or the last.ckpt.old a kill between a save's two renames left: `ckpt=` takes either
+        extra = [f"ckpt={killed}"] if whole_last(killed / "checkpoints") is not None else []
     run_again = _with_cache([*overrides, *extra], track, killed)  # the killed run's store, half built or whole
     _finish(run_again, resumed, sweep, task.timeout_s)  # a resume that fails ends the bench
     outcome, diff = _compare(reference, _final_state(resumed, sweep), task.atol)
@@ -203,18 +238,23 @@ def _with_cache(overrides: list[str], track: ChaosTrack, folder: Path) -> list[s
 
 def _kill_at(proc, kill: float | str, folder: Path, sweep: bool) -> str | None:
     """SIGKILL to the run's process group `kill` seconds after its start, or wait for it to kill itself at the
-    named point; where the kill fell (None: the run ended first)."""
+    named point; where the kill fell (None: the run ended first, whole). A run that failed on its own is the
+    harness's finding: it was taken for one that ended first, tried again and counted as a trial."""
     if isinstance(kill, str):
         proc.join()
         with contextlib.suppress(ProcessLookupError):  # what the run started (DataLoader workers) goes with it
             os.killpg(proc.pid, signal.SIGKILL)
-        return f"at {kill.split(':')[0]}" if proc.exitcode == -signal.SIGKILL else None
+        if proc.exitcode == -signal.SIGKILL:
+            return f"at {kill.split(':')[0]}"
+        _check_ended(proc.exitcode, folder)
+        return None
     if isinstance(kill, After):  # a shared machine runs each run at its own pace: wait for its checkpoint
         pattern = "*/checkpoints/last.ckpt" if sweep else "checkpoints/last.ckpt"
         while proc.is_alive() and not any(folder.glob(pattern)):
             time.sleep(0.02)
     proc.join(timeout=float(kill))
     if not proc.is_alive():
+        _check_ended(proc.exitcode, folder)
         return None
     fault = _where(folder, sweep)
     os.killpg(proc.pid, signal.SIGKILL)
@@ -248,12 +288,16 @@ def _finish(overrides: list[str], folder: Path, sweep: bool, timeout_s: float) -
     if timed_out:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.join()
-    code = f"a timeout ({timeout_s:g} s)" if timed_out else proc.exitcode
+    _check_ended(f"a timeout ({timeout_s:g} s)" if timed_out else proc.exitcode, folder)
+    wall = time.perf_counter() - started
+    return wall, first or wall
+
+
+def _check_ended(code: int | str, folder: Path) -> None:
+    """A run that ended otherwise than whole (exit code 0): the harness's finding, said in one sentence."""
     if code != 0:
         tail = (folder.parent / f"{folder.name}.console.txt").read_text(errors="replace")[-600:]
         raise UserError(f"bench_chaos: the run in {folder} ended with {code}; its console ends: {tail!r}")
-    wall = time.perf_counter() - started
-    return wall, first or wall
 
 
 def _runs(folder: Path, sweep: bool) -> list[Path]:
@@ -305,8 +349,6 @@ def _in_run(value: Any, run: str) -> Any:
 
 
 def _tensors(tree: Any, prefix: str = "") -> dict[str, Any]:
-    import torch
-
     if isinstance(tree, torch.Tensor):
         return {prefix: tree}
     items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list | tuple) else ()
@@ -338,7 +380,9 @@ def _compare(reference: dict[str, Any], resumed: dict[str, Any], atol: float) ->
 
 def _tensors_differ(want: dict[str, Any], got: dict[str, Any]) -> float | None:
     """The largest difference between two runs' tensors, None where they are not the same set (names, shapes,
-    dtypes) or an integer tensor differs."""
+    dtypes), an integer tensor differs or a NaN is where the other run has a number. NaN and equal infinities
+    agree with themselves: a NaN difference was lost in max() (`max(0.0, nan)` is 0.0), so a resumed run whose
+    weights turned NaN counted as exact."""
     if set(want) != set(got):
         return None
     worst = 0.0
@@ -346,10 +390,15 @@ def _tensors_differ(want: dict[str, Any], got: dict[str, Any]) -> float | None:
         b = got[key]
         if a.shape != b.shape or a.dtype != b.dtype:
             return None
-        if a.is_floating_point():
-            worst = max(worst, float((a.double() - b.double()).abs().max()) if a.numel() else 0.0)
-        elif not bool((a == b).all()):
+        if not a.is_floating_point():
+            if not bool((a == b).all()):
+                return None
+            continue
+        a, b = a.double(), b.double()
+        if not torch.equal(a.isnan(), b.isnan()):
             return None
+        same = (a == b) | a.isnan()
+        worst = max(worst, float(torch.where(same, 0.0, (a - b).abs()).max()) if a.numel() else 0.0)
     return worst
 
 
@@ -358,7 +407,9 @@ def _differ(a: Any, b: Any) -> float | None:
     (another text, key set, length or kind of value)."""
     number = (int, float)
     if isinstance(a, number) and isinstance(b, number) and not isinstance(a, bool) and not isinstance(b, bool):
-        return abs(float(a) - float(b))
+        if math.isnan(a) or math.isnan(b):  # (abs(nan - x) is NaN, which max() drops)
+            return 0.0 if math.isnan(a) and math.isnan(b) else None
+        return 0.0 if a == b else abs(float(a) - float(b))
     if isinstance(a, dict) and isinstance(b, dict):
         parts = [_differ(a[k], b[k]) for k in a] if a.keys() == b.keys() else [None]
     elif isinstance(a, list) and isinstance(b, list):
@@ -372,7 +423,7 @@ def _where(folder: Path, sweep: bool) -> str:
     """Where the kill falls, from what the run has on disk at that moment."""
     runs = _runs(folder, sweep)
     for run in runs:
-        if list(run.glob("checkpoints/*.tmp")):
+        if list(run.glob("checkpoints/*.tmp")) or list(run.glob("checkpoints/*.ckpt.old")):  # (between its renames)
             return "checkpoint write"
     if list(folder.with_name(folder.name + ".cache").glob("stores/**/*.tmp")):
         return "layer store build"
@@ -382,10 +433,12 @@ def _where(folder: Path, sweep: bool) -> str:
 
 
 def _corrupt(folder: Path, sweep: bool) -> int:
-    """Checkpoints the kill left that a resume would take as whole but that do not load."""
+    """Checkpoints the kill left that a resume would take as whole but that do not load: each NAME.ckpt, and a
+    last.ckpt.old without its last.ckpt (a kill between a save's two renames), which `ckpt=` takes then."""
     bad = 0
     for run in _runs(folder, sweep):
-        for ckpt in run.glob("checkpoints/*.ckpt"):
+        alone = [old for old in run.glob("checkpoints/last.ckpt.old") if not old.with_suffix("").exists()]
+        for ckpt in [*run.glob("checkpoints/*.ckpt"), *alone]:
             try:
                 load(ckpt)
             except Exception:  # noqa: BLE001 - any failure to load is the finding

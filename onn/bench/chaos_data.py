@@ -16,13 +16,12 @@ def generate(kind: str | None, root: Path, seed: int) -> list[str]:
     """Write the `kind` dataset under root (once) and return the overrides that use it."""
     if kind is None:
         return []
-    writers = {"images": _images, "audio": _audio, "jsonl": _jsonl, "pairs": _pairs}
-    if kind not in writers:
-        raise UserError(f"task.tracks.*.data={kind!r} is not one of {', '.join(writers)} (or null).")
+    if kind not in WRITERS:
+        raise UserError(f"task.tracks.*.data={kind!r} is not one of {', '.join(WRITERS)} (or null).")
     folder = root / kind
     source = folder / "sums.jsonl" if kind == "jsonl" else folder
     if not (folder / ".complete").is_file():
-        writers[kind](folder, np.random.default_rng(seed))
+        WRITERS[kind](folder, np.random.default_rng(seed))
         (folder / ".complete").write_text("")
     return [f"data.source={source}"]
 
@@ -65,3 +64,7 @@ def _pairs(folder: Path, rng: np.random.Generator) -> None:
     from onn.modalities.pairs.demo import write_shapes
 
     write_shapes(folder, 96, seed=int(rng.integers(0, 2**31)), size=16)
+
+
+# what task.tracks.NAME.data may name (bench_chaos checks every track's before its first run)
+WRITERS = {"images": _images, "audio": _audio, "jsonl": _jsonl, "pairs": _pairs}

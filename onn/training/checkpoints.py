@@ -441,8 +441,11 @@ def run_best(callback, ckpt: Path | None, run_dir: Path, monitor: str, mode: str
         if best is not None and old.is_dir() and not beaten:
             target = here / "best.ckpt"
             if old.resolve() != target.resolve():  # resumed into its own folder (a sweep's job), it is there already
+                staged = target.with_name(target.name + ".tmp")  # a kill mid-copy leaves no half best.ckpt
+                shutil.rmtree(staged, ignore_errors=True)
+                shutil.copytree(old, staged)
                 if target.exists():
                     shutil.rmtree(target)
-                shutil.copytree(old, target)
+                staged.rename(target)
             path, score = str(target), float(best)
     return path, score
