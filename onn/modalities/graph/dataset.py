@@ -123,6 +123,10 @@ class GraphBatches(ResidentBatches):
 class GraphDataModule(L.LightningDataModule):
     """train / val / test graphs of a graph source (the attributes the shared classifier tasks read)."""
 
+    # a classifier learns two classes or more; 1 where a checkpoint's classes are known (task=eval of a folder of
+    # some of them: classification.trained_data sets it, as for ClassificationData)
+    min_classes = 2
+
     def __init__(self, data_cfg: GraphData, device: str = "cpu", seed: int = 0):
         super().__init__()
         self.cfg, self.seed, self.device = data_cfg, seed, torch.device(device)
@@ -147,15 +151,19 @@ class GraphDataModule(L.LightningDataModule):
             self._setup_nodes(str(source))
         else:
             self._setup_graphs(str(source))
-        if len(self.classes) < 2:
+        if len(self.classes) < self.min_classes:
             raise UserError(
                 f"data.source {source} has {len(self.classes)} class ({', '.join(self.classes) or 'none'}): "
                 "a classifier needs two or more; add the other classes' folders (or labels)."
             )
-        widths = {g.num_node_features for s in self.splits.values() for g in s.graphs}
+        widths: dict[int, str] = {}  # a graph of each width, named: which file differs
+        for split in self.splits.values():
+            for graph, name in zip(split.graphs, split.names):
+                widths.setdefault(graph.num_node_features, name)
         if len(widths) > 1:
+            named = ", ".join(f"{name}'s {width}" for width, name in sorted(widths.items()))
             raise UserError(
-                f"data.source {source}: its graphs' nodes have {sorted(widths)} features; "
+                f"data.source {source}: its graphs' nodes have different numbers of features ({named}); "
                 "every graph needs the same number (x [nodes, features])."
             )
         sizes = ", ".join(f"{k} {len(v)}" for k, v in self.splits.items())
@@ -206,8 +214,14 @@ class GraphDataModule(L.LightningDataModule):
         """A seeded validation split taken from train (the same graphs for every run with this seed)."""
         fraction = float(self.cfg.val_split)
         n_val = max(1, round(len(train) * fraction))
-        if not 0 < fraction < 1 or n_val >= len(train):
+        if not 0 < fraction < 1:
             raise UserError(f"data.val_split={fraction}: give a fraction between 0 and 1 that leaves training graphs.")
+        if n_val >= len(train):  # one graph: no fraction of it leaves any (the old sentence blamed the fraction)
+            raise UserError(
+                f"data.source has {len(train)} training graph{'s' if len(train) > 1 else ''} and data.val_split="
+                f"{fraction} holds out {n_val} for validation, leaving none to train on: add graphs, give a smaller "
+                "data.val_split or a data.val_source (one graph whose nodes are classified: data.level=node)."
+            )
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(self.seed))
         return train.subset(order[n_val:]), train.subset(order[:n_val])
 
@@ -231,7 +245,11 @@ class GraphDataModule(L.LightningDataModule):
             del graph.node_y
         found_classes = [str(i) for i in range(int(graph.y.max()) + 1)]
         self.classes = class_order(found_classes, self.cfg)
-        masks = self._node_masks(graph, f"{name} in data.source")
+        if self.cfg.val_source:  # task=eval of a given graph (modality.scores_whole_graph): all its labelled nodes
+            labelled = graph.y >= 0
+            masks = {"train": labelled, "val": labelled, "test": torch.zeros_like(labelled)}
+        else:
+            masks = self._node_masks(graph, f"{name} in data.source")
         for key in ("train_mask", "val_mask", "test_mask"):
             if key in graph:
                 del graph[key]

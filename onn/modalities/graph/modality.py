@@ -90,7 +90,7 @@ class GraphModality(ClassifierModality):
                 "nodes share one graph with its training nodes: set task.adapt_norm=false."
             )
         for key in ("val_source", "test_source") if data.level == "node" else ():  # (read nowhere: ignored)
-            if getattr(data, key):
+            if getattr(data, key) and not scores_whole_graph(config):
                 raise UserError(
                     f"data.{key}={getattr(data, key)}: data.level=node holds out nodes of the one data.source graph "
                     f"(its val_mask / test_mask, or data.val_split); remove data.{key}, or use data.level=graph."
@@ -194,6 +194,13 @@ class GraphModality(ClassifierModality):
         from onn.modalities.graph.tasks import export_network
 
         return export_network(self, config, module, run_dir)
+
+
+def scores_whole_graph(config: ONNConfig) -> bool:
+    """Whether task=eval scores every labelled node of its node-level data.source: the runner sets data.val_source
+    to a data.source the command line gives (onn.app.score_all_given), and a node-level graph's whole is its nodes."""
+    data: GraphData = config.data
+    return config.task.name == "eval" and bool(data.source) and str(data.val_source) == str(data.source)
 
 
 def _holds_edges(path: Path) -> bool:

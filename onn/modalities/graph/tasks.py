@@ -35,6 +35,7 @@ from onn.config.model import GraphNetworkConfig
 from onn.config.task import InferTask
 from onn.data.files import write_jsonl
 from onn.data.labelled import check_bad
+from onn.data.resident import numbered
 from onn.errors import UserError
 from onn.hardware.profile import Profile
 from onn.modalities.base import ClassifierModality, Job
@@ -280,12 +281,18 @@ def _node_items(graph, name: str) -> list[str]:
 
 
 def _truths(graphs: list, found: list[str], classes: list[str], level: str) -> list[str | None]:
-    """Each prediction's true class where the input names one the model knows (its folder's, or y's)."""
+    """Each prediction's true class where the input names one the model knows: its folder's by name; a label number
+    (a node's y, a file's y) as the model's class of that number, as training reads it (resident.relabelled), so
+    data.classes naming the numbers names the truths too (the number's text was compared with the names)."""
     if level == "node":
         (graph,) = graphs
-        labels = graph.node_y.view(-1).tolist() if "node_y" in graph else [-1] * graph.num_nodes
-        return [str(c) if str(c) in classes else None for c in labels]
-    names = [found[int(g.y)] if 0 <= int(g.y) < len(found) else None for g in graphs]
+        numbers = "node_y" in graph and not graph.node_y.is_floating_point()
+        labels = graph.node_y.long().view(-1).tolist() if numbers else [-1] * graph.num_nodes
+    else:
+        labels = [int(g.y) for g in graphs]
+    if level == "node" or numbered(found):
+        return [classes[c] if 0 <= c < len(classes) else None for c in labels]
+    names = [found[c] if 0 <= c < len(found) else None for c in labels]
     return [n if n in classes else None for n in names]
 
 
