@@ -12,10 +12,10 @@ Before Hydra composes, run.py expands a leading `~` in the command line's values
 `data.source=~/x`, and Hydra's parser refuses it), and asks for the mistakes Hydra would report as a traceback or in
 its own terms: a YAML file that does not parse or holds a key twice (yaml_problem), a group chosen twice or an
 option it does not have (group_problem: `model=lama_small`, naming the closest), a misspelt key (`trainer.max_epoch=3`,
-naming the closest: compose_problem), a key or a whole block given for a block that is null here, answered with
-the options that give it (block_owners), and a recipe's task keys under another task (compose_problem). A recipe's
-block that the option chosen leaves null is app.to_config's to say (recipe_group_problem), once the composed config
-names the key that has no value.
+naming the closest, or the block that has it: compose_problem, a sweep's too), a key or a whole block given for a
+block that is null here, answered with the options that give it (block_owners), and a recipe's task keys under
+another task (compose_problem). A recipe's block that the option chosen leaves null is app.to_config's to say
+(recipe_group_problem), once the composed config names the key that has no value.
 
 A new key: add the field to its dataclass (type, `MISSING`, a comment saying what it holds), give its value
 in the option's YAML, and read it as an attribute.
@@ -27,10 +27,12 @@ import difflib
 import os
 import re
 from dataclasses import dataclass, fields, is_dataclass
+from functools import cache
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from onn.config import data, export, hardware, model, run, strategy, task
+from onn.config import data, export, model, task
 from onn.config.run import ONNConfig
 
 CONF = Path(__file__).resolve().parents[2] / "conf"  # the config groups run.py composes from
@@ -55,15 +57,8 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "export": {"none": export.ExportConfig, "safetensors": export.SafetensorsExport, "onnx": export.OnnxExport,
                "omny": export.OmnyExport},
 }  # fmt: skip
-# Every key name a dataclass of ONN's config has: a command line's key with a part that is none of them is misspelt,
-# or a key of a free-form block (model.kwargs.widths), which compose_problem composes to tell apart
-FIELD_NAMES = frozenset(
-    f.name
-    for module in (data, export, hardware, model, run, strategy, task)
-    for kind in vars(module).values()
-    if isinstance(kind, type) and is_dataclass(kind)
-    for f in fields(kind)
-)
+# The config groups whose block's type is the option's schema (SCHEMAS), not the root's field type (ModelConfig, Any)
+GROUP_SCHEMAS = {group: tuple(schemas.values()) for group, schemas in SCHEMAS.items()}
 
 
 def register() -> None:
@@ -202,11 +197,11 @@ def compose_problem(argv: list[str], conf_dir: Path) -> str | None:
     null in this config (`serve.slots=4` with no task=serve to give `serve`, `data.builtin.train_size=32` of
     data=gsm8k: OmegaConf's AssertionError, a 23-line traceback), a recipe's task.* key that the task given on
     the command line lacks (`recipe=bench_chaos task=plan`: "Key 'tracks' not in 'TrainTask'"), and a misspelt key
-    (`trainer.max_epoch=3`, named with the closest key). It composes only for a command line that could hold one;
+    (`trainer.max_epoch=3`, named with the closest key). A sweep's (`-m`) are found too, before any job starts: once
+    for each option a swept group takes (sweep_lines). It composes only for a command line that could hold one;
     None for anything else (Hydra says it)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf
 
     if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
         return None  # Hydra's own options: --help, --cfg job, -cn NAME, ...
@@ -214,8 +209,6 @@ def compose_problem(argv: list[str], conf_dir: Path) -> str | None:
         overrides = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
     except Exception:  # noqa: BLE001 -- Hydra names a line it cannot parse
         return None
-    if any(o.is_sweep_override() for o in overrides):
-        return None  # each job of a sweep composes its own config
     if problem := _checkpoint_data_problem(overrides, conf_dir):
         return problem
     optional = {f.name for f in fields(ONNConfig) if f.default is None}  # top-level blocks null by default
@@ -225,19 +218,50 @@ def compose_problem(argv: list[str], conf_dir: Path) -> str | None:
     named = {o.key_or_group for o in overrides}
     if not under and not suspects and not {"recipe", "task"} <= named:
         return None
-    skip = [*under, *suspects]
-    rest = [o.input_line for o in overrides if o not in skip and not o.key_or_group.startswith("hydra")]
     with initialize_config_dir(config_dir=str(conf_dir.resolve()), version_base="1.3"):
-        try:
-            cfg = compose("config", overrides=rest)
-        except Exception as e:  # noqa: BLE001 -- anything but a recipe's task key, Hydra says itself
-            return _recipe_task_problem(e, overrides, conf_dir)
+        for line in sweep_lines(overrides, [*under, *suspects], groups) or []:
+            try:
+                cfg = compose("config", overrides=line)
+            except Exception as e:  # noqa: BLE001 -- anything but a recipe's task key, Hydra says itself
+                return _recipe_task_problem(e, overrides, conf_dir)
+            if problem := _key_problem(cfg, suspects, under, conf_dir):
+                return problem
+    return None
+
+
+def sweep_lines(overrides: list, skip: list, groups: set[str]) -> list[list[str]] | None:
+    """The command lines to compose for the checks, less the keys they check (`skip`) and Hydra's own: the one given,
+    or for a sweep one per option of each swept group (the other swept groups at their first), its swept keys left
+    out (their names are checked, not their values). None where a swept group's options cannot be listed here (a
+    glob, an Optuna interval): Hydra says what is wrong then."""
+    fixed, swept = [], []
+    for o in overrides:
+        if o in skip or o.is_hydra_override():
+            continue
+        if not o.is_sweep_override():
+            fixed.append(o.input_line)
+        elif o.key_or_group in groups:
+            try:
+                swept.append([f"{o.get_key_element()}={value}" for value in o.sweep_string_iterator()])
+            except Exception:  # noqa: BLE001 -- glob(*) needs Hydra's config loader; interval() has no list
+                return None
+    firsts = [options[0] for options in swept]
+    lines = [[*fixed, *firsts[:i], option, *firsts[i + 1 :]] for i, options in enumerate(swept) for option in options]
+    return lines or [fixed]
+
+
+def _key_problem(cfg: Any, suspects: list, under: list, conf_dir: Path) -> str | None:
+    """The first misspelt key of `suspects`, or key of `under` set in a block that is null in the composed `cfg`."""
+    from omegaconf import OmegaConf
+
     for o in suspects:
         if problem := _misspelt_key_problem(cfg, o):
             return problem
     for o in under:  # applied as Hydra applies them, in order
         if (block := _null_block(cfg, o.key_or_group, isinstance(o.value(), dict))) is not None:
             return _null_block_problem(cfg, o, block, conf_dir)
+        if o.is_sweep_override():
+            continue  # one value of several: the keys after it are checked in the config without it
         try:
             OmegaConf.update(cfg, o.key_or_group, o.value(), merge=True, force_add=o.is_add() or o.is_force_add())
         except Exception:  # noqa: BLE001 -- a misspelt key or a wrong type: Hydra's message names it
@@ -246,14 +270,42 @@ def compose_problem(argv: list[str], conf_dir: Path) -> str | None:
 
 
 def _unknown_name(override: Any, groups: set[str]) -> bool:
-    """A plain `key=value` with a part that no dataclass of the config has as a field (`trainer.max_epoch=3`): a
-    misspelt key, or one inside a free-form block (model.kwargs.widths), which _misspelt_key_problem tells apart."""
+    """A plain `key=value` that no option's schema has (`trainer.max_epoch=3`, `trainer.lr=0.1`: optim's key): a
+    misspelt key, or one inside a block free-form here but typed in the option chosen, which _misspelt_key_problem
+    tells apart on the composed config."""
     key = override.key_or_group
     if override.is_add() or override.is_force_add() or override.is_delete() or override.package is not None:
         return False  # `+`/`++` keys: app.to_config names one no dataclass has; `~key`: Hydra names a missing one
     if key in groups or key.split(".")[0] == "hydra" or "/" in key:
         return False
-    return any(part not in FIELD_NAMES for part in key.split("."))
+    return not schema_has(key)
+
+
+@cache
+def schema_has(key: str) -> bool:
+    """Whether some option's schema has `key` as a path of fields (`model.small_input`: a network's), or `key` lies
+    inside a value that is no dataclass (model.kwargs.widths, optim.betas.0, task.tracks.NAME.overrides)."""
+    kinds: list[Any] = [ONNConfig]
+    for part in key.split("."):
+        if any(not is_dataclass(kind) for kind in kinds):
+            return True  # a free-form value (Any, a list, a dict): any key below it may be there
+        kinds = [below for kind in kinds for below in _field_kinds(kind, part)]
+        if not kinds:
+            return False
+    return True
+
+
+def _field_kinds(kind: type, name: str) -> list[Any]:
+    """The types field `name` of dataclass `kind` may hold ([]: no such field): a group's schemas for the root's
+    groups, the dataclass (or dataclasses) it is typed as, or Any for a value of another type."""
+    if kind is ONNConfig and name in GROUP_SCHEMAS:
+        return list(GROUP_SCHEMAS[name])
+    if name not in {f.name for f in fields(kind)}:
+        return []
+    hint = get_type_hints(kind)[name]
+    options = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
+    kinds = [option for option in options if option is not type(None)]
+    return kinds if all(is_dataclass(option) for option in kinds) else [Any]
 
 
 def _misspelt_key_problem(cfg: Any, override: Any) -> str | None:
@@ -269,14 +321,27 @@ def _misspelt_key_problem(cfg: Any, override: Any) -> str | None:
             return None
         names = [f.name for f in fields(kind)]
         if part not in names:
-            close = difflib.get_close_matches(part, names, n=1)
-            hint = f" (did you mean {'.'.join([*path, close[0]])}?)" if close else ""
+            close = [".".join([*path, name]) for name in difflib.get_close_matches(part, names, n=1)]
+            close = _same_key_elsewhere(cfg, part) or close  # trainer.lr=0.1: optim.lr
+            hint = f" (did you mean {close[0]}?)" if close else ""
             return (
                 f"{override.input_line}: {override.key_or_group} is not a key of ONN's config{hint}; fix its name "
                 "(docs/config.md lists the groups' keys)."
             )
         node, path = node._get_node(part), [*path, part]
     return None
+
+
+def _same_key_elsewhere(cfg: Any, name: str) -> list[str]:
+    """The keys of that name in the config's top-level blocks (`lr`: optim.lr), for a key given under another."""
+    from omegaconf import DictConfig
+
+    blocks = [(block, cfg._get_node(block)) for block in cfg]
+    return [
+        f"{block}.{name}"
+        for block, node in blocks
+        if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing() and name in node
+    ]
 
 
 def _checkpoint_data_problem(overrides: list, conf_dir: Path) -> str | None:
@@ -346,7 +411,10 @@ def _null_block_problem(cfg, override, block: str, conf_dir: Path) -> str:
     group = block.split(".")[0]
     schema = OmegaConf.get_type(cfg[group]) if "." in block else None  # data.builtin: of the data schema in use
     owners = block_owners(block, conf_dir, schema)
-    sets = " ".join(_leaves(key, value)) if isinstance(value, dict) else f"{key}={override.get_value_element_as_str()}"
+    if isinstance(value, dict):
+        sets = " ".join(_leaves(key, value))
+    else:  # a sweep's values as given (`strategy.lora.r=4,8`), which Hydra cannot write as one value
+        sets = given if override.is_sweep_override() else f"{key}={override.get_value_element_as_str()}"
     what = "cannot be given whole on the command line" if key == block else f"has no {key[len(block) + 1 :]} to set"
     if not owners:
         return f"{given}: {block} is null in this config, so it {what}, and no config option gives it; drop {given}."
@@ -459,13 +527,15 @@ def _recipe_task_problem(error: Exception, overrides: list, conf_dir: Path) -> s
         return None
     if f"'recipe/{recipe}'" not in str(error):
         return None  # the command line's own task.* key: Hydra's "Could not override" names it
-    task = next(str(o.value()) for o in overrides if o.key_or_group == "task")
+    given = next((o for o in overrides if o.key_or_group == "task"), None)
+    if given is None or given.is_sweep_override():
+        return None  # `task=plan,train`: Hydra names the job's task
     defaults = (yaml.safe_load((conf_dir / "recipe" / f"{recipe}.yaml").read_text()) or {}).get("defaults") or []
     own = next((d["override /task"] for d in defaults if isinstance(d, dict) and "override /task" in d), None)
     whose = f"task={own} (the task the recipe names)" if own else "another task"
     return (
-        f"recipe={recipe} sets {key}, a key of {whose}, and task={task} has no such key; run the recipe with its "
-        "own task, or copy the recipe and drop its task.* keys."
+        f"recipe={recipe} sets {key}, a key of {whose}, and task={given.value()} has no such key; run the recipe "
+        "with its own task, or copy the recipe and drop its task.* keys."
     )
 
 
