@@ -22,8 +22,9 @@ from onn.modalities.mesh.primitives import BUILTIN, builtin_splits
 from onn.modalities.mesh.read import HELP, Sampling, read_source, sampling
 
 # 3: mirrored scene parts' normals point outwards, a point cloud's NaN points are dropped; 4: an OBJ's relative
-# indices count back from the vertices before them, not from the file's end: caches of before are stale
-READER_VERSION = 4
+# indices count back from the vertices before them, not from the file's end; 5: binary PLYs and OFFs of mixed polygon
+# sizes, OBJs with a byte-order mark or tabs are read, where they were skipped: caches of before are stale
+READER_VERSION = 5
 
 
 def read_cached(

@@ -7,7 +7,8 @@ orientation), and scaled into the unit sphere: float32 [points, 3] or [points, 6
 
 Geometry only: `trimesh.load(..., force=None, process=False)`, and a scene's parts are put where its
 graph places them and concatenated with numpy. trimesh's own concatenation merges the parts' visuals
-too (textures: slow, and it needs PIL or scipy for some files). A file holding only points (a PLY
+too (textures: slow, and it needs PIL or scipy for some files). A binary PLY or an OFF that trimesh refuses for
+mixing polygon sizes is read by onn.modalities.mesh.polygons. A file holding only points (a PLY
 point cloud) is taken as its finite points (a depth scan writes NaN for the pixels it did not measure) and
 sampled with replacement; its normals are zeros. An OBJ's relative indices are made absolute first (trimesh
 counts them back from the file's last vertex, not from the vertices before the face). Faces flat up to the
@@ -21,10 +22,12 @@ fails only when more than data.max_bad_fraction of the files are bad.
 
 from __future__ import annotations
 
+import codecs
 import io
 import logging
 import os
 import re
+import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,6 +42,7 @@ from onn.data.files import ARCHIVE_ERRORS, archive_kind, existing_source, walk_f
 from onn.data.labelled import check_bad
 from onn.data.resident import Decoded
 from onn.errors import UserError
+from onn.modalities.mesh.polygons import binary_ply_polygons, is_binary_ply, off_polygons
 
 if TYPE_CHECKING:
     import trimesh
@@ -49,6 +53,7 @@ log = logging.getLogger("onn")
 # point clouds (PLY without faces, XYZ).
 ALIGNMENTS = ("none", "pca")
 MESH_SUFFIXES = (".obj", ".ply", ".stl", ".off", ".glb", ".gltf", ".xyz")
+TEXT_TYPES = ("obj", "off", "xyz")  # formats that are text only: a byte-order mark in front is not their content
 SPLITS = {"train": "train", "test": "test", "val": "val", "valid": "val", "validation": "val"}
 LAYOUT = "CLASS/FILE (e.g. chair/0001.obj), train/CLASS/FILE + test/CLASS/FILE, or CLASS/train/FILE + CLASS/test/FILE"
 # A face line with a relative index (f -3 -2 -1, f 1/-1/2): counted back from the vertices read so far
@@ -104,31 +109,15 @@ def is_mesh_name(name: str) -> bool:
 def load_geometry(source: Path | bytes, suffix: str) -> tuple[np.ndarray, np.ndarray | None]:
     """(vertices [V, 3] float64, faces [F, 3] int64 or None for a point cloud) of a file's whole content,
     or MeshError saying why it cannot be used. `source` is a path, or the bytes of an archive member."""
-    import trimesh
-
     logging.getLogger("trimesh").setLevel(logging.ERROR)  # texture warnings: geometry is all that is read
     file_type = suffix.lower().lstrip(".")
     if (len(source) if isinstance(source, bytes) else os.stat(source).st_size) == 0:
         raise MeshError("is an empty file (0 bytes)")
-    if file_type == "obj":
+    if file_type in TEXT_TYPES:
         text = source if isinstance(source, bytes) else Path(source).read_bytes()
-        if RELATIVE_FACE.search(text):
-            source = absolute_obj_indices(text)
-    try:
-        if isinstance(source, bytes):
-            loaded = trimesh.load(io.BytesIO(source), file_type=file_type, force=None, process=False)
-        else:
-            loaded = trimesh.load(str(source), file_type=file_type, force=None, process=False)
-    except Exception as e:  # trimesh's parsers raise every kind of error on a malformed file
-        text = " ".join(str(e).split())[:160]
-        raise MeshError(f"unreadable as {file_type.upper()} ({type(e).__name__}{': ' + text if text else ''})") from e
-    parts: list[tuple[np.ndarray, np.ndarray | None]] = []
-    if isinstance(loaded, trimesh.Scene):
-        for node in loaded.graph.nodes_geometry:  # every placed instance, with its world transform
-            transform, name = loaded.graph[node]
-            parts.append(_part(loaded.geometry[name], transform))
-    else:
-        parts.append(_part(loaded, None))
+        plain = plain_text(text, file_type)
+        source = plain if plain != text else source
+    parts = read_parts(source, file_type)
     meshes = [(v, f) for v, f in parts if f is not None and len(f)]
     for v, f in meshes:  # each part on its own: past its end are the next part's vertices, a wrong shape
         if f.min() < 0 or f.max() >= len(v):
@@ -155,6 +144,57 @@ def load_geometry(source: Path | bytes, suffix: str) -> tuple[np.ndarray, np.nda
     if not finite.any():
         raise MeshError(f"none of its {len(p)} points is finite (NaN or inf)")
     return p[finite], None
+
+
+def read_parts(source: Path | bytes, file_type: str) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """(vertices, faces or None) of every part of a file, placed where its scene graph puts them; MeshError if
+    neither trimesh nor, for the mixed polygon sizes trimesh refuses, onn.modalities.mesh.polygons reads it."""
+    import trimesh
+
+    try:
+        if isinstance(source, bytes):
+            loaded = trimesh.load(io.BytesIO(source), file_type=file_type, force=None, process=False)
+        else:
+            loaded = trimesh.load(str(source), file_type=file_type, force=None, process=False)
+    except Exception as e:  # trimesh's parsers raise every kind of error on a malformed file
+        polygons = mixed_polygons(source, file_type)
+        if polygons is not None:
+            return [polygons]
+        text = " ".join(str(e).split())[:160]
+        raise MeshError(f"unreadable as {file_type.upper()} ({type(e).__name__}{': ' + text if text else ''})") from e
+    if not isinstance(loaded, trimesh.Scene):
+        return [_part(loaded, None)]
+    parts = []
+    for node in loaded.graph.nodes_geometry:  # every placed instance, with its world transform
+        transform, name = loaded.graph[node]
+        parts.append(_part(loaded.geometry[name], transform))
+    return parts
+
+
+def mixed_polygons(source: Path | bytes, file_type: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(vertices, triangles) of a binary PLY or an OFF that trimesh refused, read as files that mix polygons of
+    different sizes; None for another type, or where that fails too (trimesh's reason is then the one given)."""
+    data = source if isinstance(source, bytes) else Path(source).read_bytes()
+    try:
+        if file_type == "ply" and is_binary_ply(data):
+            return binary_ply_polygons(data)
+        if file_type == "off":
+            return off_polygons(data)
+    except (ValueError, TypeError, IndexError, KeyError, struct.error):
+        return None
+    return None
+
+
+def plain_text(text: bytes, file_type: str) -> bytes:
+    """A text file's bytes as trimesh reads them: without a UTF-8 byte-order mark (Windows editors write one, and
+    trimesh took an OBJ's first vertex for an unknown line and its faces for damaged ones), an OBJ's tabs as spaces
+    (trimesh read no vertex from `v<TAB>0 0 0`) and its relative indices made absolute."""
+    text = text.removeprefix(codecs.BOM_UTF8)
+    if file_type == "obj":
+        text = text.replace(b"\t", b" ")
+        if RELATIVE_FACE.search(text):
+            text = absolute_obj_indices(text)
+    return text
 
 
 def absolute_obj_indices(text: bytes) -> bytes:
