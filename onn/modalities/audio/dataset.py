@@ -35,7 +35,9 @@ READER = MediaReader(
     BadFile,
     DTYPE,
     "a folder of audio files, an archive of one, or one file",
-    version=2,  # float files beyond float16's range scaled (decode_audio): caches of before hold infinities
+    # 2: float files beyond float16's range scaled (decode_audio): caches of before hold infinities; 3: a long MP3
+    # or MP2 centred on its decoded length, a WAV whose header lengths were never written read (decode_audio)
+    version=3,
 )
 
 

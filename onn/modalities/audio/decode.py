@@ -1,8 +1,9 @@
 """Audio files -> float waveforms at one sample rate, channel count and length.
 
 WAV, FLAC, OGG (Vorbis, Opus), MP3, AIFF and the other formats libsndfile reads go through soundfile,
-whose wheel bundles libsndfile; M4A/AAC, WMA, MKA, AMR and anything soundfile refuses go through PyAV,
-whose wheel bundles FFmpeg (torchaudio 2.11's own load() would need torchcodec and a system FFmpeg).
+whose wheel bundles libsndfile; M4A/AAC, WMA, MKA, AMR, anything soundfile refuses, a long MP3/MP2 (whose length
+libsndfile only estimates) and a WAV whose header lengths were never written go through PyAV, whose wheel bundles
+FFmpeg (torchaudio 2.11's own load() would need torchcodec and a system FFmpeg).
 A file that neither can decode, that is empty or that holds no audio is a `BadFile` naming why; the
 caller skips it and counts it against data.max_bad_fraction.
 """
@@ -143,6 +144,8 @@ def decode_audio(source: str | IO[bytes], fit: Fit | None = None) -> tuple[np.nd
             raise BadFile(
                 f"not decodable audio (libsndfile: {decoder_complaint(first)}; FFmpeg: {decoder_complaint(e)})"
             ) from e
+    if wave.shape[1] == 0:  # libsndfile read none: the header's lengths may never have been written
+        wave, rate, start, total = _read_past_header(source, fit) or (wave, rate, start, total)
     if wave.shape[1] == 0:
         raise BadFile("no audio samples (a header and nothing after it)")
     if not np.isfinite(wave).all():
@@ -153,8 +156,24 @@ def decode_audio(source: str | IO[bytes], fit: Fit | None = None) -> tuple[np.nd
     return np.ascontiguousarray(wave), int(rate), start, total
 
 
+def _read_past_header(source: str | bytes, fit: Fit | None) -> tuple[np.ndarray, int, int, int] | None:
+    """The samples of a WAV whose recorder stopped before it wrote the header's lengths (a crash, a full card, a
+    pipe: a data length of 0), in which libsndfile reads none: FFmpeg reads them to the end of the file. None where
+    it finds none either (a header and nothing after it)."""
+    try:
+        return _decode_ffmpeg(source, fit)
+    except Exception:  # BadFile, or PyAV's FFmpegError and ValueError/OSError: the caller names the file bad
+        return None
+
+
 def _opened(source: str | bytes) -> str | IO[bytes]:
     return source if isinstance(source, str) else io.BytesIO(source)
+
+
+# libsndfile's formats whose length (frames) is an estimate: MPEG audio (MP1/MP2/MP3), counted by mpg123 from the
+# bitrate without a Xing/LAME header (an MP3 written without one, every MP2); 60 s of MP3 said 288 ms more than it
+# decodes to, which put a long recording's centred clip 144 ms off its centre. FFmpeg's decoding windows these.
+ESTIMATED_LENGTHS = frozenset({"MP3"})
 
 
 def _decode_soundfile(source: str | bytes, fit: Fit | None) -> tuple[np.ndarray, int, int, int]:
@@ -164,6 +183,11 @@ def _decode_soundfile(source: str | bytes, fit: Fit | None) -> tuple[np.ndarray,
     with sf.SoundFile(_opened(source)) as f:
         rate, total = f.samplerate, f.frames
         start, count = window(total, rate, fit)
+        if start and f.format in ESTIMATED_LENGTHS:  # FFmpeg's decoding centres the window on the decoded length
+            try:
+                return _decode_ffmpeg(source, fit)
+            except Exception:  # (PyAV's errors, BadFile) libsndfile's window, placed by its estimate, rather than none
+                pass
         if start and not f.seekable():
             start, count = 0, -1
         f.seek(start)

@@ -10,7 +10,7 @@ SpecAugment's frequency and time masks. Log-mels are in dB, each sample's floor 
 peak (so a batch's loudest sample does not set the floor of the others), then normalised: `instance`
 takes out each mel band's mean over the clip and scales by the clip's deviation (speaker and microphone
 colour go), `dataset` uses the training data's mean and deviation, `none` leaves dB. Output: float32
-[B, channels, n_mels, frames], the network's input (what ONNX export traces).
+[B, channels, n_mels, frames], the network's input (ONNX export traces this, evaluation's form, in front of it).
 """
 
 from __future__ import annotations
