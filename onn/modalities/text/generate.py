@@ -32,8 +32,10 @@ class LanguageModel:
 
     @property
     def eos_ids(self) -> set[int]:
-        """Tokens that end a completion: the tokenizer's end of text and the model's (a chat model's end of turn)."""
-        return set(end_ids(self.model, self.tokenizer))
+        """Tokens that end a completion: the tokenizer's end of text, the model's (a chat model's end of turn) and,
+        where prompts go through the chat template, the token training ended its answers with (answer_end)."""
+        turn = self.prompter.answer_end if self.prompter is not None else []
+        return set(end_ids(self.model, self.tokenizer, turn))
 
     def new_cache(self):
         from transformers import DynamicCache
@@ -65,15 +67,21 @@ class LanguageModel:
         return out.logits[:, -1, :].float()
 
 
-def end_ids(model, tokenizer) -> list[int]:
+def end_ids(model, tokenizer, turn_end: list[int] | tuple[int, ...] = ()) -> list[int]:
     """Tokens that end a completion, the tokenizer's end of text first, then the model's own (its generation_config:
-    a chat model's end of turn, Gemma's <end_of_turn>), then what the tokenizer's chat template ends an assistant's
-    turn with (Llama 3's <|eot_id|> beside a base model's <|end_of_text|>: training ends answers with it,
-    Prompter.answer_end): infer and eval stop where serve stops."""
+    a chat model's end of turn, Gemma's <end_of_turn>), then the first of `turn_end`, what the chat template ends an
+    assistant's turn with where prompts go through it (Llama 3's <|eot_id|> beside a base model's <|end_of_text|>:
+    training ends answers with it, Prompter.answer_end): infer and eval stop where serve stops. A plain text model, or
+    data.chat_template=false, gives no `turn_end`: it learned that token as text, and goes on past it."""
     config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    turn = turn_end_ids(tokenizer)[:1]
-    ids = [tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos]), *turn]
+    ids = [tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos]), *turn_end[:1]]
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def chat_turn_end(tokenizer, add_special_tokens: bool) -> list[int]:
+    """The chat template's end-of-turn tokens where a prompt went through it: generation encodes exactly those
+    prompts without the tokenizer's special tokens (Prompter.add_special_tokens), as training encoded them."""
+    return [] if add_special_tokens else turn_end_ids(tokenizer)
 
 
 def prompt_ids(tokenizer, text: str, add_special_tokens: bool = True, bos: bool = False) -> list[int]:
@@ -92,10 +100,11 @@ def prompt_batch(tokenizer, texts: list[str], add_special_tokens: bool = True, b
     return tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")
 
 
-# model.generate's other warpers and penalties, off: transformers fills what a call leaves unset from the model's
-# generation_config and then its own defaults (top_k=50), while a layer-streamed model and task=serve sample through
-# temperature and top-p alone (engine._pick). The same checkpoint and settings sample from one distribution.
-NO_PENALTIES = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
+# model.generate's other warpers, penalties and beam search, off: transformers fills what a call leaves unset from the
+# model's generation_config and then its own defaults (top_k=50), while a layer-streamed model and task=serve sample
+# through temperature and top-p alone (engine._pick) and decode one path. The same checkpoint and settings sample from
+# one distribution (a checkpoint's num_beams=4 searched beams resident, and refused task=infer's streamer).
+NO_PENALTIES = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "num_beams": 1}
 ONLY_TEMPERATURE_AND_TOP_P = {"top_k": 0, "min_p": 0.0, "typical_p": 1.0, **NO_PENALTIES}
 
 
@@ -112,10 +121,14 @@ def _sampling(max_new_tokens: int, temperature: float, top_p: float, tokenizer, 
     return kwargs
 
 
-def _generate(model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p, streamer=None) -> torch.Tensor:
+def _generate(
+    model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p, streamer=None, turn_end=()
+) -> torch.Tensor:
     """New tokens for a left-padded batch: layer-streamed when an engine is given, else model.generate. Each row
-    ends at the first of end_ids (the model's end of turn too), as model.generate and serve end it."""
-    ends = end_ids(model, tokenizer)
+    ends at the first of end_ids (the model's end of turn too, and `turn_end`), as model.generate and serve end it."""
+    if max_new_tokens < 1:  # nothing to generate: model.generate refuses 0, the engine has no token to stack
+        return inputs["input_ids"][:, :0]
+    ends = end_ids(model, tokenizer, turn_end)
     if engine is None:
         sampling = _sampling(max_new_tokens, temperature, top_p, tokenizer, ends)
         out = model.generate(**inputs, streamer=streamer, **sampling)
@@ -173,7 +186,8 @@ def stream(
     model.eval()
     inputs = prompt_batch(tokenizer, [prompt], add_special_tokens, bos).to(_device(model, engine))
     streamer = TextStreamer(tokenizer, skip_prompt=engine is None, skip_special_tokens=True)
-    new = _generate(model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p, streamer)
+    turn = chat_turn_end(tokenizer, add_special_tokens)
+    new = _generate(model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p, streamer, turn)
     return tokenizer.decode(new[0], skip_special_tokens=True)
 
 
@@ -196,12 +210,12 @@ def complete(
     model.eval()
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
-    results = []
+    results, turn = [], chat_turn_end(tokenizer, add_special_tokens)
     try:
         for i in range(0, len(prompts), batch_size):
             batch = prompts[i : i + batch_size]
             inputs = prompt_batch(tokenizer, batch, add_special_tokens, bos).to(_device(model, engine))
-            new = _generate(model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p)
+            new = _generate(model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p, turn_end=turn)
             results += tokenizer.batch_decode(new, skip_special_tokens=True)
     finally:
         tokenizer.padding_side = side
@@ -319,6 +333,9 @@ def read_prompts(path: str):
             raise UserError(f"task.input {where} has no 'prompt' field; its fields are {sorted(row)}.")
         if row[field] is None or not str(row[field]).strip():  # null would be generated from as the text "None"
             raise UserError(f"task.input {where}: its {field!r} is empty; give it a prompt, or remove the line.")
+        if isinstance(row[field], dict | list):  # would be generated from as its Python repr, "{'text': ...}"
+            kind = "object" if isinstance(row[field], dict) else "list"
+            raise UserError(f"task.input {where}: its {field!r} is a JSON {kind}, not text; give the prompt's text.")
     return rows
 
 

@@ -307,7 +307,7 @@ class Prompter:
             return ("", self._text(record, "text", where, "data.fields.input")), False
         if layout.name == "messages":
             messages = self._messages(record, where, layout.conversation)
-            return (self.render_messages(messages[:-1]), messages[-1]["content"]), False
+            return (self._conversation_prompt(messages[:-1], where), messages[-1]["content"]), False
         prompt = self._prompt(record, where, layout)
         answer = self._text(record, layout.answer, where, "data.fields.output")
         return (self.render(prompt, record, where), answer), not prompt.strip()
@@ -336,6 +336,22 @@ class Prompter:
         if self.chat:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+    def _conversation_prompt(self, messages: list[dict[str, str]], where: str) -> str:
+        """A record's conversation rendered for its answer; a chat template's own refusal (Gemma's takes no system
+        message, and its roles must alternate) is one sentence naming the record, not a Jinja traceback."""
+        if not self.chat:
+            return self.render_messages(messages)
+        from jinja2 import TemplateError  # what apply_chat_template needs anyway; ONN runs without it otherwise
+
+        try:
+            return self.render_messages(messages)
+        except TemplateError as e:
+            raise UserError(
+                f"{where}: the tokenizer's chat template refuses its conversation ({e}); rewrite the record as the "
+                "template needs (a system message merged into the first user message, roles that alternate), "
+                "or set data.chat_template=false."
+            ) from None
 
     def _prompt(self, record: dict[str, Any], where: str, layout: Layout) -> str:
         spec = layout.prompt
