@@ -331,6 +331,16 @@ class Prompter:
             return self.render_messages([{"role": "user", "content": text}])
         return text
 
+    def row_prompt(self, row: dict[str, Any], where: str) -> str | None:
+        """An infer prompts file row's prompt as training built a record's of the model's layout: Alpaca's instruction
+        with its input (Dolly's context), which the row's first prompt field alone drops; None for other layouts (the
+        row's prompt field is its prompt)."""
+        name = self.layout_name
+        if name not in INSTRUCTION_LAYOUTS or "instruction" not in row:
+            return None
+        answer, extra = INSTRUCTION_LAYOUTS[name]
+        return self._prompt(row, where, Layout(name, f"{{instruction}}\n\n{{{extra}}}", answer))
+
     def render_messages(self, messages: list[dict[str, str]]) -> str:
         """A conversation, ready for the assistant's turn: by the chat template, or one `role: content` line each."""
         if self.chat:

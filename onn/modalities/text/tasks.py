@@ -601,7 +601,7 @@ def infer(job: Job) -> dict[str, Any]:
     said = {"infer/prompt_format": prompter.prompt_format if task.template else "none (task.template=false)"}
     if task.input:
         rows = read_prompts(task.input)
-        prompts = [wrap(prompt_of(r), r, w) for r, w in zip(rows, rows.where)]
+        prompts = [wrap(prompter.row_prompt(r, w) or prompt_of(r), r, w) for r, w in zip(rows, rows.where)]
         places = [f"task.input {w}" for w in rows.where]
         gen["max_new_tokens"] = check_context(
             model, tokenizer, prompts, places, gen["max_new_tokens"], special, auto, bos
