@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import lightning as L
@@ -107,14 +108,27 @@ def named_files_digest(listing: Listing) -> str:
 
 
 def file_groups(listing: Listing, pairs: list[int]) -> list[int]:
-    """Per pair (listing indices `pairs`), a number shared by the pairs that name the same file (a metadata file's
-    rows with one file_name and several captions); -1 for a pair whose files no other pair names."""
-    keys = [tuple(e.name for e in (listing.entries[m][i] for m in listing.modalities) if e.text is None) for i in pairs]
-    counts: dict[tuple, int] = {}
-    for key in keys:
-        counts[key] = counts.get(key, 0) + 1
-    numbers = {key: n for n, key in enumerate(k for k, c in counts.items() if c > 1)}
-    return [numbers.get(key, -1) for key in keys]
+    """Per pair (listing indices `pairs`), a number shared by the pairs a file joins (a metadata file's rows with one
+    file_name and several captions, or several partner files: pairs that share one file of two were split apart, the
+    held-out picture trained on); -1 for a pair whose files no other pair names."""
+    import numpy as np
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    files: dict[str, int] = {}  # a file's node, after the pairs' nodes
+    edges = [
+        (position, len(pairs) + files.setdefault(entry.name, len(files)))
+        for position, i in enumerate(pairs)
+        for entry in (listing.entries[m][i] for m in listing.modalities)
+        if entry.text is None
+    ]
+    nodes = len(pairs) + len(files)
+    rows, columns = (np.array(side, dtype=np.int64) for side in zip(*edges)) if edges else ([], [])
+    graph = coo_matrix((np.ones(len(edges)), (rows, columns)), shape=(nodes, nodes))
+    component = connected_components(graph, directed=False)[1][: len(pairs)].tolist()
+    sizes = Counter(component)
+    numbers = {c: n for n, c in enumerate(dict.fromkeys(c for c in component if sizes[c] > 1))}
+    return [numbers.get(c, -1) for c in component]
 
 
 class PairData(L.LightningDataModule):
@@ -159,6 +173,7 @@ class PairData(L.LightningDataModule):
         path = Path(str(source)).expanduser()
         key = {
             "digest": content_digest(path),
+            "how": listing.how,  # the metadata's columns: another data.text_column read the cached captions
             "keys": listing.keys,
             "sides": {n: as_dict(s.config.data) for n, s in self.sides.items()},
         }

@@ -46,7 +46,7 @@ METADATA = ("metadata.jsonl", "metadata.csv")
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 SNIFF_FILES = 20_000  # data=auto looks at this many files at most
 SNIFF_BYTES = 1 << 16  # and at most this much of a metadata file
-EXAMPLE_BYTES = 64 << 20  # a shard member read to learn its suffix's modality
+EXAMPLE_BYTES = 64 << 20  # of the first shard member of a suffix, read to learn the suffix's modality
 NAMED = 5  # orphans named in a summary
 # a class, not a caption (Hugging Face's audiofolder/imagefolder classification manifests): a folder of files with
 # these beside file_name is classification data, which data=auto took for file-text pairs
@@ -195,9 +195,9 @@ def _shard_items(rel: str, shard: Path, items: list, examples: dict, notes: list
             suffix = _suffix(member.name)
             if not suffix:
                 continue
-            if suffix not in examples and member.size <= EXAMPLE_BYTES:
+            if suffix not in examples:  # a longer member's head: a 100 MB video's suffix was not known (a KeyError)
                 with member.open() as f:
-                    examples[suffix] = f.read()
+                    examples[suffix] = f.read(EXAMPLE_BYTES)
             items.append(
                 (
                     f"{rel}/{member.name[: -len(suffix)]}",
@@ -289,17 +289,8 @@ def _from_metadata(
     files: list[tuple[str, Path]] = (),
 ) -> Listing:
     rows = [(meta, number, row) for meta in sorted(metas) for number, row in _rows(meta, limit)]
-    columns = list(dict.fromkeys(c for _, _, row in rows for c in row))
-    file_columns = [c for c in columns if c == "file_name" or c.endswith("_file_name")]
     where = ", ".join(sorted({m.name for m in metas}))
-    if not file_columns:
-        raise UserError(
-            f"{key}: {where} has no file_name column (columns: {', '.join(columns[:8])}); expected {LAYOUT}."
-        )
-    if len(file_columns) >= 2:
-        columns_used = file_columns[:2]
-    else:
-        columns_used = [file_columns[0], _text_column(rows, columns, file_columns, text_column, where)]
+    file_columns, columns_used = _used_columns(rows, text_column, where, key)
     examples: dict[str, Path] = {}
     samples: list[tuple[str, dict[str, Entry]]] = []  # (key, column -> entry)
     named: set[Path] = set()
@@ -334,12 +325,7 @@ def _from_metadata(
             f"relative to the metadata file's folder ({metas[0].parent}): fix them or move the files there."
         )
     kinds = {c: _column_modality(c, file_columns, samples, examples) for c in columns_used}
-    pair = wanted or (kinds[columns_used[0]], kinds[columns_used[1]])
-    if set(pair) != set(kinds.values()):
-        raise UserError(
-            f"data.modalities={list(pair)} but {where} pairs {kinds[columns_used[0]]} ({columns_used[0]}) "
-            f"with {kinds[columns_used[1]]} ({columns_used[1]})."
-        )
+    pair = _paired_modalities(kinds, columns_used, wanted, where, key)
     how = f"{where} ({' + '.join(columns_used)})"
     listing = Listing(how, pair, partial=limit is not None)
     by_modality = {kinds[c]: c for c in columns_used}
@@ -353,6 +339,45 @@ def _from_metadata(
             if modality is not None:
                 listing.orphans[modality].append(f"{rel} (no metadata row)")
     return listing
+
+
+def _used_columns(rows: list, text_column: str, where: str, key: str) -> tuple[list[str], list[str]]:
+    """(the file columns, the two columns paired): two file columns, else file_name and its caption column."""
+    columns = list(dict.fromkeys(c for _, _, row in rows for c in row))
+    file_columns = [c for c in columns if c == "file_name" or c.endswith("_file_name")]
+    if not rows:  # its header's file_name was reported missing ("columns: ")
+        raise UserError(
+            f"{key}: {where} holds no rows; add one per pair (its file_name and caption), or remove it to pair the "
+            "files by their shared names."
+        )
+    if not file_columns:
+        raise UserError(
+            f"{key}: {where} has no file_name column (columns: {', '.join(columns[:8])}); expected {LAYOUT}."
+        )
+    if len(file_columns) >= 2:
+        return file_columns, file_columns[:2]
+    return file_columns, [file_columns[0], _text_column(rows, columns, file_columns, text_column, where)]
+
+
+def _paired_modalities(
+    kinds: dict[str, str], columns_used: list[str], wanted: tuple[str, str] | None, where: str, key: str
+) -> tuple[str, str]:
+    """data.modalities, or the modalities of the two columns: two of one modality (file_name + mask_file_name, a .txt
+    file + its caption) are refused, as a dual encoder's sides are keyed by modality (data=auto took them for pairs,
+    and training stopped on a traceback)."""
+    first, second = (kinds[c] for c in columns_used)
+    if first == second:
+        raise UserError(
+            f"{key}: {where} pairs {first} ({columns_used[0]}) with {second} ({columns_used[1]}); a dual encoder's "
+            "two sides are two different modalities (e.g. image and text)."
+        )
+    pair = wanted or (first, second)
+    if set(pair) != {first, second}:
+        raise UserError(
+            f"data.modalities={list(pair)} but {where} pairs {first} ({columns_used[0]}) with {second} "
+            f"({columns_used[1]})."
+        )
+    return pair
 
 
 def _file_entry(folder: Path, value: Any, root: Path) -> Entry | str | None:
@@ -379,13 +404,14 @@ def _text_column(rows, columns: list[str], file_columns: list[str], wanted: str,
         c
         for c in columns
         if c not in file_columns
-        and c.lower() not in LABEL_COLUMNS
+        and _plain(c) not in LABEL_COLUMNS
         and any(isinstance(r.get(c), str) and r[c].strip() and not _looks_numeric(r[c]) for _, _, r in rows)
     ]
-    for name in CAPTION_COLUMNS:
-        if name in texts:
-            return name
-    labels = [c for c in columns if c.lower() in LABEL_COLUMNS]
+    for name in CAPTION_COLUMNS:  # "Caption" too: a url column before it was taken for the captions
+        named = [c for c in texts if _plain(c) == name]
+        if named:
+            return named[0]
+    labels = [c for c in columns if _plain(c) in LABEL_COLUMNS]
     if labels:  # classification data, whatever else it holds (a speaker id): captions only where named as such
         texts = []
     if not texts:
@@ -398,6 +424,11 @@ def _text_column(rows, columns: list[str], file_columns: list[str], wanted: str,
             )
         )
     return texts[0]
+
+
+def _plain(column: str) -> str:
+    """A column's name as CAPTION_COLUMNS and LABEL_COLUMNS spell it: a spreadsheet's "Caption " is a caption."""
+    return column.strip().lower()
 
 
 def _looks_numeric(value: str) -> bool:
