@@ -116,3 +116,19 @@ def test_an_xyz_point_cloud_with_a_byte_order_mark_keeps_every_point(tmp_path):
     (tmp_path / "scan.xyz").write_bytes(codecs.BOM_UTF8 + b"0 0 0\n1 0 0\n0 1 0\n0 0 1\n")
     points, faces = load_geometry(tmp_path / "scan.xyz", ".xyz")
     assert faces is None and points.tolist() == [[0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1]]
+
+
+@pytest.mark.parametrize("order", ["<", ">"])
+def test_a_binary_ply_whose_mixed_faces_add_up_to_the_first_faces_size_reads_its_own_faces(order):
+    """A quad, a triangle and a pentagon take the bytes of three quads: trimesh read them as three wrong faces
+    without a word (it refuses only bytes that do not add up), so the reader looks at the corner counts first."""
+    vertices = [[0, 0, 0], [1, 0, 0], [1, 1, 0], [0, 1, 0], [0.5, 1.5, 0], [0, 0, 1]]
+    faces = [[0, 1, 2, 3], [0, 1, 5], [0, 1, 2, 4, 3]]
+    text = ascii_ply(vertices, faces)
+    want = triangle_set(*load_geometry(text, ".ply"))
+    assert len(want) == 2 + 1 + 3
+    assert triangle_set(*load_geometry(binary_twin(text, order), ".ply")) == want
+    quads = [[0, 1, 2, 3], [0, 1, 5, 3], [1, 2, 4, 3]]  # one corner count: trimesh's own reading, the same surface
+    assert triangle_set(*load_geometry(binary_twin(ascii_ply(vertices, quads), order), ".ply")) == triangle_set(
+        *load_geometry(ascii_ply(vertices, quads), ".ply")
+    )

@@ -42,8 +42,8 @@ def is_binary_ply(data: bytes) -> bool:
     return data.startswith(b"ply") and b"format binary_" in data[:512]
 
 
-def binary_ply_polygons(data: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """(vertices [V, 3] float64, triangles [F, 3]) of a binary PLY whose faces may have any number of corners each."""
+def _ply_header(data: bytes) -> tuple[str, list[tuple[str, int, list[Property]]], int]:
+    """A binary PLY's byte order, its elements (name, count, properties) and where their records start."""
     end = data.index(b"end_header")
     offset = data.index(b"\n", end) + 1
     lines = [line.split() for line in data[:end].decode("ascii", "replace").splitlines()]
@@ -56,6 +56,40 @@ def binary_ply_polygons(data: bytes) -> tuple[np.ndarray, np.ndarray]:
             elements[-1][2].append((words[4], PLY_TYPES[words[2]], PLY_TYPES[words[3]]))
         elif words[:1] == ["property"]:
             elements[-1][2].append((words[2], None, PLY_TYPES[words[1]]))
+    return order, elements, offset
+
+
+def mixed_face_sizes(data: bytes) -> bool:
+    """Whether a binary PLY's faces may have different numbers of corners, which trimesh reads wrongly: it takes
+    every face to have the first one's, and refuses the file only where the bytes then do not add up (a quad, a
+    triangle and a pentagon are three quads' bytes, read as three wrong faces). False where the faces are read as
+    one stride (numpy, at once) and all have the first face's corners."""
+    order, elements, offset = _ply_header(data)
+    for name, count, properties in elements:
+        lists = [p for p in properties if p[1] is not None]
+        if name == "face" and count:
+            if len(lists) != 1:
+                return True  # a face's other list (texcoords): read record by record
+            (_, count_type, _) = lists[0]
+            before = sum(struct.calcsize(code) for _, kind, code in properties[: properties.index(lists[0])])
+            (corners,) = struct.unpack_from(order + count_type, data, offset + before)
+            stride = np.dtype(
+                [(n, order + code, ()) if kind is None else (n, [("n", order + kind), ("i", order + code, corners)])
+                 for n, kind, code in properties]
+            )  # fmt: skip
+            if offset + count * stride.itemsize > len(data):
+                return True
+            rows = np.frombuffer(data, stride, count, offset)
+            return bool((rows[lists[0][0]]["n"] != corners).any())
+        if lists:
+            return True  # an element of lists before the faces: its records' sizes vary
+        offset += count * np.dtype([(n, order + code) for n, _, code in properties]).itemsize
+    return False
+
+
+def binary_ply_polygons(data: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """(vertices [V, 3] float64, triangles [F, 3]) of a binary PLY whose faces may have any number of corners each."""
+    order, elements, offset = _ply_header(data)
     vertices, polygons = None, None
     for name, count, properties in elements:
         if all(count_type is None for _, count_type, _ in properties):

@@ -42,7 +42,7 @@ from onn.data.files import ARCHIVE_ERRORS, archive_kind, existing_source, walk_f
 from onn.data.labelled import check_bad
 from onn.data.resident import Decoded
 from onn.errors import UserError
-from onn.modalities.mesh.polygons import binary_ply_polygons, is_binary_ply, off_polygons
+from onn.modalities.mesh.polygons import binary_ply_polygons, is_binary_ply, mixed_face_sizes, off_polygons
 
 if TYPE_CHECKING:
     import trimesh
@@ -151,6 +151,8 @@ def read_parts(source: Path | bytes, file_type: str) -> list[tuple[np.ndarray, n
     neither trimesh nor, for the mixed polygon sizes trimesh refuses, onn.modalities.mesh.polygons reads it."""
     import trimesh
 
+    if file_type == "ply" and (polygons := mixed_binary_ply(source)) is not None:
+        return [polygons]
     try:
         if isinstance(source, bytes):
             loaded = trimesh.load(io.BytesIO(source), file_type=file_type, force=None, process=False)
@@ -180,6 +182,19 @@ def mixed_polygons(source: Path | bytes, file_type: str) -> tuple[np.ndarray, np
             return binary_ply_polygons(data)
         if file_type == "off":
             return off_polygons(data)
+    except (ValueError, TypeError, IndexError, KeyError, struct.error):
+        return None
+    return None
+
+
+def mixed_binary_ply(source: Path | bytes) -> tuple[np.ndarray, np.ndarray] | None:
+    """(vertices, triangles) of a binary PLY whose faces have different numbers of corners, which trimesh reads as
+    wrong faces without a word where their bytes add up to the first face's size; None for any other PLY (trimesh
+    reads it, and says what is wrong with a damaged one)."""
+    data = source if isinstance(source, bytes) else Path(source).read_bytes()
+    try:
+        if is_binary_ply(data) and mixed_face_sizes(data):
+            return binary_ply_polygons(data)
     except (ValueError, TypeError, IndexError, KeyError, struct.error):
         return None
     return None
