@@ -5,6 +5,7 @@ recorder never wrote the header's lengths is read, not skipped as empty."""
 from __future__ import annotations
 
 import dataclasses
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import soundfile as sf
 from conftest import compose
 
 from onn.modalities.audio.dataset import READER
-from onn.modalities.audio.decode import BadFile, Fit, fit_waveform, load
+from onn.modalities.audio.decode import BadFile, Fit, estimated_length, fit_waveform, load
 
 CLIP = Fit(sample_rate=16000, channels=1, samples=8000)  # the centre half second, at 16 kHz
 
@@ -110,3 +111,32 @@ def test_a_dataset_keeps_a_recording_whose_header_lengths_were_never_written(tmp
     assert len(store.labels) == 4 and not store.skipped and seconds == pytest.approx(4.0)
     kept = store.inputs[store.names.index(next(n for n in store.names if n.endswith("high/1.wav")))]
     assert float(kept.float().abs().max()) > 0.3
+
+
+def test_a_valid_empty_take_with_its_notes_after_the_data_is_still_no_audio(tmp_path):
+    """A WAV whose lengths are written and whose data chunk is empty, a LIST chunk of notes after it: FFmpeg read the
+    notes' text as samples (noise), where it is an empty take. Only lengths never written are read past."""
+    fmt = struct.pack("<4sIHHIIHH", b"fmt ", 16, 1, 1, 16000, 32000, 2, 16)
+    info = b"INFO" + b"ICMT" + struct.pack("<I", 400) + b"notes " * 66 + b"abcd"
+    body = b"WAVE" + fmt + b"data" + struct.pack("<I", 0) + b"LIST" + struct.pack("<I", len(info)) + info
+    path = tmp_path / "empty_take.wav"
+    path.write_bytes(b"RIFF" + struct.pack("<I", len(body)) + body)
+    with pytest.raises(BadFile, match="no audio samples"):
+        load(str(path), CLIP)
+
+
+def test_an_mp3_whose_length_its_header_counts_is_windowed_by_libsndfile(tmp_path):
+    """A Xing/Info header (LAME writes one, behind FFmpeg's ID3 tag) gives libsndfile the exact length: such an MP3
+    is windowed in place, not decoded whole by FFmpeg to learn it (50 times slower on ten minutes); one without it
+    is an estimate."""
+    rate = 44100
+    tagged, bare = tmp_path / "tagged.mp3", tmp_path / "bare.mp3"
+    write_mpeg(tagged, chirp(3.0, rate), rate, "libmp3lame")
+    write_mpeg(bare, chirp(3.0, rate), rate, "libmp3lame", write_xing="0")
+    assert tagged.read_bytes()[:3] == b"ID3"
+    assert not estimated_length(str(tagged), "MPEG_LAYER_III") and not estimated_length(
+        tagged.read_bytes(), "MPEG_LAYER_III"
+    )
+    assert estimated_length(str(bare), "MPEG_LAYER_III") and estimated_length(str(bare), "MPEG_LAYER_II")
+    whole, _ = sf.read(tagged, dtype="float32", always_2d=True)
+    assert sf.info(str(tagged)).frames == len(whole)  # what the tag promises

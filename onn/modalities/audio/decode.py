@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import itertools
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -144,7 +145,7 @@ def decode_audio(source: str | IO[bytes], fit: Fit | None = None) -> tuple[np.nd
             raise BadFile(
                 f"not decodable audio (libsndfile: {decoder_complaint(first)}; FFmpeg: {decoder_complaint(e)})"
             ) from e
-    if wave.shape[1] == 0:  # libsndfile read none: the header's lengths may never have been written
+    if wave.shape[1] == 0 and lengths_unwritten(_head(source, 12)):  # libsndfile read none, as its header says
         wave, rate, start, total = _read_past_header(source, fit) or (wave, rate, start, total)
     if wave.shape[1] == 0:
         raise BadFile("no audio samples (a header and nothing after it)")
@@ -166,6 +167,38 @@ def _read_past_header(source: str | bytes, fit: Fit | None) -> tuple[np.ndarray,
         return None
 
 
+def lengths_unwritten(head: tuple[bytes, int]) -> bool:
+    """Whether a RIFF (WAV) or FORM (AIFF) file's header lengths were never written: its size field 0 or all ones, or
+    less than the file holds (a recorder writes them last). A valid empty take (data of 0 bytes, its notes after) is
+    none: FFmpeg read that LIST chunk's text as samples."""
+    first, size = head
+    if len(first) < 8 or first[:4] not in (b"RIFF", b"RF64", b"FORM"):
+        return False
+    declared = int.from_bytes(first[4:8], "little" if first[:4] != b"FORM" else "big")
+    return declared in (0, 0xFFFFFFFF) or declared + 8 < size
+
+
+def _head(source: str | bytes, count: int) -> tuple[bytes, int]:
+    """A file's first `count` bytes and its size."""
+    if isinstance(source, bytes):
+        return source[:count], len(source)
+    with open(source, "rb") as f:
+        return f.read(count), os.fstat(f.fileno()).st_size
+
+
+def estimated_length(source: str | bytes, subtype: str) -> bool:
+    """Whether libsndfile's length of an MPEG audio file is an estimate from its bitrate: MP1 and MP2 always, an MP3
+    without a Xing, Info or VBRI header in its first frame (which LAME and libsndfile write, and mpg123 counts by)."""
+    if subtype != "MPEG_LAYER_III":
+        return True
+    first, _ = _head(source, 10)
+    skip = 0
+    if first[:3] == b"ID3" and len(first) == 10:  # an ID3v2 tag first: its size, 7 bits a byte
+        skip = 10 + sum((b & 0x7F) << (7 * (3 - i)) for i, b in enumerate(first[6:10])) + (10 if first[5] & 0x10 else 0)
+    frame = _head(source, skip + MPEG_FRAME_BYTES)[0][skip:]
+    return not any(tag in frame for tag in (b"Xing", b"Info", b"VBRI"))
+
+
 def _opened(source: str | bytes) -> str | IO[bytes]:
     return source if isinstance(source, str) else io.BytesIO(source)
 
@@ -174,6 +207,7 @@ def _opened(source: str | bytes) -> str | IO[bytes]:
 # bitrate without a Xing/LAME header (an MP3 written without one, every MP2); 60 s of MP3 said 288 ms more than it
 # decodes to, which put a long recording's centred clip 144 ms off its centre. FFmpeg's decoding windows these.
 ESTIMATED_LENGTHS = frozenset({"MP3"})
+MPEG_FRAME_BYTES = 2048  # past an MPEG audio frame's largest (1,441 bytes: 320 kbit/s at 32 kHz, padded)
 
 
 def _decode_soundfile(source: str | bytes, fit: Fit | None) -> tuple[np.ndarray, int, int, int]:
@@ -183,7 +217,8 @@ def _decode_soundfile(source: str | bytes, fit: Fit | None) -> tuple[np.ndarray,
     with sf.SoundFile(_opened(source)) as f:
         rate, total = f.samplerate, f.frames
         start, count = window(total, rate, fit)
-        if start and f.format in ESTIMATED_LENGTHS:  # FFmpeg's decoding centres the window on the decoded length
+        if start and f.format in ESTIMATED_LENGTHS and estimated_length(source, f.subtype):  # FFmpeg's decoding
+            # centres the window on the decoded length
             try:
                 return _decode_ffmpeg(source, fit)
             except Exception:  # (PyAV's errors, BadFile) libsndfile's window, placed by its estimate, rather than none
