@@ -98,7 +98,9 @@ def test_a_one_line_edge_list_of_names_says_its_line_was_read_as_column_names(tm
     path = tmp_path / "people" / "pair.edges"
     path.parent.mkdir()
     path.write_text("# who knows whom\nalice bob\n")
-    with pytest.raises(GraphError, match=r"its one line 'alice bob' is read as column names, as node ids are whole"):
+    with pytest.raises(
+        GraphError, match=r"its one line 'alice bob' is read as column names; give edges as `SRC DST` lines of whole"
+    ):
         decode(path, path.name, "none", 100)
     empty = tmp_path / "people" / "empty.edges"
     empty.write_text("source,target\n")  # a header and no rows: still said to be empty

@@ -9,6 +9,8 @@ import resource
 import shutil
 import signal
 import stat
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +19,7 @@ import pytest
 
 from onn.config.hardware import HardwareConfig
 from onn.errors import UserError
-from onn.hardware.locks import LOCK_NAME, held, try_hold
+from onn.hardware.locks import LOCK_NAME, held, holder, try_hold
 from onn.hardware.profile import resolve
 
 NOBODY = 65534
@@ -115,3 +117,16 @@ def test_a_disk_probe_of_no_size_is_one_sentence(tmp_path: Path, size: int) -> N
     hardware = HardwareConfig(name="auto", measure=True, budget_mb=None, disk_probe_mb=size, cache=str(tmp_path))
     with pytest.raises(UserError, match=rf"hardware.disk_probe_mb={size}: give"):
         resolve(hardware, tmp_path, tmp_path)
+
+
+def test_the_holder_named_is_a_running_process_not_an_earlier_holders_stale_pid(tmp_path: Path) -> None:
+    """A holder that could not write its pid (a read-only lock file, a full disk) leaves an earlier holder's there:
+    the message named that process, which a user told to stop it might kill. A pid that runs no process is not named."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a pid that ran and is gone
+    (tmp_path / LOCK_NAME).write_text(str(child.pid))
+    assert holder(tmp_path) == "another process"
+    (tmp_path / LOCK_NAME).write_text(str(os.getpid()))
+    assert holder(tmp_path) == f"process {os.getpid()}"
+    (tmp_path / LOCK_NAME).write_text("0")
+    assert holder(tmp_path) == "another process"

@@ -112,11 +112,19 @@ def _flock(fd: int, operation: int, path: Path) -> None:
 
 
 def holder(folder: str | os.PathLike) -> str:
-    """The pid written by the process that holds `folder`'s lock ("another process" if unreadable)."""
+    """The pid written by the process that holds `folder`'s lock; "another process" where it is unreadable or names
+    no running process (a holder that could not write its own, over a read-only lock file or a full disk, leaves an
+    earlier holder's there: a user told to stop it could stop an unrelated process)."""
     try:
-        return f"process {int((Path(folder) / LOCK_NAME).read_text())}"
-    except (OSError, ValueError):
+        pid = int((Path(folder) / LOCK_NAME).read_text())
+        if pid <= 0:  # (0 and below name process groups)
+            return "another process"
+        os.kill(pid, 0)  # PermissionError: running, as another user
+    except PermissionError:
+        return f"process {pid}"
+    except (OSError, ValueError, OverflowError):
         return "another process"
+    return f"process {pid}"
 
 
 @contextlib.contextmanager

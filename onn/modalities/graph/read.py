@@ -179,8 +179,8 @@ def edge_lines(data: bytes) -> EdgeLines:
     if start and not pairs and nodes is None:  # an edge of names (`alice bob`) read as column names: not "empty"
         shown = first[0].decode("utf-8").strip()[:60]
         raise GraphError(
-            f"holds no nodes (an empty graph): its one line {shown!r} is read as column names, as node ids are "
-            "whole numbers (renumber named nodes 0..N-1)"
+            f"holds no nodes (an empty graph): its one line {shown!r} is read as column names; give edges as "
+            "`SRC DST` lines of whole numbers (named nodes numbered 0..N-1)"
         )
     if pairs and max(map(max, pairs)) > INT64_MAX:  # past int64: torch.tensor cannot hold it
         big = next(m for m in PAIR_LINE.finditer(text) if max(int(m[1]), int(m[2])) > INT64_MAX)
