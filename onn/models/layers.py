@@ -3,8 +3,9 @@
 One discovery serves three users: the planner sizes memory by it, the streaming strategy chunks
 the blocks by it, and the .omny exporter cuts the graph at its block boundaries. Discovery knows
 no model names: the blocks are a run of same-typed sibling modules (a decoder's layer list, a
-ResNet's stages, the middle of a user's nn.Sequential): composite modules before leaf layers (a list of one
-composite module, a one-layer stack, after any longer run of them), then the run holding the most parameters,
+ResNet's stages, the middle of a user's nn.Sequential): composite modules before leaf layers (a ModuleList of
+composite layers of two kinds, a hybrid's, after any run of one type; a list of one composite module, a one-layer
+stack, after those), then the run holding the most parameters,
 then the longest. A model config can name the blocks explicitly instead
 (`model.layer_map.blocks: model.layers`).
 """
@@ -167,12 +168,14 @@ def discover(model: nn.Module, blocks_path: str | None = None) -> LayerMap:
 
     best = None  # (key, path, names)
     for path, module in model.named_modules():
-        for names in [*_same_type_runs(module), *_lone_block(module)]:
-            # Blocks are composite modules (a decoder layer, a ResNet stage); a list of one such block (a
-            # one-layer stack) comes after any run of two or more, and a pair of leaf layers (GPT-2's wte/wpe
-            # embeddings) only counts when no composite block is found at all.
+        mixed = _mixed_list(module)
+        for names in [*_same_type_runs(module), *_lone_block(module), *mixed]:
+            # Blocks are composite modules (a decoder layer, a ResNet stage); a list of decoder layers of two
+            # kinds (a hybrid's) comes after any run of one type, a list of one block (a one-layer stack) after
+            # that, and a pair of leaf layers (GPT-2's wte/wpe embeddings) only counts when no composite block is
+            # found at all.
             composite = any(True for _ in module.get_submodule(names[0]).children())
-            rank = (2 if len(names) >= 2 else 1) if composite else 0
+            rank = (1 if len(names) == 1 else 2 if names in mixed else 3) if composite else 0
             coverage = sum(_count(module.get_submodule(n)) for n in names)
             key = (rank, coverage, len(names))
             if best is None or key > best[0]:
@@ -198,6 +201,26 @@ def _lone_block(module: nn.Module) -> list[list[str]]:
     if type(child) in (nn.ModuleList, nn.ModuleDict) or not any(True for _ in child.children()):
         return []
     return [[name]] if any(True for _ in child.parameters()) else []
+
+
+def _mixed_list(module: nn.Module) -> list[list[str]]:
+    """[names] when `module` is a ModuleList of two or more composite modules with weights, not all of one type
+    (a hybrid's decoder layers: Jamba's Mamba and attention layers, each with a dense or an expert MLP), else [].
+    Its children are the blocks: found by type alone, the runs inside one layer (four leaf Linears of layer 0's
+    Mamba mixer) were taken for them."""
+    from torch import nn
+
+    children = list(module.named_children())
+    if not isinstance(module, nn.ModuleList) or len(children) < 2 or len({type(c) for _, c in children}) < 2:
+        return []
+    blocks = all(
+        type(c) not in (nn.ModuleList, nn.ModuleDict)
+        and not isinstance(c, nn.RNNBase)
+        and any(True for _ in c.children())
+        and any(True for _ in c.parameters())
+        for _, c in children
+    )
+    return [[name for name, _ in children]] if blocks else []
 
 
 def _same_type_runs(module: nn.Module) -> list[list[str]]:

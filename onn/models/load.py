@@ -189,7 +189,8 @@ def load(model_cfg: LanguageModelConfig, dtype=None, cache_dir: str | os.PathLik
         model = _load_safetensors_file(model_cfg, expand(source))
     else:
         folder = expand(source) if kind == "folder" else hub_folder(source)
-        model, tokenizer = _load_folder(folder, dtype, remote), tokenizer_from(folder, remote)
+        model = _load_folder(folder, dtype, remote)
+        tokenizer = None if model_cfg.tokenizer else tokenizer_from(folder, remote)  # (model.tokenizer replaces it)
     if dtype is not None:
         model = model.to(dtype)
     tokenizer = finish_tokenizer(model_cfg, tokenizer, remote)
@@ -639,12 +640,27 @@ def refuse_pickle_folder(folder: str) -> None:
         raise UserError(f"model.source {folder} has no .safetensors weights.")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
 def tokenizer_from(folder: str, remote: bool):
+    """The folder's tokenizer, or None where it holds none. A tokenizer file that is there but not JSON (an
+    interrupted copy) is one sentence naming it: it was reported as no tokenizer at all, which sent the user to
+    model.tokenizer for a folder that has one."""
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=remote)
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError) as e:
+        for file in (Path(folder) / name for name in TOKENIZER_FILES):
+            if not file.is_file():
+                continue
+            try:
+                json.loads(file.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as bad:
+                raise UserError(
+                    f"the tokenizer file {file} is not readable JSON (truncated or corrupt? {bad}); copy it again."
+                ) from e
         return None
 
 
@@ -772,9 +788,26 @@ def _load_safetensors_file(model_cfg: LanguageModelConfig, path: str):
         raise UserError(
             f"model.source {path} does not match model.architecture: "
             f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
-            f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}."
+            f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}{untied_hint(model, missing)}."
         )
     return model
+
+
+def untied_hint(model, missing: list[str]) -> str:
+    """Where the one weight missing is the token embedding or the output head: a file of a model whose two share
+    one matrix holds it once (under either name), and an architecture that does not tie them (Llama's default)
+    asked for the other. Say which key ties them."""
+    try:
+        ends = [model.get_input_embeddings(), model.get_output_embeddings()]
+    except (AttributeError, NotImplementedError):  # (a model without token embeddings)
+        return ""
+    names = {f"{name}.weight" for name, module in model.named_modules() if any(module is end for end in ends)}
+    if len(missing) != 1 or missing[0] not in names or len(names) != 2:
+        return ""
+    return (
+        "; the file holds one matrix for the token embedding and the output head: set "
+        "model.architecture.tie_word_embeddings=true"
+    )
 
 
 def _call_builder(spec: str):

@@ -1,0 +1,111 @@
+"""The model area's fourth review (onn/models): a hybrid's decoder layers of two kinds (Jamba's Mamba and attention
+layers) are its LayerMap's blocks, a folder's corrupt tokenizer file is named rather than called no tokenizer, and a
+tied model's bare .safetensors file read with an untied architecture says which key ties them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import compose, tiny_llama
+from safetensors.torch import save_model
+
+from onn.errors import UserError
+from onn.models.layers import discover
+from onn.models.load import load
+from onn.models.tokenizer import byte_tokenizer
+
+
+def tiny_jamba():
+    """A real three-layer Jamba (transformers' JambaForCausalLM): Mamba layers with an attention layer between."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.JambaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=2,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        mamba_d_state=4,
+        mamba_dt_rank=4,
+        use_mamba_kernels=False,
+    )
+    return tf.JambaForCausalLM(config).eval()
+
+
+def test_a_hybrids_decoder_layers_of_two_kinds_are_its_blocks():
+    model = tiny_jamba()
+    kinds = {type(layer).__name__ for layer in model.model.layers}
+    assert len(kinds) == 2  # (the premise: a Mamba layer and an attention layer)
+    layer_map = discover(model)
+    # found by type alone, the blocks were four leaf Linears inside layer 0's Mamba mixer
+    assert layer_map.block_paths == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    assert [n for n, _ in layer_map.prefix] == ["model.embed_tokens"]
+    assert [n for n, _ in layer_map.suffix] == ["model.final_layernorm", "lm_head"]
+    # run as streaming runs it: prefix, each block after the one before, suffix: the model's own logits
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        expected = model(ids).logits
+        hidden = model.model.embed_tokens(ids)
+        positions = torch.arange(7).unsqueeze(0)
+        for block in layer_map.blocks:
+            hidden = block(hidden, position_ids=positions)
+            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        logits = model.lm_head(model.model.final_layernorm(hidden))
+    torch.testing.assert_close(logits, expected)
+
+
+def saved_llama(folder) -> None:
+    tiny_llama(vocab_size=320).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+
+
+def folder_config(source, *overrides: str):
+    return compose(
+        "model=llama_tiny", f"model.source={source}", "model.architecture=null", "model.tokenizer=null", *overrides
+    ).model
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_folders_truncated_tokenizer_file_is_named_not_called_no_tokenizer(tmp_path, name):
+    saved_llama(tmp_path)
+    text = (tmp_path / name).read_text()
+    (tmp_path / name).write_text(text[: len(text) // 2])  # an interrupted copy
+    with pytest.raises(UserError, match=rf"tokenizer file .*{name} is not readable JSON.*copy it again"):
+        load(folder_config(tmp_path))
+    # model.tokenizer replaces the folder's own: the broken file is never read, and the model loads
+    model, tokenizer = load(folder_config(tmp_path, "model.tokenizer=byte"))
+    assert tokenizer.pad_token == "<pad>" and model.get_input_embeddings().num_embeddings == 320
+
+
+def test_a_folder_without_a_tokenizer_still_asks_for_model_tokenizer(tmp_path):
+    tiny_llama(vocab_size=320).save_pretrained(tmp_path)
+    with pytest.raises(UserError, match="has no tokenizer; set model.tokenizer"):
+        load(folder_config(tmp_path))
+
+
+def test_a_tied_models_file_read_with_an_untied_architecture_says_which_key_ties_them(tmp_path):
+    tied, _ = load(compose("model=llama_tiny", "model.architecture.tie_word_embeddings=true").model)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    save_model(tied, str(tmp_path / "tied.safetensors"))  # the shared matrix once, under one of its names
+    untied = compose("model=llama_tiny", f"model.source={tmp_path / 'tied.safetensors'}").model
+    with pytest.raises(UserError, match=r"missing \['model.embed_tokens.weight'\].*tie_word_embeddings=true"):
+        load(untied)
+    model, tokenizer = load(
+        compose(
+            "model=llama_tiny",
+            f"model.source={tmp_path / 'tied.safetensors'}",
+            "model.architecture.tie_word_embeddings=true",
+        ).model
+    )
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    torch.testing.assert_close(model.model.embed_tokens.weight, tied.model.embed_tokens.weight)
+    ids = tokenizer("tied", return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, tied(ids).logits)
