@@ -109,3 +109,32 @@ def test_a_tied_models_file_read_with_an_untied_architecture_says_which_key_ties
     ids = tokenizer("tied", return_tensors="pt").input_ids
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, tied(ids).logits)
+
+
+def test_all_linear_lora_adapts_both_kinds_of_a_hybrids_layers():
+    """all-linear was expanded from block 0's linears: Jamba's block 0 is a Mamba layer, and its attention layers'
+    projections got no adapters. Every block's linears are the targets now, and a few steps move both kinds."""
+    import dataclasses
+
+    from onn.training.lora import apply
+
+    cfg = compose("strategy=lora").strategy
+    cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, target_modules="all-linear"))
+    model = tiny_jamba().train()
+    adapted = apply(model, "lora", cfg, discover(model), None)
+    targeted = adapted.targeted_module_names
+    assert any(n.endswith("layers.1.self_attn.q_proj") for n in targeted)  # the attention layer
+    assert any(n.endswith("layers.0.mamba.in_proj") for n in targeted)  # the Mamba layer
+    trained = {n: p.detach().clone() for n, p in adapted.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.AdamW([p for p in adapted.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, 64, (2, 7))
+    losses = []
+    for _ in range(3):
+        loss = adapted(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    moved = {n for n, p in adapted.named_parameters() if p.requires_grad and not torch.equal(p, trained[n])}
+    assert any("self_attn.q_proj.lora_B" in n for n in moved) and any("mamba.in_proj.lora_B" in n for n in moved)
+    assert losses[-1] < losses[0]

@@ -51,7 +51,10 @@ def apply(
     layers = sparse_layers if strategy == "sparse_lora" else None
     target = lora.target_modules
     if target == "all-linear":  # peft needs explicit names to combine with layers_to_transform
-        linears = [name for name, m in layer_map.blocks[0].named_modules() if _adaptable(m)]
+        # every block's linears: a hybrid's blocks are of two kinds (Jamba's Mamba and attention layers), and block
+        # 0's names alone left the other kind without adapters
+        modules = [(name, m) for block in layer_map.blocks for name, m in block.named_modules()]
+        linears = list(dict.fromkeys(name for name, m in modules if _adaptable(m)))
         if not linears:
             raise UserError(
                 f"strategy={strategy}: the blocks of {type(model).__name__} ({type(layer_map.blocks[0]).__name__}) "
@@ -60,7 +63,7 @@ def apply(
         last = {name.rsplit(".", 1)[-1] for name in linears}
         # the last names, unless one also names a module that is not a linear (a DiT's `ff.net.0`, an activation,
         # beside `attn1.to_out.0`): then the linears' paths within the block
-        others = {n.rsplit(".", 1)[-1] for n, m in layer_map.blocks[0].named_modules() if not _adaptable(m)}
+        others = {n.rsplit(".", 1)[-1] for n, m in modules if not _adaptable(m)}
         target = sorted(linears if last & others else last)
     config = LoraConfig(
         r=lora.r,
@@ -76,8 +79,9 @@ def apply(
         adapted = get_peft_model(model, config)
     except ValueError as e:
         raise UserError(_placement_error(model, config, lora.target_modules, e)) from e
-    # a list the user wrote; all-linear's list is of block 0's linears, which blocks of another kind (a MoE's
-    # router in some blocks only) may lack, and a string is a regular expression (peft's own check: nothing matched)
+    # a list the user wrote; all-linear's list is of every block's linears, which the layers sparse_lora trains (a
+    # MoE's router in some blocks only) may lack, and a string is a regular expression (peft's own check: nothing
+    # matched)
     if not isinstance(lora.target_modules, str):
         _check_every_name_matched(adapted.targeted_module_names, list(target), kind, choices, strategy)
     return adapted
