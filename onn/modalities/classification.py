@@ -383,6 +383,14 @@ def load_trained(m: ClassifierModality, config: ONNConfig, plan: Plan, ckpt: Pat
     return module
 
 
+def on_data(module: Classifier) -> Classifier:
+    """The classifier fed a stored batch, as infer, serve and export feed it: a linear probe trained on cached
+    features runs its frozen backbone on the normalised batch, then its head (fed as features, the pixels reached
+    the head raw: infer and serve crashed on the shapes, and an ONNX graph skipped the normalisation)."""
+    module.inputs = "data"
+    return module
+
+
 def evaluate(job: Job) -> dict[str, Any]:
     m = job.modality
     config, plan, ckpt = job.config, job.plan, job.ckpt
@@ -429,6 +437,11 @@ def trained_data(m: ClassifierModality, config: ONNConfig, ckpt: Path, device: s
             f"data.source has the classes {unknown[:5]}, which ckpt {ckpt} never learned (it knows {known[:10]}); "
             "evaluate it on data of its own classes."
         )
+    if len(dm.classes) > len(known):  # label numbers past the model's classes (not data.classes' count: unset)
+        raise UserError(
+            f"data.source has label numbers up to {len(dm.classes) - 1} (data.num_classes counted), but ckpt {ckpt} "
+            f"learned {len(known)} classes ({known[:10]}); evaluate it on data of its own classes."
+        )
     return setup_data(m, dataclasses.replace(config, data=dataclasses.replace(config.data, classes=known)), device)
 
 
@@ -447,7 +460,7 @@ def infer(job: Job) -> dict[str, Any]:
     path = Path(str(source)).expanduser()
     if not path.exists():
         raise UserError(f"task.input={source} does not exist.")
-    module = load_trained(m, config, job.plan, job.ckpt)
+    module = on_data(load_trained(m, config, job.plan, job.ckpt))
     inputs = module.onn_config["inputs"]
     sets = m.read_inputs(path, inputs, config)
     device = torch.device(job.device)
@@ -457,6 +470,7 @@ def infer(job: Job) -> dict[str, Any]:
     unknown = set()
     batch = eval_batch(config.data)
     for split, decoded in sets.items():
+        truths = true_classes(decoded.classes, classes)
         for start in range(0, len(decoded.labels), batch):
             x = decoded.inputs[start : start + batch].to(device)
             with torch.no_grad(), evaluation_autocast(config, job.plan, device):  # as task=eval runs it
@@ -465,10 +479,9 @@ def infer(job: Job) -> dict[str, Any]:
             for i in range(x.shape[0]):
                 j = start + i
                 label = int(decoded.labels[j])
-                true = decoded.classes[label] if 0 <= label < len(decoded.classes) else None
-                if true is not None and true not in classes:  # a folder the model has no class of (an archive's
-                    unknown.add(true)  # wrapping folder): no truth to score against
-                    true = None
+                true = truths[label] if 0 <= label < len(truths) else None
+                if true is None and 0 <= label < len(truths):  # a folder the model has no class of (an archive's
+                    unknown.add(decoded.classes[label])  # wrapping folder): no truth to score against
                 guess = classes[int(top.indices[i, 0])]
                 row = {
                     "name": decoded.names[j],
@@ -489,7 +502,7 @@ def infer(job: Job) -> dict[str, Any]:
                     true_names.append(true)
     if unknown:
         log.warning(
-            "task.input names folders the model has no class of (%s): no true label for their rows", sorted(unknown)[:5]
+            "task.input names classes the model has none of (%s): no true label for their rows", sorted(unknown)[:5]
         )
     output = Path(task.output).expanduser() if task.output else job.run_dir / "predictions.jsonl"
     picture = output.with_suffix(".png")
@@ -506,6 +519,16 @@ def infer(job: Job) -> dict[str, Any]:
     if known:
         metrics["infer/acc"] = round(correct / known, 5)
     return metrics
+
+
+def true_classes(found: list[str], classes: list[str]) -> list[str | None]:
+    """The model's class each label of task.input names (None: none): a folder's by name; a label number (IDX,
+    CIFAR binary, a CSV's numeric label, a recording's digit) as the model's class of that number, as training and
+    task=eval read it (resident.relabelled), so a model trained with data.classes naming the numbers is scored too
+    (the number's text was compared with the names: every row true null, no infer/acc)."""
+    if numbered(found):
+        return [classes[i] if i < len(classes) else None for i in range(len(found))]
+    return [name if name in classes else None for name in found]
 
 
 class Predictor:
@@ -559,7 +582,7 @@ def serving(job: Job) -> Predictor:
     if job.ckpt is None:
         raise UserError(f"task=serve on {m.name} data needs ckpt=RUN_DIR (a trained classifier) to know its classes.")
     module = load_trained(m, job.config, job.plan, job.ckpt, checked=False)  # serve's startup checks it
-    return Predictor(m, job.config, module, torch.device(job.device), job.plan)
+    return Predictor(m, job.config, on_data(module), torch.device(job.device), job.plan)
 
 
 def export(job: Job) -> dict[str, Any]:
@@ -581,6 +604,7 @@ def export_module(m: ClassifierModality, config: ONNConfig, module: Classifier, 
     runs the command in several processes: each wrote the same folder at once, and one read another's half file."""
     if not is_rank_zero():
         return {}
+    module = on_data(module)  # (training's own export: its testing is done)
     own = m.export_network(config, module, run_dir)
     if own is not None:
         return own
