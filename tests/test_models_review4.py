@@ -138,3 +138,20 @@ def test_all_linear_lora_adapts_both_kinds_of_a_hybrids_layers():
     moved = {n for n, p in adapted.named_parameters() if p.requires_grad and not torch.equal(p, trained[n])}
     assert any("self_attn.q_proj.lora_B" in n for n in moved) and any("mamba.in_proj.lora_B" in n for n in moved)
     assert losses[-1] < losses[0]
+
+
+def test_a_hybrid_with_one_attention_layer_in_eight_is_all_blocks_not_its_first_mamba_stretch():
+    """Jamba-v0.1's own layout (attention at layer 4 of every 8): a run of one kind (layers 0..3, Mamba) ranked above
+    the mixed list, so the attention layer and the Mamba layers after it went to the suffix."""
+    import transformers as tf
+
+    config = tf.JambaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=2, mamba_d_state=4, mamba_dt_rank=4, use_mamba_kernels=False,
+    )  # fmt: skip
+    assert (config.attn_layer_period, config.attn_layer_offset) == (8, 4)
+    with torch.device("meta"):
+        model = tf.JambaForCausalLM(config)
+    layer_map = discover(model)
+    assert layer_map.block_paths == [f"model.layers.{i}" for i in range(8)]
+    assert [n for n, _ in layer_map.suffix] == ["model.final_layernorm", "lm_head"]

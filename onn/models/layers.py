@@ -4,9 +4,9 @@ One discovery serves three users: the planner sizes memory by it, the streaming 
 the blocks by it, and the .omny exporter cuts the graph at its block boundaries. Discovery knows
 no model names: the blocks are a run of same-typed sibling modules (a decoder's layer list, a
 ResNet's stages, the middle of a user's nn.Sequential): composite modules before leaf layers (a ModuleList of
-composite layers of two kinds, a hybrid's, after any run of one type; a list of one composite module, a one-layer
-stack, after those), then the run holding the most parameters,
-then the longest. A model config can name the blocks explicitly instead
+composite layers of two kinds, a hybrid's, whose stretches of one kind are no runs, after any run of one type
+elsewhere; a list of one composite module, a one-layer stack, after those), then the run holding the most
+parameters, then the longest. A model config can name the blocks explicitly instead
 (`model.layer_map.blocks: model.layers`).
 """
 
@@ -168,8 +168,8 @@ def discover(model: nn.Module, blocks_path: str | None = None) -> LayerMap:
 
     best = None  # (key, path, names)
     for path, module in model.named_modules():
-        mixed = _mixed_list(module)
-        for names in [*_same_type_runs(module), *_lone_block(module), *mixed]:
+        mixed = _mixed_list(module)  # a hybrid's layers: its runs of one kind are stretches of them, not its blocks
+        for names in [*([] if mixed else _same_type_runs(module)), *_lone_block(module), *mixed]:
             # Blocks are composite modules (a decoder layer, a ResNet stage); a list of decoder layers of two
             # kinds (a hybrid's) comes after any run of one type, a list of one block (a one-layer stack) after
             # that, and a pair of leaf layers (GPT-2's wte/wpe embeddings) only counts when no composite block is
