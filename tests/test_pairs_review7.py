@@ -10,6 +10,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import compose
 
 from onn.errors import UserError
@@ -124,7 +125,7 @@ def test_pairs_that_share_one_of_their_files_are_one_group(tmp_path):
     """A picture on two metadata rows, each with another mesh: the pairs shared a file but not both, so they were
     groups of their own, split between training and held out (the held-out picture trained on) and each the other's
     wrong answer. Pairs a file joins are one group, as pairs of one file and several captions were."""
-    from onn.modalities.pairs.data import file_groups
+    from onn.modalities.pairs.data import joined_groups
 
     folder = write_primitives(tmp_path / "meshes", 4, seed=0, size=16, file_types=("obj",))
     rows = [{"file_name": f"{i:04d}.png", "mesh_file_name": f"{i:04d}.obj"} for i in range(4)]
@@ -132,5 +133,32 @@ def test_pairs_that_share_one_of_their_files_are_one_group(tmp_path):
     write_metadata(folder, rows)
     listing = find_pairs(folder)
     assert listing.modalities == ("image", "mesh") and listing.complete == 5
-    groups = file_groups(listing, [4, 0, 1, 2, 3])
+    groups = joined_groups(listing, [4, 0, 1, 2, 3])
     assert groups[0] == groups[1] == groups[4] >= 0 and groups[2] == groups[3] == -1
+
+
+def test_retrieval_counts_the_partners_of_a_querys_own_file_not_the_files_a_chain_joins():
+    """a-x, b-x, b-y, c-y, d-z: a's right answer is x (its own partner), b's x or y; the groups that hold such pairs
+    out together chained a to y, so an image embedded nearest a sound it was never paired with scored as right."""
+    from onn.modalities.pairs.data import joined_groups, side_keys
+    from onn.modalities.pairs.detect import Entry, Listing
+    from onn.modalities.pairs.module import retrieval_metrics
+
+    rows = [("a.png", "x.wav"), ("b.png", "x.wav"), ("b.png", "y.wav"), ("c.png", "y.wav"), ("d.png", "z.wav")]
+    listing = Listing("metadata.csv (file_name + audio_file_name)", ("image", "audio"))
+    listing.keys = [str(i) for i in range(len(rows))]
+    listing.entries = {"image": [Entry(r[0]) for r in rows], "audio": [Entry(r[1]) for r in rows]}
+    assert joined_groups(listing, list(range(5))) == [0, 0, 0, 0, -1]  # held out together
+    keys = torch.tensor(side_keys(listing, list(range(5))))
+    embed = {
+        name: torch.eye(8)[i] for i, name in enumerate(["a.png", "b.png", "c.png", "d.png", "x.wav", "y.wav", "z.wav"])
+    }
+    sounds = torch.stack([embed[s] for _, s in rows])
+    images = sounds.clone()  # every image embedded as its row's sound: right everywhere
+    images[0] = embed["y.wav"]  # but a, nearest y: never its partner
+    figures = retrieval_metrics(images, sounds, ("image", "audio"), "val", keys)
+    assert figures["val/recall@1/image_to_audio"] == pytest.approx(4 / 5)
+    perfect = retrieval_metrics(sounds, sounds, ("image", "audio"), "val", keys)
+    assert perfect["val/recall@1/image_to_audio"] == perfect["val/recall@1/audio_to_image"] == 1.0
+    # a random pick: a is right with x's 2 rows, b's rows with 3, c with 2, d with 1 (rows sharing either file)
+    assert perfect["val/recall@1_chance"] == pytest.approx((2 + 3 + 3 + 2 + 1) / 5 / 5)

@@ -183,8 +183,9 @@ def test_captions_of_one_image_are_held_out_with_it(tmp_path):
     assert len(dm.splits["val"]) == 3 * len(held) >= 6 and held.isdisjoint(trained) and len(held | trained) == 8
     # validation scores a caption of the right image as right: the held-out pairs' groups are their images
     images = [image_of[n] for n in dm.splits["val"].names]
-    groups = dm.val_groups.tolist()
-    assert all((groups[i] == groups[j]) == (images[i] == images[j]) for i in range(len(images)) for j in range(i))
+    groups = dm.val_groups.tolist()  # per side: the image's number, the caption's own
+    assert all((groups[i][0] == groups[j][0]) == (images[i] == images[j]) for i in range(len(images)) for j in range(i))
+    assert len({g[1] for g in groups}) == len(groups)
 
     # pairs of their own files each are held out as before: the first data.val_split of the seeded order
     dm = pair_data(tmp_path, shapes)

@@ -107,10 +107,25 @@ def named_files_digest(listing: Listing) -> str:
     return h.hexdigest()
 
 
-def file_groups(listing: Listing, pairs: list[int]) -> list[int]:
-    """Per pair (listing indices `pairs`), a number shared by the pairs a file joins (a metadata file's rows with one
-    file_name and several captions, or several partner files: pairs that share one file of two were split apart, the
-    held-out picture trained on); -1 for a pair whose files no other pair names."""
+def side_keys(listing: Listing, pairs: list[int]) -> list[list[int]]:
+    """Per pair (listing indices `pairs`), a number per side: its file's, shared by the pairs that name that file,
+    or a caption's own (-1 less the pair's place: a caption is its pair's alone). Retrieval counts right for each
+    other the pairs that share a side's file (an image's several captions, a picture's several meshes), never
+    further: a-x, b-x, b-y leave a's right answer x, not b's y."""
+    numbers: dict[tuple[str, str], int] = {}
+    keys = []
+    for place, i in enumerate(pairs):
+        entries = [(m, listing.entries[m][i]) for m in listing.modalities]
+        keys.append(
+            [-1 - place if e.text is not None else numbers.setdefault((m, e.name), len(numbers)) for m, e in entries]
+        )
+    return keys
+
+
+def joined_groups(listing: Listing, pairs: list[int]) -> list[int]:
+    """Per pair, a number shared by the pairs a file joins, however far (a-x, b-x, b-y: one group): held out
+    together, as pairs that share one file of two were split apart and the held-out picture trained on; -1 for a pair
+    whose files no other pair names. Not retrieval's right answers (side_keys)."""
     import numpy as np
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import connected_components
@@ -151,7 +166,7 @@ class PairData(L.LightningDataModule):
         self.listing: Listing | None = None
         self.splits: dict[str, Split] = {}
         self.skipped: list[str] = []
-        self.val_groups: torch.Tensor | None = None  # per held-out pair, a number it shares with those of its file
+        self.val_groups: torch.Tensor | None = None  # [held-out pairs, 2]: per side, its file's number (side_keys)
         self.planned_world = processes(config)  # the processes the trainer will run (Lightning's world size)
 
     @property
@@ -189,7 +204,10 @@ class PairData(L.LightningDataModule):
         )
         self.skipped = [s for d in decoded.values() for s in d.skipped]
         a, b = (decoded[n] for n in self.names)
-        splits = self._split(Split(a.inputs, b.inputs, a.names), file_groups(listing, a.labels.tolist()))
+        order = a.labels.tolist()
+        splits = self._split(
+            Split(a.inputs, b.inputs, a.names), joined_groups(listing, order), side_keys(listing, order)
+        )
         self.splits = {k: Split(v.inputs.to(self.device), v.labels.to(self.device), v.names) for k, v in splits.items()}
         log.info(
             "pairs: %d training and %d held-out %s pairs on %s",
@@ -199,13 +217,14 @@ class PairData(L.LightningDataModule):
             self.device,
         )
 
-    def _split(self, pairs: Split, groups: list[int]) -> dict[str, Split]:
+    def _split(self, pairs: Split, groups: list[int], keys: list[list[int]]) -> dict[str, Split]:
         """{train, val}: a seeded data.val_split of the pairs held out, or all of them (whole). Pairs that share a file
-        (an image on five metadata rows, one a caption) are held out together: split apart, the held-out figures
-        would be on images the model trained on. Pairs of their own file each are split as before."""
+        (`groups`: an image on five metadata rows, one a caption) are held out together: split apart, the held-out
+        figures would be on images the model trained on. Pairs of their own file each are split as before. The
+        held-out pairs' val_groups are their `keys` (side_keys): what retrieval counts right for each other."""
         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(self.seed))
         if self.whole:
-            self.val_groups = torch.tensor([g if g >= 0 else len(groups) + i for i, g in enumerate(groups)])
+            self.val_groups = torch.tensor(keys)
             return {"train": pairs.subset(order[:0]), "val": pairs}
         fraction = self.cfg.val_split
         if not 0 < fraction < 1:
@@ -228,7 +247,7 @@ class PairData(L.LightningDataModule):
                 f"data.source {self.cfg.source}: its {len(pairs)} pairs share so few files that holding out "
                 f"data.val_split={fraction} of them leaves {len(train)} to train on; add pairs or lower data.val_split."
             )
-        self.val_groups = torch.tensor([groups[i] if groups[i] >= 0 else len(groups) + i for i in val.tolist()])
+        self.val_groups = torch.tensor([keys[i] for i in val.tolist()])
         return {"train": pairs.subset(train), "val": pairs.subset(val)}
 
     def train_dataloader(self):

@@ -75,9 +75,17 @@ def partner_ranks(
     for start in range(0, n, rows):
         stop = min(start + rows, n)
         block = (a @ b[start:stop].T).T if backward else a[start:stop] @ b.T
-        same = None if groups is None else groups[start:stop].unsqueeze(1) == groups.unsqueeze(0)
+        same = None if groups is None else alike(groups, start, stop)
         out.append(ranks(block, torch.arange(start, stop, device=block.device), same))
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=a.device)
+
+
+def alike(groups: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """[stop - start, n]: the pairs as right as each row's own partner, for rows start..stop. `groups` [n]: of one
+    group (an image's captions); [n, sides]: sharing any side's number (PairData.val_groups: the other partners of
+    the query's file, and the pairs of its partner's file), which is no chain (a-x, b-x, b-y: y is not a's)."""
+    keys = groups.unsqueeze(1) if groups.dim() == 1 else groups
+    return (keys[start:stop].unsqueeze(1) == keys.unsqueeze(0)).any(-1)
 
 
 def retrieval_metrics(
@@ -89,8 +97,9 @@ def retrieval_metrics(
     rows: int | None = None,
 ) -> dict[str, float]:
     """recall@k of both directions and their mean, for aligned normalised embeddings a [n, d] and b [n, d].
-    `groups` [n]: pairs of one group share a file (an image with several captions), so any caption of the image
-    retrieved is right, as COCO's and Flickr30k's retrieval is scored; without, only the pair's own partner is.
+    `groups` [n] or [n, sides] (alike): pairs that share a file (an image with several captions), so any caption of
+    the image retrieved is right, as COCO's and Flickr30k's retrieval is scored; without, only the pair's own partner
+    is.
     `rows`: the scores are made that many rows at a time (block_rows); None: all at once."""
     a, b = a.float(), b.float()
     rows = rows or max(1, len(a))
@@ -102,9 +111,8 @@ def retrieval_metrics(
     for k in KS:
         out[f"{prefix}/recall@{k}"] = sum(v for key, v in out.items() if key.startswith(f"{prefix}/recall@{k}/")) / 2
     right = 1.0  # the items a random pick may hit: the pair's partner, or every item of its group
-    if groups is not None:
-        _, group, sizes = groups.unique(return_inverse=True, return_counts=True)
-        right = float(sizes[group].float().mean())
+    if groups is not None:  # (counted `rows` rows at a time, as the scores are)
+        right = sum(float(alike(groups, s, min(s + rows, len(a))).sum()) for s in range(0, len(a), rows)) / len(a)
     out[f"{prefix}/recall@1_chance"] = right / len(a)
     return out
 
@@ -148,7 +156,7 @@ class DualEncoder(EpochRecord, ONNModule):
         self.train_losses: list[torch.Tensor] = []
         self.history: list[dict[str, float]] = []
         self._held_out: dict[str, list[torch.Tensor]] = {n: [] for n in self.names}
-        self.held_out_groups: torch.Tensor | None = None  # per held-out pair, its file's group (PairData.val_groups)
+        self.held_out_groups: torch.Tensor | None = None  # per held-out pair, its sides' files (PairData.val_groups)
         self.score_budget: float | None = None  # bytes the plan leaves the run (block_rows); None: one block
         self.last_metrics: dict[str, float] = {}
 
