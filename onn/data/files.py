@@ -583,34 +583,62 @@ def jsonl_objects(text: str, where: str, wanted: str = "an object with fields") 
     return rows
 
 
-def csv_objects(text: str, where: str) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, row by the header's column names) of each row of a CSV with a header. A row with more fields
-    than the header (a caption or label with an unquoted comma) is one sentence naming `where` and the line: csv's
-    DictReader would file the rest under the key None, and the field before it would be cut at the comma."""
-    reader = csv.DictReader(io.StringIO(text))
+def csv_objects(text: str, where: str, whole: bool = True) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, row by the header's column names) of each row of a CSV with a header, numbered by the line the
+    row starts on: csv's line_num is the line it ends on, and a quoted field over several lines named its last. Lines
+    end in \\n, \\r\\n or a lone \\r (Excel for Mac's "CSV (Macintosh)"), as csv reads a file opened with newline="".
+    A row with more fields than the header (a caption or label with an unquoted comma) is one sentence naming `where`
+    and the line: the field before it would be cut at the comma. `whole` False: `text` is a file's head, cut at a
+    line end, where a quoted field over several lines may be cut open."""
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header: list[str] | None = None
     rows = []
+    start = last = 1
     try:
         for row in reader:
-            if None in row:
-                raise UserError(
-                    f"{where} line {reader.line_num} has {len(row[None])} more field(s) than its header's "
-                    f"{len(reader.fieldnames or ())} columns; put a field that holds a comma in double quotes "
-                    '("a dog, running").'
-                )
-            rows.append((reader.line_num, row))
+            if row and header is None:
+                header = row
+            elif row:
+                if len(row) > len(header):
+                    raise UserError(
+                        f"{where} line {start} has {len(row) - len(header)} more field(s) than its header's "
+                        f"{len(header)} columns; put a field that holds a comma in double quotes "
+                        '("a dog, running").'
+                    )
+                rows.append((start, dict(itertools.zip_longest(header, row))))
+            last, start = start, reader.line_num + 1  # the next row starts on the line after this one's last
     except csv.Error as e:
-        raise UserError(f"{where} line {reader.line_num} is not valid CSV ({e}); fix that line.") from None
+        raise UserError(f"{where} line {start} is not valid CSV ({e}); fix that line.") from None
+    if whole and rows and _quote_left_open(text, last):
+        raise UserError(
+            f"{where} line {last} opens a double quote that no later line closes, so every line after it was read as "
+            'one field; close it, or write a quote inside a quoted field as two ("").'
+        )
     return rows
+
+
+def _quote_left_open(text: str, start: int) -> bool:
+    """Whether the CSV row starting on line `start`, its last, runs to the end of `text` inside an open quote: csv
+    reads an unclosed quote to the end of the file without a word, and the rows after it were lost in one field."""
+    rest = "".join(io.StringIO(text, newline="").readlines()[start - 1 :])
+    try:
+        for _ in csv.reader(io.StringIO(rest, newline=""), strict=True):
+            pass
+    except csv.Error as e:
+        return "unexpected end of data" in str(e)
+    return False
 
 
 def write_jsonl(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
     """One JSON object per line (predictions, completions), UTF-8, the folder made if needed. Written beside and
-    renamed into place: a write that fails (a full disk, a stopped run) leaves an earlier file of that name whole."""
+    renamed into place: a write that fails (a full disk, a stopped run) leaves an earlier file of that name whole. A
+    file name that is not UTF-8 on disk (Python holds its bytes as lone surrogates) is written as the JSON escape
+    \\udcXX, which reads back as that name: it stopped the write after a whole run's inference."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with open(tmp, "w", encoding="utf-8", errors="backslashreplace") as f:
             for row in rows:
                 f.write(json.dumps(strict_json(row), ensure_ascii=False) + "\n")
         tmp.replace(path)

@@ -191,6 +191,11 @@ def list_labelled(
     mode = label_from or "auto"
     if mode == "auto":
         mode = "manifest" if manifests else "folder"
+    if mode == "manifest" and not manifests:  # else told that a manifest it lacks names none of its files
+        raise UserError(
+            f"data.label_from=manifest but {key} {path} holds no {' or '.join(MANIFESTS)}; add one with file_name "
+            "and label columns, or set data.label_from=auto."
+        )
     if mode == "manifest":
         labelled = _manifest_labels(media, manifests, label_column, key, path, refused)
     elif mode == "folder":

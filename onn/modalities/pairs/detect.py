@@ -269,11 +269,12 @@ def _rows(meta: Path, limit: int | None) -> list[tuple[int, dict[str, Any]]]:
         if limit is None or e.start < len(raw) - 4:
             raise UnreadableMetadata(f"{meta} is not UTF-8 text (byte {e.start}); save it as UTF-8.") from None
         text = raw[: e.start].decode("utf-8-sig")
-    if limit is not None and len(raw) == SNIFF_BYTES:
+    cut = limit is not None and len(raw) == SNIFF_BYTES
+    if cut:
         text = text.rsplit("\n", 1)[0]  # the last line may be cut
     try:
-        if meta.name.lower().endswith(".csv"):
-            return csv_objects(text, str(meta))
+        if meta.name.lower().endswith(".csv"):  # a cut head may leave a quoted field over several lines open
+            return csv_objects(text, str(meta), whole=not cut)
         return jsonl_objects(text, str(meta), "an object with file_name")
     except UserError as e:
         raise UnreadableMetadata(str(e)) from None
