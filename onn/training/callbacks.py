@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Checkpoint, RichProgressBar
+from lightning.pytorch.callbacks import Checkpoint, EarlyStopping, ModelCheckpoint, RichProgressBar
 
 from onn.config import ONNConfig
 from onn.errors import UserError
@@ -133,10 +133,8 @@ def epoch_checkpoints(run_dir: Path, monitor: str, mode: str, every_n_steps: int
     """What an epoch-based run checkpoints: best.ckpt by `monitor` (the first ModelCheckpoint, Lightning's
     trainer.checkpoint_callback), last.ckpt at each epoch's end and every `every_n_steps` steps within one (a
     run killed mid-epoch resumes from within it), and the random generators' states in each."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     folder = str(Path(run_dir) / "checkpoints")
-    best = ModelCheckpoint(
+    best = BestCheckpoint(
         dirpath=folder,
         filename="best",
         monitor=monitor,
@@ -151,12 +149,29 @@ def epoch_checkpoints(run_dir: Path, monitor: str, mode: str, every_n_steps: int
     return [best, last, StepCheckpoint(folder, every_n_steps), RandomState()]
 
 
+class BestCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint that weighs every validation when trainer.val_check_interval=1 (after every step):
+    Lightning saves at each epoch's end instead of after each validation when `val_check_interval == 1.0` (a whole
+    epoch), which the whole number 1 equals too, so best.ckpt and its score missed every validation but an epoch's
+    last one (with trainer.check_val_every_n_epoch=1)."""
+
+    def _should_save_on_train_epoch_end(self, trainer) -> bool:
+        interval = trainer.val_check_interval
+        every_step = isinstance(interval, int) and interval == 1 and trainer.num_training_batches > 1
+        batches = trainer.num_val_batches
+        validates = (sum(batches) if isinstance(batches, list) else batches) > 0
+        return super()._should_save_on_train_epoch_end(trainer) and not (every_step and validates)
+
+    @property
+    def state_key(self) -> str:
+        """Lightning's own key (it names the class): checkpoints saved by ModelCheckpoint resume into this one."""
+        return super().state_key.replace(type(self).__qualname__, "ModelCheckpoint", 1)
+
+
 def run_callbacks(config: ONNConfig, run_dir: Path, monitor: str, mode: str) -> list[L.Callback]:
     """An epoch-based run's callbacks: its checkpoints (epoch_checkpoints), the step clock, the resource monitor,
     a stopped run's resume where it stopped (NextEpochAfterFit), and early stopping on `monitor` when
     task.early_stopping.patience is set."""
-    from lightning.pytorch.callbacks import EarlyStopping
-
     checkpoints = epoch_checkpoints(run_dir, monitor, mode, config.checkpoint.every_n_steps)
     callbacks = [*checkpoints, StepClock(), ResourceMonitor(int(config.trainer.log_every_n_steps)), NextEpochAfterFit()]
     stop = config.task.early_stopping
@@ -165,9 +180,26 @@ def run_callbacks(config: ONNConfig, run_dir: Path, monitor: str, mode: str) -> 
         # logged `monitor` yet, and Lightning's own default check there ended the run in a RuntimeError
         patience, delta = int(stop.patience), float(stop.min_delta)
         callbacks.append(
-            EarlyStopping(monitor, mode=mode, patience=patience, min_delta=delta, check_on_train_epoch_end=False)
+            ThisRunsPatience(monitor, mode=mode, patience=patience, min_delta=delta, check_on_train_epoch_end=False)
         )
     return callbacks
+
+
+class ThisRunsPatience(EarlyStopping):
+    """Lightning's EarlyStopping with this run's task.early_stopping.patience after a resume too. Lightning restores
+    the checkpoint's patience over the one it was given, so a run stopped early and resumed with a larger patience
+    (to train on) stopped again at its first validation that did not improve. The count of validations without
+    improvement and the best score are the checkpoint's, as a run never stopped has them."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        patience = self.patience
+        super().load_state_dict(state_dict)
+        self.patience = patience
+
+    @property
+    def state_key(self) -> str:
+        """Lightning's own key (it names the class): checkpoints saved by EarlyStopping resume into this one."""
+        return super().state_key.replace(type(self).__qualname__, "EarlyStopping", 1)
 
 
 class NextEpochAfterFit(L.Callback):
