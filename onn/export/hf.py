@@ -335,10 +335,9 @@ def _merged_groups(model, base, engine) -> Iterator[dict[str, torch.Tensor]]:
     tensors), on the CPU: the weights before the blocks, then each block, then those after."""
     import torch
 
-    state = base.state_dict(keep_vars=True)
-    for key in getattr(base, "_keys_to_ignore_on_save", None) or []:
-        state.pop(key, None)
+    state = _state(base)
     lora = _lora_layers(base)
+    _check_mergeable(lora)
     _drop_tied(base, state, lora)
     names = {id(m): name for name, m in base.named_modules()}
     layer_map = engine.map if engine is not None else _layer_map(base)
@@ -392,6 +391,59 @@ def _merged_groups(model, base, engine) -> Iterator[dict[str, torch.Tensor]]:
             out[name] = tensor
         stored = None  # what was not used: gone before the next group is read
         yield out
+
+
+def _state(base) -> dict[str, torch.Tensor]:
+    """The base model's state dict as the merged folder names it: without what save_pretrained leaves out, and each
+    of peft's modules_to_save (a fully trained lm_head beside the adapters) as the copy the model computes with, under
+    the module's own name (`lm_head.weight`, not `lm_head.modules_to_save.default.weight` beside the original)."""
+    state = base.state_dict(keep_vars=True)
+    for key in getattr(base, "_keys_to_ignore_on_save", None) or []:
+        state.pop(key, None)
+    copies = _saved_copies(base)
+    if not copies:
+        return state
+    out = {}
+    for key, tensor in state.items():
+        wrapper = next((w for w in copies if key.startswith(f"{w}.")), None)
+        if wrapper is None:
+            out[key] = tensor
+        elif key.startswith(f"{copies[wrapper]}."):
+            out[f"{wrapper}.{key[len(copies[wrapper]) + 1 :]}"] = tensor
+    return out
+
+
+def _saved_copies(base) -> dict[str, str]:
+    """Each of peft's modules_to_save wrappers -> the prefix of the module it computes with: the active adapter's
+    trained copy, or the original where no adapter of it is active (as peft's own unload picks). Trainable tokens
+    (trainable_token_indices) are refused: their rows would be written untrained."""
+    from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+
+    out = {}
+    for name, module in base.named_modules():
+        if isinstance(module, ModulesToSaveWrapper):
+            active = module.active_adapters
+            out[name] = f"{name}.modules_to_save.{active[0]}" if active else f"{name}.original_module"
+        elif isinstance(module, AuxiliaryTrainingWrapper):
+            raise UserError(
+                f"{name} is peft's {type(module).__name__} (trainable_token_indices), which the export does not "
+                "merge; merge the model with peft's merge_and_unload() first, or save the adapter alone "
+                "(save_pretrained)."
+            )
+    return out
+
+
+def _check_mergeable(lora: dict[str, Any]) -> None:
+    """Refuse an adapter that trained a bias (lora_bias) on a layer that has none: the folder's architecture has no
+    bias to hold it, and leaving it out would change the model's outputs (peft's merge refuses it too)."""
+    for name, layer in lora.items():
+        if getattr(layer.get_base_layer(), "bias", None) is None and any(
+            map(getattr(layer, "lora_bias", {}).get, layer.active_adapters)
+        ):
+            raise UserError(
+                f"the LoRA adapter on {name} trained a bias (lora_bias=True), but {name} has none to merge it into; "
+                "save the adapter alone (save_pretrained), or train it with lora_bias=False."
+            )
 
 
 def _packed_4bit(base) -> dict[str, Any]:
@@ -456,16 +508,22 @@ def _drop_tied(base, state: dict[str, Any], lora: dict[str, Any]) -> set[str]:
     """Leave out what save_pretrained leaves out: the tied copies (lm_head.weight when the embeddings are tied),
     which from_pretrained ties again. A LoRA layer's base weight tied to another (an adapter on a tied lm_head or
     embedding) stays: merged, it is no longer the other's, as in the live model, where the adapter changes one of the
-    two alone. Returns those keys (the folder is then untied: _untie)."""
+    two alone, and so does a tied weight peft's modules_to_save trained as a copy of its own. Returns those keys (the
+    folder is then untied: _untie)."""
     tied = getattr(base, "all_tied_weights_keys", None) or {}
+    copies = _saved_copies(base)
+    kept: set[str] = set()
     for target, source in tied.items():
-        if target in state and source in state and state[target] is state[source]:
+        if target not in state or source not in state:
+            continue
+        if state[target] is state[source]:
             del state[target]
+        elif {target.rsplit(".", 1)[0], source.rsplit(".", 1)[0]} & copies.keys():
+            kept.add(target)  # a modules_to_save copy (a fully trained head), trained apart from the other
     sharing: dict[int, list[str]] = {}
     for key in state:
         sharing.setdefault(id(state[key]), []).append(key)
     tied_names = set(tied) | set(tied.values())
-    kept: set[str] = set()
     for keys in sharing.values():
         adapted = [k for k in keys if _adapted_base(k, lora)]
         plain = [k for k in keys if k not in adapted]
@@ -492,7 +550,7 @@ def _lora_layers(base) -> dict[str, Any]:
 
 def _untied(base) -> set[str]:
     """The LoRA base weights of `base` tied to another weight (see _drop_tied), which the export writes apart."""
-    return _drop_tied(base, base.state_dict(keep_vars=True), _lora_layers(base))
+    return _drop_tied(base, _state(base), _lora_layers(base))
 
 
 def _untie(config, keys: set[str] = frozenset()) -> None:
