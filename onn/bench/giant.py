@@ -193,16 +193,18 @@ def _step_figures(
 ) -> tuple[dict[str, Any], float, float]:
     """The timed steps (a process's first step fills its block cache, so after the first process's it is
     not timed) against limit_s = max(bytes read / disk bandwidth, matmul FLOPs / the cores' rate around
-    the steps, measured after each; the rate at the start when none was). Also the bytes a step read and
-    its time, unrounded."""
+    the steps, measured after each; the rate at the start when none was). The FLOPs are those of the samples and
+    width each step's batch held (padded to its longest), not data.max_length's, which only caps them: counted
+    there, a step of short samples was held to work it never had. Also the bytes a step read and its time,
+    unrounded."""
     from onn.planning.costs import streaming_step_flops
 
-    config, plan, spec = job.config, job.plan, job.spec
+    plan, spec = job.plan, job.spec
     timed = [s for s in steps if not (s["first_in_process"] and s["step"] > 1)]
     step_s = statistics.mean(s["step_s"] for s in timed)
     read_bytes = statistics.mean(s["read_bytes"] for s in timed)
     read_s = statistics.mean(s["read_s"] for s in timed)
-    flops = streaming_step_flops(spec, config.data.max_length, config.data.batch_size, plan.sparse_layers)
+    flops = statistics.mean(streaming_step_flops(spec, s["width"], s["rows"], plan.sparse_layers) for s in timed)
     disk_bw = disk_mb_s * MB
     rates = [s["matmul_gflops"] for s in timed if s["matmul_gflops"]]
     gflops = statistics.mean(rates) if rates else start_gflops
@@ -236,10 +238,7 @@ def _generation_phase(job) -> dict[str, Any]:
     gen = _child("generate", request, run_dir)
     g = gen["result"]
     out = {
-        "giant/gen_s_per_token_b1": round(g["b1"]["token_s"], 4),
-        f"giant/gen_s_per_token_b{task.gen_batch}": round(g["bn"]["token_s"], 4),
-        "giant/gen_b8_over_b1": round(g["bn"]["token_s"] / g["b1"]["token_s"], 3),
-        "giant/gen_tokens_per_s": round(g["bn"]["tokens_per_s"], 4),
+        **generation_figures(g, task.gen_batch),
         "giant/gen_peak_rss_mb": round(gen["peak_rss_mb"], 1),
         "giant/gen_chunk_size": g["chunk_size"],
         "giant/gen_cache_blocks": g["cache_blocks"],
@@ -258,6 +257,18 @@ def _generation_phase(job) -> dict[str, Any]:
             }
         )
     return out
+
+
+def generation_figures(generated: dict[str, Any], gen_batch: int) -> dict[str, Any]:
+    """The generate phase's times for 1 prompt and for `gen_batch` (task.gen_batch), each key named by the batch it
+    measured: the ratio was named b8 whatever the batch was."""
+    b1, bn = generated["b1"], generated["bn"]
+    return {
+        "giant/gen_s_per_token_b1": round(b1["token_s"], 4),
+        f"giant/gen_s_per_token_b{gen_batch}": round(bn["token_s"], 4),
+        f"giant/gen_b{gen_batch}_over_b1": round(bn["token_s"] / b1["token_s"], 3),
+        "giant/gen_tokens_per_s": round(bn["tokens_per_s"], 4),
+    }
 
 
 def _request(job) -> dict[str, Any]:
@@ -408,12 +419,14 @@ def _build(request: dict[str, Any]) -> dict[str, Any]:
     return {"written": len(store.rebuilt), "build_s": time.perf_counter() - start}
 
 
-def _progress_callback(path: Path, rows: int):
+def _progress_callback(path: Path, micro_batch: int):
     """A Lightning callback writing one JSON line per optimizer step to `path`, after the step's
-    checkpoint: time, weight wait, compute, bytes read, loss and the matmul rate right after it (at
-    `rows`, the step's); the first step of a process is marked (it fills the block cache, so its reads
-    are not a steady step's)."""
+    checkpoint: time, weight wait, compute, bytes read, loss, the samples and width its batch held, and the
+    matmul rate right after it (at a micro-batch's rows: up to `micro_batch` samples x the width); the first step
+    of a process is marked (it fills the block cache, so its reads are not a steady step's)."""
     import lightning as L
+
+    from onn.training.callbacks import batch_rows
 
     class Progress(L.Callback):
         def __init__(self):
@@ -434,10 +447,12 @@ def _progress_callback(path: Path, rows: int):
                 "read_bytes": t.read_bytes - self.before[2],
                 "read_s": t.read_s - self.before[3],
                 "loss": module.train_losses[-1],
+                "rows": batch_rows(batch),
+                "width": int(batch["input_ids"].shape[1]),
                 "first_in_process": self.steps == 0,
             }
             self.steps += 1
-            row["matmul_gflops"] = _matmul_after_step(module.engine, rows)
+            row["matmul_gflops"] = _matmul_after_step(module.engine, min(micro_batch, row["rows"]) * row["width"])
             with open(path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
@@ -484,7 +499,7 @@ def _train(request: dict[str, Any]) -> dict[str, Any]:
     )
     gc.collect()
     baseline = anon_rss_mb()
-    progress = _progress_callback(run_dir / "progress.jsonl", plan.micro_batch * plan.sequence_length)
+    progress = _progress_callback(run_dir / "progress.jsonl", plan.micro_batch)
     fit = trainer(config, plan, run_dir, [StepCheckpoint(run_dir / "checkpoints", 1), progress], loggers=False)
     module, tokenizer = build(config, plan)
     dm = datamodule(config, tokenizer)
