@@ -99,7 +99,11 @@ def test_a_model_prompted_without_the_chat_template_goes_on_past_its_end_of_turn
     chat = Prompter(data, tok)  # through the chat template (auto): <|eot_id|> ends the turn, as training ended it
     assert not chat.add_special_tokens and eot in generate.LanguageModel(model, tok, chat).eos_ids
     written = "<|begin_of_text|>Hi"  # a prompt a chat template wrote holds its special tokens: none added
-    assert generate.complete(model, tok, [written], max_new_tokens=8, add_special_tokens=False) == [""]
+    ends = chat.answer_end  # what infer passes for a model trained through the template
+    assert generate.complete(model, tok, [written], max_new_tokens=8, add_special_tokens=False, turn_end=ends) == [""]
+    # task.template=false (the prompt as typed) stops there too: by how the model was trained, as serve stops
+    assert generate.complete(model, tok, ["Hi"], max_new_tokens=8, bos=True, turn_end=ends) == [""]
+    assert generate.stream(model, tok, "Hi", max_new_tokens=8, bos=True, turn_end=ends) == ""
 
 
 GEMMA = (

@@ -154,8 +154,11 @@ def test_a_llama3_chat_model_learns_to_end_its_turn_and_generation_stops_there(t
     prompts = [p for p, _ in dm.val_examples[:2]]
     calls = []
     model.register_forward_hook(lambda *_: calls.append(1))
-    special = dm.prompter.add_special_tokens
-    assert generate.complete(model, tok, prompts, max_new_tokens=8, add_special_tokens=special) == ["4", "6"]
+    special, ends = dm.prompter.add_special_tokens, dm.prompter.answer_end  # as task=infer generates
+    assert generate.complete(model, tok, prompts, max_new_tokens=8, add_special_tokens=special, turn_end=ends) == [
+        "4",
+        "6",
+    ]
     assert len(calls) == 2  # the answer's token, then <|eot_id|>: not 8 steps to max_new_tokens
 
 

@@ -11,7 +11,7 @@ import torch
 from onn.errors import UserError
 from onn.modalities.text.datamodule import bos_ids, extract, extract_answer
 from onn.modalities.text.formats import read_records
-from onn.modalities.text.prompts import Prompter, turn_end_ids
+from onn.modalities.text.prompts import Prompter
 from onn.models.load import context_length
 
 log = logging.getLogger("onn")
@@ -71,17 +71,12 @@ def end_ids(model, tokenizer, turn_end: list[int] | tuple[int, ...] = ()) -> lis
     """Tokens that end a completion, the tokenizer's end of text first, then the model's own (its generation_config:
     a chat model's end of turn, Gemma's <end_of_turn>), then the first of `turn_end`, what the chat template ends an
     assistant's turn with where prompts go through it (Llama 3's <|eot_id|> beside a base model's <|end_of_text|>:
-    training ends answers with it, Prompter.answer_end): infer and eval stop where serve stops. A plain text model, or
-    data.chat_template=false, gives no `turn_end`: it learned that token as text, and goes on past it."""
+    training ends answers with it, Prompter.answer_end): infer and eval stop where serve stops, by how the model was
+    trained, whatever the prompt. A plain text model, or data.chat_template=false, gives no `turn_end`: it learned that
+    token as text, and goes on past it."""
     config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = [tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos]), *turn_end[:1]]
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
-
-
-def chat_turn_end(tokenizer, add_special_tokens: bool) -> list[int]:
-    """The chat template's end-of-turn tokens where a prompt went through it: generation encodes exactly those
-    prompts without the tokenizer's special tokens (Prompter.add_special_tokens), as training encoded them."""
-    return [] if add_special_tokens else turn_end_ids(tokenizer)
 
 
 def prompt_ids(tokenizer, text: str, add_special_tokens: bool = True, bos: bool = False) -> list[int]:
@@ -177,17 +172,18 @@ def stream(
     engine=None,
     add_special_tokens: bool = True,
     bos: bool = False,
+    turn_end: list[int] | tuple[int, ...] = (),
 ) -> str:
     """Print the completion token by token as it is generated; return it. `add_special_tokens`: as training
     encoded prompts (Prompter.add_special_tokens: False where a chat template wrote them); `bos`: BOS first, as a
-    model that learned plain text saw every text begin (Prompter.starts_with_bos)."""
+    model that learned plain text saw every text begin (Prompter.starts_with_bos); `turn_end`: what training ended
+    its answers with (Prompter.answer_end), a stop too, as serve stops there."""
     from transformers import TextStreamer
 
     model.eval()
     inputs = prompt_batch(tokenizer, [prompt], add_special_tokens, bos).to(_device(model, engine))
     streamer = TextStreamer(tokenizer, skip_prompt=engine is None, skip_special_tokens=True)
-    turn = chat_turn_end(tokenizer, add_special_tokens)
-    new = _generate(model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p, streamer, turn)
+    new = _generate(model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p, streamer, turn_end)
     return tokenizer.decode(new[0], skip_special_tokens=True)
 
 
@@ -203,19 +199,20 @@ def complete(
     engine=None,
     add_special_tokens: bool = True,
     bos: bool = False,
+    turn_end: list[int] | tuple[int, ...] = (),
 ) -> list[str]:
     """Completions for many prompts in left-padded batches (with an engine, every chunk load serves the whole batch).
     `add_special_tokens`: as training encoded prompts (Prompter.add_special_tokens), so no second BOS; `bos`: BOS
-    first (Prompter.starts_with_bos)."""
+    first (Prompter.starts_with_bos); `turn_end`: what training ended answers with (Prompter.answer_end)."""
     model.eval()
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
-    results, turn = [], chat_turn_end(tokenizer, add_special_tokens)
+    results = []
     try:
         for i in range(0, len(prompts), batch_size):
             batch = prompts[i : i + batch_size]
             inputs = prompt_batch(tokenizer, batch, add_special_tokens, bos).to(_device(model, engine))
-            new = _generate(model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p, turn_end=turn)
+            new = _generate(model, engine, tokenizer, inputs, max_new_tokens, temperature, top_p, turn_end=turn_end)
             results += tokenizer.batch_decode(new, skip_special_tokens=True)
     finally:
         tokenizer.padding_side = side

@@ -596,6 +596,7 @@ def infer(job: Job) -> dict[str, Any]:
         "top_p": task.top_p,
         "add_special_tokens": special,
         "bos": bos,
+        "turn_end": prompter.answer_end,  # how the model was trained ended its answers: serve stops there too
     }
     auto = task.max_new_tokens == "auto"
     said = {"infer/prompt_format": prompter.prompt_format if task.template else "none (task.template=false)"}
