@@ -425,7 +425,7 @@ INVALID = {  # per field of a chat request, values OpenAI's API refuses (strict 
     "temperature": [-1, 2.5, 1e308, "0", True, [], -1e308],
     "top_p": [-0.1, 1.5, "1", False, {}],
     "stop": [5, [5], [None], [""], ["a"] * 9, {}, True, "x" * 300],
-    "seed": [-1, 2**70, "1", 1.5, True, []],
+    "seed": [-(2**63) - 1, 2**70, "1", 1.5, True, []],
     "n": [0, 2, -1, "1", 1.5],
     "stream": ["yes", 1, 0, []],
     "stream_options": ["x", 5, [], True],

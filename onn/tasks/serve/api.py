@@ -42,7 +42,7 @@ from onn.tasks.serve.batching import Sampling, Scheduler, Sequence
 log = logging.getLogger("onn")
 OPEN_PATHS = ("/health", "/", "/favicon.ico")  # no key needed: the page holds no model data, and asks for the key
 UPLOAD_OVERHEAD = 64 * 1024  # multipart boundaries and headers around an upload
-MAX_SEED = 2**63 - 1
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # OpenAI's range (a 64-bit integer): -1 is a seed too
 UNIMPLEMENTED = {  # fields this server does not compute: refused, not silently ignored
     "logprobs": "returns no log-probabilities",
     "top_logprobs": "returns no log-probabilities",
@@ -169,8 +169,10 @@ class Message(BaseModel):
     content: str | list[TextPart] | None = None
 
     def text(self) -> str:
+        """The content as one text, its parts joined by newlines as vLLM joins them: joined by nothing, the last
+        word of one part ran into the first of the next ("Summarize:" and "The cat" read "Summarize:The cat")."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content)
         return self.content or ""
 
 
@@ -190,7 +192,7 @@ class Generation(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)  # 0: only the likeliest token
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     n: int | None = Field(default=None, ge=1)  # more than 1: refused in words (UNIMPLEMENTED)
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
@@ -344,17 +346,17 @@ def create_app(served: Any, settings: ServeConfig, model_name: str, api_key: str
         stats=server.stats,
     )
     _answer_errors(app, server.stats)
-    for path, method, handler in (
-        ("/health", "GET", server.health),
-        ("/", "GET", server.index),
-        ("/favicon.ico", "GET", server.favicon),
-        ("/v1/models", "GET", server.models),
-        ("/v1/models/{name:path}", "GET", server.model),
-        ("/v1/chat/completions", "POST", server.chat),
-        ("/v1/completions", "POST", server.completions),
-        ("/v1/classify", "POST", server.classify),
+    for path, methods, handler in (
+        ("/health", ("GET", "HEAD"), server.health),  # HEAD: uptime monitors' probe (a 405 read as down)
+        ("/", ("GET", "HEAD"), server.index),
+        ("/favicon.ico", ("GET",), server.favicon),
+        ("/v1/models", ("GET",), server.models),
+        ("/v1/models/{name:path}", ("GET",), server.model),
+        ("/v1/chat/completions", ("POST",), server.chat),
+        ("/v1/completions", ("POST",), server.completions),
+        ("/v1/classify", ("POST",), server.classify),
     ):
-        app.add_api_route(path, handler, methods=[method])
+        app.add_api_route(path, handler, methods=list(methods))
     return app
 
 
