@@ -130,3 +130,25 @@ def test_the_holder_named_is_a_running_process_not_an_earlier_holders_stale_pid(
     assert holder(tmp_path) == f"process {os.getpid()}"
     (tmp_path / LOCK_NAME).write_text("0")
     assert holder(tmp_path) == "another process"
+
+
+@pytest.mark.skipif(not Path("/proc/locks").is_file(), reason="the kernel's lock table (/proc/locks) is Linux's")
+def test_the_holder_named_is_the_one_the_kernel_names_not_a_live_earlier_holders_pid(tmp_path: Path) -> None:
+    """A holder that could not write its pid leaves an earlier holder's there, which may still run (a sweep's parent,
+    a notebook) and hold nothing: the message named it. The kernel's lock table names the process that holds it."""
+    (tmp_path / LOCK_NAME).write_text(str(os.getpid()))  # this process held it once, and runs on
+    script = (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(tmp_path / LOCK_NAME)!r}, os.O_RDONLY)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"  # held without writing its pid, as over a read-only lock file
+        "print('held', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        assert try_hold(tmp_path) is None
+        assert holder(tmp_path) == f"process {child.pid}"
+    finally:
+        child.kill()
+        child.wait()

@@ -112,11 +112,15 @@ def _flock(fd: int, operation: int, path: Path) -> None:
 
 
 def holder(folder: str | os.PathLike) -> str:
-    """The pid written by the process that holds `folder`'s lock; "another process" where it is unreadable or names
-    no running process (a holder that could not write its own, over a read-only lock file or a full disk, leaves an
-    earlier holder's there: a user told to stop it could stop an unrelated process)."""
+    """The process that holds `folder`'s lock: the one the kernel names (/proc/locks), else the pid its holder wrote
+    while that pid runs; "another process" where neither is known. A holder that could not write its own pid (a
+    read-only lock file, a full disk) leaves an earlier holder's there, which names a process that holds nothing: a
+    user told to stop it could stop an unrelated process."""
+    path = Path(folder) / LOCK_NAME
+    if (pid := kernel_holder(path)) is not None:
+        return f"process {pid}"
     try:
-        pid = int((Path(folder) / LOCK_NAME).read_text())
+        pid = int(path.read_text())
         if pid <= 0:  # (0 and below name process groups)
             return "another process"
         os.kill(pid, 0)  # PermissionError: running, as another user
@@ -125,6 +129,21 @@ def holder(folder: str | os.PathLike) -> str:
     except (OSError, ValueError, OverflowError):
         return "another process"
     return f"process {pid}"
+
+
+def kernel_holder(path: Path) -> int | None:
+    """The pid Linux's /proc/locks names as holding `path`'s flock (its device and inode), None where there is no such
+    file (another system) or line, or the holder's pid is not visible from here (another pid namespace)."""
+    try:
+        info = path.stat()
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    file = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    for words in (line.split() for line in lines):  # `1: FLOCK  ADVISORY  WRITE 22015 fe:00:2146714 0 EOF`
+        if len(words) > 5 and words[1] == "FLOCK" and words[5] == file and words[4].isdigit() and int(words[4]) > 0:
+            return int(words[4])
+    return None
 
 
 @contextlib.contextmanager
