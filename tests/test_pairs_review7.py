@@ -104,6 +104,24 @@ def test_metadata_pairing_two_files_of_one_modality_is_one_sentence(pictures, ki
     assert modality is None or modality.name != "pairs"
 
 
+def test_masks_beside_captions_pair_file_name_with_the_caption_column_named(pictures):
+    """file_name, mask_file_name and text (an imagefolder with masks and captions): the two picture columns were
+    paired whatever data.text_column said, and refused with no way out. The column named is the partner."""
+    for i in range(6):
+        shutil.copy(pictures / f"{i:04d}.png", pictures / f"{i:04d}_mask.png")
+    rows = [
+        {"file_name": f"{i:04d}.png", "mask_file_name": f"{i:04d}_mask.png", "text": f"shape {i}"} for i in range(6)
+    ]
+    write_metadata(pictures, rows)
+    with pytest.raises(
+        UserError, match=r"with image \(mask_file_name\);.* set data.text_column=NAME to pair file_name"
+    ):
+        find_pairs(pictures)
+    listing = find_pairs(pictures, text_column="text")
+    assert listing.modalities == ("image", "text") and listing.complete == 6
+    assert [e.text for e in listing.entries["text"]] == [f"shape {i}" for i in range(6)]
+
+
 def test_a_capitalised_caption_column_is_the_captions_not_a_url_beside_it(pictures):
     """CAPTION_COLUMNS was matched case for case: a spreadsheet's "Caption" was passed over for the first text
     column, a url column, and the dual encoder trained on urls."""

@@ -343,7 +343,8 @@ def _from_metadata(
 
 
 def _used_columns(rows: list, text_column: str, where: str, key: str) -> tuple[list[str], list[str]]:
-    """(the file columns, the two columns paired): two file columns, else file_name and its caption column."""
+    """(the file columns, the two columns paired): two file columns, else (or where data.text_column names one)
+    file_name and its caption column."""
     columns = list(dict.fromkeys(c for _, _, row in rows for c in row))
     file_columns = [c for c in columns if c == "file_name" or c.endswith("_file_name")]
     if not rows:  # its header's file_name was reported missing ("columns: ")
@@ -355,8 +356,9 @@ def _used_columns(rows: list, text_column: str, where: str, key: str) -> tuple[l
         raise UserError(
             f"{key}: {where} has no file_name column (columns: {', '.join(columns[:8])}); expected {LAYOUT}."
         )
-    if len(file_columns) >= 2:
+    if len(file_columns) >= 2 and text_column in (None, "auto"):
         return file_columns, file_columns[:2]
+    # (a data.text_column given pairs file_name with it: an imagefolder's masks beside its captions)
     return file_columns, [file_columns[0], _text_column(rows, columns, file_columns, text_column, where)]
 
 
@@ -370,7 +372,8 @@ def _paired_modalities(
     if first == second:
         raise UserError(
             f"{key}: {where} pairs {first} ({columns_used[0]}) with {second} ({columns_used[1]}); a dual encoder's "
-            "two sides are two different modalities (e.g. image and text)."
+            f"two sides are two different modalities (e.g. image and text): set data.text_column=NAME to pair "
+            f"{columns_used[0]} with a caption column instead."
         )
     pair = wanted or (first, second)
     if set(pair) != {first, second}:
