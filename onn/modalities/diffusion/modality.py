@@ -74,7 +74,7 @@ class DiffusionModality(Modality):
     def _check_sampling(config: ONNConfig) -> None:
         """Samples are drawn after training (and by infer and eval): settings that cannot draw them are refused
         before, not after the training they would otherwise lose. export and plan draw none, so they skip these keys."""
-        from onn.modalities.diffusion.sample import SAMPLERS
+        from onn.modalities.diffusion.module import SAMPLERS
 
         task, timesteps = config.task, config.model.train_timesteps
         if task.name in ("export", "plan"):

@@ -6,27 +6,58 @@ import hashlib
 from pathlib import Path
 
 import torch
+from diffusers import DDIMScheduler
+from diffusers.schedulers.scheduling_ddim import DDIMSchedulerOutput
 from torch import nn
 
 from onn.config.model import DenoiserConfig
 from onn.errors import UserError
-from onn.modalities.diffusion.module import to_pixels
+from onn.modalities.diffusion.module import SAMPLERS, to_pixels
 
-SAMPLERS = ("ddim", "ddpm")
+
+class TrailingDDIMScheduler(DDIMScheduler):
+    """diffusers' DDIMScheduler, each step going to the next of its own timesteps. diffusers' step goes to
+    `t - num_train_timesteps // steps` (diffusers issue 12633), the next listed timestep only where the steps divide
+    the schedule: with 600 of 1,000 every step went down 1 timestep where the list went down 1 or 2, and an exact
+    denoiser's images came out with 2.5 times the spread of its data. The step is DDIM's deterministic one (eta 0)
+    for a noise prediction, the predicted image clipped as the scheduler's config says, as diffusers computes it."""
+
+    def set_timesteps(self, num_inference_steps: int, device: str | torch.device | None = None) -> None:
+        super().set_timesteps(num_inference_steps, device)
+        listed = self.timesteps.tolist()
+        self.following = dict(zip(listed, [*listed[1:], -1]))  # -1: the last step ends at the clean image
+
+    def step(
+        self,
+        model_output: torch.Tensor,
+        timestep: int | torch.Tensor,
+        sample: torch.Tensor,
+        generator: torch.Generator | None = None,  # unused (eta 0); accepted as DDPMScheduler's step takes it
+    ) -> DDIMSchedulerOutput:
+        current, following = int(timestep), self.following[int(timestep)]
+        alpha = self.alphas_cumprod[current]
+        alpha_next = self.alphas_cumprod[following] if following >= 0 else self.final_alpha_cumprod
+        original = (sample - (1 - alpha) ** 0.5 * model_output) / alpha**0.5
+        if self.config.clip_sample:
+            limit = self.config.clip_sample_range
+            original = original.clamp(-limit, limit)
+        prev_sample = alpha_next**0.5 * original + (1 - alpha_next) ** 0.5 * model_output
+        return DDIMSchedulerOutput(prev_sample=prev_sample, pred_original_sample=original)
 
 
 def sampling_scheduler(model_cfg: DenoiserConfig, sampler: str, steps: int):
-    """DDIMScheduler (deterministic, `steps` of the training schedule) or DDPMScheduler (every timestep),
-    on the noise schedule the model was trained with. DDIM's steps are spaced from the schedule's last timestep
-    down ("trailing", Lin et al. 2023): diffusers' default ("leading") starts at 0 for one step and at T/2 for two,
-    so the starting noise was denoised as if it were an almost clean image and came back as noise."""
-    from diffusers import DDIMScheduler, DDPMScheduler
+    """DDIM (deterministic, `steps` of the training schedule) or DDPMScheduler (every timestep), on the noise
+    schedule the model was trained with. DDIM's steps are spaced from the schedule's last timestep down ("trailing",
+    Lin et al. 2023): diffusers' default ("leading") starts at 0 for one step and at T/2 for two, so the starting
+    noise was denoised as if it were an almost clean image and came back as noise. Trailing steps are uneven where
+    `steps` does not divide the schedule, which TrailingDDIMScheduler steps through as listed."""
+    from diffusers import DDPMScheduler
 
     if sampler not in SAMPLERS:
         raise UserError(f"task.sampler={sampler!r}: use one of {', '.join(SAMPLERS)}.")
     schedule = {"num_train_timesteps": int(model_cfg.train_timesteps), "beta_schedule": model_cfg.beta_schedule}
     if sampler == "ddim":
-        scheduler = DDIMScheduler(**schedule, timestep_spacing="trailing")
+        scheduler = TrailingDDIMScheduler(**schedule, timestep_spacing="trailing")
         scheduler.set_timesteps(steps)
     else:
         scheduler = DDPMScheduler(**schedule)

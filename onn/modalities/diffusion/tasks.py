@@ -271,10 +271,11 @@ def sample_grid(config: ONNConfig, module: DiffusionModule, run_dir: Path, devic
 
 def draw_samples(config: ONNConfig, module: DiffusionModule, device: torch.device) -> torch.Tensor:
     task: TrainTask = config.task
-    if task.samples < 1 or task.sample_steps < 1:
-        raise UserError(
-            f"task.samples={task.samples} and task.sample_steps={task.sample_steps}: give whole numbers, 1 or more."
-        )
+    if task.samples < 1:
+        raise UserError(f"task.samples={task.samples}: give the number of images to draw, 1 or more.")
+    # ddpm takes every timestep: its task.sample_steps is unread (DiffusionModality.check checks ddim's)
+    if task.sampler == "ddim" and task.sample_steps < 1:
+        raise UserError(f"task.sample_steps={task.sample_steps}: ddim takes 1 or more steps of the noise schedule.")
     model: DenoiserConfig = typed(DenoiserConfig, module.onn_config["model"], "the denoiser's model config")
     scheduler = sampling_scheduler(model, task.sampler, task.sample_steps)
     shape = list(module.onn_config["inputs"]["input_shape"])
