@@ -842,8 +842,10 @@ class StreamingEngine:
         row_weights: list[list[int]] | None = None,
     ) -> torch.Tensor:
         """The forward half of a step: chunk-outer forward keeping chunk inputs, then each micro-batch's
-        loss backpropagated to its last hidden state (the engine's own tensors, so an optimizer's
-        zero_grad in between changes nothing). `loss_scale` is fp16's loss scale (on the device); `total_tokens` the
+        loss backpropagated to its last hidden state. What that backward gives the weights it passes (a classifier's
+        head, a DiT's output layers) is held by the engine until `backward_chunks`, so an optimizer's zero_grad in
+        between (Lightning's automatic optimization zeroes after the training step, before its backward) changes
+        nothing. `loss_scale` is fp16's loss scale (on the device); `total_tokens` the
         target tokens of the whole global batch when several processes share it (default: these);
         `row_weights`: per micro-batch, what each row's loss averages over (target tokens) as the host counted
         them, so that no micro-batch's or suffix piece's weight is read from the device (a wait on a GPU)."""
@@ -856,42 +858,54 @@ class StreamingEngine:
         # gradient is the whole macro-batch's, whatever the micro-batch size.
         counts = None if row_weights is None else [sum(rows) for rows in row_weights]
         weights = token_weights(micro_batches, total_tokens, self.objective.weight, counts)
-        with self._suffix_phase():
-            start = time.perf_counter()
-            for m, (h, mb, w) in enumerate(zip(hidden, micro_batches, weights)):
-                h = h.detach().requires_grad_(True)
-                if w == 0:  # no target tokens: nothing to learn from, and its mean loss is 0/0
-                    grads.append(torch.zeros_like(h))
-                    continue
-                step = self.suffix_rows or h.shape[0]
-                pieces = [{k: v[a : a + step] for k, v in mb.items()} for a in range(0, h.shape[0], step)]
-                rows = None if row_weights is None else row_weights[m]
-                counted = None if rows is None else [sum(rows[a : a + step]) for a in range(0, h.shape[0], step)]
-                share = token_weights(pieces, weigh=self.objective.weight, counts=counted)  # its part of the mean
-                for a, piece, part in zip(range(0, h.shape[0], step), pieces, share):
-                    if part:
-                        loss = self.objective.loss(self.suffix(h[a : a + step], piece), piece)
-                        (loss * (loss_scale * w * part)).backward()
-                        losses.append(loss.detach() * (w * part))
-                grads.append(h.grad)
-            self.times.compute_s += time.perf_counter() - start
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        earlier = [p.grad for p in trainable]  # set aside: the suffix's gradients are taken alone
+        for p in trainable:
+            p.grad = None
+        try:
+            with self._suffix_phase():
+                start = time.perf_counter()
+                for m, (h, mb, w) in enumerate(zip(hidden, micro_batches, weights)):
+                    h = h.detach().requires_grad_(True)
+                    if w == 0:  # no target tokens: nothing to learn from (its mean loss is 0/0), and no backward
+                        grads.append(None)
+                        continue
+                    step = self.suffix_rows or h.shape[0]
+                    pieces = [{k: v[a : a + step] for k, v in mb.items()} for a in range(0, h.shape[0], step)]
+                    rows = None if row_weights is None else row_weights[m]
+                    counted = None if rows is None else [sum(rows[a : a + step]) for a in range(0, h.shape[0], step)]
+                    share = token_weights(pieces, weigh=self.objective.weight, counts=counted)  # its part of the mean
+                    for a, piece, part in zip(range(0, h.shape[0], step), pieces, share):
+                        if part:
+                            loss = self.objective.loss(self.suffix(h[a : a + step], piece), piece)
+                            (loss * (loss_scale * w * part)).backward()
+                            losses.append(loss.detach() * (w * part))
+                    grads.append(h.grad)
+                self.times.compute_s += time.perf_counter() - start
+            suffix_grads = [(p, p.grad) for p in trainable if p.grad is not None]
+        finally:
+            for p, grad in zip(trainable, earlier):
+                p.grad = grad
         if self.edges:
             self._prefetch(self._backward_order())
-        self._pending_backward = (inputs, kept, grads)
+        self._pending_backward = (inputs, kept, grads, suffix_grads)
         return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
 
     def backward_chunks(self) -> None:
         """The backward half: chunks in reverse down to the lowest trainable one, recomputing each.
         The lowest stays resident and the loader starts on the next forward's first chunks: the next
         step, a validation or a generation all begin there."""
-        inputs, kept, grads = self._pending_backward
+        inputs, kept, grads, suffix_grads = self._pending_backward
         self._pending_backward = None
+        for p, grad in suffix_grads:  # what the suffix's backward gave, added as autograd would have
+            p.grad = grad if p.grad is None else p.grad.add_(grad)
+        learning = [m for m, grad in enumerate(grads) if grad is not None]  # micro-batches with target tokens
         last = len(self.chunks) - 1
         for c in range(last, self.lowest_chunk - 1, -1):
             upcoming = range(c - 1, self.lowest_chunk - 1, -1) if c > self.lowest_chunk else range(len(self.chunks))
             self._install(c, upcoming)
             start = time.perf_counter()
-            for m in range(len(grads)):
+            for m in learning:
                 x = kept[c][m].to(self.device, non_blocking=True).detach().requires_grad_(c > self.lowest_chunk)
                 with torch.enable_grad(), self._statistics_kept():
                     y = self._run_chunk(c, x, inputs[m], self._random_states.pop((c, m), None))
