@@ -155,3 +155,33 @@ def test_a_hybrid_with_one_attention_layer_in_eight_is_all_blocks_not_its_first_
     layer_map = discover(model)
     assert layer_map.block_paths == [f"model.layers.{i}" for i in range(8)]
     assert [n for n, _ in layer_map.suffix] == ["model.final_layernorm", "lm_head"]
+
+
+def test_a_stem_beside_a_run_of_blocks_in_one_list_is_no_hybrid():
+    """[Stem, Block x 4] in one ModuleList: the blocks are the run, the stem goes before them; a hybrid's other kind
+    sits among its layers. And nothing inside a hybrid's list is a run of its own blocks (its layers' own lists)."""
+    from torch import nn
+
+    class Stem(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Linear(4, 8)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+    class Other(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList([Block(), Block(), Block()])  # a run inside one layer
+
+    stemmed = nn.Module()
+    stemmed.layers = nn.ModuleList([Stem(), Block(), Block(), Block(), Block()])
+    layer_map = discover(stemmed)
+    assert layer_map.block_paths == [f"layers.{i}" for i in range(1, 5)]
+    assert [n for n, _ in layer_map.prefix] == ["layers.0"]
+    hybrid = nn.Module()
+    hybrid.layers = nn.ModuleList([Block(), Other(), Block(), Block()])
+    assert discover(hybrid).block_paths == [f"layers.{i}" for i in range(4)]

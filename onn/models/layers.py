@@ -3,9 +3,9 @@
 One discovery serves three users: the planner sizes memory by it, the streaming strategy chunks
 the blocks by it, and the .omny exporter cuts the graph at its block boundaries. Discovery knows
 no model names: the blocks are a run of same-typed sibling modules (a decoder's layer list, a
-ResNet's stages, the middle of a user's nn.Sequential): composite modules before leaf layers (a ModuleList of
-composite layers of two kinds, a hybrid's, whose stretches of one kind are no runs, after any run of one type
-elsewhere; a list of one composite module, a one-layer stack, after those), then the run holding the most
+ResNet's stages, the middle of a user's nn.Sequential; a ModuleList of composite layers of two kinds, a hybrid's
+such as Jamba's or a UNet's up blocks, is a run too, and nothing inside it is): composite modules before leaf
+layers (a list of one composite module, a one-layer stack, after any run), then the run holding the most
 parameters, then the longest. A model config can name the blocks explicitly instead
 (`model.layer_map.blocks: model.layers`).
 """
@@ -167,15 +167,18 @@ def discover(model: nn.Module, blocks_path: str | None = None) -> LayerMap:
         return _assemble(model, blocks_path, names)
 
     best = None  # (key, path, names)
+    hybrids = [p for p, m in model.named_modules() if _mixed_list(m)]
     for path, module in model.named_modules():
+        if any(path.startswith(f"{h}.") if h else path for h in hybrids):
+            continue  # inside a hybrid's layers: its parts, not its blocks
         mixed = _mixed_list(module)  # a hybrid's layers: its runs of one kind are stretches of them, not its blocks
         for names in [*([] if mixed else _same_type_runs(module)), *_lone_block(module), *mixed]:
-            # Blocks are composite modules (a decoder layer, a ResNet stage); a list of decoder layers of two
-            # kinds (a hybrid's) comes after any run of one type, a list of one block (a one-layer stack) after
-            # that, and a pair of leaf layers (GPT-2's wte/wpe embeddings) only counts when no composite block is
-            # found at all.
+            # Blocks are composite modules (a decoder layer, a ResNet stage); a list of layers of two kinds (a
+            # hybrid's) is a run too, by the weights it holds, and nothing inside it is; a list of one block (a
+            # one-layer stack) comes after any run, and a pair of leaf layers (GPT-2's wte/wpe embeddings) only
+            # counts when no composite block is found at all.
             composite = any(True for _ in module.get_submodule(names[0]).children())
-            rank = (1 if len(names) == 1 else 2 if names in mixed else 3) if composite else 0
+            rank = (1 if len(names) == 1 else 3) if composite else 0
             coverage = sum(_count(module.get_submodule(n)) for n in names)
             key = (rank, coverage, len(names))
             if best is None or key > best[0]:
@@ -213,6 +216,8 @@ def _mixed_list(module: nn.Module) -> list[list[str]]:
     children = list(module.named_children())
     if not isinstance(module, nn.ModuleList) or len(children) < 2 or len({type(c) for _, c in children}) < 2:
         return []
+    if _stem_and_head_around_a_run([type(c) for _, c in children]):
+        return []  # a stem or a head beside a run of one kind: the run is the blocks, as before
     blocks = all(
         type(c) not in (nn.ModuleList, nn.ModuleDict)
         and not isinstance(c, nn.RNNBase)
@@ -221,6 +226,15 @@ def _mixed_list(module: nn.Module) -> list[list[str]]:
         for _, c in children
     )
     return [[name for name, _ in children]] if blocks else []
+
+
+def _stem_and_head_around_a_run(types: list[type]) -> bool:
+    """Whether the types are two or more of one kind with at most one other at either end ([Stem, Block, Block]):
+    a hybrid's other kind sits among its layers (Jamba's attention at layer 4 of 8, Zamba2's [mamba, hybrid, mamba])."""
+    start = 1 if types[0] is not types[1] else 0
+    stop = len(types) - 1 if types[-1] is not types[-2] else len(types)
+    middle = types[start:stop]
+    return len(middle) >= 2 and len(set(middle)) == 1
 
 
 def _same_type_runs(module: nn.Module) -> list[list[str]]:
