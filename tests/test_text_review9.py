@@ -160,6 +160,9 @@ def test_a_llama3_chat_model_learns_to_end_its_turn_and_generation_stops_there(t
         "6",
     ]
     assert len(calls) == 2  # the answer's token, then <|eot_id|>: not 8 steps to max_new_tokens
+    # val/exact_match and bench's exact_match read answers generated the same way (they ran on to '4444')
+    scores = generate.answer_scores(model, tok, dm.val_examples, None, 2, 8, add_special_tokens=special, turn_end=ends)
+    assert scores["exact_match"] == 1.0 and len(calls) == 4
 
 
 @pytest.mark.slow

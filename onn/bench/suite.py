@@ -280,6 +280,7 @@ def measure(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
             max_new_tokens=dm.max_answer_tokens + 2,
             engine=module.engine,
             add_special_tokens=dm.prompter.add_special_tokens,
+            turn_end=dm.prompter.answer_end,
         )
     return {
         "step_s": clock.step_s,

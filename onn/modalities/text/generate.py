@@ -229,6 +229,7 @@ def answer_scores(
     engine=None,
     batch_size: int = 16,
     add_special_tokens: bool = True,
+    turn_end: list[int] | tuple[int, ...] = (),
 ) -> dict[str, Any]:
     """Exact match of greedy answers against the references, and how the answers were extracted.
 
@@ -237,7 +238,8 @@ def answer_scores(
     `exact_match` counts both, `exact_match_strict` only the first, `answer_pattern_found` is the share
     of generations that wrote the pattern. Without a pattern, both answers are their first line.
     `batch_size` prompts generate together (with an engine: every chunk load serves all of them);
-    `add_special_tokens`: the datamodule's Prompter.add_special_tokens, as its training samples were encoded."""
+    `add_special_tokens`, `turn_end`: the datamodule's Prompter.add_special_tokens and answer_end, as its training
+    samples were encoded and ended (a chat model stops at its end of turn, not at max_new_tokens)."""
     examples, unreadable = readable_references(examples[:max_samples], pattern)
     if not examples:
         return {"exact_match": float("nan")}
@@ -249,6 +251,7 @@ def answer_scores(
         engine=engine,
         batch_size=batch_size,
         add_special_tokens=add_special_tokens,
+        turn_end=turn_end,
     )
     hits = strict = found = 0
     for output, (_, answer) in zip(outputs, examples):
@@ -306,10 +309,19 @@ def exact_match(
     max_new_tokens: int,
     engine=None,
     add_special_tokens: bool = True,
+    turn_end: list[int] | tuple[int, ...] = (),
 ) -> float:
     """The share of greedy answers equal to the reference (see answer_scores)."""
     return answer_scores(
-        model, tokenizer, examples, pattern, max_samples, max_new_tokens, engine, add_special_tokens=add_special_tokens
+        model,
+        tokenizer,
+        examples,
+        pattern,
+        max_samples,
+        max_new_tokens,
+        engine,
+        add_special_tokens=add_special_tokens,
+        turn_end=turn_end,
     )["exact_match"]
 
 

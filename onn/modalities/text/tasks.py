@@ -410,6 +410,7 @@ def held_out_scores(job: Job, module: CausalLM, dm: TextDataModule, tokenizer, s
         engine=module.engine,
         batch_size=generate_batch(job.plan, samples),
         add_special_tokens=dm.prompter.add_special_tokens,
+        turn_end=dm.prompter.answer_end,
     )
     return {f"val/{k}": v for k, v in scores.items()}
 
