@@ -48,6 +48,7 @@ from onn.config.task import BenchGiantTask
 from onn.errors import UserError
 from onn.hardware.disk import write_text_atomically
 from onn.planning.plan import STREAMING_LIGHTNING, Plan
+from onn.training.callbacks import batch_rows
 
 MB = 1024**2
 
@@ -425,8 +426,6 @@ def _progress_callback(path: Path, micro_batch: int):
     matmul rate right after it (at a micro-batch's rows: up to `micro_batch` samples x the width); the first step
     of a process is marked (it fills the block cache, so its reads are not a steady step's)."""
     import lightning as L
-
-    from onn.training.callbacks import batch_rows
 
     class Progress(L.Callback):
         def __init__(self):

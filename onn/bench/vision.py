@@ -51,6 +51,7 @@ from onn.config.data import ImageData
 from onn.config.task import BenchVisionTask
 from onn.errors import UserError
 from onn.hardware.waits import DeviceOps
+from onn.training.callbacks import batch_rows
 
 log = logging.getLogger("onn")
 
@@ -293,8 +294,6 @@ class _Stamps:
 
     def __init__(self, warmup: int, steps: int):
         import lightning as L
-
-        from onn.training.callbacks import batch_rows
 
         class Callback(L.Callback):
             def on_train_batch_start(cb, trainer, pl_module, batch, batch_idx):  # noqa: N805

@@ -18,6 +18,8 @@ from onn.config.model import DenoiserConfig
 from onn.errors import UserError
 from onn.modalities.base import Job, Modality
 
+SAMPLERS = ("ddim", "ddpm")  # task.sampler: sample.py's schedulers
+
 
 class DiffusionModality(Modality):
     name = "diffusion"
@@ -74,8 +76,6 @@ class DiffusionModality(Modality):
     def _check_sampling(config: ONNConfig) -> None:
         """Samples are drawn after training (and by infer and eval): settings that cannot draw them are refused
         before, not after the training they would otherwise lose. export and plan draw none, so they skip these keys."""
-        from onn.modalities.diffusion.module import SAMPLERS
-
         task, timesteps = config.task, config.model.train_timesteps
         if task.name in ("export", "plan"):
             return

@@ -31,7 +31,6 @@ from onn.training.record import EpochRecord, log_train_loss
 LOOP = "diffusion"
 MONITOR = "val/loss"
 ARCHITECTURES = ("unet", "dit")
-SAMPLERS = ("ddim", "ddpm")  # task.sampler: sample.py's schedulers
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")  # what DDPMScheduler and DDIMScheduler both take
 VAL_SEED = 1234  # the held-out noise and timesteps: the same every validation
 

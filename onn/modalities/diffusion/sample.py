@@ -12,7 +12,8 @@ from torch import nn
 
 from onn.config.model import DenoiserConfig
 from onn.errors import UserError
-from onn.modalities.diffusion.module import SAMPLERS, to_pixels
+from onn.modalities.diffusion.modality import SAMPLERS
+from onn.modalities.diffusion.module import to_pixels
 
 
 class TrailingDDIMScheduler(DDIMScheduler):

@@ -42,7 +42,8 @@ from onn.tasks.serve.batching import Sampling, Scheduler, Sequence
 log = logging.getLogger("onn")
 OPEN_PATHS = ("/health", "/", "/favicon.ico")  # no key needed: the page holds no model data, and asks for the key
 UPLOAD_OVERHEAD = 64 * 1024  # multipart boundaries and headers around an upload
-MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # OpenAI's range (a 64-bit integer): -1 is a seed too
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # OpenAI's range (a 64-bit integer)
+RANDOM_SEED = -1  # llama.cpp's default and vLLM's: no seed (each answer drawn afresh), not a fixed one
 UNIMPLEMENTED = {  # fields this server does not compute: refused, not silently ignored
     "logprobs": "returns no log-probabilities",
     "top_logprobs": "returns no log-probabilities",
@@ -841,7 +842,8 @@ def _sampling(req: Generation, settings: ServeConfig, wanted: int) -> Sampling:
     if len(stop) > settings.max_stop or any(not s or len(s) > 256 for s in stop):
         raise ApiError(400, f"stop: at most {settings.max_stop} strings of 1 to 256 characters", param="stop")
     temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
-    return Sampling(wanted, temperature, 1.0 if req.top_p is None else req.top_p, req.seed, stop)
+    seed = None if req.seed == RANDOM_SEED else req.seed
+    return Sampling(wanted, temperature, 1.0 if req.top_p is None else req.top_p, seed, stop)
 
 
 def _context(lm) -> int | None:
