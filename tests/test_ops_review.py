@@ -34,7 +34,14 @@ def test_testing_the_best_checkpoint_restores_it_with_no_weights_only_line(tmp_p
         split.rmdir()
     (images / "test").rmdir()
     caplog.set_level(logging.INFO)
-    metrics, _ = run(tmp_path, f"data.source={images}", "task.monitor=val/loss", "optim.lr=0.5")
+    # Lightning's logger may not propagate (it does not where the root had no handler when lightning was imported:
+    # its own StreamHandler then holds whichever stderr it saw, an earlier test's capture): heard here directly
+    lightning = logging.getLogger("lightning.pytorch")
+    lightning.addHandler(caplog.handler)
+    try:
+        metrics, _ = run(tmp_path, f"data.source={images}", "task.monitor=val/loss", "optim.lr=0.5")
+    finally:
+        lightning.removeHandler(caplog.handler)
     losses = [h["val/loss"] for h in metrics["val/history"]]
     best = min(range(len(losses)), key=losses.__getitem__)
     assert best != len(losses) - 1 and losses[-1] > losses[best] * 1.05, losses  # the last epoch is not the best
