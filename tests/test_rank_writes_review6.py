@@ -153,7 +153,9 @@ def test_a_two_process_classifier_run_copies_tests_and_exports_once(tmp_path: Pa
     with Image.open(picture) as opened:
         opened.verify()
     assert_written_by_rank_zero(writes, best, picture, export.parent)
-    assert [e for r, e, p in writes if p == best] == ["os.mkdir"]  # copied in once
+    staged = best.with_name("best.ckpt.tmp")  # copied beside, then renamed into place: a kill leaves no half copy
+    assert [e for r, e, p in writes if p == best] == ["os.rename"]  # copied in once
+    assert set(writers(writes, staged)) == {"0"}
     assert [e for r, e, p in writes if p == picture] == ["open"]  # drawn once
     assert [e for r, e, p in writes if p == export] == ["os.rename"]  # staged once, renamed into place once
 
