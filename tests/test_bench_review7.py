@@ -8,30 +8,14 @@ from pathlib import Path
 
 import pytest
 from conftest import SHARED_DATA, compose
+from test_bench_fixes import _job
 
 FSDD = SHARED_DATA / "fsdd" / "recordings"
 
 
 def _giant_job(tmp_path: Path, *overrides: str):
     """A streamed sparse-LoRA job on llama_tiny as app.run hands it to bench_giant: config, plan, spec, run folder."""
-    from onn.hardware.profile import resolve
-    from onn.modalities import get
-    from onn.modalities.base import Job
-
-    config = compose(
-        "model=llama_tiny",
-        "hardware=cpu_16gb",
-        "tracking=none",
-        "task=bench_giant",
-        "strategy=sparse_lora",
-        f"paths.outputs={tmp_path}",
-        f"paths.cache={tmp_path / 'cache'}",
-        *overrides,
-    )
-    hardware = resolve(config.hardware, tmp_path / "cache", tmp_path)
-    plan, spec = get("text").plan(config, hardware, use_tuned=False)
-    (tmp_path / "run").mkdir()
-    return Job(config, tmp_path / "run", get("text"), hardware, plan, spec)
+    return _job(tmp_path, "task=bench_giant", "strategy=sparse_lora", *overrides)
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
+from test_streaming import ARCH
 from torch import nn
 
 from onn.models.layers import discover
@@ -59,18 +60,7 @@ def lora_model() -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config = AutoConfig.for_model("llama", **ARCH["llama"])
     lora = LoraConfig(
         r=4,
         lora_alpha=8,
