@@ -88,6 +88,15 @@ def existing_source(source: str | os.PathLike[str], key: str, hint: str = "") ->
     return path
 
 
+def same_path(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether two data paths name one file or folder, however written ("data/x", "./data/x/", "~/x", a link to it);
+    False when either does not exist."""
+    try:
+        return os.path.samefile(os.path.expanduser(a), os.path.expanduser(b))
+    except (OSError, ValueError):
+        return False
+
+
 def open_regular(path: str | os.PathLike[str]) -> IO[bytes]:
     """Open a file for binary reading if it is a regular file; NotRegularFileError otherwise.
 
@@ -261,11 +270,12 @@ def _zip_members(path: str | os.PathLike[str]) -> Iterator[Member]:
     """A zip's members. Info-ZIP's `zip -y` stores a symbolic link as a member whose bytes are its target, marked
     S_IFLNK in the high bits of external_attr: read as bytes, it was a file holding a path, counted undecodable. A
     link is read as tar's are; a found one's raw is its target's stored name, what zipfile reads it by. A name
-    stored twice is its last entry, a file or a link."""
+    stored twice is its last entry, a file or a link. A folder entry written on Windows ("cat\\", which zipfile's
+    is_dir misses) is a folder too: it was listed as a file "cat" of an unknown type."""
     with open_regular(path) as f, zipfile.ZipFile(f) as zf:
         files: dict[str, zipfile.ZipInfo] = {}
         links: list[tarfile.TarInfo] = []
-        entries = [info for info in zf.infolist() if not info.is_dir()]
+        entries = [info for info in zf.infolist() if not (info.is_dir() or info.filename.endswith("\\"))]
         last = {name: info for info in entries if (name := _checked(zip_name(info))[0]) is not None}
         for info in entries:
             if (name := _checked(zip_name(info))[0]) is not None and last[name] is not info:
@@ -542,13 +552,13 @@ def content_digest(path: str | os.PathLike[str]) -> str:
     HFS+'s 1 s). A larger file (a zip or tar.gz of the dataset): over its resolved path, size and mtime_ns, as a
     folder's files are keyed: hashing a 50 GB archive read it end to end before every run began. Not the change
     time, which every copy sets: a dataset copied to each job's scratch with its mtimes kept (cp -a, rsync -a)
-    shares one cache entry, at the price of not seeing a rewrite of the same size whose mtime was put back.
+    shares one cache entry, at the price of not seeing a rewrite of the same size whose mtime was put back. A file
+    this process may not read is keyed as such (file_key): a chmod that makes it readable leaves its size and mtime.
     """
     h = hashlib.sha256()
     if os.path.isdir(path):
         for rel, full in sorted(walk_files(path)):
-            st = full.stat()
-            h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            h.update(file_key(rel, full).encode())
         return h.hexdigest()
     st = os.stat(path)
     if stat.S_ISREG(st.st_mode) and st.st_size > HASHED_BYTES:
@@ -556,6 +566,15 @@ def content_digest(path: str | os.PathLike[str]) -> str:
     else:
         update_hash(h, path)
     return h.hexdigest()
+
+
+def file_key(name: str, path: str | os.PathLike[str]) -> str:
+    """A file's line of a cache key: its name, size and mtime_ns, and a mark when this process may not read it. A
+    file skipped as unreadable (permissions) was cached as skipped, and the chmod that fixed it changes neither size
+    nor mtime: every later run read the cache and left it out. A readable file's line is as before (caches kept)."""
+    st = os.stat(path)
+    unreadable = "" if os.access(path, os.R_OK) else "\0unreadable"
+    return f"{name}\0{st.st_size}\0{st.st_mtime_ns}{unreadable}\n"
 
 
 def json_type(value: Any) -> str:

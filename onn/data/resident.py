@@ -25,6 +25,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from onn.config.data import LabelledFiles, SplitData, eval_batch
+from onn.data.files import same_path
 from onn.data.labelled import check_bad
 from onn.errors import UserError
 
@@ -576,6 +577,7 @@ class ClassificationData(L.LightningDataModule):
         self.streamed: dict[str, tuple[Items, list[int]]] | None = None
         self.skipped: list[str] = []
         self.untrained: str | None = None  # said when training starts (train_dataloader): eval trains nothing
+        self.scored_on_training: list[str] = []  # data.val_source/test_source whose split is the training data
 
     # -- what a modality supplies ---------------------------------------------------------------
     def read(self, source: str, key: str) -> dict[str, Decoded]:
@@ -660,6 +662,9 @@ class ClassificationData(L.LightningDataModule):
                 found = self.read(str(other), f"data.{split}_source")
                 scores_all = split == "val" and str(other) == source  # task=eval of a given data.source
                 sets[split] = every_split(found) if scores_all else split_of(found, split)
+                trained = split_of(found, "train", fallback=False)  # the very items trained on, when other is source
+                if same_path(str(other), source) and (scores_all or sets[split] is trained):
+                    self.scored_on_training.append(f"data.{split}_source")
         for split, pattern in self._patterns().items():
             sets = held_out_by_name(sets, split, pattern)
         train = split_of(sets, "train", fallback=False)
@@ -728,6 +733,7 @@ class ClassificationData(L.LightningDataModule):
         index = good[name]
         self.streamed = {}
         if scores_all:  # every split of it, its train/ and test/ folders alike, as the resident path's every_split
+            self.scored_on_training.append("data.val_source")
             joined = JoinedItems([(items[k], good[k]) for k in good])
             self.streamed["val"] = (joined, list(range(len(joined))))
         elif "val" in good:
@@ -815,6 +821,15 @@ class ClassificationData(L.LightningDataModule):
         if self.untrained:  # said once, by the task that trains (task=eval scores a model trained elsewhere)
             log.warning(self.untrained)
             self.untrained = None
+        if self.scored_on_training:  # task=eval of a given data.source sets data.val_source to it, and trains nothing
+            log.warning(
+                "%s is data.source itself (%s): the model is scored on the items it trains on, so those figures "
+                "measure memorising, not held-out accuracy; unset it to hold out data.val_split of data.source, "
+                "or point it at other data",
+                " and ".join(self.scored_on_training),
+                self.cfg.source,
+            )
+            self.scored_on_training = []
         if self.streamed:
             if self.cfg.batch_groups:
                 raise UserError(

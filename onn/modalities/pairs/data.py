@@ -22,11 +22,12 @@ import torch
 from onn.config import ONNConfig, as_dict
 from onn.config.data import PairsData, eval_batch
 from onn.data.cache import cached_decode
-from onn.data.files import content_digest, iter_members
+from onn.data.files import content_digest, file_key, iter_members, read_file
 from onn.data.resident import Decoded, ResidentBatches, Split
 from onn.errors import UserError
 from onn.modalities.base import PairSide
 from onn.modalities.pairs.detect import Entry, Listing, find_pairs
+from onn.modalities.pairs.sides import TEXT
 from onn.training.trainer import processes
 
 log = logging.getLogger("onn")
@@ -96,30 +97,39 @@ def decode_pairs(
 
 
 def named_files_digest(listing: Listing) -> str:
-    """A digest of the files a listing's entries name, by (name, size, mtime_ns) as content_digest keys a folder:
+    """A digest of the files a listing's entries name, by file_key as content_digest keys a folder:
     a replaced image changes it where the metadata file naming it does not change."""
     h = hashlib.sha256()
     for entries in listing.entries.values():
         for entry in entries:
             if entry.path is not None:
-                st = entry.path.stat()
-                h.update(f"{entry.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+                h.update(file_key(entry.name, entry.path).encode())
     return h.hexdigest()
 
 
 def side_keys(listing: Listing, pairs: list[int]) -> list[list[int]]:
     """Per pair (listing indices `pairs`), a number per side: its file's, shared by the pairs that name that file,
-    or a caption's own (-1 less the pair's place: a caption is its pair's alone). Retrieval counts right for each
-    other the pairs that share a side's file (an image's several captions, a picture's several meshes), never
-    further: a-x, b-x, b-y leave a's right answer x, not b's y."""
-    numbers: dict[tuple[str, str], int] = {}
+    or its text's, shared by the pairs whose caption or .txt file reads the same (as the text side reads it: space
+    runs as one). Retrieval counts right for each other the pairs that share a side's number (an image's several
+    captions, a picture's several meshes, two photos both captioned "a dog": the query cannot tell them apart, and
+    its twin retrieved was counted a miss), never further: a-x, b-x, b-y leave a's right answer x, not b's y."""
+    numbers: dict[tuple[str, str, str], int] = {}
     keys = []
-    for place, i in enumerate(pairs):
+    for i in pairs:
         entries = [(m, listing.entries[m][i]) for m in listing.modalities]
-        keys.append(
-            [-1 - place if e.text is not None else numbers.setdefault((m, e.name), len(numbers)) for m, e in entries]
-        )
+        keys.append([numbers.setdefault((m, *identity(m, e)), len(numbers)) for m, e in entries])
     return keys
+
+
+def identity(modality: str, entry: Entry) -> tuple[str, str]:
+    """What makes two items of a side one answer: a text's words (a caption, or a .txt file's), else the file."""
+    text = entry.text
+    if text is None and modality == TEXT and entry.path is not None:
+        try:
+            text = read_file(entry.path).decode("utf-8-sig")
+        except (OSError, UnicodeDecodeError):  # left out of the pairs when decoded: its name will do
+            text = None
+    return ("text", " ".join(text.split())) if text is not None else ("file", entry.name)
 
 
 def joined_groups(listing: Listing, pairs: list[int]) -> list[int]:
@@ -191,9 +201,10 @@ class PairData(L.LightningDataModule):
             "how": listing.how,  # the metadata's columns: another data.text_column read the cached captions
             "keys": listing.keys,
             "sides": {n: as_dict(s.config.data) for n, s in self.sides.items()},
+            # the files themselves: a metadata file's sit beside it, outside its own digest, or in a hidden folder
+            # (.images/) that a folder's digest passes over, and a replaced image was read from the cache
+            "named": named_files_digest(listing),
         }
-        if path.is_file():  # a metadata file: the files it names sit beside it, outside its own digest
-            key["named"] = named_files_digest(listing)
         bad = self.cfg.max_bad_fraction
         decoded = cached_decode(
             "pairs",
