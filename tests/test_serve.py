@@ -445,7 +445,7 @@ RAW = [
     b'{"a":' * 3000 + b"1" + b"}" * 3000,
     b'{"model": "llama_tiny", "messages": "hi"}',
     b'{"model": "llama_tiny", "prompt": 5}',
-    b'{"model": "llama_tiny", "prompt": ["a", "b"]}',
+    b'{"model": "llama_tiny", "prompt": [1, 2]}',  # token ids (a list of prompts is taken: one choice each)
 ]
 
 

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from onn.config.data import TextData
+from onn.data.files import same_path
 from onn.data.resident import epoch_generator
 from onn.errors import UserError
 from onn.modalities.text.formats import Records, read_records
@@ -202,6 +203,7 @@ class TextDataModule(L.LightningDataModule):
         self.train_records = 0
         self.stream: ShuffledStream | None = None  # streamed data (data.streaming)
         self.cut_said = False  # whether a streamed record cut to data.max_length has been said
+        self.val_is_train_said = False  # whether data.val_source naming data.source has been said (train_dataloader)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_examples or self.stream is not None:
@@ -354,6 +356,13 @@ class TextDataModule(L.LightningDataModule):
 
     def train_dataloader(self):
         rank, world = self._ranks()
+        if self.cfg.val_source and same_path(self.cfg.val_source, self.cfg.source) and not self.val_is_train_said:
+            self.val_is_train_said = True  # (task=eval sets data.val_source to data.source on purpose: trains nothing)
+            log.warning(
+                "data.val_source is data.source itself (%s): the model is scored on the records it trains on, so "
+                "val/ figures measure memorising, not held-out quality; unset it to hold out data.val_split",
+                self.cfg.source,
+            )
         if self.batch_size % world:
             raise UserError(
                 f"data.batch_size={self.batch_size} does not split evenly over {world} processes: "

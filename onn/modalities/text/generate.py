@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +103,9 @@ def prompt_batch(tokenizer, texts: list[str], add_special_tokens: bool = True, b
 # one distribution (a checkpoint's num_beams=4 searched beams resident, and refused task=infer's streamer).
 NO_PENALTIES = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "num_beams": 1}
 ONLY_TEMPERATURE_AND_TOP_P = {"top_k": 0, "min_p": 0.0, "typical_p": 1.0, **NO_PENALTIES}
+# below it generation is greedy (infer, eval and serve alike): the distribution is the top token's alone anyway, and a
+# temperature under float32's range (1e-40) made every score infinite and the draw a crash on NaN probabilities
+GREEDY_BELOW = 1e-4
 
 
 def _sampling(max_new_tokens: int, temperature: float, top_p: float, tokenizer, ends: list[int]) -> dict[str, Any]:
@@ -109,11 +114,30 @@ def _sampling(max_new_tokens: int, temperature: float, top_p: float, tokenizer, 
         "pad_token_id": tokenizer.pad_token_id,
         "eos_token_id": ends or None,
     }
-    if temperature and temperature > 0:
+    if temperature >= GREEDY_BELOW:
         kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, **ONLY_TEMPERATURE_AND_TOP_P)
     else:
         kwargs.update(do_sample=False, **NO_PENALTIES)
     return kwargs
+
+
+@contextmanager
+def _ends_only(model) -> Iterator[None]:
+    """The model's generation_config reduced to its token ids while model.generate runs: generate fills every field
+    a call leaves unset from it, so its suppress_tokens, bad_words_ids, min_new_tokens, stop_strings, top_h... applied
+    resident and not layer-streamed or served (the ids that end a completion come from end_ids, in every path)."""
+    from transformers import GenerationConfig
+
+    own = getattr(model, "generation_config", None)
+    if own is None:  # a model without one: generate's own defaults, nothing of the checkpoint's to leave out
+        yield
+        return
+    ids = {k: getattr(own, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")}
+    model.generation_config = GenerationConfig(**ids)
+    try:
+        yield
+    finally:
+        model.generation_config = own
 
 
 def _generate(
@@ -124,9 +148,12 @@ def _generate(
     if max_new_tokens < 1:  # nothing to generate: model.generate refuses 0, the engine has no token to stack
         return inputs["input_ids"][:, :0]
     ends = end_ids(model, tokenizer, turn_end)
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0
     if engine is None:
         sampling = _sampling(max_new_tokens, temperature, top_p, tokenizer, ends)
-        out = model.generate(**inputs, streamer=streamer, **sampling)
+        with _ends_only(model):
+            out = model.generate(**inputs, streamer=streamer, **sampling)
         return out[:, inputs["input_ids"].shape[1] :]
     ended = []  # a streamed row shows nothing after its end id (the engine repeats the first for a finished row)
     on_token = None

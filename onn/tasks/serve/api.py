@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +28,7 @@ from typing import Any, Literal
 import torch
 from fastapi import FastAPI, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -125,7 +127,7 @@ UNION_MEMBER = re.compile(r"str|int|bool|float|list\[.+\]")  # pydantic's name f
 SEVERAL_TYPES = {  # such a field's error: what it takes, in one sentence (pydantic says why each type did not fit)
     "content": 'give a string, or a list of text parts {"type": "text", "text": ...}; this server takes no image, '
     "audio or file parts",
-    "prompt": "give a string, or a list of one string; this server takes no token ids",
+    "prompt": "give a string, or a list of strings; this server takes no token ids",
     "stop": "give a string, or a list of strings",
 }
 
@@ -168,6 +170,9 @@ class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, as OpenAI returned them
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None  # a tool message: the function's name (some chat templates write it)
 
     def text(self) -> str:
         """The content as one text, its parts joined by newlines as vLLM joins them: joined by nothing, the last
@@ -175,6 +180,17 @@ class Message(BaseModel):
         if isinstance(self.content, list):
             return "\n".join(part.text for part in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as transformers' chat templates read it: OpenAI's developer message is the system message of
+        newer models; an assistant's tool calls (their arguments a JSON object, as templates write them with tojson)
+        and a tool message's call id and name go with it, not dropped (an empty assistant turn)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [_template_call(call) for call in self.tool_calls]
+        if self.role == "tool":
+            out.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None})
+        return out
 
 
 class StreamOptions(BaseModel):
@@ -346,6 +362,9 @@ def create_app(served: Any, settings: ServeConfig, model_name: str, api_key: str
         max_upload=settings.max_upload_bytes,
         stats=server.stats,
     )
+    # outside the Guard: a browser's preflight (OPTIONS, which carries no key) is answered, and every answer, a 401
+    # too, tells a page of any origin it may read it, as llama.cpp's and vLLM's servers do (the key guards the rest)
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     _answer_errors(app, server.stats)
     for path, methods, handler in (
         ("/health", ("GET", "HEAD"), server.health),  # HEAD: uptime monitors' probe (a 405 read as down)
@@ -429,12 +448,12 @@ class Server:
     async def chat(self, request: Request):
         req = _parse(await request.body(), ChatRequest)
         lm = _language_model(self.served, req, self.model_name)
-        # OpenAI's developer message is the system message of newer models
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
         prompter = lm.prompter
+        _refuse_tool_calls(req.messages, prompter.tokenizer if prompter.chat and self.settings.template else None)
         if not self.settings.template:  # the messages' text as typed, tokenized as /v1/completions tokenizes
             ids = _prompt_ids(lm, "".join(m["content"] for m in messages), True, self.settings, "messages")
-            return await self._generate(request, req, ids, "chat.completion")
+            return await self._generate(request, req, [ids], "chat.completion")
         try:
             if len(messages) == 1 and messages[0]["role"] == "user":
                 text = messages[0]["content"]  # as trained: data.template, then the chat template
@@ -446,112 +465,120 @@ class Server:
                 400, f"the messages do not fit the model's prompt format: {_short(e)}", param="messages"
             ) from None
         ids = _prompt_ids(lm, text, prompter.add_special_tokens, self.settings, "messages", prompter.starts_with_bos)
-        return await self._generate(request, req, ids, "chat.completion")
+        return await self._generate(request, req, [ids], "chat.completion")
 
     async def completions(self, request: Request):
         req = _parse(await request.body(), CompletionRequest)
         lm = _language_model(self.served, req, self.model_name)
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        if len(prompts) != 1:
-            raise ApiError(400, "give one prompt (a string, or a list of one)", param="prompt")
-        ids = _prompt_ids(lm, prompts[0], True, self.settings, "prompt")
-        return await self._generate(request, req, ids, "text_completion")
+        most = self.settings.max_waiting
+        if not 1 <= len(prompts) <= most:  # OpenAI's list of prompts: one choice each, every one a row of the batch
+            raise ApiError(400, f"prompt: give 1 to {most} prompts (serve.max_waiting)", param="prompt")
+        params = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
+        ids = [_prompt_ids(lm, text, True, self.settings, param) for text, param in zip(prompts, params)]
+        return await self._generate(request, req, ids, "text_completion", params)
 
-    async def _generate(self, request: Request, req: Generation, ids: list[int], kind: str):
+    async def _generate(
+        self, request: Request, req: Generation, prompts: list[list[int]], kind: str, params: list[str] | None = None
+    ):
+        """Each prompt's completion, one choice each (index in order), whole or streamed."""
         _refuse_unimplemented(req)
-        param = "messages" if kind == "chat.completion" else "prompt"
-        sampling = _sampling(req, self.settings, _max_tokens(req, self.settings, _context(self.served), ids, param))
-        if self.scheduler.queued() >= self.settings.max_waiting:  # a client that left holds no place
+        params = params or ["messages" if kind == "chat.completion" else "prompt"]
+        room = _context(self.served)
+        samplings = [
+            _sampling(req, self.settings, _max_tokens(req, self.settings, room, ids, param))
+            for ids, param in zip(prompts, params)
+        ]
+        if self.scheduler.queued() + len(prompts) > self.settings.max_waiting:  # a client that left holds no place
             raise ApiError(
                 429, "too many requests are waiting; try again shortly", "rate_limit_error", code="rate_limit_exceeded"
             )
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        seq = Sequence(ids, sampling, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
-        self.scheduler.submit(seq)
+        events: asyncio.Queue = asyncio.Queue()  # (choice index, event): None for the client's going away
+
+        def emitter(index: int) -> Callable[[dict[str, Any]], None]:
+            return lambda event: loop.call_soon_threadsafe(events.put_nowait, (index, event))
+
+        seqs = [Sequence(ids, sampling, emitter(i)) for i, (ids, sampling) in enumerate(zip(prompts, samplings))]
+        for seq in seqs:
+            self.scheduler.submit(seq)
         rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
         now = int(time.time())
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return StreamingResponse(
-                self._stream(seq, events, rid, kind, now, usage),
+                self._stream(seqs, events, rid, kind, now, usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await self._whole(request, seq, events, rid, kind, now)
+        return await self._whole(request, seqs, events, rid, kind, now)
 
-    async def _whole(self, request: Request, seq: Sequence, events: asyncio.Queue, rid: str, kind: str, now: int):
-        """The whole completion, once it has finished (499 when the client left meanwhile: its row leaves the
-        batch at the next step, as a stream's does, not when max_tokens runs out)."""
-        text, finish = [], None
+    async def _whole(
+        self, request: Request, seqs: list[Sequence], events: asyncio.Queue, rid: str, kind: str, now: int
+    ):
+        """The whole completions, once every one has finished (499 when the client left meanwhile: its rows leave the
+        batch at the next step, as a stream's do, not when max_tokens runs out)."""
+        texts: list[list[str]] = [[] for _ in seqs]
+        finishes: list[dict[str, Any] | None] = [None] * len(seqs)
         watcher = asyncio.create_task(_put_disconnect(request, events))
         try:
-            while finish is None:
-                event = await events.get()
-                if "gone" in event:
-                    seq.cancel()
+            while None in finishes:
+                index, event = await events.get()
+                if index is None:  # the client went away
                     self.stats.add(requests=1)
                     return Response(status_code=499)
                 if "text" in event:
-                    text.append(event["text"])
-                else:
-                    finish = event
-        except asyncio.CancelledError:
-            seq.cancel()
-            raise
+                    texts[index].append(event["text"])
+                    continue
+                finishes[index] = event
+                if event["finish"] == "error":
+                    code = _error_code(event)
+                    status = 500 if code == "model_diverged" else 503  # the checkpoint's fault, as /v1/classify's 500
+                    raise ApiError(status, f"generation failed: {event['error']}", "server_error", code=code)
         finally:
             watcher.cancel()
-        if finish["finish"] == "error":
-            code = _error_code(finish)
-            status = 500 if code == "model_diverged" else 503  # the checkpoint's fault, as /v1/classify's 500
-            raise ApiError(status, f"generation failed: {finish['error']}", "server_error", code=code)
+            for seq in seqs:  # the client left, a row failed, or all finished: none stays in the batch
+                seq.cancel()
         self.stats.add(requests=1)
-        content = "".join(text)
-        choice = (
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": content},
-                "finish_reason": finish["finish"],
-                "logprobs": None,
-            }
-            if kind == "chat.completion"
-            else {"index": 0, "text": content, "finish_reason": finish["finish"], "logprobs": None}
-        )
+        choices = []
+        for index, (text, finish) in enumerate(zip(texts, finishes)):
+            content = "".join(text)
+            choices.append(
+                {"index": index, "message": {"role": "assistant", "content": content}}
+                if kind == "chat.completion"
+                else {"index": index, "text": content}
+            )
+            choices[-1].update(finish_reason=finish["finish"], logprobs=None)
         return {
             "id": rid,
             "object": kind,
             "created": now,
             "model": self.model_name,
-            "choices": [choice],
-            "usage": _usage(finish),
+            "choices": choices,
+            "usage": _usage(finishes),
         }
 
-    async def _stream(self, seq: Sequence, events: asyncio.Queue, rid: str, kind: str, now: int, usage: bool):
+    async def _stream(self, seqs: list[Sequence], events: asyncio.Queue, rid: str, kind: str, now: int, usage: bool):
         chat, name = kind == "chat.completion", self.model_name
+        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: dict | None, text: str | None, finish: str | None) -> str:
+        def chunk(index: int, text: str | None, finish: str | None, delta: dict | None = None) -> str:
             choice = (
-                {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
                 if chat
-                else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+                else {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
             )
-            body = {
-                "id": rid,
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": now,
-                "model": name,
-                "choices": [choice],
-            }
-            return _sse(body)
+            return _sse({"id": rid, "object": chunk_kind, "created": now, "model": name, "choices": [choice]})
 
         outcome = "requests"  # a client that left midway was answered
+        finishes: list[dict[str, Any] | None] = [None] * len(seqs)
         try:
             if chat:
-                yield chunk({"role": "assistant", "content": ""}, None, None)
-            while True:
-                event = await events.get()
+                yield chunk(0, None, None, {"role": "assistant", "content": ""})
+            while None in finishes:
+                index, event = await events.get()
                 if "text" in event:
-                    yield chunk({"content": event["text"]}, event["text"], None)
+                    yield chunk(index, event["text"], None, {"content": event["text"]})
                     continue
                 if event["finish"] == "error":
                     outcome = "refused"
@@ -559,19 +586,19 @@ class Server:
                         error_body(f"generation failed: {event['error']}", "server_error", code=_error_code(event))
                     )
                     break
-                yield chunk({}, "", event["finish"])
-                if usage:
-                    yield _sse(
-                        {
-                            "id": rid,
-                            "object": "chat.completion.chunk" if chat else "text_completion",
-                            "created": now,
-                            "model": name,
-                            "choices": [],
-                            "usage": _usage(event),
-                        }
-                    )
-                break
+                finishes[index] = event
+                yield chunk(index, "", event["finish"], {})
+            if usage and None not in finishes:
+                yield _sse(
+                    {
+                        "id": rid,
+                        "object": chunk_kind,
+                        "created": now,
+                        "model": name,
+                        "choices": [],
+                        "usage": _usage(finishes),
+                    }
+                )
             yield "data: [DONE]\n\n"
         except Exception:
             outcome = None  # a bug: the Guard answers it, and counts it
@@ -579,7 +606,8 @@ class Server:
         finally:
             if outcome is not None:
                 self.stats.add(**{outcome: 1})
-            seq.cancel()  # the client went away (or the stream ended): the row leaves the batch
+            for seq in seqs:  # the client went away (or the stream ended): the rows leave the batch
+                seq.cancel()
 
     async def classify(self, request: Request):
         if not self.classifier:
@@ -693,7 +721,7 @@ async def _put_disconnect(request: Request, events: asyncio.Queue) -> None:
     between events would never run while the request decodes."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    events.put_nowait({"gone": True})
+    events.put_nowait((None, {"gone": True}))
 
 
 def _record(template: str, text: str) -> dict[str, str]:
@@ -780,6 +808,43 @@ def _prompt_ids(lm, text: str, special: bool, settings: ServeConfig, param: str,
     return ids
 
 
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's tool call for a chat template: OpenAI sends the arguments as a JSON string, and templates write
+    them with `tojson` (a string came out quoted twice), so an object's string is the object, as vLLM passes it."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call  # not JSON (a model's broken call, sent back as it came): the template writes the text
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def _refuse_tool_calls(messages: list[Message], chat_tokenizer) -> None:
+    """An assistant's tool calls go through the chat template (`chat_tokenizer`) that writes them; without one
+    (`role: content` lines, serve.template=false) or with a template that writes none, they would be dropped
+    without a word: a 400 naming the message."""
+    at = next((i for i, m in enumerate(messages) if m.tool_calls), None)
+    if at is None:
+        return
+    template = ""
+    if chat_tokenizer is not None:
+        try:
+            template = chat_tokenizer.get_chat_template()
+        except (ValueError, TypeError):  # several named templates and none the default
+            template = ""
+    if "tool_calls" not in template:
+        raise ApiError(
+            400,
+            f"messages[{at}].tool_calls: this model's prompt format has no chat template that writes tool calls; "
+            "send the call and its result as text content.",
+            param=f"messages[{at}].tool_calls",
+        )
+
+
 def _refuse_unimplemented(req: Generation) -> None:
     for name, missing in UNIMPLEMENTED.items():
         value = getattr(req, name, None)  # declared, or one of the body's extra fields
@@ -857,8 +922,10 @@ def _error_code(finish: dict[str, Any]) -> str:
     return finish.get("code") or "generation_failed"
 
 
-def _usage(finish: dict[str, Any]) -> dict[str, int]:
-    p, c = finish["prompt_tokens"], finish["completion_tokens"]
+def _usage(finishes: list[dict[str, Any]]) -> dict[str, int]:
+    """The token counts of a request's choices together, as OpenAI counts a list of prompts."""
+    p = sum(finish["prompt_tokens"] for finish in finishes)
+    c = sum(finish["completion_tokens"] for finish in finishes)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 

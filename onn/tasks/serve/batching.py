@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from onn.modalities.text.generate import GREEDY_BELOW
+
 log = logging.getLogger("onn")
 SHUTTING_DOWN = "the server is shutting down"
 OUT_OF_MEMORY = (
@@ -45,7 +47,6 @@ DIVERGED = (
 )
 UNAVAILABLE = "the model could not be reset after a failed step ({}); restart the server"
 RESET_RETRY_S = 5.0  # how often an idle server whose engine could not be reset tries again
-MIN_TEMPERATURE = 1e-4  # below it a request is greedy: its distribution is the top token's alone anyway
 
 
 @dataclass
@@ -420,15 +421,15 @@ def _send(seq: Sequence, event: dict[str, Any]) -> None:
 
 def _pick(logits: torch.Tensor, rows: list[Sequence]) -> list[int | None]:
     """Each row's next token, read back in one copy (each read of a GPU value waits for it): greedy at a
-    temperature under MIN_TEMPERATURE or top_p 0 (a nucleus of the likeliest token alone), else sampled through
-    transformers' temperature and top-p warpers (as model.generate), with the request's own generator when it
+    temperature under GREEDY_BELOW (as infer) or top_p 0 (a nucleus of the likeliest token alone), else sampled
+    through transformers' temperature and top-p warpers (as model.generate), with the request's own generator when it
     gave a seed. A row whose scores hold NaN or +inf (a diverged checkpoint, a half-precision overflow), or none
     above -inf, gets None and its model_diverged event, greedy or sampled (argmax picked token 0 of an all-NaN
     row, silently); the others go on."""
     picks = logits.argmax(-1)
     drawable = torch.isfinite(logits.amax(-1))  # NaN propagates to the max; -inf scores beside a finite one are fine
     for i, seq in enumerate(rows):
-        if seq.sampling.temperature >= MIN_TEMPERATURE and seq.sampling.top_p:
+        if seq.sampling.temperature >= GREEDY_BELOW and seq.sampling.top_p:
             picks[i], sampled = _sample(logits[i], seq.sampling, seq.generator)
             drawable[i] &= sampled
     tokens, valid = torch.stack([picks, drawable.long()]).tolist()
