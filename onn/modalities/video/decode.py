@@ -8,7 +8,8 @@ chosen, and a second pass seeks to the keyframe before each chosen frame that li
 there, converting only the chosen frames (a long film decodes a few groups of pictures, not every frame; MPEG-PS,
 whose frames FFmpeg mistimes after a seek, is read in one pass that converts only the chosen frames).
 The display matrix is applied as FFmpeg's own tools apply it (phones' portrait clips turned upright, a mirrored clip
-flipped), 10-bit streams are converted to 8-bit RGB, and odd frame sizes are scaled by FFmpeg's swscale. A clip of
+flipped), 10-bit streams are converted to 8-bit RGB, and odd frame sizes are scaled by FFmpeg's swscale (center_crop
+by the picture's shape as shown: anamorphic pixels are not square). A clip of
 fewer frames than asked repeats frames (each time takes the frame shown then). A file FFmpeg cannot open, with no
 video stream (cover art is none), or with no frame that decodes is a `BadFile` naming why; the caller skips it and
 counts it against data.max_bad_fraction.
@@ -95,10 +96,42 @@ def fit_settings(data_cfg: VideoData) -> Fit:
     return Fit(stored, channels, (sizes[0], sizes[1]), data_cfg.resize)
 
 
+# MPEG transport stream packet sizes (188; M2TS/AVCHD's 192, a 4-byte time code first; 204, with error correction)
+TS_PACKETS = ((188, 0), (192, 4), (204, 0))
+TS_SYNC = 0x47
+
+
 def _open(source: str | bytes):
+    """The container. FFmpeg's probe scores an MPEG-TS by how many packets in a row start with its sync byte, so a
+    clip of a few packets (a second of small video) scored too low and did not open: one whose packets all start
+    with it is opened as MPEG-TS."""
     import av
 
-    return av.open(source if isinstance(source, str) else io.BytesIO(source))
+    def opened(**how):
+        return av.open(source if isinstance(source, str) else io.BytesIO(source), **how)
+
+    try:
+        return opened()
+    except av.FFmpegError:
+        if not transport_stream(_head(source)):
+            raise
+        return opened(format="mpegts")
+
+
+def _head(source: str | bytes, count: int = 4096) -> bytes:
+    if isinstance(source, bytes):
+        return source[:count]
+    with open(source, "rb") as f:
+        return f.read(count)
+
+
+def transport_stream(head: bytes) -> bool:
+    """Whether `head` is MPEG-TS: at least two whole packets of one of TS_PACKETS, each starting with the sync byte."""
+    for size, offset in TS_PACKETS:
+        starts = range(offset, len(head) - size + 1, size)
+        if len(starts) >= 2 and all(head[i] == TS_SYNC for i in starts):
+            return True
+    return False
 
 
 def decode_video(source: str | IO[bytes], fit: Fit) -> tuple[torch.Tensor, float]:
@@ -197,12 +230,13 @@ def _decode_chosen(source: str | bytes, timing: Timing, fit: Fit) -> tuple[list[
     wanted = sorted({round(times[i], 6) for i in chosen})
     with _open(source) as container:
         stream = _stream(container)
-        got = _seek_and_decode(container, stream, wanted, timing, fit) if timing.seekable else None
+        shape = Shape(fit, pixel_aspect(stream))
+        got = _seek_and_decode(container, stream, wanted, timing, shape) if timing.seekable else None
         rate = float(stream.average_rate or stream.guessed_rate or 25)
     if got is None:  # a seek that missed (or no seeking): one pass from the start, converting the chosen frames only
         got = {}
         with _open(source) as container, contextlib.suppress(Exception):  # damage: _decode_all keeps what decodes
-            _decode_to(decoded_frames(container, _stream(container)), wanted[-1], wanted, got, fit, sought=False)
+            _decode_to(decoded_frames(container, _stream(container)), wanted[-1], wanted, got, shape, sought=False)
     if len(got) < len(wanted):  # a damaged stream: frames its packets promised did not decode
         return _decode_all(source, fit)
     # the clip lasts to the end of its last frame: one frame is shown for a frame's time at the stream's rate
@@ -211,7 +245,7 @@ def _decode_chosen(source: str | bytes, timing: Timing, fit: Fit) -> tuple[list[
 
 
 def _seek_and_decode(
-    container, stream, wanted: list[float], timing: Timing, fit: Fit
+    container, stream, wanted: list[float], timing: Timing, shape: Shape
 ) -> dict[float, np.ndarray] | None:
     """The frames shown at the `wanted` times (sorted), converted, or None when one cannot be reached. A keyframe
     between the frame last decoded and the next one wanted is sought to rather than decoded up to: 16 frames of a
@@ -226,13 +260,13 @@ def _seek_and_decode(
         key = _keyframe_before(timing.keyframes, target)
         if key is None or key <= max(position, timing.times[0]):  # decoding on (or from the start) reaches it
             frames = frames or decoded_frames(container, stream)
-            position = _decode_to(frames, target, wanted, got, fit, sought=False)
+            position = _decode_to(frames, target, wanted, got, shape, sought=False)
         else:
             tries = timing.seek_at[key]
             for offset in reversed(tries) if dts_first else tries:
                 container.seek(offset, stream=stream)  # lands on a keyframe at or before it, where the index is right
                 frames = decoded_frames(container, stream)
-                position = _decode_to(frames, target, wanted, got, fit, sought=True)
+                position = _decode_to(frames, target, wanted, got, shape, sought=True)
                 if target in got:
                     dts_first = offset == tries[-1] != tries[0]
                     break
@@ -241,7 +275,7 @@ def _seek_and_decode(
     return got
 
 
-def _decode_to(frames: Iterator, target: float, wanted: list[float], got: dict, fit: Fit, sought: bool) -> float:
+def _decode_to(frames: Iterator, target: float, wanted: list[float], got: dict, shape: Shape, sought: bool) -> float:
     """Decodes on to the frame shown at `target`, converting the wanted ones on the way into `got`; the time of the
     last frame decoded. After a seek a frame counts only once a keyframe at or before the target has decoded: the
     frames before it are the leading pictures of an open group of pictures or a seek that landed between
@@ -253,7 +287,7 @@ def _decode_to(frames: Iterator, target: float, wanted: list[float], got: dict, 
         position = round(float(frame.time), 6)
         trusted = trusted or (frame.key_frame and position <= target + 1e-6)
         if trusted and position in wanted and position not in got:
-            got[position] = convert(frame, fit)
+            got[position] = convert(frame, shape)
         if position >= target:
             break
     return position
@@ -280,9 +314,10 @@ def _decode_all(source: str | bytes, fit: Fit) -> tuple[list[np.ndarray], float]
     chosen = [int(order[i]) for i in pick(ordered, fit.frames)]  # decode-order indices, in presentation order
     wanted, got = set(chosen), {}
     with _open(source) as container, contextlib.suppress(Exception):  # damage: the first pass stopped there too
-        for i, frame in enumerate(decoded_frames(container, _stream(container))):
+        stream = _stream(container)
+        for i, frame in enumerate(decoded_frames(container, stream)):
             if i in wanted:
-                got[i] = convert(frame, fit)
+                got[i] = convert(frame, Shape(fit, pixel_aspect(stream)))
             if len(got) == len(wanted):
                 break
     if len(got) < len(wanted):
@@ -307,12 +342,36 @@ def _decoded_times(source: str | bytes) -> tuple[list[float], float]:
     return times, rate
 
 
-def convert(frame, fit: Fit) -> np.ndarray:
-    """One decoded frame as uint8 [H, W, C] upright (its display matrix applied) at fit.size."""
+@dataclass(frozen=True)
+class Shape:
+    """What a frame is converted to (fit) and the shape of its stream's pixels (width / height)."""
+
+    fit: Fit
+    pixel_aspect: float
+
+
+# pixel aspects past these are a damaged header, not a picture (anamorphic formats stay within 1/2 and 2)
+PIXEL_ASPECTS = (1 / 8, 8)
+
+
+def pixel_aspect(stream) -> float:
+    """The width of the stream's pixels over their height, as FFmpeg guesses it: 1 but for anamorphic video (DVD,
+    HDV and broadcast store a 16:9 picture in 720x576 or 1440x1080 wide pixels); 1 where the stream does not say,
+    or says something past PIXEL_ASPECTS."""
+    aspect = stream.sample_aspect_ratio or stream.codec_context.sample_aspect_ratio
+    low, high = PIXEL_ASPECTS
+    return float(aspect) if aspect and low <= aspect <= high else 1.0
+
+
+def convert(frame, fit: Fit | Shape) -> np.ndarray:
+    """One decoded frame as uint8 [H, W, C] upright (its display matrix applied) at fit.size. Given a Shape, its
+    pixels' aspect too: center_crop keeps the picture's shape as shown, not as stored (a Fit: square pixels)."""
+    fit, aspect = (fit.fit, fit.pixel_aspect) if isinstance(fit, Shape) else (fit, 1.0)
     matrix = _display_matrix(frame)
     turned = matrix is not None and _quarter_turns(matrix) % 2 == 1  # shown with its width and height swapped
     height, width = fit.size
-    shown_w, shown_h = (frame.height, frame.width) if turned else (frame.width, frame.height)
+    stored_w = frame.width * aspect  # the stored width, in pixels as tall as they are wide
+    shown_w, shown_h = (frame.height, stored_w) if turned else (stored_w, frame.height)
     if fit.resize == "center_crop":
         scale = max(height / shown_h, width / shown_w)
         out_w, out_h = max(width, round(shown_w * scale)), max(height, round(shown_h * scale))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -142,9 +143,18 @@ def _open_raw(data: bytes):
     img.load()
     if grey_alpha:
         img = img.convert("LA")  # exact: the three channels are equal
-    if img.getexif().get(0x0112, 1) != 1:
+    if _orientation(img) != 1:
         img = ImageOps.exif_transpose(img)
     return img
+
+
+def _orientation(img) -> int:
+    """The picture's EXIF orientation (1: as stored). An EXIF block PIL cannot parse (a PNG's or WebP's without its
+    TIFF header) says none: viewers show such a picture as stored, and reading it failed the whole picture."""
+    try:
+        return img.getexif().get(0x0112, 1)
+    except (SyntaxError, struct.error):
+        return 1
 
 
 def _convert(img, channels: int | str):
