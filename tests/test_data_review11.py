@@ -25,6 +25,8 @@ from onn.modalities.pairs.demo import write_shapes
 from onn.modalities.pairs.detect import find_pairs
 from onn.modalities.pairs.module import retrieval_metrics
 from onn.modalities.pairs.tasks import sides_of
+from onn.modalities.text.datamodule import TextDataModule
+from onn.models.tokenizer import byte_tokenizer
 
 AUDIO = ("data=audio", "model=audio_cnn", "data.num_workers=0", "data.sample_rate=8000", "data.clip_seconds=0.1")
 NOBODY = 65534
@@ -202,3 +204,24 @@ def test_a_replaced_image_in_a_hidden_folder_is_decoded_again(tmp_path):
     shutil.copy(shapes / "0007.png", folder / ".images" / "0000.png")  # another shape in its place
     after = image_of(pair_data(tmp_path, folder), key)
     assert not torch.equal(before, after)
+
+
+def test_a_text_models_val_source_that_is_data_source_is_said_when_training_starts(tmp_path, caplog):
+    """The text data module validated on its own training lines without a word when data.val_source named
+    data.source; a held-out file of its own is not said."""
+    lines, held = tmp_path / "lines.txt", tmp_path / "held.txt"
+    lines.write_text("a line of text to learn\n" * 40)
+    held.write_text("a line held out\n" * 8)
+
+    def said(val_source: Path) -> list[str]:
+        caplog.clear()
+        cfg = compose("recipe=char_lstm", "data=text", f"data.source={lines}", f"data.val_source={val_source}")
+        dm = TextDataModule(cfg.data, byte_tokenizer(), 4)
+        dm.setup()
+        with caplog.at_level(logging.WARNING, logger="onn"):
+            dm.train_dataloader()
+            dm.train_dataloader()  # said once
+        return [r.getMessage() for r in caplog.records if "data.val_source is data.source itself" in r.getMessage()]
+
+    assert len(said(tmp_path / "." / "lines.txt")) == 1
+    assert said(held) == []
