@@ -75,4 +75,5 @@ def cast_scaled(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> 
             log.info("the fused int8 cast failed (%s): casting with PyTorch's copy from now on", error)
             _compiled.cache_clear()
             _broken.add(codes.device.type)
-    return out.copy_(codes).mul_(scale.to(out.dtype)[:, None])
+    # in place, the scale as it is: a float32 one (float16's small scales, store.scale_dtype) multiplies in float32
+    return out.copy_(codes).mul_(scale[:, None])

@@ -302,7 +302,7 @@ class StreamingEngine:
             if isinstance(m, nn.Linear) and names.get(id(m.weight)) in self.edges
         ]
         if self.store.dtype == "int8":
-            scratch = Scratch()
+            scratch = Scratch(self.compute_dtype)
             for module in [
                 *(m for linears in self._linears for m in linears.values()),
                 *(m for _, m in self._edge_linears),
@@ -527,7 +527,7 @@ class StreamingEngine:
 
     def _take_slot(self) -> int:
         if not self._free:  # loads ahead of a pass that ended early hold every slot: let them finish
-            self._drain(raise_errors=False)
+            self._drain()
         return self._free.pop(0)
 
     def _schedule(self, c: int) -> None:
@@ -1060,17 +1060,17 @@ class StreamingEngine:
 
     def reset(self) -> None:
         """Drop a failed step's state (loads in flight, the resident chunk, kept activations) so it can be retried."""
-        self._drain(raise_errors=False)  # a load that ran out of memory alongside the step is dropped too
+        self._drain()  # a load that ran out of memory alongside the step is dropped too
         self.release()
         self._pending_backward = None
 
-    def _drain(self, raise_errors: bool = True) -> None:
+    def _drain(self) -> None:
+        """Wait for the loads in flight and drop them, their slots given back. A load that failed is dropped with
+        its error: no pass reads its chunk now (a pass that needs it loads it again, and meets the error there),
+        so a load ahead for a step that never came does not turn a finished run (close) into a crash."""
         try:
             for future, _ in self._pending.values():
-                if raise_errors:
-                    future.result()
-                else:
-                    future.exception()
+                future.exception()
         finally:
             self._free += [slot for _, slot in self._pending.values() if slot is not None]
             self._pending.clear()

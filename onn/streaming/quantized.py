@@ -70,15 +70,19 @@ class CastMatmul(torch.autograd.Function):
     (scales_the_product)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """`dtype`: the compute dtype (default: the scales'; float16's scales may be float32, store.scale_dtype)."""
+        dtype = dtype or scale.dtype
         ctx.save_for_backward(codes, scale)
-        ctx.x_dtype = x.dtype
-        ctx.scaled = fused_scale(codes.device) or not scales_the_product(scale.dtype)
-        rows = x.reshape(-1, x.shape[-1]).to(scale.dtype)
+        ctx.x_dtype, ctx.dtype = x.dtype, dtype
+        ctx.scaled = fused_scale(codes.device) or not scales_the_product(dtype)
+        rows = x.reshape(-1, x.shape[-1]).to(dtype)
         # each tile's product is a plain contiguous matmul (what F.linear runs), copied into its columns
         # after: cuBLAS picks its slow kernels for products written into strided slices
         out = None
-        for a, tile in _tiles(codes, scale, scale.dtype, ctx.scaled):
+        for a, tile in _tiles(codes, scale, dtype, ctx.scaled):
             part = torch.mm(rows, tile.t())
             if tile.shape[0] == codes.shape[0]:  # the whole weight in one tile
                 out = part
@@ -92,26 +96,34 @@ class CastMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         codes, scale = ctx.saved_tensors
-        g = grad.reshape(-1, codes.shape[0]).to(scale.dtype)
+        g = grad.reshape(-1, codes.shape[0]).to(ctx.dtype)
         g = (g if ctx.scaled else g * scale).contiguous()
         gx = g.new_zeros(g.shape[0], codes.shape[1])
-        for a, tile in _tiles(codes, scale, scale.dtype, ctx.scaled):
+        for a, tile in _tiles(codes, scale, ctx.dtype, ctx.scaled):
             piece = g if tile.shape[0] == codes.shape[0] else g[:, a : a + tile.shape[0]].contiguous()
             gx.addmm_(piece, tile)
-        return gx.view(*grad.shape[:-1], codes.shape[1]).to(ctx.x_dtype), None, None
+        return gx.view(*grad.shape[:-1], codes.shape[1]).to(ctx.x_dtype), None, None, None
 
 
 class Scratch:
-    """One buffer, reused, for the cast of one int8 weight at a time (a CPU prompt's prefill from the codes)."""
+    """What an engine's int8 linears share: one buffer, reused, for the cast of one int8 weight at a time (a CPU
+    prompt's prefill from the codes), and the dtype they compute in (None: their scales')."""
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype | None = None):
         self.buffer: torch.Tensor | None = None
+        self.dtype = dtype
 
     def cast(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         b = self.buffer
         if b is None or b.numel() < codes.numel() or b.dtype != dtype or b.device != codes.device:
             b = self.buffer = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
         return b[: codes.numel()].view(codes.shape).copy_(codes)
+
+
+def compute_dtype(module: nn.Linear) -> torch.dtype:
+    """The dtype an int8 linear of an engine computes in: float16's row scales may be kept in float32
+    (store.scale_dtype), so the scales' own dtype is only the default."""
+    return module._onn_scratch.dtype or module._onn_scale.dtype
 
 
 def linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -123,17 +135,18 @@ def linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     scale = module._onn_scale
     if scale is None:  # weights installed whole (de-quantized, or no store yet)
         return F.linear(x, module.weight, module.bias)
-    weight = module.weight
+    weight, dtype = module.weight, compute_dtype(module)
     if weight.dtype == torch.int8 and (weight.device.type != "cpu" or torch.is_grad_enabled()):
-        out = CastMatmul.apply(x, weight, scale)
+        out = CastMatmul.apply(x, weight, scale, dtype)
         return out if module.bias is None else out + module.bias.to(out.dtype)
     if weight.dtype == torch.int8:
-        rows = x.reshape(-1, x.shape[-1]).to(scale.dtype)
-        if rows.shape[0] <= CODES_MAX_ROWS:
+        rows = x.reshape(-1, x.shape[-1]).to(dtype)
+        # torch's int8 matmul takes scales in the rows' dtype only: float32 ones (float16's smallest) go by the cast
+        if rows.shape[0] <= CODES_MAX_ROWS and scale.dtype == dtype:
             out = torch._weight_int8pack_mm(rows.contiguous(), weight, scale).view(*x.shape[:-1], -1)
             return out if module.bias is None else out + module.bias.to(out.dtype)
-        x, weight = rows.view(*x.shape[:-1], -1), module._onn_scratch.cast(weight, scale.dtype)
-        if not scales_the_product(scale.dtype):  # the scratch is this call's own: scaled in place
+        x, weight = rows.view(*x.shape[:-1], -1), module._onn_scratch.cast(weight, dtype)
+        if not scales_the_product(dtype):  # the scratch is this call's own: scaled in place
             bias = None if module.bias is None else module.bias.to(x.dtype)
             return F.linear(x, weight.mul_(scale[:, None]), bias)
     out = F.linear(x, weight) * scale
@@ -180,8 +193,8 @@ class StoredEmbedding(nn.Module):
             absmax = self.absmax[ids].to(self.device, non_blocking=True).view(-1)
             return dequantize_nf4(codes, absmax, [ids.numel(), self.width], self.dtype).view(*host.shape, self.width)
         rows = F.embedding(host, self.table).to(self.device, non_blocking=True).to(self.dtype)
-        if self.scale is not None:
-            rows = rows * F.embedding(host, self.scale).to(self.device, non_blocking=True).to(self.dtype)
+        if self.scale is not None:  # in float32, rounded once (float16 holds no scale of a row under 0.008 well)
+            rows.mul_(F.embedding(host, self.scale).to(self.device, non_blocking=True))
         return rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

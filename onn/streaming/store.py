@@ -304,7 +304,7 @@ class LayerStore:
                 scale = stored[f"{name}.scale"].to(device, non_blocking=non_blocking)
                 if scales is not None and (scaled is None or name in scaled):
                     decoded[name] = t if codes else _into(target, t, dtype)
-                    scales[name] = scale.to(dtype).view(-1)
+                    scales[name] = scale.to(scale_dtype(stored[f"{name}.scale"], dtype)).view(-1)
                 else:
                     decoded[name] = dequantize_int8(t, scale, dtype, target)
                 continue
@@ -482,10 +482,21 @@ def dequantize_nf4(codes: torch.Tensor, absmax: torch.Tensor, shape: list[int], 
 def dequantize_int8(
     codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """codes x scale in `dtype`, written into `out` when it fits: a cast and a multiply, each one pass."""
+    """codes x scale in `dtype`, written into `out` when it fits: a cast and a multiply, each one pass. The multiply
+    takes the float32 scales as they are (each product rounded once into `dtype`): cast to float16 first, a row of
+    weights under 0.008 had its scale rounded coarsely, and under 4e-6 to zero."""
     out = _into(out, codes, dtype)
-    out.mul_(scale.to(dtype))
+    out.mul_(scale.float())
     return out
+
+
+def scale_dtype(scale: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype an int8 weight's row scales (`scale`, float32 in host memory) are kept in beside its codes for a
+    compute in `dtype`: that dtype, except float16 where a scale is below its smallest normal number (a row of
+    weights under 0.008): float16 would round it coarsely or to zero, so they stay float32 and scale in float32."""
+    if dtype == torch.float16 and bool(scale.min() < torch.finfo(torch.float16).tiny):
+        return torch.float32
+    return dtype
 
 
 def _into(target: torch.Tensor | None, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

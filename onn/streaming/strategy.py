@@ -129,9 +129,15 @@ class Streams:
         return scaler.scale(torch.ones((), device=self.root_device))
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args, **kwargs) -> torch.Tensor:
-        # training_step ran the forward and the loss's backward to the last hidden state; the
-        # chunks' backward happens here, into the adapters' .grad (accumulated until the step's optimizer.step).
+        """Lightning's Strategy.backward with the engine's backward in place of the loss's: training_step ran the
+        forward and the loss's backward to the last hidden state; the chunks' backward happens here, into the
+        adapters' .grad (accumulated until the step's optimizer.step). The hooks around it are Lightning's own
+        (on_before_backward, on_after_backward, the callbacks' and the module's), as for a resident step."""
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         self.engine.backward_chunks()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
         return closure_loss
 
     def teardown(self) -> None:

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from onn.hardware.cast import cast_scaled
 from onn.models.layers import GatedMLP, gated_mlp, linear_of
+from onn.streaming.quantized import compute_dtype
 from onn.streaming.schedule import CODES_MAX_ROWS, mlp_slices
 
 Lows = dict[str, torch.Tensor]  # an adapter's low-rank input (A of its dropped-out input), by adapter name
@@ -38,7 +39,7 @@ def _weight(base: nn.Linear, rows: slice | None, cols: slice | None) -> torch.Te
     if scale is None:
         return w
     s = scale[rows] if rows is not None else scale
-    return cast_scaled(w, s, torch.empty(w.shape, dtype=s.dtype, device=w.device))
+    return cast_scaled(w, s, torch.empty(w.shape, dtype=compute_dtype(base), device=w.device))
 
 
 def _adapters(module: nn.Module) -> list[str]:
