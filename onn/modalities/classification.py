@@ -286,7 +286,7 @@ def train(job: Job) -> dict[str, Any]:
             "add training data or lower data.batch_size."
         )
     trainer = build_trainer(config, plan, run_dir, callbacks, strategy=streaming, steps_per_epoch=steps_per_epoch)
-    module.optimizer_steps = optimizer_steps(trainer, steps_per_epoch)
+    module.optimizer_steps = optimizer_steps(trainer, steps_per_epoch, per_process=True)  # one rank's share
     with PeakMemory(job.device) as peak:
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
         trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"), weights_only=False)  # the final state

@@ -432,9 +432,12 @@ def run_best(callback, ckpt: Path | None, run_dir: Path, monitor: str, mode: str
         score = float(callback.best_model_score)
     if ckpt is not None:
         history = read_meta(ckpt)["onn"]["history"]  # the run this one resumed from
-        # a NaN score is never the best, as Lightning ranks it (min and max of a list that holds one are not)
-        earlier = [h[monitor] for h in history if monitor in h and not math.isnan(h[monitor])]
         old = Path(ckpt).parent / "best.ckpt"
+        earlier = [h[monitor] for h in history if monitor in h]
+        if not earlier and old.is_dir():  # a figure the history does not keep (train/loss): best.ckpt's own score
+            earlier = [saved_score(old, monitor)]
+        # a NaN score is never the best, as Lightning ranks it (min and max of a list that holds one are not)
+        earlier = [round(s, 5) for s in earlier if s is not None and not math.isnan(s)]
         best = (min if mode == "min" else max)(earlier) if earlier else None
         own = round(score, 5) if score is not None else None
         beaten = own is not None and best is not None and (own < best if mode == "min" else own > best)
@@ -449,3 +452,27 @@ def run_best(callback, ckpt: Path | None, run_dir: Path, monitor: str, mode: str
                 staged.rename(target)
             path, score = str(target), float(best)
     return path, score
+
+
+def saved_score(path: Path, monitor: str) -> float | None:
+    """The `monitor` score Lightning's ModelCheckpoint saved in checkpoint `path` as it wrote it (its current_score),
+    read from the one tensor that holds it; None where no ModelCheckpoint of `monitor` saved one."""
+    from safetensors import safe_open
+
+    states = _rebuilt(_read_json(path), _Refs(), path).get("callbacks") or {}
+    refs = [
+        state.get("current_score")
+        for key, state in states.items()
+        if key.startswith("ModelCheckpoint") and isinstance(state, dict) and state.get("monitor") == monitor
+    ]
+    ref = next((r for r in refs if isinstance(r, str)), None)
+    if ref is None:
+        return None
+    try:
+        with safe_open(str(path / TENSORS), "pt") as f:
+            return float(f.get_tensor(ref))
+    except (SafetensorError, OSError) as e:
+        raise UserError(
+            f"checkpoint {path}: {TENSORS} is damaged (truncated or not safetensors: {e}); "
+            "use another checkpoint of the run, or train again."
+        ) from None

@@ -188,7 +188,7 @@ class Classifier(EpochRecord, ONNModule):
         else:
             loss = self.objective().loss(self(batch["x"]), batch)
         self.record_step(loss, batch)
-        log_train_loss(self, loss, labels.shape[0])
+        log_train_loss(self, loss, labels.shape[0], over_ranks=True)  # under DDP each rank's loss is its share's
         return loss
 
     def mixed_batch(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:

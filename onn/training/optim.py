@@ -132,14 +132,15 @@ def decay_groups(params: list, weight_decay: float) -> list[dict[str, Any]]:
 def make_schedule(optimizer, optim: OptimConfig, total_steps: int, monitor: str, epochs: bool = True) -> dict[str, Any]:
     """Lightning's lr_scheduler config for optim.schedule over a run of `total_steps` optimizer steps.
 
-    Warm-up (every schedule's but onecycle's, which warms up over pct_start) is clamped to the run's length.
+    Warm-up (every schedule's but onecycle's, which warms up over pct_start) is clamped to the run's length; a run of
+    one step has none: transformers' warm-up trains its first step at rate 0, so that step would change nothing.
     `monitor` is the metric the plateau schedule watches (task.monitor); `epochs` is False for runs that stream
     without epochs, where the per-epoch schedules never step."""
     import torch
 
     check(optim)
     schedule, total = optim.schedule, max(int(total_steps), 1)
-    warmup = min(int(optim.warmup_steps), total)
+    warmup = min(int(optim.warmup_steps), total) if total > 1 else 0
     if schedule in EPOCH_SCHEDULES and not epochs:
         raise UserError(
             f"optim.schedule={schedule} steps once per epoch, and this run streams its data without epochs; "

@@ -31,6 +31,7 @@ class EpochRecord:
     history: list[dict[str, float]]
     train_losses: list[torch.Tensor]
     train_rows: list[int | None]
+    losses_over_ranks: int = 0  # the leading train_losses that are already every rank's (combine_losses_over_ranks)
 
     def setup(self, stage: str) -> None:
         """Each step's samples, one beside each loss kept (unknown for steps whose samples were not seen)."""
@@ -67,7 +68,28 @@ class EpochRecord:
         text = "  ".join(f"{k} {float(figures[k]):.4f}" for k in shown)
         log.info("epoch %d step %d: %s", self.current_epoch, self.global_step, text)
 
+    def combine_losses_over_ranks(self) -> None:
+        """Each step's loss and samples not yet combined become every rank's: the sample-weighted mean of the ranks'
+        losses and the sum of their samples, in one collective. Under DDP each rank's loss is its own share's, and the
+        checkpoint and train/loss_initial and train/loss_final held rank 0's alone. Every rank calls it (at a save and
+        at the end of training, which Lightning runs on every rank); every rank has trained as many steps."""
+        start = self.losses_over_ranks
+        if self.trainer.world_size > 1 and len(self.train_losses) > start:
+            losses = torch.stack([x.detach().float().to(self.device) for x in self.train_losses[start:]])
+            rows = self.train_rows[start:]
+            weights = torch.tensor([1 if n is None else n for n in rows], dtype=torch.float32, device=self.device)
+            summed = self.trainer.strategy.reduce(torch.cat([losses * weights, weights]), reduce_op="sum")
+            totals, counts = summed.split(len(rows))
+            self.train_losses[start:] = list((totals / counts).unbind())
+            self.train_rows[start:] = [None if n is None else int(c) for n, c in zip(rows, counts.tolist())]
+        self.losses_over_ranks = len(self.train_losses)
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self.combine_losses_over_ranks()
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.combine_losses_over_ranks()
         losses = [float(x) for x in self.train_losses]  # read once: each read of a device loss waits for the GPU
         checkpoint["onn"] = {
             "loop": self.loop,
@@ -86,6 +108,7 @@ class EpochRecord:
         self.train_losses = [torch.tensor(x) for x in onn["train_losses"]]
         saved = onn.get("train_rows", [])  # a checkpoint saved before they were kept has none
         self.train_rows = _beside([None if n < 0 else int(n) for n in saved], len(self.train_losses))
+        self.losses_over_ranks = len(self.train_losses)  # as saved: every rank's (combine_losses_over_ranks)
 
 
 def _beside(rows: list[int | None], losses: int) -> list[int | None]:
@@ -94,14 +117,20 @@ def _beside(rows: list[int | None], losses: int) -> list[int | None]:
     return kept + [None] * (losses - len(kept))
 
 
-def log_train_loss(module: L.LightningModule, loss: torch.Tensor, batch_size: int) -> bool:
+def log_train_loss(module: L.LightningModule, loss: torch.Tensor, batch_size: int, over_ranks: bool = False) -> bool:
     """train/loss on a logging step only (logs_now: reading it syncs the device); whether it was one.
 
     Logged as a host tensor: Lightning turns a logged number into a tensor on the module's device and reads
     every progress-bar figure back at the end of every batch, logged on that step or not, which on a GPU
-    would wait for the GPU at every step."""
+    would wait for the GPU at every step. `over_ranks`: `loss` is this rank's share's alone, and the figure is
+    the ranks' sample-weighted mean (one collective on the device, on a logging step): Lightning logs rank 0's
+    value, and a checkpoint or early stopping that monitors train/loss compared each rank's own."""
     if not logs_now(module):
         return False
+    if over_ranks and module.trainer.world_size > 1:
+        weighted = torch.stack([loss.detach().float(), torch.ones((), device=loss.device)]) * batch_size
+        total, count = module.trainer.strategy.reduce(weighted, reduce_op="sum")
+        loss = total / count
     value = torch.tensor(float(loss.detach()))
     module.log("train/loss", value, prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size)
     return True

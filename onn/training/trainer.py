@@ -543,15 +543,16 @@ def limited_batches(batches: int, limit: int | float | None) -> int:
     return kept
 
 
-def optimizer_steps(trainer, steps_per_epoch: int) -> int | None:
+def optimizer_steps(trainer, steps_per_epoch: int, per_process: bool = False) -> int | None:
     """What Trainer.estimated_stepping_batches gives, for a schedule, without setting up the training data:
     asked in configure_optimizers it sets the data up before a resumed run's loop state is restored, and
     Lightning then never gives a stateful loader its position back (a run killed mid-epoch would start that
     epoch over). `steps_per_epoch`: the training loader's batches, of which trainer.limit_train_batches keeps
-    some (the schedule ended where the whole epochs would have: a cosine stopped at 3/4 of its rate). None with
-    several processes, whose share of an epoch Lightning's own figure knows."""
+    some (the schedule ended where the whole epochs would have: a cosine stopped at 3/4 of its rate);
+    `per_process`: they are already one process's share (a classifier's process_batches). None with several
+    processes and a count of the whole data's batches, whose share Lightning's own figure knows."""
     batches = limited_batches(steps_per_epoch, trainer.limit_train_batches)
-    if trainer.world_size > 1:
+    if trainer.world_size > 1 and not per_process:
         return None
     per_epoch = math.ceil(batches / max(1, trainer.accumulate_grad_batches))
     limits = [trainer.max_steps] if trainer.max_steps and trainer.max_steps > 0 else []
