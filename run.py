@@ -7,7 +7,15 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from onn.config.registry import compose_problem, expand_home, group_problem, register, yaml_problem
+from onn.config.registry import (
+    compose_problem,
+    expand_home,
+    group_problem,
+    no_recipe,
+    register,
+    value_problem,
+    yaml_problem,
+)
 
 register()  # the config's types (dataclasses only: nothing heavy is imported here)
 
@@ -37,10 +45,12 @@ def other_rank_overrides(argv: list[str]) -> list[str]:
 
 
 sys.argv[1:] = expand_home(sys.argv[1:])  # `data.source=~/shapes`: bash leaves that ~ as it is, and Hydra refuses it
+sys.argv[1:] = no_recipe(sys.argv[1:])  # `recipe=null`: no recipe, as Hydra writes it (~recipe)
 sys.argv += other_rank_overrides(sys.argv[1:])
 # mistakes Hydra would report as a traceback or in its own terms, each one sentence before Hydra composes
 ARGS, CONF = sys.argv[1:], Path(__file__).resolve().parent / "conf"
-if problem := yaml_problem(ARGS, CONF) or group_problem(ARGS, CONF) or compose_problem(ARGS, CONF):
+problem = yaml_problem(ARGS, CONF) or group_problem(ARGS, CONF) or value_problem(ARGS) or compose_problem(ARGS, CONF)
+if problem:
     sys.exit(f"error: {problem}")
 
 

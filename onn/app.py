@@ -72,6 +72,12 @@ TASK_BLOCKS = {"serve": ("serve", "bench_serve"), "tune": ("tune",)}
 TASK_COUNTS = ("exact_match_samples", "max_samples")
 SEEDS = 2**32  # numpy's seeds, and Lightning's seed_everything's: 0 to 2**32 - 1
 RUN_DIR = "the run (hydra.run.dir)"  # where to write a run's file the disk refused instead
+# paths a run reads, given from the folder `python run.py` started in, and the folders every run keeps its runs and
+# caches in: see from_start_folder (a model's weights and tokenizer: onn.models.load.local_path)
+READ_PATHS = ("ckpt", "prompt", "data.source", "data.val_source", "data.test_source", "task.input", "task.gallery",
+              "task.vision_source", "model.weights")  # fmt: skip
+BUILDERS = ("model.source", "model.loss")  # file.py:function (a classifier's network, its loss)
+KEPT_FOLDERS = ("paths.outputs", "paths.cache", "hardware.cache")
 
 
 def run(cfg: DictConfig) -> float | None:
@@ -99,9 +105,12 @@ def run(cfg: DictConfig) -> float | None:
     record = RunRecord(run_dir, metrics)
     progress.reset()  # a multirun's jobs share this process: no job's record shows the previous job's last step
     config: ONNConfig | None = None
+    start = Path(hydra_cfg.runtime.cwd)
     try:
+        from_start_folder(cfg, start)
         if _read(cfg, "data.name") == "auto":
             cfg = compose_detected(cfg, overrides)
+            from_start_folder(cfg, start)  # composed again from the command line's relative data.source
             metrics.update(_groups(cfg))  # what runs, also in the record of a run that fails before it ends
         name_after_checkpoint(cfg, given_keys(overrides))
         config = to_config(cfg, choices)
@@ -251,6 +260,32 @@ def summary(metrics: dict[str, Any], run_dir: Path) -> str:
             f"the model ended the text at once (its prompt format? see the warning above); metrics.json in {run_dir}"
         )
     return f"{metrics['task']} ok: {', '.join(shown) or 'done'}; metrics.json in {run_dir}"
+
+
+def from_start_folder(cfg: DictConfig, start: Path) -> None:
+    """hydra.job.chdir=true runs each job in its own folder, where a relative data.source (ckpt, task.input, ...)
+    given from the folder `python run.py` started in (`start`) is not: such paths become absolute there, as Hydra's
+    to_absolute_path makes them. A path read is changed only where it exists (builtin:NAME and ckpt=last stay as
+    given), a model.source or model.loss only where it names a file.py:function; ONN's own folders (paths.outputs,
+    the caches) always, so that every job shares them. A relative task.output or export.output stays the job
+    folder's, which is what chdir asks for."""
+    if Path.cwd() == start:
+        return
+    for key in (*READ_PATHS, *BUILDERS, *KEPT_FOLDERS):
+        value = _read(cfg, key)
+        if not isinstance(value, str) or (key in BUILDERS and ".py:" not in value):
+            continue
+        if (absolute := _from(start, value, must_exist=key not in KEPT_FOLDERS)) != value:
+            OmegaConf.update(cfg, key, absolute, merge=False)
+
+
+def _from(start: Path, value: str, must_exist: bool) -> str:
+    """`value` taken from `start` when it is a relative path (`file.py:function`: its file), else as given."""
+    path, colon, function = value.rpartition(":") if value.rpartition(":")[0].endswith(".py") else (value, "", "")
+    path = os.path.expanduser(path)
+    if not path or os.path.isabs(path) or (must_exist and not (start / path).exists()):
+        return value
+    return f"{start / path}{colon}{function}"
 
 
 def given_keys(overrides: list[str]) -> set[str]:

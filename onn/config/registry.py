@@ -11,7 +11,8 @@ Hydra's `+` added that no dataclass has is one sentence there (app.to_config), a
 Before Hydra composes, run.py expands a leading `~` in the command line's values (expand_home: bash does not in
 `data.source=~/x`, and Hydra's parser refuses it), and asks for the mistakes Hydra would report as a traceback or in
 its own terms: a YAML file that does not parse or holds a key twice (yaml_problem), a group chosen twice or an
-option it does not have (group_problem: `model=lama_small`, naming the closest), a misspelt key (`trainer.max_epoch=3`,
+option it does not have (group_problem: `model=lama_small`, naming the closest), a value its key's type refuses, a
+sweep's too (value_problem: `-m trainer.max_steps=10,abc`), a misspelt key (`trainer.max_epoch=3`,
 naming the closest, or the block that has it: compose_problem, a sweep's too), a key or a whole block given for a
 block that is null here, answered with the options that give it (block_owners), and a recipe's task keys under
 another task (compose_problem). A recipe's block that the option chosen leaves null is app.to_config's to say
@@ -31,6 +32,9 @@ from functools import cache
 from pathlib import Path
 from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from omegaconf.errors import ValidationError
+from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode
 
 from onn.config import data, export, model, task
 from onn.config.run import ONNConfig
@@ -57,6 +61,8 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "export": {"none": export.ExportConfig, "safetensors": export.SafetensorsExport, "onnx": export.OnnxExport,
                "omny": export.OmnyExport},
 }  # fmt: skip
+# the typed values value_problem checks, by the OmegaConf node that holds each (and checks it as Hydra merges it)
+NODES: dict[Any, type] = {int: IntegerNode, float: FloatNode, bool: BooleanNode}
 # The config groups whose block's type is the option's schema (SCHEMAS), not the root's field type (ModelConfig, Any)
 GROUP_SCHEMAS = {group: tuple(schemas.values()) for group, schemas in SCHEMAS.items()}
 
@@ -100,6 +106,12 @@ def expand_home(argv: list[str]) -> list[str]:
             arg = f"{key}={HOME.sub(lambda m: m[1] + m[2] + os.path.expanduser(m[3]), value)}"
         out.append(arg)
     return out
+
+
+def no_recipe(argv: list[str]) -> list[str]:
+    """`recipe=null`, conf/config.yaml's own default written out, as Hydra writes "no recipe": `~recipe`. Hydra's
+    defaults list took it for an option and raised a bare ValueError ("Config group override must be a string")."""
+    return ["~recipe" if arg.lstrip("+") in ("recipe=null", "recipe='null'") else arg for arg in argv]
 
 
 def register_local_launcher() -> None:
@@ -184,8 +196,10 @@ def missing_option(arg: str, folder: Path, value: str) -> str | None:
         return None  # glob(*), choice(a,b), an interpolation: Hydra's to expand
     options = sorted(p.stem for p in folder.glob("*.yaml"))
     for name in (n.strip().strip("'\"") for n in value.split(",")):
+        if name == "null" and folder.name != "recipe":  # Hydra's defaults list raised a bare ValueError for it
+            return f"{arg}: every run takes a {folder.name} config, not null; give one of {', '.join(options)}."
         if name in ("", "null") or (folder / f"{name}.yaml").is_file():
-            continue
+            continue  # recipe=null alone is no recipe (no_recipe); in a sweep, Hydra says why it cannot be
         close = difflib.get_close_matches(name, options, n=1)
         hint = f" (did you mean {folder.name}={close[0]}?)" if close else ""
         return f"{arg}: conf/{folder.name} has no option {name}{hint}; give one of {', '.join(options)}."
@@ -227,6 +241,68 @@ def compose_problem(argv: list[str], conf_dir: Path) -> str | None:
             if problem := _key_problem(cfg, suspects, under, conf_dir):
                 return problem
     return None
+
+
+def value_problem(argv: list[str]) -> str | None:
+    """A value its key's type refuses (`trainer.max_steps=abc`), or one value of a sweep's (`-m
+    trainer.max_steps=10,abc`), as one sentence before anything runs: Hydra's message is five lines, and a sweep's
+    comes after its sweep folder is made. Checked only where every option's schema types the key as a whole number,
+    a number or true/false, by OmegaConf's own nodes, which Hydra's merge uses; None for anything else."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import QuotedString
+
+    if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
+        return None  # Hydra's own options: --help, --cfg job, -cn NAME, ...
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
+    except Exception:  # noqa: BLE001 -- Hydra names a line it cannot parse
+        return None
+    for o in overrides:
+        if o.is_delete() or o.is_hydra_override() or o.package is not None or "/" in o.key_or_group:
+            continue
+        kinds = leaf_types(o.key_or_group)
+        nodes = [NODES[kind] for kind in kinds if kind in NODES]
+        if not nodes or len(nodes) != len(kinds):
+            continue  # a group, a free-form or text key, or a key typed otherwise in some option
+        try:
+            values = list(o.sweep_iterator()) if o.is_sweep_override() else [o.value()]
+        except Exception:  # noqa: BLE001 -- interval() and glob(): their sweeper's to expand
+            continue
+        for value in values:
+            value = value.text if isinstance(value, QuotedString) else value
+            if value is None or (isinstance(value, str) and "${" in value):
+                continue  # null: Hydra says whether the key takes it; an interpolation resolves later
+            if all(_refuses(node, value) for node in nodes):
+                what = {"IntegerNode": "a whole number", "FloatNode": "a number", "BooleanNode": "true or false"}
+                return (
+                    f"{o.input_line}: {o.key_or_group} takes {what[nodes[0].__name__]}, and {value!r} is not one; "
+                    f"fix the value{' (no job of the sweep has run)' if o.is_sweep_override() else ''}."
+                )
+    return None
+
+
+def _refuses(node: type, value: object) -> bool:
+    """Whether OmegaConf's `node` refuses `value`, as Hydra's merge of the override would."""
+    try:
+        node(value)
+    except ValidationError:
+        return True
+    return False
+
+
+def leaf_types(key: str) -> list[Any]:
+    """The types every option's schema gives `key` (`trainer.max_steps`: [int]), Optional unwrapped; [] where a part
+    is free-form (model.kwargs.x) or no schema has the key."""
+    parts = key.split(".")
+    kinds: list[Any] = [ONNConfig]
+    for part in parts[:-1]:
+        kinds = [below for kind in kinds if is_dataclass(kind) for below in _field_kinds(kind, part)]
+    if not kinds or not all(is_dataclass(kind) for kind in kinds):
+        return []
+    hints = [get_type_hints(kind)[parts[-1]] for kind in kinds if parts[-1] in {f.name for f in fields(kind)}]
+    unwrapped = [[a for a in get_args(h) if a is not type(None)] if get_origin(h) in (Union, UnionType) else [h]
+                 for h in hints]  # fmt: skip
+    return [options[0] if len(options) == 1 else Any for options in unwrapped]
 
 
 def sweep_lines(overrides: list, skip: list, groups: set[str]) -> list[list[str]] | None:
