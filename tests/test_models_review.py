@@ -95,7 +95,7 @@ def test_a_layer_streamed_model_checks_its_vocabulary_as_a_resident_one(tmp_path
 
 
 def saved_llama(folder, layers: int = 4, **save) -> torch.nn.Module:
-    model = tiny_llama(num_hidden_layers=layers)
+    model = tiny_llama(num_hidden_layers=layers, vocab_size=259)  # the byte tokenizer gives ids up to 258
     model.save_pretrained(folder, **save)
     byte_tokenizer().save_pretrained(folder)
     return model

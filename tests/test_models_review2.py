@@ -19,7 +19,7 @@ from onn.models.zoo.recurrent_lm import RecurrentLMConfig, RecurrentLMForCausalL
 
 def saved_llama(folder, layers: int = 2, **save) -> torch.nn.Module:
     """A tiny Llama saved as a Hugging Face folder, with the byte tokenizer beside it."""
-    model = tiny_llama(num_hidden_layers=layers)
+    model = tiny_llama(num_hidden_layers=layers, vocab_size=259)  # the byte tokenizer gives ids up to 258
     model.save_pretrained(folder, **save)
     byte_tokenizer().save_pretrained(folder)
     return model

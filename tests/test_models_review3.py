@@ -21,7 +21,7 @@ from onn.models.tokenizer import byte_tokenizer
 
 def saved_llama(folder, **save) -> torch.nn.Module:
     """A tiny Llama saved as a Hugging Face folder, with the byte tokenizer beside it."""
-    model = tiny_llama()
+    model = tiny_llama(vocab_size=259)  # the byte tokenizer gives ids up to 258
     model.save_pretrained(folder, **save)
     byte_tokenizer().save_pretrained(folder)
     return model

@@ -8,9 +8,11 @@ an export of another kind or model (MARKER's `kind` and `model`) is not replaced
 
 from __future__ import annotations
 
+import glob
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +21,8 @@ from typing import Any
 from onn.errors import UserError
 
 MARKER = "onn_export.json"  # written into every folder an export replaces whole
+# what an export leaves beside OUTPUT while it runs: .OUTPUT.tmp-PID[...] (temp_prefix) and .OUTPUT.old-PID (swap_in)
+LEFTOVER = re.compile(r"(?P<kind>tmp|old)-(?P<pid>\d{1,7})(?:[.-].*)?")
 PIPELINE = ("pipeline.json", "omny-pipeline")  # a pipeline folder written before MARKER existed: its file, format
 
 
@@ -79,14 +83,50 @@ def check_replaceable(output: Path, kind: str | None = None, model: str | None =
         )
 
 
+def temp_prefix(output: Path) -> str:
+    """The path an export's temporary file or folder beside `output` starts with: it names this process, so a later
+    export can tell the leftovers of one that was killed (`sweep_leftovers`) from those of one still running."""
+    return str(output.parent / f".{output.name}.tmp-{os.getpid()}")
+
+
+def sweep_leftovers(output: Path) -> None:
+    """Remove what an export to `output` killed half-way left beside it (its temporary folder or file, which may
+    hold gigabytes of weights, and was never removed), and put back an earlier export it had moved aside to swap
+    in the new one. Only a dead process's leftovers are touched (and this one's own, from an export that failed):
+    another export to the same place may be running."""
+    for path in output.parent.glob(f".{glob.escape(output.name)}.*-*"):
+        found = LEFTOVER.fullmatch(path.name[len(output.name) + 2 :])
+        if found is None or not process_gone(int(found["pid"])):
+            continue
+        if found["kind"] == "old" and not os.path.lexists(output):
+            path.rename(output)  # killed between moving the earlier export aside and putting the new one there
+        elif path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process `pid` has ended (this process counts as gone: its own leftovers are of an ended export)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # (PermissionError) another user's process, which is running
+        return False
+    return False
+
+
 def stage(output: Path, kind: str, write: Callable[[Path], Any], model: str | None = None) -> tuple[Path, Any]:
     """Run `write` into a temporary sibling of `output` and mark it as a `kind` export of `model` (its config's
     name); return it (for swap_in) and what `write` returned. `output` may be missing, empty, or an earlier export
     of this kind and model: anything else is refused first."""
     output = output.expanduser()
+    sweep_leftovers(output)
     check_replaceable(output, kind, model)
-    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = Path(temp_prefix(output))
     tmp.mkdir()
     try:
         result = write(tmp)
@@ -101,7 +141,7 @@ def stage(output: Path, kind: str, write: Callable[[Path], Any], model: str | No
 def swap_in(tmp: Path, output: Path) -> None:
     """Put the staged folder at `output`, the earlier one (if any) removed only once the new one is there."""
     output = output.expanduser()
-    old = output.parent / f".{output.name}.old-{os.getpid()}" if output.exists() else None
+    old = output.parent / f".{output.name}.old-{os.getpid()}" if output.exists() else None  # (LEFTOVER's name)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
         output.rename(old)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from onn.errors import UserError
+from onn.export.folders import sweep_leftovers, temp_prefix
 from onn.export.model_facts import weight_bytes
 from onn.hardware import failpoints
 
@@ -87,7 +88,8 @@ def sample_inputs(
     if kind in ("clip", "image"):
         channels, size = _image_shape(model)
         if image_size is not None:
-            size = tuple(image_size) if isinstance(image_size, list | tuple) else (image_size, image_size)
+            sides = list(image_size) if isinstance(image_size, list | tuple) else [image_size]
+            size = tuple(sides * 2 if len(sides) == 1 else sides)  # one side: a square
         inputs["pixel_values"] = torch.randn(
             batch_size, channels, *size, generator=generator, dtype=_float_dtype(model)
         )
@@ -292,7 +294,8 @@ def export_onnx(
     _check_opset(model, program, opset)
     fixed = _fixed_axes(model, program, input_names, shapes)
 
-    folder = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
+    sweep_leftovers(output)  # a killed export's temporary folder, which may hold all the weights
+    folder = Path(tempfile.mkdtemp(prefix=Path(temp_prefix(output)).name + "-", dir=output.parent))
     try:
         written = folder / staged_name(output)  # torch.onnx names the weights file after it: WRITTEN.data
         compared = (model, written, output, sample_input, reference)

@@ -24,6 +24,7 @@ from onn.config.convert import typed
 from onn.config.export import ExportSample, OmnyExport, OnnxExport, SafetensorsExport
 from onn.config.model import LanguageModelConfig
 from onn.errors import ExportFailed, UserError, disk_error, diverged, write_refused
+from onn.export.folders import sweep_leftovers, temp_prefix
 from onn.export.model_facts import kv_cache_bytes, model_source, omny_runs, weight_bytes
 from onn.export.settings import FORMATS, check_settings
 from onn.models.load import load
@@ -124,7 +125,8 @@ def _export(model, output: Path, sample_input, settings, model_name, tokenizer, 
 
     from onn.export import omny
 
-    with tempfile.TemporaryDirectory(dir=output.parent, prefix=".omny-") as tmp:
+    sweep_leftovers(output)  # a killed export's traced graph, which may hold all the weights
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=Path(temp_prefix(output)).name + "-") as tmp:
         traced = Path(tmp) / "model.onnx"
         metrics = export_onnx(model, traced, sample_input, opset=opset, atol=atol)
         graph = onnx.load(str(traced))

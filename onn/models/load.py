@@ -17,6 +17,7 @@ import difflib
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import zlib
@@ -38,6 +39,7 @@ WEIGHT_FILES = ("*.safetensors", "*.gguf", "config.json")  # what a folder sourc
 # or not the class declares them: model.architecture may give them to any model type
 GENERIC_CONFIG_KEYS = {"tie_word_embeddings", "is_decoder", "add_cross_attention", "cross_attention_hidden_size",
                        "tokenizer_class", "prefix"}  # fmt: skip
+log = logging.getLogger("onn")
 SHARD_NAME = re.compile(r"-\d+-of-(\d+)\.safetensors$")  # transformers' name for one file of a sharded model
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".joblib")
 CONVERT_HINT = (
@@ -328,10 +330,10 @@ def check_unindexed_shards(folder: str) -> None:
 
 def check_vocabulary(model_cfg: LanguageModelConfig, model, tokenizer) -> None:
     """The tokenizer's ids all have an embedding row: past it, an id failed inside the embedding (an IndexError on
-    a CPU, a device-side assert that ends the process on a GPU). Checked where ONN put the two together (a random
-    init, a bare .safetensors file, or model.tokenizer given); a source's own pair is its author's."""
-    chosen = model_cfg.tokenizer or source_kind(model_cfg.source) in ("random", "safetensors")
-    if tokenizer is None or not chosen:
+    a CPU, a device-side assert that ends the process on a GPU). Where ONN put the two together (a random init, a
+    bare .safetensors file, or model.tokenizer given) that is refused; a source's own pair (a folder whose tokenizer
+    got added tokens, saved without resizing the model) has its embeddings resized (`resize_own_embeddings`)."""
+    if tokenizer is None:
         return
     try:
         rows = model.get_input_embeddings().num_embeddings
@@ -340,10 +342,37 @@ def check_vocabulary(model_cfg: LanguageModelConfig, model, tokenizer) -> None:
     ids = max(tokenizer.get_vocab().values()) + 1  # (not len(tokenizer): a vocabulary's ids may leave gaps)
     if not isinstance(rows, int) or ids <= rows:
         return
+    if not (model_cfg.tokenizer or source_kind(model_cfg.source) in ("random", "safetensors")):
+        resize_own_embeddings(model_cfg, model, rows, ids)
+        return
     raise UserError(
         f"model '{model_cfg.name}': its tokenizer ({model_cfg.tokenizer or model_cfg.source}) gives ids up to "
         f"{ids - 1} and the model embeds {rows}; set model.architecture.vocab_size to {ids} or more."
     )
+
+
+def resize_own_embeddings(model_cfg: LanguageModelConfig, model, rows: int, ids: int) -> None:
+    """A source whose own tokenizer gives ids past its embeddings (tokens added to the tokenizer, the model saved
+    without transformers' resize_token_embeddings): resized as transformers' recipe for added tokens does, the new
+    rows drawn from INIT_SEED, so every load of the source gives the same model."""
+    import torch
+
+    if not hasattr(model, "resize_token_embeddings"):
+        raise UserError(
+            f"model '{model_cfg.name}': its tokenizer ({model_cfg.source}) gives ids up to {ids - 1} and the model "
+            f"embeds {rows}; resize its token embeddings to {ids} rows, or set model.tokenizer to one that fits."
+        )
+    log.warning(
+        "model %s: its tokenizer gives ids up to %d and the model embeds %d (added tokens the model was not resized "
+        "for): the embeddings are resized to %d rows, the new ones untrained",
+        model_cfg.source,
+        ids - 1,
+        rows,
+        ids,
+    )
+    with torch.random.fork_rng(devices=[]):  # the CPU's generator (where load builds the model) only, given back
+        torch.random.default_generator.manual_seed(INIT_SEED)
+        model.resize_token_embeddings(ids)
 
 
 def load_4bit(model_cfg: LanguageModelConfig, compute_dtype, cache_dir: str | os.PathLike, device: str = "cpu"):
@@ -537,6 +566,7 @@ AUTO_CLASSES = (
     "AutoModelForZeroShotObjectDetection",
     "AutoModelForImageTextToText",
     "AutoModelForVision2Seq",
+    "AutoModelForSeq2SeqLM",  # BART, T5: without it their folder loaded as the bare BartModel, its LM head dropped
 )
 
 

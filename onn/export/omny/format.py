@@ -22,7 +22,7 @@ import onnx
 from onn.errors import UserError
 from onn.export import graph as G
 from onn.export import shards
-from onn.export.folders import onn_version
+from onn.export.folders import onn_version, sweep_leftovers, temp_prefix
 from onn.export.onnx_export import check_onnx, move_into_place, run_onnx, staged_name
 
 FORMAT_VERSION = "1.1"
@@ -479,7 +479,8 @@ def write(model: onnx.ModelProto, doc: dict[str, Any], output: str | Path) -> Pa
     props[METADATA_KEY] = json.dumps(doc, separators=(",", ":"))
     onnx.helper.set_model_props(model, props)
     stored = sum(G.tensor_bytes(t) for t in model.graph.initializer)
-    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.") as tmp:
+    sweep_leftovers(output)  # a killed export's staged graph, which may hold all the weights
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=Path(temp_prefix(output)).name + "-") as tmp:
         written = Path(tmp) / staged_name(output)  # its weights file, when it has one, is named after it
         large = stored > EXTERNAL_DATA_BYTES
         onnx.save_model(model, str(written), save_as_external_data=large, location=written.name + ".data")

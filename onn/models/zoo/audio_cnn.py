@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from onn.models.zoo.sizes import image_sides
 from onn.models.zoo.v28 import ConvBlock
 
 
@@ -33,7 +34,7 @@ class AudioCNN(nn.Module):
             blocks.append(ConvBlock(channels, width, convs_per_block, negative_slope))
             channels = width
         self.features = nn.Sequential(*blocks)
-        given = [image_size, image_size] if isinstance(image_size, int) else [int(v) for v in image_size]
+        given = image_sides(image_size)
         size = list(given)
         for block in self.features:  # 2x2 pooling, on each axis only while it is 2 or longer
             pool = block[-1]

@@ -13,6 +13,7 @@ from collections import OrderedDict
 from torch import nn
 
 from onn.errors import UserError
+from onn.models.zoo.sizes import image_sides
 
 
 class ConvBlock(nn.Sequential):
@@ -44,7 +45,7 @@ class V28CNN(nn.Module):
         negative_slope: float = 0.1,
     ):
         super().__init__()
-        size = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+        size = image_sides(image_size)
         h, w = size
         blocks, channels = [], in_channels
         for width in widths:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from onn.models.zoo.sizes import image_sides
+
 
 class Conv3dBlock(nn.Sequential):
     def __init__(self, in_channels: int, out_channels: int, pool: tuple[int, int, int]):
@@ -34,7 +36,7 @@ class C3DTiny(nn.Module):
         dropout: float = 0.2,
     ):
         super().__init__()
-        size = [image_size, image_size] if isinstance(image_size, int) else [int(v) for v in image_size]
+        size = image_sides(image_size)
         t, h, w = int(frames), size[0], size[1]
         blocks, channels = [], in_channels
         for i, width in enumerate(widths):
