@@ -5,8 +5,9 @@ Every phase runs in a process of its own, forked from a warm interpreter that im
 (onn/bench/child.py), whose anonymous RSS the parent samples (so a phase killed on purpose still has its
 peak), in this order:
 
-  disk       the disk's cold sequential read bandwidth now (a fresh file of task.disk_probe_mb, O_DIRECT),
-             and the matmul rate now, for the model's own widest weight at the step's rows
+  disk       the disk's cold sequential read bandwidth now (a fresh file of task.disk_probe_mb, O_DIRECT, at
+             most a quarter of the memory available), and the matmul rate now, for the model's own widest
+             weight at the step's rows
   build      the store written block by block from scratch (task.rebuild), killed with SIGKILL after
              task.kill_build_after blocks and started again: the second build writes only what is missing
   train      a validation of the held-out set (data.builtin.val_size samples, one streamed pass), then
@@ -47,6 +48,7 @@ from onn.config import ONNConfig, as_dict
 from onn.config.task import BenchGiantTask
 from onn.errors import UserError
 from onn.hardware.disk import write_text_atomically
+from onn.hardware.profile import disk_read_mb_s
 from onn.planning.plan import STREAMING_LIGHTNING, Plan
 from onn.training.callbacks import batch_rows
 
@@ -81,7 +83,6 @@ def run(job) -> dict[str, Any]:
             f"the plan keeps {spec.name}'s store in host memory (it fits): bench_giant measures a store on disk; "
             "set strategy.streaming.store=disk."
         )
-    from onn.hardware.disk import read_mb_s
     from onn.modalities.text.tasks import store_root
 
     task: BenchGiantTask = config.task
@@ -94,7 +95,7 @@ def run(job) -> dict[str, Any]:
     }
     started = time.perf_counter()
     # the disk and the cores, now
-    out["giant/disk_read_mb_s"] = round(read_mb_s(Path(config.paths.cache), task.disk_probe_mb), 1)
+    out["giant/disk_read_mb_s"] = disk_now(config)
     out["giant/disk_read_mb_s_profile"] = hw.disk_read_mb_s
     rate = _child("matmul", _request(job), run_dir)["result"]
     out["giant/matmul_gflops"] = rate["gflops"]
@@ -112,6 +113,13 @@ def run(job) -> dict[str, Any]:
     out["giant/load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     _write_table(run_dir, out, plan)
     return out
+
+
+def disk_now(config: ONNConfig) -> float:
+    """The disk's cold read bandwidth now (MB/s), as hardware=auto measures it: a fresh file of task.disk_probe_mb
+    under paths.cache, read whole into memory, so at most a quarter of the memory available (the 2 GB default, on a
+    machine with less memory than the model, met the OOM killer), and one sentence where it cannot be written."""
+    return disk_read_mb_s(Path(config.paths.cache), config.task.disk_probe_mb)
 
 
 def _build_phase(job, store_dir: Path) -> dict[str, Any]:

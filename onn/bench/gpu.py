@@ -66,6 +66,8 @@ log = logging.getLogger("onn")
 MB = 1024**2
 GB = 1e9  # bandwidths and bytes moved in decimal gigabytes, as NVIDIA quotes its links' (PCIe, NVLink) figures
 SEED_MS_PER_SAMPLE = 490  # the seeds' Phi-4 on a 4 GB GTX 1650, batch 128
+H2D_PROBE_MB = 512  # the largest copy the host link is timed with after the steps (PCIe's rate is level well below)
+H2D_PROBE_SHARE = 4  # ... and at most this share of the device memory still free to the run
 CHILD_TIMEOUT_S = 300  # a child run (the default job's or the image runner's overhead) takes 1-2 minutes on an H200
 LEAST_CHILD_S = 60  # a child run starts a process, plans and times its rounds: with less time it is not started
 
@@ -119,6 +121,24 @@ def link_figures(copied_bytes: float, link_bytes_s: float, profile_mb_s: float |
     }
 
 
+def h2d_probe_mb(free_mb: float, budget_room_mb: float | None) -> int:
+    """The size of the copy (pinned host memory, and as much on the device) the host link is timed with beside what
+    the steps still hold: H2D_PROBE_MB, or a quarter of the room left where that is less, the device's free memory
+    or, under hardware.budget_mb, the budget's room (512 MB on a 4 GB card after the steps, or a third of a 1.5 GB
+    budget, failed with the allocator's out-of-memory error after every step had run). At least 1 MB."""
+    room = free_mb if budget_room_mb is None else min(free_mb, budget_room_mb)
+    return int(max(1, min(H2D_PROBE_MB, room / H2D_PROBE_SHARE)))
+
+
+def _room_mb(job) -> tuple[float, float | None]:
+    """The device memory free now (MB), and under hardware.budget_mb the room its cap leaves beside the tensors the
+    run still holds (None without a budget)."""
+    free, _ = torch.cuda.mem_get_info()
+    if not job.config.hardware.budget_mb:
+        return free / MB, None
+    return free / MB, job.plan.budget_mb - job.plan.context_mb - torch.cuda.memory_allocated() / MB
+
+
 def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     """The store built, then task.steps steps and a profiled one; figures of the steps between the first and the
     profiled one (torch.profiler starts and traces every kernel inside its step, which it slows)."""
@@ -144,7 +164,7 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     timed = slice(1, steps)  # the first step loads kernels and the first chunks; the last is profiled
     step_s = statistics.mean(clock.step_s[timed])
     copied = statistics.mean(clock.copied_bytes[timed])
-    link = h2d_mb_s() * MB
+    link = h2d_mb_s(h2d_probe_mb(*_room_mb(job))) * MB
     micro = micro_batches_held(module.micro_batch, module.oom_backoffs, len(clock.step_s))
     rates = functools.cache(lambda rows: _matmul_rate(job, rows))
     figures = step_figures(spec, plan, clock, timed, fit.world_size, micro, link, rates)

@@ -26,6 +26,7 @@ from onn.config import ONNConfig
 from onn.config.task import BenchOmnyTask
 from onn.errors import UserError
 from onn.export.omny.format import validate
+from onn.export.onnx_export import weights_files
 from onn.export.pipelines import Request, document, images, run_pipeline
 from onn.export.pipelines.export import largest_shards_mb
 from onn.export.pipelines.measure import shard_peaks
@@ -77,7 +78,7 @@ def _one_graph(file: Path, name: str, exported: dict[str, Any], run_dir: Path) -
 
     figures = {
         "seconds": exported["export/seconds"],
-        "bytes": sum(p.stat().st_size for p in file.parent.glob(file.name + "*")),
+        "bytes": exported_bytes(file),
         "cut_points": exported["export/cut_points"],
         "shard_counts": exported["export/shard_counts"],
         **largest_shards_mb(read_document(file)),
@@ -88,6 +89,13 @@ def _one_graph(file: Path, name: str, exported: dict[str, Any], run_dir: Path) -
     doc = {"kind": name, "pieces": [{"name": name}]}
     (run_dir / "bench_omny.md").write_text(_table(doc, metrics))
     return metrics
+
+
+def exported_bytes(file: Path) -> int:
+    """The .omny's size: the graph and the weights files it names, not every file whose name starts as its does (an
+    export stopped before its graph was renamed into place leaves its weights beside it, NAME.omny.<hex>.data, and
+    a folder may hold NAME.omny.bak)."""
+    return file.stat().st_size + sum(f.stat().st_size for f in weights_files(file))
 
 
 def _piece(file: Path, name: str, exported: dict[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import itertools
 import json
 import logging
 import statistics
@@ -47,6 +48,7 @@ from onn.errors import UserError
 from onn.hardware.profile import Profile
 from onn.planning.plan import Plan, make_plan
 from onn.planning.streaming import STREAMING_KEYS
+from onn.training.callbacks import batch_rows
 
 log = logging.getLogger("onn")
 
@@ -102,31 +104,47 @@ def run(job) -> dict[str, Any]:
     check_settings(job.config.task)
     timed = job.plan.step_time_source == "timed"
     timings = [0]
+    predicted: list[Plan] = []  # the step predicted for the shapes of the run's timed steps, before they ran
+    between = None
     if timed and not is_large(job.spec):
         # The blocks timed between the steps: back to back for as long as the next STEPS_PER_WINDOW steps will take,
         # before each such span of the run's timed steps, in this process while the run waits. This shared host's
         # speed moves by a third in spells of seconds (a 3 s timing just before 20 steps missed them by 25-43% in
         # 1 or 2 of a grid's 18 runs, the timing just after agreeing with the run); timings spread over the run
-        # meet its spells. summarize's prediction reads this timing; the plan's own is kept beside it.
+        # meet its spells. They time the shapes the child drew from its data before its first step.
         window = min(WINDOW_S, STEPS_PER_WINDOW * float(job.plan.predicted_step_s))
 
-        def between(pauses: Iterator[None]) -> None:
-            refine(job.plan, job.config, job.hardware, job.spec, windows=(window for _ in _counted(pauses, timings)))
+        def between(shapes: list[int] | None, pauses: Iterator[None]) -> None:
+            config, plan = _at_shapes(job, shapes)
+            windows = (window for _ in _counted(pauses, timings))
+            predicted.append(refine(plan, config, job.hardware, job.spec, windows=windows))
 
-        raw = measure_isolated(job.config, job.plan, job.run_dir, between)
-    else:
-        if timed:  # a large model's copies: timed just before the steps, not beside the run
-            _time_blocks(job)
-        raw = measure_isolated(job.config, job.plan, job.run_dir)
-    out = summarize(job.config, job.plan, job.hardware, job.spec, raw)
+    elif timed:  # a large model's copies: timed once, while the run waits before its first timed step
+
+        def between(shapes: list[int] | None, pauses: Iterator[None]) -> None:
+            for _ in pauses:
+                predicted.append(_time_blocks(job, *_at_shapes(job, shapes)))
+                return
+
+    raw = measure_isolated(job.config, job.plan, job.run_dir, between)
+    out = summarize(job.config, job.plan, job.hardware, job.spec, raw, predicted[0] if predicted else None)
     out["bench/timing_windows"] = timings[0]
     error = out["bench/step_time_error"]
-    if timed and error is not None and abs(error) > STEP_TIME_TARGET:
-        # A miss: the blocks timed once more, at once. Near the run's step, the host's speed changed between
-        # the timing before and the steps (a 700-step run went from 0.175 to 0.233 s a step between two steps,
-        # and stayed there); near the timing before, the plan mis-modelled the step.
-        out["bench/timed_after_step_s"] = _time_blocks(job).predicted_step_s
+    if predicted and error is not None and abs(error) > STEP_TIME_TARGET:
+        # A miss: the blocks timed once more, at once, at the shapes of the prediction. Near the run's step, the
+        # host's speed changed between the timing before and the steps (a 700-step run went from 0.175 to 0.233 s
+        # a step between two steps, and stayed there); near the timing before, the plan mis-modelled the step.
+        out["bench/timed_after_step_s"] = _time_blocks(job, *_at_shapes(job, raw["timed_shapes"])).predicted_step_s
     return out
+
+
+def _at_shapes(job, shapes: list[int] | None) -> tuple[ONNConfig, Plan]:
+    """The config and plan replanned at `shapes` (the timed steps' mean width and rows, drawn from the data before
+    they ran), or the job's own where the data could not be drawn ahead (streamed data: at data.max_length)."""
+    if shapes is None:
+        return job.config, job.plan
+    width, rows = shapes
+    return _replanned(job.config, job.plan, job.hardware, job.spec, width, int(job.plan.micro_batch), rows)
 
 
 def _counted(items: Iterator[None], count: list[int]) -> Iterator[None]:
@@ -135,21 +153,26 @@ def _counted(items: Iterator[None], count: list[int]) -> Iterator[None]:
         yield item
 
 
-def _time_blocks(job) -> Plan:
-    """The plan with its step time from the model's blocks timed now, for about as long as the steps take."""
+def _time_blocks(job, config: ONNConfig, plan: Plan) -> Plan:
+    """`plan` with its step time from the model's blocks timed now at its shapes, for about as long as the steps
+    take."""
     from onn.modalities.text.calibrate import refine
 
     window_s = job.config.task.steps * float(job.plan.predicted_step_s)
-    return refine(job.plan, job.config, job.hardware, job.spec, window_s=window_s)
+    return refine(plan, config, job.hardware, job.spec, window_s=window_s)
 
 
 def measure_isolated(
-    config: ONNConfig, plan: Plan, run_dir: Path, between: Callable[[Iterator[None]], Any] | None = None
+    config: ONNConfig,
+    plan: Plan,
+    run_dir: Path,
+    between: Callable[[list[int] | None, Iterator[None]], Any] | None = None,
 ) -> dict[str, Any]:
     """`measure` in a process of its own (`child.start`: forked from a warm interpreter); its output goes to
-    run_dir/bench.log. `between`: called in this process while the child runs, with an iterator that yields
-    before every STEPS_PER_WINDOW-th of the child's timed steps, the first included, which waits until the next
-    item is asked for (or `between` returns)."""
+    run_dir/bench.log. `between`: called in this process while the child runs, with the mean width and rows of the
+    child's timed steps (drawn from its data before its first step; None where they cannot be) and an iterator that
+    yields before every STEPS_PER_WINDOW-th of the child's timed steps, the first included, which waits until the
+    next item is asked for (or `between` returns)."""
     import multiprocessing
 
     log = run_dir / "bench.log"
@@ -162,10 +185,12 @@ def measure_isolated(
         if ours is not None:
             theirs.close()
             try:
-                pauses = _pauses(ours, proc, config.task.warmup_steps)
-                between(pauses)
-                for _ in pauses:  # the pauses `between` left: the run goes on through them
-                    pass
+                shapes = _message(ours, proc)
+                if shapes is not None:  # the child lived to draw them: its steps follow
+                    pauses = _pauses(ours, proc, config.task.warmup_steps)
+                    between(shapes[1], pauses)
+                    for _ in pauses:  # the pauses `between` left: the run goes on through them
+                        pass
             finally:
                 ours.close()  # a child still waiting reads the end of the pipe and fails
         proc.join()
@@ -180,20 +205,22 @@ def measure_isolated(
     raise RuntimeError(f"the benchmark process failed: {tail[-1] if tail else proc.exitcode}; see {log}")
 
 
+def _message(link, proc) -> Any:
+    """The child's next message, or None where it ended without one."""
+    while not link.poll(0.2):
+        if not proc.is_alive():
+            return None
+    try:
+        return link.recv()
+    except EOFError:
+        return None
+
+
 def _pauses(link, proc, warmup: int) -> Iterator[None]:
     """Yields as the child's run is about to take every STEPS_PER_WINDOW-th timed step (after `warmup`), and lets
     the step start when the next item is asked for; ends when the run's steps do, or the child does."""
     count = 0
-    while True:
-        while not link.poll(0.2):
-            if not proc.is_alive():
-                return
-        try:
-            message = link.recv()
-        except EOFError:  # the child ended without a word: measure_isolated reads what it left
-            return
-        if message == "done":
-            return
+    while _message(link, proc) not in (None, "done"):
         timed = count >= warmup and (count - warmup) % STEPS_PER_WINDOW == 0
         if timed:
             yield
@@ -222,6 +249,25 @@ class Pauses(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.link.send("done")
+
+
+def bench_exact_match(config: ONNConfig, module: Any, tokenizer: Any, dm: Any) -> dict[str, float]:
+    """task.quality=exact_match: the held-out answers the trained model writes, scored as eval scores them."""
+    from onn.modalities.text.generate import exact_match
+
+    if not any(p for p, _ in dm.val_examples):
+        raise UserError(f"task.quality=exact_match needs data with answers; data '{config.data.name}' has none.")
+    return exact_match(
+        module.model,
+        tokenizer,
+        dm.val_examples,
+        config.data.answer_pattern,
+        config.task.exact_match_samples,
+        max_new_tokens=dm.max_answer_tokens + 2,
+        engine=module.engine,
+        add_special_tokens=dm.prompter.add_special_tokens,
+        turn_end=dm.prompter.answer_end,
+    )
 
 
 def measure(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
@@ -259,29 +305,16 @@ def measure(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
     with PeakMemory("cuda" if cuda else "cpu") as peak:
         module, tokenizer = build(config, plan)
         dm = datamodule(config, tokenizer)
+        shapes = timed_shapes(dm, warmup, steps)
+        if child.link is not None:  # the parent times the blocks at these shapes, before the steps it predicts
+            child.link.send(("shapes", shapes))
         fit.validate(module, datamodule=dm, verbose=False)
         module.train()
         cpu0, wall0, steal0 = time.process_time(), time.perf_counter(), steal_s()
         fit.fit(module, datamodule=dm)
         cpu_s, wall_s, steal1 = time.process_time() - cpu0, time.perf_counter() - wall0, steal_s()
         wall_s -= sum(p.waited_s for p in pauses)  # the run's own time: not the parent's timing
-    exact = None
-    if task.quality == "exact_match":
-        from onn.modalities.text.generate import exact_match
-
-        if not any(p for p, _ in dm.val_examples):
-            raise UserError(f"task.quality=exact_match needs data with answers; data '{config.data.name}' has none.")
-        exact = exact_match(
-            module.model,
-            tokenizer,
-            dm.val_examples,
-            config.data.answer_pattern,
-            task.exact_match_samples,
-            max_new_tokens=dm.max_answer_tokens + 2,
-            engine=module.engine,
-            add_special_tokens=dm.prompter.add_special_tokens,
-            turn_end=dm.prompter.answer_end,
-        )
+    exact = bench_exact_match(config, module, tokenizer, dm) if task.quality == "exact_match" else None
     return {
         "step_s": clock.step_s,
         "tokens": clock.tokens,
@@ -295,6 +328,7 @@ def measure(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
         "baseline_mb": baseline,
         "micro_batch": module.micro_batch,
         "oom_backoffs": module.oom_backoffs,
+        "timed_shapes": shapes,
         "exact_match": exact,
         # the cores the training actually got: CPU time over wall time and threads
         "cpu_share": cpu_s / wall_s / max(1, int(plan.threads or 1)) if not cuda else None,
@@ -303,8 +337,25 @@ def measure(config: ONNConfig, plan: Plan, run_dir: Path) -> dict[str, Any]:
     }
 
 
-def summarize(config: ONNConfig, plan: Plan, hardware: Profile, spec, raw: dict[str, Any]) -> dict[str, Any]:
-    """The bench/* and score/* keys from the raw figures and the planner's predictions for the same shapes."""
+def timed_shapes(dm, warmup: int, steps: int) -> list[int] | None:
+    """The mean width and rows of the run's timed steps, from the batches its loader gives them (a seeded order,
+    drawn here again, in this process: no workers): the shapes its step is predicted at before it runs. None for
+    streamed data, which cannot be drawn twice."""
+    if dm.stream is not None:
+        return None
+    loader = dm.train_dataloader()
+    drawn = itertools.islice(loader.batch_sampler, warmup + steps)
+    batches = [loader.collate_fn([loader.dataset[i] for i in indices]) for indices in drawn][warmup:]
+    width = statistics.mean(int(b["input_ids"].shape[1]) for b in batches)
+    return [round(width), round(statistics.mean(batch_rows(b) for b in batches))]
+
+
+def summarize(
+    config: ONNConfig, plan: Plan, hardware: Profile, spec, raw: dict[str, Any], predicted: Plan | None = None
+) -> dict[str, Any]:
+    """The bench/* and score/* keys from the raw figures and the planner's predictions for the same shapes.
+    `predicted`: the step predicted before the steps ran (the model's blocks timed at their shapes), where it was
+    timed; else the planner's step for the shapes they had."""
     task: BenchTask = config.task
     warmup = task.warmup_steps
     batch_size = config.data.batch_size
@@ -315,12 +366,13 @@ def summarize(config: ONNConfig, plan: Plan, hardware: Profile, spec, raw: dict[
     widths = raw["widths"][warmup:]
     rows = raw["rows"][warmup:]  # data smaller than a batch, or a short last batch: fewer than data.batch_size
     mb = raw["micro_batch"]
-    predicted_alloc = _replan(
-        config, plan, hardware, spec, max(raw["widths"]), mb, max(raw["rows"])
-    ).predicted_peak_memory_mb
-    predicted_step = _replan(
-        config, plan, hardware, spec, round(statistics.mean(widths)), mb, round(statistics.mean(rows))
-    ).predicted_step_s
+    _, at_peak = _replanned(config, plan, hardware, spec, max(raw["widths"]), mb, max(raw["rows"]))
+    predicted_alloc = at_peak.predicted_peak_memory_mb
+    if predicted is None:
+        _, predicted = _replanned(
+            config, plan, hardware, spec, round(statistics.mean(widths)), mb, round(statistics.mean(rows))
+        )
+    predicted_step = predicted.predicted_step_s
     predicted_mem = predicted_alloc + raw["baseline_mb"]
     peak = raw["peak_mb"]
     is_learned, p = learned(raw["losses"], task.learned_p)
@@ -372,9 +424,12 @@ def summarize(config: ONNConfig, plan: Plan, hardware: Profile, spec, raw: dict[
     return out
 
 
-def _replan(config: ONNConfig, plan: Plan, hardware: Profile, spec, seq: int, micro_batch: int, rows: int) -> Plan:
-    """The planner's prediction for the settings this run used (the micro-batch it ended at, after any
-    out-of-memory halving), at the sequence length and the rows its batches had."""
+def _replanned(
+    config: ONNConfig, plan: Plan, hardware: Profile, spec, seq: int, micro_batch: int, rows: int
+) -> tuple[ONNConfig, Plan]:
+    """The config and the planner's plan for the settings this run used (the micro-batch it ended at, after any
+    out-of-memory halving), at the sequence length and the rows its batches had. Its step time is the planner's
+    model: the model's own blocks are timed only before the steps (run), never after them for their prediction."""
     cfg = copy.deepcopy(config)
     cfg.data.max_length, cfg.data.batch_size = seq, rows
     strategy = cfg.strategy
@@ -386,12 +441,7 @@ def _replan(config: ONNConfig, plan: Plan, hardware: Profile, spec, seq: int, mi
         )
     if plan.sparse_layers is not None:
         strategy.layers = plan.sparse_layers
-    replanned = make_plan(cfg, hardware, spec, use_tuned=False)
-    if plan.step_time_source == "timed":  # the model's own blocks, timed at these shapes
-        from onn.modalities.text.calibrate import refine
-
-        replanned = refine(replanned, cfg, hardware, spec)
-    return replanned
+    return cfg, make_plan(cfg, hardware, spec, use_tuned=False)
 
 
 def fixed_streaming(streaming: StreamingConfig | None, values: dict[str, Any]) -> StreamingConfig:

@@ -25,7 +25,7 @@ from onn.config.export import OmnyExport, OnnxExport
 from onn.errors import UserError
 from onn.export.folders import check_replaceable, write_atomically
 from onn.export.graph import fold_constants
-from onn.export.onnx_export import call_model
+from onn.export.onnx_export import call_model, weights_files
 from onn.export.pipelines import document
 from onn.export.pipelines.registry import Piece, Pipeline
 from onn.hardware.profile import available_memory_mb, cpu_busy_cores, usable_cores
@@ -241,7 +241,7 @@ def export_piece(
     figures = {
         "file": str(output),
         "seconds": round(time.perf_counter() - started, 3),
-        "bytes": sum(p.stat().st_size for p in folder.glob(output.name + "*")),
+        "bytes": output.stat().st_size + sum(f.stat().st_size for f in weights_files(output)),
         "cut_points": len(doc["cut_points"]),
         "blocks": len(doc["blocks"]),
         **largest_shards_mb(doc),
