@@ -17,7 +17,7 @@ from torch import nn
 from onn.hardware import cast
 from onn.models.layers import discover
 from onn.streaming.engine import StreamingEngine
-from onn.streaming.store import LayerStore, quantize_int8
+from onn.streaming.store import LayerStore, dequantize_int8, quantize_int8, scale_dtype
 from onn.streaming.strategy import LayerStreamingStrategy
 from onn.training.classifier import ClassifierObjective
 
@@ -171,3 +171,17 @@ def test_the_fallback_cast_multiplies_float32_scales_before_rounding_to_float16(
     out = cast.cast_scaled(codes, scale, torch.empty(3, 4, dtype=torch.float16))
     assert torch.allclose(out.float(), (codes.float() * scale[:, None]).half().float(), rtol=0, atol=0)
     assert out[0].abs().sum() > 0
+
+
+def test_an_all_zero_row_keeps_float16_scales_and_a_row_of_small_weights_does_not():
+    """An all-zero row (a padding row of a tied head) has the scale 1e-12 / 127, below float16's smallest normal:
+    it put the whole weight on float32 scales, off torch's int8 matmul, though float16 holds its zeros exactly."""
+    weight = torch.randn(4, 64) * 0.1
+    weight[0] = 0
+    codes, scale = quantize_int8(weight)
+    assert scale_dtype(scale, torch.float16) == torch.float16
+    weight[1] *= 1e-3  # weights near 1e-4: their scale, under 1e-6, is a float16 subnormal
+    codes, scale = quantize_int8(weight)
+    assert scale_dtype(scale, torch.float16) == torch.float32 and scale_dtype(scale, torch.bfloat16) == torch.bfloat16
+    exact = (codes.float() * scale).half()
+    assert torch.equal(dequantize_int8(codes, scale, torch.float16), exact)

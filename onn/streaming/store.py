@@ -300,11 +300,12 @@ class LayerStore:
                 decoded[name] = t
                 continue
             t = t.to(device, non_blocking=non_blocking)
-            if f"{name}.scale" in stored:
-                scale = stored[f"{name}.scale"].to(device, non_blocking=non_blocking)
+            if f"{name}.scale" in stored:  # its scales' dtype chosen on the host copy: no wait for the device
+                kept = scale_dtype(stored[f"{name}.scale"], dtype)
+                scale = stored[f"{name}.scale"].to(device, non_blocking=non_blocking).to(kept)
                 if scales is not None and (scaled is None or name in scaled):
                     decoded[name] = t if codes else _into(target, t, dtype)
-                    scales[name] = scale.to(scale_dtype(stored[f"{name}.scale"], dtype)).view(-1)
+                    scales[name] = scale.view(-1)
                 else:
                     decoded[name] = dequantize_int8(t, scale, dtype, target)
                 continue
@@ -482,21 +483,31 @@ def dequantize_nf4(codes: torch.Tensor, absmax: torch.Tensor, shape: list[int], 
 def dequantize_int8(
     codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """codes x scale in `dtype`, written into `out` when it fits: a cast and a multiply, each one pass. The multiply
-    takes the float32 scales as they are (each product rounded once into `dtype`): cast to float16 first, a row of
-    weights under 0.008 had its scale rounded coarsely, and under 4e-6 to zero."""
+    """codes x scale in `dtype`, written into `out` when it fits: a cast and a multiply, each one pass. Scales in
+    another dtype (float32 ones float16 cannot hold, scale_dtype) multiply a block of rows at a time: each product
+    rounded once into `dtype`, and no float32 copy of the whole weight (cast to float16 first, a row of weights
+    under 0.008 had its scale rounded coarsely, and under 4e-6 to zero)."""
     out = _into(out, codes, dtype)
-    out.mul_(scale.float())
+    if scale.dtype == out.dtype:
+        return out.mul_(scale)
+    for a in range(0, out.shape[0], SCALE_ROWS_AT_ONCE):
+        out[a : a + SCALE_ROWS_AT_ONCE].mul_(scale[a : a + SCALE_ROWS_AT_ONCE])
     return out
+
+
+SCALE_ROWS_AT_ONCE = 256  # rows a float32 multiply into float16 takes at once: its float32 temporary stays small
+FLOAT16_SMALLEST = 2.0**-24  # float16's smallest subnormal: a weight under half of it is zero in float16
 
 
 def scale_dtype(scale: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     """The dtype an int8 weight's row scales (`scale`, float32 in host memory) are kept in beside its codes for a
     compute in `dtype`: that dtype, except float16 where a scale is below its smallest normal number (a row of
     weights under 0.008): float16 would round it coarsely or to zero, so they stay float32 and scale in float32."""
-    if dtype == torch.float16 and bool(scale.min() < torch.finfo(torch.float16).tiny):
-        return torch.float32
-    return dtype
+    if dtype != torch.float16:
+        return dtype
+    # a row whose weights float16 shows as zero anyway (an all-zero row's scale is 1e-12 / 127) asks for nothing
+    small = (scale < torch.finfo(torch.float16).tiny) & (scale * 127 >= FLOAT16_SMALLEST)
+    return torch.float32 if bool(small.any()) else dtype
 
 
 def _into(target: torch.Tensor | None, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
