@@ -56,6 +56,19 @@ def test_a_generation_configs_other_fields_leave_resident_generation_as_streamed
     assert model.generation_config.suppress_tokens == first_tokens  # the checkpoint's own config is left as it was
 
 
+def test_a_lora_models_generation_leaves_its_base_models_generation_config_whole(model_and_tokenizer):
+    """peft's generate copies the wrapper's generation_config onto the base model: only the wrapper's was put back,
+    so a LoRA run's export, written after exact_match generated, lost the checkpoint's sampling settings."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = model_and_tokenizer
+    model.generation_config.update(do_sample=True, temperature=0.6, top_p=0.9)
+    lora = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=2, target_modules=["q_proj"])).eval()
+    generate.complete(lora, tok, ["hello there"], max_new_tokens=2)
+    for config in (lora.generation_config, lora.get_base_model().generation_config):
+        assert (config.do_sample, config.temperature, config.top_p) == (True, 0.6, 0.9)
+
+
 def test_a_temperature_under_float32s_range_is_greedy_not_a_crash(model_and_tokenizer):
     """task.temperature=1e-40 (valid: 0 or more) divided the scores into inf, and the draw failed on NaN
     probabilities; under 1e-4 generation is greedy, as serve's is."""

@@ -125,19 +125,25 @@ def _sampling(max_new_tokens: int, temperature: float, top_p: float, tokenizer, 
 def _ends_only(model) -> Iterator[None]:
     """The model's generation_config reduced to its token ids while model.generate runs: generate fills every field
     a call leaves unset from it, so its suppress_tokens, bad_words_ids, min_new_tokens, stop_strings, top_h... applied
-    resident and not layer-streamed or served (the ids that end a completion come from end_ids, in every path)."""
+    resident and not layer-streamed or served (the ids that end a completion come from end_ids, in every path).
+    A peft model's generate copies its config onto the base model: both are cut and both restored (else a LoRA
+    run's export, after exact_match, wrote the cut config)."""
     from transformers import GenerationConfig
 
-    own = getattr(model, "generation_config", None)
-    if own is None:  # a model without one: generate's own defaults, nothing of the checkpoint's to leave out
+    holders = [model, *([model.get_base_model()] if hasattr(model, "get_base_model") else [])]
+    saved = [(m, m.generation_config) for m in holders if getattr(m, "generation_config", None) is not None]
+    if not saved:  # a model without one: generate's own defaults, nothing of the checkpoint's to leave out
         yield
         return
+    own = saved[0][1]
     ids = {k: getattr(own, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")}
-    model.generation_config = GenerationConfig(**ids)
+    for m, _ in saved:
+        m.generation_config = GenerationConfig(**ids)
     try:
         yield
     finally:
-        model.generation_config = own
+        for m, kept in saved:
+            m.generation_config = kept
 
 
 def _generate(
