@@ -75,7 +75,7 @@ RUN_DIR = "the run (hydra.run.dir)"  # where to write a run's file the disk refu
 # paths a run reads, given from the folder `python run.py` started in, and the folders every run keeps its runs and
 # caches in: see from_start_folder (a model's weights and tokenizer: onn.models.load.local_path)
 READ_PATHS = ("ckpt", "prompt", "data.source", "data.val_source", "data.test_source", "task.input", "task.gallery",
-              "task.vision_source", "model.weights")  # fmt: skip
+              "task.vision_source", "task.classifier", "task.image", "task.page", "model.weights")  # fmt: skip
 BUILDERS = ("model.source", "model.loss")  # file.py:function (a classifier's network, its loss)
 KEPT_FOLDERS = ("paths.outputs", "paths.cache", "hardware.cache")
 

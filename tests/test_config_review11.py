@@ -152,3 +152,31 @@ def test_a_run_under_hydra_chdir_trains_on_a_relative_data_source(tmp_path):
     assert metrics["status"] == "ok" and metrics["data_source"] == str(tmp_path / "gsm.jsonl")
     assert metrics["train/loss_final"] != metrics["train/loss_initial"]
     shutil.rmtree(tmp_path / "outputs")
+
+
+def test_recipe_null_beside_another_recipe_and_in_a_sweep_is_one_sentence():
+    """`recipe=null recipe=char_lstm` silently ran without char_lstm (no_recipe made it ~recipe, which Hydra applies
+    whatever the order), and `-m recipe=null,char_lstm` was Hydra's bare ValueError and an empty sweep folder."""
+    argv = ["recipe=null", "recipe=char_lstm", "task=plan"]
+    assert no_recipe(argv) == argv
+    assert "twice" in group_problem(no_recipe(argv), CONF)
+    problem = group_problem(["-m", "recipe=null,char_lstm", "task=plan"], CONF)
+    assert problem is not None and problem.startswith("recipe=null,char_lstm: a sweep takes recipes by name")
+
+
+def test_the_omny_bench_and_eval_files_are_read_from_where_the_run_started(tmp_path, monkeypatch):
+    """task.image and task.page (bench_omny) and task.classifier (eval's recognition score) were read from the job's
+    folder under hydra.job.chdir=true."""
+    start = tmp_path / "project"
+    start.mkdir()
+    for name in ("photo.jpg", "page.png", "clf_run"):
+        (start / name).write_bytes(b"x")
+    cfg = _composed(start, "task=bench_omny", "task.image=photo.jpg", "task.page=page.png")
+    job = start / "runs" / "job"
+    job.mkdir(parents=True)
+    monkeypatch.chdir(job)
+    from_start_folder(cfg, start)
+    assert (cfg.task.image, cfg.task.page) == (str(start / "photo.jpg"), str(start / "page.png"))
+    cfg = _composed(start, "task=eval", "task.classifier=clf_run")
+    from_start_folder(cfg, start)
+    assert cfg.task.classifier == str(start / "clf_run")

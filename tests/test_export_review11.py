@@ -14,7 +14,7 @@ import torch
 from conftest import compose, tiny_llama
 
 from onn.errors import UserError
-from onn.export.folders import MARKER, write_atomically
+from onn.export.folders import MARKER, sweep_leftovers, write_atomically
 from onn.export.onnx_export import export_onnx, run_onnx, sample_inputs
 from onn.models.load import load
 from onn.models.tokenizer import byte_tokenizer
@@ -157,3 +157,41 @@ def test_a_bart_folder_loads_with_its_lm_head(tmp_path):
     batch = tokenizer(["a bart"], return_tensors="pt")
     with torch.no_grad():
         assert torch.equal(model.eval()(**batch).logits, saved(**batch).logits)
+
+
+def ended_pid() -> int:
+    """The id of a process that has ended."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_an_export_still_writing_in_this_process_keeps_its_temporary_folder(tmp_path):
+    """The sweep counted this process's own temporaries as an ended export's: omny's writer swept away the traced
+    graph's folder onnx_export still had open. A dead process's is swept, this one's kept."""
+    output = tmp_path / "model.omny"
+    mine = tmp_path / f".model.omny.tmp-{os.getpid()}-abc"
+    dead = tmp_path / f".model.omny.tmp-{ended_pid()}-x"
+    mine.mkdir()
+    dead.mkdir()
+    sweep_leftovers(output)
+    assert mine.is_dir() and not dead.exists()
+
+
+def test_a_qlora_base_of_a_folder_whose_tokenizer_gained_tokens_is_resized(tmp_path):
+    """strategy=qlora's 4-bit base of such a folder kept its 259 rows: the first added token failed in the
+    embedding (IndexError on a CPU, a device assert on a GPU); it is resized as load() resizes it."""
+    pytest.importorskip("bitsandbytes")
+    from onn.models.load import load_4bit
+
+    tiny_llama(vocab_size=259).save_pretrained(tmp_path)
+    tokenizer = byte_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.save_pretrained(tmp_path)
+    cfg = compose(
+        "model=llama_tiny", f"model.source={tmp_path}", "model.architecture=null", "model.tokenizer=null"
+    ).model
+    model, tokenizer = load_4bit(cfg, torch.float32, tmp_path / "cache")
+    assert model.get_input_embeddings().num_embeddings >= 261
+    batch = tokenizer(["<think> two"], return_tensors="pt")
+    assert torch.isfinite(model(**batch).logits).all()

@@ -111,6 +111,8 @@ def expand_home(argv: list[str]) -> list[str]:
 def no_recipe(argv: list[str]) -> list[str]:
     """`recipe=null`, conf/config.yaml's own default written out, as Hydra writes "no recipe": `~recipe`. Hydra's
     defaults list took it for an option and raised a bare ValueError ("Config group override must be a string")."""
+    if sum(arg.lstrip("+").startswith("recipe=") for arg in argv) > 1:
+        return argv  # recipe=null beside another recipe: group_problem says it is given twice
     return ["~recipe" if arg.lstrip("+") in ("recipe=null", "recipe='null'") else arg for arg in argv]
 
 
@@ -198,8 +200,10 @@ def missing_option(arg: str, folder: Path, value: str) -> str | None:
     for name in (n.strip().strip("'\"") for n in value.split(",")):
         if name == "null" and folder.name != "recipe":  # Hydra's defaults list raised a bare ValueError for it
             return f"{arg}: every run takes a {folder.name} config, not null; give one of {', '.join(options)}."
+        if name == "null" and "," in value:  # (Hydra's bare ValueError too, and an empty sweep folder)
+            return f"{arg}: a sweep takes recipes by name, not null; run recipe=null on its own, or leave it out."
         if name in ("", "null") or (folder / f"{name}.yaml").is_file():
-            continue  # recipe=null alone is no recipe (no_recipe); in a sweep, Hydra says why it cannot be
+            continue  # recipe=null alone is no recipe (no_recipe)
         close = difflib.get_close_matches(name, options, n=1)
         hint = f" (did you mean {folder.name}={close[0]}?)" if close else ""
         return f"{arg}: conf/{folder.name} has no option {name}{hint}; give one of {', '.join(options)}."

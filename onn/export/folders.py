@@ -107,9 +107,10 @@ def sweep_leftovers(output: Path) -> None:
 
 
 def process_gone(pid: int) -> bool:
-    """Whether process `pid` has ended (this process counts as gone: its own leftovers are of an ended export)."""
+    """Whether process `pid` has ended. This process runs: a temporary of its own may belong to an export still
+    writing (omny's writer sweeps while onnx_export's traced folder is open); its own ends clean up after themselves."""
     if pid == os.getpid():
-        return True
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -418,7 +418,9 @@ def load_4bit(model_cfg: LanguageModelConfig, compute_dtype, cache_dir: str | os
             # no-grad forward in eval mode (a validation), for good: its packed kernel has no autograd,
             # so every later LoRA gradient through the layer would be zero. Keep the trainable path.
             module.support_avx512bf16_for_cpu = False
-    return model, finish_tokenizer(model_cfg, tokenizer, remote)
+    tokenizer = finish_tokenizer(model_cfg, tokenizer, remote)
+    check_vocabulary(model_cfg, model, tokenizer)  # as load() checks (a folder's tokenizer may outgrow its model)
+    return model, tokenizer
 
 
 def block_seed(seed: int, index: int) -> int:
