@@ -13,6 +13,8 @@ then it is read as graphs. data=graph always reads it as graphs.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ CONVS = ("gcn", "sage", "gin", "gat")  # model.source: pyg:NAME
 POOLS = ("mean", "max", "sum")  # model.pooling
 NORMS = ("batch", "none")  # model.norm
 SNIFF_FILES = 2000  # file names looked at when deciding whether a folder holds graphs
+log = logging.getLogger("onn")
 
 
 class GraphModality(ClassifierModality):
@@ -122,7 +125,8 @@ class GraphModality(ClassifierModality):
     def datamodule(self, config: ONNConfig, device: str):
         from onn.modalities.graph.dataset import GraphDataModule
 
-        return GraphDataModule(config.data, device, seed=int(config.seed))
+        data = dataclasses.replace(config.data, align=trained_align(config))
+        return GraphDataModule(data, device, seed=int(config.seed))
 
     def network(self, model_cfg: GraphNetworkConfig, inputs: dict[str, Any]):
         from onn.modalities.graph.network import GraphNetwork
@@ -146,7 +150,8 @@ class GraphModality(ClassifierModality):
         return network
 
     def input_stats(self, config: ONNConfig, dm) -> dict[str, Any]:
-        return {"level": config.data.level}
+        """data.level and data.align, saved in `inputs`: eval and infer turn a mesh's positions as training did."""
+        return {"level": config.data.level, "align": str(dm.cfg.align)}
 
     def neutral_stats(self, inputs: dict[str, Any]) -> dict[str, Any]:
         return {}
@@ -174,7 +179,7 @@ class GraphModality(ClassifierModality):
         data: GraphData = config.data
         return read_source(
             source,
-            align=data.align,
+            align=trained_align(config),
             max_nodes=int(data.max_nodes),
             max_bad_fraction=float(data.max_bad_fraction),
             allow_unlabelled=True,
@@ -194,6 +199,27 @@ class GraphModality(ClassifierModality):
         from onn.modalities.graph.tasks import export_network
 
         return export_network(self, config, module, run_dir)
+
+
+def trained_align(config: RunConfig) -> str:
+    """The data.align a mesh's node features are turned by: with ckpt=, its model's (it learned positions turned so,
+    and `data=graph` on the command line brings the default, pca), said where the data config's differs."""
+    from onn.training.classifier import trained_config
+
+    given = str(config.data.align)
+    saved = trained_config(config)
+    if saved is None:
+        return given
+    trained = str(saved["inputs"].get("align") or saved["data"]["align"])  # (inputs before align was kept in them)
+    if trained != given:
+        log.warning(
+            "ckpt %s: turning mesh graphs' positions as its model was trained (data.align=%s), not as the data "
+            "config says (data.align=%s)",
+            config.ckpt,
+            trained,
+            given,
+        )
+    return trained
 
 
 def scores_whole_graph(config: ONNConfig) -> bool:

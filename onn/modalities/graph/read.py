@@ -15,10 +15,10 @@ onn/modalities/mesh/read.py's `place`), or a .zip/.tar of that layout:
                                (edge_lines)
   NAME.safetensors             x [nodes, features] (optional: ones), edge_index [2, edges] (positions 0..nodes-1,
                                as torch_geometric's), optional y
-  NAME.obj, .ply, .stl, ...    a mesh through trimesh: vertices (merged where they coincide) are the nodes,
-                               the faces' edges the edges, positions centred and scaled into the unit sphere
-                               (turned onto their principal axes with align=pca); a point cloud's points are
-                               joined to their 6 nearest neighbours
+  NAME.obj, .ply, .stl, ...    a mesh through trimesh: vertices (merged where they coincide; those no face uses
+                               left out) are the nodes, the faces' edges the edges, positions centred and scaled
+                               into the unit sphere (turned onto their principal axes with align=pca); a point
+                               cloud's points are joined to their 6 nearest neighbours
 
 Every graph is made undirected without self-loops. A file that cannot be used is skipped with its reason
 (unreadable, no nodes, an edge that points past the nodes, non-finite features, too many nodes), as broken
@@ -247,6 +247,8 @@ def mesh_graph(vertices: np.ndarray, faces: np.ndarray | None, align: str, max_n
     as torch_geometric's `pos`."""
     import trimesh
 
+    if faces is not None:
+        vertices, faces = referenced_only(vertices, faces)
     vertices = unit_box(vertices)
     if faces is not None:
         mesh = trimesh.Trimesh(vertices=vertices, faces=faces, process=True, validate=False)
@@ -263,6 +265,15 @@ def mesh_graph(vertices: np.ndarray, faces: np.ndarray | None, align: str, max_n
     graph = make_graph(torch.from_numpy(xyz.astype(np.float32)), edge_index, None, max_nodes)
     graph.pos = graph.x.clone()  # its features are its positions: the infer picture draws it at them (picture.layout)
     return graph
+
+
+def referenced_only(vertices: np.ndarray, faces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The vertices the faces use, and the faces renumbered onto them. A vertex no face uses (an OFF or PLY keeps
+    them; trimesh's OBJ reader drops them) is no node, and one far off put the shape in a corner of unit_box's box,
+    below trimesh's merging step: the whole shape became one node."""
+    used = np.zeros(len(vertices), dtype=bool)  # a mask, not np.unique: see load_geometry
+    used[faces.ravel()] = True
+    return vertices[used], (np.cumsum(used) - 1)[faces]
 
 
 def unit_box(vertices: np.ndarray) -> np.ndarray:
