@@ -83,6 +83,12 @@ class DiffusionModality(Modality):
             raise UserError(f"task.sampler={task.sampler!r}: use one of {', '.join(SAMPLERS)}.")
         if task.name in ("train", "infer", "eval") and task.samples < 1:
             raise UserError(f"task.samples={task.samples}: give the number of images to draw, 1 or more.")
+        # a top probability is in [0, 1]: task.confidence=90 (a percentage) counted no sample, and no class, as seen
+        if task.name == "eval" and not 0 <= task.confidence <= 1:
+            raise UserError(
+                f"task.confidence={task.confidence}: give the classifier's top probability that counts a sample as "
+                "recognised, between 0 and 1 (0.9 is 90%)."
+            )
         # ddim takes task.sample_steps of the training schedule's timesteps; ddpm takes every one of them
         if task.sampler == "ddim" and not 1 <= task.sample_steps <= timesteps:
             raise UserError(

@@ -10,9 +10,10 @@ labels task.samples images drawn from task.seed, and the figures are:
                     in Inception's place): 1 when every sample looks alike or like nothing, up to the number
                     of classes when each is confidently one class and the classes are used evenly
 
-The same figures for as many held-out real images (the ceiling the classifier allows), drawn at random with
-task.seed, are reported beside them, and val/loss: the held-out noise-prediction loss of the weights the samples
-come from (the moving average where model.ema_decay > 0), named in `weights`. Held out means never trained on:
+The same figures for as many held-out real images (the ceiling the classifier allows; all of them where fewer are
+held out, their number in real/count), drawn at random with task.seed, are reported beside them, and val/loss:
+the held-out noise-prediction loss of the weights the samples come from (the moving average where
+model.ema_decay > 0), named in `weights`. Held out means never trained on:
 given the very data.source the checkpoint trained on, the figures are on the run's own held-out split of it, not
 on the whole source.
 """
@@ -190,7 +191,8 @@ def evaluate(job: Job) -> dict[str, Any]:
     device = torch.device(job.device)
     images = draw_samples(config, module, device)
     figures = judged(classifier, images, float(task.confidence), device)
-    real = judged(classifier, real_images(dm, len(images), task.seed), float(task.confidence), device)
+    reals = real_images(dm, len(images), task.seed)  # fewer where fewer are held out: said as real/count
+    real = judged(classifier, reals, float(task.confidence), device)
     picture = job.run_dir / "samples.png"
     captions = [f"{c}: {float(p):.2f}" for c, p in zip(figures["labels"], figures["top"])]
     if is_rank_zero():  # every process of a multi-process run judges the same samples; one draws the picture
@@ -205,13 +207,14 @@ def evaluate(job: Job) -> dict[str, Any]:
         "samples/seed": task.seed,
         "samples/confidence": task.confidence,
         **{f"samples/{k}": v for k, v in figures.items() if k not in ("labels", "top")},
+        "real/count": len(reals),
         **{f"real/{k}": v for k, v in real.items() if k not in ("labels", "top", "class_counts")},
         "samples/picture": str(picture),
     }
     print(
         f"samples: {figures['confident_share']:.1%} confident (>= {task.confidence}), "
         f"{figures['classes_present']}/{len(classifier.classes)} classes, inception score "
-        f"{figures['inception_score']:.2f}; held-out real images: {real['confident_share']:.1%}, "
+        f"{figures['inception_score']:.2f}; {len(reals)} held-out real images: {real['confident_share']:.1%}, "
         f"{real['inception_score']:.2f}"
     )
     return metrics
