@@ -156,6 +156,18 @@ def check_probe_weights(cfg: ONNConfig) -> None:
     )
 
 
+def check_network_micro_batch(strategy: StrategyConfig, batch: int) -> None:
+    """A classifier network trains each batch in one pass (streamed too): strategy.micro_batch, which nothing of it
+    reads, was planned and run as the whole batch without a word, and an out-of-memory sentence advised lowering it."""
+    given = strategy.micro_batch
+    if given in (None, "auto") or given == batch:
+        return
+    raise UserError(
+        f"strategy.micro_batch={given}: a classifier network trains each batch of data.batch_size={batch} in one pass; "
+        "lower data.batch_size instead, and leave strategy.micro_batch at auto."
+    )
+
+
 def _network_precision(given: str | None, hw: Profile, spec: ModelSpec) -> tuple[str, list[str]]:
     """A network's precision, and the reason when the CPU decides it. oneDNN runs bf16 convolutions on AMX /
     AVX512-BF16 (v28 trained 2x faster), but its bf16 Conv3d backward corrupted the heap on such a CPU (PyTorch
@@ -192,6 +204,7 @@ def make_network_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
     if requested == "linear_probe":
         check_probe_weights(cfg)
     batch = int(cfg.data.batch_size)
+    check_network_micro_batch(cfg.strategy, batch)
     precision, reasons = _network_precision(cfg.strategy.precision, hw, spec)
     half = precision.startswith(("bf16", "16"))
     optimizer_bytes = 8 if cfg.optim.name == "adamw" else 4  # AdamW keeps two moments, SGD one
@@ -269,7 +282,9 @@ def make_network_streaming_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) ->
     weights in a layer store, what trains resident, the whole batch one micro-batch (network_streaming)."""
     if spec.n_blocks < 1:
         raise UserError(f"strategy=sparse_lora streams a model's blocks, and {spec.name} has none to stream.")
+    check_blocks(cfg.strategy.streaming, spec.n_blocks)  # a chunk past the blocks: planned, then the engine refused it
     batch = int(cfg.data.batch_size)
+    check_network_micro_batch(cfg.strategy, batch)
     ctx = context_mb(hw)
     optimizer_bytes = 8 if cfg.optim.name == "adamw" else 4
     budget = (budget_mb(hw) - ctx) * MB

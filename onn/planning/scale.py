@@ -87,7 +87,10 @@ def scale_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> dict[str, Any] |
             f"data.batch_size={batch} does not split evenly over {devices} processes: give a multiple of {devices}."
         )
     per_device = batch // devices
-    precision = choose_precision(hw)
+    # the precision the run trains in (strategy.precision): the machine's default alone sized a 32-true run on a GPU
+    # as mixed, its gradients and all-reduce at half the bytes it moves
+    given = cfg.strategy.precision
+    precision = given if given not in (None, "auto") else choose_precision(hw)
     method = cfg.strategy.name if cfg.strategy.name in FINE_TUNES else "full"
     adapted = (
         resolve_indices(cfg.strategy.layers, spec.n_blocks) if method == "sparse_lora" else list(range(spec.n_blocks))

@@ -22,7 +22,7 @@ from onn.errors import UserError
 from onn.hardware.disk import read_json, write_text_atomically
 from onn.hardware.profile import OpBytes
 from onn.models.layers import discover, gated_mlps
-from onn.models.load import is_pretrained, meta_model
+from onn.models.load import expand, hub_folder, is_pretrained, meta_model, source_kind, tokenizer_from
 
 log = logging.getLogger("onn")
 T = TypeVar("T")
@@ -113,6 +113,7 @@ def _spec_cache_path(model_cfg: LanguageModelConfig, lora_rank: int, cache_dir: 
 
 def _measure_spec(model_cfg: LanguageModelConfig, lora_rank: int) -> ModelSpec:
     model = meta_model(model_cfg)
+    fit_own_tokenizer(model_cfg, model)
     lmap = discover(model, model_cfg.layer_map.blocks)
     config = _language_config(getattr(model, "config", None))
     hidden = _cfg_int(config, "hidden_size", "n_embd", "d_model", default=0)
@@ -153,6 +154,27 @@ def _measure_spec(model_cfg: LanguageModelConfig, lora_rank: int) -> ModelSpec:
         kv_window_per_block=_kv_windows(config, len(lmap.blocks)),
         head_weights=_head_weights(config, hidden),
     )
+
+
+def fit_own_tokenizer(model_cfg: LanguageModelConfig, model) -> None:
+    """The meta model's token embeddings resized as load() resizes a folder's (resize_own_embeddings) where its own
+    tokenizer gives ids past them (tokens added, the model saved without resizing): the plan counted config.json's
+    rows, short of the parameters, memory and logits the run holds."""
+    kind = source_kind(model_cfg.source)
+    if model_cfg.tokenizer or kind not in ("folder", "hub") or not hasattr(model, "resize_token_embeddings"):
+        return  # (a tokenizer ONN pairs with the model is refused where it outgrows it, not resized)
+    try:
+        folder = expand(model_cfg.source) if kind == "folder" else hub_folder(model_cfg.source)
+    except UserError:  # a hub model not downloaded here, planned from model.architecture: no tokenizer to read
+        return
+    tokenizer = tokenizer_from(folder, model_cfg.trust_remote_code)
+    try:
+        rows = model.get_input_embeddings().num_embeddings
+    except (AttributeError, NotImplementedError):  # a model without token embeddings
+        return
+    ids = max(tokenizer.get_vocab().values()) + 1 if tokenizer is not None else 0
+    if isinstance(rows, int) and ids > rows:
+        model.resize_token_embeddings(ids, mean_resizing=False)  # (meta rows have no mean to draw new ones from)
 
 
 # the config keys of a mixture of experts' routed expert count: Mixtral, PhiMoE | Qwen-MoE, OLMoE | DeepSeek

@@ -48,7 +48,8 @@ def as_trained(data: ImageData, saved: dict[str, Any] | None, ckpt: str | None) 
     inputs = saved["inputs"]
     channels, height, width = (int(v) for v in inputs.get("input_shape") or inputs["image_shape"])
     size = [height, width]
-    if data.channels not in ("auto", channels) or (data.image_size is not None and list(data.image_size) != size):
+    given = [int(v) for v in data.image_size] * (2 if data.image_size and len(data.image_size) == 1 else 1)
+    if data.channels not in ("auto", channels) or (data.image_size is not None and given != size):
         log.warning(
             "ckpt %s: decoding the images as its model was trained (channels %d, image_size %s), not as the data "
             "config says (channels %s, image_size %s)",

@@ -24,6 +24,12 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".ti
 ASSUMED_SIZE = [32, 32]  # a plan's image size where data.image_size is null and there is no data to read
 
 
+def image_sides(image_size: list[int]) -> list[int]:
+    """[height, width] of data.image_size: one side is a square, as the decoder and the zoo read it."""
+    sides = [int(v) for v in image_size]
+    return sides * 2 if len(sides) == 1 else sides
+
+
 @dataclass(frozen=True)
 class FirstImage:
     """What the data's first image says of the inputs a null data.image_size trains on."""
@@ -158,8 +164,11 @@ class ImageModality(ClassifierModality):
         data: ImageData = config.data
         BatchAugment(data.augment, [0.5], [0.5])  # the augmentation's values, checked now
         size = data.image_size
-        if size is not None and (len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size)):
-            raise UserError(f"data.image_size={size}: give [height, width] in pixels, each 1 or more (or null).")
+        if size is not None and (len(size) not in (1, 2) or not all(isinstance(v, int) and v > 0 for v in size)):
+            raise UserError(
+                f"data.image_size={size}: give [height, width] in pixels (or [side] for a square), each 1 or more "
+                "(or null)."
+            )
 
     def datamodule(self, config: ONNConfig, device: str):
         from onn.modalities.image.dataset import ImageDataModule, as_trained
@@ -197,7 +206,7 @@ class ImageModality(ClassifierModality):
             return trained
         data: ImageData = config.data
         found = None if data.image_size else first_image(data)
-        size = [int(v) for v in data.image_size] if data.image_size else found.size if found else ASSUMED_SIZE
+        size = image_sides(data.image_size) if data.image_size else found.size if found else ASSUMED_SIZE
         channels = data.channels if isinstance(data.channels, int) else found.channels if found else 3
         classes = data.num_classes if isinstance(data.num_classes, int) else (found and found.classes) or 10
         return {"classes": [str(i) for i in range(classes)], "input_shape": [channels, *size]}
