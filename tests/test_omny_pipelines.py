@@ -356,7 +356,7 @@ def test_page_lines_are_the_bands_of_ink():
         (True, False),
         (False, True),
     ]
-    assert lines(np.full((30, 30), 255.0)) == [(0, 0, 30, 30)]  # a blank page: the whole page
+    assert lines(np.full((30, 30), 255.0)) == []  # a blank page: no line
 
 
 def _bad_input_is_one_sentence(grounded, photo, tmp_path) -> None:

@@ -1,7 +1,8 @@
 """TrOCR as the runtime uses it: an image encoder (one text line in, its features out) and an autoregressive
 decoder whose self-attention keys and values of the tokens so far are explicit inputs and outputs
 (past.N.key -> present.N.key), so each step computes one token. A page is cut into its lines first (`lines`:
-rows of ink between blank rows) and each line is read greedily, until its end-of-text token or settings.max_new_tokens
+its columns, then the rows of ink between blank rows; a blank page has none; a long line is read in parts cut at
+word gaps, `line_parts`) and each line is read greedily, until its end-of-text token or settings.max_new_tokens
 (pipeline.json); a line that reaches that limit is cut there, and the answer says so."""
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from onn.export.pipelines.runtime import Pieces, Request, finish
 from onn.models.layers import discover
 
 HALF = {"mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5]}  # TrOCR's image processor
+MIN_CONTRAST = 32.0  # grey levels (of 255) ink lies below its paper at least: a blank scan's noise lies closer
+COLUMN_GAP = 1.5  # a blank stripe down a block this many letter heights wide is a gutter (a word's gap is some 0.5)
+LONGEST_LINE = 10.0  # width : height a line is read at most; a longer one is read in parts cut at word gaps
+SPECK = 0.002  # a row (column) of a part of the page with ink on less of it than this fraction is blank
 MAX_NEW_TOKENS = 128  # tokens read per text line at most (a long printed line is some 60): pipeline.json records it
 
 log = logging.getLogger("onn")
@@ -115,27 +120,113 @@ def settings(model, side: int | None = None) -> dict[str, Any]:
 
 
 def lines(gray: np.ndarray) -> list[tuple[int, int, int, int]]:
-    """Text lines of a page as (x0, y0, x1, y1): bands of rows holding ink (darker than the page's mid-grey
-    between ink and paper), split at blank rows; the whole page when it has no such band."""
+    """Text lines of a page as (x0, y0, x1, y1), in reading order. Ink is what is darker than the page's mid-grey
+    between ink and paper; the page is cut at its widest blank stripes, then each part at its own (XY-cut): across
+    anywhere (between paragraphs and lines), down only at a column's gutter, so a page of columns is read column
+    after column and no line runs across a gutter (its two halves read as one line mixed two texts). A page with
+    no line, blank or with specks of dust alone, has none: it was read whole, and TrOCR made up text."""
     height, width = gray.shape
-    ink = gray < (float(gray.min()) + float(np.median(gray))) / 2
-    rows = ink.mean(1) > 0.002
-    bands, start = [], None
-    for y, filled in enumerate([*rows, False]):
-        if filled and start is None:
-            start = y
-        elif not filled and start is not None:
-            if y - start >= 4:
-                bands.append((start, y))
-            start = None
-    out = []
-    for y0, y1 in bands:
-        cols = np.nonzero(ink[y0:y1].any(0))[0]
-        pad = max(2, (y1 - y0) // 4)
-        out.append(
-            (max(0, int(cols[0]) - pad), max(0, y0 - pad), min(width, int(cols[-1]) + pad + 1), min(height, y1 + pad))
-        )
-    return out or [(0, 0, width, height)]
+    ink = _ink(gray)
+    if ink is None:
+        return []
+    return [_padded(box, width, height) for box in _cut(ink, (0, 0, width, height), _text_height(ink))]
+
+
+def line_parts(gray: np.ndarray, box: tuple[int, int, int, int]) -> list[tuple[int, int, int, int]]:
+    """A line longer than LONGEST_LINE times its height cut at word gaps into parts about that long, left to right:
+    the encoder reads a square, and a long line squeezed into it (a printed page's is some 40 times as long as
+    high) left its letters a few pixels wide. The widest blank stripe in the second half of a part's stretch is
+    its end: a word's gap, not a letter's. A line that is short enough, or has no gap, is one part."""
+    x0, y0, x1, y1 = box
+    longest = max(1, round(LONGEST_LINE * (y1 - y0)))
+    ink = _ink(gray[y0:y1, x0:x1])
+    if x1 - x0 <= longest or ink is None:
+        return [box]
+    gaps = _stripes(ink.any(0))
+    parts, left = [], 0
+    while x1 - x0 - left > longest:
+        near = [
+            (end - start, (start + end) // 2)
+            for start, end in gaps
+            if left + longest // 2 <= start and end <= left + longest
+        ]
+        if not near:
+            break
+        cut = max(near)[1]
+        parts.append((x0 + left, y0, x0 + cut, y1))
+        left = cut
+    return [*parts, (x0 + left, y0, x1, y1)]
+
+
+def _ink(gray: np.ndarray) -> np.ndarray | None:
+    """The pixels darker than the mid-grey between the darkest and the paper (the median); None when nothing is
+    MIN_CONTRAST darker than the paper: a blank page, whose scanner noise is no text."""
+    paper, darkest = float(np.median(gray)), float(gray.min())
+    if paper - darkest < MIN_CONTRAST:
+        return None
+    return gray < (darkest + paper) / 2
+
+
+def _text_height(ink: np.ndarray) -> float:
+    """How tall the page's letters are: its long vertical runs of ink (letters' stems; bars and bowls make short
+    runs), found down every column at once, whether the columns' lines line up or not."""
+    edges = np.diff(ink.astype(np.int8), axis=0, prepend=0, append=0).T  # per column: +1 a run starts, -1 it ends
+    runs = np.nonzero(edges == -1)[1] - np.nonzero(edges == 1)[1]
+    return float(np.percentile(runs, 90)) if runs.size else float(ink.shape[0])
+
+
+def _cut(ink: np.ndarray, box: tuple[int, int, int, int], letter: float) -> list[tuple[int, int, int, int]]:
+    """The lines of the part `box` of the page, in reading order: cut at its widest blank stripes, across or down,
+    whichever is wider (down only where COLUMN_GAP letters wide), and each piece cut again; a part with no such
+    stripe is one line, or nothing when under 4 rows (a speck). Only the widest (within half a `letter` height, or
+    a quarter, of the widest): a heading above two columns is cut off first, then the columns, then their lines
+    (cutting at every blank row first read two columns' lines in turns). A row or column of the part holds ink
+    when more than SPECK of it does (dust is no line, nor blocks a gutter)."""
+    x0, y0, x1, y1 = box
+    region = ink[y0:y1, x0:x1]
+    rows, cols = region.mean(1) > SPECK, region.mean(0) > SPECK
+    across = _stripes(rows)
+    down = [(start, end) for start, end in _stripes(cols) if end - start >= COLUMN_GAP * letter]
+    widest_across = max((end - start for start, end in across), default=0)
+    widest_down = max((end - start for start, end in down), default=0)
+    if not widest_across and not widest_down:
+        filled = np.nonzero(rows)[0]
+        if len(filled) == 0 or filled[-1] + 1 - filled[0] < 4:
+            return []
+        top, bottom = int(filled[0]), int(filled[-1]) + 1
+        inked = np.nonzero(region[top:bottom].any(0))[0]
+        return [(x0 + int(inked[0]), y0 + top, x0 + int(inked[-1]) + 1, y0 + bottom)]
+    widest = max(widest_down, widest_across)
+    near = widest - max(letter / 2, widest / 4)  # the quarter: few levels of cuts, whatever the gaps
+    if widest_down > widest_across:
+        spans = _pieces(cols.size, [(start, end) for start, end in down if end - start >= near])
+        pieces = [(x0 + start, y0, x0 + end, y1) for start, end in spans]
+    else:
+        spans = _pieces(rows.size, [(start, end) for start, end in across if end - start >= near])
+        pieces = [(x0, y0 + start, x1, y0 + end) for start, end in spans]
+    return [line for piece in pieces for line in _cut(ink, piece, letter)]
+
+
+def _stripes(filled: np.ndarray) -> list[tuple[int, int]]:
+    """The blank runs (start, end) between the first and the last filled entry."""
+    at = np.nonzero(filled)[0]
+    if len(at) == 0:
+        return []
+    blank = np.diff(at) > 1
+    return [(int(a) + 1, int(b)) for a, b in zip(at[:-1][blank], at[1:][blank])]
+
+
+def _pieces(size: int, stripes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """0..size split at the stripes: the spans between them."""
+    bounds = [0, *(edge for stripe in stripes for edge in stripe), size]
+    return list(zip(bounds[::2], bounds[1::2]))
+
+
+def _padded(box: tuple[int, int, int, int], width: int, height: int) -> tuple[int, int, int, int]:
+    """A line's box with a margin of a quarter of its height (2 pixels at least), within the page."""
+    x0, y0, x1, y1 = box
+    pad = max(2, (y1 - y0) // 4)
+    return (max(0, x0 - pad), max(0, y0 - pad), min(width, x1 + pad), min(height, y1 + pad))
 
 
 def read_line(pieces_: Pieces, crop, s: dict) -> list[int]:
@@ -168,7 +259,9 @@ def run(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict[str, Any
     tokenizer = pieces_.tokenizer()
     found, pictures = [], []
     for number, page in enumerate(pages, 1):
-        read = [_read(pieces_, page, box, doc["settings"], tokenizer) | {"page": number} for box in _lines(page)]
+        gray = np.asarray(page.convert("L"), np.float32)
+        parts = [line_parts(gray, box) for box in lines(gray)]  # a blank page: none
+        read = [_read(pieces_, page, boxes, doc["settings"], tokenizer) | {"page": number} for boxes in parts]
         labels = [f["text"][:40] or f"(no text: ids {' '.join(map(str, f['token_ids'][:4]))} ...)" for f in read]
         pictures.append(images.annotate(page, boxes=[(f["box"], label) for f, label in zip(read, labels)]))
         found += read
@@ -185,17 +278,27 @@ def run(doc: dict[str, Any], pieces_: Pieces, request: Request) -> dict[str, Any
     return result
 
 
-def _lines(page) -> list[tuple[int, int, int, int]]:
-    return lines(np.asarray(page.convert("L"), np.float32))
+def _read(pieces_: Pieces, page, parts: list[tuple[int, int, int, int]], s: dict, tokenizer) -> dict[str, Any]:
+    """One line of a page read, part by part (line_parts), the parts' texts joined by a space: its box, the boxes
+    of its parts, its text and token ids, and whether settings.max_new_tokens cut a part."""
+    ids = [read_line(pieces_, page.crop(part), s) for part in parts]
+    texts = [_text(part_ids, tokenizer) for part_ids in ids]
+    box = [parts[0][0], parts[0][1], parts[-1][2], parts[-1][3]]
+    return {
+        "box": box,
+        "parts": [list(part) for part in parts],
+        "text": " ".join(text for text in texts if text),
+        "token_ids": [token for part_ids in ids for token in part_ids],
+        # no end-of-text token within the limit: the rest of the part is unread
+        "cut_at_max_new_tokens": any(len(part_ids) >= s["max_new_tokens"] for part_ids in ids),
+    }
 
 
-def _read(pieces_: Pieces, page, box: tuple[int, int, int, int], s: dict, tokenizer) -> dict[str, Any]:
-    """One line of a page read: its box, text and token ids, and whether settings.max_new_tokens cut it."""
-    ids = read_line(pieces_, page.crop(box), s)
-    known = [t for t in ids if tokenizer is None or t < tokenizer.get_vocab_size()]
-    text = tokenizer.decode(known, skip_special_tokens=True) if tokenizer is not None else " ".join(map(str, ids))
-    # no end-of-text token within the limit: the rest of the line is unread
-    return {"box": list(box), "text": text, "token_ids": ids, "cut_at_max_new_tokens": len(ids) >= s["max_new_tokens"]}
+def _text(ids: list[int], tokenizer) -> str:
+    """A part's tokens as text (those the tokenizer knows), or as their ids when the pipeline has no tokenizer."""
+    if tokenizer is None:
+        return " ".join(map(str, ids))
+    return tokenizer.decode([t for t in ids if t < tokenizer.get_vocab_size()], skip_special_tokens=True)
 
 
 def _max_new_tokens(settings: dict[str, Any]) -> int:
