@@ -21,6 +21,7 @@ from onn.data.files import existing_source
 from onn.data.resident import ClassificationData, Decoded
 from onn.errors import UserError
 from onn.modalities.image.formats import list_items, read_splits, source_digest
+from onn.models.zoo.sizes import image_sides
 
 STREAM_SETTINGS = ("channels", "image_size", "resize")
 STATS_ELEMENTS = 1 << 22  # pixel values per chunk when measuring mean/std: 32 MB in float64, whatever the image size
@@ -48,8 +49,8 @@ def as_trained(data: ImageData, saved: dict[str, Any] | None, ckpt: str | None) 
     inputs = saved["inputs"]
     channels, height, width = (int(v) for v in inputs.get("input_shape") or inputs["image_shape"])
     size = [height, width]
-    given = [int(v) for v in data.image_size] * (2 if data.image_size and len(data.image_size) == 1 else 1)
-    if data.channels not in ("auto", channels) or (data.image_size is not None and given != size):
+    given = None if data.image_size is None else list(image_sides(data.image_size))
+    if data.channels not in ("auto", channels) or (given is not None and given != size):
         log.warning(
             "ckpt %s: decoding the images as its model was trained (channels %d, image_size %s), not as the data "
             "config says (channels %s, image_size %s)",

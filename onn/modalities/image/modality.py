@@ -19,15 +19,10 @@ from onn.data.files import ARCHIVE_ERRORS, archive_kind, is_hidden, iter_members
 from onn.errors import UserError
 from onn.hardware.profile import Profile
 from onn.modalities.base import ClassifierModality, RunConfig
+from onn.models.zoo.sizes import image_sides
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 ASSUMED_SIZE = [32, 32]  # a plan's image size where data.image_size is null and there is no data to read
-
-
-def image_sides(image_size: list[int]) -> list[int]:
-    """[height, width] of data.image_size: one side is a square, as the decoder and the zoo read it."""
-    sides = [int(v) for v in image_size]
-    return sides * 2 if len(sides) == 1 else sides
 
 
 @dataclass(frozen=True)
@@ -206,7 +201,7 @@ class ImageModality(ClassifierModality):
             return trained
         data: ImageData = config.data
         found = None if data.image_size else first_image(data)
-        size = image_sides(data.image_size) if data.image_size else found.size if found else ASSUMED_SIZE
+        size = list(image_sides(data.image_size)) if data.image_size else found.size if found else ASSUMED_SIZE
         channels = data.channels if isinstance(data.channels, int) else found.channels if found else 3
         classes = data.num_classes if isinstance(data.num_classes, int) else (found and found.classes) or 10
         return {"classes": [str(i) for i in range(classes)], "input_shape": [channels, *size]}
