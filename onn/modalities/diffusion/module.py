@@ -283,7 +283,7 @@ class DiffusionModule(EpochRecord, ONNModule):
         images, _ = batch
         loss = self.loss(images)
         self.record_step(loss, batch)
-        log_train_loss(self, loss, images.shape[0])
+        log_train_loss(self, loss, images.shape[0], over_ranks=True)  # under DDP each rank's loss is its share's
         return loss
 
     def optimizer_step(self, *args, **kwargs) -> None:
@@ -305,11 +305,30 @@ class DiffusionModule(EpochRecord, ONNModule):
 
     def on_validation_epoch_end(self) -> None:
         self._validated = None
-        figures = {MONITOR: float(torch.stack(self._val).sum()) / max(self._val_count, 1)}
+        figures = {MONITOR: self.held_out_loss()}
         self.last_metrics = figures
         self.log(MONITOR, figures[MONITOR], prog_bar=True)
         if not self.trainer.sanity_checking:
             self.record_epoch(figures, [MONITOR])
+
+    def held_out_loss(self) -> float:
+        """The mean loss per held-out image of this validation. Under DDP each rank scores its own share of the
+        images (ResidentBatches, EvaluatedOnceDDP): the shares' sums and counts are added over the ranks (one
+        collective, on the device), or val/loss, the history and best.ckpt's choice were rank 0's share's."""
+        total = torch.stack(self._val).sum().float() if self._val else torch.zeros((), device=self.device)
+        summed = torch.stack([total, torch.tensor(float(self._val_count), device=total.device)])
+        if self.trainer.world_size > 1:
+            summed = self.trainer.strategy.reduce(summed, reduce_op="sum")
+        loss, count = summed.tolist()
+        return loss / max(count, 1)
+
+    def on_train_start(self) -> None:
+        """Under DDP each rank draws its own timesteps and noise: every rank was seeded alike (tasks.build), so each
+        drew the same ones for its own images. Seeded per rank as DiT's training is (seed x ranks + rank)."""
+        super().on_train_start()
+        if self.trainer.world_size > 1:
+            seed = int(self.onn_config["inputs"]["seed"])
+            torch.manual_seed(seed * self.trainer.world_size + self.trainer.global_rank)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         clip_gradients(self, optimizer, self.optim.clip_grad_norm)

@@ -33,6 +33,7 @@ from onn.hardware.cluster import is_rank_zero
 from onn.hardware.memory import PeakMemory, hold_mmap_threshold
 from onn.hardware.profile import Profile
 from onn.modalities.base import Job
+from onn.modalities.classification import process_batches
 from onn.modalities.diffusion.module import MONITOR, DiffusionModule, NoisePrediction, build_denoiser
 from onn.modalities.diffusion.sample import draw, sampling_scheduler, write_sample_grid
 from onn.modalities.image.dataset import ImageDataModule, as_trained
@@ -45,7 +46,7 @@ from onn.streaming.store import LayerStore
 from onn.training.callbacks import StepClock, run_callbacks
 from onn.training.checkpoints import check_finite, check_state, resumed_optim, saved_config, shared_best, state_shapes
 from onn.training.checkpoints import load as load_checkpoint
-from onn.training.trainer import build_trainer, optimizer_steps, streaming_store, streaming_strategy
+from onn.training.trainer import build_trainer, optimizer_steps, processes, streaming_store, streaming_strategy
 
 log = logging.getLogger("onn")
 
@@ -211,16 +212,12 @@ def train(job: Job) -> dict[str, Any]:
     module = build(config, inputs, streaming_store(config, job.plan, run_dir, job.device))
     callbacks = _callbacks(config, run_dir)
     clock = next(c for c in callbacks if isinstance(c, StepClock))
-    steps_per_epoch = len(dm.train_dataloader())
-    trainer = build_trainer(
-        config,
-        job.plan,
-        run_dir,
-        callbacks,
-        strategy=streaming_strategy(config, job.plan, job.run_dir, job.device, NoisePrediction()),
-        steps_per_epoch=steps_per_epoch,
-    )
-    module.optimizer_steps = optimizer_steps(trainer, steps_per_epoch)
+    streaming = streaming_strategy(config, job.plan, job.run_dir, job.device, NoisePrediction())
+    # one rank's share (the val_check_interval cap, the schedule's length): the data module, before the trainer
+    # exists, counts all the data as one process's
+    steps_per_epoch = process_batches(dm.train_dataloader(), 1 if streaming is not None else processes(config))
+    trainer = build_trainer(config, job.plan, run_dir, callbacks, strategy=streaming, steps_per_epoch=steps_per_epoch)
+    module.optimizer_steps = optimizer_steps(trainer, steps_per_epoch, per_process=True)
     with PeakMemory(job.device) as peak:
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
         trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"), weights_only=False)  # said: no log line

@@ -185,7 +185,8 @@ class DualEncoder(EpochRecord, ONNModule):
         x_a, x_b = batch
         loss = self.loss(self.embed(self.names[0], x_a), self.embed(self.names[1], x_b))
         self.record_step(loss, batch)
-        if log_train_loss(self, loss, x_a.shape[0]):
+        # each rank's loss is over its own batch's pairs (no embeddings gathered): the figure is the ranks' mean
+        if log_train_loss(self, loss, x_a.shape[0], over_ranks=True):
             # logged on the device, read by the loggers after the step: a float() here was a second wait for the GPU
             # inside the step (beside the loss's), and Lightning copied the number back to the device, blocking
             temperature = 1 / self.scale().detach()

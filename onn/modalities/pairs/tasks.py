@@ -185,9 +185,9 @@ def train(job: Job) -> dict[str, Any]:
     module.score_budget = score_budget(plan_)
     callbacks = _callbacks(config, run_dir)
     clock = next(c for c in callbacks if isinstance(c, StepClock))
-    steps_per_epoch = len(dm.train_dataloader())
+    steps_per_epoch = len(dm.train_dataloader())  # one rank's share: PairData counts the processes the config starts
     trainer = build_trainer(config, plan_, run_dir, callbacks, steps_per_epoch=steps_per_epoch)
-    module.optimizer_steps = optimizer_steps(trainer, steps_per_epoch)
+    module.optimizer_steps = optimizer_steps(trainer, steps_per_epoch, per_process=True)
     with PeakMemory(job.device) as peak:
         trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
         trainer.save_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"), weights_only=False)  # said: no log line
