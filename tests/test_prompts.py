@@ -297,8 +297,12 @@ def test_an_empty_completion_is_reported_not_ok(tmp_path, cache, caplog):
         "    cfg = LlamaConfig(vocab_size=320, hidden_size=16, intermediate_size=32, num_hidden_layers=2, "
         "num_attention_heads=2,\n"
         "                      num_key_value_heads=1, bos_token_id=256, eos_token_id=257, pad_token_id=258)\n"
+        "    import torch\n"
         "    model = LlamaForCausalLM(cfg)\n"
-        "    model.generation_config.suppress_tokens = [t for t in range(320) if t != 257]  # only <eos> can come\n"
+        "    model.lm_head = torch.nn.Linear(16, 320)  # only <eos> can come: its bias alone sets the scores\n"
+        "    torch.nn.init.zeros_(model.lm_head.weight)\n"
+        "    torch.nn.init.constant_(model.lm_head.bias, -10.0)\n"
+        "    model.lm_head.bias.data[257] = 10.0\n"
         "    return model, byte_tokenizer()\n"
     )
     m = run(

@@ -296,6 +296,7 @@ def test_deepspeeds_notes_stay_off_the_console_when_it_is_imported_after_the_run
     assert logging.getLogger("DeepSpeed").level == logging.WARNING  # the level was reset: the filter held
 
 
+@pytest.mark.slow  # the default job in a run.py process (~20 s); .ci/run runs it too, checking its console
 def test_the_default_run_prints_the_plan_a_progress_bar_and_the_result_and_no_warnings(outputs):
     """A newcomer's first run: nothing a user cannot act on (library deprecations, bitsandbytes' optional
     kernels, Lightning's tips and checkpoint advice), and no line printed twice."""

@@ -71,6 +71,7 @@ def run(tmp: Path, *overrides: str, name: str = "run") -> tuple[dict, Path]:
     return execute(cfg, run_dir), run_dir
 
 
+@pytest.mark.slow  # trains, keeps the best and tests it (~25 s on 2 cores)
 def test_train_learns_keeps_best_and_tests_it(images, tmp_path):
     metrics, run_dir = run(tmp_path, f"data.source={images}", "tracking=tensorboard")
     assert metrics["strategy"] == "full" and metrics["resident"] is True
