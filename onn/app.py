@@ -38,6 +38,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, Interpolation
 
 from onn.bench.registry import TASKS as BENCH_TASKS
 from onn.config import ONNConfig, StrategyConfig, as_dict, typed
+from onn.config.model import LanguageModelConfig
 from onn.config.registry import CONF, recipe_group_problem
 from onn.config.task import InferTask
 from onn.errors import FailedAfterTraining, UserError, diverged
@@ -167,9 +168,11 @@ def explain_out_of_memory(error: BaseException, config: ONNConfig | None) -> str
     if not is_out_of_memory(error) or config is None:
         return None
     where = "the GPU" if isinstance(error, torch_out_of_memory()) else "memory"
+    # a language model splits its batch into micro-batches; other networks train each batch in one pass
+    micro = "set strategy.micro_batch lower, " if isinstance(config.model, LanguageModelConfig) else ""
     return (
         f"out of {where} outside a training step's back-off ({str(error).strip().splitlines()[0][:160]}): lower "
-        f"data.batch_size or data.max_length, set strategy.micro_batch lower, or give hardware.budget_mb room; "
+        f"data.batch_size or data.max_length, {micro}or give hardware.budget_mb room; "
         f"`python run.py task=plan` with the same settings shows what each needs."
     )
 

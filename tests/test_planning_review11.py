@@ -7,14 +7,16 @@ batch); the several-device table sizes the precision strategy.precision asks for
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import compose, tiny_llama
 
+from onn.app import explain_out_of_memory
 from onn.errors import UserError
 from onn.hardware.profile import resolve
 from onn.models.load import load
 from onn.models.tokenizer import byte_tokenizer
 from onn.planning.plan import make_plan
-from onn.planning.scale import scale_plan
+from onn.planning.scale import gradient_bytes, scale_plan
 from onn.planning.spec import model_spec
 
 STREAMED = ("strategy=sparse_lora", "strategy.layers=all", "model.kwargs.dropout=0")  # an LSTM stack, streamed
@@ -61,7 +63,7 @@ def test_a_classifier_networks_micro_batch_is_one_sentence(tmp_path):
     from onn.modalities import get
 
     cfg = compose("recipe=fsdd_lstm", "hardware=cpu_16gb", "data.batch_size=32", "strategy.micro_batch=4")
-    with pytest.raises(UserError, match=r"strategy\.micro_batch=4: a classifier network trains each batch of data\."):
+    with pytest.raises(UserError, match=r"strategy\.micro_batch=4: this network trains each batch of data\."):
         get("audio").plan(cfg, resolve(cfg.hardware, tmp_path / "cache", tmp_path))
 
 
@@ -100,5 +102,18 @@ def test_one_side_of_an_image_size_is_planned_as_a_square(tmp_path):
     image = get("image")
     image.check(cfg)
     assert image.planned_inputs(cfg)["input_shape"] == [3, 32, 32]
-    plan, _ = image.plan(cfg, resolve(cfg.hardware, tmp_path / "cache", tmp_path))
-    assert plan.micro_batch == cfg.data.batch_size
+    image.plan(cfg, resolve(cfg.hardware, tmp_path / "cache", tmp_path))  # plans (it was refused at check)
+
+
+def test_a_classifiers_out_of_memory_advice_leaves_micro_batches_to_language_models():
+    """The advice said to lower strategy.micro_batch, which a classifier network now refuses (it trains each batch
+    in one pass); a language model's still names it."""
+    error = torch.OutOfMemoryError("CUDA out of memory")
+    image = explain_out_of_memory(error, compose("model=v28_cnn", "data=cifar10"))
+    text = explain_out_of_memory(error, compose("model=llama_tiny"))
+    assert "micro_batch" not in image and "strategy.micro_batch lower" in text
+
+
+def test_gradients_are_two_bytes_in_16_bit_precisions_and_eight_in_64_true():
+    """The several-device table sized every precision but a mixed one at 4 bytes a gradient (bf16-true's too)."""
+    assert [gradient_bytes(p) for p in ("32-true", "bf16-mixed", "bf16-true", "16-true", "64-true")] == [4, 2, 2, 2, 8]

@@ -157,14 +157,15 @@ def check_probe_weights(cfg: ONNConfig) -> None:
 
 
 def check_network_micro_batch(strategy: StrategyConfig, batch: int) -> None:
-    """A classifier network trains each batch in one pass (streamed too): strategy.micro_batch, which nothing of it
-    reads, was planned and run as the whole batch without a word, and an out-of-memory sentence advised lowering it."""
+    """A network other than a language model (a classifier, a dual encoder, a denoiser) trains each batch in one
+    pass (streamed too): strategy.micro_batch, which nothing of it reads, was planned and run as the whole batch
+    without a word."""
     given = strategy.micro_batch
     if given in (None, "auto") or given == batch:
         return
     raise UserError(
-        f"strategy.micro_batch={given}: a classifier network trains each batch of data.batch_size={batch} in one pass; "
-        "lower data.batch_size instead, and leave strategy.micro_batch at auto."
+        f"strategy.micro_batch={given}: this network trains each batch of data.batch_size={batch} in one pass "
+        "(micro-batches are a language model's); lower data.batch_size instead, and leave strategy.micro_batch at auto."
     )
 
 

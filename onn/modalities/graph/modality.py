@@ -179,7 +179,7 @@ class GraphModality(ClassifierModality):
         data: GraphData = config.data
         return read_source(
             source,
-            align=trained_align(config),
+            align=inputs["align"] if "align" in inputs else trained_align(config),  # (checkpoints before it was saved)
             max_nodes=int(data.max_nodes),
             max_bad_fraction=float(data.max_bad_fraction),
             allow_unlabelled=True,
