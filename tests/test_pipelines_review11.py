@@ -116,3 +116,13 @@ def test_ocr_reads_no_text_on_a_blank_page_and_columns_one_after_another(tmp_pat
     _picture((1400, 60), [(10, 15, LONG_LINE)]).save(tmp_path / "long.png")
     (long,) = run_pipeline(path, Request(tmp_path / "long.png", tmp_path / "long.result.png"))["lines"]
     assert len(long["parts"]) >= 3 and long["token_ids"]
+
+
+def test_light_print_on_a_dark_ground_and_faint_print_have_lines():
+    """The blank-page check asked for ink 32 grey levels darker than the paper: white text on a dark sign or
+    screenshot (the paper the darkest), and print 28 levels off white, read as blank pages with no text."""
+    light = np.full((60, 360), 40.0)
+    light[20:40, 20:340:3] = 230.0
+    faint = np.full((60, 360), 250.0)
+    faint[20:40, 20:340:3] = 222.0
+    assert lines(light) == lines(faint) != []

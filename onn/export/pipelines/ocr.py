@@ -19,7 +19,8 @@ from onn.export.pipelines.runtime import Pieces, Request, finish
 from onn.models.layers import discover
 
 HALF = {"mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5]}  # TrOCR's image processor
-MIN_CONTRAST = 32.0  # grey levels (of 255) ink lies below its paper at least: a blank scan's noise lies closer
+MIN_CONTRAST = 16.0  # grey levels (of 255) ink lies off its paper at least, and NOISE_SPREAD times the page's noise
+NOISE_SPREAD = 10.0  # (its median absolute deviation): a blank scan's noise lies closer
 COLUMN_GAP = 1.5  # a blank stripe down a block this many letter heights wide is a gutter (a word's gap is some 0.5)
 LONGEST_LINE = 10.0  # width : height a line is read at most; a longer one is read in parts cut at word gaps
 SPECK = 0.002  # a row (column) of a part of the page with ink on less of it than this fraction is blank
@@ -159,11 +160,16 @@ def line_parts(gray: np.ndarray, box: tuple[int, int, int, int]) -> list[tuple[i
 
 
 def _ink(gray: np.ndarray) -> np.ndarray | None:
-    """The pixels darker than the mid-grey between the darkest and the paper (the median); None when nothing is
-    MIN_CONTRAST darker than the paper: a blank page, whose scanner noise is no text."""
-    paper, darkest = float(np.median(gray)), float(gray.min())
-    if paper - darkest < MIN_CONTRAST:
+    """The pixels past the mid-grey between the paper (the median) and the farthest pixel from it: darker, or
+    lighter for light print on a dark ground (a sign, a dark-mode screenshot). None when nothing lies off the
+    paper by MIN_CONTRAST and NOISE_SPREAD times its noise: a blank page, whose scanner noise is no text."""
+    paper = float(np.median(gray))
+    noise = float(np.median(np.abs(gray - paper)))
+    darkest, lightest = float(gray.min()), float(gray.max())
+    if max(paper - darkest, lightest - paper) < max(MIN_CONTRAST, NOISE_SPREAD * noise):
         return None
+    if lightest - paper > paper - darkest:
+        return gray > (lightest + paper) / 2
     return gray < (darkest + paper) / 2
 
 
