@@ -180,3 +180,10 @@ def test_the_omny_bench_and_eval_files_are_read_from_where_the_run_started(tmp_p
     cfg = _composed(start, "task=eval", "task.classifier=clf_run")
     from_start_folder(cfg, start)
     assert cfg.task.classifier == str(start / "clf_run")
+
+
+def test_recipe_null_given_twice_is_no_recipe_once():
+    """`recipe=null recipe=null` ran as no recipe before; left unrewritten beside the other null, it was Hydra's
+    bare ValueError."""
+    assert no_recipe(["recipe=null", "recipe=null", "task=plan"]) == ["~recipe", "task=plan"]
+    assert group_problem(["~recipe", "task=plan"], CONF) is None

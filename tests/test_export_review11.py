@@ -14,9 +14,9 @@ import torch
 from conftest import compose, tiny_llama
 
 from onn.errors import UserError
-from onn.export.folders import MARKER, sweep_leftovers, write_atomically
+from onn.export.folders import MARKER, STARTED, sweep_leftovers, write_atomically
 from onn.export.onnx_export import export_onnx, run_onnx, sample_inputs
-from onn.models.load import load
+from onn.models.load import load, load_4bit
 from onn.models.tokenizer import byte_tokenizer
 from onn.models.zoo.audio_cnn import AudioCNN
 from onn.models.zoo.registry import build_zoo
@@ -182,8 +182,6 @@ def test_a_qlora_base_of_a_folder_whose_tokenizer_gained_tokens_is_resized(tmp_p
     """strategy=qlora's 4-bit base of such a folder kept its 259 rows: the first added token failed in the
     embedding (IndexError on a CPU, a device assert on a GPU); it is resized as load() resizes it."""
     pytest.importorskip("bitsandbytes")
-    from onn.models.load import load_4bit
-
     tiny_llama(vocab_size=259).save_pretrained(tmp_path)
     tokenizer = byte_tokenizer()
     tokenizer.add_tokens(["<think>", "</think>"])
@@ -195,3 +193,14 @@ def test_a_qlora_base_of_a_folder_whose_tokenizer_gained_tokens_is_resized(tmp_p
     assert model.get_input_embeddings().num_embeddings >= 261
     batch = tokenizer(["<think> two"], return_tensors="pt")
     assert torch.isfinite(model(**batch).logits).all()
+
+
+def test_a_leftover_named_with_this_process_id_from_before_it_started_is_swept(tmp_path):
+    """A container starts each run with the same process id: a killed run's `.model.tmp-PID` was this process's
+    own by its name, kept, and the next export's mkdir of that name failed (FileExistsError)."""
+    output = tmp_path / "model.omny"
+    earlier = tmp_path / f".model.omny.tmp-{os.getpid()}-x"
+    earlier.mkdir()
+    os.utime(earlier, (STARTED - 60, STARTED - 60))
+    sweep_leftovers(output)
+    assert not earlier.exists()

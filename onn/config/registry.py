@@ -111,9 +111,13 @@ def expand_home(argv: list[str]) -> list[str]:
 def no_recipe(argv: list[str]) -> list[str]:
     """`recipe=null`, conf/config.yaml's own default written out, as Hydra writes "no recipe": `~recipe`. Hydra's
     defaults list took it for an option and raised a bare ValueError ("Config group override must be a string")."""
-    if sum(arg.lstrip("+").startswith("recipe=") for arg in argv) > 1:
-        return argv  # recipe=null beside another recipe: group_problem says it is given twice
-    return ["~recipe" if arg.lstrip("+") in ("recipe=null", "recipe='null'") else arg for arg in argv]
+    nulls = ("recipe=null", "recipe='null'")
+    if any(a.lstrip("+").startswith("recipe=") and a.lstrip("+") not in nulls for a in argv) and any(
+        a.lstrip("+") in nulls for a in argv
+    ):
+        return argv  # recipe=null beside a recipe it would silently drop: group_problem says it is given twice
+    out = ["~recipe" if arg.lstrip("+") in nulls else arg for arg in argv]
+    return [a for i, a in enumerate(out) if a != "~recipe" or "~recipe" not in out[:i]]  # said twice: once
 
 
 def register_local_launcher() -> None:

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from onn.errors import UserError
 
 MARKER = "onn_export.json"  # written into every folder an export replaces whole
 # what an export leaves beside OUTPUT while it runs: .OUTPUT.tmp-PID[...] (temp_prefix) and .OUTPUT.old-PID (swap_in)
+STARTED = time.time()  # (imported before this process writes any export) what is older is another process's
 LEFTOVER = re.compile(r"(?P<kind>tmp|old)-(?P<pid>\d{1,7})(?:[.-].*)?")
 PIPELINE = ("pipeline.json", "omny-pipeline")  # a pipeline folder written before MARKER existed: its file, format
 
@@ -92,11 +94,12 @@ def temp_prefix(output: Path) -> str:
 def sweep_leftovers(output: Path) -> None:
     """Remove what an export to `output` killed half-way left beside it (its temporary folder or file, which may
     hold gigabytes of weights, and was never removed), and put back an earlier export it had moved aside to swap
-    in the new one. Only a dead process's leftovers are touched (and this one's own, from an export that failed):
-    another export to the same place may be running."""
+    in the new one. Only a dead process's leftovers are touched: another export to the same place may be running.
+    One named with this process's id is an earlier process's (a container starts each run with the same id) when
+    it is older than this process: newer, it is an export of this process still writing."""
     for path in output.parent.glob(f".{glob.escape(output.name)}.*-*"):
         found = LEFTOVER.fullmatch(path.name[len(output.name) + 2 :])
-        if found is None or not process_gone(int(found["pid"])):
+        if found is None or not (process_gone(int(found["pid"])) or earlier_own(path, int(found["pid"]))):
             continue
         if found["kind"] == "old" and not os.path.lexists(output):
             path.rename(output)  # killed between moving the earlier export aside and putting the new one there
@@ -104,6 +107,11 @@ def sweep_leftovers(output: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
+
+
+def earlier_own(path: Path, pid: int) -> bool:
+    """Whether `path`, named with this process's id, is older than this process: an earlier one's, of that id."""
+    return pid == os.getpid() and path.lstat().st_mtime < STARTED
 
 
 def process_gone(pid: int) -> bool:
