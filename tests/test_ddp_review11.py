@@ -8,10 +8,12 @@ import csv
 from pathlib import Path
 
 import pytest
+from conftest import compose
 from test_ddp_shares import PAIRS
 from test_diffusion import TINY_UNET, write_images
 from test_distributed_review import two_ranks
 
+from onn.modalities.diffusion.tasks import build, datamodule
 from onn.modalities.pairs.demo import write_shapes
 
 _RESUMED_RANK = """
@@ -141,10 +143,6 @@ torch.distributed.destroy_process_group()
 
 def diffusion_module(source: str, cache: str):
     """The image data and a tiny UNet's DiffusionModule, as diffusion's train builds them (seeded alike)."""
-    from conftest import compose
-
-    from onn.modalities.diffusion.tasks import build, datamodule
-
     config = compose("data=diffusion", *TINY_UNET, f"data.source={source}", f"paths.cache={cache}", "data.batch_size=8")
     dm = datamodule(config, "cpu")
     inputs = {"input_shape": list(dm.input_shape), "classes": dm.classes, "seed": int(config.seed)}

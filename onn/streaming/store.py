@@ -484,9 +484,10 @@ def dequantize_int8(
     codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """codes x scale in `dtype`, written into `out` when it fits: a cast and a multiply, each one pass. Scales in
-    another dtype (float32 ones float16 cannot hold, scale_dtype) multiply a block of rows at a time: each product
-    rounded once into `dtype`, and no float32 copy of the whole weight (cast to float16 first, a row of weights
-    under 0.008 had its scale rounded coarsely, and under 4e-6 to zero)."""
+    `dtype` multiply in it (the scale rounded, then the product: the speed of one native pass); float32 ones (those
+    float16 cannot hold, scale_dtype) multiply a block of rows at a time, each product rounded once, with no
+    float32 copy of the whole weight (cast to float16 first, a row of weights under 0.008 had its scale rounded
+    coarsely, and under 4e-6 to zero)."""
     out = _into(out, codes, dtype)
     if scale.dtype == out.dtype:
         return out.mul_(scale)

@@ -294,7 +294,10 @@ class DiffusionModule(EpochRecord, ONNModule):
             self.ema.update_parameters(self.denoiser)
 
     def on_validation_epoch_start(self) -> None:
-        self._generator = torch.Generator(device=self.device).manual_seed(VAL_SEED)
+        # each rank its own held-out noise (as its own training noise): alike, different images shared one draw
+        dist = torch.distributed
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self._generator = torch.Generator(device=self.device).manual_seed(VAL_SEED * world + self.global_rank)
         self._val, self._val_count = [], 0
         self._validated = self.sampling_denoiser()  # val/loss is the sampled model's, as task=eval's samples are
 
