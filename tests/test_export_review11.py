@@ -24,17 +24,22 @@ from onn.models.zoo.v28 import V28CNN
 from onn.models.zoo.video3d import C3DTiny
 
 
+def outgrown_folder(folder):
+    """A tiny Llama of 259 embeddings saved with a byte tokenizer that gained two tokens (ids 259, 260), and the
+    model config that loads the folder with its own tokenizer."""
+    saved = tiny_llama(vocab_size=259)
+    saved.save_pretrained(folder)
+    tokenizer = byte_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.save_pretrained(folder)
+    cfg = compose("model=llama_tiny", f"model.source={folder}", "model.architecture=null", "model.tokenizer=null")
+    return saved, cfg.model
+
+
 def test_a_folder_whose_tokenizer_gained_tokens_loads_resized_and_trains(tmp_path):
     """Tokens added to a folder's tokenizer (ids 259, 260) past its model's 259 embeddings: the folder loads with its
     embeddings resized, the same rows each load, its own rows kept, and text with those tokens trains."""
-    saved = tiny_llama(vocab_size=259)
-    saved.save_pretrained(tmp_path)
-    tokenizer = byte_tokenizer()
-    tokenizer.add_tokens(["<think>", "</think>"])
-    tokenizer.save_pretrained(tmp_path)
-    cfg = compose(
-        "model=llama_tiny", f"model.source={tmp_path}", "model.architecture=null", "model.tokenizer=null"
-    ).model
+    saved, cfg = outgrown_folder(tmp_path)
     model, tokenizer = load(cfg)
     again, _ = load(cfg)
     rows = model.get_input_embeddings().weight
@@ -182,13 +187,7 @@ def test_a_qlora_base_of_a_folder_whose_tokenizer_gained_tokens_is_resized(tmp_p
     """strategy=qlora's 4-bit base of such a folder kept its 259 rows: the first added token failed in the
     embedding (IndexError on a CPU, a device assert on a GPU); it is resized as load() resizes it."""
     pytest.importorskip("bitsandbytes")
-    tiny_llama(vocab_size=259).save_pretrained(tmp_path)
-    tokenizer = byte_tokenizer()
-    tokenizer.add_tokens(["<think>", "</think>"])
-    tokenizer.save_pretrained(tmp_path)
-    cfg = compose(
-        "model=llama_tiny", f"model.source={tmp_path}", "model.architecture=null", "model.tokenizer=null"
-    ).model
+    _, cfg = outgrown_folder(tmp_path)
     model, tokenizer = load_4bit(cfg, torch.float32, tmp_path / "cache")
     assert model.get_input_embeddings().num_embeddings >= 261
     batch = tokenizer(["<think> two"], return_tensors="pt")

@@ -376,6 +376,7 @@ def test_bad_numbers_in_settings(tmp_path, cache, text):
             execute(tmp_path, cache, f"data.source={source}", *extra, override, text=text)
 
 
+@pytest.mark.slow  # a run.py process (~20 s loaded); test_config_review11 checks the sentence fast
 def test_a_value_of_the_wrong_type_is_one_sentence_naming_the_key(tmp_path):
     proc = run_cli("trainer.max_steps=abc", f"paths.outputs={tmp_path}")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr

@@ -136,6 +136,7 @@ def test_resuming_the_final_checkpoint_with_more_epochs_trains_them_as_an_unbrok
     assert resumed["train/loss_final"] == pytest.approx(whole["train/loss_final"], abs=1e-6)
 
 
+@pytest.mark.slow  # two trainings (~30 s on 2 cores)
 def test_val_acc_best_is_recorded_whatever_the_monitor(images, tmp_path):
     metrics, _ = run(tmp_path, f"data.source={images}", "trainer.max_epochs=2", "task.monitor=val/loss")
     assert metrics["val/acc_best"] == max(h["val/acc"] for h in metrics["val/history"])

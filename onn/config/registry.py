@@ -223,13 +223,8 @@ def compose_problem(argv: list[str], conf_dir: Path) -> str | None:
     for each option a swept group takes (sweep_lines). It composes only for a command line that could hold one;
     None for anything else (Hydra says it)."""
     from hydra import compose, initialize_config_dir
-    from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
-        return None  # Hydra's own options: --help, --cfg job, -cn NAME, ...
-    try:
-        overrides = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
-    except Exception:  # noqa: BLE001 -- Hydra names a line it cannot parse
+    if (overrides := parsed_overrides(argv)) is None:
         return None
     if problem := _checkpoint_data_problem(overrides, conf_dir):
         return problem
@@ -251,19 +246,27 @@ def compose_problem(argv: list[str], conf_dir: Path) -> str | None:
     return None
 
 
+def parsed_overrides(argv: list[str]) -> list | None:
+    """The command line's overrides as Hydra parses them; None where Hydra's own options are given (--help, --cfg
+    job, -cn NAME, ...) or a line does not parse (Hydra names it)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
+        return None
+    try:
+        return OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
+    except Exception:  # noqa: BLE001 -- Hydra names a line it cannot parse
+        return None
+
+
 def value_problem(argv: list[str]) -> str | None:
     """A value its key's type refuses (`trainer.max_steps=abc`), or one value of a sweep's (`-m
     trainer.max_steps=10,abc`), as one sentence before anything runs: Hydra's message is five lines, and a sweep's
     comes after its sweep folder is made. Checked only where every option's schema types the key as a whole number,
     a number or true/false, by OmegaConf's own nodes, which Hydra's merge uses; None for anything else."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import QuotedString
 
-    if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
-        return None  # Hydra's own options: --help, --cfg job, -cn NAME, ...
-    try:
-        overrides = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
-    except Exception:  # noqa: BLE001 -- Hydra names a line it cannot parse
+    if (overrides := parsed_overrides(argv)) is None:
         return None
     for o in overrides:
         if o.is_delete() or o.is_hydra_override() or o.package is not None or "/" in o.key_or_group:
