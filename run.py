@@ -9,6 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from onn.config.registry import (
     compose_problem,
+    delete_problem,
     expand_home,
     group_problem,
     no_recipe,
@@ -49,7 +50,13 @@ sys.argv[1:] = no_recipe(sys.argv[1:])  # `recipe=null`: no recipe, as Hydra wri
 sys.argv += other_rank_overrides(sys.argv[1:])
 # mistakes Hydra would report as a traceback or in its own terms, each one sentence before Hydra composes
 ARGS, CONF = sys.argv[1:], Path(__file__).resolve().parent / "conf"
-problem = yaml_problem(ARGS, CONF) or group_problem(ARGS, CONF) or value_problem(ARGS) or compose_problem(ARGS, CONF)
+problem = (
+    yaml_problem(ARGS, CONF)
+    or group_problem(ARGS, CONF)
+    or value_problem(ARGS)
+    or delete_problem(ARGS, CONF)
+    or compose_problem(ARGS, CONF)
+)
 if problem:
     sys.exit(f"error: {problem}")
 

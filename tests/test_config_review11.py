@@ -16,7 +16,7 @@ from hydra import initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 from onn.app import from_start_folder, to_config
-from onn.config.registry import group_problem, no_recipe, value_problem
+from onn.config.registry import delete_problem, group_problem, no_recipe, value_problem
 
 CONF = ROOT / "conf"
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -187,3 +187,15 @@ def test_recipe_null_given_twice_is_no_recipe_once():
     bare ValueError."""
     assert no_recipe(["recipe=null", "recipe=null", "task=plan"]) == ["~recipe", "task=plan"]
     assert group_problem(["~recipe", "task=plan"], CONF) is None
+
+
+@pytest.mark.parametrize(("line", "told"), [("~optim.lr", "optim.lr=VALUE"), ("~ckpt", "ckpt=null for none")])
+def test_deleting_a_typed_setting_is_one_sentence_saying_to_set_it(line, told):
+    """`~optim.lr` is Hydra's five-line "does not support deletion", `~ckpt` its "'ckpt' does not exist": one sentence
+    that says how to set it instead. A group's deletion (`~recipe`) and a free-form key's are Hydra's to do."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"), pytest.raises(ConfigCompositionException):
+        hydra_compose("config", overrides=["task=plan", line])
+    problem = delete_problem(["task=plan", line], CONF)
+    assert problem is not None and problem.startswith(f"{line}: {line[1:]} is one of ONN's typed settings")
+    assert problem.endswith(f"set it instead ({told}).")
+    assert delete_problem(["task=plan", "~recipe", "~model.kwargs.x", "optim.lr=0.1"], CONF) is None

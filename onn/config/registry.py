@@ -292,6 +292,25 @@ def value_problem(argv: list[str]) -> str | None:
     return None
 
 
+def delete_problem(argv: list[str], conf_dir: Path) -> str | None:
+    """`~optim.lr` or `~ckpt`: a typed setting of ONN's schema, which a run always holds (Hydra answers "does not
+    support deletion" in five lines, or "'ckpt' does not exist"). One sentence saying to set it instead; deleting a
+    config group (`~recipe`) or a free-form key (`~model.kwargs.x`) is left to Hydra, which does it."""
+    if (overrides := parsed_overrides(argv)) is None:
+        return None
+    groups = {p.name for p in conf_dir.iterdir() if p.is_dir()}
+    for o in overrides:
+        key = o.key_or_group
+        if not o.is_delete() or o.is_hydra_override() or key in groups or not (hints := leaf_hints(key)):
+            continue
+        nullable = all(get_origin(h) in (Union, UnionType) and type(None) in get_args(h) for h in hints)
+        return (
+            f"{o.input_line}: {key} is one of ONN's typed settings, which every run holds, and cannot be deleted; "
+            f"set it instead ({key}={'null for none' if nullable else 'VALUE'})."
+        )
+    return None
+
+
 def _refuses(node: type, value: object) -> bool:
     """Whether OmegaConf's `node` refuses `value`, as Hydra's merge of the override would."""
     try:
@@ -304,16 +323,20 @@ def _refuses(node: type, value: object) -> bool:
 def leaf_types(key: str) -> list[Any]:
     """The types every option's schema gives `key` (`trainer.max_steps`: [int]), Optional unwrapped; [] where a part
     is free-form (model.kwargs.x) or no schema has the key."""
+    unwrapped = [[a for a in get_args(h) if a is not type(None)] if get_origin(h) in (Union, UnionType) else [h]
+                 for h in leaf_hints(key)]  # fmt: skip
+    return [options[0] if len(options) == 1 else Any for options in unwrapped]
+
+
+def leaf_hints(key: str) -> list[Any]:
+    """The type hints every option's schema gives `key` as written (`ckpt`: [str | None]); [] as for leaf_types."""
     parts = key.split(".")
     kinds: list[Any] = [ONNConfig]
     for part in parts[:-1]:
         kinds = [below for kind in kinds if is_dataclass(kind) for below in _field_kinds(kind, part)]
     if not kinds or not all(is_dataclass(kind) for kind in kinds):
         return []
-    hints = [get_type_hints(kind)[parts[-1]] for kind in kinds if parts[-1] in {f.name for f in fields(kind)}]
-    unwrapped = [[a for a in get_args(h) if a is not type(None)] if get_origin(h) in (Union, UnionType) else [h]
-                 for h in hints]  # fmt: skip
-    return [options[0] if len(options) == 1 else Any for options in unwrapped]
+    return [get_type_hints(kind)[parts[-1]] for kind in kinds if parts[-1] in {f.name for f in fields(kind)}]
 
 
 def sweep_lines(overrides: list, skip: list, groups: set[str]) -> list[list[str]] | None:
