@@ -13,6 +13,8 @@ from conftest import compose
 from hostile_corpus import tiny_onnx
 from test_bench import TINY
 
+from onn.errors import UserError
+
 
 @pytest.mark.slow  # (a real bench: a child process trains llama_tiny 12 steps while its blocks are timed)
 def test_the_benchs_step_prediction_is_timed_before_its_steps_at_their_shapes(outputs, monkeypatch):
@@ -114,3 +116,13 @@ def test_bench_giants_disk_probe_takes_at_most_a_quarter_of_the_memory_available
     assert disk_now(config) > 0
     assert sizes == [16 * 2**20]  # the file read, into one buffer: a quarter of 64 MB
     assert not list(tmp_path.iterdir())  # the probe file is gone
+
+
+def test_bench_giants_disk_probe_that_cannot_be_written_names_the_benchmark(tmp_path):
+    """A paths.cache under a file: the sentence named hardware=auto, which the user did not ask for."""
+    from onn.bench.giant import disk_now
+
+    (tmp_path / "a_file").write_text("")
+    config = compose("task=bench_giant", "task.disk_probe_mb=1", f"paths.cache={tmp_path / 'a_file' / 'cache'}")
+    with pytest.raises(UserError, match=r"^task=bench_giant measures the disk under .*a_file/cache \(paths\.cache"):
+        disk_now(config)

@@ -119,7 +119,7 @@ def disk_now(config: ONNConfig) -> float:
     """The disk's cold read bandwidth now (MB/s), as hardware=auto measures it: a fresh file of task.disk_probe_mb
     under paths.cache, read whole into memory, so at most a quarter of the memory available (the 2 GB default, on a
     machine with less memory than the model, met the OOM killer), and one sentence where it cannot be written."""
-    return disk_read_mb_s(Path(config.paths.cache), config.task.disk_probe_mb)
+    return disk_read_mb_s(Path(config.paths.cache), config.task.disk_probe_mb, measurer="task=bench_giant")
 
 
 def _build_phase(job, store_dir: Path) -> dict[str, Any]:

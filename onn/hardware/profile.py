@@ -701,18 +701,19 @@ def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> Profile:
 PROBE_MEMORY_SHARE = 4  # the disk probe's read buffer takes at most 1/4 of the memory available
 
 
-def disk_read_mb_s(probe_dir: str | os.PathLike, size_mb: int) -> float:
+def disk_read_mb_s(probe_dir: str | os.PathLike, size_mb: int, measurer: str = "hardware=auto") -> float:
     """The disk's cold read bandwidth under `probe_dir` (disk.read_mb_s), or one sentence where its probe file cannot
     be written there: a nearly full disk (ENOSPC) is told to free space, a folder that cannot be written (read-only,
-    under a file) to move paths.cache. The probe is read whole into memory, so it takes at most a quarter of the
-    memory available: in a container of 1 GB, a probe of 1 GB had the OOM killer end the run while it was profiled."""
+    under a file) to move paths.cache; `measurer` is what the sentence says measures it (task=bench_giant too).
+    The probe is read whole into memory, so it takes at most a quarter of the memory available: in a container of
+    1 GB, a probe of 1 GB had the OOM killer end the run while it was profiled."""
     size_mb = max(1, min(size_mb, available_memory_mb() // PROBE_MEMORY_SHARE))
     try:
         return round(read_mb_s(probe_dir, size_mb), 1)
     except OSError as e:
         fix = "free some space on that disk, or set" if e.errno == errno.ENOSPC else "set"
         raise UserError(
-            f"hardware=auto measures the disk under {probe_dir} (paths.cache, where layer stores are built) by writing "
+            f"{measurer} measures the disk under {probe_dir} (paths.cache, where layer stores are built) by writing "
             f"a probe file there, which failed ({e.strerror or e}): {fix} paths.cache (ONN_CACHE) to a folder you can "
             "write on a disk with room."
         ) from None
