@@ -129,7 +129,7 @@ def test_a_new_modality_needs_only_registering(tmp_path):
         (("task=eval", "data.answer_pattern='####([0-9]+'"), r"answer_pattern='####\(\[0-9\]\+' is not a regular expr"),
         # greedy, and a top_p above 1 used, both without a word
         (("task=infer", "task.temperature=-1"), r"task\.temperature=-1\.0: give 0 \(greedy\) or more"),
-        (("task=infer", "task.top_p=1.5"), r"task\.top_p=1\.5: give a share of the probability above 0, at most 1"),
+        (("task=infer", "task.top_p=1.5"), r"task\.top_p=1\.5: give a share of the probability from 0 \(greedy\) to 1"),
     ],
 )
 def test_text_generation_settings_that_cannot_work_are_one_sentence_before_the_run(overrides, sentence):

@@ -108,13 +108,23 @@ ONLY_TEMPERATURE_AND_TOP_P = {"top_k": 0, "min_p": 0.0, "typical_p": 1.0, **NO_P
 GREEDY_BELOW = 1e-4
 
 
+def greedy(temperature: float, top_p: float) -> bool:
+    """Whether generation takes the likeliest token at every step: the rule _sampling documents, which task=infer,
+    task=eval, the layer-streamed engine and task=serve's scheduler all follow."""
+    return temperature < GREEDY_BELOW or top_p == 0
+
+
 def _sampling(max_new_tokens: int, temperature: float, top_p: float, tokenizer, ends: list[int]) -> dict[str, Any]:
+    """model.generate's settings: sampled through temperature and top-p alone, or greedy (`greedy`) at a temperature
+    under GREEDY_BELOW or at top_p 0. top_p 0 is a nucleus of the likeliest token alone, as OpenAI's API and serve's
+    `top_p` read it; passed on, transformers' TopPLogitsWarper(0) kept that token only through its
+    min_tokens_to_keep, and the draw still took from the random generator."""
     kwargs = {
         "max_new_tokens": max_new_tokens,
         "pad_token_id": tokenizer.pad_token_id,
         "eos_token_id": ends or None,
     }
-    if temperature >= GREEDY_BELOW:
+    if not greedy(temperature, top_p):
         kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, **ONLY_TEMPERATURE_AND_TOP_P)
     else:
         kwargs.update(do_sample=False, **NO_PENALTIES)
@@ -154,7 +164,7 @@ def _generate(
     if max_new_tokens < 1:  # nothing to generate: model.generate refuses 0, the engine has no token to stack
         return inputs["input_ids"][:, :0]
     ends = end_ids(model, tokenizer, turn_end)
-    if temperature < GREEDY_BELOW:
+    if greedy(temperature, top_p):  # the engine is greedy at temperature 0
         temperature = 0.0
     if engine is None:
         sampling = _sampling(max_new_tokens, temperature, top_p, tokenizer, ends)

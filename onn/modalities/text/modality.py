@@ -179,5 +179,5 @@ def check_generation(config: ONNConfig) -> None:
     if isinstance(task, InferTask):
         if not (math.isfinite(task.temperature) and task.temperature >= 0):
             raise UserError(f"task.temperature={task.temperature}: give 0 (greedy) or more.")
-        if not 0 < task.top_p <= 1:
-            raise UserError(f"task.top_p={task.top_p}: give a share of the probability above 0, at most 1.")
+        if not 0 <= task.top_p <= 1:
+            raise UserError(f"task.top_p={task.top_p}: give a share of the probability from 0 (greedy) to 1.")

@@ -207,7 +207,7 @@ class Generation(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, ge=0.0, le=1.0)  # 0: only the likeliest token
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)  # 0: greedy (generate._sampling)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     n: int | None = Field(default=None, ge=1)  # more than 1: refused in words (UNIMPLEMENTED)
@@ -377,7 +377,19 @@ def create_app(served: Any, settings: ServeConfig, model_name: str, api_key: str
         ("/v1/classify", ("POST",), server.classify),
     ):
         app.add_api_route(path, handler, methods=list(methods))
+        app.add_api_route(path, _options(methods), methods=["OPTIONS"], include_in_schema=False)
     return app
+
+
+def _options(methods: tuple[str, ...]) -> Callable[[], Any]:
+    """A plain OPTIONS (no CORS preflight, which CORSMiddleware answers before any route): 204 with the route's
+    methods in Allow, as HTTP servers answer it (RFC 9110, 9.3.7), rather than a 405 method_not_allowed."""
+    allow = ", ".join([*methods, "OPTIONS"])
+
+    async def options() -> Response:
+        return Response(status_code=204, headers={"Allow": allow})
+
+    return options
 
 
 def _answer_errors(app: FastAPI, stats: Stats) -> None:
@@ -392,9 +404,12 @@ def _answer_errors(app: FastAPI, stats: Stats) -> None:
     async def _http_error(request: Request, e: StarletteHTTPException):
         stats.add(refused=1)
         codes = {404: "unknown_url", 405: "method_not_allowed"}
-        return error_response(
+        response = error_response(
             e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=codes.get(e.status_code)
         )
+        if "Allow" in (e.headers or {}):  # a 405 names the route's methods (RFC 9110), OPTIONS too (see _options)
+            response.headers["Allow"] = f"{e.headers['Allow']}, OPTIONS"
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):

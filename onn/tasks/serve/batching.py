@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from onn.modalities.text.generate import GREEDY_BELOW
+from onn.modalities.text.generate import greedy
 
 log = logging.getLogger("onn")
 SHUTTING_DOWN = "the server is shutting down"
@@ -420,16 +420,15 @@ def _send(seq: Sequence, event: dict[str, Any]) -> None:
 
 
 def _pick(logits: torch.Tensor, rows: list[Sequence]) -> list[int | None]:
-    """Each row's next token, read back in one copy (each read of a GPU value waits for it): greedy at a
-    temperature under GREEDY_BELOW (as infer) or top_p 0 (a nucleus of the likeliest token alone), else sampled
-    through transformers' temperature and top-p warpers (as model.generate), with the request's own generator when it
-    gave a seed. A row whose scores hold NaN or +inf (a diverged checkpoint, a half-precision overflow), or none
-    above -inf, gets None and its model_diverged event, greedy or sampled (argmax picked token 0 of an all-NaN
-    row, silently); the others go on."""
+    """Each row's next token, read back in one copy (each read of a GPU value waits for it): greedy where
+    generate.greedy says (infer's rule, top_p 0 included), else sampled through transformers' temperature and top-p
+    warpers (as model.generate), with the request's own generator when it gave a seed. A row whose scores hold NaN or
+    +inf (a diverged checkpoint, a half-precision overflow), or none above -inf, gets None and its model_diverged
+    event, greedy or sampled (argmax picked token 0 of an all-NaN row, silently); the others go on."""
     picks = logits.argmax(-1)
     drawable = torch.isfinite(logits.amax(-1))  # NaN propagates to the max; -inf scores beside a finite one are fine
     for i, seq in enumerate(rows):
-        if seq.sampling.temperature >= GREEDY_BELOW and seq.sampling.top_p:
+        if not greedy(seq.sampling.temperature, seq.sampling.top_p):
             picks[i], sampled = _sample(logits[i], seq.sampling, seq.generator)
             drawable[i] &= sampled
     tokens, valid = torch.stack([picks, drawable.long()]).tolist()
