@@ -10,8 +10,8 @@ lightning floor   the plain loop's step as a bare LightningModule's training_ste
 resident speedup  the two ways of feeding v28 its training batches (the recipe's batch size, augmentation
                   and normalisation, on the compute device), timed alone: ONN's resident uint8
                   tensors sliced by a shuffled index and augmented on the device, against the standard
-                  per-sample pipeline (a Dataset that PIL-decodes each image and applies torchvision
-                  transforms, a DataLoader with workers collating batches): resident / standard
+                  per-sample pipeline (a Dataset that decodes each image as training does and applies
+                  torchvision transforms, a DataLoader with workers collating batches): resident / standard
                   batches-ready samples/s.
 device ops        what each side of the runner's overhead asks of the device per training step, counted rather
                   than timed: the aten ops it dispatches, views aside (on a GPU most launch a kernel: the
@@ -433,7 +433,10 @@ def _pipeline_only(loader, steps: int, warmup: int, augment, device: torch.devic
 
 
 class _EncodedImages(torch.utils.data.Dataset):
-    """The standard pipeline's Dataset: one encoded image per item, PIL-decoded and transformed on access."""
+    """The standard pipeline's Dataset: one encoded image per item, decoded and transformed on access. It decodes
+    as training's resident split was decoded (onn/modalities/image/formats/decode.py: EXIF orientation applied, the
+    same grey and colour conversions), so both pipelines feed the model the same pictures: a phone's portrait photo
+    opened with PIL alone came out sideways."""
 
     def __init__(self, items: list[tuple[bytes, int]], transform):
         self.items, self.transform = items, transform
@@ -444,9 +447,10 @@ class _EncodedImages(torch.utils.data.Dataset):
     def __getitem__(self, i: int):
         from PIL import Image
 
+        from onn.modalities.image.formats.decode import decode
+
         data, label = self.items[i]
-        image = Image.open(io.BytesIO(data)).convert("RGB" if self.transform.channels == 3 else "L")
-        return self.transform(image), label
+        return self.transform(Image.fromarray(decode(data, self.transform.channels))), label
 
 
 class _Transform:
@@ -489,7 +493,7 @@ class _Transform:
 
 
 class StandardPipeline:
-    """torchvision's usual recipe: encoded images -> Dataset (PIL decode, transforms per sample) -> DataLoader."""
+    """torchvision's usual recipe: encoded images -> Dataset (decode, transforms per sample) -> DataLoader."""
 
     def __init__(self, config: ONNConfig, dm, inputs: dict[str, Any]):
         self.config, self.dm = config, dm

@@ -3,7 +3,8 @@
 WAV, FLAC, OGG (Vorbis, Opus), MP3, AIFF and the other formats libsndfile reads go through soundfile,
 whose wheel bundles libsndfile; M4A/AAC, WMA, MKA, AMR, anything soundfile refuses, a long MP3/MP2 (whose length
 libsndfile only estimates) and a WAV whose header lengths were never written go through PyAV, whose wheel bundles
-FFmpeg (torchaudio 2.11's own load() would need torchcodec and a system FFmpeg).
+FFmpeg (torchaudio 2.11's own load() would need torchcodec and a system FFmpeg). A file of one MPEG audio frame,
+which neither opens, goes through FFmpeg's parser and decoder without a demuxer.
 A file that neither can decode, that is empty or that holds no audio is a `BadFile` naming why; the
 caller skips it and counts it against data.max_bad_fraction.
 """
@@ -142,9 +143,12 @@ def decode_audio(source: str | IO[bytes], fit: Fit | None = None) -> tuple[np.nd
         except BadFile:
             raise
         except Exception as e:  # PyAV raises FFmpegError subclasses, and ValueError/OSError for odd inputs
-            raise BadFile(
-                f"not decodable audio (libsndfile: {decoder_complaint(first)}; FFmpeg: {decoder_complaint(e)})"
-            ) from e
+            alone = _one_mpeg_frame(source)
+            if alone is None:
+                raise BadFile(
+                    f"not decodable audio (libsndfile: {decoder_complaint(first)}; FFmpeg: {decoder_complaint(e)})"
+                ) from e
+            wave, rate, start, total = alone
     if wave.shape[1] == 0 and lengths_unwritten(_head(source, 12)):  # libsndfile read none, as its header says
         wave, rate, start, total = _read_past_header(source, fit) or (wave, rate, start, total)
     if wave.shape[1] == 0:
@@ -155,6 +159,34 @@ def decode_audio(source: str | IO[bytes], fit: Fit | None = None) -> tuple[np.nd
     if peak > FLOAT16_MAX:  # a float file far outside ±1: the float16 store would hold infinities, the loss NaN
         wave = wave / peak
     return np.ascontiguousarray(wave), int(rate), start, total
+
+
+# FFmpeg's decoder of each MPEG audio layer, by the frame header's two layer bits (0 is reserved)
+MPEG_LAYER_DECODERS = {1: "mp3", 2: "mp2", 3: "mp1"}
+
+
+def _one_mpeg_frame(source: str | bytes) -> tuple[np.ndarray, int, int, int] | None:
+    """The samples of a file holding one MPEG audio frame (an MP2 or MP3 cut to its first frame: a click, a short
+    effect), which FFmpeg's MPEG audio demuxer refuses (it opens a stream only where a second frame follows the
+    first) and libsndfile's mpg123 too. FFmpeg's parser and decoder read the frame without a demuxer. None for a
+    file that is not one MPEG audio frame (no frame sync first, longer than any frame) or that does not decode."""
+    import av
+
+    data, size = _head(source, MPEG_FRAME_BYTES)
+    layer = (data[1] >> 1) & 3 if len(data) >= 4 else 0
+    if layer not in MPEG_LAYER_DECODERS or size > MPEG_FRAME_BYTES or data[0] != 0xFF or data[1] & 0xE0 != 0xE0:
+        return None
+    codec = av.CodecContext.create(MPEG_LAYER_DECODERS[layer], "r")
+    try:
+        frames = [frame for packet in [*codec.parse(data), None] for frame in codec.decode(packet)]
+    except av.FFmpegError:
+        return None
+    if not frames:
+        return None
+    resampler = av.AudioResampler(format="fltp", layout=frames[0].layout.name, rate=frames[0].rate)
+    chunks = [out.to_ndarray() for frame in [*frames, None] for out in resampler.resample(frame)]
+    wave = np.concatenate(chunks, axis=1).astype(np.float32, copy=False)
+    return wave, frames[0].rate, 0, wave.shape[1]
 
 
 def _read_past_header(source: str | bytes, fit: Fit | None) -> tuple[np.ndarray, int, int, int] | None:

@@ -8,18 +8,20 @@ chosen, and a second pass seeks to the keyframe before each chosen frame that li
 there, converting only the chosen frames (a long film decodes a few groups of pictures, not every frame; MPEG-PS,
 whose frames FFmpeg mistimes after a seek, is read in one pass that converts only the chosen frames).
 The display matrix is applied as FFmpeg's own tools apply it (phones' portrait clips turned upright, a mirrored clip
-flipped), 10-bit streams are converted to 8-bit RGB, and odd frame sizes are scaled by FFmpeg's swscale (center_crop
-by the picture's shape as shown: anamorphic pixels are not square). A clip of
-fewer frames than asked repeats frames (each time takes the frame shown then). A file FFmpeg cannot open, with no
-video stream (cover art is none), or with no frame that decodes is a `BadFile` naming why; the caller skips it and
-counts it against data.max_bad_fraction.
+flipped; a rotation that is not a quarter turn is rounded to the nearest one, with a warning), 10-bit streams are
+converted to 8-bit RGB, and odd frame sizes are scaled by FFmpeg's swscale (center_crop by the picture's shape as
+shown: anamorphic pixels are not square). A clip of fewer frames than asked repeats frames (each time takes the
+frame shown then). A file FFmpeg cannot open, with no video stream (cover art is none), or with no frame that decodes
+is a `BadFile` naming why; the caller skips it and counts it against data.max_bad_fraction.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import io
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO
@@ -30,6 +32,8 @@ import torch
 from onn.config.data import VideoData
 from onn.data.media import BadFile, decoder_complaint, nonempty
 from onn.errors import UserError
+
+log = logging.getLogger("onn")
 
 # the files the video decoder reads (the sniffer and the listings go by them)
 SUFFIXES = frozenset(
@@ -403,12 +407,33 @@ def _display_matrix(frame) -> np.ndarray | None:
     return matrix if np.hypot(matrix[0], matrix[3]) > 0 and np.hypot(matrix[1], matrix[4]) > 0 else None
 
 
+# FFmpeg's tools call a rotation further than this from a quarter turn odd (fftools' get_rotation warns)
+ODD_ROTATION_DEGREES = 2.0
+
+
 def _quarter_turns(matrix: np.ndarray) -> int:
-    """The matrix's rotation in clockwise quarter turns, 0 to 3: FFmpeg's get_rotation (fftools) to the nearest
-    quarter (phones write exact ones)."""
+    """The matrix's rotation in clockwise quarter turns, 0 to 3: FFmpeg's get_rotation (fftools) rounded to the
+    nearest quarter, as torchcodec rounds it (phones write exact ones; a tie, 45 degrees, keeps the stored width
+    and height). A mirror is kept as it is (_upright). A rotation further than ODD_ROTATION_DEGREES from a quarter
+    is rounded too, with a warning once per angle: ffmpeg/ffplay rotate such a picture by the exact angle into a
+    frame of the stored size, cutting its corners off and filling black, which no clip should learn from."""
     a, b, c, d = matrix[[0, 1, 3, 4]]
-    theta = np.degrees(np.arctan2(b / np.hypot(b, d), a / np.hypot(a, c)))
-    return round(theta / 90) % 4
+    theta = float(np.degrees(np.arctan2(b / np.hypot(b, d), a / np.hypot(a, c))))
+    turns = round(theta / 90)
+    if abs(theta - 90 * turns) > ODD_ROTATION_DEGREES:
+        _warn_odd_rotation(-round(theta), -90 * turns)
+    return turns % 4
+
+
+@functools.cache
+def _warn_odd_rotation(degrees: int, shown: int) -> None:
+    """Said once per angle (and process): a dataset filmed on one odd rig would say it for every frame."""
+    log.warning(
+        "a video's display matrix rotates it by %d degrees (ffprobe's rotation), not a quarter turn: its frames are "
+        "rotated by the nearest quarter turn, %d degrees, instead.",
+        degrees,
+        shown,
+    )
 
 
 def _upright(array: np.ndarray, matrix: np.ndarray) -> np.ndarray:
