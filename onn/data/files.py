@@ -33,7 +33,10 @@ from onn.json_values import strict_json
 SKIP_DIRS = frozenset({"__MACOSX"})  # macOS zip resource forks: never data
 csv.field_size_limit(2**31 - 1)  # a CSV field may hold a whole document; csv refuses one over 128 KB by default
 ARCHIVE_KINDS = ("zip", "tar", "targz")
-HASHED_BYTES = 16 * 2**20  # a file up to this size is keyed by its bytes, a larger one by its size and mtime
+HASHED_BYTES = 16 * 2**20  # a file up to this size is keyed by all its bytes, a larger one by samples of them
+SAMPLED_ENDS = 512 << 10  # a larger file's first and last bytes hashed (a zip's central directory, a tar's headers)
+SAMPLED_BLOCKS = 14  # and this many blocks of SAMPLED_BLOCK spread evenly between them
+SAMPLED_BLOCK = 32 << 10
 # What a damaged archive raises while it is listed or read (gzip.BadGzipFile is an OSError); zipfile raises
 # RuntimeError for an encrypted member and NotImplementedError for a compression method it lacks.
 ARCHIVE_ERRORS = (
@@ -549,10 +552,8 @@ def content_digest(path: str | os.PathLike[str]) -> str:
     A folder: over (relative name, size, mtime_ns) of every file walk_files lists, sorted, since reading every byte
     of 60,000 small files takes too long. A file of up to HASHED_BYTES (a metadata.csv, an IDX file): over its
     bytes, which takes milliseconds and sees a rewrite that kept its size within a coarse clock tick (FAT's 2 s,
-    HFS+'s 1 s). A larger file (a zip or tar.gz of the dataset): over its resolved path, size and mtime_ns, as a
-    folder's files are keyed: hashing a 50 GB archive read it end to end before every run began. Not the change
-    time, which every copy sets: a dataset copied to each job's scratch with its mtimes kept (cp -a, rsync -a)
-    shares one cache entry, at the price of not seeing a rewrite of the same size whose mtime was put back. A file
+    HFS+'s 1 s). A larger file (a zip or tar.gz of the dataset): over samples of its bytes and its stat
+    (sampled_key), not all of them: hashing a 50 GB archive read it end to end before every run began. A file
     this process may not read is keyed as such (file_key): a chmod that makes it readable leaves its size and mtime.
     """
     h = hashlib.sha256()
@@ -562,10 +563,29 @@ def content_digest(path: str | os.PathLike[str]) -> str:
         return h.hexdigest()
     st = os.stat(path)
     if stat.S_ISREG(st.st_mode) and st.st_size > HASHED_BYTES:
-        h.update(f"file\0{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        sampled_key(h, path)
     else:
         update_hash(h, path)
     return h.hexdigest()
+
+
+def sampled_key(h: Any, path: str | os.PathLike[str]) -> None:
+    """Feed a large file's key to a hashlib object: its resolved path, size, mtime_ns and inode, and its first and
+    last SAMPLED_ENDS bytes with SAMPLED_BLOCKS blocks spread between them (under 1.5 MiB read). Size and mtime alone
+    reused a stale cache for an archive replaced by one of the same size with its mtime kept (cp -p, rsync -t, a
+    release unpacked); the samples see a changed zip's central directory (every member's CRC) and most rewrites,
+    and the inode a file renamed into place. Not the change time, which every copy sets."""
+    with open_regular(path) as f:
+        st = os.fstat(f.fileno())
+        size = st.st_size
+        h.update(f"file\0{os.path.realpath(path)}\0{size}\0{st.st_mtime_ns}\0{st.st_ino}\0".encode())
+        step = (size - 2 * SAMPLED_ENDS) // (SAMPLED_BLOCKS + 1)
+        samples = [(0, SAMPLED_ENDS)]
+        samples += [(SAMPLED_ENDS + k * step, SAMPLED_BLOCK) for k in range(1, SAMPLED_BLOCKS + 1)]
+        samples.append((size - SAMPLED_ENDS, SAMPLED_ENDS))
+        for offset, length in samples:
+            f.seek(offset)
+            h.update(f.read(length))
 
 
 def file_key(name: str, path: str | os.PathLike[str]) -> str:

@@ -35,12 +35,17 @@ MIN_PAIRS = 4  # two to train on, two to hold out
 
 
 def materialize(entries: list[Entry], stage: Path) -> list[Path | str]:
-    """What a side reads: files as they are, captions as their text, tar members written under stage."""
+    """What a side reads: files as they are, captions as their text, tar members written under stage (a caption
+    member from the bytes the listing read, which key the cache: a later rewrite of the shard is not decoded)."""
     out: list[Path | str] = []
     wanted: dict[Path, dict[str, int]] = {}
     for i, entry in enumerate(entries):
         out.append(entry.path if entry.path is not None else entry.text if entry.text is not None else Path())
-        if entry.shard is not None:
+        if entry.data is not None:
+            caption = stage / f"{i:07d}{Path(entry.member or '').suffix.lower()}"
+            caption.write_bytes(entry.data)
+            out[i] = caption
+        elif entry.shard is not None:
             wanted.setdefault(entry.shard, {})[entry.member] = i
     for shard, members in wanted.items():
         for member in iter_members(shard):  # one pass per shard, in stored order
@@ -98,12 +103,15 @@ def decode_pairs(
 
 def named_files_digest(listing: Listing) -> str:
     """A digest of the files a listing's entries name, by file_key as content_digest keys a folder:
-    a replaced image changes it where the metadata file naming it does not change."""
+    a replaced image changes it where the metadata file naming it does not change. A shard's caption by its bytes:
+    a shard rewritten with a caption changed keeps its size (tar pads members to 512 bytes), and often its mtime."""
     h = hashlib.sha256()
     for entries in listing.entries.values():
         for entry in entries:
             if entry.path is not None:
                 h.update(file_key(entry.name, entry.path).encode())
+            elif entry.data is not None:
+                h.update(f"{entry.name}\0{len(entry.data)}\0".encode() + entry.data)
     return h.hexdigest()
 
 
@@ -122,11 +130,12 @@ def side_keys(listing: Listing, pairs: list[int]) -> list[list[int]]:
 
 
 def identity(modality: str, entry: Entry) -> tuple[str, str]:
-    """What makes two items of a side one answer: a text's words (a caption, or a .txt file's), else the file."""
+    """What makes two items of a side one answer: a text's words (a caption, a .txt file's or shard member's), else
+    the file."""
     text = entry.text
-    if text is None and modality == TEXT and entry.path is not None:
+    if text is None and modality == TEXT and (entry.path is not None or entry.data is not None):
         try:
-            text = read_file(entry.path).decode("utf-8-sig")
+            text = (entry.data if entry.data is not None else read_file(entry.path)).decode("utf-8-sig")
         except (OSError, UnicodeDecodeError):  # left out of the pairs when decoded: its name will do
             text = None
     return ("text", " ".join(text.split())) if text is not None else ("file", entry.name)

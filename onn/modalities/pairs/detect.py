@@ -38,7 +38,7 @@ from onn.data.files import (
     walk_files,
 )
 from onn.errors import UserError
-from onn.modalities.pairs.sides import TEXT, modality_of, modality_of_bytes
+from onn.modalities.pairs.sides import TEXT, TEXT_SUFFIXES, modality_of, modality_of_bytes
 
 log = logging.getLogger("onn")
 
@@ -67,6 +67,7 @@ class Entry:
     shard: Path | None = None
     member: str | None = None  # the member's name as stored in the shard
     text: str | None = None
+    data: bytes | None = None  # a shard's caption member's bytes, read as the shard is listed (see _shard_items)
 
 
 @dataclass
@@ -185,7 +186,9 @@ def _by_stem(files: list[tuple[str, Path]], wanted: tuple[str, str] | None, limi
 
 
 def _shard_items(rel: str, shard: Path, items: list, examples: dict, notes: list[str], limit: int | None) -> None:
-    """The members of a tar shard as (key, suffix, entry); a damaged shard keeps the members before the damage."""
+    """The members of a tar shard as (key, suffix, entry); a damaged shard keeps the members before the damage. A
+    caption member's bytes are read here, into its entry: keyed by its name, a caption rewritten in a shard of the
+    same size and mtime was read from the stale decoded cache."""
     count = 0
     try:
         for member in iter_members(shard):
@@ -195,14 +198,19 @@ def _shard_items(rel: str, shard: Path, items: list, examples: dict, notes: list
             suffix = _suffix(member.name)
             if not suffix:
                 continue
-            if suffix not in examples:  # a longer member's head: a 100 MB video's suffix was not known (a KeyError)
+            data = None
+            if suffix in TEXT_SUFFIXES:  # a caption's bytes key the decoded cache and its identity, not its name
+                with member.open() as f:
+                    data = f.read()
+                examples.setdefault(suffix, data)
+            elif suffix not in examples:  # a longer member's head: a 100 MB video's suffix was not known (a KeyError)
                 with member.open() as f:
                     examples[suffix] = f.read(EXAMPLE_BYTES)
             items.append(
                 (
                     f"{rel}/{member.name[: -len(suffix)]}",
                     suffix,
-                    Entry(f"{rel}/{member.name}", shard=shard, member=member.raw),
+                    Entry(f"{rel}/{member.name}", shard=shard, member=member.raw, data=data),
                 )
             )
             count += 1
