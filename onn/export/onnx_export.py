@@ -331,9 +331,12 @@ def set_metadata(output: Path, props: dict[str, str], doc: str | None = None) ->
     if doc is not None:
         model.doc_string = doc
     onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, **props})
-    staged = output.with_name(f".{output.name}.described")
-    onnx.save(model, str(staged))
-    os.replace(staged, output)
+    staged = Path(temp_prefix(output) + ".described")  # a killed run's is swept by the next export (sweep_leftovers)
+    try:
+        onnx.save(model, str(staged))
+        os.replace(staged, output)
+    finally:
+        staged.unlink(missing_ok=True)
 
 
 def traceable(model, sample: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -695,13 +698,23 @@ def move_into_place(graph: Path, output: Path) -> None:
     """Move a staged export (`graph` and the weights files beside it) to `output`: the weights first, under names of
     their own, then the graph in one rename, then the weights the replaced graph named. Stopped at any point,
     `output` is the earlier graph beside its weights or the new one beside its own, never one graph beside the
-    other's weights; another export's weights beside it (one writing the same path at once) are left alone."""
+    other's weights; another export's weights beside it (one writing the same path at once) are left alone. Stopped
+    by an error or Ctrl-C before the graph's rename, the weights it moved go again: beside the earlier export they
+    were gigabytes no graph names (a kill leaves them, as it leaves the staging folder)."""
     weights = [f.name for f in graph.parent.iterdir() if f != graph]
     replaced = replaced_weights(output)
-    for name in weights:
-        os.replace(graph.parent / name, output.parent / name)
-    failpoints.reached("export_write")
-    os.replace(graph, output)
+    moved: list[Path] = []
+    try:
+        for name in weights:
+            moved.append(output.parent / name)  # (a name of its own: staged_name) listed first, then moved
+            os.replace(graph.parent / name, moved[-1])
+        failpoints.reached("export_write")
+        os.replace(graph, output)
+    except BaseException:
+        if graph.exists():  # not renamed: no graph at `output` names the moved weights
+            for path in moved:
+                path.unlink(missing_ok=True)
+        raise
     for stale in replaced:
         if stale.name not in weights:
             stale.unlink(missing_ok=True)

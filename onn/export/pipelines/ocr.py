@@ -186,22 +186,18 @@ def _cut(ink: np.ndarray, box: tuple[int, int, int, int], letter: float) -> list
     whichever is wider (down only where COLUMN_GAP letters wide), and each piece cut again; a part with no such
     stripe is one line, or nothing when under 4 rows (a speck). Only the widest (within half a `letter` height, or
     a quarter, of the widest): a heading above two columns is cut off first, then the columns, then their lines
-    (cutting at every blank row first read two columns' lines in turns). A row or column of the part holds ink
-    when more than SPECK of it does (dust is no line, nor blocks a gutter)."""
+    (cutting at every blank row first read two columns' lines in turns). A part that is one line is not cut down
+    (`_line`): its wide gap is a tab's or a table row's, and cut there the line was read as two. A row or
+    column of the part holds ink when more than SPECK of it does (dust is no line, nor blocks a gutter)."""
     x0, y0, x1, y1 = box
     region = ink[y0:y1, x0:x1]
     rows, cols = region.mean(1) > SPECK, region.mean(0) > SPECK
     across = _stripes(rows)
-    down = [(start, end) for start, end in _stripes(cols) if end - start >= COLUMN_GAP * letter]
+    down = _gutters(cols, letter) if across else []  # one line's wide gap (a tab, a table row's) is no gutter
     widest_across = max((end - start for start, end in across), default=0)
     widest_down = max((end - start for start, end in down), default=0)
     if not widest_across and not widest_down:
-        filled = np.nonzero(rows)[0]
-        if len(filled) == 0 or filled[-1] + 1 - filled[0] < 4:
-            return []
-        top, bottom = int(filled[0]), int(filled[-1]) + 1
-        inked = np.nonzero(region[top:bottom].any(0))[0]
-        return [(x0 + int(inked[0]), y0 + top, x0 + int(inked[-1]) + 1, y0 + bottom)]
+        return _line(region, cols, letter, x0, y0)
     widest = max(widest_down, widest_across)
     near = widest - max(letter / 2, widest / 4)  # the quarter: few levels of cuts, whatever the gaps
     if widest_down > widest_across:
@@ -211,6 +207,43 @@ def _cut(ink: np.ndarray, box: tuple[int, int, int, int], letter: float) -> list
         spans = _pieces(rows.size, [(start, end) for start, end in across if end - start >= near])
         pieces = [(x0, y0 + start, x1, y0 + end) for start, end in spans]
     return [line for piece in pieces for line in _cut(ink, piece, letter)]
+
+
+def _line(region: np.ndarray, cols: np.ndarray, letter: float, x0: int, y0: int) -> list[tuple[int, int, int, int]]:
+    """The box of a part of the page that is one line (at x0, y0), or none: its pieces between blank stripes
+    COLUMN_GAP letters wide (a tab's gap, a table row's) joined, less those under 4 rows high (specks of dust
+    beside it, or the whole part: a speck is no line)."""
+    wide = [(start, end) for start, end in _stripes(cols) if end - start >= COLUMN_GAP * letter]
+    boxes = []
+    for start, end in _pieces(cols.size, wide):
+        piece = region[:, start:end]
+        filled = np.nonzero(piece.mean(1) > SPECK)[0]
+        if len(filled) == 0 or filled[-1] + 1 - filled[0] < 4:
+            continue
+        top, bottom = int(filled[0]), int(filled[-1]) + 1
+        inked = np.nonzero(piece[top:bottom].any(0))[0]
+        boxes.append((x0 + start + int(inked[0]), y0 + top, x0 + start + int(inked[-1]) + 1, y0 + bottom))
+    if not boxes:
+        return []
+    return [(min(b[0] for b in boxes), min(b[1] for b in boxes), max(b[2] for b in boxes), max(b[3] for b in boxes))]
+
+
+def _gutters(cols: np.ndarray, letter: float) -> list[tuple[int, int]]:
+    """The blank stripes down a part of the page that are column gutters: COLUMN_GAP letters wide, with text
+    wider than the stripe on each side (a column of print is wider than its gutter). A table's wide gap between
+    short cells is none: cut down there, its rows were read cell column after cell column, and a short heading
+    above the table went with the cells under it (one over the right cells was read after the left's). A stripe
+    beside a speck of dust is none either, and the speck then lies within the column beside it."""
+    wide = [(start, end) for start, end in _stripes(cols) if end - start >= COLUMN_GAP * letter]
+    filled = np.nonzero(cols)[0]
+    while wide:
+        spans = [filled[(filled >= a) & (filled < b)] for a, b in _pieces(cols.size, wide)]
+        widths = [int(inked[-1]) + 1 - int(inked[0]) for inked in spans]
+        kept = [(a, b) for (a, b), left, right in zip(wide, widths, widths[1:]) if min(left, right) > b - a]
+        if kept == wide:
+            break
+        wide = kept
+    return wide
 
 
 def _stripes(filled: np.ndarray) -> list[tuple[int, int]]:
