@@ -69,8 +69,12 @@ class DiffusionModality(Modality):
             raise UserError("export=omny is not available for a diffusion denoiser; use export=onnx or safetensors.")
         self._check_sampling(config)
         size = config.data.image_size
-        if size is not None and (len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size)):
-            raise UserError(f"data.image_size={size}: give [height, width] in pixels, each 1 or more (or null).")
+        # one side is a square, as the image modality reads it (onn.models.zoo.sizes.image_sides)
+        if size is not None and (len(size) not in (1, 2) or not all(isinstance(v, int) and v > 0 for v in size)):
+            raise UserError(
+                f"data.image_size={size}: give [height, width] in pixels (or [side] for a square), each 1 or more "
+                "(or null)."
+            )
 
     @staticmethod
     def _check_sampling(config: ONNConfig) -> None:

@@ -39,6 +39,7 @@ from onn.modalities.diffusion.sample import draw, sampling_scheduler, write_samp
 from onn.modalities.image.dataset import ImageDataModule, as_trained
 from onn.modalities.image.formats import list_items
 from onn.modalities.image.modality import first_image, trained_inputs
+from onn.models.zoo.sizes import image_sides
 from onn.planning.plan import make_plan
 from onn.planning.spec import network_spec
 from onn.streaming import seeded
@@ -61,7 +62,7 @@ def planned_shape(config: ONNConfig) -> list[int]:
     data: ImageData = config.data
     if data.image_size:
         channels = data.channels if isinstance(data.channels, int) else sized_channels(data)
-        return [int(channels or 1), *[int(v) for v in data.image_size]]
+        return [int(channels or 1), *image_sides(data.image_size)]  # [side]: a square, as the data module decodes
     found = first_image(data)
     channels = data.channels if isinstance(data.channels, int) else found.channels if found else 1
     return [int(channels), *(found.size if found else [32, 32])]

@@ -20,6 +20,7 @@ import lightning as L
 import torch
 
 from onn.config.data import GraphData
+from onn.data.files import same_path
 from onn.data.resident import (
     ResidentBatches,
     class_order,
@@ -136,6 +137,7 @@ class GraphDataModule(L.LightningDataModule):
         self.classes: list[str] = []
         self.skipped: list[str] = []
         self.streamed = None  # graphs are always held in memory
+        self.scored_on_training: list[str] = []  # data.val_source/test_source whose split is the training data
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -187,6 +189,9 @@ class GraphDataModule(L.LightningDataModule):
             if other:
                 found = self.read(str(other), f"data.{split}_source")
                 sets[split] = split_of(found, split)
+                # data.source itself, without a split folder of that name: the very graphs trained on
+                if same_path(str(other), source) and sets[split] is split_of(found, "train", fallback=False):
+                    self.scored_on_training.append(f"data.{split}_source")
         train = sets.pop("train", None) or sets.pop("all", None)
         if train is None or not train.graphs:
             raise UserError(f"data.source={source} has no training graphs (found splits: {', '.join(sets) or 'none'}).")
@@ -248,6 +253,8 @@ class GraphDataModule(L.LightningDataModule):
         if self.cfg.val_source:  # task=eval of a given graph (modality.scores_whole_graph): all its labelled nodes
             labelled = graph.y >= 0
             masks = {"train": labelled, "val": labelled, "test": torch.zeros_like(labelled)}
+            if str(self.cfg.val_source) == source or same_path(str(self.cfg.val_source), source):
+                self.scored_on_training.append("data.val_source")
         else:
             masks = self._node_masks(graph, f"{name} in data.source")
         for key in ("train_mask", "val_mask", "test_mask"):
@@ -314,6 +321,16 @@ class GraphDataModule(L.LightningDataModule):
 
     # -- loaders ----------------------------------------------------------------------------------
     def train_dataloader(self):
+        if self.scored_on_training:  # task=eval of a given data.source sets data.val_source to it, and trains nothing
+            log.warning(
+                "%s is data.source itself (%s): the model is scored on the %s it trains on, so those figures "
+                "measure memorising, not held-out accuracy; unset it to hold out data.val_split of data.source, "
+                "or point it at other data",
+                " and ".join(self.scored_on_training),
+                self.cfg.source,
+                "nodes" if self.cfg.level == "node" else "graphs",
+            )
+            self.scored_on_training = []
         rank, world = trainer_ranks(self.trainer)
         return GraphBatches(
             self.splits["train"],
