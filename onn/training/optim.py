@@ -6,7 +6,9 @@ and nesterov (sgd), schedule and its settings, warmup_steps, clip_grad_norm.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 from onn.config import OptimConfig
@@ -132,15 +134,18 @@ def decay_groups(params: list, weight_decay: float) -> list[dict[str, Any]]:
 def make_schedule(optimizer, optim: OptimConfig, total_steps: int, monitor: str, epochs: bool = True) -> dict[str, Any]:
     """Lightning's lr_scheduler config for optim.schedule over a run of `total_steps` optimizer steps.
 
-    Warm-up (every schedule's but onecycle's, which warms up over pct_start) is clamped to the run's length; a run of
-    one step has none: transformers' warm-up trains its first step at rate 0, so that step would change nothing.
+    Warm-up (every schedule's but onecycle's, which warms up over pct_start) trains step s (from 0) at
+    lr x (s + 1) / (warmup_steps + 1) and reaches the full rate at step warmup_steps: no step trains at rate 0
+    (transformers' own warm-up trains its first at 0, a step that changes nothing). It is clamped to the run's
+    length, so a run shorter than it warms up all along (a 1-step smoke run trains at lr / 2). After the warm-up,
+    cosine and linear decay as transformers' do, to 0 after the last step (shifted, see one_step_on).
     `monitor` is the metric the plateau schedule watches (task.monitor); `epochs` is False for runs that stream
     without epochs, where the per-epoch schedules never step."""
     import torch
 
     check(optim)
     schedule, total = optim.schedule, max(int(total_steps), 1)
-    warmup = min(int(optim.warmup_steps), total) if total > 1 else 0
+    warmup = min(int(optim.warmup_steps), total)
     if schedule in EPOCH_SCHEDULES and not epochs:
         raise UserError(
             f"optim.schedule={schedule} steps once per epoch, and this run streams its data without epochs; "
@@ -150,7 +155,8 @@ def make_schedule(optimizer, optim: OptimConfig, total_steps: int, monitor: str,
         from transformers import get_scheduler
 
         kind = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[schedule]
-        scheduler = get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+        # one step longer, read one step on: its rate 0 at step 0 is never trained (one_step_on)
+        scheduler = get_scheduler(kind, optimizer, num_warmup_steps=warmup + 1, num_training_steps=total + 1)
         return {"scheduler": follows_this_run(scheduler), "interval": "step"}
     if schedule == "onecycle":
         return {"scheduler": one_cycle(optimizer, float(optim.lr), total, float(optim.pct_start)), "interval": "step"}
@@ -214,10 +220,11 @@ def per_epoch(schedule: type, warmup_steps: int) -> type:
 
 
 def follows_this_run(scheduler):
-    """transformers' schedule (a LambdaLR over this run's length) that, resumed, sets the rate of its step along this
-    run's length. Its state holds no length, so a run resumed with a larger trainer.max_steps stretches the schedule,
-    but Lightning restores the optimizer first, with the saved run's rate, and the first resumed step trained at it
-    (a warm-up of 2 steps ended at the full rate where the longer run's was half way)."""
+    """transformers' schedule (a LambdaLR over this run's length, read one step on: one_step_on) that, resumed, sets
+    the rate of its step along this run's length. Its state holds no length, so a run resumed with a larger
+    trainer.max_steps stretches the schedule, but Lightning restores the optimizer first, with the saved run's rate,
+    and the first resumed step trained at it (a warm-up of 2 steps ended at the full rate where the longer run's was
+    half way)."""
     import torch
 
     class FollowsThisRun(torch.optim.lr_scheduler.LambdaLR):
@@ -226,7 +233,14 @@ def follows_this_run(scheduler):
             self.last_epoch -= 1
             self.step()  # the same step again: its rate along this run's length into the optimizer
 
-    return FollowsThisRun(scheduler.optimizer, scheduler.lr_lambdas)
+    return FollowsThisRun(scheduler.optimizer, [functools.partial(one_step_on, f) for f in scheduler.lr_lambdas])
+
+
+def one_step_on(lr_lambda: Callable[[int], float], step: int) -> float:
+    """transformers' rate factor of the step after `step`: over a warm-up of warmup + 1 steps and a run of total + 1,
+    step s trains at (s + 1) / (warmup + 1) of the rate, as per_epoch's warm-up does, and the decay after it is
+    transformers' over total steps unchanged ((s - warmup) / (total - warmup) of the way)."""
+    return lr_lambda(step + 1)
 
 
 def one_cycle(optimizer, lr: float, total: int, pct_start: float):
