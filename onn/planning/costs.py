@@ -231,15 +231,20 @@ def token_flops(spec: ModelSpec, seq: int) -> tuple[list[int], int]:
     return per_block, 2 * (spec.head_weights or spec.vocab * spec.hidden) if spec.vocab else 2 * spec.suffix_params
 
 
-def kv_cache_elements(spec: ModelSpec, length: int) -> int:
-    """Elements one sequence of `length` tokens holds in the KV cache, summed over the blocks: each block's width
-    per token (kv_cache_per_block: a latent attention's compressed latent, not every head's keys and values) over
-    the tokens it keeps (a sliding window's at most)."""
+def kv_cache_elements(spec: ModelSpec, prompt: int, new: int = 0) -> int:
+    """Elements one sequence of a `prompt` and `new` generated tokens holds in the KV cache, summed over the blocks:
+    each block's width per token (kv_cache_per_block: a latent attention's compressed latent, not every head's keys
+    and values) over the tokens it keeps (a sliding window's at most). A decoder-only model caches the prompt and the
+    new tokens; an encoder-decoder's (kv_cross_per_block) prompt is its encoder's input, which each decoder block's
+    cross-attention caches, and its decoder's self-attention caches the new tokens."""
     widths = spec.kv_cache_per_block or [2 * spec.kv_dim] * spec.n_blocks
     windows = spec.kv_window_per_block or [0] * len(widths)
-    return sum(
+    cross = spec.kv_cross_per_block or []
+    length = new if cross else prompt + new
+    own = sum(
         width * (min(window, length) if window else length) for width, window in zip(widths, windows, strict=True)
     )
+    return own + sum(cross) * prompt
 
 
 def layer_activation_elements(spec: ModelSpec) -> int:

@@ -73,6 +73,9 @@ class ModelSpec:
     # sliding window's; 0: every token); None: 2 x kv_dim in every block, over every token
     kv_cache_per_block: list[int] | None = None
     kv_window_per_block: list[int] | None = None
+    # encoder-decoder language models (T5, BART): what each decoder block's cross-attention caches per token of the
+    # encoder's input (elements); kv_cache_per_block is then the decoder blocks' self-attention; None: no encoder
+    kv_cross_per_block: list[int] | None = None
     head_weights: int = 0  # language models: the weights a token multiplies through after the blocks; 0: vocab x hidden
 
     @property
@@ -103,6 +106,7 @@ def _spec_cache_path(model_cfg: LanguageModelConfig, lora_rank: int, cache_dir: 
         "layer_map": model_cfg.layer_map.blocks,
         "lora_rank": lora_rank,
         "pretrained": is_pretrained(model_cfg),
+        "own_tokenizer": _folder_files(_own_tokenizer_folder(model_cfg)),  # it may resize the embeddings
         "name": model_cfg.name,
         "transformers": version("transformers"),
         "fields": [f.name for f in fields(ModelSpec)],  # a spec of another ONN version's shape is measured again
@@ -130,6 +134,7 @@ def _measure_spec(model_cfg: LanguageModelConfig, lora_rank: int) -> ModelSpec:
             seen.add(id(p))
             params += p.numel()
     linear = [[size for m in b.modules() if (size := _linear_size(m))] for b in lmap.blocks]
+    self_cache, cross_cache = _kv_caches(config, heads, head_dim, hidden, len(lmap.blocks))
     return ModelSpec(
         name=str(model_cfg.name),
         params=params,
@@ -150,8 +155,9 @@ def _measure_spec(model_cfg: LanguageModelConfig, lora_rank: int) -> ModelSpec:
             for b, found in zip(lmap.blocks, experts, strict=True)
         ],
         attention_dim=attention_dim,
-        kv_cache_per_block=[_kv_cache_width(config, heads, head_dim)] * len(lmap.blocks),
-        kv_window_per_block=_kv_windows(config, len(lmap.blocks)),
+        kv_cache_per_block=self_cache,
+        kv_window_per_block=_kv_windows(config, len(self_cache)),
+        kv_cross_per_block=cross_cache,
         head_weights=_head_weights(config, hidden),
     )
 
@@ -160,12 +166,8 @@ def fit_own_tokenizer(model_cfg: LanguageModelConfig, model) -> None:
     """The meta model's token embeddings resized as load() resizes a folder's (resize_own_embeddings) where its own
     tokenizer gives ids past them (tokens added, the model saved without resizing): the plan counted config.json's
     rows, short of the parameters, memory and logits the run holds."""
-    kind = source_kind(model_cfg.source)
-    if model_cfg.tokenizer or kind not in ("folder", "hub") or not hasattr(model, "resize_token_embeddings"):
-        return  # (a tokenizer ONN pairs with the model is refused where it outgrows it, not resized)
-    try:
-        folder = expand(model_cfg.source) if kind == "folder" else hub_folder(model_cfg.source)
-    except UserError:  # a hub model not downloaded here, planned from model.architecture: no tokenizer to read
+    folder = _own_tokenizer_folder(model_cfg)
+    if folder is None or not hasattr(model, "resize_token_embeddings"):
         return
     tokenizer = tokenizer_from(folder, model_cfg.trust_remote_code)
     try:
@@ -175,6 +177,28 @@ def fit_own_tokenizer(model_cfg: LanguageModelConfig, model) -> None:
     ids = max(tokenizer.get_vocab().values()) + 1 if tokenizer is not None else 0
     if isinstance(rows, int) and ids > rows:
         model.resize_token_embeddings(ids, mean_resizing=False)  # (meta rows have no mean to draw new ones from)
+
+
+def _own_tokenizer_folder(model_cfg: LanguageModelConfig) -> str | None:
+    """The folder whose own tokenizer fit_own_tokenizer reads: a folder's or a downloaded hub model's, unless
+    model.tokenizer names another (a tokenizer ONN pairs with the model is refused where it outgrows it, not resized);
+    None for any other source, and for a hub model not downloaded here (planned from model.architecture)."""
+    kind = source_kind(model_cfg.source)
+    if model_cfg.tokenizer or kind not in ("folder", "hub"):
+        return None
+    try:
+        return expand(model_cfg.source) if kind == "folder" else hub_folder(model_cfg.source)
+    except UserError:
+        return None
+
+
+def _folder_files(folder: str | None) -> list[tuple[str, int, int]]:
+    """(name, size, mtime) of each file in `folder`, for the spec cache's key: a tokenizer saved with tokens added
+    changes them, and the spec it resized the embeddings for is measured again (stat only: no tokenizer is read)."""
+    if folder is None:
+        return []
+    files = sorted(p for p in Path(folder).iterdir() if p.is_file())
+    return [(p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in files]
 
 
 # the config keys of a mixture of experts' routed expert count: Mixtral, PhiMoE | Qwen-MoE, OLMoE | DeepSeek
@@ -275,6 +299,21 @@ def _kv_cache_width(config, heads: int, head_dim: int) -> int:
     if getattr(config, "new_decoder_architecture", False):
         return 2 * heads * head_dim
     return 2 * _kv_heads(config, heads) * head_dim
+
+
+def _kv_caches(config, heads: int, head_dim: int, hidden: int, n_blocks: int) -> tuple[list[int], list[int] | None]:
+    """Each decoder block's KV cache width per token, and an encoder-decoder's cross-attention cache width per token
+    of the encoder's input (None for a decoder-only model). transformers caches, in each of an encoder-decoder's
+    decoder layers, its self-attention's keys and values over the tokens generated and its cross-attention's over the
+    encoder's output, both with the decoder's heads (BART's decoder_attention_heads, not num_attention_heads: the
+    encoder's), in num_decoder_layers (T5) or decoder_layers (BART) blocks, which need not be the LayerMap's."""
+    if not getattr(config, "is_encoder_decoder", False):
+        return [_kv_cache_width(config, heads, head_dim)] * n_blocks, None
+    heads = _cfg_int(config, "decoder_attention_heads", default=heads)
+    head_dim = _cfg_int(config, "head_dim", default=hidden // heads)
+    width = 2 * _kv_heads(config, heads) * head_dim
+    layers = _cfg_int(config, "num_decoder_layers", "decoder_layers", default=n_blocks)
+    return [width] * layers, [width] * layers
 
 
 def _kv_windows(config, n_blocks: int) -> list[int]:

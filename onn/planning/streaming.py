@@ -466,8 +466,9 @@ def generation(s: StreamShape, best: Setting) -> dict[str, Any]:
     eval_tokens = s.fixed.eval_tokens
     if eval_tokens is None:
         eval_tokens = max(s.micro_batch * s.seq, min(1_000_000, left // (2 * spec.hidden * cb + 1)))
-    length = s.seq + 64
-    per_sequence = (kv_cache_elements(spec, length) + 2 * spec.hidden * length) * cb + spec.vocab * 4
+    new_tokens = 64
+    length = s.seq + new_tokens
+    per_sequence = (kv_cache_elements(spec, s.seq, new_tokens) + 2 * spec.hidden * length) * cb + spec.vocab * 4
     generate_batch = int(max(1, min(256, left // max(per_sequence, 1))))
     codes = not s.on_gpu and generates_from_codes(best.store_dtype, "cpu", s.cdtype)
     g = stream_memory(s, best.store_dtype, best.store, best.edges, best.activations, 1, 0, decoded=not codes)
