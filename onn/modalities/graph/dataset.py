@@ -68,6 +68,14 @@ def node_labels(y: torch.Tensor, where: str) -> torch.Tensor:
     return y
 
 
+def every_graph(found: dict[str, Graphs]) -> Graphs:
+    """Every split of a source as one: task=eval scores all of a data.source the command line gives (it sets
+    data.val_source to it: onn.app.score_all_given), its train/ and test/ folders alike, as resident.every_split
+    joins an image source's. Its skipped files are counted with data.source's own read."""
+    parts = list(found.values())
+    return Graphs([g for p in parts for g in p.graphs], parts[0].classes, [n for p in parts for n in p.names], [])
+
+
 def as_batch(graphs: list) -> tuple:
     """(Batch, labels) of graphs and their graph labels (a node-level split's batch is made once: _setup_nodes)."""
     from torch_geometric.data import Batch
@@ -188,11 +196,15 @@ class GraphDataModule(L.LightningDataModule):
         for split, other in (("val", self.cfg.val_source), ("test", self.cfg.test_source)):
             if other:
                 found = self.read(str(other), f"data.{split}_source")
-                sets[split] = split_of(found, split)
+                scores_all = split == "val" and str(other) == source  # task=eval of a given data.source
+                sets[split] = every_graph(found) if scores_all else split_of(found, split)
                 # data.source itself, without a split folder of that name: the very graphs trained on
-                if same_path(str(other), source) and sets[split] is split_of(found, "train", fallback=False):
+                trained = split_of(found, "train", fallback=False)
+                if same_path(str(other), source) and (scores_all or sets[split] is trained):
                     self.scored_on_training.append(f"data.{split}_source")
         train = sets.pop("train", None) or sets.pop("all", None)
+        if train is None and str(self.cfg.val_source or "") == source:  # task=eval of a folder of test/ alone
+            train = sets["val"]  # (its classes and node features, as a source without split folders gives)
         if train is None or not train.graphs:
             raise UserError(f"data.source={source} has no training graphs (found splits: {', '.join(sets) or 'none'}).")
         sets["train"] = train
