@@ -52,6 +52,7 @@ SIDECARS = frozenset(
 )
 MANIFESTS = ("metadata.csv", "metadata.jsonl")
 FILE_COLUMNS = ("file_name", "filename", "file", "path")
+FOLDER_LAYOUT = "CLASS/FILE, or train/CLASS/FILE and test/CLASS/FILE (val/ too)"
 KEPT_OPEN = 8  # zip archives whose handles ZipSource keeps open
 
 
@@ -272,12 +273,29 @@ def _split(parts: list[str]) -> str:
     return SPLITS.get(parts[0].lower(), "all") if len(parts) > 1 else "all"
 
 
+def split_folders(parts: list[list[str]], where: str, key: str, layout: str) -> set[str]:
+    """The split folders (lowercased train, val, test, ...) at the top of names split on "/", or none when there are
+    none or they are classes: a split-named folder holding files directly beside class folders is a class
+    (CIFAR-100's `train`). Split folders holding class folders beside other folders are refused: read as classes,
+    test/ became a class of every class's test files, trained on. The rule image folders (folder.py) follow too."""
+    tops = {p[0].lower() for p in parts if len(p) >= 2}
+    splits = {t for t in tops if t in SPLITS}
+    if not splits or splits == tops:
+        return splits
+    if not splits & {p[0].lower() for p in parts if len(p) >= 3}:
+        return set()
+    raise UserError(
+        f"{key}: {where} mixes split folders ({', '.join(sorted(splits))}) with other folders "
+        f"({', '.join(sorted(tops - splits))}); expected {layout}."
+    )
+
+
 def _folder_labels(media: dict, key: str, path: Path, allow_unlabelled: bool) -> list[MediaFile]:
     names = list(media)
     skip = _strip_wrapper(names)
     out = []
-    split_folders = {n.split("/")[skip].lower() for n in names if len(n.split("/")) > skip + 1}
-    use_splits = bool(split_folders) and split_folders <= set(SPLITS)
+    where = f"{path}/{names[0].split('/')[0]}" if skip else str(path)
+    use_splits = bool(split_folders([n.split("/")[skip:] for n in names], where, key, FOLDER_LAYOUT))
     for name in names:
         parts = name.split("/")[skip:]
         split = "all"

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from onn.data.files import ARCHIVE_ERRORS, archive_kind, is_hidden, iter_members, read_head, reported, walk_files
-from onn.data.labelled import same_text
+from onn.data.labelled import same_text, split_folders
 from onn.errors import UserError
 from onn.modalities.image.formats.common import (
     HELP,
@@ -146,15 +146,8 @@ def _tree_layout(names: list[str], where: str, allow_unlabelled: bool, key: str)
     if len(firsts) == 1 and parts[0][0].lower() not in SPLITS and min(len(p) for p in parts) >= 3:
         parts = [p[1:] for p in parts]
         where = f"{where}/{names[0].split('/')[0]}"
-    tops = {p[0].lower() for p in parts if len(p) >= 2}
-    split_tops = {t for t in tops if t in SPLITS}
-    if split_tops and split_tops != tops and not split_tops & {p[0].lower() for p in parts if len(p) >= 3}:
-        split_tops = set()  # CLASS/IMAGE with a class named like a split (CIFAR-100's `train`), holding images
-    if split_tops and split_tops != tops:
-        raise UserError(
-            f"{key}: {where} mixes split folders ({', '.join(sorted(split_tops))}) with other folders "
-            f"({', '.join(sorted(tops - split_tops))}); expected {LAYOUT}."
-        )
+    # CLASS/IMAGE with a class named like a split (CIFAR-100's `train`) holding images; split folders beside classes
+    split_tops = split_folders(parts, where, key, LAYOUT)
     groups: dict[str, list[int]] = {}
     depth = 1 if split_tops else 0
     for i, p in enumerate(parts):
