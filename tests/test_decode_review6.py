@@ -154,12 +154,14 @@ def _png16(grey: np.ndarray, alpha: np.ndarray) -> bytes:
 
 def test_a_16_bit_grey_alpha_png_is_grey_under_channels_auto():
     """Pillow opens a 16-bit grey+alpha PNG as RGBA, so channels=auto counted it (and its whole data set) as
-    colour; it is grey now, alpha dropped as for an 8-bit LA picture."""
+    colour; it is grey now, transparency laid on white as for an 8-bit LA picture."""
     grey = (np.arange(12 * 10).reshape(12, 10) * 541).astype(np.uint16)
-    alpha = np.full_like(grey, 40000)
+    alpha = np.full_like(grey, 65535)
+    alpha[0] = 0
     data = _png16(grey, alpha)
     a = decode(data, "auto", "grey_alpha.png")
-    assert a.shape == (12, 10) and np.array_equal(a, (grey >> 8).astype(np.uint8))
+    assert a.shape == (12, 10) and np.array_equal(a[1:], (grey[1:] >> 8).astype(np.uint8))
+    assert (a[0] == 255).all()  # transparent: white
     assert np.array_equal(decode(data, 3, "grey_alpha.png"), np.repeat(a[..., None], 3, axis=2))
 
 

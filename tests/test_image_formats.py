@@ -214,6 +214,7 @@ def test_channels_auto_and_forced(tmp_path):
     mixed = dict(gray)
     mixed["b/0001.png"] = rgb()  # the last image is colour: what came before is widened
     rgba = rgb(channels=4)
+    rgba[..., 3] = 255  # opaque: transparency is laid on white (tests/test_imagecache.py)
     mixed["a/0002.png"] = rgba
     wide = np.array(2**16 - 1 - RNG.integers(0, 2**16, (8, 8)), dtype=np.uint16)
     write_tree(tmp_path / "m", mixed)

@@ -21,6 +21,7 @@ from onn.data.files import existing_source
 from onn.data.resident import ClassificationData, Decoded
 from onn.errors import UserError
 from onn.modalities.image.formats import list_items, read_splits, source_digest
+from onn.modalities.image.formats.decode import READER_VERSION
 from onn.models.zoo.sizes import image_sides
 
 STREAM_SETTINGS = ("channels", "image_size", "resize")
@@ -78,9 +79,8 @@ def read_cached(
             for name, s in read_splits(path, fmt, key=key, **settings).items()
         }
 
-    return cached_decode(
-        "images", {"digest": source_digest(path, fmt), "format": fmt, **settings}, cache_dir, decode, str(path)
-    )
+    digest = {"reader": READER_VERSION, "digest": source_digest(path, fmt), "format": fmt, **settings}
+    return cached_decode("images", digest, cache_dir, decode, str(path))
 
 
 class ImageDataModule(ClassificationData):

@@ -22,12 +22,15 @@ from onn.modalities.image.formats.common import base, is_pickled, log, refuse_pi
 def gather(path: Path, wanted: Callable[[str], bool], key: str):
     """The candidate files of an array format as {relative name: Path or bytes}, the one file asked for
     when the source is a file (else None), and a description of where they are, for messages. From an
-    archive, only the members `wanted` accepts are read."""
+    archive, only the members `wanted` accepts are read; beside one file, only it and the files `wanted`
+    accepts (its IDX labels, STL-10's train_y.bin, CIFAR's batches.meta.txt) are given: exactly what the
+    reader may read, so source_digest keys the cache on them too."""
     if path.is_dir():
         return dict(walk_files(path, max_depth=2)), None, str(path)
     kind = archive_kind(path)
     if kind is None:
-        return {p.name: p for p in path.parent.iterdir() if p.is_file()}, path.name, str(path.parent)
+        beside = {p.name: p for p in path.parent.iterdir() if p.is_file() and not is_hidden(p.name) and wanted(p.name)}
+        return {**beside, path.name: path}, path.name, str(path.parent)
     files: dict[str, Path | bytes] = {}
     unsafe: list[str] = []
     try:

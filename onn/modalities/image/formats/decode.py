@@ -29,6 +29,10 @@ from onn.modalities.image.formats.common import (
     same_size,
 )
 
+# The decoded-image cache's key holds this: raise it on every change to the pixels decode gives, or caches
+# filled before serve the old pixels. 1: EXIF orientation applied, 16-bit grey+alpha read as grey, an EXIF block
+# PIL cannot parse read as stored; 2: transparency laid on white, as the export pipeline does
+READER_VERSION = 2
 GRAY_MODES = frozenset({"1", "L", "LA", "La", "I", "F", "I;16", "I;16L", "I;16B", "I;16N"})
 # What to install when Pillow cannot open a picture of a kind it needs a plugin for, by image_kind; the
 # first item is the format name the plugin registers in PIL.Image.OPEN.
@@ -159,11 +163,26 @@ def _orientation(img) -> int:
 
 def _convert(img, channels: int | str):
     """To mode L (gray images under auto, or channels=1: ITU-R 601 luma) or RGB."""
+    img = _on_white(img)
     if channels == 1 or (channels == "auto" and img.mode in GRAY_MODES):
         return _to_l(img)
     if img.mode in ("I", "F") or img.mode.startswith("I;16"):
         return _to_l(img).convert("RGB")  # PIL's own convert clips 16-bit and float samples to white or black
     return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def _on_white(img):
+    """A picture with transparency laid on white (grey kept grey), as a viewer shows it and the export pipeline
+    (onn.export.pipelines.images) reads it: dropping alpha kept the colour hidden pixels happen to hold, so a
+    trained model saw other pixels than its exported pipeline gives it. 16-bit and float samples: as they are."""
+    from PIL import Image
+
+    if img.mode in ("I", "F") or img.mode.startswith("I;16"):
+        return img
+    if img.mode not in ("RGBA", "LA", "PA") and "transparency" not in img.info:
+        return img
+    white = Image.new("RGBA", img.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, img.convert("RGBA")).convert("L" if img.mode in GRAY_MODES else "RGB")
 
 
 def _to_l(img):

@@ -14,13 +14,14 @@ detect for data.format=auto, and this module for the entry points.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from onn.data.files import content_digest, update_hash
+from onn.data.files import archive_kind, content_digest, update_hash
 from onn.data.labelled import check_bad
 from onn.errors import UserError
 from onn.modalities.image.formats import cifar_binary, idx, stl10_binary, svhn_mat
@@ -42,11 +43,14 @@ from onn.modalities.image.formats.folder import list_tree
 from onn.modalities.image.formats.parquet import list_parquet
 from onn.modalities.image.formats.single import list_single
 
+ARRAY_FORMATS = {"idx": idx, "cifar_binary": cifar_binary, "svhn_mat": svhn_mat, "stl10_binary": stl10_binary}
+
 
 def source_digest(source: str | Path, fmt: str = "auto") -> str:
     """A hex digest of the source's content, to key the decoded cache. Files (archives, idx, .bin, .mat,
-    parquet, csv and the images a csv names): sha256 of the bytes. Folders: sha256 over (relative path,
-    size, mtime_ns) of every file, sorted — reading 60k small files' bytes is too slow; a folder of
+    parquet, csv and the images a csv names): sha256 of the bytes; one array file (an IDX images file) also
+    over the files beside it that its reader is given (its labels file). Folders: sha256 over (relative
+    path, size, mtime_ns) of every file, sorted — reading 60k small files' bytes is too slow; a folder of
     train.csv / test.csv also over each table's images, which may live outside it (../img/x.jpg)."""
     path = existing(source, "data.source")
     if path.is_dir() and _resolve(path, fmt, "data.source") == "csv":
@@ -54,10 +58,24 @@ def source_digest(source: str | Path, fmt: str = "auto") -> str:
         for table in split_tables(path).values():
             _table_digest(h, table)
         return h.hexdigest()
+    if path.is_file() and path.suffix.lower() not in TABLE_SUFFIXES and archive_kind(path) is None:
+        module = ARRAY_FORMATS.get(_resolve(path, fmt, "data.source"))
+        if module is not None:
+            return _gathered_digest(path, module.wanted)
     if path.is_dir() or path.suffix.lower() not in TABLE_SUFFIXES:
         return content_digest(path)
     h = hashlib.sha256()
     _table_digest(h, path)
+    return h.hexdigest()
+
+
+def _gathered_digest(path: Path, wanted: Callable[[str], bool]) -> str:
+    """One array file's digest with those of the files beside it that its reader is given (IDX labels,
+    STL-10's train_y.bin, CIFAR's batches.meta.txt): a rewritten labels file must not reuse the cache."""
+    files, _, _ = gather(path, wanted, "data.source")
+    h = hashlib.sha256()
+    for name, src in sorted(files.items()):
+        h.update(f"{name}\0{content_digest(src)}\n".encode())
     return h.hexdigest()
 
 
@@ -152,7 +170,7 @@ def _listing(path: Path, fmt: str, key: str, allow_unlabelled: bool, stream: boo
         return list_parquet(path, key, allow_unlabelled)
     if fmt == "image":
         return list_single(path, key)
-    module = {"idx": idx, "cifar_binary": cifar_binary, "svhn_mat": svhn_mat, "stl10_binary": stl10_binary}[fmt]
+    module = ARRAY_FORMATS[fmt]
     files, only, where = gather(path, module.wanted, key)
     if fmt == "idx":
         return idx.list_idx(files, only, where, key, allow_unlabelled)
