@@ -717,11 +717,11 @@ class StreamingEngine:
     def _run_chunk(self, c: int, hidden: torch.Tensor, inputs: BlockInputs, random_state=None) -> torch.Tensor:
         """Chunk c's blocks on `hidden`; drawing from `random_state` when given (the masks a run from it drew)."""
         # mixed precision (see _find_frozen): autocast to the compute dtype, also where Lightning's precision
-        # plugin does not (validation's epoch end, generation)
-        with (
-            self._replay(random_state),
-            torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self._autocast),
-        ):
+        # plugin does not (validation's epoch end, generation). Otherwise no autocast of the engine's own: one with
+        # enabled=False would switch off an enclosing one (Lightning's bf16-mixed) inside the blocks, which then
+        # computed in float32 where the resident model's computed in bf16
+        own = torch.autocast(self.device.type, dtype=self.compute_dtype) if self._autocast else contextlib.nullcontext()
+        with self._replay(random_state), own:
             for i in self.chunks[c]:
                 with self._uncast(self.map.blocks[i]):
                     out = self.map.blocks[i](hidden, *inputs.args, **inputs.kwargs)
@@ -941,13 +941,16 @@ class StreamingEngine:
         `group_tokens` tokens (one matmul each, per block); the loss runs `suffix_rows` rows at a time
         (the logits are the large tensor there). Returns (sum of loss x target tokens, target tokens):
         the token-weighted mean is the same as the resident model's over the same batches."""
-        rows = [row for batch in batches for row in _rows(batch)]
+        # a row without target tokens adds nothing to the resident loss's token-weighted mean; an all-padding one,
+        # cut to no tokens, would be a group of width 0 that the blocks cannot reshape
+        rows = [row for batch in batches for row in _rows(batch) if bool((row["labels"][1:] != -100).any())]
         rows.sort(key=lambda r: -r["input_ids"].shape[0])
         longest = rows[0]["input_ids"].shape[0] if rows else 1
         suffix_rows = suffix_rows or self.suffix_rows or self.micro_batch or 1
         # one matmul per block per group: what the training forward fuses, never less than a micro-batch
         group_tokens = group_tokens or self.forward_group * (self.micro_batch or suffix_rows) * longest
-        pass_tokens = max(pass_tokens or self.eval_tokens or sum(r["input_ids"].shape[0] for r in rows), group_tokens)
+        # no budget: the whole set in one pass, measured as _packed measures a pass (rows x longest, padded)
+        pass_tokens = max(pass_tokens or self.eval_tokens or len(rows) * longest, group_tokens)
         wide = torch.float32 if self.device.type == "mps" else torch.float64  # MPS has no float64
         total, count = torch.zeros((), dtype=wide, device=self.device), 0
         for rows_in_pass in _packed(rows, pass_tokens):

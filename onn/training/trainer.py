@@ -575,7 +575,15 @@ def engine_settings(config: ONNConfig, plan: Plan) -> EngineSettings:
         cache_blocks=s.cache_blocks,
         eval_tokens=s.eval_tokens,
         prefetch=config.strategy.streaming.prefetch,
+        # as text's engines take it; a network's plan computes in float32, its weights' dtype, so under a mixed
+        # precision the engine adds no autocast of its own and Lightning's stays in force in the blocks
+        compute_dtype=streamed_compute_dtype(plan),
     )
+
+
+def streamed_compute_dtype(plan: Plan) -> str | None:
+    """The streamed blocks' compute dtype: the plan's under mixed precision, else None (the model's own)."""
+    return plan.streaming.compute_dtype if plan.precision.endswith("-mixed") else None
 
 
 def streaming_store(config: ONNConfig, plan: Plan, run_dir: Path, device: str) -> LayerStore | None:

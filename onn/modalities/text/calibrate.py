@@ -44,8 +44,9 @@ from onn.config import ONNConfig, as_dict
 from onn.errors import UserError
 from onn.hardware.disk import read_json, write_text_atomically
 from onn.hardware.profile import Profile
-from onn.modalities.text.tasks import streamed_compute_dtype, weights_dtype
+from onn.modalities.text.tasks import weights_dtype
 from onn.planning.plan import Plan, streaming_reason
+from onn.training.trainer import streamed_compute_dtype
 
 log = logging.getLogger("onn")
 
@@ -250,6 +251,8 @@ def _step_times(
         return [statistics.mean(t) if seconds or windows is not None else statistics.median(t) for t in times]
     finally:
         torch.set_num_threads(before)
+        for engine in engines:  # their loader threads and read buffers: not needed past the timing
+            engine.close()
         if engines:  # their malloc setting is process-wide: the next timing starts from glibc's largest
             release_mmap_threshold()
 

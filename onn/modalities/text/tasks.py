@@ -65,7 +65,7 @@ from onn.training.checkpoints import check_finite, check_state, read_meta, resum
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.distributed import forward_is_collective, gathered, parameter_count
 from onn.training.lora import apply
-from onn.training.trainer import build_trainer, limited_batches, processes_per_node
+from onn.training.trainer import build_trainer, limited_batches, processes_per_node, streamed_compute_dtype
 
 log = logging.getLogger("onn")
 SHORT_ANSWER_TOKENS = 32  # exact match after training only where generating answers is cheap
@@ -196,11 +196,6 @@ def streaming_settings(
                 cache += int(unused // s.block_mb)
             settings.cache_blocks = min(cache, plan.model["blocks"])
     return settings
-
-
-def streamed_compute_dtype(plan: Plan) -> str | None:
-    """The streamed blocks' compute dtype: the plan's under mixed precision, else None (the model's own)."""
-    return plan.streaming.compute_dtype if plan.precision.endswith("-mixed") else None
 
 
 def generate_batch(plan: Plan, samples: int) -> int:
@@ -584,6 +579,16 @@ def infer(job: Job) -> dict[str, Any]:
         raise UserError('task=infer needs prompt="..." or task.input=prompts.jsonl.')
     output = predictions_path(job) if task.input else None  # checked before the model loads and generates
     lm = language_model(job)
+    try:
+        return _infer(job, lm, output)
+    finally:  # a streamed model's loader threads and read buffers: not needed past the task
+        if lm.engine is not None:
+            lm.engine.close()
+
+
+def _infer(job: Job, lm: LanguageModel, output: Path | None) -> dict[str, Any]:
+    """task=infer's generation with the model built: task.input's prompts to `output`, or the one prompt."""
+    config, task = job.config, job.config.task
     model, tokenizer, engine, prompter = lm.model, lm.tokenizer, lm.engine, lm.prompter
 
     def wrap(text: str, row: dict[str, Any] | None = None, where: str = "prompt") -> str:
@@ -675,4 +680,8 @@ def export(job: Job) -> dict[str, Any]:
     if settings := streaming_settings(config, plan):
         settings.mlp_tiles = 1  # the exported graph computes each MLP whole
         engine = build_engine(module.model, settings, module.store, "cpu", micro_batch=None)
-    return export_for_run(config, module.model, job.run_dir, tokenizer=tokenizer, engine=engine)
+    try:
+        return export_for_run(config, module.model, job.run_dir, tokenizer=tokenizer, engine=engine)
+    finally:  # its loader threads and read buffers: not needed past the export
+        if engine is not None:
+            engine.close()
