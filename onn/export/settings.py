@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from onn.config.export import ExportConfig, SafetensorsExport
+from onn.config.export import ExportConfig, OmnyExport, SafetensorsExport
 from onn.errors import UserError
+from onn.export import shards
 from onn.export.folders import MARKER, check_replaceable, held, is_export, replaceable
 
 FORMATS = ("safetensors", "onnx", "omny")
@@ -29,8 +31,9 @@ def check_settings(export: ExportConfig) -> None:
         value = getattr(export, key)
         kind_ok = isinstance(value, int) if whole else isinstance(value, int | float)
         above = kind_ok and (value > minimum if strict else value >= minimum)  # False for NaN, which passes `<`
-        if isinstance(value, bool) or not above:
-            what = "a whole number" if whole else "a number"
+        finite = kind_ok and value < math.inf  # infinity is no limit, and not JSON
+        if isinstance(value, bool) or not (above and finite):
+            what = "a whole number" if whole else "a finite number" if above else "a number"
             bound = f"above {minimum:g}" if strict else f"{minimum:g} or more"
             raise UserError(f"export.{key}={value!r}: give {what} {bound}.")
 
@@ -53,7 +56,10 @@ def check_settings(export: ExportConfig) -> None:
             isinstance(value, list | tuple)
             and value
             and all(
-                not isinstance(v, bool) and (isinstance(v, int) if whole else isinstance(v, int | float)) and v > 0
+                not isinstance(v, bool)
+                and (isinstance(v, int) if whole else isinstance(v, int | float))
+                and v > 0
+                and v < math.inf
                 for v in value
             )
         )
@@ -63,6 +69,24 @@ def check_settings(export: ExportConfig) -> None:
                 f"export.{key}={value!r}: give a list of positive {'whole ' if whole else ''}numbers, e.g. "
                 f"{example}, or null."
             )
+    _check_limits_together(export)
+
+
+def _check_limits_together(export: OmnyExport) -> None:
+    """What plan_shards and plan_nodes refuse of the limits together (a headroom that leaves a GPU no memory),
+    refused before training instead of when the export runs; a null limit is the format's default."""
+
+    def given(value: float | None, default: float) -> float:
+        return default if value is None else float(value)
+
+    headroom = given(export.headroom_mb, shards.HEADROOM_MB)
+    shards.check_limits(
+        given(export.max_shard_size_mb, shards.MAX_SHARD_SIZE_MB),
+        given(export.min_vram_mb, shards.MIN_VRAM_MB),
+        headroom,
+    )
+    if export.nodes is not None:
+        shards.check_node_headroom([float(v) for v in export.nodes], headroom)
 
 
 def check_graph_output(export: ExportConfig, several_graphs: bool | None) -> None:

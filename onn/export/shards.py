@@ -144,14 +144,7 @@ def plan_shards(
     _check_common(blocks, headroom_mb, batch_size)
     if isinstance(max_configs, bool) or not isinstance(max_configs, int) or max_configs < 1:
         raise UserError(f"export.max_configs is {max_configs!r}; set it to a whole number of at least 1.")
-    for key, value in (("max_shard_size_mb", max_shard_size_mb), ("min_vram_mb", min_vram_mb)):
-        if not value > 0:
-            raise UserError(f"export.{key} is {value}; set it to a positive number of MB.")
-    if headroom_mb >= min_vram_mb:
-        raise UserError(
-            f"export.headroom_mb ({headroom_mb:g}) leaves no memory under export.min_vram_mb ({min_vram_mb:g}); "
-            "lower export.headroom_mb or raise export.min_vram_mb."
-        )
+    check_limits(max_shard_size_mb, min_vram_mb, headroom_mb)
     sizes = _Sizes(blocks, headroom_mb, batch_size, shared)
     weight_cap, total_cap = max_shard_size_mb * MB, min_vram_mb * MB
     for index in range(len(blocks)):
@@ -218,6 +211,7 @@ def plan_nodes(
         if isinstance(mem, bool) or not isinstance(mem, int | float) or not mem > 0 or not math.isfinite(mem):
             raise UserError(f"export.nodes[{index}] is {mem!r}; each node's memory must be a positive number of MB.")
         nodes.append(mem)
+    check_node_headroom(nodes, headroom_mb)
     n, m = len(blocks), len(nodes)
     if n < m:
         raise UserError(
@@ -243,6 +237,31 @@ def plan_nodes(
         "utilisation": [round(total / (mem * MB), 3) for total, mem in zip(totals, nodes)],
         "method": method,
     }
+
+
+def check_limits(max_shard_size_mb: float, min_vram_mb: float, headroom_mb: float) -> None:
+    """The shard limits, alone and together. plan_shards checks them as it plans, and check_settings with the same
+    sentences before a model is loaded or trained. Infinity is refused: it is no limit, and not JSON."""
+    for key, value in (("max_shard_size_mb", max_shard_size_mb), ("min_vram_mb", min_vram_mb)):
+        if not (value > 0 and math.isfinite(value)):
+            raise UserError(f"export.{key} is {value}; set it to a positive, finite number of MB.")
+    _check_headroom(headroom_mb)
+    if headroom_mb >= min_vram_mb:
+        raise UserError(
+            f"export.headroom_mb ({headroom_mb:g}) leaves no memory under export.min_vram_mb ({min_vram_mb:g}); "
+            "lower export.headroom_mb or raise export.min_vram_mb."
+        )
+
+
+def check_node_headroom(nodes_mb: list[float], headroom_mb: float) -> None:
+    """Every node holds at least one block, so a node with no memory above the headroom fits no plan: refused by
+    plan_nodes and, before a model is loaded or trained, by check_settings, in the same sentence."""
+    smallest = min(range(len(nodes_mb)), key=lambda i: (nodes_mb[i], i))
+    if nodes_mb[smallest] <= headroom_mb:
+        raise UserError(
+            f"export.headroom_mb ({headroom_mb:g}) leaves no memory on export.nodes[{smallest}] "
+            f"({nodes_mb[smallest]:g}); lower export.headroom_mb or give that node more memory."
+        )
 
 
 def largest_remainder(n: int, weights: list[float]) -> list[int]:
@@ -350,10 +369,15 @@ def _check_common(blocks: list[Block], headroom_mb: float, batch_size: int) -> N
     for block in blocks:
         if block.weight_bytes < 0 or block.activation_bytes < 0:
             raise ValueError(f"block {block.name!r} has negative sizes")
-    if not headroom_mb >= 0:
-        raise UserError(f"export.headroom_mb is {headroom_mb}; set it to 0 or more MB.")
+    _check_headroom(headroom_mb)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"the export batch size is {batch_size!r}; it must be a whole number of at least 1.")
+
+
+def _check_headroom(headroom_mb: float) -> None:
+    """NaN and infinity pass `>= 0`; neither is a headroom a GPU can keep, and neither is JSON."""
+    if not (headroom_mb >= 0 and math.isfinite(headroom_mb)):
+        raise UserError(f"export.headroom_mb is {headroom_mb}; set it to a finite number of MB, 0 or more.")
 
 
 def _check_block(

@@ -389,16 +389,23 @@ def _reference_shapes(
     g: G.Graph, sample: dict[str, dict], sequence_length: int, seq: set[str]
 ) -> tuple[int, dict[str, list[int]]]:
     """The batch size per-sample figures are at, and the sample's shapes there, with every sequence axis at the
-    reference length: batch 1, unless the graph fixes an input's first axis above 1 (a model whose code
-    specialised the batch while it was traced runs at no other): then that size, the figures' true batch."""
+    reference length: batch 1, unless the graph fixes the first axis of its inputs above 1 (a model whose code
+    specialised the batch while it was traced runs at no other): then that size, the figures' true batch. Only
+    inputs of rank 2 or more tell, and only when none of them has a free first axis: a 1-D side input (a
+    per-channel gain [256]) has no batch axis, and its size is not the batch. Nor does its free axis take the
+    batch when it is named other than every batch axis (a gain [channels] beside x [batch, channels])."""
     inputs = [i for i in g.model.graph.input if i.name in sample]
-    fixed = [d.dim_value for i in inputs for d in i.type.tensor_type.shape.dim[:1] if d.HasField("dim_value")]
-    batch = max([1, *fixed])
+    firsts = [i.type.tensor_type.shape.dim[0] for i in inputs if len(i.type.tensor_type.shape.dim) >= 2]
+    free = [d for d in firsts if not d.HasField("dim_value")]
+    batch = 1 if free else max([1, *(d.dim_value for d in firsts)])
+    batch_names = {d.dim_param for d in free}
     out = {}
     for i in inputs:
         shape = list(sample[i.name]["shape"])
-        for k, d in enumerate(i.type.tensor_type.shape.dim):
-            if k == 0 and not d.HasField("dim_value"):
+        dims = i.type.tensor_type.shape.dim
+        for k, d in enumerate(dims):
+            side = len(dims) == 1 and bool(d.dim_param) and bool(batch_names) and d.dim_param not in batch_names
+            if k == 0 and not d.HasField("dim_value") and not side:
                 shape[k] = batch
             elif d.dim_param in seq:
                 shape[k] = sequence_length
@@ -476,7 +483,7 @@ def write(model: onnx.ModelProto, doc: dict[str, Any], output: str | Path) -> Pa
     _check_output(output)
     check_document(doc, str(output))
     props = {p.key: p.value for p in model.metadata_props}  # other tools' metadata stays
-    props[METADATA_KEY] = json.dumps(doc, separators=(",", ":"))
+    props[METADATA_KEY] = json.dumps(doc, separators=(",", ":"), allow_nan=False)  # JSON has no inf or NaN
     onnx.helper.set_model_props(model, props)
     stored = sum(G.tensor_bytes(t) for t in model.graph.initializer)
     sweep_leftovers(output)  # a killed export's staged graph, which may hold all the weights
