@@ -573,16 +573,20 @@ def sampled_key(h: Any, path: str | os.PathLike[str]) -> None:
     """Feed a large file's key to a hashlib object: its resolved path, size, mtime_ns and inode, and its first and
     last SAMPLED_ENDS bytes with SAMPLED_BLOCKS blocks spread between them (under 1.5 MiB read). Size and mtime alone
     reused a stale cache for an archive replaced by one of the same size with its mtime kept (cp -p, rsync -t, a
-    release unpacked); the samples see a changed zip's central directory (every member's CRC) and most rewrites,
-    and the inode a file renamed into place. Not the change time, which every copy sets."""
+    release unpacked); the samples see a changed zip's central directory (every member's CRC) and most rewrites.
+    Neither the change time nor the inode, which every copy sets: a dataset copied again to a job's scratch with
+    its mtimes kept (cp -a, rsync -a) keeps its cache entry. A file this process may not read is keyed as such."""
+    if not os.access(path, os.R_OK):
+        h.update(file_key(os.path.realpath(path), path).encode())
+        return
     with open_regular(path) as f:
         st = os.fstat(f.fileno())
         size = st.st_size
-        h.update(f"file\0{os.path.realpath(path)}\0{size}\0{st.st_mtime_ns}\0{st.st_ino}\0".encode())
-        step = (size - 2 * SAMPLED_ENDS) // (SAMPLED_BLOCKS + 1)
+        h.update(f"file\0{os.path.realpath(path)}\0{size}\0{st.st_mtime_ns}\0".encode())
+        step = max(0, size - 2 * SAMPLED_ENDS) // (SAMPLED_BLOCKS + 1)
         samples = [(0, SAMPLED_ENDS)]
         samples += [(SAMPLED_ENDS + k * step, SAMPLED_BLOCK) for k in range(1, SAMPLED_BLOCKS + 1)]
-        samples.append((size - SAMPLED_ENDS, SAMPLED_ENDS))
+        samples.append((max(0, size - SAMPLED_ENDS), SAMPLED_ENDS))
         for offset, length in samples:
             f.seek(offset)
             h.update(f.read(length))

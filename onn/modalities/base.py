@@ -76,6 +76,11 @@ class Modality:
         str, ...
     ] = ()  # its generated datasets, data.source=builtin:NAME (data=auto picks the modality by name)
 
+    def reader_version(self) -> int:
+        """The version of what its reader decodes from a file, raised when the same file decodes otherwise: a cache
+        of decoded items keyed by it (the pairs modality's, of every side) is not read after such a change."""
+        return 1
+
     def sniff(self, path: Path) -> str | None:
         """Why `path` holds this modality's data (a short reason), or None. Reads little, and only regular files."""
         return None
@@ -227,6 +232,9 @@ class MediaModality(ClassifierModality):
         import importlib
 
         return importlib.import_module(self.dataset).READER
+
+    def reader_version(self) -> int:
+        return self.reader().version
 
     def read_inputs(self, source: Path, inputs: dict[str, Any], config: RunConfig):
         reader = self.reader()

@@ -115,6 +115,11 @@ class ImageModality(ClassifierModality):
     description = "image classification"
     stored_dtype = "uint8"
 
+    def reader_version(self) -> int:
+        from onn.modalities.image.formats.decode import READER_VERSION
+
+        return READER_VERSION
+
     def sniff(self, path: Path) -> str | None:
         from onn.modalities.image.formats import detect_format, image_kind
         from onn.modalities.image.formats.csvfile import TABLE_SUFFIXES

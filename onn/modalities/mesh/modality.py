@@ -79,6 +79,11 @@ class MeshModality(ClassifierModality):
         1  # file extensions say it: asked before the image sniffer (a textured mesh's pictures are its parts)
     )
 
+    def reader_version(self) -> int:
+        from onn.modalities.mesh.dataset import READER_VERSION
+
+        return READER_VERSION
+
     def sniff(self, path: Path) -> str | None:
         from onn.modalities.mesh.primitives import BUILTIN
         from onn.modalities.mesh.read import MESH_SUFFIXES, is_mesh_name

@@ -28,6 +28,7 @@ from onn.errors import UserError
 from onn.modalities.base import PairSide
 from onn.modalities.pairs.detect import Entry, Listing, find_pairs
 from onn.modalities.pairs.sides import TEXT
+from onn.modalities.registry import get as modality
 from onn.training.trainer import processes
 
 log = logging.getLogger("onn")
@@ -210,6 +211,8 @@ class PairData(L.LightningDataModule):
             "how": listing.how,  # the metadata's columns: another data.text_column read the cached captions
             "keys": listing.keys,
             "sides": {n: as_dict(s.config.data) for n, s in self.sides.items()},
+            # each side's reader: a decode that changed (EXIF orientation, transparency) is not read from before it
+            "readers": {n: modality(s.name).reader_version() for n, s in self.sides.items()},
             # the files themselves: a metadata file's sit beside it, outside its own digest, or in a hidden folder
             # (.images/) that a folder's digest passes over, and a replaced image was read from the cache
             "named": named_files_digest(listing),
