@@ -179,12 +179,12 @@ def _one_mpeg_frame(source: str | bytes) -> tuple[np.ndarray, int, int, int] | N
     codec = av.CodecContext.create(MPEG_LAYER_DECODERS[layer], "r")
     try:
         frames = [frame for packet in [*codec.parse(data), None] for frame in codec.decode(packet)]
-    except av.FFmpegError:
+        if not frames:
+            return None
+        resampler = av.AudioResampler(format="fltp", layout=frames[0].layout.name, rate=frames[0].rate)
+        chunks = [out.to_ndarray() for frame in [*frames, None] for out in resampler.resample(frame)]
+    except (av.FFmpegError, ValueError):  # a frame FFmpeg cannot convert: the caller's BadFile names both decoders
         return None
-    if not frames:
-        return None
-    resampler = av.AudioResampler(format="fltp", layout=frames[0].layout.name, rate=frames[0].rate)
-    chunks = [out.to_ndarray() for frame in [*frames, None] for out in resampler.resample(frame)]
     wave = np.concatenate(chunks, axis=1).astype(np.float32, copy=False)
     return wave, frames[0].rate, 0, wave.shape[1]
 
