@@ -58,6 +58,7 @@ from onn.tasks.record import Interrupted, RunRecord, writable_file, writable_fol
 from onn.tasks.registry import TASKS as RUN_TASKS
 from onn.tasks.registry import Task
 from onn.training import progress
+from onn.training.callbacks import check_every_n_steps
 from onn.training.checkpoints import resolve as resolve_checkpoint
 from onn.training.checkpoints import saved_config
 from onn.training.distributed import end_distributed
@@ -106,6 +107,7 @@ def run(cfg: DictConfig) -> float | None:
     record = RunRecord(run_dir, metrics)
     progress.reset()  # a multirun's jobs share this process: no job's record shows the previous job's last step
     config: ONNConfig | None = None
+    done: dict[str, Any] | None = None  # a sweep job's finished record of this config: it is not run again
     start = Path(hydra_cfg.runtime.cwd)
     try:
         from_start_folder(cfg, start)
@@ -119,22 +121,15 @@ def run(cfg: DictConfig) -> float | None:
         done = finished(run_dir, metrics["config_digest"]) if multirun else None
         if done is not None:
             log.info("%s: already finished for this config; not run again", run_dir)
-            return _objective(config.sweep_objective, done)
-        if multirun:
-            resume_job(config, run_dir, metrics)
-        check_launch(config, multirun)
-        failpoints.check()
-        record.start()
-        results = execute(config, run_dir, given_keys(overrides), record.metrics)
-        if (failure := diverged(results)) is not None:
-            raise failure
-        record.finish(**results, status="ok")
-        if is_rank_zero():
-            print(summary(metrics, run_dir), flush=True)
+        else:
+            run_job(config, run_dir, given_keys(overrides), record, multirun)
+    except FolderTaken as e:  # the folder's record is an earlier run's result: it stays as it is
+        log.error("%s", e)
+        sys.exit(1)  # stops the sweep: the jobs after it, of the same changed config, would be refused the same way
     except UserError as e:
         log.error("%s", e)
         if isinstance(e, FailedAfterTraining):  # the training's figures stay beside the error
-            record.metrics.update(e.metrics)
+            record.update(e.metrics)
         _finish_failed(record, str(e))
         if not multirun:  # in a sweep the other jobs go on; the grid shows this one as failed
             sys.exit(1)
@@ -159,7 +154,25 @@ def run(cfg: DictConfig) -> float | None:
         raise
     finally:
         end_distributed()  # the run's last collective is behind it: NCCL would warn about a live group at exit
+    if done is not None:  # after the try: a misspelt sweep_objective's exit leaves the finished record as it is
+        return _objective(config.sweep_objective, done)
     return _objective(cfg.sweep_objective, metrics)
+
+
+def run_job(config: ONNConfig, run_dir: Path, given: set[str], record: RunRecord, multirun: bool) -> None:
+    """The job itself, once no finished record of its config stands in for it: resumed in a sweep from the
+    checkpoints its folder holds (resume_job), run, and recorded ok (a diverged run raises its failure)."""
+    if multirun:
+        resume_job(config, run_dir, record.metrics)
+    check_launch(config, multirun)
+    failpoints.check()
+    record.start()
+    results = execute(config, run_dir, given, record)
+    if (failure := diverged(results)) is not None:
+        raise failure
+    record.finish(**results, status="ok")
+    if is_rank_zero():
+        print(summary(record.metrics, run_dir), flush=True)
 
 
 def explain_out_of_memory(error: BaseException, config: ONNConfig | None) -> str | None:
@@ -199,7 +212,7 @@ def _finish_failed(record: RunRecord, error: str) -> None:
     folder that cannot be written (an existing file) is said once, not twice."""
     step = progress.last_step()
     if step is not None:  # as the heartbeat and a signal's record read it
-        record.metrics["steps"] = step
+        record.update({"steps": step})
     try:
         record.finish(status="failed", error=error)
     except UserError as e:
@@ -470,30 +483,44 @@ def finished(run_dir: Path, digest: str) -> dict[str, Any] | None:
     return metrics if done else None
 
 
+class FolderTaken(UserError):
+    """A sweep job's folder holds the finished (ok) run of another config: refused without a record of its own, as
+    the folder's metrics.json is that earlier run's result (a failed one would replace it)."""
+
+
 def resume_job(config: ONNConfig, run_dir: Path, metrics: dict[str, Any]) -> None:
     """A sweep's training job run again (the sweep resumed after a kill, or after it failed) whose folder holds the
     checkpoints its earlier run of this config left: it resumes from the newest (ckpt=THAT, said in its record), as a
     requeued SLURM job does (onn/tasks/record.resume_requeued), instead of training from step 0 over them. Checkpoints
-    of a run of another config are refused: this job would replace them. The refused job's failed record (`metrics`)
-    keeps the config_digest of the config the checkpoints are of: with this job's, the same sweep run again resumed
-    this config from the other config's checkpoints."""
+    of a run of another config are refused: this job would replace them. A finished (ok) run's folder is refused by
+    FolderTaken, which leaves its record as it is. Otherwise the refused job's failed record (`metrics`) keeps the
+    config_digest of the config the checkpoints are of: with this job's, the same sweep run again resumed this config
+    from the other config's checkpoints."""
     digest = metrics["config_digest"]
     task = TASKS.get(config.task.name)
     newest = newest_checkpoint(run_dir) if task is not None and task.trains else None
     if newest is None:
         return
     try:
-        earlier = json.loads((run_dir / "metrics.json").read_text()).get("config_digest")
-    except (OSError, ValueError, AttributeError):
+        earlier = json.loads((run_dir / "metrics.json").read_text())
+    except (OSError, ValueError):
         earlier = None
-    if earlier != digest:
-        metrics["config_digest"] = earlier  # what the folder's checkpoints are of: that config alone resumes them
-        raise UserError(
-            f"job folder {run_dir} holds the checkpoints ({newest.name}) of a run of another config, which this job "
-            "would replace: give another hydra.sweep.dir, or move that folder away."
+    earlier = earlier if isinstance(earlier, dict) else {}
+    if earlier.get("config_digest") == digest:
+        config.ckpt = str(newest)
+        log.info("resuming job from %s, the checkpoint its earlier run of this config left", newest)
+        return
+    if earlier.get("status") == "ok":
+        raise FolderTaken(
+            f"job folder {run_dir} holds the finished run ({newest.name}, metrics.json) of another config (a recipe "
+            "or conf/ file changed since, or ONN gained a setting), which this job would replace: give another "
+            "hydra.sweep.dir, or move that folder away."
         )
-    config.ckpt = str(newest)
-    log.info("resuming job from %s, the checkpoint its earlier run of this config left", newest)
+    metrics["config_digest"] = earlier.get("config_digest")  # what the checkpoints are of: that config resumes them
+    raise UserError(
+        f"job folder {run_dir} holds the checkpoints ({newest.name}) of a run of another config, which this job "
+        "would replace: give another hydra.sweep.dir, or move that folder away."
+    )
 
 
 def _objective(key: str | None, metrics: dict[str, Any]) -> float | None:
@@ -623,11 +650,25 @@ def _hardware(config: ONNConfig, task: Task) -> Profile:
     return hardware
 
 
+def check_settings(config: ONNConfig, task: Task, modality: Modality) -> None:
+    """What training would refuse, refused before anything is planned: a plan is the plan of the training these
+    settings would run, so it refuses them too."""
+    name = config.task.name
+    check_graph_output(config.export, modality.several_graphs)  # before training, not after it
+    if task.heavy or name == "plan":
+        check_optim(config.optim)
+        check_trainer(config.trainer, trains=task.trains or name == "plan", launches=name != "plan")
+        if task.trains or name == "plan":  # StepCheckpoint's own check, which a plan would not reach
+            check_every_n_steps(config.checkpoint.every_n_steps)
+    modality.check(config)
+
+
 def execute(
-    config: ONNConfig, run_dir: Path, given: set[str] | None = None, record: dict[str, Any] | None = None
+    config: ONNConfig, run_dir: Path, given: set[str] | None = None, record: RunRecord | None = None
 ) -> dict[str, Any]:
     """The run itself, on the typed, resolved config. `given`: the keys the command line set. `record`: the run's
-    metrics.json, which learns what runs (the checkpoint's model, the data) before anything can fail."""
+    metrics.json (updated under its lock: its heartbeat writes it meanwhile), which learns what runs (the checkpoint's
+    model, the data) before anything can fail."""
     name = config.task.name
     if name not in TASKS:
         raise UserError(f"task={name} is not one of {', '.join(sorted(TASKS))}.")
@@ -663,11 +704,7 @@ def execute(
             f"and data={config.data.name} is {modality.name} "
             f"data{'; for image classifiers use recipe=bench_vision' if name in ('bench', 'tune') else ''}."
         )
-    check_graph_output(config.export, modality.several_graphs)  # before training, not after it
-    if task.heavy or name == "plan":  # a plan is the plan of the training these settings would run
-        check_optim(config.optim)
-        check_trainer(config.trainer, trains=task.trains or name == "plan", launches=name != "plan")
-    modality.check(config)
+    check_settings(config, task, modality)
     if writes:
         write_text_atomically(run_dir / "config.yaml", yaml.safe_dump(as_dict(config), sort_keys=False), RUN_DIR)
     if task.heavy:

@@ -178,11 +178,14 @@ def yaml_problem(argv: list[str], conf_dir: Path) -> str | None:
 def group_problem(argv: list[str], conf_dir: Path) -> str | None:
     """A config group the command line chooses twice (`recipe=a recipe=b`: Hydra keeps the last without a word) or
     as a list (`recipe=[a,b]`: Hydra merges both options into one), or an option it does not have, as one sentence;
+    so is null for a group (missing_option) or for a block or setting that no schema lets be null (null_problem).
     None when each is chosen once, and is there."""
     groups = {p.name for p in conf_dir.iterdir() if p.is_dir() and p.name != "hydra"}
     chosen: dict[str, str] = {}
     for arg in argv:
         group, _, value = arg.lstrip("+~").partition("=")
+        if group not in groups and not arg.startswith("~") and (problem := null_problem(arg, group, value)):
+            return problem
         if group not in groups or not value:
             continue
         advice = "copy one and add the other's keys" if group == "recipe" else f"give one {group}"
@@ -193,6 +196,18 @@ def group_problem(argv: list[str], conf_dir: Path) -> str | None:
         if chosen.setdefault(group, value) != value:
             return f"{group} is given twice ({chosen[group]}, {value}); a run takes one {group}: {advice}."
     return None
+
+
+def null_problem(arg: str, key: str, value: str) -> str | None:
+    """`optim=null` or `trainer.max_steps=null` where every option's schema types the key as not Optional: Hydra's
+    answer is five lines ("Error merging override ... is not Optional"); one sentence instead. None for any other
+    value, or a key that may be null (Optional, Any) or that no schema types."""
+    hints = leaf_hints(key) if value.strip().lower() == "null" else []
+    if not hints or any(h is Any or (get_origin(h) in (Union, UnionType) and type(None) in get_args(h)) for h in hints):
+        return None
+    if all(is_dataclass(h) for h in hints):
+        return f"{arg}: every run holds the {key} block of ONN's settings, not null; set its keys ({key}.KEY=VALUE)."
+    return f"{arg}: {key} is one of ONN's typed settings, which every run holds, and cannot be null; give it a value."
 
 
 def missing_option(arg: str, folder: Path, value: str) -> str | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import signal
 import socket
@@ -40,6 +41,7 @@ from onn.json_values import strict_json
 from onn.training import progress
 from onn.training.trainer import REQUEUE_CHECKPOINTS, newest_checkpoint
 
+log = logging.getLogger("onn")
 HEARTBEAT_S = 15.0  # how often a running record is refreshed: one small file write
 STALE_S = 6 * HEARTBEAT_S  # a heartbeat older than this is a dead run's (when its pid cannot be asked)
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -70,9 +72,17 @@ class RunRecord:
         self._previous: dict[int, Any] = {}
         self._pid = os.getpid()
 
+    def update(self, values: dict[str, Any]) -> None:
+        """Add `values` to the record, under the lock the heartbeat writes it under: a key added while the heartbeat
+        read the record ended the heartbeat thread ("dictionary changed size during iteration")."""
+        with self._lock:
+            self.metrics.update(values)
+
     def start(self) -> None:
         """Write `status: running` and keep it fresh; SIGTERM and SIGINT raise Interrupted from now on."""
-        self.metrics.update(status="running", pid=os.getpid(), host=socket.gethostname(), steps=progress.last_step())
+        self.update(
+            {"status": "running", "pid": os.getpid(), "host": socket.gethostname(), "steps": progress.last_step()}
+        )
         self.write()
         if threading.current_thread() is threading.main_thread():
             for signum in SIGNALS:
@@ -88,9 +98,10 @@ class RunRecord:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
-        self.metrics.update(final)
-        for key in ("pid", "host", "heartbeat"):  # only a running record needs them
-            self.metrics.pop(key, None)
+        with self._lock:
+            self.metrics.update(final)
+            for key in ("pid", "host", "heartbeat"):  # only a running record needs them
+                self.metrics.pop(key, None)
         self.write()
 
     def interrupted(self, signum: int) -> None:
@@ -108,7 +119,8 @@ class RunRecord:
             self.metrics["wall_s"] = round(time.perf_counter() - self.started, 2)
             if self.metrics["status"] == "running":
                 self.metrics["heartbeat"] = time.time()
-            clean = strict_json(self.metrics)
+            # a copy (made at once): a caller that adds a key to `metrics` directly cannot change it while it is read
+            clean = strict_json(dict(self.metrics))
             tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -120,12 +132,22 @@ class RunRecord:
                 raise write_refused(e, self.path, None, "the run (hydra.run.dir)") from None
 
     def _beat(self) -> None:
+        """The heartbeat's loop: it outlives a write that fails (a dead heartbeat reads as a crashed run after
+        STALE_S), and says the first such failure in the log."""
+        said = False
         while not self._stop.wait(HEARTBEAT_S):
             step = progress.last_step()
             if step is not None:
-                self.metrics["steps"] = step
-            with contextlib.suppress(UserError):  # the run itself reports a folder it cannot write
+                self.update({"steps": step})
+            try:
                 self.write()
+            except UserError:  # the run itself reports a folder it cannot write
+                pass
+            except Exception as e:  # noqa: BLE001 -- the next beat may write; the run's own end reports its record
+                if not said:
+                    log.warning("%s: the heartbeat could not write it (%s: %s); it tries again", self.path,
+                                type(e).__name__, e)  # fmt: skip
+                said = True
 
     def _on_signal(self, signum: int, frame) -> None:
         if os.getpid() != self._pid:  # a forked DataLoader worker: it ends the way torch expects

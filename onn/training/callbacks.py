@@ -29,11 +29,7 @@ class StepCheckpoint(Checkpoint):
     batch and its end as an unfinished epoch with no batch left (it would count that epoch twice)."""
 
     def __init__(self, dirpath: str | Path, every_n_steps: int):
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise UserError(
-                f"checkpoint.every_n_steps={every_n_steps!r}: give a whole number of optimizer steps, 1 or more "
-                "(last.ckpt is written at the end of training too)."
-            )
+        check_every_n_steps(every_n_steps)
         self.path = Path(dirpath) / "last.ckpt"
         self.every_n_steps = every_n_steps
         self.last_model_path = ""
@@ -67,6 +63,16 @@ class StepCheckpoint(Checkpoint):
             return
         trainer.save_checkpoint(str(self.path), weights_only=False)
         self.last_model_path, self._saved_at = str(self.path), trainer.global_step
+
+
+def check_every_n_steps(every_n_steps: int) -> None:
+    """checkpoint.every_n_steps as StepCheckpoint takes it; also called by task=plan, so that a plan does not say ok
+    for a setting its training run would refuse when it starts."""
+    if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+        raise UserError(
+            f"checkpoint.every_n_steps={every_n_steps!r}: give a whole number of optimizer steps, 1 or more "
+            "(last.ckpt is written at the end of training too)."
+        )
 
 
 def validates_now(trainer) -> bool:
