@@ -319,8 +319,9 @@ def test_eval_and_infer_sample_points_as_the_checkpoint_was_trained(mesh_ckpt, t
 
 def test_infer_runs_the_network_as_eval_does(mesh_ckpt, tmp_path):
     """task=infer ran the network in float32 where task=eval ran it under the plan's bf16 autocast: one of 36 shapes
-    went the other way between the two. Infer's probabilities now give eval's loss and accuracy on the same files.
-    Needs /tmp/rv2/fixmedia/classification.diff (infer and serve under evaluation_autocast)."""
+    went the other way between the two. Infer's probabilities now give eval's loss and accuracy on the same files:
+    both run under evaluation_autocast, in batches of the same size, on points sampled with the checkpoint's seed,
+    and name the earlier class of a tie of bf16 logits (test_infer_names_a_tied_class_as_eval_counts_it)."""
     from onn.app import execute, given_keys
 
     data, ckpt = mesh_ckpt
@@ -331,6 +332,37 @@ def test_infer_runs_the_network_as_eval_does(mesh_ckpt, tmp_path):
     assert scored["strategy"] == "full" and out["infer/acc"] == scored["val/acc"]
     loss = float(np.mean([-math.log(dict(r["top5"])[r["true"]]) for r in rows]))
     assert loss == pytest.approx(scored["val/loss"], abs=2e-4)
+
+
+def test_infer_names_a_tied_class_as_eval_counts_it(mesh_ckpt, tmp_path):
+    """Under bf16 autocast two classes' logits often round to one value (on an AMD EPYC one capsule came out
+    0.29187 capsule, 0.29187 box). Infer named the class torch.topk put first (capsule) where eval's accuracy,
+    torchmetrics' argmax, counted the earlier class (box): infer/acc 0.95, val/acc 0.90. Here the head's capsule row
+    is a copy of its box row, so every shape ties the two: infer names box, lists box before capsule, and its
+    accuracy is eval's. Whether a close call rounds to a tie depends on the CPU's bf16 kernels; this tie does not."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from onn.app import execute, given_keys
+
+    data, ckpt = mesh_ckpt
+    tied = tmp_path / "tied.ckpt"
+    shutil.copytree(ckpt, tied)
+    tensors = load_file(tied / "model.safetensors")
+    for name in ("weight", "bias"):
+        head = tensors[f"/state_dict/model.head.{name}"]
+        head[1] = head[0]  # the checkpoint's classes: box, capsule, cone, cylinder, sphere
+    save_file(tensors, tied / "model.safetensors")
+    out, rows = infer_rows(tmp_path, f"ckpt={tied}", f"task.input={data}", name="infer")
+    for row in rows:
+        names, probs = zip(*row["top5"])
+        assert probs[names.index("box")] == probs[names.index("capsule")]  # the tie the copy makes
+        assert names.index("box") < names.index("capsule") and row["predicted"] != "capsule"
+    given = [f"data.source={data}"]
+    common = ("tracking=none", "hardware=cpu_16gb", f"paths.outputs={tmp_path}", f"paths.cache={tmp_path / 'cache'}")
+    scored = execute(compose(*common, "task=eval", f"ckpt={tied}", *given), tmp_path / "eval", given_keys(given))
+    assert out["infer/acc"] == scored["val/acc"]
 
 
 @pytest.mark.skipif(not MESHES.is_dir(), reason="../shared/data/meshes/trimesh is not here")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -445,7 +446,7 @@ def class_order(found: list[str], data_cfg: SplitData) -> list[str]:
     names, n = data_cfg.classes, data_cfg.num_classes
     if names:
         names = [str(c) for c in names]
-        if numbered(found):  # the data has label numbers: data.classes names them, in that order
+        if by_position(found, names):  # the data has label numbers: data.classes names them, in that order
             if len(found) > len(names):
                 raise UserError(
                     f"data.classes names {len(names)} classes but data.source has {len(found)}; name them all."
@@ -473,6 +474,14 @@ def numbered(classes: list[str]) -> bool:
     return classes == [str(i) for i in range(len(classes))]
 
 
+def by_position(found: list[str], classes: list[str]) -> bool:
+    """Whether labels indexing `found` keep their numbers as indices into `classes`: `found` is label numbers
+    0..n-1 (IDX, CIFAR binary, integer CSV labels) that `classes` names otherwise (data.classes, a checkpoint's
+    names). Names that `classes` holds map by name, digits too: class folders 0..11 trained in the order
+    0, 1, 10, 11, 2, ... (text order, as folders were sorted) and a val folder of 0, 1, 2 scored folder 2 as 10."""
+    return numbered(found) and not set(found) <= set(classes)
+
+
 def relabel(decoded: Decoded, classes: list[str], key: str) -> Decoded:
     """A decoded split's labels by class name, in `classes` order (see relabelled)."""
     labels = relabelled(decoded.labels, decoded.classes, classes, key)
@@ -481,9 +490,9 @@ def relabel(decoded: Decoded, classes: list[str], key: str) -> Decoded:
 
 def relabelled(labels: torch.Tensor, found: list[str], classes: list[str], key: str) -> torch.Tensor:
     """Labels that index `found` (the data's own class names), as indices into `classes` by name (a separate
-    val/test source, or data.classes given in another order than the data's own); numbered classes keep
-    their numbers, and -1 (unknown) stays."""
-    if found == classes or numbered(found):
+    val/test source, or data.classes given in another order than the data's own); label numbers that `classes`
+    names otherwise keep their numbers (by_position), and -1 (unknown) stays."""
+    if found == classes or by_position(found, classes):
         return labels
     missing = [c for c in found if c not in classes]
     if missing:
@@ -803,17 +812,27 @@ class ClassificationData(L.LightningDataModule):
     def _held_out(self, labels: torch.Tensor) -> tuple[list[int], list[int]]:
         """(train, val) indices: a seeded validation share of train (the same items for every run with this seed),
         less one item of each class it would take whole, so the model trains on every class it is validated on
-        (a class folder of one file was, for some seeds, validated on only)."""
+        (a class folder of one file was, for some seeds, validated on only). The one val item of such a class
+        trades places with a kept item of a class that keeps another (it was left in val: the class untrained);
+        where every class has one item, none can be held out without its class, and it stays (said as untrained)."""
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.seed)).tolist()
         n_val = self._val_count(len(labels))
         val, kept = order[:n_val], order[n_val:]
-        trained = set(labels[kept].tolist())
+        counts = Counter(labels[kept].tolist())
         for i in list(val):
             label = int(labels[i])
-            if label not in trained and len(val) > 1:
-                val.remove(i)
-                kept.append(i)
-                trained.add(label)
+            if counts[label]:
+                continue
+            if len(val) == 1:
+                spare = next((j for j in kept if counts[int(labels[j])] > 1), None)
+                if spare is None:
+                    break
+                kept.remove(spare)
+                counts[int(labels[spare])] -= 1
+                val.append(spare)
+            val.remove(i)
+            kept.append(i)
+            counts[label] += 1
         return kept, val
 
     # -- loaders ----------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from onn.config.task import InferTask, TrainTask
 from onn.data.cache import cached_tensors
 from onn.data.files import write_jsonl
 from onn.data.labelled import same_text
-from onn.data.resident import ClassificationData, ResidentBatches, Split, numbered
+from onn.data.resident import ClassificationData, ResidentBatches, Split, by_position
 from onn.errors import UserError
 from onn.export.hf import save_network
 from onn.export.write import export_after_training, export_for_run, refused_write, weight_bytes
@@ -67,6 +67,7 @@ from onn.training.classifier import (
     save_confusion,
 )
 from onn.training.distributed import parameter_count
+from onn.training.metrics import ranked
 from onn.training.optim import monitor_mode
 from onn.training.trainer import build_trainer, optimizer_steps, processes, streaming_store, streaming_strategy
 
@@ -266,6 +267,12 @@ def train(job: Job) -> dict[str, Any]:
         config = dataclasses.replace(config, optim=resumed_optim(config.optim, ckpt))
     callbacks = _callbacks(config, run_dir)  # its settings checked before the data and the model are built
     dm = setup_data(m, config, job.device)
+    known = [same_text(str(c)) for c in saved["classes"]] if saved else dm.classes
+    if dm.classes != known and set(dm.classes) == set(known):  # labels in the checkpoint's order, by name: folders
+        # 0..11 sorted as text (0, 1, 10, ...) before, as numbers now, and the head's units keep their classes
+        dm = setup_data(
+            m, dataclasses.replace(config, data=dataclasses.replace(config.data, classes=known)), job.device
+        )
     store = streaming_store(config, plan, run_dir, job.device)
     module = build(m, config, plan, saved or data_inputs(m, config, dm), store)
     if ckpt is not None:  # before Lightning restores it: a checkpoint of another network is one sentence
@@ -432,7 +439,7 @@ def trained_data(m: ClassifierModality, config: ONNConfig, ckpt: Path, device: s
     if dm.classes == known or (config.data.classes and not named):
         return dm
     unknown = [c for c in dm.classes if c not in known]
-    if unknown and not numbered(dm.classes):
+    if unknown and not by_position(dm.classes, known):
         raise UserError(
             f"data.source has the classes {unknown[:5]}, which ckpt {ckpt} never learned (it knows {known[:10]}); "
             "evaluate it on data of its own classes."
@@ -475,7 +482,7 @@ def infer(job: Job) -> dict[str, Any]:
             x = decoded.inputs[start : start + batch].to(device)
             with torch.no_grad(), evaluation_autocast(config, job.plan, device):  # as task=eval runs it
                 probs = torch.softmax(model(model.prepare(x, train=False)).float(), dim=1).cpu()
-            top = probs.topk(min(TOP_K, len(classes)), dim=1)
+            top = ranked(probs, min(TOP_K, len(classes)))
             for i in range(x.shape[0]):
                 j = start + i
                 label = int(decoded.labels[j])
@@ -525,8 +532,9 @@ def true_classes(found: list[str], classes: list[str]) -> list[str | None]:
     """The model's class each label of task.input names (None: none): a folder's by name; a label number (IDX,
     CIFAR binary, a CSV's numeric label, a recording's digit) as the model's class of that number, as training and
     task=eval read it (resident.relabelled), so a model trained with data.classes naming the numbers is scored too
-    (the number's text was compared with the names: every row true null, no infer/acc)."""
-    if numbered(found):
+    (the number's text was compared with the names: every row true null, no infer/acc). A folder named by a number
+    the model has a class of is that class (by position, folder 2 was class 10 of classes 0, 1, 10, 11, 2, ...)."""
+    if by_position(found, classes):
         return [classes[i] if i < len(classes) else None for i in range(len(found))]
     return [name if name in classes else None for name in found]
 
@@ -569,7 +577,7 @@ class Predictor:
         x = decoded.inputs[:1].to(self.device)
         with evaluation_autocast(self.config, self.plan, self.device):  # as task=eval runs it
             probs = torch.softmax(self.module(self.module.prepare(x, train=False)).float(), dim=1)[0].cpu()
-        top = probs.topk(min(top_k, len(self.classes)))
+        top = ranked(probs, min(top_k, len(self.classes)))
         return [(self.classes[int(c)], float(p)) for c, p in zip(top.indices, top.values)], decoded.inputs[0]
 
     def picture(self, sample: torch.Tensor, predicted: str, path: Path) -> None:

@@ -72,3 +72,11 @@ class ClassPairs(nn.Module):
         counts = self.matrix.compute().cpu()
         self.matrix.reset()
         return counts
+
+
+def ranked(probs: torch.Tensor, k: int) -> torch.return_types.topk:
+    """The k most probable classes, highest first, and of tied classes the earlier in the model's order first: the
+    class torch.argmax (task=eval's accuracy) takes. topk orders ties as it likes, and under bf16 autocast two
+    classes' logits often round to one value: infer named the other class of such a tie than eval counted."""
+    values, indices = probs.sort(dim=-1, descending=True, stable=True)
+    return torch.return_types.topk((values[..., :k], indices[..., :k]))

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from onn.data.files import ARCHIVE_ERRORS, archive_kind, existing_source, walk_files, wanted_members
-from onn.data.labelled import check_bad
+from onn.data.labelled import check_bad, sort_classes
 from onn.errors import UserError
 from onn.modalities.mesh.read import MESH_SUFFIXES, MeshError, load_geometry, place, principal_axes, unwrap
 
@@ -469,7 +469,7 @@ def read_source(
             graph.pop("pos", None)
     short = unwrap(names) if path.is_dir() or archive_kind(path) else names
     placed = [place(n) for n in short]
-    folders = sorted({c for _, c in placed if c is not None})
+    folders = sort_classes({c for _, c in placed if c is not None})  # 2 before 10, as images and meshes sort them
     given = {} if folders else {n: class_number(g.y, allow_unlabelled) for g, n in zip(graphs, names) if "y" in g}
     unusable = next((n for n, number in given.items() if number is None), None)
     if unusable is not None:

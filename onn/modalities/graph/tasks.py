@@ -35,7 +35,7 @@ from onn.config.model import GraphNetworkConfig
 from onn.config.task import InferTask
 from onn.data.files import write_jsonl
 from onn.data.labelled import check_bad
-from onn.data.resident import numbered
+from onn.data.resident import by_position
 from onn.errors import UserError
 from onn.hardware.profile import Profile
 from onn.modalities.base import ClassifierModality, Job
@@ -45,6 +45,7 @@ from onn.planning.plan import make_plan
 from onn.planning.spec import ModelSpec, network_spec
 from onn.training.checkpoints import resolve as resolve_checkpoint
 from onn.training.classifier import Classifier
+from onn.training.metrics import ranked
 
 __all__ = ["GraphClassifier", "evaluate", "export", "infer", "plan", "train"]
 log = logging.getLogger("onn")
@@ -290,14 +291,14 @@ def _truths(graphs: list, found: list[str], classes: list[str], level: str) -> l
         labels = graph.node_y.long().view(-1).tolist() if numbers else [-1] * graph.num_nodes
     else:
         labels = [int(g.y) for g in graphs]
-    if level == "node" or numbered(found):
+    if level == "node" or by_position(found, classes):
         return [classes[c] if 0 <= c < len(classes) else None for c in labels]
     names = [found[c] if 0 <= c < len(found) else None for c in labels]
     return [n if n in classes else None for n in names]
 
 
 def _row(name: str, probs: torch.Tensor, classes: list[str], truth: str | None) -> dict[str, Any]:
-    top = probs.topk(min(TOP_K, len(classes)))
+    top = ranked(probs, min(TOP_K, len(classes)))  # ties as eval's argmax breaks them
     return {
         "name": name,
         "predicted": classes[int(top.indices[0])],

@@ -39,7 +39,7 @@ import torch
 
 from onn.config.data import MeshData
 from onn.data.files import ARCHIVE_ERRORS, archive_kind, existing_source, walk_files, wanted_members
-from onn.data.labelled import check_bad
+from onn.data.labelled import check_bad, sort_classes
 from onn.data.resident import Decoded
 from onn.errors import UserError
 from onn.modalities.mesh.polygons import binary_ply_polygons, is_binary_ply, mixed_face_sizes, off_polygons
@@ -416,7 +416,7 @@ def read_source(
     if not allow_unlabelled and not all(labelled):
         loose = next(n for n, ok in zip(names, labelled) if not ok)
         raise UserError(f"{key} {path}: {loose} is not in a class folder; {HELP}.")
-    classes = sorted({c for _, c in placed if c is not None})
+    classes = sort_classes({c for _, c in placed if c is not None})  # 2 before 10, as labelled files sort them
     order: dict[str, list[int]] = {}
     for i, (split, _) in enumerate(placed):
         order.setdefault(split, []).append(i)

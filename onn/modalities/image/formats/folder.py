@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from onn.data.files import ARCHIVE_ERRORS, archive_kind, is_hidden, iter_members, read_head, reported, walk_files
-from onn.data.labelled import same_text, split_folders
+from onn.data.labelled import same_text, sort_classes, split_folders
 from onn.errors import UserError
 from onn.modalities.image.formats.common import (
     HELP,
@@ -176,5 +176,6 @@ def _tree_layout(names: list[str], where: str, allow_unlabelled: bool, key: str)
             f"{key}: {len(loose)} image(s) in {where} sit in no class folder beside images that do, e.g. "
             f"{loose[0]}; move them into their class's folder or out of the source (expected {LAYOUT})."
         )
-    classes = sorted({c for entries in out.values() for _, c in entries if c is not None})
+    # 2 before 10, as labelled files sort them: folders 0..11 trained as 0, 1, 10, 11, 2, ...
+    classes = sort_classes({c for entries in out.values() for _, c in entries if c is not None})
     return out, classes
