@@ -76,7 +76,7 @@ def test_an_encoder_decoders_planned_kv_cache_is_what_it_caches_generating(name)
     counted a cache in each of the LayerMap's blocks: T5's 2 stacks for its 3 decoder layers, BART's 4 encoder
     layers for its 2 decoder layers."""
     spec = spec_of(SEQ2SEQ[name])
-    assert spec.n_blocks == {"t5": 2, "bart": 4}[name]  # (what the old plan counted a cache in)
+    assert spec.n_blocks == {"t5": 3, "bart": 4}[name]  # T5: its decoder's layers (no longer its 2 stacks)
     planned = kv_cache_elements(spec, PROMPT, NEW) * 4
     assert planned == pytest.approx(generated_cache_bytes(SEQ2SEQ[name]), rel=0.02)
 

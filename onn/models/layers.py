@@ -6,7 +6,9 @@ no model names: the blocks are a run of same-typed sibling modules (a decoder's 
 ResNet's stages, the middle of a user's nn.Sequential; a ModuleList of composite layers of two kinds, a hybrid's
 such as Jamba's or a UNet's up blocks, is a run too, and nothing inside it is): composite modules before leaf
 layers (a list of one composite module, a one-layer stack, after any run), then the run holding the most
-parameters, then the longest. A model config can name the blocks explicitly instead
+parameters, then the longest. A run of whole models (T5's encoder and decoder stacks) is none: the blocks are inside
+one of them; a run one of whose members holds nearly all its weights (timm's [stem, stages]) gives way to the run
+inside that member. A model config can name the blocks explicitly instead
 (`model.layer_map.blocks: model.layers`).
 """
 
@@ -15,6 +17,8 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import re
+import sys
 import textwrap
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -44,8 +48,10 @@ class LayerMap:
 
     @property
     def layers_pattern(self) -> str:
-        """The attribute name peft's `layers_pattern` expects (e.g. "layers", "h")."""
-        return self.blocks_path.rsplit(".", 1)[-1]
+        """peft's `layers_pattern`: the blocks' whole path, as a regular expression (peft matches it after any
+        prefix). The last name alone ("layers") also matched BART's encoder.layers.N beside its decoder's blocks,
+        which sparse_lora then adapted outside the blocks (in the prefix, where streaming trains nothing)."""
+        return re.escape(self.blocks_path)
 
     def block_params(self) -> list[int]:
         return [_count(b) for b in self.blocks]
@@ -166,13 +172,14 @@ def discover(model: nn.Module, blocks_path: str | None = None) -> LayerMap:
             )
         return _assemble(model, blocks_path, names)
 
-    best = None  # (key, path, names)
+    candidates = []  # (key, path, names)
     hybrids = [p for p, m in model.named_modules() if _mixed_list(m)]
     for path, module in model.named_modules():
         if any(path.startswith(f"{h}.") if h else path for h in hybrids):
             continue  # inside a hybrid's layers: its parts, not its blocks
         mixed = _mixed_list(module)  # a hybrid's layers: its runs of one kind are stretches of them, not its blocks
-        for names in [*([] if mixed else _same_type_runs(module)), *_lone_block(module), *mixed]:
+        runs = [] if mixed else [r for r in _same_type_runs(module) if not _towers(module, r)]
+        for names in [*runs, *_lone_block(module), *mixed]:
             # Blocks are composite modules (a decoder layer, a ResNet stage); a list of layers of two kinds (a
             # hybrid's) is a run too, by the weights it holds, and nothing inside it is; a list of one block (a
             # one-layer stack) comes after any run, and a pair of leaf layers (GPT-2's wte/wpe embeddings) only
@@ -180,16 +187,37 @@ def discover(model: nn.Module, blocks_path: str | None = None) -> LayerMap:
             composite = any(True for _ in module.get_submodule(names[0]).children())
             rank = (1 if len(names) == 1 else 3) if composite else 0
             coverage = sum(_count(module.get_submodule(n)) for n in names)
-            key = (rank, coverage, len(names))
-            if best is None or key > best[0]:
-                best = (key, path, names)
-    if best is None:
+            candidates.append(((rank, coverage, len(names)), path, names))
+    if not candidates:
         raise UserError(
             f"{type(model).__name__} has no repeated blocks (no run of two or more same-typed sibling modules, nor "
             "a list of one); set model.layer_map.blocks to the module that holds them, or use strategy=lora."
         )
-    _, path, names = best
+    _, path, names = _past_the_stem(max(candidates, key=lambda c: c[0]), candidates)
     return _assemble(model, path, names)
+
+
+def _towers(module: nn.Module, names: list[str]) -> bool:
+    """Whether a run is of whole models (transformers' PreTrainedModel: T5's encoder and decoder stacks), each a
+    tower with blocks of its own: the blocks are inside one of them (as BART's are), and the stacks were no blocks
+    the streaming engine could call with a hidden state."""
+    loaded = sys.modules.get("transformers.modeling_utils")  # (none loaded: no model of transformers')
+    return loaded is not None and all(isinstance(module.get_submodule(n), loaded.PreTrainedModel) for n in names)
+
+
+def _past_the_stem(best: tuple, candidates: list[tuple]) -> tuple:
+    """The run inside one member of `best` (its own children or a child's) when that member holds nearly all of
+    `best`'s weights: timm's ConvNeXt, ResNetV2 and CSPNet are [stem, stages], a run of two Sequentials whose
+    second holds 99.98% of the weights in its four stages, which are the blocks. A run whose members share the
+    weights (ResNet's layer1..4, Swin's stages) stands."""
+    (_, coverage, _), path, names = best
+    members = [f"{path}.{n}" if path else n for n in names]
+    inner = [
+        c
+        for c in candidates
+        if c[0][0] == 3 and c[0][1] >= 0.99 * coverage and (c[1] in members or c[1].rpartition(".")[0] in members)
+    ]
+    return _past_the_stem(max(inner, key=lambda c: c[0]), candidates) if inner else best
 
 
 def _lone_block(module: nn.Module) -> list[list[str]]:

@@ -479,16 +479,31 @@ def draw_random(model, module, seed: int, device="cpu", recurse: bool = True, dt
         for param in module.parameters(recurse=recurse):
             param.data = torch.empty_like(param.data, dtype=dtype)
     torch.manual_seed(seed)
-    for sub in module.modules() if recurse else [module]:
-        model._init_weights(sub)
+    if recurse:
+        _init_children_first(model._init_weights, module)
+    else:
+        model._init_weights(module)
     for param in module.parameters(recurse=recurse):
         param.data = param.data.to(dtype or param.dtype)
 
 
+def _init_children_first(init, module) -> None:
+    """`init` each module under `module`, and then `module`, in the order of transformers' own initialisation
+    (PreTrainedModel.initialize_weights' smart_apply): a parent's special init of its children then stands (GPT-2's
+    scaled c_proj, Mamba's dt_proj bias), where parents first let their generic init overwrite it. A model inside
+    (a vision tower) initialises its modules with its own _init_weights, as there."""
+    from transformers import PreTrainedModel
+
+    for child in module.children():
+        _init_children_first(child._init_weights if isinstance(child, PreTrainedModel) else init, child)
+    init(module)
+
+
 def outside_blocks(model, layer_map) -> Iterator[tuple[str, object]]:
-    """(name, module) of each module outside the blocks that holds empty (meta) weights of its own when reached."""
+    """(name, module) of each module outside the blocks that holds empty (meta) weights of its own when reached,
+    each after the modules under it (as _init_children_first draws them: a parent's init of its children stands)."""
     blocks, inside = set(layer_map.block_paths), tuple(f"{b}." for b in layer_map.block_paths)
-    for name, module in model.named_modules():
+    for name, module in reversed(list(model.named_modules())):
         if name in blocks or name.startswith(inside):
             continue
         if any(p.is_meta for p in module.parameters(recurse=False)):
