@@ -164,6 +164,7 @@ class StreamingEngine:
             raise UserError(
                 f"strategy.streaming.chunk_size must be between 1 and the model's {n} blocks (got {chunk_size})."
             )
+        check_router_loss(model)
         self.model, self.map, self.store = model, layer_map, store
         self.objective = objective or Objective()
         device = torch.device(device)
@@ -1086,6 +1087,21 @@ class StreamingEngine:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+
+def check_router_loss(model: nn.Module) -> None:
+    """Refuse a mixture of experts set to add its router's load-balancing loss (output_router_logits: Mixtral,
+    Qwen2-MoE): the suffix's forward runs the blocks as stubs, so no router logits are recorded, and transformers'
+    load_balancing_loss_func failed mid-step with an IndexError on the empty tuple."""
+    config = getattr(model, "config", None)
+    configs = [config, config.get_text_config()] if hasattr(config, "get_text_config") else [config]
+    if any(getattr(c, "output_router_logits", False) is True for c in configs):
+        name = getattr(config, "model_type", None) or type(model).__name__
+        raise UserError(
+            f"model type {name} has output_router_logits=true, whose router auxiliary loss layer streaming does not "
+            "compute: set model.architecture.output_router_logits=false (or false in the model folder's config.json), "
+            "or train without layer streaming (strategy=lora)."
+        )
 
 
 def target_tokens(mb: dict[str, Any]) -> int:

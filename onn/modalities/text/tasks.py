@@ -104,6 +104,7 @@ def build(config: ONNConfig, plan: Plan) -> tuple[CausalLM, Any]:
         strategy.streaming = dataclasses.replace(streaming, store_dtype=settings.store_dtype)
     # plain dicts: a checkpoint holds data, and app.from_checkpoint types them again
     saved = {
+        "seed": int(config.seed),  # the held-out split and training order: a resume and task=eval keep them
         "model": as_dict(model_cfg),
         "strategy": as_dict(strategy),
         "data": as_dict(config.data),
@@ -130,6 +131,18 @@ def checkpoint_activations(model) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     elif hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def trained_seed(config: ONNConfig, ckpt: Path | None) -> ONNConfig:
+    """The config with the seed `ckpt`'s run trained with: it picks the held-out split and the training order, so
+    a resumed run trains on in that order and task=eval scores the records that run held out (a checkpoint an
+    earlier ONN wrote saved none: config.seed). As classification, diffusion and pairs do, it replaces seed=."""
+    saved = saved_config(ckpt) if ckpt is not None else {}
+    if "seed" not in saved:
+        return config
+    if int(saved["seed"]) != config.seed:
+        log.info("ckpt %s trained with seed=%s: its held-out split and order are used", ckpt, saved["seed"])
+    return dataclasses.replace(config, seed=int(saved["seed"]))
 
 
 def validated_first(config: ONNConfig, ckpt: Path | None) -> bool:
@@ -411,7 +424,7 @@ def held_out_scores(job: Job, module: CausalLM, dm: TextDataModule, tokenizer, s
 
 
 def train(job: Job) -> dict[str, Any]:
-    config, plan, run_dir, ckpt = job.config, job.plan, job.run_dir, job.ckpt
+    config, plan, run_dir, ckpt = trained_seed(job.config, job.ckpt), job.plan, job.run_dir, job.ckpt
     if ckpt is not None:  # the optimizer's state in the checkpoint belongs to its settings
         config = dataclasses.replace(config, optim=resumed_optim(config.optim, ckpt))
     saves = StepCheckpoint(run_dir / "checkpoints", config.checkpoint.every_n_steps)  # checked before the builds
@@ -485,7 +498,7 @@ def train(job: Job) -> dict[str, Any]:
 
 
 def evaluate(job: Job) -> dict[str, Any]:
-    config, plan, ckpt = job.config, job.plan, job.ckpt
+    config, plan, ckpt = trained_seed(job.config, job.ckpt), job.plan, job.ckpt
     module, tokenizer = build(config, plan)
     check_positions(config, module)
     if ckpt is not None:
