@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from onn.config.model import LanguageModelConfig, LayerMapOverride
 from onn.config.strategy import LoraConfig, StrategyConfig
+from onn.errors import UserError
 from onn.models.layers import discover
 from onn.models.load import _random_model
 from onn.streaming.engine import StreamingEngine
@@ -84,6 +86,16 @@ def test_t5s_blocks_are_its_decoders_layers_not_its_two_stacks():
     assert type(layer_map.blocks[0]).__name__ == "T5Block"
     assert "encoder" in [name for name, _ in layer_map.prefix]
     assert [name for name, _ in layer_map.suffix][-1] == "lm_head"
+
+
+def test_streaming_t5_is_refused_in_one_sentence():
+    """T5's blocks take the position biases the first block computes; the engine replays every block with the first
+    one's arguments, and a streamed step failed with "'weight' must be 2-D" (or an unpacking error)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2))
+    with pytest.raises(UserError, match=r"each take the position_bias the block before them computed.*strategy=lora"):
+        StreamingEngine(model, discover(model), LayerStore("cpu", "float32"), 1)
 
 
 def test_timm_convnexts_blocks_are_its_stages_and_resnets_stay_its_layers():

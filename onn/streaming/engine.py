@@ -19,8 +19,10 @@ rotary embeddings, caches, the final norm, the head and the loss are exactly the
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 import types
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,6 +167,7 @@ class StreamingEngine:
                 f"strategy.streaming.chunk_size must be between 1 and the model's {n} blocks (got {chunk_size})."
             )
         check_router_loss(model)
+        check_blocks_stand_alone(layer_map.blocks)
         self.model, self.map, self.store = model, layer_map, store
         self.objective = objective or Objective()
         device = torch.device(device)
@@ -1087,6 +1090,23 @@ class StreamingEngine:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+
+# a block's argument that its stack fills from the block before it (T5's attention biases, which the first block
+# computes and the others reuse): the engine calls each block with the first one's arguments
+CARRIED_ARGUMENTS = ("position_bias", "encoder_decoder_position_bias")
+
+
+def check_blocks_stand_alone(blocks: Sequence[nn.Module]) -> None:
+    """Refuse blocks that take state from the block before them (T5, mT5, UMT5, LongT5, Switch Transformers: their
+    relative position biases), which streaming cannot hand along: the engine replays each block with the first
+    block's arguments, and T5 failed mid-step with "'weight' must be 2-D" or an unpacking error."""
+    carried = [a for a in CARRIED_ARGUMENTS if blocks and a in inspect.signature(blocks[0].forward).parameters]
+    if carried:
+        raise UserError(
+            f"this model's blocks ({type(blocks[0]).__name__}) each take the {carried[0]} the block before them "
+            "computed, which layer streaming cannot pass along: train it without streaming (strategy=lora or full)."
+        )
 
 
 def check_router_loss(model: nn.Module) -> None:
