@@ -86,6 +86,17 @@ def test_a_wide_gap_within_a_line_of_one_column_keeps_the_line_whole():
     assert lines(dusty) == []
 
 
+def test_two_columns_whose_lines_do_not_line_up_are_read_column_after_column():
+    """Right column's lines half a line lower than the left's: no blank row crosses the page, and the page was
+    read as one box over both columns (two texts mixed). Now each column's lines, left column first."""
+    left = [(20, 20 + 28 * k, f"left line number {k}") for k in range(6)]
+    right = [(330, 34 + 28 * k, f"right line number {k}") for k in range(6)]
+    found = lines(_page((620, 230), left + right))
+    assert len(found) == 12, found
+    assert all(x1 < 300 for _, _, x1, _ in found[:6]) and all(x0 > 300 for x0, _, _, _ in found[6:]), found
+    assert [y0 for _, y0, _, _ in found[:6]] == sorted(y0 for _, y0, _, _ in found[:6])
+
+
 def _staged(model: onnx.ModelProto, output: Path, scale: float) -> Path:
     """`model`, its weights times `scale`, staged for `output` as an export stages it: in a folder of its own (here
     outside output's, which then holds the export alone), under staged_name, its weights in the .data beside it."""

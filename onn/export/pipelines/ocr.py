@@ -187,13 +187,16 @@ def _cut(ink: np.ndarray, box: tuple[int, int, int, int], letter: float) -> list
     stripe is one line, or nothing when under 4 rows (a speck). Only the widest (within half a `letter` height, or
     a quarter, of the widest): a heading above two columns is cut off first, then the columns, then their lines
     (cutting at every blank row first read two columns' lines in turns). A part that is one line is not cut down
-    (`_line`): its wide gap is a tab's or a table row's, and cut there the line was read as two. A row or
+    (`_line`): its wide gap is a tab's or a table row's, and cut there the line was read as two. A part with no blank
+    row yet over two letters high is several lines (two columns whose lines don't line up) and is cut down. A row or
     column of the part holds ink when more than SPECK of it does (dust is no line, nor blocks a gutter)."""
     x0, y0, x1, y1 = box
     region = ink[y0:y1, x0:x1]
     rows, cols = region.mean(1) > SPECK, region.mean(0) > SPECK
     across = _stripes(rows)
-    down = _gutters(cols, letter) if across else []  # one line's wide gap (a tab, a table row's) is no gutter
+    inked = np.nonzero(rows)[0]
+    tall = inked.size > 0 and inked[-1] + 1 - inked[0] > 2 * letter  # columns whose lines don't line up: no blank row
+    down = _gutters(cols, letter) if across or tall else []  # one line's wide gap (a tab, a table row's) is no gutter
     widest_across = max((end - start for start, end in across), default=0)
     widest_down = max((end - start for start, end in down), default=0)
     if not widest_across and not widest_down:
