@@ -1,5 +1,6 @@
 """task=eval of a graph-level data.source the command line gives scores every graph of it (its train/ and test/
-folders alike, as the image path's every_split), and a folder of test/ alone is scored rather than refused."""
+folders alike, as the image path's every_split), and a folder of test/ alone is scored rather than refused; a
+training run whose data.val_source names data.source validates on its val/ folder alone and refuses test/ alone."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import compose
 from test_graph import run, write_rings_and_stars
+
+from onn.errors import UserError
 
 
 def write_split_folder(root: Path) -> Path:
@@ -53,3 +56,31 @@ def test_eval_of_a_folder_of_test_alone_scores_it(tmp_path):
     write_rings_and_stars(source / "test", 2, 1)
     dm = eval_data(source)
     assert len(dm.splits["val"]) == 4 and dm.classes == ["ring", "star"]
+
+
+def train_data(source: Path):
+    """The data module a training run builds for data.source=SOURCE data.val_source=SOURCE (the same string)."""
+    from onn.modalities.graph.modality import GraphModality
+
+    config = compose("data=graph", "model=gin", "task=train", f"data.source={source}", f"data.val_source={source}")
+    dm = GraphModality().datamodule(config, "cpu")
+    dm.setup()
+    return dm
+
+
+def test_a_training_run_whose_val_source_is_its_source_validates_on_val_alone(tmp_path):
+    """It validated on every graph of the folder, its train/ among them, as task=eval scores them."""
+    source = tmp_path / "src"
+    write_rings_and_stars(source / "train", 3, 0)
+    write_rings_and_stars(source / "val", 2, 1)
+    dm = train_data(source)
+    assert all(name.startswith("val/") for name in dm.splits["val"].names) and len(dm.splits["val"]) == 4
+    assert len(dm.splits["train"]) == 6 and dm.scored_on_training == []
+
+
+def test_a_training_run_on_a_folder_of_test_alone_is_refused(tmp_path):
+    """It trained on the test graphs (as task=eval reads their classes from them) instead of saying there are none."""
+    source = tmp_path / "src"
+    write_rings_and_stars(source / "test", 2, 1)
+    with pytest.raises(UserError, match="has no training graphs"):
+        train_data(source)

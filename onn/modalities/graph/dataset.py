@@ -136,9 +136,12 @@ class GraphDataModule(L.LightningDataModule):
     # some of them: classification.trained_data sets it, as for ClassificationData)
     min_classes = 2
 
-    def __init__(self, data_cfg: GraphData, device: str = "cpu", seed: int = 0):
+    def __init__(self, data_cfg: GraphData, device: str = "cpu", seed: int = 0, score_all: bool = False):
+        """`score_all`: task=eval scores every graph of its given data.source (modality.scores_whole_graph); a
+        training run whose data.val_source names data.source validates on its val/ folder alone."""
         super().__init__()
         self.cfg, self.seed, self.device = data_cfg, seed, torch.device(device)
+        self.score_all = score_all
         self.batch_size = int(data_cfg.batch_size)
         self.eval_batch_size = int(data_cfg.eval_batch_size or 2 * data_cfg.batch_size)
         self.splits: dict[str, GraphSplit] = {}
@@ -196,14 +199,14 @@ class GraphDataModule(L.LightningDataModule):
         for split, other in (("val", self.cfg.val_source), ("test", self.cfg.test_source)):
             if other:
                 found = self.read(str(other), f"data.{split}_source")
-                scores_all = split == "val" and str(other) == source  # task=eval of a given data.source
+                scores_all = split == "val" and self.score_all  # task=eval of a given data.source
                 sets[split] = every_graph(found) if scores_all else split_of(found, split)
                 # data.source itself, without a split folder of that name: the very graphs trained on
                 trained = split_of(found, "train", fallback=False)
                 if same_path(str(other), source) and (scores_all or sets[split] is trained):
                     self.scored_on_training.append(f"data.{split}_source")
         train = sets.pop("train", None) or sets.pop("all", None)
-        if train is None and str(self.cfg.val_source or "") == source:  # task=eval of a folder of test/ alone
+        if train is None and self.score_all:  # task=eval of a folder of test/ alone
             train = sets["val"]  # (its classes and node features, as a source without split folders gives)
         if train is None or not train.graphs:
             raise UserError(f"data.source={source} has no training graphs (found splits: {', '.join(sets) or 'none'}).")

@@ -126,7 +126,7 @@ class GraphModality(ClassifierModality):
         from onn.modalities.graph.dataset import GraphDataModule
 
         data = dataclasses.replace(config.data, align=trained_align(config))
-        return GraphDataModule(data, device, seed=int(config.seed))
+        return GraphDataModule(data, device, seed=int(config.seed), score_all=scores_whole_graph(config))
 
     def network(self, model_cfg: GraphNetworkConfig, inputs: dict[str, Any]):
         from onn.modalities.graph.network import GraphNetwork
