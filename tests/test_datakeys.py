@@ -1,5 +1,6 @@
 """Data cache keys and the pairs split: a large archive replaced with its size and mtime kept is keyed anew, a
-caption rewritten inside a tar shard is decoded anew, and identical captions in a shard are one right answer."""
+caption rewritten inside a tar shard is decoded anew, and identical captions in a shard are one right answer; a long
+text member of a shard is listed by its sha256, not held whole for the run."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from conftest import compose
 from onn.data.files import HASHED_BYTES, SAMPLED_BLOCKS, SAMPLED_ENDS, content_digest
 from onn.modalities.pairs.data import PairData, side_keys
 from onn.modalities.pairs.demo import write_shapes
-from onn.modalities.pairs.detect import find_pairs
+from onn.modalities.pairs.detect import CAPTION_BYTES, find_pairs
 from onn.modalities.pairs.tasks import sides_of
 
 
@@ -129,3 +130,27 @@ def test_one_caption_in_a_shard_is_one_right_answer(pictures, tmp_path):
     keys = side_keys(listing, list(range(12)))
     text = listing.modalities.index("text")
     assert len({k[text] for k in keys}) == 4
+
+
+def test_a_long_text_member_of_a_shard_is_keyed_by_its_digest_not_held(pictures, tmp_path):
+    """Listing a shard read every .txt member whole into its entry and kept it for the run (three 40 MiB members:
+    120 MiB held). A member over CAPTION_BYTES is held as its sha256: identical ones are still one answer, and one
+    rewritten at the same size and mtime is still decoded anew (materialize reads it from the shard)."""
+    shard = tmp_path / "shards" / "shard-000000.tar"
+    shard.parent.mkdir()
+    pad = " " + "x" * CAPTION_BYTES
+    captions = [f"caption number {i % 3:02d}{pad}" for i in range(6)]  # three captions, each twice
+    write_shard(shard, pictures, captions)
+    st = shard.stat()
+    listing = find_pairs(shard.parent)
+    texts = listing.entries["text"]
+    assert len(texts) == 6 and all(e.data is None and e.digest for e in texts)
+    keys = side_keys(listing, list(range(6)))
+    assert len({k[listing.modalities.index("text")] for k in keys}) == 3
+    first = decoded_captions(shard.parent, tmp_path / "cache")
+    assert sorted(c[:17] for c in first["train"] + first["val"]) == sorted(c[:17] for c in captions)
+    write_shard(shard, pictures, [c.replace("caption", "changed") for c in captions])
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert shard.stat().st_size == st.st_size  # the premise: same size, same mtime
+    second = decoded_captions(shard.parent, tmp_path / "cache")
+    assert {k: [c.replace("caption", "changed") for c in v] for k, v in first.items()} == second

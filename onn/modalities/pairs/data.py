@@ -113,6 +113,8 @@ def named_files_digest(listing: Listing) -> str:
                 h.update(file_key(entry.name, entry.path).encode())
             elif entry.data is not None:
                 h.update(f"{entry.name}\0{len(entry.data)}\0".encode() + entry.data)
+            elif entry.digest is not None:  # a long text member, by the sha256 its listing streamed
+                h.update(f"{entry.name}\0sha256:{entry.digest}\0".encode())
     return h.hexdigest()
 
 
@@ -139,6 +141,8 @@ def identity(modality: str, entry: Entry) -> tuple[str, str]:
             text = (entry.data if entry.data is not None else read_file(entry.path)).decode("utf-8-sig")
         except (OSError, UnicodeDecodeError):  # left out of the pairs when decoded: its name will do
             text = None
+    if text is None and entry.digest is not None:  # a long shard text member: the same bytes, the same answer
+        return ("sha256", entry.digest)
     return ("text", " ".join(text.split())) if text is not None else ("file", entry.name)
 
 

@@ -17,12 +17,13 @@ counted and a few named. Files of neither are left out and counted too.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import combinations, zip_longest
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from onn.data.files import (
     ARCHIVE_ERRORS,
@@ -47,6 +48,7 @@ SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 SNIFF_FILES = 20_000  # data=auto looks at this many files at most
 SNIFF_BYTES = 1 << 16  # and at most this much of a metadata file
 EXAMPLE_BYTES = 64 << 20  # of the first shard member of a suffix, read to learn the suffix's modality
+CAPTION_BYTES = 64 << 10  # a shard's text member held in its entry at most; a longer one is keyed by its sha256
 NAMED = 5  # orphans named in a summary
 # a class, not a caption (Hugging Face's audiofolder/imagefolder classification manifests): a folder of files with
 # these beside file_name is classification data, which data=auto took for file-text pairs
@@ -68,6 +70,7 @@ class Entry:
     member: str | None = None  # the member's name as stored in the shard
     text: str | None = None
     data: bytes | None = None  # a shard's caption member's bytes, read as the shard is listed (see _shard_items)
+    digest: str | None = None  # a shard's text member too long to hold: the sha256 of its bytes, read as listed
 
 
 @dataclass
@@ -187,8 +190,8 @@ def _by_stem(files: list[tuple[str, Path]], wanted: tuple[str, str] | None, limi
 
 def _shard_items(rel: str, shard: Path, items: list, examples: dict, notes: list[str], limit: int | None) -> None:
     """The members of a tar shard as (key, suffix, entry); a damaged shard keeps the members before the damage. A
-    caption member's bytes are read here, into its entry: keyed by its name, a caption rewritten in a shard of the
-    same size and mtime was read from the stale decoded cache."""
+    caption member's bytes are read here, into its entry (a long one's sha256 instead): keyed by its name, a caption
+    rewritten in a shard of the same size and mtime was read from the stale decoded cache."""
     count = 0
     try:
         for member in iter_members(shard):
@@ -198,11 +201,11 @@ def _shard_items(rel: str, shard: Path, items: list, examples: dict, notes: list
             suffix = _suffix(member.name)
             if not suffix:
                 continue
-            data = None
+            data = digest = None
             if suffix in TEXT_SUFFIXES:  # a caption's bytes key the decoded cache and its identity, not its name
                 with member.open() as f:
-                    data = f.read()
-                examples.setdefault(suffix, data)
+                    head, data, digest = _text_member(f)
+                examples.setdefault(suffix, head)
             elif suffix not in examples:  # a longer member's head: a 100 MB video's suffix was not known (a KeyError)
                 with member.open() as f:
                     examples[suffix] = f.read(EXAMPLE_BYTES)
@@ -210,7 +213,7 @@ def _shard_items(rel: str, shard: Path, items: list, examples: dict, notes: list
                 (
                     f"{rel}/{member.name[: -len(suffix)]}",
                     suffix,
-                    Entry(f"{rel}/{member.name}", shard=shard, member=member.raw, data=data),
+                    Entry(f"{rel}/{member.name}", shard=shard, member=member.raw, data=data, digest=digest),
                 )
             )
             count += 1
@@ -220,6 +223,18 @@ def _shard_items(rel: str, shard: Path, items: list, examples: dict, notes: list
         notes.append(
             f"shard {rel} is damaged after {count} members ({type(e).__name__}: {e}); the rest of it is left out"
         )
+
+
+def _text_member(f: BinaryIO) -> tuple[bytes, bytes | None, str | None]:
+    """(head, bytes, None) of a text member up to CAPTION_BYTES long, else (head, None, its sha256) streamed: a
+    shard's 40 MiB .txt members were held whole for the run. The head, CAPTION_BYTES at most, is for sniffing."""
+    head = f.read(CAPTION_BYTES + 1)
+    if len(head) <= CAPTION_BYTES:
+        return head, head, None
+    h = hashlib.sha256(head)
+    while chunk := f.read(1 << 20):
+        h.update(chunk)
+    return head[:CAPTION_BYTES], None, h.hexdigest()
 
 
 def _most_paired(groups: dict[str, dict[str, list[Entry]]]) -> tuple[str, str]:
