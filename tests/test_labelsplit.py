@@ -1,6 +1,7 @@
 """Audio/video class folders beside a test/ split folder (review 2026-12): list_labelled turned split detection off
 and made `test` a class holding every class's test files, which were then trained on. Image folders refused this
-layout; labelled folders now refuse it the same way, and keep the layouts that were right."""
+layout; labelled folders now refuse it the same way, and keep the layouts that were right: classes of session
+folders named like a split (valid/ and invalid/, a class `test`) stay classes."""
 
 from __future__ import annotations
 
@@ -70,3 +71,20 @@ def test_a_class_named_test_holding_files_directly_stays_a_class(tmp_path):
     listing = list_labelled(root, WAV, kind="audio")
     assert listing.classes == ["test", "yes"]
     assert labels(root) == {"all": [("test/2.wav", "test"), ("yes/1.wav", "yes")]}
+
+
+def test_classes_of_session_folders_named_like_a_split_stay_classes(tmp_path):
+    """CLASS/SESSION/FILE with classes valid/ and invalid/ was refused as split folders mixed with other folders."""
+    root = make_wavs(tmp_path / "ds", ["valid/s1/1.wav", "valid/s2/2.wav", "invalid/s3/3.wav", "invalid/s1/4.wav"])
+    listing = list_labelled(root, WAV, kind="audio")
+    assert listing.classes == ["invalid", "valid"]
+    assert {label for _, label in labels(root)["all"]} == {"invalid", "valid"} and list(labels(root)) == ["all"]
+
+
+def test_a_class_named_test_holding_sessions_stays_a_class_but_test_of_the_classes_is_refused(tmp_path):
+    """A class `test` of session folders beside yes/ and no/ is a class; test/yes/ beside yes/ is the mistake."""
+    sessions = ["yes/a/1.wav", "no/b/2.wav", "test/c/3.wav"]
+    listing = list_labelled(make_wavs(tmp_path / "ok", sessions), WAV, kind="audio")
+    assert listing.classes == ["no", "test", "yes"]
+    with pytest.raises(UserError, match=r"mixes split folders \(test\) with other folders \(no, yes\)"):
+        list_labelled(make_wavs(tmp_path / "bad", [*sessions, "test/yes/4.wav"]), WAV, kind="audio")

@@ -273,16 +273,19 @@ def _split(parts: list[str]) -> str:
     return SPLITS.get(parts[0].lower(), "all") if len(parts) > 1 else "all"
 
 
-def split_folders(parts: list[list[str]], where: str, key: str, layout: str) -> set[str]:
+def split_folders(parts: list[list[str]], where: str, key: str, layout: str, nested_classes: bool = False) -> set[str]:
     """The split folders (lowercased train, val, test, ...) at the top of names split on "/", or none when there are
     none or they are classes: a split-named folder holding files directly beside class folders is a class
     (CIFAR-100's `train`). Split folders holding class folders beside other folders are refused: read as classes,
-    test/ became a class of every class's test files, trained on. The rule image folders (folder.py) follow too."""
+    test/ became a class of every class's test files, trained on. The rule image folders (folder.py) follow too.
+    With `nested_classes` (audio and video: CLASS/SESSION/FILE) a split-named folder holding folders is refused only
+    when those share a name with a top folder (test/yes/ beside yes/): valid/ and invalid/ are classes."""
     tops = {p[0].lower() for p in parts if len(p) >= 2}
     splits = {t for t in tops if t in SPLITS}
     if not splits or splits == tops:
         return splits
-    if not splits & {p[0].lower() for p in parts if len(p) >= 3}:
+    inner = {p[1].lower() for p in parts if len(p) >= 3 and p[0].lower() in splits}
+    if not inner or (nested_classes and not inner & (tops - splits)):
         return set()
     raise UserError(
         f"{key}: {where} mixes split folders ({', '.join(sorted(splits))}) with other folders "
@@ -295,7 +298,7 @@ def _folder_labels(media: dict, key: str, path: Path, allow_unlabelled: bool) ->
     skip = _strip_wrapper(names)
     out = []
     where = f"{path}/{names[0].split('/')[0]}" if skip else str(path)
-    use_splits = bool(split_folders([n.split("/")[skip:] for n in names], where, key, FOLDER_LAYOUT))
+    use_splits = bool(split_folders([n.split("/")[skip:] for n in names], where, key, FOLDER_LAYOUT, True))
     for name in names:
         parts = name.split("/")[skip:]
         split = "all"
