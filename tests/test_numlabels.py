@@ -55,15 +55,22 @@ def test_a_val_folder_of_some_numbered_classes_is_labelled_by_name(tmp_path, giv
     assert {a == b for a, b in scored_as(dm, "train")} == {True}
 
 
-def test_label_numbers_of_a_format_still_take_data_classes_by_position(tmp_path):
-    """Unnamed label numbers (an integer-label CSV here) are named by data.classes in its order, as before."""
-    folder = images(tmp_path / "flat", ["0", "1"], 2)
-    rows = ["file_name,label"] + [f"{c}/{k}.png,{c}" for c in ("0", "1") for k in range(2)]
+@pytest.mark.parametrize(
+    ("names", "want"),
+    [(["cat", "dog", "eel"], ["cat", "dog", "eel"]), (["1", "2", "0"], ["1", "2", "0"])],
+    ids=["words", "digits"],
+)
+def test_label_numbers_of_a_format_still_take_data_classes_by_position(tmp_path, names, want):
+    """Unnamed label numbers (an integer-label CSV here) are named by data.classes in its order, as before, digits
+    too (label 0 is the digit 1, as SVHN-style data names them): mapped by name, label 0 had become class '0'."""
+    folder = images(tmp_path / "flat", ["0", "1", "2"], 2)
+    rows = ["file_name,label"] + [f"{c}/{k}.png,{c}" for c in ("0", "1", "2") for k in range(2)]
     (folder / "labels.csv").write_text("\n".join(rows) + "\n")
-    dm = setup(tmp_path, f"data.source={folder / 'labels.csv'}", "data.classes=[cat,dog]", "data.val_split=0.5")
-    assert dm.classes == ["cat", "dog"]
+    given = f"data.classes=[{','.join(repr(n) for n in names)}]"
+    dm = setup(tmp_path, f"data.source={folder / 'labels.csv'}", given, "data.val_split=0.5")
+    assert dm.classes == want
     found = scored_as(dm, "train") | scored_as(dm, "val")
-    assert found == {("0", "cat"), ("1", "dog")}
+    assert found == {("0", want[0]), ("1", want[1]), ("2", want[2])}
 
 
 def test_infer_names_a_numbered_folder_by_its_name(tmp_path):

@@ -476,10 +476,13 @@ def numbered(classes: list[str]) -> bool:
 
 def by_position(found: list[str], classes: list[str]) -> bool:
     """Whether labels indexing `found` keep their numbers as indices into `classes`: `found` is label numbers
-    0..n-1 (IDX, CIFAR binary, integer CSV labels) that `classes` names otherwise (data.classes, a checkpoint's
-    names). Names that `classes` holds map by name, digits too: class folders 0..11 trained in the order
-    0, 1, 10, 11, 2, ... (text order, as folders were sorted) and a val folder of 0, 1, 2 scored folder 2 as 10."""
-    return numbered(found) and not set(found) <= set(classes)
+    0..n-1 (IDX, CIFAR binary, integer CSV labels), which data.classes (or a checkpoint's names) name in their
+    order, digits too (data.classes=[1,2,0]: label 0 is the digit 1). Except where `classes` are digit names in
+    text order (0, 1, 10, 11, 2, ...): class folders sorted as text before they sorted as numbers, whose
+    checkpoints' val folder of 0, 1, 2 scored folder 2 as 10; those map by name. Folders sorted as numbers
+    (0, 1, 2, ..., 10, 11) give the same labels either way."""
+    folders_as_text = set(found) <= set(classes) and classes == sorted(classes) and not numbered(classes)
+    return numbered(found) and not folders_as_text
 
 
 def relabel(decoded: Decoded, classes: list[str], key: str) -> Decoded:

@@ -269,7 +269,11 @@ def train(job: Job) -> dict[str, Any]:
     dm = setup_data(m, config, job.device)
     known = [same_text(str(c)) for c in saved["classes"]] if saved else dm.classes
     if dm.classes != known and set(dm.classes) == set(known):  # labels in the checkpoint's order, by name: folders
-        # 0..11 sorted as text (0, 1, 10, ...) before, as numbers now, and the head's units keep their classes
+        # 0..11 sorted as text (0, 1, 10, ...) before, as numbers now, and the head's units keep their classes;
+        # the first setup's splits (on the device when resident) go before the second sizes itself by free memory
+        del dm
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
         dm = setup_data(
             m, dataclasses.replace(config, data=dataclasses.replace(config.data, classes=known)), job.device
         )

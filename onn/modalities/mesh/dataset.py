@@ -24,8 +24,9 @@ from onn.modalities.mesh.read import HELP, Sampling, read_source, sampling
 # 3: mirrored scene parts' normals point outwards, a point cloud's NaN points are dropped; 4: an OBJ's relative
 # indices count back from the vertices before them, not from the file's end; 5: binary PLYs and OFFs of mixed polygon
 # sizes, OBJs with a byte-order mark or tabs are read, where they were skipped; 6: such a PLY whose bytes add up to its
-# first face's size is read by its corner counts, where trimesh read wrong faces: caches of before are stale
-READER_VERSION = 6
+# first face's size is read by its corner counts, where trimesh read wrong faces: caches of before are stale; 7:
+# class folders named by numbers sort as numbers (0, 1, 2, ..., 10), where the cache held their text order
+READER_VERSION = 7
 
 
 def read_cached(

@@ -31,8 +31,9 @@ from onn.modalities.image.formats.common import (
 
 # The decoded-image cache's key holds this: raise it on every change to the pixels decode gives, or caches
 # filled before serve the old pixels. 1: EXIF orientation applied, 16-bit grey+alpha read as grey, an EXIF block
-# PIL cannot parse read as stored; 2: transparency laid on white, as the export pipeline does
-READER_VERSION = 2
+# PIL cannot parse read as stored; 2: transparency laid on white, as the export pipeline does; 3: class folders
+# named by numbers sort as numbers (0, 1, 2, ..., 10), where the cache held their text order (0, 1, 10, ...)
+READER_VERSION = 3
 GRAY_MODES = frozenset({"1", "L", "LA", "La", "I", "F", "I;16", "I;16L", "I;16B", "I;16N"})
 # What to install when Pillow cannot open a picture of a kind it needs a plugin for, by image_kind; the
 # first item is the format name the plugin registers in PIL.Image.OPEN.
