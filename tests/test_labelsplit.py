@@ -88,3 +88,13 @@ def test_a_class_named_test_holding_sessions_stays_a_class_but_test_of_the_class
     assert listing.classes == ["no", "test", "yes"]
     with pytest.raises(UserError, match=r"mixes split folders \(test\) with other folders \(no, yes\)"):
         list_labelled(make_wavs(tmp_path / "bad", [*sessions, "test/yes/4.wav"]), WAV, kind="audio")
+
+
+def test_train_and_test_folders_of_classes_beside_another_folder_are_refused(tmp_path):
+    """train/ and test/ of classes beside background/: both split folders hold folders, which no one class of
+    sessions does; read as classes background, test and train, every test file was trained on."""
+    root = make_wavs(
+        tmp_path / "ds", ["train/yes/1.wav", "train/no/1.wav", "test/yes/2.wav", "test/no/2.wav", "background/1.wav"]
+    )
+    with pytest.raises(UserError, match=r"mixes split folders \(test, train\) with other folders \(background\)"):
+        list_labelled(root, WAV, kind="audio")

@@ -278,14 +278,16 @@ def split_folders(parts: list[list[str]], where: str, key: str, layout: str, nes
     none or they are classes: a split-named folder holding files directly beside class folders is a class
     (CIFAR-100's `train`). Split folders holding class folders beside other folders are refused: read as classes,
     test/ became a class of every class's test files, trained on. The rule image folders (folder.py) follow too.
-    With `nested_classes` (audio and video: CLASS/SESSION/FILE) a split-named folder holding folders is refused only
-    when those share a name with a top folder (test/yes/ beside yes/): valid/ and invalid/ are classes."""
+    With `nested_classes` (audio and video: CLASS/SESSION/FILE) one split-named folder holding folders none of which
+    is named as a top folder is a class (valid/ and invalid/ of sessions); two such (train/ and test/ beside
+    background/), or test/yes/ beside yes/, are refused."""
     tops = {p[0].lower() for p in parts if len(p) >= 2}
     splits = {t for t in tops if t in SPLITS}
     if not splits or splits == tops:
         return splits
     inner = {p[1].lower() for p in parts if len(p) >= 3 and p[0].lower() in splits}
-    if not inner or (nested_classes and not inner & (tops - splits)):
+    holding = {p[0].lower() for p in parts if len(p) >= 3 and p[0].lower() in splits}
+    if not inner or (nested_classes and len(holding) == 1 and not inner & (tops - splits)):
         return set()
     raise UserError(
         f"{key}: {where} mixes split folders ({', '.join(sorted(splits))}) with other folders "
