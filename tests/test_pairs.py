@@ -355,7 +355,9 @@ def test_infer_breaks_ties_against_the_partner_as_validation_does(shapes, tiny, 
     )
     rows = [json.loads(line) for line in Path(out["infer/output"]).read_text().splitlines()]
     assert out["infer/recall@1"] == pytest.approx(0.1) and out["infer/recall@5"] == pytest.approx(0.5)
-    assert [r["partner_rank"] for r in rows] == list(range(1, 11))
+    # captions 0007 and 0008 read alike ("a green triangle at the top"): as task=eval counts such pairs, 0007.png is
+    # as right for query 0008 as its own picture, and stands for it at place 8
+    assert [r["partner_rank"] for r in rows] == [1, 2, 3, 4, 5, 6, 7, 8, 8, 10]
     assert all([m["name"] for m in r["matches"]] == [f"{i:04d}.png" for i in range(5)] for r in rows)
 
 

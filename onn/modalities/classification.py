@@ -257,6 +257,21 @@ def process_batches(loader: ResidentBatches | torch.utils.data.DataLoader, world
     return share // batch if loader.drop_last and share >= batch else -(-share // batch)
 
 
+def in_checkpoint_order(
+    m: ClassifierModality, config: ONNConfig, dm: ClassificationData, saved: dict[str, Any] | None, device: str
+) -> ClassificationData:
+    """A resumed run's data with its labels in the checkpoint's class order, by name: class folders 0..11 sorted
+    as text (0, 1, 10, ...) before they sorted as numbers, and the head's units keep their classes. The first
+    setup's splits (on the device when resident) go before the second sizes itself by the memory free."""
+    known = [same_text(str(c)) for c in saved["classes"]] if saved else dm.classes
+    if dm.classes == known or set(dm.classes) != set(known):
+        return dm
+    del dm
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    return setup_data(m, dataclasses.replace(config, data=dataclasses.replace(config.data, classes=known)), device)
+
+
 def train(job: Job) -> dict[str, Any]:
     m = job.modality
     config, plan, run_dir, ckpt = job.config, job.plan, job.run_dir, job.ckpt
@@ -266,17 +281,7 @@ def train(job: Job) -> dict[str, Any]:
     if ckpt is not None:  # the optimizer's state in the checkpoint belongs to its settings
         config = dataclasses.replace(config, optim=resumed_optim(config.optim, ckpt))
     callbacks = _callbacks(config, run_dir)  # its settings checked before the data and the model are built
-    dm = setup_data(m, config, job.device)
-    known = [same_text(str(c)) for c in saved["classes"]] if saved else dm.classes
-    if dm.classes != known and set(dm.classes) == set(known):  # labels in the checkpoint's order, by name: folders
-        # 0..11 sorted as text (0, 1, 10, ...) before, as numbers now, and the head's units keep their classes;
-        # the first setup's splits (on the device when resident) go before the second sizes itself by free memory
-        del dm
-        if torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
-        dm = setup_data(
-            m, dataclasses.replace(config, data=dataclasses.replace(config.data, classes=known)), job.device
-        )
+    dm = in_checkpoint_order(m, config, setup_data(m, config, job.device), saved, job.device)
     store = streaming_store(config, plan, run_dir, job.device)
     module = build(m, config, plan, saved or data_inputs(m, config, dm), store)
     if ckpt is not None:  # before Lightning restores it: a checkpoint of another network is one sentence
@@ -714,13 +719,32 @@ class SideEncoder(nn.Module):
 
 class ClassifierSide:
     """A classifying modality as one side of a dual encoder (base.PairSide): its network with `width`
-    outputs is the encoder, its transform (with neutral statistics) goes in front, and its read_inputs
-    decodes the side's files as it decodes task.input, so any classifier modality pairs without more code."""
+    outputs is the encoder, its transform (neutral statistics, or the side's data.mean/std) goes in front, and its
+    read_inputs decodes the side's files as it decodes task.input: any classifier modality pairs without more code."""
 
     def __init__(self, m: ClassifierModality, config: PairSideConfig):
+        # the side's reader never refuses a set for its unreadable fraction: the pairs' data.max_bad_fraction counts
+        # the pairs, and a refused set (a chunk of 1,024 files) would drop its good files with the bad
+        config = dataclasses.replace(config, data=dataclasses.replace(config.data, max_bad_fraction=1.0))
         self.m, self.name, self.config = m, m.name, config
         planned = m.planned_inputs(config)
-        self.inputs = {**planned, **m.neutral_stats(planned)}
+        self.inputs = {**planned, **self.stats(planned)}
+
+    def stats(self, planned: dict[str, Any]) -> dict[str, Any]:
+        """The modality's neutral statistics, with data.mean / data.std where the side gives them (image, video:
+        a pretrained tower's own, ImageNet's for timm's); nothing measures a side's `auto` ones."""
+        from onn.config.data import ImageData, VideoData
+        from onn.modalities.image.dataset import given_stat
+
+        stats = self.m.neutral_stats(planned)
+        data = self.config.data
+        if isinstance(data, ImageData | VideoData):
+            channels = input_shape(planned)[0]
+            for key in ("mean", "std"):
+                given = given_stat(getattr(data, key), f"data.sides.{self.name}.{key}", channels)
+                if given is not None:
+                    stats[key] = given
+        return stats
 
     def read(self, items: list[Path]) -> tuple[torch.Tensor, list[int], list[tuple[int, str]]]:
         """The files decoded by the modality's read_inputs, from a folder of links named by position."""
@@ -731,7 +755,8 @@ class ClassifierSide:
                 os.symlink(Path(path).resolve(), Path(stage) / f"{i:07d}{Path(path).suffix.lower()}")
             try:
                 sets = self.m.read_inputs(Path(stage), self.inputs, self.config)
-            except UserError:  # nothing of the set decodes: each item a skip named by its own file, not the stage's
+            except UserError:  # nothing of the set decodes (the one refusal at max_bad_fraction 1.0): each item a skip
+                # named by its own file, not the stage's
                 return self.sample(0), [], [(i, f"not a readable {self.name} file") for i in range(len(items))]
         tensors, index, skipped = [], [], []
         for decoded in sets.values():

@@ -77,6 +77,7 @@ class PairsModality(Modality):
         if data.batch_size < 2:
             raise UserError(f"data.batch_size={data.batch_size!r}: a contrastive batch needs 2 pairs or more.")
         check_numbers(data, config.task.name)
+        check_sides(config)
         if config.strategy.name not in ("auto", "full"):
             raise UserError(f"strategy={config.strategy.name}: a dual encoder trains with strategy=full (or auto).")
         if config.export.name == "omny":
@@ -86,6 +87,21 @@ class PairsModality(Modality):
         if config.task.name == "infer" and config.task.top_k < 1:
             raise UserError(
                 f"task.top_k={config.task.top_k!r}: give the number of matches to keep per query, 1 or more."
+            )
+
+
+def check_sides(config: ONNConfig) -> None:
+    """Side settings a pair cannot honour, refused rather than ignored: an audio side's normalize=dataset needs
+    statistics measured on the training split, which nothing measures for a side (it fed the tower raw dB)."""
+    from onn.config.data import AudioData
+    from onn.modalities.pairs.sides import TEXT, side_config
+
+    for name in config.data.sides:
+        data = side_config(name, config).data if name != TEXT else None
+        if isinstance(data, AudioData) and data.features.normalize == "dataset":
+            raise UserError(
+                f"data.sides.{name}.features.normalize=dataset is not available for a side of a pair (nothing "
+                "measures the training clips' statistics); use instance (or none)."
             )
 
 

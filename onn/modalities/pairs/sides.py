@@ -83,11 +83,21 @@ def side_config(name: str, config: ONNConfig) -> PairSideConfig:
         )
     model = {**option_values("model", model_option, f"model.sides.{name}"), **model_over}
     return PairSideConfig(
-        data=typed(data_schema, {**data_base, **data_over}, f"data.sides.{name}"),
+        data=typed(data_schema, merged(data_base, data_over), f"data.sides.{name}"),
         model=typed(model_schema, model, f"model.sides.{name}"),
         seed=config.seed,
         paths=config.paths,
     )
+
+
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`, nested dicts key by key: data.sides.audio.features.normalize=... keeps the other
+    features keys (a whole-dict replace failed as "missing mandatory value: n_mels")."""
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merged(out[key], value) if both else value
+    return out
 
 
 def saved_side(name: str, saved: dict[str, Any], where: str) -> PairSideConfig:

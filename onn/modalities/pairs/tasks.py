@@ -36,8 +36,8 @@ from onn.hardware.cluster import is_rank_zero
 from onn.hardware.memory import PeakMemory
 from onn.hardware.profile import Profile
 from onn.modalities.base import Job, PairSide
-from onn.modalities.pairs.data import PairData
-from onn.modalities.pairs.detect import SNIFF_FILES, find_pairs
+from onn.modalities.pairs.data import PairData, identity
+from onn.modalities.pairs.detect import SNIFF_FILES, Entry, find_pairs
 from onn.modalities.pairs.module import KS, MONITOR, DualEncoder, block_rows, ranks
 from onn.modalities.pairs.sides import TEXT, build_side, modality_of, saved_side, side_config
 from onn.planning.costs import MB
@@ -387,7 +387,9 @@ def infer(job: Job) -> dict[str, Any]:
     column = {i: c for c, i in enumerate(g_index)}  # a gallery file's column among those that decoded
     partners = {r: column[j] for r, j in partners_of([query_files[i] for i in q_index], gallery).items() if j in column}
     asked = [query_files[i][0] for i in q_index]
-    scores, columns, partner_ranks = ranked(q, g, partners, top_k, block_rows(len(g), score_budget(job.plan)))
+    keys = answer_keys(query, [query_files[i][1] for i in q_index], other, [gallery[i][1] for i in g_index], partners)
+    rows_at_once = block_rows(len(g), score_budget(job.plan))
+    scores, columns, partner_ranks = ranked(q, g, partners, top_k, rows_at_once, keys)
     rows = matches(scores, columns, partner_ranks, asked, query, [gallery[i][0] for i in g_index], partners)
     output = Path(task.output).expanduser() if task.output else job.run_dir / "matches.jsonl"
     if is_rank_zero():  # every process of a torchrun launch ranks alike: one writes
@@ -401,6 +403,25 @@ def infer(job: Job) -> dict[str, Any]:
     if len(partner_ranks):
         metrics.update({f"infer/recall@{k}": round(float((partner_ranks < k).float().mean()), 5) for k in KS})
     return metrics
+
+
+def answer_keys(
+    query: str, queries: list[Path | str], other: str, gallery: list[Path], partners: dict[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a query's partner_rank counts right, as task=eval does (data.side_keys): per query and per gallery item
+    a number shared by the items that are one answer (a text's words, else the file), and per gallery item its
+    partner query's number (-1: none). With repeated captions infer's recall was the exact partner's, eval's not."""
+
+    def numbers(name: str, items: list[Path | str]) -> torch.Tensor:
+        seen: dict[tuple[str, str], int] = {}
+        entries = [Entry(str(i.resolve()), path=i) if isinstance(i, Path) else Entry(i, text=i) for i in items]
+        return torch.tensor([seen.setdefault(identity(name, e), len(seen)) for e in entries], dtype=torch.long)
+
+    q_keys, g_keys = numbers(query, queries), numbers(other, gallery)
+    g_query = torch.full((len(gallery),), -1, dtype=torch.long)
+    for r, c in partners.items():
+        g_query[c] = q_keys[r]
+    return q_keys, g_keys, g_query
 
 
 def top_matches(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -418,11 +439,19 @@ def top_matches(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def ranked(
-    q: torch.Tensor, g: torch.Tensor, partners: dict[int, int], top_k: int, rows: int
+    q: torch.Tensor,
+    g: torch.Tensor,
+    partners: dict[int, int],
+    top_k: int,
+    rows: int,
+    keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each query's top_k gallery columns with their scores, and the ranks of the partners the gallery holds (by
     query, in query order), from the scores q @ g.T made `rows` queries at a time (block_rows): 100,000 queries
-    against 100,000 items are 40 GB of scores at once. On the host once, at the end."""
+    against 100,000 items are 40 GB of scores at once. On the host once, at the end. `keys` (answer_keys): the
+    columns as right as a query's partner, which rank as one (module.ranks' `same`); None: the partner alone."""
+    if keys is not None:
+        q_keys, g_keys, g_query = (k.to(q.device) for k in keys)
     partner = torch.full((len(q),), -1, dtype=torch.long)
     partner[torch.tensor(list(partners), dtype=torch.long)] = torch.tensor(list(partners.values()), dtype=torch.long)
     partner = partner.to(q.device)
@@ -433,7 +462,12 @@ def ranked(
         values.append(best)
         columns.append(picked)
         known = partner[start : start + rows] >= 0
-        placed.append(ranks(scores[known], partner[start : start + rows][known]))
+        right = partner[start : start + rows][known]
+        same = None
+        if keys is not None:  # the partner's equals, and the partners of the query's equals (data.side_keys)
+            asked = q_keys[start : start + rows][known]
+            same = (g_keys[right].unsqueeze(1) == g_keys.unsqueeze(0)) | (asked.unsqueeze(1) == g_query.unsqueeze(0))
+        placed.append(ranks(scores[known], right, same))
     return torch.cat(values).cpu(), torch.cat(columns).cpu(), torch.cat(placed).cpu()
 
 
@@ -447,8 +481,9 @@ def matches(
     partners: dict[int, int],
 ) -> list[dict[str, Any]]:
     """matches.jsonl's rows: each query's top gallery items by their names (ranked), and where the gallery holds the
-    query's partner (partners_of), its place. Equal scores go to the lower gallery index, in the matches and the
-    ranks alike: a gallery of alike items ranks a partner by its place, not first."""
+    query's partner (partners_of), its place: of the best scored item as right as it (answer_keys: a repeated
+    caption's twin), as task=eval counts. Equal scores go to the lower gallery index, in the matches and the ranks
+    alike: a gallery of alike items ranks a partner by its place, not first."""
     place = dict(zip(sorted(partners), partner_ranks.tolist()))
     rows = []
     for r, (name, values, picked) in enumerate(zip(queries, scores.tolist(), columns.tolist())):
