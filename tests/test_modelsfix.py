@@ -94,8 +94,29 @@ def test_streaming_t5_is_refused_in_one_sentence():
     from transformers import T5Config, T5ForConditionalGeneration
 
     model = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2))
-    with pytest.raises(UserError, match=r"each take the position_bias the block before them computed.*strategy=lora"):
+    with pytest.raises(UserError, match=r"first block \(T5Block\) computes the position bias.*strategy=lora"):
         StreamingEngine(model, discover(model), LayerStore("cpu", "float32"), 1)
+
+
+def test_mpt_whose_alibi_bias_every_block_shares_still_streams():
+    """MPT computes its ALiBi bias once and hands the same tensor to every block, which the engine's replay of the
+    first block's arguments gives too: streamed, its loss is the resident loss (the T5 check first refused it)."""
+    from transformers import MptConfig, MptForCausalLM
+
+    torch.manual_seed(0)
+    model = MptForCausalLM(MptConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=3, max_seq_len=32))
+    model.eval()
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    with torch.no_grad():
+        want = model(**batch).loss
+    streamed = copy.deepcopy(model).requires_grad_(False)  # frozen blocks, as the streamed strategies hold them
+    engine = StreamingEngine(streamed, discover(streamed), LayerStore("cpu", "float32"), 1)
+    engine.offload()
+    total, tokens = engine.evaluate([batch])
+    got = total / tokens
+    engine.close()
+    torch.testing.assert_close(torch.as_tensor(got).float(), want.float(), rtol=1e-5, atol=1e-6)
 
 
 def test_timm_convnexts_blocks_are_its_stages_and_resnets_stay_its_layers():

@@ -19,7 +19,6 @@ rotary embeddings, caches, the final norm, the head and the loss are exactly the
 from __future__ import annotations
 
 import contextlib
-import inspect
 import time
 import types
 from collections.abc import Sequence
@@ -1092,20 +1091,20 @@ class StreamingEngine:
             self._pool = None
 
 
-# a block's argument that its stack fills from the block before it (T5's attention biases, which the first block
-# computes and the others reuse): the engine calls each block with the first one's arguments
-CARRIED_ARGUMENTS = ("position_bias", "encoder_decoder_position_bias")
-
-
 def check_blocks_stand_alone(blocks: Sequence[nn.Module]) -> None:
-    """Refuse blocks that take state from the block before them (T5, mT5, UMT5, LongT5, Switch Transformers: their
-    relative position biases), which streaming cannot hand along: the engine replays each block with the first
-    block's arguments, and T5 failed mid-step with "'weight' must be 2-D" or an unpacking error."""
-    carried = [a for a in CARRIED_ARGUMENTS if blocks and a in inspect.signature(blocks[0].forward).parameters]
-    if carried:
+    """Refuse blocks that take state the first block computed (T5, mT5, LongT5, Switch Transformers: the first
+    block alone has a relative attention bias, whose values its stack hands to the others), which streaming cannot
+    hand along: the engine replays each block with the first block's arguments, and T5 failed mid-step with
+    "'weight' must be 2-D" or an unpacking error. A bias the model computes once for all blocks (MPT's ALiBi) is
+    among those arguments, and streams."""
+
+    def computes_bias(block: nn.Module) -> bool:
+        return any(getattr(m, "has_relative_attention_bias", False) is True for m in block.modules())
+
+    if len(blocks) > 1 and computes_bias(blocks[0]) and not computes_bias(blocks[1]):
         raise UserError(
-            f"this model's blocks ({type(blocks[0]).__name__}) each take the {carried[0]} the block before them "
-            "computed, which layer streaming cannot pass along: train it without streaming (strategy=lora or full)."
+            f"this model's first block ({type(blocks[0]).__name__}) computes the position bias the other blocks take "
+            "from it, which layer streaming cannot pass along: train it without streaming (strategy=lora or full)."
         )
 
 
