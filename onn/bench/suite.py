@@ -267,6 +267,7 @@ def bench_exact_match(config: ONNConfig, module: Any, tokenizer: Any, dm: Any) -
         engine=module.engine,
         add_special_tokens=dm.prompter.add_special_tokens,
         turn_end=dm.prompter.answer_end,
+        bos=dm.prompter.starts_with_bos,
     )
 
 

@@ -40,26 +40,48 @@ LAYOUT_SAMPLE = 200  # streamed data: the layout (data.fields: auto) is recognis
 
 
 def encode(
-    tokenizer, prompt: str, answer: str, max_length: int, special_tokens: bool = True, answer_end: Sequence[int] = ()
+    tokenizer,
+    prompt: str,
+    answer: str,
+    max_length: int,
+    special_tokens: bool = True,
+    answer_end: Sequence[int] = (),
+    bos: bool = False,
 ) -> tuple[list[int], list[int]]:
     """Token ids and labels (prompt positions ignored), truncated from the prompt's left so the answer survives.
     `special_tokens`: add the tokenizer's own (BOS); off for a chat-templated prompt, which carries its own.
     `answer_end`: the tokens that end the answer (Prompter.answer_end: what a chat template writes after an
-    assistant's turn); empty: the tokenizer's EOS."""
-    return encode_counted(tokenizer, prompt, answer, max_length, special_tokens, answer_end)[:2]
+    assistant's turn); empty: the tokenizer's EOS. `bos`: BOS before the prompt (Prompter.starts_with_bos)."""
+    return encode_counted(tokenizer, prompt, answer, max_length, special_tokens, answer_end, bos)[:2]
 
 
 def encode_counted(
-    tokenizer, prompt: str, answer: str, max_length: int, special_tokens: bool = True, answer_end: Sequence[int] = ()
+    tokenizer,
+    prompt: str,
+    answer: str,
+    max_length: int,
+    special_tokens: bool = True,
+    answer_end: Sequence[int] = (),
+    bos: bool = False,
 ) -> tuple[list[int], list[int], int]:
-    """`encode`'s ids and labels, and how many tokens the example had before it was cut to max_length."""
-    prompt_ids = tokenizer(prompt, add_special_tokens=special_tokens)["input_ids"] if prompt else bos_ids(tokenizer)
+    """`encode`'s ids and labels, and how many tokens the example had before it was cut to max_length. A prompt is
+    encoded as generation encodes it (prompt_ids): a plain-text model's held-out question gets BOS, as infer gives."""
+    prompt_tokens = prompt_ids(tokenizer, prompt, special_tokens, bos) if prompt else bos_ids(tokenizer)
     end = list(answer_end) or [end_of_text(tokenizer)]
     answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + end
-    whole = len(prompt_ids) + len(answer_ids)
+    whole = len(prompt_tokens) + len(answer_ids)
     answer_ids = answer_ids[: max_length - 1]
-    prompt_ids = prompt_ids[max(0, len(prompt_ids) + len(answer_ids) - max_length) :]
-    return prompt_ids + answer_ids, [IGNORE] * len(prompt_ids) + answer_ids, whole
+    prompt_tokens = prompt_tokens[max(0, len(prompt_tokens) + len(answer_ids) - max_length) :]
+    return prompt_tokens + answer_ids, [IGNORE] * len(prompt_tokens) + answer_ids, whole
+
+
+def prompt_ids(tokenizer, text: str, add_special_tokens: bool = True, bos: bool = False) -> list[int]:
+    """A prompt's token ids as training encoded its kind: with `bos` (a model that learned plain text), BOS and the
+    text's own tokens, as encode began every text; else with the tokenizer's special tokens or none. Training,
+    eval and generation (generate.prompt_ids) all encode prompts here."""
+    if bos:
+        return bos_ids(tokenizer) + tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 
 def end_of_text(tokenizer) -> int:
@@ -80,12 +102,13 @@ def encode_all(
     special_tokens: bool,
     key: str,
     answer_end: Sequence[int] = (),
+    bos: bool = False,
 ) -> list[tuple[list[int], list[int]]]:
     """Every example encoded; those longer than max_length (cut as `encode` cuts them) are said in one warning,
     with the longest and where it is."""
     encoded, cut, longest = [], 0, (0, "")
     for (prompt, answer), place in zip(examples, where):
-        ids, labels, whole = encode_counted(tokenizer, prompt, answer, max_length, special_tokens, answer_end)
+        ids, labels, whole = encode_counted(tokenizer, prompt, answer, max_length, special_tokens, answer_end, bos)
         encoded.append((ids, labels))
         cut += whole > max_length
         longest = max(longest, (whole, place))
@@ -191,10 +214,14 @@ class RankSlice(Sampler[int]):
 
 
 class TextDataModule(L.LightningDataModule):
-    def __init__(self, data_cfg: TextData, tokenizer, batch_size: int, seed: int = 0):
+    def __init__(
+        self, data_cfg: TextData, tokenizer, batch_size: int, seed: int = 0, trained_layout: str | None = None
+    ):
+        """`trained_layout`: a checkpoint's prompt_layout (task=eval), so held-out prompts are built as the model
+        learned them, not by the held-out file's own layout."""
         super().__init__()
         self.cfg, self.tokenizer, self.batch_size, self.seed = data_cfg, tokenizer, batch_size, seed
-        self.prompter = Prompter(data_cfg, tokenizer)
+        self.prompter = Prompter(data_cfg, tokenizer, trained_layout)
         self.train_examples: list[tuple[str, str]] = []  # resident data only
         self.val_examples: list[tuple[str, str]] = []
         self.val_where: list[str] = []  # where each held-out example came from (file and line)
@@ -221,7 +248,14 @@ class TextDataModule(L.LightningDataModule):
         max_length, special = self.cfg.max_length, self.prompter.add_special_tokens
         val_key = "data.val_source" if self.cfg.val_source else "data.source"
         self.val_set = encode_all(
-            self.tokenizer, self.val_examples, val.where, max_length, special, val_key, self.prompter.answer_end
+            self.tokenizer,
+            self.val_examples,
+            val.where,
+            max_length,
+            special,
+            val_key,
+            self.prompter.answer_end,
+            self.prompter.starts_with_bos,
         )
         if stage != "validate":  # training reads them: their long records are said now, before the run starts
             self._encoded_train()
@@ -241,6 +275,7 @@ class TextDataModule(L.LightningDataModule):
                 special,
                 "data.source",
                 self.prompter.answer_end,
+                self.prompter.starts_with_bos,
             )
         return self.train_set
 
@@ -283,7 +318,14 @@ class TextDataModule(L.LightningDataModule):
         max_length, special = cfg.max_length, self.prompter.add_special_tokens
         val_key = "data.val_source" if cfg.val_source else "data.source"
         self.val_set = encode_all(
-            self.tokenizer, self.val_examples, val.where, max_length, special, val_key, self.prompter.answer_end
+            self.tokenizer,
+            self.val_examples,
+            val.where,
+            max_length,
+            special,
+            val_key,
+            self.prompter.answer_end,
+            self.prompter.starts_with_bos,
         )
         self.train_records = rows
         self.stream = ShuffledStream(reader, start, rows, cfg.shuffle_buffer, self.seed, self._encode)
@@ -301,7 +343,9 @@ class TextDataModule(L.LightningDataModule):
         prompter, max_length = self.prompter, self.cfg.max_length
         prompt, answer = prompter.example(record, where)
         special, end = prompter.add_special_tokens, prompter.answer_end
-        ids, labels, whole = encode_counted(self.tokenizer, prompt, answer, max_length, special, end)
+        ids, labels, whole = encode_counted(
+            self.tokenizer, prompt, answer, max_length, special, end, prompter.starts_with_bos
+        )
         if whole > max_length and not self.cut_said:
             self.cut_said = True
             log.warning(

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from onn.errors import UserError
-from onn.modalities.text.datamodule import bos_ids, extract, extract_answer
+from onn.modalities.text.datamodule import extract, extract_answer, prompt_ids
 from onn.modalities.text.formats import read_records
 from onn.modalities.text.prompts import Prompter
 from onn.models.load import context_length
@@ -79,14 +79,6 @@ def end_ids(model, tokenizer, turn_end: list[int] | tuple[int, ...] = ()) -> lis
     config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = [tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos]), *turn_end[:1]]
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
-
-
-def prompt_ids(tokenizer, text: str, add_special_tokens: bool = True, bos: bool = False) -> list[int]:
-    """A prompt's token ids as training encoded its kind: with `bos` (a model that learned plain text), BOS and the
-    text's own tokens, as datamodule.encode began every text; else with the tokenizer's special tokens or none."""
-    if bos:
-        return bos_ids(tokenizer) + tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 
 def prompt_batch(tokenizer, texts: list[str], add_special_tokens: bool = True, bos: bool = False):
@@ -273,6 +265,7 @@ def answer_scores(
     batch_size: int = 16,
     add_special_tokens: bool = True,
     turn_end: list[int] | tuple[int, ...] = (),
+    bos: bool = False,
 ) -> dict[str, Any]:
     """Exact match of greedy answers against the references, and how the answers were extracted.
 
@@ -281,8 +274,9 @@ def answer_scores(
     `exact_match` counts both, `exact_match_strict` only the first, `answer_pattern_found` is the share
     of generations that wrote the pattern. Without a pattern, both answers are their first line.
     `batch_size` prompts generate together (with an engine: every chunk load serves all of them);
-    `add_special_tokens`, `turn_end`: the datamodule's Prompter.add_special_tokens and answer_end, as its training
-    samples were encoded and ended (a chat model stops at its end of turn, not at max_new_tokens)."""
+    `add_special_tokens`, `turn_end`, `bos`: the datamodule's Prompter.add_special_tokens, answer_end and
+    starts_with_bos, as its training samples were encoded and ended (a chat model stops at its end of turn, not at
+    max_new_tokens; a plain-text model's prompt starts with BOS, as task=infer's does)."""
     examples, unreadable = readable_references(examples[:max_samples], pattern)
     if not examples:
         return {"exact_match": float("nan")}
@@ -294,6 +288,7 @@ def answer_scores(
         engine=engine,
         batch_size=batch_size,
         add_special_tokens=add_special_tokens,
+        bos=bos,
         turn_end=turn_end,
     )
     hits = strict = found = 0
@@ -353,6 +348,7 @@ def exact_match(
     engine=None,
     add_special_tokens: bool = True,
     turn_end: list[int] | tuple[int, ...] = (),
+    bos: bool = False,
 ) -> float:
     """The share of greedy answers equal to the reference (see answer_scores)."""
     return answer_scores(
@@ -365,6 +361,7 @@ def exact_match(
         engine,
         add_special_tokens=add_special_tokens,
         turn_end=turn_end,
+        bos=bos,
     )["exact_match"]
 
 

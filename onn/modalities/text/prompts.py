@@ -20,10 +20,11 @@ or a tab.
 
 Chat template. When the tokenizer has one (instruction and chat models ship one; `data.chat_template:
 auto`), the templated prompt is the user's message and the chat template wraps it; with `false` the
-model gets the templated prompt alone. Plain text never goes through it, nor does a prompt for a model that learned
-plain text (the checkpoint's prompt_layout `text`: BOS, then the prompt, as training began every text). Without a
-chat template, chat messages are `role: content` lines; a model that learned them (the checkpoint's prompt_layout)
-gets a typed prompt as the user's line the same way.
+model gets the templated prompt alone. Plain text never goes through it, nor does a prompt or a conversation for a
+model that learned plain text (the checkpoint's prompt_layout `text`: BOS, then the prompt, as training began every
+text; a conversation as `role: content` lines). Without a chat template, chat messages are `role: content`
+lines; a model that learned them (the checkpoint's prompt_layout) gets a typed prompt as the user's line the same
+way.
 """
 
 from __future__ import annotations
@@ -236,6 +237,12 @@ class Prompter:
         return self.layout_name == "text"
 
     @property
+    def chat_templated(self) -> bool:
+        """Whether conversations go through the tokenizer's chat template: a model that learned plain text gets
+        `role: content` lines instead, as its prompts never went through it (and its BOS is added once, by us)."""
+        return self.chat and not self.plain
+
+    @property
     def conversational(self) -> bool:
         """Whether a prompt is a user's turn of a conversation: by the chat template, or as `role: content` lines
         where the model learned chat messages without one."""
@@ -342,15 +349,16 @@ class Prompter:
         return self._prompt(row, where, Layout(name, f"{{instruction}}\n\n{{{extra}}}", answer))
 
     def render_messages(self, messages: list[dict[str, str]]) -> str:
-        """A conversation, ready for the assistant's turn: by the chat template, or one `role: content` line each."""
-        if self.chat:
+        """A conversation, ready for the assistant's turn: by the chat template (chat_templated), or one
+        `role: content` line each."""
+        if self.chat_templated:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
 
     def _conversation_prompt(self, messages: list[dict[str, str]], where: str) -> str:
         """A record's conversation rendered for its answer; a chat template's own refusal (Gemma's takes no system
         message, and its roles must alternate) is one sentence naming the record, not a Jinja traceback."""
-        if not self.chat:
+        if not self.chat_templated:
             return self.render_messages(messages)
         from jinja2 import TemplateError  # what apply_chat_template needs anyway; ONN runs without it otherwise
 

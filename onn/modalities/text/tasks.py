@@ -222,9 +222,10 @@ def store_root(config: ONNConfig) -> Path:
     return Path(config.paths.cache) / "stores" / model_fingerprint(config.model)
 
 
-def datamodule(config: ONNConfig, tokenizer, stage: str = "fit") -> TextDataModule:
+def datamodule(config: ONNConfig, tokenizer, stage: str = "fit", trained_layout: str | None = None) -> TextDataModule:
+    """The data, its prompts built in `trained_layout` where a checkpoint says how the model learned them (eval)."""
     # Whole macro-batches: the module splits them into micro-batches itself.
-    dm = TextDataModule(config.data, tokenizer, config.data.batch_size, seed=config.seed)
+    dm = TextDataModule(config.data, tokenizer, config.data.batch_size, seed=config.seed, trained_layout=trained_layout)
     dm.setup(stage)
     return dm
 
@@ -402,7 +403,10 @@ def answer_room(module: CausalLM, dm: TextDataModule, tokenizer, samples: int, n
     passes the context is one sentence (generate.check_context)."""
     prompts = [p for p, _ in dm.val_examples[:samples]]
     places = [f"held-out {where}" for where in dm.val_where[:samples]]
-    return check_context(module.model, tokenizer, prompts, places, new, dm.prompter.add_special_tokens, auto)
+    prompter = dm.prompter
+    return check_context(
+        module.model, tokenizer, prompts, places, new, prompter.add_special_tokens, auto, prompter.starts_with_bos
+    )
 
 
 def held_out_scores(job: Job, module: CausalLM, dm: TextDataModule, tokenizer, samples: int, new: int):
@@ -419,6 +423,7 @@ def held_out_scores(job: Job, module: CausalLM, dm: TextDataModule, tokenizer, s
         batch_size=generate_batch(job.plan, samples),
         add_special_tokens=dm.prompter.add_special_tokens,
         turn_end=dm.prompter.answer_end,
+        bos=dm.prompter.starts_with_bos,
     )
     return {f"val/{k}": v for k, v in scores.items()}
 
@@ -505,7 +510,7 @@ def evaluate(job: Job) -> dict[str, Any]:
         load_weights(module, ckpt, config.task.name)
     else:
         log.warning("task=eval without ckpt: evaluating the model as loaded from model.source")
-    dm = datamodule(config, tokenizer, stage="validate")
+    dm = datamodule(config, tokenizer, stage="validate", trained_layout=trained_layout(ckpt))
     task = config.task
     answers = any(p for p, _ in dm.val_examples)
     if answers:  # checked before the validation pass: a set length past the context is said now
@@ -571,8 +576,14 @@ def language_model(job: Job, checked: bool = True) -> LanguageModel:
         engine = build_engine(model, settings, module.store, job.device, micro_batch=None)
     model.to(job.device)  # streamed: what is left after the blocks' frozen weights went to the store
     model.eval()
-    layout = saved_config(job.ckpt).get("prompt_layout") if job.ckpt is not None else None
-    return LanguageModel(model, tokenizer, Prompter(config.data, tokenizer, layout), engine)
+    prompter = Prompter(config.data, tokenizer, trained_layout(job.ckpt))
+    return LanguageModel(model, tokenizer, prompter, engine)
+
+
+def trained_layout(ckpt: Path | None) -> str | None:
+    """The prompt layout the checkpoint's model learned (its saved prompt_layout): eval, infer and serve build
+    prompts in it. None without a checkpoint, or for one written before prompt_layout was saved."""
+    return saved_config(ckpt).get("prompt_layout") if ckpt is not None else None
 
 
 def serving(job: Job) -> LanguageModel:

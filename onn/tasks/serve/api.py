@@ -465,9 +465,10 @@ class Server:
         lm = _language_model(self.served, req, self.model_name)
         messages = [m.for_template() for m in req.messages]
         prompter = lm.prompter
-        _refuse_tool_calls(req.messages, prompter.tokenizer if prompter.chat and self.settings.template else None)
-        if not self.settings.template:  # the messages' text as typed, tokenized as /v1/completions tokenizes
-            ids = _prompt_ids(lm, "".join(m["content"] for m in messages), True, self.settings, "messages")
+        chat_tokenizer = prompter.tokenizer if prompter.chat_templated and self.settings.template else None
+        _refuse_tool_calls(req.messages, chat_tokenizer)
+        if not self.settings.template:  # the messages' text as typed, a line each, tokenized as /v1/completions does
+            ids = _prompt_ids(lm, "\n".join(m["content"] for m in messages), True, self.settings, "messages")
             return await self._generate(request, req, [ids], "chat.completion")
         try:
             if len(messages) == 1 and messages[0]["role"] == "user":
@@ -479,6 +480,7 @@ class Server:
             raise ApiError(
                 400, f"the messages do not fit the model's prompt format: {_short(e)}", param="messages"
             ) from None
+        # BOS only for a plain-text model, whose prompts never come from the chat template (which writes its own)
         ids = _prompt_ids(lm, text, prompter.add_special_tokens, self.settings, "messages", prompter.starts_with_bos)
         return await self._generate(request, req, [ids], "chat.completion")
 
@@ -490,7 +492,8 @@ class Server:
         if not 1 <= len(prompts) <= most:  # OpenAI's list of prompts: one choice each, every one a row of the batch
             raise ApiError(400, f"prompt: give 1 to {most} prompts (serve.max_waiting)", param="prompt")
         params = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
-        ids = [_prompt_ids(lm, text, True, self.settings, param) for text, param in zip(prompts, params)]
+        bos = _starts_with_bos(lm, self.settings)
+        ids = [_prompt_ids(lm, text, True, self.settings, param, bos) for text, param in zip(prompts, params)]
         return await self._generate(request, req, ids, "text_completion", params)
 
     async def _generate(
@@ -795,6 +798,12 @@ def _language_model(served, req: Generation, model_name: str):
             code="model_not_found",
         )
     return served
+
+
+def _starts_with_bos(lm, settings: ServeConfig) -> bool:
+    """task=infer's rule (task.template there, serve.template here): a model that learned plain text gets BOS first,
+    as training began every text; the byte tokenizer, GPT-2's and SmolLM2's add none themselves."""
+    return settings.template and lm.prompter is not None and lm.prompter.starts_with_bos
 
 
 def _prompt_ids(lm, text: str, special: bool, settings: ServeConfig, param: str, bos: bool = False) -> list[int]:
