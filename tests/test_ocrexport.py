@@ -97,6 +97,23 @@ def test_two_columns_whose_lines_do_not_line_up_are_read_column_after_column():
     assert [y0 for _, y0, _, _ in found[:6]] == sorted(y0 for _, y0, _, _ in found[:6])
 
 
+def test_a_tall_line_is_not_cut_at_its_word_gaps():
+    """A heading in large type, or a line with brackets, spans more than two letters of the body text: the search for
+    columns whose lines do not line up cut such a line at its word gaps ("Introduction to the" | "Methods")."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    picture = Image.new("RGB", (900, 330), "white")
+    draw = ImageDraw.Draw(picture)
+    draw.text((20, 10), "Introduction to the      Methods", fill="black", font=ImageFont.load_default(size=40))
+    body = ImageFont.load_default(size=16)
+    for k in range(6):
+        draw.text((20, 80 + 22 * k), "the quick brown fox jumps over the lazy dog " * 2, fill="black", font=body)
+    draw.text((20, 230), "Total (gross)          [12] units", fill="black", font=ImageFont.load_default(size=24))
+    found = lines(np.asarray(picture.convert("L"), np.float32))
+    assert len(found) == 8, found
+    assert found[0][2] - found[0][0] > 500 and found[-1][2] - found[-1][0] > 250, found  # each line whole
+
+
 def _staged(model: onnx.ModelProto, output: Path, scale: float) -> Path:
     """`model`, its weights times `scale`, staged for `output` as an export stages it: in a folder of its own (here
     outside output's, which then holds the export alone), under staged_name, its weights in the .data beside it."""

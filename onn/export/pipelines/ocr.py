@@ -196,7 +196,8 @@ def _cut(ink: np.ndarray, box: tuple[int, int, int, int], letter: float) -> list
     across = _stripes(rows)
     inked = np.nonzero(rows)[0]
     tall = inked.size > 0 and inked[-1] + 1 - inked[0] > 2 * letter  # columns whose lines don't line up: no blank row
-    down = _gutters(cols, letter) if across or tall else []  # one line's wide gap (a tab, a table row's) is no gutter
+    # one line's wide gap (a tab's, a table row's) is no gutter, nor one in a tall line (a big heading, brackets)
+    down = _gutters(cols, letter) if across else _columns_of_lines(region, _gutters(cols, letter)) if tall else []
     widest_across = max((end - start for start, end in across), default=0)
     widest_down = max((end - start for start, end in down), default=0)
     if not widest_across and not widest_down:
@@ -210,6 +211,14 @@ def _cut(ink: np.ndarray, box: tuple[int, int, int, int], letter: float) -> list
         spans = _pieces(rows.size, [(start, end) for start, end in across if end - start >= near])
         pieces = [(x0, y0 + start, x1, y0 + end) for start, end in spans]
     return [line for piece in pieces for line in _cut(ink, piece, letter)]
+
+
+def _columns_of_lines(region: np.ndarray, gutters: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The gutters of a part with no blank row across it, where every column they part holds several lines (a blank
+    row of its own): columns whose lines do not line up. None where a piece is one line: a heading in large type,
+    or a line with brackets, is taller than two letters, and its word gaps were cut as gutters."""
+    pieces = [region[:, start:end] for start, end in _pieces(region.shape[1], gutters)] if gutters else []
+    return gutters if pieces and all(_stripes(piece.mean(1) > SPECK) for piece in pieces) else []
 
 
 def _line(region: np.ndarray, cols: np.ndarray, letter: float, x0: int, y0: int) -> list[tuple[int, int, int, int]]:
