@@ -223,8 +223,9 @@ def trained_align(config: RunConfig) -> str:
 
 
 def scores_whole_graph(config: ONNConfig) -> bool:
-    """Whether task=eval scores every labelled node of its node-level data.source: the runner sets data.val_source
-    to a data.source the command line gives (onn.app.score_all_given), and a node-level graph's whole is its nodes."""
+    """Whether task=eval scores the whole of its data.source: the runner sets data.val_source to a data.source the
+    command line gives (onn.app.score_all_given). Graph-level data is then every graph of every split folder, and a
+    node-level graph every labelled node."""
     data: GraphData = config.data
     return config.task.name == "eval" and bool(data.source) and str(data.val_source) == str(data.source)
 
