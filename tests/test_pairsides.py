@@ -68,6 +68,25 @@ def test_an_audio_side_with_normalize_dataset_is_refused_in_one_sentence(tmp_pat
     with pytest.raises(UserError, match=r"^data.sides.audio.features.normalize=dataset is not available .*instance"):
         REGISTRY["pairs"].check(config)
     REGISTRY["pairs"].check(pairs_config(tmp_path, "data.modalities=[audio,text]"))  # instance: fine
+    # an audio side the pair does not use is not read
+    REGISTRY["pairs"].check(
+        pairs_config(tmp_path, "data.modalities=[image,text]", "+data.sides.audio.features.normalize=dataset")
+    )
+
+
+def test_a_side_saved_before_its_mean_and_std_were_used_reads_them_as_it_trained(tmp_path):
+    """A checkpoint's side saved data.sides.image.mean/std that training then ignored (it normalised by 0.5): read
+    with them, its inputs were scaled otherwise than it trained. A side saved since carries STATS_USED."""
+    from onn.config import as_dict
+    from onn.modalities.pairs.sides import STATS_USED, saved_side
+
+    mean, std = IMAGENET
+    config = pairs_config(tmp_path, f"data.sides.image.mean={mean}", f"data.sides.image.std={std}")
+    saved = as_dict(side_config("image", config))
+    before = build_side("image", saved_side("image", saved, "ckpt old"))
+    assert before.inputs["mean"] == [0.5] * 3 and before.inputs["std"] == [0.5] * 3
+    since = build_side("image", saved_side("image", {**saved, STATS_USED: True}, "ckpt new"))
+    assert since.inputs["mean"] == mean and since.inputs["std"] == std
 
 
 def run(tmp: Path, name: str, *overrides: str) -> dict:

@@ -92,17 +92,20 @@ class PairsModality(Modality):
 
 def check_sides(config: ONNConfig) -> None:
     """Side settings a pair cannot honour, refused rather than ignored: an audio side's normalize=dataset needs
-    statistics measured on the training split, which nothing measures for a side (it fed the tower raw dB)."""
+    statistics measured on the training split, which nothing measures for a side (it fed the tower raw dB). Only
+    for an audio side the pair may use: settings of sides it does not use are not read."""
     from onn.config.data import AudioData
-    from onn.modalities.pairs.sides import TEXT, side_config
+    from onn.modalities.pairs.detect import wanted_modalities
+    from onn.modalities.pairs.sides import side_config
 
-    for name in config.data.sides:
-        data = side_config(name, config).data if name != TEXT else None
-        if isinstance(data, AudioData) and data.features.normalize == "dataset":
-            raise UserError(
-                f"data.sides.{name}.features.normalize=dataset is not available for a side of a pair (nothing "
-                "measures the training clips' statistics); use instance (or none)."
-            )
+    if "audio" not in config.data.sides or "audio" not in (wanted_modalities(config.data.modalities) or ("audio",)):
+        return
+    data = side_config("audio", config).data
+    if isinstance(data, AudioData) and data.features.normalize == "dataset":
+        raise UserError(
+            "data.sides.audio.features.normalize=dataset is not available for a side of a pair (nothing measures "
+            "the training clips' statistics); use instance (or none)."
+        )
 
 
 def check_numbers(data: PairsData, task: str) -> None:

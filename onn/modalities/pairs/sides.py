@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -100,14 +101,22 @@ def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# a saved side's mark: its data.mean and data.std normalised its inputs (a side saved without it trained on the
+# modality's neutral 0.5 whatever they said, and is read so)
+STATS_USED = "stats_used"
+
+
 def saved_side(name: str, saved: dict[str, Any], where: str) -> PairSideConfig:
     """A side's run config as a pairs checkpoint saved it (as_dict of side_config), typed again."""
     if name == TEXT:
         data_schema, model_schema = CaptionData, NetworkConfig
     else:
         data_schema, model_schema = registered(name).data_schema, registered(name).model_schema
+    data = typed(data_schema, saved["data"], f"{where}: sides.{name}.data")
+    if STATS_USED not in saved and {"mean", "std"} <= {f.name for f in fields(data)}:
+        data = replace(data, mean="auto", std="auto")  # saved before a side's mean/std were used: it trained on 0.5
     return PairSideConfig(
-        data=typed(data_schema, saved["data"], f"{where}: sides.{name}.data"),
+        data=data,
         model=typed(model_schema, saved["model"], f"{where}: sides.{name}.model"),
         seed=int(saved["seed"]),
         paths=typed(PathsConfig, saved["paths"], f"{where}: sides.{name}.paths"),

@@ -39,7 +39,7 @@ from onn.modalities.base import Job, PairSide
 from onn.modalities.pairs.data import PairData, identity
 from onn.modalities.pairs.detect import SNIFF_FILES, Entry, find_pairs
 from onn.modalities.pairs.module import KS, MONITOR, DualEncoder, block_rows, ranks
-from onn.modalities.pairs.sides import TEXT, build_side, modality_of, saved_side, side_config
+from onn.modalities.pairs.sides import STATS_USED, TEXT, build_side, modality_of, saved_side, side_config
 from onn.planning.costs import MB
 from onn.planning.plan import Plan, make_plan
 from onn.planning.spec import network_spec
@@ -89,7 +89,7 @@ def build(config: ONNConfig, sides: dict[str, PairSide], strategy: str = "full")
         "seed": config.seed,
         "data": {**as_dict(config.data), "modalities": names},
         "optim": as_dict(config.optim),  # what a resumed run's optimizer state belongs to (resumed_optim)
-        "sides": {n: as_dict(s.config) for n, s in sides.items()},
+        "sides": {n: {**as_dict(s.config), STATS_USED: True} for n, s in sides.items()},
     }
     return DualEncoder(
         {n: s.encoder(model.feature_dim) for n, s in sides.items()},
