@@ -8,24 +8,29 @@ an export of another kind or model (MARKER's `kind` and `model`) is not replaced
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import glob
 import importlib.metadata
 import json
 import os
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from onn.errors import UserError
+from onn.hardware import failpoints
 
 MARKER = "onn_export.json"  # written into every folder an export replaces whole
 # what an export leaves beside OUTPUT while it runs: .OUTPUT.tmp-PID[...] (temp_prefix) and .OUTPUT.old-PID (swap_in)
 STARTED = time.time()  # (imported before this process writes any export) what is older is another process's
 LEFTOVER = re.compile(r"(?P<kind>tmp|old)-(?P<pid>\d{1,7})(?:[.-].*)?")
 PIPELINE = ("pipeline.json", "omny-pipeline")  # a pipeline folder written before MARKER existed: its file, format
+AT_FDCWD, RENAME_EXCHANGE = -100, 2  # Linux's renameat2: paths from the working folder; swap the two
 
 
 def is_export(folder: Path) -> bool:
@@ -148,8 +153,20 @@ def stage(output: Path, kind: str, write: Callable[[Path], Any], model: str | No
 
 
 def swap_in(tmp: Path, output: Path) -> None:
-    """Put the staged folder at `output`, the earlier one (if any) removed only once the new one is there."""
+    """Put the staged folder at `output`, the earlier one (if any) removed only once the new one is there. Swapped
+    with the earlier one in one step where the system can (`exchange`), so `output` is at every moment one export
+    whole; elsewhere the earlier one is renamed aside first, and a kill before the second rename leaves it beside
+    `output`, which the next export puts back (sweep_leftovers)."""
     output = output.expanduser()
+    failpoints.reached("export_write")  # the new folder whole beside the earlier one, before the swap
+    try:
+        swapped = output.is_dir() and exchange(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # not swapped: the staged export; or swapped: the earlier one
+        raise
+    if swapped:
+        shutil.rmtree(tmp, ignore_errors=True)  # the earlier export, now under the staged name (or sweep_leftovers')
+        return
     old = output.parent / f".{output.name}.old-{os.getpid()}" if output.exists() else None  # (LEFTOVER's name)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
@@ -163,6 +180,23 @@ def swap_in(tmp: Path, output: Path) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the folders at `a` and `b` in one rename (Linux's renameat2 with RENAME_EXCHANGE), so neither path is
+    ever missing; False, with nothing changed, where the system or its file system has no such rename."""
+    if sys.platform != "linux":
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc 2.28 and later
+    if renameat2 is None:
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a file system (or kernel) without the swap
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
 
 
 def write_atomically(output: Path, kind: str, write: Callable[[Path], Any], model: str | None = None) -> Any:

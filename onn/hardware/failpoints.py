@@ -5,7 +5,8 @@ write); a named point lands there every time. Unset, a point costs one dictionar
 
 Points: checkpoint_write (the new checkpoint written beside the old, before the renames), store_write (a layer
 store block written to its temporary file, before the rename that makes it whole), export_write (an ONNX or .omny
-export's weights file moved beside the earlier export, before the rename of its graph).
+export's weights file moved beside the earlier export, before the rename of its graph; a folder export's new folder
+written whole beside the earlier one, before the swap).
 """
 
 from __future__ import annotations
