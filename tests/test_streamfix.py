@@ -5,7 +5,6 @@ no loader thread behind."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import threading
 
 import pytest
@@ -111,8 +110,8 @@ def test_a_streamed_networks_blocks_compute_in_lightnings_bf16_autocast(tmp_path
     cfg = compose("recipe=fsdd_lstm", "hardware=cpu_16gb", "strategy=sparse_lora", "strategy.layers=all",
                   "model.kwargs.dropout=0", "strategy.precision=bf16-mixed", root=tmp_path)  # fmt: skip
     plan, _ = get("audio").plan(cfg, resolve(cfg.hardware, tmp_path / "cache", tmp_path))
-    # the planner sizes a streamed network at 32-true today; under a mixed precision Lightning autocasts its step
-    settings = engine_settings(cfg, dataclasses.replace(plan, precision="bf16-mixed"))
+    assert plan.precision == "bf16-mixed"  # strategy.precision honoured (it was planned as 32-true)
+    settings = engine_settings(cfg, plan)
     resident = lora_llama()
     streamed = copy.deepcopy(resident)
     seen: dict[str, list[torch.dtype]] = {"resident": [], "streamed": []}

@@ -272,10 +272,26 @@ def _network_streaming_notes(given: StreamingConfig, streaming: StreamingPlan) -
         )
     if streaming.store_dtype != "float32":
         notes.append(
-            f"the blocks' frozen weights are stored as {streaming.store_dtype} and computed in float32 from that; "
-            "task=eval, infer and export of the checkpoint build them again at full precision"
+            f"the blocks' frozen weights are stored as {streaming.store_dtype} and computed in "
+            f"{streaming.compute_dtype} from that; task=eval, infer and export of the checkpoint build them again at "
+            "full precision"
         )
     return notes
+
+
+def _network_streaming_precision(given: str | None, hw: Profile, spec: ModelSpec) -> tuple[str, list[str]]:
+    """A streamed network's precision, chosen as a resident network's is (_network_precision), and a reason line
+    saying which and why: it was 32-true whatever strategy.precision said or the machine ran fast."""
+    precision, reasons = _network_precision(given, hw, spec)
+    if reasons:
+        return precision, reasons
+    if given not in (None, "auto"):
+        why = f"strategy.precision={given} was asked for"
+    elif hw.accelerator == "cuda":
+        why = "the GPU " + ("runs bf16 fast" if hw.bf16 else "has no fast bf16, so float16 with a loss scale")
+    else:
+        why = f"the {hw.accelerator}'s default (strategy.precision=bf16-mixed asks for bf16)"
+    return precision, [f"precision {precision}: {why}; the store keeps the frozen weights in float32 unless fixed"]
 
 
 def make_network_streaming_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
@@ -289,7 +305,9 @@ def make_network_streaming_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) ->
     ctx = context_mb(hw)
     optimizer_bytes = 8 if cfg.optim.name == "adamw" else 4
     budget = (budget_mb(hw) - ctx) * MB
-    streaming, m = network_streaming(spec, hw, batch, budget, fixed_streaming(cfg.strategy.streaming), optimizer_bytes)
+    precision, precision_reasons = _network_streaming_precision(cfg.strategy.precision, hw, spec)
+    fixed = fixed_streaming(cfg.strategy.streaming)
+    streaming, m = network_streaming(spec, hw, batch, budget, fixed, optimizer_bytes, precision)
     est = Estimate(
         "sparse_lora",
         False,
@@ -313,6 +331,7 @@ def make_network_streaming_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) ->
         + f", {streaming.chunk_size} block(s) at a time: predicted {peak(m) / MB:,.1f} MB "
         f"for the step in a budget of {budget / MB:,.1f} MB (the process's {ctx:,.0f} MB aside)",
     ]
+    reasons += precision_reasons
     reasons += _network_streaming_notes(cfg.strategy.streaming, streaming)
     if streaming.refused:
         raise UserError(
@@ -326,7 +345,7 @@ def make_network_streaming_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) ->
         reasons=reasons,
         micro_batch=batch,
         accumulate=1,
-        precision="32-true",
+        precision=precision,
         weights_dtype="float32",
         sequence_length=None,
         predicted_peak_memory_mb=round(est.peak_mb, 1),

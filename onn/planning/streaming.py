@@ -772,6 +772,7 @@ def network_stream_memory(
     optimizer_bytes: int,
     store_dtype: str = "float32",
     cache: int = 0,
+    precision: str = "32-true",
 ) -> dict:
     """Memory of a streamed step of a network (a denoiser, a recurrent stack), its blocks' frozen weights in a store
     of `store_dtype` (small tensors counted at that dtype too), the whole batch one micro-batch: two slots of `chunk`
@@ -782,13 +783,16 @@ def network_stream_memory(
     recomputed and the activations outside the blocks, with their gradients. A recurrence's backward steps through
     time, holding one step's gradients beside its saved activations, not a second copy of them. The heap keeps no
     freed activations: the engine holds glibc's mmap threshold for a network (Objective.hold_mmap_threshold),
-    measured by recipe=bench_streamed_arch."""
+    measured by recipe=bench_streamed_arch. Under a half or mixed `precision` activations take 2 bytes a value (as
+    estimate() sizes a language model's) and the blocks compute from a copy of their weights in that dtype."""
     n = spec.n_blocks
+    compute = network_compute_dtype(precision)
+    act_bytes = DTYPE_BYTES[compute]  # estimate()'s act_bytes: 2 under a bf16 or 16 precision, mixed or true
     trained = sum(spec.lora_params_per_block) + spec.edge_trainable_params
     frozen = [p - t for p, t in zip(spec.block_params, spec.lora_params_per_block)]
     files = [int(f * DTYPE_BYTES[store_dtype]) for f in frozen]
     held = sum(files) if store == "cpu" else min(n, cache) * max(files)
-    decoded = 4 * max(frozen) if store_dtype != "float32" else 0
+    decoded = DTYPE_BYTES[compute] * max(frozen) if store_dtype != compute else 0
     weights = held + 2 * chunk * (max(files) + decoded) + 4 * (spec.params - sum(frozen) - trained) + 4 * trained
     lowest = min((i for i, t in enumerate(spec.lora_params_per_block) if t), default=n) // chunk
     kept = (-(-n // chunk) - lowest + 2) * spec.boundary_bytes * batch
@@ -797,7 +801,7 @@ def network_stream_memory(
     # the backward holds each saved activation's gradient beside it: twice what the forward saves (a recurrence's
     # blocks once: their backward walks the steps, one step's gradients at a time)
     inside = chunk * max(blocks) * batch * (1 if spec.recurrent_blocks else 2)
-    activations = kept + inside + 2 * outside
+    activations = (kept + inside + 2 * outside) * act_bytes // 4  # the spec counts float32 values
     optimizer = trained * optimizer_bytes
     cached = set(cached_blocks(n, cache, lowest * chunk)) if store == "disk" else set(range(n))
     return {
@@ -811,18 +815,32 @@ def network_stream_memory(
     }
 
 
+def network_compute_dtype(precision: str) -> str:
+    """The dtype a streamed network's blocks compute in under Lightning's `precision`: a bf16 or 16 precision's
+    (the engine autocasts the backward's recompute to it, as Lightning's autocast runs the forward), else float32."""
+    if precision.startswith("bf16"):
+        return "bfloat16"
+    return "float16" if precision.startswith("16") else "float32"
+
+
 def network_streaming(
-    spec: ModelSpec, hw: Profile, batch: int, budget: float, fixed: FixedStreaming, optimizer_bytes: int
+    spec: ModelSpec,
+    hw: Profile,
+    batch: int,
+    budget: float,
+    fixed: FixedStreaming,
+    optimizer_bytes: int,
+    precision: str = "32-true",
 ) -> tuple[StreamingPlan, dict]:
     """A network's streaming setting: the store in host memory when all of it fits the budget, else on the disk;
-    the largest chunk that fits (fewest loads); the memory of it. Settings the config fixes are taken as given
-    (the edges and eval_tokens do not apply: make_network_streaming_plan says so); the store's dtype is float32
-    unless fixed, and a disk store caches no blocks unless `cache_blocks` is fixed."""
+    the largest chunk that fits (fewest loads); the memory of it, its activations at `precision`. Settings the
+    config fixes are taken as given (the edges and eval_tokens do not apply: make_network_streaming_plan says so);
+    the store's dtype is float32 unless fixed, and a disk store caches no blocks unless `cache_blocks` is fixed."""
     stores = [fixed.store] if fixed.store else ["cpu", "disk"]
     chunks = [fixed.chunk_size] if fixed.chunk_size else sorted(chunk_sizes(spec.n_blocks), reverse=True)
     sd, cache = fixed.store_dtype or "float32", int(fixed.cache_blocks or 0)
     options = [
-        (s, c, network_stream_memory(spec, batch, c, s, optimizer_bytes, sd, cache if s == "disk" else 0))
+        (s, c, network_stream_memory(spec, batch, c, s, optimizer_bytes, sd, cache if s == "disk" else 0, precision))
         for s in stores
         for c in chunks
     ]
@@ -846,7 +864,7 @@ def network_streaming(
         generate_spare_mb=0.0,
         block_mb=round(max(spec.block_params) * DTYPE_BYTES[sd] / MB, 3),  # one cached block
         suffix_rows=batch,
-        compute_dtype="float32",
+        compute_dtype=network_compute_dtype(precision),
         micro_batches_per_chunk=1,
         threads=threads_for(hw)[0],
         predicted_io_s=round(io, 3),

@@ -575,8 +575,8 @@ def engine_settings(config: ONNConfig, plan: Plan) -> EngineSettings:
         cache_blocks=s.cache_blocks,
         eval_tokens=s.eval_tokens,
         prefetch=config.strategy.streaming.prefetch,
-        # as text's engines take it; a network's plan computes in float32, its weights' dtype, so under a mixed
-        # precision the engine adds no autocast of its own and Lightning's stays in force in the blocks
+        # as text's engines take it: under a mixed precision a network's plan computes in its half dtype, and the
+        # engine autocasts the blocks to it in the forward and in the backward's recompute (outside Lightning's)
         compute_dtype=streamed_compute_dtype(plan),
     )
 
