@@ -28,7 +28,7 @@ from onn.data.files import same_path
 from onn.data.resident import epoch_generator
 from onn.errors import UserError
 from onn.modalities.text.formats import Records, read_records
-from onn.modalities.text.prompts import Prompter
+from onn.modalities.text.prompts import Prompter, Split, answered
 from onn.modalities.text.sources import load_splits
 from onn.modalities.text.stream_loader import ShuffledStream, batches_per_epoch, own_generator, stream_loader
 from onn.modalities.text.streaming import VAL_MAX, open_reader, streaming_choice
@@ -66,7 +66,7 @@ def encode_counted(
 ) -> tuple[list[int], list[int], int]:
     """`encode`'s ids and labels, and how many tokens the example had before it was cut to max_length. A prompt is
     encoded as generation encodes it (prompt_ids): a plain-text model's held-out question gets BOS, as infer gives."""
-    prompt_tokens = prompt_ids(tokenizer, prompt, special_tokens, bos) if prompt else bos_ids(tokenizer)
+    prompt_tokens = example_prompt_ids(tokenizer, prompt, special_tokens, bos)
     end = list(answer_end) or [end_of_text(tokenizer)]
     answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + end
     whole = len(prompt_tokens) + len(answer_ids)
@@ -82,6 +82,12 @@ def prompt_ids(tokenizer, text: str, add_special_tokens: bool = True, bos: bool 
     if bos:
         return bos_ids(tokenizer) + tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def example_prompt_ids(tokenizer, prompt: str, special_tokens: bool, bos: bool) -> list[int]:
+    """An example's prompt tokens as training lays them before its answer: `prompt_ids`, or BOS alone for plain
+    text (no prompt). What a benchmark's held-out prompts (bench/giant.py) are built by, so they match training."""
+    return prompt_ids(tokenizer, prompt, special_tokens, bos) if prompt else bos_ids(tokenizer)
 
 
 def end_of_text(tokenizer) -> int:
@@ -241,22 +247,16 @@ class TextDataModule(L.LightningDataModule):
             self._setup_streamed()
             return
         train, val = load_splits(self.cfg, self.seed)
-        self.train_examples = self.prompter.examples(train, "data.source")
-        self.val_examples = self.prompter.examples(val, "data.val_source" if self.cfg.val_source else "data.source")
-        self.val_where, self.train_where = val.where, train.where
-        self.train_records = len(self.train_examples)
-        max_length, special = self.cfg.max_length, self.prompter.add_special_tokens
-        val_key = "data.val_source" if self.cfg.val_source else "data.source"
-        self.val_set = encode_all(
-            self.tokenizer,
-            self.val_examples,
-            val.where,
-            max_length,
-            special,
-            val_key,
-            self.prompter.answer_end,
-            self.prompter.starts_with_bos,
+        cfg, prompter = self.cfg, self.prompter
+        val_key = "data.val_source" if cfg.val_source else "data.source"
+        (self.train_examples, self.train_where), (self.val_examples, self.val_where) = answered(
+            [
+                Split(prompter.examples(train, "data.source"), train.where, "data.source", cfg.source, "training"),
+                Split(prompter.examples(val, val_key), val.where, val_key, cfg.val_source or cfg.source, "validation"),
+            ]
         )
+        self.train_records = len(self.train_examples)
+        self.val_set = self._encode_all(self.val_examples, self.val_where, val_key)
         if stage != "validate":  # training reads them: their long records are said now, before the run starts
             self._encoded_train()
 
@@ -265,19 +265,25 @@ class TextDataModule(L.LightningDataModule):
         of data.source=FILE, which is also its held-out file, encoded FILE twice and warned of its long records
         twice."""
         if self.train_set is None:
-            cfg, special = self.cfg, self.prompter.add_special_tokens
-            where = self.train_where
-            self.train_set = encode_all(
-                self.tokenizer,
-                self.train_examples,
-                where,
-                cfg.max_length,
-                special,
-                "data.source",
-                self.prompter.answer_end,
-                self.prompter.starts_with_bos,
-            )
+            self.train_set = self._encode_all(self.train_examples, self.train_where, "data.source")
         return self.train_set
+
+    def _encode_all(
+        self, examples: list[tuple[str, str]], where: list[str], key: str
+    ) -> list[tuple[list[int], list[int]]]:
+        """`encode_all` with this datamodule's tokenizer, data.max_length and the prompter's layout of special
+        tokens: one call for the training and held-out sets, resident or streamed, so they cannot drift apart."""
+        prompter = self.prompter
+        return encode_all(
+            self.tokenizer,
+            examples,
+            where,
+            self.cfg.max_length,
+            prompter.add_special_tokens,
+            key,
+            prompter.answer_end,
+            prompter.starts_with_bos,
+        )
 
     def _setup_streamed(self) -> None:
         """The file read in order: the first records are the validation split (at most VAL_MAX, held in
@@ -313,20 +319,12 @@ class TextDataModule(L.LightningDataModule):
             )
         sample = [item for item, _ in zip(reader.records(start), range(LAYOUT_SAMPLE))]
         self.prompter.examples(Records([r for _, _, r, _ in sample], [w for _, _, _, w in sample]), "data.source")
-        self.val_examples = self.prompter.examples(val, "data.val_source" if cfg.val_source else "data.source")
-        self.val_where = val.where
-        max_length, special = cfg.max_length, self.prompter.add_special_tokens
         val_key = "data.val_source" if cfg.val_source else "data.source"
-        self.val_set = encode_all(
-            self.tokenizer,
-            self.val_examples,
-            val.where,
-            max_length,
-            special,
-            val_key,
-            self.prompter.answer_end,
-            self.prompter.starts_with_bos,
+        val_file = cfg.val_source or cfg.source
+        [(self.val_examples, self.val_where)] = answered(
+            [Split(self.prompter.examples(val, val_key), val.where, val_key, val_file, "validation")]
         )
+        self.val_set = self._encode_all(self.val_examples, self.val_where, val_key)
         self.train_records = rows
         self.stream = ShuffledStream(reader, start, rows, cfg.shuffle_buffer, self.seed, self._encode)
         log.info(

@@ -135,6 +135,50 @@ def _instruction_layout(names: set[str], answer: str) -> Layout | None:
     return None
 
 
+@dataclass
+class Split:
+    """One set of (prompt, answer) examples and where each came from, for `answered`."""
+
+    examples: list[tuple[str, str]]
+    where: list[str]
+    key: str  # the setting that names the file: data.source | data.val_source
+    file: str
+    purpose: str  # training | validation
+
+
+def answered(splits: list[Split]) -> list[tuple[list[tuple[str, str]], list[str]]]:
+    """Each split's examples whose answer holds text, and their places. An empty answer (a blank CSV cell, "" in
+    JSON) trains on the end-of-sequence token alone, so such records are left out and said in one warning per
+    file, as unreadable files are (data/labelled.check_bad); a split left with none is a UserError. A null answer
+    is refused record by record (Prompter._text): null says the field is missing, "" is data a dump holds."""
+    kept, skipped, totals = [], {}, {}
+    for split in splits:
+        keep = [bool(answer.strip()) for _, answer in split.examples]
+        if split.examples and not any(keep):
+            raise UserError(
+                f"{split.key} {split.file}: all {len(keep)} of its {split.purpose} records have an empty answer, "
+                "which would train on the end-of-sequence token alone; fill the answers in, or map the answer "
+                "field with data.fields.output=NAME."
+            )
+        kept.append(([e for e, k in zip(split.examples, keep) if k], [w for w, k in zip(split.where, keep) if k]))
+        file = (split.key, split.file)
+        skipped.setdefault(file, []).extend(w for w, k in zip(split.where, keep) if not k)
+        totals[file] = totals.get(file, 0) + len(keep)
+    for (key, file), places in skipped.items():
+        if places:
+            shown = "; ".join(places[:3]) + (f"; and {len(places) - 3} more" if len(places) > 3 else "")
+            log.warning(
+                "data: %s %s: left out %d of %d records whose answer is empty (each would train on the "
+                "end-of-sequence token alone): %s",
+                key,
+                file,
+                len(places),
+                totals[key, file],
+                shown,
+            )
+    return kept
+
+
 class _Fields(string.Formatter):
     """str.format over a record whose dotted names reach into nested records (`{seed.instruction}`)."""
 
