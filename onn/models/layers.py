@@ -38,6 +38,10 @@ class LayerMap:
     blocks: list[nn.Module]
     prefix: list[tuple[str, nn.Module]] = field(default_factory=list)  # (dotted name, module) before the blocks
     suffix: list[tuple[str, nn.Module]] = field(default_factory=list)  # after the blocks
+    # parameters registered on the blocks' ancestors themselves, in no prefix or suffix module (a ViT's cls_token
+    # and pos_embed on its root): counted with the prefix, as a model uses them before its blocks (a token and the
+    # positions added to the patches), so that prefix, blocks and suffix hold all of its weights
+    loose: list[tuple[str, nn.Parameter]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -57,10 +61,13 @@ class LayerMap:
         return [_count(b) for b in self.blocks]
 
     def prefix_params(self) -> int:
-        return _count_unique([m for _, m in self.prefix])
+        seen = _param_ids([m for _, m in self.prefix])
+        loose = {id(p): p.numel() for _, p in self.loose if id(p) not in seen}
+        return _count_unique([m for _, m in self.prefix]) + sum(loose.values())
 
     def suffix_params(self, exclude_shared_with_prefix: bool = True) -> int:
         seen = _param_ids([m for _, m in self.prefix]) if exclude_shared_with_prefix else set()
+        seen |= {id(p) for _, p in self.loose} if exclude_shared_with_prefix else set()
         return sum(p.numel() for _, m in self.suffix for p in m.parameters() if id(p) not in seen)
 
     def describe(self) -> str:
@@ -301,14 +308,17 @@ def _assemble(model: nn.Module, blocks_path: str, names: list[str]) -> LayerMap:
     # run before them or after them (_split_siblings).
     path = blocks_path.split(".") if blocks_path else []
     level_names = names
+    loose = []
     for depth in range(len(path), -1, -1):
-        parent = model.get_submodule(".".join(path[:depth])) if depth else model
-        before, after = _split_siblings(parent, ".".join(path[:depth]), set(level_names))
+        base = ".".join(path[:depth])
+        parent = model.get_submodule(base) if depth else model
+        before, after = _split_siblings(parent, base, set(level_names))
         prefix = before + prefix
         suffix = suffix + after
+        loose = [(f"{base}.{n}" if base else n, p) for n, p in parent.named_parameters(recurse=False)] + loose
         if depth:
             level_names = [path[depth - 1]]
-    return LayerMap(blocks_path, list(names), blocks, prefix, suffix)
+    return LayerMap(blocks_path, list(names), blocks, prefix, suffix, loose)
 
 
 def _split_siblings(

@@ -252,21 +252,26 @@ class StreamingEngine:
             else []
         )
         self._edge_phases = _edge_phases(model, self.map, self.edges)
+        # an embedding by its table's stored name, not its own path: BART's encoder and decoder each run their own
+        # embed_tokens, whose table is model.shared's (stored under that name); matched by path, neither got a
+        # stand-in nor its table, and the prefix failed on an empty table ("Padding_idx must be within ...")
+        names = {id(p): n for n, p in model.named_parameters()}
         embeddings = {
-            path: module
+            path: (names[id(module.weight)], module)
             for path, module in model.named_modules()
-            if isinstance(module, nn.Embedding) and f"{path}.weight" in self._edge_phases["prefix"]
+            if isinstance(module, nn.Embedding) and names.get(id(module.weight)) in self._edge_phases["prefix"]
         }
-        self._embeddings = {path: m for path, m in embeddings.items() if looks_up_ids(m, self.store.dtype)}
         # an embedding no stored table stands in for (OPT's positions, from the attention mask; nf4 rows that
-        # straddle its blocks) takes its whole table in the prefix, and again in the suffix, which computes it again
-        whole = {f"{path}.weight" for path in embeddings.keys() - self._embeddings.keys()}
+        # straddle its blocks) takes its whole table in the prefix, and again in the suffix, which computes it
+        # again; so does every module that shares that table
+        whole = {name for name, m in embeddings.values() if not looks_up_ids(m, self.store.dtype)}
+        self._embeddings = {path: (name, m) for path, (name, m) in embeddings.items() if name not in whole}
+        self._looked_up = {name for name, _ in self._embeddings.values()}
         # so does every other weight the prefix computes with (BLOOM's embedding norm, OPT's input projection): the
         # suffix runs the model's forward from its start, and only a stored table's embedding has a stand-in there
-        self._edge_phases["suffix"] |= self._edge_phases["prefix"] - {f"{path}.weight" for path in self._embeddings}
+        self._edge_phases["suffix"] |= self._edge_phases["prefix"] - self._looked_up
         # int8 weights the edges compute from as codes: their linears' (a head tied to a table decoded whole
         # is decoded whole too); any other (a table, a convolution) is de-quantized, or it computed from codes
-        names = {id(p): n for n, p in model.named_parameters()}
         self._edge_codes = {
             names[id(m.weight)]
             for m in model.modules()
@@ -387,15 +392,14 @@ class StreamingEngine:
         if self.store.kind == "disk" and self._edge_buffer is None:
             self._edge_buffer = buffer(self.store.file_bytes("edges"), pin=self.store.pin)
         stored = self._read("edges", self._edge_buffer)
-        looked_up = {f"{path}.weight" for path in self._embeddings} if phase == "prefix" else set()
-        wanted = self._edge_phases[phase] - looked_up
+        wanted = self._edge_phases[phase] - (self._looked_up if phase == "prefix" else set())
         # every streamed embedding: the suffix computes one only for its shape, even where the head shares its
         # weight (which the head then takes as installed: codes, on a GPU)
         stand_ins = {
-            path: StoredEmbedding(module, stored, f"{path}.weight", self.device, self.compute_dtype)
+            path: StoredEmbedding(module, stored, name, self.device, self.compute_dtype)
             if phase == "prefix"
             else EmptyEmbedding(module, self.device, self.compute_dtype)
-            for path, module in self._embeddings.items()
+            for path, (name, module) in self._embeddings.items()
         }
         if wanted:
             self.release()

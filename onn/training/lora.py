@@ -4,6 +4,7 @@ set of blocks (sparse_lora)."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -14,6 +15,8 @@ from onn.models.layers import LayerMap
 
 if TYPE_CHECKING:
     from peft import LoraConfig
+
+log = logging.getLogger(__name__)
 
 
 def apply(
@@ -65,6 +68,7 @@ def apply(
         # beside `attn1.to_out.0`): then the linears' paths within the block
         others = {n.rsplit(".", 1)[-1] for n, m in modules if not _adaptable(m)}
         target = sorted(linears if last & others else last)
+        _warn_fused_weights(model, layer_map, strategy)
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
@@ -85,6 +89,32 @@ def apply(
     if not isinstance(lora.target_modules, str):
         _check_every_name_matched(adapted.targeted_module_names, list(target), kind, choices, strategy)
     return adapted
+
+
+def _warn_fused_weights(model: nn.Module, layer_map: LayerMap, strategy: str) -> None:
+    """Say once that all-linear leaves a block's fused 3-D weights frozen: transformers 5 holds a MoE's experts
+    (Mixtral's, Qwen-MoE's) as one module of [experts, out, in] tensors, not a linear per expert, and peft's
+    all-linear passes over them without a word, so the experts, most of such a model's weights, never train."""
+    from torch.nn.modules.conv import _ConvNd
+
+    fused = {
+        (type(m).__name__, name): None
+        for block in layer_map.blocks
+        for m in block.modules()
+        if not isinstance(m, _ConvNd)
+        for name, p in m.named_parameters(recurse=False)
+        if p.dim() == 3
+    }
+    if fused:
+        weights = ", ".join(f"{kind}.{name}" for kind, name in fused)
+        log.warning(
+            "strategy=%s, strategy.lora.target_modules=all-linear: the blocks of %s hold fused expert weights (%s), "
+            "which are no linear layers, so they get no LoRA adapters and stay frozen; only its linear layers "
+            "(such as attention's projections) train.",
+            strategy,
+            type(model).__name__,
+            weights,
+        )
 
 
 def _check_every_name_matched(targeted: list[str], target: list[str], kind: str, choices: str, strategy: str) -> None:
