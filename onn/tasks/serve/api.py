@@ -507,10 +507,6 @@ class Server:
             _sampling(req, self.settings, _max_tokens(req, self.settings, room, ids, param))
             for ids, param in zip(prompts, params)
         ]
-        if self.scheduler.queued() + len(prompts) > self.settings.max_waiting:  # a client that left holds no place
-            raise ApiError(
-                429, "too many requests are waiting; try again shortly", "rate_limit_error", code="rate_limit_exceeded"
-            )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()  # (choice index, event): None for the client's going away
 
@@ -518,8 +514,10 @@ class Server:
             return lambda event: loop.call_soon_threadsafe(events.put_nowait, (index, event))
 
         seqs = [Sequence(ids, sampling, emitter(i)) for i, (ids, sampling) in enumerate(zip(prompts, samplings))]
-        for seq in seqs:
-            self.scheduler.submit(seq)
+        if not self.scheduler.admit(seqs, self.settings.max_waiting):  # a client that left holds no place
+            raise ApiError(
+                429, "too many requests are waiting; try again shortly", "rate_limit_error", code="rate_limit_exceeded"
+            )
         rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
         now = int(time.time())
         if req.stream:

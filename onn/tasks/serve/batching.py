@@ -116,22 +116,41 @@ class Scheduler:
     # -- what the API calls ------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
         with self.lock:
-            if self.stopping:  # past the loop's last sweep: told at once, not left waiting
-                _send(seq, {"finish": "error", "error": SHUTTING_DOWN})
-                return
-            self.waiting.append(seq)
-            self.lock.notify()
+            self._enqueue([seq])
+
+    def admit(self, seqs: list[Sequence], most: int) -> bool:
+        """Queue all of `seqs`, or none (False) when the queue would then hold more than `most`. Counted and queued
+        under one hold of the lock: requests handled at once (on several threads or event loops) could each count
+        room for themselves before any of them was queued, and together overfill serve.max_waiting."""
+        with self.lock:
+            if self._live_waiting() + len(seqs) > most:
+                return False
+            self._enqueue(seqs)
+            return True
 
     def queued(self) -> int:
-        """Requests waiting for a slot whose client is still there. One that left is dropped from the queue here:
-        the loop takes waiting requests only into a free slot, so behind a full batch they stayed, and the 429 of
-        serve.max_waiting and /health counted them."""
+        """Requests waiting for a slot whose client is still there."""
         with self.lock:
-            if any(seq.cancelled.is_set() for seq in self.waiting):
-                live = [seq for seq in self.waiting if not seq.cancelled.is_set()]
-                self.waiting.clear()
-                self.waiting.extend(live)
-            return len(self.waiting)
+            return self._live_waiting()
+
+    def _live_waiting(self) -> int:
+        """The queue's length once the requests whose client left are dropped from it (the lock held): the loop takes
+        waiting requests only into a free slot, so behind a full batch they stayed, and the 429 of serve.max_waiting
+        and /health counted them."""
+        if any(seq.cancelled.is_set() for seq in self.waiting):
+            live = [seq for seq in self.waiting if not seq.cancelled.is_set()]
+            self.waiting.clear()
+            self.waiting.extend(live)
+        return len(self.waiting)
+
+    def _enqueue(self, seqs: list[Sequence]) -> None:
+        """Queue `seqs` (the lock held); past the loop's last sweep each is told at once, not left waiting."""
+        for seq in seqs:
+            if self.stopping:
+                _send(seq, {"finish": "error", "error": SHUTTING_DOWN})
+            else:
+                self.waiting.append(seq)
+        self.lock.notify()
 
     def trouble(self) -> str | None:
         """Why requests cannot be served now (the engine not reset after a failed step, the loop stopped), or None."""
@@ -314,13 +333,13 @@ class Scheduler:
 
     def _advance(self, seq: Sequence, token: int) -> bool:
         """The row's next token: emit its text; True when the sequence is done."""
+        seq.tokens.append(token)  # the end-of-sequence token too: usage counts it, as OpenAI's and vLLM's do
+        self.generated += 1
         if token in self.eos:
             self._cut_at_stop(seq, len(seq.text))  # the text is whole now: an unfinished last character too
             return self._finish(seq, "stop")
-        seq.tokens.append(token)
         if token not in self.special:
             seq.text_ids.append(token)
-        self.generated += 1
         seq.text = self._decode(seq)
         last = len(seq.tokens) >= seq.sampling.max_tokens
         # a character still arriving shows as U+FFFD (see _decode): the stop strings are matched up to it (stop="\ufffd"
