@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import replace
+from dataclasses import asdict, is_dataclass, replace
 from pathlib import Path
 
 from onn.config.data import TextData
@@ -37,6 +37,9 @@ SOURCE_DATA = {
     "zoo:audio_cnn": "audio data (data=audio)",
     "zoo:audio_rnn": "audio data (data=audio)",
 }
+# task=train's keys that only image, audio and video classifiers read (onn/modalities/classification.py): a text
+# run keeps checkpoints/last.ckpt and its step checkpoints, picks no best one and never stops early.
+CLASSIFIER_KEYS = ("mixup", "label_smoothing", "adapt_norm", "monitor", "early_stopping")
 
 
 def own_data(model) -> str:
@@ -104,6 +107,7 @@ class TextModality(Modality):
         tbptt = config.task.tbptt_steps if isinstance(config.task, TrainTask) else 0
         if isinstance(tbptt, bool) or not isinstance(tbptt, int) or tbptt < 0:
             raise UserError(f"task.tbptt_steps={tbptt!r}: give a whole number of tokens per chunk, or 0 for none.")
+        check_classifier_keys(config)
         check_generation(config)
         limit = config.trainer.limit_train_batches
         trains = config.task.name in ("train", "bench", "tune")
@@ -159,6 +163,25 @@ def check_max_length(config: ONNConfig, positions: object, key: str) -> None:
             f"data.max_length={max_length} is longer than model '{config.model.name}' reads ({key}={positions} "
             f"positions); set data.max_length={positions} or less."
         )
+
+
+def check_classifier_keys(config: ONNConfig) -> None:
+    """A classifier's task key set for text, refused: a text run ignored task.mixup, label_smoothing, adapt_norm,
+    monitor and early_stopping without a word (task.monitor=val/acc named a figure it never logs). Set means not
+    conf/task/train.yaml's value, where these keys' defaults live."""
+    from onn.config.registry import CONF, option_values
+
+    if not isinstance(config.task, TrainTask):
+        return
+    defaults = option_values(CONF / "task" / "train.yaml")[0]
+    for key in CLASSIFIER_KEYS:
+        value = getattr(config.task, key)
+        value = asdict(value) if is_dataclass(value) else value  # task.early_stopping: a block
+        if value != defaults[key]:
+            raise UserError(
+                f"task.{key}={value!r} is read by image, audio and video classifiers only, and a text run would "
+                f"ignore it: drop task.{key}."
+            )
 
 
 def check_generation(config: ONNConfig) -> None:

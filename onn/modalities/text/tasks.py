@@ -601,7 +601,8 @@ def infer(job: Job) -> dict[str, Any]:
     config, task = job.config, job.config.task
     if not task.input and not config.prompt:
         raise UserError('task=infer needs prompt="..." or task.input=prompts.jsonl.')
-    output = predictions_path(job) if task.input else None  # checked before the model loads and generates
+    # checked before the model loads and generates; prompt= streams to the terminal and writes task.output if given
+    output = predictions_path(job) if task.input or task.output else None
     lm = language_model(job)
     try:
         return _infer(job, lm, output)
@@ -611,7 +612,8 @@ def infer(job: Job) -> dict[str, Any]:
 
 
 def _infer(job: Job, lm: LanguageModel, output: Path | None) -> dict[str, Any]:
-    """task=infer's generation with the model built: task.input's prompts to `output`, or the one prompt."""
+    """task=infer's generation with the model built: task.input's prompts to `output`, or the one prompt streamed
+    (and written to `output`, task.output, when given)."""
     config, task = job.config, job.config.task
     model, tokenizer, engine, prompter = lm.model, lm.tokenizer, lm.engine, lm.prompter
 
@@ -668,6 +670,10 @@ def _infer(job: Job, lm: LanguageModel, output: Path | None) -> dict[str, Any]:
         "infer/completion": completion,
         "infer/empty_completions": int(not completion.strip()),
     }
+    if output is not None:  # task.output: the record task.input's rows get, for the one prompt
+        write_jsonl([{"prompt": str(config.prompt), "completion": completion}], output)
+        print(f"wrote the completion to {output}")
+        metrics["infer/output"] = str(output)
     if engine is None:  # a resident model reads the whole text in one pass; a streamed one would load every block
         from onn.modalities.text.picture import token_probabilities, write_picture
 
