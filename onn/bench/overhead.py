@@ -4,8 +4,11 @@ Both train the same model (the run's model, strategy and precision as planned) o
 the same data module, with the same optimizer, schedule (over `task.warmup` + `task.steps` steps) and gradient
 clipping, for `task.warmup` steps and then `task.steps` timed ones:
 
-  plain   model(**batch).loss.backward(), the optimizer's step and zero_grad, in a loop: nanoGPT's step, at the
-          precision Lightning runs (-mixed autocasts, 16-mixed with a GradScaler; -true casts the weights)
+  plain   nanoGPT's step with gradient accumulation: the batch cut into the plan's micro-batches as ONN's module
+          cuts it (micro_batches.split, each weighted by its share of the batch's target tokens), model(**piece)
+          and backward per piece, then the optimizer's step and zero_grad, in a loop, at the precision Lightning
+          runs (-mixed autocasts, 16-mixed with a GradScaler; -true casts the weights); an out-of-memory error
+          halves its micro-batch and retries the step, as ONN's module does
   onn     a run's path: the Lightning Trainer and the CausalLM module with a run's callbacks (step clock,
           resource monitor, checkpoint, progress)
 
@@ -17,13 +20,16 @@ time to its steps one for one (ONN's Lightning loop showed 0.134 of overhead tha
 counts on both sides; the garbage one side leaves (a Trainer, its loaders) is collected before the next side
 starts, not inside its window.
 `overhead/max_loss_gap` is the largest difference between the two sides' losses, step by step, in the first
-round: 0 (or a GPU's float noise) when both did the same work.
+round: 0 (or a GPU's float noise) when both did the same work. `overhead/micro_batch` is the plan's micro-batch,
+which both sides start from: a plain loop running the whole batch in one forward would count ONN's micro-batching
+(strategy.micro_batch below data.batch_size) as runner overhead.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import time
 from typing import Any
 
@@ -33,6 +39,10 @@ from onn.bench.vision import epochs, median_ratio, plain_precision, stamp, synch
 from onn.config import ONNConfig
 from onn.config.task import BenchOverheadTask
 from onn.errors import UserError
+from onn.hardware.memory import is_out_of_memory
+from onn.training.micro_batches import OutOfMemoryFloor, split
+
+log = logging.getLogger("onn")
 
 
 def check_settings(config: ONNConfig) -> None:
@@ -74,6 +84,7 @@ def run(job) -> dict[str, Any]:
         "overhead/plain_steps_per_s": round(max(rounds["plain"]), 2),
         "overhead/rounds": {k: [round(x, 2) for x in v] for k, v in rounds.items()},
         "overhead/timed_steps": steps,
+        "overhead/micro_batch": job.plan.micro_batch,
         "overhead/max_loss_gap": max(abs(p - o) for p, o in zip(losses["plain"], losses["onn"])),
         "overhead/device": str(job.device),
     }
@@ -102,8 +113,9 @@ def _rate(stamps: list[float], warmup: int, steps: int) -> float:
 
 
 def _plain(job, steps: int, warmup: int) -> tuple[float, list[float]]:
-    """nanoGPT's loop on the module the plan builds, at the Trainer's precision: steps per second after `warmup`,
-    and each step's loss (read after the steps)."""
+    """nanoGPT's loop on the module the plan builds, at the Trainer's precision and in the module's micro-batches:
+    steps per second after `warmup`, and each step's loss (read after the steps)."""
+    from onn.modalities.text.datamodule import HOST_ROWS
     from onn.modalities.text.tasks import build, datamodule
     from onn.training.optim import make_optimizer, make_schedule
 
@@ -114,21 +126,31 @@ def _plain(job, steps: int, warmup: int) -> tuple[float, list[float]]:
     model = module.model.to(device).train()
     if weights is not None:  # bf16-true, 16-true, 64-true: Lightning trains the converted weights
         model.to(weights)
-    loader = datamodule(config, tokenizer).train_dataloader()
+    dm = datamodule(config, tokenizer)
+    loader = dm.train_dataloader()
     optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], config.optim)
     scheduler = make_schedule(optimizer, config.optim, warmup + steps, "val/loss", epochs=False)["scheduler"]
     clip = config.optim.clip_grad_norm
     scaler = torch.amp.GradScaler(device.type, enabled=half is torch.float16)  # as Lightning's 16-mixed scales
+    micro = module.micro_batch
     stamps: list[float] = []
     losses: list[torch.Tensor] = []
     for batch in epochs(loader, warmup + steps + 1):  # as many epochs as the steps take, as the Trainer runs
         stamp(stamps, device, warmup, steps)
         if len(stamps) > warmup + steps:
             break
+        rows = dm.on_before_batch_transfer(batch, 0).pop(HOST_ROWS, None)  # counted on the host, as ONN's are
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        with torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None):
-            loss = model(**batch).loss
-        scaler.scale(loss).backward()
+        while True:
+            try:
+                loss = _accumulate(model, split(batch, micro, rows), scaler, device, half)
+                break
+            except Exception as e:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
+                if not is_out_of_memory(e):
+                    raise
+                error = e.with_traceback(None)  # its frames hold the failed pass's memory, which the retry needs
+            optimizer.zero_grad(set_to_none=True)
+            micro = _halve(micro, module.min_micro_batch, error)
         if clip > 0:  # after the unscale, as Lightning clips
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -136,8 +158,45 @@ def _plain(job, steps: int, warmup: int) -> tuple[float, list[float]]:
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        losses.append(loss.detach())
+        losses.append(loss)
     return _rate(stamps, warmup, steps), [float(x) for x in losses]
+
+
+def _accumulate(
+    model: torch.nn.Module,
+    split_batch: tuple[list[dict[str, torch.Tensor]], list[int]],
+    scaler: torch.amp.GradScaler,
+    device: torch.device,
+    half: torch.dtype | None,
+) -> torch.Tensor:
+    """Each micro-batch's forward and backward, its mean loss weighted by its share of the batch's target tokens as
+    CausalLM weighs it on one process, so the gradients and the loss are the whole batch's; returns that loss."""
+    pieces, counts = split_batch
+    total = sum(counts)
+    losses = []
+    for piece, count in zip(pieces, counts):
+        if count == 0:  # no target tokens: its mean loss is 0/0, and CausalLM skips it too
+            continue
+        with torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None):
+            loss = model(**piece).loss
+        scaler.scale(loss * (count / total)).backward()
+        losses.append(loss.detach() * (count / total))
+    return torch.stack(losses).sum() if losses else torch.zeros((), device=device)
+
+
+def _halve(micro: int, floor: int, error: BaseException) -> int:
+    """The plain loop's out-of-memory back-off, CausalLM's on one process: half the micro-batch, or give up below
+    strategy.min_micro_batch."""
+    if micro // 2 < floor:
+        raise OutOfMemoryFloor(
+            f"out of memory at micro-batch {micro} in the plain loop, the floor (strategy.min_micro_batch={floor}): "
+            f"lower data.max_length or strategy.micro_batch. The error was: {str(error).splitlines()[0]}"
+        ) from error
+    log.warning("plain loop: out of memory at micro-batch %d, retrying the step with %d", micro, micro // 2)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return micro // 2
 
 
 def _onn(job, steps: int, warmup: int) -> tuple[float, list[float]]:
