@@ -38,6 +38,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, Interpolation
 
 from onn.bench.registry import TASKS as BENCH_TASKS
 from onn.config import ONNConfig, StrategyConfig, as_dict, typed
+from onn.config.export import OnnxExport, SafetensorsExport
 from onn.config.model import LanguageModelConfig
 from onn.config.registry import CONF, recipe_group_problem
 from onn.config.task import InferTask
@@ -80,6 +81,9 @@ READ_PATHS = ("ckpt", "prompt", "data.source", "data.val_source", "data.test_sou
               "task.vision_source", "task.classifier", "task.image", "task.page", "model.weights")  # fmt: skip
 BUILDERS = ("model.source", "model.loss")  # file.py:function (a classifier's network, its loss)
 KEPT_FOLDERS = ("paths.outputs", "paths.cache", "hardware.cache")
+# in a sweep whose jobs run in this process: each output file a job writes (its sweep folder and the file) -> the
+# number and config digest of the first job that writes it (sweep_outputs)
+OUTPUTS_CLAIMED: dict[tuple[Path, Path], tuple[int, str]] = {}
 
 
 def run(cfg: DictConfig) -> float | None:
@@ -118,6 +122,8 @@ def run(cfg: DictConfig) -> float | None:
         name_after_checkpoint(cfg, given_keys(overrides))
         config = to_config(cfg, choices)
         metrics["config_digest"] = config_digest(config)
+        if multirun:
+            sweep_outputs(config, run_dir, start / hydra_cfg.sweep.dir, hydra_cfg.job.num, metrics["config_digest"])
         done = finished(run_dir, metrics["config_digest"]) if multirun else None
         if done is not None:
             log.info("%s: already finished for this config; not run again", run_dir)
@@ -293,6 +299,26 @@ def from_start_folder(cfg: DictConfig, start: Path) -> None:
             continue
         if (absolute := _from(start, value, must_exist=key not in KEPT_FOLDERS)) != value:
             OmegaConf.update(cfg, key, absolute, merge=False)
+
+
+def sweep_outputs(config: ONNConfig, run_dir: Path, sweep_dir: Path, num: int, digest: str) -> None:
+    """A sweep job's task.output and export.output: a relative one is written in the job's own folder (`run_dir`), as
+    under hydra.job.chdir=true, not from the working directory, where every job would write the same file. One that
+    an earlier job of another config in this sweep writes (an absolute path given to every job) is refused: this job
+    would overwrite that job's file. Jobs a launcher runs in other processes are not seen."""
+    for key, block in (("task.output", config.task), ("export.output", config.export)):
+        if not isinstance(block, (InferTask, SafetensorsExport, OnnxExport)) or not block.output:
+            continue
+        if not os.path.isabs(os.path.expanduser(block.output)):
+            block.output = str(run_dir / block.output)
+        path = Path(block.output).expanduser().resolve()
+        earlier, theirs = OUTPUTS_CLAIMED.setdefault((sweep_dir.resolve(), path), (num, digest))
+        if earlier != num and theirs != digest:
+            raise UserError(
+                f"{key}={block.output} is also written by job {earlier} of this sweep, whose file job {num} would "
+                f"overwrite: give {key} a relative path (each job writes it in its own folder) or put "
+                "${hydra:job.num} in it."
+            )
 
 
 def _from(start: Path, value: str, must_exist: bool) -> str:
