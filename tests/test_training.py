@@ -394,7 +394,10 @@ def test_a_training_step_reads_its_loss_only_when_something_reads_it(tmp_path, r
     if reader is None:
         assert waited == [0] * 6
         return
-    assert [w > 0 for w in waited] == [True, True, False, True, False, True]  # steps 0, 1, 3 and 5
+    if reader == "monitor":  # a monitor reads train/loss whenever it runs: every step logs its own (logs_now)
+        assert all(w > 0 for w in waited)
+    else:
+        assert [w > 0 for w in waited] == [True, True, False, True, False, True]  # steps 0, 1, 3 and 5
     assert float(trainer.callback_metrics["train/loss"]) == pytest.approx(float(module.train_losses[5]))
     if reader == "logger":
         rows = [r for r in csv.DictReader((tmp_path / "csv" / "metrics.csv").open()) if r.get("train/loss")]

@@ -71,6 +71,7 @@ class RunRecord:
         self._thread: threading.Thread | None = None
         self._previous: dict[int, Any] = {}
         self._pid = os.getpid()
+        self._started = False  # `start` ran: from then on the folder's record is this run's
 
     def update(self, values: dict[str, Any]) -> None:
         """Add `values` to the record, under the lock the heartbeat writes it under: a key added while the heartbeat
@@ -83,6 +84,7 @@ class RunRecord:
         self.update(
             {"status": "running", "pid": os.getpid(), "host": socket.gethostname(), "steps": progress.last_step()}
         )
+        self._started = True
         self.write()
         if threading.current_thread() is threading.main_thread():
             for signum in SIGNALS:
@@ -91,7 +93,11 @@ class RunRecord:
         self._thread.start()
 
     def finish(self, **final: Any) -> None:
-        """The run's last record (status ok or failed); the heartbeat stops and the signals are as before."""
+        """The run's last record (status ok or failed); the heartbeat stops and the signals are as before.
+
+        A run that failed before `start` (a config error, a refusal) leaves a finished (ok) record already in its
+        folder as it is: a resume into a run's own folder with a misspelt key replaced that run's figures with the
+        error, which the run says on stderr anyway."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -102,7 +108,18 @@ class RunRecord:
             self.metrics.update(final)
             for key in ("pid", "host", "heartbeat"):  # only a running record needs them
                 self.metrics.pop(key, None)
+        if not self._started and final["status"] == "failed" and self._earlier_ok():
+            log.info("%s: left as it is, an earlier run's finished record (this run never started)", self.path)
+            return
         self.write()
+
+    def _earlier_ok(self) -> bool:
+        """Whether the folder's metrics.json is an earlier run's finished (ok) record."""
+        try:
+            earlier = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(earlier, dict) and earlier.get("status") == "ok"
 
     def interrupted(self, signum: int) -> None:
         """The record of a run a signal ended: failed, with the signal and the last step reached."""

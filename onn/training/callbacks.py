@@ -64,6 +64,11 @@ class StepCheckpoint(Checkpoint):
         trainer.save_checkpoint(str(self.path), weights_only=False)
         self.last_model_path, self._saved_at = str(self.path), trainer.global_step
 
+    def saves_this_step(self) -> bool:
+        """Whether this step's last.ckpt is still to come from this callback (after its validation, or at its
+        epoch's end)."""
+        return self._waits_for is not None
+
 
 def check_every_n_steps(every_n_steps: int) -> None:
     """checkpoint.every_n_steps as StepCheckpoint takes it; also called by task=plan, so that a plan does not say ok
@@ -151,8 +156,25 @@ def epoch_checkpoints(run_dir: Path, monitor: str, mode: str, every_n_steps: int
     )
     # last.ckpt at each epoch's end: Lightning's save_last writes only when that same callback saved a checkpoint at
     # the step, which save_top_k=0 never does; with no monitor and one kept, it saves the latest every epoch
-    last = ModelCheckpoint(dirpath=folder, filename="last", monitor=None, save_top_k=1, enable_version_counter=False)
+    last = LastCheckpoint(dirpath=folder, filename="last", monitor=None, save_top_k=1, enable_version_counter=False)
     return [best, last, StepCheckpoint(folder, every_n_steps), RandomState()]
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint of last.ckpt that leaves a step to the run's StepCheckpoint when that writes the
+    same file at this step: both wrote it at every validation of a due step (StepCheckpoint runs after it), which
+    doubled the checkpoint I/O, and StepCheckpoint's later save at an epoch's end replaced this one's anyway."""
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        path = Path(filepath).resolve()  # Lightning's dirpath is the real path
+        steps = [c for c in trainer.checkpoint_callbacks if isinstance(c, StepCheckpoint) and c.path.resolve() == path]
+        if not any(c.saves_this_step() for c in steps):
+            super()._save_checkpoint(trainer, filepath)
+
+    @property
+    def state_key(self) -> str:
+        """Lightning's own key (it names the class): checkpoints saved by ModelCheckpoint resume into this one."""
+        return super().state_key.replace(type(self).__qualname__, "ModelCheckpoint", 1)
 
 
 class BestCheckpoint(ModelCheckpoint):
@@ -267,13 +289,19 @@ def logs_now(module: L.LightningModule) -> bool:
     host tensor (record.log_train_loss): Lightning reads every progress-bar figure back after every step, logging
     or not, and a figure on the GPU (where it puts a logged number) would make the host wait for the GPU at every
     step, so it could never run ahead. With no reader no step waits (the run's record reads the losses after the
-    steps, and a checkpoint as it is saved)."""
+    steps, and a checkpoint as it is saved).
+
+    A run that monitors train/loss (best.ckpt, early stopping, the plateau schedule) logs it at every step: those
+    read Lightning's latest logged value whenever they run, and a value kept from the last logging step compared an
+    old step's loss (a falling loss 'did not improve'). Only such runs pay the per-step read."""
     trainer, step = module.trainer, module.global_step
-    if step and (step + 1) % max(1, trainer.log_every_n_steps):
-        return False
     monitors = [getattr(c, "monitor", None) for c in trainer.callbacks]
     monitors += [s.monitor for s in trainer.lr_scheduler_configs]
-    return bool(trainer.loggers) or trainer.progress_bar_callback is not None or "train/loss" in monitors
+    if "train/loss" in monitors:
+        return True
+    if step and (step + 1) % max(1, trainer.log_every_n_steps):
+        return False
+    return bool(trainer.loggers) or trainer.progress_bar_callback is not None
 
 
 class StepClock(L.Callback):

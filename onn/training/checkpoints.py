@@ -36,9 +36,13 @@ TENSORS, META = "model.safetensors", "meta.json"
 
 
 def flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
-    """Replace tensors by references into `tensors`; return a JSON-able structure."""
+    """Replace tensors by references into `tensors`; return a JSON-able structure. A tensor is named by its
+    '/'-joined path, which two places can share ({1: a, "1": b}, {"a/b": a, "a": {"b": b}}): the second is refused
+    rather than stored over the first, which loaded back in both places."""
     if isinstance(obj, torch.Tensor):
         key = path or "tensor"
+        if key in tensors:
+            raise ValueError(f"checkpoint tensor name {key!r} is taken by another tensor of the checkpoint")
         tensors[key] = obj
         return {"__tensor__": key}
     if isinstance(obj, dict):

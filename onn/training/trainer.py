@@ -126,10 +126,12 @@ def _check_devices(trainer: TrainerConfig, launches: bool) -> None:
     devices = trainer.devices
     if not _devices_ok(devices):
         raise UserError(
-            f"trainer.devices={devices!r}: give auto, a count (1 or more, -1: all), or a list of device indices."
+            f"trainer.devices={devices!r}: give auto, a count (1 or more, -1: every GPU), or a list of device indices."
         )
-    if not launches:
+    if not launches:  # task=plan plans for any machine: -1 is every GPU of the planned one
         return
+    cpu = trainer.accelerator == "cpu" or (trainer.accelerator in (None, "auto") and not _has_gpu("gpu"))
+    _check_cpu_devices(devices, "cpu" if cpu else str(trainer.accelerator))
     launcher = os.getenv("MASTER_ADDR") or os.getenv("NODE_RANK") or launched()
     if nodes > 1 and not launcher:  # the rendezvous would wait strategy.timeout_s for nodes nobody starts
         raise UserError(
@@ -156,6 +158,17 @@ def _check_launched_world(trainer: TrainerConfig) -> None:
             f"torchrun started {world} processes ({local} per node), and trainer.devices={trainer.devices} x "
             f"trainer.num_nodes={trainer.num_nodes} asks for {asked}: give trainer.devices={local} "
             f"trainer.num_nodes={int(world) // int(local)}."
+        )
+
+
+def _check_cpu_devices(devices: Any, accelerator: str) -> None:
+    """trainer.devices=-1 (every GPU) on the CPU: Lightning's TypeError after the run was planned and built. Checked
+    before planning from trainer.accelerator and the machine, and again where the accelerator is final (build_trainer):
+    a CPU preset on a GPU machine runs on the CPU too."""
+    if accelerator == "cpu" and devices in (-1, "-1"):
+        raise UserError(
+            "trainer.devices=-1 means every GPU, and this run is on the CPU: give a number of processes instead, "
+            "e.g. trainer.devices=1."
         )
 
 
@@ -401,6 +414,7 @@ def build_trainer(
     kwargs.update(_validation_schedule(config, steps_per_epoch))
     strategy = strategy if strategy is not None else config.strategy.lightning
     kwargs["accelerator"] = _accelerator(trainer, plan)
+    _check_cpu_devices(trainer.devices, kwargs["accelerator"])
     if trainer.devices in (None, "auto") and not (isinstance(strategy, str) and strategy.startswith(MULTI_DEVICE)):
         kwargs["devices"] = 1
     if isinstance(strategy, str):
