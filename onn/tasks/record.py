@@ -268,7 +268,13 @@ class RunFolder(Callback):
         HydraConfig.instance().set_config(config)  # Hydra sets it only later; ${hydra:runtime.cwd} needs it now
         key = f"hydra.{mode}.dir"
         try:
-            folder = writable_folder(literal_folder(str(config.hydra[mode].dir), key), key)
+            try:
+                written = str(config.hydra[mode].dir)
+            except OmegaConfBaseException as e:  # a misspelt ${...} in it or in paths.outputs, which it reads
+                raise UserError(
+                    f"{key}: {str(e).splitlines()[0]}; fix the ${{...}} to name a key of the config."
+                ) from None
+            folder = writable_folder(literal_folder(written, key), key)
             if is_first_process():  # a run's other ranks share its folder (and its lock)
                 hold_folder(folder, key)
                 if mode == "run":
