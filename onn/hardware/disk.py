@@ -121,7 +121,8 @@ def evict(path: str | os.PathLike) -> None:
 def read_mb_s(folder: str | os.PathLike, size_mb: int = 1024) -> float:
     """Cold sequential read bandwidth of the disk under `folder`, as the layer store reads: write a fresh
     file of `size_mb` (at most a twentieth of the free space, down to 1 MB: a floor of 16 MB ended a nearly full
-    disk's run in ENOSPC), sync it, drop it from the page cache, read it whole with O_DIRECT into one buffer. A file
+    disk's run in ENOSPC), sync it, drop it from the page cache, read it whole with O_DIRECT into one buffer
+    already touched (a fresh buffer's first-touch page faults read 3-4x slower than the disk). A file
     that large means the disk, not a cache. A probe the disk refuses even so raises its OSError."""
     import shutil
 
@@ -137,7 +138,7 @@ def read_mb_s(folder: str | os.PathLike, size_mb: int = 1024) -> float:
             os.fsync(f.fileno())
         evict(path)
         size = size_mb * MB
-        into = buffer(size)
+        into = buffer(size).fill_(0)  # touched first: the store reads into reused buffers, not fresh pages
         start = time.perf_counter()
         read_file(path, into, size)
         elapsed = time.perf_counter() - start

@@ -2,7 +2,8 @@
 
 A profile (Profile) has the same fields either way, so the planner never asks where it
 came from. Measuring takes half a minute on two cores; the result is cached under the cache folder,
-keyed by a fingerprint of the machine (CPU model, core count, RAM, accelerators, torch version).
+keyed by a fingerprint of the machine (CPU model, core count, RAM, accelerators, torch version), with a disk
+figure for each disk probed (a paths.cache on another disk measures that disk alone).
 What changes from run to run is measured every time: free memory, free disk, and how busy the
 cores are (other processes' CPU use over half a second), from which the planner sizes torch's
 thread count.
@@ -63,7 +64,7 @@ PROFILE_KEYS = (
 MATMUL_ROWS = (1, 16, 128, 1024)
 MATMUL_SIZES = (256, 4096)
 GPU_MATMUL_ROWS = (1, 16, 128, 1024, 8192)  # a token at a time up to a large micro-batch's tokens
-VERSION = 10  # what `measure` records; a cached profile of another version is measured again
+VERSION = 11  # what `measure` records; a cached profile of another version is measured again
 # A profile measured on busy cores is measured again once they are free, but not sooner than this after the last
 # measurement: on a machine that is busy in bursts (a test suite, a sweep) every quiet moment would measure again.
 REMEASURE_BUSY_AFTER_S = 1800.0
@@ -85,6 +86,7 @@ class Profile:
     cpu_cores: int | None = None  # the cores this process may use
     matmul_tflops: float | None = None  # the best dense matmul rate, TFLOP/s
     disk_read_mb_s: float | None = None  # cold sequential reads, as the layer store reads (disk.py)
+    disk_read_by_device: dict[str, float] | None = None  # measured: {disk_key(): MB/s} of each disk probed
     h2d_mb_s: float | None = None  # pinned host memory to the GPU
     bf16: bool | None = None  # bf16 math the device runs fast
     matmul_gflops: dict[str, Any] | None = None  # {size: {dtype: {threads: {rows: GFLOP/s}}}}
@@ -168,16 +170,20 @@ def resolve(
         return profile
 
     cache = cache_file(hw_cfg, cache_dir)
-    profile = None if hw_cfg.refresh else _cached(cache)
+    probe = probe_dir if probe_dir is not None else cache_dir
+    disk = disk_key(probe, int(hw_cfg.disk_probe_mb))
+    cached = None if hw_cfg.refresh else _cached(cache)
+    profile = cached and _with_disk(cached, disk)
     if profile is None:
-        profile = _measured(hw_cfg, cache, probe_dir if probe_dir is not None else cache_dir)
+        profile = _measured(hw_cfg, cache, probe, disk)
     profile = replace(profile, **now(profile.accelerator, cache_dir))  # what changes from run to run
     profile.budget_mb = hw_cfg.budget_mb
     return profile
 
 
-def _measured(hw_cfg: HardwareConfig, cache: Path, probe_dir: str | os.PathLike) -> Profile:
-    """This machine measured and saved as `cache`. One process measures at a time: runs started together (a sweep's
+def _measured(hw_cfg: HardwareConfig, cache: Path, probe_dir: str | os.PathLike, disk: str) -> Profile:
+    """This machine measured and saved as `cache`, or only the disk under `probe_dir` (`disk`, disk_key) where the
+    cached profile has no figure for it. One process measures at a time: runs started together (a sweep's
     jobs, test workers) would each measure (tens of seconds of every core) on cores the others keep busy; the ones
     that waited read its profile. A cache folder that cannot be written (read-only, a path under a file) measures
     without saving, in one line: a traceback ended the run, and a profile need not be saved to plan with."""
@@ -185,17 +191,61 @@ def _measured(hw_cfg: HardwareConfig, cache: Path, probe_dir: str | os.PathLike)
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
             stack.enter_context(held(cache.parent))  # its lock file: this folder takes a new file, or it is refused
+            saves = True
         except OSError as e:
             _not_saved(cache, e)
-            return _measure_now(hw_cfg, cache, probe_dir)
-        profile = None if hw_cfg.refresh else _cached(cache)
+            saves = False
+        cached = None if hw_cfg.refresh else _cached(cache)
+        profile = cached and _with_disk(cached, disk)
         if profile is None:
-            profile = _measure_now(hw_cfg, cache, probe_dir)
-            try:
-                write_text_atomically(cache, json.dumps({**profile.as_dict(), "source": None}, indent=2))
-            except (OSError, UserError) as e:  # a full disk (UserError: write_text_atomically's own sentence for it)
-                _not_saved(cache, e)
+            if cached is None:
+                profile = _measure_now(hw_cfg, cache, probe_dir, disk)
+            else:
+                profile = _disk_measured(hw_cfg, cached, probe_dir, disk)
+            if saves:
+                _save(cache, profile)
         return profile
+
+
+def _save(cache: Path, profile: Profile) -> None:
+    try:
+        write_text_atomically(cache, json.dumps({**profile.as_dict(), "source": None}, indent=2))
+    except (OSError, UserError) as e:  # a full disk (UserError: write_text_atomically's own sentence for it)
+        _not_saved(cache, e)
+
+
+def disk_key(folder: str | os.PathLike, probe_mb: int) -> str:
+    """Which disk a probe under `folder` measures, and with what probe: "<device>:<MB>", the device of `folder` (or
+    of the nearest folder above it that exists, as the probe makes it). A cached profile keeps a figure per key:
+    keyed by the machine alone, a paths.cache on another disk read the first disk's bandwidth."""
+    return f"{_existing(folder).stat().st_dev}:{probe_mb}"
+
+
+def _existing(folder: str | os.PathLike) -> Path:
+    path = Path(folder).absolute()
+    return next(p for p in (path, *path.parents) if p.exists())
+
+
+def _with_disk(profile: Profile, disk: str) -> Profile | None:
+    """The cached profile with its figure for `disk` (disk_key), or None where it has none for that disk. A profile
+    without a table of disks (written by hand, or from a preset's fields) keeps its one figure."""
+    table = profile.disk_read_by_device
+    if table is None:
+        return profile
+    if disk not in table:
+        return None
+    profile.disk_read_mb_s = table[disk]
+    return profile
+
+
+def _disk_measured(hw_cfg: HardwareConfig, profile: Profile, probe_dir: str | os.PathLike, disk: str) -> Profile:
+    """A cached profile with the disk under `probe_dir` measured now and added to its table: the CPU's and the
+    GPU's rates do not depend on where paths.cache is, and take half a minute to measure."""
+    figure = disk_read_mb_s(probe_dir, int(hw_cfg.disk_probe_mb))
+    profile.disk_read_by_device = {**(profile.disk_read_by_device or {}), disk: figure}
+    profile.disk_read_mb_s = figure
+    profile.source = f"{profile.source}, its disk under {probe_dir} measured"
+    return profile
 
 
 def _not_saved(cache: Path, error: Exception) -> None:
@@ -208,9 +258,10 @@ def _not_saved(cache: Path, error: Exception) -> None:
     )
 
 
-def _measure_now(hw_cfg: HardwareConfig, cache: Path, probe_dir: str | os.PathLike) -> Profile:
+def _measure_now(hw_cfg: HardwareConfig, cache: Path, probe_dir: str | os.PathLike, disk: str) -> Profile:
     profile = measure(probe_dir, int(hw_cfg.disk_probe_mb))
     profile.fingerprint = cache.stem
+    profile.disk_read_by_device = {disk: profile.disk_read_mb_s}
     profile.source = "measured"
     return profile
 
@@ -286,7 +337,7 @@ def now(accelerator: str, folder: str | os.PathLike) -> dict[str, Any]:
 
     with contextlib.suppress(OSError):  # a folder that cannot be made (read-only, under a file) fails where it is used
         Path(folder).mkdir(parents=True, exist_ok=True)
-    disk = next(p for p in (Path(folder).absolute(), *Path(folder).absolute().parents) if p.exists())
+    disk = _existing(folder)
     limit = os.getenv("OMP_NUM_THREADS")
     thread_limit = int(limit) if limit and limit.isdigit() and int(limit) > 0 else None
     busy, runnable = cpu_load()
@@ -840,7 +891,8 @@ def _tiny_llama(layers: int, lora: bool, device: str):
 def block_call_s(device: str = "cpu", repeats: int = 9) -> dict[str, float]:
     """Framework time per decoder block and call, where FLOPs are negligible: tiny Llamas (width 32,
     8 tokens) of 2 and 10 blocks, timed without grad (`forward`), for a full-training step (AdamW
-    included, `full`) and a LoRA step (`lora`); on CPUs also under bf16 autocast (`forward_bf16`,
+    included, `full`) and a LoRA step (`lora`); on CPUs also under bf16 autocast (`forward_bf16`, the same
+    plain model as `forward`: timed on the LoRA-adapted one it read 1.8x a plain block's bf16 cost; and
     `lora_bf16`). The difference over 8 blocks is one block's share; `step` is what a step costs
     besides its blocks (embeddings, loss, optimizer, zero_grad). One thread: this is serial work. Each
     figure is the fastest of several runs, which a neighbour's burst cannot make faster."""
@@ -888,9 +940,9 @@ def block_call_s(device: str = "cpu", repeats: int = 9) -> dict[str, float]:
             out["forward"] = fastest(lambda: plain(**batch))
         out["full"] = fastest(lambda: train(plain, opt_full))
         out["lora"] = fastest(lambda: train(adapted, opt_lora))
-        if device == "cpu":
+        if device == "cpu":  # `forward`'s call under autocast: the planner reads the two as one cost by dtype
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-                out["forward_bf16"] = fastest(lambda: adapted(**batch))
+                out["forward_bf16"] = fastest(lambda: plain(**batch))
             out["lora_bf16"] = fastest(lambda: train(adapted, opt_lora, bf16=True))
         return out
 
