@@ -38,13 +38,15 @@ def test_a_streamed_network_on_a_gpu_plans_half_precision_and_half_the_activatio
 
 
 def test_a_gpu_without_bf16_plans_16_mixed_and_a_cpu_honours_bf16_mixed(tmp_path):
-    """A GTX 1650 (no bf16) streams under 16-mixed; on a CPU without bf16 units strategy.precision=bf16-mixed is
-    honoured (it was replaced by 32-true without a word), the store still float32."""
+    """A GTX 1650 (no bf16) streams under 16-mixed; on a CPU strategy.precision=bf16-mixed is honoured (it was
+    replaced by 32-true without a word), the store still float32, and auto stays 32-true even with bf16 units."""
     turing = streamed_plan(tmp_path, "hardware=gtx1650_4gb", "strategy.precision=auto")
     assert turing.precision == "16-mixed" and turing.streaming.compute_dtype == "float16"
     asked = streamed_plan(tmp_path, "hardware=cpu_16gb", "strategy.precision=bf16-mixed")
     assert asked.precision == "bf16-mixed" and asked.streaming.compute_dtype == "bfloat16"
     assert asked.streaming.store_dtype == "float32"
+    default = streamed_plan(tmp_path, "hardware=cpu_16gb", "hardware.bf16=true", "strategy.precision=auto")
+    assert default.precision == "32-true" and default.streaming.compute_dtype == "float32"  # bf16 units or not
 
 
 @pytest.mark.slow  # about 13 s on two shared cores: the runner's whole train, validate and test

@@ -281,7 +281,14 @@ def _network_streaming_notes(given: StreamingConfig, streaming: StreamingPlan) -
 
 def _network_streaming_precision(given: str | None, hw: Profile, spec: ModelSpec) -> tuple[str, list[str]]:
     """A streamed network's precision, chosen as a resident network's is (_network_precision), and a reason line
-    saying which and why: it was 32-true whatever strategy.precision said or the machine ran fast."""
+    saying which and why: it was 32-true whatever strategy.precision said or the machine ran fast. A CPU's default
+    stays 32-true, bf16 units or not: streamed blocks are matrix products (a DiT's, an LSTM's), which CPU bf16 autocast
+    ran slower than float32 (choose_precision), and each block's float32 store would be cast on every load."""
+    if given in (None, "auto") and hw.accelerator == "cpu":
+        return "32-true", [
+            "precision 32-true: a CPU's default for streamed blocks, matrix products that bf16 autocast ran slower "
+            "than float32 on CPUs; strategy.precision=bf16-mixed asks for bf16"
+        ]
     precision, reasons = _network_precision(given, hw, spec)
     if reasons:
         return precision, reasons
