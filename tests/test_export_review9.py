@@ -66,18 +66,18 @@ def test_an_onnx_reexport_killed_between_its_renames_leaves_the_earlier_pair(tmp
     )
     np.testing.assert_allclose(run_onnx(out, SAMPLE)["output"], want[0], atol=1e-5)  # the earlier pair, whole
     assert weights_files(tmp_path, out) == first
-    # the stopped export's weights stay: the graph names none of them, as it names none of an export writing the
-    # same path at this moment, whose weights must outlive this one's rename
+    # the stopped export's weights stay until the next export: the graph names none of them, but only the next
+    # export knows their process has ended (an export writing the same path at this moment keeps its own)
     stopped = sorted(set(visible(tmp_path)) - {"mlp.onnx", *first})
     assert len(stopped) == 1
 
-    export_onnx(mlp(1), out, SAMPLE)  # the next export takes its place, and the weights its graph replaced go
+    export_onnx(mlp(1), out, SAMPLE)  # the next export takes its place; the replaced and the stopped weights go
     np.testing.assert_allclose(run_onnx(out, SAMPLE)["output"], want[1], atol=1e-5)
-    assert visible(tmp_path) == sorted(["mlp.onnx", *stopped, *weights_files(tmp_path, out)])
+    assert visible(tmp_path) == sorted(["mlp.onnx", *weights_files(tmp_path, out)])
 
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 2**40)  # a small export over a large one: no weights file
     export_onnx(mlp(0), out, SAMPLE)
-    assert visible(tmp_path) == ["mlp.onnx", *stopped]
+    assert visible(tmp_path) == ["mlp.onnx"]
 
 
 def visible(folder: Path) -> list[str]:

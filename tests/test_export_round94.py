@@ -175,3 +175,15 @@ def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
     copied = onnx.ModelProto()
     copied.CopyFrom(model)
     return copied
+
+
+def test_a_refused_swap_changes_nothing_and_falls_back(tmp_path):
+    """renameat2 refusing the swap (here: nothing at the other path; a sandbox answers EPERM) is False with both
+    paths as they were, so swap_in's two renames run; it raised, failing an export the renames would have done."""
+    from onn.export.folders import exchange
+
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    (staged / "model.onnx").write_bytes(b"new")
+    assert exchange(staged, tmp_path / "missing") is False
+    assert (staged / "model.onnx").read_bytes() == b"new" and not (tmp_path / "missing").exists()

@@ -9,7 +9,6 @@ an export of another kind or model (MARKER's `kind` and `model`) is not replaced
 from __future__ import annotations
 
 import ctypes
-import errno
 import glob
 import importlib.metadata
 import json
@@ -104,7 +103,7 @@ def sweep_leftovers(output: Path) -> None:
     it is older than this process: newer, it is an export of this process still writing."""
     for path in output.parent.glob(f".{glob.escape(output.name)}.*-*"):
         found = LEFTOVER.fullmatch(path.name[len(output.name) + 2 :])
-        if found is None or not (process_gone(int(found["pid"])) or earlier_own(path, int(found["pid"]))):
+        if found is None or not ownerless(path, int(found["pid"])):
             continue
         if found["kind"] == "old" and not os.path.lexists(output):
             path.rename(output)  # killed between moving the earlier export aside and putting the new one there
@@ -112,6 +111,12 @@ def sweep_leftovers(output: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
+
+
+def ownerless(path: Path, pid: int) -> bool:
+    """Whether `path`, named with process `pid`, is a leftover no running export writes: that process has ended, or
+    it is this process's id and `path` is older than this process (an earlier one's, in a container)."""
+    return process_gone(pid) or earlier_own(path, pid)
 
 
 def earlier_own(path: Path, pid: int) -> bool:
@@ -184,25 +189,35 @@ def swap_in(tmp: Path, output: Path) -> None:
 
 def exchange(a: Path, b: Path) -> bool:
     """Swap the folders at `a` and `b` in one rename (Linux's renameat2 with RENAME_EXCHANGE), so neither path is
-    ever missing; False, with nothing changed, where the system or its file system has no such rename."""
+    ever missing; False where the system has no such rename or refuses it. A refused swap changes nothing, whatever
+    the reason (a file system without it, a sandbox whose seccomp profile predates it answers EPERM), so the caller's
+    two renames run instead and say what is wrong, if anything is."""
     if sys.platform != "linux":
         return False
     renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc 2.28 and later
     if renameat2 is None:
         return False
     renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a file system (or kernel) without the swap
-        return False
-    raise OSError(code, os.strerror(code), str(a), None, str(b))
+    return renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0
 
 
-def write_atomically(output: Path, kind: str, write: Callable[[Path], Any], model: str | None = None) -> Any:
+def write_atomically(
+    output: Path,
+    kind: str,
+    write: Callable[[Path], Any],
+    model: str | None = None,
+    before_swap: Callable[[], None] | None = None,
+) -> Any:
     """`write` into a temporary sibling folder, renamed to `output` (marked as a `kind` export of `model`) only when
-    it succeeded."""
+    it succeeded. `before_swap` runs once the new folder is whole, right before the swap (hf.save_export takes the
+    earlier adapter away there, so it is never beside weights it was not trained with)."""
     tmp, result = stage(output, kind, write, model)
+    if before_swap is not None:
+        try:
+            before_swap()
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     swap_in(tmp, output)
     return result
 

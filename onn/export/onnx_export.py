@@ -13,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import glob
 import importlib
 import inspect
 import itertools
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from onn.errors import UserError
-from onn.export.folders import sweep_leftovers, temp_prefix
+from onn.export.folders import ownerless, sweep_leftovers, temp_prefix
 from onn.export.model_facts import weight_bytes
 from onn.hardware import failpoints
 
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 TORCH_OPSET = 18  # the opset torch.onnx's dynamo exporter writes; others are converted from it
 # weights above this go to a file beside the graph (torch.onnx's own threshold; protobuf holds at most 2 GiB)
 EXTERNAL_DATA_BYTES = 1536 * 2**20
+STAGED_WEIGHTS = re.compile(r"(?P<pid>\d{1,7})-[0-9a-f]{12}\.data")  # staged_name's weights, after OUTPUT.NAME.
 TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 IMAGE_INPUTS = ("pixel_values",)
 # ModelOutput fields that are not results: caches and per-layer extras (the prefill graph returns none of them).
@@ -689,9 +692,10 @@ def _max_abs_diff(reference, got, attention_mask=None) -> float:
 
 def staged_name(output: Path) -> str:
     """A name for an export's graph while it is staged, unique to this export: its weights file is that name +
-    `.data` (OUTPUT.NAME.<12 hex digits>.data), which no earlier export used, so the graph renamed into place
-    reads its own weights, never an earlier export's."""
-    return f"{output.name}.{uuid.uuid4().hex[:12]}"
+    `.data` (OUTPUT.NAME.PID-<12 hex digits>.data), which no earlier export used, so the graph renamed into place
+    reads its own weights, never an earlier export's; the process id tells a killed export's (sweep_weights) from
+    those of one still running."""
+    return f"{output.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 def move_into_place(graph: Path, output: Path) -> None:
@@ -718,6 +722,24 @@ def move_into_place(graph: Path, output: Path) -> None:
     for stale in replaced:
         if stale.name not in weights:
             stale.unlink(missing_ok=True)
+    sweep_weights(output)
+
+
+def sweep_weights(output: Path) -> None:
+    """Remove the weights files beside `output` that a killed export moved there (named by staged_name) and the graph
+    at `output` does not name: killed before its graph's rename, the new weights; after it, the replaced ones. They
+    may be gigabytes. Only a dead process's go (folders.ownerless): another export of this path may be running; and
+    none while the graph there cannot be read, as which files are its is then not known."""
+    from google.protobuf.message import DecodeError
+
+    try:
+        kept = {p.name for p in weights_files(output)} if output.is_file() else set()
+    except (DecodeError, OSError, ValueError):
+        return
+    for path in output.parent.glob(f"{glob.escape(output.name)}.*-*.data"):
+        found = STAGED_WEIGHTS.fullmatch(path.name[len(output.name) + 1 :])
+        if found is not None and path.name not in kept and ownerless(path, int(found["pid"])):
+            path.unlink(missing_ok=True)
 
 
 def replaced_weights(output: Path) -> list[Path]:
