@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from onn.errors import UserError
-from onn.export.folders import held, is_export, stage, swap_in, write_atomically
+from onn.export.folders import held, is_export, stage, swap_in, sweep_leftovers, temp_prefix, write_atomically
 from onn.models.layers import discover
 from onn.streaming.store import stored_name
 
@@ -42,11 +42,14 @@ def save_folder(
     engine: Any = None,
     max_shard_size: str | int = "2GB",
     model_name: str | None = None,
+    blocks_path: str | None = None,
+    before_swap: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Write `output` as a folder transformers' from_pretrained loads (config, sharded safetensors,
     tokenizer) with LoRA merged. `model` is the trained model (a PeftModel, a transformers model, or
     ONN's CausalLM module); `engine` is the streaming engine when its blocks live in a layer store;
-    `model_name` (its config's name) goes into the folder's onn_export.json."""
+    `model_name` (its config's name) goes into the folder's onn_export.json; `blocks_path` (model.layer_map.blocks)
+    names the blocks the weights are merged a block at a time by, where no engine says them."""
     import torch
 
     start = time.perf_counter()
@@ -73,7 +76,7 @@ def save_folder(
     def write(folder: Path) -> int:
         shards = _Shards(folder, max_bytes)
         with torch.no_grad():
-            for group in _merged_groups(model, base, engine):
+            for group in _merged_groups(model, base, engine, blocks_path):
                 # back to the checkpoint's names where transformers renamed or fused weights on load
                 shards.add(revert_weight_conversion(base, group))
                 group.clear()
@@ -92,7 +95,7 @@ def save_folder(
             tokenizer.save_pretrained(str(folder))
         return count
 
-    shards = write_atomically(Path(output), "hf", write, model_name)
+    shards = write_atomically(Path(output), "hf", write, model_name, before_swap)  # (save_export's adapter)
     output = Path(output)
     files = [p for p in output.iterdir() if p.is_file()]
     total = sum(p.stat().st_size for p in files)
@@ -124,27 +127,47 @@ def save_export(
     max_shard_size: str | int,
     adapter: bool,
     model_name: str | None = None,
+    blocks_path: str | None = None,
 ) -> dict[str, Any]:
     """The folder (save_folder) and OUTPUT-adapter beside it, replaced together: the adapter is staged before the
-    folder is written and swapped in right after it, and an export without one removes an earlier export's, so the
-    adapter beside the weights is always the one trained with them."""
+    folder is written; the earlier export's adapter is renamed aside (then removed) right before the new folder is
+    swapped in, and the new adapter swapped in after it. Killed in between, the folder has no adapter beside it, never
+    one trained with other weights (the next export removes the one set aside: sweep_leftovers)."""
     start = time.perf_counter()
     beside = adapter_folder(output)
+    sweep_leftovers(beside)  # a killed export's staged or set-aside adapter, also where this export writes none
     staged = stage(beside, "adapter", _adapter_writer(model, tokenizer), model_name)[0] if adapter else None
+    aside = Path(temp_prefix(beside) + "-replaced")  # (a leftover's name: removed, never put back)
+    earlier: list[int | None] = []  # the folder at `output` when its adapter was set aside (its inode)
+
+    def take_earlier() -> None:
+        if beside.is_dir() and is_export(beside) and _earlier_adapter(beside, model_name):
+            earlier.append(_inode(Path(output)))
+            beside.rename(aside)
+
     try:
         metrics = save_folder(
-            model, tokenizer, output, engine=engine, max_shard_size=max_shard_size, model_name=model_name
+            model,
+            tokenizer,
+            output,
+            engine=engine,
+            max_shard_size=max_shard_size,
+            model_name=model_name,
+            blocks_path=blocks_path,
+            before_swap=take_earlier,
         )
     except BaseException:
         if staged is not None:
             shutil.rmtree(staged, ignore_errors=True)
+        if earlier and earlier[0] == _inode(Path(output)) and not beside.exists():
+            aside.rename(beside)  # the folder was not swapped: the earlier pair stays whole
         raise
     if staged is not None:
         swap_in(staged, beside)
         metrics.update(_adapter_metrics(beside, start))
-    elif beside.is_dir() and is_export(beside) and _earlier_adapter(beside, model_name):
-        shutil.rmtree(beside)  # an earlier export's adapter of this model, trained with other weights
+    elif aside.is_dir():
         log.info("export: removed %s, an earlier export's adapter (this model has none)", beside)
+    shutil.rmtree(aside, ignore_errors=True)
     return metrics
 
 
@@ -223,6 +246,11 @@ def _timm_config(network: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _inode(path: Path) -> int | None:
+    """Which folder is at `path` (None: none), to tell whether a swap happened."""
+    return path.stat().st_ino if path.exists() else None
+
+
 def adapter_folder(output: Path) -> Path:
     """Where export=safetensors puts the adapter alone: OUTPUT-adapter, beside the folder."""
     return output.with_name(output.name + "-adapter")
@@ -271,16 +299,16 @@ def _adapter_metrics(output: Path, start: float) -> dict[str, Any]:
     }
 
 
-def merged_model(model: nn.Module, engine: Any = None) -> nn.Module:
+def merged_model(model: nn.Module, engine: Any = None, blocks_path: str | None = None) -> nn.Module:
     """A new plain model (no peft layers) holding the merged weights on the CPU, for exporters that
     need the whole graph (ONNX). A streamed model's blocks all come from the store. Weights without
-    an adapter share memory with the live model instead of being copied."""
+    an adapter share memory with the live model instead of being copied. `blocks_path`: as save_folder's."""
     import torch
 
     model, base, engine = _unwrap(model, engine)
     state: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for group in _merged_groups(model, base, engine):
+        for group in _merged_groups(model, base, engine, blocks_path):
             state.update(group)
     # Copy the module tree with empty parameters (deepcopy's memo stands in for every parameter),
     # drop the LoRA layers, then put the merged tensors in place.
@@ -330,7 +358,7 @@ def _unpack_4bit(model: nn.Module) -> None:
 
 
 # -- the merged weights, a group at a time -------------------------------------------------------
-def _merged_groups(model, base, engine) -> Iterator[dict[str, torch.Tensor]]:
+def _merged_groups(model, base, engine, blocks_path: str | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """The merged weights in the base model's own names (no peft prefixes, `base_layer` or lora_
     tensors), on the CPU: the weights before the blocks, then each block, then those after."""
     import torch
@@ -340,7 +368,7 @@ def _merged_groups(model, base, engine) -> Iterator[dict[str, torch.Tensor]]:
     _check_mergeable(lora)
     _drop_tied(base, state, lora)
     names = {id(m): name for name, m in base.named_modules()}
-    layer_map = engine.map if engine is not None else _layer_map(base)
+    layer_map = engine.map if engine is not None else _layer_map(base, blocks_path)
     prefixes = [names[id(b)] for b in layer_map.blocks] if layer_map is not None else []
     blocks = {prefix: i for i, prefix in enumerate(prefixes)}
     cpu = torch.device("cpu")
@@ -563,10 +591,13 @@ def _untie(config, keys: set[str] = frozenset()) -> None:
         log.info("export: %s trained apart from the weight it was tied to: written untied", ", ".join(sorted(keys)))
 
 
-def _layer_map(base):
+def _layer_map(base, blocks_path: str | None):
+    """The blocks the merged weights are grouped by: model.layer_map.blocks where set, else discovered."""
     try:
-        return discover(base)
+        return discover(base, blocks_path)
     except UserError:  # no repeated blocks: one group holds everything
+        if blocks_path is not None:
+            raise  # a layer_map.blocks that names no blocks: its own sentence
         return None
 
 

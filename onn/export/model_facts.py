@@ -9,19 +9,23 @@ from typing import Any
 from onn.errors import UserError
 
 
-def omny_runs(model) -> list[list[str]] | None:
+def omny_runs(model, blocks_path: str | None = None) -> list[list[str]] | None:
     """The LayerMap's blocks (and any other tower's), where the .omny cut points go; None when the
-    model has no repeated blocks: then every cut the graph allows is kept."""
+    model has no repeated blocks: then every cut the graph allows is kept. `blocks_path`: the model
+    config's layer_map.blocks, so the cuts fall between the blocks that were trained and streamed."""
     from onn.models.layers import block_runs
 
     try:
-        return block_runs(model)
+        return block_runs(model, blocks_path)
     except UserError:
+        if blocks_path is not None:
+            raise  # a layer_map.blocks that names no blocks: its own sentence, not a graph cut anywhere
         return None
 
 
-def kv_cache_bytes(model) -> dict[str, int]:
-    """KV-cache bytes per token of each decoder block: keys and values of every KV head."""
+def kv_cache_bytes(model, blocks_path: str | None = None) -> dict[str, int]:
+    """KV-cache bytes per token of each decoder block (the model config's layer_map.blocks where set): keys and
+    values of every KV head."""
     config = getattr(model, "config", None)
     archs = getattr(config, "architectures", None) or [type(model).__name__]
     if config is None or not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
@@ -33,7 +37,7 @@ def kv_cache_bytes(model) -> dict[str, int]:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     itemsize = next(model.parameters()).element_size()
-    runs = omny_runs(model) or []
+    runs = omny_runs(model, blocks_path) or []
     return {path: 2 * kv_heads * head_dim * itemsize for path in (runs[0] if runs else [])}
 
 

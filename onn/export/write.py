@@ -53,13 +53,15 @@ def export_model(
     model_name: str | None = None,
     tokenizer=None,
     engine=None,
+    blocks_path: str | None = None,
 ) -> dict[str, Any]:
     """Write `model` to `output` in the format settings.name names (the export group's schema, e.g.
     `typed(OnnxExport, {...}, "export")`); return the export/* metrics.
 
     `sample_input` (named tensors) is what ONNX traces and checks against; `engine` is the
     streaming engine of a layer-streamed model, whose frozen blocks live in its layer store;
-    `model_name` names the model in a .omny's source (default: its class)."""
+    `model_name` names the model in a .omny's source (default: its class); `blocks_path`
+    (model.layer_map.blocks) names its blocks, where a .omny's cut points go (None: discovered)."""
     kind = settings.name
     if kind not in FORMATS:
         raise UserError(f"export={kind!r} is not one of {', '.join(FORMATS)}.")
@@ -74,7 +76,7 @@ def export_model(
             f"export.output {output} is a folder; name the .{kind} file to write, e.g. {output / ('model.' + kind)}."
         )
     try:  # every format writes beside `output` and moves into place: a refused write leaves nothing half-written
-        return _export(model, output, sample_input, settings, model_name, tokenizer, engine)
+        return _export(model, output, sample_input, settings, model_name, tokenizer, engine, blocks_path)
     except (OSError, SafetensorError) as e:
         refused = refused_write(e, output, weight_bytes(model) if engine is None else None)
         if refused is None:
@@ -92,7 +94,9 @@ def refused_write(error: BaseException, output: Path, needed_bytes: int | None =
     return write_refused(refused, output, needed_bytes, "the export (export.output)")
 
 
-def _export(model, output: Path, sample_input, settings, model_name, tokenizer, engine) -> dict[str, Any]:
+def _export(
+    model, output: Path, sample_input, settings, model_name, tokenizer, engine, blocks_path: str | None
+) -> dict[str, Any]:
     """export_model's writing, once its settings and folder are checked."""
     kind = settings.name
     if kind == "safetensors":
@@ -107,13 +111,14 @@ def _export(model, output: Path, sample_input, settings, model_name, tokenizer, 
             max_shard_size=settings.max_shard_size,
             adapter=adapter,
             model_name=model_name,
+            blocks_path=blocks_path,
         )
     if sample_input is None:
         raise UserError(f"export={kind} traces the model on a sample input; pass sample_input (named tensors).")
     if engine is not None or _has_adapter(model):
         from onn.export.hf import merged_model
 
-        model = merged_model(model, engine)  # ONNX holds the whole graph: one resident, merged model
+        model = merged_model(model, engine, blocks_path)  # ONNX holds the whole graph: one resident, merged model
     from onn.export.onnx_export import export_onnx, traceable
 
     model, sample_input = traceable(model, sample_input)  # (export_onnx does it too; omny.describe reads the sample)
@@ -130,7 +135,7 @@ def _export(model, output: Path, sample_input, settings, model_name, tokenizer, 
         traced = Path(tmp) / "model.onnx"
         metrics = export_onnx(model, traced, sample_input, opset=opset, atol=atol)
         graph = onnx.load(str(traced))
-        runs, kv = omny_runs(model), kv_cache_bytes(model)
+        runs, kv = omny_runs(model, blocks_path), kv_cache_bytes(model, blocks_path)
         doc = omny.describe(
             graph,
             sample_input,
@@ -189,8 +194,18 @@ def export_for_run(
     if sample is None and kind != "safetensors":
         shape: ExportSample = settings.sample
         sample = sample_inputs(plain, shape.batch_size, shape.sequence_length, shape.image_size, seed=config.seed)
+    # a language model's layer_map.blocks names a path in the model exported; a classifier's or denoiser's export
+    # wraps its network (StoredBatchClassifier), where that path names nothing: its blocks are discovered, as before
+    blocks = config.model.layer_map.blocks if isinstance(config.model, LanguageModelConfig) else None
     metrics = export_model(
-        model, output, sample, settings, model_name=config.model.name, tokenizer=tokenizer, engine=engine
+        model,
+        output,
+        sample,
+        settings,
+        model_name=config.model.name,
+        tokenizer=tokenizer,
+        engine=engine,
+        blocks_path=blocks,
     )
     log.info("export: %s", {k: v for k, v in metrics.items() if not isinstance(v, dict | list)})
     return metrics

@@ -163,10 +163,11 @@ def resolve_indices(layers, n: int, key: str = "strategy.layers") -> list[int]:
 
 
 def discover(model: nn.Module, blocks_path: str | None = None) -> LayerMap:
-    """Find the LayerMap of `model`; `blocks_path` overrides discovery (the model config's layer_map.blocks)."""
+    """Find the LayerMap of `model`; `blocks_path` overrides discovery (the model config's layer_map.blocks, the
+    path in the model as loaded, which names the same blocks under peft's wrapper)."""
     if blocks_path is not None:
         try:
-            container = model.get_submodule(blocks_path) if blocks_path else model
+            container = _configured_container(model, blocks_path)
         except AttributeError as e:
             raise UserError(
                 f"model.layer_map.blocks: '{blocks_path}' is not a submodule of {type(model).__name__}."
@@ -177,7 +178,7 @@ def discover(model: nn.Module, blocks_path: str | None = None) -> LayerMap:
                 f"model.layer_map.blocks: '{blocks_path}' ({type(container).__name__}) holds no blocks with weights; "
                 "name the list that holds the repeated blocks (such as model.layers), or null to discover it."
             )
-        return _assemble(model, blocks_path, names)
+        return _assemble(model, _tree_path(model, container, blocks_path), names)
 
     candidates = []  # (key, path, names)
     hybrids = [p for p, m in model.named_modules() if _mixed_list(m)]
@@ -202,6 +203,25 @@ def discover(model: nn.Module, blocks_path: str | None = None) -> LayerMap:
         )
     _, path, names = _past_the_stem(max(candidates, key=lambda c: c[0]), candidates)
     return _assemble(model, path, names)
+
+
+def _configured_container(model: nn.Module, blocks_path: str) -> nn.Module:
+    """The module `blocks_path` names: a path in `model`'s own tree (a wrapped model's, as calibration gives it),
+    else in the model as loaded, where the config's layer_map.blocks names it. Under peft's wrapper (the model
+    the streaming engine and the exporters get) that is the model under it: through the wrapper's attribute
+    forwarding, `model.layers` reached the LlamaForCausalLM (peft's LoraModel.model), which has no `layers`."""
+    tree = dict(model.named_modules())
+    if blocks_path in tree:
+        return tree[blocks_path]
+    peft = sys.modules.get("peft")  # (none loaded: no peft wrapper)
+    loaded = model.get_base_model() if peft is not None and isinstance(model, peft.PeftModel) else model
+    return loaded.get_submodule(blocks_path)
+
+
+def _tree_path(model: nn.Module, container: nn.Module, given: str) -> str:
+    """`container`'s path in `model`'s module tree (under peft's wrapper: `base_model.model.` + the config's path),
+    by which the LayerMap splits the tree into prefix, blocks and suffix."""
+    return next((path for path, module in model.named_modules() if module is container), given)
 
 
 def _towers(module: nn.Module, names: list[str]) -> bool:

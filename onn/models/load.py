@@ -881,14 +881,18 @@ def _split_builder_result(result):
 
 
 def model_fingerprint(model_cfg: LanguageModelConfig) -> str:
-    """Identifies the frozen weights: source (with its files' sizes and mtimes), architecture, dtype. (`init_seed`
-    stays in the key, as null, so that the stores and tune results cached before keep their folders.)"""
+    """Identifies the frozen weights: source (with its files' sizes and mtimes), architecture, dtype, and
+    model.layer_map.blocks where set (a layer store holds block i of one block list: another list's store is no
+    use). (`init_seed` stays in the key, as null, and an unset layer_map out of it, so that the stores and tune
+    results cached before keep their folders.)"""
     parts = {
         "source": model_cfg.source,
         "architecture": model_cfg.architecture,
         "init_seed": None,
         "dtype": model_cfg.dtype,
     }
+    if model_cfg.layer_map.blocks is not None:
+        parts["layer_map"] = model_cfg.layer_map.blocks
     parts.update(_source_stat(model_cfg.source) if is_pretrained(model_cfg) else {})
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

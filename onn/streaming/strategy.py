@@ -45,6 +45,8 @@ class EngineSettings:
     prefetch: bool = True  # load the next chunk while this one computes
     suffix_rows: int | None = None  # rows whose loss (logits) runs at once
     compute_dtype: str | None = None  # the blocks' compute dtype under mixed precision; None: the model's
+    # model.layer_map.blocks: the blocks the loader stored and the adapters went on (None: discovered)
+    blocks_path: str | None = None
 
 
 def layer_store(settings: EngineSettings, store_root: Path, device: torch.device | str = "cpu") -> LayerStore:
@@ -67,11 +69,13 @@ def build_engine(
     micro_batch: int,
     objective: Objective | None = None,
 ) -> StreamingEngine:
-    """Discover the blocks, move their frozen weights into the store (what the loader has not put there
-    already), and return the engine. `objective`: what the model's batches and loss are (default: a causal LM's)."""
+    """Find the blocks (model.layer_map.blocks when the settings name them: rediscovered, a model whose discovery
+    picks another list streamed other modules than those that got the adapters), move their frozen weights into the
+    store (what the loader has not put there already), and return the engine. `objective`: what the model's batches
+    and loss are (default: a causal LM's)."""
     device = torch.device(device)
-    layer_map = discover(model)
     s = settings
+    layer_map = discover(model, s.blocks_path)
     engine = StreamingEngine(
         model,
         layer_map,

@@ -592,6 +592,7 @@ def engine_settings(config: ONNConfig, plan: Plan) -> EngineSettings:
         # as text's engines take it: under a mixed precision a network's plan computes in its half dtype, and the
         # engine autocasts the blocks to it in the forward and in the backward's recompute (outside Lightning's)
         compute_dtype=streamed_compute_dtype(plan),
+        blocks_path=config.model.layer_map.blocks,  # the blocks the network's store was drawn for
     )
 
 

@@ -198,6 +198,7 @@ def streaming_settings(
         prefetch=fixed.prefetch,
         suffix_rows=s.suffix_rows,
         compute_dtype=streamed_compute_dtype(plan),
+        blocks_path=config.model.layer_map.blocks,  # the blocks build() loaded into the store and adapted
     )
     if generate:
         settings.chunk_size = settings.chunk_size if fixed.chunk_size not in (None, "auto") else 1
