@@ -1,9 +1,10 @@
 """Measured peak memory of a piece of work: CUDA allocations on GPUs, resident memory on CPUs.
 
-On CPUs the figure is anonymous RSS (heap, tensors: what training grows) plus the file-backed pages the work
-mapped beyond those mapped when it began: transformers maps a safetensors model's weights from their file, and
-they are resident as file pages (RssFile), not anonymous ones. The shared libraries loaded before are not counted,
-so the figure compares with the planner's prediction plus the process baseline (`anon_rss_mb`).
+On CPUs the figure is anonymous RSS (heap, tensors: what training grows) plus the pages of memory-mapped
+safetensors files that became resident during the work: transformers maps a safetensors model's weights from their
+file, so they are resident as file pages, not anonymous ones. Other file pages (shared libraries' code run for the
+first time, a dataset read through np.memmap) are reclaimable page cache the planner does not predict, and are left
+out, so the figure compares with the planner's prediction plus the process baseline (`anon_rss_mb`).
 """
 
 from __future__ import annotations
@@ -26,39 +27,48 @@ MB = 1024**2
 PAGE = 4096  # CUDA page-locks host memory in whole pages
 
 
-def rss_mb() -> tuple[float, float]:
-    """This process's (anonymous, file-backed) resident memory now, from /proc/self/status (Linux: one small
-    read, cheap to sample every 20 ms); elsewhere (its whole RSS, 0)."""
-    found: dict[str, float] = {}
+def anon_rss_mb() -> float:
+    """This process's anonymous resident memory now (Linux: one small read of /proc/self/status, cheap to sample
+    every 20 ms), else its whole RSS: its baseline, without the shared libraries' pages."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith(("RssAnon:", "RssFile:")):
-                    found[line[:7]] = int(line.split()[1]) / 1024
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024
     except OSError:
         pass
-    if len(found) == 2:
-        return found["RssAnon"], found["RssFile"]
     import psutil
 
-    return psutil.Process().memory_info().rss / MB, 0.0
+    return psutil.Process().memory_info().rss / MB
 
 
-def anon_rss_mb() -> float:
-    """This process's anonymous resident memory now (Linux), else its whole RSS: its baseline, without the shared
-    libraries' pages."""
-    return rss_mb()[0]
+def mapped_weights_mb() -> float:
+    """Resident MB of this process's memory-mapped safetensors files (Linux's /proc/self/smaps; elsewhere 0). One
+    read costs tens of milliseconds in a process of a thousand mappings, so it is read at a measurement's ends only:
+    mapped weights stay mapped while the model lives."""
+    total, counting = 0, False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                key, _, rest = line.partition(" ")
+                if not key.endswith(":"):  # a mapping's header: address range, permissions, ..., its file
+                    counting = line.rstrip().endswith(".safetensors")
+                elif counting and key == "Rss:":
+                    total += int(rest.split()[0])
+    except OSError:
+        return 0.0
+    return total / 1024
 
 
 class PeakMemory:
     """Context manager: `.peak_mb` after exit (CUDA max allocated; on CPU, sampled anonymous RSS plus the
-    file-backed pages mapped since entry, such as a safetensors model's weights)."""
+    safetensors weights' pages that became resident since entry)."""
 
     def __init__(self, device: str = "cpu", interval_s: float = 0.02):
         self.device, self.interval_s = device, interval_s
         self.cuda = str(device).startswith("cuda")  # "cuda", or "cuda:N": this process's GPU
         self.peak_mb = 0.0
-        self._file_mb = 0.0  # file-backed pages at entry: shared libraries, not the work's
+        self._weights_mb = 0.0  # mapped weights resident at entry: the baseline's
         self._stop = threading.Event()
 
     def __enter__(self) -> PeakMemory:
@@ -67,18 +77,14 @@ class PeakMemory:
 
             torch.cuda.reset_peak_memory_stats()
         else:
-            self.peak_mb, self._file_mb = rss_mb()
+            self.peak_mb, self._weights_mb = anon_rss_mb(), mapped_weights_mb()
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
         return self
 
-    def _held_mb(self) -> float:
-        anon, file = rss_mb()
-        return anon + max(0.0, file - self._file_mb)
-
     def _sample(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.peak_mb = max(self.peak_mb, self._held_mb())
+            self.peak_mb = max(self.peak_mb, anon_rss_mb())
 
     def __exit__(self, *exc) -> None:
         if self.cuda:
@@ -88,7 +94,8 @@ class PeakMemory:
         else:
             self._stop.set()
             self._thread.join()
-            self.peak_mb = max(self.peak_mb, self._held_mb())
+            weights = max(0.0, mapped_weights_mb() - self._weights_mb)
+            self.peak_mb = max(self.peak_mb, anon_rss_mb()) + weights
 
 
 def is_out_of_memory(error: BaseException) -> bool:
