@@ -419,15 +419,17 @@ def test_a_bad_line_read_by_a_dataloader_worker_is_the_readers_sentence(tmp_path
     error in the run as "Caught UserError in DataLoader worker process 0. Original Traceback ...": the worker's
     whole traceback was the one line app.run prints."""
     source = tmp_path / "sums.jsonl"
-    write_sums(source, rows=260)
-    lines = source.read_text().splitlines(keepends=True)
-    # past the 26 held-out records and the layout's sample of 200, which the run reads itself: a worker's line
-    source.write_text("".join(lines[:239]) + '{"question": "239+239=", "answer": \n' + "".join(lines[240:]))
+    # setup parses every line (it counts the answered ones), so a worker's own error is its prompt's: line 240 lacks
+    # the field data.template names, past the 26 held-out records and the layout's sample of 200 that setup renders
+    rows = [{"question": f"{i}+{i}=", "answer": str(2 * i), **({} if i == 239 else {"note": "+"})} for i in range(260)]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = (*STREAMED, f"data.source={source}", "data.num_workers=1", "trainer.max_steps=40")
+    args = (*args, "data.template='{prompt} {note}'")
     with pytest.raises(UserError) as raised:
         execute(tmp_path, cache, *args)
     said = str(raised.value)
-    assert said.startswith(f"{source} line 240 is not valid JSON (") and "Traceback" not in said
+    assert said.startswith(f"data.template names the field {{note}}, which {source} line 240 does not have")
+    assert "Traceback" not in said
     assert said.endswith("(in DataLoader worker process 0)") and "\n" not in said
 
 

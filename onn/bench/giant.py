@@ -535,22 +535,17 @@ def _train(request: dict[str, Any]) -> dict[str, Any]:
 def _prompts(config: ONNConfig, tokenizer, count: int) -> list[list[int]]:
     """The held-out questions as token ids laid out as training lays them (example_prompt_ids: a plain-text model's
     BOS included, which its tokenizer may not add), cut from the left to data.max_length as training cuts them. The
-    layout is the training data's, chosen on its first records as the datamodule chooses it: a held-out file of
-    questions for a plain-text model is still prompted as plain text."""
-    from onn.modalities.text.datamodule import LAYOUT_SAMPLE, example_prompt_ids
+    held-out set is the resident datamodule's (answered_splits: records with an empty answer left out, the split
+    cut from answered records), and its layout the training data's: a held-out file of questions for a plain-text
+    model is still prompted as plain text."""
+    from onn.modalities.text.datamodule import answered_splits, example_prompt_ids
     from onn.modalities.text.prompts import Prompter
-    from onn.modalities.text.sources import load_splits
 
     data = config.data
-    train, val = load_splits(data, config.seed)
     prompter = Prompter(data, tokenizer)  # the prompt format training uses
-    prompter.examples(train.pick(range(min(len(train), LAYOUT_SAMPLE))), "data.source")
-    val_key = "data.val_source" if data.val_source else "data.source"
+    _, (val, _) = answered_splits(prompter, data, config.seed)
     special, bos = prompter.add_special_tokens, prompter.starts_with_bos
-    return [
-        example_prompt_ids(tokenizer, p, special, bos)[-data.max_length :]
-        for p, _ in prompter.examples(val, val_key)[:count]
-    ]
+    return [example_prompt_ids(tokenizer, p, special, bos)[-data.max_length :] for p, _ in val[:count]]
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int):

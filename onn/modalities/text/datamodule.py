@@ -13,6 +13,7 @@ see exactly what one process would, and the held-out set is split between them.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -28,10 +29,10 @@ from onn.data.files import same_path
 from onn.data.resident import epoch_generator
 from onn.errors import UserError
 from onn.modalities.text.formats import Records, read_records
-from onn.modalities.text.prompts import Prompter, Split, answered
+from onn.modalities.text.prompts import Prompter, Split, answered, has_answer, no_answer, say_left_out
 from onn.modalities.text.sources import load_splits
 from onn.modalities.text.stream_loader import ShuffledStream, batches_per_epoch, own_generator, stream_loader
-from onn.modalities.text.streaming import VAL_MAX, open_reader, streaming_choice
+from onn.modalities.text.streaming import VAL_MAX, Ref, open_reader, streaming_choice
 
 log = logging.getLogger("onn")
 IGNORE = -100
@@ -189,6 +190,37 @@ class Collator:
         return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
+Examples = tuple[list[tuple[str, str]], list[str]]  # (prompt, answer) pairs and where each came from
+
+
+def answered_splits(prompter: Prompter, cfg: TextData, seed: int) -> tuple[Examples, Examples]:
+    """Resident (training, held-out) examples with every record whose answer is empty left out (prompts.answered).
+    A split held out of data.source is cut from its answered records: load_splits' own shuffled order, filtered,
+    cut again at data.val_split. A held-out share that happened to be unanswered refused a file that trains, and
+    a file with every answer given is split as before. bench_giant prompts by it, so it asks what training scores."""
+    train, val = load_splits(cfg, seed)
+    val_key = "data.val_source" if cfg.val_source else "data.source"
+    train_examples, val_examples = prompter.examples(train, "data.source"), prompter.examples(val, val_key)
+    if cfg.val_source or str(cfg.source).startswith("builtin:"):  # a held-out set of its own
+        kept = answered(
+            [
+                Split(train_examples, train.where, "data.source", cfg.source, "training"),
+                Split(val_examples, val.where, val_key, cfg.val_source or cfg.source, "validation"),
+            ]
+        )
+        return kept[0], kept[1]
+    [(examples, where)] = answered(
+        [Split(val_examples + train_examples, val.where + train.where, "data.source", cfg.source, "training")]
+    )
+    n_val = max(1, round(len(examples) * cfg.val_split))
+    if n_val >= len(examples):
+        raise UserError(
+            f"data.source {cfg.source} has {len(examples)} records with an answer: too few to hold out a validation "
+            "split; add answered records, or give a held-out file as data.val_source."
+        )
+    return (examples[n_val:], where[n_val:]), (examples[:n_val], where[:n_val])
+
+
 class ResumableShuffle(Sampler[int]):
     """An endless stream of seeded permutations of range(n), starting at sample `start()`."""
 
@@ -246,15 +278,10 @@ class TextDataModule(L.LightningDataModule):
         if streamed:
             self._setup_streamed()
             return
-        train, val = load_splits(self.cfg, self.seed)
-        cfg, prompter = self.cfg, self.prompter
-        val_key = "data.val_source" if cfg.val_source else "data.source"
-        (self.train_examples, self.train_where), (self.val_examples, self.val_where) = answered(
-            [
-                Split(prompter.examples(train, "data.source"), train.where, "data.source", cfg.source, "training"),
-                Split(prompter.examples(val, val_key), val.where, val_key, cfg.val_source or cfg.source, "validation"),
-            ]
+        (self.train_examples, self.train_where), (self.val_examples, self.val_where) = answered_splits(
+            self.prompter, self.cfg, self.seed
         )
+        val_key = "data.val_source" if self.cfg.val_source else "data.source"
         self.train_records = len(self.train_examples)
         self.val_set = self._encode_all(self.val_examples, self.val_where, val_key)
         if stage != "validate":  # training reads them: their long records are said now, before the run starts
@@ -286,21 +313,16 @@ class TextDataModule(L.LightningDataModule):
         )
 
     def _setup_streamed(self) -> None:
-        """The file read in order: the first records are the validation split (at most VAL_MAX, held in
-        memory) unless data.val_source is given; training streams the rest."""
+        """The file read in order: its first records with an answer are the validation split (at most VAL_MAX,
+        held in memory) unless data.val_source is given; training streams the answered rest. Records with an empty
+        answer are counted in one pass here (so the epoch's length is exact) and skipped by the stream's keep."""
         cfg = self.cfg
         reader = open_reader(cfg.source, cfg.format)
         total = reader.count(reader.start)
         if not total:
             raise UserError(f"data.source {cfg.source} holds no records.")
-        records = reader.records(reader.start)
-        if cfg.val_source:
-            val, start, rows = (
-                read_records(cfg.val_source, cfg.format, key="data.val_source"),
-                reader.start,
-                total,
-            )
-        else:
+        n_val = 0
+        if not cfg.val_source:
             fraction = cfg.val_split
             if not 0 < fraction < 1:
                 raise UserError(
@@ -311,22 +333,21 @@ class TextDataModule(L.LightningDataModule):
                 raise UserError(
                     f"data.source {cfg.source} has {total} records: too few to hold out a validation split."
                 )
-            held = [next(records) for _ in range(n_val)]
-            val, start, rows = (
-                Records([r for _, _, r, _ in held], [w for _, _, _, w in held]),
-                held[-1][1],
-                total - n_val,
-            )
-        sample = [item for item, _ in zip(reader.records(start), range(LAYOUT_SAMPLE))]
+        sample = list(itertools.islice(reader.records(reader.start), n_val, n_val + LAYOUT_SAMPLE))
         self.prompter.examples(Records([r for _, _, r, _ in sample], [w for _, _, _, w in sample]), "data.source")
+        held, start, rows = self._scan(reader, n_val, total)
         val_key = "data.val_source" if cfg.val_source else "data.source"
-        val_file = cfg.val_source or cfg.source
-        [(self.val_examples, self.val_where)] = answered(
-            [Split(self.prompter.examples(val, val_key), val.where, val_key, val_file, "validation")]
-        )
+        if cfg.val_source:
+            val = read_records(cfg.val_source, cfg.format, key="data.val_source")
+            examples = self.prompter.examples(val, val_key)
+            [(self.val_examples, self.val_where)] = answered(
+                [Split(examples, val.where, val_key, cfg.val_source, "validation")]
+            )
+        else:  # `_scan` held out answered records only
+            self.val_examples, self.val_where = self.prompter.examples(held, val_key), held.where
         self.val_set = self._encode_all(self.val_examples, self.val_where, val_key)
         self.train_records = rows
-        self.stream = ShuffledStream(reader, start, rows, cfg.shuffle_buffer, self.seed, self._encode)
+        self.stream = ShuffledStream(reader, start, rows, cfg.shuffle_buffer, self.seed, self._encode, self._answered)
         log.info(
             "data: streaming %d training records from %s (%d held out), shuffle buffer %d",
             rows,
@@ -334,6 +355,39 @@ class TextDataModule(L.LightningDataModule):
             len(self.val_set),
             self.stream.buffer,
         )
+
+    def _scan(self, reader, n_val: int, total: int) -> tuple[Records, Ref, int]:
+        """One pass over data.source: (its first `n_val` records with an answer, the held-out split; the position
+        after the last of them, where training starts; the answered records after it, which training streams).
+        The records whose answer is empty are said in one warning; a file left with no training record is
+        refused."""
+        cfg = self.cfg
+        held, start, rows, places, blank = Records(), list(reader.start), 0, [], 0
+        for _, after, record, where in reader.records(reader.start):
+            filled = self._answered(record, where)
+            if len(held) < n_val:
+                start = after
+                if filled:
+                    held.append(record)
+                    held.where.append(where)
+            else:
+                rows += filled
+            if not filled:
+                blank += 1
+                places += [where][: 3 - len(places)]
+        if not rows:
+            if blank == total:
+                raise no_answer("data.source", str(cfg.source), total, "training")
+            raise UserError(
+                f"data.source {cfg.source} has {total - blank} records with an answer: too few to hold out a "
+                "validation split and train on the rest; add answered records, or give data.val_source."
+            )
+        say_left_out("data.source", str(cfg.source), places, blank, total)
+        return held, start, rows
+
+    def _answered(self, record: dict[str, Any], where: str) -> bool:
+        """Whether a streamed record has an answer to train on (ShuffledStream's keep, and `_scan`'s count)."""
+        return has_answer(self.prompter.answer(record, where))
 
     def _encode(self, record: dict[str, Any], where: str) -> tuple[list[int], list[int]]:
         """A streamed record's tokens, cut to data.max_length as a held record is; the first one cut is said once

@@ -146,36 +146,53 @@ class Split:
     purpose: str  # training | validation
 
 
+def has_answer(answer: str) -> bool:
+    """Whether an answer holds text: an empty one (a blank CSV cell, "" in JSON) trains on the end-of-sequence token
+    alone. The one test for resident splits, streamed records (ShuffledStream's keep) and bench_giant's prompts."""
+    return bool(answer.strip())
+
+
+def no_answer(key: str, file: str, count: int, purpose: str) -> UserError:
+    """The error for a file none of whose records (of `purpose`) has an answer."""
+    return UserError(
+        f"{key} {file}: all {count} of its {purpose} records have an empty answer, which would train on the "
+        "end-of-sequence token alone; fill the answers in, or map the answer field with data.fields.output=NAME."
+    )
+
+
+def say_left_out(key: str, file: str, places: list[str], count: int, total: int) -> None:
+    """The one warning per file for its `count` records of `total` left out for an empty answer, naming the first
+    `places` (at most three shown)."""
+    if not count:
+        return
+    shown = "; ".join(places[:3]) + (f"; and {count - 3} more" if count > 3 else "")
+    log.warning(
+        "data: %s %s: left out %d of %d records whose answer is empty (each would train on the end-of-sequence "
+        "token alone): %s",
+        key,
+        file,
+        count,
+        total,
+        shown,
+    )
+
+
 def answered(splits: list[Split]) -> list[tuple[list[tuple[str, str]], list[str]]]:
-    """Each split's examples whose answer holds text, and their places. An empty answer (a blank CSV cell, "" in
-    JSON) trains on the end-of-sequence token alone, so such records are left out and said in one warning per
-    file, as unreadable files are (data/labelled.check_bad); a split left with none is a UserError. A null answer
-    is refused record by record (Prompter._text): null says the field is missing, "" is data a dump holds."""
+    """Each split's examples whose answer holds text (`has_answer`), and their places; the rest are said in one
+    warning per file, as unreadable files are (data/labelled.check_bad). A split left with none is a UserError. A
+    null answer is refused record by record (Prompter._text): null says the field is missing, "" is data a dump
+    holds."""
     kept, skipped, totals = [], {}, {}
     for split in splits:
-        keep = [bool(answer.strip()) for _, answer in split.examples]
+        keep = [has_answer(answer) for _, answer in split.examples]
         if split.examples and not any(keep):
-            raise UserError(
-                f"{split.key} {split.file}: all {len(keep)} of its {split.purpose} records have an empty answer, "
-                "which would train on the end-of-sequence token alone; fill the answers in, or map the answer "
-                "field with data.fields.output=NAME."
-            )
+            raise no_answer(split.key, split.file, len(keep), split.purpose)
         kept.append(([e for e, k in zip(split.examples, keep) if k], [w for w, k in zip(split.where, keep) if k]))
         file = (split.key, split.file)
         skipped.setdefault(file, []).extend(w for w, k in zip(split.where, keep) if not k)
         totals[file] = totals.get(file, 0) + len(keep)
     for (key, file), places in skipped.items():
-        if places:
-            shown = "; ".join(places[:3]) + (f"; and {len(places) - 3} more" if len(places) > 3 else "")
-            log.warning(
-                "data: %s %s: left out %d of %d records whose answer is empty (each would train on the "
-                "end-of-sequence token alone): %s",
-                key,
-                file,
-                len(places),
-                totals[key, file],
-                shown,
-            )
+        say_left_out(key, file, places, len(places), totals[key, file])
     return kept
 
 
@@ -351,6 +368,16 @@ class Prompter:
         """One training record's (prompt, answer), once `examples` has chosen the layout (streamed data: record
         by record)."""
         return self._example(record, where, self.layout)[0]
+
+    def answer(self, record: dict[str, Any], where: str) -> str:
+        """One training record's answer alone, its prompt not rendered (a chat template per record): what deciding
+        whether a streamed record is trained on needs, which every loader worker asks of every record."""
+        layout = self.layout
+        if layout.name == "text" or (layout.name != "messages" and set(record) == {"text"}):
+            return self._text(record, "text", where, "data.fields.input")
+        if layout.name == "messages":
+            return self._messages(record, where, layout.conversation)[-1]["content"]
+        return self._text(record, layout.answer, where, "data.fields.output")
 
     def _example(self, record: dict[str, Any], where: str, layout: Layout) -> tuple[tuple[str, str], bool]:
         """((prompt, answer), whether the mapped prompt is empty)."""

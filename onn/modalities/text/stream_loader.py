@@ -18,12 +18,23 @@ from onn.modalities.text.streaming import Ref, file_signature
 
 class ShuffledStream(IterableDataset):
     """torch IterableDataset over a reader from `start`: `rows` records, a seeded buffer shuffle, each
-    record encoded when drawn. Workers take every n-th record. `epoch` is set by StreamLoader. `signature`: the
-    file's size and time when the run began, which a checkpoint's position into it is only valid for."""
+    record encoded when drawn. `keep`: whether a record is trained on (one whose answer is empty is not); `rows`
+    counts the kept records only, and workers take every n-th kept record, so each worker's share, and so the
+    epoch's length, is exact. `epoch` is set by StreamLoader. `signature`: the file's size and time when the run
+    began, which a checkpoint's position into it is only valid for."""
 
-    def __init__(self, reader, start: Ref, rows: int, buffer: int, seed: int, encode: Callable[[dict, str], Any]):
+    def __init__(
+        self,
+        reader,
+        start: Ref,
+        rows: int,
+        buffer: int,
+        seed: int,
+        encode: Callable[[dict, str], Any],
+        keep: Callable[[dict, str], bool],
+    ):
         self.reader, self.start, self.rows, self.buffer = reader, list(start), rows, max(1, int(buffer))
-        self.seed, self.encode, self.epoch = seed, encode, 0
+        self.seed, self.encode, self.keep, self.epoch = seed, encode, keep, 0
         self.signature = file_signature(reader.path)
 
     def __iter__(self) -> _Stream:
@@ -35,7 +46,7 @@ class _Stream:
     def __init__(self, ds: ShuffledStream, epoch: int, worker: int, workers: int):
         self.ds, self.epoch, self.worker, self.workers = ds, epoch, worker, workers
         self.rng = np.random.Generator(np.random.PCG64([ds.seed, epoch, worker]))
-        self.at, self.index = list(ds.start), 0  # the next record's position, records read so far
+        self.at, self.index = list(ds.start), 0  # the next record's position, kept records read so far
         self.buffer: list[tuple[Ref, dict[str, Any], str]] = []
         self.draining = False
         self._records: Iterator | None = None
@@ -69,8 +80,11 @@ class _Stream:
         if self._records is None:
             self._records = self.ds.reader.records(self.at)
         for ref, after, record, where in self._records:
+            self.at = after
+            if not self.ds.keep(record, where):  # skipped by every worker alike: counted out of `rows` at setup
+                continue
             mine = self.index % self.workers == self.worker
-            self.at, self.index = after, self.index + 1
+            self.index += 1
             if mine:
                 return ref, record, where
         return None
