@@ -683,7 +683,8 @@ def check_settings(config: ONNConfig, task: Task, modality: Modality) -> None:
     check_graph_output(config.export, modality.several_graphs)  # before training, not after it
     if task.heavy or name == "plan":
         check_optim(config.optim)
-        check_trainer(config.trainer, trains=task.trains or name == "plan", launches=name != "plan")
+        trains = task.trains or name == "plan"
+        check_trainer(config.trainer, trains=trains, launches=name != "plan", planned=config.hardware.accelerator)
         if task.trains or name == "plan":  # StepCheckpoint's own check, which a plan would not reach
             check_every_n_steps(config.checkpoint.every_n_steps)
     modality.check(config)

@@ -126,6 +126,9 @@ def test_devices_minus_one_on_a_cpu_is_one_sentence():
     with pytest.raises(UserError, match=r"trainer\.devices=-1 means every GPU.*trainer\.devices=1"):
         check(trainer)
     check(trainer, launches=False)  # task=plan plans for any machine: -1 is every GPU of the planned one
+    with pytest.raises(UserError, match=r"trainer\.devices=-1 means every GPU"):
+        check(trainer, planned="cpu")  # a CPU preset runs on the CPU, GPU or not
+    check(trainer, planned="cuda")  # a GPU preset: its own sentence where there is no GPU (_accelerator), not this
 
 
 def test_a_record_is_kept_only_for_a_run_that_never_started(tmp_path: Path):

@@ -38,10 +38,11 @@ PROFILERS = ("simple", "advanced", "pytorch")  # Lightning's names for its profi
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")  # Lightning's, less the TPU's and HPU's extra packages
 
 
-def check(trainer: TrainerConfig, *, trains: bool = True, launches: bool = True) -> None:
+def check(trainer: TrainerConfig, *, trains: bool = True, launches: bool = True, planned: str | None = None) -> None:
     """The trainer group's values, checked before anything is built: one sentence per mistake.
     `trains`: the task fits weights, so its step and epoch limits must end. `launches`: it starts this node's
-    processes (task=plan only plans for nodes: no launcher needed)."""
+    processes (task=plan only plans for nodes: no launcher needed). `planned`: the hardware preset's accelerator
+    (None: this machine's, measured)."""
     for key, value in (("max_steps", trainer.max_steps), ("max_epochs", trainer.max_epochs)):
         if isinstance(value, bool) or not isinstance(value, int) or value < -1:
             raise UserError(f"trainer.{key}={value!r}: give a whole number, 1 or more, or -1 (no limit).")
@@ -72,7 +73,7 @@ def check(trainer: TrainerConfig, *, trains: bool = True, launches: bool = True)
             f"strategy: give optim.clip_grad_norm={trainer.gradient_clip_val} instead (0: no clipping) and leave "
             "trainer.gradient_clip_val at null."
         )
-    _check_devices(trainer, launches)
+    _check_devices(trainer, launches, planned)
 
 
 def _check_counts(trainer: TrainerConfig, trains: bool) -> None:
@@ -105,7 +106,7 @@ def _check_counts(trainer: TrainerConfig, trains: bool) -> None:
             )
 
 
-def _check_devices(trainer: TrainerConfig, launches: bool) -> None:
+def _check_devices(trainer: TrainerConfig, launches: bool, planned: str | None) -> None:
     """Where the run goes (precision, accelerator, devices, nodes): what Lightning would refuse with a traceback."""
     from typing import get_args
 
@@ -130,7 +131,9 @@ def _check_devices(trainer: TrainerConfig, launches: bool) -> None:
         )
     if not launches:  # task=plan plans for any machine: -1 is every GPU of the planned one
         return
-    cpu = trainer.accelerator == "cpu" or (trainer.accelerator in (None, "auto") and not _has_gpu("gpu"))
+    # under auto the run is on the preset's device (a GPU preset on a machine without one: _accelerator's sentence)
+    on_planned = planned == "cpu" or (planned is None and not _has_gpu("gpu"))
+    cpu = trainer.accelerator == "cpu" or (trainer.accelerator in (None, "auto") and on_planned)
     _check_cpu_devices(devices, "cpu" if cpu else str(trainer.accelerator))
     launcher = os.getenv("MASTER_ADDR") or os.getenv("NODE_RANK") or launched()
     if nodes > 1 and not launcher:  # the rendezvous would wait strategy.timeout_s for nodes nobody starts
