@@ -91,9 +91,7 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
         tmp.mkdir(parents=True)
         save_file(_unshare(tensors), str(tmp / TENSORS))
         (tmp / META).write_text(json.dumps(meta))
-        for name in (TENSORS, META):  # on the disk before the rename makes them the checkpoint
-            with open(tmp / name, "rb") as f:
-                os.fsync(f.fileno())
+        _synced(tmp)
     except (OSError, SafetensorError) as e:  # a full or read-only disk: the previous checkpoint stays as it was
         shutil.rmtree(tmp, ignore_errors=True)
         refused = disk_error(e)
@@ -102,14 +100,45 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
         needed = sum(t.numel() * t.element_size() for t in tensors.values())
         raise write_refused(refused, path, needed, "checkpoints (hydra.run.dir)") from None
     failpoints.reached("checkpoint_write")
+    _swap_in(tmp, path)
+
+
+def _synced(folder: Path) -> None:
+    """A checkpoint's files on the disk before a rename makes them the checkpoint."""
+    for name in (TENSORS, META):
+        with open(folder / name, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def _swap_in(staged: Path, path: Path) -> None:
+    """Rename the whole checkpoint `staged` to `path`, the one there first set aside as NAME.ckpt.old and removed
+    after: a kill at any step leaves a whole checkpoint at `path` or, between the renames, at its .old (`whole`)."""
     old = path.with_name(path.name + ".old")
     if path.exists():  # an .old beside a complete checkpoint is a save that was killed while tidying up
         shutil.rmtree(old, ignore_errors=True)
     with _signals_held():  # SIGTERM / SIGINT between the two renames would leave no checkpoint at `path`
         if path.exists():
             path.rename(old)
-        tmp.rename(path)
+        staged.rename(path)
         shutil.rmtree(old, ignore_errors=True)
+
+
+def copy_in(source: Path, path: Path) -> None:
+    """Copy checkpoint `source` to `path` as save() writes one: staged beside it, then swapped in, so a kill leaves
+    no half checkpoint there. A write the disk refuses is one sentence (copytree's shutil.Error kept no errno),
+    with the staged copy removed."""
+    staged = path.with_name(path.name + ".tmp")
+    shutil.rmtree(staged, ignore_errors=True)
+    try:
+        staged.mkdir(parents=True)
+        for name in (TENSORS, META):
+            shutil.copy2(source / name, staged / name)
+        _synced(staged)
+    except OSError as e:
+        shutil.rmtree(staged, ignore_errors=True)
+        needed = sum((source / name).stat().st_size for name in (TENSORS, META))
+        raise write_refused(e, path, needed, "checkpoints (hydra.run.dir)") from None
+    _swap_in(staged, path)
 
 
 HELD_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -216,13 +245,18 @@ def _renamed(path: Path, suffix: str) -> list[Path]:
     return [path.with_name(path.name + suffix)] if path.name else []
 
 
-def whole_last(folder: Path) -> Path | None:
-    """A checkpoints folder's last.ckpt, or its last.ckpt.old where a save killed between its two renames left only
-    that (an .old beside a whole last.ckpt is the older one); None when it holds neither whole."""
-    for name in ("last.ckpt", "last.ckpt.old"):
-        if (folder / name / META).is_file():
-            return folder / name
+def whole(folder: Path, name: str) -> Path | None:
+    """A checkpoints folder's checkpoint `name` (last.ckpt, best.ckpt), or its NAME.old where a save killed between
+    its two renames left only that (an .old beside a whole NAME is the older one); None when it holds neither whole."""
+    for found in (folder / name, folder / f"{name}.old"):
+        if (found / META).is_file() and (found / TENSORS).is_file():
+            return found
     return None
+
+
+def whole_last(folder: Path) -> Path | None:
+    """A checkpoints folder's last.ckpt, whole (see `whole`)."""
+    return whole(folder, "last.ckpt")
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -436,24 +470,19 @@ def run_best(callback, ckpt: Path | None, run_dir: Path, monitor: str, mode: str
         score = float(callback.best_model_score)
     if ckpt is not None:
         history = read_meta(ckpt)["onn"]["history"]  # the run this one resumed from
-        old = Path(ckpt).parent / "best.ckpt"
+        old = whole(Path(ckpt).parent, "best.ckpt")  # its best.ckpt.old alone: a kill between a save's renames
         earlier = [h[monitor] for h in history if monitor in h]
-        if not earlier and old.is_dir():  # a figure the history does not keep (train/loss): best.ckpt's own score
+        if not earlier and old is not None:  # a figure the history does not keep (train/loss): best.ckpt's own score
             earlier = [saved_score(old, monitor)]
         # a NaN score is never the best, as Lightning ranks it (min and max of a list that holds one are not)
         earlier = [round(s, 5) for s in earlier if s is not None and not math.isnan(s)]
         best = (min if mode == "min" else max)(earlier) if earlier else None
         own = round(score, 5) if score is not None else None
         beaten = own is not None and best is not None and (own < best if mode == "min" else own > best)
-        if best is not None and old.is_dir() and not beaten:
+        if best is not None and old is not None and not beaten:
             target = here / "best.ckpt"
             if old.resolve() != target.resolve():  # resumed into its own folder (a sweep's job), it is there already
-                staged = target.with_name(target.name + ".tmp")  # a kill mid-copy leaves no half best.ckpt
-                shutil.rmtree(staged, ignore_errors=True)
-                shutil.copytree(old, staged)
-                if target.exists():
-                    shutil.rmtree(target)
-                staged.rename(target)
+                copy_in(old, target)
             path, score = str(target), float(best)
     return path, score
 
