@@ -1,11 +1,14 @@
 """The layer store: frozen block weights kept off the compute device, one block at a time.
 
 `disk`: one safetensors file per block in a folder keyed by the model's fingerprint, each with a
-`.done` marker that records the file's size and the store's format (and, for weights written from memory, their
-digest); a block whose file or marker is missing or whose size, format or digest disagrees is rebuilt, never
-used. A block file is written to a temporary name, synced, renamed, and only then marked, so a build killed at
-any moment leaves whole blocks (reused) and at most one unmarked file (rebuilt). `cpu`: the same tensors held in
-host memory (pinned when a GPU will read them).
+`.done` marker that records the file's size, the store's format, a hash of the bytes written (`file_digest`) and,
+for weights written from memory, their digest; a block whose file or marker is missing or whose size, format or
+digest disagrees is rebuilt, never used. The bytes are checked against `file_digest` on a block's first read in a
+process, from the buffer the read filled (no second read): a damaged block is rebuilt where its weights are in
+memory (`fill`), else refused with advice to delete it. Markers written before `file_digest` are trusted. A block
+file is written to a temporary name, synced, renamed, and only then marked, so a build killed at any moment leaves
+whole blocks (reused) and at most one unmarked file (rebuilt). `cpu`: the same tensors held in host memory (pinned
+when a GPU will read them).
 
 Reads from disk are whole files, straight into a buffer the caller reuses, with O_DIRECT where the
 file system allows it: the disk's DMA fills the buffer, the page cache is neither used nor filled
@@ -85,6 +88,8 @@ class LayerStore:
         self._memory: dict[int | str, dict[str, torch.Tensor]] = {}
         self._layouts: dict[int | str, Layout] = {}
         self.rebuilt: list[int | str] = []  # blocks written by the last `fill`
+        self._file_digests: dict[int | str, str | None] = {}  # the markers' hashes of the bytes written
+        self._verified: set[int | str] = set()  # blocks whose bytes this process wrote or checked
         self.bytes_read = 0  # from the disk, since the store was made
         self.read_s = 0.0
         self.progress = None  # a callable(index, bytes) told after every block written (the build's progress bar)
@@ -107,6 +112,7 @@ class LayerStore:
             recorded = json.loads(marker.read_text())
             if recorded["bytes"] != path.stat().st_size or recorded.get("format") != STORE_FORMAT:
                 return False
+            self._file_digests[index] = recorded.get("file_digest")
             if shapes is not None and (recorded["shapes"] != shapes or recorded["dtype"] != self.dtype):
                 return False
             layout = read_layout(path)
@@ -167,20 +173,33 @@ class LayerStore:
         """Store each block's frozen tensors (disk: only blocks without a complete file of these same values are
         written). The weights are in memory here, so a block file is reused only when its marker records their
         digest: the folder's key (model.source's stat, its architecture and dtype) does not see weights a Python
-        builder draws from the run's seed or reads from another file, and another run's values were used silently."""
+        builder draws from the run's seed or reads from another file, and another run's values were used silently.
+        A reused file's bytes are checked here, one read each, because only here can a damaged one be rebuilt."""
         shapes = {i: {n: list(t.shape) for n, t in tensors.items()} for i, tensors in blocks.items()}
         digests = {i: digest(tensors) for i, tensors in blocks.items()} if self.kind == "disk" else {}
         self.rebuilt = []
+        into = None  # one read buffer for every check
         with self.building():
             missing = self.missing(shapes)
             for i in blocks:
-                if i in missing or self._recorded_digest(i) != digests[i]:
+                if i in missing or self._recorded(i, "digest") != digests[i]:
                     self.write(i, blocks[i], digests.get(i))
+                    continue
+                if not self._unchecked(i):
+                    continue
+                into, intact = self._read_bytes(i, into)
+                if not intact:
+                    log.warning(
+                        "%s: its bytes differ from those written (damaged on the disk); rebuilding it",
+                        self.block_file(i),
+                    )
+                    self.write(i, blocks[i], digests[i])
 
-    def _recorded_digest(self, index: int | str) -> str | None:
-        """The digest of the values a complete block file was written from (None: written without one)."""
+    def _recorded(self, index: int | str, key: str) -> str | None:
+        """A hash a block's marker records (`digest`: of the values written; `file_digest`: of the bytes written),
+        None where it was written without one."""
         try:
-            return json.loads(self._marker(index).read_text()).get("digest")
+            return json.loads(self._marker(index).read_text()).get(key)
         except (OSError, ValueError, AttributeError):
             return None
 
@@ -229,7 +248,7 @@ class LayerStore:
         path = self.block_file(index)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")  # this process's own, whoever else writes
         try:
-            write_safetensors(tmp, encoded)
+            written = write_safetensors(tmp, encoded)
         except OSError as e:  # the disk filled after the check in `missing` (another writer)
             tmp.unlink(missing_ok=True)
             needed = sum(t.numel() * t.element_size() for t in encoded.values())
@@ -238,10 +257,12 @@ class LayerStore:
         os.replace(tmp, path)
         shapes = {n: list(t.shape) for n, t in tensors.items()}
         size = path.stat().st_size
-        marker = {"bytes": size, "shapes": shapes, "dtype": self.dtype, "format": STORE_FORMAT}
+        marker = {"bytes": size, "shapes": shapes, "dtype": self.dtype, "format": STORE_FORMAT, "file_digest": written}
         if values is not None:
             marker["digest"] = values
         self._marker(index).write_text(json.dumps(marker))
+        self._file_digests[index] = written
+        self._verified.add(index)
         self._layouts[index] = read_layout(path)
         if self.progress is not None:
             self.progress(index, size)
@@ -324,9 +345,21 @@ class LayerStore:
     def read(self, index: int | str, into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The block's stored tensors, in host memory. From disk the whole file is read into `into`
         (a uint8 buffer from `buffer`, reused by the caller; a new one when None) and the tensors are
-        views of it. `fill` verified (or rebuilt) every block, so this hot path does no checks of its own."""
+        views of it. A block's first read in this process checks the bytes read against its marker's `file_digest`
+        (a hash of the buffer, no second read): damaged weights are refused before they are used."""
         if self.kind == "cpu":
             return self._memory[index]
+        into, intact = self._read_bytes(index, into)
+        if not intact:
+            raise UserError(
+                f"the layer store block {self.block_file(index)} is damaged (its bytes differ from those written): "
+                f"delete it, or the store folder {self.folder} (under paths.cache), and run again to rebuild it."
+            )
+        return views(into, self._layouts[index])
+
+    def _read_bytes(self, index: int | str, into: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+        """A block file read whole into `into` (a new buffer when None or too small), and whether its bytes are those
+        written: checked once per process, against the marker's `file_digest` (a marker without one is trusted)."""
         size = self.file_bytes(index)
         if into is None or into.numel() < aligned(size):
             into = buffer(size, pin=self.pin)
@@ -334,7 +367,21 @@ class LayerStore:
         self.direct = read_file(self.block_file(index), into, size, self.direct)
         self.read_s += time.perf_counter() - start
         self.bytes_read += size
-        return views(into, self._layouts[index])
+        if not self._unchecked(index):
+            return into, True
+        if hashlib.sha256(memoryview(into[:size].numpy())).hexdigest() != self._file_digests[index]:
+            return into, False
+        self._verified.add(index)
+        return into, True
+
+    def _unchecked(self, index: int | str) -> bool:
+        """Whether a block's bytes are still to be checked in this process: neither written nor checked by it yet,
+        and its marker records their hash (one written before `file_digest` is trusted, not rebuilt)."""
+        if index in self._verified:
+            return False
+        if index not in self._file_digests:
+            self._file_digests[index] = self._recorded(index, "file_digest")
+        return self._file_digests[index] is not None
 
     def read_some(self, index: int, keep) -> dict[str, torch.Tensor]:
         """The stored tensors of block `index` whose names `keep(name)` accepts, and from a disk store only their
@@ -388,9 +435,10 @@ def views(data: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
     }
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
     """A safetensors file written tensor by tensor (no second copy of the block in memory), synced to
-    the disk and dropped from the page cache. The header is padded with spaces and each tensor followed by
+    the disk and dropped from the page cache; returns the sha256 of the bytes written, hashed as they are written
+    (no read back), for the store to check a read against. The header is padded with spaces and each tensor followed by
     a uint8 padding tensor (`PAD`), so every tensor starts `STORE_ALIGN`-aligned in the file: safetensors
     allows no gaps, and any safetensors reader still opens the file."""
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
@@ -407,15 +455,22 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
             offset += gap
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % STORE_ALIGN)
+    written = hashlib.sha256()
+
+    def put(data) -> None:
+        written.update(data)
+        f.write(data)
+
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
+        put(struct.pack("<Q", len(text)) + text)
         for name in order:
-            f.write(memoryview(tensors[name].contiguous().view(-1).view(torch.uint8).numpy()))
+            put(memoryview(tensors[name].contiguous().view(-1).view(torch.uint8).numpy()))
             if name in pads:
-                f.write(bytes(header[pads[name]]["shape"][0]))
+                put(bytes(header[pads[name]]["shape"][0]))
         f.flush()
         os.fsync(f.fileno())
     evict(path)
+    return written.hexdigest()
 
 
 def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
