@@ -78,7 +78,7 @@ def test_a_killed_run_that_fails_on_its_own_is_the_harness_s_finding(tmp_path):
         folder = tmp_path / f"killed_{'point' if isinstance(kill, str) else 'timed'}"
         proc = chaos._start(["trainer.max_steps=-5"], folder, sweep=False)  # refused before any model is built
         with pytest.raises(UserError, match=rf"^bench_chaos: the run in {folder} ended with 1; its console ends: "):
-            chaos._kill_at(proc, kill, folder, sweep=False)
+            chaos._kill_at(proc, kill, folder, sweep=False, timeout_s=300.0)
         assert not proc.is_alive()
 
 

@@ -31,7 +31,7 @@ import signal
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -59,6 +59,9 @@ RUN_SPECIFIC = {
     "host",
 }
 MEASURED = ("_s", "_mb", "seconds")  # key endings: times, rates (samples_per_s), memory
+# the failpoints a training run reaches: a checkpoint's write, and a layer store's build in a run with its own
+# cache (a shared one is built by the whole run only); export_write only in task=export, which no track runs
+TRAINING_POINTS = ("checkpoint_write", "store_write")
 
 
 def run(job) -> dict[str, Any]:
@@ -113,6 +116,12 @@ def check_settings(task: BenchChaosTask) -> None:
             raise UserError(
                 f"task.tracks.{name}.failpoints names {', '.join(unknown)}: "
                 f"the points are {', '.join(failpoints.POINTS)}."
+            )
+        reach = TRAINING_POINTS if track.own_cache else TRAINING_POINTS[:1]
+        if unreached := [p for p in track.failpoints or () if p not in reach]:
+            raise UserError(
+                f"task.tracks.{name}.failpoints names {', '.join(unreached)}, which its runs never reach: give "
+                f"{' or '.join(reach)} (store_write only on a track with own_cache: true)."
             )
         if track.data is not None and track.data not in chaos_data.WRITERS:
             raise UserError(
@@ -188,7 +197,7 @@ def _trial(
         proc = _start(
             _with_cache(overrides, track, killed), killed, sweep, point=kill if isinstance(kill, str) else None
         )
-        fault = _kill_at(proc, kill, killed, sweep)
+        fault = _kill_at(proc, kill, killed, sweep, task.timeout_s)
         if fault is not None:
             break
         # sooner; the last try kills at the first checkpoint write, which every run reaches
@@ -236,12 +245,16 @@ def _with_cache(overrides: list[str], track: ChaosTrack, folder: Path) -> list[s
     return [*overrides, f"paths.cache={folder}.cache", f"hardware.cache={shared / 'hardware'}"]
 
 
-def _kill_at(proc, kill: float | str, folder: Path, sweep: bool) -> str | None:
+def _kill_at(proc, kill: float | str, folder: Path, sweep: bool, timeout_s: float) -> str | None:
     """SIGKILL to the run's process group `kill` seconds after its start, or wait for it to kill itself at the
     named point; where the kill fell (None: the run ended first, whole). A run that failed on its own is the
-    harness's finding: it was taken for one that ended first, tried again and counted as a trial."""
+    harness's finding: it was taken for one that ended first, tried again and counted as a trial. A run that
+    stalls before its point or first checkpoint is stopped at timeout_s: it hung the whole bench for good."""
+    deadline = time.monotonic() + timeout_s
     if isinstance(kill, str):
-        proc.join()
+        proc.join(timeout=timeout_s)
+        if proc.is_alive():
+            _stalled(proc, folder, kill, timeout_s)
         with contextlib.suppress(ProcessLookupError):  # what the run started (DataLoader workers) goes with it
             os.killpg(proc.pid, signal.SIGKILL)
         if proc.exitcode == -signal.SIGKILL:
@@ -251,6 +264,8 @@ def _kill_at(proc, kill: float | str, folder: Path, sweep: bool) -> str | None:
     if isinstance(kill, After):  # a shared machine runs each run at its own pace: wait for its checkpoint
         pattern = "*/checkpoints/last.ckpt" if sweep else "checkpoints/last.ckpt"
         while proc.is_alive() and not any(folder.glob(pattern)):
+            if time.monotonic() > deadline:
+                _stalled(proc, folder, "its first checkpoint", timeout_s)
             time.sleep(0.02)
     proc.join(timeout=float(kill))
     if not proc.is_alive():
@@ -260,6 +275,17 @@ def _kill_at(proc, kill: float | str, folder: Path, sweep: bool) -> str | None:
     os.killpg(proc.pid, signal.SIGKILL)
     proc.join()
     return fault
+
+
+def _stalled(proc, folder: Path, point: str, timeout_s: float) -> NoReturn:
+    """Kill a run that did not reach `point` in time, with its process group, and say so in one sentence."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.join()
+    raise UserError(
+        f"bench_chaos: the run in {folder} did not reach {point} within task.timeout_s={timeout_s:g}; "
+        f"its console ends: {_console_tail(folder)!r}"
+    )
 
 
 def _start(overrides: list[str], folder: Path, sweep: bool, point: str | None = None):
@@ -296,8 +322,14 @@ def _finish(overrides: list[str], folder: Path, sweep: bool, timeout_s: float) -
 def _check_ended(code: int | str, folder: Path) -> None:
     """A run that ended otherwise than whole (exit code 0): the harness's finding, said in one sentence."""
     if code != 0:
-        tail = (folder.parent / f"{folder.name}.console.txt").read_text(errors="replace")[-600:]
-        raise UserError(f"bench_chaos: the run in {folder} ended with {code}; its console ends: {tail!r}")
+        raise UserError(
+            f"bench_chaos: the run in {folder} ended with {code}; its console ends: {_console_tail(folder)!r}"
+        )
+
+
+def _console_tail(folder: Path) -> str:
+    """The last of what the run in `folder` printed (the console file `_start` gave it)."""
+    return (folder.parent / f"{folder.name}.console.txt").read_text(errors="replace")[-600:]
 
 
 def _runs(folder: Path, sweep: bool) -> list[Path]:

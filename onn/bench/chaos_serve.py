@@ -10,6 +10,7 @@ must show no row decoding and no request queued (a slot a vanished client left b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -51,8 +52,7 @@ def run(settings: ChaosServer, folder: Path, seed: int) -> dict[str, Any]:
         left = _idle(http)
         http.close()
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
+        stop(server)
     counts = {k: first[k] + more[k] for k in first}
     return {
         "chaos/server/requests": settings.requests + settings.more_requests,
@@ -83,8 +83,23 @@ def _start(settings: ChaosServer, folder: Path) -> tuple[subprocess.Popen, str]:
         if said:
             return server, said.group(1)
         time.sleep(0.2)
-    server.kill()
+    with contextlib.suppress(ProcessLookupError):  # the whole group: what the server started goes with it
+        os.killpg(server.pid, signal.SIGKILL)
+    server.wait()
     raise UserError(f"bench_chaos: the server did not start; its console ends: {console.read_text()[-600:]!r}")
+
+
+def stop(server: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """SIGTERM to the server's process group, SIGKILL after grace_s: a server that ignored SIGTERM (a stuck
+    handler) ended the bench in TimeoutExpired's traceback and was left running."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 
 
 def _kind(rng: random.Random, settings: ChaosServer) -> str:
