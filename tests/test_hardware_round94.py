@@ -104,3 +104,16 @@ def test_peak_memory_leaves_a_memmapped_datasets_page_cache_out(tmp_path):
     with PeakMemory("cpu") as peak:
         assert float(read.sum(dtype=np.float64)) == 16 * 2**20
     assert peak.peak_mb - before < 16
+
+
+@pytest.mark.skipif(not Path("/proc/self/mountinfo").exists(), reason="Linux's mount table")
+def test_a_disks_key_names_its_file_system_not_a_device_number(tmp_path):
+    """st_dev numbers an overlay or a tmpfs anew at each mount: keyed by it, a container's every start measured its
+    disk again (up to disk_probe_mb written and read) and the cached table grew by one entry each time. The key is
+    the file system's type and source, as psutil's own reading of the mount table names them."""
+    import psutil
+
+    where = tmp_path.resolve()
+    mounts = [p for p in psutil.disk_partitions(all=True) if Path(p.mountpoint) in (where, *where.parents)]
+    mount = max(mounts, key=lambda p: len(Path(p.mountpoint).parts))
+    assert disk_key(tmp_path / "not_yet", 64) == f"{mount.fstype} {mount.device}:64"

@@ -215,15 +215,36 @@ def _save(cache: Path, profile: Profile) -> None:
 
 
 def disk_key(folder: str | os.PathLike, probe_mb: int) -> str:
-    """Which disk a probe under `folder` measures, and with what probe: "<device>:<MB>", the device of `folder` (or
-    of the nearest folder above it that exists, as the probe makes it). A cached profile keeps a figure per key:
+    """Which disk a probe under `folder` measures, and with what probe: "<disk>:<MB>", the file system of `folder`
+    (or of the nearest folder above it that exists, as the probe makes it). A cached profile keeps a figure per key:
     keyed by the machine alone, a paths.cache on another disk read the first disk's bandwidth."""
-    return f"{_existing(folder).stat().st_dev}:{probe_mb}"
+    where = _existing(folder).resolve()
+    return f"{_file_system(where) or where.stat().st_dev}:{probe_mb}"
 
 
 def _existing(folder: str | os.PathLike) -> Path:
     path = Path(folder).absolute()
     return next(p for p in (path, *path.parents) if p.exists())
+
+
+def _file_system(path: Path) -> str | None:
+    """The file system `path` lies on as "<type> <source>" (ext4 /dev/nvme0n1p2, overlay overlay, tmpfs tmpfs), from
+    the longest mount point above it in /proc/self/mountinfo (Linux; else None). st_dev numbers an overlay or a tmpfs
+    anew at each mount, so a container's every start would probe its disk again under a key of its own."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    found, longest = None, -1
+    for line in lines:
+        mount, _, right = line.partition(" - ")
+        fields, described = mount.split(), right.split()
+        if len(fields) < 5 or len(described) < 2:
+            continue
+        point = Path(fields[4].replace("\\040", " "))
+        if (point == path or point in path.parents) and len(point.parts) > longest:
+            found, longest = f"{described[0]} {described[1]}", len(point.parts)
+    return found
 
 
 def _with_disk(profile: Profile, disk: str) -> Profile | None:
