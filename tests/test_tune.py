@@ -192,3 +192,28 @@ def test_a_damaged_or_stale_tune_result_is_passed_over_not_fatal(tmp_path, caplo
     assert plan.settings_source == "plan" and plan.micro_batch == guess.micro_batch
     said = [r.getMessage() for r in caplog.records] + plan.reasons
     assert any(str(path) in line for line in said), said
+
+
+def test_a_result_tuned_under_one_optimizer_is_not_another_optimizers(tmp_path):
+    """The key left optim out: a result tuned under AdamW (8 bytes of state a weight) was reused, its samples/s
+    quoted, for SGD without state; a learning rate, which changes neither time nor memory, still shares it."""
+    from conftest import compose
+
+    from onn.hardware.profile import resolve
+    from onn.planning.plan import make_plan
+    from onn.planning.spec import model_spec
+    from onn.planning.tuned import cache_path
+
+    base = ("task=plan", "hardware=cpu_16gb", *TINY, f"paths.cache={tmp_path / 'cache'}")
+    cfg = compose(*base, root=tmp_path)
+    hw = resolve(cfg.hardware, tmp_path / "cache", tmp_path)
+    spec = model_spec(cfg.model, 8, cache_dir=cfg.paths.cache)
+    guess = make_plan(cfg, hw, spec)
+    settings = {"micro_batch": guess.micro_batch, "chunk_size": 1, "store_dtype": guess.streaming.store_dtype}
+    path = cache_path(cfg, hw, "sparse_lora", guess.sequence_length)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"settings": settings, "samples_per_s": 2.0, "plan_samples_per_s": 1.0}))
+    other_lr = compose(*base, "optim.lr=0.123", root=tmp_path)
+    sgd = compose(*base, "optim.name=sgd", "optim.momentum=0", root=tmp_path)
+    assert make_plan(other_lr, hw, spec).settings_source == "tune"
+    assert make_plan(sgd, hw, spec).settings_source == "plan"

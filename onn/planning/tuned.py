@@ -54,9 +54,26 @@ def cache_path(config: ONNConfig, hw: Profile, strategy: str, seq: int) -> Path:
         "lora": as_dict(chosen.lora) if strategy in ADAPTERS else None,
         "lightning": "streaming" if streams else chosen.lightning,
         "streaming": _fixed_streaming(chosen.streaming or StreamingConfig()) if streams else None,
+        "micro_batch": chosen.micro_batch,  # a fixed one is the plan's, whatever was tuned
+        "optimizer": _optimizer_work(config),
+        "processes": [config.trainer.devices, config.trainer.num_nodes],
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(config.paths.cache) / "tune" / f"{digest}.json"
+
+
+def _optimizer_work(config: ONNConfig) -> dict[str, Any]:
+    """What of optim shapes a step's time and memory (its state, its operations), not its learning rate: a result
+    tuned under AdamW was reused, its samples/s quoted, for SGD without state."""
+    optim = config.optim
+    sgd = optim.name == "sgd"
+    return {
+        "name": optim.name,
+        "momentum": bool(optim.momentum) if sgd else None,
+        "nesterov": bool(optim.nesterov) if sgd else None,
+        "decays": bool(optim.weight_decay),
+        "clips": bool(optim.clip_grad_norm),
+    }
 
 
 def measured_on(hw: Profile) -> str:
