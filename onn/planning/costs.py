@@ -86,6 +86,11 @@ STREAM_HEAP_OVERHEAD = 2.0
 MIXED_ACTIVATION_FACTOR = 1.25
 
 
+# The bytes of the dtype a Lightning "-true" precision converts the whole module to (Strategy.setup calls the precision
+# plugin's convert_module): weights, their gradients, the optimizer's states and the activations are all of it.
+TRUE_PRECISION_BYTES = {"32-true": 4, "bf16-true": 2, "16-true": 2, "64-true": 8}
+
+
 @dataclass
 class Estimate:
     """One candidate's predicted memory at one micro-batch (MB), and whether it fits the budget."""
@@ -125,6 +130,22 @@ def step_peak(
     judged it by was refused at budgets above ones that fitted."""
     held = trainable + activations if accumulates else max(trainable, activations)
     return weights + optimizer + workspace + held
+
+
+def trained_weight_bytes(precision: str) -> int:
+    """Bytes of a trained weight, and of its gradient and each optimizer state (torch keeps them in the weight's
+    dtype): a "-true" precision's dtype, which Lightning converts the module to; float32 under a mixed precision,
+    whose autocast keeps float32 master weights."""
+    return TRUE_PRECISION_BYTES.get(precision, 4)
+
+
+def activation_bytes(precision: str) -> float:
+    """Bytes autograd keeps per counted activation element (layer_activation_elements) under Lightning's `precision`:
+    a "-true" precision's dtype; under autocast half-precision values beside the norms' float32 ones, which counted
+    at 2 bytes the plan was 39% low."""
+    if precision.endswith("mixed"):
+        return 2 * MIXED_ACTIVATION_FACTOR
+    return trained_weight_bytes(precision)
 
 
 def choose_precision(hw: Profile) -> str:
@@ -342,6 +363,25 @@ def optimizer_bytes_per_weight(optim: OptimConfig) -> int:
     onn.training.optim.make_optimizer builds it, counted on a meta weight (its second step: the first makes the
     state). Not AdamW's 28 of a fused kernel: the unfused step reads and writes each tensor once per operation
     (AdamW 84 bytes a weight, SGD with Nesterov momentum and weight decay 56)."""
+    weight, step = _stepped_on_meta(optim)
+    counter = OpBytes()
+    with counter.mode:
+        step.step()
+    return round(counter.total / weight.numel())
+
+
+def optimizer_states(optim: OptimConfig) -> int:
+    """State values the configured optimizer keeps per trained weight, each in the weight's dtype: AdamW's two moments,
+    SGD's momentum buffer (none without momentum). Counted on torch's own optimizer after its first step: the
+    planner held AdamW's 8 bytes a weight for an SGD run too."""
+    weight, step = _stepped_on_meta(optim)
+    sizes = [t.numel() for state in step.state.values() for t in state.values() if hasattr(t, "numel")]
+    return sum(n for n in sizes if n == weight.numel()) // weight.numel()  # the step count is a scalar
+
+
+def _stepped_on_meta(optim: OptimConfig):
+    """(weight, optimizer): torch.optim's step as make_optimizer builds it, on a meta weight, after its first step
+    (which makes the state)."""
     import torch
 
     weight = torch.nn.Parameter(torch.empty(1 << 20, device="meta"))  # the step count's own bytes round away
@@ -357,10 +397,7 @@ def optimizer_bytes_per_weight(optim: OptimConfig) -> int:
             [weight], lr=0.1, momentum=momentum, weight_decay=decay, nesterov=optim.nesterov and bool(momentum)
         )
     step.step()
-    counter = OpBytes()
-    with counter.mode:
-        step.step()
-    return round(counter.total / weight.numel())
+    return weight, step
 
 
 def network_compute_s(

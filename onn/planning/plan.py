@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,9 @@ from onn.planning.costs import (
     CPU_HEAP_OVERHEAD,
     HEADROOM,
     MB,
+    TRUE_PRECISION_BYTES,
     Estimate,
+    activation_bytes,
     budget_mb,
     choose_precision,
     compute_dtype_name,
@@ -37,9 +39,11 @@ from onn.planning.costs import (
     matmul_rate,
     network_compute_s,
     optimizer_bytes_per_weight,
+    optimizer_states,
     threads_for,
+    trained_weight_bytes,
 )
-from onn.planning.spec import ModelSpec
+from onn.planning.spec import ModelSpec, targeted_linears
 from onn.planning.streaming import (
     CPU_TIE,
     GPU_TIE,
@@ -391,21 +395,31 @@ def candidate_table(estimates: dict[str, Estimate]) -> dict[str, dict[str, Any]]
 
 
 def frozen_weight_bytes(hw: Profile, precision: str) -> int:
-    """Bytes of a frozen weight: half precision on an accelerator under a half or mixed precision; on a CPU only
-    under bf16, whose matmuls it computes in."""
+    """Bytes of a frozen weight: a "-true" precision's dtype (Lightning converts the module to it); under a mixed
+    precision half precision on an accelerator, on a CPU only under bf16, whose matmuls it computes in."""
+    if precision in TRUE_PRECISION_BYTES:
+        return TRUE_PRECISION_BYTES[precision]
     if hw.accelerator == "cpu":
         return 2 if precision.startswith("bf16") else 4
     return 2 if precision.endswith("mixed") or precision.startswith(("bf16", "16")) else 4
 
 
 def weights_and_states(
-    strategy: str, spec: ModelSpec, mixed: bool, frozen_bytes: int, adapted: list[int]
+    strategy: str,
+    spec: ModelSpec,
+    mixed: bool,
+    frozen_bytes: int,
+    adapted: list[int],
+    weight_bytes: int = 4,
+    states: int = 2,
 ) -> tuple[float, ...]:
-    """Bytes of a full or (Q)LoRA candidate's weights, trainable weights and optimizer state, and the extra
+    """Bytes of a full or (Q)LoRA candidate's weights, trainable weights' gradients and optimizer state, and the extra
     half-precision copy of the weights that mixed-precision full training keeps. `adapted`: the blocks with
-    adapters."""
+    adapters; `weight_bytes`: a trained weight's (trained_weight_bytes: a "-true" precision's dtype, else float32),
+    its gradient's and each optimizer state's; `states`: the optimizer's state values per weight (optimizer_states)."""
     if strategy == "full":
-        return spec.params * 4, spec.params * 4, spec.params * 8, spec.params * 2 if mixed else 0
+        p = spec.params
+        return p * weight_bytes, p * weight_bytes, p * states * weight_bytes, p * 2 if mixed else 0
     lora_all = sum(spec.lora_params_per_block[i] for i in adapted)
     if strategy == "qlora":
         # the blocks' linear layers in NF4; the rest (embeddings, norms, head) as the frozen weights are
@@ -413,7 +427,7 @@ def weights_and_states(
         weights = linear * DTYPE_BYTES["nf4"] + (spec.params - linear) * frozen_bytes
     else:
         weights = spec.params * frozen_bytes
-    return weights + lora_all * 4, lora_all * 4, lora_all * 8, 0  # fp32 adapters
+    return weights + lora_all * weight_bytes, lora_all * weight_bytes, lora_all * states * weight_bytes, 0
 
 
 def estimate(
@@ -432,18 +446,25 @@ def estimate(
     present: dict[str, int] | None = None,
     where: str = "paths.cache",
     streamed: bool = True,
+    states: int = 2,
+    dropped: list[int] | None = None,
 ) -> Estimate:
     """Predicted memory of one candidate at one micro-batch. With gradient checkpointing, autograd
     keeps only each block's input, and one block's activations exist at a time, during its recompute.
     `fixed`: the streaming settings the config fixes (fixed_streaming); `prefetch`: strategy.streaming.prefetch;
-    `streamed`: False for sparse_lora placed by another Lightning strategy, which trains it resident."""
+    `streamed`: False for sparse_lora placed by another Lightning strategy, which trains it resident; `states`: the
+    optimizer's state values per trained weight (optimizer_states); `dropped`: per block, the input features whose
+    LoRA dropout copy autograd keeps (lora_dropped), each value at the activations' bytes and its one-byte mask."""
     mixed = precision.endswith("mixed")
-    act_bytes = 2 if (mixed or precision.startswith(("bf16", "16"))) else 4
+    act_bytes = activation_bytes(precision)
     frozen_bytes = frozen_weight_bytes(hw, precision)
     per_token_layer = layer_activation_elements(spec)
     # autograd keeps what the blocks from the lowest adapted one up need for their input gradients
     with_grad = spec.n_blocks - (min(sparse_layers, default=0) if strategy == "sparse_lora" else 0)
     kept_layers = spec.hidden * with_grad + per_token_layer if checkpointing else per_token_layer * with_grad
+    adapted = sparse_layers if strategy == "sparse_lora" else list(range(spec.n_blocks))
+    in_blocks = [dropped[i] for i in adapted] if dropped and strategy != "full" else [0]
+    dropout = max(in_blocks) if checkpointing else sum(in_blocks)  # checkpointed: one block's at a time
     tokens = micro_batch * seq
     logits = tokens * spec.vocab * 4 * 3
     ctx = context_mb(hw)
@@ -452,9 +473,10 @@ def estimate(
     if why := cannot_run(strategy, hw):
         return Estimate(strategy, False, micro_batch, 0, 0, 0, 0, 0, ctx, note=why)
     if strategy in ("full", "lora", "qlora") or not streamed:
-        adapted = sparse_layers if strategy == "sparse_lora" else list(range(spec.n_blocks))
-        weights, trainable, optimizer, extra = weights_and_states(strategy, spec, mixed, frozen_bytes, adapted)
-        activations = kept_layers * tokens * act_bytes + logits
+        weights, trainable, optimizer, extra = weights_and_states(
+            strategy, spec, mixed, frozen_bytes, adapted, trained_weight_bytes(precision), states
+        )
+        activations = (kept_layers * act_bytes + dropout * (act_bytes + 1)) * tokens + logits
     elif strategy == "sparse_lora":
         shape = StreamShape(
             spec,
@@ -471,6 +493,9 @@ def estimate(
             fixed=fixed or FixedStreaming(),
             present=present or {},
             where=where,
+            precision=precision,
+            states=states,
+            dropped=max(in_blocks),
         )
         return estimate_streaming(shape, [store_dtype] if store_dtype else store_dtypes(hw, precision), ctx)
     else:
@@ -637,6 +662,29 @@ def micro_batch_sizes(batch_size: int) -> list[int]:
     return sorted(sizes, reverse=True)
 
 
+def targeted_spec(spec: ModelSpec, lora: LoraConfig | None, model: str) -> ModelSpec:
+    """The spec with its adapters (lora_params_per_block) at strategy.lora.r on the linear layers
+    strategy.lora.target_modules picks: [q_proj] was sized as all-linear."""
+    targeted = targeted_linears(spec, lora.target_modules) if lora is not None and spec.kind == "lm" else None
+    if targeted is None:
+        return spec
+    if not any(targeted) and any(spec.linears_per_block or []):
+        raise UserError(
+            f"strategy.lora.target_modules={lora.target_modules!r} matches no linear layer in the blocks of model "
+            f"{model}: give names of its linear layers (e.g. q_proj, v_proj), or all-linear."
+        )
+    return replace(spec, lora_params_per_block=[lora.r * sum(i + o for _, i, o in block) for block in targeted])
+
+
+def lora_dropped(spec: ModelSpec, lora: LoraConfig | None) -> list[int]:
+    """Per block, the input features of the adapted linears whose input LoRA dropout keeps for the backward (the
+    dropped copy beside the linear's own; peft skips dropout at 0): 56% more activations at dropout 0.1, unplanned."""
+    targeted = targeted_linears(spec, lora.target_modules) if lora is not None and spec.kind == "lm" else None
+    if targeted is None or not lora.dropout:
+        return [0] * spec.n_blocks
+    return [sum(i for _, i, _ in block) for block in targeted]
+
+
 @dataclass
 class PlanRequest:
     """What a language model's plan is asked for, read once from the config."""
@@ -657,10 +705,13 @@ class PlanRequest:
     # sparse_lora streams under ONN's own strategy (or auto); another Lightning strategy named (ddp, fsdp) trains
     # it resident, which the plan then sizes
     streams: bool
+    states: int  # the optimizer's state values per trained weight (optimizer_states)
+    dropped: list[int]  # per block, the input features of the linears whose LoRA dropout keeps its input (lora_dropped)
 
     @classmethod
     def read(cls, cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> PlanRequest:
         strategy_cfg = cfg.strategy
+        spec = targeted_spec(spec, strategy_cfg.lora, cfg.model.name)
         seq, batch_size, n = int(cfg.data.max_length), int(cfg.data.batch_size), spec.n_blocks
         # the sparse_lora candidate of another strategy: first and last four blocks, as many as exist
         default = [i for i in SPARSE_LAYERS if -n <= i < n]
@@ -709,6 +760,8 @@ class PlanRequest:
             present,
             precisions,
             streams,
+            optimizer_states(cfg.optim),
+            lora_dropped(spec, strategy_cfg.lora),
         )
 
 
@@ -761,6 +814,8 @@ def _best_estimate(r: PlanRequest, name: str) -> Estimate:
             present=r.present,
             where=str(_store_folder(r.cfg)),
             streamed=streamed,
+            states=r.states,
+            dropped=r.dropped,
         )
         if last.fits and not streamed_on_gpu:
             return last
@@ -1057,12 +1112,32 @@ def _with_tuned(plan: Plan, cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Pla
     return tuned_plan
 
 
+def attach_scale(plan: Plan, scale: dict[str, Any] | None) -> None:
+    """plan.scale set to the multi-device table (scale.scale_plan), and a WARNING among the reasons where several
+    processes run and the table finds no setup that fits each one's share: the table was only printed, and plan.yaml
+    said the single-device plan, sized with the whole budget, fits."""
+    plan.scale = scale
+    if scale is None or scale["devices"] < 2 or scale["chosen"] is not None:
+        return
+    # a node's processes share a host device's memory; a GPU is each process's own
+    sharing = 1 if plan.hardware["accelerator"] == "cuda" else scale["devices_per_node"]
+    need = min(o["per_device_mb"] for o in scale["options"].values())
+    plan.reasons.append(
+        f"WARNING: trainer.devices={scale['devices_per_node']} on {scale['nodes']} node(s) gives each process "
+        f"{plan.budget_mb / sharing:,.0f} MB of the {plan.budget_mb:,.0f} MB budget and "
+        f"{scale['per_device_batch']} of the {scale['global_batch']} samples per batch, and no multi-device setup fits "
+        f"that share (the smallest needs {need:,.0f} MB per process): expect out-of-memory; lower data.batch_size, "
+        "use fewer devices or raise hardware.budget_mb"
+    )
+
+
 def _weights_dtype(strategy: str, precision: str, hw: Profile) -> str:
-    if strategy == "full" or precision in ("32-true", "64-true"):  # 64-true: Lightning casts float32 up, not float16
+    """The dtype the run loads the weights in: a "-true" precision's, which Lightning converts the whole module to
+    (full training too), but 64-true's float32, which Lightning casts up (torch_dtype loads no float64); under a mixed
+    precision float32 for full training's master weights, else the frozen weights' half precision."""
+    if precision in ("32-true", "64-true") or (strategy == "full" and precision.endswith("mixed")):
         return "float32"
-    if precision.startswith("bf16"):
-        return "bfloat16"
-    return "float16"
+    return "bfloat16" if precision.startswith("bf16") else "float16"
 
 
 def render(plan: Plan) -> str:

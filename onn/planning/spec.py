@@ -77,6 +77,9 @@ class ModelSpec:
     # encoder's input (elements); kv_cache_per_block is then the decoder blocks' self-attention; None: no encoder
     kv_cross_per_block: list[int] | None = None
     head_weights: int = 0  # language models: the weights a token multiplies through after the blocks; 0: vocab x hidden
+    # language models: each block's linear layers as (module name in the model, in features, out features), which
+    # strategy.lora.target_modules picks the adapted ones from (targeted_linears); None: not recorded
+    linears_per_block: list[list[tuple[str, int, int]]] | None = None
 
     @property
     def n_blocks(self) -> int:
@@ -133,7 +136,9 @@ def _measure_spec(model_cfg: LanguageModelConfig, lora_rank: int) -> ModelSpec:
         if id(p) not in seen:
             seen.add(id(p))
             params += p.numel()
-    linear = [[size for m in b.modules() if (size := _linear_size(m))] for b in lmap.blocks]
+    names = {id(m): name for name, m in model.named_modules()}
+    named = [[(names[id(m)], *size) for m in b.modules() if (size := _linear_size(m))] for b in lmap.blocks]
+    linear = [[(i, o) for _, i, o in block] for block in named]
     self_cache, cross_cache = _kv_caches(config, heads, head_dim, hidden, len(lmap.blocks))
     return ModelSpec(
         name=str(model_cfg.name),
@@ -159,7 +164,23 @@ def _measure_spec(model_cfg: LanguageModelConfig, lora_rank: int) -> ModelSpec:
         kv_window_per_block=_kv_windows(config, len(self_cache)),
         kv_cross_per_block=cross_cache,
         head_weights=_head_weights(config, hidden),
+        linears_per_block=named,
     )
+
+
+def targeted_linears(spec: ModelSpec, target_modules: Any) -> list[list[tuple[str, int, int]]] | None:
+    """Each block's linear layers that LoRA adapts under `target_modules` (strategy.lora's): every one for all-linear,
+    else those peft's own matcher picks (a list: a name's last parts; a string: a regular expression over the whole
+    name). None where the spec recorded no names. The plan sized adapters on every linear whatever the targets."""
+    if spec.linears_per_block is None:
+        return None
+    if target_modules == "all-linear":
+        return spec.linears_per_block
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    config = LoraConfig(target_modules=target_modules if isinstance(target_modules, str) else list(target_modules))
+    return [[lin for lin in block if check_target_module_exists(config, lin[0])] for block in spec.linears_per_block]
 
 
 def fit_own_tokenizer(model_cfg: LanguageModelConfig, model) -> None:

@@ -29,6 +29,7 @@ from onn.planning.costs import (
     MIXED_ACTIVATION_FACTOR,
     STREAM_HEAP_OVERHEAD,
     Estimate,
+    activation_bytes,
     compute_s,
     kv_cache_elements,
     layer_activation_elements,
@@ -148,6 +149,9 @@ class StreamShape:
     fixed: FixedStreaming = field(default_factory=FixedStreaming)  # streaming settings the config fixes
     present: dict[str, int] = field(default_factory=dict)  # bytes of complete blocks on the disk, per store dtype
     where: str = "paths.cache"  # the store's folder, for a message
+    precision: str = "32-true"  # Lightning's precision, which sizes the activations (costs.activation_bytes)
+    states: int = 2  # the optimizer's state values per adapter weight (costs.optimizer_states): AdamW's two moments
+    dropped: int = 0  # a trained block's input features whose LoRA dropout copy its recompute keeps (plan.lora_dropped)
 
     @property
     def on_gpu(self) -> bool:
@@ -237,9 +241,13 @@ def cpu_stream_memory(
     # (the recompute takes the blocks' other arguments from the prefix, not its output).
     kept = (n_chunks - min(s.lowest // chunk, n_chunks) + 1) * s.micro_batches if activations == "device" else 1
     tokens = s.micro_batch * s.seq
-    acts = (kept * tokens * spec.hidden + s.per_token_layer * tokens * chunk) * cb + s.logits
+    # the hidden states passed between chunks in the compute dtype; a chunk's saved activations as the precision keeps
+    # them (under autocast with the norms' float32 values)
+    act = activation_bytes(s.precision)
+    block = (s.per_token_layer * act + s.dropped * (act + 1)) * tokens * chunk  # dropout: its copy and one-byte mask
+    acts = kept * tokens * spec.hidden * cb + block + s.logits
     weights += s.lora * 4  # fp32 adapters
-    trainable, optimizer = s.lora * 4, s.lora * 8
+    trainable, optimizer = s.lora * 4, s.lora * 4 * s.states
     workspace = 0.05 * (weights - held + max(trainable, acts) + optimizer)
     if sd == s.cdtype and decoded:  # a zero-copy stream: glibc's heap keeps what it frees
         workspace += STREAM_HEAP_OVERHEAD * acts
@@ -622,6 +630,7 @@ def gpu_stream_memory(
     else:  # the slice's activations and its gate, up and down weights cast, or the tail's hidden states
         held_mlp = max(5 * width * tokens + 3 * width * spec.hidden, BACKWARD_TAIL_STATES * spec.hidden * tokens) * cb
     recompute = (s.per_token_layer - mlp) * chunk * MIXED_ACTIVATION_FACTOR * tokens * cb + held_mlp
+    recompute += s.dropped * chunk * tokens * (activation_bytes(s.precision) + 1)  # LoRA dropout's copy and mask
     # the hidden states a step passes along, one per micro-batch each (StreamingEngine._forward, forward_train,
     # backward_chunks): a chunk's forward holds every micro-batch's input and output, its backward their gradients
     # and the input brought back from the host, the suffix the final states and, as its backward reaches them, their
@@ -643,11 +652,12 @@ def gpu_stream_memory(
         chunk_phase = (slots, kept_bytes + recompute + chunk_edges)
         weights, acts = max(chunk_phase, (head, kept_bytes + suffix_edges + rows * row_logits), key=sum)
     weights += lora * 4
-    workspace = 0.05 * (weights + acts + lora * 8) + float(s.hw.cuda_workspace_mb or 0) * MB
+    optimizer = lora * 4 * s.states
+    workspace = 0.05 * (weights + acts + optimizer) + float(s.hw.cuda_workspace_mb or 0) * MB
     return {
         "weights": weights,
         "trainable": lora * 4,
-        "optimizer": lora * 8,
+        "optimizer": optimizer,
         "activations": acts,
         "workspace": workspace,
         "cached_block": max(files),

@@ -127,7 +127,7 @@ class TextModality(Modality):
         from onn.config.convert import typed
         from onn.modalities.text.calibrate import refine
         from onn.modalities.text.streaming import streaming_choice
-        from onn.planning.plan import make_plan
+        from onn.planning.plan import attach_scale, make_plan
         from onn.planning.scale import scale_plan
         from onn.planning.spec import model_spec
 
@@ -139,7 +139,7 @@ class TextModality(Modality):
             more = model_spec(segmenter, lora_rank, cache_dir=config.paths.cache).params
             spec = replace(spec, params=spec.params + more, suffix_params=spec.suffix_params + more)
         plan = make_plan(config, hardware, spec, use_tuned=use_tuned)
-        plan.scale = scale_plan(config, hardware, spec)  # several devices or nodes: DDP, ZeRO, FSDP
+        attach_scale(plan, scale_plan(config, hardware, spec))  # several devices or nodes: DDP, ZeRO, FSDP
         if config.task.name not in (
             "plan",
             "export",
