@@ -468,8 +468,6 @@ def estimate(
     tokens = micro_batch * seq
     logits = tokens * spec.vocab * 4 * 3
     ctx = context_mb(hw)
-    note = ""
-
     if why := cannot_run(strategy, hw):
         return Estimate(strategy, False, micro_batch, 0, 0, 0, 0, 0, ctx, note=why)
     if strategy in ("full", "lora", "qlora") or not streamed:
@@ -500,22 +498,28 @@ def estimate(
         return estimate_streaming(shape, [store_dtype] if store_dtype else store_dtypes(hw, precision), ctx)
     else:
         raise ValueError(strategy)
+    return _resident_estimate(
+        strategy, hw, micro_batch, batch_size, ctx, (weights, trainable, optimizer, activations), extra
+    )
+
+
+def _resident_estimate(
+    strategy: str,
+    hw: Profile,
+    micro_batch: int,
+    batch_size: int,
+    ctx: float,
+    parts: tuple[float, float, float, float],
+    extra: float,
+) -> Estimate:
+    """A resident candidate's estimate from its bytes (weights, trainable, optimizer, activations) and the extra
+    workspace its strategy needs: a twentieth of what it holds, and on a CPU the heap's share of the activations."""
+    weights, trainable, optimizer, activations = parts
     workspace = 0.05 * (weights + max(trainable, activations) + optimizer) + extra
     if hw.accelerator == "cpu":
         workspace += CPU_HEAP_OVERHEAD * activations
-    est = Estimate(
-        strategy,
-        False,
-        micro_batch,
-        weights / MB,
-        trainable / MB,
-        optimizer / MB,
-        activations / MB,
-        workspace / MB,
-        ctx,
-        note,
-        accumulates=batch_size > micro_batch,
-    )
+    megabytes = (v / MB for v in (weights, trainable, optimizer, activations, workspace))
+    est = Estimate(strategy, False, micro_batch, *megabytes, ctx, "", accumulates=batch_size > micro_batch)
     est.fits = fits(est, hw)
     return est
 
