@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -217,3 +218,21 @@ def test_a_result_tuned_under_one_optimizer_is_not_another_optimizers(tmp_path):
     sgd = compose(*base, "optim.name=sgd", "optim.momentum=0", root=tmp_path)
     assert make_plan(other_lr, hw, spec).settings_source == "tune"
     assert make_plan(sgd, hw, spec).settings_source == "plan"
+
+
+def test_one_process_named_any_way_shares_a_tuned_result(tmp_path):
+    """The key held trainer.devices as written: task=tune runs at devices=auto, so a run at devices=1 (one process
+    too) planned without its result. auto, 1 and [0] are one key; two processes another."""
+    from conftest import compose
+
+    from onn.hardware.profile import resolve
+    from onn.planning.tuned import cache_path
+
+    base = ("task=plan", "hardware=cpu_16gb", *TINY, f"paths.cache={tmp_path / 'cache'}")
+    hw = resolve(compose(*base, root=tmp_path).hardware, tmp_path / "cache", tmp_path)
+
+    def key(devices: str) -> Path:
+        return cache_path(compose(*base, f"trainer.devices={devices}", root=tmp_path), hw, "sparse_lora", 64)
+
+    assert key("auto") == key("1") == key("[0]")
+    assert key("2") != key("1")

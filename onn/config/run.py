@@ -109,3 +109,15 @@ class ONNConfig:
     export: ExportConfig = MISSING
     tune: TuneConfig | None = None  # task=tune's search
     serve: ServeConfig | None = None  # task=serve's server
+
+
+def named_devices(devices: Any) -> int | None:
+    """The processes per node a value of trainer.devices (Lightning's `devices`) names: a count, a list of device
+    indices or "0,1"; None for auto and -1 (whatever the node has)."""
+    if isinstance(devices, list | tuple):
+        return len(devices)
+    if isinstance(devices, str) and "," in devices:
+        return len([d for d in devices.split(",") if d.strip()])
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    return devices if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0 else None

@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from onn.config import HardwareConfig, ONNConfig
+from onn.config.run import named_devices
 from onn.errors import UserError
 from onn.hardware.profile import Profile
 from onn.models.layers import resolve_indices
@@ -139,18 +140,6 @@ def devices_per_node(cfg: ONNConfig) -> int:
             f"does not start: give trainer.devices={count} as well, or task=plan to plan without running."
         )
     return given or count
-
-
-def named_devices(devices: Any) -> int | None:
-    """The processes per node a value of trainer.devices (Lightning's `devices`) names: a count, a list of device
-    indices or "0,1"; None for auto and -1 (whatever the node has)."""
-    if isinstance(devices, list | tuple):
-        return len(devices)
-    if isinstance(devices, str) and "," in devices:
-        return len([d for d in devices.split(",") if d.strip()])
-    if isinstance(devices, str) and devices.strip().isdigit():
-        devices = int(devices)
-    return devices if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0 else None
 
 
 def streamed_alone(

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from onn.config import ONNConfig, StreamingConfig, as_dict
+from onn.config.run import named_devices
 from onn.config.strategy import SPARSE_LAYERS
 from onn.hardware.profile import PROFILE_KEYS, Profile, machine_fingerprint
 from onn.models.load import model_fingerprint
@@ -56,10 +57,20 @@ def cache_path(config: ONNConfig, hw: Profile, strategy: str, seq: int) -> Path:
         "streaming": _fixed_streaming(chosen.streaming or StreamingConfig()) if streams else None,
         "micro_batch": chosen.micro_batch,  # a fixed one is the plan's, whatever was tuned
         "optimizer": _optimizer_work(config),
-        "processes": [config.trainer.devices, config.trainer.num_nodes],
+        "processes": [_per_node(config), config.trainer.num_nodes],
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(config.paths.cache) / "tune" / f"{digest}.json"
+
+
+def _per_node(config: ONNConfig) -> int | str:
+    """The processes a node runs, as trainer.devices names them: auto, 1 and [0] are one process (outside a
+    multi-device Lightning strategy, where auto is every GPU, as -1 is), so task=tune's auto serves devices=1."""
+    devices = config.trainer.devices
+    lightning = str(config.strategy.lightning)
+    if devices in (None, "auto"):
+        return "every" if lightning.startswith(("ddp", "fsdp", "deepspeed")) else 1
+    return named_devices(devices) or "every"
 
 
 def _optimizer_work(config: ONNConfig) -> dict[str, Any]:

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from onn.config import ONNConfig, TrainerConfig, as_dict
+from onn.config.run import named_devices
 from onn.errors import UserError
 from onn.hardware.cluster import launched, rank
 from onn.planning.plan import Plan
-from onn.planning.scale import named_devices
 
 if TYPE_CHECKING:  # the strategy module imports Lightning: the runs that stream import it when they build one
     from onn.streaming.engine import Objective
