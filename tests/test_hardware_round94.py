@@ -117,3 +117,25 @@ def test_a_disks_key_names_its_file_system_not_a_device_number(tmp_path):
     mounts = [p for p in psutil.disk_partitions(all=True) if Path(p.mountpoint) in (where, *where.parents)]
     mount = max(mounts, key=lambda p: len(Path(p.mountpoint).parts))
     assert disk_key(tmp_path / "not_yet", 64) == f"{mount.fstype} {mount.device}:64"
+
+
+def test_an_automounted_or_escaped_disk_is_keyed_by_the_mount_over_it():
+    """Of two mounts at one point the first listed (systemd's autofs placeholder) was taken, so every automounted
+    disk shared the key "autofs systemd-1"; and only \\040 was decoded, so a mount point with a backslash never
+    matched and its parent's disk was named."""
+    from onn.hardware.profile import mounted_under
+
+    table = [
+        "22 1 252:1 / / rw - ext4 /dev/vda1 rw",
+        "40 22 0:35 / /data rw - autofs systemd-1 rw",
+        "41 40 8:17 / /data rw - ext4 /dev/sdb1 rw",
+        "50 22 0:36 / /scratch rw - autofs systemd-1 rw",
+        "51 50 259:1 / /scratch rw - xfs /dev/nvme0n1 rw",
+        "60 22 8:1 / /mnt/a\\134b rw - xfs /dev/sdc1 rw",
+        "61 22 8:2 / /mnt/with\\040space rw - ext4 /dev/sdd1 rw",
+    ]
+    assert mounted_under(Path("/data/cache"), table) == "ext4 /dev/sdb1"
+    assert mounted_under(Path("/scratch/cache"), table) == "xfs /dev/nvme0n1"
+    assert mounted_under(Path("/mnt/a\\b/cache"), table) == "xfs /dev/sdc1"
+    assert mounted_under(Path("/mnt/with space"), table) == "ext4 /dev/sdd1"
+    assert mounted_under(Path("/home"), table) == "ext4 /dev/vda1"

@@ -38,6 +38,7 @@ import logging
 import math
 import os
 import platform
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -229,20 +230,25 @@ def _existing(folder: str | os.PathLike) -> Path:
 
 def _file_system(path: Path) -> str | None:
     """The file system `path` lies on as "<type> <source>" (ext4 /dev/nvme0n1p2, overlay overlay, tmpfs tmpfs), from
-    the longest mount point above it in /proc/self/mountinfo (Linux; else None). st_dev numbers an overlay or a tmpfs
-    anew at each mount, so a container's every start would probe its disk again under a key of its own."""
+    /proc/self/mountinfo (Linux; else None). st_dev numbers an overlay or a tmpfs anew at each mount, so a
+    container's every start would probe its disk again under a key of its own."""
     try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+        return mounted_under(path, Path("/proc/self/mountinfo").read_text().splitlines())
     except OSError:
         return None
+
+
+def mounted_under(path: Path, mountinfo: list[str]) -> str | None:
+    """The "<type> <source>" of the mount over `path` in `mountinfo`'s lines: the deepest mount point above it, the
+    later of two at one point (it hides the earlier), never an automount's autofs placeholder."""
     found, longest = None, -1
-    for line in lines:
+    for line in mountinfo:
         mount, _, right = line.partition(" - ")
         fields, described = mount.split(), right.split()
-        if len(fields) < 5 or len(described) < 2:
+        if len(fields) < 5 or len(described) < 2 or described[0] == "autofs":
             continue
-        point = Path(fields[4].replace("\\040", " "))
-        if (point == path or point in path.parents) and len(point.parts) > longest:
+        point = Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4]))  # the kernel's \040 and kin
+        if (point == path or point in path.parents) and len(point.parts) >= longest:
             found, longest = f"{described[0]} {described[1]}", len(point.parts)
     return found
 
