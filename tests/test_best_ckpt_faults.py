@@ -122,3 +122,19 @@ def test_a_run_resumed_into_its_own_folder_takes_back_its_best_ckpt_old(tmp_path
     path, score = run_best(callback, earlier / "last.ckpt", earlier.parent, "val/loss", "min")
     assert (path, score) == (str(earlier / "best.ckpt"), 0.5) and _weight(earlier / "best.ckpt") == 4.0
     assert sorted(p.name for p in earlier.iterdir()) == ["best.ckpt", "last.ckpt"]
+
+
+def test_ckpt_last_is_the_newest_checkpoint_even_when_it_lost_its_tensors(tmp_path):
+    """ckpt=last took the newest last.ckpt with both files, so a newest one that lost model.safetensors was passed
+    over for an older run's, silently; it is found, and loading it says what is missing."""
+    import os
+
+    from onn.training.checkpoints import META, TENSORS, resolve
+
+    older, newer = (tmp_path / run / "checkpoints" / "last.ckpt" for run in ("older", "newer"))
+    for folder in (older, newer):
+        folder.mkdir(parents=True)
+        (folder / META).write_text("{}")
+    (older / TENSORS).write_bytes(b"")
+    os.utime(older / META, (1, 1))
+    assert resolve("last", tmp_path) == newer

@@ -129,6 +129,7 @@ def copy_in(source: Path, path: Path) -> None:
     with the staged copy removed."""
     staged = path.with_name(path.name + ".tmp")
     shutil.rmtree(staged, ignore_errors=True)
+    needed = sum((source / name).stat().st_size for name in (TENSORS, META))
     try:
         staged.mkdir(parents=True)
         for name in (TENSORS, META):
@@ -136,7 +137,8 @@ def copy_in(source: Path, path: Path) -> None:
         _synced(staged)
     except OSError as e:
         shutil.rmtree(staged, ignore_errors=True)
-        needed = sum((source / name).stat().st_size for name in (TENSORS, META))
+        if e.filename2 is None and e.filename is not None and Path(e.filename).parent == source:
+            raise  # opening the earlier checkpoint failed, not writing this one (a copy's error names both files)
         raise write_refused(e, path, needed, "checkpoints (hydra.run.dir)") from None
     _swap_in(staged, path)
 
@@ -245,18 +247,20 @@ def _renamed(path: Path, suffix: str) -> list[Path]:
     return [path.with_name(path.name + suffix)] if path.name else []
 
 
-def whole(folder: Path, name: str) -> Path | None:
+def whole(folder: Path, name: str, tensors: bool = True) -> Path | None:
     """A checkpoints folder's checkpoint `name` (last.ckpt, best.ckpt), or its NAME.old where a save killed between
-    its two renames left only that (an .old beside a whole NAME is the older one); None when it holds neither whole."""
+    its two renames left only that (an .old beside a whole NAME is the older one); None when it holds neither whole.
+    `tensors=False`: its meta.json alone decides, so a newest checkpoint that lost its tensors is found, and load()
+    says so, rather than an older run's being taken in its place."""
     for found in (folder / name, folder / f"{name}.old"):
-        if (found / META).is_file() and (found / TENSORS).is_file():
+        if (found / META).is_file() and (not tensors or (found / TENSORS).is_file()):
             return found
     return None
 
 
 def whole_last(folder: Path) -> Path | None:
-    """A checkpoints folder's last.ckpt, whole (see `whole`)."""
-    return whole(folder, "last.ckpt")
+    """A checkpoints folder's last.ckpt, found by its meta.json (see `whole`)."""
+    return whole(folder, "last.ckpt", tensors=False)
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
