@@ -18,6 +18,7 @@ import importlib
 import inspect
 import itertools
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -726,20 +727,47 @@ def move_into_place(graph: Path, output: Path) -> None:
 
 
 def sweep_weights(output: Path) -> None:
-    """Remove the weights files beside `output` that a killed export moved there (named by staged_name) and the graph
-    at `output` does not name: killed before its graph's rename, the new weights; after it, the replaced ones. They
-    may be gigabytes. Only a dead process's go (folders.ownerless): another export of this path may be running; and
-    none while the graph there cannot be read, as which files are its is then not known."""
+    """Remove the weights files beside `output` that a killed export moved there (named by staged_name) and no graph
+    in the folder names: killed before its graph's rename, the new weights; after it, the replaced ones. They may be
+    gigabytes. Only a dead process's go (folders.ownerless): another export of this path may be running; none a graph
+    the user kept names (`mv model.onnx deploy.onnx` still reads model.onnx.PID-HEX.data); and none while the graph
+    at `output` cannot be read, as which files are its is then not known."""
     from google.protobuf.message import DecodeError
 
     try:
         kept = {p.name for p in weights_files(output)} if output.is_file() else set()
     except (DecodeError, OSError, ValueError):
         return
+    unnamed = []
     for path in output.parent.glob(f"{glob.escape(output.name)}.*-*.data"):
         found = STAGED_WEIGHTS.fullmatch(path.name[len(output.name) + 1 :])
         if found is not None and path.name not in kept and ownerless(path, int(found["pid"])):
+            unnamed.append(path)
+    if not unnamed:  # the usual case: no export was killed here, so no graph is read
+        return
+    named = names_in_graphs(output.parent, {p.name for p in unnamed})
+    for path in unnamed:
+        if path.name not in named:
             path.unlink(missing_ok=True)
+
+
+def names_in_graphs(folder: Path, names: set[str]) -> set[str]:
+    """Which of `names` a graph file in `folder` (*.onnx, *.omny) holds. An external data location is a plain string
+    in the graph's bytes, so a search finds it without parsing graphs or reading their weights; a graph that cannot
+    be read may name any of them, so then all are."""
+    found: set[str] = set()
+    for path in folder.iterdir():
+        if path.suffix not in (".onnx", ".omny") or not path.is_file():
+            continue
+        try:
+            with path.open("rb") as file:
+                if os.fstat(file.fileno()).st_size == 0:
+                    continue
+                with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                    found |= {name for name in names - found if data.find(os.fsencode(name)) != -1}
+        except OSError:
+            return set(names)
+    return found
 
 
 def replaced_weights(output: Path) -> list[Path]:
