@@ -61,6 +61,7 @@ class _Stream:
             "buffer": [ref for ref, _, _ in self.buffer],
             "draining": self.draining,
             "rng": self.rng.bit_generator.state,
+            "counts": "kept",  # `index` counts kept records; a state without this counted every record read
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -68,6 +69,12 @@ class _Stream:
             raise UserError(
                 f"the checkpoint's data stream ran with data.num_workers={state['workers']}; "
                 "resume with the same data.num_workers."
+            )
+        if "counts" not in state and self.workers > 1 and self.ds.reader.count(self.ds.start) != self.ds.rows:
+            raise UserError(
+                f"this checkpoint's data stream was saved before ONN left out records with an empty answer in "
+                f"{self.ds.reader.path}, so its workers would split the rest of the epoch differently; resume with "
+                "data.num_workers=0 or 1, or train from the start without ckpt=."
             )
         self.epoch, self.at, self.index = state["epoch"], list(state["at"]), state["index"]
         self.draining = state["draining"]
