@@ -43,13 +43,13 @@ def plain_server(monkeypatch):
     """The real app around a tiny Llama whose checkpoint learned plain text (prompt_layout `text`), its tokenizer
     carrying a chat template; yields (client, the prompt ids each request handed to the scheduler)."""
     seen: list[list[int]] = []
-    submit = batching.Scheduler.submit
+    enqueue = batching.Scheduler._enqueue  # what submit and admit both queue through
 
-    def recorded(self, seq):  # the real submit, the ids it got kept
-        seen.append(list(seq.prompt_ids))
-        return submit(self, seq)
+    def recorded(self, seqs):  # the real queueing, the ids it got kept
+        seen.extend(list(seq.prompt_ids) for seq in seqs)
+        return enqueue(self, seqs)
 
-    monkeypatch.setattr(batching.Scheduler, "submit", recorded)
+    monkeypatch.setattr(batching.Scheduler, "_enqueue", recorded)
     tok = chat_tokenizer()
     model = tiny_llama(vocab_size=320, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=258)
     settings = compose("task=serve").serve
