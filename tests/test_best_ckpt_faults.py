@@ -4,22 +4,18 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from kill_harness import killed_at
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_faults import files_limited_to
 
 from onn.errors import UserError
 from onn.training.checkpoints import META, TENSORS, load, run_best, save
 
-CHANGES = {"os.rename", "os.replace", "os.remove", "os.rmdir", "os.mkdir"}
-WRITES = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND
 HISTORY = [{"step": 4, "val/loss": 0.5}, {"step": 8, "val/loss": 0.7}]  # the earlier run's best: step 4, 0.5
 
 
@@ -54,37 +50,6 @@ def test_an_earlier_best_left_as_best_ckpt_old_by_a_kill_stays_the_runs_best(tmp
     assert _weight(resumed / "best.ckpt") == 4.0  # the earlier run's weights, copied in
 
 
-def _killed_at(step: int, work) -> bool:
-    """Run `work` in a forked child, SIGKILLed just before its `step`-th change to the file system (a rename, a
-    removal, a folder made, a file opened for writing); True where it was killed, False where `work` finished."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            seen = 0
-
-            def hook(event: str, args: tuple) -> None:
-                nonlocal seen
-                opened = event == "open" and (
-                    isinstance(args[1], str) and any(c in args[1] for c in "wax+") or bool((args[2] or 0) & WRITES)
-                )
-                if opened or event in CHANGES:
-                    seen += 1
-                    if seen == step:
-                        os.kill(os.getpid(), signal.SIGKILL)
-
-            sys.addaudithook(hook)
-            work()
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        return True
-    assert os.WEXITSTATUS(status) == 0, "run_best failed in the child"
-    return False
-
-
 def test_run_best_killed_at_any_step_of_its_copy_leaves_a_whole_best_checkpoint(tmp_path):
     """Killed before each of its changes to the file system in turn, run_best leaves this run's best.ckpt whole, or
     (killed between its renames) best.ckpt.old whole: its own weights or the earlier run's, never a half folder.
@@ -93,7 +58,7 @@ def test_run_best_killed_at_any_step_of_its_copy_leaves_a_whole_best_checkpoint(
     while True:
         step += 1
         earlier, resumed, callback = _runs(tmp_path / f"step{step}")
-        killed = _killed_at(step, partial(run_best, callback, earlier / "last.ckpt", resumed.parent, "val/loss", "min"))
+        killed = killed_at(step, partial(run_best, callback, earlier / "last.ckpt", resumed.parent, "val/loss", "min"))
         best = resumed / "best.ckpt"
         seen.add(_weight(best if best.exists() else best.with_name("best.ckpt.old")))
         if not killed:

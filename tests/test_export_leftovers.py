@@ -19,7 +19,8 @@ import pytest
 import torch
 from conftest import tiny_llama
 from hostile_corpus import tiny_onnx
-from test_export_round94 import FEEDS, _computes, _killed_at, _scaled, _staged
+from kill_harness import killed_at
+from test_export_round94 import FEEDS, _computes, _scaled, _staged
 
 from onn.export.folders import MARKER
 from onn.export.hf import adapter_folder, save_export
@@ -47,8 +48,8 @@ def test_the_weights_a_killed_onnx_export_left_go_with_the_next_export(tmp_path)
         step += 1
         out = tmp_path / f"step{step}" / "model.onnx"
         out.parent.mkdir()
-        assert not _killed_at(0, partial(_export, old, out))  # by an earlier process
-        killed = _killed_at(step, partial(_export, new, out))  # staged in the killed process, as an export stages
+        assert not killed_at(0, partial(_export, old, out))  # by an earlier process
+        killed = killed_at(step, partial(_export, new, out))  # staged in the killed process, as an export stages
         if len(_names(out.parent)) > 2:  # a weights file the graph does not name
             left.add(_computes(out, {k: wants[k] for k in ("old", "new")}))
         move_into_place(_staged(later, out), out)
@@ -114,7 +115,7 @@ def test_a_killed_export_leaves_no_adapter_beside_weights_it_was_not_trained_wit
         out = tmp_path / f"step{step}" / "hf"
         shutil.copytree(tmp_path / "first", out.parent)  # the earlier export's pair
         work = partial(save_export, models["second"], None, out, max_shard_size="2GB", adapter=True, model_name="tiny")
-        killed = _killed_at(step, work)
+        killed = killed_at(step, work)
         weights, adapter = _contents(out), _contents(adapter_folder(out))
         (which,) = [name for name, pair in pairs.items() if pair[0] == weights]
         assert adapter in (None, pairs[which][1]), f"killed before change {step}: {which}'s weights, another adapter"

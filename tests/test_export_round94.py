@@ -6,9 +6,6 @@ was renamed aside before the new one was renamed in: killed between the two rena
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
 import tempfile
 from collections.abc import Callable
 from functools import partial
@@ -17,13 +14,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 from hostile_corpus import tiny_onnx
+from kill_harness import killed_at
 
 from onn.export.folders import MARKER, write_atomically
 from onn.export.onnx_export import move_into_place, run_onnx, staged_name, weights_files
 
 FEEDS = {"x": np.linspace(-1, 1, 32, dtype=np.float32).reshape(2, 16)}
-CHANGES = {"os.rename", "os.replace", "os.remove", "os.rmdir", "os.mkdir", "ctypes.call_function"}
-WRITES = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND
 
 
 def _scaled(source: Path, scale: float) -> onnx.ModelProto:
@@ -47,45 +43,6 @@ def _graph_folder(model: onnx.ModelProto) -> Callable[[Path], None]:
         )
 
     return write
-
-
-def _changes_fs(event: str, args: tuple) -> bool:
-    """Whether an audit event is a change to the file system: a rename, a removal, a folder made, a file opened for
-    writing, or a foreign call (renameat2 through ctypes)."""
-    if event == "open":
-        mode, flags = args[1], args[2]
-        return isinstance(mode, str) and any(c in mode for c in "wax+") or bool((flags or 0) & WRITES)
-    return event in CHANGES
-
-
-def _killed_at(step: int, work: Callable[[], object], env: dict[str, str] | None = None) -> bool:
-    """Run `work` in a forked child, SIGKILLed just before its `step`-th change to the file system (0: never; `env`
-    set in it first); True where it was killed, False where `work` finished first."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.environ.update(env or {})
-            seen = 0
-
-            def hook(event: str, args: tuple) -> None:
-                nonlocal seen
-                if step and _changes_fs(event, args):
-                    seen += 1
-                    if seen == step:
-                        os.kill(os.getpid(), signal.SIGKILL)
-
-            sys.addaudithook(hook)
-            work()
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        assert os.WTERMSIG(status) == signal.SIGKILL
-        return True
-    assert os.WEXITSTATUS(status) == 0, "the export failed in the child"
-    return False
 
 
 def _computes(graph: Path, wants: dict[str, np.ndarray]) -> str:
@@ -112,7 +69,7 @@ def test_a_folder_export_killed_at_any_step_leaves_one_export_whole_at_its_path(
         out = tmp_path / f"step{step}" / "pipe"
         out.parent.mkdir()
         write_atomically(out, "pipeline", _graph_folder(old), "tiny")
-        killed = _killed_at(step, partial(write_atomically, out, "pipeline", _graph_folder(new), "tiny"))
+        killed = killed_at(step, partial(write_atomically, out, "pipeline", _graph_folder(new), "tiny"))
         assert out.is_dir(), f"killed before change {step}, no export is at {out}"
         assert {p.name for p in out.iterdir()} == {"model.onnx", "model.onnx.data", MARKER}
         seen.add(_computes(out / "model.onnx", wants))
@@ -136,7 +93,7 @@ def test_an_onnx_export_killed_at_any_step_leaves_its_graph_with_its_own_weights
         out.parent.mkdir()
         move_into_place(_staged(old, out), out)
         staged = _staged(new, out)
-        killed = _killed_at(step, partial(move_into_place, staged, out))
+        killed = killed_at(step, partial(move_into_place, staged, out))
         seen.add(_computes(out, wants))
         if not killed:
             break
@@ -153,7 +110,7 @@ def test_the_export_write_failpoint_kills_a_folder_export_before_its_swap(tmp_pa
     out.parent.mkdir()
     write_atomically(out, "pipeline", _graph_folder(old), "tiny")
     work = partial(write_atomically, out, "pipeline", _graph_folder(new), "tiny")
-    assert _killed_at(0, work, {"ONN_FAILPOINT": "export_write"})
+    assert killed_at(0, work, {"ONN_FAILPOINT": "export_write"})
     assert len(list(out.parent.iterdir())) == 2  # the new folder, staged beside the earlier one
     assert _computes(out / "model.onnx", wants) == "old"
     write_atomically(out, "pipeline", _graph_folder(new), "tiny")

@@ -13,7 +13,8 @@ import numpy as np
 import onnx
 import pytest
 from hostile_corpus import tiny_onnx
-from test_export_round94 import FEEDS, _killed_at, _scaled, _staged
+from kill_harness import killed_at
+from test_export_round94 import FEEDS, _scaled, _staged
 
 from onn.export.onnx_export import move_into_place, run_onnx, weights_files
 
@@ -31,7 +32,7 @@ def test_a_kept_graph_keeps_its_weights_while_a_killed_exports_go(tmp_path, kept
     source, out = tiny_onnx(tmp_path / "src.onnx"), tmp_path / "out" / "model.onnx"
     out.parent.mkdir()
     v1, v2 = _scaled(source, 1.0), _scaled(source, 0.5)
-    assert not _killed_at(0, partial(_export, v1, out))  # by a child process, which then ends
+    assert not killed_at(0, partial(_export, v1, out))  # by a child process, which then ends
     kept = out.rename(out.parent / kept_as)
     (kept_weights,) = weights_files(kept)
     ended = subprocess.Popen(["true"])

@@ -9,6 +9,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from test_modelsfix import tiny_bart
 
 from onn.config.strategy import LoraConfig, StrategyConfig
 from onn.models.layers import discover
@@ -16,27 +17,6 @@ from onn.streaming.engine import StreamingEngine
 from onn.streaming.store import LayerStore
 from onn.training.classifier import ClassifierObjective
 from onn.training.lora import apply
-
-
-def tiny_bart():
-    from transformers import BartConfig, BartForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = BartConfig(
-        vocab_size=128,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=64,
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-    )
-    return BartForConditionalGeneration(config).float().train()
 
 
 def lora_strategy() -> StrategyConfig:
