@@ -17,6 +17,7 @@ import json
 import os
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -29,18 +30,43 @@ READ_REQUEST = 1024 * MB  # bytes per read call
 
 
 def write_text_atomically(path: Path, text: str, what: str = "it") -> None:
-    """Whole or not at all: a run killed mid-write, or two runs writing at once, never leave a cut-short file
-    (each writer has its own temporary name; the last rename wins). A write the disk refuses (full, read-only)
-    removes its temporary file and is one sentence naming `path` (`what`: where to write it instead)."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    """Whole or not at all: a run killed mid-write, a power loss, or two writers at once (processes, or threads of
+    one: serve's requests, Lightning's callbacks) never leave a cut-short file. Each call writes its own temporary
+    name (a name per process let one thread rename another's half-written file into place), synced before the
+    rename and its folder synced after, so the rename outlives a power loss; the last rename wins. Any failure
+    removes the temporary file; a write the disk refuses (full, read-only) is one sentence naming `path` (`what`:
+    where to write it instead)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:16]}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text)
-        tmp.replace(path)
-    except OSError as e:
+        with open(tmp, "x") as f:  # "x": created here, never another writer's (mode 0o666 less the umask)
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _sync_folder(path.parent)
+    except BaseException as e:
         with contextlib.suppress(OSError):  # its folder may be what could not be made
             tmp.unlink(missing_ok=True)
-        raise write_refused(e, path, len(text.encode()), what) from None
+        if isinstance(e, OSError):
+            raise write_refused(e, path, len(text.encode(errors="replace")), what) from None
+        raise
+
+
+def _sync_folder(folder: Path) -> None:
+    """Sync a folder's entries, so a rename into it survives a power loss. Windows cannot open a folder
+    (PermissionError), and some file systems refuse to sync one (EINVAL): there the rename is left to the OS."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except PermissionError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
 
 
 def read_json(path: Path) -> Any:
