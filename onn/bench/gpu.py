@@ -84,9 +84,14 @@ def check_settings(config: ONNConfig) -> None:
         )
 
 
+SKIPPED = "skipped: past task.time_limit_s"
+
+
 def run(job) -> dict[str, Any]:
+    """The phases in turn, each after the last one's figures are written (bench_gpu.json, bench_gpu.md); one that
+    would start past task.time_limit_s is skipped and its first figure says so, so the recipe ends itself."""
     task: BenchGpuTask = job.config.task
-    started = time.perf_counter()
+    started, deadline = time.perf_counter(), _deadline(task)
     out: dict[str, Any] = {
         "gpu/device": torch.cuda.get_device_name(),
         "gpu/params": job.spec.params,
@@ -95,20 +100,34 @@ def run(job) -> dict[str, Any]:
     module, tokenizer, trained = _train(job)
     out.update(trained)
     _write(job, out)
-    prompts = _prompts(job, tokenizer)
-    out.update(_generate(job, module, tokenizer, prompts))
-    _write(job, out)
-    if task.accelerate:
-        state = _plain_state(job, module)
-        del module
-        _free()
-        out.update(_accelerate(job, state, tokenizer, prompts, out))
+    if time.time() >= deadline:
+        out.update({"gpu/gen_bn_tokens_per_s": SKIPPED, "gpu/vs_accelerate": SKIPPED})
+    else:
+        prompts = _prompts(job, tokenizer)
+        out.update(_generate(job, module, tokenizer, prompts))
         _write(job, out)
-    if task.overhead:
+        if task.accelerate and time.time() >= deadline:
+            out["gpu/vs_accelerate"] = SKIPPED
+        elif task.accelerate:
+            state = _plain_state(job, module)
+            del module
+            _free()
+            out.update(_accelerate(job, state, tokenizer, prompts, out))
+            _write(job, out)
+    if task.overhead and time.time() >= deadline:
+        out.update({**_missing(OVERHEAD_FIGURES, SKIPPED), **_missing(VISION_FIGURES, SKIPPED)})
+    elif task.overhead:
         out.update(_overheads(job))
     out["gpu/wall_s"] = round(time.perf_counter() - started, 1)
     _write(job, out)
     return out
+
+
+def _deadline(task: BenchGpuTask) -> float:
+    """task.time_limit_s from this process's start (the imports and the store's build count), on time.time()'s clock."""
+    import psutil
+
+    return psutil.Process().create_time() + task.time_limit_s
 
 
 def link_figures(copied_bytes: float, link_bytes_s: float, profile_mb_s: float | None) -> dict[str, float]:
@@ -565,17 +584,18 @@ def _overheads(job) -> dict[str, Any]:
     """The default job against a plain loop, and bench_vision's runner overhead, each a run of its own, within what
     is left of task.time_limit_s (from the process's start). Two children of CHILD_TIMEOUT_S each took the recipe
     past its 8 minutes."""
-    import psutil
-
     task: BenchGpuTask = job.config.task
-    deadline = psutil.Process().create_time() + task.time_limit_s
     source = Path(str(task.vision_source)).expanduser()
     children = [("overhead", ["task=bench_overhead", "tracking=none"], OVERHEAD_FIGURES)]
     if source.exists():
         children.append(("vision", ["recipe=bench_vision", f"data.source={source}"], VISION_FIGURES))
-    out = _run_children(job, children, deadline)
+    out = _run_children(job, children, _deadline(task))
     if not source.exists():
-        out["gpu/vision_runner_overhead"] = f"not measured: task.vision_source {source} does not exist"
+        out["gpu/vision_runner_overhead"] = (
+            f"not measured: task.vision_source {source} does not exist (scripts/gpu_check.sh: docs/gpu.md)"
+        )
+    else:
+        out["gpu/vision_source"] = str(source)  # which images the image runner's figures were measured on
     return out
 
 

@@ -39,6 +39,7 @@ import math
 import os
 import platform
 import re
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -1223,22 +1224,53 @@ def cuda_context_mb() -> float:
 
 def process_gpu_mb() -> float:
     """This process's GPU memory, context included: NVML's figure for this process when it has one, else
-    the device's used memory (exact when no other process uses the GPU)."""
+    nvidia-smi's (pynvml is not always installed), else the device's used memory (exact only when no other
+    process uses the GPU: under pytest the parent's context and cache counted as the child's)."""
     import torch
 
+    uuid = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
     try:
         import pynvml
 
         pynvml.nvmlInit()  # NVML numbers every GPU; CUDA only the visible ones: match them by UUID
-        uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
-        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
         for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
             if proc.pid == os.getpid() and proc.usedGpuMemory:
                 return proc.usedGpuMemory / MB
     except Exception:  # noqa: BLE001 - NVML missing, not permitted, or not naming processes in a container
         pass
+    smi_mb = nvidia_smi_process_mb(_nvidia_smi_apps(), os.getpid(), uuid)
+    if smi_mb is not None:
+        return smi_mb
     free, total = torch.cuda.mem_get_info()
     return (total - free) / MB
+
+
+NVIDIA_SMI_APPS = ["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,used_memory", "--format=csv,noheader,nounits"]
+
+
+def _nvidia_smi_apps(timeout_s: float = 5.0) -> str:
+    """nvidia-smi's compute processes as CSV text; empty where it is absent, fails or hangs."""
+    try:
+        done = subprocess.run(NVIDIA_SMI_APPS, capture_output=True, text=True, timeout=timeout_s, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout
+
+
+def nvidia_smi_process_mb(text: str, pid: int, uuid: str) -> float | None:
+    """`pid`'s memory (MB, as nvidia-smi's MiB) on the GPU `uuid` from NVIDIA_SMI_APPS' output; None where no
+    line names them with a number (not listed, "[N/A]", a container's other pid namespace)."""
+    for line in text.splitlines():
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) != 3 or parts[0] != uuid or parts[1] != str(pid):
+            continue
+        try:
+            used = float(parts[2])
+        except ValueError:
+            return None
+        return used if used > 0 else None
+    return None
 
 
 def _sync(device: str) -> None:
