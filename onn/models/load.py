@@ -454,12 +454,32 @@ def _random_model(model_cfg: LanguageModelConfig, dtype):
     if layer_map is None:
         torch.manual_seed(INIT_SEED)
         return auto.from_config(config, trust_remote_code=remote)
+    device = random_draw_device(None)
     for i, block in enumerate(layer_map.blocks):
-        draw_random(model, block, block_seed(INIT_SEED, i), dtype=dtype)
+        draw_random(model, block, block_seed(INIT_SEED, i), device, dtype=dtype)
     for name, module in outside_blocks(model, layer_map):
-        draw_random(model, module, edge_seed(INIT_SEED, name), recurse=False, dtype=dtype, in_dtype=True)
+        draw_random(model, module, edge_seed(INIT_SEED, name), device, recurse=False, dtype=dtype, in_dtype=True)
     model.tie_weights()
     return model
+
+
+def random_draw_device(store_kind: str | None, device: str = "cpu") -> str:
+    """The one rule for where model.source=random draws its weights: on the compute device for a layer store in
+    host memory (a GPU draws Phi-4's 14.7B in 22 s, the CPU's one generator thread in 140 s and more), else on the
+    CPU (resident models, disk stores). The two generators give other numbers for one seed: see random_base."""
+    return device if store_kind == "cpu" else "cpu"
+
+
+def random_base(model_cfg: LanguageModelConfig, store_kind: str | None, device: str = "cpu") -> str | None:
+    """Where a model.source=random base is drawn, as its checkpoints record it: "cpu" or the CUDA device's name
+    (CUDA's numbers for a seed differ from the CPU's and depend on the GPU). None: a source with weights, the
+    same base everywhere."""
+    import torch
+
+    if source_kind(model_cfg.source) != "random":
+        return None
+    drawn = torch.device(random_draw_device(store_kind, device))
+    return torch.cuda.get_device_name(drawn) if drawn.type == "cuda" else drawn.type
 
 
 def draw_random(model, module, seed: int, device="cpu", recurse: bool = True, dtype=None, in_dtype=False) -> None:

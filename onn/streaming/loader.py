@@ -30,6 +30,7 @@ from onn.models.load import (
     gguf_parsed_once,
     hub_folder,
     outside_blocks,
+    random_draw_device,
     read_config,
     refuse_pickle_folder,
     source_kind,
@@ -141,8 +142,7 @@ def load_into_store(
         return None
     if source.gguf is not None:
         source.gguf.map_names(model)
-    random = source_kind(model_cfg.source) == "random"
-    materialise = Materialiser(source, model, dtype, device if random and store.kind == "cpu" else "cpu")
+    materialise = Materialiser(source, model, dtype, random_draw_device(store.kind, device))
     layer_map = discover(model, model_cfg.layer_map.blocks)
     with large_frees_returned():  # block-sized buffers come and go here: don't let them pile up in the heap
         _write_blocks(layer_map, store, materialise, INIT_SEED, dtype)

@@ -373,6 +373,22 @@ def state_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     return {name: stored[ref] for name, ref in refs.items()}
 
 
+def check_random_base(ckpt: Path, drawn: str | None) -> None:
+    """A LoRA checkpoint's frozen base is drawn again from model.source=random when it is loaded, and the CPU's and
+    each GPU's generators give other weights for one seed: adapters on another base would score wrong, silently.
+    `drawn`: where this run draws it (models.load.random_base). A checkpoint that records none (a base with
+    weights, a full model, an earlier ONN) loads as before."""
+    saved = read_meta(ckpt).get("onn", {}).get("random_base")
+    if saved is None or drawn is None or saved == drawn:
+        return
+    where = "the CPU" if saved == "cpu" else f"{saved} (GPU runs draw it there for strategy.streaming.store=cpu)"
+    raise UserError(
+        f"ckpt {ckpt}: its frozen base was drawn from model.source=random on {saved} and this run would draw it on "
+        f"{drawn}, whose generator gives other weights for the same seed; run it on {where}, or train from a "
+        "model source with weights (a Hugging Face folder, GGUF or safetensors file)."
+    )
+
+
 def check_state(
     module: torch.nn.Module, shapes: dict[str, tuple[int, ...]], ckpt: Path, loads_frozen: bool = True
 ) -> None:

@@ -72,6 +72,7 @@ class CausalLM(ONNModule):
         self.val_at_step: int | None = None  # global step of the latest validation
         self.engine = None  # set by LayerStreamingStrategy: batches are then macro-batches it streams
         self.store = None  # the layer store the model's frozen blocks were loaded into, when it streams
+        self.random_base: str | None = None  # set by build: where model.source=random drew the base (random_base)
         self._held_out: list[dict[str, torch.Tensor]] = []  # a streamed validation's batches, until its epoch ends
         # LoRA checkpoints hold only what trains; the frozen base comes from model.source again.
         self.strict_loading = all(p.requires_grad for p in model.parameters())
@@ -286,6 +287,8 @@ class CausalLM(ONNModule):
             "config": self.onn_config,
             "train_losses": self.train_losses,
             "val_losses": self.val_losses,
+            # a frozen random base is drawn again on load: where it was drawn decides its numbers (check_random_base)
+            "random_base": None if self.strict_loading else self.random_base,
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

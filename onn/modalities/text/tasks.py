@@ -47,6 +47,7 @@ from onn.models.load import (
     load,
     load_4bit,
     model_fingerprint,
+    random_base,
     source_kind,
     tokenizer_from,
 )
@@ -61,7 +62,15 @@ from onn.streaming.strategy import (
     layer_store,
 )
 from onn.training.callbacks import RandomState, ResourceMonitor, StepCheckpoint, StepClock
-from onn.training.checkpoints import check_finite, check_state, read_meta, resumed_optim, saved_config, state_shapes
+from onn.training.checkpoints import (
+    check_finite,
+    check_random_base,
+    check_state,
+    read_meta,
+    resumed_optim,
+    saved_config,
+    state_shapes,
+)
 from onn.training.checkpoints import load as load_checkpoint
 from onn.training.distributed import forward_is_collective, gathered, parameter_count
 from onn.training.lora import apply
@@ -83,11 +92,12 @@ def build(config: ONNConfig, plan: Plan) -> tuple[CausalLM, Any]:
     model_cfg, cache = config.model, config.paths.cache
     dtype = weights_dtype(config, plan)
     settings = streaming_settings(config, plan)
-    loaded, store = None, None
+    loaded, store, device = None, None, "cpu"
     if settings:  # block by block into the store: the whole model never has to fit in memory
         device = compute_device(plan.hardware["accelerator"])
         store = layer_store(settings, store_root(config), device)
         loaded = load_into_store(model_cfg, dtype, cache, store, device)
+    drawn = random_base(model_cfg, store.kind if loaded is not None else None, device)
     if plan.strategy == "qlora":
         loaded = load_4bit(model_cfg, dtype, cache, compute_device(plan.hardware["accelerator"]))
     model, tokenizer = loaded or load(model_cfg, dtype=dtype, cache_dir=cache)
@@ -119,7 +129,7 @@ def build(config: ONNConfig, plan: Plan) -> tuple[CausalLM, Any]:
         config.strategy.min_micro_batch,
         tbptt_steps(config),
     )
-    module.store = store
+    module.store, module.random_base = store, drawn
     return module, tokenizer
 
 
@@ -278,6 +288,7 @@ def load_weights(module: CausalLM, ckpt: Path, task: str | None) -> None:
     the caller checks (serve's startup). Training resumes through Lightning, not here. A layer-streamed model's
     frozen blocks are in its store, not read here: the checkpoint's own weights (adapters, head) are resident."""
     check_state(module, state_shapes(ckpt), ckpt, loads_frozen=module.strict_loading)
+    check_random_base(ckpt, module.random_base)
     module.load_state_dict(load_checkpoint(ckpt)["state_dict"], strict=False)
     if task is not None:
         check_finite(module, f"ckpt {ckpt}", task)
@@ -442,6 +453,7 @@ def train(job: Job) -> dict[str, Any]:
     check_tbptt(config, module)
     if ckpt is not None:  # before Lightning restores it: a checkpoint of another model is one sentence
         check_state(module, state_shapes(ckpt), ckpt, loads_frozen=module.strict_loading)
+        check_random_base(ckpt, module.random_base)
     dm = dm or datamodule(config, tokenizer)
     # in the checkpoint's config: infer and serve prompt as the model learned (chat messages without a chat
     # template: role lines)
