@@ -26,7 +26,7 @@ import re
 import threading
 import unicodedata
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -170,11 +170,13 @@ def list_labelled(
     kind: str = "media",
     key: str = "data.source",
     allow_unlabelled: bool = False,
+    known: Sequence[str] = (),
 ) -> Listing:
     """Every file of `source` whose extension is in `suffixes`, with its label and split (see the module doc).
 
     `kind` names the files in messages ("audio", "video"); allow_unlabelled: files without a label are
-    kept with label None (inference) instead of being an error."""
+    kept with label None (inference) instead of being an error; `known`: class names already known (a
+    checkpoint's, data.classes), which a lone top folder is read as rather than as an archive's wrapper."""
     path = existing_source(source, key, f"a folder of {kind} files, an archive of one, or one file")
     files, unknown, refused = _files(path, suffixes, key)
     if not files:
@@ -200,7 +202,7 @@ def list_labelled(
     if mode == "manifest":
         labelled = _manifest_labels(media, manifests, label_column, key, path, refused)
     elif mode == "folder":
-        labelled = _folder_labels(media, key, path, allow_unlabelled)
+        labelled = _folder_labels(media, key, path, allow_unlabelled, known)
     else:
         labelled = _regex_labels(media, mode, key)
     for m in labelled:  # a class is one name however its folder or manifest spells its characters
@@ -257,12 +259,18 @@ def _listed(name: str, suffixes: frozenset[str]) -> bool:
     return extension(name) in suffixes or name.rsplit("/", 1)[-1].lower() in MANIFESTS
 
 
-def _strip_wrapper(names: list[str]) -> int:
+def _strip_wrapper(names: list[str], known: Sequence[str] = ()) -> int:
     """How many leading folders every name shares that are neither split nor class folders (an archive's
-    top folder): 1 when all names start with the same folder and sit at least two folders deeper."""
+    top folder): 1 when all names start with the same folder and sit at least two folders deeper. A top folder
+    named as one of the `known` classes (a checkpoint's, data.classes) is kept: a folder of one class folder in
+    the CLASS/SESSION/FILE layout, whose sessions were otherwise taken for its classes."""
     parts = [n.split("/") for n in names]
     tops = {p[0] for p in parts}
-    if len(tops) == 1 and len(parts[0]) > 1 and parts[0][0].lower() not in SPLITS and min(len(p) for p in parts) >= 3:
+    top = parts[0][0]
+    if len(tops) == 1 and len(parts[0]) > 1 and top.lower() not in SPLITS and min(len(p) for p in parts) >= 3:
+        if same_text(top) in {same_text(str(c)) for c in known}:
+            return 0
+        log.info("the one top folder %s/ holding every file is read as a wrapper, the class folders inside it", top)
         return 1
     return 0
 
@@ -295,9 +303,11 @@ def split_folders(parts: list[list[str]], where: str, key: str, layout: str, nes
     )
 
 
-def _folder_labels(media: dict, key: str, path: Path, allow_unlabelled: bool) -> list[MediaFile]:
+def _folder_labels(
+    media: dict, key: str, path: Path, allow_unlabelled: bool, known: Sequence[str] = ()
+) -> list[MediaFile]:
     names = list(media)
-    skip = _strip_wrapper(names)
+    skip = _strip_wrapper(names, known)
     out = []
     where = f"{path}/{names[0].split('/')[0]}" if skip else str(path)
     use_splits = bool(split_folders([n.split("/")[skip:] for n in names], where, key, FOLDER_LAYOUT, True))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import IO
@@ -70,7 +70,11 @@ class MediaReader:
     resolve: Callable = _as_given  # (source, data_cfg, cache_dir) -> its path (a generated dataset is made here)
     version: int = 1  # raised when `load` gives other tensors for the same file: caches of before are not read
 
-    def listing(self, source: str, data_cfg: LabelledFiles, key: str, allow_unlabelled: bool = False) -> Listing:
+    def listing(
+        self, source: str, data_cfg: LabelledFiles, key: str, allow_unlabelled: bool = False, known: Sequence[str] = ()
+    ) -> Listing:
+        """The files of `source`; `known`: a checkpoint's classes, which with data.classes tell a folder of one
+        class folder from an archive's wrapper folder (list_labelled)."""
         return list_labelled(
             source,
             self.suffixes,
@@ -79,6 +83,7 @@ class MediaReader:
             kind=self.kind,
             key=key,
             allow_unlabelled=allow_unlabelled,
+            known=[*known, *(data_cfg.classes or [])],
         )
 
     def read(
@@ -89,9 +94,10 @@ class MediaReader:
         key: str = "data.source",
         allow_unlabelled: bool = False,
         workers: int = 1,
+        known: Sequence[str] = (),
     ) -> tuple[dict[str, Decoded], float]:
         """{split: Decoded} of a source and the seconds of media decoded, from the files (no cache)."""
-        found = self.listing(source, data_cfg, key, allow_unlabelled)
+        found = self.listing(source, data_cfg, key, allow_unlabelled, known)
         return decode_listing(
             found,
             functools.partial(self.load, fit=fit),
@@ -105,7 +111,13 @@ class MediaReader:
         )
 
     def read_cached(
-        self, source: str, data_cfg: LabelledFiles, cache_dir, key: str = "data.source", fit=None
+        self,
+        source: str,
+        data_cfg: LabelledFiles,
+        cache_dir,
+        key: str = "data.source",
+        fit=None,
+        known: Sequence[str] = (),
     ) -> dict[str, Decoded]:
         """{split: Decoded} for a source, decoded once and then read from the safetensors cache. `fit`: the
         decoding settings (a checkpoint's), in place of the data config's."""
@@ -118,17 +130,25 @@ class MediaReader:
             "label_from": data_cfg.label_from,
             "label_column": data_cfg.label_column,
             "max_bad_fraction": data_cfg.max_bad_fraction,
+            # the classes known beforehand decide whether a lone top folder is a class (keys of before kept)
+            **(
+                {"known": sorted({str(c) for c in [*known, *(data_cfg.classes or [])]})}
+                if known or data_cfg.classes
+                else {}
+            ),
         }
         workers = int(data_cfg.num_workers) or 1
         return cached_decode(
             self.kind,
             {"digest": content_digest(path), **settings},
             cache_dir,
-            lambda: self.read(path, data_cfg, fit, key, workers=workers)[0],
+            lambda: self.read(path, data_cfg, fit, key, workers=workers, known=known)[0],
             path,
         )
 
-    def items(self, source: str, data_cfg: LabelledFiles, cache_dir, fit=None) -> dict[str, ListedItems]:
+    def items(
+        self, source: str, data_cfg: LabelledFiles, cache_dir, fit=None, known: Sequence[str] = ()
+    ) -> dict[str, ListedItems]:
         """Each split, decoded item by item (the streamed fallback); the files the listing refused go with the
         first, so they are counted with the undecodable ones as a resident read counts them. A compressed tar is
         refused (so data.resident=auto decodes it whole, through the cache): listing one read every member into
@@ -139,7 +159,7 @@ class MediaReader:
                 f"data.source {path} is a compressed tar, which has no random access: streaming needs an uncompressed "
                 ".tar, a .zip or a folder; unpack it or recompress it as .tar, or set data.resident=true."
             )
-        found = self.listing(path, data_cfg, "data.source")
+        found = self.listing(path, data_cfg, "data.source", known=known)
         loader = functools.partial(self.load, fit=fit or self.settings(data_cfg))
         return {
             split: ListedItems(files, found.classes, loader, self.bad, self.dtype, found.refused if k == 0 else [])
@@ -256,16 +276,17 @@ class MediaDataModule(ClassificationData):
 
     reader: MediaReader
     fit = None  # the decoding settings of a checkpoint's model (its modality's datamodule), in place of the config's
+    known_classes: tuple[str, ...] = ()  # a checkpoint's classes (task=eval): a lone top folder named so is a class
 
     @property
     def item_kind(self) -> str:
         return f"{self.reader.kind} files"
 
     def read(self, source: str, key: str) -> dict[str, Decoded]:
-        return self.reader.read_cached(source, self.cfg, self.cache_dir, key, fit=self.fit)
+        return self.reader.read_cached(source, self.cfg, self.cache_dir, key, fit=self.fit, known=self.known_classes)
 
     def list_items(self, source: str):
-        return self.reader.items(source, self.cfg, self.cache_dir, fit=self.fit)
+        return self.reader.items(source, self.cfg, self.cache_dir, fit=self.fit, known=self.known_classes)
 
 
 def trained_fit(reader: MediaReader, data_cfg: LabelledFiles, saved: dict | None, ckpt: str | None):

@@ -577,6 +577,7 @@ class ClassificationData(L.LightningDataModule):
     # a classifier learns two classes or more; 1 where a checkpoint's classes are known (task=eval of a folder of
     # some of them)
     min_classes = 2
+    known_classes: tuple[str, ...] = ()  # a checkpoint's classes (task=eval): a lone top folder named so is a class
 
     def __init__(self, data_cfg: SplitData, cache_dir: str, device: str | torch.device = "cpu", seed: int = 0):
         super().__init__()

@@ -238,5 +238,6 @@ class MediaModality(ClassifierModality):
 
     def read_inputs(self, source: Path, inputs: dict[str, Any], config: RunConfig):
         reader = self.reader()
-        decoded, _ = reader.read(str(source), config.data, reader.fit(inputs), key="task.input", allow_unlabelled=True)
+        fit, known = reader.fit(inputs), [str(c) for c in inputs["classes"]]  # known: a lone class folder is that class
+        decoded, _ = reader.read(str(source), config.data, fit, key="task.input", allow_unlabelled=True, known=known)
         return decoded

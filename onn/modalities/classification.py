@@ -264,8 +264,16 @@ def in_checkpoint_order(
     as text (0, 1, 10, ...) before they sorted as numbers, and the head's units keep their classes. The first
     setup's splits (on the device when resident) go before the second sizes itself by the memory free."""
     known = [same_text(str(c)) for c in saved["classes"]] if saved else dm.classes
-    if dm.classes == known or set(dm.classes) != set(known):
+    if dm.classes == known or by_position(dm.classes, known):
         return dm
+    if set(dm.classes) != set(known):  # trained on by position, a renamed class folder takes another's label
+        new, missing = [c for c in dm.classes if c not in known], [c for c in known if c not in dm.classes]
+        differ = [f"has the classes {new[:5]}, which the resumed checkpoint never learned"] if new else []
+        differ += [f"lacks its classes {missing[:5]}"] if missing else []
+        raise UserError(
+            f"data.source {' and '.join(differ)} (it knows {known[:10]}); resume on data of the same classes "
+            "(rename the folders back), or start a new run."
+        )
     del dm
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
@@ -443,6 +451,7 @@ def trained_data(m: ClassifierModality, config: ONNConfig, ckpt: Path, device: s
     config = dataclasses.replace(config, seed=int(inputs["seed"]))
     dm = m.datamodule(config, device)
     dm.min_classes = 1  # the checkpoint knows the classes: a folder of one of them is scored too
+    dm.known_classes = tuple(known)  # a folder holding one of them (CLASS/SESSION/FILE) is that class, not a wrapper
     dm.setup()
     named = set(dm.classes) <= set(known)  # data.classes naming some of the checkpoint's classes, in any order
     if dm.classes == known or (config.data.classes and not named):
