@@ -15,6 +15,7 @@ from onnx import TensorProto, helper
 from onn.config.export import ExportSample, OmnyExport
 from onn.errors import UserError
 from onn.export import check_settings, omny, shards
+from onn.export.graph import tensor_bytes
 from onn.export.omny import cli as omny_cli
 
 WIDTH = 256
@@ -126,3 +127,117 @@ def test_limits_that_leave_no_memory_are_refused_before_training(changes, said):
         else:
             shards.plan_shards(blocks, min_vram_mb=changes.get("min_vram_mb", shards.MIN_VRAM_MB), headroom_mb=headroom)
     assert str(planned.value) == str(before.value)  # one sentence, from one function
+
+
+# --- enrich keeps narrow weights; the reader refuses NaN, a wrong cut_after and an empty sample ---------------------
+
+
+def _narrow_mlp(path: Path, kind: str, opset: int, width: int = 64, layers: int = 3) -> Path:
+    """x -> layers x (MatMul + Relu), each weight stored narrow: int8 read by DequantizeLinear (`qdq`), or fp16 read
+    by Cast to fp32 (`fp16`)."""
+    from onnx import numpy_helper
+
+    rng = np.random.default_rng(0)
+    nodes, inits, x = [], [], "x"
+    for i in range(layers):
+        w = rng.standard_normal((width, width)).astype(np.float32) / 8
+        if kind == "qdq":
+            inits += [
+                numpy_helper.from_array(np.clip(np.round(w * 100), -127, 127).astype(np.int8), f"q{i}"),
+                numpy_helper.from_array(np.array(0.01, np.float32), f"s{i}"),
+                numpy_helper.from_array(np.array(0, np.int8), f"z{i}"),
+            ]
+            nodes.append(helper.make_node("DequantizeLinear", [f"q{i}", f"s{i}", f"z{i}"], [f"w{i}"]))
+        else:
+            inits.append(numpy_helper.from_array(w.astype(np.float16), f"h{i}"))
+            nodes.append(helper.make_node("Cast", [f"h{i}"], [f"w{i}"], to=TensorProto.FLOAT))
+        nodes += [helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]), helper.make_node("Relu", [f"m{i}"], [f"r{i}"])]
+        x = f"r{i}"
+    graph = helper.make_graph(
+        nodes,
+        "narrow",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["batch", width])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+def _ort(path: Path, x: np.ndarray) -> np.ndarray:
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize(("kind", "opset"), [("qdq", 21), ("qdq", 18), ("fp16", 21)])
+def test_enrich_keeps_narrow_weights_narrow(tmp_path, kind, opset):
+    """enrich folded every Cast / DequantizeLinear of a weight into an fp32 initializer (a 4x larger file, the
+    quantization gone, plans counting fp32 bytes), and at opset 18 the reference evaluator's missing
+    DequantizeLinear crashed it with a traceback."""
+    src = _narrow_mlp(tmp_path / "in.onnx", kind, opset)
+    out = tmp_path / "out.omny"
+    assert omny_cli.main(["enrich", str(src), str(out)]) == 0
+    model = onnx.load(out)
+    narrow = TensorProto.INT8 if kind == "qdq" else TensorProto.FLOAT16
+    weights = [t for t in model.graph.initializer if len(t.dims) == 2]
+    assert [t.data_type for t in weights] == [narrow] * 3
+    assert out.stat().st_size < 1.2 * src.stat().st_size
+    doc = omny.read_document(out)
+    stored = sum(tensor_bytes(t) for t in model.graph.initializer)
+    assert sum(b["weight_bytes"] for b in doc["blocks"]) == stored  # every block counts what the file stores
+    x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+    np.testing.assert_array_equal(_ort(out, x), _ort(src, x))
+
+
+def _tampered(tmp_path: Path, change) -> Path:
+    """A real enriched .omny whose document `change` edits (json.dumps writes NaN, as a hand edit could)."""
+    import json
+
+    out = tmp_path / "good.omny"
+    assert omny_cli.main(["enrich", str(_narrow_mlp(tmp_path / "in.onnx", "fp16", 21)), str(out)]) == 0
+    model = onnx.load(out)
+    entry = next(p for p in model.metadata_props if p.key == omny.METADATA_KEY)
+    doc = json.loads(entry.value)
+    change(doc)
+    entry.value = json.dumps(doc)
+    bad = tmp_path / "bad.omny"
+    onnx.save(model, bad)
+    return bad
+
+
+def test_a_nan_in_the_document_is_refused(tmp_path, capsys):
+    """json.loads read NaN, and NaN > limit is False: a total_mb of NaN validated."""
+    bad = _tampered(tmp_path, lambda d: d["shard_plans"]["configurations"][0]["detail"][0].update(total_mb=math.nan))
+    capsys.readouterr()
+    assert omny_cli.main(["validate", str(bad)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {bad}: the .omny metadata holds NaN, which is no finite number; re-export the file."
+    )
+
+
+def test_a_block_naming_another_cut_point_is_refused(tmp_path, capsys):
+    """validate checked cut_points[].after_block alone: block 0 naming block 1's cut tensor validated."""
+
+    def swap(doc: dict) -> None:
+        doc["blocks"][0]["cut_after"] = doc["cut_points"][1]["name"]
+
+    bad = _tampered(tmp_path, swap)
+    capsys.readouterr()
+    assert omny_cli.main(["validate", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "blocks/0 has cut_after 'r1', not 'r0', the cut point whose after_block is 0" in err
+
+
+def test_an_empty_sample_is_refused(tmp_path, capsys):
+    """A [0, 64] sample made a document whose validate compared empty outputs and always passed."""
+    src = _narrow_mlp(tmp_path / "in.onnx", "fp16", 21)
+    sample = tmp_path / "empty.npz"
+    np.savez(sample, x=np.zeros((0, 64), np.float32))
+    out = tmp_path / "out.omny"
+    assert omny_cli.main(["enrich", str(src), str(out), "--sample", str(sample)]) == 2
+    assert "sample input 'x' has shape [0, 64], which holds nothing" in capsys.readouterr().err
+    assert not out.exists()

@@ -22,6 +22,7 @@ import logging
 import math
 import tempfile
 from dataclasses import dataclass, field
+from typing import Any
 
 import onnx
 from onnx import TensorProto
@@ -341,55 +342,109 @@ def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     """The model with every node that computes from constants alone replaced by the initializers it computes
     (onnx's reference evaluator runs them), and how many nodes went. onnx's own light_* test models build
     their weights with ConstantOfShape: folded, those weights are initializers that blocks can hold.
+    A node that would store a weight wider than it is (a Cast of fp16 weights to fp32, a DequantizeLinear of
+    int8 ones) stays, as does one the evaluator cannot run: the file keeps the weights' own dtype and size.
     Nothing else changes: the graph keeps its nodes, names and order."""
     from onnx import numpy_helper
-    from onnx.reference import ReferenceEvaluator
 
     graph = model.graph
+    constants = [n for n in graph.node if n.op_type == "Constant"]
+    stored = {t.name: t for t in graph.initializer} | {
+        n.output[0]: n.attribute[0].t for n in constants if n.attribute and n.attribute[0].name == "value"
+    }
     # IR 3 lists every initializer among the inputs too (light_* models do): ONN never feeds those
-    known = {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
-    folded = []
+    given_constants = {t.name for t in graph.initializer} | {o for n in constants for o in n.output}
+    known, candidates = set(given_constants), []
     for node in graph.node:
         given = [i for i in node.input if i]
         if node.domain in ("", "ai.onnx") and node.op_type not in NOT_FOLDED and given and set(given) <= known:
-            folded.append(node)
+            candidates.append(node)
             known.update(o for o in node.output if o)
+    if not candidates:
+        return model, 0
+    values = _evaluate(model, constants, candidates)
+    folded = _foldable(candidates, values, stored, given_constants)
     if not folded:
         return model, 0
     gone = {id(n) for n in folded}
     kept_nodes = [n for n in graph.node if id(n) not in gone]
     used = {i for n in kept_nodes for i in n.input} | {o.name for o in graph.output}
     made = [o for n in folded for o in n.output if o and o in used]
-    constants = [n for n in graph.node if n.op_type == "Constant"]
-    needed = {i for n in folded for i in n.input}
-    program = onnx.helper.make_model(
-        onnx.helper.make_graph(
-            [*constants, *folded],
-            "fold",
-            [],
-            [onnx.helper.make_empty_tensor_value_info(o) for o in made],
-            [t for t in graph.initializer if t.name in needed],
-        ),
-        opset_imports=model.opset_import,
-        ir_version=model.ir_version,
-    )
-    values = ReferenceEvaluator(program).run(None, {})
     out = onnx.ModelProto()
     out.CopyFrom(model)
     del out.graph.node[:]
     out.graph.node.extend(kept_nodes)
-    still = {i for n in kept_nodes for i in n.input} | {o.name for o in graph.output}
-    initializers = [t for t in graph.initializer if t.name in still]
-    computed = [numpy_helper.from_array(v, o) for o, v in zip(made, values)]
+    initializers = [t for t in graph.initializer if t.name in used]
+    computed = [numpy_helper.from_array(values[o], o) for o in made]
     del out.graph.initializer[:]
     out.graph.initializer.extend([*initializers, *computed])
-    gone = {t.name for t in graph.initializer} - still  # constants only the folded nodes read
+    gone = {t.name for t in graph.initializer} - used  # constants only the folded nodes read
     kept_inputs = [i for i in graph.input if i.name not in gone]
     if model.ir_version < 4:  # IR 3 lists every initializer among the graph's inputs
         kept_inputs += [onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in computed]
     del out.graph.input[:]
     out.graph.input.extend(kept_inputs)
     return out, len(folded)
+
+
+def _foldable(candidates: list, values: dict, stored: dict[str, TensorProto], constant: set[str]) -> list:
+    """The candidates to fold, in graph order: each evaluated, its inputs constants or folded, and none widening a
+    weight it reads (folding would store the wider copy instead: a QDQ model's int8 weights as fp32)."""
+    import numpy as np
+
+    weights = {name: itemsize(t.data_type) for name, t in stored.items() if is_weight(t)}  # weight -> item bytes
+    constant, folded = set(constant), []
+    for node in candidates:
+        outputs = [o for o in node.output if o]
+        if not {i for i in node.input if i} <= constant:
+            continue
+        if not all(isinstance(values.get(o), np.ndarray) for o in outputs):
+            continue  # the evaluator could not run it
+        read = [weights[i] for i in node.input if i in weights]
+        made = max(values[o].dtype.itemsize for o in outputs)
+        if read and made > min(read):
+            continue
+        folded.append(node)
+        constant.update(outputs)
+        if read:  # a weight's transpose (a tied head) is a weight too
+            weights.update((o, values[o].dtype.itemsize) for o in outputs)
+    return folded
+
+
+def _evaluate(model: onnx.ModelProto, constants: list, nodes: list) -> dict[str, Any]:
+    """The values the nodes compute, by onnx's reference evaluator: all at once, or where it cannot (an op it lacks
+    at the graph's opset, e.g. DequantizeLinear below opset 19) node by node, leaving out those it cannot run."""
+    try:
+        return _run_reference(model, [*constants, *nodes], {})
+    except Exception as e:  # the evaluator raises many kinds; a fold it cannot do is simply not done
+        log.debug("folding node by node: %s", e)
+    values: dict[str, Any] = {}
+    for node in nodes:
+        try:
+            values.update(_run_reference(model, [*constants, node], values))
+        except Exception as e:  # as above: this node stays in the graph
+            log.debug("not folding %s '%s': %s", node.op_type, node.name, e)
+    return values
+
+
+def _run_reference(model: onnx.ModelProto, nodes: list, given: dict[str, Any]) -> dict[str, Any]:
+    """Every output of the non-Constant `nodes`, run by the reference evaluator on the model's initializers and
+    the `given` values."""
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    needed = {i for n in nodes for i in n.input}
+    made = [o for n in nodes if n.op_type != "Constant" for o in n.output if o]
+    initializers = [t for t in model.graph.initializer if t.name in needed]
+    initializers += [numpy_helper.from_array(v, k) for k, v in given.items() if k in needed]
+    program = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            nodes, "fold", [], [onnx.helper.make_empty_tensor_value_info(o) for o in made], initializers
+        ),
+        opset_imports=model.opset_import,
+        ir_version=model.ir_version,
+    )
+    return dict(zip(made, ReferenceEvaluator(program).run(None, {})))
 
 
 def concrete_shapes(

@@ -78,13 +78,21 @@ ROUNDING_MB = 0.05  # a shard's total_mb is rounded to 0.1 MB: it may read up to
 
 
 def consistent_plans(doc: dict[str, Any]) -> str | None:
-    """What FORMAT_SPEC.md says of the plans beyond the schema, or None when it holds: blocks numbered in order;
+    """What FORMAT_SPEC.md says of the plans beyond the schema, or None when it holds: blocks numbered in order,
+    each ended by the cut point that names it (the last by none);
     each plan's ranges contiguous from block 0 to the last, one per shard and the same as its detail's blocks; a
     shard's weights within max_shard_size_mb and its total within min_vram_mb (a node plan's: its node's memory);
     allowed_counts the configurations' shard counts."""
     count = len(doc["blocks"])
     if (bad := next((i for i, b in enumerate(doc["blocks"]) if b["index"] != i), None)) is not None:
         return f"blocks/{bad} has index {doc['blocks'][bad]['index']}, not its place {bad}"
+    ends = {c["after_block"]: c["name"] for c in doc["cut_points"]}
+    for i, block in enumerate(doc["blocks"]):
+        want = ends.get(i) if i < count - 1 else None
+        if block["cut_after"] != want:
+            return (
+                f"blocks/{i} has cut_after {block['cut_after']!r}, not {want!r}, the cut point whose after_block is {i}"
+            )
     plans = doc["shard_plans"]
     limits = (plans["max_shard_size_mb"], plans["min_vram_mb"])
     for k, conf in enumerate(plans["configurations"]):
@@ -356,6 +364,11 @@ def _check_sample(g: G.Graph, sample_input: dict[str, Any]) -> dict[str, dict[st
         want = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
         if len(want) != value.ndim or any(isinstance(w, int) and w != v for w, v in zip(want, value.shape)):
             raise UserError(f"sample input '{name}' has shape {list(value.shape)}, but the graph expects {want}.")
+        if 0 in value.shape:  # empty outputs would always match: validate could never fail
+            raise UserError(
+                f"sample input '{name}' has shape {list(value.shape)}, which holds nothing; give at least one "
+                "element along every axis."
+            )
         takes = onnx.helper.tensor_dtype_to_np_dtype(declared[name].type.tensor_type.elem_type)
         if (np.dtype(takes).kind in "iub") != (value.dtype.kind in "iub"):  # integers (or booleans) or not
             # float ids (numpy's default dtype) would be recorded without their range, and validate fed garbage
@@ -507,7 +520,7 @@ def read_document(source: str | Path | onnx.ModelProto, where: str | None = None
             "make one with enrich_onnx or task=export export=omny."
         )
     try:
-        doc = json.loads(raw)
+        doc = json.loads(raw, parse_constant=lambda word: _not_finite(where, word))
     except json.JSONDecodeError as e:
         raise UserError(
             f"{where}: the .omny metadata is not valid JSON ({e.msg} at character {e.pos}); re-export the file."
@@ -524,6 +537,11 @@ def read_document(source: str | Path | onnx.ModelProto, where: str | None = None
     newer_minor = int(major) == ours[0] and minor.isdigit() and int(minor) > ours[1]
     check_document(doc, where, newer_minor=newer_minor)
     return doc
+
+
+def _not_finite(where: str, word: str) -> Any:
+    """Python's json reads NaN and Infinity, which the writer never writes and every limit check lets through."""
+    raise UserError(f"{where}: the .omny metadata holds {word}, which is no finite number; re-export the file.")
 
 
 def _load(path: str | Path, weights: bool = True) -> onnx.ModelProto:
