@@ -52,12 +52,15 @@ def apply(
             "dropout and target_modules (conf/strategy/lora.yaml)."
         )
     layers = sparse_layers if strategy == "sparse_lora" else None
+    before = list(model.named_modules())  # peft edits the model in place before it raises: the model as given
+    modules = [(name, m) for block in layer_map.blocks for name, m in block.named_modules() if name]
+    refused = _refused(model, [name for name, _ in modules])  # a Mamba mixer's out_proj and conv1d
+    kind, choices = type(model).__name__, ", ".join(_linear_names([n for n, m in modules if _adaptable(m)], refused))
     target = lora.target_modules
     if target == "all-linear":  # peft needs explicit names to combine with layers_to_transform
         # every block's linears: a hybrid's blocks are of two kinds (Jamba's Mamba and attention layers), and block
         # 0's names alone left the other kind without adapters
-        modules = [(name, m) for block in layer_map.blocks for name, m in block.named_modules()]
-        linears = list(dict.fromkeys(name for name, m in modules if _adaptable(m)))
+        linears = list(dict.fromkeys(n for n, m in modules if _adaptable(m) and n.rsplit(".", 1)[-1] not in refused))
         if not linears:
             raise UserError(
                 f"strategy={strategy}: the blocks of {type(model).__name__} ({type(layer_map.blocks[0]).__name__}) "
@@ -78,11 +81,10 @@ def apply(
         layers_pattern=layer_map.layers_pattern if layers is not None else None,
         task_type=task_type,
     )
-    kind, choices = type(model).__name__, ", ".join(_linear_names(model))  # before peft adds its own linears
     try:
         adapted = get_peft_model(model, config)
     except ValueError as e:
-        raise UserError(_placement_error(model, config, lora.target_modules, e)) from e
+        raise UserError(_placement_error(before, config, lora.target_modules, e, kind, choices, refused)) from e
     # a list the user wrote; all-linear's list is of every block's linears, which the layers sparse_lora trains (a
     # MoE's router in some blocks only) may lack, and a string is a regular expression (peft's own check: nothing
     # matched)
@@ -130,16 +132,25 @@ def _check_every_name_matched(targeted: list[str], target: list[str], kind: str,
         )
 
 
-def _placement_error(model: nn.Module, config: LoraConfig, target: object, error: ValueError) -> str:
+def _placement_error(
+    before: list[tuple[str, nn.Module]],
+    config: LoraConfig,
+    target: object,
+    error: ValueError,
+    kind: str,
+    choices: str,
+    refused: dict[str, str],
+) -> str:
     """One sentence for adapters peft would not place: what strategy.lora.target_modules matched (peft's own
-    matcher, with the layers it was given) and a few of the model's linear layers to name instead. peft's message
-    lists the matched module itself (a whole MLP printed) or its supported types over several lines."""
+    matcher, with the layers it was given) and a few of the blocks' linear layers to name instead. peft's message
+    lists the matched module itself (a whole MLP printed) or its supported types over several lines. `before`: the
+    model's modules as given, since peft has wrapped some of them (q_proj in its own Linear) by the time it raises;
+    `kind`, `choices`: the model's class and linear layers' names; `refused`: names peft will not adapt, its reason."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    matched = [(name, m) for name, m in model.named_modules() if name and check_target_module_exists(config, name)]
-    choices = ", ".join(_linear_names(model))
-    kind = type(model).__name__
+    matched = [(name, m) for name, m in before if name and check_target_module_exists(config, name)]
     others = [f"{name} ({type(m).__name__})" for name, m in matched if not _adaptable(m)]
+    names = list(dict.fromkeys(last for last in (name.rsplit(".", 1)[-1] for name, _ in matched) if last in refused))
     if not config.target_modules:
         found = "is empty"
     elif not matched:
@@ -147,6 +158,9 @@ def _placement_error(model: nn.Module, config: LoraConfig, target: object, error
             " in the layers strategy.layers picks" if config.layers_to_transform else ""
         )
         found += " (a string is a regular expression over whole module names)" if isinstance(target, str) else ""
+    elif names:  # peft's first sentence, without its "[PEFT:LORA] " tag
+        reason = refused[names[0]].split("] ", 1)[-1].split(". ", 1)[0]
+        found = f"names {', '.join(names)}, which peft will not adapt on {kind} (peft: {reason})"
     elif others:
         found = f"matches {len(others)} modules of {kind} that are not linear layers (e.g. {others[0]})"
     else:  # it matched what peft adapts: another problem, in peft's first line
@@ -155,10 +169,31 @@ def _placement_error(model: nn.Module, config: LoraConfig, target: object, error
     return f"strategy.lora.target_modules={target!r} {found}: {advice}."
 
 
-def _linear_names(model: nn.Module) -> list[str]:
-    """The last names of the model's linear layers, the first 8 (then "...")."""
-    linears = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _adaptable(m)})
-    return linears[:8] + (["..."] if len(linears) > 8 else [])
+def _refused(model: nn.Module, names: list[str]) -> dict[str, str]:
+    """The last names among `names` (module paths) that peft will not adapt on this model, each with peft's reason:
+    peft refuses LoRA on a Mamba mixer's out_proj and conv1d (model_type mamba, falcon_mamba, ...), after wrapping
+    the layers before them. peft's own check, asked name by name, so that its list of model types and modules holds
+    as it grows; a peft without the check refuses none."""
+    try:
+        from peft.tuners.tuners_utils import _check_lora_target_modules_mamba as check
+    except ImportError:
+        return {}
+    from peft import LoraConfig
+
+    probe, refused = LoraConfig(), {}
+    for last in dict.fromkeys(name.rsplit(".", 1)[-1] for name in names):
+        try:
+            check(probe, model, last)
+        except ValueError as e:
+            refused[last] = str(e)
+    return refused
+
+
+def _linear_names(linears: list[str], refused: dict[str, str]) -> list[str]:
+    """The last names of the blocks' linear layers that peft adapts, the first 8 (then "..."): names outside the
+    blocks (lm_head) are rarely meant, and outside the layers sparse_lora trains."""
+    names = sorted({name.rsplit(".", 1)[-1] for name in linears} - set(refused))
+    return names[:8] + (["..."] if len(names) > 8 else [])
 
 
 def _adaptable(module: nn.Module) -> bool:
