@@ -262,6 +262,22 @@ def cpu_stream_memory(
     }
 
 
+def step_loads(n_chunks: int, low: int, edges: str) -> tuple[list[int], list[int]]:
+    """The chunks a streamed training step loads in its steady state, forward and backward, as the engine runs
+    it (StreamingEngine.forward_train, backward_chunks): the plans count these, so that what they charge is
+    what the engine reads. `low`: the lowest chunk holding a trainable layer (n_chunks when none does).
+
+    The previous step leaves its backward's last chunk, `low`, resident (the last chunk when nothing trains in
+    the blocks, unless streamed edges' suffix gave it back); the prefix keeps it (the embeddings are looked up
+    in host memory), but the forward begins at chunk 0, so it is reused only when it is chunk 0. The backward
+    walks from the last chunk down to `low`, reusing the last one unless streamed edges' suffix gave it back."""
+    last = n_chunks - 1
+    kept = low if low < n_chunks else (last if edges == "resident" else None)
+    forward = [c for c in range(n_chunks) if not (c == 0 and kept == 0)]
+    backward = list(range(last if edges == "stream" else last - 1, low - 1, -1))
+    return forward, backward
+
+
 def cpu_stream_timing(
     s: StreamShape, sd: str, store: str, edges: str, chunk: int, cache: int, tiles: int = 1
 ) -> dict[str, float]:
@@ -272,11 +288,8 @@ def cpu_stream_timing(
     files = block_bytes(spec, sd)
     chunks = [list(range(a, min(a + chunk, n))) for a in range(0, n, chunk)]
     low = min(s.lowest // chunk, len(chunks))
-    # Loads per step, steady state: the forward's chunks (less the lowest trainable one, still resident from
-    # the previous backward) and the backward's (less the last, still resident).
-    forward = [c for c in range(len(chunks)) if edges == "stream" or c != low]
-    backward = list(range(low, len(chunks) if edges == "stream" else len(chunks) - 1))
-    loads = [i for c in (forward + backward if low < len(chunks) else forward) for i in chunks[c]]
+    forward, backward = step_loads(len(chunks), low, edges)
+    loads = [i for c in forward + backward for i in chunks[c]]
     cached = set(cached_blocks(n, cache, low * chunk if low < len(chunks) else n))
     disk = sum(files[i] for i in loads if store == "disk" and i not in cached)
     if edges == "stream" and store == "disk":
@@ -688,10 +701,7 @@ def gpu_stream_timing(
     files = block_bytes(spec, sd)
     chunks = [list(range(a, min(a + chunk, n))) for a in range(0, n, chunk)]
     low = min(s.lowest // chunk, len(chunks))
-    # the lowest trainable chunk stays resident from the last backward; the suffix gives the last one back
-    # when the edges stream (the embeddings' lookup needs no device memory, so the prefix keeps it)
-    forward = [c for c in range(len(chunks)) if not (c == low == 0)]
-    backward = list(range(low, len(chunks) if edges == "stream" else len(chunks) - 1)) if low < len(chunks) else []
+    forward, backward = step_loads(len(chunks), low, edges)
     h2d = float(hw.h2d_mb_s or 10000.0) * MB
     disk_rate = float(hw.disk_read_mb_s or 1000.0) * MB
     cached = set(cached_blocks(n, cache, low * chunk if low < len(chunks) else n))
@@ -821,8 +831,16 @@ def network_stream_memory(
         "activations": activations,
         "workspace": 0.05 * (weights - held + activations + optimizer),
         "store": sum(files),
-        "read": sum(f for i, f in enumerate(files) if i not in cached),  # by each pass, forward and backward
+        "read": network_step_reads(files, chunk, lowest, cached),  # by a steady-state step
     }
+
+
+def network_step_reads(files: list[int], chunk: int, low: int, cached: set[int]) -> int:
+    """Bytes a network's streamed step reads from the disk in its steady state: the uncached blocks of the
+    chunks it loads (step_loads; a network's edges stay resident)."""
+    chunks = [list(range(a, min(a + chunk, len(files)))) for a in range(0, len(files), chunk)]
+    forward, backward = step_loads(len(chunks), min(low, len(chunks)), "resident")
+    return sum(files[i] for c in forward + backward for i in chunks[c] if i not in cached)
 
 
 def network_compute_dtype(precision: str) -> str:
@@ -856,7 +874,7 @@ def network_streaming(
     ]
     fitting = [o for o in options if peak(o[2]) <= budget]
     store, chunk, m = fitting[0] if fitting else options[-1]
-    reads = 0 if store == "cpu" else 2 * m["read"]  # forward and backward each read every uncached block once
+    reads = 0 if store == "cpu" else m["read"]
     io = reads / MB / float(hw.disk_read_mb_s or 1000.0)
     compute = 3 * spec.sample_flops * batch / (float(hw.matmul_tflops or 1.0) * 1e12)
     plan = StreamingPlan(

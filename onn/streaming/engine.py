@@ -901,7 +901,8 @@ class StreamingEngine:
     def backward_chunks(self) -> None:
         """The backward half: chunks in reverse down to the lowest trainable one, recomputing each.
         The lowest stays resident and the loader starts on the next forward's first chunks: the next
-        step, a validation or a generation all begin there."""
+        step, a validation or a generation all begin at chunk 0, so the resident chunk is reused only
+        when it is chunk 0."""
         inputs, kept, grads, suffix_grads = self._pending_backward
         self._pending_backward = None
         for p, grad in suffix_grads:  # what the suffix's backward gave, added as autograd would have
