@@ -274,13 +274,50 @@ def parsed_overrides(argv: list[str]) -> list | None:
         return None
 
 
+def parse_problem(argv: list[str]) -> str | None:
+    """The first override Hydra's grammar cannot read (`prompt=What's up?`, `prompt=What is (17 + 25)?`), as one
+    sentence saying how to quote it: Hydra's own message is its lexer's, which names no fix. None where every one
+    parses, or where Hydra's own options are given (parsed_overrides)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
+        return None
+    parser = OverridesParser.create()
+    for arg in argv:
+        key, equals, value = arg.partition("=")
+        if arg.startswith("-") or not equals or not _parses(parser, f"{key}=x"):
+            continue  # Hydra's option, or a key it cannot read: its own message names that
+        if not _parses(parser, arg):
+            # in bash: single quotes keep Hydra's double quotes; a value holding an apostrophe needs the shell's
+            shell = f"'{key}=\"{value}\"'" if "'" not in value else f'"{key}=\\"{value}\\""'
+            return (
+                f"{arg}: Hydra cannot read this value (a quote, bracket or other character its override grammar "
+                f"reserves); quote the value for Hydra inside the shell's quotes, e.g. {shell}."
+            )
+    return None
+
+
+def _parses(parser: Any, override: str) -> bool:
+    """Whether Hydra's grammar reads `override` (its parse_overrides wraps the lexer's errors as this one)."""
+    from hydra.errors import OverrideParseException
+
+    try:
+        parser.parse_overrides([override])
+    except OverrideParseException:
+        return False
+    return True
+
+
 def value_problem(argv: list[str]) -> str | None:
     """A value its key's type refuses (`trainer.max_steps=abc`), or one value of a sweep's (`-m
     trainer.max_steps=10,abc`), as one sentence before anything runs: Hydra's message is five lines, and a sweep's
     comes after its sweep folder is made. Checked only where every option's schema types the key as a whole number,
-    a number or true/false, by OmegaConf's own nodes, which Hydra's merge uses; None for anything else."""
+    a number or true/false, by OmegaConf's own nodes, which Hydra's merge uses; None for anything else. A value
+    Hydra's grammar cannot read at all comes first (parse_problem)."""
     from hydra.core.override_parser.types import QuotedString
 
+    if problem := parse_problem(argv):
+        return problem
     if (overrides := parsed_overrides(argv)) is None:
         return None
     for o in overrides:

@@ -79,6 +79,9 @@ PICTURED = 64  # inputs drawn in infer's picture
 def plan(m: ClassifierModality, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
     """The classifier's plan: full training or a linear probe (make_network_plan); with strategy=sparse_lora a
     recurrent stack's blocks stream (make_network_streaming_plan), sized with what trains (streamed_trainable)."""
+    if isinstance(config.task, TrainTask):  # task=plan refuses what the training's loss would refuse mid-step
+        mixup_alpha(config.task)
+        smoothing(config.task)
     inputs = m.planned_inputs(config)
     model_cfg: NetworkConfig = config.model
     with torch.device("meta"):
@@ -134,7 +137,7 @@ def build(
         config.optim,
         onn_config,
         transform=m.transform(config, inputs),
-        label_smoothing=float(task.label_smoothing),
+        label_smoothing=smoothing(task),
         mixup=mixup_alpha(task),
         channels_last=bool(model_cfg.channels_last),
         inputs="features" if strategy == "linear_probe" else "data",
@@ -154,6 +157,14 @@ def mixup_alpha(task: TrainTask) -> float:
     if alpha < 0:
         raise UserError(f"task.mixup={task.mixup}: give 0 (off) or mixup's Beta parameter, e.g. 0.2.")
     return alpha
+
+
+def smoothing(task: TrainTask) -> float:
+    """task.label_smoothing checked: torch's cross-entropy refused one outside 0..1 in the first training step."""
+    value = float(task.label_smoothing)
+    if not 0 <= value <= 1:
+        raise UserError(f"task.label_smoothing={task.label_smoothing}: give a share from 0 (off) to 1, e.g. 0.1.")
+    return value
 
 
 def streamed_network(m: ClassifierModality, config: ONNConfig, inputs: dict[str, Any], store: LayerStore | None):

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from onn.config import LoraConfig, ONNConfig, StrategyConfig, StreamingConfig, as_dict
+from onn.config.data import DataConfig, SplitData, TextData
 from onn.config.model import NetworkConfig
 from onn.config.strategy import SPARSE_LAYERS
 from onn.dtypes import BYTES_PER_VALUE as DTYPE_BYTES
@@ -542,6 +543,7 @@ def check_settings(cfg: ONNConfig, hw: Profile) -> None:
         check_streaming(streaming)
     if cfg.strategy.lora is not None:
         check_lora(cfg.strategy.lora)
+    check_workers(cfg.data)
     check_precision(cfg.strategy.precision, hw)
     check_trainer_precision(cfg)
     held = context_mb(hw)
@@ -569,6 +571,23 @@ def check_lora(lora: LoraConfig) -> None:
     if not lora.alpha > 0:
         raise UserError(
             f"strategy.lora.alpha={lora.alpha}: give a number above 0 (the adapters' output is scaled by alpha / r)."
+        )
+    if not 0 <= lora.dropout < 1:
+        raise UserError(
+            f"strategy.lora.dropout={lora.dropout}: give the share of the adapters' inputs dropped in training, "
+            "from 0 (none) to below 1 (0.05 or 0.1 is usual)."
+        )
+
+
+def check_workers(data: DataConfig) -> None:
+    """data.num_workers of the data that has it (text and labelled samples): torch's DataLoader refused a negative
+    one with a traceback once the data was loaded, after a plan had said ok."""
+    if not isinstance(data, TextData | SplitData):
+        return
+    workers = data.num_workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise UserError(
+            f"data.num_workers={workers}: give a whole number of loader workers, 0 (load in the main process) or more."
         )
 
 
@@ -730,6 +749,12 @@ class PlanRequest:
         fixed_mb = strategy_cfg.micro_batch
         if fixed_mb not in (None, "auto") and (not isinstance(fixed_mb, int) or fixed_mb < 1):
             raise UserError(f"strategy.micro_batch={fixed_mb}: give a whole number of samples, 1 or more, or auto.")
+        floor = strategy_cfg.min_micro_batch
+        if isinstance(floor, bool) or not isinstance(floor, int) or floor < 1:
+            raise UserError(
+                f"strategy.min_micro_batch={floor}: give the smallest micro-batch an out-of-memory retry may halve "
+                "to, a whole number of samples, 1 or more."
+            )
         if batch_size < 1:
             raise UserError(f"data.batch_size={batch_size}: give a whole number of samples, 1 or more.")
         if fixed_mb not in (None, "auto") and fixed_mb > batch_size:

@@ -47,6 +47,18 @@ TEMPLATES = {
 }
 
 
+def check_options(max_operand: int, operations: list[str] | tuple[str, ...]) -> None:
+    """data.builtin's generator settings, before any problem is drawn: a negative max_operand left random an empty
+    range to draw from and no operations an empty list, each a traceback in the middle of loading the data."""
+    if isinstance(max_operand, bool) or not isinstance(max_operand, int) or max_operand < 0:
+        raise UserError(f"data.builtin.max_operand={max_operand}: give the largest operand, a whole number 0 or more.")
+    if not operations:
+        raise UserError(f"data.builtin.operations is empty: give one or more of {', '.join(TEMPLATES)}.")
+    unknown = set(operations) - set(TEMPLATES)
+    if unknown:
+        raise UserError(f"data.builtin.operations: {sorted(unknown)} unknown; choose from {sorted(TEMPLATES)}.")
+
+
 def generate(
     size: int,
     seed: int,
@@ -54,9 +66,7 @@ def generate(
     operations: list[str] | tuple[str, ...] = ("add", "sub", "mul"),
 ) -> list[dict[str, Any]]:
     """`size` problems as {"input": question, "output": answer} records."""
-    unknown = set(operations) - set(TEMPLATES)
-    if unknown:
-        raise UserError(f"data.builtin.operations: {sorted(unknown)} unknown; choose from {sorted(TEMPLATES)}.")
+    check_options(max_operand, operations)
     rng = random.Random(seed)
     records = []
     for _ in range(size):

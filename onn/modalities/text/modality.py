@@ -16,6 +16,7 @@ from onn.config.data import TextData
 from onn.config.model import LanguageModelConfig, NetworkConfig
 from onn.config.run import ONNConfig
 from onn.config.task import InferTask, TrainTask
+from onn.dtypes import FLOAT_DTYPES
 from onn.errors import UserError
 from onn.hardware.profile import Profile
 from onn.modalities.base import Modality
@@ -40,6 +41,9 @@ SOURCE_DATA = {
 # task=train's keys that only image, audio and video classifiers read (onn/modalities/classification.py): a text
 # run keeps checkpoints/last.ckpt and its step checkpoints, picks no best one and never stops early.
 CLASSIFIER_KEYS = ("mixup", "label_smoothing", "adapt_norm", "monitor", "early_stopping")
+# The tasks that read data.source's records (task=plan plans the training that reads them); infer, export and serve
+# of a checkpoint keep its data.source, which may have moved since.
+READS_SOURCE = ("train", "plan", "tune", "bench")
 
 
 def own_data(model) -> str:
@@ -66,6 +70,7 @@ class TextModality(Modality):
         return sniff_text(path)
 
     def check(self, config: ONNConfig) -> None:
+        from onn.modalities.text.builtin import check_options
         from onn.models.load import source_kind
 
         model, data = config.model, config.data
@@ -99,6 +104,8 @@ class TextModality(Modality):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 said = "2 (a prompt token and an answer token)" if least == 2 else "1"
                 raise UserError(f"data.{key}={value!r}: give a whole number, {said} or more.")
+        if model.dtype not in ("auto", *FLOAT_DTYPES):
+            raise UserError(f"model.dtype={model.dtype!r}: give auto or one of {', '.join(FLOAT_DTYPES)}.")
         arch, where = model.architecture or {}, "model.architecture"
         if isinstance(arch.get("text_config"), dict):  # a multimodal model's positions are its text config's
             arch, where = arch["text_config"], "model.architecture.text_config"
@@ -122,15 +129,22 @@ class TextModality(Modality):
                 f"trainer.max_steps={steps}: a language model trains for a number of optimizer steps; give 1 or more"
                 + (", or -1 with trainer.max_epochs set." if config.task.name == "train" else ".")
             )
+        if str(data.source or "").startswith("builtin:") and data.builtin is not None:
+            check_options(data.builtin.max_operand, data.builtin.operations)
 
     def plan(self, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
         from onn.config.convert import typed
+        from onn.data.files import existing_source
         from onn.modalities.text.calibrate import refine
         from onn.modalities.text.streaming import streaming_choice
         from onn.planning.plan import attach_scale, make_plan
         from onn.planning.scale import scale_plan
         from onn.planning.spec import model_spec
 
+        source = str(config.data.source or "")
+        if source and not source.startswith("builtin:") and config.task.name in READS_SOURCE:
+            # a plan of a file that is not there said ok: the file was first read when training started
+            existing_source(source, "data.source", "a .jsonl, .json, .csv, .parquet or .txt file")
         lora = config.strategy.lora
         lora_rank = lora.r if lora is not None else 8  # full training sizes LoRA at the default rank
         spec = model_spec(config.model, lora_rank, cache_dir=config.paths.cache)
