@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
     import numpy as np
     import onnx
+    import onnxruntime as ort
     import torch
 
 TORCH_OPSET = 18  # the opset torch.onnx's dynamo exporter writes; others are converted from it
@@ -171,9 +172,16 @@ def _check_file(path: Path, bound_for: Path | None = None) -> None:
         raise UserError(_sentence(f"the ONNX export {bound_for} fails onnx.checker: {_one_line(e)}", bound_for)) from e
 
 
-def run_onnx(path_or_model, feeds: dict[str, Any], name: str | None = None) -> dict[str, np.ndarray]:
+def run_onnx(
+    path_or_model,
+    feeds: dict[str, Any],
+    name: str | None = None,
+    optimization: ort.GraphOptimizationLevel | None = None,
+) -> dict[str, np.ndarray]:
     """Run a model (path or ModelProto) with onnxruntime on CPU; outputs by name. Torch tensors are accepted.
-    `name` is what messages call the model (default: its path)."""
+    `name` is what messages call the model (default: its path). `optimization` sets onnxruntime's graph
+    optimization level (default: onnxruntime's own, all of them), for a caller comparing graphs rather than
+    running one: validate, whose shards would otherwise be fused differently from the whole model."""
     import numpy as np
     import onnxruntime as ort
 
@@ -181,6 +189,8 @@ def run_onnx(path_or_model, feeds: dict[str, Any], name: str | None = None) -> d
     source = str(path_or_model) if isinstance(path_or_model, str | os.PathLike) else path_or_model.SerializeToString()
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors only: ORT's warnings about unused initializers are noise here
+    if optimization is not None:
+        options.graph_optimization_level = optimization
     try:
         session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     except Exception as e:
