@@ -15,6 +15,7 @@ import hashlib
 import io
 import itertools
 import json
+import logging
 import lzma
 import os
 import posixpath
@@ -30,6 +31,7 @@ from typing import IO, Any
 from onn.errors import UserError
 from onn.json_values import strict_json
 
+log = logging.getLogger("onn")
 SKIP_DIRS = frozenset({"__MACOSX"})  # macOS zip resource forks: never data
 csv.field_size_limit(2**31 - 1)  # a CSV field may hold a whole document; csv refuses one over 128 KB by default
 ARCHIVE_KINDS = ("zip", "tar", "targz")
@@ -136,11 +138,14 @@ def is_hidden(name: str) -> bool:
 
 
 def first_names(folder: str | os.PathLike[str], limit: int) -> list[str]:
-    """The relative names of at most `limit` files under a folder, for a sniffer (names only: nothing is read)."""
-    return [rel for rel, _ in itertools.islice(walk_files(folder), limit)]
+    """The relative names of at most `limit` files under a folder, for a sniffer (names only: nothing is read). An
+    unreadable folder is not said here: the listing that follows the sniff says it."""
+    return [rel for rel, _ in itertools.islice(walk_files(folder, unreadable=[]), limit)]
 
 
-def walk_files(root: str | os.PathLike[str], max_depth: int | None = None) -> Iterator[tuple[str, Path]]:
+def walk_files(
+    root: str | os.PathLike[str], max_depth: int | None = None, unreadable: list[str] | None = None
+) -> Iterator[tuple[str, Path]]:
     """(relative posix name, path) of every regular file under root that is not hidden (see is_hidden).
 
     Links are followed, each directory at most once, so a link loop (a/loop -> a, b/x -> ..) ends: real
@@ -148,6 +153,10 @@ def walk_files(root: str | os.PathLike[str], max_depth: int | None = None) -> It
     (st_dev, st_ino). Links to files are followed. FIFOs, devices, sockets and broken links are left out.
     max_depth=1 lists root's own files, 2 also those of its subfolders, and so on. Names come sorted within
     each folder; callers that need one order sort.
+
+    A folder that cannot be listed (permissions, an NFS ACL) is passed over, and said: added to `unreadable` as
+    "name/: why" for the caller to count with its refused items, or else in one warning naming it. It was passed
+    over without a word, and a run trained on the other class folders as if it were the whole dataset.
     """
     root = Path(root)
     st = os.stat(root)
@@ -157,8 +166,15 @@ def walk_files(root: str | os.PathLike[str], max_depth: int | None = None) -> It
     def visit(folder: str, rel: str, depth: int) -> Iterator[tuple[str, Path]]:
         try:
             entries = sorted(os.scandir(folder), key=lambda e: e.name)
-        except OSError:
-            return  # unreadable folder (permissions): as os.walk, skip it
+        except OSError as e:
+            why = e.strerror or str(e)
+            if unreadable is None:
+                log.warning(
+                    "The folder %s cannot be read (%s): its files are left out; fix its permissions.", folder, why
+                )
+            else:
+                unreadable.append(f"{rel or './'}: a folder that cannot be read ({why})")
+            return
         subdirs = []
         for e in entries:
             if e.name.startswith(".") or e.name in SKIP_DIRS:
@@ -558,7 +574,7 @@ def content_digest(path: str | os.PathLike[str]) -> str:
     """
     h = hashlib.sha256()
     if os.path.isdir(path):
-        for rel, full in sorted(walk_files(path)):
+        for rel, full in sorted(walk_files(path)):  # an unreadable folder is said: a cached run lists nothing
             h.update(file_key(rel, full).encode())
         return h.hexdigest()
     st = os.stat(path)

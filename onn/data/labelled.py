@@ -228,7 +228,7 @@ def _files(path: Path, suffixes: frozenset[str], key: str):
     unknown: list[str] = []
     refused: list[str] = []
     if path.is_dir():
-        return {name: PathSource(p) for name, p in walk_files(path)}, unknown, refused
+        return {name: PathSource(p) for name, p in walk_files(path, unreadable=refused)}, unknown, refused
     kind = archive_kind(path)
     if kind is None or extension(path.name) in suffixes:  # one file (a .wav is never an archive)
         return {path.name: PathSource(path)}, unknown, refused

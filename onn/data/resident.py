@@ -12,6 +12,7 @@ loaders are the same for every modality.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from collections import Counter
@@ -556,6 +557,13 @@ def untrained_classes(classes: list[str], labels: dict[str, torch.Tensor]) -> st
     )
 
 
+def held_out_share(seed: int, name: str) -> float:
+    """Where an item falls in [0, 1), drawn by a hash of (seed, its name): below data.val_split it is held out for
+    validation. Its name alone decides, never its position among the others (see ClassificationData._held_out)."""
+    digest = hashlib.blake2b(f"{seed}\0{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
 def memory_budget_mb(device: torch.device) -> float:
     """Half of the free device memory, or a third of the available host memory."""
     if device.type == "cuda":
@@ -577,7 +585,6 @@ class ClassificationData(L.LightningDataModule):
     # a classifier learns two classes or more; 1 where a checkpoint's classes are known (task=eval of a folder of
     # some of them)
     min_classes = 2
-    known_classes: tuple[str, ...] = ()  # a checkpoint's classes (task=eval): a lone top folder named so is a class
 
     def __init__(self, data_cfg: SplitData, cache_dir: str, device: str | torch.device = "cpu", seed: int = 0):
         super().__init__()
@@ -752,7 +759,7 @@ class ClassificationData(L.LightningDataModule):
         elif "val" in good:
             self.streamed["val"] = (items["val"], good["val"])
         else:  # held out of the items that decode, as the resident path holds out of those it decoded
-            kept, val = self._held_out(torch.as_tensor(train.labels)[index])
+            kept, val = self._held_out(torch.as_tensor(train.labels)[index], [train.names[i] for i in index])
             index, self.streamed["val"] = [index[i] for i in kept], (train, [index[i] for i in val])
         self.streamed["train"] = (train, index)
         if "test" in good:
@@ -800,44 +807,44 @@ class ClassificationData(L.LightningDataModule):
                     f"outside the {n} classes; fix the label or set data.num_classes."
                 )
 
-    def _val_count(self, n: int) -> int:
+    def _check_val_split(self, n: int) -> None:
+        """Refuse a data.val_split that is no fraction, or one that leaves n items nothing to train on."""
         fraction = float(self.cfg.val_split)
         if not 0 < fraction < 1:
             raise UserError(f"data.val_split must be between 0 and 1 (got {fraction}) when the data has no val split.")
-        n_val = max(1, round(n * fraction))
-        if n_val >= n:
+        if max(1, round(n * fraction)) >= n:
             raise UserError(f"data.source has {n} training items: too few to hold out a validation split.")
-        return n_val
 
     def _hold_out(self, train: Split) -> tuple[Split, Split]:
-        kept, val = self._held_out(train.labels)
-        return train.subset(torch.tensor(kept)), train.subset(torch.tensor(val))
+        kept, val = self._held_out(train.labels, train.names)
+        return train.subset(torch.tensor(kept, dtype=torch.long)), train.subset(torch.tensor(val, dtype=torch.long))
 
-    def _held_out(self, labels: torch.Tensor) -> tuple[list[int], list[int]]:
-        """(train, val) indices: a seeded validation share of train (the same items for every run with this seed),
-        less one item of each class it would take whole, so the model trains on every class it is validated on
-        (a class folder of one file was, for some seeds, validated on only). The one val item of such a class
-        trades places with a kept item of a class that keeps another (it was left in val: the class untrained);
-        where every class has one item, none can be held out without its class, and it stays (said as untrained)."""
-        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.seed)).tolist()
-        n_val = self._val_count(len(labels))
-        val, kept = order[:n_val], order[n_val:]
+    def _held_out(self, labels: torch.Tensor, names: list[str]) -> tuple[list[int], list[int]]:
+        """(train, val) indices: each item is held out when its held_out_share (a hash of the seed and its name) is
+        under data.val_split, so one seed holds out the same items however many others are added, removed or fail to
+        decode (a seeded shuffle of positions re-drew the split then: a resumed run or task=eval validated on items
+        it had trained on). The model trains on every class it is validated on: a class drawn into val whole keeps
+        its highest-drawn item (a class folder of one file was, for some seeds, validated on only). At least one item
+        is held out: when none drew under val_split, the lowest-drawn of a class that keeps another; where every
+        class has one item, none can be held out without its class, and the lowest-drawn goes (said as untrained)."""
+        self._check_val_split(len(labels))
+        fraction = float(self.cfg.val_split)
+        share = [held_out_share(self.seed, name) for name in names]
+        val = [i for i, s in enumerate(share) if s < fraction]
+        kept = [i for i, s in enumerate(share) if s >= fraction]
         counts = Counter(labels[kept].tolist())
-        for i in list(val):
+        for i in sorted(val, key=share.__getitem__, reverse=True):
             label = int(labels[i])
-            if counts[label]:
-                continue
-            if len(val) == 1:
-                spare = next((j for j in kept if counts[int(labels[j])] > 1), None)
-                if spare is None:
-                    break
-                kept.remove(spare)
-                counts[int(labels[spare])] -= 1
-                val.append(spare)
-            val.remove(i)
-            kept.append(i)
-            counts[label] += 1
-        return kept, val
+            if not counts[label]:
+                val.remove(i)
+                kept.append(i)
+                counts[label] += 1
+        if not val:
+            spares = [j for j in kept if counts[int(labels[j])] > 1] or kept
+            spare = min(spares, key=share.__getitem__)
+            kept.remove(spare)
+            val.append(spare)
+        return sorted(kept), sorted(val)
 
     # -- loaders ----------------------------------------------------------------------------------
     def train_dataloader(self):
