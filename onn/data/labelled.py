@@ -454,13 +454,14 @@ def _names(items: list[str], shown: int = 10) -> str:
     return "; ".join(items[:shown]) + (f"; and {len(items) - shown} more" if len(items) > shown else "")
 
 
-def sniff_files(path: Path, suffixes: frozenset[str], kind: str, one: str, limit: int = 200) -> str | None:
-    """Why `path` holds `kind` files (e.g. "audio files (30 of the first 30 files)", or `one` for a single
-    file) when at least half of its first `limit` data files have one of `suffixes`; else None. A zip or tar
-    archive is voted on by its members' names, as a folder by its files' (what data.source reads either way).
-    Sidecars and hidden files do not count; names only are read, never contents (for data=auto)."""
-    from itertools import islice
+SNIFF_WALKED = 50  # names walked per sampled file at most: a sniff of a huge folder stops early
 
+
+def sniff_files(path: Path, suffixes: frozenset[str], kind: str, one: str, limit: int = 200) -> str | None:
+    """Why `path` holds `kind` files (e.g. "audio files (30 of 30 files sampled)", or `one` for a single file)
+    when at least half of a sample of up to `limit` of its data files have one of `suffixes`; else None. A folder's
+    sample is spread over its subfolders (see _spread_sample); a zip or tar archive is voted on by its first
+    members' names. Sidecars and hidden files do not count; names only are read, never contents (for data=auto)."""
     if path.is_file():
         if extension(path.name) in suffixes:
             return one
@@ -468,14 +469,30 @@ def sniff_files(path: Path, suffixes: frozenset[str], kind: str, one: str, limit
         if names is None:
             return None
     elif path.is_dir():
-        names, where = [name for name, _ in islice(walk_files(path), limit)], ""
+        names, where = _spread_sample(path, limit), ""
     else:
         return None
     names = [name for name in names if extension(name) not in SIDECARS]
     found = sum(extension(n) in suffixes for n in names)
     if not found or found * 2 < len(names):
         return None
-    return f"{where}{kind} files ({found} of the first {len(names)} files)"
+    return f"{where}{kind} files ({found} of {len(names)} files sampled)"
+
+
+def _spread_sample(path: Path, limit: int) -> list[str]:
+    """Up to `limit` data file names under `path`, taken in turn from each folder that holds files. The first
+    `limit` in walk order let one side folder that sorts first (201 WAVs in _notes/ beside 600 PNGs in
+    train/cat and train/dog) outvote the rest. The walk is lazy and stops after limit * SNIFF_WALKED names."""
+    from itertools import chain, islice, zip_longest
+
+    by_folder: dict[str, list[str]] = {}
+    for name, _ in islice(walk_files(path), limit * SNIFF_WALKED):
+        if extension(name) not in SIDECARS:
+            kept = by_folder.setdefault(posixpath.dirname(name), [])
+            if len(kept) < limit:
+                kept.append(name)
+    turns = chain.from_iterable(zip_longest(*by_folder.values()))
+    return list(islice((name for name in turns if name is not None), limit))
 
 
 SNIFFED_COMPRESSED = 16  # members of a compressed tar named for a sniffer: each is decompressed to reach the next

@@ -61,8 +61,25 @@ def as_trained(data: ImageData, saved: dict[str, Any] | None, ckpt: str | None) 
             data.channels,
             data.image_size,
         )
-    resize = data.resize if data.resize != "error" else "resize"
-    return dataclasses.replace(data, channels=channels, image_size=size, resize=resize)
+    return dataclasses.replace(data, channels=channels, image_size=size, resize=trained_resize(data, saved, ckpt))
+
+
+def trained_resize(data: ImageData, saved: dict[str, Any], ckpt: str | None) -> str:
+    """How images of another size are brought to the model's: the checkpoint's data.resize unless the data config
+    chose one (it defaults to "error"). Images given with `data=image` were stretched where training centre-cropped
+    them. A model trained on images of one size ("error") has them resized. A choice that differs is said."""
+    trained = saved["data"]["resize"]
+    if data.resize == "error":
+        return trained if trained != "error" else "resize"
+    if trained not in ("error", data.resize):
+        log.warning(
+            "ckpt %s: its model was trained with data.resize=%s, and these images are decoded with data.resize=%s as "
+            "the data config says; leave data.resize out to decode them as trained.",
+            ckpt,
+            trained,
+            data.resize,
+        )
+    return data.resize
 
 
 def read_cached(

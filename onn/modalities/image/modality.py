@@ -236,16 +236,22 @@ class ImageModality(ClassifierModality):
 
     def read_inputs(self, source: Path, inputs: dict[str, Any], config: RunConfig):
         from onn.data.resident import Decoded
+        from onn.modalities.image.dataset import trained_resize
         from onn.modalities.image.formats import read_splits
+        from onn.training.classifier import trained_config
 
         channels, height, width = inputs["input_shape"]
         data: ImageData = config.data
+        saved = trained_config(config)  # data=image on the command line: the checkpoint's resize, as as_trained
+        resize = data.resize if data.resize != "error" else "resize"
+        if saved is not None:
+            resize = trained_resize(data, saved, config.ckpt)
         sets = read_splits(
             source,
             "auto",
             channels=channels,
             image_size=[height, width],
-            resize=data.resize if data.resize != "error" else "resize",
+            resize=resize,
             max_bad_fraction=float(data.max_bad_fraction),
             allow_unlabelled=True,
             key="task.input",
