@@ -95,33 +95,16 @@ def read_file(path: str | os.PathLike, into, size: int, direct: bool = True) -> 
     """Read the first `size` bytes of a file into the front of `into` (a buffer from `buffer`). With
     `direct` the page cache is bypassed (O_DIRECT); a file system that refuses it is read normally and
     its pages dropped after. Returns whether O_DIRECT was used (callers keep it for the next read)."""
-    view = memoryview(into.numpy())
-    direct = direct and hasattr(os, "O_DIRECT")
-    if direct:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            direct = False
-        else:
-            try:
-                _read_all(fd, view, aligned(size), size, path)
-                return True
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                direct = False
-            finally:
-                os.close(fd)
-    fd = os.open(path, os.O_RDONLY)
+    direct_fd = _open_direct(path) if direct else None
     try:
-        _read_all(fd, view, size, size, path)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return _read_opened(direct_fd, fd, into, size, path)
+        finally:
+            os.close(fd)
     finally:
-        os.close(fd)
-    return False
+        if direct_fd is not None:
+            os.close(direct_fd)
 
 
 def _read_all(fd: int, view: memoryview, length: int, size: int, path) -> None:
@@ -144,12 +127,14 @@ def evict(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def read_mb_s(folder: str | os.PathLike, size_mb: int = 1024) -> float:
-    """Cold sequential read bandwidth of the disk under `folder`, as the layer store reads: write a fresh
-    file of `size_mb` (at most a twentieth of the free space, down to 1 MB: a floor of 16 MB ended a nearly full
+def read_mb_s(folder: str | os.PathLike, size_mb: int = 1024) -> tuple[float, int]:
+    """Cold sequential read bandwidth of the disk under `folder`, as the layer store reads, and the MB read: write a
+    fresh file of `size_mb` (at most a twentieth of the free space, down to 1 MB: a floor of 16 MB ended a nearly full
     disk's run in ENOSPC), sync it, drop it from the page cache, read it whole with O_DIRECT into one buffer
     already touched (a fresh buffer's first-touch page faults read 3-4x slower than the disk). A file
-    that large means the disk, not a cache. A probe the disk refuses even so raises its OSError."""
+    that large means the disk, not a cache. Its name is removed once its descriptors are open, so the kernel frees
+    it however the run ends: removed in `finally`, a run killed with SIGKILL (or by the OOM killer) left up to 1 GB
+    behind for good. A probe the disk refuses even so raises its OSError."""
     import shutil
 
     Path(folder).mkdir(parents=True, exist_ok=True)
@@ -157,17 +142,56 @@ def read_mb_s(folder: str | os.PathLike, size_mb: int = 1024) -> float:
     chunk = os.urandom(MB)
     fd, path = tempfile.mkstemp(dir=folder, prefix=".onn-disk-probe-")
     try:
-        with os.fdopen(fd, "wb") as f:
+        direct_fd = _open_direct(path)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        os.unlink(path)  # the file lives on while its descriptors are open, and no longer
+    try:
+        with os.fdopen(os.dup(fd), "wb") as f:
             for _ in range(size_mb):
                 f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
-        evict(path)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         size = size_mb * MB
         into = buffer(size).fill_(0)  # touched first: the store reads into reused buffers, not fresh pages
         start = time.perf_counter()
-        read_file(path, into, size)
+        _read_opened(direct_fd, fd, into, size, path)
         elapsed = time.perf_counter() - start
     finally:
-        os.unlink(path)
-    return size / MB / max(elapsed, 1e-9)
+        os.close(fd)
+        if direct_fd is not None:
+            os.close(direct_fd)
+    return size / MB / max(elapsed, 1e-9), size_mb
+
+
+def _open_direct(path: str | os.PathLike) -> int | None:
+    """An O_DIRECT descriptor reading `path`, or None where the file system (or OS) refuses O_DIRECT."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    return None
+
+
+def _read_opened(direct_fd: int | None, fd: int, into, size: int, path) -> bool:
+    """read_file on descriptors already open (`direct_fd` O_DIRECT or None, `fd` a plain one of the same file): the
+    disk probe's file has no name left to open by. Returns whether O_DIRECT was used."""
+    view = memoryview(into.numpy())
+    if direct_fd is not None:
+        try:
+            _read_all(direct_fd, view, aligned(size), size, path)
+            return True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+    _read_all(fd, view, size, size, path)
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    return False

@@ -4,8 +4,8 @@ A profile (Profile) has the same fields either way, so the planner never asks wh
 came from. Measuring takes half a minute on two cores; the result is cached under the cache folder,
 keyed by a fingerprint of the machine (CPU model, core count, RAM, accelerators, torch version), with a disk
 figure for each disk probed (a paths.cache on another disk measures that disk alone).
-What changes from run to run is measured every time: free memory, free disk, and how busy the
-cores are (other processes' CPU use over half a second), from which the planner sizes torch's
+What changes from run to run is measured every time: memory (a cgroup limit) and free memory, free disk, and how
+busy the cores are (other processes' CPU use over half a second), from which the planner sizes torch's
 thread count.
 
 What the planner predicts from (CPUs):
@@ -70,6 +70,10 @@ VERSION = 11  # what `measure` records; a cached profile of another version is m
 # A profile measured on busy cores is measured again once they are free, but not sooner than this after the last
 # measurement: on a machine that is busy in bursts (a test suite, a sweep) every quiet moment would measure again.
 REMEASURE_BUSY_AFTER_S = 1800.0
+MEASURE_LOCK = ".hardware.lock"  # the lock file, in the hardware cache's folder, of the process that measures
+# A disk probe cut below this (and below hardware.disk_probe_mb) by a nearly full disk or little memory times mostly
+# latency: its figure plans this run but is not cached under the full probe's key, and the next run probes again.
+SMALLEST_CACHED_PROBE_MB = 64
 
 
 @dataclass
@@ -192,7 +196,9 @@ def _measured(hw_cfg: HardwareConfig, cache: Path, probe_dir: str | os.PathLike,
     with contextlib.ExitStack() as stack:
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            stack.enter_context(held(cache.parent))  # its lock file: this folder takes a new file, or it is refused
+            # a lock file of its own: hardware.cache naming a run's folder (or its sweep's), whose .onn.lock the run
+            # holds for its life, had the process wait on itself forever (flock locks per open file)
+            stack.enter_context(held(cache.parent, name=MEASURE_LOCK))  # a folder refusing a new file: not saved
             saves = True
         except OSError as e:
             _not_saved(cache, e)
@@ -269,8 +275,8 @@ def _with_disk(profile: Profile, disk: str) -> Profile | None:
 def _disk_measured(hw_cfg: HardwareConfig, profile: Profile, probe_dir: str | os.PathLike, disk: str) -> Profile:
     """A cached profile with the disk under `probe_dir` measured now and added to its table: the CPU's and the
     GPU's rates do not depend on where paths.cache is, and take half a minute to measure."""
-    figure = disk_read_mb_s(probe_dir, int(hw_cfg.disk_probe_mb))
-    profile.disk_read_by_device = {**(profile.disk_read_by_device or {}), disk: figure}
+    figure, read_mb = disk_probe(probe_dir, int(hw_cfg.disk_probe_mb))
+    profile.disk_read_by_device = disk_table(profile.disk_read_by_device, disk, figure, read_mb, probe_dir)
     profile.disk_read_mb_s = figure
     profile.source = f"{profile.source}, its disk under {probe_dir} measured"
     return profile
@@ -287,11 +293,30 @@ def _not_saved(cache: Path, error: Exception) -> None:
 
 
 def _measure_now(hw_cfg: HardwareConfig, cache: Path, probe_dir: str | os.PathLike, disk: str) -> Profile:
-    profile = measure(probe_dir, int(hw_cfg.disk_probe_mb))
+    profile = measure(probe_dir, int(hw_cfg.disk_probe_mb), disk)
     profile.fingerprint = cache.stem
-    profile.disk_read_by_device = {disk: profile.disk_read_mb_s}
     profile.source = "measured"
     return profile
+
+
+def disk_table(
+    table: dict[str, float] | None, disk: str, figure: float, read_mb: int, probe_dir: str | os.PathLike
+) -> dict[str, float]:
+    """The cached table of disk figures with `figure` for `disk` (disk_key: "<disk>:<probe MB asked>"), unless its
+    probe read `read_mb`, cut below SMALLEST_CACHED_PROBE_MB and the size asked: a nearly full disk's few-MB probe
+    times mostly latency, and was cached under the full probe's key for good, even after space was freed."""
+    asked_mb = int(disk.rsplit(":", 1)[1])
+    if read_mb >= min(asked_mb, SMALLEST_CACHED_PROBE_MB):
+        return {**(table or {}), disk: figure}
+    log.info(
+        "the disk probe under %s read %d MB of the %d MB asked (hardware.disk_probe_mb; little free space or memory): "
+        "its %.1f MB/s plans this run but is not cached, so the next run measures the disk again",
+        probe_dir,
+        read_mb,
+        asked_mb,
+        figure,
+    )
+    return dict(table or {})
 
 
 ACCELERATORS = ("cpu", "cuda", "mps")
@@ -370,11 +395,15 @@ def now(accelerator: str, folder: str | os.PathLike) -> dict[str, Any]:
     thread_limit = int(limit) if limit and limit.isdigit() and int(limit) > 0 else None
     busy, runnable = cpu_load()
     cores = usable_cores()
+    # read now: a cgroup memory limit lowered within the fingerprint's 256 MB bucket kept the cached, higher figure
+    host_mb = host_memory_mb()
     visible = os.getenv("CUDA_VISIBLE_DEVICES")
     threads = max(1, min(cores, int(cores - busy + 0.5)))
     share = cpu_share(threads, 1.0) if busy >= 0.25 else 1.0
     return {
         "cpu_share": round(min(share, quota_share(min(threads, thread_limit or threads))), 3),
+        "host_memory_mb": host_mb,
+        **({} if accelerator == "cuda" else {"device_memory_mb": host_mb}),  # the host's memory on CPUs and MPS
         **_free_memory(accelerator),
         "disk_free_mb": int(shutil.disk_usage(disk).free // MB),
         "cpu_busy_cores": round(busy, 2),
@@ -724,11 +753,13 @@ def cuda_has_bf16() -> bool:
     return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
-def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> Profile:
-    """Measure accelerator, memory, cores, matmul throughput and disk / host-to-device bandwidth."""
+def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024, disk: str | None = None) -> Profile:
+    """Measure accelerator, memory, cores, matmul throughput and disk / host-to-device bandwidth; `disk` (disk_key)
+    names the disk figure in the table a cache keeps (disk_table)."""
     import torch
 
     t0 = time.perf_counter()
+    disk_figure, read_mb = disk_probe(probe_dir, disk_probe_mb)
     if torch.cuda.is_available():
         accelerator, count = "cuda", torch.cuda.device_count()
         props = torch.cuda.get_device_properties(torch.cuda.current_device())  # this rank's GPU
@@ -751,7 +782,8 @@ def measure(probe_dir: str | os.PathLike, disk_probe_mb: int = 1024) -> Profile:
         "host_memory_available_mb": available_memory_mb(),
         "cpu_cores": usable_cores(),
         "matmul_tflops": round(_matmul_tflops(accelerator), 4) if accelerator != "cuda" else None,
-        "disk_read_mb_s": disk_read_mb_s(probe_dir, disk_probe_mb),
+        "disk_read_mb_s": disk_figure,
+        "disk_read_by_device": disk_table(None, disk, disk_figure, read_mb, probe_dir) if disk else None,
         "h2d_mb_s": round(h2d_mb_s(), 1) if accelerator == "cuda" else None,
         "bf16": bool(bf16),
     }
@@ -781,14 +813,20 @@ PROBE_MEMORY_SHARE = 4  # the disk probe's read buffer takes at most 1/4 of the 
 
 
 def disk_read_mb_s(probe_dir: str | os.PathLike, size_mb: int, measurer: str = "hardware=auto") -> float:
-    """The disk's cold read bandwidth under `probe_dir` (disk.read_mb_s), or one sentence where its probe file cannot
-    be written there: a nearly full disk (ENOSPC) is told to free space, a folder that cannot be written (read-only,
-    under a file) to move paths.cache; `measurer` is what the sentence says measures it (task=bench_giant too).
-    The probe is read whole into memory, so it takes at most a quarter of the memory available: in a container of
-    1 GB, a probe of 1 GB had the OOM killer end the run while it was profiled."""
+    """The disk's cold read bandwidth under `probe_dir` (disk_probe's figure)."""
+    return disk_probe(probe_dir, size_mb, measurer)[0]
+
+
+def disk_probe(probe_dir: str | os.PathLike, size_mb: int, measurer: str = "hardware=auto") -> tuple[float, int]:
+    """The disk's cold read bandwidth under `probe_dir` and the MB its probe read (disk.read_mb_s), or one sentence
+    where its probe file cannot be written there: a nearly full disk (ENOSPC) is told to free space, a folder that
+    cannot be written (read-only, under a file) to move paths.cache; `measurer` is what the sentence says measures it
+    (task=bench_giant too). The probe is read whole into memory, so it takes at most a quarter of the memory
+    available: in a container of 1 GB, a probe of 1 GB had the OOM killer end the run while it was profiled."""
     size_mb = max(1, min(size_mb, available_memory_mb() // PROBE_MEMORY_SHARE))
     try:
-        return round(read_mb_s(probe_dir, size_mb), 1)
+        figure, read_mb = read_mb_s(probe_dir, size_mb)
+        return round(figure, 1), read_mb
     except OSError as e:
         fix = "free some space on that disk, or set" if e.errno == errno.ENOSPC else "set"
         raise UserError(
