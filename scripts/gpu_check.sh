@@ -15,7 +15,8 @@
 # and the tests get the rest (some 90 s of 480 after task=plan: the in-process tests and a few runs). For all of
 # them give GPU_CHECK_S=780, or run `python -m pytest -m gpu` by itself. The tests log each test's name and
 # outcome as it ends (-v), and their stop at the limit (SIGTERM) is a KeyboardInterrupt to pytest, after which it
-# writes tests.xml (--junitxml) and its summary: a test run cut short still names what passed, failed and did not run.
+# writes tests.xml (--junitxml) and its summary: a test run cut short still names what passed and failed (the
+# tests it did not finish are those of pytest's "collected N items" that tests.xml lacks).
 # bench_vision's images: .gpu_data/cifar10-jpeg.tar.gz inside the checkout where it is there (a device copy holds
 # the checkout alone; GPU_CHECK_VISION names another file), else task.vision_source's default: see docs/gpu.md.
 set -uo pipefail
