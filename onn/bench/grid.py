@@ -25,7 +25,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from onn.bench.suite import STEP_TIME_TARGET
-from onn.tasks.record import state
+from onn.tasks.record import planned_jobs, state
 
 log = logging.getLogger("onn")
 
@@ -96,10 +96,12 @@ SPREAD_EXPLANATION = (
 )
 
 
-def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
-    """One row per job folder (a direct subfolder with .hydra/overrides.yaml), in job order."""
+def collect(sweep_dir: Path | str, job_count: int | None = None) -> list[dict[str, Any]]:
+    """One row per job folder (a direct subfolder with .hydra/overrides.yaml), in job order. With job_count (the
+    sweep's number of jobs, where known), a folder numbered past it is an earlier sweep's job in the same folder
+    (a failed one lets a shorter sweep in: record.other_sweep), not one of this sweep's, and is left out."""
     sweep_dir = Path(sweep_dir)
-    jobs = sorted((d for d in sweep_dir.iterdir() if _is_job(d)), key=_job_order)
+    jobs = sorted((d for d in sweep_dir.iterdir() if _is_job(d) and _of_sweep(d, job_count)), key=_job_order)
     overrides = {d.name: _read_overrides(d) for d in jobs}
     labels = _labels(overrides)
     rows = []
@@ -116,9 +118,10 @@ def collect(sweep_dir: Path | str) -> list[dict[str, Any]]:
     return rows
 
 
-def write_grid(sweep_dir: Path | str) -> list[Path]:
-    """grid.csv, grid.md and grid.png in sweep_dir; a broken plot still leaves the csv and md."""
-    paths, _ = _write_grid(Path(sweep_dir))
+def write_grid(sweep_dir: Path | str, job_count: int | None = None) -> list[Path]:
+    """grid.csv, grid.md and grid.png in sweep_dir (of the first job_count jobs, where given: collect); a broken plot
+    still leaves the csv and md."""
+    paths, _ = _write_grid(Path(sweep_dir), job_count)
     return paths
 
 
@@ -133,7 +136,8 @@ class GridCallback(Callback):
             if not sweep_dir.is_dir():
                 log.warning("grid: sweep folder %s does not exist; no grid written", sweep_dir)
                 return
-            paths, rows = _write_grid(sweep_dir)
+            jobs = planned_jobs(config)  # None for another sweeper: its folder is checked as a whole (other_sweep)
+            paths, rows = _write_grid(sweep_dir, None if jobs is None else len(jobs))
             log.info("grid: %s", ", ".join(str(p) for p in paths))
             spread = spread_table(rows)
             print(markdown_table(rows) + ("" if spread is None else f"\n\n{spread}"), flush=True)
@@ -270,8 +274,8 @@ def ranked(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for _, r in sorted(enumerate(rows), key=key)]
 
 
-def _write_grid(sweep_dir: Path) -> tuple[list[Path], list[dict[str, Any]]]:
-    rows = collect(sweep_dir)
+def _write_grid(sweep_dir: Path, job_count: int | None) -> tuple[list[Path], list[dict[str, Any]]]:
+    rows = collect(sweep_dir, job_count)
     paths = [_write_csv(sweep_dir / "grid.csv", rows), _write_md(sweep_dir / "grid.md", sweep_dir, rows)]
     try:
         paths.append(_write_png(sweep_dir / "grid.png", sweep_dir, rows))
@@ -515,6 +519,11 @@ def _is_job(d: Path) -> bool:
     except OSError as e:  # e.g. a folder we may not read: leave it out, keep the others
         log.warning("grid: unreadable %s: %s", d, e)
         return False
+
+
+def _of_sweep(d: Path, job_count: int | None) -> bool:
+    """Whether a job folder may be this sweep's: any when its count is unknown, or the folder is not named by number."""
+    return job_count is None or not d.name.isdigit() or int(d.name) < job_count
 
 
 def _job_order(d: Path) -> tuple:

@@ -9,7 +9,8 @@ its own: one that runs out of memory (a MemoryError, CUDA's OutOfMemoryError, or
 is recorded and the search goes on, unless it is the planner's own guess that fails (a data or model error no
 neighbour mends: one sentence).
 The fastest trial whose measured peak fits the budget wins; if it is not the planner's guess, the
-two are measured again head to head, alternating, and `tune/speedup_over_plan` is their ratio.
+two are measured again head to head, alternating, each side's rate taken over all its rounds (its rows over its
+seconds); the guess stays unless the candidate's is higher, and `tune/speedup_over_plan` is their ratio.
 
 The result is cached under paths.cache/tune, keyed by (hardware fingerprint, model fingerprint,
 strategy, sequence length, batch size, and the strategy's precision, layers, LoRA and Lightning
@@ -25,6 +26,7 @@ import dataclasses
 import json
 import logging
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -163,8 +165,7 @@ def _confirmed(trials: _Trials, best: dict[str, Any], guess: dict[str, Any], tun
         if None in rounds["plan"] + rounds["candidate"]:
             best, best_sps = plan_row, plan_sps
         else:
-            plan_sps = sum(rounds["plan"]) / len(rounds["plan"])
-            best_sps = sum(rounds["candidate"]) / len(rounds["candidate"])
+            plan_sps, best_sps = pooled_samples_per_s(rounds["plan"]), pooled_samples_per_s(rounds["candidate"])
             if plan_sps >= best_sps:
                 best, best_sps = plan_row, plan_sps
     speedup = best_sps / plan_sps if plan_sps else None
@@ -181,6 +182,13 @@ def _confirmed(trials: _Trials, best: dict[str, Any], guess: dict[str, Any], tun
         "head_to_head": head_to_head,
         "tuned_at": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+
+
+def pooled_samples_per_s(rates: list[float]) -> float:
+    """One side's samples/s over its head-to-head rounds: its rows over its seconds. Every round trains the same
+    rows (the same steps of the same batches), so that is the harmonic mean of the rounds' rates; their plain mean
+    let one fast round outweigh a slow one and chose a setting that took longer over its rounds."""
+    return statistics.harmonic_mean(rates)
 
 
 def _outcome(row: dict[str, Any]) -> str:
