@@ -264,15 +264,42 @@ def _strip_wrapper(names: list[str], known: Sequence[str] = ()) -> int:
     top folder): 1 when all names start with the same folder and sit at least two folders deeper. A top folder
     named as one of the `known` classes (a checkpoint's, data.classes) is kept: a folder of one class folder in
     the CLASS/SESSION/FILE layout, whose sessions were otherwise taken for its classes."""
+    top = _lone_top(names)
+    if top is None or same_text(top) in {same_text(str(c)) for c in known}:
+        return 0
+    log.info("the one top folder %s/ holding every file is read as a wrapper, the class folders inside it", top)
+    return 1
+
+
+def _lone_top(names: list[str]) -> str | None:
+    """The one top folder every name shares, at least two folders above each file and not a split: a wrapper
+    unless it is a known class (_strip_wrapper)."""
     parts = [n.split("/") for n in names]
-    tops = {p[0] for p in parts}
     top = parts[0][0]
-    if len(tops) == 1 and len(parts[0]) > 1 and top.lower() not in SPLITS and min(len(p) for p in parts) >= 3:
-        if same_text(top) in {same_text(str(c)) for c in known}:
-            return 0
-        log.info("the one top folder %s/ holding every file is read as a wrapper, the class folders inside it", top)
-        return 1
-    return 0
+    if {p[0] for p in parts} == {top} and top.lower() not in SPLITS and min(len(p) for p in parts) >= 3:
+        return top
+    return None
+
+
+def kept_class_folder(source: str | os.PathLike, suffixes: frozenset[str], known: Sequence[str]) -> str | None:
+    """The lone top folder of `source` that a folder listing keeps as a class because it is one of `known`, else
+    None: the one way known classes change a listing, so the decoded cache's key names it and only it (an eval of
+    a checkpoint, which knows its classes, reads the cache its training wrote)."""
+    path = Path(source)
+    if not known or not path.exists():
+        return None
+    try:
+        if path.is_dir():
+            names = [n for n, _ in walk_files(path, unreadable=[])]
+        elif archive_kind(path) is not None and extension(path.name) not in suffixes:
+            names = [m.name for m in iter_members(path) if m.name is not None and not is_hidden(m.name)]
+        else:
+            return None
+    except ARCHIVE_ERRORS:  # the read that follows names what is wrong with it
+        return None
+    names = [n for n in names if extension(n) in suffixes]
+    top = _lone_top(names) if names else None
+    return top if top is not None and same_text(top) in {same_text(str(c)) for c in known} else None
 
 
 def _split(parts: list[str]) -> str:

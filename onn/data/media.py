@@ -18,7 +18,15 @@ import torch
 from onn.config.data import LabelledFiles
 from onn.data.cache import cached_decode
 from onn.data.files import archive_kind, content_digest, existing_source
-from onn.data.labelled import Listing, MediaFile, check_bad, list_labelled, report_left_out
+from onn.data.labelled import (
+    Listing,
+    MediaFile,
+    check_bad,
+    kept_class_folder,
+    list_labelled,
+    report_left_out,
+    same_text,
+)
 from onn.data.resident import ClassificationData, Decoded, Undecodable
 from onn.errors import UserError
 
@@ -130,13 +138,11 @@ class MediaReader:
             "label_from": data_cfg.label_from,
             "label_column": data_cfg.label_column,
             "max_bad_fraction": data_cfg.max_bad_fraction,
-            # the classes known beforehand decide whether a lone top folder is a class (keys of before kept)
-            **(
-                {"known": sorted({str(c) for c in [*known, *(data_cfg.classes or [])]})}
-                if known or data_cfg.classes
-                else {}
-            ),
         }
+        # known classes change the listing only where a lone top folder is one of them: then it is a class
+        kept = kept_class_folder(path, frozenset(self.suffixes), [*known, *(data_cfg.classes or [])])
+        if kept is not None:
+            settings["class_folder"] = same_text(kept)
         workers = int(data_cfg.num_workers) or 1
         return cached_decode(
             self.kind,

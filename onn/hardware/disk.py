@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import tempfile
 import time
@@ -23,6 +24,8 @@ from typing import Any
 
 from onn.errors import write_refused
 from onn.hardware.memory import pinned_empty
+
+log = logging.getLogger(__name__)
 
 MB = 1024**2
 ALIGN = 4096  # O_DIRECT wants buffer address, offset and length aligned to the disk's block size
@@ -44,13 +47,16 @@ def write_text_atomically(path: Path, text: str, what: str = "it") -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _sync_folder(path.parent)
     except BaseException as e:
         with contextlib.suppress(OSError):  # its folder may be what could not be made
             tmp.unlink(missing_ok=True)
         if isinstance(e, OSError):
             raise write_refused(e, path, len(text.encode(errors="replace")), what) from None
         raise
+    try:  # the file is in place: a folder that will not sync leaves only its rename to the OS
+        _sync_folder(path.parent)
+    except OSError as e:
+        log.warning("%s is written, but its folder could not be synced (%s): a power loss may undo the rename", path, e)
 
 
 def _sync_folder(folder: Path) -> None:

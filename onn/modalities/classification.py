@@ -274,11 +274,12 @@ def in_checkpoint_order(
     """A resumed run's data with its labels in the checkpoint's class order, by name: class folders 0..11 sorted
     as text (0, 1, 10, ...) before they sorted as numbers, and the head's units keep their classes. The first
     setup's splits (on the device when resident) go before the second sizes itself by the memory free."""
-    known = [same_text(str(c)) for c in saved["classes"]] if saved else dm.classes
-    if dm.classes == known or by_position(dm.classes, known):
+    found = [same_text(str(c)) for c in dm.classes]  # graph and mesh folders keep their names as written (NFD)
+    known = [same_text(str(c)) for c in saved["classes"]] if saved else found
+    if found == known or by_position(found, known):
         return dm
-    if set(dm.classes) != set(known):  # trained on by position, a renamed class folder takes another's label
-        new, missing = [c for c in dm.classes if c not in known], [c for c in known if c not in dm.classes]
+    if set(found) != set(known):  # trained on by position, a renamed class folder takes another's label
+        new, missing = [c for c in found if c not in known], [c for c in known if c not in found]
         differ = [f"has the classes {new[:5]}, which the resumed checkpoint never learned"] if new else []
         differ += [f"lacks its classes {missing[:5]}"] if missing else []
         raise UserError(

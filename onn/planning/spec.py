@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,6 +21,7 @@ from onn.config.model import LanguageModelConfig
 from onn.errors import UserError
 from onn.hardware.disk import read_json, write_text_atomically
 from onn.hardware.profile import OpBytes
+from onn.models.adapters import lora_refused
 from onn.models.layers import discover, gated_mlps
 from onn.models.load import expand, hub_folder, is_pretrained, meta_model, source_kind, tokenizer_from
 
@@ -80,6 +81,13 @@ class ModelSpec:
     # language models: each block's linear layers as (module name in the model, in features, out features), which
     # strategy.lora.target_modules picks the adapted ones from (targeted_linears); None: not recorded
     linears_per_block: list[list[tuple[str, int, int]]] | None = None
+    # language models: the linears' last names peft will not adapt on this model (a Mamba mixer's out_proj), which
+    # training leaves out of every target list (onn.models.adapters): the plan leaves them out too
+    lora_refused: list[str] = field(default_factory=list)
+    # language models: the store dtypes under which streamed edges' prefix takes weights to the device besides the
+    # rows its embeddings look up (BLOOM's embedding norm, OPT's positions; nf4 a table whose rows straddle its runs):
+    # the engine gives the resident chunk back first (StreamingEngine._edges_loaded), so the forward reads chunk 0
+    prefix_device_stores: list[str] = field(default_factory=list)
 
     @property
     def n_blocks(self) -> int:
@@ -139,6 +147,8 @@ def _measure_spec(model_cfg: LanguageModelConfig, lora_rank: int) -> ModelSpec:
     names = {id(m): name for name, m in model.named_modules()}
     named = [[(names[id(m)], *size) for m in b.modules() if (size := _linear_size(m))] for b in lmap.blocks]
     linear = [[(i, o) for _, i, o in block] for block in named]
+    refused = sorted(lora_refused(model, [n for block in named for n, _, _ in block]))
+    adapted = [[(i, o) for n, i, o in block if n.rsplit(".", 1)[-1] not in refused] for block in named]
     self_cache, cross_cache = _kv_caches(config, heads, head_dim, hidden, len(lmap.blocks))
     return ModelSpec(
         name=str(model_cfg.name),
@@ -146,7 +156,7 @@ def _measure_spec(model_cfg: LanguageModelConfig, lora_rank: int) -> ModelSpec:
         block_params=lmap.block_params(),
         prefix_params=lmap.prefix_params(),
         suffix_params=lmap.suffix_params(),
-        lora_params_per_block=[lora_rank * sum(i + o for i, o in sizes) for sizes in linear],
+        lora_params_per_block=[lora_rank * sum(i + o for i, o in sizes) for sizes in adapted],
         linear_params_per_block=[sum(i * o for i, o in sizes) for sizes in linear],
         hidden=hidden,
         intermediate=_mlp_width(config, hidden, routed),
@@ -165,22 +175,42 @@ def _measure_spec(model_cfg: LanguageModelConfig, lora_rank: int) -> ModelSpec:
         kv_cross_per_block=cross_cache,
         head_weights=_head_weights(config, hidden),
         linears_per_block=named,
+        lora_refused=refused,
+        prefix_device_stores=_prefix_device_stores(lmap),
     )
+
+
+def _prefix_device_stores(lmap) -> list[str]:
+    """The store dtypes under which the prefix computes with a weight the engine cannot look up in host memory (as
+    StreamingEngine._find_edges decides): one outside its embeddings, a loose one, or an embedding's table that
+    looks_up_ids refuses for that dtype."""
+    from torch import nn
+
+    from onn.streaming.quantized import looks_up_ids
+
+    modules = [m for _, pm in lmap.prefix for m in pm.modules()]
+    params = {id(p) for m in modules for p in m.parameters(recurse=False)} | {id(p) for _, p in lmap.loose}
+    embeddings = [m for m in modules if isinstance(m, nn.Embedding)]
+    stores = ("float32", "bfloat16", "float16", "int8", "nf4")
+    return [sd for sd in stores if params - {id(m.weight) for m in embeddings if looks_up_ids(m, sd)}]
 
 
 def targeted_linears(spec: ModelSpec, target_modules: Any) -> list[list[tuple[str, int, int]]] | None:
     """Each block's linear layers that LoRA adapts under `target_modules` (strategy.lora's): every one for all-linear,
     else those peft's own matcher picks (a list: a name's last parts; a string: a regular expression over the whole
-    name). None where the spec recorded no names. The plan sized adapters on every linear whatever the targets."""
+    name), less those peft refuses (spec.lora_refused), as training leaves them out. None where the spec recorded no
+    names. The plan sized adapters on every linear whatever the targets."""
     if spec.linears_per_block is None:
         return None
+    refused = set(spec.lora_refused)
+    kept = [[lin for lin in block if lin[0].rsplit(".", 1)[-1] not in refused] for block in spec.linears_per_block]
     if target_modules == "all-linear":
-        return spec.linears_per_block
+        return kept
     from peft import LoraConfig
     from peft.tuners.tuners_utils import check_target_module_exists
 
     config = LoraConfig(target_modules=target_modules if isinstance(target_modules, str) else list(target_modules))
-    return [[lin for lin in block if check_target_module_exists(config, lin[0])] for block in spec.linears_per_block]
+    return [[lin for lin in block if check_target_module_exists(config, lin[0])] for block in kept]
 
 
 def fit_own_tokenizer(model_cfg: LanguageModelConfig, model) -> None:

@@ -381,7 +381,14 @@ def check_random_base(ckpt: Path, drawn: str | None) -> None:
     saved = read_meta(ckpt).get("onn", {}).get("random_base")
     if saved is None or drawn is None or saved == drawn:
         return
-    where = "the CPU" if saved == "cpu" else f"{saved} (GPU runs draw it there for strategy.streaming.store=cpu)"
+    # a GPU draws it where the plan puts the layer store in host memory, which it does when the store fits there
+    # (a resumed run's strategy comes from the checkpoint, not the command line)
+    where = (
+        "the CPU"
+        if saved == "cpu"
+        else f"{saved} with enough free host memory for the model's layer store (the base is drawn on the GPU when "
+        "the plan puts the store in host memory, which it does when the store fits)"
+    )
     raise UserError(
         f"ckpt {ckpt}: its frozen base was drawn from model.source=random on {saved} and this run would draw it on "
         f"{drawn}, whose generator gives other weights for the same seed; run it on {where}, or train from a "

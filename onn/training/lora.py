@@ -11,6 +11,7 @@ from torch import nn
 
 from onn.config.strategy import StrategyConfig
 from onn.errors import UserError
+from onn.models.adapters import lora_refused
 from onn.models.layers import LayerMap
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def apply(
     layers = sparse_layers if strategy == "sparse_lora" else None
     before = list(model.named_modules())  # peft edits the model in place before it raises: the model as given
     modules = [(name, m) for block in layer_map.blocks for name, m in block.named_modules() if name]
-    refused = _refused(model, [name for name, _ in modules])  # a Mamba mixer's out_proj and conv1d
+    refused = lora_refused(model, [name for name, _ in modules])  # a Mamba mixer's out_proj and conv1d
     kind, choices = type(model).__name__, ", ".join(_linear_names([n for n, m in modules if _adaptable(m)], refused))
     target = lora.target_modules
     if target == "all-linear":  # peft needs explicit names to combine with layers_to_transform
@@ -167,26 +168,6 @@ def _placement_error(
         found = f"could not be adapted on {kind} ({str(error).splitlines()[0][:200]})"
     advice = f"give a list of the names of its linear layers, e.g. [{choices}], or all-linear"
     return f"strategy.lora.target_modules={target!r} {found}: {advice}."
-
-
-def _refused(model: nn.Module, names: list[str]) -> dict[str, str]:
-    """The last names among `names` (module paths) that peft will not adapt on this model, each with peft's reason:
-    peft refuses LoRA on a Mamba mixer's out_proj and conv1d (model_type mamba, falcon_mamba, ...), after wrapping
-    the layers before them. peft's own check, asked name by name, so that its list of model types and modules holds
-    as it grows; a peft without the check refuses none."""
-    try:
-        from peft.tuners.tuners_utils import _check_lora_target_modules_mamba as check
-    except ImportError:
-        return {}
-    from peft import LoraConfig
-
-    probe, refused = LoraConfig(), {}
-    for last in dict.fromkeys(name.rsplit(".", 1)[-1] for name in names):
-        try:
-            check(probe, model, last)
-        except ValueError as e:
-            refused[last] = str(e)
-    return refused
 
 
 def _linear_names(linears: list[str], refused: dict[str, str]) -> list[str]:
