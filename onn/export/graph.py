@@ -342,43 +342,50 @@ def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     """The model with every node that computes from constants alone replaced by the initializers it computes
     (onnx's reference evaluator runs them), and how many nodes went. onnx's own light_* test models build
     their weights with ConstantOfShape: folded, those weights are initializers that blocks can hold.
-    A node that would store a weight wider than it is (a Cast of fp16 weights to fp32, a DequantizeLinear of
-    int8 ones) stays, as does one the evaluator cannot run: the file keeps the weights' own dtype and size.
+    A node that would store a weight-sized copy wider than the weights it reads (a Cast of fp16 weights to fp32, a
+    DequantizeLinear of int8 ones) stays, as does one the evaluator cannot run: the file keeps the weights' own
+    dtype and size. Shape and size arithmetic on weights still folds. Nodes are evaluated one at a time, each on
+    just the constants it reads, so the work is linear and a widened copy is dropped as soon as it is judged.
     Nothing else changes: the graph keeps its nodes, names and order."""
     from onnx import numpy_helper
 
     graph = model.graph
-    constants = [n for n in graph.node if n.op_type == "Constant"]
+    constants = {o: n for n in graph.node if n.op_type == "Constant" for o in n.output if o}
     stored = {t.name: t for t in graph.initializer} | {
-        n.output[0]: n.attribute[0].t for n in constants if n.attribute and n.attribute[0].name == "value"
+        o: n.attribute[0].t for o, n in constants.items() if n.attribute and n.attribute[0].name == "value"
     }
+    weights = {name: tensor_bytes(t) for name, t in stored.items() if is_weight(t)}  # weight -> stored bytes
+    initializers = {t.name: t for t in graph.initializer}
     # IR 3 lists every initializer among the inputs too (light_* models do): ONN never feeds those
-    given_constants = {t.name for t in graph.initializer} | {o for n in constants for o in n.output}
-    known, candidates = set(given_constants), []
+    known = set(initializers) | set(constants)
+    values: dict[str, Any] = {}
+    folded = []
     for node in graph.node:
-        given = [i for i in node.input if i]
-        if node.domain in ("", "ai.onnx") and node.op_type not in NOT_FOLDED and given and set(given) <= known:
-            candidates.append(node)
-            known.update(o for o in node.output if o)
-    if not candidates:
-        return model, 0
-    values = _evaluate(model, constants, candidates)
-    folded = _foldable(candidates, values, stored, given_constants)
+        given = {i for i in node.input if i}
+        if node.domain not in ("", "ai.onnx") or node.op_type in NOT_FOLDED or not given or not given <= known:
+            continue
+        made = _evaluate(model, node, constants, initializers, values)
+        if made is None or _widens(node, made, weights):
+            continue
+        folded.append(node)
+        values.update(made)
+        known.update(made)
+        if given & weights.keys():  # a weight's transpose (a tied head) is a weight too
+            weights.update((o, _bytes(v)) for o, v in made.items() if _weight_like(v))
     if not folded:
         return model, 0
     gone = {id(n) for n in folded}
     kept_nodes = [n for n in graph.node if id(n) not in gone]
     used = {i for n in kept_nodes for i in n.input} | {o.name for o in graph.output}
-    made = [o for n in folded for o in n.output if o and o in used]
     out = onnx.ModelProto()
     out.CopyFrom(model)
     del out.graph.node[:]
     out.graph.node.extend(kept_nodes)
-    initializers = [t for t in graph.initializer if t.name in used]
-    computed = [numpy_helper.from_array(values[o], o) for o in made]
+    kept = [t for t in graph.initializer if t.name in used]
+    computed = [numpy_helper.from_array(v, o) for o, v in values.items() if o in used]
     del out.graph.initializer[:]
-    out.graph.initializer.extend([*initializers, *computed])
-    gone = {t.name for t in graph.initializer} - used  # constants only the folded nodes read
+    out.graph.initializer.extend([*kept, *computed])
+    gone = set(initializers) - used  # constants only the folded nodes read
     kept_inputs = [i for i in graph.input if i.name not in gone]
     if model.ir_version < 4:  # IR 3 lists every initializer among the graph's inputs
         kept_inputs += [onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in computed]
@@ -387,64 +394,52 @@ def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     return out, len(folded)
 
 
-def _foldable(candidates: list, values: dict, stored: dict[str, TensorProto], constant: set[str]) -> list:
-    """The candidates to fold, in graph order: each evaluated, its inputs constants or folded, and none widening a
-    weight it reads (folding would store the wider copy instead: a QDQ model's int8 weights as fp32)."""
+def _bytes(value: Any) -> int:
+    """Bytes `value` takes stored as an initializer (int4 packs two to a byte, unlike its numpy array)."""
+    return math.ceil(value.size * itemsize(onnx.helper.np_dtype_to_tensor_dtype(value.dtype)))
+
+
+def _weight_like(value: Any) -> bool:
+    """Whether a computed value is a weight by is_weight's rule, judged without converting it to a TensorProto."""
+    kind = onnx.helper.np_dtype_to_tensor_dtype(value.dtype)
+    return value.ndim >= 2 and value.size > 1 and kind in WEIGHT_TYPES
+
+
+def _widens(node: onnx.NodeProto, made: dict[str, Any], weights: dict[str, int]) -> bool:
+    """Whether folding `node` would store more bytes than the weights it reads: a widened copy of them (fp16 cast to
+    fp32, int8 dequantized). A Shape or Size of a weight makes a few int64s and folds, as does a transpose."""
+    read = sum(weights[i] for i in set(node.input) if i in weights)
+    return read > 0 and sum(_bytes(v) for v in made.values()) > read
+
+
+def _evaluate(
+    model: onnx.ModelProto, node: onnx.NodeProto, constants: dict, initializers: dict, values: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The arrays `node` computes, by onnx's reference evaluator on a graph of just the node and the constants it
+    reads; None where the evaluator cannot run it (an op it lacks at the graph's opset, e.g. DequantizeLinear below
+    opset 19): that node stays in the graph."""
     import numpy as np
-
-    weights = {name: itemsize(t.data_type) for name, t in stored.items() if is_weight(t)}  # weight -> item bytes
-    constant, folded = set(constant), []
-    for node in candidates:
-        outputs = [o for o in node.output if o]
-        if not {i for i in node.input if i} <= constant:
-            continue
-        if not all(isinstance(values.get(o), np.ndarray) for o in outputs):
-            continue  # the evaluator could not run it
-        read = [weights[i] for i in node.input if i in weights]
-        made = max(values[o].dtype.itemsize for o in outputs)
-        if read and made > min(read):
-            continue
-        folded.append(node)
-        constant.update(outputs)
-        if read:  # a weight's transpose (a tied head) is a weight too
-            weights.update((o, values[o].dtype.itemsize) for o in outputs)
-    return folded
-
-
-def _evaluate(model: onnx.ModelProto, constants: list, nodes: list) -> dict[str, Any]:
-    """The values the nodes compute, by onnx's reference evaluator: all at once, or where it cannot (an op it lacks
-    at the graph's opset, e.g. DequantizeLinear below opset 19) node by node, leaving out those it cannot run."""
-    try:
-        return _run_reference(model, [*constants, *nodes], {})
-    except Exception as e:  # the evaluator raises many kinds; a fold it cannot do is simply not done
-        log.debug("folding node by node: %s", e)
-    values: dict[str, Any] = {}
-    for node in nodes:
-        try:
-            values.update(_run_reference(model, [*constants, node], values))
-        except Exception as e:  # as above: this node stays in the graph
-            log.debug("not folding %s '%s': %s", node.op_type, node.name, e)
-    return values
-
-
-def _run_reference(model: onnx.ModelProto, nodes: list, given: dict[str, Any]) -> dict[str, Any]:
-    """Every output of the non-Constant `nodes`, run by the reference evaluator on the model's initializers and
-    the `given` values."""
     from onnx import numpy_helper
     from onnx.reference import ReferenceEvaluator
 
-    needed = {i for n in nodes for i in n.input}
-    made = [o for n in nodes if n.op_type != "Constant" for o in n.output if o]
-    initializers = [t for t in model.graph.initializer if t.name in needed]
-    initializers += [numpy_helper.from_array(v, k) for k, v in given.items() if k in needed]
+    reads = dict.fromkeys(i for i in node.input if i)
+    nodes = [*(constants[i] for i in reads if i in constants), node]
+    given = [initializers[i] for i in reads if i in initializers]
+    given += [numpy_helper.from_array(values[i], i) for i in reads if i in values]
+    made = [o for o in node.output if o]
     program = onnx.helper.make_model(
-        onnx.helper.make_graph(
-            nodes, "fold", [], [onnx.helper.make_empty_tensor_value_info(o) for o in made], initializers
-        ),
+        onnx.helper.make_graph(nodes, "fold", [], [onnx.helper.make_empty_tensor_value_info(o) for o in made], given),
         opset_imports=model.opset_import,
         ir_version=model.ir_version,
     )
-    return dict(zip(made, ReferenceEvaluator(program).run(None, {})))
+    try:
+        results = ReferenceEvaluator(program).run(None, {})
+    except Exception as e:  # the evaluator raises many kinds; a fold it cannot do is simply not done
+        log.debug("not folding %s '%s': %s", node.op_type, node.name, e)
+        return None
+    if not all(isinstance(r, np.ndarray) for r in results):
+        return None
+    return dict(zip(made, results))
 
 
 def concrete_shapes(
