@@ -78,22 +78,39 @@ def test_eval_of_label_numbers_the_checkpoint_never_learned_names_the_checkpoint
     assert "data.classes names" not in str(refused.value)
 
 
+def pretrained_v28(images: Path) -> torch.nn.Module:
+    """A seeded v28 whose BatchNorm statistics are measured on the training images, normalised with data.mean=0.4
+    (as a pretrained network's are of its data): with the initial statistics (mean 0, var 1) its features of
+    normalised pixels barely differ between images (std ~1e-4), and a probe of them learns nothing."""
+    from onn.models.zoo.registry import build_zoo
+
+    torch.manual_seed(0)
+    network = build_zoo("v28_cnn", in_channels=3, num_classes=3, image_size=16)
+    pictures = sorted((images / "train").glob("class*/*.png"))
+    pixels = torch.from_numpy(np.stack([np.asarray(Image.open(p)) for p in pictures])).permute(0, 3, 1, 2) / 255
+    for norm in network.modules():
+        if isinstance(norm, torch.nn.modules.batchnorm._BatchNorm):
+            norm.reset_running_stats()
+            norm.momentum = None  # the average over every batch seen: here the one batch of all the images
+    with torch.no_grad():
+        network.train()((pixels - 0.4) / pixels.std(dim=(0, 2, 3), keepdim=True))
+    return network.eval()
+
+
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory) -> tuple[Path, Path]:
-    """A linear probe of a "pretrained" v28 (seeded weights, saved) on make_images' three class folders, trained on
-    cached features, and the images."""
+    """A linear probe of a "pretrained" v28 (seeded weights, its norms measured on the images, saved) on
+    make_images' three class folders, trained on cached features, and the images."""
     from safetensors.torch import save_file
-
-    from onn.models.zoo.registry import build_zoo
 
     tmp = tmp_path_factory.mktemp("probe")
     images = make_images(tmp / "images")
-    torch.manual_seed(0)
     weights = tmp / "v28.safetensors"
-    save_file(build_zoo("v28_cnn", in_channels=3, num_classes=3, image_size=16).state_dict(), weights)
-    given = ("strategy=linear_probe", f"model.weights={weights}", "optim.lr=0.1", "trainer.max_epochs=2")
+    save_file(pretrained_v28(images).state_dict(), weights)
+    given = ("strategy=linear_probe", f"model.weights={weights}", "optim.lr=0.1", "trainer.max_epochs=4")
     metrics, run_dir = run(tmp, MODALITY_HARDWARE, f"data.source={images}", *given, "data.mean=[0.4]")
     assert metrics["strategy"] == "linear_probe" and metrics["train/loss_final"] < metrics["train/loss_initial"]
+    assert metrics["test/acc"] > 0.6  # chance is 1/3: the probe learned, so infer agreeing with eval means something
     return run_dir, images
 
 
@@ -112,6 +129,10 @@ def test_a_linear_probes_checkpoint_infers_and_exports_the_normalised_batch_thro
     )
     scored, _ = run(tmp_path, MODALITY_HARDWARE, "task=eval", f"ckpt={run_dir}", name="eval")
     assert out["infer/acc"] == pytest.approx(scored["test/acc"], abs=1e-5)  # the same 24 test images
+    # eval scores the cached features, infer runs the backbone on the normalised batch: the same probabilities (the
+    # features were of the raw pixels, and infer scored chance where eval scored 0.79)
+    loss = sum(-np.log(dict(r["top5"])[r["true"]]) for r in rows) / 24
+    assert loss == pytest.approx(scored["test/loss"], abs=1e-3)
     exported, _ = run(tmp_path, MODALITY_HARDWARE, "task=export", f"ckpt={run_dir}", "export=onnx", name="export")
     session = ort.InferenceSession(exported["export/onnx"], providers=["CPUExecutionProvider"])
     picture = images / "test" / "class2" / "003.png"

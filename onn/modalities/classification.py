@@ -840,6 +840,7 @@ def features(module: Classifier, dm: ClassificationData, config: ONNConfig) -> C
             "inputs": module.onn_config["inputs"],
             "data": {k: split_digest(v) for k, v in dm.splits.items()},
             "config": data,
+            "of": "network_input",  # features of raw pixels were cached before: not read back as these
         },
         sort_keys=True,
         default=str,
@@ -852,7 +853,7 @@ def features(module: Classifier, dm: ClassificationData, config: ONNConfig) -> C
         saved = {}
         for name, split in dm.splits.items():
             chunks = [
-                backbone(module.prepare(x, train=False)).float().flatten(1)
+                backbone(module.network_input(x, train=False)).float().flatten(1)
                 for x, _ in ResidentBatches(split, dm.eval_batch_size, shuffle=False)
             ]
             saved[name] = torch.cat(chunks)

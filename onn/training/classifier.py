@@ -158,8 +158,14 @@ class Classifier(EpochRecord, ONNModule):
 
     # -- the steps ------------------------------------------------------------------------------------
     def prepare(self, batch_x: torch.Tensor, train: bool) -> torch.Tensor:
+        """The batch as this module's forward takes it: cached features as they are, stored data transformed."""
         if self.inputs == "features":
             return batch_x.to(self.dtype)
+        return self.network_input(batch_x, train)
+
+    def network_input(self, batch_x: torch.Tensor, train: bool) -> torch.Tensor:
+        """A stored batch as the network takes it (normalised with data.mean/std, the log-mel, ...): what a linear
+        probe's backbone computes its cached features from, as infer and export run it."""
         if batch_x.is_floating_point():  # points in bf16 under bf16-true, as Lightning casts a float batch
             batch_x = batch_x.float()
         with in_float32(batch_x):  # the transform runs in fp32; the model in autocast
