@@ -162,7 +162,7 @@ def test_runs_started_together_measure_the_profile_once(tmp_path, monkeypatch):
     monkeypatch.setattr(hardware, "measure", lambda *args: pytest.fail("measured while another run was measuring"))
     mine = compose("hardware=auto", f"hardware.cache={cache.parent}").hardware
     got = []
-    with held(cache.parent):  # another run, measuring
+    with held(cache.parent, name=hardware.MEASURE_LOCK):  # another run, measuring
         waiting = threading.Thread(target=lambda: got.append(resolve(mine, tmp_path / "cache", tmp_path)))
         waiting.start()
         waiting.join(1.0)
