@@ -45,13 +45,11 @@ SPEC = ModelSpec(
 HW = Profile(name="test", accelerator="cpu", cpu_cores=2, disk_read_mb_s=1.0, matmul_tflops=0.1)
 
 
-def engine_reads(tmp_path: Path, chunk: int, layers: list[int], edges: str) -> tuple[Counter, int]:
+def engine_reads(tmp_path: Path, model, chunk: int, edges: str) -> tuple[Counter, int]:
     """The blocks (with their counts) and edge files the engine reads from a disk store in its second step, the
     first having left what every step leaves. Loads are synchronous (no prefetch), so each read
     falls in the step that makes it; the store's own read is counted, not replaced."""
-    engine = engine_for(
-        lora_model("llama", layers), chunk, kind="disk", prefetch=False, folder=tmp_path, stream_edges=edges == "stream"
-    )
+    engine = engine_for(model, chunk, kind="disk", prefetch=False, folder=tmp_path, stream_edges=edges == "stream")
     reads: list[int | str] = []
     read = engine.store.read
 
@@ -80,7 +78,7 @@ CASES = [  # chunk, trained blocks, edges: the engine's blocks read per step
 def test_plans_count_the_blocks_the_engine_reads(tmp_path, chunk, layers, edges):
     """step_loads gives the engine's loaded blocks; cpu_stream_timing charges exactly their bytes (and the edges'
     two reads when they stream); the network plan's predicted I/O is the time to read the same blocks."""
-    read, edge_reads = engine_reads(tmp_path / "store", chunk, layers, edges)
+    read, edge_reads = engine_reads(tmp_path / "store", lora_model("llama", layers), chunk, edges)
     n_chunks, low = -(-N // chunk), min(layers) // chunk
     forward, backward = step_loads(n_chunks, low, edges)
     ranges = [range(c * chunk, min(N, (c + 1) * chunk)) for c in forward + backward]
@@ -99,3 +97,56 @@ def test_plans_count_the_blocks_the_engine_reads(tmp_path, chunk, layers, edges)
         plan, _ = network_streaming(network, HW, 2, 1e12, FixedStreaming(store="disk", chunk_size=chunk), 8)
         read_mb = sum(frozen[i] * 4 * k for i, k in read.items()) / MB
         assert plan.predicted_io_s == pytest.approx(read_mb / HW.disk_read_mb_s, abs=1e-3)
+
+
+def bloom_model(layers: list[int]):
+    """test_streaming's tiny model as BLOOM, whose prefix computes with a weight besides its embedding table (the
+    embedding norm): streamed edges take it to the device."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BloomConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(BloomConfig(vocab_size=97, hidden_size=32, n_layer=N, n_head=4))
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["query_key_value", "dense"],
+        layers_to_transform=layers,
+        layers_pattern="h",
+        init_lora_weights=False,
+    )
+    return get_peft_model(model, lora).float()
+
+
+@pytest.mark.slow
+def test_a_prefix_with_device_weights_reads_chunk_0_again(tmp_path):
+    """BLOOM with streamed edges and chunk 0 trained: the engine gives chunk 0 back before the prefix takes its
+    embedding norm to the device, so the forward reads chunk 0 again; the spec records that such a prefix does so
+    (ModelSpec.prefix_device_stores), and step_loads and cpu_stream_timing then count it (the plans counted 14
+    blocks, the engine read 16)."""
+    from onn.models.layers import discover
+    from onn.planning.spec import _prefix_device_stores
+
+    model = bloom_model([0, 6])
+    stores = _prefix_device_stores(discover(model))
+    assert "float32" in stores
+    read, edge_reads = engine_reads(tmp_path / "store", model, 2, "stream")
+    forward, backward = step_loads(4, 0, "stream", prefix_on_device="float32" in stores)
+    assert Counter(i for c in forward + backward for i in range(2 * c, 2 * c + 2)) == read
+    assert sum(read.values()) == 16
+
+    spec = dataclasses.replace(SPEC, prefix_device_stores=stores)
+    shape = StreamShape(spec, HW, "float32", 10, 2, 4, [0, 6], 0, 0.0)
+    timing = cpu_stream_timing(shape, "float32", "disk", "stream", 2, 0)
+    files = block_bytes(spec, "float32")
+    assert timing["disk_bytes"] == pytest.approx(sum(files[i] * k for i, k in read.items()) + edge_reads * shape.edge)
+
+
+def test_an_embedding_only_prefix_puts_nothing_on_the_device():
+    """LLaMA's prefix is its token table alone, looked up in host memory: only an nf4 store takes it to the device
+    (its 32-wide rows straddle nf4's runs of 64), so chunk 0 stays kept otherwise (the cases above)."""
+    from onn.models.layers import discover
+    from onn.planning.spec import _prefix_device_stores
+
+    assert _prefix_device_stores(discover(lora_model("llama", [0]))) == ["nf4"]

@@ -178,7 +178,7 @@ def _train(job) -> tuple[Any, Any, dict[str, Any]]:
     run_config = dataclasses.replace(config, trainer=run_trainer)
     fit = trainer(run_config, plan, job.run_dir, [clock, probe], loggers=False, steps_per_epoch=dm.steps_per_epoch)
     peak, reserved_peak, retries = _fit_measured(fit, module, dm)
-    process = max(probe.process_mb)
+    process = probe.process_peak_mb()
     context = float(job.hardware.cuda_context_mb or 0.0)
     timed = slice(1, steps)  # the first step loads kernels and the first chunks; the last is profiled
     step_s = statistics.mean(clock.step_s[timed])
@@ -321,19 +321,27 @@ def _settings(plan) -> dict[str, Any]:
     }
 
 
+def _device_used_mb() -> float:
+    """The GPU's used memory, every process's: a driver query cheap enough for every step (nvidia-smi, the
+    per-process figure without pynvml, starts a process of some 0.3 s, which a step's loader overlaps)."""
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**20
+
+
 class _StepProbe:
-    """A callback: the process's GPU memory (NVML, context included) after every step, and the host-device
-    synchronisations of the last step (torch's sync debug mode), written to `path` by thread and by where they
-    happen, with torch.profiler's table of that step's kernels beside it (profile_last_step.txt). `syncs` counts
-    all but the loader threads' (their waits for their own copies hold nothing back). No step waits for the GPU
-    here: the memory readings need no wait, and a wait would stop the host from queueing the next step."""
+    """A callback: the GPU's used memory after every step (process_peak_mb makes it this process's, context
+    included), and the host-device synchronisations of the last step (torch's sync debug mode), written to `path`
+    by thread and by where they happen, with torch.profiler's table of that step's kernels beside it
+    (profile_last_step.txt). `syncs` counts all but the loader threads' (their waits for their own copies hold
+    nothing back). No step waits for the GPU here: the memory readings need no wait, and a wait would stop the
+    host from queueing the next step."""
 
     def __new__(cls, path: Path):
         import lightning as L
 
         class Probe(L.Callback):
             def __init__(self):
-                self.process_mb: list[float] = []
+                self.used_mb: list[float] = []
                 self.syncs = 0
                 self.timeline: dict[str, float] = {}  # the profiled step's GPU busy times (onn/bench/timeline.py)
                 self._seen: list[str] = []
@@ -355,9 +363,16 @@ class _StepProbe:
                     warnings.simplefilter("always")
                     torch.cuda.set_sync_debug_mode("warn")
 
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            def process_peak_mb(self) -> float:
+                """This process's GPU memory at the steps' highest: the most used memory a step ended with, less
+                what other processes hold, taken once after the steps (process_gpu_mb's per-process figure against
+                the used memory of the same moment; 0 where it falls back to the used memory itself)."""
                 from onn.hardware.profile import process_gpu_mb
 
+                used, own = _device_used_mb(), process_gpu_mb()
+                return max(self.used_mb) - max(0.0, used - own)
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
                 if self._show is not None:
                     import collections
                     import warnings
@@ -380,7 +395,7 @@ class _StepProbe:
                     path.write_text(
                         "".join(f"{n} x [{thread}] {where}\n" for (thread, where), n in counts.most_common())
                     )
-                self.process_mb.append(process_gpu_mb())
+                self.used_mb.append(_device_used_mb())
 
         return Probe()
 

@@ -239,7 +239,7 @@ def cpu_stream_memory(
     n_chunks = -(-n // chunk)
     # Kept per micro-batch: the input of every chunk from the lowest trainable one and the final hidden state
     # (the recompute takes the blocks' other arguments from the prefix, not its output).
-    kept = (n_chunks - min(s.lowest // chunk, n_chunks) + 1) * s.micro_batches if activations == "device" else 1
+    kept = (n_chunks - lowest_chunk(s.lowest, n, chunk) + 1) * s.micro_batches if activations == "device" else 1
     tokens = s.micro_batch * s.seq
     # the hidden states passed between chunks in the compute dtype; a chunk's saved activations as the precision keeps
     # them (under autocast with the norms' float32 values)
@@ -262,17 +262,27 @@ def cpu_stream_memory(
     }
 
 
-def step_loads(n_chunks: int, low: int, edges: str) -> tuple[list[int], list[int]]:
+def lowest_chunk(lowest: int, n: int, chunk: int) -> int:
+    """The chunk holding block `lowest`, the lowest trainable one, as StreamingEngine.lowest_chunk counts it: the
+    number of chunks when no block trains (`lowest` == n), even where `chunk` does not divide n."""
+    return lowest // chunk if lowest < n else -(-n // chunk)
+
+
+def step_loads(n_chunks: int, low: int, edges: str, prefix_on_device: bool = False) -> tuple[list[int], list[int]]:
     """The chunks a streamed training step loads in its steady state, forward and backward, as the engine runs
     it (StreamingEngine.forward_train, backward_chunks): the plans count these, so that what they charge is
     what the engine reads. `low`: the lowest chunk holding a trainable layer (n_chunks when none does).
 
     The previous step leaves its backward's last chunk, `low`, resident (the last chunk when nothing trains in
-    the blocks, unless streamed edges' suffix gave it back); the prefix keeps it (the embeddings are looked up
-    in host memory), but the forward begins at chunk 0, so it is reused only when it is chunk 0. The backward
-    walks from the last chunk down to `low`, reusing the last one unless streamed edges' suffix gave it back."""
+    the blocks, unless streamed edges' suffix gave it back); the prefix keeps it where its embeddings are looked
+    up in host memory, but gives it back where streamed edges take other prefix weights to the device
+    (`prefix_on_device`: ModelSpec.prefix_device_stores); the forward begins at chunk 0, so a kept chunk is
+    reused only when it is chunk 0. The backward walks from the last chunk down to `low`, reusing the last one
+    unless streamed edges' suffix gave it back."""
     last = n_chunks - 1
     kept = low if low < n_chunks else (last if edges == "resident" else None)
+    if edges == "stream" and prefix_on_device:
+        kept = None
     forward = [c for c in range(n_chunks) if not (c == 0 and kept == 0)]
     backward = list(range(last if edges == "stream" else last - 1, low - 1, -1))
     return forward, backward
@@ -287,8 +297,8 @@ def cpu_stream_timing(
     spec, hw, n = s.spec, s.hw, s.n
     files = block_bytes(spec, sd)
     chunks = [list(range(a, min(a + chunk, n))) for a in range(0, n, chunk)]
-    low = min(s.lowest // chunk, len(chunks))
-    forward, backward = step_loads(len(chunks), low, edges)
+    low = lowest_chunk(s.lowest, n, chunk)
+    forward, backward = step_loads(len(chunks), low, edges, sd in spec.prefix_device_stores)
     loads = [i for c in forward + backward for i in chunks[c]]
     cached = set(cached_blocks(n, cache, low * chunk if low < len(chunks) else n))
     disk = sum(files[i] for i in loads if store == "disk" and i not in cached)
@@ -626,7 +636,11 @@ def gpu_stream_memory(
     head = max(spec.suffix_params, spec.vocab * spec.hidden) * (DTYPE_BYTES[sd] if codes else cb) + tile
     tokens = s.micro_batch * s.seq
     n_chunks = -(-spec.n_blocks // chunk)
-    kept = (n_chunks - min(s.lowest // chunk, n_chunks) + 1) * s.micro_batches if activations == "device" else 0
+    kept = (
+        (n_chunks - lowest_chunk(s.lowest, spec.n_blocks, chunk) + 1) * s.micro_batches
+        if activations == "device"
+        else 0
+    )
     kept_bytes = kept * tokens * spec.hidden * cb
     # a chunk's recompute with grad (or the no-grad forward of `chunk` fused micro-batches: as large). The MLP's
     # four activations per intermediate feature are kept in the compute dtype (no float32 copies: the norms'
@@ -700,8 +714,8 @@ def gpu_stream_timing(
     spec, hw, n = s.spec, s.hw, s.spec.n_blocks
     files = block_bytes(spec, sd)
     chunks = [list(range(a, min(a + chunk, n))) for a in range(0, n, chunk)]
-    low = min(s.lowest // chunk, len(chunks))
-    forward, backward = step_loads(len(chunks), low, edges)
+    low = lowest_chunk(s.lowest, n, chunk)
+    forward, backward = step_loads(len(chunks), low, edges, sd in spec.prefix_device_stores)
     h2d = float(hw.h2d_mb_s or 10000.0) * MB
     disk_rate = float(hw.disk_read_mb_s or 1000.0) * MB
     cached = set(cached_blocks(n, cache, low * chunk if low < len(chunks) else n))
@@ -814,7 +828,7 @@ def network_stream_memory(
     held = sum(files) if store == "cpu" else min(n, cache) * max(files)
     decoded = DTYPE_BYTES[compute] * max(frozen) if store_dtype != compute else 0
     weights = held + 2 * chunk * (max(files) + decoded) + 4 * (spec.params - sum(frozen) - trained) + 4 * trained
-    lowest = min((i for i, t in enumerate(spec.lora_params_per_block) if t), default=n) // chunk
+    lowest = lowest_chunk(min((i for i, t in enumerate(spec.lora_params_per_block) if t), default=n), n, chunk)
     kept = (-(-n // chunk) - lowest + 2) * spec.boundary_bytes * batch
     blocks = spec.block_activation_bytes or [0]
     outside = max(0, spec.sample_activation_bytes - sum(blocks)) * batch
@@ -839,7 +853,7 @@ def network_step_reads(files: list[int], chunk: int, low: int, cached: set[int])
     """Bytes a network's streamed step reads from the disk in its steady state: the uncached blocks of the
     chunks it loads (step_loads; a network's edges stay resident)."""
     chunks = [list(range(a, min(a + chunk, len(files)))) for a in range(0, len(files), chunk)]
-    forward, backward = step_loads(len(chunks), min(low, len(chunks)), "resident")
+    forward, backward = step_loads(len(chunks), low, "resident")
     return sum(files[i] for c in forward + backward for i in chunks[c] if i not in cached)
 
 
