@@ -28,7 +28,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from onn.config.data import LabelledFiles, SplitData, eval_batch
 from onn.data.files import same_path
-from onn.data.labelled import check_bad
+from onn.data.labelled import below_wrapper, check_bad, same_text
 from onn.errors import UserError
 
 log = logging.getLogger("onn")
@@ -559,8 +559,9 @@ def untrained_classes(classes: list[str], labels: dict[str, torch.Tensor]) -> st
 
 def held_out_share(seed: int, name: str) -> float:
     """Where an item falls in [0, 1), drawn by a hash of (seed, its name): below data.val_split it is held out for
-    validation. Its name alone decides, never its position among the others (see ClassificationData._held_out)."""
-    digest = hashlib.blake2b(f"{seed}\0{name}".encode(), digest_size=8).digest()
+    validation. Its name alone decides, never its position among the others (see ClassificationData._held_out); in
+    NFC (same_text), so a copy macOS wrote with decomposed names holds out the same files."""
+    digest = hashlib.blake2b(f"{seed}\0{same_text(name)}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64
 
 
@@ -829,7 +830,8 @@ class ClassificationData(L.LightningDataModule):
         class has one item, none can be held out without its class, and the lowest-drawn goes (said as untrained)."""
         self._check_val_split(len(labels))
         fraction = float(self.cfg.val_split)
-        share = [held_out_share(self.seed, name) for name in names]
+        # hashed below an archive's wrapper folder: pets.zip's pets/cat/06.png is the folder pets/'s cat/06.png
+        share = [held_out_share(self.seed, name) for name in below_wrapper(names)]
         val = [i for i, s in enumerate(share) if s < fraction]
         kept = [i for i, s in enumerate(share) if s >= fraction]
         counts = Counter(labels[kept].tolist())
