@@ -22,12 +22,14 @@ from typing import Any
 
 import yaml
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from onn.bench.suite import STEP_TIME_TARGET
 from onn.tasks.record import planned_jobs, state
 
 log = logging.getLogger("onn")
+
+NUMBERED_SUBDIR = "${hydra.job.num}"  # Hydra's default hydra.sweep.subdir (and conf/config.yaml's)
 
 BENCH_KEYS = [
     "bench/step_s",
@@ -137,7 +139,11 @@ class GridCallback(Callback):
                 log.warning("grid: sweep folder %s does not exist; no grid written", sweep_dir)
                 return
             jobs = planned_jobs(config)  # None for another sweeper: its folder is checked as a whole (other_sweep)
-            paths, rows = _write_grid(sweep_dir, None if jobs is None else len(jobs))
+            # job folders are numbered (and a number past the count an earlier sweep's) only under Hydra's default
+            # subdir (what an unset one is): a user's ${data.batch_size} names them 32, 64, 128, all this sweep's
+            subdir = OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir", NUMBERED_SUBDIR)
+            numbered = subdir == NUMBERED_SUBDIR
+            paths, rows = _write_grid(sweep_dir, len(jobs) if jobs is not None and numbered else None)
             log.info("grid: %s", ", ".join(str(p) for p in paths))
             spread = spread_table(rows)
             print(markdown_table(rows) + ("" if spread is None else f"\n\n{spread}"), flush=True)

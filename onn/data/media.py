@@ -4,12 +4,16 @@ at a time for streaming. The modality brings the decoder: `load(source) -> (tens
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import json
 import logging
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import IO
 
 import numpy as np
@@ -29,6 +33,7 @@ from onn.data.labelled import (
 )
 from onn.data.resident import ClassificationData, Decoded, Undecodable
 from onn.errors import UserError
+from onn.hardware.disk import write_text_atomically
 
 log = logging.getLogger("onn")
 
@@ -139,18 +144,35 @@ class MediaReader:
             "label_column": data_cfg.label_column,
             "max_bad_fraction": data_cfg.max_bad_fraction,
         }
+        digest = content_digest(path)
         # known classes change the listing only where a lone top folder is one of them: then it is a class
-        kept = kept_class_folder(path, frozenset(self.suffixes), [*known, *(data_cfg.classes or [])])
+        kept = self.kept_folder(path, digest, [*known, *(data_cfg.classes or [])], cache_dir)
         if kept is not None:
             settings["class_folder"] = same_text(kept)
         workers = int(data_cfg.num_workers) or 1
         return cached_decode(
             self.kind,
-            {"digest": content_digest(path), **settings},
+            {"digest": digest, **settings},
             cache_dir,
             lambda: self.read(path, data_cfg, fit, key, workers=workers, known=known)[0],
             path,
         )
+
+    def kept_folder(self, path: str, digest: str, known: Sequence[str], cache_dir) -> str | None:
+        """kept_class_folder, for an archive remembered beside the decoded cache by its content digest: it lists the
+        members, which decompresses a tar.gz whole, and every run that knows its classes (an eval of a checkpoint)
+        needs it for the cache key, cached data or not. A folder's walk is what content_digest already paid."""
+        names = sorted({same_text(str(c)) for c in known})
+        if not names or archive_kind(path) is None:
+            return kept_class_folder(path, frozenset(self.suffixes), known)
+        key = json.dumps({"digest": digest, "suffixes": sorted(self.suffixes), "known": names})
+        memo = Path(cache_dir) / self.kind / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.kept.json"
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            return json.loads(memo.read_text())["kept"]
+        kept = kept_class_folder(path, frozenset(self.suffixes), known)
+        with contextlib.suppress(OSError, UserError):  # a cache folder the disk refuses: listed again next time
+            write_text_atomically(memo, json.dumps({"kept": kept}))
+        return kept
 
     def items(
         self, source: str, data_cfg: LabelledFiles, cache_dir, fit=None, known: Sequence[str] = ()

@@ -120,6 +120,7 @@ def _spec_cache_path(model_cfg: LanguageModelConfig, lora_rank: int, cache_dir: 
         "own_tokenizer": _folder_files(_own_tokenizer_folder(model_cfg)),  # it may resize the embeddings
         "name": model_cfg.name,
         "transformers": version("transformers"),
+        "peft": version("peft"),  # lora_refused is peft's own check
         "fields": [f.name for f in fields(ModelSpec)],  # a spec of another ONN version's shape is measured again
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
