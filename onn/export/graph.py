@@ -344,8 +344,9 @@ def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     their weights with ConstantOfShape: folded, those weights are initializers that blocks can hold.
     A node that would store a weight-sized copy wider than the weights it reads (a Cast of fp16 weights to fp32, a
     DequantizeLinear of int8 ones) stays, as does one the evaluator cannot run: the file keeps the weights' own
-    dtype and size. Shape and size arithmetic on weights still folds. Nodes are evaluated one at a time, each on
-    just the constants it reads, so the work is linear and a widened copy is dropped as soon as it is judged.
+    dtype and size. A copy of a weight an unfolded node still reads (a tied head's transpose) stays unfolded too. Shape
+    and size arithmetic on weights still folds. Nodes are evaluated one at a time, each on just the constants it
+    reads, so the work is linear and a widened copy is dropped as soon as it is judged.
     Nothing else changes: the graph keeps its nodes, names and order."""
     from onnx import numpy_helper
 
@@ -358,6 +359,7 @@ def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     initializers = {t.name: t for t in graph.initializer}
     # IR 3 lists every initializer among the inputs too (light_* models do): ONN never feeds those
     known = set(initializers) | set(constants)
+    staying = _read_unfolded(graph, known)
     values: dict[str, Any] = {}
     folded = []
     for node in graph.node:
@@ -365,18 +367,19 @@ def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         if node.domain not in ("", "ai.onnx") or node.op_type in NOT_FOLDED or not given or not given <= known:
             continue
         made = _evaluate(model, node, constants, initializers, values)
-        if made is None or _widens(node, made, weights):
+        if made is None or _widens(node, made, weights, staying):
+            staying.update(given)  # the node stays, so what it reads stays too
             continue
         folded.append(node)
         values.update(made)
         known.update(made)
-        if given & weights.keys():  # a weight's transpose (a tied head) is a weight too
-            weights.update((o, _bytes(v)) for o, v in made.items() if _weight_like(v))
+        if given & weights.keys() and node.op_type not in SHAPE_OPS:  # a weight's reshape or transpose is one too
+            weights.update((o, _bytes(v)) for o, v in made.items())
     if not folded:
         return model, 0
     gone = {id(n) for n in folded}
     kept_nodes = [n for n in graph.node if id(n) not in gone]
-    used = {i for n in kept_nodes for i in n.input} | {o.name for o in graph.output}
+    used = {i for n in kept_nodes for i in node_inputs(n)} | {o.name for o in graph.output}
     out = onnx.ModelProto()
     out.CopyFrom(model)
     del out.graph.node[:]
@@ -399,17 +402,33 @@ def _bytes(value: Any) -> int:
     return math.ceil(value.size * itemsize(onnx.helper.np_dtype_to_tensor_dtype(value.dtype)))
 
 
-def _weight_like(value: Any) -> bool:
-    """Whether a computed value is a weight by is_weight's rule, judged without converting it to a TensorProto."""
-    kind = onnx.helper.np_dtype_to_tensor_dtype(value.dtype)
-    return value.ndim >= 2 and value.size > 1 and kind in WEIGHT_TYPES
+def _read_unfolded(graph, known: set[str]) -> set[str]:
+    """The names that nodes which cannot fold read (with what their subgraphs read), and the graph's outputs:
+    those stay in the file whatever folds, so a fold that copies one of them adds its bytes."""
+    staying = {o.name for o in graph.output}
+    known = set(known)
+    for node in graph.node:
+        given = {i for i in node.input if i}
+        if node.domain in ("", "ai.onnx") and node.op_type not in NOT_FOLDED and given and given <= known:
+            known.update(o for o in node.output if o)
+        else:
+            staying.update(node_inputs(node))
+    return staying
 
 
-def _widens(node: onnx.NodeProto, made: dict[str, Any], weights: dict[str, int]) -> bool:
-    """Whether folding `node` would store more bytes than the weights it reads: a widened copy of them (fp16 cast to
-    fp32, int8 dequantized). A Shape or Size of a weight makes a few int64s and folds, as does a transpose."""
-    read = sum(weights[i] for i in set(node.input) if i in weights)
-    return read > 0 and sum(_bytes(v) for v in made.values()) > read
+SHAPE_OPS = {"Shape", "Size"}  # their outputs are a weight's metadata, a few int64s, not a copy of it
+
+
+def _widens(node: onnx.NodeProto, made: dict[str, Any], weights: dict[str, int], staying: set[str]) -> bool:
+    """Whether folding `node` would store more bytes than it lets go: a widened copy of the weights it reads (fp16
+    cast to fp32, int8 dequantized), or any copy of a weight that stays because an unfolded node reads it too (the
+    transpose of a tied head). A Shape or Size of a weight makes a few int64s and folds, as does the transpose or
+    reshape of a weight nothing else reads."""
+    read = [i for i in set(node.input) if i in weights]
+    if not read or node.op_type in SHAPE_OPS:
+        return False
+    freed = sum(weights[i] for i in read if i not in staying)
+    return sum(_bytes(v) for v in made.values()) > freed
 
 
 def _evaluate(
