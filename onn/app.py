@@ -572,6 +572,9 @@ def from_checkpoint(config: ONNConfig, given: set[str]) -> tuple[Path, dict[str,
     data.source replaces the checkpoint's files (its val/test sources too). Returns the checkpoint and where
     each group came from."""
     ckpt = resolve_checkpoint(config.ckpt, config.paths.outputs)
+    # resolved once: ckpt=last searched paths.outputs again wherever config.ckpt was read (task=serve's every upload)
+    # and could find a newer run's checkpoint than the one loaded
+    config.ckpt = str(ckpt)
     saved = saved_config(ckpt)
     if "model" not in saved:  # {} for a checkpoint another tool wrote
         raise UserError(f"ckpt {ckpt} holds no ONN run config (written by another tool?); it cannot be rebuilt.")

@@ -83,7 +83,6 @@ def test_the_audio_and_video_sniffers_leave_an_unreadable_folder_unsaid(unreadab
     assert not [r for r in caplog.records if "cannot be read" in r.getMessage()]
 
 
-@pytest.mark.xfail(reason="the pairs and image sniffers warn too: /tmp/w1/splitfix/outside.diff", strict=False)
 def test_detect_names_an_unreadable_folder_at_most_once(unreadable_bird, caplog):
     with caplog.at_level(logging.WARNING):
         assert detect(unreadable_bird)[0].name == "image"

@@ -288,8 +288,12 @@ def parse_problem(argv: list[str]) -> str | None:
         if arg.startswith("-") or not equals or not _parses(parser, f"{key}=x"):
             continue  # Hydra's option, or a key it cannot read: its own message names that
         if not _parses(parser, arg):
-            # in bash: single quotes keep Hydra's double quotes; a value holding an apostrophe needs the shell's
-            shell = f"'{key}=\"{value}\"'" if "'" not in value else f'"{key}=\\"{value}\\""'
+            # Hydra's quoted form escapes a double quote inside it (and the backslashes before one or before its
+            # closing quote); in bash, single quotes keep that form as written, and a value holding an apostrophe
+            # needs the shell's double quotes, inside which \\ " $ ` are escaped
+            escaped = re.sub(r'(\\*)("|$)', lambda m: m[1] * 2 + "\\" * len(m[2]) + m[2], value)  # Hydra's escapes
+            quoted = f'{key}="{escaped}"'
+            shell = f"'{quoted}'" if "'" not in value else '"' + re.sub(r'([\\"$`])', r"\\\1", quoted) + '"'
             return (
                 f"{arg}: Hydra cannot read this value (a quote, bracket or other character its override grammar "
                 f"reserves); quote the value for Hydra inside the shell's quotes, e.g. {shell}."

@@ -126,7 +126,8 @@ def find_pairs(
             raise UserError(f"{key} {path} is not a folder, a .tar shard or a metadata.jsonl/.csv; expected {LAYOUT}.")
         return _by_stem([(path.name, path)], wanted, limit)
     metadata, files = [], []
-    for rel, full in walk_files(path):
+    # a quick look (limit) stays silent on a folder it cannot list: the listing that reads the source names it
+    for rel, full in walk_files(path, unreadable=[] if limit is not None else None):
         if full.name.lower() in METADATA:
             metadata.append(full)
         else:

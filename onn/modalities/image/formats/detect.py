@@ -66,13 +66,13 @@ def _classify(names: list[str], where: str, key: str) -> str | None:
 
 
 def _detect_dir(path: Path, key: str) -> str:
-    names = [rel for rel, _ in walk_files(path, max_depth=2)]
+    names = [rel for rel, _ in walk_files(path, max_depth=2, unreadable=[])]  # the listing names an unreadable folder
     fmt = _classify(names, str(path), key)
     if fmt:
         return fmt
     if any("/" not in n and n.lower().endswith((".csv", ".tsv")) and split_of(n) for n in names):
         return "csv"
-    if any(True for _ in image_files(path)):
+    if any(True for _ in image_files(path, unreadable=[])):
         return "folder"
     raise UserError(f"{key} {path} holds no images or dataset files I recognise; {HELP}.")
 

@@ -34,9 +34,10 @@ from onn.modalities.image.formats.common import (
 )
 
 
-def image_files(root: Path) -> Iterator[tuple[str, Path]]:
-    """(relative name, path) of every image under a folder (see walk_files for links and hidden files)."""
-    for rel, path in walk_files(root):
+def image_files(root: Path, unreadable: list[str] | None = None) -> Iterator[tuple[str, Path]]:
+    """(relative name, path) of every image under a folder (see walk_files for links and hidden files). A folder
+    that cannot be listed goes into `unreadable` ("name/: why"), to count with the refused files, when given."""
+    for rel, path in walk_files(root, unreadable=unreadable):
         if is_image_name(rel):
             yield rel, path
             continue
@@ -54,7 +55,7 @@ def list_tree(path: Path, key: str, allow_unlabelled: bool, stream: bool) -> Lis
     """The splits of a folder or archive of class folders; stream: only random-access sources."""
     rejected: list[str] = []
     if path.is_dir():
-        found = list(image_files(path))
+        found = list(image_files(path, rejected))  # an unreadable class folder counts as refused
         names = [n for n, _ in found]
         paths = [p for _, p in found]
 
