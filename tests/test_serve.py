@@ -314,6 +314,22 @@ def test_openai_fields_the_server_does_not_compute_are_refused_unless_they_ask_f
         assert http.post("/v1/completions", json=completion).status_code == 200
 
 
+def test_a_bool_is_no_neutral_number_and_every_chunk_carries_usage_when_asked(lm):
+    """best_of=true was taken (True == 1 matched its neutral 1); OpenAI refuses it. With
+    stream_options.include_usage every chunk has a usage field, null until the last (OpenAI's reference)."""
+    with client(lm) as http:
+        response = http.post("/v1/completions", json={"model": MODEL, "max_tokens": 2, "prompt": "hi", "best_of": True})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "best_of", response.text
+        body = {"model": MODEL, "prompt": "12+3=", "max_tokens": 4, "temperature": 0, "stream": True}
+        with http.stream("POST", "/v1/completions", json={**body, "stream_options": {"include_usage": True}}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+        assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["completion_tokens"] >= 1
+        with http.stream("POST", "/v1/completions", json=body) as r:  # not asked: no usage field at all
+            assert all(
+                "usage" not in json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"
+            )
+
+
 def test_output_and_sampler_fields_the_server_does_not_apply_are_refused(lm):
     """modalities: ["audio"], audio, top_k, min_p and repetition_penalty were answered 200 with plain text and
     greedy or top-p tokens: a 400 naming the field now, while the values that ask for nothing are taken."""
@@ -685,8 +701,10 @@ def test_ctrl_c_ends_the_requests_in_flight_with_an_error_and_a_streams_done(tmp
             stopped.set()
             response, events = whole.result(), stream.result()
     assert response.status_code == 503, response.text
-    assert "shutting down" in response.json()["error"]["message"]
-    assert events[-1] == "data: [DONE]" and "shutting down" in json.loads(events[-2][6:])["error"]["message"]
+    error, streamed_error = response.json()["error"], json.loads(events[-2][6:])["error"]
+    assert "shutting down" in error["message"] and error["code"] == "server_shutting_down"  # retry elsewhere
+    assert events[-1] == "data: [DONE]" and "shutting down" in streamed_error["message"]
+    assert streamed_error["code"] == "server_shutting_down"
 
 
 def test_an_upload_keeps_its_extension_when_its_name_has_dots_of_its_own():

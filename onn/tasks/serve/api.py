@@ -584,7 +584,9 @@ class Server:
                 if chat
                 else {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
             )
-            return _sse({"id": rid, "object": chunk_kind, "created": now, "model": name, "choices": [choice]})
+            out = {"id": rid, "object": chunk_kind, "created": now, "model": name, "choices": [choice]}
+            # with include_usage, OpenAI gives every chunk a usage field, null until the last
+            return _sse({**out, "usage": None} if usage else out)
 
         outcome = "requests"  # a client that left midway was answered
         finishes: list[dict[str, Any] | None] = [None] * len(seqs)
@@ -876,7 +878,9 @@ def _refuse_unimplemented(req: Generation) -> None:
         elif name in ASKS_WHEN_GIVEN:
             neutral = value is None
         else:
-            neutral = value in NEUTRAL or value == NEUTRAL_OWN.get(name)
+            # equal and a bool only where the neutral is one: True == 1 and False == 0 passed best_of=true
+            same = (n for n in (*NEUTRAL, NEUTRAL_OWN.get(name)) if n is not None)
+            neutral = value is None or any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in same)
         if asks_logprobs or not neutral:
             raise ApiError(
                 400,
@@ -940,7 +944,8 @@ def _context(lm) -> int | None:
 def _error_code(finish: dict[str, Any]) -> str:
     """An error event's code: out_of_memory (this request did not fit beside the others; they went on),
     model_diverged (the model's scores for it were NaN or inf), model_unavailable (the engine could not be reset after
-    a failed step), else generation_failed."""
+    a failed step), server_shutting_down (the server stopped before it ended: retry elsewhere), else
+    generation_failed."""
     return finish.get("code") or "generation_failed"
 
 

@@ -147,7 +147,7 @@ class Scheduler:
         """Queue `seqs` (the lock held); past the loop's last sweep each is told at once, not left waiting."""
         for seq in seqs:
             if self.stopping:
-                _send(seq, {"finish": "error", "error": SHUTTING_DOWN})
+                _send(seq, {"finish": "error", "error": SHUTTING_DOWN, "code": "server_shutting_down"})
             else:
                 self.waiting.append(seq)
         self.lock.notify()
@@ -183,7 +183,7 @@ class Scheduler:
                 self.stopping = True
                 left = [*self.active, *self.waiting]
             for seq in left:
-                _send(seq, {"finish": "error", "error": SHUTTING_DOWN})
+                _send(seq, {"finish": "error", "error": SHUTTING_DOWN, "code": "server_shutting_down"})
             if self.lm.engine is not None:
                 try:
                     self.lm.engine.close()
