@@ -140,7 +140,7 @@ def bos_ids(tokenizer) -> list[int]:
     return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
 
-NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+NUMBER = re.compile(r"(?<!\d)-?\d[\d,]*(?:\.\d+)?")  # "5-10" is a range ending at 10, not -10
 
 
 def extract_answer(text: str, pattern: str | None, last_number: bool = False) -> str:
@@ -200,8 +200,8 @@ def answered_splits(prompter: Prompter, cfg: TextData, seed: int) -> tuple[Examp
     a file with every answer given is split as before. bench_giant prompts by it, so it asks what training scores."""
     train, val = load_splits(cfg, seed)
     val_key = "data.val_source" if cfg.val_source else "data.source"
-    train_examples, val_examples = prompter.examples(train, "data.source"), prompter.examples(val, val_key)
     if cfg.val_source or str(cfg.source).startswith("builtin:"):  # a held-out set of its own
+        train_examples, val_examples = prompter.examples(train, "data.source"), prompter.examples(val, val_key)
         kept = answered(
             [
                 Split(train_examples, train.where, "data.source", cfg.source, "training"),
@@ -209,6 +209,9 @@ def answered_splits(prompter: Prompter, cfg: TextData, seed: int) -> tuple[Examp
             ]
         )
         return kept[0], kept[1]
+    # One file: its empty prompts are counted over all its records, not per split (the seed chose the verdict).
+    whole = prompter.examples(Records(train + val, train.where + val.where), "data.source")
+    train_examples, val_examples = whole[: len(train)], whole[len(train) :]
     [(examples, where)] = answered(
         [Split(val_examples + train_examples, val.where + train.where, "data.source", cfg.source, "training")]
     )
@@ -344,7 +347,7 @@ class TextDataModule(L.LightningDataModule):
                 [Split(examples, val.where, val_key, cfg.val_source, "validation")]
             )
         else:  # `_scan` held out answered records only
-            self.val_examples, self.val_where = self.prompter.examples(held, val_key), held.where
+            self.val_examples, self.val_where = self.prompter.examples(held, val_key, check=False), held.where
         self.val_set = self._encode_all(self.val_examples, self.val_where, val_key)
         self.train_records = rows
         self.stream = ShuffledStream(reader, start, rows, cfg.shuffle_buffer, self.seed, self._encode, self._answered)

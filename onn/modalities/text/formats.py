@@ -155,7 +155,8 @@ def _through_first_line(path: str | Path) -> tuple[bytes, bool]:
 def detect(text: str, complete: bool, suffix: str = "") -> str:
     """The format of a text (the whole file when `complete`, else its head); `suffix`: the file's (lower case).
     Named .csv, a lone column name on the first line is a one-column CSV's header; named .txt, a text that starts
-    with [ or { is JSON only where it parses as JSON (lyrics' "[Verse 1]" line is text)."""
+    with [ or { is JSON only where it parses as JSON (lyrics' "[Verse 1]" line is text); named .jsonl, a first line
+    that is a JSON object makes it JSON lines even when it is the only line."""
     text = text.lstrip("\ufeff")
     stripped = text.lstrip()
     if suffix == ".txt" and stripped.startswith(("[", "{")) and not _json_in_txt(stripped, complete):
@@ -168,7 +169,9 @@ def detect(text: str, complete: bool, suffix: str = "") -> str:
             json.loads(first)
         except json.JSONDecodeError:
             return "json"  # a multi-line JSON document
-        return "jsonl" if rest.strip() else "json"  # several one-line objects, or one document on one line
+        if suffix == ".jsonl" or rest.strip():  # a one-line .jsonl file is one record, not a document to unwrap
+            return "jsonl"
+        return "json"  # one document on one line
     if complete and _json_scalar(stripped):
         return "json"  # a bare number or string: the JSON reader says it holds no records
     lines = text if complete else text[: text.rfind("\n") + 1]

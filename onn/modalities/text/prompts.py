@@ -341,9 +341,11 @@ class Prompter:
         (datamodule.encode): the tokenizer's own special tokens may hold none (GPT-2's and SmolLM2's do not)."""
         return self.plain
 
-    def examples(self, records: Records, key: str = "data.source") -> list[tuple[str, str]]:
+    def examples(self, records: Records, key: str = "data.source", check: bool = True) -> list[tuple[str, str]]:
         """(prompt, answer) per record, by the layout of the file `key` names (a plain-text training file may
-        come with question/answer validation records); plain text records give ("", text): loss on every token."""
+        come with question/answer validation records); plain text records give ("", text): loss on every token.
+        `check`: refuse mostly empty prompts; off for a slice of a file already checked (a few held-out records
+        of a file with 10% empty prompts read as 100% under one seed)."""
         layout = self.layouts.get(key)
         if layout is None:
             layout = self.layouts[key] = choose_layout(records, self.cfg.fields, key)
@@ -361,7 +363,8 @@ class Prompter:
             pair, blank = self._example(record, where, layout)
             out.append(pair)
             empty += blank
-        self._check_empty(records, empty, key, layout)
+        if check:
+            self._check_empty(records, empty, key, layout)
         return out
 
     def example(self, record: dict[str, Any], where: str) -> tuple[str, str]:

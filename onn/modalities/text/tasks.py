@@ -653,7 +653,7 @@ def _infer(job: Job, lm: LanguageModel, output: Path | None) -> dict[str, Any]:
             model, tokenizer, prompts, places, gen["max_new_tokens"], special, auto, bos
         )
         completions = complete(model, tokenizer, prompts, engine=engine, **gen)
-        write_jsonl([{**r, "completion": c} for r, c in zip(rows, completions)], output)
+        write_jsonl(prediction_rows(rows, completions, task.input), output)
         print(f"wrote {len(rows)} completions to {output}")
         empty = sum(not c.strip() for c in completions)
         if empty:
@@ -695,6 +695,24 @@ def _infer(job: Job, lm: LanguageModel, output: Path | None) -> dict[str, Any]:
         print(f"wrote {picture}: each token coloured by the probability the model gave it")
         metrics["infer/picture"] = str(picture)
     return metrics
+
+
+def prediction_rows(rows: list[dict[str, Any]], completions: list[str], source: str) -> list[dict[str, Any]]:
+    """Each input row with its generation as `completion`; a `completion` the row already held (a reference
+    answer) moves to `reference_completion` rather than being overwritten, with one warning for the file."""
+    out = []
+    for row, completion in zip(rows, completions):
+        row = dict(row)
+        if "completion" in row:
+            row["reference_completion"] = row.pop("completion")
+        out.append({**row, "completion": completion})
+    if any("completion" in row for row in rows):
+        log.warning(
+            "task.input %s has a 'completion' field: predictions keep it as 'reference_completion' and write "
+            "the generated text as 'completion'",
+            source,
+        )
+    return out
 
 
 def predictions_path(job: Job) -> Path:
