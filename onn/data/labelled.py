@@ -281,15 +281,6 @@ def _lone_top(names: list[str]) -> str | None:
     return None
 
 
-def below_wrapper(names: list[str]) -> list[str]:
-    """`names` below the one top folder they all share (_lone_top), else as they are: a zip of a folder keeps that
-    folder (pets/cat/06.png) where the folder itself lists cat/06.png, and a held-out draw by name must take the
-    same files from both."""
-    if not names or _lone_top(names) is None:
-        return names
-    return [name.split("/", 1)[1] for name in names]
-
-
 def kept_class_folder(source: str | os.PathLike, suffixes: frozenset[str], known: Sequence[str]) -> str | None:
     """The lone top folder of `source` that a folder listing keeps as a class because it is one of `known`, else
     None: the one way known classes change a listing, so the decoded cache's key names it and only it (an eval of

@@ -28,7 +28,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from onn.config.data import LabelledFiles, SplitData, eval_batch
 from onn.data.files import same_path
-from onn.data.labelled import below_wrapper, check_bad, same_text
+from onn.data.labelled import check_bad, same_text
 from onn.errors import UserError
 
 log = logging.getLogger("onn")
@@ -559,9 +559,13 @@ def untrained_classes(classes: list[str], labels: dict[str, torch.Tensor]) -> st
 
 def held_out_share(seed: int, name: str) -> float:
     """Where an item falls in [0, 1), drawn by a hash of (seed, its name): below data.val_split it is held out for
-    validation. Its name alone decides, never its position among the others (see ClassificationData._held_out); in
-    NFC (same_text), so a copy macOS wrote with decomposed names holds out the same files."""
-    digest = hashlib.blake2b(f"{seed}\0{same_text(name)}".encode(), digest_size=8).digest()
+    validation. Its name alone decides, never its position among the others (see ClassificationData._held_out): its
+    last folder and file name (cat/06.png, whatever folders hold them: the folder pets/ and the zip pets.zip, whose
+    members are pets/cat/06.png, hold out the same files; which folders are an archive's wrapper depends on the
+    other names, and a draw that looked at them moved items when files were added), in NFC (same_text), so a copy
+    macOS wrote with decomposed names holds out the same files too. Two items of one name share their draw."""
+    tail = "/".join(same_text(name).split("/")[-2:])
+    digest = hashlib.blake2b(f"{seed}\0{tail}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64
 
 
@@ -830,8 +834,7 @@ class ClassificationData(L.LightningDataModule):
         class has one item, none can be held out without its class, and the lowest-drawn goes (said as untrained)."""
         self._check_val_split(len(labels))
         fraction = float(self.cfg.val_split)
-        # hashed below an archive's wrapper folder: pets.zip's pets/cat/06.png is the folder pets/'s cat/06.png
-        share = [held_out_share(self.seed, name) for name in below_wrapper(names)]
+        share = [held_out_share(self.seed, name) for name in names]
         val = [i for i, s in enumerate(share) if s < fraction]
         kept = [i for i, s in enumerate(share) if s >= fraction]
         counts = Counter(labels[kept].tolist())
