@@ -38,7 +38,7 @@ class TrainTask(TaskConfig):
     # from one chunk to the next, detached (truncated BPTT); 0: through the whole sequence
     tbptt_steps: int = MISSING
     # diffusion (onn/modalities/diffusion): how task=infer and task=eval draw images
-    seed: int = MISSING  # the sampling noise's seed: the same seed, checkpoint and steps give the same images
+    seed: int = MISSING  # the sampling seed: diffusion's images and text task=infer's sampled completions
     sampler: str = MISSING  # ddim (few steps) | ddpm (every training timestep)
     sample_steps: int = MISSING  # denoising steps (ddim); ddpm takes the schedule's own
     samples: int = MISSING  # images drawn

@@ -452,8 +452,8 @@ def _random_model(model_cfg: LanguageModelConfig, dtype):
         with contextlib.suppress(UserError):  # no repeated blocks: never streamed
             layer_map = discover(model, model_cfg.layer_map.blocks)
     if layer_map is None:
-        torch.manual_seed(INIT_SEED)
-        return auto.from_config(config, trust_remote_code=remote)
+        with seeded_draw(INIT_SEED, torch.device("cpu")):  # built on the CPU
+            return auto.from_config(config, trust_remote_code=remote)
     device = random_draw_device(None)
     for i, block in enumerate(layer_map.blocks):
         draw_random(model, block, block_seed(INIT_SEED, i), device, dtype=dtype)
@@ -498,13 +498,29 @@ def draw_random(model, module, seed: int, device="cpu", recurse: bool = True, dt
     if in_dtype and dtype is not None:
         for param in module.parameters(recurse=recurse):
             param.data = torch.empty_like(param.data, dtype=dtype)
-    torch.manual_seed(seed)
-    if recurse:
-        _init_children_first(model._init_weights, module)
-    else:
-        model._init_weights(module)
+    with seeded_draw(seed, torch.device(device)):
+        if recurse:
+            _init_children_first(model._init_weights, module)
+        else:
+            model._init_weights(module)
     for param in module.parameters(recurse=recurse):
         param.data = param.data.to(dtype or param.dtype)
+
+
+@contextlib.contextmanager
+def seeded_draw(seed: int, device) -> Iterator[None]:
+    """Draws seeded with `seed` on `device`'s generator (and the CPU's), whose states are given back afterwards: a
+    random model's build leaves the run's own seeded streams (dropout, sampling) as seed= set them."""
+    import torch
+
+    cuda = device.type == "cuda"
+    index = device.index if device.index is not None else torch.cuda.current_device() if cuda else None
+    with torch.random.fork_rng(devices=[index] if cuda else []):
+        torch.random.default_generator.manual_seed(seed)
+        if cuda:
+            with torch.cuda.device(index):
+                torch.cuda.manual_seed(seed)
+        yield
 
 
 def _init_children_first(init, module) -> None:

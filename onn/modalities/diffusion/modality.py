@@ -51,7 +51,8 @@ class DiffusionModality(Modality):
         if config.strategy.name == "sparse_lora" and model.ema_decay:
             raise UserError(
                 f"model.ema_decay={model.ema_decay}: a streamed denoiser keeps no moving average of its weights (the "
-                "frozen ones live in the layer store): set model.ema_decay=0 with strategy=sparse_lora."
+                "frozen ones live in the layer store), and strategy=sparse_lora streams a denoiser's blocks whatever "
+                "strategy.lightning says: set model.ema_decay=0, or use strategy=full."
             )
         if model.ema_decay and config.strategy.lightning == "fsdp" and str(config.strategy.precision).endswith("-true"):
             raise UserError(  # FSDP flattens the module, moving average included, and refuses mixed dtypes

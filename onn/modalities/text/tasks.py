@@ -643,6 +643,8 @@ def _infer(job: Job, lm: LanguageModel, output: Path | None) -> dict[str, Any]:
         "bos": bos,
         "turn_end": prompter.answer_end,  # how the model was trained ended its answers: serve stops there too
     }
+    # the sampling draws from task.seed, as diffusion's images do: the same checkpoint, prompt and seed, the same text
+    torch.manual_seed(task.seed)
     auto = task.max_new_tokens == "auto"
     said = {"infer/prompt_format": prompter.prompt_format if task.template else "none (task.template=false)"}
     if task.input:
