@@ -112,10 +112,10 @@ def test_an_unreadable_class_folder_of_an_image_folder_is_among_the_skipped(tmp_
     classes as the whole dataset, and data.max_bad_fraction never counted it."""
     from onn.modalities.image.formats import read_splits
 
-    source = class_folders(tmp_path / "src", ["bird", "cat", "dog"], 3)
-    refusing_scandir(monkeypatch, "dog")
+    source = class_folders(tmp_path / "src", ["bird", "cat", "dog", "dog/old"], 3)
+    refusing_scandir(monkeypatch, "old")  # below a class: one refused item (a class folder itself is refused)
     sets = read_splits(source, max_bad_fraction=0.5)
     skipped = [s for d in sets.values() for s in d.skipped]
-    assert any(s.startswith("dog/") and "cannot be read" in s for s in skipped), skipped
-    with pytest.raises(UserError, match="dog/"):  # 1 of 7 items refused: over a max_bad_fraction of 0.1
-        read_splits(source, max_bad_fraction=0.1)
+    assert any(s.startswith("dog/old/") and "cannot be read" in s for s in skipped), skipped
+    with pytest.raises(UserError, match="dog/old/"):  # 1 of 10 items refused: over a max_bad_fraction of 0.05
+        read_splits(source, max_bad_fraction=0.05)

@@ -202,6 +202,7 @@ def list_labelled(
     if mode == "manifest":
         labelled = _manifest_labels(media, manifests, label_column, key, path, refused)
     elif mode == "folder":
+        refuse_unread_classes(refused, list(media), path, key)
         labelled = _folder_labels(media, key, path, allow_unlabelled, known)
     else:
         labelled = _regex_labels(media, mode, key)
@@ -300,6 +301,24 @@ def kept_class_folder(source: str | os.PathLike, suffixes: frozenset[str], known
     names = [n for n in names if extension(n) in suffixes]
     top = _lone_top(names) if names else None
     return top if top is not None and same_text(top) in {same_text(str(c)) for c in known} else None
+
+
+def refuse_unread_classes(unreadable: list[str], names: list[str], path: Path, key: str) -> None:
+    """Refuse an unreadable folder where class folders sit (CLASS/, SPLIT/CLASS/, or WRAPPER/CLASS/ when all the
+    names share one top folder): counted as one bad item it passed max_bad_fraction and the run trained without
+    that label. `unreadable` holds walk_files' "name/: why" entries; a deeper folder counts as one item."""
+    tops = {n.split("/", 1)[0] for n in names}
+    wrapped = len(tops) == 1 and all(n.count("/") >= 2 for n in names)
+    for entry in unreadable:
+        rel, _, why = entry.partition("/: ")
+        parts = rel.split("/")
+        if rel == "." or not why.startswith("a folder that cannot be read"):
+            continue
+        if len(parts) == 1 or (len(parts) == 2 and (parts[0].lower() in SPLITS or (wrapped and tops == {parts[0]}))):
+            raise UserError(
+                f"{key}: the folder {path / rel} cannot be read ({why.partition('(')[2].rstrip(')')}) and holds "
+                "a class or a split the run would go without; fix its permissions or move it out of the source."
+            )
 
 
 def _split(parts: list[str]) -> str:

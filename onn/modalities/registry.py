@@ -7,10 +7,11 @@ detect(path)                    # data=auto: the modality whose sniffer recognis
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
-from onn.data.files import existing_source
+from onn.data.files import existing_source, walk_files
 from onn.errors import UserError
 from onn.modalities.base import Modality
 
@@ -63,5 +64,17 @@ def detect(source: str | os.PathLike, model_schema: type | None = None) -> tuple
         return first
     known = ", ".join(m.description for m in REGISTRY.values())
     raise UserError(
-        f"data.source={text}: no modality recognises what it holds ({known}); choose the data config with data=NAME."
+        f"data.source={text}: no modality recognises what it holds{_unread(path)} ({known}); choose the data config "
+        "with data=NAME."
     )
+
+
+def _unread(path: Path) -> str:
+    """' (not read: FOLDER/: why)' for the folders of a source's first two levels that cannot be listed: the
+    sniffers pass them over quietly, and a source whose root cannot be read looked merely unrecognised."""
+    unreadable: list[str] = []
+    if path.is_dir():
+        for _ in itertools.islice(walk_files(path, max_depth=2, unreadable=unreadable), 10_000):
+            pass
+    named = [f"{path / rel}/: {why}" for rel, _, why in (e.partition("/: ") for e in unreadable[:3])]
+    return f" (not read: {'; '.join(named)})" if named else ""

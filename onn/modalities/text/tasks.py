@@ -701,17 +701,20 @@ def _infer(job: Job, lm: LanguageModel, output: Path | None) -> dict[str, Any]:
 
 def prediction_rows(rows: list[dict[str, Any]], completions: list[str], source: str) -> list[dict[str, Any]]:
     """Each input row with its generation as `completion`; a `completion` the row already held (a reference
-    answer) moves to `reference_completion` rather than being overwritten, with one warning for the file."""
+    answer) moves to `reference_completion` rather than being overwritten, with one warning for the file. A row
+    that already has a `reference_completion` (an earlier run's predictions.jsonl) keeps it: its `completion` was
+    that run's generation, dropped, where moving it overwrote the real reference."""
     out = []
     for row, completion in zip(rows, completions):
         row = dict(row)
-        if "completion" in row:
+        if "completion" in row and "reference_completion" not in row:
             row["reference_completion"] = row.pop("completion")
         out.append({**row, "completion": completion})
     if any("completion" in row for row in rows):
         log.warning(
-            "task.input %s has a 'completion' field: predictions keep it as 'reference_completion' and write "
-            "the generated text as 'completion'",
+            "task.input %s has a 'completion' field: predictions keep it as 'reference_completion' (a row that "
+            "already has a 'reference_completion', an earlier run's predictions, keeps that one and its old "
+            "'completion' is replaced) and write the generated text as 'completion'",
             source,
         )
     return out

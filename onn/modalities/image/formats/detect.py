@@ -66,7 +66,8 @@ def _classify(names: list[str], where: str, key: str) -> str | None:
 
 
 def _detect_dir(path: Path, key: str) -> str:
-    names = [rel for rel, _ in walk_files(path, max_depth=2, unreadable=[])]  # the listing names an unreadable folder
+    unreadable: list[str] = []  # said only when nothing is found: the listing that follows names them
+    names = [rel for rel, _ in walk_files(path, max_depth=2, unreadable=unreadable)]
     fmt = _classify(names, str(path), key)
     if fmt:
         return fmt
@@ -74,7 +75,9 @@ def _detect_dir(path: Path, key: str) -> str:
         return "csv"
     if any(True for _ in image_files(path, unreadable=[])):
         return "folder"
-    raise UserError(f"{key} {path} holds no images or dataset files I recognise; {HELP}.")
+    named = [f"{path / rel}/: {why}" for rel, _, why in (e.partition("/: ") for e in unreadable[:3])]
+    unread = f" (not read: {'; '.join(named)})" if named else ""
+    raise UserError(f"{key} {path} holds no images or dataset files I recognise{unread}; {HELP}.")
 
 
 def _detect_file(path: Path, key: str) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from onn.data.files import ARCHIVE_ERRORS, archive_kind, is_hidden, iter_members, read_head, reported, walk_files
-from onn.data.labelled import same_text, sort_classes, split_folders
+from onn.data.labelled import refuse_unread_classes, same_text, sort_classes, split_folders
 from onn.errors import UserError
 from onn.modalities.image.formats.common import (
     HELP,
@@ -55,8 +55,9 @@ def list_tree(path: Path, key: str, allow_unlabelled: bool, stream: bool) -> Lis
     """The splits of a folder or archive of class folders; stream: only random-access sources."""
     rejected: list[str] = []
     if path.is_dir():
-        found = list(image_files(path, rejected))  # an unreadable class folder counts as refused
+        found = list(image_files(path, rejected))  # an unreadable folder below the classes counts as refused
         names = [n for n, _ in found]
+        refuse_unread_classes(rejected, names, path, key)
         paths = [p for _, p in found]
 
         def make(idx: list[int]):
