@@ -58,7 +58,8 @@ def _trocr(run_dir: Path):
     )
     metrics = execute(config, run_dir)
     model, _ = load(compose("model=trocr_mini").model)  # the same seeded weights
-    return [model], run_dir / "export" / "pipeline.json", metrics
+    # from_config builds in training mode: generate() would draw dropout (0.1) from the global RNG
+    return [model.eval()], run_dir / "export" / "pipeline.json", metrics
 
 
 def _photo(folder: Path) -> Path:
