@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import compose
 from PIL import Image
+from test_heldout import refusing_scandir
 
-import onn.data.files as files
 import onn.training.checkpoints as checkpoints
 from onn.config import ONNConfig, as_dict
 from onn.errors import UserError
@@ -84,19 +84,6 @@ def test_the_quoting_hint_for_a_value_with_a_double_quote_reads_back_as_the_valu
     example = re.search(r"e\.g\. (.+)\.$", problem)[1]
     typed = subprocess.run(["bash", "-c", f"printf %s {example}"], capture_output=True, text=True, check=True).stdout
     assert OverridesParser.create().parse_override(typed).value() == value
-
-
-def refusing_scandir(monkeypatch, folder_name: str) -> None:
-    """os.scandir raising PermissionError for one folder, as the kernel does for a chmod 000 folder (tests run as
-    root, which reads any folder)."""
-    real = os.scandir
-
-    def scandir(path="."):
-        if os.path.basename(str(path)) == folder_name:
-            raise PermissionError(13, "Permission denied", str(path))
-        return real(path)
-
-    monkeypatch.setattr(files.os, "scandir", scandir)
 
 
 def class_folders(root: Path, classes: list[str], count: int) -> Path:

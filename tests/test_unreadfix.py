@@ -5,29 +5,15 @@ earlier predictions.jsonl keeps the real reference."""
 from __future__ import annotations
 
 import logging
-import os
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+from test_heldout import refusing_scandir
 
-import onn.data.files as files
 from onn.errors import UserError
-
-
-def refusing_scandir(monkeypatch, folder_name: str) -> None:
-    """os.scandir raising PermissionError for one folder, as the kernel does for a chmod 000 folder (tests run as
-    root, which reads any folder)."""
-    real = os.scandir
-
-    def scandir(path="."):
-        if os.path.basename(str(path)) == folder_name:
-            raise PermissionError(13, "Permission denied", str(path))
-        return real(path)
-
-    monkeypatch.setattr(files.os, "scandir", scandir)
 
 
 def class_folders(root: Path, folders: list[str], count: int) -> Path:
