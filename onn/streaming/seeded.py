@@ -17,8 +17,12 @@ import torch
 from torch import nn
 
 from onn.models.layers import discover
-from onn.models.load import block_seed, edge_seed
+from onn.models.load import block_seed, edge_seed, seeded_draw
 from onn.streaming.store import LayerStore, build_progress, stored_name
+
+# Every draw is seeded inside seeded_draw, on the host: the run's own generator (dropout, shuffles) is given back as
+# seed= set it, whatever the number of blocks drawn.
+CPU = torch.device("cpu")
 
 
 def _holds_weights(module: nn.Module) -> bool:
@@ -35,13 +39,12 @@ def empty_network(build: Callable[[], nn.Module], seed: int) -> nn.Module:
     weight could not be drawn again, the network built whole from `seed`."""
     from accelerate import init_empty_weights
 
-    torch.manual_seed(seed)
-    with init_empty_weights(include_buffers=False):
+    with seeded_draw(seed, CPU), init_empty_weights(include_buffers=False):
         network = build()
     if drawable(network):
         return network
-    torch.manual_seed(seed)
-    return build()
+    with seeded_draw(seed, CPU):
+        return build()
 
 
 def draw(network: nn.Module, seed: int, blocks_path: str | None = None, store: LayerStore | None = None) -> None:
@@ -91,6 +94,6 @@ def _draw(module: nn.Module, seed: int, recurse: bool = True) -> None:
         for leaf, p in list(owner._parameters.items()):
             if p is not None and p.is_meta:
                 setattr(owner, leaf, nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad))
-    torch.manual_seed(seed)
-    for owner in meta:
-        owner.reset_parameters()
+    with seeded_draw(seed, CPU):
+        for owner in meta:
+            owner.reset_parameters()

@@ -17,6 +17,7 @@ import torch
 from onn.config.data import GraphBuiltin
 from onn.errors import UserError
 from onn.modalities.graph.read import Graphs, mesh_graph
+from onn.models.load import seeded_draw
 
 PRIMITIVES = "builtin:primitives"
 COMMUNITIES = "builtin:communities"
@@ -77,8 +78,9 @@ def communities(builtin: GraphBuiltin, seed: int):
     generator = torch.Generator().manual_seed(seed)
     sizes = [nodes // k + (1 if i < nodes % k else 0) for i in range(k)]
     probs = torch.full((k, k), BETWEEN).fill_diagonal_(INSIDE)
-    torch.manual_seed(seed)  # stochastic_blockmodel_graph draws from torch's global generator
-    edge_index = stochastic_blockmodel_graph(sizes, probs, directed=False)
+    # stochastic_blockmodel_graph draws from torch's global generator: seeded here, and given back afterwards
+    with seeded_draw(seed, torch.device("cpu")):
+        edge_index = stochastic_blockmodel_graph(sizes, probs, directed=False)
     y = torch.cat([torch.full((n,), i) for i, n in enumerate(sizes)])
     centres = torch.randn(k, width, generator=generator) * 0.5
     x = centres[y] + torch.randn(nodes, width, generator=generator)

@@ -272,7 +272,7 @@ def _copy_step(
 
     from onn.dtypes import torch_dtype
     from onn.models.layers import discover
-    from onn.models.load import auto_class, meta_model
+    from onn.models.load import auto_class, meta_model, seeded_draw
     from onn.streaming.engine import StreamingEngine
     from onn.streaming.store import LayerStore
     from onn.training.lora import apply
@@ -280,20 +280,21 @@ def _copy_step(
     # the blocks' path from the whole model (one block alone is no run of repeated blocks to discover)
     blocks_path = discover(meta_model(config.model), config.model.layer_map.blocks).blocks_path
     arch = _copy_architecture(config, blocks, vocab)
-    torch.manual_seed(0)
-    model = auto_class(arch).from_config(arch)
-    model = model.to(weights_dtype(config, plan))  # model.dtype where it is set, as the run loads it
-    if plan.strategy == "qlora":
-        model = _in_nf4(model, weights_dtype(config, plan))
-    container = model.get_submodule(blocks_path)
-    model = apply(model, plan.strategy, config.strategy, discover(model, blocks_path), adapted)
-    # the blocks' path inside the wrapped model, given: a copy of one block is no run to discover
-    layer_map = discover(model, next(name for name, m in model.named_modules() if m is container))
-    if plan.strategy != "full":  # adapters in fp32, as a run has them
-        for p in model.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
-    batch = _padded_batch(int(getattr(arch, "vocab_size", 256)), micro, seq)
+    # the copy's weights, adapters and tokens drawn from seed 0 as every copy's; the caller's generator given back
+    with seeded_draw(0, torch.device("cpu")):
+        model = auto_class(arch).from_config(arch)
+        model = model.to(weights_dtype(config, plan))  # model.dtype where it is set, as the run loads it
+        if plan.strategy == "qlora":
+            model = _in_nf4(model, weights_dtype(config, plan))
+        container = model.get_submodule(blocks_path)
+        model = apply(model, plan.strategy, config.strategy, discover(model, blocks_path), adapted)
+        # the blocks' path inside the wrapped model, given: a copy of one block is no run to discover
+        layer_map = discover(model, next(name for name, m in model.named_modules() if m is container))
+        if plan.strategy != "full":  # adapters in fp32, as a run has them
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()
+        batch = _padded_batch(int(getattr(arch, "vocab_size", 256)), micro, seq)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-4)
     clip = float(config.optim.clip_grad_norm)  # the run clips every step: a pass over every trained gradient
