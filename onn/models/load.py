@@ -176,8 +176,10 @@ def meta_model(model_cfg: LanguageModelConfig):
 
 
 def load(model_cfg: LanguageModelConfig, dtype=None, cache_dir: str | os.PathLike | None = None):
-    """Build or load the model and its tokenizer. `dtype` is the weights dtype the plan chose;
-    `cache_dir` keeps converted GGUF models so the slow conversion happens once per file."""
+    """Build or load the model and its tokenizer, in eval mode whatever the source (from_pretrained's mode: a random,
+    safetensors-file or Python-built model came back in train mode, dropout on); training sets train mode itself.
+    `dtype` is the weights dtype the plan chose; `cache_dir` keeps converted GGUF models so the slow conversion
+    happens once per file."""
     source = model_cfg.source
     kind, remote = source_kind(source), model_cfg.trust_remote_code
     tokenizer = None
@@ -197,7 +199,7 @@ def load(model_cfg: LanguageModelConfig, dtype=None, cache_dir: str | os.PathLik
         model = model.to(dtype)
     tokenizer = finish_tokenizer(model_cfg, tokenizer, remote)
     check_vocabulary(model_cfg, model, tokenizer)
-    return model, tokenizer
+    return model.eval(), tokenizer
 
 
 def _load_folder(folder: str, dtype, remote: bool):

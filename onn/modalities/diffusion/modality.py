@@ -19,6 +19,7 @@ from onn.errors import UserError
 from onn.modalities.base import Job, Modality
 
 SAMPLERS = ("ddim", "ddpm")  # task.sampler: sample.py's schedulers
+READS_CHECKPOINT = ("eval", "infer", "export", "serve")  # tasks that build the trained denoiser resident
 
 
 class DiffusionModality(Modality):
@@ -32,6 +33,7 @@ class DiffusionModality(Modality):
 
     def check(self, config: ONNConfig) -> None:
         from onn.modalities.diffusion.module import ARCHITECTURES, BETA_SCHEDULES
+        from onn.planning.plan import STREAMING_LIGHTNING
 
         model = config.model
         if not isinstance(model, DenoiserConfig):
@@ -47,6 +49,13 @@ class DiffusionModality(Modality):
             raise UserError(
                 f"strategy=sparse_lora: a {model.architecture}'s skip connections cross its blocks, so they cannot be "
                 "streamed one after another: use strategy=full, or model=dit_small."
+            )
+        lightning, trains = config.strategy.lightning, config.task.name not in READS_CHECKPOINT
+        if trains and config.strategy.name == "sparse_lora" and lightning not in STREAMING_LIGHTNING:
+            raise UserError(  # train() streams it whatever strategy.lightning says: ddp or fsdp was silently dropped
+                f"strategy.lightning={lightning} with strategy=sparse_lora: a denoiser's sparse LoRA trains only by "
+                "streaming its blocks in one process (strategy.lightning=streaming); use that, or strategy=full "
+                f"strategy.lightning={lightning}."
             )
         if config.strategy.name == "sparse_lora" and model.ema_decay:
             raise UserError(
