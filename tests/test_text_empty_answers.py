@@ -14,6 +14,7 @@ from conftest import compose
 from onn.bench import giant
 from onn.errors import UserError
 from onn.modalities.text.datamodule import IGNORE, TextDataModule
+from onn.modalities.text.sources import held_out, record_share
 from onn.models.tokenizer import byte_tokenizer
 
 
@@ -98,23 +99,25 @@ def test_a_streamed_file_starting_unanswered_holds_out_its_first_answered_record
 
 def test_an_unanswered_resident_held_out_split_is_cut_again_from_answered_records(tmp_path, caplog):
     """The resident held-out split drawn by load_splits may be all unanswered rows: 46dc100 refused the file."""
-    order = list(range(10))
-    random.Random(0).shuffle(order)  # load_splits' order for seed 0: its first record is the one held out
-    answers = [f"a{i}" for i in range(10)]
-    answers[order[0]] = ""
-    source = write_jsonl(tmp_path / "qa.jsonl", answers)
+    rows = lambda blank: [{"question": f"q{i}?", "answer": blank if i == 3 else f"a{i}"} for i in range(10)]  # noqa: E731
+    draws = lambda blank: [record_share(0, r) for r in rows(blank)]  # noqa: E731
+    blank = next(" " * k for k in range(200) if min(draws(" " * k)) == draws(" " * k)[3])  # record 3 drawn lowest
+    source = write_jsonl(tmp_path / "qa.jsonl", [r["answer"] for r in rows(blank)])
     dm = module(source, "data.val_split=0.1", "data.streaming=false")
     with caplog.at_level(logging.WARNING, logger="onn"):
         dm.setup("fit")
-    assert len(dm.val_set) == 1 and dm.val_where == [f"{source} line {order[1] + 1}"]
-    assert sorted(dm.val_where + dm.train_where) == sorted(f"{source} line {i + 1}" for i in order[1:])
+    answered_lines = [i for i in range(10) if i != 3]
+    _, held = held_out([draws(blank)[i] for i in answered_lines], 0.1)
+    assert dm.val_set and dm.val_where == [f"{source} line {answered_lines[i] + 1}" for i in held]
+    assert sorted(dm.val_where + dm.train_where) == sorted(f"{source} line {i + 1}" for i in answered_lines)
     assert any("left out 1 of 10 records" in r.getMessage() for r in caplog.records)
-    full = write_jsonl(tmp_path / "full.jsonl", [f"a{i}" for i in range(10)])  # every answer given: as before
+    full = write_jsonl(tmp_path / "full.jsonl", [f"a{i}" for i in range(10)])  # every answer given: load_splits' split
     dm = module(full, "data.val_split=0.1", "data.streaming=false")
     dm.setup("fit")
-    assert dm.val_where == [f"{full} line {order[0] + 1}"]
-    blank = write_jsonl(tmp_path / "blank.jsonl", [" "] * 3)
-    dm = module(full, f"data.val_source={blank}", "data.streaming=false")
+    _, held = held_out([record_share(0, r) for r in rows("a3")], 0.1)
+    assert dm.val_where == [f"{full} line {i + 1}" for i in held]
+    spaces = write_jsonl(tmp_path / "blank.jsonl", [" "] * 3)
+    dm = module(full, f"data.val_source={spaces}", "data.streaming=false")
     with pytest.raises(UserError, match=r"data.val_source .*blank.jsonl: all 3 of its validation records"):
         dm.setup("fit")
 

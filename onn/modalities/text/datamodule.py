@@ -18,6 +18,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
+from fractions import Fraction
 from typing import Any
 
 import lightning as L
@@ -30,7 +31,7 @@ from onn.data.resident import epoch_generator
 from onn.errors import UserError
 from onn.modalities.text.formats import Records, read_records
 from onn.modalities.text.prompts import Prompter, Split, answered, has_answer, no_answer, say_left_out
-from onn.modalities.text.sources import load_splits
+from onn.modalities.text.sources import held_out, load_splits, record_share
 from onn.modalities.text.stream_loader import ShuffledStream, batches_per_epoch, own_generator, stream_loader
 from onn.modalities.text.streaming import VAL_MAX, Ref, open_reader, streaming_choice
 
@@ -140,7 +141,14 @@ def bos_ids(tokenizer) -> list[int]:
     return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
 
-NUMBER = re.compile(r"(?<!\d)-?\d[\d,]*(?:\.\d+)?")  # "5-10" is a range ending at 10, not -10
+# A number as GSM8K-style answers write it: a sign, "$", a mixed number (7 1/2), a fraction (3/4), or digits with
+# commas only as thousands separators (1,000; so "1.000" is 1 and "3,4,5" three numbers) and a decimal part, then
+# "%". Not after a digit or "/" ("5-10" is a range ending at 10, not -10; "12.5/0" holds no second number).
+NUMBER = re.compile(
+    r"(?<![\d/])(?P<sign>[-+])?\$?"
+    r"(?:(?:(?P<whole>\d+) +)?(?P<num>\d+)/(?P<den>0*[1-9]\d*)|(?P<int>\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?P<dec>\.\d+)?)%?"
+)
+DECIMALS = 6  # numbers compare as their value rounded to this many decimals: 1/3 matches 0.333333
 
 
 def extract_answer(text: str, pattern: str | None, last_number: bool = False) -> str:
@@ -151,25 +159,35 @@ def extract_answer(text: str, pattern: str | None, last_number: bool = False) ->
 def extract(text: str, pattern: str | None, last_number: bool = False) -> tuple[str, str]:
     """(answer, how it was found). With a pattern, its group 1 ("pattern") at the first match where group 1 took
     part (an optional group, or one side of `a|b`, may not: its None was an AttributeError after the whole
-    evaluation); where the pattern is not found and `last_number`, the last number in the text ("last number",
-    lm-evaluation-harness' flexible extract); without a pattern, the first line ("first line"). Numbers are
-    normalised: 1,200 -> 1200, 7.0 -> 7."""
+    evaluation); where the pattern is not found and `last_number`, the last NUMBER in the text ("last number",
+    lm-evaluation-harness' flexible extract); without a pattern, the first line ("first line"). An answer that is
+    one NUMBER is its value written one way (`number_text`), so answers compare as values, not as strings:
+    18.50 = 18.5, $1,234.00 = 1234, 50% = 50, 7 1/2 = 7.5."""
     how = "first line"
     if pattern:
         match = next((m for m in re.finditer(pattern, text) if m.group(1) is not None), None)
         if match:
             text, how = match.group(1), "pattern"
-        elif last_number and (numbers := NUMBER.findall(text)):
+        elif last_number and (numbers := [m.group() for m in NUMBER.finditer(text)]):
             text, how = numbers[-1], "last number"
         else:
             text, how = "", "not found"
     text = text.strip().split("\n")[0].strip().rstrip(".")
-    number = text.replace(",", "")
-    try:
-        value = float(number)
-        return (str(int(value)) if value == int(value) else str(value)), how
-    except (ValueError, OverflowError):
-        return text, how
+    number = NUMBER.fullmatch(text.rstrip(","))
+    return (number_text(number) if number else text), how
+
+
+def number_text(number: re.Match) -> str:
+    """A NUMBER's value (exact, as a Fraction, so no float rounding) rounded to DECIMALS and written without
+    trailing zeros: equal values give equal text, which is what exact match compares."""
+    if number["den"]:
+        value = int(number["whole"] or 0) + Fraction(int(number["num"]), int(number["den"]))
+    else:
+        value = Fraction(number["int"].replace(",", "") + (number["dec"] or ""))
+    scaled = round(value * 10**DECIMALS) * (-1 if number["sign"] == "-" else 1)
+    whole, part = divmod(abs(scaled), 10**DECIMALS)
+    decimals = f".{part:0{DECIMALS}d}".rstrip("0") if part else ""
+    return f"{'-' if scaled < 0 else ''}{whole}{decimals}"
 
 
 class Collator:
@@ -195,9 +213,10 @@ Examples = tuple[list[tuple[str, str]], list[str]]  # (prompt, answer) pairs and
 
 def answered_splits(prompter: Prompter, cfg: TextData, seed: int) -> tuple[Examples, Examples]:
     """Resident (training, held-out) examples with every record whose answer is empty left out (prompts.answered).
-    A split held out of data.source is cut from its answered records: load_splits' own shuffled order, filtered,
-    cut again at data.val_split. A held-out share that happened to be unanswered refused a file that trains, and
-    a file with every answer given is split as before. bench_giant prompts by it, so it asks what training scores."""
+    A split held out of data.source is drawn over its answered records by load_splits' rule (sources.held_out: a
+    record is held out when its content's draw is under data.val_split), so an unanswered record drawn into the
+    held-out share no longer leaves it empty and refuses a file that trains. bench_giant prompts by it, so it asks
+    what training scores."""
     train, val = load_splits(cfg, seed)
     val_key = "data.val_source" if cfg.val_source else "data.source"
     if cfg.val_source or str(cfg.source).startswith("builtin:"):  # a held-out set of its own
@@ -210,18 +229,20 @@ def answered_splits(prompter: Prompter, cfg: TextData, seed: int) -> tuple[Examp
         )
         return kept[0], kept[1]
     # One file: its empty prompts are counted over all its records, not per split (the seed chose the verdict).
-    whole = prompter.examples(Records(train + val, train.where + val.where), "data.source")
-    train_examples, val_examples = whole[: len(train)], whole[len(train) :]
-    [(examples, where)] = answered(
-        [Split(val_examples + train_examples, val.where + train.where, "data.source", cfg.source, "training")]
-    )
-    n_val = max(1, round(len(examples) * cfg.val_split))
-    if n_val >= len(examples):
+    records = Records(val + train, val.where + train.where)
+    whole = prompter.examples(records, "data.source")
+    [(examples, where)] = answered([Split(whole, records.where, "data.source", cfg.source, "training")])
+    shares = [record_share(seed, r) for r, (_, answer) in zip(records, whole) if has_answer(answer)]
+    if max(1, round(len(examples) * cfg.val_split)) >= len(examples):
         raise UserError(
             f"data.source {cfg.source} has {len(examples)} records with an answer: too few to hold out a validation "
             "split; add answered records, or give a held-out file as data.val_source."
         )
-    return (examples[n_val:], where[n_val:]), (examples[:n_val], where[:n_val])
+    kept, held = held_out(shares, cfg.val_split)
+    return ([examples[i] for i in kept], [where[i] for i in kept]), (
+        [examples[i] for i in held],
+        [where[i] for i in held],
+    )
 
 
 class ResumableShuffle(Sampler[int]):

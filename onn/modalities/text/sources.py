@@ -1,10 +1,19 @@
-"""Route data.source to the reader that understands it: `builtin:NAME` generators or text files."""
+"""Route data.source to the reader that understands it: `builtin:NAME` generators or text files.
+
+A file without data.val_source holds out each record whose draw (`record_share`: a hash of the seed and the
+record's content) falls under data.val_split, as image, audio, video and mesh data hold out files by name: one seed
+holds out the same records however many are appended or removed, so a resumed run or task=eval never validates on
+records it trained on (a seeded shuffle of positions re-drew the whole split when a record was added)."""
 
 from __future__ import annotations
 
-import random
+import hashlib
+import json
+from typing import Any
 
 from onn.config.data import TextData
+from onn.data.labelled import same_text
+from onn.data.resident import held_out_share
 from onn.errors import UserError
 from onn.modalities.text import builtin as math_data
 from onn.modalities.text.formats import Records, read_records
@@ -41,9 +50,24 @@ def load_splits(data_cfg: TextData, seed: int) -> tuple[Records, Records]:
     fraction = data_cfg.val_split
     if not 0 < fraction < 1:
         raise UserError(f"data.val_split must be between 0 and 1 (got {fraction}) when data.val_source is not set.")
-    order = list(range(len(records)))
-    random.Random(seed).shuffle(order)
-    n_val = max(1, round(len(records) * fraction))
-    if n_val >= len(records):
+    if max(1, round(len(records) * fraction)) >= len(records):
         raise UserError(f"data.source {source} has {len(records)} records: too few to hold out a validation split.")
-    return records.pick(order[n_val:]), records.pick(order[:n_val])
+    train, val = held_out([record_share(seed, record) for record in records], fraction)
+    return records.pick(train), records.pick(val)
+
+
+def record_share(seed: int, record: dict[str, Any]) -> float:
+    """A record's draw in [0, 1): held_out_share of its content (every field, keys sorted, in NFC), so its place
+    in the file never matters and identical records share a draw (a duplicate is never in both splits). Hashed to
+    hex first: held_out_share keeps a name's last two `/` parts, and a record's text holds slashes."""
+    content = same_text(json.dumps(record, sort_keys=True, ensure_ascii=False, default=str))
+    return held_out_share(seed, hashlib.blake2b(content.encode(), digest_size=16).hexdigest())
+
+
+def held_out(shares: list[float], fraction: float) -> tuple[list[int], list[int]]:
+    """(train, val) indices, each in draw order (a seeded order that appending records does not reshuffle): the
+    records drawn under `fraction` are held out; at least one of at least two is held out (the lowest-drawn) and at
+    least one trains (the highest-drawn), so a small file never gets an empty split."""
+    order = sorted(range(len(shares)), key=shares.__getitem__)
+    n_val = min(max(1, sum(share < fraction for share in shares)), len(shares) - 1)
+    return order[n_val:], order[:n_val]
