@@ -26,6 +26,7 @@ from onn.data.resident import (
     class_order,
     epoch_generator,
     evaluated_ranks,
+    held_out_share,
     relabelled,
     split_of,
     trainer_ranks,
@@ -231,7 +232,10 @@ class GraphDataModule(L.LightningDataModule):
             self.splits["train"], self.splits["val"] = self._hold_out(self.splits["train"])
 
     def _hold_out(self, train: GraphSplit) -> tuple[GraphSplit, GraphSplit]:
-        """A seeded validation split taken from train (the same graphs for every run with this seed)."""
+        """A seeded validation split taken from train: each graph is held out when its held_out_share (a hash of the
+        seed and its name) is under data.val_split, so one seed holds out the same graphs however many others are
+        added, removed or fail to read (a seeded shuffle of positions re-drew the whole split then: a resumed run or
+        task=eval validated on graphs it had trained on), as ClassificationData._held_out holds out files."""
         fraction = float(self.cfg.val_split)
         n_val = max(1, round(len(train) * fraction))
         if not 0 < fraction < 1:
@@ -242,8 +246,12 @@ class GraphDataModule(L.LightningDataModule):
                 f"{fraction} holds out {n_val} for validation, leaving none to train on: add graphs, give a smaller "
                 "data.val_split or a data.val_source (one graph whose nodes are classified: data.level=node)."
             )
-        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(self.seed))
-        return train.subset(order[n_val:]), train.subset(order[:n_val])
+        share = [held_out_share(self.seed, name) for name in train.names]
+        order = sorted(range(len(train)), key=share.__getitem__)
+        # at least one graph held out and one trained on, whatever the draw: the lowest-drawn goes, the highest stays
+        held = min(max(1, sum(s < fraction for s in share)), len(train) - 1)
+        val, kept = sorted(order[:held]), sorted(order[held:])
+        return train.subset(torch.tensor(kept, dtype=torch.long)), train.subset(torch.tensor(val, dtype=torch.long))
 
     def _setup_nodes(self, source: str) -> None:
         """One graph with per-node labels y; each split is the graph with its mask (generated where missing)."""

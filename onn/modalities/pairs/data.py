@@ -23,7 +23,7 @@ from onn.config import ONNConfig, as_dict
 from onn.config.data import PairsData, eval_batch
 from onn.data.cache import cached_decode
 from onn.data.files import content_digest, file_key, iter_members, read_file
-from onn.data.resident import Decoded, ResidentBatches, Split
+from onn.data.resident import Decoded, ResidentBatches, Split, held_out_share
 from onn.errors import UserError
 from onn.modalities.base import PairSide
 from onn.modalities.pairs.detect import Entry, Listing, find_pairs
@@ -170,6 +170,17 @@ def joined_groups(listing: Listing, pairs: list[int]) -> list[int]:
     return [numbers.get(c, -1) for c in component]
 
 
+def pair_names(listing: Listing, pairs: list[int]) -> list[str]:
+    """Per pair (listing indices `pairs`), the name its held-out draw hashes: the least name of its files (a shard's
+    member: shard.tar/member), which pairs added or removed elsewhere leave alone; not its listing key, which for a
+    metadata row is its line number (a row added above moves it). Its key only where neither half is a file."""
+    names = []
+    for i in pairs:
+        files = sorted(e.name for e in (listing.entries[m][i] for m in listing.modalities) if e.text is None)
+        names.append(files[0] if files else listing.keys[i])
+    return names
+
+
 class PairData(L.LightningDataModule):
     """The held-out split and the training pairs of a paired source, resident on `device`.
 
@@ -233,7 +244,10 @@ class PairData(L.LightningDataModule):
         a, b = (decoded[n] for n in self.names)
         order = a.labels.tolist()
         splits = self._split(
-            Split(a.inputs, b.inputs, a.names), joined_groups(listing, order), side_keys(listing, order)
+            Split(a.inputs, b.inputs, a.names),
+            joined_groups(listing, order),
+            side_keys(listing, order),
+            pair_names(listing, order),
         )
         self.splits = {k: Split(v.inputs.to(self.device), v.labels.to(self.device), v.names) for k, v in splits.items()}
         log.info(
@@ -244,38 +258,49 @@ class PairData(L.LightningDataModule):
             self.device,
         )
 
-    def _split(self, pairs: Split, groups: list[int], keys: list[list[int]]) -> dict[str, Split]:
+    def _split(self, pairs: Split, groups: list[int], keys: list[list[int]], names: list[str]) -> dict[str, Split]:
         """{train, val}: a seeded data.val_split of the pairs held out, or all of them (whole). Pairs that share a file
         (`groups`: an image on five metadata rows, one a caption) are held out together: split apart, the held-out
-        figures would be on images the model trained on. Pairs of their own file each are split as before. The
-        held-out pairs' val_groups are their `keys` (side_keys): what retrieval counts right for each other."""
-        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(self.seed))
+        figures would be on images the model trained on. Each group, and each pair of its own files, is held out when
+        the held_out_share of its name (`names`: pair_names; a group's, its members' least) is under data.val_split,
+        so one seed holds out the same pairs however many others are added or removed (a seeded shuffle of positions
+        re-drew the whole split then: a resumed run or task=eval validated on pairs it had trained on). The held-out
+        pairs' val_groups are their `keys` (side_keys): what retrieval counts right for each other."""
         if self.whole:
             self.val_groups = torch.tensor(keys)
-            return {"train": pairs.subset(order[:0]), "val": pairs}
+            return {"train": pairs.subset(torch.zeros(0, dtype=torch.long)), "val": pairs}
         fraction = self.cfg.val_split
         if not 0 < fraction < 1:
             raise UserError(
                 f"data.val_split must be between 0 and 1 (got {fraction}): the held-out pairs measure retrieval."
             )
-        n_val = min(max(2, round(len(pairs) * fraction)), len(pairs) - 2)
-        members: dict[int, list[int]] = {}
+        group_name: dict[int, str] = {}  # a group's name: its members' least, whichever pair is added to it
+        for name, group in zip(names, groups):
+            if group >= 0:
+                group_name[group] = min(name, group_name.get(group, name))
+        units: dict[str, list[int]] = {}  # a group's or a lone pair's name: its pairs
         for i, group in enumerate(groups):
-            members.setdefault(group, []).append(i)
-        held: set[int] = set()
-        for i in order.tolist():  # whole groups, in the seeded order, until n_val pairs are held out
-            if len(held) >= n_val:
-                break
-            held.update(members[groups[i]] if groups[i] >= 0 else [i])
-        val = torch.tensor([i for i in order.tolist() if i in held], dtype=torch.long)
-        train = torch.tensor([i for i in order.tolist() if i not in held], dtype=torch.long)
+            units.setdefault(group_name[group] if group >= 0 else names[i], []).append(i)
+        share = {name: held_out_share(self.seed, name) for name in units}
+        order = sorted(units, key=share.__getitem__)
+        sizes = [len(units[name]) for name in order]
+        held = sum(share[name] < fraction for name in order)
+        while held < len(order) and sum(sizes[:held]) < 2:  # two held out at least: the lowest-drawn go
+            held += 1
+        while held > 1 and sum(sizes[held:]) < 2 and sum(sizes[: held - 1]) >= 2:  # two trained on: the highest stay
+            held -= 1
+        val = sorted(i for name in order[:held] for i in units[name])
+        train = sorted(i for name in order[held:] for i in units[name])
         if len(train) < 2:
             raise UserError(
                 f"data.source {self.cfg.source}: its {len(pairs)} pairs share so few files that holding out "
                 f"data.val_split={fraction} of them leaves {len(train)} to train on; add pairs or lower data.val_split."
             )
-        self.val_groups = torch.tensor([keys[i] for i in val.tolist()])
-        return {"train": pairs.subset(train), "val": pairs.subset(val)}
+        self.val_groups = torch.tensor([keys[i] for i in val])
+        return {
+            "train": pairs.subset(torch.tensor(train, dtype=torch.long)),
+            "val": pairs.subset(torch.tensor(val, dtype=torch.long)),
+        }
 
     def train_dataloader(self):
         rank, world = self._ranks()
