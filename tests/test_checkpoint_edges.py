@@ -129,6 +129,7 @@ def test_the_best_checkpoint_of_a_run_resumed_into_its_own_folder_is_kept(tmp_pa
     assert load(path)["state_dict"]["w"].item() == 1.0
 
 
+@pytest.mark.slow
 def test_a_checkpoint_write_that_safetensors_refuses_is_one_sentence_without_a_mount(tmp_path):
     """safetensors' writer raises its own SafetensorError for a write the system refuses, which save() let through
     as a traceback (it caught OSError only), leaving last.ckpt.tmp/ behind. A file size limit (RLIMIT_FSIZE) refuses

@@ -178,7 +178,7 @@ def test_sampling_and_schedule_mistakes_are_refused_before_training(images, tmp_
     assert not (tmp_path / "omny" / "checkpoints").exists()  # refused before the training, not after it
 
 
-@pytest.mark.parametrize("task", ["export", "plan"])
+@pytest.mark.parametrize("task", [pytest.param("export", marks=pytest.mark.slow), "plan"])
 def test_tasks_that_draw_no_samples_skip_the_sampling_keys(images, tmp_path, task):
     """task.sample_steps is checked against model.train_timesteps where samples are drawn, not by export or plan."""
     short = (*TINY_UNET, f"data.source={images}", "model.train_timesteps=10", "task.sample_steps=50")
@@ -188,6 +188,7 @@ def test_tasks_that_draw_no_samples_skip_the_sampling_keys(images, tmp_path, tas
     assert metrics["modality"] == "diffusion" and (task == "plan" or Path(metrics["export/path"]).is_dir())
 
 
+@pytest.mark.slow
 def test_a_safetensors_export_replaces_an_earlier_export_only(images, tmp_path):
     """export=safetensors is written beside its folder and swapped in: an earlier export's folder (it holds
     onn_export.json) is replaced whole, a folder of the user's own is refused and left as it was."""
@@ -233,6 +234,7 @@ def test_images_of_their_own_odd_size_are_one_sentence(tmp_path):
     assert not (tmp_path / "odd" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_eval_on_the_training_source_scores_the_runs_own_held_out_images(images, tmp_path):
     """task=eval with the very data.source the denoiser trained on: the held-out loss is the run's own last
     validation (its seeded held-out split, not every image); the real images judged are drawn at random from

@@ -105,7 +105,11 @@ def export_once(name: str, tmp_path_factory) -> tuple:
     return _EXPORTS[name]
 
 
-@pytest.fixture(scope="module", params=list(NAMES))
+# the two llama-shaped models are traced in the slow tier; gpt2 keeps a text model in the suite
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(n, marks=pytest.mark.slow) if n in ("llama", "phi4_tiny") else n for n in NAMES],
+)
 def exported(request, tmp_path_factory):
     return export_once(request.param, tmp_path_factory)
 

@@ -183,6 +183,7 @@ def test_graph_classification_trains_infers_draws_and_exports(tmp_path):
     assert picture.shape[1] >= 600 and picture.std() > 10  # drawn graphs, not a blank canvas
 
 
+@pytest.mark.slow
 def test_the_onnx_export_takes_a_files_edges_as_infer_reads_them_and_counts_the_checkpoints_weights(tmp_path):
     """A file's edges fed as written (one way round a ring, a self-loop, a repeat) give task=infer's probabilities:
     the export prepares them as the reader does. task=export, infer, eval and plan of the checkpoint count its own

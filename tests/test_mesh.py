@@ -379,6 +379,7 @@ def test_the_hundred_real_files_load_or_are_skipped_with_a_reason():
     assert torch.isfinite(split.inputs).all() and split.inputs.shape == (95, 64, 3)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_an_earlier_onn_wrote_still_evaluates(tmp_path):
     """tests/data/mesh_b6b1dee.ckpt was written by commit b6b1dee (a one-epoch PointNet on builtin:primitives,
     test/acc 0.26, test/loss 1.7817), whose saved config has `model.layer_map: null` and no

@@ -165,6 +165,7 @@ def test_a_model_trained_on_chat_messages_without_a_chat_template_is_prompted_as
     assert with_chat.render("say 5") == "<|im_start|>user\nsay 5<|im_end|>\n<|im_start|>assistant\n"
 
 
+@pytest.mark.slow
 def test_infer_of_a_checkpoint_trained_on_chat_messages_prompts_with_role_lines(tmp_path, cache):
     """The checkpoint keeps the layout its model learned (prompt_layout): infer's model_input was the typed prompt
     alone, "say 5", for a model trained on "user: say 12\nassistant: ". task.max_new_tokens=auto

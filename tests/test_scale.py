@@ -537,6 +537,7 @@ def test_cpu_processes_share_their_hosts_memory_and_cores(tmp_path: Path):
     assert not scale_for(*common, "hardware.count=2", budget, tmp_path=tmp_path)["options"]["ddp"]["fits"]
 
 
+@pytest.mark.slow
 def test_the_plan_sizes_the_processes_trainer_devices_starts(tmp_path: Path):
     """trainer.devices=2 ran two processes while the plan sized one for the whole host; hardware.count=2 sized two
     while the run was one process. The plan follows trainer.devices; a hardware.count the run would not start is one
