@@ -569,6 +569,25 @@ def held_out_share(seed: int, name: str) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
+def held_out_indices(labels: list[int], share: list[float], fraction: float) -> tuple[list[int], list[int]]:
+    """(train, val) indices of items of these class numbers and held_out_share draws (ClassificationData._held_out
+    says why): under `fraction` held out, but a class drawn into val whole keeps its highest-drawn item, and at least
+    one item is held out (the lowest-drawn of a class that keeps another; where none does, the lowest-drawn)."""
+    val = [i for i, s in enumerate(share) if s < fraction]
+    kept = [i for i, s in enumerate(share) if s >= fraction]
+    counts = Counter(labels[i] for i in kept)
+    for i in sorted(val, key=share.__getitem__, reverse=True):
+        if not counts[labels[i]]:
+            val.remove(i)
+            kept.append(i)
+            counts[labels[i]] += 1
+    if not val:
+        spare = min([j for j in kept if counts[labels[j]] > 1] or kept, key=share.__getitem__)
+        kept.remove(spare)
+        val.append(spare)
+    return sorted(kept), sorted(val)
+
+
 def memory_budget_mb(device: torch.device) -> float:
     """Half of the free device memory, or a third of the available host memory."""
     if device.type == "cuda":
@@ -833,23 +852,8 @@ class ClassificationData(L.LightningDataModule):
         is held out: when none drew under val_split, the lowest-drawn of a class that keeps another; where every
         class has one item, none can be held out without its class, and the lowest-drawn goes (said as untrained)."""
         self._check_val_split(len(labels))
-        fraction = float(self.cfg.val_split)
         share = [held_out_share(self.seed, name) for name in names]
-        val = [i for i, s in enumerate(share) if s < fraction]
-        kept = [i for i, s in enumerate(share) if s >= fraction]
-        counts = Counter(labels[kept].tolist())
-        for i in sorted(val, key=share.__getitem__, reverse=True):
-            label = int(labels[i])
-            if not counts[label]:
-                val.remove(i)
-                kept.append(i)
-                counts[label] += 1
-        if not val:
-            spares = [j for j in kept if counts[int(labels[j])] > 1] or kept
-            spare = min(spares, key=share.__getitem__)
-            kept.remove(spare)
-            val.append(spare)
-        return sorted(kept), sorted(val)
+        return held_out_indices(labels.tolist(), share, float(self.cfg.val_split))
 
     # -- loaders ----------------------------------------------------------------------------------
     def train_dataloader(self):

@@ -26,10 +26,12 @@ from onn.data.resident import (
     class_order,
     epoch_generator,
     evaluated_ranks,
+    held_out_indices,
     held_out_share,
     relabelled,
     split_of,
     trainer_ranks,
+    untrained_classes,
 )
 from onn.errors import UserError
 from onn.modalities.graph.builtin import COMMUNITIES, PRIMITIVES, communities, primitive_graphs
@@ -235,7 +237,11 @@ class GraphDataModule(L.LightningDataModule):
         """A seeded validation split taken from train: each graph is held out when its held_out_share (a hash of the
         seed and its name) is under data.val_split, so one seed holds out the same graphs however many others are
         added, removed or fail to read (a seeded shuffle of positions re-drew the whole split then: a resumed run or
-        task=eval validated on graphs it had trained on), as ClassificationData._held_out holds out files."""
+        task=eval validated on graphs it had trained on), as ClassificationData._held_out holds out files. As there,
+        the model trains on every class it is validated on: a class drawn into val whole keeps its highest-drawn
+        graph (a class of one graph was, for some seeds, validated on only). At least one graph is held out: when
+        none drew under val_split, the lowest-drawn of a class that keeps another; where every class has one graph,
+        none can be held out without its class, and the lowest-drawn goes (warned as untrained)."""
         fraction = float(self.cfg.val_split)
         n_val = max(1, round(len(train) * fraction))
         if not 0 < fraction < 1:
@@ -246,12 +252,16 @@ class GraphDataModule(L.LightningDataModule):
                 f"{fraction} holds out {n_val} for validation, leaving none to train on: add graphs, give a smaller "
                 "data.val_split or a data.val_source (one graph whose nodes are classified: data.level=node)."
             )
+        labels = [int(graph.y) for graph in train.graphs]  # the class numbers _setup_graphs gave
         share = [held_out_share(self.seed, name) for name in train.names]
-        order = sorted(range(len(train)), key=share.__getitem__)
-        # at least one graph held out and one trained on, whatever the draw: the lowest-drawn goes, the highest stays
-        held = min(max(1, sum(s < fraction for s in share)), len(train) - 1)
-        val, kept = sorted(order[:held]), sorted(order[held:])
-        return train.subset(torch.tensor(kept, dtype=torch.long)), train.subset(torch.tensor(val, dtype=torch.long))
+        kept, val = held_out_indices(labels, share, fraction)
+        kept_at, val_at = (torch.tensor(part, dtype=torch.long) for part in (kept, val))
+        untrained = untrained_classes(
+            self.classes, {"train": torch.tensor(labels)[kept_at], "val": torch.tensor(labels)[val_at]}
+        )
+        if untrained:  # every class has one graph: the one held out is never trained on
+            log.warning(untrained)
+        return train.subset(kept_at), train.subset(val_at)
 
     def _setup_nodes(self, source: str) -> None:
         """One graph with per-node labels y; each split is the graph with its mask (generated where missing)."""
