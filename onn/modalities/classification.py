@@ -48,10 +48,10 @@ from onn.export.write import export_after_training, export_for_run, refused_writ
 from onn.hardware.cluster import is_rank_zero
 from onn.hardware.memory import PeakMemory
 from onn.hardware.profile import Profile
-from onn.modalities.base import ClassifierModality, Job
+from onn.modalities.base import READS_CHECKPOINT, ClassifierModality, Job
 from onn.models.load import user_function
 from onn.models.vision import feature_extractor, feature_width
-from onn.planning.plan import Plan, make_plan
+from onn.planning.plan import STREAMING_LIGHTNING, Plan, make_plan
 from onn.planning.spec import network_spec, transform_bytes
 from onn.streaming.seeded import draw, empty_network
 from onn.streaming.store import LayerStore
@@ -88,6 +88,7 @@ def plan(m: ClassifierModality, config: ONNConfig, hardware: Profile, use_tuned:
         network = m.network(model_cfg, inputs)
         sample = torch.empty(1, *inputs["input_shape"])
     if config.strategy.name == "sparse_lora":
+        check_streams(config)
         streamed_trainable(network, config)
     transform = m.transform(config, {**inputs, **m.neutral_stats(inputs)})
     moved = 0
@@ -105,6 +106,18 @@ def plan(m: ClassifierModality, config: ONNConfig, hardware: Profile, use_tuned:
         transform_bytes=moved,
     )
     return make_plan(config, hardware, spec, use_tuned=use_tuned), spec
+
+
+def check_streams(config: ONNConfig) -> None:
+    """strategy=sparse_lora trains a classifier only by streaming its blocks in one process: under another Lightning
+    strategy (ddp, fsdp) the run streamed anyway and dropped it, while the plan said nothing of it."""
+    lightning = config.strategy.lightning
+    if config.task.name not in READS_CHECKPOINT and lightning not in STREAMING_LIGHTNING:
+        raise UserError(
+            f"strategy.lightning={lightning} with strategy=sparse_lora: a classifier's sparse LoRA trains only by "
+            "streaming its blocks in one process (strategy.lightning=streaming); use that, or strategy=full "
+            f"strategy.lightning={lightning}."
+        )
 
 
 def build(

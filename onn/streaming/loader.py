@@ -150,7 +150,7 @@ def load_into_store(
     model.tie_weights()
     tokenizer = finish_tokenizer(model_cfg, source.tokenizer, remote)
     check_vocabulary(model_cfg, model, tokenizer)  # as load() checks a resident model
-    return model, tokenizer
+    return model.eval(), tokenizer  # in eval mode as load() returns one: from_config built it in train mode
 
 
 def _write_blocks(layer_map, store, materialise: Materialiser, seed: int, dtype) -> None:

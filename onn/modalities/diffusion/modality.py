@@ -16,10 +16,9 @@ from onn.config import ONNConfig
 from onn.config.data import ImageData
 from onn.config.model import DenoiserConfig
 from onn.errors import UserError
-from onn.modalities.base import Job, Modality
+from onn.modalities.base import READS_CHECKPOINT, Job, Modality
 
 SAMPLERS = ("ddim", "ddpm")  # task.sampler: sample.py's schedulers
-READS_CHECKPOINT = ("eval", "infer", "export", "serve")  # tasks that build the trained denoiser resident
 
 
 class DiffusionModality(Modality):

@@ -123,6 +123,7 @@ NEUTRAL_OWN = {
 }
 TRUE_BY_DEFAULT = ("skip_special_tokens", "add_generation_prompt")  # false asks for something: only true is neutral
 ASKS_WHEN_GIVEN = ("web_search_options",)  # {} asks for a search with OpenAI's defaults: only null is neutral
+ZERO_MAPS = ("logit_bias",)  # a map whose every value is 0 biases nothing: {"50": 0} asks for nothing
 UNION_MEMBER = re.compile(r"str|int|bool|float|list\[.+\]")  # pydantic's name for one type of a field of several
 SEVERAL_TYPES = {  # such a field's error: what it takes, in one sentence (pydantic says why each type did not fit)
     "content": 'give a string, or a list of text parts {"type": "text", "text": ...}; this server takes no image, '
@@ -877,6 +878,8 @@ def _refuse_unimplemented(req: Generation) -> None:
             neutral = value is None or value is True
         elif name in ASKS_WHEN_GIVEN:
             neutral = value is None
+        elif name in ZERO_MAPS:
+            neutral = value is None or (isinstance(value, dict) and all(_is_zero(v) for v in value.values()))
         else:
             # equal and a bool only where the neutral is one: True == 1 and False == 0 passed best_of=true
             same = (n for n in (*NEUTRAL, NEUTRAL_OWN.get(name)) if n is not None)
@@ -894,6 +897,11 @@ def _refuse_unimplemented(req: Generation) -> None:
             "stream_options: only allowed when stream is true; set stream to true or leave stream_options out.",
             param="stream_options",
         )
+
+
+def _is_zero(value: Any) -> bool:
+    """A number equal to 0 and not a bool: false is no bias value, as OpenAI takes it."""
+    return type(value) in (int, float) and value == 0
 
 
 def _max_tokens(req: Generation, settings: ServeConfig, room: int | None, ids: list[int], param: str) -> int:
