@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from conftest import compose
 
+from onn.errors import UserError
 from onn.modalities.text.datamodule import TextDataModule
+from onn.modalities.text.sources import held_out, record_share
 from onn.models.tokenizer import byte_tokenizer
 
 
@@ -52,3 +55,15 @@ def test_identical_records_fall_in_the_same_split(tmp_path: Path):
     assert val and train and not set(train) & set(val)
     assert len(train) + len(val) == 60
     assert all(train.count(a) == 2 for a in train) and all(val.count(a) == 2 for a in val)
+
+
+def test_copies_stay_together_where_the_draw_holds_out_none_or_all():
+    """A small file where the draw alone holds out nothing and one record must be moved: the cut moves past a
+    record's copies rather than between them (it put one copy in each split for some seeds), and a file of one
+    record copied is one sentence."""
+    records = [{"t": "A"}, {"t": "A"}, {"t": "B0"}, {"t": "B1"}]
+    for seed in range(40):
+        train, val = held_out([record_share(seed, r) for r in records], 0.25)
+        assert train and val and not {records[i]["t"] for i in train} & {records[i]["t"] for i in val}, seed
+    with pytest.raises(UserError, match="records are all one record"):
+        held_out([record_share(0, {"t": "A"})] * 3, 0.3)

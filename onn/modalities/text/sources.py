@@ -67,7 +67,19 @@ def record_share(seed: int, record: dict[str, Any]) -> float:
 def held_out(shares: list[float], fraction: float) -> tuple[list[int], list[int]]:
     """(train, val) indices, each in draw order (a seeded order that appending records does not reshuffle): the
     records drawn under `fraction` are held out; at least one of at least two is held out (the lowest-drawn) and at
-    least one trains (the highest-drawn), so a small file never gets an empty split."""
+    least one trains (the highest-drawn), so a small file never gets an empty split. Records of one draw (copies
+    of one record) go together: a cut moved onto them moves past them, so a copy is never in both splits."""
     order = sorted(range(len(shares)), key=shares.__getitem__)
-    n_val = min(max(1, sum(share < fraction for share in shares)), len(shares) - 1)
+    n_val = _between_draws([shares[i] for i in order], min(max(1, sum(s < fraction for s in shares)), len(shares) - 1))
     return order[n_val:], order[:n_val]
+
+
+def _between_draws(drawn: list[float], cut: int) -> int:
+    """`cut`, or the nearest place after it (else before it) where the sorted draws change."""
+    places = [i for i in range(1, len(drawn)) if drawn[i - 1] != drawn[i]]
+    if not places:
+        raise UserError(
+            f"data.source: its {len(drawn)} records are all one record, so none can be held out that does not "
+            "also train; add other records, or give a held-out file as data.val_source."
+        )
+    return min((p for p in places if p >= cut), default=max(places))
