@@ -28,6 +28,14 @@ def module(source: Path, *over: str, batch_size: int = 3) -> TextDataModule:
     return TextDataModule(data, byte_tokenizer(), batch_size=batch_size)
 
 
+def drawn_split(answers: list[str], fraction: float) -> tuple[list[int], list[int]]:
+    """(training, held-out) record numbers of write_jsonl's file: its answered records split by their draw, as
+    sources.held_out splits a resident file and the streamed path splits it too."""
+    lines = [i for i, a in enumerate(answers) if a]
+    train, held = held_out([record_share(0, {"question": f"q{i}?", "answer": answers[i]}) for i in lines], fraction)
+    return [lines[i] for i in train], [lines[i] for i in held]
+
+
 def questions(batch) -> list[str]:
     """Each row's question (`qN?`), read back from its tokens."""
     tokenizer = byte_tokenizer()
@@ -46,7 +54,9 @@ def test_streamed_training_leaves_out_empty_answers_with_an_exact_epoch(tmp_path
     """46dc100 checked only the streamed held-out records: 18 of 36 training rows trained on EOS alone, and the
     warning said 'left out 2 of 4' for a 40-row file. The loader's length (what Lightning was told) is the number
     of batches it gives, with each worker skipping the same records."""
-    source = write_jsonl(tmp_path / "qa.jsonl", ["" if i % 2 else f"a{i}" for i in range(40)])
+    answers = ["" if i % 2 else f"a{i}" for i in range(40)]
+    source = write_jsonl(tmp_path / "qa.jsonl", answers)
+    train, held = drawn_split(answers, 0.1)
     dm = module(
         source, "data.streaming=true", "data.val_split=0.1", "data.shuffle_buffer=4", f"data.num_workers={workers}"
     )
@@ -54,24 +64,25 @@ def test_streamed_training_leaves_out_empty_answers_with_an_exact_epoch(tmp_path
         dm.setup("fit")
     said = [r.getMessage() for r in caplog.records if "answer is empty" in r.getMessage()]
     assert len(said) == 1 and f"data.source {source}: left out 20 of 40 records" in said[0]
-    assert dm.train_records == 16 and len(dm.val_set) == 4
+    assert dm.train_records == len(train) and len(dm.val_set) == len(held) and len(train) + len(held) == 20
     loader = dm.train_dataloader()
     batches = list(loader)
     assert len(batches) == len(loader) == dm.steps_per_epoch
     seen = [q for b in batches for q in questions(b)]
     assert all(answered_targets(b) for b in batches)
-    assert sorted(seen) == sorted(f"q{i}?" for i in range(8, 40, 2))  # the first 4 answered are held out
+    assert sorted(seen) == sorted(f"q{i}?" for i in train)  # the answered records drawn under 0.1 are held out
 
 
 def test_a_streamed_stream_resumes_on_the_same_record_past_skipped_ones(tmp_path):
     """The stream's position counts kept records: a loader state taken mid-epoch continues as the unbroken run."""
-    source = write_jsonl(tmp_path / "qa.jsonl", ["" if i % 3 == 0 else f"a{i}" for i in range(60)])
+    answers = ["" if i % 3 == 0 else f"a{i}" for i in range(60)]
+    source = write_jsonl(tmp_path / "qa.jsonl", answers)
     over = ("data.streaming=true", "data.val_split=0.05", "data.shuffle_buffer=5", "data.num_workers=0")
     whole_dm = module(source, *over)
     whole_dm.setup("fit")
     whole_loader = whole_dm.train_dataloader()
     whole = [q for b in list(whole_loader) + list(whole_loader) for q in questions(b)]
-    assert len(whole) == 2 * whole_dm.train_records == 2 * 37  # 40 answered, 3 held out
+    assert len(whole) == 2 * whole_dm.train_records == 2 * len(drawn_split(answers, 0.05)[0])  # 40 answered
     dm = module(source, *over)
     dm.setup("fit")
     loader = dm.train_dataloader()
@@ -88,13 +99,15 @@ def test_a_streamed_stream_resumes_on_the_same_record_past_skipped_ones(tmp_path
 
 
 def test_a_streamed_file_starting_unanswered_holds_out_its_first_answered_records(tmp_path):
-    """A file whose first rows (the streamed held-out split) have no answer was refused after 46dc100, though its
-    training rows had answers; now its first answered records are held out."""
-    source = write_jsonl(tmp_path / "qa.jsonl", [""] * 4 + [f"a{i}" for i in range(4, 40)])
+    """A file whose first rows (once the streamed held-out split) have no answer was refused after 46dc100, though
+    its training rows had answers; now its answered records are held out by their draw."""
+    answers = [""] * 4 + [f"a{i}" for i in range(4, 40)]
+    source = write_jsonl(tmp_path / "qa.jsonl", answers)
     dm = module(source, "data.streaming=true", "data.val_split=0.1")
     dm.setup("fit")
-    assert [w.rsplit(" ", 1)[1] for w in dm.val_where] == ["5", "6", "7", "8"]
-    assert dm.train_records == 32 and dm.steps_per_epoch == 11
+    train, held = drawn_split(answers, 0.1)
+    assert [int(w.rsplit(" ", 1)[1]) - 1 for w in dm.val_where] == held and min(held) >= 4
+    assert dm.train_records == len(train) == 36 - len(held) and dm.steps_per_epoch == -(-len(train) // 3)
 
 
 def test_an_unanswered_resident_held_out_split_is_cut_again_from_answered_records(tmp_path, caplog):

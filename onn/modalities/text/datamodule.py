@@ -33,7 +33,7 @@ from onn.modalities.text.formats import Records, read_records
 from onn.modalities.text.prompts import Prompter, Split, answered, has_answer, no_answer, say_left_out
 from onn.modalities.text.sources import held_out, load_splits, record_share
 from onn.modalities.text.stream_loader import ShuffledStream, batches_per_epoch, own_generator, stream_loader
-from onn.modalities.text.streaming import VAL_MAX, Ref, open_reader, streaming_choice
+from onn.modalities.text.streaming import VAL_MAX, HeldOutDraws, open_reader, streaming_choice
 
 log = logging.getLogger("onn")
 IGNORE = -100
@@ -291,6 +291,7 @@ class TextDataModule(L.LightningDataModule):
         self.train_set: list[tuple[list[int], list[int]]] | None = None  # encoded by setup, or when a loader asks
         self.train_records = 0
         self.stream: ShuffledStream | None = None  # streamed data (data.streaming)
+        self.held_below = 0.0  # streamed data: a record drawn under this is held out (0: none, data.val_source)
         self.cut_said = False  # whether a streamed record cut to data.max_length has been said
         self.val_is_train_said = False  # whether data.val_source naming data.source has been said (train_dataloader)
 
@@ -337,29 +338,29 @@ class TextDataModule(L.LightningDataModule):
         )
 
     def _setup_streamed(self) -> None:
-        """The file read in order: its first records with an answer are the validation split (at most VAL_MAX,
-        held in memory) unless data.val_source is given; training streams the answered rest. Records with an empty
-        answer are counted in one pass here (so the epoch's length is exact) and skipped by the stream's keep."""
+        """The file read in order, training on its answered records but those held out: unless data.val_source is
+        given, a record is held out by its content's draw, as a resident file's is (streaming.HeldOutDraws: at most
+        VAL_MAX kept in memory for validation, and no held-out record trains). Records with an empty answer are
+        counted in one pass here (so the epoch's length is exact) and skipped, as held-out ones are, by the
+        stream's keep (`_trains`)."""
         cfg = self.cfg
         reader = open_reader(cfg.source, cfg.format)
         total = reader.count(reader.start)
         if not total:
             raise UserError(f"data.source {cfg.source} holds no records.")
-        n_val = 0
         if not cfg.val_source:
             fraction = cfg.val_split
             if not 0 < fraction < 1:
                 raise UserError(
                     f"data.val_split must be between 0 and 1 (got {fraction}) when data.val_source is not set."
                 )
-            n_val = min(VAL_MAX, max(1, round(total * fraction)))
-            if n_val >= total:
+            if max(1, round(total * fraction)) >= total:
                 raise UserError(
                     f"data.source {cfg.source} has {total} records: too few to hold out a validation split."
                 )
-        sample = list(itertools.islice(reader.records(reader.start), n_val, n_val + LAYOUT_SAMPLE))
+        sample = list(itertools.islice(reader.records(reader.start), LAYOUT_SAMPLE))
         self.prompter.examples(Records([r for _, _, r, _ in sample], [w for _, _, _, w in sample]), "data.source")
-        held, start, rows = self._scan(reader, n_val, total)
+        held, rows = self._scan(reader, total)
         val_key = "data.val_source" if cfg.val_source else "data.source"
         if cfg.val_source:
             val = read_records(cfg.val_source, cfg.format, key="data.val_source")
@@ -371,7 +372,9 @@ class TextDataModule(L.LightningDataModule):
             self.val_examples, self.val_where = self.prompter.examples(held, val_key, check=False), held.where
         self.val_set = self._encode_all(self.val_examples, self.val_where, val_key)
         self.train_records = rows
-        self.stream = ShuffledStream(reader, start, rows, cfg.shuffle_buffer, self.seed, self._encode, self._answered)
+        self.stream = ShuffledStream(
+            reader, reader.start, rows, cfg.shuffle_buffer, self.seed, self._encode, self._trains
+        )
         log.info(
             "data: streaming %d training records from %s (%d held out), shuffle buffer %d",
             rows,
@@ -380,26 +383,27 @@ class TextDataModule(L.LightningDataModule):
             self.stream.buffer,
         )
 
-    def _scan(self, reader, n_val: int, total: int) -> tuple[Records, Ref, int]:
-        """One pass over data.source: (its first `n_val` records with an answer, the held-out split; the position
-        after the last of them, where training starts; the answered records after it, which training streams).
-        The records whose answer is empty are said in one warning; a file left with no training record is
-        refused."""
+    def _scan(self, reader, total: int) -> tuple[Records, int]:
+        """One pass over data.source: (the held-out records kept for validation, none with data.val_source; the
+        answered records that train, which the stream keeps). Sets `held_below`, the draw under which a record is
+        held out. The records whose answer is empty are said in one warning; a file left with no training record
+        is refused."""
         cfg = self.cfg
-        held, start, rows, places, blank = Records(), list(reader.start), 0, [], 0
-        for _, after, record, where in reader.records(reader.start):
-            filled = self._answered(record, where)
-            if len(held) < n_val:
-                start = after
-                if filled:
-                    held.append(record)
-                    held.where.append(where)
-            else:
-                rows += filled
-            if not filled:
+        draws = None if cfg.val_source else HeldOutDraws(cfg.val_split, VAL_MAX)
+        rows, places, blank = 0, [], 0
+        for _, _, record, where in reader.records(reader.start):
+            if not self._answered(record, where):
                 blank += 1
                 places += [where][: 3 - len(places)]
-        if not rows:
+            elif draws is None:
+                rows += 1
+            else:
+                draws.add(record_share(self.seed, record), record, where)
+        held = Records()
+        if draws is not None:
+            self.held_below, rows = draws.cut()
+            held = Records(*draws.kept(self.held_below))
+        if not rows or (draws is not None and not held):  # one answered record, or a few identical ones
             if blank == total:
                 raise no_answer("data.source", str(cfg.source), total, "training")
             raise UserError(
@@ -407,10 +411,16 @@ class TextDataModule(L.LightningDataModule):
                 "validation split and train on the rest; add answered records, or give data.val_source."
             )
         say_left_out("data.source", str(cfg.source), places, blank, total)
-        return held, start, rows
+        return held, rows
+
+    def _trains(self, record: dict[str, Any], where: str) -> bool:
+        """ShuffledStream's keep: a streamed record with an answer whose draw is not held out (`_scan`)."""
+        return self._answered(record, where) and (
+            not self.held_below or record_share(self.seed, record) >= self.held_below
+        )
 
     def _answered(self, record: dict[str, Any], where: str) -> bool:
-        """Whether a streamed record has an answer to train on (ShuffledStream's keep, and `_scan`'s count)."""
+        """Whether a streamed record has an answer to train on (`_trains`, and `_scan`'s count)."""
         return has_answer(self.prompter.answer(record, where))
 
     def _encode(self, record: dict[str, Any], where: str) -> tuple[list[int], list[int]]:

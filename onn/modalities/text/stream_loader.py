@@ -18,9 +18,9 @@ from onn.modalities.text.streaming import Ref, file_signature
 
 class ShuffledStream(IterableDataset):
     """torch IterableDataset over a reader from `start`: `rows` records, a seeded buffer shuffle, each
-    record encoded when drawn. `keep`: whether a record is trained on (one whose answer is empty is not); `rows`
-    counts the kept records only, and workers take every n-th kept record, so each worker's share, and so the
-    epoch's length, is exact. `epoch` is set by StreamLoader. `signature`: the file's size and time when the run
+    record encoded when drawn. `keep`: whether a record is trained on (one whose answer is empty, or held out, is
+    not); `rows` counts the kept records only, and workers take every n-th kept record, so each worker's share, and
+    so the epoch's length, is exact. `epoch` is set by StreamLoader. `signature`: the file's size and time when the run
     began, which a checkpoint's position into it is only valid for."""
 
     def __init__(

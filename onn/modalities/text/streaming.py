@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import heapq
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +39,7 @@ from onn.modalities.text.formats import BOMS, HEAD_BYTES, csv_delimiter, detect_
 log = logging.getLogger("onn")
 MB = 1024**2
 STREAM_FORMATS = ("jsonl", "csv", "parquet", "txt")
-VAL_MAX = 1000  # a streamed file's held-out validation records: at most this many (they are held in memory)
+VAL_MAX = 1000  # a streamed file's held-out records kept for validation: at most this many (held in memory)
 SAMPLE_BYTES = 1 * MB  # what the decoded-size estimate reads of a file
 Ref = list[int]  # where a record starts: [byte offset, line (, row)] or [row] for parquet
 
@@ -306,6 +308,55 @@ def open_reader(path: str | Path, fmt: str, key: str = "data.source"):
     if fmt == "parquet":
         return ParquetReader(path)
     return CsvReader(path) if fmt == "csv" else LineReader(path, fmt)
+
+
+# ---- the held-out split of a streamed file ------------------------------------------------------
+
+
+class HeldOutDraws:
+    """One pass over a streamed file's answered records, each with its draw (sources.record_share), in bounded
+    memory: the `cap` (VAL_MAX) lowest-drawn records and how many draws fall under data.val_split. A record is held
+    out when its draw is under `cut` (val_split, as resident files hold out), so appending records never moves one
+    into training. Validation keeps the `cap` lowest-drawn of them: a kept record stays kept unless more than `cap`
+    lower-drawn records are appended, and a record drawn under the cut that is not kept still never trains. As
+    sources.held_out, a file with no draw under val_split holds out its lowest-drawn records, and one with every
+    draw under it trains its highest-drawn (a tiny file gets no empty split)."""
+
+    def __init__(self, fraction: float, cap: int):
+        self.fraction, self.cap, self.seen, self.over = fraction, cap, 0, 0
+        self.heap: list[tuple[float, int, dict[str, Any], str]] = []  # (-draw, -order): the highest draw on top
+        self.low, self.high = (math.inf, 0), (-math.inf, 0)  # (lowest draw, its records), (highest draw, its records)
+
+    def add(self, share: float, record: dict[str, Any], where: str) -> None:
+        self.seen += 1
+        self.over += share >= self.fraction
+        self.low = _tally(self.low, share, share < self.low[0])
+        self.high = _tally(self.high, share, share > self.high[0])
+        entry = (-share, -self.seen, record, where)  # of equal draws, the earlier record is kept
+        if len(self.heap) < self.cap:
+            heapq.heappush(self.heap, entry)
+        elif entry[:2] > self.heap[0][:2]:
+            heapq.heapreplace(self.heap, entry)
+
+    def cut(self) -> tuple[float, int]:
+        """(records drawn under this are held out, records that train)."""
+        if self.over == self.seen:  # none drawn under val_split: the lowest-drawn is held out
+            return math.nextafter(self.low[0], math.inf), self.seen - self.low[1]
+        if not self.over:  # every record drawn under val_split: the highest-drawn trains
+            return self.high[0], self.high[1]
+        return self.fraction, self.over
+
+    def kept(self, cut: float) -> tuple[list[dict[str, Any]], list[str]]:
+        """The held-out records kept for validation, lowest draw first (sources.held_out's order), and their places."""
+        held = sorted((e for e in self.heap if -e[0] < cut), key=lambda e: (-e[0], -e[1]))
+        return [e[2] for e in held], [e[3] for e in held]
+
+
+def _tally(at: tuple[float, int], share: float, beyond: bool) -> tuple[float, int]:
+    """`at` (a draw, how many records have it) after one more record's `share`: replaced where beyond it."""
+    if beyond:
+        return share, 1
+    return (share, at[1] + 1) if share == at[0] else at
 
 
 # ---- when to stream --------------------------------------------------------------------------------
