@@ -34,6 +34,8 @@ def hit(reference: str, completion: str, pattern: str | None) -> bool:
         ("-5", "-5.0", None),
         ("18.5", "18.50", None),
         ("#### 1000", "#### 1,000", GSM8K),
+        ("0.5", ".5", None),  # a decimal part alone: was the text ".5" once numbers were read by NUMBER
+        ("#### -0.75", "it falls by -.75", GSM8K),
     ],
 )
 def test_equal_values_match(reference: str, completion: str, pattern: str | None):

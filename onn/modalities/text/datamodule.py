@@ -142,11 +142,13 @@ def bos_ids(tokenizer) -> list[int]:
 
 
 # A number as GSM8K-style answers write it: a sign, "$", a mixed number (7 1/2), a fraction (3/4), or digits with
-# commas only as thousands separators (1,000; so "1.000" is 1 and "3,4,5" three numbers) and a decimal part, then
-# "%". Not after a digit or "/" ("5-10" is a range ending at 10, not -10; "12.5/0" holds no second number).
+# commas only as thousands separators (1,000; so "1.000" is 1 and "3,4,5" three numbers) and a decimal part, or a
+# decimal part alone (.5), then "%". Not after a digit or "/" ("5-10" is a range ending at 10, not -10; "12.5/0"
+# holds no second number).
 NUMBER = re.compile(
     r"(?<![\d/])(?P<sign>[-+])?\$?"
-    r"(?:(?:(?P<whole>\d+) +)?(?P<num>\d+)/(?P<den>0*[1-9]\d*)|(?P<int>\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?P<dec>\.\d+)?)%?"
+    r"(?:(?:(?P<whole>\d+) +)?(?P<num>\d+)/(?P<den>0*[1-9]\d*)"
+    r"|(?P<int>\d{1,3}(?:,\d{3})+(?!\d)|\d+)?(?P<dec>(?(int)(?:\.\d+)?|\.\d+)))%?"  # .5: a decimal part alone
 )
 DECIMALS = 6  # numbers compare as their value rounded to this many decimals: 1/3 matches 0.333333
 
@@ -183,7 +185,7 @@ def number_text(number: re.Match) -> str:
     if number["den"]:
         value = int(number["whole"] or 0) + Fraction(int(number["num"]), int(number["den"]))
     else:
-        value = Fraction(number["int"].replace(",", "") + (number["dec"] or ""))
+        value = Fraction((number["int"] or "0").replace(",", "") + number["dec"])
     scaled = round(value * 10**DECIMALS) * (-1 if number["sign"] == "-" else 1)
     whole, part = divmod(abs(scaled), 10**DECIMALS)
     decimals = f".{part:0{DECIMALS}d}".rstrip("0") if part else ""
