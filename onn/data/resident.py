@@ -588,6 +588,28 @@ def held_out_indices(labels: list[int], share: list[float], fraction: float) -> 
     return sorted(kept), sorted(val)
 
 
+# how today's ONN draws a held-out split (held_out_share: per item, by its name or content), saved into every
+# checkpoint beside the seed the split is drawn from; a checkpoint without it was written by an earlier ONN, which
+# drew the split by a seeded shuffle of positions
+HELD_OUT_RULE = "by name"
+
+
+def drawn_by_name(saved: dict[str, Any], ckpt: Any, draws: bool = True) -> bool:
+    """Whether `saved` (what a checkpoint keeps beside its seed) says its held-out split was drawn by HELD_OUT_RULE.
+    Where it was not and this run `draws` that split again from the seed (no data.val_source), one warning: most
+    items held out today were trained on under the earlier split, and val/ figures would silently measure memorising.
+    Never refused: an earlier ONN's checkpoint still loads, evaluates and resumes."""
+    if saved.get("held_out_rule") == HELD_OUT_RULE:
+        return True
+    if draws:
+        log.warning(
+            "ckpt %s: its validation split was drawn by an earlier ONN (by position), this one draws it by name, so "
+            "its val/ figures may include items it trained on; retrain it, or give a data.val_source",
+            ckpt,
+        )
+    return False
+
+
 def memory_budget_mb(device: torch.device) -> float:
     """Half of the free device memory, or a third of the available host memory."""
     if device.type == "cuda":

@@ -41,7 +41,7 @@ from onn.config.task import InferTask, TrainTask
 from onn.data.cache import cached_tensors
 from onn.data.files import write_jsonl
 from onn.data.labelled import same_text
-from onn.data.resident import ClassificationData, ResidentBatches, Split, by_position
+from onn.data.resident import HELD_OUT_RULE, ClassificationData, ResidentBatches, Split, by_position, drawn_by_name
 from onn.errors import UserError
 from onn.export.hf import save_network
 from onn.export.write import export_after_training, export_for_run, refused_write, weight_bytes
@@ -233,6 +233,7 @@ def data_inputs(m: ClassifierModality, config: ONNConfig, dm: ClassificationData
         "classes": dm.classes,
         "input_shape": list(dm.input_shape),
         "seed": int(config.seed),
+        "held_out_rule": HELD_OUT_RULE,  # how the seed draws the split: an earlier ONN's checkpoint lacks it
         **stats,
         **exported_stats(m, config, stats),
     }
@@ -311,6 +312,8 @@ def train(job: Job) -> dict[str, Any]:
     saved = saved_inputs(ckpt) if ckpt is not None else None
     if saved and "seed" in saved:  # a resumed run keeps the validation split it started with
         config = dataclasses.replace(config, seed=int(saved["seed"]))
+        # its inputs, saved into this run's checkpoints, keep the rule's absence: it trained on the earlier split
+        drawn_by_name(saved, ckpt, draws=not config.data.val_source)
     if ckpt is not None:  # the optimizer's state in the checkpoint belongs to its settings
         config = dataclasses.replace(config, optim=resumed_optim(config.optim, ckpt))
     callbacks = _callbacks(config, run_dir)  # its settings checked before the data and the model are built
@@ -474,6 +477,7 @@ def trained_data(m: ClassifierModality, config: ONNConfig, ckpt: Path, device: s
     inputs = saved_inputs(ckpt)
     known = [same_text(str(c)) for c in inputs["classes"]]  # (one trained before names were NFC: as data names them)
     config = dataclasses.replace(config, seed=int(inputs["seed"]))
+    drawn_by_name(inputs, ckpt, draws=not config.data.val_source)
     dm = m.datamodule(config, device)
     dm.min_classes = 1  # the checkpoint knows the classes: a folder of one of them is scored too
     dm.known_classes = tuple(known)  # a folder holding one of them (CLASS/SESSION/FILE) is that class, not a wrapper

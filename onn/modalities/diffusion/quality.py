@@ -32,7 +32,7 @@ from onn.config import ONNConfig, typed
 from onn.config.data import ImageData
 from onn.config.model import NetworkConfig
 from onn.config.task import TrainTask
-from onn.data.resident import StreamedItems
+from onn.data.resident import StreamedItems, drawn_by_name
 from onn.errors import UserError
 from onn.hardware.cluster import is_rank_zero
 from onn.modalities.base import Job
@@ -116,6 +116,7 @@ def held_out(config: ONNConfig, saved: dict[str, Any]) -> ONNConfig:
     data: ImageData = config.data
     trained = saved["data"]
     if data.val_source is None or not same_source(data.val_source, trained["source"]):
+        drawn_by_name(saved["inputs"], config.ckpt, draws=data.val_source is None)
         return config
     own = trained.get("val_source")
     log.info(
@@ -124,6 +125,7 @@ def held_out(config: ONNConfig, saved: dict[str, Any]) -> ONNConfig:
         f"data.val_source {own}" if own else f"data.val_split {trained['val_split']} of them, seed {config.seed}",
     )
     data = dataclasses.replace(data, source=trained["source"], val_source=own, val_split=trained["val_split"])
+    drawn_by_name(saved["inputs"], config.ckpt, draws=not own)
     return dataclasses.replace(config, data=data)
 
 

@@ -27,6 +27,7 @@ from onn.config.data import ImageData
 from onn.config.model import DenoiserConfig
 from onn.config.strategy import StrategyConfig
 from onn.config.task import TrainTask
+from onn.data.resident import HELD_OUT_RULE, drawn_by_name
 from onn.errors import UserError
 from onn.export.write import export_after_training
 from onn.hardware.cluster import is_rank_zero
@@ -205,8 +206,15 @@ def train(job: Job) -> dict[str, Any]:
     saved = saved_config(ckpt, "diffusion") if ckpt is not None else None
     if saved:  # a resumed run keeps the validation split it started with, and the optimizer its state belongs to
         config = dataclasses.replace(config, seed=int(saved["inputs"]["seed"]), optim=resumed_optim(config.optim, ckpt))
+        # its inputs, saved into this run's checkpoints, keep the rule's absence: it trained on the earlier split
+        drawn_by_name(saved["inputs"], ckpt, draws=not config.data.val_source)
     dm = datamodule(config, job.device, saved or None)
-    fresh = {"input_shape": list(dm.input_shape), "classes": dm.classes, "seed": int(config.seed)}
+    fresh = {
+        "input_shape": list(dm.input_shape),
+        "classes": dm.classes,
+        "seed": int(config.seed),
+        "held_out_rule": HELD_OUT_RULE,  # how the seed draws the validation split: an earlier ONN's lacks it
+    }
     inputs = saved["inputs"] if saved else fresh
     if job.plan.strategy == "sparse_lora":  # before the weights are built: as planned, the heap keeps no activations
         hold_mmap_threshold()

@@ -30,6 +30,7 @@ from onn.config.export import OnnxExport, SafetensorsExport
 from onn.config.model import DualEncoderConfig
 from onn.config.task import InferTask
 from onn.data.files import existing_source, walk_files, write_jsonl
+from onn.data.resident import HELD_OUT_RULE, drawn_by_name
 from onn.errors import UserError
 from onn.export.write import export_after_training
 from onn.hardware.cluster import is_rank_zero
@@ -87,6 +88,7 @@ def build(config: ONNConfig, sides: dict[str, PairSide], strategy: str = "full")
         "strategy": {**as_dict(config.strategy), "name": strategy},
         "modality": "pairs",
         "seed": config.seed,
+        "held_out_rule": HELD_OUT_RULE,  # how the seed draws the held-out pairs: an earlier ONN's checkpoint lacks it
         "data": {**as_dict(config.data), "modalities": names},
         "optim": as_dict(config.optim),  # what a resumed run's optimizer state belongs to (resumed_optim)
         "sides": {n: {**as_dict(s.config), STATS_USED: True} for n, s in sides.items()},
@@ -181,6 +183,8 @@ def train(job: Job) -> dict[str, Any]:
     dm = PairData(config, sides, job.device)
     dm.setup()
     module = build(config, sides, plan_.strategy)
+    if ckpt is not None and not drawn_by_name(saved_config(ckpt, "pairs"), ckpt, draws=not config.data.val_source):
+        del module.onn_config["held_out_rule"]  # it trained on an earlier ONN's split: its checkpoints say so too
     module.held_out_groups = dm.val_groups
     module.score_budget = score_budget(plan_)
     callbacks = _callbacks(config, run_dir)
@@ -237,6 +241,7 @@ def evaluate(job: Job) -> dict[str, Any]:
     if given:
         data = replace(data, source=given)
     run = replace(config, seed=int(saved["seed"]), data=replace(data, modalities=list(module.names)))
+    drawn_by_name(saved, job.ckpt, draws=not data.val_source)
     dm = PairData(run, sides_of(config, job.ckpt), job.device, whole=bool(given))
     dm.setup()
     module.held_out_groups = dm.val_groups

@@ -13,10 +13,12 @@ from typing import Any
 import torch
 
 from onn.config import ONNConfig, as_dict
+from onn.config.data import TextData
 from onn.config.model import LanguageModelConfig
 from onn.config.strategy import StreamingConfig
 from onn.config.task import EvalTask, InferTask, TrainTask
 from onn.data.files import write_jsonl
+from onn.data.resident import HELD_OUT_RULE, drawn_by_name
 from onn.dtypes import torch_dtype
 from onn.errors import UserError, write_refused
 from onn.export.write import export_after_training, export_for_run
@@ -115,6 +117,7 @@ def build(config: ONNConfig, plan: Plan) -> tuple[CausalLM, Any]:
     # plain dicts: a checkpoint holds data, and app.from_checkpoint types them again
     saved = {
         "seed": int(config.seed),  # the held-out split and training order: a resume and task=eval keep them
+        "held_out_rule": HELD_OUT_RULE,  # how the seed draws that split: an earlier ONN's checkpoint lacks it
         "model": as_dict(model_cfg),
         "strategy": as_dict(strategy),
         "data": as_dict(config.data),
@@ -150,6 +153,8 @@ def trained_seed(config: ONNConfig, ckpt: Path | None) -> ONNConfig:
     saved = saved_config(ckpt) if ckpt is not None else {}
     if "seed" not in saved:
         return config
+    data: TextData = config.data  # a built-in generator's val set is its own, drawn by no rule
+    drawn_by_name(saved, ckpt, draws=not data.val_source and not str(data.source).startswith("builtin:"))
     if int(saved["seed"]) != config.seed:
         log.info("ckpt %s trained with seed=%s: its held-out split and order are used", ckpt, saved["seed"])
     return dataclasses.replace(config, seed=int(saved["seed"]))
@@ -448,6 +453,8 @@ def train(job: Job) -> dict[str, Any]:
     early = early_tokenizer(config.model, config.paths.cache)
     dm = datamodule(config, early) if early is not None else None  # a data mistake costs a second, not a store build
     module, tokenizer = build(config, plan)
+    if ckpt is not None and saved_config(ckpt).get("held_out_rule") != HELD_OUT_RULE:
+        del module.onn_config["held_out_rule"]  # it trained on an earlier ONN's split: its checkpoints say so too
     check_positions(config, module)
     trainable = parameter_count(module)  # before fit: FSDP's ranks hold shards of them after it
     check_tbptt(config, module)
