@@ -52,9 +52,10 @@ def request(**fields):
     return ChatRequest.model_validate_json(json.dumps(body))
 
 
-@pytest.mark.parametrize("bias", [{"50": 0}, {"50": 0.0, "7": 0}, {}, None])
+@pytest.mark.parametrize("bias", [{"50": 0}, {"50": 0.0, "7": 0}, {}, None, [], 0, False])
 def test_a_logit_bias_of_zeros_biases_nothing_and_is_taken(bias):
-    """{"50": 0} was refused as unsupported_parameter though it asks for no bias: taken now, as {} was."""
+    """{"50": 0} was refused as unsupported_parameter though it asks for no bias: taken now, as {}, [], 0 and false
+    (every field's neutral values, docs/serving.md) still are."""
     from onn.tasks.serve.api import _refuse_unimplemented
 
     _refuse_unimplemented(request(logit_bias=bias))

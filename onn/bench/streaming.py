@@ -327,7 +327,9 @@ def step_memory(spec: dict[str, Any]) -> float:
     strategy = typed(StrategyConfig, spec["strategy"], "bench_streaming's step process: strategy")
     store = LayerStore("disk", "float32", folder=Path(spec["store"]))
     model, _ = load_into_store(model_cfg, torch.float32, None, store)
-    model = apply(model, "sparse_lora", strategy, discover(model), spec["layers"])
+    model = apply(
+        model, "sparse_lora", strategy, discover(model), spec["layers"]
+    ).train()  # a training step: dropout on
     engine = StreamingEngine(
         model, discover(model), store, int(spec["chunk_size"]), stream_edges=bool(spec["stream_edges"])
     )

@@ -879,11 +879,9 @@ def _refuse_unimplemented(req: Generation) -> None:
         elif name in ASKS_WHEN_GIVEN:
             neutral = value is None
         elif name in ZERO_MAPS:
-            neutral = value is None or (isinstance(value, dict) and all(_is_zero(v) for v in value.values()))
+            neutral = _neutral(name, value) or (isinstance(value, dict) and all(_is_zero(v) for v in value.values()))
         else:
-            # equal and a bool only where the neutral is one: True == 1 and False == 0 passed best_of=true
-            same = (n for n in (*NEUTRAL, NEUTRAL_OWN.get(name)) if n is not None)
-            neutral = value is None or any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in same)
+            neutral = _neutral(name, value)
         if asks_logprobs or not neutral:
             raise ApiError(
                 400,
@@ -897,6 +895,13 @@ def _refuse_unimplemented(req: Generation) -> None:
             "stream_options: only allowed when stream is true; set stream to true or leave stream_options out.",
             param="stream_options",
         )
+
+
+def _neutral(name: str, value: Any) -> bool:
+    """Whether `value` of field `name` asks for nothing (NEUTRAL, or the field's own NEUTRAL_OWN): equal, and a bool
+    only where the neutral is one (True == 1 and False == 0 passed best_of=true)."""
+    same = (n for n in (*NEUTRAL, NEUTRAL_OWN.get(name)) if n is not None)
+    return value is None or any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in same)
 
 
 def _is_zero(value: Any) -> bool:
