@@ -36,6 +36,7 @@ def hit(reference: str, completion: str, pattern: str | None) -> bool:
         ("#### 1000", "#### 1,000", GSM8K),
         ("0.5", ".5", None),  # a decimal part alone: was the text ".5" once numbers were read by NUMBER
         ("#### -0.75", "it falls by -.75", GSM8K),
+        ("#### 4", "so she keeps box No.4", GSM8K),  # a dot after a letter is no decimal point: was 0.4
     ],
 )
 def test_equal_values_match(reference: str, completion: str, pattern: str | None):

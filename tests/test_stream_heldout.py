@@ -11,9 +11,11 @@ import math
 import re
 from pathlib import Path
 
+import pytest
 from conftest import compose
 
 from onn.config.data import TextData
+from onn.errors import UserError
 from onn.modalities.text import datamodule as text_datamodule
 from onn.modalities.text.sources import record_share
 
@@ -86,3 +88,26 @@ def test_held_out_records_past_val_max_never_train(tmp_path, monkeypatch):
     under = sorted((i for i in range(40) if draws[i] < 0.3), key=draws.__getitem__)
     assert len(under) > 3 and held == under[:3]
     assert sorted(trained) == sorted(i for i in range(40) if draws[i] >= 0.3) and len(trained) == dm.train_records
+
+
+def test_an_earlier_onns_stream_state_is_refused_and_a_tiny_file_as_a_resident_read_refuses_it(tmp_path):
+    """A stream state saved before records were held out by draw (it held out the file's first records) would train
+    on records now held out and count an epoch the loader does not have: refused in one sentence. A file of two
+    answered records among blank ones is too few to hold out, streamed or not (the streamed read counted the blank
+    ones and went on)."""
+    source = tmp_path / "d.jsonl"
+    write(source, 0, 40)
+    dm = setup(source, True, 0.2)
+    stream = iter(dm.stream)
+    state = stream.state_dict()
+    assert state["held"] == "drawn"
+    stream.load_state_dict(state)  # today's state resumes
+    del state["held"]
+    with pytest.raises(UserError, match="saved by an earlier ONN, which held out the first records"):
+        stream.load_state_dict(state)
+    tiny = tmp_path / "tiny.jsonl"
+    rows = [record(0), record(1)] + [{"question": f"blank {i}", "answer": ""} for i in range(8)]
+    tiny.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for streaming in (False, True):
+        with pytest.raises(UserError, match="2 records with an answer: too few to hold out"):
+            setup(tiny, streaming, 0.75)

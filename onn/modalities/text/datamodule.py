@@ -143,12 +143,12 @@ def bos_ids(tokenizer) -> list[int]:
 
 # A number as GSM8K-style answers write it: a sign, "$", a mixed number (7 1/2), a fraction (3/4), or digits with
 # commas only as thousands separators (1,000; so "1.000" is 1 and "3,4,5" three numbers) and a decimal part, or a
-# decimal part alone (.5), then "%". Not after a digit or "/" ("5-10" is a range ending at 10, not -10; "12.5/0"
-# holds no second number).
+# decimal part alone (.5; not after a letter or a dot: "No.4" is 4), then "%". Not after a digit or "/" ("5-10" is
+# a range ending at 10, not -10; "12.5/0" holds no second number).
 NUMBER = re.compile(
     r"(?<![\d/])(?P<sign>[-+])?\$?"
     r"(?:(?:(?P<whole>\d+) +)?(?P<num>\d+)/(?P<den>0*[1-9]\d*)"
-    r"|(?P<int>\d{1,3}(?:,\d{3})+(?!\d)|\d+)?(?P<dec>(?(int)(?:\.\d+)?|\.\d+)))%?"  # .5: a decimal part alone
+    r"|(?P<int>\d{1,3}(?:,\d{3})+(?!\d)|\d+)?(?P<dec>(?(int)(?:\.\d+)?|(?<![\w.])\.\d+)))%?"  # .5: a decimal part alone
 )
 DECIMALS = 6  # numbers compare as their value rounded to this many decimals: 1/3 matches 0.333333
 
@@ -294,6 +294,7 @@ class TextDataModule(L.LightningDataModule):
         self.train_records = 0
         self.stream: ShuffledStream | None = None  # streamed data (data.streaming)
         self.held_below = 0.0  # streamed data: a record drawn under this is held out (0: none, data.val_source)
+        self.held_count = 0  # streamed data: the records held out (VAL_MAX of them kept for validation)
         self.cut_said = False  # whether a streamed record cut to data.max_length has been said
         self.val_is_train_said = False  # whether data.val_source naming data.source has been said (train_dataloader)
 
@@ -375,13 +376,16 @@ class TextDataModule(L.LightningDataModule):
         self.val_set = self._encode_all(self.val_examples, self.val_where, val_key)
         self.train_records = rows
         self.stream = ShuffledStream(
-            reader, reader.start, rows, cfg.shuffle_buffer, self.seed, self._encode, self._trains
+            reader, reader.start, rows, cfg.shuffle_buffer, self.seed, self._encode, self._trains, not cfg.val_source
         )
         log.info(
-            "data: streaming %d training records from %s (%d held out), shuffle buffer %d",
+            "data: streaming %d training records from %s (%d held out, %d of them validated on: at most %d are kept), "
+            "shuffle buffer %d",
             rows,
             cfg.source,
+            self.held_count,
             len(self.val_set),
+            VAL_MAX,
             self.stream.buffer,
         )
 
@@ -405,7 +409,9 @@ class TextDataModule(L.LightningDataModule):
         if draws is not None:
             self.held_below, rows = draws.cut()
             held = Records(*draws.kept(self.held_below))
-        if not rows or (draws is not None and not held):  # one answered record, or a few identical ones
+            self.held_count = draws.seen - rows
+        # too few answered records to hold some out (as a resident read counts them), or a few identical ones
+        if not rows or (draws is not None and (not held or max(1, round(draws.seen * cfg.val_split)) >= draws.seen)):
             if blank == total:
                 raise no_answer("data.source", str(cfg.source), total, "training")
             raise UserError(

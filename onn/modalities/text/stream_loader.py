@@ -21,7 +21,9 @@ class ShuffledStream(IterableDataset):
     record encoded when drawn. `keep`: whether a record is trained on (one whose answer is empty, or held out, is
     not); `rows` counts the kept records only, and workers take every n-th kept record, so each worker's share, and
     so the epoch's length, is exact. `epoch` is set by StreamLoader. `signature`: the file's size and time when the run
-    began, which a checkpoint's position into it is only valid for."""
+    began, which a checkpoint's position into it is only valid for. `holds_out`: `keep` leaves out a held-out split
+    drawn by each record's content (a checkpoint of an earlier ONN, which held out the file's first records, cannot
+    resume it)."""
 
     def __init__(
         self,
@@ -32,9 +34,11 @@ class ShuffledStream(IterableDataset):
         seed: int,
         encode: Callable[[dict, str], Any],
         keep: Callable[[dict, str], bool],
+        holds_out: bool = False,
     ):
         self.reader, self.start, self.rows, self.buffer = reader, list(start), rows, max(1, int(buffer))
         self.seed, self.encode, self.keep, self.epoch = seed, encode, keep, 0
+        self.holds_out = holds_out  # whether `keep` leaves out the records drawn into the held-out split
         self.signature = file_signature(reader.path)
 
     def __iter__(self) -> _Stream:
@@ -62,6 +66,7 @@ class _Stream:
             "draining": self.draining,
             "rng": self.rng.bit_generator.state,
             "counts": "kept",  # `index` counts kept records; a state without this counted every record read
+            "held": "drawn",  # held-out records drawn by content (a state without this held out the first ones)
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -69,6 +74,12 @@ class _Stream:
             raise UserError(
                 f"the checkpoint's data stream ran with data.num_workers={state['workers']}; "
                 "resume with the same data.num_workers."
+            )
+        if "held" not in state and self.ds.holds_out:  # its epoch counted the records this one holds out
+            raise UserError(
+                f"this checkpoint's data stream was saved by an earlier ONN, which held out the first records of "
+                f"{self.ds.reader.path}; this one holds out records drawn by their content, so it would train on "
+                "records it now validates on: train from the start without ckpt=, or give data.val_source."
             )
         if "counts" not in state and self.workers > 1 and self.ds.reader.count(self.ds.start) != self.ds.rows:
             raise UserError(
