@@ -6,6 +6,7 @@ and video's, is fixed in the shared infer and not tested here: an image archive 
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -265,3 +266,25 @@ def test_a_multimodal_models_context_is_its_text_configs():
     nested.model.architecture = {"model_type": "gemma3", "text_config": {"max_position_embeddings": 32}}
     with pytest.raises(UserError, match=r"data\.max_length=64 .*text_config\.max_position_embeddings=32"):
         get("text").check(nested)
+
+
+def test_exact_match_cut_below_the_references_length_is_said(caplog):
+    """task=eval's exact match with max_new_tokens=auto: one long held-out prompt cut every answer to what it left of
+    the context (GSM8K's "#### N" never reached, exact match 0.000), and nothing said so."""
+    from onn.modalities.text.tasks import answer_room
+
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=32))
+
+    def tokenizer(text, add_special_tokens=True):
+        return {"input_ids": ["<bos>"] * add_special_tokens + text.split()}
+
+    prompter = SimpleNamespace(add_special_tokens=True, starts_with_bos=False)
+    dm = SimpleNamespace(
+        val_examples=[("a " * 10, "x"), ("a " * 20, "y")], val_where=["line 1", "line 2"], prompter=prompter
+    )
+    with caplog.at_level(logging.WARNING, logger="onn"):
+        assert answer_room(SimpleNamespace(model=model), dm, tokenizer, 2, 8, auto=True) == 8
+    assert not caplog.records  # room for the answers: nothing to say
+    with caplog.at_level(logging.WARNING, logger="onn"):
+        assert answer_room(SimpleNamespace(model=model), dm, tokenizer, 2, 30, auto=True) == 11
+    assert "exact match generates 11 new tokens" in caplog.text and "fewer than the 30" in caplog.text

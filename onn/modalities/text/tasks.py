@@ -421,9 +421,18 @@ def answer_room(module: CausalLM, dm: TextDataModule, tokenizer, samples: int, n
     prompts = [p for p, _ in dm.val_examples[:samples]]
     places = [f"held-out {where}" for where in dm.val_where[:samples]]
     prompter = dm.prompter
-    return check_context(
+    room = check_context(
         module.model, tokenizer, prompts, places, new, prompter.add_special_tokens, auto, prompter.starts_with_bos
     )
+    if room < new:  # one long prompt cuts every answer: a final "#### N" past the cut scores 0 without a word
+        log.warning(
+            "exact match generates %d new tokens, what the longest held-out prompt leaves of the model's context, "
+            "fewer than the %d the longest reference answer needs: answers cut there score as not found; use a "
+            "model with a longer context or shorter prompts",
+            room,
+            new,
+        )
+    return room
 
 
 def held_out_scores(job: Job, module: CausalLM, dm: TextDataModule, tokenizer, samples: int, new: int):
