@@ -270,7 +270,8 @@ def test_a_multimodal_models_context_is_its_text_configs():
 
 def test_exact_match_cut_below_the_references_length_is_said(caplog):
     """task=eval's exact match with max_new_tokens=auto: one long held-out prompt cut every answer to what it left of
-    the context (GSM8K's "#### N" never reached, exact match 0.000), and nothing said so."""
+    the context (GSM8K's "#### N" never reached, exact match 0.000), and nothing said so. Said against the longest
+    reference's own length, not auto's margin on top of it."""
     from onn.modalities.text.tasks import answer_room
 
     model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=32))
@@ -278,13 +279,16 @@ def test_exact_match_cut_below_the_references_length_is_said(caplog):
     def tokenizer(text, add_special_tokens=True):
         return {"input_ids": ["<bos>"] * add_special_tokens + text.split()}
 
-    prompter = SimpleNamespace(add_special_tokens=True, starts_with_bos=False)
-    dm = SimpleNamespace(
-        val_examples=[("a " * 10, "x"), ("a " * 20, "y")], val_where=["line 1", "line 2"], prompter=prompter
-    )
+    def room(answer: str, new: int) -> int:
+        prompter = SimpleNamespace(add_special_tokens=True, starts_with_bos=False)
+        examples = [("a " * 10, "x"), ("a " * 20, answer)]
+        dm = SimpleNamespace(val_examples=examples, val_where=["line 1", "line 2"], prompter=prompter)
+        return answer_room(SimpleNamespace(model=model), dm, tokenizer, 2, new, auto=True)
+
     with caplog.at_level(logging.WARNING, logger="onn"):
-        assert answer_room(SimpleNamespace(model=model), dm, tokenizer, 2, 8, auto=True) == 8
-    assert not caplog.records  # room for the answers: nothing to say
+        assert room("y", 8) == 8
+        assert room("y " * 5, 21) == 11  # a 5-token answer and auto's margin of 16: cut into the margin only
+    assert not caplog.records
     with caplog.at_level(logging.WARNING, logger="onn"):
-        assert answer_room(SimpleNamespace(model=model), dm, tokenizer, 2, 30, auto=True) == 11
-    assert "exact match generates 11 new tokens" in caplog.text and "fewer than the 30" in caplog.text
+        assert room("y " * 14, 30) == 11
+    assert "exact match generates 11 new tokens" in caplog.text and "fewer than the 14" in caplog.text

@@ -378,14 +378,16 @@ class TextDataModule(L.LightningDataModule):
         self.stream = ShuffledStream(
             reader, reader.start, rows, cfg.shuffle_buffer, self.seed, self._encode, self._trains, not cfg.val_source
         )
+        held = (
+            f"validating on data.val_source's {len(self.val_set)}"
+            if cfg.val_source
+            else f"{self.held_count} held out, {len(self.val_set)} of them validated on: at most {VAL_MAX} are kept"
+        )
         log.info(
-            "data: streaming %d training records from %s (%d held out, %d of them validated on: at most %d are kept), "
-            "shuffle buffer %d",
+            "data: streaming %d training records from %s (%s), shuffle buffer %d",
             rows,
             cfg.source,
-            self.held_count,
-            len(self.val_set),
-            VAL_MAX,
+            held,
             self.stream.buffer,
         )
 
