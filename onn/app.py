@@ -52,7 +52,7 @@ from onn.hardware.memory import cap_gpu_memory, is_out_of_memory, release_gpu, r
 from onn.hardware.profile import Profile, use_threads
 from onn.hardware.profile import resolve as resolve_hardware
 from onn.modalities.base import Job, Modality
-from onn.modalities.registry import detect, get
+from onn.modalities.registry import REGISTRY, detect, get
 from onn.planning.plan import render
 from onn.streaming.quantized import release_tiles
 from onn.tasks.record import Interrupted, RunRecord, writable_file, writable_folder
@@ -115,8 +115,8 @@ def run(cfg: DictConfig) -> float | None:
     start = Path(hydra_cfg.runtime.cwd)
     try:
         from_start_folder(cfg, start)
-        if _read(cfg, "data.name") == "auto":
-            cfg = compose_detected(cfg, overrides)
+        if (chosen := compose_chosen(cfg, overrides, choices)) is not None:
+            cfg = chosen
             from_start_folder(cfg, start)  # composed again from the command line's relative data.source
             metrics.update(_groups(cfg))  # what runs, also in the record of a run that fails before it ends
         name_after_checkpoint(cfg, given_keys(overrides))
@@ -375,8 +375,6 @@ def checkpoint_name(group: str, *, _root_: DictConfig) -> str:
 def compose_detected(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """`data=auto`: find the modality from what data.source holds, then compose the config again with
     its data config (and its default model when the command line names none), and say why."""
-    from hydra import compose
-
     given = given_groups(overrides)
     if OmegaConf.is_missing(cfg.data, "source"):  # as data=text's says it (to_config)
         raise UserError("data.source has no value: give it on the command line (data.source=...).")
@@ -396,14 +394,54 @@ def compose_detected(cfg: DictConfig, overrides: list[str]) -> DictConfig:
         f"data=auto: {cfg.data.source} holds {reason}: {modality.description}, so {' '.join(chosen)}",
         flush=True,
     )
+    return recompose(chosen, kept, "data=auto")
+
+
+def compose_chosen(cfg: DictConfig, overrides: list[str], choices: dict[str, str]) -> DictConfig | None:
+    """The config composed again where ONN picks what the command line left open: data=auto's data config (and
+    model), or the default model of an explicit data config's modality; None where nothing is picked. `choices`
+    learns the model picked (a recipe's clash in to_config names the option that runs)."""
+    if _read(cfg, "data.name") == "auto":
+        return compose_detected(cfg, overrides)
+    model = default_model(cfg, overrides, choices)
+    if model is None:
+        return None
+    print(f"data={choices['data']} names no model, so model={model}", flush=True)
+    choices["model"] = model
+    return recompose([f"model={model}"], overrides, f"data={choices['data']}")
+
+
+def default_model(cfg: DictConfig, overrides: list[str], choices: dict[str, str]) -> str | None:
+    """The data config's modality's default_model, for a run where neither the command line nor a recipe names a
+    model (`data=mesh` alone composed conf/config.yaml's phi4_tiny, a language model, and was refused). None where
+    the model stays: one is named, ckpt= brings the checkpoint's, or the modality's default is the root's own."""
+    root = next(d["model"] for d in _root_defaults() if isinstance(d, dict) and "model" in d)
+    if "model" in given_groups(overrides) or choices.get("model") != root or _read(cfg, "ckpt"):
+        return None
+    modality = REGISTRY.get(str(_read(cfg, "data.modality")))
+    if modality is None or modality.default_model in ("", root):  # an unknown modality: get() says so later
+        return None
+    return modality.default_model
+
+
+def _root_defaults() -> list[Any]:
+    """conf/config.yaml's defaults list: the options a run composes where nothing else names one."""
+    return yaml.safe_load((CONF / "config.yaml").read_text())["defaults"]
+
+
+def recompose(chosen: list[str], kept: list[str], chooser: str) -> DictConfig:
+    """The config composed again with the options `chooser` chose (`chosen`) and the command line's other
+    overrides (`kept`); one sentence where they do not fit together."""
+    from hydra import compose
+
     try:
         return compose(config_name="config", overrides=[*chosen, *kept])
     except ConfigCompositionException as e:
-        raise UserError(detected_compose_problem(e, chosen)) from None
+        raise UserError(detected_compose_problem(e, chosen, chooser)) from None
 
 
-def detected_compose_problem(error: ConfigCompositionException, chosen: list[str]) -> str:
-    """One sentence for a command line that does not compose with the config data=auto chose: Hydra's own message
+def detected_compose_problem(error: ConfigCompositionException, chosen: list[str], chooser: str = "data=auto") -> str:
+    """One sentence for a command line that does not compose with the config `chooser` chose: Hydra's own message
     for a misspelt `+data.KEY` told the user to write `+data.KEY`, which they had."""
     cause = error.__cause__
     kind = getattr(cause, "object_type", None)
@@ -412,13 +450,14 @@ def detected_compose_problem(error: ConfigCompositionException, chosen: list[str
         close = difflib.get_close_matches(str(key), [f.name for f in dataclasses.fields(kind)], n=1)
         hint = f" (did you mean {full_key.rsplit('.', 1)[0]}.{close[0]}?)" if close and "." in full_key else ""
         return (
-            f"+{full_key}: {chosen[0]}, which data=auto chose, has no key {key}{hint}; fix its name "
+            f"+{full_key}: {chosen[0]}, which {chooser} chose, has no key {key}{hint}; fix its name "
             "(docs/config.md lists the groups' keys)."
         )
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    group = chosen[0].split("=", 1)[0]  # data (data=auto's choice) or model (a data config's default model)
     return (
-        f"data=auto chose {' '.join(chosen)}, and the command line does not fit it ({first.rstrip('.')}); fix that "
-        "override, or name the data config with data=NAME."
+        f"{chooser} chose {' '.join(chosen)}, and the command line does not fit it ({first.rstrip('.')}); fix that "
+        f"override, or name the {group} config with {group}=NAME."
     )
 
 

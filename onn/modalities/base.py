@@ -10,7 +10,8 @@ and its `__init__.py` registers an instance (onn/modalities/registry.py). It bri
              the tasks, run on a `Job`
   pair_side  the modality as one side of a dual encoder (onn/modalities/pairs), when it can be one
 
-`default_data` and `default_model` name the conf/data and conf/model options `data=auto` picks.
+`default_data` and `default_model` name the conf/data and conf/model options `data=auto` picks; an explicit
+data config with no model named (command line or recipe) takes `default_model` too (app.compose_chosen).
 The hooks import their implementation (and with it torch, Lightning, transformers) when called,
 so that composing a config, `--help` and `task=plan` stay fast.
 """
