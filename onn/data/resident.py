@@ -557,6 +557,18 @@ def untrained_classes(classes: list[str], labels: dict[str, torch.Tensor]) -> st
     )
 
 
+def val_fraction(value: float) -> float:
+    """data.val_split checked as the fraction it is, in the one sentence the plan (before any data is read) and the
+    data module both say: a value outside (0, 1) is a mistake whatever the data holds, so it is refused even where
+    the data has a val split of its own."""
+    if isinstance(value, bool) or not 0 < float(value) < 1:
+        raise UserError(
+            f"data.val_split must be between 0 and 1 (got {value}): it is the fraction of data.source held out for "
+            "validation when the data has no val split."
+        )
+    return float(value)
+
+
 def held_out_share(seed: int, name: str) -> float:
     """Where an item falls in [0, 1), drawn by a hash of (seed, its name): below data.val_split it is held out for
     validation. Its name alone decides, never its position among the others (see ClassificationData._held_out): its
@@ -855,9 +867,7 @@ class ClassificationData(L.LightningDataModule):
 
     def _check_val_split(self, n: int) -> None:
         """Refuse a data.val_split that is no fraction, or one that leaves n items nothing to train on."""
-        fraction = float(self.cfg.val_split)
-        if not 0 < fraction < 1:
-            raise UserError(f"data.val_split must be between 0 and 1 (got {fraction}) when the data has no val split.")
+        fraction = val_fraction(self.cfg.val_split)
         if max(1, round(n * fraction)) >= n:
             raise UserError(f"data.source has {n} training items: too few to hold out a validation split.")
 

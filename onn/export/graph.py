@@ -494,9 +494,14 @@ def concrete_shapes(
         with tempfile.TemporaryDirectory(prefix="onn-shapes-") as tmp, contextlib.chdir(tmp):
             inferred = SymbolicShapeInference.infer_shapes(fixed, auto_merge=True)
         sizes.update(_sizes(inferred.graph, {}))
-    except Exception as e:  # its asserts cover op types it does not know
-        log.info("shape inference stopped (%s: %s); the graph is run once to size the rest", type(e).__name__, e)
+    except Exception as e:  # its asserts cover op types it does not know: the run below sizes what it left
+        log.debug("symbolic shape inference stopped: %s: %s", type(e).__name__, e)
     if missing := made - sizes.keys():
+        log.info(
+            "export: %d tensor sizes of the graph cannot be worked out from the graph alone, so it is run once on "
+            "the sample to measure them (normal for some graphs; the export is not affected)",
+            len(missing),
+        )
         sizes.update(_measured_sizes(model, input_shapes, value_ranges or {}, missing))
     return sizes
 

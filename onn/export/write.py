@@ -145,7 +145,7 @@ def _export(
             source=model_source(model, model_name),
         )
         omny.write(graph, doc, output)
-    metrics["export/onnx"] = str(output)
+    del metrics["export/onnx"]  # the traced .onnx, deleted with tmp: the .omny holds its graph (export/omny)
     metrics.update(_omny_metrics(doc, output))
     return metrics
 

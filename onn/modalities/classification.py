@@ -41,7 +41,15 @@ from onn.config.task import InferTask, TrainTask
 from onn.data.cache import cached_tensors
 from onn.data.files import write_jsonl
 from onn.data.labelled import same_text
-from onn.data.resident import HELD_OUT_RULE, ClassificationData, ResidentBatches, Split, by_position, drawn_by_name
+from onn.data.resident import (
+    HELD_OUT_RULE,
+    ClassificationData,
+    ResidentBatches,
+    Split,
+    by_position,
+    drawn_by_name,
+    val_fraction,
+)
 from onn.errors import UserError
 from onn.export.hf import save_network
 from onn.export.write import export_after_training, export_for_run, refused_write, weight_bytes
@@ -79,6 +87,7 @@ PICTURED = 64  # inputs drawn in infer's picture
 def plan(m: ClassifierModality, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
     """The classifier's plan: full training or a linear probe (make_network_plan); with strategy=sparse_lora a
     recurrent stack's blocks stream (make_network_streaming_plan), sized with what trains (streamed_trainable)."""
+    val_fraction(config.data.val_split)  # said once every image was decoded, though a plan comes before the data
     if isinstance(config.task, TrainTask):  # task=plan refuses what the training's loss would refuse mid-step
         mixup_alpha(config.task)
         smoothing(config.task)
@@ -703,7 +712,7 @@ def export_module(m: ClassifierModality, config: ONNConfig, module: Classifier, 
     else:  # float32: an audio run stores float16 samples, and onnxruntime takes float32 ones (onnx_export.traceable)
         stored = torch.randn(shape, generator=generator)
     metrics = export_for_run(config, graph, run_dir, {"input": stored})
-    describe(m, inputs, Path(metrics["export/onnx"]), shape, dtype)
+    describe(m, inputs, Path(metrics[f"export/{settings.name}"]), shape, dtype)  # the .onnx or the .omny written
     return metrics
 
 

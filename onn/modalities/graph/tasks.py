@@ -35,7 +35,7 @@ from onn.config.model import GraphNetworkConfig
 from onn.config.task import InferTask
 from onn.data.files import write_jsonl
 from onn.data.labelled import check_bad
-from onn.data.resident import by_position
+from onn.data.resident import by_position, val_fraction
 from onn.errors import UserError
 from onn.hardware.profile import Profile
 from onn.modalities.base import ClassifierModality, Job
@@ -153,6 +153,7 @@ def _batch_share(sizes: list[int], batch: int) -> int:
 def plan(m: ClassifierModality, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
     """The plan of a graph network on a sample of the data's size (plan_sample): its activations and FLOPs grow with
     the graph's nodes and edges, so a fixed stand-in graph mispredicted the run by the data's size over it."""
+    val_fraction(config.data.val_split)  # before any graph is read, as classification.plan does for the others
     inputs = planned_inputs(m, config)
     model_cfg: GraphNetworkConfig = config.model
     network = m.network(model_cfg, inputs)  # small: built for real, the graph's index ops have no meta kernels
