@@ -116,6 +116,19 @@ def test_an_earlier_classifier_scored_on_a_given_val_source_is_not_warned_about(
     assert warnings_of(caplog) == []
 
 
+@pytest.mark.slow  # a second 2-step classifier, on a train/ + val/ layout
+def test_an_earlier_classifier_of_data_with_its_own_val_folder_is_not_warned_about(tmp_path: Path, caplog):
+    """A source with its own val/ folder draws no split from the seed, so an earlier ONN's checkpoint of it is
+    scored on the very split it validated on: nothing to say (it was told to give a data.val_source)."""
+    source = tmp_path / "split"
+    images(source / "train"), images(source / "val")
+    classify(tmp_path, "train", f"data.source={source}", "trainer.max_steps=2")
+    earlier = as_earlier_onn(tmp_path / "train" / "checkpoints" / "last.ckpt", tmp_path / "earlier.ckpt", "inputs")
+    with caplog.at_level(logging.WARNING, logger="onn"):
+        classify(tmp_path, "eval", "task=eval", f"ckpt={earlier}")
+    assert warnings_of(caplog) == []
+
+
 TEXT = (
     "data=text",
     "data.val_split=0.25",

@@ -608,7 +608,8 @@ HELD_OUT_RULE = "by name"
 
 def drawn_by_name(saved: dict[str, Any], ckpt: Any, draws: bool = True) -> bool:
     """Whether `saved` (what a checkpoint keeps beside its seed) says its held-out split was drawn by HELD_OUT_RULE.
-    Where it was not and this run `draws` that split again from the seed (no data.val_source), one warning: most
+    Where it was not and this run `draws` that split again from the seed by that rule (no data.val_source, no val/
+    folder of the data's own, not a node-level graph's masks, whose draw did not change), one warning: most
     items held out today were trained on under the earlier split, and val/ figures would silently measure memorising.
     Never refused: an earlier ONN's checkpoint still loads, evaluates and resumes."""
     if saved.get("held_out_rule") == HELD_OUT_RULE:
@@ -643,6 +644,9 @@ class ClassificationData(L.LightningDataModule):
     # a classifier learns two classes or more; 1 where a checkpoint's classes are known (task=eval of a folder of
     # some of them)
     min_classes = 2
+    # whether setup drew the val split from the seed by HELD_OUT_RULE (not a val/ folder, pattern or val_source):
+    # only then is an earlier ONN's checkpoint validated on another split than its own (drawn_by_name)
+    held_out_by_name = False
 
     def __init__(self, data_cfg: SplitData, cache_dir: str, device: str | torch.device = "cpu", seed: int = 0):
         super().__init__()
@@ -885,6 +889,7 @@ class ClassificationData(L.LightningDataModule):
         class has one item, none can be held out without its class, and the lowest-drawn goes (said as untrained)."""
         self._check_val_split(len(labels))
         share = [held_out_share(self.seed, name) for name in names]
+        self.held_out_by_name = True
         return held_out_indices(labels.tolist(), share, float(self.cfg.val_split))
 
     # -- loaders ----------------------------------------------------------------------------------

@@ -321,12 +321,12 @@ def train(job: Job) -> dict[str, Any]:
     saved = saved_inputs(ckpt) if ckpt is not None else None
     if saved and "seed" in saved:  # a resumed run keeps the validation split it started with
         config = dataclasses.replace(config, seed=int(saved["seed"]))
-        # its inputs, saved into this run's checkpoints, keep the rule's absence: it trained on the earlier split
-        drawn_by_name(saved, ckpt, draws=not config.data.val_source)
     if ckpt is not None:  # the optimizer's state in the checkpoint belongs to its settings
         config = dataclasses.replace(config, optim=resumed_optim(config.optim, ckpt))
     callbacks = _callbacks(config, run_dir)  # its settings checked before the data and the model are built
     dm = in_checkpoint_order(m, config, setup_data(m, config, job.device), saved, job.device)
+    if saved and "seed" in saved:  # its inputs, saved into this run's checkpoints, keep the rule's absence
+        drawn_by_name(saved, ckpt, draws=dm.held_out_by_name)
     store = streaming_store(config, plan, run_dir, job.device)
     module = build(m, config, plan, saved or data_inputs(m, config, dm), store)
     if ckpt is not None:  # before Lightning restores it: a checkpoint of another network is one sentence
@@ -486,11 +486,11 @@ def trained_data(m: ClassifierModality, config: ONNConfig, ckpt: Path, device: s
     inputs = saved_inputs(ckpt)
     known = [same_text(str(c)) for c in inputs["classes"]]  # (one trained before names were NFC: as data names them)
     config = dataclasses.replace(config, seed=int(inputs["seed"]))
-    drawn_by_name(inputs, ckpt, draws=not config.data.val_source)
     dm = m.datamodule(config, device)
     dm.min_classes = 1  # the checkpoint knows the classes: a folder of one of them is scored too
     dm.known_classes = tuple(known)  # a folder holding one of them (CLASS/SESSION/FILE) is that class, not a wrapper
     dm.setup()
+    drawn_by_name(inputs, ckpt, draws=dm.held_out_by_name)
     named = set(dm.classes) <= set(known)  # data.classes naming some of the checkpoint's classes, in any order
     if dm.classes == known or (config.data.classes and not named):
         return dm

@@ -138,6 +138,7 @@ class GraphDataModule(L.LightningDataModule):
     # a classifier learns two classes or more; 1 where a checkpoint's classes are known (task=eval of a folder of
     # some of them: classification.trained_data sets it, as for ClassificationData)
     min_classes = 2
+    held_out_by_name = False  # as ClassificationData's: whether setup drew graphs into val by HELD_OUT_RULE
 
     def __init__(self, data_cfg: GraphData, device: str = "cpu", seed: int = 0, score_all: bool = False):
         """`score_all`: task=eval scores every graph of its given data.source (modality.scores_whole_graph); a
@@ -255,6 +256,7 @@ class GraphDataModule(L.LightningDataModule):
         labels = [int(graph.y) for graph in train.graphs]  # the class numbers _setup_graphs gave
         share = [held_out_share(self.seed, name) for name in train.names]
         kept, val = held_out_indices(labels, share, fraction)
+        self.held_out_by_name = True
         kept_at, val_at = (torch.tensor(part, dtype=torch.long) for part in (kept, val))
         untrained = untrained_classes(
             self.classes, {"train": torch.tensor(labels)[kept_at], "val": torch.tensor(labels)[val_at]}
