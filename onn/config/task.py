@@ -7,6 +7,10 @@ from typing import Any
 
 from omegaconf import MISSING
 
+# tasks that build a trained checkpoint's model resident: training-only settings (a Lightning strategy, the
+# held-out fraction) do not apply to them
+READS_CHECKPOINT = ("eval", "infer", "export", "serve")
+
 
 @dataclass
 class TaskConfig:

@@ -27,6 +27,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from onn.config.data import LabelledFiles, SplitData, eval_batch
+from onn.config.task import READS_CHECKPOINT
 from onn.data.files import same_path
 from onn.data.labelled import check_bad, same_text
 from onn.errors import UserError
@@ -558,15 +559,26 @@ def untrained_classes(classes: list[str], labels: dict[str, torch.Tensor]) -> st
 
 
 def val_fraction(value: float) -> float:
-    """data.val_split checked as the fraction it is, in the one sentence the plan (before any data is read) and the
-    data module both say: a value outside (0, 1) is a mistake whatever the data holds, so it is refused even where
-    the data has a val split of its own."""
+    """data.val_split checked as the fraction it is, in the one sentence the data module says where it draws a split
+    (strictly between 0 and 1: a split of none or all leaves nothing to validate or to train on)."""
     if isinstance(value, bool) or not 0 < float(value) < 1:
         raise UserError(
             f"data.val_split must be between 0 and 1 (got {value}): it is the fraction of data.source held out for "
             "validation when the data has no val split."
         )
     return float(value)
+
+
+def planned_val_split(config) -> None:
+    """A training plan's data.val_split that is no fraction at all (below 0, above 1, not a number), refused before
+    any data is read (it was said once every file was decoded). 0 and 1 wait for the data module, which refuses them
+    only where it draws a split: a run with a val/ folder of its own may set 0. Tasks that read a checkpoint are not
+    checked: its saved value trained."""
+    value = config.data.val_split
+    if config.task.name in READS_CHECKPOINT or config.ckpt:
+        return
+    if isinstance(value, bool) or not 0 <= float(value) <= 1:
+        val_fraction(value)
 
 
 def held_out_share(seed: int, name: str) -> float:

@@ -30,9 +30,6 @@ from onn.hardware.cluster import compute_device
 from onn.hardware.profile import Profile
 from onn.planning.plan import Plan
 
-# tasks that build a trained checkpoint's model resident: training-only settings (a Lightning strategy) do not apply
-READS_CHECKPOINT = ("eval", "infer", "export", "serve")
-
 if TYPE_CHECKING:
     import torch
     from torch import nn

@@ -37,7 +37,7 @@ from onn.config.export import OnnxExport, SafetensorsExport
 from onn.config.model import NetworkConfig
 from onn.config.run import PairSideConfig
 from onn.config.strategy import StrategyConfig
-from onn.config.task import InferTask, TrainTask
+from onn.config.task import READS_CHECKPOINT, InferTask, TrainTask
 from onn.data.cache import cached_tensors
 from onn.data.files import write_jsonl
 from onn.data.labelled import same_text
@@ -48,7 +48,7 @@ from onn.data.resident import (
     Split,
     by_position,
     drawn_by_name,
-    val_fraction,
+    planned_val_split,
 )
 from onn.errors import UserError
 from onn.export.hf import save_network
@@ -56,7 +56,7 @@ from onn.export.write import export_after_training, export_for_run, refused_writ
 from onn.hardware.cluster import is_rank_zero
 from onn.hardware.memory import PeakMemory
 from onn.hardware.profile import Profile
-from onn.modalities.base import READS_CHECKPOINT, ClassifierModality, Job
+from onn.modalities.base import ClassifierModality, Job
 from onn.models.load import user_function
 from onn.models.vision import feature_extractor, feature_width
 from onn.planning.plan import STREAMING_LIGHTNING, Plan, make_plan
@@ -87,7 +87,7 @@ PICTURED = 64  # inputs drawn in infer's picture
 def plan(m: ClassifierModality, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
     """The classifier's plan: full training or a linear probe (make_network_plan); with strategy=sparse_lora a
     recurrent stack's blocks stream (make_network_streaming_plan), sized with what trains (streamed_trainable)."""
-    val_fraction(config.data.val_split)  # said once every image was decoded, though a plan comes before the data
+    planned_val_split(config)  # said once every image was decoded, though a plan comes before the data
     if isinstance(config.task, TrainTask):  # task=plan refuses what the training's loss would refuse mid-step
         mixup_alpha(config.task)
         smoothing(config.task)

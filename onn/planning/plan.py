@@ -197,6 +197,12 @@ def _network_precision(given: str | None, hw: Profile, spec: ModelSpec) -> tuple
     return choose_precision(hw), []
 
 
+def strategy_source(cfg: ONNConfig, name: str) -> str:
+    """The plan's reason for a strategy named in the config: with ckpt= it is the checkpoint's (from_checkpoint
+    replaces the strategy config), which the plan said "was asked for" though the command line named none."""
+    return f"strategy={name}, the checkpoint's" if cfg.ckpt else f"strategy={name} was asked for"
+
+
 def make_network_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
     """The plan for a classifier network (images, audio, video, points): full training or a linear
     probe, the whole batch in one pass."""
@@ -221,7 +227,7 @@ def make_network_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) -> Plan:
         reasons.insert(0, "a classifier: train every weight (strategy=linear_probe trains a head on frozen features)")
     else:
         chosen = requested
-        reasons.insert(0, f"strategy={requested} was asked for")
+        reasons.insert(0, strategy_source(cfg, requested))
     est = estimates[chosen]
     if not est.fits:
         reasons.append(
@@ -336,7 +342,7 @@ def make_network_streaming_plan(cfg: ONNConfig, hw: Profile, spec: ModelSpec) ->
     est.fits = fits(est, hw)
     store_mb = m["store"] / MB
     reasons = [
-        "strategy=sparse_lora was asked for",
+        strategy_source(cfg, "sparse_lora"),
         f"{spec.n_blocks} blocks ({spec.layer_map}), {store_mb:,.1f} MB of frozen block weights in a "
         f"{streaming.store} store of {streaming.store_dtype}"
         + (f" ({streaming.cache_blocks} blocks cached in memory)" if streaming.cache_blocks else "")
@@ -860,7 +866,7 @@ def _best_estimate(r: PlanRequest, name: str) -> Estimate:
 def _choose(r: PlanRequest, estimates: dict[str, Estimate]) -> tuple[str, list[str]]:
     """The strategy and why: as asked; full for random init; for pretrained weights the first that fits."""
     if r.requested != "auto":
-        reasons = [f"strategy={r.requested} was asked for"]
+        reasons = [strategy_source(r.cfg, r.requested)]
         if r.requested not in estimates:  # ddp / fsdp / deepspeed: full training placed by Lightning
             reasons.append(f"sized as full training; Lightning strategy '{r.cfg.strategy.lightning}' places it")
         elif r.requested == "sparse_lora" and not r.streams:
@@ -1218,13 +1224,14 @@ def render(plan: Plan) -> str:
     lines.append(f"predicted step time: {plan.predicted_step_s:.3f} s {where} (a prediction; the run measures it)")
     if plan.streaming:
         s = plan.streaming
-        place = (
-            "host memory"
-            if s.store == "cpu"
-            else f"disk, {s.cache_blocks} of {plan.model['blocks']} blocks cached in RAM"
-        )
+        # each figure by what it measures: the GB after "cached in RAM" read as RAM, though it was the disk store's
+        place = f"in host memory ({s.store_gb:,.1f} GB)"
+        if s.store == "disk":
+            cached = f" ({s.cache_blocks * s.block_mb / 1024:,.1f} GB)" if s.cache_blocks else ""
+            place = f"on disk ({s.store_gb:,.1f} GB), {s.cache_blocks} of {plan.model['blocks']} blocks cached in RAM"
+            place += cached
         lines.append(
-            f"streaming: chunk_size {s.chunk_size}, store {s.store_dtype} in {place} ({s.store_gb:,.1f} GB), "
+            f"streaming: chunk_size {s.chunk_size}, store {s.store_dtype} {place}, "
             f"edges {s.edges}, compute in {s.compute_dtype}; per step {_moved(s)} "
             f"({s.predicted_io_s}s I/O) vs {s.predicted_compute_s}s compute (predictions)"
         )

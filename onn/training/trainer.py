@@ -461,7 +461,9 @@ def build_trainer(
 def _validation_schedule(config: ONNConfig, steps_per_epoch: int | None) -> dict[str, Any]:
     """Lightning's val_check_interval (and check_val_every_n_epoch) for trainer.val_check_interval: steps, capped
     by the run's length, or a fraction of an epoch, which a language model's data (a stream whose length Lightning
-    cannot read, or resident: one endless stream) does not have: Lightning refused it once the model was built."""
+    cannot read, or resident: one endless stream) does not have: Lightning refused it once the model was built.
+    A fraction whose batches outnumber the run's (max_steps ends it first) becomes the run's length, as a whole
+    number is capped: the run never validated, and best.ckpt and its monitored score stayed empty."""
     trainer = config.trainer
     interval = trainer.val_check_interval
     if isinstance(interval, int) and not isinstance(interval, bool):
@@ -473,6 +475,12 @@ def _validation_schedule(config: ONNConfig, steps_per_epoch: int | None) -> dict
             f"trainer.val_check_interval={interval}: a language model's training data is a stream with no epoch "
             "Lightning can take a fraction of; give a number of optimizer steps (a whole number)."
         )
+    if steps_per_epoch is not None and trainer.max_steps > 0:
+        # Lightning's own count of a fraction's batches (its val_check_batch); a batch is one optimizer step: a
+        # module splits it into micro-batches itself, and Lightning's accumulate_grad_batches is never set
+        batches = max(1, int(limited_batches(steps_per_epoch, trainer.limit_train_batches) * interval))
+        if batches > trainer.max_steps:
+            return {"val_check_interval": trainer.max_steps}
     if trainer.check_val_every_n_epoch is None:  # a fraction of an epoch: validate every epoch
         return {"check_val_every_n_epoch": 1}
     return {}

@@ -95,6 +95,11 @@ def _run(args) -> int:
     from pathlib import Path
 
     pipeline, image = Path(args.file), Path(args.image)
+    if pipeline.suffix.lower() in (".omny", ".onnx"):  # read as JSON, it was refused with a raw UTF-8 decode error
+        raise UserError(
+            f"{pipeline} is a single model file: run takes the pipeline.json a pipeline export writes (SAM2, Grounded "
+            "SAM2 or OCR with task=export export=omny: docs/export.md), and inspect or validate take a single .omny."
+        )
     output = Path(args.output) if args.output else image.parent / f"{image.stem}.result.png"
     result = run_pipeline(pipeline, Request(image, output, args.text, [_point(p) for p in args.points]))
     print(f"wrote {result['png']} and {result['json']}")

@@ -94,7 +94,11 @@ def read(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{path} does not exist; export a pipeline with task=export export=omny first.")
     try:
         doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError:
+        raise UserError(
+            f"{path} is a binary file, not a pipeline document; give the pipeline.json a pipeline export wrote."
+        ) from None
+    except json.JSONDecodeError as e:
         raise UserError(f"{path} is not a pipeline document (not JSON: {e}).") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise UserError(f'{path} is not a pipeline document (no "format": "{FORMAT}").')

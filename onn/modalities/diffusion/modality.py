@@ -15,8 +15,9 @@ from typing import Any
 from onn.config import ONNConfig
 from onn.config.data import ImageData
 from onn.config.model import DenoiserConfig
+from onn.config.task import READS_CHECKPOINT
 from onn.errors import UserError
-from onn.modalities.base import READS_CHECKPOINT, Job, Modality
+from onn.modalities.base import Job, Modality
 
 SAMPLERS = ("ddim", "ddpm")  # task.sampler: sample.py's schedulers
 
@@ -31,12 +32,14 @@ class DiffusionModality(Modality):
     description = "images to generate (a diffusion denoiser)"
 
     def check(self, config: ONNConfig) -> None:
+        from onn.data.resident import planned_val_split
         from onn.modalities.diffusion.module import ARCHITECTURES, BETA_SCHEDULES
         from onn.planning.plan import STREAMING_LIGHTNING
 
         model = config.model
         if not isinstance(model, DenoiserConfig):
             raise UserError(f"model={model.name} is not a denoiser: use model=ddpm_unet or model=dit_small.")
+        planned_val_split(config)  # said once every image was decoded, as classification.plan refuses it
         if model.architecture not in ARCHITECTURES:
             raise UserError(f"model.architecture={model.architecture!r}: use one of {', '.join(ARCHITECTURES)}.")
         if config.strategy.name not in ("auto", "full", "sparse_lora"):

@@ -33,9 +33,9 @@ from onn.config.data import GraphData, eval_batch
 from onn.config.export import OnnxExport, SafetensorsExport
 from onn.config.model import GraphNetworkConfig
 from onn.config.task import InferTask
-from onn.data.files import write_jsonl
+from onn.data.files import existing_source, write_jsonl
 from onn.data.labelled import check_bad
-from onn.data.resident import by_position, val_fraction
+from onn.data.resident import by_position, planned_val_split
 from onn.errors import UserError
 from onn.hardware.profile import Profile
 from onn.modalities.base import ClassifierModality, Job
@@ -57,6 +57,7 @@ SIZED_BYTES = 64 * 2**20  # edge-list text a plan reads at most (after the first
 RUN_NODES, RUN_EDGES = 2048, 16_384
 TOP_K = 5
 PICTURED = 16  # graphs drawn in infer's picture
+READS_SOURCE = ("train", "plan", "eval")  # the tasks that read data.source (infer reads task.input; export, none)
 
 
 class GraphClassifier(Classifier):
@@ -140,8 +141,10 @@ def plan_sample(data: GraphData) -> PlanSample:
                 "size that holds the largest"
             )
             return PlanSample(nodes, edges, said)
-    why = "data.source is not set" if not source else "no file of data.source says its size unread (meshes, an archive)"
-    return PlanSample(PLAN_NODES, PLAN_NODES * PLAN_DEGREE, f"a stand-in: {why}")
+    why = "data.source is not set"
+    if source:
+        why = "no file of data.source gives its size without being decoded (meshes, an archive)"
+    return PlanSample(PLAN_NODES, PLAN_NODES * PLAN_DEGREE, f"a stand-in, as {why}")
 
 
 def _batch_share(sizes: list[int], batch: int) -> int:
@@ -153,7 +156,13 @@ def _batch_share(sizes: list[int], batch: int) -> int:
 def plan(m: ClassifierModality, config: ONNConfig, hardware: Profile, use_tuned: bool = True):
     """The plan of a graph network on a sample of the data's size (plan_sample): its activations and FLOPs grow with
     the graph's nodes and edges, so a fixed stand-in graph mispredicted the run by the data's size over it."""
-    val_fraction(config.data.val_split)  # before any graph is read, as classification.plan does for the others
+    planned_val_split(config)  # before any graph is read, as classification.plan does for the others
+    source = str(config.data.source or "")
+    if source and not source.startswith("builtin:") and config.task.name in READS_SOURCE:
+        from onn.modalities.graph.read import HELP
+
+        # a path that is not there was planned on a stand-in graph and refused only once the run read it
+        existing_source(source, "data.source", HELP)
     inputs = planned_inputs(m, config)
     model_cfg: GraphNetworkConfig = config.model
     network = m.network(model_cfg, inputs)  # small: built for real, the graph's index ops have no meta kernels

@@ -425,7 +425,9 @@ def answer_room(module: CausalLM, dm: TextDataModule, tokenizer, samples: int, n
         module.model, tokenizer, prompts, places, new, prompter.add_special_tokens, auto, prompter.starts_with_bos
     )
     needed = answer_tokens(tokenizer, dm.val_examples[:samples])  # `new` has a margin on top: it may be cut into
-    if room < needed:  # one long prompt cuts every answer: a final "#### N" past the cut scores 0 without a word
+    if (
+        room < new and room < needed
+    ):  # one long prompt cut every answer: a final "#### N" past the cut scores 0 without a word
         log.warning(
             "exact match generates %d new tokens, what the longest held-out prompt leaves of the model's context, "
             "fewer than the %d the longest reference answer needs: answers cut there score as not found; use a "
