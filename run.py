@@ -23,8 +23,8 @@ register()  # the config's types (dataclasses only: nothing heavy is imported he
 
 def checkpoint_name(group: str, *, _root_: DictConfig) -> str:
     """`${onn.ckpt:model}` in hydra.run.dir: the model (or strategy) the run runs. With ckpt= that is the
-    checkpoint's (onn.app reads it: imported only then, so a plain run and `--help` stay fast)."""
-    if _root_.ckpt is None:
+    checkpoint's, and a data config with no model named runs its modality's default (onn.app reads both)."""
+    if _root_.ckpt is None and group != "model":
         return str(_root_[group].name)
     from onn.app import checkpoint_name as name
 

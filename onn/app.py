@@ -366,8 +366,16 @@ def checkpoint_names(ckpt: str, outputs: str) -> dict[str, str]:
 
 def checkpoint_name(group: str, *, _root_: DictConfig) -> str:
     """`${onn.ckpt:model}`: the name of the model (or strategy) a run runs, for hydra.run.dir to name its folder by:
-    with ckpt= the checkpoint's, else the composed config's."""
+    with ckpt= the checkpoint's; a data config with no model named, its modality's default (compose_chosen runs
+    it: the folder was named after conf/config.yaml's phi4_tiny); else the composed config's."""
+    from hydra.core.hydra_config import HydraConfig
+
     ckpt, outputs = _read(_root_, "ckpt"), _read(_root_, "paths.outputs")
+    if not ckpt and group == "model" and HydraConfig.initialized():
+        hydra_cfg = HydraConfig.get()
+        picked = default_model(_root_, list(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices))
+        if picked is not None:
+            return picked
     names = checkpoint_names(str(ckpt), str(outputs)) if ckpt and outputs is not None else {}
     return str(names.get(group, _read(_root_, f"{group}.name")))
 

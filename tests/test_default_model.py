@@ -93,3 +93,4 @@ def test_cli_mesh_without_model_plans_pointnet(tmp_path: Path) -> None:
     assert "ONN plan: pointnet" in done.stdout
     (plan,) = tmp_path.glob("plan/*/plan.yaml")
     assert "PointBlock" in yaml.safe_load(plan.read_text())["model"]["layer_map"]
+    assert plan.parent.name.endswith("_pointnet_auto")  # the folder names the model that runs, not phi4_tiny
