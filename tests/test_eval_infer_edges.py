@@ -291,4 +291,10 @@ def test_exact_match_cut_below_the_references_length_is_said(caplog):
     assert not caplog.records
     with caplog.at_level(logging.WARNING, logger="onn"):
         assert room("y " * 14, 30) == 11
-    assert "exact match generates 11 new tokens" in caplog.text and "fewer than the 14" in caplog.text
+    assert "exact match generates 11 new tokens, fewer than the 14" in caplog.text and "prompt leaves" in caplog.text
+    caplog.clear()
+    prompter = SimpleNamespace(add_special_tokens=True, starts_with_bos=False)
+    dm = SimpleNamespace(val_examples=[("a", "y " * 14)], val_where=["line 1"], prompter=prompter)
+    with caplog.at_level(logging.WARNING, logger="onn"):  # a set length below the answers: said as that setting
+        assert answer_room(SimpleNamespace(model=model), dm, tokenizer, 1, 5, auto=False) == 5
+    assert "generates 5 new tokens, fewer than the 14" in caplog.text and "task.max_new_tokens=5" in caplog.text

@@ -572,10 +572,10 @@ def val_fraction(value: float) -> float:
 def planned_val_split(config) -> None:
     """A training plan's data.val_split that is no fraction at all (below 0, above 1, not a number), refused before
     any data is read (it was said once every file was decoded). 0 and 1 wait for the data module, which refuses them
-    only where it draws a split: a run with a val/ folder of its own may set 0. Tasks that read a checkpoint are not
-    checked: its saved value trained."""
+    only where it draws a split: a run with a val/ folder of its own may set 0. Tasks that only read a checkpoint are
+    not checked: its saved value trained (a resumed training run is, as the command line may give it)."""
     value = config.data.val_split
-    if config.task.name in READS_CHECKPOINT or config.ckpt:
+    if config.task.name in READS_CHECKPOINT:
         return
     if isinstance(value, bool) or not 0 <= float(value) <= 1:
         val_fraction(value)

@@ -425,15 +425,21 @@ def answer_room(module: CausalLM, dm: TextDataModule, tokenizer, samples: int, n
         module.model, tokenizer, prompts, places, new, prompter.add_special_tokens, auto, prompter.starts_with_bos
     )
     needed = answer_tokens(tokenizer, dm.val_examples[:samples])  # `new` has a margin on top: it may be cut into
-    if (
-        room < new and room < needed
-    ):  # one long prompt cut every answer: a final "#### N" past the cut scores 0 without a word
+    if room < needed:  # every longer answer is cut: a final "#### N" past the cut scores 0 without a word
+        why = (
+            "what the longest held-out prompt leaves of the model's context; use a model with a longer context or "
+            "shorter prompts"
+            if room < new
+            else f"auto's most ({MAX_AUTO_NEW_TOKENS})"
+            if auto
+            else f"task.max_new_tokens={new}; raise it, or set auto"
+        )
         log.warning(
-            "exact match generates %d new tokens, what the longest held-out prompt leaves of the model's context, "
-            "fewer than the %d the longest reference answer needs: answers cut there score as not found; use a "
-            "model with a longer context or shorter prompts",
+            "exact match generates %d new tokens, fewer than the %d the longest reference answer needs, so answers "
+            "cut there score as not found: %s",
             room,
             needed,
+            why,
         )
     return room
 
