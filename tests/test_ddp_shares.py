@@ -29,7 +29,7 @@ PAIRS = (
 
 
 def pair_data(source: Path, cache: Path, *overrides: str):
-    """The paired data of `source` (12 shapes: 9 to train on, 3 held out), set up."""
+    """The paired data of `source` (12 shapes: 8 to train on, 4 held out by their names' draw), set up."""
     from onn.modalities.pairs.data import PairData
     from onn.modalities.pairs.tasks import sides_of
 
@@ -41,11 +41,11 @@ def pair_data(source: Path, cache: Path, *overrides: str):
 
 def test_paired_data_counts_one_processs_share_before_the_trainer_exists(tmp_path: Path):
     """The training batches counted before the trainer exists (the val_check_interval cap, the schedule's length)
-    are one process's share of the 9 training pairs under trainer.devices=2: 5 pairs, 2 batches of 2 (4 alone)."""
+    are one process's share of the 8 training pairs under trainer.devices=2: 4 pairs, 2 batches of 2 (4 alone)."""
     shapes = write_shapes(tmp_path / "shapes", 12, seed=0, size=16)
     _, one = pair_data(shapes, tmp_path / "cache")
     _, two = pair_data(shapes, tmp_path / "cache", "trainer.devices=2")
-    assert len(one.splits["train"]) == 9 and len(one.train_dataloader()) == 4
+    assert len(one.splits["train"]) == 8 and len(one.train_dataloader()) == 4
     loader = two.train_dataloader()
     assert len(loader) == len(list(loader)) == 2
 
@@ -132,7 +132,7 @@ torch.distributed.destroy_process_group()
 
 @pytest.mark.slow  # two fresh interpreters set up a gloo group and train an epoch: ~30 s
 def test_paired_data_trains_each_process_on_its_own_half_and_validates_as_one(tmp_path: Path):
-    """Two processes on 9 training pairs in batches of 2: each trained the same 4 batches (one process's steps);
+    """Two processes on 8 training pairs in batches of 2: each trained the same 4 batches (one process's steps);
     now each trains 2 batches of its own half of the epoch (the halves disjoint), as many as counted before the
     trainer existed, and the held-out recall each logs is one process's on the same weights."""
     from onn.modalities.pairs.tasks import build
