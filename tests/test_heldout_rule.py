@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import compose, execute_run
+from conftest import execute_run
 from PIL import Image
 
 from onn.data.resident import HELD_OUT_RULE
@@ -33,23 +33,9 @@ def images(root: Path) -> Path:
 
 def classify(tmp: Path, name: str, *overrides: str) -> dict:
     """A run of the tiny CNN on image data, in this process, in tmp/name."""
-    from onn.app import execute
-
-    cfg = compose(
-        "model=v28_cnn",
-        "data=image",
-        "hardware=cpu_16gb",
-        "tracking=none",
-        "trainer.enable_progress_bar=false",
-        f"paths.outputs={tmp / 'outputs'}",
-        f"paths.cache={tmp / 'cache'}",
-        "data.batch_size=4",
-        "optim.warmup_steps=0",
-        *overrides,
-    )
-    run_dir = tmp / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return execute(cfg, run_dir, {o.split("=", 1)[0] for o in overrides})
+    fixed = ("model=v28_cnn", "data=image", "hardware=cpu_16gb", "data.batch_size=4", "optim.warmup_steps=0")
+    given = {o.split("=", 1)[0] for o in overrides}
+    return execute_run(tmp, tmp / "cache", *fixed, *overrides, name=name, given=given)
 
 
 def as_earlier_onn(ckpt: Path, copy: Path, *keys: str) -> Path:
@@ -171,22 +157,10 @@ def test_a_text_checkpoint_records_the_rule_and_an_earlier_ones_is_warned_about(
 
 def pairs(tmp: Path, name: str, *overrides: str) -> dict:
     """A run of a tiny dual encoder on paired files, in this process, in tmp/name."""
-    from onn.app import execute, given_keys
+    from onn.app import given_keys
 
-    cfg = compose(
-        "data=pairs",
-        "model=dual_encoder",
-        "hardware=cpu_16gb",
-        "tracking=none",
-        "trainer.enable_progress_bar=false",
-        f"paths.outputs={tmp / 'outputs'}",
-        f"paths.cache={tmp / 'cache'}",
-        "strategy.precision=32-true",
-        *overrides,
-    )
-    run_dir = tmp / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return execute(cfg, run_dir, given_keys(list(overrides)))
+    fixed = ("data=pairs", "model=dual_encoder", "hardware=cpu_16gb", "strategy.precision=32-true")
+    return execute_run(tmp, tmp / "cache", *fixed, *overrides, name=name, given=given_keys(list(overrides)))
 
 
 @pytest.mark.slow  # a dual encoder trained an epoch and evaluated: ~10 s on a shared CPU

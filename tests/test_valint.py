@@ -7,25 +7,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import compose
+from conftest import execute_run
 from test_vision_train import make_images
 
 
 def execute(tmp: Path, name: str, *overrides: str) -> tuple[dict, Path]:
     """`python run.py OVERRIDES` in this process, in `tmp/name`: its metrics and its folder."""
-    from onn.app import execute as run
-
-    cfg = compose(
-        "tracking=none",
-        "hardware=cpu_16gb",
-        "trainer.enable_progress_bar=false",
-        f"paths.outputs={tmp / 'outputs'}",
-        f"paths.cache={tmp / 'cache'}",
-        *overrides,
-    )
-    run_dir = tmp / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run(cfg, run_dir), run_dir
+    return execute_run(tmp, tmp / "cache", "hardware=cpu_16gb", *overrides, name=name), tmp / name
 
 
 @pytest.fixture(scope="module")
